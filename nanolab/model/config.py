@@ -1,0 +1,131 @@
+"""GPT architecture hyper-parameters, validated when they are made.
+
+A config that cannot describe a real model (``n_embd`` not divisible by ``n_head``, a RoPE head
+with an odd dimension, a negative dropout, ...) fails here, with the field named, rather than as a
+shape error deep inside the first forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+PositionEmbedding = Literal["learned", "rope"]
+AttentionImpl = Literal["sdpa", "math"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field and the fix."""
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a decoder-only transformer in the GPT-2 family.
+
+    Args:
+        vocab_size: Number of token ids the tokenizer produces. ``None`` means "take it from the
+            prepared dataset's ``meta.json``" (the CLI fills it in before the model is built).
+        block_size: Context length in tokens (maximum sequence length).
+        n_layer: Number of transformer blocks.
+        n_head: Attention heads per block; must divide ``n_embd``.
+        n_embd: Width of the residual stream.
+        dropout: Dropout on attention probabilities, residual branches and embeddings.
+        bias: Biases in Linear layers and LayerNorms (GPT-2 has them; dropping them is slightly
+            faster and no worse).
+        position_embedding: ``"learned"`` absolute positions (GPT-2) or ``"rope"`` rotary
+            embeddings applied to queries and keys.
+        rope_base: RoPE frequency base (10000 in the RoFormer paper).
+        tie_weights: Share the token embedding matrix with the output head (GPT-2 does).
+        vocab_multiple: The embedding and head are padded to a multiple of this many rows so the
+            matmuls hit tensor-core friendly shapes (50257 -> 50304 for 64). Padded ids are never
+            produced by the tokenizer, so the model learns to give them ~zero probability.
+        mlp_ratio: Hidden width of the MLP as a multiple of ``n_embd``.
+        attention: ``"sdpa"`` uses ``F.scaled_dot_product_attention`` (flash / memory-efficient
+            kernels when the device has them); ``"math"`` spells attention out and materialises
+            the B x H x T x T score matrix (useful as a reference and for the memory estimator).
+        gradient_checkpointing: Recompute each block's activations in the backward pass instead
+            of storing them (non-reentrant ``torch.utils.checkpoint``): less memory, ~30% more
+            compute.
+    """
+
+    vocab_size: int | None = None
+    block_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True
+    position_embedding: PositionEmbedding = "learned"
+    rope_base: float = 10000.0
+    tie_weights: bool = True
+    vocab_multiple: int = 64
+    mlp_ratio: int = 4
+    attention: AttentionImpl = "sdpa"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first field that cannot work."""
+        positive = {
+            "block_size": self.block_size,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "vocab_multiple": self.vocab_multiple,
+            "mlp_ratio": self.mlp_ratio,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.vocab_size is not None and (
+            not isinstance(self.vocab_size, int) or self.vocab_size < 2
+        ):
+            raise ConfigError(
+                f"model.vocab_size must be an integer >= 2 or null (from the data), "
+                f"got {self.vocab_size!r}"
+            )
+        if self.n_embd % self.n_head != 0:
+            raise ConfigError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
+                f"try n_head={_nearest_divisor(self.n_embd, self.n_head)}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.position_embedding not in ("learned", "rope"):
+            raise ConfigError(
+                f"model.position_embedding must be 'learned' or 'rope', "
+                f"got {self.position_embedding!r}"
+            )
+        if self.position_embedding == "rope" and self.head_dim % 2 != 0:
+            raise ConfigError(
+                f"model.position_embedding='rope' needs an even head size, but "
+                f"n_embd/n_head = {self.head_dim}; change n_embd or n_head"
+            )
+        if self.rope_base <= 1.0:
+            raise ConfigError(f"model.rope_base must be > 1, got {self.rope_base!r}")
+        if self.attention not in ("sdpa", "math"):
+            raise ConfigError(f"model.attention must be 'sdpa' or 'math', got {self.attention!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding/head: ``vocab_size`` rounded up to ``vocab_multiple``."""
+        if self.vocab_size is None:
+            raise ConfigError(
+                "model.vocab_size is not set; set it or let `nanolab fit` read it from the data"
+            )
+        m = self.vocab_multiple
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - near), d))
