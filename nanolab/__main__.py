@@ -1,0 +1,5 @@
+import sys
+
+from nanolab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""The ``nanolab`` command.
+
+``fit``, ``validate`` and ``test`` are Lightning's own subcommands (LightningCLI, configured with
+YAML files that compose: ``--config a.yaml --config b.yaml``). Every other verb is a small module
+with a ``main(argv) -> int`` function, registered in :data:`VERBS`; a fork adds its own verb by
+adding one line there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: Verb -> ("module:function", one-line help). Lightning's verbs are handled by LightningCLI.
+VERBS: dict[str, tuple[str, str]] = {
+    "prepare": ("nanolab.data.prepare:main", "tokenize text files into train.bin/val.bin"),
+    "generate": ("nanolab.generate:main", "sample text from a checkpoint"),
+    "estimate": ("nanolab.estimator.cli:main", "predict memory, time and cost before a run"),
+    "report": ("nanolab.report:main", "summarise runs from their metrics.jsonl logs"),
+    "queue": ("nanolab.queue.cli:main", "queue experiments and run them one per GPU"),
+    "bench": ("nanolab.bench:main", "nanolab vs a plain PyTorch loop, side by side"),
+    "init": ("nanolab.scaffold:main", "write a starter project folder for a fork"),
+}
+
+LIGHTNING_VERBS: dict[str, str] = {
+    "fit": "train a model (LightningCLI; --config X.yaml, --print_config)",
+    "validate": "evaluate on the validation set",
+    "test": "evaluate on the test split (the validation windows)",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: nanolab <verb> [options]   (nanolab <verb> --help for each)", "", "verbs:"]
+    for verb, text in LIGHTNING_VERBS.items():
+        lines.append(f"  {verb:<10} {text}")
+    for verb, (_, text) in VERBS.items():
+        lines.append(f"  {verb:<10} {text}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from nanolab import __version__
+
+        print(f"nanolab {__version__}")
+        return 0
+    verb = args[0]
+    if verb in VERBS:
+        module_name, func_name = VERBS[verb][0].split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        return int(func(args[1:]) or 0)
+    if verb in LIGHTNING_VERBS:
+        from nanolab.training.cli import run_lightning_cli
+
+        return run_lightning_cli(args)
+    print(f"nanolab: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
