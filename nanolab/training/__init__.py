@@ -1,0 +1,1 @@
+"""Training: the LightningModule, optimizer/schedule, strategies and the LightningCLI."""

@@ -1,0 +1,181 @@
+"""``nanolab fit / validate / test``: LightningCLI with nanolab's run settings.
+
+On top of Lightning's own config groups (``trainer``, ``model``, ``data``, ``seed_everything``)
+this adds ``run``: where the run lives, the global batch in tokens (from which gradient
+accumulation is derived), evaluation cadence and resume policy. Derived values are filled in
+before anything is instantiated, so ``--print_config`` shows the run exactly as it will go.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from nanolab.data.datamodule import TokenDataModule
+from nanolab.data.prepare import PrepareError
+from nanolab.data.tokenizers import TokenizerError
+from nanolab.model.config import ConfigError
+from nanolab.training.module import GPTLightningModule
+
+
+class RunConfigError(ValueError):
+    """A ``run`` setting that cannot work."""
+
+
+@dataclass
+class RunConfig:
+    """Where a run lives and how its steps are counted.
+
+    Args:
+        name: Run name: its directory is ``<root>/<name>``. ``null`` = ``<config stem>-<time>``.
+            Give a fixed name to make a run resumable under the same directory.
+        root: Folder holding run directories.
+        global_batch_tokens: Tokens per optimizer step over all devices. Gradient accumulation
+            is derived: ``global_batch_tokens / (micro_batch_size * block_size * world_size)``,
+            which must be a whole number. ``null`` = no accumulation.
+        eval_every_steps: Optimizer steps between validations.
+        resume: ``auto`` continues from the run directory's newest complete checkpoint when
+            there is one; ``never`` starts fresh; a path resumes from that checkpoint.
+    """
+
+    name: str | None = None
+    root: str = "runs"
+    global_batch_tokens: int | None = None
+    eval_every_steps: int = 250
+    resume: str = "auto"
+
+
+def world_size_of(trainer_cfg: Any) -> int:
+    """Devices x nodes as the Trainer will resolve them (``auto`` = every visible GPU, or 1)."""
+    devices = trainer_cfg.get("devices", "auto")
+    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    if isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        n = len([d for d in devices.split(",") if d.strip()])
+    elif devices in ("auto", -1, "-1", None):
+        accelerator = str(trainer_cfg.get("accelerator", "auto"))
+        n = 1
+        if accelerator in ("auto", "gpu", "cuda"):
+            import torch
+
+            n = max(1, torch.cuda.device_count())
+    else:
+        n = int(devices)
+    return n * nodes
+
+
+def gradient_accumulation(
+    global_batch_tokens: int | None, micro_batch_size: int, block_size: int, world_size: int
+) -> int:
+    """Micro-batches per optimizer step that make up ``global_batch_tokens``."""
+    if global_batch_tokens is None:
+        return 1
+    per_step = micro_batch_size * block_size * world_size
+    if global_batch_tokens <= 0 or global_batch_tokens % per_step != 0:
+        raise RunConfigError(
+            f"run.global_batch_tokens ({global_batch_tokens}) must be a positive multiple of "
+            f"data.micro_batch_size x model.gpt.block_size x devices = {micro_batch_size} x "
+            f"{block_size} x {world_size} = {per_step}; e.g. {max(1, round(global_batch_tokens / per_step)) * per_step}"
+        )
+    return global_batch_tokens // per_step
+
+
+class NanolabCLI(LightningCLI):
+    """LightningCLI for nanolab: ``run`` settings, derived accumulation, run directories."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(RunConfig, "run", fail_untyped=True)
+        # One context length for model and data.
+        parser.link_arguments("model.gpt.block_size", "data.block_size")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        run = cfg.run
+        if run.name is None:
+            stem = (
+                Path(str(cfg.get("config", [None])[-1] or "run")).stem
+                if cfg.get("config")
+                else "run"
+            )
+            run.name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = Path(run.root) / run.name
+        cfg.trainer.default_root_dir = str(run_dir)
+
+        # The vocabulary comes from the prepared data unless the config fixes it.
+        data = TokenDataModule(**{k: v for k, v in cfg.data.items() if k != "__path__"})
+        vocab = data.vocab_size  # prepares the dataset from data.source when needed
+        gpt = cfg.model.gpt
+        if gpt.vocab_size is None:
+            gpt.vocab_size = vocab
+        elif gpt.vocab_size < vocab:
+            raise RunConfigError(
+                f"the data's vocabulary ({vocab}) is larger than model.gpt.vocab_size "
+                f"({gpt.vocab_size}); set model.gpt.vocab_size to null or >= {vocab}"
+            )
+
+        world = world_size_of(cfg.trainer)
+        accumulate = gradient_accumulation(
+            run.global_batch_tokens, cfg.data.micro_batch_size, gpt.block_size, world
+        )
+        cfg.trainer.accumulate_grad_batches = accumulate
+        if run.eval_every_steps < 1:
+            raise RunConfigError(f"run.eval_every_steps must be >= 1, got {run.eval_every_steps}")
+        # The training stream is endless (steps, not epochs): validation is counted in
+        # micro-batches, so one optimizer step = `accumulate` of them.
+        cfg.trainer.val_check_interval = run.eval_every_steps * accumulate
+        cfg.trainer.check_val_every_n_epoch = None
+        self.run_config = run
+        self.run_dir = run_dir
+
+    def before_fit(self) -> None:
+        kwargs = self.config_init["fit"]
+        kwargs["weights_only"] = True
+        if kwargs.get("ckpt_path") is None:
+            resume = self.run_config.resume
+            if resume == "auto":
+                last = self.run_dir / "checkpoints" / "last.ckpt"
+                if last.is_file():
+                    kwargs["ckpt_path"] = str(last)
+            elif resume != "never":
+                if not Path(resume).is_file():
+                    raise RunConfigError(f"run.resume: checkpoint {resume} does not exist")
+                kwargs["ckpt_path"] = resume
+
+
+def trainer_defaults() -> dict[str, Any]:
+    return {
+        "max_steps": 5000,
+        "logger": False,
+        "use_distributed_sampler": False,  # the DataModule shards windows by rank itself
+        "log_every_n_steps": 1,
+        "num_sanity_val_steps": 0,
+        "callbacks": [ModelCheckpoint(save_last=True, every_n_train_steps=250)],
+    }
+
+
+USER_ERRORS = (ConfigError, PrepareError, TokenizerError, RunConfigError)
+
+
+def run_lightning_cli(argv: list[str]) -> int:
+    """Run ``fit``/``validate``/``test``; a bad value ends in one error line and exit code 2."""
+    try:
+        NanolabCLI(
+            GPTLightningModule,
+            TokenDataModule,
+            args=argv,
+            trainer_defaults=trainer_defaults(),
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=1337,
+            auto_configure_optimizers=False,
+        )
+    except USER_ERRORS as err:
+        print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+    return 0

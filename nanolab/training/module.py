@@ -1,0 +1,162 @@
+"""The LightningModule: a GPT, its optimizer and schedule, and what an exact resume needs."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, replace
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+from nanolab.model import GPT, GPTConfig
+from nanolab.training.optim import (
+    OptimizerConfig,
+    ScheduleConfig,
+    WarmupCosine,
+    build_optimizer,
+)
+
+CHECKPOINT_KEY = "nanolab"
+
+
+class GPTLightningModule(L.LightningModule):
+    """Trains a :class:`~nanolab.model.GPT` with next-token cross-entropy.
+
+    Args:
+        gpt: The architecture (``model.gpt`` in YAML).
+        optimizer: AdamW settings (``model.optimizer``).
+        schedule: Warmup + cosine LR schedule, stepped every optimizer step (``model.schedule``).
+        compile: ``torch.compile`` the model (in place, so checkpoint keys do not change).
+            Costs a minute of start-up; pays off on GPUs for runs longer than a few minutes.
+        compile_mode: ``torch.compile`` mode (``null``, ``"max-autotune"``, ...).
+    """
+
+    def __init__(
+        self,
+        gpt: GPTConfig = GPTConfig(),
+        optimizer: OptimizerConfig = OptimizerConfig(),
+        schedule: ScheduleConfig = ScheduleConfig(),
+        compile: bool = False,
+        compile_mode: str | None = None,
+    ) -> None:
+        super().__init__()
+        # Copies: the defaults are shared instances, and vocab_size may be filled in later.
+        self.gpt_config = replace(gpt)
+        self.optimizer_config = replace(optimizer)
+        self.schedule_config = replace(schedule)
+        self.compile = compile
+        self.compile_mode = compile_mode
+        self.model: GPT | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        if self.gpt_config.vocab_size is not None:
+            self.model = GPT(self.gpt_config)
+
+    # -- model construction ----------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Build (if the vocabulary was only known from the data), shard under FSDP2, compile."""
+        if self.model is None:
+            if self.gpt_config.vocab_size is None:
+                dm = getattr(self.trainer, "datamodule", None)
+                if dm is None or not hasattr(dm, "vocab_size"):
+                    raise ValueError(
+                        "model.gpt.vocab_size is null and no datamodule provides it; set it"
+                    )
+                self.gpt_config.vocab_size = int(dm.vocab_size)
+            self.model = GPT(self.gpt_config)
+        if getattr(self, "_device_mesh", None) is not None and not getattr(self, "_sharded", False):
+            from nanolab.training.strategies import apply_fsdp2
+
+            apply_fsdp2(self.model, self.device_mesh)
+            self._sharded = True
+        if self.compile and not getattr(self, "_compiled", False):
+            self.model.compile(mode=self.compile_mode)
+            self._compiled = True
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        assert self.model is not None, "call configure_model() first"
+        return self.model(idx, targets)
+
+    # -- steps -----------------------------------------------------------------------------
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        x, y = batch
+        _, loss = self(x, y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        _, loss = self(x, y)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=x.size(0))
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        _, loss = self(x, y)
+        self.log("test/loss", loss, sync_dist=True, batch_size=x.size(0))
+
+    # -- optimization ----------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.model is not None
+        opt = build_optimizer(self.model, self.optimizer_config, self.device)
+        s = self.schedule_config
+        decay_steps = s.decay_steps
+        if decay_steps is None:
+            max_steps = self.trainer.max_steps if self._trainer is not None else -1
+            decay_steps = max_steps if max_steps and max_steps > 0 else 10_000
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            opt, WarmupCosine(s.warmup_steps, decay_steps, s.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # -- checkpoint contents ---------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the architecture as plain data and every RNG stream an exact resume needs.
+
+        Plain data only (no pickled classes), so checkpoints load with ``weights_only=True``.
+        """
+        checkpoint[CHECKPOINT_KEY] = {
+            "gpt": asdict(self.gpt_config),
+            "optimizer": {
+                **asdict(self.optimizer_config),
+                "betas": list(self.optimizer_config.betas),
+            },
+            "schedule": asdict(self.schedule_config),
+            "rng": capture_rng_state(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(CHECKPOINT_KEY, {})
+        self._pending_rng = saved.get("rng")
+
+    def on_train_start(self) -> None:
+        # Restored here, not at load time, so nothing that runs between loading and the first
+        # step (sanity validation, loader start-up) can consume the streams first.
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Torch (CPU and every CUDA device), Python and NumPy RNG states, as plain data."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, *rest = state["python"]
+    random.setstate((version, tuple(rest[0]), rest[1]))
+    kind, keys, *tail = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *tail))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
