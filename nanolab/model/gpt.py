@@ -164,7 +164,7 @@ class GPT(nn.Module):
 
         Targets equal to -1 are ignored (padding).
         """
-        B, T = idx.shape
+        T = idx.size(1)
         if self.config.block_size < T:
             raise ValueError(
                 f"sequence length {T} exceeds model.block_size {self.config.block_size}"
