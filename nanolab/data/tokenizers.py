@@ -212,14 +212,33 @@ def load_tokenizer(dataset_dir: str | Path) -> Tokenizer:
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
         raise TokenizerError(f"{meta_path} not found; run `nanolab prepare` for this dataset")
-    spec = json.loads(meta_path.read_text())["tokenizer"]
-    name = spec["name"]
+    return tokenizer_from_spec(json.loads(meta_path.read_text())["tokenizer"], directory)
+
+
+def portable_spec(dataset_dir: str | Path) -> dict[str, Any]:
+    """The tokenizer spec with any files inlined, for checkpoints that must decode on their own."""
+    directory = Path(dataset_dir)
+    spec = dict(json.loads((directory / "meta.json").read_text())["tokenizer"])
+    if spec["name"] == "bpe":
+        spec["json"] = (directory / BPETokenizer.FILE).read_text()
+    return spec
+
+
+def tokenizer_from_spec(spec: dict[str, Any], directory: Path | None = None) -> Tokenizer:
+    """Rebuild a tokenizer from a ``meta.json`` or checkpoint spec."""
+    name = spec.get("name")
     if name == "bytes":
         return ByteTokenizer()
     if name == "chars":
         return CharTokenizer(list(spec["chars"]))
     if name == "bpe":
+        if "json" in spec:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            return BPETokenizer(HFTokenizer.from_str(spec["json"]))
+        if directory is None:
+            raise TokenizerError("a BPE tokenizer spec needs its tokenizer.json")
         return BPETokenizer.load(directory)
     if name == "gpt2":
         return TiktokenGPT2()
-    raise TokenizerError(f"{meta_path}: unknown tokenizer {name!r}")
+    raise TokenizerError(f"unknown tokenizer {name!r} in the dataset or checkpoint")

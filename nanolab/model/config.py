@@ -78,35 +78,37 @@ class GPTConfig:
         }
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"model.gpt.{name} must be a positive integer, got {value!r}")
         if self.vocab_size is not None and (
             not isinstance(self.vocab_size, int) or self.vocab_size < 2
         ):
             raise ConfigError(
-                f"model.vocab_size must be an integer >= 2 or null (from the data), "
+                f"model.gpt.vocab_size must be an integer >= 2 or null (from the data), "
                 f"got {self.vocab_size!r}"
             )
         if self.n_embd % self.n_head != 0:
             raise ConfigError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
+                f"model.gpt.n_embd ({self.n_embd}) must be divisible by model.gpt.n_head ({self.n_head}); "
                 f"try n_head={_nearest_divisor(self.n_embd, self.n_head)}"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ConfigError(f"model.gpt.dropout must be in [0, 1), got {self.dropout!r}")
         if self.position_embedding not in ("learned", "rope"):
             raise ConfigError(
-                f"model.position_embedding must be 'learned' or 'rope', "
+                f"model.gpt.position_embedding must be 'learned' or 'rope', "
                 f"got {self.position_embedding!r}"
             )
         if self.position_embedding == "rope" and self.head_dim % 2 != 0:
             raise ConfigError(
-                f"model.position_embedding='rope' needs an even head size, but "
+                f"model.gpt.position_embedding='rope' needs an even head size, but "
                 f"n_embd/n_head = {self.head_dim}; change n_embd or n_head"
             )
         if self.rope_base <= 1.0:
-            raise ConfigError(f"model.rope_base must be > 1, got {self.rope_base!r}")
+            raise ConfigError(f"model.gpt.rope_base must be > 1, got {self.rope_base!r}")
         if self.attention not in ("sdpa", "math"):
-            raise ConfigError(f"model.attention must be 'sdpa' or 'math', got {self.attention!r}")
+            raise ConfigError(
+                f"model.gpt.attention must be 'sdpa' or 'math', got {self.attention!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -117,7 +119,7 @@ class GPTConfig:
         """Rows of the embedding/head: ``vocab_size`` rounded up to ``vocab_multiple``."""
         if self.vocab_size is None:
             raise ConfigError(
-                "model.vocab_size is not set; set it or let `nanolab fit` read it from the data"
+                "model.gpt.vocab_size is not set; set it or let `nanolab fit` read it from the data"
             )
         m = self.vocab_multiple
         return ((self.vocab_size + m - 1) // m) * m

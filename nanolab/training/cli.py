@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -87,6 +87,18 @@ def gradient_accumulation(
     return global_batch_tokens // per_step
 
 
+class OneLineErrorParser(LightningArgumentParser):
+    """Reports a bad config in one line (the key and what is wrong), not a usage screen."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+        summary = " ".join(lines[:3])
+        sys.stderr.write(f"nanolab: error: {summary}\n")
+        sys.exit(2)
+
+
 class NanolabCLI(LightningCLI):
     """LightningCLI for nanolab: ``run`` settings, derived accumulation, run directories."""
 
@@ -138,15 +150,18 @@ class NanolabCLI(LightningCLI):
         kwargs = self.config_init["fit"]
         kwargs["weights_only"] = True
         if kwargs.get("ckpt_path") is None:
-            resume = self.run_config.resume
-            if resume == "auto":
-                last = self.run_dir / "checkpoints" / "last.ckpt"
-                if last.is_file():
-                    kwargs["ckpt_path"] = str(last)
-            elif resume != "never":
-                if not Path(resume).is_file():
-                    raise RunConfigError(f"run.resume: checkpoint {resume} does not exist")
-                kwargs["ckpt_path"] = resume
+            # The newest *complete* checkpoint (a torn one is reported and skipped): resume.py.
+            from dataclasses import asdict
+
+            from nanolab.training.resume import ResumeError, resolve_resume
+
+            gpt = getattr(self.model, "gpt_config", None)
+            try:
+                kwargs["ckpt_path"] = resolve_resume(
+                    self.run_config.resume, self.run_dir, asdict(gpt) if gpt else None
+                )
+            except ResumeError as err:
+                raise RunConfigError(str(err)) from None
 
 
 def trainer_defaults() -> dict[str, Any]:
@@ -169,11 +184,13 @@ def run_lightning_cli(argv: list[str]) -> int:
         NanolabCLI(
             GPTLightningModule,
             TokenDataModule,
-            args=argv,
+            # args=None lets LightningCLI read sys.argv itself (it warns when given both).
+            args=None if argv == sys.argv[1:] else argv,
             trainer_defaults=trainer_defaults(),
             save_config_kwargs={"overwrite": True},
             seed_everything_default=1337,
             auto_configure_optimizers=False,
+            parser_class=OneLineErrorParser,
         )
     except USER_ERRORS as err:
         print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)

@@ -125,7 +125,20 @@ class GPTLightningModule(L.LightningModule):
             },
             "schedule": asdict(self.schedule_config),
             "rng": capture_rng_state(),
+            "tokenizer": self._tokenizer_spec(),
         }
+
+    def _tokenizer_spec(self) -> dict[str, Any] | None:
+        """The data's tokenizer, so ``nanolab generate`` needs nothing but the checkpoint."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        dataset_dir = getattr(dm, "dataset_dir", None)
+        if dataset_dir is None:
+            return None
+        if getattr(self, "_cached_tokenizer_spec", None) is None:
+            from nanolab.data.tokenizers import portable_spec
+
+            self._cached_tokenizer_spec = portable_spec(dataset_dir)
+        return self._cached_tokenizer_spec
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY, {})

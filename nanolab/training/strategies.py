@@ -12,11 +12,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any
 
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeed
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from torch import nn
 
@@ -36,6 +39,27 @@ def apply_fsdp2(model: nn.Module, device_mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy set up for pure FSDP2: shard over every device.
+
+    Lightning's "auto" sizes mean data-parallel across nodes and tensor-parallel within a node;
+    nanolab has no tensor parallelism, so here "auto" means one data-parallel (sharding) group of
+    the whole world and a tensor-parallel size of 1.
+    """
+
+    def __init__(self, save_distributed_checkpoint: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("data_parallel_size", "auto")
+        kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            tp = 1 if self._tensor_parallel_size == "auto" else int(self._tensor_parallel_size)
+            self._data_parallel_size = self.num_nodes * self.num_processes // tp
+            self._tensor_parallel_size = tp
+        super().setup_environment()
+
+
 class DeepSpeedStrategy(_LightningDeepSpeed):
     """Lightning's DeepSpeed strategy, allowed on CPU too (for tests and CPU-only machines)."""
 
@@ -48,3 +72,38 @@ class DeepSpeedStrategy(_LightningDeepSpeed):
             DDPStrategy.setup_environment(self)
         else:
             super().setup_environment()
+
+    def _auto_select_batch_size(self) -> int:
+        # DeepSpeed wants the micro-batch for its own bookkeeping; nanolab's loaders yield whole
+        # micro-batches from a sampler (no batch_sampler to read it from), the DataModule knows it.
+        dm = getattr(self.lightning_module.trainer, "datamodule", None)
+        return int(getattr(dm, "micro_batch_size", 1))
+
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None
+    ) -> tuple[Any, Any]:
+        if not isinstance(self.accelerator, CPUAccelerator):
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        import deepspeed
+
+        # Lightning passes the CUDA index as DeepSpeed's device rank; a CPU device has none,
+        # and DeepSpeed's CPU accelerator wants the local rank there.
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # CPU "devices" have no indices to validate against local ranks.
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+        else:
+            super().setup_distributed()
