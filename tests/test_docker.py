@@ -1,10 +1,15 @@
-"""The Dockerfile, checked without a Docker daemon.
+"""What ships nanolab to other machines, checked without a Docker daemon or a cluster.
 
-CI builds both images on GitHub (``.github/workflows/ci.yml``, job ``docker``); this suite runs
-everywhere, so it checks what can be checked from the text: hadolint is clean, the ``VARIANT``
-build argument resolves to a pinned vendor image for both ``cuda`` and ``rocm`` (and to nothing
-else), both bases carry the same torch release, the image runs ``nanolab`` as a non-root user,
-and ``.dockerignore`` lets through everything the Dockerfile copies.
+The Dockerfile: CI builds both images on GitHub (``.github/workflows/ci.yml``, job ``docker``);
+this suite runs everywhere, so it checks what can be checked from the text: hadolint is clean,
+the ``VARIANT`` build argument resolves to a pinned vendor image for both ``cuda`` and ``rocm``
+(and to nothing else), both bases carry the same torch release, the image runs ``nanolab`` as a
+non-root user, and ``.dockerignore`` lets through everything the Dockerfile copies.
+
+The SLURM template (``scripts/slurm/``) and ``configs/strategy/multinode.yaml``: the sbatch
+script runs against a stand-in ``srun`` that records its command, and that command must parse
+as a ``nanolab fit`` with SLURM's nodes, GPUs, requeue signal and a run name that survives
+requeues.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
@@ -326,3 +333,105 @@ def test_ci_builds_both_variants_and_lints_the_dockerfile() -> None:
     assert "docker push" not in docker_steps
     hadolint_steps = " ".join(step.get("run", "") for step in jobs["hadolint"]["steps"])
     assert "hadolint" in hadolint_steps and "Dockerfile" in hadolint_steps
+
+
+# -- SLURM and multi-node ------------------------------------------------------------------
+def _sbatch_options() -> dict[str, str]:
+    options = {}
+    for line in SBATCH.read_text().splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line.split()[1].removeprefix("--").partition("=")
+            options[key] = value
+    return options
+
+
+def test_sbatch_signals_the_training_processes_before_the_time_limit() -> None:
+    options = _sbatch_options()
+    signal = re.fullmatch(r"(B:)?(?:SIG)?USR1@(\d+)", options["signal"])
+    assert signal, f"--signal={options['signal']}: the requeue signal must be USR1"
+    # "B:" would signal only the batch shell; Lightning's handler lives in the srun tasks.
+    assert signal.group(1) is None, "drop the B: prefix"
+    # SLURM checks signals about once a minute: less than 60 s may arrive too late to save.
+    assert int(signal.group(2)) >= 60
+    assert "requeue" in options, "scontrol requeue needs a requeueable job"
+    assert options["ntasks-per-node"] == options["gpus-per-node"], "one task per GPU"
+
+
+def _fit_argv_from_sbatch(tmp_path: Path, *configs: str) -> list[str]:
+    """Run the sbatch script with a recording ``srun``; return the ``nanolab`` argv it got."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "srun-argv"
+    srun = bindir / "srun"
+    srun.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n')
+    srun.chmod(0o755)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_NAME": "nanolab",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS_PER_NODE": "8",
+    }
+    proc = subprocess.run(
+        ["bash", str(SBATCH), *configs], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    argv = record.read_text().splitlines()
+    return argv[argv.index("nanolab") + 1 :]
+
+
+def test_sbatch_without_configs_is_a_usage_error() -> None:
+    proc = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+@pytest.mark.skipif(not QUICKSTART.is_file(), reason="configs/quickstart.yaml not in this tree")
+def test_sbatch_command_is_a_valid_fit_with_requeue(tmp_path: Path) -> None:
+    argv = _fit_argv_from_sbatch(tmp_path, "configs/quickstart.yaml")
+    assert argv[0] == "fit"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanolab", *argv, "--print_config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = yaml.safe_load(proc.stdout)
+    assert config["trainer"]["num_nodes"] == 2
+    # From the command line it stays the string "8", which Lightning reads as 8 devices.
+    assert int(config["trainer"]["devices"]) == 8
+    # The job id survives a requeue, so the requeued job finds the same run directory.
+    assert config["run"]["name"] == "nanolab-4242"
+    assert config["run"]["resume"] == "auto"
+    (plugin,) = config["trainer"]["plugins"]
+    assert plugin["class_path"].endswith("environments.SLURMEnvironment")
+    assert plugin["init_args"] == {"auto_requeue": True, "requeue_signal": "SIGUSR1"}
+
+
+@pytest.mark.skipif(not QUICKSTART.is_file(), reason="configs/quickstart.yaml not in this tree")
+def test_multinode_snippet_composes_after_a_strategy() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanolab",
+            "fit",
+            "--config",
+            "configs/quickstart.yaml",
+            "--config",
+            "configs/strategy/ddp.yaml",
+            "--config",
+            "configs/strategy/multinode.yaml",
+            "--print_config",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trainer = yaml.safe_load(proc.stdout)["trainer"]
+    assert (trainer["num_nodes"], trainer["devices"], trainer["accelerator"]) == (2, 8, "gpu")
+    assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
