@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import TokenizerError
+from nanolab.data.windows import DataTooSmallError, validation_starts
 from nanolab.model.config import ConfigError
 from nanolab.training.module import GPTLightningModule
 
@@ -106,6 +107,10 @@ class NanolabCLI(LightningCLI):
         parser.add_class_arguments(RunConfig, "run", fail_untyped=True)
         # One context length for model and data.
         parser.link_arguments("model.gpt.block_size", "data.block_size")
+        # On by default: SIGTERM/SIGINT/SIGUSR1 -> finish the step, checkpoint, exit 75.
+        from nanolab.callbacks.preemption import PreemptionHandler
+
+        parser.add_lightning_class_args(PreemptionHandler, "preemption")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -137,6 +142,10 @@ class NanolabCLI(LightningCLI):
             run.global_batch_tokens, cfg.data.micro_batch_size, gpt.block_size, world
         )
         cfg.trainer.accumulate_grad_batches = accumulate
+        # Fail now, not after start-up, when the data cannot fill one step of every rank.
+        data.block_size = gpt.block_size
+        data.window_plan(world)
+        validation_starts(int(data.meta["val_tokens"]), gpt.block_size, 1)
         if run.eval_every_steps < 1:
             raise RunConfigError(f"run.eval_every_steps must be >= 1, got {run.eval_every_steps}")
         # The training stream is endless (steps, not epochs): validation is counted in
@@ -175,7 +184,7 @@ def trainer_defaults() -> dict[str, Any]:
     }
 
 
-USER_ERRORS = (ConfigError, PrepareError, TokenizerError, RunConfigError)
+USER_ERRORS = (ConfigError, PrepareError, TokenizerError, RunConfigError, DataTooSmallError)
 
 
 def run_lightning_cli(argv: list[str]) -> int:

@@ -1,0 +1,179 @@
+"""Data preparation, tokenizers and the resumable window order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nanolab.data.datamodule import TokenDataModule
+from nanolab.data.prepare import PrepareError, prepare_dataset, read_sources
+from nanolab.data.tokenizers import load_tokenizer
+from nanolab.data.windows import (
+    DataTooSmallError,
+    ResumableBatchSampler,
+    WindowPlan,
+    validation_starts,
+)
+
+SAMPLE = (
+    "ROMEO:\nBut soft, what light through yonder window breaks?\nJuliet — ünïcödé ✓ 日本\n" * 20
+)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "chars", "bpe"])
+def test_prepare_round_trips_text(tmp_path, tokenizer):
+    src = tmp_path / "text.txt"
+    src.write_text(SAMPLE, encoding="utf-8")
+    out = tmp_path / "ds"
+    meta = prepare_dataset(
+        [str(src)], out, tokenizer, bpe_vocab_size=300, val_fraction=0.2, quiet=True
+    )
+    tok = load_tokenizer(out)
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    # The bins hold exactly the encoded text, train then val.
+    ids = np.concatenate(
+        [np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
+    )
+    assert tok.decode(ids.tolist()) == SAMPLE
+    assert meta["train_tokens"] + meta["val_tokens"] == len(ids)
+    assert meta["dtype"] == "uint16"
+    on_disk = json.loads((out / "meta.json").read_text())
+    assert on_disk["vocab_size"] == tok.vocab_size
+    assert on_disk["source_hash"] == meta["source_hash"]
+
+
+def test_prepare_is_a_no_op_for_the_same_sources_and_refuses_other_ones(tmp_path):
+    a = tmp_path / "a.txt"
+    a.write_text(SAMPLE)
+    out = tmp_path / "ds"
+    prepare_dataset([str(a)], out, "chars", quiet=True)
+    before = (out / "train.bin").stat().st_mtime_ns
+    prepare_dataset([str(a)], out, "chars", quiet=True)
+    assert (out / "train.bin").stat().st_mtime_ns == before
+    b = tmp_path / "b.txt"
+    b.write_text("other text " * 100)
+    with pytest.raises(PrepareError, match="--force"):
+        prepare_dataset([str(b)], out, "chars", quiet=True)
+    assert (out / "train.bin").stat().st_mtime_ns == before  # nothing overwritten
+    meta = prepare_dataset([str(b)], out, "chars", force=True, quiet=True)
+    assert meta["sources"] == [str(b)]
+
+
+def test_prepare_reads_folders_and_the_bundled_corpus(tmp_path):
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    (tmp_path / "docs" / "one.txt").write_text("first")
+    (tmp_path / "docs" / "sub" / "two.md").write_text("second")
+    (tmp_path / "docs" / "skip.bin").write_bytes(b"\x00\x01")
+    names = [s.name for s in read_sources([str(tmp_path / "docs")])]
+    assert [n.rsplit("/", 1)[-1] for n in names] == ["one.txt", "two.md"]
+    bundled = read_sources(["bundled:shakespeare"])[0].text
+    assert len(bundled) > 1_000_000 and "HIPPOLYTA:" in bundled
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda p: p.write_bytes(b"caf\xe9 latin-1"), "not UTF-8"),
+        (lambda p: p.write_text(""), "hold no text"),
+        (lambda p: None, "does not exist"),
+    ],
+)
+def test_bad_sources_fail_clearly_and_write_nothing(tmp_path, setup, message):
+    src = tmp_path / "in.txt"
+    setup(src)
+    out = tmp_path / "ds"
+    with pytest.raises(PrepareError, match=message):
+        prepare_dataset([str(src)], out, "chars", quiet=True)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds")]
+
+
+def test_prepare_cli_reports_errors_in_one_line(tmp_path, capsys):
+    from nanolab.data.prepare import main
+
+    assert main([str(tmp_path / "missing.txt"), "-o", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0]
+
+
+# -- window order ----------------------------------------------------------------------------
+def plan(world=1, n=10_000, T=16, B=4, seed=7) -> WindowPlan:
+    return WindowPlan(num_tokens=n, block_size=T, micro_batch_size=B, world_size=world, seed=seed)
+
+
+def test_window_order_is_a_pure_function_of_seed_epoch_position_rank():
+    a, b = plan(), plan()
+    for g in (0, 5, 200):
+        assert np.array_equal(a.batch_starts(g, 0), b.batch_starts(g, 0))
+    assert not np.array_equal(plan(seed=8).batch_starts(0, 0), a.batch_starts(0, 0))
+
+
+def test_each_epoch_visits_every_window_once_across_ranks():
+    p = plan(world=2)
+    per_epoch = p.batches_per_epoch
+    for epoch in range(2):
+        starts = np.concatenate(
+            [p.batch_starts(epoch * per_epoch + i, r) for i in range(per_epoch) for r in range(2)]
+        )
+        assert len(np.unique(starts)) == len(starts)  # without replacement
+        offset, _ = p.epoch_layout(epoch)
+        assert np.all((starts - offset) % p.block_size == 0)
+        assert starts.max() + p.block_size + 1 <= p.num_tokens
+        assert len(starts) == per_epoch * 2 * p.micro_batch_size
+    # Ranks never share a window within a step.
+    assert not set(p.batch_starts(3, 0)) & set(p.batch_starts(3, 1))
+    # A new epoch is a new order.
+    assert not np.array_equal(p.batch_starts(0, 0), p.batch_starts(per_epoch, 0))
+
+
+def test_a_resumed_sampler_continues_the_uninterrupted_stream():
+    p = plan()
+    full = ResumableBatchSampler(p, rank=0, start=0)
+    stream = [b for _, b in zip(range(400), iter(full), strict=False)]  # crosses epoch borders
+    resumed = ResumableBatchSampler(p, rank=0, start=137)
+    tail = [b for _, b in zip(range(400 - 137), iter(resumed), strict=False)]
+    assert all(np.array_equal(x, y) for x, y in zip(stream[137:], tail, strict=True))
+
+
+def test_one_step_of_n_ranks_sees_the_windows_of_n_accumulated_micro_batches():
+    # What makes a 2-GPU run equal to a 1-GPU run with 2x gradient accumulation.
+    single, double = plan(world=1), plan(world=2)
+    for step in range(3):
+        accumulated = np.concatenate([single.batch_starts(2 * step + i, 0) for i in range(2)])
+        ranks = np.concatenate([double.batch_starts(step, r) for r in range(2)])
+        assert set(accumulated) == set(ranks)
+
+
+def test_too_little_data_fails_with_a_fix():
+    with pytest.raises(DataTooSmallError, match="block_size"):
+        plan(n=10, T=16)
+    with pytest.raises(DataTooSmallError, match="micro_batch_size"):
+        plan(n=100, T=16, B=8)
+    with pytest.raises(DataTooSmallError, match="val_fraction"):
+        validation_starts(10, 16, 4)
+
+
+def test_validation_windows_are_fixed_and_in_range():
+    a = validation_starts(5000, 64, 20)
+    assert np.array_equal(a, validation_starts(5000, 64, 20))
+    assert a.min() == 0 and a.max() == 5000 - 65 and len(np.unique(a)) == 20
+
+
+def test_datamodule_batches_are_shifted_targets(char_dataset):
+    dm = TokenDataModule(dataset_dir=str(char_dataset), micro_batch_size=3, block_size=24)
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (3, 24)
+    assert np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())
+    tok = load_tokenizer(char_dataset)
+    assert len(tok.decode(x[0].tolist())) == 24
+    vx, _ = next(iter(dm.val_dataloader()))
+    assert vx.shape[1] == 24
+
+
+def test_datamodule_refuses_missing_data(tmp_path):
+    dm = TokenDataModule(dataset_dir=str(tmp_path / "nothing"))
+    with pytest.raises(PrepareError, match="nanolab prepare"):
+        dm.setup("fit")

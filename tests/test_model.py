@@ -1,0 +1,149 @@
+"""The GPT itself: causality, initial loss, learning, checkpointing, sizes, generation, config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanolab.model import GPT, ConfigError, GPTConfig
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    return GPTConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("position_embedding", ["learned", "rope"])
+def test_changing_a_future_token_leaves_earlier_logits_unchanged(attention, position_embedding):
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention, position_embedding=position_embedding)).eval()
+    idx = torch.randint(0, 256, (2, 20))
+    changed = idx.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 256
+    a, _ = model(idx)
+    b, _ = model(changed)
+    assert torch.allclose(a[:, :12], b[:, :12], atol=1e-6)
+    assert not torch.allclose(a[:, 12:], b[:, 12:], atol=1e-4)
+
+
+def test_math_and_sdpa_attention_agree():
+    torch.manual_seed(0)
+    sdpa = GPT(tiny(attention="sdpa")).eval()
+    math_model = GPT(tiny(attention="math")).eval()
+    math_model.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 256, (3, 32))
+    assert torch.allclose(sdpa(idx)[0], math_model(idx)[0], atol=1e-5)
+
+
+def test_initial_loss_is_about_ln_vocab():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, 256, (8, 32))
+    _, loss = model(idx, torch.randint(0, 256, (8, 32)))
+    assert abs(loss.item() - math.log(256)) < 0.1
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, 256, (4, 32))
+    targets = torch.roll(idx, -1, dims=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        _, loss = model(idx, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    # Dropout on: checkpointing must replay the same masks in the recomputation.
+    torch.manual_seed(0)
+    plain = GPT(tiny(dropout=0.1))
+    ckpt = GPT(tiny(dropout=0.1, gradient_checkpointing=True))
+    ckpt.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 256, (4, 32))
+    targets = torch.randint(0, 256, (4, 32))
+    grads = []
+    for model in (plain, ckpt):
+        torch.manual_seed(123)
+        _, loss = model(idx, targets)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5), name
+
+
+def test_gpt2_124m_parameter_count():
+    cfg = dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    with torch.device("meta"):
+        published = GPT(GPTConfig(**cfg, vocab_multiple=1))
+        padded = GPT(GPTConfig(**cfg))
+    assert published.num_params() == 124_439_808
+    assert padded.config.padded_vocab_size == 50304
+    assert padded.num_params() == 124_439_808 + (50304 - 50257) * 768
+
+
+def test_flops_per_token_follows_6n_plus_attention():
+    model = GPT(tiny())
+    c = model.config
+    n_matmul = model.num_params() - c.block_size * c.n_embd  # all but the position embedding
+    expected = 6 * n_matmul + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
+    assert model.flops_per_token() == expected
+    assert model.flops_per_token(seq_len=16) < expected
+
+
+def test_weights_are_tied_and_counted_once():
+    model = GPT(tiny())
+    assert model.lm_head.weight is model.wte.weight
+    untied = GPT(tiny(tie_weights=False))
+    assert untied.num_params() == model.num_params() + 256 * 32
+
+
+def test_residual_projections_use_scaled_init():
+    torch.manual_seed(0)
+    model = GPT(tiny(n_embd=256, n_head=4, n_layer=8))
+    std = model.blocks[0].attn.c_proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(16)) < 0.001
+    assert abs(model.blocks[0].attn.c_attn.weight.std().item() - 0.02) < 0.001
+
+
+def test_generate_greedy_top_k_and_padding():
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=70)).eval()  # padded to 128 rows
+    idx = torch.randint(0, 70, (2, 5))
+    out = model.generate(idx, 40, temperature=1.5)
+    assert out.shape == (2, 45)
+    assert out.max().item() < 70  # padded ids are never sampled
+    greedy = model.generate(idx, 10, temperature=0)
+    top1 = model.generate(idx, 10, temperature=1.0, top_k=1)
+    assert torch.equal(greedy, top1)
+    long = model.generate(idx, 40, temperature=0)  # longer than block_size: context is cropped
+    assert long.shape == (2, 45)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(n_embd=30, n_head=4), "model.gpt.n_embd"),
+        (dict(n_layer=0), "model.gpt.n_layer"),
+        (dict(dropout=1.5), "model.gpt.dropout"),
+        (dict(position_embedding="alibi"), "model.gpt.position_embedding"),
+        (dict(position_embedding="rope", n_embd=18, n_head=2), "even head size"),
+        (dict(attention="flash3"), "model.gpt.attention"),
+        (dict(vocab_size=1), "model.gpt.vocab_size"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        tiny(**kwargs)
+
+
+def test_sequence_longer_than_block_is_refused():
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 33, dtype=torch.long))
