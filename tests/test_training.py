@@ -151,7 +151,7 @@ def _fit_in_process(char_dataset, tmp_path, optimizer: OptimizerConfig, steps: i
 
 def test_lr_follows_the_schedule_per_step(char_dataset, tmp_path):
     opt = OptimizerConfig(lr=1e-3)
-    model, trainer = _fit_in_process(char_dataset, tmp_path, opt, steps=5)
+    _, trainer = _fit_in_process(char_dataset, tmp_path, opt, steps=5)
     lr = trainer.optimizers[0].param_groups[0]["lr"]
     expected = 1e-3 * WarmupCosine(1, 5, 0.1)(5)
     assert lr == pytest.approx(expected)
