@@ -357,14 +357,20 @@ def test_sbatch_signals_the_training_processes_before_the_time_limit() -> None:
     assert options["ntasks-per-node"] == options["gpus-per-node"], "one task per GPU"
 
 
-def _fit_argv_from_sbatch(tmp_path: Path, *configs: str) -> list[str]:
-    """Run the sbatch script with a recording ``srun``; return the ``nanolab`` argv it got."""
+def _run_sbatch(
+    tmp_path: Path, *configs: str, srun_exit: int = 0
+) -> tuple[subprocess.CompletedProcess[str], list[str], str]:
+    """Run the sbatch script with stand-ins for ``srun`` and ``scontrol`` that record their
+    arguments; return the script's result, srun's argv and scontrol's calls."""
     bindir = tmp_path / "bin"
-    bindir.mkdir()
-    record = tmp_path / "srun-argv"
-    srun = bindir / "srun"
-    srun.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n')
-    srun.chmod(0o755)
+    bindir.mkdir(parents=True)
+    srun_log, scontrol_log = tmp_path / "srun-argv", tmp_path / "scontrol-calls"
+    (bindir / "srun").write_text(
+        f'#!/bin/bash\nprintf "%s\\n" "$@" > {srun_log}\nexit {srun_exit}\n'
+    )
+    (bindir / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {scontrol_log}\n')
+    for stub in bindir.iterdir():
+        stub.chmod(0o755)
     env = {
         "PATH": f"{bindir}:/usr/bin:/bin",
         "SLURM_SUBMIT_DIR": str(ROOT),
@@ -376,9 +382,26 @@ def _fit_argv_from_sbatch(tmp_path: Path, *configs: str) -> list[str]:
     proc = subprocess.run(
         ["bash", str(SBATCH), *configs], env=env, capture_output=True, text=True, timeout=60
     )
+    argv = srun_log.read_text().splitlines() if srun_log.exists() else []
+    calls = scontrol_log.read_text() if scontrol_log.exists() else ""
+    return proc, argv, calls
+
+
+def _fit_argv_from_sbatch(tmp_path: Path, *configs: str) -> list[str]:
+    proc, argv, calls = _run_sbatch(tmp_path, *configs)
     assert proc.returncode == 0, proc.stderr
-    argv = record.read_text().splitlines()
+    assert calls == "", "a finished run is not requeued"
     return argv[argv.index("nanolab") + 1 :]
+
+
+def test_sbatch_requeues_a_run_that_stopped_with_a_checkpoint(tmp_path: Path) -> None:
+    # nanolab exits 75 after a preemption checkpoint: the script puts the job back in the queue.
+    proc, _, calls = _run_sbatch(tmp_path / "a", "x.yaml", srun_exit=75)
+    assert calls.split() == ["requeue", "4242"]
+    assert proc.returncode == 75
+    # Any other failure is a real error: no requeue loop, the job fails with it.
+    proc, _, calls = _run_sbatch(tmp_path / "b", "x.yaml", srun_exit=1)
+    assert calls == "" and proc.returncode == 1
 
 
 def test_sbatch_without_configs_is_a_usage_error() -> None:
