@@ -260,3 +260,31 @@ def test_val_loss_drops_on_the_bundled_corpus(tmp_path, char_dataset):
     after = trainer.validate(model, dm, verbose=False)[0]["val/loss"]
     assert before == pytest.approx(math.log(dm.vocab_size), abs=0.3)
     assert after < before - 0.8
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_like_the_eager_one(char_dataset, tmp_path):
+    # One cold torch.compile (inductor, ~30-60 s on CPU): the flag works and changes no numbers.
+    def fit(compile_: bool) -> dict[str, torch.Tensor]:
+        L.seed_everything(0)
+        model = GPTLightningModule(
+            gpt=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+            schedule=ScheduleConfig(warmup_steps=1),
+            compile=compile_,
+        )
+        dm = TokenDataModule(dataset_dir=str(char_dataset), micro_batch_size=4, block_size=32)
+        trainer = L.Trainer(
+            max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+            default_root_dir=tmp_path, use_distributed_sampler=False,
+        )  # fmt: skip
+        trainer.fit(model, dm)
+        assert model.model is not None
+        if compile_:
+            assert model.model._compiled_call_impl is not None  # compiled in place
+        return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+
+    eager, compiled = fit(False), fit(True)
+    assert eager.keys() == compiled.keys()  # in-place compile: checkpoint keys unchanged
+    for key in eager:
+        assert torch.allclose(eager[key], compiled[key], atol=1e-4), key
