@@ -1,0 +1,288 @@
+"""Preemption: on SIGTERM/SIGINT/SIGUSR1, finish the optimizer step, checkpoint, exit 75.
+
+Spot instances, SLURM preemption and a lab's "give the GPUs back at 8" all announce themselves
+with a signal and a grace period. Lightning's own SIGTERM handling stops after the current
+*micro*-batch, which under gradient accumulation is the middle of an optimizer step, and saves
+nothing. This callback instead:
+
+1. on the first signal, only records it (a signal handler must not do real work: it runs between
+   two bytecodes of whatever the main thread was doing);
+2. at the end of the optimizer step in progress (never mid-accumulation), all ranks agree to stop,
+   a checkpoint is saved through the Trainer (the same atomic path as every other checkpoint),
+   and :class:`Preempted` is raised: other callbacks see it in ``on_exception`` (the JSONL log
+   writes its ``end`` record with reason ``preempted``) and the process exits with
+   :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again later");
+3. on a second signal, exits at once (the previous complete checkpoint is still there: writes
+   are atomic).
+
+A run restarted with the same ``run.name`` (``run.resume auto``) continues bit-exactly from that
+checkpoint. Exit code 75 lets a wrapper tell "preempted, rerun me" from "done" (0) and "broken"
+(anything else): ``until nanolab fit ...; [ $? -ne 75 ]; do :; done``.
+
+SLURM: with Lightning's auto-requeue active (``SLURMEnvironment(auto_requeue=True)``, the default
+when SLURM launched the job), Lightning owns the requeue signal (SIGUSR1 unless configured): it
+saves ``hpc_ckpt_<n>.ckpt`` and runs ``scontrol requeue``. This callback leaves that signal
+alone, so requeueing keeps working, and still handles SIGTERM (what SLURM sends at the time
+limit and on preemption) and SIGINT. ``run.resume auto`` also considers ``hpc_ckpt_*.ckpt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from nanolab.model.config import ConfigError
+
+#: Exit status of a preempted run (sysexits.h EX_TEMPFAIL: a temporary failure, retry later).
+EXIT_PREEMPTED = 75
+
+#: The reason string the ``end`` record carries for a preempted run.
+REASON = "preempted"
+
+
+class PreemptionConfigError(ConfigError):
+    """A ``preemption`` setting that cannot work (e.g. an unknown signal name)."""
+
+
+class Preempted(SIGTERMException):
+    """The run stopped on a signal after saving a checkpoint; exits the process with ``code``.
+
+    A subclass of Lightning's ``SIGTERMException`` (itself a ``SystemExit``), so code that already
+    treats Lightning's SIGTERM stop as "interrupted, not failed" treats this one the same way.
+    """
+
+    def __init__(self, signal_name: str, step: int, checkpoint: str | None, code: int) -> None:
+        super().__init__(code)
+        self.signal_name = signal_name
+        self.step = step
+        self.checkpoint = checkpoint
+        self.reason = REASON
+
+    def __str__(self) -> str:
+        return (
+            f"preempted by {self.signal_name} after step {self.step}; checkpoint {self.checkpoint}"
+        )
+
+
+def parse_signals(names: list[str]) -> list[signal.Signals]:
+    """``["SIGTERM", "usr1", "INT"]`` -> signals; an unknown name is one clear error."""
+    out: list[signal.Signals] = []
+    for raw in names:
+        name = str(raw).strip().upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        sig = getattr(signal, name, None)
+        if not isinstance(sig, signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            raise PreemptionConfigError(
+                f"preemption.signals: {raw!r} is not a signal that can be caught; "
+                "use names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2"
+            )
+        if sig not in out:
+            out.append(sig)
+    return out
+
+
+def slurm_requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
+    """The signal Lightning's SLURM auto-requeue listens to, or None when it is not active."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+        return signal.Signals(env.requeue_signal or signal.SIGUSR1)
+    return None
+
+
+class PreemptionHandler(Callback):
+    """Turns a termination signal into "finish this step, checkpoint, exit 75".
+
+    Args:
+        enabled: Install the handlers. Off = Lightning's default behaviour.
+        signals: Signals that mean "preempted" (names, ``SIG`` optional). SIGKILL cannot be
+            caught; that case is what atomic checkpoints and ``run.resume auto`` are for.
+        exit_code: Process exit status after a preemption checkpoint (75 = EX_TEMPFAIL).
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        signals: list[str] = ["SIGTERM", "SIGINT", "SIGUSR1"],  # noqa: B006 (copied below)
+        exit_code: int = EXIT_PREEMPTED,
+    ) -> None:
+        super().__init__()
+        self.enabled = enabled
+        self.signals = parse_signals(list(signals))
+        if not 0 <= exit_code <= 255:
+            raise PreemptionConfigError(
+                f"preemption.exit_code must be in 0..255, got {exit_code}; 75 is the default"
+            )
+        self.exit_code = exit_code
+        self.received: signal.Signals | None = None
+        self.received_at: float | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._step_at_batch_start = -1
+        self._trainer: pl.Trainer | None = None
+
+    # -- signal plumbing -------------------------------------------------------------------
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self.received is not None:
+            # Second signal: the user (or the scheduler) means it. Die by that signal now.
+            _write_stderr(f"nanolab: second {sig.name}: exiting now without a checkpoint\n")
+            self._forward(sig)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+            return
+        self.received = sig
+        self.received_at = time.time()
+        step = self._trainer.global_step if self._trainer is not None else "?"
+        _write_stderr(
+            f"nanolab: received {sig.name} at step {step}: finishing the optimizer step, saving a "
+            f"checkpoint, then exiting with code {self.exit_code} (send it again to exit at once)\n"
+        )
+        self._forward(sig)
+
+    def _forward(self, sig: signal.Signals) -> None:
+        """Pass the signal to ranks this process launched itself (Lightning's DDP launcher)."""
+        launcher = getattr(self._trainer.strategy, "launcher", None) if self._trainer else None
+        kill = getattr(launcher, "kill", None)
+        if callable(kill):
+            # a launcher without children has nothing to forward to
+            with contextlib.suppress(Exception):
+                kill(sig)
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        requeue = slurm_requeue_signal(trainer)
+        for sig in self.signals:
+            if sig == requeue:
+                continue  # Lightning's SLURM auto-requeue owns this one
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+
+    def _uninstall(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    # -- hooks -----------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Installed here, after Lightning registered its own handlers (Trainer._run), so ours
+        # replace its SIGTERM handler, which would stop in the middle of an accumulation.
+        self._trainer = trainer
+        if self.enabled:
+            self._install(trainer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self.enabled or trainer.global_step == self._step_at_batch_start:
+            return  # no optimizer step happened in this micro-batch: keep accumulating
+        requested = self.received is not None
+        if trainer.world_size > 1:
+            # Every rank stops at the same step, whichever of them got the signal.
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if not requested:
+            return
+        if 0 < trainer.max_steps <= trainer.global_step:
+            return  # this was the last step anyway: the run completes normally
+        if self.received is None:
+            self.received = signal.SIGTERM  # another rank was signalled
+        with contextlib.suppress(ImportError):  # the end record's reason, for the run log
+            from nanolab.callbacks.events import set_stop_reason
+
+            set_stop_reason(trainer, REASON, self.received.name)
+        path = save_checkpoint_now(trainer)
+        waited = time.time() - (self.received_at or time.time())
+        if trainer.is_global_zero:
+            _write_stderr(
+                f"nanolab: preempted by {self.received.name} after step {trainer.global_step}: "
+                f"saved {path} ({waited:.1f}s after the signal); exiting with code "
+                f"{self.exit_code}, rerun the same command to resume\n"
+            )
+        raise Preempted(self.received.name, trainer.global_step, path, self.exit_code)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._uninstall()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # nothing to carry across a resume: a new process starts unsignalled
+
+
+def save_checkpoint_now(trainer: pl.Trainer) -> str:
+    """Save a checkpoint of the state right after this optimizer step, the run's usual way.
+
+    The run's checkpoint callback, when it offers ``save_now(trainer)``, writes it (same name
+    pattern, rotation and atomic write as its periodic saves). Otherwise the checkpoint is written
+    here atomically: ``Trainer.save_checkpoint`` to a ``.tmp`` name, fsync, then rename to
+    ``<run_dir>/checkpoints/step-XXXXXXXX.ckpt``. Called on every rank (saving is collective for
+    sharded strategies); only rank 0 renames.
+    """
+    for cb in trainer.checkpoint_callbacks:
+        save_now = getattr(cb, "save_now", None)
+        if callable(save_now):
+            return str(save_now(trainer))
+    ckpt_dir = Path(trainer.default_root_dir) / "checkpoints"
+    final = ckpt_dir / f"step-{trainer.global_step:08d}.ckpt"
+    tmp = ckpt_dir / f"{final.name}.tmp"
+    if trainer.is_global_zero:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    trainer.strategy.barrier("nanolab_preempt_mkdir")
+    trainer.save_checkpoint(tmp, weights_only=False)
+    if trainer.is_global_zero:
+        if tmp.is_file():
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+    trainer.strategy.barrier("nanolab_preempt_saved")
+    return str(final)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (the directory entry, not just the file, must reach the disk)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_stderr(text: str) -> None:
+    """Write from a signal handler: ``os.write`` is reentrant, ``print`` is not."""
+    with contextlib.suppress(OSError, ValueError):
+        os.write(sys.stderr.fileno(), text.encode())

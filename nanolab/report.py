@@ -1,0 +1,539 @@
+"""``nanolab report``: the morning summary of every run under one or more run folders.
+
+Reads each run's ``metrics.jsonl`` (through :mod:`nanolab.runlog`, which skips a half-written
+last line), whatever state the run is in: finished (the ``end`` record's reason), still running
+(no ``end`` yet, recent records) or crashed (no ``end`` and silent for a while, e.g. SIGKILL or a
+lost machine). A resumed run repeats the steps after its last checkpoint; the later copy of a step
+is the one that counts, so curves and "best" figures come from the surviving timeline.
+
+Runs whose configs differ only in the seed and the run name are grouped, with the mean and
+standard deviation of their final validation loss: one seed is an anecdote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nanolab.runlog import RUN_LOG_NAME, iter_records
+
+#: Seconds without a new record after which a run with no ``end`` record counts as crashed
+#: (unless its own step time says records are naturally further apart).
+STALE_AFTER_S = 600.0
+
+#: Config keys that differ between seeds of one experiment (dropped before grouping).
+SEED_KEYS = (
+    ("seed_everything",),
+    ("run", "name"),
+    ("run", "root"),
+    ("run", "resume"),
+    ("run", "fresh"),
+    ("trainer", "default_root_dir"),
+    ("ckpt_path",),
+    ("config",),
+    ("__path__",),
+)
+
+
+class ReportError(ValueError):
+    """Bad input for the report (unknown field or run name, missing folder)."""
+
+
+@dataclass
+class RunSummary:
+    """One run, as the report shows it (every figure from its own log; None = not logged)."""
+
+    run: str
+    status: str  # an end reason (completed, budget, ...), "running" or "crashed"
+    detail: str | None = None  # error text, or why a run counts as crashed
+    steps: int | None = None
+    tokens: int | None = None
+    train_loss: float | None = None
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
+    final_val_loss: float | None = None
+    first_val_loss: float | None = None
+    improvement: float | None = None  # first val loss - best val loss (train loss if no val)
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    gpu_hours: float | None = None
+    cost: float | None = None
+    wall_s: float | None = None
+    seed: int | None = None
+    resumes: int = 0
+    started: float | None = None
+    updated: float | None = None
+    run_dir: str = ""
+    group: str | None = field(default=None, repr=False)  # fingerprint of the seed-free config
+
+
+SORT_FIELDS = tuple(f.name for f in fields(RunSummary) if f.name not in ("group", "run_dir"))
+
+
+# -- finding runs ---------------------------------------------------------------------------
+def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
+    """(display name, run directory) of every run under ``roots``; a root may be a run itself.
+
+    Archived runs (``<run>/previous/...``) are not listed: a run nested inside another is skipped.
+    """
+    found: list[tuple[str, Path]] = []
+    for root in roots:
+        if not root.exists():
+            raise ReportError(f"{root} does not exist; pass the folder that holds your runs")
+        if not root.is_dir():
+            raise ReportError(f"{root} is not a folder; pass the folder that holds your runs")
+        if (root / RUN_LOG_NAME).is_file():
+            found.append((root.resolve().name, root))
+            continue
+        dirs = sorted({p.parent for p in root.rglob(RUN_LOG_NAME)}, key=lambda p: len(p.parts))
+        kept: list[Path] = []
+        for d in dirs:
+            if not any(k in d.parents for k in kept):
+                kept.append(d)
+        found += [(d.relative_to(root).as_posix(), d) for d in sorted(kept)]
+    names = [n for n, _ in found]
+    if len(set(names)) != len(names):  # same name under two roots: qualify with the root
+        found = [(str(d), d) for _, d in found]
+    return found
+
+
+# -- reading one run ------------------------------------------------------------------------
+def _last_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, the latest copy (a resume redoes the steps after its checkpoint)."""
+    by_step: dict[Any, dict[str, Any]] = {}
+    for r in records:
+        by_step.pop(r.get("step"), None)  # re-insert so the order follows the surviving timeline
+        by_step[r.get("step")] = r
+    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float | None:
+    values = [v for v in (_num(r.get(key)) for r in records[-n:]) if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _last_value(records: list[dict[str, Any]], key: str) -> Any:
+    for r in reversed(records):
+        if r.get(key) is not None:
+            return r[key]
+    return None
+
+
+def _config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | None:
+    config = start.get("config") if start else None
+    if isinstance(config, dict):
+        return config
+    saved = run_dir / "config.yaml"  # LightningCLI's copy of the merged config
+    if saved.is_file():
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(saved.read_text())
+        except yaml.YAMLError:
+            return None
+        return loaded if isinstance(loaded, dict) else None
+    return None
+
+
+def seed_free_fingerprint(config: dict[str, Any] | None) -> str | None:
+    """The config without seed, run name and paths, as canonical JSON (None when unknown)."""
+    if config is None:
+        return None
+    plain = json.loads(json.dumps(config, default=str))
+    for path in SEED_KEYS:
+        node = plain
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"))
+
+
+def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSummary:
+    """Everything the report says about one run, from its log (and ``config.yaml`` if needed)."""
+    now = time.time() if now is None else now
+    records = list(iter_records(run_dir / RUN_LOG_NAME))
+    s = RunSummary(run=name, status="crashed", run_dir=str(run_dir))
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    s.resumes = max(0, len(starts) - 1)
+    last_start = starts[-1] if starts else 0
+    start = records[last_start] if starts else None
+    ends = [r for r in records[last_start:] if r.get("event") == "end"]
+    end = ends[-1] if ends else None
+    train = _last_by_step([r for r in records if r.get("event") == "train"])
+    val = _last_by_step([r for r in records if r.get("event") == "val"])
+
+    config = _config_of(start, run_dir)
+    s.group = seed_free_fingerprint(config)
+    seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
+    s.seed = int(seed) if isinstance(seed, (int, float)) and not isinstance(seed, bool) else None
+    if records:
+        s.started = _num(records[0].get("time"))
+        s.updated = _num(records[-1].get("time"))
+
+    if end is not None:
+        s.status = str(end.get("reason") or "completed")
+        s.detail = end.get("error") or None
+    elif not records:
+        s.status, s.detail = "crashed", "empty log"
+    else:
+        step_time = _recent_mean(train, "step_time_s") or 0.0
+        quiet = now - (s.updated or now)
+        if quiet > max(STALE_AFTER_S, 20 * step_time):
+            s.status = "crashed"
+            s.detail = f"no end record; silent for {_duration(quiet)}"
+        else:
+            s.status = "running"
+
+    steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
+    s.steps = max(steps) if steps else None
+    if end is not None and isinstance(end.get("step"), int):
+        s.steps = end["step"]
+    tokens = (end or {}).get("tokens", _last_value(train, "tokens"))
+    s.tokens = int(tokens) if isinstance(tokens, (int, float)) else None
+    s.train_loss = _num(_last_value(train, "loss"))
+    if val:
+        best = min(
+            (r for r in val if _num(r.get("val_loss")) is not None),
+            key=lambda r: r["val_loss"],
+            default=None,
+        )
+        if best is not None:
+            s.best_val_loss, s.best_val_step = float(best["val_loss"]), best.get("step")
+            s.first_val_loss = _num(next(r["val_loss"] for r in val if _num(r.get("val_loss"))))
+            s.final_val_loss = _num(_last_value(val, "val_loss"))
+            s.improvement = s.first_val_loss - s.best_val_loss
+    if s.improvement is None and train:
+        first, last = _num(train[0].get("loss")), s.train_loss
+        if first is not None and last is not None:
+            s.improvement = first - last
+    s.tokens_per_s = _recent_mean(train, "tokens_per_s")
+    s.mfu = _recent_mean(train, "mfu")
+    tail = [*train, *([end] if end else [])]
+    s.gpu_hours = _num(_last_value(tail, "gpu_hours"))
+    s.cost = _num(_last_value(tail, "cost"))
+    s.wall_s = _num(_last_value(tail, "elapsed_s"))
+    if s.wall_s is None and s.started is not None and s.updated is not None:
+        s.wall_s = s.updated - s.started
+    return s
+
+
+# -- grouping -------------------------------------------------------------------------------
+@dataclass
+class SeedGroup:
+    """Runs of one configuration that differ only in seed: the spread of the final val loss."""
+
+    label: str
+    runs: list[str]
+    seeds: list[int | None]
+    n: int
+    mean_val_loss: float | None
+    std_val_loss: float | None
+
+
+def _group_label(names: list[str]) -> str:
+    prefix = os.path.commonprefix(names)  # noqa: RUF071 (names, not paths)
+    label = re.sub(r"[-_.=]*(seed|s)?[-_=]?\d*$", "", prefix)
+    return label or names[0]
+
+
+def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
+    """Groups of two or more runs sharing a seed-free config, with mean ± std of final val loss."""
+    by_key: dict[str, list[RunSummary]] = {}
+    for s in summaries:
+        if s.group is not None:
+            by_key.setdefault(s.group, []).append(s)
+    groups = []
+    for members in by_key.values():
+        if len(members) < 2:
+            continue
+        losses = [m.final_val_loss for m in members if m.final_val_loss is not None]
+        groups.append(
+            SeedGroup(
+                label=_group_label([m.run for m in members]),
+                runs=[m.run for m in members],
+                seeds=[m.seed for m in members],
+                n=len(members),
+                mean_val_loss=statistics.fmean(losses) if losses else None,
+                std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
+            )
+        )
+    return sorted(groups, key=lambda g: g.label)
+
+
+# -- formatting -----------------------------------------------------------------------------
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _si(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g}{unit}"
+    return f"{value:.{digits}g}"
+
+
+def _f(value: float | None, fmt: str = ".4f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _status_text(s: RunSummary) -> str:
+    if s.detail and s.status in ("error", "crashed"):
+        detail = s.detail.strip().splitlines()[-1] if s.detail.strip() else ""
+        return f"{s.status}: {detail[:60]}"
+    return s.status + (f" (+{s.resumes} resume{'s' if s.resumes > 1 else ''})" if s.resumes else "")
+
+
+def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
+    headers = [
+        "run", "status", "steps", "tokens", "train loss", "best val (step)", "Δ since start",
+        "tokens/s", "MFU", "GPU-h", "cost", "wall",
+    ]  # fmt: skip
+    rows = []
+    for s in summaries:
+        best = "-" if s.best_val_loss is None else f"{s.best_val_loss:.4f} ({s.best_val_step})"
+        improvement = "-"
+        if s.improvement is not None:
+            base = s.first_val_loss if s.best_val_loss is not None else None
+            pct = f" ({-s.improvement / base:+.0%})" if base else ""
+            improvement = f"{-s.improvement:+.4f}{pct}"
+        rows.append(
+            [
+                s.run,
+                _status_text(s),
+                "-" if s.steps is None else str(s.steps),
+                _si(s.tokens),
+                _f(s.train_loss),
+                best,
+                improvement,
+                _si(s.tokens_per_s),
+                "-" if s.mfu is None else f"{s.mfu:.1%}",
+                _f(s.gpu_hours, ".3f"),
+                "-" if s.cost is None else f"${s.cost:.2f}",
+                _duration(s.wall_s),
+            ]
+        )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    right = {2, 3, 4, 7, 8, 9, 10, 11}
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    if groups:
+        out += ["", "seed groups (same config, different seed): final val loss"]
+        for g in groups:
+            spread = (
+                "-"
+                if g.mean_val_loss is None
+                else f"{g.mean_val_loss:.4f} ± {g.std_val_loss:.4f}"
+                if g.std_val_loss is not None
+                else f"{g.mean_val_loss:.4f}"
+            )
+            seeds = ",".join(str(x) for x in g.seeds)
+            out.append(f"  {g.label}: {spread}  (n={g.n}, seeds {seeds}: {', '.join(g.runs)})")
+    return "\n".join(out)
+
+
+# -- plotting -------------------------------------------------------------------------------
+def plot_runs(runs: list[tuple[RunSummary, Path]], out: Path, x: str) -> None:
+    """Train and val loss of each run against tokens or GPU-hours, written atomically to ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = {"tokens": "tokens", "gpu_hours": "gpu_hours"}[x]
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    missing = []
+    for s, run_dir in runs:
+        records = list(iter_records(run_dir / RUN_LOG_NAME))
+        train = _last_by_step([r for r in records if r.get("event") == "train"])
+        val = _last_by_step([r for r in records if r.get("event") == "val"])
+        xs = {r.get("step"): _num(r.get(key)) for r in train}  # val records may lack GPU-hours
+        points_t = _points(train, key, "loss", xs)
+        points_v = _points(val, key, "val_loss", xs)
+        if (train and not points_t) or (val and not points_v):
+            missing.append(s.run)
+            continue
+        color = None
+        if points_t:
+            (line,) = ax_train.plot(*zip(*points_t, strict=True), lw=0.9, label=s.run)
+            color = line.get_color()
+        if points_v:
+            ax_val.plot(
+                *zip(*points_v, strict=True), marker="o", ms=3, lw=1.2, color=color, label=s.run
+            )
+    if missing:
+        plt.close(fig)
+        raise ReportError(
+            f"--x {x}: run(s) {', '.join(missing)} log no {key}; use --x tokens"
+            if x != "tokens"
+            else f"run(s) {', '.join(missing)} log no token counts"
+        )
+    xlabel = "tokens" if x == "tokens" else "GPU-hours"
+    for ax, title in ((ax_train, "train loss"), (ax_val, "val loss")):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    ax_train.set_ylabel("loss")
+    handles, labels = ax_train.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08 if handles else 0, 1, 1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
+    try:
+        fig.savefig(tmp, dpi=120, format=out.suffix.lstrip(".") or "png")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _points(
+    records: list[dict[str, Any]], xkey: str, ykey: str, fallback_x: dict[Any, float | None]
+) -> list[tuple[float, float]]:
+    out = []
+    for r in records:
+        x = _num(r.get(xkey))
+        if x is None:
+            x = fallback_x.get(r.get("step"))
+        y = _num(r.get(ykey))
+        if x is not None and y is not None:
+            out.append((x, y))
+    return out
+
+
+# -- command line ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nanolab report",
+        description="Summarise runs from their metrics.jsonl logs (finished, stopped, crashed or "
+        "still running).",
+    )
+    p.add_argument(
+        "runs_dirs",
+        nargs="*",
+        type=Path,
+        metavar="RUNS_DIR",
+        help="folders holding run directories, or run directories (default: runs)",
+    )
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only these runs (repeatable; shell-style patterns such as 'lr*')",
+    )
+    p.add_argument(
+        "--sort",
+        default="run",
+        metavar="FIELD",
+        help=f"sort by FIELD, '-FIELD' for descending; one of: {', '.join(SORT_FIELDS)}",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print JSON (runs and seed groups) instead of a table"
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="draw train and val loss curves of the selected runs",
+    )
+    p.add_argument(
+        "--x", choices=("tokens", "gpu_hours"), default="tokens", help="x axis of --plot"
+    )
+    return p
+
+
+def _select(found: list[tuple[str, Path]], patterns: list[str]) -> list[tuple[str, Path]]:
+    if not patterns:
+        return found
+    names = [n for n, _ in found]
+    unknown = [p for p in patterns if not fnmatch.filter(names, p)]
+    if unknown:
+        have = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+        raise ReportError(
+            f"--run: no run named {', '.join(map(repr, unknown))}; runs found: {have}"
+        )
+    return [(n, d) for n, d in found if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def _sort(summaries: list[RunSummary], spec: str) -> list[RunSummary]:
+    desc = spec.startswith("-")
+    key = spec.lstrip("-")
+    if key not in SORT_FIELDS:
+        raise ReportError(f"--sort: unknown field {key!r}; choose one of {', '.join(SORT_FIELDS)}")
+    present = [s for s in summaries if getattr(s, key) is not None]
+    absent = [s for s in summaries if getattr(s, key) is None]  # always last
+    return sorted(present, key=lambda s: getattr(s, key), reverse=desc) + absent
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    roots = args.runs_dirs or [Path("runs")]
+    try:
+        found = discover_runs(roots)
+        if not found:
+            where = ", ".join(str(r) for r in roots)
+            print(
+                f"nanolab report: no runs under {where} (no {RUN_LOG_NAME} found); "
+                "runs appear there once `nanolab fit` has started",
+                file=sys.stderr,
+            )
+            return 1
+        selected = _select(found, args.run)
+        now = time.time()
+        summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
+        groups = seed_groups(summaries)
+        if args.plot is not None:
+            dirs = dict(selected)
+            plot_runs([(s, dirs[s.run]) for s in summaries], args.plot, args.x)
+    except ReportError as err:
+        print(f"nanolab report: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        payload = {
+            "runs": [{k: v for k, v in asdict(s).items() if k != "group"} for s in summaries],
+            "seed_groups": [asdict(g) for g in groups],
+        }
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        print(format_table(summaries, groups))
+    if args.plot is not None:
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Which checkpoint a run continues from: the newest one that is complete, never a torn one.
+
+A run killed at an arbitrary moment (SIGKILL, a lost spot instance, a node failure) can leave
+behind a half-written checkpoint: a ``.tmp`` file when the writer is atomic, or a truncated file
+when something else wrote it (a copy interrupted by a full disk, a third-party callback). Picking
+"``last.ckpt`` if it exists" would then crash the resumed run, or worse, the run would start over.
+So ``run.resume auto`` looks at every checkpoint the run directory holds, opens each one the
+cheap way (``torch.load(weights_only=True, mmap=True)`` reads the zip directory and the pickled
+metadata, not the tensor bytes), keeps those that load and carry what a training resume needs,
+and continues from the one with the most optimizer steps. Anything newer that failed to load is
+reported in one warning line, so a skipped checkpoint is never silent.
+
+Under SLURM with Lightning's auto-requeue, Lightning saves ``hpc_ckpt_<n>.ckpt`` in the run
+directory when the requeue signal arrives; those are candidates too, so a requeued job continues
+from the newest state whichever mechanism saved it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: What a checkpoint must hold to restart training (not just to load weights).
+REQUIRED_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
+
+#: GPT settings that do not change parameter shapes; a resume may change them.
+RUNTIME_GPT_FIELDS = frozenset({"dropout", "gradient_checkpointing", "attention"})
+
+_STEP_IN_NAME = re.compile(r"step[=_-]?(\d+)")
+
+
+class ResumeError(ValueError):
+    """``run.resume`` names a checkpoint that cannot be resumed from."""
+
+
+@dataclass
+class Candidate:
+    """One checkpoint file (or sharded checkpoint folder) and what opening it told us."""
+
+    path: Path
+    step: int | None = None  # optimizer steps done, from the checkpoint itself
+    error: str | None = None  # why it cannot be resumed from; None = usable
+    nanolab: dict[str, Any] | None = None  # the module's plain-data section, when present
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def name_step(self) -> int | None:
+        """The step written in the file name (``step-00000250.ckpt``, ``epoch=0-step=250.ckpt``)."""
+        m = _STEP_IN_NAME.search(self.path.name)
+        return int(m.group(1)) if m else None
+
+
+@dataclass
+class ResumeChoice:
+    """The checkpoint ``auto`` picked, and the newer ones it had to skip."""
+
+    chosen: Candidate | None
+    skipped: list[Candidate] = field(default_factory=list)
+
+    def warning(self) -> str | None:
+        """One line naming every skipped checkpoint and what was used instead (None: nothing skipped)."""
+        if not self.skipped:
+            return None
+        parts = "; ".join(f"{c.path.name} ({c.error})" for c in self.skipped)
+        target = (
+            f"resuming from {self.chosen.path.name} (step {self.chosen.step})"
+            if self.chosen
+            else "no complete checkpoint left: starting fresh"
+        )
+        return f"nanolab: warning: skipped incomplete or corrupt checkpoint(s): {parts}; {target}"
+
+
+def _is_partial(path: Path) -> bool:
+    """Temporary files of an atomic writer (``x.ckpt.tmp``, ``.x.ckpt.tmp-123``) are never candidates."""
+    return ".tmp" in path.name or path.name.startswith(".")
+
+
+def inspect_checkpoint(path: str | Path) -> Candidate:
+    """Open ``path`` without reading tensor data and say whether training can resume from it."""
+    path = Path(path)
+    cand = Candidate(path)
+    if path.is_dir():
+        # Sharded checkpoints (FSDP, DeepSpeed) are folders; opening them needs the strategy.
+        # They count when they are non-empty and named with their step.
+        if not any(path.iterdir()):
+            cand.error = "empty checkpoint folder"
+        elif cand.name_step is None:
+            cand.error = "sharded checkpoint folder without a step in its name"
+        else:
+            cand.step = cand.name_step
+        return cand
+    if not zipfile.is_zipfile(path):
+        # torch.save writes a zip whose directory is at the very end: a file cut short by a
+        # kill, a full disk or an interrupted copy has none.
+        cand.error = "truncated or not a checkpoint" if _size(path) else "empty file"
+        return cand
+    try:
+        import torch
+
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # any failure means "not resumable": say why, in one line
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        cand.error = first[:120] if _size(path) else "empty file"
+        return cand
+    if not isinstance(ckpt, dict):
+        cand.error = "not a Lightning checkpoint"
+        return cand
+    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
+    if missing:
+        cand.error = f"missing {', '.join(missing)} (weights only?)"
+        return cand
+    cand.step = int(ckpt["global_step"])
+    section = ckpt.get("nanolab")
+    cand.nanolab = section if isinstance(section, dict) else None
+    return cand
+
+
+def checkpoint_files(run_dir: str | Path) -> list[Path]:
+    """Every checkpoint the run directory holds: ``checkpoints/*`` and Lightning's ``hpc_ckpt_*``."""
+    run_dir = Path(run_dir)
+    found: list[Path] = []
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_dir():
+        found += [p for p in ckpt_dir.iterdir() if p.suffix == ".ckpt" and not _is_partial(p)]
+    if run_dir.is_dir():
+        found += [p for p in run_dir.glob("hpc_ckpt_*.ckpt") if not _is_partial(p)]
+    # last.ckpt is usually a hard link (or symlink) to a step file: open each file once, by the
+    # name that carries its step.
+    unique: dict[Any, Path] = {}
+    for p in sorted(found, key=lambda p: (p.name == "last.ckpt", p.name)):
+        try:
+            st = p.stat()
+            key: Any = (st.st_dev, st.st_ino)
+        except OSError:
+            key = os.path.realpath(p)
+        unique.setdefault(key, p)
+    return sorted(unique.values())
+
+
+def find_resume_checkpoint(run_dir: str | Path) -> ResumeChoice:
+    """The newest complete checkpoint in ``run_dir`` (most optimizer steps; ties: a step file)."""
+    cands = [inspect_checkpoint(p) for p in checkpoint_files(run_dir)]
+    good = [c for c in cands if c.ok]
+    chosen = None
+    if good:
+        chosen = max(
+            good,
+            key=lambda c: (c.step, c.path.name != "last.ckpt", _mtime(c.path)),
+        )
+    # Report the broken ones that could have been newer than the choice: a step in the name
+    # above the chosen step, or no step in the name but written after it.
+    skipped = []
+    for c in cands:
+        if c.ok:
+            continue
+        if chosen is None:
+            skipped.append(c)
+        elif c.name_step is not None:
+            if c.name_step > (chosen.step or 0):
+                skipped.append(c)
+        elif _mtime(c.path) >= _mtime(chosen.path):
+            skipped.append(c)
+    return ResumeChoice(chosen, skipped)
+
+
+def check_same_model(cand: Candidate, gpt_config: dict[str, Any] | None) -> None:
+    """Refuse to resume a checkpoint of another architecture (a clear line, not a shape traceback)."""
+    saved = (cand.nanolab or {}).get("gpt")
+    if not saved or not gpt_config:
+        return
+    diffs = [
+        f"{k} {saved[k]!r} in the checkpoint vs {gpt_config[k]!r} now"
+        for k in sorted(set(saved) & set(gpt_config))
+        if k not in RUNTIME_GPT_FIELDS
+        and gpt_config[k] is not None  # vocab_size: null is filled in from the data later
+        and saved[k] != gpt_config[k]
+    ]
+    if diffs:
+        raise ResumeError(
+            f"{cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); "
+            "give this run another run.name, or set run.resume never to start it fresh"
+        )
+
+
+def resolve_resume(
+    resume: str, run_dir: str | Path, gpt_config: dict[str, Any] | None = None
+) -> str | None:
+    """The ``ckpt_path`` for ``Trainer.fit`` given ``run.resume`` (``auto``, ``never`` or a path).
+
+    ``auto`` returns None when the run directory holds no complete checkpoint (a fresh run).
+    A given path must exist and be resumable; otherwise :class:`ResumeError` says which and why.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        choice = find_resume_checkpoint(run_dir)
+        line = choice.warning()
+        if line and _is_rank_zero():
+            print(line, file=sys.stderr, flush=True)
+        if choice.chosen is None:
+            return None
+        check_same_model(choice.chosen, gpt_config)
+        return str(choice.chosen.path)
+    path = Path(resume)
+    if not path.exists():
+        raise ResumeError(
+            f"run.resume: checkpoint {resume} does not exist; pass an existing .ckpt, auto or never"
+        )
+    cand = inspect_checkpoint(path)
+    if not cand.ok:
+        raise ResumeError(
+            f"run.resume: {resume} cannot be resumed from ({cand.error}); "
+            "pass another checkpoint, or auto to pick the newest complete one"
+        )
+    check_same_model(cand, gpt_config)
+    return str(path)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile (rotation): sorts as oldest
+        return 0.0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _is_rank_zero() -> bool:
+    """Before the Trainer exists, the launcher's environment says which process this is."""
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))

@@ -1,0 +1,205 @@
+"""``nanolab report`` over run logs in every state: finished, stopped, crashed, running, resumed.
+
+The logs are written here by hand, record by record, in the schema the JSONL callback writes
+(README "metrics.jsonl"), so each expected figure is known independently of the report's code.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from nanolab.report import main, summarize_run
+
+CONFIG = {
+    "seed_everything": 1,
+    "run": {"name": "x", "root": "runs", "resume": "auto"},
+    "trainer": {"max_steps": 10, "default_root_dir": "runs/x"},
+    "model": {"gpt": {"n_layer": 2, "n_embd": 32}, "optimizer": {"lr": 0.003}},
+}
+
+
+def _config(name: str, seed: int, lr: float = 0.003) -> dict:
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["seed_everything"], cfg["run"]["name"] = seed, name
+    cfg["trainer"]["default_root_dir"] = f"runs/{name}"
+    cfg["model"]["optimizer"]["lr"] = lr
+    return cfg
+
+
+def write_run(
+    root: Path,
+    name: str,
+    *,
+    seed: int = 1,
+    lr: float = 0.003,
+    losses: list[float],
+    vals: dict[int, float],
+    end: str | None = "completed",
+    t0: float | None = None,
+    error: str | None = None,
+    torn_tail: bool = False,
+    tokens_per_step: int = 1000,
+) -> Path:
+    """A run log: start, one train record per loss, val records at the given steps, an end."""
+    t0 = time.time() - 100 if t0 is None else t0
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    recs: list[dict] = [
+        {"event": "start", "time": t0, "step": 0, "run_name": name, "seed": seed,
+         "resumed_from_step": None, "config": _config(name, seed, lr)},
+    ]  # fmt: skip
+    for i, loss in enumerate(losses, start=1):
+        recs.append(
+            {"event": "train", "time": t0 + i, "step": i, "tokens": i * tokens_per_step,
+             "loss": loss, "tokens_per_s": 500.0 + i, "mfu": 0.25, "step_time_s": 1.0,
+             "elapsed_s": float(i), "gpu_hours": i / 3600, "cost": i / 3600 * 2.0}
+        )  # fmt: skip
+        if i in vals:
+            recs.append(
+                {"event": "val", "time": t0 + i + 0.5, "step": i, "tokens": i * tokens_per_step,
+                 "val_loss": vals[i], "val_ppl": 2.718 ** vals[i]}
+            )  # fmt: skip
+    n = len(losses)
+    if end is not None:
+        recs.append(
+            {"event": "end", "time": t0 + n + 1, "step": n, "reason": end, "error": error,
+             "elapsed_s": n + 1.0, "gpu_hours": (n + 1) / 3600, "cost": (n + 1) / 1800,
+             "tokens": n * tokens_per_step, "best_val_loss": min(vals.values(), default=None)}
+        )  # fmt: skip
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    if torn_tail:
+        text += '{"event": "train", "time": 1, "st'  # killed mid-write
+    (run_dir / "metrics.jsonl").write_text(text)
+    return run_dir
+
+
+def run_report(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_finished_run_figures_and_torn_last_line(tmp_path: Path, capsys) -> None:
+    losses = [4.0, 3.5, 3.1, 2.9, 2.8, 2.6]
+    write_run(tmp_path, "a", losses=losses, vals={3: 3.0, 6: 2.7}, torn_tail=True)
+    code, out, err = run_report(capsys, str(tmp_path), "--json")
+    assert code == 0, err
+    (run,) = json.loads(out)["runs"]
+    assert run["status"] == "completed"
+    assert run["steps"] == 6 and run["tokens"] == 6000
+    assert run["train_loss"] == 2.6
+    assert (run["best_val_loss"], run["best_val_step"]) == (2.7, 6)
+    assert run["improvement"] == pytest.approx(3.0 - 2.7)
+    assert run["tokens_per_s"] == pytest.approx(statistics.fmean(500.0 + i for i in range(1, 7)))
+    assert run["mfu"] == pytest.approx(0.25)
+    assert run["gpu_hours"] == pytest.approx(7 / 3600) and run["cost"] == pytest.approx(7 / 1800)
+    assert run["wall_s"] == 7.0
+
+
+def test_statuses_running_crashed_stopped_error(tmp_path: Path, capsys) -> None:
+    now = time.time()
+    write_run(tmp_path, "live", losses=[3.0, 2.9], vals={}, end=None, t0=now - 5)
+    write_run(tmp_path, "dead", losses=[3.0, 2.9], vals={}, end=None, t0=now - 7200)
+    write_run(tmp_path, "budget", losses=[3.0, 2.5], vals={2: 2.6}, end="budget")
+    write_run(
+        tmp_path, "boom", losses=[3.0], vals={}, end="error",
+        error="Traceback ...\nRuntimeError: CUDA out of memory",
+    )  # fmt: skip
+    code, out, _ = run_report(capsys, str(tmp_path), "--json")
+    assert code == 0
+    status = {r["run"]: (r["status"], r["detail"]) for r in json.loads(out)["runs"]}
+    assert status["live"] == ("running", None)
+    assert status["dead"][0] == "crashed" and "silent for 1h59m" in status["dead"][1]
+    assert status["budget"] == ("budget", None)
+    assert status["boom"][0] == "error" and "out of memory" in status["boom"][1]
+    code, table, _ = run_report(capsys, str(tmp_path))
+    assert "error: RuntimeError: CUDA out of memory" in table
+    assert "crashed: no end record" in table
+
+
+def test_resumed_run_counts_the_surviving_timeline(tmp_path: Path) -> None:
+    """Killed after step 6 with a checkpoint at 4: steps 5-6 are redone; the redo counts."""
+    run_dir = write_run(tmp_path, "r", losses=[4.0, 3.0, 2.5, 2.2, 9.9, 9.9], vals={}, end=None)
+    t = time.time()
+    extra = [{"event": "start", "time": t, "step": 4, "resumed_from_step": 4, "seed": 1,
+              "config": _config("r", 1)}]  # fmt: skip
+    for step, loss in ((5, 2.0), (6, 1.9), (7, 1.8)):
+        extra.append({"event": "train", "time": t + step, "step": step, "loss": loss,
+                      "tokens": step * 1000})  # fmt: skip
+    extra.append({"event": "val", "time": t + 8, "step": 7, "val_loss": 1.95, "tokens": 7000})
+    extra.append({"event": "end", "time": t + 9, "step": 7, "reason": "completed"})
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in extra)
+    s = summarize_run("r", run_dir)
+    assert (s.status, s.resumes, s.steps, s.train_loss) == ("completed", 1, 7, 1.8)
+    assert s.improvement == pytest.approx(0.0)  # one val record: first == best
+    assert s.tokens == 7000
+
+
+def test_seed_groups_mean_and_std(tmp_path: Path, capsys) -> None:
+    finals = {"base-s1": 2.50, "base-s2": 2.60, "base-s3": 2.45}
+    for i, (name, final) in enumerate(finals.items(), start=1):
+        write_run(tmp_path, name, seed=i, losses=[3.0, 2.8], vals={1: 2.9, 2: final})
+    write_run(tmp_path, "other-lr", seed=1, lr=0.001, losses=[3.0], vals={1: 2.2})
+    code, out, _ = run_report(capsys, str(tmp_path), "--json")
+    assert code == 0
+    (group,) = json.loads(out)["seed_groups"]
+    assert sorted(group["runs"]) == sorted(finals) and group["seeds"] == [1, 2, 3]
+    assert group["mean_val_loss"] == pytest.approx(statistics.fmean(finals.values()))
+    assert group["std_val_loss"] == pytest.approx(statistics.stdev(finals.values()))
+    assert group["label"] == "base"
+    _, table, _ = run_report(capsys, str(tmp_path))
+    mean, std = statistics.fmean(finals.values()), statistics.stdev(finals.values())
+    assert f"base: {mean:.4f} ± {std:.4f}  (n=3" in table
+
+
+def test_sort_and_select(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path, "lr-a", losses=[3.0], vals={1: 2.9})
+    write_run(tmp_path, "lr-b", losses=[3.0], vals={1: 2.1})
+    write_run(tmp_path, "z", losses=[3.0], vals={1: 2.5})
+    _, out, _ = run_report(capsys, str(tmp_path), "--json", "--sort", "best_val_loss")
+    assert [r["run"] for r in json.loads(out)["runs"]] == ["lr-b", "z", "lr-a"]
+    _, out, _ = run_report(capsys, str(tmp_path), "--json", "--sort=-best_val_loss", "--run", "lr*")
+    assert [r["run"] for r in json.loads(out)["runs"]] == ["lr-a", "lr-b"]
+
+
+def test_bad_input_is_one_clear_line(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path / "runs", "a", losses=[3.0], vals={})
+    code, _, err = run_report(capsys, str(tmp_path / "runs"), "--sort", "loss_of_val")
+    assert code == 2 and "unknown field 'loss_of_val'" in err and "best_val_loss" in err
+    code, _, err = run_report(capsys, str(tmp_path / "runs"), "--run", "nope")
+    assert code == 2 and "no run named 'nope'" in err and "runs found: a" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_report(capsys, str(tmp_path / "empty"))
+    assert code == 1 and "no runs under" in err
+    code, _, err = run_report(capsys, str(tmp_path / "missing"))
+    assert code == 2 and "does not exist" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_plot_tokens_and_gpu_hours(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path / "runs", "a", losses=[3.0, 2.5, 2.2], vals={2: 2.6, 3: 2.3})
+    write_run(tmp_path / "runs", "b", seed=2, losses=[3.1, 2.6, 2.1], vals={3: 2.2})
+    for x in ("tokens", "gpu_hours"):
+        out = tmp_path / f"loss-{x}.png"
+        code, _, err = run_report(capsys, str(tmp_path / "runs"), "--plot", str(out), "--x", x)
+        assert code == 0, err
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert not list(tmp_path.glob(".*tmp*"))  # written atomically, nothing left behind
+
+
+def test_plot_gpu_hours_without_them_is_refused(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "runs" / "plain"
+    run_dir.mkdir(parents=True)
+    lines = [{"event": "train", "time": 1.0, "step": 1, "loss": 3.0, "tokens": 100}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "p.png"
+    code, _, err = run_report(
+        capsys, str(tmp_path / "runs"), "--plot", str(out), "--x", "gpu_hours"
+    )
+    assert code == 2 and "log no gpu_hours" in err and not out.exists()
