@@ -39,7 +39,7 @@ def _sample_text(chars: int = 60_000) -> str:
 
 def _nanolab(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     # PYTHONPATH=. as the starter README says, so `callbacks.SampleText` imports.
-    env = {**os.environ, "PYTHONPATH": "."}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([".", os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, "-m", "nanolab", *args],
         cwd=cwd,
