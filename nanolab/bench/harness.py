@@ -1,0 +1,264 @@
+"""``nanolab bench``: nanolab's training speed against a plain PyTorch loop, side by side.
+
+Each round runs (a) ``nanolab fit`` on the config — with its default callbacks, periodic
+evaluation and checkpoints, exactly as a user runs it — and (b) the plain loop of
+:mod:`nanolab.bench.plain_loop` on the same resolved config, one after the other; rounds
+alternate which side goes first so drift on a shared machine hits both. Both sides report the
+wall time at the end of every optimizer step; steady-state tokens/s is
+``tokens per step / median step interval`` after ``--warmup`` steps, where nanolab's intervals
+that contain an evaluation or checkpoint are left out (those are goodput's business, reported
+separately from the run's own ``end`` record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from nanolab.runlog import read_records
+
+
+@dataclass
+class SideResult:
+    tokens_per_s: float
+    window_tokens_per_s: float
+    startup_s: float  # process start -> end of the first optimizer step
+    steps: int
+
+
+@dataclass
+class NanolabResult(SideResult):
+    goodput: float | None
+    data_wait_s: float | None
+
+
+def _steady_rate(
+    ends: list[float], tokens_per_step: int, warmup: int, skip: set[int]
+) -> tuple[float, float]:
+    """(tokens / median step interval, tokens / wall time of the whole measured window)."""
+    intervals = [ends[i] - ends[i - 1] for i in range(max(1, warmup), len(ends)) if i not in skip]
+    if not intervals:
+        raise RuntimeError(f"only {len(ends)} steps measured; raise --steps above --warmup")
+    median = statistics.median(intervals)
+    window = ends[-1] - ends[max(0, warmup - 1)]
+    n = len(ends) - max(0, warmup - 1) - 1
+    return tokens_per_step / median, tokens_per_step * n / window
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_nanolab(
+    configs: list[str], overrides: list[str], steps: int, warmup: int, work: Path, tag: str
+) -> tuple[NanolabResult, Path]:
+    runs = work / "runs"
+    cmd = [sys.executable, "-m", "nanolab", "fit"]
+    for c in configs:
+        cmd += ["--config", c]
+    cmd += [
+        "--trainer.max_steps", str(steps),
+        "--run.root", str(runs),
+        "--run.name", tag,
+        "--run.resume", "never",
+        "--trainer.enable_progress_bar", "false",
+        *overrides,
+    ]  # fmt: skip
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nanolab fit failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    run_dir = runs / tag
+    records = read_records(run_dir / "metrics.jsonl")
+    start = next(r for r in records if r["event"] == "start")
+    train = [r for r in records if r["event"] == "train"]
+    end = next((r for r in records if r["event"] == "end"), {})
+    # An interval is "dirty" when an evaluation or checkpoint happened inside it.
+    skip: set[int] = set()
+    index = -1
+    for r in records:
+        if r["event"] == "train":
+            index += 1
+        elif r["event"] in ("val", "checkpoint") and index >= 0:
+            skip.add(index + 1)
+    ends = [r["time"] for r in train]
+    tokens_per_step = int(start.get("global_batch_tokens") or 0)
+    rate, window = _steady_rate(ends, tokens_per_step, warmup, skip)
+    return (
+        NanolabResult(
+            tokens_per_s=rate,
+            window_tokens_per_s=window,
+            startup_s=ends[0] - t0,
+            steps=len(ends),
+            goodput=end.get("goodput"),
+            data_wait_s=end.get("data_wait_s"),
+        ),
+        run_dir,
+    )
+
+
+def run_plain(config_yaml: Path, steps: int, warmup: int, work: Path) -> SideResult:
+    out = work / "plain.json"
+    t0 = time.time()
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanolab.bench.plain_loop",
+        "--config",
+        str(config_yaml),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"plain loop failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    ends = result["step_ends"]
+    rate, window = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())
+    return SideResult(
+        tokens_per_s=rate, window_tokens_per_s=window, startup_s=ends[0] - t0, steps=len(ends)
+    )
+
+
+def import_time(module: str, repeats: int = 3) -> float:
+    """Seconds to import ``module`` in a fresh interpreter, interpreter start-up subtracted."""
+
+    def wall(code: str) -> float:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, env=_env())
+        return time.perf_counter() - t
+
+    base = min(wall("pass") for _ in range(repeats))
+    return min(wall(f"import {module}") for _ in range(repeats)) - base
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def benchmark(
+    configs: list[str], overrides: list[str], steps: int, warmup: int, rounds: int
+) -> dict[str, Any]:
+    nano: list[NanolabResult] = []
+    plain: list[SideResult] = []
+    with tempfile.TemporaryDirectory(prefix="nanolab-bench-") as tmp:
+        work = Path(tmp)
+        config_yaml: Path | None = None
+
+        def nanolab_side(r: int) -> None:
+            nonlocal config_yaml
+            result, run_dir = run_nanolab(configs, overrides, steps, warmup, work, f"bench-{r}")
+            nano.append(result)
+            config_yaml = run_dir / "config.yaml"  # resolved: vocab, accumulation, ...
+
+        for r in range(rounds):
+            # The first round starts with nanolab (its run resolves the config for the plain
+            # loop); later rounds alternate which side goes first.
+            if r % 2 == 0 or config_yaml is None:
+                nanolab_side(r)
+                plain.append(run_plain(config_yaml, steps, warmup, work))
+            else:
+                plain.append(run_plain(config_yaml, steps, warmup, work))
+                nanolab_side(r)
+    ratios = [n.tokens_per_s / p.tokens_per_s for n, p in zip(nano, plain, strict=True)]
+    return {
+        "configs": configs,
+        "overrides": overrides,
+        "steps": steps,
+        "warmup": warmup,
+        "rounds": rounds,
+        "machine": _machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "nanolab_tokens_per_s": _stats([n.tokens_per_s for n in nano]),
+        "plain_tokens_per_s": _stats([p.tokens_per_s for p in plain]),
+        "ratio": _stats(ratios),
+        "nanolab_window_tokens_per_s": _stats([n.window_tokens_per_s for n in nano]),
+        "plain_window_tokens_per_s": _stats([p.window_tokens_per_s for p in plain]),
+        "nanolab_startup_s": _stats([n.startup_s for n in nano]),
+        "plain_startup_s": _stats([p.startup_s for p in plain]),
+        "goodput": _stats([n.goodput for n in nano if n.goodput is not None] or [float("nan")]),
+        "data_wait_s": [n.data_wait_s for n in nano],
+        "rounds_detail": [
+            {"nanolab": asdict(n), "plain": asdict(p)} for n, p in zip(nano, plain, strict=True)
+        ],
+    }
+
+
+def _machine() -> str:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def format_table(res: dict[str, Any]) -> str:
+    def row(name: str, s: dict[str, float], fmt: str) -> str:
+        return f"{name:<34} {s['median']:{fmt}} {s['min']:{fmt}} {s['max']:{fmt}}"
+
+    lines = [
+        f"nanolab bench — {res['machine']}, {res['date']}, {res['rounds']} rounds x {res['steps']} steps (warmup {res['warmup']})",
+        f"{'':<34} {'median':>10} {'min':>10} {'max':>10}",
+        row("nanolab tokens/s (steady)", res["nanolab_tokens_per_s"], ">10,.0f"),
+        row("plain loop tokens/s (steady)", res["plain_tokens_per_s"], ">10,.0f"),
+        row("ratio nanolab / plain", res["ratio"], ">10.3f"),
+        row("nanolab tokens/s (whole window)", res["nanolab_window_tokens_per_s"], ">10,.0f"),
+        row("plain tokens/s (whole window)", res["plain_window_tokens_per_s"], ">10,.0f"),
+        row("start-up to first step, nanolab s", res["nanolab_startup_s"], ">10.2f"),
+        row("start-up to first step, plain s", res["plain_startup_s"], ">10.2f"),
+        row("goodput, nanolab", res["goodput"], ">10.3f"),
+    ]
+    if "import_s" in res:
+        lines.append(f"{'import nanolab.training.cli, s':<34} {res['import_s']:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="nanolab bench",
+        description="nanolab fit vs a plain PyTorch loop on the same config, alternating A/B.",
+    )
+    parser.add_argument(
+        "--config", action="append", required=True, help="nanolab config (repeatable)"
+    )
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="--key value",
+        help="extra override for nanolab fit, e.g. --set=--run.eval_every_steps=50",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup + 1:
+        parser.error("--steps must exceed --warmup + 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    overrides = [part for item in args.set for part in item.split("=", 1)]
+    try:
+        res = benchmark(args.config, overrides, args.steps, args.warmup, args.rounds)
+    except RuntimeError as err:
+        print(f"nanolab bench: error: {err}", file=sys.stderr)
+        return 1
+    res["import_s"] = import_time("nanolab.training.cli")
+    print(json.dumps(res, indent=2) if args.json else format_table(res))
+    return 0

@@ -1,0 +1,127 @@
+"""The baseline: a plain PyTorch training loop with nanolab's model, data, optimizer and schedule.
+
+Written for the speed benchmark only. It reads the resolved ``config.yaml`` of a nanolab run
+(so both sides train the same model on the same windows with the same batch, accumulation,
+precision, clipping, optimizer and LR schedule) and does what a careful hand-written loop does:
+no framework, no callbacks, no logging but a loss read every ``log_every`` steps.
+
+Run as ``python -m nanolab.bench.plain_loop --config runs/x/config.yaml --steps 200 --out t.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from nanolab.data.datamodule import TokenWindows
+from nanolab.data.prepare import read_meta
+from nanolab.data.windows import WindowPlan
+from nanolab.model import GPT, GPTConfig
+from nanolab.training.optim import OptimizerConfig, ScheduleConfig, WarmupCosine, build_optimizer
+
+
+def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision.startswith("bf16-mixed"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision.startswith("16-mixed"):
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def train(
+    config: dict[str, Any], steps: int, device: torch.device, log_every: int = 10
+) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps; return the wall time at the end of each one."""
+    model_cfg, data_cfg, trainer_cfg = config["model"], config["data"], config["trainer"]
+    torch.manual_seed(int(config.get("seed_everything") or 0))
+    gpt = GPTConfig(**model_cfg["gpt"])
+    model = GPT(gpt).to(device)
+    if model_cfg.get("compile"):
+        model.compile(mode=model_cfg.get("compile_mode"))
+    opt_cfg = OptimizerConfig(
+        **{**model_cfg["optimizer"], "betas": tuple(model_cfg["optimizer"]["betas"])}
+    )
+    sched_cfg = ScheduleConfig(**model_cfg["schedule"])
+    optimizer = build_optimizer(model, opt_cfg, device)
+    decay = sched_cfg.decay_steps or int(trainer_cfg["max_steps"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(sched_cfg.warmup_steps, decay, sched_cfg.min_lr_ratio)
+    )
+    precision = str(trainer_cfg.get("precision", "32-true"))
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.startswith("16-mixed"))
+    accumulate = int(trainer_cfg.get("accumulate_grad_batches") or 1)
+    clip = trainer_cfg.get("gradient_clip_val")
+
+    dataset_dir = Path(data_cfg["dataset_dir"])
+    meta = read_meta(dataset_dir)
+    assert meta is not None, f"{dataset_dir} holds no prepared dataset"
+    windows = TokenWindows(dataset_dir / "train.bin", meta["dtype"], gpt.block_size)
+    plan = WindowPlan(
+        num_tokens=int(meta["train_tokens"]),
+        block_size=gpt.block_size,
+        micro_batch_size=int(data_cfg["micro_batch_size"]),
+        world_size=1,
+        seed=int(data_cfg["seed"]),
+    )
+    pin = device.type == "cuda"
+
+    def batch(g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = windows[plan.batch_starts(g, 0)]
+        if pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    model.train()
+    step_ends: list[float] = []
+    losses: list[float] = []
+    g = 0
+    for step in range(steps):
+        for _ in range(accumulate):
+            x, y = batch(g)
+            g += 1
+            with _autocast(precision, device):
+                _, loss = model(x, y)
+            scaler.scale(loss / accumulate).backward()
+        if clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if step % log_every == 0 or step == steps - 1:
+            losses.append(loss.item())  # the one host sync, as a hand-written loop would log
+        step_ends.append(time.time())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        step_ends[-1] = time.time()
+    return {
+        "step_ends": step_ends,
+        "losses": losses,
+        "tokens_per_step": plan.micro_batch_size * gpt.block_size * accumulate,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanolab.bench.plain_loop")
+    parser.add_argument("--config", required=True, help="a nanolab run's resolved config.yaml")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(Path(args.config).read_text())
+    result = train(config, args.steps, torch.device(args.device))
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
