@@ -43,7 +43,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # name the wrong user), and reuse a group that already has the requested gid.
 RUN test "${NANOLAB_UID}" -ne 0 \
     && holder="$(getent passwd "${NANOLAB_UID}" | cut -d: -f1 || true)" \
-    && if [ -n "${holder}" ]; then userdel --remove "${holder}"; fi \
+    && if [ -n "${holder}" ]; then userdel "${holder}"; fi \
     && if ! getent group "${NANOLAB_GID}" > /dev/null; then \
         groupadd --gid "${NANOLAB_GID}" nanolab; fi \
     && useradd --uid "${NANOLAB_UID}" --gid "${NANOLAB_GID}" --create-home \
