@@ -458,3 +458,23 @@ def test_multinode_snippet_composes_after_a_strategy() -> None:
     trainer = yaml.safe_load(proc.stdout)["trainer"]
     assert (trainer["num_nodes"], trainer["devices"], trainer["accelerator"]) == (2, 8, "gpu")
     assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
+
+
+def test_ci_runs_the_same_lint_and_test_commands_as_ci_run() -> None:
+    ci_run = ROOT / ".ci" / "run"
+    if not ci_run.is_file():
+        pytest.skip(".ci/run not in this tree")
+    commands = [
+        line.strip()
+        for line in ci_run.read_text().splitlines()
+        if re.search(r"\b(ruff|pytest)\b", line) and not line.lstrip().startswith("#")
+    ]
+    assert commands, ".ci/run runs neither ruff nor pytest"
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    steps = [
+        step.get("run", "").strip()
+        for job in ("lint", "tests")
+        for step in workflow["jobs"][job]["steps"]
+    ]
+    for command in commands:
+        assert command in steps, f"ci.yml does not run `{command}` as .ci/run does"
