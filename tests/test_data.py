@@ -177,3 +177,22 @@ def test_datamodule_refuses_missing_data(tmp_path):
     dm = TokenDataModule(dataset_dir=str(tmp_path / "nothing"))
     with pytest.raises(PrepareError, match="nanolab prepare"):
         dm.setup("fit")
+
+
+def _prepare_in_child(args: tuple[str, str]) -> str:
+    src, out = args
+    return prepare_dataset([src], out, "chars", quiet=True)["source_hash"]
+
+
+def test_concurrent_prepares_of_one_dataset_agree(tmp_path):
+    # What every rank of a torchrun/srun launch does with data.source set.
+    import multiprocessing as mp
+
+    src = tmp_path / "text.txt"
+    src.write_text(SAMPLE * 50)
+    out = tmp_path / "ds"
+    with mp.get_context("spawn").Pool(3) as pool:
+        hashes = pool.map(_prepare_in_child, [(str(src), str(out))] * 3)
+    assert len(set(hashes)) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]

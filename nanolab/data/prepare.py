@@ -13,6 +13,8 @@ never leaves a half-written dataset, and an existing dataset is never overwritte
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import json
@@ -21,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -138,6 +140,35 @@ def prepare_dataset(
     out_dir = Path(dataset_dir)
     texts = read_sources(sources)
     digest = source_hash(texts, tokenizer, bpe_vocab_size, val_fraction)
+    # Every rank of a torchrun/srun launch may get here at once: one prepares, the others wait
+    # on the lock and then find the dataset ready (same hash: a no-op).
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out_dir.with_name(f".{out_dir.name}.lock")):
+        return _prepare_locked(
+            texts, digest, out_dir, tokenizer, bpe_vocab_size, val_fraction, force, quiet
+        )
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _prepare_locked(
+    texts: list[Source],
+    digest: str,
+    out_dir: Path,
+    tokenizer: str,
+    bpe_vocab_size: int,
+    val_fraction: float,
+    force: bool,
+    quiet: bool,
+) -> dict[str, Any]:
     existing = read_meta(out_dir)
     if existing is not None and existing.get("source_hash") == digest:
         return existing
@@ -167,7 +198,6 @@ def prepare_dataset(
         "val_fraction": val_fraction,
     }
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a dataset is meant to be shared
     try:

@@ -8,15 +8,16 @@ before anything is instantiated, so ``--print_config`` shows the run exactly as 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import TokenizerError
@@ -43,6 +44,9 @@ class RunConfig:
         eval_every_steps: Optimizer steps between validations.
         resume: ``auto`` continues from the run directory's newest complete checkpoint when
             there is one; ``never`` starts fresh; a path resumes from that checkpoint.
+        fresh: Start a new run even though the run directory holds another one: its log,
+            checkpoints and config are moved to ``<run_dir>/previous/`` (never deleted). Without
+            it, a directory that holds a different run is refused.
     """
 
     name: str | None = None
@@ -50,6 +54,7 @@ class RunConfig:
     global_batch_tokens: int | None = None
     eval_every_steps: int = 250
     resume: str = "auto"
+    fresh: bool = False
 
 
 def world_size_of(trainer_cfg: Any) -> int:
@@ -88,6 +93,24 @@ def gradient_accumulation(
     return global_batch_tokens // per_step
 
 
+def default_run_name(stem: str) -> str:
+    """``<config stem>-<YYYYmmdd-HHMMSS>``, the same in every process of one launch.
+
+    Lightning's DDP launcher re-executes the command for ranks 1..N-1 a moment later, so the
+    name is handed down through ``NANOLAB_RUN_NAME``; under SLURM the job id is used, which also
+    survives a requeue. Other multi-process launchers (torchrun on several nodes) should set
+    ``run.name``.
+    """
+    if name := os.environ.get("NANOLAB_RUN_NAME"):
+        return name
+    if job := os.environ.get("SLURM_JOB_ID"):
+        name = f"{stem}-slurm{job}"
+    else:
+        name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.environ["NANOLAB_RUN_NAME"] = name
+    return name
+
+
 class OneLineErrorParser(LightningArgumentParser):
     """Reports a bad config in one line (the key and what is wrong), not a usage screen."""
 
@@ -107,7 +130,24 @@ class NanolabCLI(LightningCLI):
         parser.add_class_arguments(RunConfig, "run", fail_untyped=True)
         # One context length for model and data.
         parser.link_arguments("model.gpt.block_size", "data.block_size")
+        # The run log, checkpoint rotation, budgets, throughput/MFU and the step progress bar.
+        from nanolab.callbacks import (
+            CostBudget,
+            MetricsLog,
+            RotatingCheckpoint,
+            StepProgressBar,
+            ThroughputMeter,
+        )
+
+        parser.add_lightning_class_args(MetricsLog, "log")
+        parser.add_lightning_class_args(RotatingCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(CostBudget, "budget")
+        parser.add_lightning_class_args(ThroughputMeter, "throughput")
+        parser.add_lightning_class_args(StepProgressBar, "progress")
+        parser.link_arguments("run.fresh", "log.fresh")
         # On by default: SIGTERM/SIGINT/SIGUSR1 -> finish the step, checkpoint, exit 75.
+        # Registered last: its step-end hook must run after the other callbacks have counted
+        # the step (log record, token clock), so the checkpoint it saves includes that step.
         from nanolab.callbacks.preemption import PreemptionHandler
 
         parser.add_lightning_class_args(PreemptionHandler, "preemption")
@@ -121,7 +161,7 @@ class NanolabCLI(LightningCLI):
                 if cfg.get("config")
                 else "run"
             )
-            run.name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            run.name = default_run_name(stem)
         run_dir = Path(run.root) / run.name
         cfg.trainer.default_root_dir = str(run_dir)
 
@@ -154,11 +194,14 @@ class NanolabCLI(LightningCLI):
         cfg.trainer.check_val_every_n_epoch = None
         self.run_config = run
         self.run_dir = run_dir
+        from nanolab.callbacks.progress import reconcile_progress_bar
+
+        reconcile_progress_bar(cfg)
 
     def before_fit(self) -> None:
         kwargs = self.config_init["fit"]
         kwargs["weights_only"] = True
-        if kwargs.get("ckpt_path") is None:
+        if kwargs.get("ckpt_path") is None and not self.run_config.fresh:
             # The newest *complete* checkpoint (a torn one is reported and skipped): resume.py.
             from dataclasses import asdict
 
@@ -171,6 +214,21 @@ class NanolabCLI(LightningCLI):
                 )
             except ResumeError as err:
                 raise RunConfigError(str(err)) from None
+        # Refuse a directory holding a different run before anything (config.yaml) is written.
+        from nanolab.callbacks.rundir import claim_run_dir
+
+        claim_run_dir(
+            self.run_dir,
+            self.config[self.subcommand].as_dict(),
+            resuming=kwargs.get("ckpt_path") is not None,
+            fresh=self.run_config.fresh,
+        )
+
+    def before_validate(self) -> None:
+        self.config_init["validate"]["weights_only"] = True  # a checkpoint is data, not code
+
+    def before_test(self) -> None:
+        self.config_init["test"]["weights_only"] = True
 
 
 def trainer_defaults() -> dict[str, Any]:
@@ -180,11 +238,17 @@ def trainer_defaults() -> dict[str, Any]:
         "use_distributed_sampler": False,  # the DataModule shards windows by rank itself
         "log_every_n_steps": 1,
         "num_sanity_val_steps": 0,
-        "callbacks": [ModelCheckpoint(save_last=True, every_n_train_steps=250)],
     }
 
 
-USER_ERRORS = (ConfigError, PrepareError, TokenizerError, RunConfigError, DataTooSmallError)
+USER_ERRORS = (
+    ConfigError,
+    PrepareError,
+    TokenizerError,
+    RunConfigError,
+    DataTooSmallError,
+    CallbackConfigError,  # includes RunDirError: a run directory held by another run
+)
 
 
 def run_lightning_cli(argv: list[str]) -> int:
