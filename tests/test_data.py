@@ -191,7 +191,7 @@ def test_concurrent_prepares_of_one_dataset_agree(tmp_path):
     src = tmp_path / "text.txt"
     src.write_text(SAMPLE * 50)
     out = tmp_path / "ds"
-    with mp.get_context("spawn").Pool(3) as pool:
+    with mp.get_context("fork").Pool(3) as pool:
         hashes = pool.map(_prepare_in_child, [(str(src), str(out))] * 3)
     assert len(set(hashes)) == 1
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
