@@ -1,0 +1,476 @@
+"""Checkpoint rotation: by steps and by wall time, keep the last K + best J + ``last.ckpt``.
+
+Files (the resume and queue code rely on these names), in ``<run_dir>/checkpoints/``:
+
+* ``step-{step:08d}.ckpt`` — one per save, ``step`` = optimizer steps done;
+* ``last.ckpt`` — the newest complete save (a hard link to its step file: no second write).
+
+Every save is atomic (see :mod:`nanolab.callbacks.checkpoint_io`), and rotation runs only after
+the newer checkpoint is complete on disk — on the writer thread, behind the write, when saving
+asynchronously — so at every instant there is a complete checkpoint to resume from.
+
+When a save falls on a step that is followed by a validation, it is taken after the validation
+instead, so the checkpoint carries the state the callbacks derive from it (best val loss, the
+budget's history) and a resumed run makes the same decisions an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Checkpoint
+
+from nanolab.callbacks.checkpoint_io import (
+    AsyncAtomicCheckpointIO,
+    AtomicCheckpointIO,
+    atomic_link,
+    fsync_dir,
+    tmp_path,
+)
+from nanolab.callbacks.clock import RunClock
+from nanolab.callbacks.events import CallbackConfigError, emit
+from nanolab.callbacks.rundir import CHECKPOINT_DIR
+
+STEP_FILE = re.compile(r"^step-(\d{8,})\.ckpt$")
+LAST_NAME = "last.ckpt"
+
+
+def step_checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.ckpt"
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step of a ``step-XXXXXXXX.ckpt`` file name, or ``None`` for any other name."""
+    match = STEP_FILE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _writes_directories(strategy: Any) -> bool:
+    """Strategies that save a folder of shards instead of going through ``checkpoint_io``."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        return True
+    if getattr(strategy, "_save_distributed_checkpoint", False):
+        return True
+    return getattr(strategy, "_state_dict_type", None) == "sharded"
+
+
+class RotatingCheckpoint(Checkpoint):
+    """Saves by step and/or wall time, keeps the last K + best J + ``last.ckpt``, atomically.
+
+    Args:
+        dirpath: Folder for the checkpoints; ``null`` = ``<run_dir>/checkpoints``.
+        every_n_steps: Save every N optimizer steps (``null``: not by steps).
+        every_n_minutes: Save when this many minutes of wall time passed since the last save
+            (``null``: not by time). On preemptible machines this bounds the work a preemption
+            can destroy, whatever the step time.
+        keep_last: Step checkpoints kept, newest first (the newest one is always kept).
+        keep_best: Checkpoints with the lowest ``monitor`` value kept besides those.
+        monitor: Validation metric that ranks checkpoints (lower is better).
+        save_on_best: Also save at a validation whose ``monitor`` enters the best ``keep_best``
+            when that step is not a save step anyway (costs a save per improving evaluation).
+        save_last: Keep ``last.ckpt`` pointing at the newest complete checkpoint.
+        save_on_train_end: Save when training ends (completed, budget, plateau, preempted), so
+            the final state is never lost.
+        max_disk_gb: Cap on the checkpoint folder; oldest non-best checkpoints are deleted first
+            (never the newest). ``null``: no cap.
+        async_save: Write in a background thread; the training thread only copies the state to
+            CPU memory. Deletions wait until the newer file is complete.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_steps: int | None = 250,
+        every_n_minutes: float | None = None,
+        keep_last: int = 2,
+        keep_best: int = 1,
+        monitor: str = "val/loss",
+        save_on_best: bool = False,
+        save_last: bool = True,
+        save_on_train_end: bool = True,
+        max_disk_gb: float | None = None,
+        async_save: bool = False,
+    ) -> None:
+        super().__init__()
+        if every_n_steps is not None and every_n_steps < 1:
+            raise CallbackConfigError(
+                f"checkpoint.every_n_steps must be >= 1 or null (no step-based saves), got {every_n_steps}"
+            )
+        if every_n_minutes is not None and not every_n_minutes > 0:
+            raise CallbackConfigError(
+                f"checkpoint.every_n_minutes must be > 0 or null (no time-based saves), got {every_n_minutes}"
+            )
+        for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
+            if value < 0:
+                raise CallbackConfigError(f"checkpoint.{name} must be >= 0, got {value}")
+        if max_disk_gb is not None and not max_disk_gb > 0:
+            raise CallbackConfigError(
+                f"checkpoint.max_disk_gb must be > 0 or null (no cap), got {max_disk_gb}"
+            )
+        self.dirpath = Path(dirpath) if dirpath else None
+        self.every_n_steps = every_n_steps
+        self.every_n_minutes = every_n_minutes
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.save_on_best = save_on_best
+        self.save_last = save_last
+        self.save_on_train_end = save_on_train_end
+        self.max_disk_gb = max_disk_gb
+        self.async_save = async_save
+
+        self.val_by_step: dict[int, float] = {}
+        self.last_saved_step: int | None = None
+        self._active = False
+        self._io: AtomicCheckpointIO | AsyncAtomicCheckpointIO | None = None
+        self._rename_after_save = False
+        self._clock: RunClock | None = None
+        self._seen_step = -1
+        self._last_save_time = time.monotonic()
+        self._pending_save = False
+        self._done_records: list[dict[str, Any]] = []
+        self._warned_cap = False
+
+    # -- properties Lightning and others read ------------------------------------------------
+    @property
+    def last_path(self) -> Path | None:
+        return self.dirpath / LAST_NAME if self.dirpath else None
+
+    @property
+    def best_model_path(self) -> str:
+        best = self._best_steps(self.val_by_step, self._existing_steps())
+        return str(self.dirpath / step_checkpoint_name(best[0])) if best and self.dirpath else ""
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._active = stage == "fit"
+        if not self._active:
+            return
+        self._clock = RunClock.attach(trainer)
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.default_root_dir) / CHECKPOINT_DIR
+        strategy = trainer.strategy
+        wants_async = self.async_save
+        if _writes_directories(strategy):
+            self._rename_after_save = True
+        else:
+            current = strategy.checkpoint_io
+            if isinstance(current, (AtomicCheckpointIO, AsyncAtomicCheckpointIO)):
+                self._io = current
+            elif type(current) is TorchCheckpointIO:
+                self._io = AsyncAtomicCheckpointIO() if wants_async else AtomicCheckpointIO()
+                strategy.checkpoint_io = self._io
+            else:
+                self._rename_after_save = True  # someone else's CheckpointIO: make ours atomic
+        if self._rename_after_save and wants_async:
+            warnings.warn(
+                f"checkpoint.async_save is ignored with {type(strategy).__name__} / "
+                f"{type(strategy.checkpoint_io).__name__}: saves are synchronous",
+                stacklevel=2,
+            )
+        if trainer.is_global_zero and self.dirpath.is_dir():
+            for stale in self.dirpath.glob("*.tmp"):  # a crash mid-save leaves these behind
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(
+                    missing_ok=True
+                )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._seen_step = trainer.global_step
+        self._last_save_time = time.monotonic()
+
+    # -- deciding when -----------------------------------------------------------------------
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self._active:
+            return
+        assert self._clock is not None
+        self._clock.batch_end(trainer, batch)
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # still accumulating gradients
+        self._seen_step = step
+        self._emit_done(trainer)
+        due = self._pending_save or (
+            self.every_n_steps is not None and step % self.every_n_steps == 0
+        )
+        if self.every_n_minutes is not None and not due:
+            late = time.monotonic() - self._last_save_time >= self.every_n_minutes * 60
+            # Ranks must agree (a save is collective); wall clocks differ slightly between them.
+            due = bool(trainer.strategy.reduce_boolean_decision(late, all=False))
+        if not due:
+            return
+        if self._validation_follows(trainer):
+            self._pending_save = True
+            return
+        self._save(trainer, step)
+
+    @staticmethod
+    def _validation_follows(trainer: L.Trainer) -> bool:
+        """Whether Lightning will validate right after this batch (private API; False if it moved)."""
+        try:
+            loop = trainer.fit_loop.epoch_loop
+            return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher)) and not bool(
+                loop._skip_next_val
+            )
+        except Exception:
+            return False
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._active or trainer.sanity_checking:
+            return
+        step = trainer.global_step
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None:
+            self.val_by_step[step] = float(value)
+        should = self._pending_save
+        if not should and self.save_on_best and value is not None and self.keep_best > 0:
+            steps = self._existing_steps() | {step}
+            should = step in self._best_steps(self.val_by_step, steps)
+        self._pending_save = False
+        if should and self.last_saved_step != step:
+            self._save(trainer, step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._active:
+            return
+        step = trainer.global_step
+        wanted = self.save_on_train_end or self._pending_save
+        if wanted and step > 0 and self.last_saved_step != step:
+            self._save(trainer, step)
+        self._pending_save = False
+        if self._io is not None and trainer.is_global_zero:
+            assert self._clock is not None
+            with self._clock.pause("checkpoint"):
+                self._io.wait()  # the end record must come after the last checkpoint is complete
+        self._emit_done(trainer)
+
+    def flush_records(self, trainer: L.Trainer) -> None:
+        """Let queued saves finish (they are consistent snapshots) and report them.
+
+        The run log calls this before writing its ``end`` record, also after an exception.
+        """
+        if self._active and isinstance(self._io, AsyncAtomicCheckpointIO):
+            with contextlib.suppress(BaseException):
+                self._io.wait()
+        if self._active:
+            self._emit_done(trainer)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self.flush_records(trainer)
+
+    # -- saving ------------------------------------------------------------------------------
+    def save_now(self, trainer: L.Trainer) -> Path:
+        """Save the current state as ``step-N.ckpt`` (+ ``last.ckpt``) now; returns its path."""
+        return self._save(trainer, trainer.global_step)
+
+    def _save(self, trainer: L.Trainer, step: int) -> Path:
+        assert self.dirpath is not None and self._clock is not None
+        path = self.dirpath / step_checkpoint_name(step)
+        is_async = isinstance(self._io, AsyncAtomicCheckpointIO)
+        self._clock.sync_device(trainer)
+        previous, self.last_saved_step = self.last_saved_step, step  # stored inside the file
+        try:
+            with self._clock.pause("checkpoint"):
+                start = time.monotonic()
+                if self._rename_after_save:
+                    tmp = tmp_path(path)
+                    trainer.save_checkpoint(tmp, weights_only=False)
+                    if trainer.is_global_zero:
+                        self._publish_tmp(tmp, path)
+                else:
+                    trainer.save_checkpoint(path, weights_only=False)
+                stall = time.monotonic() - start
+        except BaseException:
+            self.last_saved_step = previous
+            raise
+        self._last_save_time = time.monotonic()
+        if trainer.is_global_zero:
+            vals = dict(self.val_by_step)
+            done = self._finish(path, step, stall, is_async, start, vals)
+            if self._io is not None:
+                self._io.then(done)
+            else:
+                done()
+            self._emit_done(trainer)
+        return path
+
+    @staticmethod
+    def _publish_tmp(tmp: Path, path: Path) -> None:
+        if tmp.is_dir():
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    with open(file, "rb+") as f:
+                        os.fsync(f.fileno())
+            if path.is_dir():
+                shutil.rmtree(path)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+
+    def _finish(
+        self,
+        path: Path,
+        step: int,
+        stall: float,
+        is_async: bool,
+        start: float,
+        vals: dict[int, float],
+    ):
+        """Work done once ``path`` is complete: point last.ckpt at it, rotate, report."""
+
+        def done() -> None:
+            if self.save_last:
+                atomic_link(path, path.parent / LAST_NAME)
+            deleted = self._rotate(path, step, vals)
+            self._done_records.append(
+                {
+                    "event": "checkpoint",
+                    "step": step,
+                    "path": str(path),
+                    "seconds": round(stall, 4),
+                    "write_seconds": round(time.monotonic() - start, 4),
+                    "bytes": _size(path),
+                    "async": is_async,
+                    "deleted": [p.name for p in deleted],
+                }
+            )
+
+        return done
+
+    def _emit_done(self, trainer: L.Trainer) -> None:
+        while self._done_records:
+            record = self._done_records.pop(0)
+            emit(trainer, {"event": record.pop("event"), "time": time.time(), **record})
+
+    # -- rotation ----------------------------------------------------------------------------
+    def _existing_steps(self) -> set[int]:
+        if self.dirpath is None or not self.dirpath.is_dir():
+            return set()
+        return {s for p in self.dirpath.iterdir() if (s := step_of(p)) is not None}
+
+    def _best_steps(self, vals: dict[int, float], steps: set[int]) -> list[int]:
+        ranked = sorted((v, s) for s, v in vals.items() if s in steps)
+        return [s for _, s in ranked[: self.keep_best]]
+
+    def _rotate(self, newest: Path, newest_step: int, vals: dict[int, float]) -> list[Path]:
+        """Delete step checkpoints beyond last K + best J (then beyond the disk cap)."""
+        folder = newest.parent
+        files = {s: p for p in folder.iterdir() if (s := step_of(p)) is not None}
+        # Files from steps after this one belong to a timeline abandoned by resuming from an
+        # older checkpoint: leave them (they are overwritten when the run gets there again).
+        timeline = sorted(s for s in files if s <= newest_step)
+        keep = set(timeline[-self.keep_last :]) if self.keep_last else set()
+        keep.add(newest_step)
+        best = self._best_steps(vals, set(timeline))
+        keep.update(best)
+        deleted = [files[s] for s in timeline if s not in keep]
+        for path in deleted:
+            _delete(path)
+        if self.max_disk_gb is not None:
+            deleted += self._enforce_cap(folder, files, keep, newest_step, best)
+        return deleted
+
+    def _enforce_cap(
+        self,
+        folder: Path,
+        files: dict[int, Path],
+        keep: set[int],
+        newest_step: int,
+        best: list[int],
+    ) -> list[Path]:
+        assert self.max_disk_gb is not None
+        cap = self.max_disk_gb * 1e9
+        kept = {s: files[s] for s in keep if s in files}
+        inodes = {p.stat().st_ino for p in kept.values() if p.exists() and not p.is_dir()}
+        last = folder / LAST_NAME
+        extra = 0
+        if last.exists() and not last.is_symlink() and last.stat().st_ino not in inodes:
+            extra = _size(last)
+        total = extra + sum(_size(p) for p in kept.values())
+        # Oldest non-best first, then the worse best ones; never the newest.
+        order = [s for s in sorted(kept) if s not in best and s != newest_step]
+        order += [s for s in reversed(best) if s != newest_step and s in kept]
+        removed: list[Path] = []
+        for s in order:
+            if total <= cap:
+                break
+            total -= _size(kept[s])
+            _delete(kept[s])
+            removed.append(kept[s])
+        if total > cap and not self._warned_cap:
+            self._warned_cap = True
+            warnings.warn(
+                f"checkpoint.max_disk_gb={self.max_disk_gb} is smaller than one checkpoint "
+                f"({total / 1e9:.3f} GB on disk); keeping the newest anyway",
+                stacklevel=2,
+            )
+        return removed
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "val_by_step": {str(k): v for k, v in self.val_by_step.items()},
+            "last_saved_step": self.last_saved_step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.val_by_step = {int(k): float(v) for k, v in state_dict.get("val_by_step", {}).items()}
+        self.last_saved_step = state_dict.get("last_saved_step")
+
+
+def _delete(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def newest_checkpoint(folder: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``folder`` (``last.ckpt`` if no step file)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    steps = sorted((s, p) for p in folder.iterdir() if (s := step_of(p)) is not None)
+    if steps:
+        return steps[-1][1]
+    last = folder / LAST_NAME
+    return last if last.exists() else None
+
+
+__all__ = [
+    "LAST_NAME",
+    "RotatingCheckpoint",
+    "newest_checkpoint",
+    "step_checkpoint_name",
+    "step_of",
+]

@@ -1,0 +1,231 @@
+"""Checkpoint files that are either complete or absent: atomic, fsynced writes, optionally async.
+
+A checkpoint is written to ``<name>.tmp`` in the same directory, flushed and fsynced, renamed over
+the final name with ``os.replace`` (atomic on POSIX filesystems) and the directory is fsynced so
+the rename survives a power cut. A crash, a kill or a full disk mid-write leaves at most a
+``.tmp`` file that nothing picks up as a checkpoint; the previous checkpoint is untouched.
+
+:class:`AtomicCheckpointIO` is installed as the strategy's ``checkpoint_io``, so *every* save
+through ``trainer.save_checkpoint`` (the rotation callback, a preemption handler, user code) gets
+this guarantee. :class:`AsyncAtomicCheckpointIO` wraps it in Lightning's ``AsyncCheckpointIO``:
+the training thread only takes a CPU snapshot of the state (the stall), a background thread
+writes it, and :meth:`AsyncAtomicCheckpointIO.then` queues follow-up work (pointing ``last.ckpt``
+at the new file, deleting old ones) behind the write, so nothing is deleted before its successor
+is complete on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message says why and that older ones are intact."""
+
+
+def tmp_path(path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".tmp")
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Persist a directory entry (a rename or a new file) on filesystems that need it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows: directories cannot be opened; renames are durable there anyway
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _explain(err: OSError, path: Path) -> str:
+    if err.errno == errno.ENOSPC:
+        cause = "the disk is full"
+        fix = "free space, lower checkpoint.keep_last/keep_best or set checkpoint.max_disk_gb"
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause = "permission denied"
+        fix = "make the run directory writable or choose another run.root"
+    else:
+        cause = err.strerror or str(err)
+        fix = "check the filesystem"
+    return (
+        f"could not write checkpoint {path}: {cause}; the previous checkpoints are intact "
+        f"(no partial file was left under the final name); {fix}"
+    )
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> int:
+    """``torch.save`` to ``path`` atomically (tmp + fsync + rename + dir fsync); returns bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except OSError as err:
+        _remove_quietly(tmp)
+        raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, path)) from err
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    fsync_dir(path.parent)
+    return size
+
+
+def atomic_link(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Make ``target`` the same file as ``source`` (hard link; copy where links are refused).
+
+    A hard link costs no extra disk and no extra write; it is swapped in with ``os.replace`` so a
+    reader sees the old or the new ``last.ckpt``, never a missing or partial one. A directory
+    (sharded checkpoint) gets a relative symlink instead.
+    """
+    source, target = Path(source), Path(target)
+    tmp = tmp_path(target)
+    _remove_quietly(tmp)
+    try:
+        if source.is_dir():
+            os.symlink(os.path.relpath(source, target.parent), tmp)
+        else:
+            try:
+                os.link(source, tmp)
+            except OSError:
+                with open(source, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except OSError as err:
+        _remove_quietly(tmp)
+        raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, target)) from err
+    fsync_dir(target.parent)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are atomic and durable (see the module docstring)."""
+
+    last_bytes: int | None = None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO.save_checkpoint does not take storage_options")
+        self.last_bytes = atomic_torch_save(checkpoint, path)
+
+    def then(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` now (writes are synchronous); returns a completed future."""
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as err:
+            future.set_exception(err)
+            raise
+        return future
+
+    def wait(self) -> None:
+        """Nothing is ever pending."""
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    # A point-in-time copy off the device: training may change the original right after.
+    return t.detach().to("cpu", copy=True)
+
+
+class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
+    """Lightning's ``AsyncCheckpointIO`` around :class:`AtomicCheckpointIO`, plus ordering.
+
+    Differences from the base class: the snapshot goes to CPU memory (a device-side clone would
+    double the model's and optimizer's device memory during the save), and :meth:`then` runs
+    follow-up work on the same single writer thread, after every save queued before it, and
+    only if none of them failed.
+    """
+
+    def __init__(self, checkpoint_io: AtomicCheckpointIO | None = None) -> None:
+        super().__init__(checkpoint_io or AtomicCheckpointIO())
+        self._futures: list[Future[Any]] = []
+
+    def _ensure_setup(self) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanolab-ckpt")
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        self._ensure_setup()
+        assert self._executor is not None
+
+        def run() -> Any:
+            if self._error is not None:
+                return None  # an earlier write failed: do not publish or delete anything
+            try:
+                return fn(*args)
+            except BaseException as err:
+                self._error = err
+                raise
+
+        future = self._executor.submit(run)
+        self._futures = [f for f in self._futures if not f.done()] + [future]
+        return future
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if self._error is not None:
+            raise self._error
+        snapshot = apply_to_collection(checkpoint, torch.Tensor, _to_cpu)
+        assert self.checkpoint_io is not None
+        self._submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
+
+    def then(self, fn: Callable[[], Any]) -> Future[Any]:
+        return self._submit(fn)
+
+    @property
+    def pending(self) -> bool:
+        return any(not f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        """Block until every queued write and follow-up has finished; re-raise a failure."""
+        for future in list(self._futures):
+            with contextlib.suppress(BaseException):  # a failure is kept in self._error
+                future.result()
+        self._futures = []
+        if self._error is not None:
+            raise self._error
+
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            super().teardown()

@@ -1,0 +1,304 @@
+"""One clock for every callback: wall time, time inside training steps, pauses, tokens.
+
+Goodput, GPU-hours, tokens/s and the budget all divide or compare the same few quantities; if each
+callback timed itself they would disagree (and each would pay for its own bookkeeping). So one
+:class:`RunClock` per Trainer measures them and the other callbacks read it. It is itself a
+callback (its totals travel in checkpoints, so GPU-hours and tokens add up across resumes), attached
+on demand by :meth:`RunClock.attach` from the other callbacks' ``setup``.
+
+What is measured, without any device synchronisation per step:
+
+* wall time from process start (start-up, imports and data preparation are paid for too);
+* *step time*: ``on_train_batch_start`` -> ``on_train_batch_end`` of every micro-batch, plus the
+  time a host sync later spends waiting for the device to finish queued step work (the run log's
+  once-per-record ``.item()``, the device sync before a checkpoint);
+* *pauses*: evaluation, checkpointing and logging, attributed to the innermost one when nested;
+* tokens and samples over all ranks, counted per micro-batch (so accumulation is included).
+
+Goodput = step time / wall time, summed over every process of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+PAUSE_KINDS = ("eval", "checkpoint", "log")
+
+_IMPORT_WALL = time.time()
+
+
+def process_start_wall_time() -> float:
+    """Unix time at which this process started (psutil, then /proc, then module import time)."""
+    try:
+        import psutil
+
+        return float(psutil.Process(os.getpid()).create_time())
+    except Exception:
+        pass
+    try:
+        with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except Exception:
+        return _IMPORT_WALL
+
+
+@dataclass(frozen=True)
+class ClockSnapshot:
+    """Counters at one instant, for rates over an interval (see :meth:`RunClock.snapshot`)."""
+
+    monotonic: float
+    active_s: float  # this process: wall time minus pauses
+    step_s: float  # this process
+    tokens: int  # whole run
+    samples: int  # whole run
+    global_step: int
+
+
+def _batch_shape(batch: Any) -> tuple[int, int]:
+    """(samples, tokens) of one micro-batch on this rank: the first tensor's batch size and numel."""
+    tensor = batch
+    while not isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, (list, tuple)) and tensor:
+            tensor = tensor[0]
+        elif isinstance(tensor, dict) and tensor:
+            tensor = next(iter(tensor.values()))
+        else:
+            return 0, 0
+    if tensor.dim() == 0:
+        return 1, 1
+    return int(tensor.shape[0]), int(tensor.numel())
+
+
+class RunClock(Callback):
+    """The run's single timing and token-counting source (see the module docstring)."""
+
+    def __init__(self) -> None:
+        now_wall = time.time()
+        self.start_monotonic = time.monotonic() - max(0.0, now_wall - process_start_wall_time())
+        self.world_size = 1
+        # Totals of earlier processes of this run (restored from the checkpoint / run log).
+        self.before_elapsed_s = 0.0
+        self.before_gpu_hours = 0.0
+        self.before_step_s = 0.0
+        # This process.
+        self.step_s = 0.0
+        self.pauses = dict.fromkeys(PAUSE_KINDS, 0.0)
+        self.tokens = 0
+        self.samples = 0
+        self._trainer: L.Trainer | None = None
+        self._batch_start: float | None = None
+        self._batch_shape = (0, 0)
+        self._marked_batches = -1  # value of batch_progress.total.processed last counted
+        self._frozen_at: float | None = None
+        self._stack: list[str] = []
+        self._segment_start = 0.0
+
+    # -- attaching ---------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, trainer: L.Trainer) -> RunClock:
+        """The Trainer's clock, appended to its callbacks on first use."""
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, cls):
+                callback._bind(trainer)
+                return callback
+        clock = cls()
+        trainer.callbacks.append(clock)  # type: ignore[attr-defined]
+        clock._bind(trainer)
+        return clock
+
+    def _bind(self, trainer: L.Trainer) -> None:
+        self._trainer = trainer
+        self.world_size = max(1, int(trainer.world_size))
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._bind(trainer)
+
+    # -- reading -----------------------------------------------------------------------------
+    def now(self) -> float:
+        """The clock's reading of ``time.monotonic()`` (pinned inside :meth:`frozen`)."""
+        return self._frozen_at if self._frozen_at is not None else time.monotonic()
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Every reading inside is taken at the same instant, so one record is consistent."""
+        outer = self._frozen_at
+        self._frozen_at = outer if outer is not None else time.monotonic()
+        try:
+            yield
+        finally:
+            self._frozen_at = outer
+
+    def process_elapsed_s(self) -> float:
+        return self.now() - self.start_monotonic
+
+    def elapsed_s(self) -> float:
+        """Wall seconds of the whole run (every process, start-up included)."""
+        return self.before_elapsed_s + self.process_elapsed_s()
+
+    def gpu_hours(self) -> float:
+        """Devices x wall hours of the whole run."""
+        return self.before_gpu_hours + self.world_size * self.process_elapsed_s() / 3600.0
+
+    def total_step_s(self) -> float:
+        return self.before_step_s + self.step_s
+
+    def goodput(self) -> float:
+        """Fraction of the run's wall time spent inside training steps, in [0, 1]."""
+        elapsed = self.elapsed_s()
+        return 0.0 if elapsed <= 0 else min(1.0, max(0.0, self.total_step_s() / elapsed))
+
+    def paused_s(self) -> float:
+        total = sum(self.pauses.values())
+        if self._stack:
+            total += max(0.0, self.now() - self._segment_start)
+        return total
+
+    def snapshot(self) -> ClockSnapshot:
+        trainer = self._trainer
+        return ClockSnapshot(
+            monotonic=self.now(),
+            active_s=self.process_elapsed_s() - self.paused_s(),
+            step_s=self.step_s,
+            tokens=self.tokens,
+            samples=self.samples,
+            global_step=int(trainer.global_step) if trainer is not None else 0,
+        )
+
+    def breakdown(self) -> dict[str, float]:
+        """This process's wall time split into step, pauses and the rest (data waits, start-up)."""
+        elapsed = self.process_elapsed_s()
+        parts = {"step_s": self.step_s, **{f"{k}_s": v for k, v in self.pauses.items()}}
+        parts["other_s"] = max(0.0, elapsed - sum(parts.values()))
+        return {k: round(v, 3) for k, v in parts.items()}
+
+    # -- marking -----------------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start = time.monotonic()
+        self._batch_shape = _batch_shape(batch)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.batch_end(trainer, batch)
+
+    def batch_end(self, trainer: L.Trainer, batch: Any = None) -> None:
+        """Count the micro-batch that just finished (idempotent: every callback may call it first).
+
+        Callbacks that do slow work in ``on_train_batch_end`` (saving) call this before it, so the
+        work is not counted as step time whatever the order of the callbacks.
+        """
+        processed = int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+        if processed == self._marked_batches:
+            return
+        self._marked_batches = processed
+        if self._batch_start is not None:
+            self.step_s += time.monotonic() - self._batch_start
+            self._batch_start = None
+        samples, tokens = self._batch_shape if batch is None else _batch_shape(batch)
+        self.samples += samples * self.world_size
+        self.tokens += tokens * self.world_size
+
+    def add_step_time(self, seconds: float) -> None:
+        """Count time spent waiting for the device to finish step work as step time."""
+        self.step_s += max(0.0, seconds)
+
+    def sync_device(self, trainer: L.Trainer) -> None:
+        """Wait for queued device work (counted as step time) so a pause that follows is honest."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            t = time.monotonic()
+            torch.cuda.synchronize(device)
+            self.add_step_time(time.monotonic() - t)
+
+    @contextmanager
+    def pause(self, kind: str) -> Iterator[None]:
+        """Time spent inside is a ``kind`` pause (nested pauses count for the innermost only)."""
+        if kind not in self.pauses:
+            raise ValueError(f"unknown pause kind {kind!r}; one of {PAUSE_KINDS}")
+        self.begin_pause(kind)
+        try:
+            yield
+        finally:
+            self.end_pause(kind)
+
+    def begin_pause(self, kind: str) -> None:
+        now = time.monotonic()
+        if self._stack:
+            self.pauses[self._stack[-1]] += now - self._segment_start
+        self._stack.append(kind)
+        self._segment_start = now
+
+    def end_pause(self, kind: str) -> None:
+        if kind not in self._stack:
+            return
+        now = time.monotonic()
+        self.pauses[self._stack[-1]] += now - self._segment_start
+        # Pop up to and including ``kind`` (an exception may have skipped an inner end).
+        while self._stack and self._stack.pop() != kind:
+            pass
+        self._segment_start = now
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.sync_device(trainer)
+        self.begin_pause("eval")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.end_pause("eval")
+
+    # -- resume ------------------------------------------------------------------------------
+    def account_earlier(self, elapsed_s: float, gpu_hours: float, step_s: float) -> None:
+        """Raise the earlier processes' totals to at least these (from the run log).
+
+        A checkpoint only knows the time up to its save; the run log also knows the minutes a
+        crashed or preempted process trained after its last checkpoint. They were paid for, so
+        they count against the budget and in GPU-hours.
+        """
+        self.before_elapsed_s = max(self.before_elapsed_s, float(elapsed_s))
+        self.before_gpu_hours = max(self.before_gpu_hours, float(gpu_hours))
+        self.before_step_s = max(self.before_step_s, float(step_s))
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._trainer is not None and self._trainer.training:
+            # A save from inside on_train_batch_end must include the batch that just finished.
+            processed = int(self._trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+            started = int(self._trainer.fit_loop.epoch_loop.batch_progress.total.started)
+            if processed == started and processed != self._marked_batches:
+                self.batch_end(self._trainer)
+        return {
+            "elapsed_s": self.elapsed_s(),
+            "gpu_hours": self.gpu_hours(),
+            "step_s": self.total_step_s(),
+            "tokens": self.tokens,
+            "samples": self.samples,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.before_elapsed_s = float(state_dict.get("elapsed_s", 0.0))
+        self.before_gpu_hours = float(state_dict.get("gpu_hours", 0.0))
+        self.before_step_s = float(state_dict.get("step_s", 0.0))
+        self.tokens = int(state_dict.get("tokens", 0))
+        self.samples = int(state_dict.get("samples", 0))
+
+
+def clock_of(trainer: L.Trainer) -> RunClock:
+    """Shorthand for :meth:`RunClock.attach`."""
+    return RunClock.attach(trainer)

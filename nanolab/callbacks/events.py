@@ -1,0 +1,79 @@
+"""What the nanolab callbacks share: errors, the stop reason, and how records reach the run log.
+
+The callbacks are independent Lightning callbacks (each one can be left out), so they find each
+other through the Trainer rather than through references: :func:`emit` hands a record to whichever
+``MetricsLog`` is attached (none: the record is dropped), and callbacks that contribute fields to
+the ``start``/``train``/``end`` records implement the small :class:`RecordSource` protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import lightning as L
+
+#: Why a run ended, as written in the ``end`` record.
+END_REASONS = ("completed", "budget", "plateau", "preempted", "error")
+
+_REASON_ATTR = "nanolab_stop_reason"
+_DETAIL_ATTR = "nanolab_stop_detail"
+
+C = TypeVar("C")
+
+
+class CallbackConfigError(ValueError):
+    """A callback setting that cannot work; the message names the YAML key and the fix."""
+
+
+@runtime_checkable
+class RecordSource(Protocol):
+    """A callback that adds fields to the run log's records (all methods optional in practice)."""
+
+    def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]: ...
+
+
+def set_stop_reason(trainer: L.Trainer, reason: str, detail: str | None = None) -> None:
+    """Record why the run is about to stop, for the ``end`` record; also asks the Trainer to stop.
+
+    This is the hook for code outside these callbacks (the preemption handler calls
+    ``set_stop_reason(trainer, "preempted", "SIGTERM")``). The first reason set wins, so a budget
+    stop that is followed by a preemption signal during the final save still reads ``budget``.
+    """
+    if reason not in END_REASONS:
+        raise ValueError(f"stop reason must be one of {', '.join(END_REASONS)}, got {reason!r}")
+    if getattr(trainer, _REASON_ATTR, None) is None:
+        setattr(trainer, _REASON_ATTR, reason)
+        setattr(trainer, _DETAIL_ATTR, detail)
+    trainer.should_stop = True
+
+
+def stop_reason(trainer: L.Trainer) -> tuple[str | None, str | None]:
+    """The reason (and detail) set with :func:`set_stop_reason`, or ``(None, None)``."""
+    return getattr(trainer, _REASON_ATTR, None), getattr(trainer, _DETAIL_ATTR, None)
+
+
+def find_callback(trainer: L.Trainer, kind: type[C]) -> C | None:
+    """The first callback of type ``kind`` attached to ``trainer``."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, kind):
+            return callback
+    return None
+
+
+def emit(trainer: L.Trainer, record: dict[str, Any]) -> None:
+    """Write ``record`` to the run log if a ``MetricsLog`` is attached and this is rank 0."""
+    from nanolab.callbacks.jsonl import MetricsLog
+
+    log = find_callback(trainer, MetricsLog)
+    if log is not None:
+        log.write(trainer, record)
+
+
+def collect_fields(trainer: L.Trainer, event: str) -> dict[str, Any]:
+    """Fields every :class:`RecordSource` callback contributes to a record of kind ``event``."""
+    fields: dict[str, Any] = {}
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        method = getattr(callback, "record_fields", None)
+        if method is not None:
+            fields.update(method(trainer, event))
+    return fields

@@ -1,0 +1,490 @@
+"""The run log callback: ``<run_dir>/metrics.jsonl``, one flushed JSON line per record.
+
+``tail -1 runs/x/metrics.jsonl | jq .loss`` is current to the last logged step; ``nanolab report``
+and the queue read the same file with :func:`nanolab.runlog.read_records`. The schema (README,
+"Callbacks") is the contract; this module only assembles records:
+
+* ``start`` once per process (after the checkpoint, if any, is restored);
+* ``train`` every ``every_n_steps`` optimizer steps — the module's ``self.log`` values plus what
+  the clock, the throughput meter and the budget contribute (:class:`~.events.RecordSource`);
+* ``val`` after every validation; ``end`` when the run ends, for whatever reason.
+
+Cost: one host-device sync per ``train`` record (all logged scalars copied in one transfer) and a
+JSON line written with a flush; nothing else per step. Rank 0 writes; the other ranks take part
+only in the collective parts (the gradient norm of sharded parameters, broadcasting decisions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from nanolab.callbacks.clock import RunClock
+from nanolab.callbacks.events import (
+    END_REASONS,
+    CallbackConfigError,
+    collect_fields,
+    stop_reason,
+)
+from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
+from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, last_record, read_records
+
+__all__ = ["MetricsLog", "read_records"]
+
+TRAIN_FIELDS = (
+    "step_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "mfu",
+    "mem_allocated_bytes",
+    "mem_reserved_bytes",
+    "cost",
+)
+
+
+class MetricsLog(Callback):
+    """Writes the run log ``<run_dir>/metrics.jsonl`` (schema in the README).
+
+    Args:
+        every_n_steps: Optimizer steps between ``train`` records (1 = every step).
+        filename: Log file name inside the run directory (``trainer.default_root_dir``).
+        monitor: The validation loss metric (``val_loss``/``val_ppl`` in ``val`` records).
+        fresh: Start a new run even if the run directory holds another one; the old one is
+            moved to ``<run_dir>/previous/``. Linked from ``run.fresh`` by ``nanolab fit``.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        filename: str = RUN_LOG_NAME,
+        monitor: str = "val/loss",
+        fresh: bool = False,
+    ) -> None:
+        super().__init__()
+        if every_n_steps < 1:
+            raise CallbackConfigError(f"log.every_n_steps must be >= 1, got {every_n_steps}")
+        if not filename or Path(filename).name != filename:
+            raise CallbackConfigError(
+                f"log.filename must be a file name without folders, got {filename!r}"
+            )
+        self.every_n_steps = every_n_steps
+        self.filename = filename
+        self.monitor = monitor
+        self.fresh = fresh
+        self.run_id: str | None = None
+        self.best_val_loss: float | None = None
+        self._active = False
+        self._writer: RunLogWriter | None = None
+        self._clock: RunClock | None = None
+        self._last_step = -1
+        self._grad_norm: torch.Tensor | None = None
+        self._ended = False
+
+    # -- writing -----------------------------------------------------------------------------
+    @property
+    def path(self) -> Path | None:
+        return self._writer.path if self._writer is not None else None
+
+    def write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
+        """Append one record (rank 0; a no-op elsewhere and before the log is open)."""
+        if self._writer is None or self._writer.closed:
+            return
+        record.setdefault("time", time.time())
+        record.setdefault("step", int(trainer.global_step))
+        if self._clock is None:
+            self._writer.write(record)
+            return
+        with self._clock.pause("log"):
+            self._writer.write(record)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._active = stage == "fit"
+        if self._active:
+            self._clock = RunClock.attach(trainer)
+            self._ended = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._active:
+            return
+        assert self._clock is not None
+        run_dir = Path(trainer.default_root_dir)
+        path = run_dir / self.filename
+        config = run_config(trainer, pl_module)
+        resuming = trainer.ckpt_path is not None
+        error, run_id, earlier = None, None, None
+        if trainer.is_global_zero:
+            try:
+                claim = claim_run_dir(run_dir, config, resuming, self.fresh, self.filename)
+                run_id = claim.run_id
+            except RunDirError as err:
+                error = str(err)
+        error = trainer.strategy.broadcast(error, src=0)
+        if error:
+            raise RunDirError(error)
+        if trainer.is_global_zero:
+            if resuming:
+                # Time after the last checkpoint of the previous process was paid for too.
+                prev = last_record(path, where=lambda r: r.get("elapsed_s") is not None)
+                if prev is not None:
+                    elapsed = float(prev["elapsed_s"])
+                    step_s = float(prev.get("goodput") or 0.0) * elapsed
+                    earlier = (elapsed, float(prev.get("gpu_hours") or 0.0), step_s)
+                if self.run_id is None:  # checkpoint without our state: take the log's id
+                    start = last_record(path, "start")
+                    self.run_id = str(start["run_id"]) if start and start.get("run_id") else None
+            else:
+                self.run_id = run_id
+            self.run_id = self.run_id or new_run_id()
+            try:
+                self._writer = RunLogWriter(path)
+            except OSError as err:
+                raise RunDirError(
+                    f"cannot write the run log {path} ({err.strerror or err}); set run.root to a "
+                    "writable folder"
+                ) from None
+        earlier = trainer.strategy.broadcast(earlier, src=0)
+        if earlier is not None:
+            self._clock.account_earlier(*earlier)
+        self._last_step = trainer.global_step
+        self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
+
+    def _start_record(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        config: dict[str, Any] | None,
+        resuming: bool,
+    ) -> dict[str, Any]:
+        import lightning
+
+        import nanolab
+
+        run_dir = Path(trainer.default_root_dir)
+        seed = os.environ.get("PL_GLOBAL_SEED")
+        names = device_names(trainer)
+        record: dict[str, Any] = {
+            "event": "start",
+            "time": time.time(),
+            "step": int(trainer.global_step),
+            "run_id": self.run_id,
+            "run_name": run_dir.resolve().name,
+            "run_dir": str(run_dir),
+            "resumed_from_step": int(trainer.global_step) if resuming else None,
+            "resumed_from": str(trainer.ckpt_path) if resuming else None,
+            "config": config,
+            "config_hash": config_hash(config),
+            "seed": int(seed) if seed is not None and seed.lstrip("-").isdigit() else None,
+            **git_state(),
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "lightning": lightning.__version__,
+                "nanolab": nanolab.__version__,
+            },
+            "devices": names,
+            "device_count": len(names),
+            "world_size": int(trainer.world_size),
+            "num_nodes": int(trainer.num_nodes),
+            "precision": str(trainer.precision),
+            "strategy": type(trainer.strategy).__name__,
+            "accelerator": type(trainer.accelerator).__name__,
+            "num_params": num_params(pl_module),
+            "global_batch_tokens": global_batch_tokens(trainer),
+            "flops_per_token": None,
+            "peak_flops": None,
+            "price_per_gpu_hour": None,
+            "pid": os.getpid(),
+            "argv": sys.argv,
+        }
+        record.update(collect_fields(trainer, "start"))
+        return record
+
+    # -- train records -----------------------------------------------------------------------
+    def _logs_step(self, step: int) -> bool:
+        return step % self.every_n_steps == 0
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Only on steps that will be logged; kept as a tensor (no sync) until the record is built.
+        if self._active and self._logs_step(trainer.global_step + 1):
+            self._grad_norm = gradient_norm(pl_module)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self._active:
+            return
+        assert self._clock is not None
+        self._clock.batch_end(trainer, batch)
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # accumulating: no optimizer step yet
+        self._last_step = step
+        if not self._logs_step(step):
+            return
+        grad_norm, self._grad_norm = self._grad_norm, None
+        if self._writer is None:
+            return
+        metrics = fresh_metrics(trainer, training=True)
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        waited = time.monotonic()
+        values = to_floats(metrics)  # the one host sync: it waits for the step's device work
+        self._clock.add_step_time(time.monotonic() - waited)
+        with self._clock.pause("log"), self._clock.frozen():
+            optimizers = trainer.optimizers
+            lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
+            record: dict[str, Any] = {
+                "event": "train",
+                "time": time.time(),
+                "step": int(step),
+                "epoch": int(trainer.current_epoch),
+                "tokens": self._clock.tokens,
+                "loss": values.pop("train/loss", None),
+                "lr": float(lr) if lr is not None else None,
+                "grad_norm": values.pop("grad_norm", None),
+                **dict.fromkeys(TRAIN_FIELDS),
+                "elapsed_s": round(self._clock.elapsed_s(), 3),
+                "gpu_hours": self._clock.gpu_hours(),
+                "goodput": round(self._clock.goodput(), 4),
+            }
+            record.update(collect_fields(trainer, "train"))
+            for key, value in values.items():
+                record.setdefault(key, value)
+            self._writer.write(record)
+
+    # -- validation --------------------------------------------------------------------------
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._active or trainer.sanity_checking or self._writer is None:
+            return
+        assert self._clock is not None
+        values = to_floats(fresh_metrics(trainer, training=False))
+        val_loss = values.get(self.monitor)
+        if val_loss is not None and (self.best_val_loss is None or val_loss < self.best_val_loss):
+            self.best_val_loss = val_loss
+        record: dict[str, Any] = {
+            "event": "val",
+            "time": time.time(),
+            "step": int(trainer.global_step),
+            "tokens": self._clock.tokens,
+            "val_loss": val_loss,
+            "val_ppl": math.exp(val_loss) if val_loss is not None and val_loss < 700 else None,
+        }
+        for key, value in values.items():
+            record.setdefault(key, value)
+        self.write(trainer, record)
+
+    # -- end ---------------------------------------------------------------------------------
+    def _end(self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None) -> None:
+        if self._ended or not self._active:
+            return
+        self._ended = True
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            flush = getattr(callback, "flush_records", None)
+            if callable(flush):
+                # The end record matters more than a late checkpoint record.
+                with contextlib.suppress(Exception):
+                    flush(trainer)
+        if self._writer is None:
+            return
+        assert self._clock is not None
+        with self._clock.frozen():
+            record = self._end_record(trainer, reason, error, detail)
+        self._writer.write(record)
+        self._writer.close()
+
+    def _end_record(
+        self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None
+    ) -> dict[str, Any]:
+        assert self._clock is not None
+        record: dict[str, Any] = {
+            "event": "end",
+            "time": time.time(),
+            "step": int(trainer.global_step),
+            "reason": reason,
+            "error": error,
+            "detail": detail,
+            "elapsed_s": round(self._clock.elapsed_s(), 3),
+            "gpu_hours": self._clock.gpu_hours(),
+            "cost": None,
+            "tokens": self._clock.tokens,
+            "goodput": round(self._clock.goodput(), 4),
+            "best_val_loss": self.best_val_loss,
+            "time_breakdown": self._clock.breakdown(),
+        }
+        record.update(collect_fields(trainer, "end"))
+        return record
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        reason, detail = stop_reason(trainer)
+        if reason is None and trainer.should_stop and not _reached_max_steps(trainer):
+            detail = "stopped early by trainer.should_stop"
+        self._end(trainer, reason or "completed", None, detail)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        given = getattr(exception, "reason", None)
+        if given in END_REASONS and given != "error":
+            self._end(trainer, given, None, str(exception))
+        elif isinstance(exception, SIGTERMException):
+            self._end(trainer, "preempted", None, f"{type(exception).__name__}: {exception}")
+        else:
+            reason, _ = stop_reason(trainer)
+            text = f"{type(exception).__name__}: {exception}".strip()
+            self._end(trainer, "preempted" if reason == "preempted" else "error", text, None)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "best_val_loss": self.best_val_loss}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.run_id = state_dict.get("run_id")
+        self.best_val_loss = state_dict.get("best_val_loss")
+
+
+# -- helpers (also used by the other callbacks) --------------------------------------------------
+def _reached_max_steps(trainer: L.Trainer) -> bool:
+    return 0 < trainer.max_steps <= trainer.global_step
+
+
+def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
+    """What the module logged in the current loop (train step or validation epoch).
+
+    ``trainer.callback_metrics`` also holds stale values from the other loop (the last
+    ``val/loss`` during training); the active loop's results hold only the current ones.
+    """
+    try:
+        metrics = dict(trainer._logger_connector.metrics["callback"])
+    except Exception:  # private API moved: filter the public dict instead
+        metrics = {
+            k: v for k, v in trainer.callback_metrics.items() if k.startswith("val") != training
+        }
+    return metrics
+
+
+def to_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
+    """Scalars as Python floats, with one device-to-host copy per device (one sync)."""
+    out: dict[str, float | None] = {}
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() == 1:
+                by_device.setdefault(value.device, []).append((key, value))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+    for items in by_device.values():
+        stacked = torch.stack([t.detach().reshape(()).float() for _, t in items]).cpu().tolist()
+        for (key, _), number in zip(items, stacked, strict=True):
+            out[key] = number if math.isfinite(number) else None
+    return out
+
+
+def gradient_norm(pl_module: L.LightningModule) -> torch.Tensor | None:
+    """Global L2 norm of the gradients, as a tensor (no host sync); ``None`` if none are visible."""
+    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+    if not grads:
+        return None  # e.g. DeepSpeed keeps partitioned gradients outside .grad
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    full_tensor = getattr(total, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else total
+
+
+def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any] | None:
+    """The merged config LightningCLI saved, or the module's dataclass settings without a CLI."""
+    from lightning.pytorch.cli import SaveConfigCallback
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, SaveConfigCallback):
+            config = callback.config
+            as_dict = getattr(config, "as_dict", None)
+            return as_dict() if callable(as_dict) else dict(config)
+    model: dict[str, Any] = {}
+    for name in ("gpt_config", "optimizer_config", "schedule_config"):
+        value = getattr(pl_module, name, None)
+        if is_dataclass(value) and not isinstance(value, type):
+            model[name.removesuffix("_config")] = asdict(value)
+    return {"model": model} if model else None
+
+
+def git_state() -> dict[str, Any]:
+    """Commit and dirtiness of the working directory's repository (else nanolab's), or nulls."""
+    import nanolab
+
+    for folder in (Path.cwd(), Path(nanolab.__file__).resolve().parent):
+        try:
+            commit = subprocess.run(
+                ["git", "-C", str(folder), "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            if commit.returncode != 0:
+                continue
+            status = subprocess.run(
+                ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+            return {"git_commit": commit.stdout.strip(), "git_dirty": dirty}
+        except (OSError, subprocess.SubprocessError):
+            break
+    return {"git_commit": None, "git_dirty": None}
+
+
+def device_names(trainer: L.Trainer) -> list[str]:
+    """Names of this node's devices in the run (``torch.cuda.get_device_name`` for GPUs)."""
+    devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
+    names = []
+    for device in devices:
+        if device.type == "cuda":
+            names.append(torch.cuda.get_device_name(device))
+        elif device.type == "cpu":
+            names.append(f"cpu ({platform.machine() or 'unknown'})")
+        else:
+            names.append(str(device))
+    return names
+
+
+def num_params(pl_module: L.LightningModule) -> int:
+    model = getattr(pl_module, "model", None)
+    counter = getattr(model, "num_params", None)
+    if callable(counter):
+        return int(counter())
+    return int(sum(p.numel() for p in pl_module.parameters()))
+
+
+def global_batch_tokens(trainer: L.Trainer) -> int | None:
+    """Tokens per optimizer step over all ranks, from the datamodule's batch shape."""
+    dm = trainer.datamodule
+    micro, block = getattr(dm, "micro_batch_size", None), getattr(dm, "block_size", None)
+    if not isinstance(micro, int) or not isinstance(block, int):
+        return None
+    return micro * block * int(trainer.accumulate_grad_batches) * int(trainer.world_size)

@@ -1,0 +1,182 @@
+"""Who owns a run directory: refuse to mix two runs in one, archive the old one when asked.
+
+A run directory holds one run: its ``metrics.jsonl``, its ``checkpoints/`` and its ``config.yaml``.
+Starting a second, different run in the same directory would interleave two logs and let the new
+run's rotation delete the old run's checkpoints, so :func:`claim_run_dir` refuses (before anything
+is written) unless the new process resumes the run, or is the same configuration restarting from
+scratch after dying before its first checkpoint, or is told to start fresh (``run.fresh: true``),
+in which case the old run's files are moved to ``<run_dir>/previous/<run_id>-<time>/``, never
+deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanolab.callbacks.events import CallbackConfigError
+from nanolab.runlog import RUN_LOG_NAME, dumps, last_record
+
+#: Config keys that may differ between two processes of the same run.
+VOLATILE_KEYS = (
+    ("run", "resume"),
+    ("run", "fresh"),
+    ("log", "fresh"),
+    ("ckpt_path",),
+    ("config",),
+    ("__path__",),
+)
+
+CHECKPOINT_DIR = "checkpoints"
+CONFIG_NAME = "config.yaml"
+
+
+class RunDirError(CallbackConfigError):
+    """The run directory cannot be used for this run (held by another run, or not writable)."""
+
+
+@dataclass(frozen=True)
+class RunClaim:
+    """Outcome of :func:`claim_run_dir`."""
+
+    run_id: str | None  # None when resuming: the id comes from the checkpoint or the log
+    archived_to: Path | None = None
+
+
+def normalise_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The config as it reads back from JSON, without the keys that vary between resumes."""
+    if config is None:
+        return None
+    plain = json.loads(dumps(config))
+    for path in VOLATILE_KEYS:
+        node = plain
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return plain
+
+
+def config_hash(config: dict[str, Any] | None) -> str | None:
+    """A short fingerprint of :func:`normalise_config` (``None`` for an unknown config)."""
+    plain = normalise_config(config)
+    if plain is None:
+        return None
+    blob = json.dumps(plain, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for key in sorted(set(a) | set(b), key=str):
+            out += _diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def checkpoint_files(run_dir: Path) -> list[Path]:
+    folder = run_dir / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name.endswith(".ckpt"))
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Create the directory and prove a file can be created in it (then remove the probe)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".nanolab-write-test-", dir=run_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise RunDirError(
+            f"run directory {run_dir} is not writable ({reason}); set run.root (or "
+            "trainer.default_root_dir) to a folder this user can write"
+        ) from None
+
+
+def claim_run_dir(
+    run_dir: str | os.PathLike[str],
+    config: dict[str, Any] | None,
+    resuming: bool,
+    fresh: bool = False,
+    log_name: str = RUN_LOG_NAME,
+) -> RunClaim:
+    """Check that this process may write into ``run_dir``; archive the old run if ``fresh``.
+
+    Raises :class:`RunDirError` (nothing written) when the directory holds a different run, when
+    ``fresh`` and ``resuming`` contradict each other, or when it is not writable.
+    """
+    run_dir = Path(run_dir)
+    if fresh and resuming:
+        raise RunDirError(
+            "run.fresh: true starts the run over, but a checkpoint to resume from was given "
+            "(run.resume or --ckpt_path); drop one of them"
+        )
+    if resuming:
+        _check_writable(run_dir)
+        return RunClaim(run_id=None)
+
+    log_path = run_dir / log_name
+    previous = last_record(log_path, where=lambda r: r.get("event") == "start")
+    has_log = log_path.is_file() and log_path.stat().st_size > 0
+    checkpoints = checkpoint_files(run_dir)
+    if not has_log and not checkpoints:
+        _check_writable(run_dir)
+        return RunClaim(run_id=new_run_id())
+
+    old_id = str(previous.get("run_id")) if previous and previous.get("run_id") else None
+    if fresh:
+        _check_writable(run_dir)
+        return RunClaim(run_id=new_run_id(), archived_to=_archive(run_dir, old_id, log_name))
+
+    what = f"run {old_id}" if old_id else "another run"
+    if checkpoints:
+        raise RunDirError(
+            f"run directory {run_dir} already holds {what} with checkpoints "
+            f"({checkpoints[-1].name}, ...); resume it (run.resume: auto), choose another "
+            f"run.name, or set run.fresh: true to move it to {run_dir / 'previous'} and start over"
+        )
+    old_config = previous.get("config") if previous else None
+    if (
+        config is not None
+        and old_config is not None
+        and config_hash(config) == config_hash(old_config)
+    ):
+        # The same configuration started before and died before its first checkpoint.
+        _check_writable(run_dir)
+        return RunClaim(run_id=old_id or new_run_id())
+    differs = _diff_keys(normalise_config(old_config), normalise_config(config))
+    detail = f" (config differs at: {', '.join(differs[:4])})" if differs and old_config else ""
+    raise RunDirError(
+        f"run directory {run_dir} already holds {what}{detail}; choose another run.name, or set "
+        f"run.fresh: true to move it to {run_dir / 'previous'} and start over"
+    )
+
+
+def _archive(run_dir: Path, old_id: str | None, log_name: str) -> Path:
+    """Move the previous run's log, checkpoints and config into ``previous/<id>-<time>/``."""
+    target = run_dir / "previous" / f"{old_id or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    suffix = 1
+    while target.exists():
+        target = target.with_name(f"{target.name.split('~')[0]}~{suffix}")
+        suffix += 1
+    target.mkdir(parents=True)
+    for name in (log_name, CHECKPOINT_DIR, CONFIG_NAME):
+        source = run_dir / name
+        if source.exists():
+            os.replace(source, target / name)
+    return target

@@ -1,0 +1,284 @@
+"""Throughput, MFU, device memory and utilisation, from the shared :class:`RunClock`.
+
+Rates are measured between two records over *active* time (wall time minus evaluation,
+checkpointing and logging pauses; data waits count, they are part of real throughput):
+
+* ``tokens_per_s``/``samples_per_s``: over all ranks, every micro-batch of every accumulation;
+* ``step_time_s``: active seconds per optimizer step;
+* ``mfu = flops_per_token * tokens_per_s / (peak_flops * world_size)`` with
+  ``flops_per_token`` from the model (6N + attention, PaLM convention) and the dense peak from
+  :mod:`nanolab.callbacks.peak_flops` or ``throughput.peak_flops``; ``null`` (and one warning
+  naming the device and the override) when the peak is unknown, never a guess;
+* ``mem_allocated_bytes``/``mem_reserved_bytes``: this device's peak since start (CUDA/ROCm;
+  ``null`` on CPU); the ``end`` record lists every rank's;
+* ``gpu_util``: percent of the last sample period with a kernel running (NVML via ``pynvml``,
+  AMD SMI via ``amdsmi``, when importable; else ``null``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from nanolab.callbacks.clock import ClockSnapshot, RunClock
+from nanolab.callbacks.events import CallbackConfigError
+from nanolab.callbacks.peak_flops import peak_flops_per_device
+
+
+class UtilizationSampler:
+    """Device utilisation in percent from NVML or AMD SMI; ``sample()`` is ``None`` when neither works."""
+
+    def __init__(self, device_index: int) -> None:
+        self.backend: str | None = None
+        self._read: Any = None
+        try:
+            self._read = self._nvml(device_index)
+            self.backend = "nvml"
+        except Exception:
+            try:
+                self._read = self._amdsmi(device_index)
+                self.backend = "amdsmi"
+            except Exception:
+                self._read = None
+
+    @staticmethod
+    def _nvml(index: int) -> Any:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = None
+        try:  # the PCI bus id survives CUDA_VISIBLE_DEVICES renumbering
+            props = torch.cuda.get_device_properties(index)
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
+        except Exception:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            ids = [v.strip() for v in visible.split(",") if v.strip()]
+            physical = int(ids[index]) if index < len(ids) and ids[index].isdigit() else index
+            handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+    @staticmethod
+    def _amdsmi(index: int) -> Any:
+        import amdsmi
+
+        amdsmi.amdsmi_init()
+        handle = amdsmi.amdsmi_get_processor_handles()[index]
+        return lambda: float(amdsmi.amdsmi_get_gpu_activity(handle)["gfx_activity"])
+
+    def sample(self) -> float | None:
+        if self._read is None:
+            return None
+        try:
+            return self._read()
+        except Exception:
+            return None
+
+
+class ThroughputMeter(Callback):
+    """Adds tokens/s, samples/s, step time, MFU, memory and utilisation to the run log.
+
+    Args:
+        peak_flops: Dense peak FLOP/s of *one* device at the run's precision, overriding the
+            table (e.g. ``989.4e12`` for an H100 SXM in bf16). ``null`` = look the device up.
+        gpu_utilization: Sample utilisation through NVML / AMD SMI when available.
+        log_to_loggers: Also send the numbers to Lightning loggers (TensorBoard, W&B, CSV)
+            every ``trainer.log_every_n_steps`` steps, as ``perf/*``.
+    """
+
+    def __init__(
+        self,
+        peak_flops: float | None = None,
+        gpu_utilization: bool = True,
+        log_to_loggers: bool = True,
+    ) -> None:
+        super().__init__()
+        if peak_flops is not None and peak_flops <= 0:
+            raise CallbackConfigError(
+                f"throughput.peak_flops must be > 0 (FLOP/s per device) or null, got {peak_flops}"
+            )
+        if peak_flops is not None and peak_flops < 1e9:
+            raise CallbackConfigError(
+                f"throughput.peak_flops is in FLOP/s per device, got {peak_flops}: that looks like "
+                f"TFLOP/s; write {peak_flops}e12"
+            )
+        self.peak_flops_override = peak_flops
+        self.gpu_utilization = gpu_utilization
+        self.log_to_loggers = log_to_loggers
+        self.peak_flops: float | None = None
+        self.peak_source: str = ""
+        self.device_name: str = ""
+        self.flops_per_token: int | None = None
+        self._active = False
+        self._clock: RunClock | None = None
+        self._last: ClockSnapshot | None = None
+        self._first: ClockSnapshot | None = None
+        self._cache: tuple[int, dict[str, Any]] | None = None
+        self._sampler: UtilizationSampler | None = None
+        self._mem_per_device: list[dict[str, int]] | None = None
+        self._warned = False
+        self._logged_step = -1
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._active = stage == "fit"
+        if self._active:
+            self._clock = RunClock.attach(trainer)
+            self._first = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._prepare(trainer)
+
+    def _prepare(self, trainer: L.Trainer) -> None:
+        """Look up the peak and the model's FLOPs once per fit (whichever callback asks first)."""
+        if not self._active or self._first is not None:
+            return
+        assert self._clock is not None
+        pl_module = trainer.lightning_module
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            self.device_name = torch.cuda.get_device_name(device)
+        else:
+            self.device_name = device.type
+        precision = str(trainer.precision)
+        if self.peak_flops_override is not None:
+            self.peak_flops, self.peak_source = self.peak_flops_override, "throughput.peak_flops"
+        elif device.type == "cuda":
+            self.peak_flops, self.peak_source = peak_flops_per_device(self.device_name, precision)
+        else:
+            self.peak_flops, self.peak_source = None, f"no peak-FLOPs table for {device.type}"
+        if self.peak_flops is None and trainer.is_global_zero and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"MFU unknown ({self.peak_source}; device {self.device_name!r}, precision "
+                f"{precision}): records carry mfu null. Set throughput.peak_flops to the "
+                "device's dense peak FLOP/s to report it.",
+                stacklevel=2,
+            )
+        self.flops_per_token = model_flops_per_token(pl_module, trainer)
+        if device.type == "cuda" and self.gpu_utilization and trainer.is_global_zero:
+            self._sampler = UtilizationSampler(device.index or 0)
+        self._first = self._last = self._clock.snapshot()
+        self._cache = None
+
+    # -- numbers -----------------------------------------------------------------------------
+    def measure(self, trainer: L.Trainer) -> dict[str, Any]:
+        """Rates since the previous call (cached per step, so every reader sees the same)."""
+        step = int(trainer.global_step)
+        if self._cache is not None and self._cache[0] == step:
+            return self._cache[1]
+        assert self._clock is not None and self._last is not None
+        now = self._clock.snapshot()
+        fields = self._rates(self._last, now, trainer)
+        fields.update(self._memory(trainer))
+        fields["gpu_util"] = self._sampler.sample() if self._sampler is not None else None
+        self._last = now
+        self._cache = (step, fields)
+        return fields
+
+    def _rates(self, a: ClockSnapshot, b: ClockSnapshot, trainer: L.Trainer) -> dict[str, Any]:
+        active = b.active_s - a.active_s
+        steps = b.global_step - a.global_step
+        tokens = b.tokens - a.tokens
+        samples = b.samples - a.samples
+        tps = tokens / active if active > 0 and tokens > 0 else None
+        return {
+            "step_time_s": round(active / steps, 6) if steps > 0 and active > 0 else None,
+            "tokens_per_s": round(tps, 2) if tps is not None else None,
+            "samples_per_s": round(samples / active, 3) if active > 0 and samples > 0 else None,
+            "mfu": self.mfu(tps, int(trainer.world_size)),
+        }
+
+    def mfu(self, tokens_per_s: float | None, world_size: int) -> float | None:
+        """Model FLOPs utilisation over all devices; ``None`` if the peak or the rate is unknown."""
+        if tokens_per_s is None or not self.peak_flops or not self.flops_per_token:
+            return None
+        return float(f"{self.flops_per_token * tokens_per_s / (self.peak_flops * world_size):.6g}")
+
+    @staticmethod
+    def _memory(trainer: L.Trainer) -> dict[str, int | None]:
+        device = trainer.strategy.root_device
+        if device.type != "cuda":
+            return {"mem_allocated_bytes": None, "mem_reserved_bytes": None}
+        return {
+            "mem_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        }
+
+    def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]:
+        if not self._active:
+            return {}
+        self._prepare(trainer)
+        if event == "start":
+            return {
+                "flops_per_token": self.flops_per_token,
+                "peak_flops": self.peak_flops,
+                "peak_flops_source": self.peak_source,
+            }
+        if event == "train":
+            return self.measure(trainer)
+        if event == "end" and self._first is not None and self._clock is not None:
+            whole = self._rates(self._first, self._clock.snapshot(), trainer)
+            return {
+                "tokens_per_s": whole["tokens_per_s"],
+                "mfu": whole["mfu"],
+                **self._memory(trainer),
+                "mem_per_device": self._mem_per_device,
+            }
+        return {}
+
+    # -- hooks -------------------------------------------------------------------------------
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not (self._active and self.log_to_loggers and trainer.loggers):
+            return
+        step = int(trainer.global_step)
+        every = max(1, int(trainer.log_every_n_steps))
+        if step == 0 or step % every != 0 or step == self._logged_step:
+            return
+        self._logged_step = step
+        assert self._clock is not None
+        self._clock.batch_end(trainer, batch)
+        fields = self.measure(trainer)
+        metrics = {f"perf/{k}": float(v) for k, v in fields.items() if v is not None}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Collect every rank's peak memory for the ``end`` record (a collective: all ranks)."""
+        if not self._active or trainer.strategy.root_device.type != "cuda":
+            return
+        mem = self._memory(trainer)
+        local = torch.tensor(
+            [mem["mem_allocated_bytes"] or 0, mem["mem_reserved_bytes"] or 0],
+            device=trainer.strategy.root_device,
+        )
+        gathered = trainer.strategy.all_gather(local).reshape(-1, 2).tolist()
+        self._mem_per_device = [
+            {"rank": r, "mem_allocated_bytes": int(a), "mem_reserved_bytes": int(b)}
+            for r, (a, b) in enumerate(gathered)
+        ]
+
+
+def model_flops_per_token(pl_module: L.LightningModule, trainer: L.Trainer) -> int | None:
+    """Training FLOPs per token from the model's own formula, at the data's sequence length."""
+    model = getattr(pl_module, "model", None)
+    formula = getattr(model, "flops_per_token", None)
+    if not callable(formula):
+        return None
+    seq_len = getattr(trainer.datamodule, "block_size", None)
+    try:
+        return int(formula(seq_len) if isinstance(seq_len, int) else formula())
+    except Exception:
+        return None

@@ -1,0 +1,154 @@
+"""The run log (``metrics.jsonl``): one JSON object per line, appended, never rewritten.
+
+This module is the contract between the process that trains (the ``MetricsLog`` callback writes
+through :class:`RunLogWriter`) and everything that reads a run afterwards or from another shell
+(``nanolab report``, the queue, ``tail``/``jq``). Readers must survive a crash: a process killed
+mid-write leaves a half-written last line, so :func:`iter_records` skips any line that does not
+parse as a JSON object, and the writer starts its first record on a fresh line when the file does
+not end with a newline, so a resumed run never glues its records onto the broken one.
+
+Every record has ``event`` (``start``, ``train``, ``val``, ``budget``, ``checkpoint``, ``end``),
+``time`` (unix seconds) and ``step`` (optimizer steps done); the README documents each event.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+RUN_LOG_NAME = "metrics.jsonl"
+
+
+def iter_records(
+    path: str | os.PathLike[str], event: str | None = None
+) -> Iterator[dict[str, Any]]:
+    """Yield the records of a run log in order, skipping lines that are not JSON objects.
+
+    ``event`` keeps only records of that kind. A missing file yields nothing.
+    """
+    try:
+        handle = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - generator
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with handle:
+        for line in handle:
+            record = _parse(line)
+            if record is not None and (event is None or record.get("event") == event):
+                yield record
+
+
+def read_records(path: str | os.PathLike[str], event: str | None = None) -> list[dict[str, Any]]:
+    """All (parsable) records of a run log as a list; see :func:`iter_records`."""
+    return list(iter_records(path, event))
+
+
+def last_record(
+    path: str | os.PathLike[str],
+    event: str | None = None,
+    where: Callable[[dict[str, Any]], bool] | None = None,
+    chunk: int = 1 << 16,
+) -> dict[str, Any] | None:
+    """The last parsable record (of kind ``event``, for which ``where`` is true), read backwards.
+
+    Long runs log hundreds of thousands of lines; resuming and ``nanolab report`` only need the
+    tail, so this reads ``chunk`` bytes at a time from the end instead of parsing everything.
+    """
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - closed below
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    with handle:
+        handle.seek(0, os.SEEK_END)
+        pos = handle.tell()
+        tail = b""
+        while pos > 0:
+            step = min(chunk, pos)
+            pos -= step
+            handle.seek(pos)
+            tail = handle.read(step) + tail
+            lines = tail.split(b"\n")
+            # The first piece may be a partial line unless we reached the start of the file.
+            complete, tail = (lines, b"") if pos == 0 else (lines[1:], lines[0])
+            for raw in reversed(complete):
+                record = _parse(raw.decode("utf-8", errors="replace"))
+                if (
+                    record is not None
+                    and (event is None or record.get("event") == event)
+                    and (where is None or where(record))
+                ):
+                    return record
+    return None
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null so every reader (jq included) can parse the line."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def dumps(record: dict[str, Any]) -> str:
+    """One record as one line of strict JSON (non-finite floats -> null, unknown types -> str)."""
+    return json.dumps(_clean(record), default=str, allow_nan=False, separators=(",", ":"))
+
+
+class RunLogWriter:
+    """Appends records to a run log, one flushed line each.
+
+    The file is opened in append mode and never truncated. If it does not end with a newline
+    (the previous process died mid-line), a newline is written first so the broken line stays
+    isolated and readers skip it. ``flush`` after every record makes ``tail -1 | jq`` current;
+    there is no fsync per record (that would cost milliseconds per step on network disks).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        needs_newline = False
+        if self.path.is_file() and self.path.stat().st_size > 0:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                needs_newline = f.read(1) != b"\n"
+        self._handle: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        if needs_newline:
+            self._handle.write("\n")
+            self._handle.flush()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._handle is None:
+            raise ValueError(f"run log {self.path} is closed")
+        self._handle.write(dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            try:
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+            except OSError:
+                pass
+            self._handle.close()
+            self._handle = None
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None

@@ -1,0 +1,195 @@
+"""Checkpoint rotation, atomic writes, a crash or a full disk mid-save, async saving."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+import torch
+from test_callbacks_runlog import events, fit
+
+import nanolab.callbacks.checkpoint as checkpoint_module
+import nanolab.callbacks.checkpoint_io as io_module
+from nanolab.callbacks import (
+    CallbackConfigError,
+    CheckpointWriteError,
+    CostBudget,
+    MetricsLog,
+    RotatingCheckpoint,
+)
+from nanolab.callbacks.checkpoint import newest_checkpoint, step_of
+
+REAL_SAVE = torch.save
+
+
+def names(folder) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def load(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_rotation_keeps_last_k_best_j_and_last(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    # Validation every 2 steps with a scripted loss: the best (1.0) is at step 4, long gone
+    # from the last-2 window by step 12.
+    vals = [3.0, 1.0, 2.0, 2.5, 2.7, 2.9]
+    ckpt = RotatingCheckpoint(every_n_steps=2, keep_last=2, keep_best=1)
+    fit(
+        run, char_dataset, [MetricsLog(), ckpt], max_steps=12, eval_every=2,
+        module_kwargs={"val_losses": vals},
+    )  # fmt: skip
+    folder = run / "checkpoints"
+    assert names(folder) == {
+        "step-00000004.ckpt", "step-00000010.ckpt", "step-00000012.ckpt", "last.ckpt",
+    }  # fmt: skip
+    assert os.path.samefile(folder / "last.ckpt", folder / "step-00000012.ckpt")  # no 2nd write
+    assert load(folder / "last.ckpt")["global_step"] == 12
+    assert ckpt.best_model_path.endswith("step-00000004.ckpt")
+    records = events(run / "metrics.jsonl", "checkpoint")
+    assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12]
+    deleted = [name for r in records for name in r["deleted"]]
+    assert sorted(deleted) == ["step-00000002.ckpt", "step-00000006.ckpt", "step-00000008.ckpt"]
+    assert all(r["bytes"] > 0 and r["async"] is False for r in records)
+    assert newest_checkpoint(folder).name == "step-00000012.ckpt"
+
+
+def test_checkpoint_holds_what_an_exact_resume_needs(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    fit(
+        run, char_dataset,
+        [MetricsLog(), RotatingCheckpoint(every_n_steps=4), CostBudget(patience=5)],
+        max_steps=4, eval_every=4,
+    )  # fmt: skip
+    ckpt = load(run / "checkpoints" / "step-00000004.ckpt")  # plain data: weights_only loads it
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step"):
+        assert key in ckpt
+    assert {"rng", "gpt"} <= set(ckpt["nanolab"])
+    states = ckpt["callbacks"]
+    assert states["RunClock"]["tokens"] > 0 and states["RunClock"]["gpu_hours"] > 0
+    # Saved after the step-4 validation, so the budget history includes it.
+    assert [h[0] for h in states["CostBudget"]["history"]] == [4]
+    assert states["RotatingCheckpoint"]["val_by_step"].keys() == {"4"}
+    assert states["MetricsLog"]["run_id"]
+
+
+def test_time_based_saving(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    ckpt = RotatingCheckpoint(every_n_steps=None, every_n_minutes=1e-6, keep_last=100, keep_best=0)
+    fit(run, char_dataset, [ckpt], max_steps=5, eval_every=100)
+    steps = sorted(step_of(p) for p in (run / "checkpoints").iterdir() if step_of(p) is not None)
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def failing_save_at(call: int, partial: bytes = b"PK\x03\x04 torn"):
+    """A torch.save that writes some bytes and then hits a full disk on the ``call``-th save."""
+    calls = {"n": 0}
+
+    def save(obj, f, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            f.write(partial)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return REAL_SAVE(obj, f, *args, **kwargs)
+
+    return save
+
+
+def test_full_disk_mid_save_keeps_the_previous_checkpoint(tmp_path, char_dataset, monkeypatch):
+    monkeypatch.setattr(io_module.torch, "save", failing_save_at(2))
+    run = tmp_path / "run"
+    with pytest.raises(
+        CheckpointWriteError, match=r"disk is full.*previous checkpoints are intact"
+    ):
+        fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2)], max_steps=6)
+    folder = run / "checkpoints"
+    assert names(folder) == {"step-00000002.ckpt", "last.ckpt"}  # no torn file, no .tmp
+    assert load(folder / "last.ckpt")["global_step"] == 2
+    end = events(run / "metrics.jsonl", "end")[-1]
+    assert end["reason"] == "error" and "disk is full" in end["error"] and end["step"] == 4
+
+
+def test_async_saves_complete_before_old_ones_are_deleted(tmp_path, char_dataset, monkeypatch):
+    seen: list[tuple[str, bool]] = []
+    real_delete = checkpoint_module._delete
+
+    def slow_save(obj, f, *args, **kwargs):
+        time.sleep(0.3)  # a slow disk: the training thread must not wait for it
+        return REAL_SAVE(obj, f, *args, **kwargs)
+
+    def watched_delete(path):
+        newer = [p for p in path.parent.iterdir() if (step_of(p) or -1) > step_of(path)]
+        seen.append((path.name, all(load(p)["global_step"] == step_of(p) for p in newer)))
+        real_delete(path)
+
+    monkeypatch.setattr(io_module.torch, "save", slow_save)
+    monkeypatch.setattr(checkpoint_module, "_delete", watched_delete)
+    run = tmp_path / "run"
+    ckpt = RotatingCheckpoint(every_n_steps=2, keep_last=1, keep_best=0, async_save=True)
+    fit(run, char_dataset, [MetricsLog(), ckpt], max_steps=8, eval_every=100)
+
+    folder = run / "checkpoints"
+    assert names(folder) == {"step-00000008.ckpt", "last.ckpt"}
+    assert load(folder / "last.ckpt")["global_step"] == 8
+    assert [name for name, _ in seen] == [f"step-0000000{s}.ckpt" for s in (2, 4, 6)]
+    assert all(complete for _, complete in seen)
+    records = events(run / "metrics.jsonl", "checkpoint")
+    assert [r["step"] for r in records] == [2, 4, 6, 8] and all(r["async"] for r in records)
+    assert all(r["seconds"] < 0.3 <= r["write_seconds"] for r in records)
+    # The end record comes after the last checkpoint is complete.
+    kinds = [r["event"] for r in events(run / "metrics.jsonl", None)]
+    assert kinds[-2:] == ["checkpoint", "end"]
+
+
+def test_async_full_disk_surfaces_and_keeps_the_previous(tmp_path, char_dataset, monkeypatch):
+    monkeypatch.setattr(io_module.torch, "save", failing_save_at(2))
+    run = tmp_path / "run"
+    ckpt = RotatingCheckpoint(every_n_steps=2, keep_last=1, keep_best=0, async_save=True)
+    with pytest.raises(CheckpointWriteError, match="disk is full"):
+        fit(run, char_dataset, [MetricsLog(), ckpt], max_steps=8, eval_every=100)
+    folder = run / "checkpoints"
+    assert names(folder) == {"step-00000002.ckpt", "last.ckpt"}
+    assert load(folder / "last.ckpt")["global_step"] == 2
+
+
+def test_disk_cap_deletes_oldest_first_and_never_the_newest(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    probe = RotatingCheckpoint(every_n_steps=2)
+    fit(tmp_path / "probe", char_dataset, [probe], max_steps=2, eval_every=100)
+    size = (tmp_path / "probe" / "checkpoints" / "step-00000002.ckpt").stat().st_size
+    cap_gb = 2.5 * size / 1e9  # room for two checkpoints
+    ckpt = RotatingCheckpoint(every_n_steps=2, keep_last=5, keep_best=0, max_disk_gb=cap_gb)
+    fit(run, char_dataset, [ckpt], max_steps=10, eval_every=100)
+    assert names(run / "checkpoints") == {"step-00000008.ckpt", "step-00000010.ckpt", "last.ckpt"}
+
+    tiny = RotatingCheckpoint(every_n_steps=2, keep_last=5, keep_best=0, max_disk_gb=size / 4e9)
+    with pytest.warns(UserWarning, match="smaller than one checkpoint"):
+        fit(tmp_path / "tiny", char_dataset, [tiny], max_steps=4, eval_every=100)
+    assert names(tmp_path / "tiny" / "checkpoints") == {"step-00000004.ckpt", "last.ckpt"}
+
+
+def test_stale_tmp_files_are_cleaned_and_never_mistaken_for_checkpoints(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    folder = run / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / "step-00000002.ckpt.tmp").write_bytes(b"torn")
+    assert newest_checkpoint(folder) is None
+    fit(run, char_dataset, [RotatingCheckpoint(every_n_steps=2)], max_steps=2, eval_every=100)
+    assert names(folder) == {"step-00000002.ckpt", "last.ckpt"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, "checkpoint.every_n_steps"),
+        ({"every_n_minutes": -1.0}, "checkpoint.every_n_minutes"),
+        ({"keep_last": -1}, "checkpoint.keep_last"),
+        ({"max_disk_gb": 0}, "checkpoint.max_disk_gb"),
+    ],
+)
+def test_bad_checkpoint_settings(kwargs, message):
+    with pytest.raises(CallbackConfigError, match=message):
+        RotatingCheckpoint(**kwargs)

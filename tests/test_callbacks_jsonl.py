@@ -1,0 +1,198 @@
+"""The JSONL run log: schema, append on resume, run-directory ownership, end reasons."""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning as L
+import pytest
+import torch
+from test_callbacks_runlog import TOKENS_PER_MICRO_BATCH, events, fit
+
+from nanolab.callbacks import (
+    CostBudget,
+    MetricsLog,
+    RotatingCheckpoint,
+    RunDirError,
+    ThroughputMeter,
+    set_stop_reason,
+)
+from nanolab.callbacks.rundir import claim_run_dir
+from nanolab.runlog import read_records
+
+COMMON = ("event", "time", "step")
+SCHEMA = {
+    "start": (
+        "run_id", "run_name", "run_dir", "resumed_from_step", "config", "seed", "git_commit",
+        "versions", "devices", "device_count", "world_size", "num_nodes", "precision",
+        "strategy", "accelerator", "num_params", "global_batch_tokens", "flops_per_token",
+        "peak_flops", "price_per_gpu_hour",
+    ),
+    "train": (
+        "epoch", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
+        "samples_per_s", "mfu", "mem_allocated_bytes", "mem_reserved_bytes", "elapsed_s",
+        "gpu_hours", "cost", "goodput",
+    ),
+    "val": ("tokens", "val_loss", "val_ppl"),
+    "budget": ("rule", "decision"),
+    "checkpoint": ("path", "seconds", "bytes", "async"),
+    "end": (
+        "reason", "error", "elapsed_s", "gpu_hours", "cost", "tokens", "goodput", "best_val_loss",
+    ),
+}  # fmt: skip
+
+
+def all_callbacks(**checkpoint: object) -> list[L.Callback]:
+    return [
+        MetricsLog(),
+        RotatingCheckpoint(**{"every_n_steps": 4, **checkpoint}),
+        CostBudget(price_per_gpu_hour=2.5),
+        ThroughputMeter(),
+    ]
+
+
+def test_records_follow_the_schema(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    fit(run, char_dataset, all_callbacks(), max_steps=8, module_kwargs={"extra_logs": True})
+    records = read_records(run / "metrics.jsonl")
+    kinds = [r["event"] for r in records]
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    assert kinds.count("train") == 8 and kinds.count("val") == 2 and kinds.count("budget") == 2
+    assert kinds.count("checkpoint") == 2
+    for record in records:
+        for key in (*COMMON, *SCHEMA[record["event"]]):
+            assert key in record, (record["event"], key)
+        assert isinstance(record["time"], float)
+
+    start = records[0]
+    assert start["resumed_from_step"] is None and start["world_size"] == 1
+    assert start["global_batch_tokens"] == TOKENS_PER_MICRO_BATCH
+    assert start["flops_per_token"] > 0 and start["price_per_gpu_hour"] == 2.5
+    assert start["devices"] and start["versions"]["torch"] == torch.__version__
+
+    train = events(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert [r["tokens"] for r in train] == [s * TOKENS_PER_MICRO_BATCH for s in range(1, 9)]
+    for r in train:
+        assert r["loss"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and 0 <= r["goodput"] <= 1
+        assert r["cost"] == pytest.approx(r["gpu_hours"] * 2.5)
+        assert r["mfu"] is None  # CPU: no peak in the table, never a made-up number
+        assert r["train/aux"] == pytest.approx(2 * r["loss"], rel=1e-5)  # self.log lands here
+        assert "val/loss" not in r  # stale validation values are not repeated
+    assert all(b["gpu_hours"] >= a["gpu_hours"] for a, b in itertools.pairwise(train))
+
+    val = events(run / "metrics.jsonl", "val")
+    assert [r["step"] for r in val] == [4, 8]
+    assert val[0]["val_ppl"] == pytest.approx(2.718281828 ** val[0]["val_loss"], rel=1e-6)
+    assert val[0]["val/acc"] == 0.25
+
+    end = records[-1]
+    assert end["reason"] == "completed" and end["error"] is None
+    assert end["tokens"] == 8 * TOKENS_PER_MICRO_BATCH
+    assert end["best_val_loss"] == min(v["val_loss"] for v in val)
+    assert end["cost"] == pytest.approx(end["gpu_hours"] * 2.5)
+    assert 0 < end["goodput"] <= 1
+
+
+def test_resume_appends_after_a_half_written_line(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    fit(run, char_dataset, all_callbacks(), max_steps=4)
+    log = run / "metrics.jsonl"
+    with open(log, "a") as f:
+        f.write('{"event": "train", "step": 5, "lo')  # killed mid-write
+    before = log.read_bytes()
+    first_end = events(log, "end")[-1]
+
+    fit(
+        run, char_dataset, all_callbacks(), max_steps=8, ckpt_path=run / "checkpoints" / "last.ckpt"
+    )
+
+    assert log.read_bytes().startswith(before)
+    starts = events(log, "start")
+    assert len(starts) == 2 and starts[1]["resumed_from_step"] == 4
+    assert starts[0]["run_id"] == starts[1]["run_id"]
+    train = events(log, "train")
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert train[4]["tokens"] == 5 * TOKENS_PER_MICRO_BATCH  # counted across the resume
+    assert train[4]["elapsed_s"] > first_end["elapsed_s"]  # wall time summed over processes
+    assert train[4]["gpu_hours"] > first_end["gpu_hours"]
+    unparsable = [line for line in log.read_text().splitlines() if line.endswith('"lo')]
+    assert len(unparsable) == 1
+
+
+def test_a_different_run_is_refused_and_fresh_archives_it(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2)], max_steps=2)
+    log = run / "metrics.jsonl"
+    before = log.read_bytes()
+    with pytest.raises(RunDirError, match=r"already holds run .* run\.fresh: true"):
+        fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2)], max_steps=2)
+    assert log.read_bytes() == before  # nothing written
+
+    fit(
+        run,
+        char_dataset,
+        [MetricsLog(fresh=True), RotatingCheckpoint(every_n_steps=2)],
+        max_steps=2,
+    )
+    archived = list((run / "previous").iterdir())
+    assert len(archived) == 1
+    assert (archived[0] / "metrics.jsonl").read_bytes() == before
+    assert (archived[0] / "checkpoints" / "last.ckpt").is_file()
+    old_id = read_records(archived[0] / "metrics.jsonl", "start")[0]["run_id"]
+    assert archived[0].name.startswith(old_id)
+    starts = events(log, "start")
+    assert len(starts) == 1 and starts[0]["run_id"] != old_id
+
+
+def test_run_directory_claims(tmp_path):
+    config = {"model": {"lr": 1.0}, "run": {"resume": "auto"}}
+    claim = claim_run_dir(tmp_path / "a", config, resuming=False)
+    assert claim.run_id and (tmp_path / "a").is_dir()
+    (tmp_path / "a" / "metrics.jsonl").write_text(
+        '{"event":"start","run_id":"abc","config":{"model":{"lr":1.0},"run":{"resume":"never"}}}\n'
+    )
+    # Same config (resume policy aside), no checkpoint yet: the same run restarting.
+    assert claim_run_dir(tmp_path / "a", config, resuming=False).run_id == "abc"
+    with pytest.raises(RunDirError, match=r"config differs at: model\.lr"):
+        claim_run_dir(tmp_path / "a", {"model": {"lr": 2.0}}, resuming=False)
+    with pytest.raises(RunDirError, match="drop one of them"):
+        claim_run_dir(tmp_path / "a", config, resuming=True, fresh=True)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RunDirError, match="not writable"):
+        claim_run_dir(blocker / "run", config, resuming=False)
+
+
+@pytest.mark.parametrize("how", ["exception", "preempted", "sigterm"])
+def test_end_reasons(tmp_path, char_dataset, how):
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    class Stopper(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                if how == "preempted":
+                    set_stop_reason(trainer, "preempted", "test signal")
+                else:
+                    raise SIGTERMException(75)
+
+    run = tmp_path / "run"
+    callbacks = [MetricsLog(), RotatingCheckpoint(every_n_steps=None)]
+    if how == "exception":
+        with pytest.raises(RuntimeError, match="scripted failure"):
+            fit(run, char_dataset, callbacks, module_kwargs={"fail_at_step": 2})
+        end = events(run / "metrics.jsonl", "end")[-1]
+        assert end["reason"] == "error" and "scripted failure at step 2" in end["error"]
+        assert not (run / "checkpoints").exists()  # nothing saved from a failed state
+        return
+    if how == "sigterm":
+        with pytest.raises(SIGTERMException):
+            fit(run, char_dataset, [*callbacks, Stopper()])
+    else:
+        fit(run, char_dataset, [*callbacks, Stopper()])
+    end = events(run / "metrics.jsonl", "end")[-1]
+    assert end["reason"] == "preempted" and end["error"] is None and end["step"] == 3
+    if how == "preempted":  # a graceful stop saves the final state
+        ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+        assert ckpt["global_step"] == 3

@@ -1,0 +1,153 @@
+"""The run log format (reader/writer) and the in-process Trainer helpers the callback tests share."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from nanolab.data.datamodule import TokenDataModule
+from nanolab.model import GPTConfig
+from nanolab.runlog import RunLogWriter, dumps, iter_records, last_record, read_records
+from nanolab.training.module import GPTLightningModule
+from nanolab.training.optim import ScheduleConfig
+
+MICRO, BLOCK = 4, 16
+TOKENS_PER_MICRO_BATCH = MICRO * BLOCK
+
+
+# -- helpers for the other test_callbacks_* files ---------------------------------------------
+class ScriptedModule(GPTLightningModule):
+    """The real module; optionally logs extra metrics, scripted val losses, or fails at a step."""
+
+    def __init__(
+        self,
+        *args: Any,
+        val_losses: list[float] | None = None,
+        fail_at_step: int | None = None,
+        extra_logs: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.val_losses = val_losses
+        self.fail_at_step = fail_at_step
+        self.extra_logs = extra_logs
+        self._evals = 0
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at_step is not None and self.trainer.global_step == self.fail_at_step:
+            raise RuntimeError(f"scripted failure at step {self.fail_at_step}")
+        loss = super().training_step(batch, batch_idx)
+        if self.extra_logs:
+            self.log("train/aux", loss.detach() * 2)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        if self.val_losses is None:
+            super().validation_step(batch, batch_idx)
+            if self.extra_logs:
+                self.log("val/acc", 0.25, batch_size=batch[0].size(0))
+            return
+        value = self.val_losses[min(self._evals, len(self.val_losses) - 1)]
+        self.log("val/loss", torch.tensor(value), batch_size=batch[0].size(0))
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self._evals += 1
+
+
+def make_module(dataset: Path, **kwargs: Any) -> tuple[ScriptedModule, TokenDataModule]:
+    dm = TokenDataModule(
+        dataset_dir=str(dataset),
+        source=None,
+        micro_batch_size=MICRO,
+        block_size=BLOCK,
+        val_windows=8,
+    )
+    gpt = GPTConfig(vocab_size=dm.vocab_size, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32)
+    module = ScriptedModule(gpt=gpt, schedule=ScheduleConfig(warmup_steps=2), **kwargs)
+    return module, dm
+
+
+def fit(
+    run_dir: Path,
+    dataset: Path,
+    callbacks: list[L.Callback],
+    max_steps: int = 8,
+    eval_every: int = 4,
+    accumulate: int = 1,
+    ckpt_path: str | Path | None = None,
+    module_kwargs: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    """A real fit on CPU with the tiny model: a few milliseconds a step."""
+    module, dm = make_module(dataset, **(module_kwargs or {}))
+    trainer = L.Trainer(
+        default_root_dir=str(run_dir),
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        val_check_interval=eval_every * accumulate,
+        check_val_every_n_epoch=None,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks,
+        **{"enable_progress_bar": False, **trainer_kwargs},
+    )
+    trainer.fit(module, dm, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+    return trainer
+
+
+def events(path: Path, kind: str) -> list[dict[str, Any]]:
+    return read_records(path, kind)
+
+
+# -- the format itself -------------------------------------------------------------------------
+def test_reader_skips_a_half_written_line_and_the_writer_starts_a_fresh_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = RunLogWriter(path)
+    writer.write({"event": "train", "time": 1.0, "step": 1, "loss": 2.0})
+    writer.close()
+    with open(path, "a") as f:
+        f.write('{"event": "train", "time": 2.0, "st')  # the process died mid-line
+    before = path.read_bytes()
+
+    writer = RunLogWriter(path)  # the resumed process
+    writer.write({"event": "train", "time": 3.0, "step": 2, "loss": 1.5})
+    writer.close()
+
+    assert path.read_bytes().startswith(before)  # appended, never rewritten
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[1].endswith('"st')
+    steps = [r["step"] for r in read_records(path)]
+    assert steps == [1, 2]
+    assert last_record(path)["step"] == 2
+    assert [r["step"] for r in iter_records(path, "train")] == [1, 2]
+
+
+def test_last_record_reads_backwards_across_chunks(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = RunLogWriter(path)
+    for step in range(500):
+        writer.write(
+            {"event": "val" if step % 100 == 7 else "train", "step": step, "pad": "x" * 50}
+        )
+    writer.close()
+    assert last_record(path, chunk=64)["step"] == 499
+    assert last_record(path, "val", chunk=64)["step"] == 407
+    assert last_record(path, where=lambda r: r["step"] < 3, chunk=64)["step"] == 2
+    assert last_record(tmp_path / "missing.jsonl") is None
+    assert read_records(tmp_path / "missing.jsonl") == []
+
+
+def test_records_are_strict_json(tmp_path):
+    line = dumps({"a": math.nan, "b": [math.inf, 1.0], "c": Path("/x")})
+    assert json.loads(line) == {"a": None, "b": [None, 1.0], "c": "/x"}
+    assert "\n" not in line

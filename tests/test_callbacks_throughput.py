@@ -1,0 +1,153 @@
+"""Throughput, MFU and the peak-FLOPs table, goodput, utilisation sampling, the progress bar."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from test_callbacks_runlog import TOKENS_PER_MICRO_BATCH, events, fit
+
+from nanolab.callbacks import (
+    CallbackConfigError,
+    MetricsLog,
+    RotatingCheckpoint,
+    StepProgressBar,
+    ThroughputMeter,
+)
+from nanolab.callbacks.peak_flops import lookup_peak, matmul_dtype, peak_flops_per_device
+from nanolab.callbacks.throughput import UtilizationSampler
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "tflops"),
+    [
+        ("Tesla V100-SXM2-32GB", "16-mixed", 125.0),
+        ("Tesla V100-PCIE-16GB", "32-true", 14.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16-mixed", 312.0),
+        ("NVIDIA A100 80GB PCIe", "bf16-true", 312.0),
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989.4),
+        ("NVIDIA H100 PCIe", "bf16-mixed", 756.5),
+        ("NVIDIA H200", "bf16-mixed", 989.4),
+        ("NVIDIA B200", "bf16-mixed", 2250.0),
+        ("NVIDIA L4", "16-mixed", 121.0),
+        ("NVIDIA L40S", "bf16-mixed", 362.05),
+        ("NVIDIA GeForce RTX 3090", "bf16-mixed", 71.0),
+        ("NVIDIA GeForce RTX 4070", "bf16-mixed", 58.3),
+        ("NVIDIA GeForce RTX 4090", "bf16-mixed", 165.2),
+        ("NVIDIA GeForce RTX 5090", "bf16-mixed", 209.5),
+        ("AMD Instinct MI250X/MI250", "bf16-mixed", 191.5),
+        ("AMD Instinct MI300X", "bf16-mixed", 1307.4),
+        ("AMD Instinct MI325X", "16-mixed", 1307.4),
+        ("AMD Instinct MI355X", "bf16-mixed", 2516.6),
+    ],
+)
+def test_peak_table(name, precision, tflops):
+    peak, why = peak_flops_per_device(name, precision)
+    assert peak == pytest.approx(tflops * 1e12), why
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["NVIDIA H100", "NVIDIA L40", "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 4070 Ti",
+     "NVIDIA GB200", "AMD Instinct MI300A", "NVIDIA H20", "Some Future GPU"],
+)  # fmt: skip
+def test_unknown_or_ambiguous_devices_get_no_number(name):
+    peak, why = peak_flops_per_device(name, "bf16-mixed")
+    assert peak is None and name in why
+
+
+def test_fp32_matmul_precision_picks_tf32_or_fp32():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert matmul_dtype("32-true") == "fp32"
+        assert peak_flops_per_device("NVIDIA A100-SXM4-40GB", "32-true")[0] == 19.5e12
+        torch.set_float32_matmul_precision("high")
+        assert peak_flops_per_device("NVIDIA A100-SXM4-40GB", "32-true")[0] == 156e12
+        # No TF32 units on V100 / MI355X: FP32 matmuls run at the FP32 rate.
+        assert peak_flops_per_device("AMD Instinct MI355X", "32-true")[0] == 157.3e12
+        assert peak_flops_per_device("NVIDIA L4", "bf16-mixed")[0] == 121e12
+        assert lookup_peak("NVIDIA GeForce RTX 3090").bf16 == 71.0
+        assert peak_flops_per_device("NVIDIA H100 PCIe", "64-true")[0] is None
+        assert peak_flops_per_device("Tesla V100-SXM2-16GB", "bf16-mixed")[0] is None
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_mfu_counts_accumulation_and_world_size():
+    meter = ThroughputMeter(peak_flops=100e12)
+    meter.peak_flops, meter.flops_per_token = 100e12, 6_000_000
+    # 8 devices x 50 TFLOP/s useful = 40% of 8 x 100 TFLOP/s.
+    tokens_per_s = 8 * 50e12 / 6_000_000
+    assert meter.mfu(tokens_per_s, world_size=8) == pytest.approx(0.5)
+    assert meter.mfu(None, 8) is None
+
+
+def test_unknown_device_warns_once_and_reports_null(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    with pytest.warns(UserWarning, match=r"MFU unknown.*'cpu'.*throughput\.peak_flops") as caught:
+        fit(run, char_dataset, [MetricsLog(), ThroughputMeter()], max_steps=4, eval_every=100)
+    assert sum("MFU unknown" in str(w.message) for w in caught) == 1
+    assert all(r["mfu"] is None for r in events(run / "metrics.jsonl", "train"))
+
+
+def test_override_gives_mfu_with_accumulation_and_goodput(tmp_path, char_dataset):
+    run = tmp_path / "run"
+    meter = ThroughputMeter(peak_flops=1e12)
+    fit(
+        run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=3), meter],
+        max_steps=6, eval_every=3, accumulate=2,
+    )  # fmt: skip
+    start = events(run / "metrics.jsonl", "start")[0]
+    assert (
+        start["peak_flops"] == 1e12 and start["global_batch_tokens"] == 2 * TOKENS_PER_MICRO_BATCH
+    )
+    train = events(run / "metrics.jsonl", "train")
+    assert [r["tokens"] for r in train] == [2 * TOKENS_PER_MICRO_BATCH * s for s in range(1, 7)]
+    for r in train:
+        assert r["mfu"] == pytest.approx(
+            start["flops_per_token"] * r["tokens_per_s"] / 1e12, rel=1e-3
+        )
+        assert r["samples_per_s"] * 16 == pytest.approx(r["tokens_per_s"], rel=1e-3)
+        assert 0 < r["goodput"] <= 1
+    end = events(run / "metrics.jsonl", "end")[-1]
+    parts = end["time_breakdown"]
+    assert parts["eval_s"] > 0 and parts["checkpoint_s"] > 0 and parts["step_s"] > 0
+    assert end["goodput"] == pytest.approx(parts["step_s"] / end["elapsed_s"], abs=0.01)
+    assert 0 < end["goodput"] < 1 and end["mfu"] > 0
+
+
+def test_utilization_sampler_uses_nvml_when_importable(monkeypatch):
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByPciBusId = lambda bus: (_ for _ in ()).throw(RuntimeError("no bus"))
+    fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87 if h[1] == 3 else 0)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    sampler = UtilizationSampler(0)  # logical device 0 is physical GPU 3
+    assert sampler.backend == "nvml" and sampler.sample() == 87.0
+
+
+def test_utilization_is_null_without_nvml_or_amdsmi(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    sampler = UtilizationSampler(0)
+    assert sampler.backend is None and sampler.sample() is None
+
+
+def test_peak_override_in_tflops_is_caught():
+    with pytest.raises(CallbackConfigError, match=r"looks like TFLOP/s; write 312e12"):
+        ThroughputMeter(peak_flops=312)
+    with pytest.raises(CallbackConfigError, match=r"throughput\.peak_flops must be > 0"):
+        ThroughputMeter(peak_flops=-1.0)
+
+
+def test_progress_bar_shows_steps_eta_loss_and_tokens(tmp_path, char_dataset, capsys):
+    bar = StepProgressBar(refresh_rate=2)
+    fit(tmp_path / "run", char_dataset, [bar], max_steps=6, eval_every=3, enable_progress_bar=True)
+    captured = capsys.readouterr()
+    err = captured.out + captured.err  # Lightning's tqdm bars write to stdout
+    assert "6/6" in err and "loss=" in err and "tok/s=" in err and "val=" in err
