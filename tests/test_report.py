@@ -7,13 +7,19 @@ The logs are written here by hand, record by record, in the schema the JSONL cal
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import run_nanolab, tiny_overrides, write_config
 
 from nanolab.report import main, summarize_run
+from nanolab.runlog import read_records
 
 CONFIG = {
     "seed_everything": 1,
@@ -203,3 +209,46 @@ def test_plot_gpu_hours_without_them_is_refused(tmp_path: Path, capsys) -> None:
         capsys, str(tmp_path / "runs"), "--plot", str(out), "--x", "gpu_hours"
     )
     assert code == 2 and "log no gpu_hours" in err and not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_report_over_real_runs_live_and_finished(
+    tmp_path: Path, char_dataset: Path, capsys
+) -> None:
+    """A real run while it trains (``running``), after a preemption, and a finished one."""
+    runs = tmp_path / "runs"
+    done_cfg = write_config(
+        tmp_path / "done.yaml", tiny_overrides(char_dataset, runs, run__name="done")
+    )
+    res = run_nanolab("fit", "--config", str(done_cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    live_cfg = write_config(
+        tmp_path / "live.yaml",
+        tiny_overrides(char_dataset, runs, run__name="live", trainer__max_steps=5000),
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanolab", "fit", "--config", str(live_cfg)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        log = runs / "live" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while len(read_records(log, "train")) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        code, out, err = run_report(capsys, str(runs), "--json")
+        assert code == 0, err
+        runs_by_name = {r["run"]: r for r in json.loads(out)["runs"]}
+        live, done = runs_by_name["live"], runs_by_name["done"]
+        assert live["status"] == "running" and live["steps"] >= 5 and live["train_loss"] > 0
+        assert done["status"] == "completed" and done["steps"] == 6
+        assert done["best_val_loss"] is not None and done["tokens"] == 6 * 4 * 32
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    code, out, _ = run_report(capsys, str(runs), "--run", "live")
+    assert code == 0 and "preempted" in out.splitlines()[2]

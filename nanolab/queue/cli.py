@@ -1,0 +1,280 @@
+"""``nanolab queue``: add experiments before bed, run them one per GPU, look at them in the morning.
+
+    nanolab queue add configs/quickstart.yaml --seeds 1,2,3 --set trainer.max_steps=600
+    nanolab queue ls
+    nanolab queue run --gpus 0,1 --until 08:00 --order longest-first
+    nanolab report runs/
+
+The database is ``./nanolab_queue.db`` (``--db PATH`` or ``$NANOLAB_QUEUE_DB`` to change it);
+job logs go to ``nanolab_queue_logs/`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from nanolab.queue.db import FINISHED, STATUSES, Job, QueueDB, QueueError
+from nanolab.queue.estimate import describe, remaining_seconds
+from nanolab.queue.jobs import JobConfigError
+from nanolab.queue.runner import ORDERS, Runner, _is_job_process
+
+
+def parse_until(text: str, now: float | None = None) -> float:
+    """``08:00`` (next occurrence), ``+8h``/``+90m``, or an ISO date-time -> unix time."""
+    now = time.time() if now is None else now
+    text = text.strip()
+    m = re.fullmatch(r"\+(\d+(?:\.\d+)?)\s*([hms])", text)
+    if m:
+        return now + float(m.group(1)) * {"h": 3600, "m": 60, "s": 1}[m.group(2)]
+    m = re.fullmatch(r"(\d{1,2}):(\d{2})", text)
+    if m and int(m.group(1)) < 24 and int(m.group(2)) < 60:
+        base = dt.datetime.fromtimestamp(now)
+        target = base.replace(hour=int(m.group(1)), minute=int(m.group(2)), second=0, microsecond=0)
+        if target.timestamp() <= now:
+            target += dt.timedelta(days=1)
+        return target.timestamp()
+    try:
+        return dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise QueueError(
+            f"--until {text!r}: give a time of day (08:00), a duration (+8h, +90m) or a "
+            "date-time (2025-06-01T08:00)"
+        ) from None
+
+
+def parse_gpus(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    if text.strip().lower() == "all":
+        import torch
+
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise QueueError("--gpus all: no GPU is visible; leave --gpus out to run on CPU")
+        return [str(i) for i in range(n)]
+    ids = [g.strip() for g in text.split(",") if g.strip()]
+    if not ids or len(set(ids)) != len(ids):
+        raise QueueError(f"--gpus {text!r}: give distinct device ids, e.g. --gpus 0,1,2,3")
+    return ids
+
+
+def _db(args: argparse.Namespace) -> QueueDB:
+    return QueueDB(args.db)
+
+
+# -- verbs ----------------------------------------------------------------------------------
+def cmd_add(args: argparse.Namespace) -> int:
+    from nanolab.queue.estimate import flops_estimate
+    from nanolab.queue.jobs import build_jobs
+
+    db = _db(args)
+    jobs = build_jobs(
+        Path(args.config),
+        args.set,
+        args.seeds,
+        args.name,
+        Path.cwd(),
+        estimate=lambda parsed: flops_estimate(parsed, args.gpu),
+    )
+    for job in db.add_jobs(jobs):
+        print(f"added job {job.id} {job.name} (~{describe(job.estimate_s)}; run dir {job.run_dir})")
+    return 0
+
+
+def _job_dict(job: Job, db: QueueDB) -> dict:
+    remaining, source = remaining_seconds(db, job)
+    d = dict(vars(job))
+    d["remaining_s"], d["estimate_basis"] = remaining, source
+    return d
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    for s in args.status or []:
+        if s not in STATUSES:
+            raise QueueError(f"--status {s!r}: unknown status; choose from {', '.join(STATUSES)}")
+    db = _db(args)
+    jobs = db.jobs(args.status or None)
+    gaps = db.event_values("gap")
+    if args.json:
+        print(json.dumps({"jobs": [_job_dict(j, db) for j in jobs], "gaps_s": gaps}, indent=2))
+        return 0
+    if not jobs:
+        print(
+            f"no jobs{' with status ' + ', '.join(args.status) if args.status else ''} in {db.path}"
+        )
+        return 0
+    now = time.time()
+    rows = []
+    for j in jobs:
+        status = j.status + (f": {j.detail}" if j.detail else "")
+        ran = j.run_seconds + (
+            now - j.last_started if j.status == "running" and j.last_started else 0
+        )
+        left = (
+            remaining_seconds(db, j)[0] if j.status in ("pending", "preempted", "running") else None
+        )
+        run_dir = os.path.relpath(j.run_dir) if j.run_dir.startswith(os.getcwd()) else j.run_dir
+        rows.append([str(j.id), j.name, status[:70], str(j.attempts), j.gpus or "-",
+                     describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
+    headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    for line in (headers, ["-" * w for w in widths], *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+    counts = {}
+    for j in jobs:
+        counts[j.status] = counts.get(j.status, 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    if gaps:
+        summary += (f"; job-to-job gap median {statistics.median(gaps) * 1000:.0f} ms "
+                    f"(max {max(gaps) * 1000:.0f} ms, n={len(gaps)})")  # fmt: skip
+    print(f"\n{summary}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    db = _db(args)
+    jobs = db.resolve(args.jobs)
+    for job in jobs:
+        if job.status == "running" and job.job_pid and _is_job_process(job.job_pid, job.name):
+            os.kill(job.job_pid, signal.SIGTERM)  # checkpoints at its step boundary, exits 75
+            print(
+                f"job {job.id} {job.name}: running (pid {job.job_pid}); asked it to checkpoint and stop"
+            )
+    db.remove([j.id for j in jobs])
+    for job in jobs:
+        print(f"removed job {job.id} {job.name} (its run directory {job.run_dir} is kept)")
+    return 0
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    db = _db(args)
+    jobs = db.resolve(args.jobs)
+    for job in jobs:
+        if job.status in ("pending", "running"):
+            raise QueueError(f"job {job.id} {job.name} is {job.status} already")
+        if job.status == "done":
+            raise QueueError(
+                f"job {job.id} {job.name} is done; to train it again add it with another --name"
+            )
+    for job in jobs:
+        db.set_status(job.id, "pending", expect=(job.status,), detail=None, exit_code=None)
+        print(
+            f"job {job.id} {job.name}: pending again (resumes from its run directory's checkpoint)"
+        )
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    db = _db(args)
+    statuses = tuple(s for s in STATUSES if s != "running") if args.all else FINISHED
+    jobs = db.jobs(statuses)
+    db.remove([j.id for j in jobs])
+    print(f"removed {len(jobs)} job(s) ({', '.join(statuses)}); run directories are kept")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.slots < 1:
+        raise QueueError(f"--slots must be >= 1, got {args.slots}")
+    gpus = parse_gpus(args.gpus)
+    until = parse_until(args.until) if args.until else None
+    db = _db(args)
+    live = db.live_runners(stale_s=30.0)
+    if live:
+        pids = ", ".join(f"pid {r['pid']} on {r['host']}" for r in live)
+        print(f"nanolab queue run: note: another runner is active ({pids}); jobs are claimed "
+              "atomically, so both share the queue", file=sys.stderr)  # fmt: skip
+    runner = Runner(db, gpus=gpus, slots=args.slots, until=until, order=args.order, wait=args.wait)
+    return runner.run()
+
+
+# -- parser ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", default=None, metavar="PATH",
+                        help="queue database (default ./nanolab_queue.db or $NANOLAB_QUEUE_DB)")  # fmt: skip
+    p = argparse.ArgumentParser(prog="nanolab queue", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    a = sub.add_parser("add", parents=[common], help="queue a config (one job per seed)")
+    a.add_argument("config", metavar="CONFIG", help="a nanolab fit YAML config")
+    a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (repeatable), e.g. --set trainer.max_steps=600")  # fmt: skip
+    a.add_argument("--seeds", metavar="S1,S2,...", help="one job per seed (seed_everything)")
+    a.add_argument(
+        "--name", help="run name (default: config name + overrides); -s<seed> is appended per seed"
+    )
+    a.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="GPU model for the duration estimate (e.g. h100) when none is visible here",
+    )
+    a.set_defaults(func=cmd_add)
+
+    ls = sub.add_parser("ls", parents=[common], help="list jobs and their status")
+    ls.add_argument(
+        "--status", action="append", metavar="STATUS", help=f"only these ({', '.join(STATUSES)})"
+    )
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=cmd_ls)
+
+    rm = sub.add_parser(
+        "rm", parents=[common], help="remove jobs (a running one checkpoints and stops)"
+    )
+    rm.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
+    rm.set_defaults(func=cmd_rm)
+
+    rt = sub.add_parser(
+        "retry", parents=[common], help="put failed/stopped/preempted jobs back (they resume)"
+    )
+    rt.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
+    rt.set_defaults(func=cmd_retry)
+
+    cl = sub.add_parser("clear", parents=[common], help="remove done, stopped and failed jobs")
+    cl.add_argument("--all", action="store_true", help="also pending and preempted jobs")
+    cl.set_defaults(func=cmd_clear)
+
+    r = sub.add_parser("run", parents=[common], help="run the queue, one job per GPU")
+    r.add_argument(
+        "--gpus",
+        metavar="IDS",
+        help="device ids for one job each, e.g. 0,1,2,3, or 'all'; omit to run on CPU",
+    )
+    r.add_argument("--slots", type=int, default=1, help="jobs at once without --gpus (default 1)")
+    r.add_argument(
+        "--until",
+        metavar="TIME",
+        help="08:00, +8h or 2025-06-01T08:00: don't start jobs that would end later",
+    )
+    r.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="fifo",
+        help="fifo (default) or longest-first (by estimated duration)",
+    )
+    r.add_argument(
+        "--wait",
+        action="store_true",
+        help="keep waiting for new jobs when the queue is empty (until --until or Ctrl-C)",
+    )
+    r.set_defaults(func=cmd_run)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        return int(args.func(args))
+    except (QueueError, JobConfigError) as err:
+        print(f"nanolab queue {args.verb}: error: {err}", file=sys.stderr)
+        return 2

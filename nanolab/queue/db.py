@@ -1,0 +1,398 @@
+"""The queue database: jobs, runners and runner events in one SQLite file (stdlib ``sqlite3``).
+
+Why SQLite and not a JSON file: several processes touch the queue at once (a runner claiming
+and finishing jobs, shells adding and removing them), and a machine can die mid-write. WAL mode
+lets readers and one writer proceed together; every change is one transaction (``BEGIN
+IMMEDIATE`` takes the write lock up front, so a read-then-update such as claiming a job cannot
+interleave with another writer); ``synchronous=FULL`` makes a committed change survive a power
+cut. Connections wait up to 30 s for the lock instead of failing.
+
+A job's life: ``pending`` -> ``running`` -> ``done`` | ``stopped`` (budget/plateau, with the
+reason) | ``failed`` (with the error) | ``preempted`` (interrupted; resumes from its checkpoint
+when claimed again). A runner records its pid, host and a heartbeat; a ``running`` job whose
+runner is gone is recovered by the next runner (see :mod:`nanolab.queue.runner`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DB = "nanolab_queue.db"
+SCHEMA_VERSION = 1
+
+STATUSES = ("pending", "running", "done", "stopped", "failed", "preempted")
+#: Statuses a runner may start: new jobs, and interrupted ones (which resume).
+CLAIMABLE = ("pending", "preempted")
+#: Statuses ``queue clear`` removes by default: nothing left to do.
+FINISHED = ("done", "stopped", "failed")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runners (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    pid INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    started REAL NOT NULL,
+    heartbeat REAL NOT NULL,
+    stopped REAL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL UNIQUE,
+    config TEXT NOT NULL,
+    args TEXT NOT NULL,
+    seed INTEGER,
+    cwd TEXT NOT NULL,
+    run_dir TEXT NOT NULL,
+    config_key TEXT,
+    devices INTEGER NOT NULL DEFAULT 1,
+    max_steps INTEGER,
+    estimate_s REAL,
+    estimate_source TEXT,
+    status TEXT NOT NULL DEFAULT 'pending',
+    detail TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    exit_code INTEGER,
+    created REAL NOT NULL,
+    started REAL,
+    last_started REAL,
+    ended REAL,
+    run_seconds REAL NOT NULL DEFAULT 0,
+    runner_id INTEGER,
+    job_pid INTEGER,
+    gpus TEXT,
+    log TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    runner_id INTEGER,
+    job_id INTEGER,
+    kind TEXT NOT NULL,
+    value REAL,
+    detail TEXT
+);
+"""
+
+
+class QueueError(ValueError):
+    """A queue operation that cannot be done; the message says which job and what to do."""
+
+
+@dataclass
+class Job:
+    """One row of ``jobs`` (see the schema for the meaning of each column)."""
+
+    id: int
+    name: str
+    config: str
+    args: list[str]
+    seed: int | None
+    cwd: str
+    run_dir: str
+    config_key: str | None
+    devices: int
+    max_steps: int | None
+    estimate_s: float | None
+    estimate_source: str | None
+    status: str
+    detail: str | None
+    attempts: int
+    exit_code: int | None
+    created: float
+    started: float | None
+    last_started: float | None
+    ended: float | None
+    run_seconds: float
+    runner_id: int | None
+    job_pid: int | None
+    gpus: str | None
+    log: str | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Job:
+        data = dict(row)
+        data["args"] = json.loads(data["args"])
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+@dataclass
+class NewJob:
+    """What ``queue add`` inserts (validated beforehand by :mod:`nanolab.queue.jobs`)."""
+
+    name: str
+    config: str
+    args: list[str]
+    seed: int | None
+    cwd: str
+    run_dir: str
+    config_key: str | None = None
+    devices: int = 1
+    max_steps: int | None = None
+    estimate_s: float | None = None
+    estimate_source: str | None = None
+
+
+def default_db_path() -> Path:
+    return Path(os.environ.get("NANOLAB_QUEUE_DB", DEFAULT_DB))
+
+
+class QueueDB:
+    """A connection to the queue database; creates the schema on first use."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else default_db_path()
+        if self.path.parent and not self.path.parent.exists():
+            raise QueueError(
+                f"the queue database folder {self.path.parent} does not exist; "
+                "create it or pass --db PATH"
+            )
+        # isolation_level=None: no implicit transactions; every write below opens its own.
+        self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA busy_timeout=30000")
+        with self.transaction():
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self.conn.execute(statement)
+            self.conn.execute(
+                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+
+    def close(self) -> None:
+        self.conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any error)."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    # -- meta ------------------------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row["value"]
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction() as c:
+            c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    # -- jobs ------------------------------------------------------------------------------
+    def add_jobs(self, jobs: list[NewJob]) -> list[Job]:
+        """Insert all of ``jobs`` or none (a duplicate name aborts the whole add)."""
+        now = time.time()
+        ids = []
+        with self.transaction() as c:
+            for j in jobs:
+                existing = c.execute(
+                    "SELECT id, status FROM jobs WHERE name = ?", (j.name,)
+                ).fetchone()
+                if existing is not None:
+                    raise QueueError(
+                        f"a job named {j.name!r} is already queued (id {existing['id']}, "
+                        f"{existing['status']}); its run directory is {j.run_dir}; pass another "
+                        "--name, or `nanolab queue rm` it first"
+                    )
+                cur = c.execute(
+                    "INSERT INTO jobs(name, config, args, seed, cwd, run_dir, config_key, devices, "
+                    "max_steps, estimate_s, estimate_source, created) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        j.name, j.config, json.dumps(j.args), j.seed, j.cwd, j.run_dir,
+                        j.config_key, j.devices, j.max_steps, j.estimate_s, j.estimate_source, now,
+                    ),
+                )  # fmt: skip
+                ids.append(cur.lastrowid)
+        return [self.get(i) for i in ids]
+
+    def get(self, job_id: int) -> Job:
+        row = self.conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise QueueError(f"no job with id {job_id}")
+        return Job.from_row(row)
+
+    def jobs(self, statuses: tuple[str, ...] | list[str] | None = None) -> list[Job]:
+        if statuses:
+            marks = ",".join("?" * len(statuses))
+            rows = self.conn.execute(
+                f"SELECT * FROM jobs WHERE status IN ({marks}) ORDER BY id", tuple(statuses)
+            ).fetchall()
+        else:
+            rows = self.conn.execute("SELECT * FROM jobs ORDER BY id").fetchall()
+        return [Job.from_row(r) for r in rows]
+
+    def resolve(self, refs: list[str]) -> list[Job]:
+        """Jobs named by id or name; every unknown reference is named in one error."""
+        all_jobs = self.jobs()
+        by_id = {str(j.id): j for j in all_jobs}
+        by_name = {j.name: j for j in all_jobs}
+        found, unknown = [], []
+        for ref in refs:
+            job = by_id.get(ref) or by_name.get(ref)
+            (found if job else unknown).append(job or ref)
+        if unknown:
+            have = ", ".join(f"{j.id}:{j.name}" for j in all_jobs[:10]) or "none"
+            raise QueueError(
+                f"no job {', '.join(map(repr, unknown))} in {self.path} (jobs: {have}"
+                f"{' ...' if len(all_jobs) > 10 else ''})"
+            )
+        return found
+
+    def remove(self, job_ids: list[int]) -> int:
+        with self.transaction() as c:
+            n = 0
+            for i in job_ids:
+                n += c.execute("DELETE FROM jobs WHERE id = ?", (i,)).rowcount
+        return n
+
+    def set_status(
+        self,
+        job_id: int,
+        status: str,
+        *,
+        expect: tuple[str, ...] | None = None,
+        **columns: Any,
+    ) -> bool:
+        """Set a job's status (and other columns); with ``expect``, only from those statuses."""
+        assert status in STATUSES
+        sets = ", ".join(["status = ?", *(f"{k} = ?" for k in columns)])
+        params: list[Any] = [status, *columns.values(), job_id]
+        where = "id = ?"
+        if expect:
+            where += f" AND status IN ({','.join('?' * len(expect))})"
+            params += list(expect)
+        with self.transaction() as c:
+            return c.execute(f"UPDATE jobs SET {sets} WHERE {where}", params).rowcount == 1
+
+    def claim(self, job_id: int, runner_id: int, gpus: str | None, now: float) -> bool:
+        """Atomically move a claimable job to ``running`` for this runner (False: taken already)."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "UPDATE jobs SET status = 'running', runner_id = ?, gpus = ?, "
+                "attempts = attempts + 1, last_started = ?, started = COALESCE(started, ?), "
+                "ended = NULL, exit_code = NULL, detail = NULL, job_pid = NULL "
+                f"WHERE id = ? AND status IN ({','.join('?' * len(CLAIMABLE))})",
+                (runner_id, gpus, now, now, job_id, *CLAIMABLE),
+            )
+            return cur.rowcount == 1
+
+    def set_job_pid(self, job_id: int, pid: int, log: str) -> None:
+        with self.transaction() as c:
+            c.execute("UPDATE jobs SET job_pid = ?, log = ? WHERE id = ?", (pid, log, job_id))
+
+    def finish(
+        self,
+        job_id: int,
+        runner_id: int,
+        status: str,
+        detail: str | None,
+        exit_code: int | None,
+        ran_s: float,
+    ) -> bool:
+        """Record a job's outcome, if this runner still owns it (it may have been removed)."""
+        assert status in STATUSES
+        with self.transaction() as c:
+            cur = c.execute(
+                "UPDATE jobs SET status = ?, detail = ?, exit_code = ?, ended = ?, job_pid = NULL, "
+                "run_seconds = run_seconds + ? WHERE id = ? AND runner_id = ? AND status = 'running'",
+                (status, detail, exit_code, time.time(), ran_s, job_id, runner_id),
+            )
+            return cur.rowcount == 1
+
+    # -- runners ---------------------------------------------------------------------------
+    def register_runner(self) -> int:
+        now = time.time()
+        with self.transaction() as c:
+            cur = c.execute(
+                "INSERT INTO runners(pid, host, started, heartbeat) VALUES (?, ?, ?, ?)",
+                (os.getpid(), socket.gethostname(), now, now),
+            )
+            return int(cur.lastrowid)
+
+    def heartbeat(self, runner_id: int) -> None:
+        with self.transaction() as c:
+            c.execute("UPDATE runners SET heartbeat = ? WHERE id = ?", (time.time(), runner_id))
+
+    def stop_runner(self, runner_id: int) -> None:
+        with self.transaction() as c:
+            c.execute("UPDATE runners SET stopped = ? WHERE id = ?", (time.time(), runner_id))
+
+    def runner(self, runner_id: int | None) -> dict[str, Any] | None:
+        if runner_id is None:
+            return None
+        row = self.conn.execute("SELECT * FROM runners WHERE id = ?", (runner_id,)).fetchone()
+        return None if row is None else dict(row)
+
+    def live_runners(self, stale_s: float) -> list[dict[str, Any]]:
+        """Runners that have not stopped and whose process looks alive."""
+        rows = self.conn.execute("SELECT * FROM runners WHERE stopped IS NULL").fetchall()
+        return [dict(r) for r in rows if runner_alive(dict(r), stale_s)]
+
+    # -- events ----------------------------------------------------------------------------
+    def event(
+        self,
+        kind: str,
+        runner_id: int | None = None,
+        job_id: int | None = None,
+        value: float | None = None,
+        detail: str | None = None,
+    ) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "INSERT INTO events(time, runner_id, job_id, kind, value, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (time.time(), runner_id, job_id, kind, value, detail),
+            )
+
+    def event_values(self, kind: str) -> list[float]:
+        rows = self.conn.execute(
+            "SELECT value FROM events WHERE kind = ? AND value IS NOT NULL ORDER BY id", (kind,)
+        ).fetchall()
+        return [float(r["value"]) for r in rows]
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process with ``pid`` exists on this machine (zombies count as gone)."""
+    if not pid or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:  # a zombie has exited; only its parent has not reaped it yet
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def runner_alive(runner: dict[str, Any] | None, stale_s: float) -> bool:
+    """A runner is alive if it has not stopped, its heartbeat is recent and, when it runs on this
+    machine, its process exists. A runner on another machine is judged by its heartbeat only."""
+    if runner is None or runner.get("stopped") is not None:
+        return False
+    if time.time() - float(runner["heartbeat"]) > stale_s:
+        return False
+    if runner["host"] == socket.gethostname():
+        return pid_alive(int(runner["pid"]))
+    return True

@@ -1,0 +1,173 @@
+"""How long a queued job will take: from past runs of the same config, else from its FLOPs.
+
+``--until 08:00`` defers jobs that cannot finish in time and ``--order longest-first`` starts the
+long ones first, so both need a duration per job. In order of trust:
+
+1. **History**: seconds per step of finished jobs with the same config (seeds of one experiment,
+   same config key), measured wall time including start-up and evaluation.
+2. **FLOPs**: ``flops_per_token x tokens`` over the device's throughput. On GPUs the estimator
+   (:mod:`nanolab.estimator`) does this with its peak table at an assumed MFU; on CPU there is no
+   datasheet peak, so this machine's FP32 matmul rate is measured (0.2 s, at ``queue add``)
+   and :data:`CPU_EFFICIENCY` of it is assumed. Both add :data:`STARTUP_S` for importing
+   torch/Lightning and building the model.
+
+A resumed job needs only what is left: the estimate is scaled by the steps its run log has not
+reached yet.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from nanolab.queue.db import Job, QueueDB
+from nanolab.queue.jobs import ParsedConfig
+
+#: Share of the measured matmul rate a small GPT reaches on CPU (attention, norms, optimizer and
+#: Python overhead are slower than a large matmul). A rough figure: once a job of the same
+#: config has finished, its measured time per step is used instead.
+CPU_EFFICIENCY = 0.35
+#: Vocabulary assumed for a duration estimate when the data is not prepared yet.
+VOCAB_GUESS = 256
+#: Seconds a job spends before its first step (imports, data, model) and after its last.
+STARTUP_S = 12.0
+
+
+def measure_cpu_flops(seconds: float = 0.2, n: int = 512) -> float:
+    """FP32 matmul FLOP/s of this machine with the thread count jobs will use."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    previous = torch.get_num_threads()
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            a @ b
+            count += 1
+        return 2 * n**3 * count / elapsed
+    finally:
+        torch.set_num_threads(previous)
+
+
+_CPU_FLOPS: float | None = None
+
+
+def cpu_flops() -> float:
+    """This machine's matmul rate, measured once per process (it changes with the load)."""
+    global _CPU_FLOPS
+    if _CPU_FLOPS is None:
+        _CPU_FLOPS = measure_cpu_flops()
+    return _CPU_FLOPS
+
+
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        return None
+    return None
+
+
+def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float | None, str | None]:
+    """(seconds, how it was estimated) for a parsed job config; (None, why not) if impossible."""
+    cfg = _as_estimator_config(parsed)
+    accelerator = str(cfg["trainer"].get("accelerator", "auto"))
+    gpu = gpu or (None if accelerator == "cpu" else _gpu_name())
+    if gpu is not None:
+        try:
+            from nanolab.estimator.estimate import estimate_from_config
+
+            est = estimate_from_config(cfg, gpu=gpu)
+            return (
+                est.compute.hours * 3600 + STARTUP_S,
+                f"estimator ({gpu}, MFU {est.compute.mfu:.0%})",
+            )
+        except Exception as err:  # unknown GPU name, estimator unavailable
+            return None, f"no estimate: {str(err).splitlines()[0][:80]}"
+    if accelerator not in ("cpu", "auto"):
+        return None, "no estimate: no GPU here to look up (pass --gpu NAME)"
+    try:
+        from nanolab.estimator.setup import setup_from_config
+        from nanolab.estimator.shapes import flops_per_token
+
+        guessed = ""
+        try:
+            setup = setup_from_config(cfg)
+        except Exception:
+            # Unprepared data with a vocabulary read from it (chars): the embedding is a small
+            # share of a model's FLOPs, so a byte-sized guess is close enough for a duration.
+            setup = setup_from_config(cfg, vocab_size=VOCAB_GUESS)
+            guessed = f", vocab guessed {VOCAB_GUESS}"
+        fpt = flops_per_token(setup.gpt)
+    except Exception as err:
+        return None, f"no estimate: {str(err).splitlines()[0][:80]}"
+    rate = cpu_flops() * CPU_EFFICIENCY
+    seconds = fpt * parsed.tokens_per_step * parsed.max_steps / rate + STARTUP_S
+    peak = rate / CPU_EFFICIENCY / 1e9
+    return seconds, f"FLOPs at {CPU_EFFICIENCY:.0%} of this CPU's {peak:.0f} GFLOP/s{guessed}"
+
+
+def _as_estimator_config(parsed: ParsedConfig) -> dict:
+    """The parsed config with Lightning's "decide later" values resolved as the run will."""
+    cfg = {**parsed.config, "trainer": dict(parsed.config["trainer"])}
+    trainer = cfg["trainer"]
+    if trainer.get("precision") is None:
+        trainer["precision"] = "32-true"  # Lightning's default
+    trainer["devices"] = parsed.devices
+    return cfg
+
+
+def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
+    """Mean wall seconds per step of finished jobs with the same config (None: no history)."""
+    if job.config_key is None:
+        return None
+    rows = db.conn.execute(
+        "SELECT run_seconds, max_steps FROM jobs WHERE config_key = ? AND status = 'done' "
+        "AND run_seconds > 0 AND max_steps > 0 AND id != ?",
+        (job.config_key, job.id),
+    ).fetchall()
+    rates = [r["run_seconds"] / r["max_steps"] for r in rows]
+    return sum(rates) / len(rates) if rates else None
+
+
+def steps_done(job: Job) -> int:
+    """Optimizer steps the job's run log has reached (0 for a job that never ran)."""
+    from nanolab.runlog import RUN_LOG_NAME, last_record
+
+    rec = last_record(os.path.join(job.run_dir, RUN_LOG_NAME), where=lambda r: "step" in r)
+    step = (rec or {}).get("step")
+    return int(step) if isinstance(step, int) else 0
+
+
+def remaining_seconds(db: QueueDB, job: Job) -> tuple[float | None, str]:
+    """Time the job still needs: history if any, else its stored estimate; scaled by progress."""
+    per_step = history_seconds_per_step(db, job)
+    total = None
+    source = job.estimate_source or "unknown"
+    if per_step is not None and job.max_steps:
+        total, source = per_step * job.max_steps, "past runs of this config"
+    elif job.estimate_s is not None:
+        total = job.estimate_s
+    if total is None:
+        return None, source
+    if job.max_steps and job.attempts:
+        left = max(0.0, 1.0 - steps_done(job) / job.max_steps)
+        total = STARTUP_S + (total - STARTUP_S) * left
+    return total, source
+
+
+def describe(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"

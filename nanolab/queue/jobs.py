@@ -1,0 +1,281 @@
+"""From ``queue add CONFIG --set k=v --seeds 1,2`` to validated jobs, refused now, not at 3 a.m.
+
+A config is checked with the real ``nanolab fit`` parser (the same LightningCLI class, defaults
+and linked arguments), in this process: unknown keys, wrong types and unreadable YAML fail here.
+Then the checks ``nanolab fit`` would only make when it starts are made too: the model, optimizer
+and schedule settings (their dataclasses validate themselves), the global batch against the
+micro-batch (gradient accumulation must come out whole), a finite ``trainer.max_steps`` (the
+training stream is endless, so a job without it never ends), and that the data exists (a
+prepared ``data.dataset_dir`` or readable ``data.source`` paths). The data is not prepared here:
+tokenizing a large corpus is the job's work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanolab.queue.db import NewJob
+
+#: Keys the queue sets itself on every job.
+RESERVED_KEYS = {
+    "run.name": "use --name (the queue derives each job's run name from it)",
+    "run.resume": "the queue always resumes a job from its own run directory (run.resume auto)",
+    "seed_everything": "use --seeds 42,43,44",
+    "config": "pass the YAML file as CONFIG",
+}
+
+_NAME_OK = re.compile(r"[^A-Za-z0-9._=+-]+")
+
+
+class JobConfigError(ValueError):
+    """A queued job whose config cannot run; the message names the config, the key and the fix."""
+
+
+@dataclass
+class ParsedConfig:
+    """What the queue needs to know about a config after parsing it."""
+
+    config: dict[str, Any]  # the merged ``fit`` config as plain data
+    run_root: str
+    max_steps: int
+    devices: int
+    tokens_per_step: int
+
+
+def parse_sets(sets: list[str]) -> list[tuple[str, str]]:
+    """``["model.optimizer.lr=1e-3"]`` -> ``[("model.optimizer.lr", "1e-3")]``."""
+    out = []
+    for item in sets:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise JobConfigError(
+                f"--set {item!r}: expected KEY=VALUE, e.g. --set model.optimizer.lr=1e-3"
+            )
+        if key in RESERVED_KEYS:
+            raise JobConfigError(f"--set {key}: set by the queue; {RESERVED_KEYS[key]}")
+        out.append((key, value))
+    return out
+
+
+def parse_seeds(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise JobConfigError(
+            f"--seeds {text!r}: expected integers, e.g. --seeds 42,43,44"
+        ) from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise JobConfigError(f"--seeds {text!r}: give distinct integers, e.g. --seeds 42,43,44")
+    return seeds
+
+
+def job_names(
+    config: Path, name: str | None, sets: list[tuple[str, str]], seeds: list[int] | None
+) -> list[str]:
+    """Run names: ``--name`` or ``<config stem>[-<key><value>...]``, plus ``-s<seed>`` per seed."""
+    if name is not None:
+        if not name or "/" in name or name in (".", ".."):
+            raise JobConfigError(f"--name {name!r}: give a plain folder name (no '/')")
+        base = name
+    else:
+        parts = [config.stem] + [f"{k.rsplit('.', 1)[-1]}{v}" for k, v in sets]
+        base = "-".join(parts)
+    base = _NAME_OK.sub("_", base).strip("_") or "job"
+    return [f"{base}-s{s}" for s in seeds] if seeds else [base]
+
+
+def fit_args(sets: list[tuple[str, str]], seed: int | None) -> list[str]:
+    """Extra ``nanolab fit`` arguments for one job (the config and run name are added at launch)."""
+    args = [f"--{k}={v}" for k, v in sets]
+    if seed is not None:
+        args.append(f"--seed_everything={seed}")
+    return args
+
+
+def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> ParsedConfig:
+    """Parse ``nanolab fit --config CONFIG ARGS`` with the real parser and check it can run."""
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.training.cli import (
+        NanolabCLI,
+        RunConfigError,
+        gradient_accumulation,
+        trainer_defaults,
+        world_size_of,
+    )
+    from nanolab.training.module import GPTLightningModule
+
+    try:
+        from nanolab.training.cli import OneLineErrorParser as parser_class
+    except ImportError:  # older cli.py: LightningCLI's own parser
+        from lightning.pytorch.cli import LightningArgumentParser as parser_class
+
+    class Parsed(Exception):
+        pass
+
+    class ParseOnly(NanolabCLI):
+        def _set_seed(self) -> None:  # parsing must not touch this process's RNG
+            pass
+
+        def before_instantiate_classes(self) -> None:
+            raise Parsed(self.config["fit"])
+
+    argv = ["fit", "--config", str(config), *args, f"--run.name={run_name}"]
+    err = io.StringIO()
+    try:
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            ParseOnly(
+                GPTLightningModule,
+                TokenDataModule,
+                args=argv,
+                trainer_defaults=trainer_defaults(),
+                seed_everything_default=1337,
+                auto_configure_optimizers=False,
+                parser_class=parser_class,
+                run=True,
+            )
+    except Parsed as parsed:
+        cfg = parsed.args[0]
+    except SystemExit:
+        raise JobConfigError(f"{config}: {_error_line(err.getvalue())}") from None
+    else:  # pragma: no cover - the parser always ends in one of the two above
+        raise JobConfigError(f"{config}: could not be parsed")
+
+    config_dict = cfg.as_dict()
+    try:
+        return _check(config_dict, cwd, gradient_accumulation, world_size_of)
+    except (ValueError, TypeError, RunConfigError) as e:
+        raise JobConfigError(f"{config}: {e}") from None
+
+
+def _error_line(text: str) -> str:
+    """The parser's message without its usage screen: the last line that says 'error'."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if "error:" in lines[i]:
+            msg = lines[i].split("error:", 1)[1].strip()
+            return " ".join([msg, *lines[i + 1 : i + 3]]).strip()
+    return lines[-1] if lines else "the config does not parse"
+
+
+def _check(cfg: dict[str, Any], cwd: Path, gradient_accumulation, world_size_of) -> ParsedConfig:
+    from nanolab.data.prepare import BUNDLED, BUNDLED_PREFIX
+    from nanolab.model.config import GPTConfig
+    from nanolab.training.optim import OptimizerConfig, ScheduleConfig
+
+    model = cfg.get("model") or {}
+    gpt = GPTConfig(**(model.get("gpt") or {}))  # validates itself (ConfigError)
+    opt = dict(model.get("optimizer") or {})
+    if "betas" in opt:
+        opt["betas"] = tuple(opt["betas"])
+    OptimizerConfig(**opt)
+    ScheduleConfig(**(model.get("schedule") or {}))
+
+    trainer, run, data = cfg["trainer"], cfg["run"], cfg["data"]
+    max_steps = trainer.get("max_steps")
+    if not isinstance(max_steps, int) or max_steps <= 0:
+        raise JobConfigError(
+            f"trainer.max_steps is {max_steps!r}; a queued job needs a finite number of steps "
+            "(the training stream never ends on its own)"
+        )
+    world = world_size_of(trainer)
+    accumulate = gradient_accumulation(
+        run.get("global_batch_tokens"), data["micro_batch_size"], gpt.block_size, world
+    )
+    if run.get("eval_every_steps", 1) < 1:
+        raise JobConfigError(f"run.eval_every_steps must be >= 1, got {run['eval_every_steps']}")
+
+    sources = data.get("source")
+    dataset_dir = _under(cwd, data["dataset_dir"])
+    if not sources:
+        if not (dataset_dir / "meta.json").is_file():
+            raise JobConfigError(
+                f"data.dataset_dir {dataset_dir} holds no prepared dataset and data.source is "
+                "empty; run `nanolab prepare` first or set data.source"
+            )
+    else:
+        for spec in sources:
+            if spec.startswith(BUNDLED_PREFIX):
+                if spec[len(BUNDLED_PREFIX) :] not in BUNDLED:
+                    raise JobConfigError(
+                        f"data.source: unknown bundled corpus {spec!r}; available: "
+                        + ", ".join(BUNDLED_PREFIX + k for k in BUNDLED)
+                    )
+            elif not _under(cwd, spec).exists():
+                raise JobConfigError(f"data.source: {spec} does not exist")
+    devices = trainer.get("devices", 1)
+    n_devices = int(devices) if isinstance(devices, int) or str(devices).isdigit() else 1
+    return ParsedConfig(
+        config=cfg,
+        run_root=str(run.get("root") or "runs"),
+        max_steps=max_steps,
+        devices=max(1, n_devices),
+        tokens_per_step=data["micro_batch_size"] * gpt.block_size * world * accumulate,
+    )
+
+
+def _under(cwd: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else cwd / p
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """Fingerprint of the config without seed and run name: jobs with equal keys are seeds of
+    one experiment (their past durations predict each other's)."""
+    from nanolab.report import seed_free_fingerprint
+
+    blob = seed_free_fingerprint(config) or ""
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_jobs(
+    config: Path,
+    sets: list[str],
+    seeds: str | None,
+    name: str | None,
+    cwd: Path,
+    estimate=None,
+) -> list[NewJob]:
+    """Validated jobs for one ``queue add`` (one per seed); nothing is written here."""
+    if not config.is_file():
+        raise JobConfigError(f"config {config} does not exist")
+    config = config.resolve()
+    pairs = parse_sets(sets)
+    seed_list = parse_seeds(seeds)
+    names = job_names(config, name, pairs, seed_list)
+    jobs = []
+    for i, job_name in enumerate(names):
+        seed = seed_list[i] if seed_list else None
+        args = fit_args(pairs, seed)
+        parsed = parse_config(config, args, job_name, cwd)
+        seconds, source = estimate(parsed) if estimate else (None, None)
+        jobs.append(
+            NewJob(
+                name=job_name,
+                config=str(config),
+                args=args,
+                seed=seed,
+                cwd=str(cwd),
+                run_dir=str(_under(cwd, parsed.run_root) / job_name),
+                config_key=config_key(parsed.config),
+                devices=parsed.devices,
+                max_steps=parsed.max_steps,
+                estimate_s=seconds,
+                estimate_source=source,
+            )
+        )
+    return jobs

@@ -1,0 +1,476 @@
+"""``nanolab queue run``: one job per GPU (or CPU slot), back to back, through the night.
+
+Each job is a ``nanolab fit`` subprocess with a fixed run name and ``run.resume auto``, so whatever
+stops it (a crash, a kill, a lost machine, this runner dying) costs only the steps since its last
+checkpoint: the next attempt continues the same run directory. Jobs are claimed in a database
+transaction, so two runners never start the same job.
+
+Robustness, case by case:
+
+* a job crashes: it is marked ``failed`` with its error line and the queue goes on;
+* the runner gets SIGTERM/SIGINT: it forwards SIGTERM to its jobs (each finishes its optimizer
+  step, checkpoints and exits 75), marks them ``preempted`` and exits; a second signal makes the
+  jobs exit at once;
+* the runner is SIGKILLed or its machine dies: on Linux every job was started with a parent-death
+  signal (SIGTERM), so it checkpoints and exits by itself. The next runner finds jobs marked
+  ``running`` whose runner is gone (no heartbeat, or no such process on this machine), waits for
+  (or stops) any job process still alive, and resumes those jobs from their checkpoints. A job is
+  never started twice at once and never restarted from scratch.
+
+Exit detection uses a pidfd per job where the OS has them (Linux >= 5.3), so the next job starts
+as soon as the previous one exits; :attr:`Runner.gaps` records that gap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from nanolab.queue.db import CLAIMABLE, Job, QueueDB, pid_alive, runner_alive
+from nanolab.queue.estimate import describe, remaining_seconds
+
+#: Exit status of a preempted ``nanolab fit`` (see nanolab.callbacks.preemption).
+EXIT_PREEMPTED = 75
+ORDERS = ("fifo", "longest-first")
+
+
+@dataclass
+class Active:
+    """A job this runner started and has not yet seen exit."""
+
+    job: Job
+    proc: subprocess.Popen
+    units: list[int]
+    started: float  # wall clock, for run_seconds and matching its log records
+    log: IO[bytes]
+    pidfd: int | None = None
+
+
+@dataclass
+class Runner:
+    """Runs claimable jobs from ``db`` until none is left (or the deadline / a signal).
+
+    Args:
+        db: The queue database.
+        gpus: Device ids (``CUDA_VISIBLE_DEVICES``/``HIP_VISIBLE_DEVICES`` values), one job per
+            id at a time (a job asking ``trainer.devices: N`` gets N of them); None = CPU slots.
+        slots: Jobs at once without GPUs.
+        until: Unix time by which started jobs should finish; jobs estimated to end later wait.
+        order: ``fifo`` (added first, started first) or ``longest-first`` (by remaining estimate).
+        wait: Keep running and pick up jobs added later, until ``until`` or a signal.
+        grace_s: How long an orphaned job may take to checkpoint and exit before SIGKILL.
+    """
+
+    db: QueueDB
+    gpus: list[str] | None = None
+    slots: int = 1
+    until: float | None = None
+    order: str = "fifo"
+    wait: bool = False
+    poll_s: float = 1.0
+    heartbeat_s: float = 5.0
+    stale_s: float = 30.0
+    grace_s: float = 120.0
+    out: Any = None
+    runner_id: int = 0
+    gaps: list[float] = field(default_factory=list)
+    _active: dict[int, Active] = field(default_factory=dict)
+    _freed_at: dict[int, float] = field(default_factory=dict)
+    _deferred: set[int] = field(default_factory=set)
+    _signals: int = 0
+    _wake_r: int | None = None
+    _counts: dict[str, int] = field(default_factory=dict)
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def units(self) -> list[str | None]:
+        return list(self.gpus) if self.gpus else [None] * self.slots
+
+    def run(self) -> int:
+        """Work through the queue; 0 when it ran dry, 75 when stopped by a signal."""
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        self.runner_id = self.db.register_runner()
+        where = f"GPUs {','.join(self.gpus)}" if self.gpus else f"{self.slots} CPU slot(s)"
+        self.say(f"runner {self.runner_id} (pid {os.getpid()}) on {where}, order {self.order}"
+                 + (f", until {time.strftime('%a %H:%M', time.localtime(self.until))}" if self.until else ""))  # fmt: skip
+        previous = self._install_signals()
+        last_beat = last_recover = time.monotonic()
+        try:
+            self.recover()
+            while True:
+                self.reap()
+                if not self._signals:
+                    self.fill()
+                if not self._active and (self._signals or not self._keep_waiting()):
+                    break
+                now = time.monotonic()
+                if now - last_beat >= self.heartbeat_s:
+                    self.db.heartbeat(self.runner_id)
+                    last_beat = now
+                if now - last_recover >= self.stale_s:
+                    self.recover()  # another runner may have died meanwhile
+                    last_recover = now
+                self._wait(min(self.poll_s, self.heartbeat_s))
+        finally:
+            self._restore_signals(previous)
+            self.db.stop_runner(self.runner_id)
+        self._summary()
+        return EXIT_PREEMPTED if self._signals else 0
+
+    def say(self, text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.out or sys.stdout, flush=True)
+
+    # -- recovering jobs of runners that died --------------------------------------------
+    def recover(self) -> None:
+        for job in self.db.jobs(("running",)):
+            if job.runner_id == self.runner_id:
+                continue
+            owner = self.db.runner(job.runner_id)
+            if runner_alive(owner, self.stale_s):
+                continue
+            here = owner is None or owner["host"] == socket.gethostname()
+            if here and job.job_pid and _is_job_process(job.job_pid, job.name):
+                self.say(f"job {job.id} {job.name}: its runner is gone; waiting for its process "
+                         f"{job.job_pid} to checkpoint and exit")  # fmt: skip
+                # A dead runner's jobs got SIGTERM from the kernel (parent-death signal); a
+                # hung runner's did not.
+                owner_gone = owner is None or not pid_alive(int(owner["pid"]))
+                _stop_orphan(job.job_pid, self.grace_s, signalled=_HAS_PDEATHSIG and owner_gone)
+            if self.db.set_status(
+                job.id,
+                "preempted",
+                expect=("running",),
+                detail="its runner died; resumes from its last checkpoint",
+                job_pid=None,
+                ended=time.time(),
+            ):
+                self.db.event("recover", self.runner_id, job.id)
+                self.say(f"job {job.id} {job.name}: recovered (will resume from its checkpoint)")
+
+    # -- starting jobs ---------------------------------------------------------------------
+    def _free_units(self) -> list[int]:
+        used = {u for a in self._active.values() for u in a.units}
+        return [i for i in range(len(self.units)) if i not in used]
+
+    def fill(self) -> None:
+        free = self._free_units()
+        if not free:
+            return
+        now = time.time()
+        candidates = [(j, remaining_seconds(self.db, j)[0]) for j in self.db.jobs(CLAIMABLE)]
+        plan = plan_starts(
+            order_jobs(candidates, self.order), free, len(self.units), self.until, now,
+            gpus=bool(self.gpus),
+        )  # fmt: skip
+        for job, need in plan.impossible:
+            self.db.set_status(
+                job.id, "failed", expect=CLAIMABLE, ended=now,
+                detail=f"needs {need} GPUs (trainer.devices); this runner has {len(self.units)}",
+            )  # fmt: skip
+            self.say(f"job {job.id} {job.name}: failed, needs {need} GPUs")
+        for job, remaining in plan.deferred:
+            if job.id not in self._deferred and self.until is not None:
+                self._deferred.add(job.id)
+                self.say(f"job {job.id} {job.name}: deferred, needs ~{describe(remaining)} "
+                         f"and {describe(max(0.0, self.until - now))} are left")  # fmt: skip
+        for job, units, remaining in plan.start:
+            gpus = ",".join(str(self.units[u]) for u in units) if self.gpus else None
+            if self.db.claim(job.id, self.runner_id, gpus, time.time()):
+                self._spawn(self.db.get(job.id), units, remaining)
+            # else: another runner took it first; the units stay free for the next round
+
+    def _keep_waiting(self) -> bool:
+        """With nothing running: is there any reason to stay?"""
+        if self.until is not None and time.time() >= self.until:
+            return False
+        return self.wait
+
+    def _spawn(self, job: Job, units: list[int], remaining: float | None) -> None:
+        log_dir = self.db.path.resolve().parent / "nanolab_queue_logs"
+        log_dir.mkdir(exist_ok=True)
+        log_path = log_dir / f"{job.id:04d}-{job.name}.log"
+        cmd = [
+            sys.executable, "-m", "nanolab", "fit", "--config", job.config, *job.args,
+            f"--run.name={job.name}", "--run.resume=auto",
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1", NANOLAB_QUEUE_JOB=str(job.id))
+        if self.gpus:
+            ids = ",".join(str(self.units[u]) for u in units)
+            env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ids
+        elif "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.slots))
+        log = open(log_path, "ab")  # noqa: SIM115 - closed when the job exits
+        where = f"GPU {job.gpus}" if job.gpus else f"slot {units[0]}"
+        header = f"\n=== attempt {job.attempts} at {time.ctime()} on {where}: {' '.join(cmd)}\n"
+        log.write(header.encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=job.cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C in the runner's terminal goes to the runner
+                preexec_fn=_die_with_parent(os.getpid()) if _HAS_PDEATHSIG else None,
+            )
+        except OSError as err:
+            log.close()
+            self.db.finish(job.id, self.runner_id, "failed", f"could not start: {err}", None, 0.0)
+            self.say(f"job {job.id} {job.name}: failed to start: {err}")
+            return
+        started = time.time()
+        freed = [self._freed_at.pop(u) for u in units if u in self._freed_at]
+        if freed:
+            gap = time.monotonic() - max(freed)
+            self.gaps.append(gap)
+            self.db.event("gap", self.runner_id, job.id, gap)
+        self.db.set_job_pid(job.id, proc.pid, str(log_path))
+        job.job_pid, job.log = proc.pid, str(log_path)
+        self.db.event("start", self.runner_id, job.id, detail=where)
+        pidfd = None
+        with contextlib.suppress(AttributeError, OSError):
+            pidfd = os.pidfd_open(proc.pid)
+        self._active[job.id] = Active(job, proc, units, started, log, pidfd)
+        what = "resuming" if job.attempts > 1 else "starting"
+        self.say(f"job {job.id} {job.name}: {what} on {where} (attempt {job.attempts}, "
+                 f"~{describe(remaining)}; log {log_path})")  # fmt: skip
+
+    # -- finished jobs ---------------------------------------------------------------------
+    def reap(self) -> None:
+        for job_id, active in list(self._active.items()):
+            code = active.proc.poll()
+            if code is None:
+                continue
+            del self._active[job_id]
+            now = time.monotonic()
+            for u in active.units:
+                self._freed_at[u] = now
+            if active.pidfd is not None:
+                os.close(active.pidfd)
+            active.log.close()
+            status, detail = outcome(active.job, code, active.started, stopping=bool(self._signals))
+            ran = time.time() - active.started
+            if self.db.finish(job_id, self.runner_id, status, detail, code, ran):
+                self._counts[status] = self._counts.get(status, 0) + 1
+                self.db.event("exit", self.runner_id, job_id, float(code), status)
+                tail = f": {detail}" if detail else ""
+                self.say(f"job {job_id} {active.job.name}: {status} after {describe(ran)} "
+                         f"(exit {code}){tail}")  # fmt: skip
+            else:
+                self.say(f"job {job_id} {active.job.name}: exited ({code}); it was removed from "
+                         "the queue meanwhile")  # fmt: skip
+
+    # -- waiting and signals ---------------------------------------------------------------
+    def _wait(self, timeout: float) -> None:
+        fds = [a.pidfd for a in self._active.values() if a.pidfd is not None]
+        if self._wake_r is not None:
+            fds.append(self._wake_r)
+        if len(fds) < len(self._active) + (self._wake_r is not None):
+            timeout = min(timeout, 0.05)  # some job without a pidfd: poll it
+        if fds:
+            select.select(fds, [], [], timeout)
+        else:
+            time.sleep(timeout)
+        if self._wake_r is not None:
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(self._wake_r, 512):
+                    pass
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        sig = signal.Signals(signum).name
+        if self._signals == 1:
+            self.say(f"{sig}: asking {len(self._active)} job(s) to checkpoint and stop; "
+                     "no new jobs start (send it again to stop them at once)")  # fmt: skip
+        else:
+            self.say(f"{sig} again: stopping jobs now")
+        for active in self._active.values():
+            with contextlib.suppress(ProcessLookupError):
+                active.proc.send_signal(signal.SIGTERM)
+
+    def _install_signals(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+        try:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            previous[-1] = signal.set_wakeup_fd(w)
+            self._wake_r = r
+        except (ValueError, OSError):  # not the main thread
+            return previous
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    def _restore_signals(self, previous: dict[int, Any]) -> None:
+        for sig, handler in previous.items():
+            if sig == -1:
+                signal.set_wakeup_fd(handler)
+            else:
+                signal.signal(sig, handler)
+        if self._wake_r is not None:
+            os.close(self._wake_r)
+            self._wake_r = None
+
+    def _summary(self) -> None:
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(self._counts.items())) or "no jobs run"
+        left = len(self.db.jobs(CLAIMABLE))
+        text = f"runner {self.runner_id} done: {counts}; {left} job(s) waiting"
+        if self.gaps:
+            text += (f"; job-to-job gap median {statistics.median(self.gaps) * 1000:.0f} ms, "
+                     f"max {max(self.gaps) * 1000:.0f} ms over {len(self.gaps)}")  # fmt: skip
+        self.say(text)
+
+
+@dataclass
+class Plan:
+    """Which claimable jobs to start now, on which units; which wait for the deadline; which can
+    never run here."""
+
+    start: list[tuple[Job, list[int], float | None]] = field(default_factory=list)
+    deferred: list[tuple[Job, float | None]] = field(default_factory=list)
+    impossible: list[tuple[Job, int]] = field(default_factory=list)
+
+
+def order_jobs(jobs: list[tuple[Job, float | None]], order: str) -> list[tuple[Job, float | None]]:
+    """``fifo``: as added. ``longest-first``: by remaining estimate, unknown ones last."""
+    if order == "longest-first":
+        return sorted(jobs, key=lambda js: (js[1] is None, -(js[1] or 0.0), js[0].id))
+    return sorted(jobs, key=lambda js: js[0].id)
+
+
+def plan_starts(
+    jobs: list[tuple[Job, float | None]],
+    free: list[int],
+    total_units: int,
+    until: float | None,
+    now: float,
+    gpus: bool,
+) -> Plan:
+    """Assign free units to jobs in order. A job needs ``devices`` GPUs (one CPU slot without
+    GPUs); one that does not fit the free units now waits (later jobs may use them); one that
+    would end after ``until`` is deferred; a job with no estimate is started (it cannot be
+    judged, and leaving GPUs idle all night is the worse mistake)."""
+    plan = Plan()
+    free = list(free)
+    for job, remaining in jobs:
+        need = max(1, job.devices) if gpus else 1
+        if need > total_units:
+            plan.impossible.append((job, need))
+            continue
+        if until is not None and (
+            now >= until or (remaining is not None and now + remaining > until)
+        ):
+            plan.deferred.append((job, remaining))
+            continue
+        if need > len(free):
+            continue
+        plan.start.append((job, free[:need], remaining))
+        free = free[need:]
+    return plan
+
+
+def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[str, str | None]:
+    """(status, detail) of a job attempt from its exit code and its run log's ``end`` record."""
+    from nanolab.runlog import RUN_LOG_NAME, last_record
+
+    end = last_record(
+        Path(job.run_dir) / RUN_LOG_NAME,
+        where=lambda r: r.get("event") == "end" and float(r.get("time") or 0) >= since - 1.0,
+    )
+    reason = (end or {}).get("reason")
+    if code == 0 and reason in (None, "completed"):
+        return "done", None
+    if code == 0 and reason in ("budget", "plateau"):
+        return "stopped", str(reason)
+    if code == EXIT_PREEMPTED or reason == "preempted":
+        step = (end or {}).get("step")
+        return "preempted", "interrupted" + (f" at step {step}" if step is not None else "")
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
+        if stopping:
+            return "preempted", f"stopped with the runner ({name})"
+        return "failed", f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    error = (end or {}).get("error")
+    if error:
+        return "failed", _last_line(str(error))
+    return "failed", error_from_log(job.log) or f"exit code {code}"
+
+
+def error_from_log(path: str | None, tail_bytes: int = 16384) -> str | None:
+    """The most telling line at the end of a job's log: an ``error:`` line or the exception."""
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - tail_bytes))
+        lines = [
+            ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()
+        ]
+    for line in reversed(lines):
+        if "error:" in line.lower() or line.split(":", 1)[0].endswith(("Error", "Exception")):
+            return line[:300]
+    return lines[-1][:300] if lines else None
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else text[:300]
+
+
+# -- orphans and parent-death signals ----------------------------------------------------------
+_HAS_PDEATHSIG = sys.platform.startswith("linux")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int):
+    """``preexec_fn``: SIGTERM this job when the runner dies (Linux), so it checkpoints and exits
+    instead of training on unsupervised while a new runner resumes it elsewhere."""
+
+    def set_signal() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the runner died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_signal
+
+
+def _is_job_process(pid: int, name: str) -> bool:
+    """Whether ``pid`` is still the ``nanolab fit`` process of job ``name`` (pids get reused)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode("utf-8", "replace").split("\0")
+    except OSError:
+        return True  # no /proc: trust the pid
+    return f"--run.name={name}" in args
+
+
+def _stop_orphan(pid: int, grace_s: float, signalled: bool) -> None:
+    """Let an orphaned job checkpoint and exit (SIGTERM unless it already got one), then SIGKILL."""
+    if not signalled:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while pid_alive(pid) and time.monotonic() < deadline + 10:
+            time.sleep(0.1)

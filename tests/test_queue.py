@@ -1,0 +1,248 @@
+"""The queue's parts: refusing bad configs at ``add``, naming, the database under concurrent
+writers, ordering and deadlines, and the ``ls/rm/retry/clear`` verbs. The runner end to end
+(crash, restart, a failing job) is in test_queue_restart.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides, write_config
+
+from nanolab.queue.cli import main, parse_until
+from nanolab.queue.db import NewJob, QueueDB, QueueError
+from nanolab.queue.runner import order_jobs, outcome, plan_starts
+
+
+@pytest.fixture
+def tiny(tmp_path: Path, char_dataset: Path) -> Path:
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
+    del cfg["run"]["name"]
+    return write_config(tmp_path / "tiny.yaml", cfg)
+
+
+def queue(capsys, db: Path, *argv: str) -> tuple[int, str, str]:
+    code = main([argv[0], "--db", str(db), *argv[1:]])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def new_job(name: str, **kw) -> NewJob:
+    return NewJob(
+        name=name, config="c.yaml", args=[], seed=None, cwd="/", run_dir=f"/r/{name}", **kw
+    )
+
+
+# -- add ------------------------------------------------------------------------------------
+def test_add_one_job_per_seed(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    code, _, err = queue(
+        capsys, db, "add", str(tiny), "--seeds", "42,43", "--set", "model.optimizer.lr=1e-3"
+    )
+    assert code == 0, err
+    jobs = QueueDB(db).jobs()
+    assert [j.name for j in jobs] == ["tiny-lr1e-3-s42", "tiny-lr1e-3-s43"]
+    assert jobs[0].args == ["--model.optimizer.lr=1e-3", "--seed_everything=42"]
+    assert jobs[0].run_dir == str(tmp_path / "runs" / "tiny-lr1e-3-s42")
+    assert jobs[0].max_steps == 8 and jobs[0].status == "pending"
+    assert jobs[0].config_key == jobs[1].config_key  # seeds of one experiment
+    assert jobs[0].estimate_s is not None and jobs[0].estimate_s > 0
+    # the same again: refused as a whole (names are run directories), nothing added
+    code, _, err = queue(
+        capsys, db, "add", str(tiny), "--seeds", "44,43", "--set", "model.optimizer.lr=1e-3"
+    )
+    assert code == 2 and "'tiny-lr1e-3-s43' is already queued" in err
+    assert len(QueueDB(db).jobs()) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "trainer.max_stepz=3"], "max_stepz"),
+        (["--set", "model.gpt.n_head=3"], "model.gpt.n_embd (32) must be divisible by model.gpt.n_head (3)"),
+        (["--set", "model.gpt.n_layer=two"], "model.gpt.n_layer"),
+        (["--set", "run.global_batch_tokens=100"], "run.global_batch_tokens (100) must be a positive multiple"),
+        (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1; a queued job needs a finite number"),
+        (["--set", "data.source=[nowhere.txt]"], "data.source: nowhere.txt does not exist"),
+        (["--set", "data.dataset_dir=missing", "--set", "data.source=null"], "holds no prepared dataset"),
+        (["--set", "run.name=x"], "--set run.name: set by the queue; use --name"),
+        (["--set", "lr"], "expected KEY=VALUE"),
+        (["--seeds", "1,x"], "--seeds '1,x': expected integers"),
+        (["--name", "a/b"], "give a plain folder name"),
+    ],
+)  # fmt: skip
+def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, args, message) -> None:
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(tiny), *args)
+    assert code == 2
+    assert err.startswith("nanolab queue add: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert QueueDB(db).jobs() == []
+
+
+def test_missing_config_and_db_folder(tmp_path: Path, capsys) -> None:
+    code, _, err = queue(capsys, tmp_path / "q.db", "add", str(tmp_path / "none.yaml"))
+    assert code == 2 and "none.yaml does not exist" in err
+    code, _, err = queue(capsys, tmp_path / "no" / "q.db", "ls")
+    assert code == 2 and "does not exist; create it or pass --db" in err
+
+
+# -- database -------------------------------------------------------------------------------
+ADDER = """
+import sys
+from nanolab.queue.db import NewJob, QueueDB
+db = QueueDB(sys.argv[1])
+for i in range(int(sys.argv[3])):
+    db.add_jobs([NewJob(name=f"{sys.argv[2]}-{i}", config="c.yaml", args=[], seed=i, cwd="/",
+                        run_dir=f"/r/{sys.argv[2]}-{i}")])
+"""
+
+CLAIMER = """
+import sys, time
+from nanolab.queue.db import QueueDB
+db = QueueDB(sys.argv[1])
+me = db.register_runner()
+claimed, idle = [], 0
+while idle < 40:
+    free = db.jobs(("pending",))
+    if not free:
+        idle += 1
+        time.sleep(0.01)
+        continue
+    idle = 0
+    for job in free:
+        if db.claim(job.id, me, None, time.time()):
+            claimed.append(job.id)
+            db.finish(job.id, me, "done", None, 0, 0.0)
+print(" ".join(map(str, claimed)))
+"""
+
+
+def test_two_shells_add_while_two_runners_claim(tmp_path: Path) -> None:
+    """Writers and claimers on separate connections and processes: every job is added once and
+    claimed by exactly one runner (claims are one transaction)."""
+    db = tmp_path / "q.db"
+    QueueDB(db)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    n = 40
+    claimers = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLAIMER, str(db)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
+    adders = [
+        subprocess.Popen([sys.executable, "-c", ADDER, str(db), shell, str(n)], env=env)
+        for shell in ("a", "b")
+    ]
+    assert [p.wait(timeout=120) for p in adders] == [0, 0]
+    outs = [p.communicate(timeout=120)[0].split() for p in claimers]
+    jobs = QueueDB(db).jobs()
+    assert len(jobs) == 2 * n and {j.status for j in jobs} == {"done"}
+    claimed = [int(x) for out in outs for x in out]
+    assert sorted(claimed) == sorted(j.id for j in jobs)  # each exactly once
+    assert all(j.attempts == 1 for j in jobs)
+
+
+def test_claim_is_exclusive_and_finish_needs_the_owner(tmp_path: Path) -> None:
+    db = QueueDB(tmp_path / "q.db")
+    (job,) = db.add_jobs([new_job("a")])
+    r1, r2 = db.register_runner(), db.register_runner()
+    assert db.claim(job.id, r1, "0", time.time())
+    assert not db.claim(job.id, r2, "1", time.time())
+    assert not db.finish(job.id, r2, "done", None, 0, 1.0)
+    assert db.finish(job.id, r1, "done", None, 0, 1.0)
+    assert db.get(job.id).status == "done" and db.get(job.id).gpus == "0"
+
+
+# -- ordering and deadlines -----------------------------------------------------------------
+def test_longest_first_and_until(tmp_path: Path) -> None:
+    db = QueueDB(tmp_path / "q.db")
+    short, long_, unknown, wide = db.add_jobs(
+        [new_job("short", estimate_s=60), new_job("long", estimate_s=5000),
+         new_job("unknown"), new_job("wide", estimate_s=10, devices=4)]
+    )  # fmt: skip
+    jobs = [(j, j.estimate_s) for j in (short, long_, unknown, wide)]
+    assert [j.name for j, _ in order_jobs(jobs, "longest-first")] == [
+        "long",
+        "short",
+        "wide",
+        "unknown",
+    ]
+    assert [j.name for j, _ in order_jobs(jobs, "fifo")] == ["short", "long", "unknown", "wide"]
+    now = 1000.0
+    # two GPUs, an hour left: the long job waits for tomorrow, the 4-GPU job can never run here
+    plan = plan_starts(order_jobs(jobs, "longest-first"), [0, 1], 2, now + 3600, now, gpus=True)
+    assert [(j.name, u) for j, u, _ in plan.start] == [("short", [0]), ("unknown", [1])]
+    assert [j.name for j, _ in plan.deferred] == ["long"]
+    assert [(j.name, n) for j, n in plan.impossible] == [("wide", 4)]
+    # past the deadline nothing starts; without GPUs every job takes one slot
+    assert plan_starts(jobs, [0], 1, now - 1, now, gpus=False).start == []
+    cpu = plan_starts(jobs, [0, 1, 2], 3, None, now, gpus=False)
+    assert [j.name for j, _, _ in cpu.start] == ["short", "long", "unknown"]
+
+
+def test_parse_until() -> None:
+    import datetime as dt
+
+    now = dt.datetime(2025, 6, 1, 22, 30).timestamp()
+    assert parse_until("08:00", now) == dt.datetime(2025, 6, 2, 8, 0).timestamp()
+    assert parse_until("23:15", now) == dt.datetime(2025, 6, 1, 23, 15).timestamp()
+    assert parse_until("+8h", now) == now + 8 * 3600
+    assert parse_until("+90m", now) == now + 5400
+    assert parse_until("2025-06-02T07:30", now) == dt.datetime(2025, 6, 2, 7, 30).timestamp()
+    with pytest.raises(QueueError, match="give a time of day"):
+        parse_until("tomorrow", now)
+
+
+def test_outcome_from_exit_code_and_end_record(tmp_path: Path) -> None:
+    db = QueueDB(tmp_path / "q.db")
+    (job,) = db.add_jobs(
+        [NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir=str(tmp_path / "a"))]
+    )
+    (tmp_path / "a").mkdir()
+    log = tmp_path / "a" / "metrics.jsonl"
+    t = time.time()
+    assert outcome(job, 0, t) == ("done", None)  # no log at all: the exit code decides
+    log.write_text(json.dumps({"event": "end", "time": t, "step": 5, "reason": "budget"}) + "\n")
+    assert outcome(job, 0, t) == ("stopped", "budget")
+    assert outcome(job, 0, t + 100) == ("done", None)  # an end record of an earlier attempt
+    assert outcome(job, 75, t)[0] == "preempted"
+    assert outcome(job, -9, t) == ("failed", "killed by SIGKILL (out of memory?)")
+    assert outcome(job, -15, t, stopping=True)[0] == "preempted"
+    with log.open("a") as f:
+        f.write(json.dumps({"event": "end", "time": t + 1, "step": 5, "reason": "error",
+                            "error": "Traceback...\nValueError: boom"}) + "\n")  # fmt: skip
+    assert outcome(job, 1, t) == ("failed", "ValueError: boom")
+
+
+# -- verbs ----------------------------------------------------------------------------------
+def test_ls_rm_retry_clear(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    _, b, c = db.add_jobs([new_job("a"), new_job("b"), new_job("c")])
+    db.set_status(b.id, "failed", detail="ValueError: boom")
+    db.set_status(c.id, "done")
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0 and "failed: ValueError: boom" in out and "1 pending, 1 failed, 1 done" in out
+    code, out, _ = queue(capsys, path, "ls", "--json", "--status", "failed")
+    assert [j["name"] for j in json.loads(out)["jobs"]] == ["b"]
+    code, _, err = queue(capsys, path, "ls", "--status", "finished")
+    assert code == 2 and "--status 'finished': unknown status; choose from pending, running" in err
+    code, _, err = queue(capsys, path, "retry", "c")
+    assert code == 2 and "is done" in err
+    code, _, err = queue(capsys, path, "retry", "a")
+    assert code == 2 and "is pending already" in err
+    assert queue(capsys, path, "retry", "b")[0] == 0 and db.get(b.id).status == "pending"
+    code, _, err = queue(capsys, path, "rm", "zzz", "99")
+    assert code == 2 and "no job 'zzz', '99'" in err
+    assert queue(capsys, path, "clear")[0] == 0
+    assert [j.name for j in db.jobs()] == ["a", "b"]
+    assert queue(capsys, path, "rm", "a", str(b.id))[0] == 0 and db.jobs() == []

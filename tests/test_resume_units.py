@@ -1,0 +1,190 @@
+"""Choosing the checkpoint to resume from, and the preemption handler's signal plumbing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_nanolab, tiny_overrides, write_config
+
+from nanolab.callbacks.preemption import PreemptionConfigError, PreemptionHandler, parse_signals
+from nanolab.training.resume import (
+    ResumeError,
+    find_resume_checkpoint,
+    inspect_checkpoint,
+    resolve_resume,
+)
+
+GPT = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 70, "dropout": 0.1}
+
+
+def fake_checkpoint(path: Path, step: int, gpt: dict | None = None, **drop: bool) -> Path:
+    """A file with the structure of a Lightning training checkpoint (small tensors)."""
+    ckpt = {
+        "state_dict": {"w": torch.full((4,), float(step))},
+        "optimizer_states": [{"state": {}, "param_groups": []}],
+        "lr_schedulers": [{"last_epoch": step}],
+        "loops": {"fit_loop": {}},
+        "global_step": step,
+        "nanolab": {"gpt": gpt or GPT},
+    }
+    for key in drop:
+        ckpt.pop(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt, path)
+    return path
+
+
+def test_newest_complete_checkpoint_wins_torn_ones_are_reported(tmp_path: Path) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    fake_checkpoint(ckpts / "step-00000010.ckpt", 10)
+    good = fake_checkpoint(ckpts / "step-00000020.ckpt", 20)
+    os.link(good, ckpts / "last.ckpt")  # last.ckpt is a hard link: opened once, by its step name
+    torn = fake_checkpoint(ckpts / "step-00000030.ckpt", 30)
+    torn.write_bytes(torn.read_bytes()[:100])
+    fake_checkpoint(ckpts / "step-00000040.ckpt.tmp", 40)  # an atomic writer's unfinished file
+    choice = find_resume_checkpoint(tmp_path / "run")
+    assert choice.chosen is not None and choice.chosen.path == good and choice.chosen.step == 20
+    assert [c.path.name for c in choice.skipped] == ["step-00000030.ckpt"]
+    line = choice.warning()
+    assert line is not None and "\n" not in line
+    assert "step-00000030.ckpt (truncated or not a checkpoint)" in line
+    assert line.endswith("resuming from step-00000020.ckpt (step 20)")
+
+
+def test_step_comes_from_the_checkpoint_not_the_name(tmp_path: Path) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    fake_checkpoint(ckpts / "epoch=0-step=5.ckpt", 5)
+    fake_checkpoint(ckpts / "last.ckpt", 7)  # a plain copy, newer than any step file
+    fake_checkpoint(tmp_path / "run" / "hpc_ckpt_1.ckpt", 6)  # Lightning's SLURM requeue save
+    choice = find_resume_checkpoint(tmp_path / "run")
+    assert choice.chosen is not None and choice.chosen.path.name == "last.ckpt"
+    assert choice.warning() is None
+
+
+def test_weights_only_and_empty_files_are_not_resumable(tmp_path: Path) -> None:
+    bad = fake_checkpoint(tmp_path / "a.ckpt", 3, optimizer_states=True)
+    assert inspect_checkpoint(bad).error == "missing optimizer_states (weights only?)"
+    (tmp_path / "b.ckpt").write_bytes(b"")
+    assert inspect_checkpoint(tmp_path / "b.ckpt").error == "empty file"
+    torch.save({"w": torch.zeros(2)}, tmp_path / "c.ckpt")
+    assert "missing state_dict" in inspect_checkpoint(tmp_path / "c.ckpt").error
+
+
+def test_only_torn_checkpoints_means_a_fresh_start(tmp_path: Path, capsys) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts).mkdir(parents=True)
+    (ckpts / "step-00000002.ckpt").write_bytes(b"PK\x03\x04 half a zip")
+    assert resolve_resume("auto", tmp_path / "run") is None
+    err = capsys.readouterr().err
+    assert "step-00000002.ckpt" in err and "no complete checkpoint left: starting fresh" in err
+    assert resolve_resume("auto", tmp_path / "nothing-here") is None
+    assert resolve_resume("never", tmp_path / "run") is None
+
+
+def test_resume_path_and_architecture_checks(tmp_path: Path) -> None:
+    ckpt = fake_checkpoint(tmp_path / "x.ckpt", 4)
+    assert resolve_resume(str(ckpt), tmp_path, GPT) == str(ckpt)
+    # dropout may change on resume; shapes may not
+    assert resolve_resume(str(ckpt), tmp_path, {**GPT, "dropout": 0.0}) == str(ckpt)
+    with pytest.raises(
+        ResumeError, match=r"different model \(model.gpt: n_layer 2 in the checkpoint vs 4 now\)"
+    ):
+        resolve_resume(str(ckpt), tmp_path, {**GPT, "n_layer": 4})
+    with pytest.raises(ResumeError, match="does not exist"):
+        resolve_resume(str(tmp_path / "nope.ckpt"), tmp_path)
+    (tmp_path / "torn.ckpt").write_bytes(ckpt.read_bytes()[:50])
+    with pytest.raises(
+        ResumeError, match=r"cannot be resumed from \(truncated or not a checkpoint\)"
+    ):
+        resolve_resume(str(tmp_path / "torn.ckpt"), tmp_path)
+
+
+def test_fit_refuses_a_bad_resume_path_in_one_line(tmp_path: Path, char_dataset: Path) -> None:
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    (tmp_path / "torn.ckpt").write_bytes(b"not a checkpoint")
+    res = run_nanolab(
+        "fit", "--config", str(cfg), "--run.resume", str(tmp_path / "torn.ckpt"), cwd=tmp_path
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("nanolab fit: error: run.resume: ")
+    assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists()
+
+
+# -- preemption handler -------------------------------------------------------------------------
+def test_signal_names() -> None:
+    assert parse_signals(["SIGTERM", "usr1", "INT", "SIGTERM"]) == [
+        signal.SIGTERM, signal.SIGUSR1, signal.SIGINT,
+    ]  # fmt: skip
+    for bad in ("SIGKILL", "SIGNOPE"):
+        with pytest.raises(
+            PreemptionConfigError, match=f"preemption.signals: '{bad}' is not a signal"
+        ):
+            PreemptionHandler(signals=[bad])
+    with pytest.raises(PreemptionConfigError, match="exit_code"):
+        PreemptionHandler(exit_code=300)
+
+
+def test_slurm_auto_requeue_keeps_its_signal(monkeypatch) -> None:
+    """Under SLURM auto-requeue, Lightning's SIGUSR1 handler stays; SIGTERM becomes ours."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    env = SLURMEnvironment(auto_requeue=True)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=env), global_step=0)
+
+    def lightning_requeue(signum, frame):  # stands in for Lightning's requeue handler
+        pass
+
+    before_usr1 = signal.signal(signal.SIGUSR1, lightning_requeue)
+    before_term = signal.getsignal(signal.SIGTERM)
+    handler = PreemptionHandler()
+    try:
+        handler.on_train_start(trainer, None)
+        assert signal.getsignal(signal.SIGUSR1) is lightning_requeue
+        assert signal.getsignal(signal.SIGTERM) == handler._handle
+        handler.on_train_end(trainer, None)
+        assert signal.getsignal(signal.SIGTERM) == before_term
+        # without SLURM all three are ours
+        trainer.strategy.cluster_environment = None
+        handler.on_train_start(trainer, None)
+        assert signal.getsignal(signal.SIGUSR1) == handler._handle
+        handler.on_train_end(trainer, None)
+        assert signal.getsignal(signal.SIGUSR1) is lightning_requeue
+    finally:
+        handler._uninstall()
+        signal.signal(signal.SIGUSR1, before_usr1)
+        signal.signal(signal.SIGTERM, before_term)
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, time
+from types import SimpleNamespace
+from nanolab.callbacks.preemption import PreemptionHandler
+h = PreemptionHandler(signals=["SIGUSR2"])
+h.on_train_start(SimpleNamespace(strategy=SimpleNamespace(), global_step=3), None)
+os.kill(os.getpid(), signal.SIGUSR2)
+assert h.received == signal.SIGUSR2, "the first signal is only recorded"
+print("first signal recorded", flush=True)
+os.kill(os.getpid(), signal.SIGUSR2)
+time.sleep(30)
+sys.exit(0)
+"""
+
+
+def test_second_signal_exits_at_once() -> None:
+    res = subprocess.run(
+        [sys.executable, "-c", SECOND_SIGNAL],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.stdout.strip() == "first signal recorded"
+    assert res.returncode == -signal.SIGUSR2, res.stderr
+    assert "received SIGUSR2 at step 3" in res.stderr
+    assert "second SIGUSR2: exiting now without a checkpoint" in res.stderr
