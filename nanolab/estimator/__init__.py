@@ -1,0 +1,37 @@
+"""Memory and cost estimator: will a config fit, with which micro-batch, and what will it cost.
+
+Public API (no torch import, so it is cheap to call before a run starts)::
+
+    from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
+
+    est = estimate_from_config("configs/gpt2-124m.yaml", gpu="rtx4070")
+    est.fits, est.memory.total, est.recommended_micro_batch, est.compute.step_seconds
+
+Modules, one job each: ``gpus`` (device table, memory strings), ``setup`` (YAML -> facts),
+``shapes`` (parameter tensors, FLOPs), ``numerics`` (dtypes per precision/strategy/backend),
+``activations`` (what autograd saves), ``states`` (parameters, gradients, optimizer, sharding),
+``memory`` (peak and overheads), ``compute`` (time and cost), ``recommend`` (micro-batch and
+switches), ``estimate`` (the front door), ``cli`` (``nanolab estimate``), ``measure`` (ground
+truth from real tensors, for tests and the benchmark; imports torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "Estimate",
+    "EstimateError",
+    "estimate_from_config",
+    "largest_fitting_micro_batch",
+    "setup_for",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that ``import nanolab.estimator.gpus`` stays free of torch and Lightning.
+    if name in __all__:
+        from nanolab.estimator import estimate
+
+        return getattr(estimate, name)
+    raise AttributeError(f"module 'nanolab.estimator' has no attribute {name!r}")

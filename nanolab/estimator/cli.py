@@ -1,0 +1,256 @@
+"""``nanolab estimate``: will this config fit, with which micro-batch, and what will it cost?
+
+    nanolab estimate --config configs/gpt2-124m.yaml --gpu rtx4070
+    nanolab estimate --config a.yaml --config b.yaml --gpu-mem 12GiB --devices 4 --json
+
+Bad input (unknown GPU, unreadable memory size, a config that cannot exist) ends in one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from nanolab.estimator.estimate import DEFAULT_GPU, Estimate, estimate_from_config
+from nanolab.estimator.gpus import GPUS, GiB, MemoryStringError, UnknownGPUError, format_bytes
+from nanolab.estimator.recommend import largest_micro_batch
+from nanolab.estimator.setup import EstimateError
+from nanolab.model.config import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        print(f"nanolab estimate: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="nanolab estimate",
+        description="Predict per-device memory, the micro-batch that fits, step time and cost "
+        "of a `nanolab fit` config before running it.",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="X.yaml",
+        help="fit config; repeat to merge several (later files win)",
+    )
+    p.add_argument("--gpu", help=f"device model (default {DEFAULT_GPU}); --list-gpus shows them")
+    p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 12GiB, 24GB")
+    p.add_argument("--devices", type=int, help="devices per node (overrides trainer.devices)")
+    p.add_argument("--nodes", type=int, help="nodes (overrides trainer.num_nodes)")
+    p.add_argument("--micro-batch", type=int, help="micro-batch size (overrides the config)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size when the config leaves it null")
+    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation (0.40)")
+    p.add_argument("--tokens", type=float, help="token budget (default: max_steps, else 20/param)")
+    p.add_argument("--usd-per-gpu-hour", type=float, help="price (default: indicative table)")
+    p.add_argument(
+        "--fragmentation",
+        type=float,
+        default=0.10,
+        help="allocator fragmentation margin as a share of the peak (0.10)",
+    )
+    p.add_argument(
+        "--detail",
+        action="store_true",
+        help="also list what one block saves for backward, tensor by tensor",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--list-gpus", action="store_true", help="list known GPUs and exit")
+    return p
+
+
+_OVERHEAD = ("context", "fragmentation")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def format_estimate(
+    est: Estimate, *, per_gpu: dict[str, int] | None = None, detail: bool = False
+) -> str:
+    s, g, m, c = est.setup, est.gpu, est.memory, est.compute
+    gpt = s.gpt
+    out: list[str] = []
+    vocab = f"vocab {gpt.vocab_size:,}"
+    if gpt.padded_vocab_size != gpt.vocab_size:
+        vocab += f" (padded to {gpt.padded_vocab_size:,})"
+    out.append(
+        f"model     GPT, {c.params:,} parameters: {gpt.n_layer} layers x {gpt.n_embd} wide, "
+        f"{gpt.n_head} heads, context {gpt.block_size}, {vocab}"
+    )
+    flags = [f"attention {gpt.attention}"]
+    if gpt.gradient_checkpointing:
+        flags.append("gradient checkpointing")
+    if gpt.dropout:
+        flags.append(f"dropout {gpt.dropout}")
+    out.append(
+        f"setup     {s.precision}, {s.strategy.describe()}, {s.world_size} x {g.label} "
+        f"({format_bytes(est.device_memory)} each), {s.optimizer}; {', '.join(flags)}"
+    )
+    tps = c.tokens_per_step
+    out.append(
+        f"batch     micro-batch {est.micro_batch} ({est.micro_batch_source}) x "
+        f"accumulation {m.accumulate} x {s.world_size} device(s) = {tps:,} tokens/step"
+    )
+    out.append("")
+    out.append(f"memory per device at micro-batch {est.micro_batch}{'':14}GiB   note")
+    for ln in m.lines:
+        if ln.key in _OVERHEAD:
+            continue
+        if ln.bytes == 0 and not ln.note:
+            continue
+        value = (
+            _gib(ln.bytes) if ln.in_peak or ln.bytes == 0 else f"({ln.bytes / GiB:.2f})".rjust(8)
+        )
+        out.append(f"  {ln.label:<48}{value}   {ln.note}")
+    out.append("  " + "-" * 60)
+    out.append(
+        f"  {'peak allocated (torch.cuda.max_memory_allocated)':<48}"
+        f"{_gib(m.peak_allocated)}   at the {m.peak_phase}"
+    )
+    for key in ("context", "fragmentation"):
+        ln = m.line(key)
+        out.append(f"  {ln.label:<48}{_gib(ln.bytes)}   {ln.note}")
+    verdict = "fits" if est.fits else "DOES NOT FIT"
+    out.append(f"  {'total':<48}{_gib(m.total)}   of {est.device_memory / GiB:.2f} GiB: {verdict}")
+    if m.cpu_bytes:
+        out.append(f"  {'CPU memory for offloaded states (per device)':<48}{_gib(m.cpu_bytes)}")
+    if any(not ln.in_peak and ln.bytes for ln in m.lines if ln.key not in _OVERHEAD):
+        out.append("  (values in parentheses exist at another moment of the step than the peak)")
+    if detail:
+        sv = m.saved
+        title = "one block, recomputed in backward" if sv.checkpointing else "one block"
+        out.append(f"  saved for backward by {title} (MiB):")
+        for name, n in m.details["block"].items():
+            out.append(f"    {name:<46}{n / 2**20:10,.2f}")
+        if sv.block_weight_copies:
+            out.append(f"    {'autocast weight copies':<46}{sv.block_weight_copies / 2**20:10,.2f}")
+    out.append("")
+    out.append("recommendations")
+    if est.largest_micro_batch:
+        out.append(f"  largest micro-batch that fits: {est.largest_micro_batch}")
+    else:
+        out.append("  not even micro-batch 1 fits as configured")
+    if est.recommended_micro_batch and s.global_batch_tokens:
+        out.append(
+            f"  for run.global_batch_tokens {s.global_batch_tokens:,}: micro-batch "
+            f"{est.recommended_micro_batch} x gradient accumulation {est.recommended_accumulation}"
+        )
+    if est.switches:
+        out.append("  switches that save memory (largest micro-batch that fits with each):")
+        for sw in est.switches:
+            mb = str(sw.largest_micro_batch) if sw.largest_micro_batch else "none"
+            out.append(f"    {sw.name:<36}{mb:>6}   {sw.yaml}")
+    if per_gpu:
+        out.append(f"  largest micro-batch per GPU (no --gpu given; table above is for {g.name}):")
+        items = [f"{name} {mb}" for name, mb in per_gpu.items()]
+        for i in range(0, len(items), 6):
+            out.append("    " + ", ".join(items[i : i + 6]))
+    out.append("")
+    out.append(
+        f"compute   at MFU {c.mfu:.0%} of {c.peak_tflops_per_device:,.1f} TFLOPs per device"
+        + (
+            f" (effective {c.effective_mfu:.1%} with recompute)"
+            if c.recompute_flops_per_token
+            else ""
+        )
+    )
+    out.append(f"  FLOPs per token (6N + attention)    {c.flops_per_token:.3e}")
+    out.append(f"  FLOPs per step                      {c.flops_per_step:.3e}")
+    out.append(f"  step time                           {c.step_seconds:.3f} s")
+    out.append(
+        f"  throughput                          {c.tokens_per_second:,.0f} tokens/s, "
+        f"{c.tokens_per_day / 1e9:,.2f} B tokens/day"
+    )
+    out.append(
+        f"  token budget ({c.token_budget_source})".ljust(38)
+        + f"{c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps"
+    )
+    out.append(
+        f"  wall-clock                          {c.hours:,.1f} h on {s.world_size} device(s)"
+    )
+    out.append(
+        f"  GPU-hours and cost                  {c.gpu_hours:,.1f} GPU-h x "
+        f"${c.usd_per_gpu_hour:.2f} = ${c.cost_usd:,.0f}"
+    )
+    out.append(
+        f"  Chinchilla-optimal budget           {c.chinchilla_tokens / 1e9:,.2f} B tokens "
+        "(20 per parameter)"
+    )
+    for w in est.warnings:
+        out.append(f"note: {w}")
+    return "\n".join(out)
+
+
+def list_gpus() -> str:
+    rows = [
+        f"{'name':<11}{'memory':>12}  {'bf16 TFLOPs':>11}  {'fp32/TF32':>9}  {'$/GPU-h':>8}  label"
+    ]
+    for g in GPUS.values():
+        rows.append(
+            f"{g.name:<11}{format_bytes(g.memory_bytes):>12}  {g.bf16_tflops:>11,.1f}  "
+            f"{g.fp32_tflops:>9,.1f}  {g.usd_per_hour:>8.2f}  {g.label}"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.list_gpus:
+        print(list_gpus())
+        return 0
+    try:
+        if not args.config:
+            raise EstimateError("give at least one --config X.yaml")
+        for name, value in (
+            ("--devices", args.devices),
+            ("--nodes", args.nodes),
+            ("--micro-batch", args.micro_batch),
+        ):
+            if value is not None and value < 1:
+                raise EstimateError(f"{name} must be >= 1, got {value}")
+        if not 0 < args.mfu <= 1:
+            raise EstimateError(f"--mfu must be in (0, 1], got {args.mfu}")
+        if not 0 <= args.fragmentation < 1:
+            raise EstimateError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
+        if args.tokens is not None and args.tokens <= 0:
+            raise EstimateError(f"--tokens must be > 0, got {args.tokens}")
+        est = estimate_from_config(
+            args.config,
+            gpu=args.gpu,
+            device_memory=args.gpu_mem,
+            devices=args.devices,
+            num_nodes=args.nodes,
+            micro_batch_size=args.micro_batch,
+            vocab_size=args.vocab_size,
+            mfu=args.mfu,
+            tokens=int(args.tokens) if args.tokens is not None else None,
+            usd_per_gpu_hour=args.usd_per_gpu_hour,
+            fragmentation=args.fragmentation,
+        )
+    except (EstimateError, UnknownGPUError, MemoryStringError, ConfigError) as err:
+        print(f"nanolab estimate: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return 0
+    per_gpu = None
+    if args.gpu is None and args.gpu_mem is None:
+        per_gpu = {
+            name: largest_micro_batch(
+                est.setup,
+                g.memory_bytes,
+                backend="rocm" if g.vendor == "amd" else "cuda",
+                fragmentation=args.fragmentation,
+            )
+            for name, g in GPUS.items()
+        }
+    print(format_estimate(est, per_gpu=per_gpu, detail=args.detail))
+    return 0

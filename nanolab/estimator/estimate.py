@@ -1,0 +1,282 @@
+"""The estimator's front door: a config in, an :class:`Estimate` out.
+
+``nanolab estimate`` prints one; ``nanolab fit`` uses :func:`largest_fitting_micro_batch` to pick
+the micro-batch for ``micro_batch_size: auto`` and :func:`estimate_from_config` to warn before a
+run that will not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanolab.estimator.compute import DEFAULT_MFU, ComputeEstimate, estimate_compute
+from nanolab.estimator.gpus import GPU, get_gpu, parse_memory
+from nanolab.estimator.memory import DEFAULT_FRAGMENTATION, MemoryEstimate, estimate_memory
+from nanolab.estimator.numerics import Backend
+from nanolab.estimator.recommend import (
+    Switch,
+    evaluate_switches,
+    largest_micro_batch,
+    micro_batch_for_global,
+)
+from nanolab.estimator.setup import EstimateError, Setup, load_config, setup_from_config
+
+ConfigLike = Mapping[str, Any] | str | Path | Sequence[str | Path]
+
+DEFAULT_GPU = "h100"
+
+
+@dataclass
+class Estimate:
+    """Memory, fit and cost of one config on one kind of device.
+
+    Attributes:
+        micro_batch: The micro-batch the memory table describes (the config's, or the largest
+            that fits when the config says ``auto``; at least 1).
+        fits: ``memory.total`` (peak + overheads) is within ``device_memory``.
+        largest_micro_batch: Largest micro-batch that fits as configured (0: none).
+        recommended_micro_batch / recommended_accumulation: The largest fitting micro-batch
+            that divides the per-device share of ``run.global_batch_tokens``, and the gradient
+            accumulation that then reaches it exactly (``None`` when nothing fits).
+        switches: Memory-saving changes and the largest micro-batch each allows (filled when
+            the configured micro-batch does not fit).
+    """
+
+    setup: Setup
+    gpu: GPU
+    device_memory: int
+    backend: Backend
+    micro_batch: int
+    micro_batch_source: str
+    memory: MemoryEstimate
+    fits: bool
+    largest_micro_batch: int
+    recommended_micro_batch: int | None
+    recommended_accumulation: int | None
+    compute: ComputeEstimate
+    switches: list[Switch] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (``nanolab estimate --json``)."""
+        s = self.setup
+        return {
+            "model": {
+                "params": self.compute.params,
+                "gpt": s.gpt.to_dict(),
+                "padded_vocab_size": s.gpt.padded_vocab_size,
+            },
+            "setup": {
+                "precision": s.precision,
+                "strategy": s.strategy.describe(),
+                "devices": s.devices,
+                "num_nodes": s.num_nodes,
+                "optimizer": s.optimizer,
+                "global_batch_tokens": s.global_batch_tokens,
+            },
+            "device": {
+                "gpu": self.gpu.name,
+                "memory_bytes": self.device_memory,
+                "backend": self.backend,
+            },
+            "micro_batch": self.micro_batch,
+            "micro_batch_source": self.micro_batch_source,
+            "gradient_accumulation": self.memory.accumulate,
+            "memory": {
+                "lines": [asdict(ln) for ln in self.memory.lines],
+                "peak_allocated_bytes": self.memory.peak_allocated,
+                "peak_phase": self.memory.peak_phase,
+                "total_bytes": self.memory.total,
+                "cpu_offload_bytes": self.memory.cpu_bytes,
+                "per_block_saved": self.memory.details["block"],
+            },
+            "fits": self.fits,
+            "largest_micro_batch": self.largest_micro_batch,
+            "recommended_micro_batch": self.recommended_micro_batch,
+            "recommended_accumulation": self.recommended_accumulation,
+            "switches": [
+                {"name": sw.name, "yaml": sw.yaml, "largest_micro_batch": sw.largest_micro_batch}
+                for sw in self.switches
+            ],
+            "compute": self.compute.to_dict(),
+            "warnings": self.warnings,
+        }
+
+
+def _as_config(config: ConfigLike) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    if isinstance(config, (str, Path)):
+        return load_config([config])
+    return load_config(list(config))
+
+
+def _device(gpu: str | GPU | None, device_memory: int | str | None) -> tuple[GPU, int, Backend]:
+    g = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
+    mem = parse_memory(device_memory) if device_memory is not None else g.memory_bytes
+    return g, mem, "rocm" if g.vendor == "amd" else "cuda"
+
+
+def setup_for(
+    config: ConfigLike,
+    *,
+    devices: int | None = None,
+    num_nodes: int | None = None,
+    micro_batch_size: int | None = None,
+    vocab_size: int | None = None,
+) -> Setup:
+    """The :class:`Setup` the estimator reads from ``config`` (a mapping or YAML path(s))."""
+    return setup_from_config(
+        _as_config(config),
+        devices=devices,
+        num_nodes=num_nodes,
+        micro_batch_size=micro_batch_size,
+        vocab_size=vocab_size,
+    )
+
+
+def largest_fitting_micro_batch(
+    config: ConfigLike | Setup,
+    *,
+    device_memory: int | str | None = None,
+    gpu: str | None = None,
+    devices: int | None = None,
+    vocab_size: int | None = None,
+    backend: Backend | None = None,
+    fragmentation: float = DEFAULT_FRAGMENTATION,
+    divide_global_batch: bool = True,
+) -> int:
+    """Largest micro-batch (sequences per device) predicted to fit; 0 when not even 1 fits.
+
+    Args:
+        config: The merged ``nanolab fit`` config as a mapping (e.g. jsonargparse's
+            ``cfg.as_dict()``), YAML path(s), or a :class:`Setup`.
+        device_memory: Bytes (or ``"12GiB"``) of one device, e.g.
+            ``torch.cuda.get_device_properties(0).total_memory``; defaults to ``gpu``'s.
+        gpu: A name from :data:`nanolab.estimator.gpus.GPUS` (default h100).
+        devices: Devices per node, overriding ``trainer.devices`` (resolve ``auto`` first).
+        vocab_size: Overrides ``model.gpt.vocab_size`` (needed when it is null and the data
+            is not prepared).
+        backend: ``cuda``, ``rocm`` or ``cpu`` (framework-overhead constant and kernel
+            behaviour); default from the GPU's vendor.
+        fragmentation: Share of the peak kept free for allocator fragmentation.
+        divide_global_batch: Return only a micro-batch that divides the per-device share of
+            ``run.global_batch_tokens`` (what ``nanolab fit`` requires), so accumulation is
+            exact.
+    """
+    setup = (
+        config
+        if isinstance(config, Setup)
+        else setup_for(config, devices=devices, vocab_size=vocab_size)
+    )
+    _, mem, be = _device(gpu, device_memory)
+    be = backend or be
+    largest = largest_micro_batch(setup, mem, backend=be, fragmentation=fragmentation)
+    if not divide_global_batch:
+        return largest
+    choice = micro_batch_for_global(setup, largest)
+    return 0 if choice is None else choice[0]
+
+
+def estimate_from_config(
+    config: ConfigLike | Setup,
+    *,
+    gpu: str | None = None,
+    device_memory: int | str | None = None,
+    devices: int | None = None,
+    num_nodes: int | None = None,
+    micro_batch_size: int | None = None,
+    vocab_size: int | None = None,
+    backend: Backend | None = None,
+    mfu: float = DEFAULT_MFU,
+    tokens: int | None = None,
+    usd_per_gpu_hour: float | None = None,
+    fragmentation: float = DEFAULT_FRAGMENTATION,
+) -> Estimate:
+    """Estimate memory per device, fit, recommendations, time and cost for a config.
+
+    Arguments are as for :func:`largest_fitting_micro_batch`, plus ``micro_batch_size`` (overrides
+    the config's), ``mfu`` (model FLOPs utilisation assumed for the time estimate), ``tokens``
+    (token budget; default ``trainer.max_steps`` x tokens per step, else Chinchilla's 20 per
+    parameter) and ``usd_per_gpu_hour`` (default: the GPU table's indicative price).
+
+    Raises:
+        EstimateError, UnknownGPUError, MemoryStringError: with a one-line message.
+    """
+    setup = (
+        config
+        if isinstance(config, Setup)
+        else setup_for(
+            config,
+            devices=devices,
+            num_nodes=num_nodes,
+            micro_batch_size=micro_batch_size,
+            vocab_size=vocab_size,
+        )
+    )
+    if isinstance(config, Setup) and micro_batch_size is not None:
+        setup = setup.with_micro_batch(micro_batch_size)
+    g, mem, be = _device(gpu, device_memory)
+    be = backend or be
+    kw = {"backend": be, "fragmentation": fragmentation}
+    largest = largest_micro_batch(setup, mem, **kw)
+    choice = micro_batch_for_global(setup, largest)
+    if setup.micro_batch_size is not None:
+        micro, source = setup.micro_batch_size, "config"
+    else:
+        micro, source = (choice[0] if choice else 1), "auto"
+    memory = estimate_memory(setup, micro, **kw)
+    fits = memory.total <= mem
+    switches = [] if fits else evaluate_switches(setup, mem, **kw)
+    compute = estimate_compute(
+        setup,
+        g,
+        micro,
+        memory.accumulate,
+        mfu=mfu,
+        tokens=tokens,
+        usd_per_gpu_hour=usd_per_gpu_hour,
+    )
+    warnings = []
+    if not g.bf16 and "bf16" in setup.precision:
+        warnings.append(f"{g.name} has no bf16 support: use precision 16-mixed")
+    if setup.devices_guessed:
+        warnings.append(
+            "trainer.devices is auto: estimated for 1 device per node; pass --devices N "
+            "(devices=N) for the machine it will run on"
+        )
+    if setup.compile:
+        warnings.append(
+            "model.compile is on: the estimate is for eager mode; torch.compile usually saves "
+            "less for backward (it recomputes cheap element-wise ops), so it is an upper bound"
+        )
+    if setup.global_batch_tokens is not None and setup.micro_batch_size is None and not choice:
+        warnings.append("no micro-batch fits; see the switches")
+    return Estimate(
+        setup=setup,
+        gpu=g,
+        device_memory=mem,
+        backend=be,
+        micro_batch=micro,
+        micro_batch_source=source,
+        memory=memory,
+        fits=fits,
+        largest_micro_batch=largest,
+        recommended_micro_batch=choice[0] if choice else None,
+        recommended_accumulation=choice[1] if choice else None,
+        compute=compute,
+        switches=switches,
+        warnings=warnings,
+    )
+
+
+__all__ = [
+    "Estimate",
+    "EstimateError",
+    "estimate_from_config",
+    "largest_fitting_micro_batch",
+    "setup_for",
+]

@@ -1,0 +1,390 @@
+"""From ``nanolab fit`` YAML files to the handful of facts the estimator needs.
+
+The YAML is read directly (``yaml.safe_load``, several files deep-merged in order, later keys win)
+rather than through LightningCLI: the estimate then takes a fraction of a second, needs no
+prepared dataset and cannot be broken by a data or logger setting it does not use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from nanolab.model.config import ConfigError, GPTConfig
+
+StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
+
+PRECISIONS = {
+    "32": "32-true",
+    "32-true": "32-true",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16-true": "bf16-true",
+    "16-true": "16-true",
+}
+
+#: Lightning's DeepSpeedStrategy defaults (elements, not bytes).
+DEEPSPEED_REDUCE_BUCKET = 200_000_000
+
+#: Vocabulary of the named tokenizers, used when the config leaves vocab_size null.
+TOKENIZER_VOCAB = {"gpt2": 50257, "bytes": 256}
+
+
+class EstimateError(ValueError):
+    """A config the estimator cannot describe; the message says which key and why."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How model states are spread over devices.
+
+    Attributes:
+        kind: ``single`` (one device), ``ddp``, ``fsdp1`` (Lightning's FSDPStrategy),
+            ``fsdp2`` (Lightning's ModelParallelStrategy with nanolab's per-block
+            ``fully_shard``) or ``deepspeed``.
+        zero_stage: DeepSpeed ZeRO stage (1, 2, 3); 0 otherwise.
+        offload_optimizer: Optimizer states (and the fp32 master copy) live in CPU memory.
+        offload_params: Parameters live in CPU memory too (ZeRO-3 / FSDP ``cpu_offload``).
+        gradient_as_bucket_view: DDP's gradients alias its communication buckets (saves one
+            gradient-sized buffer); Lightning's default is False.
+        fsdp_wrapped_blocks: FSDP1 gathers one block at a time (an ``auto_wrap_policy`` is set);
+            without one the whole model is a single unit, gathered whole.
+        shard_grad_op: FSDP ``SHARD_GRAD_OP``: parameters stay gathered between forward and
+            backward (ZeRO-2 like).
+        reduce_bucket_size: DeepSpeed's gradient bucket, in elements.
+        overlap_comm: DeepSpeed double-buffers the gradient bucket.
+        contiguous_gradients: DeepSpeed copies gradients into the bucket buffer.
+    """
+
+    kind: StrategyKind = "single"
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    gradient_as_bucket_view: bool = False
+    fsdp_wrapped_blocks: bool = False
+    shard_grad_op: bool = False
+    reduce_bucket_size: int = DEEPSPEED_REDUCE_BUCKET
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+
+    def describe(self) -> str:
+        if self.kind == "deepspeed":
+            text = f"DeepSpeed ZeRO-{self.zero_stage}"
+            if self.offload_params:
+                text += " + param/optimizer offload"
+            elif self.offload_optimizer:
+                text += " + optimizer offload"
+            return text
+        if self.kind in ("fsdp1", "fsdp2"):
+            text = "FSDP2 (per-block fully_shard)" if self.kind == "fsdp2" else "FSDP1"
+            if self.shard_grad_op:
+                text += " SHARD_GRAD_OP"
+            if self.offload_params:
+                text += " + CPU offload"
+            return text
+        return {"single": "single device", "ddp": "DDP"}[self.kind]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the estimate depends on, already validated.
+
+    Attributes:
+        gpt: The architecture.
+        micro_batch_size: Sequences per device per forward/backward (``None``: "auto").
+        devices: Devices per node; ``num_nodes``: nodes.
+        precision: One of ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``.
+        strategy: See :class:`Strategy`.
+        optimizer: ``adamw`` or ``adamw8bit``.
+        fused: torch AdamW's fused kernel (no step temporaries); ``None`` = on for GPUs.
+        global_batch_tokens: Tokens per optimizer step over all devices (``None``: one
+            micro-batch per device per step).
+        max_steps: Optimizer steps of the run (for the token budget), if known.
+        compile: ``torch.compile`` is on (estimates are for eager mode; see the README).
+        devices_guessed: ``trainer.devices`` was ``auto`` (or absent) and no override was
+            given, so one device per node was assumed.
+    """
+
+    gpt: GPTConfig
+    micro_batch_size: int | None = None
+    devices: int = 1
+    num_nodes: int = 1
+    precision: str = "bf16-mixed"
+    strategy: Strategy = field(default_factory=Strategy)
+    optimizer: str = "adamw"
+    fused: bool | None = None
+    global_batch_tokens: int | None = None
+    max_steps: int | None = None
+    compile: bool = False
+    devices_guessed: bool = False  # trainer.devices was "auto" and nothing overrode it
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    def with_micro_batch(self, micro_batch_size: int) -> Setup:
+        return replace(self, micro_batch_size=micro_batch_size)
+
+
+# -- YAML ------------------------------------------------------------------------------------
+def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``override`` on top of ``base``: nested dicts merge, everything else is replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """Read and merge ``--config`` files in order (later files win, dicts deep-merge)."""
+    import yaml
+
+    merged: dict[str, Any] = {}
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise EstimateError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise EstimateError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
+        if not isinstance(data, Mapping):
+            raise EstimateError(f"{path}: the top level must be a mapping of config groups")
+        merged = deep_merge(merged, data)
+    return merged
+
+
+# -- interpretation ---------------------------------------------------------------------------
+def _section(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = cfg.get(name) or {}
+    if not isinstance(value, Mapping):
+        raise EstimateError(f"'{name}' must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def _int(value: Any, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise EstimateError(f"{where} must be an integer, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise EstimateError(f"{where} must be an integer, got {value!r}") from None
+    if n != float(value) or n < minimum:
+        raise EstimateError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return n
+
+
+def count_devices(devices: Any) -> int:
+    """Devices per node from ``trainer.devices`` (an int, a list of ids, ``"0,1"``, ``auto``)."""
+    if isinstance(devices, (list, tuple)):
+        return max(1, len(devices))
+    if isinstance(devices, str) and "," in devices:
+        return max(1, len([d for d in devices.split(",") if d.strip()]))
+    if devices in (None, "auto", -1, "-1"):
+        return 1
+    return _int(devices, "trainer.devices")
+
+
+def parse_strategy(raw: Any, world_size: int) -> Strategy:
+    """Lightning's ``trainer.strategy`` (a registry name or a ``class_path`` dict)."""
+    if raw is None or raw == "auto":
+        return Strategy("ddp" if world_size > 1 else "single")
+    if isinstance(raw, Mapping):
+        class_path = str(raw.get("class_path", ""))
+        args = dict(raw.get("init_args") or {})
+        name = class_path.rsplit(".", 1)[-1].lower()
+    elif isinstance(raw, str):
+        name, args = raw.lower(), {}
+    else:
+        raise EstimateError(f"trainer.strategy must be a name or a class_path mapping, got {raw!r}")
+
+    if "deepspeed" in name:
+        stage = args.get("stage")
+        m = re.search(r"stage_(\d)", name)
+        if stage is None:
+            stage = int(m.group(1)) if m else 2  # Lightning's DeepSpeedStrategy default
+        stage = _int(stage, "trainer.strategy stage", minimum=0)
+        if stage not in (1, 2, 3):
+            raise EstimateError(f"DeepSpeed ZeRO stage must be 1, 2 or 3, got {stage}")
+        offload = "offload" in name
+        offload_params = bool(args.get("offload_parameters", offload and stage == 3))
+        offload_opt = bool(args.get("offload_optimizer", offload)) or offload_params
+        if offload_params and stage != 3:
+            raise EstimateError("DeepSpeed offload_parameters needs ZeRO stage 3")
+        return Strategy(
+            "deepspeed",
+            zero_stage=stage,
+            offload_optimizer=offload_opt,
+            offload_params=offload_params,
+            reduce_bucket_size=_int(
+                args.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET), "reduce_bucket_size"
+            ),
+            overlap_comm=bool(args.get("overlap_comm", True)),
+            contiguous_gradients=bool(args.get("contiguous_gradients", True)),
+        )
+    if "modelparallel" in name or "fsdp2" in name:
+        tp = args.get("tensor_parallel_size", 1)
+        if tp not in (1, "auto", None):
+            raise EstimateError("tensor parallelism is not modelled; set tensor_parallel_size: 1")
+        return Strategy("fsdp2")
+    if "fsdp" in name:
+        sharding = str(args.get("sharding_strategy", "FULL_SHARD")).upper()
+        if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+            raise EstimateError(f"unknown FSDP sharding_strategy {sharding!r}")
+        if sharding == "NO_SHARD":
+            return Strategy("ddp", gradient_as_bucket_view=False)
+        offload = "offload" in name or bool(args.get("cpu_offload", False))
+        return Strategy(
+            "fsdp1",
+            offload_params=offload,
+            offload_optimizer=offload,
+            fsdp_wrapped_blocks=args.get("auto_wrap_policy") is not None,
+            shard_grad_op=sharding == "SHARD_GRAD_OP",
+        )
+    if "ddp" in name:
+        return Strategy("ddp", gradient_as_bucket_view=bool(args.get("gradient_as_bucket_view")))
+    if name in ("single_device", "singledevicestrategy"):
+        if world_size > 1:
+            raise EstimateError(f"strategy single_device cannot use {world_size} devices")
+        return Strategy("single")
+    raise EstimateError(
+        f"unknown trainer.strategy {raw!r}; the estimator knows auto, ddp, fsdp, "
+        "deepspeed_stage_{1,2,3}[_offload] and ModelParallelStrategy (FSDP2)"
+    )
+
+
+def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
+    """``model.gpt.vocab_size``, or the prepared data's, or the named tokenizer's."""
+    if gpt.get("vocab_size") is not None:
+        return _int(gpt["vocab_size"], "model.gpt.vocab_size", minimum=2)
+    dataset_dir = data.get("dataset_dir")
+    if dataset_dir:
+        meta = Path(str(dataset_dir)) / "meta.json"
+        if meta.is_file():
+            try:
+                return _int(json.loads(meta.read_text())["vocab_size"], f"{meta} vocab_size")
+            except (KeyError, json.JSONDecodeError):
+                pass
+    tokenizer = str(data.get("tokenizer", ""))
+    if tokenizer in TOKENIZER_VOCAB:
+        return TOKENIZER_VOCAB[tokenizer]
+    if tokenizer == "bpe":
+        return _int(data.get("bpe_vocab_size", 4096), "data.bpe_vocab_size", minimum=2)
+    raise EstimateError(
+        "model.gpt.vocab_size is null and the data is not prepared yet; "
+        "pass --vocab-size N (or prepare the data first)"
+    )
+
+
+def setup_from_config(
+    cfg: Mapping[str, Any],
+    *,
+    devices: int | None = None,
+    num_nodes: int | None = None,
+    micro_batch_size: int | None = None,
+    vocab_size: int | None = None,
+) -> Setup:
+    """Interpret a merged ``nanolab fit`` config; keyword arguments override it."""
+    trainer = _section(cfg, "trainer")
+    model = _section(cfg, "model")
+    data = _section(cfg, "data")
+    run = _section(cfg, "run")
+    gpt_raw = _section(model, "gpt") if "gpt" in model else {}
+    if vocab_size is not None:
+        gpt_raw["vocab_size"] = vocab_size
+    gpt_raw["vocab_size"] = resolve_vocab(gpt_raw, data)
+    known = set(GPTConfig.__dataclass_fields__)
+    unknown = sorted(set(gpt_raw) - known)
+    if unknown:
+        raise EstimateError(f"model.gpt has unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        gpt = GPTConfig(**gpt_raw)
+    except (ConfigError, TypeError) as err:
+        raise EstimateError(str(err)) from None
+
+    raw_devices = trainer.get("devices", "auto")
+    guessed = devices is None and raw_devices in (None, "auto", -1, "-1")
+    n_dev = devices if devices is not None else count_devices(raw_devices)
+    n_dev = _int(n_dev, "devices")
+    nodes = _int(
+        num_nodes if num_nodes is not None else trainer.get("num_nodes", 1) or 1, "num_nodes"
+    )
+
+    raw_precision = str(trainer.get("precision", "32-true"))
+    if raw_precision not in PRECISIONS:
+        raise EstimateError(
+            f"trainer.precision {raw_precision!r} is not modelled; use one of "
+            f"{sorted(set(PRECISIONS.values()))}"
+        )
+    precision = PRECISIONS[raw_precision]
+
+    strategy = parse_strategy(trainer.get("strategy", "auto"), n_dev * nodes)
+    if strategy.kind == "single" and n_dev * nodes > 1:
+        strategy = Strategy("ddp")
+
+    opt = _section(model, "optimizer") if "optimizer" in model else {}
+    opt_name = str(opt.get("name", "adamw"))
+    if opt_name not in ("adamw", "adamw8bit"):
+        raise EstimateError(f"model.optimizer.name must be adamw or adamw8bit, got {opt_name!r}")
+
+    # run.micro_batch_size (int or "auto") wins over data.micro_batch_size (DataModule default 32).
+    mb_raw: Any = micro_batch_size
+    where = "micro_batch_size"
+    if mb_raw is None:
+        if "micro_batch_size" in run:
+            mb_raw, where = run["micro_batch_size"], "run.micro_batch_size"
+        else:
+            mb_raw, where = data.get("micro_batch_size", 32), "data.micro_batch_size"
+    mb = None if mb_raw in (None, "auto") else _int(mb_raw, where)
+
+    gbt = run.get("global_batch_tokens")
+    gbt = None if gbt is None else _int(gbt, "run.global_batch_tokens")
+    max_steps = trainer.get("max_steps")
+    max_steps = None if max_steps in (None, -1) else _int(max_steps, "trainer.max_steps")
+
+    setup = Setup(
+        gpt=gpt,
+        micro_batch_size=mb,
+        devices=n_dev,
+        num_nodes=nodes,
+        precision=precision,
+        strategy=strategy,
+        optimizer=opt_name,
+        fused=opt.get("fused"),
+        global_batch_tokens=gbt,
+        max_steps=max_steps,
+        compile=bool(model.get("compile", False)),
+        devices_guessed=guessed,
+    )
+    check_setup(setup)
+    return setup
+
+
+def check_setup(setup: Setup) -> None:
+    """Reject combinations that cannot run, with the reason."""
+    s = setup.strategy
+    if s.kind == "deepspeed" and setup.optimizer == "adamw8bit" and s.offload_optimizer:
+        raise EstimateError("DeepSpeed optimizer offload runs its own CPU Adam; use name: adamw")
+    if setup.global_batch_tokens is not None:
+        per_seq = setup.gpt.block_size * setup.world_size
+        if setup.global_batch_tokens % per_seq != 0:
+            raise EstimateError(
+                f"run.global_batch_tokens ({setup.global_batch_tokens}) is not a multiple of "
+                f"block_size x devices = {per_seq}"
+            )
+    if setup.global_batch_tokens is not None and setup.micro_batch_size is not None:
+        per_step = setup.micro_batch_size * setup.gpt.block_size * setup.world_size
+        if setup.global_batch_tokens % per_step != 0:
+            raise EstimateError(
+                f"run.global_batch_tokens ({setup.global_batch_tokens}) is not a multiple of "
+                f"micro_batch_size x block_size x devices = {per_step}"
+            )

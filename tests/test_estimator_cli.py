@@ -1,0 +1,398 @@
+"""``nanolab estimate``: config reading, strategies, recommendations, compute, bad input, bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
+from nanolab.estimator.cli import main
+from nanolab.estimator.compute import estimate_compute
+from nanolab.estimator.gpus import (
+    GPUS,
+    GiB,
+    MemoryStringError,
+    UnknownGPUError,
+    get_gpu,
+    parse_memory,
+)
+from nanolab.estimator.memory import estimate_memory
+from nanolab.estimator.recommend import fits
+from nanolab.estimator.setup import (
+    EstimateError,
+    Setup,
+    Strategy,
+    deep_merge,
+    load_config,
+    parse_strategy,
+    setup_from_config,
+)
+from nanolab.model.config import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2 = ROOT / "tests" / "fixtures" / "estimator_gpt2_124m.yaml"
+
+
+def _write(tmp_path: Path, name: str, data: dict) -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+# -- units and the GPU table ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("12GiB", 12 * GiB),
+        ("12 GB", 12 * 10**9),
+        ("11.5gib", int(11.5 * GiB)),
+        ("24576MiB", 24 * GiB),
+        ("1073741824", GiB),
+        (" 2 tib ", 2 * 1024**4),
+    ],
+)
+def test_parse_memory(text: str, expected: int) -> None:
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12 gigs", "GiB", "-3GB", "0", "1e9", ""])
+def test_parse_memory_rejects(text: str) -> None:
+    with pytest.raises(MemoryStringError):
+        parse_memory(text)
+
+
+def test_gpu_table() -> None:
+    wanted = [
+        "rtx4070",
+        "rtx3090",
+        "rtx4090",
+        "rtx5090",
+        "a100-40gb",
+        "a100-80gb",
+        "h100",
+        "h200",
+        "b200",
+        "l4",
+        "l40s",
+        "v100",
+        "mi250x",
+        "mi300x",
+        "mi325x",
+        "mi355x",
+    ]
+    assert set(wanted) <= set(GPUS)
+    assert GPUS["rtx4070"].memory_bytes == 12282 * 1024**2  # what torch reports of 12 GB
+    assert GPUS["mi300x"].memory_bytes == 192 * GiB
+    assert get_gpu("RTX 4070") is GPUS["rtx4070"] and get_gpu("4090") is GPUS["rtx4090"]
+    with pytest.raises(UnknownGPUError, match="rtx4070, rtx3090"):
+        get_gpu("gtx1080")
+
+
+def test_gpus_module_imports_alone() -> None:
+    code = (
+        "import sys, nanolab.estimator.gpus as g; g.get_gpu('h100'); "
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# -- config reading ---------------------------------------------------------------------------
+def test_configs_merge_in_order(tmp_path: Path) -> None:
+    a = _write(
+        tmp_path,
+        "a.yaml",
+        {"model": {"gpt": {"n_layer": 2, "n_embd": 64}}, "trainer": {"precision": "32-true"}},
+    )
+    b = _write(
+        tmp_path,
+        "b.yaml",
+        {"model": {"gpt": {"n_layer": 4}}, "trainer": {"strategy": "deepspeed_stage_3"}},
+    )
+    cfg = load_config([a, b])
+    assert cfg["model"]["gpt"] == {"n_layer": 4, "n_embd": 64}
+    assert cfg["trainer"] == {"precision": "32-true", "strategy": "deepspeed_stage_3"}
+    assert deep_merge({"x": {"y": 1}}, {"x": 2}) == {"x": 2}
+
+
+@pytest.mark.parametrize(
+    ("raw", "world", "expected"),
+    [
+        ("auto", 1, Strategy("single")),
+        ("auto", 4, Strategy("ddp")),
+        ("ddp", 2, Strategy("ddp")),
+        (
+            {
+                "class_path": "lightning.pytorch.strategies.DDPStrategy",
+                "init_args": {"gradient_as_bucket_view": True},
+            },
+            2,
+            Strategy("ddp", gradient_as_bucket_view=True),
+        ),
+        ("deepspeed_stage_2", 2, Strategy("deepspeed", zero_stage=2)),
+        (
+            "deepspeed_stage_2_offload",
+            1,
+            Strategy("deepspeed", zero_stage=2, offload_optimizer=True),
+        ),
+        (
+            "deepspeed_stage_3_offload",
+            2,
+            Strategy("deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True),
+        ),
+        (
+            {
+                "class_path": "nanolab.training.strategies.DeepSpeedStrategy",
+                "init_args": {"stage": 3, "offload_optimizer": True},
+            },
+            2,
+            Strategy("deepspeed", zero_stage=3, offload_optimizer=True),
+        ),
+        ({"class_path": "nanolab.training.strategies.FSDP2Strategy"}, 2, Strategy("fsdp2")),
+        (
+            {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"},
+            2,
+            Strategy("fsdp2"),
+        ),
+        ("fsdp", 2, Strategy("fsdp1")),
+    ],
+)
+def test_parse_strategy(raw: object, world: int, expected: Strategy) -> None:
+    assert parse_strategy(raw, world) == expected
+
+
+def test_shipped_configs_are_read() -> None:
+    """Every recipe and strategy snippet in configs/ is understood."""
+    recipes = sorted((ROOT / "configs").glob("gpt2-*.yaml"))
+    snippets = sorted((ROOT / "configs" / "strategy").glob("*.yaml"))
+    for recipe in recipes or [GPT2]:
+        setup = setup_from_config(load_config([recipe]))
+        assert setup.gpt.vocab_size == 50257 and setup.precision == "bf16-mixed"
+        for snippet in snippets:
+            s = setup_from_config(load_config([recipe, snippet]), devices=2, num_nodes=1)
+            assert s.world_size == 2 and s.strategy.kind != "single"
+
+
+def test_vocab_from_tokenizer_or_argument(tmp_path: Path) -> None:
+    base = {"model": {"gpt": {"vocab_size": None, "n_layer": 2}}}
+    assert setup_from_config({**base, "data": {"tokenizer": "gpt2"}}).gpt.vocab_size == 50257
+    assert setup_from_config(base, vocab_size=1000).gpt.vocab_size == 1000
+    meta = tmp_path / "ds"
+    meta.mkdir()
+    (meta / "meta.json").write_text(json.dumps({"vocab_size": 65}))
+    got = setup_from_config({**base, "data": {"dataset_dir": str(meta), "tokenizer": "chars"}})
+    assert got.gpt.vocab_size == 65
+    with pytest.raises(EstimateError, match="--vocab-size"):
+        setup_from_config({**base, "data": {"tokenizer": "chars", "dataset_dir": "nowhere"}})
+
+
+# -- memory and recommendations ---------------------------------------------------------------
+def _gpt2(**over: object) -> Setup:
+    return setup_from_config(load_config([GPT2]), **over)
+
+
+def test_peak_lines_add_up_for_every_strategy() -> None:
+    base = _gpt2()
+    strategies = [
+        Strategy("single"),
+        Strategy("ddp"),
+        Strategy("ddp", gradient_as_bucket_view=True),
+        Strategy("fsdp1"),
+        Strategy("fsdp1", fsdp_wrapped_blocks=True),
+        Strategy("fsdp2"),
+        Strategy("deepspeed", zero_stage=1),
+        Strategy("deepspeed", zero_stage=2),
+        Strategy("deepspeed", zero_stage=3),
+        Strategy("deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True),
+    ]
+    for strategy in strategies:
+        for precision in ("32-true", "bf16-mixed", "bf16-true"):
+            for devices in (1, 4):
+                s = Setup(
+                    **{
+                        **base.__dict__,
+                        "strategy": strategy,
+                        "precision": precision,
+                        "devices": devices,
+                        "global_batch_tokens": None,
+                    }
+                )
+                est = estimate_memory(s, 4)
+                assert sum(ln.bytes for ln in est.lines if ln.in_peak) == est.peak_allocated
+                assert est.total > est.peak_allocated > 0
+
+
+def test_sharding_lowers_model_states() -> None:
+    base = _gpt2(devices=8)
+
+    def states(strategy: Strategy) -> int:
+        s = Setup(**{**base.__dict__, "strategy": strategy})
+        st = estimate_memory(s, 1).states
+        return st.params + st.grads + st.optimizer + st.master
+
+    ddp, z1, z2, z3 = (
+        states(Strategy("ddp")),
+        states(Strategy("deepspeed", zero_stage=1)),
+        states(Strategy("deepspeed", zero_stage=2)),
+        states(Strategy("deepspeed", zero_stage=3)),
+    )
+    assert ddp > z1 > z2 > z3
+    assert states(Strategy("fsdp2")) * 8 == pytest.approx(ddp, rel=1e-6)
+
+
+def test_ddp_buckets_line() -> None:
+    base = _gpt2(devices=2)
+    est = estimate_memory(Setup(**{**base.__dict__, "strategy": Strategy("ddp")}), 2)
+    assert est.line("buckets").bytes == est.line("grads").bytes
+    view = Strategy("ddp", gradient_as_bucket_view=True)
+    assert (
+        estimate_memory(Setup(**{**base.__dict__, "strategy": view}), 2).line("buckets").bytes == 0
+    )
+
+
+def test_largest_micro_batch_is_the_boundary() -> None:
+    setup = _gpt2()
+    mem = GPUS["rtx4090"].memory_bytes
+    b = largest_fitting_micro_batch(setup, gpu="rtx4090", divide_global_batch=False)
+    assert b > 0
+    assert fits(setup, b, mem) and not fits(setup, b + 1, mem)
+    d = largest_fitting_micro_batch(setup, gpu="rtx4090")
+    per_device = setup.global_batch_tokens // setup.gpt.block_size
+    assert d <= b and per_device % d == 0
+    assert largest_fitting_micro_batch(setup, device_memory="1GiB") == 0
+
+
+def test_estimate_recommends_switches_when_it_does_not_fit() -> None:
+    est = estimate_from_config(str(GPT2), gpu="rtx4070", micro_batch_size=32)
+    assert not est.fits
+    names = {sw.name: sw.largest_micro_batch for sw in est.switches}
+    assert names["gradient checkpointing"] > est.largest_micro_batch
+    assert names["8-bit AdamW"] >= est.largest_micro_batch
+    assert est.recommended_micro_batch * est.recommended_accumulation == 512
+    fitting = estimate_from_config(str(GPT2), gpu="h100")
+    assert fitting.fits and fitting.switches == []
+
+
+def test_auto_micro_batch(tmp_path: Path) -> None:
+    cfg = load_config([GPT2])
+    cfg["data"]["micro_batch_size"] = "auto"
+    est = estimate_from_config(cfg, gpu="a100-80gb")
+    assert est.micro_batch_source == "auto"
+    assert est.micro_batch == est.recommended_micro_batch and est.fits
+
+
+def test_compute_figures() -> None:
+    setup = _gpt2()
+    est = estimate_from_config(setup, gpu="h100", micro_batch_size=16, mfu=0.5)
+    c = est.compute
+    assert c.tokens_per_step == 524288 and est.memory.accumulate == 32
+    assert c.flops_per_step == c.flops_per_token * 524288
+    assert c.step_seconds == pytest.approx(c.flops_per_step / (989.4e12 * 0.5))
+    assert c.token_budget == 19073 * 524288 and c.chinchilla_tokens == 20 * c.params
+    assert c.cost_usd == pytest.approx(c.gpu_hours * GPUS["h100"].usd_per_hour)
+    ckpt = Setup(
+        **{
+            **setup.__dict__,
+            "gpt": GPTConfig(**{**setup.gpt.to_dict(), "gradient_checkpointing": True}),
+        }
+    )
+    slow = estimate_compute(ckpt, GPUS["h100"], 16, 32, mfu=0.5)
+    assert slow.effective_mfu < 0.5 and slow.step_seconds > c.step_seconds
+    custom = estimate_compute(setup, GPUS["h100"], 16, 32, tokens=10**9, usd_per_gpu_hour=1.0)
+    assert custom.token_budget == 10**9 and custom.cost_usd == pytest.approx(custom.gpu_hours)
+
+
+# -- the command ------------------------------------------------------------------------------
+def test_cli_table(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--config", str(GPT2), "--gpu", "rtx4070"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "activations saved for backward",
+        "log-softmax saved by the loss",
+        "framework overhead",
+        "fragmentation",
+        "DOES NOT FIT",
+        "largest micro-batch that fits",
+        "gradient checkpointing",
+        "step time",
+        "Chinchilla",
+    ):
+        assert text in out
+
+
+def test_cli_json(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--config", str(GPT2), "--gpu-mem", "80GiB", "--devices", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and data["device"]["memory_bytes"] == 80 * GiB
+    assert data["setup"]["devices"] == 2 and data["gradient_accumulation"] == 16
+    keys = {ln["key"] for ln in data["memory"]["lines"]}
+    assert {"params", "grads", "optimizer", "activations", "logits", "buckets"} <= keys
+
+
+def test_cli_lists_gpus(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--list-gpus"]) == 0
+    assert "mi300x" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu", "gtx1080"], "unknown GPU 'gtx1080'; known: rtx4070"),
+        (["--gpu-mem", "12 gigs"], "cannot read a memory size"),
+        (["--devices", "0"], "--devices must be >= 1"),
+        (["--mfu", "1.5"], "--mfu"),
+        ([], None),
+    ],
+)
+def test_cli_bad_input(args: list[str], message: str | None, capsys) -> None:
+    argv = ["--config", str(GPT2), *args] if args else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nanolab estimate: error:")
+    if message:
+        assert message in err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"model": {"gpt": {"n_embd": 100, "n_head": 12}}}, "divisible"),
+        ({"run": {"global_batch_tokens": 1000}}, "global_batch_tokens"),
+        ({"trainer": {"precision": "64-true"}}, "precision"),
+        ({"trainer": {"strategy": "horovod"}}, "unknown trainer.strategy"),
+        ({"model": {"gpt": {"n_layers": 3}}}, "unknown keys"),
+        (
+            {
+                "trainer": {
+                    "strategy": {"class_path": "DeepSpeedStrategy", "init_args": {"stage": 4}}
+                }
+            },
+            "stage",
+        ),
+    ],
+)
+def test_cli_impossible_configs(tmp_path: Path, override: dict, message: str, capsys) -> None:
+    bad = _write(tmp_path, "bad.yaml", override)
+    assert main(["--config", str(GPT2), "--config", bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_cli_missing_file(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--config", "nope.yaml"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_cpu_mode(capsys: pytest.CaptureFixture) -> None:
+    sys.path.insert(0, str(ROOT / "benches"))
+    try:
+        import bench_memory
+    finally:
+        sys.path.pop(0)
+    assert bench_memory.main(["--cpu", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted" in out and "error" in out
