@@ -8,7 +8,7 @@ run that will not fit.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,9 @@ def _as_config(config: ConfigLike) -> Mapping[str, Any]:
 def _device(gpu: str | GPU | None, device_memory: int | str | None) -> tuple[GPU, int, Backend]:
     g = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
     mem = parse_memory(device_memory) if device_memory is not None else g.memory_bytes
+    if gpu is None and device_memory is not None:
+        # Only the memory is known: say whose FLOPs the time estimate borrows.
+        g = replace(g, name="custom", label=f"device (time at {g.name} speed)")
     return g, mem, "rocm" if g.vendor == "amd" else "cuda"
 
 
