@@ -1,6 +1,19 @@
-"""The GPT model and its configuration."""
+"""The GPT model (``gpt``) and its configuration (``config``).
+
+``GPT`` is imported lazily so that tools which only read configs (``nanolab estimate``) do not
+pay for importing torch.
+"""
+
+from typing import Any
 
 from nanolab.model.config import ConfigError, GPTConfig
-from nanolab.model.gpt import GPT
 
 __all__ = ["GPT", "ConfigError", "GPTConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GPT":
+        from nanolab.model.gpt import GPT
+
+        return GPT
+    raise AttributeError(f"module 'nanolab.model' has no attribute {name!r}")

@@ -13,9 +13,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.datamodule import TokenDataModule
@@ -23,6 +24,7 @@ from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import TokenizerError
 from nanolab.data.windows import DataTooSmallError, validation_starts
 from nanolab.model.config import ConfigError
+from nanolab.training.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.training.module import GPTLightningModule
 
 
@@ -47,6 +49,9 @@ class RunConfig:
         fresh: Start a new run even though the run directory holds another one: its log,
             checkpoints and config are moved to ``<run_dir>/previous/`` (never deleted). Without
             it, a directory that holds a different run is refused.
+        micro_batch_size: ``null`` = ``data.micro_batch_size``; an integer overrides it;
+            ``auto`` = the largest micro-batch the memory estimator predicts fits on this GPU
+            and divides the global batch (no trial-and-error OOM runs; on CPU the data's value).
     """
 
     name: str | None = None
@@ -55,6 +60,7 @@ class RunConfig:
     eval_every_steps: int = 250
     resume: str = "auto"
     fresh: bool = False
+    micro_batch_size: int | Literal["auto"] | None = None
 
 
 def world_size_of(trainer_cfg: Any) -> int:
@@ -178,6 +184,7 @@ class NanolabCLI(LightningCLI):
             )
 
         world = world_size_of(cfg.trainer)
+        self._plan_micro_batch(cfg, world)
         accumulate = gradient_accumulation(
             run.global_batch_tokens, cfg.data.micro_batch_size, gpt.block_size, world
         )
@@ -197,6 +204,37 @@ class NanolabCLI(LightningCLI):
         from nanolab.callbacks.progress import reconcile_progress_bar
 
         reconcile_progress_bar(cfg)
+
+    def _plan_micro_batch(self, cfg: Any, world: int) -> None:
+        """Apply ``run.micro_batch_size`` and, on a GPU, check the estimate against its memory."""
+        choice = cfg.run.micro_batch_size
+        if isinstance(choice, int):
+            if choice < 1:
+                raise RunConfigError(f"run.micro_batch_size must be >= 1 or auto, got {choice}")
+            cfg.data.micro_batch_size = choice
+        device_memory = (
+            device_memory_bytes() if str(cfg.trainer.get("accelerator")) != "cpu" else None
+        )
+        if device_memory is None:
+            return  # CPU: no device memory to plan against
+        try:
+            nodes = int(cfg.trainer.get("num_nodes") or 1)
+            plan = plan_memory(
+                cfg.as_dict(), device_memory, choice == "auto", max(1, world // nodes)
+            )
+        except ValueError as err:  # the estimator cannot describe this config: say so, go on
+            if isinstance(err, AutoBatchError):
+                raise RunConfigError(str(err)) from None
+            rank_zero_warn(f"memory estimate unavailable: {err}")
+            return
+        if choice == "auto":
+            cfg.data.micro_batch_size = plan.micro_batch_size
+            rank_zero_info(
+                f"run.micro_batch_size auto: {plan.micro_batch_size} (predicted peak "
+                f"{plan.predicted_bytes / 2**30:.1f} of {plan.device_bytes / 2**30:.1f} GiB)"
+            )
+        if plan.warning:
+            rank_zero_warn(plan.warning)
 
     def before_fit(self) -> None:
         kwargs = self.config_init["fit"]

@@ -1,0 +1,48 @@
+"""`run.micro_batch_size: auto` and the start-of-run memory warning, on the real estimator."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from conftest import REPO
+from nanolab.estimator import estimate_from_config
+from nanolab.training.autobatch import AutoBatchError, plan_memory
+
+GIB = 2**30
+
+
+@pytest.fixture
+def gpt2_124m() -> dict:
+    cfg = yaml.safe_load((REPO / "configs" / "gpt2-124m.yaml").read_text())
+    cfg.setdefault("run", {})["micro_batch_size"] = "auto"
+    return cfg
+
+
+def test_auto_picks_the_largest_fitting_divisor_of_the_global_batch(gpt2_124m):
+    plan = plan_memory(gpt2_124m, 12 * GIB, auto=True, devices_per_node=1)
+    per_device_sequences = gpt2_124m["run"]["global_batch_tokens"] // 1024
+    assert plan.micro_batch_size >= 1 and per_device_sequences % plan.micro_batch_size == 0
+    assert plan.warning is None and plan.predicted_bytes <= 12 * GIB
+    # The next divisor up would not fit: it really is the largest.
+    bigger = plan.micro_batch_size * 2
+    est = estimate_from_config(gpt2_124m, device_memory=12 * GIB, micro_batch_size=bigger)
+    assert not est.fits
+    # More memory, a larger micro-batch.
+    assert (
+        plan_memory(gpt2_124m, 80 * GIB, auto=True, devices_per_node=1).micro_batch_size
+        > plan.micro_batch_size
+    )
+
+
+def test_a_fixed_micro_batch_that_does_not_fit_gets_one_warning(gpt2_124m):
+    gpt2_124m["run"]["micro_batch_size"] = None
+    gpt2_124m["data"]["micro_batch_size"] = 64
+    plan = plan_memory(gpt2_124m, 12 * GIB, auto=False, devices_per_node=1)
+    assert plan.micro_batch_size == 64
+    assert plan.warning is not None and "exceeds" in plan.warning and "12.0 GiB" in plan.warning
+
+
+def test_nothing_fits_is_an_error_with_switches(gpt2_124m):
+    with pytest.raises(AutoBatchError, match="not even one sequence fits"):
+        plan_memory(gpt2_124m, GIB // 2, auto=True, devices_per_node=1)
