@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from conftest import REPO
+
 from nanolab.estimator import estimate_from_config
 from nanolab.training.autobatch import AutoBatchError, plan_memory
 
