@@ -40,6 +40,8 @@ class SideResult:
 class NanolabResult(SideResult):
     goodput: float | None
     data_wait_s: float | None
+    mfu: float | None  # median over steady-state records; None where the device's peak is unknown
+    peak_mem_bytes: int | None  # torch.cuda.max_memory_allocated over the run; None on CPU
 
 
 def _steady_rate(
@@ -53,6 +55,26 @@ def _steady_rate(
     window = ends[-1] - ends[max(0, warmup - 1)]
     n = len(ends) - max(0, warmup - 1) - 1
     return tokens_per_step / median, tokens_per_step * n / window
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def predicted_peak_bytes(config_yaml: Path) -> int | None:
+    """The memory estimator's peak for the run's resolved config on this GPU (None on CPU)."""
+    import torch
+    import yaml
+
+    if not torch.cuda.is_available():
+        return None
+    from nanolab.estimator import estimate_from_config
+
+    config = yaml.safe_load(config_yaml.read_text())
+    memory = torch.cuda.get_device_properties(0).total_memory
+    est = estimate_from_config(config, device_memory=memory, devices=1)
+    return int(est.memory.peak_allocated)
 
 
 def _env() -> dict[str, str]:
@@ -104,6 +126,9 @@ def run_nanolab(
             steps=len(ends),
             goodput=end.get("goodput"),
             data_wait_s=end.get("data_wait_s"),
+            mfu=_median([r.get("mfu") for r in train[warmup:]]),
+            peak_mem_bytes=max((r.get("mem_allocated_bytes") or 0 for r in train), default=0)
+            or None,
         ),
         run_dir,
     )
@@ -174,6 +199,7 @@ def benchmark(
             else:
                 plain.append(run_plain(config_yaml, steps, warmup, work))
                 nanolab_side(r)
+        predicted = predicted_peak_bytes(config_yaml) if config_yaml else None
     ratios = [n.tokens_per_s / p.tokens_per_s for n, p in zip(nano, plain, strict=True)]
     return {
         "configs": configs,
@@ -192,6 +218,9 @@ def benchmark(
         "plain_startup_s": _stats([p.startup_s for p in plain]),
         "goodput": _stats([n.goodput for n in nano if n.goodput is not None] or [float("nan")]),
         "data_wait_s": [n.data_wait_s for n in nano],
+        "mfu": _median([n.mfu for n in nano]),
+        "peak_mem_bytes": max((n.peak_mem_bytes or 0 for n in nano), default=0) or None,
+        "predicted_peak_bytes": predicted,
         "rounds_detail": [
             {"nanolab": asdict(n), "plain": asdict(p)} for n, p in zip(nano, plain, strict=True)
         ],
@@ -224,6 +253,14 @@ def format_table(res: dict[str, Any]) -> str:
         row("start-up to first step, plain s", res["plain_startup_s"], ">10.2f"),
         row("goodput, nanolab", res["goodput"], ">10.3f"),
     ]
+    if res.get("mfu") is not None:
+        lines.append(f"{'MFU, nanolab (median)':<34} {res['mfu']:>10.3f}")
+    if res.get("peak_mem_bytes"):
+        lines.append(f"{'peak memory measured, GiB':<34} {res['peak_mem_bytes'] / 2**30:>10.2f}")
+    if res.get("predicted_peak_bytes"):
+        lines.append(
+            f"{'peak memory predicted, GiB':<34} {res['predicted_peak_bytes'] / 2**30:>10.2f}"
+        )
     if "import_s" in res:
         lines.append(f"{'import nanolab.training.cli, s':<34} {res['import_s']:>10.2f}")
     return "\n".join(lines)
