@@ -1,0 +1,37 @@
+"""`nanolab bench` runs both sides on the same config and reports what it measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+
+
+@pytest.mark.slow
+def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
+    cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "unused"))
+    res = run_nanolab(
+        "bench", "--config", str(QUICKSTART), "--config", str(cfg),
+        "--steps", "16", "--warmup", "4", "--rounds", "2", "--json", cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    assert out["rounds"] == 2 and len(out["rounds_detail"]) == 2
+    for side in ("nanolab_tokens_per_s", "plain_tokens_per_s"):
+        assert 0 < out[side]["min"] <= out[side]["median"] <= out[side]["max"]
+    ratio = out["nanolab_tokens_per_s"]["median"] / out["plain_tokens_per_s"]["median"]
+    assert out["ratio"]["min"] <= ratio * 1.5 and 0.05 < out["ratio"]["median"] < 20
+    assert 0 < out["goodput"]["median"] <= 1
+    assert out["nanolab_startup_s"]["min"] > 0 and out["import_s"] > 0
+    # Each side trained the whole run.
+    assert all(
+        d["nanolab"]["steps"] == 16 and d["plain"]["steps"] == 16 for d in out["rounds_detail"]
+    )
+
+
+def test_bench_refuses_a_window_without_steady_state(tmp_path):
+    res = run_nanolab(
+        "bench", "--config", str(QUICKSTART), "--steps", "5", "--warmup", "5", cwd=tmp_path
+    )
+    assert res.returncode == 2 and "--steps must exceed --warmup" in res.stderr
