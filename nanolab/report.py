@@ -160,7 +160,17 @@ def seed_free_fingerprint(config: dict[str, Any] | None) -> str | None:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(path[-1], None)
-    return json.dumps(plain, sort_keys=True, separators=(",", ":"))
+    return json.dumps(_drop_nulls(plain), sort_keys=True, separators=(",", ":"))
+
+
+def _drop_nulls(value: Any) -> Any:
+    """A key set to null reads like a key that is absent: a newer nanolab adding an option whose
+    default is null must not split the seeds of one experiment into two groups."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
 
 
 def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSummary:
@@ -300,6 +310,12 @@ def _f(value: float | None, fmt: str = ".4f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _money(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"${value:.2f}" if value >= 1 or value == 0 else f"${value:.2g}"
+
+
 def _status_text(s: RunSummary) -> str:
     if s.detail and s.status in ("error", "crashed"):
         detail = s.detail.strip().splitlines()[-1] if s.detail.strip() else ""
@@ -332,7 +348,7 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
                 _si(s.tokens_per_s),
                 "-" if s.mfu is None else f"{s.mfu:.1%}",
                 _f(s.gpu_hours, ".3f"),
-                "-" if s.cost is None else f"${s.cost:.2f}",
+                _money(s.cost),
                 _duration(s.wall_s),
             ]
         )

@@ -189,6 +189,17 @@ def test_longest_first_and_until(tmp_path: Path) -> None:
     assert [j.name for j, _, _ in cpu.start] == ["short", "long", "unknown"]
 
 
+def test_gpu_names_map_to_the_estimator_table() -> None:
+    from nanolab.queue.estimate import estimator_gpu
+
+    names = {
+        "NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+        "NVIDIA GeForce RTX 4090": "rtx4090", "AMD Instinct MI300X": "mi300x", "NVIDIA L40S": "l40s",
+        "NVIDIA L4": "l4", "Some Future Accelerator": None,
+    }  # fmt: skip
+    assert {n: estimator_gpu(n) for n in names} == names
+
+
 def test_parse_until() -> None:
     import datetime as dt
 

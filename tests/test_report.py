@@ -252,3 +252,17 @@ def test_report_over_real_runs_live_and_finished(
             proc.kill()
     code, out, _ = run_report(capsys, str(runs), "--run", "live")
     assert code == 0 and "preempted" in out.splitlines()[2]
+
+
+def test_an_option_added_later_with_a_null_default_does_not_split_a_group(tmp_path: Path) -> None:
+    """Seeds queued across a nanolab upgrade: one log's config has a new key set to null."""
+    from nanolab.report import seed_groups
+
+    a = write_run(tmp_path, "x-s1", seed=1, losses=[3.0], vals={1: 2.5})
+    write_run(tmp_path, "x-s2", seed=2, losses=[3.0], vals={1: 2.7})
+    lines = (a / "metrics.jsonl").read_text().splitlines()
+    start = json.loads(lines[0])
+    start["config"]["run"]["micro_batch_size"] = None
+    (a / "metrics.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+    (group,) = seed_groups([summarize_run(n, tmp_path / n) for n in ("x-s1", "x-s2")])
+    assert group.n == 2 and group.mean_val_loss == pytest.approx(2.6)

@@ -203,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=None, metavar="PATH",
                         help="queue database (default ./nanolab_queue.db or $NANOLAB_QUEUE_DB)")  # fmt: skip
-    p = argparse.ArgumentParser(prog="nanolab queue", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="nanolab queue",
+        description="Add experiments before bed, run them one per GPU, look at them in the morning.",
+    )
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     a = sub.add_parser("add", parents=[common], help="queue a config (one job per seed)")

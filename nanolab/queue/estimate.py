@@ -18,6 +18,7 @@ reached yet.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from nanolab.queue.db import Job, QueueDB
@@ -65,14 +66,28 @@ def cpu_flops() -> float:
 
 
 def _gpu_name() -> str | None:
+    """The estimator's name for the first visible GPU (``NVIDIA H200`` -> ``h200``), if any."""
     try:
         import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
+        if not torch.cuda.is_available():
+            return None
+        device = torch.cuda.get_device_name(0)
     except Exception:
         return None
-    return None
+    return estimator_gpu(device) or device
+
+
+def estimator_gpu(device_name: str) -> str | None:
+    """Match a driver-reported device name to the estimator's table (longest known name inside)."""
+    from nanolab.estimator.gpus import ALIASES, GPUS
+
+    squashed = re.sub(r"[^a-z0-9]", "", device_name.lower())
+    known = {re.sub(r"[^a-z0-9]", "", k): k for k in GPUS} | {
+        re.sub(r"[^a-z0-9]", "", a): n for a, n in ALIASES.items()
+    }
+    hits = [k for k in known if k in squashed]
+    return known[max(hits, key=len)] if hits else None
 
 
 def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float | None, str | None]:
