@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ import torch
 from conftest import run_nanolab, tiny_overrides, write_config
 
 from nanolab.callbacks.preemption import PreemptionConfigError, PreemptionHandler, parse_signals
+from nanolab.runlog import read_records
 from nanolab.training.resume import (
     ResumeError,
     find_resume_checkpoint,
@@ -188,3 +190,38 @@ def test_second_signal_exits_at_once() -> None:
     assert res.returncode == -signal.SIGUSR2, res.stderr
     assert "received SIGUSR2 at step 3" in res.stderr
     assert "second SIGUSR2: exiting now without a checkpoint" in res.stderr
+
+
+@pytest.mark.slow
+def test_preempted_at_an_evaluation_step_keeps_the_evaluation(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Every step evaluates: a SIGTERM lands in a step or an evaluation, either way the run stops
+    after that step's evaluation, and the resumed run's log has every evaluation exactly once."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=3000)
+    cfg["run"]["eval_every_steps"] = 1
+    cfg["checkpoint"] = {"every_n_steps": 1000}
+    path = write_config(tmp_path / "t.yaml", cfg)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nanolab", "fit", "--config", str(path)]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    log = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while len(read_records(log, "val")) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, proc.stderr.read()[-2000:]
+    end = read_records(log, "end")[-1]
+    assert end["reason"] == "preempted"
+    assert read_records(log, "val")[-1]["step"] == end["step"]
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / f"step-{end['step']:08d}.ckpt"
+    assert torch.load(ckpt, weights_only=True, mmap=True)["global_step"] == end["step"]
+    res = run_nanolab(
+        "fit", "--config", str(path), f"--trainer.max_steps={end['step'] + 3}", cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    steps = [r["step"] for r in read_records(log, "val")]
+    assert steps == list(range(1, end["step"] + 4))

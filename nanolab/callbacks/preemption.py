@@ -7,8 +7,9 @@ nothing. This callback instead:
 
 1. on the first signal, only records it (a signal handler must not do real work: it runs between
    two bytecodes of whatever the main thread was doing);
-2. at the end of the optimizer step in progress (never mid-accumulation), all ranks agree to stop,
-   a checkpoint is saved through the Trainer (the same atomic path as every other checkpoint),
+2. at the end of the optimizer step in progress (never mid-accumulation; after its evaluation
+   when it is an evaluation step, or right after an evaluation the signal interrupted), all
+   ranks agree to stop, a checkpoint is saved through the Trainer (the same atomic path as every other checkpoint),
    and :class:`Preempted` is raised: other callbacks see it in ``on_exception`` (the JSONL log
    writes its ``end`` record with reason ``preempted``) and the process exits with
    :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again later");
@@ -111,6 +112,10 @@ class PreemptionHandler(Callback):
         signals: Signals that mean "preempted" (names, ``SIG`` optional). SIGKILL cannot be
             caught; that case is what atomic checkpoints and ``run.resume auto`` are for.
         exit_code: Process exit status after a preemption checkpoint (75 = EX_TEMPFAIL).
+        finish_validation: When the step in progress is an evaluation step, evaluate before
+            saving, so the evaluation is in the log (a resumed run does not repeat the evaluation
+            of the step it resumes after). ``false`` on machines with a grace period shorter than
+            an evaluation: the checkpoint comes first and that one evaluation is skipped.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class PreemptionHandler(Callback):
         enabled: bool = True,
         signals: list[str] = ["SIGTERM", "SIGINT", "SIGUSR1"],  # noqa: B006 (copied below)
         exit_code: int = EXIT_PREEMPTED,
+        finish_validation: bool = True,
     ) -> None:
         super().__init__()
         self.enabled = enabled
@@ -127,6 +133,8 @@ class PreemptionHandler(Callback):
                 f"preemption.exit_code must be in 0..255, got {exit_code}; 75 is the default"
             )
         self.exit_code = exit_code
+        self.finish_validation = finish_validation
+        self._after_validation = False
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
         self._previous: dict[signal.Signals, Any] = {}
@@ -202,16 +210,33 @@ class PreemptionHandler(Callback):
     ) -> None:
         if not self.enabled or trainer.global_step == self._step_at_batch_start:
             return  # no optimizer step happened in this micro-batch: keep accumulating
-        requested = self.received is not None
-        if trainer.world_size > 1:
-            # Every rank stops at the same step, whichever of them got the signal.
-            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
-        if not requested:
+        if not self._agreed(trainer, self.received is not None):
             return
-        if 0 < trainer.max_steps <= trainer.global_step:
-            return  # this was the last step anyway: the run completes normally
+        if self.finish_validation and _validation_follows(trainer):
+            # This step is an evaluation step: evaluate first, so the resumed run (which does
+            # not repeat an evaluation of a step it resumes after) has it in its log.
+            self._after_validation = True
+            return
+        self._stop(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A signal that arrived during an evaluation (or was held for one) stops right after it.
+        if not self.enabled or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        if self._agreed(trainer, self._after_validation or self.received is not None):
+            self._stop(trainer)
+
+    def _agreed(self, trainer: pl.Trainer, requested: bool) -> bool:
+        """Whether to stop here: every rank stops at the same step, whichever was signalled;
+        not after the last step (the run completes normally then)."""
+        if trainer.world_size > 1:
+            requested = bool(trainer.strategy.reduce_boolean_decision(requested, all=False))
+        return requested and not 0 < trainer.max_steps <= trainer.global_step
+
+    def _stop(self, trainer: pl.Trainer) -> None:
         if self.received is None:
             self.received = signal.SIGTERM  # another rank was signalled
+        self._after_validation = False
         with contextlib.suppress(ImportError):  # the end record's reason, for the run log
             from nanolab.callbacks.events import set_stop_reason
 
@@ -236,6 +261,17 @@ class PreemptionHandler(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # nothing to carry across a resume: a new process starts unsignalled
+
+
+def _validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates right after this batch (private loop API; False if it moved)."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher)) and not bool(
+            loop._skip_next_val
+        )
+    except Exception:
+        return False
 
 
 def save_checkpoint_now(trainer: pl.Trainer) -> str:
