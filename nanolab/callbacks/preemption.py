@@ -98,7 +98,12 @@ def slurm_requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
     """The signal Lightning's SLURM auto-requeue listens to, or None when it is not active."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    env = getattr(trainer.strategy, "cluster_environment", None)
+    # Where Lightning's own signal connector looks: single-device strategies carry no
+    # cluster_environment, but the accelerator connector always resolves one.
+    connector = getattr(trainer, "_accelerator_connector", None)
+    env = getattr(connector, "cluster_environment", None) or getattr(
+        trainer.strategy, "cluster_environment", None
+    )
     if isinstance(env, SLURMEnvironment) and env.auto_requeue:
         return signal.Signals(env.requeue_signal or signal.SIGUSR1)
     return None
