@@ -160,9 +160,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """Nothing is ever pending."""
 
 
-def _to_cpu(t: torch.Tensor) -> torch.Tensor:
-    # A point-in-time copy off the device: training may change the original right after.
-    return t.detach().to("cpu", copy=True)
+def cpu_snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A point-in-time CPU copy of every tensor (training may change the originals right after).
+
+    Tensors that are the same view of the same storage (a tied embedding and output head appear
+    twice in a state dict) are copied once and stay shared, so the file is no larger than a
+    synchronous ``torch.save`` of the original would be.
+    """
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.dtype,
+            t.device,
+        )
+        if key not in copies:
+            copies[key] = t.detach().to("cpu", copy=True)
+        return copies[key]
+
+    return apply_to_collection(checkpoint, torch.Tensor, copy)
 
 
 class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
@@ -204,7 +224,7 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
     ) -> None:
         if self._error is not None:
             raise self._error
-        snapshot = apply_to_collection(checkpoint, torch.Tensor, _to_cpu)
+        snapshot = cpu_snapshot(checkpoint)
         assert self.checkpoint_io is not None
         self._submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
 

@@ -91,6 +91,7 @@ class MetricsLog(Callback):
         self._clock: RunClock | None = None
         self._last_step = -1
         self._grad_norm: torch.Tensor | None = None
+        self._params: list[torch.nn.Parameter] | None = None
         self._ended = False
 
     # -- writing -----------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class MetricsLog(Callback):
         if self._active:
             self._clock = RunClock.attach(trainer)
             self._ended = False
+            self._params = None  # listed at the first logged step, after configure_model
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._active:
@@ -222,7 +224,9 @@ class MetricsLog(Callback):
     ) -> None:
         # Only on steps that will be logged; kept as a tensor (no sync) until the record is built.
         if self._active and self._logs_step(trainer.global_step + 1):
-            self._grad_norm = gradient_norm(pl_module)
+            if self._params is None:
+                self._params = list(pl_module.parameters())
+            self._grad_norm = gradient_norm(pl_module, self._params)
 
     def on_train_batch_end(
         self,
@@ -405,12 +409,25 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
-def gradient_norm(pl_module: L.LightningModule) -> torch.Tensor | None:
-    """Global L2 norm of the gradients, as a tensor (no host sync); ``None`` if none are visible."""
-    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+def gradient_norm(
+    pl_module: L.LightningModule, params: list[torch.nn.Parameter] | None = None
+) -> torch.Tensor | None:
+    """Global L2 norm of the gradients, as a tensor (no host sync); ``None`` if none are visible.
+
+    ``params`` (the module's parameters, listed once per fit) saves walking the module tree each
+    step; plain tensors on one device take a single ``_foreach_norm``.
+    """
+    grads = [p.grad for p in (params if params is not None else pl_module.parameters())]
+    grads = [g for g in grads if g is not None]
     if not grads:
         return None  # e.g. DeepSpeed keeps partitioned gradients outside .grad
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    first = grads[0]
+    if type(first) is torch.Tensor and all(
+        type(g) is torch.Tensor and g.device == first.device for g in grads
+    ):
+        norms = torch._foreach_norm(grads)
+        return torch.linalg.vector_norm(torch.stack(norms).float())
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # DTensor / mixed devices
     full_tensor = getattr(total, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else total
 
