@@ -151,3 +151,41 @@ def test_progress_bar_shows_steps_eta_loss_and_tokens(tmp_path, char_dataset, ca
     captured = capsys.readouterr()
     err = captured.out + captured.err  # Lightning's tqdm bars write to stdout
     assert "6/6" in err and "loss=" in err and "tok/s=" in err and "val=" in err
+
+
+class _SlowBatches:
+    """A wrapper that makes every batch cost ``delay`` seconds to fetch, like a slow disk."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def __iter__(self):
+        import time
+
+        for batch in self.inner:
+            time.sleep(self.delay)
+            yield batch
+
+
+def test_time_waiting_for_batches_is_reported_apart_from_steps(tmp_path, char_dataset):
+    from nanolab.callbacks import MetricsLog
+    from nanolab.data.datamodule import TokenDataModule
+
+    original = TokenDataModule.train_dataloader
+    delay, steps = 0.05, 6
+
+    def slow(self):
+        return _SlowBatches(original(self), delay)
+
+    TokenDataModule.train_dataloader = slow
+    try:
+        fit(tmp_path / "run", char_dataset, [MetricsLog()], max_steps=steps, eval_every=100)
+    finally:
+        TokenDataModule.train_dataloader = original
+    end = events(tmp_path / "run" / "metrics.jsonl", "end")[-1]
+    parts = end["time_breakdown"]
+    # Every fetch after the first happens between steps: at least (steps - 1) x delay of waiting.
+    assert parts["data_wait_s"] >= (steps - 1) * delay * 0.9
+    # ... and not the steps themselves: the wait is bounded by the fetches (+ loop bookkeeping).
+    assert parts["data_wait_s"] <= steps * delay + 0.5
+    assert end["goodput"] < 1

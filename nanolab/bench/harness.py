@@ -125,7 +125,7 @@ def run_nanolab(
             startup_s=ends[0] - t0,
             steps=len(ends),
             goodput=end.get("goodput"),
-            data_wait_s=end.get("data_wait_s"),
+            data_wait_s=(end.get("time_breakdown") or {}).get("data_wait_s"),
             mfu=_median([r.get("mfu") for r in train[warmup:]]),
             peak_mem_bytes=max((r.get("mem_allocated_bytes") or 0 for r in train), default=0)
             or None,
@@ -253,6 +253,11 @@ def format_table(res: dict[str, Any]) -> str:
         row("start-up to first step, plain s", res["plain_startup_s"], ">10.2f"),
         row("goodput, nanolab", res["goodput"], ">10.3f"),
     ]
+    waits = [w for w in res.get("data_wait_s", []) if w is not None]
+    if waits:
+        lines.append(
+            f"{'waiting for batches, nanolab s':<34} {statistics.median(waits):>10.2f} {min(waits):>10.2f} {max(waits):>10.2f}"
+        )
     if res.get("mfu") is not None:
         lines.append(f"{'MFU, nanolab (median)':<34} {res['mfu']:>10.3f}")
     if res.get("peak_mem_bytes"):

@@ -13,6 +13,9 @@ What is measured, without any device synchronisation per step:
   time a host sync later spends waiting for the device to finish queued step work (the run log's
   once-per-record ``.item()``, the device sync before a checkpoint);
 * *pauses*: evaluation, checkpointing and logging, attributed to the innermost one when nested;
+* *data wait*: from the end of one step (or pause) to the start of the next step, outside
+  pauses: fetching the next batch plus the loop's own bookkeeping, so an upper bound on the time
+  spent waiting for data (it is what a slow DataLoader would inflate);
 * tokens and samples over all ranks, counted per micro-batch (so accumulation is included).
 
 Goodput = step time / wall time, summed over every process of the run.
@@ -104,6 +107,8 @@ class RunClock(Callback):
         self._frozen_at: float | None = None
         self._stack: list[str] = []
         self._segment_start = 0.0
+        self.data_wait_s = 0.0
+        self._gap_from: float | None = None  # end of the last step or pause, outside pauses
 
     # -- attaching ---------------------------------------------------------------------------
     @classmethod
@@ -179,7 +184,11 @@ class RunClock(Callback):
     def breakdown(self) -> dict[str, float]:
         """This process's wall time split into step, pauses and the rest (data waits, start-up)."""
         elapsed = self.process_elapsed_s()
-        parts = {"step_s": self.step_s, **{f"{k}_s": v for k, v in self.pauses.items()}}
+        parts = {
+            "step_s": self.step_s,
+            "data_wait_s": self.data_wait_s,
+            **{f"{k}_s": v for k, v in self.pauses.items()},
+        }
         parts["other_s"] = max(0.0, elapsed - sum(parts.values()))
         return {k: round(v, 3) for k, v in parts.items()}
 
@@ -189,6 +198,9 @@ class RunClock(Callback):
     ) -> None:
         self._batch_start = time.monotonic()
         self._batch_shape = _batch_shape(batch)
+        if self._gap_from is not None and not self._stack:
+            self.data_wait_s += self._batch_start - self._gap_from
+        self._gap_from = None
 
     def on_train_batch_end(
         self,
@@ -211,8 +223,10 @@ class RunClock(Callback):
             return
         self._marked_batches = processed
         if self._batch_start is not None:
-            self.step_s += time.monotonic() - self._batch_start
+            now = time.monotonic()
+            self.step_s += now - self._batch_start
             self._batch_start = None
+            self._gap_from = now
         samples, tokens = self._batch_shape if batch is None else _batch_shape(batch)
         self.samples += samples * self.world_size
         self.tokens += tokens * self.world_size
@@ -244,6 +258,9 @@ class RunClock(Callback):
         now = time.monotonic()
         if self._stack:
             self.pauses[self._stack[-1]] += now - self._segment_start
+        elif self._gap_from is not None:
+            self.data_wait_s += now - self._gap_from  # the gap up to the pause
+            self._gap_from = now
         self._stack.append(kind)
         self._segment_start = now
 
@@ -256,6 +273,8 @@ class RunClock(Callback):
         while self._stack and self._stack.pop() != kind:
             pass
         self._segment_start = now
+        if not self._stack and self._gap_from is not None:
+            self._gap_from = now  # the pause's time is the pause's, not the data's
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.sync_device(trainer)
