@@ -196,3 +196,27 @@ def test_concurrent_prepares_of_one_dataset_agree(tmp_path):
     assert len(set(hashes)) == 1
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_worker_processes_serve_the_same_batches(char_dataset):
+    def first_batches(workers: int) -> list:
+        dm = TokenDataModule(
+            dataset_dir=str(char_dataset), micro_batch_size=4, block_size=16, num_workers=workers
+        )
+        dm.setup("fit")
+        it = iter(dm.train_dataloader())
+        return [next(it)[0] for _ in range(5)]
+
+    for a, b in zip(first_batches(0), first_batches(2), strict=True):
+        assert np.array_equal(a.numpy(), b.numpy())
+
+
+def test_gpt2_tokenizer_works_or_says_how_to_get_it():
+    from nanolab.data.tokenizers import TokenizerError, train_tokenizer
+
+    try:
+        tok = train_tokenizer("gpt2", "")
+    except TokenizerError as err:  # offline without tiktoken's files: one line that says the fix
+        assert "bpe" in str(err) and "\n" not in str(err)
+    else:
+        assert tok.vocab_size == 50257 and tok.decode(tok.encode("Hello world")) == "Hello world"

@@ -289,3 +289,20 @@ def test_compiled_model_trains_like_the_eager_one(char_dataset, tmp_path):
     assert eager.keys() == compiled.keys()  # in-place compile: checkpoint keys unchanged
     for key in eager:
         assert torch.allclose(eager[key], compiled[key], atol=1e-4), key
+
+
+def test_bf16_mixed_precision_trains_on_cpu(char_dataset, tmp_path):
+    L.seed_everything(0)
+    model = GPTLightningModule(gpt=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32))
+    dm = TokenDataModule(dataset_dir=str(char_dataset), micro_batch_size=4, block_size=32)
+    trainer = L.Trainer(
+        max_steps=3, accelerator="cpu", precision="bf16-mixed", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path, use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.fit(model, dm)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    x, y = next(iter(dm.train_dataloader()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(x, y)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
