@@ -2,8 +2,9 @@
 
 On top of Lightning's own config groups (``trainer``, ``model``, ``data``, ``seed_everything``)
 this adds ``run``: where the run lives, the global batch in tokens (from which gradient
-accumulation is derived), evaluation cadence and resume policy. Derived values are filled in
-before anything is instantiated, so ``--print_config`` shows the run exactly as it will go.
+accumulation is derived), evaluation cadence and resume policy. Derived values (vocabulary,
+accumulation, validation interval, run directory) are filled in before anything is instantiated
+and saved with the rest in ``<run_dir>/config.yaml``; ``--print_config`` shows the config as given.
 """
 
 from __future__ import annotations
