@@ -179,21 +179,24 @@ def test_datamodule_refuses_missing_data(tmp_path):
         dm.setup("fit")
 
 
-def _prepare_in_child(args: tuple[str, str]) -> str:
-    src, out = args
-    return prepare_dataset([src], out, "chars", quiet=True)["source_hash"]
-
-
 def test_concurrent_prepares_of_one_dataset_agree(tmp_path):
-    # What every rank of a torchrun/srun launch does with data.source set.
-    import multiprocessing as mp
+    # What every rank of a torchrun/srun launch does with data.source set: three real
+    # `nanolab prepare` processes at once (the CLI imports no torch, so this is quick).
+    import subprocess
+    import sys
 
     src = tmp_path / "text.txt"
     src.write_text(SAMPLE * 50)
     out = tmp_path / "ds"
-    with mp.get_context("fork").Pool(3) as pool:
-        hashes = pool.map(_prepare_in_child, [(str(src), str(out))] * 3)
-    assert len(set(hashes)) == 1
+    cmd = [sys.executable, "-m", "nanolab", "prepare", str(src), "-o", str(out)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in results]
+    hashes = {json.loads(stdout)["source_hash"] for stdout, _ in results}
+    assert len(hashes) == 1
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
