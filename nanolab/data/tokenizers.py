@@ -165,7 +165,8 @@ class TiktokenGPT2:
             import tiktoken
         except ImportError:
             raise TokenizerError(
-                "tokenizer 'gpt2' needs tiktoken: pip install 'nanolab[tiktoken]'"
+                "tokenizer 'gpt2' needs tiktoken: pip install 'nanolab[tiktoken]' "
+                "(and its gpt2 files on this machine), or use tokenizer 'bpe' to train one locally"
             ) from None
         try:
             self._enc = tiktoken.get_encoding("gpt2")
