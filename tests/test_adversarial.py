@@ -1,0 +1,335 @@
+"""Hostile inputs against the real CLI, in one place: every bad input is one row of ``CASES``.
+
+Each row runs ``python -m nanolab ...`` in a fresh working directory and checks the contract from
+docs/guarantees.md: the expected exit code, the expected text on the last stderr line (one line,
+no traceback), and that no file which existed before the command was changed or removed (nothing
+lost). Adding the next bad input is adding a row; a row's ``setup`` builds the files it needs.
+
+Sequences that need more than one process or a signal (two launches of one run, a fresh start
+while the run is live, SIGTERM during start-up, divergence, the clock under an exec'ing shell)
+are the test functions after the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_nanolab, tiny_overrides, write_config
+
+#: Exit code of a run stopped by the divergence check (docs/guarantees.md).
+EXIT_DIVERGED = 3
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75
+
+
+# -- the workspace every row runs in ------------------------------------------------------------
+@dataclass
+class Workspace:
+    """A row's working directory and the shared, read-only material it may copy from.
+
+    ``cfg`` is a tiny fit config (2 layers, 32 wide, 6 steps, run ``tiny`` under ``work/runs``).
+    ``cache`` holds finished runs trained once per module: ``base`` (2 layers) and ``shape3``
+    (3 layers, another run id); :meth:`copy_run` puts one under ``work/runs``.
+    """
+
+    work: Path
+    data: Path
+    cfg: Path
+    cache: Path
+
+    @property
+    def runs(self) -> Path:
+        return self.work / "runs"
+
+    def copy_run(self, name: str, as_name: str | None = None) -> Path:
+        target = self.runs / (as_name or name)
+        shutil.copytree(self.cache / name, target)
+        return target
+
+    def write(self, name: str, content: str | bytes) -> Path:
+        path = self.work / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        return path
+
+    def fields(self) -> dict[str, str]:
+        """Placeholders a row's argv may use: {cfg}, {work}, {runs}, {data}."""
+        return {
+            "cfg": str(self.cfg),
+            "work": str(self.work),
+            "runs": str(self.runs),
+            "data": str(self.data),
+        }
+
+
+@dataclass(frozen=True)
+class Case:
+    """One hostile input.
+
+    Args:
+        id: Test id (``<verb>-<what>``).
+        argv: Arguments after ``nanolab``; ``{cfg}``, ``{work}``, ``{runs}``, ``{data}`` are
+            filled in from the :class:`Workspace`.
+        code: Expected exit code.
+        stderr: Text the last non-empty stderr line must contain ("" for a successful run).
+        setup: Builds the row's files in the workspace before the command runs.
+        memory_limit_gb: Address-space limit for the command (a row that would allocate more
+            than the machine has must not take the machine down on a build that lacks the check).
+    """
+
+    id: str
+    argv: tuple[str, ...]
+    code: int
+    stderr: str
+    setup: Callable[[Workspace], None] | None = None
+    memory_limit_gb: float | None = None
+    timeout: float = 240
+
+
+# -- setups --------------------------------------------------------------------------------------
+def _finished_runs(ws: Workspace) -> None:
+    ws.copy_run("base")
+    ws.copy_run("shape3")
+
+
+def _bad_checkpoints(ws: Workspace) -> None:
+    """Checkpoint files that must be refused with one line, whichever command reads them."""
+    good = (ws.cache / "base" / "checkpoints" / "last.ckpt").read_bytes()
+    ws.write("zero.ckpt", b"")
+    ws.write("truncated.ckpt", good[: len(good) // 3])
+    # A zip checkpoint whose pickle would call os.system on an unrestricted load.
+    payload = ws.work / "pickle.ckpt"
+    torch.save({"state_dict": {}, "evil": _Payload(str(ws.work / "pwned"))}, payload)
+    shutil.copy(ws.cache / "shape3" / "checkpoints" / "last.ckpt", ws.work / "shape3.ckpt")
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _empty_config(ws: Workspace) -> None:
+    ws.write("empty.yaml", "")
+
+
+def _broken_yaml(ws: Workspace) -> None:
+    ws.write("broken.yaml", "trainer: [1,\n  max_steps: 3\n")
+
+
+def _nan_lr_yaml(ws: Workspace) -> None:
+    ws.write("nan_lr.yaml", "model:\n  optimizer:\n    lr: .nan\n")
+
+
+def _mismatched_dataset(ws: Workspace) -> None:
+    """A prepared dataset of one corpus, and a config that names another source for it."""
+    shutil.copytree(ws.data, ws.work / "mydata")
+    ws.write("other.txt", "a different corpus entirely\n" * 200)
+
+
+_CKPT_KINDS = {  # file -> what the one-line error must say
+    "zero.ckpt": "empty file",
+    "truncated.ckpt": "truncated",
+    "pickle.ckpt": "pickle",
+    "shape3.ckpt": "different model",
+    "missing.ckpt": "does not exist",
+}
+
+
+def _checkpoint_rows() -> list[Case]:
+    rows = []
+    for verb in ("fit", "validate", "test"):
+        for name, text in _CKPT_KINDS.items():
+            rows.append(
+                Case(
+                    f"{verb}-ckpt_path-{name.removesuffix('.ckpt')}",
+                    (verb, "--config", "{cfg}", "--ckpt_path", "{work}/" + name),
+                    EXIT_USAGE,
+                    text,
+                    setup=_bad_checkpoints,
+                )
+            )
+    for name in ("zero.ckpt", "pickle.ckpt"):
+        rows.append(
+            Case(
+                f"fit-run.resume-{name.removesuffix('.ckpt')}",
+                ("fit", "--config", "{cfg}", "--run.resume", "{work}/" + name),
+                EXIT_USAGE,
+                _CKPT_KINDS[name],
+                setup=_bad_checkpoints,
+            )
+        )
+    return rows
+
+
+FIT = ("fit", "--config", "{cfg}")
+
+# fmt: off
+CASES: list[Case] = [
+    # -- run names that leave run.root (issue 11, item 4) --
+    Case("fit-run.name-dotdot", (*FIT, "--run.name", "../escaped"), EXIT_USAGE, "run.name"),
+    Case("fit-run.name-absolute", (*FIT, "--run.name", "{work}/abs"), EXIT_USAGE, "run.name"),
+    Case("fit-run.name-empty", (*FIT, "--run.name="), EXIT_USAGE, "run.name"),
+    Case("fit-run.name-slash", (*FIT, "--run.name", "a/b"), EXIT_USAGE, "run.name"),
+    Case("fit-run.name-dot", (*FIT, "--run.name", "."), EXIT_USAGE, "run.name"),
+    # -- foreign checkpoints into an existing run (item 1): refused, base's files untouched --
+    Case(
+        "fit-run.resume-foreign-into-existing-run",
+        (*FIT, "--run.name", "base", "--model.gpt.n_layer=3", "--trainer.max_steps=12",
+         "--run.resume", "{runs}/shape3/checkpoints/last.ckpt"),
+        EXIT_USAGE, "another run", setup=_finished_runs,
+    ),
+    Case(
+        "fit-ckpt_path-foreign-into-existing-run",
+        (*FIT, "--run.name", "base", "--model.gpt.n_layer=3", "--trainer.max_steps=12",
+         "--ckpt_path", "{runs}/shape3/checkpoints/last.ckpt"),
+        EXIT_USAGE, "another run", setup=_finished_runs,
+    ),
+    Case(
+        "fit-ckpt_path-foreign-into-new-run-dir",  # fine-tuning from it: a new run directory
+        (*FIT, "--run.name", "finetune", "--model.gpt.n_layer=3", "--trainer.max_steps=8",
+         "--ckpt_path", "{runs}/shape3/checkpoints/last.ckpt"),
+        0, "", setup=_finished_runs,
+    ),
+    # -- config values (item 8) --
+    Case("fit-max_steps-negative", (*FIT, "--trainer.max_steps=-5"), EXIT_USAGE, "trainer.max_steps"),
+    Case("fit-max_steps-zero", (*FIT, "--trainer.max_steps=0"), EXIT_USAGE, "trainer.max_steps"),
+    Case("fit-lr-nan", (*FIT, "--model.optimizer.lr=.nan"), EXIT_USAGE, "model.optimizer.lr"),
+    Case(
+        "fit-lr-nan-in-yaml", (*FIT, "--config", "{work}/nan_lr.yaml"), EXIT_USAGE,
+        "model.optimizer.lr", setup=_nan_lr_yaml,
+    ),
+    Case("fit-lr-inf", (*FIT, "--model.optimizer.lr=.inf"), EXIT_USAGE, "model.optimizer.lr"),
+    Case("fit-lr-1e400", (*FIT, "--model.optimizer.lr=1e400"), EXIT_USAGE, "model.optimizer.lr"),
+    Case("fit-lr-zero", (*FIT, "--model.optimizer.lr=0"), EXIT_USAGE, "model.optimizer.lr"),
+    Case(
+        "queue-add-lr-nan",
+        ("queue", "add", "{cfg}", "--set", "model.optimizer.lr=.nan", "--db", "{work}/q.db"),
+        EXIT_USAGE, "model.optimizer.lr",
+    ),
+    Case(
+        "queue-add-lr-inf",
+        ("queue", "add", "{cfg}", "--set", "model.optimizer.lr=1e400", "--db", "{work}/q.db"),
+        EXIT_USAGE, "model.optimizer.lr",
+    ),
+    Case(
+        "fit-empty-config-file", (*FIT, "--config", "{work}/empty.yaml"), EXIT_USAGE,
+        "empty.yaml", setup=_empty_config,
+    ),
+    Case(
+        "fit-yaml-syntax-error", ("fit", "--config", "{work}/broken.yaml"), EXIT_USAGE,
+        "broken.yaml", setup=_broken_yaml,
+    ),
+    Case(
+        "fit-block_size-zero", (*FIT, "--model.gpt.block_size=0"), EXIT_USAGE,
+        "model.gpt.block_size",
+    ),
+    Case(
+        "fit-model-larger-than-cpu-memory",
+        (*FIT, "--trainer.accelerator=cpu", "--model.gpt.n_layer=10000",
+         "--model.gpt.n_embd=1024", "--model.gpt.n_head=8"),
+        EXIT_USAGE, "memory", memory_limit_gb=8,
+    ),
+    Case(
+        "fit-dataset-mismatch-names-real-fixes",
+        (*FIT, "--data.dataset_dir", "{work}/mydata", "--data.source", "[{work}/other.txt]"),
+        EXIT_USAGE, "--data.source null", setup=_mismatched_dataset,
+    ),
+    *_checkpoint_rows(),
+]
+# fmt: on
+
+
+# -- running a row -----------------------------------------------------------------------------
+def _digests(root: Path) -> dict[str, str]:
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def _limit_memory(gb: float) -> Callable[[], None]:
+    limit = int(gb * 2**30)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
+
+
+def run_case(case: Case, ws: Workspace) -> subprocess.CompletedProcess:
+    """Run the row's command in ``ws.work`` (its setup has been applied)."""
+    argv = [a.format(**ws.fields()) for a in case.argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "nanolab", *argv],
+        cwd=ws.work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=case.timeout,
+        preexec_fn=_limit_memory(case.memory_limit_gb) if case.memory_limit_gb else None,
+    )
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, char_dataset) -> Path:
+    """Finished runs the rows copy from: ``base`` (2 layers) and ``shape3`` (3 layers)."""
+    root = tmp_path_factory.mktemp("adversarial-cache")
+    for name, layers in (("base", 2), ("shape3", 3)):
+        cfg = tiny_overrides(char_dataset, root, run__name=name, model__gpt__n_layer=layers)
+        path = write_config(root / f"{name}.yaml", cfg)
+        res = run_nanolab("fit", "--config", str(path), cwd=root)
+        assert res.returncode == 0, res.stderr[-3000:]
+    return root
+
+
+@pytest.fixture
+def ws(tmp_path, char_dataset, cache) -> Workspace:
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = write_config(work / "tiny.yaml", tiny_overrides(char_dataset, work / "runs"))
+    return Workspace(work=work, data=char_dataset, cfg=cfg, cache=cache)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_input(case: Case, ws: Workspace) -> None:
+    if case.setup is not None:
+        case.setup(ws)
+    before = _digests(ws.work)
+    res = run_case(case, ws)
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == case.code, detail
+    assert "Traceback" not in res.stderr, detail
+    if case.stderr:
+        assert case.stderr in last_line(res.stderr), detail
+    after = _digests(ws.work)
+    lost = sorted(k for k, v in before.items() if after.get(k) != v)
+    assert not lost, f"files changed or removed: {lost}\n{detail}"
+    assert not (ws.work / "pwned").exists(), "a checkpoint's pickle ran code"
+
+
+def test_case_ids_are_unique() -> None:
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
