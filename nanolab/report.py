@@ -62,6 +62,8 @@ class RunSummary:
     best_val_loss: float | None = None
     best_val_step: int | None = None
     final_val_loss: float | None = None
+    best_val_bpb: float | None = None  # bits per byte at the best val step (null: no byte counts)
+    final_val_bpb: float | None = None
     first_val_loss: float | None = None
     improvement: float | None = None  # first val loss - best val loss (train loss if no val)
     tokens_per_s: float | None = None
@@ -227,6 +229,8 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
             s.first_val_loss = _num(next(r["val_loss"] for r in val if _num(r.get("val_loss"))))
             s.final_val_loss = _num(_last_value(val, "val_loss"))
             s.improvement = s.first_val_loss - s.best_val_loss
+            s.best_val_bpb = _num(best.get("val_bpb"))
+            s.final_val_bpb = _num(_last_value(val, "val_bpb"))
     if s.improvement is None and train:
         first, last = _num(train[0].get("loss")), s.train_loss
         if first is not None and last is not None:
@@ -325,8 +329,8 @@ def _status_text(s: RunSummary) -> str:
 
 def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
     headers = [
-        "run", "status", "steps", "tokens", "train loss", "best val (step)", "Δ since start",
-        "tokens/s", "MFU", "GPU-h", "cost", "wall",
+        "run", "status", "steps", "tokens", "train loss", "best val (step)", "val bpb",
+        "Δ since start", "tokens/s", "MFU", "GPU-h", "cost", "wall",
     ]  # fmt: skip
     rows = []
     for s in summaries:
@@ -344,6 +348,7 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
                 _si(s.tokens),
                 _f(s.train_loss),
                 best,
+                _f(s.best_val_bpb),
                 improvement,
                 _si(s.tokens_per_s),
                 "-" if s.mfu is None else f"{s.mfu:.1%}",
@@ -353,7 +358,7 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
             ]
         )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    right = {2, 3, 4, 7, 8, 9, 10, 11}
+    right = {2, 3, 4, 6, 8, 9, 10, 11, 12}
 
     def line(cells: list[str]) -> str:
         return "  ".join(

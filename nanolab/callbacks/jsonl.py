@@ -293,6 +293,8 @@ class MetricsLog(Callback):
             "tokens": self._clock.tokens,
             "val_loss": val_loss,
             "val_ppl": math.exp(val_loss) if val_loss is not None and val_loss < 700 else None,
+            # Bits per byte: comparable across tokenizers; null when the data lacks byte counts.
+            "val_bpb": values.get(self.monitor.rsplit("/", 1)[0] + "/bpb"),
         }
         for key, value in values.items():
             record.setdefault(key, value)

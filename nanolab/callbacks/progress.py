@@ -110,6 +110,9 @@ class StepProgressBar(TQDMProgressBar):
         value = trainer.callback_metrics.get("val/loss")
         if value is not None and not trainer.sanity_checking:
             self._postfix["val"] = f"{float(value):.4f}"
+            bpb = trainer.callback_metrics.get("val/bpb")  # absent for data without byte counts
+            if bpb is not None:
+                self._postfix["bpb"] = f"{float(bpb):.4f}"
         super().on_validation_end(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -1,17 +1,44 @@
-"""The LightningDataModule: memory-mapped token bins, resumable window order, fixed validation."""
+"""The LightningDataModule: memory-mapped token bins, resumable window order, fixed validation.
+
+One prepared folder (``data.dataset_dir``) is the simple case; ``data.datasets`` mixes several
+folders by weight (:class:`~nanolab.data.windows.MixturePlan`). Every folder is checked against
+its ``meta.json`` before training (:mod:`nanolab.data.checks`), and its fingerprint goes into
+every checkpoint, so a resume on data that changed underneath the run is refused.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from nanolab.data.prepare import PrepareError, prepare_dataset, read_meta
-from nanolab.data.windows import ResumableBatchSampler, WindowPlan, validation_starts
+from nanolab.data.checks import (
+    DataChangedError,
+    DataCheckError,
+    changed_data_message,
+    check_files,
+    checkpoint_fingerprint,
+    data_changes,
+    fingerprint,
+    load_meta,
+)
+from nanolab.data.prepare import PrepareError, prepare_dataset
+from nanolab.data.windows import (
+    DataTooSmallError,
+    MixturePlan,
+    ResumableBatchSampler,
+    WindowPlan,
+    validation_starts,
+)
+
+DATASET_KEYS = ("path", "weight", "name")
 
 
 class TokenWindows:
@@ -40,10 +67,78 @@ class TokenWindows:
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, starts: np.ndarray) -> np.ndarray:
+        """``(len(starts), block_size + 1)`` int64 tokens: each window and its next token."""
         idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.block_size + 1)
-        chunk = torch.from_numpy(self.data[idx].astype(np.int64))
+        return self.data[idx].astype(np.int64)
+
+    def __getitem__(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = torch.from_numpy(self.read(starts))
         return chunk[:, :-1], chunk[:, 1:]
+
+
+class MixtureWindows:
+    """Windows from several datasets' bins.
+
+    Training keys are ``(B, 2)`` rows of (dataset, start) from :class:`MixturePlan`; evaluation
+    keys are ``(dataset, starts)``, one dataset per batch, and their batches carry the dataset
+    index as a third element so the module can log each dataset's loss.
+    """
+
+    def __init__(self, parts: list[TokenWindows]) -> None:
+        self.parts = parts
+
+    def __getitem__(self, key: Any) -> tuple[Any, ...]:
+        if isinstance(key, tuple):
+            dataset, starts = key
+            x, y = self.parts[dataset][starts]
+            return x, y, dataset
+        rows = np.asarray(key, dtype=np.int64)
+        out = np.empty((len(rows), self.parts[0].block_size + 1), dtype=np.int64)
+        for dataset in np.unique(rows[:, 0]):
+            mine = rows[:, 0] == dataset
+            out[mine] = self.parts[int(dataset)].read(rows[mine, 1])
+        chunk = torch.from_numpy(out)
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+@dataclass(frozen=True)
+class DatasetPart:
+    """One prepared folder of the data (the only one, or one of a mixture), checked."""
+
+    name: str
+    path: Path
+    weight: float
+    meta: dict[str, Any]
+    fingerprint: dict[str, Any]
+
+    @property
+    def val_bytes_per_token(self) -> float | None:
+        """UTF-8 bytes per token of the validation split (None: not recorded by prepare)."""
+        tokens, text_bytes = self.meta.get("val_tokens"), self.meta.get("val_bytes")
+        if not tokens or not text_bytes:
+            return None
+        return text_bytes / tokens
+
+
+@dataclass(frozen=True)
+class EvalScale:
+    """How a validation batch of one dataset enters the logged metrics.
+
+    The module logs ``loss * loss_weight`` as ``<stage>/loss`` and ``loss * overall_bpb`` as
+    ``<stage>/bpb`` for every batch; Lightning averages them over windows, so with one dataset
+    they are the mean loss and ``mean loss * tokens / bytes / ln 2``. For a mixture the weights
+    make the overall figures the *mixture-weighted* average over datasets (each dataset has its
+    own number of validation windows), and ``<stage>/<name>/loss|bpb`` are logged besides.
+    """
+
+    name: str
+    loss_weight: float
+    bpb: float | None  # nats per token -> bits per byte of this dataset
+    overall_bpb: float | None  # the factor of this dataset's loss in the overall bits per byte
+
+
+_NOTED_NO_BYTES: set[str] = set()
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -55,16 +150,24 @@ class TokenDataModule(L.LightningDataModule):
             when it does not exist yet; ``null`` means the dataset must already be prepared.
         tokenizer: ``bytes``, ``chars``, ``bpe`` or ``gpt2`` (used only when preparing).
         bpe_vocab_size: Vocabulary size of a locally trained BPE tokenizer.
-        val_fraction: Share of the token stream (its tail) held out for validation.
+        val_fraction: Share of the token stream held out for validation (when preparing).
         micro_batch_size: Sequences per device per forward pass.
         block_size: Tokens per sequence; ``nanolab fit`` links it to ``model.gpt.block_size``.
-        val_windows: Number of fixed, evenly spaced validation windows (same every evaluation).
+        val_windows: Number of fixed, evenly spaced validation windows (same every evaluation),
+            per dataset.
         seed: Seed of the training window order (independent of the model's seed, so changing
             one does not change the other).
         num_workers: DataLoader worker processes. 0 loads in the training process, which is
             fastest for small models on CPU; 2-4 hides disk latency on GPUs.
         pin_memory: Page-locked host batches for faster copies; ``null`` = on when CUDA is.
         prefetch_factor: Batches each worker prepares ahead (only with workers).
+        datasets: A mixture instead of one folder: prepared folders with weights, e.g.
+            ``[{path: data/web, weight: 0.8}, {path: data/code, weight: 0.2}]`` (an optional
+            ``name`` labels the per-dataset validation metrics; default: the folder name).
+            Every folder must have been prepared with the same tokenizer. When set,
+            ``dataset_dir`` is not used and ``source`` must be null (docs/data.md).
+        allow_changed: Resume even though the data's fingerprint (file sizes, ``meta.json``)
+            differs from the one in the checkpoint.
     """
 
     def __init__(
@@ -81,6 +184,8 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool | None = None,
         prefetch_factor: int = 4,
+        datasets: list[dict[str, Any]] | None = None,
+        allow_changed: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -92,7 +197,13 @@ class TokenDataModule(L.LightningDataModule):
                 raise PrepareError(f"data.{name} must be >= 1, got {value}")
         if num_workers < 0:
             raise PrepareError(f"data.num_workers must be >= 0, got {num_workers}")
-        self.dataset_dir = Path(dataset_dir)
+        self.mixture = parse_datasets(datasets)
+        if self.mixture is not None and source:
+            raise PrepareError(
+                "data.source prepares the single folder data.dataset_dir, but data.datasets is "
+                "set; prepare each folder with `nanolab prepare` and set data.source to null"
+            )
+        self.dataset_dir = Path(dataset_dir) if self.mixture is None else self.mixture[0][1]
         self.source = list(source) if source else None
         self.tokenizer = tokenizer
         self.bpe_vocab_size = bpe_vocab_size
@@ -104,34 +215,39 @@ class TokenDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
-        self._meta: dict[str, Any] | None = None
+        self.allow_changed = allow_changed
+        self._parts: list[DatasetPart] | None = None
+        self._changed_noted = False
         self.train_sampler: ResumableBatchSampler | None = None
+        self.eval_scales: list[EvalScale] | None = None
 
     # -- dataset ---------------------------------------------------------------------------
-    def ensure_prepared(self) -> dict[str, Any]:
-        """Prepare the dataset from ``source`` if needed; return its meta."""
-        if self._meta is None:
-            meta = read_meta(self.dataset_dir)
-            if self.source is not None:
-                meta = prepare_dataset(
-                    self.source,
-                    self.dataset_dir,
-                    self.tokenizer,
-                    self.bpe_vocab_size,
-                    self.val_fraction,
-                )
-            elif meta is None:
-                raise PrepareError(
-                    f"data.dataset_dir {self.dataset_dir} holds no prepared dataset (meta.json); "
-                    "run `nanolab prepare` or set data.source"
-                )
-            for split in ("train", "val"):
-                if not (self.dataset_dir / f"{split}.bin").is_file():
-                    raise PrepareError(
-                        f"{self.dataset_dir / (split + '.bin')} is missing; prepare the dataset again"
+    @property
+    def parts(self) -> list[DatasetPart]:
+        """The checked dataset folders (one, or the mixture's), preparing first if asked to."""
+        if self._parts is None:
+            if self.mixture is None:
+                if self.source is not None:
+                    prepare_dataset(
+                        self.source,
+                        self.dataset_dir,
+                        self.tokenizer,
+                        self.bpe_vocab_size,
+                        self.val_fraction,
                     )
-            self._meta = meta
-        return self._meta
+                parts = [_checked_part(self.dataset_dir.name, self.dataset_dir, 1.0)]
+            else:
+                parts = [
+                    _checked_part(name, path, weight, f"data.datasets[{i}].path")
+                    for i, (name, path, weight) in enumerate(self.mixture)
+                ]
+                check_same_tokenizer(parts)
+            self._parts = parts
+        return self._parts
+
+    def ensure_prepared(self) -> dict[str, Any]:
+        """Prepare the dataset from ``source`` if needed, check it; return its meta."""
+        return self.parts[0].meta
 
     @property
     def vocab_size(self) -> int:
@@ -139,7 +255,12 @@ class TokenDataModule(L.LightningDataModule):
 
     @property
     def meta(self) -> dict[str, Any]:
+        """``meta.json`` of the data (the first dataset's for a mixture: they share a tokenizer)."""
         return self.ensure_prepared()
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.mixture is not None
 
     def prepare_data(self) -> None:
         # Called on one process per node before setup(): the only place that writes files.
@@ -154,10 +275,71 @@ class TokenDataModule(L.LightningDataModule):
                 f"({model_vocab}); set model.gpt.vocab_size to null (read from the data) "
                 f"or to >= {meta['vocab_size']}"
             )
-        self.train_tokens = TokenWindows(
-            self.dataset_dir / "train.bin", meta["dtype"], self.block_size
-        )
-        self.val_tokens = TokenWindows(self.dataset_dir / "val.bin", meta["dtype"], self.block_size)
+        self.train_parts = [
+            TokenWindows(p.path / "train.bin", p.meta["dtype"], self.block_size) for p in self.parts
+        ]
+        self.val_parts = [
+            TokenWindows(p.path / "val.bin", p.meta["dtype"], self.block_size) for p in self.parts
+        ]
+        # The single-dataset names of earlier versions (bench, forks).
+        self.train_tokens, self.val_tokens = self.train_parts[0], self.val_parts[0]
+        for part in self.parts:
+            if part.val_bytes_per_token is None and str(part.path) not in _NOTED_NO_BYTES:
+                _NOTED_NO_BYTES.add(str(part.path))
+                rank_zero_warn(
+                    f"{part.path / 'meta.json'} has no val_bytes (prepared by an older nanolab): "
+                    "val_bpb is not logged; prepare the data again to log bits per byte"
+                )
+
+    def check_fits(self, world_size: int) -> None:
+        """Raise :class:`DataTooSmallError` now if a split cannot fill one step or one window."""
+        self.window_plan(world_size)
+        for part in self.parts:
+            try:
+                validation_starts(int(part.meta["val_tokens"]), self.block_size, 1)
+            except DataTooSmallError as err:
+                raise DataTooSmallError(f"{part.path}: {err}") from None
+
+    # -- fingerprint and resume ------------------------------------------------------------
+    def data_fingerprint(self) -> dict[str, Any]:
+        """What the run trains on: every folder's file sizes and meta hash, and its weight."""
+        return {
+            "version": 1,
+            "datasets": [
+                {"name": p.name, "path": str(p.path), "weight": p.weight, **p.fingerprint}
+                for p in self.parts
+            ],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_fingerprint": self.data_fingerprint()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return  # validate/test on other data is fine: it is what they are for
+        self.refuse_changed_data(state_dict.get("data_fingerprint"), trainer.ckpt_path)
+
+    def refuse_changed_data(self, saved: dict[str, Any] | None, ckpt: Any = None) -> None:
+        """Raise :class:`DataChangedError` if ``saved`` is not this data's fingerprint (unless
+        ``allow_changed``, which warns once instead). ``None`` (an older checkpoint) passes."""
+        if not isinstance(saved, dict):
+            return
+        changes = data_changes(saved, self.data_fingerprint())
+        if not changes:
+            return
+        message = changed_data_message(changes, ckpt)
+        if not self.allow_changed:
+            raise DataChangedError(message)
+        if not self._changed_noted:
+            self._changed_noted = True
+            rank_zero_warn(f"data.allow_changed: resuming anyway; {message}")
+
+    def check_resume(self, ckpt_path: str | Path | None) -> None:
+        """Before a resume starts: refuse it if the checkpoint was trained on other data."""
+        if ckpt_path is not None:
+            saved = checkpoint_fingerprint(ckpt_path, type(self).__qualname__)
+            self.refuse_changed_data(saved, ckpt_path)
 
     # -- loaders ---------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
@@ -166,16 +348,27 @@ class TokenDataModule(L.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
-    def window_plan(self, world_size: int = 1) -> WindowPlan:
-        return WindowPlan(
-            num_tokens=int(self.meta["train_tokens"]),
-            block_size=self.block_size,
-            micro_batch_size=self.micro_batch_size,
-            world_size=world_size,
-            seed=self.seed,
+    def window_plan(self, world_size: int = 1) -> WindowPlan | MixturePlan:
+        if self.mixture is None:
+            return WindowPlan(
+                num_tokens=int(self.meta["train_tokens"]),
+                block_size=self.block_size,
+                micro_batch_size=self.micro_batch_size,
+                world_size=world_size,
+                seed=self.seed,
+            )
+        parts = self.parts
+        return MixturePlan(
+            [int(p.meta["train_tokens"]) for p in parts],
+            [p.weight for p in parts],
+            self.block_size,
+            self.micro_batch_size,
+            world_size,
+            self.seed,
+            [str(p.path) for p in parts],
         )
 
-    def _loader(self, dataset: TokenWindows, sampler: Any) -> DataLoader:
+    def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
         pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
         workers = self.num_workers
         return DataLoader(
@@ -192,23 +385,143 @@ class TokenDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         start = consumed_micro_batches(self.trainer)
         self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start)
-        return self._loader(self.train_tokens, self.train_sampler)
+        dataset = self.train_parts[0] if self.mixture is None else MixtureWindows(self.train_parts)
+        return self._loader(dataset, self.train_sampler)
 
     def _eval_loader(self) -> DataLoader:
         rank, world = self._rank_world()
-        starts = validation_starts(len(self.val_tokens), self.block_size, self.val_windows)
-        starts = starts[: max(world, len(starts) // world * world)][rank::world]
-        batches = [
-            starts[i : i + self.micro_batch_size]
-            for i in range(0, len(starts), self.micro_batch_size)
-        ]
-        return self._loader(self.val_tokens, batches)
+        keys: list[Any] = []
+        counts = []
+        for d, part in enumerate(self.val_parts):
+            starts = validation_starts(len(part), self.block_size, self.val_windows)
+            # Every rank gets as many windows (and batches) as the others: sharded models
+            # run collectives in each forward.
+            starts = starts[: max(world, len(starts) // world * world)]
+            counts.append(len(starts))
+            mine = starts[rank::world]
+            for i in range(0, len(mine), self.micro_batch_size):
+                batch = mine[i : i + self.micro_batch_size]
+                keys.append(batch if self.mixture is None else (d, batch))
+        self.eval_scales = eval_scales(self.parts, counts)
+        dataset = self.val_parts[0] if self.mixture is None else MixtureWindows(self.val_parts)
+        return self._loader(dataset, keys)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader()
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader()
+
+
+def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:
+    """``data.datasets`` as (name, path, weight) triples, or one clear error line."""
+    if specs is None:
+        return None
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise PrepareError(
+            "data.datasets must list prepared folders with weights, e.g. "
+            "[{path: data/web, weight: 0.8}, {path: data/code, weight: 0.2}]; or null"
+        )
+    out: list[tuple[str, Path, float]] = []
+    for i, spec in enumerate(specs):
+        field = f"data.datasets[{i}]"
+        if hasattr(spec, "as_dict"):  # a jsonargparse Namespace
+            spec = spec.as_dict()
+        if not isinstance(spec, dict):
+            raise PrepareError(f"{field} must be a mapping like {{path: data/web, weight: 0.8}}")
+        unknown = sorted(set(spec) - set(DATASET_KEYS))
+        if unknown:
+            raise PrepareError(
+                f"{field} has unknown key(s) {', '.join(unknown)}; use {', '.join(DATASET_KEYS)}"
+            )
+        path = spec.get("path")
+        if not isinstance(path, str) or not path:
+            raise PrepareError(f"{field}.path must name a prepared dataset folder")
+        weight = spec.get("weight", 1.0)
+        if (
+            not isinstance(weight, (int, float))
+            or isinstance(weight, bool)
+            or not math.isfinite(weight)
+            or weight <= 0
+        ):
+            raise PrepareError(f"{field}.weight must be a number > 0, got {weight!r}")
+        name = spec.get("name") or Path(path).name or f"dataset{i}"
+        if not isinstance(name, str) or "/" in name:
+            raise PrepareError(f"{field}.name must be a text without '/', got {name!r}")
+        out.append((name, Path(path), float(weight)))
+    names = [n for n, _, _ in out]
+    for name in names:
+        if names.count(name) > 1:
+            raise PrepareError(
+                f"data.datasets: two datasets are named {name!r}; give each a distinct name "
+                "(name: ...), which labels its validation metrics"
+            )
+    paths = [p.resolve() for _, p, _ in out]
+    if len(set(paths)) != len(paths):
+        raise PrepareError("data.datasets lists the same folder twice; list it once")
+    return out
+
+
+def _checked_part(
+    name: str, path: Path, weight: float, field: str = "data.dataset_dir"
+) -> DatasetPart:
+    meta = load_meta(path, field)
+    check_files(path, meta)
+    return DatasetPart(name, path, weight, meta, fingerprint(path))
+
+
+def _tokenizer_identity(part: DatasetPart) -> tuple[str, str]:
+    """(description, identity) of a dataset's tokenizer: equal identity = interchangeable ids."""
+    import hashlib
+    import json
+
+    spec = part.meta.get("tokenizer")
+    vocab = part.meta["vocab_size"]
+    name = spec.get("name", "?") if isinstance(spec, dict) else "?"
+    files = sorted(part.path.glob("tokenizer*.json"))
+    blob = json.dumps([spec, vocab], sort_keys=True).encode()
+    for f in files:
+        blob += hashlib.sha256(f.read_bytes()).digest()
+    return f"{name}, vocab {vocab}", hashlib.sha256(blob).hexdigest()
+
+
+def check_same_tokenizer(parts: list[DatasetPart]) -> None:
+    """A mixture's token ids must mean the same text in every folder."""
+    first_desc, first_id = _tokenizer_identity(parts[0])
+    for part in parts[1:]:
+        desc, ident = _tokenizer_identity(part)
+        if ident != first_id:
+            same = " (same name, other alphabet or merges)" if desc == first_desc else ""
+            raise DataCheckError(
+                f"data.datasets: {parts[0].path} and {part.path} were prepared with different "
+                f"tokenizers ({first_desc} vs {desc}){same}; a mixture needs one tokenizer: "
+                "prepare every folder with the same --tokenizer (bytes, gpt2, or one "
+                "tokenizer.json file; chars and a locally trained bpe differ per corpus)"
+            )
+
+
+def eval_scales(parts: list[DatasetPart], window_counts: list[int]) -> list[EvalScale]:
+    """Per-dataset factors of the logged validation metrics (see :class:`EvalScale`)."""
+    total_windows = sum(window_counts)
+    weight_sum = sum(p.weight for p in parts)
+    shares = [p.weight / weight_sum for p in parts]
+    per_token = [p.val_bytes_per_token for p in parts]
+    # Bytes per token of the mixture: each dataset's, weighted by its share of the tokens.
+    mixed = None
+    if all(b is not None for b in per_token):
+        mixed = sum(s * b for s, b in zip(shares, per_token, strict=True))  # type: ignore[operator]
+    scales = []
+    for part, share, count, b in zip(parts, shares, window_counts, per_token, strict=True):
+        loss_weight = 1.0 if len(parts) == 1 else share * total_windows / count
+        scales.append(
+            EvalScale(
+                name=part.name,
+                loss_weight=loss_weight,
+                bpb=None if b is None else 1.0 / (b * math.log(2)),
+                overall_bpb=None if mixed is None else loss_weight / (mixed * math.log(2)),
+            )
+        )
+    return scales
 
 
 def consumed_micro_batches(trainer: Any) -> int:

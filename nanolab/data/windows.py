@@ -10,8 +10,9 @@ after ``g`` micro-batches starts at ``g`` and sees exactly what the uninterrupte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 
 import numpy as np
@@ -116,3 +117,99 @@ def validation_starts(num_tokens: int, block_size: int, count: int) -> np.ndarra
         )
     count = max(1, min(count, last + 1))
     return np.linspace(0, last, count).round().astype(np.int64)
+
+
+# -- mixtures ----------------------------------------------------------------------------------
+def _dataset_seed(seed: int, index: int) -> int:
+    """The window-order seed of dataset ``index`` of a mixture (distinct per dataset)."""
+    return (seed * 0x9E3779B1 + (index + 1) * 0xC2B2AE3D + 0x27D4EB2F) % (1 << 63)
+
+
+class MixturePlan:
+    """Which (dataset, window) each rank trains on when several datasets are mixed by weight.
+
+    The training stream is a sequence of window *slots*; slot ``s`` of the single-process view
+    is micro-batch ``s // B``, and a step of ``W`` ranks takes the same ``B x W`` slots as ``W``
+    accumulated micro-batches (rank ``r`` takes every ``W``-th slot starting at ``r``), so the
+    DDP = gradient accumulation identity holds as it does for one dataset.
+
+    Slots go to datasets by a deterministic stratified rule, not by dice: dataset 0 takes slot
+    ``s`` exactly when ``floor(p0 * (s + 1)) > floor(p0 * s)`` (``p0`` its share), so after any
+    ``n`` slots it has had ``floor(p0 * n)`` of them — the weights hold over every stretch of the
+    stream, not only on average — and the other datasets share the remaining slots the same way,
+    one after the other. The weights are exact fractions, so the rule is integer arithmetic and
+    the same on every machine. The ``k``-th slot of dataset ``d`` is window ``k`` of that dataset's
+    own shuffled stream (a :class:`WindowPlan` with its own seed: every window once per epoch of
+    that dataset). Micro-batch ``g`` of rank ``r`` is thus a pure function of (seed, g, r): a
+    resumed run sees exactly what the uninterrupted one saw.
+    """
+
+    def __init__(
+        self,
+        num_tokens: Sequence[int],
+        weights: Sequence[float],
+        block_size: int,
+        micro_batch_size: int,
+        world_size: int,
+        seed: int,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        if len(num_tokens) != len(weights) or not num_tokens:
+            raise ValueError("a mixture needs one weight per dataset")
+        names = list(names) if names is not None else [str(i) for i in range(len(num_tokens))]
+        self.block_size = block_size
+        self.micro_batch_size = micro_batch_size
+        self.world_size = world_size
+        self.seed = seed
+        self.names = names
+        plans = []
+        for i, n in enumerate(num_tokens):
+            try:
+                plans.append(WindowPlan(int(n), block_size, 1, 1, _dataset_seed(seed, i)))
+            except DataTooSmallError as err:
+                raise DataTooSmallError(f"dataset {names[i]}: {err}") from None
+        self.plans = plans
+        shares = [Fraction(w).limit_denominator(1_000_000) for w in weights]
+        if any(s <= 0 for s in shares):
+            raise ValueError("mixture weights must be positive")
+        total = sum(shares)
+        self.shares = [s / total for s in shares]
+        # Dataset d takes its share of the slots the datasets before it left over.
+        self._split: list[tuple[int, int]] = []
+        left = Fraction(1)
+        for share in self.shares[:-1]:
+            q = share / left
+            self._split.append((q.numerator, q.denominator))
+            left -= share
+        self._layouts: dict[int, tuple[int, int, np.ndarray]] = {}
+
+    def slot_source(self, slot: int) -> tuple[int, int]:
+        """(dataset, index in that dataset's own window stream) of global slot ``slot``."""
+        r = slot
+        for d, (num, den) in enumerate(self._split):
+            before, after = num * r // den, num * (r + 1) // den
+            if after > before:
+                return d, before
+            r -= before  # position among the slots the later datasets share
+        return len(self._split), r
+
+    def _start(self, dataset: int, k: int) -> int:
+        plan = self.plans[dataset]
+        epoch, position = divmod(k, plan.num_windows)
+        cached = self._layouts.get(dataset)
+        if cached is None or cached[0] != epoch:
+            # One layout per dataset: the stream moves forward, so older epochs are not kept.
+            cached = (epoch, *_epoch_layout.__wrapped__(plan, epoch))
+            self._layouts[dataset] = cached
+        _, offset, order = cached
+        return int(offset + order[position] * plan.block_size)
+
+    def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
+        """Rows of (dataset, token offset) for micro-batch ``global_batch`` of ``rank``."""
+        B, W = self.micro_batch_size, self.world_size
+        first = global_batch * B * W + rank
+        rows = np.empty((B, 2), dtype=np.int64)
+        for i in range(B):
+            d, k = self.slot_source(first + i * W)
+            rows[i] = (d, self._start(d, k))
+        return rows

@@ -23,7 +23,7 @@ from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import TokenizerError
-from nanolab.data.windows import DataTooSmallError, validation_starts
+from nanolab.data.windows import DataTooSmallError
 from nanolab.model.config import ConfigError
 from nanolab.training.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.training.module import GPTLightningModule
@@ -192,8 +192,7 @@ class NanolabCLI(LightningCLI):
         cfg.trainer.accumulate_grad_batches = accumulate
         # Fail now, not after start-up, when the data cannot fill one step of every rank.
         data.block_size = gpt.block_size
-        data.window_plan(world)
-        validation_starts(int(data.meta["val_tokens"]), gpt.block_size, 1)
+        data.check_fits(world)
         if run.eval_every_steps < 1:
             raise RunConfigError(f"run.eval_every_steps must be >= 1, got {run.eval_every_steps}")
         # The training stream is endless (steps, not epochs): validation is counted in
@@ -253,6 +252,11 @@ class NanolabCLI(LightningCLI):
                 )
             except ResumeError as err:
                 raise RunConfigError(str(err)) from None
+        # Refuse to resume on data that changed under the run (file sizes, meta.json) before
+        # anything is written; the DataModule checks again when the trainer restores it.
+        check_data = getattr(self.datamodule, "check_resume", None)
+        if callable(check_data):
+            check_data(kwargs.get("ckpt_path"))
         # Refuse a directory holding a different run before anything (config.yaml) is written.
         from nanolab.callbacks.rundir import claim_run_dir
 

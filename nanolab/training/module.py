@@ -87,15 +87,40 @@ class GPTLightningModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        _, loss = self(x, y)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=x.size(0))
+    def validation_step(self, batch: tuple[Any, ...], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
 
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
+    def test_step(self, batch: tuple[Any, ...], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _eval_step(self, batch: tuple[Any, ...], stage: str) -> None:
+        """Log ``<stage>/loss`` and, when the data records its bytes, ``<stage>/bpb``.
+
+        Bits per byte (loss in nats/token x tokens/bytes / ln 2) compare runs across tokenizers.
+        Both are linear in the loss, so Lightning's average over batches gives the epoch value.
+        A mixture's batches carry their dataset index third: each dataset's loss and bpb are
+        logged as ``<stage>/<name>/...`` and the overall values are mixture-weighted
+        (:class:`~nanolab.data.datamodule.EvalScale` says how).
+        """
+        x, y = batch[0], batch[1]
+        part = int(batch[2]) if len(batch) > 2 else 0
         _, loss = self(x, y)
-        self.log("test/loss", loss, sync_dist=True, batch_size=x.size(0))
+        n = x.size(0)
+        scales = getattr(getattr(self._trainer, "datamodule", None), "eval_scales", None)
+        if not scales:
+            self.log(f"{stage}/loss", loss, prog_bar=stage == "val", sync_dist=True, batch_size=n)
+            return
+        scale = scales[part]
+        weighted = loss if scale.loss_weight == 1.0 else loss * scale.loss_weight
+        self.log(f"{stage}/loss", weighted, prog_bar=stage == "val", sync_dist=True, batch_size=n)
+        if scale.overall_bpb is not None:
+            self.log(f"{stage}/bpb", loss * scale.overall_bpb, sync_dist=True, batch_size=n)
+        if len(scales) > 1:
+            self.log(f"{stage}/{scale.name}/loss", loss, sync_dist=True, batch_size=n)
+            if scale.bpb is not None:
+                self.log(
+                    f"{stage}/{scale.name}/bpb", loss * scale.bpb, sync_dist=True, batch_size=n
+                )
 
     # -- optimization ----------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:

@@ -1,0 +1,271 @@
+"""Checks a prepared dataset folder before training, and fingerprints it for resumes.
+
+A dataset folder is ``meta.json`` plus two flat arrays of token ids. If the arrays do not match
+what ``meta.json`` says, nothing crashes: a uint32 file read as uint16 is a stream of ids and
+zeros, and the model trains all night on garbage. So before a run every folder is checked, each
+failure is one line that names the file and the fix (``nanolab fit`` turns it into exit code 2):
+
+* ``meta.json`` is a JSON object with the keys training needs, a known dtype, a vocabulary that
+  fits that dtype;
+* each ``.bin`` size is a whole number of tokens and exactly ``<split>_tokens`` of them (a file
+  whose size fits another dtype is named as such), and the validation split is not empty;
+* token ids in a bounded, strided sample of each file are below the vocabulary size (the sample
+  is a few MB however large the file: memory and time do not grow with the corpus).
+
+:func:`fingerprint` identifies the data a run trained on (file sizes and a hash of
+``meta.json``, cheap to recompute); the DataModule stores it in every checkpoint and refuses to
+resume on data that changed underneath the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nanolab.data.prepare import PrepareError
+
+SPLITS = ("train", "val")
+FORMAT = "nanolab-tokens-v1"
+#: dtypes a token file may have (``nanolab prepare`` writes uint16 or uint32).
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
+REQUIRED_KEYS = ("vocab_size", "dtype", "train_tokens", "val_tokens")
+
+#: Tokens read per file by the id check: ``SAMPLE_CHUNKS`` evenly spaced runs of
+#: ``SAMPLE_CHUNK`` tokens (4 MB of uint16 at most), or the whole file when it is smaller.
+SAMPLE_CHUNK = 1 << 15
+SAMPLE_CHUNKS = 64
+
+
+class DataCheckError(PrepareError):
+    """A dataset folder whose files do not match its ``meta.json``; the message says the fix."""
+
+
+class DataChangedError(PrepareError):
+    """The data under a run changed since its checkpoint was written."""
+
+
+def _reprepare(dataset_dir: Path) -> str:
+    return f"prepare it again (`nanolab prepare <your text> -o {dataset_dir} --force`)"
+
+
+def load_meta(dataset_dir: str | Path, field: str = "data.dataset_dir") -> dict[str, Any]:
+    """``meta.json`` of ``dataset_dir``, checked for what training reads from it."""
+    dataset_dir = Path(dataset_dir)
+    path = dataset_dir / "meta.json"
+    if not path.is_file():
+        raise DataCheckError(
+            f"{field} {dataset_dir} holds no prepared dataset (meta.json); "
+            "run `nanolab prepare` or set data.source"
+        )
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        where = f" at line {err.lineno}" if isinstance(err, json.JSONDecodeError) else ""
+        raise DataCheckError(
+            f"{path} is not valid JSON{where}: the dataset is damaged; {_reprepare(dataset_dir)}"
+        ) from None
+    except OSError as err:
+        raise DataCheckError(f"cannot read {path} ({err.strerror or err})") from None
+    if not isinstance(meta, dict):
+        raise DataCheckError(
+            f"{path} holds a JSON {type(meta).__name__}, not a dataset description; "
+            f"{_reprepare(dataset_dir)}"
+        )
+    missing = [k for k in REQUIRED_KEYS if meta.get(k) is None]
+    if missing:
+        raise DataCheckError(
+            f"{path} lacks {', '.join(missing)}: it is not a nanolab dataset description; "
+            f"{_reprepare(dataset_dir)}"
+        )
+    if "format" in meta and meta["format"] != FORMAT:
+        raise DataCheckError(
+            f"{path} has format {meta['format']!r}, which this nanolab does not read "
+            f"(it reads {FORMAT!r}); {_reprepare(dataset_dir)}"
+        )
+    if meta["dtype"] not in TOKEN_DTYPES:
+        raise DataCheckError(
+            f"{path}: dtype {meta['dtype']!r} is not a token dtype (one of "
+            f"{', '.join(TOKEN_DTYPES)}); fix it in meta.json or {_reprepare(dataset_dir)}"
+        )
+    for key in ("vocab_size", "train_tokens", "val_tokens", "train_bytes", "val_bytes"):
+        value = meta.get(key)
+        if value is None and key not in REQUIRED_KEYS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise DataCheckError(
+                f"{path}: {key} must be a whole number >= 0, got {value!r}; "
+                f"{_reprepare(dataset_dir)}"
+            )
+    if meta["vocab_size"] < 1:
+        raise DataCheckError(f"{path}: vocab_size is 0; {_reprepare(dataset_dir)}")
+    limit = int(np.iinfo(np.dtype(meta["dtype"])).max) + 1
+    if meta["vocab_size"] > limit:
+        raise DataCheckError(
+            f"{path}: vocab_size {meta['vocab_size']} does not fit in dtype {meta['dtype']} "
+            f"(ids up to {limit - 1}); the files were written with a wider dtype than meta.json "
+            f"says: fix its dtype or {_reprepare(dataset_dir)}"
+        )
+    return meta
+
+
+def check_files(dataset_dir: str | Path, meta: dict[str, Any]) -> None:
+    """Each ``.bin`` against ``meta``: size, dtype, non-empty validation split, token ids."""
+    dataset_dir = Path(dataset_dir)
+    dtype = np.dtype(meta["dtype"])
+    for split in SPLITS:
+        path = dataset_dir / f"{split}.bin"
+        if not path.is_file():
+            raise DataCheckError(f"{path} is missing; {_reprepare(dataset_dir)}")
+        size = path.stat().st_size
+        tokens = int(meta[f"{split}_tokens"])
+        if size % dtype.itemsize:
+            raise DataCheckError(
+                f"{path} is {size:,} bytes, not a whole number of {dtype.name} tokens "
+                f"({dtype.itemsize} bytes each): it is truncated or holds another dtype; "
+                f"{_reprepare(dataset_dir)}"
+            )
+        if size != tokens * dtype.itemsize:
+            raise DataCheckError(
+                f"{path} holds {size // dtype.itemsize:,} {dtype.name} tokens but meta.json says "
+                f"{split}_tokens {tokens:,}{_other_dtype_hint(size, tokens, dtype)}; "
+                f"{_reprepare(dataset_dir)}"
+            )
+        if tokens == 0:
+            fix = (
+                "prepare it again with a larger --val-fraction or more text"
+                if split == "val"
+                else "prepare it again from more text"
+            )
+            raise DataCheckError(f"{path} is empty: the {split} split holds no tokens; {fix}")
+        check_token_ids(path, dtype, int(meta["vocab_size"]))
+
+
+def _other_dtype_hint(size: int, tokens: int, dtype: np.dtype) -> str:
+    for name in TOKEN_DTYPES:
+        other = np.dtype(name)
+        if other.itemsize != dtype.itemsize and tokens and size == tokens * other.itemsize:
+            return (
+                f" ({tokens:,} tokens of {other.itemsize} bytes fill it exactly: it was "
+                f"written as {other.name}, not {dtype.name})"
+            )
+    return ""
+
+
+def sample_ranges(num_tokens: int) -> list[tuple[int, int]]:
+    """Evenly spaced (start, stop) runs covering at most ``SAMPLE_CHUNKS x SAMPLE_CHUNK`` tokens,
+    first and last token included; the whole file when it is that small."""
+    if num_tokens <= SAMPLE_CHUNKS * SAMPLE_CHUNK:
+        return [(s, min(s + SAMPLE_CHUNK, num_tokens)) for s in range(0, num_tokens, SAMPLE_CHUNK)]
+    starts = np.linspace(0, num_tokens - SAMPLE_CHUNK, SAMPLE_CHUNKS).astype(np.int64)
+    return [(int(s), int(s) + SAMPLE_CHUNK) for s in starts]
+
+
+def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int) -> int:
+    """Raise if a sampled id is outside ``[0, vocab_size)``; return how many ids were read.
+
+    Reads through a memory map one run at a time, so memory stays at one run (64 K tokens)
+    whatever the file size. Also catches uint32 tokens labelled uint16 whose counts were
+    doubled to match the size: read as uint16, every second id of such a file is 0.
+    """
+    num_tokens = path.stat().st_size // dtype.itemsize
+    data = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
+    read = 0
+    odd_all_zero, even_any_nonzero = True, False
+    for start, stop in sample_ranges(num_tokens):
+        run = np.asarray(data[start:stop])
+        read += len(run)
+        bad = (run >= vocab_size) | (run < 0) if dtype.kind == "i" else run >= vocab_size
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise DataCheckError(
+                f"{path} holds token id {int(run[at])} at position {start + at:,}, but the "
+                f"vocabulary has {vocab_size} ids (meta.json vocab_size): the file does not match "
+                f"its meta.json (another tokenizer or dtype); {_reprepare(path.parent)}"
+            )
+        if dtype == np.uint16:
+            odd = run[(start + 1) % 2 :: 2]
+            even = run[start % 2 :: 2]
+            odd_all_zero = odd_all_zero and not odd.any()
+            even_any_nonzero = even_any_nonzero or bool(even.any())
+    if dtype == np.uint16 and read >= 512 and odd_all_zero and even_any_nonzero:
+        raise DataCheckError(
+            f"{path}: every second uint16 id is 0, the pattern of uint32 tokens read as uint16; "
+            f'set "dtype": "uint32" and halve the token counts in meta.json, or '
+            f"{_reprepare(path.parent)}"
+        )
+    del data
+    return read
+
+
+# -- fingerprints ----------------------------------------------------------------------------
+def fingerprint(dataset_dir: str | Path) -> dict[str, Any]:
+    """What identifies the data cheaply: the sha256 of ``meta.json`` and each ``.bin`` size."""
+    dataset_dir = Path(dataset_dir)
+    meta = dataset_dir / "meta.json"
+    return {
+        "meta_sha256": hashlib.sha256(meta.read_bytes()).hexdigest(),
+        **{f"{s}.bin": (dataset_dir / f"{s}.bin").stat().st_size for s in SPLITS},
+    }
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the data fingerprint ``now`` differs from ``saved`` (empty: the same data).
+
+    Both are ``{"datasets": [{"name", "path", "weight", "meta_sha256", "train.bin", ...}]}``.
+    Datasets are compared by position and content, not by path: moving a folder is no change.
+    """
+    before, after = saved.get("datasets") or [], now.get("datasets") or []
+    if len(before) != len(after):
+        return [
+            f"the run trained on {len(before)} dataset(s) "
+            f"({', '.join(str(d.get('path')) for d in before)}), now "
+            f"{len(after)} ({', '.join(str(d.get('path')) for d in after)})"
+        ]
+    changes: list[str] = []
+    for old, new in zip(before, after, strict=True):
+        where = Path(str(new.get("path")))
+        for split in SPLITS:
+            key = f"{split}.bin"
+            if old.get(key) != new.get(key):
+                changes.append(f"{where / key} is {new.get(key):,} bytes, was {old.get(key):,}")
+        if old.get("meta_sha256") != new.get("meta_sha256"):
+            changes.append(f"{where / 'meta.json'} changed")
+        if old.get("weight") != new.get("weight"):
+            changes.append(
+                f"the weight of {new.get('name')} is {new.get('weight')}, was {old.get('weight')}"
+            )
+    return changes
+
+
+def checkpoint_fingerprint(ckpt_path: str | Path, key: str) -> dict[str, Any] | None:
+    """The data fingerprint stored under ``key`` in a checkpoint file (None if it has none).
+
+    Opened with ``mmap`` and ``weights_only``: the tensors are not read. Sharded checkpoint
+    folders are not opened here (the DataModule checks them when the trainer restores them).
+    """
+    path = Path(ckpt_path)
+    if not path.is_file():
+        return None
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not loadable: the resume checks report that, in their own words
+        return None
+    state = ckpt.get(key) if isinstance(ckpt, dict) else None
+    found = state.get("data_fingerprint") if isinstance(state, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+def changed_data_message(changes: list[str], ckpt: str | Path | None) -> str:
+    source = f"{ckpt} was saved" if ckpt else "the checkpoint was saved"
+    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    return (
+        f"the data changed since {source}: {'; '.join(changes[:3])}{more}; resuming would not "
+        "continue the run on the data it trained on. Point data.dataset_dir / data.datasets at "
+        "that data, or pass --data.allow_changed true to resume on the new data"
+    )

@@ -1,0 +1,235 @@
+"""A dataset folder is checked against its meta.json before training: one line, exit 2, no traceback.
+
+The folders are written by hand (``write_dataset``), so each test breaks exactly one thing and does
+not depend on how ``nanolab prepare`` happens to write them today. The other data test files
+import ``write_dataset`` and ``fit_config`` from here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import QUICKSTART, run_nanolab, write_config
+
+from nanolab.cli import main
+from nanolab.data.checks import (
+    SAMPLE_CHUNK,
+    SAMPLE_CHUNKS,
+    DataCheckError,
+    check_files,
+    check_token_ids,
+    load_meta,
+)
+
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune "
+TRAIN_TEXT = TEXT * 40
+VAL_TEXT = TEXT * 8
+
+
+def write_dataset(
+    folder: Path,
+    train: str = TRAIN_TEXT,
+    val: str = VAL_TEXT,
+    tokenizer: str = "bytes",
+    dtype: str = "uint16",
+    byte_counts: bool = True,
+    **meta_overrides: Any,
+) -> dict[str, Any]:
+    """A prepared dataset as ``nanolab prepare`` lays it out, from two texts (no end-of-text)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer == "bytes":
+        spec: dict[str, Any] = {"name": "bytes"}
+        vocab = 256
+
+        def encode(text: str) -> list[int]:
+            return list(text.encode("utf-8"))
+    else:
+        chars = sorted(set(train + val))
+        spec = {"name": "chars", "chars": chars}
+        vocab = len(chars)
+        index = {c: i for i, c in enumerate(chars)}
+
+        def encode(text: str) -> list[int]:
+            return [index[c] for c in text]
+
+    meta: dict[str, Any] = {
+        "format": "nanolab-tokens-v1",
+        "tokenizer": spec,
+        "vocab_size": vocab,
+        "dtype": dtype,
+        "eot_id": None,
+    }
+    for split, text in (("train", train), ("val", val)):
+        ids = np.asarray(encode(text), dtype=dtype)
+        (folder / f"{split}.bin").write_bytes(ids.tobytes())
+        meta[f"{split}_tokens"] = len(ids)
+        if byte_counts:
+            meta[f"{split}_bytes"] = len(text.encode("utf-8"))
+    if byte_counts:
+        meta["documents"] = {"train": 1, "val": 1}
+    meta.update(meta_overrides)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def fit_config(tmp_path: Path, data: dict[str, Any], **sections: dict[str, Any]) -> Path:
+    """A tiny run (1 layer, 32 wide, block 32) on ``data``: a few milliseconds a step."""
+    cfg: dict[str, Any] = {
+        "trainer": {"max_steps": 4, "enable_progress_bar": False, "enable_model_summary": False},
+        "model": {"gpt": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}},
+        "data": {"source": None, "micro_batch_size": 4, "val_windows": 8, **data},
+        "run": {"root": str(tmp_path / "runs"), "name": "tiny", "eval_every_steps": 2},
+        "checkpoint": {"every_n_steps": 2},
+    }
+    for key, values in sections.items():
+        cfg.setdefault(key, {}).update(values)
+    return write_config(tmp_path / "tiny.yaml", cfg)
+
+
+def fit_in_process(capsys, config: Path, *args: str) -> tuple[int, list[str]]:
+    """``nanolab fit`` through the real CLI entry point, in this process; (exit code, stderr)."""
+    # Lightning's log handlers keep the stderr of the test that first imported it, which
+    # pytest has closed since: point them at this test's.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("lightning")]:
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one
+    try:
+        code = main(["fit", "--config", str(QUICKSTART), "--config", str(config), *args])
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err.splitlines()
+
+
+# -- one row per bad input: (what is broken, how to break it, what the one line must say) -----
+def _set_meta(**changes: Any) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        meta = json.loads((folder / "meta.json").read_text())
+        meta.update(changes)
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+    return apply
+
+
+def _write(name: str, data: bytes) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_bytes(data)
+
+
+def _as_uint32(folder: Path) -> None:
+    """uint32 token files under a meta.json that says uint16 (counts unchanged)."""
+    for split in ("train", "val"):
+        ids = np.fromfile(folder / f"{split}.bin", dtype=np.uint16)
+        (folder / f"{split}.bin").write_bytes(ids.astype(np.uint32).tobytes())
+
+
+def _as_uint32_counts_doubled(folder: Path) -> None:
+    """Same, with the token counts "fixed" so the sizes match: the ids read as id, 0, id, 0."""
+    _as_uint32(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["train_tokens"] *= 2
+    meta["val_tokens"] *= 2
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _truncate(name: str, drop: int) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[:-drop])
+
+    return apply
+
+
+def _id_beyond_vocab(folder: Path) -> None:
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    ids[len(ids) // 2] = 300  # the bytes vocabulary has 256 ids
+    (folder / "train.bin").write_bytes(ids.tobytes())
+
+
+def _empty_val(folder: Path) -> None:
+    (folder / "val.bin").write_bytes(b"")
+    _set_meta(val_tokens=0, val_bytes=0)(folder)
+
+
+BAD_DATA = [
+    ("meta.json garbage", _write("meta.json", b"{not json"), "meta.json is not valid JSON"),
+    ("meta.json binary", _write("meta.json", b"\xff\xfe\x00"), "meta.json is not valid JSON"),
+    ("meta.json {}", _write("meta.json", b"{}"), "lacks vocab_size, dtype, train_tokens"),
+    ("meta.json a list", _write("meta.json", b"[1, 2]"), "holds a JSON list"),
+    ("unknown dtype", _set_meta(dtype="float16"), "dtype 'float16' is not a token dtype"),
+    ("dtype not a name", _set_meta(dtype=16), "dtype 16 is not a token dtype"),
+    ("token count a string", _set_meta(train_tokens="3600"), "train_tokens must be a whole"),
+    ("vocab wider than dtype", _set_meta(vocab_size=70_000), "does not fit in dtype uint16"),
+    ("unknown format", _set_meta(format="nanogpt"), "has format 'nanogpt'"),
+    ("uint32 labelled uint16", _as_uint32, "it was written as uint32, not uint16"),
+    ("uint32 labelled uint16, counts doubled", _as_uint32_counts_doubled, "uint32 tokens read"),
+    ("size not a multiple of dtype", _truncate("train.bin", 1), "not a whole number of uint16"),
+    ("size short of meta", _truncate("val.bin", 2), "meta.json says val_tokens"),
+    ("empty val.bin", _empty_val, "val.bin is empty"),
+    ("val.bin missing", lambda f: (f / "val.bin").unlink(), "val.bin is missing"),
+    ("token id >= vocab", _id_beyond_vocab, "holds token id 300 at position"),
+]
+
+
+@pytest.mark.parametrize(("what", "damage", "message"), BAD_DATA, ids=[r[0] for r in BAD_DATA])
+def test_bad_data_files_end_in_one_line_and_exit_2(tmp_path, capsys, what, damage, message):
+    data = tmp_path / "data"
+    write_dataset(data)
+    damage(data)
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    code, err = fit_in_process(capsys, fit_config(tmp_path, {"dataset_dir": str(data)}))
+    assert code == 2, err
+    errors = [line for line in err if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert str(data) in errors[0]  # names the folder or file
+    assert "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "runs").exists()  # nothing written for the run
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # the data is untouched
+
+
+def test_bad_data_through_the_real_cli_process(tmp_path):
+    # The same path in a separate `python -m nanolab fit` process: stderr is one line, exit 2.
+    data = tmp_path / "data"
+    write_dataset(data)
+    _as_uint32(data)
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config",
+                      str(fit_config(tmp_path, {"dataset_dir": str(data)})), cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if "error" in ln.lower()]
+    assert len(lines) == 1 and "written as uint32" in lines[0] and "--force" in lines[0], lines
+    assert "Traceback" not in res.stderr
+
+
+def test_a_good_folder_passes_every_check(tmp_path):
+    data = tmp_path / "data"
+    meta = write_dataset(data)
+    check_files(data, load_meta(data))
+    assert meta["train_tokens"] == len(TRAIN_TEXT)
+
+
+def test_the_id_check_reads_a_bounded_sample_of_a_huge_file(tmp_path):
+    # A 1 GiB token file (sparse: no disk used) is checked by reading SAMPLE_CHUNKS runs of
+    # SAMPLE_CHUNK tokens; Python-side memory stays at one run, not the file.
+    path = tmp_path / "train.bin"
+    tokens = 1 << 29
+    with open(path, "wb") as f:
+        f.truncate(tokens * 2)
+    tracemalloc.start()
+    read = check_token_ids(path, np.dtype("uint16"), 256)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert read == SAMPLE_CHUNKS * SAMPLE_CHUNK < tokens // 100
+    assert peak < 4 * SAMPLE_CHUNK * 8  # a few runs' worth of bytes at most
+    # ...and the sample includes the last token: an id out of range there is found.
+    with open(path, "r+b") as f:
+        f.seek(tokens * 2 - 2)
+        f.write(np.uint16(999).tobytes())
+    with pytest.raises(DataCheckError, match=f"token id 999 at position {tokens - 1:,}"):
+        check_token_ids(path, np.dtype("uint16"), 256)
