@@ -1,4 +1,4 @@
-"""A dataset folder is checked against its meta.json before training: one line, exit 2, no traceback.
+"""A dataset folder is checked against its meta.json before training: one line, exit 2.
 
 The folders are written by hand (``write_dataset``), so each test breaks exactly one thing and does
 not depend on how ``nanolab prepare`` happens to write them today. The other data test files
@@ -32,6 +32,7 @@ from nanolab.data.checks import (
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune "
 TRAIN_TEXT = TEXT * 40
 VAL_TEXT = TEXT * 8
+CODE_TEXT = "def step(model, batch):\n    return model(batch).mean()\n" * 60
 
 
 def write_dataset(
@@ -95,7 +96,8 @@ def fit_config(tmp_path: Path, data: dict[str, Any], **sections: dict[str, Any])
 
 
 def fit_in_process(capsys, config: Path, *args: str) -> tuple[int, list[str]]:
-    """``nanolab fit`` through the real CLI entry point, in this process; (exit code, stderr)."""
+    """``nanolab fit`` through the real CLI entry point, in this process: (exit code, stderr
+    lines). What it printed to stdout (the progress bar) is left in ``fit_in_process.stdout``."""
     # Lightning's log handlers keep the stderr of the test that first imported it, which
     # pytest has closed since: point them at this test's.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("lightning")]:
@@ -106,7 +108,9 @@ def fit_in_process(capsys, config: Path, *args: str) -> tuple[int, list[str]]:
         code = main(["fit", "--config", str(QUICKSTART), "--config", str(config), *args])
     except SystemExit as exit_:
         code = exit_.code
-    return code, capsys.readouterr().err.splitlines()
+    captured = capsys.readouterr()
+    fit_in_process.stdout = captured.out
+    return code, captured.err.splitlines()
 
 
 # -- one row per bad input: (what is broken, how to break it, what the one line must say) -----
@@ -199,8 +203,8 @@ def test_bad_data_through_the_real_cli_process(tmp_path):
     data = tmp_path / "data"
     write_dataset(data)
     _as_uint32(data)
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config",
-                      str(fit_config(tmp_path, {"dataset_dir": str(data)})), cwd=tmp_path)  # fmt: skip
+    cfg = fit_config(tmp_path, {"dataset_dir": str(data)})
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if "error" in ln.lower()]
     assert len(lines) == 1 and "written as uint32" in lines[0] and "--force" in lines[0], lines

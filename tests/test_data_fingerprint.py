@@ -1,0 +1,127 @@
+"""Checkpoints record the data's fingerprint; a resume on data that changed is refused.
+
+The fingerprint is each folder's ``train.bin``/``val.bin`` size and the sha256 of its
+``meta.json`` (plus the mixture weights): cheap to recompute, and it changes whenever the data is
+prepared again from other text or settings. ``--data.allow_changed true`` resumes anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import lightning as L
+import pytest
+from test_data_checks import CODE_TEXT, fit_config, fit_in_process, write_dataset
+
+from nanolab.data.checks import DataChangedError
+from nanolab.data.datamodule import TokenDataModule
+from nanolab.model import GPTConfig
+from nanolab.runlog import read_records
+from nanolab.training.module import GPTLightningModule
+
+
+def snapshot(run_dir):
+    """Every file of a run directory and its bytes (to prove a refusal wrote nothing)."""
+    return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def finished_run(tmp_path, capsys):
+    """A 4-step run with checkpoints, on a hand-written dataset; returns (data, config)."""
+    data = tmp_path / "data"
+    write_dataset(data)
+    cfg = fit_config(tmp_path, {"dataset_dir": str(data)})
+    code, err = fit_in_process(capsys, cfg)
+    assert code == 0, err[-20:]
+    return data, cfg
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda d: write_dataset(d, train=CODE_TEXT), "train.bin is {new:,} bytes, was {old:,}"),
+        (lambda d: write_dataset(d, documents={"train": 7, "val": 1}), "meta.json changed"),
+    ],
+    ids=["re-prepared from other text", "meta.json edited"],
+)
+def test_resuming_on_changed_data_is_refused_with_the_reason(
+    tmp_path, capsys, finished_run, change, reason
+):
+    data, cfg = finished_run
+    run_dir = tmp_path / "runs" / "tiny"
+    old = (data / "train.bin").stat().st_size
+    change(data)
+    reason = reason.format(old=old, new=(data / "train.bin").stat().st_size)
+    before = snapshot(run_dir)
+    code, err = fit_in_process(capsys, cfg, "--trainer.max_steps", "6")
+    errors = [line for line in err if line.startswith("nanolab")]
+    assert code == 2 and len(errors) == 1, err
+    assert "the data changed since" in errors[0] and "step-00000004.ckpt" in errors[0]
+    assert reason in errors[0] and "--data.allow_changed true" in errors[0]
+    assert snapshot(run_dir) == before  # no log record, no config.yaml rewrite, no checkpoint
+
+
+def test_allow_changed_resumes_on_the_new_data(tmp_path, capsys, finished_run):
+    data, cfg = finished_run
+    write_dataset(data, train=CODE_TEXT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, err = fit_in_process(
+            capsys, cfg, "--trainer.max_steps", "6", "--data.allow_changed", "true"
+        )
+    assert code == 0, err[-20:]
+    notes = [w for w in caught if "data.allow_changed: resuming anyway" in str(w.message)]
+    assert len(notes) == 1 and f"train.bin is {len(CODE_TEXT) * 2:,} bytes" in str(notes[0].message)
+    starts = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "start")
+    assert [s["resumed_from_step"] for s in starts] == [None, 4]
+    # The new checkpoints carry the new fingerprint: the next resume needs no flag.
+    code, err = fit_in_process(capsys, cfg, "--trainer.max_steps", "8")
+    assert code == 0, err[-20:]
+
+
+def test_a_moved_but_identical_dataset_resumes(tmp_path, capsys, finished_run):
+    data, cfg = finished_run
+    moved = tmp_path / "elsewhere" / "data"
+    shutil.copytree(data, moved)
+    shutil.rmtree(data)
+    code, err = fit_in_process(
+        capsys, cfg, "--trainer.max_steps", "6", "--data.dataset_dir", str(moved)
+    )
+    assert code == 0, err[-20:]
+
+
+def test_the_trainer_itself_refuses_changed_data_but_evaluates_on_it(tmp_path):
+    # Without nanolab fit (a fork's own script, a sharded checkpoint): the DataModule's
+    # load_state_dict refuses in fit, and lets validate/test run on other data.
+    data = tmp_path / "data"
+    write_dataset(data)
+
+    def parts():
+        dm = TokenDataModule(dataset_dir=str(data), micro_batch_size=4, block_size=16,
+                             val_windows=4)  # fmt: skip
+        gpt = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=32)
+        trainer = L.Trainer(
+            default_root_dir=str(tmp_path / "run"), accelerator="cpu", max_steps=2,
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, limit_val_batches=1, val_check_interval=2,
+            check_val_every_n_epoch=None,
+        )  # fmt: skip
+        return GPTLightningModule(gpt=gpt), dm, trainer
+
+    module, dm, trainer = parts()
+    trainer.fit(module, dm)
+    ckpt = tmp_path / "state.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = json.loads(json.dumps(dm.state_dict()))
+    assert (
+        saved["data_fingerprint"]["datasets"][0]["train.bin"] == (data / "train.bin").stat().st_size
+    )
+
+    write_dataset(data, train=CODE_TEXT)
+    module, dm, trainer = parts()
+    with pytest.raises(DataChangedError, match=f"train.bin is {len(CODE_TEXT) * 2:,} bytes"):
+        trainer.fit(module, dm, ckpt_path=str(ckpt), weights_only=True)
+    module, dm, trainer = parts()
+    assert trainer.validate(module, dm, ckpt_path=str(ckpt), weights_only=True, verbose=False)
