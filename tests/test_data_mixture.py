@@ -303,3 +303,21 @@ def test_ddp_two_processes_match_one_process_with_accumulation_on_a_mixture(tmp_
     assert json.loads(json.dumps(states["ddp"]["TokenDataModule"])) == json.loads(
         json.dumps(states["single"]["TokenDataModule"])
     )
+
+
+def test_the_queue_accepts_a_mixture_and_refuses_a_missing_folder(tmp_path, capsys, monkeypatch):
+    from nanolab.queue.cli import main as queue_main
+    from nanolab.queue.db import QueueDB
+
+    monkeypatch.chdir(tmp_path)
+    datasets = two_datasets(tmp_path)
+    cfg = fit_config(tmp_path, {"datasets": datasets, "dataset_dir": "not/used"})
+    db = tmp_path / "q.db"
+    assert queue_main(["add", str(cfg), "--db", str(db), "--name", "mix"]) == 0
+    assert [j.name for j in QueueDB(db).jobs()] == ["mix"]
+    capsys.readouterr()
+    missing = [datasets[0], {"path": str(tmp_path / "gone"), "weight": 1}]
+    cfg = fit_config(tmp_path, {"datasets": missing})
+    assert queue_main(["add", str(cfg), "--db", str(db), "--name", "mix2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.datasets[1].path" in err[0] and "holds no prepared" in err[0]

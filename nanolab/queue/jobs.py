@@ -201,7 +201,15 @@ def _check(cfg: dict[str, Any], cwd: Path, gradient_accumulation, world_size_of)
 
     sources = data.get("source")
     dataset_dir = _under(cwd, data["dataset_dir"])
-    if not sources:
+    if data.get("datasets"):  # a mixture of prepared folders (docs/data.md)
+        for i, spec in enumerate(data["datasets"]):
+            path = spec.get("path") if isinstance(spec, dict) else None
+            if not isinstance(path, str) or not (_under(cwd, path) / "meta.json").is_file():
+                raise JobConfigError(
+                    f"data.datasets[{i}].path {path} holds no prepared dataset; run "
+                    "`nanolab prepare` for it first"
+                )
+    elif not sources:
         if not (dataset_dir / "meta.json").is_file():
             raise JobConfigError(
                 f"data.dataset_dir {dataset_dir} holds no prepared dataset and data.source is "
