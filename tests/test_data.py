@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nanolab.data.datamodule import TokenDataModule
-from nanolab.data.prepare import PrepareError, prepare_dataset, read_sources
+from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import load_tokenizer
 from nanolab.data.windows import (
     DataTooSmallError,
@@ -20,82 +20,6 @@ from nanolab.data.windows import (
 SAMPLE = (
     "ROMEO:\nBut soft, what light through yonder window breaks?\nJuliet — ünïcödé ✓ 日本\n" * 20
 )
-
-
-@pytest.mark.parametrize("tokenizer", ["bytes", "chars", "bpe"])
-def test_prepare_round_trips_text(tmp_path, tokenizer):
-    src = tmp_path / "text.txt"
-    src.write_text(SAMPLE, encoding="utf-8")
-    out = tmp_path / "ds"
-    meta = prepare_dataset(
-        [str(src)], out, tokenizer, bpe_vocab_size=300, val_fraction=0.2, quiet=True
-    )
-    tok = load_tokenizer(out)
-    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
-    # The bins hold exactly the encoded text, train then val.
-    ids = np.concatenate(
-        [np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
-    )
-    assert tok.decode(ids.tolist()) == SAMPLE
-    assert meta["train_tokens"] + meta["val_tokens"] == len(ids)
-    assert meta["dtype"] == "uint16"
-    on_disk = json.loads((out / "meta.json").read_text())
-    assert on_disk["vocab_size"] == tok.vocab_size
-    assert on_disk["source_hash"] == meta["source_hash"]
-
-
-def test_prepare_is_a_no_op_for_the_same_sources_and_refuses_other_ones(tmp_path):
-    a = tmp_path / "a.txt"
-    a.write_text(SAMPLE)
-    out = tmp_path / "ds"
-    prepare_dataset([str(a)], out, "chars", quiet=True)
-    before = (out / "train.bin").stat().st_mtime_ns
-    prepare_dataset([str(a)], out, "chars", quiet=True)
-    assert (out / "train.bin").stat().st_mtime_ns == before
-    b = tmp_path / "b.txt"
-    b.write_text("other text " * 100)
-    with pytest.raises(PrepareError, match="--force"):
-        prepare_dataset([str(b)], out, "chars", quiet=True)
-    assert (out / "train.bin").stat().st_mtime_ns == before  # nothing overwritten
-    meta = prepare_dataset([str(b)], out, "chars", force=True, quiet=True)
-    assert meta["sources"] == [str(b)]
-
-
-def test_prepare_reads_folders_and_the_bundled_corpus(tmp_path):
-    (tmp_path / "docs" / "sub").mkdir(parents=True)
-    (tmp_path / "docs" / "one.txt").write_text("first")
-    (tmp_path / "docs" / "sub" / "two.md").write_text("second")
-    (tmp_path / "docs" / "skip.bin").write_bytes(b"\x00\x01")
-    names = [s.name for s in read_sources([str(tmp_path / "docs")])]
-    assert [n.rsplit("/", 1)[-1] for n in names] == ["one.txt", "two.md"]
-    bundled = read_sources(["bundled:shakespeare"])[0].text
-    assert len(bundled) > 1_000_000 and "HIPPOLYTA:" in bundled
-
-
-@pytest.mark.parametrize(
-    ("setup", "message"),
-    [
-        (lambda p: p.write_bytes(b"caf\xe9 latin-1"), "not UTF-8"),
-        (lambda p: p.write_text(""), "hold no text"),
-        (lambda p: None, "does not exist"),
-    ],
-)
-def test_bad_sources_fail_clearly_and_write_nothing(tmp_path, setup, message):
-    src = tmp_path / "in.txt"
-    setup(src)
-    out = tmp_path / "ds"
-    with pytest.raises(PrepareError, match=message):
-        prepare_dataset([str(src)], out, "chars", quiet=True)
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds")]
-
-
-def test_prepare_cli_reports_errors_in_one_line(tmp_path, capsys):
-    from nanolab.data.prepare import main
-
-    assert main([str(tmp_path / "missing.txt"), "-o", str(tmp_path / "ds")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not exist" in err[0]
 
 
 # -- window order ----------------------------------------------------------------------------

@@ -1,13 +1,23 @@
-"""``nanolab prepare``: text files or folders -> ``train.bin``, ``val.bin`` and ``meta.json``.
+"""``nanolab prepare``: text, JSON-lines and parquet corpora -> ``train.bin``, ``val.bin`` and
+``meta.json``, streamed in bounded memory by parallel workers.
 
 The bins are flat arrays of token ids (uint16 when the vocabulary fits, else uint32) that the
-DataModule memory-maps, nanoGPT's format. ``meta.json`` records the tokenizer, vocabulary size,
-dtype, token counts and a hash of the sources, so a dataset directory says what it holds and a
-second ``prepare`` of the same sources is a no-op.
+DataModule memory-maps, nanoGPT's format; every document ends with the tokenizer's end-of-text id.
+``meta.json`` records the tokenizer, vocabulary, dtype, token, byte and document counts per split
+(the bytes give ``val_bpb``), and an identity hash of the inputs and settings, so a second
+``prepare`` of the same sources is a no-op.
 
-The directory is built under a temporary name and renamed into place, so a crash or a bad input
-never leaves a half-written dataset, and an existing dataset is never overwritten without
-``--force``.
+How it stays bounded and exact:
+
+- Sources are read block by block (:mod:`nanolab.data.sources`); at most ``2 x workers`` blocks
+  are in flight, and results are written in input order, so memory does not grow with the corpus
+  and the bytes are the same for any ``--workers``.
+- Validation is drawn by unit (a document, or a ~16 KB piece of a long text file) with a seeded
+  hash of its position, so every source contributes to it.
+- Everything is written into a temporary folder beside the target and renamed into place after
+  ``meta.json``: a crash, a SIGKILL or a bad input never leaves something ``fit`` would take for a
+  dataset, and the next run clears the leftovers and starts again.
+- One process prepares a folder at a time (a file lock); the others wait, then find it ready.
 """
 
 from __future__ import annotations
@@ -15,98 +25,51 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import gzip
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from importlib import resources
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from nanolab.data.tokenizers import TOKENIZER_NAMES, TokenizerError, train_tokenizer
+from nanolab.data import encode
+from nanolab.data.encode import BlockResult, EncodeSettings, SplitPart
+from nanolab.data.sources import (
+    Block,
+    FileReader,
+    InputFile,
+    SourceError,
+    resolve_sources,
+)
+from nanolab.data.tokenizers import (
+    HFTokenizer,
+    Tokenizer,
+    TokenizerError,
+    build_tokenizer,
+    check_tokenizer_name,
+)
 
-BUNDLED_PREFIX = "bundled:"
-BUNDLED = {"shakespeare": "shakespeare.txt.gz"}
-TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz")
+FORMAT = "nanolab-tokens-v1"
+#: Below this much input, worker processes cost more to start than they save.
+PARALLEL_MIN_BYTES = 8 << 20
+DEFAULT_BPE_SAMPLE_BYTES = 256 << 20
+#: Bad documents whose messages ``meta.json`` keeps as examples.
+KEEP_EXAMPLES = 10
+
+T = TypeVar("T")
 
 
 class PrepareError(ValueError):
     """Input that cannot become a dataset; the message names it and the fix."""
-
-
-@dataclass(frozen=True)
-class Source:
-    name: str
-    text: str
-
-
-def _read_text(path: Path) -> str:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise PrepareError(
-            f"{path} is not UTF-8 text (bad byte at offset {err.start}); convert it with "
-            f"`iconv -f <encoding> -t utf-8` first"
-        ) from None
-
-
-def read_sources(sources: Sequence[str]) -> list[Source]:
-    """Read every source: ``bundled:<name>``, a text file, or a folder of text files (sorted)."""
-    if not sources:
-        raise PrepareError("no sources given; pass text files, folders, or bundled:shakespeare")
-    out: list[Source] = []
-    for spec in sources:
-        if spec.startswith(BUNDLED_PREFIX):
-            key = spec[len(BUNDLED_PREFIX) :]
-            if key not in BUNDLED:
-                raise PrepareError(
-                    f"unknown bundled corpus {spec!r}; available: "
-                    + ", ".join(BUNDLED_PREFIX + k for k in BUNDLED)
-                )
-            blob = resources.files("nanolab.data").joinpath("corpus", BUNDLED[key]).read_bytes()
-            out.append(Source(spec, gzip.decompress(blob).decode("utf-8")))
-            continue
-        path = Path(spec).expanduser()
-        if path.is_dir():
-            files = sorted(
-                p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES)
-            )
-            if not files:
-                raise PrepareError(
-                    f"folder {path} holds no text files ({', '.join(TEXT_SUFFIXES)})"
-                )
-            out.extend(Source(str(p), _read_text(p)) for p in files)
-        elif path.is_file():
-            out.append(Source(str(path), _read_text(path)))
-        else:
-            raise PrepareError(f"source {spec!r} does not exist; give a text file or a folder")
-    if not any(s.text.strip() for s in out):
-        raise PrepareError(f"the sources {list(sources)} hold no text (empty files)")
-    return out
-
-
-def source_hash(
-    sources: Sequence[Source], tokenizer: str, bpe_vocab_size: int, val_fraction: float
-) -> str:
-    """Identity of a dataset: the texts and every setting that changes the token stream."""
-    h = hashlib.sha256()
-    h.update(
-        json.dumps(
-            [tokenizer, bpe_vocab_size if tokenizer == "bpe" else None, val_fraction]
-        ).encode()
-    )
-    for s in sources:
-        h.update(hashlib.sha256(s.text.encode("utf-8")).digest())
-    return h.hexdigest()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -121,6 +84,41 @@ def read_meta(dataset_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+def parse_bytes(text: str | int) -> int:
+    """``256M``, ``2G``, ``1048576`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = str(text).strip().lower().removesuffix("b").removesuffix("i")
+    mult = units.get(s[-1:], 1)
+    number = s[:-1] if s[-1:] in units else s
+    try:
+        value = int(float(number) * mult)
+    except ValueError:
+        raise PrepareError(
+            f"--bpe-sample-bytes {text!r} is not a size; use e.g. 256M or 2G"
+        ) from None
+    if value <= 0:
+        raise PrepareError(f"--bpe-sample-bytes must be positive, got {text!r}")
+    return value
+
+
+def identity_hash(files: Sequence[InputFile], settings: dict[str, Any]) -> str:
+    """Identity of a dataset: every input file (path, size, mtime) and every setting that
+    changes the token stream. Computed without reading the files, so a no-op is instant."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for f in files:
+        h.update(json.dumps(list(f.fingerprint)).encode())
+    return h.hexdigest()
+
+
 def prepare_dataset(
     sources: Sequence[str],
     dataset_dir: str | Path,
@@ -129,24 +127,95 @@ def prepare_dataset(
     val_fraction: float = 0.1,
     force: bool = False,
     quiet: bool = False,
+    *,
+    workers: int | None = None,
+    text_field: str = "text",
+    seed: int = 0,
+    skip_bad: bool = False,
+    bpe_sample_bytes: int = DEFAULT_BPE_SAMPLE_BYTES,
+    eot_token: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``sources`` into ``dataset_dir``; return its meta. A no-op when already prepared."""
-    if tokenizer not in TOKENIZER_NAMES:
-        raise PrepareError(
-            f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZER_NAMES)}"
-        )
+    try:
+        check_tokenizer_name(tokenizer)
+    except TokenizerError as err:
+        raise PrepareError(str(err)) from None
     if not 0.0 < val_fraction < 0.5:
         raise PrepareError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
-    out_dir = Path(dataset_dir)
-    texts = read_sources(sources)
-    digest = source_hash(texts, tokenizer, bpe_vocab_size, val_fraction)
+    if workers is not None and workers < 1:
+        raise PrepareError(f"--workers must be >= 1, got {workers}")
+    if not text_field or any(not part for part in text_field.split(".")):
+        raise PrepareError(
+            f"--text-field {text_field!r} is not a field name (e.g. text, meta.body)"
+        )
+    out_dir = Path(dataset_dir).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PrepareError(f"-o {out_dir} is a file; give the path of a folder to create")
+    try:
+        resolved = resolve_sources(sources)
+    except SourceError as err:
+        raise PrepareError(str(err)) from None
+    tok_identity: Any = tokenizer
+    if tokenizer.endswith(".json") and Path(tokenizer).expanduser().is_file():
+        tok_identity = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
+    settings = {
+        "format": FORMAT,
+        "tokenizer": tok_identity,
+        "bpe_vocab_size": bpe_vocab_size if tokenizer == "bpe" else None,
+        "bpe_sample_bytes": bpe_sample_bytes if tokenizer == "bpe" else None,
+        "eot_token": eot_token,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "text_field": text_field,
+        "skip_bad": skip_bad,
+    }
+    digest = identity_hash(resolved.files, settings)
     # Every rank of a torchrun/srun launch may get here at once: one prepares, the others wait
     # on the lock and then find the dataset ready (same hash: a no-op).
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir.with_name(f".{out_dir.name}.lock")):
-        return _prepare_locked(
-            texts, digest, out_dir, tokenizer, bpe_vocab_size, val_fraction, force, quiet
+        existing = _existing_meta(out_dir)
+        if existing is not None and existing.get("source_hash") == digest:
+            return existing
+        if out_dir.exists() and any(out_dir.iterdir()) and not force:
+            what = (
+                "a dataset of other sources or settings (or its files changed since)"
+                if existing
+                else "other files"
+            )
+            raise PrepareError(
+                f"{out_dir} already holds {what}; choose another output folder or pass --force "
+                "to replace it"
+            )
+        for note in resolved.skipped:
+            if not quiet:
+                print(f"nanolab prepare: {note}", file=sys.stderr)
+        job = _Job(
+            files=resolved.files,
+            out_dir=out_dir,
+            tokenizer=tokenizer,
+            bpe_vocab_size=bpe_vocab_size,
+            bpe_sample_bytes=bpe_sample_bytes,
+            eot_token=eot_token,
+            settings=settings,
+            digest=digest,
+            workers=workers,
+            skip_bad=skip_bad,
+            quiet=quiet,
+            sources=list(sources),
+            skipped_notes=resolved.skipped,
         )
+        try:
+            return job.run()
+        except (SourceError, TokenizerError) as err:
+            raise PrepareError(str(err)) from None
+
+
+def _existing_meta(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        return read_meta(out_dir)
+    except (OSError, ValueError):
+        return None
 
 
 @contextlib.contextmanager
@@ -159,88 +228,364 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _prepare_locked(
-    texts: list[Source],
-    digest: str,
-    out_dir: Path,
-    tokenizer: str,
-    bpe_vocab_size: int,
+class _Progress:
+    """One status line on stderr: MB/s of input, tokens/s and an ETA from the input's size."""
+
+    def __init__(self, phase: str, total_bytes: int, quiet: bool) -> None:
+        self.phase = phase
+        self.total = max(1, total_bytes)
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.started = time.perf_counter()
+        self.last_shown = self.started  # the first line after one interval: quick runs stay quiet
+        self.shown_any = False
+
+    def update(self, done_bytes: int, tokens: int, force: bool = False) -> None:
+        if self.quiet:
+            return
+        now = time.perf_counter()
+        every = 0.5 if self.tty else 30.0
+        if now - self.last_shown < every and not (force and self.shown_any):
+            return
+        self.last_shown = now
+        secs = max(now - self.started, 1e-9)
+        rate = done_bytes / secs
+        left = (self.total - done_bytes) / rate if rate > 0 else float("inf")
+        eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left < 360_000 else "--:--:--"
+        line = (
+            f"prepare {self.phase}: {done_bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
+            f"({100 * done_bytes / self.total:.0f}%)  {rate / 1e6:.1f} MB/s"
+        )
+        if tokens:
+            line += f"  {tokens / secs / 1e6:.2f}M tok/s"
+        line += f"  ETA {eta}"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr)
+        self.shown_any = True
+
+    def close(self) -> None:
+        if self.shown_any and self.tty and not self.quiet:
+            print(file=sys.stderr)
+
+
+class _Job:
+    """One ``prepare`` run under the folder's lock."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+        self.total_bytes = sum(f.size for f in self.files)
+        n = self.workers if self.workers is not None else default_workers()
+        if self.workers is None and self.total_bytes < PARALLEL_MIN_BYTES:
+            n = 1
+        self.n_workers = n
+        self.bad_count = 0
+        self.bad_examples: list[str] = []
+
+    # -- blocks in, results out -----------------------------------------------------------
+    def _blocks(self, progress: _Progress, tokens: Callable[[], int]) -> Iterator[Block]:
+        done = 0
+        for index, f in enumerate(self.files):
+            reader = FileReader(f, index, self.settings["text_field"])
+            for block in reader.blocks():
+                progress.update(done + reader.consumed, tokens())
+                yield block
+            done += f.size
+        progress.update(done, tokens(), force=True)
+
+    def _map(
+        self,
+        func: Callable[..., T],
+        blocks: Iterable[Block],
+        spec: dict[str, Any] | None,
+        *extra: Any,
+    ) -> Iterator[T]:
+        """``func(block, *extra)`` over the blocks, in order, with at most 2 x workers in flight."""
+        settings = EncodeSettings(
+            text_field=self.settings["text_field"],
+            val_fraction=self.settings["val_fraction"],
+            seed=self.settings["seed"],
+            dtype=getattr(self, "dtype", "uint32"),
+        )
+        if self.n_workers == 1:
+            encode.init_worker(spec, settings)
+            for block in blocks:
+                yield func(block, *extra)
+            return
+        # spawn, not fork: prepare also runs inside `fit`, where torch's threads make fork unsafe.
+        ctx = multiprocessing.get_context("spawn")
+        env_before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # N processes, not N x cores threads
+        try:
+            with ProcessPoolExecutor(
+                self.n_workers,
+                mp_context=ctx,
+                initializer=encode.init_worker,
+                initargs=(spec, settings),
+            ) as pool:
+                pending: deque[Future[T]] = deque()
+                try:
+                    for block in blocks:
+                        pending.append(pool.submit(func, block, *extra))
+                        if len(pending) >= 2 * self.n_workers:
+                            yield pending.popleft().result()
+                    while pending:
+                        yield pending.popleft().result()
+                finally:
+                    for fut in pending:
+                        fut.cancel()
+        finally:
+            if env_before is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = env_before
+
+    def _note_errors(self, errors: list[str]) -> None:
+        if not errors:
+            return
+        if not self.skip_bad:
+            raise PrepareError(errors[0])
+        self.bad_count += len(errors)
+        room = KEEP_EXAMPLES - len(self.bad_examples)
+        self.bad_examples.extend(errors[:room])
+
+    # -- the tokenizer ----------------------------------------------------------------------
+    def _build_tokenizer(self) -> Tokenizer:
+        name = self.tokenizer
+        if name == "chars":
+            return build_tokenizer(name, self._alphabet_texts)
+        if name == "bpe":
+            return build_tokenizer(name, self._bpe_sample, self.bpe_vocab_size)
+        return build_tokenizer(name, lambda: [], eot_token=self.eot_token)
+
+    def _alphabet_texts(self) -> Iterator[str]:
+        """A first streaming pass: the corpus's characters, block by block."""
+        progress = _Progress("alphabet", self.total_bytes, self.quiet)
+        blocks = self._blocks(progress, lambda: 0)
+        for alphabet, errors in self._map(encode.block_alphabet, blocks, None):
+            self._note_errors(errors)
+            yield "".join(alphabet)
+        progress.close()
+        self.bad_count, self.bad_examples = 0, []  # counted again by the encoding pass
+
+    def _bpe_sample(self) -> Iterator[str]:
+        """A bounded sample drawn across the whole corpus, by a fixed hash per unit."""
+        # Compressed and parquet inputs hold ~3x their size in text; the cap below keeps the
+        # sample bounded when that guess is low.
+        expected = sum(
+            f.size * (1 if f.compression is None and f.kind != "parquet" else 3) for f in self.files
+        )
+        keep = min(1.0, self.bpe_sample_bytes / max(1, expected))
+        cap = int(self.bpe_sample_bytes * 1.25)
+        taken = 0
+        progress = _Progress("bpe sample", self.total_bytes, self.quiet)
+        blocks = self._blocks(progress, lambda: 0)
+        for texts, errors in self._map(encode.block_sample, blocks, None, keep):
+            self._note_errors(errors)
+            for text in texts:
+                taken += len(text)
+                yield text
+            if taken >= cap:
+                break
+        progress.close()
+        self.bad_count, self.bad_examples = 0, []
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        out_dir: Path = self.out_dir
+        for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # a killed run's leftovers (we hold the lock)
+        for stale in out_dir.parent.glob(f".{out_dir.name}.old-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tok = self._build_tokenizer()
+        if tok.eot_id is None:
+            raise PrepareError(f"tokenizer {self.tokenizer!r} has no end-of-text token")
+        self.dtype = token_dtype(tok.vocab_size).name
+        spec = tok.to_meta()
+        if isinstance(tok, HFTokenizer):
+            spec = {**spec, "json": tok.to_json()}
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; a dataset is meant to be shared
+        try:
+            totals = self._write(tmp, tok, spec)
+            tok.save_files(tmp)
+            meta = self._meta(tok, totals)
+            _write_json(tmp / "meta.json", meta)
+            if out_dir.exists():
+                old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+                os.replace(out_dir, old)
+                os.replace(tmp, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out_dir)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(out_dir.parent).free
+            raise PrepareError(
+                f"cannot write {out_dir} ({err.strerror or err}; {free / 1e9:.1f} GB free there); "
+                "free space or choose another output folder"
+            ) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if not self.quiet:
+            secs = time.perf_counter() - started
+            tokens = meta["train_tokens"] + meta["val_tokens"]
+            skipped = f", {self.bad_count:,} bad documents skipped" if self.bad_count else ""
+            print(
+                f"prepared {out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, "
+                f"{meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, "
+                f"{sum(meta['documents'].values()):,} documents{skipped} "
+                f"({secs:.1f}s, {tokens / max(secs, 1e-9) / 1e6:.2f}M tokens/s, "
+                f"{self.n_workers} worker{'s' if self.n_workers > 1 else ''})",
+                file=sys.stderr,
+            )
+        return meta
+
+    def _write(self, tmp: Path, tok: Tokenizer, spec: dict[str, Any]) -> dict[str, Any]:
+        totals: dict[str, Any] = {
+            split: {"tokens": 0, "bytes": 0, "docs": 0, "units": 0} for split in ("train", "val")
+        }
+        last: dict[str, tuple[np.ndarray, int, int] | None] = {"train": None, "val": None}
+        characters = 0
+        progress = _Progress("tokenize", self.total_bytes, self.quiet)
+        written = lambda: totals["train"]["tokens"] + totals["val"]["tokens"]  # noqa: E731
+        with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval:
+            handles = {"train": ftrain, "val": fval}
+            blocks = self._blocks(progress, written)
+            result: BlockResult
+            for result in self._map(encode.encode_block, blocks, spec):
+                self._note_errors(result.errors)
+                characters += result.characters
+                for split, part in (("train", result.train), ("val", result.val)):
+                    _append(handles[split], part, totals[split])
+                    if part.last is not None:
+                        last[split] = part.last
+            progress.close()
+            _rebalance(handles, totals, last, tok, self.settings["val_fraction"])
+            for handle in handles.values():
+                handle.flush()
+                os.fsync(handle.fileno())
+        totals["characters"] = characters
+        return totals
+
+    def _meta(self, tok: Tokenizer, totals: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "tokenizer": tok.to_meta(),
+            "vocab_size": tok.vocab_size,
+            "dtype": self.dtype,
+            "eot_id": tok.eot_id,
+            "train_tokens": totals["train"]["tokens"],
+            "val_tokens": totals["val"]["tokens"],
+            "train_bytes": totals["train"]["bytes"],
+            "val_bytes": totals["val"]["bytes"],
+            "documents": {"train": totals["train"]["docs"], "val": totals["val"]["docs"]},
+            "units": {"train": totals["train"]["units"], "val": totals["val"]["units"]},
+            "characters": totals["characters"],
+            "sources": self.sources,
+            "files": len(self.files),
+            "input_bytes": self.total_bytes,
+            "source_hash": self.digest,
+            "val_fraction": self.settings["val_fraction"],
+            "split_seed": self.settings["seed"],
+            "text_field": self.settings["text_field"],
+            "skipped": {"count": self.bad_count, "examples": self.bad_examples},
+            "skipped_files": self.skipped_notes,
+        }
+
+
+def _append(handle: IO[bytes], part: SplitPart, total: dict[str, int]) -> None:
+    if part.ids.size:
+        handle.write(part.ids.tobytes())
+    total["tokens"] += int(part.ids.size)
+    total["bytes"] += part.nbytes
+    total["docs"] += part.docs
+    total["units"] += part.units
+
+
+def _rebalance(
+    handles: dict[str, IO[bytes]],
+    totals: dict[str, Any],
+    last: dict[str, tuple[np.ndarray, int, int] | None],
+    tok: Tokenizer,
     val_fraction: float,
-    force: bool,
-    quiet: bool,
-) -> dict[str, Any]:
-    existing = read_meta(out_dir)
-    if existing is not None and existing.get("source_hash") == digest:
-        return existing
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        what = "a dataset of other sources or settings" if existing else "other files"
-        raise PrepareError(
-            f"{out_dir} already holds {what}; choose another dataset_dir or pass --force to replace it"
-        )
-
-    started = time.perf_counter()
-    text = "\n".join(s.text for s in texts)
-    tok = train_tokenizer(tokenizer, text, bpe_vocab_size)
-    ids = np.asarray(tok.encode(text), dtype=np.int64)
-    dtype = token_dtype(tok.vocab_size)
-    n_val = max(1, int(len(ids) * val_fraction))
-    train_ids, val_ids = ids[:-n_val], ids[-n_val:]
-    meta: dict[str, Any] = {
-        "format": "nanolab-tokens-v1",
-        "tokenizer": tok.to_meta(),
-        "vocab_size": tok.vocab_size,
-        "dtype": dtype.name,
-        "train_tokens": len(train_ids),
-        "val_tokens": len(val_ids),
-        "sources": [s.name for s in texts],
-        "characters": len(text),
-        "source_hash": digest,
-        "val_fraction": val_fraction,
-    }
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a dataset is meant to be shared
-    try:
-        for split, arr in (("train", train_ids), ("val", val_ids)):
-            with open(tmp / f"{split}.bin", "wb") as f:
-                f.write(arr.astype(dtype).tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-        tok.save_files(tmp)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
+) -> None:
+    """A corpus too small for the hash to give both splits a unit: move the last unit over, or
+    with a single unit of text (one short file), cut it: its tail is the validation split."""
+    for empty, full in (("val", "train"), ("train", "val")):
+        if totals[empty]["units"] or not totals[full]["units"]:
+            continue
+        moved = last[full]
+        assert moved is not None
+        ids, nbytes, docs = moved
+        src = handles[full]
+        src.flush()
+        src.truncate(src.tell() - ids.nbytes)
+        src.seek(0, os.SEEK_END)
+        for key, value in (("tokens", ids.size), ("bytes", nbytes), ("docs", docs), ("units", 1)):
+            totals[full][key] -= int(value)
+        if totals[full]["units"]:
+            pieces = {empty: (ids, nbytes, docs)}
         else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if not quiet:
-        secs = time.perf_counter() - started
-        print(
-            f"prepared {out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, "
-            f"{meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens ({secs:.1f}s)",
-            file=sys.stderr,
-        )
-    return meta
+            if ids.size < 4:
+                raise PrepareError(
+                    f"the corpus is too small to split: {ids.size} token(s); add text"
+                )
+            cut = ids.size - max(1, int(ids.size * val_fraction))
+            head = len(tok.decode(ids[:cut].tolist()).encode("utf-8"))
+            pieces = {"train": (ids[:cut], head, 0), "val": (ids[cut:], nbytes - head, docs)}
+        for split, (part, part_bytes, part_docs) in pieces.items():
+            handles[split].write(part.tobytes())
+            totals[split]["tokens"] += int(part.size)
+            totals[split]["bytes"] += int(part_bytes)
+            totals[split]["docs"] += int(part_docs)
+            totals[split]["units"] += 1
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nanolab prepare",
-        description="Tokenize text files or folders into train.bin / val.bin / meta.json.",
+        description=(
+            "Tokenize text (.txt/.md), JSON lines (.jsonl/.json) and parquet files, plain or "
+            ".gz/.zst, given as files, folders or globs, into train.bin / val.bin / meta.json."
+        ),
     )
-    parser.add_argument("sources", nargs="+", help="text files, folders, or bundled:shakespeare")
-    parser.add_argument("-o", "--out", required=True, help="dataset directory to create")
-    parser.add_argument("--tokenizer", default="chars", choices=TOKENIZER_NAMES)
-    parser.add_argument("--bpe-vocab-size", type=int, default=4096)
-    parser.add_argument("--val-fraction", type=float, default=0.1)
+    parser.add_argument("sources", nargs="+", help="files, folders, globs, or bundled:shakespeare")
+    parser.add_argument("-o", "--out", required=True, help="dataset folder to create")
+    parser.add_argument(
+        "--tokenizer",
+        default="chars",
+        help="bytes, chars, bpe, gpt2, or the path of a Hugging Face tokenizer.json",
+    )
+    parser.add_argument("--bpe-vocab-size", type=int, default=4096, help="bpe: ids in all")
+    parser.add_argument(
+        "--bpe-sample-bytes",
+        default="256M",
+        help="bpe: text the tokenizer learns from, drawn across the corpus (default 256M)",
+    )
+    parser.add_argument("--eot-token", default=None, help="tokenizer.json: end-of-text token")
+    parser.add_argument("--text-field", default="text", help="jsonl/parquet field (a.b nests)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of documents")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the validation draw")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="tokenizer processes (default: all cores)"
+    )
+    parser.add_argument(
+        "--skip-bad", action="store_true", help="count bad documents instead of stopping"
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing dataset")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)
     try:
+        sample_bytes = parse_bytes(args.bpe_sample_bytes)
         meta = prepare_dataset(
             args.sources,
             args.out,
@@ -248,9 +593,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.bpe_vocab_size,
             args.val_fraction,
             args.force,
+            args.quiet,
+            workers=args.workers,
+            text_field=args.text_field,
+            seed=args.seed,
+            skip_bad=args.skip_bad,
+            bpe_sample_bytes=sample_bytes,
+            eot_token=args.eot_token,
         )
     except (PrepareError, TokenizerError) as err:
         print(f"nanolab prepare: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps({k: v for k, v in meta.items() if k != "tokenizer"}, indent=2))
+    except KeyboardInterrupt:
+        print("nanolab prepare: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    summary = {k: v for k, v in meta.items() if k not in ("tokenizer", "skipped_files")}
+    print(json.dumps(summary, indent=2))
     return 0

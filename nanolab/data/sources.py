@@ -1,0 +1,434 @@
+"""What ``nanolab prepare`` reads: source specs resolved to files, and files read as a stream of
+blocks of documents, never a whole file at once.
+
+A *source spec* is ``bundled:<name>``, a file, a folder (walked recursively, symlinks followed,
+loops reported), or a glob. Each file is one of three kinds, by its name:
+
+- ``text``: ``.txt``/``.md``/``.text``/``.rst`` (plain, ``.gz``, ``.zst``). The file is one
+  document; it is cut into *units* of about :data:`TEXT_UNIT_BYTES` at line starts, which are the
+  pieces the train/validation split draws from, so validation comes from every part of a book.
+- ``jsonl``: ``.jsonl``/``.json``/``.ndjson`` lines (plain, ``.gz``, ``.zst``); each line is a
+  document and a unit, its text at ``--text-field`` (a dotted path for nested fields).
+- ``parquet``: each row is a document and a unit, its text in the ``--text-field`` column; read
+  in record batches with pyarrow (FineWeb, SlimPajama and OpenWebText exports are parquet).
+
+A :class:`Block` is the unit of parallel work: about :data:`BLOCK_BYTES` of one file's raw
+documents, plus where they sit (file index, first unit, byte offset or line) so a worker can
+name the exact line of a bad document. Blocks depend only on the file's bytes, never on how many
+workers there are, which is what makes the output identical for any ``--workers``.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import os
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import IO, Any
+
+BUNDLED_PREFIX = "bundled:"
+BUNDLED = {"shakespeare": "shakespeare.txt.gz"}
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
+
+#: Target size of a unit of a text file (the split's granularity inside one long document).
+TEXT_UNIT_BYTES = 16 << 10
+#: A text unit is cut at a line start when one comes within this many bytes, else mid-line.
+TEXT_UNIT_MAX_BYTES = 1 << 20
+#: Target raw size of one block of work.
+BLOCK_BYTES = 1 << 20
+#: Rows per parquet record batch (one block).
+PARQUET_ROWS = 256
+_READ_BYTES = 4 << 20
+#: A cut after a newline that starts a non-blank line keeps GPT-2-style pre-tokenization intact.
+_LINE_START = re.compile(rb"\n(?=[^ \t\r\n\f\v])")
+
+
+class SourceError(ValueError):
+    """A source that cannot be read; the message names the file (and line or row) and the fix."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One file to read. ``path`` is what messages show; ``fingerprint`` says if it changed."""
+
+    path: str
+    kind: str  # "text" | "jsonl" | "parquet"
+    compression: str | None  # "gz" | "zst" | None
+    size: int  # bytes on disk, for progress and the ETA
+    fingerprint: tuple[Any, ...]
+    bundled: str | None = None
+
+
+@dataclass
+class Block:
+    """About a megabyte of one file's documents, the unit of work a tokenizer worker takes."""
+
+    kind: str  # "text" (units of one document) | "jsonl" (lines) | "rows" (parquet texts)
+    file_index: int
+    file_path: str
+    first_unit: int  # unit index of the first document/unit in this block (line, row, piece)
+    payload: Any  # bytes for text/jsonl; list of values for rows
+    unit_sizes: list[int] = field(default_factory=list)  # text: byte length of each unit
+    byte_offset: int = 0  # text: offset of the block in the decompressed file
+    ends_document: bool = False  # text: the block's last unit ends the file's document
+
+
+@dataclass
+class Resolved:
+    files: list[InputFile]
+    skipped: list[str]  # human-readable notes: loops, broken links, other extensions
+
+
+def _classify(name: str) -> tuple[str | None, str | None]:
+    """(kind, compression) from a file name; kind is None for files nanolab does not read."""
+    lower = name.lower()
+    compression = None
+    for suffix, comp in COMPRESSIONS.items():
+        if lower.endswith(suffix):
+            compression, lower = comp, lower[: -len(suffix)]
+            break
+    if lower.endswith(TEXT_SUFFIXES):
+        return "text", compression
+    if lower.endswith(JSONL_SUFFIXES):
+        return "jsonl", compression
+    if lower.endswith(PARQUET_SUFFIXES) and compression is None:
+        return "parquet", None
+    return None, compression
+
+
+def _input_file(path: Path, explicit: bool) -> InputFile | None:
+    kind, compression = _classify(path.name)
+    if kind is None:
+        if not explicit:
+            return None
+        kind = "text"  # a file named on the command line is read as text whatever its name
+    st = path.stat()
+    resolved = str(path.resolve())
+    return InputFile(
+        str(path), kind, compression, st.st_size, (resolved, st.st_size, st.st_mtime_ns)
+    )
+
+
+def _walk(root: Path, skipped: list[str]) -> list[Path]:
+    """Every file under ``root``, following symlinks, each directory once (loops reported)."""
+    found: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    other: dict[str, int] = {}
+
+    def visit(directory: Path) -> None:
+        st = directory.stat()
+        if (st.st_dev, st.st_ino) in seen:
+            skipped.append(f"{directory}: symlink loop (directory already read), skipped")
+            return
+        seen.add((st.st_dev, st.st_ino))
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except PermissionError:
+            skipped.append(f"{directory}: not readable, skipped")
+            return
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                is_dir = entry.is_dir()  # follows symlinks
+                is_file = entry.is_file()
+            except OSError as err:
+                skipped.append(f"{path}: {err.strerror or err}, skipped")
+                continue
+            if is_dir:
+                visit(path)
+            elif is_file:
+                if _classify(entry.name)[0] is None:
+                    ext = "".join(Path(entry.name).suffixes[-2:]) or "(no extension)"
+                    other[ext] = other.get(ext, 0) + 1
+                else:
+                    found.append(path)
+            elif entry.is_symlink():
+                try:
+                    os.stat(path)
+                    skipped.append(f"{path}: not a regular file, skipped")
+                except OSError as err:
+                    reason = "symlink loop" if err.errno == 40 else "broken symlink"
+                    skipped.append(f"{path}: {reason}, skipped")
+            else:
+                skipped.append(f"{path}: not a regular file, skipped")
+
+    visit(root)
+    if other:
+        summary = ", ".join(f"{n} {ext}" for ext, n in sorted(other.items()))
+        skipped.append(f"{root}: {sum(other.values())} files of other types skipped ({summary})")
+    return found
+
+
+def resolve_sources(specs: Sequence[str]) -> Resolved:
+    """Every file the specs name, in a fixed order (specs in order, each folder sorted)."""
+    if not specs:
+        raise SourceError("no sources given; pass files, folders, globs, or bundled:shakespeare")
+    files: list[InputFile] = []
+    skipped: list[str] = []
+    for spec in specs:
+        if spec.startswith(BUNDLED_PREFIX):
+            key = spec[len(BUNDLED_PREFIX) :]
+            if key not in BUNDLED:
+                raise SourceError(
+                    f"unknown bundled corpus {spec!r}; available: "
+                    + ", ".join(BUNDLED_PREFIX + k for k in BUNDLED)
+                )
+            blob = resources.files("nanolab.data").joinpath("corpus", BUNDLED[key]).read_bytes()
+            digest = hashlib.sha256(blob).hexdigest()
+            files.append(InputFile(spec, "text", "gz", len(blob), (spec, digest), BUNDLED[key]))
+            continue
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            found = _walk(path, skipped)
+            if not found:
+                raise SourceError(
+                    f"folder {path} holds no files nanolab reads (text {', '.join(TEXT_SUFFIXES)}"
+                    f"; json lines {', '.join(JSONL_SUFFIXES)}; .parquet; optionally .gz/.zst)"
+                )
+            files.extend(f for p in found if (f := _input_file(p, explicit=False)) is not None)
+        elif path.is_file():
+            files.append(_input_file(path, explicit=True))  # type: ignore[arg-type]
+        elif glob.has_magic(spec):
+            matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
+            picked = [Path(m) for m in matches if Path(m).is_file()]
+            picked = [p for p in picked if _classify(p.name)[0] is not None]
+            if not picked:
+                raise SourceError(f"the glob {spec!r} matches no files nanolab reads")
+            files.extend(_input_file(p, explicit=False) for p in picked)  # type: ignore[misc]
+        elif path.is_symlink():
+            raise SourceError(f"source {spec!r} is a broken symlink or a symlink loop")
+        else:
+            raise SourceError(f"source {spec!r} does not exist; give a file, a folder or a glob")
+    return Resolved(files, skipped)
+
+
+class _Counting:
+    """A raw file object that remembers how many bytes were read (progress, ETA)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.count = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.count += len(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        n = self.raw.readinto(buf)
+        self.count += n or 0
+        return n or 0
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.raw.closed)
+
+
+class FileReader:
+    """Reads one :class:`InputFile` as :class:`Block` objects, counting raw bytes consumed."""
+
+    def __init__(self, f: InputFile, index: int, text_field: str) -> None:
+        self.file = f
+        self.index = index
+        self.text_field = text_field
+        self.consumed = 0  # raw bytes of this file read so far
+        self._counter: _Counting | None = None
+
+    def _progress(self) -> None:
+        if self._counter is not None:
+            self.consumed = self._counter.count
+
+    def _open(self) -> IO[bytes]:
+        f = self.file
+        if f.bundled is not None:
+            raw: IO[bytes] = (
+                resources.files("nanolab.data").joinpath("corpus", f.bundled).open("rb")
+            )
+        else:
+            raw = open(f.path, "rb")  # noqa: SIM115 - closed by the caller's with-block
+        self._counter = _Counting(raw)
+        if f.compression == "gz":
+            return gzip.GzipFile(fileobj=self._counter, mode="rb")  # type: ignore[arg-type]
+        if f.compression == "zst":
+            import zstandard
+
+            return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[no-any-return]
+                self._counter, read_across_frames=True, closefd=True
+            )
+        return self._counter  # type: ignore[return-value]
+
+    def _chunks(self) -> Iterator[bytes]:
+        """The decompressed bytes, in pieces, with corrupt or truncated files named."""
+        what = {"gz": "gzip", "zst": "zstd", None: "file"}[self.file.compression]
+        stream = None
+        try:
+            stream = self._open()
+            while True:
+                chunk = stream.read(_READ_BYTES)
+                self._progress()
+                if not chunk:
+                    return
+                yield chunk
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise SourceError(
+                f"{self.file.path}: the {what} stream is truncated or corrupt ({err}); "
+                "download or copy the file again"
+            ) from None
+        except OSError as err:
+            raise SourceError(f"{self.file.path}: cannot read ({err.strerror or err})") from None
+        except Exception as err:  # zstandard.ZstdError has no importable base here
+            if type(err).__name__ == "ZstdError":
+                raise SourceError(
+                    f"{self.file.path}: the zstd stream is truncated or corrupt ({err}); "
+                    "download or copy the file again"
+                ) from None
+            raise
+        finally:
+            if stream is not None and stream is not self._counter:
+                stream.close()
+            if self._counter is not None:
+                self._counter.close()
+
+    def blocks(self) -> Iterator[Block]:
+        if self.file.kind == "text":
+            return self._text_blocks()
+        if self.file.kind == "jsonl":
+            return self._jsonl_blocks()
+        return self._parquet_blocks()
+
+    # -- text: one document, cut into units at line starts ---------------------------------
+    def _text_blocks(self) -> Iterator[Block]:
+        buf = b""
+        unit = 0
+        offset = 0  # decompressed offset of buf[0]
+        sizes: list[int] = []
+        block_start = 0  # offset in buf where the pending block starts
+        pos = 0  # offset in buf where the next unit starts
+        chunks = self._chunks()
+        eof = False
+        while True:
+            cut = _next_cut(buf, pos, eof)
+            if cut is None:
+                if eof:
+                    break
+                chunk = next(chunks, None)
+                if chunk is None:
+                    eof = True
+                else:
+                    buf = buf[block_start:] + chunk
+                    offset += block_start
+                    pos -= block_start
+                    block_start = 0
+                continue
+            sizes.append(cut - pos)
+            pos = cut
+            if pos - block_start >= BLOCK_BYTES or (eof and pos == len(buf)):
+                yield Block(
+                    "text",
+                    self.index,
+                    self.file.path,
+                    unit,
+                    buf[block_start:pos],
+                    sizes,
+                    offset + block_start,
+                    ends_document=eof and pos == len(buf),
+                )
+                unit += len(sizes)
+                sizes = []
+                block_start = pos
+        if unit == 0:
+            # An empty file: still one (empty) document, which the worker reports or skips.
+            yield Block("text", self.index, self.file.path, 0, b"", [0], 0, ends_document=True)
+
+    # -- json lines: one document per line --------------------------------------------------
+    def _jsonl_blocks(self) -> Iterator[Block]:
+        pending = b""
+        line = 0
+        first = True
+        for chunk in self._chunks():
+            if first:
+                first = False
+                stripped = chunk.lstrip()
+                if stripped.startswith(b"["):
+                    raise SourceError(
+                        f"{self.file.path}: this is one JSON array, not JSON lines; convert it "
+                        f"with `jq -c '.[]' {self.file.path} > out.jsonl`"
+                    )
+            pending += chunk
+            if len(pending) < BLOCK_BYTES:
+                continue
+            end = pending.rfind(b"\n")
+            if end < 0:
+                continue
+            block, pending = pending[: end + 1], pending[end + 1 :]
+            yield Block("jsonl", self.index, self.file.path, line, block)
+            line += block.count(b"\n")
+        if pending:
+            yield Block("jsonl", self.index, self.file.path, line, pending)
+
+    # -- parquet: one document per row ------------------------------------------------------
+    def _parquet_blocks(self) -> Iterator[Block]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        top = self.text_field.split(".")[0]
+        row = 0
+        try:
+            pf = pq.ParquetFile(self.file.path)
+            names = pf.schema_arrow.names
+            if top not in names:
+                raise SourceError(
+                    f"{self.file.path}: no column {top!r} (columns: {', '.join(names[:12])}); "
+                    "name the text column with --text-field"
+                )
+            for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[top]):
+                values = batch.column(0).to_pylist()
+                done = (row + len(values)) / max(1, pf.metadata.num_rows)
+                self.consumed = int(self.file.size * min(1.0, done))
+                yield Block("rows", self.index, self.file.path, row, values)
+                row += len(values)
+        except (pa.ArrowException, OSError) as err:
+            raise SourceError(
+                f"{self.file.path}: not a readable parquet file near row {row} "
+                f"({str(err).splitlines()[0]}); download or copy the file again"
+            ) from None
+
+
+def _next_cut(buf: bytes, pos: int, eof: bool) -> int | None:
+    """End of the unit that starts at ``pos``, or None when more bytes are needed first.
+
+    The answer never depends on how much of the file is buffered (only on its bytes), so units
+    and blocks are the same however the file is read.
+    """
+    n = len(buf)
+    if pos >= n:
+        return None
+    want = pos + TEXT_UNIT_BYTES
+    if want >= n:
+        return n if eof else None
+    limit = pos + TEXT_UNIT_MAX_BYTES
+    m = _LINE_START.search(buf, want, min(n, limit))
+    if m is not None:
+        return m.end()
+    if limit < n:  # no line start within the limit: cut mid-line, at a character boundary
+        cut = limit
+        while cut > want and (buf[cut] & 0xC0) == 0x80:
+            cut -= 1
+        return cut
+    return n if eof else None

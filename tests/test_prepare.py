@@ -1,0 +1,389 @@
+"""``nanolab prepare``: formats, streaming in bounded memory, determinism across workers, the
+document-level validation split, interrupted runs, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanolab.data import sources
+from nanolab.data.prepare import PrepareError, main, prepare_dataset
+from nanolab.data.tokenizers import load_tokenizer
+
+SAMPLE = (
+    "ROMEO:\nBut soft, what light through yonder window breaks?\nJuliet — ünïcödé ✓ 日本\n" * 20
+)
+DOCS = [f"Document {i}: {'lorem ipsum dolor ' * (i % 7 + 1)}ünï {i}" for i in range(200)]
+
+
+def split_docs(out: Path) -> dict[str, list[str]]:
+    """Each split's documents, decoded and cut at the end-of-text id."""
+    meta = json.loads((out / "meta.json").read_text())
+    tok = load_tokenizer(out)
+    docs = {}
+    for split in ("train", "val"):
+        ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]).tolist()
+        pieces, cur = [], []
+        for i in ids:
+            if i == meta["eot_id"]:
+                pieces.append(tok.decode(cur))
+                cur = []
+            else:
+                cur.append(i)
+        assert not cur, f"{split}.bin does not end with an end-of-text"
+        docs[split] = pieces
+    return docs
+
+
+def write_jsonl(path: Path, records: list[dict], opener=open) -> None:
+    with opener(path, "wt", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def zst_open(path, mode, encoding=None):
+    import io
+
+    import zstandard
+
+    raw = open(path, "wb")  # noqa: SIM115 - closed with the wrapper
+    return io.TextIOWrapper(zstandard.ZstdCompressor().stream_writer(raw), encoding=encoding)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "chars", "bpe"])
+def test_documents_round_trip_with_one_end_of_text_each(tmp_path, tokenizer):
+    src = tmp_path / "docs.jsonl"
+    write_jsonl(src, [{"text": d} for d in DOCS])
+    out = tmp_path / "ds"
+    meta = prepare_dataset([str(src)], out, tokenizer, bpe_vocab_size=400, quiet=True)
+    docs = split_docs(out)
+    assert sorted(docs["train"] + docs["val"]) == sorted(DOCS)
+    assert meta["documents"] == {"train": len(docs["train"]), "val": len(docs["val"])}
+    assert 0 < len(docs["val"]) < len(docs["train"])
+    # Bytes per split are the UTF-8 bytes of the documents in it (val_bpb's denominator).
+    assert meta["val_bytes"] == sum(len(d.encode()) for d in docs["val"])
+    assert meta["train_bytes"] + meta["val_bytes"] == sum(len(d.encode()) for d in DOCS)
+    tok = load_tokenizer(out)
+    assert meta["eot_id"] == tok.eot_id and meta["vocab_size"] == tok.vocab_size
+    assert tok.decode(tok.encode(DOCS[5])) == DOCS[5]
+
+
+def test_every_format_and_compression_gives_the_same_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"meta": {"body": d}, "id": i} for i, d in enumerate(DOCS[:60])]
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_jsonl(inputs / "a.jsonl", records[:20])
+    write_jsonl(inputs / "b.json.gz", records[20:30], opener=gzip.open)
+    write_jsonl(inputs / "c.jsonl.zst", records[30:40], opener=zst_open)
+    pq.write_table(pa.Table.from_pylist(records[40:60]), inputs / "d.parquet", row_group_size=7)
+    out = tmp_path / "ds"
+    prepare_dataset([str(inputs)], out, "chars", text_field="meta.body", quiet=True)
+    docs = split_docs(out)
+    assert sorted(docs["train"] + docs["val"]) == sorted(DOCS[:60])
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text(SAMPLE)
+    (texts / "b.md.gz").write_bytes(gzip.compress(SAMPLE.upper().encode()))
+    with zst_open(texts / "c.txt.zst", "wt", encoding="utf-8") as f:
+        f.write(SAMPLE.lower())
+    prepare_dataset([str(texts / "*.*")], tmp_path / "t", "chars", quiet=True)
+    got = split_docs(tmp_path / "t")
+    # A small text file is one unit: one document per file, in train or in validation.
+    assert sorted(got["train"] + got["val"]) == sorted([SAMPLE, SAMPLE.upper(), SAMPLE.lower()])
+
+
+def test_long_text_files_split_by_unit_across_every_source(tmp_path):
+    """Validation draws ~16 KB pieces from every file, not the tail of the last one."""
+    a, b = tmp_path / "bible.txt", tmp_path / "plays.txt"
+    a.write_text("".join(f"Verse {i}: in the beginning was the word.\n" for i in range(8000)))
+    b.write_text("".join(f"HAMLET {i}:\nTo be, or not to be.\n" for i in range(12000)))
+    out = tmp_path / "ds"
+    meta = prepare_dataset([str(a), str(b)], out, "chars", val_fraction=0.2, quiet=True)
+    tok = load_tokenizer(out)
+    val = tok.decode(np.fromfile(out / "val.bin", dtype=meta["dtype"]).tolist())
+    assert "Verse" in val and "HAMLET" in val
+    total = a.stat().st_size + b.stat().st_size
+    assert meta["train_bytes"] + meta["val_bytes"] == total
+    assert 0.1 < meta["val_bytes"] / total < 0.3
+
+
+def test_the_bytes_are_the_same_for_any_number_of_workers(tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i in range(4):
+        write_jsonl(inputs / f"part{i}.jsonl", [{"text": d} for d in DOCS[i::4]] * 30)
+    (inputs / "long.txt").write_text(SAMPLE * 200)
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"ds{workers}"
+        prepare_dataset([str(inputs)], out, "bpe", bpe_vocab_size=300, workers=workers, quiet=True)
+        outs.append(out)
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+
+
+def test_a_corpus_larger_than_the_memory_cap_prepares_in_bounded_memory(tmp_path):
+    """Under an address-space cap of ~1.5x the interpreter's own, a corpus of 3x that cap
+    (as text, decompressed on the fly from a small .gz) still prepares: nothing scales with it."""
+    line = "".join(f"line {i} of a long corpus, with some words in it.\n" for i in range(2000))
+    src = tmp_path / "big.txt.gz"
+    with gzip.open(src, "wt", compresslevel=1) as f:
+        for _ in range(3000):  # ~290 MB of text
+            f.write(line)
+    probe = (
+        "import resource, sys\n"
+        "soft = int(sys.argv[1])\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (soft, soft))\n"
+        "from nanolab.data.prepare import main\n"
+        "sys.exit(main(sys.argv[2:]))\n"
+    )
+    base = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import resource, nanolab.data.prepare, pyarrow, zstandard;"
+            "print(open('/proc/self/status').read().split('VmSize:')[1].split()[0])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    cap = int(base.stdout) * 1024 + (200 << 20)
+    text_bytes = 3000 * len(line)
+    assert text_bytes > cap - int(base.stdout) * 1024
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = tmp_path / "ds"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            probe,
+            str(cap),
+            str(src),
+            "-o",
+            str(out),
+            "--tokenizer",
+            "bytes",
+            "--workers",
+            "1",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["train_bytes"] + meta["val_bytes"] == text_bytes
+    assert meta["train_tokens"] + meta["val_tokens"] == text_bytes + 1  # one end-of-text
+
+
+def test_sigkill_leaves_no_dataset_and_a_rerun_gives_the_same_bytes(tmp_path):
+    src = tmp_path / "text.txt"
+    src.write_text(SAMPLE * 3000)  # ~0.5 MB, chars: a second or so
+    reference = tmp_path / "ref"
+    prepare_dataset([str(src)], reference, "bpe", bpe_vocab_size=300, quiet=True)
+    out = tmp_path / "ds"
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanolab",
+        "prepare",
+        str(src),
+        "-o",
+        str(out),
+        "--tokenizer",
+        "bpe",
+        "--bpe-vocab-size",
+        "300",
+        "-q",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".ds.tmp-*")) and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "meta.json").exists()  # nothing `fit` would take for a dataset
+    assert (
+        main([str(src), "-o", str(out), "--tokenizer", "bpe", "--bpe-vocab-size", "300", "-q"]) == 0
+    )
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes()
+    assert not list(tmp_path.glob(".ds.tmp-*"))  # the killed run's leftovers are gone
+
+
+def test_prepare_is_a_no_op_for_the_same_sources_and_refuses_other_ones(tmp_path):
+    a = tmp_path / "a.txt"
+    a.write_text(SAMPLE)
+    out = tmp_path / "ds"
+    prepare_dataset([str(a)], out, "chars", quiet=True)
+    before = (out / "train.bin").stat().st_mtime_ns
+    prepare_dataset([str(a)], out, "chars", quiet=True)
+    assert (out / "train.bin").stat().st_mtime_ns == before
+    b = tmp_path / "b.txt"
+    b.write_text("other text " * 100)
+    with pytest.raises(PrepareError, match="--force"):
+        prepare_dataset([str(b)], out, "chars", quiet=True)
+    assert (out / "train.bin").stat().st_mtime_ns == before  # nothing overwritten
+    meta = prepare_dataset([str(b)], out, "chars", force=True, quiet=True)
+    assert meta["sources"] == [str(b)]
+
+
+def test_the_bundled_corpus_and_folders(tmp_path):
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    (tmp_path / "docs" / "one.txt").write_text("first")
+    (tmp_path / "docs" / "sub" / "two.md").write_text("second")
+    (tmp_path / "docs" / "skip.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "docs" / "sub" / "loop").symlink_to(tmp_path / "docs")
+    resolved = sources.resolve_sources([str(tmp_path / "docs")])
+    assert [Path(f.path).name for f in resolved.files] == ["one.txt", "two.md"]
+    notes = " ".join(resolved.skipped)
+    assert "symlink loop" in notes and "1 files of other types skipped (1 .bin)" in notes
+    bundled = sources.resolve_sources(["bundled:shakespeare"]).files[0]
+    assert bundled.kind == "text" and bundled.compression == "gz"
+
+
+def test_a_users_tokenizer_json_and_its_end_of_text(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([SAMPLE], trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    src = tmp_path / "docs.jsonl"
+    write_jsonl(src, [{"text": d} for d in DOCS[:50]])
+    meta = prepare_dataset([str(src)], tmp_path / "ds", str(path), quiet=True)
+    assert meta["tokenizer"]["name"] == "hf" and meta["eot_id"] == tok.token_to_id("</s>")
+    docs = split_docs(tmp_path / "ds")
+    assert sorted(docs["train"] + docs["val"]) == sorted(DOCS[:50])
+    assert (
+        main(
+            [str(src), "-o", str(tmp_path / "x"), "--tokenizer", str(path), "--eot-token", "<nope>"]
+        )
+        == 2
+    )
+
+
+def test_bpe_learns_from_a_bounded_sample(tmp_path):
+    src = tmp_path / "docs.jsonl"
+    write_jsonl(src, [{"text": d} for d in DOCS] * 20)
+    small = prepare_dataset(
+        [str(src)], tmp_path / "a", "bpe", bpe_vocab_size=300, bpe_sample_bytes=4096, quiet=True
+    )
+    full = prepare_dataset([str(src)], tmp_path / "b", "bpe", bpe_vocab_size=300, quiet=True)
+    # Same documents, a tokenizer learnt from less text: a different (worse) token count.
+    assert small["train_bytes"] + small["val_bytes"] == full["train_bytes"] + full["val_bytes"]
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() != (
+        tmp_path / "b" / "tokenizer.json"
+    ).read_bytes()
+
+
+BAD_INPUTS = [
+    (
+        "bad-json",
+        "docs.jsonl",
+        b'{"text": "fine"}\n{"text": oops}\n',
+        "docs.jsonl line 2: not valid JSON",
+    ),
+    ("missing-field", "docs.jsonl", b'{"text": "a"}\n{"body": "b"}\n', "line 2: no field 'text'"),
+    ("not-a-string", "docs.jsonl", b'{"text": 3}\n', "line 1: field 'text' is a int"),
+    ("empty-doc", "docs.jsonl", b'{"text": "a"}\n{"text": ""}\n', "line 2: empty document"),
+    ("not-utf8", "in.txt", b"caf\xe9 latin-1\n", "not UTF-8"),
+    ("empty-file", "in.txt", b"", "empty document"),
+    (
+        "truncated-gz",
+        "in.txt.gz",
+        gzip.compress(SAMPLE.encode() * 50)[:-200],
+        "truncated or corrupt",
+    ),
+    ("garbage-gz", "in.txt.gz", b"\x1f\x8b\x08garbage" * 10, "truncated or corrupt"),
+    ("corrupt-parquet", "in.parquet", b"PAR1" + b"\x00" * 64 + b"PAR1", "not a readable parquet"),
+    ("json-array", "in.json", b'[{"text": "a"}]', "one JSON array, not JSON lines"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "filename", "content", "message"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_left(
+    tmp_path, capsys, name, filename, content, message
+):
+    src = tmp_path / filename
+    src.write_bytes(content)
+    out = tmp_path / "ds"
+    assert main([str(src), "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and str(src) in err[0], err
+    assert "Traceback" not in err[0]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.tmp")]
+
+
+def test_skip_bad_counts_bad_documents_in_meta(tmp_path):
+    src = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": d}) for d in DOCS[:40]]
+    lines[3], lines[7], lines[9] = "{oops", json.dumps({"body": "x"}), json.dumps({"text": ""})
+    src.write_text("\n".join(lines) + "\n")
+    meta = prepare_dataset([str(src)], tmp_path / "ds", "chars", skip_bad=True, quiet=True)
+    assert meta["skipped"]["count"] == 3
+    assert "line 4" in meta["skipped"]["examples"][0]
+    assert sum(meta["documents"].values()) == 37
+
+
+def test_output_that_is_a_file_and_missing_sources(tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text(SAMPLE)
+    target = tmp_path / "file"
+    target.write_text("mine")
+    assert main([str(src), "-o", str(target)]) == 2
+    assert main([str(tmp_path / "missing.txt"), "-o", str(tmp_path / "ds")]) == 2
+    assert main([str(tmp_path / "*.nothing"), "-o", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3
+    assert "is a file" in err[0] and "does not exist" in err[1] and "matches no files" in err[2]
+    assert target.read_text() == "mine"
+
+
+def test_a_tiny_corpus_still_gets_both_splits(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text(SAMPLE * 20)  # ~54 KB: three or four units
+    meta = prepare_dataset([str(src)], tmp_path / "ds", "chars", quiet=True)
+    assert meta["units"]["val"] >= 1 and meta["units"]["train"] >= 1
+    # One short file is one unit: its tail is the validation split, bytes counted exactly.
+    one = tmp_path / "one.txt"
+    one.write_text(SAMPLE)
+    meta = prepare_dataset([str(one)], tmp_path / "ds1", "chars", quiet=True)
+    tok = load_tokenizer(tmp_path / "ds1")
+    train, val = (
+        np.fromfile(tmp_path / "ds1" / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")
+    )
+    assert tok.decode(train.tolist()) + tok.decode(val.tolist()) == SAMPLE
+    assert meta["val_tokens"] == int((len(SAMPLE) + 1) * 0.1) and val[-1] == meta["eot_id"]
+    assert meta["train_bytes"] + meta["val_bytes"] == len(SAMPLE.encode())
+    (tmp_path / "x.txt").write_text("a")
+    with pytest.raises(PrepareError, match="too small to split"):
+        prepare_dataset([str(tmp_path / "x.txt")], tmp_path / "ds2", "chars", quiet=True)
