@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file
 from nanolab.model.config import ConfigError, GPTConfig
 
 StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
@@ -32,8 +33,9 @@ PRECISIONS = {
 #: Lightning's DeepSpeedStrategy defaults (elements, not bytes).
 DEEPSPEED_REDUCE_BUCKET = 200_000_000
 
-#: Vocabulary of the named tokenizers, used when the config leaves vocab_size null.
-TOKENIZER_VOCAB = {"gpt2": 50257, "bytes": 256}
+#: Vocabulary of the named tokenizers (end-of-text included), used when the config leaves
+#: vocab_size null; the one table lives with the tokenizers.
+TOKENIZER_VOCAB = KNOWN_VOCAB
 
 
 class EstimateError(ValueError):
@@ -279,6 +281,10 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
         return TOKENIZER_VOCAB[tokenizer]
     if tokenizer == "bpe":
         return _int(data.get("bpe_vocab_size", 4096), "data.bpe_vocab_size", minimum=2)
+    if is_tokenizer_file(tokenizer) and Path(tokenizer).expanduser().is_file():
+        from tokenizers import Tokenizer as RustTokenizer
+
+        return int(RustTokenizer.from_file(tokenizer).get_vocab_size(with_added_tokens=True))
     raise EstimateError(
         "model.gpt.vocab_size is null and the data is not prepared yet; "
         "pass --vocab-size N (or prepare the data first)"
