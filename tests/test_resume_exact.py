@@ -2,11 +2,18 @@
 
 The run is a real ``nanolab fit`` subprocess on CPU in fp32 with dropout (so the RNG matters),
 warmup + cosine LR, AdamW and gradient accumulation 2 (so the accumulation boundary matters),
-checkpointing every optimizer step. One chain of processes is interrupted in every way a night
-can interrupt it: SIGKILL right after a checkpoint, SIGKILL at a random moment, a checkpoint torn
-mid-write (the file cut short by hand, plus a stray ``.tmp`` as an atomic writer would leave),
-and a graceful SIGTERM (exit 75, checkpoint at the step boundary). The final state dict, optimizer
-state, LR scheduler, loop counters and RNG states must equal the uninterrupted run's exactly.
+checkpointing every optimizer step, and a callback drawing from Python's and NumPy's global RNGs
+every micro-batch (as augmentation code in a fork would). One chain of processes is interrupted
+in every way a night can interrupt it: SIGKILL right after a checkpoint, SIGKILL inside a
+checkpoint write (the process is paused there by ``cli_probes.PauseInSave``, so the kill lands
+mid-save every time), SIGKILL at a random moment, a checkpoint torn mid-write (the file cut short
+by hand, plus a stray ``.tmp`` as an atomic writer would leave), and a graceful SIGTERM (exit 75,
+checkpoint at the step boundary). The final state dict, optimizer state, LR scheduler, loop
+counters and the torch, Python and NumPy RNG states must equal the uninterrupted run's exactly.
+
+Mutations caught: ``restore_rng_state`` not restoring the Python and NumPy states (their final
+states differ); an ``atomic_torch_save`` writing straight to the final name (the paused save
+is not a ``.tmp`` file and the torn final file is left under the checkpoint's name).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +50,9 @@ trainer:
   max_steps: {steps}
   enable_progress_bar: false
   enable_model_summary: false
+  callbacks:
+    - class_path: cli_probes.DrawsFromEveryRng
+    - class_path: cli_probes.PauseInSave
 checkpoint:
   every_n_steps: 1
   keep_last: 3
@@ -82,8 +93,17 @@ def write_config(tmp_path: Path) -> Path:
     return cfg
 
 
-def launch(cfg: Path, name: str, log: Path) -> subprocess.Popen:
+TESTS = Path(__file__).resolve().parent
+
+
+def launch(cfg: Path, name: str, log: Path, pause_save: str | None = None) -> subprocess.Popen:
+    """``nanolab fit`` as a user runs it; ``pause_save`` = ``<step>:<marker>`` freezes it inside
+    that step's checkpoint write (see ``cli_probes.PauseInSave``)."""
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    env["PYTHONPATH"] = path
+    if pause_save:
+        env["NANOLAB_PROBE_PAUSE_SAVE"] = pause_save
     cmd = [sys.executable, "-m", "nanolab", "fit", "--config", str(cfg), "--run.name", name]
     return subprocess.Popen(
         cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env, cwd=cfg.parent
@@ -137,16 +157,24 @@ def assert_identical(a: dict, b: dict) -> None:
     assert pa == pb and pa["processed"] == STEPS * ACCUMULATE
     ra, rb = a["nanolab"]["rng"], b["nanolab"]["rng"]
     assert torch.equal(ra["torch"], rb["torch"]), "torch RNG state differs"
+    assert ra["python"] == rb["python"], "Python RNG state differs"
+    kind_a, keys_a, *rest_a = ra["numpy"]
+    kind_b, keys_b, *rest_b = rb["numpy"]
+    assert kind_a == kind_b and rest_a == rest_b and torch.equal(keys_a, keys_b), (
+        "NumPy RNG state differs"
+    )
+    # The streams were used: neither is still where seed_everything left it.
+    seeded = np.random.RandomState(1234).get_state()
+    assert not (np.array_equal(keys_a.numpy(), seeded[1]) and rest_a[0] == seeded[2])
+    assert list(ra["python"][1]) != list(random.Random(1234).getstate()[1])
 
 
-def wait_for_tmp(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Wait until a checkpoint is being written (its ``.tmp`` exists)."""
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    folder = run_dir / "checkpoints"
-    while not (folder.is_dir() and any(p.name.endswith(".tmp") for p in folder.iterdir())):
-        assert proc.poll() is None, f"run exited ({proc.returncode}) before another save"
-        assert time.monotonic() < deadline, f"no checkpoint write seen in {timeout}s"
-        time.sleep(0.0005)
+    while not path.exists():
+        assert proc.poll() is None, f"run exited ({proc.returncode}) before {path.name} appeared"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout}s"
+        time.sleep(0.01)
 
 
 def surviving_timeline(log: Path) -> dict[int, dict]:
@@ -200,13 +228,17 @@ def test_kill_anywhere_then_resume_is_bit_identical(tmp_path: Path) -> None:
     wait_for_checkpoint(killed, rng.randint(2, 4), proc)
     assert kill(proc) == -signal.SIGKILL
 
-    # 2. SIGKILL while a checkpoint is being written (its .tmp exists).
-    proc = launch(cfg, "killed", log)
-    wait_for_checkpoint(killed, newest_named_step(killed) + 1, proc)
-    wait_for_tmp(killed, proc)
+    # 2. SIGKILL inside a checkpoint write: the process is paused between writing the bytes and
+    #    the fsync + rename. Only the temporary file may exist; the step before stays newest.
+    paused_step = newest_named_step(killed) + 2
+    marker = tmp_path / "paused-in-save"
+    proc = launch(cfg, "killed", log, pause_save=f"{paused_step}:{marker}")
+    wait_for_file(marker, proc)
     assert kill(proc) == -signal.SIGKILL
-    left = [p.name for p in (killed / "checkpoints").glob("*.tmp")]
-    print(f"killed mid-save, leaving {left or 'no .tmp (the rename won the race)'}")
+    final = killed / "checkpoints" / f"step-{paused_step:08d}.ckpt"
+    assert Path(marker.read_text()) == final.with_name(final.name + ".tmp")
+    assert final.with_name(final.name + ".tmp").is_file() and not final.exists()
+    assert newest_named_step(killed) == paused_step - 1
 
     # 3. SIGKILL at a random moment a few steps later (mid-step, mid-accumulation, mid-save).
     proc = launch(cfg, "killed", log)

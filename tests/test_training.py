@@ -12,7 +12,8 @@ from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
 
 from nanolab.cli import main
 from nanolab.data.datamodule import TokenDataModule
-from nanolab.model import GPTConfig
+from nanolab.model import GPT, GPTConfig
+from nanolab.runlog import read_records
 from nanolab.training.cli import RunConfigError, gradient_accumulation
 from nanolab.training.module import GPTLightningModule
 from nanolab.training.optim import OptimizerConfig, ScheduleConfig, WarmupCosine, parameter_groups
@@ -149,12 +150,58 @@ def _fit_in_process(char_dataset, tmp_path, optimizer: OptimizerConfig, steps: i
     return model, trainer
 
 
-def test_lr_follows_the_schedule_per_step(char_dataset, tmp_path):
-    opt = OptimizerConfig(lr=1e-3)
-    _, trainer = _fit_in_process(char_dataset, tmp_path, opt, steps=5)
-    lr = trainer.optimizers[0].param_groups[0]["lr"]
-    expected = 1e-3 * WarmupCosine(1, 5, 0.1)(5)
-    assert lr == pytest.approx(expected)
+class LrProbe(L.Callback):
+    """The learning rate each optimizer step used, read just before the step is taken."""
+
+    def __init__(self) -> None:
+        self.lr_by_step: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # global_step counts the steps already taken: this is step `global_step` (0-based).
+        self.lr_by_step[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+
+def test_lr_follows_the_schedule_per_optimizer_step_and_across_a_resume(char_dataset, tmp_path):
+    """The LR of optimizer step k is ``lr * WarmupCosine(k)`` mid-schedule (warmup 2, cosine to
+    step 8, floor never reached), with 2 micro-batches per step, and a resumed run goes on
+    where the first stopped.
+
+    Mutations caught: stepping the scheduler per micro-batch (an extra
+    ``self.lr_schedulers().step()`` in ``training_step``: step k gets f(2k)); not restoring the
+    scheduler on resume (``checkpoint["lr_schedulers"] = []`` in ``on_load_checkpoint``: the
+    resumed steps restart the warmup).
+    """
+    schedule = ScheduleConfig(warmup_steps=2, decay_steps=8, min_lr_ratio=0.1)
+    f = WarmupCosine(2, 8, 0.1)
+
+    def fit(max_steps: int, ckpt_path=None) -> tuple[LrProbe, L.Trainer]:
+        L.seed_everything(0)
+        model = GPTLightningModule(
+            gpt=GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32),
+            optimizer=OptimizerConfig(lr=1e-3),
+            schedule=schedule,
+        )
+        dm = TokenDataModule(dataset_dir=str(char_dataset), micro_batch_size=2, block_size=32)
+        probe = LrProbe()
+        trainer = L.Trainer(
+            max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+            default_root_dir=tmp_path, use_distributed_sampler=False, accumulate_grad_batches=2,
+            callbacks=[probe],
+        )  # fmt: skip
+        trainer.fit(model, dm, ckpt_path=ckpt_path, weights_only=True)
+        return probe, trainer
+
+    first, trainer = fit(3)
+    assert trainer.fit_loop.epoch_loop.batch_progress.total.processed == 6  # accumulation 2
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    resumed, _ = fit(6, ckpt_path=tmp_path / "step3.ckpt")
+    lrs = {**first.lr_by_step, **resumed.lr_by_step}
+    assert sorted(first.lr_by_step) == [0, 1, 2] and sorted(resumed.lr_by_step) == [3, 4, 5]
+    expected = {k: 1e-3 * f(k) for k in range(6)}
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    # Mid-schedule: every step has its own LR, none of them the floor.
+    assert len({round(v, 12) for v in lrs.values()}) == 6 and min(lrs.values()) > 1e-3 * 0.1
 
 
 def test_adamw8bit_trains_with_8bit_states(char_dataset, tmp_path):
@@ -189,48 +236,111 @@ def _assert_same_weights(a: dict, b: dict, atol: float = 2e-5) -> None:
         assert torch.allclose(a[key].float(), b[key].float(), atol=atol, rtol=1e-4), key
 
 
+def _train_records(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in read_records(run_dir / "metrics.jsonl", "train")}
+
+
+def _replayed_loss(reference_run, step: int, dataset, world: int, rank: int, micro_batch: int):
+    """The loss the 1-process run's weights after ``step - 1`` give on micro-batch
+    ``micro_batch`` of ``rank`` in a ``world``-rank layout: what that rank logs at ``step``."""
+    ckpt = torch.load(
+        reference_run / "checkpoints" / f"step-{step - 1:08d}.ckpt", weights_only=True
+    )
+    model = GPT(GPTConfig(**ckpt["nanolab"]["gpt"]))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()})
+    dm = TokenDataModule(dataset_dir=str(dataset), micro_batch_size=4, block_size=32)
+    dm.setup("fit")
+    x, y = dm.train_tokens[dm.window_plan(world).batch_starts(micro_batch, rank)]
+    with torch.no_grad():
+        return float(model(x, y)[1])
+
+
+def _assert_same_trajectory(run, reference_run, dataset, grad_norm: bool = True) -> None:
+    """Step by step, the 2-process run did what the 1-process run with 2x accumulation did.
+
+    * ``grad_norm`` (all ranks, before clipping) equals the reference's: gradients are averaged
+      over ranks, not summed (AdamW's update is blind to a constant gradient scale, so the final
+      weights alone cannot tell);
+    * ``loss`` (rank 0's micro-batch) equals the loss the reference's weights of the step before
+      give on rank 0's windows, so every intermediate step followed the same trajectory.
+    """
+    ours, ref = _train_records(run), _train_records(reference_run)
+    assert sorted(ours) == sorted(ref) == [1, 2, 3, 4]
+    for step in ref:
+        if grad_norm:
+            assert ours[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+        if step == 1:
+            continue  # no checkpoint of the initial weights to replay from
+        # The replay itself reproduces what the reference logged (its last micro-batch)...
+        own = _replayed_loss(reference_run, step, dataset, 1, 0, 2 * step - 1)
+        assert ref[step]["loss"] == pytest.approx(own, rel=1e-5), step
+        # ...and what rank 0 of the 2-process run logged.
+        rank0 = _replayed_loss(reference_run, step, dataset, 2, 0, step - 1)
+        assert ours[step]["loss"] == pytest.approx(rank0, rel=1e-4), step
+
+
 @pytest.fixture(scope="module")
 def single_process_reference(tmp_path_factory, char_dataset):
-    """One process, micro-batch 4, 2x accumulation: the reference for the 2-process runs."""
+    """One process, micro-batch 4, 2x accumulation: the reference for the 2-process runs
+    (a checkpoint every step, to replay each step's loss from)."""
     tmp = tmp_path_factory.mktemp("reference")
-    run = _strategy_run(tmp, char_dataset, "single", run__global_batch_tokens=4 * 32 * 2)
-    return final_state(run)
+    return _strategy_run(
+        tmp, char_dataset, "single", run__global_batch_tokens=4 * 32 * 2,
+        checkpoint__every_n_steps=1, checkpoint__keep_last=10,
+    )  # fmt: skip
 
 
 def test_ddp_two_processes_match_one_process_with_accumulation(
     tmp_path, char_dataset, single_process_reference
 ):
+    """Mutation caught: ``training_step`` returning ``loss * self.trainer.world_size`` (gradients
+    summed over ranks): grad_norm doubles while the final weights stay within tolerance."""
     run = _strategy_run(
         tmp_path, char_dataset, "ddp", "--config", str(QUICKSTART.parent / "strategy" / "ddp.yaml"),
         "--trainer.devices", "2", run__global_batch_tokens=4 * 32 * 2,
     )  # fmt: skip
-    _assert_same_weights(final_state(run), single_process_reference)
+    _assert_same_trajectory(run, single_process_reference, char_dataset)
+    _assert_same_weights(final_state(run), final_state(single_process_reference))
 
 
 def test_fsdp2_two_processes_match_one_process(tmp_path, char_dataset, single_process_reference):
+    """Mutation caught: as for DDP (gradients summed over the sharding group)."""
     run = _strategy_run(
         tmp_path, char_dataset, "fsdp", "--config", str(QUICKSTART.parent / "strategy" / "fsdp.yaml"),
         "--trainer.devices", "2", run__global_batch_tokens=4 * 32 * 2,
     )  # fmt: skip
-    _assert_same_weights(final_state(run), single_process_reference)
+    _assert_same_trajectory(run, single_process_reference, char_dataset)
+    _assert_same_weights(final_state(run), final_state(single_process_reference))
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_runs_on_cpu_and_matches(tmp_path, char_dataset, single_process_reference):
+@pytest.mark.parametrize("config", ["deepspeed_stage2", "deepspeed_stage3_offload"])
+def test_deepspeed_runs_on_cpu_and_matches(
+    tmp_path, char_dataset, single_process_reference, config
+):
+    """ZeRO-2, and ZeRO-3 with the optimizer offloaded to CPU (DeepSpeed's CPU Adam, JIT-built
+    at first use and cached in ~/.cache/torch_extensions), train what the 1-process run trains.
+
+    Mutations caught: as for DDP (``loss * world_size``: DeepSpeed's own global norm, which the
+    run log reports, doubles); the offload config building torch's AdamW (DeepSpeed refuses it).
+    """
     pytest.importorskip("deepspeed")
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("DeepSpeed's CPU backend JIT-builds a C++ op; no compiler here")
+        pytest.skip("DeepSpeed's CPU backend JIT-builds C++ ops; no compiler here")
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
     run = _strategy_run(
-        tmp_path, char_dataset, "ds", "--config", str(QUICKSTART.parent / "strategy" / "deepspeed_stage2.yaml"),
+        tmp_path, char_dataset, "ds", "--config", str(QUICKSTART.parent / "strategy" / f"{config}.yaml"),
         "--trainer.devices", "2", run__global_batch_tokens=4 * 32 * 2,
     )  # fmt: skip
+    _assert_same_trajectory(run, single_process_reference, char_dataset)
     ckpt_dir = run / "checkpoints" / "last.ckpt"
     assert ckpt_dir.is_dir()  # DeepSpeed writes its own sharded directory format
     convert_zero_checkpoint_to_fp32_state_dict(str(ckpt_dir), str(tmp_path / "consolidated.ckpt"))
     state = torch.load(tmp_path / "consolidated.ckpt", weights_only=True)["state_dict"]
-    reference = {k.removeprefix("model."): v for k, v in single_process_reference.items()}
+    reference = {
+        k.removeprefix("model."): v for k, v in final_state(single_process_reference).items()
+    }
     state = {k.removeprefix("model."): v for k, v in state.items()}
     # DeepSpeed's state dict names the tied weight once (as the embedding).
     common = reference.keys() & state.keys()
@@ -291,18 +401,92 @@ def test_compiled_model_trains_like_the_eager_one(char_dataset, tmp_path):
         assert torch.allclose(eager[key], compiled[key], atol=1e-4), key
 
 
-def test_bf16_mixed_precision_trains_on_cpu(char_dataset, tmp_path):
+class PrecisionProbe(L.Callback):
+    """What ran inside ``fit``: the dtype of the logits the model's own forward produced (and of
+    the first block's MLP activations), the weights' dtype, and each micro-batch's loss."""
+
+    def __init__(self) -> None:
+        self.activation_dtypes: set[torch.dtype] = set()
+        self.weight_dtypes: set[torch.dtype] = set()
+        self.losses: list[float] = []
+        self._hooks: list = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def seen(module, inputs, output) -> None:
+            self.activation_dtypes.add(output.dtype)
+
+        gpt = pl_module.model
+        self._hooks = [gpt.lm_head.register_forward_hook(seen)]
+        self._hooks.append(gpt.blocks[0].mlp.c_fc.register_forward_hook(seen))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.weight_dtypes |= {p.dtype for group in optimizer.param_groups for p in group["params"]}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _fit_with_precision(char_dataset, tmp_path, precision: str, accelerator: str = "cpu"):
     L.seed_everything(0)
     model = GPTLightningModule(gpt=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32))
     dm = TokenDataModule(dataset_dir=str(char_dataset), micro_batch_size=4, block_size=32)
+    probe = PrecisionProbe()
     trainer = L.Trainer(
-        max_steps=3, accelerator="cpu", precision="bf16-mixed", logger=False,
+        max_steps=3, accelerator=accelerator, devices=1, precision=precision, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, default_root_dir=tmp_path, use_distributed_sampler=False,
+        callbacks=[probe],
     )  # fmt: skip
     trainer.fit(model, dm)
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
-    x, y = next(iter(dm.train_dataloader()))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, loss = model(x, y)
-    assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
+    return probe, trainer
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(char_dataset, tmp_path_factory) -> list[float]:
+    probe, _ = _fit_with_precision(char_dataset, tmp_path_factory.mktemp("fp32"), "32-true")
+    assert probe.activation_dtypes == {torch.float32} and probe.weight_dtypes == {torch.float32}
+    return probe.losses
+
+
+# (precision, dtype of activations inside forward, dtype of the weights the optimizer steps)
+CPU_PRECISIONS = [
+    ("bf16-mixed", torch.bfloat16, torch.float32),  # autocast, fp32 master weights
+    ("bf16-true", torch.bfloat16, torch.bfloat16),  # the whole model in bf16
+]
+
+
+@pytest.mark.parametrize(("precision", "activations", "weights"), CPU_PRECISIONS)
+def test_reduced_precision_is_what_runs_inside_fit(
+    char_dataset, tmp_path, fp32_losses, precision, activations, weights
+):
+    """Lightning's precision plugin is what ran during ``fit``: activations in the model's own
+    forward have the reduced dtype, the optimizer steps weights of the expected dtype, and the
+    losses follow the fp32 run closely without being bit-equal to it.
+
+    Mutation caught: a copy of the test whose Trainer gets ``precision="32-true"`` (activations
+    and weights fp32, losses bit-equal to fp32). 16-mixed is GPU-only (Lightning turns it into
+    bf16-mixed on CPU): see the CUDA test below.
+    """
+    probe, trainer = _fit_with_precision(char_dataset, tmp_path, precision)
+    assert trainer.precision == precision
+    assert probe.activation_dtypes == {activations}
+    assert probe.weight_dtypes == {weights}
+    assert len(probe.losses) == len(fp32_losses) == 3
+    assert probe.losses != fp32_losses  # reduced precision changed the numbers...
+    assert probe.losses == pytest.approx(fp32_losses, abs=0.05)  # ...but not the training
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed (fp16 AMP) needs a GPU")
+def test_fp16_mixed_precision_on_a_gpu(char_dataset, tmp_path, fp32_losses):
+    """fp16 autocast with fp32 master weights and a gradient scaler, on a real GPU."""
+    probe, trainer = _fit_with_precision(char_dataset, tmp_path, "16-mixed", accelerator="gpu")
+    assert trainer.precision == "16-mixed"
+    assert trainer.precision_plugin.scaler is not None
+    assert probe.activation_dtypes == {torch.float16}
+    assert probe.weight_dtypes == {torch.float32}
+    assert probe.losses != fp32_losses
+    assert probe.losses == pytest.approx(fp32_losses, abs=0.05)

@@ -250,6 +250,8 @@ class MetricsLog(Callback):
         if self._writer is None:
             return
         metrics = fresh_metrics(trainer, training=True)
+        if grad_norm is None:
+            grad_norm = engine_gradient_norm(trainer)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         waited = time.monotonic()
@@ -409,6 +411,14 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
         for (key, _), number in zip(items, stacked, strict=True):
             out[key] = number if math.isfinite(number) else None
     return out
+
+
+def engine_gradient_norm(trainer: L.Trainer) -> Any:
+    """DeepSpeed keeps its (partitioned) gradients outside ``.grad``; its engine reports the
+    global norm, before clipping, of the step it has just taken. ``None`` for other strategies."""
+    engine = getattr(trainer.strategy, "deepspeed_engine", None)
+    norm = getattr(engine, "get_global_grad_norm", None)
+    return norm() if callable(norm) else None
 
 
 def gradient_norm(

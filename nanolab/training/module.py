@@ -125,7 +125,10 @@ class GPTLightningModule(L.LightningModule):
     # -- optimization ----------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:
         assert self.model is not None
-        opt = build_optimizer(self.model, self.optimizer_config, self.device)
+        from nanolab.training.strategies import offloads_optimizer
+
+        offload = self._trainer is not None and offloads_optimizer(self.trainer.strategy)
+        opt = build_optimizer(self.model, self.optimizer_config, self.device, cpu_offload=offload)
         s = self.schedule_config
         decay_steps = s.decay_steps
         if decay_steps is None:

@@ -107,9 +107,20 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, device: torch.device
+    model: nn.Module, cfg: OptimizerConfig, device: torch.device, cpu_offload: bool = False
 ) -> torch.optim.Optimizer:
+    """The optimizer ``fit`` trains with. ``cpu_offload``: DeepSpeed ZeRO-Offload steps it on CPU
+    copies of the weights, where it must be DeepSpeed's vectorised CPU AdamW (same update)."""
     groups = parameter_groups(model, cfg.weight_decay)
+    if cpu_offload:
+        if cfg.name != "adamw":
+            raise ConfigError(
+                f"model.optimizer.name {cfg.name!r} cannot run with DeepSpeed's optimizer "
+                "offload; use 'adamw' (offloaded states already live in CPU memory)"
+            )
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, adamw_mode=True)
     if cfg.name == "adamw8bit":
         try:
             import bitsandbytes as bnb

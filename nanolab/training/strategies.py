@@ -39,6 +39,17 @@ def apply_fsdp2(model: nn.Module, device_mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def offloads_optimizer(strategy: Any) -> bool:
+    """Whether ``strategy`` runs the optimizer step on offloaded (CPU/NVMe) copies of the weights
+    (DeepSpeed ZeRO-Offload); the module must then build DeepSpeed's CPU Adam, because DeepSpeed
+    refuses a torch optimizer there."""
+    config = getattr(strategy, "config", None)
+    if not isinstance(strategy, _LightningDeepSpeed) or not isinstance(config, dict):
+        return False
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return offload.get("device") in ("cpu", "nvme")
+
+
 class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy set up for pure FSDP2: shard over every device.
 

@@ -1,0 +1,96 @@
+"""Callbacks that CLI tests plug into real ``nanolab fit`` processes.
+
+A test lists them under ``trainer.callbacks`` in its config and puts ``tests/`` on the
+subprocess's ``PYTHONPATH``. They observe a run or nudge it the way the outside world would (a
+real signal, a slow step, a process paused mid-write); they never stand in for nanolab's code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+
+class SignalAt(L.Callback):
+    """Sends ``signal`` to this process when optimizer step ``step + 1`` begins (once).
+
+    The kernel delivers it like a signal from outside; the handler under test runs at once.
+    """
+
+    def __init__(self, step: int, signal: str = "SIGTERM") -> None:
+        self.step = step
+        self.signal = signal
+        self._sent = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self._sent and trainer.global_step == self.step:
+            self._sent = True
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class SlowSteps(L.Callback):
+    """Sleeps before every micro-batch: steps long enough for a test to act in the middle."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
+class EnvProbe(L.Callback):
+    """Writes the named environment variables to ``<run_dir>/env-<pid>.json`` (every rank)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        values = {name: os.environ.get(name) for name in self.names}
+        values["global_rank"] = trainer.global_rank
+        run_dir = Path(trainer.default_root_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / f"env-{os.getpid()}.json").write_text(json.dumps(values))
+
+
+class DrawsFromEveryRng(L.Callback):
+    """Draws from Python's and NumPy's global RNGs every micro-batch, as augmentation or
+    sampling code in a fork would, so an exact resume must restore those streams too."""
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        random.random()
+        np.random.rand()
+
+
+class PauseInSave(L.Callback):
+    """Freezes the process inside the checkpoint write of one step, for a test to SIGKILL.
+
+    Inert unless ``NANOLAB_PROBE_PAUSE_SAVE`` is ``<step>:<marker file>``. Then the save of that
+    step writes its bytes, writes the name of the file it wrote them to into the marker, and
+    sleeps before the writer can fsync and rename: a kill now is a kill mid-save, every time.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        spec = os.environ.get("NANOLAB_PROBE_PAUSE_SAVE")
+        if not spec:
+            return
+        step_text, marker = spec.split(":", 1)
+        step, real_save = int(step_text), torch.save
+
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            real_save(obj, f, *args, **kwargs)
+            if isinstance(obj, dict) and obj.get("global_step") == step:
+                if hasattr(f, "flush"):
+                    f.flush()
+                Path(marker).write_text(str(getattr(f, "name", f)))  # the file being written
+                time.sleep(3600)
+
+        torch.save = save
