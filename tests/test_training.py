@@ -204,6 +204,27 @@ def test_lr_follows_the_schedule_per_optimizer_step_and_across_a_resume(char_dat
     assert len({round(v, 12) for v in lrs.values()}) == 6 and min(lrs.values()) > 1e-3 * 0.1
 
 
+def test_the_estimators_ground_truth_holds_what_fit_holds(char_dataset, tmp_path):
+    """``nanolab.estimator.measure`` counts the optimizer ``fit`` builds: the same groups and the
+    same optimizer-state bytes as the optimizer of a real ``fit``.
+
+    Mutation caught: measure.py building its own AdamW while fit's optimizer changes (tried:
+    ``amsgrad=True`` in ``nanolab.training.optim.build_optimizer``, one more state per weight).
+    """
+    from nanolab.estimator.measure import build_optimizer, measure_states, storage_bytes
+
+    module, trainer = _fit_in_process(char_dataset, tmp_path, OptimizerConfig(lr=1e-3), steps=1)
+    fit_opt = trainer.optimizers[0]
+    states = [v for st in fit_opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    measured = measure_states(module.gpt_config, "adamw")
+    assert measured.optimizer == storage_bytes(states) > 0
+    ours = build_optimizer(GPT(module.gpt_config))
+    assert type(ours) is type(fit_opt)
+    for mine, theirs in zip(ours.param_groups, fit_opt.param_groups, strict=True):
+        assert [p.shape for p in mine["params"]] == [p.shape for p in theirs["params"]]
+        assert mine["weight_decay"] == theirs["weight_decay"]
+
+
 def test_adamw8bit_trains_with_8bit_states(char_dataset, tmp_path):
     pytest.importorskip("bitsandbytes")
     model, trainer = _fit_in_process(

@@ -97,20 +97,11 @@ def measure_states(
 ) -> StateMeasurement:
     """Build ``GPT(gpt)`` in ``dtype``, take one optimizer step, count the real tensors.
 
-    The optimizer is built the way ``nanolab.training.optim`` builds it: two parameter groups
-    (decay for matrices, none for vectors), torch AdamW or bitsandbytes AdamW8bit.
+    The optimizer is the one ``fit`` builds (:func:`build_optimizer` below).
     """
     torch.manual_seed(seed)
     model = GPT(gpt).to(dtype)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    if optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-
-        opt = bnb.optim.AdamW8bit(groups, lr=1e-3)
-    else:
-        opt = torch.optim.AdamW(groups, lr=1e-3)
+    opt = build_optimizer(model, optimizer, foreach=None)
     T = min(8, gpt.block_size)
     idx = torch.randint(0, gpt.vocab_size or 2, (batch, T))
     _, loss = model(idx, idx)
@@ -130,17 +121,23 @@ def measure_states(
 def build_optimizer(
     model: GPT, optimizer: str = "adamw", foreach: bool | None = True
 ) -> torch.optim.Optimizer:
-    """The optimizer as ``nanolab.training.optim`` builds it (decay on matrices only); torch
-    AdamW in its foreach form by default (the estimator's ``fused: false``), or torch's CPU
-    default per-tensor loop with ``foreach=None`` (the estimator's ``fused: null`` on CPU)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    if optimizer == "adamw8bit":
-        import bitsandbytes as bnb
+    """The optimizer ``fit`` builds, from :func:`nanolab.training.optim.build_optimizer` itself
+    (its parameter groups, tied weights once, betas, eps), so the ground truth follows any change
+    there. Only torch AdamW's implementation is chosen here: its foreach form by default (what it
+    runs on a GPU; the estimator's ``fused: false``), or torch's CPU default per-tensor loop with
+    ``foreach=None`` (the estimator's ``fused: null`` on CPU). The update is the same either way;
+    the temporaries the optimizer step allocates are not.
+    """
+    from nanolab.training.optim import OptimizerConfig
+    from nanolab.training.optim import build_optimizer as build_fit_optimizer
 
-        return bnb.optim.AdamW8bit(groups, lr=1e-3)
-    return torch.optim.AdamW(groups, lr=1e-3, foreach=foreach)
+    device = next(model.parameters()).device
+    config = OptimizerConfig(name=optimizer, lr=1e-3, fused=False)  # type: ignore[arg-type]
+    opt = build_fit_optimizer(model, config, device)
+    if isinstance(opt, torch.optim.AdamW):
+        for group in opt.param_groups:
+            group["foreach"] = foreach
+    return opt
 
 
 def measure_peak_cpu(
