@@ -34,6 +34,7 @@ class SideResult:
     window_tokens_per_s: float
     startup_s: float  # process start -> end of the first optimizer step
     steps: int
+    losses: dict[int, float]  # optimizer step -> loss of its last micro-batch (plain: sampled)
 
 
 @dataclass
@@ -124,6 +125,7 @@ def run_nanolab(
             window_tokens_per_s=window,
             startup_s=ends[0] - t0,
             steps=len(ends),
+            losses={int(r["step"]): r["loss"] for r in train if r.get("loss") is not None},
             goodput=end.get("goodput"),
             data_wait_s=(end.get("time_breakdown") or {}).get("data_wait_s"),
             mfu=_median([r.get("mfu") for r in train[warmup:]]),
@@ -155,7 +157,11 @@ def run_plain(config_yaml: Path, steps: int, warmup: int, work: Path) -> SideRes
     ends = result["step_ends"]
     rate, window = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())
     return SideResult(
-        tokens_per_s=rate, window_tokens_per_s=window, startup_s=ends[0] - t0, steps=len(ends)
+        tokens_per_s=rate,
+        window_tokens_per_s=window,
+        startup_s=ends[0] - t0,
+        steps=len(ends),
+        losses={int(step): float(loss) for step, loss in result["losses"]},
     )
 
 
@@ -201,6 +207,14 @@ def benchmark(
                 nanolab_side(r)
         predicted = predicted_peak_bytes(config_yaml) if config_yaml else None
     ratios = [n.tokens_per_s / p.tokens_per_s for n, p in zip(nano, plain, strict=True)]
+    # Both sides must train the same thing: the same loss at the same step (the plain loop reads
+    # its loss every 10 steps; nanolab logs every step).
+    gaps = [
+        abs(n.losses[step] - loss)
+        for n, p in zip(nano, plain, strict=True)
+        for step, loss in p.losses.items()
+        if step in n.losses
+    ]
     return {
         "configs": configs,
         "overrides": overrides,
@@ -212,6 +226,7 @@ def benchmark(
         "nanolab_tokens_per_s": _stats([n.tokens_per_s for n in nano]),
         "plain_tokens_per_s": _stats([p.tokens_per_s for p in plain]),
         "ratio": _stats(ratios),
+        "loss_gap": {"max": max(gaps) if gaps else None, "steps_compared": len(gaps)},
         "nanolab_window_tokens_per_s": _stats([n.window_tokens_per_s for n in nano]),
         "plain_window_tokens_per_s": _stats([p.window_tokens_per_s for p in plain]),
         "nanolab_startup_s": _stats([n.startup_s for n in nano]),
@@ -253,6 +268,12 @@ def format_table(res: dict[str, Any]) -> str:
         row("start-up to first step, plain s", res["plain_startup_s"], ">10.2f"),
         row("goodput, nanolab", res["goodput"], ">10.3f"),
     ]
+    gap = res.get("loss_gap") or {}
+    if gap.get("max") is not None:  # both sides trained the same thing
+        lines.append(
+            f"{'|loss gap| at the same steps, max':<34} {gap['max']:>10.2g} "
+            f"({gap['steps_compared']} steps compared)"
+        )
     waits = [w for w in res.get("data_wait_s", []) if w is not None]
     if waits:
         lines.append(

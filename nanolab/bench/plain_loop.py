@@ -81,7 +81,7 @@ def train(
 
     model.train()
     step_ends: list[float] = []
-    losses: list[float] = []
+    losses: list[tuple[int, float]] = []  # (optimizer step, 1-based; its last micro-batch's loss)
     g = 0
     for step in range(steps):
         for _ in range(accumulate):
@@ -98,7 +98,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         if step % log_every == 0 or step == steps - 1:
-            losses.append(loss.item())  # the one host sync, as a hand-written loop would log
+            losses.append((step + 1, loss.item()))  # the one host sync, as a loop would log
         step_ends.append(time.time())
     if device.type == "cuda":
         torch.cuda.synchronize()
