@@ -13,6 +13,7 @@ are the test functions after the table.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import resource
 import shutil
@@ -142,6 +143,88 @@ def _mismatched_dataset(ws: Workspace) -> None:
     ws.write("other.txt", "a different corpus entirely\n" * 200)
 
 
+def _damaged_data(damage: Callable[[Path], None]) -> Callable[[Workspace], None]:
+    """A copy of the prepared dataset at ``work/baddata``, broken by ``damage``."""
+
+    def setup(ws: Workspace) -> None:
+        shutil.copytree(ws.data, ws.work / "baddata")
+        damage(ws.work / "baddata")
+
+    return setup
+
+
+def _edit_meta(**changes: object) -> Callable[[Path], None]:
+    def damage(folder: Path) -> None:
+        meta = json.loads((folder / "meta.json").read_text())
+        meta.update(changes)
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+    return damage
+
+
+def _retype_bins(folder: Path) -> None:
+    """uint32 token files under a meta.json that still says uint16."""
+    import numpy as np
+
+    for split in ("train", "val"):
+        ids = np.fromfile(folder / f"{split}.bin", dtype=np.uint16)
+        (folder / f"{split}.bin").write_bytes(ids.astype(np.uint32).tobytes())
+
+
+def _id_past_vocab(folder: Path) -> None:
+    import numpy as np
+
+    vocab = json.loads((folder / "meta.json").read_text())["vocab_size"]
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    ids[len(ids) // 3] = vocab + 5
+    (folder / "train.bin").write_bytes(ids.tobytes())
+
+
+def _empty_val(folder: Path) -> None:
+    (folder / "val.bin").write_bytes(b"")
+    _edit_meta(val_tokens=0, val_bytes=0)(folder)
+
+
+def _data_changed_under_a_run(ws: Workspace) -> None:
+    """A run trained on work/mydata, whose meta.json was then rewritten (prepared again)."""
+    shutil.copytree(ws.data, ws.work / "mydata")
+    argv = [a.format(**ws.fields()) for a in _CHANGED_DATA_ARGS]
+    res = run_nanolab(*argv, cwd=ws.work)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _edit_meta(sources=["something else"])(ws.work / "mydata")
+
+
+_CHANGED_DATA_ARGS = (
+    "fit", "--config", "{cfg}", "--run.name", "ondata", "--data.dataset_dir", "{work}/mydata",
+    "--trainer.max_steps=2", "--checkpoint.every_n_steps=2",
+)  # fmt: skip
+
+
+def _data_rows() -> list[Case]:
+    """Data files that do not match their meta.json (issue 10/11): one line, exit 2."""
+    bad = (*FIT, "--data.dataset_dir", "{work}/baddata")
+    damages = [
+        ("meta-garbage", lambda f: (f / "meta.json").write_bytes(b"{not json"), "not valid JSON"),
+        ("meta-empty-object", lambda f: (f / "meta.json").write_text("{}"), "lacks vocab_size"),
+        ("meta-unknown-dtype", _edit_meta(dtype="float16"), "is not a token dtype"),
+        ("bin-not-a-multiple-of-dtype",
+         lambda f: (f / "train.bin").write_bytes((f / "train.bin").read_bytes()[:-1]),
+         "not a whole number of uint16 tokens"),
+        ("bin-uint32-labelled-uint16", _retype_bins, "written as uint32, not uint16"),
+        ("val-bin-empty", _empty_val, "val.bin is empty"),
+        ("token-id-past-vocab", _id_past_vocab, "but the vocabulary has"),
+    ]  # fmt: skip
+    rows = [
+        Case(f"fit-data-{name}", bad, EXIT_USAGE, text, setup=_damaged_data(damage))
+        for name, damage, text in damages
+    ]
+    changed = Case(
+        "fit-data-changed-under-a-resumed-run", _CHANGED_DATA_ARGS, EXIT_USAGE,
+        "--data.allow_changed true", setup=_data_changed_under_a_run,
+    )  # fmt: skip
+    return [*rows, changed]
+
+
 _CKPT_KINDS = {  # file -> what the one-line error must say
     "zero.ckpt": "empty file",
     "truncated.ckpt": "truncated",
@@ -250,6 +333,7 @@ CASES: list[Case] = [
         (*FIT, "--data.dataset_dir", "{work}/mydata", "--data.source", "[{work}/other.txt]"),
         EXIT_USAGE, "--data.source null", setup=_mismatched_dataset,
     ),
+    *_data_rows(),
     *_checkpoint_rows(),
 ]
 # fmt: on
