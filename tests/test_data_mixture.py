@@ -321,3 +321,13 @@ def test_the_queue_accepts_a_mixture_and_refuses_a_missing_folder(tmp_path, caps
     assert queue_main(["add", str(cfg), "--db", str(db), "--name", "mix2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.datasets[1].path" in err[0] and "holds no prepared" in err[0]
+
+
+def test_the_estimator_reads_the_vocabulary_of_the_mixture(tmp_path):
+    from nanolab.estimator.setup import resolve_vocab
+
+    datasets = two_datasets(tmp_path)  # bytes: 256 ids
+    write_dataset(tmp_path / "other", tokenizer="chars")  # what data.dataset_dir still names
+    data = {"dataset_dir": str(tmp_path / "other"), "datasets": datasets}
+    assert resolve_vocab({"vocab_size": None}, data) == 256
+    assert resolve_vocab({"vocab_size": None}, {"dataset_dir": str(tmp_path / "other")}) < 256

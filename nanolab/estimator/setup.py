@@ -269,6 +269,9 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
     if gpt.get("vocab_size") is not None:
         return _int(gpt["vocab_size"], "model.gpt.vocab_size", minimum=2)
     dataset_dir = data.get("dataset_dir")
+    mixture = data.get("datasets")
+    if mixture and isinstance(mixture[0], Mapping) and mixture[0].get("path"):
+        dataset_dir = mixture[0]["path"]  # a mixture's folders share one tokenizer
     if dataset_dir:
         meta = Path(str(dataset_dir)) / "meta.json"
         if meta.is_file():
