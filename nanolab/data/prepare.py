@@ -362,7 +362,7 @@ class _Job:
         blocks = self._blocks(progress, lambda: 0)
         for alphabet, errors in self._map(encode.block_alphabet, blocks, None):
             self._note_errors(errors)
-            yield "".join(alphabet)
+            yield alphabet
         progress.close()
         self.bad_count, self.bad_examples = 0, []  # counted again by the encoding pass
 
