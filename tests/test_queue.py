@@ -96,10 +96,13 @@ def test_missing_config_and_db_folder(tmp_path: Path, capsys) -> None:
 
 # -- database -------------------------------------------------------------------------------
 ADDER = """
-import sys
+import sys, time
 from nanolab.queue.db import NewJob, QueueDB
 db = QueueDB(sys.argv[1])
-for i in range(int(sys.argv[3])):
+n = int(sys.argv[3])
+for i in range(n):
+    if i == n // 2:
+        time.sleep(2.0)  # a shell that pauses: the claimers must not take the queue for done
     db.add_jobs([NewJob(name=f"{sys.argv[2]}-{i}", config="c.yaml", args=[], seed=i, cwd="/",
                         run_dir=f"/r/{sys.argv[2]}-{i}")])
 """
@@ -108,33 +111,40 @@ CLAIMER = """
 import sys, time
 from nanolab.queue.db import QueueDB
 db = QueueDB(sys.argv[1])
+total = int(sys.argv[2])
 me = db.register_runner()
-claimed, idle = [], 0
-while idle < 40:
-    free = db.jobs(("pending",))
-    if not free:
-        idle += 1
-        time.sleep(0.01)
-        continue
-    idle = 0
-    for job in free:
+claimed = []
+deadline = time.monotonic() + 300  # a safety net only: the loop ends on the condition below
+# Done when every job the adders will add exists and none is left pending.
+while len(db.jobs()) < total or db.jobs(("pending",)):
+    assert time.monotonic() < deadline, "jobs were never all added and claimed"
+    for job in db.jobs(("pending",)):
         if db.claim(job.id, me, None, time.time()):
             claimed.append(job.id)
             db.finish(job.id, me, "done", None, 0, 0.0)
+    time.sleep(0.01)
 print(" ".join(map(str, claimed)))
 """
 
 
 def test_two_shells_add_while_two_runners_claim(tmp_path: Path) -> None:
     """Writers and claimers on separate connections and processes: every job is added once and
-    claimed by exactly one runner (claims are one transaction)."""
+    claimed by exactly one runner (claims are one transaction).
+
+    The claimers stop when every job exists and none is pending, not after some idle time: the
+    adders pause halfway through, which a clock-based claimer (the old ``idle < 40`` x 10 ms)
+    takes for the end of the queue, leaving jobs unclaimed; a loaded machine did the same.
+    """
     db = tmp_path / "q.db"
     QueueDB(db)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     n = 40
     claimers = [
         subprocess.Popen(
-            [sys.executable, "-c", CLAIMER, str(db)], stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-c", CLAIMER, str(db), str(2 * n)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for _ in range(2)
     ]
@@ -144,6 +154,7 @@ def test_two_shells_add_while_two_runners_claim(tmp_path: Path) -> None:
     ]
     assert [p.wait(timeout=120) for p in adders] == [0, 0]
     outs = [p.communicate(timeout=120)[0].split() for p in claimers]
+    assert [p.returncode for p in claimers] == [0, 0]
     jobs = QueueDB(db).jobs()
     assert len(jobs) == 2 * n and {j.status for j in jobs} == {"done"}
     claimed = [int(x) for out in outs for x in out]
