@@ -173,7 +173,7 @@ def _error_line(text: str) -> str:
 
 
 def _check(cfg: dict[str, Any], cwd: Path, gradient_accumulation, world_size_of) -> ParsedConfig:
-    from nanolab.data.prepare import BUNDLED, BUNDLED_PREFIX
+    from nanolab.data.sources import BUNDLED, BUNDLED_PREFIX
     from nanolab.model.config import GPTConfig
     from nanolab.training.optim import OptimizerConfig, ScheduleConfig
 
