@@ -387,3 +387,56 @@ def test_a_tiny_corpus_still_gets_both_splits(tmp_path):
     (tmp_path / "x.txt").write_text("a")
     with pytest.raises(PrepareError, match="too small to split"):
         prepare_dataset([str(tmp_path / "x.txt")], tmp_path / "ds2", "chars", quiet=True)
+
+
+def test_the_docs_prepare_commands_run(tmp_path, monkeypatch):
+    """Each `nanolab prepare` line of docs/data.md, on small stand-ins for its /data paths."""
+    import re
+    import shlex
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    docs_md = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    block = docs_md.split("## Preparing a corpus", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.startswith("nanolab prepare")]
+    assert len(commands) == 3
+
+    data = tmp_path / "src"  # the docs' /data/...; their outputs go to ./data/...
+    shards = data / "fineweb-edu" / "sample" / "10BT"
+    shards.mkdir(parents=True)
+    for i in range(2):
+        rows = [{"text": d, "id": j} for j, d in enumerate(DOCS[i::2])]
+        pq.write_table(pa.Table.from_pylist(rows), shards / f"{i:03d}_00000.parquet")
+    (data / "dump").mkdir()
+    lines = [{"meta": {"body": d}} for d in DOCS[:50]] + [{"meta": {}}]
+    write_jsonl(data / "dump" / "a.jsonl.zst", lines, opener=zst_open)
+    (data / "books").mkdir()
+    (data / "books" / "one.txt").write_text(SAMPLE * 30)
+    (data / "books" / "two.txt").write_text(SAMPLE.upper() * 30)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        [SAMPLE, SAMPLE.upper()],
+        trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"]),
+    )
+    (tmp_path / "models" / "neox").mkdir(parents=True)
+    tok.save(str(tmp_path / "models" / "neox" / "tokenizer.json"))
+
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        command = re.sub(r"(?<=[\s'])/data/", f"{tmp_path}/src/", command)
+        command = re.sub(r"(?<=[\s'])/models/", f"{tmp_path}/models/", command)
+        argv = shlex.split(command.split("#")[0])[2:]
+        argv = [a.replace("50257", "400") for a in argv]  # a small BPE keeps the test quick
+        assert main([*argv, "-q"]) == 0, command
+    fw = json.loads((tmp_path / "data" / "fw" / "meta.json").read_text())
+    assert sum(fw["documents"].values()) == len(DOCS) and fw["vocab_size"] == 400
+    dump = json.loads((tmp_path / "data" / "dump" / "meta.json").read_text())
+    assert dump["skipped"]["count"] == 1 and sum(dump["documents"].values()) == 50
+    books = json.loads((tmp_path / "data" / "books" / "meta.json").read_text())
+    assert books["tokenizer"]["name"] == "hf" and books["eot_id"] == tok.token_to_id(
+        "<|endoftext|>"
+    )
