@@ -177,10 +177,9 @@ def largest_fitting_micro_batch(
     )
     _, mem, be = _device(gpu, device_memory)
     be = backend or be
-    largest = largest_micro_batch(setup, mem, backend=be, fragmentation=fragmentation)
     if not divide_global_batch:
-        return largest
-    choice = micro_batch_for_global(setup, largest)
+        return largest_micro_batch(setup, mem, backend=be, fragmentation=fragmentation)
+    choice = micro_batch_for_global(setup, mem, backend=be, fragmentation=fragmentation)
     return 0 if choice is None else choice[0]
 
 
@@ -226,7 +225,7 @@ def estimate_from_config(
     be = backend or be
     kw = {"backend": be, "fragmentation": fragmentation}
     largest = largest_micro_batch(setup, mem, **kw)
-    choice = micro_batch_for_global(setup, largest)
+    choice = micro_batch_for_global(setup, mem, **kw)
     if setup.micro_batch_size is not None:
         micro, source = setup.micro_batch_size, "config"
     else:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanolab.estimator.activations import Saved, loss_transient, saved_activations
+from nanolab.estimator.activations import LossTransient, Saved, loss_transient, saved_activations
 from nanolab.estimator.gpus import MiB
-from nanolab.estimator.numerics import Backend, numerics_for
+from nanolab.estimator.numerics import Backend, Numerics, numerics_for
 from nanolab.estimator.setup import Setup
-from nanolab.estimator.shapes import inventory
+from nanolab.estimator.shapes import Inventory, inventory
 from nanolab.estimator.states import ModelStates, model_states
 
 #: Memory the framework holds outside PyTorch's allocator, per device. The CUDA context with
@@ -70,6 +70,18 @@ def grad_accumulation(setup: Setup, micro_batch: int) -> int:
     return max(1, -(-setup.global_batch_tokens // per))
 
 
+@dataclass
+class Moment:
+    """One instant of the training step and what is allocated then (beyond resident states)."""
+
+    phase: str
+    parts: list[Line]
+
+    @property
+    def bytes(self) -> int:
+        return sum(ln.bytes for ln in self.parts)
+
+
 def estimate_memory(
     setup: Setup,
     micro_batch: int | None = None,
@@ -77,7 +89,13 @@ def estimate_memory(
     backend: Backend = "cuda",
     fragmentation: float = DEFAULT_FRAGMENTATION,
 ) -> MemoryEstimate:
-    """Per-device memory for one training step of ``setup`` at ``micro_batch`` sequences."""
+    """Per-device memory for one training step of ``setup`` at ``micro_batch`` sequences.
+
+    The step is the one ``nanolab fit`` runs: Lightning's forward, backward and optimizer step,
+    with the gradients freed right after each optimizer step (``GPTLightningModule.
+    optimizer_step``), so they exist during a forward only from the second micro-batch of an
+    accumulation window on. The peak is the largest of these moments (see :func:`moments`).
+    """
     B = micro_batch if micro_batch is not None else setup.micro_batch_size
     if B is None or B < 1:
         raise ValueError("a micro-batch size >= 1 is needed")
@@ -88,94 +106,41 @@ def estimate_memory(
     saved = saved_activations(gpt, B, gpt.block_size, num)
     lt = loss_transient(gpt, B, gpt.block_size, num)
     accumulate = grad_accumulation(setup, B)
-
-    grads_in_fwd = st.grads if accumulate > 1 else 0
-    transient = max(lt.peak, saved.recompute_block)
-    fwd_bwd = grads_in_fwd + saved.total + transient
-    # Last in the backward, a tied embedding's dense gradient (V x C) arrives while the head's
-    # gradient is already there, and autograd accumulates the two out of place.
-    # (Under FSDP / ZeRO the head's unsharded gradient is in the "gathered" line: one more.)
-    tied = gpt.padded_vocab_size * gpt.n_embd * num.grad if gpt.tie_weights else 0
-    tied *= 2 if setup.strategy.kind in ("single", "ddp") else 1
-    step = st.grads + max(st.optimizer_temp, tied)
-    peak = st.resident + max(fwd_bwd, step)
-    phase = "forward/backward" if fwd_bwd >= step else "backward end / optimizer step"
+    all_moments = moments(setup, B, accumulate, num, inv, st, saved, lt)
+    top = max(all_moments, key=lambda m: m.bytes)
+    peak = st.resident + top.bytes
 
     p_name = {4: "fp32", 2: "16-bit"}
-    V = gpt.padded_vocab_size
-    per_block = saved.per_block
-    embed_head = sum(saved.embed.values()) + sum(saved.head.values())
     notes = st.notes or {}
-    logits_win = lt.peak >= saved.recompute_block
-    at_fb = fwd_bwd >= step
-    lines = [
+    resident = [
         Line("params", f"parameters ({p_name[num.param]})", st.params, _share(setup, "params")),
         Line("buffers", "buffers (RoPE cos/sin tables)", st.buffers, ""),
-        Line(
-            "grads",
-            f"gradients ({p_name[num.grad]})",
-            st.grads,
-            notes.get("grads", "kept across micro-batches" if accumulate > 1 else ""),
-            in_peak=not at_fb or accumulate > 1,
-        ),
         Line("optimizer", _opt_label(setup), st.optimizer, _share(setup, "optimizer")),
         Line("master", "fp32 master weights", st.master, notes.get("master", _master_note(setup))),
         Line("buckets", "gradient communication buckets", st.buckets, notes.get("buckets", "")),
         Line(
             "gathered", "FSDP / ZeRO-3 gathered parameters", st.gathered, notes.get("gathered", "")
         ),
+    ]
+    lines = resident + list(top.parts)
+    keys = {ln.key for ln in lines}
+    # The whole-step figures, shown in parentheses when the peak moment holds less of them.
+    info = [
+        Line("grads", f"gradients ({p_name[num.grad]})", st.grads, notes.get("grads", "")),
         Line(
             "activations",
             "activations saved for backward",
-            saved.blocks + embed_head,
-            f"{gpt.n_layer} x {per_block / MiB:,.1f} MiB"
-            + (" block inputs (checkpointed)" if saved.checkpointing else "")
-            + f" + {embed_head / MiB:,.1f} MiB embeddings/final norm",
-            in_peak=at_fb,
+            saved.blocks + sum(saved.embed.values()) + sum(saved.head.values()),
+            f"{gpt.n_layer} x {saved.per_block / MiB:,.1f} MiB"
+            + (" block inputs (checkpointed)" if saved.checkpointing else ""),
         ),
-        Line(
-            "weight_copies",
-            "autocast 16-bit weight copies",
-            saved.weight_copies,
-            "saved for backward" if num.weight_copies else "",
-            in_peak=at_fb,
-        ),
-        Line(
-            "loss",
-            "log-softmax saved by the loss",
-            sum(saved.loss.values()),
-            f"B*T*V = {B}*{gpt.block_size}*{V} in {'fp32' if num.loss == 4 else '16-bit'}",
-            in_peak=at_fb,
-        ),
-        Line(
-            "logits",
-            "logits + loss transients",
-            lt.peak,
-            _logits_note(lt),
-            in_peak=at_fb and logits_win,
-        ),
-        Line(
-            "recompute",
-            "recompute of one checkpointed block",
-            saved.recompute_block,
-            "one block rebuilt in backward" if saved.checkpointing else "",
-            in_peak=at_fb and not logits_win,
-        ),
-        Line(
-            "tied_grad",
-            "tied embedding gradient sum (backward end)",
-            tied,
-            "dense V x C gradient + out-of-place sum" if tied else "",
-            in_peak=not at_fb and tied > st.optimizer_temp,
-        ),
-        Line(
-            "optimizer_temp",
-            "optimizer step temporaries",
-            st.optimizer_temp,
-            _temp_note(setup) if st.optimizer_temp else "",
-            in_peak=not at_fb and tied <= st.optimizer_temp,
-        ),
+        Line("logits", "logits + loss transients", lt.peak, _logits_note(lt)),
+        Line("optimizer_temp", "optimizer step temporaries", st.optimizer_temp, ""),
     ]
+    for ln in info:
+        if ln.key not in keys:
+            ln.in_peak = False
+            lines.append(ln)
     assert sum(ln.bytes for ln in lines if ln.in_peak) == peak
     ctx = CONTEXT_BYTES[backend] + (COMM_BYTES[backend] if setup.world_size > 1 else 0)
     frag = int(fragmentation * peak)
@@ -203,7 +168,7 @@ def estimate_memory(
         peak_allocated=peak,
         total=total,
         cpu_bytes=st.cpu,
-        peak_phase=phase,
+        peak_phase=top.phase,
         saved=saved,
         states=st,
         accumulate=accumulate,
@@ -212,8 +177,187 @@ def estimate_memory(
             "embed": dict(saved.embed),
             "head": dict(saved.head),
             "loss": dict(saved.loss),
+            "moments": {m.phase: st.resident + m.bytes for m in all_moments},
         },
     )
+
+
+def moments(
+    setup: Setup,
+    B: int,
+    accumulate: int,
+    num: Numerics,
+    inv: Inventory,
+    st: ModelStates,
+    saved: Saved,
+    lt: LossTransient,
+) -> list[Moment]:
+    """The candidate peaks of one step, each as the tensors alive at that instant.
+
+    In the order the step reaches them (``G`` = gradients left from earlier micro-batches of
+    the window; none in the first, and none at all without accumulation):
+
+    * loss: ``G`` + everything saved + the logits and loss transients;
+    * head backward: the lm_head's input gradient and weight gradient arrive while the logits
+      gradient and every block's activations are alive;
+    * block backward, for the last block (most activations alive) and the first (most
+      gradients computed): the MLP's down-projection, then up-projection backward (the two
+      largest transients: a B*T*F input gradient and a weight gradient), with the gradients of
+      the blocks after it already allocated; under checkpointing the block's recomputed
+      activations too;
+    * embedding backward: a tied embedding's two gradient contributions and their sum;
+    * optimizer step: every gradient and the optimizer's scratch.
+    """
+    gpt = setup.gpt
+    T, C, V = gpt.block_size, gpt.n_embd, gpt.padded_vocab_size
+    F = gpt.mlp_ratio * C
+    L = gpt.n_layer
+    c, r, g = num.compute, num.resid, num.grad
+    BT, BTC, BTF = B * T, B * T * C, B * T * F
+    replicated = setup.strategy.kind in ("single", "ddp")
+    P = max(1, inv.numel)
+    G = st.grads if accumulate > 1 else 0
+    tied = V * C * g if gpt.tie_weights and replicated else 0
+    autocast = num.weight_copies
+    embed = sum(saved.embed.values())
+    head = sum(saved.head.values())
+    loss_saved = sum(saved.loss.values())
+    targets = BT * 8
+
+    def grads_line(nbytes: int, note: str) -> Line:
+        return Line("grads", f"gradients ({'fp32' if g == 4 else '16-bit'})", nbytes, note)
+
+    out: list[Moment] = []
+    acts = Line(
+        "activations",
+        "activations saved for backward",
+        saved.blocks + embed + head,
+        f"{L} x {saved.per_block / MiB:,.1f} MiB"
+        + (" block inputs (checkpointed)" if saved.checkpointing else " per block")
+        + f" + {(embed + head) / MiB:,.1f} MiB embeddings/final norm",
+    )
+    copies = Line("weight_copies", "autocast 16-bit weight copies", saved.weight_copies, "")
+    base = [acts, copies] + ([grads_line(G, "kept across micro-batches")] if G else [])
+    out.append(
+        Moment(
+            "forward end / loss backward",
+            [
+                *base,
+                Line(
+                    "loss",
+                    "log-softmax saved by the loss",
+                    loss_saved,
+                    f"B*T*V = {B}*{T}*{V} in {'fp32' if num.loss == 4 else '16-bit'}",
+                ),
+                Line("logits", "logits + loss transients", lt.peak, _logits_note(lt)),
+            ],
+        )
+    )
+    # lm_head backward: d(logits) in the compute dtype, d(input) and d(weight).
+    head_out = BTC * c + V * C * c
+    out.append(
+        Moment(
+            "lm_head backward",
+            [
+                *base,
+                Line("targets", "targets (held by the batch)", targets, ""),
+                Line("logits_grad", "logits gradient", BT * V * c, "B*T*V"),
+                Line("backward", "lm_head input + weight gradients", head_out, ""),
+            ],
+        )
+    )
+    # Blocks: what one block's backward allocates around its MLP.
+    blk = sum(saved.block.values())
+    wcopy = saved.block_weight_copies
+    fc_w = F * C + (F if gpt.bias else 0)
+    proj_w = C * F + (C if gpt.bias else 0)
+    block_grads = inv.block_numel(0) * st.grads // P
+    head_grads = (P - inv.block_numel(0) * L) * st.grads // P  # root params (embeddings too)
+    emb_grads = (V * C * (0 if gpt.tie_weights else 1)) * st.grads // P
+    if gpt.position_embedding == "learned":
+        emb_grads += T * C * st.grads // P
+    head_grads -= emb_grads
+    drop = gpt.dropout > 0
+    mask = saved.block.get("mlp residual dropout mask", 0)
+    proj_copy = C * F * c if autocast else 0
+    # The down-projection's output gradient is a tensor of its own when the residual dropout's
+    # backward made it (its mask is gone by then) or the residual stream has another dtype.
+    down = (BTC * c if drop or r != c else 0) - mask + BTF * c + proj_w * c
+    up = -2 * BTF * c - proj_copy - mask + (0 if G else proj_w * g) + BTF * c + BTC * c + fc_w * c
+    transient = max(down, up)
+    for b, where in sorted({(L - 1, "last"), (0, "first")}, reverse=True):
+        above = L - 1 - b
+        if saved.checkpointing:
+            # The rebuilt block saves its own input for ln_1: the checkpoint's stored tensor.
+            shared = saved.checkpoint_input if num.ln_in == num.resid else 0
+            alive = embed + (b + 1) * saved.checkpoint_input - shared
+            recompute = blk + wcopy
+        else:
+            alive = embed + b * (blk + wcopy)
+            recompute = 0
+        own = 0 if saved.checkpointing else blk + wcopy
+        so_far = G + tied if G else head_grads + above * block_grads
+        parts = [
+            Line(
+                "activations",
+                "activations still saved",
+                alive + own,
+                f"embeddings + blocks 0..{b}" + (" inputs" if saved.checkpointing else ""),
+            ),
+            Line(
+                "recompute",
+                "recompute of one checkpointed block",
+                recompute,
+                "block rebuilt in backward" if recompute else "",
+            ),
+            Line("targets", "targets (held by the batch)", targets, ""),
+            Line(
+                "grads_so_far",
+                "gradients already computed",
+                so_far,
+                "kept across micro-batches" if G else f"head + {above} later block(s)",
+            ),
+            Line(
+                "backward",
+                "residual gradient + MLP backward outputs",
+                BTC * r + transient,
+                "B*T*F input gradient + weight gradient",
+            ),
+        ]
+        out.append(Moment(f"backward of the {where} block", [p for p in parts if p.bytes]))
+    # Embedding backward: a tied embedding sums the head's contribution with its own.
+    if tied:
+        parts = [
+            Line("grads", "gradients", st.grads, "all but the tied embedding's final sum"),
+            Line(
+                "tied_grad",
+                "tied embedding gradient sum",
+                (3 if G else 2) * tied,
+                "head + embedding contributions and their sum",
+            ),
+            Line("activations", "activations still saved", BT * 8, "token ids"),
+            Line("targets", "targets (held by the batch)", targets, ""),
+        ]
+        out.append(Moment("embedding backward", parts))
+    out.append(
+        Moment(
+            "optimizer step",
+            [
+                grads_line(st.grads, notes_grads(st)),
+                Line(
+                    "optimizer_temp",
+                    "optimizer step temporaries",
+                    st.optimizer_temp,
+                    _temp_note(setup) if st.optimizer_temp else "",
+                ),
+            ],
+        )
+    )
+    return out
+
+
+def notes_grads(st: ModelStates) -> str:
+    return (st.notes or {}).get("grads", "")
 
 
 def _share(setup: Setup, what: str) -> str:

@@ -1,8 +1,12 @@
 """What to change when a config does not fit: micro-batch, accumulation, memory switches.
 
-Memory grows monotonically with the micro-batch (every activation is linear in it), so the
-largest fitting micro-batch is found by doubling then bisecting: ~20 evaluations of a closed
-form, well under a millisecond each.
+Every activation grows with the micro-batch, so at a fixed step structure the peak is monotone
+in it. One thing is not fixed: with ``run.global_batch_tokens`` a smaller micro-batch means
+gradient accumulation, and from the second micro-batch of a window on the gradients are alive
+during the forward (``nanolab fit`` frees them after every optimizer step). So the search runs
+in two monotone regions (accumulation 1, and accumulation > 1), each by doubling then bisecting
+(~20 evaluations of a closed form, well under a millisecond each), and a global batch's
+micro-batch is the largest *divisor* that fits, checked one by one.
 """
 
 from __future__ import annotations
@@ -28,6 +32,23 @@ def fits(
     return est.total <= device_memory
 
 
+def _largest_in(ok, lo: int, hi: int) -> int:
+    """Largest ``b`` in ``[lo, hi]`` with ``ok(b)``, for ``ok`` true up to a point; ``lo - 1``
+    when not even ``lo`` is."""
+    if lo > hi or not ok(lo):
+        return lo - 1
+    step = 1
+    good = lo
+    while good + step <= hi and ok(good + step):
+        good += step
+        step *= 2
+    bad = min(good + step, hi + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if ok(mid) else (good, mid)
+    return good
+
+
 def largest_micro_batch(
     setup: Setup,
     device_memory: int,
@@ -41,16 +62,15 @@ def largest_micro_batch(
     def ok(b: int) -> bool:
         return fits(setup, b, device_memory, backend=backend, fragmentation=fragmentation)
 
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    per_device = sequences_per_device(setup)
+    if per_device is None or per_device < 2:
+        return max(0, _largest_in(ok, 1, limit))
+    # From per_device on there is no accumulation; below it the gradients of earlier
+    # micro-batches are alive too, so a smaller micro-batch can need *more* memory.
+    no_accumulation = _largest_in(ok, per_device, limit)
+    if no_accumulation >= per_device:
+        return no_accumulation
+    return max(0, _largest_in(ok, 1, min(per_device - 1, limit)))
 
 
 def sequences_per_device(setup: Setup) -> int | None:
@@ -60,16 +80,28 @@ def sequences_per_device(setup: Setup) -> int | None:
     return setup.global_batch_tokens // (setup.gpt.block_size * setup.world_size)
 
 
-def micro_batch_for_global(setup: Setup, largest: int) -> tuple[int, int] | None:
-    """(micro-batch, accumulation) reaching the global batch exactly with the largest micro-batch
-    that fits: the largest divisor of the per-device sequences not above ``largest``."""
-    if largest < 1:
-        return None
+def micro_batch_for_global(
+    setup: Setup,
+    device_memory: int,
+    *,
+    backend: Backend = "cuda",
+    fragmentation: float = DEFAULT_FRAGMENTATION,
+    limit: int = MAX_MICRO_BATCH,
+) -> tuple[int, int] | None:
+    """(micro-batch, accumulation) that reach the global batch exactly with the largest
+    micro-batch that fits: the largest divisor of the per-device sequences whose estimate
+    fits (``None`` when none does). Without a global batch: the largest that fits, 1."""
     per_device = sequences_per_device(setup)
     if per_device is None:
-        return largest, 1
-    best = max(d for d in range(1, min(largest, per_device) + 1) if per_device % d == 0)
-    return best, per_device // best
+        largest = largest_micro_batch(
+            setup, device_memory, backend=backend, fragmentation=fragmentation, limit=limit
+        )
+        return (largest, 1) if largest else None
+    divisors = [d for d in range(1, min(per_device, limit) + 1) if per_device % d == 0]
+    for d in reversed(divisors):
+        if fits(setup, d, device_memory, backend=backend, fragmentation=fragmentation):
+            return d, per_device // d
+    return None
 
 
 @dataclass

@@ -1,0 +1,108 @@
+"""Ground truth from a real ``L.Trainer``: the peak bytes ``nanolab fit`` allocates on a CPU.
+
+The estimator's claims are about the step order Lightning really runs (``training_step``, then
+``zero_grad``, then backward, then the optimizer step, with the module's own hooks), so the
+reference is a real Trainer fitting :class:`~nanolab.training.module.GPTLightningModule` for a
+few steps, not a hand-written loop. The profiler's ``[memory]`` events (every allocation and free
+of the CPU allocator, with sizes) give the running total from ``on_train_start`` on, after
+Lightning has set the model up (a ``*-true`` precision casts it there; the profiler cannot see
+frees of blocks allocated before it started); its maximum plus the parameters and buffers
+resident at that moment is what ``torch.cuda.max_memory_allocated`` would report on a GPU. Used by the tests and ``benches/bench_memory.py``; imports torch and
+Lightning.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from nanolab.model.config import GPTConfig
+
+
+@dataclass
+class TrainerPeak:
+    """Peak allocated bytes of a CPU ``fit`` and what was resident when training started."""
+
+    peak: int
+    resident_at_start: int
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_trainer_peak_cpu(
+    gpt: GPTConfig,
+    micro_batch: int,
+    *,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    accumulate: int = 1,
+    steps: int = 3,
+    module_cls: type | None = None,
+    seed: int = 0,
+) -> TrainerPeak:
+    """Fit ``GPTLightningModule(gpt)`` for ``steps`` optimizer steps on CPU; return its peak.
+
+    ``module_cls`` replaces the LightningModule class (a subclass, e.g. to compare another
+    ``zero_grad`` placement). Three steps: the first creates the optimizer states, the second
+    and third run with everything a long run holds.
+    """
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nanolab.training.module import GPTLightningModule
+    from nanolab.training.optim import OptimizerConfig
+
+    torch.manual_seed(seed)
+    cls = module_cls or GPTLightningModule
+    module = cls(gpt=gpt, optimizer=OptimizerConfig(name=optimizer))
+    n = micro_batch * accumulate * steps
+    g = torch.Generator().manual_seed(seed)
+    V, T = gpt.vocab_size or 2, gpt.block_size
+    x = torch.randint(0, V, (n, T), generator=g)
+    y = torch.randint(0, V, (n, T), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=micro_batch, shuffle=False)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    resident = [0]
+
+    class _Profile(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            # Objects of an earlier fit freed during this one would count as negative events.
+            gc.collect()
+            resident[0] = _storage_bytes(list(pl_module.parameters()) + list(pl_module.buffers()))
+            prof.start()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            prof.stop()
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[_Profile()],
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return TrainerPeak(peak=resident[0] + peak, resident_at_start=resident[0])
