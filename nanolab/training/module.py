@@ -139,6 +139,18 @@ class GPTLightningModule(L.LightningModule):
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """Step, then free the gradients at once (``set_to_none``).
+
+        Lightning's own ``zero_grad`` runs inside the next step's closure, *after* its forward,
+        so the previous gradients would sit in memory through the whole forward: one
+        gradient-sized buffer on top of the activations at the peak (3-15% measured on small
+        GPTs, see docs/estimator.md). Nothing reads them after the step (the gradient norm is
+        taken before it), and the estimator models exactly this order.
+        """
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        optimizer.zero_grad(set_to_none=True)
+
     # -- checkpoint contents ---------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store the architecture as plain data and every RNG stream an exact resume needs.
