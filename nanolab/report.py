@@ -77,9 +77,22 @@ class RunSummary:
     updated: float | None = None
     run_dir: str = ""
     group: str | None = field(default=None, repr=False)  # fingerprint of the seed-free config
+    skipped_records: int = 0  # valid JSON of the wrong shape (e.g. a string step), not used
+    skipped_example: str | None = None  # what was wrong with the first of them
 
 
-SORT_FIELDS = tuple(f.name for f in fields(RunSummary) if f.name not in ("group", "run_dir"))
+SORT_FIELDS = tuple(
+    f.name for f in fields(RunSummary) if f.name not in ("group", "run_dir", "skipped_example")
+)
+
+#: Record fields the report reads, by the JSON type it needs (null is always fine). A record
+#: breaking one of these is skipped and counted, so one hand-edited or foreign line cannot
+#: take down the report of every run.
+NUMBER_FIELDS = (
+    "time", "loss", "val_loss", "tokens", "tokens_per_s", "mfu", "gpu_hours", "cost",
+    "elapsed_s", "step_time_s",
+)  # fmt: skip
+TEXT_FIELDS = ("reason", "error")
 
 
 # -- finding runs ---------------------------------------------------------------------------
@@ -97,7 +110,8 @@ def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
         if (root / RUN_LOG_NAME).is_file():
             found.append((root.resolve().name, root))
             continue
-        dirs = sorted({p.parent for p in root.rglob(RUN_LOG_NAME)}, key=lambda p: len(p.parts))
+        logs = (p for p in root.rglob(RUN_LOG_NAME) if p.is_file())
+        dirs = sorted({p.parent for p in logs}, key=lambda p: len(p.parts))
         kept: list[Path] = []
         for d in dirs:
             if not any(k in d.parents for k in kept):
@@ -110,6 +124,46 @@ def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
 
 
 # -- reading one run ------------------------------------------------------------------------
+def record_problem(record: dict[str, Any]) -> str | None:
+    """What makes ``record`` unusable (e.g. "'step' is str '7'"), or None when it is fine."""
+
+    def shown(value: Any) -> str:
+        return f"{type(value).__name__} {json.dumps(value, default=str)[:20]}"
+
+    if not isinstance(record.get("event"), str):
+        return f"'event' is {shown(record.get('event'))}" if "event" in record else "no 'event'"
+    step = record.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        return f"'step' is {shown(step)}"
+    for key in NUMBER_FIELDS:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"'{key}' is {shown(value)}"
+    for key in TEXT_FIELDS:
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            return f"'{key}' is {shown(value)}"
+    seed = record.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        return f"'seed' is {shown(seed)}"
+    return None
+
+
+def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], int, str | None]:
+    """A run's usable records, how many were skipped for their shape, and the first reason."""
+    records: list[dict[str, Any]] = []
+    skipped, example = 0, None
+    for r in iter_records(run_dir / RUN_LOG_NAME):
+        problem = record_problem(r)
+        if problem is None:
+            records.append(r)
+            continue
+        skipped += 1
+        if example is None:
+            example = f"a {r.get('event')!s:.20} record whose {problem}"
+    return records, skipped, example
+
+
 def _last_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per step, the latest copy (a resume redoes the steps after its checkpoint)."""
     by_step: dict[Any, dict[str, Any]] = {}
@@ -145,7 +199,7 @@ def _config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | 
 
         try:
             loaded = yaml.safe_load(saved.read_text())
-        except yaml.YAMLError:
+        except (yaml.YAMLError, OSError, UnicodeDecodeError):
             return None
         return loaded if isinstance(loaded, dict) else None
     return None
@@ -178,8 +232,9 @@ def _drop_nulls(value: Any) -> Any:
 def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSummary:
     """Everything the report says about one run, from its log (and ``config.yaml`` if needed)."""
     now = time.time() if now is None else now
-    records = list(iter_records(run_dir / RUN_LOG_NAME))
+    records, skipped, example = read_run(run_dir)
     s = RunSummary(run=name, status="crashed", run_dir=str(run_dir))
+    s.skipped_records, s.skipped_example = skipped, example
     starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
     s.resumes = max(0, len(starts) - 1)
     last_start = starts[-1] if starts else 0
@@ -192,7 +247,8 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     config = _config_of(start, run_dir)
     s.group = seed_free_fingerprint(config)
     seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
-    s.seed = int(seed) if isinstance(seed, (int, float)) and not isinstance(seed, bool) else None
+    seed_value = None if isinstance(seed, bool) else _num(seed)
+    s.seed = int(seed_value) if seed_value is not None else None
     if records:
         s.started = _num(records[0].get("time"))
         s.updated = _num(records[-1].get("time"))
@@ -200,6 +256,8 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     if end is not None:
         s.status = str(end.get("reason") or "completed")
         s.detail = end.get("error") or None
+        if s.status == "diverged" and end.get("diverged_step") is not None:
+            s.detail = f"at step {end['diverged_step']}"
     elif not records:
         s.status, s.detail = "crashed", "empty log"
     else:
@@ -216,7 +274,8 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     if end is not None and isinstance(end.get("step"), int):
         s.steps = end["step"]
     tokens = (end or {}).get("tokens", _last_value(train, "tokens"))
-    s.tokens = int(tokens) if isinstance(tokens, (int, float)) else None
+    tokens = None if isinstance(tokens, bool) else _num(tokens)
+    s.tokens = int(tokens) if tokens is not None else None
     s.train_loss = _num(_last_value(train, "loss"))
     if val:
         best = min(
@@ -321,7 +380,7 @@ def _money(value: float | None) -> str:
 
 
 def _status_text(s: RunSummary) -> str:
-    if s.detail and s.status in ("error", "crashed"):
+    if s.detail and s.status in ("error", "crashed", "diverged"):
         detail = s.detail.strip().splitlines()[-1] if s.detail.strip() else ""
         return f"{s.status}: {detail[:60]}"
     return s.status + (f" (+{s.resumes} resume{'s' if s.resumes > 1 else ''})" if s.resumes else "")
@@ -379,6 +438,14 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
             )
             seeds = ",".join(str(x) for x in g.seeds)
             out.append(f"  {g.label}: {spread}  (n={g.n}, seeds {seeds}: {', '.join(g.runs)})")
+    skipped = [s for s in summaries if s.skipped_records]
+    if skipped:
+        out.append("")
+        for s in skipped:
+            out.append(
+                f"note: {s.run}: skipped {s.skipped_records} record(s) of the wrong shape in "
+                f"{Path(s.run_dir) / RUN_LOG_NAME} (first: {s.skipped_example}); the rest is shown"
+            )
     return "\n".join(out)
 
 
@@ -394,7 +461,7 @@ def plot_runs(runs: list[tuple[RunSummary, Path]], out: Path, x: str) -> None:
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     missing = []
     for s, run_dir in runs:
-        records = list(iter_records(run_dir / RUN_LOG_NAME))
+        records = read_run(run_dir)[0]
         train = _last_by_step([r for r in records if r.get("event") == "train"])
         val = _last_by_step([r for r in records if r.get("event") == "val"])
         xs = {r.get("step"): _num(r.get(key)) for r in train}  # val records may lack GPU-hours

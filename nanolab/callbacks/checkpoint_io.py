@@ -34,6 +34,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message says why and that older ones are intact."""
 
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] " prefix
+        return str(self.strerror)
+
 
 def tmp_path(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
@@ -54,11 +57,20 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def _explain(err: OSError, path: Path) -> str:
-    if err.errno == errno.ENOSPC:
-        cause = "the disk is full"
-        fix = "free space, lower checkpoint.keep_last/keep_best or set checkpoint.max_disk_gb"
-    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = _size_text(shutil.disk_usage(path.parent).free)
+        except OSError:
+            free = "unknown space"
+        needs = f", checkpoint needs {_size_text(needed)}" if needed else ""
+        what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+        return (
+            f"{what} writing {path} ({free} free{needs}); the previous "
+            "checkpoints are intact (no partial file was left under the final name); free space, "
+            "lower checkpoint.keep_last/keep_best or set checkpoint.max_disk_gb"
+        )
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         cause = "permission denied"
         fix = "make the run directory writable or choose another run.root"
     else:
@@ -68,6 +80,73 @@ def _explain(err: OSError, path: Path) -> str:
         f"could not write checkpoint {path}: {cause}; the previous checkpoints are intact "
         f"(no partial file was left under the final name); {fix}"
     )
+
+
+def _size_text(nbytes: int) -> str:
+    """Bytes as GB (MB or kB when small, so a tiny checkpoint does not read "0.00 GB")."""
+    if nbytes >= 1e8:
+        return f"{nbytes / 1e9:.2f} GB"
+    if nbytes >= 1e5:
+        return f"{nbytes / 1e6:.2f} MB"
+    return f"{nbytes / 1e3:.0f} kB"
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct tensor storages in ``obj``: about what its ``torch.save`` writes.
+
+    Used only after a failed write, to say how much room the checkpoint needs.
+    """
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            key = (str(item.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+    return total
+
+
+def _os_error_of(err: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``err``: itself, or one in its cause/context chain.
+
+    torch's zip writer reports a failed ``write`` (a full disk) as ``RuntimeError: [enforce fail
+    at inline_container.cc...] unexpected pos``, raised while the ``OSError`` is handled.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | None:
+    """The ``OSError`` a failed checkpoint write amounts to, or None if it was not the disk.
+
+    A torch writer error with no ``OSError`` attached still means a full disk when the free
+    space left is smaller than the checkpoint.
+    """
+    found = _os_error_of(err)
+    if found is not None:
+        return found
+    if isinstance(err, RuntimeError) and "inline_container" in str(err):
+        try:
+            full = shutil.disk_usage(path.parent).free < needed
+        except OSError:
+            full = False
+        if full:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> int:
@@ -82,12 +161,16 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> int:
             os.fsync(f.fileno())
         size = tmp.stat().st_size
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         _remove_quietly(tmp)
-        raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, path)) from err
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
+        if not isinstance(err, (OSError, RuntimeError)):
+            raise
+        needed = tensor_bytes(obj)
+        cause = _write_failure(err, path, needed)
+        if cause is None:
+            raise
+        message = _explain(cause, path, needed)
+        raise CheckpointWriteError(cause.errno or errno.EIO, message) from err
     fsync_dir(path.parent)
     return size
 
@@ -118,8 +201,16 @@ def atomic_link(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
         os.replace(tmp, target)
     except OSError as err:
         _remove_quietly(tmp)
-        raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, target)) from err
+        needed = _size_of(source)
+        raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, target, needed)) from err
     fsync_dir(target.parent)
+
+
+def _size_of(path: Path) -> int | None:
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
 
 
 def _remove_quietly(path: Path) -> None:

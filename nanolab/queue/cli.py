@@ -17,13 +17,22 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from nanolab.queue.db import FINISHED, STATUSES, Job, QueueDB, QueueError
+from nanolab.queue.db import (
+    FINISHED,
+    STATUSES,
+    Job,
+    QueueDB,
+    QueueError,
+    default_db_path,
+    unusable_db,
+)
 from nanolab.queue.estimate import describe, remaining_seconds
 from nanolab.queue.jobs import JobConfigError
 from nanolab.queue.runner import ORDERS, Runner, _is_job_process
@@ -65,7 +74,33 @@ def parse_gpus(text: str | None) -> list[str] | None:
     ids = [g.strip() for g in text.split(",") if g.strip()]
     if not ids or len(set(ids)) != len(ids):
         raise QueueError(f"--gpus {text!r}: give distinct device ids, e.g. --gpus 0,1,2,3")
+    check_gpus_visible(ids, text)
     return ids
+
+
+def check_gpus_visible(ids: list[str], text: str) -> None:
+    """Refuse GPU ids this machine cannot have: without the check, every job would silently
+    train on the CPU while the queue lists it on "GPU 0"."""
+    import torch
+
+    n = torch.cuda.device_count()
+    names = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+    masks = {k: os.environ[k] for k in names if k in os.environ}
+    mask = "".join(f", {k}={v!r}" for k, v in masks.items())
+    if n == 0:
+        build = "a CPU-only torch" if not torch.backends.cuda.is_built() else "no device found"
+        raise QueueError(
+            f"--gpus {text}: no GPU is visible here ({build}{mask}); leave --gpus out to run the "
+            "jobs on CPU (--slots N for several at once)"
+        )
+    # With a visibility mask set, ids name physical devices (the jobs get them as their mask),
+    # so only an unmasked machine can be checked by index.
+    too_high = [g for g in ids if g.isdigit() and int(g) >= n]
+    if too_high and not masks:
+        raise QueueError(
+            f"--gpus {text}: this machine has {n} GPU(s), ids 0-{n - 1}; {', '.join(too_high)} "
+            "do not exist"
+        )
 
 
 def _db(args: argparse.Namespace) -> QueueDB:
@@ -280,4 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except (QueueError, JobConfigError) as err:
         print(f"nanolab queue {args.verb}: error: {err}", file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as err:  # damage found past the checks made on opening
+        path = Path(args.db) if args.db else default_db_path()
+        print(f"nanolab queue {args.verb}: error: {unusable_db(path, f'failed: {err}')}",
+              file=sys.stderr)  # fmt: skip
         return 2

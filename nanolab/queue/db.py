@@ -15,6 +15,7 @@ runner is gone is recovered by the next runner (see :mod:`nanolab.queue.runner`)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -157,20 +158,40 @@ class QueueDB:
                 f"the queue database folder {self.path.parent} does not exist; "
                 "create it or pass --db PATH"
             )
-        # isolation_level=None: no implicit transactions; every write below opens its own.
-        self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.execute("PRAGMA busy_timeout=30000")
-        with self.transaction():
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    self.conn.execute(statement)
-            self.conn.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
-                (str(SCHEMA_VERSION),),
+        if self.path.exists() and not self.path.is_file():
+            what = "a folder" if self.path.is_dir() else "not a regular file"
+            hint = self.path / DEFAULT_DB if self.path.is_dir() else DEFAULT_DB
+            raise QueueError(
+                f"the queue database {self.path} is {what}; pass --db with a file path, "
+                f"e.g. --db {hint}"
             )
+        # isolation_level=None: no implicit transactions; every write below opens its own.
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        except sqlite3.Error as err:
+            raise QueueError(unusable_db(self.path, f"cannot be opened ({err})")) from None
+        self.conn.row_factory = sqlite3.Row
+        try:
+            # Read-only checks first: nothing below may write into a file that is not ours
+            # (even switching it to WAL mode rewrites its header).
+            check_queue_db(self.conn, self.path)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.execute("PRAGMA busy_timeout=30000")
+            with self.transaction():
+                for statement in SCHEMA.split(";"):
+                    if statement.strip():
+                        self.conn.execute(statement)
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
+                )
+        except sqlite3.DatabaseError as err:
+            self.conn.close()
+            raise QueueError(unusable_db(self.path, f"is damaged or not SQLite ({err})")) from None
+        except BaseException:
+            self.conn.close()
+            raise
 
     def close(self) -> None:
         self.conn.close()
@@ -367,6 +388,57 @@ class QueueDB:
             "SELECT value FROM events WHERE kind = ? AND value IS NOT NULL ORDER BY id", (kind,)
         ).fetchall()
         return [float(r["value"]) for r in rows]
+
+
+def unusable_db(path: Path, why: str) -> str:
+    """One line for a queue database that cannot be used: what is wrong, that the file was not
+    touched, and the ways forward."""
+    return (
+        f"the queue database {path} {why}; it was left untouched; pass --db with another file, "
+        f"or move it aside (mv {path} {path}.bad) and queue the jobs again (a job re-added with "
+        "the same --name resumes from its run directory's checkpoint)"
+    )
+
+
+def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
+    """Refuse a file that is not a nanolab queue before anything is written into it.
+
+    A new or empty database (no tables, e.g. a zero-byte file) is fine: the schema is created.
+    A SQLite file holding other tables, one from a newer nanolab, or one that fails SQLite's
+    ``quick_check`` (a truncated copy, a torn disk) raises :class:`QueueError`. Garbage bytes
+    raise ``sqlite3.DatabaseError`` on the first read, which the caller turns into one line.
+    The check reads the whole (small) file once per connection.
+    """
+    rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    tables = {r[0] for r in rows} - {"sqlite_sequence"}
+    if not tables:
+        return
+    version = None
+    if "meta" in tables:
+        with contextlib.suppress(sqlite3.OperationalError):  # a "meta" table of another shape
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            version = None if row is None else row[0]
+    if version is None:
+        raise QueueError(
+            f"{path} is a SQLite database but not a nanolab queue (its tables: "
+            f"{', '.join(sorted(tables))}); it was left untouched; pass --db with the queue's "
+            f"file or a new file name"
+        )
+    if not str(version).isdigit() or int(version) > SCHEMA_VERSION:
+        raise QueueError(
+            f"the queue database {path} has schema version {version!r}, newer than this nanolab "
+            f"understands ({SCHEMA_VERSION}); it was left untouched; upgrade nanolab or pass "
+            "--db with another file"
+        )
+    missing_tables = {"jobs", "runners", "events"} - tables
+    job_columns = {r[1] for r in conn.execute("PRAGMA table_info(jobs)").fetchall()}
+    missing = {f.name for f in fields(Job)} - job_columns if "jobs" in tables else set()
+    if missing or missing_tables:
+        gone = sorted(missing_tables) + [f"jobs.{c}" for c in sorted(missing)]
+        raise QueueError(unusable_db(path, f"lacks {', '.join(gone[:5])}"))
+    problems = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
+    if problems != ["ok"]:
+        raise QueueError(unusable_db(path, f"is damaged (sqlite quick_check: {problems[0]})"))
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -19,13 +19,19 @@ from typing import Any, Literal, NoReturn
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from nanolab.callbacks.checkpoint_io import CheckpointWriteError
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import TokenizerError
 from nanolab.data.windows import DataTooSmallError
 from nanolab.model.config import ConfigError
-from nanolab.training.autobatch import AutoBatchError, device_memory_bytes, plan_memory
+from nanolab.training.autobatch import (
+    AutoBatchError,
+    HostMemoryError,
+    device_memory_bytes,
+    plan_memory,
+)
 from nanolab.training.module import GPTLightningModule
 
 
@@ -39,7 +45,8 @@ class RunConfig:
 
     Args:
         name: Run name: its directory is ``<root>/<name>``. ``null`` = ``<config stem>-<time>``.
-            Give a fixed name to make a run resumable under the same directory.
+            Give a fixed name to make a run resumable under the same directory. A plain folder
+            name: no ``/``, not empty, ``.`` or ``..`` (the run must stay inside ``root``).
         root: Folder holding run directories.
         global_batch_tokens: Tokens per optimizer step over all devices. Gradient accumulation
             is derived: ``global_batch_tokens / (micro_batch_size * block_size * world_size)``,
@@ -118,6 +125,105 @@ def default_run_name(stem: str) -> str:
     return name
 
 
+def check_run_name(name: Any) -> None:
+    """Refuse a run name that would put the run directory outside ``run.root`` (or be ``root``)."""
+    text = str(name) if name is not None else ""
+    if (
+        not text.strip()
+        or text in (".", "..")
+        or "/" in text
+        or "\\" in text
+        or "\0" in text
+        or Path(text).is_absolute()
+    ):
+        raise RunConfigError(
+            f"run.name {text!r}: give a plain folder name (no '/', not empty, '.' or '..'); "
+            "the run directory is run.root/run.name, set run.root to put it elsewhere"
+        )
+
+
+def check_max_steps(max_steps: Any) -> None:
+    """Steps, not epochs: a positive number, or -1 (no limit: a budget or a signal stops it)."""
+    if (
+        isinstance(max_steps, bool)
+        or not isinstance(max_steps, int)
+        or not (max_steps >= 1 or max_steps == -1)
+    ):
+        raise RunConfigError(
+            f"trainer.max_steps must be a positive number of optimizer steps (or -1: no limit, "
+            f"stop on a budget), got {max_steps!r}"
+        )
+
+
+def check_model_settings(model: Any) -> None:
+    """Validate ``model.gpt``/``optimizer``/``schedule`` before anything is derived from them,
+    so an error names the model key (``block_size`` is also linked into ``data``)."""
+    from nanolab.model.config import GPTConfig
+    from nanolab.training.optim import OptimizerConfig, ScheduleConfig
+
+    def plain(node: Any) -> dict[str, Any]:
+        data = node.as_dict() if hasattr(node, "as_dict") else dict(node or {})
+        return {k: v for k, v in data.items() if not str(k).startswith("__")}
+
+    GPTConfig(**plain(model.get("gpt")))
+    optimizer = plain(model.get("optimizer"))
+    if "betas" in optimizer:
+        optimizer["betas"] = tuple(optimizer["betas"])
+    OptimizerConfig(**optimizer)
+    ScheduleConfig(**plain(model.get("schedule")))
+
+
+def _runs_on_cpu(trainer_cfg: Any) -> bool:
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    if accelerator == "cpu":
+        return True
+    if accelerator in ("auto", "gpu", "cuda"):
+        import torch
+
+        return not torch.cuda.is_available()
+    return False
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Read every ``--config`` file first, so an empty or malformed one is named in the error
+    (the parser itself reports them as "Unexpected config" or ``<unicode string>``)."""
+    import yaml
+
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_file():
+            continue  # not a file: the parser reports it (or takes it as inline YAML)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise RunConfigError(
+                f"config file {path}: YAML error{where}: {problem}; fix the file's syntax"
+            ) from None
+        if data is None:
+            raise RunConfigError(
+                f"config file {path} is empty; give it settings (e.g. `trainer: {{max_steps: "
+                f"100}}`) or leave out --config {raw}"
+            )
+        if not isinstance(data, dict):
+            raise RunConfigError(
+                f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
+                f"got a {type(data).__name__}"
+            )
+
+
 class OneLineErrorParser(LightningArgumentParser):
     """Reports a bad config in one line (the key and what is wrong), not a usage screen."""
 
@@ -151,6 +257,10 @@ class NanolabCLI(LightningCLI):
         parser.add_lightning_class_args(CostBudget, "budget")
         parser.add_lightning_class_args(ThroughputMeter, "throughput")
         parser.add_lightning_class_args(StepProgressBar, "progress")
+        # On by default: K non-finite steps in a row stop the run (exit 3, reason "diverged").
+        from nanolab.callbacks.divergence import DivergenceStop
+
+        parser.add_lightning_class_args(DivergenceStop, "divergence")
         parser.link_arguments("run.fresh", "log.fresh")
         # On by default: SIGTERM/SIGINT/SIGUSR1 -> finish the step, checkpoint, exit 75.
         # Registered last: its step-end hook must run after the other callbacks have counted
@@ -169,12 +279,33 @@ class NanolabCLI(LightningCLI):
                 else "run"
             )
             run.name = default_run_name(stem)
+        check_run_name(run.name)
         run_dir = Path(run.root) / run.name
         cfg.trainer.default_root_dir = str(run_dir)
+        check_max_steps(cfg.trainer.get("max_steps"))
+        check_model_settings(cfg.model)
+        if self.subcommand == "fit" and not cfg.get("preemption", {}).get("enabled", True):
+            from nanolab.training import early_signals
+
+            early_signals.uninstall()  # preemption off: signals act as they did before
 
         # The vocabulary comes from the prepared data unless the config fixes it.
         data = TokenDataModule(**{k: v for k, v in cfg.data.items() if k != "__path__"})
-        vocab = data.vocab_size  # prepares the dataset from data.source when needed
+        try:
+            vocab = data.vocab_size  # prepares the dataset from data.source when needed
+        except PrepareError as err:
+            from nanolab.data.checks import DataCheckError
+
+            if "--force" not in str(err) or isinstance(err, DataCheckError):
+                raise  # a damaged dataset names its own fix
+            # prepare's "already holds another dataset ... pass --force": fit has no --force.
+            raise RunConfigError(
+                f"data.dataset_dir {data.dataset_dir} already holds a dataset prepared from other "
+                "sources or settings than data.source/data.tokenizer, and fit never overwrites "
+                f"one: train on it as it is with --data.source null, choose another "
+                f"--data.dataset_dir, or replace it with `nanolab prepare <sources> -o "
+                f"{data.dataset_dir} --force`"
+            ) from None
         gpt = cfg.model.gpt
         if gpt.vocab_size is None:
             gpt.vocab_size = vocab
@@ -195,6 +326,12 @@ class NanolabCLI(LightningCLI):
         data.check_fits(world)
         if run.eval_every_steps < 1:
             raise RunConfigError(f"run.eval_every_steps must be >= 1, got {run.eval_every_steps}")
+        if _runs_on_cpu(cfg.trainer):
+            # Say it now, from the estimator, rather than swapping or being OOM-killed later.
+            from nanolab.training.autobatch import check_fits_on_host
+
+            nodes = int(cfg.trainer.get("num_nodes") or 1)
+            check_fits_on_host(cfg.as_dict(), processes=max(1, world // max(1, nodes)))
         # The training stream is endless (steps, not epochs): validation is counted in
         # micro-batches, so one optimizer step = `accumulate` of them.
         cfg.trainer.val_check_interval = run.eval_every_steps * accumulate
@@ -236,42 +373,128 @@ class NanolabCLI(LightningCLI):
         if plan.warning:
             rank_zero_warn(plan.warning)
 
-    def before_fit(self) -> None:
-        kwargs = self.config_init["fit"]
-        kwargs["weights_only"] = True
-        if kwargs.get("ckpt_path") is None and not self.run_config.fresh:
-            # The newest *complete* checkpoint (a torn one is reported and skipped): resume.py.
-            from dataclasses import asdict
+    def _parse_ckpt_path(self) -> None:
+        """Check a ``--ckpt_path`` file the safe way before LightningCLI opens it (it reads the
+        checkpoint's hyperparameters right after parsing): a bad file is one error line."""
+        sub = self.config.get("subcommand")
+        given = self.config[sub].get("ckpt_path") if sub else None
+        if given is not None and Path(str(given)).is_file():
+            from nanolab.training.resume import ResumeError, resume_candidate
 
-            from nanolab.training.resume import ResumeError, resolve_resume
-
-            gpt = getattr(self.model, "gpt_config", None)
             try:
-                kwargs["ckpt_path"] = resolve_resume(
-                    self.run_config.resume, self.run_dir, asdict(gpt) if gpt else None
-                )
+                resume_candidate(str(given), ".", None, "--ckpt_path", training=sub == "fit")
             except ResumeError as err:
                 raise RunConfigError(str(err)) from None
+        super()._parse_ckpt_path()
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        if self.subcommand in ("validate", "test"):
+            # Evaluating a run's checkpoint must not rewrite that run's config.yaml.
+            self.save_config_callback = None
+        return super().instantiate_trainer(**kwargs)
+
+    def before_fit(self) -> None:
+        from nanolab.training import early_signals
+
+        early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
+        kwargs = self.config_init["fit"]
+        kwargs["weights_only"] = True
+        run = self.run_config
+        # One launch per run directory: taken before anything in it is read or written.
+        from nanolab.callbacks.runlock import acquire
+
+        try:
+            acquire(self.run_dir)
+        except OSError as err:
+            raise RunConfigError(
+                f"run directory {self.run_dir} cannot be used ({err.strerror or err}); set "
+                "run.root to a folder this user can write"
+            ) from None
+        # The newest *complete* checkpoint for auto (a torn one is reported and skipped), or the
+        # one given, opened without running its pickle and checked against this model.
+        requested, flag = self._requested_checkpoint(kwargs.get("ckpt_path"))
+        cand = None
+        if requested is not None and not (run.fresh and requested == "auto"):
+            cand = self._checkpoint(requested, flag, training=True)
+        kwargs["ckpt_path"] = str(cand.path) if cand is not None else None
         # Refuse to resume on data that changed under the run (file sizes, meta.json) before
         # anything is written; the DataModule checks again when the trainer restores it.
         check_data = getattr(self.datamodule, "check_resume", None)
         if callable(check_data):
             check_data(kwargs.get("ckpt_path"))
-        # Refuse a directory holding a different run before anything (config.yaml) is written.
+        # Refuse a directory holding a different run (or a foreign checkpoint into it) before
+        # anything (config.yaml) is written.
         from nanolab.callbacks.rundir import claim_run_dir
 
         claim_run_dir(
             self.run_dir,
             self.config[self.subcommand].as_dict(),
-            resuming=kwargs.get("ckpt_path") is not None,
-            fresh=self.run_config.fresh,
+            resuming=cand is not None,
+            fresh=run.fresh,
+            checkpoint=cand.path if cand is not None else None,
+            checkpoint_run_id=cand.run_id if cand is not None else None,
         )
 
+    def _requested_checkpoint(self, ckpt_path: Any) -> tuple[str | None, str]:
+        """What to resume from: ``--ckpt_path`` or ``run.resume`` (auto/never/a path), and the
+        name of the setting that asked for it (for messages)."""
+        resume = str(self.run_config.resume)
+        if ckpt_path is None:
+            return (None if resume == "never" else resume), "run.resume"
+        given = str(ckpt_path)
+        if given in ("last", "hpc"):
+            return "auto", "--ckpt_path"  # Lightning's names for "this run's newest"
+        if given in ("best", "registry") or given.startswith("registry:"):
+            raise RunConfigError(
+                f"--ckpt_path {given}: not supported by nanolab fit; give a checkpoint file, "
+                "or use run.resume auto to continue this run"
+            )
+        if resume not in ("auto", "never") and Path(resume) != Path(given):
+            raise RunConfigError(
+                f"--ckpt_path {given} and run.resume {resume} name different checkpoints; "
+                "give one of them"
+            )
+        return given, "--ckpt_path"
+
+    def _checkpoint(self, requested: str, flag: str, training: bool) -> Any:
+        """Open the checkpoint without running its pickle and check it fits this model: a bad
+        file is one error line (exit 2), never a traceback from deep inside Lightning."""
+        from dataclasses import asdict
+
+        from nanolab.training.resume import ResumeError, check_same_shapes, resume_candidate
+
+        gpt = getattr(self.model, "gpt_config", None)
+        try:
+            cand = resume_candidate(
+                requested, self.run_dir, asdict(gpt) if gpt else None, flag, training
+            )
+            if cand is not None and getattr(self.model, "model", None) is not None:
+                expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+                check_same_shapes(cand, expected, flag)
+        except ResumeError as err:
+            raise RunConfigError(str(err)) from None
+        return cand
+
+    def _before_evaluation(self, verb: str) -> None:
+        kwargs = self.config_init[verb]
+        kwargs["weights_only"] = True  # a checkpoint is data, not code
+        given = kwargs.get("ckpt_path")
+        if given is None:
+            return
+        if str(given) == "last":
+            given = str(self.run_dir / "checkpoints" / "last.ckpt")
+        elif str(given) in ("best", "hpc", "registry") or str(given).startswith("registry:"):
+            raise RunConfigError(
+                f"--ckpt_path {given}: give a checkpoint file (or last: this run's newest)"
+            )
+        cand = self._checkpoint(str(given), "--ckpt_path", training=False)
+        kwargs["ckpt_path"] = str(cand.path)
+
     def before_validate(self) -> None:
-        self.config_init["validate"]["weights_only"] = True  # a checkpoint is data, not code
+        self._before_evaluation("validate")
 
     def before_test(self) -> None:
-        self.config_init["test"]["weights_only"] = True
+        self._before_evaluation("test")
 
 
 def trainer_defaults() -> dict[str, Any]:
@@ -290,14 +513,23 @@ USER_ERRORS = (
     TokenizerError,
     RunConfigError,
     DataTooSmallError,
-    CallbackConfigError,  # includes RunDirError: a run directory held by another run
+    CallbackConfigError,  # includes RunDirError and RunLockedError: a run directory in use
+    HostMemoryError,  # a CPU run that cannot fit in this machine's memory
+    CheckpointWriteError,  # a full disk: older checkpoints are intact, the message says so
 )
 
 
 def run_lightning_cli(argv: list[str]) -> int:
-    """Run ``fit``/``validate``/``test``; a bad value ends in one error line and exit code 2."""
+    """Run ``fit``/``validate``/``test``; a bad value ends in one error line and exit code 2.
+
+    Exit codes (docs/guarantees.md): 0 done (also stopped by a budget), 2 bad input or a run
+    directory in use, 3 diverged, 75 preempted (rerun the same command to resume).
+    """
+    from nanolab.callbacks.runlock import release_all
+
     try:
-        NanolabCLI(
+        check_config_files(argv)
+        cli = NanolabCLI(
             GPTLightningModule,
             TokenDataModule,
             # args=None lets LightningCLI read sys.argv itself (it warns when given both).
@@ -311,4 +543,21 @@ def run_lightning_cli(argv: list[str]) -> int:
     except USER_ERRORS as err:
         print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        release_all()
+    from nanolab.callbacks.divergence import EXIT_DIVERGED, diverged
+
+    stopped = diverged(getattr(cli, "trainer", None))
+    if stopped is not None:
+        trainer = cli.trainer
+        if trainer.is_global_zero:
+            last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+            kept = f"newest finite checkpoint: {last}" if last.exists() else "no checkpoint saved"
+            print(
+                f"nanolab {argv[0]}: diverged: {stopped.describe()}; stopped at step "
+                f"{trainer.global_step} ({kept}); lower model.optimizer.lr or raise "
+                "model.schedule.warmup_steps",
+                file=sys.stderr,
+            )
+        return EXIT_DIVERGED
     return 0
