@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import pickle
 import sys
 import zipfile
 from collections.abc import Sequence
@@ -58,6 +59,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path} holds Python objects besides tensors, which weights_only loading refuses "
+            "(a checkpoint is data, never code); pass a .ckpt written by nanolab fit"
+        ) from None
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise CheckpointError(
@@ -87,13 +93,27 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
         )
     try:
         model = GPT(GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False}))
-        model.load_state_dict(state)
-    except (TypeError, ValueError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(
-            f"{source}: the weights do not fit the model config ({first[:200]})"
-        ) from None
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{source}: its model config is not valid ({err})") from None
+    mismatch = state_mismatch(model.state_dict(), state)
+    if mismatch:
+        raise CheckpointError(f"{source}: the weights do not fit its model config ({mismatch})")
+    model.load_state_dict(state)
     return model.eval()
+
+
+def state_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> str:
+    """The first difference between two state dicts, in words ("" when they match)."""
+    missing = [k for k in expected if k not in found]
+    if missing:
+        return f"{len(missing)} tensor(s) missing, e.g. {missing[0]}"
+    extra = [k for k in found if k not in expected]
+    if extra:
+        return f"{len(extra)} unexpected tensor(s), e.g. {extra[0]}"
+    for key, tensor in expected.items():
+        if tuple(found[key].shape) != tuple(tensor.shape):
+            return f"{key} is {tuple(found[key].shape)}, the config makes it {tuple(tensor.shape)}"
+    return ""
 
 
 def tokenizer_from_checkpoint(ckpt: dict[str, Any]) -> Tokenizer:
@@ -137,6 +157,8 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise GenerateArgumentError(
             f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}"
         )
+    if not -(2**63) <= args.seed < 2**64:
+        raise GenerateArgumentError(f"--seed must fit in 64 bits, got {args.seed}")
     if args.top_k < 1:
         raise GenerateArgumentError(
             f"--top-k must be >= 1, got {args.top_k}; a value at least the vocabulary size "

@@ -82,6 +82,25 @@ def _truncated_ckpt(tmp: Path, t: Trained) -> list[str]:
     return ["generate", "--ckpt", str(tmp / "torn.ckpt")]
 
 
+def _edited_ckpt(edit: Callable[[dict], object]) -> Callable[[Path, Trained], list[str]]:
+    """A copy of the real checkpoint changed by ``edit`` (which may return a whole new object)."""
+
+    def make(tmp: Path, t: Trained) -> list[str]:
+        ckpt = torch.load(t.last, map_location="cpu", weights_only=True)
+        out = edit(ckpt)
+        torch.save(ckpt if out is None else out, tmp / "edited.ckpt")
+        return ["generate", "--ckpt", str(tmp / "edited.ckpt")]
+
+    return make
+
+
+class Payload:
+    """Pickles to a call of ``os.system``: a checkpoint that would run code if unpickled."""
+
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
 def _generate(*opts: str) -> Callable[[Path, Trained], list[str]]:
     return lambda tmp, t: ["generate", "--ckpt", str(_ckpt_copy(tmp, t)), *opts]
 
@@ -166,6 +185,33 @@ ROWS = [
         ("c.yaml", "not a checkpoint", "nanolab fit"),
     ),
     Row(
+        "generate-ckpt-empty-file",
+        lambda tmp, t: ["generate", "--ckpt", str((tmp / "e.ckpt").touch() or tmp / "e.ckpt")],
+        ("e.ckpt", "not a checkpoint", "empty"),
+    ),
+    Row(
+        "generate-ckpt-pickle-payload",
+        _edited_ckpt(lambda c: {**c, "extra": Payload()}),
+        ("edited.ckpt", "Python objects besides tensors", "never code"),
+    ),
+    Row(
+        "generate-ckpt-other-shape",
+        _edited_ckpt(lambda c: c["nanolab"]["gpt"].update(n_layer=3)),
+        ("edited.ckpt", "do not fit its model config", "missing", "blocks.2"),
+    ),
+    Row(
+        "generate-ckpt-invalid-model-config",
+        _edited_ckpt(lambda c: c["nanolab"]["gpt"].update(n_head=3)),
+        ("edited.ckpt", "model config is not valid", "n_head"),
+    ),
+    Row(
+        "generate-ckpt-not-a-dict",
+        _edited_ckpt(lambda c: [1, 2, 3]),
+        ("edited.ckpt", "holds no state_dict"),
+    ),
+    Row("generate-seed-overflow", _generate("--seed", str(2**70)), ("--seed", "64 bits")),
+    Row("generate-max-new-tokens-0", _generate("--max-new-tokens", "0"), ("--max-new-tokens",)),
+    Row(
         "generate-ckpt-folder-without-checkpoints",
         lambda tmp, t: ["generate", "--ckpt", str(tmp)],
         ("is a folder without checkpoints/last.ckpt", "pass a .ckpt file"),
@@ -207,6 +253,11 @@ ROWS = [
         ("is a folder", "--db", "nanolab_queue.db"),
     ),
     Row(
+        "queue-db-is-dev-null",
+        lambda tmp, t: ["queue", "add", str(t.config), "--db", os.devnull],
+        ("/dev/null is not a regular file", "--db"),
+    ),
+    Row(
         "queue-run-gpus-without-gpu",
         lambda tmp, t: ["queue", "run", "--gpus", "0", "--db", str(_queue_db(tmp))],
         ("--gpus 0", "no GPU is visible", "leave --gpus out"),
@@ -235,6 +286,24 @@ ROWS = [
         "report-no-event",
         _report_with('{"step": 3, "loss": 1.0}'),
         ("bad: skipped 1 record", "no 'event'"),
+        code=0,
+    ),
+    Row(
+        "report-negative-step",
+        _report_with('{"event": "train", "step": -1, "loss": 1.0}'),
+        ("bad: skipped 1 record", "'step' is int -1"),
+        code=0,
+    ),
+    Row(
+        "report-text-time",
+        _report_with('{"event": "train", "step": 2, "time": "yesterday"}'),
+        ("bad: skipped 1 record", "'time' is str"),
+        code=0,
+    ),
+    Row(
+        "report-nan-seed",
+        _report_with('{"event": "start", "step": 0, "seed": NaN}'),
+        ("bad: skipped 1 record", "'seed' is float NaN"),
         code=0,
     ),
     Row(
