@@ -193,23 +193,31 @@ class MixturePlan:
             r -= before  # position among the slots the later datasets share
         return len(self._split), r
 
-    def _start(self, dataset: int, k: int) -> int:
-        plan = self.plans[dataset]
-        epoch, position = divmod(k, plan.num_windows)
+    def _layout(self, dataset: int, epoch: int) -> tuple[int, np.ndarray]:
         cached = self._layouts.get(dataset)
         if cached is None or cached[0] != epoch:
             # One layout per dataset: the stream moves forward, so older epochs are not kept.
-            cached = (epoch, *_epoch_layout.__wrapped__(plan, epoch))
+            cached = (epoch, *_epoch_layout.__wrapped__(self.plans[dataset], epoch))
             self._layouts[dataset] = cached
-        _, offset, order = cached
-        return int(offset + order[position] * plan.block_size)
+        return cached[1], cached[2]
+
+    def _starts(self, dataset: int, ks: np.ndarray) -> np.ndarray:
+        """Token offsets of windows ``ks`` of ``dataset``'s own stream."""
+        plan = self.plans[dataset]
+        epochs, positions = np.divmod(ks, plan.num_windows)
+        out = np.empty(len(ks), dtype=np.int64)
+        for epoch in np.unique(epochs):  # one, or two at an epoch boundary
+            here = epochs == epoch
+            offset, order = self._layout(dataset, int(epoch))
+            out[here] = offset + order[positions[here]] * plan.block_size
+        return out
 
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
         """Rows of (dataset, token offset) for micro-batch ``global_batch`` of ``rank``."""
         B, W = self.micro_batch_size, self.world_size
         first = global_batch * B * W + rank
-        rows = np.empty((B, 2), dtype=np.int64)
-        for i in range(B):
-            d, k = self.slot_source(first + i * W)
-            rows[i] = (d, self._start(d, k))
+        rows = np.array([self.slot_source(first + i * W) for i in range(B)], dtype=np.int64)
+        for dataset in np.unique(rows[:, 0]):
+            mine = rows[:, 0] == dataset
+            rows[mine, 1] = self._starts(int(dataset), rows[mine, 1])
         return rows
