@@ -260,6 +260,166 @@ def _checkpoint_rows() -> list[Case]:
     return rows
 
 
+# -- tools around training: generate, queue --db, queue run --gpus, report (issue 11) ---------
+def _base_ckpt(ws: Workspace) -> dict:
+    return torch.load(ws.cache / "base" / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def _generate_files(ws: Workspace) -> None:
+    """work/model.ckpt (base's last), and edited copies of it a generate row may point at."""
+    shutil.copy(ws.cache / "base" / "checkpoints" / "last.ckpt", ws.work / "model.ckpt")
+    ckpt = _base_ckpt(ws)
+    ckpt["state_dict"]["model.lm_head.weight"].fill_(float("nan"))
+    torch.save(ckpt, ws.work / "diverged.ckpt")
+    ckpt = _base_ckpt(ws)
+    ckpt["nanolab"]["gpt"]["n_head"] = 3  # 32 wide: not divisible
+    torch.save(ckpt, ws.work / "badconfig.ckpt")
+    torch.save([1, 2, 3], ws.work / "list.ckpt")
+
+
+def _queue_db(ws: Workspace, name: str = "real.db") -> Path:
+    """A real queue with one pending job, its WAL folded into the main file."""
+    from nanolab.queue.db import NewJob, QueueDB
+
+    db = QueueDB(ws.work / name)
+    db.add_jobs([NewJob(name="j", config="c.yaml", args=[], seed=1, cwd="/", run_dir="/r/j")])
+    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    for side in ("-wal", "-shm"):
+        (ws.work / (name + side)).unlink(missing_ok=True)
+    return ws.work / name
+
+
+def _db_with(content: Callable[[Workspace], bytes]) -> Callable[[Workspace], None]:
+    """work/queue.db holding ``content``; rows run `queue add` (the verb that writes) on it."""
+
+    def setup(ws: Workspace) -> None:
+        data = content(ws)
+        for side in ("real.db", "other.db"):
+            (ws.work / side).unlink(missing_ok=True)
+        ws.write("queue.db", data)
+
+    return setup
+
+
+def _other_schema(ws: Workspace) -> bytes:
+    import sqlite3
+
+    conn = sqlite3.connect(ws.work / "other.db")
+    conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, title TEXT)")
+    conn.execute("INSERT INTO jobs VALUES (1, 'my own data')")
+    conn.commit()
+    conn.close()
+    return (ws.work / "other.db").read_bytes()
+
+
+def _newer_schema(ws: Workspace) -> bytes:
+    import sqlite3
+
+    from nanolab.queue.db import SCHEMA_VERSION
+
+    conn = sqlite3.connect(_queue_db(ws))
+    conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION + 1,))
+    conn.commit()
+    conn.close()
+    return (ws.work / "real.db").read_bytes()
+
+
+def _run_with_line(line: str) -> Callable[[Workspace], None]:
+    """runs/good and runs/bad (copies of base); bad's log ends with ``line``."""
+
+    def setup(ws: Workspace) -> None:
+        ws.copy_run("base", "good")
+        with open(ws.copy_run("base", "bad") / "metrics.jsonl", "a") as f:
+            f.write(line + "\n")
+
+    return setup
+
+
+# fmt: off
+def _tool_rows() -> list[Case]:
+    gen = ("generate", "--ckpt")
+    model = (*gen, "{work}/model.ckpt")
+    add = ("queue", "add", "{cfg}", "--db", "{work}/queue.db")
+    untouched = "it was left untouched"
+    rows = [
+        Case("generate-temperature-nan", (*model, "--temperature", "nan"), EXIT_USAGE,
+             "--temperature must be a finite number >= 0", setup=_generate_files),
+        Case("generate-top-k-zero", (*model, "--top-k", "0"), EXIT_USAGE,
+             "--top-k must be >= 1, got 0", setup=_generate_files),
+        Case("generate-top-k-negative", (*model, "--top-k", "-3"), EXIT_USAGE,
+             "--top-k must be >= 1, got -3", setup=_generate_files),
+        Case("generate-device-bogus", (*model, "--device", "bogus"), EXIT_USAGE,
+             "--device 'bogus' is not a device name; use cpu, cuda", setup=_generate_files),
+        Case("generate-seed-past-64-bits", (*model, "--seed", str(2**70)), EXIT_USAGE,
+             "--seed must fit in 64 bits", setup=_generate_files),
+        Case("generate-max-new-tokens-zero", (*model, "--max-new-tokens", "0"), EXIT_USAGE,
+             "--max-new-tokens must be >= 1", setup=_generate_files),
+        Case("generate-nan-weights", (*gen, "{work}/diverged.ckpt"), EXIT_USAGE,
+             "diverged.ckpt has non-finite weights", setup=_generate_files),
+        Case("generate-invalid-model-config", (*gen, "{work}/badconfig.ckpt"), EXIT_USAGE,
+             "badconfig.ckpt: its model config is not valid", setup=_generate_files),
+        Case("generate-not-a-dict", (*gen, "{work}/list.ckpt"), EXIT_USAGE,
+             "list.ckpt holds no state_dict", setup=_generate_files),
+        Case("generate-ckpt-folder-without-checkpoints", (*gen, "{work}"), EXIT_USAGE,
+             "is a folder without checkpoints/last.ckpt"),
+        Case("generate-ckpt-is-a-run-dir", (*gen, "{runs}/base", "--max-new-tokens", "5"), 0,
+             "", setup=_finished_runs),
+        # every bad checkpoint file the fit rows use, through generate too
+        Case("generate-ckpt-zero", (*gen, "{work}/zero.ckpt"), EXIT_USAGE,
+             "zero.ckpt is not a checkpoint", setup=_bad_checkpoints),
+        Case("generate-ckpt-truncated", (*gen, "{work}/truncated.ckpt"), EXIT_USAGE,
+             "truncated.ckpt is not a checkpoint (not a torch zip archive: empty, truncated",
+             setup=_bad_checkpoints),
+        Case("generate-ckpt-pickle", (*gen, "{work}/pickle.ckpt"), EXIT_USAGE,
+             "pickle.ckpt holds Python objects besides tensors", setup=_bad_checkpoints),
+        Case("generate-ckpt-other-shape", (*gen, "{work}/shape3.ckpt", "--max-new-tokens", "5"),
+             0, "", setup=_bad_checkpoints),  # its own config says 3 layers: it loads
+        # queue --db that is not a queue database: refused before anything is written to it
+        Case("queue-db-yaml-file", add, EXIT_USAGE, "queue.db is damaged or not SQLite",
+             setup=_db_with(lambda ws: b"trainer:\n  max_steps: 100\n")),
+        Case("queue-db-garbage-bytes", add, EXIT_USAGE, untouched,
+             setup=_db_with(lambda ws: bytes(range(256)) * 64)),
+        Case("queue-db-truncated", add, EXIT_USAGE, "queue.db is damaged",
+             setup=_db_with(lambda ws: (d := _queue_db(ws).read_bytes())[: len(d) // 2])),
+        Case("queue-db-header-only", add, EXIT_USAGE, "queue.db is damaged",
+             setup=_db_with(lambda ws: _queue_db(ws).read_bytes()[:60])),
+        Case("queue-db-other-schema", add, EXIT_USAGE,
+             "queue.db is a SQLite database but not a nanolab queue (its tables: jobs)",
+             setup=_db_with(_other_schema)),
+        Case("queue-db-newer-schema", add, EXIT_USAGE, "newer than this nanolab understands",
+             setup=_db_with(_newer_schema)),
+        Case("queue-db-is-a-folder", ("queue", "ls", "--db", "{work}"), EXIT_USAGE,
+             "is a folder; pass --db with a file path"),
+        Case("queue-db-dev-null", ("queue", "add", "{cfg}", "--db", os.devnull), EXIT_USAGE,
+             "/dev/null is not a regular file"),
+        # report: a record of the wrong shape is skipped and counted, the others are reported
+        *[
+            Case(f"report-{name}", ("report", "{runs}"), 0, "", setup=_run_with_line(line))
+            for name, line in (
+                ("string-step", '{"event": "train", "step": "7", "loss": 2.0}'),
+                ("list-step", '{"event": "val", "step": [1], "val_loss": 2.0}'),
+                ("negative-step", '{"event": "train", "step": -1, "loss": 1.0}'),
+                ("string-loss", '{"event": "train", "step": 9, "loss": "low"}'),
+                ("string-time", '{"event": "train", "step": 2, "time": "yesterday"}'),
+                ("no-event", '{"step": 3, "loss": 1.0}'),
+                ("nan-seed", '{"event": "start", "step": 0, "seed": NaN}'),
+                ("numeric-error", '{"event": "end", "step": 6, "reason": "error", "error": 42}'),
+            )
+        ],
+    ]
+    if not torch.cuda.is_available():  # a machine without a GPU
+        rows += [
+            Case("generate-device-cuda-without-gpu", (*model, "--device", "cuda"), EXIT_USAGE,
+                 "--device cuda: not usable here", setup=_generate_files),
+            Case("queue-run-gpus-without-gpu",
+                 ("queue", "run", "--gpus", "0", "--db", "{work}/real.db"), EXIT_USAGE,
+                 "--gpus 0: no GPU is visible here", setup=_queue_db),
+        ]
+    return rows
+# fmt: on
+
+
 FIT = ("fit", "--config", "{cfg}")
 
 # fmt: off
@@ -335,6 +495,7 @@ CASES: list[Case] = [
     ),
     *_data_rows(),
     *_checkpoint_rows(),
+    *_tool_rows(),
 ]
 # fmt: on
 
