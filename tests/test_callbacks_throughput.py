@@ -41,6 +41,11 @@ from nanolab.callbacks.throughput import UtilizationSampler
         ("AMD Instinct MI300X", "bf16-mixed", 1307.4),
         ("AMD Instinct MI325X", "16-mixed", 1307.4),
         ("AMD Instinct MI355X", "bf16-mixed", 2516.6),
+        ("NVIDIA L40", "bf16-mixed", 181.0),
+        ("NVIDIA GB200", "bf16-mixed", 2500.0),
+        ("NVIDIA H20", "bf16-mixed", 148.0),
+        ("AMD Instinct MI300A", "bf16-mixed", 980.6),
+        ("Tesla T4", "16-mixed", 65.0),
     ],
 )
 def test_peak_table(name, precision, tflops):
@@ -50,8 +55,8 @@ def test_peak_table(name, precision, tflops):
 
 @pytest.mark.parametrize(
     "name",
-    ["NVIDIA H100", "NVIDIA L40", "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 4070 Ti",
-     "NVIDIA GB200", "AMD Instinct MI300A", "NVIDIA H20", "Some Future GPU"],
+    ["NVIDIA H100", "NVIDIA GeForce RTX 4080 SUPER", "NVIDIA GeForce RTX 4090 D",
+     "NVIDIA GeForce RTX 4070 Ti", "AMD Instinct MI250", "NVIDIA GH200", "Some Future GPU"],
 )  # fmt: skip
 def test_unknown_or_ambiguous_devices_get_no_number(name):
     peak, why = peak_flops_per_device(name, "bf16-mixed")

@@ -15,10 +15,12 @@ from nanolab.estimator.cli import main
 from nanolab.estimator.compute import estimate_compute
 from nanolab.estimator.gpus import (
     GPUS,
+    AmbiguousGPUError,
     GiB,
     MemoryStringError,
     UnknownGPUError,
     get_gpu,
+    gpu_for_device,
     parse_memory,
 )
 from nanolab.estimator.memory import estimate_memory
@@ -67,30 +69,87 @@ def test_parse_memory_rejects(text: str) -> None:
 
 
 def test_gpu_table() -> None:
+    """One table: every GPU the estimator and the MFU callback know, each number with a source."""
     wanted = [
         "rtx4070",
         "rtx3090",
+        "rtx4080",
         "rtx4090",
         "rtx5090",
+        "rtx6000ada",
         "a100-40gb",
         "a100-80gb",
+        "a10",
+        "a10g",
+        "a40",
         "h100",
+        "h100-pcie",
+        "h100-nvl",
+        "h800",
+        "h20",
         "h200",
+        "h200-nvl",
+        "gh200",
         "b200",
+        "b300",
+        "gb200",
         "l4",
+        "l40",
         "l40s",
-        "v100",
+        "t4",
+        "v100-sxm2-16gb",
+        "v100-sxm2-32gb",
+        "v100-pcie-16gb",
+        "v100-pcie-32gb",
+        "v100s",
+        "mi210",
         "mi250x",
+        "mi300a",
         "mi300x",
         "mi325x",
         "mi355x",
     ]
     assert set(wanted) <= set(GPUS)
+    for g in GPUS.values():
+        assert g.memory_source and g.tflops_source and g.mfu_source and g.price_source, g.name
+        assert g.patterns and g.vendor in ("nvidia", "amd") and 0 < g.default_mfu < 1
+        assert g.peak("fp32") > 0 and (g.peak("bf16") or g.peak("fp16"))
     assert GPUS["rtx4070"].memory_bytes == 12282 * 1024**2  # what torch reports of 12 GB
-    assert GPUS["mi300x"].memory_bytes == 192 * GiB
+    assert GPUS["a100-40gb"].memory_bytes < 40 * GiB  # reported, not the marketing figure
+    assert GPUS["mi300x"].memory_bytes == 196592 * 1024**2
     assert get_gpu("RTX 4070") is GPUS["rtx4070"] and get_gpu("4090") is GPUS["rtx4090"]
-    with pytest.raises(UnknownGPUError, match="rtx4070, rtx3090"):
-        get_gpu("gtx1080")
+    with pytest.raises(AmbiguousGPUError, match=r"a100-40gb \(39.4 GiB\), a100-80gb"):
+        get_gpu("a100")
+    with pytest.raises(UnknownGPUError, match="closest: h100, h20"):
+        get_gpu("h10")
+
+
+@pytest.mark.parametrize(
+    ("driver_name", "entry"),
+    [
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200 NVL", "h200-nvl"),
+        ("NVIDIA GH200 480GB", "gh200"),
+        ("NVIDIA GB200", "gb200"),
+        ("NVIDIA A10G", "a10g"),
+        ("NVIDIA L40", "l40"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx6000ada"),
+        ("Tesla T4", "t4"),
+        ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
+        ("AMD Instinct MI250X/MI250", "mi250x"),
+        ("AMD Instinct MI300A", "mi300a"),
+        ("AMD Instinct MI300X VF", "mi300x"),
+        ("NVIDIA H100", None),  # PCIe, SXM or NVL: not guessed
+        ("NVIDIA GeForce RTX 4090 D", None),
+        ("NVIDIA GeForce RTX 4070 Ti", None),
+    ],
+)
+def test_driver_names_map_to_one_entry(driver_name: str, entry: str | None) -> None:
+    g = gpu_for_device(driver_name)
+    assert (g.name if g else None) == entry
 
 
 def test_gpus_module_imports_alone() -> None:
@@ -341,7 +400,8 @@ def test_cli_lists_gpus(capsys: pytest.CaptureFixture) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--gpu", "gtx1080"], "unknown GPU 'gtx1080'; known: rtx4070"),
+        (["--gpu", "gtx1080"], "unknown GPU 'gtx1080'; closest:"),
+        (["--gpu", "a100"], "ambiguous: a100-40gb"),
         (["--gpu-mem", "12 gigs"], "cannot read a memory size"),
         (["--devices", "0"], "--devices must be >= 1"),
         (["--mfu", "1.5"], "--mfu"),

@@ -2,6 +2,7 @@
 
     nanolab estimate --config configs/gpt2-124m.yaml --gpu rtx4070
     nanolab estimate --config a.yaml --config b.yaml --gpu-mem 12GiB --devices 4 --json
+    nanolab estimate --config x.yaml --device cpu --json     # a CPU run: checkable on any laptop
 
 Bad input (unknown GPU, unreadable memory size, a config that cannot exist) ends in one line on
 stderr and exit code 2.
@@ -42,18 +43,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu", help=f"device model (default {DEFAULT_GPU}); --list-gpus shows them")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 12GiB, 24GB")
+    p.add_argument(
+        "--device",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="gpu (default; --gpu picks which) or cpu: this machine, CPU kernels, no "
+        "fragmentation margin, measured matmul rates",
+    )
     p.add_argument("--devices", type=int, help="devices per node (overrides trainer.devices)")
     p.add_argument("--nodes", type=int, help="nodes (overrides trainer.num_nodes)")
     p.add_argument("--micro-batch", type=int, help="micro-batch size (overrides the config)")
     p.add_argument("--vocab-size", type=int, help="vocabulary size when the config leaves it null")
-    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation (0.40)")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        help="model FLOPs utilisation for the time (default: a finished queue run's measured "
+        "tokens/s, else the GPU family's default from gpus.json)",
+    )
     p.add_argument("--tokens", type=float, help="token budget (default: max_steps, else 20/param)")
     p.add_argument("--usd-per-gpu-hour", type=float, help="price (default: indicative table)")
     p.add_argument(
         "--fragmentation",
         type=float,
-        default=0.10,
-        help="allocator fragmentation margin as a share of the peak (0.10)",
+        help="allocator fragmentation margin as a share of the peak (0.10 on GPUs, 0 on CPU)",
     )
     p.add_argument(
         "--detail",
@@ -61,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also list what one block saves for backward, tensor by tensor",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--list-gpus", action="store_true", help="list known GPUs and exit")
+    p.add_argument(
+        "--list-gpus",
+        action="store_true",
+        help="list known GPUs and exit (with --json: every number's source)",
+    )
     return p
 
 
@@ -70,6 +86,10 @@ _OVERHEAD = ("context", "fragmentation")
 
 def _gib(n: float) -> str:
     return f"{n / GiB:8.2f}"
+
+
+def _peak_meter(est: Estimate) -> str:
+    return "CPU allocator" if est.backend == "cpu" else "torch.cuda.max_memory_allocated"
 
 
 def format_estimate(
@@ -112,7 +132,7 @@ def format_estimate(
         out.append(f"  {ln.label:<48}{value}   {ln.note}")
     out.append("  " + "-" * 60)
     out.append(
-        f"  {'peak allocated (torch.cuda.max_memory_allocated)':<48}"
+        f"  {'peak allocated (' + _peak_meter(est) + ')':<48}"
         f"{_gib(m.peak_allocated)}   at the {m.peak_phase}"
     )
     for key in ("context", "fragmentation"):
@@ -155,13 +175,16 @@ def format_estimate(
             out.append("    " + ", ".join(items[i : i + 6]))
     out.append("")
     out.append(
-        f"compute   at MFU {c.mfu:.0%} of {c.peak_tflops_per_device:,.1f} TFLOPs per device"
+        f"compute   {c.matmul_dtype} matmuls, dense peak {c.peak_tflops_per_device:,.1f} TFLOP/s "
+        f"per device; MFU {c.mfu:.0%}"
         + (
             f" (effective {c.effective_mfu:.1%} with recompute)"
             if c.recompute_flops_per_token
             else ""
         )
     )
+    out.append(f"  MFU from: {c.mfu_source}")
+    out.append(f"  tokens/s from: {c.tokens_per_second_source}")
     out.append(f"  FLOPs per token (6N + attention)    {c.flops_per_token:.3e}")
     out.append(f"  FLOPs per step                      {c.flops_per_step:.3e}")
     out.append(f"  step time                           {c.step_seconds:.3f} s")
@@ -190,21 +213,37 @@ def format_estimate(
 
 
 def list_gpus() -> str:
+    """The table: memory (* = datasheet capacity, not a reported value), dense TFLOP/s per
+    dtype (- = no such units), the family's default MFU."""
+
+    def tf(g, dtype: str) -> str:
+        v = g.peak(dtype)
+        return "-" if v is None else f"{v:,.1f}"
+
     rows = [
-        f"{'name':<11}{'memory':>12}  {'bf16 TFLOPs':>11}  {'fp32/TF32':>9}  {'$/GPU-h':>8}  label"
+        f"{'name':<15}{'memory':>12}  {'fp32':>7} {'tf32':>7} {'bf16':>7} {'fp16':>7} "
+        f"{'fp8':>7}  {'MFU':>4}  label"
     ]
     for g in GPUS.values():
+        mem = format_bytes(g.memory_bytes) + ("" if g.memory_reported else "*")
         rows.append(
-            f"{g.name:<11}{format_bytes(g.memory_bytes):>12}  {g.bf16_tflops:>11,.1f}  "
-            f"{g.fp32_tflops:>9,.1f}  {g.usd_per_hour:>8.2f}  {g.label}"
+            f"{g.name:<15}{mem:>12}  {tf(g, 'fp32'):>7} {tf(g, 'tf32'):>7} {tf(g, 'bf16'):>7} "
+            f"{tf(g, 'fp16'):>7} {tf(g, 'fp8'):>7}  {g.default_mfu:>4.2f}  {g.label}"
         )
+    rows.append("* datasheet capacity (no reported value found); sources: --list-gpus --json")
     return "\n".join(rows)
+
+
+def list_gpus_json() -> str:
+    from dataclasses import asdict
+
+    return json.dumps([asdict(g) for g in GPUS.values()], indent=2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.list_gpus:
-        print(list_gpus())
+        print(list_gpus_json() if args.json else list_gpus())
         return 0
     try:
         if not args.config:
@@ -216,9 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             if value is not None and value < 1:
                 raise EstimateError(f"{name} must be >= 1, got {value}")
-        if not 0 < args.mfu <= 1:
+        if args.mfu is not None and not 0 < args.mfu <= 1:
             raise EstimateError(f"--mfu must be in (0, 1], got {args.mfu}")
-        if not 0 <= args.fragmentation < 1:
+        if args.device == "cpu" and args.gpu:
+            raise EstimateError("--gpu names a GPU; leave it out with --device cpu")
+        if args.fragmentation is not None and not 0 <= args.fragmentation < 1:
             raise EstimateError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
         if args.tokens is not None and args.tokens <= 0:
             raise EstimateError(f"--tokens must be > 0, got {args.tokens}")
@@ -234,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokens=int(args.tokens) if args.tokens is not None else None,
             usd_per_gpu_hour=args.usd_per_gpu_hour,
             fragmentation=args.fragmentation,
+            device=args.device,
         )
     except (EstimateError, UnknownGPUError, MemoryStringError, ConfigError) as err:
         print(f"nanolab estimate: error: {err}", file=sys.stderr)
@@ -242,13 +284,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(est.to_dict(), indent=2))
         return 0
     per_gpu = None
-    if args.gpu is None and args.gpu_mem is None:
+    if args.gpu is None and args.gpu_mem is None and args.device == "gpu":
         per_gpu = {
             name: largest_micro_batch(
                 est.setup,
                 g.memory_bytes,
                 backend="rocm" if g.vendor == "amd" else "cuda",
-                fragmentation=args.fragmentation,
+                fragmentation=0.10 if args.fragmentation is None else args.fragmentation,
             )
             for name, g in GPUS.items()
         }

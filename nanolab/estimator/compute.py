@@ -1,10 +1,18 @@
-"""Compute: FLOPs per token and per step, step time at a stated MFU, tokens/day and cost.
+"""Compute: FLOPs per token and per step, step time, tokens/day and cost.
 
-FLOPs are model FLOPs (``GPT.flops_per_token``: 6N plus attention), the numerator of MFU.
+FLOPs are model FLOPs (``GPT.flops_per_token``: 6N plus attention, embedding lookups free), the
+numerator of MFU. The time comes from, in order of trust:
+
+1. this machine's own measured tokens/s for the same config (finished ``nanolab queue`` runs,
+   :mod:`nanolab.estimator.history`), when the caller passes it;
+2. the GPU's dense peak *for the matmul dtype the run really uses* (bf16/fp16 for 16-bit
+   precisions; for ``32-true`` TF32 when ``run.float32_matmul_precision`` allows it and the GPU
+   has TF32 units, else plain FP32, 8x slower on an A100) times an MFU: ``--mfu``, else the GPU
+   family's default, whose source is in ``gpus.json``.
+
 Gradient checkpointing re-runs every block's forward; that work is not model FLOPs, so at the
-same hardware efficiency the achieved MFU drops by the recompute share. The time estimate
-applies exactly that: ``effective MFU = MFU x model / (model + recompute)``. The peak is the
-GPU's dense bf16 figure (its TF32/fp32 matmul figure for ``32-true``).
+same hardware efficiency the achieved MFU drops by the recompute share:
+``effective MFU = MFU x model / (model + recompute)``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ from nanolab.estimator.setup import Setup
 from nanolab.estimator.shapes import flops_per_token, num_params, recompute_flops_per_token
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
-DEFAULT_MFU = 0.40
 SECONDS_PER_DAY = 86_400
 
 
@@ -28,10 +35,13 @@ class ComputeEstimate:
     tokens_per_step: int
     flops_per_step: float
     mfu: float
+    mfu_source: str
     effective_mfu: float
+    matmul_dtype: str
     peak_tflops_per_device: float
     step_seconds: float
     tokens_per_second: float
+    tokens_per_second_source: str
     tokens_per_day: float
     token_budget: int
     token_budget_source: str
@@ -51,34 +61,66 @@ def tokens_per_step(setup: Setup, micro_batch: int, accumulate: int) -> int:
     return micro_batch * setup.gpt.block_size * setup.world_size * accumulate
 
 
+def matmul_rate(setup: Setup, gpu: GPU) -> tuple[float, str]:
+    """(dense TFLOP/s, dtype) the run's matmuls get on ``gpu``.
+
+    16-bit precisions run bf16 (fp16 for ``16-*``; a part without bf16 units runs fp16 rates);
+    ``32-true`` runs TF32 when ``float32_matmul_precision`` is ``high``/``medium`` and the GPU
+    has TF32 units, else FP32.
+    """
+    p = setup.precision
+    if p.startswith("bf16") and gpu.peak("bf16") is not None:
+        return float(gpu.peak("bf16")), "bf16"
+    if p.startswith(("bf16", "16")) and gpu.peak("fp16") is not None:
+        return float(gpu.peak("fp16")), "fp16"
+    if setup.float32_matmul_precision != "highest" and gpu.peak("tf32") is not None:
+        return float(gpu.peak("tf32")), "tf32"
+    return float(gpu.peak("fp32") or 0.0), "fp32"
+
+
 def estimate_compute(
     setup: Setup,
     gpu: GPU,
     micro_batch: int,
     accumulate: int,
     *,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     tokens: int | None = None,
     usd_per_gpu_hour: float | None = None,
+    measured_tokens_per_second: float | None = None,
+    measured_source: str = "",
 ) -> ComputeEstimate:
     """Time and money for ``setup`` on ``setup.world_size`` devices of ``gpu``.
 
+    ``mfu`` defaults to the GPU family's (``gpu.default_mfu``). ``measured_tokens_per_second``
+    (all devices together) replaces the MFU model for the time; the MFU it implies is reported.
     The token budget is ``tokens`` if given, else ``trainer.max_steps`` x tokens per step, else
     the Chinchilla-optimal 20 tokens per parameter.
     """
-    if not 0 < mfu <= 1:
+    if mfu is not None and not 0 < mfu <= 1:
         raise ValueError(f"MFU must be in (0, 1], got {mfu}")
     gpt = setup.gpt
     n = num_params(gpt)
     fpt = flops_per_token(gpt)
     rpt = recompute_flops_per_token(gpt) if gpt.gradient_checkpointing else 0
     tps = tokens_per_step(setup, micro_batch, accumulate)
-    eff = mfu * fpt / (fpt + rpt)
-    peak_tflops = gpu.fp32_tflops if setup.precision == "32-true" else gpu.bf16_tflops
+    peak_tflops, dtype = matmul_rate(setup, gpu)
     peak = peak_tflops * 1e12
     flops_step = float(fpt) * tps
-    step_s = flops_step / (setup.world_size * peak * eff)
-    tok_s = tps / step_s
+    if measured_tokens_per_second:
+        tok_s = float(measured_tokens_per_second)
+        step_s = tps / tok_s
+        mfu_used = fpt * tok_s / (setup.world_size * peak) if peak else 0.0
+        mfu_source = "implied by the measured tokens/s"
+        eff = mfu_used
+        tok_source = measured_source or "measured"
+    else:
+        mfu_used = gpu.default_mfu if mfu is None else mfu
+        mfu_source = gpu.mfu_source if mfu is None else "--mfu"
+        eff = mfu_used * fpt / (fpt + rpt)
+        step_s = flops_step / (setup.world_size * peak * eff)
+        tok_s = tps / step_s
+        tok_source = f"{mfu_used:.0%} MFU of {peak_tflops:,.1f} TFLOP/s ({dtype})"
     chinchilla = CHINCHILLA_TOKENS_PER_PARAM * n
     if tokens is not None:
         budget, source = tokens, "--tokens"
@@ -96,11 +138,14 @@ def estimate_compute(
         recompute_flops_per_token=rpt,
         tokens_per_step=tps,
         flops_per_step=flops_step,
-        mfu=mfu,
+        mfu=mfu_used,
+        mfu_source=mfu_source,
         effective_mfu=eff,
+        matmul_dtype=dtype,
         peak_tflops_per_device=peak_tflops,
         step_seconds=step_s,
         tokens_per_second=tok_s,
+        tokens_per_second_source=tok_source,
         tokens_per_day=tok_s * SECONDS_PER_DAY,
         token_budget=budget,
         token_budget_source=source,

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nanolab.estimator.compute import DEFAULT_MFU, ComputeEstimate, estimate_compute
+from nanolab.estimator.compute import ComputeEstimate, estimate_compute
 from nanolab.estimator.gpus import GPU, get_gpu, parse_memory
 from nanolab.estimator.memory import DEFAULT_FRAGMENTATION, MemoryEstimate, estimate_memory
 from nanolab.estimator.numerics import Backend
@@ -79,8 +79,16 @@ class Estimate:
             },
             "device": {
                 "gpu": self.gpu.name,
+                "label": self.gpu.label,
                 "memory_bytes": self.device_memory,
                 "backend": self.backend,
+                "peak_tflops": dict(self.gpu.tflops),
+                "sources": {
+                    "memory": self.gpu.memory_source,
+                    "peak_tflops": self.gpu.tflops_source,
+                    "mfu": self.compute.mfu_source,
+                    "price": self.gpu.price_source,
+                },
             },
             "micro_batch": self.micro_batch,
             "micro_batch_source": self.micro_batch_source,
@@ -114,13 +122,30 @@ def _as_config(config: ConfigLike) -> Mapping[str, Any]:
     return load_config(list(config))
 
 
-def _device(gpu: str | GPU | None, device_memory: int | str | None) -> tuple[GPU, int, Backend]:
+def _device(
+    gpu: str | GPU | None, device_memory: int | str | None, device: str = "gpu"
+) -> tuple[GPU, int, Backend]:
+    if device == "cpu":
+        from nanolab.estimator.cpu import cpu_device
+
+        g = gpu if isinstance(gpu, GPU) else cpu_device()
+        mem = parse_memory(device_memory) if device_memory is not None else g.memory_bytes
+        return g, mem, "cpu"
+    if device != "gpu":
+        raise EstimateError(f"--device must be gpu or cpu, got {device!r}")
     g = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
     mem = parse_memory(device_memory) if device_memory is not None else g.memory_bytes
     if gpu is None and device_memory is not None:
         # Only the memory is known: say whose FLOPs the time estimate borrows.
         g = replace(g, name="custom", label=f"device (time at {g.name} speed)")
     return g, mem, "rocm" if g.vendor == "amd" else "cuda"
+
+
+def _fragmentation(value: float | None, backend: Backend) -> float:
+    """The margin asked for, else none on a CPU (its allocator frees blocks) and 10% on GPUs."""
+    if value is not None:
+        return value
+    return 0.0 if backend == "cpu" else DEFAULT_FRAGMENTATION
 
 
 def setup_for(
@@ -149,8 +174,9 @@ def largest_fitting_micro_batch(
     devices: int | None = None,
     vocab_size: int | None = None,
     backend: Backend | None = None,
-    fragmentation: float = DEFAULT_FRAGMENTATION,
+    fragmentation: float | None = None,
     divide_global_batch: bool = True,
+    device: str = "gpu",
 ) -> int:
     """Largest micro-batch (sequences per device) predicted to fit; 0 when not even 1 fits.
 
@@ -165,7 +191,9 @@ def largest_fitting_micro_batch(
             is not prepared).
         backend: ``cuda``, ``rocm`` or ``cpu`` (framework-overhead constant and kernel
             behaviour); default from the GPU's vendor.
-        fragmentation: Share of the peak kept free for allocator fragmentation.
+        fragmentation: Share of the peak kept free for allocator fragmentation (default 10%
+            on GPUs, none on a CPU).
+        device: ``gpu`` (the table's GPUs) or ``cpu`` (this machine, CPU kernels).
         divide_global_batch: Return only a micro-batch that divides the per-device share of
             ``run.global_batch_tokens`` (what ``nanolab fit`` requires), so accumulation is
             exact.
@@ -175,8 +203,9 @@ def largest_fitting_micro_batch(
         if isinstance(config, Setup)
         else setup_for(config, devices=devices, vocab_size=vocab_size)
     )
-    _, mem, be = _device(gpu, device_memory)
+    _, mem, be = _device(gpu, device_memory, device)
     be = backend or be
+    fragmentation = _fragmentation(fragmentation, be)
     if not divide_global_batch:
         return largest_micro_batch(setup, mem, backend=be, fragmentation=fragmentation)
     choice = micro_batch_for_global(setup, mem, backend=be, fragmentation=fragmentation)
@@ -193,17 +222,22 @@ def estimate_from_config(
     micro_batch_size: int | None = None,
     vocab_size: int | None = None,
     backend: Backend | None = None,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     tokens: int | None = None,
     usd_per_gpu_hour: float | None = None,
-    fragmentation: float = DEFAULT_FRAGMENTATION,
+    fragmentation: float | None = None,
+    device: str = "gpu",
+    history: bool = True,
+    queue_db: str | None = None,
 ) -> Estimate:
     """Estimate memory per device, fit, recommendations, time and cost for a config.
 
     Arguments are as for :func:`largest_fitting_micro_batch`, plus ``micro_batch_size`` (overrides
-    the config's), ``mfu`` (model FLOPs utilisation assumed for the time estimate), ``tokens``
-    (token budget; default ``trainer.max_steps`` x tokens per step, else Chinchilla's 20 per
-    parameter) and ``usd_per_gpu_hour`` (default: the GPU table's indicative price).
+    the config's), ``mfu`` (model FLOPs utilisation for the time estimate; default: a finished
+    queue run's measured tokens/s when ``history`` finds one in ``queue_db``, else the GPU
+    family's default), ``tokens`` (token budget; default ``trainer.max_steps`` x tokens per
+    step, else Chinchilla's 20 per parameter) and ``usd_per_gpu_hour`` (default: the GPU
+    table's indicative price).
 
     Raises:
         EstimateError, UnknownGPUError, MemoryStringError: with a one-line message.
@@ -221,8 +255,9 @@ def estimate_from_config(
     )
     if isinstance(config, Setup) and micro_batch_size is not None:
         setup = setup.with_micro_batch(micro_batch_size)
-    g, mem, be = _device(gpu, device_memory)
+    g, mem, be = _device(gpu, device_memory, device)
     be = backend or be
+    fragmentation = _fragmentation(fragmentation, be)
     kw = {"backend": be, "fragmentation": fragmentation}
     largest = largest_micro_batch(setup, mem, **kw)
     choice = micro_batch_for_global(setup, mem, **kw)
@@ -233,6 +268,12 @@ def estimate_from_config(
     memory = estimate_memory(setup, micro, **kw)
     fits = memory.total <= mem
     switches = [] if fits else evaluate_switches(setup, mem, **kw)
+    measured = None
+    if history and mfu is None:
+        from nanolab.estimator.history import measured_throughput
+
+        probe = setup.with_micro_batch(micro)
+        measured = measured_throughput(probe, None if be == "cpu" else g, queue_db)
     compute = estimate_compute(
         setup,
         g,
@@ -241,9 +282,16 @@ def estimate_from_config(
         mfu=mfu,
         tokens=tokens,
         usd_per_gpu_hour=usd_per_gpu_hour,
+        measured_tokens_per_second=measured.tokens_per_second if measured else None,
+        measured_source=measured.source if measured else "",
     )
     warnings = []
-    if not g.bf16 and "bf16" in setup.precision:
+    if be != "cpu" and not g.memory_reported and device_memory is None:
+        warnings.append(
+            f"{g.name}'s memory is its datasheet capacity; the device reports ~1% less "
+            "(pass --gpu-mem with torch.cuda.get_device_properties(0).total_memory)"
+        )
+    if be != "cpu" and not g.bf16 and "bf16" in setup.precision:
         warnings.append(f"{g.name} has no bf16 support: use precision 16-mixed")
     if setup.devices_guessed:
         warnings.append(

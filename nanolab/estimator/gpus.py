@@ -1,27 +1,32 @@
-"""Accelerators the estimator knows: memory per device and dense bf16 peak throughput.
+"""Accelerators nanolab knows: memory, dense peak per dtype, default MFU, all from ``gpus.json``.
 
-This module is deliberately self-contained (no torch, no Lightning) so that tools which only need
-"how much memory does an RTX 4070 have" import it in milliseconds.
+One data file (``nanolab/estimator/gpus.json``) holds every number with its source; the
+estimator (``nanolab estimate --gpu``), the MFU callback (by the driver's device name) and the
+queue read it through this module. It is deliberately free of torch and Lightning so that "how
+much memory does an RTX 4070 have" costs milliseconds.
 
 Memory is what one *device* as PyTorch sees it offers (``torch.cuda.get_device_properties(i)
-.total_memory``), not the marketing figure where the two differ: an MI250X is two devices of
-64 GiB each; an H100 SXM reports 79.6 GiB of its "80 GB". Peak TFLOPs are dense (no 2:4 sparsity)
-bf16 tensor-core figures with fp32 accumulation from the vendors' data sheets; they are the
-denominator of MFU; ``fp32_tflops`` is what ``32-true`` runs reach (TF32 tensor cores where the
-hardware has them, else the fp32 rate; the same datasheet figures as
-``nanolab/callbacks/peak_flops.py``). The V100 has no bf16 units: its entry carries the fp16
-figure and ``bf16=False`` so the estimator can warn. Prices are indicative on-demand cloud rates in USD per
-GPU-hour (consumer cards: a rough rental rate); pass your own with ``--usd-per-gpu-hour``.
+.total_memory``) where such a report was found, else the datasheet capacity (``memory_reported``
+says which): an A100 40 GB reports 39.4 GiB, an MI250X is two devices of 64 GiB. Peaks are dense
+(no 2:4 sparsity) matmul rates with FP32 accumulation, per dtype; ``None`` where the device has no
+such units (no bf16 on V100/T4, no TF32 on CDNA2/CDNA4). Prices are indicative.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
+
+TABLE = Path(__file__).with_name("gpus.json")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -31,78 +36,82 @@ class GPU:
     name: str
     label: str
     memory_bytes: int
-    bf16_tflops: float
     vendor: str  # "nvidia" or "amd": selects the framework-overhead constant
     usd_per_hour: float
-    fp32_tflops: float  # what an fp32 matmul reaches: TF32 tensor cores where there are any
-    bf16: bool = True
+    tflops: dict[str, float | None] = field(default_factory=dict, hash=False, compare=False)
+    family: str = ""
+    patterns: tuple[str, ...] = ()
+    memory_reported: bool = True
+    memory_source: str = ""
+    tflops_source: str = ""
+    price_source: str = ""
+    default_mfu: float = 0.40
+    mfu_source: str = ""
 
+    @property
+    def bf16(self) -> bool:
+        """Has bf16 matmul units (else 16-bit means fp16)."""
+        return self.tflops.get("bf16") is not None
 
-GPUS: dict[str, GPU] = {
-    g.name: g
-    for g in (
-        # name, label, memory per device, bf16 dense TFLOPs, vendor, $/GPU-h, fp32/TF32 TFLOPs
-        GPU("rtx4070", "NVIDIA GeForce RTX 4070 12 GB", 12282 * MiB, 58.3, "nvidia", 0.15, 29.1),
-        GPU("rtx3090", "NVIDIA GeForce RTX 3090 24 GB", 24576 * MiB, 71.0, "nvidia", 0.25, 35.6),
-        GPU("rtx4090", "NVIDIA GeForce RTX 4090 24 GB", 24564 * MiB, 165.2, "nvidia", 0.40, 82.6),
-        GPU("rtx5090", "NVIDIA GeForce RTX 5090 32 GB", 32607 * MiB, 209.5, "nvidia", 0.70, 104.8),
-        GPU("a100-40gb", "NVIDIA A100 40 GB", 40960 * MiB, 312.0, "nvidia", 1.30, 156.0),
-        GPU("a100-80gb", "NVIDIA A100 80 GB", 81920 * MiB, 312.0, "nvidia", 1.80, 156.0),
-        GPU("h100", "NVIDIA H100 SXM 80 GB", 81559 * MiB, 989.4, "nvidia", 2.50, 494.7),
-        GPU("h200", "NVIDIA H200 SXM 141 GB", 143771 * MiB, 989.4, "nvidia", 3.50, 494.7),
-        GPU("b200", "NVIDIA B200 180 GB", 183359 * MiB, 2250.0, "nvidia", 5.50, 1100.0),
-        GPU("l4", "NVIDIA L4 24 GB", 23034 * MiB, 121.0, "nvidia", 0.80, 60.0),
-        GPU("l40s", "NVIDIA L40S 48 GB", 46068 * MiB, 362.0, "nvidia", 1.00, 183.0),
-        GPU(
-            "v100",
-            "NVIDIA V100 SXM2 32 GB (no bf16: fp16 peak)",
-            32768 * MiB,
-            125.0,
-            "nvidia",
-            0.90,
-            15.7,
-            bf16=False,
-        ),
-        GPU(
-            "mi250x",
-            "AMD Instinct MI250X (one of its two 64 GB GCDs)",
-            64 * GiB,
-            191.5,
-            "amd",
-            1.00,
-            47.9,
-        ),
-        GPU("mi300x", "AMD Instinct MI300X 192 GB", 192 * GiB, 1307.4, "amd", 2.50, 653.7),
-        GPU("mi325x", "AMD Instinct MI325X 256 GB", 256 * GiB, 1307.4, "amd", 3.00, 653.7),
-        GPU("mi355x", "AMD Instinct MI355X 288 GB", 288 * GiB, 2516.6, "amd", 4.00, 157.3),
-    )
-}
+    @property
+    def bf16_tflops(self) -> float:
+        """Dense 16-bit peak: bf16, or fp16 on parts without bf16."""
+        return float(self.tflops.get("bf16") or self.tflops.get("fp16") or 0.0)
 
-#: Other spellings (compared with every non-alphanumeric character removed).
-ALIASES = {
-    "4070": "rtx4070",
-    "3090": "rtx3090",
-    "4090": "rtx4090",
-    "5090": "rtx5090",
-    "a100": "a100-80gb",
-    "h100sxm": "h100",
-    "h200sxm": "h200",
-}
+    @property
+    def fp32_tflops(self) -> float:
+        """FP32 GEMMs without TF32 (``float32_matmul_precision: highest``)."""
+        return float(self.tflops.get("fp32") or 0.0)
 
-
-def _squash(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
-_LOOKUP = {_squash(n): n for n in GPUS} | {_squash(a): n for a, n in ALIASES.items()}
+    def peak(self, dtype: str) -> float | None:
+        """Dense TFLOP/s for matmuls in ``dtype`` (fp32, tf32, bf16, fp16, fp8), or None."""
+        value = self.tflops.get(dtype)
+        return None if value is None else float(value)
 
 
 class UnknownGPUError(ValueError):
-    """A GPU name not in :data:`GPUS`; the message lists the known ones."""
+    """A GPU name not in the table; the message lists the closest known ones."""
+
+
+class AmbiguousGPUError(UnknownGPUError):
+    """A name that fits several entries (``a100``: 40 or 80 GB); the message asks which."""
 
 
 class MemoryStringError(ValueError):
     """A memory size that does not parse, e.g. ``12 gigs``."""
+
+
+@cache
+def _load() -> tuple[dict[str, GPU], dict[str, str | list[str]]]:
+    data = json.loads(TABLE.read_text())
+    families = data["families"]
+    gpus: dict[str, GPU] = {}
+    for e in data["gpus"]:
+        fam = families[e["family"]]
+        gpus[e["name"]] = GPU(
+            name=e["name"],
+            label=e["label"],
+            memory_bytes=int(e["memory_bytes"]),
+            vendor=e["vendor"],
+            usd_per_hour=float(e["usd_per_hour"]),
+            tflops={k: e["tflops"].get(k) for k in DTYPES},
+            family=e["family"],
+            patterns=tuple(e["patterns"]),
+            memory_reported=bool(e["memory_reported"]),
+            memory_source=e["memory_source"],
+            tflops_source=e["tflops_source"],
+            price_source=e["price_source"],
+            default_mfu=float(fam["mfu"]),
+            mfu_source=fam["source"],
+        )
+    return gpus, data["aliases"]
+
+
+GPUS, ALIASES = _load()
+
+
+def _squash(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
 def known_gpus() -> list[str]:
@@ -110,11 +119,58 @@ def known_gpus() -> list[str]:
 
 
 def get_gpu(name: str) -> GPU:
-    """Look a GPU up by name: case, spaces, dashes and underscores do not matter."""
-    key = _LOOKUP.get(_squash(name))
-    if key is None:
-        raise UnknownGPUError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
-    return GPUS[key]
+    """Look a GPU up by table name or alias: case, spaces, dashes and underscores do not matter.
+
+    Raises:
+        AmbiguousGPUError: ``a100``, ``v100``, ...: the candidates and their memory, to pick one.
+        UnknownGPUError: the closest known names.
+    """
+    key = _squash(name)
+    lookup: dict[str, str | list[str]] = {_squash(n): n for n in GPUS}
+    lookup |= {_squash(a): t for a, t in ALIASES.items()}
+    found = lookup.get(key)
+    if isinstance(found, list):
+        options = ", ".join(f"{n} ({GPUS[n].memory_bytes / GiB:.1f} GiB)" for n in found)
+        raise AmbiguousGPUError(
+            f"--gpu {name!r} is ambiguous: {options}; name one, e.g. --gpu {found[-1]}"
+        )
+    if found is None:
+        close = difflib.get_close_matches(key, list(lookup), n=4, cutoff=0.5)
+        names = []
+        for c in close:
+            target = lookup[c]
+            for n in target if isinstance(target, list) else [target]:
+                if n not in names:
+                    names.append(n)
+        hint = f"closest: {', '.join(names)}" if names else "none is close"
+        raise UnknownGPUError(
+            f"unknown GPU {name!r}; {hint} (nanolab estimate --list-gpus shows all "
+            f"{len(GPUS)}; or give --gpu-mem)"
+        )
+    return GPUS[found]
+
+
+_NOISE = re.compile(r"\b(nvidia|geforce|amd|instinct|radeon)\b")
+
+
+def normalise_device_name(name: str) -> str:
+    """Lower-case, vendor words removed, spaces collapsed: ``"NVIDIA H100 PCIe"`` -> ``"h100 pcie"``."""
+    return " ".join(_NOISE.sub(" ", name.lower()).split())
+
+
+@cache
+def _compiled() -> tuple[tuple[re.Pattern[str], GPU], ...]:
+    return tuple((re.compile(rf"^(?:{p})$"), g) for g in GPUS.values() for p in g.patterns)
+
+
+def gpu_for_device(device_name: str) -> GPU | None:
+    """The entry whose driver-name pattern matches ``torch.cuda.get_device_name()`` exactly,
+    or None: a guess from a substring would put an L40S's numbers on an L4."""
+    key = normalise_device_name(device_name)
+    for pattern, g in _compiled():
+        if pattern.match(key):
+            return g
+    return None
 
 
 _UNITS = {

@@ -33,6 +33,9 @@ PRECISIONS = {
 #: Lightning's DeepSpeedStrategy defaults (elements, not bytes).
 DEEPSPEED_REDUCE_BUCKET = 200_000_000
 
+#: ``torch.set_float32_matmul_precision`` values (``run.float32_matmul_precision``).
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
+
 #: Vocabulary of the named tokenizers (end-of-text included), used when the config leaves
 #: vocab_size null; the one table lives with the tokenizers.
 TOKENIZER_VOCAB = KNOWN_VOCAB
@@ -109,6 +112,8 @@ class Setup:
             micro-batch per device per step).
         max_steps: Optimizer steps of the run (for the token budget), if known.
         compile: ``torch.compile`` is on (estimates are for eager mode; see the README).
+        float32_matmul_precision: ``run.float32_matmul_precision`` (``highest``: FP32 GEMMs;
+            ``high``/``medium``: TF32 where the GPU has it); only ``32-true`` matmuls care.
         devices_guessed: ``trainer.devices`` was ``auto`` (or absent) and no override was
             given, so one device per node was assumed.
     """
@@ -125,6 +130,7 @@ class Setup:
     max_steps: int | None = None
     compile: bool = False
     devices_guessed: bool = False  # trainer.devices was "auto" and nothing overrode it
+    float32_matmul_precision: str = "high"
 
     @property
     def world_size(self) -> int:
@@ -355,6 +361,12 @@ def setup_from_config(
             mb_raw, where = data.get("micro_batch_size", 32), "data.micro_batch_size"
     mb = None if mb_raw in (None, "auto") else _int(mb_raw, where)
 
+    matmul = str(run.get("float32_matmul_precision", "high"))
+    if matmul not in FLOAT32_MATMUL_PRECISIONS:
+        raise EstimateError(
+            f"run.float32_matmul_precision must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, "
+            f"got {matmul!r}"
+        )
     gbt = run.get("global_batch_tokens")
     gbt = None if gbt is None else _int(gbt, "run.global_batch_tokens")
     max_steps = trainer.get("max_steps")
@@ -373,6 +385,7 @@ def setup_from_config(
         max_steps=max_steps,
         compile=bool(model.get("compile", False)),
         devices_guessed=guessed,
+        float32_matmul_precision=matmul,
     )
     check_setup(setup)
     return setup

@@ -123,12 +123,15 @@ def buffer_numel(gpt: GPTConfig) -> int:
 def flops_per_token(gpt: GPTConfig, seq_len: int | None = None) -> int:
     """Same as ``GPT(gpt).flops_per_token(seq_len)``: 6N + 12·L·H·Q·T (PaLM appendix B).
 
-    N leaves out the learned position embedding (it takes part in no matmul).
+    N leaves out what takes part in no matmul: the learned position embedding and an untied
+    token embedding (lookups); a tied embedding is counted once, as the head.
     """
     T = gpt.block_size if seq_len is None else seq_len
     n = num_params(gpt)
     if gpt.position_embedding == "learned":
         n -= gpt.block_size * gpt.n_embd
+    if not gpt.tie_weights:
+        n -= gpt.padded_vocab_size * gpt.n_embd
     return 6 * n + 12 * gpt.n_layer * gpt.n_head * gpt.head_dim * T
 
 

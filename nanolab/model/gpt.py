@@ -203,18 +203,18 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs (forward + backward) per token, PaLM appendix B convention.
 
-        ``6 * N + 12 * L * H * Q * T`` where N counts the parameters that take part in matmuls
-        (all but the position embedding; a tied embedding is counted once, as the head's matmul),
+        ``6 * N + 12 * L * H * Q * T`` where N counts the parameters that take part in matmuls,
         L layers, H heads, Q head size and T the sequence length: 6N for the weight matmuls
         (2 forward, 4 backward) and the last term for the attention score and value matmuls.
-        Element-wise work (norms, GELU, softmax) is left out, as in nanoGPT and torchtitan, so
-        MFU figures are comparable across them.
+        Embedding lookups are not matmuls: the position embedding and an *untied* token
+        embedding are left out of N (a tied one is counted once, as the head's matmul), which
+        ``torch.utils.flop_counter`` confirms (tests/test_estimator_flops.py). Element-wise work
+        (norms, GELU, softmax) is left out, as in nanoGPT and torchtitan, so MFU figures are
+        comparable across them.
         """
         c = self.config
         T = seq_len if seq_len is not None else c.block_size
-        N = self.num_params(non_embedding=False)
-        if self.wpe is not None:
-            N -= self.wpe.weight.numel()
+        N = self.num_params(non_embedding=True)
         return 6 * N + 12 * c.n_layer * c.n_head * c.head_dim * T
 
     @torch.no_grad()

@@ -18,7 +18,6 @@ reached yet.
 from __future__ import annotations
 
 import os
-import re
 import time
 
 from nanolab.queue.db import Job, QueueDB
@@ -79,15 +78,12 @@ def _gpu_name() -> str | None:
 
 
 def estimator_gpu(device_name: str) -> str | None:
-    """Match a driver-reported device name to the estimator's table (longest known name inside)."""
-    from nanolab.estimator.gpus import ALIASES, GPUS
+    """The estimator's table name for a driver-reported device name (its anchored driver-name
+    patterns, as the MFU callback uses them), or None when the device is not exactly known."""
+    from nanolab.estimator.gpus import gpu_for_device
 
-    squashed = re.sub(r"[^a-z0-9]", "", device_name.lower())
-    known = {re.sub(r"[^a-z0-9]", "", k): k for k in GPUS} | {
-        re.sub(r"[^a-z0-9]", "", a): n for a, n in ALIASES.items()
-    }
-    hits = [k for k in known if k in squashed]
-    return known[max(hits, key=len)] if hits else None
+    g = gpu_for_device(device_name)
+    return g.name if g is not None else None
 
 
 def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float | None, str | None]:

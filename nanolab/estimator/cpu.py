@@ -1,0 +1,63 @@
+"""The CPU as an estimator device: this machine's memory and its measured matmul rates.
+
+``nanolab estimate --device cpu`` describes a CPU run: CPU kernels (dropout masks in the input
+dtype, SDPA's math fallback with dropout, torch AdamW's per-tensor loop), no framework overhead
+and no fragmentation margin (the CPU allocator returns freed blocks). The time estimate uses the
+fp32 (and bf16) matmul rates measured here for 0.2 s each, at the efficiency the queue assumes
+for CPU jobs; imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from nanolab.estimator.gpus import GPU
+
+#: Share of the measured matmul rate a small GPT reaches on CPU, as ``nanolab queue`` assumes.
+CPU_EFFICIENCY = 0.35
+
+
+def physical_memory() -> int:
+    """Bytes of RAM (``os.sysconf``); 0 where the platform does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def matmul_tflops(dtype_name: str = "float32", seconds: float = 0.2, n: int = 512) -> float:
+    """Dense matmul TFLOP/s of this machine in ``dtype_name`` with the current thread count."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / elapsed / 1e12
+
+
+def cpu_device() -> GPU:
+    """This machine as an estimator device (measured once per call)."""
+    fp32 = matmul_tflops("float32")
+    bf16 = matmul_tflops("bfloat16")
+    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+    return GPU(
+        name="cpu",
+        label=f"CPU (this machine, {threads} threads)",
+        memory_bytes=physical_memory(),
+        vendor="cpu",
+        usd_per_hour=0.0,
+        tflops={"fp32": fp32, "tf32": None, "bf16": bf16, "fp16": None, "fp8": None},
+        family="cpu",
+        memory_reported=True,
+        memory_source="physical RAM (os.sysconf)",
+        tflops_source="measured here: 512 x 512 matmuls for 0.2 s per dtype",
+        price_source="no price for a CPU; pass --usd-per-gpu-hour",
+        default_mfu=CPU_EFFICIENCY,
+        mfu_source="nanolab's CPU assumption (the queue's CPU_EFFICIENCY): a rough share of the "
+        "measured matmul rate; a finished run of the config replaces it",
+    )

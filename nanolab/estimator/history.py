@@ -1,0 +1,106 @@
+"""This machine's own throughput for a config, from the finished runs the queue remembers.
+
+An MFU assumption is a guess; a finished run of the same config on the same kind of device is a
+measurement. ``nanolab queue`` keeps every job's run directory, and each run directory keeps its
+``config.yaml`` and its run log, whose ``start`` record names the devices and whose ``end``
+record has the whole run's tokens/s. A past run counts when its config describes the same step
+(architecture, precision, matmul precision, micro-batch, accumulation, devices, strategy,
+optimizer, compile) on a device that matches the GPU being estimated; the median of their
+tokens/s is used.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanolab.estimator.gpus import GPU, gpu_for_device
+from nanolab.estimator.setup import Setup, load_config, setup_from_config
+
+QUEUE_DB_ENV = "NANOLAB_QUEUE_DB"
+DEFAULT_QUEUE_DB = "nanolab_queue.db"
+
+
+@dataclass
+class Measured:
+    tokens_per_second: float  # all devices together
+    runs: int
+    source: str
+
+
+def _same_step(a: Setup, b: Setup) -> bool:
+    return (
+        a.gpt == b.gpt
+        and a.precision == b.precision
+        and a.float32_matmul_precision == b.float32_matmul_precision
+        and a.micro_batch_size == b.micro_batch_size
+        and a.global_batch_tokens == b.global_batch_tokens
+        and a.world_size == b.world_size
+        and a.strategy.kind == b.strategy.kind
+        and a.optimizer == b.optimizer
+        and a.compile == b.compile
+    )
+
+
+def _run_tokens_per_second(run_dir: Path, setup: Setup, gpu: GPU | None) -> float | None:
+    from nanolab.runlog import RUN_LOG_NAME, last_record
+
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return None
+    try:
+        cfg = load_config([config])
+        run = cfg.get("run") or {}
+        if run.get("micro_batch_size") == "auto":  # what it resolved to is in data
+            run["micro_batch_size"] = (cfg.get("data") or {}).get("micro_batch_size")
+        past = setup_from_config(cfg)
+    except Exception:  # a config this version cannot read says nothing about speed
+        return None
+    if not _same_step(past, setup):
+        return None
+    log = run_dir / RUN_LOG_NAME
+    start = last_record(log, "start") or {}
+    devices = start.get("devices") or []
+    if gpu is not None:
+        if not devices or any(gpu_for_device(str(d)) != gpu for d in devices):
+            return None
+    elif any(str(d) != "cpu" for d in devices) or not devices:
+        return None
+    end = last_record(log, "end") or {}
+    if end.get("reason") not in ("completed", "budget", "plateau"):
+        return None  # crashed, diverged or preempted: its rate may cover a few steps only
+    rate = end.get("tokens_per_s")
+    return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
+
+
+def measured_throughput(setup: Setup, gpu: GPU | None, db: str | None = None) -> Measured | None:
+    """Median tokens/s of finished queue jobs with the same step on ``gpu`` (None: CPU)."""
+    path = Path(db or os.environ.get(QUEUE_DB_ENV) or DEFAULT_QUEUE_DB)
+    if not path.is_file():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            rows = conn.execute("SELECT run_dir, cwd FROM jobs WHERE status = 'done'").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    rates = []
+    for run_dir, cwd in rows:
+        d = Path(run_dir)
+        d = d if d.is_absolute() else Path(cwd) / d
+        rate = _run_tokens_per_second(d, setup, gpu)
+        if rate is not None:
+            rates.append(rate)
+    if not rates:
+        return None
+    where = gpu.name if gpu is not None else "this CPU"
+    return Measured(
+        statistics.median(rates),
+        len(rates),
+        f"measured: median of {len(rates)} finished queue run(s) of this config on {where}",
+    )

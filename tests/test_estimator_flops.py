@@ -1,0 +1,91 @@
+"""FLOPs per token against ``torch.utils.flop_counter``, and the rate each precision gets.
+
+The counter sees every matmul of a real forward + backward (``attention: math``: the CPU flash
+kernel has no FLOP formula in the counter). ``flops_per_token`` counts biases and norm gains in
+6N, which the counter does not (a fraction of a percent), and must not count an embedding
+*lookup*: an untied model does exactly the matmul work of a tied one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from nanolab.estimator.compute import estimate_compute, matmul_rate
+from nanolab.estimator.gpus import get_gpu
+from nanolab.estimator.setup import Setup
+from nanolab.estimator.shapes import flops_per_token
+from nanolab.model.config import GPTConfig
+from nanolab.model.gpt import GPT
+
+
+def _counted_per_token(cfg: GPTConfig, batch: int = 2) -> float:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
+    with FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    return counter.get_total_flops() / (batch * cfg.block_size)
+
+
+SHAPES = [
+    GPTConfig(vocab_size=4000, block_size=64, n_layer=2, n_head=4, n_embd=128, attention="math"),
+    GPTConfig(
+        vocab_size=8000,
+        block_size=128,
+        n_layer=2,
+        n_head=2,
+        n_embd=64,
+        position_embedding="rope",
+        bias=False,
+        attention="math",
+    ),
+]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("cfg", SHAPES, ids=["learned-bias", "rope-nobias"])
+def test_flops_per_token_matches_the_flop_counter(cfg: GPTConfig, tied: bool) -> None:
+    torch.set_num_threads(1)
+    cfg = replace(cfg, tie_weights=tied)
+    counted = _counted_per_token(cfg)
+    assert GPT(cfg).flops_per_token() == flops_per_token(cfg)
+    assert flops_per_token(cfg) == pytest.approx(counted, rel=0.01)
+
+
+def test_an_untied_embedding_lookup_costs_no_flops() -> None:
+    torch.set_num_threads(1)
+    tied = SHAPES[0]
+    untied = replace(tied, tie_weights=False)
+    assert _counted_per_token(untied) == _counted_per_token(tied)
+    assert flops_per_token(untied) == flops_per_token(tied)
+
+
+def _setup(precision: str, matmul: str = "high") -> Setup:
+    gpt = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    return Setup(gpt=gpt, precision=precision, float32_matmul_precision=matmul)
+
+
+def test_fp32_runs_at_the_rate_their_matmul_precision_gets() -> None:
+    a100 = get_gpu("a100-80gb")
+    assert matmul_rate(_setup("32-true", "highest"), a100) == (19.5, "fp32")
+    assert matmul_rate(_setup("32-true", "high"), a100) == (156.0, "tf32")
+    assert matmul_rate(_setup("bf16-mixed"), a100) == (312.0, "bf16")
+    assert matmul_rate(_setup("16-mixed"), get_gpu("v100-sxm2-32gb")) == (125.0, "fp16")
+    # No TF32 units: "high" falls back to the fp32 rate.
+    assert matmul_rate(_setup("32-true", "high"), get_gpu("mi250x")) == (47.9, "fp32")
+    slow = estimate_compute(_setup("32-true", "highest"), a100, 8, 1)
+    fast = estimate_compute(_setup("32-true", "high"), a100, 8, 1)
+    assert slow.step_seconds == pytest.approx(fast.step_seconds * 156.0 / 19.5)
+
+
+def test_default_mfu_comes_from_the_gpu_family() -> None:
+    h100, mi300x, rtx4090 = get_gpu("h100-sxm"), get_gpu("mi300x"), get_gpu("rtx4090")
+    assert mi300x.default_mfu < h100.default_mfu < rtx4090.default_mfu
+    for g in (h100, mi300x, rtx4090):
+        assert g.mfu_source
+        est = estimate_compute(_setup("bf16-mixed"), g, 8, 1)
+        assert est.mfu == g.default_mfu and est.mfu_source == g.mfu_source
