@@ -16,6 +16,7 @@ from collections.abc import Sequence
 VERBS: dict[str, tuple[str, str]] = {
     "prepare": ("nanolab.data.prepare:main", "tokenize text files into train.bin/val.bin"),
     "generate": ("nanolab.generate:main", "sample text from a checkpoint"),
+    "export": ("nanolab.export:main", "write a checkpoint as a Hugging Face GPT-2 folder"),
     "estimate": ("nanolab.estimator.cli:main", "predict memory, time and cost before a run"),
     "report": ("nanolab.report:main", "summarise runs from their metrics.jsonl logs"),
     "queue": ("nanolab.queue.cli:main", "queue experiments and run them one per GPU"),

@@ -300,6 +300,10 @@ class NanolabCLI(LightningCLI):
         cfg.trainer.default_root_dir = str(run_dir)
         check_max_steps(cfg.trainer.get("max_steps"))
         check_model_settings(cfg.model)
+        if cfg.model.get("init_from"):  # the architecture of a Hugging Face GPT-2 (docs/hf.md)
+            from nanolab.model.hf import apply_init_from
+
+            apply_init_from(cfg.model)
         if self.subcommand == "fit" and not cfg.get("preemption", {}).get("enabled", True):
             from nanolab.training import early_signals
 
@@ -322,6 +326,10 @@ class NanolabCLI(LightningCLI):
                 f"--data.dataset_dir, or replace it with `nanolab prepare <sources> -o "
                 f"{data.dataset_dir} --force`"
             ) from None
+        if cfg.model.get("init_from"):  # the data must be tokenized as the checkpoint's was
+            from nanolab.model.hf_tokenizer import check_init_from_data
+
+            check_init_from_data(cfg.model, data)
         gpt = cfg.model.gpt
         if gpt.vocab_size is None:
             gpt.vocab_size = vocab

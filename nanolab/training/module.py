@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nanolab.model import GPT, GPTConfig
+from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.optim import (
     OptimizerConfig,
     ScheduleConfig,
@@ -31,6 +32,11 @@ class GPTLightningModule(L.LightningModule):
         compile: ``torch.compile`` the model (in place, so checkpoint keys do not change).
             Costs a minute of start-up; pays off on GPUs for runs longer than a few minutes.
         compile_mode: ``torch.compile`` mode (``null``, ``"max-autotune"``, ...).
+        init_from: A local Hugging Face GPT-2 folder to start from (docs/hf.md): the architecture
+            and the weights come from it (``model.gpt`` keys left at their defaults take its
+            values), ``block_size`` may cut its positions. ``null`` = random initialisation.
+        freeze: Parts that fine-tuning leaves unchanged (``model.freeze.embeddings``,
+            ``model.freeze.blocks``: the first N blocks).
     """
 
     def __init__(
@@ -40,6 +46,8 @@ class GPTLightningModule(L.LightningModule):
         schedule: ScheduleConfig = ScheduleConfig(),
         compile: bool = False,
         compile_mode: str | None = None,
+        init_from: str | None = None,
+        freeze: FreezeConfig = FreezeConfig(),
     ) -> None:
         super().__init__()
         # Copies: the defaults are shared instances, and vocab_size may be filled in later.
@@ -48,10 +56,17 @@ class GPTLightningModule(L.LightningModule):
         self.schedule_config = replace(schedule)
         self.compile = compile
         self.compile_mode = compile_mode
+        self.init_from = init_from
+        self.freeze_config = replace(freeze)  # not `freeze`: LightningModule.freeze() exists
+        if init_from is not None:
+            from nanolab.model.hf import resolve_architecture
+
+            arch = resolve_architecture(asdict(self.gpt_config), init_from)
+            self.gpt_config = GPTConfig(**arch)
         self.model: GPT | None = None
         self._pending_rng: dict[str, Any] | None = None
         if self.gpt_config.vocab_size is not None:
-            self.model = GPT(self.gpt_config)
+            self.model = self._build_model()
 
     # -- model construction ----------------------------------------------------------------
     def configure_model(self) -> None:
@@ -64,7 +79,7 @@ class GPTLightningModule(L.LightningModule):
                         "model.gpt.vocab_size is null and no datamodule provides it; set it"
                     )
                 self.gpt_config.vocab_size = int(dm.vocab_size)
-            self.model = GPT(self.gpt_config)
+            self.model = self._build_model()
         if getattr(self, "_device_mesh", None) is not None and not getattr(self, "_sharded", False):
             from nanolab.training.strategies import apply_fsdp2
 
@@ -73,6 +88,17 @@ class GPTLightningModule(L.LightningModule):
         if self.compile and not getattr(self, "_compiled", False):
             self.model.compile(mode=self.compile_mode)
             self._compiled = True
+
+    def _build_model(self) -> GPT:
+        """The GPT, with the ``init_from`` weights (a resume then overwrites them) and the
+        ``freeze`` settings applied before any sharding or compiling."""
+        model = GPT(self.gpt_config)
+        if self.init_from is not None:
+            from nanolab.model.hf import load_hf_weights
+
+            load_hf_weights(model, self.init_from)
+        apply_freeze(model, self.freeze_config)
+        return model
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         assert self.model is not None, "call configure_model() first"

@@ -1,0 +1,211 @@
+"""``nanolab export``: a training checkpoint as a folder other tools read.
+
+``--format hf`` writes a Hugging Face GPT-2 folder (``config.json``, ``model.safetensors``,
+``tokenizer.json`` + ``tokenizer_config.json``) that ``transformers``' ``AutoModelForCausalLM``
+and ``AutoTokenizer`` load, and so lm-evaluation-harness and vLLM too. ``--format safetensors``
+writes the weights under nanolab's own names plus ``nanolab.json`` (architecture and tokenizer),
+for any nanolab model, RoPE included.
+
+The folder is written next to its destination and renamed into place when complete: a failed
+export leaves nothing behind, and an existing destination is replaced only with ``--force`` and
+only when it holds nothing but a previous export's files (never a run directory, say).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanolab.data.tokenizers import TokenizerError, tokenizer_from_spec
+from nanolab.generate import (
+    CheckpointError,
+    OneLineParser,
+    load_checkpoint,
+    model_from_checkpoint,
+    resolve_checkpoint,
+)
+from nanolab.model.hf import (
+    HFFormatError,
+    export_refusals,
+    hf_config_from_nanolab,
+    hf_state_from_nanolab,
+)
+
+#: Files an export writes; ``--force`` replaces a folder holding nothing else.
+EXPORT_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "nanolab.json",
+    }
+)
+
+
+class ExportError(ValueError):
+    """An export that cannot be written; the message names the option and the fix."""
+
+
+def check_destination(out: Path, force: bool) -> None:
+    """Refuse to write over anything but a previous export, and that only with ``--force``."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise ExportError(f"-o {out} exists and is not a folder; choose another -o")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if not force:
+        raise ExportError(
+            f"-o {out} already exists; pass --force to replace that export, or choose another -o"
+        )
+    foreign = [name for name in entries if name not in EXPORT_FILES]
+    if foreign or ("config.json" not in entries and "nanolab.json" not in entries):
+        example = foreign[0] if foreign else entries[0]
+        raise ExportError(
+            f"-o {out} holds files an export does not write (e.g. {example}); --force replaces "
+            "only a previous export folder: choose another -o"
+        )
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from nanolab.model.hf import safetensors_module
+
+    plain = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    safetensors_module().save_file(plain, str(path), metadata={"format": "pt"})
+
+
+def write_hf(ckpt: dict[str, Any], model: torch.nn.Module, out: Path) -> list[str]:
+    """A transformers GPT-2 folder in ``out``; returns notes for the user (tokenizer files)."""
+    config = model.config
+    refusals = export_refusals(config)
+    if refusals:
+        raise ExportError(
+            f"--format hf: the model is not GPT-2 compatible: {'; '.join(refusals)}; "
+            "export it with --format safetensors (for nanolab) instead"
+        )
+    spec = (ckpt.get("nanolab") or {}).get("tokenizer")
+    notes: list[str] = []
+    tokenizer = None
+    if isinstance(spec, dict):
+        try:
+            tokenizer = tokenizer_from_spec(spec)
+        except TokenizerError as err:
+            notes.append(f"no tokenizer files: the checkpoint's tokenizer cannot be built ({err})")
+    else:
+        notes.append("no tokenizer files: the checkpoint stores no tokenizer")
+    eot = tokenizer.eot_id if tokenizer is not None else None
+    state = model.state_dict()
+    dtype = next(iter(state.values())).dtype
+    record = {
+        "tokenizer": {k: v for k, v in spec.items() if k != "json"} if spec else None,
+        "global_step": ckpt.get("global_step"),
+    }
+    hf_config = hf_config_from_nanolab(config, eot, dtype, record)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    _save_safetensors(hf_state_from_nanolab(state, config), out / "model.safetensors")
+    if tokenizer is not None:
+        from nanolab.model.hf_tokenizer import write_tokenizer_files
+
+        write_tokenizer_files(tokenizer, out, config.block_size)
+    return notes
+
+
+def write_nanolab_safetensors(ckpt: dict[str, Any], model: torch.nn.Module, out: Path) -> None:
+    """nanolab's own tensor names in ``model.safetensors``, architecture and tokenizer in
+    ``nanolab.json`` (a tied head is stored once, as ``wte.weight``)."""
+    state = dict(model.state_dict())
+    if model.config.tie_weights:
+        state.pop("lm_head.weight")
+    _save_safetensors(state, out / "model.safetensors")
+    meta = ckpt.get("nanolab") or {}
+    info = {
+        "gpt": asdict(model.config),
+        "tokenizer": meta.get("tokenizer"),
+        "global_step": ckpt.get("global_step"),
+        "tied": ["lm_head.weight", "wte.weight"] if model.config.tie_weights else [],
+    }
+    (out / "nanolab.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def export(ckpt_path: str | Path, fmt: str, out: str | Path, force: bool = False) -> list[str]:
+    """Write the export of ``ckpt_path`` to ``out`` (atomically); returns notes for the user."""
+    out = Path(out)
+    check_destination(out, force)
+    path = resolve_checkpoint(ckpt_path)
+    ckpt = load_checkpoint(path)
+    model = model_from_checkpoint(ckpt, path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    notes: list[str] = []
+    try:
+        if fmt == "hf":
+            notes = write_hf(ckpt, model, staging)
+        else:
+            write_nanolab_safetensors(ckpt, model, staging)
+        old = None
+        if out.exists():  # an empty folder, or a previous export with --force
+            old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+            out.rename(old)
+        try:
+            staging.rename(out)
+        except OSError:
+            if old is not None:
+                old.rename(out)  # the previous export stays as it was
+            raise
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = OneLineParser(
+        prog="nanolab export",
+        description="Write a checkpoint as a Hugging Face GPT-2 folder or as safetensors.",
+    )
+    parser.add_argument(
+        "--ckpt", required=True, help="checkpoint file (runs/x/checkpoints/last.ckpt) or run dir"
+    )
+    parser.add_argument(
+        "--format",
+        choices=("hf", "safetensors"),
+        default="hf",
+        help="hf: transformers GPT-2 folder with tokenizer files; safetensors: weights + "
+        "nanolab.json (any nanolab model)",
+    )
+    parser.add_argument("-o", "--out", required=True, help="folder to write (must not exist)")
+    parser.add_argument("--force", action="store_true", help="replace a previous export in -o")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        notes = export(args.ckpt, args.format, args.out, args.force)
+    except (CheckpointError, ExportError, HFFormatError, TokenizerError) as err:
+        print(f"nanolab export: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(
+            f"nanolab export: error: cannot write -o {args.out} ({err.strerror or err}); "
+            "choose a folder this user can write, with free space",
+            file=sys.stderr,
+        )
+        return 2
+    for note in notes:
+        print(f"nanolab export: note: {note}", file=sys.stderr)
+    print(f"wrote {args.out} ({args.format}) in {time.perf_counter() - start:.1f}s")
+    return 0

@@ -1,0 +1,420 @@
+"""Hugging Face GPT-2 folders <-> nanolab's :class:`~nanolab.model.GPT`: architecture and weights.
+
+GPT-2 (OpenAI's checkpoints, ``transformers``' ``GPT2LMHeadModel``) is the network nanolab's GPT
+builds with its GPT-2 settings: learned positions, pre-LayerNorm blocks with biases, GELU with the
+tanh approximation, LayerNorm eps 1e-5, a head tied to the token embedding. Only names and one
+layout differ: GPT-2's ``Conv1D`` layers store a linear weight as (in, out), the transpose of
+``nn.Linear``. So an import is a renaming plus four transposes, and so is an export.
+
+Everything here reads and writes local files. No name is ever looked up on the Hub: a path that
+is not a folder is refused with the line that says where to put the files.
+
+Two things an export records so an import restores them (``config.json``'s ``nanolab`` entry):
+the unpadded vocabulary (nanolab pads the embedding to a multiple of ``vocab_multiple`` rows, and
+those rows are exported as they are, so logits match over every id) and the data's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanolab.model.config import ConfigError, GPTConfig
+
+#: GELU variants that are the tanh approximation nanolab's MLP computes.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+#: The activation an export writes: the very kernel nanolab uses (``F.gelu(approximate="tanh")``).
+EXPORT_ACTIVATION = "gelu_pytorch_tanh"
+#: ``config.json`` entry where ``nanolab export`` records what GPT-2's config cannot say.
+RECORD_KEY = "nanolab"
+#: Architecture keys that come from the checkpoint; a user value that disagrees is an error.
+ARCHITECTURE_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "vocab_size",
+    "vocab_multiple",
+    "bias",
+    "position_embedding",
+    "tie_weights",
+    "mlp_ratio",
+)
+
+#: (nanolab name, GPT-2 name, stored transposed by Conv1D) for the tensors of block ``i``.
+_BLOCK_TENSORS = (
+    ("ln_1.weight", "ln_1.weight", False),
+    ("ln_1.bias", "ln_1.bias", False),
+    ("attn.c_attn.weight", "attn.c_attn.weight", True),
+    ("attn.c_attn.bias", "attn.c_attn.bias", False),
+    ("attn.c_proj.weight", "attn.c_proj.weight", True),
+    ("attn.c_proj.bias", "attn.c_proj.bias", False),
+    ("ln_2.weight", "ln_2.weight", False),
+    ("ln_2.bias", "ln_2.bias", False),
+    ("mlp.c_fc.weight", "mlp.c_fc.weight", True),
+    ("mlp.c_fc.bias", "mlp.c_fc.bias", False),
+    ("mlp.c_proj.weight", "mlp.c_proj.weight", True),
+    ("mlp.c_proj.bias", "mlp.c_proj.bias", False),
+)
+#: Old GPT-2 checkpoints store each block's causal mask as a buffer; it is not a weight.
+_MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+
+
+class HFFormatError(ConfigError):
+    """A Hugging Face folder (or an export target) that cannot be used; one line with the fix."""
+
+
+# -- the folder and its config -----------------------------------------------------------------
+def hf_folder(path: str | Path, field: str = "model.init_from") -> Path:
+    """The local folder ``path`` names; a Hub name or a missing path is refused (no network)."""
+    folder = Path(str(path)).expanduser()
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise HFFormatError(
+            f"{field} {path}: is a file; give the folder that holds config.json and "
+            "model.safetensors (or pytorch_model.bin)"
+        )
+    name = str(path) if re.fullmatch(r"[A-Za-z0-9][\w.-]*", str(path)) else "gpt2"  # a Hub name
+    raise HFFormatError(
+        f"{field} {path!r}: no such folder, and nanolab never downloads (no Hub names): put the "
+        "model's config.json, model.safetensors (or pytorch_model.bin) and tokenizer.json in a "
+        f"folder (e.g. `hf download {name} --local-dir models/{name}` on a machine with "
+        f"network) and pass that folder: {field} models/{name}"
+    )
+
+
+def read_hf_config(folder: Path, field: str = "model.init_from") -> dict[str, Any]:
+    """``config.json`` of a GPT-2 folder; anything else (no file, not JSON, not GPT-2) refused."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise HFFormatError(
+            f"{field} {folder}: has no config.json; give a Hugging Face model folder "
+            "(what save_pretrained writes)"
+        )
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFFormatError(f"{field} {path}: is not readable JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise HFFormatError(f"{field} {path}: must hold a JSON object")
+    model_type = config.get("model_type")
+    if model_type != "gpt2":
+        raise HFFormatError(
+            f"{field} {folder}: model_type is {model_type!r}, but nanolab imports only GPT-2 "
+            "('gpt2': learned positions, GELU, biases, tied head); give a GPT-2 folder"
+        )
+    return config
+
+
+def _int_key(config: dict[str, Any], key: str, folder: Path) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HFFormatError(
+            f"model.init_from {folder}: config.json {key} must be a positive integer, got {value!r}"
+        )
+    return value
+
+
+def architecture_from_hf(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The :class:`GPTConfig` fields a GPT-2 ``config.json`` describes (block size: its
+    ``n_positions``), after refusing GPT-2 variants nanolab's GPT does not compute."""
+    n_embd = _int_key(config, "n_embd", folder)
+    refusals = []
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in TANH_GELUS:
+        refusals.append(f"activation_function {activation!r} (nanolab: tanh GELU)")
+    eps = config.get("layer_norm_epsilon", 1e-5)
+    if not isinstance(eps, (int, float)) or abs(float(eps) - 1e-5) > 1e-12:
+        refusals.append(f"layer_norm_epsilon {eps!r} (nanolab: 1e-05)")
+    if not config.get("scale_attn_weights", True):
+        refusals.append("scale_attn_weights false (nanolab scales by 1/sqrt(head size))")
+    if config.get("scale_attn_by_inverse_layer_idx", False):
+        refusals.append("scale_attn_by_inverse_layer_idx true")
+    if config.get("add_cross_attention", False):
+        refusals.append("add_cross_attention true")
+    n_inner = config.get("n_inner")
+    if n_inner is not None and (not isinstance(n_inner, int) or n_inner % n_embd != 0):
+        refusals.append(f"n_inner {n_inner!r} (nanolab: a multiple of n_embd {n_embd})")
+    if refusals:
+        raise HFFormatError(
+            f"model.init_from {folder}: this GPT-2 variant is not nanolab's GPT: "
+            f"{'; '.join(refusals)}"
+        )
+    vocab = _int_key(config, "vocab_size", folder)
+    arch = {
+        "n_layer": _int_key(config, "n_layer", folder),
+        "n_head": _int_key(config, "n_head", folder),
+        "n_embd": n_embd,
+        "block_size": _int_key(config, "n_positions", folder),
+        "vocab_size": vocab,
+        "vocab_multiple": 1,  # every row of the checkpoint, no padding added
+        "bias": True,
+        "position_embedding": "learned",
+        "tie_weights": bool(config.get("tie_word_embeddings", True)),
+        "mlp_ratio": 4 if n_inner is None else n_inner // n_embd,
+    }
+    record = config.get(RECORD_KEY)
+    if isinstance(record, dict):
+        # A nanolab export: its padded vocabulary rows, with the tokenizer's vocabulary.
+        size, multiple = record.get("vocab_size"), record.get("vocab_multiple")
+        valid = isinstance(size, int) and isinstance(multiple, int) and size >= 2 and multiple >= 1
+        if valid and ((size + multiple - 1) // multiple) * multiple == vocab:
+            arch["vocab_size"], arch["vocab_multiple"] = size, multiple
+    if n_embd % arch["n_head"] != 0:
+        raise HFFormatError(
+            f"model.init_from {folder}: config.json n_embd {n_embd} is not divisible by "
+            f"n_head {arch['n_head']}"
+        )
+    return arch
+
+
+def resolve_architecture(gpt: dict[str, Any], init_from: str | Path) -> dict[str, Any]:
+    """``gpt`` (the user's ``model.gpt``) with the architecture of the GPT-2 in ``init_from``.
+
+    A key left at its default takes the checkpoint's value; a key set to another value is an
+    error naming both. ``block_size`` stays the user's (the context to train on): it may be
+    shorter than the checkpoint's ``n_positions`` (the position table is cut), not longer.
+    """
+    folder = hf_folder(init_from)
+    imported = architecture_from_hf(read_hf_config(folder), folder)
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    resolved = dict(gpt)
+    for key in ARCHITECTURE_KEYS:
+        given = resolved.get(key, defaults[key])
+        if given != defaults[key] and given != imported[key]:
+            raise HFFormatError(
+                f"model.gpt.{key} is {given!r} but the checkpoint in {folder} has "
+                f"{imported[key]!r}; leave model.gpt.{key} out (the architecture comes from "
+                f"model.init_from) or set it to {imported[key]!r}"
+            )
+        resolved[key] = imported[key]
+    block = resolved.get("block_size", defaults["block_size"])
+    if block > imported["block_size"]:
+        raise HFFormatError(
+            f"model.gpt.block_size {block} is longer than the checkpoint's {imported['block_size']} "
+            f"positions ({folder} config.json n_positions); set model.gpt.block_size to "
+            f"{imported['block_size']} or less"
+        )
+    return resolved
+
+
+# -- reading weights ---------------------------------------------------------------------------
+def safetensors_module() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise HFFormatError(
+            "reading and writing model.safetensors needs the safetensors package: "
+            "pip install 'nanolab[hf]'"
+        ) from None
+    return safetensors.torch
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's ``model.safetensors`` (single or sharded) or, failing that,
+    ``pytorch_model.bin`` read with ``weights_only=True``: a pickle that asks for anything but
+    tensors is refused, never run."""
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file() or index.is_file():
+        st = safetensors_module()
+        files = [single]
+        if not single.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                files = [folder / name for name in sorted(set(weight_map.values()))]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise HFFormatError(f"model.init_from {index}: not a shard index ({err})") from None
+        state: dict[str, torch.Tensor] = {}
+        for path in files:
+            try:
+                state.update(st.load_file(str(path), device="cpu"))
+            except Exception as err:  # safetensors raises its own error types
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                raise HFFormatError(
+                    f"model.init_from {path}: not a readable safetensors file "
+                    f"({type(err).__name__}: {first[:160]})"
+                ) from None
+        return state
+    binary = folder / "pytorch_model.bin"
+    if not binary.is_file():
+        raise HFFormatError(
+            f"model.init_from {folder}: has neither model.safetensors nor pytorch_model.bin; "
+            "copy the model's weights file next to its config.json"
+        )
+    try:
+        state = torch.load(binary, map_location="cpu", weights_only=True)
+    except Exception as err:
+        found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(err))
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        why = f"its pickle calls {found.group(1)}" if found else first[:160]
+        raise HFFormatError(
+            f"model.init_from {binary}: refused, it is not plain tensors ({why}); nanolab never "
+            "runs code from a checkpoint: convert it to model.safetensors on a machine you trust"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise HFFormatError(
+            f"model.init_from {binary}: does not hold a state dict of tensors; give the weights "
+            "file save_pretrained writes"
+        )
+    return state
+
+
+# -- the mapping -------------------------------------------------------------------------------
+def _pairs(config: GPTConfig) -> list[tuple[str, str, bool]]:
+    """(nanolab name, GPT-2 name without ``transformer.``, transposed) for every tensor."""
+    pairs = [("wte.weight", "wte.weight", False), ("wpe.weight", "wpe.weight", False)]
+    for i in range(config.n_layer):
+        pairs += [(f"blocks.{i}.{a}", f"h.{i}.{b}", t) for a, b, t in _BLOCK_TENSORS]
+    pairs += [("ln_f.weight", "ln_f.weight", False), ("ln_f.bias", "ln_f.bias", False)]
+    return pairs
+
+
+def nanolab_state_from_hf(
+    hf_state: dict[str, torch.Tensor], config: GPTConfig, source: str | Path
+) -> dict[str, torch.Tensor]:
+    """GPT-2 tensors renamed, un-transposed and checked against ``config``'s shapes: a state dict
+    :class:`~nanolab.model.GPT` loads. The position table keeps the first ``block_size`` rows."""
+    from nanolab.model.gpt import GPT
+
+    if config.position_embedding != "learned" or not config.bias:
+        raise HFFormatError("GPT-2 weights need position_embedding 'learned' and bias true")
+    named = {
+        (k[len("transformer.") :] if k.startswith("transformer.") else k): v
+        for k, v in hf_state.items()
+    }
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    used = set()
+    for ours, theirs, transposed in _pairs(config):
+        if theirs not in named:
+            raise HFFormatError(
+                f"model.init_from {source}: the weights have no tensor {theirs}; the file does "
+                "not belong to this config.json"
+            )
+        tensor = named[theirs]
+        used.add(theirs)
+        if transposed and tensor.dim() == 2:
+            tensor = tensor.t()
+        if ours == "wpe.weight" and tensor.dim() == 2:
+            tensor = tensor[: config.block_size]
+        if tuple(tensor.shape) != expected[ours]:
+            shape = tuple(named[theirs].shape)
+            want = expected[ours][::-1] if transposed else expected[ours]
+            raise HFFormatError(
+                f"model.init_from {source}: tensor {theirs} has shape {list(shape)} but "
+                f"config.json implies {list(want)}; the weights and config.json disagree"
+            )
+        state[ours] = tensor
+    if not config.tie_weights:
+        if "lm_head.weight" not in named:
+            raise HFFormatError(
+                f"model.init_from {source}: tie_word_embeddings is false but there is no "
+                "lm_head.weight"
+            )
+        state["lm_head.weight"] = named["lm_head.weight"]
+        used.add("lm_head.weight")
+        if tuple(state["lm_head.weight"].shape) != expected["lm_head.weight"]:
+            raise HFFormatError(
+                f"model.init_from {source}: lm_head.weight has shape "
+                f"{list(state['lm_head.weight'].shape)}, expected {list(expected['lm_head.weight'])}"
+            )
+    else:
+        used.add("lm_head.weight")  # the same matrix as wte (some files store it twice)
+        state["lm_head.weight"] = state["wte.weight"]
+    extra = sorted(k for k in named if k not in used and not _MASK_BUFFER.match(k))
+    if extra:
+        raise HFFormatError(
+            f"model.init_from {source}: the weights hold tensors GPT-2's language model does not "
+            f"have ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}); give a "
+            "GPT2LMHeadModel folder"
+        )
+    return state
+
+
+def hf_state_from_nanolab(
+    state: dict[str, torch.Tensor], config: GPTConfig
+) -> dict[str, torch.Tensor]:
+    """nanolab's GPT tensors under GPT-2's names and layout (``transformer.`` prefix, Conv1D
+    weights transposed). A model trained without biases gets zero biases: the same function."""
+    hf: dict[str, torch.Tensor] = {}
+    for ours, theirs, transposed in _pairs(config):
+        if ours in state:
+            tensor = state[ours]
+            hf[f"transformer.{theirs}"] = (tensor.t() if transposed else tensor).contiguous()
+        elif ours.endswith(".bias") and not config.bias:
+            weight = state[ours.removesuffix("bias") + "weight"]  # (out, in) or (width,)
+            hf[f"transformer.{theirs}"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+        else:
+            raise HFFormatError(f"the checkpoint has no tensor {ours}; it is not nanolab's GPT")
+    if not config.tie_weights:
+        hf["lm_head.weight"] = state["lm_head.weight"].contiguous()
+    return hf
+
+
+def export_refusals(config: GPTConfig) -> list[str]:
+    """Options transformers' GPT-2 cannot compute, each with what to do instead."""
+    refusals = []
+    if config.position_embedding != "learned":
+        refusals.append(
+            f"model.gpt.position_embedding {config.position_embedding!r} (GPT-2 has learned "
+            "positions)"
+        )
+    return refusals
+
+
+def hf_config_from_nanolab(
+    config: GPTConfig, eot_id: int | None, dtype: torch.dtype, record: dict[str, Any]
+) -> dict[str, Any]:
+    """A GPT-2 ``config.json`` for ``config``; ``record`` is kept under ``nanolab``."""
+    hidden = config.mlp_ratio * config.n_embd
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.padded_vocab_size,
+        "n_positions": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None if config.mlp_ratio == 4 else hidden,
+        "activation_function": EXPORT_ACTIVATION,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "use_cache": True,
+        "tie_word_embeddings": config.tie_weights,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        RECORD_KEY: {
+            **record,
+            "vocab_size": config.vocab_size,
+            "vocab_multiple": config.vocab_multiple,
+        },
+    }
+
+
+def load_hf_weights(model: torch.nn.Module, init_from: str | Path) -> None:
+    """Copy the GPT-2 weights in folder ``init_from`` into ``model`` (built for them)."""
+    folder = hf_folder(init_from)
+    state = nanolab_state_from_hf(read_hf_weights(folder), model.config, folder)
+    with torch.no_grad():
+        model.load_state_dict(state)
+
+
+def apply_init_from(model_cfg: Any) -> None:
+    """Write the architecture of ``model_cfg.init_from`` into ``model_cfg.gpt`` (the parsed
+    ``model`` section of ``nanolab fit``), before the data, batch and memory plans read it."""
+    gpt = model_cfg.gpt
+    current = {f.name: gpt.get(f.name, f.default) for f in fields(GPTConfig)}
+    for key, value in resolve_architecture(current, model_cfg.init_from).items():
+        setattr(gpt, key, value)

@@ -1,0 +1,449 @@
+"""Hugging Face GPT-2 import (``model.init_from``), fine-tuning, and ``nanolab export``.
+
+No network: every GPT-2 here is a tiny random ``GPT2LMHeadModel`` built by ``transformers`` in the
+test (weights perturbed so no bias or LayerNorm is left at its 0/1 initialisation, where a mixed-up
+mapping would go unnoticed) and saved with ``save_pretrained``; its tokenizer is a byte-level BPE
+trained here. The checks are transformers' own forward passes and loaders against nanolab's.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QUICKSTART, REPO, tiny_overrides, write_config
+from test_tokenizer_gpt2 import TEXT as GPT2_TEXT
+from test_tokenizer_gpt2 import local_gpt2 as tiktoken_gpt2  # noqa: F401  (a shared fixture)
+
+from nanolab.cli import main
+from nanolab.data.prepare import prepare_dataset
+from nanolab.data.tokenizers import HFTokenizer, load_tokenizer, tokenizer_from_spec
+from nanolab.generate import load_checkpoint, model_from_checkpoint
+from nanolab.model import GPT, GPTConfig
+from nanolab.model.hf import nanolab_state_from_hf, read_hf_weights
+from nanolab.model.hf_tokenizer import tokenizer_json, vocabulary
+from nanolab.training.freeze import FreezeConfig, apply_freeze
+from nanolab.training.module import GPTLightningModule
+from nanolab.training.optim import parameter_groups
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+FINETUNE = REPO / "configs" / "finetune-gpt2.yaml"
+VOCAB = 300  # the tiny BPE's ids, end-of-text included
+
+
+def shakespeare(n_chars: int) -> str:
+    with gzip.open(REPO / "nanolab" / "data" / "corpus" / "shakespeare.txt.gz", "rt") as f:
+        return f.read(n_chars)
+
+
+def save_tiny_gpt2(folder: Path, *, seed: int = 0, tokenizer: bool = True, **config) -> object:
+    """A random 2-layer GPT-2 saved by transformers (plus a BPE ``tokenizer.json``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    settings = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64, "vocab_size": VOCAB}
+    settings.update(bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, **config)
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**settings)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    if tokenizer:
+        tok = HFTokenizer.train([shakespeare(20_000)], VOCAB)
+        assert tok.vocab_size == VOCAB and tok.eot_id == VOCAB - 1
+        tok.save_files(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory) -> tuple[Path, object]:
+    folder = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    return folder, save_tiny_gpt2(folder)
+
+
+def _lightning_logs_to_stderr() -> None:
+    """Lightning's log handlers keep the stderr of the test that first imported it, which pytest
+    has closed since: point them at this one's."""
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("lightning")]:
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.stream = sys.stderr
+
+
+def fit(capsys, *args: str, config: Path = QUICKSTART) -> tuple[int, list[str]]:
+    """``nanolab fit`` in this process: (exit code, stderr lines)."""
+    _lightning_logs_to_stderr()
+    try:
+        code = main(["fit", "--config", str(config), *args])
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err.splitlines()
+
+
+def error_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if "error" in line.lower()]
+
+
+# -- import -----------------------------------------------------------------------------------
+def _hub_layout_bin(src: Path, dst: Path) -> None:
+    """The layout of OpenAI's GPT-2 on the Hub: no ``transformer.`` prefix, each block's causal
+    mask stored as ``h.N.attn.bias``, weights in a ``pytorch_model.bin``."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    state = read_hf_weights(src)
+    hub = {k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}
+    for i in range(2):
+        hub[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
+    torch.save(hub, dst / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("variant", ["safetensors", "hub-bin", "untied-wide-mlp"])
+def test_import_computes_transformers_logits(tmp_path, gpt2_folder, variant):
+    """nanolab's GPT built from a GPT-2 folder gives transformers' logits on the same ids, for
+    save_pretrained's safetensors, the Hub's old .bin layout, and an untied head with a 2x MLP;
+    a shorter ``block_size`` keeps the first positions.
+
+    Mutations caught: a Conv1D weight not transposed; biases or LayerNorms mapped to the wrong
+    block; the tied head left random; ``n_inner`` ignored.
+    """
+    folder, hf_model = gpt2_folder
+    if variant == "hub-bin":
+        _hub_layout_bin(folder, tmp_path / "hub")
+        folder = tmp_path / "hub"
+    elif variant == "untied-wide-mlp":
+        folder = tmp_path / "untied"
+        hf_model = save_tiny_gpt2(folder, seed=1, tie_word_embeddings=False, n_inner=128)
+    module = GPTLightningModule(gpt=GPTConfig(block_size=64), init_from=str(folder))
+    cfg = module.gpt_config
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.padded_vocab_size) == (
+        2, 4, 64, VOCAB, VOCAB,
+    )  # fmt: skip
+    assert cfg.tie_weights == (variant != "untied-wide-mlp")
+    assert cfg.mlp_ratio == (2 if variant == "untied-wide-mlp" else 4)
+    idx = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = module.model.eval()(idx)[0]
+        theirs = hf_model(idx).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"import {variant}: max |logit difference| {diff:.2e}")
+    assert diff < 1e-4 and theirs.abs().max() > 0.5
+    short = GPTLightningModule(gpt=GPTConfig(block_size=16), init_from=str(folder)).model.eval()
+    with torch.no_grad():
+        assert torch.allclose(short(idx[:, :16])[0], theirs[:, :16], atol=1e-4)
+
+
+# -- fit -> export -> transformers -> import ----------------------------------------------------
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, char_dataset) -> Path:
+    """The quickstart recipe (chars, no biases, vocabulary padded to 128 rows), trained 4 steps."""
+    tmp = tmp_path_factory.mktemp("fit")
+    cfg = write_config(tmp / "t.yaml", tiny_overrides(char_dataset, tmp / "runs"))
+    _lightning_logs_to_stderr()
+    assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
+    return tmp / "runs" / "tiny"
+
+
+def test_export_of_a_fit_checkpoint_loads_in_transformers(tmp_path, trained_run, capsys):
+    """``nanolab export --format hf`` of a checkpoint trained by fit: transformers'
+    ``AutoModelForCausalLM`` gives nanolab's logits over every (padded) id, ``AutoTokenizer``
+    encodes and decodes as the data's chars tokenizer, and importing the export back gives a model
+    whose every tensor is bit-identical to the checkpoint's (the biases it never had are zeros).
+
+    Mutations caught: Conv1D weights exported untransposed; the padded rows dropped (logits
+    shift); biases of a bias-free model left out (transformers would initialise them randomly);
+    the tokenizer's end-of-text or alphabet out of order.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "export"
+    start = time.perf_counter()
+    assert main(["export", "--ckpt", str(trained_run), "--format", "hf", "-o", str(out)]) == 0
+    seconds = time.perf_counter() - start
+    print(f"export --format hf of the tiny fit checkpoint: {seconds:.2f}s")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    ckpt = load_checkpoint(trained_run / "checkpoints" / "last.ckpt")
+    ours = model_from_checkpoint(ckpt)
+    assert not ours.config.bias and ours.config.padded_vocab_size == 128 > ours.config.vocab_size
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    idx = torch.randint(
+        0, ours.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        a, b = ours(idx)[0], theirs(idx).logits
+    diff = (a - b).abs().max().item()
+    print(f"export: max |logit difference| nanolab vs transformers {diff:.2e}")
+    assert a.shape == b.shape and diff < 1e-4
+
+    tok = tokenizer_from_spec(ckpt["nanolab"]["tokenizer"])
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    text = "HIPPOLYTA:\nFour days will quickly steep themselves in night;"
+    assert hf_tok(text)["input_ids"] == tok.encode(text)
+    assert hf_tok.decode(tok.encode(text)) == text
+    assert hf_tok.eos_token_id == tok.eot_id
+
+    back = GPTLightningModule(
+        gpt=GPTConfig(block_size=32), init_from=str(out)
+    )  # the quickstart's bias: false would disagree with GPT-2's biases: left at the default
+    assert back.gpt_config.vocab_size == ours.config.vocab_size  # the data's, not the 128 rows
+    assert back.gpt_config.padded_vocab_size == 128
+    imported = back.model.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(imported[name], tensor), name
+    extra = set(imported) - set(ours.state_dict())
+    assert extra and all(name.endswith(".bias") and not imported[name].any() for name in extra)
+
+
+def test_safetensors_export_keeps_nanolab_names(tmp_path, trained_run):
+    """``--format safetensors``: the checkpoint's tensors under nanolab's names (a tied head once)
+    and the architecture and tokenizer in nanolab.json."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "st"
+    assert (
+        main(["export", "--ckpt", str(trained_run), "--format", "safetensors", "-o", str(out)]) == 0
+    )
+    ckpt = load_checkpoint(trained_run / "checkpoints" / "last.ckpt")
+    model = model_from_checkpoint(ckpt)
+    tensors = load_file(out / "model.safetensors")
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[k], v) for k, v in expected.items())
+    info = json.loads((out / "nanolab.json").read_text())
+    assert info["gpt"] == asdict(model.config) and info["tokenizer"]["name"] == "chars"
+
+
+# -- the fine-tuning recipe ---------------------------------------------------------------------
+def test_finetune_recipe_from_a_local_gpt2_folder(tmp_path, gpt2_folder, capsys):
+    """``configs/finetune-gpt2.yaml`` with a local folder: fit prepares the text with the folder's
+    tokenizer.json, starts from its weights and trains; with ``model.freeze`` the embeddings and
+    the first block end bit-identical to the folder's, the second block has moved.
+    """
+    folder, _ = gpt2_folder
+    text = tmp_path / "my_text.txt"
+    text.write_text(shakespeare(60_000))
+    code, err = fit(
+        capsys,
+        f"--model.init_from={folder}",
+        f"--data.tokenizer={folder / 'tokenizer.json'}",
+        f"--data.source=[{text}]",
+        f"--data.dataset_dir={tmp_path / 'data'}",
+        f"--run.root={tmp_path / 'runs'}",
+        "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=3",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--model.gpt.block_size=32", "--run.global_batch_tokens=null", "--run.eval_every_steps=3",
+        "--data.micro_batch_size=2", "--data.val_windows=8",
+        "--model.optimizer.lr=1e-3",
+        "--model.freeze.embeddings=true", "--model.freeze.blocks=1",
+        config=FINETUNE,
+    )  # fmt: skip
+    assert code == 0, err[-20:]
+    assert load_tokenizer(tmp_path / "data").name == "hf"
+    ckpt = torch.load(
+        tmp_path / "runs" / "finetune-gpt2" / "checkpoints" / "last.ckpt", weights_only=True
+    )
+    assert ckpt["global_step"] == 3 and ckpt["nanolab"]["gpt"]["n_embd"] == 64
+    trained = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
+    start = nanolab_state_from_hf(
+        read_hf_weights(folder), GPTConfig(**ckpt["nanolab"]["gpt"]), folder
+    )
+    frozen = ["wte.weight", "wpe.weight"] + [k for k in start if k.startswith("blocks.0.")]
+    assert all(torch.equal(trained[k], start[k]) for k in frozen)
+    moved = [
+        k for k in start if k.startswith("blocks.1.") and not torch.equal(trained[k], start[k])
+    ]
+    assert len(moved) == 12  # every tensor of the trained block
+
+
+def test_freeze_leaves_parameters_out_of_the_optimizer():
+    """A tied head is the token embedding: freezing embeddings freezes it too."""
+    model = GPT(GPTConfig(vocab_size=50, n_layer=3, n_head=2, n_embd=16, block_size=8))
+    names = apply_freeze(model, FreezeConfig(embeddings=True, blocks=2))
+    assert "lm_head.weight" in names and "wpe.weight" in names
+    assert {n.split(".")[1] for n in names if n.startswith("blocks.")} == {"0", "1"}
+    trainable = {id(p) for group in parameter_groups(model, 0.1) for p in group["params"]}
+    assert trainable == {id(p) for p in model.blocks[2].parameters()} | {
+        id(model.ln_f.weight),
+        id(model.ln_f.bias),
+    }
+
+
+# -- tokenizers ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bytes", "chars", "bpe"])
+def test_every_tokenizer_has_an_equivalent_tokenizer_json(name):
+    """The tokenizer.json an export writes encodes, decodes and numbers tokens as nanolab does."""
+    from tokenizers import Tokenizer
+
+    from nanolab.data.tokenizers import train_tokenizer
+
+    corpus = shakespeare(20_000) + " ünïcödé ✓ 日本"
+    tok = train_tokenizer(name, corpus, bpe_vocab_size=400)
+    hf = Tokenizer.from_str(tokenizer_json(tok))
+    sample = corpus[-300:]
+    assert hf.encode(sample, add_special_tokens=False).ids == tok.encode(sample)
+    assert hf.decode(tok.encode(sample)) == sample
+    assert hf.get_vocab(with_added_tokens=True) == vocabulary(tok)
+    assert hf.get_vocab_size(with_added_tokens=True) == tok.vocab_size
+
+
+def test_gpt2_tiktoken_tokenizer_becomes_a_tokenizer_json(request):
+    """tiktoken's GPT-2 (files made locally, as in test_tokenizer_gpt2) as a byte-level BPE
+    tokenizer.json: its merges recovered from the ranks give tiktoken's ids."""
+    from tokenizers import Tokenizer
+
+    enc, _ = request.getfixturevalue("tiktoken_gpt2")
+    tok = tokenizer_from_spec({"name": "gpt2"})
+    hf = Tokenizer.from_str(tokenizer_json(tok))
+    # As in transformers' own GPT-2 tokenizer, the literal "<|endoftext|>" in a text is read as
+    # the special token (tiktoken's encode_ordinary, what prepare uses, reads it as text).
+    text = GPT2_TEXT.replace("<|endoftext|>", "<|end|>")
+    assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text)
+    assert hf.decode(tok.encode(GPT2_TEXT)) == GPT2_TEXT
+    assert hf.token_to_id("<|endoftext|>") == enc.eot_token
+
+
+# -- bad input: one line, exit 2, nothing written --------------------------------------------------
+def _no_config(folder: Path, tmp: Path) -> Path:
+    bad = tmp / "no-config"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    return bad
+
+
+def _edited_config(**changes):
+    def make(folder: Path, tmp: Path) -> Path:
+        bad = tmp / "edited"
+        bad.mkdir()
+        for f in folder.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (bad / "config.json").write_text(json.dumps(config))
+        return bad
+
+    return make
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {_Payload.marker}",))
+
+
+def _pickle_payload(folder: Path, tmp: Path) -> Path:
+    bad = tmp / "payload"
+    bad.mkdir()
+    (bad / "config.json").write_text((folder / "config.json").read_text())
+    _Payload.marker = tmp / "payload-ran"
+    torch.save({"wte.weight": torch.zeros(2), "x": _Payload()}, bad / "pytorch_model.bin")
+    return bad
+
+
+IMPORT_ROWS = [
+    # (id, make the folder, extra args, what the one line says)
+    ("hub-name", lambda f, t: "gpt2", [], "nanolab never downloads"),
+    ("no-config", _no_config, [], "has no config.json"),
+    ("not-gpt2", _edited_config(model_type="llama"), [], "model_type is 'llama'"),
+    ("shapes", _edited_config(n_embd=32), [], "tensor wte.weight has shape [300, 64]"),
+    ("payload", _pickle_payload, [], "never runs code from a checkpoint"),
+    ("arch-key", lambda f, t: f, ["--model.gpt.n_layer=3"], "model.gpt.n_layer is 3 but"),
+    ("too-long", lambda f, t: f, ["--model.gpt.block_size=128"], "longer than the checkpoint's 64"),
+    ("too-frozen", lambda f, t: f, ["--model.freeze.blocks=3"], "model.freeze.blocks 3"),
+    (
+        "other-tokenizer",
+        lambda f, t: f,
+        ["--data.dataset_dir=CHARS"],
+        "not the checkpoint's tokenizer",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory, gpt2_folder) -> Path:
+    """Text prepared with the tiny GPT-2's own tokenizer.json."""
+    folder, _ = gpt2_folder
+    tmp = tmp_path_factory.mktemp("bpe-data")
+    (tmp / "text.txt").write_text(shakespeare(40_000))
+    prepare_dataset(
+        [str(tmp / "text.txt")], tmp / "data", str(folder / "tokenizer.json"), quiet=True
+    )
+    return tmp / "data"
+
+
+@pytest.mark.parametrize("row", IMPORT_ROWS, ids=[r[0] for r in IMPORT_ROWS])
+def test_bad_init_from_is_one_error_line(
+    tmp_path, gpt2_folder, bpe_data, char_dataset, capsys, row
+):
+    """Each bad ``model.init_from``: exit 2, one error line naming the fix, no run directory,
+    and a pickle's payload never runs."""
+    _, make, extra, message = row
+    folder, _ = gpt2_folder
+    data = bpe_data
+    source = make(folder, tmp_path)
+    args = [a.replace("CHARS", str(char_dataset)) for a in extra]
+    code, err = fit(
+        capsys,
+        f"--model.init_from={source}", f"--data.dataset_dir={data}", "--data.source=null",
+        f"--run.root={tmp_path / 'runs'}", "--model.gpt.block_size=32",
+        "--trainer.max_steps=2", "--data.micro_batch_size=2", "--run.global_batch_tokens=null",
+        "--trainer.accelerator=cpu", "--trainer.precision=32-true", *args,
+        config=FINETUNE,
+    )  # fmt: skip
+    assert code == 2, err[-10:]
+    errors = error_lines(err)
+    print(errors[0] if errors else err)
+    assert len(errors) == 1 and message in errors[0], err
+    assert not any("Traceback" in line for line in err)
+    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "payload-ran").exists()
+
+
+def test_export_refusals_write_nothing(tmp_path, trained_run, capsys):
+    """An existing -o without --force, --force onto a folder that is not an export (a run
+    directory), and a RoPE model as GPT-2: one error line each, exit 2, files untouched."""
+    out = tmp_path / "out"
+    assert main(["export", "--ckpt", str(trained_run), "-o", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def refused(*args: str) -> str:
+        assert main(["export", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("nanolab export: error:"), err
+        return err[0]
+
+    assert "already exists; pass --force" in refused("--ckpt", str(trained_run), "-o", str(out))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    run_files = sorted(p.name for p in trained_run.iterdir())
+    line = refused("--ckpt", str(trained_run), "-o", str(trained_run), "--force")
+    assert "only a previous export" in line
+    assert sorted(p.name for p in trained_run.iterdir()) == run_files
+
+    rope = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=16, block_size=8,
+                     position_embedding="rope")  # fmt: skip
+    model = GPT(rope)
+    ckpt = {
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "nanolab": {"gpt": asdict(rope), "tokenizer": None},
+    }
+    torch.save(ckpt, tmp_path / "rope.ckpt")
+    line = refused("--ckpt", str(tmp_path / "rope.ckpt"), "-o", str(tmp_path / "rope-hf"))
+    assert "position_embedding 'rope'" in line and "--format safetensors" in line
+    assert not (tmp_path / "rope-hf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+    assert main(["export", "--ckpt", str(trained_run), "-o", str(out), "--force"]) == 0
+    assert {p.name for p in out.iterdir()} == set(before)
