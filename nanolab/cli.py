@@ -56,6 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(args[1:]) or 0)
     if verb in LIGHTNING_VERBS:
+        if verb == "fit":
+            # Before the heavy imports: a SIGTERM during start-up ends in exit 75, not 143.
+            from nanolab.training import early_signals
+
+            early_signals.install()
         from nanolab.training.cli import run_lightning_cli
 
         return run_lightning_cli(args)

@@ -9,6 +9,9 @@ Every save is atomic (see :mod:`nanolab.callbacks.checkpoint_io`), and rotation 
 the newer checkpoint is complete on disk — on the writer thread, behind the write, when saving
 asynchronously — so at every instant there is a complete checkpoint to resume from.
 
+A save whose parameters are not all finite (a diverged run) is skipped with a warning: rotation
+never replaces a finite checkpoint with a NaN one, so ``last.ckpt`` stays the newest usable state.
+
 When a save falls on a step that is followed by a validation, it is taken after the validation
 instead, so the checkpoint carries the state the callbacks derive from it (best val loss, the
 budget's history) and a resumed run makes the same decisions an uninterrupted one would.
@@ -17,15 +20,18 @@ budget's history) and a resumed run makes the same decisions an uninterrupted on
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 
@@ -246,6 +252,8 @@ class RotatingCheckpoint(Checkpoint):
             return
         step = trainer.global_step
         value = trainer.callback_metrics.get(self.monitor)
+        if value is not None and not math.isfinite(float(value)):
+            value = None  # a NaN loss ranks nowhere (and would break the ordering)
         if value is not None:
             self.val_by_step[step] = float(value)
         should = self._pending_save
@@ -287,13 +295,28 @@ class RotatingCheckpoint(Checkpoint):
         self.flush_records(trainer)
 
     # -- saving ------------------------------------------------------------------------------
-    def save_now(self, trainer: L.Trainer) -> Path:
-        """Save the current state as ``step-N.ckpt`` (+ ``last.ckpt``) now; returns its path."""
+    def save_now(self, trainer: L.Trainer) -> Path | None:
+        """Save the current state as ``step-N.ckpt`` (+ ``last.ckpt``) now; returns its path.
+
+        None when the parameters are not finite (nothing is written; see :meth:`_save`).
+        """
         return self._save(trainer, trainer.global_step)
 
-    def _save(self, trainer: L.Trainer, step: int) -> Path:
+    def _save(self, trainer: L.Trainer, step: int) -> Path | None:
         assert self.dirpath is not None and self._clock is not None
         path = self.dirpath / step_checkpoint_name(step)
+        if not parameters_finite(trainer):
+            # A diverged state must not rotate the last finite checkpoints away.
+            if trainer.is_global_zero:
+                last = self.dirpath / LAST_NAME
+                kept = f"{last} (step {self.last_saved_step})" if last.exists() else "none yet"
+                print(
+                    f"nanolab: warning: not saving {path.name}: the parameters are not finite "
+                    f"(NaN/inf); the newest checkpoint stays {kept}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
         is_async = isinstance(self._io, AsyncAtomicCheckpointIO)
         self._clock.sync_device(trainer)
         previous, self.last_saved_step = self.last_saved_step, step  # stored inside the file
@@ -443,6 +466,20 @@ class RotatingCheckpoint(Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.val_by_step = {int(k): float(v) for k, v in state_dict.get("val_by_step", {}).items()}
         self.last_saved_step = state_dict.get("last_saved_step")
+
+
+def parameters_finite(trainer: L.Trainer) -> bool:
+    """Whether every parameter of the model is finite on every rank (called on all ranks)."""
+    module = trainer.lightning_module
+    flags = []
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
+        if local.numel():
+            flags.append(torch.isfinite(local.detach()).all())
+    finite = bool(torch.stack(flags).all()) if flags else True
+    if trainer.world_size > 1:
+        finite = bool(trainer.strategy.reduce_boolean_decision(finite, all=True))
+    return finite
 
 
 def _delete(path: Path) -> None:

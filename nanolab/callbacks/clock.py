@@ -8,7 +8,9 @@ on demand by :meth:`RunClock.attach` from the other callbacks' ``setup``.
 
 What is measured, without any device synchronisation per step:
 
-* wall time from process start (start-up, imports and data preparation are paid for too);
+* wall time from when nanolab's code started in this process (start-up, imports and data
+  preparation are paid for too; time the process spent as a shell before it exec'd into nanolab
+  is not);
 * *step time*: ``on_train_batch_start`` -> ``on_train_batch_end`` of every micro-batch, plus the
   time a host sync later spends waiting for the device to finish queued step work (the run log's
   once-per-record ``.item()``, the device sync before a checkpoint);
@@ -23,7 +25,6 @@ Goodput = step time / wall time, summed over every process of the run.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,25 +37,16 @@ from lightning.pytorch.callbacks import Callback
 
 PAUSE_KINDS = ("eval", "checkpoint", "log")
 
-_IMPORT_WALL = time.time()
 
+def nanolab_start_monotonic() -> float:
+    """``time.monotonic()`` when nanolab's code started in this process (first import).
 
-def process_start_wall_time() -> float:
-    """Unix time at which this process started (psutil, then /proc, then module import time)."""
-    try:
-        import psutil
+    Not the process start time: under ``sh -c 'pip install ... && exec nanolab fit'`` that is
+    when the shell started, and the setup before the exec was never the run's time.
+    """
+    import nanolab
 
-        return float(psutil.Process(os.getpid()).create_time())
-    except Exception:
-        pass
-    try:
-        with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat", encoding="ascii") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
-    except Exception:
-        return _IMPORT_WALL
+    return float(getattr(nanolab, "STARTED_MONOTONIC", time.monotonic()))
 
 
 @dataclass(frozen=True)
@@ -88,8 +80,7 @@ class RunClock(Callback):
     """The run's single timing and token-counting source (see the module docstring)."""
 
     def __init__(self) -> None:
-        now_wall = time.time()
-        self.start_monotonic = time.monotonic() - max(0.0, now_wall - process_start_wall_time())
+        self.start_monotonic = min(time.monotonic(), nanolab_start_monotonic())
         self.world_size = 1
         # Totals of earlier processes of this run (restored from the checkpoint / run log).
         self.before_elapsed_s = 0.0

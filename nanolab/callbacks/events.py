@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import lightning as L
 
 #: Why a run ended, as written in the ``end`` record.
-END_REASONS = ("completed", "budget", "plateau", "preempted", "error")
+END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "error")
 
 _REASON_ATTR = "nanolab_stop_reason"
 _DETAIL_ATTR = "nanolab_stop_detail"

@@ -130,7 +130,15 @@ class MetricsLog(Callback):
         error, run_id, earlier = None, None, None
         if trainer.is_global_zero:
             try:
-                claim = claim_run_dir(run_dir, config, resuming, self.fresh, self.filename)
+                claim = claim_run_dir(
+                    run_dir,
+                    config,
+                    resuming,
+                    self.fresh,
+                    self.filename,
+                    checkpoint=trainer.ckpt_path,
+                    checkpoint_run_id=self.run_id,  # restored from that checkpoint
+                )
                 run_id = claim.run_id
             except RunDirError as err:
                 error = str(err)
@@ -148,7 +156,7 @@ class MetricsLog(Callback):
                 if self.run_id is None:  # checkpoint without our state: take the log's id
                     start = last_record(path, "start")
                     self.run_id = str(start["run_id"]) if start and start.get("run_id") else None
-            else:
+            if run_id is not None:  # a new run (also one that starts from another's checkpoint)
                 self.run_id = run_id
             self.run_id = self.run_id or new_run_id()
             try:

@@ -16,6 +16,10 @@ nothing. This callback instead:
 3. on a second signal, exits at once (the previous complete checkpoint is still there: writes
    are atomic).
 
+A signal that arrives during start-up, before this callback's handlers exist, is held by
+:mod:`nanolab.training.early_signals` (installed first thing by ``nanolab fit``) and ends the run
+at ``on_train_start``, before its first step: an ``end`` record with reason ``preempted``, exit 75.
+
 A run restarted with the same ``run.name`` (``run.resume auto``) continues bit-exactly from that
 checkpoint. Exit code 75 lets a wrapper tell "preempted, rerun me" from "done" (0) and "broken"
 (anything else): ``until nanolab fit ...; [ $? -ne 75 ]; do :; done``.
@@ -63,14 +67,24 @@ class Preempted(SIGTERMException):
     treats Lightning's SIGTERM stop as "interrupted, not failed" treats this one the same way.
     """
 
-    def __init__(self, signal_name: str, step: int, checkpoint: str | None, code: int) -> None:
+    def __init__(
+        self,
+        signal_name: str,
+        step: int,
+        checkpoint: str | None,
+        code: int,
+        before_first_step: bool = False,
+    ) -> None:
         super().__init__(code)
         self.signal_name = signal_name
         self.step = step
         self.checkpoint = checkpoint
+        self.before_first_step = before_first_step
         self.reason = REASON
 
     def __str__(self) -> str:
+        if self.before_first_step:
+            return f"preempted by {self.signal_name} before the first step (at step {self.step})"
         return (
             f"preempted by {self.signal_name} after step {self.step}; checkpoint {self.checkpoint}"
         )
@@ -197,8 +211,39 @@ class PreemptionHandler(Callback):
         # Installed here, after Lightning registered its own handlers (Trainer._run), so ours
         # replace its SIGTERM handler, which would stop in the middle of an accumulation.
         self._trainer = trainer
-        if self.enabled:
-            self._install(trainer)
+        if not self.enabled:
+            return
+        from nanolab.training import early_signals
+
+        held = early_signals.received()  # a signal that arrived during start-up
+        early_signals.uninstall(deliver=False)  # these handlers take over from here
+        self._install(trainer)
+        if held is not None and self.received is None:
+            self.received, self.received_at = held, early_signals.received_at()
+        requested = self.received is not None
+        # Collective when there are several ranks (all take part, whichever was signalled).
+        if (requested or getattr(trainer, "world_size", 1) > 1) and self._agreed(
+            trainer, requested
+        ):
+            self._stop_before_first_step(trainer)
+
+    def _stop_before_first_step(self, trainer: pl.Trainer) -> None:
+        """Nothing was trained in this process: no checkpoint to add, just the end record."""
+        if self.received is None:
+            self.received = signal.SIGTERM  # another rank was signalled
+        with contextlib.suppress(ImportError):
+            from nanolab.callbacks.events import set_stop_reason
+
+            set_stop_reason(trainer, REASON, f"{self.received.name} before the first step")
+        if trainer.is_global_zero:
+            _write_stderr(
+                f"nanolab: preempted by {self.received.name} before the first step (step "
+                f"{trainer.global_step}); nothing to save; exiting with code {self.exit_code}, "
+                "rerun the same command to resume\n"
+            )
+        raise Preempted(
+            self.received.name, trainer.global_step, None, self.exit_code, before_first_step=True
+        )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -291,7 +336,9 @@ def save_checkpoint_now(trainer: pl.Trainer) -> str:
     for cb in trainer.checkpoint_callbacks:
         save_now = getattr(cb, "save_now", None)
         if callable(save_now):
-            return str(save_now(trainer))
+            path = save_now(trainer)
+            # None: the parameters are not finite, so the newest (finite) checkpoint is kept.
+            return str(path) if path is not None else "none (parameters not finite)"
     ckpt_dir = Path(trainer.default_root_dir) / "checkpoints"
     final = ckpt_dir / f"step-{trainer.global_step:08d}.ckpt"
     tmp = ckpt_dir / f"{final.name}.tmp"

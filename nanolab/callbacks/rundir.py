@@ -3,10 +3,14 @@
 A run directory holds one run: its ``metrics.jsonl``, its ``checkpoints/`` and its ``config.yaml``.
 Starting a second, different run in the same directory would interleave two logs and let the new
 run's rotation delete the old run's checkpoints, so :func:`claim_run_dir` refuses (before anything
-is written) unless the new process resumes the run, or is the same configuration restarting from
-scratch after dying before its first checkpoint, or is told to start fresh (``run.fresh: true``),
-in which case the old run's files are moved to ``<run_dir>/previous/<run_id>-<time>/``, never
-deleted.
+is written) unless the new process resumes the run from one of *its own* checkpoints, or is the
+same configuration restarting from scratch after dying before its first checkpoint, or is told to
+start fresh (``run.fresh: true``), in which case the old run's files are moved to
+``<run_dir>/previous/<run_id>-<time>/``, never deleted.
+
+A checkpoint of another run (``run.resume PATH`` or ``--ckpt_path``) may start a new run
+directory (fine-tuning from it, under a new run id) but never continues in a directory that
+holds a run. Which process may write here at all is the lock's job (:mod:`.runlock`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class RunClaim:
 
     run_id: str | None  # None when resuming: the id comes from the checkpoint or the log
     archived_to: Path | None = None
+    forked_from: str | None = None  # another run's checkpoint this new run starts from
 
 
 def normalise_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -114,11 +119,15 @@ def claim_run_dir(
     resuming: bool,
     fresh: bool = False,
     log_name: str = RUN_LOG_NAME,
+    checkpoint: str | os.PathLike[str] | None = None,
+    checkpoint_run_id: str | None = None,
 ) -> RunClaim:
     """Check that this process may write into ``run_dir``; archive the old run if ``fresh``.
 
-    Raises :class:`RunDirError` (nothing written) when the directory holds a different run, when
-    ``fresh`` and ``resuming`` contradict each other, or when it is not writable.
+    ``checkpoint`` is the file a resume continues from and ``checkpoint_run_id`` the run id saved
+    in it (None: unknown). Raises :class:`RunDirError` (nothing written) when the directory holds
+    a different run, when the checkpoint belongs to another run and the directory holds one,
+    when ``fresh`` and ``resuming`` contradict each other, or when it is not writable.
     """
     run_dir = Path(run_dir)
     if fresh and resuming:
@@ -126,19 +135,34 @@ def claim_run_dir(
             "run.fresh: true starts the run over, but a checkpoint to resume from was given "
             "(run.resume or --ckpt_path); drop one of them"
         )
-    if resuming:
-        _check_writable(run_dir)
-        return RunClaim(run_id=None)
-
     log_path = run_dir / log_name
     previous = last_record(log_path, where=lambda r: r.get("event") == "start")
     has_log = log_path.is_file() and log_path.stat().st_size > 0
     checkpoints = checkpoint_files(run_dir)
-    if not has_log and not checkpoints:
+    old_id = str(previous.get("run_id")) if previous and previous.get("run_id") else None
+    holds_run = has_log or bool(checkpoints)
+
+    if resuming:
+        if checkpoint is None or _is_own_checkpoint(
+            run_dir, Path(checkpoint), old_id, checkpoint_run_id
+        ):
+            _check_writable(run_dir)
+            return RunClaim(run_id=None)
+        if holds_run:
+            what = f"run {old_id}" if old_id else "another run's files"
+            theirs = f"run {checkpoint_run_id}" if checkpoint_run_id else "another run"
+            raise RunDirError(
+                f"run directory {run_dir} already holds {what}, and {checkpoint} is a checkpoint "
+                f"of {theirs}: resuming it here would mix two runs. Fine-tune from it under "
+                "another run.name (a new run directory), or resume this run from its own "
+                "checkpoints (run.resume auto)"
+            )
+        _check_writable(run_dir)  # a new directory: this run starts from the other's weights
+        return RunClaim(run_id=new_run_id(), forked_from=str(checkpoint))
+
+    if not holds_run:
         _check_writable(run_dir)
         return RunClaim(run_id=new_run_id())
-
-    old_id = str(previous.get("run_id")) if previous and previous.get("run_id") else None
     if fresh:
         _check_writable(run_dir)
         return RunClaim(run_id=new_run_id(), archived_to=_archive(run_dir, old_id, log_name))
@@ -164,6 +188,26 @@ def claim_run_dir(
     raise RunDirError(
         f"run directory {run_dir} already holds {what}{detail}; choose another run.name, or set "
         f"run.fresh: true to move it to {run_dir / 'previous'} and start over"
+    )
+
+
+def _is_own_checkpoint(
+    run_dir: Path, checkpoint: Path, run_id: str | None, checkpoint_run_id: str | None
+) -> bool:
+    """Whether ``checkpoint`` continues the run ``run_dir`` holds (or held, when it is empty).
+
+    The run ids decide when both are known (a copy of this run's checkpoint kept elsewhere is
+    still this run's). Otherwise the location does: ``checkpoints/`` and Lightning's SLURM
+    ``hpc_ckpt_*`` files of this directory are its own; ``previous/`` holds archived runs.
+    """
+    if run_id is not None and checkpoint_run_id is not None:
+        return run_id == checkpoint_run_id
+    try:
+        where = checkpoint.resolve().relative_to(run_dir.resolve())
+    except (ValueError, OSError):
+        return False
+    return where.parts[:1] == (CHECKPOINT_DIR,) or (
+        len(where.parts) == 1 and where.name.startswith("hpc_ckpt_")
     )
 
 

@@ -42,6 +42,9 @@ from nanolab.queue.estimate import describe, remaining_seconds
 
 #: Exit status of a preempted ``nanolab fit`` (see nanolab.callbacks.preemption).
 EXIT_PREEMPTED = 75
+#: ``nanolab fit``'s exit code for a run its divergence check stopped (the job failed: rerunning
+#: it as it is diverges again). Same value as ``nanolab.callbacks.divergence.EXIT_DIVERGED``.
+EXIT_DIVERGED = 3
 ORDERS = ("fifo", "longest-first")
 
 
@@ -400,6 +403,9 @@ def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[
     if code == EXIT_PREEMPTED or reason == "preempted":
         step = (end or {}).get("step")
         return "preempted", "interrupted" + (f" at step {step}" if step is not None else "")
+    if code == EXIT_DIVERGED or reason == "diverged":
+        step = (end or {}).get("diverged_step", (end or {}).get("step"))
+        return "failed", "diverged" + (f" at step {step}" if step is not None else "")
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
         if stopping:

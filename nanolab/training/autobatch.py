@@ -9,6 +9,7 @@ at start when the estimate exceeds the device's memory, naming the switches that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,6 +69,76 @@ def plan_memory(
             "(nanolab estimate shows the breakdown)"
         )
     return MemoryPlan(micro, int(est.memory.total), device_memory, warning)
+
+
+class HostMemoryError(ValueError):
+    """A CPU run whose model cannot fit in this machine's memory (refused before allocating)."""
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process can still allocate: free RAM, capped by its cgroup and address-space
+    limits (None when none of them can be read)."""
+    limits: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if text != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            limits.append(int(text) - used)
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm", encoding="ascii") as f:
+                mapped = int(f.read().split()[0]) * resource.getpagesize()
+            limits.append(soft - mapped)
+    except (OSError, ValueError, ImportError):
+        pass
+    return max(0, min(limits)) if limits else None
+
+
+def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
+    """Refuse, before anything is allocated, a CPU run the estimator says cannot fit in RAM.
+
+    ``config`` is the merged ``nanolab fit`` config as plain data (``vocab_size`` resolved);
+    ``processes`` training processes share this machine's memory. A config the estimator cannot
+    describe is let through (the run then finds out for itself).
+    """
+    available = host_memory_available()
+    if available is None:
+        return
+    try:
+        from nanolab.estimator.estimate import setup_for
+        from nanolab.estimator.memory import estimate_memory
+
+        trainer = dict(config.get("trainer") or {})
+        trainer["precision"] = trainer.get("precision") or "32-true"  # Lightning's default
+        # The memory model only: the fit search and the switch list are for GPUs.
+        setup = setup_for({**config, "trainer": trainer}, devices=1)
+        micro = int((config.get("data") or {}).get("micro_batch_size") or 1)
+        per_process = estimate_memory(setup, micro, backend="cpu").total
+    except Exception:
+        return
+    need = int(per_process) * max(1, processes)
+    if need <= available:
+        return
+    raise HostMemoryError(
+        f"this model needs about {need / 2**30:.1f} GiB of memory to train on the CPU "
+        f"(estimate: weights, gradients, optimizer states and activations"
+        + (f", x{processes} processes" if processes > 1 else "")
+        + f"), but only {available / 2**30:.1f} GiB are available; make model.gpt smaller "
+        "(n_layer, n_embd), lower data.micro_batch_size or model.gpt.block_size, or train on a "
+        "GPU (`nanolab estimate` shows the breakdown)"
+    )
 
 
 def _switches(est: Any) -> str:

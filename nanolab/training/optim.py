@@ -41,8 +41,11 @@ class OptimizerConfig:
             raise ConfigError(
                 f"model.optimizer.name must be 'adamw' or 'adamw8bit', got {self.name!r}"
             )
-        if self.lr <= 0:
-            raise ConfigError(f"model.optimizer.lr must be > 0, got {self.lr}")
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+            # NaN passes `lr <= 0`; inf (also YAML's 1e400) trains nothing but NaNs.
+            raise ConfigError(
+                f"model.optimizer.lr must be a finite number > 0 (e.g. 6e-4), got {self.lr}"
+            )
         if self.weight_decay < 0:
             raise ConfigError(f"model.optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         if not all(0.0 <= b < 1.0 for b in self.betas):

@@ -46,6 +46,8 @@ class Candidate:
     step: int | None = None  # optimizer steps done, from the checkpoint itself
     error: str | None = None  # why it cannot be resumed from; None = usable
     nanolab: dict[str, Any] | None = None  # the module's plain-data section, when present
+    run_id: str | None = None  # the run that saved it (the run log callback's state), if known
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # state_dict tensor shapes
 
     @property
     def ok(self) -> bool:
@@ -83,8 +85,12 @@ def _is_partial(path: Path) -> bool:
     return ".tmp" in path.name or path.name.startswith(".")
 
 
-def inspect_checkpoint(path: str | Path) -> Candidate:
-    """Open ``path`` without reading tensor data and say whether training can resume from it."""
+def inspect_checkpoint(path: str | Path, training: bool = True) -> Candidate:
+    """Open ``path`` without reading tensor data and say whether it can be used.
+
+    ``training``: whether training resumes from it (it must then hold the optimizer and loop
+    state); otherwise (validate, test) the weights are enough.
+    """
     path = Path(path)
     cand = Candidate(path)
     if path.is_dir():
@@ -108,19 +114,41 @@ def inspect_checkpoint(path: str | Path) -> Candidate:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # any failure means "not resumable": say why, in one line
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if "Weights only load failed" in str(err):
+            # torch refused to unpickle something other than tensors and plain data.
+            first = "it holds pickled Python objects, not only tensors; refused to load it"
         cand.error = first[:120] if _size(path) else "empty file"
         return cand
     if not isinstance(ckpt, dict):
         cand.error = "not a Lightning checkpoint"
         return cand
-    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
+    missing = [k for k in (REQUIRED_KEYS if training else ("state_dict",)) if k not in ckpt]
     if missing:
-        cand.error = f"missing {', '.join(missing)} (weights only?)"
+        cand.error = f"missing {', '.join(missing)}" + (" (weights only?)" if training else "")
         return cand
-    cand.step = int(ckpt["global_step"])
+    if not isinstance(ckpt["state_dict"], dict):
+        cand.error = "its state_dict is not a mapping of tensors"
+        return cand
+    step = ckpt.get("global_step")
+    cand.step = int(step) if isinstance(step, int) else None
     section = ckpt.get("nanolab")
     cand.nanolab = section if isinstance(section, dict) else None
+    cand.run_id = _run_id_of(ckpt)
+    cand.shapes = {
+        str(k): tuple(v.shape) for k, v in ckpt["state_dict"].items() if hasattr(v, "shape")
+    }
     return cand
+
+
+def _run_id_of(ckpt: dict[str, Any]) -> str | None:
+    """The run id the run log callback stored in the checkpoint's callback states."""
+    callbacks = ckpt.get("callbacks")
+    if not isinstance(callbacks, dict):
+        return None
+    for key, state in callbacks.items():
+        if str(key).startswith("MetricsLog") and isinstance(state, dict) and state.get("run_id"):
+            return str(state["run_id"])
+    return None
 
 
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
@@ -171,7 +199,9 @@ def find_resume_checkpoint(run_dir: str | Path) -> ResumeChoice:
     return ResumeChoice(chosen, skipped)
 
 
-def check_same_model(cand: Candidate, gpt_config: dict[str, Any] | None) -> None:
+def check_same_model(
+    cand: Candidate, gpt_config: dict[str, Any] | None, flag: str = "run.resume"
+) -> None:
     """Refuse to resume a checkpoint of another architecture (a clear line, not a shape traceback)."""
     saved = (cand.nanolab or {}).get("gpt")
     if not saved or not gpt_config:
@@ -185,9 +215,39 @@ def check_same_model(cand: Candidate, gpt_config: dict[str, Any] | None) -> None
     ]
     if diffs:
         raise ResumeError(
-            f"{cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); "
-            "give this run another run.name, or set run.resume never to start it fresh"
+            f"{flag}: {cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); "
+            "set model.gpt to match it, give this run another run.name, or start it fresh "
+            "(run.resume never)"
         )
+
+
+def check_same_shapes(
+    cand: Candidate, expected: dict[str, tuple[int, ...]], flag: str = "--ckpt_path"
+) -> None:
+    """Refuse weights whose names or shapes differ from the model's (before Lightning loads them).
+
+    For checkpoints without nanolab's section (saved by another program), this is what turns
+    Lightning's size-mismatch traceback into one line.
+    """
+    if not cand.shapes or not expected:
+        return
+    missing = sorted(set(expected) - set(cand.shapes))
+    extra = sorted(set(cand.shapes) - set(expected))
+    differ = [k for k in sorted(set(expected) & set(cand.shapes)) if expected[k] != cand.shapes[k]]
+    if not (missing or extra or differ):
+        return
+    parts = []
+    if differ:
+        k = differ[0]
+        parts.append(f"{k} is {list(cand.shapes[k])} there, {list(expected[k])} in this model")
+    if missing:
+        parts.append(f"{len(missing)} weight(s) missing, e.g. {missing[0]}")
+    if extra:
+        parts.append(f"{len(extra)} unexpected weight(s), e.g. {extra[0]}")
+    raise ResumeError(
+        f"{flag}: {cand.path} holds a different model ({'; '.join(parts)}); "
+        "set model.gpt to the architecture it was trained with"
+    )
 
 
 def resolve_resume(
@@ -198,6 +258,22 @@ def resolve_resume(
     ``auto`` returns None when the run directory holds no complete checkpoint (a fresh run).
     A given path must exist and be resumable; otherwise :class:`ResumeError` says which and why.
     """
+    cand = resume_candidate(resume, run_dir, gpt_config)
+    return str(cand.path) if cand is not None else None
+
+
+def resume_candidate(
+    resume: str,
+    run_dir: str | Path,
+    gpt_config: dict[str, Any] | None = None,
+    flag: str = "run.resume",
+    training: bool = True,
+) -> Candidate | None:
+    """Like :func:`resolve_resume`, with what opening the checkpoint told (step, run id, shapes).
+
+    ``flag`` names the setting in messages (``run.resume`` or ``--ckpt_path``); ``training``
+    False checks a checkpoint for validate/test (weights only are enough).
+    """
     if resume == "never":
         return None
     if resume == "auto":
@@ -207,21 +283,23 @@ def resolve_resume(
             print(line, file=sys.stderr, flush=True)
         if choice.chosen is None:
             return None
-        check_same_model(choice.chosen, gpt_config)
-        return str(choice.chosen.path)
+        check_same_model(choice.chosen, gpt_config, flag)
+        return choice.chosen
     path = Path(resume)
     if not path.exists():
         raise ResumeError(
-            f"run.resume: checkpoint {resume} does not exist; pass an existing .ckpt, auto or never"
+            f"{flag}: checkpoint {resume} does not exist; pass an existing .ckpt"
+            + (", auto or never" if flag == "run.resume" else "")
         )
-    cand = inspect_checkpoint(path)
+    cand = inspect_checkpoint(path, training=training)
     if not cand.ok:
         raise ResumeError(
-            f"run.resume: {resume} cannot be resumed from ({cand.error}); "
-            "pass another checkpoint, or auto to pick the newest complete one"
+            f"{flag}: {resume} cannot be {'resumed from' if training else 'loaded'} "
+            f"({cand.error}); pass another checkpoint"
+            + (", or auto to pick the newest complete one" if flag == "run.resume" else "")
         )
-    check_same_model(cand, gpt_config)
-    return str(path)
+    check_same_model(cand, gpt_config, flag)
+    return cand
 
 
 def _mtime(path: Path) -> float:

@@ -1,0 +1,267 @@
+"""One launch per run directory: an advisory lock file naming its holder.
+
+Two ``nanolab fit`` processes in one run directory would interleave their logs and rotate each
+other's checkpoints away; a ``run.fresh`` start would archive the files of a run that is still
+writing them. So before anything is read or written, the launching process takes
+``<run_dir>/.nanolab.lock``:
+
+* The lock is ``flock`` on that file, held for the life of the process: the kernel releases it
+  when the process exits however it exits (SIGKILL, OOM, a lost node), so a dead holder never
+  blocks a restart: the next launch simply takes it. The file also records the holder (host, pid,
+  start time, command) so a refused launch can say who holds the directory.
+* Ranks of one launch share it. Lightning's DDP launcher re-executes the command for ranks
+  1..N-1; they inherit :data:`TOKEN_ENV` from the holder and recognise its token in the file.
+  Under torchrun or ``srun`` every rank is a peer: only global rank 0 takes the lock (a second
+  launch's rank 0 is refused, and its launcher then stops the other ranks).
+* A SLURM requeue of the same job takes the directory over even when the lock still looks held
+  (the previous allocation's node may be unreachable, its lock not yet expired on a network
+  filesystem): the job id in the file says it is the same job, and SLURM only requeues a job
+  whose processes are gone.
+* On filesystems without ``flock`` the file alone decides: a holder on this host whose pid no
+  longer runs is taken over; a holder on another host is respected (delete the file if that
+  process is really gone).
+
+The lock is released (and the file removed) when the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanolab.callbacks.events import CallbackConfigError
+
+LOCK_NAME = ".nanolab.lock"
+#: Environment variable through which a holder hands its token to the ranks it launches.
+TOKEN_ENV = "NANOLAB_RUN_LOCK"
+
+
+class RunLockedError(CallbackConfigError):
+    """The run directory is held by another live launch; the message names the holder."""
+
+
+@dataclass
+class RunLock:
+    """A held lock (``fd`` is None when this process shares its launcher's lock)."""
+
+    path: Path
+    token: str
+    fd: int | None
+    created_dir: bool = False  # this launch created the run directory
+
+    def release(self) -> None:
+        """Remove the file and drop the lock (idempotent; a rank that shares it does nothing).
+
+        A run directory this launch created and left empty (it was refused before writing
+        anything) is removed too, so a failed start leaves no trace.
+        """
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        with contextlib.suppress(OSError):
+            # Unlink while still holding it: a launch waiting on this inode re-checks the path.
+            if _same_file(fd, self.path):
+                self.path.unlink()
+                if self.created_dir:
+                    self.path.parent.rmdir()  # only if empty (OSError otherwise)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+_held: dict[Path, RunLock] = {}
+
+
+def global_rank_from_env() -> int:
+    """This process's global rank as a launcher set it (0 when launched alone)."""
+    for key in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        value = os.environ.get(key)
+        if value is not None and value.strip().isdigit():
+            if key == "SLURM_PROCID" and int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1:
+                continue  # a single-task job (also each sbatch step): every launch is rank 0
+            return int(value)
+    return 0
+
+
+def holder_info() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+        "argv": " ".join(sys.argv[:8]),
+    }
+
+
+def read_holder(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "null")
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "another process (holder unknown)"
+    return (
+        f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
+        f"(since {holder.get('started', '?')})"
+    )
+
+
+def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
+    """Hold ``run_dir`` for this launch, or raise :class:`RunLockedError` naming the holder.
+
+    Idempotent within a process. Creates ``run_dir`` if needed (an unwritable one raises
+    ``OSError``, which the caller reports).
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_NAME
+    key = path.absolute()
+    if key in _held and _held[key].fd is not None:
+        return _held[key]
+    shared = _shared_with_launcher(path)
+    if shared is not None:
+        _held[key] = shared
+        return shared
+    if global_rank_from_env() != 0:
+        # A peer rank under torchrun/srun: rank 0 of this launch holds the directory.
+        lock = RunLock(path, os.environ.get(TOKEN_ENV, ""), None)
+        _held[key] = lock
+        return lock
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    for _ in range(10):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            locked = _try_flock(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if locked is False:
+            holder = read_holder(path)
+            os.close(fd)
+            if _requeued_same_job(holder):
+                _replace_file(path)  # the requeued job takes over; see the module docstring
+                continue
+            raise RunLockedError(_refusal(run_dir, holder))
+        if not _same_file(fd, path):
+            os.close(fd)  # the holder removed the file while we opened it: try the new one
+            continue
+        if locked is None and _live_holder_elsewhere(path):
+            holder = read_holder(path)
+            os.close(fd)
+            raise RunLockedError(_refusal(run_dir, holder))
+        _write_holder(fd, {**holder_info(), "token": token})
+        lock = RunLock(path, token, fd, created_dir=created)
+        _held[key] = lock
+        os.environ[TOKEN_ENV] = f"{key}:{token}"  # the ranks this process launches share it
+        atexit.register(lock.release)
+        return lock
+    raise RunLockedError(f"run directory {run_dir}: could not take {path} (it keeps changing)")
+
+
+def release_all() -> None:
+    for lock in list(_held.values()):
+        lock.release()
+    _held.clear()
+
+
+def _refusal(run_dir: Path, holder: dict[str, Any] | None) -> str:
+    return (
+        f"run directory {run_dir} is in use by {describe(holder)}; wait for it to finish, "
+        "stop it, or choose another run.name"
+    )
+
+
+def _shared_with_launcher(path: Path) -> RunLock | None:
+    """A rank launched by the holder: its token (inherited) is the one in the file."""
+    inherited = os.environ.get(TOKEN_ENV, "")
+    where, _, token = inherited.rpartition(":")
+    if not token or Path(where) != path.absolute():
+        return None
+    holder = read_holder(path)
+    if holder is None or holder.get("token") != token:
+        return None
+    return RunLock(path, token, None)
+
+
+def _try_flock(fd: int, path: Path) -> bool | None:
+    """True: locked; False: held by someone else; None: this filesystem has no flock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return None
+        raise
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _write_holder(fd: int, info: dict[str, Any]) -> None:
+    data = (json.dumps(info) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    with contextlib.suppress(OSError):
+        os.fsync(fd)
+
+
+def _replace_file(path: Path) -> None:
+    """Put a new, unlocked file at ``path`` (the old holder keeps a lock on an unlinked inode)."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _requeued_same_job(holder: dict[str, Any] | None) -> bool:
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or not holder or str(holder.get("slurm_job_id")) != job:
+        return False
+    if holder.get("host") == socket.gethostname() and _pid_alive(holder.get("pid")):
+        return False  # the same job's process is still running here: not a requeue
+    return holder.get("slurm_restart_count") != os.environ.get("SLURM_RESTART_COUNT")
+
+
+def _live_holder_elsewhere(path: Path) -> bool:
+    """Without flock: does the file name a holder that may still run?"""
+    holder = read_holder(path)
+    if not holder or holder.get("pid") == os.getpid():
+        return False
+    if _requeued_same_job(holder):
+        return False
+    if holder.get("host") != socket.gethostname():
+        return True  # cannot check another host's processes: respect the file
+    return _pid_alive(holder.get("pid"))
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
