@@ -395,6 +395,32 @@ def test_cli_json(capsys: pytest.CaptureFixture) -> None:
 def test_cli_lists_gpus(capsys: pytest.CaptureFixture) -> None:
     assert main(["--list-gpus"]) == 0
     assert "mi300x" in capsys.readouterr().out
+    assert main(["--list-gpus", "--json"]) == 0
+    table = {g["name"]: g for g in json.loads(capsys.readouterr().out)}
+    assert table["a100-40gb"]["memory_source"] and table["h100"]["mfu_source"]
+
+
+def test_cli_estimates_a_cpu_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--device cpu``: CPU kernels, no fragmentation margin or framework overhead, so the JSON
+    peak is what a CPU run allocates (tests/test_estimator_lightning.py checks it against a real
+    Trainer); the time comes from this machine's measured matmul rate."""
+    cfg = {
+        "trainer": {"precision": "bf16-mixed", "max_steps": 10},
+        "model": {"gpt": {"vocab_size": 500, "block_size": 64, "n_layer": 2, "n_head": 2,
+                          "n_embd": 64, "dropout": 0.1}},
+        "data": {"micro_batch_size": 4},
+        "run": {"global_batch_tokens": 512},
+    }  # fmt: skip
+    path = _write(tmp_path, "cpu.yaml", cfg)
+    assert main(["--config", path, "--device", "cpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    setup = setup_from_config(cfg)
+    expected = estimate_memory(setup, 4, backend="cpu", fragmentation=0.0)
+    assert data["memory"]["peak_allocated_bytes"] == expected.peak_allocated
+    assert data["memory"]["total_bytes"] == expected.peak_allocated
+    assert data["device"]["backend"] == "cpu" and data["gradient_accumulation"] == 2
+    assert data["compute"]["tokens_per_second"] > 0 and data["compute"]["matmul_dtype"] == "bf16"
+    assert main(["--config", path, "--device", "cpu", "--gpu", "h100"]) == 2
 
 
 @pytest.mark.parametrize(

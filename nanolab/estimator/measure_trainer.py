@@ -106,3 +106,77 @@ def measure_trainer_peak_cpu(
         current += e.nbytes()
         peak = max(peak, current)
     return TrainerPeak(peak=resident[0] + peak, resident_at_start=resident[0])
+
+
+@dataclass
+class TrainerPeakCuda:
+    """What one CUDA/ROCm device held during a ``fit``, for calibrating the overhead lines."""
+
+    peak_allocated: int  # torch.cuda.max_memory_allocated
+    peak_reserved: int  # torch.cuda.max_memory_reserved: allocated + the caching allocator's slack
+    outside_allocator: int  # device memory in use that PyTorch's allocator does not hold
+
+
+def measure_trainer_peak_cuda(
+    gpt: GPTConfig,
+    micro_batch: int,
+    *,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    accumulate: int = 1,
+    steps: int = 3,
+    seed: int = 0,
+) -> TrainerPeakCuda:
+    """Fit ``GPTLightningModule(gpt)`` on one GPU; the peak Lightning's step really reaches.
+
+    The statistics are reset at ``on_train_start`` (the model is on the device by then) and read
+    at ``on_train_end``. ``outside_allocator`` is what ``cudaMemGetInfo`` says is used minus
+    what the allocator reserved: the CUDA/ROCm context, kernels and library workspaces that the
+    estimator's framework-overhead constant stands for.
+    """
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nanolab.training.module import GPTLightningModule
+    from nanolab.training.optim import OptimizerConfig
+
+    torch.manual_seed(seed)
+    module = GPTLightningModule(gpt=gpt, optimizer=OptimizerConfig(name=optimizer))
+    n = micro_batch * accumulate * steps
+    g = torch.Generator().manual_seed(seed)
+    V, T = gpt.vocab_size or 2, gpt.block_size
+    x = torch.randint(0, V, (n, T), generator=g)
+    y = torch.randint(0, V, (n, T), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=micro_batch, shuffle=False)
+    seen: dict[str, int] = {}
+
+    class _Stats(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            seen["allocated"] = torch.cuda.max_memory_allocated()
+            seen["reserved"] = torch.cuda.max_memory_reserved()
+            seen["outside"] = total - free - torch.cuda.memory_reserved()
+
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision=precision,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[_Stats()],
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    return TrainerPeakCuda(seen["allocated"], seen["reserved"], seen["outside"])
