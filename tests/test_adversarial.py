@@ -61,6 +61,10 @@ class RunCache:
             assert res.returncode == 0, res.stderr[-3000:]
         return run_dir
 
+    def __truediv__(self, name: str) -> Path:
+        """``ws.cache / "base"``: the finished run's directory (trained on first use)."""
+        return self.run(name)
+
 
 @dataclass
 class Workspace:
@@ -823,3 +827,53 @@ def test_lr_refused_at_parse_time_by_fit_and_queue_add(ws):
         assert res.returncode == EXIT_USAGE, res.stderr[-2000:]
         assert "model.optimizer.lr" in last_line(res.stderr) and "Traceback" not in res.stderr
     assert not (ws.runs / "tiny").exists()
+
+
+HOLD_LOCK = """
+import fcntl, json, sys, time
+path = sys.argv[1]
+fd = open(path, "w")
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+fd.write(json.dumps({"host": "old-node", "pid": 4242, "started": "earlier",
+                     "slurm_job_id": "777", "slurm_restart_count": "0", "token": "x"}))
+fd.flush()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_slurm_requeue_takes_over_a_lock_that_still_looks_held(ws):
+    """Item 3: the requeued job (same SLURM job id, next restart) takes the run directory over
+    even while the old allocation's lock has not expired; any other launch is refused."""
+    run_dir = ws.runs / "tiny"
+    run_dir.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run_dir / ".nanolab.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other = run_case(Case("other", FIT, 2, ""), ws)
+        assert other.returncode == EXIT_USAGE, other.stderr[-2000:]
+        assert "in use by pid 4242 on old-node" in last_line(other.stderr)
+        env = {**_env(), "SLURM_JOB_ID": "777", "SLURM_RESTART_COUNT": "1"}
+        requeued = subprocess.run(
+            [sys.executable, "-m", "nanolab", "fit", "--config", str(ws.cfg)],
+            cwd=ws.work, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert requeued.returncode == 0, requeued.stderr[-3000:]
+        assert _records(run_dir, "end")[-1]["reason"] == "completed"
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_divergence_on_cuda_reads_the_flag_without_a_sync(ws):
+    """Item 5 on a GPU: the flag travels through pinned memory one step late; same outcome."""
+    cfg = _diverging_config(ws)
+    res = run_nanolab("fit", "--config", str(cfg), "--trainer.accelerator=gpu", cwd=ws.work)
+    assert res.returncode == EXIT_DIVERGED, res.stderr[-3000:]
+    end = _records(ws.runs / "div", "end")[-1]
+    assert end["reason"] == "diverged"
+    assert end["step"] - end["diverged_step"] in (2, 3)
