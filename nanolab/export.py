@@ -30,12 +30,13 @@ from nanolab.generate import (
     CheckpointError,
     OneLineParser,
     load_checkpoint,
-    model_from_checkpoint,
     resolve_checkpoint,
 )
+from nanolab.model import GPTConfig
 from nanolab.model.hf import (
     HFFormatError,
     export_refusals,
+    gpt_shapes,
     hf_config_from_nanolab,
     hf_state_from_nanolab,
 )
@@ -87,9 +88,49 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     safetensors_module().save_file(plain, str(path), metadata={"format": "pt"})
 
 
-def write_hf(ckpt: dict[str, Any], model: torch.nn.Module, out: Path) -> list[str]:
+def checkpoint_weights(
+    ckpt: dict[str, Any], source: Path
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The architecture and the model's tensors as the checkpoint stores them (same dtype, no
+    copy, no model built), checked against each other."""
+    meta = ckpt.get("nanolab")
+    if not isinstance(meta, dict) or not isinstance(meta.get("gpt"), dict):
+        raise CheckpointError(f"{source} has no nanolab model config (was it written by fit?)")
+    try:
+        config = GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False})
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{source}: its model config is not valid ({err})") from None
+    state = {
+        k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
+    }
+    expected = gpt_shapes(config)
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and tuple(state[k].shape) != expected[k]]
+    if missing or extra or wrong:
+        what = (
+            f"{len(missing)} tensor(s) missing, e.g. {missing[0]}"
+            if missing
+            else f"unexpected tensor {extra[0]}"
+            if extra
+            else f"{wrong[0]} is {tuple(state[wrong[0]].shape)}, the config makes it "
+            f"{expected[wrong[0]]}"
+        )
+        raise CheckpointError(f"{source}: the weights do not fit its model config ({what})")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise CheckpointError(
+            f"{source} has non-finite weights (NaN/inf in {len(bad)} tensors, e.g. {bad[0]}): "
+            "the run diverged before this save; export an earlier checkpoint from its "
+            "checkpoints/ folder"
+        )
+    return config, state
+
+
+def write_hf(
+    ckpt: dict[str, Any], config: GPTConfig, state: dict[str, torch.Tensor], out: Path
+) -> list[str]:
     """A transformers GPT-2 folder in ``out``; returns notes for the user (tokenizer files)."""
-    config = model.config
     refusals = export_refusals(config)
     if refusals:
         raise ExportError(
@@ -107,7 +148,6 @@ def write_hf(ckpt: dict[str, Any], model: torch.nn.Module, out: Path) -> list[st
     else:
         notes.append("no tokenizer files: the checkpoint stores no tokenizer")
     eot = tokenizer.eot_id if tokenizer is not None else None
-    state = model.state_dict()
     dtype = next(iter(state.values())).dtype
     record = {
         "tokenizer": {k: v for k, v in spec.items() if k != "json"} if spec else None,
@@ -123,19 +163,21 @@ def write_hf(ckpt: dict[str, Any], model: torch.nn.Module, out: Path) -> list[st
     return notes
 
 
-def write_nanolab_safetensors(ckpt: dict[str, Any], model: torch.nn.Module, out: Path) -> None:
+def write_nanolab_safetensors(
+    ckpt: dict[str, Any], config: GPTConfig, state: dict[str, torch.Tensor], out: Path
+) -> None:
     """nanolab's own tensor names in ``model.safetensors``, architecture and tokenizer in
     ``nanolab.json`` (a tied head is stored once, as ``wte.weight``)."""
-    state = dict(model.state_dict())
-    if model.config.tie_weights:
+    state = dict(state)
+    if config.tie_weights:
         state.pop("lm_head.weight")
     _save_safetensors(state, out / "model.safetensors")
     meta = ckpt.get("nanolab") or {}
     info = {
-        "gpt": asdict(model.config),
+        "gpt": asdict(config),
         "tokenizer": meta.get("tokenizer"),
         "global_step": ckpt.get("global_step"),
-        "tied": ["lm_head.weight", "wte.weight"] if model.config.tie_weights else [],
+        "tied": ["lm_head.weight", "wte.weight"] if config.tie_weights else [],
     }
     (out / "nanolab.json").write_text(json.dumps(info, indent=2) + "\n")
 
@@ -146,7 +188,7 @@ def export(ckpt_path: str | Path, fmt: str, out: str | Path, force: bool = False
     check_destination(out, force)
     path = resolve_checkpoint(ckpt_path)
     ckpt = load_checkpoint(path)
-    model = model_from_checkpoint(ckpt, path)
+    config, state = checkpoint_weights(ckpt, path)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -154,9 +196,9 @@ def export(ckpt_path: str | Path, fmt: str, out: str | Path, force: bool = False
     notes: list[str] = []
     try:
         if fmt == "hf":
-            notes = write_hf(ckpt, model, staging)
+            notes = write_hf(ckpt, config, state, staging)
         else:
-            write_nanolab_safetensors(ckpt, model, staging)
+            write_nanolab_safetensors(ckpt, config, state, staging)
         old = None
         if out.exists():  # an empty folder, or a previous export with --force
             old = out.parent / f".{out.name}.replaced-{os.getpid()}"

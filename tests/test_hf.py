@@ -27,7 +27,7 @@ from nanolab.data.prepare import prepare_dataset
 from nanolab.data.tokenizers import HFTokenizer, load_tokenizer, tokenizer_from_spec
 from nanolab.generate import load_checkpoint, model_from_checkpoint
 from nanolab.model import GPT, GPTConfig
-from nanolab.model.hf import nanolab_state_from_hf, read_hf_weights
+from nanolab.model.hf import gpt_shapes, nanolab_state_from_hf, read_hf_weights
 from nanolab.model.hf_tokenizer import tokenizer_json, vocabulary
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.module import GPTLightningModule
@@ -226,45 +226,101 @@ def test_safetensors_export_keeps_nanolab_names(tmp_path, trained_run):
 
 
 # -- the fine-tuning recipe ---------------------------------------------------------------------
-def test_finetune_recipe_from_a_local_gpt2_folder(tmp_path, gpt2_folder, capsys):
-    """``configs/finetune-gpt2.yaml`` with a local folder: fit prepares the text with the folder's
-    tokenizer.json, starts from its weights and trains; with ``model.freeze`` the embeddings and
-    the first block end bit-identical to the folder's, the second block has moved.
+#: What the docs' commands get on top, to run in seconds on a CPU with the tiny GPT-2.
+CPU_SCALE = [
+    "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=3",
+    "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+    "--model.gpt.block_size=64", "--run.global_batch_tokens=null", "--run.eval_every_steps=3",
+    "--data.micro_batch_size=2", "--data.val_windows=8", "--model.optimizer.lr=1e-3",
+]  # fmt: skip
+
+
+def docs_block(heading: str, language: str) -> str:
+    text = (REPO / "docs" / "hf.md").read_text()
+    return text.split(heading, 1)[1].split(f"```{language}", 1)[1].split("```", 1)[0]
+
+
+def test_docs_finetune_then_export_then_transformers(tmp_path, gpt2_folder, capsys, monkeypatch):
+    """docs/hf.md as written, with the tiny GPT-2 as models/gpt2: ``validate`` and ``fit`` with
+    configs/finetune-gpt2.yaml (data prepared from the bundled corpus with the folder's
+    tokenizer.json), ``export``, then the docs' transformers snippet on the export. ``fit`` also
+    gets ``model.freeze``: the embeddings and the first block end bit-identical to the folder's,
+    the second block has moved, so training started from the folder's weights.
     """
+    import shlex
+    import shutil
+
     folder, _ = gpt2_folder
-    text = tmp_path / "my_text.txt"
-    text.write_text(shakespeare(60_000))
-    code, err = fit(
-        capsys,
-        f"--model.init_from={folder}",
-        f"--data.tokenizer={folder / 'tokenizer.json'}",
-        f"--data.source=[{text}]",
-        f"--data.dataset_dir={tmp_path / 'data'}",
-        f"--run.root={tmp_path / 'runs'}",
-        "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=3",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--model.gpt.block_size=32", "--run.global_batch_tokens=null", "--run.eval_every_steps=3",
-        "--data.micro_batch_size=2", "--data.val_windows=8",
-        "--model.optimizer.lr=1e-3",
-        "--model.freeze.embeddings=true", "--model.freeze.blocks=1",
-        config=FINETUNE,
-    )  # fmt: skip
-    assert code == 0, err[-20:]
-    assert load_tokenizer(tmp_path / "data").name == "hf"
-    ckpt = torch.load(
-        tmp_path / "runs" / "finetune-gpt2" / "checkpoints" / "last.ckpt", weights_only=True
-    )
+    shutil.copytree(folder, tmp_path / "models" / "gpt2")
+    (tmp_path / "configs").mkdir()
+    shutil.copy(FINETUNE, tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    commands = [
+        shlex.split(line.split("  #", 1)[0])
+        for line in docs_block("## Fine-tune GPT-2", "bash").splitlines()
+        if line.startswith("nanolab ")
+    ]
+    assert [c[1] for c in commands] == ["validate", "fit", "export"]
+    freeze = ["--model.freeze.embeddings=true", "--model.freeze.blocks=1"]
+    for command in commands:
+        extra = CPU_SCALE + freeze if command[1] == "fit" else []
+        extra = CPU_SCALE if command[1] == "validate" else extra
+        _lightning_logs_to_stderr()
+        code = main(command[1:] + extra)
+        err = capsys.readouterr().err
+        assert code in (0, None), (command, err[-2000:])
+
+    assert load_tokenizer(tmp_path / "data" / "shakespeare_gpt2").name == "hf"
+    run = tmp_path / "runs" / "finetune-gpt2"
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3 and ckpt["nanolab"]["gpt"]["n_embd"] == 64
     trained = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
-    start = nanolab_state_from_hf(
-        read_hf_weights(folder), GPTConfig(**ckpt["nanolab"]["gpt"]), folder
-    )
+    config = GPTConfig(**ckpt["nanolab"]["gpt"])
+    start = nanolab_state_from_hf(read_hf_weights(folder), config, folder)
     frozen = ["wte.weight", "wpe.weight"] + [k for k in start if k.startswith("blocks.0.")]
     assert all(torch.equal(trained[k], start[k]) for k in frozen)
     moved = [
         k for k in start if k.startswith("blocks.1.") and not torch.equal(trained[k], start[k])
     ]
     assert len(moved) == 12  # every tensor of the trained block
+
+    out = tmp_path / "out" / "gpt2-shakespeare"
+    exported, original = (json.loads((d / "tokenizer.json").read_text()) for d in (out, folder))
+    assert exported == original
+    snippet = docs_block("## Export to transformers", "python")
+    exec(compile(snippet, "docs/hf.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("ROMEO:") and len(printed) > len("ROMEO:") + 10
+
+
+def test_estimate_reads_the_architecture_from_init_from(tmp_path, gpt2_folder, capsys):
+    """``nanolab estimate`` on the fine-tuning recipe sizes the checkpoint's model (2 x 64,
+    300 ids, 64 positions here), not the config's defaults; a missing folder is one line."""
+    import yaml
+
+    from nanolab.estimator.setup import EstimateError, setup_from_config
+
+    folder, _ = gpt2_folder
+    cfg = yaml.safe_load(FINETUNE.read_text())
+    cfg["model"]["init_from"] = str(folder)
+    cfg["model"]["gpt"]["block_size"] = 64
+    gpt = setup_from_config(cfg).gpt
+    assert (gpt.n_layer, gpt.n_embd, gpt.vocab_size, gpt.vocab_multiple) == (2, 64, VOCAB, 1)
+    cfg["model"]["init_from"] = str(tmp_path / "nowhere")
+    with pytest.raises(EstimateError, match="no such folder, and nanolab never downloads"):
+        setup_from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"bias": False}, {"tie_weights": False, "mlp_ratio": 3}, {"position_embedding": "rope"}],
+)
+def test_shapes_from_the_config_are_the_models(options):
+    """``gpt_shapes`` (what import and export check tensors against without building a model)
+    lists exactly GPT's state dict, for every option that changes it."""
+    config = GPTConfig(vocab_size=70, n_layer=2, n_head=2, n_embd=16, block_size=8, **options)
+    model = GPT(config)
+    assert gpt_shapes(config) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def test_freeze_leaves_parameters_out_of_the_optimizer():

@@ -314,6 +314,13 @@ def setup_from_config(
     data = _section(cfg, "data")
     run = _section(cfg, "run")
     gpt_raw = _section(model, "gpt") if "gpt" in model else {}
+    if model.get("init_from"):  # a Hugging Face GPT-2 folder: its architecture (docs/hf.md)
+        from nanolab.model.hf import resolve_architecture
+
+        try:
+            gpt_raw = resolve_architecture(gpt_raw, model["init_from"])
+        except ConfigError as err:
+            raise EstimateError(str(err)) from None
     if vocab_size is not None:
         gpt_raw["vocab_size"] = vocab_size
     gpt_raw["vocab_size"] = resolve_vocab(gpt_raw, data)

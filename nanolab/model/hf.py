@@ -20,11 +20,12 @@ import json
 import re
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from nanolab.model.config import ConfigError, GPTConfig
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: `nanolab estimate` reads
+    import torch  # an init_from folder's config.json without paying for it
 
 #: GELU variants that are the tanh approximation nanolab's MLP computes.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -219,6 +220,8 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's ``model.safetensors`` (single or sharded) or, failing that,
     ``pytorch_model.bin`` read with ``weights_only=True``: a pickle that asks for anything but
     tensors is refused, never run."""
+    import torch
+
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file() or index.is_file():
@@ -266,6 +269,33 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 # -- the mapping -------------------------------------------------------------------------------
+def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in :class:`~nanolab.model.GPT`'s state dict, from the config
+    alone (building the model on the meta device would import torch's compiler, seconds).
+    tests/test_hf.py holds it equal to the real model's for every option that changes it."""
+    C, H, V = config.n_embd, config.mlp_ratio * config.n_embd, config.padded_vocab_size
+    norm = {"weight": (C,), "bias": (C,)} if config.bias else {"weight": (C,)}
+    linears = {
+        "attn.c_attn": (3 * C, C),
+        "attn.c_proj": (C, C),
+        "mlp.c_fc": (H, C),
+        "mlp.c_proj": (C, H),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C)}
+    if config.position_embedding == "learned":
+        shapes["wpe.weight"] = (config.block_size, C)
+    for i in range(config.n_layer):
+        for ln in ("ln_1", "ln_2"):
+            shapes.update({f"blocks.{i}.{ln}.{k}": v for k, v in norm.items()})
+        for name, (out, into) in linears.items():
+            shapes[f"blocks.{i}.{name}.weight"] = (out, into)
+            if config.bias:
+                shapes[f"blocks.{i}.{name}.bias"] = (out,)
+    shapes.update({f"ln_f.{k}": v for k, v in norm.items()})
+    shapes["lm_head.weight"] = (V, C)
+    return shapes
+
+
 def _pairs(config: GPTConfig) -> list[tuple[str, str, bool]]:
     """(nanolab name, GPT-2 name without ``transformer.``, transposed) for every tensor."""
     pairs = [("wte.weight", "wte.weight", False), ("wpe.weight", "wpe.weight", False)]
@@ -280,16 +310,13 @@ def nanolab_state_from_hf(
 ) -> dict[str, torch.Tensor]:
     """GPT-2 tensors renamed, un-transposed and checked against ``config``'s shapes: a state dict
     :class:`~nanolab.model.GPT` loads. The position table keeps the first ``block_size`` rows."""
-    from nanolab.model.gpt import GPT
-
     if config.position_embedding != "learned" or not config.bias:
         raise HFFormatError("GPT-2 weights need position_embedding 'learned' and bias true")
     named = {
         (k[len("transformer.") :] if k.startswith("transformer.") else k): v
         for k, v in hf_state.items()
     }
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+    expected = gpt_shapes(config)
     state: dict[str, torch.Tensor] = {}
     used = set()
     for ours, theirs, transposed in _pairs(config):
@@ -343,6 +370,8 @@ def hf_state_from_nanolab(
 ) -> dict[str, torch.Tensor]:
     """nanolab's GPT tensors under GPT-2's names and layout (``transformer.`` prefix, Conv1D
     weights transposed). A model trained without biases gets zero biases: the same function."""
+    import torch
+
     hf: dict[str, torch.Tensor] = {}
     for ours, theirs, transposed in _pairs(config):
         if ours in state:
@@ -405,6 +434,8 @@ def hf_config_from_nanolab(
 
 def load_hf_weights(model: torch.nn.Module, init_from: str | Path) -> None:
     """Copy the GPT-2 weights in folder ``init_from`` into ``model`` (built for them)."""
+    import torch
+
     folder = hf_folder(init_from)
     state = nanolab_state_from_hf(read_hf_weights(folder), model.config, folder)
     with torch.no_grad():
