@@ -483,6 +483,12 @@ CASES: list[Case] = [
          "--ckpt_path", "{runs}/shape3/checkpoints/last.ckpt"),
         0, "", setup=_finished_runs,
     ),
+    Case(
+        "validate-writes-nothing-into-the-run",  # it used to rewrite the run's config.yaml
+        ("validate", "--config", "{cfg}", "--run.name", "base", "--model.gpt.dropout=0.1",
+         "--ckpt_path", "{runs}/base/checkpoints/last.ckpt"),
+        0, "", setup=_finished_runs,
+    ),
     # -- config values (item 8) --
     Case("fit-max_steps-negative", (*FIT, "--trainer.max_steps=-5"), EXIT_USAGE, "trainer.max_steps"),
     Case("fit-max_steps-zero", (*FIT, "--trainer.max_steps=0"), EXIT_USAGE, "trainer.max_steps"),
