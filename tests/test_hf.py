@@ -408,10 +408,19 @@ def _pickle_payload(folder: Path, tmp: Path) -> Path:
     return bad
 
 
+def _nanolab_export(folder: Path, tmp: Path) -> Path:
+    bad = tmp / "st-export"
+    bad.mkdir()
+    (bad / "nanolab.json").write_text("{}")
+    (bad / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    return bad
+
+
 IMPORT_ROWS = [
     # (id, make the folder, extra args, what the one line says)
     ("hub-name", lambda f, t: "gpt2", [], "nanolab never downloads"),
     ("no-config", _no_config, [], "has no config.json"),
+    ("safetensors-export", _nanolab_export, [], "export the checkpoint with --format hf"),
     ("not-gpt2", _edited_config(model_type="llama"), [], "model_type is 'llama'"),
     ("shapes", _edited_config(n_embd=32), [], "tensor wte.weight has shape [300, 64]"),
     ("payload", _pickle_payload, [], "never runs code from a checkpoint"),

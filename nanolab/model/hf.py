@@ -92,6 +92,11 @@ def hf_folder(path: str | Path, field: str = "model.init_from") -> Path:
 def read_hf_config(folder: Path, field: str = "model.init_from") -> dict[str, Any]:
     """``config.json`` of a GPT-2 folder; anything else (no file, not JSON, not GPT-2) refused."""
     path = folder / "config.json"
+    if not path.is_file() and (folder / "nanolab.json").is_file():
+        raise HFFormatError(
+            f"{field} {folder}: is a `nanolab export --format safetensors` folder; init_from "
+            "reads Hugging Face GPT-2 folders: export the checkpoint with --format hf"
+        )
     if not path.is_file():
         raise HFFormatError(
             f"{field} {folder}: has no config.json; give a Hugging Face model folder "
