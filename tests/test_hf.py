@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -27,7 +28,12 @@ from nanolab.data.prepare import prepare_dataset
 from nanolab.data.tokenizers import HFTokenizer, load_tokenizer, tokenizer_from_spec
 from nanolab.generate import load_checkpoint, model_from_checkpoint
 from nanolab.model import GPT, GPTConfig
-from nanolab.model.hf import gpt_shapes, nanolab_state_from_hf, read_hf_weights
+from nanolab.model.hf import (
+    gpt_shapes,
+    hf_state_from_nanolab,
+    nanolab_state_from_hf,
+    read_hf_weights,
+)
 from nanolab.model.hf_tokenizer import tokenizer_json, vocabulary
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.module import GPTLightningModule
@@ -141,6 +147,16 @@ def test_import_computes_transformers_logits(tmp_path, gpt2_folder, variant):
     short = GPTLightningModule(gpt=GPTConfig(block_size=16), init_from=str(folder)).model.eval()
     with torch.no_grad():
         assert torch.allclose(short(idx[:, :16])[0], theirs[:, :16], atol=1e-4)
+
+    # And back: nanolab's tensors under GPT-2's names are the folder's, bit for bit.
+    def plain(state: dict) -> dict:
+        named = {k.removeprefix("transformer."): v for k, v in state.items()}
+        return {k: v for k, v in named.items() if not re.fullmatch(r"h\.\d+\.attn\.bias", k)}
+
+    original = plain(read_hf_weights(folder))
+    exported = plain(hf_state_from_nanolab(module.model.state_dict(), cfg))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
 # -- fit -> export -> transformers -> import ----------------------------------------------------
@@ -450,12 +466,13 @@ def bpe_data(tmp_path_factory, gpt2_folder) -> Path:
 
 @pytest.mark.parametrize("row", IMPORT_ROWS, ids=[r[0] for r in IMPORT_ROWS])
 def test_bad_init_from_is_one_error_line(
-    tmp_path, gpt2_folder, bpe_data, char_dataset, capsys, row
+    tmp_path, gpt2_folder, bpe_data, char_dataset, capsys, monkeypatch, row
 ):
     """Each bad ``model.init_from``: exit 2, one error line naming the fix, no run directory,
     and a pickle's payload never runs."""
     _, make, extra, message = row
     folder, _ = gpt2_folder
+    monkeypatch.chdir(tmp_path)  # "gpt2" names no folder here
     data = bpe_data
     source = make(folder, tmp_path)
     args = [a.replace("CHARS", str(char_dataset)) for a in extra]
