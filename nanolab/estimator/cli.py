@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also list what one block saves for backward, tensor by tensor",
     )
+    p.add_argument(
+        "--trace",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="follow the model the run builds: auto (default) traces a tiny model of the config "
+        "on fake tensors and, when it differs from the analytic rules (a fork changed the "
+        "model), traces the real one (seconds); always; never (rules only, no torch import)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument(
         "--list-gpus",
@@ -140,6 +148,18 @@ def format_estimate(
         out.append(f"  {ln.label:<48}{_gib(ln.bytes)}   {ln.note}")
     verdict = "fits" if est.fits else "DOES NOT FIT"
     out.append(f"  {'total':<48}{_gib(m.total)}   of {est.device_memory / GiB:.2f} GiB: {verdict}")
+    check = m.details.get("model_check")
+    if check and check.get("traced"):
+        out.append(
+            f"  model-derived: a fake-tensor trace of the built model on a CPU peaks at "
+            f"{check['cpu_trace_peak_bytes'] / GiB:.2f} GiB vs the rules' "
+            f"{check['cpu_rules_peak_bytes'] / GiB:.2f} GiB ({check['seconds']} s)"
+        )
+    elif check:
+        out.append(
+            "  model check: a tiny model of this config traced on fake tensors matches the rules "
+            f"({check['tiny_model_difference']:+.2%})"
+        )
     if m.cpu_bytes:
         out.append(f"  {'CPU memory for offloaded states (per device)':<48}{_gib(m.cpu_bytes)}")
     if any(not ln.in_peak and ln.bytes for ln in m.lines if ln.key not in _OVERHEAD):
@@ -276,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             usd_per_gpu_hour=args.usd_per_gpu_hour,
             fragmentation=args.fragmentation,
             device=args.device,
+            trace=args.trace,
         )
     except (EstimateError, UnknownGPUError, MemoryStringError, ConfigError) as err:
         print(f"nanolab estimate: error: {err}", file=sys.stderr)

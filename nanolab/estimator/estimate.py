@@ -14,7 +14,7 @@ from typing import Any
 
 from nanolab.estimator.compute import ComputeEstimate, estimate_compute
 from nanolab.estimator.gpus import GPU, get_gpu, parse_memory
-from nanolab.estimator.memory import DEFAULT_FRAGMENTATION, MemoryEstimate, estimate_memory
+from nanolab.estimator.memory import DEFAULT_FRAGMENTATION, Line, MemoryEstimate, estimate_memory
 from nanolab.estimator.numerics import Backend
 from nanolab.estimator.recommend import (
     Switch,
@@ -100,6 +100,9 @@ class Estimate:
                 "total_bytes": self.memory.total,
                 "cpu_offload_bytes": self.memory.cpu_bytes,
                 "per_block_saved": self.memory.details["block"],
+                "moments": self.memory.details["moments"],
+                "peak_source": self.memory.details.get("peak_source", "rules"),
+                "model_check": self.memory.details.get("model_check"),
             },
             "fits": self.fits,
             "largest_micro_batch": self.largest_micro_batch,
@@ -146,6 +149,91 @@ def _fragmentation(value: float | None, backend: Backend) -> float:
     if value is not None:
         return value
     return 0.0 if backend == "cpu" else DEFAULT_FRAGMENTATION
+
+
+def _follow_the_model(
+    setup: Setup,
+    micro: int,
+    memory: MemoryEstimate,
+    backend: Backend,
+    fragmentation: float,
+    trace: str,
+    warnings: list[str],
+) -> MemoryEstimate:
+    """The rules' estimate, corrected by a fake-tensor trace of the model the run builds when
+    the model is not the one the rules describe (or always, with ``trace="always"``).
+
+    On a CPU the traced peak replaces the rules'; on a GPU the difference between the CPU trace
+    and the CPU rules (what the model allocates that the rules do not know) is added to the GPU
+    rules' peak as its own line, since the trace cannot run the GPU's kernels.
+    """
+    from nanolab.estimator.trace import TraceUnavailable, model_matches_rules, traced_peak_cpu
+
+    if trace not in ("auto", "always"):
+        raise EstimateError(f"trace must be never, auto or always, got {trace!r}")
+    check: dict[str, Any] = {"traced": False}
+    try:
+        if trace == "auto":
+            matches, tiny_diff = model_matches_rules(setup)
+            check["tiny_model_difference"] = round(tiny_diff, 6)
+            if matches:
+                memory.details["model_check"] = check
+                return memory
+        traced = traced_peak_cpu(setup.with_micro_batch(micro), micro, memory.accumulate)
+    except TraceUnavailable as err:
+        warnings.append(f"model-derived check skipped: {err}; the estimate uses the rules")
+        return memory
+    cpu_rules = (
+        memory.peak_allocated
+        if backend == "cpu"
+        else estimate_memory(setup, micro, backend="cpu", fragmentation=0.0).peak_allocated
+    )
+    delta = traced.peak_allocated - cpu_rules
+    check.update(
+        traced=True,
+        cpu_trace_peak_bytes=traced.peak_allocated,
+        cpu_rules_peak_bytes=cpu_rules,
+        seconds=round(traced.seconds, 2),
+    )
+    memory.details["model_check"] = check
+    if delta == 0:
+        return memory
+    source = "CPU trace of the model" if backend == "cpu" else "GPU rules + (CPU trace - CPU rules)"
+    memory.details["peak_source"] = source
+    extra = Line(
+        "model_derived",
+        "model-derived correction (trace - rules)",
+        delta,
+        f"the built model allocates {delta / 2**20:+,.1f} MiB vs the rules on a CPU",
+    )
+    ctx = next(ln for ln in memory.lines if ln.key == "context").bytes
+    peak = memory.peak_allocated + delta
+    frag = int(fragmentation * peak)
+    lines = [ln for ln in memory.lines if ln.key not in ("context", "fragmentation")]
+    lines.append(extra)
+    lines += [ln for ln in memory.lines if ln.key == "context"]
+    lines.append(
+        Line(
+            "fragmentation",
+            f"allocator fragmentation margin ({fragmentation:.0%})",
+            frag,
+            "of peak allocated",
+            in_peak=False,
+        )
+    )
+    if abs(delta) > 0.02 * memory.peak_allocated:
+        warnings.append(
+            f"the model differs from the one the rules describe ({delta / 2**20:+,.1f} MiB, "
+            f"{delta / memory.peak_allocated:+.1%} at micro-batch {micro}, from a CPU trace); "
+            "the peak includes it, the micro-batch search and switches do not"
+        )
+    return replace(
+        memory,
+        lines=lines,
+        peak_allocated=peak,
+        total=peak + ctx + frag,
+        peak_phase=memory.peak_phase + " (model-derived)",
+    )
 
 
 def setup_for(
@@ -229,6 +317,7 @@ def estimate_from_config(
     device: str = "gpu",
     history: bool = True,
     queue_db: str | None = None,
+    trace: str = "never",
 ) -> Estimate:
     """Estimate memory per device, fit, recommendations, time and cost for a config.
 
@@ -236,8 +325,10 @@ def estimate_from_config(
     the config's), ``mfu`` (model FLOPs utilisation for the time estimate; default: a finished
     queue run's measured tokens/s when ``history`` finds one in ``queue_db``, else the GPU
     family's default), ``tokens`` (token budget; default ``trainer.max_steps`` x tokens per
-    step, else Chinchilla's 20 per parameter) and ``usd_per_gpu_hour`` (default: the GPU
-    table's indicative price).
+    step, else Chinchilla's 20 per parameter), ``usd_per_gpu_hour`` (default: the GPU
+    table's indicative price) and ``trace`` (``never``: the analytic rules; ``auto``: trace a
+    tiny model of the config on fake tensors and, when it differs from the rules (a fork
+    changed the model), trace the real one; ``always``): see :mod:`nanolab.estimator.trace`.
 
     Raises:
         EstimateError, UnknownGPUError, MemoryStringError: with a one-line message.
@@ -266,6 +357,9 @@ def estimate_from_config(
     else:
         micro, source = (choice[0] if choice else 1), "auto"
     memory = estimate_memory(setup, micro, **kw)
+    warnings: list[str] = []
+    if trace != "never":
+        memory = _follow_the_model(setup, micro, memory, be, fragmentation, trace, warnings)
     fits = memory.total <= mem
     switches = [] if fits else evaluate_switches(setup, mem, **kw)
     measured = None
@@ -285,7 +379,6 @@ def estimate_from_config(
         measured_tokens_per_second=measured.tokens_per_second if measured else None,
         measured_source=measured.source if measured else "",
     )
-    warnings = []
     if be != "cpu" and not g.memory_reported and device_memory is None:
         warnings.append(
             f"{g.name}'s memory is its datasheet capacity; the device reports ~1% less "
