@@ -286,7 +286,7 @@ def cli_peak(config_path: str) -> tuple[int, str]:
     return int(memory["peak_allocated_bytes"]), memory["peak_phase"]
 
 
-def run_trainer_table(keep: str | None = None) -> list[Row]:
+def run_trainer_table(keep: str | None = None, cases: Sequence[int] | None = None) -> list[Row]:
     import tempfile
 
     import yaml
@@ -299,6 +299,8 @@ def run_trainer_table(keep: str | None = None) -> list[Row]:
         folder = Path(keep) if keep else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         for i, (name, gpt, micro, precision, optimizer, acc) in enumerate(TRAINER_CASES, 1):
+            if cases and i not in cases:
+                continue
             path = folder / f"case{i:02d}.yaml"
             path.write_text(yaml.safe_dump(fit_config(gpt, micro, precision, optimizer, acc)))
             predicted, phase = cli_peak(str(path))
@@ -372,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the 14-configuration table: nanolab estimate --device cpu vs a real Trainer",
     )
     p.add_argument("--keep-configs", metavar="DIR", help="--trainer: write the YAMLs here")
+    p.add_argument("--cases", type=int, nargs="+", help="--trainer: only these rows (1-14)")
     p.add_argument(
         "--zero-grad",
         action="store_true",
@@ -394,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.zero_grad:
                 run_zero_grad()
                 return 0
-            rows = run_trainer_table(args.keep_configs)
+            rows = run_trainer_table(args.keep_configs, args.cases)
         finally:
             torch.set_num_threads(threads)
         print_table(

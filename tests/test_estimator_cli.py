@@ -473,7 +473,7 @@ def test_cli_missing_file(capsys: pytest.CaptureFixture) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_bench_cpu_mode(capsys: pytest.CaptureFixture) -> None:
+def test_bench_cpu_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     sys.path.insert(0, str(ROOT / "benches"))
     try:
         import bench_memory
@@ -482,3 +482,8 @@ def test_bench_cpu_mode(capsys: pytest.CaptureFixture) -> None:
     assert bench_memory.main(["--cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "predicted" in out and "error" in out
+    # The docs' table: one row of it, through `nanolab estimate --device cpu --json`.
+    assert bench_memory.main(["--trainer", "--cases", "14", "--keep-configs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "14 fp32 step-bound" in out and "worst error" in out
+    assert (tmp_path / "case14.yaml").is_file()

@@ -89,3 +89,59 @@ def test_default_mfu_comes_from_the_gpu_family() -> None:
         assert g.mfu_source
         est = estimate_compute(_setup("bf16-mixed"), g, 8, 1)
         assert est.mfu == g.default_mfu and est.mfu_source == g.mfu_source
+
+
+def test_measured_tokens_per_second_of_a_finished_queue_run_wins(tmp_path) -> None:
+    """A finished queue job of the same step on the same GPU replaces the MFU assumption."""
+    import json
+    import sqlite3
+
+    import yaml
+
+    from nanolab.estimator import estimate_from_config
+
+    cfg = {
+        "trainer": {"precision": "bf16-mixed", "max_steps": 100, "devices": 1},
+        "model": {"gpt": {"vocab_size": 50257, "block_size": 1024, "n_layer": 12,
+                          "n_head": 12, "n_embd": 768}},
+        "data": {"micro_batch_size": 8},
+        "run": {"global_batch_tokens": 8 * 1024 * 4},
+    }  # fmt: skip
+    db = tmp_path / "queue.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE jobs (run_dir TEXT, cwd TEXT, status TEXT)")
+    for i, (device, rate, status) in enumerate(
+        [
+            ("NVIDIA H100 80GB HBM3", 300_000.0, "done"),
+            ("NVIDIA H100 80GB HBM3", 320_000.0, "done"),
+            ("NVIDIA H100 80GB HBM3", 1.0, "failed"),  # not finished: ignored
+            ("NVIDIA A100-SXM4-80GB", 150_000.0, "done"),  # another GPU: ignored
+        ]
+    ):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        records = [
+            {"event": "start", "step": 0, "devices": [device]},
+            {"event": "end", "step": 100, "reason": "completed", "tokens_per_s": rate},
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        conn.execute("INSERT INTO jobs VALUES (?, ?, ?)", (str(run), str(tmp_path), status))
+    conn.commit()
+    conn.close()
+    est = estimate_from_config(cfg, gpu="h100", queue_db=str(db))
+    assert est.compute.tokens_per_second == pytest.approx(310_000.0)
+    assert "2 finished queue run(s)" in est.compute.tokens_per_second_source
+    assert est.compute.mfu_source == "implied by the measured tokens/s"
+    other = dict(cfg, data={"micro_batch_size": 4})  # another step: no history
+    assumed = estimate_from_config(other, gpu="h100", queue_db=str(db))
+    assert assumed.compute.mfu == get_gpu("h100").default_mfu
+
+
+def test_fit_sets_the_float32_matmul_precision_only_on_gpu_runs() -> None:
+    from nanolab.training.cli import RunConfig, apply_float32_matmul_precision
+
+    assert RunConfig().float32_matmul_precision == "high"
+    before = torch.get_float32_matmul_precision()
+    apply_float32_matmul_precision("medium", {"accelerator": "cpu"})
+    assert torch.get_float32_matmul_precision() == before
