@@ -3,6 +3,7 @@
     nanolab queue add configs/quickstart.yaml --seeds 1,2,3 --set trainer.max_steps=600
     nanolab queue ls
     nanolab queue run --gpus 0,1 --until 08:00 --order longest-first
+    nanolab queue run --gpus 0 --pack          # several jobs per GPU, by predicted memory
     nanolab report runs/
 
 The database is ``./nanolab_queue.db`` (``--db PATH`` or ``$NANOLAB_QUEUE_DB`` to change it);
@@ -35,6 +36,7 @@ from nanolab.queue.db import (
 )
 from nanolab.queue.estimate import describe, remaining_seconds
 from nanolab.queue.jobs import JobConfigError
+from nanolab.queue.packing import gib
 from nanolab.queue.runner import ORDERS, Runner, _is_job_process
 
 
@@ -109,7 +111,7 @@ def _db(args: argparse.Namespace) -> QueueDB:
 
 # -- verbs ----------------------------------------------------------------------------------
 def cmd_add(args: argparse.Namespace) -> int:
-    from nanolab.queue.estimate import flops_estimate
+    from nanolab.queue.estimate import flops_estimate, memory_need
     from nanolab.queue.jobs import build_jobs
 
     db = _db(args)
@@ -120,17 +122,49 @@ def cmd_add(args: argparse.Namespace) -> int:
         args.name,
         Path.cwd(),
         estimate=lambda parsed: flops_estimate(parsed, args.gpu),
+        memory=lambda parsed: memory_need(parsed, args.gpu),
+        backfill=args.backfill,
     )
     for job in db.add_jobs(jobs):
-        print(f"added job {job.id} {job.name} (~{describe(job.estimate_s)}; run dir {job.run_dir})")
+        peak = f", peak {gib(job.mem_peak)}" if job.mem_peak else ""
+        kind = " as backfill" if job.backfill else ""
+        print(f"added job {job.id} {job.name}{kind} (~{describe(job.estimate_s)}{peak}; "
+              f"run dir {job.run_dir})")  # fmt: skip
     return 0
 
 
-def _job_dict(job: Job, db: QueueDB) -> dict:
+def _job_dict(job: Job, db: QueueDB, jobs: list[Job]) -> dict:
     remaining, source = remaining_seconds(db, job)
     d = dict(vars(job))
     d["remaining_s"], d["estimate_basis"] = remaining, source
+    d["shares_with"] = [j.id for j in sharing(job, jobs)]
     return d
+
+
+def sharing(job: Job, jobs: list[Job]) -> list[Job]:
+    """The other running jobs on the device ``job`` shares (same runner and device)."""
+    if job.status != "running" or not job.packed_on:
+        return []
+    return [
+        j
+        for j in jobs
+        if j.id != job.id
+        and j.status == "running"
+        and j.runner_id == job.runner_id
+        and j.packed_on == job.packed_on
+    ]
+
+
+def _device_column(job: Job, jobs: list[Job]) -> str:
+    """``gpus`` of ``ls``: the ids, and for a packed job its device, cap and neighbours."""
+    where = job.gpus or "-"
+    if job.status == "running" and job.packed_on:
+        others = ",".join(str(j.id) for j in sharing(job, jobs))
+        cap = f" cap {gib(job.mem_cap)}" if job.mem_cap and job.gpus else ""
+        where = f"{job.packed_on}{cap}" + (f" with {others}" if others else " (packed)")
+    if job.backfill:
+        where += " [backfill]"
+    return where
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -139,9 +173,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             raise QueueError(f"--status {s!r}: unknown status; choose from {', '.join(STATUSES)}")
     db = _db(args)
     jobs = db.jobs(args.status or None)
+    running = jobs if not args.status else db.jobs(("running",))
     gaps = db.event_values("gap")
     if args.json:
-        print(json.dumps({"jobs": [_job_dict(j, db) for j in jobs], "gaps_s": gaps}, indent=2))
+        rows = [_job_dict(j, db, running) for j in jobs]
+        print(json.dumps({"jobs": rows, "gaps_s": gaps}, indent=2))
         return 0
     if not jobs:
         print(
@@ -159,7 +195,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             remaining_seconds(db, j)[0] if j.status in ("pending", "preempted", "running") else None
         )
         run_dir = os.path.relpath(j.run_dir) if j.run_dir.startswith(os.getcwd()) else j.run_dir
-        rows.append([str(j.id), j.name, status[:70], str(j.attempts), j.gpus or "-",
+        rows.append([str(j.id), j.name, status[:70], str(j.attempts), _device_column(j, running),
                      describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
     headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -229,8 +265,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         pids = ", ".join(f"pid {r['pid']} on {r['host']}" for r in live)
         print(f"nanolab queue run: note: another runner is active ({pids}); jobs are claimed "
               "atomically, so both share the queue", file=sys.stderr)  # fmt: skip
-    runner = Runner(db, gpus=gpus, slots=args.slots, until=until, order=args.order, wait=args.wait)
+    device_mem = None
+    if args.device_mem is not None:
+        if not args.pack:
+            raise QueueError("--device-mem is for --pack (the memory jobs are packed into)")
+        device_mem = parse_size(args.device_mem, "--device-mem")
+    if not 0.0 <= args.pack_margin <= 1.0:
+        raise QueueError(
+            f"--pack-margin must be between 0 and 1 (e.g. 0.1), got {args.pack_margin}"
+        )
+    if args.pack and args.slots != 1:
+        raise QueueError("--slots is for one job per slot; --pack decides how many jobs share")
+    runner = Runner(
+        db, gpus=gpus, slots=args.slots, until=until, order=args.order, wait=args.wait,
+        pack=args.pack, device_mem=device_mem, pack_margin=args.pack_margin,
+        compile_cache=not args.no_compile_cache,
+    )  # fmt: skip
     return runner.run()
+
+
+def parse_size(text: str, option: str) -> int:
+    """``141GiB``, ``80GB``, ``512MiB`` or bytes -> bytes (the estimator's memory strings)."""
+    from nanolab.estimator.gpus import parse_memory
+
+    try:
+        n = parse_memory(text)
+    except ValueError as err:
+        raise QueueError(f"{option} {text!r}: {err}") from None
+    if n <= 0:
+        raise QueueError(f"{option} {text!r}: must be more than 0 bytes, e.g. {option} 80GiB")
+    return n
 
 
 # -- parser ---------------------------------------------------------------------------------
@@ -256,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu",
         metavar="NAME",
         help="GPU model for the duration estimate (e.g. h100) when none is visible here",
+    )
+    a.add_argument(
+        "--backfill",
+        action="store_true",
+        help="low priority: run only on devices that would idle; checkpoint and give way (exit "
+        "75, resumed later) when another job needs the device or --until comes",
     )
     a.set_defaults(func=cmd_add)
 
@@ -304,6 +374,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait",
         action="store_true",
         help="keep waiting for new jobs when the queue is empty (until --until or Ctrl-C)",
+    )
+    r.add_argument(
+        "--pack",
+        action="store_true",
+        help="start several jobs per device as their predicted memory allows (docs/queue.md)",
+    )
+    r.add_argument(
+        "--device-mem",
+        metavar="SIZE",
+        help="memory of each device for --pack, e.g. 141GiB (default: what the device reports; "
+        "on CPU the physical RAM)",
+    )
+    r.add_argument(
+        "--pack-margin",
+        type=float,
+        default=0.10,
+        metavar="SHARE",
+        help="added to each packed job's predicted peak for its allocator cap (default 0.10)",
+    )
+    r.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="don't share torch.compile caches between jobs (nanolab_queue_cache/ by the db)",
     )
     r.set_defaults(func=cmd_run)
     return p

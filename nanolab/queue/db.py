@@ -11,6 +11,10 @@ A job's life: ``pending`` -> ``running`` -> ``done`` | ``stopped`` (budget/plate
 reason) | ``failed`` (with the error) | ``preempted`` (interrupted; resumes from its checkpoint
 when claimed again). A runner records its pid, host and a heartbeat; a ``running`` job whose
 runner is gone is recovered by the next runner (see :mod:`nanolab.queue.runner`).
+
+Schema version 2 added the columns of packing and backfill (:data:`V2_COLUMNS`); a version-1
+queue is upgraded in place when opened (``ALTER TABLE ... ADD COLUMN``, in one transaction), so
+its jobs keep their history.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DB = "nanolab_queue.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 STATUSES = ("pending", "running", "done", "stopped", "failed", "preempted")
 #: Statuses a runner may start: new jobs, and interrupted ones (which resume).
@@ -71,7 +75,13 @@ CREATE TABLE IF NOT EXISTS jobs (
     runner_id INTEGER,
     job_pid INTEGER,
     gpus TEXT,
-    log TEXT
+    log TEXT,
+    backfill INTEGER NOT NULL DEFAULT 0,
+    alone INTEGER NOT NULL DEFAULT 0,
+    mem_peak INTEGER,
+    mem_source TEXT,
+    mem_cap INTEGER,
+    packed_on TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE TABLE IF NOT EXISTS events (
@@ -84,6 +94,22 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT
 );
 """
+
+
+#: Columns schema version 2 added to ``jobs``, with the definitions that upgrade a version-1
+#: queue: ``backfill`` (1: low priority, runs only on idle devices and is preempted for other
+#: jobs), ``alone`` (1: must not share a device; set after an out-of-memory error while packed),
+#: ``mem_peak``/``mem_source`` (predicted peak allocated bytes on its device, and how it was
+#: predicted or why not), ``mem_cap`` (the allocator cap in bytes of its current/last packed
+#: attempt; NULL when it ran alone) and ``packed_on`` (the device it shared, e.g. ``GPU 0``).
+V2_COLUMNS = {
+    "backfill": "INTEGER NOT NULL DEFAULT 0",
+    "alone": "INTEGER NOT NULL DEFAULT 0",
+    "mem_peak": "INTEGER",
+    "mem_source": "TEXT",
+    "mem_cap": "INTEGER",
+    "packed_on": "TEXT",
+}
 
 
 class QueueError(ValueError):
@@ -119,6 +145,12 @@ class Job:
     job_pid: int | None
     gpus: str | None
     log: str | None
+    backfill: int = 0
+    alone: int = 0
+    mem_peak: int | None = None
+    mem_source: str | None = None
+    mem_cap: int | None = None
+    packed_on: str | None = None
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
@@ -142,6 +174,9 @@ class NewJob:
     max_steps: int | None = None
     estimate_s: float | None = None
     estimate_source: str | None = None
+    backfill: bool = False
+    mem_peak: int | None = None
+    mem_source: str | None = None
 
 
 def default_db_path() -> Path:
@@ -186,6 +221,7 @@ class QueueDB:
                     "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
+                upgrade_schema(self.conn)
         except sqlite3.DatabaseError as err:
             self.conn.close()
             raise QueueError(unusable_db(self.path, f"is damaged or not SQLite ({err})")) from None
@@ -234,11 +270,12 @@ class QueueDB:
                     )
                 cur = c.execute(
                     "INSERT INTO jobs(name, config, args, seed, cwd, run_dir, config_key, devices, "
-                    "max_steps, estimate_s, estimate_source, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "max_steps, estimate_s, estimate_source, created, backfill, mem_peak, "
+                    "mem_source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         j.name, j.config, json.dumps(j.args), j.seed, j.cwd, j.run_dir,
                         j.config_key, j.devices, j.max_steps, j.estimate_s, j.estimate_source, now,
+                        int(j.backfill), j.mem_peak, j.mem_source,
                     ),
                 )  # fmt: skip
                 ids.append(cur.lastrowid)
@@ -303,15 +340,26 @@ class QueueDB:
         with self.transaction() as c:
             return c.execute(f"UPDATE jobs SET {sets} WHERE {where}", params).rowcount == 1
 
-    def claim(self, job_id: int, runner_id: int, gpus: str | None, now: float) -> bool:
-        """Atomically move a claimable job to ``running`` for this runner (False: taken already)."""
+    def claim(
+        self,
+        job_id: int,
+        runner_id: int,
+        gpus: str | None,
+        now: float,
+        packed_on: str | None = None,
+        mem_cap: int | None = None,
+    ) -> bool:
+        """Atomically move a claimable job to ``running`` for this runner (False: taken already).
+
+        ``packed_on``/``mem_cap``: the device this attempt shares with other jobs and its
+        allocator cap in bytes (both None when it runs alone)."""
         with self.transaction() as c:
             cur = c.execute(
                 "UPDATE jobs SET status = 'running', runner_id = ?, gpus = ?, "
                 "attempts = attempts + 1, last_started = ?, started = COALESCE(started, ?), "
-                "ended = NULL, exit_code = NULL, detail = NULL, job_pid = NULL "
-                f"WHERE id = ? AND status IN ({','.join('?' * len(CLAIMABLE))})",
-                (runner_id, gpus, now, now, job_id, *CLAIMABLE),
+                "ended = NULL, exit_code = NULL, detail = NULL, job_pid = NULL, packed_on = ?, "
+                f"mem_cap = ? WHERE id = ? AND status IN ({','.join('?' * len(CLAIMABLE))})",
+                (runner_id, gpus, now, now, packed_on, mem_cap, job_id, *CLAIMABLE),
             )
             return cur.rowcount == 1
 
@@ -327,15 +375,20 @@ class QueueDB:
         detail: str | None,
         exit_code: int | None,
         ran_s: float,
+        **columns: Any,
     ) -> bool:
-        """Record a job's outcome, if this runner still owns it (it may have been removed)."""
+        """Record a job's outcome, if this runner still owns it (it may have been removed);
+        ``columns`` are set in the same transaction (e.g. ``alone=1``)."""
         assert status in STATUSES
+        extra = "".join(f", {k} = ?" for k in columns)
         with self.transaction() as c:
             cur = c.execute(
                 "UPDATE jobs SET status = ?, detail = ?, exit_code = ?, ended = ?, job_pid = NULL, "
-                "run_seconds = run_seconds + ? WHERE id = ? AND runner_id = ? AND status = 'running'",
-                (status, detail, exit_code, time.time(), ran_s, job_id, runner_id),
-            )
+                f"run_seconds = run_seconds + ?{extra} WHERE id = ? AND runner_id = ? "
+                "AND status = 'running'",
+                (status, detail, exit_code, time.time(), ran_s, *columns.values(), job_id,
+                 runner_id),
+            )  # fmt: skip
             return cur.rowcount == 1
 
     # -- runners ---------------------------------------------------------------------------
@@ -400,6 +453,19 @@ def unusable_db(path: Path, why: str) -> str:
     )
 
 
+def upgrade_schema(conn: sqlite3.Connection) -> None:
+    """Add the columns a version-1 queue lacks and record version 2 (inside the caller's
+    transaction, so a concurrent opener sees either the old or the new schema)."""
+    have = {r[1] for r in conn.execute("PRAGMA table_info(jobs)").fetchall()}
+    for name, definition in V2_COLUMNS.items():
+        if name not in have:
+            conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
+    conn.execute(
+        "UPDATE meta SET value = ? WHERE key = 'schema_version' AND CAST(value AS INTEGER) < ?",
+        (str(SCHEMA_VERSION), SCHEMA_VERSION),
+    )
+
+
 def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
     """Refuse a file that is not a nanolab queue before anything is written into it.
 
@@ -432,7 +498,9 @@ def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
         )
     missing_tables = {"jobs", "runners", "events"} - tables
     job_columns = {r[1] for r in conn.execute("PRAGMA table_info(jobs)").fetchall()}
-    missing = {f.name for f in fields(Job)} - job_columns if "jobs" in tables else set()
+    # Version 1 lacks the V2 columns; they are added after these read-only checks.
+    needed = {f.name for f in fields(Job)} - set(V2_COLUMNS)
+    missing = needed - job_columns if "jobs" in tables else set()
     if missing or missing_tables:
         gone = sorted(missing_tables) + [f"jobs.{c}" for c in sorted(missing)]
         raise QueueError(unusable_db(path, f"lacks {', '.join(gone[:5])}"))

@@ -13,6 +13,11 @@ long ones first, so both need a duration per job. In order of trust:
 
 A resumed job needs only what is left: the estimate is scaled by the steps its run log has not
 reached yet.
+
+``queue run --pack`` also needs each job's memory on its device: :func:`memory_need` asks the
+memory estimator at ``queue add`` (the one place the queue calls it, so an estimator API change
+is adapted here), and :func:`job_peak` prefers the peak a finished job of the same config
+measured.
 """
 
 from __future__ import annotations
@@ -182,3 +187,98 @@ def describe(seconds: float | None) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f}m"
     return f"{seconds / 3600:.1f}h"
+
+
+# -- memory, for packing jobs onto one device ---------------------------------------------------
+#: Resident memory of a ``nanolab fit`` process on a CPU before its model and data: Python,
+#: torch and Lightning imported (370 MiB measured on this project's machine, rounded up).
+CPU_PROCESS_BYTES = 512 * 1024**2
+
+
+def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | None, str]:
+    """(predicted peak allocated bytes per device, how) for a job; (None, why not) if unknown.
+
+    The estimator's peak is ``torch.cuda.max_memory_allocated`` of a training step, without its
+    framework overhead and fragmentation lines: the packer adds its own (see
+    :mod:`nanolab.queue.packing`). A ``micro_batch_size: auto`` job has no fixed peak (it sizes
+    itself to the whole device), so it runs alone.
+    """
+    cfg = _as_estimator_config(parsed)
+    # run.micro_batch_size: null means data.micro_batch_size, an int overrides it, auto sizes
+    # the micro-batch to the whole device at start-up.
+    micro = (cfg.get("run") or {}).get("micro_batch_size")
+    if micro == "auto":
+        return None, "run.micro_batch_size auto fills the device"
+    if micro is None:
+        micro = (cfg.get("data") or {}).get("micro_batch_size")
+    backend = _memory_backend(cfg, gpu)
+    try:
+        from nanolab.estimator.estimate import setup_for
+        from nanolab.estimator.memory import estimate_memory
+
+        try:
+            setup = setup_for(cfg, micro_batch_size=micro)
+        except Exception:  # unprepared data: the vocabulary is read from it at run time
+            setup = setup_for(cfg, micro_batch_size=micro, vocab_size=VOCAB_GUESS)
+        est = estimate_memory(setup, backend=backend, fragmentation=0.0)
+    except Exception as err:  # the estimator cannot model this config
+        return None, f"no memory estimate: {str(err).splitlines()[0][:80]}"
+    return est.peak_allocated, f"estimator ({backend}, {setup.precision}, micro-batch " + (
+        f"{setup.micro_batch_size}, peak at {est.peak_phase})"
+    )
+
+
+def _memory_backend(cfg: dict, gpu: str | None) -> str:
+    """``cpu`` for a CPU job, else the vendor's backend of ``gpu`` (CUDA when unknown)."""
+    accelerator = str(cfg["trainer"].get("accelerator", "auto"))
+    if accelerator == "cpu":
+        return "cpu"
+    if gpu:
+        try:
+            from nanolab.estimator.gpus import get_gpu
+
+            return "rocm" if get_gpu(gpu).vendor == "amd" else "cuda"
+        except Exception:
+            return "cuda"
+    return "cuda"
+
+
+def process_overhead(backend: str) -> int:
+    """Bytes one more process takes on a device outside its allocator: the estimator's
+    framework line (context, kernels) on GPUs, the process itself on a CPU."""
+    if backend == "cpu":
+        return CPU_PROCESS_BYTES
+    from nanolab.estimator.memory import CONTEXT_BYTES
+
+    return int(CONTEXT_BYTES.get(backend, CONTEXT_BYTES["cuda"]))
+
+
+def measured_peak(db: QueueDB, job: Job) -> tuple[int, str] | None:
+    """The largest ``mem_reserved_bytes`` finished jobs of the same config recorded (GPU runs
+    only; the allocator cap limits reserved memory, so this is the figure to cap by)."""
+    if job.config_key is None:
+        return None
+    from nanolab.runlog import RUN_LOG_NAME, last_record
+
+    rows = db.conn.execute(
+        "SELECT name, run_dir FROM jobs WHERE config_key = ? AND status = 'done' AND id != ?",
+        (job.config_key, job.id),
+    ).fetchall()
+    best: tuple[int, str] | None = None
+    for r in rows[-8:]:  # the newest few are enough, and reading logs costs
+        rec = last_record(
+            os.path.join(r["run_dir"], RUN_LOG_NAME),
+            where=lambda x: isinstance(x.get("mem_reserved_bytes"), int),
+        )
+        if rec and (best is None or rec["mem_reserved_bytes"] > best[0]):
+            best = (int(rec["mem_reserved_bytes"]), f"measured by job {r['name']}")
+    return best
+
+
+def job_peak(db: QueueDB, job: Job) -> tuple[int | None, str | None]:
+    """Peak bytes to pack ``job`` by: a finished same-config job's measurement, else the
+    prediction stored at ``queue add`` (None: unknown, the job runs alone)."""
+    measured = measured_peak(db, job)
+    if measured is not None:
+        return measured
+    return job.mem_peak, job.mem_source

@@ -257,8 +257,14 @@ def build_jobs(
     name: str | None,
     cwd: Path,
     estimate=None,
+    memory=None,
+    backfill: bool = False,
 ) -> list[NewJob]:
-    """Validated jobs for one ``queue add`` (one per seed); nothing is written here."""
+    """Validated jobs for one ``queue add`` (one per seed); nothing is written here.
+
+    ``estimate(parsed) -> (seconds, how)`` and ``memory(parsed) -> (peak bytes, how)`` are the
+    duration and memory predictions (:mod:`nanolab.queue.estimate`); ``backfill`` marks the jobs
+    low priority (they run on idle devices only and are preempted for other jobs)."""
     if not config.is_file():
         raise JobConfigError(f"config {config} does not exist")
     config = config.resolve()
@@ -271,6 +277,7 @@ def build_jobs(
         args = fit_args(pairs, seed)
         parsed = parse_config(config, args, job_name, cwd)
         seconds, source = estimate(parsed) if estimate else (None, None)
+        peak, mem_source = memory(parsed) if memory else (None, None)
         jobs.append(
             NewJob(
                 name=job_name,
@@ -284,6 +291,9 @@ def build_jobs(
                 max_steps=parsed.max_steps,
                 estimate_s=seconds,
                 estimate_source=source,
+                backfill=backfill,
+                mem_peak=peak,
+                mem_source=mem_source,
             )
         )
     return jobs

@@ -19,6 +19,19 @@ Robustness, case by case:
 
 Exit detection uses a pidfd per job where the OS has them (Linux >= 5.3), so the next job starts
 as soon as the previous one exits; :attr:`Runner.gaps` records that gap.
+
+Beyond one job per device (docs/queue.md):
+
+* ``pack``: several jobs share a device as far as their predicted memory allows
+  (:mod:`nanolab.queue.packing` decides; each packed job's allocator is capped through
+  :mod:`nanolab.queue.launch`); a packed job that runs out of memory goes back to the queue
+  marked to run alone, and resumes from its checkpoint;
+* backfill jobs (``queue add --backfill``) start only on devices no other job wants; when one is
+  wanted, or at ``until``, the backfill job gets SIGTERM (checkpoint at its step boundary,
+  exit 75, status ``preempted``) and resumes later from exactly there;
+* every job gets the queue's compile caches (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``
+  under ``nanolab_queue_cache/`` beside the database, unless set already), so the second job of
+  a ``model.compile: true`` config loads its kernels instead of compiling them again.
 """
 
 from __future__ import annotations
@@ -37,8 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from nanolab.queue.db import CLAIMABLE, Job, QueueDB, pid_alive, runner_alive
-from nanolab.queue.estimate import describe, remaining_seconds
+from nanolab.queue.db import CLAIMABLE, Job, QueueDB, QueueError, pid_alive, runner_alive
+from nanolab.queue.estimate import describe, job_peak, process_overhead, remaining_seconds
+from nanolab.queue.launch import CAP_ENV
+from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
 
 #: Exit status of a preempted ``nanolab fit`` (see nanolab.callbacks.preemption).
 EXIT_PREEMPTED = 75
@@ -46,6 +61,10 @@ EXIT_PREEMPTED = 75
 #: it as it is diverges again). Same value as ``nanolab.callbacks.divergence.EXIT_DIVERGED``.
 EXIT_DIVERGED = 3
 ORDERS = ("fifo", "longest-first")
+#: Folder beside the queue database that holds the compile caches all its jobs share.
+CACHE_DIR_NAME = "nanolab_queue_cache"
+#: Environment variables pointing PyTorch's compilers at a cache, and their folders in it.
+CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 
 
 @dataclass
@@ -58,6 +77,9 @@ class Active:
     started: float  # wall clock, for run_seconds and matching its log records
     log: IO[bytes]
     pidfd: int | None = None
+    cap: int | None = None  # allocator cap in bytes when it shares a device (None: alone)
+    reserved: int = 0  # bytes of the device it takes when packed
+    preempted_for: int | None = None  # the job a backfill job was asked to stop for
 
 
 @dataclass
@@ -73,6 +95,12 @@ class Runner:
         order: ``fifo`` (added first, started first) or ``longest-first`` (by remaining estimate).
         wait: Keep running and pick up jobs added later, until ``until`` or a signal.
         grace_s: How long an orphaned job may take to checkpoint and exit before SIGKILL.
+        pack: Start several jobs per device as their predicted memory allows (one device: the
+            CPU, without ``gpus``; ``slots`` is then unused).
+        device_mem: Bytes of each device for ``pack`` (None: what the device reports; on CPU,
+            the physical memory).
+        pack_margin: Share of a packed job's predicted peak added to its allocator cap.
+        compile_cache: Share compile caches between jobs (see the module docstring).
     """
 
     db: QueueDB
@@ -85,6 +113,10 @@ class Runner:
     heartbeat_s: float = 5.0
     stale_s: float = 30.0
     grace_s: float = 120.0
+    pack: bool = False
+    device_mem: int | None = None
+    pack_margin: float = 0.10
+    compile_cache: bool = True
     out: Any = None
     runner_id: int = 0
     gaps: list[float] = field(default_factory=list)
@@ -94,11 +126,21 @@ class Runner:
     _signals: int = 0
     _wake_r: int | None = None
     _counts: dict[str, int] = field(default_factory=dict)
+    _capacity: list[int] = field(default_factory=list)
+    _rules: Rules = field(default_factory=Rules)
+    _drained_said: set[tuple[int, int]] = field(default_factory=set)
+    _plan_key: tuple | None = None
+    preemptions: list[tuple[int, int, float]] = field(default_factory=list)
 
     # -- public ----------------------------------------------------------------------------
     @property
     def units(self) -> list[str | None]:
-        return list(self.gpus) if self.gpus else [None] * self.slots
+        if self.gpus:
+            return list(self.gpus)
+        return [None] if self.pack else [None] * self.slots
+
+    def label(self, unit: int) -> str:
+        return f"GPU {self.units[unit]}" if self.gpus else "cpu"
 
     def run(self) -> int:
         """Work through the queue; 0 when it ran dry, 75 when stopped by a signal."""
@@ -106,8 +148,13 @@ class Runner:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         self.runner_id = self.db.register_runner()
         where = f"GPUs {','.join(self.gpus)}" if self.gpus else f"{self.slots} CPU slot(s)"
+        if self.pack:
+            where = f"GPUs {','.join(self.gpus)}" if self.gpus else "the CPU"
+            where += ", packed by memory"
         self.say(f"runner {self.runner_id} (pid {os.getpid()}) on {where}, order {self.order}"
                  + (f", until {time.strftime('%a %H:%M', time.localtime(self.until))}" if self.until else ""))  # fmt: skip
+        if self.pack:
+            self._setup_pack()
         previous = self._install_signals()
         last_beat = last_recover = time.monotonic()
         try:
@@ -116,6 +163,7 @@ class Runner:
                 self.reap()
                 if not self._signals:
                     self.fill()
+                    self._stop_backfill_at_deadline()
                 if not self._active and (self._signals or not self._keep_waiting()):
                     break
                 now = time.monotonic()
@@ -125,7 +173,9 @@ class Runner:
                 if now - last_recover >= self.stale_s:
                     self.recover()  # another runner may have died meanwhile
                     last_recover = now
-                self._wait(min(self.poll_s, self.heartbeat_s))
+                # A running backfill job must give way quickly when a job arrives.
+                backfilling = any(a.job.backfill for a in self._active.values())
+                self._wait(min(self.poll_s, self.heartbeat_s, 0.25 if backfilling else 1e9))
         finally:
             self._restore_signals(previous)
             self.db.stop_runner(self.runner_id)
@@ -168,31 +218,177 @@ class Runner:
         return [i for i in range(len(self.units)) if i not in used]
 
     def fill(self) -> None:
+        """Start what can start now; ask backfill jobs to give way where others need room."""
+        if self.pack:
+            self._fill_packed()
+            return
         free = self._free_units()
-        if not free:
+        held = {u: a for a in self._active.values() if a.job.backfill for u in a.units}
+        if not free and not held:
             return
         now = time.time()
-        candidates = [(j, remaining_seconds(self.db, j)[0]) for j in self.db.jobs(CLAIMABLE)]
+        waiting = self._ordered(self.db.jobs(CLAIMABLE))
+        normal = [(j, r) for j, r in waiting if not j.backfill]
+        # Units a backfill job holds count as free for the others: it gives them back.
         plan = plan_starts(
-            order_jobs(candidates, self.order), free, len(self.units), self.until, now,
+            normal, sorted(free + list(held)), len(self.units), self.until, now,
             gpus=bool(self.gpus),
         )  # fmt: skip
-        for job, need in plan.impossible:
+        self._report(plan.impossible, plan.deferred, now)
+        taken: set[int] = set()
+        for job, units, remaining in plan.start:
+            taken.update(units)
+            blockers = {held[u].job.id: held[u] for u in units if u in held}
+            if blockers:
+                for active in blockers.values():
+                    self._preempt(active, job)
+                continue  # starts once they have checkpointed and exited
+            self._claim_and_spawn(job, units, remaining)
+        backfill = [(j, r) for j, r in waiting if j.backfill]
+        left = [u for u in free if u not in taken]
+        if backfill and left and not (self.until is not None and now >= self.until):
+            bplan = plan_starts(backfill, left, len(self.units), None, now, gpus=bool(self.gpus))
+            self._report(bplan.impossible, [], now)
+            for job, units, remaining in bplan.start:
+                self._claim_and_spawn(job, units, remaining)
+
+    def _ordered(self, jobs: list[Job]) -> list[tuple[Job, float | None]]:
+        return order_jobs([(j, remaining_seconds(self.db, j)[0]) for j in jobs], self.order)
+
+    def _report(self, impossible, deferred, now: float) -> None:
+        for job, need in impossible:
             self.db.set_status(
                 job.id, "failed", expect=CLAIMABLE, ended=now,
                 detail=f"needs {need} GPUs (trainer.devices); this runner has {len(self.units)}",
             )  # fmt: skip
             self.say(f"job {job.id} {job.name}: failed, needs {need} GPUs")
-        for job, remaining in plan.deferred:
+        for job, remaining in deferred:
             if job.id not in self._deferred and self.until is not None:
                 self._deferred.add(job.id)
                 self.say(f"job {job.id} {job.name}: deferred, needs ~{describe(remaining)} "
                          f"and {describe(max(0.0, self.until - now))} are left")  # fmt: skip
-        for job, units, remaining in plan.start:
-            gpus = ",".join(str(self.units[u]) for u in units) if self.gpus else None
-            if self.db.claim(job.id, self.runner_id, gpus, time.time()):
-                self._spawn(self.db.get(job.id), units, remaining)
-            # else: another runner took it first; the units stay free for the next round
+
+    def _claim_and_spawn(
+        self,
+        job: Job,
+        units: list[int],
+        remaining: float | None,
+        cap: int | None = None,
+        reserved: int = 0,
+    ) -> bool:
+        gpus = ",".join(str(self.units[u]) for u in units) if self.gpus else None
+        packed_on = self.label(units[0]) if cap is not None else None
+        if not self.db.claim(job.id, self.runner_id, gpus, time.time(), packed_on, cap):
+            return False  # another runner took it first; the units stay free for the next round
+        self._spawn(self.db.get(job.id), units, remaining, cap, reserved)
+        return True
+
+    # -- packing ---------------------------------------------------------------------------
+    def _setup_pack(self) -> None:
+        """Device sizes and the per-process overhead, said once (they are part of every sum)."""
+        if self.gpus:
+            import torch
+
+            backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        else:
+            backend = "cpu"
+        self._rules = Rules(margin=self.pack_margin, overhead=process_overhead(backend))
+        sizes = []
+        for unit in range(len(self.units)):
+            if self.device_mem is not None:
+                sizes.append((self.device_mem, "--device-mem"))
+            elif self.gpus:
+                sizes.append((gpu_total_memory(str(self.units[unit])), "reported by the device"))
+            else:
+                from nanolab.estimator.cpu import physical_memory
+
+                sizes.append((physical_memory(), "physical RAM"))
+        self._capacity = [n for n, _ in sizes]
+        for unit, (n, source) in enumerate(sizes):
+            self.say(f"{self.label(unit)}: {gib(n)} ({source}); each packed job reserves its "
+                     f"predicted peak + {self._rules.margin:.0%} margin + "
+                     f"{gib(self._rules.overhead)} per-process overhead ({backend})")  # fmt: skip
+
+    def _devices(self) -> list[Device]:
+        devices = [Device(u, self.label(u), self._capacity[u]) for u in range(len(self.units))]
+        for a in self._active.values():
+            for u in a.units:
+                reserved = a.reserved if a.cap is not None else devices[u].capacity
+                devices[u].residents.append(
+                    Resident(a.job.id, reserved, a.cap is None, bool(a.job.backfill))
+                )
+        return devices
+
+    def _fill_packed(self) -> None:
+        now = time.time()
+        key = (
+            self.db.conn.execute("PRAGMA data_version").fetchone()[0],
+            frozenset(self._active),
+            frozenset(a.job.id for a in self._active.values() if a.preempted_for is not None),
+            self.until is not None and now >= self.until,
+        )
+        if key == self._plan_key:
+            return  # nothing changed since the last round decided
+        waiting = self._ordered(self.db.jobs(CLAIMABLE))
+        peaks = {j.id: job_peak(self.db, j) for j, _ in waiting}
+        candidates = [Candidate(j, r, peaks[j.id][0]) for j, r in waiting]
+        devices = self._devices()
+        stopping = {a.job.id for a in self._active.values() if a.preempted_for is not None}
+        plan = plan_pack(candidates, devices, self._rules, self.until, now, stopping)
+        self._report(plan.impossible, plan.deferred, now)
+        for backfill_id, for_job in plan.preempt:
+            if backfill_id in self._active:
+                self._preempt(self._active[backfill_id], self.db.get(for_job))
+        for unit, job_id in plan.drained:
+            if (unit, job_id) not in self._drained_said:
+                self._drained_said.add((unit, job_id))
+                self.say(f"{self.label(unit)}: set aside for job {job_id} (next in line; "
+                         "no other job starts there until it fits)")  # fmt: skip
+        started = False
+        for st in plan.start:
+            peak = peaks[st.job.id][0]
+            if st.cap is None and st.job.id in plan.alone:
+                self.say(f"job {st.job.id} {st.job.name}: runs alone ({plan.alone[st.job.id]})")
+            if self._claim_and_spawn(st.job, st.units, st.remaining, st.cap, st.reserved):
+                started = True
+                if st.cap is not None:
+                    device = devices[st.units[0]]
+                    self.say(describe_start(st, device, self._rules, peak)
+                             + f" [{peaks[st.job.id][1]}]")  # fmt: skip
+        if started:
+            for d in self._devices():
+                if len(d.residents) > 1:
+                    ids = ", ".join(str(r.job_id) for r in d.residents)
+                    self.say(f"{d.label}: shared by jobs {ids}; {gib(d.used())} of "
+                             f"{gib(d.capacity)} reserved")  # fmt: skip
+        # Decided: plan again when another process changes the queue, a job starts or exits,
+        # a backfill job is asked to stop, or the deadline passes (data_version ignores this
+        # connection's own writes).
+        self._plan_key = key
+
+    # -- backfill --------------------------------------------------------------------------
+    def _preempt(self, active: Active, for_job: Job) -> None:
+        """Ask a backfill job to checkpoint and stop (once) so ``for_job`` can have its room."""
+        if active.preempted_for is not None:
+            return
+        active.preempted_for = for_job.id
+        self.preemptions.append((active.job.id, for_job.id, time.time()))
+        with contextlib.suppress(ProcessLookupError):
+            active.proc.send_signal(signal.SIGTERM)
+        self.db.event("preempt", self.runner_id, active.job.id, float(for_job.id))
+        self.say(f"job {active.job.id} {active.job.name} (backfill): asked to checkpoint and "
+                 f"stop, job {for_job.id} {for_job.name} needs its room")  # fmt: skip
+
+    def _stop_backfill_at_deadline(self) -> None:
+        if self.until is None or time.time() < self.until:
+            return
+        for active in self._active.values():
+            if active.job.backfill and active.preempted_for is None:
+                active.preempted_for = 0
+                with contextlib.suppress(ProcessLookupError):
+                    active.proc.send_signal(signal.SIGTERM)
+                self.say(f"job {active.job.id} {active.job.name} (backfill): the deadline has "
+                         "come; asked to checkpoint and stop")  # fmt: skip
 
     def _keep_waiting(self) -> bool:
         """With nothing running: is there any reason to stay?"""
@@ -200,7 +396,14 @@ class Runner:
             return False
         return self.wait
 
-    def _spawn(self, job: Job, units: list[int], remaining: float | None) -> None:
+    def _spawn(
+        self,
+        job: Job,
+        units: list[int],
+        remaining: float | None,
+        cap: int | None = None,
+        reserved: int = 0,
+    ) -> None:
         log_dir = self.db.path.resolve().parent / "nanolab_queue_logs"
         log_dir.mkdir(exist_ok=True)
         log_path = log_dir / f"{job.id:04d}-{job.name}.log"
@@ -209,13 +412,27 @@ class Runner:
             f"--run.name={job.name}", "--run.resume=auto",
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", NANOLAB_QUEUE_JOB=str(job.id))
+        if self.compile_cache:
+            cache = self.db.path.resolve().parent / CACHE_DIR_NAME
+            for name, sub in CACHE_ENV.items():
+                env.setdefault(name, str(cache / sub))
         if self.gpus:
             ids = ",".join(str(self.units[u]) for u in units)
             env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ids
         elif "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.slots))
+            sharing = self.slots
+            if self.pack:
+                sharing = 1 + sum(1 for a in self._active.values() if a.units == units)
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // sharing))
+        if cap is not None:
+            # Packed: cap the allocator before anything is allocated (nanolab.queue.launch).
+            cmd[1:3] = ["-m", "nanolab.queue.launch"]
+            env[CAP_ENV] = f"{cap / self._capacity[units[0]]:.6f}"
+            env["NANOLAB_QUEUE_PACKED"] = self.label(units[0])
         log = open(log_path, "ab")  # noqa: SIM115 - closed when the job exits
-        where = f"GPU {job.gpus}" if job.gpus else f"slot {units[0]}"
+        where = f"GPU {job.gpus}" if job.gpus else ("cpu" if self.pack else f"slot {units[0]}")
+        if cap is not None:
+            where += ", shared" + (f" (allocator cap {gib(cap)})" if self.gpus else "")
         header = f"\n=== attempt {job.attempts} at {time.ctime()} on {where}: {' '.join(cmd)}\n"
         log.write(header.encode())
         log.flush()
@@ -247,7 +464,7 @@ class Runner:
         pidfd = None
         with contextlib.suppress(AttributeError, OSError):
             pidfd = os.pidfd_open(proc.pid)
-        self._active[job.id] = Active(job, proc, units, started, log, pidfd)
+        self._active[job.id] = Active(job, proc, units, started, log, pidfd, cap, reserved)
         what = "resuming" if job.attempts > 1 else "starting"
         self.say(f"job {job.id} {job.name}: {what} on {where} (attempt {job.attempts}, "
                  f"~{describe(remaining)}; log {log_path})")  # fmt: skip
@@ -267,7 +484,17 @@ class Runner:
             active.log.close()
             status, detail = outcome(active.job, code, active.started, stopping=bool(self._signals))
             ran = time.time() - active.started
-            if self.db.finish(job_id, self.runner_id, status, detail, code, ran):
+            columns: dict[str, Any] = {}
+            if status == "failed" and active.cap is not None and is_out_of_memory(detail):
+                # Its prediction was too low for the room it had: run it alone next time.
+                status, columns["alone"] = "pending", 1
+                detail = (f"out of memory sharing {self.label(active.units[0])} (cap "
+                          f"{gib(active.cap)}); will run alone, resuming from its checkpoint")  # fmt: skip
+            elif status == "preempted" and active.preempted_for:
+                detail = f"backfill: made room for job {active.preempted_for}; {detail}"
+            elif status == "preempted" and active.preempted_for == 0:
+                detail = f"backfill: stopped at the deadline; {detail}"
+            if self.db.finish(job_id, self.runner_id, status, detail, code, ran, **columns):
                 self._counts[status] = self._counts.get(status, 0) + 1
                 self.db.event("exit", self.runner_id, job_id, float(code), status)
                 tail = f": {detail}" if detail else ""
@@ -331,6 +558,8 @@ class Runner:
 
     def _summary(self) -> None:
         counts = ", ".join(f"{n} {s}" for s, n in sorted(self._counts.items())) or "no jobs run"
+        if self.preemptions:
+            counts += f"; {len(self.preemptions)} backfill preemption(s)"
         left = len(self.db.jobs(CLAIMABLE))
         text = f"runner {self.runner_id} done: {counts}; {left} job(s) waiting"
         if self.gaps:
@@ -415,6 +644,30 @@ def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[
     if error:
         return "failed", _last_line(str(error))
     return "failed", error_from_log(job.log) or f"exit code {code}"
+
+
+def is_out_of_memory(detail: str | None) -> bool:
+    """Whether a failed attempt's error line is an allocator's out-of-memory error (PyTorch's
+    ``OutOfMemoryError``: "CUDA out of memory", "HIP out of memory")."""
+    text = (detail or "").lower()
+    return "outofmemoryerror" in text or " out of memory" in text
+
+
+def gpu_total_memory(device_id: str, timeout: float = 120.0) -> int:
+    """Bytes of GPU ``device_id`` as the driver reports them, asked in a child process so the
+    runner itself never creates a CUDA context (which would take memory from the jobs)."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=device_id, HIP_VISIBLE_DEVICES=device_id)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if res.returncode != 0 or not res.stdout.strip().isdigit():
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise QueueError(
+            f"--pack: GPU {device_id}'s memory could not be read ({last[:200]}); pass "
+            "--device-mem SIZE (e.g. 141GiB)"
+        )
+    return int(res.stdout.strip())
 
 
 def error_from_log(path: str | None, tail_bytes: int = 16384) -> str | None:

@@ -1,0 +1,198 @@
+"""``queue run --pack``: the scheduling decisions against simulated device sizes and job peaks
+(pure planner, no processes), the schema upgrade that added the packing columns, and real
+co-running ``nanolab fit`` processes on the CPU (two share it, the third waits for room; ``queue
+ls`` shows who shares; a packed job that runs out of memory runs again alone and finishes).
+
+Each test names, in its docstring, the mutation of nanolab it was seen to catch.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides, write_config
+
+from nanolab.queue.cli import main
+from nanolab.queue.db import SCHEMA_VERSION, QueueDB
+from nanolab.queue.packing import GiB, Candidate, Device, Resident, Rules, plan_pack
+from nanolab.runlog import read_records
+
+TESTS = Path(__file__).resolve().parent
+H200 = int(139.8 * GiB)  # what an H200 reports
+RULES = Rules(margin=0.10, overhead=600 * 1024**2)  # CUDA context, as the estimator has it
+
+
+_ids = iter(range(1000, 100_000))  # ids the tests do not pick themselves
+
+
+def job(peak_gib: float | None, *, backfill=False, alone=False, devices=1, jid=None):
+    """A waiting job as the planner sees it (a queue row plus its predicted peak)."""
+    from nanolab.queue.db import Job
+
+    i = jid if jid is not None else next(_ids)
+    row = Job(
+        id=i, name=f"j{i}", config="c.yaml", args=[], seed=None, cwd="/", run_dir=f"/r/{i}",
+        config_key=None, devices=devices, max_steps=10, estimate_s=None, estimate_source=None,
+        status="pending", detail=None, attempts=0, exit_code=None, created=0.0, started=None,
+        last_started=None, ended=None, run_seconds=0.0, runner_id=None, job_pid=None, gpus=None,
+        log=None, backfill=int(backfill), alone=int(alone),
+    )  # fmt: skip
+    peak = None if peak_gib is None else int(peak_gib * GiB)
+    return Candidate(row, None, peak)
+
+
+def started(plan) -> list[tuple[str, list[int]]]:
+    return [(s.job.name, s.units) for s in plan.start]
+
+
+def gpus(*sizes_gib: float) -> list[Device]:
+    return [Device(i, f"GPU {i}", int(s * GiB)) for i, s in enumerate(sizes_gib)]
+
+
+def test_three_124m_jobs_share_an_h200_with_the_sum_shown() -> None:
+    """Three 17 GiB jobs on a 139.8 GiB device all start on it, each capped at peak + 10%; the
+    sum of reservations (peak + margin + 600 MiB overhead each) is what fills the device: seven
+    fit, the eighth waits.
+
+    Mutations caught: the cap without the margin; the overhead left out of the reservation;
+    reservations not accumulated over the jobs of one round (all eight start).
+    """
+    jobs = [job(17.0, jid=100 + i) for i in range(8)]
+    plan = plan_pack(jobs, [Device(0, "GPU 0", H200)], RULES, None, 0.0)
+    assert [s.units for s in plan.start] == [[0]] * 7
+    first = plan.start[0]
+    assert abs(first.cap - 17.0 * GiB * 1.1) < 2
+    assert first.reserved == first.cap + 600 * 1024**2
+    assert 7 * first.reserved <= H200 < 8 * first.reserved
+    assert plan.drained == [(0, 107)]  # the eighth is next in line: the device is kept for it
+
+
+def test_first_fit_by_size_and_a_big_job_is_not_starved() -> None:
+    """One 40 GiB device; A (20 GiB) starts, B (25 GiB) no longer fits beside it, and C (10 GiB),
+    which would, is held back: B is next in line and gets the room first. Once A has gone, B and
+    C start together. With a second device, B goes there at once (first fit) and C beside A.
+
+    Mutations caught: plain first fit without the head rule (C starts beside A, and a stream of
+    small jobs would keep B waiting forever); the drained device offered to later jobs.
+    """
+    a, b, c = job(20, jid=1), job(25, jid=2), job(10, jid=3)
+    plan = plan_pack([a, b, c], gpus(40), RULES, None, 0.0)
+    assert started(plan) == [("j1", [0])] and plan.drained == [(0, 2)]
+    # A runs; B and C wait; a stream of small jobs behind B does not get in either
+    running = gpus(40)
+    running[0].residents.append(Resident(1, plan.start[0].reserved))
+    plan = plan_pack([b, c, job(1), job(1)], running, RULES, None, 0.0)
+    assert plan.start == [] and plan.drained == [(0, 2)]
+    # A finished: B, then C beside it (25 x 1.1 + 10 x 1.1 + 2 x 0.59 = 39.7 <= 40)
+    plan = plan_pack([b, c], gpus(40), RULES, None, 0.0)
+    assert started(plan) == [("j2", [0]), ("j3", [0])]
+    # two devices: first fit puts B on the second one and C back on the first
+    plan = plan_pack([a, b, c], gpus(40, 40), RULES, None, 0.0)
+    assert started(plan) == [("j1", [0]), ("j2", [1]), ("j3", [0])]
+
+
+def test_jobs_that_cannot_share_run_alone_and_wait_for_an_empty_device() -> None:
+    """No prediction (micro-batch auto), a reservation larger than the device, two devices, or
+    an out-of-memory error while packed: the job runs alone (no cap). At the head of the line
+    it has a device set aside until that device is empty; meanwhile small jobs fill the other.
+
+    Mutations caught: an unpredicted job packed with a cap of 0; a job marked alone after an
+    OOM packed again; a 2-device job given one device.
+    """
+    big = job(None, jid=10)
+    plan = plan_pack([big], gpus(80), RULES, None, 0.0)
+    assert [(s.job.id, s.cap) for s in plan.start] == [(10, None)]
+    assert "no memory prediction" in plan.alone[10]
+    huge = job(79, jid=11)  # 79 x 1.1 > 80
+    assert plan_pack([huge], gpus(80), RULES, None, 0.0).start[0].cap is None
+    oomed = job(5, alone=True, jid=12)
+    plan = plan_pack([oomed], gpus(80), RULES, None, 0.0)
+    assert plan.start[0].cap is None and "out of memory" in plan.alone[12]
+    # GPU 0 busy with a packed job, GPU 1 empty: the alone job takes GPU 1 at once
+    busy = gpus(80, 80)
+    busy[0].residents.append(Resident(1, 20 * GiB))
+    plan = plan_pack([big, job(5, jid=13)], busy, RULES, None, 0.0)
+    assert started(plan) == [("j10", [1]), ("j13", [0])]
+    # both busy: GPU 1 (fewer jobs) is set aside for it; small jobs still go to GPU 0
+    busy[1].residents.append(Resident(2, 10 * GiB))
+    busy[0].residents.append(Resident(3, 10 * GiB))
+    plan = plan_pack([big, job(5, jid=14)], busy, RULES, None, 0.0)
+    assert plan.drained == [(1, 10)] and started(plan) == [("j14", [0])]
+    # a 2-device job needs two empty devices; 3 devices on a 2-device runner is impossible
+    wide = job(5, devices=2, jid=15)
+    plan = plan_pack([wide], gpus(80, 80), RULES, None, 0.0)
+    assert started(plan) == [("j15", [0, 1])] and plan.start[0].cap is None
+    wider = job(5, devices=3, jid=16)
+    assert plan_pack([wider], gpus(80, 80), RULES, None, 0.0).impossible == [(wider.job, 3)]
+
+
+def test_backfill_fills_idle_room_and_gives_it_back() -> None:
+    """A backfill job starts only where no other job wants room; when a normal job needs that
+    room, the plan stops the backfill job (once: a job already stopping is not asked again) and
+    the normal job starts only after it has gone. At the deadline nothing starts, backfill
+    included; before it, a normal job that would end too late is deferred while backfill runs.
+
+    Mutations caught: backfill started before normal jobs (it takes the room first); the normal
+    job started beside a backfill job that does not leave it room (over-subscription); a
+    second SIGTERM for a job already stopping (it would exit without a checkpoint).
+    """
+    bf = job(30, backfill=True, jid=20)
+    normal = job(30, jid=21)
+    plan = plan_pack([bf, normal], gpus(40), RULES, None, 0.0)
+    assert started(plan) == [("j21", [0])]  # normal first, and no room left for the backfill
+    plan = plan_pack([bf], gpus(40), RULES, None, 0.0)
+    assert started(plan) == [("j20", [0])]
+    running = gpus(40)
+    running[0].residents.append(Resident(20, plan.start[0].reserved, backfill=True))
+    plan = plan_pack([normal], running, RULES, None, 0.0)
+    assert plan.start == [] and plan.preempt == [(20, 21)]
+    plan = plan_pack([normal], running, RULES, None, 0.0, preempting={20})
+    assert plan.start == [] and plan.preempt == []  # asked already; waits for it to exit
+    # a small normal job fits beside the backfill job: nothing is stopped
+    plan = plan_pack([job(2, jid=22)], running, RULES, None, 0.0)
+    assert started(plan) == [("j22", [0])] and plan.preempt == []
+    # --until: the long normal job is deferred, backfill fills the night; at the deadline, none
+    long_ = Candidate(job(10, jid=23).job, 7200.0, 10 * GiB)
+    plan = plan_pack([long_, bf], gpus(40), RULES, 3600.0, 0.0)
+    assert [j.id for j, _ in plan.deferred] == [23] and started(plan) == [("j20", [0])]
+    assert plan_pack([bf], gpus(40), RULES, 3600.0, 3600.0).start == []
+
+
+def test_version_1_queue_is_upgraded_in_place(tmp_path: Path) -> None:
+    """A queue written before packing existed (schema 1: no packing columns) opens, keeps its
+    jobs and gains the columns with their defaults; a second open changes nothing.
+
+    Mutations caught: the opening check requiring the new columns (a v1 queue refused as
+    damaged); the upgrade forgetting the version (every open rewrites it)."""
+    from nanolab.queue.db import SCHEMA, V2_COLUMNS
+
+    v1 = "\n".join(
+        line for line in SCHEMA.splitlines() if line.strip().split(" ")[0] not in V2_COLUMNS
+    ).replace("log TEXT,", "log TEXT")
+    path = tmp_path / "q.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(v1)
+    conn.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    conn.execute(
+        "INSERT INTO jobs(name, config, args, cwd, run_dir, created, status) "
+        "VALUES ('old', 'c.yaml', '[]', '/', '/r/old', 0, 'done')"
+    )
+    conn.commit()
+    assert "mem_peak" not in {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
+    conn.close()
+    (old,) = QueueDB(path).jobs()
+    assert (old.name, old.status, old.backfill, old.alone, old.mem_peak) == ("old", "done", 0, 0, None)
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+        str(SCHEMA_VERSION),
+    )
+    assert set(V2_COLUMNS) <= {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
+    conn.close()
+    assert [j.name for j in QueueDB(path).jobs()] == ["old"]
