@@ -8,12 +8,14 @@ trained here. The checks are transformers' own forward passes and loaders agains
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
 import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -78,20 +80,33 @@ def gpt2_folder(tmp_path_factory) -> tuple[Path, object]:
     return folder, save_tiny_gpt2(folder)
 
 
-def _lightning_logs_to_stderr() -> None:
+@contextlib.contextmanager
+def lightning_logs_to_stderr() -> Iterator[None]:
     """Lightning's log handlers keep the stderr of the test that first imported it, which pytest
-    has closed since: point them at this one's."""
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("lightning")]:
-        for handler in logging.getLogger(name).handlers:
-            if type(handler) is logging.StreamHandler:
-                handler.stream = sys.stderr
+    may have closed since: point them at this test's for the block, then back (the next test's
+    own redirection expects to find them as they were)."""
+    handlers = [
+        handler
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("lightning")
+        for handler in logging.getLogger(name).handlers
+        if type(handler) is logging.StreamHandler
+    ]
+    saved = [h.stream for h in handlers]
+    for handler in handlers:
+        handler.stream = sys.stderr
+    try:
+        yield
+    finally:
+        for handler, stream in zip(handlers, saved, strict=True):
+            handler.stream = stream
 
 
 def fit(capsys, *args: str, config: Path = QUICKSTART) -> tuple[int, list[str]]:
     """``nanolab fit`` in this process: (exit code, stderr lines)."""
-    _lightning_logs_to_stderr()
     try:
-        code = main(["fit", "--config", str(config), *args])
+        with lightning_logs_to_stderr():
+            code = main(["fit", "--config", str(config), *args])
     except SystemExit as exit_:
         code = exit_.code
     return code, capsys.readouterr().err.splitlines()
@@ -165,8 +180,8 @@ def trained_run(tmp_path_factory, char_dataset) -> Path:
     """The quickstart recipe (chars, no biases, vocabulary padded to 128 rows), trained 4 steps."""
     tmp = tmp_path_factory.mktemp("fit")
     cfg = write_config(tmp / "t.yaml", tiny_overrides(char_dataset, tmp / "runs"))
-    _lightning_logs_to_stderr()
-    assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
+    with lightning_logs_to_stderr():
+        assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
     return tmp / "runs" / "tiny"
 
 
@@ -281,8 +296,8 @@ def test_docs_finetune_then_export_then_transformers(tmp_path, gpt2_folder, caps
     for command in commands:
         extra = CPU_SCALE + freeze if command[1] == "fit" else []
         extra = CPU_SCALE if command[1] == "validate" else extra
-        _lightning_logs_to_stderr()
-        code = main(command[1:] + extra)
+        with lightning_logs_to_stderr():
+            code = main(command[1:] + extra)
         err = capsys.readouterr().err
         assert code in (0, None), (command, err[-2000:])
 
