@@ -21,7 +21,7 @@ from conftest import tiny_overrides, write_config
 
 from nanolab.queue.cli import main
 from nanolab.queue.db import SCHEMA_VERSION, QueueDB
-from nanolab.queue.packing import GiB, Candidate, Device, Resident, Rules, plan_pack
+from nanolab.queue.packing import Candidate, Device, GiB, Resident, Rules, plan_pack
 from nanolab.runlog import read_records
 
 TESTS = Path(__file__).resolve().parent
@@ -188,7 +188,13 @@ def test_version_1_queue_is_upgraded_in_place(tmp_path: Path) -> None:
     assert "mem_peak" not in {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
     conn.close()
     (old,) = QueueDB(path).jobs()
-    assert (old.name, old.status, old.backfill, old.alone, old.mem_peak) == ("old", "done", 0, 0, None)
+    assert (old.name, old.status, old.backfill, old.alone, old.mem_peak) == (
+        "old",
+        "done",
+        0,
+        0,
+        None,
+    )
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
         str(SCHEMA_VERSION),
@@ -196,3 +202,131 @@ def test_version_1_queue_is_upgraded_in_place(tmp_path: Path) -> None:
     assert set(V2_COLUMNS) <= {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
     conn.close()
     assert [j.name for j in QueueDB(path).jobs()] == ["old"]
+
+
+# -- real processes on the CPU ----------------------------------------------------------------
+PROBE_ENV = ["NANOLAB_QUEUE_PACKED", "NANOLAB_QUEUE_MEMORY_FRACTION", "TORCHINDUCTOR_CACHE_DIR"]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    import os
+
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    for name in PROBE_ENV:
+        env.pop(name, None)  # what a job sees must come from the runner
+    return env
+
+
+def _span(run_dir: Path) -> tuple[float, float]:
+    records = read_records(run_dir / "metrics.jsonl")
+    return records[0]["time"], read_records(run_dir / "metrics.jsonl", "end")[-1]["time"]
+
+
+@pytest.mark.timeout(600)
+def test_packed_cpu_jobs_share_and_an_out_of_memory_job_runs_again_alone(
+    tmp_path: Path, char_dataset: Path, monkeypatch, capsys
+) -> None:
+    """``queue run --pack --device-mem`` with room for two: jobs A and B run at the same time
+    (overlapping spans in their run logs), ``queue ls`` shows them sharing the CPU while they
+    do, and C, which does not fit, waits. A raises PyTorch's out-of-memory error in its packed
+    attempt (a probe: a CPU has no allocator cap to hit): the runner puts it back marked
+    ``alone``; it is next in line, so C still waits; A starts again alone once B is done,
+    resumes from its checkpoint, and finishes; then C runs. Each packed attempt got the cap
+    variable and the shared compile cache through the launcher.
+
+    Mutations caught: reservations not summed (C starts with A and B); the OOM marked failed
+    (A never finishes); the re-queued job packed again (it OOMs forever); the head rule off (C
+    starts beside B while A waits to run alone); ls without the sharing column.
+    """
+    monkeypatch.chdir(tmp_path)
+    probe = {"class_path": "cli_probes.EnvProbe", "init_args": {"names": PROBE_ENV}}
+    oom = {"class_path": "queue_probes.OutOfMemoryWhenPacked", "init_args": {"step": 4}}
+    configs = {}
+    for name, callbacks in (("a", [probe, oom]), ("b", [probe]), ("c", [probe])):
+        cfg = tiny_overrides(
+            char_dataset, tmp_path / "runs", trainer__max_steps=12, trainer__accelerator="cpu"
+        )
+        del cfg["run"]["name"]
+        cfg["checkpoint"] = {"every_n_steps": 2}
+        cfg["trainer"]["callbacks"] = callbacks
+        configs[name] = write_config(tmp_path / f"{name}.yaml", cfg)
+    db = tmp_path / "q.db"
+    for name, path in configs.items():
+        assert main(["add", str(path), "--db", str(db), "--name", name]) == 0
+    peak = QueueDB(db).jobs()[0].mem_peak
+    assert peak and 0 < peak < 64 * 1024**2  # the estimator's figure for a tiny model
+    # room for two processes (512 MiB overhead each + peak + 10%), not three
+    device = 2 * (512 * 1024**2 + int(peak * 1.1) + 1) + 64 * 1024**2
+    out = tmp_path / "runner.out"
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "nanolab", "queue", "run", "--db", str(db), "--pack",
+         "--device-mem", str(device)],
+        cwd=tmp_path, env=_env(tmp_path), stdout=out.open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    shared = None
+    deadline = time.monotonic() + 300
+    while runner.poll() is None and time.monotonic() < deadline:
+        capsys.readouterr()
+        assert main(["ls", "--db", str(db), "--json"]) == 0
+        rows = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+        if shared is None and rows["a"]["status"] == rows["b"]["status"] == "running":
+            shared = rows
+            assert main(["ls", "--db", str(db)]) == 0
+            table = capsys.readouterr().out
+        time.sleep(0.2)
+    assert runner.wait(timeout=300) == 0, out.read_text()[-3000:]
+    text = out.read_text()
+    assert shared is not None, text
+    assert shared["a"]["shares_with"] == [shared["b"]["id"]]
+    assert shared["a"]["packed_on"] == "cpu" and shared["c"]["status"] == "pending"
+    assert f"cpu with {shared['b']['id']}" in table and f"cpu with {shared['a']['id']}" in table
+
+    jobs = {j.name: j for j in QueueDB(db).jobs()}
+    assert {n: (j.status, j.attempts) for n, j in jobs.items()} == {
+        "a": ("done", 2), "b": ("done", 1), "c": ("done", 1)
+    }, text  # fmt: skip
+    assert jobs["a"].alone == 1 and "out of memory sharing cpu" in text
+    assert "runs alone (ran out of memory while sharing a device)" in text
+    runs = tmp_path / "runs"
+    (a0, a1), (b0, b1), (c0, _) = (_span(runs / n) for n in "abc")
+    assert a0 < b1 and b0 < a1  # A's first attempt and B overlapped
+    assert c0 > b1  # C never started beside B: the re-queued A was next in line
+    a_end = read_records(runs / "a" / "metrics.jsonl", "end")
+    assert [e["reason"] for e in a_end][-1] == "completed"
+    resumed = read_records(runs / "a" / "metrics.jsonl", "start")[-1]
+    a_train = read_records(runs / "a" / "metrics.jsonl", "train")
+    steps = [r["step"] for r in a_train if r["time"] >= resumed["time"]]
+    assert steps[0] == 5 and steps[-1] == 12, steps  # resumed after the step-4 checkpoint
+    assert c0 > read_records(runs / "a" / "metrics.jsonl", "end")[-1]["time"] - 1.0
+    attempts = [json.loads(p.read_text()) for p in sorted((runs / "a").glob("env-*.json"))]
+    packed = [s for s in attempts if s["NANOLAB_QUEUE_PACKED"] == "cpu"]
+    alone = [s for s in attempts if s["NANOLAB_QUEUE_PACKED"] is None]
+    assert len(packed) == 1 and len(alone) == 1, attempts
+    assert float(packed[0]["NANOLAB_QUEUE_MEMORY_FRACTION"]) > 0
+    assert alone[0]["NANOLAB_QUEUE_MEMORY_FRACTION"] is None
+    assert packed[0]["TORCHINDUCTOR_CACHE_DIR"] == str(
+        tmp_path / "nanolab_queue_cache" / "inductor"
+    )
+    assert "no GPU visible: no allocator cap" in Path(jobs["b"].log).read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+def test_the_allocator_cap_is_real_on_a_gpu(tmp_path: Path) -> None:
+    """On a GPU, the launcher's cap makes an allocation beyond it fail in that process with
+    PyTorch's out-of-memory error, while one within it succeeds."""
+    code = (
+        "import torch\n"
+        "from nanolab.queue.launch import apply_memory_cap\n"
+        "print(apply_memory_cap(0.05))\n"
+        "total = torch.cuda.get_device_properties(0).total_memory\n"
+        "x = torch.empty(int(total * 0.02), dtype=torch.uint8, device='cuda')\n"
+        "try:\n"
+        "    y = torch.empty(int(total * 0.10), dtype=torch.uint8, device='cuda')\n"
+        "    print('NO-OOM')\n"
+        "except torch.OutOfMemoryError as err:\n"
+        "    print('OOM', str(err).splitlines()[0][:80])\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "allocator capped at 0.0500" in res.stdout and "\nOOM " in res.stdout, res.stdout
