@@ -6,9 +6,12 @@ checkpointing and logging pauses; data waits count, they are part of real throug
 * ``tokens_per_s``/``samples_per_s``: over all ranks, every micro-batch of every accumulation;
 * ``step_time_s``: active seconds per optimizer step;
 * ``mfu = flops_per_token * tokens_per_s / (peak_flops * world_size)`` with
-  ``flops_per_token`` from the model (6N + attention, PaLM convention) and the dense peak from
-  :mod:`nanolab.callbacks.peak_flops` or ``throughput.peak_flops``; ``null`` (and one warning
-  naming the device and the override) when the peak is unknown, never a guess;
+  ``flops_per_token`` from the model (6N + attention, PaLM convention, embedding lookups free)
+  and the dense peak of the matmul dtype the run really uses (bf16/fp16, or TF32/FP32 for
+  ``32-true`` as ``run.float32_matmul_precision`` set it) from the one GPU table
+  (``nanolab/estimator/gpus.json``, via :mod:`nanolab.callbacks.peak_flops`) or
+  ``throughput.peak_flops``; ``null`` (and one warning naming the device and the override) when
+  the peak is unknown, never a guess;
 * ``mem_allocated_bytes``/``mem_reserved_bytes``: this device's peak since start (CUDA/ROCm;
   ``null`` on CPU); the ``end`` record lists every rank's;
 * ``gpu_util``: percent of the last sample period with a kernel running (NVML via ``pynvml``,
