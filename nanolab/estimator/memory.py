@@ -1,12 +1,12 @@
 """Peak memory per device: model states + activations + transients, then overheads.
 
-The peak allocated figure is what ``torch.cuda.max_memory_allocated`` would report; it is the
-larger of two moments of a training step:
-
-* forward/backward turn-around: resident model states, the gradients if they already exist
-  (gradient accumulation > 1 keeps them across micro-batches), everything autograd saved, and
-  the larger of the loss's logits transients and (with checkpointing) one block's recompute;
-* optimizer step: resident states, all gradients and the optimizer's temporaries.
+The peak allocated figure is what ``torch.cuda.max_memory_allocated`` would report: resident
+model states plus the largest of the moments of one ``nanolab fit`` step (:func:`moments`: the
+loss, the lm_head's backward, the MLP backward of the last and first blocks, a tied embedding's
+gradient sum, the optimizer step). The step is Lightning's, with the gradients freed right after
+each optimizer step (``GPTLightningModule.optimizer_step``), so they exist during a forward only
+from the second micro-batch of an accumulation window on. Validated against a real Trainer step
+on CPU (tests/test_estimator_lightning.py, docs/estimator.md).
 
 On top of the peak come two lines that ``max_memory_allocated`` does not see but the device
 does: the framework's own memory (CUDA/ROCm context, kernels, communication buffers) and a
