@@ -7,12 +7,16 @@ Public API (no torch import, so it is cheap to call before a run starts)::
     est = estimate_from_config("configs/gpt2-124m.yaml", gpu="rtx4070")
     est.fits, est.memory.total, est.recommended_micro_batch, est.compute.step_seconds
 
-Modules, one job each: ``gpus`` (device table, memory strings), ``setup`` (YAML -> facts),
-``shapes`` (parameter tensors, FLOPs), ``numerics`` (dtypes per precision/strategy/backend),
-``activations`` (what autograd saves), ``states`` (parameters, gradients, optimizer, sharding),
-``memory`` (peak and overheads), ``compute`` (time and cost), ``recommend`` (micro-batch and
-switches), ``estimate`` (the front door), ``cli`` (``nanolab estimate``), ``measure`` (ground
-truth from real tensors, for tests and the benchmark; imports torch).
+Modules, one job each: ``gpus`` (the device table ``gpus.json``: memory, peaks, family MFU, each
+with its source; memory strings), ``setup`` (YAML -> facts), ``shapes`` (parameter tensors,
+FLOPs), ``numerics`` (dtypes per precision/strategy/backend), ``activations`` (what autograd
+saves), ``states`` (parameters, gradients, optimizer, sharding), ``memory`` (the moments of the
+step, peak and overheads), ``compute`` (time and cost at the run's matmul rate), ``history``
+(measured tokens/s of finished queue runs), ``cpu`` (this machine as a device), ``recommend``
+(micro-batch and switches), ``trace`` (the model the run builds, traced on fake tensors; imports
+torch), ``estimate`` (the front door), ``cli`` (``nanolab estimate``), ``measure`` and
+``measure_trainer`` (ground truth from real tensors and a real Trainer, for tests and the
+benchmark).
 """
 
 from __future__ import annotations
