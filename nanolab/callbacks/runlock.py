@@ -90,6 +90,12 @@ def global_rank_from_env() -> int:
             if key == "SLURM_PROCID" and int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1:
                 continue  # a single-task job (also each sbatch step): every launch is rank 0
             return int(value)
+    # Lightning's launcher on the other nodes of a multi-node run (started by hand or by a
+    # scheduler with NODE_RANK set), or a rank a launcher started with only its local rank.
+    for key in ("NODE_RANK", "GROUP_RANK", "LOCAL_RANK"):
+        value = os.environ.get(key, "")
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
     return 0
 
 
