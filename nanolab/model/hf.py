@@ -27,10 +27,12 @@ from nanolab.model.config import ConfigError, GPTConfig
 if TYPE_CHECKING:  # torch is imported where tensors are handled: `nanolab estimate` reads
     import torch  # an init_from folder's config.json without paying for it
 
-#: GELU variants that are the tanh approximation nanolab's MLP computes.
+#: GELU variants that are the tanh approximation nanolab's MLP computes (activation gelu_tanh).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 #: The activation an export writes: the very kernel nanolab uses (``F.gelu(approximate="tanh")``).
 EXPORT_ACTIVATION = "gelu_pytorch_tanh"
+#: transformers' name of the exact GELU (``model.gpt.activation: gelu``).
+EXACT_GELU = "gelu"
 #: ``config.json`` entry where ``nanolab export`` records what GPT-2's config cannot say.
 RECORD_KEY = "nanolab"
 #: Architecture keys that come from the checkpoint; a user value that disagrees is an error.
@@ -44,6 +46,7 @@ ARCHITECTURE_KEYS = (
     "position_embedding",
     "tie_weights",
     "mlp_ratio",
+    "activation",
 )
 
 #: (nanolab name, GPT-2 name, stored transposed by Conv1D) for the tensors of block ``i``.
@@ -132,8 +135,8 @@ def architecture_from_hf(config: dict[str, Any], folder: Path) -> dict[str, Any]
     n_embd = _int_key(config, "n_embd", folder)
     refusals = []
     activation = config.get("activation_function", "gelu_new")
-    if activation not in TANH_GELUS:
-        refusals.append(f"activation_function {activation!r} (nanolab: tanh GELU)")
+    if activation not in (*TANH_GELUS, EXACT_GELU):
+        refusals.append(f"activation_function {activation!r} (nanolab: tanh or exact GELU)")
     eps = config.get("layer_norm_epsilon", 1e-5)
     if not isinstance(eps, (int, float)) or abs(float(eps) - 1e-5) > 1e-12:
         refusals.append(f"layer_norm_epsilon {eps!r} (nanolab: 1e-05)")
@@ -163,6 +166,7 @@ def architecture_from_hf(config: dict[str, Any], folder: Path) -> dict[str, Any]
         "position_embedding": "learned",
         "tie_weights": bool(config.get("tie_word_embeddings", True)),
         "mlp_ratio": 4 if n_inner is None else n_inner // n_embd,
+        "activation": "gelu" if activation == EXACT_GELU else "gelu_tanh",
     }
     record = config.get(RECORD_KEY)
     if isinstance(record, dict):
@@ -417,7 +421,9 @@ def hf_config_from_nanolab(
         "n_layer": config.n_layer,
         "n_head": config.n_head,
         "n_inner": None if config.mlp_ratio == 4 else hidden,
-        "activation_function": EXPORT_ACTIVATION,
+        "activation_function": EXPORT_ACTIVATION
+        if config.activation == "gelu_tanh"
+        else EXACT_GELU,
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
         "attn_pdrop": config.dropout,

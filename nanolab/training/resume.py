@@ -206,6 +206,9 @@ def check_same_model(
     saved = (cand.nanolab or {}).get("gpt")
     if not saved or not gpt_config:
         return
+    from nanolab.model.config import with_defaults
+
+    saved = with_defaults(saved)  # a field the checkpoint predates: what it meant then
     diffs = [
         f"{k} {saved[k]!r} in the checkpoint vs {gpt_config[k]!r} now"
         for k in sorted(set(saved) & set(gpt_config))
