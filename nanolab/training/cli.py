@@ -501,25 +501,60 @@ class NanolabCLI(LightningCLI):
         return cand
 
     def _before_evaluation(self, verb: str) -> None:
+        """Pick the checkpoint (docs/evaluate.md): the run's newest by default, never an
+        untrained model unless ``--ckpt_path none``; hold the run directory when the result
+        will be appended to its run log."""
+        from nanolab.training.evaluate import EvaluateError, resolve
+
         kwargs = self.config_init[verb]
         kwargs["weights_only"] = True  # a checkpoint is data, not code
-        given = kwargs.get("ckpt_path")
-        if given is None:
-            return
-        if str(given) == "last":
-            given = str(self.run_dir / "checkpoints" / "last.ckpt")
-        elif str(given) in ("best", "hpc", "registry") or str(given).startswith("registry:"):
-            raise RunConfigError(
-                f"--ckpt_path {given}: give a checkpoint file (or last: this run's newest)"
+        try:
+            target = resolve(
+                kwargs.get("ckpt_path"),
+                self.run_dir,
+                verb,
+                has_init_from=bool(self.config[verb].model.get("init_from")),
             )
-        cand = self._checkpoint(str(given), "--ckpt_path", training=False)
+        except EvaluateError as err:
+            raise RunConfigError(str(err)) from None
+        self.eval_target = target
+        if target.path is None:
+            kwargs["ckpt_path"] = None
+            return
+        cand = self._checkpoint(str(target.path), "--ckpt_path", training=False)
         kwargs["ckpt_path"] = str(cand.path)
+        if target.log_to_run:
+            from nanolab.callbacks.runlock import RunLockedError, acquire
+
+            try:
+                acquire(self.run_dir)  # no fit may append or rotate while the record is written
+            except (RunLockedError, OSError) as err:
+                target.log_to_run = False
+                rank_zero_warn(f"not logging this {verb} to {self.run_dir}: {err}")
+
+    def _after_evaluation(self, verb: str, stage: str) -> None:
+        """Append the result to the run log when the run's own checkpoint was evaluated."""
+        target = getattr(self, "eval_target", None)
+        if target is None or not target.log_to_run or not self.trainer.is_global_zero:
+            return
+        from nanolab.callbacks.jsonl import to_floats
+        from nanolab.training.evaluate import append_record, eval_record
+
+        metrics = to_floats(dict(self.trainer.callback_metrics))
+        path = append_record(self.run_dir, eval_record(verb, stage, metrics, target))
+        rank_zero_info(f"{stage} record (step {target.step}) appended to {path}")
 
     def before_validate(self) -> None:
         self._before_evaluation("validate")
 
+    def after_validate(self) -> None:
+        self._after_evaluation("validate", "val")
+
     def before_test(self) -> None:
         self._before_evaluation("test")
+
+    def after_test(self) -> None:
+        self._after_evaluation("test", "test")
 
 
 def trainer_defaults() -> dict[str, Any]:

@@ -1,0 +1,137 @@
+"""``nanolab validate`` / ``nanolab test``: which checkpoint they evaluate, and the record they log.
+
+A Lightning user types ``nanolab test --config runs/x/config.yaml`` and expects the *trained*
+model's loss. Lightning itself evaluates whatever weights the model was built with when no
+checkpoint is found, which silently reports an untrained model's loss. So here:
+
+* ``--ckpt_path`` unset or ``last`` = the run directory's newest complete checkpoint (the same
+  choice ``run.resume auto`` makes), ``best`` = the checkpoint whose step had the lowest
+  validation loss in the run log, ``PATH`` = that file, ``none`` = no checkpoint, on purpose.
+* No checkpoint found and none asked for is an error: evaluating an untrained model must be
+  asked for with ``--ckpt_path none``. (A ``model.init_from`` model is not untrained: it is
+  evaluated as loaded, which is how docs/hf.md measures GPT-2 before fine-tuning.)
+* The result of evaluating the run's own checkpoint by name (unset, ``last``, ``best``) is
+  appended to the run's ``metrics.jsonl`` as a ``val`` or ``test`` record at the checkpoint's
+  step, under the run-directory lock so it never interleaves with a live ``fit``. A checkpoint
+  given by path, or no checkpoint, is printed only: its step is not on the run's timeline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, iter_records
+
+#: ``--ckpt_path`` values that pick a checkpoint of the run directory by name.
+BY_NAME = ("last", "best")
+#: ``--ckpt_path`` values that mean "no checkpoint: evaluate the model as built".
+NO_CHECKPOINT = ("none", "None")
+
+
+class EvaluateError(ValueError):
+    """No checkpoint can be evaluated as asked; the message says what to pass instead."""
+
+
+@dataclass
+class EvalTarget:
+    """What an evaluation runs on: a checkpoint file (or none) and whether its result is logged."""
+
+    path: Path | None
+    step: int | None = None
+    log_to_run: bool = False  # the run's own checkpoint picked by name: append a record
+
+
+def resolve(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> EvalTarget:
+    """Turn ``--ckpt_path`` (or its absence) into the checkpoint to evaluate."""
+    from nanolab.training.resume import find_resume_checkpoint
+
+    text = None if given is None else str(given)
+    if text in NO_CHECKPOINT:
+        return EvalTarget(None)
+    if text is not None and text not in BY_NAME:
+        if text in ("hpc", "registry") or text.startswith("registry:"):
+            raise EvaluateError(
+                f"--ckpt_path {text}: give last, best, a checkpoint file, or none (the model "
+                "as built, untrained)"
+            )
+        return EvalTarget(Path(text))
+    if text == "best":
+        return _best(run_dir, verb)
+    choice = find_resume_checkpoint(run_dir)
+    warning = choice.warning()
+    if warning:
+        import sys
+
+        print(warning.replace("resuming from", "evaluating"), file=sys.stderr)
+    if choice.chosen is None:
+        if text is None and has_init_from:
+            return EvalTarget(None)  # the pretrained weights model.init_from loaded
+        raise EvaluateError(
+            f"run directory {run_dir} holds no checkpoint to {verb}: train it first (nanolab "
+            "fit with the same config), name the run with --run.name, give a checkpoint file "
+            "with --ckpt_path PATH, or pass --ckpt_path none to evaluate the untrained model"
+        )
+    return EvalTarget(choice.chosen.path, choice.chosen.step, log_to_run=True)
+
+
+def _best(run_dir: Path, verb: str) -> EvalTarget:
+    """The checkpoint, among those still on disk, whose step had the lowest logged val loss."""
+    from nanolab.training.resume import checkpoint_files, inspect_checkpoint
+
+    val_by_step: dict[int, float] = {}
+    for r in iter_records(run_dir / RUN_LOG_NAME, "val"):
+        loss, step = r.get("val_loss"), r.get("step")
+        if r.get("evaluated_by") is None and isinstance(step, int) and _finite(loss):
+            val_by_step[step] = float(loss)  # the latest copy of a step wins (resumes redo steps)
+    found = []
+    for path in checkpoint_files(run_dir):
+        cand = inspect_checkpoint(path, training=False)
+        if cand.ok and cand.step in val_by_step:
+            # Ties (last.ckpt copied rather than linked): the file named with its step.
+            found.append((val_by_step[cand.step], cand.step, cand.path.name == "last.ckpt", cand))
+    if not found:
+        raise EvaluateError(
+            f"--ckpt_path best: run directory {run_dir} has no checkpoint saved at a step with "
+            f"a validation loss in {RUN_LOG_NAME}; use --ckpt_path last, or save checkpoints at "
+            "validation steps (checkpoint.save_on_best true)"
+        )
+    best = min(found, key=lambda f: f[:3])[3]
+    return EvalTarget(best.path, best.step, log_to_run=True)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def eval_record(
+    verb: str, stage: str, metrics: dict[str, float | None], target: EvalTarget
+) -> dict[str, Any]:
+    """The run-log record of one evaluation: the fit's ``val`` fields, named for ``stage``."""
+    loss = metrics.get(f"{stage}/loss")
+    record: dict[str, Any] = {
+        "event": stage,
+        "time": time.time(),
+        "step": target.step,
+        "evaluated_by": f"nanolab {verb}",
+        "checkpoint": str(target.path) if target.path is not None else None,
+        f"{stage}_loss": loss,
+        f"{stage}_ppl": math.exp(loss) if _finite(loss) and loss < 700 else None,  # type: ignore[operator]
+        f"{stage}_bpb": metrics.get(f"{stage}/bpb"),
+    }
+    for key, value in metrics.items():
+        record.setdefault(key, value)
+    return record
+
+
+def append_record(run_dir: Path, record: dict[str, Any]) -> Path:
+    """Append one record to the run log (the caller holds the run-directory lock)."""
+    writer = RunLogWriter(run_dir / RUN_LOG_NAME)
+    try:
+        writer.write(record)
+    finally:
+        writer.close()
+    return writer.path

@@ -1,0 +1,130 @@
+"""``nanolab validate`` / ``nanolab test`` evaluate what the run trained (docs/evaluate.md).
+
+One tiny run is trained once; each test copies it, evaluates it through the real CLI and checks
+the number printed against the one the fit logged for the same checkpoint, the record appended to
+metrics.jsonl, and that nothing else in the run directory changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_nanolab, tiny_overrides, write_config
+
+from nanolab.runlog import read_records
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, char_dataset) -> Path:
+    """A finished 6-step run (validation at steps 3 and 6; a checkpoint at each)."""
+    root = tmp_path_factory.mktemp("trained")
+    overrides = tiny_overrides(char_dataset, Path("runs"))  # relative: copies stay self-contained
+    overrides["checkpoint"] = {"every_n_steps": 3, "keep_last": 5}
+    cfg = write_config(root / "tiny.yaml", overrides)
+    res = run_nanolab("fit", "--config", str(cfg), cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root
+
+
+@pytest.fixture
+def work(trained, tmp_path) -> Path:
+    shutil.copytree(trained, tmp_path / "w")
+    return tmp_path / "w"
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def fit_val_loss(run: Path, step: int) -> float:
+    vals = [r for r in read_records(run / "metrics.jsonl", "val") if r.get("evaluated_by") is None]
+    return [r["val_loss"] for r in vals if r["step"] == step][-1]
+
+
+def test_validate_evaluates_the_newest_checkpoint_and_logs_it(work):
+    run = work / "runs" / "tiny"
+    log_before = (run / "metrics.jsonl").read_bytes()
+    before = digests(work)
+    res = run_nanolab("validate", "--config", "tiny.yaml", cwd=work)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # The trained model's loss, not a fresh one's: the same number the fit logged at step 6.
+    record = read_records(run / "metrics.jsonl")[-1]
+    assert record["event"] == "val" and record["evaluated_by"] == "nanolab validate"
+    assert record["step"] == 6 == torch.load(run / "checkpoints" / "last.ckpt")["global_step"]
+    assert record["val_loss"] == pytest.approx(fit_val_loss(run, 6), abs=1e-5)
+    assert f"{record['val_loss']:.4f}"[:5] in res.stdout
+    # Appended: every earlier byte of the log and every other file is as it was.
+    assert (run / "metrics.jsonl").read_bytes().startswith(log_before)
+    after = digests(work)
+    changed = sorted(k for k in before if after.get(k) != before[k])
+    assert changed == ["runs/tiny/metrics.jsonl"]
+    assert sorted(set(after) - set(before)) == []  # the lock file is gone again
+
+
+def test_test_best_picks_the_lowest_logged_validation_loss(work):
+    run = work / "runs" / "tiny"
+    vals = {s: fit_val_loss(run, s) for s in (3, 6)}
+    best_step = min(vals, key=vals.get)
+    res = run_nanolab("test", "--config", "tiny.yaml", "--ckpt_path", "best", cwd=work)
+    assert res.returncode == 0, res.stderr[-3000:]
+    record = read_records(run / "metrics.jsonl")[-1]
+    assert record["event"] == "test" and record["step"] == best_step
+    assert record["checkpoint"].endswith(f"step-{best_step:08d}.ckpt")
+    # test and val read the same held-out windows here: the loss the fit logged at that step.
+    assert record["test_loss"] == pytest.approx(vals[best_step], abs=1e-5)
+
+
+def test_an_untrained_model_is_refused_unless_asked_for(work):
+    res = run_nanolab("validate", "--config", "tiny.yaml", "--run.name", "never-trained", cwd=work)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
+    assert "holds no checkpoint to validate" in last and "--ckpt_path none" in last
+    assert not (work / "runs" / "never-trained").exists()
+
+    before = digests(work)
+    res = run_nanolab(
+        "validate", "--config", "tiny.yaml", "--run.name", "never-trained",
+        "--ckpt_path", "none", cwd=work,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "val/loss" in res.stdout
+    assert digests(work) == before  # printed only: there is no run to log it to
+
+
+def test_a_live_fit_keeps_its_log_to_itself(work):
+    """While another process holds the run directory the result is printed, not appended."""
+    run = work / "runs" / "tiny"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from nanolab.callbacks.runlock import acquire; "
+            f"acquire({str(run)!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        log_before = (run / "metrics.jsonl").read_bytes()
+        res = run_nanolab("validate", "--config", "tiny.yaml", cwd=work)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "not logging this validate" in res.stderr and "is in use by" in res.stderr
+        assert "val/loss" in res.stdout
+        assert (run / "metrics.jsonl").read_bytes() == log_before
+    finally:
+        holder.kill()
+        holder.wait()
