@@ -330,3 +330,23 @@ def test_the_allocator_cap_is_real_on_a_gpu(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "allocator capped at 0.0500" in res.stdout and "\nOOM " in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pack", "--device-mem", "12XB"], "--device-mem '12XB': cannot read a memory size"),
+        (["--device-mem", "80GiB"], "--device-mem is for --pack"),
+        (["--pack", "--pack-margin", "2"], "--pack-margin must be between 0 and 1"),
+        (["--pack", "--slots", "2"], "--pack decides how many jobs share"),
+    ],
+)
+def test_pack_options_are_checked_before_anything_runs(tmp_path, capsys, args, message) -> None:
+    """Bad ``queue run`` packing options: one line naming the option, exit 2, and the queue
+    database is not even opened (not created here)."""
+    db = tmp_path / "q.db"
+    code = main(["run", "--db", str(db), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("nanolab queue run: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not db.exists()

@@ -259,12 +259,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise QueueError(f"--slots must be >= 1, got {args.slots}")
     gpus = parse_gpus(args.gpus)
     until = parse_until(args.until) if args.until else None
-    db = _db(args)
-    live = db.live_runners(stale_s=30.0)
-    if live:
-        pids = ", ".join(f"pid {r['pid']} on {r['host']}" for r in live)
-        print(f"nanolab queue run: note: another runner is active ({pids}); jobs are claimed "
-              "atomically, so both share the queue", file=sys.stderr)  # fmt: skip
     device_mem = None
     if args.device_mem is not None:
         if not args.pack:
@@ -276,6 +270,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.pack and args.slots != 1:
         raise QueueError("--slots is for one job per slot; --pack decides how many jobs share")
+    db = _db(args)
+    live = db.live_runners(stale_s=30.0)
+    if live:
+        pids = ", ".join(f"pid {r['pid']} on {r['host']}" for r in live)
+        print(f"nanolab queue run: note: another runner is active ({pids}); jobs are claimed "
+              "atomically, so both share the queue", file=sys.stderr)  # fmt: skip
     runner = Runner(
         db, gpus=gpus, slots=args.slots, until=until, order=args.order, wait=args.wait,
         pack=args.pack, device_mem=device_mem, pack_margin=args.pack_margin,

@@ -275,12 +275,13 @@ class Runner:
         remaining: float | None,
         cap: int | None = None,
         reserved: int = 0,
+        sharing: int = 1,
     ) -> bool:
         gpus = ",".join(str(self.units[u]) for u in units) if self.gpus else None
         packed_on = self.label(units[0]) if cap is not None else None
         if not self.db.claim(job.id, self.runner_id, gpus, time.time(), packed_on, cap):
             return False  # another runner took it first; the units stay free for the next round
-        self._spawn(self.db.get(job.id), units, remaining, cap, reserved)
+        self._spawn(self.db.get(job.id), units, remaining, cap, reserved, sharing)
         return True
 
     # -- packing ---------------------------------------------------------------------------
@@ -345,11 +346,16 @@ class Runner:
                 self.say(f"{self.label(unit)}: set aside for job {job_id} (next in line; "
                          "no other job starts there until it fits)")  # fmt: skip
         started = False
+        # Jobs per device once this round's starts are in (CPU threads are split between them).
+        sharing = {d.unit: len(d.residents) for d in devices}
+        for st in plan.start:
+            sharing[st.units[0]] += 1
         for st in plan.start:
             peak = peaks[st.job.id][0]
             if st.cap is None and st.job.id in plan.alone:
                 self.say(f"job {st.job.id} {st.job.name}: runs alone ({plan.alone[st.job.id]})")
-            if self._claim_and_spawn(st.job, st.units, st.remaining, st.cap, st.reserved):
+            n = sharing[st.units[0]]
+            if self._claim_and_spawn(st.job, st.units, st.remaining, st.cap, st.reserved, n):
                 started = True
                 if st.cap is not None:
                     device = devices[st.units[0]]
@@ -403,6 +409,7 @@ class Runner:
         remaining: float | None,
         cap: int | None = None,
         reserved: int = 0,
+        sharing: int = 1,
     ) -> None:
         log_dir = self.db.path.resolve().parent / "nanolab_queue_logs"
         log_dir.mkdir(exist_ok=True)
@@ -420,10 +427,8 @@ class Runner:
             ids = ",".join(str(self.units[u]) for u in units)
             env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ids
         elif "OMP_NUM_THREADS" not in env:
-            sharing = self.slots
-            if self.pack:
-                sharing = 1 + sum(1 for a in self._active.values() if a.units == units)
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // sharing))
+            jobs_here = max(sharing, 1) if self.pack else self.slots
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs_here))
         if cap is not None:
             # Packed: cap the allocator before anything is allocated (nanolab.queue.launch).
             cmd[1:3] = ["-m", "nanolab.queue.launch"]
