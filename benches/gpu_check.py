@@ -1,0 +1,667 @@
+"""Every check nanolab has never run on a GPU, in one command; one JSON summary and a short table.
+
+    bash benches/gpu_check.sh                            # all checks, results in $OUT
+    bash benches/gpu_check.sh --only flash,bench_124m    # a subset (names: --list)
+    python benches/gpu_check.py --list                   # what runs, with each check's time cap
+
+``benches/gpu_check.sh`` is the entry point (it adds a hard time limit); this file is the driver.
+Each check runs in its own process group with a time cap, so a hang or an out-of-memory crash in
+one is recorded and the next one still runs. After every check the summary is rewritten, so a run
+cut short still leaves what it measured:
+
+* ``$OUT/gpu_check.json``: machine, versions, and per check ``status`` (``ok``, ``fail``,
+  ``timeout``, ``skipped``, ``not_run``), ``seconds``, ``metrics`` and ``note``;
+* ``$OUT/gpu_check.md``: the same as a table;
+* ``$OUT/logs/<check>.log``: each check's full output.
+
+Checks, most important first (``--list`` prints them with their caps):
+
+* ``flash``: the flash SDPA kernel runs fwd+bwd in bf16 at GPT-2 124M's attention shape and
+  agrees with the math kernel;
+* ``bench_124m``: ``nanolab bench`` on GPT-2 124M (bf16, ``torch.compile``, flash): tokens/s of
+  ``nanolab fit`` and of the plain loop, MFU, measured vs predicted peak memory (compiled);
+* ``memory_eager``: ``benches/bench_memory.py`` on 124M and 350M: predicted vs measured peak and
+  saved activations, eager;
+* ``memory_compiled_350m``: ``nanolab fit`` of 350M with ``torch.compile``: measured peak vs
+  the estimator's prediction;
+* ``async_checkpoint``: 124M with a checkpoint every 10 steps, written in the step vs in a
+  background thread: the stall each checkpoint costs the training loop;
+* ``micro_batch_auto``: ``run.micro_batch_size: auto`` on 124M: the size it picked, and that a
+  real run at that size fits (measured peak vs the device's memory);
+* ``pack``: ``benches/gpu_pack.py``: 3 GPT-2 124M jobs packed on one GPU vs one after another
+  (skipped when that bench is not in this tree).
+
+Without a visible CUDA/ROCm GPU it stops at once: one error line, exit code 2, and a summary with
+``status: no_gpu``. Runs, checkpoints and data go to ``--work`` (deleted at the end unless
+``--keep``), never to ``$OUT``. Exit code 0 when every check that ran passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+STATUSES = ("ok", "fail", "timeout", "skipped", "not_run")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    cap_s: int  # the most this check may take; the driver gives it less when time runs out
+    what: str
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("flash", 30, "flash SDPA fwd+bwd in bf16 at 124M's attention shape, vs the math kernel"),
+    Check("bench_124m", 200, "nanolab bench 124M bf16+compile+flash: tokens/s, MFU, peak memory"),
+    Check("memory_eager", 90, "bench_memory.py 124M + 350M eager: predicted vs measured memory"),
+    Check("memory_compiled_350m", 120, "fit 350M compiled: measured vs predicted peak memory"),
+    Check("async_checkpoint", 100, "124M, checkpoint every 10 steps: stall, sync vs async"),
+    Check("micro_batch_auto", 60, "run.micro_batch_size auto on 124M: picked size really fits"),
+    Check("pack", 120, "benches/gpu_pack.py: 3 x 124M packed vs sequential (if present)"),
+)
+BY_NAME = {c.name: c for c in CHECKS}
+
+
+@dataclass
+class Result:
+    name: str
+    status: str
+    seconds: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+    log: str | None = None
+
+
+class CheckFailed(Exception):
+    """A check ran but its result is wrong; the message is the summary's note."""
+
+
+class CheckSkipped(Exception):
+    """A check that cannot run in this tree or on this device; the message says why."""
+
+
+# -- helpers the checks share ------------------------------------------------------------------
+
+
+def nanolab_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "nanolab", *args]
+
+
+def run(cmd: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run a command, echoing it and its output into this check's log (our stdout)."""
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    sys.stdout.write(proc.stdout[-20000:])
+    sys.stdout.write(proc.stderr[-20000:])
+    sys.stdout.flush()
+    return proc
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else "(no output)"
+
+
+def ensure_data(work: Path, given: str | None) -> Path:
+    """A GPT-2-vocabulary dataset: ``--data``, or BPE 50257 trained on the bundled text (speed
+    and memory depend on the vocabulary size, not on the text)."""
+    if given:
+        return Path(given).resolve()
+    data = work / "data" / "bpe50k"
+    if not (data / "meta.json").is_file():
+        proc = run(
+            nanolab_cmd(
+                "prepare", "bundled:shakespeare", "--tokenizer", "bpe",
+                "--bpe-vocab-size", "50257", "-o", str(data),
+            )
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise CheckFailed(f"nanolab prepare failed: {last_line(proc.stderr)}")
+    return data
+
+
+def fit_args(config: str, data: Path, work: Path, name: str, steps: int) -> list[str]:
+    """``nanolab fit`` of a shipped recipe for a few steps on ``data``, one micro-batch a step."""
+    return [
+        "fit", "--config", str(ROOT / "configs" / config),
+        "--run.root", str(work / "runs"), "--run.name", name, "--run.resume", "never",
+        "--run.global_batch_tokens", "null", "--run.eval_every_steps", "100000",
+        "--checkpoint.every_n_steps", "100000", "--trainer.max_steps", str(steps),
+        "--trainer.enable_progress_bar", "false",
+        "--data.dataset_dir", str(data), "--data.source", "null",
+    ]  # fmt: skip
+
+
+def records(work: Path, name: str) -> list[dict[str, Any]]:
+    from nanolab.runlog import read_records
+
+    return read_records(work / "runs" / name / "metrics.jsonl")
+
+
+def peak_allocated(recs: list[dict[str, Any]]) -> int:
+    return max(
+        (r.get("mem_allocated_bytes") or 0 for r in recs if r["event"] == "train"), default=0
+    )
+
+
+def predicted_peak(work: Path, name: str) -> int | None:
+    from nanolab.bench.harness import predicted_peak_bytes
+
+    return predicted_peak_bytes(work / "runs" / name / "config.yaml")
+
+
+def step_seconds(recs: list[dict[str, Any]]) -> list[float]:
+    times = [r["time"] for r in recs if r["event"] == "train"]
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+# -- the checks (each runs in a child process: `gpu_check.py --run-check NAME`) -----------------
+
+
+def check_flash(work: Path, data_arg: str | None) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, T, D = 8, 12, 1024, 64  # GPT-2 124M at micro-batch 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        for _ in range(3)
+    )
+
+    def attend(backend: SDPBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        with sdpa_kernel(backend):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            (grad,) = torch.autograd.grad(y.float().square().mean(), q)
+        return y.detach(), grad
+
+    try:
+        y_flash, g_flash = attend(SDPBackend.FLASH_ATTENTION)
+    except RuntimeError as err:
+        raise CheckFailed(f"flash kernel unavailable: {last_line(str(err))}") from None
+    y_math, g_math = attend(SDPBackend.MATH)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        attend(SDPBackend.FLASH_ATTENTION)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) / 10 * 1000
+    out_diff = (y_flash.float() - y_math.float()).abs().max().item()
+    grad_diff = (g_flash.float() - g_math.float()).abs().max().item()
+    if out_diff > 2e-2:
+        raise CheckFailed(f"flash and math attention differ by {out_diff:.3g}")
+    return {"fwd_bwd_ms": round(ms, 3), "max_out_diff": out_diff, "max_grad_diff": grad_diff}
+
+
+def check_bench_124m(work: Path, data_arg: str | None) -> dict[str, Any]:
+    data = ensure_data(work, data_arg)
+    mb = 16
+    proc = run(
+        nanolab_cmd(
+            "bench", "--config", str(ROOT / "configs" / "gpt2-124m.yaml"),
+            "--steps", "120", "--warmup", "30", "--rounds", "1", "--json",
+            f"--set=--data.dataset_dir={data}", "--set=--data.source=null",
+            f"--set=--data.micro_batch_size={mb}",
+            f"--set=--run.global_batch_tokens={mb * 1024 * 2}",
+            "--set=--run.eval_every_steps=100",
+        )
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise CheckFailed(f"nanolab bench failed: {last_line(proc.stderr)}")
+    res = json.loads(proc.stdout[proc.stdout.index("{") :])
+    measured, predicted = res.get("peak_mem_bytes"), res.get("predicted_peak_bytes")
+    return {
+        "nanolab_tokens_per_s": res["nanolab_tokens_per_s"]["median"],
+        "plain_tokens_per_s": res["plain_tokens_per_s"]["median"],
+        "ratio_nanolab_over_plain": res["ratio"]["median"],
+        "mfu": res.get("mfu"),
+        "peak_measured_gib": measured / GiB if measured else None,
+        "peak_predicted_gib": predicted / GiB if predicted else None,
+        "peak_error": predicted / measured - 1 if measured and predicted else None,
+        "startup_s": res["nanolab_startup_s"]["median"],
+        "loss_gap_max": (res.get("loss_gap") or {}).get("max"),
+    }
+
+
+_MEMORY_ROW = re.compile(
+    r"^(?P<config>\S+)\s+(?P<B>\d+)\s+(?P<what>\S.*?)\s+(?P<predicted>[\d,]+\.\d+)\s+"
+    r"(?P<measured>[\d,]+\.\d+)\s+(?P<error>[+-]\d+\.\d+)%$"
+)
+
+
+def parse_memory_table(text: str) -> list[dict[str, Any]]:
+    """The rows of ``benches/bench_memory.py``'s table (MiB and relative error)."""
+    rows = []
+    for line in text.splitlines():
+        if m := _MEMORY_ROW.match(line.strip()):
+            rows.append(
+                {
+                    "config": m["config"],
+                    "micro_batch": int(m["B"]),
+                    "quantity": m["what"],
+                    "predicted_mib": float(m["predicted"].replace(",", "")),
+                    "measured_mib": float(m["measured"].replace(",", "")),
+                    "error": float(m["error"]) / 100,
+                }
+            )
+    return rows
+
+
+def check_memory_eager(work: Path, data_arg: str | None) -> dict[str, Any]:
+    configs = [str(ROOT / "configs" / f"gpt2-{s}.yaml") for s in ("124m", "350m")]
+    proc = run([sys.executable, str(ROOT / "benches" / "bench_memory.py"), "--configs", *configs])
+    rows = parse_memory_table(proc.stdout)
+    if not rows:
+        raise CheckFailed(f"bench_memory.py printed no rows (exit {proc.returncode})")
+    worst = max(abs(r["error"]) for r in rows)
+    metrics = {"rows": rows, "worst_error": worst}
+    if proc.returncode != 0:
+        raise CheckFailed(f"an error beyond bench_memory's target: worst {worst:+.1%}", metrics)
+    return metrics
+
+
+def check_memory_compiled_350m(work: Path, data_arg: str | None) -> dict[str, Any]:
+    data = ensure_data(work, data_arg)
+    args = fit_args("gpt2-350m.yaml", data, work, "compiled350m", 6)
+    proc = run(nanolab_cmd(*args, "--model.compile", "true"))
+    if proc.returncode != 0:
+        raise CheckFailed(f"nanolab fit failed: {last_line(proc.stderr)}")
+    recs = records(work, "compiled350m")
+    measured = peak_allocated(recs)
+    predicted = predicted_peak(work, "compiled350m")
+    start = next(r for r in recs if r["event"] == "start")
+    return {
+        "micro_batch": start["config"]["data"]["micro_batch_size"],
+        "peak_measured_gib": measured / GiB,
+        "peak_predicted_gib": predicted / GiB if predicted else None,
+        "peak_error": predicted / measured - 1 if predicted and measured else None,
+    }
+
+
+def check_async_checkpoint(work: Path, data_arg: str | None) -> dict[str, Any]:
+    data = ensure_data(work, data_arg)
+    out: dict[str, Any] = {}
+    for mode in ("sync", "async"):
+        name = f"ckpt_{mode}"
+        args = fit_args("gpt2-124m.yaml", data, work, name, 30)
+        proc = run(
+            nanolab_cmd(
+                *args, "--model.compile", "false", "--checkpoint.every_n_steps", "10",
+                "--checkpoint.async_save", str(mode == "async").lower(),
+            )
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise CheckFailed(f"nanolab fit ({mode}) failed: {last_line(proc.stderr)}")
+        recs = records(work, name)
+        saves = [r for r in recs if r["event"] == "checkpoint"]
+        if not saves:
+            raise CheckFailed(f"{mode}: no checkpoint record in the run log")
+        steps = step_seconds(recs)
+        out[mode] = {
+            "checkpoints": len(saves),
+            "stall_s_median": statistics.median(r["seconds"] for r in saves),
+            "write_s_median": statistics.median(r["write_seconds"] for r in saves),
+            "checkpoint_gib": max(r.get("bytes") or 0 for r in saves) / GiB,
+            "step_s_median": statistics.median(steps) if steps else None,
+        }
+    out["stall_saved_s"] = out["sync"]["stall_s_median"] - out["async"]["stall_s_median"]
+    if out["async"]["stall_s_median"] >= out["sync"]["stall_s_median"]:
+        raise CheckFailed("async checkpoints stall the loop as long as sync ones", out)
+    return out
+
+
+_AUTO_LINE = re.compile(
+    r"run\.micro_batch_size auto: (\d+) \(predicted peak ([\d.]+) of ([\d.]+) GiB"
+)
+
+
+def check_micro_batch_auto(work: Path, data_arg: str | None) -> dict[str, Any]:
+    import torch
+
+    data = ensure_data(work, data_arg)
+    args = fit_args("gpt2-124m.yaml", data, work, "auto_mb", 3)
+    i = args.index("--run.global_batch_tokens")  # the recipe's global batch stays: auto divides it
+    del args[i : i + 2]
+    proc = run(nanolab_cmd(*args, "--run.micro_batch_size", "auto", "--model.compile", "false"))
+    if proc.returncode != 0:
+        raise CheckFailed(f"nanolab fit with auto micro-batch failed: {last_line(proc.stderr)}")
+    m = _AUTO_LINE.search(proc.stdout + proc.stderr)
+    recs = records(work, "auto_mb")
+    start = next(r for r in recs if r["event"] == "start")
+    total = torch.cuda.get_device_properties(0).total_memory
+    measured = peak_allocated(recs)
+    reserved = max(
+        (r.get("mem_reserved_bytes") or 0 for r in recs if r["event"] == "train"), default=0
+    )
+    metrics = {
+        "micro_batch": start["config"]["data"]["micro_batch_size"],
+        "predicted_peak_gib": float(m[2]) if m else None,
+        "peak_measured_gib": measured / GiB,
+        "peak_reserved_gib": reserved / GiB,
+        "device_gib": total / GiB,
+        "headroom": 1 - reserved / total,
+    }
+    if reserved > total:
+        raise CheckFailed("reserved memory exceeds the device's", metrics)
+    return metrics
+
+
+def check_pack(work: Path, data_arg: str | None) -> dict[str, Any]:
+    script = ROOT / "benches" / "gpu_pack.py"
+    if not script.is_file():
+        raise CheckSkipped("benches/gpu_pack.py is not in this tree")
+    data = ensure_data(work, data_arg)
+    pack_work = work / "pack"
+    proc = run(
+        [
+            sys.executable, str(script), "--jobs", "3", "--steps", "60",
+            "--data", str(data), "--work", str(pack_work),
+        ]
+    )  # fmt: skip
+    result = pack_work / "gpu_pack.json"
+    if proc.returncode != 0 or not result.is_file():
+        raise CheckFailed(f"gpu_pack.py failed (exit {proc.returncode}): {last_line(proc.stderr)}")
+    return json.loads(result.read_text())
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[Path, str | None], dict[str, Any]]] = {
+    "flash": check_flash,
+    "bench_124m": check_bench_124m,
+    "memory_eager": check_memory_eager,
+    "memory_compiled_350m": check_memory_compiled_350m,
+    "async_checkpoint": check_async_checkpoint,
+    "micro_batch_auto": check_micro_batch_auto,
+    "pack": check_pack,
+}
+
+
+def run_check_in_child(name: str, work: Path, data: str | None, result_file: Path) -> int:
+    """The child side: run one check, write ``{status, metrics, note}`` to ``result_file``."""
+    try:
+        metrics = CHECK_FUNCTIONS[name](work, data)
+        status, note = "ok", ""
+    except CheckSkipped as err:
+        status, note, metrics = "skipped", str(err), {}
+    except CheckFailed as err:
+        status, note = "fail", str(err.args[0])
+        metrics = err.args[1] if len(err.args) > 1 else {}
+    result_file.write_text(json.dumps({"status": status, "metrics": metrics, "note": note}))
+    return 0
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+
+def select(only: str | None, skip: str | None) -> list[Check]:
+    """The checks to run, in the fixed order; unknown names are a ValueError naming the valid."""
+    names = [c.name for c in CHECKS]
+    chosen = set(names)
+    for label, value in (("--only", only), ("--skip", skip)):
+        if not value:
+            continue
+        given = [n.strip() for n in value.split(",") if n.strip()]
+        unknown = [n for n in given if n not in BY_NAME]
+        if unknown:
+            raise ValueError(
+                f"{label}: unknown check {', '.join(unknown)}; one of {', '.join(names)}"
+            )
+        chosen = chosen & set(given) if label == "--only" else chosen - set(given)
+    return [c for c in CHECKS if c.name in chosen]
+
+
+def time_for(check: Check, remaining_s: float) -> float:
+    """Seconds this check may take: its cap, or what is left before the deadline."""
+    return max(0.0, min(float(check.cap_s), remaining_s))
+
+
+def run_check(check: Check, work: Path, data: str | None, logs: Path, limit_s: float) -> Result:
+    """Run one check in a child process group; kill the whole group when it passes its time."""
+    log = logs / f"{check.name}.log"
+    if limit_s < 5:
+        return Result(check.name, "not_run", note="no time left before the deadline")
+    result_file = work / f"{check.name}.result.json"
+    result_file.unlink(missing_ok=True)
+    cmd = [
+        sys.executable, str(Path(__file__).resolve()), "--run-check", check.name,
+        "--work", str(work), "--result-file", str(result_file),
+    ] + (["--data", data] if data else [])  # fmt: skip
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Result(
+                check.name, "timeout", time.perf_counter() - start,
+                note=f"stopped after {limit_s:.0f} s", log=str(log),
+            )  # fmt: skip
+    seconds = time.perf_counter() - start
+    if not result_file.is_file():
+        return Result(
+            check.name, "fail", seconds,
+            note=f"crashed (exit {proc.returncode}): {last_line(log.read_text(errors='replace'))}",
+            log=str(log),
+        )  # fmt: skip
+    got = json.loads(result_file.read_text())
+    return Result(check.name, got["status"], seconds, got["metrics"], got["note"], str(log))
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "host": platform.node(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_gib=props.total_memory / GiB
+        )
+    proc = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    info["nanolab_commit"] = proc.stdout.strip() or None
+    return info
+
+
+def summary(meta: dict[str, Any], results: list[Result], started: float) -> dict[str, Any]:
+    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
+    return {
+        **meta,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "total_s": round(time.time() - started, 1),
+        "status": "ok" if counts["fail"] + counts["timeout"] == 0 else "fail",
+        "counts": counts,
+        "checks": [asdict(r) for r in results],
+    }
+
+
+def _headline(name: str, m: dict[str, Any]) -> str:
+    """The few numbers of a check that fit in a table cell."""
+
+    def f(key: str, fmt: str, d: dict[str, Any] = m) -> str | None:
+        value = d.get(key)
+        return None if value is None else format(value, fmt)
+
+    if name == "flash":
+        parts = [f"{f('fwd_bwd_ms', '.2f')} ms fwd+bwd", f"max diff {f('max_out_diff', '.1e')}"]
+    elif name == "bench_124m":
+        parts = [
+            f"{f('nanolab_tokens_per_s', ',.0f')} tok/s (plain {f('plain_tokens_per_s', ',.0f')})",
+            f"ratio {f('ratio_nanolab_over_plain', '.3f')}",
+            f"MFU {f('mfu', '.3f')}",
+            f"peak {f('peak_measured_gib', '.2f')} vs {f('peak_predicted_gib', '.2f')} GiB",
+        ]
+    elif name == "memory_eager":
+        parts = [f"{len(m.get('rows', []))} rows, worst error {f('worst_error', '.1%')}"]
+    elif name in ("memory_compiled_350m", "micro_batch_auto"):
+        parts = [
+            f"micro-batch {m.get('micro_batch')}",
+            f"peak {f('peak_measured_gib', '.2f')} GiB (predicted {f('peak_predicted_gib', '.2f')})",
+        ]
+    elif name == "async_checkpoint" and "sync" in m and "async" in m:
+        parts = [
+            f"stall sync {f('stall_s_median', '.2f', m['sync'])} s",
+            f"async {f('stall_s_median', '.2f', m['async'])} s",
+        ]
+    else:
+        parts = [f"{len(m)} values"] if m else []
+    return ", ".join(p for p in parts if p)
+
+
+def format_table(res: dict[str, Any]) -> str:
+    gpu = res.get("gpu") or "no GPU"
+    lines = [
+        f"nanolab GPU check: {gpu}, torch {res.get('torch')}, nanolab {res.get('nanolab_commit')}, "
+        f"{res.get('date')}, {res.get('total_s')} s, status {res['status']}",
+        "",
+        "| check | status | seconds | result |",
+        "|---|---|---|---|",
+    ]
+    if res.get("note"):
+        lines.insert(1, f"note: {res['note']}")
+    for c in res.get("checks", []):
+        cell = _headline(c["name"], c.get("metrics") or {})
+        if c.get("note"):
+            cell = f"{cell}; {c['note']}" if cell else c["note"]
+        lines.append(f"| {c['name']} | {c['status']} | {c['seconds']:.0f} | {cell} |")
+    return "\n".join(lines)
+
+
+def write_summary(out: Path, res: dict[str, Any]) -> None:
+    """Atomic writes: a reader (or a kill mid-write) never sees half a summary."""
+    for name, text in (
+        ("gpu_check.json", json.dumps(res, indent=2) + "\n"),
+        ("gpu_check.md", format_table(res) + "\n"),
+    ):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
+def gpu_visible() -> tuple[bool, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return True, ""
+    build = (
+        f"CUDA {torch.version.cuda}"
+        if torch.version.cuda
+        else (f"ROCm {torch.version.hip}" if torch.version.hip else "CPU only")
+    )
+    return False, f"torch {torch.__version__} ({build}) sees no GPU"
+
+
+def _one_line_error(message: str) -> None:
+    print(f"gpu_check: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="benches/gpu_check.sh", description="nanolab's GPU checks, one summary."
+    )
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu_check"),
+                   help="summary and logs (default: $OUT, else runs/gpu_check)")  # fmt: skip
+    p.add_argument(
+        "--work", help="scratch folder for data, runs, checkpoints (default: a temp dir)"
+    )
+    p.add_argument("--keep", action="store_true", help="keep --work afterwards")
+    p.add_argument(
+        "--data", help="a prepared GPT-2-vocabulary dataset (default: made from bundled text)"
+    )
+    p.add_argument("--only", help="comma-separated checks to run (see --list)")
+    p.add_argument("--skip", help="comma-separated checks to leave out")
+    p.add_argument("--deadline", type=float, default=570.0,
+                   help="seconds for all checks; later ones get what is left (default 570)")  # fmt: skip
+    p.add_argument(
+        "--list", action="store_true", help="print the checks and their caps, run nothing"
+    )
+    p.add_argument("--run-check", choices=sorted(CHECK_FUNCTIONS), help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    p.error = _one_line_error  # type: ignore[method-assign]
+    args = p.parse_args(argv)
+
+    if args.run_check:  # child process of run_check()
+        return run_check_in_child(
+            args.run_check, Path(args.work), args.data, Path(args.result_file)
+        )
+    try:
+        checks = select(args.only, args.skip)
+    except ValueError as err:
+        p.error(str(err))
+    if args.deadline <= 0:
+        p.error("--deadline must be > 0 seconds")
+    if args.list:
+        for c in checks:
+            print(f"{c.name:<22} {c.cap_s:>4} s  {c.what}")
+        print(
+            f"{'total cap':<22} {sum(c.cap_s for c in checks):>4} s  (--deadline {args.deadline:.0f} s)"
+        )
+        return 0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    ok, why = gpu_visible()
+    if not ok:
+        write_summary(out, {**summary(machine(), [], started), "status": "no_gpu", "note": why})
+        print(
+            f"gpu_check: error: no CUDA/ROCm GPU visible ({why}); run it on a GPU machine",
+            file=sys.stderr,
+        )
+        return 2
+    meta = machine()
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nanolab-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    deadline = time.monotonic() + args.deadline
+    try:
+        for check in checks:
+            limit = time_for(check, deadline - time.monotonic())
+            print(
+                f"[{time.strftime('%H:%M:%S')}] {check.name} (up to {limit:.0f} s) ...", flush=True
+            )
+            results.append(run_check(check, work, args.data, logs, limit))
+            write_summary(out, summary(meta, results, started))
+    finally:
+        if not args.keep and not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    res = summary(meta, results, started)
+    write_summary(out, res)
+    print(format_table(res))
+    print(f"\nsummary: {out / 'gpu_check.json'}, {out / 'gpu_check.md'}; logs: {logs}")
+    return 0 if res["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""``benches/gpu_check.sh``: the parts that run without a GPU (its checks need one).
+
+Without a GPU the script must stop at once with one error line and exit code 2, and leave a
+summary saying so; with one, it selects checks, gives each its time, and writes one JSON summary
+and a table. The selection, the time split, the summary and the table are tested here on results
+built in the test; the crash path runs for real (a GPU check on this CPU-only torch crashes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benches" / "gpu_check.sh"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benches" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load("gpu_check")
+
+
+def _sh(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, **env}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], env=full, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_stops_at_once_with_one_line_and_a_summary(tmp_path):
+    proc = _sh(tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA/ROCm GPU visible" in lines[0], proc.stderr
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert summary["status"] == "no_gpu" and summary["checks"] == []
+    assert "sees no GPU" in summary["note"] and summary["torch"] == torch.__version__
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "status no_gpu" in table and "note: torch" in table
+    assert not list((tmp_path / "out").glob(".*.tmp"))  # written atomically
+
+
+@pytest.mark.parametrize(("value", "says"), [("abc", "whole seconds"), ("30", "too short")])
+def test_a_bad_time_limit_is_one_line(tmp_path, value, says):
+    proc = _sh(tmp_path, GPU_CHECK_TIMEOUT=value)
+    assert proc.returncode == 2 and says in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_selection_keeps_the_order_and_names_unknown_checks():
+    assert [c.name for c in gc.select("pack,flash", None)] == ["flash", "pack"]
+    every = [c.name for c in gc.CHECKS]
+    assert [c.name for c in gc.select(None, "pack")] == [n for n in every if n != "pack"]
+    assert [c.name for c in gc.select(None, None)] == every
+    with pytest.raises(ValueError, match=r"--only: unknown check nope; one of flash, "):
+        gc.select("flash,nope", None)
+
+
+def test_list_prints_each_check_with_its_cap(capsys):
+    assert gc.main(["--list", "--only", "flash,memory_eager"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["flash", "30", "s"]
+    assert out[1].split()[:3] == ["memory_eager", "90", "s"]
+    assert out[2].startswith("total cap") and "120 s" in out[2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [(["--only", "nope"], "unknown check nope"), (["--deadline", "0"], "--deadline must be")],
+)
+def test_bad_arguments_are_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gc.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and says in err[0]
+
+
+def test_each_check_gets_its_cap_or_what_is_left(tmp_path):
+    flash = gc.BY_NAME["flash"]
+    assert gc.time_for(flash, 1000) == 30 and gc.time_for(flash, 12.5) == 12.5
+    assert gc.time_for(flash, -3) == 0
+    result = gc.run_check(flash, tmp_path, None, tmp_path, limit_s=2)
+    assert (result.status, result.note) == ("not_run", "no time left before the deadline")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check would pass on a GPU")
+def test_a_check_that_crashes_is_recorded_with_its_log(tmp_path):
+    """The flash check on a CPU-only torch dies inside torch (no result file): recorded as a
+    failure with the log's last line, and the driver goes on."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    result = gc.run_check(gc.BY_NAME["flash"], tmp_path, None, logs, limit_s=120)
+    assert result.status == "fail" and result.note.startswith("crashed (exit 1)")
+    assert Path(result.log).read_text().strip(), "the child's traceback is kept"
+
+
+def _results():
+    bench = {
+        "nanolab_tokens_per_s": 412345.6, "plain_tokens_per_s": 415000.0,
+        "ratio_nanolab_over_plain": 0.9936, "mfu": 0.412, "peak_measured_gib": 21.5,
+        "peak_predicted_gib": 22.1,
+    }  # fmt: skip
+    return [
+        gc.Result("flash", "ok", 3.2, {"fwd_bwd_ms": 1.234, "max_out_diff": 0.0039}),
+        gc.Result("bench_124m", "ok", 150.0, bench, log="/x/bench_124m.log"),
+        gc.Result("memory_eager", "fail", 40.0, {"rows": [{}] * 4, "worst_error": 0.153}, "x"),
+        gc.Result("async_checkpoint", "timeout", 100.0, note="stopped after 100 s"),
+        gc.Result("pack", "skipped", 0.1, note="benches/gpu_pack.py is not in this tree"),
+        gc.Result("micro_batch_auto", "not_run", note="no time left before the deadline"),
+    ]
+
+
+def test_summary_json_and_table(tmp_path):
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.9.1", "nanolab_commit": "abc1234"}
+    res = gc.summary(meta, _results(), started=0.0)
+    assert res["status"] == "fail"  # a failure and a timeout
+    assert res["counts"] == {"ok": 2, "fail": 1, "timeout": 1, "skipped": 1, "not_run": 1}
+    assert [c["name"] for c in res["checks"]][:2] == ["flash", "bench_124m"]
+    assert set(res["checks"][0]) == {"name", "status", "seconds", "metrics", "note", "log"}
+    gc.write_summary(tmp_path, res)
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == res
+    table = (tmp_path / "gpu_check.md").read_text().splitlines()
+    assert table[0].startswith("nanolab GPU check: NVIDIA H100 80GB HBM3, torch 2.9.1")
+    rows = [line for line in table if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0:2] for r in rows] == [
+        ["| flash", "ok"], ["| bench_124m", "ok"], ["| memory_eager", "fail"],
+        ["| async_checkpoint", "timeout"], ["| pack", "skipped"], ["| micro_batch_auto", "not_run"],
+    ]  # fmt: skip
+    assert "412,346 tok/s (plain 415,000)" in rows[1] and "MFU 0.412" in rows[1]
+    assert "peak 21.50 vs 22.10 GiB" in rows[1]
+    assert "worst error 15.3%" in rows[2] and rows[3].endswith("stopped after 100 s |")
+    assert not list(tmp_path.glob(".*.tmp"))
+    ok = gc.summary(meta, [r for r in _results() if r.status in ("ok", "skipped")], 0.0)
+    assert ok["status"] == "ok"
+
+
+def test_memory_table_is_read_back_from_bench_memorys_own_printout():
+    bm = _load("bench_memory")
+    rows = [
+        bm.Row("gpt2-124m", 16, "peak allocated", 20 * 2**30, 19 * 2**30),
+        bm.Row("gpt2-350m", 8, "saved activations", 12_345 * 2**20, 12_000 * 2**20),
+    ]
+    text = io.StringIO()
+    with redirect_stdout(text):
+        bm.print_table(rows, "GPU: test")
+    parsed = gc.parse_memory_table(text.getvalue())
+    assert [(p["config"], p["micro_batch"], p["quantity"]) for p in parsed] == [
+        ("gpt2-124m", 16, "peak allocated"),
+        ("gpt2-350m", 8, "saved activations"),
+    ]
+    assert parsed[0]["predicted_mib"] == 20 * 1024 and parsed[0]["measured_mib"] == 19 * 1024
+    assert parsed[0]["error"] == pytest.approx(20 / 19 - 1, abs=1e-4)
+    assert parsed[1]["error"] == pytest.approx(12_345 / 12_000 - 1, abs=1e-4)
