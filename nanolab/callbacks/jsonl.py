@@ -39,6 +39,7 @@ from nanolab.callbacks.events import (
     collect_fields,
     stop_reason,
 )
+from nanolab.callbacks.loggers import forward_record, mute_lightning_metrics
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
 from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, last_record, read_records
 
@@ -107,9 +108,11 @@ class MetricsLog(Callback):
         record.setdefault("step", int(trainer.global_step))
         if self._clock is None:
             self._writer.write(record)
+            forward_record(trainer, record)
             return
         with self._clock.pause("log"):
             self._writer.write(record)
+            forward_record(trainer, record)  # --logger: the same record, at the same step
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -117,6 +120,7 @@ class MetricsLog(Callback):
         if self._active:
             self._clock = RunClock.attach(trainer)
             self._ended = False
+            mute_lightning_metrics(trainer)  # loggers get the run log's records instead
             self._params = None  # listed at the first logged step, after configure_model
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -286,6 +290,7 @@ class MetricsLog(Callback):
             for key, value in values.items():
                 record.setdefault(key, value)
             self._writer.write(record)
+            forward_record(trainer, record)
 
     # -- validation --------------------------------------------------------------------------
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -299,6 +299,13 @@ class NanolabCLI(LightningCLI):
         from nanolab.callbacks.preemption import PreemptionHandler
 
         parser.add_lightning_class_args(PreemptionHandler, "preemption")
+        # A tracker fed from the run log, its files inside the run directory (docs/loggers.md).
+        parser.add_argument(
+            "--logger",
+            type=Literal["tensorboard", "csv", "wandb", "mlflow"] | None,
+            default=None,
+            help="Experiment logger writing into the run directory, at metrics.jsonl's steps.",
+        )
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -377,6 +384,8 @@ class NanolabCLI(LightningCLI):
         cfg.trainer.check_val_every_n_epoch = None
         self.run_config = run
         self.run_dir = run_dir
+        if cfg.get("logger"):
+            self._check_logger(cfg)
         apply_float32_matmul_precision(run.float32_matmul_precision, cfg.trainer)
         from nanolab.callbacks.progress import reconcile_progress_bar
 
@@ -427,10 +436,30 @@ class NanolabCLI(LightningCLI):
                 raise RunConfigError(str(err)) from None
         super()._parse_ckpt_path()
 
+    def _check_logger(self, cfg: Any) -> None:
+        """``--logger``: one line with the pip command when its package is missing."""
+        from nanolab.callbacks.loggers import LoggerUnavailableError, check_available
+
+        if cfg.trainer.get("logger") not in (None, False):
+            raise RunConfigError(
+                "--logger and --trainer.logger both set a logger; give one of them"
+            )
+        try:
+            check_available(cfg.logger)
+        except LoggerUnavailableError as err:
+            raise RunConfigError(str(err)) from None
+
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         if self.subcommand in ("validate", "test"):
             # Evaluating a run's checkpoint must not rewrite that run's config.yaml.
             self.save_config_callback = None
+        elif self.subcommand == "fit":
+            from nanolab.callbacks.loggers import make_logger, run_dir_save_config
+
+            self.save_config_callback = run_dir_save_config()  # config.yaml in the run dir
+            name = self.config["fit"].get("logger")
+            if name:
+                kwargs["logger"] = make_logger(name, self.run_dir, str(self.run_config.name))
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:

@@ -1,0 +1,195 @@
+"""``--logger tensorboard|csv|wandb|mlflow``: experiment trackers fed from the run log.
+
+Lightning logs ``self.log`` values at its own step counter (the step *being* taken, so
+``train/loss`` lands one step before the run log's, and validation two counters further off),
+and never sees the learning rate, the gradient norm or throughput, which nanolab's run log
+computes. So here the loggers get exactly what ``metrics.jsonl`` gets: every ``train`` and
+``val`` record is forwarded by the run log callback, at the record's ``step`` (optimizer steps
+done), and Lightning's own ``log_metrics`` calls to them are dropped, so there is one step axis.
+
+Files go inside the run directory (``<run_dir>/tensorboard``, ``<run_dir>/csv``,
+``<run_dir>/wandb``, ``<run_dir>/mlruns``), at a fixed place so a resumed run continues the
+same logger run: TensorBoard and CSV keep writing the same folder (the CSV file is appended to,
+never replaced), W&B reuses an id derived from the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+#: shorthand -> (import name that must be present, pip command that provides it)
+PACKAGES = {
+    "tensorboard": ("tensorboard", "pip install 'nanolab[tensorboard]'"),
+    "wandb": ("wandb", "pip install 'nanolab[wandb]'"),
+    "mlflow": ("mlflow", "pip install mlflow"),
+    "csv": (None, ""),
+}
+LOGGER_CHOICES = tuple(PACKAGES)
+
+
+class LoggerUnavailableError(ValueError):
+    """The logger's package is not installed; the message gives the pip command."""
+
+
+def check_available(name: str) -> None:
+    """Raise with the pip command when ``--logger name`` cannot be imported here."""
+    module, pip = PACKAGES[name]
+    if module is None:
+        return
+    present = importlib.util.find_spec(module) is not None
+    if name == "tensorboard" and not present:
+        present = importlib.util.find_spec("tensorboardX") is not None  # Lightning takes either
+    if not present:
+        raise LoggerUnavailableError(
+            f"--logger {name} needs the {module} package, which is not installed: {pip}"
+        )
+
+
+def make_logger(name: str, run_dir: Path, run_name: str) -> Any:
+    """The Lightning logger for ``--logger name``, writing inside ``run_dir``."""
+    check_available(name)
+    if name == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        # name/version "": the event files go straight into <run_dir>/tensorboard.
+        return TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
+    if name == "csv":
+        return AppendingCSVLogger(save_dir=str(run_dir), name="csv", version="")
+    if name == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        digest = hashlib.sha1(os.path.realpath(run_dir).encode()).hexdigest()[:8]
+        return WandbLogger(
+            save_dir=str(run_dir),
+            name=run_name,
+            id=f"{run_name}-{digest}",
+            resume="allow",
+            project=os.environ.get("WANDB_PROJECT", "nanolab"),
+        )
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return MLFlowLogger(
+        experiment_name="nanolab",
+        run_name=run_name,
+        tracking_uri=f"file:{(run_dir / 'mlruns').absolute()}",
+    )
+
+
+def _appending_writer() -> type:
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    class AppendingExperimentWriter(ExperimentWriter):
+        """Lightning's CSV writer deletes an existing ``metrics.csv``; a resumed run appends."""
+
+        def _check_log_dir_exists(self) -> None:
+            if self._fs.isfile(self.metrics_file_path):
+                import csv
+
+                with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                    header = next(csv.reader(f), [])
+                self.metrics_keys = sorted(header)
+
+    return AppendingExperimentWriter
+
+
+def _csv_logger_class() -> type:
+    from lightning.pytorch.loggers import CSVLogger
+
+    class _AppendingCSVLogger(CSVLogger):
+        """CSVLogger that keeps the rows an earlier process of the run wrote."""
+
+        @property
+        def experiment(self) -> Any:
+            if self._experiment is None:
+                self._fs.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = _appending_writer()(log_dir=self.log_dir)
+            return self._experiment
+
+    return _AppendingCSVLogger
+
+
+def AppendingCSVLogger(**kwargs: Any) -> Any:
+    """A :class:`~lightning.pytorch.loggers.CSVLogger` that appends to ``metrics.csv``."""
+    return _csv_logger_class()(**kwargs)
+
+
+# -- one step axis ------------------------------------------------------------------------------
+_SKIP = frozenset({"event", "time", "step", "epoch"})
+
+
+def mute_lightning_metrics(trainer: Any) -> None:
+    """Drop Lightning's own ``log_metrics`` calls; :func:`forward_record` uses the original."""
+    for logger in getattr(trainer, "loggers", None) or []:
+        if "_nanolab_log_metrics" in vars(logger):
+            continue
+        logger._nanolab_log_metrics = logger.log_metrics
+        logger.log_metrics = _ignore
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def logger_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """A run-log record's numbers as logger metric names (``train/lr``, ``val/loss``, ...)."""
+    event = record.get("event")
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in _SKIP or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if "/" in key:
+            out.setdefault(key, float(value))
+        elif event == "val" and key.startswith("val_"):
+            out[f"val/{key.removeprefix('val_')}"] = float(value)
+        elif event == "train":
+            out[f"train/{key}"] = float(value)
+    return out
+
+
+def forward_record(trainer: Any, record: dict[str, Any]) -> None:
+    """Send a ``train``/``val`` record to every logger at the record's step (rank 0 only)."""
+    if record.get("event") not in ("train", "val") or not isinstance(record.get("step"), int):
+        return
+    loggers = getattr(trainer, "loggers", None) or []
+    if not loggers:
+        return
+    metrics = logger_metrics(record)
+    if not metrics:
+        return
+    for logger in loggers:
+        log = vars(logger).get("_nanolab_log_metrics", logger.log_metrics)
+        log(metrics, step=int(record["step"]))
+
+
+# -- config.yaml --------------------------------------------------------------------------------
+def run_dir_save_config() -> type:
+    """LightningCLI's config saver, writing ``config.yaml`` into the run directory always.
+
+    Lightning saves it into ``trainer.log_dir``, which moves into the logger's folder
+    (``lightning_logs/version_0/``) as soon as a logger is on; the run directory is where
+    ``nanolab report``, the queue and a resume look for it.
+    """
+    from lightning.pytorch.cli import SaveConfigCallback
+
+    class RunDirSaveConfig(SaveConfigCallback):
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if self.already_saved:
+                return
+            if trainer.is_global_zero:
+                run_dir = Path(trainer.default_root_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                self.parser.save(
+                    self.config,
+                    str(run_dir / self.config_filename),
+                    skip_none=False,
+                    overwrite=self.overwrite,
+                    multifile=self.multifile,
+                )
+                self.save_config(trainer, pl_module, stage)
+            self.already_saved = trainer.strategy.broadcast(True)
+
+    return RunDirSaveConfig

@@ -1,0 +1,78 @@
+"""``--logger``: trackers get the run log's records at its steps, in the run directory.
+
+docs/loggers.md. CSV needs no extra package; TensorBoard is checked when installed.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+from conftest import run_nanolab, tiny_overrides, write_config
+
+from nanolab.runlog import read_records
+
+
+def fit(work: Path, *args: str):
+    res = run_nanolab("fit", "--config", "tiny.yaml", *args, cwd=work)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+@pytest.fixture
+def work(tmp_path, char_dataset) -> Path:
+    write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, Path("runs")))
+    return tmp_path
+
+
+def fit_records(run: Path, event: str) -> dict[int, dict]:
+    return {r["step"]: r for r in read_records(run / "metrics.jsonl", event)}
+
+
+def test_csv_logger_shares_the_run_logs_steps_and_survives_a_resume(work):
+    run = work / "runs" / "tiny"
+    fit(work, "--logger", "csv")
+    first_rows = (run / "csv" / "metrics.csv").read_text().splitlines()[1:]
+    fit(work, "--logger", "csv", "--trainer.max_steps", "9")  # continues the same run
+    rows = list(csv.DictReader((run / "csv" / "metrics.csv").open()))
+    train = {int(r["step"]): r for r in rows if r["train/loss"]}
+    val = {int(r["step"]): r for r in rows if r["val/loss"]}
+    jsonl_train, jsonl_val = fit_records(run, "train"), fit_records(run, "val")
+    assert sorted(train) == sorted(jsonl_train) == list(range(1, 10))
+    assert sorted(val) == sorted(jsonl_val) == [3, 6, 9]
+    for step, record in jsonl_train.items():  # lr and grad_norm reach the logger too
+        for key in ("loss", "lr", "grad_norm", "tokens"):
+            assert float(train[step][f"train/{key}"]) == pytest.approx(record[key], rel=1e-6)
+    for step, record in jsonl_val.items():
+        assert float(val[step]["val/loss"]) == pytest.approx(record["val_loss"], rel=1e-6)
+    # The first process's rows are still there (Lightning's writer would have deleted them).
+    assert len(rows) == 12 and len(first_rows) == 8
+    assert (run / "config.yaml").is_file()
+    assert not (run / "lightning_logs").exists() and not (work / "lightning_logs").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard absent")
+def test_tensorboard_logger_steps_match_the_run_log(work):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = work / "runs" / "tiny"
+    fit(work, "--logger", "tensorboard")
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    for tag, event in (("train/loss", "train"), ("train/lr", "train"), ("val/loss", "val")):
+        assert [s.step for s in events.Scalars(tag)] == sorted(fit_records(run, event))
+    assert (run / "config.yaml").is_file() and not (run / "lightning_logs").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed")
+def test_a_missing_logger_package_is_one_line_with_the_pip_command(work):
+    res = run_nanolab("fit", "--config", "tiny.yaml", "--logger", "wandb", cwd=work)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
+    assert last == (
+        "nanolab fit: error: --logger wandb needs the wandb package, which is not installed: "
+        "pip install 'nanolab[wandb]'"
+    )
+    assert not (work / "runs").exists()
