@@ -8,7 +8,7 @@ parse as a JSON object, and the writer starts its first record on a fresh line w
 not end with a newline, so a resumed run never glues its records onto the broken one.
 
 Every record has ``event`` (``start``, ``train``, ``val``, ``budget``, ``checkpoint``, ``end``),
-``time`` (unix seconds) and ``step`` (optimizer steps done); the README documents each event.
+``time`` (unix seconds) and ``step`` (optimizer steps done); docs/callbacks.md documents each event.
 """
 
 from __future__ import annotations

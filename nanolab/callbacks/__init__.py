@@ -1,6 +1,6 @@
 """Lightning callbacks that account for every GPU-hour of a run.
 
-* :class:`MetricsLog` — ``<run_dir>/metrics.jsonl``, the run log (schema in the README);
+* :class:`MetricsLog` — ``<run_dir>/metrics.jsonl``, the run log (schema in docs/callbacks.md);
 * :class:`RotatingCheckpoint` — atomic, optionally asynchronous checkpoints with rotation;
 * :class:`CostBudget` — GPU-hour / money / wall-time / token budgets, payoff and plateau stops;
 * :class:`ThroughputMeter` — tokens/s, MFU, memory, utilisation, goodput;

@@ -1,7 +1,7 @@
 """The run log callback: ``<run_dir>/metrics.jsonl``, one flushed JSON line per record.
 
 ``tail -1 runs/x/metrics.jsonl | jq .loss`` is current to the last logged step; ``nanolab report``
-and the queue read the same file with :func:`nanolab.runlog.read_records`. The schema (README,
+and the queue read the same file with :func:`nanolab.runlog.read_records`. The schema (docs/callbacks.md,
 "Callbacks") is the contract; this module only assembles records:
 
 * ``start`` once per process (after the checkpoint, if any, is restored);
@@ -57,7 +57,7 @@ TRAIN_FIELDS = (
 
 
 class MetricsLog(Callback):
-    """Writes the run log ``<run_dir>/metrics.jsonl`` (schema in the README).
+    """Writes the run log ``<run_dir>/metrics.jsonl`` (schema in docs/callbacks.md).
 
     Args:
         every_n_steps: Optimizer steps between ``train`` records (1 = every step).
