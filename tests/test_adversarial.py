@@ -478,12 +478,6 @@ CASES: list[Case] = [
         EXIT_USAGE, "another run", setup=_finished_runs,
     ),
     Case(
-        "fit-ckpt_path-foreign-into-new-run-dir",  # fine-tuning from it: a new run directory
-        (*FIT, "--run.name", "finetune", "--model.gpt.n_layer=3", "--trainer.max_steps=8",
-         "--ckpt_path", "{runs}/shape3/checkpoints/last.ckpt"),
-        0, "", setup=_finished_runs,
-    ),
-    Case(
         "validate-writes-nothing-into-the-run",  # it used to rewrite the run's config.yaml
         ("validate", "--config", "{cfg}", "--run.name", "base", "--model.gpt.dropout=0.1",
          "--ckpt_path", "{runs}/base/checkpoints/last.ckpt"),
@@ -715,10 +709,13 @@ def test_fresh_start_while_the_run_is_live_is_refused(ws):
 def test_foreign_checkpoint_starts_a_new_run_with_its_own_id(ws):
     """Item 1, the allowed half: fine-tuning from another run's checkpoint in a new directory."""
     _finished_runs(ws)
+    before = _digests(ws.runs)
     args = ("--run.name", "ft", "--model.gpt.n_layer=3", "--trainer.max_steps=8")
-    resume = ("--run.resume", "{runs}/shape3/checkpoints/last.ckpt")
+    resume = ("--ckpt_path", "{runs}/shape3/checkpoints/last.ckpt")
     res = run_case(Case("finetune", (*FIT, *args, *resume), 0, ""), ws)
     assert res.returncode == 0, res.stderr[-3000:]
+    after = _digests(ws.runs)
+    assert all(after.get(k) == v for k, v in before.items())  # the parent run is untouched
     parent = _records(ws.runs / "shape3", "start")[0]
     start = _records(ws.runs / "ft", "start")[0]
     assert start["run_id"] != parent["run_id"]
@@ -766,14 +763,15 @@ def test_clock_starts_when_nanolab_starts_not_the_exec_ing_shell(ws):
         f"sleep {pause} && exec {shlex.quote(sys.executable)} -m nanolab fit "
         f"--config {shlex.quote(str(ws.cfg))} --run.name clock"
     )
-    started = time.monotonic()
+    launched = time.time()
     res = subprocess.run(
         ["sh", "-c", cmd], cwd=ws.work, env=_env(), capture_output=True, text=True, timeout=300
     )
-    wall = time.monotonic() - started
     assert res.returncode == 0, res.stderr[-3000:]
     end = _records(ws.runs / "clock", "end")[-1]
-    assert end["elapsed_s"] < wall - pause + 0.5, (end["elapsed_s"], wall)
+    # nanolab started after the sleep, so at most (end record's time - launch - sleep) passed.
+    since_nanolab_could_start = end["time"] - (launched + pause)
+    assert end["elapsed_s"] <= since_nanolab_could_start + 0.25, (end, launched)
     assert end["elapsed_s"] > 0.5  # imports and start-up are still the run's time
 
 
@@ -816,7 +814,8 @@ def test_queue_marks_a_diverged_job_failed_and_moves_on(ws):
     """Item 5: the queue reads exit 3 / reason diverged as failed, then runs the next job."""
     cfg = _diverging_config(ws)
     db = ws.work / "q.db"
-    for args in (("--name", "div"), ("--name", "ok", "--set", "model.optimizer.lr=1e-3")):
+    ok = ("--name", "ok", "--set", "model.optimizer.lr=1e-3", "--set", "trainer.max_steps=3")
+    for args in (("--name", "div"), ok):
         res = run_nanolab("queue", "add", str(cfg), "--db", str(db), *args, cwd=ws.work)
         assert res.returncode == 0, res.stderr
     res = run_nanolab("queue", "run", "--db", str(db), cwd=ws.work, timeout=600)
@@ -824,15 +823,6 @@ def test_queue_marks_a_diverged_job_failed_and_moves_on(ws):
     jobs = {j.name: j for j in QueueDB(db).jobs()}
     assert jobs["div"].status == "failed" and jobs["div"].detail.startswith("diverged at step")
     assert jobs["ok"].status == "done"
-
-
-def test_lr_refused_at_parse_time_by_fit_and_queue_add(ws):
-    """Item 5: non-finite or non-positive learning rates never start a run."""
-    for value in (".nan", ".inf", "-.inf", "-1e-3"):
-        res = run_case(Case(value, (*FIT, f"--model.optimizer.lr={value}"), 2, ""), ws)
-        assert res.returncode == EXIT_USAGE, res.stderr[-2000:]
-        assert "model.optimizer.lr" in last_line(res.stderr) and "Traceback" not in res.stderr
-    assert not (ws.runs / "tiny").exists()
 
 
 HOLD_LOCK = """
