@@ -9,6 +9,7 @@ Each test names, in its docstring, the mutation of nanolab it was seen to catch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,23 @@ def probe_env() -> dict[str, str]:
     for name in ENV_NAMES:
         env.pop(name, None)  # what a job sees must come from the runner
     return env
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes(tmp_path: Path):
+    """A failed wait leaves a `queue run --wait` runner and its jobs behind: kill every process
+    whose command line names this test's folder, so nothing outlives the test."""
+    yield
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if str(tmp_path).encode() in cmdline:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), signal.SIGKILL)
 
 
 def start_runner(tmp_path: Path, db: Path, out: Path, *args: str) -> subprocess.Popen:
@@ -67,12 +85,6 @@ def job_config(tmp_path: Path, dataset: Path, name: str, steps: int, callbacks: 
 
 def seen_env(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(run_dir.glob("env-*.json"))]
-
-
-def span(run_dir: Path) -> tuple[float, float]:
-    """(start, end) wall time of a run, from its log."""
-    records = read_records(run_dir / "metrics.jsonl")
-    return records[0]["time"], read_records(run_dir / "metrics.jsonl", "end")[-1]["time"]
 
 
 @pytest.mark.timeout(600)
@@ -128,9 +140,10 @@ def test_gpus_give_each_job_its_ids_and_until_defers_what_would_end_late(
     assert sorted(s["global_rank"] for s in wide) == [0, 1]
     assert all(s["CUDA_VISIBLE_DEVICES"] == s["HIP_VISIBLE_DEVICES"] == "0,1" for s in wide)
     assert not (runs / "long").exists()
-    (a0, a1), (b0, b1), (w0, _) = span(runs / "one-s1"), span(runs / "one-s2"), span(runs / "wide")
-    assert a0 < b1 and b0 < a1  # the two 1-device jobs overlapped
-    assert w0 > max(a1, b1)  # the 2-device job waited for both ids
+    # Process lifetimes as the runner recorded them (spawn to exit):
+    a, b, w = jobs["one-s1"], jobs["one-s2"], jobs["wide"]
+    assert a.last_started < b.ended and b.last_started < a.ended  # the 1-device jobs overlapped
+    assert w.last_started >= max(a.ended, b.ended)  # the 2-device job waited for both ids
 
 
 @pytest.mark.timeout(600)
@@ -139,7 +152,8 @@ def test_wait_slots_rm_and_a_second_ctrl_c(tmp_path, char_dataset, monkeypatch):
     later, both at once; ``queue rm`` of one of them makes it checkpoint at its step boundary
     and stop (exit 75), and the runner lets it go; Ctrl-C to the runner asks the other to
     checkpoint, and a second Ctrl-C stops it at once, without a checkpoint (each step takes
-    1.5 s here, so both Ctrl-Cs land inside one step).
+    10 s here once the job has its first signal, ``cli_probes.LingerAfterSignal``, so the
+    second Ctrl-C lands inside it every time).
 
     Mutations caught: ``--wait`` ignored (the runner exits on the empty queue); ``--slots``
     ignored (the second job never starts while the first runs); ``queue rm`` not signalling a
@@ -147,15 +161,18 @@ def test_wait_slots_rm_and_a_second_ctrl_c(tmp_path, char_dataset, monkeypatch):
     checkpoints and exits 75: "interrupted at step N").
     """
     monkeypatch.chdir(tmp_path)
-    slow = [{"class_path": "cli_probes.SlowSteps", "init_args": {"seconds": 1.5}}]
-    cfg = job_config(tmp_path, char_dataset, "slow", 100_000, slow)
+    slow = [{"class_path": "cli_probes.SlowSteps", "init_args": {"seconds": 0.2}}]
+    linger = [{"class_path": "cli_probes.LingerAfterSignal", "init_args": {"seconds": 10.0}}]
+    removed = job_config(tmp_path, char_dataset, "removed", 100_000, slow)
+    stopped = job_config(tmp_path, char_dataset, "stopped", 100_000, slow + linger)
     db = tmp_path / "q.db"
     out = tmp_path / "runner.out"
     runner = start_runner(tmp_path, db, out, "--slots", "2", "--wait")
     wait_until(lambda: "2 CPU slot(s)" in out.read_text(), "the runner to start", runner, out)
     time.sleep(1.0)  # an empty queue: a runner without --wait would be gone by now
     assert runner.poll() is None, out.read_text()
-    assert main(["add", str(cfg), "--db", str(db), "--seeds", "1,2"]) == 0
+    assert main(["add", str(removed), "--db", str(db), "--name", "slow-s1"]) == 0
+    assert main(["add", str(stopped), "--db", str(db), "--name", "slow-s2"]) == 0
     runs = tmp_path / "runs"
 
     def training(name: str) -> bool:
@@ -178,10 +195,14 @@ def test_wait_slots_rm_and_a_second_ctrl_c(tmp_path, char_dataset, monkeypatch):
 
     runner.send_signal(signal.SIGINT)
     wait_until(lambda: "SIGINT: asking 1 job(s)" in out.read_text(), "Ctrl-C", runner, out)
+    job_log = Path(QueueDB(db).jobs()[0].log)
+    # A person's second Ctrl-C comes after the job got the first (two signals sent within a
+    # moment can reach the job as one).
+    wait_until(lambda: "received SIGTERM" in job_log.read_text(), "the job's signal", runner, out)
     runner.send_signal(signal.SIGINT)
     assert runner.wait(timeout=120) == 75, out.read_text()[-3000:]
     assert "SIGINT again: stopping jobs now" in out.read_text()
     (job,) = QueueDB(db).jobs()
     assert (job.status, job.detail) == ("preempted", "stopped with the runner (SIGTERM)")
-    assert "second SIGTERM: exiting now without a checkpoint" in Path(job.log).read_text()
+    assert "second SIGTERM: exiting now without a checkpoint" in job_log.read_text()
     assert not list((runs / "slow-s2" / "checkpoints").glob("step-*.ckpt"))
