@@ -47,6 +47,22 @@ class SlowSteps(L.Callback):
         time.sleep(self.seconds)
 
 
+class LingerAfterSignal(L.Callback):
+    """Once the run's preemption handler has a signal, holds the step's end for ``seconds``
+    (once): a step that ends slowly, so a second signal surely arrives before the checkpoint."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._done = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._done:
+            return
+        if any(getattr(cb, "received", None) is not None for cb in trainer.callbacks):
+            self._done = True
+            time.sleep(self.seconds)
+
+
 class EnvProbe(L.Callback):
     """Writes the named environment variables to ``<run_dir>/env-<pid>.json`` (every rank)."""
 
