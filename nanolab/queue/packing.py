@@ -297,14 +297,15 @@ def describe_start(s: Start, device: Device, rules: Rules, peak: int | None) -> 
     if s.cap is None or peak is None:
         return f"job {s.job.id} {s.job.name}: alone on {device.label}"
     cap = (
-        "(a CPU allocator has no cap)"
+        " (a CPU allocator has no cap)"
         if device.label == "cpu"
-        else f"allocator cap {gib(s.cap)} ({s.cap / device.capacity:.3f} of {gib(device.capacity)})"
+        else f"; allocator cap {gib(s.cap)} ({s.cap / device.capacity:.3f} of "
+        f"{gib(device.capacity)})"
     )
     return (
         f"job {s.job.id} {s.job.name}: predicted peak {gib(peak)} + margin "
         f"{rules.margin:.0%} {gib(s.cap - peak)} + overhead {gib(rules.overhead)} = "
-        f"{gib(s.reserved)} reserved on {device.label}; {cap}"
+        f"{gib(s.reserved)} reserved on {device.label}{cap}"
     )
 
 
