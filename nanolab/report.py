@@ -8,6 +8,10 @@ is the one that counts, so curves and "best" figures come from the surviving tim
 
 Runs whose configs differ only in the seed and the run name are grouped, with the mean and
 standard deviation of their final validation loss: one seed is an anecdote.
+
+``--forecast`` (and ``--target-loss X``) fits each run's validation curve with
+:mod:`nanolab.forecast` and says what it will reach at ``trainer.max_steps``, and the tokens,
+GPU-hours and cost to reach ``X``; a seed group's points are fitted together.
 """
 
 from __future__ import annotations
@@ -450,8 +454,11 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
 
 
 # -- plotting -------------------------------------------------------------------------------
-def plot_runs(runs: list[tuple[RunSummary, Path]], out: Path, x: str) -> None:
-    """Train and val loss of each run against tokens or GPU-hours, written atomically to ``out``."""
+def plot_runs(
+    runs: list[tuple[RunSummary, Path]], out: Path, x: str, forecasts: dict | None = None
+) -> None:
+    """Train and val loss of each run against tokens or GPU-hours, written atomically to ``out``;
+    with ``forecasts`` (tokens axis), each run's fitted curve dashed to max_steps, with its band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -478,6 +485,9 @@ def plot_runs(runs: list[tuple[RunSummary, Path]], out: Path, x: str) -> None:
             ax_val.plot(
                 *zip(*points_v, strict=True), marker="o", ms=3, lw=1.2, color=color, label=s.run
             )
+        f = (forecasts or {}).get(s.run)
+        if f is not None and f.fit is not None and f.final_tokens and x == "tokens" and points_v:
+            _plot_forecast(ax_val, f, points_v[0][0], color)
     if missing:
         plt.close(fig)
         raise ReportError(
@@ -506,6 +516,21 @@ def plot_runs(runs: list[tuple[RunSummary, Path]], out: Path, x: str) -> None:
         plt.close(fig)
         if tmp.exists():
             tmp.unlink()
+
+
+def _plot_forecast(ax: Any, f: Any, start: float, color: Any) -> None:
+    """The fitted curve from the first val point to max_steps (dashed) and its 5-95% band."""
+    import numpy as np
+
+    from nanolab.forecast import CurveFit
+
+    p = f.fit
+    fit = CurveFit(p["E"], p["A"], p["alpha"], p["d0"], p["rmse"], p["n"], np.empty((0, 3)))
+    xs = np.linspace(start, f.final_tokens, 60)
+    ax.plot(xs, [fit.predict(v) for v in xs], ls="--", lw=1.0, color=color)
+    lo, hi = f.final_band
+    ax.errorbar([f.final_tokens], [f.final_loss], yerr=[[f.final_loss - lo], [hi - f.final_loss]],
+                fmt="none", capsize=4, color=color)  # fmt: skip
 
 
 def _points(
@@ -561,7 +586,103 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--x", choices=("tokens", "gpu_hours"), default="tokens", help="x axis of --plot"
     )
+    p.add_argument(
+        "--forecast",
+        action="store_true",
+        help="fit L = E + A*D^-alpha to each run's val curve: the final val loss at max_steps "
+        "with a 5-95%% range (dashed in --plot)",
+    )
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        metavar="LOSS",
+        help="with the forecast: tokens, GPU-hours and cost to reach this val loss",
+    )
     return p
+
+
+# -- forecasts ------------------------------------------------------------------------------
+def forecast_inputs(run_dir: Path) -> dict[str, Any]:
+    """What a forecast of one run needs from its log: (tokens, val loss) points, tokens at
+    ``trainer.max_steps``, and GPU-hours and cost per token so far."""
+    records = read_run(run_dir)[0]
+    val = _last_by_step([r for r in records if r.get("event") == "val"])
+    train = _last_by_step([r for r in records if r.get("event") == "train"])
+    points = [
+        (t, v)
+        for t, v in ((_num(r.get("tokens")), _num(r.get("val_loss"))) for r in val)
+        if t is not None and v is not None and t > 0
+    ]
+    starts = [r for r in records if r.get("event") == "start"]
+    config = _config_of(starts[-1] if starts else None, run_dir) or {}
+    max_steps = _num((config.get("trainer") or {}).get("max_steps"))
+    last = next((r for r in reversed(train) if _num(r.get("tokens")) and r.get("step")), None)
+    per_step = _num(last["tokens"]) / int(last["step"]) if last else None
+    final = max_steps * per_step if max_steps and max_steps > 0 and per_step else None
+    tokens = _num((last or {}).get("tokens"))
+    gpu_h, cost = _num(_last_value(train, "gpu_hours")), _num(_last_value(train, "cost"))
+    return {
+        "points": points,
+        "final_tokens": final,
+        "gpu_hours_per_token": gpu_h / tokens if gpu_h and tokens else None,
+        "cost_per_token": cost / tokens if cost and tokens else None,
+    }
+
+
+def forecasts(
+    selected: list[tuple[str, Path]], groups: list[SeedGroup], target: float | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Forecasts per run and per seed group (the group's points fitted together)."""
+    from nanolab.forecast import forecast
+
+    inputs = {name: forecast_inputs(d) for name, d in selected}
+    runs = {
+        name: forecast(
+            i["points"], i["final_tokens"], target, i["gpu_hours_per_token"], i["cost_per_token"]
+        )
+        for name, i in inputs.items()
+    }
+    by_group = {}
+    for g in groups:
+        members = [inputs[r] for r in g.runs if r in inputs]
+        points = [p for m in members for p in m["points"]]
+        finals = [m["final_tokens"] for m in members if m["final_tokens"]]
+        rate = [m["gpu_hours_per_token"] for m in members if m["gpu_hours_per_token"]]
+        price = [m["cost_per_token"] for m in members if m["cost_per_token"]]
+        by_group[g.label] = forecast(
+            points,
+            max(finals) if finals else None,
+            target,
+            statistics.fmean(rate) if rate else None,
+            statistics.fmean(price) if price else None,
+        )
+    return runs, by_group
+
+
+def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float | None) -> str:
+    head = "forecast: L = E + A*D^-alpha fitted to the val curve; [5%, 95%] of a residual bootstrap"
+    out = ["", head]
+    for label, f in [*runs.items(), *((f"group {k}", v) for k, v in groups.items())]:
+        if f.fit is None:
+            out.append(f"  {label}: no forecast ({f.note})")
+            continue
+        text = f"  {label}: {f.points} val points, E={f.fit['E']:.3f} alpha={f.fit['alpha']:.3f}"
+        if f.final_loss is not None:
+            lo, hi = f.final_band
+            text += (f"; at max_steps ({_si(f.final_tokens)} tokens): {f.final_loss:.4f} "
+                     f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
+        if target is not None:
+            if f.target_tokens is None:
+                text += f"; {target}: {f.note}"
+            else:
+                lo, hi = f.target_band
+                text += f"; to {target}: {_si(f.target_tokens)} tokens [{_si(lo)}, {_si(hi)}]"
+                if f.target_gpu_hours is not None:
+                    text += f", {f.target_gpu_hours:.3g} GPU-h"
+                if f.target_cost is not None:
+                    text += f", {_money(f.target_cost)}"
+        out.append(text)
+    return "\n".join(out)
 
 
 def _select(found: list[tuple[str, Path]], patterns: list[str]) -> list[tuple[str, Path]]:
@@ -604,9 +725,15 @@ def main(argv: list[str] | None = None) -> int:
         now = time.time()
         summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
         groups = seed_groups(summaries)
+        want_forecast = args.forecast or args.target_loss is not None
+        if args.target_loss is not None and not math.isfinite(args.target_loss):
+            raise ReportError(f"--target-loss {args.target_loss}: give a finite loss, e.g. 1.5")
+        run_fc, group_fc = (
+            forecasts(selected, groups, args.target_loss) if want_forecast else ({}, {})
+        )
         if args.plot is not None:
             dirs = dict(selected)
-            plot_runs([(s, dirs[s.run]) for s in summaries], args.plot, args.x)
+            plot_runs([(s, dirs[s.run]) for s in summaries], args.plot, args.x, run_fc)
     except ReportError as err:
         print(f"nanolab report: error: {err}", file=sys.stderr)
         return 2
@@ -615,9 +742,15 @@ def main(argv: list[str] | None = None) -> int:
             "runs": [{k: v for k, v in asdict(s).items() if k != "group"} for s in summaries],
             "seed_groups": [asdict(g) for g in groups],
         }
+        if want_forecast:
+            payload["forecasts"] = {k: asdict(v) for k, v in run_fc.items()}
+            payload["group_forecasts"] = {k: asdict(v) for k, v in group_fc.items()}
         print(json.dumps(payload, indent=2, default=str))
     else:
         print(format_table(summaries, groups))
+        if want_forecast:
+            ordered = {s.run: run_fc[s.run] for s in summaries}
+            print(format_forecasts(ordered, group_fc, args.target_loss))
     if args.plot is not None:
         print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

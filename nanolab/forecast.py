@@ -1,0 +1,228 @@
+"""Where is this run going? A saturating power law fitted to its validation curve.
+
+    L(D) = E + A * (D / D0) ** -alpha        D: tokens trained, D0: the first point's tokens
+
+``E`` is the loss the run would approach with endless data at this model size, ``A`` and
+``alpha`` how fast it gets there. Fitted by least squares: for a fixed ``alpha`` the model is
+linear in ``(E, A)``, so ``alpha`` is searched on a log grid (then refined) and ``(E, A)`` solved
+exactly (with ``A >= 0``) at each, which never diverges the way a joint Newton fit can on a short,
+noisy curve. NumPy only.
+
+The uncertainty is a residual bootstrap: the fitted curve plus resampled residuals, refitted
+``bootstrap`` times; predictions are reported as the median and the 5-95% range of those fits.
+It describes the noise of the points, not a wrong model: a learning-rate schedule that decays
+late (cosine) bends the curve down where a power law does not, so the band can be too narrow
+at long range. ``benches/forecast_check.py`` measures the real error on finished runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Fewest points a fit is attempted with (three parameters, and some left to judge them).
+MIN_POINTS = 5
+#: Range of exponents searched (token exponents of LM losses are ~0.05-0.5).
+ALPHA_RANGE = (0.005, 3.0)
+
+
+class ForecastError(ValueError):
+    """A curve that cannot be fitted (too few points, non-finite values, no tokens)."""
+
+
+@dataclass
+class CurveFit:
+    """A fitted ``L(D) = E + A (D/D0)^-alpha`` with bootstrap parameter samples.
+
+    Attributes:
+        E, A, alpha, d0: The parameters (``d0`` in tokens).
+        rmse: Root-mean-square residual of the fit.
+        n: Points fitted.
+        samples: Bootstrap refits, one ``(E, A, alpha)`` row each.
+    """
+
+    E: float
+    A: float
+    alpha: float
+    d0: float
+    rmse: float
+    n: int
+    samples: np.ndarray
+
+    def predict(self, tokens: float) -> float:
+        return float(self.E + self.A * (tokens / self.d0) ** -self.alpha)
+
+    def _sample_predictions(self, tokens: float) -> np.ndarray:
+        e, a, al = self.samples[:, 0], self.samples[:, 1], self.samples[:, 2]
+        return e + a * (tokens / self.d0) ** -al
+
+    def band(self, tokens: float, q: tuple[float, float] = (5.0, 95.0)) -> tuple[float, float]:
+        """The ``q`` percentiles of the bootstrap fits' predictions at ``tokens``."""
+        preds = self._sample_predictions(tokens)
+        lo, hi = np.percentile(preds, q)
+        return float(lo), float(hi)
+
+    def tokens_to(self, target: float) -> float:
+        """Tokens at which the fitted curve reaches ``target`` (inf: never, it is <= E)."""
+        return _tokens_to(self.E, self.A, self.alpha, self.d0, target)
+
+    def tokens_to_band(
+        self, target: float, q: tuple[float, float] = (5.0, 95.0)
+    ) -> tuple[float, float]:
+        values = [_tokens_to(e, a, al, self.d0, target) for e, a, al in self.samples]
+        lo, hi = np.percentile(np.array(values), q)
+        return float(lo), float(hi)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"E": self.E, "A": self.A, "alpha": self.alpha, "d0": self.d0,
+                "rmse": self.rmse, "n": self.n}  # fmt: skip
+
+
+def _tokens_to(E: float, A: float, alpha: float, d0: float, target: float) -> float:
+    if target <= E or A <= 0 or alpha <= 0:
+        return math.inf
+    return float(d0 * (A / (target - E)) ** (1.0 / alpha))
+
+
+def _solve(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[float, float, float]:
+    """(E, A, sum of squared residuals) for a fixed ``alpha``, with ``A >= 0``."""
+    f = x**-alpha
+    fm, ym = f.mean(), y.mean()
+    var = ((f - fm) ** 2).sum()
+    A = float(((f - fm) * (y - ym)).sum() / var) if var > 0 else 0.0
+    A = max(A, 0.0)
+    E = float(ym - A * fm)
+    sse = float(((E + A * f - y) ** 2).sum())
+    return E, A, sse
+
+
+def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float]:
+    """(E, A, alpha, sse) minimising the squared error; ``x`` is tokens / d0."""
+    grid = np.geomspace(*ALPHA_RANGE, 80)
+    f = x[None, :] ** -grid[:, None]  # one row per alpha: the same closed form as _solve
+    fc_ = f - f.mean(axis=1, keepdims=True)
+    yc = y - y.mean()
+    A = np.maximum((fc_ * yc).sum(axis=1) / np.maximum((fc_**2).sum(axis=1), 1e-300), 0.0)
+    E = y.mean() - A * f.mean(axis=1)
+    sses = ((E[:, None] + A[:, None] * f - y[None, :]) ** 2).sum(axis=1)
+    i = int(np.argmin(sses))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    # Golden-section refinement on log(alpha) between the grid neighbours.
+    g = (math.sqrt(5) - 1) / 2
+    a, b = math.log(lo), math.log(hi)
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = _solve(x, y, math.exp(c))[2], _solve(x, y, math.exp(d))[2]
+    for _ in range(30):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = _solve(x, y, math.exp(c))[2]
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = _solve(x, y, math.exp(d))[2]
+    alpha = math.exp((a + b) / 2)
+    E, A, sse = _solve(x, y, alpha)
+    return E, A, alpha, sse
+
+
+def fit_loss_curve(
+    tokens: Sequence[float],
+    losses: Sequence[float],
+    *,
+    bootstrap: int = 200,
+    seed: int = 0,
+) -> CurveFit:
+    """Fit ``L(D) = E + A (D/D0)^-alpha`` to (tokens, loss) points; see the module docstring.
+
+    Raises:
+        ForecastError: fewer than :data:`MIN_POINTS` usable points (finite, tokens > 0).
+    """
+    pts = sorted(
+        (float(d), float(v))
+        for d, v in zip(tokens, losses, strict=True)
+        if d is not None and v is not None and math.isfinite(d) and math.isfinite(v) and d > 0
+    )
+    if len(pts) < MIN_POINTS:
+        raise ForecastError(
+            f"{len(pts)} usable validation point(s); a forecast needs at least {MIN_POINTS}"
+        )
+    d = np.array([p[0] for p in pts])
+    y = np.array([p[1] for p in pts])
+    d0 = float(d[0])
+    x = d / d0
+    E, A, alpha, sse = _fit(x, y)
+    fitted = E + A * x**-alpha
+    resid = y - fitted
+    rng = np.random.default_rng(seed)
+    samples = np.empty((bootstrap, 3))
+    for k in range(bootstrap):
+        yb = fitted + rng.choice(resid, size=len(resid), replace=True)
+        eb, ab, alb, _ = _fit(x, yb)
+        samples[k] = (eb, ab, alb)
+    return CurveFit(E, A, alpha, d0, math.sqrt(sse / len(y)), len(y), samples)
+
+
+# -- a run's forecast, as `nanolab report --forecast` shows it -----------------------------------
+@dataclass
+class RunForecast:
+    """What a run's validation curve says about its end and about a target loss.
+
+    Attributes:
+        points: Validation points fitted.
+        fit: The fitted parameters (``CurveFit.to_dict``), None when no fit was possible.
+        final_tokens: Tokens at ``trainer.max_steps``; ``final_loss``/``final_band``: the
+            forecast there (median fit and its 5-95% range).
+        target / target_tokens / target_band: tokens to reach ``--target-loss`` (None: the
+            fitted floor ``E`` is above it, so never), and the GPU-hours and cost of getting
+            there at the run's own rate so far.
+        note: Why something is missing.
+    """
+
+    points: int
+    fit: dict | None = None
+    final_tokens: float | None = None
+    final_loss: float | None = None
+    final_band: tuple[float, float] | None = None
+    target: float | None = None
+    target_tokens: float | None = None
+    target_band: tuple[float, float] | None = None
+    target_gpu_hours: float | None = None
+    target_cost: float | None = None
+    note: str | None = None
+
+
+def forecast(
+    points: list[tuple[float, float]],
+    final_tokens: float | None,
+    target: float | None = None,
+    gpu_hours_per_token: float | None = None,
+    cost_per_token: float | None = None,
+    bootstrap: int = 200,
+) -> RunForecast:
+    """Fit ``points`` (tokens, val loss) and forecast the end of the run and a target."""
+    out = RunForecast(points=len(points), final_tokens=final_tokens, target=target)
+    try:
+        fit = fit_loss_curve([p[0] for p in points], [p[1] for p in points], bootstrap=bootstrap)
+    except ForecastError as err:
+        out.note = str(err)
+        return out
+    out.fit = fit.to_dict()
+    if final_tokens:
+        out.final_loss = fit.predict(final_tokens)
+        out.final_band = fit.band(final_tokens)
+    if target is not None:
+        need = fit.tokens_to(target)
+        if math.isinf(need):
+            out.note = f"the fitted floor E={fit.E:.4f} is above {target}: not reachable"
+        else:
+            out.target_tokens = need
+            out.target_band = fit.tokens_to_band(target)
+            if gpu_hours_per_token:
+                out.target_gpu_hours = need * gpu_hours_per_token
+            if cost_per_token:
+                out.target_cost = need * cost_per_token
+    return out
