@@ -69,7 +69,7 @@ def test_too_few_points_is_one_clear_error() -> None:
         fit_loss_curve([1, 2, 3, float("nan"), 0], [3.0, 2.5, 2.2, 2.0, 1.9])
 
 
-def _write_run(root: Path, name: str, seed: int, max_steps: int = 400) -> None:
+def _write_run(root: Path, name: str, seed: int, max_steps: int = 400, last: int = 160) -> None:
     """A run log as ``nanolab fit`` writes it: 1000 tokens per step, val every 10 steps on the
     known curve (plus noise), GPU-hours and cost counted per step."""
     run = root / name
@@ -77,7 +77,7 @@ def _write_run(root: Path, name: str, seed: int, max_steps: int = 400) -> None:
     rng = np.random.default_rng(seed)
     config = {"seed_everything": seed, "trainer": {"max_steps": max_steps}, "run": {"name": name}}
     lines = [{"event": "start", "time": 0.0, "step": 0, "config": config}]
-    for step in range(10, 161, 10):  # trained 160 of 400 steps so far (still running)
+    for step in range(10, last + 1, 10):  # by default 160 of 400 steps so far (still running)
         tokens = 1000 * step
         lines.append({"event": "train", "time": float(step), "step": step, "tokens": tokens,
                       "loss": 3.0, "gpu_hours": step * 1e-3, "cost": step * 2e-3})  # fmt: skip
@@ -121,3 +121,31 @@ def test_report_forecast_and_target_loss(tmp_path: Path, capsys) -> None:
     assert "forecast: L = E + A*D^-alpha" in table and "at max_steps (400k tokens)" in table
     assert "1.0: the fitted floor" in table and "not reachable" in table
     assert "group exp" in table
+
+
+def test_forecast_check_bench_on_a_finished_run(tmp_path: Path, capsys) -> None:
+    """``benches/forecast_check.py`` cuts a finished run's curve at 30% and 50% of its tokens,
+    forecasts the final val loss from each part and prints the error: small on a run that
+    follows the power law (noise sd 0.002). Unfinished runs are left out.
+
+    Mutations caught: the cut compared with the first point's tokens instead of the last's;
+    running runs checked against a final loss they have not reached.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "forecast_check", Path(__file__).resolve().parents[1] / "benches" / "forecast_check.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _write_run(tmp_path, "live", seed=3)  # still running: skipped
+    _write_run(tmp_path, "done", seed=4, max_steps=400, last=400)
+    with (tmp_path / "done" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "end", "time": 401.0, "step": 400, "reason": "completed",
+                            "tokens": 400_000}) + "\n")  # fmt: skip
+    assert bench.main([str(tmp_path), "--cuts", "0.3", "0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("done ")]
+    assert [(r[1], r[2]) for r in rows] == [("30%", "12"), ("50%", "20")], out
+    assert all(abs(float(r[-2])) < 0.05 for r in rows), out
+    assert "live" not in out and "fitted on the first 30%: mean |error|" in out
