@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             errors[cut].append(pred - actual)
             inside[cut] += hit
             rows.append(f"{name:<16} {cut:>4.0%}  {len(seen):>3}  {pred:8.4f} [{lo:.4f}, {hi:.4f}]"
-                        f"  {actual:8.4f}  {pred - actual:+8.4f}  {'yes' if hit else 'no'}")  # fmt: skip
+                        f"  {actual:8.4f}  {pred - actual:+8.4f}  {'yes' if hit else 'no'}"
+                        + ("  (degenerate: no saturation seen)" if fit.degenerate else ""))  # fmt: skip
     if not rows:
         print("forecast_check: no finished run with a validation curve found", file=sys.stderr)
         return 1

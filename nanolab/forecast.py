@@ -42,6 +42,11 @@ class CurveFit:
         rmse: Root-mean-square residual of the fit.
         n: Points fitted.
         samples: Bootstrap refits, one ``(E, A, alpha)`` row each.
+
+    ``degenerate``: ``alpha`` ended at the edge of its search range or the floor ``E`` at
+    zero, i.e. the points show no saturation yet (a straight descent, or a plateau before a
+    second drop): the curve's form is not a power law there and the forecast is not to be
+    trusted.
     """
 
     E: float
@@ -51,6 +56,11 @@ class CurveFit:
     rmse: float
     n: int
     samples: np.ndarray
+
+    @property
+    def degenerate(self) -> bool:
+        inside = ALPHA_RANGE[0] * 1.05 < self.alpha < ALPHA_RANGE[1] * 0.95
+        return not inside or self.E <= 0.0
 
     def predict(self, tokens: float) -> float:
         return float(self.E + self.A * (tokens / self.d0) ** -self.alpha)
@@ -78,7 +88,7 @@ class CurveFit:
 
     def to_dict(self) -> dict[str, float | int]:
         return {"E": self.E, "A": self.A, "alpha": self.alpha, "d0": self.d0,
-                "rmse": self.rmse, "n": self.n}  # fmt: skip
+                "rmse": self.rmse, "n": self.n, "degenerate": self.degenerate}  # fmt: skip
 
 
 def _tokens_to(E: float, A: float, alpha: float, d0: float, target: float) -> float:
@@ -88,25 +98,34 @@ def _tokens_to(E: float, A: float, alpha: float, d0: float, target: float) -> fl
 
 
 def _solve(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[float, float, float]:
-    """(E, A, sum of squared residuals) for a fixed ``alpha``, with ``A >= 0``."""
+    """(E, A, sum of squared residuals) for a fixed ``alpha``, with ``A >= 0`` and ``E >= 0``
+    (a cross-entropy cannot go below zero)."""
+    E, A = _linear(x[None, :] ** -alpha, y)
     f = x**-alpha
-    fm, ym = f.mean(), y.mean()
-    var = ((f - fm) ** 2).sum()
-    A = float(((f - fm) * (y - ym)).sum() / var) if var > 0 else 0.0
-    A = max(A, 0.0)
-    E = float(ym - A * fm)
-    sse = float(((E + A * f - y) ** 2).sum())
-    return E, A, sse
+    sse = float(((E[0] + A[0] * f - y) ** 2).sum())
+    return float(E[0]), float(A[0]), sse
+
+
+def _linear(f: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares ``(E, A)`` of ``y ~ E + A f`` for each row of ``f``, with ``A, E >= 0``."""
+    fm = f.mean(axis=1, keepdims=True)
+    fc = f - fm
+    A = np.maximum((fc * (y - y.mean())).sum(axis=1) / np.maximum((fc**2).sum(axis=1), 1e-300), 0)
+    E = y.mean() - A * fm[:, 0]
+    neg = E < 0  # the floor at zero: then y ~ A f through the origin
+    if neg.any():
+        A[neg] = np.maximum(
+            (f[neg] * y).sum(axis=1) / np.maximum((f[neg] ** 2).sum(axis=1), 1e-300), 0
+        )
+        E[neg] = 0.0
+    return E, A
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float]:
     """(E, A, alpha, sse) minimising the squared error; ``x`` is tokens / d0."""
     grid = np.geomspace(*ALPHA_RANGE, 80)
-    f = x[None, :] ** -grid[:, None]  # one row per alpha: the same closed form as _solve
-    fc_ = f - f.mean(axis=1, keepdims=True)
-    yc = y - y.mean()
-    A = np.maximum((fc_ * yc).sum(axis=1) / np.maximum((fc_**2).sum(axis=1), 1e-300), 0.0)
-    E = y.mean() - A * f.mean(axis=1)
+    f = x[None, :] ** -grid[:, None]  # one row per alpha
+    E, A = _linear(f, y)
     sses = ((E[:, None] + A[:, None] * f - y[None, :]) ** 2).sum(axis=1)
     i = int(np.argmin(sses))
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]

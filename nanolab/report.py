@@ -667,6 +667,8 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
             out.append(f"  {label}: no forecast ({f.note})")
             continue
         text = f"  {label}: {f.points} val points, E={f.fit['E']:.3f} alpha={f.fit['alpha']:.3f}"
+        if f.fit.get("degenerate"):
+            text += " (no saturation seen yet: not a power law so far, unreliable)"
         if f.final_loss is not None:
             lo, hi = f.final_band
             text += (f"; at max_steps ({_si(f.final_tokens)} tokens): {f.final_loss:.4f} "

@@ -63,6 +63,17 @@ def test_noisy_early_curve_forecasts_the_end_within_its_band(fraction, mean_erro
     assert inside >= 7, inside
 
 
+def test_a_curve_without_saturation_is_flagged() -> None:
+    """A loss still falling in a straight line has no power-law knee to fit: the floor E would
+    go negative, is held at zero, and the fit says it is degenerate.
+
+    Mutations caught: E unconstrained (a floor of -60 on such a line); the flag missing."""
+    tokens = np.linspace(1000, 10_000, 12)
+    fit = fit_loss_curve(tokens, 3.0 - tokens / 10_000, bootstrap=10)
+    assert fit.degenerate and fit.E >= 0.0
+    assert not fit_loss_curve(TOKENS, curve(TOKENS), bootstrap=10).degenerate
+
+
 def test_too_few_points_is_one_clear_error() -> None:
     """Mutations caught: a fit on 3 points (exact and meaningless) instead of an error."""
     with pytest.raises(ForecastError, match="needs at least 5"):
