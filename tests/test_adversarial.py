@@ -586,7 +586,21 @@ def ws(tmp_path, char_dataset, cache) -> Workspace:
     return Workspace(work=work, data=char_dataset, cfg=cfg, cache=cache)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def _params(cases: list[Case]) -> list:
+    """The first row of each kind (``<verb>-<what>``) runs in the default suite; the rest of
+    the kind is marked ``slow`` (``pytest -m slow``): each row is a process that imports
+    Lightning, and the default suite must stay well under 15 minutes on 2 cores."""
+    seen: set[str] = set()
+    params = []
+    for case in cases:
+        kind = "-".join(case.id.split("-")[:2])
+        marks = [pytest.mark.slow] if kind in seen else []
+        seen.add(kind)
+        params.append(pytest.param(case, id=case.id, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("case", _params(CASES))
 def test_hostile_input(case: Case, ws: Workspace) -> None:
     if case.setup is not None:
         case.setup(ws)
@@ -688,6 +702,7 @@ def test_second_launch_is_refused_naming_the_holder_and_a_dead_holder_is_taken_o
     assert not (run_dir / ".nanolab.lock").exists()  # released on exit
 
 
+@pytest.mark.slow
 def test_fresh_start_while_the_run_is_live_is_refused(ws):
     """Item 2: run.fresh would archive the live run's files under it; the lock refuses it."""
     run_dir = ws.runs / "live"
@@ -706,6 +721,7 @@ def test_fresh_start_while_the_run_is_live_is_refused(ws):
     assert len(_records(run_dir, "start")) == 1
 
 
+@pytest.mark.slow
 def test_foreign_checkpoint_starts_a_new_run_with_its_own_id(ws):
     """Item 1, the allowed half: fine-tuning from another run's checkpoint in a new directory."""
     _finished_runs(ws)
@@ -744,6 +760,7 @@ def test_sigterm_during_start_up_exits_75_with_an_end_record(ws):
     assert again.returncode == 0, again.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_sigterm_while_loading_exits_75_before_the_first_step(ws):
     """Item 6, earlier still: during imports and parsing, long before the Trainer exists."""
     proc = _launch(ws, "--run.name", "parse")
@@ -756,6 +773,7 @@ def test_sigterm_while_loading_exits_75_before_the_first_step(ws):
     assert not (ws.runs / "parse" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_clock_starts_when_nanolab_starts_not_the_exec_ing_shell(ws):
     """Item 7: ``sh -c 'sleep S && exec nanolab fit'`` must not bill the S seconds."""
     pause = 4.0
@@ -810,6 +828,7 @@ def test_divergence_stops_the_run_keeps_finite_checkpoints_and_is_reported(ws):
     assert row["status"] == "diverged"
 
 
+@pytest.mark.slow
 def test_queue_marks_a_diverged_job_failed_and_moves_on(ws):
     """Item 5: the queue reads exit 3 / reason diverged as failed, then runs the next job."""
     cfg = _diverging_config(ws)
@@ -838,6 +857,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_slurm_requeue_takes_over_a_lock_that_still_looks_held(ws):
     """Item 3: the requeued job (same SLURM job id, next restart) takes the run directory over
     even while the old allocation's lock has not expired; any other launch is refused."""

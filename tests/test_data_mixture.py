@@ -271,6 +271,7 @@ def test_kill_and_resume_a_mixture_run_is_bit_identical(tmp_path):
 
 
 # -- DDP = accumulation on a mixture (the single-dataset version: test_training.py) ----------
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process_with_accumulation_on_a_mixture(tmp_path):
     datasets = two_datasets(tmp_path, 0.4)
     states = {}

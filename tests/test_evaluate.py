@@ -72,6 +72,7 @@ def test_validate_evaluates_the_newest_checkpoint_and_logs_it(work):
     assert sorted(set(after) - set(before)) == []  # the lock file is gone again
 
 
+@pytest.mark.slow
 def test_test_best_picks_the_lowest_logged_validation_loss(work):
     run = work / "runs" / "tiny"
     vals = {s: fit_val_loss(run, s) for s in (3, 6)}
@@ -103,6 +104,7 @@ def test_an_untrained_model_is_refused_unless_asked_for(work):
     assert digests(work) == before  # printed only: there is no run to log it to
 
 
+@pytest.mark.slow
 def test_a_live_fit_keeps_its_log_to_itself(work):
     """While another process holds the run directory the result is printed, not appended."""
     run = work / "runs" / "tiny"

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import tiny_overrides, write_config
 
@@ -77,6 +78,7 @@ def test_sigint_preempts_with_an_async_checkpoint_that_keeps_tied_weights_shared
     assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
 
 
+@pytest.mark.slow
 def test_sigusr1_with_finish_validation_false_saves_before_the_evaluation(tmp_path, char_dataset):
     """SIGUSR1 arrives in step 5 of a run that evaluates every step; with
     ``preemption.finish_validation: false`` it checkpoints right after the step and skips that

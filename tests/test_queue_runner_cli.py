@@ -146,6 +146,7 @@ def test_gpus_give_each_job_its_ids_and_until_defers_what_would_end_late(
     assert w.last_started >= max(a.ended, b.ended)  # the 2-device job waited for both ids
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_wait_slots_rm_and_a_second_ctrl_c(tmp_path, char_dataset, monkeypatch):
     """``queue run --slots 2 --wait`` with an empty queue stays up and starts two jobs added
