@@ -38,6 +38,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return ckpt["state_dict"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_backfill_gives_way_within_a_step_and_resumes_bit_exactly(
     tmp_path: Path, char_dataset: Path, monkeypatch
@@ -130,6 +131,7 @@ def test_backfill_gives_way_within_a_step_and_resumes_bit_exactly(
         assert torch.equal(a[k], b[k]), f"weight {k} differs from the uninterrupted run"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_backfill_stops_at_the_deadline(tmp_path: Path, char_dataset: Path, monkeypatch) -> None:
     """``queue run --until +Ns`` with only a long backfill job: it starts although it cannot

@@ -223,6 +223,7 @@ def _span(run_dir: Path) -> tuple[float, float]:
     return records[0]["time"], read_records(run_dir / "metrics.jsonl", "end")[-1]["time"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_packed_cpu_jobs_share_and_an_out_of_memory_job_runs_again_alone(
     tmp_path: Path, char_dataset: Path, monkeypatch, capsys
