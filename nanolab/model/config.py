@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-PositionEmbedding = Literal["learned", "rope"]
 AttentionImpl = Literal["sdpa", "math"]
 Activation = Literal["gelu_tanh", "gelu"]
 
@@ -33,8 +32,8 @@ class GPTConfig:
         dropout: Dropout on attention probabilities, residual branches and embeddings.
         bias: Biases in Linear layers and LayerNorms (GPT-2 has them; dropping them is slightly
             faster and no worse).
-        position_embedding: ``"learned"`` absolute positions (GPT-2) or ``"rope"`` rotary
-            embeddings applied to queries and keys.
+        position_embedding: A registered position encoding: ``"learned"`` absolute positions
+            (GPT-2) or ``"rope"`` rotary embeddings applied to queries and keys.
         rope_base: RoPE frequency base (10000 in the RoFormer paper).
         tie_weights: Share the token embedding matrix with the output head (GPT-2 does).
         vocab_multiple: The embedding and head are padded to a multiple of this many rows so the
@@ -53,6 +52,15 @@ class GPTConfig:
             ``"gelu"`` is the exact, erf-based GELU of nanoGPT and ``nn.GELU()``: the two differ
             by < 1e-3 per value, and on CPUs the exact one trains ~5% faster (its kernel and its
             backward are cheaper; docs/performance.md). GPUs run both at the same speed.
+            Used by the ``"gelu"`` MLP.
+        norm: A registered normalization: ``"layernorm"`` (GPT-2) or ``"rmsnorm"``.
+        mlp: A registered MLP: ``"gelu"`` (GPT-2), ``"relu2"`` (ReLU squared) or ``"swiglu"``.
+        attention_variant: A registered attention (what it computes; ``attention`` is the
+            kernel that computes it): ``"causal"`` (GPT-2) or ``"qk_norm"`` (RMS-normalised
+            queries and keys).
+
+    The four registered fields accept every name in :mod:`nanolab.model.registry`, including
+    variants a project registers itself (docs/forking.md, "Adding a model variant").
 
     Fields added later must default to the behaviour before they existed: a checkpoint that
     lacks a field is read as having its default (:func:`with_defaults`).
@@ -65,7 +73,7 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = True
-    position_embedding: PositionEmbedding = "learned"
+    position_embedding: str = "learned"
     rope_base: float = 10000.0
     tie_weights: bool = True
     vocab_multiple: int = 64
@@ -73,6 +81,9 @@ class GPTConfig:
     attention: AttentionImpl = "sdpa"
     gradient_checkpointing: bool = False
     activation: Activation = "gelu_tanh"
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    attention_variant: str = "causal"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,16 +115,7 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.gpt.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.position_embedding not in ("learned", "rope"):
-            raise ConfigError(
-                f"model.gpt.position_embedding must be 'learned' or 'rope', "
-                f"got {self.position_embedding!r}"
-            )
-        if self.position_embedding == "rope" and self.head_dim % 2 != 0:
-            raise ConfigError(
-                f"model.gpt.position_embedding='rope' needs an even head size, but "
-                f"n_embd/n_head = {self.head_dim}; change n_embd or n_head"
-            )
+        self._validate_registered()
         if self.rope_base <= 1.0:
             raise ConfigError(f"model.gpt.rope_base must be > 1, got {self.rope_base!r}")
         if self.attention not in ("sdpa", "math"):
@@ -125,6 +127,18 @@ class GPTConfig:
                 f"model.gpt.activation must be 'gelu_tanh' (GPT-2) or 'gelu' (exact), "
                 f"got {self.activation!r}"
             )
+
+    def _validate_registered(self) -> None:
+        """Each registered field names a registered class, which may check the rest."""
+        from nanolab.model import registry
+
+        for reg in (registry.POSITION, registry.NORM, registry.ATTENTION, registry.MLP):
+            name = getattr(self, reg.field)
+            if not isinstance(name, str) or name not in reg:
+                raise ConfigError(reg.unknown(name))
+            check = getattr(reg.get(name), "validate_config", None)
+            if check is not None:
+                check(self)
 
     @property
     def head_dim(self) -> int:

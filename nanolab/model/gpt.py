@@ -1,8 +1,10 @@
 """A GPT-2 style decoder-only transformer, readable top to bottom.
 
-Token embedding (+ learned positions, or RoPE inside attention) -> ``n_layer`` pre-LayerNorm blocks
-(causal self-attention, GELU MLP, each on a residual branch) -> final LayerNorm -> linear head
-tied to the token embedding. Initialisation follows GPT-2: N(0, 0.02) everywhere, with the two
+Token embedding (+ learned positions, or RoPE inside attention) -> ``n_layer`` pre-norm blocks
+(causal self-attention, MLP, each on a residual branch) -> final norm -> linear head tied to the
+token embedding. The norm, attention, MLP and position encoding are looked up by the names the
+config gives (:mod:`nanolab.model.registry`; the variants are in :mod:`nanolab.model.layers`);
+the defaults are GPT-2's. Initialisation follows GPT-2: N(0, 0.02) everywhere, with the two
 projections that write into the residual stream scaled by 1/sqrt(2 * n_layer) so the residual's
 variance does not grow with depth.
 """
@@ -17,107 +19,23 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanolab.model.config import GPTConfig
+from nanolab.model.layers import MLP, CausalSelfAttention, LayerNorm, RotaryEmbedding
+from nanolab.model.registry import ATTENTION, NORM, POSITION
+from nanolab.model.registry import MLP as MLPS
 
-
-class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (``nn.LayerNorm`` has no ``bias=False`` on older torch)."""
-
-    def __init__(self, dim: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoFormer), applied to queries and keys.
-
-    cos/sin tables are non-persistent buffers: they are recomputed from the config, so checkpoints
-    stay small and a model can be loaded with a different ``block_size`` for generation.
-    """
-
-    def __init__(self, head_dim: int, max_len: int, base: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (T, head_dim/2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape (B, H, T, D) by position."""
-        T = x.size(-2)
-        cos = self.cos[:T].to(x.dtype)
-        sin = self.sin[:T].to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-        return rotated.flatten(-2)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = config.n_head
-        self.head_dim = config.head_dim
-        self.dropout = config.dropout
-        self.impl = config.attention
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.rope = (
-            RotaryEmbedding(config.head_dim, config.block_size, config.rope_base)
-            if config.position_embedding == "rope"
-            else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
-        if self.impl == "sdpa":
-            # Flash / memory-efficient kernels when available: the T x T scores never exist.
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )
-        else:
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            scores = scores.masked_fill(~mask, float("-inf"))
-            y = self.attn_dropout(F.softmax(scores, dim=-1)) @ v
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        hidden = config.mlp_ratio * config.n_embd
-        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-        # "tanh": GPT-2's approximation; "none": the exact GELU (model.gpt.activation).
-        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "LayerNorm", "RotaryEmbedding"]
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = LayerNorm(config.n_embd, config.bias)
-        self.mlp = MLP(config)
+        norm = NORM.get(config.norm)
+        self.ln_1 = norm(config.n_embd, config)
+        self.attn = ATTENTION.get(config.attention_variant)(config)
+        self.ln_2 = norm(config.n_embd, config)
+        self.mlp = MLPS.get(config.mlp)(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -133,14 +51,12 @@ class GPT(nn.Module):
         self.config = config
         V = config.padded_vocab_size
         self.wte = nn.Embedding(V, config.n_embd)
-        self.wpe = (
-            nn.Embedding(config.block_size, config.n_embd)
-            if config.position_embedding == "learned"
-            else None
-        )
+        position = POSITION.get(config.position_embedding)
+        # Added to the token embeddings here ("input"), or applied to q, k in attention ("qk").
+        self.wpe = position(config) if position.applies_to == "input" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = LayerNorm(config.n_embd, config.bias)
+        self.ln_f = NORM.get(config.norm)(config.n_embd, config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
@@ -173,7 +89,7 @@ class GPT(nn.Module):
             )
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = self.wpe(x)
         x = self.drop(x)
         for block in self.blocks:
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -191,33 +107,42 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Unique parameters (a tied head is counted once).
 
-        ``non_embedding=True`` leaves out the learned position embedding (and, when the head is
-        not tied, the token embedding), the convention of the scaling-law papers.
+        ``non_embedding=True`` leaves out what only embedding lookups read (the learned
+        position embedding and, when the head is not tied, the token embedding), the convention
+        of the scaling-law papers.
         """
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            if self.wpe is not None:
-                n -= self.wpe.weight.numel()
-            if not self.config.tie_weights:
-                n -= self.wte.weight.numel()
+            head = self.lm_head.weight
+            n -= sum(
+                m.weight.numel()
+                for m in self.modules()
+                if isinstance(m, nn.Embedding) and m.weight is not head
+            )
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs (forward + backward) per token, PaLM appendix B convention.
 
-        ``6 * N + 12 * L * H * Q * T`` where N counts the parameters that take part in matmuls,
-        L layers, H heads, Q head size and T the sequence length: 6N for the weight matmuls
-        (2 forward, 4 backward) and the last term for the attention score and value matmuls.
-        Embedding lookups are not matmuls: the position embedding and an *untied* token
-        embedding are left out of N (a tied one is counted once, as the head's matmul), which
-        ``torch.utils.flop_counter`` confirms (tests/test_estimator_flops.py). Element-wise work
-        (norms, GELU, softmax) is left out, as in nanoGPT and torchtitan, so MFU figures are
-        comparable across them.
+        ``6 * N`` plus what the modules declare: N counts the parameters that take part in
+        matmuls (2 FLOPs per parameter forward, 4 backward), and each module whose matmuls
+        multiply two activations declares them with ``activation_flops_per_token(T)`` (plain
+        attention: ``12 * H * Q * T`` per layer, the score and value matmuls). Embedding lookups
+        are not matmuls: the position embedding and an *untied* token embedding are left out of
+        N (a tied one is counted once, as the head's matmul), which ``torch.utils.flop_counter``
+        confirms (tests/test_estimator_flops.py). Element-wise work (norms, activations,
+        softmax) is left out, as in nanoGPT and torchtitan, so MFU figures are comparable
+        across them.
         """
-        c = self.config
-        T = seq_len if seq_len is not None else c.block_size
-        N = self.num_params(non_embedding=True)
-        return 6 * N + 12 * c.n_layer * c.n_head * c.head_dim * T
+        T = seq_len if seq_len is not None else self.config.block_size
+        return 6 * self.num_params(non_embedding=True) + _activation_flops(self, T)
+
+    def recompute_flops_per_token(self, seq_len: int | None = None) -> int:
+        """FLOPs per token that gradient checkpointing adds by re-running every block's forward
+        in the backward pass: a third of the blocks' training FLOPs (2 per parameter)."""
+        T = seq_len if seq_len is not None else self.config.block_size
+        n = sum(p.numel() for p in self.blocks.parameters())
+        return 2 * n + _activation_flops(self.blocks, T) // 3
 
     @torch.no_grad()
     def generate(
@@ -252,3 +177,13 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+
+def _activation_flops(root: nn.Module, seq_len: int) -> int:
+    """Sum of ``activation_flops_per_token`` over the modules under ``root`` that declare it."""
+    total = 0
+    for m in root.modules():
+        declared = getattr(m, "activation_flops_per_token", None)
+        if callable(declared):
+            total += int(declared(seq_len))
+    return total

@@ -47,6 +47,9 @@ ARCHITECTURE_KEYS = (
     "tie_weights",
     "mlp_ratio",
     "activation",
+    "norm",
+    "mlp",
+    "attention_variant",
 )
 
 #: (nanolab name, GPT-2 name, stored transposed by Conv1D) for the tensors of block ``i``.
@@ -167,6 +170,9 @@ def architecture_from_hf(config: dict[str, Any], folder: Path) -> dict[str, Any]
         "tie_weights": bool(config.get("tie_word_embeddings", True)),
         "mlp_ratio": 4 if n_inner is None else n_inner // n_embd,
         "activation": "gelu" if activation == EXACT_GELU else "gelu_tanh",
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "attention_variant": "causal",
     }
     record = config.get(RECORD_KEY)
     if isinstance(record, dict):
@@ -404,6 +410,10 @@ def export_refusals(config: GPTConfig) -> list[str]:
             f"model.gpt.position_embedding {config.position_embedding!r} (GPT-2 has learned "
             "positions)"
         )
+    gpt2 = {"norm": "layernorm", "mlp": "gelu", "attention_variant": "causal"}
+    for key, theirs in gpt2.items():
+        if getattr(config, key) != theirs:
+            refusals.append(f"model.gpt.{key} {getattr(config, key)!r} (GPT-2 has {theirs!r})")
     return refusals
 
 

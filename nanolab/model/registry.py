@@ -1,0 +1,116 @@
+"""Name -> class registries for the model's swappable parts: attention, MLP, norm, positions.
+
+A config names each part (``model.gpt.norm: rmsnorm``); the model looks the class up here, and
+``GPTConfig`` validates the name against what is registered, so the allowed values have one
+source. A new variant is one class with one decorator, in any module::
+
+    from nanolab.model.registry import register_mlp
+
+    @register_mlp("my_mlp")
+    class MyMLP(nn.Module):
+        def __init__(self, config): ...
+
+Registration happens when that module is imported; docs/forking.md ("Adding a model variant")
+shows how a project makes sure it is imported before the config is read. This module imports no
+torch: the built-in variants live in :mod:`nanolab.model.layers`, which is imported the first
+time a registry is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: The module whose import registers the built-in variants.
+BUILTINS = "nanolab.model.layers"
+
+
+class Registry:
+    """Classes of one kind of model part, by the name a config uses for them.
+
+    Args:
+        kind: What the classes are (``"attention"``), for messages.
+        field: The ``model.gpt`` field that names one (``"attention_variant"``), for messages.
+    """
+
+    def __init__(self, kind: str, field: str) -> None:
+        self.kind = kind
+        self.field = field
+        self._classes: dict[str, type] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        """Decorator: make ``cls`` selectable as ``model.gpt.<field>: name``.
+
+        Registering a second class under a taken name is refused (two modules silently
+        replacing each other's variant would change a model without a word); registering the
+        same class again (a module imported twice, e.g. as a script and as a package) is fine.
+        """
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"a {self.kind} name must be an identifier, got {name!r}")
+
+        def add(cls: type[T]) -> type[T]:
+            have = self._classes.get(name)
+            if have is not None and _qualname(have) != _qualname(cls):
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered by {_qualname(have)}; "
+                    f"pick another name for {_qualname(cls)}"
+                )
+            self._classes[name] = cls
+            cls.registered_name = name  # type: ignore[attr-defined]
+            return cls
+
+        return add
+
+    def names(self) -> list[str]:
+        """Registered names, built-ins first, in registration order."""
+        _load_builtins()
+        return list(self._classes)
+
+    def get(self, name: str) -> type:
+        """The class registered as ``name``; an unknown name lists the registered ones."""
+        _load_builtins()
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise KeyError(self.unknown(name)) from None
+
+    def unknown(self, name: Any) -> str:
+        """The one-line message for a name nothing is registered under."""
+        known = ", ".join(repr(n) for n in self.names())
+        return (
+            f"model.gpt.{self.field} must be one of the registered {self.kind} variants "
+            f"({known}), got {name!r}; a variant of your own registers itself when its module "
+            f"is imported (docs/forking.md, 'Adding a model variant')"
+        )
+
+    def __contains__(self, name: object) -> bool:
+        _load_builtins()
+        return name in self._classes
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_loading = False
+
+
+def _load_builtins() -> None:
+    global _loading
+    if not _loading:
+        _loading = True
+        importlib.import_module(BUILTINS)
+
+
+ATTENTION = Registry("attention", "attention_variant")
+MLP = Registry("MLP", "mlp")
+NORM = Registry("normalization", "norm")
+POSITION = Registry("position encoding", "position_embedding")
+
+register_attention = ATTENTION.register
+register_mlp = MLP.register
+register_norm = NORM.register
+register_position = POSITION.register
