@@ -18,6 +18,12 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 torch.set_num_threads(1)
 
+# Lightning gives its loggers a StreamHandler bound to the sys.stderr of the moment it is first
+# imported. Imported here, that is the session's capture stream; imported first inside a test
+# that uses capsys, it would be that test's stream, closed afterwards, and every later Lightning
+# log line would print "--- Logging error ---" into the stderr that other tests read.
+import lightning.pytorch  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def char_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
