@@ -103,7 +103,7 @@ def run_gpu(configs: Sequence[str], micro_batch: int | None) -> list[Row]:
     rows: list[Row] = []
     calibration = []
     for path in configs:
-        base = setup_from_config(load_config([path]))
+        base = setup_from_config(load_config(path.split("+")))
         fit_b = largest_micro_batch(_single_device(base, 1), props.total_memory, backend=backend)
         B = micro_batch or min(base.micro_batch_size or fit_b, fit_b)
         if B < 1:
@@ -160,8 +160,8 @@ def reduced(setup: Setup) -> Setup:
 def cpu_cases(configs: Sequence[str], quick: bool) -> list[tuple[str, Setup, int]]:
     cases = []
     for path in configs:
-        small = reduced(setup_from_config(load_config([path])))
-        name = Path(path).stem
+        small = reduced(setup_from_config(load_config(path.split("+"))))
+        name = Path(path.split("+")[-1]).stem
         cases.append((f"{name}-small", small, 4))
         if quick:
             continue
@@ -359,13 +359,22 @@ def run_zero_grad() -> None:
 
 
 def default_configs() -> list[str]:
-    found = sorted(str(p) for p in (ROOT / "configs").glob("gpt2-*.yaml"))
-    return found or [str(ROOT / "tests" / "fixtures" / "estimator_gpt2_124m.yaml")]
+    """The GPT-2 recipes: the base, then each size overlay composed on it (``base+overlay``,
+    read in order as repeated ``--config`` files are)."""
+    base = ROOT / "configs" / "gpt2-124m.yaml"
+    if not base.is_file():
+        return [str(ROOT / "tests" / "fixtures" / "estimator_gpt2_124m.yaml")]
+    overlays = sorted(p for p in (ROOT / "configs").glob("gpt2-*.yaml") if p != base)
+    return [str(base)] + [f"{base}+{p}" for p in overlays]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", help="recipes to measure (default configs/gpt2-*)")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        help="recipes to measure, a.yaml+b.yaml composes b on a (default configs/gpt2-*)",
+    )
     p.add_argument("--cpu", action="store_true", help="reduced CPU mode even if a GPU exists")
     p.add_argument("--quick", action="store_true", help="CPU mode: one case per recipe")
     p.add_argument(

@@ -139,9 +139,11 @@ def ensure_data(work: Path, given: str | None) -> Path:
 
 
 def fit_args(config: str, data: Path, work: Path, name: str, steps: int) -> list[str]:
-    """``nanolab fit`` of a shipped recipe for a few steps on ``data``, one micro-batch a step."""
+    """``nanolab fit`` of a shipped recipe for a few steps on ``data``, one micro-batch a step.
+    ``a.yaml+b.yaml`` composes overlay b on a, as repeated ``--config`` files do."""
+    files = [a for c in config.split("+") for a in ("--config", str(ROOT / "configs" / c))]
     return [
-        "fit", "--config", str(ROOT / "configs" / config),
+        "fit", *files,
         "--run.root", str(work / "runs"), "--run.name", name, "--run.resume", "never",
         "--run.global_batch_tokens", "null", "--run.eval_every_steps", "100000",
         "--checkpoint.every_n_steps", "100000", "--trainer.max_steps", str(steps),
@@ -281,7 +283,7 @@ def check_memory_eager(work: Path, data_arg: str | None) -> dict[str, Any]:
 
 def check_memory_compiled_350m(work: Path, data_arg: str | None) -> dict[str, Any]:
     data = ensure_data(work, data_arg)
-    args = fit_args("gpt2-350m.yaml", data, work, "compiled350m", 6)
+    args = fit_args("gpt2-124m.yaml+gpt2-350m.yaml", data, work, "compiled350m", 6)
     proc = run(nanolab_cmd(*args, "--model.compile", "true"))
     if proc.returncode != 0:
         raise CheckFailed(f"nanolab fit failed: {last_line(proc.stderr)}")

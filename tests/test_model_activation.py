@@ -59,9 +59,11 @@ def test_recipes_state_their_gelu():
     GPT-2's GELU. Each says so in its YAML rather than relying on a default."""
     quick = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())["model"]["gpt"]
     assert (quick["activation"], quick["vocab_multiple"]) == ("gelu", 1)
-    for name in ("gpt2-124m", "gpt2-350m", "gpt2-774m"):
+    base = yaml.safe_load((REPO / "configs" / "gpt2-124m.yaml").read_text())["model"]["gpt"]
+    assert base["activation"] == "gelu_tanh"
+    for name in ("gpt2-350m", "gpt2-774m"):  # size overlays composed after gpt2-124m.yaml
         gpt = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())["model"]["gpt"]
-        assert gpt["activation"] == "gelu_tanh", name
+        assert gpt.get("activation", base["activation"]) == "gelu_tanh", name
 
 
 def test_resuming_a_checkpoint_older_than_the_field_under_another_gelu_is_refused(tmp_path):
