@@ -134,8 +134,8 @@ def build_optimizer(
     device = next(model.parameters()).device
     config = OptimizerConfig(name=optimizer, lr=1e-3, fused=False)  # type: ignore[arg-type]
     opt = build_fit_optimizer(model, config, device)
-    if isinstance(opt, torch.optim.AdamW):
-        for group in opt.param_groups:
+    for group in opt.param_groups:  # AdamW's groups (also muon's AdamW part); Muon has none
+        if "foreach" in group and "amsgrad" in group:
             group["foreach"] = foreach
     return opt
 

@@ -377,6 +377,8 @@ def _share(setup: Setup, what: str) -> str:
 def _opt_label(setup: Setup) -> str:
     if setup.optimizer == "adamw8bit":
         return "optimizer states (AdamW8bit)"
+    if setup.optimizer == "muon":
+        return "optimizer states (Muon momentum + AdamW m+v)"
     if setup.strategy.kind == "deepspeed":
         return "optimizer states (Adam fp32 m+v)"
     return "optimizer states (AdamW m+v)"
@@ -399,4 +401,6 @@ def _logits_note(lt) -> str:
 def _temp_note(setup: Setup) -> str:
     if setup.optimizer == "adamw8bit":
         return "CPU 8-bit AdamW: one tensor's states in fp32"
+    if setup.optimizer == "muon":
+        return "Muon: Newton-Schulz on the largest matrix, in bf16"
     return "foreach AdamW: one state-sized buffer"

@@ -121,6 +121,9 @@ def candidate_switches(setup: Setup) -> list[Switch]:
     ckpt = replace(setup, gpt=replace(gpt, gradient_checkpointing=True))
     if not gpt.gradient_checkpointing:
         out.append(Switch("gradient checkpointing", "model.gpt.gradient_checkpointing: true", ckpt))
+    if setup.optimizer == "muon":
+        # Muon is another algorithm than 8-bit AdamW and needs whole matrices (no sharding).
+        return out
     deepspeed_offload = s.kind == "deepspeed" and s.offload_optimizer
     if setup.optimizer != "adamw8bit" and not deepspeed_offload:
         out.append(

@@ -32,6 +32,8 @@ PRECISIONS = {
 
 #: Lightning's DeepSpeedStrategy defaults (elements, not bytes).
 DEEPSPEED_REDUCE_BUCKET = 200_000_000
+#: Optimizers whose state and step memory the estimator models (nanolab/estimator/states.py).
+MODELLED_OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
 #: ``torch.set_float32_matmul_precision`` values (``run.float32_matmul_precision``).
 FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -106,7 +108,7 @@ class Setup:
         devices: Devices per node; ``num_nodes``: nodes.
         precision: One of ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``.
         strategy: See :class:`Strategy`.
-        optimizer: ``adamw`` or ``adamw8bit``.
+        optimizer: ``adamw``, ``adamw8bit`` or ``muon`` (:data:`MODELLED_OPTIMIZERS`).
         fused: torch AdamW's fused kernel (no step temporaries); ``None`` = on for GPUs.
         global_batch_tokens: Tokens per optimizer step over all devices (``None``: one
             micro-batch per device per step).
@@ -355,8 +357,14 @@ def setup_from_config(
 
     opt = _section(model, "optimizer") if "optimizer" in model else {}
     opt_name = str(opt.get("name", "adamw"))
-    if opt_name not in ("adamw", "adamw8bit"):
-        raise EstimateError(f"model.optimizer.name must be adamw or adamw8bit, got {opt_name!r}")
+    if opt_name not in MODELLED_OPTIMIZERS:
+        from nanolab.training.optim import optimizer_spec
+
+        optimizer_spec(opt_name)  # not registered: the one-line error listing the names
+        raise EstimateError(
+            f"model.optimizer.name {opt_name!r}: its state memory is not modelled; the estimate "
+            f"covers {', '.join(MODELLED_OPTIMIZERS)}"
+        )
 
     # run.micro_batch_size (int or "auto") wins over data.micro_batch_size (DataModule default 32).
     mb_raw: Any = micro_batch_size
@@ -403,6 +411,11 @@ def check_setup(setup: Setup) -> None:
     s = setup.strategy
     if s.kind == "deepspeed" and setup.optimizer == "adamw8bit" and s.offload_optimizer:
         raise EstimateError("DeepSpeed optimizer offload runs its own CPU Adam; use name: adamw")
+    if setup.optimizer == "muon" and s.kind in ("fsdp1", "fsdp2", "deepspeed"):
+        raise EstimateError(
+            "model.optimizer.name 'muon' needs whole weight matrices on every device, but "
+            f"{s.describe()} shards them; use trainer.strategy ddp (or auto), or name adamw"
+        )
     if setup.global_batch_tokens is not None:
         per_seq = setup.gpt.block_size * setup.world_size
         if setup.global_batch_tokens % per_seq != 0:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from nanolab.estimator.numerics import Numerics
 from nanolab.estimator.setup import Setup
-from nanolab.estimator.shapes import Inventory, buffer_numel
+from nanolab.estimator.shapes import Inventory, Tensor, buffer_numel
 
 #: bitsandbytes 8-bit optimizers keep tensors smaller than this in fp32 (``min_8bit_size``).
 BNB_MIN_8BIT_SIZE = 4096
@@ -61,9 +61,42 @@ def adamw8bit_state_bytes(inv: Inventory) -> int:
     return total + (BNB_QMAPS if any_8bit else 0)
 
 
+def is_hidden_matrix(t: Tensor) -> bool:
+    """A weight Muon trains (``nanolab.training.optim.hidden_matrices``): a 2-D tensor inside a
+    block. Embeddings, the head, norms and biases stay with AdamW."""
+    return t.block is not None and len(t.shape) == 2
+
+
+def muon_state_bytes(inv: Inventory, state_bytes: int) -> int:
+    """``muon``: one momentum buffer (the gradient's dtype) per hidden matrix, no step counter;
+    AdamW's two moments and ``step`` for every other tensor."""
+    hidden = [t for t in inv.tensors if is_hidden_matrix(t)]
+    rest = Inventory(tuple(t for t in inv.tensors if not is_hidden_matrix(t)))
+    return sum(t.numel * state_bytes for t in hidden) + adamw_state_bytes(rest, state_bytes)
+
+
+def muon_step_temp(inv: Inventory, state_bytes: int) -> int:
+    """Bytes of scratch torch Muon's per-matrix loop peaks at (the largest matrix decides).
+
+    For an ``A x B`` matrix (``n`` elements, ``m = min(A, B)``): the Nesterov update
+    ``grad.lerp(buf)`` (``n`` in the gradient's dtype) lives through the Newton-Schulz iteration,
+    which works in bf16 on a copy: from its second iteration the new Gram matrix is made while
+    the previous one and its polynomial are alive (``n + 3m^2``), and the new iterate while the
+    old one is (``2n + 2m^2``).
+    """
+    peak = 0
+    for t in inv.tensors:
+        if is_hidden_matrix(t):
+            n, m = t.numel, min(t.shape)
+            peak = max(peak, n * state_bytes + 2 * max(n + 3 * m * m, 2 * n + 2 * m * m))
+    return peak
+
+
 def optimizer_state_bytes(inv: Inventory, optimizer: str, state_bytes: int) -> int:
     if optimizer == "adamw8bit":
         return adamw8bit_state_bytes(inv)
+    if optimizer == "muon":
+        return muon_state_bytes(inv, state_bytes)
     return adamw_state_bytes(inv, state_bytes)
 
 
@@ -117,7 +150,15 @@ def model_states(setup: Setup, inv: Inventory, num: Numerics) -> ModelStates:
     notes: dict[str, str] = {}
     opt_total_16 = optimizer_state_bytes(inv, setup.optimizer, num.param)
     fused = setup.fused if setup.fused is not None else True
-    if setup.optimizer == "adamw8bit":
+    if setup.optimizer == "muon":
+        # Muon steps the hidden matrices, then AdamW the rest: their scratch never overlaps.
+        rest = Inventory(tuple(t for t in inv.tensors if not is_hidden_matrix(t)))
+        if setup.fused is None and not num.gpu:
+            adamw_temp = single_tensor_adamw_temp(rest) * num.param
+        else:
+            adamw_temp = 0 if fused else rest.numel * num.param
+        foreach_temp = max(muon_step_temp(inv, num.param), adamw_temp)
+    elif setup.optimizer == "adamw8bit":
         # The CUDA kernel updates 8-bit states in registers. bitsandbytes 0.50's CPU path works on
         # one tensor at a time with five fp32 buffers of its size (states, update), one more for
         # a 16-bit parameter's fp32 copy (measured, tests/test_estimator_peak.py).

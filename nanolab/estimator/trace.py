@@ -42,7 +42,7 @@ class Traced:
 def _check(setup: Setup) -> None:
     if setup.world_size > 1 or setup.strategy.kind != "single":
         raise TraceUnavailable("the trace covers one device; sharded strategies use the rules")
-    if setup.optimizer != "adamw":
+    if setup.optimizer not in ("adamw", "muon"):  # bitsandbytes' kernels need real tensors
         raise TraceUnavailable(f"{setup.optimizer}'s kernels cannot run on fake tensors")
     if setup.precision.startswith("16"):
         raise TraceUnavailable("fp16 precisions need a GPU")
@@ -101,7 +101,7 @@ def traced_peak_cpu(setup: Setup, micro_batch: int, accumulate: int = 1) -> Trac
                     if b is not None and b.is_floating_point():
                         m._buffers[name] = b.to(half)
         model.train()
-        config = OptimizerConfig(name="adamw", fused=setup.fused)
+        config = OptimizerConfig(name=setup.optimizer, fused=setup.fused)
         opt = build_optimizer(model, config, torch.device("cpu"))
         V, T = gpt.vocab_size or 2, gpt.block_size
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nanolab.model import GPT, GPTConfig
+from nanolab.model.config import ConfigError
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.optim import (
     OptimizerConfig,
@@ -27,7 +28,7 @@ class GPTLightningModule(L.LightningModule):
 
     Args:
         gpt: The architecture (``model.gpt`` in YAML).
-        optimizer: AdamW settings (``model.optimizer``).
+        optimizer: Optimizer settings (``model.optimizer``; a registered name, docs/optimizers.md).
         schedule: Warmup + cosine LR schedule, stepped every optimizer step (``model.schedule``).
         compile: ``torch.compile`` the model (in place, so checkpoint keys do not change).
             Costs a minute of start-up; pays off on GPUs for runs longer than a few minutes.
@@ -153,8 +154,15 @@ class GPTLightningModule(L.LightningModule):
         assert self.model is not None
         from nanolab.training.strategies import offloads_optimizer
 
-        offload = self._trainer is not None and offloads_optimizer(self.trainer.strategy)
-        opt = build_optimizer(self.model, self.optimizer_config, self.device, cpu_offload=offload)
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        offload = strategy is not None and offloads_optimizer(strategy)
+        opt = build_optimizer(
+            self.model,
+            self.optimizer_config,
+            self.device,
+            cpu_offload=offload,
+            sharded=shards_parameters(strategy),
+        )
         s = self.schedule_config
         decay_steps = s.decay_steps
         if decay_steps is None:
@@ -209,6 +217,15 @@ class GPTLightningModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY, {})
         self._pending_rng = saved.get("rng")
+        was = (saved.get("optimizer") or {}).get("name", "adamw")
+        fitting = self._trainer is not None and self.trainer.state.fn == "fit"
+        if fitting and checkpoint.get("optimizer_states") and was != self.optimizer_config.name:
+            # Another optimizer's state cannot be loaded (torch: "different number of
+            # parameter groups", or worse, a silent mismatch); say which one the run used.
+            raise ConfigError(
+                f"model.optimizer.name is {self.optimizer_config.name!r} but the checkpoint was "
+                f"trained with {was!r}; resume with name: {was}, or start a new run"
+            )
 
     def on_train_start(self) -> None:
         # Restored here, not at load time, so nothing that runs between loading and the first
@@ -239,3 +256,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), *tail))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def shards_parameters(strategy: Any) -> bool:
+    """Whether ``strategy`` hands the optimizer shards of parameters (FSDP's DTensors,
+    DeepSpeed's flat partitions) rather than whole ones."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy))

@@ -1,55 +1,152 @@
-"""Optimizer and learning-rate schedule: AdamW (or 8-bit AdamW), linear warmup, cosine decay."""
+"""Optimizers by registry name (``adamw``, ``adamw8bit``, ``muon``) and the LR schedule.
+
+An optimizer is one builder function (or ``torch.optim.Optimizer`` subclass) plus one decorator::
+
+    @register_optimizer("lion")
+    def build_lion(model, cfg, device):
+        return Lion(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
+
+``model.optimizer.name`` accepts exactly the registered names (an unknown one is a one-line
+error listing them), so there is no second list to keep in sync. This module imports no torch:
+the estimator and the queue validate configs with it in a fraction of a second.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from nanolab.model.config import ConfigError
 
-OptimizerName = Literal["adamw", "adamw8bit"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    Builder = Callable[[nn.Module, "OptimizerConfig", torch.device], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A registered optimizer.
+
+    Attributes:
+        name: The ``model.optimizer.name`` that selects it.
+        build: ``(model, OptimizerConfig, device) -> torch.optim.Optimizer``.
+        shardable: Its update is elementwise, so it runs on FSDP/DeepSpeed shards of a parameter.
+            Muon's Newton-Schulz iteration needs each whole matrix, so Muon is not.
+    """
+
+    name: str
+    build: Builder
+    shardable: bool = True
+
+
+#: Every optimizer ``model.optimizer.name`` can select, by name.
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register_optimizer(name: str, *, shardable: bool = True) -> Callable[[Any], Any]:
+    """Class or function decorator: make ``name`` a valid ``model.optimizer.name``.
+
+    A builder function gets ``(model, cfg, device)`` and returns the optimizer. A
+    ``torch.optim.Optimizer`` subclass gets :func:`parameter_groups` (decay on matrices only)
+    and those of ``lr``, ``betas``, ``eps`` its ``__init__`` accepts.
+    """
+
+    def decorate(obj: Any) -> Any:
+        build = _class_builder(obj) if inspect.isclass(obj) else obj
+        known = OPTIMIZERS.get(name)
+        if known is not None and _origin(known.build) != _origin(obj):
+            raise ValueError(f"optimizer {name!r} is already registered by {_origin(known.build)}")
+        OPTIMIZERS[name] = OptimizerSpec(name, build, shardable)
+        return obj
+
+    return decorate
+
+
+def _origin(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+
+
+def _class_builder(cls: type) -> Builder:
+    accepted = inspect.signature(cls).parameters
+
+    def build(model: nn.Module, cfg: OptimizerConfig, device: torch.device):
+        kwargs = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps}
+        return cls(
+            parameter_groups(model, cfg.weight_decay),
+            **{k: v for k, v in kwargs.items() if k in accepted},
+        )
+
+    build.__module__, build.__qualname__ = cls.__module__, cls.__qualname__
+    return build
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The registered optimizer ``name``, or a one-line :class:`ConfigError` listing them all."""
+    spec = OPTIMIZERS.get(name)
+    if spec is None:
+        raise ConfigError(
+            f"model.optimizer.name {name!r} is not a registered optimizer; use one of "
+            f"{', '.join(sorted(OPTIMIZERS))} (or register one: docs/optimizers.md)"
+        )
+    return spec
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW settings.
+    """Optimizer settings (``model.optimizer``); docs/optimizers.md compares the choices.
 
     Args:
-        name: ``adamw`` (torch, fused on CUDA) or ``adamw8bit`` (bitsandbytes: optimizer states
-            in 8 bits, ~75% less optimizer memory; needs ``pip install 'nanolab[bnb]'``).
-        lr: Peak learning rate, reached at the end of warmup.
-        weight_decay: Decoupled weight decay, applied only to matrices (>= 2-D: linear and
-            embedding weights), never to biases or LayerNorm gains.
+        name: A registered optimizer: ``adamw`` (torch, fused on CUDA), ``adamw8bit``
+            (bitsandbytes: optimizer states in 8 bits, ~75% less optimizer memory; needs
+            ``pip install 'nanolab[bnb]'``) or ``muon`` (torch.optim.Muon for the 2-D weights of
+            the hidden layers, AdamW with ``lr``/``betas`` for embeddings, head, norms, biases).
+        lr: Peak learning rate (of AdamW; with ``muon``, of the AdamW-trained parameters).
+        weight_decay: Decoupled weight decay of AdamW, applied only to matrices (>= 2-D: linear
+            and embedding weights), never to biases or LayerNorm gains.
         betas: Adam's moment decay rates; (0.9, 0.95) is the GPT-3 / nanoGPT choice.
         eps: Adam's epsilon.
         fused: Use the fused CUDA kernel; ``null`` = whenever the model is on CUDA.
+        muon_lr: ``muon`` only: peak learning rate of the hidden matrices (Keller Jordan's
+            scaling: each update is orthogonalised, then scaled by ``sqrt(max(1, out/in))``).
+        muon_momentum: ``muon`` only: Nesterov momentum of the hidden matrices.
+        muon_weight_decay: ``muon`` only: decoupled decay of the hidden matrices per step,
+            ``muon_lr * muon_weight_decay`` (0, as in nanochat and the modded-nanogpt records).
     """
 
-    name: OptimizerName = "adamw"
+    name: str = "adamw"
     lr: float = 6e-4
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     fused: bool | None = None
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.name not in ("adamw", "adamw8bit"):
-            raise ConfigError(
-                f"model.optimizer.name must be 'adamw' or 'adamw8bit', got {self.name!r}"
-            )
-        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
-            # NaN passes `lr <= 0`; inf (also YAML's 1e400) trains nothing but NaNs.
-            raise ConfigError(
-                f"model.optimizer.lr must be a finite number > 0 (e.g. 6e-4), got {self.lr}"
-            )
-        if self.weight_decay < 0:
-            raise ConfigError(f"model.optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        optimizer_spec(self.name)
+        for key in ("lr", "muon_lr"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                # NaN passes `lr <= 0`; inf (also YAML's 1e400) trains nothing but NaNs.
+                raise ConfigError(
+                    f"model.optimizer.{key} must be a finite number > 0 (e.g. "
+                    f"{'6e-4' if key == 'lr' else '0.02'}), got {value}"
+                )
+        for key in ("weight_decay", "muon_weight_decay"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.optimizer.{key} must be >= 0, got {getattr(self, key)}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"model.optimizer.betas must lie in [0, 1), got {self.betas}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(
+                f"model.optimizer.muon_momentum must lie in [0, 1), got {self.muon_momentum}"
+            )
 
 
 @dataclass
@@ -96,11 +193,15 @@ class WarmupCosine:
         return self.min_ratio + 0.5 * (1.0 - self.min_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: matrices decay, vectors (biases, norm gains) do not. Tied weights appear once."""
+def parameter_groups(model: nn.Module, weight_decay: float, exclude: Any = ()) -> list[dict]:
+    """Two groups: matrices decay, vectors (biases, norm gains) do not. Tied weights appear once.
+
+    ``exclude``: parameters another optimizer owns (Muon's matrices), left out of both groups.
+    """
+    skip = {id(p) for p in exclude}
     decay, no_decay = [], []
     for p in model.parameters():  # parameters() yields each shared tensor once
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in skip:
             continue
         (decay if p.dim() >= 2 else no_decay).append(p)
     return [
@@ -109,12 +210,49 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def hidden_matrices(model: nn.Module) -> list[Any]:
+    """The 2-D weights Muon trains: those of ``nn.Linear`` layers, except the output head
+    (a module named ``lm_head``) and any weight shared with an embedding (a tied head).
+
+    Embeddings, the head, norms and biases stay with AdamW, as in modded-nanogpt and nanochat:
+    orthogonalising an embedding's update (a lookup table, not a linear map) or the head's
+    (whose rows are per-token logits) is not what Muon was designed or shown to help.
+    """
+    from torch import nn
+
+    embedded = {
+        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    out, seen = [], set()
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name.split(".")[-1] == "lm_head":
+            continue
+        p = module.weight
+        if p.requires_grad and p.dim() == 2 and id(p) not in embedded and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, device: torch.device, cpu_offload: bool = False
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    device: torch.device,
+    cpu_offload: bool = False,
+    sharded: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``fit`` trains with. ``cpu_offload``: DeepSpeed ZeRO-Offload steps it on CPU
-    copies of the weights, where it must be DeepSpeed's vectorised CPU AdamW (same update)."""
-    groups = parameter_groups(model, cfg.weight_decay)
+    """The optimizer ``fit`` trains with, from the registry.
+
+    ``cpu_offload``: DeepSpeed ZeRO-Offload steps it on CPU copies of the weights, where it must
+    be DeepSpeed's vectorised CPU AdamW (same update). ``sharded``: FSDP or DeepSpeed hold only
+    a shard of each parameter on this device (refused for an optimizer that needs whole ones).
+    """
+    spec = optimizer_spec(cfg.name)
+    if sharded and not spec.shardable:
+        raise ConfigError(
+            f"model.optimizer.name {cfg.name!r} needs whole weight matrices on every device, "
+            "but FSDP/DeepSpeed shard them; use trainer.strategy ddp (or auto), or name adamw"
+        )
     if cpu_offload:
         if cfg.name != "adamw":
             raise ConfigError(
@@ -123,14 +261,50 @@ def build_optimizer(
             )
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        groups = parameter_groups(model, cfg.weight_decay)
         return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, adamw_mode=True)
-    if cfg.name == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ConfigError(
-                "model.optimizer.name 'adamw8bit' needs bitsandbytes: pip install 'nanolab[bnb]'"
-            ) from None
-        return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    return spec.build(model, cfg, device)
+
+
+@register_optimizer("adamw")
+def build_adamw(model: nn.Module, cfg: OptimizerConfig, device: torch.device):
+    """torch AdamW; the fused CUDA kernel whenever the model is on CUDA (``fused: null``)."""
+    import torch
+
     fused = device.type == "cuda" if cfg.fused is None else cfg.fused
+    groups = parameter_groups(model, cfg.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None)
+
+
+@register_optimizer("adamw8bit")
+def build_adamw8bit(model: nn.Module, cfg: OptimizerConfig, device: torch.device):
+    """bitsandbytes AdamW8bit: block-wise 8-bit moments for tensors of >= 4096 elements."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError(
+            "model.optimizer.name 'adamw8bit' needs bitsandbytes: pip install 'nanolab[bnb]'"
+        ) from None
+    groups = parameter_groups(model, cfg.weight_decay)
+    return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+@register_optimizer("muon", shardable=False)
+def build_muon(model: nn.Module, cfg: OptimizerConfig, device: torch.device):
+    """torch.optim.Muon for :func:`hidden_matrices`, AdamW for every other parameter."""
+    from nanolab.training.muon import MuonWithAdamW
+
+    hidden = hidden_matrices(model)
+    fused = device.type == "cuda" if cfg.fused is None else cfg.fused
+    return MuonWithAdamW(
+        muon_groups=[
+            {
+                "params": hidden,
+                "lr": cfg.muon_lr,
+                "momentum": cfg.muon_momentum,
+                "weight_decay": cfg.muon_weight_decay,
+            }
+        ],
+        adamw_groups=parameter_groups(model, cfg.weight_decay, exclude=hidden),
+        adamw_options={"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "fused": fused or None},
+    )
