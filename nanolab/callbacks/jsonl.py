@@ -463,9 +463,9 @@ def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, An
 
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, SaveConfigCallback):
-            config = callback.config
-            as_dict = getattr(config, "as_dict", None)
-            return as_dict() if callable(as_dict) else dict(config)
+            from nanolab.training.resolve import plain_config
+
+            return plain_config(callback.config)  # nanolab's own classes in the short form
     model: dict[str, Any] = {}
     for name in ("gpt_config", "optimizer_config", "schedule_config"):
         value = getattr(pl_module, name, None)

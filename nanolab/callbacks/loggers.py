@@ -166,6 +166,20 @@ def forward_record(trainer: Any, record: dict[str, Any]) -> None:
 
 
 # -- config.yaml --------------------------------------------------------------------------------
+def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
+    """The merged config as YAML, nanolab's own model/data classes in the short form
+    (``model: {gpt: ...}``, as written before they became choices); written atomically."""
+    import yaml
+
+    from nanolab.training.resolve import plain_config
+
+    data = yaml.safe_load(parser.dump(config, skip_none=False, skip_validation=True))
+    data.pop("config", None)  # the --config files it was merged from: not part of the run
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(plain_config(data), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def run_dir_save_config() -> type:
     """LightningCLI's config saver, writing ``config.yaml`` into the run directory always.
 
@@ -182,13 +196,7 @@ def run_dir_save_config() -> type:
             if trainer.is_global_zero:
                 run_dir = Path(trainer.default_root_dir)
                 run_dir.mkdir(parents=True, exist_ok=True)
-                self.parser.save(
-                    self.config,
-                    str(run_dir / self.config_filename),
-                    skip_none=False,
-                    overwrite=self.overwrite,
-                    multifile=self.multifile,
-                )
+                write_config_yaml(self.parser, self.config, run_dir / self.config_filename)
                 self.save_config(trainer, pl_module, stage)
             self.already_saved = trainer.strategy.broadcast(True)
 

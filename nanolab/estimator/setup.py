@@ -193,17 +193,6 @@ def _int(value: Any, where: str, minimum: int = 1) -> int:
     return n
 
 
-def count_devices(devices: Any) -> int:
-    """Devices per node from ``trainer.devices`` (an int, a list of ids, ``"0,1"``, ``auto``)."""
-    if isinstance(devices, (list, tuple)):
-        return max(1, len(devices))
-    if isinstance(devices, str) and "," in devices:
-        return max(1, len([d for d in devices.split(",") if d.strip()]))
-    if devices in (None, "auto", -1, "-1"):
-        return 1
-    return _int(devices, "trainer.devices")
-
-
 def parse_strategy(raw: Any, world_size: int) -> Strategy:
     """Lightning's ``trainer.strategy`` (a registry name or a ``class_path`` dict)."""
     if raw is None or raw == "auto":
@@ -302,6 +291,21 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
     )
 
 
+def _plugin_classes(model_class: str, data_class: str) -> None:
+    """Import the config's own model/data classes: their modules may register the attention,
+    MLP or norm variants the config names (the estimate must describe the model the run
+    builds); one line when they do not import."""
+    from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL, PluginImportError, load_class
+
+    try:
+        if model_class != DEFAULT_MODEL:
+            load_class(model_class, "model")
+        if data_class != DEFAULT_DATA:
+            load_class(data_class, "data")
+    except PluginImportError as err:
+        raise EstimateError(str(err)) from None
+
+
 def setup_from_config(
     cfg: Mapping[str, Any],
     *,
@@ -310,12 +314,29 @@ def setup_from_config(
     micro_batch_size: int | None = None,
     vocab_size: int | None = None,
 ) -> Setup:
-    """Interpret a merged ``nanolab fit`` config; keyword arguments override it."""
+    """Interpret a merged ``nanolab fit`` config; keyword arguments override it.
+
+    Device counts, micro-batch and global batch come from the one resolver
+    (:func:`nanolab.training.resolve.resolve`) that ``fit`` and ``queue add`` use, with
+    ``trainer.devices: auto`` read as one device (flagged as a guess) since the estimate is
+    for a machine it cannot see.
+    """
+    from nanolab.training.resolve import RunConfigError, resolve, sections
+
+    try:
+        model_class, model, data_class, data = sections(cfg)
+    except RunConfigError as err:
+        raise EstimateError(str(err)) from None
+    _plugin_classes(model_class, data_class)
     trainer = _section(cfg, "trainer")
-    model = _section(cfg, "model")
-    data = _section(cfg, "data")
-    run = _section(cfg, "run")
-    gpt_raw = _section(model, "gpt") if "gpt" in model else {}
+    if "gpt" in model and not isinstance(model["gpt"], Mapping):
+        raise EstimateError(f"'model.gpt' must be a mapping, got {type(model['gpt']).__name__}")
+    if "gpt" not in model and model_class != "nanolab.training.module.GPTLightningModule":
+        raise EstimateError(
+            f"model {model_class} takes no gpt settings: the estimator describes a GPT "
+            "(model.init_args.gpt); give the model class a `gpt: GPTConfig` argument"
+        )
+    gpt_raw = dict(model.get("gpt") or {})
     if model.get("init_from"):  # a Hugging Face GPT-2 folder: its architecture (docs/hf.md)
         from nanolab.model.hf import resolve_architecture
 
@@ -335,13 +356,18 @@ def setup_from_config(
     except (ConfigError, TypeError) as err:
         raise EstimateError(str(err)) from None
 
-    raw_devices = trainer.get("devices", "auto")
-    guessed = devices is None and raw_devices in (None, "auto", -1, "-1")
-    n_dev = devices if devices is not None else count_devices(raw_devices)
-    n_dev = _int(n_dev, "devices")
-    nodes = _int(
-        num_nodes if num_nodes is not None else trainer.get("num_nodes", 1) or 1, "num_nodes"
-    )
+    if devices is not None:
+        devices = _int(devices, "devices")
+    try:
+        resolved = resolve(
+            {**cfg, "model": {**model, "gpt": gpt.to_dict()}, "data": data},
+            visible_gpus=None,
+            devices=devices,
+            num_nodes=num_nodes,
+            micro_batch_size=micro_batch_size,
+        )
+    except RunConfigError as err:
+        raise EstimateError(str(err)) from None
 
     raw_precision = str(trainer.get("precision", "32-true"))
     if raw_precision not in PRECISIONS:
@@ -351,8 +377,9 @@ def setup_from_config(
         )
     precision = PRECISIONS[raw_precision]
 
-    strategy = parse_strategy(trainer.get("strategy", "auto"), n_dev * nodes)
-    if strategy.kind == "single" and n_dev * nodes > 1:
+    world = resolved.world_size
+    strategy = parse_strategy(trainer.get("strategy", "auto"), world)
+    if strategy.kind == "single" and world > 1:
         strategy = Strategy("ddp")
 
     opt = _section(model, "optimizer") if "optimizer" in model else {}
@@ -366,40 +393,28 @@ def setup_from_config(
             f"covers {', '.join(MODELLED_OPTIMIZERS)}"
         )
 
-    # run.micro_batch_size (int or "auto") wins over data.micro_batch_size (DataModule default 32).
-    mb_raw: Any = micro_batch_size
-    where = "micro_batch_size"
-    if mb_raw is None:
-        if "micro_batch_size" in run:
-            mb_raw, where = run["micro_batch_size"], "run.micro_batch_size"
-        else:
-            mb_raw, where = data.get("micro_batch_size", 32), "data.micro_batch_size"
-    mb = None if mb_raw in (None, "auto") else _int(mb_raw, where)
-
+    run = _section(cfg, "run")
     matmul = str(run.get("float32_matmul_precision", "high"))
     if matmul not in FLOAT32_MATMUL_PRECISIONS:
         raise EstimateError(
             f"run.float32_matmul_precision must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, "
             f"got {matmul!r}"
         )
-    gbt = run.get("global_batch_tokens")
-    gbt = None if gbt is None else _int(gbt, "run.global_batch_tokens")
-    max_steps = trainer.get("max_steps")
-    max_steps = None if max_steps in (None, -1) else _int(max_steps, "trainer.max_steps")
+    max_steps = resolved.max_steps
 
     setup = Setup(
         gpt=gpt,
-        micro_batch_size=mb,
-        devices=n_dev,
-        num_nodes=nodes,
+        micro_batch_size=resolved.micro_batch_size,
+        devices=resolved.devices_per_node,
+        num_nodes=resolved.num_nodes,
         precision=precision,
         strategy=strategy,
         optimizer=opt_name,
         fused=opt.get("fused"),
-        global_batch_tokens=gbt,
-        max_steps=max_steps,
+        global_batch_tokens=resolved.global_batch_tokens,
+        max_steps=None if max_steps in (None, -1) else max_steps,
         compile=bool(model.get("compile", False)),
-        devices_guessed=guessed,
+        devices_guessed=resolved.devices_guessed,
         float32_matmul_precision=matmul,
     )
     check_setup(setup)

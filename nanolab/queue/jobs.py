@@ -104,20 +104,14 @@ def fit_args(sets: list[tuple[str, str]], seed: int | None) -> list[str]:
 
 def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> ParsedConfig:
     """Parse ``nanolab fit --config CONFIG ARGS`` with the real parser and check it can run."""
-    from nanolab.data.datamodule import TokenDataModule
     from nanolab.training.cli import (
         NanolabCLI,
+        OneLineErrorParser,
         RunConfigError,
-        gradient_accumulation,
+        check_config_files,
+        model_and_data_classes,
         trainer_defaults,
-        world_size_of,
     )
-    from nanolab.training.module import GPTLightningModule
-
-    try:
-        from nanolab.training.cli import OneLineErrorParser as parser_class
-    except ImportError:  # older cli.py: LightningCLI's own parser
-        from lightning.pytorch.cli import LightningArgumentParser as parser_class
 
     class Parsed(Exception):
         pass
@@ -130,6 +124,10 @@ def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> Par
             raise Parsed(self.config["fit"])
 
     argv = ["fit", "--config", str(config), *args, f"--run.name={run_name}"]
+    try:
+        check_config_files(argv)  # unreadable YAML, a model/data class that does not import
+    except RunConfigError as e:
+        raise JobConfigError(f"{config}: {e}") from None
     err = io.StringIO()
     try:
         with (
@@ -139,13 +137,12 @@ def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> Par
         ):
             warnings.simplefilter("ignore")
             ParseOnly(
-                GPTLightningModule,
-                TokenDataModule,
+                **model_and_data_classes(),
                 args=argv,
                 trainer_defaults=trainer_defaults(),
                 seed_everything_default=1337,
                 auto_configure_optimizers=False,
-                parser_class=parser_class,
+                parser_class=OneLineErrorParser,
                 run=True,
             )
     except Parsed as parsed:
@@ -155,10 +152,9 @@ def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> Par
     else:  # pragma: no cover - the parser always ends in one of the two above
         raise JobConfigError(f"{config}: could not be parsed")
 
-    config_dict = cfg.as_dict()
     try:
-        return _check(config_dict, cwd, gradient_accumulation, world_size_of)
-    except (ValueError, TypeError, RunConfigError) as e:
+        return _check(cfg, cwd)
+    except (ValueError, TypeError) as e:  # RunConfigError, ConfigError: the key and the fix
         raise JobConfigError(f"{config}: {e}") from None
 
 
@@ -172,35 +168,44 @@ def _error_line(text: str) -> str:
     return lines[-1] if lines else "the config does not parse"
 
 
-def _check(cfg: dict[str, Any], cwd: Path, gradient_accumulation, world_size_of) -> ParsedConfig:
-    from nanolab.data.sources import BUNDLED, BUNDLED_PREFIX
-    from nanolab.model.config import GPTConfig
-    from nanolab.training.optim import OptimizerConfig, ScheduleConfig
+#: What ``trainer.devices: auto`` is for a queued job: the one device the runner gives it
+#: (through CUDA_VISIBLE_DEVICES), unless the config asks for N.
+QUEUE_VISIBLE_GPUS = 1
 
-    model = cfg.get("model") or {}
-    gpt = GPTConfig(**(model.get("gpt") or {}))  # validates itself (ConfigError)
-    opt = dict(model.get("optimizer") or {})
-    if "betas" in opt:
-        opt["betas"] = tuple(opt["betas"])
-    OptimizerConfig(**opt)
-    ScheduleConfig(**(model.get("schedule") or {}))
 
-    trainer, run, data = cfg["trainer"], cfg["run"], cfg["data"]
-    max_steps = trainer.get("max_steps")
-    if not isinstance(max_steps, int) or max_steps <= 0:
+def _check(parsed: Any, cwd: Path) -> ParsedConfig:
+    """The checks ``nanolab fit`` makes at start-up, through the same resolver, plus a finite
+    ``trainer.max_steps`` and data that exists (it is not prepared here)."""
+    from nanolab.training.resolve import check_model_settings, plain_config, resolve, sections
+
+    cfg = plain_config(parsed)
+    check_model_settings(sections(cfg)[1])
+    resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS)
+    if resolved.max_steps is None or resolved.max_steps <= 0:
         raise JobConfigError(
-            f"trainer.max_steps is {max_steps!r}; a queued job needs a finite number of steps "
-            "(the training stream never ends on its own)"
+            f"trainer.max_steps is {resolved.max_steps!r}; a queued job needs a finite number "
+            "of steps (the training stream never ends on its own)"
         )
-    world = world_size_of(trainer)
-    accumulate = gradient_accumulation(
-        run.get("global_batch_tokens"), data["micro_batch_size"], gpt.block_size, world
+    _check_data(resolved.data_args, cwd)
+    micro = resolved.micro_batch_size
+    if micro is None:  # run.micro_batch_size auto: the data's value until the job plans it
+        micro = int(resolved.data_args.get("micro_batch_size") or 1)
+        resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS, micro_batch_size=micro)
+    return ParsedConfig(
+        config=cfg,
+        run_root=str((cfg.get("run") or {}).get("root") or "runs"),
+        max_steps=resolved.max_steps,
+        devices=resolved.devices_per_node,
+        tokens_per_step=int(resolved.tokens_per_step or 0),
     )
-    if run.get("eval_every_steps", 1) < 1:
-        raise JobConfigError(f"run.eval_every_steps must be >= 1, got {run['eval_every_steps']}")
+
+
+def _check_data(data: dict[str, Any], cwd: Path) -> None:
+    """The data a job will train on exists: a prepared folder, a mixture of them, or sources
+    to prepare from (nanolab's data keys; a DataModule of one's own without them is trusted)."""
+    from nanolab.data.sources import BUNDLED, BUNDLED_PREFIX
 
     sources = data.get("source")
-    dataset_dir = _under(cwd, data["dataset_dir"])
     if data.get("datasets"):  # a mixture of prepared folders (docs/data.md)
         for i, spec in enumerate(data["datasets"]):
             path = spec.get("path") if isinstance(spec, dict) else None
@@ -210,6 +215,9 @@ def _check(cfg: dict[str, Any], cwd: Path, gradient_accumulation, world_size_of)
                     "`nanolab prepare` for it first"
                 )
     elif not sources:
+        if "dataset_dir" not in data:
+            return
+        dataset_dir = _under(cwd, data["dataset_dir"])
         if not (dataset_dir / "meta.json").is_file():
             raise JobConfigError(
                 f"data.dataset_dir {dataset_dir} holds no prepared dataset and data.source is "
@@ -225,15 +233,6 @@ def _check(cfg: dict[str, Any], cwd: Path, gradient_accumulation, world_size_of)
                     )
             elif not _under(cwd, spec).exists():
                 raise JobConfigError(f"data.source: {spec} does not exist")
-    devices = trainer.get("devices", 1)
-    n_devices = int(devices) if isinstance(devices, int) or str(devices).isdigit() else 1
-    return ParsedConfig(
-        config=cfg,
-        run_root=str(run.get("root") or "runs"),
-        max_steps=max_steps,
-        devices=max(1, n_devices),
-        tokens_per_step=data["micro_batch_size"] * gpt.block_size * world * accumulate,
-    )
 
 
 def _under(cwd: Path, path: str) -> Path:
@@ -259,8 +258,11 @@ def build_jobs(
     estimate=None,
     memory=None,
     backfill: bool = False,
+    extra_configs: tuple[Path, ...] = (),
 ) -> list[NewJob]:
     """Validated jobs for one ``queue add`` (one per seed); nothing is written here.
+
+    ``extra_configs`` compose after ``config`` as ``nanolab fit --config a --config b`` does.
 
     ``estimate(parsed) -> (seconds, how)`` and ``memory(parsed) -> (peak bytes, how)`` are the
     duration and memory predictions (:mod:`nanolab.queue.estimate`); ``backfill`` marks the jobs
@@ -268,13 +270,17 @@ def build_jobs(
     if not config.is_file():
         raise JobConfigError(f"config {config} does not exist")
     config = config.resolve()
+    for extra in extra_configs:
+        if not extra.is_file():
+            raise JobConfigError(f"config {extra} does not exist")
+    more = [a for extra in extra_configs for a in ("--config", str(extra.resolve()))]
     pairs = parse_sets(sets)
     seed_list = parse_seeds(seeds)
     names = job_names(config, name, pairs, seed_list)
     jobs = []
     for i, job_name in enumerate(names):
         seed = seed_list[i] if seed_list else None
-        args = fit_args(pairs, seed)
+        args = [*more, *fit_args(pairs, seed)]
         parsed = parse_config(config, args, job_name, cwd)
         seconds, source = estimate(parsed) if estimate else (None, None)
         peak, mem_source = memory(parsed) if memory else (None, None)

@@ -42,8 +42,9 @@ def plan_memory(
     ``config`` is the merged ``nanolab fit`` config as a plain dict (``vocab_size`` resolved).
     """
     from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
+    from nanolab.training.resolve import sections
 
-    micro = int(config["data"]["micro_batch_size"])
+    micro = int(sections(config)[3]["micro_batch_size"])
     if auto:
         micro = largest_fitting_micro_batch(
             config, device_memory=device_memory, devices=devices_per_node
@@ -124,7 +125,9 @@ def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
         trainer["precision"] = trainer.get("precision") or "32-true"  # Lightning's default
         # The memory model only: the fit search and the switch list are for GPUs.
         setup = setup_for({**config, "trainer": trainer}, devices=1)
-        micro = int((config.get("data") or {}).get("micro_batch_size") or 1)
+        from nanolab.training.resolve import sections
+
+        micro = int(sections(config)[3].get("micro_batch_size") or 1)
         per_process = estimate_memory(setup, micro, backend="cpu").total
     except Exception:
         return

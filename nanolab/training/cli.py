@@ -21,7 +21,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.checkpoint_io import CheckpointWriteError
 from nanolab.callbacks.events import CallbackConfigError
-from nanolab.data.datamodule import TokenDataModule
 from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import TokenizerError
 from nanolab.data.windows import DataTooSmallError
@@ -32,11 +31,21 @@ from nanolab.training.autobatch import (
     device_memory_bytes,
     plan_memory,
 )
-from nanolab.training.module import GPTLightningModule
-
-
-class RunConfigError(ValueError):
-    """A ``run`` setting that cannot work."""
+from nanolab.training.plugins import (
+    DEFAULT_DATA,
+    DEFAULT_MODEL,
+    PluginImportError,
+    check_importable,
+    class_paths_in_argv,
+    class_paths_in_config,
+)
+from nanolab.training.resolve import (  # noqa: F401  (gradient_accumulation: a public name here)
+    RunConfigError,
+    check_model_settings,
+    gradient_accumulation,
+    plain_config,
+    resolve,
+)
 
 
 @dataclass
@@ -77,26 +86,6 @@ class RunConfig:
     float32_matmul_precision: Literal["highest", "high", "medium"] = "high"
 
 
-def world_size_of(trainer_cfg: Any) -> int:
-    """Devices x nodes as the Trainer will resolve them (``auto`` = every visible GPU, or 1)."""
-    devices = trainer_cfg.get("devices", "auto")
-    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
-    if isinstance(devices, (list, tuple)):
-        n = len(devices)
-    elif isinstance(devices, str) and "," in devices:
-        n = len([d for d in devices.split(",") if d.strip()])
-    elif devices in ("auto", -1, "-1", None):
-        accelerator = str(trainer_cfg.get("accelerator", "auto"))
-        n = 1
-        if accelerator in ("auto", "gpu", "cuda"):
-            import torch
-
-            n = max(1, torch.cuda.device_count())
-    else:
-        n = int(devices)
-    return n * nodes
-
-
 def apply_float32_matmul_precision(value: str, trainer_cfg: Any) -> None:
     """Set the FP32 matmul precision for a GPU run (a CPU run keeps torch's default)."""
     if str(trainer_cfg.get("accelerator", "auto")) == "cpu":
@@ -105,22 +94,6 @@ def apply_float32_matmul_precision(value: str, trainer_cfg: Any) -> None:
 
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision(value)
-
-
-def gradient_accumulation(
-    global_batch_tokens: int | None, micro_batch_size: int, block_size: int, world_size: int
-) -> int:
-    """Micro-batches per optimizer step that make up ``global_batch_tokens``."""
-    if global_batch_tokens is None:
-        return 1
-    per_step = micro_batch_size * block_size * world_size
-    if global_batch_tokens <= 0 or global_batch_tokens % per_step != 0:
-        raise RunConfigError(
-            f"run.global_batch_tokens ({global_batch_tokens}) must be a positive multiple of "
-            f"data.micro_batch_size x model.gpt.block_size x devices = {micro_batch_size} x "
-            f"{block_size} x {world_size} = {per_step}; e.g. {max(1, round(global_batch_tokens / per_step)) * per_step}"
-        )
-    return global_batch_tokens // per_step
 
 
 def default_run_name(stem: str) -> str:
@@ -141,52 +114,36 @@ def default_run_name(stem: str) -> str:
     return name
 
 
-def check_run_name(name: Any) -> None:
-    """Refuse a run name that would put the run directory outside ``run.root`` (or be ``root``)."""
-    text = str(name) if name is not None else ""
-    if (
-        not text.strip()
-        or text in (".", "..")
-        or "/" in text
-        or "\\" in text
-        or "\0" in text
-        or Path(text).is_absolute()
-    ):
+def _visible_gpus(trainer_cfg: Any) -> int:
+    """What ``trainer.devices: auto`` means for this process: every GPU it can see, or 1."""
+    if str(trainer_cfg.get("accelerator", "auto")) not in ("auto", "gpu", "cuda"):
+        return 1
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def _data_vocab(data: Any) -> int | None:
+    """The data's vocabulary (preparing the dataset from ``data.source`` when needed); None
+    for a DataModule that has none (the model's config must then fix it)."""
+    try:
+        vocab = data.vocab_size
+    except AttributeError:
+        return None
+    except PrepareError as err:
+        from nanolab.data.checks import DataCheckError
+
+        if "--force" not in str(err) or isinstance(err, DataCheckError):
+            raise  # a damaged dataset names its own fix
+        # prepare's "already holds another dataset ... pass --force": fit has no --force.
         raise RunConfigError(
-            f"run.name {text!r}: give a plain folder name (no '/', not empty, '.' or '..'); "
-            "the run directory is run.root/run.name, set run.root to put it elsewhere"
-        )
-
-
-def check_max_steps(max_steps: Any) -> None:
-    """Steps, not epochs: a positive number, or -1 (no limit: a budget or a signal stops it)."""
-    if (
-        isinstance(max_steps, bool)
-        or not isinstance(max_steps, int)
-        or not (max_steps >= 1 or max_steps == -1)
-    ):
-        raise RunConfigError(
-            f"trainer.max_steps must be a positive number of optimizer steps (or -1: no limit, "
-            f"stop on a budget), got {max_steps!r}"
-        )
-
-
-def check_model_settings(model: Any) -> None:
-    """Validate ``model.gpt``/``optimizer``/``schedule`` before anything is derived from them,
-    so an error names the model key (``block_size`` is also linked into ``data``)."""
-    from nanolab.model.config import GPTConfig
-    from nanolab.training.optim import OptimizerConfig, ScheduleConfig
-
-    def plain(node: Any) -> dict[str, Any]:
-        data = node.as_dict() if hasattr(node, "as_dict") else dict(node or {})
-        return {k: v for k, v in data.items() if not str(k).startswith("__")}
-
-    GPTConfig(**plain(model.get("gpt")))
-    optimizer = plain(model.get("optimizer"))
-    if "betas" in optimizer:
-        optimizer["betas"] = tuple(optimizer["betas"])
-    OptimizerConfig(**optimizer)
-    ScheduleConfig(**plain(model.get("schedule")))
+            f"data.dataset_dir {data.dataset_dir} already holds a dataset prepared from other "
+            "sources or settings than data.source/data.tokenizer, and fit never overwrites "
+            f"one: train on it as it is with --data.source null, choose another "
+            f"--data.dataset_dir, or replace it with `nanolab prepare <sources> -o "
+            f"{data.dataset_dir} --force`"
+        ) from None
+    return None if vocab is None else int(vocab)
 
 
 def _runs_on_cpu(trainer_cfg: Any) -> bool:
@@ -202,9 +159,13 @@ def _runs_on_cpu(trainer_cfg: Any) -> bool:
 
 def check_config_files(argv: list[str]) -> None:
     """Read every ``--config`` file first, so an empty or malformed one is named in the error
-    (the parser itself reports them as "Unexpected config" or ``<unicode string>``)."""
+    (the parser itself reports them as "Unexpected config" or ``<unicode string>``), and import
+    the model, data and callback classes they and the command line name, so a plug-in that
+    does not import is one line naming its module (the parser would say it "does not validate
+    against any of the Union subtypes")."""
     import yaml
 
+    plugins = class_paths_in_argv(argv)
     paths = []
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
@@ -238,6 +199,11 @@ def check_config_files(argv: list[str]) -> None:
                 f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
                 f"got a {type(data).__name__}"
             )
+        plugins += class_paths_in_config(data)
+    try:
+        check_importable(plugins)
+    except PluginImportError as err:
+        raise RunConfigError(str(err)) from None
 
 
 class OneLineErrorParser(LightningArgumentParser):
@@ -246,10 +212,39 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)
-        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+        message = subclass_problem(str(message)) or str(message)
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
         summary = " ".join(lines[:3])
         sys.stderr.write(f"nanolab: error: {summary}\n")
         sys.exit(2)
+
+
+def subclass_problem(message: str) -> str | None:
+    """The setting at fault inside a ``model``/``data`` class choice, with its full key.
+
+    The parser reports a bad ``model.gpt.n_layer`` as "Parser key "model": Does not validate
+    against any of the Union subtypes ... Problem with given class_path X: Parser key
+    "gpt.n_layer": Expected a <class 'int'>": this keeps the inner problem, keyed from the top.
+    """
+    import re
+
+    head = re.match(r'Parser key "([\w.]+)":', message)
+    start = message.find("Problem with given class_path")
+    if head is None or start < 0:
+        return None
+    group = head.group(1)
+    lines = message[start:].splitlines()
+    inner = []
+    for line in lines[1:]:
+        text = line.strip()
+        if text.startswith("- Expected a <class 'NoneType'>") or text.startswith("Given value"):
+            break
+        inner.append(text)
+    text = " ".join(inner).strip()
+    text = re.sub(r'Parser key "([^"]+)"', lambda m: f'Parser key "{group}.{m.group(1)}"', text)
+    text = re.sub(r"--(?!config)([\w.]+)=", lambda m: f"--{group}.{m.group(1)}=", text)
+    text = re.sub(r"Group '([\w.]+)'", lambda m: f"Group '{group}.{m.group(1)}'", text)
+    return text or None
 
 
 class NanolabCLI(LightningCLI):
@@ -272,8 +267,11 @@ class NanolabCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(RunConfig, "run", fail_untyped=True)
-        # One context length for model and data.
-        parser.link_arguments("model.gpt.block_size", "data.block_size")
+        # Model and data are choices (--model pkg.mod.Class); nanolab's own by default. The
+        # data's block_size follows the model's gpt.block_size (set by the resolver).
+        parser.set_defaults(
+            {"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}}
+        )
         # The run log, checkpoint rotation, budgets, throughput/MFU and the step progress bar.
         from nanolab.callbacks import (
             CostBudget,
@@ -294,8 +292,8 @@ class NanolabCLI(LightningCLI):
         parser.add_lightning_class_args(DivergenceStop, "divergence")
         parser.link_arguments("run.fresh", "log.fresh")
         # On by default: SIGTERM/SIGINT/SIGUSR1 -> finish the step, checkpoint, exit 75.
-        # Registered last: its step-end hook must run after the other callbacks have counted
-        # the step (log record, token clock), so the checkpoint it saves includes that step.
+        # Its step hooks run after the run log's and the stop checks' wherever it is registered
+        # (StepCallback.step_order), so the checkpoint it saves includes the step's record.
         from nanolab.callbacks.preemption import PreemptionHandler
 
         parser.add_lightning_class_args(PreemptionHandler, "preemption")
@@ -317,73 +315,49 @@ class NanolabCLI(LightningCLI):
                 else "run"
             )
             run.name = default_run_name(stem)
-        check_run_name(run.name)
-        run_dir = Path(run.root) / run.name
-        cfg.trainer.default_root_dir = str(run_dir)
-        check_max_steps(cfg.trainer.get("max_steps"))
-        check_model_settings(cfg.model)
-        if cfg.model.get("init_from"):  # the architecture of a Hugging Face GPT-2 (docs/hf.md)
+        model_args = cfg.model.init_args
+        check_model_settings(model_args.as_dict())
+        if model_args.get("init_from"):  # the architecture of a Hugging Face GPT-2 (docs/hf.md)
             from nanolab.model.hf import apply_init_from
 
-            apply_init_from(cfg.model)
+            apply_init_from(model_args)
+        visible = _visible_gpus(cfg.trainer)
+        # Every setting that needs neither the data nor the device, checked before either.
+        resolve(cfg, visible_gpus=visible)
         if self.subcommand == "fit" and not cfg.get("preemption", {}).get("enabled", True):
             from nanolab.training import early_signals
 
             early_signals.uninstall()  # preemption off: signals act as they did before
 
-        # The vocabulary comes from the prepared data unless the config fixes it.
-        data = TokenDataModule(**{k: v for k, v in cfg.data.items() if k != "__path__"})
-        try:
-            vocab = data.vocab_size  # prepares the dataset from data.source when needed
-        except PrepareError as err:
-            from nanolab.data.checks import DataCheckError
-
-            if "--force" not in str(err) or isinstance(err, DataCheckError):
-                raise  # a damaged dataset names its own fix
-            # prepare's "already holds another dataset ... pass --force": fit has no --force.
-            raise RunConfigError(
-                f"data.dataset_dir {data.dataset_dir} already holds a dataset prepared from other "
-                "sources or settings than data.source/data.tokenizer, and fit never overwrites "
-                f"one: train on it as it is with --data.source null, choose another "
-                f"--data.dataset_dir, or replace it with `nanolab prepare <sources> -o "
-                f"{data.dataset_dir} --force`"
-            ) from None
-        if cfg.model.get("init_from"):  # the data must be tokenized as the checkpoint's was
+        # The vocabulary comes from the data (prepared now if needed) unless the config fixes it.
+        data = self._data_module(cfg.data)
+        vocab = _data_vocab(data)
+        if model_args.get("init_from"):  # the data must be tokenized as the checkpoint's was
             from nanolab.model.hf_tokenizer import check_init_from_data
 
-            check_init_from_data(cfg.model, data)
-        gpt = cfg.model.gpt
-        if gpt.vocab_size is None:
-            gpt.vocab_size = vocab
-        elif gpt.vocab_size < vocab:
-            raise RunConfigError(
-                f"the data's vocabulary ({vocab}) is larger than model.gpt.vocab_size "
-                f"({gpt.vocab_size}); set model.gpt.vocab_size to null or >= {vocab}"
-            )
-
-        world = world_size_of(cfg.trainer)
-        self._plan_micro_batch(cfg, world)
-        accumulate = gradient_accumulation(
-            run.global_batch_tokens, cfg.data.micro_batch_size, gpt.block_size, world
-        )
-        cfg.trainer.accumulate_grad_batches = accumulate
+            check_init_from_data(model_args, data)
+        resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab)
+        self._apply(cfg, resolved)
+        micro = self._plan_micro_batch(cfg, resolved)
+        if micro != resolved.micro_batch_size:
+            resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab, micro_batch_size=micro)
+            self._apply(cfg, resolved)
         # Fail now, not after start-up, when the data cannot fill one step of every rank.
-        data.block_size = gpt.block_size
-        data.check_fits(world)
-        if run.eval_every_steps < 1:
-            raise RunConfigError(f"run.eval_every_steps must be >= 1, got {run.eval_every_steps}")
+        data.block_size = resolved.block_size
+        data.micro_batch_size = resolved.micro_batch_size
+        check_fits = getattr(data, "check_fits", None)
+        if callable(check_fits):
+            check_fits(resolved.world_size)
         if _runs_on_cpu(cfg.trainer):
             # Say it now, from the estimator, rather than swapping or being OOM-killed later.
             from nanolab.training.autobatch import check_fits_on_host
 
-            nodes = int(cfg.trainer.get("num_nodes") or 1)
-            check_fits_on_host(cfg.as_dict(), processes=max(1, world // max(1, nodes)))
-        # The training stream is endless (steps, not epochs): validation is counted in
-        # micro-batches, so one optimizer step = `accumulate` of them.
-        cfg.trainer.val_check_interval = run.eval_every_steps * accumulate
+            check_fits_on_host(
+                plain_config(cfg), processes=max(1, resolved.world_size // resolved.num_nodes)
+            )
         cfg.trainer.check_val_every_n_epoch = None
         self.run_config = run
-        self.run_dir = run_dir
+        self.run_dir = resolved.run_dir
         if cfg.get("logger"):
             self._check_logger(cfg)
         apply_float32_matmul_precision(run.float32_matmul_precision, cfg.trainer)
@@ -391,36 +365,66 @@ class NanolabCLI(LightningCLI):
 
         reconcile_progress_bar(cfg)
 
-    def _plan_micro_batch(self, cfg: Any, world: int) -> None:
-        """Apply ``run.micro_batch_size`` and, on a GPU, check the estimate against its memory."""
+    @staticmethod
+    def _data_module(data_cfg: Any) -> Any:
+        """The configured DataModule, built once here to read what the run derives from it."""
+        from nanolab.training.plugins import PluginImportError, load_class
+
+        try:
+            cls = load_class(data_cfg.class_path, "data")
+        except PluginImportError as err:
+            raise RunConfigError(str(err)) from None
+        return cls(**{k: v for k, v in data_cfg.init_args.items() if not k.startswith("__")})
+
+    @staticmethod
+    def _apply(cfg: Any, resolved: Any) -> None:
+        """Write the derived values into the config that is instantiated and saved."""
+        gpt = cfg.model.init_args.get("gpt")
+        if gpt is not None:
+            gpt.vocab_size = resolved.vocab_size
+        data_args = cfg.data.init_args
+        if "block_size" in data_args:
+            data_args.block_size = resolved.block_size
+        if resolved.micro_batch_size is not None and "micro_batch_size" in data_args:
+            data_args.micro_batch_size = resolved.micro_batch_size
+        cfg.trainer.default_root_dir = str(resolved.run_dir)
+        if resolved.accumulate is not None:
+            cfg.trainer.accumulate_grad_batches = resolved.accumulate
+            # The training stream is endless (steps, not epochs): validation is counted in
+            # micro-batches, so one optimizer step = `accumulate` of them.
+            cfg.trainer.val_check_interval = resolved.val_check_interval
+
+    def _plan_micro_batch(self, cfg: Any, resolved: Any) -> int:
+        """The micro-batch: the resolved one, or for ``auto`` the largest the estimator says
+        fits this GPU (the data's value on a CPU); on a GPU, warn when it will not fit."""
         choice = cfg.run.micro_batch_size
-        if isinstance(choice, int):
-            if choice < 1:
-                raise RunConfigError(f"run.micro_batch_size must be >= 1 or auto, got {choice}")
-            cfg.data.micro_batch_size = choice
+        micro = resolved.micro_batch_size
+        if micro is None:  # auto: planned below, the data's value where there is no GPU
+            micro = int(cfg.data.init_args.get("micro_batch_size") or 1)
         device_memory = (
             device_memory_bytes() if str(cfg.trainer.get("accelerator")) != "cpu" else None
         )
         if device_memory is None:
-            return  # CPU: no device memory to plan against
+            return micro  # CPU: no device memory to plan against
         try:
-            nodes = int(cfg.trainer.get("num_nodes") or 1)
-            plan = plan_memory(
-                cfg.as_dict(), device_memory, choice == "auto", max(1, world // nodes)
-            )
+            config = plain_config(cfg)
+            section = config["data"].get("init_args", config["data"])
+            section["micro_batch_size"] = micro
+            plan = plan_memory(config, device_memory, choice == "auto", resolved.devices_per_node)
         except ValueError as err:  # the estimator cannot describe this config: say so, go on
             if isinstance(err, AutoBatchError):
                 raise RunConfigError(str(err)) from None
             rank_zero_warn(f"memory estimate unavailable: {err}")
-            return
+            return micro
         if choice == "auto":
-            cfg.data.micro_batch_size = plan.micro_batch_size
+            micro = plan.micro_batch_size
             rank_zero_info(
                 f"run.micro_batch_size auto: {plan.micro_batch_size} (predicted peak "
                 f"{plan.predicted_bytes / 2**30:.1f} of {plan.device_bytes / 2**30:.1f} GiB)"
             )
         if plan.warning:
             rank_zero_warn(plan.warning)
+        return micro
 
     def _parse_ckpt_path(self) -> None:
         """Check a ``--ckpt_path`` file the safe way before LightningCLI opens it (it reads the
@@ -497,7 +501,7 @@ class NanolabCLI(LightningCLI):
 
         claim_run_dir(
             self.run_dir,
-            self.config[self.subcommand].as_dict(),
+            plain_config(self.config[self.subcommand]),
             resuming=cand is not None,
             fresh=run.fresh,
             checkpoint=cand.path if cand is not None else None,
@@ -601,6 +605,19 @@ class NanolabCLI(LightningCLI):
         self._after_evaluation("test", "test")
 
 
+def model_and_data_classes() -> dict[str, Any]:
+    """LightningCLI arguments that make ``model`` and ``data`` choices of any LightningModule /
+    LightningDataModule (subclass mode); :class:`NanolabCLI` defaults them to nanolab's own."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    return {
+        "model_class": LightningModule,
+        "datamodule_class": LightningDataModule,
+        "subclass_mode_model": True,
+        "subclass_mode_data": True,
+    }
+
+
 def trainer_defaults() -> dict[str, Any]:
     return {
         "max_steps": 5000,
@@ -634,8 +651,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     try:
         check_config_files(argv)
         cli = NanolabCLI(
-            GPTLightningModule,
-            TokenDataModule,
+            **model_and_data_classes(),
             # args=None lets LightningCLI read sys.argv itself (it warns when given both).
             args=None if argv == sys.argv[1:] else argv,
             trainer_defaults=trainer_defaults(),

@@ -1,0 +1,153 @@
+"""What nanolab needs from a model or data class, and how a class named in a config is loaded.
+
+``model:`` and ``data:`` in a ``nanolab fit`` config are choices: a class path (``--model
+myproj.models.MyGPT``, or ``model: {class_path: ..., init_args: ...}`` in YAML) picks the class,
+and nanolab's own :class:`~nanolab.training.module.GPTLightningModule` and
+:class:`~nanolab.data.datamodule.TokenDataModule` are the defaults. ``fit``, ``queue add``,
+``estimate`` and ``bench`` use a class only through the two small protocols below, so any class
+that has these members works with every verb (docs/forking.md, "Your own model or data class").
+
+A class path that cannot be imported is reported in one line naming the module and the error,
+before the config parser would report it as a value that "does not validate".
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+#: The classes a config gets when it names none.
+DEFAULT_MODEL = "nanolab.training.module.GPTLightningModule"
+DEFAULT_DATA = "nanolab.data.datamodule.TokenDataModule"
+
+
+class PluginImportError(ValueError):
+    """A class path in the config whose module cannot be imported or lacks the class."""
+
+
+@runtime_checkable
+class DataModuleProtocol(Protocol):
+    """What ``fit``, the queue and the estimator need from a LightningDataModule.
+
+    Attributes:
+        micro_batch_size: Sequences per device per forward pass (``data.micro_batch_size``;
+            ``run.micro_batch_size`` overrides it). With ``block_size`` it makes the tokens of
+            one micro-batch, from which gradient accumulation is derived.
+        block_size: Tokens per window (one training sequence). ``nanolab fit`` sets it to the
+            model's ``gpt.block_size`` when the model has one.
+    """
+
+    micro_batch_size: int
+    block_size: int
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the data uses (fills ``model.gpt.vocab_size: null``); may prepare the data."""
+        ...
+
+    def check_fits(self, world_size: int) -> None:
+        """Raise (a ``ValueError`` naming the setting) when the data cannot fill one optimizer
+        step of every rank, so the run fails at start-up rather than after it."""
+        ...
+
+    def window_plan(self, world_size: int = 1) -> Any:
+        """The order in which training windows are served, a pure function of the settings and
+        ``world_size``: an exact resume restarts it at the consumed micro-batch count."""
+        ...
+
+
+@runtime_checkable
+class NetworkProtocol(Protocol):
+    """What the throughput meter and the run log read from ``LightningModule.model``.
+
+    A module without a ``model`` attribute, or a network without these methods, still trains:
+    the log then counts every parameter of the module and leaves ``mfu`` empty.
+    """
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward) at ``seq_len`` tokens per sequence."""
+        ...
+
+    def num_params(self) -> int:
+        """Parameter count reported in the run log's ``start`` record."""
+        ...
+
+
+def load_class(class_path: str, where: str) -> type:
+    """Import ``package.module.Class``; one :class:`PluginImportError` line when that fails.
+
+    ``where`` names the config key (``model``, ``data``, ``trainer.callbacks``) for the message.
+    """
+    module_name, _, name = str(class_path).rpartition(".")
+    if not module_name or not name:
+        raise PluginImportError(
+            f"{where}: {class_path!r} is not a class path; give package.module.ClassName"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, and whatever the module raises while importing
+        kind = type(err).__name__
+        hint = (
+            "; install the package that provides it (pip install -e . in your project) or fix "
+            "the name"
+            if isinstance(err, ModuleNotFoundError)
+            else ""
+        )
+        raise PluginImportError(
+            f"{where}: cannot import module {module_name!r} for {class_path} ({kind}: {err}){hint}"
+        ) from None
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise PluginImportError(
+            f"{where}: module {module_name!r} has no class {name!r} (from {class_path})"
+        )
+    return cls
+
+
+def class_paths_in_argv(argv: list[str]) -> list[tuple[str, str]]:
+    """``(where, class_path)`` for ``--model X``, ``--data=X``, ``--model.class_path X`` ...
+
+    Only dotted values are class paths; a bare name (``--model GPTLightningModule``) is left to
+    the parser, which resolves the names of classes it already knows.
+    """
+    found = []
+    flags = {"--model": "model", "--data": "data"}
+    flags.update({f"{flag}.class_path": where for flag, where in list(flags.items())})
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        if flag not in flags:
+            continue
+        if not sep:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if "." in value and not value.endswith((".yaml", ".yml", ".json")) and "{" not in value:
+            found.append((flags[flag], value))
+    return found
+
+
+def class_paths_in_config(config: Any) -> list[tuple[str, str]]:
+    """``(where, class_path)`` for ``model``/``data``/``trainer.callbacks`` in one YAML mapping."""
+    if not isinstance(config, dict):
+        return []
+    found = []
+    for key in ("model", "data"):
+        node = config.get(key)
+        if isinstance(node, str) and "." in node:
+            found.append((key, node))
+        elif isinstance(node, dict) and isinstance(node.get("class_path"), str):
+            found.append((key, node["class_path"]))
+    trainer = config.get("trainer")
+    callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+    if isinstance(callbacks, dict):
+        callbacks = [callbacks]
+    for item in callbacks if isinstance(callbacks, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("class_path"), str):
+            found.append(("trainer.callbacks", item["class_path"]))
+    return found
+
+
+def check_importable(paths: Iterable[tuple[str, str]]) -> None:
+    """Import every named class first, so a broken plug-in is one line, not a parser error."""
+    for where, class_path in paths:
+        if "." in class_path:
+            load_class(class_path, where)

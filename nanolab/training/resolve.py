@@ -1,0 +1,347 @@
+"""One config resolver: from the merged ``nanolab fit`` config to everything derived from it.
+
+``fit``, ``queue add``, ``estimate`` and ``bench`` read the same YAML and must agree on what it
+means: how many devices ``trainer.devices: auto`` is, which micro-batch wins, how much gradient
+accumulation makes up ``run.global_batch_tokens``, where the run directory is. :func:`resolve`
+is the single answer, a pure function: whatever depends on the machine or the data (visible
+GPUs, the prepared data's vocabulary, a micro-batch chosen from device memory) comes in as an
+argument, so the queue and the estimator ask the same function as ``fit`` with what they know.
+
+The config may name its model and data classes (``model: {class_path: ..., init_args: ...}``)
+or give the default classes' arguments directly (``model: {gpt: ...}``); :func:`sections` reads
+both, :func:`plain_config` writes the default classes back in the short form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
+
+
+class RunConfigError(ValueError):
+    """A setting that cannot work; the message names the key and the fix."""
+
+
+# -- sections ----------------------------------------------------------------------------------
+def _plain(node: Any) -> Any:
+    """jsonargparse Namespaces (and nested ones) as dicts, dunder keys (``__path__``) dropped."""
+    if hasattr(node, "as_dict"):
+        node = node.as_dict()
+    if isinstance(node, Mapping):
+        return {k: _plain(v) for k, v in node.items() if not str(k).startswith("__")}
+    return node
+
+
+def section(config: Mapping[str, Any], key: str, default_class: str) -> tuple[str, dict[str, Any]]:
+    """``(class_path, init_args)`` of ``config[key]`` in any form the parser accepts.
+
+    ``{gpt: ...}`` (the default class's arguments), ``{class_path: X, init_args: {...}}``,
+    ``{init_args: {...}}`` (the default class) and a bare ``"pkg.mod.Class"`` string.
+    """
+    node = _plain(config.get(key))
+    if node is None:
+        return default_class, {}
+    if isinstance(node, str):
+        return node, {}
+    if not isinstance(node, Mapping):
+        raise RunConfigError(f"'{key}' must be a mapping of settings, got {type(node).__name__}")
+    if "class_path" in node or "init_args" in node:
+        args = dict(node.get("init_args") or {})
+        args.update(node.get("dict_kwargs") or {})
+        return str(node.get("class_path") or default_class), args
+    return default_class, dict(node)
+
+
+def sections(config: Mapping[str, Any]) -> tuple[str, dict[str, Any], str, dict[str, Any]]:
+    """``(model class, model args, data class, data args)`` of a merged config."""
+    model_class, model_args = section(config, "model", DEFAULT_MODEL)
+    data_class, data_args = section(config, "data", DEFAULT_DATA)
+    return model_class, model_args, data_class, data_args
+
+
+def plain_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with the default model/data classes in the short form (``model: {gpt: ...}``).
+
+    Runs of nanolab's own classes then save the ``config.yaml`` they always did (same resume
+    checks, same report groups, same queue history); another class keeps its ``class_path``.
+    """
+    out = _plain(config)
+    for key, default in (("model", DEFAULT_MODEL), ("data", DEFAULT_DATA)):
+        if key in out and out[key] is not None:
+            class_path, args = section(out, key, default)
+            out[key] = (
+                args if class_path == default else {"class_path": class_path, "init_args": args}
+            )
+    return out
+
+
+# -- single checks -----------------------------------------------------------------------------
+def count_devices(devices: Any, accelerator: Any, visible_gpus: int | None) -> tuple[int, bool]:
+    """Devices per node from ``trainer.devices``, and whether ``auto`` had to be guessed.
+
+    ``visible_gpus`` is what ``auto`` (or ``-1``) means where the question is asked: ``fit``
+    passes the GPUs it can see, the queue 1 (a job gets one device unless it asks for more),
+    the estimator ``None`` (unknown: 1, flagged as a guess). A CPU accelerator is one device.
+    """
+    if isinstance(devices, (list, tuple)):
+        return max(1, len(devices)), False
+    if isinstance(devices, str) and "," in devices:
+        return max(1, len([d for d in devices.split(",") if d.strip()])), False
+    if devices in (None, "auto", -1, "-1"):
+        if str(accelerator or "auto") == "cpu" or visible_gpus is None:
+            return 1, visible_gpus is None and str(accelerator or "auto") != "cpu"
+        return max(1, int(visible_gpus)), False
+    n = _whole(devices, "trainer.devices")
+    return n, False
+
+
+def _whole(value: Any, where: str, minimum: int = 1) -> int:
+    """An integer setting (``"4"`` and ``4.0`` accepted), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise RunConfigError(f"{where} must be an integer, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise RunConfigError(f"{where} must be an integer, got {value!r}") from None
+    if n != float(value) or n < minimum:
+        raise RunConfigError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return n
+
+
+def gradient_accumulation(
+    global_batch_tokens: int | None, micro_batch_size: int, block_size: int, world_size: int
+) -> int:
+    """Micro-batches per optimizer step that make up ``global_batch_tokens``."""
+    if global_batch_tokens is None:
+        return 1
+    per_step = micro_batch_size * block_size * world_size
+    if global_batch_tokens <= 0 or global_batch_tokens % per_step != 0:
+        raise RunConfigError(
+            f"run.global_batch_tokens ({global_batch_tokens}) must be a positive multiple of "
+            f"data.micro_batch_size x model.gpt.block_size x devices = {micro_batch_size} x "
+            f"{block_size} x {world_size} = {per_step}; e.g. {max(1, round(global_batch_tokens / per_step)) * per_step}"
+        )
+    return global_batch_tokens // per_step
+
+
+def check_run_name(name: Any) -> None:
+    """Refuse a run name that would put the run directory outside ``run.root`` (or be ``root``)."""
+    text = str(name) if name is not None else ""
+    if (
+        not text.strip()
+        or text in (".", "..")
+        or "/" in text
+        or "\\" in text
+        or "\0" in text
+        or Path(text).is_absolute()
+    ):
+        raise RunConfigError(
+            f"run.name {text!r}: give a plain folder name (no '/', not empty, '.' or '..'); "
+            "the run directory is run.root/run.name, set run.root to put it elsewhere"
+        )
+
+
+def check_max_steps(max_steps: Any) -> None:
+    """Steps, not epochs: a positive number, or -1 (no limit: a budget or a signal stops it)."""
+    if (
+        isinstance(max_steps, bool)
+        or not isinstance(max_steps, int)
+        or not (max_steps >= 1 or max_steps == -1)
+    ):
+        raise RunConfigError(
+            f"trainer.max_steps must be a positive number of optimizer steps (or -1: no limit, "
+            f"stop on a budget), got {max_steps!r}"
+        )
+
+
+def check_model_settings(model_args: Mapping[str, Any]) -> None:
+    """Validate ``gpt``/``optimizer``/``schedule`` where the model class takes them, so an error
+    names the model key (their dataclasses check themselves and raise ``ConfigError``)."""
+    from nanolab.model.config import GPTConfig
+    from nanolab.training.optim import OptimizerConfig, ScheduleConfig
+
+    if "gpt" in model_args:
+        GPTConfig(**_plain(model_args.get("gpt") or {}))
+    if "optimizer" in model_args:
+        optimizer = dict(_plain(model_args.get("optimizer") or {}))
+        if "betas" in optimizer:
+            optimizer["betas"] = tuple(optimizer["betas"])
+        OptimizerConfig(**optimizer)
+    if "schedule" in model_args:
+        ScheduleConfig(**_plain(model_args.get("schedule") or {}))
+
+
+# -- the resolver ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Resolved:
+    """Everything derived from one merged config (see :func:`resolve`).
+
+    Attributes:
+        model_class / data_class: Class paths (the defaults when the config names none).
+        model_args / data_args: Their init arguments, with the derived values filled in
+            (``gpt.vocab_size``, ``block_size``, ``micro_batch_size``).
+        devices_per_node, num_nodes, world_size: Device counts; ``devices_guessed``: ``auto``
+            was read as 1 because the caller could not see the devices (the estimator).
+        block_size: Tokens per window (the model's ``gpt.block_size`` when it has one).
+        micro_batch_size: Sequences per device per forward pass; ``None`` for
+            ``run.micro_batch_size: auto`` until the caller plans it from device memory.
+        accumulate: Micro-batches per optimizer step (``None`` while the micro-batch is).
+        tokens_per_step: Tokens per optimizer step over all devices (``None`` likewise).
+        vocab_size: The model's vocabulary (``None`` when neither model nor data knows it yet).
+        val_check_interval: Micro-batches between validations (``eval_every_steps x
+            accumulate``; ``None`` while the micro-batch is).
+        max_steps: ``trainer.max_steps`` (``-1``: no limit; ``None``: not in the config).
+        run_dir: ``run.root / run.name`` (``None`` while the name is not chosen).
+    """
+
+    model_class: str
+    model_args: dict[str, Any]
+    data_class: str
+    data_args: dict[str, Any]
+    devices_per_node: int
+    num_nodes: int
+    devices_guessed: bool
+    block_size: int
+    micro_batch_size: int | None
+    accumulate: int | None
+    vocab_size: int | None
+    max_steps: int | None
+    eval_every_steps: int
+    global_batch_tokens: int | None
+    run_dir: Path | None
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        if self.micro_batch_size is None or self.accumulate is None:
+            return None
+        return self.micro_batch_size * self.block_size * self.world_size * self.accumulate
+
+    @property
+    def val_check_interval(self) -> int | None:
+        return None if self.accumulate is None else self.eval_every_steps * self.accumulate
+
+
+def micro_batch_choice(run: Mapping[str, Any], data_args: Mapping[str, Any]) -> int | str:
+    """``run.micro_batch_size`` (an integer or ``auto``) wins over ``data.micro_batch_size``."""
+    choice = run.get("micro_batch_size")
+    if choice is None:
+        return _whole(data_args.get("micro_batch_size", 32), "data.micro_batch_size")
+    if choice == "auto":
+        return "auto"
+    if isinstance(choice, int) and not isinstance(choice, bool) and choice < 1:
+        raise RunConfigError(f"run.micro_batch_size must be >= 1 or auto, got {choice}")
+    return _whole(choice, "run.micro_batch_size")
+
+
+def resolve(
+    config: Mapping[str, Any],
+    *,
+    visible_gpus: int | None,
+    data_vocab: int | None = None,
+    micro_batch_size: int | None = None,
+    devices: int | None = None,
+    num_nodes: int | None = None,
+) -> Resolved:
+    """Derive world size, micro-batch, accumulation, vocabulary and run directory from
+    ``config`` (the merged ``fit`` config, as a dict or jsonargparse Namespace); pure.
+
+    Args:
+        visible_gpus: What ``trainer.devices: auto`` means here (:func:`count_devices`).
+        data_vocab: The data's vocabulary, when known: fills ``model.gpt.vocab_size: null``
+            and must not exceed a vocabulary the config fixes.
+        micro_batch_size: A micro-batch chosen by the caller (``run.micro_batch_size: auto``
+            planned from device memory, ``estimate --micro-batch``); wins over the config.
+        devices / num_nodes: Overrides of ``trainer.devices`` / ``trainer.num_nodes``.
+
+    Raises:
+        RunConfigError: A setting that cannot work, naming the key and the fix.
+    """
+    cfg = _plain(config)
+    trainer = dict(cfg.get("trainer") or {})
+    run = dict(cfg.get("run") or {})
+    model_class, model_args, data_class, data_args = sections(cfg)
+
+    per_node, guessed = count_devices(
+        trainer.get("devices", "auto") if devices is None else devices,
+        trainer.get("accelerator", "auto"),
+        visible_gpus,
+    )
+    nodes = _whole(
+        num_nodes if num_nodes is not None else trainer.get("num_nodes") or 1, "trainer.num_nodes"
+    )
+    world = per_node * nodes
+
+    gpt = dict(model_args.get("gpt") or {}) if "gpt" in model_args else None
+    if gpt is not None:
+        block = _whole(gpt.get("block_size", 256), "model.gpt.block_size")
+        model_vocab = gpt.get("vocab_size")
+        if data_vocab is not None:
+            if model_vocab is None:
+                gpt["vocab_size"] = model_vocab = int(data_vocab)
+            elif int(model_vocab) < int(data_vocab):
+                raise RunConfigError(
+                    f"the data's vocabulary ({data_vocab}) is larger than model.gpt.vocab_size "
+                    f"({model_vocab}); set model.gpt.vocab_size to null or >= {data_vocab}"
+                )
+        model_args = {**model_args, "gpt": gpt}
+        vocab = None if model_vocab is None else int(model_vocab)
+    else:  # a model class of the user's own without a GPTConfig: the data's window length
+        block = _whole(data_args.get("block_size", 256), "data.block_size")
+        vocab = None if data_vocab is None else int(data_vocab)
+
+    choice = (
+        micro_batch_size if micro_batch_size is not None else micro_batch_choice(run, data_args)
+    )
+    micro = None if choice == "auto" else int(choice)
+    data_args = {**data_args, "block_size": block}
+    if micro is not None:
+        data_args["micro_batch_size"] = micro
+
+    gbt = run.get("global_batch_tokens")
+    gbt = None if gbt is None else _whole(gbt, "run.global_batch_tokens")
+    accumulate = None
+    if micro is not None:
+        accumulate = gradient_accumulation(gbt, micro, block, world)
+    elif gbt is not None and gbt % (block * world) != 0:
+        raise RunConfigError(
+            f"run.global_batch_tokens ({gbt}) is not a multiple of model.gpt.block_size x "
+            f"devices = {block} x {world} = {block * world}"
+        )
+
+    eval_every = run.get("eval_every_steps", 250)
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        raise RunConfigError(f"run.eval_every_steps must be >= 1, got {eval_every!r}")
+    max_steps = trainer.get("max_steps")  # absent only in a raw YAML (the estimator's input)
+    if max_steps is not None:
+        check_max_steps(max_steps)
+    name = run.get("name")
+    run_dir = None
+    if name is not None:
+        check_run_name(name)
+        run_dir = Path(str(run.get("root") or "runs")) / str(name)
+
+    return Resolved(
+        model_class=model_class,
+        model_args=model_args,
+        data_class=data_class,
+        data_args=data_args,
+        devices_per_node=per_node,
+        num_nodes=nodes,
+        devices_guessed=guessed,
+        block_size=block,
+        micro_batch_size=micro,
+        accumulate=accumulate,
+        vocab_size=vocab,
+        max_steps=max_steps,
+        eval_every_steps=eval_every,
+        global_batch_tokens=gbt,
+        run_dir=run_dir,
+    )

@@ -1,0 +1,132 @@
+"""The one config resolver: what fit, queue add and estimate derive from a config, and that they
+derive the same thing (device count, micro-batch, accumulation, vocabulary, run directory)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import QUICKSTART
+
+from nanolab.estimator.setup import EstimateError, load_config, setup_from_config
+from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
+from nanolab.training.resolve import (
+    RunConfigError,
+    count_devices,
+    plain_config,
+    resolve,
+    sections,
+)
+
+
+def quickstart(**overrides: dict) -> dict:
+    cfg = yaml.safe_load(QUICKSTART.read_text())
+    for group, values in overrides.items():
+        cfg[group] = {**(cfg.get(group) or {}), **values}
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("devices", "accelerator", "visible", "expected"),
+    [
+        ("auto", "auto", 4, (4, False)),  # fit on a 4-GPU machine
+        ("auto", "gpu", 1, (1, False)),  # a queued job: the one GPU it is given
+        ("auto", "auto", None, (1, True)),  # the estimator: cannot see the machine
+        (-1, "gpu", 8, (8, False)),
+        ("auto", "cpu", 8, (1, False)),  # a CPU run is one process, whatever GPUs exist
+        ([0, 3], "gpu", 8, (2, False)),
+        ("0,1", "gpu", 8, (2, False)),
+        ("2", "gpu", 8, (2, False)),
+        (4, "gpu", None, (4, False)),
+    ],
+)
+def test_one_device_counter(devices, accelerator, visible, expected) -> None:
+    assert count_devices(devices, accelerator, visible) == expected
+
+
+def test_resolve_derives_what_fit_fills_in() -> None:
+    cfg = quickstart(
+        run={"global_batch_tokens": 32 * 128 * 2 * 3, "name": "r1", "root": "somewhere"},
+        trainer={"devices": "auto", "accelerator": "gpu"},
+    )
+    r = resolve(cfg, visible_gpus=2, data_vocab=65)
+    assert (r.devices_per_node, r.num_nodes, r.world_size) == (2, 1, 2)
+    assert r.micro_batch_size == 32 and r.block_size == 128 and r.accumulate == 3
+    assert r.tokens_per_step == 32 * 128 * 2 * 3
+    assert r.val_check_interval == 100 * 3  # eval_every_steps in micro-batches
+    assert r.vocab_size == 65 and r.model_args["gpt"]["vocab_size"] == 65
+    assert r.data_args["block_size"] == 128  # the data's windows follow the model's context
+    assert r.run_dir == Path("somewhere") / "r1"
+    assert (r.model_class, r.data_class) == (DEFAULT_MODEL, DEFAULT_DATA)
+
+
+def test_run_micro_batch_wins_and_auto_waits_for_the_caller() -> None:
+    cfg = quickstart(run={"micro_batch_size": 8, "global_batch_tokens": 8 * 128 * 4})
+    r = resolve(cfg, visible_gpus=1)
+    assert r.micro_batch_size == 8 and r.accumulate == 4 and r.data_args["micro_batch_size"] == 8
+    auto = quickstart(run={"micro_batch_size": "auto", "global_batch_tokens": 4096})
+    r = resolve(auto, visible_gpus=1)
+    assert r.micro_batch_size is None and r.accumulate is None and r.tokens_per_step is None
+    planned = resolve(auto, visible_gpus=1, micro_batch_size=16)
+    assert planned.micro_batch_size == 16 and planned.accumulate == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "data_vocab", "message"),
+    [
+        ({"run": {"global_batch_tokens": 1000}}, None, "run.global_batch_tokens (1000) must be"),
+        ({"model": {"gpt": {"vocab_size": 10, "block_size": 128}}}, 65, "larger than model.gpt"),
+        ({"run": {"eval_every_steps": 0}}, None, "run.eval_every_steps must be >= 1"),
+        ({"run": {"name": "../x"}}, None, "run.name '../x'"),
+        ({"trainer": {"max_steps": 0}}, None, "trainer.max_steps must be a positive"),
+        ({"trainer": {"devices": "two"}}, None, "trainer.devices must be an integer"),
+        ({"run": {"micro_batch_size": 0}}, None, "run.micro_batch_size must be >= 1"),
+    ],
+)
+def test_settings_that_cannot_work_name_their_key(overrides, data_vocab, message) -> None:
+    with pytest.raises(RunConfigError, match=re.escape(message)):
+        resolve(quickstart(**overrides), visible_gpus=1, data_vocab=data_vocab)
+
+
+def test_class_path_and_short_form_read_the_same() -> None:
+    short = quickstart()
+    long = {
+        **short,
+        "model": {"class_path": DEFAULT_MODEL, "init_args": short["model"]},
+        "data": {"class_path": DEFAULT_DATA, "init_args": short["data"]},
+    }
+    assert sections(long) == sections(short)
+    assert resolve(long, visible_gpus=1) == resolve(short, visible_gpus=1)
+    # nanolab's own classes are written back in the short form (config.yaml as before) ...
+    assert plain_config(long)["model"] == short["model"]
+    # ... and a class of one's own keeps its class path.
+    mine = {**short, "model": {"class_path": "mylab.models.MyGPT", "init_args": short["model"]}}
+    assert plain_config(mine)["model"] == mine["model"]
+    assert sections({"model": "mylab.models.MyGPT"})[:2] == ("mylab.models.MyGPT", {})
+
+
+def test_estimator_and_resolver_agree(tmp_path: Path) -> None:
+    """The estimator reads devices, micro-batch and global batch through the resolver:
+    ``devices: "0,1"`` is two devices for both (the queue once read it as one)."""
+    cfg = quickstart(
+        trainer={"devices": "0,1", "accelerator": "gpu", "precision": "bf16-mixed"},
+        run={"micro_batch_size": 16, "global_batch_tokens": 16 * 128 * 2 * 2},
+        model={"gpt": {**quickstart()["model"]["gpt"], "vocab_size": 65}},
+    )
+    setup = setup_from_config(cfg)
+    r = resolve(cfg, visible_gpus=None)
+    assert (setup.devices, setup.world_size, setup.micro_batch_size) == (2, 2, 16)
+    assert (r.world_size, r.micro_batch_size, r.accumulate) == (2, 16, 2)
+    assert setup.global_batch_tokens == r.tokens_per_step
+    auto = {**cfg, "trainer": {**cfg["trainer"], "devices": "auto"}}
+    assert (
+        setup_from_config(auto).devices_guessed and resolve(auto, visible_gpus=None).world_size == 1
+    )
+    bad = {**cfg, "run": {**cfg["run"], "global_batch_tokens": 1000}}
+    with pytest.raises(EstimateError, match=r"run\.global_batch_tokens"):
+        setup_from_config(bad)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert setup_from_config(load_config([path])) == setup
