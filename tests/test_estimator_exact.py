@@ -1,6 +1,6 @@
 """The estimator's model-state bytes equal what real tensors hold, to the byte.
 
-Also: its torch-free mirror of the model's parameter list and FLOPs matches ``GPT`` exactly, the
+Also: the parameter list and FLOPs it reads from a meta-device build match ``GPT``'s exactly, the
 GPT-2 124M parameter counts, and DeepSpeed's own ZeRO estimates on a real model.
 """
 

@@ -1,15 +1,23 @@
 """The estimate follows the model the run builds, not the estimator's picture of nanolab's GPT.
 
-A fork is simulated by swapping the classes ``nanolab/model/gpt.py`` builds its blocks from (a
-SwiGLU MLP, attention with QK-norm) and untying the head; nothing in the estimator changes. The
-rules alone are then far off; the default ``trace="auto"`` notices (a tiny model of the config
-traced on fake tensors differs from the rules), traces the real one, and lands within 2% of a
-real Trainer step of the forked model on CPU.
+Two kinds of fork, nothing in the estimator changed for either:
+
+* variants registered in this test module only (a SwiGLU MLP with three separate matrices,
+  attention with LayerNorm QK-norm and its own scale) with an untied head: the block's saved
+  activations are measured from the module (:mod:`nanolab.estimator.derived`), so the estimate
+  follows without a full trace, within 1% of a real Trainer step on CPU, where the GPT-2 rules
+  at the same size are far off;
+* a fork that edits ``Block`` itself (a second MLP in each block, built from classes the rules
+  know, so they would describe it wrongly): the default ``trace="auto"`` notices (a tiny model
+  of the config traced on fake tensors differs from the rules), traces the real one, and lands
+  within 2% of a real Trainer step of the edited model on CPU.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,10 +28,14 @@ import nanolab.model.gpt as gpt_module
 from nanolab.estimator import estimate_from_config
 from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
 from nanolab.estimator.setup import Setup
+from nanolab.estimator.shapes import forget_models
 from nanolab.estimator.trace import model_matches_rules, traced_peak_cpu
 from nanolab.model.config import GPTConfig
+from nanolab.model.layers import CausalSelfAttention
+from nanolab.model.registry import register_attention, register_mlp
 
 
+@register_mlp("test_trace_swiglu")
 class SwiGLU(nn.Module):
     """LLaMA's MLP: silu(x W1) * (x W3), then W2; 2/3 of the width so the size stays GPT-2's."""
 
@@ -38,7 +50,8 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class QKNormAttention(gpt_module.CausalSelfAttention):
+@register_attention("test_trace_qknorm")
+class QKNormAttention(CausalSelfAttention):
     """Causal attention with LayerNorm on each head's queries and keys."""
 
     def __init__(self, config: GPTConfig) -> None:
@@ -55,12 +68,6 @@ class QKNormAttention(gpt_module.CausalSelfAttention):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
-@pytest.fixture
-def forked_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpt_module, "MLP", SwiGLU)
-    monkeypatch.setattr(gpt_module, "CausalSelfAttention", QKNormAttention)
-
-
 @pytest.fixture(autouse=True)
 def _one_thread():
     n = torch.get_num_threads()
@@ -69,14 +76,53 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-FORK = GPTConfig(vocab_size=3000, block_size=96, n_layer=3, n_head=4, n_embd=192, tie_weights=False)
+SHIPPED = GPTConfig(
+    vocab_size=3000, block_size=96, n_layer=3, n_head=4, n_embd=192, tie_weights=False
+)
+FORK = replace(SHIPPED, mlp="test_trace_swiglu", attention_variant="test_trace_qknorm")
+
+
+class TwoMLPBlock(gpt_module.Block):
+    """A fork's edit of ``Block``: a second norm and MLP on the residual stream."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.ln_3 = type(self.ln_2)(config.n_embd, config)
+        self.mlp2 = type(self.mlp)(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + self.mlp2(self.ln_3(x))
+
+
+@pytest.fixture
+def edited_block(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(gpt_module, "Block", TwoMLPBlock)
+    forget_models()  # the estimator reads each config's model once per process
+    yield
+    monkeypatch.undo()
+    forget_models()
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_a_forked_model_is_followed(forked_model: None, precision: str) -> None:
+def test_registered_variants_are_followed_without_a_trace(precision: str) -> None:
     B = 4
-    setup = Setup(gpt=FORK, precision=precision, micro_batch_size=B)
     real = measure_trainer_peak_cpu(FORK, B, precision=precision).peak
+    setup = Setup(gpt=FORK, precision=precision, micro_batch_size=B)
+    followed = estimate_from_config(setup, device="cpu", history=False, trace="auto")
+    gpt2 = Setup(gpt=SHIPPED, precision=precision, micro_batch_size=B)
+    gpt2_rules = estimate_from_config(gpt2, device="cpu", history=False, trace="never")
+    assert abs(gpt2_rules.memory.peak_allocated / real - 1) > 0.05  # GPT-2's numbers are wrong
+    assert not followed.memory.details["model_check"]["traced"]
+    assert followed.memory.peak_allocated == pytest.approx(real, rel=0.01)
+    assert "measured from the module" in " ".join(followed.memory.details["block"])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_forked_model_is_followed(edited_block: None, precision: str) -> None:
+    B = 4
+    setup = Setup(gpt=SHIPPED, precision=precision, micro_batch_size=B)
+    real = measure_trainer_peak_cpu(SHIPPED, B, precision=precision).peak
     rules = estimate_from_config(setup, device="cpu", history=False, trace="never")
     followed = estimate_from_config(setup, device="cpu", history=False, trace="auto")
     assert abs(rules.memory.peak_allocated / real - 1) > 0.05  # the rules alone are wrong
@@ -88,9 +134,9 @@ def test_a_forked_model_is_followed(forked_model: None, precision: str) -> None:
     assert data["peak_allocated_bytes"] == followed.memory.peak_allocated
 
 
-def test_the_gpu_estimate_carries_the_models_difference(forked_model: None) -> None:
+def test_the_gpu_estimate_carries_the_models_difference(edited_block: None) -> None:
     """On a GPU the rules' peak gets what the CPU trace finds beyond the CPU rules, as a line."""
-    setup = Setup(gpt=FORK, precision="bf16-mixed", micro_batch_size=4)
+    setup = Setup(gpt=SHIPPED, precision="bf16-mixed", micro_batch_size=4)
     rules = estimate_from_config(setup, gpu="h100", history=False, trace="never").memory
     followed = estimate_from_config(setup, gpu="h100", history=False, trace="auto").memory
     check = followed.details["model_check"]
@@ -101,7 +147,7 @@ def test_the_gpu_estimate_carries_the_models_difference(forked_model: None) -> N
 
 
 def test_the_shipped_model_matches_the_rules_without_a_full_trace() -> None:
-    setup = Setup(gpt=FORK, precision="bf16-mixed", micro_batch_size=4)
+    setup = Setup(gpt=SHIPPED, precision="bf16-mixed", micro_batch_size=4)
     matches, diff = model_matches_rules(setup)
     assert matches and abs(diff) < 0.005
     est = estimate_from_config(setup, device="cpu", history=False, trace="auto")

@@ -1,6 +1,6 @@
 """Memory and cost estimator: will a config fit, with which micro-batch, and what will it cost.
 
-Public API (no torch import, so it is cheap to call before a run starts)::
+Public API (cheap to call before a run starts: the model is built on the meta device)::
 
     from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
 
@@ -9,12 +9,13 @@ Public API (no torch import, so it is cheap to call before a run starts)::
 
 Modules, one job each: ``gpus`` (the device table ``gpus.json``: memory, peaks, family MFU, each
 with its source; memory strings), ``setup`` (YAML -> facts), ``shapes`` (parameter tensors,
-FLOPs), ``numerics`` (dtypes per precision/strategy/backend), ``activations`` (what autograd
-saves), ``states`` (parameters, gradients, optimizer, sharding), ``memory`` (the moments of the
-step, peak and overheads), ``compute`` (time and cost at the run's matmul rate), ``history``
-(measured tokens/s of finished queue runs), ``cpu`` (this machine as a device), ``recommend``
-(micro-batch and switches), ``trace`` (the model the run builds, traced on fake tensors; imports
-torch), ``estimate`` (the front door), ``cli`` (``nanolab estimate``), ``measure`` and
+buffers, FLOPs, read from the model built on the meta device), ``numerics`` (dtypes per
+precision/strategy/backend), ``activations`` (what autograd saves), ``derived`` (what a block of
+other variants saves, measured from the module on fake tensors), ``states`` (parameters,
+gradients, optimizer, sharding), ``memory`` (the moments of the step, peak and overheads),
+``compute`` (time and cost at the run's matmul rate), ``history`` (measured tokens/s of finished
+queue runs), ``cpu`` (this machine as a device), ``recommend`` (micro-batch and switches),
+``trace`` (the model the run builds, one whole step traced on fake tensors), ``estimate`` (the front door), ``cli`` (``nanolab estimate``), ``measure`` and
 ``measure_trainer`` (ground truth from real tensors and a real Trainer, for tests and the
 benchmark).
 """

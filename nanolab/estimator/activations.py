@@ -8,6 +8,10 @@ in their own group. The numbers are validated against ``torch.autograd.graph.sav
 on CPU (tests/test_estimator_activations.py) for both attention paths, dropout, RoPE,
 checkpointing and the precisions.
 
+The block rules hold for GPT-2's block (LayerNorm, causal attention, GELU MLP: exactly these
+classes, not subclasses). A block built from other registered variants, and a final norm other
+than LayerNorm, are measured from the real module instead (:mod:`nanolab.estimator.derived`).
+
 Shapes: B micro-batch, T sequence, C width, H heads, D = C/H, F = mlp_ratio·C, V padded vocab.
 """
 
@@ -15,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanolab.estimator.derived import saved_bytes
 from nanolab.estimator.numerics import Numerics
-from nanolab.estimator.shapes import inventory
+from nanolab.estimator.shapes import Inventory, inventory
 from nanolab.model.config import GPTConfig
 
 INT64 = 8
@@ -100,13 +105,23 @@ def saved_activations(
 
     # -- embeddings: the token ids (embedding backward), positions, dropout mask.
     s.embed["token ids"] = BT * INT64
-    if not rope:
+    if gpt.position_embedding == "learned":
         s.embed["position ids"] = T * INT64
     if drop:
         s.embed["dropout mask"] = _mask(BTC, r, num)
 
-    # -- one block.
+    # -- one block: the rules below when it is GPT-2's, else measured from the real module.
+    inv = inventory(gpt)
     blk = s.block
+    s.checkpoint_input = BTC * r
+    if num.weight_copies:
+        s.block_weight_copies = inv.block_matmul_numel(0) * c
+        s.head_weight_copy = V * C * c
+    if not rules_describe_block(inv):
+        traced = saved_bytes(gpt, "block", B, T, num) - s.block_weight_copies
+        blk["block, measured from the module (fake-tensor trace)"] = max(0, traced)
+        _head_and_loss(s, gpt, inv, B, T, num)
+        return s
     blk["ln_1 input"] = BTC * num.ln_in
     blk["ln_1 mean+rstd"] = 2 * BT * num.ln_stats
     blk["c_attn input"] = BTC * c
@@ -168,22 +183,41 @@ def saved_activations(
         blk["mlp residual dropout mask"] = _mask(BTC, c, num)
     for k in [k for k, v in blk.items() if v == 0]:
         del blk[k]
-    s.checkpoint_input = BTC * r
+    _head_and_loss(s, gpt, inv, B, T, num)
+    return s
 
-    # -- final norm, head, loss.
-    s.head["ln_f input"] = BTC * num.ln_in
-    s.head["ln_f mean+rstd"] = 2 * BT * num.ln_stats
-    s.head["lm_head input"] = BTC * c
+
+#: The classes the block rules above were written for (a subclass is another model).
+RULED_CLASSES = frozenset(
+    {
+        "nanolab.model.layers.LayerNorm",
+        "nanolab.model.layers.CausalSelfAttention",
+        "nanolab.model.layers.RotaryEmbedding",
+        "nanolab.model.layers.MLP",
+        "torch.nn.modules.linear.Linear",
+        "torch.nn.modules.dropout.Dropout",
+    }
+)
+LAYER_NORM = "nanolab.model.layers.LayerNorm"
+
+
+def rules_describe_block(inv: Inventory) -> bool:
+    """Whether a block of this model is made only of the classes the rules describe."""
+    return all(cls in RULED_CLASSES for _, cls in inv.block_parts)
+
+
+def _head_and_loss(s: Saved, gpt: GPTConfig, inv: Inventory, B: int, T: int, num: Numerics) -> None:
+    """Final norm (rules for LayerNorm, else measured), the head's input, the loss."""
+    BT, BTC, V = B * T, B * T * gpt.n_embd, gpt.padded_vocab_size
+    if inv.final_norm == LAYER_NORM:
+        s.head["ln_f input"] = BTC * num.ln_in
+        s.head["ln_f mean+rstd"] = 2 * BT * num.ln_stats
+    else:
+        s.head["final norm, measured from the module"] = saved_bytes(gpt, "final_norm", B, T, num)
+    s.head["lm_head input"] = BTC * num.compute
     s.loss["log-softmax"] = BT * V * num.loss
     s.loss["targets"] = BT * INT64
     s.loss["loss weight scalar"] = num.loss
-
-    # -- autocast weight copies (Linear weights only; biases are not saved).
-    if num.weight_copies:
-        inv = inventory(gpt)
-        s.block_weight_copies = inv.block_matmul_numel(0) * c
-        s.head_weight_copy = V * C * c
-    return s
 
 
 @dataclass

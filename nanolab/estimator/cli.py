@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="follow the model the run builds: auto (default) traces a tiny model of the config "
         "on fake tensors and, when it differs from the analytic rules (a fork changed the "
-        "model), traces the real one (seconds); always; never (rules only, no torch import)",
+        "model), traces the real one (seconds); always; never (rules only)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument(

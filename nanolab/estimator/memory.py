@@ -21,7 +21,7 @@ from nanolab.estimator.activations import LossTransient, Saved, loss_transient, 
 from nanolab.estimator.gpus import MiB
 from nanolab.estimator.numerics import Backend, Numerics, numerics_for
 from nanolab.estimator.setup import Setup
-from nanolab.estimator.shapes import Inventory, inventory
+from nanolab.estimator.shapes import Inventory, Tensor, inventory
 from nanolab.estimator.states import ModelStates, model_states
 
 #: Memory the framework holds outside PyTorch's allocator, per device. The CUDA context with
@@ -210,7 +210,9 @@ def moments(
     """
     gpt = setup.gpt
     T, C, V = gpt.block_size, gpt.n_embd, gpt.padded_vocab_size
-    F = gpt.mlp_ratio * C
+    # The MLP's widths as the model builds them (GELU: 4C; SwiGLU: gate and up stacked).
+    mlp = inv.mlp_linears(0)
+    F = mlp[0].shape[0] if mlp else gpt.mlp_ratio * C
     L = gpt.n_layer
     c, r, g = num.compute, num.resid, num.grad
     BT, BTC, BTF = B * T, B * T * C, B * T * F
@@ -269,17 +271,15 @@ def moments(
     # Blocks: what one block's backward allocates around its MLP.
     blk = sum(saved.block.values())
     wcopy = saved.block_weight_copies
-    fc_w = F * C + (F if gpt.bias else 0)
-    proj_w = C * F + (C if gpt.bias else 0)
+    fc_w = _with_bias(inv, mlp[0]) if mlp else F * C + (F if gpt.bias else 0)
+    proj_w = _with_bias(inv, mlp[-1]) if mlp else C * F + (C if gpt.bias else 0)
     block_grads = inv.block_numel(0) * st.grads // P
     head_grads = (P - inv.block_numel(0) * L) * st.grads // P  # root params (embeddings too)
-    emb_grads = (V * C * (0 if gpt.tie_weights else 1)) * st.grads // P
-    if gpt.position_embedding == "learned":
-        emb_grads += T * C * st.grads // P
+    emb_grads = inv.lookup_numel * st.grads // P  # untied token table, position table
     head_grads -= emb_grads
     drop = gpt.dropout > 0
     mask = saved.block.get("mlp residual dropout mask", 0)
-    proj_copy = C * F * c if autocast else 0
+    proj_copy = (mlp[-1].numel if mlp else C * F) * c if autocast else 0
     # The down-projection's output gradient is a tensor of its own when the residual dropout's
     # backward made it (its mask is gone by then) or the residual stream has another dtype.
     down = (BTC * c if drop or r != c else 0) - mask + BTF * c + proj_w * c
@@ -354,6 +354,12 @@ def moments(
         )
     )
     return out
+
+
+def _with_bias(inv: Inventory, weight: Tensor) -> int:
+    """Elements of a Linear's weight plus its bias, if the model has one."""
+    bias = weight.name[: -len("weight")] + "bias"
+    return weight.numel + sum(t.numel for t in inv.tensors if t.name == bias)
 
 
 def notes_grads(st: ModelStates) -> str:

@@ -1,18 +1,25 @@
-"""The model's parameter tensors and FLOPs, from a :class:`GPTConfig` alone (no torch).
+"""The model's parameter tensors, buffers and FLOPs, read from the model itself.
 
-Building even a meta-device ``GPT`` costs seconds (importing torch, then constructing modules),
-and the micro-batch search evaluates hundreds of shapes; so this module mirrors ``GPT``'s
-parameter list and ``GPT.flops_per_token`` in plain Python. ``tests/test_estimator_exact.py``
-compares every tensor name, shape and the FLOPs figure with the real model, so a change to
-``nanolab/model/gpt.py`` that is not mirrored here fails a test instead of drifting silently.
+The estimator keeps no copy of the model: it builds ``GPT(config)`` on the meta device (shapes,
+no storage, the random initialisation skipped: ~0.1 s for GPT-2 XL) and reads what it needs,
+once per config. So a registered variant (:mod:`nanolab.model.registry`) or a fork's edit of
+``nanolab/model/gpt.py`` changes the estimate the moment it changes the model: parameter names,
+shapes and which of them are matmul weights; buffers; FLOPs per token from
+``GPT.flops_per_token`` (6 per parameter plus what modules declare with
+``activation_flops_per_token``); and the classes a block is made of, which decide whether the
+activation rules or a trace describe it (:mod:`nanolab.estimator.activations`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from nanolab.model.config import GPTConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,7 @@ class Tensor:
     shape: tuple[int, ...]
     matmul: bool  # the weight of an nn.Linear (autocast makes a low-precision copy of it)
     block: int | None  # index of the transformer block holding it, None for embeddings/head
+    lookup: bool = False  # read only by an embedding lookup (no matmul, no FLOPs)
 
     @property
     def numel(self) -> int:
@@ -34,9 +42,17 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Inventory:
-    """Parameter tensors of one model and the sums the estimator uses."""
+    """Parameter tensors of one model, what its parts are, and the sums the estimator uses.
+
+    ``block_parts`` maps a block's submodule name (``ln_1``, ``attn``, ``attn.rope``, ...) to
+    its class's qualified name; ``final_norm`` is ``ln_f``'s class. The activation rules hold
+    for a block only when these are the classes they were written for.
+    """
 
     tensors: tuple[Tensor, ...]
+    buffer_numel: int = 0
+    block_parts: tuple[tuple[str, str], ...] = ()
+    final_norm: str = ""
 
     @property
     def numel(self) -> int:
@@ -58,6 +74,11 @@ class Inventory:
         return sum(t.numel for t in self.tensors if t.block is None)
 
     @property
+    def lookup_numel(self) -> int:
+        """Parameters only embedding lookups read (position table, an untied token table)."""
+        return sum(t.numel for t in self.tensors if t.lookup)
+
+    @property
     def largest_module_numel(self) -> int:
         """Parameters of the largest single module (DeepSpeed's ``largest_layer_params``)."""
         modules: dict[str, int] = {}
@@ -66,37 +87,78 @@ class Inventory:
             modules[owner] = modules.get(owner, 0) + t.numel
         return max(modules.values())
 
+    def mlp_linears(self, i: int = 0) -> list[Tensor]:
+        """The matmul weights of block ``i``'s MLP, in order (up-projection first)."""
+        return [t for t in self.tensors if t.block == i and t.matmul and ".mlp." in t.name]
+
+
+def meta_model(gpt: GPTConfig) -> nn.Module:
+    """``GPT(gpt)`` on the meta device, its random initialisation skipped (shapes only)."""
+    import torch
+
+    from nanolab.model.gpt import GPT
+
+    with torch.device("meta"), skip_random_init():
+        return GPT(replace(gpt))
+
+
+def skip_random_init() -> Any:
+    """A torch-function mode in which the in-place initialisers return their input untouched.
+
+    On meta or fake tensors there is nothing to fill, and filling goes through reference
+    kernels at ~4 ms a call (seconds for a GPT-2 XL); what is built is the same module tree.
+    """
+    from torch.overrides import TorchFunctionMode
+
+    class SkipRandomInit(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in _INITIALISERS:
+                return args[0] if args else next(iter((kwargs or {}).values()))
+            return func(*args, **(kwargs or {}))
+
+    return SkipRandomInit()
+
+
+_INITIALISERS = frozenset(
+    {"normal_", "uniform_", "zero_", "fill_", "trunc_normal_", "exponential_", "bernoulli_"}
+)
+
+
+def _qualname(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@lru_cache(maxsize=64)
+def _model(key: tuple) -> nn.Module:
+    return meta_model(GPTConfig(**dict(key)))
+
+
+@lru_cache(maxsize=64)
+def _read(key: tuple) -> Inventory:
+    from torch import nn
+
+    model = _model(key)
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tensors = []
+    for name, p in model.named_parameters():
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        matmul = id(p) in linear_weights
+        lookup = id(p) in lookups and not matmul
+        tensors.append(Tensor(name, tuple(p.shape), matmul, block, lookup))
+    return Inventory(
+        tensors=tuple(tensors),
+        buffer_numel=sum(b.numel() for b in model.buffers()),
+        block_parts=tuple((n, _qualname(m)) for n, m in model.blocks[0].named_modules() if n),
+        final_norm=_qualname(model.ln_f),
+    )
+
 
 @lru_cache(maxsize=256)
-def _inventory(key: tuple) -> Inventory:
-    c = GPTConfig(**dict(key))
-    C, V, F = c.n_embd, c.padded_vocab_size, c.mlp_ratio * c.n_embd
-    out: list[Tensor] = [Tensor("wte.weight", (V, C), c.tie_weights, None)]
-    if c.position_embedding == "learned":
-        out.append(Tensor("wpe.weight", (c.block_size, C), False, None))
-    for i in range(c.n_layer):
-        p = f"blocks.{i}."
-        layer: list[tuple[str, tuple[int, ...], bool]] = [("ln_1.weight", (C,), False)]
-        if c.bias:
-            layer.append(("ln_1.bias", (C,), False))
-        for name, shape in (("attn.c_attn", (3 * C, C)), ("attn.c_proj", (C, C))):
-            layer.append((f"{name}.weight", shape, True))
-            if c.bias:
-                layer.append((f"{name}.bias", (shape[0],), False))
-        layer.append(("ln_2.weight", (C,), False))
-        if c.bias:
-            layer.append(("ln_2.bias", (C,), False))
-        for name, shape in (("mlp.c_fc", (F, C)), ("mlp.c_proj", (C, F))):
-            layer.append((f"{name}.weight", shape, True))
-            if c.bias:
-                layer.append((f"{name}.bias", (shape[0],), False))
-        out.extend(Tensor(p + n, s, m, i) for n, s, m in layer)
-    out.append(Tensor("ln_f.weight", (C,), False, None))
-    if c.bias:
-        out.append(Tensor("ln_f.bias", (C,), False, None))
-    if not c.tie_weights:
-        out.append(Tensor("lm_head.weight", (V, C), True, None))
-    return Inventory(tuple(out))
+def _flops(key: tuple, seq_len: int | None) -> tuple[int, int]:
+    model = _model(key)
+    return model.flops_per_token(seq_len), model.recompute_flops_per_token(seq_len)
 
 
 def _key(gpt: GPTConfig) -> tuple:
@@ -104,8 +166,8 @@ def _key(gpt: GPTConfig) -> tuple:
 
 
 def inventory(gpt: GPTConfig) -> Inventory:
-    """Parameter tensors of ``GPT(gpt)`` in ``named_parameters()`` order."""
-    return _inventory(_key(gpt))
+    """Parameter tensors of ``GPT(gpt)`` in ``named_parameters()`` order, and its parts."""
+    return _read(_key(gpt))
 
 
 def num_params(gpt: GPTConfig) -> int:
@@ -114,31 +176,28 @@ def num_params(gpt: GPTConfig) -> int:
 
 
 def buffer_numel(gpt: GPTConfig) -> int:
-    """Elements of the model's buffers: each block's RoPE cos/sin tables (T x D/2 each)."""
-    if gpt.position_embedding != "rope":
-        return 0
-    return gpt.n_layer * 2 * gpt.block_size * (gpt.head_dim // 2)
+    """Elements of the model's buffers (RoPE's cos/sin tables, T x D/2 each per block)."""
+    return inventory(gpt).buffer_numel
 
 
 def flops_per_token(gpt: GPTConfig, seq_len: int | None = None) -> int:
-    """Same as ``GPT(gpt).flops_per_token(seq_len)``: 6N + 12·L·H·Q·T (PaLM appendix B).
-
-    N leaves out what takes part in no matmul: the learned position embedding and an untied
-    token embedding (lookups); a tied embedding is counted once, as the head.
-    """
-    T = gpt.block_size if seq_len is None else seq_len
-    n = num_params(gpt)
-    if gpt.position_embedding == "learned":
-        n -= gpt.block_size * gpt.n_embd
-    if not gpt.tie_weights:
-        n -= gpt.padded_vocab_size * gpt.n_embd
-    return 6 * n + 12 * gpt.n_layer * gpt.n_head * gpt.head_dim * T
+    """``GPT(gpt).flops_per_token(seq_len)``: 6N + what modules declare (PaLM appendix B)."""
+    return _flops(_key(gpt), seq_len)[0]
 
 
 def recompute_flops_per_token(gpt: GPTConfig, seq_len: int | None = None) -> int:
     """Extra FLOPs per token that gradient checkpointing spends re-running every block's
-    forward in the backward pass: 2·N_blocks + 4·L·H·Q·T (the forward third of the above)."""
-    T = gpt.block_size if seq_len is None else seq_len
-    inv = inventory(gpt)
-    n_blocks = sum(t.numel for t in inv.tensors if t.block is not None)
-    return 2 * n_blocks + 4 * gpt.n_layer * gpt.n_head * gpt.head_dim * T
+    forward in the backward pass (``GPT.recompute_flops_per_token``)."""
+    return _flops(_key(gpt), seq_len)[1]
+
+
+def forget_models() -> None:
+    """Drop every model read so far (here and in :mod:`nanolab.estimator.derived`).
+
+    Each config's model is read once per process; a session that redefines a class the model
+    is built from (a notebook, a test patching ``Block``) calls this to read the new one.
+    """
+    from nanolab.estimator.derived import _traced
+
+    for cached in (_model, _read, _flops, _traced):
+        cached.cache_clear()

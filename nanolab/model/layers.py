@@ -65,7 +65,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, 1e-5)
+        # The gain in the input's dtype: under autocast, QK-norm sees 16-bit q and k, and a
+        # dtype mismatch sends rms_norm to its slower unfused path.
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), 1e-5)
 
 
 # -- position encoding --------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""Saved activations of a model part the rules do not describe, read from the real module.
+
+The rules in :mod:`nanolab.estimator.activations` were written, tensor by tensor, for the GPT-2
+block (LayerNorm, causal attention, GELU MLP) and validated on GPUs too. A block made of other
+registered variants (RMSNorm, SwiGLU, QK-norm, ReLU², or a project's own) is measured instead:
+one block is built from the config, as the model builds it, and runs one training forward on
+fake tensors (shapes and dtypes only: no memory, no FLOPs) under the run's precision, while
+``torch.autograd.graph.saved_tensors_hooks`` collects every storage autograd keeps for the
+backward. Views share storage and count once; parameters are model states, not activations.
+
+What it sees are CPU kernels: exact for a CPU run; on a GPU the flash kernels save their own
+set (the rules know it for the GPT-2 attention), and a dropout mask is one byte, not one
+element of the input's dtype. Sizes are affine in the micro-batch for B >= 2 (every activation
+has a batch dimension, a few tables do not), so two traces give every larger B.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from nanolab.estimator.numerics import Numerics
+from nanolab.model.config import GPTConfig
+
+Part = Literal["block", "final_norm"]
+
+
+def saved_bytes(gpt: GPTConfig, part: Part, batch: int, seq_len: int, num: Numerics) -> int:
+    """Bytes one ``part`` (a transformer block, or the final norm) saves for its backward.
+
+    Autocast's 16-bit copies of a block's Linear weights are included (they are saved too);
+    :func:`nanolab.estimator.activations.saved_activations` accounts for them on their own line.
+    """
+    key = tuple(sorted(gpt.to_dict().items()))
+    # The module's dtype; autocast on top of fp32 parameters; the residual stream's dtype.
+    modes = (num.param == 2 and not num.weight_copies, num.weight_copies, num.resid == 2)
+    if batch <= 3:
+        return _traced(key, part, batch, seq_len, *modes)
+    two, three = _traced(key, part, 2, seq_len, *modes), _traced(key, part, 3, seq_len, *modes)
+    return two + (batch - 2) * (three - two)
+
+
+@lru_cache(maxsize=1024)
+def _traced(
+    key: tuple, part: Part, batch: int, seq_len: int, half: bool, autocast: bool, half_resid: bool
+) -> int:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from nanolab.estimator.shapes import skip_random_init
+    from nanolab.model.gpt import Block
+    from nanolab.model.registry import NORM
+
+    gpt = GPTConfig(**dict(key))
+    saved: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)  # alive until counted, so a storage cannot be freed and its id reused
+        st = t.untyped_storage()
+        if st not in saved:
+            saved[st] = st.nbytes()
+        return t
+
+    previous_dtype = torch.get_default_dtype()
+    with FakeTensorMode():
+        try:  # Lightning's "-true" precisions build the module in 16 bits, buffers too
+            torch.set_default_dtype(torch.bfloat16 if half else previous_dtype)
+            with skip_random_init():
+                module = Block(gpt) if part == "block" else NORM.get(gpt.norm)(gpt.n_embd, gpt)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        if half:
+            for m in module.modules():
+                for name, b in list(m._buffers.items()):
+                    if b is not None and b.is_floating_point():
+                        m._buffers[name] = b.to(torch.bfloat16)
+        module.train()
+        params = {id(p.untyped_storage()) for p in module.parameters()}
+        params |= {id(b.untyped_storage()) for b in module.buffers()}
+        resid = torch.bfloat16 if half_resid else torch.float32
+        x = torch.empty(batch, seq_len, gpt.n_embd, dtype=resid, requires_grad=True)
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            module(x)
+        return sum(n for st, n in saved.items() if id(st) not in params)

@@ -1,0 +1,142 @@
+"""The estimator follows registered model variants, with no copy of them in the estimator.
+
+Two variants are registered here, in a test-only module, as a project would register its own:
+a three-matrix gated MLP of another width and an attention that computes two score maps (so it
+declares twice plain attention's activation FLOPs). Parameter count, FLOPs per token, saved
+activations and the predicted peak are compared with the real model: ``named_parameters``,
+``torch.utils.flop_counter``, ``saved_tensors_hooks`` and a real Trainer step's peak on CPU.
+The built-in variants (RMSNorm, SwiGLU, ReLU², QK-norm) are checked the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from nanolab.estimator import estimate_from_config
+from nanolab.estimator.activations import saved_activations
+from nanolab.estimator.measure import measure_saved
+from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
+from nanolab.estimator.numerics import numerics_for
+from nanolab.estimator.setup import Setup
+from nanolab.estimator.shapes import flops_per_token, inventory, num_params
+from nanolab.model.config import GPTConfig
+from nanolab.model.gpt import GPT
+from nanolab.model.layers import CausalSelfAttention
+from nanolab.model.registry import register_attention, register_mlp
+
+
+@register_mlp("test_est_geglu3")
+class GeGLU3(nn.Module):
+    """gelu(x W_g) * (x W_u) W_d with a 3C hidden width and separate matrices."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        hidden = 3 * config.n_embd
+        self.w_gate = nn.Linear(config.n_embd, hidden, bias=False)
+        self.w_up = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.w_gate(x)) * self.w_up(x))
+
+
+@register_attention("test_est_two_maps")
+class TwoMapAttention(CausalSelfAttention):
+    """The average of attention at two temperatures: two score maps, so twice the matmuls."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (super().attend(q, k, v) + super().attend(2.0 * q, k, v))
+
+    def activation_flops_per_token(self, seq_len: int) -> int:
+        return 2 * super().activation_flops_per_token(seq_len)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# attention "math": the flop counter has no formula for the CPU flash kernel.
+BASE = GPTConfig(vocab_size=500, block_size=32, n_layer=2, n_head=2, n_embd=64, attention="math")
+OURS = replace(BASE, mlp="test_est_geglu3", attention_variant="test_est_two_maps")
+BUILTIN = {
+    "rmsnorm": replace(BASE, norm="rmsnorm"),
+    "swiglu": replace(BASE, mlp="swiglu", bias=False),
+    "relu2-rope": replace(BASE, mlp="relu2", position_embedding="rope"),
+    "qk_norm-untied": replace(BASE, attention_variant="qk_norm", tie_weights=False),
+}
+
+
+def _counted_flops_per_token(cfg: GPTConfig, batch: int = 2) -> float:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
+    with FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    return counter.get_total_flops() / (batch * cfg.block_size)
+
+
+def _matmul_flops_per_token(cfg: GPTConfig) -> int:
+    """The estimate without 6 x the norm gains and biases, which take part in no matmul (the
+    convention counts them in 6N; the counter sees matmuls only)."""
+    inv = inventory(cfg)
+    return flops_per_token(cfg) - 6 * (inv.numel - inv.matmul_numel - inv.lookup_numel)
+
+
+def _measured_saved(cfg: GPTConfig, batch: int, precision: str) -> int:
+    torch.manual_seed(0)
+    amp = torch.bfloat16 if precision == "bf16-mixed" else None
+    return measure_saved(GPT(cfg), batch, cfg.block_size, autocast_dtype=amp).bytes
+
+
+def _estimated_saved(cfg: GPTConfig, batch: int, precision: str) -> int:
+    num = numerics_for(Setup(gpt=cfg, precision=precision), "cpu")
+    return saved_activations(cfg, batch, cfg.block_size, num).total
+
+
+@pytest.mark.parametrize("cfg", [OURS, *BUILTIN.values()], ids=["test-only", *BUILTIN])
+def test_params_and_flops_follow_the_variant(cfg: GPTConfig) -> None:
+    assert num_params(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+    assert _matmul_flops_per_token(cfg) == _counted_flops_per_token(cfg)
+
+
+def test_the_estimate_moves_with_a_test_only_variant() -> None:
+    """Each number changes from GPT-2's by what the variant changes in the real model."""
+    real_params = sum(p.numel() for p in GPT(OURS).parameters())
+    gpt2_params = sum(p.numel() for p in GPT(BASE).parameters())
+    assert num_params(OURS) - num_params(BASE) == real_params - gpt2_params != 0
+    counted = _counted_flops_per_token(OURS) - _counted_flops_per_token(BASE)
+    assert _matmul_flops_per_token(OURS) - _matmul_flops_per_token(BASE) == counted != 0
+    for precision in ("32-true", "bf16-mixed"):
+        measured = _measured_saved(OURS, 3, precision)
+        assert _estimated_saved(OURS, 3, precision) == pytest.approx(measured, rel=0.005)
+        gpt2 = _measured_saved(BASE, 3, precision)
+        assert abs(measured / gpt2 - 1) > 0.1  # the variant really changes what is saved
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "qk_norm-untied"])
+def test_builtin_variants_saved_activations(name: str) -> None:
+    cfg = BUILTIN[name]
+    for batch, precision in ((1, "32-true"), (5, "bf16-mixed")):
+        measured = _measured_saved(cfg, batch, precision)
+        assert _estimated_saved(cfg, batch, precision) == pytest.approx(measured, rel=0.005)
+
+
+def test_the_predicted_peak_follows_a_test_only_variant() -> None:
+    """The whole estimate (model states, activations, the step's moments) against a real
+    Trainer step of the variant on CPU, without the whole-model trace."""
+    cfg = replace(OURS, attention="sdpa", block_size=64, n_layer=3)
+    setup = Setup(gpt=cfg, precision="32-true", micro_batch_size=4)
+    estimate = estimate_from_config(setup, device="cpu", history=False, trace="never")
+    real = measure_trainer_peak_cpu(cfg, 4).peak
+    assert estimate.memory.peak_allocated == pytest.approx(real, rel=0.02)
+    assert estimate.compute.params == sum(p.numel() for p in GPT(cfg).parameters())

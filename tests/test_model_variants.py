@@ -1,0 +1,161 @@
+"""The registries at the model's seams: built-in variants, config validation, a user's own.
+
+A variant is one class with one decorator; the config accepts exactly the registered names and
+says which they are; a module of the user's registers its variants when it is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from nanolab.model import GPT, ConfigError, GPTConfig
+from nanolab.model.registry import ATTENTION, MLP, NORM, POSITION, register_norm
+
+TINY = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+VARIANTS = {
+    "rmsnorm": {"norm": "rmsnorm"},
+    "swiglu": {"mlp": "swiglu"},
+    "relu2": {"mlp": "relu2"},
+    "qk_norm": {"attention_variant": "qk_norm"},
+    "qk_norm-rope-math": {"attention_variant": "qk_norm", "position_embedding": "rope"},
+    "all": {"norm": "rmsnorm", "mlp": "swiglu", "attention_variant": "qk_norm"},
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
+def test_a_variant_is_causal_and_learns(kwargs: dict) -> None:
+    torch.manual_seed(0)
+    model = GPT(replace(TINY, **kwargs))
+    idx = torch.randint(0, 128, (2, 16))
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 128
+    model.eval()
+    with torch.no_grad():
+        a, b = model(idx)[0], model(changed)[0]
+    assert torch.equal(a[:, :10], b[:, :10]) and not torch.equal(a[:, 10:], b[:, 10:])
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss = model(idx, idx)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_variants_change_the_parameters_they_should() -> None:
+    base = dict(GPT(TINY).named_parameters())
+    rms = dict(GPT(replace(TINY, norm="rmsnorm")).named_parameters())
+    assert set(base) - set(rms) == {"blocks.0.ln_1.bias", "blocks.0.ln_2.bias"} | {
+        "blocks.1.ln_1.bias",
+        "blocks.1.ln_2.bias",
+        "ln_f.bias",
+    }
+    qk = dict(GPT(replace(TINY, attention_variant="qk_norm")).named_parameters())
+    assert set(qk) - set(base) == {
+        f"blocks.{i}.attn.{n}_norm.weight" for i in range(2) for n in ("q", "k")
+    }
+    swiglu = GPT(replace(TINY, mlp="swiglu")).blocks[0].mlp
+    hidden = swiglu.c_proj.in_features
+    assert swiglu.c_fc.out_features == 2 * hidden and hidden % 64 == 0
+    # 2/3 of GELU's width, rounded up: the MLP stays about GPT-2's size.
+    assert hidden >= 2 * 4 * TINY.n_embd / 3
+
+
+def test_qk_norm_sdpa_and_math_kernels_agree() -> None:
+    torch.manual_seed(0)
+    sdpa = GPT(replace(TINY, attention_variant="qk_norm", position_embedding="rope")).eval()
+    math = GPT(replace(sdpa.config, attention="math")).eval()
+    math.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(idx)[0], math(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("field", "registry"),
+    [
+        ("norm", NORM),
+        ("mlp", MLP),
+        ("attention_variant", ATTENTION),
+        ("position_embedding", POSITION),
+    ],
+)
+def test_an_unknown_name_lists_the_registered_ones(field: str, registry) -> None:
+    with pytest.raises(ConfigError) as err:
+        replace(TINY, **{field: "nonesuch"})
+    message = str(err.value)
+    assert message.startswith(f"model.gpt.{field} must be one of")
+    assert "'nonesuch'" in message and "\n" not in message
+    assert all(repr(name) in message for name in registry.names())
+
+
+def test_a_name_is_one_class() -> None:
+    @register_norm("test_twice")
+    class First(nn.Module):
+        pass
+
+    register_norm("test_twice")(First)  # the same class again: a module imported twice
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_norm("test_twice")
+        class Second(nn.Module):
+            pass
+
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+from nanolab.model.registry import register_norm
+
+
+@register_norm("test_user_scalenorm")
+class ScaleNorm(nn.Module):
+    """One learned scale for the whole vector (Nguyen & Salazar 2019)."""
+
+    def __init__(self, dim, config):
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(dim**0.5))
+
+    def forward(self, x):
+        return self.g * x / x.norm(dim=-1, keepdim=True).clamp(min=1e-5)
+'''
+
+
+def test_a_variant_in_a_users_module_registers_on_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "user_norms.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="test_user_scalenorm"):
+        replace(TINY, norm="test_user_scalenorm")
+    importlib.import_module("user_norms")
+    try:
+        model = GPT(replace(TINY, norm="test_user_scalenorm"))
+        assert "test_user_scalenorm" in NORM.names()
+        assert {n for n, _ in model.named_parameters() if n.startswith("blocks.0.ln")} == {
+            "blocks.0.ln_1.g",
+            "blocks.0.ln_2.g",
+        }
+        assert model(torch.randint(0, 128, (1, 16)), torch.zeros(1, 16, dtype=torch.long))[1] > 0
+    finally:
+        sys.modules.pop("user_norms", None)
