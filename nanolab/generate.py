@@ -174,21 +174,40 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from nanolab.helpfmt import DefaultsHelpFormatter
+
     parser = OneLineParser(
-        prog="nanolab generate", description="Sample text from a nanolab checkpoint."
+        prog="nanolab generate",
+        description="Sample text from a nanolab checkpoint.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--ckpt",
         required=True,
         help="checkpoint file (runs/quickstart/checkpoints/last.ckpt) or a run directory",
     )
-    parser.add_argument("--prompt", default="\n", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=300)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=200)
-    parser.add_argument("--num-samples", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--prompt", default="\n", help="text to continue (default: a newline, i.e. from scratch)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=300, help="tokens to sample")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="divides the logits: below 1 is more conservative, 0 = greedy (always the likeliest)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=200, help="sample among the k likeliest tokens only"
+    )
+    parser.add_argument("--num-samples", type=int, default=1, help="independent samples")
+    parser.add_argument(
+        "--seed", type=int, default=1337, help="sampling seed: the same seed, the same text"
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda, cuda:1, mps (default here: %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         check_sampling(args)

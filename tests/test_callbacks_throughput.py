@@ -151,11 +151,12 @@ def test_peak_override_in_tflops_is_caught():
 
 
 def test_progress_bar_shows_steps_eta_loss_and_tokens(tmp_path, char_dataset, capsys):
-    bar = StepProgressBar(refresh_rate=2)
+    bar = StepProgressBar(refresh_rate=2, mode="bar")  # a bar even though stdout is captured
     fit(tmp_path / "run", char_dataset, [bar], max_steps=6, eval_every=3, enable_progress_bar=True)
     captured = capsys.readouterr()
     err = captured.out + captured.err  # Lightning's tqdm bars write to stdout
     assert "6/6" in err and "loss=" in err and "tok/s=" in err and "val=" in err
+    assert "Validation" not in err and "Training" not in err  # one bar, no second one
 
 
 class _SlowBatches:

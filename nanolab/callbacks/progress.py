@@ -1,49 +1,104 @@
-"""A progress bar over optimizer steps: ETA to ``max_steps``, loss, tokens/s.
+"""Progress over optimizer steps: ETA to ``max_steps``, loss, tokens/s; plain lines in logs.
 
-Lightning's bar counts micro-batches of an endless loader ("123/?": no ETA) and converts every
-progress-bar metric to a Python number at each refresh. This one counts optimizer steps against
-``trainer.max_steps``, so tqdm's ETA is the run's, reads the loss only at the refresh interval
-(one host sync per refresh, none in between) and takes tokens/s from the shared clock.
+Lightning's bar counts micro-batches of an endless loader ("123/?": no ETA), opens a second bar
+for every validation, and converts every progress-bar metric to a Python number at each
+refresh. This one counts optimizer steps against ``trainer.max_steps`` (from the restored step
+when resuming, so tqdm's rate and ETA are this launch's), reads the loss only at the refresh
+interval (one host sync per refresh, none in between), takes tokens/s from the shared clock and
+shows the validation result in the same bar. Where the output is not a terminal (a queue job's
+log, a SLURM file) a bar is a stream of escape codes, so it prints plain lines instead, at most
+one per ``plain_every_s`` seconds plus one after every validation and one at the end.
+The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from nanolab.callbacks.clock import ClockSnapshot, RunClock
 from nanolab.callbacks.events import CallbackConfigError
 
 
 class StepProgressBar(TQDMProgressBar):
-    """tqdm bar over optimizer steps with ETA, loss and tokens/s.
+    """tqdm bar (or plain lines) over optimizer steps with ETA, loss and tokens/s.
 
     Args:
-        refresh_rate: Optimizer steps between refreshes; 0 hides the bar
+        refresh_rate: Optimizer steps between refreshes; 0 hides the bar and the lines
             (``trainer.enable_progress_bar: false`` does the same under ``nanolab fit``).
         leave: Keep the finished bar on screen.
         loss_key: The logged training loss shown as ``loss``.
+        mode: ``auto`` = a bar on a terminal, plain lines otherwise; ``bar``; ``plain``.
+        plain_every_s: Least seconds between two plain lines (validations and the last step
+            always get one); 0 = a line at every refresh.
+        banner: Print the start banner (model, batch, devices, resume point, estimate).
     """
 
     def __init__(
-        self, refresh_rate: int = 10, leave: bool = True, loss_key: str = "train/loss"
+        self,
+        refresh_rate: int = 10,
+        leave: bool = True,
+        loss_key: str = "train/loss",
+        mode: Literal["auto", "bar", "plain"] = "auto",
+        plain_every_s: float = 30.0,
+        banner: bool = True,
     ) -> None:
         if refresh_rate < 0:
             raise CallbackConfigError(f"progress.refresh_rate must be >= 0, got {refresh_rate}")
+        if mode not in ("auto", "bar", "plain"):
+            raise CallbackConfigError(f"progress.mode must be auto, bar or plain, got {mode!r}")
+        if plain_every_s < 0:
+            raise CallbackConfigError(f"progress.plain_every_s must be >= 0, got {plain_every_s}")
         super().__init__(refresh_rate=refresh_rate, leave=leave)
         self._refresh_steps = refresh_rate
         self.loss_key = loss_key
+        self.mode = mode
+        self.plain_every_s = plain_every_s
+        self.banner = banner
         self._clock: RunClock | None = None
         self._last: ClockSnapshot | None = None
         self._shown_step = -1
         self._postfix: dict[str, Any] = {}
+        self._started: tuple[float, int] | None = None  # (monotonic time, step) at train start
+        self._last_line = float("-inf")
 
     @property
     def refresh_rate(self) -> int:
         return self._refresh_steps
+
+    @property
+    def plain(self) -> bool:
+        """Plain lines instead of a bar: asked for, or stdout is not a terminal."""
+        if self.mode == "auto":
+            isatty = getattr(sys.stdout, "isatty", None)
+            return not (callable(isatty) and isatty())
+        return self.mode == "plain"
+
+    @property
+    def is_enabled(self) -> bool:  # the tqdm bars; plain lines are printed by this class
+        return super().is_enabled and not self.plain
+
+    def _bar(self, desc: str, **kwargs: Any) -> Tqdm:
+        return Tqdm(desc=desc, disable=self.is_disabled, dynamic_ncols=True, file=sys.stdout,
+                    bar_format=self.BAR_FORMAT, **kwargs)  # fmt: skip
+
+    def init_train_tqdm(self) -> Tqdm:
+        """One bar, counting optimizer steps from the restored step to ``max_steps``."""
+        trainer = self.trainer
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        step = trainer.global_step
+        return self._bar("train", total=total, initial=step, leave=self._leave, smoothing=0)
+
+    def init_validation_tqdm(self) -> Tqdm:
+        """No second bar during fit: the result goes into the training bar."""
+        if self.trainer.state.fn == "fit":
+            return Tqdm(disable=True)
+        return self._bar("validate", leave=True)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -51,18 +106,18 @@ class StepProgressBar(TQDMProgressBar):
             self._clock = RunClock.attach(trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.banner:
+            from nanolab.callbacks.banner import print_banner
+
+            print_banner(trainer, pl_module)
         super().on_train_start(trainer, pl_module)
         if self._clock is not None:
             self._last = self._clock.snapshot()
         self._shown_step = trainer.global_step
+        self._started = (time.monotonic(), trainer.global_step)
 
     def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
-        bar = self.train_progress_bar
-        bar.reset(total=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None)
-        bar.initial = trainer.global_step
-        bar.n = trainer.global_step
-        bar.set_description("train")
-        bar.refresh()
+        pass  # one endless epoch: the bar made at train start is the bar
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return dict(self._postfix)
@@ -75,7 +130,7 @@ class StepProgressBar(TQDMProgressBar):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self.is_enabled or self.train_progress_bar is None:
+        if self.refresh_rate == 0 or (not self.plain and self._train_progress_bar is None):
             return
         step = trainer.global_step
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
@@ -101,10 +156,36 @@ class StepProgressBar(TQDMProgressBar):
             if active > 0 and now.tokens > self._last.tokens:
                 self._postfix["tok/s"] = f"{(now.tokens - self._last.tokens) / active:,.0f}"
             self._last = now
+        if self.plain:  # the last step's line comes at train end, after its validation
+            if step != last and time.monotonic() - self._last_line >= self.plain_every_s:
+                self._print_line(trainer, step)
+            return
         bar = self.train_progress_bar
         bar.n = step
         bar.set_postfix(self._postfix, refresh=False)
         bar.refresh()
+
+    def _print_line(self, trainer: L.Trainer, step: int) -> None:
+        """``step 100/600 (17%)  loss 2.5432  val 2.5401  13,512 tok/s  0m35s, ETA 2m55s``."""
+        if not trainer.is_global_zero:
+            return
+        from nanolab.callbacks.banner import duration
+
+        self._last_line = time.monotonic()
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        text = f"step {step}/{total} ({step / total:.0%})" if total else f"step {step}"
+        for key, name in (("loss", "loss"), ("val", "val"), ("bpb", "bpb")):
+            if key in self._postfix:
+                text += f"  {name} {self._postfix[key]}"
+        if "tok/s" in self._postfix:
+            text += f"  {self._postfix['tok/s']} tok/s"
+        if self._started is not None:
+            elapsed = time.monotonic() - self._started[0]
+            done = step - self._started[1]
+            text += f"  {duration(elapsed)}"
+            if total and done > 0 and step < total:
+                text += f", ETA {duration(elapsed / done * (total - step))}"
+        print(text, flush=True)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         value = trainer.callback_metrics.get("val/loss")
@@ -113,11 +194,21 @@ class StepProgressBar(TQDMProgressBar):
             bpb = trainer.callback_metrics.get("val/bpb")  # absent for data without byte counts
             if bpb is not None:
                 self._postfix["bpb"] = f"{float(bpb):.4f}"
+            last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+            fitting, step = trainer.state.fn == "fit", trainer.global_step
+            if self.plain and fitting and self.refresh_rate and step != last:
+                self._print_line(trainer, step)
         super().on_validation_end(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.train_progress_bar is not None and not self.train_progress_bar.disable:
+        if self._train_progress_bar is not None and not self.train_progress_bar.disable:
             self.train_progress_bar.set_postfix(self._postfix)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.plain and self.refresh_rate:
+            self._print_line(trainer, trainer.global_step)
+        if self._train_progress_bar is not None:
+            self.train_progress_bar.close()
 
 
 def reconcile_progress_bar(cfg: Any) -> None:

@@ -551,12 +551,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from nanolab.helpfmt import DefaultsHelpFormatter
+
     parser = argparse.ArgumentParser(
         prog="nanolab prepare",
         description=(
             "Tokenize text (.txt/.md), JSON lines (.jsonl/.json) and parquet files, plain or "
             ".gz/.zst, given as files, folders or globs, into train.bin / val.bin / meta.json."
         ),
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("sources", nargs="+", help="files, folders, globs, or bundled:shakespeare")
     parser.add_argument("-o", "--out", required=True, help="dataset folder to create")
@@ -565,15 +568,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="chars",
         help="bytes, chars, bpe, gpt2, or the path of a Hugging Face tokenizer.json",
     )
-    parser.add_argument("--bpe-vocab-size", type=int, default=4096, help="bpe: ids in all")
+    parser.add_argument(
+        "--bpe-vocab-size",
+        type=int,
+        default=4096,
+        help="bpe: vocabulary size, all ids (merges, bytes and the end-of-text token)",
+    )
     parser.add_argument(
         "--bpe-sample-bytes",
         default="256M",
-        help="bpe: text the tokenizer learns from, drawn across the corpus (default 256M)",
+        help="bpe: text the tokenizer learns from, drawn across the corpus",
     )
-    parser.add_argument("--eot-token", default=None, help="tokenizer.json: end-of-text token")
-    parser.add_argument("--text-field", default="text", help="jsonl/parquet field (a.b nests)")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of documents")
+    parser.add_argument(
+        "--eot-token",
+        default=None,
+        help="tokenizer.json: the end-of-text token added after every document (default: the "
+        "first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, ... it has)",
+    )
+    parser.add_argument(
+        "--text-field", default="text", help="jsonl/parquet: the field holding the text (a.b nests)"
+    )
+    parser.add_argument(
+        "--val-fraction", type=float, default=0.1, help="share of documents held out for validation"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the validation draw")
     parser.add_argument(
         "--workers", type=int, default=None, help="tokenizer processes (default: all cores)"

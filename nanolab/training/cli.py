@@ -625,6 +625,7 @@ def trainer_defaults() -> dict[str, Any]:
         "use_distributed_sampler": False,  # the DataModule shards windows by rank itself
         "log_every_n_steps": 1,
         "num_sanity_val_steps": 0,
+        "enable_model_summary": False,  # the start banner gives the model's size (progress.py)
     }
 
 
@@ -647,7 +648,15 @@ def run_lightning_cli(argv: list[str]) -> int:
     directory in use, 3 diverged, 75 preempted (rerun the same command to resume).
     """
     from nanolab.callbacks.runlock import release_all
+    from nanolab.training.quiet import quiet_lightning
 
+    quiet_lightning()  # Lightning's start-up chatter; the banner says what matters
+    from nanolab.training import short_help
+
+    if short_help.wants_short_help(argv):  # one page; Lightning's ~900 lines: --help-all
+        print(short_help.short_help(argv[0]))
+        return 0
+    argv = short_help.full_help_argv(argv)
     try:
         check_config_files(argv)
         cli = NanolabCLI(

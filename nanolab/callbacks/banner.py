@@ -1,0 +1,164 @@
+"""The start banner of ``nanolab fit``: one screen that says what is about to run, and for how long.
+
+Lightning's own start-up output (accelerator lines, a model summary whose FLOPs column reads 0,
+a cloud-logging tip) tells a nanolab user little; this replaces it with the figures that decide
+whether a run is the one intended: model size, tokens per optimizer step and how they are made
+up (micro-batch x context x accumulation x devices), precision, the run directory, where it
+resumes, and a duration estimate. Everything is read from the live trainer, after the
+checkpoint has been restored, so a resumed run shows its real starting step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+
+def _count(n: float) -> str:
+    """``812_992`` -> ``813k``; ``1.24e8`` -> ``124M``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def duration(seconds: float) -> str:
+    """``185`` -> ``3m05s``; ``7300`` -> ``2h01m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    m, s = divmod(seconds, 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def schedule_end(trainer: L.Trainer) -> int | None:
+    """The step where the learning-rate schedule reaches its minimum (restored from the
+    checkpoint when resuming: the schedule a run started with is the one it keeps)."""
+    for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+        for fn in getattr(config.scheduler, "lr_lambdas", None) or []:
+            end = getattr(fn, "decay_steps", None)
+            if isinstance(end, int):
+                return end
+    return None
+
+
+def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[int, str] | None:
+    """Tokens per optimizer step and the product that makes it up."""
+    dm = getattr(trainer, "datamodule", None)
+    micro = getattr(dm, "micro_batch_size", None)
+    gpt = getattr(pl_module, "gpt_config", None)
+    block = getattr(gpt, "block_size", None)
+    if not isinstance(micro, int) or not isinstance(block, int):
+        return None
+    accumulate = int(trainer.accumulate_grad_batches or 1)
+    world = int(trainer.world_size or 1)
+    total = micro * block * accumulate * world
+    how = (
+        f"{micro} micro-batch x {block} context x {accumulate} accumulation x {world} "
+        f"device{'s' if world > 1 else ''}"
+    )
+    return total, how
+
+
+def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:
+    """Seconds for ``steps`` more steps, as ``nanolab queue`` estimates a job (past runs are not
+    consulted here): the FLOPs over this device's rate at an assumed efficiency."""
+    import yaml
+
+    from nanolab.queue.estimate import STARTUP_S, flops_estimate
+    from nanolab.queue.jobs import ParsedConfig
+
+    saved = Path(trainer.default_root_dir) / "config.yaml"
+    if steps <= 0 or not saved.is_file():
+        return None
+    config = yaml.safe_load(saved.read_text(encoding="utf-8"))
+    if not isinstance(config, dict):
+        return None
+    parsed = ParsedConfig(
+        config=config,
+        run_root=str(Path(trainer.default_root_dir).parent),
+        max_steps=steps,
+        devices=max(1, int(trainer.num_devices or 1)),
+        tokens_per_step=tokens,
+    )
+    seconds, how = flops_estimate(parsed)
+    if seconds is None:
+        return None
+    return max(0.0, seconds - STARTUP_S), str(how)
+
+
+def banner_lines(
+    trainer: L.Trainer, pl_module: L.LightningModule, estimate: bool = True
+) -> list[str]:
+    """The banner, one line per fact; a fact that cannot be read is left out, never guessed."""
+    lines = [f"nanolab fit: {trainer.default_root_dir}"]
+    gpt = getattr(pl_module, "gpt_config", None)
+    params = sum(p.numel() for p in pl_module.parameters())
+    if gpt is not None:
+        lines.append(
+            f"  model      {_count(params)} parameters: {gpt.n_layer} layers x {gpt.n_embd} wide, "
+            f"{gpt.n_head} heads, context {gpt.block_size}, vocabulary {gpt.vocab_size}"
+        )
+    else:
+        lines.append(f"  model      {_count(params)} parameters")
+    per_step = tokens_per_step(trainer, pl_module)
+    if per_step is not None:
+        lines.append(f"  batch      {per_step[0]:,} tokens/step = {per_step[1]}")
+    device = trainer.strategy.root_device.type
+    strategy = type(trainer.strategy).__name__.replace("Strategy", "") or "single device"
+    nodes = f" x {trainer.num_nodes} nodes" if trainer.num_nodes > 1 else ""
+    lines.append(
+        f"  devices    {trainer.num_devices} {device}{nodes} ({strategy}), precision {trainer.precision}"
+    )
+    start, end = trainer.global_step, trainer.max_steps
+    ckpt = getattr(trainer, "ckpt_path", None)
+    if ckpt and start > 0:
+        lines.append(f"  resume     from step {start} ({ckpt})")
+    else:
+        lines.append("  resume     none: a new run from step 0")
+    if end is not None and end > 0:
+        horizon = schedule_end(trainer)
+        steps = f"  steps      {start} -> {end}"
+        if per_step is not None:
+            steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
+        if horizon is not None and start >= horizon and end > horizon:
+            steps += (
+                f"; the LR schedule ended at step {horizon}: the extra steps run at its minimum"
+            )
+        lines.append(steps)
+        if estimate and per_step is not None:
+            guess = _safe_estimate(trainer, end - start, per_step[0])
+            if guess is not None:
+                seconds, how = guess
+                text = f"  estimate   ~{duration(seconds)} of training ({how})"
+                price = _price(trainer)
+                if price:
+                    hours = seconds / 3600 * trainer.num_devices * trainer.num_nodes
+                    text += f", ~{hours * price[0]:.2f} {price[1]}"
+                lines.append(text)
+    else:
+        lines.append(f"  steps      from {start}, no max_steps: a budget or a signal stops it")
+    return lines
+
+
+def _safe_estimate(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:
+    try:
+        return estimate_seconds(trainer, steps, tokens)
+    except Exception:  # an estimate is a courtesy: it must never stop a run
+        return None
+
+
+def _price(trainer: L.Trainer) -> tuple[float, str] | None:
+    for cb in trainer.callbacks:
+        price = getattr(cb, "price_per_gpu_hour", None)
+        if isinstance(price, (int, float)) and price > 0:
+            return float(price), str(getattr(cb, "currency", ""))
+    return None
+
+
+def print_banner(trainer: L.Trainer, pl_module: L.LightningModule, **kwargs: Any) -> None:
+    if trainer.is_global_zero:
+        print("\n".join(banner_lines(trainer, pl_module, **kwargs)), flush=True)

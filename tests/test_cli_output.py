@@ -1,0 +1,102 @@
+"""What ``nanolab fit`` prints: a banner, one progress display, nothing else; the short help.
+
+Through the real CLI, with stdout a pipe (as under ``nanolab queue`` or SLURM): plain lines, no
+escape codes, none of Lightning's start-up chatter. Extending a finished run keeps its schedule
+(the extra steps run at the schedule's minimum) and counts the steps against the new end.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import run_nanolab, tiny_overrides, write_config
+
+from nanolab.runlog import read_records
+
+NOISE = ("litlogger", "LeafSpec", "Total FLOPs", "MFU unknown", "GPU available", "Seed set to",
+         "Restoring states", "`Trainer.fit` stopped", "Validation DataLoader")  # fmt: skip
+
+
+def _tiny(tmp_path, char_dataset):
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__enable_progress_bar=True,
+                         progress__refresh_rate=2, progress__plain_every_s=0,
+                         model__schedule={"warmup_steps": 2, "min_lr_ratio": 0.1},
+                         model__optimizer={"lr": 0.001})  # fmt: skip
+    return write_config(tmp_path / "tiny.yaml", cfg)
+
+
+def test_fit_prints_a_banner_and_plain_lines_and_nothing_else(tmp_path, char_dataset):
+    first = run_nanolab("fit", "--config", str(_tiny(tmp_path, char_dataset)), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    out = first.stdout
+    for noise in NOISE:
+        assert noise not in out + first.stderr, noise
+    assert "\x1b" not in out and "\r" not in out  # no escape codes in a log file
+    assert out.startswith(f"nanolab fit: {tmp_path / 'runs' / 'tiny'}\n")
+    assert re.search(r"model +\d+(\.\d+)?k parameters: 2 layers x 32 wide", out)
+    assert "128 tokens/step = 4 micro-batch x 32 context x 1 accumulation x 1 device" in out
+    assert "resume     none: a new run from step 0" in out and "precision 32-true" in out
+    assert re.search(r"^step 2/6 \(33%\)  loss \d\.\d{4}", out, re.M)
+    assert re.search(r"^step 6/6 \(100%\)  loss \d\.\d{4}  val \d\.\d{4}", out, re.M)
+    assert first.stderr.strip() == ""  # nothing else unless something is wrong
+
+
+@pytest.mark.slow  # two launches: ~25 s of CPU
+def test_extending_a_finished_run_keeps_its_schedule_and_counts_to_the_new_end(
+    tmp_path, char_dataset
+):
+    config = _tiny(tmp_path, char_dataset)
+    first = run_nanolab("fit", "--config", str(config), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    # Extend the finished run by 2 steps: resumed at 6, counted to 8, at the schedule's minimum.
+    more = run_nanolab("fit", "--config", str(config), "--trainer.max_steps", "8", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert re.search(r"resume +from step 6 \(.*step-00000006\.ckpt\)", more.stdout)
+    assert "steps      6 -> 8" in more.stdout and "LR schedule ended at step 6" in more.stdout
+    assert re.search(r"^step 8/8 \(100%\)", more.stdout, re.M)
+    assert not re.search(r"^step [1-5]/", more.stdout, re.M)
+    assert "Restoring states" not in more.stdout + more.stderr
+    lr = {r["step"]: r["lr"] for r in read_records(tmp_path / "runs/tiny/metrics.jsonl")
+          if r["event"] == "train"}  # fmt: skip
+    assert sorted(lr) == list(range(1, 9))
+    assert lr[6] == pytest.approx(0.001 * 0.1) and lr[7] == lr[8] == pytest.approx(0.001 * 0.1)
+    assert lr[5] > lr[6]  # still decaying before the old end
+
+
+def test_fit_help_leads_with_nanolab_groups_and_common_keys(tmp_path):
+    short = run_nanolab("fit", "--help", cwd=tmp_path)
+    assert short.returncode == 0, short.stderr
+    lines = short.stdout.splitlines()
+    assert len(lines) < 120
+    text = short.stdout
+    assert lines[0].startswith("usage: nanolab fit --config")
+    for key in ("--run.name null", "--run.global_batch_tokens null", "--trainer.max_steps 5000",
+                "--model.gpt.n_layer 6", "--model.optimizer.lr 0.0006", "--data.dataset_dir",
+                "--checkpoint.*", "--budget.*", "--help-all", "configs/debug/fast_dev_run.yaml"):  # fmt: skip
+        assert key in text, key
+
+
+@pytest.mark.slow  # builds LightningCLI's whole parser: ~15 s of CPU
+def test_fit_help_all_is_lightnings_full_list(tmp_path):
+    full = run_nanolab("fit", "--help-all", cwd=tmp_path)
+    assert full.returncode == 0 and len(full.stdout.splitlines()) > 500
+    assert "--trainer.detect_anomaly" in full.stdout and "args parameter" not in full.stderr
+
+
+@pytest.mark.parametrize(
+    ("verb", "expected"),
+    [("prepare", ["bpe: vocabulary size", "(default: 4096)", "(default: 0.1)", "(default: chars)"]),
+     ("generate", ["(default: 300)", "0 = greedy", "(default: 0.8)", "(default: 200)",
+                   "sampling seed"])],
+)  # fmt: skip
+def test_prepare_and_generate_help_show_defaults_and_meanings(verb, expected, capsys):
+    from nanolab.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([verb, "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # unwrap
+    for text in expected:
+        assert text in out, text
+    assert "(default: None)" not in out and "(default: False)" not in out
