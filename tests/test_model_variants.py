@@ -159,3 +159,61 @@ def test_a_variant_in_a_users_module_registers_on_import(
         assert model(torch.randint(0, 128, (1, 16)), torch.zeros(1, 16, dtype=torch.long))[1] > 0
     finally:
         sys.modules.pop("user_norms", None)
+
+
+# -- docs/forking.md, "Adding a model variant" ----------------------------------------------------
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "forking.md"
+
+
+def _section(title: str) -> str:
+    text = DOCS.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def _blocks(section: str, lang: str) -> list[str]:
+    parts = section.split(f"```{lang}\n")[1:]
+    return [p.split("```", 1)[0] for p in parts]
+
+
+def test_the_documented_variant_registers_trains_and_is_estimated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nanolab.estimator.activations import saved_activations
+    from nanolab.estimator.measure import measure_saved
+    from nanolab.estimator.numerics import numerics_for
+    from nanolab.estimator.setup import Setup
+
+    section = _section("Adding a model variant")
+    (code,) = _blocks(section, "python")
+    (error_line,) = _blocks(section, "text")
+    path = code.splitlines()[0].removeprefix("# ")
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / path).parent.joinpath("__init__.py").write_text("")
+    (tmp_path / path).write_text(code)
+    package = path.split("/")[0]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    if "softcap" not in ATTENTION:
+        with pytest.raises(ConfigError) as err:
+            replace(TINY, attention_variant="softcap")
+        assert str(err.value) == error_line.strip()
+    importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    try:
+        cfg = replace(TINY, attention_variant="softcap")
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        idx = torch.randint(0, 128, (2, 16))
+        loss = model(idx, idx)[1]
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert model.flops_per_token() == GPT(TINY).flops_per_token()  # same matmuls
+        num = numerics_for(Setup(gpt=cfg, precision="32-true"), "cpu")
+        estimated = saved_activations(cfg, 2, 16, num).total
+        measured = measure_saved(GPT(cfg), 2, 16).bytes
+        assert estimated == pytest.approx(measured, rel=0.005)
+    finally:
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            sys.modules.pop(name)
