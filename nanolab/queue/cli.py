@@ -1,6 +1,7 @@
 """``nanolab queue``: add experiments before bed, run them one per GPU, look at them in the morning.
 
     nanolab queue add configs/quickstart.yaml --seeds 1,2,3 --set trainer.max_steps=600
+    nanolab queue add a.yaml b.yaml --sweep model.optimizer.lr=1e-3,3e-3 --seeds 1,2
     nanolab queue ls
     nanolab queue run --gpus 0,1 --until 08:00 --order longest-first
     nanolab queue run --gpus 0 --pack          # several jobs per GPU, by predicted memory
@@ -112,19 +113,39 @@ def _db(args: argparse.Namespace) -> QueueDB:
 # -- verbs ----------------------------------------------------------------------------------
 def cmd_add(args: argparse.Namespace) -> int:
     from nanolab.queue.estimate import flops_estimate, memory_need
-    from nanolab.queue.jobs import build_jobs
+    from nanolab.queue.jobs import build_jobs, job_names, parse_sets
+    from nanolab.queue.sweep import grid, parse_sweeps, point_name
 
+    configs = [Path(c) for c in args.config]
+    sweeps = parse_sweeps(args.sweep, [k for k, _ in parse_sets(args.set)])
     db = _db(args)
-    jobs = build_jobs(
-        Path(args.config),
-        args.set,
-        args.seeds,
-        args.name,
-        Path.cwd(),
-        estimate=lambda parsed: flops_estimate(parsed, args.gpu),
-        memory=lambda parsed: memory_need(parsed, args.gpu),
-        backfill=args.backfill,
-    )
+    jobs = []
+    for point in grid(sweeps):  # one point (no sweep) or the product of every --sweep
+        name = args.name
+        if name is None and (len(configs) > 1 or point):
+            base = job_names(configs[0], None, parse_sets(args.set), None)[0]
+            stems = "+".join(c.stem for c in configs)  # quickstart+overfit
+            name = point_name(stems + base[len(configs[0].stem) :], point)
+        elif point:
+            name = point_name(name, point)
+        jobs += build_jobs(
+            configs[0],
+            [*args.set, *(f"{k}={v}" for k, v in point)],
+            args.seeds,
+            name,
+            Path.cwd(),
+            estimate=lambda parsed: flops_estimate(parsed, args.gpu),
+            memory=lambda parsed: memory_need(parsed, args.gpu),
+            backfill=args.backfill,
+            extra_configs=tuple(configs[1:]),
+        )
+    names = [j.name for j in jobs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise QueueError(
+            f"two jobs would share the name {dupes[0]!r}; give --sweep values that differ after "
+            "being made into a name, or --name"
+        )
     for job in db.add_jobs(jobs):
         peak = f", peak {gib(job.mem_peak)}" if job.mem_peak else ""
         kind = " as backfill" if job.backfill else ""
@@ -185,6 +206,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
         return 0
     now = time.time()
+    groups = group_jobs(jobs)
+    jobs = [j for members in groups for j in members]
     rows = []
     for j in jobs:
         status = j.status + (f": {j.detail}" if j.detail else "")
@@ -199,8 +222,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
     headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    for line in (headers, ["-" * w for w in widths], *rows):
-        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    print(line(headers))
+    print(line(["-" * w for w in widths]))
+    by_id = {j.id: row for j, row in zip(jobs, rows, strict=True)}
+    for members in groups:
+        if len(members) > 1:
+            print(group_header(members))
+        for j in members:
+            print(line(by_id[j.id]))
     counts = {}
     for j in jobs:
         counts[j.status] = counts.get(j.status, 0) + 1
@@ -210,6 +243,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     f"(max {max(gaps) * 1000:.0f} ms, n={len(gaps)})")  # fmt: skip
     print(f"\n{summary}")
     return 0
+
+
+def group_jobs(jobs: list[Job]) -> list[list[Job]]:
+    """Jobs of one experiment (the same config but for the seed: the same ``config_key``)
+    together, groups in the order of their first job."""
+    groups: dict[object, list[Job]] = {}
+    for j in jobs:
+        groups.setdefault(j.config_key or ("job", j.id), []).append(j)
+    return list(groups.values())
+
+
+def group_header(members: list[Job]) -> str:
+    """``quickstart-lr1e-3: 3 seeds (1, 2, 3): 2 done, 1 running``."""
+    names = [re.sub(r"-s-?\d+$", "", j.name) for j in members]
+    label = names[0]
+    if len(set(names)) > 1:
+        label = os.path.commonprefix(names).rstrip("-_") or names[0]  # noqa: RUF071
+    seeds = [j.seed for j in members if j.seed is not None]
+    counts: dict[str, int] = {}
+    for j in members:
+        counts[j.status] = counts.get(j.status, 0) + 1
+    what = f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if seeds else f"{len(members)} jobs"
+    return f"{label}: {what}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -308,10 +364,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    a = sub.add_parser("add", parents=[common], help="queue a config (one job per seed)")
-    a.add_argument("config", metavar="CONFIG", help="a nanolab fit YAML config")
+    a = sub.add_parser(
+        "add", parents=[common], help="queue a config (one job per seed and sweep point)"
+    )
+    a.add_argument(
+        "config",
+        nargs="+",
+        metavar="CONFIG",
+        help="nanolab fit YAML config(s); several compose as --config a --config b (later wins)",
+    )
     a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (repeatable), e.g. --set trainer.max_steps=600")  # fmt: skip
+    a.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="one job per value (repeatable: the grid of all of them, times --seeds), named "
+        "after its values, e.g. --sweep model.optimizer.lr=1e-3,3e-3",
+    )
     a.add_argument("--seeds", metavar="S1,S2,...", help="one job per seed (seed_everything)")
     a.add_argument(
         "--name", help="run name (default: config name + overrides); -s<seed> is appended per seed"

@@ -1,0 +1,68 @@
+"""``queue add a.yaml b.yaml --sweep KEY=V1,V2 ... --seeds``: the grid, composed configs, names
+after the swept values, and ``queue ls`` grouping the seeds of each point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides, write_config
+
+from nanolab.queue.cli import main
+from nanolab.queue.db import QueueDB
+from nanolab.queue.sweep import grid, parse_sweeps, point_name
+
+
+def queue(capsys, db: Path, *argv: str) -> tuple[int, str, str]:
+    code = main([argv[0], "--db", str(db), *argv[1:]])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_grid_and_names() -> None:
+    sweeps = parse_sweeps(["model.optimizer.lr=1e-3,3e-3", "model.gpt.n_layer=4,6"], [])
+    points = grid(sweeps)
+    assert len(points) == 4 and grid([]) == [()]
+    assert points[1] == (("model.optimizer.lr", "1e-3"), ("model.gpt.n_layer", "6"))
+    assert point_name("quickstart", points[1]) == "quickstart-lr1e-3-n_layer6"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--sweep", "model.optimizer.lr"], "expected KEY=V1,V2"),
+     (["--sweep", "model.optimizer.lr=1e-3,"], "expected KEY=V1,V2"),
+     (["--sweep", "model.optimizer.lr=1e-3", "--set", "model.optimizer.lr=2e-3"], "also given with --set"),
+     (["--sweep", "seed_everything=1,2"], "use --seeds"),
+     (["--sweep", "model.optimizer.lr=1,2", "--sweep", "model.optimizer.lr=3"], "swept twice")],
+)  # fmt: skip
+def test_bad_sweeps_are_one_line_and_add_nothing(tmp_path, capsys, argv, message) -> None:
+    config = write_config(tmp_path / "a.yaml", {"trainer": {"max_steps": 5}})
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(config), *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert QueueDB(db).jobs() == []
+
+
+def test_several_configs_and_a_sweep_times_seeds(tmp_path, char_dataset, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
+    del cfg["run"]["name"]
+    base = write_config(tmp_path / "base.yaml", cfg)
+    wide = write_config(tmp_path / "wide.yaml", {"model": {"gpt": {"n_embd": 48}}})
+    db = tmp_path / "q.db"
+    code, out, err = queue(capsys, db, "add", str(base), str(wide), "--seeds", "1,2",
+                           "--sweep", "model.optimizer.lr=1e-3,3e-3")  # fmt: skip
+    assert code == 0, err
+    jobs = QueueDB(db).jobs()
+    assert [j.name for j in jobs] == ["base+wide-lr1e-3-s1", "base+wide-lr1e-3-s2",
+                                      "base+wide-lr3e-3-s1", "base+wide-lr3e-3-s2"]  # fmt: skip
+    assert jobs[0].config == str(base.resolve())
+    assert jobs[0].args == ["--config", str(wide.resolve()), "--model.optimizer.lr=1e-3",
+                            "--seed_everything=1"]  # fmt: skip
+    # seeds of one point share a config key; the two points do not
+    assert jobs[0].config_key == jobs[1].config_key != jobs[2].config_key == jobs[3].config_key
+    code, out, _ = queue(capsys, db, "ls")
+    lines = out.splitlines()
+    header = lines.index("base+wide-lr1e-3: 2 seeds (1, 2): 2 pending")
+    assert lines[header + 1].split()[1] == "base+wide-lr1e-3-s1"
+    assert "base+wide-lr3e-3: 2 seeds (1, 2): 2 pending" in lines
