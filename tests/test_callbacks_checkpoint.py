@@ -19,7 +19,8 @@ from nanolab.callbacks import (
     MetricsLog,
     RotatingCheckpoint,
 )
-from nanolab.callbacks.checkpoint import newest_checkpoint, step_of
+from nanolab.callbacks.checkpoint import step_of
+from nanolab.training.resume import find_resume_checkpoint
 
 REAL_SAVE = torch.save
 
@@ -54,7 +55,7 @@ def test_rotation_keeps_last_k_best_j_and_last(tmp_path, char_dataset):
     deleted = [name for r in records for name in r["deleted"]]
     assert sorted(deleted) == ["step-00000002.ckpt", "step-00000006.ckpt", "step-00000008.ckpt"]
     assert all(r["bytes"] > 0 and r["async"] is False for r in records)
-    assert newest_checkpoint(folder).name == "step-00000012.ckpt"
+    assert find_resume_checkpoint(run).chosen.path.name == "step-00000012.ckpt"
 
 
 def test_checkpoint_holds_what_an_exact_resume_needs(tmp_path, char_dataset):
@@ -182,7 +183,7 @@ def test_torch_writer_error_without_an_oserror_is_judged_by_free_space(tmp_path,
 
 def test_async_saves_complete_before_old_ones_are_deleted(tmp_path, char_dataset, monkeypatch):
     seen: list[tuple[str, bool]] = []
-    real_delete = checkpoint_module._delete
+    real_delete = checkpoint_module.remove
 
     def slow_save(obj, f, *args, **kwargs):
         time.sleep(0.3)  # a slow disk: the training thread must not wait for it
@@ -194,7 +195,7 @@ def test_async_saves_complete_before_old_ones_are_deleted(tmp_path, char_dataset
         real_delete(path)
 
     monkeypatch.setattr(io_module.torch, "save", slow_save)
-    monkeypatch.setattr(checkpoint_module, "_delete", watched_delete)
+    monkeypatch.setattr(checkpoint_module, "remove", watched_delete)
     run = tmp_path / "run"
     ckpt = RotatingCheckpoint(every_n_steps=2, keep_last=1, keep_best=0, async_save=True)
     fit(run, char_dataset, [MetricsLog(), ckpt], max_steps=8, eval_every=100)
@@ -244,7 +245,7 @@ def test_stale_tmp_files_are_cleaned_and_never_mistaken_for_checkpoints(tmp_path
     folder = run / "checkpoints"
     folder.mkdir(parents=True)
     (folder / "step-00000002.ckpt.tmp").write_bytes(b"torn")
-    assert newest_checkpoint(folder) is None
+    assert find_resume_checkpoint(run).chosen is None
     fit(run, char_dataset, [RotatingCheckpoint(every_n_steps=2)], max_steps=2, eval_every=100)
     assert names(folder) == {"step-00000002.ckpt", "last.ckpt"}
 

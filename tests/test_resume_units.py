@@ -149,14 +149,14 @@ def test_slurm_auto_requeue_keeps_its_signal(monkeypatch) -> None:
     before_term = signal.getsignal(signal.SIGTERM)
     handler = PreemptionHandler()
     try:
-        handler.on_train_start(trainer, None)
+        handler.on_run_start(trainer, None)
         assert signal.getsignal(signal.SIGUSR1) is lightning_requeue
         assert signal.getsignal(signal.SIGTERM) == handler._handle
         handler.on_train_end(trainer, None)
         assert signal.getsignal(signal.SIGTERM) == before_term
         # without SLURM all three are ours
         trainer.strategy.cluster_environment = None
-        handler.on_train_start(trainer, None)
+        handler.on_run_start(trainer, None)
         assert signal.getsignal(signal.SIGUSR1) == handler._handle
         handler.on_train_end(trainer, None)
         assert signal.getsignal(signal.SIGUSR1) is lightning_requeue
@@ -171,7 +171,7 @@ import os, signal, sys, time
 from types import SimpleNamespace
 from nanolab.callbacks.preemption import PreemptionHandler
 h = PreemptionHandler(signals=["SIGUSR2"])
-h.on_train_start(SimpleNamespace(strategy=SimpleNamespace(), global_step=3), None)
+h.on_run_start(SimpleNamespace(strategy=SimpleNamespace(), global_step=3), None)
 os.kill(os.getpid(), signal.SIGUSR2)
 assert h.received == signal.SIGUSR2, "the first signal is only recorded"
 print("first signal recorded", flush=True)

@@ -5,7 +5,9 @@
 * :class:`CostBudget` — GPU-hour / money / wall-time / token budgets, payoff and plateau stops;
 * :class:`ThroughputMeter` — tokens/s, MFU, memory, utilisation, goodput;
 * :class:`StepProgressBar` — a tqdm bar over optimizer steps with ETA, loss and tokens/s;
-* :class:`RunClock` — the single timing source the others share (attached automatically).
+* :class:`RunClock` — the single timing source the others share (attached automatically);
+* :class:`StepCallback` — their base: "an optimizer step finished", once, in a fixed order
+  (docs/callbacks.md, "Writing your own step callback").
 
 ``nanolab fit`` turns all of them on (YAML groups ``log``, ``checkpoint``, ``budget``,
 ``throughput``, ``progress``). Code that stops a run for its own reason records it with
@@ -24,6 +26,7 @@ from nanolab.callbacks.events import END_REASONS, CallbackConfigError, set_stop_
 from nanolab.callbacks.jsonl import MetricsLog
 from nanolab.callbacks.progress import StepProgressBar
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+from nanolab.callbacks.step import StepCallback
 from nanolab.callbacks.throughput import ThroughputMeter
 from nanolab.runlog import read_records
 
@@ -38,6 +41,7 @@ __all__ = [
     "RotatingCheckpoint",
     "RunClock",
     "RunDirError",
+    "StepCallback",
     "StepProgressBar",
     "ThroughputMeter",
     "claim_run_dir",

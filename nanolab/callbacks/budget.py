@@ -27,10 +27,9 @@ import time
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 
-from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason, stop_reason
+from nanolab.callbacks.step import StepCallback
 
 #: ISO 4217 codes accepted for ``budget.currency`` (the common ones; case-insensitive).
 CURRENCIES = frozenset(
@@ -64,8 +63,11 @@ def _positive(name: str, value: float | None) -> None:
         raise CallbackConfigError(f"budget.{name} must be > 0 (or null for no limit), got {value}")
 
 
-class CostBudget(Callback):
+class CostBudget(StepCallback):
     """Stops the run when a budget is spent or when further training no longer pays.
+
+    Its step hooks run after the run log's and before the checkpoint's: its ``budget`` record
+    follows the step's ``train`` / ``val`` record, and a stop is decided before the save.
 
     Args:
         max_gpu_hours: Budget in GPU-hours (devices x wall hours, over every resume).
@@ -83,6 +85,8 @@ class CostBudget(Callback):
         check_every_n_steps: Optimizer steps between budget checks (each check is one small
             collective on multi-device runs; free on one device).
     """
+
+    step_order = 40
 
     def __init__(
         self,
@@ -154,19 +158,16 @@ class CostBudget(Callback):
         self.history: list[tuple[int, float, float]] = []  # (step, gpu_hours, val_loss)
         self.best: float | None = None
         self.evals_since_best = 0
-        self._active = False
-        self._clock: RunClock | None = None
-        self._seen_step = -1
         self._start: tuple[int, float, int] | None = None  # step, process wall s, tokens
 
     # -- spending ----------------------------------------------------------------------------
     def spent(self) -> dict[str, float | int]:
-        assert self._clock is not None
-        gpu_hours = self._clock.gpu_hours()
+        assert self.clock is not None
+        gpu_hours = self.clock.gpu_hours()
         out: dict[str, float | int] = {
             "gpu_hours": gpu_hours,
-            "wall_hours": self._clock.elapsed_s() / 3600.0,
-            "tokens": self._clock.tokens,
+            "wall_hours": self.clock.elapsed_s() / 3600.0,
+            "tokens": self.clock.tokens,
         }
         if self.price_per_gpu_hour is not None:
             out["cost"] = gpu_hours * self.price_per_gpu_hour
@@ -183,19 +184,20 @@ class CostBudget(Callback):
 
     def _per_step(self, trainer: L.Trainer) -> dict[str, float]:
         """This process's average spend per optimizer step (for projections)."""
-        if self._start is None or self._clock is None:
+        clock = self.clock
+        if self._start is None or clock is None:
             return {}
         step0, wall0, tok0 = self._start
         steps = trainer.global_step - step0
         if steps <= 0:
             return {}
         # This process's own wall time: independent of totals restored from earlier processes.
-        wall_h = (self._clock.process_elapsed_s() - wall0) / 3600.0 / steps
-        gpu = wall_h * self._clock.world_size
+        wall_h = (clock.process_elapsed_s() - wall0) / 3600.0 / steps
+        gpu = wall_h * clock.world_size
         out = {
             "gpu_hours": gpu,
             "wall_hours": wall_h,
-            "tokens": (self._clock.tokens - tok0) / steps,
+            "tokens": (clock.tokens - tok0) / steps,
         }
         if self.price_per_gpu_hour is not None:
             out["cost"] = gpu * self.price_per_gpu_hour
@@ -227,34 +229,13 @@ class CostBudget(Callback):
         return max(0.0, left), which
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._active = stage == "fit"
-        if self._active:
-            self._clock = RunClock.attach(trainer)
+    def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert self.clock is not None
+        self._start = (trainer.global_step, self.clock.process_elapsed_s(), self.clock.tokens)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active:
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if step % self.check_every_n_steps != 0:
             return
-        assert self._clock is not None
-        self._seen_step = trainer.global_step
-        self._start = (trainer.global_step, self._clock.process_elapsed_s(), self._clock.tokens)
-
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if not self._active:
-            return
-        assert self._clock is not None
-        self._clock.batch_end(trainer, batch)
-        step = trainer.global_step
-        if step == self._seen_step or step % self.check_every_n_steps != 0:
-            return
-        self._seen_step = step
         if stop_reason(trainer)[0] is not None or not self.limits():
             return
         spent, per_step = self.spent(), self._per_step(trainer)
@@ -285,18 +266,15 @@ class CostBudget(Callback):
         )
         set_stop_reason(trainer, "budget", detail)
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active or trainer.sanity_checking:
-            return
-        assert self._clock is not None
+    def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        assert self.clock is not None
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             return
         val = float(value)
-        step = trainer.global_step
         if self.history and self.history[-1][0] == step:
             self.history.pop()  # the same step validated again (e.g. after a resume)
-        self.history.append((step, self._clock.gpu_hours(), val))
+        self.history.append((step, self.clock.gpu_hours(), val))
         improved = self.best is None or val < self.best - self.min_delta
         if improved:
             self.best, self.evals_since_best = val, 0
@@ -394,7 +372,7 @@ class CostBudget(Callback):
 
     # -- run log fields ----------------------------------------------------------------------
     def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]:
-        if not self._active or self._clock is None:
+        if not self.active or self.clock is None:
             return {}
         if event == "start":
             return {
@@ -405,7 +383,7 @@ class CostBudget(Callback):
         if event in ("train", "end"):
             cost = None
             if self.price_per_gpu_hour is not None:
-                cost = self._clock.gpu_hours() * self.price_per_gpu_hour
+                cost = self.clock.gpu_hours() * self.price_per_gpu_hour
             fields: dict[str, Any] = {"cost": cost}
             if event == "end":
                 fields["currency"] = self.currency if cost is not None else None
@@ -414,7 +392,7 @@ class CostBudget(Callback):
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        spent = self.spent() if self._clock is not None else {}
+        spent = self.spent() if self.clock is not None else {}
         return {
             "history": [list(h) for h in self.history],
             "best": self.best,

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
-import shutil
 import sys
 import time
 import warnings
@@ -32,19 +30,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from nanolab.callbacks.checkpoint_io import (
-    AsyncAtomicCheckpointIO,
-    AtomicCheckpointIO,
-    atomic_link,
-    fsync_dir,
-    tmp_path,
-)
-from nanolab.callbacks.clock import RunClock
+from nanolab.callbacks.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_link
 from nanolab.callbacks.events import CallbackConfigError, emit
+from nanolab.callbacks.files import publish, remove, tmp_path
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
+from nanolab.callbacks.step import StepCallback, validation_follows
 
 STEP_FILE = re.compile(r"^step-(\d{8,})\.ckpt$")
 LAST_NAME = "last.ckpt"
@@ -70,7 +63,12 @@ def _size(path: Path) -> int:
 
 
 def _writes_directories(strategy: Any) -> bool:
-    """Strategies that save a folder of shards instead of going through ``checkpoint_io``."""
+    """Strategies that save a folder of shards instead of going through ``checkpoint_io``.
+
+    Lightning exposes neither choice publicly: FSDP keeps ``state_dict_type`` and
+    ModelParallelStrategy ``save_distributed_checkpoint`` as the private attributes read here
+    (absent attributes read as "one file", the safe default: the save is then renamed into place).
+    """
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     if isinstance(strategy, DeepSpeedStrategy):
@@ -80,8 +78,11 @@ def _writes_directories(strategy: Any) -> bool:
     return getattr(strategy, "_state_dict_type", None) == "sharded"
 
 
-class RotatingCheckpoint(Checkpoint):
+class RotatingCheckpoint(StepCallback, Checkpoint):
     """Saves by step and/or wall time, keeps the last K + best J + ``last.ckpt``, atomically.
+
+    Its step hooks run last among the step callbacks, so a save holds every decision taken at
+    that step (a budget stop defers it to after the final evaluation).
 
     Args:
         dirpath: Folder for the checkpoints; ``null`` = ``<run_dir>/checkpoints``.
@@ -102,6 +103,8 @@ class RotatingCheckpoint(Checkpoint):
         async_save: Write in a background thread; the training thread only copies the state to
             CPU memory. Deletions wait until the newer file is complete.
     """
+
+    step_order = 70
 
     def __init__(
         self,
@@ -147,11 +150,8 @@ class RotatingCheckpoint(Checkpoint):
 
         self.val_by_step: dict[int, float] = {}
         self.last_saved_step: int | None = None
-        self._active = False
         self._io: AtomicCheckpointIO | AsyncAtomicCheckpointIO | None = None
         self._rename_after_save = False
-        self._clock: RunClock | None = None
-        self._seen_step = -1
         self._last_save_time = time.monotonic()
         self._pending_save = False
         self._done_records: list[dict[str, Any]] = []
@@ -169,10 +169,9 @@ class RotatingCheckpoint(Checkpoint):
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._active = stage == "fit"
-        if not self._active:
+        super().setup(trainer, pl_module, stage)
+        if not self.active:
             return
-        self._clock = RunClock.attach(trainer)
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / CHECKPOINT_DIR
         strategy = trainer.strategy
@@ -196,31 +195,14 @@ class RotatingCheckpoint(Checkpoint):
             )
         if trainer.is_global_zero and self.dirpath.is_dir():
             for stale in self.dirpath.glob("*.tmp"):  # a crash mid-save leaves these behind
-                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(
-                    missing_ok=True
-                )
+                with contextlib.suppress(OSError):
+                    remove(stale)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._seen_step = trainer.global_step
+    def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_save_time = time.monotonic()
 
     # -- deciding when -----------------------------------------------------------------------
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if not self._active:
-            return
-        assert self._clock is not None
-        self._clock.batch_end(trainer, batch)
-        step = trainer.global_step
-        if step == self._seen_step:
-            return  # still accumulating gradients
-        self._seen_step = step
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         self._emit_done(trainer)
         due = self._pending_save or (
             self.every_n_steps is not None and step % self.every_n_steps == 0
@@ -231,26 +213,12 @@ class RotatingCheckpoint(Checkpoint):
             due = bool(trainer.strategy.reduce_boolean_decision(late, all=False))
         if not due:
             return
-        if self._validation_follows(trainer):
+        if validation_follows(trainer):
             self._pending_save = True
             return
         self._save(trainer, step)
 
-    @staticmethod
-    def _validation_follows(trainer: L.Trainer) -> bool:
-        """Whether Lightning will validate right after this batch (private API; False if it moved)."""
-        try:
-            loop = trainer.fit_loop.epoch_loop
-            return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher)) and not bool(
-                loop._skip_next_val
-            )
-        except Exception:
-            return False
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active or trainer.sanity_checking:
-            return
-        step = trainer.global_step
+    def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         value = trainer.callback_metrics.get(self.monitor)
         if value is not None and not math.isfinite(float(value)):
             value = None  # a NaN loss ranks nowhere (and would break the ordering)
@@ -265,7 +233,7 @@ class RotatingCheckpoint(Checkpoint):
             self._save(trainer, step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active:
+        if not self.active:
             return
         step = trainer.global_step
         wanted = self.save_on_train_end or self._pending_save
@@ -273,8 +241,8 @@ class RotatingCheckpoint(Checkpoint):
             self._save(trainer, step)
         self._pending_save = False
         if self._io is not None and trainer.is_global_zero:
-            assert self._clock is not None
-            with self._clock.pause("checkpoint"):
+            assert self.clock is not None
+            with self.clock.pause("checkpoint"):
                 self._io.wait()  # the end record must come after the last checkpoint is complete
         self._emit_done(trainer)
 
@@ -283,10 +251,10 @@ class RotatingCheckpoint(Checkpoint):
 
         The run log calls this before writing its ``end`` record, also after an exception.
         """
-        if self._active and isinstance(self._io, AsyncAtomicCheckpointIO):
+        if self.active and isinstance(self._io, AsyncAtomicCheckpointIO):
             with contextlib.suppress(BaseException):
                 self._io.wait()
-        if self._active:
+        if self.active:
             self._emit_done(trainer)
 
     def on_exception(
@@ -303,7 +271,8 @@ class RotatingCheckpoint(Checkpoint):
         return self._save(trainer, trainer.global_step)
 
     def _save(self, trainer: L.Trainer, step: int) -> Path | None:
-        assert self.dirpath is not None and self._clock is not None
+        clock = self.clock
+        assert self.dirpath is not None and clock is not None
         path = self.dirpath / step_checkpoint_name(step)
         if not parameters_finite(trainer):
             # A diverged state must not rotate the last finite checkpoints away.
@@ -318,16 +287,16 @@ class RotatingCheckpoint(Checkpoint):
                 )
             return None
         is_async = isinstance(self._io, AsyncAtomicCheckpointIO)
-        self._clock.sync_device(trainer)
+        clock.sync_device(trainer)
         previous, self.last_saved_step = self.last_saved_step, step  # stored inside the file
         try:
-            with self._clock.pause("checkpoint"):
+            with clock.pause("checkpoint"):
                 start = time.monotonic()
                 if self._rename_after_save:
                     tmp = tmp_path(path)
                     trainer.save_checkpoint(tmp, weights_only=False)
                     if trainer.is_global_zero:
-                        self._publish_tmp(tmp, path)
+                        publish(tmp, path)
                 else:
                     trainer.save_checkpoint(path, weights_only=False)
                 stall = time.monotonic() - start
@@ -344,18 +313,6 @@ class RotatingCheckpoint(Checkpoint):
                 done()
             self._emit_done(trainer)
         return path
-
-    @staticmethod
-    def _publish_tmp(tmp: Path, path: Path) -> None:
-        if tmp.is_dir():
-            for file in tmp.rglob("*"):
-                if file.is_file():
-                    with open(file, "rb+") as f:
-                        os.fsync(f.fileno())
-            if path.is_dir():
-                shutil.rmtree(path)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
 
     def _finish(
         self,
@@ -415,7 +372,7 @@ class RotatingCheckpoint(Checkpoint):
         keep.update(best)
         deleted = [files[s] for s in timeline if s not in keep]
         for path in deleted:
-            _delete(path)
+            remove(path)
         if self.max_disk_gb is not None:
             deleted += self._enforce_cap(folder, files, keep, newest_step, best)
         return deleted
@@ -445,7 +402,7 @@ class RotatingCheckpoint(Checkpoint):
             if total <= cap:
                 break
             total -= _size(kept[s])
-            _delete(kept[s])
+            remove(kept[s])
             removed.append(kept[s])
         if total > cap and not self._warned_cap:
             self._warned_cap = True
@@ -482,32 +439,9 @@ def parameters_finite(trainer: L.Trainer) -> bool:
     return finite
 
 
-def _delete(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def newest_checkpoint(folder: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``folder`` (``last.ckpt`` if no step file)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    steps = sorted((s, p) for p in folder.iterdir() if (s := step_of(p)) is not None)
-    if steps:
-        return steps[-1][1]
-    last = folder / LAST_NAME
-    return last if last.exists() else None
-
-
 __all__ = [
     "LAST_NAME",
     "RotatingCheckpoint",
-    "newest_checkpoint",
     "step_checkpoint_name",
     "step_of",
 ]

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
+
+from nanolab.callbacks.files import fsync_dir, remove, tmp_path
 
 
 class CheckpointWriteError(OSError):
@@ -36,25 +37,6 @@ class CheckpointWriteError(OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] " prefix
         return str(self.strerror)
-
-
-def tmp_path(path: str | os.PathLike[str]) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + ".tmp")
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Persist a directory entry (a rename or a new file) on filesystems that need it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # e.g. Windows: directories cannot be opened; renames are durable there anyway
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
@@ -214,15 +196,9 @@ def _size_of(path: Path) -> int | None:
 
 
 def _remove_quietly(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError:
-        pass
+    """Clean up a ``.tmp`` on a failure path, where the first error is the one to report."""
+    with contextlib.suppress(OSError):
+        remove(path)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -283,6 +259,10 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
     double the model's and optimizer's device memory during the save), and :meth:`then` runs
     follow-up work on the same single writer thread, after every save queued before it, and
     only if none of them failed.
+
+    The base class has no public hook for either, so this subclass uses its two private
+    attributes: ``_executor`` (the writer thread, created lazily) and ``_error`` (the first
+    failed write, re-raised by the next save and by ``teardown``).
     """
 
     def __init__(self, checkpoint_io: AtomicCheckpointIO | None = None) -> None:

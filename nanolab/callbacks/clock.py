@@ -20,6 +20,9 @@ What is measured, without any device synchronisation per step:
   spent waiting for data (it is what a slow DataLoader would inflate);
 * tokens and samples over all ranks, counted per micro-batch (so accumulation is included).
 
+It also tells the step callbacks (:mod:`nanolab.callbacks.step`) whether the micro-batch that just
+ended finished an optimizer step, and which of them reaches an event first.
+
 Goodput = step time / wall time, summed over every process of the run.
 """
 
@@ -100,6 +103,9 @@ class RunClock(Callback):
         self._segment_start = 0.0
         self.data_wait_s = 0.0
         self._gap_from: float | None = None  # end of the last step or pause, outside pauses
+        self._step_at_batch_start = -1
+        self._validations = 0  # evaluations started (sanity check included)
+        self._claimed: dict[str, int] = {}  # event -> occurrence already handed out
 
     # -- attaching ---------------------------------------------------------------------------
     @classmethod
@@ -117,6 +123,26 @@ class RunClock(Callback):
     def _bind(self, trainer: L.Trainer) -> None:
         self._trainer = trainer
         self.world_size = max(1, int(trainer.world_size))
+        self._claimed = {}  # a new stage: every event is new
+
+    # -- events of the step callbacks ------------------------------------------------------
+    def step_finished(self, trainer: L.Trainer) -> bool:
+        """Whether the micro-batch that just ended completed an optimizer step."""
+        return int(trainer.global_step) != self._step_at_batch_start
+
+    def first_call(self, event: str, trainer: L.Trainer) -> bool:
+        """True for the first caller per occurrence of ``event`` (``start``, ``batch`` or
+        ``validation``), so exactly one step callback hands it to the others."""
+        if event == "batch":
+            occurrence = int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+        elif event == "validation":
+            occurrence = self._validations
+        else:
+            occurrence = 0  # once per stage (claims are reset when the clock is bound)
+        if self._claimed.get(event) == occurrence:
+            return False
+        self._claimed[event] = occurrence
+        return True
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._bind(trainer)
@@ -189,25 +215,21 @@ class RunClock(Callback):
     ) -> None:
         self._batch_start = time.monotonic()
         self._batch_shape = _batch_shape(batch)
+        self._step_at_batch_start = int(trainer.global_step)
         if self._gap_from is not None and not self._stack:
             self.data_wait_s += self._batch_start - self._gap_from
         self._gap_from = None
 
     def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.batch_end(trainer, batch)
 
     def batch_end(self, trainer: L.Trainer, batch: Any = None) -> None:
         """Count the micro-batch that just finished (idempotent: every callback may call it first).
 
-        Callbacks that do slow work in ``on_train_batch_end`` (saving) call this before it, so the
-        work is not counted as step time whatever the order of the callbacks.
+        The step callbacks call this before their step work (saving, logging), so that work is
+        not counted as step time whatever the order of the callbacks.
         """
         processed = int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
         if processed == self._marked_batches:
@@ -226,13 +248,22 @@ class RunClock(Callback):
         """Count time spent waiting for the device to finish step work as step time."""
         self.step_s += max(0.0, seconds)
 
+    @contextmanager
+    def device_wait(self) -> Iterator[None]:
+        """Time inside is the host waiting for queued step work (a ``.item()``, a sync): it is
+        counted as step time, not as the pause or the logging that follows."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add_step_time(time.monotonic() - start)
+
     def sync_device(self, trainer: L.Trainer) -> None:
         """Wait for queued device work (counted as step time) so a pause that follows is honest."""
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            t = time.monotonic()
-            torch.cuda.synchronize(device)
-            self.add_step_time(time.monotonic() - t)
+            with self.device_wait():
+                torch.cuda.synchronize(device)
 
     @contextmanager
     def pause(self, kind: str) -> Iterator[None]:
@@ -268,6 +299,7 @@ class RunClock(Callback):
             self._gap_from = now  # the pause's time is the pause's, not the data's
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validations += 1
         self.sync_device(trainer)
         self.begin_pause("eval")
 
@@ -307,8 +339,3 @@ class RunClock(Callback):
         self.before_step_s = float(state_dict.get("step_s", 0.0))
         self.tokens = int(state_dict.get("tokens", 0))
         self.samples = int(state_dict.get("samples", 0))
-
-
-def clock_of(trainer: L.Trainer) -> RunClock:
-    """Shorthand for :meth:`RunClock.attach`."""
-    return RunClock.attach(trainer)

@@ -25,9 +25,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from nanolab.callbacks.events import CallbackConfigError, set_stop_reason
+from nanolab.callbacks.jsonl import gradient_norm
+from nanolab.callbacks.step import StepCallback
 
 #: Exit status of ``nanolab fit`` when this callback stopped the run. Not 2 (bad input) and not
 #: 75 (preempted, rerun me): rerunning a diverged run as it is diverges again.
@@ -37,9 +38,12 @@ EXIT_DIVERGED = 3
 REASON = "diverged"
 
 
-class DivergenceStop(Callback):
+class DivergenceStop(StepCallback):
     """Stops the run after ``patience`` consecutive optimizer steps with a non-finite loss or
     gradient norm (see the module docstring).
+
+    Its step hooks run after the budget's (a budget stop at the same step wins) and before the
+    preemption handler's and the checkpoint's.
 
     Args:
         enabled: Check every optimizer step. Off = a diverged run trains on to ``max_steps``.
@@ -47,6 +51,8 @@ class DivergenceStop(Callback):
         check_grad_norm: Also count a non-finite global gradient norm (not under fp16's
             GradScaler, which skips such steps itself).
     """
+
+    step_order = 50
 
     def __init__(self, enabled: bool = True, patience: int = 3, check_grad_norm: bool = True):
         super().__init__()
@@ -58,59 +64,48 @@ class DivergenceStop(Callback):
         self.streak = 0
         self.first_bad_step: int | None = None
         self.diverged_step: int | None = None  # first step of the streak that stopped the run
-        self._active = False
         self._step_bad: torch.Tensor | None = None  # this optimizer step, on the device
-        self._seen_step = -1
         self._params: list[torch.nn.Parameter] | None = None
         self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
         self._host: list[torch.Tensor] = []
 
     # -- hooks -------------------------------------------------------------------------------
+    def is_active(self, stage: str) -> bool:
+        return self.enabled and stage == "fit"
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._active = self.enabled and stage == "fit"
+        super().setup(trainer, pl_module, stage)
         self._params = None
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._seen_step = trainer.global_step
+    def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.streak, self.first_bad_step, self._step_bad = 0, None, None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not self._active or not self.check_grad_norm or _grad_scaler(trainer) is not None:
+        if not self.active or not self.check_grad_norm or _grad_scaler(trainer) is not None:
             return
-        from nanolab.callbacks.jsonl import gradient_norm
-
         if self._params is None:
             self._params = list(pl_module.parameters())
         norm = gradient_norm(pl_module, self._params)
         if norm is not None:
             self._mark(~torch.isfinite(norm.detach().float()))
 
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def on_micro_batch(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any
     ) -> None:
-        if not self._active:
-            return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._mark(~torch.isfinite(loss.detach().float()).all())
-        step = trainer.global_step
-        if step == self._seen_step:
-            return  # accumulating: the optimizer step is not complete yet
-        self._seen_step = step
+
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         bad, self._step_bad = self._step_bad, None
         if bad is None:
             bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)
         self._submit(trainer, step, bad)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._active:
+        if self.active:
             self._drain(trainer, keep=0)
 
     # -- bookkeeping -------------------------------------------------------------------------

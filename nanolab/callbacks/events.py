@@ -70,9 +70,14 @@ def emit(trainer: L.Trainer, record: dict[str, Any]) -> None:
 
 
 def collect_fields(trainer: L.Trainer, event: str) -> dict[str, Any]:
-    """Fields every :class:`RecordSource` callback contributes to a record of kind ``event``."""
+    """Fields every :class:`RecordSource` callback contributes to a record of kind ``event``.
+
+    Asked in ``step_order`` (see :mod:`nanolab.callbacks.step`), so where two give the same
+    field the later one in that order wins, not the later one registered.
+    """
     fields: dict[str, Any] = {}
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    for callback in sorted(callbacks, key=lambda c: getattr(c, "step_order", 100)):
         method = getattr(callback, "record_fields", None)
         if method is not None:
             fields.update(method(trainer, event))

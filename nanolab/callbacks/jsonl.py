@@ -29,10 +29,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
     CallbackConfigError,
@@ -41,6 +39,7 @@ from nanolab.callbacks.events import (
 )
 from nanolab.callbacks.loggers import forward_record, mute_lightning_metrics
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
+from nanolab.callbacks.step import StepCallback
 from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, last_record, read_records
 
 __all__ = ["MetricsLog", "read_records"]
@@ -56,8 +55,11 @@ TRAIN_FIELDS = (
 )
 
 
-class MetricsLog(Callback):
+class MetricsLog(StepCallback):
     """Writes the run log ``<run_dir>/metrics.jsonl`` (schema in docs/callbacks.md).
+
+    Its step hooks run first among the step callbacks, so a step's ``train`` record precedes
+    whatever another callback records or decides at that step.
 
     Args:
         every_n_steps: Optimizer steps between ``train`` records (1 = every step).
@@ -67,6 +69,8 @@ class MetricsLog(Callback):
             moved to ``<run_dir>/previous/``. Linked from ``run.fresh`` by ``nanolab fit``.
     """
 
+    step_order = 10
+
     def __init__(
         self,
         every_n_steps: int = 1,
@@ -75,22 +79,19 @@ class MetricsLog(Callback):
         fresh: bool = False,
     ) -> None:
         super().__init__()
-        if every_n_steps < 1:
-            raise CallbackConfigError(f"log.every_n_steps must be >= 1, got {every_n_steps}")
         if not filename or Path(filename).name != filename:
             raise CallbackConfigError(
                 f"log.filename must be a file name without folders, got {filename!r}"
             )
+        if every_n_steps < 1:
+            raise CallbackConfigError(f"log.every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self.filename = filename
         self.monitor = monitor
         self.fresh = fresh
         self.run_id: str | None = None
         self.best_val_loss: float | None = None
-        self._active = False
         self._writer: RunLogWriter | None = None
-        self._clock: RunClock | None = None
-        self._last_step = -1
         self._grad_norm: torch.Tensor | None = None
         self._params: list[torch.nn.Parameter] | None = None
         self._ended = False
@@ -106,27 +107,24 @@ class MetricsLog(Callback):
             return
         record.setdefault("time", time.time())
         record.setdefault("step", int(trainer.global_step))
-        if self._clock is None:
+        if self.clock is None:
             self._writer.write(record)
             forward_record(trainer, record)
             return
-        with self._clock.pause("log"):
+        with self.clock.pause("log"):
             self._writer.write(record)
             forward_record(trainer, record)  # --logger: the same record, at the same step
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._active = stage == "fit"
-        if self._active:
-            self._clock = RunClock.attach(trainer)
+        super().setup(trainer, pl_module, stage)
+        if self.active:
             self._ended = False
             mute_lightning_metrics(trainer)  # loggers get the run log's records instead
             self._params = None  # listed at the first logged step, after configure_model
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active:
-            return
-        assert self._clock is not None
+    def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert self.clock is not None
         run_dir = Path(trainer.default_root_dir)
         path = run_dir / self.filename
         config = run_config(trainer, pl_module)
@@ -172,8 +170,7 @@ class MetricsLog(Callback):
                 ) from None
         earlier = trainer.strategy.broadcast(earlier, src=0)
         if earlier is not None:
-            self._clock.account_earlier(*earlier)
-        self._last_step = trainer.global_step
+            self.clock.account_earlier(*earlier)
         self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
 
     def _start_record(
@@ -235,41 +232,27 @@ class MetricsLog(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # Only on steps that will be logged; kept as a tensor (no sync) until the record is built.
-        if self._active and self._logs_step(trainer.global_step + 1):
+        if self.active and self._logs_step(trainer.global_step + 1):
             if self._params is None:
                 self._params = list(pl_module.parameters())
             self._grad_norm = gradient_norm(pl_module, self._params)
 
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if not self._active:
-            return
-        assert self._clock is not None
-        self._clock.batch_end(trainer, batch)
-        step = trainer.global_step
-        if step == self._last_step:
-            return  # accumulating: no optimizer step yet
-        self._last_step = step
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if not self._logs_step(step):
             return
         grad_norm, self._grad_norm = self._grad_norm, None
         if self._writer is None:
             return
+        clock = self.clock
+        assert clock is not None
         metrics = fresh_metrics(trainer, training=True)
         if grad_norm is None:
             grad_norm = engine_gradient_norm(trainer)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
-        waited = time.monotonic()
-        values = to_floats(metrics)  # the one host sync: it waits for the step's device work
-        self._clock.add_step_time(time.monotonic() - waited)
-        with self._clock.pause("log"), self._clock.frozen():
+        with clock.device_wait():
+            values = to_floats(metrics)  # the one host sync: it waits for the step's device work
+        with clock.pause("log"), clock.frozen():
             optimizers = trainer.optimizers
             lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
             record: dict[str, Any] = {
@@ -277,14 +260,14 @@ class MetricsLog(Callback):
                 "time": time.time(),
                 "step": int(step),
                 "epoch": int(trainer.current_epoch),
-                "tokens": self._clock.tokens,
+                "tokens": clock.tokens,
                 "loss": values.pop("train/loss", None),
                 "lr": float(lr) if lr is not None else None,
                 "grad_norm": values.pop("grad_norm", None),
                 **dict.fromkeys(TRAIN_FIELDS),
-                "elapsed_s": round(self._clock.elapsed_s(), 3),
-                "gpu_hours": self._clock.gpu_hours(),
-                "goodput": round(self._clock.goodput(), 4),
+                "elapsed_s": round(clock.elapsed_s(), 3),
+                "gpu_hours": clock.gpu_hours(),
+                "goodput": round(clock.goodput(), 4),
             }
             record.update(collect_fields(trainer, "train"))
             for key, value in values.items():
@@ -293,10 +276,10 @@ class MetricsLog(Callback):
             forward_record(trainer, record)
 
     # -- validation --------------------------------------------------------------------------
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active or trainer.sanity_checking or self._writer is None:
+    def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if self._writer is None:
             return
-        assert self._clock is not None
+        assert self.clock is not None
         values = to_floats(fresh_metrics(trainer, training=False))
         val_loss = values.get(self.monitor)
         if val_loss is not None and (self.best_val_loss is None or val_loss < self.best_val_loss):
@@ -304,8 +287,8 @@ class MetricsLog(Callback):
         record: dict[str, Any] = {
             "event": "val",
             "time": time.time(),
-            "step": int(trainer.global_step),
-            "tokens": self._clock.tokens,
+            "step": step,
+            "tokens": self.clock.tokens,
             "val_loss": val_loss,
             "val_ppl": math.exp(val_loss) if val_loss is not None and val_loss < 700 else None,
             # Bits per byte: comparable across tokenizers; null when the data lacks byte counts.
@@ -317,7 +300,7 @@ class MetricsLog(Callback):
 
     # -- end ---------------------------------------------------------------------------------
     def _end(self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None) -> None:
-        if self._ended or not self._active:
+        if self._ended or not self.active:
             return
         self._ended = True
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -328,8 +311,8 @@ class MetricsLog(Callback):
                     flush(trainer)
         if self._writer is None:
             return
-        assert self._clock is not None
-        with self._clock.frozen():
+        assert self.clock is not None
+        with self.clock.frozen():
             record = self._end_record(trainer, reason, error, detail)
         self._writer.write(record)
         self._writer.close()
@@ -337,7 +320,8 @@ class MetricsLog(Callback):
     def _end_record(
         self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None
     ) -> dict[str, Any]:
-        assert self._clock is not None
+        clock = self.clock
+        assert clock is not None
         record: dict[str, Any] = {
             "event": "end",
             "time": time.time(),
@@ -345,13 +329,13 @@ class MetricsLog(Callback):
             "reason": reason,
             "error": error,
             "detail": detail,
-            "elapsed_s": round(self._clock.elapsed_s(), 3),
-            "gpu_hours": self._clock.gpu_hours(),
+            "elapsed_s": round(clock.elapsed_s(), 3),
+            "gpu_hours": clock.gpu_hours(),
             "cost": None,
-            "tokens": self._clock.tokens,
-            "goodput": round(self._clock.goodput(), 4),
+            "tokens": clock.tokens,
+            "goodput": round(clock.goodput(), 4),
             "best_val_loss": self.best_val_loss,
-            "time_breakdown": self._clock.breakdown(),
+            "time_breakdown": clock.breakdown(),
         }
         record.update(collect_fields(trainer, "end"))
         return record
@@ -398,7 +382,9 @@ def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
     """What the module logged in the current loop (train step or validation epoch).
 
     ``trainer.callback_metrics`` also holds stale values from the other loop (the last
-    ``val/loss`` during training); the active loop's results hold only the current ones.
+    ``val/loss`` during training, a value logged only now and then); the active loop's results
+    hold only the current ones. Lightning has no public accessor for those, hence the logger
+    connector (private); if a Lightning upgrade moves it, the public dict is filtered by name.
     """
     try:
         metrics = dict(trainer._logger_connector.metrics["callback"])
@@ -440,7 +426,9 @@ def gradient_norm(
     """Global L2 norm of the gradients, as a tensor (no host sync); ``None`` if none are visible.
 
     ``params`` (the module's parameters, listed once per fit) saves walking the module tree each
-    step; plain tensors on one device take a single ``_foreach_norm``.
+    step; plain tensors on one device take a single ``_foreach_norm``. That is torch's private
+    API: the public ``get_total_norm`` makes the same per-tensor pass but also reduces the norms
+    in the gradients' dtype, which rounds the result to 3 digits under ``bf16-true``.
     """
     grads = [p.grad for p in (params if params is not None else pl_module.parameters())]
     grads = [g for g in grads if g is not None]

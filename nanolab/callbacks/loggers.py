@@ -83,7 +83,11 @@ def _appending_writer() -> type:
     from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
     class AppendingExperimentWriter(ExperimentWriter):
-        """Lightning's CSV writer deletes an existing ``metrics.csv``; a resumed run appends."""
+        """Lightning's CSV writer deletes an existing ``metrics.csv``; a resumed run appends.
+
+        Lightning has no option for that, so this overrides its private ``_check_log_dir_exists``
+        and reads the private ``_fs`` (as ``_AppendingCSVLogger`` does with ``_experiment``).
+        """
 
         def _check_log_dir_exists(self) -> None:
             if self._fs.isfile(self.metrics_file_path):

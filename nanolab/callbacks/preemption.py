@@ -44,9 +44,11 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from nanolab.callbacks.events import set_stop_reason
+from nanolab.callbacks.files import publish, tmp_path
+from nanolab.callbacks.step import StepCallback, validation_follows
 from nanolab.model.config import ConfigError
 
 #: Exit status of a preempted run (sysexits.h EX_TEMPFAIL: a temporary failure, retry later).
@@ -113,7 +115,9 @@ def slurm_requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     # Where Lightning's own signal connector looks: single-device strategies carry no
-    # cluster_environment, but the accelerator connector always resolves one.
+    # cluster_environment, but the accelerator connector always resolves one. Lightning has no
+    # public accessor for the resolved environment (the connector is private); if it moves, only
+    # a strategy's own environment is seen, and on one device SIGUSR1 is then handled here.
     connector = getattr(trainer, "_accelerator_connector", None)
     env = getattr(connector, "cluster_environment", None) or getattr(
         trainer.strategy, "cluster_environment", None
@@ -123,8 +127,12 @@ def slurm_requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
     return None
 
 
-class PreemptionHandler(Callback):
+class PreemptionHandler(StepCallback):
     """Turns a termination signal into "finish this step, checkpoint, exit 75".
+
+    Its hooks run after the other step callbacks' except the checkpoint's (whatever the order
+    of registration), so the step's record is written and every stop decision taken before it
+    saves and raises.
 
     Args:
         enabled: Install the handlers. Off = Lightning's default behaviour.
@@ -136,6 +144,8 @@ class PreemptionHandler(Callback):
             of the step it resumes after). ``false`` on machines with a grace period shorter than
             an evaluation: the checkpoint comes first and that one evaluation is skipped.
     """
+
+    step_order = 60
 
     def __init__(
         self,
@@ -157,7 +167,6 @@ class PreemptionHandler(Callback):
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
         self._previous: dict[signal.Signals, Any] = {}
-        self._step_at_batch_start = -1
         self._trainer: pl.Trainer | None = None
 
     # -- signal plumbing -------------------------------------------------------------------
@@ -207,12 +216,13 @@ class PreemptionHandler(Callback):
         self._previous = {}
 
     # -- hooks -----------------------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def is_active(self, stage: str) -> bool:
+        return self.enabled and stage == "fit"
+
+    def on_run_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Installed here, after Lightning registered its own handlers (Trainer._run), so ours
         # replace its SIGTERM handler, which would stop in the middle of an accumulation.
         self._trainer = trainer
-        if not self.enabled:
-            return
         from nanolab.training import early_signals
 
         held = early_signals.received()  # a signal that arrived during start-up
@@ -231,10 +241,7 @@ class PreemptionHandler(Callback):
         """Nothing was trained in this process: no checkpoint to add, just the end record."""
         if self.received is None:
             self.received = signal.SIGTERM  # another rank was signalled
-        with contextlib.suppress(ImportError):
-            from nanolab.callbacks.events import set_stop_reason
-
-            set_stop_reason(trainer, REASON, f"{self.received.name} before the first step")
+        set_stop_reason(trainer, REASON, f"{self.received.name} before the first step")
         if trainer.is_global_zero:
             _write_stderr(
                 f"nanolab: preempted by {self.received.name} before the first step (step "
@@ -245,34 +252,18 @@ class PreemptionHandler(Callback):
             self.received.name, trainer.global_step, None, self.exit_code, before_first_step=True
         )
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._step_at_batch_start = trainer.global_step
-
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if not self.enabled or trainer.global_step == self._step_at_batch_start:
-            return  # no optimizer step happened in this micro-batch: keep accumulating
+    def on_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         if not self._agreed(trainer, self.received is not None):
             return
-        if self.finish_validation and _validation_follows(trainer):
+        if self.finish_validation and validation_follows(trainer):
             # This step is an evaluation step: evaluate first, so the resumed run (which does
             # not repeat an evaluation of a step it resumes after) has it in its log.
             self._after_validation = True
             return
         self._stop(trainer)
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validated(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         # A signal that arrived during an evaluation (or was held for one) stops right after it.
-        if not self.enabled or trainer.sanity_checking or trainer.state.fn != "fit":
-            return
         if self._agreed(trainer, self._after_validation or self.received is not None):
             self._stop(trainer)
 
@@ -287,10 +278,7 @@ class PreemptionHandler(Callback):
         if self.received is None:
             self.received = signal.SIGTERM  # another rank was signalled
         self._after_validation = False
-        with contextlib.suppress(ImportError):  # the end record's reason, for the run log
-            from nanolab.callbacks.events import set_stop_reason
-
-            set_stop_reason(trainer, REASON, self.received.name)
+        set_stop_reason(trainer, REASON, self.received.name)  # the end record's reason
         path = save_checkpoint_now(trainer)
         waited = time.time() - (self.received_at or time.time())
         if trainer.is_global_zero:
@@ -313,17 +301,6 @@ class PreemptionHandler(Callback):
         return {}  # nothing to carry across a resume: a new process starts unsignalled
 
 
-def _validation_follows(trainer: pl.Trainer) -> bool:
-    """Whether Lightning validates right after this batch (private loop API; False if it moved)."""
-    try:
-        loop = trainer.fit_loop.epoch_loop
-        return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher)) and not bool(
-            loop._skip_next_val
-        )
-    except Exception:
-        return False
-
-
 def save_checkpoint_now(trainer: pl.Trainer) -> str:
     """Save a checkpoint of the state right after this optimizer step, the run's usual way.
 
@@ -341,33 +318,15 @@ def save_checkpoint_now(trainer: pl.Trainer) -> str:
             return str(path) if path is not None else "none (parameters not finite)"
     ckpt_dir = Path(trainer.default_root_dir) / "checkpoints"
     final = ckpt_dir / f"step-{trainer.global_step:08d}.ckpt"
-    tmp = ckpt_dir / f"{final.name}.tmp"
+    tmp = tmp_path(final)
     if trainer.is_global_zero:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     trainer.strategy.barrier("nanolab_preempt_mkdir")
     trainer.save_checkpoint(tmp, weights_only=False)
     if trainer.is_global_zero:
-        if tmp.is_file():
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
+        publish(tmp, final)
     trainer.strategy.barrier("nanolab_preempt_saved")
     return str(final)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (the directory entry, not just the file, must reach the disk)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_stderr(text: str) -> None:

@@ -21,11 +21,12 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-from nanolab.callbacks.clock import ClockSnapshot, RunClock
+from nanolab.callbacks.clock import ClockSnapshot
 from nanolab.callbacks.events import CallbackConfigError
+from nanolab.callbacks.step import StepCallback
 
 
-class StepProgressBar(TQDMProgressBar):
+class StepProgressBar(StepCallback, TQDMProgressBar):
     """tqdm bar (or plain lines) over optimizer steps with ETA, loss and tokens/s.
 
     Args:
@@ -60,12 +61,12 @@ class StepProgressBar(TQDMProgressBar):
         self.mode = mode
         self.plain_every_s = plain_every_s
         self.banner = banner
-        self._clock: RunClock | None = None
         self._last: ClockSnapshot | None = None
-        self._shown_step = -1
         self._postfix: dict[str, Any] = {}
         self._started: tuple[float, int] | None = None  # (monotonic time, step) at train start
         self._last_line = float("-inf")
+
+    step_order = 30  # after the run log and the throughput meter
 
     @property
     def refresh_rate(self) -> int:
@@ -100,20 +101,14 @@ class StepProgressBar(TQDMProgressBar):
             return Tqdm(disable=True)
         return self._bar("validate", leave=True)
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage == "fit":
-            self._clock = RunClock.attach(trainer)
-
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.banner:
             from nanolab.callbacks.banner import print_banner
 
             print_banner(trainer, pl_module)
         super().on_train_start(trainer, pl_module)
-        if self._clock is not None:
-            self._last = self._clock.snapshot()
-        self._shown_step = trainer.global_step
+        if self.clock is not None:
+            self._last = self.clock.snapshot()
         self._started = (time.monotonic(), trainer.global_step)
 
     def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
@@ -122,36 +117,24 @@ class StepProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return dict(self._postfix)
 
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if self.refresh_rate == 0 or (not self.plain and self._train_progress_bar is None):
             return
-        step = trainer.global_step
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        if step == self._shown_step or (step % self.refresh_rate and step != last):
+        if step % self.refresh_rate and step != last:
             return
-        self._shown_step = step
         from nanolab.callbacks.jsonl import fresh_metrics, to_floats
 
-        if self._clock is not None:
-            self._clock.batch_end(trainer, batch)
-        waited = time.monotonic()
-        metrics = fresh_metrics(trainer, training=True)
-        loss = to_floats(
-            {self.loss_key: metrics[self.loss_key]} if self.loss_key in metrics else {}
-        )
-        if self._clock is not None:
-            self._clock.add_step_time(time.monotonic() - waited)  # the sync waits for the step
+        assert self.clock is not None
+        with self.clock.device_wait():  # the sync waits for the step's device work
+            metrics = fresh_metrics(trainer, training=True)
+            loss = to_floats(
+                {self.loss_key: metrics[self.loss_key]} if self.loss_key in metrics else {}
+            )
         if loss.get(self.loss_key) is not None:
             self._postfix["loss"] = f"{loss[self.loss_key]:.4f}"
-        if self._clock is not None and self._last is not None:
-            now = self._clock.snapshot()
+        if self._last is not None:
+            now = self.clock.snapshot()
             active = now.active_s - self._last.active_s
             if active > 0 and now.tokens > self._last.tokens:
                 self._postfix["tok/s"] = f"{(now.tokens - self._last.tokens) / active:,.0f}"

@@ -26,11 +26,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
-from nanolab.callbacks.clock import ClockSnapshot, RunClock
+from nanolab.callbacks.clock import ClockSnapshot
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.callbacks.peak_flops import peak_flops_per_device
+from nanolab.callbacks.step import StepCallback
 
 
 class UtilizationSampler:
@@ -83,7 +83,7 @@ class UtilizationSampler:
             return None
 
 
-class ThroughputMeter(Callback):
+class ThroughputMeter(StepCallback):
     """Adds tokens/s, samples/s, step time, MFU, memory and utilisation to the run log.
 
     Args:
@@ -93,6 +93,8 @@ class ThroughputMeter(Callback):
         log_to_loggers: Also send the numbers to Lightning loggers (TensorBoard, W&B, CSV)
             every ``trainer.log_every_n_steps`` steps, as ``perf/*``.
     """
+
+    step_order = 20
 
     def __init__(
         self,
@@ -117,31 +119,27 @@ class ThroughputMeter(Callback):
         self.peak_source: str = ""
         self.device_name: str = ""
         self.flops_per_token: int | None = None
-        self._active = False
-        self._clock: RunClock | None = None
         self._last: ClockSnapshot | None = None
         self._first: ClockSnapshot | None = None
         self._cache: tuple[int, dict[str, Any]] | None = None
         self._sampler: UtilizationSampler | None = None
         self._mem_per_device: list[dict[str, int]] | None = None
         self._warned = False
-        self._logged_step = -1
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._active = stage == "fit"
-        if self._active:
-            self._clock = RunClock.attach(trainer)
+        super().setup(trainer, pl_module, stage)
+        if self.active:
             self._first = None
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._prepare(trainer)
 
     def _prepare(self, trainer: L.Trainer) -> None:
         """Look up the peak and the model's FLOPs once per fit (whichever callback asks first)."""
-        if not self._active or self._first is not None:
+        if not self.active or self._first is not None:
             return
-        assert self._clock is not None
+        assert self.clock is not None
         pl_module = trainer.lightning_module
         device = trainer.strategy.root_device
         if device.type == "cuda":
@@ -166,7 +164,7 @@ class ThroughputMeter(Callback):
         self.flops_per_token = model_flops_per_token(pl_module, trainer)
         if device.type == "cuda" and self.gpu_utilization and trainer.is_global_zero:
             self._sampler = UtilizationSampler(device.index or 0)
-        self._first = self._last = self._clock.snapshot()
+        self._first = self._last = self.clock.snapshot()
         self._cache = None
 
     # -- numbers -----------------------------------------------------------------------------
@@ -175,8 +173,8 @@ class ThroughputMeter(Callback):
         step = int(trainer.global_step)
         if self._cache is not None and self._cache[0] == step:
             return self._cache[1]
-        assert self._clock is not None and self._last is not None
-        now = self._clock.snapshot()
+        assert self.clock is not None and self._last is not None
+        now = self.clock.snapshot()
         fields = self._rates(self._last, now, trainer)
         fields.update(self._memory(trainer))
         fields["gpu_util"] = self._sampler.sample() if self._sampler is not None else None
@@ -214,7 +212,7 @@ class ThroughputMeter(Callback):
         }
 
     def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]:
-        if not self._active:
+        if not self.active:
             return {}
         self._prepare(trainer)
         if event == "start":
@@ -225,8 +223,8 @@ class ThroughputMeter(Callback):
             }
         if event == "train":
             return self.measure(trainer)
-        if event == "end" and self._first is not None and self._clock is not None:
-            whole = self._rates(self._first, self._clock.snapshot(), trainer)
+        if event == "end" and self._first is not None and self.clock is not None:
+            whole = self._rates(self._first, self.clock.snapshot(), trainer)
             return {
                 "tokens_per_s": whole["tokens_per_s"],
                 "mfu": whole["mfu"],
@@ -236,23 +234,11 @@ class ThroughputMeter(Callback):
         return {}
 
     # -- hooks -------------------------------------------------------------------------------
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if not (self._active and self.log_to_loggers and trainer.loggers):
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if not (self.log_to_loggers and trainer.loggers):
             return
-        step = int(trainer.global_step)
-        every = max(1, int(trainer.log_every_n_steps))
-        if step == 0 or step % every != 0 or step == self._logged_step:
+        if step % max(1, int(trainer.log_every_n_steps)) != 0:
             return
-        self._logged_step = step
-        assert self._clock is not None
-        self._clock.batch_end(trainer, batch)
         fields = self.measure(trainer)
         metrics = {f"perf/{k}": float(v) for k, v in fields.items() if v is not None}
         for logger in trainer.loggers:
@@ -260,7 +246,7 @@ class ThroughputMeter(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Collect every rank's peak memory for the ``end`` record (a collective: all ranks)."""
-        if not self._active or trainer.strategy.root_device.type != "cuda":
+        if not self.active or trainer.strategy.root_device.type != "cuda":
             return
         mem = self._memory(trainer)
         local = torch.tensor(

@@ -19,7 +19,7 @@ from nanolab.estimator.estimate import DEFAULT_GPU, Estimate, estimate_from_conf
 from nanolab.estimator.gpus import GPUS, GiB, MemoryStringError, UnknownGPUError, format_bytes
 from nanolab.estimator.recommend import largest_micro_batch
 from nanolab.estimator.setup import EstimateError
-from nanolab.model.config import ConfigError
+from nanolab.model.config import ConfigError, GPTConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,6 +114,11 @@ def format_estimate(
         f"{gpt.n_head} heads, context {gpt.block_size}, {vocab}"
     )
     flags = [f"attention {gpt.attention}"]
+    # The registered variants that differ from GPT-2's defaults (docs/forking.md).
+    defaults = GPTConfig()
+    for key in ("attention_variant", "mlp", "norm"):
+        if getattr(gpt, key) != getattr(defaults, key):
+            flags.append(f"{key} {getattr(gpt, key)}")
     if gpt.gradient_checkpointing:
         flags.append("gradient checkpointing")
     if gpt.dropout:

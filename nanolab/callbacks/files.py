@@ -1,0 +1,59 @@
+"""Durable file operations the checkpoint code shares: a ``.tmp`` name, publishing it, removing.
+
+A checkpoint must be complete under its final name or absent, and what was renamed must survive a
+power cut. The rotation callback, the atomic ``CheckpointIO`` and the preemption handler's
+fallback all need the same three moves, so they live here once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def tmp_path(path: str | os.PathLike[str]) -> Path:
+    """The name a file is written under before it is renamed into place (``<name>.tmp``)."""
+    path = Path(path)
+    return path.with_name(path.name + ".tmp")
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Persist a directory entry (a rename or a new file) on filesystems that need it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows: directories cannot be opened; renames are durable there anyway
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Rename a complete ``tmp`` (a file, or a folder of shards) to ``path``, durably.
+
+    The data is fsynced before the rename and the folder after it, so after a crash ``path`` is
+    either the old version or the whole new one.
+    """
+    files = [f for f in tmp.rglob("*") if f.is_file()] if tmp.is_dir() else [tmp]
+    for file in files:
+        with open(file, "rb+") as f:
+            os.fsync(f.fileno())
+    if tmp.is_dir() and path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)  # os.replace cannot replace a non-empty folder
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def remove(path: Path) -> None:
+    """Delete a file, a link or a folder tree; a path that is already gone is not an error."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass

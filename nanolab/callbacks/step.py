@@ -1,0 +1,137 @@
+"""The base of every step-driven nanolab callback: the run started, a step finished, an evaluation ended.
+
+Lightning calls ``on_train_batch_end`` after every *micro*-batch. A callback that acts per
+optimizer step (log a record, save, check a budget, refresh a bar, stop on a signal) has to tell a
+finished step from an accumulating micro-batch, count the micro-batch on the shared clock before
+doing slow work, and — when it writes records, saves or stops the run — act before or after the
+others in an order that does not depend on where it sits in ``trainer.callbacks``.
+:class:`StepCallback` does all three once, so a subclass says only what it does:
+
+* :meth:`~StepCallback.on_run_start` — training starts in this process (a restored checkpoint
+  is already loaded);
+* :meth:`~StepCallback.on_micro_batch` — after every micro-batch, before ``on_step``;
+* :meth:`~StepCallback.on_step` — an optimizer step just finished (``step`` = steps done);
+* :meth:`~StepCallback.on_validated` — an evaluation during fit ended (not the sanity check).
+
+Each event reaches the active step callbacks of the Trainer in :attr:`~StepCallback.step_order`
+(lower first; ties in registration order), whichever of them Lightning happens to call first.
+The built-in order: observers first (run log 10, throughput 20, progress 30), then the callbacks
+that may stop the run (budget 40, divergence 50, preemption 60), then checkpointing (70), so a
+record of a step is written before anything acts on the step and a save sees every decision.
+
+The shared :class:`~nanolab.callbacks.clock.RunClock` is attached in ``setup`` (``self.clock``)
+and has counted the micro-batch before any of these hooks runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from nanolab.callbacks.clock import RunClock
+
+
+class StepCallback(Callback):
+    """Base class for callbacks that act on optimizer steps (see the module docstring).
+
+    Subclasses override the ``on_run_start`` / ``on_micro_batch`` / ``on_step`` /
+    ``on_validated`` hooks, not Lightning's ``on_train_start``, ``on_train_batch_end`` or
+    ``on_validation_end`` (or call ``super()`` first when they must).
+    """
+
+    #: Position among the Trainer's step callbacks for every event (lower first).
+    step_order: ClassVar[int] = 100
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # cooperative: e.g. TQDMProgressBar's arguments
+        self.clock: RunClock | None = None
+        self.active = False
+
+    def is_active(self, stage: str) -> bool:
+        """Whether the hooks run in this Trainer stage (``fit`` only unless overridden)."""
+        return stage == "fit"
+
+    # -- Lightning's hooks, turned into the events above -------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.active = self.is_active(stage)
+        if self.active:
+            self.clock = RunClock.attach(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        for callback in self._peers("start", trainer):
+            callback.on_run_start(trainer, pl_module)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        # Replaces the parent's hook (TQDMProgressBar's counts micro-batches).
+        if self.active and self.clock is not None:
+            self.clock.batch_end(trainer, batch)
+        peers = self._peers("batch", trainer)
+        for callback in peers:
+            callback.on_micro_batch(trainer, pl_module, outputs)
+        if peers and self.clock is not None and self.clock.step_finished(trainer):
+            step = int(trainer.global_step)
+            for callback in peers:
+                callback.on_step(trainer, pl_module, step)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if trainer.sanity_checking:
+            return
+        step = int(trainer.global_step)
+        for callback in self._peers("validation", trainer):
+            callback.on_validated(trainer, pl_module, step)
+
+    def _peers(self, event: str, trainer: L.Trainer) -> list[StepCallback]:
+        """The active step callbacks, in order, if this call is the event's first; else none."""
+        if not self.active or self.clock is None or not self.clock.first_call(event, trainer):
+            return []
+        peers = [
+            c
+            for c in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(c, StepCallback) and c.active
+        ]
+        return sorted(peers, key=lambda c: c.step_order)
+
+    # -- what subclasses override ------------------------------------------------------------
+    def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Training starts in this process (after a checkpoint, if any, was restored)."""
+
+    def on_micro_batch(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any
+    ) -> None:
+        """A micro-batch finished (every one, also mid-accumulation); runs before ``on_step``."""
+
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        """An optimizer step just finished; ``step`` = optimizer steps done."""
+
+    def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        """An evaluation during fit ended (never the sanity check); ``step`` as in ``on_step``."""
+
+
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after this batch (False if that cannot be told).
+
+    Lightning has no public API for this decision: it is ``_should_check_val_fx`` of the fit
+    loop, which weighs ``val_check_interval``, the last batch, time-based intervals and an early
+    stop; recomputing it from public settings would drift from it. A Lightning upgrade that moves
+    it makes this False: saves and preemption stops then happen before the evaluation instead of
+    after it (still correct, the evaluation is just not in that checkpoint).
+    """
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher)) and not bool(
+            loop._skip_next_val
+        )
+    except Exception:
+        return False

@@ -1,0 +1,184 @@
+"""The step-callback base: registration order changes nothing; the docs' own callback works."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from test_callbacks_runlog import MICRO, TOKENS_PER_MICRO_BATCH, events, fit
+
+from nanolab.callbacks import (
+    CostBudget,
+    MetricsLog,
+    RotatingCheckpoint,
+    StepProgressBar,
+    ThroughputMeter,
+)
+from nanolab.callbacks.divergence import DivergenceStop
+from nanolab.callbacks.preemption import PreemptionHandler
+from nanolab.runlog import read_records
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "callbacks.md"
+
+#: Fields that measure time (or hold a random id / this process): they differ between any two runs.
+VARYING = {
+    "time", "elapsed_s", "gpu_hours", "goodput", "step_time_s", "tokens_per_s", "samples_per_s",
+    "cost", "seconds", "write_seconds", "time_breakdown", "wall_hours", "step_s",
+    "remaining_gpu_hours", "improvement_per_gpu_hour", "projected_gain", "run_id", "run_dir",
+    "run_name", "path", "pid", "argv", "git_commit", "git_dirty",
+}  # fmt: skip
+
+
+def steady(value: Any) -> Any:
+    """``value`` without the fields in :data:`VARYING`, at any depth."""
+    if isinstance(value, dict):
+        out = {k: steady(v) for k, v in value.items() if k not in VARYING}
+        if "history" in out:  # the budget's (step, gpu_hours, val_loss) triples
+            out["history"] = [[step, loss] for step, _, loss in value["history"]]
+        return out
+    if isinstance(value, (list, tuple)):
+        return [steady(v) for v in value]
+    return value
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, set(a) ^ set(b))
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def every_callback() -> list[L.Callback]:
+    """The callbacks ``nanolab fit`` registers, in its order; the budget stops the run at step 5."""
+    step_tokens = 2 * TOKENS_PER_MICRO_BATCH  # accumulate=2
+    return [
+        MetricsLog(),
+        RotatingCheckpoint(every_n_steps=2, keep_last=10, keep_best=1),
+        CostBudget(max_tokens=6 * step_tokens, price_per_gpu_hour=1.0, patience=5),
+        ThroughputMeter(),
+        StepProgressBar(refresh_rate=1),
+        DivergenceStop(),
+        PreemptionHandler(),
+    ]
+
+
+def test_registration_order_changes_no_record_and_no_checkpoint(tmp_path, char_dataset):
+    runs = {}
+    for name, reorder in (("listed", list), ("reversed", lambda c: c[::-1])):
+        L.seed_everything(1234, verbose=False)
+        run = tmp_path / name
+        fit(run, char_dataset, reorder(every_callback()), max_steps=8, eval_every=2,
+            accumulate=2, enable_progress_bar=True)  # fmt: skip
+        runs[name] = run
+
+    listed, flipped = (read_records(r / "metrics.jsonl") for r in runs.values())
+    # The budget stopped the run at step 5: a check, a stop record, a final save and validation.
+    assert [r["event"] for r in listed if r["step"] == 5] == ["train", "budget", "val", "budget",
+                                                              "checkpoint", "end"]  # fmt: skip
+    assert listed[-1]["reason"] == "budget" and listed[-1]["tokens"] == 5 * 2 * MICRO * 16
+    assert_same(steady(listed), steady(flipped), "metrics.jsonl")
+
+    names = {p.name for p in (runs["listed"] / "checkpoints").iterdir()}
+    assert names == {"step-00000002.ckpt", "step-00000004.ckpt", "step-00000005.ckpt", "last.ckpt"}
+    assert names == {p.name for p in (runs["reversed"] / "checkpoints").iterdir()}
+    for name in sorted(names):
+        a, b = (
+            torch.load(r / "checkpoints" / name, map_location="cpu", weights_only=True)
+            for r in runs.values()
+        )
+        assert a["callbacks"]["RotatingCheckpoint"]["val_by_step"]  # the deferred save saw its val
+        assert_same(steady(a), steady(b), name)
+
+
+# -- docs/callbacks.md, "Writing your own step callback" ---------------------------------------
+def documented_callback() -> type:
+    """The StepCallback subclass the docs show, executed as written."""
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(encoding="utf-8"), re.S)
+    code = next(b for b in blocks if "(StepCallback)" in b)
+    namespace: dict[str, Any] = {"__name__": "docs_callbacks_example"}
+    exec(compile(code, str(DOCS), "exec"), namespace)  # our own docs page
+    return namespace["StopBelowLoss"]
+
+
+def test_the_documented_step_callback_stops_the_run(tmp_path, char_dataset):
+    stop_below_loss = documented_callback()
+    run = tmp_path / "run"
+    # Registered first: its stop still comes before the checkpoint's final save (step_order).
+    callbacks = [stop_below_loss(target=100.0, every_n_steps=3), MetricsLog(), RotatingCheckpoint()]
+    trainer = fit(run, char_dataset, callbacks, max_steps=20, eval_every=100, accumulate=2)
+    assert trainer.global_step == 3  # the first check, counted in optimizer steps
+    end = events(run / "metrics.jsonl", "end")[-1]
+    assert end["reason"] == "completed" and end["detail"].startswith("train/loss ")
+    assert end["detail"].endswith("< 100.0") and end["step"] == 3
+    assert (run / "checkpoints" / "step-00000003.ckpt").exists()
+
+    # A target the tiny model never reaches: the run goes on to max_steps.
+    trainer = fit(tmp_path / "far", char_dataset, [stop_below_loss(target=0.0)], max_steps=4)
+    assert trainer.global_step == 4
+
+
+def test_a_step_callback_sees_each_optimizer_step_once(tmp_path, char_dataset):
+    from nanolab.callbacks import StepCallback
+
+    class Recorder(StepCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int]] = []
+
+        def on_run_start(self, trainer, pl_module):
+            self.seen.append(("start", trainer.global_step))
+
+        def on_micro_batch(self, trainer, pl_module, outputs):
+            self.seen.append(("micro", trainer.global_step))
+
+        def on_step(self, trainer, pl_module, step):
+            self.seen.append(("step", step))
+
+        def on_validated(self, trainer, pl_module, step):
+            self.seen.append(("val", step))
+
+    first, second = Recorder(), Recorder()
+    fit(tmp_path / "run", char_dataset, [first, second], max_steps=2, eval_every=2, accumulate=3)
+    # Three micro-batches per optimizer step; each event once per callback, whoever came first.
+    micro = [("micro", 0), ("micro", 0), ("micro", 1)]
+    expected = [("start", 0), *micro, ("step", 1), *[(k, s + 1) for k, s in micro], ("step", 2),
+                ("val", 2)]  # fmt: skip
+    assert first.seen == expected and second.seen == expected
+
+
+@pytest.mark.parametrize("order", [10, 99])
+def test_step_order_decides_who_acts_first(tmp_path, char_dataset, order):
+    from nanolab.callbacks import StepCallback
+
+    calls: list[str] = []
+
+    class Probe(StepCallback):
+        step_order = order
+
+        def on_step(self, trainer, pl_module, step):
+            calls.append("probe")
+
+    class Anchor(StepCallback):
+        step_order = 50
+
+        def on_step(self, trainer, pl_module, step):
+            calls.append("anchor")
+
+    fit(tmp_path / "run", char_dataset, [Anchor(), Probe()], max_steps=1, eval_every=100)
+    assert calls == (["probe", "anchor"] if order < 50 else ["anchor", "probe"])
