@@ -1,0 +1,44 @@
+"""configs/debug/: fast_dev_run, overfit and profile presets composed after a base config, through
+the real CLI; each lands in its own runs/debug/<preset>-<time>/ and leaves the base run alone."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO, run_nanolab, tiny_overrides, write_config
+
+from nanolab.runlog import read_records
+
+DEBUG = REPO / "configs" / "debug"
+
+
+def _launch(tmp_path, char_dataset, preset: str, *extra: str):
+    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    done = run_nanolab("fit", "--config", str(base), "--config", str(DEBUG / f"{preset}.yaml"),
+                       *extra, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = (tmp_path / "runs" / "debug").glob(f"{preset}-*")
+    assert not (tmp_path / "runs" / "tiny").exists()  # the base config's run is not touched
+    return run, read_records(run / "metrics.jsonl")
+
+
+def test_fast_dev_run_trains_three_steps_and_validates_once(tmp_path, char_dataset):
+    _, records = _launch(tmp_path, char_dataset, "fast_dev_run")
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3]
+    assert len([r for r in records if r["event"] == "val"]) == 1
+
+
+@pytest.mark.slow  # 40 steps: ~20 s
+def test_overfit_memorises_one_batch(tmp_path, char_dataset):
+    _, records = _launch(tmp_path, char_dataset, "overfit", "--trainer.max_steps", "40", "--run.eval_every_steps", "20",
+                         "--model.optimizer.lr", "0.01")  # fmt: skip
+    losses = [r["loss"] for r in records if r["event"] == "train"]
+    vals = [r["val_loss"] for r in records if r["event"] == "val"]
+    assert losses[-1] < 0.3 * losses[0]  # a normal run of 40 tiny steps stays near ln(71)
+    assert vals[-1] > 2 * losses[-1]  # memorised, not learned
+
+
+@pytest.mark.slow
+def test_profile_writes_the_table_into_the_run_directory(tmp_path, char_dataset):
+    run, _ = _launch(tmp_path, char_dataset, "profile", "--trainer.max_steps", "6")
+    table = (run / "fit-profile.txt").read_text()
+    assert "run_training_batch" in table and "Mean duration" in table
