@@ -19,6 +19,7 @@ time a registry is read.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -59,7 +60,6 @@ class Registry:
                     f"pick another name for {_qualname(cls)}"
                 )
             self._classes[name] = cls
-            cls.registered_name = name  # type: ignore[attr-defined]
             return cls
 
         return add
@@ -95,13 +95,10 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_loading = False
-
-
 def _load_builtins() -> None:
-    global _loading
-    if not _loading:
-        _loading = True
+    """Import the built-in variants once (a module being imported is already in sys.modules,
+    so a registry read while they register does not import them again)."""
+    if BUILTINS not in sys.modules:
         importlib.import_module(BUILTINS)
 
 
