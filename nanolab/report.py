@@ -7,7 +7,15 @@ lost machine). A resumed run repeats the steps after its last checkpoint; the la
 is the one that counts, so curves and "best" figures come from the surviving timeline.
 
 Runs whose configs differ only in the seed and the run name are grouped, with the mean and
-standard deviation of their final validation loss: one seed is an anecdote.
+standard deviation of their final validation loss: one seed is an anecdote. A group is labelled
+by the config values that set it apart from the other groups (``lr=0.001``), not by its names.
+"Δ train loss" is the same for every run: the mean training loss of the last
+:data:`DELTA_WINDOW` logged steps minus the loss of the first logged step.
+
+``--plot`` draws one colour per group: the mean over its seeds and a min-max band, against
+tokens (or GPU-hours); without ``--run`` it draws the runs trained on the same data as the most
+recently updated one (curves of different vocabularies do not share a y axis).
+``--compare A B`` prints the config keys where two runs differ beside their results.
 
 ``--forecast`` (and ``--target-loss X``) fits each run's validation curve with
 :mod:`nanolab.forecast` and says what it will reach at ``trainer.max_steps``, and the tokens,
@@ -49,6 +57,10 @@ SEED_KEYS = (
 )
 
 
+#: Logged training steps averaged for the end point of "Δ train loss".
+DELTA_WINDOW = 10
+
+
 class ReportError(ValueError):
     """Bad input for the report (unknown field or run name, missing folder)."""
 
@@ -69,7 +81,8 @@ class RunSummary:
     best_val_bpb: float | None = None  # bits per byte at the best val step (null: no byte counts)
     final_val_bpb: float | None = None
     first_val_loss: float | None = None
-    improvement: float | None = None  # first val loss - best val loss (train loss if no val)
+    start_loss: float | None = None  # training loss of the first logged step
+    improvement: float | None = None  # start_loss - mean of the last DELTA_WINDOW train losses
     tokens_per_s: float | None = None
     mfu: float | None = None
     gpu_hours: float | None = None
@@ -291,13 +304,9 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
             s.best_val_loss, s.best_val_step = float(best["val_loss"]), best.get("step")
             s.first_val_loss = _num(next(r["val_loss"] for r in val if _num(r.get("val_loss"))))
             s.final_val_loss = _num(_last_value(val, "val_loss"))
-            s.improvement = s.first_val_loss - s.best_val_loss
             s.best_val_bpb = _num(best.get("val_bpb"))
             s.final_val_bpb = _num(_last_value(val, "val_bpb"))
-    if s.improvement is None and train:
-        first, last = _num(train[0].get("loss")), s.train_loss
-        if first is not None and last is not None:
-            s.improvement = first - last
+    s.start_loss, s.improvement = train_delta(train)
     s.tokens_per_s = _recent_mean(train, "tokens_per_s")
     s.mfu = _recent_mean(train, "mfu")
     tail = [*train, *([end] if end else [])]
@@ -307,6 +316,15 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     if s.wall_s is None and s.started is not None and s.updated is not None:
         s.wall_s = s.updated - s.started
     return s
+
+
+def train_delta(train: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(first logged training loss, that minus the mean of the last DELTA_WINDOW ones)."""
+    losses = [v for v in (_num(r.get("loss")) for r in train) if v is not None]
+    if len(losses) < 2:
+        return (losses[0] if losses else None), None
+    tail = losses[max(1, len(losses) - DELTA_WINDOW) :]
+    return losses[0], losses[0] - statistics.fmean(tail)
 
 
 # -- grouping -------------------------------------------------------------------------------
@@ -320,36 +338,95 @@ class SeedGroup:
     n: int
     mean_val_loss: float | None
     std_val_loss: float | None
+    repeated_seeds: list[int] = field(default_factory=list)  # seeds run twice: not a spread
 
 
-def _group_label(names: list[str]) -> str:
-    prefix = os.path.commonprefix(names)  # noqa: RUF071 (names, not paths)
-    label = re.sub(r"[-_.=]*(seed|s)?[-_=]?\d*$", "", prefix)
-    return label or names[0]
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    if not isinstance(config, dict):
+        return {prefix: config} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
+    """Runs sharing a seed-free config, in order of first appearance (a run without a config
+    is a group of its own)."""
+    by_key: dict[str, list[RunSummary]] = {}
+    for s in summaries:
+        by_key.setdefault(s.group if s.group is not None else f"run:{s.run}", []).append(s)
+    return list(by_key.values())
+
+
+def _short_keys(keys: list[str]) -> dict[str, str]:
+    """The last part of each dotted key, or more of it where the last part is ambiguous."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            short = ".".join(parts[-n:])
+            if sum(k == short or k.endswith("." + short) for k in keys) == 1:
+                break
+        out[key] = short
+    return out
+
+
+def _value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def group_labels(groups: list[list[RunSummary]], max_keys: int = 4) -> list[str]:
+    """Each group's label: the config values that set it apart from the other groups
+    (``lr=0.001, n_layer=6``); with one group, or too many differences, its run names without
+    the seed suffix."""
+    configs = [flatten(json.loads(g[0].group)) if g[0].group is not None else None for g in groups]
+    keys = sorted({k for c in configs if c for k in c})
+    missing = object()
+    varying = [
+        k
+        for k in keys
+        if len({_value(c.get(k, missing)) if c else "?" for c in configs}) > 1
+        and all(c is not None for c in configs)
+    ]
+    short = _short_keys(varying)
+    labels = []
+    for group, config in zip(groups, configs, strict=True):
+        if config is None or not varying or len(varying) > max_keys:
+            names = [m.run for m in group]
+            prefix = os.path.commonprefix(names) if len(names) > 1 else names[0]  # noqa: RUF071
+            label = re.sub(r"[-_.=]*(seed|s)[-_=]?\d*$", "", prefix).rstrip("-_.=") or names[0]
+        else:
+            label = ", ".join(
+                f"{short[k]}={_value(config[k])}" if k in config else f"{short[k]} unset"
+                for k in varying
+            )
+        labels.append(label)
+    return labels
 
 
 def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
     """Groups of two or more runs sharing a seed-free config, with mean ± std of final val loss."""
-    by_key: dict[str, list[RunSummary]] = {}
-    for s in summaries:
-        if s.group is not None:
-            by_key.setdefault(s.group, []).append(s)
-    groups = []
-    for members in by_key.values():
+    groups = _by_config(summaries)
+    out = []
+    for members, label in zip(groups, group_labels(groups), strict=True):
         if len(members) < 2:
             continue
         losses = [m.final_val_loss for m in members if m.final_val_loss is not None]
-        groups.append(
+        seeds = [m.seed for m in members]
+        out.append(
             SeedGroup(
-                label=_group_label([m.run for m in members]),
+                label=label,
                 runs=[m.run for m in members],
-                seeds=[m.seed for m in members],
+                seeds=seeds,
                 n=len(members),
                 mean_val_loss=statistics.fmean(losses) if losses else None,
                 std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
+                repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
             )
         )
-    return sorted(groups, key=lambda g: g.label)
+    return sorted(out, key=lambda g: g.label)
 
 
 # -- formatting -----------------------------------------------------------------------------
@@ -393,15 +470,14 @@ def _status_text(s: RunSummary) -> str:
 def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
     headers = [
         "run", "status", "steps", "tokens", "train loss", "best val (step)", "val bpb",
-        "Δ since start", "tokens/s", "MFU", "GPU-h", "cost", "wall",
+        "Δ train loss", "tokens/s", "MFU", "GPU-h", "cost", "wall",
     ]  # fmt: skip
     rows = []
     for s in summaries:
         best = "-" if s.best_val_loss is None else f"{s.best_val_loss:.4f} ({s.best_val_step})"
         improvement = "-"
         if s.improvement is not None:
-            base = s.first_val_loss if s.best_val_loss is not None else None
-            pct = f" ({-s.improvement / base:+.0%})" if base else ""
+            pct = f" ({-s.improvement / s.start_loss:+.0%})" if s.start_loss else ""
             improvement = f"{-s.improvement:+.4f}{pct}"
         rows.append(
             [
@@ -430,6 +506,10 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
         ).rstrip()
 
     out = [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    out.append(
+        f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps minus the "
+        "first logged step's (the same for every run)"
+    )
     if groups:
         out += ["", "seed groups (same config, different seed): final val loss"]
         for g in groups:
@@ -442,6 +522,12 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
             )
             seeds = ",".join(str(x) for x in g.seeds)
             out.append(f"  {g.label}: {spread}  (n={g.n}, seeds {seeds}: {', '.join(g.runs)})")
+            if g.repeated_seeds:
+                twice = ", ".join(map(str, g.repeated_seeds))
+                out.append(
+                    f"    note: seed {twice} ran more than once in this group: those runs "
+                    "repeat each other, their spread is not a seed-to-seed spread"
+                )
     skipped = [s for s in summaries if s.skipped_records]
     if skipped:
         out.append("")
@@ -454,40 +540,124 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
 
 
 # -- plotting -------------------------------------------------------------------------------
+def data_key(s: RunSummary) -> str | None:
+    """What a run's loss is measured on: its dataset and vocabulary (None when unknown)."""
+    if s.group is None:
+        return None
+    config = json.loads(s.group)
+    data = config.get("data") or {}
+    vocab = ((config.get("model") or {}).get("gpt") or {}).get("vocab_size")
+    where = data.get("datasets") or data.get("dataset_dir")
+    return json.dumps([where, vocab], sort_keys=True, default=str)
+
+
+def default_plot_selection(summaries: list[RunSummary]) -> tuple[list[RunSummary], int]:
+    """The runs on the same data and vocabulary as the most recently updated run, and how many
+    others were left out: a loss in bits of a 50k-token vocabulary and one of 65 characters
+    cannot share an axis."""
+    if not summaries:
+        return [], 0
+    newest = max(summaries, key=lambda s: s.updated or 0.0)
+    key = data_key(newest)
+    kept = [s for s in summaries if data_key(s) == key]
+    return kept, len(summaries) - len(kept)
+
+
+def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, float | None],
+           smooth: int = 1) -> dict[int, tuple[float, float]]:  # fmt: skip
+    """step -> (x, y), y a trailing mean over ``smooth`` points."""
+    out: dict[int, tuple[float, float]] = {}
+    window: list[float] = []
+    for r in records:
+        step, x, y = r.get("step"), _num(r.get(key)), _num(r.get(ykey))
+        if x is None:
+            x = xs.get(step)
+        if not isinstance(step, int) or x is None or y is None:
+            continue
+        window = [*window[-(smooth - 1) :], y] if smooth > 1 else [y]
+        out[step] = (x, statistics.fmean(window))
+    return out
+
+
+def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, float, float, float]]:
+    """(x, mean, min, max) at every step that every curve of the group has."""
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    out = []
+    for step in steps:
+        ys = [c[step][1] for c in curves]
+        out.append(
+            (statistics.fmean(c[step][0] for c in curves), statistics.fmean(ys), min(ys), max(ys))
+        )
+    return out
+
+
+def _tokens_axis(value: float, _pos: Any = None) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:g}{unit}"
+    return f"{value:g}"
+
+
 def plot_runs(
-    runs: list[tuple[RunSummary, Path]], out: Path, x: str, forecasts: dict | None = None
-) -> None:
-    """Train and val loss of each run against tokens or GPU-hours, written atomically to ``out``;
-    with ``forecasts`` (tokens axis), each run's fitted curve dashed to max_steps, with its band."""
+    runs: list[tuple[RunSummary, Path]],
+    out: Path,
+    x: str,
+    forecasts: dict | None = None,
+    logx: bool = False,
+) -> list[dict[str, Any]]:
+    """Train and val loss against tokens or GPU-hours, written atomically to ``out``: one colour
+    per seed group, its mean over seeds as a line and the min-max over seeds as a band; with
+    ``forecasts`` (tokens axis), each run's fitted curve dashed to max_steps, with its band.
+    Returns what was drawn per group (label, colour, runs, the val band) for the caller."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     key = {"tokens": "tokens", "gpu_hours": "gpu_hours"}[x]
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
-    missing = []
-    for s, run_dir in runs:
-        records = read_run(run_dir)[0]
-        train = _last_by_step([r for r in records if r.get("event") == "train"])
-        val = _last_by_step([r for r in records if r.get("event") == "val"])
-        xs = {r.get("step"): _num(r.get(key)) for r in train}  # val records may lack GPU-hours
-        points_t = _points(train, key, "loss", xs)
-        points_v = _points(val, key, "val_loss", xs)
-        if (train and not points_t) or (val and not points_v):
-            missing.append(s.run)
-            continue
-        color = None
-        if points_t:
-            (line,) = ax_train.plot(*zip(*points_t, strict=True), lw=0.9, label=s.run)
-            color = line.get_color()
-        if points_v:
-            ax_val.plot(
-                *zip(*points_v, strict=True), marker="o", ms=3, lw=1.2, color=color, label=s.run
-            )
-        f = (forecasts or {}).get(s.run)
-        if f is not None and f.fit is not None and f.final_tokens and x == "tokens" and points_v:
-            _plot_forecast(ax_val, f, points_v[0][0], color)
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
+    dirs = {s.run: d for s, d in runs}
+    groups = _by_config([s for s, _ in runs])
+    labels = group_labels(groups)
+    missing: list[str] = []
+    drawn: list[dict[str, Any]] = []
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (members, label) in enumerate(zip(groups, labels, strict=True)):
+        color = colors[i % len(colors)]
+        trains, vals = [], []
+        for s in members:
+            records = read_run(dirs[s.run])[0]
+            train = _last_by_step([r for r in records if r.get("event") == "train"])
+            val = _last_by_step([r for r in records if r.get("event") == "val"])
+            xs = {r.get("step"): _num(r.get(key)) for r in train}  # val records may lack GPU-h
+            t = _curve(train, key, "loss", xs, smooth=max(1, len(train) // 40))
+            v = _curve(val, key, "val_loss", xs)
+            if (train and not t) or (val and not v):
+                missing.append(s.run)
+                continue
+            if t:
+                trains.append(t)
+            if v:
+                vals.append(v)
+        n = len(members)
+        name = f"{label} (n={n})" if n > 1 else label
+        drawn.append({"label": label, "color": color, "runs": [m.run for m in members],
+                      "val_band": _band(vals)})  # fmt: skip
+        for ax, curves, marker in ((ax_train, trains, None), (ax_val, vals, "o")):
+            band = _band(curves)
+            if not band:
+                continue
+            bx, mean, lo, hi = zip(*band, strict=True)
+            ax.plot(bx, mean, color=color, lw=1.4, marker=marker, ms=3,
+                    label=name if ax is ax_train or not trains else None)  # fmt: skip
+            if len(curves) > 1:
+                ax.fill_between(bx, lo, hi, color=color, alpha=0.2, lw=0)
+        for s in members:
+            f = (forecasts or {}).get(s.run)
+            if f is not None and f.fit is not None and f.final_tokens and x == "tokens" and vals:
+                first = min(c[min(c)][0] for c in vals)
+                _plot_forecast(ax_val, f, first, color)
     if missing:
         plt.close(fig)
         raise ReportError(
@@ -496,15 +666,25 @@ def plot_runs(
             else f"run(s) {', '.join(missing)} log no token counts"
         )
     xlabel = "tokens" if x == "tokens" else "GPU-hours"
-    for ax, title in ((ax_train, "train loss"), (ax_val, "val loss")):
+    smooth = "train loss (trailing mean)"
+    for ax, title in ((ax_train, smooth), (ax_val, "val loss")):
         ax.set_title(title)
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(xlabel + (" (log)" if logx else ""))
         ax.grid(alpha=0.3)
+        if logx:
+            ax.set_xscale("log")
+        if x == "tokens":
+            ax.xaxis.set_major_formatter(FuncFormatter(_tokens_axis))
     ax_train.set_ylabel("loss")
-    handles, labels = ax_train.get_legend_handles_labels()
+    if any(len(g) > 1 for g in groups):
+        fig.suptitle("mean over seeds, band = min-max over seeds", fontsize=9)
+    handles, names = ax_train.get_legend_handles_labels()
+    if not handles:
+        handles, names = ax_val.get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.08 if handles else 0, 1, 1))
+        fig.legend(handles, names, loc="lower center", ncol=min(3, len(names)), fontsize=8)
+    rows = (len(names) + 2) // 3 if handles else 0
+    fig.tight_layout(rect=(0, min(0.3, 0.05 * rows + 0.02) if handles else 0, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
     try:
@@ -516,6 +696,7 @@ def plot_runs(
         plt.close(fig)
         if tmp.exists():
             tmp.unlink()
+    return drawn
 
 
 def _plot_forecast(ax: Any, f: Any, start: float, color: Any) -> None:
@@ -531,20 +712,6 @@ def _plot_forecast(ax: Any, f: Any, start: float, color: Any) -> None:
     lo, hi = f.final_band
     ax.errorbar([f.final_tokens], [f.final_loss], yerr=[[f.final_loss - lo], [hi - f.final_loss]],
                 fmt="none", capsize=4, color=color)  # fmt: skip
-
-
-def _points(
-    records: list[dict[str, Any]], xkey: str, ykey: str, fallback_x: dict[Any, float | None]
-) -> list[tuple[float, float]]:
-    out = []
-    for r in records:
-        x = _num(r.get(xkey))
-        if x is None:
-            x = fallback_x.get(r.get("step"))
-        y = _num(r.get(ykey))
-        if x is not None and y is not None:
-            out.append((x, y))
-    return out
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -585,6 +752,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--x", choices=("tokens", "gpu_hours"), default="tokens", help="x axis of --plot"
+    )
+    p.add_argument("--logx", action="store_true", help="a logarithmic x axis in --plot")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="the config keys where runs A and B differ, beside their results",
     )
     p.add_argument(
         "--forecast",
@@ -687,6 +861,60 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
     return "\n".join(out)
 
 
+def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
+    """The config keys where runs ``a`` and ``b`` differ (seed and name included), then their
+    results side by side."""
+    dirs = dict(found)
+    for name in (a, b):
+        if name not in dirs:
+            have = ", ".join(list(dirs)[:12]) + (" ..." if len(dirs) > 12 else "")
+            raise ReportError(f"--compare: no run named {name!r}; runs found: {have}")
+    now = time.time()
+    sa, sb = summarize_run(a, dirs[a], now), summarize_run(b, dirs[b], now)
+    configs = []
+    for name in (a, b):
+        records = read_run(dirs[name])[0]
+        starts = [r for r in records if r.get("event") == "start"]
+        config = _config_of(starts[-1] if starts else None, dirs[name])
+        if config is None:
+            raise ReportError(
+                f"--compare: run {name} has no config (no start record, no config.yaml)"
+            )
+        plain = flatten(json.loads(json.dumps(config, default=str)))
+        plain.pop("trainer.default_root_dir", None)  # follows run.root/run.name
+        configs.append(plain)
+    missing = "(unset)"
+    keys = sorted(k for k in set(configs[0]) | set(configs[1])
+                  if _value(configs[0].get(k, missing)) != _value(configs[1].get(k, missing)))  # fmt: skip
+    rows = [("config", a, b)]
+    rows += [
+        (k, _value(configs[0].get(k, missing)), _value(configs[1].get(k, missing))) for k in keys
+    ]
+    if not keys:
+        rows.append(("(no difference)", "", ""))
+    rows.append(("", "", ""))
+    rows.append(("result", "", ""))
+
+    def best(s: RunSummary) -> str:
+        return "-" if s.best_val_loss is None else f"{s.best_val_loss:.4f} (step {s.best_val_step})"
+
+    def delta(s: RunSummary) -> str:
+        return "-" if s.improvement is None else f"{-s.improvement:+.4f}"
+
+    for label, fn in (
+        ("status", _status_text), ("steps", lambda s: "-" if s.steps is None else str(s.steps)),
+        ("tokens", lambda s: _si(s.tokens)), ("final val loss", lambda s: _f(s.final_val_loss)),
+        ("best val loss", best), ("train loss", lambda s: _f(s.train_loss)),
+        ("Δ train loss", delta), ("tokens/s", lambda s: _si(s.tokens_per_s)),
+        ("GPU-h", lambda s: _f(s.gpu_hours, ".3f")), ("wall", lambda s: _duration(s.wall_s)),
+    ):  # fmt: skip
+        rows.append((label, fn(sa), fn(sb)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
 def _select(found: list[tuple[str, Path]], patterns: list[str]) -> list[tuple[str, Path]]:
     if not patterns:
         return found
@@ -723,6 +951,9 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        if args.compare:
+            print(compare_runs(found, *args.compare))
+            return 0
         selected = _select(found, args.run)
         now = time.time()
         summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
@@ -735,7 +966,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.plot is not None:
             dirs = dict(selected)
-            plot_runs([(s, dirs[s.run]) for s in summaries], args.plot, args.x, run_fc)
+            plotted, left_out = summaries, 0
+            if not args.run:
+                plotted, left_out = default_plot_selection(summaries)
+            plot_runs(
+                [(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx
+            )
     except ReportError as err:
         print(f"nanolab report: error: {err}", file=sys.stderr)
         return 2
@@ -754,7 +990,11 @@ def main(argv: list[str] | None = None) -> int:
             ordered = {s.run: run_fc[s.run] for s in summaries}
             print(format_forecasts(ordered, group_fc, args.target_loss))
     if args.plot is not None:
-        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+        note = ""
+        if left_out:
+            note = (f" ({len(plotted)} runs on the newest run's data; {left_out} on other data "
+                    "left out: --run NAME to choose)")  # fmt: skip
+        print(f"plot: {args.plot}{note}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

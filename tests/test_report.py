@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -100,7 +101,9 @@ def test_finished_run_figures_and_torn_last_line(tmp_path: Path, capsys) -> None
     assert run["steps"] == 6 and run["tokens"] == 6000
     assert run["train_loss"] == 2.6
     assert (run["best_val_loss"], run["best_val_step"]) == (2.7, 6)
-    assert run["improvement"] == pytest.approx(3.0 - 2.7)
+    # Δ train loss: the first step's loss minus the mean of the last 10 logged (here: 2..6).
+    assert run["start_loss"] == 4.0
+    assert run["improvement"] == pytest.approx(4.0 - statistics.fmean(losses[1:]))
     assert run["tokens_per_s"] == pytest.approx(statistics.fmean(500.0 + i for i in range(1, 7)))
     assert run["mfu"] == pytest.approx(0.25)
     assert run["gpu_hours"] == pytest.approx(7 / 3600) and run["cost"] == pytest.approx(7 / 1800)
@@ -143,7 +146,8 @@ def test_resumed_run_counts_the_surviving_timeline(tmp_path: Path) -> None:
         f.writelines(json.dumps(r) + "\n" for r in extra)
     s = summarize_run("r", run_dir)
     assert (s.status, s.resumes, s.steps, s.train_loss) == ("completed", 1, 7, 1.8)
-    assert s.improvement == pytest.approx(0.0)  # one val record: first == best
+    # The surviving timeline: steps 1-4 of the first launch, 5-7 of the resume.
+    assert s.improvement == pytest.approx(4.0 - statistics.fmean([3.0, 2.5, 2.2, 2.0, 1.9, 1.8]))
     assert s.tokens == 7000
 
 
@@ -158,10 +162,10 @@ def test_seed_groups_mean_and_std(tmp_path: Path, capsys) -> None:
     assert sorted(group["runs"]) == sorted(finals) and group["seeds"] == [1, 2, 3]
     assert group["mean_val_loss"] == pytest.approx(statistics.fmean(finals.values()))
     assert group["std_val_loss"] == pytest.approx(statistics.stdev(finals.values()))
-    assert group["label"] == "base"
+    assert group["label"] == "lr=0.003"  # what sets it apart from the other group
     _, table, _ = run_report(capsys, str(tmp_path))
     mean, std = statistics.fmean(finals.values()), statistics.stdev(finals.values())
-    assert f"base: {mean:.4f} ± {std:.4f}  (n=3" in table
+    assert f"lr=0.003: {mean:.4f} ± {std:.4f}  (n=3" in table
 
 
 def test_sort_and_select(tmp_path: Path, capsys) -> None:
@@ -266,3 +270,68 @@ def test_an_option_added_later_with_a_null_default_does_not_split_a_group(tmp_pa
     (a / "metrics.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
     (group,) = seed_groups([summarize_run(n, tmp_path / n) for n in ("x-s1", "x-s2")])
     assert group.n == 2 and group.mean_val_loss == pytest.approx(2.6)
+
+
+def _set_data(run_dir: Path, dataset_dir: str, vocab: int) -> None:
+    """Give a hand-written run another dataset (its start record's config)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    start = json.loads(lines[0])
+    start["config"]["data"] = {"dataset_dir": dataset_dir}
+    start["config"]["model"]["gpt"]["vocab_size"] = vocab
+    (run_dir / "metrics.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+
+
+def test_plot_one_colour_per_group_mean_and_band_on_the_newest_runs_data(tmp_path, capsys):
+    t0 = time.time() - 500
+    vals = {"a-s1": (3.0, 2.0), "a-s2": (3.2, 2.4), "a-s3": (3.1, 2.2), "b-s1": (2.9, 1.9)}
+    for i, (name, (v1, v2)) in enumerate(vals.items()):
+        lr = 0.003 if name.startswith("a") else 0.001
+        write_run(tmp_path, name, seed=i + 1, lr=lr, losses=[4.0, 3.5, 3.0, 2.5],
+                  vals={2: v1, 4: v2}, t0=t0 + i)  # fmt: skip
+    other = write_run(tmp_path, "bpe", losses=[9.0, 8.0], vals={2: 7.5}, t0=t0 - 100)
+    _set_data(other, "data/bpe", 8192)
+    from nanolab.report import default_plot_selection, plot_runs, summarize_run
+
+    summaries = [summarize_run(n, tmp_path / n) for n in [*vals, "bpe"]]
+    kept, left_out = default_plot_selection(summaries)
+    assert sorted(s.run for s in kept) == sorted(vals) and left_out == 1
+    drawn = plot_runs([(s, tmp_path / s.run) for s in kept], tmp_path / "p.png", "tokens")
+    assert [(d["label"], d["runs"]) for d in drawn] == [
+        ("lr=0.003", ["a-s1", "a-s2", "a-s3"]), ("lr=0.001", ["b-s1"])]  # fmt: skip
+    assert len({d["color"] for d in drawn}) == 2
+    # the val band of group a at step 4 (4000 tokens): mean and min-max over its three seeds
+    x, mean, lo, hi = drawn[0]["val_band"][-1]
+    assert (x, lo, hi) == (4000, 2.0, 2.4) and mean == pytest.approx(2.2)
+    code, out, _ = run_report(capsys, str(tmp_path), "--plot", str(tmp_path / "q.png"), "--logx")
+    assert code == 0 and (tmp_path / "q.png").stat().st_size > 10_000
+    assert "4 runs on the newest run's data; 1 on other data left out" in out
+    assert "Δ train loss: mean training loss of the last 10 logged steps" in out
+
+
+def test_tokens_axis_reads_in_k_m_b() -> None:
+    from nanolab.report import _tokens_axis
+
+    assert [_tokens_axis(v) for v in (500, 2e4, 1.5e6, 2e9)] == ["500", "20k", "1.5M", "2B"]
+
+
+def test_repeated_seed_in_a_group_is_said_not_to_be_a_spread(tmp_path, capsys) -> None:
+    write_run(tmp_path, "x-a", seed=7, losses=[3.0], vals={1: 2.5})
+    write_run(tmp_path, "x-b", seed=7, losses=[3.0], vals={1: 2.5})
+    code, out, _ = run_report(capsys, str(tmp_path))
+    assert code == 0 and "seed 7 ran more than once in this group" in out
+
+
+def test_compare_prints_the_config_diff_beside_the_results(tmp_path, capsys) -> None:
+    write_run(tmp_path, "lo", seed=1, lr=0.001, losses=[4.0, 3.0], vals={2: 2.9})
+    write_run(tmp_path, "hi", seed=2, lr=0.003, losses=[4.0, 2.5], vals={2: 2.4})
+    code, out, err = run_report(capsys, str(tmp_path), "--compare", "lo", "hi")
+    assert code == 0, err
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+    assert rows["model.optimizer.lr"] == ["0.001", "0.003"]
+    assert rows["seed_everything"] == ["1", "2"] and rows["run.name"] == ["lo", "hi"]
+    assert "trainer.max_steps" not in rows  # equal in both: not shown
+    assert out.splitlines()[0].split() == ["config", "lo", "hi"]
+    assert re.search(r"^final val loss +2\.9000 +2\.4000$", out, re.M)
+    assert re.search(r"^status +completed +completed$", out, re.M)
+    code, _, err = run_report(capsys, str(tmp_path), "--compare", "lo", "nope")
+    assert code == 2 and "--compare: no run named 'nope'" in err
