@@ -1,19 +1,24 @@
 """``nanolab init DIR``: write a starter project folder for your own model and data.
 
-The starter is nanolab's quickstart recipe pointed at the user's own text, plus what a new
-project needs around it::
+The starter is an installable Python package around nanolab's quickstart recipe, pointed at the
+user's own text::
 
     DIR/
-      README.md               the two commands: prepare the text, train
-      configs/experiment.yaml the quickstart config, commented, reading data/text/
+      pyproject.toml          `pip install -e .` makes the package importable (no PYTHONPATH)
+      src/PKG/model.py        Model (a GPTLightningModule) and the model variants the user adds
+      src/PKG/data.py         Data (a TokenDataModule) and the dataset classes the user adds
+      src/PKG/callbacks.py    an example Lightning callback, ready to enable
+      configs/experiment.yaml the quickstart recipe; model and data chosen by class path
+      README.md               install, train, change the attention, add a dataset, resume, queue
       data/README.md          what goes in data/text/ and what `nanolab prepare` makes of it
       data/text/              (empty) the user's text files
-      callbacks.py            an example Lightning callback, ready to enable
-      .gitignore              runs/ and prepared tokens stay out of git
+      .gitignore              runs/, prepared tokens, the queue database stay out of git
 
-The files live in ``nanolab/templates/init/`` (package data, so ``init`` works from an installed
-wheel without the repository's ``configs/``). ``{{name}}`` in them becomes the project name; a
-path component ``dot-X`` becomes ``.X`` because packaging globs skip dot-files.
+The README's walk-through is run, as written, by tests/test_fork_story.py. The files live in
+``nanolab/templates/init/`` (package data, so ``init`` works from an installed wheel without the
+repository's ``configs/``). ``{{name}}`` in them becomes the project name and ``{{package}}`` the
+package's (the name made a Python identifier); a path component ``PACKAGE`` becomes the package's
+name, and ``dot-X`` becomes ``.X`` because packaging globs skip dot-files.
 
 ``init`` never overwrites: it checks every target first and writes nothing if any exists.
 """
@@ -21,6 +26,7 @@ path component ``dot-X`` becomes ``.X`` because packaging globs skip dot-files.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 from collections.abc import Sequence
@@ -33,6 +39,9 @@ if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; only annotations need it
 
 TEMPLATE = "init"
 NAME_PLACEHOLDER = "{{name}}"
+PACKAGE_PLACEHOLDER = "{{package}}"
+#: The path component that becomes the package's name (``src/PACKAGE/model.py``).
+PACKAGE_DIR = "PACKAGE"
 # Run names become directory names and YAML values: keep them to portable characters.
 VALID_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 EMPTY_DIRS = ("data/text",)
@@ -84,8 +93,41 @@ def project_name(directory: Path, name: str | None) -> str:
     return cleaned or "experiment"
 
 
-def render(files: dict[str, str], name: str) -> dict[str, str]:
-    return {path: text.replace(NAME_PLACEHOLDER, name) for path, text in files.items()}
+def package_name(name: str) -> str:
+    """The project's Python package: the run name as an identifier (``tiny-poems`` ->
+    ``tiny_poems``), refused when it would shadow a module Python already finds (``nanolab``,
+    ``json``, an installed library): the configs import the project's classes by that name."""
+    package = re.sub(r"\W+", "_", name).strip("_").lower()
+    if not package or package[0].isdigit():
+        package = f"project_{package}".rstrip("_")
+    if package in sys.stdlib_module_names or _importable(package):
+        raise ScaffoldError(
+            f"the project's package would be named {package!r} (from the name {name!r}), which "
+            f"is already an importable module; choose another --name"
+        )
+    return package
+
+
+def _importable(module: str) -> bool:
+    """A regular module or package Python already finds. A plain folder of that name on the
+    path (a namespace package, e.g. the project folder itself) does not count: an installed
+    package takes precedence over it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None
+
+
+def render(files: dict[str, str], name: str, package: str) -> dict[str, str]:
+    """The starter's files for project ``name``, its placeholders and paths filled in."""
+    out = {}
+    for path, text in files.items():
+        parts = [package if part == PACKAGE_DIR else part for part in path.split("/")]
+        out["/".join(parts)] = text.replace(NAME_PLACEHOLDER, name).replace(
+            PACKAGE_PLACEHOLDER, package
+        )
+    return out
 
 
 def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
@@ -97,7 +139,8 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
     root = Path(directory)
     if root.exists() and not root.is_dir():
         raise ScaffoldError(f"{root} exists and is not a folder")
-    files = render(template_files(), project_name(root, name))
+    run_name = project_name(root, name)
+    files = render(template_files(), run_name, package_name(run_name))
     targets = {root / rel: text for rel, text in files.items()}
 
     blocked = [str(p) for p in targets if p.exists() or p.is_symlink()]
@@ -135,8 +178,9 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nanolab init",
-        description="Write a starter project folder: a commented config reading your own text, "
-        "a data folder, an example callback and a README with the commands to run.",
+        description="Write a starter project: an installable package with the project's model, "
+        "data and callback classes, a config that selects them, a data folder, and a README "
+        "that walks through training, changing the attention and adding a dataset.",
     )
     parser.add_argument(
         "directory", help="project folder to create (may exist if it holds none of the files)"
@@ -152,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in written:
         print(f"wrote {path}")
     print(
-        f"\nnext:\n  cd {root}\n  # put your .txt files in data/text/, then\n"
+        f"\nnext:\n  cd {root}\n  pip install -e .\n  # put your .txt files in data/text/, then\n"
         "  nanolab prepare data/text -o data/tokens --tokenizer bpe --bpe-vocab-size 4096\n"
         "  nanolab fit --config configs/experiment.yaml"
     )

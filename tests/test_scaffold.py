@@ -1,14 +1,15 @@
-"""``nanolab init``: the starter project is complete, never overwrites, and really trains."""
+"""``nanolab init``: the starter project is complete, never overwrites, and its config selects
+the project's own classes. tests/test_fork_story.py installs one and runs its README."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
+import io
 import os
-import re
-import shlex
-import subprocess
 import sys
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,17 +20,26 @@ import torch
 import yaml
 
 from nanolab.cli import VERBS
-from nanolab.scaffold import main, template_files, write_project
+from nanolab.cli import main as nanolab_main
+from nanolab.scaffold import main, package_name, template_files, write_project
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-STARTER_FILES = {
+TEMPLATE_FILES = {
     "README.md",
     ".gitignore",
-    "callbacks.py",
+    "pyproject.toml",
     "configs/experiment.yaml",
     "data/README.md",
+    "src/PACKAGE/__init__.py",
+    "src/PACKAGE/model.py",
+    "src/PACKAGE/data.py",
+    "src/PACKAGE/callbacks.py",
 }
+
+
+def starter_files(package: str) -> set[str]:
+    return {f.replace("PACKAGE", package) for f in TEMPLATE_FILES}
 
 
 def _sample_text(chars: int = 60_000) -> str:
@@ -37,26 +47,40 @@ def _sample_text(chars: int = 60_000) -> str:
     return gzip.decompress(blob).decode("utf-8")[:chars]
 
 
-def _nanolab(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    # PYTHONPATH=. as the starter README says, so `callbacks.SampleText` imports.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([".", os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "nanolab", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+@contextlib.contextmanager
+def importable(project: Path, package: str) -> Iterator[None]:
+    """The project's package importable in this process, as ``pip install -e`` would make it,
+    and forgotten afterwards (another test's project may use the same package name)."""
+    sys.path.insert(0, str(project / "src"))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(project / "src"))
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]
 
 
-def _flat_keys(tree: Any, prefix: str = "") -> set[str]:
+def _print_config(project: Path, *configs: str) -> dict[str, Any]:
+    """``nanolab fit --config ... --print_config`` in this process, from the project folder."""
+    out, here = io.StringIO(), Path.cwd()
+    os.chdir(project)
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+            nanolab_main(["fit", *(a for c in configs for a in ("--config", c)), "--print_config"])
+    finally:
+        os.chdir(here)
+    assert stop.value.code in (0, None), out.getvalue()[-2000:]
+    return yaml.safe_load(out.getvalue())
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}``, with a class spec's ``init_args`` level dropped."""
     if not isinstance(tree, dict):
-        return {prefix}
-    keys: set[str] = set()
+        return {prefix.rstrip("."): tree}
+    out: dict[str, Any] = {}
     for key, value in tree.items():
-        keys |= _flat_keys(value, f"{prefix}{key}.")
-    return {k.rstrip(".") for k in keys}
+        out.update(_flat(value, prefix if key == "init_args" else f"{prefix}{key}."))
+    return out
 
 
 # -- what init writes ----------------------------------------------------------------------
@@ -68,18 +92,31 @@ def test_init_writes_the_starter(tmp_path: Path, capsys: pytest.CaptureFixture[s
     project = tmp_path / "tiny-poems"
     assert main([str(project)]) == 0
     written = {p.relative_to(project).as_posix() for p in project.rglob("*") if p.is_file()}
-    assert written == STARTER_FILES
+    assert written == starter_files("tiny_poems")
     assert (project / "data" / "text").is_dir()
-    for rel in STARTER_FILES:
+    for rel in written:
         assert "{{" not in (project / rel).read_text(), f"{rel} has an unfilled placeholder"
     config = yaml.safe_load((project / "configs" / "experiment.yaml").read_text())
     assert config["run"]["name"] == "tiny-poems"
-    assert config["data"]["source"] == ["data/text"]
-    assert "nanolab fit --config configs/experiment.yaml" in capsys.readouterr().out
+    assert config["model"]["class_path"] == "tiny_poems.model.Model"
+    assert config["data"]["class_path"] == "tiny_poems.data.Data"
+    assert config["data"]["init_args"]["source"] == ["data/text"]
+    assert 'name = "tiny_poems"' in (project / "pyproject.toml").read_text()
+    out = capsys.readouterr().out
+    assert "pip install -e ." in out and "nanolab fit --config configs/experiment.yaml" in out
 
 
 def test_template_set_is_what_the_docs_promise() -> None:
-    assert set(template_files()) == STARTER_FILES
+    assert set(template_files()) == TEMPLATE_FILES
+
+
+def test_package_name_is_an_identifier_that_shadows_nothing(tmp_path: Path) -> None:
+    assert package_name("tiny-poems") == "tiny_poems"
+    assert package_name("2024") == "project_2024"
+    assert package_name("My.LM") == "my_lm"
+    for taken in ("nanolab", "json", "torch"):
+        assert main([str(tmp_path / taken)]) == 2
+        assert not (tmp_path / taken).exists()
 
 
 def test_name_comes_from_the_folder_or_the_flag(tmp_path: Path) -> None:
@@ -135,64 +172,41 @@ def test_a_file_in_the_way_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
 
 # -- the starter config stays in step with nanolab's ---------------------------------------
 @pytest.mark.skipif(not QUICKSTART.is_file(), reason="configs/quickstart.yaml not in this tree")
-def test_starter_config_has_the_quickstarts_keys() -> None:
-    starter = _flat_keys(yaml.safe_load(template_files()["configs/experiment.yaml"]))
-    quick = _flat_keys(yaml.safe_load(QUICKSTART.read_text()))
-    # The starter adds only what BPE on your own text needs.
-    assert starter - quick <= {"data.bpe_vocab_size"}, starter - quick
-    assert quick - starter == set(), f"the quickstart gained keys: {quick - starter}"
-
-
-def test_starter_config_parses(tmp_path: Path) -> None:
-    write_project(tmp_path / "proj")
-    proc = _nanolab(
-        ["fit", "--config", "configs/experiment.yaml", "--print_config"], cwd=tmp_path / "proj"
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    printed = yaml.safe_load(proc.stdout)
-    assert printed["run"]["name"] == "proj"
-    assert printed["data"]["tokenizer"] == "bpe"
-
-
-def _readme_commands(readme: str) -> list[list[str]]:
-    blocks = re.findall(r"```\n(.*?)```", readme, flags=re.S)
-    lines = [line for block in blocks for line in block.splitlines()]
-    return [shlex.split(line) for line in lines if line.startswith("nanolab ")]
-
-
-@pytest.mark.slow
-def test_readme_commands_train_the_starter(tmp_path: Path) -> None:
-    """The starter README's own commands, run as written, prepare the text and train."""
+def test_starter_config_is_the_quickstart_on_your_text_with_your_classes(tmp_path: Path) -> None:
+    """Resolved, the starter differs from the quickstart only where it means to: its own classes,
+    its run name, the user's text through BPE, and no CPU-only settings."""
     project = tmp_path / "proj"
     write_project(project)
-    (project / "data" / "text" / "plays.txt").write_text(_sample_text())
-    commands = _readme_commands((project / "README.md").read_text())
-    prepare, fit = commands[0], commands[1]
-    assert prepare[:2] == ["nanolab", "prepare"] and fit[:2] == ["nanolab", "fit"]
+    with importable(project, "proj"):
+        starter = _flat(_print_config(project, "configs/experiment.yaml"))
+    quick = _flat(_print_config(tmp_path, str(QUICKSTART)))
+    differ = {k for k in starter.keys() | quick.keys() if starter.get(k) != quick.get(k)}
+    assert differ == {
+        "model.class_path",
+        "data.class_path",
+        "run.name",
+        "trainer.accelerator",  # auto: the GPU when there is one
+        "model.gpt.vocab_multiple",  # 64: GPU-friendly shapes
+        "data.dataset_dir",
+        "data.source",
+        "data.tokenizer",
+    }, differ
+    assert starter["model.class_path"] == "proj.model.Model"
+    assert starter["data.tokenizer"] == "bpe" and starter["data.source"] == ["data/text"]
 
-    proc = _nanolab(prepare[1:], cwd=project)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (project / "data" / "tokens" / "meta.json").is_file()
 
-    # Small and short, with the example callback switched on.
-    quick = ["--trainer.max_steps", "2", "--run.eval_every_steps", "2"]
-    quick += ["--data.micro_batch_size", "4", "--data.val_windows", "4"]
-    quick += [
-        "--trainer.callbacks+=callbacks.SampleText",
-        "--trainer.callbacks.max_new_tokens",
-        "8",
-    ]
-    proc = _nanolab([*fit[1:], *quick], cwd=project)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (project / "runs" / "proj" / "checkpoints" / "last.ckpt").is_file()
-    assert "--- sample at step 2 ---" in proc.stdout + proc.stderr
-    # The config's data.source matched what prepare made: fit reused it, it did not re-tokenize.
-    assert "prepared data/tokens" not in proc.stderr
+def test_starter_config_names_only_what_it_chooses() -> None:
+    """No callback group repeats its defaults (``--print_config`` shows them)."""
+    text = template_files()["configs/experiment.yaml"].replace("{{package}}", "pkg")
+    config = yaml.safe_load(text)
+    assert set(config) == {"run", "trainer", "model", "data", "checkpoint"}
+    assert config["checkpoint"] == {"every_n_steps": config["run"]["eval_every_steps"]}
 
 
 # -- the example callback ------------------------------------------------------------------
 def _load_starter_callbacks(project: Path) -> Any:
-    spec = importlib.util.spec_from_file_location("starter_callbacks", project / "callbacks.py")
+    path = project / "src" / project.name / "callbacks.py"
+    spec = importlib.util.spec_from_file_location("starter_callbacks", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

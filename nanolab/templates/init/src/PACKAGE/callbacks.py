@@ -2,8 +2,9 @@
 
 A callback is code Lightning runs at fixed points of training (after a batch, after validation,
 when a checkpoint is saved, ...) without touching the model or the training loop. Add yours
-here and list it under ``trainer.callbacks`` in ``configs/experiment.yaml``; Python imports this
-file as the module ``callbacks``, so run ``nanolab`` from this folder with ``PYTHONPATH=.``.
+here and list it under ``trainer.callbacks`` in a config, by class path
+(``{{package}}.callbacks.SampleText``), or add one for a single run with
+``--trainer.callbacks+={{package}}.callbacks.SampleText``.
 """
 
 from __future__ import annotations
