@@ -38,6 +38,10 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
         for step, loss in plain["losses"].items():
             assert nano["losses"][step] == pytest.approx(loss, rel=1e-4, abs=1e-5), step
     assert out["loss_gap"]["steps_compared"] == 6 and out["loss_gap"]["max"] < 1e-4
+    # The run-to-run spread of each side, and a verdict on whether the ratio can be read.
+    assert set(out["spread"]) == {"nanolab", "plain loop", "ratio"}
+    assert all(v is not None and v >= 0 for v in out["spread"].values())
+    assert out["noisy"] == bool(out["warnings"]) and len(out["load_avg"]) == 2
 
 
 def test_bench_refuses_a_window_without_steady_state(tmp_path):
@@ -45,3 +49,33 @@ def test_bench_refuses_a_window_without_steady_state(tmp_path):
         "bench", "--config", str(QUICKSTART), "--steps", "5", "--warmup", "5", cwd=tmp_path
     )
     assert res.returncode == 2 and "--steps must exceed --warmup" in res.stderr
+
+
+def _result(nano: list[float], plain: list[float], load: float = 0.1) -> dict:
+    from nanolab.bench.harness import _stats, noise_warnings, spread
+
+    ratios = [n / p for n, p in zip(nano, plain, strict=True)]
+    res = {"rounds": len(nano), "nanolab_tokens_per_s": _stats(nano),
+           "plain_tokens_per_s": _stats(plain), "ratio": _stats(ratios), "load_avg": [load]}  # fmt: skip
+    res["spread"] = {"nanolab": spread(res["nanolab_tokens_per_s"]),
+                     "plain loop": spread(res["plain_tokens_per_s"]), "ratio": spread(res["ratio"])}  # fmt: skip
+    return {**res, "warnings": noise_warnings(res)}
+
+
+def test_bench_says_when_the_machine_is_too_noisy_for_the_ratio():
+    """The newcomer's case: 0.35 and 0.71 from two rounds on a loaded machine."""
+    from nanolab.bench.harness import format_table
+
+    noisy = _result([3500, 7100], [10000, 10000], load=14.0)
+    (spread_warning, load_warning) = noisy["warnings"]
+    assert "too noisy for the ratio to mean anything" in spread_warning
+    assert "nanolab 68%" in spread_warning and "from 0.35 to 0.71" in spread_warning
+    assert "load average 14.0" in load_warning
+    steady = _result([9800, 10000, 9900], [10100, 10050, 10200])
+    assert steady["warnings"] == [] and steady["spread"]["nanolab"] < 0.03
+    assert "one round" in _result([9800], [10000])["warnings"][0]
+    table = format_table({**steady, "machine": "m", "date": "d", "steps": 9, "warmup": 2,
+                          **{k: steady["ratio"] for k in ("nanolab_window_tokens_per_s",
+                             "plain_window_tokens_per_s", "nanolab_startup_s", "plain_startup_s",
+                             "goodput")}})  # fmt: skip
+    assert "run-to-run spread (max-min)/median" in table and "the ratio can be read" in table

@@ -8,6 +8,12 @@ wall time at the end of every optimizer step; steady-state tokens/s is
 ``tokens per step / median step interval`` after ``--warmup`` steps, where nanolab's intervals
 that contain an evaluation or checkpoint are left out (those are goodput's business, reported
 separately from the run's own ``end`` record).
+
+A ratio means something only when each side is steady from round to round: the run-to-run
+spread of each side's tokens/s (max - min over the median) is reported, and above
+:data:`NOISY_SPREAD` (or with one round, or with more runnable processes than cores) the
+result says the machine is too noisy to read the ratio, instead of letting 0.35 on a loaded
+machine read as "nanolab is 3x slower".
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.runlog import read_records
+
+#: Run-to-run spread of a side's tokens/s, (max - min) / median, above which its rounds
+#: disagree too much for a ratio between the sides to mean anything.
+NOISY_SPREAD = 0.10
 
 
 @dataclass
@@ -181,11 +191,57 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def spread(stats: dict[str, float]) -> float | None:
+    """(max - min) / median of one side's rounds; None without a median."""
+    median = stats.get("median")
+    if not median or median != median:  # 0 or NaN
+        return None
+    return (stats["max"] - stats["min"]) / median
+
+
+def load_average() -> float | None:
+    """Runnable processes over the last minute (None where the platform does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def noise_warnings(res: dict[str, Any]) -> list[str]:
+    """Why the ratio cannot be read on this machine now (empty when it can)."""
+    out = []
+    if res["rounds"] < 2:
+        out.append("one round: no run-to-run spread measured, so no way to tell the ratio from "
+                   "noise; use --rounds 3 or more")  # fmt: skip
+    noisy = {
+        name: value
+        for name, value in (res.get("spread") or {}).items()
+        if value is not None and value > NOISY_SPREAD
+    }
+    if noisy:
+        said = ", ".join(f"{name} {value:.0%}" for name, value in noisy.items())
+        ratio = res["ratio"]
+        out.append(
+            f"the machine is too noisy for the ratio to mean anything: tokens/s varied between "
+            f"rounds by {said} (limit {NOISY_SPREAD:.0%}); the ratio ran from "
+            f"{ratio['min']:.2f} to {ratio['max']:.2f}. Rerun on an idle machine or with more "
+            "--rounds"
+        )
+    cores, loads = os.cpu_count() or 1, [v for v in res.get("load_avg", []) if v is not None]
+    if loads and max(loads) > cores:
+        out.append(
+            f"load average {max(loads):.1f} on {cores} cores during the bench: other processes "
+            "competed for the CPU and the timings are theirs as much as nanolab's"
+        )
+    return out
+
+
 def benchmark(
     configs: list[str], overrides: list[str], steps: int, warmup: int, rounds: int
 ) -> dict[str, Any]:
     nano: list[NanolabResult] = []
     plain: list[SideResult] = []
+    loads = [load_average()]
     with tempfile.TemporaryDirectory(prefix="nanolab-bench-") as tmp:
         work = Path(tmp)
         config_yaml: Path | None = None
@@ -206,6 +262,7 @@ def benchmark(
                 plain.append(run_plain(config_yaml, steps, warmup, work))
                 nanolab_side(r)
         predicted = predicted_peak_bytes(config_yaml) if config_yaml else None
+    loads.append(load_average())
     ratios = [n.tokens_per_s / p.tokens_per_s for n, p in zip(nano, plain, strict=True)]
     # Both sides must train the same thing: the same loss at the same step (the plain loop reads
     # its loss every 10 steps; nanolab logs every step).
@@ -215,7 +272,7 @@ def benchmark(
         for step, loss in p.losses.items()
         if step in n.losses
     ]
-    return {
+    res = {
         "configs": configs,
         "overrides": overrides,
         "steps": steps,
@@ -239,7 +296,16 @@ def benchmark(
         "rounds_detail": [
             {"nanolab": asdict(n), "plain": asdict(p)} for n, p in zip(nano, plain, strict=True)
         ],
+        "load_avg": loads,  # at the start and the end
     }
+    res["spread"] = {
+        "nanolab": spread(res["nanolab_tokens_per_s"]) if rounds > 1 else None,
+        "plain loop": spread(res["plain_tokens_per_s"]) if rounds > 1 else None,
+        "ratio": spread(res["ratio"]) if rounds > 1 else None,
+    }
+    res["warnings"] = noise_warnings(res)
+    res["noisy"] = bool(res["warnings"])
+    return res
 
 
 def _machine() -> str:
@@ -289,6 +355,16 @@ def format_table(res: dict[str, Any]) -> str:
         )
     if "import_s" in res:
         lines.append(f"{'import nanolab.training.cli, s':<34} {res['import_s']:>10.2f}")
+    spreads = res.get("spread") or {}
+    if any(v is not None for v in spreads.values()):
+        shown = ", ".join(f"{k} {v:.1%}" for k, v in spreads.items() if v is not None)
+        lines.append(f"{'run-to-run spread (max-min)/median':<34} {shown}")
+    for warning in res.get("warnings", []):
+        lines.append(f"warning: {warning}")
+    if not res.get("warnings"):
+        lines.append(
+            f"each side within {NOISY_SPREAD:.0%} from round to round: the ratio can be read"
+        )
     return "\n".join(lines)
 
 
