@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nanolab.model import registry
 from nanolab.model.config import GPTConfig
+
+# The GPT-2 parts, importable from here as before they moved to layers.py.
 from nanolab.model.layers import MLP, CausalSelfAttention, LayerNorm, RotaryEmbedding
-from nanolab.model.registry import ATTENTION, NORM, POSITION
-from nanolab.model.registry import MLP as MLPS
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "LayerNorm", "RotaryEmbedding"]
 
@@ -31,11 +32,11 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        norm = NORM.get(config.norm)
+        norm = registry.NORM.get(config.norm)
         self.ln_1 = norm(config.n_embd, config)
-        self.attn = ATTENTION.get(config.attention_variant)(config)
+        self.attn = registry.ATTENTION.get(config.attention_variant)(config)
         self.ln_2 = norm(config.n_embd, config)
-        self.mlp = MLPS.get(config.mlp)(config)
+        self.mlp = registry.MLP.get(config.mlp)(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -51,12 +52,12 @@ class GPT(nn.Module):
         self.config = config
         V = config.padded_vocab_size
         self.wte = nn.Embedding(V, config.n_embd)
-        position = POSITION.get(config.position_embedding)
+        position = registry.POSITION.get(config.position_embedding)
         # Added to the token embeddings here ("input"), or applied to q, k in attention ("qk").
         self.wpe = position(config) if position.applies_to == "input" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = NORM.get(config.norm)(config.n_embd, config)
+        self.ln_f = registry.NORM.get(config.norm)(config.n_embd, config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
