@@ -4,6 +4,8 @@ with fit, estimate and queue add; one that does not import is one error line nam
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -11,39 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import QUICKSTART, tiny_overrides, write_config
+from conftest import tiny_overrides, write_config
 
 from nanolab.cli import main
 
 PACKAGE = "nanolab_plugin_example"
-
-MODELS = '''
-from nanolab.training.module import GPTLightningModule
-
-BUILT: list[str] = []
-
-
-class SmoothedGPT(GPTLightningModule):
-    """nanolab's GPT with one setting of its own (a fork's model class)."""
-
-    def __init__(self, *args, label_smoothing: float = 0.0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.label_smoothing = label_smoothing
-        BUILT.append(f"{type(self).__name__}({label_smoothing})")
-'''
-
-DATA = f'''
-from nanolab.data.datamodule import TokenDataModule
-from {PACKAGE}.models import BUILT
-
-
-class NotedData(TokenDataModule):
-    """nanolab's token data with one setting of its own (a fork's dataset class)."""
-
-    def __init__(self, *args, note: str = "", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        BUILT.append(f"{{type(self).__name__}}({{note}})")
-'''
 
 BROKEN = """
 import nanolab_plugin_missing_dependency  # not installed: the import fails
@@ -54,19 +28,35 @@ class Model:
 """
 
 
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "## Your own model or data class"
+
+
+def forking_section() -> str:
+    text = (REPO / "docs" / "forking.md").read_text()
+    start = text.index(SECTION)
+    return text[start : text.index("\n## ", start + len(SECTION))]
+
+
 @pytest.fixture
 def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A package of one's own on sys.path (as `pip install -e .` of a fork would make it)."""
+    """The page's package (``mylab``: each ``# mylab/<file>.py`` block) and a broken one, on
+    sys.path as `pip install -e .` of a project would make them importable."""
     root = tmp_path / "src"
-    package = root / PACKAGE
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "models.py").write_text(textwrap.dedent(MODELS))
-    (package / "data.py").write_text(textwrap.dedent(DATA))
-    (package / "broken.py").write_text(textwrap.dedent(BROKEN))
+    for block in re.findall(r"```python\n(.*?)```", forking_section(), flags=re.S):
+        first = block.splitlines()[0]
+        assert first.startswith("# mylab/"), first
+        path = root / first[2:]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(block)
+    (root / "mylab" / "__init__.py").write_text("")
+    broken = root / PACKAGE
+    broken.mkdir()
+    (broken / "__init__.py").write_text("")
+    (broken / "broken.py").write_text(textwrap.dedent(BROKEN))
     monkeypatch.syspath_prepend(str(root))
-    yield package
-    for name in [m for m in sys.modules if m.startswith(PACKAGE)]:
+    yield root
+    for name in [m for m in sys.modules if m.split(".")[0] in ("mylab", PACKAGE)]:
         del sys.modules[name]
 
 
@@ -79,58 +69,56 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_fit_estimate_and_queue_take_classes_of_ones_own(
+def test_the_forking_pages_classes_work_with_fit_estimate_and_queue(
     tmp_path, char_dataset, plugin, capsys, monkeypatch
 ) -> None:
+    """docs/forking.md, "Your own model or data class": its classes and commands as written
+    (a tiny model on the prepared data given after the recipe), then what the page promises."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(REPO / "configs")
     tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    # The model by class path in YAML, the data by class path on the command line; the tiny
-    # config's plain `model: {gpt: ...}` / `data: {...}` settings carry over to both.
-    mine = write_config(
-        tmp_path / "mine.yaml",
-        {
-            "model": {
-                "class_path": f"{PACKAGE}.models.SmoothedGPT",
-                "init_args": {"label_smoothing": 0.1},
-            }
-        },
-    )
-    code, _, err = run(
-        capsys, "fit", "--config", str(QUICKSTART), "--config", str(tiny), "--config", str(mine),
-        "--data", f"{PACKAGE}.data.NotedData", "--data.note", "hi",
-    )  # fmt: skip
+    blocks = re.findall(r"```bash\n(.*?)```", forking_section(), flags=re.S)
+    commands = [shlex.split(line) for b in blocks for line in b.splitlines() if line.strip()]
+    assert [c[1] for c in commands] == ["fit", "estimate", "queue"]
+    fit, estimate, queue = (c[1:] for c in commands)
+    at = fit.index("configs/quickstart.yaml") + 1
+    fit[at:at] = ["--config", str(tiny), "--run.name", "quickstart"]
+    code, _, err = run(capsys, *fit)
     assert code == 0, err[-2000:]
-    built = sys.modules[f"{PACKAGE}.models"].BUILT
-    assert "SmoothedGPT(0.1)" in built and "NotedData(hi)" in built
-    run_dir = tmp_path / "runs" / "tiny"
+
+    run_dir = tmp_path / "runs" / "quickstart"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["model"]["class_path"] == f"{PACKAGE}.models.SmoothedGPT"
-    assert saved["model"]["init_args"]["gpt"]["n_layer"] == 2
+    assert saved["model"]["class_path"] == "mylab.models.SmoothedGPT"
+    assert saved["model"]["init_args"]["label_smoothing"] == 0.1
+    assert saved["model"]["init_args"]["gpt"]["n_layer"] == 2  # the config's settings carried over
     vocab = json.loads((char_dataset / "meta.json").read_text())["vocab_size"]
     assert saved["model"]["init_args"]["gpt"]["vocab_size"] == vocab  # filled in from the data
-    assert saved["data"]["class_path"] == f"{PACKAGE}.data.NotedData"
+    assert saved["data"]["class_path"] == "mylab.data.SubsetData"
     assert saved["data"]["init_args"]["block_size"] == 32  # follows model.gpt.block_size
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 6
-    params = sum(v.numel() for k, v in ckpt["state_dict"].items() if k != "model.lm_head.weight")
+    # The classes were the page's: the data's window plan keeps to the subset.
+    from mylab.data import SubsetData
 
-    # The estimate describes the run's model: read from its class-path config.yaml.
-    code, out, err = run(
-        capsys, "estimate", "--config", str(run_dir / "config.yaml"), "--device", "cpu", "--json"
+    data = SubsetData(**saved["data"]["init_args"])
+    assert (
+        data.window_plan(1).num_tokens
+        == 200_000
+        < json.loads((char_dataset / "meta.json").read_text())["train_tokens"]
     )
-    assert code == 0, err
-    estimate = json.loads(out)
-    assert estimate["model"]["params"] == params  # tied head: counted once
-    assert estimate["micro_batch"] == 4 and estimate["gradient_accumulation"] == 1
 
+    # The estimate describes the run's model, read from its class-path config.yaml.
+    code, out, err = run(capsys, *estimate, "--json")
+    assert code == 0, err
+    params = sum(v.numel() for k, v in ckpt["state_dict"].items() if k != "model.lm_head.weight")
+    assert json.loads(out)["model"]["params"] == params  # the tied head counted once
     # The queue parses it with the same parser and resolver.
-    db = tmp_path / "q.db"
-    code, _, err = run(capsys, "queue", "add", "--db", str(db), str(run_dir / "config.yaml"))
+    code, _, err = run(capsys, *queue)
     assert code == 0, err
     from nanolab.queue.db import QueueDB
 
-    (job,) = QueueDB(db).jobs()
-    assert job.devices == 1 and job.max_steps == 6
+    (job,) = QueueDB(tmp_path / "nanolab_queue.db").jobs()
+    assert job.name == "smoothed-again" and job.devices == 1 and job.max_steps == 6
 
 
 def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugin, capsys) -> None:
@@ -150,6 +138,6 @@ def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugi
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1, (argv, lines)
         assert f"{PACKAGE}.broken" in lines[0] and missing in lines[0], lines[0]
-    code, _, err = run(capsys, "fit", "--config", str(tiny), "--data", f"{PACKAGE}.data.Nope")
-    assert code == 2 and f"module '{PACKAGE}.data' has no class 'Nope'" in err
+    code, _, err = run(capsys, "fit", "--config", str(tiny), "--data", "mylab.data.Nope")
+    assert code == 2 and "module 'mylab.data' has no class 'Nope'" in err
     assert not (tmp_path / "runs").exists()

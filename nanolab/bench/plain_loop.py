@@ -40,7 +40,11 @@ def train(
     config: dict[str, Any], steps: int, device: torch.device, log_every: int = 10
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; return the wall time at the end of each one."""
-    model_cfg, data_cfg, trainer_cfg = config["model"], config["data"], config["trainer"]
+    from nanolab.training.resolve import resolve
+
+    # The same resolver as `nanolab fit` on one device: micro-batch, accumulation, block size.
+    resolved = resolve(config, visible_gpus=1, devices=1, num_nodes=1)
+    model_cfg, data_cfg, trainer_cfg = resolved.model_args, resolved.data_args, config["trainer"]
     torch.manual_seed(int(config.get("seed_everything") or 0))
     gpt = GPTConfig(**model_cfg["gpt"])
     model = GPT(gpt).to(device)
@@ -57,7 +61,7 @@ def train(
     )
     precision = str(trainer_cfg.get("precision", "32-true"))
     scaler = torch.amp.GradScaler(device.type, enabled=precision.startswith("16-mixed"))
-    accumulate = int(trainer_cfg.get("accumulate_grad_batches") or 1)
+    accumulate = int(resolved.accumulate or 1)
     clip = trainer_cfg.get("gradient_clip_val")
 
     dataset_dir = Path(data_cfg["dataset_dir"])
@@ -67,7 +71,7 @@ def train(
     plan = WindowPlan(
         num_tokens=int(meta["train_tokens"]),
         block_size=gpt.block_size,
-        micro_batch_size=int(data_cfg["micro_batch_size"]),
+        micro_batch_size=int(resolved.micro_batch_size or data_cfg["micro_batch_size"]),
         world_size=1,
         seed=int(data_cfg["seed"]),
     )

@@ -55,7 +55,9 @@ def _run_tokens_per_second(run_dir: Path, setup: Setup, gpu: GPU | None) -> floa
         cfg = load_config([config])
         run = cfg.get("run") or {}
         if run.get("micro_batch_size") == "auto":  # what it resolved to is in data
-            run["micro_batch_size"] = (cfg.get("data") or {}).get("micro_batch_size")
+            from nanolab.training.resolve import sections
+
+            run["micro_batch_size"] = sections(cfg)[3].get("micro_batch_size")
         past = setup_from_config(cfg)
     except Exception:  # a config this version cannot read says nothing about speed
         return None

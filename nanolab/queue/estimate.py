@@ -206,11 +206,11 @@ def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | Non
     cfg = _as_estimator_config(parsed)
     # run.micro_batch_size: null means data.micro_batch_size, an int overrides it, auto sizes
     # the micro-batch to the whole device at start-up.
-    micro = (cfg.get("run") or {}).get("micro_batch_size")
+    from nanolab.training.resolve import micro_batch_choice, sections
+
+    micro = micro_batch_choice(cfg.get("run") or {}, sections(cfg)[3])
     if micro == "auto":
         return None, "run.micro_batch_size auto fills the device"
-    if micro is None:
-        micro = (cfg.get("data") or {}).get("micro_batch_size")
     backend = _memory_backend(cfg, gpu)
     try:
         from nanolab.estimator.estimate import setup_for

@@ -219,6 +219,17 @@ class OneLineErrorParser(LightningArgumentParser):
         sys.exit(2)
 
 
+def _unwrap_union_error(err: BaseException) -> BaseException:
+    """The exception a class raised, from under jsonargparse's Union report (its cause)."""
+    while (
+        isinstance(err, ValueError)
+        and "Does not validate against any of the Union subtypes" in str(err)
+        and isinstance(err.__cause__, Exception)
+    ):
+        err = err.__cause__
+    return err
+
+
 def subclass_problem(message: str) -> str | None:
     """The setting at fault inside a ``model``/``data`` class choice, with its full key.
 
@@ -426,6 +437,15 @@ class NanolabCLI(LightningCLI):
             rank_zero_warn(plan.warning)
         return micro
 
+    def instantiate_classes(self) -> None:
+        """Build model, data and trainer; an error a class raises while being built (a bad
+        ``model.init_from``, ``model.freeze``) comes out as itself, one line, instead of inside
+        the parser's "does not validate against any of the Union subtypes" report."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            raise _unwrap_union_error(err) from None
+
     def _parse_ckpt_path(self) -> None:
         """Check a ``--ckpt_path`` file the safe way before LightningCLI opens it (it reads the
         checkpoint's hyperparameters right after parsing): a bad file is one error line."""
@@ -561,7 +581,7 @@ class NanolabCLI(LightningCLI):
                 kwargs.get("ckpt_path"),
                 self.run_dir,
                 verb,
-                has_init_from=bool(self.config[verb].model.get("init_from")),
+                has_init_from=bool(self.config[verb].model.init_args.get("init_from")),
             )
         except EvaluateError as err:
             raise RunConfigError(str(err)) from None

@@ -233,7 +233,10 @@ def micro_batch_choice(run: Mapping[str, Any], data_args: Mapping[str, Any]) -> 
     """``run.micro_batch_size`` (an integer or ``auto``) wins over ``data.micro_batch_size``."""
     choice = run.get("micro_batch_size")
     if choice is None:
-        return _whole(data_args.get("micro_batch_size", 32), "data.micro_batch_size")
+        choice = data_args.get("micro_batch_size", 32)
+        if choice == "auto":  # accepted in a raw YAML by the estimator
+            return "auto"
+        return _whole(choice, "data.micro_batch_size")
     if choice == "auto":
         return "auto"
     if isinstance(choice, int) and not isinstance(choice, bool) and choice < 1:
