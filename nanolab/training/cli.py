@@ -670,7 +670,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     from nanolab.callbacks.runlock import release_all
     from nanolab.training.quiet import quiet_lightning
 
-    quiet_lightning()  # Lightning's start-up chatter; the banner says what matters
+    quiet_lightning(argv[0] if argv else None)  # start-up chatter; the banner says what matters
     from nanolab.training import short_help
 
     if short_help.wants_short_help(argv):  # one page; Lightning's ~900 lines: --help-all

@@ -3,7 +3,7 @@
 A nanolab run prints its own banner (model, batch, devices, precision, run directory, resume
 point, estimate: :mod:`nanolab.callbacks.banner`), so these lines only push it off the screen:
 the accelerator inventory ("GPU available: False, used: False"), a cloud-logging tip, "Seed set
-to", checkpoint restore notices (the banner names the checkpoint), "`Trainer.fit` stopped:
+to", checkpoint restore notices in ``fit`` (the banner names the checkpoint), "`Trainer.fit` stopped:
 `max_steps=N` reached", a ``FutureWarning`` from Lightning's own use of a deprecated torch
 pytree class, and on CPU the expected "MFU unknown" (CPUs have no peak-FLOPs table; records
 carry ``mfu: null`` as docs/callbacks.md says). Warnings and errors of every other kind still
@@ -25,9 +25,14 @@ NOISE_PREFIXES = (
     "IPU available:",
     "LOCAL_RANK:",
     "Seed set to",
+    "`Trainer.fit` stopped:",
+)
+
+#: Restore notices: dropped for ``fit`` only, where the banner names the checkpoint;
+#: ``validate``/``test`` keep them (they say which checkpoint was evaluated).
+RESTORE_PREFIXES = (
     "Restoring states from the checkpoint",
     "Restored all states from the checkpoint",
-    "`Trainer.fit` stopped:",
 )
 
 #: Loggers those lines come from (filters on a logger only see records created there).
@@ -41,6 +46,10 @@ NOISY_LOGGERS = (
 
 
 class _DropNoise(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefixes = NOISE_PREFIXES
+
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno > logging.INFO:
             return True
@@ -48,22 +57,29 @@ class _DropNoise(logging.Filter):
             message = str(record.getMessage()).lstrip()
         except Exception:  # a malformed record is not ours to judge
             return True
-        return not message.startswith(NOISE_PREFIXES)
+        return not message.startswith(self.prefixes)
 
 
 _FILTER = _DropNoise()
 
 
-def quiet_lightning() -> bool:
+def quiet_lightning(verb: str | None = "fit") -> bool:
     """Install the filters (idempotent); False when ``NANOLAB_VERBOSE`` asks for everything."""
     if os.environ.get("NANOLAB_VERBOSE", "").strip() not in ("", "0"):
         return False
+    _FILTER.prefixes = NOISE_PREFIXES + (RESTORE_PREFIXES if verb == "fit" else ())
     for name in NOISY_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
     warnings.filterwarnings(
-        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
     )
     warnings.filterwarnings("ignore", message=r"MFU unknown \(no peak-FLOPs table for cpu")
+    # validate/test from a fit checkpoint: the run clock is attached by fit itself, not missing
+    warnings.filterwarnings(
+        "ignore", message=r"(?s)Be aware that when using `ckpt_path`.*\['RunClock'\]\.?\s*$"
+    )
     return True
