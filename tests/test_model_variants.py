@@ -274,3 +274,23 @@ def test_the_documented_command_trains_and_estimates_the_variant(
     finally:
         for mod in [m for m in sys.modules if m.split(".")[0] == "mylab"]:
             del sys.modules[mod]
+
+
+@pytest.mark.parametrize(
+    ("field", "variant"), [("norm", "rmsnorm"), ("mlp", "swiglu"), ("attention_variant", "qk_norm")]
+)
+def test_a_checkpoint_older_than_the_variant_keys_resumes_only_as_gpt2(
+    tmp_path: Path, field: str, variant: str
+) -> None:
+    """A checkpoint written before the registries existed was GPT-2's block: it resumes under
+    the defaults and is refused, by name, under another variant."""
+    from nanolab.training.resume import Candidate, ResumeError, check_same_model
+
+    old = TINY.to_dict()
+    for key in ("norm", "mlp", "attention_variant"):
+        del old[key]  # as written before the keys existed
+    cand = Candidate(path=tmp_path / "last.ckpt", step=10, nanolab={"gpt": old})
+    default = getattr(TINY, field)
+    with pytest.raises(ResumeError, match=rf"{field} '{default}' in the checkpoint vs '{variant}'"):
+        check_same_model(cand, replace(TINY, **{field: variant}).to_dict())
+    check_same_model(cand, TINY.to_dict())  # no error
