@@ -16,6 +16,7 @@ import yaml
 from conftest import tiny_overrides, write_config
 
 from nanolab.cli import main
+from nanolab.runlog import read_records
 
 PACKAGE = "nanolab_plugin_example"
 
@@ -79,8 +80,8 @@ def test_the_forking_pages_classes_work_with_fit_estimate_and_queue(
     tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     blocks = re.findall(r"```bash\n(.*?)```", forking_section(), flags=re.S)
     commands = [shlex.split(line) for b in blocks for line in b.splitlines() if line.strip()]
-    assert [c[1] for c in commands] == ["fit", "estimate", "queue"]
-    fit, estimate, queue = (c[1:] for c in commands)
+    assert [c[1] for c in commands] == ["fit", "validate", "estimate", "queue"]
+    fit, validate, estimate, queue = (c[1:] for c in commands)
     at = fit.index("configs/quickstart.yaml") + 1
     fit[at:at] = ["--config", str(tiny), "--run.name", "quickstart"]
     code, _, err = run(capsys, *fit)
@@ -106,6 +107,12 @@ def test_the_forking_pages_classes_work_with_fit_estimate_and_queue(
         == 200_000
         < json.loads((char_dataset / "meta.json").read_text())["train_tokens"]
     )
+
+    # validate rebuilds the classes from config.yaml and evaluates the run's checkpoint.
+    code, _, err = run(capsys, *validate)
+    assert code == 0, err[-2000:]
+    (record,) = read_records(run_dir / "metrics.jsonl", "val")[-1:]
+    assert record["evaluated_by"] == "nanolab validate" and record["step"] == 6
 
     # The estimate describes the run's model, read from its class-path config.yaml.
     code, out, err = run(capsys, *estimate, "--json")
