@@ -351,12 +351,23 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
+    """Each run's seed-free config, flattened, cut to the keys every run's config has: a key
+    only some logs carry was added (or removed) by another nanolab version, with a default the
+    older runs also trained with, so it must not split one experiment's seeds."""
+    flats = {s.run: flatten(json.loads(s.group)) for s in summaries if s.group is not None}
+    common = set.intersection(*(set(f) for f in flats.values())) if flats else set()
+    return {run: {k: f[k] for k in sorted(common)} for run, f in flats.items()}
+
+
 def _by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
     """Runs sharing a seed-free config, in order of first appearance (a run without a config
     is a group of its own)."""
+    configs = _common_configs(summaries)
     by_key: dict[str, list[RunSummary]] = {}
     for s in summaries:
-        by_key.setdefault(s.group if s.group is not None else f"run:{s.run}", []).append(s)
+        key = json.dumps(configs[s.run], default=str) if s.run in configs else f"run:{s.run}"
+        by_key.setdefault(key, []).append(s)
     return list(by_key.values())
 
 
@@ -381,7 +392,8 @@ def group_labels(groups: list[list[RunSummary]], max_keys: int = 4) -> list[str]
     """Each group's label: the config values that set it apart from the other groups
     (``lr=0.001, n_layer=6``); with one group, or too many differences, its run names without
     the seed suffix."""
-    configs = [flatten(json.loads(g[0].group)) if g[0].group is not None else None for g in groups]
+    common = _common_configs([g[0] for g in groups])
+    configs = [common.get(g[0].run) for g in groups]
     keys = sorted({k for c in configs if c for k in c})
     missing = object()
     varying = [

@@ -272,6 +272,23 @@ def test_an_option_added_later_with_a_null_default_does_not_split_a_group(tmp_pa
     assert group.n == 2 and group.mean_val_loss == pytest.approx(2.6)
 
 
+def test_a_key_only_newer_logs_carry_does_not_split_a_group(tmp_path: Path) -> None:
+    """Seeds queued across an upgrade that added model.gpt.norm (default layernorm): seen live,
+    a 3-seed queue split in two by the report."""
+    from nanolab.report import seed_groups
+
+    a = write_run(tmp_path, "x-s1", seed=1, losses=[3.0], vals={1: 2.5})
+    write_run(tmp_path, "x-s2", seed=2, losses=[3.0], vals={1: 2.7})
+    write_run(tmp_path, "y-s1", seed=1, lr=0.001, losses=[3.0], vals={1: 2.9})
+    lines = (a / "metrics.jsonl").read_text().splitlines()
+    start = json.loads(lines[0])
+    start["config"]["model"]["gpt"]["norm"] = "layernorm"
+    (a / "metrics.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+    summaries = [summarize_run(n, tmp_path / n) for n in ("x-s1", "x-s2", "y-s1")]
+    (group,) = seed_groups(summaries)
+    assert group.runs == ["x-s1", "x-s2"] and group.label == "lr=0.003"  # norm is no difference
+
+
 def _set_data(run_dir: Path, dataset_dir: str, vocab: int) -> None:
     """Give a hand-written run another dataset (its start record's config)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
