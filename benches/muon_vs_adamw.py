@@ -59,6 +59,35 @@ def run_one(
     }
 
 
+def optimizer_step_ms(config: Path, repeats: int = 20) -> dict[str, float]:
+    """Median wall time of one ``optimizer.step()`` on the config's model (random gradients),
+    AdamW and Muon alternating, so both see the same machine load."""
+    import statistics
+
+    import torch
+    import yaml
+
+    from nanolab.model import GPT, GPTConfig
+    from nanolab.training.optim import OptimizerConfig, build_optimizer
+
+    cfg = yaml.safe_load(config.read_text())["model"]
+    gpt = GPTConfig(**{**cfg["gpt"], "vocab_size": cfg["gpt"].get("vocab_size") or 65})
+    opts = {}
+    for name in ("adamw", "muon"):
+        model = GPT(gpt)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opts[name] = build_optimizer(model, OptimizerConfig(name=name), torch.device("cpu"))
+        opts[name].step()  # states exist from here on
+    times: dict[str, list[float]] = {name: [] for name in opts}
+    for _ in range(repeats):
+        for name, opt in opts.items():
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| optimizer | lr (swept) | val loss | tokens/s | train step time (s) | wall (s) |",
@@ -87,8 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=None, help="JSON lines (default: ROOT/results.jsonl)"
     )
+    p.add_argument("--step-only", action="store_true", help="only time one optimizer step")
     p.add_argument("extra", nargs="*", help="after --: more overrides for every run")
     args = p.parse_args(argv)
+    step_ms = optimizer_step_ms(args.config)
+    print("optimizer step (median of 20, alternating): "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in step_ms.items()), flush=True)  # fmt: skip
+    if args.step_only:
+        return 0
     root = args.root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     out = args.out or root / "results.jsonl"
