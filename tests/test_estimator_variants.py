@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nanolab.estimator import estimate_from_config
 from nanolab.estimator.activations import saved_activations
+from nanolab.estimator.derived import flops_difference
 from nanolab.estimator.measure import measure_saved
 from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
 from nanolab.estimator.numerics import numerics_for
@@ -140,3 +141,26 @@ def test_the_predicted_peak_follows_a_test_only_variant() -> None:
     real = measure_trainer_peak_cpu(cfg, 4).peak
     assert estimate.memory.peak_allocated == pytest.approx(real, rel=0.02)
     assert estimate.compute.params == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+@register_attention("test_est_two_maps_undeclared")
+class UndeclaredTwoMapAttention(CausalSelfAttention):
+    """Two score maps, but only plain attention's activation FLOPs declared (inherited)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (super().attend(q, k, v) + super().attend(2.0 * q, k, v))
+
+
+def test_undeclared_activation_matmuls_are_flagged() -> None:
+    """The estimator counts a tiny model's matmuls on fake tensors and says when the model's
+    FLOPs per token miss some; conforming models, either kernel, agree exactly."""
+    for cfg in (BASE, replace(BASE, attention="sdpa"), OURS, *BUILTIN.values()):
+        assert flops_difference(cfg) == 0.0
+    bad = replace(OURS, attention_variant="test_est_two_maps_undeclared")
+    tiny = replace(bad, vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    real = _matmul_flops_per_token(tiny) / _counted_flops_per_token(tiny) - 1
+    assert flops_difference(bad) == pytest.approx(real, abs=1e-9) and real < -0.01
+    setup = Setup(gpt=bad, precision="32-true", micro_batch_size=2)
+    estimate = estimate_from_config(setup, device="cpu", history=False, trace="auto")
+    (warning,) = [w for w in estimate.warnings if w.startswith("FLOPs per token differ")]
+    assert f"{real:+.1%}" in warning and "activation_flops_per_token" in warning

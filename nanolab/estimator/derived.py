@@ -16,6 +16,7 @@ has a batch dimension, a few tables do not), so two traces give every larger B.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from typing import Literal
 
@@ -87,3 +88,52 @@ def _traced(
         ):
             module(x)
         return sum(n for st, n in saved.items() if id(st) not in params)
+
+
+def flops_difference(gpt: GPTConfig) -> float:
+    """How far ``GPT.flops_per_token`` is from the matmuls the model really runs, relative.
+
+    A tiny model of ``gpt`` (its variants, 2 layers, 64 wide) runs a training step on fake tensors
+    under ``torch.utils.flop_counter``; the model's own figure, less 6 x the parameters that take
+    part in no matmul (norm gains, biases: the convention counts them, the counter cannot), should
+    equal the count. It does not when a module multiplies two activations (attention-like) and
+    does not declare them with ``activation_flops_per_token``. 0.0 means they agree.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nanolab.estimator.shapes import inventory, skip_random_init
+    from nanolab.model.gpt import GPT
+
+    tiny = replace(
+        gpt, vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, vocab_multiple=64
+    )
+    inv = inventory(tiny)
+    aten = torch.ops.aten
+    # The CPU flash kernel has no formula in the counter; it does what CUDA's flash kernel does.
+    kernels = {
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
+    }
+    with FakeTensorMode():
+        with skip_random_init():
+            model = GPT(tiny)
+        idx = torch.zeros(1, tiny.block_size, dtype=torch.long)
+        with FlopCounterMode(display=False, custom_mapping=kernels) as counter:
+            model(idx, idx)[1].backward()
+    no_matmul = inv.numel - inv.matmul_numel - inv.lookup_numel
+    expected = model.flops_per_token() - 6 * no_matmul
+    counted = counter.get_total_flops() / tiny.block_size
+    return expected / counted - 1
+
+
+def _sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """q k^T and scores @ v: 2 FLOPs per multiply-add, over (B, H, T, S) scores."""
+    b, h, t, d = q
+    return 2 * b * h * t * k[-2] * d + 2 * b * h * t * k[-2] * v[-1]
+
+
+def _sdpa_backward_flops(grad, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """The gradients of q, k, v and the scores: twice the forward (the counter's convention)."""
+    return 2 * _sdpa_flops(q, k, v)

@@ -172,6 +172,7 @@ def _follow_the_model(
     if trace not in ("auto", "always"):
         raise EstimateError(f"trace must be never, auto or always, got {trace!r}")
     check: dict[str, Any] = {"traced": False}
+    _check_flops(setup, check, warnings)
     try:
         if trace == "auto":
             matches, tiny_diff = model_matches_rules(setup)
@@ -234,6 +235,24 @@ def _follow_the_model(
         total=peak + ctx + frag,
         peak_phase=memory.peak_phase + " (model-derived)",
     )
+
+
+def _check_flops(setup: Setup, check: dict[str, Any], warnings: list[str]) -> None:
+    """Warn when FLOPs per token (6N + what modules declare) miss matmuls the model runs."""
+    from nanolab.estimator.derived import flops_difference
+
+    try:
+        off = flops_difference(setup.gpt)
+    except RuntimeError as err:  # an operator fake tensors cannot run
+        warnings.append(f"FLOPs check skipped: the model does not run on fake tensors ({err})")
+        return
+    check["flops_difference"] = round(off, 6)
+    if abs(off) > 1e-6:
+        warnings.append(
+            f"FLOPs per token differ by {off:+.1%} from the matmuls the model runs (counted on "
+            "fake tensors): a module that multiplies two activations declares them with "
+            "activation_flops_per_token (docs/forking.md, 'Adding a model variant')"
+        )
 
 
 def setup_for(
