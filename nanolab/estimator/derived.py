@@ -1,4 +1,6 @@
-"""Saved activations of a model part the rules do not describe, read from the real module.
+"""What the rules cannot know about a model variant, read from the real module on fake tensors:
+the activations a part saves (:func:`saved_bytes`) and whether FLOPs per token cover the matmuls
+the model runs (:func:`flops_difference`).
 
 The rules in :mod:`nanolab.estimator.activations` were written, tensor by tensor, for the GPT-2
 block (LayerNorm, causal attention, GELU MLP) and validated on GPUs too. A block made of other
