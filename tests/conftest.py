@@ -18,11 +18,23 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 torch.set_num_threads(1)
 
-# Lightning gives its loggers a StreamHandler bound to the sys.stderr of the moment it is first
-# imported. Imported here, that is the session's capture stream; imported first inside a test
-# that uses capsys, it would be that test's stream, closed afterwards, and every later Lightning
-# log line would print "--- Logging error ---" into the stderr that other tests read.
-import lightning.pytorch  # noqa: E402, F401
+
+@pytest.fixture(autouse=True)
+def _lightning_logs_to_this_tests_stderr() -> None:
+    """Point Lightning's console handlers at the current ``sys.stderr`` before each test.
+
+    Lightning gives its loggers a StreamHandler bound to whatever ``sys.stderr`` was when it was
+    first imported: in a test run, some earlier test's capture stream, closed since. Every later
+    Lightning log line would then print "--- Logging error ---" into the stderr that tests read
+    for one-line errors.
+    """
+    import logging
+    import sys
+
+    for name in ("", "lightning", "lightning.pytorch", "lightning.fabric"):  # "": the root
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.setStream(sys.stderr)
 
 
 @pytest.fixture(scope="session")
