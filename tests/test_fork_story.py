@@ -198,7 +198,12 @@ def test_the_fork_story(tmp_path: Path) -> None:
     # -- Train: prepare the text, fit on it, sample ----------------------------------------
     prepare, fit, generate = _commands(sections["Train"])
     story.run(prepare)
-    assert "prepared" not in story.run(fit + QUICK).stderr, "fit reused what prepare made"
+    # The project's callback, by class path from the installed package.
+    sample = [f"--trainer.callbacks+={PACKAGE}.callbacks.SampleText"]
+    sample += ["--trainer.callbacks.max_new_tokens", "8"]
+    done = story.run(fit + QUICK + sample)
+    assert "prepared" not in done.stderr, "fit reused what prepare made"
+    assert "--- sample at step 4 ---" in done.stdout + done.stderr
     first = read_records(project / "runs" / NAME / "metrics.jsonl", "start")[0]
     assert first["config"]["model"]["class_path"] == f"{PACKAGE}.model.Model"
     assert first["config"]["data"]["class_path"] == f"{PACKAGE}.data.Data"
