@@ -219,7 +219,13 @@ def nanogpt_command(nanogpt: Path, shape: Shape, out_dir: str) -> list[str]:
 
 def nanolab_command(shape: Shape, data: Path, runs: Path, tag: str, extra: list[str]) -> list[str]:
     """``nanolab fit`` on the quickstart recipe with the shape's settings as overrides."""
-    decay = "null" if shape.lr_decay_iters is None else str(shape.lr_decay_iters)
+    # No decay override means the recipe's own null (cosine to the last step); passing
+    # "null" explicitly is refused by the current parser for this Union field.
+    decay = (
+        []
+        if shape.lr_decay_iters is None
+        else ["--model.schedule.decay_steps", str(shape.lr_decay_iters)]
+    )
     return [
         sys.executable, "-m", "nanolab", "fit", "--config", str(QUICKSTART),
         "--run.root", str(runs), "--run.name", tag, "--run.resume", "never",
@@ -238,7 +244,7 @@ def nanolab_command(shape: Shape, data: Path, runs: Path, tag: str, extra: list[
         "--model.optimizer.weight_decay", str(shape.weight_decay),
         "--model.optimizer.betas", f"[0.9, {shape.beta2}]",
         "--model.schedule.warmup_steps", str(shape.warmup_iters),
-        "--model.schedule.decay_steps", decay,
+        *decay,
         "--model.schedule.min_lr_ratio", str(shape.min_lr / shape.learning_rate),
         *extra,
     ]  # fmt: skip

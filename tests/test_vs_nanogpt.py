@@ -83,22 +83,26 @@ def test_nanogpt_command_values_have_the_types_of_train_pys_defaults(tmp_path):
     assert char[2] == str(tmp_path / "config" / "train_shakespeare_char.py")
 
 
-def test_nanolab_command_is_a_valid_fit_config(tmp_path):
+@pytest.mark.parametrize("name", ["shakespeare_char", "quickstart"])
+def test_nanolab_command_is_a_valid_fit_config(tmp_path, name):
     """``nanolab fit`` accepts every override the bench passes; the resolved model is the
     shape's, with the quickstart recipe's GELU and padding unless --nanolab-set changes them."""
-    shape = vs.SHAPES["shakespeare_char"]
+    shape = vs.SHAPES[name]
     cmd = vs.nanolab_command(shape, tmp_path / "data", tmp_path / "runs", "t", [])
     assert cmd[1:4] == ["-m", "nanolab", "fit"]
     extra = ["--model.gpt.activation", "gelu_tanh"]
     res = run_nanolab(*cmd[3:], *extra, "--print_config", cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     cfg = yaml.safe_load(res.stdout)
-    gpt = cfg["model"]["gpt"]
-    assert (gpt["n_layer"], gpt["n_head"], gpt["n_embd"], gpt["block_size"]) == (6, 6, 384, 256)
-    assert (gpt["dropout"], gpt["activation"], gpt["vocab_multiple"]) == (0.2, "gelu_tanh", 1)
-    assert cfg["data"]["val_windows"] == 2 * shape.eval_iters * shape.batch_size
-    assert cfg["model"]["schedule"]["decay_steps"] == 5000
-    assert cfg["model"]["schedule"]["min_lr_ratio"] == pytest.approx(0.1)
+    model, data = (cfg[k].get("init_args", cfg[k]) for k in ("model", "data"))  # class-path form
+    gpt = model["gpt"]
+    arch = (gpt["n_layer"], gpt["n_head"], gpt["n_embd"], gpt["block_size"], gpt["dropout"])
+    assert arch == (shape.n_layer, shape.n_head, shape.n_embd, shape.block_size, shape.dropout)
+    assert (gpt["activation"], gpt["vocab_multiple"]) == ("gelu_tanh", 1)
+    assert data["val_windows"] == 2 * shape.eval_iters * shape.batch_size
+    assert data["micro_batch_size"] == shape.batch_size
+    assert model["schedule"]["decay_steps"] == shape.lr_decay_iters  # None: the last step
+    assert model["schedule"]["min_lr_ratio"] == pytest.approx(0.1)
     assert vs.nanolab_model_options(extra) == {"activation": "gelu_tanh", "vocab_multiple": 1}
 
 
