@@ -751,6 +751,7 @@ def test_foreign_checkpoint_starts_a_new_run_with_its_own_id(ws):
     assert _records(ws.runs / "ft", "end")[-1]["step"] == 8
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_sigterm_during_start_up_exits_75_with_an_end_record(ws):
     """Item 6: a signal right after config.yaml appears (before the handlers existed)."""
     run_dir = ws.runs / "early"

@@ -180,6 +180,7 @@ def assert_disk_full_reported(res: subprocess.CompletedProcess, run_dir: Path) -
     assert ckpt["global_step"] == 2
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_full_disk_during_a_checkpoint(tmp_path: Path, trained: Trained) -> None:
     room = 90_000  # torch's writer fails mid-file: the RuntimeError users saw before
     env = {"NANOLAB_TEST_ROOM": str(room)}

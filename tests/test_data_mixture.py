@@ -232,6 +232,7 @@ def _final(run_dir: Path) -> dict:
     return torch.load(choice.chosen.path, map_location="cpu", weights_only=True)
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_kill_and_resume_a_mixture_run_is_bit_identical(tmp_path):
     import time
 

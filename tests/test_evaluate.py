@@ -86,6 +86,7 @@ def test_test_best_picks_the_lowest_logged_validation_loss(work):
     assert record["test_loss"] == pytest.approx(vals[best_step], abs=1e-5)
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_an_untrained_model_is_refused_unless_asked_for(work):
     res = run_nanolab("validate", "--config", "tiny.yaml", "--run.name", "never-trained", cwd=work)
     assert res.returncode == 2

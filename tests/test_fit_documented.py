@@ -43,6 +43,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_sigint_preempts_with_an_async_checkpoint_that_keeps_tied_weights_shared(
     tmp_path, char_dataset
 ):
@@ -151,6 +152,7 @@ def test_max_cost_stops_the_run(tmp_path, char_dataset):
     assert end["cost"] == end["gpu_hours"] * price and end["currency"] == "USD"
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_max_wall_hours_stops_the_run(tmp_path, char_dataset):
     """``budget.max_wall_hours`` ends a 2000-step run once the next step would pass it.
 

@@ -66,6 +66,7 @@ def test_tensorboard_logger_steps_match_the_run_log(work):
     assert (run / "config.yaml").is_file() and not (run / "lightning_logs").exists()
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed")
 def test_a_missing_logger_package_is_one_line_with_the_pip_command(work):
     res = run_nanolab("fit", "--config", "tiny.yaml", "--logger", "wandb", cwd=work)

@@ -192,6 +192,7 @@ def test_a_corpus_larger_than_the_memory_cap_prepares_in_bounded_memory(tmp_path
     assert meta["train_tokens"] + meta["val_tokens"] == text_bytes + 1  # one end-of-text
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_sigkill_leaves_no_dataset_and_a_rerun_gives_the_same_bytes(tmp_path):
     src = tmp_path / "text.txt"
     src.write_text(SAMPLE * 3000)  # ~0.5 MB, chars: a second or so

@@ -87,6 +87,7 @@ def seen_env(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(run_dir.glob("env-*.json"))]
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 @pytest.mark.timeout(600)
 def test_gpus_give_each_job_its_ids_and_until_defers_what_would_end_late(
     tmp_path, char_dataset, monkeypatch

@@ -324,6 +324,7 @@ def test_ddp_two_processes_match_one_process_with_accumulation(
     _assert_same_weights(final_state(run), final_state(single_process_reference))
 
 
+@pytest.mark.slow  # 30-100 s on 2 cores; `pytest -m slow`
 def test_fsdp2_two_processes_match_one_process(tmp_path, char_dataset, single_process_reference):
     """Mutation caught: as for DDP (gradients summed over the sharding group)."""
     run = _strategy_run(
