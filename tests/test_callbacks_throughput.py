@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import pytest
@@ -96,6 +97,19 @@ def test_unknown_device_warns_once_and_reports_null(tmp_path, char_dataset):
         fit(run, char_dataset, [MetricsLog(), ThroughputMeter()], max_steps=4, eval_every=100)
     assert sum("MFU unknown" in str(w.message) for w in caught) == 1
     assert all(r["mfu"] is None for r in events(run / "metrics.jsonl", "train"))
+
+
+def test_a_second_run_in_the_same_process_starts_its_own_clock(tmp_path, char_dataset):
+    # The first run of a process counts from nanolab's import (its start-up is the run's time);
+    # a later one (notebook, test session) must not count the time since that import.
+    fit(tmp_path / "first", char_dataset, [MetricsLog()], max_steps=2, eval_every=100)
+    time.sleep(2.0)
+    began = time.monotonic()
+    fit(tmp_path / "second", char_dataset, [MetricsLog()], max_steps=2, eval_every=100)
+    took = time.monotonic() - began
+    end = events(tmp_path / "second" / "metrics.jsonl", "end")[-1]
+    assert 0 < end["elapsed_s"] <= took
+    assert 0 < end["goodput"] <= 1
 
 
 def test_override_gives_mfu_with_accumulation_and_goodput(tmp_path, char_dataset):

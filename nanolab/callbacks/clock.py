@@ -41,15 +41,25 @@ from lightning.pytorch.callbacks import Callback
 PAUSE_KINDS = ("eval", "checkpoint", "log")
 
 
-def nanolab_start_monotonic() -> float:
-    """``time.monotonic()`` when nanolab's code started in this process (first import).
+_launch_counted = False
+
+
+def launch_start_monotonic() -> float:
+    """When this run's time starts: nanolab's first import for the first run of a process.
 
     Not the process start time: under ``sh -c 'pip install ... && exec nanolab fit'`` that is
-    when the shell started, and the setup before the exec was never the run's time.
+    when the shell started, and the setup before the exec was never the run's time. Only the
+    first run of a process gets the start-up: a second run in the same process (a notebook, a
+    test session) starts when its clock does, not when nanolab was imported an hour earlier.
     """
+    global _launch_counted
+    now = time.monotonic()
+    if _launch_counted:
+        return now
+    _launch_counted = True
     import nanolab
 
-    return float(getattr(nanolab, "STARTED_MONOTONIC", time.monotonic()))
+    return min(now, float(getattr(nanolab, "STARTED_MONOTONIC", now)))
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ class RunClock(Callback):
     """The run's single timing and token-counting source (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.start_monotonic = min(time.monotonic(), nanolab_start_monotonic())
+        self.start_monotonic = launch_start_monotonic()
         self.world_size = 1
         # Totals of earlier processes of this run (restored from the checkpoint / run log).
         self.before_elapsed_s = 0.0
