@@ -479,17 +479,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
     for name in args.shape:
         shape = SHAPES[name]
-        overrides = {k: v for k, v in vars(args).items() if k in ("steps", "eval_every") and v}
-        if overrides:
-            shape = Shape(
-                **(
-                    asdict(shape)
-                    | {
-                        "steps": overrides.get("steps", shape.steps),
-                        "eval_interval": overrides.get("eval_every", shape.eval_interval),
-                    }
-                )
-            )
+        shape = with_overrides(shape, args.steps, args.eval_every, args.warmup)
         rounds: list[dict[str, SideRun]] = []
         for r in range(args.rounds):
             order = ("nanogpt", "nanolab") if r % 2 == 0 else ("nanolab", "nanogpt")
@@ -506,6 +496,14 @@ def benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         result["shapes"].append(summarize(shape, rounds))
     result["load_after"] = _load()
     return result
+
+
+def with_overrides(
+    shape: Shape, steps: int | None, eval_every: int | None, warmup: int | None
+) -> Shape:
+    """The shape with the command line's ``--steps``/``--eval-every``/``--warmup`` (None: keep)."""
+    values = {"steps": steps, "eval_interval": eval_every, "warmup": warmup}
+    return Shape(**(asdict(shape) | {k: v for k, v in values.items() if v is not None}))
 
 
 def _one_line_error(message: str) -> None:
@@ -525,6 +523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: per shape)")
     parser.add_argument("--eval-every", type=int, help="steps between evaluations")
+    parser.add_argument(
+        "--warmup", type=int, help="steps left out of the steady median (default: per shape)"
+    )
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both sides")
     parser.add_argument(
         "--nanolab-set",
@@ -541,11 +542,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.shape = args.shape or list(SHAPES)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     for name in args.shape:
-        steps = args.steps or SHAPES[name].steps
-        every = args.eval_every or SHAPES[name].eval_interval
-        if steps < 2 or every < 1 or steps <= SHAPES[name].warmup + 1:
-            parser.error(f"--steps {steps} / --eval-every {every} leave no steady steps")
+        shape = with_overrides(SHAPES[name], args.steps, args.eval_every, args.warmup)
+        if shape.steps < 2 or shape.eval_interval < 1 or shape.steps <= shape.warmup + 1:
+            parser.error(
+                f"--steps {shape.steps} / --eval-every {shape.eval_interval} / --warmup "
+                f"{shape.warmup} leave no steady steps"
+            )
     try:
         if args.work:
             work = Path(args.work)

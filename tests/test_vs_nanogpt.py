@@ -171,6 +171,8 @@ def test_summary_ratios_are_per_round_with_their_spread():
         (["--nanogpt", "/no/such/dir"], "is not a nanoGPT checkout (missing train.py"),
         (["--nanogpt", ".", "--rounds", "0"], "--rounds must be >= 1"),
         (["--nanogpt", ".", "--steps", "5"], "leave no steady steps"),
+        (["--nanogpt", ".", "--steps", "4", "--warmup", "3"], "--warmup 3 leave no steady"),
+        (["--nanogpt", ".", "--warmup", "-1"], "--warmup must be >= 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
