@@ -34,7 +34,8 @@ def _lightning_logs_to_this_tests_stderr() -> None:
     for name in ("", "lightning", "lightning.pytorch", "lightning.fabric"):  # "": the root
         for handler in logging.getLogger(name).handlers:
             if type(handler) is logging.StreamHandler:
-                handler.setStream(sys.stderr)
+                # Not setStream: it flushes the old stream first, which may be closed by now.
+                handler.stream = sys.stderr
 
 
 @pytest.fixture(scope="session")
