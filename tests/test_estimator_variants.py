@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nanolab.estimator import estimate_from_config
 from nanolab.estimator.activations import saved_activations
-from nanolab.estimator.derived import flops_difference
+from nanolab.estimator.derived import flops_difference, saved_bytes
 from nanolab.estimator.measure import measure_saved
 from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
 from nanolab.estimator.numerics import numerics_for
@@ -164,3 +164,21 @@ def test_undeclared_activation_matmuls_are_flagged() -> None:
     estimate = estimate_from_config(setup, device="cpu", history=False, trace="auto")
     (warning,) = [w for w in estimate.warnings if w.startswith("FLOPs per token differ")]
     assert f"{real:+.1%}" in warning and "activation_flops_per_token" in warning
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_measuring_gpt2s_block_gives_the_validated_rules(backend: str, precision: str) -> None:
+    """The measurement a variant's block gets, applied to GPT-2's block, equals the rules to the
+    byte, GPU kernels' differences included (fused SDPA with dropout, 1-byte masks, fp32
+    softmax and norm statistics): what a variant is measured with is what the rules know."""
+    for gpt in (
+        replace(BASE, attention="sdpa", position_embedding="rope", dropout=0.1, block_size=64),
+        replace(BASE, dropout=0.1, block_size=64),
+    ):
+        num = numerics_for(Setup(gpt=gpt, precision=precision), backend)
+        rules = saved_activations(gpt, 4, gpt.block_size, num)
+        block = sum(rules.block.values()) + rules.block_weight_copies
+        assert saved_bytes(gpt, "block", 4, gpt.block_size, num) == block
+        final = rules.head["ln_f input"] + rules.head["ln_f mean+rstd"]
+        assert saved_bytes(gpt, "final_norm", 4, gpt.block_size, num) == final

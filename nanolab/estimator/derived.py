@@ -10,9 +10,9 @@ fake tensors (shapes and dtypes only: no memory, no FLOPs) under the run's preci
 ``torch.autograd.graph.saved_tensors_hooks`` collects every storage autograd keeps for the
 backward. Views share storage and count once; parameters are model states, not activations.
 
-What it sees are CPU kernels: exact for a CPU run; on a GPU the flash kernels save their own
-set (the rules know it for the GPT-2 attention), and a dropout mask is one byte, not one
-element of the input's dtype. Sizes are affine in the micro-batch for B >= 2 (every activation
+What it runs are CPU kernels, made to save what a GPU's do where the two differ (fused SDPA
+with dropout, 1-byte dropout masks, softmax in fp32 under autocast, fp32 norm statistics): on GPT-2's block the result
+equals the GPU-validated rules (tests/test_estimator_variants.py). Sizes are affine in the micro-batch for B >= 2 (every activation
 has a batch dimension, a few tables do not), so two traces give every larger B.
 """
 
@@ -35,8 +35,18 @@ def saved_bytes(gpt: GPTConfig, part: Part, batch: int, seq_len: int, num: Numer
     :func:`nanolab.estimator.activations.saved_activations` accounts for them on their own line.
     """
     key = tuple(sorted(gpt.to_dict().items()))
-    # The module's dtype; autocast on top of fp32 parameters; the residual stream's dtype.
-    modes = (num.param == 2 and not num.weight_copies, num.weight_copies, num.resid == 2)
+    # The module's dtype; autocast on top of fp32 parameters; the residual stream's dtype; and
+    # what a GPU's kernels do differently (fused SDPA with dropout, 1-byte dropout masks, softmax
+    # in fp32 under autocast, the norms' statistics in fp32).
+    modes = (
+        num.param == 2 and not num.weight_copies,
+        num.weight_copies,
+        num.resid == 2,
+        not num.sdpa_dropout_math,
+        num.dropout_mask_bool,
+        num.softmax == 4,
+        num.ln_stats,
+    )
     if batch <= 3:
         return _traced(key, part, batch, seq_len, *modes)
     two, three = _traced(key, part, 2, seq_len, *modes), _traced(key, part, 3, seq_len, *modes)
@@ -45,10 +55,23 @@ def saved_bytes(gpt: GPTConfig, part: Part, batch: int, seq_len: int, num: Numer
 
 @lru_cache(maxsize=1024)
 def _traced(
-    key: tuple, part: Part, batch: int, seq_len: int, half: bool, autocast: bool, half_resid: bool
+    key: tuple,
+    part: Part,
+    batch: int,
+    seq_len: int,
+    half: bool,
+    autocast: bool,
+    half_resid: bool,
+    fused_dropout: bool,
+    bool_masks: bool,
+    fp32_softmax: bool,
+    stats_bytes: int,
 ) -> int:
     import torch
+    import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.weak import WeakIdKeyDictionary
 
     from nanolab.estimator.shapes import skip_random_init
@@ -65,6 +88,39 @@ def _traced(
         if st not in saved:
             saved[st] = st.nbytes()
         return t
+
+    masks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # dropout masks: storage -> numel
+    stats: WeakIdKeyDictionary = WeakIdKeyDictionary()  # norm statistics: storage -> numel
+    norms = {
+        torch.ops.aten.native_layer_norm.default: (1, 2),  # mean, rstd
+        torch.ops.aten._fused_rms_norm.default: (1,),  # rstd
+    }
+
+    class GpuKernels(TorchFunctionMode):
+        """The CPU kernels made to save what a GPU's do (docs: nanolab/estimator/numerics.py)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is F.scaled_dot_product_attention and fused_dropout:
+                # Flash / memory-efficient kernels regenerate dropout from a seed: no mask,
+                # no scores (the CPU falls back to spelled-out attention with dropout).
+                if len(args) > 3:
+                    args = (*args[:3], 0.0, *args[4:])
+                kwargs["dropout_p"] = 0.0
+            if func is F.softmax and fp32_softmax and args[0].dtype != torch.float32:
+                kwargs["dtype"] = torch.float32  # CUDA autocast runs softmax in fp32
+            return func(*args, **kwargs)
+
+    class DropoutMasks(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.native_dropout.default:
+                masks[out[1].untyped_storage()] = out[1].numel()
+            elif func is torch.ops.aten.bernoulli_.float:  # the CPU's dropout: a float mask
+                masks[out.untyped_storage()] = out.numel()
+            for i in norms.get(func, ()):  # a GPU keeps them in fp32 also for 16-bit inputs
+                stats[out[i].untyped_storage()] = out[i].numel()
+            return out
 
     previous_dtype = torch.get_default_dtype()
     with FakeTensorMode():
@@ -87,8 +143,17 @@ def _traced(
         with (
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            GpuKernels(),
+            DropoutMasks(),
         ):
             module(x)
+        if bool_masks:
+            for st, numel in masks.items():
+                if st in saved:
+                    saved[st] = numel
+        for st, numel in stats.items():
+            if st in saved:
+                saved[st] = numel * stats_bytes
         return sum(n for st, n in saved.items() if id(st) not in params)
 
 
