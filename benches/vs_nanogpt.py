@@ -18,6 +18,10 @@ code is run from there, never copied. In a scratch folder the bench
    * **steady** step time: the median interval between optimizer steps after ``--warmup``,
      leaving out steps that contain an evaluation or a checkpoint (nanoGPT's ``time`` column at
      ``log_interval=1``; nanolab's ``train`` records);
+   * **steady CPU** step time: the same median in CPU seconds. The bench samples each
+     process's CPU time (``/proc/<pid>/stat``, every 20 ms) and reads it off at every step's end
+     (nanoGPT: when its ``iter N`` line arrives; nanolab: the record's time). On a shared
+     machine a step's wall time is mostly waiting for a core; its CPU time is the work done;
    * **end to end**: wall time from launch to exit, evaluations, checkpoints and start-up
      included, and the CPU time the process used (``os.wait4``), which a busy machine disturbs
      less than wall time;
@@ -41,8 +45,11 @@ float32 on CPU without ``torch.compile``, with the same ``--threads``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
+import itertools
 import json
+import math
 import os
 import pickle
 import platform
@@ -52,9 +59,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +128,9 @@ class SideRun:
     cpu_s: float  # user + system CPU seconds of the process and its threads
     first_step_s: float | None  # launch to the end of the first optimizer step (nanolab only)
     val_loss: float | None  # the last evaluation's validation loss
+    step_cpu: list[float] = field(default_factory=list)  # CPU seconds per step (NaN: unknown)
     steady_s: float = float("nan")  # filled in by summarize()
+    steady_cpu_s: float = float("nan")  # the same median, in CPU seconds
 
 
 def steady_step_s(step_s: Sequence[float], dirty: Sequence[int], warmup: int) -> float:
@@ -132,6 +142,14 @@ def steady_step_s(step_s: Sequence[float], dirty: Sequence[int], warmup: int) ->
             f"no clean step after warmup {warmup} in {len(step_s)} steps; raise --steps"
         )
     return statistics.median(clean)
+
+
+def steady_cpu_s(step_cpu: Sequence[float], dirty: Sequence[int], warmup: int) -> float:
+    """The steady median in CPU seconds (NaN where the CPU time was not sampled)."""
+    known = [c if math.isfinite(c) else None for c in step_cpu]
+    skip = set(dirty) | {i for i, c in enumerate(known) if c is None}
+    clean = [c for i, c in enumerate(known) if i >= warmup and i not in skip and c is not None]
+    return statistics.median(clean) if clean else float("nan")
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -298,25 +316,94 @@ def nanolab_steps(records: list[dict[str, Any]]) -> tuple[list[float], list[int]
     return step_s, dirty, val
 
 
-def timed(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[float, float, int]:
-    """Run ``cmd``; return (wall seconds, CPU seconds, exit code). Output goes to ``log``."""
-    with open(log, "wb") as out:
+@dataclass
+class Timed:
+    """One process run: wall and CPU totals, CPU samples over time, stamped output lines."""
+
+    wall_s: float
+    cpu_s: float
+    returncode: int
+    samples: list[tuple[float, float]]  # (time.time(), process CPU seconds so far)
+    lines: list[tuple[float, str]]  # (time.time() when read, line)
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its threads so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> Timed:
+    """Run ``cmd`` with its output to ``log``; sample its CPU time every 20 ms meanwhile.
+
+    The samples let step intervals be measured in CPU seconds as well as in wall seconds: on a
+    shared machine a step's wall time is mostly waiting for a core, its CPU time is the work.
+    """
+    samples: list[tuple[float, float]] = []
+    lines: list[tuple[float, str]] = []
+    with open(log, "w", encoding="utf-8", errors="replace") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, errors="replace",
+        )  # fmt: skip
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append((time.time(), line))
+                out.write(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # rusage comes with the reap
+            if pid:
+                break
+            cpu = _proc_cpu_s(proc.pid)
+            if cpu is not None:
+                samples.append((time.time(), cpu))
+            time.sleep(0.02)
         wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return wall, usage.ru_utime + usage.ru_stime, proc.returncode
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        reader.join()
+    total = usage.ru_utime + usage.ru_stime
+    return Timed(wall, total, int(proc.returncode), samples, lines)
+
+
+def cpu_at(samples: Sequence[tuple[float, float]], t: float) -> float:
+    """Process CPU seconds at wall time ``t``, linearly interpolated between samples."""
+    if not samples:
+        return float("nan")
+    i = bisect.bisect_left(samples, (t, float("-inf")))
+    if i == 0:
+        return samples[0][1]
+    if i == len(samples):
+        return samples[-1][1]
+    (ta, ca), (tb, cb) = samples[i - 1], samples[i]
+    return ca + (cb - ca) * (t - ta) / (tb - ta) if tb > ta else cb
+
+
+def step_cpu_s(samples: Sequence[tuple[float, float]], ends: Sequence[float]) -> list[float]:
+    """CPU seconds of each step from its end times; step 0 (no known start) is NaN."""
+    cpu = [cpu_at(samples, t) for t in ends]
+    return [float("nan")] + [b - a for a, b in itertools.pairwise(cpu)]
 
 
 def run_nanogpt(nanogpt: Path, shape: Shape, work: Path, tag: str, env: dict[str, str]) -> SideRun:
     log = work / f"{tag}.log"
-    wall, cpu, rc = timed(nanogpt_command(nanogpt, shape, f"out-{tag}"), work, env, log)
+    run = timed(nanogpt_command(nanogpt, shape, f"out-{tag}"), work, env, log)
     text = log.read_text(errors="replace")
-    if rc != 0:
-        raise BenchError(f"nanoGPT train.py failed (exit {rc}), see {log}: {_last_line(text)}")
+    if run.returncode != 0:
+        raise BenchError(
+            f"nanoGPT train.py failed (exit {run.returncode}), see {log}: {_last_line(text)}"
+        )
     step_s, dirty, val = parse_nanogpt_log(text, shape.eval_interval)
-    return SideRun(step_s, dirty, wall, cpu, None, val)
+    ends = [t for t, line in run.lines if _ITER.match(line.strip())]
+    return SideRun(step_s, dirty, run.wall_s, run.cpu_s, None, val, step_cpu_s(run.samples, ends))
 
 
 def run_nanolab(
@@ -326,14 +413,17 @@ def run_nanolab(
 
     log = work / f"{tag}.log"
     launched = time.time()
-    wall, cpu, rc = timed(nanolab_command(shape, data, work / "runs", tag, extra), ROOT, env, log)
-    if rc != 0:
+    run = timed(nanolab_command(shape, data, work / "runs", tag, extra), ROOT, env, log)
+    if run.returncode != 0:
         text = log.read_text(errors="replace")
-        raise BenchError(f"nanolab fit failed (exit {rc}), see {log}: {_last_line(text)}")
+        raise BenchError(
+            f"nanolab fit failed (exit {run.returncode}), see {log}: {_last_line(text)}"
+        )
     records = read_records(work / "runs" / tag / "metrics.jsonl")
     step_s, dirty, val = nanolab_steps(records)
     first = next(r["time"] for r in records if r["event"] == "train") - launched
-    return SideRun(step_s, dirty, wall, cpu, first, val)
+    ends = [r["time"] for r in records if r["event"] == "train"]
+    return SideRun(step_s, dirty, run.wall_s, run.cpu_s, first, val, step_cpu_s(run.samples, ends))
 
 
 def _last_line(text: str) -> str:
@@ -355,11 +445,13 @@ def summarize(shape: Shape, rounds: list[dict[str, SideRun]]) -> dict[str, Any]:
         up, us = r["nanogpt"], r["nanolab"]
         for side in (up, us):
             side.steady_s = steady_step_s(side.step_s, side.dirty, shape.warmup)
+            side.steady_cpu_s = steady_cpu_s(side.step_cpu, side.dirty, shape.warmup)
         per_round.append(
             {
                 "nanogpt": asdict(up),
                 "nanolab": asdict(us),
                 "steady_ratio": up.steady_s / us.steady_s,
+                "steady_cpu_ratio": up.steady_cpu_s / us.steady_cpu_s,
                 "wall_ratio": up.wall_s / us.wall_s,
                 "cpu_ratio": up.cpu_s / us.cpu_s,
             }
@@ -369,6 +461,9 @@ def summarize(shape: Shape, rounds: list[dict[str, SideRun]]) -> dict[str, Any]:
         "shape": asdict(shape),
         "rounds": per_round,
         "steady_ratio": spread([p["steady_ratio"] for p in per_round]),
+        "steady_cpu_ratio": spread([p["steady_cpu_ratio"] for p in per_round]),
+        "nanogpt_steady_cpu_ms": spread([r["nanogpt"].steady_cpu_s * 1000 for r in rounds]),
+        "nanolab_steady_cpu_ms": spread([r["nanolab"].steady_cpu_s * 1000 for r in rounds]),
         "wall_ratio": spread([p["wall_ratio"] for p in per_round]),
         "cpu_ratio": spread([p["cpu_ratio"] for p in per_round]),
         "nanogpt_steady_ms": spread([r["nanogpt"].steady_s * 1000 for r in rounds]),
@@ -412,6 +507,9 @@ def format_table(res: dict[str, Any]) -> str:
             ("steady step, nanoGPT ms", "nanogpt_steady_ms", None, ".1f"),
             ("steady step, nanolab ms", "nanolab_steady_ms", None, ".1f"),
             ("steady ratio", "steady_ratio", "steady_ratio", ".3f"),
+            ("steady step CPU, nanoGPT ms", "nanogpt_steady_cpu_ms", None, ".1f"),
+            ("steady step CPU, nanolab ms", "nanolab_steady_cpu_ms", None, ".1f"),
+            ("steady CPU-time ratio", "steady_cpu_ratio", "steady_cpu_ratio", ".3f"),
             ("end-to-end wall ratio", "wall_ratio", "wall_ratio", ".3f"),
             ("end-to-end CPU-time ratio", "cpu_ratio", "cpu_ratio", ".3f"),
             ("wall, nanoGPT s", "nanogpt_wall_s", None, ".1f"),

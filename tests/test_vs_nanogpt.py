@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import math
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -142,6 +144,37 @@ def test_nanolab_step_times_leave_out_steps_holding_an_evaluation():
     assert val == 2.5 and vs.steady_step_s(step_s, dirty, warmup=1) == pytest.approx(0.5)
     with pytest.raises(vs.BenchError, match="no clean step"):
         vs.steady_step_s(step_s, dirty, warmup=10)
+
+
+def test_step_cpu_time_is_read_off_the_process_samples_at_each_step_end():
+    """CPU seconds between step ends, interpolated in the 20 ms samples of the process's CPU
+    time; the steady median leaves out warm-up, evaluation steps and unknown (NaN) steps."""
+    samples = [(10.0 + i * 0.1, 0.05 * i) for i in range(41)]  # half a core busy for 4 s
+    ends = [10.45, 11.0, 12.0, 12.5, 13.95]
+    cpu = vs.step_cpu_s(samples, ends)
+    assert math.isnan(cpu[0]) and cpu[1:] == pytest.approx([0.275, 0.5, 0.25, 0.725])
+    assert vs.cpu_at(samples, 5.0) == 0.0 and vs.cpu_at(samples, 99.0) == pytest.approx(2.0)
+    assert vs.steady_cpu_s(cpu, dirty=[3], warmup=1) == pytest.approx(0.5)
+    assert math.isnan(vs.steady_cpu_s([float("nan")] * 3, dirty=[], warmup=0))
+
+
+def test_a_child_process_is_timed_by_wall_and_cpu_with_its_lines_stamped(tmp_path):
+    """``timed`` samples a real child's CPU time while it runs; 3 busy steps of 0.15 s CPU."""
+    code = (
+        "import time\n"
+        "for i in range(3):\n"
+        "    t = time.process_time()\n"
+        "    while time.process_time() - t < 0.15: pass\n"
+        "    print('iter', i, flush=True)\n"
+        "raise SystemExit(3)"
+    )
+    run = vs.timed([sys.executable, "-c", code], tmp_path, dict(os.environ), tmp_path / "l.log")
+    assert run.returncode == 3 and run.cpu_s >= 0.45 and run.wall_s >= run.cpu_s * 0.5
+    assert (tmp_path / "l.log").read_text().count("iter") == 3
+    if Path("/proc/self/stat").exists():
+        ends = [t for t, line in run.lines if line.startswith("iter")]
+        steps = vs.step_cpu_s(run.samples, ends)[1:]
+        assert steps == pytest.approx([0.15, 0.15], abs=0.1)
 
 
 def test_summary_ratios_are_per_round_with_their_spread():
