@@ -29,6 +29,19 @@ class Model:
 """
 
 
+OTHER = """
+import lightning as L
+import torch
+
+
+class Bigram(L.LightningModule):
+    \"\"\"A model of another family: no GPTConfig.\"\"\"
+
+    def __init__(self, vocab_size: int = 65) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab_size, vocab_size)
+"""
+
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Your own model or data class"
 
@@ -55,6 +68,7 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     broken.mkdir()
     (broken / "__init__.py").write_text("")
     (broken / "broken.py").write_text(textwrap.dedent(BROKEN))
+    (broken / "other.py").write_text(textwrap.dedent(OTHER))
     monkeypatch.syspath_prepend(str(root))
     yield root
     for name in [m for m in sys.modules if m.split(".")[0] in ("mylab", PACKAGE)]:
@@ -148,3 +162,19 @@ def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugi
     code, _, err = run(capsys, "fit", "--config", str(tiny), "--data", "mylab.data.Nope")
     assert code == 2 and "module 'mylab.data' has no class 'Nope'" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_estimate_reads_a_class_path_config(tmp_path, plugin, capsys) -> None:
+    """A GPT subclass named with no settings of its own is estimated from nanolab's defaults
+    and the recipe's; a model without a GPTConfig is one line saying what the estimator needs."""
+    base = ["estimate", "--config", str(REPO / "configs" / "quickstart.yaml"), "--device", "cpu"]
+    bare = write_config(tmp_path / "bare.yaml", {"model": "mylab.models.SmoothedGPT"})
+    code, out, err = run(capsys, *base, "--config", str(bare), "--vocab-size", "65", "--json")
+    assert code == 0, err
+    code, plain_out, err = run(capsys, *base, "--vocab-size", "65", "--json")
+    assert code == 0, err
+    assert json.loads(out)["model"] == json.loads(plain_out)["model"]  # the same GPT
+    other = write_config(tmp_path / "o.yaml", {"model": {"class_path": f"{PACKAGE}.other.Bigram"}})
+    code, _, err = run(capsys, *base, "--config", str(other))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"{PACKAGE}.other.Bigram takes no gpt" in lines[0]

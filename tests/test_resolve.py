@@ -130,3 +130,44 @@ def test_estimator_and_resolver_agree(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert setup_from_config(load_config([path])) == setup
+
+
+def test_later_files_merge_as_the_fit_parser_merges_them(tmp_path: Path, capsys) -> None:
+    """``model``/``data`` are class choices when files are merged: a class path keeps the
+    settings given so far, plain settings go to the class chosen so far. The estimator's merge
+    (merge_configs) reads two files as ``nanolab fit --print_config`` does."""
+    from nanolab.cli import main
+    from nanolab.training.resolve import merge_configs
+
+    mine = {"class_path": "mylab.models.MyGPT", "init_args": {"label_smoothing": 0.1}}
+    merged = merge_configs(quickstart(), {"model": mine})
+    assert merged["model"]["class_path"] == "mylab.models.MyGPT"
+    assert merged["model"]["init_args"]["gpt"] == quickstart()["model"]["gpt"]
+    assert merged["model"]["init_args"]["label_smoothing"] == 0.1
+    again = merge_configs(merged, {"model": {"gpt": {"n_layer": 8}}})
+    assert again["model"]["class_path"] == "mylab.models.MyGPT"
+    assert again["model"]["init_args"]["gpt"]["n_layer"] == 8
+
+    # Against the real parser: the default class named by path after the recipe, then a
+    # plain setting; every merged setting is what fit prints.
+    files = [QUICKSTART, tmp_path / "a.yaml", tmp_path / "b.yaml"]
+    files[1].write_text(yaml.safe_dump({"model": DEFAULT_MODEL, "data": {"seed": 7}}))
+    files[2].write_text(yaml.safe_dump({"model": {"gpt": {"n_layer": 3}}}))
+    merged = load_config(files)
+    args = [a for f in files for a in ("--config", str(f))]
+    try:
+        code = main(["fit", *args, "--print_config"])
+    except SystemExit as stop:
+        code = stop.code
+    assert code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model_cls, model, data_cls, data = sections(printed)
+    want_model_cls, want_model, want_data_cls, want_data = sections(merged)
+    assert (model_cls, data_cls) == (want_model_cls, want_data_cls)
+    for got, want in ((model, want_model), (data, want_data)):
+        for name, value in want.items():
+            if isinstance(value, dict):
+                assert {k: got[name][k] for k in value} == value, name
+            else:
+                assert got[name] == value, name
+    assert sections(merged)[1]["gpt"]["n_layer"] == 3 and sections(merged)[3]["seed"] == 7

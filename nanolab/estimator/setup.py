@@ -158,6 +158,8 @@ def load_config(paths: Sequence[str | Path]) -> dict[str, Any]:
     """Read and merge ``--config`` files in order (later files win, dicts deep-merge)."""
     import yaml
 
+    from nanolab.training.resolve import merge_configs
+
     merged: dict[str, Any] = {}
     for path in paths:
         p = Path(path)
@@ -169,7 +171,7 @@ def load_config(paths: Sequence[str | Path]) -> dict[str, Any]:
             raise EstimateError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
         if not isinstance(data, Mapping):
             raise EstimateError(f"{path}: the top level must be a mapping of config groups")
-        merged = deep_merge(merged, data)
+        merged = merge_configs(merged, data)  # model/data: class choices, as fit merges them
     return merged
 
 
@@ -291,19 +293,25 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
     )
 
 
-def _plugin_classes(model_class: str, data_class: str) -> None:
+def _plugin_classes(model_class: str, data_class: str) -> bool:
     """Import the config's own model/data classes: their modules may register the attention,
     MLP or norm variants the config names (the estimate must describe the model the run
-    builds); one line when they do not import."""
+    builds); one line when they do not import. Returns whether the model takes ``gpt``."""
     from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL, PluginImportError, load_class
 
     try:
-        if model_class != DEFAULT_MODEL:
-            load_class(model_class, "model")
         if data_class != DEFAULT_DATA:
             load_class(data_class, "data")
+        if model_class == DEFAULT_MODEL:
+            return True
+        cls = load_class(model_class, "model")
     except PluginImportError as err:
         raise EstimateError(str(err)) from None
+    import inspect
+
+    from nanolab.training.module import GPTLightningModule
+
+    return issubclass(cls, GPTLightningModule) or "gpt" in inspect.signature(cls).parameters
 
 
 def setup_from_config(
@@ -327,11 +335,11 @@ def setup_from_config(
         model_class, model, data_class, data = sections(cfg)
     except RunConfigError as err:
         raise EstimateError(str(err)) from None
-    _plugin_classes(model_class, data_class)
+    takes_gpt = _plugin_classes(model_class, data_class)
     trainer = _section(cfg, "trainer")
     if "gpt" in model and not isinstance(model["gpt"], Mapping):
         raise EstimateError(f"'model.gpt' must be a mapping, got {type(model['gpt']).__name__}")
-    if "gpt" not in model and model_class != "nanolab.training.module.GPTLightningModule":
+    if not takes_gpt:
         raise EstimateError(
             f"model {model_class} takes no gpt settings: the estimator describes a GPT "
             "(model.init_args.gpt); give the model class a `gpt: GPTConfig` argument"

@@ -79,6 +79,41 @@ def plain_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``override`` (a later ``--config`` file) on top of ``base``, as the fit parser merges them.
+
+    Groups merge key by key and anything else is replaced, except that ``model``/``data`` are
+    class choices: a class path (``model: pkg.mod.Class`` or ``{class_path: ...}``) changes the
+    class and keeps the settings given so far, and plain settings apply to the class chosen so
+    far. The result names nanolab's own classes in the short form.
+    """
+    out = _deep_merge(base, {k: v for k, v in override.items() if k not in ("model", "data")})
+    for key, default in (("model", DEFAULT_MODEL), ("data", DEFAULT_DATA)):
+        if key not in override:
+            continue
+        old_class, old_args = section(base, key, default)
+        node = override[key]
+        if node is None:
+            out[key] = None
+            continue
+        new_class, new_args = section(override, key, default)
+        if isinstance(node, Mapping) and "class_path" not in node:
+            new_class = old_class  # settings for the class chosen so far
+        args = _deep_merge(old_args, new_args)
+        out[key] = args if new_class == default else {"class_path": new_class, "init_args": args}
+    return out
+
+
 # -- single checks -----------------------------------------------------------------------------
 def count_devices(devices: Any, accelerator: Any, visible_gpus: int | None) -> tuple[int, bool]:
     """Devices per node from ``trainer.devices``, and whether ``auto`` had to be guessed.
