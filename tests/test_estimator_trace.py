@@ -104,9 +104,9 @@ def edited_block(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     forget_models()
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_registered_variants_are_followed_without_a_trace(precision: str) -> None:
-    B = 4
+def test_registered_variants_are_followed_without_a_trace() -> None:
+    """(32-true: tests/test_estimator_variants.py, the predicted peak.)"""
+    B, precision = 4, "bf16-mixed"
     real = measure_trainer_peak_cpu(FORK, B, precision=precision).peak
     setup = Setup(gpt=FORK, precision=precision, micro_batch_size=B)
     followed = estimate_from_config(setup, device="cpu", history=False, trace="auto")
