@@ -171,3 +171,27 @@ def test_later_files_merge_as_the_fit_parser_merges_them(tmp_path: Path, capsys)
             else:
                 assert got[name] == value, name
     assert sections(merged)[1]["gpt"]["n_layer"] == 3 and sections(merged)[3]["seed"] == 7
+
+
+def test_fit_plans_auto_micro_batch_through_the_resolver(
+    tmp_path: Path, char_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run.micro_batch_size: auto`` on a device with memory (a GPU's, stood in for here): the
+    planned micro-batch and the accumulation re-derived from it are what the run uses and saves.
+    8 sequences per step and room for all of them: micro-batch 8 (not the data's 4), accumulation 1.
+    """
+    from conftest import tiny_overrides, write_config
+
+    import nanolab.training.cli as fit_cli
+    from nanolab.cli import main
+
+    monkeypatch.setattr(fit_cli, "device_memory_bytes", lambda: 8 * 2**30)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    cfg["trainer"]["accelerator"] = "auto"  # this machine's CPU; the planner sees "a device"
+    cfg["run"].update(micro_batch_size="auto", global_batch_tokens=8 * 32)
+    path = write_config(tmp_path / "auto.yaml", cfg)
+    assert main(["fit", "--config", str(QUICKSTART), "--config", str(path)]) == 0
+    saved = yaml.safe_load((tmp_path / "runs" / "tiny" / "config.yaml").read_text())
+    assert saved["data"]["micro_batch_size"] == 8
+    assert saved["trainer"]["accumulate_grad_batches"] == 1
+    assert saved["trainer"]["val_check_interval"] == cfg["run"]["eval_every_steps"]
