@@ -83,3 +83,17 @@ def test_bench_says_when_the_machine_is_too_noisy_for_the_ratio():
     # both sides drifting together (alternated rounds): a steady ratio can still be read
     drift = _result([10000, 13000, 11500], [10100, 13050, 11600])
     assert drift["spread"]["nanolab"] > 0.2 and drift["warnings"] == []
+
+
+def test_bench_resolves_the_config_before_running_anything(capsys):
+    """The benchmarked config goes through fit's resolver first, its --set overrides included:
+    a global batch that cannot divide is one line and exit 2, before any run starts."""
+    from nanolab.bench.harness import main, resolve_benchmarked
+
+    resolved = resolve_benchmarked(
+        [str(QUICKSTART)], ["--run.global_batch_tokens", "8192", "--data.micro_batch_size", "16"], 7
+    )
+    assert (resolved.micro_batch_size, resolved.accumulate, resolved.max_steps) == (16, 4, 7)
+    code = main(["--config", str(QUICKSTART), "--set=--run.global_batch_tokens=1000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "run.global_batch_tokens (1000)" in err[0]

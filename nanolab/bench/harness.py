@@ -366,6 +366,32 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) -> Any:
+    """The config both sides will train, through the resolver ``nanolab fit`` uses: a setting
+    that cannot work is one line now, not a failed run after the first round's start-up.
+
+    ``overrides`` are the ``--key value`` pairs given to fit; ``+=`` appends are left to fit.
+    """
+    import yaml
+
+    from nanolab.estimator.setup import load_config
+    from nanolab.training.resolve import merge_configs, resolve, visible_gpus
+
+    config = load_config(configs)
+    given: dict[str, Any] = {"trainer": {"max_steps": steps}, "run": {"name": "bench-0"}}
+    for key, value in zip(overrides[::2], overrides[1::2], strict=False):
+        if not key.startswith("--") or "+" in key:
+            continue
+        *groups, leaf = key[2:].split(".")
+        node = given
+        for group in groups:
+            node = node.setdefault(group, {})
+        node[leaf] = yaml.safe_load(value)
+    config = merge_configs(config, given)
+    trainer = config.get("trainer") or {}
+    return resolve(config, visible_gpus=visible_gpus(trainer.get("accelerator")))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nanolab bench",
@@ -391,6 +417,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     overrides = [part for item in args.set for part in item.split("=", 1)]
+    from nanolab.estimator.setup import EstimateError
+    from nanolab.training.resolve import RunConfigError
+
+    try:
+        resolve_benchmarked(args.config, overrides, args.steps)
+    except (EstimateError, RunConfigError) as err:
+        print(f"nanolab bench: error: {err}", file=sys.stderr)
+        return 2
     try:
         res = benchmark(args.config, overrides, args.steps, args.warmup, args.rounds)
     except RuntimeError as err:

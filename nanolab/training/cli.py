@@ -45,6 +45,7 @@ from nanolab.training.resolve import (  # noqa: F401  (gradient_accumulation: a 
     gradient_accumulation,
     plain_config,
     resolve,
+    visible_gpus,
 )
 
 
@@ -112,15 +113,6 @@ def default_run_name(stem: str) -> str:
         name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     os.environ["NANOLAB_RUN_NAME"] = name
     return name
-
-
-def _visible_gpus(trainer_cfg: Any) -> int:
-    """What ``trainer.devices: auto`` means for this process: every GPU it can see, or 1."""
-    if str(trainer_cfg.get("accelerator", "auto")) not in ("auto", "gpu", "cuda"):
-        return 1
-    import torch
-
-    return max(1, torch.cuda.device_count())
 
 
 def _data_vocab(data: Any) -> int | None:
@@ -332,7 +324,7 @@ class NanolabCLI(LightningCLI):
             from nanolab.model.hf import apply_init_from
 
             apply_init_from(model_args)
-        visible = _visible_gpus(cfg.trainer)
+        visible = visible_gpus(cfg.trainer.get("accelerator"))
         # Every setting that needs neither the data nor the device, checked before either.
         resolve(cfg, visible_gpus=visible)
         if self.subcommand == "fit" and not cfg.get("preemption", {}).get("enabled", True):

@@ -134,6 +134,16 @@ def count_devices(devices: Any, accelerator: Any, visible_gpus: int | None) -> t
     return n, False
 
 
+def visible_gpus(accelerator: Any) -> int:
+    """What ``trainer.devices: auto`` means on this machine for ``fit`` and ``bench``: every GPU
+    this process sees, or 1 (a CPU run; the one impure helper here, kept out of :func:`resolve`)."""
+    if str(accelerator or "auto") not in ("auto", "gpu", "cuda"):
+        return 1
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
 def _whole(value: Any, where: str, minimum: int = 1) -> int:
     """An integer setting (``"4"`` and ``4.0`` accepted), at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
