@@ -377,7 +377,12 @@ class NanolabCLI(LightningCLI):
             cls = load_class(data_cfg.class_path, "data")
         except PluginImportError as err:
             raise RunConfigError(str(err)) from None
-        return cls(**{k: v for k, v in data_cfg.init_args.items() if not k.startswith("__")})
+        args = {
+            key: value.as_dict() if hasattr(value, "as_dict") else value
+            for key, value in vars(data_cfg.init_args).items()
+            if not key.startswith("__")
+        }  # top-level arguments (items() would flatten nested ones into dotted keys)
+        return cls(**args)
 
     @staticmethod
     def _apply(cfg: Any, resolved: Any) -> None:
