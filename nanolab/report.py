@@ -760,7 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         type=Path,
         metavar="OUT.png",
-        help="draw train and val loss curves of the selected runs",
+        help="draw train and val loss: one colour per seed group, the mean over seeds and a "
+        "min-max band (without --run: the runs on the newest run's data and vocabulary)",
     )
     p.add_argument(
         "--x", choices=("tokens", "gpu_hours"), default="tokens", help="x axis of --plot"

@@ -66,3 +66,28 @@ def test_several_configs_and_a_sweep_times_seeds(tmp_path, char_dataset, capsys,
     header = lines.index("base+wide-lr1e-3: 2 seeds (1, 2): 2 pending")
     assert lines[header + 1].split()[1] == "base+wide-lr1e-3-s1"
     assert "base+wide-lr3e-3: 2 seeds (1, 2): 2 pending" in lines
+
+
+@pytest.mark.slow  # 18 configs parsed: ~30 s
+def test_the_sweep_commands_of_docs_queue_md_queue_what_they_say(tmp_path, capsys, monkeypatch):
+    import re
+    import shlex
+
+    from conftest import REPO
+
+    page = (REPO / "docs" / "queue.md").read_text()
+    section = page[page.index("**Several configs, sweeps.**") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
+    commands = [line for line in block.splitlines() if line.startswith("nanolab queue add")]
+    assert len(commands) == 2
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    monkeypatch.chdir(tmp_path)
+    counts = []
+    for command in commands:
+        words = shlex.split(command.split("#")[0])
+        db = tmp_path / f"q{len(counts)}.db"
+        code, _, err = queue(capsys, db, *words[2:])
+        assert code == 0, err
+        counts.append([j.name for j in QueueDB(db).jobs()])
+    assert counts[0] == [f"quickstart-lr{lr}-s{s}" for lr in ("1e-3", "3e-3") for s in (1, 2, 3)]
+    assert len(counts[1]) == 12 and counts[1][0] == "quickstart-lr1e-3-n_layer4-s1"
