@@ -20,6 +20,16 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and a shared CI box does not thrash; a test that
+    changes the thread count cannot leak it into the next one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
 def _lightning_logs_to_this_tests_stderr() -> None:
     """Point Lightning's console handlers at the current ``sys.stderr`` before each test.
 

@@ -20,16 +20,6 @@ from nanolab.estimator.setup import Setup
 from nanolab.model.config import GPTConfig
 from nanolab.model.gpt import GPT, Block
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and a shared CI box does not thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 TOLERANCE = 0.05
 
 

@@ -20,16 +20,6 @@ from nanolab.estimator.states import model_states
 from nanolab.model.config import GPTConfig
 from nanolab.model.gpt import GPT
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and a shared CI box does not thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 SMALL = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=64)
 VARIANTS = [
     SMALL,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 
 from nanolab.estimator import largest_fitting_micro_batch
 from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
@@ -21,14 +20,6 @@ from nanolab.model.config import GPTConfig
 from nanolab.training.module import GPTLightningModule
 
 TOLERANCE = 0.02
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _setup(gpt: GPTConfig, micro: int, precision: str = "32-true", accumulate: int = 1) -> Setup:

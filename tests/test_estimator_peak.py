@@ -10,22 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from nanolab.estimator.measure import measure_peak_cpu
 from nanolab.estimator.memory import estimate_memory
 from nanolab.estimator.setup import Setup
 from nanolab.model.config import GPTConfig
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and a shared CI box does not thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 TOLERANCE = 0.05
 BASE = GPTConfig(vocab_size=2000, block_size=64, n_layer=3, n_head=4, n_embd=128)

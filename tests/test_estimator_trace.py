@@ -68,14 +68,6 @@ class QKNormAttention(CausalSelfAttention):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 SHIPPED = GPTConfig(
     vocab_size=3000, block_size=96, n_layer=3, n_head=4, n_embd=192, tie_weights=False
 )

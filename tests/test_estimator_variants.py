@@ -58,14 +58,6 @@ class TwoMapAttention(CausalSelfAttention):
         return 2 * super().activation_flops_per_token(seq_len)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # attention "math": the flop counter has no formula for the CPU flash kernel.
 BASE = GPTConfig(vocab_size=500, block_size=32, n_layer=2, n_head=2, n_embd=64, attention="math")
 OURS = replace(BASE, mlp="test_est_geglu3", attention_variant="test_est_two_maps")

@@ -31,14 +31,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
 def test_a_variant_is_causal_and_learns(kwargs: dict) -> None:
     torch.manual_seed(0)
