@@ -453,3 +453,26 @@ def test_queue_md(work: Path, char_dataset: Path, capsys) -> None:
                      "next-size"], names  # fmt: skip
     code, out, _ = nanolab(capsys, nanolab_argv("nanolab queue ls"))  # the page's 08:00 ls
     assert code == 0 and "qs60: 3 seeds (1, 2, 3): 3 pending" in out, out
+
+
+@pytest.mark.slow  # three tiny 60-step jobs in processes of their own: ~60 s on 2 cores
+def test_queue_md_night(work: Path, capsys, monkeypatch) -> None:
+    """docs/queue.md's night on a CPU: the page's qs60 add (the tiny model given last), the
+    page's ``queue run --pack --device-mem 1.1GiB`` as written, then its report commands."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (add,) = [c for c in commands("queue.md") if "qs60" in c.split()]
+    argv = nanolab_argv(add)
+    argv.insert(argv.index("configs/quickstart.yaml") + 1, "tiny.yaml")
+    code, _, err = nanolab(capsys, argv)
+    assert code == 0, err[-2000:]
+    (run,) = [c for c in commands("queue.md", RUN) if c.startswith("nanolab queue run")]
+    code, out, err = nanolab(capsys, nanolab_argv(run))
+    assert code == 0, f"{run}: {err[-3000:]}{out[-3000:]}"
+    for seed in (1, 2, 3):
+        ckpt = work / "runs" / f"qs60-s{seed}" / "checkpoints" / "last.ckpt"
+        assert ckpt.exists(), (out + err)[-3000:]
+    for command in [c for c in commands("queue.md", RUN) if c.startswith("nanolab report")]:
+        code, out, err = nanolab(capsys, nanolab_argv(command))
+        assert code == 0, f"{command}: {err[-2000:]}"
+        assert "qs60" in out, out[-2000:]
+    assert (work / "loss.png").stat().st_size > 0
