@@ -476,3 +476,33 @@ def test_queue_md_night(work: Path, capsys, monkeypatch) -> None:
         assert code == 0, f"{command}: {err[-2000:]}"
         assert "qs60" in out, out[-2000:]
     assert (work / "loss.png").stat().st_size > 0
+
+
+def test_callbacks_md_queries(work: Path, capsys) -> None:
+    """docs/callbacks.md's metrics.jsonl queries (grep/jq, no nanolab command), on a real run of
+    the quickstart (tiny model, 50 steps so the every-50-steps query has a row): each prints,
+    and the final-loss one prints the last train record's loss."""
+    import shutil
+    import subprocess
+
+    if shutil.which("jq") is None:
+        pytest.skip("jq is not installed")
+    argv = ["fit", "--config", "configs/quickstart.yaml", "--config", "tiny.yaml"]
+    code, _, err = nanolab(capsys, [*argv, "--trainer.max_steps=50", "--run.eval_every_steps=25"])
+    assert code == 0, err[-2000:]
+    page = (DOCS / "callbacks.md").read_text()
+    (block,) = re.findall(r"```bash\n(.*?)```", page, flags=re.S)
+    setting, *queries = block.strip().splitlines()
+    assert setting == "L=runs/quickstart/metrics.jsonl", setting
+    printed = []
+    for query in queries:
+        done = subprocess.run(
+            ["bash", "-c", f"set -o pipefail; {setting}; {query}"],
+            capture_output=True, text=True, cwd=work, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip(), f"{query}: {done.stderr}"
+        printed.append(done.stdout)
+    records = (work / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    last = [json.loads(r) for r in records if '"event":"train"' in r][-1]
+    assert float(printed[1]) == pytest.approx(last["loss"]), printed[1]
+    assert json.loads(printed[0])["step"] == last["step"] == 50
