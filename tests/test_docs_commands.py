@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -324,11 +325,14 @@ def parse(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, comman
     elif argv[:2] == ["queue", "run"]:
         import torch
 
-        from nanolab.queue.cli import build_parser, parse_gpus, parse_until
+        from nanolab.queue.cli import build_parser, parse_gpus, parse_size, parse_until
 
         args = build_parser().parse_args(argv[1:])
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # the page's 8-GPU machine
-        assert parse_gpus(args.gpus), command
+        if args.gpus:
+            assert parse_gpus(args.gpus), command
+        if args.device_mem:
+            assert parse_size(args.device_mem, "--device-mem") > 2**30, command
         if args.until:
             parse_until(args.until)
     else:
@@ -406,7 +410,7 @@ def test_resume_md(work: Path, capsys) -> None:
     assert (work / "runs" / "my-run" / "checkpoints" / "last.ckpt").exists()
 
 
-def test_forking_md(work: Path, capsys) -> None:
+def test_forking_md(work: Path, capsys, monkeypatch) -> None:
     """docs/forking.md's ``nanolab init``: the project it writes has the README whose commands the
     page gives next (and test_fork_story.py follows)."""
     (command,) = commands("forking.md", RUN)
@@ -417,6 +421,18 @@ def test_forking_md(work: Path, capsys) -> None:
         if PLANS["forking.md"][later].startswith("run by test_fork_story.py"):
             assert later in readme, later
     assert (work / "my-lm" / "data" / "text").is_dir()  # where the page says the text goes
+    # The fork story runs the project's fit (slow); here its config parses, the project's
+    # package importable as `pip install -e .` makes it.
+    (fit,) = [
+        c for c in commands("forking.md") if c == "nanolab fit --config configs/experiment.yaml"
+    ]
+    monkeypatch.chdir(work / "my-lm")
+    monkeypatch.syspath_prepend(str(work / "my-lm" / "src"))
+    try:
+        parse(capsys, monkeypatch, fit)
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "my_lm"]:
+            del sys.modules[name]
 
 
 @pytest.mark.slow  # two fits and two plain loops in processes of their own: ~60 s on 2 cores
@@ -438,7 +454,7 @@ QUEUE_ADDS_AND_LS = [
 ]
 
 
-def test_queue_md(work: Path, char_dataset: Path, capsys) -> None:
+def test_queue_md(work: Path, char_dataset: Path, capsys, monkeypatch) -> None:
     """docs/queue.md's adds and ls as written: each add is parsed with fit's parser and queued
     (the GPT-2 recipes' data/owt is the tiny prepared dataset here)."""
     from nanolab.queue.db import QueueDB
@@ -453,6 +469,9 @@ def test_queue_md(work: Path, char_dataset: Path, capsys) -> None:
                      "next-size"], names  # fmt: skip
     code, out, _ = nanolab(capsys, nanolab_argv("nanolab queue ls"))  # the page's 08:00 ls
     assert code == 0 and "qs60: 3 seeds (1, 2, 3): 3 pending" in out, out
+    # The CPU runner the slow night test runs: here its options parse (the queue's own checks).
+    for command in [c for c in commands("queue.md", RUN) if c.startswith("nanolab queue run")]:
+        parse(capsys, monkeypatch, command)
 
 
 @pytest.mark.slow  # three tiny 60-step jobs in processes of their own: ~60 s on 2 cores
