@@ -196,6 +196,12 @@ PLANS: dict[str, dict[str, str]] = {
     },
 }
 
+#: The pages this module has a test for (``test_<page>_md``) that runs their RUN commands.
+PAGES_RUN_HERE = {
+    "estimate.md", "evaluate.md", "forking.md", "loggers.md", "performance.md", "queue.md",
+    "resume.md",
+}  # fmt: skip
+
 #: Words after which ``nanolab`` is the command a line runs.
 LAUNCHERS = {"until", "-m", "--module", "exec"}
 SBATCH_SCRIPT = "scripts/slurm/train.sbatch"
@@ -258,6 +264,8 @@ def test_every_documented_command_has_a_plan() -> None:
         for command in plans
         if not (DOCS / name).exists() or command not in page_commands(DOCS / name)
     ]
+    ran = {name for name, plans in PLANS.items() if RUN in plans.values()}
+    assert ran <= PAGES_RUN_HERE, f"no test here runs the RUN commands of {ran - PAGES_RUN_HERE}"
     assert not unplanned, "documented commands no test runs or parses:\n" + "\n".join(unplanned)
     assert not stale, "planned commands no longer on their page:\n" + "\n".join(stale)
 
