@@ -62,6 +62,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -438,6 +439,10 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
 def summarize(shape: Shape, rounds: list[dict[str, SideRun]]) -> dict[str, Any]:
     """Per-round ratios (nanoGPT / nanolab: above 1 means nanolab is faster) and their spread."""
     per_round = []
@@ -450,10 +455,10 @@ def summarize(shape: Shape, rounds: list[dict[str, SideRun]]) -> dict[str, Any]:
             {
                 "nanogpt": asdict(up),
                 "nanolab": asdict(us),
-                "steady_ratio": up.steady_s / us.steady_s,
-                "steady_cpu_ratio": up.steady_cpu_s / us.steady_cpu_s,
-                "wall_ratio": up.wall_s / us.wall_s,
-                "cpu_ratio": up.cpu_s / us.cpu_s,
+                "steady_ratio": _ratio(up.steady_s, us.steady_s),
+                "steady_cpu_ratio": _ratio(up.steady_cpu_s, us.steady_cpu_s),
+                "wall_ratio": _ratio(up.wall_s, us.wall_s),
+                "cpu_ratio": _ratio(up.cpu_s, us.cpu_s),
             }
         )
     tokens = shape.batch_size * shape.block_size
@@ -491,6 +496,7 @@ def nanolab_model_options(extra: list[str]) -> dict[str, Any]:
 def format_table(res: dict[str, Any]) -> str:
     lines = [
         f"nanolab vs nanoGPT - {res['machine']}, {res['date']}, threads {res['threads']}, "
+        f"{'concurrent' if res.get('concurrent') else 'alternating'}, "
         f"load {res['load_before']} -> {res['load_after']}, nanoGPT {res['nanogpt_commit']}",
         f"nanolab model options: {res['nanolab_model']}",
     ]
@@ -569,6 +575,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "threads": args.threads or "default",
+        "concurrent": bool(args.concurrent),
         "nanogpt_commit": _commit(nanogpt),
         "nanolab_model": nanolab_model_options(extra),
         "nanolab_set": extra,
@@ -581,16 +588,20 @@ def benchmark(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rounds: list[dict[str, SideRun]] = []
         for r in range(args.rounds):
             order = ("nanogpt", "nanolab") if r % 2 == 0 else ("nanolab", "nanogpt")
-            done: dict[str, SideRun] = {}
-            for side in order:
+
+            def one(side: str, r: int = r, name: str = name, shape: Shape = shape) -> SideRun:
                 tag = f"{name}-{side}-{r}"
                 print(f"[{time.strftime('%H:%M:%S')}] {tag} ...", file=sys.stderr, flush=True)
-                done[side] = (
-                    run_nanogpt(nanogpt, shape, work, tag, env)
-                    if side == "nanogpt"
-                    else run_nanolab(shape, data, work, tag, env, extra)
-                )
-            rounds.append(done)
+                if side == "nanogpt":
+                    return run_nanogpt(nanogpt, shape, work, tag, env)
+                return run_nanolab(shape, data, work, tag, env, extra)
+
+            if args.concurrent:  # both at once: the same background load for both
+                with ThreadPoolExecutor(2) as pool:
+                    futures = {side: pool.submit(one, side) for side in order}
+                    rounds.append({side: f.result() for side, f in futures.items()})
+            else:
+                rounds.append({side: one(side) for side in order})
         result["shapes"].append(summarize(shape, rounds))
     result["load_after"] = _load()
     return result
@@ -625,6 +636,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--warmup", type=int, help="steps left out of the steady median (default: per shape)"
     )
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both sides")
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the two sides of a round at the same time (a shared machine's load then "
+        "falls on both alike; compare CPU times, give each side its cores with --threads)",
+    )
     parser.add_argument(
         "--nanolab-set",
         action="append",
