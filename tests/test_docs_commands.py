@@ -8,11 +8,13 @@ reason (it needs a GPU, several nodes, SLURM or Docker). Parse-only means the re
 ``fit``/``validate``/``test`` print their full config (``--print_config``), ``estimate`` and
 ``queue add`` run as written (both work on a CPU), ``queue run`` goes through the queue's own
 argument parser and checks. A command added to a page later, or changed, has no plan and fails
-:func:`test_every_documented_command_has_a_plan` until it gets one.
+:func:`test_every_documented_command_has_a_plan` until it gets one. The ``$ nanolab`` transcripts of
+console/text blocks likewise: an error line shown on a page is what the command prints.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -533,3 +535,93 @@ def test_callbacks_md_queries(work: Path, capsys) -> None:
     last = [json.loads(r) for r in records if '"event":"train"' in r][-1]
     assert float(printed[1]) == pytest.approx(last["loss"]), printed[1]
     assert json.loads(printed[0])["step"] == last["step"] == 50
+
+
+# -- transcripts: ```console / ```text blocks that show a command and what it printed ------------
+
+RECORDED = "recorded output of a real run (times, losses, pids vary): shown, not compared"
+
+#: page -> transcript command (after ``$ ``, comment dropped) -> (plan, for a plan naming another
+#: test: a piece of the page's line that test asserts).
+TRANSCRIPTS: dict[str, dict[str, tuple[str, str | None]]] = {
+    "evaluate.md": {
+        "nanolab validate --config configs/quickstart.yaml --run.name never-trained": (RUN, None),
+    },
+    "guarantees.md": {
+        "nanolab fit --config configs/quickstart.yaml": (
+            elsewhere(
+                "test_adversarial.py::"
+                "test_second_launch_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over"
+            ),
+            "in use by pid",
+        ),
+    },
+    "loggers.md": {
+        "nanolab fit --config configs/quickstart.yaml --logger wandb": (
+            elsewhere(
+                "test_loggers.py::test_a_missing_logger_package_is_one_line_with_the_pip_command"
+            ),
+            "--logger wandb needs the wandb package, which is not installed: ",
+        ),
+    },
+    "queue.md": {
+        "nanolab queue add configs/quickstart.yaml --set model.gpt.n_head=5": (RUN, None),
+        "nanolab queue ls": (RECORDED, None),
+        "nanolab report runs/ --plot docs/queue-report.png": (RECORDED, None),
+        "nanolab report runs/ --compare quickstart-lr1e-3-s2 quickstart-lr3e-3-s3": (
+            RECORDED,
+            None,
+        ),
+    },
+    "tool-errors.md": {
+        "nanolab fit --config tiny.yaml --run.root /tmp/mnttest --run.name full "
+        "--checkpoint.every_n_steps 2": (
+            elsewhere("test_adversarial_tools.py::test_full_disk_during_a_checkpoint"),
+            "no space left on device writing",
+        ),
+    },
+}
+
+
+def page_transcripts(page: Path) -> list[tuple[str, str]]:
+    """``(command, the line printed after it)`` for each ``$ nanolab`` line of the page's console
+    and text blocks."""
+    found = []
+    for block in re.findall(r"```(?:console|text)\n(.*?)```", page.read_text(), flags=re.S):
+        lines = [*block.splitlines(), ""]
+        for line, after in itertools.pairwise(lines):
+            if line.startswith("$ nanolab "):
+                command = " ".join(re.sub(r"(^|\s)#.*$", "", line[2:]).split())
+                found.append((command, after))
+    return found
+
+
+def test_every_transcript_has_a_plan() -> None:
+    """Every ``$ nanolab`` transcript is compared here, asserted by a named test, or marked as a
+    recorded output; a new one fails, listed."""
+    seen = {(p.name, command) for p in DOCS.glob("*.md") for command, _ in page_transcripts(p)}
+    planned = {(page, command) for page, plans in TRANSCRIPTS.items() for command in plans}
+    assert not seen - planned, "transcripts without a plan:\n" + "\n".join(map(str, seen - planned))
+    assert not planned - seen, "planned transcripts no longer on their page:\n" + "\n".join(
+        map(str, planned - seen)
+    )
+    for page, plans in TRANSCRIPTS.items():
+        for command, (plan, fragment) in plans.items():
+            if plan.startswith("run by "):
+                module, test = plan.removeprefix("run by ").split("::")
+                source = (REPO / "tests" / module).read_text()
+                assert f"def {test}(" in source, f"docs/{page}: {plan} does not exist"
+                expected = dict(page_transcripts(DOCS / page))[command]
+                assert fragment in expected and fragment in source, (page, command, fragment)
+
+
+def test_error_transcripts_print_the_pages_line(work: Path, capsys) -> None:
+    """The error transcripts run here print, as their last stderr line, the page's line (``...``
+    stands for the directory the page leaves out)."""
+    for page, plans in TRANSCRIPTS.items():
+        shown = dict(page_transcripts(DOCS / page))
+        for command in [c for c, (plan, _) in plans.items() if plan == RUN]:
+            code, _, err = nanolab(capsys, nanolab_argv(command))
+            assert code == 2, f"{command}: {err[-2000:]}"
+            pattern = ".*".join(map(re.escape, shown[command].split("...")))
+            assert re.fullmatch(pattern, err.strip().splitlines()[-1]), (shown[command], err)
