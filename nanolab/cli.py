@@ -9,6 +9,7 @@ adding one line there.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -41,6 +42,18 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # `nanolab estimate --list-gpus --json | head`: the reader has gone, which is not an
+        # error of ours. Point stdout at /dev/null so the flush at exit does not raise again,
+        # and end as a process killed by SIGPIPE would (128 + 13), without a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
