@@ -226,16 +226,10 @@ class MLP(nn.Module):
 
 
 @register_mlp("relu2")
-class ReLU2MLP(nn.Module):
+class ReLU2MLP(MLP):
     """Linear -> ReLU(x)² -> Linear (So et al. 2021, "Primer"; modded-nanogpt, nanochat):
-    GPT-2's shapes and parameter count, a cheaper and sparser activation."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        hidden = config.mlp_ratio * config.n_embd
-        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+    GPT-2's shapes, parameter names and count (the layers are :class:`MLP`'s), a cheaper and
+    sparser activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(F.relu(self.c_fc(x)).square()))
