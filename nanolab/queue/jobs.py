@@ -110,6 +110,7 @@ def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> Par
         RunConfigError,
         check_config_files,
         model_and_data_classes,
+        nulls_as_class_settings,
         trainer_defaults,
     )
 
@@ -123,7 +124,9 @@ def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> Par
         def before_instantiate_classes(self) -> None:
             raise Parsed(self.config["fit"])
 
-    argv = ["fit", "--config", str(config), *args, f"--run.name={run_name}"]
+    argv = nulls_as_class_settings(
+        ["fit", "--config", str(config), *args, f"--run.name={run_name}"]
+    )
     try:
         check_config_files(argv)  # unreadable YAML, a model/data class that does not import
     except RunConfigError as e:

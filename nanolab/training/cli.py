@@ -658,6 +658,46 @@ USER_ERRORS = (
 )
 
 
+NULL_WORDS = ("null", "Null", "NULL", "~")
+
+
+def nulls_as_class_settings(argv: list[str]) -> list[str]:
+    """``--model.gpt.vocab_size null`` rewritten as ``--model '{"init_args": {...: null}}'``.
+
+    With ``model``/``data`` as class choices, jsonargparse (4.53) hands a nested ``null`` to the
+    class's parser as the string ``"None"``, so every ``Optional`` setting refused ``null`` on the
+    command line. The same setting given as an ``init_args`` dict merges into the chosen class
+    and keeps everything given before and after it.
+    """
+    import json
+
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, value, width = None, None, 1
+        for group in ("--model.", "--data."):
+            if arg.startswith(group) and not arg.startswith(group + "class_path"):
+                if "=" in arg:
+                    key, value = arg.split("=", 1)
+                elif i + 1 < len(argv):
+                    key, value, width = arg, argv[i + 1], 2
+                break
+        if key is None or value not in NULL_WORDS:
+            out.append(arg)
+            i += 1
+            continue
+        group, *path = key[2:].split(".")
+        if path and path[0] == "init_args":
+            path = path[1:]
+        nested: object = None
+        for part in reversed(path):
+            nested = {part: nested}
+        out += [f"--{group}", json.dumps({"init_args": nested})]
+        i += width
+    return out
+
+
 def run_lightning_cli(argv: list[str]) -> int:
     """Run ``fit``/``validate``/``test``; a bad value ends in one error line and exit code 2.
 
@@ -673,13 +713,16 @@ def run_lightning_cli(argv: list[str]) -> int:
     if short_help.wants_short_help(argv):  # one page; Lightning's ~900 lines: --help-all
         print(short_help.short_help(argv[0]))
         return 0
-    argv = short_help.full_help_argv(argv)
+    from_command_line = argv == sys.argv[1:]
+    argv = nulls_as_class_settings(short_help.full_help_argv(argv))
+    if from_command_line:
+        sys.argv[1:] = argv  # LightningCLI reads them there (it warns when given both)
     try:
         check_config_files(argv)
         cli = NanolabCLI(
             **model_and_data_classes(),
             # args=None lets LightningCLI read sys.argv itself (it warns when given both).
-            args=None if argv == sys.argv[1:] else argv,
+            args=None if from_command_line else argv,
             trainer_defaults=trainer_defaults(),
             save_config_kwargs={"overwrite": True},
             seed_everything_default=1337,
