@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanolab.model.config import GPTConfig
+
+if TYPE_CHECKING:
+    import lightning as L
 
 
 @dataclass
@@ -54,7 +58,6 @@ def measure_trainer_peak_cpu(
     ``zero_grad`` placement). Three steps: the first creates the optimizer states, the second
     and third run with everything a long run holds.
     """
-    import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.data import DataLoader, TensorDataset
@@ -84,20 +87,7 @@ def measure_trainer_peak_cpu(
         def on_train_end(self, trainer, pl_module) -> None:
             prof.stop()
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision=precision,
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[_Profile()],
-    )
+    trainer = _measuring_trainer("cpu", precision, steps, accumulate, _Profile())
     trainer.fit(module, train_dataloaders=loader)
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
@@ -134,7 +124,6 @@ def measure_trainer_peak_cuda(
     what the allocator reserved: the CUDA/ROCm context, kernels and library workspaces that the
     estimator's framework-overhead constant stands for.
     """
-    import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -164,8 +153,20 @@ def measure_trainer_peak_cuda(
             seen["reserved"] = torch.cuda.max_memory_reserved()
             seen["outside"] = total - free - torch.cuda.memory_reserved()
 
-    trainer = L.Trainer(
-        accelerator="gpu",
+    trainer = _measuring_trainer("gpu", precision, steps, accumulate, _Stats())
+    trainer.fit(module, train_dataloaders=loader)
+    return TrainerPeakCuda(seen["allocated"], seen["reserved"], seen["outside"])
+
+
+def _measuring_trainer(
+    accelerator: str, precision: str, steps: int, accumulate: int, callback: L.Callback
+) -> L.Trainer:
+    """A bare one-device Trainer for ``steps`` training steps: no logger, checkpoints,
+    validation, bar or summary, so what ``callback`` measures is the training step alone."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator=accelerator,
         devices=1,
         precision=precision,
         max_steps=steps,
@@ -176,7 +177,5 @@ def measure_trainer_peak_cuda(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[_Stats()],
+        callbacks=[callback],
     )
-    trainer.fit(module, train_dataloaders=loader)
-    return TrainerPeakCuda(seen["allocated"], seen["reserved"], seen["outside"])
