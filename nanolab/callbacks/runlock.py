@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
+from nanolab.processes import pid_alive
 
 LOCK_NAME = ".nanolab.lock"
 #: Environment variable through which a holder hands its token to the ranks it launches.
@@ -262,12 +263,5 @@ def _live_holder_elsewhere(path: Path) -> bool:
 
 
 def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """A holder's ``pid`` as read from its JSON: only a positive int can name a live process."""
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid_alive(pid)

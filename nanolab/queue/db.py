@@ -31,6 +31,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from nanolab.processes import pid_alive
+
 DEFAULT_DB = "nanolab_queue.db"
 SCHEMA_VERSION = 2
 
@@ -507,23 +509,6 @@ def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
     problems = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
     if problems != ["ok"]:
         raise QueueError(unusable_db(path, f"is damaged (sqlite quick_check: {problems[0]})"))
-
-
-def pid_alive(pid: int | None) -> bool:
-    """Whether a process with ``pid`` exists on this machine (zombies count as gone)."""
-    if not pid or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:  # a zombie has exited; only its parent has not reaped it yet
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def runner_alive(runner: dict[str, Any] | None, stale_s: float) -> bool:
