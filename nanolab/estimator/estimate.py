@@ -14,7 +14,13 @@ from typing import Any
 
 from nanolab.estimator.compute import ComputeEstimate, estimate_compute
 from nanolab.estimator.gpus import GPU, get_gpu, parse_memory
-from nanolab.estimator.memory import DEFAULT_FRAGMENTATION, Line, MemoryEstimate, estimate_memory
+from nanolab.estimator.memory import (
+    DEFAULT_FRAGMENTATION,
+    Line,
+    MemoryEstimate,
+    estimate_memory,
+    fragmentation_line,
+)
 from nanolab.estimator.numerics import Backend
 from nanolab.estimator.recommend import (
     Switch,
@@ -213,15 +219,7 @@ def _follow_the_model(
     lines = [ln for ln in memory.lines if ln.key not in ("context", "fragmentation")]
     lines.append(extra)
     lines += [ln for ln in memory.lines if ln.key == "context"]
-    lines.append(
-        Line(
-            "fragmentation",
-            f"allocator fragmentation margin ({fragmentation:.0%})",
-            frag,
-            "of peak allocated",
-            in_peak=False,
-        )
-    )
+    lines.append(fragmentation_line(fragmentation, frag))
     if abs(delta) > 0.02 * memory.peak_allocated:
         warnings.append(
             f"the model differs from the one the rules describe ({delta / 2**20:+,.1f} MiB, "

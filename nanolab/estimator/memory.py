@@ -154,15 +154,7 @@ def estimate_memory(
             in_peak=False,
         )
     )
-    lines.append(
-        Line(
-            "fragmentation",
-            f"allocator fragmentation margin ({fragmentation:.0%})",
-            frag,
-            "of peak allocated",
-            in_peak=False,
-        )
-    )
+    lines.append(fragmentation_line(fragmentation, frag))
     return MemoryEstimate(
         lines=lines,
         peak_allocated=peak,
@@ -410,3 +402,14 @@ def _temp_note(setup: Setup) -> str:
     if setup.optimizer == "muon":
         return "Muon: Newton-Schulz on the largest matrix, in bf16"
     return "foreach AdamW: one state-sized buffer"
+
+
+def fragmentation_line(fragmentation: float, frag: int) -> Line:
+    """The margin line added on top of the peak for the allocator's fragmentation."""
+    return Line(
+        "fragmentation",
+        f"allocator fragmentation margin ({fragmentation:.0%})",
+        frag,
+        "of peak allocated",
+        in_peak=False,
+    )
