@@ -16,8 +16,8 @@ from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.optim import (
     OptimizerConfig,
     ScheduleConfig,
-    WarmupCosine,
     build_optimizer,
+    lr_schedule,
 )
 
 CHECKPOINT_KEY = "nanolab"
@@ -163,13 +163,9 @@ class GPTLightningModule(L.LightningModule):
             cpu_offload=offload,
             sharded=shards_parameters(strategy),
         )
-        s = self.schedule_config
-        decay_steps = s.decay_steps
-        if decay_steps is None:
-            max_steps = self.trainer.max_steps if self._trainer is not None else -1
-            decay_steps = max_steps if max_steps and max_steps > 0 else 10_000
+        max_steps = self.trainer.max_steps if self._trainer is not None else -1
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            opt, WarmupCosine(s.warmup_steps, decay_steps, s.min_lr_ratio)
+            opt, lr_schedule(self.schedule_config, max_steps)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

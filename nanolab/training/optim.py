@@ -193,6 +193,16 @@ class WarmupCosine:
         return self.min_ratio + 0.5 * (1.0 - self.min_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+def lr_schedule(schedule: ScheduleConfig, max_steps: int | None) -> WarmupCosine:
+    """The LR multiplier a run with ``trainer.max_steps`` trains with (``decay_steps`` null: the
+    cosine ends at ``max_steps``, or at 10,000 steps when the run is unbounded). One place, so
+    the loss forecast reads the schedule the run really follows."""
+    decay_steps = schedule.decay_steps
+    if decay_steps is None:
+        decay_steps = max_steps if max_steps and max_steps > 0 else 10_000
+    return WarmupCosine(schedule.warmup_steps, decay_steps, schedule.min_lr_ratio)
+
+
 def parameter_groups(model: nn.Module, weight_decay: float, exclude: Any = ()) -> list[dict]:
     """Two groups: matrices decay, vectors (biases, norm gains) do not. Tied weights appear once.
 
