@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 torch.set_num_threads(1)
+
+# The estimator remembers model facts on disk between launches (nanolab/estimator/facts_cache.py);
+# the suite's CLI runs get a cache of their own, not the user's ~/.cache.
+os.environ.setdefault(
+    "NANOLAB_ESTIMATOR_CACHE", tempfile.mkdtemp(prefix="nanolab-estimator-cache-")
+)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from nanolab.model import GPT, ConfigError, GPTConfig
-from nanolab.model.registry import ATTENTION, MLP, NORM, POSITION, register_norm
+from nanolab.model.registry import ATTENTION, MLP, NORM, POSITION, register_mlp, register_norm
 
 TINY = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -291,3 +292,39 @@ def test_a_checkpoint_older_than_the_variant_keys_resumes_only_as_gpt2(
     with pytest.raises(ResumeError, match=rf"{field} '{default}' in the checkpoint vs '{variant}'"):
         check_same_model(cand, replace(TINY, **{field: variant}).to_dict())
     check_same_model(cand, TINY.to_dict())  # no error
+
+
+def test_built_in_names_known_without_torch_are_what_layers_registers() -> None:
+    """The registries name the built-ins (and which check the config) before
+    nanolab.model.layers is imported; that list must be exactly what layers registers."""
+    import nanolab.model.layers  # noqa: F401  (registers the built-ins)
+    from nanolab.model import registry
+
+    for reg in (registry.ATTENTION, registry.MLP, registry.NORM, registry.POSITION):
+        registered = {n: c for n, c in reg._classes.items() if c.__module__ == registry.BUILTINS}
+        assert set(registered) == set(reg.builtins), reg.kind
+        for name, cls in registered.items():
+            assert hasattr(cls, "validate_config") == reg.builtins[name], (reg.kind, name)
+
+
+def test_a_config_of_built_in_parts_validates_without_torch() -> None:
+    code = (
+        "import sys; from nanolab.model.config import GPTConfig, ConfigError\n"
+        "GPTConfig(vocab_size=50, norm='rmsnorm', mlp='swiglu', attention_variant='qk_norm')\n"
+        "try:\n    GPTConfig(vocab_size=50, norm='nope')\nexcept ConfigError as e:\n"
+        "    assert 'rmsnorm' in str(e)\nelse:\n    raise SystemExit('not refused')\n"
+        "assert 'torch' not in sys.modules\n"
+        # RoPE checks the head size: that one name loads the built-ins (and torch).
+        "GPTConfig(vocab_size=50, position_embedding='rope')\nassert 'torch' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_built_in_name_cannot_be_taken_by_another_class() -> None:
+    from torch import nn
+
+    with pytest.raises(ValueError, match="built-in"):
+
+        @register_mlp("gelu")
+        class NotTheBuiltIn(nn.Module):
+            pass

@@ -166,6 +166,12 @@ def flops_difference(gpt: GPTConfig) -> float:
     equal the count. It does not when a module multiplies two activations (attention-like) and
     does not declare them with ``activation_flops_per_token``. 0.0 means they agree.
     """
+    from nanolab.estimator.facts_cache import remembered
+
+    return remembered("flops_difference", gpt, None, lambda: _counted_flops_difference(gpt))
+
+
+def _counted_flops_difference(gpt: GPTConfig) -> float:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode

@@ -2,7 +2,8 @@
 
 The estimator keeps no copy of the model: it builds ``GPT(config)`` on the meta device (shapes,
 no storage, the random initialisation skipped: ~0.1 s for GPT-2 XL) and reads what it needs,
-once per config. So a registered variant (:mod:`nanolab.model.registry`) or a fork's edit of
+once per config (and remembers it on disk for the next launch:
+:mod:`nanolab.estimator.facts_cache`). So a registered variant (:mod:`nanolab.model.registry`) or a fork's edit of
 ``nanolab/model/gpt.py`` changes the estimate the moment it changes the model: parameter names,
 shapes and which of them are matmul weights; buffers; FLOPs per token from
 ``GPT.flops_per_token`` (6 per parameter plus what modules declare with
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from nanolab.estimator.facts_cache import remembered
 from nanolab.model.config import GPTConfig
 
 if TYPE_CHECKING:
@@ -136,6 +138,33 @@ def _model(key: tuple) -> nn.Module:
 
 @lru_cache(maxsize=64)
 def _read(key: tuple) -> Inventory:
+    return remembered(
+        "inventory", GPTConfig(**dict(key)), None, lambda: _read_model(key), _to_json, _from_json
+    )
+
+
+def _to_json(inv: Inventory) -> dict[str, Any]:
+    return {
+        "tensors": [[t.name, list(t.shape), t.matmul, t.block, t.lookup] for t in inv.tensors],
+        "buffer_numel": inv.buffer_numel,
+        "block_parts": [list(part) for part in inv.block_parts],
+        "final_norm": inv.final_norm,
+    }
+
+
+def _from_json(data: dict[str, Any]) -> Inventory:
+    return Inventory(
+        tensors=tuple(
+            Tensor(name, tuple(shape), matmul, block, lookup)
+            for name, shape, matmul, block, lookup in data["tensors"]
+        ),
+        buffer_numel=data["buffer_numel"],
+        block_parts=tuple((name, cls) for name, cls in data["block_parts"]),
+        final_norm=data["final_norm"],
+    )
+
+
+def _read_model(key: tuple) -> Inventory:
     from torch import nn
 
     model = _model(key)
@@ -157,8 +186,11 @@ def _read(key: tuple) -> Inventory:
 
 @lru_cache(maxsize=256)
 def _flops(key: tuple, seq_len: int | None) -> tuple[int, int]:
-    model = _model(key)
-    return model.flops_per_token(seq_len), model.recompute_flops_per_token(seq_len)
+    def read() -> tuple[int, int]:
+        model = _model(key)
+        return model.flops_per_token(seq_len), model.recompute_flops_per_token(seq_len)
+
+    return remembered("flops", GPTConfig(**dict(key)), seq_len, read, list, tuple)
 
 
 def _key(gpt: GPTConfig) -> tuple:

@@ -136,7 +136,7 @@ class GPTConfig:
             name = getattr(self, reg.field)
             if not isinstance(name, str) or name not in reg:
                 raise ConfigError(reg.unknown(name))
-            check = getattr(reg.get(name), "validate_config", None)
+            check = reg.config_check(name)
             if check is not None:
                 check(self)
 

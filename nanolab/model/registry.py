@@ -13,14 +13,17 @@ source. A new variant is one class with one decorator, in any module::
 Registration happens when that module is imported; docs/forking.md ("Adding a model variant")
 shows how a project makes sure it is imported before the config is read. This module imports no
 torch: the built-in variants live in :mod:`nanolab.model.layers`, which is imported the first
-time a registry is read.
+time a class is asked for. Each registry also knows its built-in names (and which of them check
+the config) without that import, so validating a config of built-in parts — what ``nanolab
+estimate`` does for the stock recipes — costs no torch import; a test checks those names against
+what ``layers`` registers.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -35,11 +38,14 @@ class Registry:
     Args:
         kind: What the classes are (``"attention"``), for messages.
         field: The ``model.gpt`` field that names one (``"attention_variant"``), for messages.
+        builtins: The names :mod:`nanolab.model.layers` registers, each with whether its class
+            has a ``validate_config`` (known here so those names validate without torch).
     """
 
-    def __init__(self, kind: str, field: str) -> None:
+    def __init__(self, kind: str, field: str, builtins: Mapping[str, bool]) -> None:
         self.kind = kind
         self.field = field
+        self.builtins = dict(builtins)
         self._classes: dict[str, type] = {}
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
@@ -53,6 +59,11 @@ class Registry:
             raise ValueError(f"a {self.kind} name must be an identifier, got {name!r}")
 
         def add(cls: type[T]) -> type[T]:
+            if name in self.builtins and cls.__module__ != BUILTINS:
+                raise ValueError(
+                    f"{self.kind} {name!r} is a built-in variant ({BUILTINS}); "
+                    f"pick another name for {_qualname(cls)}"
+                )
             have = self._classes.get(name)
             if have is not None and _qualname(have) != _qualname(cls):
                 raise ValueError(
@@ -66,8 +77,7 @@ class Registry:
 
     def names(self) -> list[str]:
         """Registered names, built-ins first, in registration order."""
-        _load_builtins()
-        return list(self._classes)
+        return list(self.builtins) + [n for n in self._classes if n not in self.builtins]
 
     def get(self, name: str) -> type:
         """The class registered as ``name``; an unknown name lists the registered ones."""
@@ -86,9 +96,17 @@ class Registry:
             f"is imported (docs/forking.md, 'Adding a model variant')"
         )
 
+    def config_check(self, name: str) -> Callable[[Any], None] | None:
+        """The ``validate_config`` of the class registered as ``name``, if it has one.
+
+        A built-in without one answers without importing the built-ins (and torch).
+        """
+        if self.builtins.get(name) is False:
+            return None
+        return getattr(self.get(name), "validate_config", None)
+
     def __contains__(self, name: object) -> bool:
-        _load_builtins()
-        return name in self._classes
+        return name in self.builtins or name in self._classes
 
 
 def _qualname(cls: type) -> str:
@@ -102,10 +120,11 @@ def _load_builtins() -> None:
         importlib.import_module(BUILTINS)
 
 
-ATTENTION = Registry("attention", "attention_variant")
-MLP = Registry("MLP", "mlp")
-NORM = Registry("normalization", "norm")
-POSITION = Registry("position encoding", "position_embedding")
+# Built-in names -> whether the class checks the config (RoPE needs an even head size).
+ATTENTION = Registry("attention", "attention_variant", {"causal": False, "qk_norm": False})
+MLP = Registry("MLP", "mlp", {"gelu": False, "relu2": False, "swiglu": False})
+NORM = Registry("normalization", "norm", {"layernorm": False, "rmsnorm": False})
+POSITION = Registry("position encoding", "position_embedding", {"learned": False, "rope": True})
 
 register_attention = ATTENTION.register
 register_mlp = MLP.register
