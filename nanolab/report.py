@@ -785,6 +785,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LOSS",
         help="with the forecast: tokens, GPU-hours and cost to reach this val loss",
     )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="fit L(N, D) = E + A/N^alpha + B/D^beta over finished runs of >= 3 model sizes "
+        "(docs/scaling.md)",
+    )
+    p.add_argument(
+        "--gpu-hours",
+        type=float,
+        metavar="H",
+        help="with --scaling: the compute-optimal model size and tokens for H GPU-hours",
+    )
     return p
 
 
@@ -951,6 +963,21 @@ def _sort(summaries: list[RunSummary], spec: str) -> list[RunSummary]:
     return sorted(present, key=lambda s: getattr(s, key), reverse=desc) + absent
 
 
+def _scaling(args: argparse.Namespace, selected: list[tuple[str, Path]]) -> tuple[Any, Any]:
+    """``--scaling`` / ``--gpu-hours``: the fit's text and data (None, None when not asked)."""
+    if not args.scaling and args.gpu_hours is None:
+        return None, None
+    if args.gpu_hours is not None and not (math.isfinite(args.gpu_hours) and args.gpu_hours > 0):
+        raise ReportError(f"--gpu-hours {args.gpu_hours}: give a positive number, e.g. 100")
+    from nanolab.scaling_fit import ScalingError, points_from_runs, scaling_report
+
+    points, _ = points_from_runs(selected)
+    try:
+        return scaling_report(points, args.gpu_hours)
+    except ScalingError as err:
+        raise ReportError(f"--scaling: {err}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     roots = args.runs_dirs or [Path("runs")]
@@ -977,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
         run_fc, group_fc = (
             forecasts(selected, groups, args.target_loss) if want_forecast else ({}, {})
         )
+        scaling_text, scaling_data = _scaling(args, selected)
         if args.plot is not None:
             dirs = dict(selected)
             plotted, left_out = summaries, 0
@@ -996,12 +1024,16 @@ def main(argv: list[str] | None = None) -> int:
         if want_forecast:
             payload["forecasts"] = {k: asdict(v) for k, v in run_fc.items()}
             payload["group_forecasts"] = {k: asdict(v) for k, v in group_fc.items()}
+        if scaling_data is not None:
+            payload["scaling"] = scaling_data
         print(json.dumps(payload, indent=2, default=str))
     else:
         print(format_table(summaries, groups))
         if want_forecast:
             ordered = {s.run: run_fc[s.run] for s in summaries}
             print(format_forecasts(ordered, group_fc, args.target_loss))
+        if scaling_text is not None:
+            print(scaling_text)
     if args.plot is not None:
         note = ""
         if left_out:
