@@ -83,6 +83,8 @@ def test_run_micro_batch_wins_and_auto_waits_for_the_caller() -> None:
         ({"trainer": {"max_steps": 0}}, None, "trainer.max_steps must be a positive"),
         ({"trainer": {"devices": "two"}}, None, "trainer.devices must be an integer"),
         ({"run": {"micro_batch_size": 0}}, None, "run.micro_batch_size must be >= 1"),
+        # The data's windows follow the model's context: another value is refused, not replaced.
+        ({"data": {"block_size": 64}}, None, "data.block_size (64) differs from model.gpt"),
     ],
 )
 def test_settings_that_cannot_work_name_their_key(overrides, data_vocab, message) -> None:
@@ -195,3 +197,9 @@ def test_fit_plans_auto_micro_batch_through_the_resolver(
     assert saved["data"]["micro_batch_size"] == 8
     assert saved["trainer"]["accumulate_grad_batches"] == 1
     assert saved["trainer"]["val_check_interval"] == cfg["run"]["eval_every_steps"]
+
+
+def test_data_block_size_left_out_or_equal_follows_the_model() -> None:
+    assert resolve(quickstart(), visible_gpus=1).data_args["block_size"] == 128
+    same = quickstart(data={"block_size": 128})
+    assert resolve(same, visible_gpus=1).data_args["block_size"] == 128

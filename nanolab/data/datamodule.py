@@ -152,7 +152,9 @@ class TokenDataModule(L.LightningDataModule):
         bpe_vocab_size: Vocabulary size of a locally trained BPE tokenizer.
         val_fraction: Share of the token stream held out for validation (when preparing).
         micro_batch_size: Sequences per device per forward pass.
-        block_size: Tokens per sequence; ``nanolab fit`` links it to ``model.gpt.block_size``.
+        block_size: Tokens per sequence. ``null`` (the default): the model's context,
+            ``model.gpt.block_size``, which ``nanolab fit`` fills in; a different value is
+            refused there rather than silently replaced.
         val_windows: Number of fixed, evenly spaced validation windows (same every evaluation),
             per dataset.
         seed: Seed of the training window order (independent of the model's seed, so changing
@@ -178,7 +180,7 @@ class TokenDataModule(L.LightningDataModule):
         bpe_vocab_size: int = 4096,
         val_fraction: float = 0.1,
         micro_batch_size: int = 32,
-        block_size: int = 256,
+        block_size: int | None = None,
         val_windows: int = 256,
         seed: int = 1337,
         num_workers: int = 0,
@@ -193,7 +195,7 @@ class TokenDataModule(L.LightningDataModule):
             ("block_size", block_size),
             ("val_windows", val_windows),
         ):
-            if value < 1:
+            if value is not None and value < 1:
                 raise PrepareError(f"data.{name} must be >= 1, got {value}")
         if num_workers < 0:
             raise PrepareError(f"data.num_workers must be >= 0, got {num_workers}")
@@ -209,7 +211,7 @@ class TokenDataModule(L.LightningDataModule):
         self.bpe_vocab_size = bpe_vocab_size
         self.val_fraction = val_fraction
         self.micro_batch_size = micro_batch_size
-        self.block_size = block_size
+        self._block_size = block_size
         self.val_windows = val_windows
         self.seed = seed
         self.num_workers = num_workers
@@ -220,6 +222,20 @@ class TokenDataModule(L.LightningDataModule):
         self._changed_noted = False
         self.train_sampler: ResumableBatchSampler | None = None
         self.eval_scales: list[EvalScale] | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per window: set here, or by ``nanolab fit`` from ``model.gpt.block_size``."""
+        if self._block_size is None:
+            raise PrepareError(
+                "data.block_size is not set: `nanolab fit` sets it from model.gpt.block_size; "
+                "give it when using TokenDataModule on its own"
+            )
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        self._block_size = value
 
     # -- dataset ---------------------------------------------------------------------------
     @property

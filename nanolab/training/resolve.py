@@ -330,6 +330,13 @@ def resolve(
     gpt = dict(model_args.get("gpt") or {}) if "gpt" in model_args else None
     if gpt is not None:
         block = _whole(gpt.get("block_size", 256), "model.gpt.block_size")
+        asked = data_args.get("block_size")
+        if asked is not None and asked != block:
+            raise RunConfigError(
+                f"data.block_size ({asked}) differs from model.gpt.block_size ({block}): the "
+                "data's windows follow the model's context; set model.gpt.block_size, and "
+                "leave data.block_size out (null)"
+            )
         model_vocab = gpt.get("vocab_size")
         if data_vocab is not None:
             if model_vocab is None:
@@ -342,7 +349,7 @@ def resolve(
         model_args = {**model_args, "gpt": gpt}
         vocab = None if model_vocab is None else int(model_vocab)
     else:  # a model class of the user's own without a GPTConfig: the data's window length
-        block = _whole(data_args.get("block_size", 256), "data.block_size")
+        block = _whole(data_args.get("block_size") or 256, "data.block_size")
         vocab = None if data_vocab is None else int(data_vocab)
 
     choice = (
