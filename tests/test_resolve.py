@@ -85,6 +85,20 @@ def test_run_micro_batch_wins_and_auto_waits_for_the_caller() -> None:
         ({"run": {"micro_batch_size": 0}}, None, "run.micro_batch_size must be >= 1"),
         # The data's windows follow the model's context: another value is refused, not replaced.
         ({"data": {"block_size": 64}}, None, "data.block_size (64) differs from model.gpt"),
+        (
+            {"model": {"optimizer": {"name": "muon"}}, "trainer": {"strategy": "fsdp"}},
+            None,
+            "model.optimizer.name 'muon' needs whole weight matrices on every device, but "
+            "trainer.strategy (fsdp1) shards them",
+        ),
+        (
+            {
+                "model": {"optimizer": {"name": "muon"}},
+                "trainer": {"strategy": "deepspeed_stage_2"},
+            },
+            None,
+            "trainer.strategy (deepspeed) shards them",
+        ),
     ],
 )
 def test_settings_that_cannot_work_name_their_key(overrides, data_vocab, message) -> None:
@@ -203,3 +217,8 @@ def test_data_block_size_left_out_or_equal_follows_the_model() -> None:
     assert resolve(quickstart(), visible_gpus=1).data_args["block_size"] == 128
     same = quickstart(data={"block_size": 128})
     assert resolve(same, visible_gpus=1).data_args["block_size"] == 128
+
+
+def test_muon_under_ddp_is_accepted() -> None:
+    cfg = quickstart(model={"optimizer": {"name": "muon"}}, trainer={"strategy": "ddp"})
+    assert resolve(cfg, visible_gpus=1).model_class

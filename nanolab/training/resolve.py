@@ -220,6 +220,34 @@ def check_model_settings(model_args: Mapping[str, Any]) -> None:
         ScheduleConfig(**_plain(model_args.get("schedule") or {}))
 
 
+def _check_optimizer_fits_strategy(
+    model_args: Mapping[str, Any], strategy: Any, world: int
+) -> None:
+    """An optimizer that needs whole weight matrices (Muon) under a strategy that shards them is
+    refused here, before a run folder is made, rather than when the optimizer is built on every
+    rank."""
+    optimizer = model_args.get("optimizer")
+    name = optimizer.get("name") if isinstance(optimizer, Mapping) else None
+    if not isinstance(name, str):
+        return
+    from nanolab.estimator.setup import EstimateError, parse_strategy
+    from nanolab.training.optim import OPTIMIZERS
+
+    spec = OPTIMIZERS.get(name)
+    if spec is None or spec.shardable:
+        return  # an unknown name is refused by check_model_settings with the list of names
+    try:
+        kind = parse_strategy(strategy, world).kind
+    except EstimateError:
+        return  # a strategy of the user's own: the optimizer's build-time check decides
+    if kind in ("fsdp1", "fsdp2", "deepspeed"):
+        raise RunConfigError(
+            f"model.optimizer.name {name!r} needs whole weight matrices on every device, but "
+            f"trainer.strategy ({kind}) shards them; use trainer.strategy ddp (or auto), or "
+            "name adamw"
+        )
+
+
 # -- the resolver ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Resolved:
@@ -326,6 +354,7 @@ def resolve(
         num_nodes if num_nodes is not None else trainer.get("num_nodes") or 1, "trainer.num_nodes"
     )
     world = per_node * nodes
+    _check_optimizer_fits_strategy(model_args, trainer.get("strategy"), world)
 
     gpt = dict(model_args.get("gpt") or {}) if "gpt" in model_args else None
     if gpt is not None:
