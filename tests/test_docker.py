@@ -17,12 +17,20 @@ requeues.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -423,6 +431,222 @@ def test_ci_builds_the_three_variants_and_lints_the_dockerfile() -> None:
     assert "docker push" not in docker_steps
     hadolint_steps = " ".join(step.get("run", "") for step in jobs["hadolint"]["steps"])
     assert "hadolint" in hadolint_steps and "Dockerfile" in hadolint_steps
+
+
+# -- the cpu image, built and run for real --------------------------------------------------
+DOCKER_DOC = ROOT / "docs" / "docker.md"
+#: What scripts/docker_cpu_base.sh tags by default (podman finds it as localhost/...).
+LOCAL_CPU_BASE = "nanolab-base:bookworm"
+#: A tag of the test's own, so a user's nanolab:cpu is never replaced.
+TEST_IMAGE = "nanolab-test:cpu"
+
+
+def _documented_cpu_fit() -> list[str]:
+    """What docs/docker.md's cpu training line passes to the image (after ``nanolab:cpu``)."""
+    for block in re.findall(r"```bash\n(.*?)```", DOCKER_DOC.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line)
+            if words[:2] == ["docker", "run"] and "nanolab:cpu" in words:
+                return words[words.index("nanolab:cpu") + 1 :]
+    raise AssertionError("docs/docker.md has no `docker run ... nanolab:cpu ...` line")
+
+
+def test_the_documented_cpu_line_trains_the_quickstart_briefly() -> None:
+    # The slow test below runs exactly this; keep it short enough for a test.
+    argv = _documented_cpu_fit()
+    assert argv[:3] == ["fit", "--config", "configs/quickstart.yaml"]
+    assert argv[argv.index("--trainer.max_steps") + 1] == "20"
+
+
+def _container_runtime() -> str | None:
+    """podman or docker, if one is installed and answers ``info`` (a stopped daemon, or a podman
+    that lacks what it needs from the kernel, fails there)."""
+    for name in ("podman", "docker"):
+        binary = shutil.which(name)
+        if binary is None:
+            continue
+        try:
+            proc = subprocess.run([binary, "info"], capture_output=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            continue
+        if proc.returncode == 0:
+            return binary
+    return None
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
+
+
+def _image_exists(runtime: str, image: str) -> bool:
+    proc = subprocess.run([runtime, "image", "inspect", image], capture_output=True, timeout=60)
+    return proc.returncode == 0
+
+
+def _cpu_base(runtime: str) -> str | None:
+    """The CPU_IMAGE to build on: ``$NANOLAB_DOCKER_CPU_IMAGE``; else the image
+    scripts/docker_cpu_base.sh made; else the Dockerfile's default where Docker Hub resolves;
+    else None."""
+    if chosen := os.environ.get("NANOLAB_DOCKER_CPU_IMAGE"):
+        return chosen
+    if _image_exists(runtime, LOCAL_CPU_BASE):
+        return LOCAL_CPU_BASE
+    if _resolves("registry-1.docker.io"):
+        return global_args(read_instructions())["CPU_IMAGE"]
+    return None
+
+
+def _python_version(runtime: str, image: str) -> str:
+    proc = subprocess.run(
+        [runtime, "run", "--rm", "--entrypoint", "python3", image, "-c",
+         "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{image} has no python3: {proc.stderr[-1000:]}"
+    return proc.stdout.strip()
+
+
+class QuietFiles(SimpleHTTPRequestHandler):
+    """Serves the index folder without a log line per request."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+#: The local index's port when free: the URL is a build argument, and the same URL lets a
+#: second build reuse the cached torch and nanolab layers.
+INDEX_PORT = 18765
+
+
+def _serve(folder: Path) -> ThreadingHTTPServer:
+    handler = functools.partial(QuietFiles, directory=str(folder))
+    try:
+        return ThreadingHTTPServer(("127.0.0.1", INDEX_PORT), handler)
+    except OSError:  # taken: any free port (the build then starts from the torch layer)
+        return ThreadingHTTPServer(("127.0.0.1", 0), handler)
+
+
+@contextmanager
+def _torch_index(runtime: str, base: str, workdir: Path) -> Iterator[str | None]:
+    """The TORCH_INDEX_URL to build with: ``$NANOLAB_DOCKER_TORCH_INDEX_URL``; else the
+    Dockerfile's default where its host resolves; else a local index of what this machine's pip
+    can fetch (scripts/docker_torch_index.sh), served on 127.0.0.1 while the build runs (which
+    therefore uses the host's network); else None."""
+    if chosen := os.environ.get("NANOLAB_DOCKER_TORCH_INDEX_URL"):
+        yield chosen
+        return
+    default = stage_args(named_stage(read_instructions(), "base-cpu"))
+    host = re.sub(r"^\w+://([^/:]+).*", r"\1", default["TORCH_INDEX_URL"])
+    if _resolves(host):
+        yield default["TORCH_INDEX_URL"]
+        return
+    index = workdir / "torch-index"
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "TORCH_VERSION": default["TORCH_VERSION"] + "+cpu",
+        "PYTHON_VERSION": _python_version(runtime, base),
+    }
+    proc = subprocess.run(
+        ["bash", str(TORCH_INDEX_SCRIPT), str(index)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        yield None
+        return
+    server = _serve(index)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_cpu_image_trains_the_quickstart_into_mounted_folders(tmp_path: Path) -> None:
+    """Build the cpu variant and run docs/docker.md's cpu line in it, as the non-root user, with
+    runs/ and data/ on volumes: the metrics and checkpoint land on the host, owned by the uid
+    the image was built for.
+
+    Needs podman or Docker that can run containers. The base is ``$NANOLAB_DOCKER_CPU_IMAGE``,
+    the image scripts/docker_cpu_base.sh made, or python:3.12-slim from Docker Hub; CPU torch
+    comes from ``$NANOLAB_DOCKER_TORCH_INDEX_URL``, the PyTorch index, or this machine's pip
+    (served to the build on 127.0.0.1). The image stays as nanolab-test:cpu, so a second run
+    reuses its layers (about 2.5 min to build from nothing on 2 cores, seconds after).
+    """
+    runtime = _container_runtime()
+    if runtime is None:
+        pytest.skip("no working container runtime (podman or docker)")
+    base = _cpu_base(runtime)
+    if base is None:
+        pytest.skip(
+            "no base image: Docker Hub does not resolve; run scripts/docker_cpu_base.sh "
+            "(or set NANOLAB_DOCKER_CPU_IMAGE)"
+        )
+    # Root builds for uid 1000 (the image refuses uid 0); anyone else for themselves.
+    uid, gid = (os.getuid(), os.getgid()) if os.getuid() else (1000, 1000)
+    podman = Path(runtime).name == "podman"
+    with _torch_index(runtime, base, tmp_path) as index:
+        if index is None:
+            pytest.skip("no CPU torch wheel: set NANOLAB_DOCKER_TORCH_INDEX_URL")
+        build = [
+            runtime, "build",
+            *(["--format", "docker"] if podman else []),  # OCI images drop the SHELL line
+            "--network", "host",  # a local index on 127.0.0.1
+            "--build-arg", "VARIANT=cpu",
+            "--build-arg", f"CPU_IMAGE={base}",
+            "--build-arg", f"TORCH_INDEX_URL={index}",
+            "--build-arg", f"NANOLAB_UID={uid}", "--build-arg", f"NANOLAB_GID={gid}",
+            "-t", TEST_IMAGE, str(ROOT),
+        ]  # fmt: skip
+        proc = _run(build, timeout=1500)
+    assert proc.returncode == 0, f"build failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+
+    proc = _run([runtime, "run", "--rm", "--entrypoint", "id", TEST_IMAGE, "-u"], timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(uid), proc.stdout + proc.stderr
+
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    for folder in (runs, data):
+        folder.mkdir()
+        if os.getuid() == 0:
+            os.chown(folder, uid, gid)  # what `mkdir -p runs data` gives a non-root user
+    # Rootless podman maps the user to root inside; keep-id keeps their own uid instead.
+    keep_id = ["--userns=keep-id"] if podman and os.getuid() else []
+    argv = _documented_cpu_fit()
+    proc = _run(
+        [runtime, "run", "--rm", *keep_id,
+         "-v", f"{runs}:/workspace/runs", "-v", f"{data}:/workspace/data", TEST_IMAGE, *argv],
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"fit failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+
+    run_dir = runs / "quickstart"
+    metrics = run_dir / "metrics.jsonl"
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    end = events[-1]
+    assert end["event"] == "end" and end["reason"] == "completed", end
+    assert end["step"] == 20 and end["tokens"] == 20 * 32 * 128
+    trained = [e for e in events if "loss" in e and e.get("step", 0) > 0]
+    assert len(trained) == 20 and all(0 < e["loss"] < 10 for e in trained), trained[-1:]
+    assert trained[-1]["loss"] < trained[0]["loss"] - 0.5  # ~4.3 (ln 71) -> ~3.0 in 20 steps
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.stat().st_size > 1_000_000  # ~0.8M fp32 parameters plus optimizer state
+    assert (run_dir / "checkpoints" / "step-00000020.ckpt").is_file()
+    for path in (run_dir, metrics, last, data / "shakespeare_char" / "train.bin"):
+        owner = path.stat()
+        assert (owner.st_uid, owner.st_gid) == (uid, gid), f"{path} belongs to {owner.st_uid}"
 
 
 # -- SLURM and multi-node ------------------------------------------------------------------

@@ -69,6 +69,10 @@ PLANS: dict[str, dict[str, str]] = {
         '--group-add "$(getent group render | cut -d: -f3)" --shm-size 16g '
         '-v "$PWD/runs:/workspace/runs" -v "$PWD/data:/workspace/data" nanolab:rocm fit '
         "--config configs/gpt2-124m.yaml --config configs/strategy/ddp.yaml": DOCKER,
+        'docker run --rm -v "$PWD/runs:/workspace/runs" -v "$PWD/data:/workspace/data" '
+        "nanolab:cpu fit --config configs/quickstart.yaml --trainer.max_steps 20": elsewhere(
+            "test_docker.py::test_cpu_image_trains_the_quickstart_into_mounted_folders"
+        ),
     },
     "estimate.md": {
         "nanolab estimate --config configs/gpt2-124m.yaml --gpu rtx4070": RUN,
