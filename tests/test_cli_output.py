@@ -27,7 +27,9 @@ def _tiny(tmp_path, char_dataset):
 
 
 def test_fit_prints_a_banner_and_plain_lines_and_nothing_else(tmp_path, char_dataset):
-    first = run_nanolab("fit", "--config", str(_tiny(tmp_path, char_dataset)), cwd=tmp_path)
+    config = str(_tiny(tmp_path, char_dataset))
+    # Validating on steps that also print (every 2nd): each still prints once, after its validation.
+    first = run_nanolab("fit", "--config", config, "--run.eval_every_steps", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     out = first.stdout
     for noise in NOISE:
@@ -37,8 +39,11 @@ def test_fit_prints_a_banner_and_plain_lines_and_nothing_else(tmp_path, char_dat
     assert re.search(r"model +\d+(\.\d+)?k parameters: 2 layers x 32 wide", out)
     assert "128 tokens/step = 4 micro-batch x 32 context x 1 accumulation x 1 device" in out
     assert "resume     none: a new run from step 0" in out and "precision 32-true" in out
-    assert re.search(r"^step 2/6 \(33%\)  loss \d\.\d{4}", out, re.M)
     assert re.search(r"^step 6/6 \(100%\)  loss \d\.\d{4}  val \d\.\d{4}", out, re.M)
+    # One line per step shown: a step that validates prints once, after its validation.
+    steps = re.findall(r"^step (\d+)/6", out, re.M)
+    assert steps == ["2", "4", "6"], out
+    assert re.search(r"^step 2/6 \(33%\)  loss \d\.\d{4}  val \d\.\d{4}", out, re.M)
     assert first.stderr.strip() == ""  # nothing else unless something is wrong
 
 

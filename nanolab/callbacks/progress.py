@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from nanolab.callbacks.clock import ClockSnapshot
 from nanolab.callbacks.events import CallbackConfigError
-from nanolab.callbacks.step import StepCallback
+from nanolab.callbacks.step import StepCallback, validation_follows
 
 
 class StepProgressBar(StepCallback, TQDMProgressBar):
@@ -139,8 +139,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             if active > 0 and now.tokens > self._last.tokens:
                 self._postfix["tok/s"] = f"{(now.tokens - self._last.tokens) / active:,.0f}"
             self._last = now
-        if self.plain:  # the last step's line comes at train end, after its validation
-            if step != last and time.monotonic() - self._last_line >= self.plain_every_s:
+        if self.plain:  # a step that validates gets its line after the validation (with val)
+            due = time.monotonic() - self._last_line >= self.plain_every_s
+            if step != last and due and not validation_follows(trainer):
                 self._print_line(trainer, step)
             return
         bar = self.train_progress_bar
