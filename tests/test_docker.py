@@ -487,6 +487,14 @@ def _image_exists(runtime: str, image: str) -> bool:
     return proc.returncode == 0
 
 
+def _image_id(runtime: str, image: str) -> str | None:
+    proc = subprocess.run(
+        [runtime, "image", "inspect", "--format", "{{.Id}}", image],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
 def _cpu_base(runtime: str) -> str | None:
     """The CPU_IMAGE to build on: ``$NANOLAB_DOCKER_CPU_IMAGE``; else the image
     scripts/docker_cpu_base.sh made; else the Dockerfile's default where Docker Hub resolves;
@@ -598,6 +606,7 @@ def test_cpu_image_trains_the_quickstart_into_mounted_folders(tmp_path: Path) ->
     # Root builds for uid 1000 (the image refuses uid 0); anyone else for themselves.
     uid, gid = (os.getuid(), os.getgid()) if os.getuid() else (1000, 1000)
     podman = Path(runtime).name == "podman"
+    previous = _image_id(runtime, TEST_IMAGE)
     with _torch_index(runtime, base, tmp_path) as index:
         if index is None:
             pytest.skip("no CPU torch wheel: set NANOLAB_DOCKER_TORCH_INDEX_URL")
@@ -613,6 +622,9 @@ def test_cpu_image_trains_the_quickstart_into_mounted_folders(tmp_path: Path) ->
         ]  # fmt: skip
         proc = _run(build, timeout=1500)
     assert proc.returncode == 0, f"build failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+    if previous and previous != _image_id(runtime, TEST_IMAGE):
+        # The last run's image lost its tag: drop it (best effort) so runs do not pile up.
+        subprocess.run([runtime, "rmi", previous], capture_output=True, timeout=300)
 
     proc = _run([runtime, "run", "--rm", "--entrypoint", "id", TEST_IMAGE, "-u"], timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == str(uid), proc.stdout + proc.stderr
