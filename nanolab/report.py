@@ -713,14 +713,9 @@ def plot_runs(
 
 def _plot_forecast(ax: Any, f: Any, start: float, color: Any) -> None:
     """The fitted curve from the first val point to max_steps (dashed) and its 5-95% band."""
-    import numpy as np
-
-    from nanolab.forecast import CurveFit
-
-    p = f.fit
-    fit = CurveFit(p["E"], p["A"], p["alpha"], p["d0"], p["rmse"], p["n"], np.empty((0, 3)))
-    xs = np.linspace(start, f.final_tokens, 60)
-    ax.plot(xs, [fit.predict(v) for v in xs], ls="--", lw=1.0, color=color)
+    xs = [t for t, _ in f.curve if t >= start]
+    ys = [v for t, v in f.curve if t >= start]
+    ax.plot(xs, ys, ls="--", lw=1.0, color=color)
     lo, hi = f.final_band
     ax.errorbar([f.final_tokens], [f.final_loss], yerr=[[f.final_loss - lo], [hi - f.final_loss]],
                 fmt="none", capsize=4, color=color)  # fmt: skip
@@ -776,7 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--forecast",
         action="store_true",
-        help="fit L = E + A*D^-alpha to each run's val curve: the final val loss at max_steps "
+        help="fit each run's val curve over its LR schedule: the final val loss at max_steps "
         "with a 5-95%% range (dashed in --plot)",
     )
     p.add_argument(
@@ -801,73 +796,116 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- forecasts ------------------------------------------------------------------------------
-def forecast_inputs(run_dir: Path) -> dict[str, Any]:
-    """What a forecast of one run needs from its log: (tokens, val loss) points, tokens at
-    ``trainer.max_steps``, and GPU-hours and cost per token so far."""
+def _schedule_of(config: dict[str, Any], train: list[dict[str, Any]]) -> tuple[Any, int]:
+    """``(planned steps -> LR multiplier, warmup steps)`` from a run's config, checked against the
+    LRs its log recorded (``(None, 0)`` when the config has no schedule or the log disagrees,
+    e.g. a model class with its own schedule)."""
+    from nanolab.training.optim import ScheduleConfig, lr_schedule
+
+    model = config.get("model") or {}
+    if isinstance(model.get("init_args"), dict):
+        model = model["init_args"]
+    sched, peak = model.get("schedule"), _num((model.get("optimizer") or {}).get("lr"))
+    if not isinstance(sched, dict) or not peak:
+        return None, 0
+    try:
+        cfg = ScheduleConfig(**sched)
+    except (TypeError, ValueError):
+        return None, 0
+    max_steps = int(_num((config.get("trainer") or {}).get("max_steps")) or -1)
+    planned = lr_schedule(cfg, max_steps)
+    logged = [(r["step"], _num(r.get("lr"))) for r in train if isinstance(r.get("step"), int)]
+    logged = [(s, lr) for s, lr in logged if lr is not None and s >= 1]
+    # A train record is written after the scheduler stepped: it shows the LR of the next step.
+    for step, lr in logged[:: max(1, len(logged) // 50)]:
+        if not math.isclose(lr, peak * planned(step), rel_tol=1e-3, abs_tol=1e-12):
+            return None, 0
+    return (lambda steps: lr_schedule(cfg, steps)), cfg.warmup_steps
+
+
+def forecast_inputs(run_dir: Path) -> Any:
+    """What a forecast of one run needs from its log (:class:`nanolab.forecast.CurveInputs`):
+    (step, tokens, val loss) points, ``trainer.max_steps``, tokens per step, the LR schedule
+    from the config, and GPU-hours and cost per token so far."""
+    from nanolab.forecast import CurveInputs
+
     records = read_run(run_dir)[0]
     val = _last_by_step([r for r in records if r.get("event") == "val"])
     train = _last_by_step([r for r in records if r.get("event") == "train"])
     points = [
-        (t, v)
-        for t, v in ((_num(r.get("tokens")), _num(r.get("val_loss"))) for r in val)
-        if t is not None and v is not None and t > 0
+        (float(s), t, v)
+        for s, t, v in (
+            (r.get("step"), _num(r.get("tokens")), _num(r.get("val_loss"))) for r in val
+        )
+        if isinstance(s, int) and t is not None and v is not None and t > 0
     ]
     starts = [r for r in records if r.get("event") == "start"]
     config = _config_of(starts[-1] if starts else None, run_dir) or {}
     max_steps = _num((config.get("trainer") or {}).get("max_steps"))
     last = next((r for r in reversed(train) if _num(r.get("tokens")) and r.get("step")), None)
     per_step = _num(last["tokens"]) / int(last["step"]) if last else None
-    final = max_steps * per_step if max_steps and max_steps > 0 and per_step else None
     tokens = _num((last or {}).get("tokens"))
     gpu_h, cost = _num(_last_value(train, "gpu_hours")), _num(_last_value(train, "cost"))
-    return {
-        "points": points,
-        "final_tokens": final,
-        "gpu_hours_per_token": gpu_h / tokens if gpu_h and tokens else None,
-        "cost_per_token": cost / tokens if cost and tokens else None,
-    }
+    schedule_for, warmup = _schedule_of(config, train) if points else (None, 0)
+    return CurveInputs(
+        points=points,
+        max_steps=int(max_steps) if max_steps and max_steps > 0 else None,
+        tokens_per_step=per_step,
+        schedule_for=schedule_for,
+        warmup_steps=warmup,
+        gpu_hours_per_token=gpu_h / tokens if gpu_h and tokens else None,
+        cost_per_token=cost / tokens if cost and tokens else None,
+    )
 
 
 def forecasts(
     selected: list[tuple[str, Path]], groups: list[SeedGroup], target: float | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Forecasts per run and per seed group (the group's points fitted together)."""
+    from dataclasses import replace
+
     from nanolab.forecast import forecast
 
     inputs = {name: forecast_inputs(d) for name, d in selected}
-    runs = {
-        name: forecast(
-            i["points"], i["final_tokens"], target, i["gpu_hours_per_token"], i["cost_per_token"]
-        )
-        for name, i in inputs.items()
-    }
+    runs = {name: forecast(i, target) for name, i in inputs.items()}
     by_group = {}
     for g in groups:
         members = [inputs[r] for r in g.runs if r in inputs]
-        points = [p for m in members for p in m["points"]]
-        finals = [m["final_tokens"] for m in members if m["final_tokens"]]
-        rate = [m["gpu_hours_per_token"] for m in members if m["gpu_hours_per_token"]]
-        price = [m["cost_per_token"] for m in members if m["cost_per_token"]]
+        if not members:
+            continue
+        rate = [m.gpu_hours_per_token for m in members if m.gpu_hours_per_token]
+        price = [m.cost_per_token for m in members if m.cost_per_token]
+        # One recipe, several seeds: the first member's plan, everyone's points.
         by_group[g.label] = forecast(
-            points,
-            max(finals) if finals else None,
+            replace(
+                members[0],
+                points=sorted(p for m in members for p in m.points),
+                gpu_hours_per_token=statistics.fmean(rate) if rate else None,
+                cost_per_token=statistics.fmean(price) if price else None,
+            ),
             target,
-            statistics.fmean(rate) if rate else None,
-            statistics.fmean(price) if price else None,
         )
     return runs, by_group
 
 
 def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float | None) -> str:
-    head = "forecast: L = E + A*D^-alpha fitted to the val curve; [5%, 95%] of a residual bootstrap"
+    head = ("forecast: the val curve fitted as L = L0 + A*S1^-alpha - C*S2 over the run's LR "
+            "schedule (S1: LR area, S2: annealing area; without a known schedule L = E + "
+            "A*D^-alpha in tokens); [5%, 95%] of a residual bootstrap, widened by the fit's "
+            "own backtest miss")  # fmt: skip
     out = ["", head]
     for label, f in [*runs.items(), *((f"group {k}", v) for k, v in groups.items())]:
         if f.fit is None:
             out.append(f"  {label}: no forecast ({f.note})")
             continue
-        text = f"  {label}: {f.points} val points, E={f.fit['E']:.3f} alpha={f.fit['alpha']:.3f}"
+        text = f"  {label}: {f.points} val points, "
+        if f.model == "schedule":
+            text += (f"L0={f.fit['L0']:.3f} alpha={f.fit['alpha']:.3f} C={f.fit['C']:.3g} "
+                     f"decay={f.fit['decay']:g}")  # fmt: skip
+        else:
+            text += f"power law E={f.fit['E']:.3f} alpha={f.fit['alpha']:.3f}"
         if f.fit.get("degenerate"):
-            text += " (no saturation seen yet: not a power law so far, unreliable)"
+            text += " (the points do not pin the curve's shape: unreliable)"
         if f.final_loss is not None:
             lo, hi = f.final_band
             text += (f"; at max_steps ({_si(f.final_tokens)} tokens): {f.final_loss:.4f} "
@@ -877,7 +915,8 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
                 text += f"; {target}: {f.note}"
             else:
                 lo, hi = f.target_band
-                text += f"; to {target}: {_si(f.target_tokens)} tokens [{_si(lo)}, {_si(hi)}]"
+                hi_text = _si(hi) if math.isfinite(hi) else "never"
+                text += f"; to {target}: {_si(f.target_tokens)} tokens [{_si(lo)}, {hi_text}]"
                 if f.target_gpu_hours is not None:
                     text += f", {f.target_gpu_hours:.3g} GPU-h"
                 if f.target_cost is not None:

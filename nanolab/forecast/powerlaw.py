@@ -1,4 +1,5 @@
-"""Where is this run going? A saturating power law fitted to its validation curve.
+"""A saturating power law in tokens fitted to a validation curve (the forecast of a run whose LR
+schedule is unknown; :mod:`nanolab.forecast.annealing` is used when it is known).
 
     L(D) = E + A * (D / D0) ** -alpha        D: tokens trained, D0: the first point's tokens
 
@@ -183,65 +184,3 @@ def fit_loss_curve(
         eb, ab, alb, _ = _fit(x, yb)
         samples[k] = (eb, ab, alb)
     return CurveFit(E, A, alpha, d0, math.sqrt(sse / len(y)), len(y), samples)
-
-
-# -- a run's forecast, as `nanolab report --forecast` shows it -----------------------------------
-@dataclass
-class RunForecast:
-    """What a run's validation curve says about its end and about a target loss.
-
-    Attributes:
-        points: Validation points fitted.
-        fit: The fitted parameters (``CurveFit.to_dict``), None when no fit was possible.
-        final_tokens: Tokens at ``trainer.max_steps``; ``final_loss``/``final_band``: the
-            forecast there (median fit and its 5-95% range).
-        target / target_tokens / target_band: tokens to reach ``--target-loss`` (None: the
-            fitted floor ``E`` is above it, so never), and the GPU-hours and cost of getting
-            there at the run's own rate so far.
-        note: Why something is missing.
-    """
-
-    points: int
-    fit: dict | None = None
-    final_tokens: float | None = None
-    final_loss: float | None = None
-    final_band: tuple[float, float] | None = None
-    target: float | None = None
-    target_tokens: float | None = None
-    target_band: tuple[float, float] | None = None
-    target_gpu_hours: float | None = None
-    target_cost: float | None = None
-    note: str | None = None
-
-
-def forecast(
-    points: list[tuple[float, float]],
-    final_tokens: float | None,
-    target: float | None = None,
-    gpu_hours_per_token: float | None = None,
-    cost_per_token: float | None = None,
-    bootstrap: int = 200,
-) -> RunForecast:
-    """Fit ``points`` (tokens, val loss) and forecast the end of the run and a target."""
-    out = RunForecast(points=len(points), final_tokens=final_tokens, target=target)
-    try:
-        fit = fit_loss_curve([p[0] for p in points], [p[1] for p in points], bootstrap=bootstrap)
-    except ForecastError as err:
-        out.note = str(err)
-        return out
-    out.fit = fit.to_dict()
-    if final_tokens:
-        out.final_loss = fit.predict(final_tokens)
-        out.final_band = fit.band(final_tokens)
-    if target is not None:
-        need = fit.tokens_to(target)
-        if math.isinf(need):
-            out.note = f"the fitted floor E={fit.E:.4f} is above {target}: not reachable"
-        else:
-            out.target_tokens = need
-            out.target_band = fit.tokens_to_band(target)
-            if gpu_hours_per_token:
-                out.target_gpu_hours = need * gpu_hours_per_token
-            if cost_per_token:
-                out.target_cost = need * cost_per_token
-    return out

@@ -1,0 +1,219 @@
+"""One run's forecast: where its validation loss ends at ``trainer.max_steps``, and what a target
+loss would take. Used by ``nanolab report --forecast`` and by the budget's payoff rule, so both
+answer "is this run still worth its GPU-hours" with the same model.
+
+The LR schedule decides the model. When the run's schedule is known (its config), the loss is
+fitted as a function of the schedule (:mod:`nanolab.forecast.annealing`: forward area and
+annealing area), on the validation points after warmup, and evaluated on the whole planned
+schedule. Without it, the power law in tokens (:mod:`nanolab.forecast.powerlaw`) is the fallback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanolab.forecast.annealing import (
+    MIN_POINTS,
+    ScheduleFit,
+    fit_schedule_curve,
+    multipliers_array,
+    schedule_areas,
+)
+from nanolab.forecast.powerlaw import ForecastError, fit_loss_curve
+
+#: Planned lengths tried when a target is beyond the run's own plan: up to this many times it.
+TARGET_HORIZON = 20.0
+
+Schedule = Callable[[int], float]
+
+
+@dataclass
+class CurveInputs:
+    """What a forecast of one validation curve needs.
+
+    Attributes:
+        points: ``(step, tokens, val loss)`` so far.
+        max_steps: Steps the run is planned for (None / <= 0: unbounded or unknown).
+        tokens_per_step: Tokens one optimizer step trains on.
+        schedule_for: Planned steps -> the LR multiplier per step of a run of that length (the
+            run's own schedule at ``max_steps``). None: unknown, the power law in tokens is used.
+        warmup_steps: Points before the end of warmup are left out of a schedule fit (the loss
+            there is the start-up transient, not the law).
+        gpu_hours_per_token, cost_per_token: The run's rate so far, for a target's cost.
+    """
+
+    points: list[tuple[float, float, float]]
+    max_steps: int | None = None
+    tokens_per_step: float | None = None
+    schedule_for: Callable[[int], Schedule] | None = None
+    warmup_steps: int = 0
+    gpu_hours_per_token: float | None = None
+    cost_per_token: float | None = None
+
+
+@dataclass
+class RunForecast:
+    """What a run's validation curve says about its end and about a target loss.
+
+    Attributes:
+        points: Validation points fitted.
+        model: ``schedule`` (loss vs the LR schedule) or ``power law`` (loss vs tokens).
+        fit: The fitted parameters, None when no fit was possible.
+        final_tokens: Tokens at ``trainer.max_steps``; ``final_loss``/``final_band``: the
+            forecast there (the fit and its 5-95% range).
+        target / target_tokens / target_band: tokens to reach ``--target-loss`` (None: not
+            reachable within :data:`TARGET_HORIZON` x the planned run, or below the fitted
+            floor), and the GPU-hours and cost of getting there at the run's own rate so far.
+        curve: ``(tokens, loss)`` of the fitted curve from the first point to ``max_steps``.
+        note: Why something is missing.
+    """
+
+    points: int
+    model: str | None = None
+    fit: dict | None = None
+    final_tokens: float | None = None
+    final_loss: float | None = None
+    final_band: tuple[float, float] | None = None
+    target: float | None = None
+    target_tokens: float | None = None
+    target_band: tuple[float, float] | None = None
+    target_gpu_hours: float | None = None
+    target_cost: float | None = None
+    curve: list[tuple[float, float]] = field(default_factory=list)
+    note: str | None = None
+
+
+def fit_curve(inputs: CurveInputs, bootstrap: int = 200) -> ScheduleFit:
+    """The schedule fit of ``inputs`` (raises ForecastError when it cannot be made)."""
+    if inputs.schedule_for is None or not inputs.max_steps or inputs.max_steps <= 0:
+        raise ForecastError("no LR schedule or planned steps to forecast with")
+    pts = [(s, v) for s, _, v in inputs.points]
+    after = [(s, v) for s, v in pts if s >= inputs.warmup_steps]
+    use = after if len(after) >= MIN_POINTS else pts
+    return fit_schedule_curve(
+        [s for s, _ in use],
+        [v for _, v in use],
+        inputs.schedule_for(inputs.max_steps),
+        inputs.max_steps,
+        bootstrap=bootstrap,
+    )
+
+
+def forecast(inputs: CurveInputs, target: float | None = None, bootstrap: int = 200) -> RunForecast:
+    """Fit ``inputs`` and forecast the end of the run and a target (see the module)."""
+    out = RunForecast(points=len(inputs.points), target=target)
+    if inputs.tokens_per_step and inputs.max_steps and inputs.max_steps > 0:
+        out.final_tokens = inputs.max_steps * inputs.tokens_per_step
+    try:
+        if inputs.schedule_for is not None and out.final_tokens and inputs.points:
+            _schedule_forecast(out, inputs, target, bootstrap)
+        else:
+            _power_law_forecast(out, inputs, target, bootstrap)
+    except ForecastError as err:
+        out.note = str(err)
+    return out
+
+
+def _cost(out: RunForecast, inputs: CurveInputs) -> None:
+    if out.target_tokens is None:
+        return
+    if inputs.gpu_hours_per_token:
+        out.target_gpu_hours = out.target_tokens * inputs.gpu_hours_per_token
+    if inputs.cost_per_token:
+        out.target_cost = out.target_tokens * inputs.cost_per_token
+
+
+def _power_law_forecast(
+    out: RunForecast, inputs: CurveInputs, target: float | None, bootstrap: int
+) -> None:
+    fit = fit_loss_curve(
+        [t for _, t, _ in inputs.points], [v for _, _, v in inputs.points], bootstrap=bootstrap
+    )
+    out.model, out.fit = "power law", {"model": "power law", **fit.to_dict()}
+    if out.final_tokens:
+        out.final_loss = fit.predict(out.final_tokens)
+        out.final_band = fit.band(out.final_tokens)
+        xs = np.linspace(min(t for _, t, _ in inputs.points), out.final_tokens, 60)
+        out.curve = [(float(x), fit.predict(float(x))) for x in xs]
+    if target is not None:
+        need = fit.tokens_to(target)
+        if math.isinf(need):
+            out.note = f"the fitted floor E={fit.E:.4f} is above {target}: not reachable"
+        else:
+            out.target_tokens = need
+            out.target_band = fit.tokens_to_band(target)
+            _cost(out, inputs)
+
+
+def _schedule_forecast(
+    out: RunForecast, inputs: CurveInputs, target: float | None, bootstrap: int
+) -> None:
+    fit = fit_curve(inputs, bootstrap)
+    assert inputs.max_steps and inputs.tokens_per_step and inputs.schedule_for
+    out.model, out.fit = "schedule", fit.to_dict()
+    out.final_loss = fit.predict(inputs.max_steps)
+    out.final_band = fit.band(inputs.max_steps)
+    first = int(min(s for s, _, _ in inputs.points))
+    steps = np.unique(np.linspace(max(first, 1), inputs.max_steps, 60).round().astype(int))
+    out.curve = [(float(s * inputs.tokens_per_step), fit.predict(int(s))) for s in steps]
+    if target is None:
+        return
+    need, band = steps_to_target(fit, target, inputs.schedule_for, inputs.max_steps)
+    if need is None:
+        out.note = (f"{target} is not reached by a run of this recipe up to "
+                    f"{TARGET_HORIZON:g}x its planned steps")  # fmt: skip
+        return
+    out.target_tokens = need * inputs.tokens_per_step
+    out.target_band = (band[0] * inputs.tokens_per_step, band[1] * inputs.tokens_per_step)
+    _cost(out, inputs)
+
+
+def steps_to_target(
+    fit: ScheduleFit, target: float, schedule_for: Callable[[int], Schedule], max_steps: int
+) -> tuple[float | None, tuple[float, float]]:
+    """Steps to reach ``target``: within the planned run, the first step the fitted curve is at
+    or below it; beyond, the planned length of a run of the same recipe (its schedule stretched
+    to that length) that ends there. Band: the same over the bootstrap refits (inf: never).
+    """
+    steps = np.arange(1, max_steps + 1)
+    decays = sorted({fit.decay, *(float(d) for d in fit.samples[:, 4])})
+
+    def curves(rows: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
+        return rows[:, 0:1] + rows[:, 1:2] * s1[None, :] ** -rows[:, 2:3] - rows[:, 3:4] * s2
+
+    best = np.array([[fit.L0, fit.A, fit.alpha, fit.C, fit.decay]])
+    rows = np.concatenate([best, fit.samples])
+    reached = np.full(len(rows), np.inf)
+    for decay in decays:
+        pick = rows[:, 4] == decay
+        s1, s2 = fit.areas[decay]
+        pred = curves(rows[pick], s1[steps], s2[steps])
+        hit = pred <= target
+        reached[pick] = np.where(hit.any(axis=1), steps[np.argmax(hit, axis=1)], np.inf)
+    todo = ~np.isfinite(reached)
+    if todo.any():
+        lengths = np.unique(np.geomspace(max_steps * 1.1, max_steps * TARGET_HORIZON, 24).round())
+        ends = np.full((len(rows), len(lengths)), np.inf)
+        for j, length in enumerate(lengths.astype(int)):
+            mult = multipliers_array(schedule_for(length), length)
+            for decay in decays:
+                pick = rows[:, 4] == decay
+                s1, s2 = schedule_areas(mult, decay)
+                ends[pick, j] = curves(rows[pick], s1[-1:], s2[-1:])[:, 0]
+        hit = ends <= target
+        for i in np.flatnonzero(todo & hit.any(axis=1)):
+            j = int(np.argmax(hit[i]))
+            if j == 0:
+                reached[i] = lengths[0]
+                continue
+            # log-linear interpolation between the last length above and the first below.
+            a, b = ends[i, j - 1], ends[i, j]
+            t = (a - target) / (a - b) if a != b else 1.0
+            reached[i] = math.exp(math.log(lengths[j - 1]) * (1 - t) + math.log(lengths[j]) * t)
+    lo, hi = np.percentile(reached[1:], (5.0, 95.0)) if len(rows) > 1 else (reached[0],) * 2
+    need = float(reached[0]) if math.isfinite(reached[0]) else None
+    return need, (float(lo), float(hi))
