@@ -7,7 +7,6 @@ import torch
 from test_callbacks_runlog import TOKENS_PER_MICRO_BATCH, events, fit
 
 from nanolab.callbacks import CallbackConfigError, CostBudget, MetricsLog, RotatingCheckpoint
-from nanolab.callbacks.budget import linear_slope
 
 
 def test_token_budget_stops_with_a_checkpoint_and_reason(tmp_path, char_dataset):
@@ -46,29 +45,78 @@ def test_gpu_hour_budget_counts_across_resume(tmp_path, char_dataset):
     assert end["cost"] == pytest.approx(end["gpu_hours"] * 3.0) and end["currency"] == "EUR"
 
 
-def test_payoff_rule_uses_the_recent_improvement_rate(tmp_path, char_dataset):
+def _payoff_records(run):
+    return [r for r in events(run / "metrics.jsonl", "budget") if r["rule"] in ("none", "payoff")]
+
+
+@pytest.mark.parametrize(("threshold", "fires"), [(0.3, True), (1e-4, False)])
+def test_payoff_rule_decides_from_the_forecast_on_a_real_run(
+    tmp_path, char_dataset, threshold, fires
+):
+    """A real 80-step run of the tiny model, validated every 4 steps (warmup 2, cosine to step
+    80): the payoff rule waits for 5 validations, then forecasts the val loss at max_steps with
+    the run's own LR schedule. With threshold 0.3 it stops the run before max_steps, at the
+    first validation where even the optimistic edge of the band promises less than 0.3, and the
+    end record's detail says the forecast numbers; with 1e-4 the run completes.
+
+    Mutations caught: the gain taken from the point forecast instead of the band's optimistic
+    edge (stops earlier, while the band still allows more); the rule deciding before it has 5
+    points; the end step taken from the current step (no gain ever: stops at once).
+    """
     run = tmp_path / "run"
-    vals = [3.0, 2.99, 2.985, 2.983, 2.982, 2.981]
-    budget = CostBudget(payoff_threshold=0.5, payoff_window=3)
-    fit(
-        run, char_dataset, [MetricsLog(), budget], max_steps=40, eval_every=2,
-        module_kwargs={"val_losses": vals},
-    )  # fmt: skip
-    records = events(run / "metrics.jsonl", "budget")
-    assert [r["decision"] for r in records] == ["continue", "continue", "stop"]
-    stop = records[-1]
-    assert stop["rule"] == "payoff" and stop["step"] == 6
-    hours = [h for _, h, _ in budget.history]
-    logged = [v for _, _, v in budget.history]  # the scripted values, as float32 round-trips
-    assert logged == pytest.approx(vals[:3], abs=1e-6)
-    expected_rate = -linear_slope(hours, logged)
-    payoff = stop["payoff"]
-    assert payoff["improvement_per_gpu_hour"] == pytest.approx(expected_rate)
-    assert payoff["limited_by"] == "trainer.max_steps" and payoff["remaining_gpu_hours"] > 0
-    assert payoff["projected_gain"] == pytest.approx(expected_rate * payoff["remaining_gpu_hours"])
-    assert payoff["projected_gain"] < 0.5
+    budget = CostBudget(payoff_threshold=threshold, payoff_bootstrap=30)
+    trainer = fit(run, char_dataset, [MetricsLog(), budget], max_steps=80, eval_every=4)
+    records = _payoff_records(run)
+    waiting = [r for r in records if r["payoff"]["model"] is None]
+    assert [r["step"] for r in waiting] == [4, 8, 12, 16]
+    assert all("waiting for 5 validations" in r["payoff"]["note"] for r in waiting)
+    decided = records[len(waiting) :]
+    for r in decided:
+        p = r["payoff"]
+        assert p["model"] == "schedule" and p["end_step"] == 80
+        lo, hi = p["forecast_end_band"]
+        assert lo <= p["forecast_end"] <= hi
+        assert p["gain_optimistic"] == pytest.approx(max(0.0, p["forecast_now"] - lo))
+        assert abs(p["forecast_now"] - r["val_loss"]) < 0.1  # the fit follows the curve
+        assert (r["decision"] == "stop") == (p["gain_optimistic"] < threshold)
     end = events(run / "metrics.jsonl", "end")[-1]
-    assert end["reason"] == "budget" and end["detail"].startswith("payoff")
+    if fires:
+        assert trainer.global_step < 80 and decided[-1]["decision"] == "stop"
+        assert end["reason"] == "budget"
+        p = decided[-1]["payoff"]
+        assert end["detail"].startswith(
+            f"payoff: forecast val loss {p['forecast_now']:.4f} now -> {p['forecast_end']:.4f}"
+        )
+        assert (
+            "at step 80 (trainer.max_steps" in end["detail"] and "< threshold 0.3" in end["detail"]
+        )
+    else:
+        assert trainer.global_step == 80 and end["reason"] == "completed"
+        assert all(r["decision"] == "continue" for r in records)
+
+
+def test_payoff_rule_forecasts_to_where_a_budget_ends_the_run(tmp_path, char_dataset):
+    """With a token budget that ends the run at step 40 of a 200-step schedule, the forecast is
+    taken at step ~40 (where the budget ends it), not at max_steps, and says which limit set it;
+    ``payoff_per_gpu_hour`` compares the optimistic gain per GPU-hour left.
+
+    Mutations caught: the end always at max_steps (a budget-limited run promised the annealing
+    it will never reach); the per-GPU-hour rate divided by the GPU-hours spent.
+    """
+    run = tmp_path / "run"
+    budget = CostBudget(
+        max_tokens=40 * TOKENS_PER_MICRO_BATCH, payoff_per_gpu_hour=1e-9, payoff_bootstrap=30
+    )
+    fit(run, char_dataset, [MetricsLog(), budget], max_steps=200, eval_every=4)
+    decided = [r for r in _payoff_records(run) if r["payoff"]["model"] is not None]
+    assert decided
+    for r in decided:
+        p = r["payoff"]
+        assert p["limited_by"] == "max_tokens" and 38 <= p["end_step"] <= 41
+        if p["remaining_gpu_hours"] > 0:
+            assert p["gain_per_gpu_hour"] == pytest.approx(
+                p["gain_optimistic"] / p["remaining_gpu_hours"]
+            )
 
 
 def test_plateau_rule(tmp_path, char_dataset):
@@ -126,7 +174,8 @@ def test_budget_state_survives_resume(tmp_path, char_dataset):
         ({"max_cost": 10.0}, r"budget\.max_cost needs budget\.price_per_gpu_hour"),
         ({"price_per_gpu_hour": -2.5}, r"budget\.price_per_gpu_hour must be a number >= 0"),
         ({"price_per_gpu_hour": 2.5, "currency": "DOLLARS"}, r"budget\.currency 'DOLLARS'"),
-        ({"payoff_window": 1}, r"budget\.payoff_window"),
+        ({"payoff_min_evals": 4}, r"budget\.payoff_min_evals must be >= 5"),
+        ({"payoff_per_gpu_hour": 0}, r"budget\.payoff_per_gpu_hour must be > 0"),
         ({"patience": 0}, r"budget\.patience"),
         ({"min_delta": -0.1}, r"budget\.min_delta"),
     ],
@@ -134,8 +183,3 @@ def test_budget_state_survives_resume(tmp_path, char_dataset):
 def test_bad_budgets_are_refused(kwargs, message):
     with pytest.raises(CallbackConfigError, match=message):
         CostBudget(**kwargs)
-
-
-def test_linear_slope():
-    assert linear_slope([0.0, 1.0, 2.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
-    assert linear_slope([1.0, 1.0], [3.0, 2.0]) is None

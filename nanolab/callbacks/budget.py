@@ -7,12 +7,16 @@ next check would overrun, using the run's own cost per step; Lightning then runs
 validation (it always validates when asked to stop early), the checkpoint callback saves, and the
 ``end`` record says ``budget``. The process exits 0.
 
-Payoff rule (``payoff_threshold``): at each validation, fit a line to the last ``payoff_window``
-(GPU-hours, val loss) points; its slope is the loss the run currently buys per GPU-hour. Times the
-GPU-hours the run may still spend (the tightest of the budgets and of ``trainer.max_steps``), that
-is the improvement still on offer. Below ``payoff_threshold`` (in loss units) the run stops with
-reason ``budget``. A straight line over-estimates what a flattening loss curve will deliver, so the
-rule errs towards continuing.
+Payoff rule (``payoff_threshold``, ``payoff_per_gpu_hour``): at each validation, the run's val
+curve so far is fitted with the loss forecast that ``nanolab report --forecast`` uses
+(:mod:`nanolab.forecast`: the loss over the run's own LR schedule, so the annealing still ahead of
+a cosine run is counted), and evaluated at the step where the run will end: ``trainer.max_steps``,
+or earlier when a budget runs out first (the tightest of them, at the run's own cost per step).
+The improvement still on offer is the forecast loss now minus the forecast at that end, taken at
+the optimistic edge of the forecast's 5-95% band, so a noisy or early fit (wide band) does not
+stop a run. The run stops with reason ``budget`` when that optimistic improvement is below
+``payoff_threshold`` (loss units), or below ``payoff_per_gpu_hour`` times the GPU-hours left
+(loss per GPU-hour). The rule waits for ``payoff_min_evals`` validations after warmup.
 
 Plateau rule (``patience``/``min_delta``): stop (reason ``plateau``) after ``patience``
 validations without an improvement of at least ``min_delta`` over the best.
@@ -30,6 +34,7 @@ import lightning as L
 
 from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason, stop_reason
 from nanolab.callbacks.step import StepCallback
+from nanolab.forecast import MIN_POINTS, CurveInputs, ForecastError, fit_curve, fit_loss_curve
 
 #: ISO 4217 codes accepted for ``budget.currency`` (the common ones; case-insensitive).
 CURRENCIES = frozenset(
@@ -40,18 +45,6 @@ CURRENCIES = frozenset(
         "ARS",
     )
 )
-
-
-def linear_slope(xs: list[float], ys: list[float]) -> float | None:
-    """Least-squares slope of ys over xs (``None`` when the xs do not spread)."""
-    n = len(xs)
-    if n < 2:
-        return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    if var <= 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -76,9 +69,14 @@ class CostBudget(StepCallback):
         currency: ISO 4217 code of the price (USD, EUR, GBP, ...).
         max_wall_hours: Budget in wall-clock hours of the run (over every resume).
         max_tokens: Budget in training tokens (all ranks).
-        payoff_threshold: Stop when the val-loss improvement the remaining budget can buy, at
-            the recent rate, is below this (loss units, e.g. 0.01). ``null``: rule off.
-        payoff_window: Validations the improvement rate is fitted over (>= 2).
+        payoff_threshold: Stop when the val-loss improvement the forecast still promises by
+            the run's end (optimistic edge of its 5-95% band) is below this (loss units, e.g.
+            0.01). ``null``: off.
+        payoff_per_gpu_hour: Stop when that improvement per GPU-hour left is below this (loss
+            per GPU-hour). ``null``: off.
+        payoff_min_evals: Validations after warmup the forecast needs before the payoff rule
+            decides (>= 5).
+        payoff_bootstrap: Bootstrap refits behind the forecast's band (each validation).
         patience: Stop after this many validations without improvement. ``null``: rule off.
         min_delta: Smallest decrease of the val loss that counts as an improvement.
         monitor: The validation loss the rules read.
@@ -97,7 +95,9 @@ class CostBudget(StepCallback):
         max_wall_hours: float | None = None,
         max_tokens: int | None = None,
         payoff_threshold: float | None = None,
-        payoff_window: int = 4,
+        payoff_per_gpu_hour: float | None = None,
+        payoff_min_evals: int = 5,
+        payoff_bootstrap: int = 100,
         patience: int | None = None,
         min_delta: float = 0.0,
         monitor: str = "val/loss",
@@ -110,6 +110,7 @@ class CostBudget(StepCallback):
             ("max_wall_hours", max_wall_hours),
             ("max_tokens", max_tokens),
             ("payoff_threshold", payoff_threshold),
+            ("payoff_per_gpu_hour", payoff_per_gpu_hour),
         ):
             _positive(name, value)
         if price_per_gpu_hour is not None and (
@@ -131,8 +132,15 @@ class CostBudget(StepCallback):
             raise CallbackConfigError(
                 "budget.max_cost needs budget.price_per_gpu_hour (> 0) to turn GPU-hours into money"
             )
-        if payoff_window < 2:
-            raise CallbackConfigError(f"budget.payoff_window must be >= 2, got {payoff_window}")
+        if payoff_min_evals < MIN_POINTS:
+            raise CallbackConfigError(
+                f"budget.payoff_min_evals must be >= {MIN_POINTS} (the forecast's fewest points), "
+                f"got {payoff_min_evals}"
+            )
+        if payoff_bootstrap < 10:
+            raise CallbackConfigError(
+                f"budget.payoff_bootstrap must be >= 10 (the band's refits), got {payoff_bootstrap}"
+            )
         if patience is not None and patience < 1:
             raise CallbackConfigError(f"budget.patience must be >= 1 or null, got {patience}")
         if min_delta < 0:
@@ -148,7 +156,9 @@ class CostBudget(StepCallback):
         self.max_wall_hours = max_wall_hours
         self.max_tokens = max_tokens
         self.payoff_threshold = payoff_threshold
-        self.payoff_window = payoff_window
+        self.payoff_per_gpu_hour = payoff_per_gpu_hour
+        self.payoff_min_evals = payoff_min_evals
+        self.payoff_bootstrap = payoff_bootstrap
         self.patience = patience
         self.min_delta = min_delta
         self.monitor = monitor
@@ -315,12 +325,7 @@ class CostBudget(StepCallback):
             },
         )
         if stop and rule == "payoff":
-            set_stop_reason(
-                trainer,
-                "budget",
-                f"payoff: projected gain {payoff['projected_gain']:.4g} < threshold "
-                f"{self.payoff_threshold}",
-            )
+            set_stop_reason(trainer, "budget", payoff_detail(payoff))
         elif stop and rule == "plateau":
             set_stop_reason(
                 trainer,
@@ -329,32 +334,80 @@ class CostBudget(StepCallback):
             )
 
     def payoff(self, trainer: L.Trainer) -> dict[str, Any]:
-        """The payoff rule's numbers and decision from the recent validation history."""
-        window = self.history[-self.payoff_window :]
+        """The payoff rule's forecast, numbers and decision (see the module docstring)."""
         out: dict[str, Any] = {
             "threshold": self.payoff_threshold,
-            "window": len(window),
-            "improvement_per_gpu_hour": None,
+            "per_gpu_hour_threshold": self.payoff_per_gpu_hour,
+            "evals": len(self.history),
+            "model": None,
             "remaining_gpu_hours": None,
             "limited_by": None,
-            "projected_gain": None,
+            "end_step": None,
+            "forecast_now": None,
+            "forecast_end": None,
+            "forecast_end_band": None,
+            "gain": None,
+            "gain_optimistic": None,
+            "gain_per_gpu_hour": None,
+            "note": None,
             "decision": "continue",
         }
+        if self.payoff_threshold is None and self.payoff_per_gpu_hour is None:
+            return out
         remaining, which = self.remaining_gpu_hours(trainer)
         out["remaining_gpu_hours"], out["limited_by"] = remaining, which
-        if len(window) < self.payoff_window:
+        gpu_per_step = self._per_step(trainer).get("gpu_hours")
+        if remaining is None or not gpu_per_step:
+            out["note"] = "no end in sight (no budget, no max_steps) or no cost per step yet"
             return out
-        slope = linear_slope([g for _, g, _ in window], [v for _, _, v in window])
-        if slope is None:
+        step = int(trainer.global_step)
+        if which == "trainer.max_steps":
+            end = int(trainer.max_steps)
+        else:  # a budget ends the run first: the steps it still pays for
+            end = step + math.floor(remaining / gpu_per_step)
+            if trainer.max_steps and trainer.max_steps > 0:
+                end = min(end, int(trainer.max_steps))
+        out["end_step"] = end
+        warmup = getattr(
+            getattr(trainer.lightning_module, "schedule_config", None), "warmup_steps", 0
+        )
+        points = [(float(s), float(s), v) for s, _, v in self.history if s >= 1]
+        if sum(1 for s, _, _ in points if s >= warmup) < self.payoff_min_evals:
+            out["note"] = f"waiting for {self.payoff_min_evals} validations after warmup"
             return out
-        rate = max(0.0, -slope)
-        out["improvement_per_gpu_hour"] = rate
-        if remaining is None:
+        try:
+            now, end_loss, band, model = self._forecast(trainer, points, warmup, step, end)
+        except ForecastError as err:
+            out["note"] = f"no forecast: {err}"
             return out
-        out["projected_gain"] = rate * remaining
-        if self.payoff_threshold is not None and out["projected_gain"] < self.payoff_threshold:
+        gain, optimistic = now - end_loss, max(0.0, now - band[0])
+        out.update(model=model, forecast_now=now, forecast_end=end_loss, forecast_end_band=band,
+                   gain=gain, gain_optimistic=optimistic)  # fmt: skip
+        if remaining > 0:
+            out["gain_per_gpu_hour"] = optimistic / remaining
+        if self.payoff_threshold is not None and optimistic < self.payoff_threshold:
+            out["decision"] = "stop"
+        per_hour = out["gain_per_gpu_hour"]
+        if self.payoff_per_gpu_hour is not None and (
+            per_hour is None or per_hour < self.payoff_per_gpu_hour
+        ):
             out["decision"] = "stop"
         return out
+
+    def _forecast(
+        self, trainer: L.Trainer, points: list, warmup: int, step: int, end: int
+    ) -> tuple[float, float, tuple[float, float], str]:
+        """(loss now, loss at ``end``, its 5-95% band, model) from the val history."""
+        schedule = _lr_multiplier(trainer)
+        if schedule is not None:
+            inputs = CurveInputs(points=points, max_steps=max(end, step), tokens_per_step=1.0,
+                                 schedule_for=lambda _steps: schedule, warmup_steps=warmup)  # fmt: skip
+            fit = fit_curve(inputs, bootstrap=self.payoff_bootstrap)
+            return fit.predict(step), fit.predict(end), fit.band(end), "schedule"
+        # An optimizer without a LambdaLR: the power law in steps (tokens per step are fixed).
+        law = fit_loss_curve([s for s, _, _ in points], [v for _, _, v in points],
+                             bootstrap=self.payoff_bootstrap)  # fmt: skip
+        return law.predict(step), law.predict(end), law.band(end), "power law"
 
     def _emit(self, trainer: L.Trainer, fields: dict[str, Any]) -> None:
         emit(
@@ -404,3 +457,31 @@ class CostBudget(StepCallback):
         self.history = [(int(s), float(g), float(v)) for s, g, v in state_dict.get("history", [])]
         self.best = state_dict.get("best")
         self.evals_since_best = int(state_dict.get("evals_since_best", 0))
+
+
+def _lr_multiplier(trainer: L.Trainer) -> Any:
+    """The run's LR multiplier per step (its ``LambdaLR``'s function), a constant 1 without a
+    scheduler, or None when the scheduler is of another kind (then the power law is used)."""
+    configs = getattr(trainer, "lr_scheduler_configs", None) or []
+    if not configs:
+        return lambda _step: 1.0
+    lambdas = getattr(configs[0].scheduler, "lr_lambdas", None)
+    return lambdas[0] if lambdas else None
+
+
+def payoff_detail(payoff: dict[str, Any]) -> str:
+    """The stop reason of the payoff rule, with the forecast numbers behind it."""
+    lo, hi = payoff["forecast_end_band"]
+    why = []
+    if payoff["threshold"] is not None and payoff["gain_optimistic"] < payoff["threshold"]:
+        why.append(f"< threshold {payoff['threshold']:g}")
+    if payoff["per_gpu_hour_threshold"] is not None:
+        per = payoff["gain_per_gpu_hour"]
+        per_text = f"{per:.4g}" if per is not None else "none"
+        why.append(f"{per_text}/GPU-h vs payoff_per_gpu_hour {payoff['per_gpu_hour_threshold']:g}")
+    return (
+        f"payoff: forecast val loss {payoff['forecast_now']:.4f} now -> "
+        f"{payoff['forecast_end']:.4f} [{lo:.4f}, {hi:.4f}] at step {payoff['end_step']} "
+        f"({payoff['limited_by']}, {payoff['remaining_gpu_hours']:.3g} GPU-h left); at best "
+        f"{payoff['gain_optimistic']:.4g} better, " + "; ".join(why)
+    )
