@@ -314,3 +314,29 @@ def test_report_forecast_reads_the_schedule_and_checks_it_against_the_log(tmp_pa
         f["target_tokens"] * 1e-6
     )
     assert data["other"]["model"] == "power law"
+
+
+def test_band_spans_the_no_annealing_forecast_until_a_quarter_of_the_annealing_is_seen() -> None:
+    """At 30% of a cosine run little of the annealing area has been seen: its size is a guess,
+    so the band reaches up to the forecast without annealing (C = 0). At 60% more than a
+    quarter has been seen and the band is the fit's own.
+
+    Mutations caught: the no-annealing bound left out (the quickstart's 30% forecasts missed
+    their bands by 0.2-0.3, benches/forecast_check.py); the share computed over the observed
+    part only (always 1: never widened).
+    """
+    from nanolab.forecast import fit_schedule_curve
+
+    steps = np.arange(20, 401, 10)
+    y = schedule_curve(steps) + np.random.default_rng(3).normal(0, 0.003, len(steps))
+    early = fit_schedule_curve(steps[steps <= 120], y[steps <= 120], _planned(400), 400,
+                               bootstrap=30)  # fmt: skip
+    assert early.annealing_seen() < 0.25 and early.no_annealing is not None
+    L0, A, alpha = early.no_annealing
+    plain = L0 + A * early.areas[early.decay][0][400] ** -alpha
+    lo, hi = early.band(400)
+    assert plain > early.predict(400) and lo <= plain <= hi + 1e-12
+    late = fit_schedule_curve(steps[steps <= 240], y[steps <= 240], _planned(400), 400,
+                              bootstrap=30)  # fmt: skip
+    assert late.annealing_seen() >= 0.25
+    assert late.band(400)[1] - late.band(400)[0] < hi - lo

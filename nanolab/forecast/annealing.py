@@ -161,6 +161,10 @@ class ScheduleFit:
             was extrapolated over. The band widens by the largest miss scaled to the forecast's
             own span (the model's misfit, which resampling the residuals does not see). Empty:
             too few points to hold any out.
+        no_annealing: ``(L0, A, alpha)`` of the same fit with ``C = 0``. While less than
+            :data:`ANNEALING_SEEN` of the planned annealing area has been seen, the size of
+            the annealing gain is extrapolated from a small start, so the band also spans the
+            forecast without it (see :meth:`band`).
         areas: ``decay -> (S1, S2)`` over the planned schedule, index = steps done.
     """
 
@@ -174,6 +178,7 @@ class ScheduleFit:
     last_step: int
     samples: np.ndarray
     backtests: list[tuple[float, float]]
+    no_annealing: tuple[float, float, float] | None
     areas: dict[float, tuple[np.ndarray, np.ndarray]] = field(repr=False)
 
     @property
@@ -221,18 +226,31 @@ class ScheduleFit:
         widened on both sides by :meth:`model_error` (never below 0: a cross-entropy)."""
         lo, hi = np.percentile(self.sample_predictions(step), q)
         extra = self.model_error(step)
-        return max(0.0, float(lo) - extra), float(hi) + extra
+        lo, hi = float(lo) - extra, float(hi) + extra
+        if self.no_annealing is not None and self.annealing_seen() < ANNEALING_SEEN:
+            L0, A, alpha = self.no_annealing
+            plain = L0 + A * self._at(step, self.decay)[0] ** -alpha
+            lo, hi = min(lo, plain), max(hi, plain)
+        return max(0.0, lo), hi
+
+    def annealing_seen(self) -> float:
+        """Share of the planned annealing area (S2 at the end of the plan) seen so far
+        (1 when the plan has none)."""
+        s2 = self.areas[self.decay][1]
+        return float(s2[self.last_step] / s2[-1]) if s2[-1] > 0 else 1.0
 
     def to_dict(self) -> dict[str, float | int | bool | str | None]:
         return {"model": "schedule", "L0": self.L0, "A": self.A, "alpha": self.alpha,
                 "C": self.C, "decay": self.decay, "rmse": self.rmse, "n": self.n,
                 "last_step": self.last_step, "backtests": self.backtests,
-                "degenerate": self.degenerate}  # fmt: skip
+                "annealing_seen": self.annealing_seen(), "degenerate": self.degenerate}  # fmt: skip
 
 
 #: How a backtest's miss grows with the forward area extrapolated over (linearly: a missed
 #: slope). The shortest holdout (one point) has the largest ratio, so it usually decides.
 GROWTH = 1.0
+#: Below this share of the planned annealing area seen, the band includes the no-annealing fit.
+ANNEALING_SEEN = 0.25
 #: Annealing memories tried; the one that fits best is kept (per bootstrap refit too).
 DECAYS = (0.0, 0.9, 0.99, 0.999)
 
@@ -301,9 +319,14 @@ def fit_schedule_curve(
         yb = fitted + rng.choice(resid, size=len(resid), replace=True)
         cb, ab, db, _ = _fit_decays(idx, yb, areas)
         samples[k] = (cb[0], cb[1], ab, cb[2], db)
+    no_annealing = None
+    if coef[2] > 0:
+        c0, a0, _ = _fit(s1[idx], np.zeros(len(idx)), y)
+        no_annealing = (float(c0[0]), float(c0[1]), a0)
     return ScheduleFit(
         float(coef[0]), float(coef[1]), alpha, float(coef[2]), decay,
-        math.sqrt(sse / len(y)), len(y), last, samples, _backtest(idx, y, areas), areas,
+        math.sqrt(sse / len(y)), len(y), last, samples, _backtest(idx, y, areas), no_annealing,
+        areas,
     )  # fmt: skip
 
 
