@@ -328,7 +328,7 @@ def test_band_spans_the_no_annealing_forecast_until_a_quarter_of_the_annealing_i
     from nanolab.forecast import fit_schedule_curve
 
     steps = np.arange(20, 401, 10)
-    y = schedule_curve(steps) + np.random.default_rng(3).normal(0, 0.003, len(steps))
+    y = schedule_curve(steps) + np.random.default_rng(3).normal(0, 0.001, len(steps))
     early = fit_schedule_curve(steps[steps <= 120], y[steps <= 120], _planned(400), 400,
                                bootstrap=30)  # fmt: skip
     assert early.annealing_seen() < 0.25 and early.no_annealing is not None
