@@ -199,6 +199,9 @@ PLANS: dict[str, dict[str, str]] = {
         "deepspeed --num_gpus 8 --no_local_rank --module nanolab fit "
         "--config configs/gpt2-124m.yaml --config configs/gpt2-774m.yaml "
         "--config configs/strategy/deepspeed_stage2.yaml --trainer.devices 8": MULTI_NODE,
+        "nanolab report runs/ --scaling --gpu-hours 100": elsewhere(
+            "test_scaling_fit.py::test_the_docs_scaling_command_prints_the_pages_fit"
+        ),
     },
 }
 

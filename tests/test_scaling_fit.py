@@ -129,3 +129,26 @@ def test_too_few_sizes_and_bad_budgets_are_one_line(tmp_path, capsys, sizes, arg
     assert main([str(tmp_path), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "error:" in err and message in err, err
+
+
+def test_the_docs_scaling_command_prints_the_pages_fit(tmp_path, capsys, monkeypatch) -> None:
+    """docs/scaling.md's ``nanolab report runs/ --scaling --gpu-hours 100``, as written, on the
+    synthetic sweep the page describes: the fit's lines the page shows are what it prints.
+
+    Mutations caught: the page's output going stale after a change to the fit or its text.
+    """
+    import re
+    import shlex
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    section = page[page.index("## Scaling laws") :]
+    (command,) = [c for c in re.findall(r"```bash\n(.*?)```", section, flags=re.S)]
+    shown = re.search(r"```text\n(.*?)```", section, flags=re.S).group(1).strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    _sweep(tmp_path / "runs")
+    argv = shlex.split(command.strip())
+    assert argv[:2] == ["nanolab", "report"]
+    assert main(argv[2:]) == 0
+    out = capsys.readouterr().out
+    printed = out[out.index("scaling: ") :].strip().splitlines()
+    assert printed == shown
