@@ -275,6 +275,8 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
         s.detail = end.get("error") or None
         if s.status == "diverged" and end.get("diverged_step") is not None:
             s.detail = f"at step {end['diverged_step']}"
+            if end.get("skipped_steps") is not None:  # steps skipped, not NaN: say which
+                s.detail = f"fp16 loss scale collapsed {s.detail}"
     elif not records:
         s.status, s.detail = "crashed", "empty log"
     else:

@@ -1,4 +1,5 @@
-"""Stop a run whose loss or gradient norm stays non-finite: a diverged run trains nothing.
+"""Stop a run that trains nothing: its loss or gradient norm stays non-finite, or fp16's loss
+scale collapsed.
 
 Once the loss is NaN or infinite (a learning rate far too high, an fp16 overflow, a bad batch
 that poisoned the weights) every later step is wasted GPU time, and without a check the run
@@ -16,11 +17,29 @@ synchronisation (on CPU it is read at once). The gradient norm is one fused pass
 gradients per optimizer step.
 
 Under fp16 with a GradScaler, non-finite gradients are how the scaler finds its scale: it skips
-those steps by design, so there only the loss counts.
+such a step by design (and halves the scale), so there the loss counts but the gradient norm does
+not. What counts instead is the scaler giving up: a *collapsed* loss scale. When every step's
+gradients overflow, the scaler skips every optimizer step and halves the scale each time; the
+loss stays finite and the run trains nothing for hours. A step was skipped exactly when the
+scale fell across it (the scaler lowers it on non-finite gradients only), so the callback keeps
+the scale from before the step and compares on the device. The rule: ``patience`` skipped steps
+in a row, the last of them leaving the scale below ``loss_scale_floor`` (1.0). Consecutive skips
+alone are not enough: a fresh scaler starts at 2**16 on purpose too high and halves its way down
+(several skips in a row are normal in the first steps), and after each growth it may skip one.
+None of that takes the scale below 1, because a scale of 1 or more only *lifts* small
+gradients above fp16's underflow; a scaler that goes below 1 is shrinking the gradients, i.e.
+they overflow fp16 (65504) unscaled, or the overflow does not depend on the scale at all (a
+backward op that is inf in fp16 whatever its input's scale). Either way no scale will make the
+steps count: the run stops as ``diverged`` with the cause in the ``end`` record's ``detail``
+("fp16 loss scale collapsed: N consecutive optimizer steps skipped (scale S); use bf16-mixed or
+lower the learning rate") and ``skipped_steps``/``loss_scale`` next to ``diverged_step``. From a
+steady scale of 2**k that takes k + 1 steps. The skip flag and the scale travel with the loss flag
+(same deferred read, no extra synchronisation).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -40,7 +59,7 @@ REASON = "diverged"
 
 class DivergenceStop(StepCallback):
     """Stops the run after ``patience`` consecutive optimizer steps with a non-finite loss or
-    gradient norm (see the module docstring).
+    gradient norm, or (fp16) once the loss scale collapsed (see the module docstring).
 
     Its step hooks run after the budget's (a budget stop at the same step wins) and before the
     preemption handler's and the checkpoint's.
@@ -50,21 +69,45 @@ class DivergenceStop(StepCallback):
         patience: Consecutive non-finite optimizer steps that stop the run (1 = the first).
         check_grad_norm: Also count a non-finite global gradient norm (not under fp16's
             GradScaler, which skips such steps itself).
+        loss_scale_floor: fp16 only: ``patience`` optimizer steps in a row skipped by the
+            GradScaler, leaving its scale below this, stop the run. 0 turns the check off.
     """
 
     step_order = 50
 
-    def __init__(self, enabled: bool = True, patience: int = 3, check_grad_norm: bool = True):
+    def __init__(
+        self,
+        enabled: bool = True,
+        patience: int = 3,
+        check_grad_norm: bool = True,
+        loss_scale_floor: float = 1.0,
+    ):
         super().__init__()
         if not isinstance(patience, int) or patience < 1:
             raise CallbackConfigError(f"divergence.patience must be >= 1, got {patience!r}")
+        floor = loss_scale_floor
+        if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor >= 0:
+            raise CallbackConfigError(
+                f"divergence.loss_scale_floor must be a number >= 0 (0 turns the fp16 loss "
+                f"scale check off), got {loss_scale_floor!r}"
+            )
+        if math.isinf(floor):
+            raise CallbackConfigError(
+                "divergence.loss_scale_floor must be finite (inf would stop every fp16 run "
+                f"after {patience} skipped steps); use 1.0, or 0 to turn the check off"
+            )
         self.enabled = enabled
         self.patience = patience
         self.check_grad_norm = check_grad_norm
+        self.loss_scale_floor = float(floor)
         self.streak = 0
         self.first_bad_step: int | None = None
+        self.skip_streak = 0  # fp16: optimizer steps in a row the GradScaler skipped
+        self.first_skip_step: int | None = None
         self.diverged_step: int | None = None  # first step of the streak that stopped the run
+        self.collapse: tuple[int, float] | None = None  # (skipped steps, scale) if that stopped it
         self._step_bad: torch.Tensor | None = None  # this optimizer step, on the device
+        self._scale_before: torch.Tensor | None = None  # the GradScaler's scale before the step
         self._params: list[torch.nn.Parameter] | None = None
         self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
         self._host: list[torch.Tensor] = []
@@ -79,11 +122,22 @@ class DivergenceStop(StepCallback):
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.streak, self.first_bad_step, self._step_bad = 0, None, None
+        self.skip_streak, self.first_skip_step, self._scale_before = 0, None, None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not self.active or not self.check_grad_norm or _grad_scaler(trainer) is not None:
+        if not self.active:
+            return
+        scaler = _grad_scaler(trainer)
+        if scaler is not None:
+            # The scaler steps (or skips) and updates its scale after this hook: keep the scale
+            # it has now, on the device, to compare with in on_step.
+            scale = _scale_tensor(scaler)
+            if scale is not None and self.loss_scale_floor > 0:
+                self._scale_before = scale.detach().clone()
+            return
+        if not self.check_grad_norm:
             return
         if self._params is None:
             self._params = list(pl_module.parameters())
@@ -100,9 +154,20 @@ class DivergenceStop(StepCallback):
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         bad, self._step_bad = self._step_bad, None
-        if bad is None:
-            bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)
-        self._submit(trainer, step, bad)
+        before, self._scale_before = self._scale_before, None
+        bad = (
+            torch.zeros((), dtype=torch.float32, device=pl_module.device)
+            if bad is None
+            else bad.to(torch.float32).reshape(())
+        )
+        skipped, scale = torch.zeros_like(bad), torch.zeros_like(bad)
+        after = _scale_tensor(_grad_scaler(trainer)) if before is not None else None
+        if before is not None and after is not None:
+            # The scaler lowers its scale on non-finite gradients only: a fall = a skipped step.
+            after = after.detach().to(bad.device, torch.float32).reshape(())
+            skipped = (after < before.to(bad.device, torch.float32).reshape(())).to(torch.float32)
+            scale = after.clone()
+        self._submit(trainer, step, torch.stack((bad, skipped, scale)))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.active:
@@ -112,20 +177,24 @@ class DivergenceStop(StepCallback):
     def _mark(self, bad: torch.Tensor) -> None:
         self._step_bad = bad if self._step_bad is None else self._step_bad | bad
 
-    def _submit(self, trainer: L.Trainer, step: int, bad: torch.Tensor) -> None:
-        """Agree across ranks on the device, then read it now (CPU) or at the next step."""
-        flag = bad.to(torch.float32).reshape(())
+    def _submit(self, trainer: L.Trainer, step: int, flags: torch.Tensor) -> None:
+        """Agree across ranks on the device, then read it now (CPU) or at the next step.
+
+        ``flags`` = (loss or gradient norm not finite, GradScaler skipped the step, its scale
+        after the step), float32 on the device. The max over ranks: any rank's bad step stops
+        every rank (the scale is the same on all of them).
+        """
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if trainer.world_size > 1 and distributed:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.device.type != "cuda":
-            self._observe(trainer, step, bool(flag.item()))
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if flags.device.type != "cuda":
+            self._observe(trainer, step, flags.tolist())
             return
-        self._drain(trainer, keep=1)  # the previous step's flag: finished on the device by now
+        self._drain(trainer, keep=1)  # the previous step's flags: finished on the device by now
         if len(self._host) < 2:
-            self._host = [torch.zeros((), pin_memory=True) for _ in range(2)]
+            self._host = [torch.zeros(3, pin_memory=True) for _ in range(2)]
         host = self._host[step % 2]
-        host.copy_(flag, non_blocking=True)
+        host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._in_flight.append((step, host, event))
@@ -134,21 +203,41 @@ class DivergenceStop(StepCallback):
         while len(self._in_flight) > keep:
             step, host, event = self._in_flight.pop(0)
             event.synchronize()
-            self._observe(trainer, step, bool(host.item()))
+            self._observe(trainer, step, host.tolist())
 
-    def _observe(self, trainer: L.Trainer, step: int, bad: bool) -> None:
-        if not bad:
+    def _observe(self, trainer: L.Trainer, step: int, flags: list[float]) -> None:
+        bad, skipped, scale = bool(flags[0]), bool(flags[1]), float(flags[2])
+        if bad:
+            self.streak += 1
+            if self.first_bad_step is None:
+                self.first_bad_step = step
+        else:
             self.streak, self.first_bad_step = 0, None
+        if skipped:
+            self.skip_streak += 1
+            if self.first_skip_step is None:
+                self.first_skip_step = step
+        else:
+            self.skip_streak, self.first_skip_step = 0, None
+        if self.diverged_step is not None:
             return
-        self.streak += 1
-        if self.first_bad_step is None:
-            self.first_bad_step = step
-        if self.streak >= self.patience and self.diverged_step is None:
+        if self.streak >= self.patience:  # a NaN loss also skips steps: that cause is named
             self.diverged_step = self.first_bad_step
-            set_stop_reason(trainer, REASON, self.describe())
+        elif self.skip_streak >= self.patience and scale < self.loss_scale_floor:
+            self.diverged_step = self.first_skip_step
+            self.collapse = (self.skip_streak, scale)
+        else:
+            return
+        set_stop_reason(trainer, REASON, self.describe())
 
     def describe(self) -> str:
         """One sentence for the end record and the exit message."""
+        if self.collapse is not None:
+            skipped, scale = self.collapse
+            return (
+                f"fp16 loss scale collapsed: {skipped} consecutive optimizer steps skipped "
+                f"(scale {scale:.3g}); use bf16-mixed or lower the learning rate"
+            )
         steps = (
             f"step {self.diverged_step}"
             if self.patience == 1
@@ -156,10 +245,19 @@ class DivergenceStop(StepCallback):
         )
         return f"loss or gradient norm not finite (NaN/inf) for {steps}"
 
+    def hint(self) -> str | None:
+        """What to change, for the exit message (None: :meth:`describe` already says it)."""
+        if self.collapse is not None:
+            return None
+        return "lower model.optimizer.lr or raise model.schedule.warmup_steps"
+
     def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]:
-        if event == "end" and self.diverged_step is not None:
-            return {"diverged_step": self.diverged_step}
-        return {}
+        if event != "end" or self.diverged_step is None:
+            return {}
+        fields: dict[str, Any] = {"diverged_step": self.diverged_step}
+        if self.collapse is not None:
+            fields["skipped_steps"], fields["loss_scale"] = self.collapse
+        return fields
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # a resumed run starts from a finite checkpoint: nothing to carry
@@ -169,6 +267,14 @@ def _grad_scaler(trainer: L.Trainer) -> Any:
     """fp16's GradScaler when one is active (None for fp32/bf16)."""
     plugin = getattr(trainer, "precision_plugin", None)
     return getattr(plugin, "scaler", None)
+
+
+def _scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """The GradScaler's current scale as the tensor it keeps on the device (no ``.item()``:
+    ``get_scale()`` would synchronise). None while it has not scaled a loss yet, or disabled."""
+    get = getattr(scaler, "_get_scale_async", None)
+    scale = get() if callable(get) else getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
 
 
 def diverged(trainer: L.Trainer | None) -> DivergenceStop | None:

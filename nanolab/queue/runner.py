@@ -639,7 +639,8 @@ def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[
         return "preempted", "interrupted" + (f" at step {step}" if step is not None else "")
     if code == EXIT_DIVERGED or reason == "diverged":
         step = (end or {}).get("diverged_step", (end or {}).get("step"))
-        return "failed", "diverged" + (f" at step {step}" if step is not None else "")
+        cause = " (fp16 loss scale collapsed)" if (end or {}).get("skipped_steps") else ""
+        return "failed", "diverged" + (f" at step {step}" if step is not None else "") + cause
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
         if stopping:

@@ -743,10 +743,10 @@ def run_lightning_cli(argv: list[str]) -> int:
         if trainer.is_global_zero:
             last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
             kept = f"newest finite checkpoint: {last}" if last.exists() else "no checkpoint saved"
+            hint = stopped.hint()
             print(
                 f"nanolab {argv[0]}: diverged: {stopped.describe()}; stopped at step "
-                f"{trainer.global_step} ({kept}); lower model.optimizer.lr or raise "
-                "model.schedule.warmup_steps",
+                f"{trainer.global_step} ({kept})" + (f"; {hint}" if hint else ""),
                 file=sys.stderr,
             )
         return EXIT_DIVERGED
