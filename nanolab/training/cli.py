@@ -289,7 +289,7 @@ class NanolabCLI(LightningCLI):
         parser.add_lightning_class_args(CostBudget, "budget")
         parser.add_lightning_class_args(ThroughputMeter, "throughput")
         parser.add_lightning_class_args(StepProgressBar, "progress")
-        # On by default: K non-finite steps in a row stop the run (exit 3, reason "diverged").
+        # On by default: K non-finite steps in a row, or a collapsed fp16 loss scale, stop the run.
         from nanolab.callbacks.divergence import DivergenceStop
 
         parser.add_lightning_class_args(DivergenceStop, "divergence")

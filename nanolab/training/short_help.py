@@ -45,7 +45,7 @@ CALLBACK_GROUPS = {
     "checkpoint": "rotation, keep_last/keep_best, every_n_steps/minutes, async_save",
     "budget": "max_gpu_hours, max_cost + price_per_gpu_hour, max_tokens, patience, payoff",
     "throughput": "tokens/s, MFU (peak_flops for devices not in the table)",
-    "divergence": "stop after `patience` non-finite steps (exit 3)",
+    "divergence": "stop after `patience` non-finite steps or fp16 loss-scale collapse (exit 3)",
     "preemption": "SIGTERM/SIGUSR1: checkpoint at the step boundary, exit 75",
 }
 
