@@ -13,6 +13,7 @@ the model's, so the scaler skips every step and halves its scale from 2**16 on.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -83,11 +84,12 @@ def _fit_fp16(
     init_scale: float = 2.0**16,
     max_steps: int = 40,
     accelerator: str = "cpu",
+    growth_interval: int = 2000,
 ) -> tuple[L.Trainer, DivergenceStop, ScaleProbe]:
     dm = TokenDataModule(dataset_dir=str(data), micro_batch_size=4, block_size=32)
     div, probe = DivergenceStop(), ScaleProbe()
     device = "cuda" if accelerator == "gpu" else "cpu"
-    scaler = torch.amp.GradScaler(device, init_scale=init_scale)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale, growth_interval=growth_interval)
     trainer = L.Trainer(
         max_steps=max_steps, accelerator=accelerator, devices=1, logger=False,
         plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],
@@ -111,7 +113,7 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _longest_fall(scales: list[float], start: float) -> int:
     """Most optimizer steps in a row across which the scale fell (= steps the scaler skipped)."""
     longest = run = 0
-    for before, after in zip([start, *scales], scales, strict=False):
+    for before, after in itertools.pairwise([start, *scales]):
         run = run + 1 if after < before else 0
         longest = max(longest, run)
     return longest
@@ -156,6 +158,20 @@ def test_a_calibrating_fp16_scaler_is_not_stopped(char_dataset, tmp_path):
     assert trainer.global_step == 40 and stop_reason(trainer) == (None, None)
     assert div.diverged_step is None and div.record_fields(trainer, "end") == {}
     assert any(not torch.equal(probe.initial[k], v) for k, v in _weights(model).items())
+
+
+def test_a_scaler_that_skips_after_each_growth_is_not_stopped(char_dataset, tmp_path):
+    """Steady state of a healthy scaler: it raises the scale (here after every clean step) and
+    skips the step that overflows at the raised scale. Isolated skips: the run goes on."""
+    trainer, div, probe = _fit_fp16(
+        char_dataset, tmp_path, _tiny_gpt(), init_scale=2.0**40, max_steps=60, growth_interval=1
+    )
+    steady = probe.scales[30:]
+    rises = sum(after > before for before, after in itertools.pairwise(steady))
+    falls = sum(after < before for before, after in itertools.pairwise(steady))
+    assert rises >= 10 and falls >= 10  # grew and skipped, again and again
+    assert trainer.global_step == 60 and stop_reason(trainer) == (None, None)
+    assert div.diverged_step is None
 
 
 def test_a_nan_loss_under_fp16_is_reported_as_non_finite(char_dataset, tmp_path):
