@@ -340,3 +340,23 @@ def test_band_spans_the_no_annealing_forecast_until_a_quarter_of_the_annealing_i
                               bootstrap=30)  # fmt: skip
     assert late.annealing_seen() >= 0.25
     assert late.band(400)[1] - late.band(400)[0] < hi - lo
+
+
+def test_forecast_starts_where_the_curve_is() -> None:
+    """A curve the model cannot follow at its front (the last points fall 0.03-0.05 below the
+    law): the forecast from the last point on is shifted by the mean residual of the last two
+    points, so at a finished run's last step it is the loss it logged (within 0.01), not the
+    fit's 0.04 misfit.
+
+    Mutations caught: no shift (0.04 off at the end); the shift applied before the last point too
+    (the fitted history moved).
+    """
+    from nanolab.forecast import fit_schedule_curve
+
+    steps = np.arange(20, 401, 10)
+    y = schedule_curve(steps)
+    y[-3:] -= (0.03, 0.04, 0.05)
+    fit = fit_schedule_curve(steps, y, _planned(400), 400, bootstrap=20)
+    assert fit.offset < -0.01
+    assert fit.predict(400) == pytest.approx(float(y[-1]), abs=0.01)
+    assert fit.predict(200) == pytest.approx(float(y[steps == 200][0]), abs=0.01)

@@ -165,6 +165,9 @@ class ScheduleFit:
             :data:`ANNEALING_SEEN` of the planned annealing area has been seen, the size of
             the annealing gain is extrapolated from a small start, so the band also spans the
             forecast without it (see :meth:`band`).
+        offset: Mean residual of the last two points: forecasts from the last point on start
+            where the curve is, not where the fit's misfit there puts it (a finished run's
+            forecast at its end is then its last loss, not the fit's).
         areas: ``decay -> (S1, S2)`` over the planned schedule, index = steps done.
     """
 
@@ -179,6 +182,7 @@ class ScheduleFit:
     samples: np.ndarray
     backtests: list[tuple[float, float]]
     no_annealing: tuple[float, float, float] | None
+    offset: float
     areas: dict[float, tuple[np.ndarray, np.ndarray]] = field(repr=False)
 
     @property
@@ -199,18 +203,22 @@ class ScheduleFit:
         """The annealing area after ``step`` steps (at the fitted decay)."""
         return self._at(step, self.decay)[1]
 
+    def _shift(self, step: float) -> float:
+        return self.offset if step >= self.last_step else 0.0
+
     def predict(self, step: float) -> float:
-        """The loss after ``step`` optimizer steps of the planned schedule."""
+        """The loss after ``step`` optimizer steps of the planned schedule (from the last point
+        on, shifted by ``offset``)."""
         s1, s2 = self._at(step, self.decay)
-        return float(self.L0 + self.A * s1**-self.alpha - self.C * s2)
+        return float(self.L0 + self.A * s1**-self.alpha - self.C * s2) + self._shift(step)
 
     def sample_predictions(self, step: float) -> np.ndarray:
-        out = np.empty(len(self.samples))
+        out = np.full(len(self.samples), self._shift(step))
         for decay in np.unique(self.samples[:, 4]):
             rows = self.samples[:, 4] == decay
             s1, s2 = self._at(step, float(decay))
             p = self.samples[rows]
-            out[rows] = p[:, 0] + p[:, 1] * s1 ** -p[:, 2] - p[:, 3] * s2
+            out[rows] += p[:, 0] + p[:, 1] * s1 ** -p[:, 2] - p[:, 3] * s2
         return out
 
     def model_error(self, step: float) -> float:
@@ -229,7 +237,7 @@ class ScheduleFit:
         lo, hi = float(lo) - extra, float(hi) + extra
         if self.no_annealing is not None and self.annealing_seen() < ANNEALING_SEEN:
             L0, A, alpha = self.no_annealing
-            plain = L0 + A * self._at(step, self.decay)[0] ** -alpha
+            plain = L0 + A * self._at(step, self.decay)[0] ** -alpha + self._shift(step)
             lo, hi = min(lo, plain), max(hi, plain)
         return max(0.0, lo), hi
 
@@ -243,7 +251,8 @@ class ScheduleFit:
         return {"model": "schedule", "L0": self.L0, "A": self.A, "alpha": self.alpha,
                 "C": self.C, "decay": self.decay, "rmse": self.rmse, "n": self.n,
                 "last_step": self.last_step, "backtests": self.backtests,
-                "annealing_seen": self.annealing_seen(), "degenerate": self.degenerate}  # fmt: skip
+                "annealing_seen": self.annealing_seen(), "offset": self.offset,
+                "degenerate": self.degenerate}  # fmt: skip
 
 
 #: How a backtest's miss grows with the forward area extrapolated over (linearly: a missed
@@ -326,7 +335,7 @@ def fit_schedule_curve(
     return ScheduleFit(
         float(coef[0]), float(coef[1]), alpha, float(coef[2]), decay,
         math.sqrt(sse / len(y)), len(y), last, samples, _backtest(idx, y, areas), no_annealing,
-        areas,
+        float(np.mean(resid[-2:])), areas,
     )  # fmt: skip
 
 

@@ -183,7 +183,8 @@ def steps_to_target(
     decays = sorted({fit.decay, *(float(d) for d in fit.samples[:, 4])})
 
     def curves(rows: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
-        return rows[:, 0:1] + rows[:, 1:2] * s1[None, :] ** -rows[:, 2:3] - rows[:, 3:4] * s2
+        law = rows[:, 0:1] + rows[:, 1:2] * s1[None, :] ** -rows[:, 2:3] - rows[:, 3:4] * s2
+        return law + fit.offset
 
     best = np.array([[fit.L0, fit.A, fit.alpha, fit.C, fit.decay]])
     rows = np.concatenate([best, fit.samples])
