@@ -10,6 +10,13 @@ band; then the mean and max error and the band coverage per forecaster and cut::
 
     python benches/forecast_check.py runs/                 # every finished run under runs/
     python benches/forecast_check.py runs/ --cuts 0.3 0.5 0.7
+    python benches/forecast_check.py runs/ --payoff 0.05   # + where budget.payoff_threshold 0.05
+                                                          #   would have stopped each run
+
+``--payoff`` replays the budget's payoff rule on each finished run's log: at each validation,
+the forecast of the curve so far, and the first step where the optimistic gain still on offer
+(forecast now minus the band's low edge at max_steps) falls below the threshold, with the loss
+given up by stopping there (the run's final val loss minus its val loss at that step).
 
 Runs need enough evaluations for the cut to keep at least 5 points after warmup (e.g.
 ``run.eval_every_steps`` at a twentieth of ``trainer.max_steps``). Exit 1 when no run could be
@@ -39,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs_dirs", nargs="+", type=Path)
     p.add_argument("--cuts", nargs="+", type=float, default=[0.3, 0.5])
     p.add_argument("--bootstrap", type=int, default=200)
+    p.add_argument("--payoff", type=float, metavar="THRESHOLD", help="replay the payoff rule")
     args = p.parse_args(argv)
     rows: list[str] = []
     errors = {(m, c): [] for m in MODELS for c in args.cuts}
@@ -82,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'power law: ' + cell}")  # fmt: skip
     print("\n".join(rows))
     print("(* = degenerate fit: the points do not pin the curve's shape)")
+    if args.payoff is not None:
+        for name, run_dir in discover_runs(args.runs_dirs):
+            if summarize_run(name, run_dir).status == "completed":
+                print(replay_payoff(name, forecast_inputs(run_dir), args.payoff, args.bootstrap))
     for (model, cut), errs in errors.items():
         if errs:
             mae = statistics.fmean(abs(e) for e in errs)
@@ -89,6 +101,29 @@ def main(argv: list[str] | None = None) -> int:
                   f"{max(abs(e) for e in errs):.4f}, mean error {statistics.fmean(errs):+.4f}, "
                   f"in band {inside[(model, cut)]}/{len(errs)}")  # fmt: skip
     return 0
+
+
+def replay_payoff(name: str, full, threshold: float, bootstrap: int) -> str:
+    """Where ``budget.payoff_threshold`` would have stopped a finished run (see the module)."""
+    from nanolab.forecast import MIN_POINTS, ForecastError, fit_curve
+
+    end, final = full.max_steps, full.points[-1][2]
+    for k in range(1, len(full.points) + 1):
+        part = replace(full, points=full.points[:k])
+        step, _, val = part.points[-1]
+        if sum(1 for s, _, _ in part.points if s >= part.warmup_steps) < MIN_POINTS:
+            continue
+        try:
+            fit = fit_curve(part, bootstrap=bootstrap)
+        except ForecastError:
+            continue
+        lo, hi = fit.band(end)
+        gain = max(0.0, fit.predict(step) - lo)
+        if gain < threshold:
+            return (f"payoff {threshold:g}: {name} stops at step {step:.0f} of {end} (val {val:.4f};"
+                    f" forecast at {end}: {fit.predict(end):.4f} [{lo:.4f}, {hi:.4f}], at best "
+                    f"{gain:.4f} better); its final val {final:.4f}: {val - final:.4f} given up")  # fmt: skip
+    return f"payoff {threshold:g}: {name} runs to the end (final val {final:.4f})"
 
 
 if __name__ == "__main__":

@@ -908,6 +908,8 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
             text += f"power law E={f.fit['E']:.3f} alpha={f.fit['alpha']:.3f}"
         if f.fit.get("degenerate"):
             text += " (the points do not pin the curve's shape: unreliable)"
+        elif f.fit.get("annealing_seen", 1.0) < 0.25:
+            text += " (under a quarter of the LR decay seen: its gain is not counted, the range reaches the fit with it)"
         if f.final_loss is not None:
             lo, hi = f.final_band
             text += (f"; at max_steps ({_si(f.final_tokens)} tokens): {f.final_loss:.4f} "

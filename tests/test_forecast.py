@@ -316,14 +316,15 @@ def test_report_forecast_reads_the_schedule_and_checks_it_against_the_log(tmp_pa
     assert data["other"]["model"] == "power law"
 
 
-def test_band_spans_the_no_annealing_forecast_until_a_quarter_of_the_annealing_is_seen() -> None:
-    """At 30% of a cosine run little of the annealing area has been seen: its size is a guess,
-    so the band reaches up to the forecast without annealing (C = 0). At 60% more than a
-    quarter has been seen and the band is the fit's own.
+def test_until_a_quarter_of_the_annealing_is_seen_the_forecast_counts_none() -> None:
+    """At 30% of a cosine run little of the annealing area has been seen: its size is a guess
+    (on the quickstart's first 30% the best fit's forecast ranged from +1.5 to -4.8 with the
+    annealing memory), so the forecast ahead counts none (the fit with C = 0) and the band spans
+    both it and the fit with annealing. At 60% more than a quarter has been seen: the fit's own
+    forecast and band.
 
-    Mutations caught: the no-annealing bound left out (the quickstart's 30% forecasts missed
-    their bands by 0.2-0.3, benches/forecast_check.py); the share computed over the observed
-    part only (always 1: never widened).
+    Mutations caught: the no-annealing bound left out of the band; the share computed over the
+    observed part only (always 1: never used).
     """
     from nanolab.forecast import fit_schedule_curve
 
@@ -331,14 +332,18 @@ def test_band_spans_the_no_annealing_forecast_until_a_quarter_of_the_annealing_i
     y = schedule_curve(steps) + np.random.default_rng(3).normal(0, 0.001, len(steps))
     early = fit_schedule_curve(steps[steps <= 120], y[steps <= 120], _planned(400), 400,
                                bootstrap=30)  # fmt: skip
-    assert early.annealing_seen() < 0.25 and early.no_annealing is not None
+    assert early.annealing_seen() < 0.25 and not early.annealing_known
     L0, A, alpha = early.no_annealing
-    plain = L0 + A * early.areas[early.decay][0][400] ** -alpha
+    s1, s2 = early.areas[early.decay][0][400], early.areas[early.decay][1][400]
+    plain = L0 + A * s1**-alpha + early.offset
+    annealed = early.L0 + early.A * s1**-early.alpha - early.C * s2 + early.offset
+    assert early.predict(400) == pytest.approx(plain) and annealed < plain - 0.05
     lo, hi = early.band(400)
-    assert plain > early.predict(400) and lo <= plain <= hi + 1e-12
+    assert lo <= annealed and plain <= hi
     late = fit_schedule_curve(steps[steps <= 240], y[steps <= 240], _planned(400), 400,
                               bootstrap=30)  # fmt: skip
-    assert late.annealing_seen() >= 0.25
+    assert late.annealing_seen() >= 0.25 and late.annealing_known
+    assert late.predict(400) == pytest.approx(float(schedule_curve(np.array([400]))[0]), abs=0.02)
     assert late.band(400)[1] - late.band(400)[0] < hi - lo
 
 
@@ -360,3 +365,33 @@ def test_forecast_starts_where_the_curve_is() -> None:
     assert fit.offset < -0.01
     assert fit.predict(400) == pytest.approx(float(y[-1]), abs=0.01)
     assert fit.predict(200) == pytest.approx(float(y[steps == 200][0]), abs=0.01)
+
+
+def test_forecast_check_compares_both_forecasters_and_replays_the_payoff_rule(tmp_path, capsys):
+    """``benches/forecast_check.py --payoff`` on a finished run whose config holds its schedule:
+    both forecasters' rows (the schedule one near the truth and inside its band), and where the
+    payoff rule would have stopped it (a loose threshold: before the end, with the loss given
+    up; a tight one: never).
+
+    Mutations caught: the replay's gain taken at the band's high edge (stops at once); the
+    schedule forecaster's row silently using the power law.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "forecast_check", Path(__file__).resolve().parents[1] / "benches" / "forecast_check.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _write_scheduled_run(tmp_path, "done", last=400)
+    assert bench.main([str(tmp_path), "--cuts", "0.5", "--payoff", "0.1", "--bootstrap", "30"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [ln.split() for ln in out.splitlines() if ln.startswith("done ")]
+    assert row[1] == "50%" and abs(float(row[8])) < 0.03 and row[9] == "in", out
+    (replay,) = [ln for ln in out.splitlines() if ln.startswith("payoff 0.1: done")]
+    step = int(replay.split("stops at step ")[1].split()[0])
+    assert 60 <= step < 400 and "given up" in replay, replay
+    assert (
+        bench.main([str(tmp_path), "--cuts", "0.5", "--payoff", "1e-9", "--bootstrap", "30"]) == 0
+    )
+    assert "payoff 1e-09: done runs to the end" in capsys.readouterr().out

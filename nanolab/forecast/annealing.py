@@ -163,8 +163,8 @@ class ScheduleFit:
             too few points to hold any out.
         no_annealing: ``(L0, A, alpha)`` of the same fit with ``C = 0``. While less than
             :data:`ANNEALING_SEEN` of the planned annealing area has been seen, the size of
-            the annealing gain is extrapolated from a small start, so the band also spans the
-            forecast without it (see :meth:`band`).
+            the annealing gain is extrapolated from a small start: the forecast then counts
+            none (:meth:`params`) and the band spans both fits (:meth:`band`).
         offset: Mean residual of the last two points: forecasts from the last point on start
             where the curve is, not where the fit's misfit there puts it (a finished run's
             forecast at its end is then its last loss, not the fit's).
@@ -206,11 +206,27 @@ class ScheduleFit:
     def _shift(self, step: float) -> float:
         return self.offset if step >= self.last_step else 0.0
 
+    @property
+    def annealing_known(self) -> bool:
+        """Whether enough of the LR decay has been seen to size its gain (see ``no_annealing``)."""
+        return self.no_annealing is None or self.annealing_seen() >= ANNEALING_SEEN
+
+    def params(self, step: float) -> tuple[float, float, float, float]:
+        """``(L0, A, alpha, C)`` a forecast at ``step`` uses: the fit, except ahead of the last
+        point while the annealing's size is unknown, where the fit without it is used (the best
+        fit's annealing is then a guess that ranged from +1.5 to -4.8 on the quickstart's first
+        30%; the band still reaches down to it)."""
+        if step > self.last_step and not self.annealing_known:
+            assert self.no_annealing is not None
+            return (*self.no_annealing, 0.0)
+        return self.L0, self.A, self.alpha, self.C
+
     def predict(self, step: float) -> float:
         """The loss after ``step`` optimizer steps of the planned schedule (from the last point
         on, shifted by ``offset``)."""
         s1, s2 = self._at(step, self.decay)
-        return float(self.L0 + self.A * s1**-self.alpha - self.C * s2) + self._shift(step)
+        L0, A, alpha, C = self.params(step)
+        return float(L0 + A * s1**-alpha - C * s2) + self._shift(step)
 
     def sample_predictions(self, step: float) -> np.ndarray:
         out = np.full(len(self.samples), self._shift(step))
@@ -235,10 +251,14 @@ class ScheduleFit:
         lo, hi = np.percentile(self.sample_predictions(step), q)
         extra = self.model_error(step)
         lo, hi = float(lo) - extra, float(hi) + extra
-        if self.no_annealing is not None and self.annealing_seen() < ANNEALING_SEEN:
-            L0, A, alpha = self.no_annealing
-            plain = L0 + A * self._at(step, self.decay)[0] ** -alpha + self._shift(step)
-            lo, hi = min(lo, plain), max(hi, plain)
+        if not self.annealing_known:
+            s1, s2 = self._at(step, self.decay)
+            for L0, A, alpha, C in (
+                (*self.no_annealing, 0.0),
+                (self.L0, self.A, self.alpha, self.C),
+            ):
+                value = L0 + A * s1**-alpha - C * s2 + self._shift(step)
+                lo, hi = min(lo, value), max(hi, value)
         return max(0.0, lo), hi
 
     def annealing_seen(self) -> float:

@@ -186,7 +186,7 @@ def steps_to_target(
         law = rows[:, 0:1] + rows[:, 1:2] * s1[None, :] ** -rows[:, 2:3] - rows[:, 3:4] * s2
         return law + fit.offset
 
-    best = np.array([[fit.L0, fit.A, fit.alpha, fit.C, fit.decay]])
+    best = np.array([[*fit.params(max_steps + 1), fit.decay]])
     rows = np.concatenate([best, fit.samples])
     reached = np.full(len(rows), np.inf)
     for decay in decays:
