@@ -318,7 +318,7 @@ def test_report_forecast_reads_the_schedule_and_checks_it_against_the_log(tmp_pa
 
 def test_until_a_quarter_of_the_annealing_is_seen_the_forecast_counts_none() -> None:
     """At 30% of a cosine run little of the annealing area has been seen: its size is a guess
-    (on the quickstart's first 30% the best fit's forecast ranged from +1.5 to -4.8 with the
+    (on the quickstart's first 30% the best fit's final loss ranged from 1.45 to -2.96 with the
     annealing memory), so the forecast ahead counts none (the fit with C = 0) and the band spans
     both it and the fit with annealing. At 60% more than a quarter has been seen: the fit's own
     forecast and band.
