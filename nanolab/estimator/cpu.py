@@ -14,8 +14,13 @@ import time
 
 from nanolab.estimator.gpus import GPU
 
-#: Share of the measured matmul rate a small GPT reaches on CPU, as ``nanolab queue`` assumes.
-CPU_EFFICIENCY = 0.35
+#: Share of the measured 512 x 512 fp32 matmul rate a small GPT's training step reaches on CPU
+#: (``flops_per_token`` x tokens/s over that rate): the time estimate of ``nanolab estimate
+#: --device cpu``, of queued CPU jobs and of the start banner. Measured 2026-12-01 on a 2-core
+#: x86-64 VM: the quickstart model 0.67 with 1 thread and 0.57 with 2 (2m19s of steps where 0.35
+#: had predicted 3m48s), 6 layers x 384 wide 0.83 with 1 thread. The lower end, so estimates err
+#: long; a finished run of the same config replaces it with its measured time per step.
+CPU_EFFICIENCY = 0.55
 
 
 def physical_memory() -> int:
@@ -26,18 +31,27 @@ def physical_memory() -> int:
         return 0
 
 
-def matmul_tflops(dtype_name: str = "float32", seconds: float = 0.2, n: int = 512) -> float:
-    """Dense matmul TFLOP/s of this machine in ``dtype_name`` with the current thread count."""
+def matmul_tflops(
+    dtype_name: str = "float32", seconds: float = 0.2, n: int = 512, threads: int | None = None
+) -> float:
+    """Dense matmul TFLOP/s of this machine in ``dtype_name``, with ``threads`` threads (default:
+    the current count; the queue passes the count its jobs will use)."""
     import torch
 
-    dtype = getattr(torch, dtype_name)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ b
-        count += 1
-    return 2 * n**3 * count / elapsed / 1e12
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        dtype = getattr(torch, dtype_name)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            a @ b
+            count += 1
+        return 2 * n**3 * count / elapsed / 1e12
+    finally:
+        torch.set_num_threads(previous)
 
 
 def cpu_device() -> GPU:

@@ -23,15 +23,11 @@ measured.
 from __future__ import annotations
 
 import os
-import time
 
+from nanolab.estimator.cpu import CPU_EFFICIENCY, matmul_tflops
 from nanolab.queue.db import Job, QueueDB
 from nanolab.queue.jobs import ParsedConfig
 
-#: Share of the measured matmul rate a small GPT reaches on CPU (attention, norms, optimizer and
-#: Python overhead are slower than a large matmul). A rough figure: once a job of the same
-#: config has finished, its measured time per step is used instead.
-CPU_EFFICIENCY = 0.35
 #: Vocabulary assumed for a duration estimate when the data is not prepared yet.
 VOCAB_GUESS = 256
 #: Seconds a job spends before its first step (imports, data, model) and after its last.
@@ -40,22 +36,9 @@ STARTUP_S = 12.0
 
 def measure_cpu_flops(seconds: float = 0.2, n: int = 512) -> float:
     """FP32 matmul FLOP/s of this machine with the thread count jobs will use."""
-    import torch
-
     threads = os.environ.get("OMP_NUM_THREADS")
-    previous = torch.get_num_threads()
-    if threads and threads.isdigit():
-        torch.set_num_threads(int(threads))
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b  # warm-up
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds:
-            a @ b
-            count += 1
-        return 2 * n**3 * count / elapsed
-    finally:
-        torch.set_num_threads(previous)
+    count = int(threads) if threads and threads.isdigit() and int(threads) > 0 else None
+    return matmul_tflops("float32", seconds, n, threads=count) * 1e12
 
 
 _CPU_FLOPS: float | None = None
