@@ -51,7 +51,7 @@ def _payoff_records(run):
 
 @pytest.mark.parametrize(("threshold", "fires"), [(0.3, True), (1e-4, False)])
 def test_payoff_rule_decides_from_the_forecast_on_a_real_run(
-    tmp_path, char_dataset, threshold, fires
+    tmp_path, char_dataset, threshold, fires, capsys
 ):
     """A real 80-step run of the tiny model, validated every 4 steps (warmup 2, cosine to step
     80): the payoff rule waits for 5 validations, then forecasts the val loss at max_steps with
@@ -61,7 +61,8 @@ def test_payoff_rule_decides_from_the_forecast_on_a_real_run(
 
     Mutations caught: the gain taken from the point forecast instead of the band's optimistic
     edge (stops earlier, while the band still allows more); the rule deciding before it has 5
-    points; the end step taken from the current step (no gain ever: stops at once).
+    points; the end step taken from the current step (no gain ever: stops at once); the
+    console not saying why.
     """
     run = tmp_path / "run"
     budget = CostBudget(payoff_threshold=threshold, payoff_bootstrap=30)
@@ -90,6 +91,7 @@ def test_payoff_rule_decides_from_the_forecast_on_a_real_run(
         assert (
             "at step 80 (trainer.max_steps" in end["detail"] and "< threshold 0.3" in end["detail"]
         )
+        assert f"stopping: {end['detail']}\n" in capsys.readouterr().out
     else:
         assert trainer.global_step == 80 and end["reason"] == "completed"
         assert all(r["decision"] == "continue" for r in records)

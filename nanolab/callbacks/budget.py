@@ -325,7 +325,12 @@ class CostBudget(StepCallback):
             },
         )
         if stop and rule == "payoff":
-            set_stop_reason(trainer, "budget", payoff_detail(payoff))
+            detail = (
+                payoff_detail(payoff) if payoff["decision"] == "stop" else "payoff (another rank)"
+            )
+            set_stop_reason(trainer, "budget", detail)
+            if trainer.is_global_zero:  # the console says why, with the forecast behind it
+                print(f"stopping: {detail}", flush=True)
         elif stop and rule == "plateau":
             set_stop_reason(
                 trainer,
