@@ -239,10 +239,16 @@ class ScheduleFit:
 
     def model_error(self, step: float) -> float:
         """The band's widening at ``step`` for the model's misfit (see ``backtests``)."""
-        if not self.backtests or step <= self.last_step:
+        if step <= self.last_step:
             return 0.0
-        s1, s1_last = self._at(step, self.decay)[0], self._at(self.last_step, self.decay)[0]
-        ahead = max(0.0, s1 - s1_last)
+        return self.error_ahead(self._at(step, self.decay)[0])
+
+    def error_ahead(self, s1: float) -> float:
+        """The backtests' largest miss scaled to a forecast at forward area ``s1`` (of this
+        plan, or of a longer run of the same recipe) from the last point's."""
+        if not self.backtests:
+            return 0.0
+        ahead = max(0.0, s1 - self._at(self.last_step, self.decay)[0])
         return max(miss * (ahead / span) ** GROWTH for miss, span in self.backtests)
 
     def band(self, step: float, q: tuple[float, float] = (5.0, 95.0)) -> tuple[float, float]:

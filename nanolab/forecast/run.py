@@ -177,23 +177,28 @@ def steps_to_target(
 ) -> tuple[float | None, tuple[float, float]]:
     """Steps to reach ``target``: within the planned run, the first step the fitted curve is at
     or below it; beyond, the planned length of a run of the same recipe (its schedule stretched
-    to that length) that ends there. Band: the same over the bootstrap refits (inf: never).
+    to that length) that ends there. Band: the same over the bootstrap refits, widened by the
+    fit's curve shifted down and up by its backtest miss scaled to each length (inf: never).
     """
     steps = np.arange(1, max_steps + 1)
     decays = sorted({fit.decay, *(float(d) for d in fit.samples[:, 4])})
-
-    def curves(rows: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
-        law = rows[:, 0:1] + rows[:, 1:2] * s1[None, :] ** -rows[:, 2:3] - rows[:, 3:4] * s2
-        return law + fit.offset
-
     best = np.array([[*fit.params(max_steps + 1), fit.decay]])
-    rows = np.concatenate([best, fit.samples])
+    # Rows: the fit, the fit minus / plus its backtest miss, then the bootstrap refits.
+    rows = np.concatenate([best, best, best, fit.samples])
+    sign = np.zeros(len(rows))
+    sign[1], sign[2] = -1.0, 1.0
+
+    def curves(pick: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
+        r = rows[pick]
+        law = r[:, 0:1] + r[:, 1:2] * s1[None, :] ** -r[:, 2:3] - r[:, 3:4] * s2
+        miss = np.array([fit.error_ahead(float(v)) for v in s1]) if sign[pick].any() else 0.0
+        return law + fit.offset + sign[pick][:, None] * miss
+
     reached = np.full(len(rows), np.inf)
     for decay in decays:
         pick = rows[:, 4] == decay
         s1, s2 = fit.areas[decay]
-        pred = curves(rows[pick], s1[steps], s2[steps])
-        hit = pred <= target
+        hit = curves(pick, s1[steps], s2[steps]) <= target
         reached[pick] = np.where(hit.any(axis=1), steps[np.argmax(hit, axis=1)], np.inf)
     todo = ~np.isfinite(reached)
     if todo.any():
@@ -204,7 +209,7 @@ def steps_to_target(
             for decay in decays:
                 pick = rows[:, 4] == decay
                 s1, s2 = schedule_areas(mult, decay)
-                ends[pick, j] = curves(rows[pick], s1[-1:], s2[-1:])[:, 0]
+                ends[pick, j] = curves(pick, s1[-1:], s2[-1:])[:, 0]
         hit = ends <= target
         for i in np.flatnonzero(todo & hit.any(axis=1)):
             j = int(np.argmax(hit[i]))
@@ -215,6 +220,8 @@ def steps_to_target(
             a, b = ends[i, j - 1], ends[i, j]
             t = (a - target) / (a - b) if a != b else 1.0
             reached[i] = math.exp(math.log(lengths[j - 1]) * (1 - t) + math.log(lengths[j]) * t)
-    lo, hi = np.percentile(reached[1:], (5.0, 95.0)) if len(rows) > 1 else (reached[0],) * 2
+    spread = reached[3:] if len(rows) > 3 else reached[:1]
+    lo, hi = np.percentile(spread, (5.0, 95.0))
+    lo, hi = min(float(lo), float(reached[1])), max(float(hi), float(reached[2]))
     need = float(reached[0]) if math.isfinite(reached[0]) else None
-    return need, (float(lo), float(hi))
+    return need, (lo, hi)
