@@ -310,6 +310,8 @@ def test_report_forecast_reads_the_schedule_and_checks_it_against_the_log(tmp_pa
     assert f["final_loss"] == pytest.approx(truth, abs=0.03)
     assert f["final_band"][0] <= truth <= f["final_band"][1]
     assert f["curve"][-1][0] == 400_000
+    assert f["curve"][0][0] == 20_000  # drawn from the end of warmup, where the fit starts
+    assert f["target_band"][0] <= f["target_tokens"] <= f["target_band"][1]
     assert f["target_tokens"] > 400_000 and f["target_gpu_hours"] == pytest.approx(
         f["target_tokens"] * 1e-6
     )

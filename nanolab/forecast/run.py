@@ -157,7 +157,7 @@ def _schedule_forecast(
     out.model, out.fit = "schedule", fit.to_dict()
     out.final_loss = fit.predict(inputs.max_steps)
     out.final_band = fit.band(inputs.max_steps)
-    first = int(min(s for s, _, _ in inputs.points))
+    first = max(int(min(s for s, _, _ in inputs.points)), inputs.warmup_steps)  # fitted from
     steps = np.unique(np.linspace(max(first, 1), inputs.max_steps, 60).round().astype(int))
     out.curve = [(float(s * inputs.tokens_per_step), fit.predict(int(s))) for s in steps]
     if target is None:
