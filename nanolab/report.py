@@ -20,6 +20,8 @@ recently updated one (curves of different vocabularies do not share a y axis).
 ``--forecast`` (and ``--target-loss X``) fits each run's validation curve with
 :mod:`nanolab.forecast` and says what it will reach at ``trainer.max_steps``, and the tokens,
 GPU-hours and cost to reach ``X``; a seed group's points are fitted together.
+``--scaling`` (and ``--gpu-hours H``) fits L(N, D) over finished runs of several model sizes
+(:mod:`nanolab.scaling_fit`) and gives the compute-optimal size for ``H`` GPU-hours.
 """
 
 from __future__ import annotations
