@@ -38,6 +38,8 @@ MIN_SIZES = 3
 #: Fewest runs: more points than the five parameters.
 MIN_RUNS = 6
 HUBER_DELTA = 1e-3
+#: A fitted floor E below this is reported as 0 (log E ran off to -inf: no floor in the runs).
+FLOOR_ZERO = 1e-6
 
 
 class ScalingError(ValueError):
@@ -298,6 +300,11 @@ def points_from_runs(found: list[tuple[str, object]]) -> tuple[list[ScalingPoint
     return points, left_out
 
 
+def _g(v: float) -> str:
+    """A parameter for the table: 4 significant digits, and 0 for a floor fitted to nothing."""
+    return "0" if 0 <= v < FLOOR_ZERO else f"{v:.4g}"
+
+
 def _si(v: float) -> str:
     for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
         if abs(v) >= div:
@@ -320,7 +327,10 @@ def scaling_report(
     for name in ("E", "A", "alpha", "B", "beta"):
         value = getattr(law, name)
         lo, hi = law.band.get(name, (math.nan, math.nan))
-        out.append(f"  {name:<5} = {value:<10.4g} [{lo:.4g}, {hi:.4g}]")
+        out.append(f"  {name:<5} = {_g(value):<10} [{_g(lo)}, {_g(hi)}]")
+    if law.E < FLOOR_ZERO:
+        out.append("  note: the fit took the floor E to 0: these runs do not pin an irreducible "
+                   "loss (too few sizes or tokens in the power-law regime); the optimum is a guess")  # fmt: skip
     out.append(f"  leave-one-out error of the final loss: rmse {law.loo_rmse:.4f}, max "
                f"{law.loo_max:.4f}")  # fmt: skip
     data: dict = {"law": law.to_dict(), "runs": [asdict(p) for p in points]}
