@@ -152,3 +152,19 @@ def test_the_docs_scaling_command_prints_the_pages_fit(tmp_path, capsys, monkeyp
     out = capsys.readouterr().out
     printed = out[out.index("scaling: ") :].strip().splitlines()
     assert printed == shown
+
+
+def test_a_floor_the_runs_do_not_show_is_reported_as_zero_with_a_note(tmp_path, capsys) -> None:
+    """Runs from a law without a floor (E = 0, no noise): the fit still finds alpha and beta,
+    prints E as 0 (log E ran off towards -inf, e.g. 1e-25) and says the runs do not pin it.
+
+    Mutations caught: E printed as a meaningless 3.241e-25; the note missing.
+    """
+    for n in SIZES:
+        for d in TOKENS:
+            loss = TRUE["A"] / n ** TRUE["alpha"] + TRUE["B"] / d ** TRUE["beta"]
+            _write_run(tmp_path, f"n{n:.0e}-d{d:.0e}", n, d, loss)
+    assert main([str(tmp_path), "--scaling"]) == 0
+    out = capsys.readouterr().out
+    assert "  E     = 0          [0, 0]" in out and "alpha = 0.34 " in out
+    assert "note: the fit took the floor E to 0" in out
