@@ -84,7 +84,7 @@ class CurveFit:
         self, target: float, q: tuple[float, float] = (5.0, 95.0)
     ) -> tuple[float, float]:
         values = [_tokens_to(e, a, al, self.d0, target) for e, a, al in self.samples]
-        lo, hi = np.percentile(np.array(values), q)
+        lo, hi = np.percentile(np.array(values), q, method="nearest")  # inf: never; no inf - inf
         return float(lo), float(hi)
 
     def to_dict(self) -> dict[str, float | int]:

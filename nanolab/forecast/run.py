@@ -221,7 +221,8 @@ def steps_to_target(
             t = (a - target) / (a - b) if a != b else 1.0
             reached[i] = math.exp(math.log(lengths[j - 1]) * (1 - t) + math.log(lengths[j]) * t)
     spread = reached[3:] if len(rows) > 3 else reached[:1]
-    lo, hi = np.percentile(spread, (5.0, 95.0))
+    # "nearest": a spread holding inf (never reached) must not interpolate inf - inf = nan.
+    lo, hi = np.percentile(spread, (5.0, 95.0), method="nearest")
     lo, hi = min(float(lo), float(reached[1])), max(float(hi), float(reached[2]))
     need = float(reached[0]) if math.isfinite(reached[0]) else None
     return need, (lo, hi)
