@@ -40,6 +40,7 @@ steady scale of 2**k that takes k + 1 steps. The skip flag and the scale travel 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -55,6 +56,22 @@ EXIT_DIVERGED = 3
 
 #: The reason string of the ``end`` record.
 REASON = "diverged"
+
+
+@dataclass
+class Streak:
+    """Consecutive optimizer steps with some property, and the first step of the run of them."""
+
+    count: int = 0
+    first: int | None = None
+
+    def update(self, hit: bool, step: int) -> None:
+        if not hit:
+            self.count, self.first = 0, None
+            return
+        self.count += 1
+        if self.first is None:
+            self.first = step
 
 
 class DivergenceStop(StepCallback):
@@ -100,10 +117,8 @@ class DivergenceStop(StepCallback):
         self.patience = patience
         self.check_grad_norm = check_grad_norm
         self.loss_scale_floor = float(floor)
-        self.streak = 0
-        self.first_bad_step: int | None = None
-        self.skip_streak = 0  # fp16: optimizer steps in a row the GradScaler skipped
-        self.first_skip_step: int | None = None
+        self.bad = Streak()  # optimizer steps in a row with a non-finite loss / gradient norm
+        self.skipped = Streak()  # fp16: optimizer steps in a row the GradScaler skipped
         self.diverged_step: int | None = None  # first step of the streak that stopped the run
         self.collapse: tuple[int, float] | None = None  # (skipped steps, scale) if that stopped it
         self._step_bad: torch.Tensor | None = None  # this optimizer step, on the device
@@ -121,8 +136,8 @@ class DivergenceStop(StepCallback):
         self._params = None
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.streak, self.first_bad_step, self._step_bad = 0, None, None
-        self.skip_streak, self.first_skip_step, self._scale_before = 0, None, None
+        self.bad, self.skipped = Streak(), Streak()
+        self._step_bad, self._scale_before = None, None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -206,26 +221,16 @@ class DivergenceStop(StepCallback):
             self._observe(trainer, step, host.tolist())
 
     def _observe(self, trainer: L.Trainer, step: int, flags: list[float]) -> None:
-        bad, skipped, scale = bool(flags[0]), bool(flags[1]), float(flags[2])
-        if bad:
-            self.streak += 1
-            if self.first_bad_step is None:
-                self.first_bad_step = step
-        else:
-            self.streak, self.first_bad_step = 0, None
-        if skipped:
-            self.skip_streak += 1
-            if self.first_skip_step is None:
-                self.first_skip_step = step
-        else:
-            self.skip_streak, self.first_skip_step = 0, None
+        self.bad.update(bool(flags[0]), step)
+        self.skipped.update(bool(flags[1]), step)
+        scale = float(flags[2])
         if self.diverged_step is not None:
             return
-        if self.streak >= self.patience:  # a NaN loss also skips steps: that cause is named
-            self.diverged_step = self.first_bad_step
-        elif self.skip_streak >= self.patience and scale < self.loss_scale_floor:
-            self.diverged_step = self.first_skip_step
-            self.collapse = (self.skip_streak, scale)
+        if self.bad.count >= self.patience:  # a NaN loss also skips steps: that cause is named
+            self.diverged_step = self.bad.first
+        elif self.skipped.count >= self.patience and scale < self.loss_scale_floor:
+            self.diverged_step = self.skipped.first
+            self.collapse = (self.skipped.count, scale)
         else:
             return
         set_stop_reason(trainer, REASON, self.describe())
