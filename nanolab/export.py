@@ -26,12 +26,8 @@ from typing import Any
 import torch
 
 from nanolab.data.tokenizers import TokenizerError, tokenizer_from_spec
-from nanolab.generate import (
-    CheckpointError,
-    OneLineParser,
-    load_checkpoint,
-    resolve_checkpoint,
-)
+from nanolab.generate import CheckpointError, load_checkpoint, resolve_checkpoint
+from nanolab.helpfmt import OneLineParser
 from nanolab.model import GPTConfig
 from nanolab.model.hf import (
     HFFormatError,

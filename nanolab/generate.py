@@ -16,7 +16,7 @@ import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -166,15 +166,8 @@ def check_sampling(args: argparse.Namespace) -> None:
         )
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse without the usage block on errors: one ``error:`` line, exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from nanolab.helpfmt import DefaultsHelpFormatter
+    from nanolab.helpfmt import DefaultsHelpFormatter, OneLineParser
 
     parser = OneLineParser(
         prog="nanolab generate",

@@ -1,13 +1,26 @@
-"""Help pages that show each option's default beside what it means (``prepare``, ``generate``).
+"""argparse as nanolab's own verbs use it: one error line, and help that shows defaults.
 
-argparse's own ``ArgumentDefaultsHelpFormatter`` also prints ``(default: None)`` and
-``(default: False)`` for options that have no default and for on/off flags; this one leaves
-those out, and options whose help already names their default.
+:class:`OneLineParser`: bad input to a verb (``report``, ``queue``, ``prepare``, ``estimate``,
+``generate``, ``export``, ``init``) is one ``error:`` line naming the option and exit code 2, not
+argparse's usage block first. Sub-commands (``queue ls``) inherit it.
+
+:class:`DefaultsHelpFormatter`: help pages that show each option's default beside what it means
+(``prepare``, ``generate``). argparse's own ``ArgumentDefaultsHelpFormatter`` also prints
+``(default: None)`` and ``(default: False)`` for options that have no default and for on/off
+flags; this one leaves those out, and options whose help already names their default.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse without the usage block on errors: one ``error:`` line, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import RUN_LOG_NAME, iter_records
 
 #: Seconds without a new record after which a run with no ``end`` record counts as crashed
@@ -727,7 +728,7 @@ def _plot_forecast(ax: Any, f: Any, start: float, color: Any) -> None:
 
 # -- command line ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="nanolab report",
         description="Summarise runs from their metrics.jsonl logs (finished, stopped, crashed or "
         "still running).",

@@ -25,7 +25,6 @@ name, and ``dot-X`` becomes ``.X`` because packaging globs skip dot-files.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import re
 import sys
@@ -33,6 +32,8 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from nanolab.helpfmt import OneLineParser
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; only annotations need it
     from importlib.resources.abc import Traversable
@@ -176,7 +177,7 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nanolab init",
         description="Write a starter project: an installable package with the project's model, "
         "data and callback classes, a config that selects them, a data folder, and a README "

@@ -22,7 +22,6 @@ How it stays bounded and exact:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -551,9 +550,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from nanolab.helpfmt import DefaultsHelpFormatter
+    from nanolab.helpfmt import DefaultsHelpFormatter, OneLineParser
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nanolab prepare",
         description=(
             "Tokenize text (.txt/.md), JSON lines (.jsonl/.json) and parquet files, plain or "

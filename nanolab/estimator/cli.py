@@ -19,17 +19,12 @@ from nanolab.estimator.estimate import DEFAULT_GPU, Estimate, estimate_from_conf
 from nanolab.estimator.gpus import GPUS, GiB, MemoryStringError, UnknownGPUError, format_bytes
 from nanolab.estimator.recommend import largest_micro_batch
 from nanolab.estimator.setup import EstimateError
+from nanolab.helpfmt import OneLineParser
 from nanolab.model.config import ConfigError, GPTConfig
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        print(f"nanolab estimate: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="nanolab estimate",
         description="Predict per-device memory, the micro-batch that fits, step time and cost "
         "of a `nanolab fit` config before running it.",

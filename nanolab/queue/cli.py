@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from nanolab.helpfmt import OneLineParser
 from nanolab.queue.db import (
     FINISHED,
     STATUSES,
@@ -355,10 +356,10 @@ def parse_size(text: str, option: str) -> int:
 
 # -- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     common.add_argument("--db", default=None, metavar="PATH",
                         help="queue database (default ./nanolab_queue.db or $NANOLAB_QUEUE_DB)")  # fmt: skip
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="nanolab queue",
         description="Add experiments before bed, run them one per GPU, look at them in the morning.",
     )
