@@ -74,7 +74,7 @@ def _run(argv: Sequence[str] | None) -> int:
             from nanolab.training import early_signals
 
             early_signals.install()
-        from nanolab.training.cli import run_lightning_cli
+        from nanolab.run.cli import run_lightning_cli
 
         return run_lightning_cli(args)
     print(f"nanolab: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)

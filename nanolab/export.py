@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from nanolab.data.tokenizers import TokenizerError, tokenizer_from_spec
-from nanolab.generate import CheckpointError, load_checkpoint, resolve_checkpoint
+from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser
 from nanolab.model import GPTConfig
+from nanolab.model.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from nanolab.model.hf import (
-    HFFormatError,
     export_refusals,
     gpt_shapes,
     hf_config_from_nanolab,
@@ -51,7 +51,7 @@ EXPORT_FILES = frozenset(
 )
 
 
-class ExportError(ValueError):
+class ExportError(NanolabError):
     """An export that cannot be written; the message names the option and the fix."""
 
 
@@ -212,6 +212,7 @@ def export(ckpt_path: str | Path, fmt: str, out: str | Path, force: bool = False
     return notes
 
 
+@one_line_errors("nanolab export")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="nanolab export",
@@ -233,9 +234,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         notes = export(args.ckpt, args.format, args.out, args.force)
-    except (CheckpointError, ExportError, HFFormatError, TokenizerError) as err:
-        print(f"nanolab export: error: {err}", file=sys.stderr)
-        return 2
     except OSError as err:
         print(
             f"nanolab export: error: cannot write -o {args.out} ({err.strerror or err}); "

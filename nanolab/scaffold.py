@@ -33,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; only annotations need it
@@ -48,7 +49,7 @@ VALID_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 EMPTY_DIRS = ("data/text",)
 
 
-class ScaffoldError(ValueError):
+class ScaffoldError(NanolabError):
     """A project folder that cannot be written as asked; nothing has been written."""
 
 
@@ -176,6 +177,7 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
     return written
 
 
+@one_line_errors("nanolab init")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="nanolab init",
@@ -188,11 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--name", help="run name used in the config (default: the folder's name)")
     args = parser.parse_args(argv)
-    try:
-        written = write_project(args.directory, args.name)
-    except ScaffoldError as err:
-        print(f"nanolab init: error: {err}", file=sys.stderr)
-        return 2
+    written = write_project(args.directory, args.name)
     root = Path(args.directory)
     for path in written:
         print(f"wrote {path}")

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from nanolab.errors import NanolabError
+
 #: Fewest distinct model sizes (and token counts) the fit is attempted with.
 MIN_SIZES = 3
 #: Fewest runs: more points than the five parameters.
@@ -42,7 +44,7 @@ HUBER_DELTA = 1e-3
 FLOOR_ZERO = 1e-6
 
 
-class ScalingError(ValueError):
+class ScalingError(NanolabError):
     """Too few or unusable runs for a scaling fit (the message says what is needed)."""
 
 
@@ -280,7 +282,7 @@ def flops_per_gpu_hour(points: list[ScalingPoint]) -> float | None:
 def points_from_runs(found: list[tuple[str, object]]) -> tuple[list[ScalingPoint], list[str]]:
     """One point per run that completed its schedule with a final val loss and a logged
     parameter count; the others are named with why they were left out."""
-    from nanolab.report import read_run, summarize_run
+    from nanolab.runs import read_run, summarize_run
 
     points, left_out = [], []
     for name, run_dir in found:

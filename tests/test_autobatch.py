@@ -7,7 +7,7 @@ import yaml
 from conftest import REPO
 
 from nanolab.estimator import estimate_from_config
-from nanolab.training.autobatch import AutoBatchError, plan_memory
+from nanolab.run.autobatch import AutoBatchError, plan_memory
 
 GIB = 2**30
 

@@ -182,3 +182,23 @@ def test_step_order_decides_who_acts_first(tmp_path, char_dataset, order):
 
     fit(tmp_path / "run", char_dataset, [Anchor(), Probe()], max_steps=1, eval_every=100)
     assert calls == (["probe", "anchor"] if order < 50 else ["anchor", "probe"])
+
+
+def test_the_built_in_order_is_one_list_and_subclasses_keep_their_place():
+    from nanolab.callbacks import MetricsLog, RotatingCheckpoint, StepCallback
+    from nanolab.callbacks.budget import CostBudget
+    from nanolab.callbacks.step import STEP_ORDER, order_of
+
+    assert order_of(MetricsLog()) == 10 and order_of(CostBudget()) == 40
+    assert order_of(RotatingCheckpoint()) == 10 * len(STEP_ORDER) == 70
+
+    class MyLog(MetricsLog):
+        pass
+
+    class MyLate(MetricsLog):
+        step_order = 80
+
+    class Plain(StepCallback):
+        pass
+
+    assert order_of(MyLog()) == 10 and order_of(MyLate()) == 80 and order_of(Plain()) == 100

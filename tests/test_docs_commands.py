@@ -80,6 +80,7 @@ PLANS: dict[str, dict[str, str]] = {
         "--config configs/strategy/fsdp.yaml --devices 8 --gpu h100": RUN,
         "nanolab estimate --config my.yaml --gpu-mem 12GiB --micro-batch 8 --json": RUN,
         "nanolab estimate --config my.yaml --device cpu --json": RUN,
+        "nanolab estimate --config configs/gpt2-124m.yaml --model.gpt.n_layer 6 --gpu rtx4070": RUN,
         "nanolab estimate --list-gpus": RUN,
     },
     "evaluate.md": {

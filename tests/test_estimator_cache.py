@@ -85,12 +85,12 @@ def test_answers_are_keyed_by_question_model_and_code(
 
 
 def test_a_projects_own_variant_is_never_remembered(fresh_process_state: Path) -> None:
-    from nanolab.model.registry import NORM
+    from nanolab.model.registry import NORMS
 
     class OwnNorm:  # stands in for a project's registered class: only its name matters here
         __module__ = "myproject.layers"
 
-    NORM._classes["test_cache_own_norm"] = OwnNorm
+    NORMS._classes["test_cache_own_norm"] = OwnNorm
     try:
         gpt = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=64, norm="test_cache_own_norm")
         calls, answer = _counting(1)
@@ -98,7 +98,7 @@ def test_a_projects_own_variant_is_never_remembered(fresh_process_state: Path) -
         facts_cache.remembered("fact", gpt, None, answer)
         assert len(calls) == 2 and not any(fresh_process_state.iterdir())
     finally:
-        del NORM._classes["test_cache_own_norm"]
+        del NORMS._classes["test_cache_own_norm"]
 
 
 def test_a_process_that_loaded_the_model_itself_reads_the_live_model(

@@ -35,6 +35,7 @@ from nanolab.estimator.setup import (
     setup_from_config,
 )
 from nanolab.model.config import GPTConfig
+from nanolab.training.resolve import trainer_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = ROOT / "tests" / "fixtures" / "estimator_gpt2_124m.yaml"
@@ -174,7 +175,12 @@ def test_configs_merge_in_order(tmp_path: Path) -> None:
     )
     cfg = load_config([a, b])
     assert cfg["model"]["gpt"] == {"n_layer": 4, "n_embd": 64}
-    assert cfg["trainer"] == {"precision": "32-true", "strategy": "deepspeed_stage_3"}
+    # On top of what fit sets before any file (max_steps 5000, ...), as fit reads them.
+    assert cfg["trainer"] == {
+        **trainer_defaults(),
+        "precision": "32-true",
+        "strategy": "deepspeed_stage_3",
+    }
     assert deep_merge({"x": {"y": 1}}, {"x": 2}) == {"x": 2}
 
 

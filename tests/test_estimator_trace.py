@@ -26,9 +26,9 @@ from torch import nn
 
 import nanolab.model.gpt as gpt_module
 from nanolab.estimator import estimate_from_config
+from nanolab.estimator.derived import forget_models
 from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
 from nanolab.estimator.setup import Setup
-from nanolab.estimator.shapes import forget_models
 from nanolab.estimator.trace import model_matches_rules, traced_peak_cpu
 from nanolab.model.config import GPTConfig
 from nanolab.model.layers import CausalSelfAttention

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from nanolab.model import GPT, ConfigError, GPTConfig
-from nanolab.model.registry import ATTENTION, MLP, NORM, POSITION, register_mlp, register_norm
+from nanolab.model.registry import ATTENTIONS, MLPS, NORMS, POSITIONS, register_mlp, register_norm
 
 TINY = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -87,10 +87,10 @@ def test_qk_norm_sdpa_and_math_kernels_agree() -> None:
 @pytest.mark.parametrize(
     ("field", "registry"),
     [
-        ("norm", NORM),
-        ("mlp", MLP),
-        ("attention_variant", ATTENTION),
-        ("position_embedding", POSITION),
+        ("norm", NORMS),
+        ("mlp", MLPS),
+        ("attention_variant", ATTENTIONS),
+        ("position_embedding", POSITIONS),
     ],
 )
 def test_an_unknown_name_lists_the_registered_ones(field: str, registry) -> None:
@@ -145,7 +145,7 @@ def test_a_variant_in_a_users_module_registers_on_import(
     importlib.import_module("user_norms")
     try:
         model = GPT(replace(TINY, norm="test_user_scalenorm"))
-        assert "test_user_scalenorm" in NORM.names()
+        assert "test_user_scalenorm" in NORMS.names()
         assert {n for n, _ in model.named_parameters() if n.startswith("blocks.0.ln")} == {
             "blocks.0.ln_1.g",
             "blocks.0.ln_2.g",
@@ -190,14 +190,14 @@ def test_the_documented_variant_registers_trains_and_is_estimated(
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
         monkeypatch.delitem(sys.modules, name)
-    if "softcap" not in ATTENTION:
+    if "softcap" not in ATTENTIONS:
         with pytest.raises(ConfigError) as err:
             replace(TINY, attention_variant="softcap")
         # The page lists the built-ins; a test session may have registered more.
         names = re.compile(r"variants \((.*?)\), got")
         documented = names.search(error_line).group(1)
         assert names.sub("", str(err.value)) == names.sub("", error_line.strip())
-        assert set(documented.split(", ")) <= {repr(n) for n in ATTENTION.names()}
+        assert set(documented.split(", ")) <= {repr(n) for n in ATTENTIONS.names()}
     importlib.import_module(path.removesuffix(".py").replace("/", "."))
     try:
         cfg = replace(TINY, attention_variant="softcap")
@@ -300,7 +300,7 @@ def test_built_in_names_known_without_torch_are_what_layers_registers() -> None:
     import nanolab.model.layers  # noqa: F401  (registers the built-ins)
     from nanolab.model import registry
 
-    for reg in (registry.ATTENTION, registry.MLP, registry.NORM, registry.POSITION):
+    for reg in (registry.ATTENTIONS, registry.MLPS, registry.NORMS, registry.POSITIONS):
         registered = {n: c for n, c in reg._classes.items() if c.__module__ == registry.BUILTINS}
         assert set(registered) == set(reg.builtins), reg.kind
         for name, cls in registered.items():

@@ -201,7 +201,7 @@ def test_longest_first_and_until(tmp_path: Path) -> None:
 
 
 def test_gpu_names_map_to_the_estimator_table() -> None:
-    from nanolab.queue.estimate import estimator_gpu
+    from nanolab.queue.predict import estimator_gpu
 
     names = {
         "NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA A100-SXM4-80GB": "a100-80gb",

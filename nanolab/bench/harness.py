@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import one_line_errors
 from nanolab.runlog import read_records
 
 #: Run-to-run spread of the per-round ratio, (max - min) / median, above which the rounds
@@ -354,7 +355,7 @@ def format_table(res: dict[str, Any]) -> str:
             f"{'peak memory predicted, GiB':<34} {res['predicted_peak_bytes'] / 2**30:>10.2f}"
         )
     if "import_s" in res:
-        lines.append(f"{'import nanolab.training.cli, s':<34} {res['import_s']:>10.2f}")
+        lines.append(f"{'import nanolab.run.cli, s':<34} {res['import_s']:>10.2f}")
     spreads = res.get("spread") or {}
     if any(v is not None for v in spreads.values()):
         shown = ", ".join(f"{k} {v:.1%}" for k, v in spreads.items() if v is not None)
@@ -370,28 +371,23 @@ def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) ->
     """The config both sides will train, through the resolver ``nanolab fit`` uses: a setting
     that cannot work is one line now, not a failed run after the first round's start-up.
 
-    ``overrides`` are the ``--key value`` pairs given to fit; ``+=`` appends are left to fit.
+    ``overrides`` are the ``--key value`` pairs given to fit, read as fit reads them.
     """
-    import yaml
+    from nanolab.training.resolve import compose, resolve, visible_gpus
 
-    from nanolab.estimator.setup import load_config
-    from nanolab.training.resolve import merge_configs, resolve, visible_gpus
-
-    config = load_config(configs)
-    given: dict[str, Any] = {"trainer": {"max_steps": steps}, "run": {"name": "bench-0"}}
-    for key, value in zip(overrides[::2], overrides[1::2], strict=False):
-        if not key.startswith("--") or "+" in key:
-            continue
-        *groups, leaf = key[2:].split(".")
-        node = given
-        for group in groups:
-            node = node.setdefault(group, {})
-        node[leaf] = yaml.safe_load(value)
-    config = merge_configs(config, given)
+    pairs = [a for k, v in zip(overrides[::2], overrides[1::2], strict=False) for a in (k, v)]
+    config = compose(
+        [
+            *(a for c in configs for a in ("--config", c)),
+            *("--trainer.max_steps", str(steps), "--run.name", "bench-0"),
+            *pairs,
+        ]
+    )
     trainer = config.get("trainer") or {}
     return resolve(config, visible_gpus=visible_gpus(trainer.get("accelerator")))
 
 
+@one_line_errors("nanolab bench")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nanolab bench",
@@ -417,19 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     overrides = [part for item in args.set for part in item.split("=", 1)]
-    from nanolab.estimator.setup import EstimateError
-    from nanolab.training.resolve import RunConfigError
-
-    try:
-        resolve_benchmarked(args.config, overrides, args.steps)
-    except (EstimateError, RunConfigError) as err:
-        print(f"nanolab bench: error: {err}", file=sys.stderr)
-        return 2
+    resolve_benchmarked(args.config, overrides, args.steps)
     try:
         res = benchmark(args.config, overrides, args.steps, args.warmup, args.rounds)
     except RuntimeError as err:
         print(f"nanolab bench: error: {err}", file=sys.stderr)
         return 1
-    res["import_s"] = import_time("nanolab.training.cli")
+    res["import_s"] = import_time("nanolab.run.cli")
     print(json.dumps(res, indent=2) if args.json else format_table(res))
     return 0

@@ -64,12 +64,11 @@ def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[i
 
 
 def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:
-    """Seconds for ``steps`` more steps, as ``nanolab queue`` estimates a job (past runs are not
-    consulted here): the FLOPs over this device's rate at an assumed efficiency."""
+    """Seconds for ``steps`` more steps, with the estimate ``nanolab queue`` makes for a job (past
+    runs are not consulted here): the FLOPs over this device's rate at an assumed efficiency."""
     import yaml
 
-    from nanolab.queue.estimate import STARTUP_S, flops_estimate
-    from nanolab.queue.jobs import ParsedConfig
+    from nanolab.estimator.runtime import STARTUP_S, run_seconds
 
     saved = Path(trainer.default_root_dir) / "config.yaml"
     if steps <= 0 or not saved.is_file():
@@ -77,14 +76,12 @@ def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float
     config = yaml.safe_load(saved.read_text(encoding="utf-8"))
     if not isinstance(config, dict):
         return None
-    parsed = ParsedConfig(
-        config=config,
-        run_root=str(Path(trainer.default_root_dir).parent),
-        max_steps=steps,
+    seconds, how = run_seconds(
+        config,
         devices=max(1, int(trainer.num_devices or 1)),
         tokens_per_step=tokens,
+        max_steps=steps,
     )
-    seconds, how = flops_estimate(parsed)
     if seconds is None:
         return None
     return max(0.0, seconds - STARTUP_S), str(how)

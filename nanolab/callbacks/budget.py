@@ -84,8 +84,6 @@ class CostBudget(StepCallback):
             collective on multi-device runs; free on one device).
     """
 
-    step_order = 40
-
     def __init__(
         self,
         max_gpu_hours: float | None = None,

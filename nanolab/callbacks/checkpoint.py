@@ -104,8 +104,6 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             CPU memory. Deletions wait until the newer file is complete.
     """
 
-    step_order = 70
-
     def __init__(
         self,
         dirpath: str | None = None,

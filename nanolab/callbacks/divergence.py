@@ -90,8 +90,6 @@ class DivergenceStop(StepCallback):
             GradScaler, leaving its scale below this, stop the run. 0 turns the check off.
     """
 
-    step_order = 50
-
     def __init__(
         self,
         enabled: bool = True,

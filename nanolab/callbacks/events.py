@@ -12,6 +12,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import lightning as L
 
+from nanolab.callbacks.step import order_of
+from nanolab.errors import NanolabError
+
 #: Why a run ended, as written in the ``end`` record.
 END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "error")
 
@@ -21,7 +24,7 @@ _DETAIL_ATTR = "nanolab_stop_detail"
 C = TypeVar("C")
 
 
-class CallbackConfigError(ValueError):
+class CallbackConfigError(NanolabError):
     """A callback setting that cannot work; the message names the YAML key and the fix."""
 
 
@@ -61,23 +64,23 @@ def find_callback(trainer: L.Trainer, kind: type[C]) -> C | None:
 
 
 def emit(trainer: L.Trainer, record: dict[str, Any]) -> None:
-    """Write ``record`` to the run log if a ``MetricsLog`` is attached and this is rank 0."""
-    from nanolab.callbacks.jsonl import MetricsLog
-
-    log = find_callback(trainer, MetricsLog)
-    if log is not None:
-        log.write(trainer, record)
+    """Write ``record`` to the run log if its owner (``MetricsLog``, which sets
+    ``owns_run_log``) is attached; it writes on rank 0 only."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if getattr(callback, "owns_run_log", False):
+            callback.write(trainer, record)
+            return
 
 
 def collect_fields(trainer: L.Trainer, event: str) -> dict[str, Any]:
     """Fields every :class:`RecordSource` callback contributes to a record of kind ``event``.
 
-    Asked in ``step_order`` (see :mod:`nanolab.callbacks.step`), so where two give the same
-    field the later one in that order wins, not the later one registered.
+    Asked in the step order (:func:`nanolab.callbacks.step.order_of`), so where two give the
+    same field the later one in that order wins, not the later one registered.
     """
     fields: dict[str, Any] = {}
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
-    for callback in sorted(callbacks, key=lambda c: getattr(c, "step_order", 100)):
+    for callback in sorted(callbacks, key=order_of):
         method = getattr(callback, "record_fields", None)
         if method is not None:
             fields.update(method(trainer, event))

@@ -69,7 +69,8 @@ class MetricsLog(StepCallback):
             moved to ``<run_dir>/previous/``. Linked from ``run.fresh`` by ``nanolab fit``.
     """
 
-    step_order = 10
+    #: The one callback that writes the run log: :func:`nanolab.callbacks.events.emit` finds it.
+    owns_run_log = True
 
     def __init__(
         self,

@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import NanolabError
+
 #: shorthand -> (import name that must be present, pip command that provides it)
 PACKAGES = {
     "tensorboard": ("tensorboard", "pip install 'nanolab[tensorboard]'"),
@@ -31,7 +33,7 @@ PACKAGES = {
 LOGGER_CHOICES = tuple(PACKAGES)
 
 
-class LoggerUnavailableError(ValueError):
+class LoggerUnavailableError(NanolabError):
     """The logger's package is not installed; the message gives the pip command."""
 
 

@@ -12,8 +12,9 @@ and the override (``throughput.peak_flops``), never as a wrong number.
 
 The rate a run gets depends on its matmul dtype: bf16/fp16 for the ``*-mixed``/``*-true``
 16-bit precisions, and for ``32-true`` TF32 when ``torch.get_float32_matmul_precision()`` allows
-it (``run.float32_matmul_precision``, default ``high``) on hardware that has TF32 units, else
-the plain FP32 rate.
+it (``run.float32_matmul_precision``, default ``high``); a dtype the hardware has no units for
+runs at its FP32 rate. That rule is :func:`nanolab.estimator.gpus.matmul_rate`, shared with the
+estimator.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanolab.estimator.gpus import GPU, gpu_for_device, normalise_device_name
+from nanolab.estimator.gpus import GPU, gpu_for_device, matmul_rate, normalise_device_name
+from nanolab.estimator.gpus import matmul_dtype as gpu_matmul_dtype
 
 __all__ = ["Peak", "lookup_peak", "matmul_dtype", "normalise_device_name", "peak_flops_per_device"]
 
@@ -57,28 +59,18 @@ def lookup_peak(name: str) -> Peak | None:
 
 
 def matmul_dtype(precision: str) -> str | None:
-    """The matmul precision a Lightning ``precision`` setting runs at: bf16, fp16, tf32 or fp32."""
-    p = str(precision)
-    if p.startswith("bf16"):
-        return "bf16"
-    if p.startswith("16"):
-        return "fp16"
-    if p in ("32", "32-true"):
-        return "tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"
-    return None  # 64-true, transformer-engine (fp8), ...: not in the table
+    """The matmul dtype a Lightning ``precision`` runs at in this process (bf16, fp16, tf32 or
+    fp32; ``32-true`` follows ``torch.get_float32_matmul_precision()``)."""
+    return gpu_matmul_dtype(precision, torch.get_float32_matmul_precision())
 
 
 def peak_flops_per_device(name: str, precision: str) -> tuple[float | None, str]:
-    """(peak FLOP/s, explanation) for one device at a Lightning precision; ``None`` if unknown."""
-    peak = lookup_peak(name)
-    dtype = matmul_dtype(precision)
-    if peak is None:
+    """(peak FLOP/s, explanation) for one device at a Lightning precision; ``None`` if unknown.
+
+    The rate is :func:`nanolab.estimator.gpus.matmul_rate`, the one the estimator's time uses.
+    """
+    g = gpu_for_device(name)
+    if g is None:
         return None, f"device {name!r} is not in the peak-FLOPs table"
-    if dtype is None:
-        return None, f"precision {precision!r} has no entry in the peak-FLOPs table"
-    value = getattr(peak, dtype)
-    if dtype == "tf32" and value is None:
-        value, dtype = peak.fp32, "fp32"  # no TF32 units: FP32 matmuls run at the FP32 rate
-    if value is None:
-        return None, f"{peak.product} has no {dtype} tensor units"
-    return value * 1e12, f"{peak.product} {dtype} dense"
+    value, _, why = matmul_rate(g, precision, torch.get_float32_matmul_precision())
+    return (None if value is None else value * 1e12), why

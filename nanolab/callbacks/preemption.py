@@ -145,8 +145,6 @@ class PreemptionHandler(StepCallback):
             an evaluation: the checkpoint comes first and that one evaluation is skipped.
     """
 
-    step_order = 60
-
     def __init__(
         self,
         enabled: bool = True,

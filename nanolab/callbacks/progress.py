@@ -66,8 +66,6 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self._started: tuple[float, int] | None = None  # (monotonic time, step) at train start
         self._last_line = float("-inf")
 
-    step_order = 30  # after the run log and the throughput meter
-
     @property
     def refresh_rate(self) -> int:
         return self._refresh_steps

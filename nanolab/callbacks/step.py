@@ -13,11 +13,13 @@ others in an order that does not depend on where it sits in ``trainer.callbacks`
 * :meth:`~StepCallback.on_step` — an optimizer step just finished (``step`` = steps done);
 * :meth:`~StepCallback.on_validated` — an evaluation during fit ended (not the sanity check).
 
-Each event reaches the active step callbacks of the Trainer in :attr:`~StepCallback.step_order`
-(lower first; ties in registration order), whichever of them Lightning happens to call first.
-The built-in order: observers first (run log 10, throughput 20, progress 30), then the callbacks
-that may stop the run (budget 40, divergence 50, preemption 60), then checkpointing (70), so a
-record of a step is written before anything acts on the step and a save sees every decision.
+Each event reaches the active step callbacks of the Trainer in one order, whichever of them
+Lightning happens to call first: :data:`STEP_ORDER`, the one list of nanolab's own step callbacks
+(observers first: run log, throughput, progress; then the callbacks that may stop the run:
+budget, divergence, preemption; then checkpointing), so a record of a step is written before
+anything acts on the step and a save sees every decision. A callback of a fork's own slots in by
+its :attr:`~StepCallback.step_order` (the list's places are 10, 20, ... 70; default 100, after
+them all); ties keep registration order.
 
 The shared :class:`~nanolab.callbacks.clock.RunClock` is attached in ``setup`` (``self.clock``)
 and has counted the micro-batch before any of these hooks runs.
@@ -32,6 +34,30 @@ from lightning.pytorch.callbacks import Callback
 
 from nanolab.callbacks.clock import RunClock
 
+#: nanolab's step callbacks in the order every event reaches them (a subclass takes its base's
+#: place). Place ``i`` (from 0) is ``step_order`` ``10 * (i + 1)``.
+STEP_ORDER: tuple[str, ...] = (
+    "nanolab.callbacks.jsonl.MetricsLog",
+    "nanolab.callbacks.throughput.ThroughputMeter",
+    "nanolab.callbacks.progress.StepProgressBar",
+    "nanolab.callbacks.budget.CostBudget",
+    "nanolab.callbacks.divergence.DivergenceStop",
+    "nanolab.callbacks.preemption.PreemptionHandler",
+    "nanolab.callbacks.checkpoint.RotatingCheckpoint",
+)
+
+
+def order_of(callback: object) -> int:
+    """Where ``callback`` acts among the step callbacks: its class's (or nearest listed base's)
+    place in :data:`STEP_ORDER`, else its own ``step_order`` (100 if it sets none)."""
+    for cls in type(callback).__mro__:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name in STEP_ORDER and "step_order" not in cls.__dict__:
+            return 10 * (STEP_ORDER.index(name) + 1)
+        if "step_order" in cls.__dict__:
+            return int(cls.__dict__["step_order"])
+    return 100
+
 
 class StepCallback(Callback):
     """Base class for callbacks that act on optimizer steps (see the module docstring).
@@ -41,7 +67,8 @@ class StepCallback(Callback):
     ``on_validation_end`` (or call ``super()`` first when they must).
     """
 
-    #: Position among the Trainer's step callbacks for every event (lower first).
+    #: Position of a fork's callback among the step callbacks (lower first; nanolab's own are
+    #: placed by :data:`STEP_ORDER` at 10 ... 70).
     step_order: ClassVar[int] = 100
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -101,7 +128,7 @@ class StepCallback(Callback):
             for c in trainer.callbacks  # type: ignore[attr-defined]
             if isinstance(c, StepCallback) and c.active
         ]
-        return sorted(peers, key=lambda c: c.step_order)
+        return sorted(peers, key=order_of)
 
     # -- what subclasses override ------------------------------------------------------------
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

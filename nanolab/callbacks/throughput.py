@@ -94,8 +94,6 @@ class ThroughputMeter(StepCallback):
             every ``trainer.log_every_n_steps`` steps, as ``perf/*``.
     """
 
-    step_order = 20
-
     def __init__(
         self,
         peak_flops: float | None = None,

@@ -56,6 +56,7 @@ from nanolab.data.tokenizers import (
     build_tokenizer,
     check_tokenizer_name,
 )
+from nanolab.errors import NanolabError, one_line_errors
 
 FORMAT = "nanolab-tokens-v1"
 #: Below this much input, worker processes cost more to start than they save.
@@ -67,7 +68,7 @@ KEEP_EXAMPLES = 10
 T = TypeVar("T")
 
 
-class PrepareError(ValueError):
+class PrepareError(NanolabError):
     """Input that cannot become a dataset; the message names it and the fix."""
 
 
@@ -549,6 +550,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+@one_line_errors("nanolab prepare")
 def main(argv: Sequence[str] | None = None) -> int:
     from nanolab.helpfmt import DefaultsHelpFormatter, OneLineParser
 
@@ -617,9 +619,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             bpe_sample_bytes=sample_bytes,
             eot_token=args.eot_token,
         )
-    except (PrepareError, TokenizerError) as err:
-        print(f"nanolab prepare: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("nanolab prepare: interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -32,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
+from nanolab.errors import NanolabError
+
 BUNDLED_PREFIX = "bundled:"
 BUNDLED = {"shakespeare": "shakespeare.txt.gz"}
 
@@ -53,7 +55,7 @@ _READ_BYTES = 4 << 20
 _LINE_START = re.compile(rb"\n(?=[^ \t\r\n\f\v])")
 
 
-class SourceError(ValueError):
+class SourceError(NanolabError):
     """A source that cannot be read; the message names the file (and line or row) and the fix."""
 
 

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from nanolab.errors import NanolabError
+
 TOKENIZER_NAMES = ("bytes", "chars", "bpe", "gpt2")
 
 #: Vocabulary of the tokenizers that do not learn from the corpus (end-of-text included).
@@ -30,7 +32,7 @@ EOT_TEXT = "<|endoftext|>"
 EOT_CANDIDATES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(NanolabError):
     """A tokenizer that cannot be built or cannot encode the text; the message says the fix."""
 
 

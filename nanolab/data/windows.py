@@ -18,8 +18,10 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from nanolab.errors import NanolabError
 
-class DataTooSmallError(ValueError):
+
+class DataTooSmallError(NanolabError):
     """The split holds fewer windows than one step of all ranks needs."""
 
 

@@ -3,6 +3,7 @@
     nanolab estimate --config configs/gpt2-124m.yaml --gpu rtx4070
     nanolab estimate --config a.yaml --config b.yaml --gpu-mem 12GiB --devices 4 --json
     nanolab estimate --config x.yaml --device cpu --json     # a CPU run: checkable on any laptop
+    nanolab estimate --config configs/gpt2-124m.yaml --model.gpt.n_layer 2   # fit's overrides
 
 Bad input (unknown GPU, unreadable memory size, a config that cannot exist) ends in one line on
 stderr and exit code 2.
@@ -15,12 +16,14 @@ import json
 import sys
 from collections.abc import Sequence
 
+from nanolab.errors import one_line_errors
 from nanolab.estimator.estimate import DEFAULT_GPU, Estimate, estimate_from_config
-from nanolab.estimator.gpus import GPUS, GiB, MemoryStringError, UnknownGPUError, format_bytes
+from nanolab.estimator.gpus import GPUS, GiB, format_bytes, format_rate
 from nanolab.estimator.recommend import largest_micro_batch
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
-from nanolab.model.config import ConfigError, GPTConfig
+from nanolab.model.config import GPTConfig
+from nanolab.training.resolve import compose, split_fit_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="X.yaml",
-        help="fit config; repeat to merge several (later files win)",
+        help="fit config; repeat to merge several (later files win); dotted overrides such as "
+        "--model.gpt.n_layer 2 apply in order, as in `nanolab fit`",
     )
     p.add_argument("--gpu", help=f"device model (default {DEFAULT_GPU}); --list-gpus shows them")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 12GiB, 24GB")
@@ -195,7 +199,7 @@ def format_estimate(
             out.append("    " + ", ".join(items[i : i + 6]))
     out.append("")
     out.append(
-        f"compute   {c.matmul_dtype} matmuls, dense peak {c.peak_tflops_per_device:,.1f} TFLOP/s "
+        f"compute   {c.matmul_dtype} matmuls, dense peak {format_rate(c.peak_tflops_per_device)} "
         f"per device; MFU {c.mfu:.0%}"
         + (
             f" (effective {c.effective_mfu:.1%} with recompute)"
@@ -260,47 +264,46 @@ def list_gpus_json() -> str:
     return json.dumps([asdict(g) for g in GPUS.values()], indent=2)
 
 
+@one_line_errors("nanolab estimate")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    # ``--config`` files and dotted overrides are read as ``fit`` reads them, in their order.
+    fit_args, own = split_fit_args(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(own)
     if args.list_gpus:
         print(list_gpus_json() if args.json else list_gpus())
         return 0
-    try:
-        if not args.config:
-            raise EstimateError("give at least one --config X.yaml")
-        for name, value in (
-            ("--devices", args.devices),
-            ("--nodes", args.nodes),
-            ("--micro-batch", args.micro_batch),
-        ):
-            if value is not None and value < 1:
-                raise EstimateError(f"{name} must be >= 1, got {value}")
-        if args.mfu is not None and not 0 < args.mfu <= 1:
-            raise EstimateError(f"--mfu must be in (0, 1], got {args.mfu}")
-        if args.device == "cpu" and args.gpu:
-            raise EstimateError("--gpu names a GPU; leave it out with --device cpu")
-        if args.fragmentation is not None and not 0 <= args.fragmentation < 1:
-            raise EstimateError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
-        if args.tokens is not None and args.tokens <= 0:
-            raise EstimateError(f"--tokens must be > 0, got {args.tokens}")
-        est = estimate_from_config(
-            args.config,
-            gpu=args.gpu,
-            device_memory=args.gpu_mem,
-            devices=args.devices,
-            num_nodes=args.nodes,
-            micro_batch_size=args.micro_batch,
-            vocab_size=args.vocab_size,
-            mfu=args.mfu,
-            tokens=int(args.tokens) if args.tokens is not None else None,
-            usd_per_gpu_hour=args.usd_per_gpu_hour,
-            fragmentation=args.fragmentation,
-            device=args.device,
-            trace=args.trace,
-        )
-    except (EstimateError, UnknownGPUError, MemoryStringError, ConfigError) as err:
-        print(f"nanolab estimate: error: {err}", file=sys.stderr)
-        return 2
+    if "--config" not in fit_args and not any(a.startswith("--config=") for a in fit_args):
+        raise EstimateError("give at least one --config X.yaml")
+    for name, value in (
+        ("--devices", args.devices),
+        ("--nodes", args.nodes),
+        ("--micro-batch", args.micro_batch),
+    ):
+        if value is not None and value < 1:
+            raise EstimateError(f"{name} must be >= 1, got {value}")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise EstimateError(f"--mfu must be in (0, 1], got {args.mfu}")
+    if args.device == "cpu" and args.gpu:
+        raise EstimateError("--gpu names a GPU; leave it out with --device cpu")
+    if args.fragmentation is not None and not 0 <= args.fragmentation < 1:
+        raise EstimateError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
+    if args.tokens is not None and args.tokens <= 0:
+        raise EstimateError(f"--tokens must be > 0, got {args.tokens}")
+    est = estimate_from_config(
+        compose(fit_args),
+        gpu=args.gpu,
+        device_memory=args.gpu_mem,
+        devices=args.devices,
+        num_nodes=args.nodes,
+        micro_batch_size=args.micro_batch,
+        vocab_size=args.vocab_size,
+        mfu=args.mfu,
+        tokens=int(args.tokens) if args.tokens is not None else None,
+        usd_per_gpu_hour=args.usd_per_gpu_hour,
+        fragmentation=args.fragmentation,
+        device=args.device,
+        trace=args.trace,
+    )
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
         return 0

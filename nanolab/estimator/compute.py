@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from nanolab.estimator.gpus import GPU
+from nanolab.estimator.gpus import GPU, format_rate
+from nanolab.estimator.gpus import matmul_rate as gpu_matmul_rate
 from nanolab.estimator.setup import Setup
 from nanolab.estimator.shapes import flops_per_token, num_params, recompute_flops_per_token
 
@@ -62,20 +63,10 @@ def tokens_per_step(setup: Setup, micro_batch: int, accumulate: int) -> int:
 
 
 def matmul_rate(setup: Setup, gpu: GPU) -> tuple[float, str]:
-    """(dense TFLOP/s, dtype) the run's matmuls get on ``gpu``.
-
-    16-bit precisions run bf16 (fp16 for ``16-*``; a part without bf16 units runs fp16 rates);
-    ``32-true`` runs TF32 when ``float32_matmul_precision`` is ``high``/``medium`` and the GPU
-    has TF32 units, else FP32.
-    """
-    p = setup.precision
-    if p.startswith("bf16") and gpu.peak("bf16") is not None:
-        return float(gpu.peak("bf16")), "bf16"
-    if p.startswith(("bf16", "16")) and gpu.peak("fp16") is not None:
-        return float(gpu.peak("fp16")), "fp16"
-    if setup.float32_matmul_precision != "highest" and gpu.peak("tf32") is not None:
-        return float(gpu.peak("tf32")), "tf32"
-    return float(gpu.peak("fp32") or 0.0), "fp32"
+    """(dense TFLOP/s, dtype) the run's matmuls get on ``gpu``: :func:`nanolab.estimator.gpus.
+    matmul_rate`, the same answer the MFU callback divides by."""
+    value, dtype, _ = gpu_matmul_rate(gpu, setup.precision, setup.float32_matmul_precision)
+    return float(value or 0.0), dtype
 
 
 def estimate_compute(
@@ -120,7 +111,7 @@ def estimate_compute(
         eff = mfu_used * fpt / (fpt + rpt)
         step_s = flops_step / (setup.world_size * peak * eff)
         tok_s = tps / step_s
-        tok_source = f"{mfu_used:.0%} MFU of {peak_tflops:,.1f} TFLOP/s ({dtype})"
+        tok_source = f"{mfu_used:.0%} MFU of {format_rate(peak_tflops)} ({dtype})"
     chinchilla = CHINCHILLA_TOKENS_PER_PARAM * n
     if tokens is not None:
         budget, source = tokens, "--tokens"

@@ -9,6 +9,7 @@ for CPU jobs; imports torch.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -62,14 +63,22 @@ def matmul_tflops(
         torch.set_num_threads(previous)
 
 
-def cpu_device() -> GPU:
-    """This machine as an estimator device (measured once per call)."""
-    fp32 = matmul_tflops("float32")
-    bf16 = matmul_tflops("bfloat16")
-    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+def cpu_device(threads: int | None = None) -> GPU:
+    """This machine as an estimator device, with ``threads`` torch threads (default: the count
+    a run started here uses). Measured once per process and thread count: ``estimate --device
+    cpu``, the start banner and ``queue add`` then divide by the same rate."""
+    import torch
+
+    return _cpu_device(threads or torch.get_num_threads())
+
+
+@functools.cache
+def _cpu_device(threads: int) -> GPU:
+    fp32 = matmul_tflops("float32", threads=threads)
+    bf16 = matmul_tflops("bfloat16", threads=threads)
     return GPU(
         name="cpu",
-        label=f"CPU (this machine, {threads} threads)",
+        label=f"CPU (this machine, {threads} thread{'s' if threads > 1 else ''})",
         memory_bytes=physical_memory(),
         vendor="cpu",
         usd_per_hour=0.0,
@@ -77,9 +86,9 @@ def cpu_device() -> GPU:
         family="cpu",
         memory_reported=True,
         memory_source="physical RAM (os.sysconf)",
-        tflops_source="measured here: 512 x 512 matmuls for 0.2 s per dtype",
+        tflops_source="measured here: 512 x 512 matmuls for 0.2 s per dtype (best of 5 windows)",
         price_source="no price for a CPU; pass --usd-per-gpu-hour",
         default_mfu=CPU_EFFICIENCY,
-        mfu_source="nanolab's CPU assumption (the queue's CPU_EFFICIENCY): a rough share of the "
-        "measured matmul rate; a finished run of the config replaces it",
+        mfu_source="nanolab's CPU assumption (CPU_EFFICIENCY): a rough share of the measured "
+        "matmul rate; a finished run of the config replaces it",
     )

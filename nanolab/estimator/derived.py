@@ -76,7 +76,7 @@ def _traced(
 
     from nanolab.estimator.shapes import skip_random_init
     from nanolab.model.gpt import Block
-    from nanolab.model.registry import NORM
+    from nanolab.model.registry import NORMS
 
     gpt = GPTConfig(**dict(key))
     saved: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -127,7 +127,7 @@ def _traced(
         try:  # Lightning's "-true" precisions build the module in 16 bits, buffers too
             torch.set_default_dtype(torch.bfloat16 if half else previous_dtype)
             with skip_random_init():
-                module = Block(gpt) if part == "block" else NORM.get(gpt.norm)(gpt.n_embd, gpt)
+                module = Block(gpt) if part == "block" else NORMS.get(gpt.norm)(gpt.n_embd, gpt)
         finally:
             torch.set_default_dtype(previous_dtype)
         if half:
@@ -210,3 +210,15 @@ def _sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
 def _sdpa_backward_flops(grad, q, k, v, *args, out_shape=None, **kwargs) -> int:
     """The gradients of q, k, v and the scores: twice the forward (the counter's convention)."""
     return 2 * _sdpa_flops(q, k, v)
+
+
+def forget_models() -> None:
+    """Drop every model read so far (here and in :mod:`nanolab.estimator.shapes`).
+
+    Each config's model is read once per process; a session that redefines a class the model
+    is built from (a notebook, a test patching ``Block``) calls this to read the new one.
+    """
+    from nanolab.estimator.shapes import _flops, _model, _read
+
+    for cached in (_model, _read, _flops, _traced):
+        cached.cache_clear()

@@ -82,7 +82,7 @@ def built_in_only(gpt: GPTConfig) -> bool:
     """Whether every registered part ``gpt`` names is one of nanolab's built-ins."""
     from nanolab.model import registry
 
-    regs = (registry.POSITION, registry.NORM, registry.ATTENTION, registry.MLP)
+    regs = (registry.POSITIONS, registry.NORMS, registry.ATTENTIONS, registry.MLPS)
     return all(getattr(gpt, reg.field) in reg.builtins for reg in regs)
 
 

@@ -20,6 +20,9 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Literal, get_args
+
+from nanolab.errors import NanolabError
 
 KiB = 1024
 MiB = 1024**2
@@ -69,7 +72,65 @@ class GPU:
         return None if value is None else float(value)
 
 
-class UnknownGPUError(ValueError):
+#: Lightning's ``trainer.precision`` spellings, each with its canonical name.
+PRECISIONS = {
+    "32": "32-true",
+    "32-true": "32-true",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16-true": "bf16-true",
+    "16-true": "16-true",
+}
+
+#: ``torch.set_float32_matmul_precision`` values (``run.float32_matmul_precision``): ``highest``
+#: keeps FP32 GEMMs, ``high``/``medium`` allow TF32 where the device has it.
+MatmulPrecision = Literal["highest", "high", "medium"]
+FLOAT32_MATMUL_PRECISIONS: tuple[str, ...] = get_args(MatmulPrecision)
+
+
+def matmul_dtype(precision: str, float32_matmul_precision: str = "high") -> str | None:
+    """The dtype a run's matmuls use at a Lightning ``precision``: bf16, fp16, tf32 or fp32
+    (``None`` for a precision the table has no rates for, such as ``64-true``)."""
+    canonical = PRECISIONS.get(str(precision))
+    if canonical is None:
+        return None
+    if canonical.startswith("bf16"):
+        return "bf16"
+    if canonical.startswith("16"):
+        return "fp16"
+    return "fp32" if float32_matmul_precision == "highest" else "tf32"
+
+
+def matmul_rate(
+    gpu: GPU, precision: str, float32_matmul_precision: str = "high"
+) -> tuple[float | None, str, str]:
+    """(dense TFLOP/s, the dtype it is the rate of, how it was chosen) of a run's matmuls.
+
+    The one answer for the estimator's time and the MFU callback's denominator. A dtype the
+    device has no units for runs at its FP32 rate: TF32 on CDNA, bf16 on V100/T4 (emulated),
+    fp16 on a CPU. ``None`` only for a precision without rates.
+    """
+    dtype = matmul_dtype(precision, float32_matmul_precision)
+    if dtype is None:
+        return None, "", f"precision {precision!r} has no entry in the peak-FLOPs table"
+    value = gpu.peak(dtype)
+    if value is not None:
+        return value, dtype, f"{gpu.label} {dtype} dense"
+    fp32 = gpu.peak("fp32")
+    note = "" if dtype == "tf32" else f" (no {dtype} units)"  # TF32 off-hardware is just FP32
+    return fp32, "fp32", f"{gpu.label} fp32 dense{note}"
+
+
+def format_rate(tflops: float) -> str:
+    """A matmul rate in the unit that keeps its digits: ``312.0 TFLOP/s``, ``98 GFLOP/s``."""
+    if tflops >= 1:
+        return f"{tflops:,.1f} TFLOP/s"
+    return f"{tflops * 1e3:,.0f} GFLOP/s" if tflops >= 1e-3 else f"{tflops * 1e6:,.0f} MFLOP/s"
+
+
+class UnknownGPUError(NanolabError):
     """A GPU name not in the table; the message lists the closest known ones."""
 
 
@@ -77,7 +138,7 @@ class AmbiguousGPUError(UnknownGPUError):
     """A name that fits several entries (``a100``: 40 or 80 GB); the message asks which."""
 
 
-class MemoryStringError(ValueError):
+class MemoryStringError(NanolabError):
     """A memory size that does not parse, e.g. ``12 gigs``."""
 
 

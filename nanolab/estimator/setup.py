@@ -8,94 +8,34 @@ prepared dataset and cannot be broken by a data or logger setting it does not us
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file
+from nanolab.errors import RunConfigError
+from nanolab.estimator.gpus import FLOAT32_MATMUL_PRECISIONS, PRECISIONS
 from nanolab.model.config import ConfigError, GPTConfig
+from nanolab.training.parallelism import (  # noqa: F401  (Strategy, parse_strategy: public here too)
+    DEEPSPEED_REDUCE_BUCKET,
+    Strategy,
+    StrategyKind,
+    int_setting,
+    parse_strategy,
+)
+from nanolab.training.resolve import deep_merge, load_config  # noqa: F401  (public here too)
 
-StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
-
-PRECISIONS = {
-    "32": "32-true",
-    "32-true": "32-true",
-    "bf16": "bf16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "16": "16-mixed",
-    "16-mixed": "16-mixed",
-    "bf16-true": "bf16-true",
-    "16-true": "16-true",
-}
-
-#: Lightning's DeepSpeedStrategy defaults (elements, not bytes).
-DEEPSPEED_REDUCE_BUCKET = 200_000_000
 #: Optimizers whose state and step memory the estimator models (nanolab/estimator/states.py).
 MODELLED_OPTIMIZERS = ("adamw", "adamw8bit", "muon")
-
-#: ``torch.set_float32_matmul_precision`` values (``run.float32_matmul_precision``).
-FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 #: Vocabulary of the named tokenizers (end-of-text included), used when the config leaves
 #: vocab_size null; the one table lives with the tokenizers.
 TOKENIZER_VOCAB = KNOWN_VOCAB
 
 
-class EstimateError(ValueError):
-    """A config the estimator cannot describe; the message says which key and why."""
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """How model states are spread over devices.
-
-    Attributes:
-        kind: ``single`` (one device), ``ddp``, ``fsdp1`` (Lightning's FSDPStrategy),
-            ``fsdp2`` (Lightning's ModelParallelStrategy with nanolab's per-block
-            ``fully_shard``) or ``deepspeed``.
-        zero_stage: DeepSpeed ZeRO stage (1, 2, 3); 0 otherwise.
-        offload_optimizer: Optimizer states (and the fp32 master copy) live in CPU memory.
-        offload_params: Parameters live in CPU memory too (ZeRO-3 / FSDP ``cpu_offload``).
-        gradient_as_bucket_view: DDP's gradients alias its communication buckets (saves one
-            gradient-sized buffer); Lightning's default is False.
-        fsdp_wrapped_blocks: FSDP1 gathers one block at a time (an ``auto_wrap_policy`` is set);
-            without one the whole model is a single unit, gathered whole.
-        shard_grad_op: FSDP ``SHARD_GRAD_OP``: parameters stay gathered between forward and
-            backward (ZeRO-2 like).
-        reduce_bucket_size: DeepSpeed's gradient bucket, in elements.
-        overlap_comm: DeepSpeed double-buffers the gradient bucket.
-        contiguous_gradients: DeepSpeed copies gradients into the bucket buffer.
-    """
-
-    kind: StrategyKind = "single"
-    zero_stage: int = 0
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    gradient_as_bucket_view: bool = False
-    fsdp_wrapped_blocks: bool = False
-    shard_grad_op: bool = False
-    reduce_bucket_size: int = DEEPSPEED_REDUCE_BUCKET
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-
-    def describe(self) -> str:
-        if self.kind == "deepspeed":
-            text = f"DeepSpeed ZeRO-{self.zero_stage}"
-            if self.offload_params:
-                text += " + param/optimizer offload"
-            elif self.offload_optimizer:
-                text += " + optimizer offload"
-            return text
-        if self.kind in ("fsdp1", "fsdp2"):
-            text = "FSDP2 (per-block fully_shard)" if self.kind == "fsdp2" else "FSDP1"
-            if self.shard_grad_op:
-                text += " SHARD_GRAD_OP"
-            if self.offload_params:
-                text += " + CPU offload"
-            return text
-        return {"single": "single device", "ddp": "DDP"}[self.kind]
+#: The estimator's config errors are the resolver's: one kind for a setting that cannot work.
+EstimateError = RunConfigError
 
 
 @dataclass(frozen=True)
@@ -142,39 +82,6 @@ class Setup:
         return replace(self, micro_batch_size=micro_batch_size)
 
 
-# -- YAML ------------------------------------------------------------------------------------
-def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``override`` on top of ``base``: nested dicts merge, everything else is replaced."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = deep_merge(dict(out[key]), value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_config(paths: Sequence[str | Path]) -> dict[str, Any]:
-    """Read and merge ``--config`` files in order (later files win, dicts deep-merge)."""
-    import yaml
-
-    from nanolab.training.resolve import merge_configs
-
-    merged: dict[str, Any] = {}
-    for path in paths:
-        p = Path(path)
-        if not p.is_file():
-            raise EstimateError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise EstimateError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
-        if not isinstance(data, Mapping):
-            raise EstimateError(f"{path}: the top level must be a mapping of config groups")
-        merged = merge_configs(merged, data)  # model/data: class choices, as fit merges them
-    return merged
-
-
 # -- interpretation ---------------------------------------------------------------------------
 def _section(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
     value = cfg.get(name) or {}
@@ -183,90 +90,10 @@ def _section(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
     return dict(value)
 
 
-def _int(value: Any, where: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise EstimateError(f"{where} must be an integer, got {value!r}")
-    try:
-        n = int(value)
-    except ValueError:
-        raise EstimateError(f"{where} must be an integer, got {value!r}") from None
-    if n != float(value) or n < minimum:
-        raise EstimateError(f"{where} must be an integer >= {minimum}, got {value!r}")
-    return n
-
-
-def parse_strategy(raw: Any, world_size: int) -> Strategy:
-    """Lightning's ``trainer.strategy`` (a registry name or a ``class_path`` dict)."""
-    if raw is None or raw == "auto":
-        return Strategy("ddp" if world_size > 1 else "single")
-    if isinstance(raw, Mapping):
-        class_path = str(raw.get("class_path", ""))
-        args = dict(raw.get("init_args") or {})
-        name = class_path.rsplit(".", 1)[-1].lower()
-    elif isinstance(raw, str):
-        name, args = raw.lower(), {}
-    else:
-        raise EstimateError(f"trainer.strategy must be a name or a class_path mapping, got {raw!r}")
-
-    if "deepspeed" in name:
-        stage = args.get("stage")
-        m = re.search(r"stage_(\d)", name)
-        if stage is None:
-            stage = int(m.group(1)) if m else 2  # Lightning's DeepSpeedStrategy default
-        stage = _int(stage, "trainer.strategy stage", minimum=0)
-        if stage not in (1, 2, 3):
-            raise EstimateError(f"DeepSpeed ZeRO stage must be 1, 2 or 3, got {stage}")
-        offload = "offload" in name
-        offload_params = bool(args.get("offload_parameters", offload and stage == 3))
-        offload_opt = bool(args.get("offload_optimizer", offload)) or offload_params
-        if offload_params and stage != 3:
-            raise EstimateError("DeepSpeed offload_parameters needs ZeRO stage 3")
-        return Strategy(
-            "deepspeed",
-            zero_stage=stage,
-            offload_optimizer=offload_opt,
-            offload_params=offload_params,
-            reduce_bucket_size=_int(
-                args.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET), "reduce_bucket_size"
-            ),
-            overlap_comm=bool(args.get("overlap_comm", True)),
-            contiguous_gradients=bool(args.get("contiguous_gradients", True)),
-        )
-    if "modelparallel" in name or "fsdp2" in name:
-        tp = args.get("tensor_parallel_size", 1)
-        if tp not in (1, "auto", None):
-            raise EstimateError("tensor parallelism is not modelled; set tensor_parallel_size: 1")
-        return Strategy("fsdp2")
-    if "fsdp" in name:
-        sharding = str(args.get("sharding_strategy", "FULL_SHARD")).upper()
-        if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
-            raise EstimateError(f"unknown FSDP sharding_strategy {sharding!r}")
-        if sharding == "NO_SHARD":
-            return Strategy("ddp", gradient_as_bucket_view=False)
-        offload = "offload" in name or bool(args.get("cpu_offload", False))
-        return Strategy(
-            "fsdp1",
-            offload_params=offload,
-            offload_optimizer=offload,
-            fsdp_wrapped_blocks=args.get("auto_wrap_policy") is not None,
-            shard_grad_op=sharding == "SHARD_GRAD_OP",
-        )
-    if "ddp" in name:
-        return Strategy("ddp", gradient_as_bucket_view=bool(args.get("gradient_as_bucket_view")))
-    if name in ("single_device", "singledevicestrategy"):
-        if world_size > 1:
-            raise EstimateError(f"strategy single_device cannot use {world_size} devices")
-        return Strategy("single")
-    raise EstimateError(
-        f"unknown trainer.strategy {raw!r}; the estimator knows auto, ddp, fsdp, "
-        "deepspeed_stage_{1,2,3}[_offload] and ModelParallelStrategy (FSDP2)"
-    )
-
-
 def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
     """``model.gpt.vocab_size``, or the prepared data's, or the named tokenizer's."""
     if gpt.get("vocab_size") is not None:
-        return _int(gpt["vocab_size"], "model.gpt.vocab_size", minimum=2)
+        return int_setting(gpt["vocab_size"], "model.gpt.vocab_size", minimum=2)
     dataset_dir = data.get("dataset_dir")
     mixture = data.get("datasets")
     if mixture and isinstance(mixture[0], Mapping) and mixture[0].get("path"):
@@ -275,14 +102,14 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
         meta = Path(str(dataset_dir)) / "meta.json"
         if meta.is_file():
             try:
-                return _int(json.loads(meta.read_text())["vocab_size"], f"{meta} vocab_size")
+                return int_setting(json.loads(meta.read_text())["vocab_size"], f"{meta} vocab_size")
             except (KeyError, json.JSONDecodeError):
                 pass
     tokenizer = str(data.get("tokenizer", ""))
     if tokenizer in TOKENIZER_VOCAB:
         return TOKENIZER_VOCAB[tokenizer]
     if tokenizer == "bpe":
-        return _int(data.get("bpe_vocab_size", 4096), "data.bpe_vocab_size", minimum=2)
+        return int_setting(data.get("bpe_vocab_size", 4096), "data.bpe_vocab_size", minimum=2)
     if is_tokenizer_file(tokenizer) and Path(tokenizer).expanduser().is_file():
         from tokenizers import Tokenizer as RustTokenizer
 
@@ -329,12 +156,9 @@ def setup_from_config(
     ``trainer.devices: auto`` read as one device (flagged as a guess) since the estimate is
     for a machine it cannot see.
     """
-    from nanolab.training.resolve import RunConfigError, resolve, sections
+    from nanolab.training.resolve import resolve, sections
 
-    try:
-        model_class, model, data_class, data = sections(cfg)
-    except RunConfigError as err:
-        raise EstimateError(str(err)) from None
+    model_class, model, data_class, data = sections(cfg)
     takes_gpt = _plugin_classes(model_class, data_class)
     trainer = _section(cfg, "trainer")
     if "gpt" in model and not isinstance(model["gpt"], Mapping):
@@ -365,19 +189,17 @@ def setup_from_config(
         raise EstimateError(str(err)) from None
 
     if devices is not None:
-        devices = _int(devices, "devices")
-    try:
-        resolved = resolve(
-            {**cfg, "model": {**model, "gpt": gpt.to_dict()}, "data": data},
-            visible_gpus=None,
-            devices=devices,
-            num_nodes=num_nodes,
-            micro_batch_size=micro_batch_size,
-        )
-    except RunConfigError as err:
-        raise EstimateError(str(err)) from None
+        devices = int_setting(devices, "devices")
+    resolved = resolve(
+        {**cfg, "model": {**model, "gpt": gpt.to_dict()}, "data": data},
+        visible_gpus=None,
+        devices=devices,
+        num_nodes=num_nodes,
+        micro_batch_size=micro_batch_size,
+    )
 
-    raw_precision = str(trainer.get("precision", "32-true"))
+    given = trainer.get("precision")
+    raw_precision = "32-true" if given is None else str(given)  # None: Lightning's default
     if raw_precision not in PRECISIONS:
         raise EstimateError(
             f"trainer.precision {raw_precision!r} is not modelled; use one of "

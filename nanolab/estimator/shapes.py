@@ -221,15 +221,3 @@ def recompute_flops_per_token(gpt: GPTConfig, seq_len: int | None = None) -> int
     """Extra FLOPs per token that gradient checkpointing spends re-running every block's
     forward in the backward pass (``GPT.recompute_flops_per_token``)."""
     return _flops(_key(gpt), seq_len)[1]
-
-
-def forget_models() -> None:
-    """Drop every model read so far (here and in :mod:`nanolab.estimator.derived`).
-
-    Each config's model is read once per process; a session that redefines a class the model
-    is built from (a notebook, a test patching ``Block``) calls this to read the new one.
-    """
-    from nanolab.estimator.derived import _traced
-
-    for cached in (_model, _read, _flops, _traced):
-        cached.cache_clear()

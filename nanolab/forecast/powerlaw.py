@@ -24,13 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanolab.errors import NanolabError
+
 #: Fewest points a fit is attempted with (three parameters, and some left to judge them).
 MIN_POINTS = 5
 #: Range of exponents searched (token exponents of LM losses are ~0.05-0.5).
 ALPHA_RANGE = (0.005, 3.0)
 
 
-class ForecastError(ValueError):
+class ForecastError(NanolabError):
     """A curve that cannot be fitted (too few points, non-finite values, no tokens)."""
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from nanolab.errors import NanolabError
+
 AttentionImpl = Literal["sdpa", "math"]
 Activation = Literal["gelu_tanh", "gelu"]
 
 
-class ConfigError(ValueError):
+class ConfigError(NanolabError):
     """A configuration value that cannot work; the message names the field and the fix."""
 
 
@@ -132,7 +134,7 @@ class GPTConfig:
         """Each registered field names a registered class, which may check the rest."""
         from nanolab.model import registry
 
-        for reg in (registry.POSITION, registry.NORM, registry.ATTENTION, registry.MLP):
+        for reg in (registry.POSITIONS, registry.NORMS, registry.ATTENTIONS, registry.MLPS):
             name = getattr(self, reg.field)
             if not isinstance(name, str) or name not in reg:
                 raise ConfigError(reg.unknown(name))

@@ -32,11 +32,11 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        norm = registry.NORM.get(config.norm)
+        norm = registry.NORMS.get(config.norm)
         self.ln_1 = norm(config.n_embd, config)
-        self.attn = registry.ATTENTION.get(config.attention_variant)(config)
+        self.attn = registry.ATTENTIONS.get(config.attention_variant)(config)
         self.ln_2 = norm(config.n_embd, config)
-        self.mlp = registry.MLP.get(config.mlp)(config)
+        self.mlp = registry.MLPS.get(config.mlp)(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -52,12 +52,12 @@ class GPT(nn.Module):
         self.config = config
         V = config.padded_vocab_size
         self.wte = nn.Embedding(V, config.n_embd)
-        position = registry.POSITION.get(config.position_embedding)
+        position = registry.POSITIONS.get(config.position_embedding)
         # Added to the token embeddings here ("input"), or applied to q, k in attention ("qk").
         self.wpe = position(config) if position.applies_to == "input" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = registry.NORM.get(config.norm)(config.n_embd, config)
+        self.ln_f = registry.NORMS.get(config.norm)(config.n_embd, config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight

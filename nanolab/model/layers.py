@@ -28,7 +28,7 @@ from torch import nn
 
 from nanolab.model.config import ConfigError, GPTConfig
 from nanolab.model.registry import (
-    POSITION,
+    POSITIONS,
     register_attention,
     register_mlp,
     register_norm,
@@ -152,7 +152,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
-        position = POSITION.get(config.position_embedding)
+        position = POSITIONS.get(config.position_embedding)
         self.rope = position(config) if position.applies_to == "qk" else None
 
     def prepare_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

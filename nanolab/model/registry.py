@@ -121,12 +121,12 @@ def _load_builtins() -> None:
 
 
 # Built-in names -> whether the class checks the config (RoPE needs an even head size).
-ATTENTION = Registry("attention", "attention_variant", {"causal": False, "qk_norm": False})
-MLP = Registry("MLP", "mlp", {"gelu": False, "relu2": False, "swiglu": False})
-NORM = Registry("normalization", "norm", {"layernorm": False, "rmsnorm": False})
-POSITION = Registry("position encoding", "position_embedding", {"learned": False, "rope": True})
+ATTENTIONS = Registry("attention", "attention_variant", {"causal": False, "qk_norm": False})
+MLPS = Registry("MLP", "mlp", {"gelu": False, "relu2": False, "swiglu": False})
+NORMS = Registry("normalization", "norm", {"layernorm": False, "rmsnorm": False})
+POSITIONS = Registry("position encoding", "position_embedding", {"learned": False, "rope": True})
 
-register_attention = ATTENTION.register
-register_mlp = MLP.register
-register_norm = NORM.register
-register_position = POSITION.register
+register_attention = ATTENTIONS.register
+register_mlp = MLPS.register
+register_norm = NORMS.register
+register_position = POSITIONS.register

@@ -7,6 +7,6 @@ was interrupted resumes from its checkpoint instead of starting over.
 
 Modules: :mod:`~nanolab.queue.db` (the database: schema, atomic claims, runner liveness),
 :mod:`~nanolab.queue.jobs` (turning ``queue add`` arguments into validated jobs),
-:mod:`~nanolab.queue.estimate` (how long a job will take), :mod:`~nanolab.queue.runner` (one job
+:mod:`~nanolab.queue.predict` (how long a job will take), :mod:`~nanolab.queue.runner` (one job
 per GPU, restarts, deadlines) and :mod:`~nanolab.queue.cli` (the command line).
 """

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from nanolab.errors import NanolabError, report
 from nanolab.helpfmt import OneLineParser
 from nanolab.queue.db import (
     FINISHED,
@@ -36,10 +37,10 @@ from nanolab.queue.db import (
     default_db_path,
     unusable_db,
 )
-from nanolab.queue.estimate import describe, remaining_seconds
-from nanolab.queue.jobs import JobConfigError
 from nanolab.queue.packing import gib
+from nanolab.queue.predict import describe, remaining_seconds
 from nanolab.queue.runner import ORDERS, Runner, _is_job_process
+from nanolab.training.resolve import is_fit_option
 
 
 def parse_until(text: str, now: float | None = None) -> float:
@@ -113,8 +114,8 @@ def _db(args: argparse.Namespace) -> QueueDB:
 
 # -- verbs ----------------------------------------------------------------------------------
 def cmd_add(args: argparse.Namespace) -> int:
-    from nanolab.queue.estimate import flops_estimate, memory_need
     from nanolab.queue.jobs import build_jobs, job_names, parse_sets
+    from nanolab.queue.predict import flops_estimate, memory_need
     from nanolab.queue.sweep import grid, parse_sweeps, point_name
 
     configs = [Path(c) for c in args.config]
@@ -375,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="nanolab fit YAML config(s); several compose as --config a --config b (later wins)",
     )
     a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value (repeatable), e.g. --set trainer.max_steps=600")  # fmt: skip
+                   help="override a config value (repeatable), e.g. --set trainer.max_steps=600; "
+                   "fit's own form --trainer.max_steps 600 works too")  # fmt: skip
     a.add_argument(
         "--sweep",
         action="append",
@@ -474,13 +476,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def dotted_as_sets(argv: list[str]) -> list[str]:
+    """``queue add`` takes ``fit``'s dotted overrides as they are (``--model.gpt.n_layer 2``,
+    ``--run.eval_every_steps=50``): each becomes the ``--set KEY=VALUE`` it means."""
+    if argv[:1] != ["add"]:
+        return argv
+    out = ["add"]
+    tokens = argv[1:]
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        name = token[2:].split("=", 1)[0]
+        if not is_fit_option(token) or name == "config":
+            out.append(token)
+            i += 1
+        elif "=" in token:
+            out += ["--set", token[2:]]
+            i += 1
+        elif i + 1 < len(tokens):
+            out += ["--set", f"{name}={tokens[i + 1]}"]
+            i += 2
+        else:
+            raise QueueError(f"{token} needs a value, e.g. {token} VALUE")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    try:
+        raw = dotted_as_sets(raw)
+    except QueueError as err:
+        return report("nanolab queue add", err)
+    args = build_parser().parse_args(raw)
     try:
         return int(args.func(args))
-    except (QueueError, JobConfigError) as err:
-        print(f"nanolab queue {args.verb}: error: {err}", file=sys.stderr)
-        return 2
+    except NanolabError as err:
+        return report(f"nanolab queue {args.verb}", err)
     except sqlite3.DatabaseError as err:  # damage found past the checks made on opening
         path = Path(args.db) if args.db else default_db_path()
         print(f"nanolab queue {args.verb}: error: {unusable_db(path, f'failed: {err}')}",

@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import NanolabError
 from nanolab.processes import pid_alive
 
 DEFAULT_DB = "nanolab_queue.db"
@@ -114,7 +115,7 @@ V2_COLUMNS = {
 }
 
 
-class QueueError(ValueError):
+class QueueError(NanolabError):
     """A queue operation that cannot be done; the message says which job and what to do."""
 
 

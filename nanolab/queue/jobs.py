@@ -12,15 +12,13 @@ tokenizing a large corpus is the job's work.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import NanolabError
 from nanolab.queue.db import NewJob
 
 #: Keys the queue sets itself on every job.
@@ -34,7 +32,7 @@ RESERVED_KEYS = {
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=+-]+")
 
 
-class JobConfigError(ValueError):
+class JobConfigError(NanolabError):
     """A queued job whose config cannot run; the message names the config, the key and the fix."""
 
 
@@ -104,71 +102,16 @@ def fit_args(sets: list[tuple[str, str]], seed: int | None) -> list[str]:
 
 def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> ParsedConfig:
     """Parse ``nanolab fit --config CONFIG ARGS`` with the real parser and check it can run."""
-    from nanolab.training.cli import (
-        NanolabCLI,
-        OneLineErrorParser,
-        RunConfigError,
-        check_config_files,
-        model_and_data_classes,
-        nulls_as_class_settings,
-        trainer_defaults,
-    )
+    from nanolab.run.cli import FitParseError, parse_fit_config
 
-    class Parsed(Exception):
-        pass
-
-    class ParseOnly(NanolabCLI):
-        def _set_seed(self) -> None:  # parsing must not touch this process's RNG
-            pass
-
-        def before_instantiate_classes(self) -> None:
-            raise Parsed(self.config["fit"])
-
-    argv = nulls_as_class_settings(
-        ["fit", "--config", str(config), *args, f"--run.name={run_name}"]
-    )
     try:
-        check_config_files(argv)  # unreadable YAML, a model/data class that does not import
-    except RunConfigError as e:
+        cfg = parse_fit_config(["--config", str(config), *args, f"--run.name={run_name}"])
+    except FitParseError as e:
         raise JobConfigError(f"{config}: {e}") from None
-    err = io.StringIO()
-    try:
-        with (
-            contextlib.redirect_stderr(err),
-            contextlib.redirect_stdout(io.StringIO()),
-            warnings.catch_warnings(),
-        ):
-            warnings.simplefilter("ignore")
-            ParseOnly(
-                **model_and_data_classes(),
-                args=argv,
-                trainer_defaults=trainer_defaults(),
-                seed_everything_default=1337,
-                auto_configure_optimizers=False,
-                parser_class=OneLineErrorParser,
-                run=True,
-            )
-    except Parsed as parsed:
-        cfg = parsed.args[0]
-    except SystemExit:
-        raise JobConfigError(f"{config}: {_error_line(err.getvalue())}") from None
-    else:  # pragma: no cover - the parser always ends in one of the two above
-        raise JobConfigError(f"{config}: could not be parsed")
-
     try:
         return _check(cfg, cwd)
     except (ValueError, TypeError) as e:  # RunConfigError, ConfigError: the key and the fix
         raise JobConfigError(f"{config}: {e}") from None
-
-
-def _error_line(text: str) -> str:
-    """The parser's message without its usage screen: the last line that says 'error'."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if "error:" in lines[i]:
-            msg = lines[i].split("error:", 1)[1].strip()
-            return " ".join([msg, *lines[i + 1 : i + 3]]).strip()
-    return lines[-1] if lines else "the config does not parse"
 
 
 #: What ``trainer.devices: auto`` is for a queued job: the one device the runner gives it
@@ -246,7 +189,7 @@ def _under(cwd: Path, path: str) -> Path:
 def config_key(config: dict[str, Any]) -> str:
     """Fingerprint of the config without seed and run name: jobs with equal keys are seeds of
     one experiment (their past durations predict each other's)."""
-    from nanolab.report import seed_free_fingerprint
+    from nanolab.runs import seed_free_fingerprint
 
     blob = seed_free_fingerprint(config) or ""
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -268,7 +211,7 @@ def build_jobs(
     ``extra_configs`` compose after ``config`` as ``nanolab fit --config a --config b`` does.
 
     ``estimate(parsed) -> (seconds, how)`` and ``memory(parsed) -> (peak bytes, how)`` are the
-    duration and memory predictions (:mod:`nanolab.queue.estimate`); ``backfill`` marks the jobs
+    duration and memory predictions (:mod:`nanolab.queue.predict`); ``backfill`` marks the jobs
     low priority (they run on idle devices only and are preempted for other jobs)."""
     if not config.is_file():
         raise JobConfigError(f"config {config} does not exist")

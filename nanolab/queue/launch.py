@@ -52,9 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"nanolab queue: error: {err}", file=sys.stderr)
             return 2
         print(f"nanolab queue: {note}", file=sys.stderr, flush=True)
-    from nanolab.cli import main as nanolab_main
+    from nanolab.run.cli import run_lightning_cli
 
-    return nanolab_main(args)
+    return run_lightning_cli(args)
 
 
 if __name__ == "__main__":

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from nanolab.queue.db import CLAIMABLE, Job, QueueDB, QueueError, pid_alive, runner_alive
-from nanolab.queue.estimate import describe, job_peak, process_overhead, remaining_seconds
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
+from nanolab.queue.predict import describe, job_peak, process_overhead, remaining_seconds
 
 #: Exit status of a preempted ``nanolab fit`` (see nanolab.callbacks.preemption).
 EXIT_PREEMPTED = 75

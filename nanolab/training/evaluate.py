@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import NanolabError
 from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, iter_records
 
 #: ``--ckpt_path`` values that pick a checkpoint of the run directory by name.
@@ -32,7 +33,7 @@ BY_NAME = ("last", "best")
 NO_CHECKPOINT = ("none", "None")
 
 
-class EvaluateError(ValueError):
+class EvaluateError(NanolabError):
     """No checkpoint can be evaluated as asked; the message says what to pass instead."""
 
 
@@ -45,7 +46,7 @@ class EvalTarget:
     log_to_run: bool = False  # the run's own checkpoint picked by name: append a record
 
 
-def resolve(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> EvalTarget:
+def eval_target(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> EvalTarget:
     """Turn ``--ckpt_path`` (or its absence) into the checkpoint to evaluate."""
     from nanolab.training.resume import find_resume_checkpoint
 

@@ -17,12 +17,14 @@ import importlib
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+from nanolab.errors import NanolabError
+
 #: The classes a config gets when it names none.
 DEFAULT_MODEL = "nanolab.training.module.GPTLightningModule"
 DEFAULT_DATA = "nanolab.data.datamodule.TokenDataModule"
 
 
-class PluginImportError(ValueError):
+class PluginImportError(NanolabError):
     """A class path in the config whose module cannot be imported or lacks the class."""
 
 

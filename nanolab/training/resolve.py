@@ -14,16 +14,15 @@ both, :func:`plain_config` writes the default classes back in the short form.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import RunConfigError
 from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
-
-
-class RunConfigError(ValueError):
-    """A setting that cannot work; the message names the key and the fix."""
 
 
 # -- sections ----------------------------------------------------------------------------------
@@ -79,11 +78,13 @@ def plain_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``override`` on top of ``base``: nested mappings merge key by key, anything else is
+    replaced (the one deep merge; :func:`merge_configs` adds the class-choice rules)."""
     out = dict(base)
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -97,7 +98,7 @@ def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[
     class and keeps the settings given so far, and plain settings apply to the class chosen so
     far. The result names nanolab's own classes in the short form.
     """
-    out = _deep_merge(base, {k: v for k, v in override.items() if k not in ("model", "data")})
+    out = deep_merge(base, {k: v for k, v in override.items() if k not in ("model", "data")})
     for key, default in (("model", DEFAULT_MODEL), ("data", DEFAULT_DATA)):
         if key not in override:
             continue
@@ -109,9 +110,196 @@ def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[
         new_class, new_args = section(override, key, default)
         if isinstance(node, Mapping) and "class_path" not in node:
             new_class = old_class  # settings for the class chosen so far
-        args = _deep_merge(old_args, new_args)
+        args = deep_merge(old_args, new_args)
         out[key] = args if new_class == default else {"class_path": new_class, "init_args": args}
     return out
+
+
+# -- a fit command line as data ----------------------------------------------------------------
+#: Options of ``fit`` that are not dotted: ``--config FILE``, ``--seed_everything 7``,
+#: ``--ckpt_path X`` and a whole group or class choice (``--model pkg.mod.Class``).
+UNDOTTED_FIT_OPTIONS = ("config", "seed_everything", "ckpt_path", "model", "data", "trainer")
+
+
+def is_fit_option(token: str) -> bool:
+    """An option ``fit`` reads: ``--config``, a top-level key, or a dotted ``--group.key``
+    (``--model.gpt.n_layer``, ``--run.name=x``, ``--trainer.callbacks+=X``)."""
+    if not token.startswith("--"):
+        return False
+    name = token[2:].split("=", 1)[0].removesuffix("+")
+    return name in UNDOTTED_FIT_OPTIONS or ("." in name and name.split(".", 1)[0].isidentifier())
+
+
+def split_fit_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the part of a command line that ``fit`` would read: ``--config`` files and dotted
+    overrides, in their order; everything else) -- so ``estimate`` and ``queue add`` take the
+    same ``--config a.yaml --model.gpt.n_layer 2`` as ``fit``, beside options of their own."""
+    fit: list[str] = []
+    rest: list[str] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not is_fit_option(token):
+            rest.append(token)
+            i += 1
+            continue
+        if "=" in token:
+            fit.append(token)
+            i += 1
+            continue
+        if i + 1 >= len(tokens) or is_fit_option(tokens[i + 1]):
+            raise RunConfigError(f"{token} needs a value, e.g. {token} VALUE")
+        fit += [token, tokens[i + 1]]
+        i += 2
+    return fit, rest
+
+
+@functools.cache
+def config_loader() -> type:
+    """The YAML loader configs are read with, matching the fit parser's reading of them.
+
+    PyYAML follows YAML 1.1, where ``6e-4`` (an exponent without a dot) is a string and
+    ``2026-12-01`` a date; the fit parser reads the first as a float and keeps the second as
+    text. Both rules apply to plain (unquoted) scalars only, as in the fit parser.
+    """
+    import yaml
+
+    class ConfigLoader(yaml.SafeLoader):
+        pass
+
+    timestamp, float_tag = "tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:float"
+    ConfigLoader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != timestamp]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    ConfigLoader.add_implicit_resolver(
+        float_tag, re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+    )
+    return ConfigLoader
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` read with :func:`config_loader`."""
+    import yaml
+
+    return yaml.load(text, Loader=config_loader())
+
+
+def _override_value(text: str) -> Any:
+    """A command-line value as the fit parser reads it: YAML (``2``, ``true``, ``null``,
+    ``6e-4``, ``[a, b]``, ``{k: v}``), else the string itself."""
+    import yaml
+
+    try:
+        return load_yaml(text)
+    except yaml.YAMLError:
+        return text
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """One ``--config`` file as a mapping; a missing or broken file is one line naming it."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise RunConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = load_yaml(p.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise RunConfigError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
+    if not isinstance(data, Mapping):
+        raise RunConfigError(f"{path}: the top level must be a mapping of config groups")
+    return dict(data)
+
+
+def _append(config: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]:
+    """``--a.b+=value``: ``value`` appended to the list at ``a.b`` (made if absent)."""
+    out = plain_config(config)
+    if keys[0] in ("model", "data") and isinstance(out.get(keys[0]), Mapping):
+        node_args = out[keys[0]]
+        if "init_args" in node_args:
+            keys = [keys[0], "init_args", *keys[1:]]
+    node = out
+    for key in keys[:-1]:
+        child = node.get(key)
+        node[key] = dict(child) if isinstance(child, Mapping) else {}
+        node = node[key]
+    current = node.get(keys[-1])
+    items = list(current) if isinstance(current, list) else ([] if current is None else [current])
+    node[keys[-1]] = [*items, *(value if isinstance(value, list) else [value])]
+    return out
+
+
+def compose(args: Sequence[str], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The merged config of a ``fit`` command line, read left to right as the fit parser does.
+
+    ``args`` holds ``--config FILE`` and dotted ``--group.key VALUE`` (or ``--group.key=VALUE``,
+    or ``--group.key+=VALUE`` to append to a list); a later one wins. ``model``/``data`` are
+    class choices (:func:`merge_configs`). It starts from ``base``, by default the values ``fit``
+    sets before any file (:func:`fit_defaults`). This is the one reader of configs outside LightningCLI
+    itself: ``estimate``, ``bench`` and the estimator's API call it, and a test holds its result
+    against ``fit --print_config`` for every shipped config and overlay.
+    """
+    merged: dict[str, Any] = fit_defaults() if base is None else dict(base)
+    tokens = list(args)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not is_fit_option(token):
+            raise RunConfigError(
+                f"{token!r}: expected --config FILE or a dotted --group.key VALUE override"
+            )
+        if "=" in token:
+            flag, text = token.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(tokens):
+                raise RunConfigError(f"{token} needs a value, e.g. {token} VALUE")
+            flag, text = token, tokens[i + 1]
+            i += 2
+        name = flag[2:]
+        if name == "config":
+            merged = merge_configs(merged, read_config_file(text))
+            continue
+        keys = name.removesuffix("+").split(".")
+        value = _override_value(text)
+        if name.endswith("+"):
+            merged = _append(merged, keys, value)
+            continue
+        nested: Any = value
+        for key in reversed(keys):
+            nested = {key: nested}
+        merged = merge_configs(merged, nested)
+    return merged
+
+
+def fit_defaults() -> dict[str, Any]:
+    """What ``fit`` holds before the first ``--config``: its seed and the Trainer settings
+    nanolab changes from Lightning's (``max_steps: 5000`` among them)."""
+    return {"seed_everything": FIT_SEED, "trainer": trainer_defaults()}
+
+
+def load_config(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """Read and merge ``--config`` files in order (later files win, groups merge key by key)."""
+    return compose([a for p in paths for a in ("--config", str(p))])
+
+
+#: ``seed_everything`` when no config sets it.
+FIT_SEED = 1337
+
+
+def trainer_defaults() -> dict[str, Any]:
+    """The Trainer settings nanolab changes from Lightning's (``fit``, ``queue add`` and
+    ``fit --help`` read them here)."""
+    return {
+        "max_steps": 5000,
+        "logger": False,
+        "use_distributed_sampler": False,  # the DataModule shards windows by rank itself
+        "log_every_n_steps": 1,
+        "num_sanity_val_steps": 0,
+        "enable_model_summary": False,  # the start banner gives the model's size (progress.py)
+    }
 
 
 # -- single checks -----------------------------------------------------------------------------
@@ -230,15 +418,15 @@ def _check_optimizer_fits_strategy(
     name = optimizer.get("name") if isinstance(optimizer, Mapping) else None
     if not isinstance(name, str):
         return
-    from nanolab.estimator.setup import EstimateError, parse_strategy
     from nanolab.training.optim import OPTIMIZERS
+    from nanolab.training.parallelism import parse_strategy
 
     spec = OPTIMIZERS.get(name)
     if spec is None or spec.shardable:
         return  # an unknown name is refused by check_model_settings with the list of names
     try:
         kind = parse_strategy(strategy, world).kind
-    except EstimateError:
+    except RunConfigError:
         return  # a strategy of the user's own: the optimizer's build-time check decides
     if kind in ("fsdp1", "fsdp2", "deepspeed"):
         raise RunConfigError(

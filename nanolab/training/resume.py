@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import NanolabError
+
 #: What a checkpoint must hold to restart training (not just to load weights).
 REQUIRED_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 
@@ -34,7 +36,7 @@ RUNTIME_GPT_FIELDS = frozenset({"dropout", "gradient_checkpointing", "attention"
 _STEP_IN_NAME = re.compile(r"step[=_-]?(\d+)")
 
 
-class ResumeError(ValueError):
+class ResumeError(NanolabError):
     """``run.resume`` names a checkpoint that cannot be resumed from."""
 
 

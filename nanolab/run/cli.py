@@ -20,14 +20,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.checkpoint_io import CheckpointWriteError
-from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.prepare import PrepareError
-from nanolab.data.tokenizers import TokenizerError
-from nanolab.data.windows import DataTooSmallError
-from nanolab.model.config import ConfigError
-from nanolab.training.autobatch import (
+from nanolab.errors import NanolabError
+from nanolab.estimator.gpus import MatmulPrecision
+from nanolab.run.autobatch import (
     AutoBatchError,
-    HostMemoryError,
     device_memory_bytes,
     plan_memory,
 )
@@ -40,11 +37,13 @@ from nanolab.training.plugins import (
     class_paths_in_config,
 )
 from nanolab.training.resolve import (  # noqa: F401  (gradient_accumulation: a public name here)
+    FIT_SEED,
     RunConfigError,
     check_model_settings,
     gradient_accumulation,
     plain_config,
     resolve,
+    trainer_defaults,
     visible_gpus,
 )
 
@@ -84,7 +83,7 @@ class RunConfig:
     resume: str = "auto"
     fresh: bool = False
     micro_batch_size: int | Literal["auto"] | None = None
-    float32_matmul_precision: Literal["highest", "high", "medium"] = "high"
+    float32_matmul_precision: MatmulPrecision = "high"
 
 
 def apply_float32_matmul_precision(value: str, trainer_cfg: Any) -> None:
@@ -353,7 +352,7 @@ class NanolabCLI(LightningCLI):
             check_fits(resolved.world_size)
         if _runs_on_cpu(cfg.trainer):
             # Say it now, from the estimator, rather than swapping or being OOM-killed later.
-            from nanolab.training.autobatch import check_fits_on_host
+            from nanolab.run.autobatch import check_fits_on_host
 
             check_fits_on_host(
                 plain_config(cfg), processes=max(1, resolved.world_size // resolved.num_nodes)
@@ -569,12 +568,12 @@ class NanolabCLI(LightningCLI):
         """Pick the checkpoint (docs/evaluate.md): the run's newest by default, never an
         untrained model unless ``--ckpt_path none``; hold the run directory when the result
         will be appended to its run log."""
-        from nanolab.training.evaluate import EvaluateError, resolve
+        from nanolab.training.evaluate import EvaluateError, eval_target
 
         kwargs = self.config_init[verb]
         kwargs["weights_only"] = True  # a checkpoint is data, not code
         try:
-            target = resolve(
+            target = eval_target(
                 kwargs.get("ckpt_path"),
                 self.run_dir,
                 verb,
@@ -635,27 +634,9 @@ def model_and_data_classes() -> dict[str, Any]:
     }
 
 
-def trainer_defaults() -> dict[str, Any]:
-    return {
-        "max_steps": 5000,
-        "logger": False,
-        "use_distributed_sampler": False,  # the DataModule shards windows by rank itself
-        "log_every_n_steps": 1,
-        "num_sanity_val_steps": 0,
-        "enable_model_summary": False,  # the start banner gives the model's size (progress.py)
-    }
-
-
-USER_ERRORS = (
-    ConfigError,
-    PrepareError,
-    TokenizerError,
-    RunConfigError,
-    DataTooSmallError,
-    CallbackConfigError,  # includes RunDirError and RunLockedError: a run directory in use
-    HostMemoryError,  # a CPU run that cannot fit in this machine's memory
-    CheckpointWriteError,  # a full disk: older checkpoints are intact, the message says so
-)
+#: What ends `fit` as one error line and exit 2: every error a user can fix, and a full disk
+#: (older checkpoints are intact, the message says so).
+USER_ERRORS = (NanolabError, CheckpointWriteError)
 
 
 NULL_WORDS = ("null", "Null", "NULL", "~")
@@ -698,6 +679,71 @@ def nulls_as_class_settings(argv: list[str]) -> list[str]:
     return out
 
 
+class FitParseError(RunConfigError):
+    """``fit``'s parser refused a command line; the message is its one error line."""
+
+
+def parse_fit_config(args: list[str]) -> Any:
+    """The merged config ``nanolab fit ARGS`` would run, read by the fit parser itself.
+
+    Nothing is built and this process's RNG is not touched: parsing stops at LightningCLI's
+    ``before_instantiate_classes`` hook. ``queue add`` checks jobs with it and the resolver's
+    parity test holds :func:`nanolab.training.resolve.compose` against it. Raises
+    :class:`FitParseError` with the parser's error line.
+    """
+    import contextlib
+    import io
+    import warnings
+
+    class Parsed(Exception):
+        pass
+
+    class ParseOnly(NanolabCLI):
+        def _set_seed(self) -> None:  # parsing must not touch this process's RNG
+            pass
+
+        def before_instantiate_classes(self) -> None:
+            raise Parsed(self.config["fit"])
+
+    argv = nulls_as_class_settings(["fit", *args])
+    try:
+        check_config_files(argv)  # unreadable YAML, a model/data class that does not import
+    except RunConfigError as err:
+        raise FitParseError(str(err)) from None
+    err = io.StringIO()
+    try:
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            ParseOnly(
+                **model_and_data_classes(),
+                args=argv,
+                trainer_defaults=trainer_defaults(),
+                seed_everything_default=FIT_SEED,
+                auto_configure_optimizers=False,
+                parser_class=OneLineErrorParser,
+                run=True,
+            )
+    except Parsed as parsed:
+        return parsed.args[0]
+    except SystemExit:
+        raise FitParseError(_parser_error_line(err.getvalue())) from None
+    raise FitParseError("could not be parsed")  # pragma: no cover - one of the two above
+
+
+def _parser_error_line(text: str) -> str:
+    """The parser's message without its usage screen: the last line that says 'error'."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if "error:" in lines[i]:
+            msg = lines[i].split("error:", 1)[1].strip()
+            return " ".join([msg, *lines[i + 1 : i + 3]]).strip()
+    return lines[-1] if lines else "the config does not parse"
+
+
 def run_lightning_cli(argv: list[str]) -> int:
     """Run ``fit``/``validate``/``test``; a bad value ends in one error line and exit code 2.
 
@@ -705,10 +751,10 @@ def run_lightning_cli(argv: list[str]) -> int:
     directory in use, 3 diverged, 75 preempted (rerun the same command to resume).
     """
     from nanolab.callbacks.runlock import release_all
-    from nanolab.training.quiet import quiet_lightning
+    from nanolab.run.quiet import quiet_lightning
 
     quiet_lightning(argv[0] if argv else None)  # start-up chatter; the banner says what matters
-    from nanolab.training import short_help
+    from nanolab.run import short_help
 
     if short_help.wants_short_help(argv):  # one page; Lightning's ~900 lines: --help-all
         print(short_help.short_help(argv[0]))
@@ -725,7 +771,7 @@ def run_lightning_cli(argv: list[str]) -> int:
             args=None if from_command_line else argv,
             trainer_defaults=trainer_defaults(),
             save_config_kwargs={"overwrite": True},
-            seed_everything_default=1337,
+            seed_everything_default=FIT_SEED,
             auto_configure_optimizers=False,
             parser_class=OneLineErrorParser,
             verb=argv[0] if argv else None,

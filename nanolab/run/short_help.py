@@ -27,7 +27,7 @@ TRAINER_KEYS = {
 
 #: (group, object documenting it, keys shown); ``None`` keys = every documented key.
 GROUPS: list[tuple[str, str, list[str] | None]] = [
-    ("run", "nanolab.training.cli:RunConfig", None),
+    ("run", "nanolab.run.cli:RunConfig", None),
     ("model.gpt", "nanolab.model.config:GPTConfig",
      ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "activation"]),
     ("model.optimizer", "nanolab.training.optim:OptimizerConfig", ["name", "lr", "weight_decay", "betas"]),
@@ -123,7 +123,7 @@ def _entry(key: str, default: Any, text: str, width: int = 100) -> list[str]:
 
 def short_help(verb: str) -> str:
     """The one-page help of ``nanolab fit`` (``validate``/``test`` take the same config)."""
-    from nanolab.training.cli import trainer_defaults
+    from nanolab.training.resolve import FIT_SEED, trainer_defaults
 
     lines = [
         f"usage: nanolab {verb} --config CONFIG.yaml [--config MORE.yaml ...] [--GROUP.KEY VALUE ...]",
@@ -158,7 +158,7 @@ def short_help(verb: str) -> str:
     lines += [
         "",
         "other",
-        *_entry("seed_everything", 1337, "seed of model init and dropout"),
+        *_entry("seed_everything", FIT_SEED, "seed of model init and dropout"),
         *_entry("logger", None, LOGGER_HELP),
         *_entry("model.compile", False, "torch.compile the model (minutes of start-up; GPUs)"),
         "",

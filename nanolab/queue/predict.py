@@ -24,103 +24,27 @@ from __future__ import annotations
 
 import os
 
-from nanolab.estimator.cpu import CPU_EFFICIENCY, matmul_tflops
+from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu, cpu_flops: public here too)
+    STARTUP_S,
+    VOCAB_GUESS,
+    as_estimator_config,
+    cpu_flops,
+    estimator_gpu,
+    run_seconds,
+)
 from nanolab.queue.db import Job, QueueDB
 from nanolab.queue.jobs import ParsedConfig
-
-#: Vocabulary assumed for a duration estimate when the data is not prepared yet.
-VOCAB_GUESS = 256
-#: Seconds a job spends before its first step (imports, data, model) and after its last.
-STARTUP_S = 12.0
-
-
-def measure_cpu_flops(seconds: float = 0.2, n: int = 512) -> float:
-    """FP32 matmul FLOP/s of this machine with the thread count jobs will use."""
-    threads = os.environ.get("OMP_NUM_THREADS")
-    count = int(threads) if threads and threads.isdigit() and int(threads) > 0 else None
-    return matmul_tflops("float32", seconds, n, threads=count) * 1e12
-
-
-_CPU_FLOPS: float | None = None
-
-
-def cpu_flops() -> float:
-    """This machine's matmul rate, measured once per process (it changes with the load)."""
-    global _CPU_FLOPS
-    if _CPU_FLOPS is None:
-        _CPU_FLOPS = measure_cpu_flops()
-    return _CPU_FLOPS
-
-
-def _gpu_name() -> str | None:
-    """The estimator's name for the first visible GPU (``NVIDIA H200`` -> ``h200``), if any."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        device = torch.cuda.get_device_name(0)
-    except Exception:
-        return None
-    return estimator_gpu(device) or device
-
-
-def estimator_gpu(device_name: str) -> str | None:
-    """The estimator's table name for a driver-reported device name (its anchored driver-name
-    patterns, as the MFU callback uses them), or None when the device is not exactly known."""
-    from nanolab.estimator.gpus import gpu_for_device
-
-    g = gpu_for_device(device_name)
-    return g.name if g is not None else None
 
 
 def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float | None, str | None]:
     """(seconds, how it was estimated) for a parsed job config; (None, why not) if impossible."""
-    cfg = _as_estimator_config(parsed)
-    accelerator = str(cfg["trainer"].get("accelerator", "auto"))
-    gpu = gpu or (None if accelerator == "cpu" else _gpu_name())
-    if gpu is not None:
-        try:
-            from nanolab.estimator.estimate import estimate_from_config
-
-            est = estimate_from_config(cfg, gpu=gpu)
-            return (
-                est.compute.hours * 3600 + STARTUP_S,
-                f"estimator ({gpu}, MFU {est.compute.mfu:.0%})",
-            )
-        except Exception as err:  # unknown GPU name, estimator unavailable
-            return None, f"no estimate: {str(err).splitlines()[0][:80]}"
-    if accelerator not in ("cpu", "auto"):
-        return None, "no estimate: no GPU here to look up (pass --gpu NAME)"
-    try:
-        from nanolab.estimator.setup import setup_from_config
-        from nanolab.estimator.shapes import flops_per_token
-
-        guessed = ""
-        try:
-            setup = setup_from_config(cfg)
-        except Exception:
-            # Unprepared data with a vocabulary read from it (chars): the embedding is a small
-            # share of a model's FLOPs, so a byte-sized guess is close enough for a duration.
-            setup = setup_from_config(cfg, vocab_size=VOCAB_GUESS)
-            guessed = f", vocab guessed {VOCAB_GUESS}"
-        fpt = flops_per_token(setup.gpt)
-    except Exception as err:
-        return None, f"no estimate: {str(err).splitlines()[0][:80]}"
-    rate = cpu_flops() * CPU_EFFICIENCY
-    seconds = fpt * parsed.tokens_per_step * parsed.max_steps / rate + STARTUP_S
-    peak = rate / CPU_EFFICIENCY / 1e9
-    return seconds, f"FLOPs at {CPU_EFFICIENCY:.0%} of this CPU's {peak:.0f} GFLOP/s{guessed}"
-
-
-def _as_estimator_config(parsed: ParsedConfig) -> dict:
-    """The parsed config with Lightning's "decide later" values resolved as the run will."""
-    cfg = {**parsed.config, "trainer": dict(parsed.config["trainer"])}
-    trainer = cfg["trainer"]
-    if trainer.get("precision") is None:
-        trainer["precision"] = "32-true"  # Lightning's default
-    trainer["devices"] = parsed.devices
-    return cfg
+    return run_seconds(
+        parsed.config,
+        devices=parsed.devices,
+        tokens_per_step=parsed.tokens_per_step,
+        max_steps=parsed.max_steps,
+        gpu=gpu,
+    )
 
 
 def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
@@ -186,7 +110,7 @@ def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | Non
     :mod:`nanolab.queue.packing`). A ``micro_batch_size: auto`` job has no fixed peak (it sizes
     itself to the whole device), so it runs alone.
     """
-    cfg = _as_estimator_config(parsed)
+    cfg = as_estimator_config(parsed.config, parsed.devices)
     # run.micro_batch_size: null means data.micro_batch_size, an int overrides it, auto sizes
     # the micro-batch to the whole device at start-up.
     from nanolab.training.resolve import micro_batch_choice, sections

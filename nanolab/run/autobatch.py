@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from nanolab.errors import NanolabError
 
-class AutoBatchError(ValueError):
+
+class AutoBatchError(NanolabError):
     """No micro-batch fits; the message says which switches would help."""
 
 
@@ -72,7 +74,7 @@ def plan_memory(
     return MemoryPlan(micro, int(est.memory.total), device_memory, warning)
 
 
-class HostMemoryError(ValueError):
+class HostMemoryError(NanolabError):
     """A CPU run whose model cannot fit in this machine's memory (refused before allocating)."""
 
 

@@ -1,0 +1,77 @@
+"""One error type for everything a user can get wrong, and one way to report it.
+
+Every error that a user can fix (a config key, a file, an option, a run directory in use, a full
+disk) is a :class:`NanolabError`: its message names what is wrong and how to fix it, in one line.
+Each verb's ``main`` is wrapped in :func:`one_line_errors`, the only place that turns such an
+error into ``nanolab <verb>: error: <message>`` on stderr and exit code 2, with no traceback.
+Anything else is a bug of ours (or of a fork's) and keeps its traceback.
+
+The error classes of the modules (``RunConfigError``, ``EstimateError``, ``PrepareError``, ...)
+subclass it, so a caller can still catch the narrow kind, and ``ValueError`` keeps working for
+code written against the older classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+#: Exit code of every verb for input that cannot work (the message says why).
+EXIT_USAGE = 2
+
+
+class NanolabError(ValueError):
+    """A problem the user can fix; ``str(err)`` is the whole one-line message.
+
+    ``field`` (the config key, option or file at fault) and ``fix`` (what to do) are optional
+    structured parts; when given they are appended to the message as ``"<field>: <problem>;
+    <fix>"`` so that every message carries them in the same order.
+    """
+
+    def __init__(self, message: str = "", *, field: str | None = None, fix: str | None = None):
+        self.problem = message
+        self.field = field
+        self.fix = fix
+        text = message
+        if field and not message.startswith(field):
+            text = f"{field}: {text}"
+        if fix:
+            text = f"{text}; {fix}"
+        super().__init__(text)
+
+
+class RunConfigError(NanolabError):
+    """A run setting that cannot work (``fit``, ``estimate``, ``queue add`` alike); the message
+    names the key and the fix."""
+
+
+Main = TypeVar("Main", bound=Callable[..., Any])
+
+
+def report(prog: str, err: BaseException) -> int:
+    """Print ``err`` as ``<prog>: error: <message>`` on stderr; the exit code for it."""
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def one_line_errors(prog: str | Callable[..., str]) -> Callable[[Main], Main]:
+    """Decorate a verb's ``main(argv) -> int``: a :class:`NanolabError` is one line and exit 2.
+
+    ``prog`` is the verb's name as the user typed it (``"nanolab report"``), or a function of
+    the call's arguments that says it (``queue`` names its sub-command).
+    """
+
+    def wrap(main: Main) -> Main:
+        @functools.wraps(main)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return main(*args, **kwargs)
+            except NanolabError as err:
+                name = prog(*args, **kwargs) if callable(prog) else prog
+                return report(name, err)
+
+        return run  # type: ignore[return-value]
+
+    return wrap

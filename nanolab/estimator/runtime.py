@@ -1,0 +1,105 @@
+"""How long a run will take: its FLOPs over this device's rate, start-up included.
+
+One answer for the ``fit`` start banner and ``nanolab queue`` (``--until``, ``--order``): on a
+GPU of the estimator's table, :func:`nanolab.estimator.estimate_from_config` at the family's MFU;
+on CPU, where there is no datasheet peak, this machine's FP32 matmul rate is measured once per
+process (:mod:`nanolab.estimator.cpu`, 0.2 s) and :data:`CPU_EFFICIENCY` of it is assumed. Both
+add :data:`STARTUP_S` for importing torch/Lightning and building the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanolab.estimator.cpu import CPU_EFFICIENCY, cpu_device  # noqa: F401  (CPU_EFFICIENCY: public here)
+from nanolab.estimator.gpus import format_rate
+
+#: Vocabulary assumed for a duration estimate when the data is not prepared yet.
+VOCAB_GUESS = 256
+#: Seconds a job spends before its first step (imports, data, model) and after its last.
+STARTUP_S = 12.0
+
+
+def cpu_flops() -> float:
+    """This machine's FP32 matmul FLOP/s, measured once per process and thread count (the one
+    probe: :func:`nanolab.estimator.cpu.cpu_device`)."""
+    return float(cpu_device().peak("fp32") or 0.0) * 1e12
+
+
+def _gpu_name() -> str | None:
+    """The estimator's name for the first visible GPU (``NVIDIA H200`` -> ``h200``), if any."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        device = torch.cuda.get_device_name(0)
+    except Exception:
+        return None
+    return estimator_gpu(device) or device
+
+
+def estimator_gpu(device_name: str) -> str | None:
+    """The estimator's table name for a driver-reported device name (its anchored driver-name
+    patterns, as the MFU callback uses them), or None when the device is not exactly known."""
+    from nanolab.estimator.gpus import gpu_for_device
+
+    g = gpu_for_device(device_name)
+    return g.name if g is not None else None
+
+
+def run_seconds(
+    config: dict[str, Any],
+    *,
+    devices: int,
+    tokens_per_step: int,
+    max_steps: int,
+    gpu: str | None = None,
+) -> tuple[float | None, str]:
+    """(seconds, how it was estimated) for ``max_steps`` steps of a merged ``fit`` config,
+    start-up included; (None, why not) when it cannot be estimated.
+
+    The estimator's own time (:func:`nanolab.estimator.estimate_from_config`), so ``estimate``,
+    the banner and the queue give one number for one config: ``devices`` and
+    ``tokens_per_step`` are the resolved ones; ``gpu`` names the device in the estimator's
+    table (default: the first visible GPU, or this CPU).
+    """
+    from nanolab.errors import RunConfigError
+    from nanolab.estimator.estimate import estimate_from_config
+
+    cfg = as_estimator_config(config, devices)
+    accelerator = str(cfg["trainer"].get("accelerator", "auto"))
+    gpu = gpu or (None if accelerator == "cpu" else _gpu_name())
+    if gpu is None and accelerator not in ("cpu", "auto"):
+        return None, "no estimate: no GPU here to look up (pass --gpu NAME)"
+    where = {"gpu": gpu} if gpu is not None else {"device": "cpu"}
+    tokens = max(1, tokens_per_step * max_steps)
+    guessed = ""
+    try:
+        try:
+            est = estimate_from_config(cfg, tokens=tokens, history=False, **where)
+        except RunConfigError:
+            # Unprepared data with a vocabulary read from it (chars): the embedding is a small
+            # share of a model's FLOPs, so a byte-sized guess is close enough for a duration.
+            est = estimate_from_config(
+                cfg, tokens=tokens, history=False, vocab_size=VOCAB_GUESS, **where
+            )
+            guessed = f", vocab guessed {VOCAB_GUESS}"
+    except Exception as err:  # unknown GPU name, a config the estimator cannot describe
+        return None, f"no estimate: {str(err).splitlines()[0][:80]}"
+    c = est.compute
+    if gpu is not None:
+        how = f"estimator ({gpu}, MFU {c.mfu:.0%})"
+    else:
+        how = f"FLOPs at {c.mfu:.0%} of this CPU's {format_rate(c.peak_tflops_per_device)}{guessed}"
+    return c.hours * 3600 + STARTUP_S, how
+
+
+def as_estimator_config(config: dict[str, Any], devices: int) -> dict[str, Any]:
+    """The config with Lightning's "decide later" values resolved as the run will."""
+    cfg = {**config, "trainer": dict(config.get("trainer") or {})}
+    trainer = cfg["trainer"]
+    if trainer.get("precision") is None:
+        trainer["precision"] = "32-true"  # Lightning's default
+    trainer["devices"] = devices
+    return cfg

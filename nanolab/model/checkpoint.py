@@ -1,0 +1,118 @@
+"""A training checkpoint as data: find it, load it safely, rebuild its model and tokenizer.
+
+``nanolab generate``, ``nanolab export`` and evaluation all start here. The checkpoint carries
+the architecture (``ckpt["nanolab"]["gpt"]``) and the tokenizer as plain data, so nothing else
+is needed, and it is read with ``torch.load(weights_only=True)``: a checkpoint is data, never
+code. A path may also name a run directory (its ``checkpoints/last.ckpt`` is used).
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanolab.data.tokenizers import Tokenizer, tokenizer_from_spec
+from nanolab.errors import NanolabError
+from nanolab.model.config import GPTConfig
+from nanolab.model.gpt import GPT
+
+
+class CheckpointError(NanolabError):
+    """A checkpoint that cannot be used (missing, not a torch archive, not nanolab's, or damaged)."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself, or for a run directory (or its ``checkpoints/``) its ``last.ckpt``."""
+    path = Path(path)
+    if not path.is_dir():
+        if not path.exists():
+            raise CheckpointError(f"--ckpt {path} does not exist; pass a .ckpt file or a run dir")
+        return path
+    for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
+        if candidate.is_file():
+            return candidate
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted(folder.glob("step-*.ckpt"))
+    hint = f"pass one of its checkpoints, e.g. --ckpt {steps[-1]}" if steps else "pass a .ckpt file"
+    raise CheckpointError(f"--ckpt {path} is a folder without checkpoints/last.ckpt; {hint}")
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not zipfile.is_zipfile(path):  # what torch.save writes; anything else is not ours
+        raise CheckpointError(
+            f"{path} is not a checkpoint (not a torch zip archive: empty, truncated or another "
+            "kind of file); pass a .ckpt written by nanolab fit"
+        )
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path} holds Python objects besides tensors, which weights_only loading refuses "
+            "(a checkpoint is data, never code); pass a .ckpt written by nanolab fit"
+        ) from None
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint ({type(err).__name__}: {first[:200]})"
+        ) from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise CheckpointError(f"{path} holds no state_dict; pass a checkpoint saved by nanolab fit")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkpoint") -> GPT:
+    """Rebuild the GPT from ``ckpt["nanolab"]["gpt"]`` and load its weights (``source`` names
+    the file in error messages)."""
+    meta = ckpt.get("nanolab")
+    if not isinstance(meta, dict) or not isinstance(meta.get("gpt"), dict):
+        raise CheckpointError(
+            f"{source} has no nanolab model config (was it written by nanolab fit?)"
+        )
+    prefix = "model."
+    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise CheckpointError(
+            f"{source} has non-finite weights (NaN/inf in {len(bad)} of {len(state)} "
+            f"tensors, e.g. {bad[0]}): the run diverged before this save; pass an earlier "
+            "checkpoint from its checkpoints/ folder"
+        )
+    try:
+        model = GPT(GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False}))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{source}: its model config is not valid ({err})") from None
+    mismatch = state_mismatch(model.state_dict(), state)
+    if mismatch:
+        raise CheckpointError(f"{source}: the weights do not fit its model config ({mismatch})")
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def state_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> str:
+    """The first difference between two state dicts, in words ("" when they match)."""
+    missing = [k for k in expected if k not in found]
+    if missing:
+        return f"{len(missing)} tensor(s) missing, e.g. {missing[0]}"
+    extra = [k for k in found if k not in expected]
+    if extra:
+        return f"{len(extra)} unexpected tensor(s), e.g. {extra[0]}"
+    for key, tensor in expected.items():
+        if tuple(found[key].shape) != tuple(tensor.shape):
+            return f"{key} is {tuple(found[key].shape)}, the config makes it {tuple(tensor.shape)}"
+    return ""
+
+
+def tokenizer_from_checkpoint(ckpt: dict[str, Any]) -> Tokenizer:
+    spec = (ckpt.get("nanolab") or {}).get("tokenizer")
+    if spec is None:
+        raise CheckpointError(
+            "the checkpoint stores no tokenizer; it was saved without a datamodule"
+        )
+    return tokenizer_from_spec(spec)

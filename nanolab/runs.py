@@ -1,0 +1,321 @@
+"""Reading run folders: the one account of a run that ``report``, ``queue`` and ``scaling`` share.
+
+A run folder holds ``metrics.jsonl`` (read through :mod:`nanolab.runlog`, which skips a
+half-written last line) and LightningCLI's ``config.yaml``. :func:`summarize_run` turns it into a
+:class:`RunSummary` whatever state the run is in: finished (the ``end`` record's reason), still
+running (no ``end`` yet, recent records) or crashed (no ``end`` and silent for a while, e.g.
+SIGKILL or a lost machine). A resumed run repeats the steps after its last checkpoint; the later
+copy of a step is the one that counts. :func:`seed_free_fingerprint` is what makes runs seeds of
+one experiment (the report's groups, the queue's history).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanolab.errors import NanolabError
+from nanolab.runlog import RUN_LOG_NAME, iter_records
+
+#: Seconds without a new record after which a run with no ``end`` record counts as crashed
+#: (unless its own step time says records are naturally further apart).
+STALE_AFTER_S = 600.0
+
+#: Config keys that differ between seeds of one experiment (dropped before grouping).
+SEED_KEYS = (
+    ("seed_everything",),
+    ("run", "name"),
+    ("run", "root"),
+    ("run", "resume"),
+    ("run", "fresh"),
+    ("trainer", "default_root_dir"),
+    ("ckpt_path",),
+    ("config",),
+    ("__path__",),
+)
+
+
+#: Logged training steps averaged for the end point of "Δ train loss".
+DELTA_WINDOW = 10
+
+
+class RunsError(NanolabError):
+    """A folder of runs that cannot be read (missing, not a folder)."""
+
+
+@dataclass
+class RunSummary:
+    """One run, as the report shows it (every figure from its own log; None = not logged)."""
+
+    run: str
+    status: str  # an end reason (completed, budget, ...), "running" or "crashed"
+    detail: str | None = None  # error text, or why a run counts as crashed
+    steps: int | None = None
+    tokens: int | None = None
+    train_loss: float | None = None
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
+    final_val_loss: float | None = None
+    best_val_bpb: float | None = None  # bits per byte at the best val step (null: no byte counts)
+    final_val_bpb: float | None = None
+    first_val_loss: float | None = None
+    start_loss: float | None = None  # training loss of the first logged step
+    improvement: float | None = None  # start_loss - mean of the last DELTA_WINDOW train losses
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    gpu_hours: float | None = None
+    cost: float | None = None
+    wall_s: float | None = None
+    seed: int | None = None
+    resumes: int = 0
+    started: float | None = None
+    updated: float | None = None
+    run_dir: str = ""
+    group: str | None = field(default=None, repr=False)  # fingerprint of the seed-free config
+    skipped_records: int = 0  # valid JSON of the wrong shape (e.g. a string step), not used
+    skipped_example: str | None = None  # what was wrong with the first of them
+
+
+#: Record fields the report reads, by the JSON type it needs (null is always fine). A record
+#: breaking one of these is skipped and counted, so one hand-edited or foreign line cannot
+#: take down the report of every run.
+NUMBER_FIELDS = (
+    "time", "loss", "val_loss", "tokens", "tokens_per_s", "mfu", "gpu_hours", "cost",
+    "elapsed_s", "step_time_s",
+)  # fmt: skip
+TEXT_FIELDS = ("reason", "error")
+
+
+# -- finding runs ---------------------------------------------------------------------------
+def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
+    """(display name, run directory) of every run under ``roots``; a root may be a run itself.
+
+    Archived runs (``<run>/previous/...``) are not listed: a run nested inside another is skipped.
+    """
+    found: list[tuple[str, Path]] = []
+    for root in roots:
+        if not root.exists():
+            raise RunsError(f"{root} does not exist; pass the folder that holds your runs")
+        if not root.is_dir():
+            raise RunsError(f"{root} is not a folder; pass the folder that holds your runs")
+        if (root / RUN_LOG_NAME).is_file():
+            found.append((root.resolve().name, root))
+            continue
+        logs = (p for p in root.rglob(RUN_LOG_NAME) if p.is_file())
+        dirs = sorted({p.parent for p in logs}, key=lambda p: len(p.parts))
+        kept: list[Path] = []
+        for d in dirs:
+            if not any(k in d.parents for k in kept):
+                kept.append(d)
+        found += [(d.relative_to(root).as_posix(), d) for d in sorted(kept)]
+    names = [n for n, _ in found]
+    if len(set(names)) != len(names):  # same name under two roots: qualify with the root
+        found = [(str(d), d) for _, d in found]
+    return found
+
+
+# -- reading one run ------------------------------------------------------------------------
+def record_problem(record: dict[str, Any]) -> str | None:
+    """What makes ``record`` unusable (e.g. "'step' is str '7'"), or None when it is fine."""
+
+    def shown(value: Any) -> str:
+        return f"{type(value).__name__} {json.dumps(value, default=str)[:20]}"
+
+    if not isinstance(record.get("event"), str):
+        return f"'event' is {shown(record.get('event'))}" if "event" in record else "no 'event'"
+    step = record.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        return f"'step' is {shown(step)}"
+    for key in NUMBER_FIELDS:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"'{key}' is {shown(value)}"
+    for key in TEXT_FIELDS:
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            return f"'{key}' is {shown(value)}"
+    seed = record.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        return f"'seed' is {shown(seed)}"
+    return None
+
+
+def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], int, str | None]:
+    """A run's usable records, how many were skipped for their shape, and the first reason."""
+    records: list[dict[str, Any]] = []
+    skipped, example = 0, None
+    for r in iter_records(run_dir / RUN_LOG_NAME):
+        problem = record_problem(r)
+        if problem is None:
+            records.append(r)
+            continue
+        skipped += 1
+        if example is None:
+            example = f"a {r.get('event')!s:.20} record whose {problem}"
+    return records, skipped, example
+
+
+def last_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, the latest copy (a resume redoes the steps after its checkpoint)."""
+    by_step: dict[Any, dict[str, Any]] = {}
+    for r in records:
+        by_step.pop(r.get("step"), None)  # re-insert so the order follows the surviving timeline
+        by_step[r.get("step")] = r
+    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+
+
+def num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float | None:
+    values = [v for v in (num(r.get(key)) for r in records[-n:]) if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def last_value(records: list[dict[str, Any]], key: str) -> Any:
+    for r in reversed(records):
+        if r.get(key) is not None:
+            return r[key]
+    return None
+
+
+def config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | None:
+    config = start.get("config") if start else None
+    if isinstance(config, dict):
+        return config
+    saved = run_dir / "config.yaml"  # LightningCLI's copy of the merged config
+    if saved.is_file():
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(saved.read_text())
+        except (yaml.YAMLError, OSError, UnicodeDecodeError):
+            return None
+        return loaded if isinstance(loaded, dict) else None
+    return None
+
+
+def seed_free_fingerprint(config: dict[str, Any] | None) -> str | None:
+    """The config without seed, run name and paths, as canonical JSON (None when unknown)."""
+    if config is None:
+        return None
+    plain = json.loads(json.dumps(config, default=str))
+    for path in SEED_KEYS:
+        node = plain
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return json.dumps(_drop_nulls(plain), sort_keys=True, separators=(",", ":"))
+
+
+def _drop_nulls(value: Any) -> Any:
+    """A key set to null reads like a key that is absent: a newer nanolab adding an option whose
+    default is null must not split the seeds of one experiment into two groups."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSummary:
+    """Everything the report says about one run, from its log (and ``config.yaml`` if needed)."""
+    now = time.time() if now is None else now
+    records, skipped, example = read_run(run_dir)
+    s = RunSummary(run=name, status="crashed", run_dir=str(run_dir))
+    s.skipped_records, s.skipped_example = skipped, example
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    s.resumes = max(0, len(starts) - 1)
+    last_start = starts[-1] if starts else 0
+    start = records[last_start] if starts else None
+    ends = [r for r in records[last_start:] if r.get("event") == "end"]
+    end = ends[-1] if ends else None
+    train = last_by_step([r for r in records if r.get("event") == "train"])
+    val = last_by_step([r for r in records if r.get("event") == "val"])
+
+    config = config_of(start, run_dir)
+    s.group = seed_free_fingerprint(config)
+    seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
+    seed_value = None if isinstance(seed, bool) else num(seed)
+    s.seed = int(seed_value) if seed_value is not None else None
+    if records:
+        s.started = num(records[0].get("time"))
+        s.updated = num(records[-1].get("time"))
+
+    if end is not None:
+        s.status = str(end.get("reason") or "completed")
+        s.detail = end.get("error") or None
+        if s.status == "diverged" and end.get("diverged_step") is not None:
+            s.detail = f"at step {end['diverged_step']}"
+            if end.get("skipped_steps") is not None:  # steps skipped, not NaN: say which
+                s.detail = f"fp16 loss scale collapsed {s.detail}"
+    elif not records:
+        s.status, s.detail = "crashed", "empty log"
+    else:
+        step_time = recent_mean(train, "step_time_s") or 0.0
+        quiet = now - (s.updated or now)
+        if quiet > max(STALE_AFTER_S, 20 * step_time):
+            s.status = "crashed"
+            s.detail = f"no end record; silent for {duration(quiet)}"
+        else:
+            s.status = "running"
+
+    steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
+    s.steps = max(steps) if steps else None
+    if end is not None and isinstance(end.get("step"), int):
+        s.steps = end["step"]
+    tokens = (end or {}).get("tokens", last_value(train, "tokens"))
+    tokens = None if isinstance(tokens, bool) else num(tokens)
+    s.tokens = int(tokens) if tokens is not None else None
+    s.train_loss = num(last_value(train, "loss"))
+    if val:
+        best = min(
+            (r for r in val if num(r.get("val_loss")) is not None),
+            key=lambda r: r["val_loss"],
+            default=None,
+        )
+        if best is not None:
+            s.best_val_loss, s.best_val_step = float(best["val_loss"]), best.get("step")
+            s.first_val_loss = num(next(r["val_loss"] for r in val if num(r.get("val_loss"))))
+            s.final_val_loss = num(last_value(val, "val_loss"))
+            s.best_val_bpb = num(best.get("val_bpb"))
+            s.final_val_bpb = num(last_value(val, "val_bpb"))
+    s.start_loss, s.improvement = train_delta(train)
+    s.tokens_per_s = recent_mean(train, "tokens_per_s")
+    s.mfu = recent_mean(train, "mfu")
+    tail = [*train, *([end] if end else [])]
+    s.gpu_hours = num(last_value(tail, "gpu_hours"))
+    s.cost = num(last_value(tail, "cost"))
+    s.wall_s = num(last_value(tail, "elapsed_s"))
+    if s.wall_s is None and s.started is not None and s.updated is not None:
+        s.wall_s = s.updated - s.started
+    return s
+
+
+def train_delta(train: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(first logged training loss, that minus the mean of the last DELTA_WINDOW ones)."""
+    losses = [v for v in (num(r.get("loss")) for r in train) if v is not None]
+    if len(losses) < 2:
+        return (losses[0] if losses else None), None
+    tail = losses[max(1, len(losses) - DELTA_WINDOW) :]
+    return losses[0], losses[0] - statistics.fmean(tail)
+
+
+# -- formatting -----------------------------------------------------------------------------
+def duration(seconds: float | None) -> str:
+    """``45s``, ``3m07s``, ``2h05m`` (``-`` when unknown)."""
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
