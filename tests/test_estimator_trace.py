@@ -31,7 +31,7 @@ from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
 from nanolab.estimator.setup import Setup
 from nanolab.estimator.trace import model_matches_rules, traced_peak_cpu
 from nanolab.model.config import GPTConfig
-from nanolab.model.layers import CausalSelfAttention
+from nanolab.model.gpt import CausalSelfAttention
 from nanolab.model.registry import register_attention, register_mlp
 
 

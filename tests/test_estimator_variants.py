@@ -27,8 +27,7 @@ from nanolab.estimator.numerics import numerics_for
 from nanolab.estimator.setup import Setup
 from nanolab.estimator.shapes import flops_per_token, inventory, num_params
 from nanolab.model.config import GPTConfig
-from nanolab.model.gpt import GPT
-from nanolab.model.layers import CausalSelfAttention
+from nanolab.model.gpt import GPT, CausalSelfAttention
 from nanolab.model.registry import register_attention, register_mlp
 
 

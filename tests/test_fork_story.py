@@ -183,7 +183,8 @@ def test_the_fork_story(tmp_path: Path) -> None:
     story = Story(project, _venv(tmp_path / "venv"))
     sections = _sections((project / "README.md").read_text())
     assert list(sections) == [
-        "Set up", "Train", "Change the attention", "Add a dataset", "Interrupt, queue, compare",
+        "Set up", "Train", "Change the attention", "Add a dataset", "A dataset of windows",
+        "Interrupt, queue, compare",
     ]  # fmt: skip
 
     # -- Set up: the project installs, and is then importable from anywhere ----------------
@@ -237,6 +238,25 @@ def test_the_fork_story(tmp_path: Path) -> None:
     assert rendered.startswith("Q: ") and "\nA: " in rendered
     assert (project / "data" / "tokens-records" / "meta.json").is_file()
 
+    # -- A dataset of windows: the window protocol, trained, stopped and resumed ---------------
+    blocks = sections["A dataset of windows"]
+    assert _apply_files(project, blocks) == [f"src/{PACKAGE}/data.py", "configs/windows.yaml"]
+    (fit_windows,) = _commands(blocks)
+    long_windows = _with(fit_windows + QUICK, LONG)
+    proc = story.start(long_windows)
+    windows_run = project / "runs" / "windows"
+    _wait_for_a_checkpoint(windows_run / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGTERM)  # a scheduler's preemption: checkpoint, exit 75
+    assert proc.wait(timeout=120) == 75
+    story.run(long_windows)  # the same command again resumes it
+    resumed = read_records(windows_run / "metrics.jsonl", "start")[-1]
+    assert resumed["resumed_from_step"] and 0 < resumed["resumed_from_step"] < 150
+    assert resumed["config"]["data"]["class_path"] == f"{PACKAGE}.data.Windows"
+    assert read_records(windows_run / "metrics.jsonl", "end")[-1]["step"] == 150
+    val = read_records(windows_run / "metrics.jsonl", "val")[-1]
+    assert val["val_bpb"] is not None and val["val_loss"] > 0
+    assert (project / "data" / "windows" / "train.npy").is_file()
+
     # -- Interrupt: SIGKILL, resume, and the same weights as a run never stopped -----------
     commands = _commands(sections["Interrupt, queue, compare"])
     fit_both, queue_add, report = commands
@@ -263,5 +283,5 @@ def test_the_fork_story(tmp_path: Path) -> None:
     listed = story.run(["nanolab", "queue", "ls"]).stdout
     assert len(re.findall(r"-s[12] +pending\b", listed)) == 2, listed  # one job per seed
     table = story.run(report).stdout
-    for name in (NAME, "mqa", "records", run.name, "straight"):
+    for name in (NAME, "mqa", "records", "windows", run.name, "straight"):
         assert name in table, f"{name} missing from the report:\n{table}"

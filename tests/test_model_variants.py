@@ -294,10 +294,10 @@ def test_a_checkpoint_older_than_the_variant_keys_resumes_only_as_gpt2(
     check_same_model(cand, TINY.to_dict())  # no error
 
 
-def test_built_in_names_known_without_torch_are_what_layers_registers() -> None:
+def test_built_in_names_known_without_torch_are_what_the_model_registers() -> None:
     """The registries name the built-ins (and which check the config) before
-    nanolab.model.layers is imported; that list must be exactly what layers registers."""
-    import nanolab.model.layers  # noqa: F401  (registers the built-ins)
+    nanolab.model.gpt is imported; that list must be exactly what gpt registers."""
+    import nanolab.model.gpt  # noqa: F401  (registers the built-ins)
     from nanolab.model import registry
 
     for reg in (registry.ATTENTIONS, registry.MLPS, registry.NORMS, registry.POSITIONS):

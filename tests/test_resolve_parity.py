@@ -45,7 +45,7 @@ OVERRIDES = [
     ["--model.gpt.bias", "false"],
     ["--model.gpt.vocab_size", "null"],
     ["--model.gpt.gradient_checkpointing", "true"],
-    ["--model.gpt.attention_variant", "rope", "--model.gpt.position_embedding", "none"],
+    ["--model.gpt.position_embedding", "rope", "--model.gpt.attention_variant", "qk_norm"],
     ["--model.gpt.norm", "rmsnorm"],
     ["--model.gpt.mlp", "swiglu"],
     ["--model.optimizer.lr", "1e-3"],

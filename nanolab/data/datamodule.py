@@ -190,15 +190,7 @@ class TokenDataModule(L.LightningDataModule):
         allow_changed: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("micro_batch_size", micro_batch_size),
-            ("block_size", block_size),
-            ("val_windows", val_windows),
-        ):
-            if value is not None and value < 1:
-                raise PrepareError(f"data.{name} must be >= 1, got {value}")
-        if num_workers < 0:
-            raise PrepareError(f"data.num_workers must be >= 0, got {num_workers}")
+        check_window_sizes(micro_batch_size, block_size, val_windows, num_workers)
         self.mixture = parse_datasets(datasets)
         if self.mixture is not None and source:
             raise PrepareError(
@@ -427,6 +419,21 @@ class TokenDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader()
+
+
+def check_window_sizes(
+    micro_batch_size: int, block_size: int | None, val_windows: int, num_workers: int
+) -> None:
+    """The sizes every window DataModule takes, each in range; one line naming the key if not."""
+    for name, value in (
+        ("micro_batch_size", micro_batch_size),
+        ("block_size", block_size),
+        ("val_windows", val_windows),
+    ):
+        if value is not None and value < 1:
+            raise PrepareError(f"data.{name} must be >= 1, got {value}")
+    if num_workers < 0:
+        raise PrepareError(f"data.num_workers must be >= 0, got {num_workers}")
 
 
 def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:

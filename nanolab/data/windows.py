@@ -25,7 +25,8 @@ class DataTooSmallError(NanolabError):
     """The split holds fewer windows than one step of all ranks needs."""
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of one epoch's window order (the same on every machine and Python)."""
     # A fixed mixing function (not Python's hash(), which is salted per process).
     return (seed * 0x9E3779B1 + epoch * 0x85EBCA77 + 0x165667B1) % (1 << 63)
 
@@ -84,7 +85,7 @@ class WindowPlan:
 
 @lru_cache(maxsize=4)
 def _epoch_layout(plan: WindowPlan, epoch: int) -> tuple[int, np.ndarray]:
-    g = torch.Generator().manual_seed(_epoch_seed(plan.seed, epoch))
+    g = torch.Generator().manual_seed(epoch_seed(plan.seed, epoch))
     offset = int(torch.randint(0, plan.max_offset + 1, (1,), generator=g))
     order = torch.randperm(plan.num_windows, generator=g).numpy()
     return offset, order

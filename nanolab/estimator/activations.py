@@ -190,15 +190,15 @@ def saved_activations(
 #: The classes the block rules above were written for (a subclass is another model).
 RULED_CLASSES = frozenset(
     {
-        "nanolab.model.layers.LayerNorm",
-        "nanolab.model.layers.CausalSelfAttention",
-        "nanolab.model.layers.RotaryEmbedding",
-        "nanolab.model.layers.MLP",
+        "nanolab.model.gpt.LayerNorm",
+        "nanolab.model.gpt.CausalSelfAttention",
+        "nanolab.model.gpt.RotaryEmbedding",
+        "nanolab.model.gpt.MLP",
         "torch.nn.modules.linear.Linear",
         "torch.nn.modules.dropout.Dropout",
     }
 )
-LAYER_NORM = "nanolab.model.layers.LayerNorm"
+LAYER_NORM = "nanolab.model.gpt.LayerNorm"
 
 
 def rules_describe_block(inv: Inventory) -> bool:

@@ -72,7 +72,11 @@ def run_seconds(
     gpu = gpu or (None if accelerator == "cpu" else _gpu_name())
     if gpu is None and accelerator not in ("cpu", "auto"):
         return None, "no estimate: no GPU here to look up (pass --gpu NAME)"
-    where = {"gpu": gpu} if gpu is not None else {"device": "cpu"}
+    if gpu is not None:
+        where: dict[str, Any] = {"gpu": gpu}
+    else:  # this CPU, probed once per process (bf16 rates only for a bf16 run)
+        bf16 = str(cfg["trainer"].get("precision") or "").startswith("bf16")
+        where = {"gpu": cpu_device(bf16=bf16), "device": "cpu"}
     tokens = max(1, tokens_per_step * max_steps)
     guessed = ""
     try:
@@ -88,7 +92,7 @@ def run_seconds(
     except Exception as err:  # unknown GPU name, a config the estimator cannot describe
         return None, f"no estimate: {str(err).splitlines()[0][:80]}"
     c = est.compute
-    if gpu is not None:
+    if "device" not in where:
         how = f"estimator ({gpu}, MFU {c.mfu:.0%})"
     else:
         how = f"FLOPs at {c.mfu:.0%} of this CPU's {format_rate(c.peak_tflops_per_device)}{guessed}"

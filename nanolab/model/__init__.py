@@ -1,7 +1,7 @@
 """The GPT model (``gpt``) and its configuration (``config``).
 
 ``GPT`` is imported lazily: importing the package does not import torch (validating a
-``GPTConfig`` does, for the registered variants in :mod:`nanolab.model.layers`).
+``GPTConfig`` does, for the registered variants in :mod:`nanolab.model.gpt`).
 """
 
 from typing import Any

@@ -12,11 +12,11 @@ source. A new variant is one class with one decorator, in any module::
 
 Registration happens when that module is imported; docs/forking.md ("Adding a model variant")
 shows how a project makes sure it is imported before the config is read. This module imports no
-torch: the built-in variants live in :mod:`nanolab.model.layers`, which is imported the first
+torch: the built-in variants live in :mod:`nanolab.model.gpt`, which is imported the first
 time a class is asked for. Each registry also knows its built-in names (and which of them check
 the config) without that import, so validating a config of built-in parts — what ``nanolab
 estimate`` does for the stock recipes — costs no torch import; a test checks those names against
-what ``layers`` registers.
+what ``gpt`` registers.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 #: The module whose import registers the built-in variants.
-BUILTINS = "nanolab.model.layers"
+BUILTINS = "nanolab.model.gpt"
 
 
 class Registry:
@@ -38,7 +38,7 @@ class Registry:
     Args:
         kind: What the classes are (``"attention"``), for messages.
         field: The ``model.gpt`` field that names one (``"attention_variant"``), for messages.
-        builtins: The names :mod:`nanolab.model.layers` registers, each with whether its class
+        builtins: The names :mod:`nanolab.model.gpt` registers, each with whether its class
             has a ``validate_config`` (known here so those names validate without torch).
     """
 

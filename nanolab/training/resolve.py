@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import RunConfigError
+from nanolab.training.parallelism import int_setting as _whole
+from nanolab.training.parallelism import parse_strategy
 from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
 
 
@@ -332,19 +334,6 @@ def visible_gpus(accelerator: Any) -> int:
     return max(1, torch.cuda.device_count())
 
 
-def _whole(value: Any, where: str, minimum: int = 1) -> int:
-    """An integer setting (``"4"`` and ``4.0`` accepted), at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise RunConfigError(f"{where} must be an integer, got {value!r}")
-    try:
-        n = int(value)
-    except ValueError:
-        raise RunConfigError(f"{where} must be an integer, got {value!r}") from None
-    if n != float(value) or n < minimum:
-        raise RunConfigError(f"{where} must be an integer >= {minimum}, got {value!r}")
-    return n
-
-
 def gradient_accumulation(
     global_batch_tokens: int | None, micro_batch_size: int, block_size: int, world_size: int
 ) -> int:
@@ -419,7 +408,6 @@ def _check_optimizer_fits_strategy(
     if not isinstance(name, str):
         return
     from nanolab.training.optim import OPTIMIZERS
-    from nanolab.training.parallelism import parse_strategy
 
     spec = OPTIMIZERS.get(name)
     if spec is None or spec.shardable:

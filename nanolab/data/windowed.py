@@ -1,0 +1,233 @@
+"""The data seam: any dataset that can hand out windows of token ids trains like nanolab's own.
+
+A dataset of your own does not have to be text that ``nanolab prepare`` tokenizes. It is a
+:class:`WindowSource` per split, the whole protocol:
+
+* ``len(source)``: how many windows the split holds;
+* ``source[indices]`` (a 1-D int64 ``numpy`` array of window numbers): ``(x, y)``, two int64
+  tensors of shape ``(len(indices), block_size)``: the input ids and the target ids, ``y = -1``
+  where a position has no loss (a prompt, padding: a loss mask);
+* ``bytes_per_token`` (optional): UTF-8 bytes per *target* token of the split, so validation
+  also logs bits per byte (``val/bpb``), comparable across tokenizers.
+
+A DataModule subclasses :class:`WindowDataModule` and returns its two splits from
+:meth:`~WindowDataModule.train_split` and :meth:`~WindowDataModule.val_split`; nanolab does the
+rest, with the guarantees of its token datasets:
+
+* **exact resume**: micro-batch ``g`` of rank ``r`` is a pure function of ``(seed, g, r)``: every
+  epoch visits every training window once, in a seeded order, split across ranks; a run resumed
+  after ``g`` micro-batches starts at ``g``;
+* **N devices = N accumulated micro-batches**: the windows of one optimizer step are the same
+  set whether the step is spread over devices or accumulated on one;
+* **validation** on the first ``val_windows`` windows of the validation split, the same at every
+  evaluation, sharded evenly over ranks.
+
+nanolab's own :class:`~nanolab.data.datamodule.TokenDataModule` is the same contract over a
+prepared token stream, with windows cut at a seeded offset each epoch and mixtures on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Protocol, runtime_checkable
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from nanolab.data.checks import DataChangedError
+from nanolab.data.datamodule import EvalScale, check_window_sizes, consumed_micro_batches
+from nanolab.data.prepare import PrepareError
+from nanolab.data.windows import DataTooSmallError, ResumableBatchSampler, epoch_seed
+
+
+@runtime_checkable
+class WindowSource(Protocol):
+    """One split of a dataset of windows (see the module docstring)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """The training order over ``num_windows`` fixed windows for one (world, micro-batch)."""
+
+    num_windows: int
+    micro_batch_size: int
+    world_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.batches_per_epoch < 1:
+            raise DataTooSmallError(
+                f"the training split has {self.num_windows} windows, fewer than "
+                f"micro_batch_size x world_size = {self.micro_batch_size * self.world_size}; "
+                "add windows or lower data.micro_batch_size"
+            )
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches each rank draws per epoch (a partial last batch is dropped)."""
+        return self.num_windows // self.world_size // self.micro_batch_size
+
+    def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
+        """Window numbers of rank ``rank``'s micro-batch ``global_batch`` (over all epochs)."""
+        epoch, position = divmod(global_batch, self.batches_per_epoch)
+        order = _order(self.num_windows, self.seed, epoch)
+        B, W = self.micro_batch_size, self.world_size
+        first = position * B * W
+        return order[first + rank : first + B * W : W]
+
+
+@lru_cache(maxsize=4)
+def _order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
+    g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+    return torch.randperm(num_windows, generator=g).numpy()
+
+
+class WindowDataModule(L.LightningDataModule):
+    """Base of a DataModule whose data is windows of ids (the protocol above).
+
+    Args:
+        micro_batch_size: Windows per device per forward pass.
+        block_size: Tokens per window; ``null``: the model's ``model.gpt.block_size``, which
+            ``nanolab fit`` fills in. Every window of both splits must have this length.
+        val_windows: How many windows of the validation split each evaluation uses (from the
+            start of the split; all of them when it holds fewer).
+        seed: Seed of the training order (independent of the model's seed).
+        num_workers: DataLoader worker processes (0: load in the training process).
+
+    Subclasses implement :meth:`train_split` and :meth:`val_split`, and may set
+    :attr:`vocab_size` (else the config's ``model.gpt.vocab_size`` must give it).
+    """
+
+    #: The vocabulary of the ids, when the dataset knows it (``None``: the model config's).
+    vocab_size: int | None = None
+
+    def __init__(
+        self,
+        micro_batch_size: int = 32,
+        block_size: int | None = None,
+        val_windows: int = 256,
+        seed: int = 1337,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        check_window_sizes(micro_batch_size, block_size, val_windows, num_workers)
+        self.micro_batch_size = micro_batch_size
+        self.block_size = block_size
+        self.val_windows = val_windows
+        self.seed = seed
+        self.num_workers = num_workers
+        self.train_source: WindowSource | None = None
+        self.val_source: WindowSource | None = None
+        self.train_sampler: ResumableBatchSampler | None = None
+        self.eval_scales: list[EvalScale] | None = None
+
+    # -- what a subclass gives -------------------------------------------------------------
+    def train_split(self) -> WindowSource:
+        """The training windows."""
+        raise NotImplementedError(f"{type(self).__name__} must implement train_split()")
+
+    def val_split(self) -> WindowSource:
+        """The validation windows."""
+        raise NotImplementedError(f"{type(self).__name__} must implement val_split()")
+
+    # -- what nanolab does with it ----------------------------------------------------------
+    def _sources(self) -> tuple[WindowSource, WindowSource]:
+        if self.train_source is None or self.val_source is None:
+            self.train_source, self.val_source = self.train_split(), self.val_split()
+            for name, source in (("train", self.train_source), ("val", self.val_source)):
+                self._check_split(name, source)
+        return self.train_source, self.val_source
+
+    def _check_split(self, name: str, source: Any) -> None:
+        where = f"{type(self).__name__}.{name}_split()"
+        if not isinstance(source, WindowSource):
+            raise PrepareError(f"{where} must return a window source (len() and [indices])")
+        if len(source) < 1:
+            raise DataTooSmallError(f"{where} holds no windows; add data")
+        x, y = source[np.array([0], dtype=np.int64)]
+        if tuple(x.shape) != tuple(y.shape) or x.dim() != 2 or x.size(0) != 1:
+            raise PrepareError(
+                f"{where}[[0]] gave x {tuple(x.shape)} and y {tuple(y.shape)}; both must be "
+                "(windows, block_size)"
+            )
+        if self.block_size is not None and x.size(1) != self.block_size:
+            raise PrepareError(
+                f"{where} has windows of {x.size(1)} tokens but block_size is "
+                f"{self.block_size}; set model.gpt.block_size to {x.size(1)}"
+            )
+
+    def setup(self, stage: str) -> None:
+        self._sources()
+
+    def window_plan(self, world_size: int = 1) -> IndexPlan:
+        train, _ = self._sources()
+        return IndexPlan(len(train), self.micro_batch_size, world_size, self.seed)
+
+    def check_fits(self, world_size: int) -> None:
+        """Raise :class:`DataTooSmallError` now if the split cannot fill one step of all ranks."""
+        self.window_plan(world_size)
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+
+    def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
+        return DataLoader(
+            dataset,
+            sampler=sampler,
+            batch_size=None,  # the sampler yields whole micro-batches of window numbers
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        start = consumed_micro_batches(self.trainer)
+        self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start)
+        return self._loader(self._sources()[0], self.train_sampler)
+
+    def _eval_loader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        val = self._sources()[1]
+        count = min(len(val), self.val_windows)
+        count = max(world, count // world * world)  # every rank runs as many batches
+        mine = np.arange(count, dtype=np.int64)[rank::world] % len(val)
+        batches = [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]  # fmt: skip
+        per_token = getattr(val, "bytes_per_token", None)
+        bpb = None if not per_token else 1.0 / (float(per_token) * float(np.log(2)))
+        self.eval_scales = [EvalScale(name="val", loss_weight=1.0, bpb=bpb, overall_bpb=bpb)]
+        return self._loader(val, batches)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader()
+
+    # -- resume ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows_seed": self.seed, "train_windows": len(self._sources()[0])}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse to resume on other data: the order of windows would not be the run's."""
+        saved = state_dict.get("train_windows")
+        now = len(self._sources()[0])
+        if saved is not None and int(saved) != now:
+            raise DataChangedError(
+                f"the training split now holds {now} windows, the checkpoint's run trained on "
+                f"{saved}: resuming would not continue the same window order; restore the data "
+                "or start a new run (--run.name)"
+            )
+        if state_dict.get("windows_seed", self.seed) != self.seed:
+            raise DataChangedError(
+                f"data.seed is {self.seed}, the checkpoint's run used "
+                f"{state_dict['windows_seed']}; set data.seed back to resume it"
+            )
