@@ -193,8 +193,10 @@ def config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | N
     if saved.is_file():
         import yaml
 
+        from nanolab.training.resolve import load_yaml  # configs are read one way
+
         try:
-            loaded = yaml.safe_load(saved.read_text())
+            loaded = load_yaml(saved.read_text(encoding="utf-8"))
         except (yaml.YAMLError, OSError, UnicodeDecodeError):
             return None
         return loaded if isinstance(loaded, dict) else None

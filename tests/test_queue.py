@@ -61,6 +61,21 @@ def test_add_one_job_per_seed(tmp_path: Path, tiny: Path, capsys, monkeypatch) -
     assert len(QueueDB(db).jobs()) == 2
 
 
+def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
+    """``queue add`` reads ``--group.key VALUE`` (and ``=VALUE``) as fit does: each is a --set."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    code, _, err = queue(
+        capsys, db, "add", str(tiny), "--model.gpt.n_layer", "3", "--trainer.max_steps=6"
+    )
+    assert code == 0, err
+    (job,) = QueueDB(db).jobs()
+    assert job.args == ["--model.gpt.n_layer=3", "--trainer.max_steps=6"]
+    assert job.name == "tiny-n_layer3-max_steps6" and job.max_steps == 6
+    code, _, err = queue(capsys, db, "add", str(tiny), "--model.gpt.n_layer")
+    assert code == 2 and "--model.gpt.n_layer needs a value" in err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

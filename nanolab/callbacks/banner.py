@@ -66,14 +66,13 @@ def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[i
 def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:
     """Seconds for ``steps`` more steps, with the estimate ``nanolab queue`` makes for a job (past
     runs are not consulted here): the FLOPs over this device's rate at an assumed efficiency."""
-    import yaml
-
     from nanolab.estimator.runtime import STARTUP_S, run_seconds
+    from nanolab.training.resolve import load_yaml
 
     saved = Path(trainer.default_root_dir) / "config.yaml"
     if steps <= 0 or not saved.is_file():
         return None
-    config = yaml.safe_load(saved.read_text(encoding="utf-8"))
+    config = load_yaml(saved.read_text(encoding="utf-8"))  # read as every config is read
     if not isinstance(config, dict):
         return None
     seconds, how = run_seconds(
