@@ -74,9 +74,14 @@ def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
 
 
 @functools.cache
+def _rate(dtype_name: str, threads: int) -> float:
+    """One probe per dtype and thread count per process: every estimate here divides by it."""
+    return matmul_tflops(dtype_name, threads=threads)
+
+
 def _cpu_device(threads: int, with_bf16: bool) -> GPU:
-    fp32 = matmul_tflops("float32", threads=threads)
-    bf16 = matmul_tflops("bfloat16", threads=threads) if with_bf16 else None
+    fp32 = _rate("float32", threads)
+    bf16 = _rate("bfloat16", threads) if with_bf16 else None
     return GPU(
         name="cpu",
         label=f"CPU (this machine, {threads} thread{'s' if threads > 1 else ''})",
