@@ -13,7 +13,8 @@ buffers, FLOPs, read from the model built on the meta device), ``numerics`` (dty
 precision/strategy/backend), ``activations`` (what autograd saves), ``derived`` (what a block of
 other variants saves, measured from the module on fake tensors), ``states`` (parameters,
 gradients, optimizer, sharding), ``memory`` (the moments of the step, peak and overheads),
-``compute`` (time and cost at the run's matmul rate), ``history`` (measured tokens/s of finished
+``compute`` (time and cost at the run's matmul rate), ``runtime`` (how long a run takes: the
+fit banner's and the queue's estimate), ``history`` (measured tokens/s of finished
 queue runs), ``cpu`` (this machine as a device), ``recommend`` (micro-batch and switches),
 ``trace`` (the model the run builds, one whole step traced on fake tensors), ``estimate`` (the front door), ``cli`` (``nanolab estimate``), ``measure`` and
 ``measure_trainer`` (ground truth from real tensors and a real Trainer, for tests and the
