@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="model FLOPs utilisation for the time (default: a finished queue run's measured "
         "tokens/s, else the GPU family's default from gpus.json)",
     )
-    p.add_argument("--tokens", type=float, help="token budget (default: max_steps, else 20/param)")
+    p.add_argument(
+        "--tokens",
+        type=float,
+        help="token budget (default: trainer.max_steps, fit's 5000 when the config sets none)",
+    )
     p.add_argument("--usd-per-gpu-hour", type=float, help="price (default: indicative table)")
     p.add_argument(
         "--fragmentation",
