@@ -244,9 +244,12 @@ def test_packed_cpu_jobs_share_and_an_out_of_memory_job_runs_again_alone(
     probe = {"class_path": "cli_probes.EnvProbe", "init_args": {"names": PROBE_ENV}}
     oom = {"class_path": "queue_probes.OutOfMemoryWhenPacked", "init_args": {"step": 4}}
     configs = {}
-    for name, callbacks in (("a", [probe, oom]), ("b", [probe]), ("c", [probe])):
+    # B outlives A's step 4 by far, whatever each process's start-up costs on a busy machine:
+    # A's out-of-memory error must come while B still shares the device (12 steps of B left
+    # it to chance: when B ended first, C rightly started beside A's first attempt).
+    for name, callbacks, steps in (("a", [probe, oom], 12), ("b", [probe], 60), ("c", [probe], 12)):
         cfg = tiny_overrides(
-            char_dataset, tmp_path / "runs", trainer__max_steps=12, trainer__accelerator="cpu"
+            char_dataset, tmp_path / "runs", trainer__max_steps=steps, trainer__accelerator="cpu"
         )
         del cfg["run"]["name"]
         cfg["checkpoint"] = {"every_n_steps": 2}
