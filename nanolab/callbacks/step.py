@@ -27,6 +27,7 @@ and has counted the micro-batch before any of these hooks runs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import lightning as L
@@ -50,7 +51,13 @@ STEP_ORDER: tuple[str, ...] = (
 def order_of(callback: object) -> int:
     """Where ``callback`` acts among the step callbacks: its class's (or nearest listed base's)
     place in :data:`STEP_ORDER`, else its own ``step_order`` (100 if it sets none)."""
-    for cls in type(callback).__mro__:
+    return _class_order(type(callback))
+
+
+@functools.cache
+def _class_order(kind: type) -> int:
+    # Once per class: the step callbacks are sorted by it at every micro-batch.
+    for cls in kind.__mro__:
         name = f"{cls.__module__}.{cls.__qualname__}"
         if name in STEP_ORDER and "step_order" not in cls.__dict__:
             return 10 * (STEP_ORDER.index(name) + 1)

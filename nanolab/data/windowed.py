@@ -40,7 +40,12 @@ from torch.utils.data import DataLoader
 from nanolab.data.checks import DataChangedError
 from nanolab.data.datamodule import EvalScale, check_window_sizes, consumed_micro_batches
 from nanolab.data.prepare import PrepareError
-from nanolab.data.windows import DataTooSmallError, ResumableBatchSampler, epoch_seed
+from nanolab.data.windows import (
+    DataTooSmallError,
+    ResumableBatchSampler,
+    epoch_seed,
+    rank_share,
+)
 
 
 @runtime_checkable
@@ -78,9 +83,7 @@ class IndexPlan:
         """Window numbers of rank ``rank``'s micro-batch ``global_batch`` (over all epochs)."""
         epoch, position = divmod(global_batch, self.batches_per_epoch)
         order = _order(self.num_windows, self.seed, epoch)
-        B, W = self.micro_batch_size, self.world_size
-        first = position * B * W
-        return order[first + rank : first + B * W : W]
+        return rank_share(order, position, self.micro_batch_size, self.world_size, rank)
 
 
 @lru_cache(maxsize=4)

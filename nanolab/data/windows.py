@@ -77,10 +77,16 @@ class WindowPlan:
         """Token offsets of the windows in micro-batch ``global_batch`` (counted over all epochs)."""
         epoch, position = divmod(global_batch, self.batches_per_epoch)
         offset, order = self.epoch_layout(epoch)
-        B, W = self.micro_batch_size, self.world_size
-        first = position * B * W
-        windows = order[first + rank : first + B * W : W]
+        windows = rank_share(order, position, self.micro_batch_size, self.world_size, rank)
         return offset + windows * self.block_size
+
+
+def rank_share(order: np.ndarray, position: int, micro: int, world: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s windows of micro-batch ``position`` in an epoch's ``order``: the
+    ``micro x world`` windows of that position, dealt out round-robin, so a step's windows are
+    the same set on any number of devices (N devices = N accumulated micro-batches)."""
+    first = position * micro * world
+    return order[first + rank : first + micro * world : world]
 
 
 @lru_cache(maxsize=4)

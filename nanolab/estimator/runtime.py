@@ -100,10 +100,8 @@ def run_seconds(
 
 
 def as_estimator_config(config: dict[str, Any], devices: int) -> dict[str, Any]:
-    """The config with Lightning's "decide later" values resolved as the run will."""
+    """The config with ``trainer.devices`` as the run will have it (``precision: null``, Lightning's
+    32-true, is the estimator's own reading: :func:`nanolab.estimator.setup.setup_from_config`)."""
     cfg = {**config, "trainer": dict(config.get("trainer") or {})}
-    trainer = cfg["trainer"]
-    if trainer.get("precision") is None:
-        trainer["precision"] = "32-true"  # Lightning's default
-    trainer["devices"] = devices
+    cfg["trainer"]["devices"] = devices
     return cfg

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import RunConfigError
-from nanolab.training.parallelism import int_setting as _whole
-from nanolab.training.parallelism import parse_strategy
+from nanolab.training.parallelism import int_setting, parse_strategy
 from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
 
 
@@ -320,7 +319,7 @@ def count_devices(devices: Any, accelerator: Any, visible_gpus: int | None) -> t
         if str(accelerator or "auto") == "cpu" or visible_gpus is None:
             return 1, visible_gpus is None and str(accelerator or "auto") != "cpu"
         return max(1, int(visible_gpus)), False
-    n = _whole(devices, "trainer.devices")
+    n = int_setting(devices, "trainer.devices")
     return n, False
 
 
@@ -485,12 +484,12 @@ def micro_batch_choice(run: Mapping[str, Any], data_args: Mapping[str, Any]) -> 
         choice = data_args.get("micro_batch_size", 32)
         if choice == "auto":  # accepted in a raw YAML by the estimator
             return "auto"
-        return _whole(choice, "data.micro_batch_size")
+        return int_setting(choice, "data.micro_batch_size")
     if choice == "auto":
         return "auto"
     if isinstance(choice, int) and not isinstance(choice, bool) and choice < 1:
         raise RunConfigError(f"run.micro_batch_size must be >= 1 or auto, got {choice}")
-    return _whole(choice, "run.micro_batch_size")
+    return int_setting(choice, "run.micro_batch_size")
 
 
 def resolve(
@@ -526,7 +525,7 @@ def resolve(
         trainer.get("accelerator", "auto"),
         visible_gpus,
     )
-    nodes = _whole(
+    nodes = int_setting(
         num_nodes if num_nodes is not None else trainer.get("num_nodes") or 1, "trainer.num_nodes"
     )
     world = per_node * nodes
@@ -534,7 +533,7 @@ def resolve(
 
     gpt = dict(model_args.get("gpt") or {}) if "gpt" in model_args else None
     if gpt is not None:
-        block = _whole(gpt.get("block_size", 256), "model.gpt.block_size")
+        block = int_setting(gpt.get("block_size", 256), "model.gpt.block_size")
         asked = data_args.get("block_size")
         if asked is not None and asked != block:
             raise RunConfigError(
@@ -554,7 +553,7 @@ def resolve(
         model_args = {**model_args, "gpt": gpt}
         vocab = None if model_vocab is None else int(model_vocab)
     else:  # a model class of the user's own without a GPTConfig: the data's window length
-        block = _whole(data_args.get("block_size") or 256, "data.block_size")
+        block = int_setting(data_args.get("block_size") or 256, "data.block_size")
         vocab = None if data_vocab is None else int(data_vocab)
 
     choice = (
@@ -566,7 +565,7 @@ def resolve(
         data_args["micro_batch_size"] = micro
 
     gbt = run.get("global_batch_tokens")
-    gbt = None if gbt is None else _whole(gbt, "run.global_batch_tokens")
+    gbt = None if gbt is None else int_setting(gbt, "run.global_batch_tokens")
     accumulate = None
     if micro is not None:
         accumulate = gradient_accumulation(gbt, micro, block, world)
