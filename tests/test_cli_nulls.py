@@ -6,7 +6,7 @@ import yaml
 from conftest import QUICKSTART
 
 from nanolab.cli import main
-from nanolab.run.cli import nulls_as_class_settings
+from nanolab.run.parse import nulls_as_class_settings
 
 
 def test_nested_nulls_become_init_args_dicts() -> None:

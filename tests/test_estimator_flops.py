@@ -139,7 +139,8 @@ def test_measured_tokens_per_second_of_a_finished_queue_run_wins(tmp_path) -> No
 
 
 def test_fit_sets_the_float32_matmul_precision_only_on_gpu_runs() -> None:
-    from nanolab.run.cli import RunConfig, apply_float32_matmul_precision
+    from nanolab.run.compose import apply_float32_matmul_precision
+    from nanolab.run.parse import RunConfig
 
     assert RunConfig().float32_matmul_precision == "high"
     before = torch.get_float32_matmul_precision()

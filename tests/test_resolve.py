@@ -198,7 +198,7 @@ def test_fit_plans_auto_micro_batch_through_the_resolver(
     """
     from conftest import tiny_overrides, write_config
 
-    import nanolab.run.cli as fit_cli
+    import nanolab.run.compose as fit_cli
     from nanolab.cli import main
 
     monkeypatch.setattr(fit_cli, "device_memory_bytes", lambda: 8 * 2**30)

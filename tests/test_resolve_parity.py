@@ -2,7 +2,7 @@
 what ``nanolab fit`` reads from it.
 
 :func:`nanolab.training.resolve.compose` (``--config`` files and dotted overrides, left to right)
-is held against the fit parser itself (:func:`nanolab.run.cli.parse_fit_config`, what
+is held against the fit parser itself (:func:`nanolab.run.parse.parse_fit_config`, what
 ``fit --print_config`` prints) for every shipped config, each with every overlay of
 ``configs/strategy``, ``configs/precision`` and ``configs/debug``, a forked project's class-path
 model and data, and more than 20 overrides. Three things must agree: every value the composed
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from nanolab.estimator.setup import setup_from_config
-from nanolab.run.cli import FitParseError, parse_fit_config
+from nanolab.run.parse import FitParseError, parse_fit_config
 from nanolab.training.resolve import (
     RunConfigError,
     compose,

@@ -13,10 +13,10 @@ from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
 from nanolab.cli import main
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.model import GPT, GPTConfig
-from nanolab.run.cli import RunConfigError, gradient_accumulation
 from nanolab.runlog import read_records
 from nanolab.training.module import GPTLightningModule
 from nanolab.training.optim import OptimizerConfig, ScheduleConfig, WarmupCosine, parameter_groups
+from nanolab.training.resolve import RunConfigError, gradient_accumulation
 
 
 def final_state(run_dir) -> dict[str, torch.Tensor]:

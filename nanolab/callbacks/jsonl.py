@@ -37,7 +37,7 @@ from nanolab.callbacks.events import (
     collect_fields,
     stop_reason,
 )
-from nanolab.callbacks.loggers import forward_record, mute_lightning_metrics
+from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
 from nanolab.callbacks.step import StepCallback
 from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, last_record, read_records
@@ -447,11 +447,9 @@ def gradient_norm(
 
 
 def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any] | None:
-    """The merged config LightningCLI saved, or the module's dataclass settings without a CLI."""
-    from lightning.pytorch.cli import SaveConfigCallback
-
+    """The merged config ``nanolab fit`` saves, or the module's dataclass settings without it."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, SaveConfigCallback):
+        if isinstance(callback, RunConfigWriter):
             from nanolab.training.resolve import plain_config
 
             return plain_config(callback.config)  # nanolab's own classes in the short form

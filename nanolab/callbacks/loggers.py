@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback
+
 from nanolab.errors import NanolabError
 
 #: shorthand -> (import name that must be present, pip command that provides it)
@@ -186,24 +188,24 @@ def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def run_dir_save_config() -> type:
-    """LightningCLI's config saver, writing ``config.yaml`` into the run directory always.
+class RunConfigWriter(Callback):
+    """Writes the run's merged config as ``config.yaml`` into the run directory at setup.
 
-    Lightning saves it into ``trainer.log_dir``, which moves into the logger's folder
+    Lightning's own saver writes into ``trainer.log_dir``, which moves into the logger's folder
     (``lightning_logs/version_0/``) as soon as a logger is on; the run directory is where
-    ``nanolab report``, the queue and a resume look for it.
+    ``nanolab report``, the queue and a resume look for it. ``config`` is also what the run
+    log's start record describes (``jsonl.run_config``).
     """
-    from lightning.pytorch.cli import SaveConfigCallback
 
-    class RunDirSaveConfig(SaveConfigCallback):
-        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            if self.already_saved:
-                return
-            if trainer.is_global_zero:
-                run_dir = Path(trainer.default_root_dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                write_config_yaml(self.parser, self.config, run_dir / self.config_filename)
-                self.save_config(trainer, pl_module, stage)
-            self.already_saved = trainer.strategy.broadcast(True)
+    def __init__(self, parser: Any, config: Any) -> None:
+        self.parser, self.config = parser, config
+        self.saved = False
 
-    return RunDirSaveConfig
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.saved:
+            return
+        if trainer.is_global_zero:
+            run_dir = Path(trainer.default_root_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_config_yaml(self.parser, self.config, run_dir / "config.yaml")
+        self.saved = trainer.strategy.broadcast(True)

@@ -102,7 +102,7 @@ def fit_args(sets: list[tuple[str, str]], seed: int | None) -> list[str]:
 
 def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> ParsedConfig:
     """Parse ``nanolab fit --config CONFIG ARGS`` with the real parser and check it can run."""
-    from nanolab.run.cli import FitParseError, parse_fit_config
+    from nanolab.run.parse import FitParseError, parse_fit_config
 
     try:
         cfg = parse_fit_config(["--config", str(config), *args, f"--run.name={run_name}"])

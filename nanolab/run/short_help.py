@@ -27,7 +27,7 @@ TRAINER_KEYS = {
 
 #: (group, object documenting it, keys shown); ``None`` keys = every documented key.
 GROUPS: list[tuple[str, str, list[str] | None]] = [
-    ("run", "nanolab.run.cli:RunConfig", None),
+    ("run", "nanolab.run.parse:RunConfig", None),
     ("model.gpt", "nanolab.model.config:GPTConfig",
      ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "activation"]),
     ("model.optimizer", "nanolab.training.optim:OptimizerConfig", ["name", "lr", "weight_decay", "betas"]),

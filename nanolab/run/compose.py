@@ -1,0 +1,386 @@
+"""How a run is assembled: :func:`launch` is the whole of ``nanolab fit / validate / test``.
+
+Read :func:`launch` top to bottom to see a fit put together: parse (``nanolab.run.parse``) →
+seed → resolve the derived values (``nanolab.training.resolve``) → build the data, the model,
+the run's callbacks, the logger and the Trainer → hold the run directory and pick the
+checkpoint → ``trainer.fit``. The helpers below it each do one of those steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from nanolab.callbacks.loggers import RunConfigWriter
+from nanolab.data.prepare import PrepareError
+from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
+from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
+from nanolab.training.resolve import (
+    RunConfigError,
+    check_model_settings,
+    plain_config,
+    resolve,
+    visible_gpus,
+)
+
+
+def launch(cli: NanolabCLI) -> Trainer:
+    """Build the run the parsed command line describes and run its verb; the Trainer after it.
+
+    Every derived value (vocabulary, block size, micro-batch, accumulation, validation interval,
+    run directory) is written into the config before anything is built, so ``config.yaml`` is
+    the run as it ran. Each check comes before the work it protects: the model settings before
+    the data is prepared, the data's size before the model is built, the run directory's lock
+    and owner before anything in it is written.
+    """
+    verb = str(cli.subcommand)
+    cfg = cli.config[verb]
+    seed = cfg.get("seed_everything")
+    if seed is not False:  # LightningCLI's rule: true = a random seed, recorded in config.yaml
+        cfg.seed_everything = seed_everything(None if seed is True else seed, workers=True)
+
+    # -- resolve: name the run, check what needs neither data nor device, then derive the rest
+    run = cfg.run
+    if run.name is None:
+        given = cfg.get("config")
+        run.name = default_run_name(Path(str(given[-1])).stem if given else "run")
+    model_args = cfg.model.init_args
+    check_model_settings(model_args.as_dict())
+    if model_args.get("init_from"):  # the architecture of a Hugging Face GPT-2 (docs/hf.md)
+        from nanolab.model.hf import apply_init_from
+
+        apply_init_from(model_args)
+    visible = visible_gpus(cfg.trainer.get("accelerator"))
+    resolve(cfg, visible_gpus=visible)
+    if verb == "fit" and not cfg.get("preemption", {}).get("enabled", True):
+        from nanolab.training import early_signals
+
+        early_signals.uninstall()  # preemption off: signals act as they did before
+    data = build_data_module(cfg.data)  # once, to read the vocabulary (preparing it if asked)
+    vocab = data_vocab(data)
+    if model_args.get("init_from"):  # the data must be tokenized as the checkpoint's was
+        from nanolab.model.hf_tokenizer import check_init_from_data
+
+        check_init_from_data(model_args, data)
+    resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab)
+    micro = plan_micro_batch(cfg, resolved)
+    if micro != resolved.micro_batch_size:
+        resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab, micro_batch_size=micro)
+    write_derived(cfg, resolved)
+    data.block_size, data.micro_batch_size = resolved.block_size, resolved.micro_batch_size
+    check_fits = getattr(data, "check_fits", None)
+    if callable(check_fits):  # now, not after start-up: the data must fill a step of each rank
+        check_fits(resolved.world_size)
+    if runs_on_cpu(cfg.trainer):  # say it now rather than swap or be OOM-killed later
+        from nanolab.run.autobatch import check_fits_on_host
+
+        processes = max(1, resolved.world_size // resolved.num_nodes)
+        check_fits_on_host(plain_config(cfg), processes=processes)
+    if cfg.get("logger"):
+        check_logger(cfg)
+    apply_float32_matmul_precision(run.float32_matmul_precision, cfg.trainer)
+    from nanolab.callbacks.progress import reconcile_progress_bar
+
+    reconcile_progress_bar(cfg)
+    run_dir = Path(resolved.run_dir)
+
+    # -- build: model, data, the run's callbacks, the logger, the Trainer
+    try:
+        built = cli.parser.instantiate_classes(cli.config)[verb]
+    except ValueError as err:  # a class's own error, not the parser's Union report around it
+        raise unwrap_union_error(err) from None
+    model, data = built.model, built.data
+    trainer_args = {**built.trainer}
+    callbacks = trainer_args.get("callbacks") or []
+    callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+    callbacks += [built[group] for group in run_callbacks()]
+    if verb == "fit" and not trainer_args.get("fast_dev_run"):
+        callbacks.append(RunConfigWriter(cli.verb_parser, cfg))  # config.yaml in the run dir
+    if verb == "fit" and cfg.get("logger"):
+        from nanolab.callbacks.loggers import make_logger
+
+        trainer_args["logger"] = make_logger(cfg.logger, run_dir, str(run.name))
+    trainer = Trainer(**{**trainer_args, "callbacks": callbacks})
+
+    # -- run: hold the run directory, pick the checkpoint (opened without running its pickle)
+    if verb == "fit":
+        from nanolab.training import early_signals
+
+        early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
+        ckpt_path = claim_for_fit(cfg, run_dir, model, data, built.get("ckpt_path"))
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+        return trainer
+    target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"))
+    evaluate = trainer.validate if verb == "validate" else trainer.test
+    evaluate(
+        model,
+        datamodule=data,
+        ckpt_path=ckpt_path,
+        verbose=built.get("verbose", True),
+        weights_only=True,
+    )
+    if target.log_to_run and trainer.is_global_zero:
+        log_evaluation(trainer, verb, run_dir, target)
+    return trainer
+
+
+# -- resolve ----------------------------------------------------------------------------------
+def default_run_name(stem: str) -> str:
+    """``<config stem>-<YYYYmmdd-HHMMSS>``, the same in every process of one launch.
+
+    Lightning's DDP launcher re-executes the command for ranks 1..N-1 a moment later, so the
+    name is handed down through ``NANOLAB_RUN_NAME``; under SLURM the job id is used, which also
+    survives a requeue. Other multi-process launchers (torchrun on several nodes) should set
+    ``run.name``.
+    """
+    if name := os.environ.get("NANOLAB_RUN_NAME"):
+        return name
+    if job := os.environ.get("SLURM_JOB_ID"):
+        name = f"{stem}-slurm{job}"
+    else:
+        name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.environ["NANOLAB_RUN_NAME"] = name
+    return name
+
+
+def build_data_module(data_cfg: Any) -> Any:
+    """The configured DataModule, built once to read what the run derives from it."""
+    from nanolab.training.plugins import PluginImportError, load_class
+
+    try:
+        cls = load_class(data_cfg.class_path, "data")
+    except PluginImportError as err:
+        raise RunConfigError(str(err)) from None
+    args = {
+        key: value.as_dict() if hasattr(value, "as_dict") else value
+        for key, value in vars(data_cfg.init_args).items()
+        if not key.startswith("__")
+    }  # top-level arguments (items() would flatten nested ones into dotted keys)
+    return cls(**args)
+
+
+def data_vocab(data: Any) -> int | None:
+    """The data's vocabulary (preparing the dataset from ``data.source`` when needed); None
+    for a DataModule that has none (the model's config must then fix it)."""
+    try:
+        vocab = data.vocab_size
+    except AttributeError:
+        return None
+    except PrepareError as err:
+        from nanolab.data.checks import DataCheckError
+
+        if "--force" not in str(err) or isinstance(err, DataCheckError):
+            raise  # a damaged dataset names its own fix
+        # prepare's "already holds another dataset ... pass --force": fit has no --force.
+        raise RunConfigError(
+            f"data.dataset_dir {data.dataset_dir} already holds a dataset prepared from other "
+            "sources or settings than data.source/data.tokenizer, and fit never overwrites "
+            f"one: train on it as it is with --data.source null, choose another "
+            f"--data.dataset_dir, or replace it with `nanolab prepare <sources> -o "
+            f"{data.dataset_dir} --force`"
+        ) from None
+    return None if vocab is None else int(vocab)
+
+
+def plan_micro_batch(cfg: Any, resolved: Any) -> int:
+    """The micro-batch: the resolved one, or for ``auto`` the largest the estimator says fits
+    this GPU (the data's value on a CPU); on a GPU, warn when it will not fit."""
+    choice = cfg.run.micro_batch_size
+    micro = resolved.micro_batch_size
+    if micro is None:  # auto: planned below, the data's value where there is no GPU
+        micro = int(cfg.data.init_args.get("micro_batch_size") or 1)
+    device_memory = device_memory_bytes() if str(cfg.trainer.get("accelerator")) != "cpu" else None
+    if device_memory is None:
+        return micro  # CPU: no device memory to plan against
+    try:
+        config = plain_config(cfg)
+        section = config["data"].get("init_args", config["data"])
+        section["micro_batch_size"] = micro
+        plan = plan_memory(config, device_memory, choice == "auto", resolved.devices_per_node)
+    except ValueError as err:  # the estimator cannot describe this config: say so, go on
+        if isinstance(err, AutoBatchError):
+            raise RunConfigError(str(err)) from None
+        rank_zero_warn(f"memory estimate unavailable: {err}")
+        return micro
+    if choice == "auto":
+        micro = plan.micro_batch_size
+        rank_zero_info(
+            f"run.micro_batch_size auto: {plan.micro_batch_size} (predicted peak "
+            f"{plan.predicted_bytes / 2**30:.1f} of {plan.device_bytes / 2**30:.1f} GiB)"
+        )
+    if plan.warning:
+        rank_zero_warn(plan.warning)
+    return micro
+
+
+def write_derived(cfg: Any, resolved: Any) -> None:
+    """Write the derived values into the config that is built and saved."""
+    gpt = cfg.model.init_args.get("gpt")
+    if gpt is not None:
+        gpt.vocab_size = resolved.vocab_size
+    data_args = cfg.data.init_args
+    if "block_size" in data_args:
+        data_args.block_size = resolved.block_size
+    if resolved.micro_batch_size is not None and "micro_batch_size" in data_args:
+        data_args.micro_batch_size = resolved.micro_batch_size
+    cfg.trainer.default_root_dir = str(resolved.run_dir)
+    cfg.trainer.check_val_every_n_epoch = None  # steps, not epochs: validation by interval
+    if resolved.accumulate is not None:
+        cfg.trainer.accumulate_grad_batches = resolved.accumulate
+        # The training stream is endless (steps, not epochs): validation is counted in
+        # micro-batches, so one optimizer step = `accumulate` of them.
+        cfg.trainer.val_check_interval = resolved.val_check_interval
+
+
+def runs_on_cpu(trainer_cfg: Any) -> bool:
+    """Whether the Trainer will run on this host's CPU (``auto`` without a visible GPU)."""
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    if accelerator == "cpu":
+        return True
+    if accelerator in ("auto", "gpu", "cuda"):
+        import torch
+
+        return not torch.cuda.is_available()
+    return False
+
+
+def check_logger(cfg: Any) -> None:
+    """``--logger``: one line with the pip command when its package is missing."""
+    from nanolab.callbacks.loggers import LoggerUnavailableError, check_available
+
+    if cfg.trainer.get("logger") not in (None, False):
+        raise RunConfigError("--logger and --trainer.logger both set a logger; give one of them")
+    try:
+        check_available(cfg.logger)
+    except LoggerUnavailableError as err:
+        raise RunConfigError(str(err)) from None
+
+
+def apply_float32_matmul_precision(value: str, trainer_cfg: Any) -> None:
+    """Set the FP32 matmul precision for a GPU run (a CPU run keeps torch's default)."""
+    if str(trainer_cfg.get("accelerator", "auto")) == "cpu":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision(value)
+
+
+# -- run: the run directory and the checkpoint ------------------------------------------------
+def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any) -> str | None:
+    """Take the run directory for this launch and return the checkpoint to resume from.
+
+    The lock comes before anything in the directory is read or written; the checkpoint is the
+    newest *complete* one for ``auto`` (a torn one is reported and skipped) or the one given,
+    checked against this model and data; a directory holding a different run is refused
+    before ``config.yaml`` is written.
+    """
+    from nanolab.callbacks.rundir import claim_run_dir
+    from nanolab.callbacks.runlock import acquire
+
+    run = cfg.run
+    try:
+        acquire(run_dir)
+    except OSError as err:
+        raise RunConfigError(
+            f"run directory {run_dir} cannot be used ({err.strerror or err}); set "
+            "run.root to a folder this user can write"
+        ) from None
+    requested, flag = requested_checkpoint(str(run.resume), ckpt_path)
+    cand = None
+    if requested is not None and not (run.fresh and requested == "auto"):
+        cand = open_checkpoint(requested, flag, run_dir, model, training=True)
+    path = str(cand.path) if cand is not None else None
+    check_data = getattr(data, "check_resume", None)
+    if callable(check_data):  # data that changed under the run (sizes, meta.json) is refused
+        check_data(path)
+    claim_run_dir(
+        run_dir,
+        plain_config(cfg),
+        resuming=cand is not None,
+        fresh=run.fresh,
+        checkpoint=cand.path if cand is not None else None,
+        checkpoint_run_id=cand.run_id if cand is not None else None,
+    )
+    return path
+
+
+def requested_checkpoint(resume: str, ckpt_path: Any) -> tuple[str | None, str]:
+    """What to resume from: ``--ckpt_path`` or ``run.resume`` (auto/never/a path), and the
+    name of the setting that asked for it (for messages)."""
+    if ckpt_path is None:
+        return (None if resume == "never" else resume), "run.resume"
+    given = str(ckpt_path)
+    if given in ("last", "hpc"):
+        return "auto", "--ckpt_path"  # Lightning's names for "this run's newest"
+    if given in ("best", "registry") or given.startswith("registry:"):
+        raise RunConfigError(
+            f"--ckpt_path {given}: not supported by nanolab fit; give a checkpoint file, "
+            "or use run.resume auto to continue this run"
+        )
+    if resume not in ("auto", "never") and Path(resume) != Path(given):
+        raise RunConfigError(
+            f"--ckpt_path {given} and run.resume {resume} name different checkpoints; "
+            "give one of them"
+        )
+    return given, "--ckpt_path"
+
+
+def open_checkpoint(requested: str, flag: str, run_dir: Path, model: Any, training: bool) -> Any:
+    """Open the checkpoint without running its pickle and check it fits this model: a bad
+    file is one error line (exit 2), never a traceback from deep inside Lightning."""
+    from nanolab.training.resume import ResumeError, check_same_shapes, resume_candidate
+
+    gpt = getattr(model, "gpt_config", None)
+    try:
+        cand = resume_candidate(requested, run_dir, asdict(gpt) if gpt else None, flag, training)
+        if cand is not None and getattr(model, "model", None) is not None:
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            check_same_shapes(cand, expected, flag)
+    except ResumeError as err:
+        raise RunConfigError(str(err)) from None
+    return cand
+
+
+def evaluation_target(
+    verb: str, cfg: Any, run_dir: Path, model: Any, ckpt_path: Any
+) -> tuple[Any, str | None]:
+    """What ``validate``/``test`` evaluates (docs/evaluate.md) and the checkpoint file to load:
+    the run's newest by default, never an untrained model unless ``--ckpt_path none``; the run
+    directory is held when the result will be appended to its run log."""
+    from nanolab.training.evaluate import EvaluateError, eval_target
+
+    init_from = bool(cfg.model.init_args.get("init_from"))
+    try:
+        target = eval_target(ckpt_path, run_dir, verb, has_init_from=init_from)
+    except EvaluateError as err:
+        raise RunConfigError(str(err)) from None
+    if target.path is None:
+        return target, None
+    cand = open_checkpoint(str(target.path), "--ckpt_path", run_dir, model, training=False)
+    if target.log_to_run:
+        from nanolab.callbacks.runlock import RunLockedError, acquire
+
+        try:
+            acquire(run_dir)  # no fit may append or rotate while the record is written
+        except (RunLockedError, OSError) as err:
+            target.log_to_run = False
+            rank_zero_warn(f"not logging this {verb} to {run_dir}: {err}")
+    return target, str(cand.path)
+
+
+def log_evaluation(trainer: Trainer, verb: str, run_dir: Path, target: Any) -> None:
+    """Append an evaluation of the run's own checkpoint to its run log."""
+    from nanolab.callbacks.jsonl import to_floats
+    from nanolab.training.evaluate import append_record, eval_record
+
+    stage = "val" if verb == "validate" else "test"
+    metrics = to_floats(dict(trainer.callback_metrics))
+    path = append_record(run_dir, eval_record(verb, stage, metrics, target))
+    rank_zero_info(f"{stage} record (step {target.step}) appended to {path}")

@@ -1,0 +1,389 @@
+"""The command line of ``nanolab fit / validate / test``: LightningCLI parses, nothing more.
+
+On top of Lightning's own config groups (``trainer``, ``model``, ``data``, ``seed_everything``)
+the parser adds ``run`` (where the run lives, the global batch in tokens, evaluation cadence,
+resume policy), the run's callbacks (``log``, ``checkpoint``, ``budget``, ``throughput``,
+``progress``, ``divergence``, ``preemption``) and ``--logger``. Parsing stops before anything is
+built: :func:`nanolab.run.compose.launch` resolves the derived values and assembles the run in
+one function. ``--print_config`` shows the config as given.
+
+Why LightningCLI still parses (measured, docs/performance.md): its parse costs 0.28-0.46 s of a
+launch whose imports cost 3.9-4.8 s, and it gives every Trainer/model/data setting its typed
+``--key value`` flag, ``--config`` merging, class choices and ``--print_config`` for free.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from nanolab.estimator.gpus import MatmulPrecision
+from nanolab.training.plugins import (
+    DEFAULT_DATA,
+    DEFAULT_MODEL,
+    PluginImportError,
+    check_importable,
+    class_paths_in_argv,
+    class_paths_in_config,
+)
+from nanolab.training.resolve import FIT_SEED, RunConfigError, trainer_defaults
+
+
+@dataclass
+class RunConfig:
+    """Where a run lives and how its steps are counted.
+
+    Args:
+        name: Run name: its directory is ``<root>/<name>``. ``null`` = ``<config stem>-<time>``.
+            Give a fixed name to make a run resumable under the same directory. A plain folder
+            name: no ``/``, not empty, ``.`` or ``..`` (the run must stay inside ``root``).
+        root: Folder holding run directories.
+        global_batch_tokens: Tokens per optimizer step over all devices. Gradient accumulation
+            is derived: ``global_batch_tokens / (micro_batch_size * block_size * world_size)``,
+            which must be a whole number. ``null`` = no accumulation.
+        eval_every_steps: Optimizer steps between validations.
+        resume: ``auto`` continues from the run directory's newest complete checkpoint when
+            there is one; ``never`` starts fresh; a path resumes from that checkpoint.
+        fresh: Start a new run even though the run directory holds another one: its log,
+            checkpoints and config are moved to ``<run_dir>/previous/`` (never deleted). Without
+            it, a directory that holds a different run is refused.
+        micro_batch_size: ``null`` = ``data.micro_batch_size``; an integer overrides it;
+            ``auto`` = the largest micro-batch the memory estimator predicts fits on this GPU
+            and divides the global batch (no trial-and-error OOM runs; on CPU the data's value).
+        float32_matmul_precision: ``torch.set_float32_matmul_precision`` for GPU runs:
+            ``high`` (default) lets ``32-true`` matmuls use TF32 tensor cores (8x the FP32 rate
+            on an A100, 10 mantissa bits per product, FP32 accumulation); ``highest`` keeps
+            full FP32. 16-bit precisions do not use it. CPU runs are left as they are. The
+            estimator, the MFU denominator and ``nanolab estimate`` follow this setting.
+    """
+
+    name: str | None = None
+    root: str = "runs"
+    global_batch_tokens: int | None = None
+    eval_every_steps: int = 250
+    resume: str = "auto"
+    fresh: bool = False
+    micro_batch_size: int | Literal["auto"] | None = None
+    float32_matmul_precision: MatmulPrecision = "high"
+
+
+def run_callbacks() -> dict[str, type]:
+    """The run's callbacks by config group (``--log.*``, ``--checkpoint.*``, ...), in the order
+    the Trainer gets them, after ``trainer.callbacks``.
+
+    The run log, checkpoint rotation, budgets, throughput/MFU and the step progress bar; on by
+    default, the divergence stop (K non-finite steps in a row, or a collapsed fp16 loss scale)
+    and the preemption handler (SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint, exit 75).
+    Their step hooks run in ``callbacks/step.STEP_ORDER`` wherever they are registered, so the
+    checkpoint a preemption saves includes the step's record.
+    """
+    from nanolab.callbacks import (
+        CostBudget,
+        MetricsLog,
+        RotatingCheckpoint,
+        StepProgressBar,
+        ThroughputMeter,
+    )
+    from nanolab.callbacks.divergence import DivergenceStop
+    from nanolab.callbacks.preemption import PreemptionHandler
+
+    return {
+        "log": MetricsLog,
+        "checkpoint": RotatingCheckpoint,
+        "budget": CostBudget,
+        "throughput": ThroughputMeter,
+        "progress": StepProgressBar,
+        "divergence": DivergenceStop,
+        "preemption": PreemptionHandler,
+    }
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Read every ``--config`` file first, so an empty or malformed one is named in the error
+    (the parser itself reports them as "Unexpected config" or ``<unicode string>``), and import
+    the model, data and callback classes they and the command line name, so a plug-in that
+    does not import is one line naming its module (the parser would say it "does not validate
+    against any of the Union subtypes")."""
+    import yaml
+
+    plugins = class_paths_in_argv(argv)
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_file():
+            continue  # not a file: the parser reports it (or takes it as inline YAML)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise RunConfigError(
+                f"config file {path}: YAML error{where}: {problem}; fix the file's syntax"
+            ) from None
+        if data is None:
+            raise RunConfigError(
+                f"config file {path} is empty; give it settings (e.g. `trainer: {{max_steps: "
+                f"100}}`) or leave out --config {raw}"
+            )
+        if not isinstance(data, dict):
+            raise RunConfigError(
+                f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
+                f"got a {type(data).__name__}"
+            )
+        plugins += class_paths_in_config(data)
+    try:
+        check_importable(plugins)
+    except PluginImportError as err:
+        raise RunConfigError(str(err)) from None
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Reports a bad config in one line (the key and what is wrong), not a usage screen."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        message = subclass_problem(str(message)) or str(message)
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        summary = " ".join(lines[:3])
+        sys.stderr.write(f"nanolab: error: {summary}\n")
+        sys.exit(2)
+
+
+def unwrap_union_error(err: BaseException) -> BaseException:
+    """The exception a class raised, from under jsonargparse's Union report (its cause)."""
+    while (
+        isinstance(err, ValueError)
+        and "Does not validate against any of the Union subtypes" in str(err)
+        and isinstance(err.__cause__, Exception)
+    ):
+        err = err.__cause__
+    return err
+
+
+def subclass_problem(message: str) -> str | None:
+    """The setting at fault inside a ``model``/``data`` class choice, with its full key.
+
+    The parser reports a bad ``model.gpt.n_layer`` as "Parser key "model": Does not validate
+    against any of the Union subtypes ... Problem with given class_path X: Parser key
+    "gpt.n_layer": Expected a <class 'int'>": this keeps the inner problem, keyed from the top.
+    """
+    import re
+
+    head = re.match(r'Parser key "([\w.]+)":', message)
+    start = message.find("Problem with given class_path")
+    if head is None or start < 0:
+        return None
+    group = head.group(1)
+    lines = message[start:].splitlines()
+    inner = []
+    for line in lines[1:]:
+        text = line.strip()
+        if text.startswith("- Expected a <class 'NoneType'>") or text.startswith("Given value"):
+            break
+        inner.append(text)
+    text = " ".join(inner).strip()
+    text = re.sub(r'Parser key "([^"]+)"', lambda m: f'Parser key "{group}.{m.group(1)}"', text)
+    text = re.sub(r"--(?!config)([\w.]+)=", lambda m: f"--{group}.{m.group(1)}=", text)
+    text = re.sub(r"Group '([\w.]+)'", lambda m: f"Group '{group}.{m.group(1)}'", text)
+    return text or None
+
+
+class Parsed(Exception):
+    """Ends LightningCLI's run once the command line is parsed; carries the parsed CLI."""
+
+    def __init__(self, cli: NanolabCLI) -> None:
+        super().__init__("parsed")
+        self.cli = cli
+
+
+class NanolabCLI(LightningCLI):
+    """LightningCLI as nanolab's parser: ``run`` settings, the run's callbacks, ``--logger``.
+
+    It stops right after parsing, before it would seed and build anything:
+    :func:`nanolab.run.compose.launch` does both, in one function. ``verb_parser`` is the parser of the
+    subcommand being run, the one whose dump is the run's ``config.yaml``.
+
+    Args:
+        verb: The subcommand being run (``fit``, ``validate``, ``test``): only its parser is
+            built. LightningCLI builds one per subcommand, four in all, and a run uses one
+            (the other three cost 0.15 s of CPU at every launch; docs/performance.md).
+    """
+
+    def __init__(self, *args: Any, verb: str | None = None, **kwargs: Any) -> None:
+        self._verb = verb
+        super().__init__(*args, **kwargs)
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
+        every = LightningCLI.subcommands()
+        verb = getattr(self, "_verb", None)
+        return {verb: every[verb]} if verb in every else every
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        self.verb_parser = parser
+        parser.add_class_arguments(RunConfig, "run", fail_untyped=True)
+        # Model and data are choices (--model pkg.mod.Class); nanolab's own by default. The
+        # data's block_size follows the model's gpt.block_size (set by the resolver).
+        parser.set_defaults(
+            {"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}}
+        )
+        for group, callback in run_callbacks().items():
+            parser.add_lightning_class_args(callback, group)
+        parser.link_arguments("run.fresh", "log.fresh")
+        # A tracker fed from the run log, its files inside the run directory (docs/loggers.md).
+        parser.add_argument(
+            "--logger",
+            type=Literal["tensorboard", "csv", "wandb", "mlflow"] | None,
+            default=None,
+            help="Experiment logger writing into the run directory, at metrics.jsonl's steps.",
+        )
+
+    def _set_seed(self) -> None:
+        """Parsing leaves the RNG alone: ``launch`` seeds, where a reader sees it."""
+
+    def before_instantiate_classes(self) -> None:
+        raise Parsed(self)
+
+    def _parse_ckpt_path(self) -> None:
+        """Check a ``--ckpt_path`` file the safe way before LightningCLI opens it (it reads the
+        checkpoint's hyperparameters right after parsing): a bad file is one error line."""
+        sub = self.config.get("subcommand")
+        given = self.config[sub].get("ckpt_path") if sub else None
+        if given is not None and Path(str(given)).is_file():
+            from nanolab.training.resume import ResumeError, resume_candidate
+
+            try:
+                resume_candidate(str(given), ".", None, "--ckpt_path", training=sub == "fit")
+            except ResumeError as err:
+                raise RunConfigError(str(err)) from None
+        super()._parse_ckpt_path()
+
+
+def model_and_data_classes() -> dict[str, Any]:
+    """LightningCLI arguments that make ``model`` and ``data`` choices of any LightningModule /
+    LightningDataModule (subclass mode); :class:`NanolabCLI` defaults them to nanolab's own."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    return {
+        "model_class": LightningModule,
+        "datamodule_class": LightningDataModule,
+        "subclass_mode_model": True,
+        "subclass_mode_data": True,
+    }
+
+
+NULL_WORDS = ("null", "Null", "NULL", "~")
+
+
+def nulls_as_class_settings(argv: list[str]) -> list[str]:
+    """``--model.gpt.vocab_size null`` rewritten as ``--model '{"init_args": {...: null}}'``.
+
+    With ``model``/``data`` as class choices, jsonargparse (4.53) hands a nested ``null`` to the
+    class's parser as the string ``"None"``, so every ``Optional`` setting refused ``null`` on the
+    command line. The same setting given as an ``init_args`` dict merges into the chosen class
+    and keeps everything given before and after it.
+    """
+    import json
+
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, value, width = None, None, 1
+        for group in ("--model.", "--data."):
+            if arg.startswith(group) and not arg.startswith(group + "class_path"):
+                if "=" in arg:
+                    key, value = arg.split("=", 1)
+                elif i + 1 < len(argv):
+                    key, value, width = arg, argv[i + 1], 2
+                break
+        if key is None or value not in NULL_WORDS:
+            out.append(arg)
+            i += 1
+            continue
+        group, *path = key[2:].split(".")
+        if path and path[0] == "init_args":
+            path = path[1:]
+        nested: object = None
+        for part in reversed(path):
+            nested = {part: nested}
+        out += [f"--{group}", json.dumps({"init_args": nested})]
+        i += width
+    return out
+
+
+def parse_command(argv: list[str], *, from_command_line: bool = False) -> NanolabCLI:
+    """``VERB ARGS`` parsed by the run's parser: the CLI holding ``config`` and the parsers.
+
+    Every ``--config`` file is read first (:func:`check_config_files`); a value the parser
+    refuses ends in one error line and exit 2 (:class:`OneLineErrorParser`). With
+    ``from_command_line`` LightningCLI reads ``sys.argv`` itself (it warns when given both).
+    """
+    check_config_files(argv)
+    try:
+        NanolabCLI(
+            **model_and_data_classes(),
+            args=None if from_command_line else argv,
+            trainer_defaults=trainer_defaults(),
+            seed_everything_default=FIT_SEED,
+            auto_configure_optimizers=False,
+            parser_class=OneLineErrorParser,
+            verb=argv[0] if argv else None,
+        )
+    except Parsed as done:
+        return done.cli
+    raise RunConfigError("the command line could not be parsed")  # pragma: no cover
+
+
+class FitParseError(RunConfigError):
+    """``fit``'s parser refused a command line; the message is its one error line."""
+
+
+def parse_fit_config(args: list[str]) -> Any:
+    """The merged config ``nanolab fit ARGS`` would run, read by the fit parser itself.
+
+    Nothing is built and this process's RNG is not touched. ``queue add`` checks jobs with it
+    and the resolver's parity test holds :func:`nanolab.training.resolve.compose` against it.
+    Raises :class:`FitParseError` with the parser's error line.
+    """
+    import contextlib
+    import io
+    import warnings
+
+    err = io.StringIO()
+    try:
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            return parse_command(nulls_as_class_settings(["fit", *args])).config["fit"]
+    except RunConfigError as error:  # unreadable YAML, a model/data class that does not import
+        raise FitParseError(str(error)) from None
+    except SystemExit:
+        raise FitParseError(_parser_error_line(err.getvalue())) from None
+
+
+def _parser_error_line(text: str) -> str:
+    """The parser's message without its usage screen: the last line that says 'error'."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if "error:" in lines[i]:
+            msg = lines[i].split("error:", 1)[1].strip()
+            return " ".join([msg, *lines[i + 1 : i + 3]]).strip()
+    return lines[-1] if lines else "the config does not parse"
