@@ -26,33 +26,11 @@ from nanolab.model.checkpoint import (  # noqa: F401  (public here too)
     state_mismatch,
     tokenizer_from_checkpoint,
 )
+from nanolab.model.device import check_device
 
 
 class GenerateArgumentError(NanolabError):
     """An option value that cannot work; the message names the option and the fix."""
-
-
-def check_device(text: str) -> torch.device:
-    """The device ``--device`` names, if this machine has it (tried with a one-element tensor)."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise GenerateArgumentError(
-            f"--device {text!r} is not a device name; use cpu, cuda, cuda:N or mps"
-        ) from None
-    if device.type == "meta":
-        raise GenerateArgumentError("--device meta holds no data; use cpu, cuda, cuda:N or mps")
-    try:
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as err:
-        usable = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        if torch.backends.mps.is_available():
-            usable.append("mps")
-        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise GenerateArgumentError(
-            f"--device {text}: not usable here ({why[:120]}); use --device {' or '.join(usable)}"
-        ) from None
-    return device
 
 
 def check_sampling(args: argparse.Namespace) -> None:

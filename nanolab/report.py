@@ -70,7 +70,9 @@ class ReportError(RunsError):
 
 
 SORT_FIELDS = tuple(
-    f.name for f in fields(RunSummary) if f.name not in ("group", "run_dir", "skipped_example")
+    f.name
+    for f in fields(RunSummary)
+    if f.name not in ("group", "run_dir", "skipped_example", "task_scores")
 )
 
 
@@ -86,6 +88,8 @@ class SeedGroup:
     mean_val_loss: float | None
     std_val_loss: float | None
     repeated_seeds: list[int] = field(default_factory=list)  # seeds run twice: not a spread
+    mean_core: float | None = None  # CORE over the seeds that logged one
+    std_core: float | None = None
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -173,6 +177,7 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
         if len(members) < 2:
             continue
         losses = [m.final_val_loss for m in members if m.final_val_loss is not None]
+        cores = [m.core for m in members if m.core is not None]
         seeds = [m.seed for m in members]
         out.append(
             SeedGroup(
@@ -183,6 +188,8 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
                 mean_val_loss=statistics.fmean(losses) if losses else None,
                 std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
                 repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
+                mean_core=statistics.fmean(cores) if cores else None,
+                std_core=statistics.stdev(cores) if len(cores) >= 2 else None,
             )
         )
     return sorted(out, key=lambda g: g.label)
@@ -215,11 +222,25 @@ def _status_text(s: RunSummary) -> str:
     return s.status + (f" (+{s.resumes} resume{'s' if s.resumes > 1 else ''})" if s.resumes else "")
 
 
+def task_names(summaries: list[RunSummary]) -> list[str]:
+    """Every task some run scored, in the order first seen."""
+    return list(dict.fromkeys(name for s in summaries for name in s.task_scores))
+
+
+def _mean_spread(mean: float | None, std: float | None, fmt: str = ".4f") -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:{fmt}} ± {std:{fmt}}" if std is not None else f"{mean:{fmt}}"
+
+
 def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
     headers = [
         "run", "status", "steps", "tokens", "train loss", "best val (step)", "val bpb",
         "Δ train loss", "tokens/s", "MFU", "GPU-h", "cost", "wall",
     ]  # fmt: skip
+    tasks = task_names(summaries)
+    if tasks or any(s.core is not None for s in summaries):
+        headers += ["CORE", *tasks]  # the newest tasks record: its score per task
     rows = []
     for s in summaries:
         best = "-" if s.best_val_loss is None else f"{s.best_val_loss:.4f} ({s.best_val_step})"
@@ -244,8 +265,10 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
                 duration(s.wall_s),
             ]
         )
+        if len(headers) > 13:
+            rows[-1] += [_f(s.core, "+.3f"), *(_f(s.task_scores.get(t), ".3f") for t in tasks)]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    right = {2, 3, 4, 6, 8, 9, 10, 11, 12}
+    right = {2, 3, 4, 6, 8, 9, 10, 11, 12, *range(13, len(headers))}
 
     def line(cells: list[str]) -> str:
         return "  ".join(
@@ -258,16 +281,17 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
         f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps minus the "
         "first logged step's (the same for every run)"
     )
+    if len(headers) > 13:
+        out.append(
+            "CORE and task columns: the newest tasks record (nanolab eval or --downstream.suite); "
+            "a task's score is the accuracy its centered value uses"
+        )
     if groups:
         out += ["", "seed groups (same config, different seed): final val loss"]
         for g in groups:
-            spread = (
-                "-"
-                if g.mean_val_loss is None
-                else f"{g.mean_val_loss:.4f} ± {g.std_val_loss:.4f}"
-                if g.std_val_loss is not None
-                else f"{g.mean_val_loss:.4f}"
-            )
+            spread = _mean_spread(g.mean_val_loss, g.std_val_loss)
+            if g.mean_core is not None:
+                spread += f", CORE {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
             out.append(f"  {g.label}: {spread}  (n={g.n}, seeds {seeds}: {', '.join(g.runs)})")
             if g.repeated_seeds:
@@ -364,7 +388,21 @@ def plot_runs(
     from matplotlib.ticker import FuncFormatter
 
     key = {"tokens": "tokens", "gpu_hours": "gpu_hours"}[x]
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
+    summaries = [s for s, _ in runs]
+    # A panel per task metric after the two loss panels: CORE, then each task's score.
+    task_keys = (["tasks/core"] if any(s.core is not None for s in summaries) else []) + [
+        f"tasks/{t}/score" for t in task_names(summaries)
+    ]
+    panels = 2 + len(task_keys)
+    ncols = min(3, panels) if task_keys else 2
+    nrows = -(-panels // ncols)
+    fig, grid = plt.subplots(
+        nrows, ncols, figsize=(6 * ncols, 4.8 * nrows), sharex=True, squeeze=False
+    )
+    axes = list(grid.flat)
+    ax_train, ax_val, task_axes = axes[0], axes[1], axes[2 : 2 + len(task_keys)]
+    for ax in axes[panels:]:
+        ax.set_visible(False)
     dirs = {s.run: d for s, d in runs}
     groups = _by_config([s for s, _ in runs])
     labels = group_labels(groups)
@@ -374,6 +412,7 @@ def plot_runs(
     for i, (members, label) in enumerate(zip(groups, labels, strict=True)):
         color = colors[i % len(colors)]
         trains, vals = [], []
+        task_curves: list[list[dict[int, tuple[float, float]]]] = [[] for _ in task_keys]
         for s in members:
             records = read_run(dirs[s.run])[0]
             train = last_by_step([r for r in records if r.get("event") == "train"])
@@ -388,11 +427,18 @@ def plot_runs(
                 trains.append(t)
             if v:
                 vals.append(v)
+            scored = last_by_step([r for r in records if r.get("event") == "tasks"])
+            for curves, task_key in zip(task_curves, task_keys, strict=True):
+                curve = _curve(scored, key, task_key, xs)
+                if curve:
+                    curves.append(curve)
         n = len(members)
         name = f"{label} (n={n})" if n > 1 else label
         drawn.append({"label": label, "color": color, "runs": [m.run for m in members],
                       "val_band": _band(vals)})  # fmt: skip
-        for ax, curves, marker in ((ax_train, trains, None), (ax_val, vals, "o")):
+        panes = [(ax_train, trains, None), (ax_val, vals, "o")]
+        panes += [(ax, curves, "s") for ax, curves in zip(task_axes, task_curves, strict=True)]
+        for ax, curves, marker in panes:
             band = _band(curves)
             if not band:
                 continue
@@ -415,8 +461,15 @@ def plot_runs(
         )
     xlabel = "tokens" if x == "tokens" else "GPU-hours"
     smooth = "train loss (trailing mean)"
-    for ax, title in ((ax_train, smooth), (ax_val, "val loss")):
+    titles = [(ax_train, smooth), (ax_val, "val loss")]
+    for ax, task_key in zip(task_axes, task_keys, strict=True):
+        name = task_key.split("/")[1]
+        titles.append(
+            (ax, "CORE (mean centered accuracy)" if name == "core" else f"{name} (score)")
+        )
+    for ax, title in titles:
         ax.set_title(title)
+        ax.tick_params(labelbottom=True)  # every panel keeps its x labels (rows share the axis)
         ax.set_xlabel(xlabel + (" (log)" if logx else ""))
         ax.grid(alpha=0.3)
         if logx:

@@ -77,6 +77,9 @@ class RunSummary:
     updated: float | None = None
     run_dir: str = ""
     group: str | None = field(default=None, repr=False)  # fingerprint of the seed-free config
+    core: float | None = None  # CORE (mean centered accuracy) of the newest ``tasks`` record
+    task_scores: dict[str, float] = field(default_factory=dict, repr=False)  # name -> score
+    tasks_step: int | None = None  # the step that record scored
     skipped_records: int = 0  # valid JSON of the wrong shape (e.g. a string step), not used
     skipped_example: str | None = None  # what was wrong with the first of them
 
@@ -289,6 +292,11 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
             s.final_val_loss = num(last_value(val, "val_loss"))
             s.best_val_bpb = num(best.get("val_bpb"))
             s.final_val_bpb = num(last_value(val, "val_bpb"))
+    tasks = last_by_step([r for r in records if r.get("event") == "tasks"])
+    if tasks:
+        newest = tasks[-1]
+        s.core, s.tasks_step = num(newest.get("tasks/core")), newest.get("step")
+        s.task_scores = task_scores(newest)
     s.start_loss, s.improvement = train_delta(train)
     s.tokens_per_s = recent_mean(train, "tokens_per_s")
     s.mfu = recent_mean(train, "mfu")
@@ -299,6 +307,21 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     if s.wall_s is None and s.started is not None and s.updated is not None:
         s.wall_s = s.updated - s.started
     return s
+
+
+def task_scores(record: dict[str, Any]) -> dict[str, float]:
+    """``{task: score}`` of a ``tasks`` record: the accuracy its centered score is computed from."""
+    out = {}
+    for key, value in record.items():
+        parts = key.split("/")
+        if (
+            len(parts) == 3
+            and parts[0] == "tasks"
+            and parts[2] == "score"
+            and num(value) is not None
+        ):
+            out[parts[1]] = float(value)
+    return out
 
 
 def train_delta(train: list[dict[str, Any]]) -> tuple[float | None, float | None]:

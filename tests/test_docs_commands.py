@@ -88,6 +88,11 @@ PLANS: dict[str, dict[str, str]] = {
         "nanolab validate --config configs/quickstart.yaml": RUN,
         "nanolab test --config configs/quickstart.yaml --ckpt_path best": RUN,
         "nanolab validate --config configs/quickstart.yaml --ckpt_path none": RUN,
+        "nanolab eval runs/quickstart": RUN,
+        "nanolab eval runs/quickstart --suite my-suite.yaml": RUN,
+        "nanolab eval runs/quickstart --suite eval_bundle": RUN,
+        "nanolab lm-eval run --model nanolab --model_args checkpoint=runs/quickstart --tasks "
+        "shakespeare_cloze_local --include_path tasks --batch_size 32": RUN,
     },
     "forking.md": {
         "nanolab init my-lm": RUN,
@@ -392,8 +397,39 @@ def test_estimate_md(work: Path, capsys) -> None:
             assert "GiB" in out, out[:500]
 
 
-def test_evaluate_md(work: Path, capsys) -> None:
-    """docs/evaluate.md: fit, validate the newest checkpoint, test the best, validate untrained."""
+def evaluate_md_files(work: Path) -> None:
+    """What the page's eval commands name: a suite of one's own, a DCLM bundle folder (its
+    layout, with tasks this vocabulary can spell) and the page's lm-eval task YAML."""
+    rows = [
+        {"context": "ROMEO:", "choices": ["Good night.", "Farewell."], "label": i % 2}
+        for i in range(6)
+    ]
+    (work / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "my-suite.yaml").write_text("- file: mine.jsonl\n  kind: multiple_choice\n")
+    bundle = work / "eval_bundle"
+    (bundle / "eval_data").mkdir(parents=True)
+    mc = [{"query": "Who is there?", "choices": ["Nay, answer me.", "I."], "gold": 0}] * 4
+    (bundle / "eval_data" / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mc))
+    (bundle / "core.yaml").write_text(
+        "icl_tasks:\n- label: mc\n  dataset_uri: mc.jsonl\n  num_fewshot: [1]\n"
+        "  icl_task_type: multiple_choice\n"
+    )
+    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\nmc,50\n")
+    page = (DOCS / "evaluate.md").read_text()
+    task = re.search(r"```yaml\n(# tasks/cloze.yaml.*?)```", page, flags=re.S).group(1)
+    shipped = REPO / "nanolab" / "downstream" / "data" / "shakespeare-cloze.jsonl"
+    (work / "tasks").mkdir()
+    (work / "tasks" / "cloze.yaml").write_text(
+        task.replace("nanolab/downstream/data/shakespeare-cloze.jsonl", str(shipped))
+    )
+
+
+def test_evaluate_md(work: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/evaluate.md: fit, validate the newest checkpoint, test the best, validate untrained;
+    eval the tasks three ways (each logged at the checkpoint's step); lm-eval on a local task."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the page's export
+    evaluate_md_files(work)
     records = work / "runs" / "quickstart" / "metrics.jsonl"
     printed = []
     for command in commands("evaluate.md", RUN):
@@ -403,9 +439,16 @@ def test_evaluate_md(work: Path, capsys) -> None:
     evaluated = [json.loads(line) for line in records.read_text().splitlines()]
     by = [(r["event"], r["evaluated_by"], r["step"]) for r in evaluated if "evaluated_by" in r]
     # validate: the newest checkpoint (step 6); test best: the only validated step; none: the
-    # untrained model, printed and not logged.
-    assert by == [("val", "nanolab validate", 6), ("test", "nanolab test", 6)], by
-    assert "val_loss" in printed[-1] or "val/loss" in printed[-1], printed[-1][-1000:]
+    # untrained model, printed and not logged; eval: the newest checkpoint, three suites.
+    assert by == [
+        ("val", "nanolab validate", 6), ("test", "nanolab test", 6),
+        *[("tasks", "nanolab eval", 6)] * 3,
+    ], by  # fmt: skip
+    assert "val_loss" in printed[3] or "val/loss" in printed[3], printed[3][-1000:]
+    suites = [r["suite"] for r in evaluated if r.get("event") == "tasks"]
+    assert suites == ["builtin:shakespeare", "my-suite.yaml", "eval_bundle"]
+    assert evaluated[-1]["tasks/mc/n"] == 4 and "tasks/core" in evaluated[-1]
+    assert "shakespeare_cloze_local" in printed[-1] and "acc_norm" in printed[-1]
 
 
 def test_loggers_md(work: Path, capsys) -> None:

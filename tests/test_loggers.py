@@ -77,3 +77,19 @@ def test_a_missing_logger_package_is_one_line_with_the_pip_command(work):
         "pip install 'nanolab[wandb]'"
     )
     assert not (work / "runs").exists()
+
+
+def test_task_records_reach_the_loggers_at_their_step() -> None:
+    """A ``tasks`` record (the downstream callback's) goes to every logger at its step, under
+    its own names; records of other kinds (``budget``) do not."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.loggers import forward_record
+
+    got: list[tuple[dict, int]] = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: got.append((metrics, step)))
+    trainer = SimpleNamespace(loggers=[logger])
+    forward_record(trainer, {"event": "tasks", "step": 300, "suite": "builtin:shakespeare",
+                             "tasks/cloze/score": 0.36, "tasks/core": 0.15})  # fmt: skip
+    forward_record(trainer, {"event": "budget", "step": 300, "spent": 1.0})
+    assert got == [({"tasks/cloze/score": 0.36, "tasks/core": 0.15}, 300)]

@@ -352,3 +352,41 @@ def test_compare_prints_the_config_diff_beside_the_results(tmp_path, capsys) -> 
     assert re.search(r"^status +completed +completed$", out, re.M)
     code, _, err = run_report(capsys, str(tmp_path), "--compare", "lo", "nope")
     assert code == 2 and "--compare: no run named 'nope'" in err
+
+
+def _add_tasks(run_dir: Path, step: int, cloze: float, core: float) -> None:
+    """Append a ``tasks`` record as the downstream callback writes it."""
+    record = {"event": "tasks", "time": time.time(), "step": step, "suite": "builtin:shakespeare",
+              "tasks/cloze/score": cloze, "tasks/cloze/acc": 0.3, "tasks/cloze/centered": core,
+              "tasks/cloze/n": 100, "tasks/core": core}  # fmt: skip
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def test_task_accuracies_columns_seed_groups_and_plot(tmp_path: Path, capsys) -> None:
+    """The newest tasks record of each run: CORE and per-task columns, CORE's mean ± std per
+    seed group, and a panel per task metric in the plot."""
+    cores = {"s1": 0.10, "s2": 0.16, "s3": 0.13}
+    for i, (name, core) in enumerate(cores.items(), start=1):
+        run = write_run(tmp_path / "runs", name, seed=i, losses=[3.0, 2.8], vals={2: 2.5})
+        _add_tasks(run, 1, 0.2, -0.5)  # an earlier evaluation: not the one reported
+        _add_tasks(run, 2, 0.25 + 0.75 * core, core)
+    code, out, _ = run_report(capsys, str(tmp_path / "runs"), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert {r["run"]: r["core"] for r in data["runs"]} == cores
+    assert data["runs"][0]["task_scores"] == {"cloze": pytest.approx(0.25 + 0.75 * 0.10)}
+    (group,) = data["seed_groups"]
+    assert group["mean_core"] == pytest.approx(statistics.fmean(cores.values()))
+    assert group["std_core"] == pytest.approx(statistics.stdev(cores.values()))
+    _, table, _ = run_report(capsys, str(tmp_path / "runs"))
+    header = table.splitlines()[0]
+    assert header.split()[-2:] == ["CORE", "cloze"]
+    assert "+0.100" in table and f"{0.25 + 0.75 * 0.10:.3f}" in table
+    mean, std = statistics.fmean(cores.values()), statistics.stdev(cores.values())
+    assert f"CORE {mean:+.3f} ± {std:+.3f}" in table
+    out_png = tmp_path / "plot.png"
+    code, _, err = run_report(capsys, str(tmp_path / "runs"), "--plot", str(out_png))
+    assert code == 0, err
+    width, height = (int.from_bytes(out_png.read_bytes()[i : i + 4], "big") for i in (16, 20))
+    assert (width, height) == (3 * 720, 2 * 576)  # train, val, CORE, cloze: 3 x 2 panels

@@ -137,7 +137,19 @@ def banner_lines(
                 lines.append(text)
     else:
         lines.append(f"  steps      from {start}, no max_steps: a budget or a signal stops it")
+    for callback in trainer.callbacks:  # callbacks that say what they add to the run's time
+        line = getattr(callback, "banner_line", None)
+        text = line(lambda tokens: _forward_seconds(trainer, tokens, estimate)) if line else None
+        if text:
+            lines.append(text)
     return lines
+
+
+def _forward_seconds(trainer: L.Trainer, tokens: int, estimate: bool) -> float | None:
+    """Seconds for one forward pass over ``tokens`` tokens: a third of a training step's
+    FLOPs (forward 2N, backward 4N per parameter) at the banner's rate."""
+    guess = _safe_estimate(trainer, 1, tokens) if estimate and tokens > 0 else None
+    return None if guess is None else guess[0] / 3.0
 
 
 def _safe_estimate(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:

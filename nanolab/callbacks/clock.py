@@ -14,7 +14,7 @@ What is measured, without any device synchronisation per step:
 * *step time*: ``on_train_batch_start`` -> ``on_train_batch_end`` of every micro-batch, plus the
   time a host sync later spends waiting for the device to finish queued step work (the run log's
   once-per-record ``.item()``, the device sync before a checkpoint);
-* *pauses*: evaluation, checkpointing and logging, attributed to the innermost one when nested;
+* *pauses*: evaluation, downstream tasks, checkpointing and logging, attributed to the innermost one when nested;
 * *data wait*: from the end of one step (or pause) to the start of the next step, outside
   pauses: fetching the next batch plus the loop's own bookkeeping, so an upper bound on the time
   spent waiting for data (it is what a slow DataLoader would inflate);
@@ -38,7 +38,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-PAUSE_KINDS = ("eval", "checkpoint", "log")
+PAUSE_KINDS = ("eval", "tasks", "checkpoint", "log")
 
 
 _launch_counted = False

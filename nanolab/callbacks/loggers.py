@@ -159,8 +159,10 @@ def logger_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 
 def forward_record(trainer: Any, record: dict[str, Any]) -> None:
-    """Send a ``train``/``val`` record to every logger at the record's step (rank 0 only)."""
-    if record.get("event") not in ("train", "val") or not isinstance(record.get("step"), int):
+    """Send a ``train``/``val``/``tasks`` record to every logger at the record's step (rank 0)."""
+    if record.get("event") not in ("train", "val", "tasks") or not isinstance(
+        record.get("step"), int
+    ):
         return
     loggers = getattr(trainer, "loggers", None) or []
     if not loggers:

@@ -92,7 +92,8 @@ def launch(cli: NanolabCLI) -> Trainer:
 
     # -- build: model, data, the run's callbacks, the logger, the Trainer
     try:
-        built = cli.parser.instantiate_classes(cli.config)[verb]
+        instantiate = getattr(cli.parser, "instantiate", None) or cli.parser.instantiate_classes
+        built = instantiate(cli.config)[verb]  # jsonargparse >= 4.49 names it instantiate
     except ValueError as err:  # a class's own error, not the parser's Union report around it
         raise unwrap_union_error(err) from None
     model, data = built.model, built.data

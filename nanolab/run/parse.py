@@ -75,7 +75,8 @@ def run_callbacks() -> dict[str, type]:
     """The run's callbacks by config group (``--log.*``, ``--checkpoint.*``, ...), in the order
     the Trainer gets them, after ``trainer.callbacks``.
 
-    The run log, checkpoint rotation, budgets, throughput/MFU and the step progress bar; on by
+    In-context task accuracies (off until ``downstream.suite`` is set), the run log, checkpoint
+    rotation, budgets, throughput/MFU and the step progress bar; on by
     default, the divergence stop (K non-finite steps in a row, or a collapsed fp16 loss scale)
     and the preemption handler (SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint, exit 75).
     Their step hooks run in ``callbacks/step.STEP_ORDER`` wherever they are registered, so the
@@ -89,9 +90,11 @@ def run_callbacks() -> dict[str, type]:
         ThroughputMeter,
     )
     from nanolab.callbacks.divergence import DivergenceStop
+    from nanolab.callbacks.downstream import DownstreamEval
     from nanolab.callbacks.preemption import PreemptionHandler
 
     return {
+        "downstream": DownstreamEval,  # first: its final record lands before the log closes
         "log": MetricsLog,
         "checkpoint": RotatingCheckpoint,
         "budget": CostBudget,

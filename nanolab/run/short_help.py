@@ -41,6 +41,7 @@ LOGGER_HELP = "tensorboard, csv, wandb or mlflow, written into the run directory
 
 #: Callback groups: one line each (their keys: --help-all or docs/callbacks.md).
 CALLBACK_GROUPS = {
+    "downstream": "in-context task accuracy: suite (builtin:shakespeare, a YAML, a DCLM bundle), every_n_evals, limit",
     "log": "metrics.jsonl, the run log (every_n_steps)",
     "checkpoint": "rotation, keep_last/keep_best, every_n_steps/minutes, async_save",
     "budget": "max_gpu_hours, max_cost + price_per_gpu_hour, max_tokens, patience, payoff",

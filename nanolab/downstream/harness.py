@@ -1,0 +1,208 @@
+"""lm-evaluation-harness on any nanolab checkpoint: ``nanolab lm-eval`` (docs/evaluate.md).
+
+:class:`NanolabLM` is an lm-eval ``LM`` that loads a nanolab checkpoint directly (the model and
+its tokenizer, with ``weights_only=True``), so every lm-eval task runs on every architecture
+nanolab trains, including the ones ``nanolab export --format hf`` refuses (RoPE, RMSNorm, SwiGLU,
+QK-norm). Requests are scored with nanolab's own batched scorer
+(:mod:`nanolab.downstream.scoring`): tokenized the same way as ``nanolab eval``, so the two agree
+on a task they share.
+
+``nanolab lm-eval ARGS`` is lm-eval's own command line (``lm-eval ARGS``) with the model
+registered as ``nanolab``::
+
+    nanolab lm-eval run --model nanolab --model_args checkpoint=runs/quickstart \\
+        --tasks my_task --include_path tasks/ --batch_size 16
+
+Install with ``pip install 'nanolab[eval]'``. lm-eval fetches a task's dataset from the Hugging
+Face hub unless the task's YAML points at local files (``dataset_path: json`` with
+``dataset_kwargs: {data_files: ...}``); nanolab itself never downloads anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanolab.downstream.scoring import Request, encode_pair, score_requests
+from nanolab.errors import NanolabError
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError:  # the extra is not installed: the adapter says how to get it when used
+    LM = object  # type: ignore[assignment,misc]
+
+    def register_model(*names: str) -> Any:  # type: ignore[misc]
+        return lambda cls: cls
+
+
+INSTALL = "pip install 'nanolab[eval]' (lm-evaluation-harness)"
+
+
+class HarnessError(NanolabError):
+    """lm-evaluation-harness is missing, or a ``--model_args`` value cannot work."""
+
+
+def checkpoint_path(target: str) -> Path:
+    """A ``.ckpt`` file, or a run directory's newest complete checkpoint."""
+    from nanolab.model.checkpoint import CheckpointError
+    from nanolab.training.resume import find_resume_checkpoint
+
+    path = Path(target)
+    if path.is_dir():
+        chosen = find_resume_checkpoint(path).chosen
+        if chosen is None:
+            raise CheckpointError(f"checkpoint={target}: no complete checkpoint in this folder")
+        return chosen.path
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint={target} does not exist; give a run directory or a .ckpt"
+        )
+    return path
+
+
+@register_model("nanolab")
+class NanolabLM(LM):  # type: ignore[misc,valid-type]
+    """A nanolab checkpoint as an lm-eval model.
+
+    Args:
+        checkpoint: A ``.ckpt`` file or a run directory (its newest complete checkpoint).
+        device: ``cpu``, ``cuda``, ``cuda:1`` (default: cuda when there is one).
+        batch_size: Sequences per forward pass (lm-eval's ``--batch_size``; ``auto`` = 8).
+        max_gen_toks: Tokens ``generate_until`` produces at most when the task does not say.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        device: str | None = None,
+        batch_size: int | str | None = None,
+        max_gen_toks: int = 256,
+        **_: Any,  # lm-eval passes max_batch_size and others every model may ignore
+    ) -> None:
+        if LM is object:
+            raise HarnessError(f"lm-evaluation-harness is not installed; {INSTALL}")
+        super().__init__()
+        from nanolab.model.checkpoint import (
+            load_checkpoint,
+            model_from_checkpoint,
+            tokenizer_from_checkpoint,
+        )
+
+        path = checkpoint_path(str(checkpoint))
+        ckpt = load_checkpoint(path)
+        if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's --device defaults to cuda: on a machine without one, say so and go on.
+            print(
+                f"nanolab lm-eval: no CUDA device here; --device {device} -> cpu", file=sys.stderr
+            )
+            device = "cpu"
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model_from_checkpoint(ckpt, path).to(self._device)
+        self.tok = tokenizer_from_checkpoint(ckpt)
+        self.block_size = int(self.model.config.block_size)
+        self.vocab_size = int(self.model.config.vocab_size)
+        rows = (
+            8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else batch_size
+        )
+        self.rows = int(rows)  # type: ignore[arg-type]
+        self.max_gen_toks = int(max_gen_toks)
+
+    # -- lm-eval's three request types -----------------------------------------------------
+    def loglikelihood(
+        self, requests: Sequence[Any], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        """(log P(continuation | context), whether greedy decoding gives the continuation)."""
+        reqs = []
+        for i, request in enumerate(requests):
+            context, continuation = request.args
+            tokens, scored = encode_pair(self.tok, context, continuation, self.block_size)
+            reqs.append(Request(i, 0, tokens, scored, max(1, len(continuation))))
+        return score_requests(self.model, reqs, self.rows, self.vocab_size, self._device)
+
+    def loglikelihood_rolling(
+        self, requests: Sequence[Any], disable_tqdm: bool = False
+    ) -> list[float]:
+        """log P(text): every token scored once, in windows of the block size, the first one
+        after the end-of-text id (lm-eval's rolling windows, made disjoint)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        prefix = self.tok.eot_id if self.tok.eot_id is not None else 0
+        reqs, owner = [], []
+        for i, request in enumerate(requests):
+            (text,) = request.args[:1]
+            windows = get_rolling_token_windows(
+                list(self.tok.encode(text)), prefix, self.block_size, context_len=1
+            )
+            for context, predicted in map(make_disjoint_window, windows):
+                reqs.append(Request(i, 0, tuple(context + predicted), len(predicted), 1))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(
+            owner,
+            score_requests(self.model, reqs, self.rows, self.vocab_size, self._device),
+            strict=True,
+        ):
+            totals[i] += ll
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
+        """The continuation of each context up to the first stop string (greedy unless the task
+        asks for a temperature), at most ``max_gen_toks`` tokens, ending at end-of-text."""
+        out = []
+        self.model.eval()
+        for request in requests:
+            context, kwargs = request.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            steps = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            temperature = float(
+                kwargs.get("temperature", 0.0) if kwargs.get("do_sample", False) else 0.0
+            )
+            head = [self.tok.eot_id] if self.tok.eot_id is not None else []
+            ids = (head + list(self.tok.encode(context)))[-self.block_size :]
+            idx = torch.tensor([ids], dtype=torch.long, device=self._device)
+            new = self.model.generate(idx, steps, temperature=temperature)[0, len(ids) :].tolist()
+            if self.tok.eot_id is not None and self.tok.eot_id in new:
+                new = new[: new.index(self.tok.eot_id)]
+            text = self.tok.decode(new)
+            cut = min((text.find(s) for s in until if s and s in text), default=len(text))
+            out.append(text[:cut])
+        return out
+
+    # -- what lm-eval asks of every model --------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"nanolab-{self.tok.name}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``nanolab lm-eval ARGS``: lm-eval's command line with ``--model nanolab`` available."""
+    if LM is object:
+        print(
+            f"nanolab lm-eval: error: lm-evaluation-harness is not installed; {INSTALL}",
+            file=sys.stderr,
+        )
+        return 2
+    from lm_eval.__main__ import cli_evaluate
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    saved = sys.argv
+    sys.argv = ["lm-eval", *args]
+    try:
+        cli_evaluate()
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+    finally:
+        sys.argv = saved
+    return 0

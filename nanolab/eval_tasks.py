@@ -1,0 +1,188 @@
+"""``nanolab eval``: in-context task accuracies of a checkpoint (docs/evaluate.md).
+
+``nanolab eval RUN_DIR_OR_CKPT --suite SUITE`` scores a checkpoint on a suite of local task
+files (``builtin:shakespeare``, a YAML list of tasks, or a DCLM evaluation bundle's folder for
+CORE) with the checkpoint's own tokenizer, and prints each task's accuracy, normalized accuracy
+and centered score with its standard error, and the suite's CORE. Given a run directory it
+evaluates the run's newest complete checkpoint and appends a ``tasks`` record to the run's
+``metrics.jsonl`` (holding the run directory's lock; with a fit running there, it prints
+instead), which is what ``nanolab report`` and the loggers read. The numbers are exactly those
+the in-loop callback (``--downstream.suite``) logs for the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nanolab.errors import NanolabError, one_line_errors
+
+
+class EvalArgumentError(NanolabError):
+    """An option of ``nanolab eval`` that cannot work."""
+
+
+def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
+    """The checkpoint to evaluate, its run directory (None for a loose file), and its step."""
+    from nanolab.model.checkpoint import CheckpointError
+    from nanolab.training.resume import find_resume_checkpoint
+
+    path = Path(target)
+    if path.is_dir():
+        run_dir = path.parent if path.name == "checkpoints" else path
+        choice = find_resume_checkpoint(run_dir)
+        warning = choice.warning()
+        if warning:
+            print(warning.replace("resuming from", "evaluating"), file=sys.stderr)
+        if choice.chosen is None:
+            raise CheckpointError(
+                f"{target}: no complete checkpoint in this run directory; train it first or "
+                "give a .ckpt file"
+            )
+        return choice.chosen.path, run_dir, choice.chosen.step
+    if not path.is_file():
+        raise CheckpointError(f"{target} does not exist; give a run directory or a .ckpt file")
+    parent = path.parent
+    run_dir = parent.parent if parent.name == "checkpoints" else None
+    return path, run_dir, None
+
+
+def run_config_micro_batch(run_dir: Path | None) -> int | None:
+    """The run's training micro-batch (its ``config.yaml``), the default rows per batch."""
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return None
+    from nanolab.training.resolve import load_yaml
+
+    try:
+        text = (run_dir / "config.yaml").read_text(encoding="utf-8")
+        data = (load_yaml(text) or {}).get("data") or {}
+    except Exception:  # an unreadable config only loses the default
+        return None
+    value = (data.get("init_args") or data).get("micro_batch_size")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def result_table(result: Any) -> str:
+    """One line per task (its accuracies, the score its centered value uses, ± one standard
+    error) and the CORE line."""
+    head = f"{'task':<24} {'kind':<17} {'n':>5} {'acc':>6} {'acc_norm':>8}  {'score':<15} {'centered':>15}"
+    lines = [head]
+    for t in result.tasks:
+        err = t.stderr() / (1 - t.baseline)
+        score = f"{t.score:.3f} {t.metric}"
+        lines.append(
+            f"{t.name:<24} {t.kind:<17} {t.n:>5} {t.acc:>6.3f} {t.acc_norm:>8.3f}  {score:<15} "
+            f"{t.centered:>+7.3f} ± {err:.3f}"
+        )
+    lines.append(
+        f"{'CORE (mean centered)':<24} {'':<17} {'':>5} {'':>6} {'':>8}  {'':<15} {result.core:>+7.3f}"
+    )
+    return "\n".join(lines)
+
+
+@one_line_errors("nanolab eval")
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    from nanolab.helpfmt import DefaultsHelpFormatter, OneLineParser
+
+    parser = OneLineParser(
+        prog="nanolab eval",
+        description="In-context task accuracies of a checkpoint (docs/evaluate.md).",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument("target", help="a run directory (its newest checkpoint) or a .ckpt file")
+    parser.add_argument(
+        "--suite",
+        default="builtin:shakespeare",
+        help="builtin:<name>, a YAML list of tasks, or a DCLM evaluation bundle folder (CORE)",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="at most N examples per task")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="sequences per forward pass (default: the run's training micro-batch, else 8)",
+    )
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ..."
+    )
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--no-log", action="store_true", help="do not append a record to the run's metrics.jsonl"
+    )
+    args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        raise EvalArgumentError("--limit must be >= 1 (or left out for every example)")
+    if args.rows is not None and args.rows < 1:
+        raise EvalArgumentError("--rows must be >= 1")
+    from nanolab.downstream.scoring import evaluate_suite
+    from nanolab.downstream.tasks import load_suite
+    from nanolab.model.checkpoint import (
+        load_checkpoint,
+        model_from_checkpoint,
+        tokenizer_from_checkpoint,
+    )
+    from nanolab.model.device import check_device
+
+    suite = load_suite(args.suite, args.limit)  # bad task files fail before the model loads
+    device = check_device(args.device)
+    path, run_dir, step = checkpoint_and_run(args.target)
+    ckpt = load_checkpoint(path)
+    model = model_from_checkpoint(ckpt, path).to(device)
+    tokenizer = tokenizer_from_checkpoint(ckpt)
+    step = int(ckpt.get("global_step", step or 0)) if step is None else step
+    rows = args.rows or run_config_micro_batch(run_dir) or 8
+    print(
+        f"nanolab eval: {path} (step {step}), suite {args.suite}, {rows} rows per batch",
+        file=sys.stderr,
+    )
+    result = evaluate_suite(
+        model,
+        tokenizer,
+        suite,
+        block_size=model.config.block_size,
+        rows=rows,
+        vocab_size=model.config.vocab_size,
+        device=device,
+    )
+    print(result_table(result))
+    print(f"{result.seconds:.1f}s for {sum(t.n for t in result.tasks)} examples", file=sys.stderr)
+    record = {
+        "event": "tasks",
+        "time": time.time(),
+        "step": step,
+        "evaluated_by": "nanolab eval",
+        "checkpoint": str(path),
+        "suite": str(args.suite),
+        **result.record(),
+    }
+    if args.json:
+        out = Path(args.json)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(out)
+    if run_dir is not None and not args.no_log:
+        append_to_run(run_dir, record)
+    return 0
+
+
+def append_to_run(run_dir: Path, record: dict[str, Any]) -> None:
+    """Append the record to the run log, holding the run directory (a fit there: not logged)."""
+    from nanolab.callbacks.runlock import RunLockedError, acquire, release_all
+    from nanolab.training.evaluate import append_record
+
+    try:
+        acquire(run_dir)
+    except (RunLockedError, OSError) as err:
+        print(f"nanolab eval: not logging to {run_dir}: {err}", file=sys.stderr)
+        return
+    try:
+        path = append_record(run_dir, record)
+    finally:
+        release_all()
+    print(f"nanolab eval: tasks record (step {record['step']}) appended to {path}", file=sys.stderr)

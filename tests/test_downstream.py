@@ -1,0 +1,482 @@
+"""Downstream evaluation: task files in three layouts, batched scoring against one-at-a-time
+scoring, prompts and tokenization, CORE, ``nanolab eval`` and the in-loop callback."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+
+from nanolab.data.tokenizers import CharTokenizer, load_tokenizer
+from nanolab.downstream import cloze
+from nanolab.downstream.scoring import (
+    encode_pair,
+    evaluate_suite,
+    evaluate_task,
+    fewshot_indices,
+    prompts,
+    requests_for,
+    score_requests,
+)
+from nanolab.downstream.tasks import Example, Task, TaskFileError, load_suite, read_task_file
+from nanolab.model import GPT, GPTConfig
+from nanolab.runlog import read_records
+
+
+def write_lines(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# -- the layouts, as published ------------------------------------------------------------------
+HELLASWAG_ROW = {  # the field layout of HellaSwag's hellaswag_val.jsonl
+    "ind": 24,
+    "activity_label": "Roof shingle removal",
+    "ctx_a": "A man is sitting on a roof.",
+    "ctx_b": "he",
+    "ctx": "A man is sitting on a roof. he",
+    "split": "val",
+    "split_type": "indomain",
+    "label": 3,
+    "endings": [
+        "is using wrap to wrap a pair of skis.",
+        "is ripping level tiles off.",
+        "is holding a rubik's cube.",
+        "starts pulling up roofing on a roof [title] Remove the nails.",
+    ],
+    "source_id": "activitynet~v_-JhWjGDPHMY",
+}
+
+
+def test_hellaswag_layout_builds_lm_eval_context(tmp_path: Path) -> None:
+    (ex,), fmt = read_task_file(
+        write_lines(tmp_path / "h.jsonl", [HELLASWAG_ROW]), "multiple_choice"
+    )
+    assert fmt == "hellaswag"
+    assert ex.contexts == ("Roof shingle removal: A man is sitting on a roof. He",)
+    assert ex.label == 3 and len(ex.continuations) == 4
+    assert ex.continuations[3] == "starts pulling up roofing on a roof. Remove the nails."
+
+
+def test_dclm_layouts(tmp_path: Path) -> None:
+    mc = {"query": "Question: 2+2?\nAnswer:", "choices": ["3", "4"], "gold": 1}
+    schema = {"context_options": ["The cat", "The dog"], "continuation": "barked.", "gold": 1}
+    lm = {"context": "The capital of France is", "continuation": "Paris"}
+    (a,), fa = read_task_file(write_lines(tmp_path / "mc.jsonl", [mc]), "multiple_choice")
+    (b,), fb = read_task_file(write_lines(tmp_path / "s.jsonl", [schema]), "schema")
+    (c,), _ = read_task_file(write_lines(tmp_path / "lm.jsonl", [lm]), "language_modeling")
+    assert fa == fb == "dclm"
+    assert (a.contexts, a.continuations, a.label) == (("Question: 2+2?\nAnswer:",), ("3", "4"), 1)
+    assert (b.contexts, b.continuations, b.label) == (("The cat", "The dog"), ("barked.",), 1)
+    assert b.right() == ("The dog", "barked.")
+    assert (c.contexts, c.continuations) == (("The capital of France is",), ("Paris",))
+
+
+def test_nanolab_layouts(tmp_path: Path) -> None:
+    (a,), fmt = read_task_file(
+        write_lines(
+            tmp_path / "a.jsonl", [{"context": "x", "choices": ["a", "b", "c"], "label": 2}]
+        ),
+        "multiple_choice",
+    )
+    (b,), _ = read_task_file(
+        write_lines(
+            tmp_path / "b.jsonl", [{"contexts": ["p", "q"], "continuation": "r", "label": 0}]
+        ),
+        "schema",
+    )
+    assert fmt == "nanolab" and a.right() == ("x", "c") and b.right() == ("p", "r")
+
+
+@pytest.mark.parametrize(
+    "rows,kind,problem",
+    [
+        ([{"context": "x", "label": 0}], "multiple_choice", "line 1: field 'choices' is missing"),
+        (
+            [{"context": "x", "choices": ["a"], "label": 0}],
+            "multiple_choice",
+            "1 entries; it needs 2",
+        ),
+        ([{"context": "x", "choices": ["a", "b"], "label": 2}], "multiple_choice", "out of range"),
+        (
+            [{"context": "x", "choices": ["a", "b"], "label": 0}, "{not json"],
+            "multiple_choice",
+            "line 2: not JSON",
+        ),
+        ([], "multiple_choice", "is empty"),
+        ([{"contexts": ["a", "b"], "continuation": "c", "label": -1}], "schema", "out of range"),
+        ([{"context": "x", "continuation": 3}], "language_modeling", "'continuation' is a int"),
+        (["[1, 2]"], "multiple_choice", "line 1: a JSON list, not an object"),
+    ],
+)
+def test_bad_task_files_name_file_and_line(tmp_path: Path, rows, kind, problem) -> None:
+    path = write_lines(tmp_path / "bad.jsonl", rows) if rows else tmp_path / "bad.jsonl"
+    if not rows:
+        path.write_text("")
+    with pytest.raises(TaskFileError) as err:
+        read_task_file(path, kind)
+    assert str(path) in str(err.value) and problem in str(err.value)
+
+
+def test_bad_task_file_is_one_line_and_exit_2_before_the_model_loads(tmp_path: Path) -> None:
+    bad = write_lines(tmp_path / "bad.jsonl", [{"context": "x", "choices": ["a", "b"], "label": 5}])
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump([{"file": "bad.jsonl", "kind": "multiple_choice"}]))
+    res = run_nanolab("eval", str(tmp_path / "no-such-run"), "--suite", str(suite), cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
+    assert f"{bad} line 1: label label=5 is out of range" in res.stderr
+
+
+def test_suite_entries_are_checked(tmp_path: Path) -> None:
+    write_lines(tmp_path / "t.jsonl", [{"context": "x", "choices": ["a", "b"], "label": 0}] * 3)
+    for entry, problem in [
+        ({"file": "t.jsonl", "kind": "mc"}, "kind 'mc' is not one of"),
+        ({"file": "t.jsonl", "kind": "multiple_choice", "shots": -1}, "shots must be"),
+        ({"file": "t.jsonl", "kind": "multiple_choice", "shots": 3}, "3 shots need more than 3"),
+        (
+            {"file": "t.jsonl", "kind": "multiple_choice", "baseline": 25},
+            "baseline must be a fraction",
+        ),
+        ({"file": "t.jsonl", "kind": "multiple_choice", "metrc": "acc"}, "unknown key 'metrc'"),
+    ]:
+        (tmp_path / "s.yaml").write_text(yaml.safe_dump([entry]))
+        with pytest.raises(TaskFileError, match=problem):
+            load_suite(tmp_path / "s.yaml")
+
+
+def test_dclm_bundle_folder_is_core(tmp_path: Path) -> None:
+    """The bundle's layout: core.yaml's icl_tasks, eval_meta_data.csv's baselines in percent."""
+    data = tmp_path / "eval_bundle" / "eval_data" / "commonsense"
+    data.mkdir(parents=True)
+    write_lines(
+        data / "copa.jsonl",
+        [{"query": f"q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(4)],
+    )
+    write_lines(
+        tmp_path / "eval_bundle" / "eval_data" / "lambada.jsonl",
+        [{"context": "a b", "continuation": "c"}] * 2,
+    )
+    (tmp_path / "eval_bundle" / "core.yaml").write_text(
+        "icl_tasks:\n"
+        "- label: copa\n  dataset_uri: commonsense/copa.jsonl\n  num_fewshot: [2]\n"
+        "  icl_task_type: multiple_choice\n"
+        "- label: lambada_openai\n  dataset_uri: lambada.jsonl\n  num_fewshot: [0]\n"
+        "  icl_task_type: language_modeling\n  continuation_delimiter: ''\n"
+    )
+    (tmp_path / "eval_bundle" / "eval_meta_data.csv").write_text(
+        "Eval Task,Task Category,Task Type,#shots,#datapoints,Random baseline,Centered Metric?,Description\n"
+        "copa,commonsense reasoning,multiple choice,0,100,50,,x\n"
+        "lambada_openai,language understanding,language modeling,0,5153,0,,y\n"
+    )
+    suite = load_suite(tmp_path / "eval_bundle")
+    copa, lambada = suite.tasks
+    assert (copa.name, copa.shots, copa.baseline, copa.metric) == ("copa", 2, 0.5, "acc_token")
+    assert (lambada.kind, lambada.delimiter, lambada.baseline) == ("language_modeling", "", 0.0)
+
+
+# -- prompts and tokens -------------------------------------------------------------------------
+CHARS = CharTokenizer(sorted(set("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ:.,'\n")))
+
+
+def test_continuation_takes_the_context_trailing_space_and_follows_eot() -> None:
+    tokens, scored = encode_pair(CHARS, "the cat ", "sat", block_size=64)
+    assert tokens[0] == CHARS.eot_id
+    assert CHARS.decode(list(tokens[-scored:])) == " sat"  # the space moved to the continuation
+    tokens, scored = encode_pair(CHARS, "x" * 100, " sat", block_size=16)
+    assert len(tokens) == 17 and scored == 4  # cut from the left to block + 1
+
+
+def test_fewshot_prompts_are_seeded_and_never_show_the_example_itself() -> None:
+    examples = [Example((f"q{i}",), ("a", "b"), i % 2, i) for i in range(6)]
+    task = Task("t", "multiple_choice", examples, Path("t"), shots=3)
+    for i in range(6):
+        assert i not in fewshot_indices(task, i) and len(set(fewshot_indices(task, i))) == 3
+    assert fewshot_indices(task, 2) == fewshot_indices(task, 2)
+    (first, cont), _ = prompts(task, 0)
+    shots = first.split("\n\n")
+    assert len(shots) == 4 and shots[-1] == "q0" and cont == " a"
+    j = fewshot_indices(task, 0)[0]
+    assert shots[0] == f"q{j} {'ab'[j % 2]}"
+
+
+# -- scoring ------------------------------------------------------------------------------------
+def tiny_model(block: int = 32, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=block, vocab_size=CHARS.vocab_size)
+    return GPT(cfg).eval()
+
+
+def one_at_a_time(model: GPT, tokens: tuple[int, ...], scored: int) -> tuple[float, bool]:
+    """A plain loop: one unpadded sequence, full log-softmax."""
+    x = torch.tensor([tokens[:-1]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(x)[0][0, :, : CHARS.vocab_size].float(), -1)
+    target = torch.tensor(tokens[1:])
+    rows = range(len(tokens) - 1 - scored, len(tokens) - 1)
+    ll = sum(float(logp[r, target[r]]) for r in rows)
+    greedy = all(int(logp[r].argmax()) == int(target[r]) for r in rows)
+    return ll, greedy
+
+
+def test_batched_scores_equal_one_sequence_at_a_time() -> None:
+    """Padding, sorting and the continuation positions change nothing: with rows of different
+    lengths (and contexts cut to the block), each option scores as it does alone."""
+    model = tiny_model(block=24)
+    examples = [
+        Example(
+            ("to be or not " * (i % 4 + 1),), ("to be", "that is", "the question", "x"), i % 4, i
+        )
+        for i in range(7)
+    ]
+    task = Task("t", "multiple_choice", examples, Path("t"))
+    requests = requests_for(task, CHARS, 24, list(range(7)))
+    batched = score_requests(
+        model, requests, rows=5, vocab_size=CHARS.vocab_size, device=torch.device("cpu")
+    )
+    for r, (ll, greedy) in zip(requests, batched, strict=True):
+        ref_ll, ref_greedy = one_at_a_time(model, r.tokens, r.scored)
+        assert ll == pytest.approx(ref_ll, abs=1e-4) and greedy == ref_greedy
+
+
+def test_batches_never_exceed_rows_by_block_size() -> None:
+    model, shapes = tiny_model(block=16), []
+    model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    examples = [Example(("a" * (3 * i + 1),), ("bc", "d"), 0, i) for i in range(9)]
+    task = Task("t", "multiple_choice", examples, Path("t"))
+    evaluate_task(
+        model,
+        CHARS,
+        task,
+        block_size=16,
+        rows=4,
+        vocab_size=CHARS.vocab_size,
+        device=torch.device("cpu"),
+    )
+    assert shapes and all(b <= 4 and t <= 16 for b, t in shapes)
+    assert sum(b for b, _ in shapes) == 18  # every option once
+
+
+def test_language_modeling_is_greedy_exact_match() -> None:
+    """The continuation counts as right exactly when greedy decoding produces it."""
+    context = "the cat sat"
+    ids = [CHARS.eot_id, *CHARS.encode(context)]
+    for seed in range(20):  # a model whose greedy continuation is text (no end-of-text id)
+        model = tiny_model(block=32, seed=seed)
+        new = model.generate(torch.tensor([ids]), max_new_tokens=3, temperature=0.0)[0, len(ids) :]
+        greedy_text = CHARS.decode(new.tolist())
+        if CHARS.encode(greedy_text) == new.tolist():
+            break
+    right = Example((context,), (greedy_text,), 0, 1)
+    wrong = Example((context,), ("zzq" if greedy_text != "zzq" else "qqz",), 0, 2)
+    task = Task("lm", "language_modeling", [right, wrong], Path("t"), delimiter="")
+    result = evaluate_task(
+        model,
+        CHARS,
+        task,
+        block_size=32,
+        rows=2,
+        vocab_size=CHARS.vocab_size,
+        device=torch.device("cpu"),
+    )
+    assert result.n == 2 and result.acc == 0.5
+
+
+def test_metrics_and_centered_on_a_model_that_knows_the_answer() -> None:
+    """A model whose logits favour 'a' whatever the context: every likelihood rule picks the
+    option made of 'a's; PMI sees no effect of the context (all options tie, the first wins);
+    the centered score follows the task's baseline."""
+
+    class Favours(torch.nn.Module):
+        def forward(self, idx):
+            logits = torch.zeros(*idx.shape, CHARS.vocab_size)
+            logits[..., CHARS.encode("a")[0]] = 5.0
+            return logits, None
+
+    examples = [Example(("q",), ("bbb", "aaa", "b"), 1, 1), Example(("q",), ("aaa", "bb"), 0, 2)]
+    task = Task(
+        "t", "multiple_choice", examples, Path("t"), delimiter="", metric="acc_pmi", baseline=0.4
+    )
+    r = evaluate_task(
+        Favours(),
+        CHARS,
+        task,
+        block_size=8,
+        rows=3,
+        vocab_size=CHARS.vocab_size,
+        device=torch.device("cpu"),
+    )
+    assert (r.acc, r.acc_norm, r.acc_token, r.n) == (1.0, 1.0, 1.0, 2)
+    assert r.acc_pmi == 0.5  # example 2's right option is its first
+    assert r.centered == pytest.approx((r.acc_pmi - 0.4) / 0.6)
+
+
+def test_untrained_model_is_at_chance_on_the_shakespeare_cloze() -> None:
+    """Random weights: acc_pmi within 3 standard errors of 1/4 on 300 examples."""
+    tokenizer = CharTokenizer(sorted(set(cloze.CLOZE_FILE.read_text(encoding="utf-8"))))
+    suite = load_suite("builtin:shakespeare", limit=300)
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=tokenizer.vocab_size)
+    ).eval()
+    (t,) = evaluate_suite(
+        model, tokenizer, suite, block_size=128, rows=32, vocab_size=tokenizer.vocab_size,
+        device=torch.device("cpu"),
+    ).tasks  # fmt: skip
+    assert t.n == 300 and abs(t.score - 0.25) < 3 * math.sqrt(0.25 * 0.75 / 300)
+
+
+def test_shipped_cloze_is_what_the_generator_builds() -> None:
+    assert cloze.render(
+        cloze.build_examples(cloze.validation_text())
+    ) == cloze.CLOZE_FILE.read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in cloze.CLOZE_FILE.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) >= 600 and all(len(r["choices"]) == 4 for r in rows)
+    assert {r["label"] for r in rows} == {0, 1, 2, 3}
+
+
+# -- in fit and on a checkpoint -----------------------------------------------------------------
+def test_in_loop_numbers_equal_nanolab_eval_on_the_checkpoint(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """The callback's record at the last step and `nanolab eval` of that step's checkpoint are
+    the same numbers, and the time is its own pause in the breakdown."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=4, run__eval_every_steps=2,
+        downstream__suite="builtin:shakespeare", downstream__limit=40, downstream__every_n_evals=1,
+    )  # fmt: skip
+    path = write_config(tmp_path / "c.yaml", cfg)
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    in_loop = list(read_records(run / "metrics.jsonl", "tasks"))
+    assert [r["step"] for r in in_loop] == [2, 4]
+    assert "tasks      builtin:shakespeare: 1 task(s), 40 examples" in res.stdout
+    end = list(read_records(run / "metrics.jsonl", "end"))[-1]
+    assert end["time_breakdown"]["tasks_s"] > 0
+    res = run_nanolab(
+        "eval", str(run), "--limit", "40", "--json", str(tmp_path / "e.json"), cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    again = json.loads((tmp_path / "e.json").read_text())
+    keys = [k for k in in_loop[-1] if k.startswith("tasks/") and k != "tasks/seconds"]
+    assert keys and {k: again[k] for k in keys} == {k: in_loop[-1][k] for k in keys}
+    logged = list(read_records(run / "metrics.jsonl", "tasks"))[-1]
+    assert logged["evaluated_by"] == "nanolab eval" and logged["step"] == 4
+
+
+@pytest.mark.slow  # two processes: ~40 s on 2 cores
+def test_two_devices_give_the_numbers_of_one(tmp_path: Path, char_dataset: Path) -> None:
+    """DDP on 2 CPU processes: the examples are sharded, the counts summed; the record equals
+    `nanolab eval` (one process) on the same checkpoint. 41 examples: the ranks hold 21 and 20."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=2, run__eval_every_steps=2,
+        trainer__devices=2, downstream__suite="builtin:shakespeare", downstream__limit=41,
+        downstream__every_n_evals=1,
+    )  # fmt: skip
+    path = write_config(tmp_path / "c.yaml", cfg)
+    ddp = str(QUICKSTART.parent / "strategy" / "ddp.yaml")
+    res = run_nanolab(
+        "fit",
+        "--config",
+        str(QUICKSTART),
+        "--config",
+        ddp,
+        "--config",
+        str(path),
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    (record,) = read_records(run / "metrics.jsonl", "tasks")
+    assert record["tasks/shakespeare-cloze/n"] == 41
+    res = run_nanolab(
+        "eval",
+        str(run),
+        "--limit",
+        "41",
+        "--no-log",
+        "--json",
+        str(tmp_path / "e.json"),
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    again = json.loads((tmp_path / "e.json").read_text())
+    keys = [k for k in record if k.startswith("tasks/") and k != "tasks/seconds"]
+    assert {k: again[k] for k in keys} == {k: record[k] for k in keys}
+
+
+def test_a_suite_the_vocabulary_cannot_spell_is_turned_off_with_one_warning(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A character the data's vocabulary lacks: the run trains, without the tasks, and says so
+    once, naming the file and line; a malformed file instead stops it before its first step."""
+    write_lines(tmp_path / "t.jsonl", [{"context": "Hello", "choices": ["€1", "€2"], "label": 0}])
+    (tmp_path / "s.yaml").write_text(
+        yaml.safe_dump([{"file": "t.jsonl", "kind": "multiple_choice"}])
+    )
+    assert "€" not in load_tokenizer(char_dataset).chars
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", downstream__suite=str(tmp_path / "s.yaml")
+    )
+    path = write_config(tmp_path / "c.yaml", cfg)
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("is off for this run") == 1
+    assert f"task file {tmp_path / 't.jsonl'} line 1: cannot be tokenized" in res.stderr
+    log = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    assert list(read_records(log, "train")) and not list(read_records(log, "tasks"))
+    write_lines(tmp_path / "t.jsonl", [{"context": "Hello", "choices": ["a"], "label": 0}])
+    cfg["run"]["name"] = "bad-file"
+    path = write_config(tmp_path / "c.yaml", cfg)
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"task file {tmp_path / 't.jsonl'} line 1: field 'choices' has 1 entries" in res.stderr
+    assert not (tmp_path / "runs" / "bad-file" / "metrics.jsonl").exists() or not list(
+        read_records(tmp_path / "runs" / "bad-file" / "metrics.jsonl", "train")
+    )
+
+
+def test_an_evaluation_needs_less_memory_than_a_training_step() -> None:
+    """Measured as the estimator's CPU benches measure a training step (the profiler's
+    allocation events): scoring full-block rows at the micro-batch, with the PMI pass, peaks
+    below one training step at the same micro-batch, which `nanolab estimate` predicts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanolab.estimator.measure import measure_peak_cpu, storage_bytes
+
+    micro, block = 4, 64
+    gpt = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=block, vocab_size=512)
+    train_peak = measure_peak_cpu(gpt, micro)
+    torch.manual_seed(0)
+    model = GPT(gpt).eval()
+    tok = CharTokenizer([chr(0x100 + i) for i in range(511)])  # 512 ids with end-of-text
+    text = "".join(tok.chars[i % 511] for i in range(3 * block))
+    examples = [Example((text[i:],), (text[:20], text[5:30], text[9:40]), 0, i) for i in range(8)]
+    task = Task("t", "multiple_choice", examples, Path("t"), delimiter="", metric="acc_pmi")
+    resident = storage_bytes(list(model.parameters()) + list(model.buffers()))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        evaluate_task(
+            model,
+            tok,
+            task,
+            block_size=block,
+            rows=micro,
+            vocab_size=512,
+            device=torch.device("cpu"),
+        )
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    assert resident + peak < train_peak, (resident + peak, train_peak)
