@@ -14,6 +14,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +29,9 @@ from nanolab.model.checkpoint import (  # noqa: F401  (public here too)
 )
 from nanolab.model.device import check_device
 
+#: The longest sample one call makes: each token is a forward pass over the whole context.
+MAX_NEW_TOKENS = 100_000
+
 
 class GenerateArgumentError(NanolabError):
     """An option value that cannot work; the message names the option and the fix."""
@@ -36,6 +40,11 @@ class GenerateArgumentError(NanolabError):
 def check_sampling(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise GenerateArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        raise GenerateArgumentError(
+            f"--max-new-tokens {args.max_new_tokens:,} is more than {MAX_NEW_TOKENS:,} (hours of "
+            "sampling without a KV cache); sample in pieces, each continuing the last as --prompt"
+        )
     if args.num_samples < 1:
         raise GenerateArgumentError(f"--num-samples must be >= 1, got {args.num_samples}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
@@ -106,8 +115,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     for i in range(args.num_samples):
-        out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, generator)
         if i:
             print("\n" + "-" * 40)
-        print(tok.decode(out[0].tolist()))
+        stream_sample(model, tok, idx, args, generator)
     return 0
+
+
+def stream_sample(
+    model: Any, tok: Any, idx: torch.Tensor, args: argparse.Namespace, generator: Any
+) -> None:
+    """Print the prompt, then each token as it is sampled (a long sample shows from its first
+    token, not after minutes). The draws are those of one ``model.generate`` call for all the
+    tokens: one token per call consumes the generator the same way. Ids are printed once they
+    decode to whole characters (a byte-level token can hold half of one)."""
+    print(tok.decode(idx[0].tolist()), end="", flush=True)
+    pending: list[int] = []
+    for _ in range(args.max_new_tokens):
+        idx = model.generate(idx, 1, args.temperature, args.top_k, generator)
+        pending.append(int(idx[0, -1]))
+        text = tok.decode(pending)
+        if text and not text.endswith("\ufffd"):
+            print(text, end="", flush=True)
+            pending = []
+    print(tok.decode(pending) if pending else "", flush=True)

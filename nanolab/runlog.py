@@ -13,12 +13,15 @@ Every record has ``event`` (``start``, ``train``, ``val``, ``budget``, ``checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from nanolab.errors import NanolabError
 
 RUN_LOG_NAME = "metrics.jsonl"
 
@@ -111,6 +114,11 @@ def dumps(record: dict[str, Any]) -> str:
     return json.dumps(_clean(record), default=str, allow_nan=False, separators=(",", ":"))
 
 
+class RunLogWriteError(NanolabError):
+    """The run log cannot be appended to (a full disk, a folder gone); the message names the
+    file and the free space, and says what was kept."""
+
+
 class RunLogWriter:
     """Appends records to a run log, one flushed line each.
 
@@ -118,6 +126,11 @@ class RunLogWriter:
     (the previous process died mid-line), a newline is written first so the broken line stays
     isolated and readers skip it. ``flush`` after every record makes ``tail -1 | jq`` current;
     there is no fsync per record (that would cost milliseconds per step on network disks).
+
+    A log deleted or replaced while it is written (``rm metrics.jsonl`` during a run) would
+    otherwise take every later record into an unlinked file that vanishes at the end: each
+    write checks that the path is still the open file (one ``stat``) and, if not, starts the
+    file again at the path with a ``log_recreated`` record and says so on stderr.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -128,16 +141,62 @@ class RunLogWriter:
             with open(self.path, "rb") as f:
                 f.seek(-1, os.SEEK_END)
                 needs_newline = f.read(1) != b"\n"
-        self._handle: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._handle: IO[str] | None = self._open()
         if needs_newline:
             self._handle.write("\n")
             self._handle.flush()
 
+    def _open(self) -> IO[str]:
+        handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._inode = os.fstat(handle.fileno())[1:3]  # (inode, device)
+        return handle
+
+    def _still_there(self) -> bool:
+        try:
+            return os.stat(self.path)[1:3] == self._inode
+        except OSError:
+            return False
+
     def write(self, record: dict[str, Any]) -> None:
         if self._handle is None:
             raise ValueError(f"run log {self.path} is closed")
-        self._handle.write(dumps(record) + "\n")
-        self._handle.flush()
+        try:
+            if not self._still_there():
+                self._recreate(record)
+            self._handle.write(dumps(record) + "\n")
+            self._handle.flush()
+        except OSError as err:
+            raise self._write_error(err) from None
+
+    def _recreate(self, record: dict[str, Any]) -> None:
+        import sys
+        import time
+
+        assert self._handle is not None
+        with contextlib.suppress(OSError):
+            self._handle.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = self._open()
+        note = (
+            f"{self.path} was deleted or replaced while this run wrote it; started it again "
+            "here (the records before this point are in the removed file)"
+        )
+        print(f"nanolab: warning: {note}", file=sys.stderr)
+        self._handle.write(dumps({"event": "log_recreated", "time": time.time(),
+                                  "step": record.get("step"), "detail": note}) + "\n")  # fmt: skip
+
+    def _write_error(self, err: OSError) -> RunLogWriteError:
+        import shutil
+
+        try:
+            free = f"{shutil.disk_usage(self.path.parent).free / 1e6:.0f} MB free there"
+        except OSError:
+            free = "its folder is gone"
+        return RunLogWriteError(
+            f"cannot append to the run log {self.path} ({err.strerror or err}; {free}); the "
+            "lines written so far and the checkpoints are intact: free space (or restore the "
+            "folder) and rerun the same command to resume"
+        )
 
     def close(self) -> None:
         if self._handle is not None:
@@ -146,7 +205,8 @@ class RunLogWriter:
                 os.fsync(self._handle.fileno())
             except OSError:
                 pass
-            self._handle.close()
+            with contextlib.suppress(OSError):  # a full disk: what is buffered cannot land
+                self._handle.close()
             self._handle = None
 
     @property

@@ -370,6 +370,22 @@ def _run_with_line(line: str) -> Callable[[Workspace], None]:
     return setup
 
 
+def _users_folder(ws: Workspace) -> None:
+    """A folder of the user's own files, and a text to prepare."""
+    ws.write("in.txt", "some text to prepare\n" * 50)
+    ws.write("userdir/notes.txt", "my notes")
+    ws.write("userdir/sub/more.txt", "more of mine")
+
+
+def _bad_suite(ws: Workspace) -> None:
+    """A finished run, a suite whose task file has a label past its options, a non-suite."""
+    ws.copy_run("base")
+    ws.write("bad.jsonl", '{"context": "a", "choices": ["b", "c"], "label": 1}\n'
+                          '{"context": "a", "choices": ["b", "c"], "label": 7}\n')  # fmt: skip
+    ws.write("suite.yaml", "- file: bad.jsonl\n  kind: multiple_choice\n")
+    ws.write("in.txt", "just some words")
+
+
 # fmt: off
 def _tool_rows() -> list[Case]:
     gen = ("generate", "--ckpt")
@@ -441,6 +457,21 @@ def _tool_rows() -> list[Case]:
                 ("numeric-error", '{"event": "end", "step": 6, "reason": "error", "error": 42}'),
             )
         ],
+    ]
+    rows += [
+        Case("generate-max-new-tokens-absurd", (*model, "--max-new-tokens", "1000000000"),
+             EXIT_USAGE, "--max-new-tokens 1,000,000,000 is more than 100,000",
+             setup=_generate_files),
+        Case("prepare-force-into-a-users-folder",
+             ("prepare", "{work}/in.txt", "-o", "{work}/userdir", "--force"), EXIT_USAGE,
+             "holds files that are not a dataset's (notes.txt, sub/)", setup=_users_folder),
+        Case("eval-label-out-of-range", ("eval", "{runs}/base", "--suite", "{work}/suite.yaml"),
+             EXIT_USAGE, "bad.jsonl line 2: label label=7 is out of range for 2 options",
+             setup=_bad_suite),
+        Case("eval-suite-not-yaml", ("eval", "{runs}/base", "--suite", "{work}/in.txt"),
+             EXIT_USAGE, "give a YAML list of tasks", setup=_bad_suite),
+        Case("eval-rows-zero", ("eval", "{runs}/base", "--rows", "0"), EXIT_USAGE,
+             "--rows must be >= 1", setup=_finished_runs),
     ]
     if not torch.cuda.is_available():  # a machine without a GPU
         rows += [
@@ -906,3 +937,27 @@ def test_divergence_on_cuda_reads_the_flag_without_a_sync(ws):
     end = _records(ws.runs / "div", "end")[-1]
     assert end["reason"] == "diverged"
     assert end["step"] - end["diverged_step"] in (2, 3)
+
+
+def test_run_log_deleted_mid_run_is_recreated_and_the_run_says_so(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """`rm runs/x/metrics.jsonl` while the run trains (a callback of the run's own config does
+    it at step 3): the run ends with a log at its path holding the rest of the run, from a
+    `log_recreated` record to the `end` record, and one warning."""
+    (tmp_path / "deleter.py").write_text(
+        "import os\nfrom lightning.pytorch import Callback\n\n"
+        "class DeleteLog(Callback):\n"
+        "    def on_train_batch_end(self, trainer, *args):\n"
+        "        path = os.path.join(trainer.default_root_dir, 'metrics.jsonl')\n"
+        "        if trainer.global_step == 3 and os.path.exists(path):\n"
+        "            os.unlink(path)\n"
+    )
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=6)
+    cfg["trainer"]["callbacks"] = [{"class_path": "deleter.DeleteLog"}]
+    path = write_config(tmp_path / "c.yaml", cfg)
+    res = run_nanolab("fit", "--config", str(path), cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("was deleted or replaced while this run wrote it") == 1
+    events = [r["event"] for r in read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl")]
+    assert events[0] == "log_recreated" and events[-1] == "end" and "train" in events

@@ -196,3 +196,41 @@ def test_end_reasons(tmp_path, char_dataset, how):
     if how == "preempted":  # a graceful stop saves the final state
         ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
         assert ckpt["global_step"] == 3
+
+
+def test_a_run_log_deleted_while_written_is_recreated_and_said(tmp_path, capsys) -> None:
+    """`rm metrics.jsonl` during a run: the next record starts the file again at its path,
+    after a `log_recreated` record, with one warning; nothing goes into the unlinked file."""
+    from nanolab.runlog import RunLogWriter, read_records
+
+    path = tmp_path / "metrics.jsonl"
+    writer = RunLogWriter(path)
+    writer.write({"event": "train", "step": 1})
+    path.unlink()
+    writer.write({"event": "train", "step": 2})
+    writer.write({"event": "train", "step": 3})
+    writer.close()
+    assert [r["event"] for r in read_records(path)] == ["log_recreated", "train", "train"]
+    assert [r.get("step") for r in read_records(path)] == [2, 2, 3]
+    assert capsys.readouterr().err.count("was deleted or replaced while this run wrote it") == 1
+
+
+def test_a_full_disk_under_the_run_log_is_one_clear_error(tmp_path) -> None:
+    """ENOSPC while appending (/dev/full stands in for a full disk): a NanolabError naming the
+    file and the free space, not an OSError traceback."""
+    import os
+
+    from nanolab.runlog import RunLogWriteError, RunLogWriter
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    path = tmp_path / "metrics.jsonl"
+    writer = RunLogWriter(path)
+    writer.write({"event": "train", "step": 1})
+    full = open("/dev/full", "a", encoding="utf-8")  # noqa: SIM115 - the writer closes it
+    writer._handle, writer._inode = full, os.stat(path)[1:3]
+    with pytest.raises(RunLogWriteError, match="No space left on device") as err:
+        writer.write({"event": "train", "step": 2})
+    assert str(path) in str(err.value) and "MB free there" in str(err.value)
+    assert "rerun the same command to resume" in str(err.value)
+    writer.close()  # what stayed buffered cannot land: closing says nothing more

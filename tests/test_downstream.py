@@ -212,6 +212,14 @@ def tiny_model(block: int = 32, seed: int = 0) -> GPT:
     return GPT(cfg).eval()
 
 
+def score(task: Task, model: torch.nn.Module, block: int, rows: int):
+    """``evaluate_task`` with the character tokenizer of these tests, on the CPU."""
+    return evaluate_task(
+        model, task=task, tokenizer=CHARS, block_size=block, rows=rows,
+        vocab_size=CHARS.vocab_size, device=torch.device("cpu"),
+    )  # fmt: skip
+
+
 def one_at_a_time(model: GPT, tokens: tuple[int, ...], scored: int) -> tuple[float, bool]:
     """A plain loop: one unpadded sequence, full log-softmax."""
     x = torch.tensor([tokens[:-1]])
@@ -249,15 +257,7 @@ def test_batches_never_exceed_rows_by_block_size() -> None:
     model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
     examples = [Example(("a" * (3 * i + 1),), ("bc", "d"), 0, i) for i in range(9)]
     task = Task("t", "multiple_choice", examples, Path("t"))
-    evaluate_task(
-        model,
-        CHARS,
-        task,
-        block_size=16,
-        rows=4,
-        vocab_size=CHARS.vocab_size,
-        device=torch.device("cpu"),
-    )
+    score(task, model, block=16, rows=4)
     assert shapes and all(b <= 4 and t <= 16 for b, t in shapes)
     assert sum(b for b, _ in shapes) == 18  # every option once
 
@@ -275,15 +275,7 @@ def test_language_modeling_is_greedy_exact_match() -> None:
     right = Example((context,), (greedy_text,), 0, 1)
     wrong = Example((context,), ("zzq" if greedy_text != "zzq" else "qqz",), 0, 2)
     task = Task("lm", "language_modeling", [right, wrong], Path("t"), delimiter="")
-    result = evaluate_task(
-        model,
-        CHARS,
-        task,
-        block_size=32,
-        rows=2,
-        vocab_size=CHARS.vocab_size,
-        device=torch.device("cpu"),
-    )
+    result = score(task, model, block=32, rows=2)
     assert result.n == 2 and result.acc == 0.5
 
 
@@ -302,15 +294,7 @@ def test_metrics_and_centered_on_a_model_that_knows_the_answer() -> None:
     task = Task(
         "t", "multiple_choice", examples, Path("t"), delimiter="", metric="acc_pmi", baseline=0.4
     )
-    r = evaluate_task(
-        Favours(),
-        CHARS,
-        task,
-        block_size=8,
-        rows=3,
-        vocab_size=CHARS.vocab_size,
-        device=torch.device("cpu"),
-    )
+    r = score(task, Favours(), block=8, rows=3)
     assert (r.acc, r.acc_norm, r.acc_token, r.n) == (1.0, 1.0, 1.0, 2)
     assert r.acc_pmi == 0.5  # example 2's right option is its first
     assert r.centered == pytest.approx((r.acc_pmi - 0.4) / 0.6)

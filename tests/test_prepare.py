@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 
 from nanolab.data import sources
 from nanolab.data.prepare import PrepareError, main, prepare_dataset
@@ -247,6 +249,31 @@ def test_prepare_is_a_no_op_for_the_same_sources_and_refuses_other_ones(tmp_path
     assert meta["sources"] == [str(b)]
 
 
+def test_force_replaces_a_dataset_but_never_a_folder_of_other_files(tmp_path, capsys):
+    """`--force` on a folder holding the user's own files (beside or instead of a dataset) is
+    one line naming them, exit 2, every file as it was."""
+    src = tmp_path / "a.txt"
+    src.write_text(SAMPLE)
+    user = tmp_path / "userdir"
+    (user / "sub").mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    (user / "sub" / "more.txt").write_text("mine too")
+    assert main([str(src), "-o", str(user), "-q", "--force"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds files that are not a dataset's (notes.txt, sub/)" in err[0]
+    assert (user / "notes.txt").read_text() == "mine" and (user / "sub" / "more.txt").exists()
+    prepare_dataset([str(src)], tmp_path / "ds", "chars", quiet=True)
+    (tmp_path / "ds" / "README").write_text("a note beside a dataset")
+    assert (
+        main([str(src), "-o", str(tmp_path / "ds"), "-q", "--force", "--tokenizer", "bytes"]) == 2
+    )
+    assert "(README)" in capsys.readouterr().err
+    (tmp_path / "ds" / "README").unlink()
+    assert (
+        main([str(src), "-o", str(tmp_path / "ds"), "-q", "--force", "--tokenizer", "bytes"]) == 0
+    )
+
+
 def test_the_bundled_corpus_and_folders(tmp_path):
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     (tmp_path / "docs" / "one.txt").write_text("first")
@@ -303,6 +330,16 @@ def test_bpe_learns_from_a_bounded_sample(tmp_path):
     ).read_bytes()
 
 
+#: 140 kB of words that do not repeat (15 kB compressed): half of it still decodes to text.
+WORDS = " ".join(
+    "".join(random.Random(i).choice("abcdefghij") for _ in range(6)) for i in range(20_000)
+)
+
+
+def half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
 BAD_INPUTS = [
     (
         "bad-json",
@@ -322,6 +359,23 @@ BAD_INPUTS = [
         "truncated or corrupt",
     ),
     ("garbage-gz", "in.txt.gz", b"\x1f\x8b\x08garbage" * 10, "truncated or corrupt"),
+    # Cut inside a zstd frame: zstandard's stream reader calls that end-of-file (it kept half).
+    (
+        "truncated-zst",
+        "in.txt.zst",
+        half(zstandard.ZstdCompressor().compress(WORDS.encode())),
+        "ends inside a zstd frame",
+    ),
+    (
+        "truncated-zst-jsonl",
+        "docs.jsonl.zst",
+        half(
+            zstandard.ZstdCompressor().compress(
+                "".join(json.dumps({"text": w}) + "\n" for w in WORDS.split()).encode()
+            )
+        ),
+        "ends inside a zstd frame",
+    ),
     ("corrupt-parquet", "in.parquet", b"PAR1" + b"\x00" * 64 + b"PAR1", "not a readable parquet"),
     ("json-array", "in.json", b'[{"text": "a"}]', "one JSON array, not JSON lines"),
 ]
@@ -441,3 +495,13 @@ def test_the_docs_prepare_commands_run(tmp_path, monkeypatch):
     assert books["tokenizer"]["name"] == "hf" and books["eot_id"] == tok.token_to_id(
         "<|endoftext|>"
     )
+
+
+def test_a_zst_of_several_frames_is_read_whole(tmp_path, capsys) -> None:
+    """Frames concatenated (what `zstd` writes for appended files) are all read, in order."""
+    parts = [SAMPLE * 3, SAMPLE.upper() * 2, "the end\n"]
+    src = tmp_path / "in.txt.zst"
+    src.write_bytes(b"".join(zstandard.ZstdCompressor().compress(p.encode()) for p in parts))
+    assert main([str(src), "-o", str(tmp_path / "ds"), "-q", "--tokenizer", "bytes"]) == 0
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    assert meta["train_bytes"] + meta["val_bytes"] == len("".join(parts).encode())

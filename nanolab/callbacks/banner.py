@@ -145,11 +145,18 @@ def banner_lines(
     return lines
 
 
+#: A forward-only pass over N tokens, as a fraction of a training step's time over N tokens.
+#: Its FLOPs are a third (forward 2 per parameter, backward 4), but scoring runs at lower
+#: efficiency (rows of mixed length, short unconditional rows, no fused backward): the
+#: quickstart's cloze took 2.1-2.2 s per evaluation where a third of the step time predicted
+#: 1.0 s (2-core CPU, 2026-12-02), so two thirds.
+FORWARD_TIME_FRACTION = 2 / 3
+
+
 def _forward_seconds(trainer: L.Trainer, tokens: int, estimate: bool) -> float | None:
-    """Seconds for one forward pass over ``tokens`` tokens: a third of a training step's
-    FLOPs (forward 2N, backward 4N per parameter) at the banner's rate."""
+    """Seconds for forward passes over ``tokens`` tokens at the banner's training rate."""
     guess = _safe_estimate(trainer, 1, tokens) if estimate and tokens > 0 else None
-    return None if guess is None else guess[0] / 3.0
+    return None if guess is None else guess[0] * FORWARD_TIME_FRACTION
 
 
 def _safe_estimate(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:

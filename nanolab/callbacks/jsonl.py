@@ -40,7 +40,13 @@ from nanolab.callbacks.events import (
 from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
 from nanolab.callbacks.step import StepCallback
-from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, last_record, read_records
+from nanolab.runlog import (
+    RUN_LOG_NAME,
+    RunLogWriteError,
+    RunLogWriter,
+    last_record,
+    read_records,
+)
 
 __all__ = ["MetricsLog", "read_records"]
 
@@ -315,7 +321,8 @@ class MetricsLog(StepCallback):
         assert self.clock is not None
         with self.clock.frozen():
             record = self._end_record(trainer, reason, error, detail)
-        self._writer.write(record)
+        with contextlib.suppress(RunLogWriteError):  # a full disk: the error already says so
+            self._writer.write(record)
         self._writer.close()
 
     def _end_record(

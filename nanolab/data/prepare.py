@@ -72,6 +72,10 @@ class PrepareError(NanolabError):
     """Input that cannot become a dataset; the message names it and the fix."""
 
 
+#: The files a prepared dataset folder holds (and all that ``--force`` may replace).
+DATASET_FILES = frozenset({"meta.json", "train.bin", "val.bin", "tokenizer.json"})
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (vocab <= 65536), else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
@@ -177,6 +181,20 @@ def prepare_dataset(
         existing = _existing_meta(out_dir)
         if existing is not None and existing.get("source_hash") == digest:
             return existing
+        if force and out_dir.is_dir():
+            foreign = sorted(
+                p.name + ("/" if p.is_dir() else "")
+                for p in out_dir.iterdir()
+                if p.name not in DATASET_FILES
+            )
+            if foreign:  # --force replaces a dataset, never a folder of the user's own files
+                shown = ", ".join(foreign[:3]) + (
+                    f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+                )
+                raise PrepareError(
+                    f"{out_dir} holds files that are not a dataset's ({shown}); --force replaces "
+                    "only a dataset folder: choose another output folder, or move those files"
+                )
         if out_dir.exists() and any(out_dir.iterdir()) and not force:
             what = (
                 "a dataset of other sources or settings (or its files changed since)"

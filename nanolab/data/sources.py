@@ -267,13 +267,7 @@ class FileReader:
         self._counter = _Counting(raw)
         if f.compression == "gz":
             return gzip.GzipFile(fileobj=self._counter, mode="rb")  # type: ignore[arg-type]
-        if f.compression == "zst":
-            import zstandard
-
-            return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[no-any-return]
-                self._counter, read_across_frames=True, closefd=True
-            )
-        return self._counter  # type: ignore[return-value]
+        return self._counter  # type: ignore[return-value]  # zst: decoded in _zstd_chunks
 
     def _chunks(self) -> Iterator[bytes]:
         """The decompressed bytes, in pieces, with corrupt or truncated files named."""
@@ -281,6 +275,9 @@ class FileReader:
         stream = None
         try:
             stream = self._open()
+            if self.file.compression == "zst":
+                yield from self._zstd_chunks(stream)
+                return
             while True:
                 chunk = stream.read(_READ_BYTES)
                 self._progress()
@@ -306,6 +303,28 @@ class FileReader:
                 stream.close()
             if self._counter is not None:
                 self._counter.close()
+
+    def _zstd_chunks(self, raw: IO[bytes]) -> Iterator[bytes]:
+        """The frames of a ``.zst`` file decoded one after another; a file that ends inside a
+        frame is refused (zstandard's stream reader returns end-of-file there, silently
+        dropping the rest of the text)."""
+        import zstandard
+
+        dctx = zstandard.ZstdDecompressor()
+        frame = dctx.decompressobj()
+        inside = False  # bytes of an unfinished frame have been fed
+        while data := raw.read(_READ_BYTES):
+            self._progress()
+            while data:
+                out = frame.decompress(data)
+                inside = True
+                if out:
+                    yield out
+                if not frame.eof:
+                    break
+                data, frame, inside = frame.unused_data, dctx.decompressobj(), False
+        if inside:
+            raise EOFError("the file ends inside a zstd frame")
 
     def blocks(self) -> Iterator[Block]:
         if self.file.kind == "text":

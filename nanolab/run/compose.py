@@ -289,6 +289,15 @@ def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any
     try:
         acquire(run_dir)
     except OSError as err:
+        import errno
+        import shutil
+
+        if err.errno == errno.ENOSPC:
+            free = shutil.disk_usage(run_dir.parent if run_dir.parent.exists() else ".").free
+            raise RunConfigError(
+                f"run directory {run_dir} cannot be used: the disk is full ({free / 1e6:.0f} MB "
+                "free there); free space and rerun the same command (the run's files are intact)"
+            ) from None
         raise RunConfigError(
             f"run directory {run_dir} cannot be used ({err.strerror or err}); set "
             "run.root to a folder this user can write"
