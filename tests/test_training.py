@@ -512,3 +512,17 @@ def test_fp16_mixed_precision_on_a_gpu(char_dataset, tmp_path, fp32_losses):
     assert probe.weight_dtypes == {torch.float32}
     assert probe.losses != fp32_losses
     assert probe.losses == pytest.approx(fp32_losses, abs=0.05)
+
+
+def test_rerunning_a_finished_run_says_it_is_complete(tmp_path, char_dataset):
+    """The same command after the run ended: exit 0, one line saying the run is complete and
+    how to extend it, no step trained again."""
+    cfg = write_config(tmp_path / "c.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    first = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    log = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    trained = len(list(read_records(log, "train")))
+    again = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "is already complete at step 6 (trainer.max_steps 6); nothing to train" in again.stderr
+    assert len(list(read_records(log, "train"))) == trained

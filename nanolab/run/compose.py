@@ -9,6 +9,7 @@ checkpoint → ``trainer.fit``. The helpers below it each do one of those steps.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -114,7 +115,17 @@ def launch(cli: NanolabCLI) -> Trainer:
         from nanolab.training import early_signals
 
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
-        ckpt_path = claim_for_fit(cfg, run_dir, model, data, built.get("ckpt_path"))
+        cand = claim_for_fit(cfg, run_dir, model, data, built.get("ckpt_path"))
+        ckpt_path = str(cand.path) if cand is not None else None
+        max_steps = int(trainer.max_steps or -1)
+        if cand is not None and cand.step is not None and 0 < max_steps <= cand.step:
+            # Nothing to train: say so, instead of a silent exit 0 (the run is as it was).
+            print(
+                f"nanolab fit: {run_dir} is already complete at step {cand.step} "
+                f"(trainer.max_steps {max_steps}); nothing to train. Raise --trainer.max_steps "
+                "to extend it, or give another --run.name for a new run",
+                file=sys.stderr,
+            )
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
     target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"))
@@ -274,8 +285,9 @@ def apply_float32_matmul_precision(value: str, trainer_cfg: Any) -> None:
 
 
 # -- run: the run directory and the checkpoint ------------------------------------------------
-def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any) -> str | None:
-    """Take the run directory for this launch and return the checkpoint to resume from.
+def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any) -> Any:
+    """Take the run directory for this launch and return the checkpoint to resume from (its
+    path and step), or None for a fresh start.
 
     The lock comes before anything in the directory is read or written; the checkpoint is the
     newest *complete* one for ``auto`` (a torn one is reported and skipped) or the one given,
@@ -318,7 +330,7 @@ def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any
         checkpoint=cand.path if cand is not None else None,
         checkpoint_run_id=cand.run_id if cand is not None else None,
     )
-    return path
+    return cand
 
 
 def requested_checkpoint(resume: str, ckpt_path: Any) -> tuple[str | None, str]:
