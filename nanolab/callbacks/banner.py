@@ -147,10 +147,10 @@ def banner_lines(
 
 #: A forward-only pass over N tokens, as a fraction of a training step's time over N tokens.
 #: Its FLOPs are a third (forward 2 per parameter, backward 4), but scoring runs at lower
-#: efficiency (rows of mixed length, short unconditional rows, no fused backward): the
-#: quickstart's cloze took 2.1-2.2 s per evaluation where a third of the step time predicted
-#: 1.0 s (2-core CPU, 2026-12-02), so two thirds.
-FORWARD_TIME_FRACTION = 2 / 3
+#: efficiency (rows of mixed length, short unconditional rows): the quickstart's cloze (0.14M
+#: tokens) took 1.9-2.2 s per evaluation where the banner's training rate gives 4.2 s for as
+#: many training tokens (2-core CPU, 2026-12-02, four evaluations), so one half.
+FORWARD_TIME_FRACTION = 1 / 2
 
 
 def _forward_seconds(trainer: L.Trainer, tokens: int, estimate: bool) -> float | None:
