@@ -27,7 +27,8 @@ class EvalArgumentError(NanolabError):
 
 
 def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
-    """The checkpoint to evaluate, its run directory (None for a loose file), and its step."""
+    """The checkpoint to evaluate, the run directory it belongs to (None for a loose file),
+    and its step (None: read it from the checkpoint)."""
     from nanolab.model.checkpoint import CheckpointError
     from nanolab.training.resume import find_resume_checkpoint
 
@@ -51,19 +52,54 @@ def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
     return path, run_dir, None
 
 
-def run_config_micro_batch(run_dir: Path | None) -> int | None:
-    """The run's training micro-batch (its ``config.yaml``), the default rows per batch."""
+def run_settings(run_dir: Path | None) -> tuple[int | None, str | None]:
+    """The run's training micro-batch and precision (its ``config.yaml``): the defaults for
+    rows per batch and for the precision the model is scored in, so that ``eval`` computes
+    what the in-loop callback computed."""
     if run_dir is None or not (run_dir / "config.yaml").is_file():
-        return None
+        return None, None
     from nanolab.training.resolve import load_yaml
 
     try:
-        text = (run_dir / "config.yaml").read_text(encoding="utf-8")
-        data = (load_yaml(text) or {}).get("data") or {}
-    except Exception:  # an unreadable config only loses the default
-        return None
+        config = load_yaml((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+        data = config.get("data") or {}
+        precision = (config.get("trainer") or {}).get("precision")
+    except Exception:  # an unreadable config only loses the defaults
+        return None, None
     value = (data.get("init_args") or data).get("micro_batch_size")
-    return int(value) if isinstance(value, int) and value > 0 else None
+    micro = int(value) if isinstance(value, int) and value > 0 else None
+    return micro, str(precision) if precision is not None else None
+
+
+def precision_context(precision: str | None, device: Any) -> Any:
+    """Autocast for a ``*-mixed`` precision (what Lightning's plugin does in the loop); fp32
+    otherwise. ``*-true`` precisions are applied to the weights by the caller."""
+    import contextlib
+
+    import torch
+
+    if precision in ("bf16-mixed", "16-mixed"):
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        return torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def check_json_target(text: str, run_dir: Path | None) -> Path:
+    """``--json``: a file in an existing folder, not a folder, not inside the evaluated run
+    (a run's files are its own: eval adds only its record to the log)."""
+    out = Path(text)
+    if out.is_dir():
+        raise EvalArgumentError(f"--json {text} is a folder; give a file name")
+    if not out.parent.is_dir():
+        raise EvalArgumentError(
+            f"--json {text}: folder {out.parent} does not exist; create it first"
+        )
+    if run_dir is not None and out.resolve().is_relative_to(run_dir.resolve()):
+        raise EvalArgumentError(
+            f"--json {text} is inside the run directory {run_dir}; write it elsewhere (the "
+            "run's files are its own; the tasks record goes into its metrics.jsonl)"
+        )
+    return out
 
 
 def result_table(result: Any) -> str:
@@ -111,9 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ..."
     )
+    parser.add_argument(
+        "--precision",
+        default=None,
+        choices=["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"],
+        help="what the model is scored in (default: the run's trainer.precision, else 32-true)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument(
-        "--no-log", action="store_true", help="do not append a record to the run's metrics.jsonl"
+        "--no-log",
+        action="store_true",
+        help="do not append a record to the run's metrics.jsonl (a .ckpt file given: never)",
     )
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
@@ -132,24 +176,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     suite = load_suite(args.suite, args.limit)  # bad task files fail before the model loads
     device = check_device(args.device)
     path, run_dir, step = checkpoint_and_run(args.target)
+    # A run directory given: its record goes into its log. A checkpoint file given: printed
+    # only (as validate/test do), though its run's settings are still the defaults.
+    log_dir = None if Path(args.target).is_file() or args.no_log else run_dir
+    out = check_json_target(args.json, run_dir) if args.json else None
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path).to(device)
     tokenizer = tokenizer_from_checkpoint(ckpt)
     step = int(ckpt.get("global_step", step or 0)) if step is None else step
-    rows = args.rows or run_config_micro_batch(run_dir) or 8
+    micro, precision = run_settings(run_dir)
+    precision = args.precision or precision or "32-true"
+    if precision in ("bf16-true", "16-true"):
+        model = model.to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    rows = args.rows or micro or 8
     print(
-        f"nanolab eval: {path} (step {step}), suite {args.suite}, {rows} rows per batch",
+        f"nanolab eval: {path} (step {step}), suite {args.suite}, {rows} rows per batch, "
+        f"precision {precision}",
         file=sys.stderr,
     )
-    result = evaluate_suite(
-        model,
-        tokenizer,
-        suite,
-        block_size=model.config.block_size,
-        rows=rows,
-        vocab_size=model.config.vocab_size,
-        device=device,
-    )
+    with precision_context(precision, device):
+        result = evaluate_suite(
+            model,
+            tokenizer,
+            suite,
+            block_size=model.config.block_size,
+            rows=rows,
+            vocab_size=model.config.vocab_size,
+            device=device,
+        )
     print(result_table(result))
     print(f"{result.seconds:.1f}s for {sum(t.n for t in result.tasks)} examples", file=sys.stderr)
     record = {
@@ -161,13 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "suite": str(args.suite),
         **result.record(),
     }
-    if args.json:
-        out = Path(args.json)
+    if log_dir is not None:
+        append_to_run(log_dir, record)
+    if out is not None:
         tmp = out.with_name(f".{out.name}.tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         tmp.replace(out)
-    if run_dir is not None and not args.no_log:
-        append_to_run(run_dir, record)
     return 0
 
 

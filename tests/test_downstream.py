@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -464,3 +465,122 @@ def test_an_evaluation_needs_less_memory_than_a_training_step() -> None:
         current += e.nbytes()
         peak = max(peak, current)
     assert resident + peak < train_peak, (resident + peak, train_peak)
+
+
+# -- what an adversarial review found --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "entry,rows,problem",
+    [
+        ({"kind": "multiple_choice"}, [{"context": "x", "choices": ["a", "b"], "label": "²"}],
+         "field 'label' is '²', not an integer"),
+        ({"kind": "multiple_choice", "shots": 3, "limit": 2},
+         [{"context": "x", "choices": ["a", "b"], "label": 0}] * 6,
+         "3 shots need more than 3 examples; "),
+        ({"kind": "multiple_choice", "delimiter": None},
+         [{"context": "x", "choices": ["a", "b"], "label": 0}], "delimiter must be a string"),
+        ({"kind": "multiple_choice", "name": "a/b"},
+         [{"context": "x", "choices": ["a", "b"], "label": 0}], "without '/'"),
+    ],
+)  # fmt: skip
+def test_suite_entries_that_cannot_work(tmp_path: Path, entry, rows, problem) -> None:
+    write_lines(tmp_path / "t.jsonl", rows)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump([{"file": "t.jsonl", **entry}]))
+    with pytest.raises(TaskFileError, match=re.escape(problem)):
+        load_suite(tmp_path / "s.yaml")
+
+
+@pytest.mark.parametrize(
+    "tasks,problem",
+    [
+        ("icl_tasks: [1]\n", "task 1: a mapping"),
+        ("icl_tasks:\n- {label: mc, dataset_uri: mc.jsonl, num_fewshot: [], icl_task_type: multiple_choice}\n",
+         "num_fewshot must be [N]"),
+        ("icl_tasks:\n- {label: mc, dataset_uri: mc.jsonl, num_fewshot: [abc], icl_task_type: multiple_choice}\n",
+         "num_fewshot must be [N]"),
+        ("icl_tasks:\n- {label: mc, num_fewshot: [0], icl_task_type: multiple_choice}\n",
+         "dataset_uri (a file under eval_data/) is missing"),
+    ],
+)  # fmt: skip
+def test_a_malformed_dclm_bundle_is_one_line(tmp_path: Path, tasks: str, problem: str) -> None:
+    (tmp_path / "eval_data").mkdir()
+    write_lines(
+        tmp_path / "eval_data" / "mc.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}]
+    )
+    (tmp_path / "core.yaml").write_text(tasks)
+    (tmp_path / "eval_meta_data.csv").write_text("Eval Task,Random baseline\nmc,50\n")
+    with pytest.raises(TaskFileError, match=re.escape(problem)):
+        load_suite(tmp_path)
+
+
+def test_eval_json_targets_and_a_checkpoint_file_is_printed_only(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """--json into a missing folder, onto a folder or into the run is refused before anything
+    is scored; a .ckpt path (not the run directory) prints and leaves the run's log alone."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    path = write_config(tmp_path / "c.yaml", cfg)
+    assert (
+        run_nanolab(
+            "fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path
+        ).returncode
+        == 0
+    )
+    run = tmp_path / "runs" / "tiny"
+    before = (run / "metrics.jsonl").read_bytes()
+    for target, problem in [
+        (tmp_path / "nodir" / "x.json", "does not exist; create it first"),
+        (tmp_path, "is a folder; give a file name"),
+        (run / "metrics.jsonl", "is inside the run directory"),
+    ]:
+        res = run_nanolab("eval", str(run), "--limit", "3", "--json", str(target), cwd=tmp_path)
+        assert res.returncode == 2 and problem in res.stderr and "Traceback" not in res.stderr
+    ckpt = next((run / "checkpoints").glob("step-*.ckpt"))
+    res = run_nanolab("eval", str(ckpt), "--limit", "3", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_mixed_precision_eval_equals_the_in_loop_numbers(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """bf16-mixed on CPU: `nanolab eval` scores under the run's precision, as the loop does."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=2, run__eval_every_steps=2,
+        trainer__precision="bf16-mixed", downstream__suite="builtin:shakespeare",
+        downstream__limit=40, downstream__every_n_evals=1,
+    )  # fmt: skip
+    path = write_config(tmp_path / "c.yaml", cfg)
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    (record,) = read_records(run / "metrics.jsonl", "tasks")
+    res = run_nanolab(
+        "eval",
+        str(run),
+        "--limit",
+        "40",
+        "--no-log",
+        "--json",
+        str(tmp_path / "e.json"),
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0 and "precision bf16-mixed" in res.stderr, res.stderr[-2000:]
+    again = json.loads((tmp_path / "e.json").read_text())
+    keys = [k for k in record if k.startswith("tasks/") and k != "tasks/seconds"]
+    assert {k: again[k] for k in keys} == {k: record[k] for k in keys}
+
+
+def test_cadence_without_max_steps(tmp_path: Path, char_dataset: Path) -> None:
+    """trainer.max_steps -1 (a budget ends the run): every 3rd validation, and the last step."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=-1, run__eval_every_steps=2,
+        budget__max_tokens=4 * 32 * 13, downstream__suite="builtin:shakespeare",
+        downstream__limit=5, downstream__every_n_evals=3,
+    )  # fmt: skip
+    path = write_config(tmp_path / "c.yaml", cfg)
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [r["step"] for r in read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "tasks")]
+    end = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "end"))[-1]["step"]
+    assert steps[:2] == [6, 12] and steps[-1] == end, (steps, end)  # not 2, 4, 8, 10
+    assert len(steps) == (2 if end == 12 else 3), (steps, end)

@@ -133,3 +133,36 @@ def test_simple_evaluate_on_a_local_task_matches_nanolab_eval(
         vocab_size=TOK.vocab_size, device=torch.device("cpu"),
     )  # fmt: skip
     assert (res["acc,none"], res["acc_norm,none"]) == (ours.acc, ours.acc_norm)
+
+
+def test_model_args_win_over_lm_evals_own_defaults(checkpoint: Path) -> None:
+    """`--model_args checkpoint=...,device=cpu` with lm-eval's own --device/--batch_size given
+    too: no clash, the model's arguments first."""
+    lm = NanolabLM.create_from_arg_string(
+        f"checkpoint={checkpoint},device=cpu,batch_size=3", {"device": "cuda:7", "batch_size": 16}
+    )
+    assert lm.device.type == "cpu" and lm.rows == 3
+
+
+def test_a_bad_checkpoint_is_one_line(tmp_path: Path) -> None:
+    """`nanolab lm-eval` as a user runs it: a checkpoint that does not exist is one error line
+    (the NanolabError the adapter raises), exit 2, no traceback."""
+    from conftest import run_nanolab
+
+    data = tmp_path / "toy.jsonl"
+    data.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "label": 0}) + "\n")
+    (tmp_path / "toy.yaml").write_text(
+        f"task: nanolab_bad_ckpt\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+    )
+    res = run_nanolab(
+        "lm-eval", "run", "--model", "nanolab", "--model_args", f"checkpoint={tmp_path}/nowhere",
+        "--tasks", "nanolab_bad_ckpt", "--include_path", str(tmp_path), "--device", "cpu",
+        cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert (
+        last.startswith("nanolab lm-eval: error: checkpoint=") and "nowhere does not exist" in last
+    )

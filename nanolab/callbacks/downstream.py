@@ -152,7 +152,8 @@ class DownstreamEval(Callback):
         if not self.active or trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self._validations += 1
-        last = trainer.max_steps is not None and trainer.global_step >= trainer.max_steps
+        max_steps = trainer.max_steps if trainer.max_steps is not None else -1
+        last = 0 < max_steps <= trainer.global_step  # -1: no last step, a budget ends the run
         if self._validations % self.every_n_evals and not last:
             return
         self.run(trainer, pl_module)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from nanolab.downstream.scoring import Request, encode_pair, score_requests
-from nanolab.errors import NanolabError
+from nanolab.errors import NanolabError, one_line_errors
 
 try:
     from lm_eval.api.model import LM
@@ -112,6 +112,20 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
         self.rows = int(rows)  # type: ignore[arg-type]
         self.max_gen_toks = int(max_gen_toks)
 
+    @classmethod
+    def create_from_arg_string(
+        cls, arg_string: str, additional_config: dict | None = None
+    ) -> NanolabLM:
+        """``--model_args k=v,...`` first, then lm-eval's own ``--device``/``--batch_size``
+        where ``--model_args`` does not set them (lm-eval's default passes both, twice)."""
+        from lm_eval.utils import simple_parse_args_string
+
+        args = simple_parse_args_string(arg_string)
+        extra = {
+            k: v for k, v in (additional_config or {}).items() if v is not None and k not in args
+        }
+        return cls(**args, **extra)
+
     # -- lm-eval's three request types -----------------------------------------------------
     def loglikelihood(
         self, requests: Sequence[Any], disable_tqdm: bool = False
@@ -186,6 +200,7 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
         return f"nanolab-{self.tok.name}"
 
 
+@one_line_errors("nanolab lm-eval")
 def main(argv: Sequence[str] | None = None) -> int:
     """``nanolab lm-eval ARGS``: lm-eval's command line with ``--model nanolab`` available."""
     if LM is object:

@@ -48,7 +48,7 @@ FORMATS: tuple[str, ...] = ("nanolab", "dclm", "hellaswag")
 METRICS: tuple[str, ...] = ("acc", "acc_norm", "acc_token", "acc_pmi")
 #: Where ``builtin:<name>`` suites (``<name>.yaml``) and their task files ship with nanolab.
 BUILTIN_DIR = Path(__file__).parent / "data"
-#: CORE's order of examples: shuffled once with this seed before ``limit`` is applied.
+#: CORE's order of examples: shuffled once with this seed (before ``limit`` and few-shot draws).
 SHUFFLE_SEED = 1337
 
 
@@ -134,7 +134,7 @@ def _texts(row: dict[str, Any], key: str, path: Path, line: int, least: int = 2)
 
 def _label(row: dict[str, Any], key: str, options: int, path: Path, line: int) -> int:
     value = row.get(key)
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         value = int(value)  # HellaSwag's files hold the label as an int; some copies as "3"
     if not isinstance(value, int) or isinstance(value, bool):
         what = "missing" if key not in row else f"{value!r}, not an integer"
@@ -262,23 +262,37 @@ def make_task(entry: dict[str, Any], base: Path, where: str) -> Task:
     metric = entry.get("metric")
     if metric is not None and metric not in METRICS:
         raise TaskFileError(f"{where}: metric must be one of {', '.join(METRICS)}, got {metric!r}")
-    path = task_path(entry["file"], base)
-    examples, fmt = read_task_file(path, entry["kind"], entry.get("format"))
-    if shots and len(examples) <= shots:
+    delimiter = entry.get("delimiter", " ")
+    if not isinstance(delimiter, str):
         raise TaskFileError(
-            f"{where}: {shots} shots need more than {shots} examples; {path} has {len(examples)}"
+            f'{where}: delimiter must be a string ("" for none, " " by default), got {delimiter!r}'
         )
-    if limit is not None and limit < len(examples):
-        random.Random(SHUFFLE_SEED).shuffle(examples)  # CORE's rule: shuffle, then the first N
+    path = task_path(entry["file"], base)
+    name = str(entry.get("name") or path.stem)
+    if "/" in name or not name.strip():
+        raise TaskFileError(f"{where}: task name {name!r} must be non-empty and without '/'")
+    examples, fmt = read_task_file(path, entry["kind"], entry.get("format"))
+    # CORE's order (the DCLM/nanochat rule): shuffled once with a fixed seed, then the first
+    # `limit`; few-shot examples are drawn from what is left.
+    random.Random(SHUFFLE_SEED).shuffle(examples)
+    if limit is not None:
         examples = examples[:limit]
+    if shots and len(examples) <= shots:
+        cut = (
+            f" (limit {limit} leaves {len(examples)}; give a limit above {shots})" if limit else ""
+        )
+        raise TaskFileError(
+            f"{where}: {shots} shots need more than {shots} examples; {path} has "
+            f"{len(examples)}{cut}"
+        )
     return Task(
-        name=str(entry.get("name") or path.stem),
+        name=name,
         kind=entry["kind"],
         examples=examples,
         path=path,
         shots=shots,
         baseline=None if baseline is None else float(baseline),
-        delimiter=str(entry.get("delimiter", " ")),
+        delimiter=delimiter,
         metric=metric or ("acc_token" if fmt == "dclm" else "acc_norm"),
     )
 
@@ -360,10 +374,22 @@ def load_dclm_bundle(folder: Path, limit: int | None = None) -> Suite:
         raise TaskFileError(f"{config}: icl_tasks is missing or empty")
     entries = []
     for i, task in enumerate(tasks, start=1):
+        if not isinstance(task, dict):
+            raise TaskFileError(f"{config} task {i}: a mapping (label, dataset_uri, ...) is needed")
         label = str(task.get("label", ""))
         if label not in baselines:
             raise TaskFileError(f"{config} task {i} ({label}): no random baseline in {meta.name}")
         shots = task.get("num_fewshot", [0])
+        shots = shots[0] if isinstance(shots, list) and shots else shots
+        if not isinstance(shots, int) or isinstance(shots, bool) or shots < 0:
+            raise TaskFileError(
+                f"{config} task {i} ({label}): num_fewshot must be [N] with N >= 0, got "
+                f"{task.get('num_fewshot')!r}"
+            )
+        if not isinstance(task.get("dataset_uri"), str):
+            raise TaskFileError(
+                f"{config} task {i} ({label}): dataset_uri (a file under eval_data/) is missing"
+            )
         kind = {"multiple_choice": "multiple_choice", "schema": "schema"}.get(
             str(task.get("icl_task_type")), "language_modeling"
         )
@@ -373,7 +399,7 @@ def load_dclm_bundle(folder: Path, limit: int | None = None) -> Suite:
                 "file": f"eval_data/{task.get('dataset_uri')}",  # relative to the bundle
                 "kind": kind,
                 "format": "dclm",
-                "shots": int(shots[0] if isinstance(shots, list) else shots),
+                "shots": shots,
                 "baseline": baselines[label] / 100.0,
                 "delimiter": task.get("continuation_delimiter", " "),
             }
