@@ -2,8 +2,10 @@
 
 Both score the same examples of a suite with the same model and get the same accuracy: the
 plain loop feeds one option at a time (no padding, a full log-softmax over every position, what
-a first implementation does); ``nanolab eval`` sorts the options by length, pads ``rows`` of
-them into one forward pass and normalizes only the continuation's positions. The two run in
+a first implementation does); ``nanolab eval`` runs an example's shared context once and its
+options after it from the key/value cache, sorts the rest by length, pads ``rows`` of them into
+one forward pass and normalizes only the continuation's positions (the middle column turns the
+context sharing off). The two run in
 alternation, ``--rounds`` times each, in one process; the table gives each round's examples/s,
 the median ratio and its spread::
 
@@ -77,18 +79,26 @@ def main(argv: list[str] | None = None) -> int:
     (task, *_) = load_suite(args.suite, args.limit).tasks
     n = len(task.examples)
     print(f"{path}: {task.name}, {n} examples, metric {task.metric}, {args.threads} thread(s)")
-    print(f"{'round':>5}  {'plain loop ex/s':>16}  {'nanolab eval ex/s':>18}  {'ratio':>6}")
+    requests = requests_for(task, tokenizer, block, list(range(n)))
+    cut = sum(len(r.tokens) == block + 1 for r in requests)
+    print(f"{cut} of {len(requests)} options cut at the block (their context cannot be shared)")
+    print(f"{'round':>5}  {'plain loop ex/s':>16}  {'batched, no sharing':>20}  "
+          f"{'nanolab eval ex/s':>18}  {'ratio':>6}")  # fmt: skip
     ratios = []
     for i in range(args.rounds):
-        t0 = time.perf_counter()
-        plain = plain_loop(model, tokenizer, task, block, vocab)
-        t1 = time.perf_counter()
-        batched = evaluate_task(model, tokenizer, task, block_size=block, rows=args.rows,
-                                vocab_size=vocab, device=torch.device("cpu"))  # fmt: skip
-        t2 = time.perf_counter()
-        loop_rate, batch_rate = n / (t1 - t0), n / (t2 - t1)
-        ratios.append(batch_rate / loop_rate)
-        print(f"{i + 1:>5}  {loop_rate:>16.1f}  {batch_rate:>18.1f}  {ratios[-1]:>5.1f}x")
+        rates = []
+        for share in (None, False, True):
+            t0 = time.perf_counter()
+            if share is None:
+                plain = plain_loop(model, tokenizer, task, block, vocab)
+            else:
+                batched = evaluate_task(model, tokenizer, task, block_size=block, rows=args.rows,
+                                        vocab_size=vocab, device=torch.device("cpu"),
+                                        share_context=share)  # fmt: skip
+            rates.append(n / (time.perf_counter() - t0))
+        ratios.append(rates[2] / rates[0])
+        print(f"{i + 1:>5}  {rates[0]:>16.1f}  {rates[1]:>20.1f}  {rates[2]:>18.1f}  "
+              f"{ratios[-1]:>5.1f}x")  # fmt: skip
         if abs(plain - batched.score) > 1e-9:
             print(
                 f"accuracies differ: loop {plain:.4f}, nanolab eval {batched.score:.4f}",

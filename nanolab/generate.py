@@ -125,14 +125,13 @@ def stream_sample(
     model: Any, tok: Any, idx: torch.Tensor, args: argparse.Namespace, generator: Any
 ) -> None:
     """Print the prompt, then each token as it is sampled (a long sample shows from its first
-    token, not after minutes). The draws are those of one ``model.generate`` call for all the
-    tokens: one token per call consumes the generator the same way. Ids are printed once they
-    decode to whole characters (a byte-level token can hold half of one)."""
+    token, not after minutes), drawn with the key/value cache where the model has one
+    (``GPT.stream``). Ids are printed once they decode to whole characters (a byte-level
+    token can hold half of one)."""
     print(tok.decode(idx[0].tolist()), end="", flush=True)
     pending: list[int] = []
-    for _ in range(args.max_new_tokens):
-        idx = model.generate(idx, 1, args.temperature, args.top_k, generator)
-        pending.append(int(idx[0, -1]))
+    for new in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, generator):
+        pending.append(int(new[0, -1]))
         text = tok.decode(pending)
         if text and not text.endswith("\ufffd"):
             print(text, end="", flush=True)

@@ -254,13 +254,73 @@ def test_batched_scores_equal_one_sequence_at_a_time() -> None:
 
 
 def test_batches_never_exceed_rows_by_block_size() -> None:
-    model, shapes = tiny_model(block=16), []
-    model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    model, calls = tiny_model(block=16), []
+    model.register_forward_pre_hook(
+        lambda m, args, kw: calls.append((*args[0].shape, kw.get("head", True))), with_kwargs=True
+    )
     examples = [Example(("a" * (3 * i + 1),), ("bc", "d"), 0, i) for i in range(9)]
     task = Task("t", "multiple_choice", examples, Path("t"))
     score(task, model, block=16, rows=4)
-    assert shapes and all(b <= 4 and t <= 16 for b, t in shapes)
-    assert sum(b for b, _ in shapes) == 18  # every option once
+    assert calls and all(b <= 4 and t <= 16 for b, t, _ in calls)
+    assert sum(b for b, _, head in calls if head) == 18  # every option once
+    # A context runs once for its options when it is MIN_SHARED tokens or more: end-of-text +
+    # 3i + 1 characters (the last one goes with each option), so examples 3..8.
+    assert sum(b for b, _, head in calls if not head) == 6
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"position_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False},
+        {"attention_variant": "qk_norm", "position_embedding": "rope", "attention": "math"},
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_shared_contexts_score_as_full_passes(variant: dict, rows: int) -> None:
+    """Running an example's context once and its options from the key/value cache gives each
+    option the log-likelihood and greedy match of its own full pass, for every position
+    scheme, with groups split over passes (rows 1, 3) or packed several to a pass (16)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=CHARS.vocab_size, **variant
+    )
+    model = GPT(cfg).eval()
+    assert model.supports_kv_cache
+    examples = [
+        Example(("to be or not " * (i % 3 + 1) + "a" * i,), ("to be", "that", "the question"), 0, i)
+        for i in range(6)
+    ]
+    task = Task("t", "multiple_choice", examples, Path("t"), shots=1)
+    requests = requests_for(task, CHARS, 64, list(range(6)))
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("head")), with_kwargs=True)
+    scored = score_requests(model, requests, rows, CHARS.vocab_size, torch.device("cpu"))
+    assert False in calls  # contexts did run on their own
+    for r, (ll, greedy) in zip(requests, scored, strict=True):
+        ref_ll, ref_greedy = one_at_a_time(model, r.tokens, r.scored)
+        assert ll == pytest.approx(ref_ll, abs=1e-4) and greedy == ref_greedy
+
+
+def test_a_model_without_cache_support_scores_full_passes() -> None:
+    """An attention class of a fork that does not declare ``supports_kv_cache`` (its
+    overrides may not take the cache's arguments) is scored with whole sequences."""
+    from nanolab.model.gpt import CausalSelfAttention
+
+    class Plain(CausalSelfAttention):
+        def attend(self, q, k, v):  # the old contract: no mask argument
+            return super().attend(q, k, v)
+
+    model = tiny_model(block=32)
+    for block in model.blocks:
+        block.attn.__class__ = Plain
+    assert not model.supports_kv_cache
+    examples = [Example(("to be or not to be",), ("x", "yz"), 0, i) for i in range(3)]
+    task = Task("t", "multiple_choice", examples, Path("t"))
+    requests = requests_for(task, CHARS, 32, [0, 1, 2])
+    scored = score_requests(model, requests, 4, CHARS.vocab_size, torch.device("cpu"))
+    for r, (ll, _) in zip(requests, scored, strict=True):
+        assert ll == pytest.approx(one_at_a_time(model, r.tokens, r.scored)[0], abs=1e-4)
 
 
 def test_language_modeling_is_greedy_exact_match() -> None:

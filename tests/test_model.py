@@ -126,6 +126,52 @@ def test_generate_greedy_top_k_and_padding():
     assert long.shape == (2, 45)
 
 
+#: Every shipped variant of each part, so the cache is checked against each of them.
+VARIANTS = [
+    {},
+    {"attention": "math"},
+    {"attention_variant": "qk_norm", "position_embedding": "rope"},
+    {"position_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False},
+    {"mlp": "relu2", "norm": "rmsnorm", "tie_weights": False},
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_generation_equals_recomputing_the_context(variant: dict) -> None:
+    """Greedy and seeded sampling draw the same tokens with and without the key/value cache
+    while prompt + sample fit in the block (2 prompts at once); past the block the cached
+    sampler refills and keeps going."""
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=70, **variant)).eval()  # block_size 32
+    assert model.supports_kv_cache
+    idx = torch.randint(0, 70, (2, 5))
+    cached = model.generate(idx, 11, temperature=0, use_cache=True)
+    assert torch.equal(cached, model.generate(idx, 11, temperature=0, use_cache=False))
+    draws = [torch.Generator().manual_seed(7) for _ in range(2)]
+    sampled = [
+        model.generate(idx, 11, 0.8, 20, g, use_cache=c)
+        for g, c in zip(draws, (True, False), strict=True)
+    ]
+    assert torch.equal(*sampled)
+    assert model.generate(idx, 60, temperature=0).shape == (2, 65)
+
+
+def test_a_variant_that_does_not_declare_the_cache_recomputes() -> None:
+    """An attention subclass must declare ``supports_kv_cache`` itself (its overrides may not
+    take the cache's arguments): without it the model samples as before, whole context."""
+    from nanolab.model.gpt import CausalSelfAttention
+
+    class Mine(CausalSelfAttention):
+        def attend(self, q, k, v):  # the contract before the cache: no mask
+            return super().attend(q, k, v)
+
+    model = GPT(tiny(vocab_size=70)).eval()
+    for block in model.blocks:
+        block.attn.__class__ = Mine
+    assert not model.supports_kv_cache
+    assert model.generate(torch.zeros(1, 3, dtype=torch.long), 20, temperature=0).shape == (1, 23)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -172,9 +172,100 @@ def requests_for(task: Task, tokenizer: Any, block_size: int, indices: list[int]
 
 
 # -- the forward passes ------------------------------------------------------------------------
-def _logits(model: Any, idx: torch.Tensor) -> torch.Tensor:
-    out = model(idx)
+def _logits(model: Any, idx: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    out = model(idx, **kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+#: Options share a context when it is at least this many tokens: below it, running the
+#: context once saves less than the extra forward pass costs.
+MIN_SHARED = 8
+
+
+def shared_prefix(requests: list[Request]) -> int:
+    """Tokens every request of a group begins with and none of them scores: what can run
+    once for all of them (one less, so each option's first scored logit comes from its
+    own pass)."""
+    first = min(len(r.tokens) - 1 - r.scored for r in requests)  # the earliest scored input
+    common = 0
+    for column in zip(*(r.tokens for r in requests), strict=False):  # the shortest
+        if common > first or any(t != column[0] for t in column):
+            break
+        common += 1
+    return max(0, min(common, first + 1) - 1)
+
+
+@dataclass
+class _Batch:
+    """One forward pass: the requests it scores and, for a shared group, the prefix it
+    continues (the request rows start after ``skip[j]`` tokens, cached in the prefix pass)."""
+
+    rows: list[int]
+    skip: list[int]
+    prefix: list[tuple[int, ...]] | None = None  # the distinct contexts (shared passes)
+    owner: list[int] | None = None  # which context each row continues
+
+
+def _plan(requests: list[Request], rows: int, share: bool) -> list[_Batch]:
+    """The forward passes that score ``requests``, at most ``rows`` sequences each.
+
+    Requests are grouped by example (consecutive, as :func:`requests_for` makes them); a group
+    whose options share a context of :data:`MIN_SHARED` tokens or more runs that context once
+    and its options after it from the cache; everything else is sorted by length and padded
+    ``rows`` at a time.
+    """
+    groups: list[list[int]] = []
+    for i, r in enumerate(requests):
+        if groups and requests[groups[-1][-1]].example == r.example:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    plain: list[int] = []
+    shared: list[tuple[int, list[int]]] = []
+    for group in groups:
+        skip = shared_prefix([requests[i] for i in group]) if share and len(group) > 1 else 0
+        if skip >= MIN_SHARED:
+            shared.append((skip, group))
+        else:
+            plain += group
+    plain.sort(key=lambda i: -len(requests[i].tokens))
+    batches = [_Batch(plain[s : s + rows], [0] * len(plain[s : s + rows]))
+               for s in range(0, len(plain), rows)]  # fmt: skip
+    shared.sort(key=lambda g: -g[0])
+    at = 0
+    while at < len(shared):  # as many whole groups as fit in ``rows`` option rows (at least one)
+        take, width = [shared[at]], len(shared[at][1])
+        while at + len(take) < len(shared) and width + len(shared[at + len(take)][1]) <= rows:
+            width += len(shared[at + len(take)][1])
+            take.append(shared[at + len(take)])
+        at += len(take)
+        prefix = [requests[g[0]].tokens[:skip] for skip, g in take]
+        members = [(c, i, skip) for c, (skip, g) in enumerate(take) for i in g]
+        for s in range(0, len(members), rows):
+            part = members[s : s + rows]
+            batches.append(
+                _Batch(
+                    [i for _, i, _ in part],
+                    [k for _, _, k in part],
+                    prefix,
+                    [c for c, _, _ in part],
+                )
+            )
+    return batches
+
+
+def _run_prefix(model: Any, prefix: list[tuple[int, ...]], device: torch.device) -> Any:
+    """Run the contexts once (right-padded) and return their cache."""
+    from nanolab.model.gpt import KVCache
+
+    width = max(len(p) for p in prefix)
+    idx = torch.zeros(len(prefix), width, dtype=torch.long)
+    for b, p in enumerate(prefix):
+        idx[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    cache = KVCache.empty(len(model.blocks))
+    model(idx.to(device), cache=cache, head=False)
+    cache.keep(torch.tensor([len(p) for p in prefix], device=device))
+    return cache
 
 
 @torch.no_grad()
@@ -185,32 +276,48 @@ def score_requests(
     vocab_size: int,
     device: torch.device,
     equal_batches: Callable[[int], int] | None = None,
+    share_context: bool = True,
 ) -> list[tuple[float, bool]]:
     """(log-likelihood, greedy match) of every request, ``rows`` requests per forward pass.
+
+    The options of one example usually share their context (few-shot examples and the
+    question): when the model can keep a key/value cache (``GPT.supports_kv_cache``), that
+    context runs once and each option runs after it from the cache, which is the same
+    arithmetic on fewer tokens (the log-likelihoods agree with a full pass to float rounding;
+    ``share_context=False`` turns it off, for comparison). Options whose context was cut at
+    the block by different amounts (the longer option loses more of it) share nothing.
 
     ``equal_batches(n)`` returns how many forward passes every rank runs (the most any rank
     needs); the difference is made up with one-token passes whose results are dropped, since a
     sharded model (FSDP, DeepSpeed ZeRO-3) hangs when one rank stops calling forward early.
     """
     rows = max(1, rows)
-    order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
+    share = share_context and bool(getattr(model, "supports_kv_cache", False))
+    plan = _plan(requests, rows, share)
     results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-    batches = -(-len(order) // rows)
-    for _ in range(batches, equal_batches(batches) if equal_batches else batches):
+    passes = len(plan) + len({id(b.prefix) for b in plan if b.prefix is not None})
+    for _ in range(passes, equal_batches(passes) if equal_batches else passes):
         _logits(model, torch.zeros(1, 1, dtype=torch.long, device=device))
-    for start in range(0, len(order), rows):
-        batch = [requests[i] for i in order[start : start + rows]]
-        width = max(len(r.tokens) for r in batch) - 1
-        idx = torch.zeros(len(batch), width, dtype=torch.long)
+    caches: dict[int, Any] = {}
+    for batch in plan:
+        cache = None
+        if batch.prefix is not None and batch.owner is not None:
+            if id(batch.prefix) not in caches:  # a group split over passes reuses it
+                caches = {id(batch.prefix): _run_prefix(model, batch.prefix, device)}
+            cache = caches[id(batch.prefix)].select(torch.tensor(batch.owner))
+        seqs = [requests[i].tokens[k:] for i, k in zip(batch.rows, batch.skip, strict=True)]
+        width = max(len(q) for q in seqs) - 1
+        idx = torch.zeros(len(seqs), width, dtype=torch.long)
         rows_at, cols_at, targets = [], [], []
-        for b, r in enumerate(batch):
-            seq = torch.tensor(r.tokens, dtype=torch.long)
+        for b, (i, q) in enumerate(zip(batch.rows, seqs, strict=True)):
+            seq, scored = torch.tensor(q, dtype=torch.long), requests[i].scored
             idx[b, : len(seq) - 1] = seq[:-1]  # right padding: causal rows never see it
-            first = len(seq) - 1 - r.scored
-            rows_at += [b] * r.scored
+            first = len(seq) - 1 - scored
+            rows_at += [b] * scored
             cols_at += range(first, len(seq) - 1)
             targets.append(seq[first + 1 :])
-        logits = _logits(model, idx.to(device))
+        extra = {} if cache is None else {"cache": cache}
+        logits = _logits(model, idx.to(device), **extra)
         at_rows = torch.tensor(rows_at, device=logits.device)
         at_cols = torch.tensor(cols_at, device=logits.device)
         picked = logits[at_rows, at_cols, :vocab_size].float()
@@ -218,10 +325,10 @@ def score_requests(
         logp = F.log_softmax(picked, dim=-1).gather(1, target[:, None]).squeeze(1)
         greedy = picked.argmax(dim=-1) == target
         at = 0
-        for b, r in enumerate(batch):
-            part = slice(at, at + r.scored)
-            results[order[start + b]] = (float(logp[part].sum()), bool(greedy[part].all()))
-            at += r.scored
+        for i in batch.rows:
+            part = slice(at, at + requests[i].scored)
+            results[i] = (float(logp[part].sum()), bool(greedy[part].all()))
+            at += requests[i].scored
     return results
 
 
@@ -287,6 +394,7 @@ def evaluate_task(
     world_size: int = 1,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     equal_batches: Callable[[int], int] | None = None,
+    share_context: bool = True,
 ) -> TaskResult:
     """One task on this rank's share of its examples; counts summed over ranks."""
     started = time.perf_counter()
@@ -294,7 +402,9 @@ def evaluate_task(
     requests = requests_for(task, tokenizer, block_size, mine)
     pmi = task.kind == "multiple_choice" and task.metric == "acc_pmi"
     alone = unconditional_requests(task, tokenizer, block_size, requests) if pmi else []
-    scored = score_requests(model, requests + alone, rows, vocab_size, device, equal_batches)
+    scored = score_requests(
+        model, requests + alone, rows, vocab_size, device, equal_batches, share_context
+    )
     conditional, unconditional = scored[: len(requests)], scored[len(requests) :]
     counts = torch.tensor(
         count_correct(task, requests, conditional, unconditional if pmi else None),

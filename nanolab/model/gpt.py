@@ -18,6 +18,13 @@ so checkpoints and the Hugging Face mapping are unchanged. The contracts, which 
   (B, H, T, D) queries and keys; each attention keeps one as ``rope``);
 * attention and MLP: ``cls(config)``, ``forward(x)`` from (B, T, C) to (B, T, C).
 
+Key/value cache: ``GPT.forward(idx, cache=KVCache(...))`` runs only the new tokens and lets
+them attend to the cached ones (sampling, and scoring the options of one context once the
+context has run). An attention or position class takes part when it declares
+``supports_kv_cache = True`` in its own body (a subclass declares it again, having checked
+that its overrides take the ``positions``/``mask``/``cache`` arguments); a model with any
+other part runs without a cache, as before.
+
 FLOPs: the model counts 6 per parameter per token (the weight matmuls, forward and backward);
 a module whose matmuls multiply two activations (attention's scores and values) declares those
 with ``activation_flops_per_token(seq_len)``, so ``GPT.flops_per_token`` and the estimator follow
@@ -27,6 +34,8 @@ a variant without a hand-kept formula.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -87,12 +96,18 @@ class LearnedPositions(nn.Embedding):
     """GPT-2's learned absolute positions, added to the token embeddings (kept as ``wpe``)."""
 
     applies_to: ClassVar[str] = "input"
+    supports_kv_cache: ClassVar[bool] = True
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config.block_size, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        positions = torch.arange(x.size(1), device=x.device)
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` plus the embedding of each token's position (0, 1, ... unless ``positions``,
+        of shape (B, T), says where cached tokens left off)."""
+        if positions is None:
+            positions = torch.arange(x.size(1), device=x.device)
         return x + super().forward(positions)
 
 
@@ -105,6 +120,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     applies_to: ClassVar[str] = "qk"
+    supports_kv_cache: ClassVar[bool] = True
 
     @staticmethod
     def validate_config(config: GPTConfig) -> None:
@@ -126,17 +142,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape (B, H, T, D) by position."""
-        T = x.size(-2)
-        cos = self.cos[:T].to(x.dtype)
-        sin = self.sin[:T].to(x.dtype)
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape (B, H, T, D) by position: 0..T-1, or ``positions`` (B, T)."""
+        if positions is None:
+            T = x.size(-2)
+            cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        else:  # (B, 1, T, D/2): one row of angles per sequence, shared by its heads
+            cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+            sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         return rotated.flatten(-2)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(q), self.rotate(k)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q, positions), self.rotate(k, positions)
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -151,6 +172,8 @@ class CausalSelfAttention(nn.Module):
     subclasses this and overrides :meth:`prepare_qk` (QK-norm) or :meth:`attend` (the kernel).
     """
 
+    supports_kv_cache: ClassVar[bool] = True
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
@@ -164,32 +187,48 @@ class CausalSelfAttention(nn.Module):
         position = POSITIONS.get(config.position_embedding)
         self.rope = position(config) if position.applies_to == "qk" else None
 
-    def prepare_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_qk(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys (B, H, T, D) as the scores see them: rotated, when RoPE is on."""
         if self.rope is not None:
-            q, k = self.rope(q, k)
+            q, k = self.rope(q, k, positions)
         return q, k
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(D)) v over (B, H, T, D), with attention dropout."""
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v over (B, H, T, D), with attention dropout: causal, or
+        where the boolean ``mask`` (B, 1, T, S) allows (cached keys before the new ones); a
+        single query after cached keys and no mask sees all of them."""
+        # No mask: causal over T x T, or (one new token after the cache) everything.
+        causal = mask is None and q.size(-2) == k.size(-2)
         if self.impl == "sdpa":
+            dropout = self.dropout if self.training else 0.0
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
             )
         T = q.size(-2)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if causal:
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         return self.attn_dropout(F.softmax(scores, dim=-1)) @ v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        q, k = self.prepare_qk(q, k)
-        y = self.attend(q, k, v)
+        if cache is None:
+            q, k = self.prepare_qk(q, k)
+            y = self.attend(q, k, v)
+        else:  # new tokens at their positions, attending to the cached ones too
+            q, k = self.prepare_qk(q, k, cache.positions)
+            k, v = cache.extend(k, v)
+            y = self.attend(q, k, v, cache.mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -205,13 +244,17 @@ class QKNormAttention(CausalSelfAttention):
     RoPE: bounded attention logits, which lets larger learning rates train stably (OLMo 2,
     Gemma, modded-nanogpt)."""
 
+    supports_kv_cache: ClassVar[bool] = True
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         self.q_norm = RMSNorm(config.head_dim)
         self.k_norm = RMSNorm(config.head_dim)
 
-    def prepare_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().prepare_qk(self.q_norm(q), self.k_norm(k))
+    def prepare_qk(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().prepare_qk(self.q_norm(q), self.k_norm(k), positions)
 
 
 # -- MLP ----------------------------------------------------------------------------------------
@@ -268,6 +311,95 @@ class SwiGLU(nn.Module):
         return self.dropout(self.c_proj(F.silu(gate) * up))
 
 
+# -- key/value cache ----------------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the tokens a model has already run, per block, so that new tokens
+    attend to them without running them again.
+
+    ``keys[i]``/``values[i]`` are block i's (B, H, S, D); ``valid`` (B, S) marks which cached
+    positions hold a token when rows of different lengths were run right-padded together
+    (:meth:`keep`); None means all of them. A new token's position is the number of valid
+    tokens before it in its row, so a row continues where its own text ended.
+    """
+
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+    valid: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, n_layer: int) -> KVCache:
+        return cls([None] * n_layer, [None] * n_layer)
+
+    @property
+    def length(self) -> int:
+        """Cached positions per row (padding included)."""
+        return 0 if self.keys[0] is None else int(self.keys[0].size(2))
+
+    def keep(self, lengths: torch.Tensor) -> None:
+        """Only the first ``lengths[b]`` positions of row b hold tokens (the rest was padding)."""
+        at = torch.arange(self.length, device=lengths.device)
+        self.valid = at[None, :] < lengths[:, None]
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """A cache whose row j is row ``rows[j]`` of this one (rows may repeat): one context's
+        cache under each of its continuations."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, rows.to(t.device))
+
+        valid = None if self.valid is None else pick(self.valid)
+        return KVCache([pick(k) for k in self.keys], [pick(v) for v in self.values], valid)
+
+    def step(
+        self, batch: int, new: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The new tokens' positions (B, T) and the attention mask (B, 1, T, S + T) for a
+        forward pass of ``new`` tokens per row (None: plain causal when nothing is cached, or
+        one new token per row that attends to every cached one)."""
+        past = self.length
+        causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+        if self.valid is None:
+            positions = torch.arange(past, past + new, device=device).expand(batch, new)
+            if past == 0 or new == 1:  # causal, or one token that sees everything cached
+                return positions, None
+            seen = torch.ones(batch, past, dtype=torch.bool, device=device)
+        else:
+            seen = self.valid.to(device)
+            positions = seen.sum(dim=1, keepdim=True) + torch.arange(new, device=device)
+        mask = torch.cat(
+            (seen[:, None, :].expand(batch, new, past), causal.expand(batch, new, new)), dim=2
+        )
+        return positions, mask.unsqueeze(1)
+
+    def close(self, batch: int, new: int, device: torch.device) -> None:
+        """After a forward pass: the new tokens are valid cached positions too."""
+        if self.valid is not None:
+            fresh = torch.ones(batch, new, dtype=torch.bool, device=self.valid.device)
+            self.valid = torch.cat((self.valid, fresh), dim=1)
+
+
+@dataclass
+class LayerCache:
+    """One block's view of a :class:`KVCache` during a forward pass: where the new tokens
+    are, what they may attend to, and where their keys and values go."""
+
+    cache: KVCache
+    layer: int
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new keys/values (B, H, T, D) and return all of them."""
+        past_k, past_v = self.cache.keys[self.layer], self.cache.values[self.layer]
+        if past_k is not None and past_v is not None:
+            k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        self.cache.keys[self.layer], self.cache.values[self.layer] = k, v
+        return k, v
+
+
 # -- the model ----------------------------------------------------------------------------------
 
 
@@ -282,8 +414,9 @@ class Block(nn.Module):
         self.ln_2 = norm(config.n_embd, config)
         self.mlp = registry.MLPS.get(config.mlp)(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        attn = self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache)
+        x = x + attn
         return x + self.mlp(self.ln_2(x))
 
 
@@ -320,27 +453,61 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @property
+    def supports_kv_cache(self) -> bool:
+        """Whether every attention and position module declares it can run with a
+        :class:`KVCache` (in its own class body: a subclass must declare it again)."""
+        parts: list[nn.Module] = [] if self.wpe is None else [self.wpe]
+        for block in self.blocks:
+            parts.append(block.attn)
+            rope = getattr(block.attn, "rope", None)
+            if rope is not None:
+                parts.append(rope)
+        return all(vars(type(p)).get("supports_kv_cache", False) for p in parts)
+
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits of shape (B, T, padded_vocab) and, given targets, the mean cross-entropy.
 
-        Targets equal to -1 are ignored (padding).
+        Targets equal to -1 are ignored (padding). With ``cache``, ``idx`` holds only new
+        tokens: they attend to the cached ones, and their keys and values are added to it
+        (check :attr:`supports_kv_cache` first). ``head=False`` skips the output layer and
+        returns ``(None, None)``: a pass that only fills the cache.
         """
-        T = idx.size(1)
-        if self.config.block_size < T:
+        B, T = idx.shape
+        past = 0 if cache is None else cache.length
+        if cache is not None and cache.valid is not None:
+            # Rows of different lengths: the shortest must fit; a longer row's positions past
+            # the block can only be its right padding, which no real token attends to.
+            past = int(cache.valid.sum(dim=1).min())
+        if self.config.block_size < past + T:
             raise ValueError(
-                f"sequence length {T} exceeds model.block_size {self.config.block_size}"
+                f"sequence length {past + T} exceeds model.block_size {self.config.block_size}"
             )
+        positions, mask = (None, None) if cache is None else cache.step(B, T, idx.device)
+        if positions is not None:
+            positions = positions.clamp(max=self.config.block_size - 1)
         x = self.wte(idx)
         if self.wpe is not None:
-            x = self.wpe(x)
+            x = self.wpe(x) if positions is None else self.wpe(x, positions)
         x = self.drop(x)
-        for block in self.blocks:
-            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                x = block(x, LayerCache(cache, i, positions, mask))  # type: ignore[arg-type]
+            elif self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if cache is not None:
+            cache.close(B, T, idx.device)
+        if not head:
+            return None, None
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
@@ -397,18 +564,52 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool | None = None,
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) and return it.
 
         ``temperature`` 0 means greedy decoding; ``top_k`` keeps only the k most likely tokens.
-        Padded vocabulary rows are never sampled.
+        Padded vocabulary rows are never sampled. See :meth:`stream` for the cache.
+        """
+        new = self.stream(idx, max_new_tokens, temperature, top_k, generator, use_cache)
+        return torch.cat([idx, *new], dim=1)
+
+    @torch.no_grad()
+    def stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield each token (B, 1) as it is sampled after the prompts ``idx`` (B, T).
+
+        With a key/value cache (``use_cache``, default: whenever :attr:`supports_kv_cache`)
+        each new token is one position of work instead of the whole context again; greedy
+        tokens are the same as without it while prompt and sample fit in ``block_size``.
+        Past it the two differ by design: without a cache every token sees the newest
+        ``block_size`` tokens; with one, the cache is refilled from the newest half block
+        when it is full (one pass per half block), so a token sees between half a block and
+        a block of context. One draw from ``generator`` per token either way.
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        vocab = self.config.vocab_size
+        use_cache = self.supports_kv_cache if use_cache is None else use_cache
+        block, vocab = self.config.block_size, self.config.vocab_size
+        context = idx[:, -block:]
+        cache: KVCache | None = None
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits, _ = self(context)
+            if not use_cache:
+                logits, _ = self(context)
+            elif cache is not None and cache.length < block:  # the newest token, one position
+                logits, _ = self(context[:, -1:], cache=cache)
+            else:  # the first pass, or a full cache: (re)fill it from the newest tokens
+                fill = context if cache is None else context[:, -(block // 2) :]
+                cache = KVCache.empty(len(self.blocks))
+                logits, _ = self(fill, cache=cache)
+            assert logits is not None
             logits = logits[:, -1, :vocab].float()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
@@ -420,8 +621,8 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 probs = F.softmax(logits, dim=-1)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, next_id), dim=1)
-        return idx
+            context = torch.cat((context, next_id), dim=1)[:, -block:]
+            yield next_id
 
 
 def _activation_flops(root: nn.Module, seq_len: int) -> int:
