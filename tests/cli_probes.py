@@ -110,3 +110,25 @@ class PauseInSave(L.Callback):
                 time.sleep(3600)
 
         torch.save = save
+
+
+class PoisonedData(L.Callback):
+    """A poisoned region of the data: the micro-batches at positions ``first`` .. ``last`` of
+    the training order (counted as the data order counts them, rollback jumps included) are
+    trained with the learning rate times ``lr_factor``, as a batch of garbage with huge
+    gradients would (Adam's step size is the learning rate, whatever the gradient's scale).
+    The next scheduler step sets the learning rate back."""
+
+    def __init__(self, first: int, last: int, lr_factor: float = 300.0) -> None:
+        self.first, self.last, self.lr_factor = first, last, lr_factor
+        self.hits: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from nanolab.data.datamodule import consumed_micro_batches, rollback_jumps
+        from nanolab.data.skips import data_position
+
+        at = data_position(consumed_micro_batches(trainer), rollback_jumps(trainer))
+        if self.first <= at <= self.last:
+            self.hits.append(at)
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] *= self.lr_factor

@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from nanolab.callbacks.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_link
-from nanolab.callbacks.events import CallbackConfigError, emit
+from nanolab.callbacks.events import CallbackConfigError, emit, stop_reason
 from nanolab.callbacks.files import publish, remove, tmp_path
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import StepCallback, validation_follows
@@ -154,6 +154,9 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._pending_save = False
         self._done_records: list[dict[str, Any]] = []
         self._warned_cap = False
+        #: Rotation also keeps the newest checkpoint at least this many steps older than the
+        #: newest save (set by the spike guard: a checkpoint from before a spike in progress).
+        self.keep_one_older_than = 0
 
     # -- properties Lightning and others read ------------------------------------------------
     @property
@@ -272,6 +275,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         clock = self.clock
         assert self.dirpath is not None and clock is not None
         path = self.dirpath / step_checkpoint_name(step)
+        if stop_reason(trainer)[0] == "rollback":
+            return None  # the state is the spike's: the run continues from an older checkpoint
         if not parameters_finite(trainer):
             # A diverged state must not rotate the last finite checkpoints away.
             if trainer.is_global_zero:
@@ -366,6 +371,9 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         timeline = sorted(s for s in files if s <= newest_step)
         keep = set(timeline[-self.keep_last :]) if self.keep_last else set()
         keep.add(newest_step)
+        if self.keep_one_older_than:  # one to roll back to, from before any spike in progress
+            older = [s for s in timeline if s <= newest_step - self.keep_one_older_than]
+            keep.update(older[-1:])
         best = self._best_steps(vals, set(timeline))
         keep.update(best)
         deleted = [files[s] for s in timeline if s not in keep]

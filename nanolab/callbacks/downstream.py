@@ -160,9 +160,10 @@ class DownstreamEval(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The final model is scored even when the last step was not a validation step (not
-        when the run was preempted or diverged: then it must stop now, or has nothing to score)."""
+        when the run was preempted, diverged or rolled back: then it must stop now, or has
+        nothing to score)."""
         reason, _ = stop_reason(trainer)
-        if reason in ("preempted", "diverged", "error") or trainer.global_step == 0:
+        if reason in ("preempted", "diverged", "rollback", "error") or trainer.global_step == 0:
             return
         if self.active and self.last_step != trainer.global_step:
             self.run(trainer, pl_module)

@@ -16,7 +16,7 @@ from nanolab.callbacks.step import order_of
 from nanolab.errors import NanolabError
 
 #: Why a run ended, as written in the ``end`` record.
-END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "error")
+END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "rollback", "error")
 
 _REASON_ATTR = "nanolab_stop_reason"
 _DETAIL_ATTR = "nanolab_stop_detail"

@@ -16,9 +16,9 @@ others in an order that does not depend on where it sits in ``trainer.callbacks`
 Each event reaches the active step callbacks of the Trainer in one order, whichever of them
 Lightning happens to call first: :data:`STEP_ORDER`, the one list of nanolab's own step callbacks
 (observers first: run log, throughput, progress; then the callbacks that may stop the run:
-budget, divergence, preemption; then checkpointing), so a record of a step is written before
+budget, divergence, spike, preemption; then checkpointing), so a record of a step is written before
 anything acts on the step and a save sees every decision. A callback of a fork's own slots in by
-its :attr:`~StepCallback.step_order` (the list's places are 10, 20, ... 70; default 100, after
+its :attr:`~StepCallback.step_order` (the list's places are 10, 20, ... 80; default 100, after
 them all); ties keep registration order.
 
 The shared :class:`~nanolab.callbacks.clock.RunClock` is attached in ``setup`` (``self.clock``)
@@ -43,6 +43,7 @@ STEP_ORDER: tuple[str, ...] = (
     "nanolab.callbacks.progress.StepProgressBar",
     "nanolab.callbacks.budget.CostBudget",
     "nanolab.callbacks.divergence.DivergenceStop",
+    "nanolab.callbacks.spike.SpikeGuard",
     "nanolab.callbacks.preemption.PreemptionHandler",
     "nanolab.callbacks.checkpoint.RotatingCheckpoint",
 )

@@ -30,6 +30,7 @@ from nanolab.data.checks import (
     load_meta,
 )
 from nanolab.data.prepare import PrepareError, prepare_dataset
+from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.windows import (
     DataTooSmallError,
     MixturePlan,
@@ -392,7 +393,8 @@ class TokenDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
         start = consumed_micro_batches(self.trainer)
-        self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start)
+        skips = rollback_jumps(self.trainer)
+        self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start, skips)
         dataset = self.train_parts[0] if self.mixture is None else MixtureWindows(self.train_parts)
         return self._loader(dataset, self.train_sampler)
 
@@ -552,6 +554,13 @@ def consumed_micro_batches(trainer: Any) -> int:
     if trainer is None:
         return 0
     return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+
+
+def rollback_jumps(trainer: Any) -> list[Jump]:
+    """The data a rollback skipped in this run (its ``rollbacks.json``; none without one)."""
+    if trainer is None:
+        return []
+    return jumps(read_ledger(getattr(trainer, "default_root_dir", None)))
 
 
 def _model_vocab(dm: TokenDataModule) -> int | None:

@@ -38,7 +38,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanolab.data.checks import DataChangedError
-from nanolab.data.datamodule import EvalScale, check_window_sizes, consumed_micro_batches
+from nanolab.data.datamodule import (
+    EvalScale,
+    check_window_sizes,
+    consumed_micro_batches,
+    rollback_jumps,
+)
 from nanolab.data.prepare import PrepareError
 from nanolab.data.windows import (
     DataTooSmallError,
@@ -194,7 +199,8 @@ class WindowDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
         start = consumed_micro_batches(self.trainer)
-        self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start)
+        skips = rollback_jumps(self.trainer)
+        self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start, skips)
         return self._loader(self._sources()[0], self.train_sampler)
 
     def _eval_loader(self) -> DataLoader:

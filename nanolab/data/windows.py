@@ -14,10 +14,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
 
+from nanolab.data.skips import Jump, data_position
 from nanolab.errors import NanolabError
 
 
@@ -101,19 +103,21 @@ class ResumableBatchSampler:
     """Yields the window starts of micro-batches ``start, start+1, ...`` for one rank, forever.
 
     Training is counted in steps, not epochs, so the stream has no end (Lightning treats the
-    loader as infinite); ``start`` is set from the trainer's progress when a run resumes.
+    loader as infinite); ``start`` is set from the trainer's progress when a run resumes, and
+    ``jumps`` skip what a rollback left behind (:mod:`nanolab.data.skips`).
     """
 
-    def __init__(self, plan: WindowPlan, rank: int, start: int = 0) -> None:
+    def __init__(self, plan: Any, rank: int, start: int = 0, jumps: Sequence[Jump] = ()) -> None:
         self.plan = plan
         self.rank = rank
         self.start = start
+        self.jumps = list(jumps)  # data skipped by rollbacks (nanolab.data.skips)
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        g = self.start
+        k = self.start
         while True:
-            yield self.plan.batch_starts(g, self.rank)
-            g += 1
+            yield self.plan.batch_starts(data_position(k, self.jumps), self.rank)
+            k += 1
 
 
 def validation_starts(num_tokens: int, block_size: int, count: int) -> np.ndarray:

@@ -2,7 +2,9 @@
 (``nanolab.run.compose.launch``); a bad value ends in one error line and exit 2.
 
 Exit codes (docs/guarantees.md): 0 done (also stopped by a budget), 2 bad input or a run
-directory in use, 3 diverged, 75 preempted (rerun the same command to resume).
+directory in use, 3 diverged, 75 preempted (rerun the same command to resume; also after a
+rollback from a loss spike in a multi-process run). A one-process run that rolls back continues
+in the same process.
 """
 
 from __future__ import annotations
@@ -35,13 +37,33 @@ def run_lightning_cli(argv: list[str]) -> int:
     argv = nulls_as_class_settings(short_help.full_help_argv(argv))
     if from_command_line:
         sys.argv[1:] = argv  # LightningCLI reads them there (it warns when given both)
-    try:
-        trainer = launch(parse_command(argv, from_command_line=from_command_line))
-    except USER_ERRORS as err:
-        print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        release_all()
+    from nanolab.callbacks.spike import rolled_back
+
+    while True:
+        try:
+            trainer = launch(parse_command(argv, from_command_line=from_command_line))
+        except USER_ERRORS as err:
+            print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
+            return 2
+        finally:
+            release_all()
+        if not rolled_back(trainer):
+            break
+        if trainer.world_size > 1:  # every rank would have to start over together: rerun
+            from nanolab.callbacks.preemption import EXIT_PREEMPTED
+
+            if trainer.is_global_zero:
+                print(
+                    f"nanolab {argv[0]}: rolled back ({rollback_detail(trainer)}); rerun the "
+                    "same command to continue from there",
+                    file=sys.stderr,
+                )
+            return EXIT_PREEMPTED
+        print(f"nanolab {argv[0]}: {rollback_detail(trainer)}; continuing", file=sys.stderr)
+        # The same command again, resuming this run (whatever --ckpt_path first started it).
+        argv = [*argv, "--run.resume", "auto", "--ckpt_path", "last"]
+        if from_command_line:
+            sys.argv[1:] = argv
     from nanolab.callbacks.divergence import EXIT_DIVERGED, diverged
 
     stopped = diverged(trainer)
@@ -57,3 +79,10 @@ def run_lightning_cli(argv: list[str]) -> int:
             file=sys.stderr,
         )
     return EXIT_DIVERGED
+
+
+def rollback_detail(trainer: object) -> str:
+    """The rollback's own sentence (from the stop reason's detail)."""
+    from nanolab.callbacks.events import stop_reason
+
+    return stop_reason(trainer)[1] or "rolled back"  # type: ignore[arg-type]

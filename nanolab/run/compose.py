@@ -295,7 +295,7 @@ def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any
     before ``config.yaml`` is written.
     """
     from nanolab.callbacks.rundir import claim_run_dir
-    from nanolab.callbacks.runlock import acquire
+    from nanolab.callbacks.runlock import acquire, global_rank_from_env
 
     run = cfg.run
     try:
@@ -314,7 +314,11 @@ def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any
             f"run directory {run_dir} cannot be used ({err.strerror or err}); set "
             "run.root to a folder this user can write"
         ) from None
+    from nanolab.callbacks.spike import complete_rollback
+
     requested, flag = requested_checkpoint(str(run.resume), ckpt_path)
+    if requested == "auto" and not run.fresh and global_rank_from_env() == 0:
+        complete_rollback(run_dir)  # a rollback stopped half-way finishes before the choice
     cand = None
     if requested is not None and not (run.fresh and requested == "auto"):
         cand = open_checkpoint(requested, flag, run_dir, model, training=True)

@@ -77,8 +77,8 @@ def run_callbacks() -> dict[str, type]:
 
     In-context task accuracies (off until ``downstream.suite`` is set), the run log, checkpoint
     rotation, budgets, throughput/MFU and the step progress bar; on by
-    default, the divergence stop (K non-finite steps in a row, or a collapsed fp16 loss scale)
-    and the preemption handler (SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint, exit 75).
+    default, the divergence stop (K non-finite steps in a row, or a collapsed fp16 loss scale),
+    the spike guard (a finite loss spike: roll back past it) and the preemption handler (SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint, exit 75).
     Their step hooks run in ``callbacks/step.STEP_ORDER`` wherever they are registered, so the
     checkpoint a preemption saves includes the step's record.
     """
@@ -92,6 +92,7 @@ def run_callbacks() -> dict[str, type]:
     from nanolab.callbacks.divergence import DivergenceStop
     from nanolab.callbacks.downstream import DownstreamEval
     from nanolab.callbacks.preemption import PreemptionHandler
+    from nanolab.callbacks.spike import SpikeGuard
 
     return {
         "downstream": DownstreamEval,  # first: its final record lands before the log closes
@@ -101,6 +102,7 @@ def run_callbacks() -> dict[str, type]:
         "throughput": ThroughputMeter,
         "progress": StepProgressBar,
         "divergence": DivergenceStop,
+        "spike": SpikeGuard,
         "preemption": PreemptionHandler,
     }
 

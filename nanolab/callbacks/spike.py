@@ -1,0 +1,303 @@
+"""Heal a finite loss spike: roll back to a checkpoint from before it and skip its data.
+
+A spike is a training loss far above its recent level that stays there: ``patience`` optimizer
+steps in a row above ``max(factor x median, median + min_increase)`` of the last ``window``
+healthy steps' losses (the median ignores single noisy batches; the absolute margin keeps a
+nearly converged loss of 0.05 from "spiking" to 0.12). Nothing is checked until ``window``
+steps of history exist. The losses of a spike are not added to the history.
+
+What happens then (``action``):
+
+* ``rollback`` (default): the newest step checkpoint at least two steps older than the spike's
+  first step becomes ``last.ckpt``; every newer one is moved, not deleted, into
+  ``checkpoints/rolled_back/``; the micro-batches trained since that checkpoint are skipped
+  (a jump in the data order, :mod:`nanolab.data.skips`); a ``spike`` record goes to the run
+  log, and the run stops with reason ``rollback``. ``nanolab fit`` then continues in the same
+  process from that checkpoint (one process; with several, it exits 75 and a rerun of the same
+  command continues, as after a preemption). At most ``max_rollbacks`` per run, then the run
+  stops as ``diverged``. With no checkpoint old enough, it stops as ``diverged`` and says so.
+* ``stop``: the run stops as ``diverged`` (exit 3), its ``last.ckpt`` untouched.
+* ``warn``: only the ``spike`` record and a warning line.
+
+The ledger ``<run_dir>/rollbacks.json`` is written first (state ``pending``), then ``last.ckpt``
+is repointed and the newer checkpoints are moved, then the entry is marked ``done``: a run
+killed in between finishes the rollback when it is started again (:func:`complete_rollback`,
+called before the checkpoint to resume from is chosen), so it resumes exactly.
+
+Checkpoint rotation always keeps one checkpoint old enough to roll back to (the newest one at
+least ``patience + 2`` steps before the newest save), besides ``checkpoint.keep_last``.
+
+Cost: one scalar per step, read at the next step on a GPU (no added synchronisation) and
+averaged over ranks, so every rank decides the same.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from nanolab.callbacks.checkpoint import LAST_NAME, RotatingCheckpoint, step_of
+from nanolab.callbacks.checkpoint_io import atomic_link
+from nanolab.callbacks.divergence import Streak
+from nanolab.callbacks.events import CallbackConfigError, emit, find_callback, set_stop_reason
+from nanolab.callbacks.step import StepCallback
+from nanolab.data.datamodule import consumed_micro_batches
+from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
+
+ACTIONS = ("rollback", "stop", "warn")
+#: The ``end`` record's reason of the part of a run that a rollback ended.
+REASON = "rollback"
+#: Where the checkpoints newer than the one rolled back to are moved (kept, never deleted).
+ROLLED_BACK_DIR = "rolled_back"
+
+
+class SpikeGuard(StepCallback):
+    """Detects a finite loss spike and rolls the run back past it (module docstring).
+
+    Args:
+        enabled: Watch the training loss (on by default).
+        action: ``rollback``, ``stop`` (end as diverged) or ``warn`` (record only).
+        factor: A step is high when its loss exceeds ``factor`` x the window's median ...
+        min_increase: ... and the median + this many nats.
+        window: Healthy steps whose median is the reference; none is checked before.
+        patience: High steps in a row that make a spike.
+        max_rollbacks: Rollbacks per run; one more spike stops it as diverged.
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        action: str = "rollback",
+        factor: float = 2.0,
+        min_increase: float = 0.5,
+        window: int = 50,
+        patience: int = 5,
+        max_rollbacks: int = 3,
+    ) -> None:
+        super().__init__()
+        if action not in ACTIONS:
+            raise CallbackConfigError(
+                f"spike.action must be one of {', '.join(ACTIONS)}, got {action!r}"
+            )
+        for name, value, low in (("window", window, 1), ("patience", patience, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise CallbackConfigError(
+                    f"spike.{name} must be an integer >= {low}, got {value!r}"
+                )
+        if (
+            isinstance(max_rollbacks, bool)
+            or not isinstance(max_rollbacks, int)
+            or max_rollbacks < 0
+        ):
+            raise CallbackConfigError(
+                f"spike.max_rollbacks must be an integer >= 0, got {max_rollbacks!r}"
+            )
+        if not isinstance(factor, int | float) or not factor > 1 or math.isinf(factor):
+            raise CallbackConfigError(f"spike.factor must be a number > 1, got {factor!r}")
+        if not isinstance(min_increase, int | float) or not min_increase >= 0:
+            raise CallbackConfigError(
+                f"spike.min_increase must be a number >= 0 (nats), got {min_increase!r}"
+            )
+        self.enabled = enabled
+        self.action = action
+        self.factor = float(factor)
+        self.min_increase = float(min_increase)
+        self.window = window
+        self.patience = patience
+        self.max_rollbacks = max_rollbacks
+        self.history: deque[float] = deque(maxlen=window)
+        self.high = Streak()
+        self.fired = False  # a warn-only spike is reported once, until the loss is back down
+        self.spikes: list[dict[str, Any]] = []  # this process's spike records
+        self._sum: torch.Tensor | None = None
+        self._count = 0
+        self._pending: tuple[int, torch.Tensor] | None = None
+
+    def is_active(self, stage: str) -> bool:
+        return self.enabled and stage == "fit"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        saver = find_callback(trainer, RotatingCheckpoint)
+        if self.active and saver is not None:  # keep a checkpoint old enough to roll back to
+            saver.keep_one_older_than = max(saver.keep_one_older_than, self.patience + 2)
+
+    # -- watching ----------------------------------------------------------------------------
+    def on_micro_batch(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().reshape(())
+            self._sum = loss if self._sum is None else self._sum + loss
+            self._count += 1
+
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if self._sum is None:
+            return
+        mean, self._sum, self._count = self._sum / self._count, None, 0
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if trainer.world_size > 1 and distributed:
+            torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.SUM)
+            mean = mean / trainer.world_size
+        previous, self._pending = self._pending, (step, mean)
+        if mean.device.type != "cuda":  # read now; on a GPU the previous step's, done by now
+            previous, self._pending = self._pending, None
+        if previous is not None:
+            self.observe(trainer, previous[0], float(previous[1].item()))
+
+    def observe(self, trainer: L.Trainer | None, step: int, loss: float) -> str | None:
+        """Take one step's loss; the action taken when it completes a spike, else None."""
+        if not math.isfinite(loss):
+            return None  # not finite: the divergence stop's case
+        if len(self.history) < self.window:
+            self.history.append(loss)
+            return None
+        median = statistics.median(self.history)
+        threshold = max(self.factor * median, median + self.min_increase)
+        self.high.update(loss > threshold, step)
+        if loss <= threshold:
+            self.history.append(loss)
+            self.fired = False
+            return None
+        if self.high.count < self.patience or self.fired:
+            return None
+        self.fired = True
+        record = {
+            "event": "spike",
+            "step": step,
+            "began": self.high.first,
+            "loss": round(loss, 6),
+            "median": round(median, 6),
+            "threshold": round(threshold, 6),
+            "action": self.action,
+        }
+        if trainer is None:
+            return self.action
+        return self._act(trainer, record)
+
+    # -- acting ------------------------------------------------------------------------------
+    def _act(self, trainer: L.Trainer, record: dict[str, Any]) -> str:
+        began = int(record["began"])
+        what = (
+            f"loss spike: {record['loss']:.4g} from step {began} ({self.patience} steps above "
+            f"{record['threshold']:.4g}, the median of the last {self.window} steps being "
+            f"{record['median']:.4g})"
+        )
+        if self.action == "warn":
+            self._record(trainer, record)
+            rank_zero_warn(f"{what}; spike.action warn: training on")
+            return "warn"
+        if self.action == "stop":
+            self._record(trainer, record)
+            set_stop_reason(trainer, "diverged", f"{what}; spike.action stop")
+            return "stop"
+        run_dir = Path(trainer.default_root_dir)
+        done = read_ledger(run_dir)
+        saver = find_callback(trainer, RotatingCheckpoint)
+        folder = saver.dirpath if saver is not None and saver.dirpath is not None else None
+        if saver is not None:
+            saver.flush_records(trainer)  # an asynchronous save in flight completes first
+        restore = _restore_step(folder, began)
+        if len(done) >= self.max_rollbacks or restore is None:
+            why = (
+                f"after {len(done)} rollbacks (spike.max_rollbacks {self.max_rollbacks})"
+                if restore is not None
+                else f"and no checkpoint from before step {began - 1} to roll back to"
+            )
+            record["action"] = "stop"
+            self._record(trainer, record)
+            set_stop_reason(trainer, "diverged", f"{what} {why}")
+            return "stop"
+        assert folder is not None
+        accumulate = int(trainer.accumulate_grad_batches or 1)
+        consumed = consumed_micro_batches(trainer)
+        at = restore * accumulate
+        reached = data_position(consumed, jumps(done))  # where the order had got to
+        entry = {
+            "detected": int(trainer.global_step),
+            "began": began,
+            "restored": restore,
+            "checkpoint": str(folder / f"step-{restore:08d}.ckpt"),
+            "skip_at": at,
+            "skip_offset": reached - at,
+            "skipped_micro_batches": reached - data_position(at, jumps(done)),
+            "loss": record["loss"],
+            "median": record["median"],
+            "state": "pending",
+        }
+        record.update(restored=restore, skipped_micro_batches=entry["skipped_micro_batches"])
+        self._record(trainer, record)
+        if trainer.is_global_zero:
+            write_ledger(run_dir, [*done, entry])
+            complete_rollback(run_dir, folder)
+        trainer.strategy.barrier("nanolab-rollback")
+        set_stop_reason(
+            trainer,
+            REASON,
+            f"{what}; rolled back to step {restore}, skipping "
+            f"{entry['skipped_micro_batches']} micro-batches",
+        )
+        return "rollback"
+
+    def _record(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
+        self.spikes.append(record)
+        emit(trainer, dict(record))
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = deque((float(x) for x in state_dict.get("history", [])), maxlen=self.window)
+
+
+def _restore_step(folder: Path | None, began: int) -> int | None:
+    """The newest step checkpoint at least two steps before the spike's first high step (the
+    update just before it may be what went wrong)."""
+    if folder is None or not folder.is_dir():
+        return None
+    steps = [s for p in folder.iterdir() if (s := step_of(p)) is not None and s <= began - 2]
+    return max(steps, default=None)
+
+
+def complete_rollback(run_dir: str | Path, folder: str | Path | None = None) -> None:
+    """Finish the newest rollback of ``run_dir`` if it is still ``pending``: point
+    ``last.ckpt`` at its checkpoint and move the newer step checkpoints into
+    ``rolled_back/`` (idempotent; a no-op without a pending rollback)."""
+    run_dir = Path(run_dir)
+    ledger = read_ledger(run_dir)
+    if not ledger or ledger[-1].get("state") != "pending":
+        return
+    entry = ledger[-1]
+    target = Path(entry["checkpoint"])
+    folder = Path(folder) if folder is not None else target.parent
+    restore = int(entry["restored"])
+    if target.exists():
+        atomic_link(target, folder / LAST_NAME)
+    newer = [p for p in folder.iterdir() if (s := step_of(p)) is not None and s > restore]
+    if newer:
+        aside = folder / ROLLED_BACK_DIR
+        aside.mkdir(exist_ok=True)
+        for path in newer:
+            kept = aside / path.name
+            n = 1
+            while kept.exists():  # an earlier rollback moved one of that name: keep both
+                kept, n = aside / f"{path.stem}.{n}{path.suffix}", n + 1
+            path.rename(kept)
+    entry["state"] = "done"
+    write_ledger(run_dir, ledger)
+
+
+def rolled_back(trainer: L.Trainer | None) -> bool:
+    """Whether this fit ended in a rollback (``nanolab fit`` then continues from it)."""
+    from nanolab.callbacks.events import stop_reason
+
+    return trainer is not None and stop_reason(trainer)[0] == REASON

@@ -1,0 +1,174 @@
+"""Finite loss spikes: detection, the data a rollback skips, and a poisoned run healed."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import QUICKSTART, REPO, run_nanolab, tiny_overrides, write_config
+
+from nanolab.callbacks.events import CallbackConfigError
+from nanolab.callbacks.spike import SpikeGuard, complete_rollback
+from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
+from nanolab.data.windows import ResumableBatchSampler, WindowPlan
+from nanolab.runlog import read_records
+
+
+def feed(guard: SpikeGuard, losses: list[float]) -> list[tuple[int, str]]:
+    """(step, action) wherever the guard acts, steps counted from 1."""
+    out = []
+    for step, loss in enumerate(losses, start=1):
+        action = guard.observe(None, step, loss)
+        if action is not None:
+            out.append((step, action))
+    return out
+
+
+def healthy(steps: int, seed: int, start: float = 4.3, end: float = 1.8, noise: float = 0.08):
+    """A falling loss with batch noise, as a healthy run logs it."""
+    rng = random.Random(seed)
+    return [end + (start - end) * math.exp(-i / 80) + rng.gauss(0, noise) for i in range(steps)]
+
+
+def test_healthy_and_converging_losses_never_fire() -> None:
+    for seed in range(5):
+        assert feed(SpikeGuard(), healthy(600, seed)) == []
+        # Nearly converged (overfitting a batch): 0.05 with noise never counts as a spike.
+        assert feed(SpikeGuard(), healthy(600, seed, start=3.0, end=0.03, noise=0.02)) == []
+
+
+def test_a_spike_fires_after_patience_steps_and_single_outliers_do_not() -> None:
+    losses = healthy(200, 0)
+    for i in (100, 130, 131):  # one and two noisy batches: below patience
+        losses[i] *= 3
+    assert feed(SpikeGuard(), losses) == []
+    losses[150:170] = [9.0] * 20
+    assert feed(SpikeGuard(patience=5), losses) == [(155, "rollback")]
+    warn = SpikeGuard(action="warn", patience=5)
+    assert feed(warn, losses) == [(155, "warn")]  # once per spike, not at every high step
+
+
+def test_bad_settings_are_one_line() -> None:
+    for kwargs, field in [
+        ({"action": "restart"}, "spike.action"),
+        ({"factor": 1.0}, "spike.factor"),
+        ({"window": 0}, "spike.window"),
+        ({"patience": 2.5}, "spike.patience"),
+        ({"max_rollbacks": -1}, "spike.max_rollbacks"),
+        ({"min_increase": -1}, "spike.min_increase"),
+    ]:
+        with pytest.raises(CallbackConfigError, match=field):
+            SpikeGuard(**kwargs)
+
+
+def test_jumps_skip_data_and_a_later_rollback_replaces_what_it_abandons(tmp_path: Path) -> None:
+    assert read_ledger(tmp_path) == []
+    write_ledger(tmp_path, [{"skip_at": 40, "skip_offset": 8}])
+    first = jumps(read_ledger(tmp_path))
+    assert [data_position(k, first) for k in (0, 39, 40, 41)] == [0, 39, 48, 49]
+    # A second rollback to micro-batch 30 (before the first one's jump) abandons that jump.
+    second = jumps([{"skip_at": 40, "skip_offset": 8}, {"skip_at": 30, "skip_offset": 25}])
+    assert [data_position(k, second) for k in (29, 30, 40)] == [29, 55, 65]
+    plan = WindowPlan(num_tokens=20_000, block_size=16, micro_batch_size=2, world_size=1, seed=3)
+    resumed = iter(ResumableBatchSampler(plan, rank=0, start=40, jumps=first))
+    assert (next(resumed) == plan.batch_starts(48, 0)).all()
+
+
+def test_complete_rollback_repoints_last_and_moves_newer_checkpoints(tmp_path: Path) -> None:
+    """A rollback killed after its ledger entry is finished on the next start: last.ckpt is
+    the checkpoint rolled back to, newer ones are kept in rolled_back/, and it is idempotent."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step in (10, 20, 30):
+        (folder / f"step-{step:08d}.ckpt").write_text(str(step))
+    (folder / "last.ckpt").hardlink_to(folder / "step-00000030.ckpt")
+    entry = {"restored": 10, "checkpoint": str(folder / "step-00000010.ckpt"), "state": "pending"}
+    write_ledger(tmp_path, [{**entry, "skip_at": 10, "skip_offset": 5}])
+    complete_rollback(tmp_path)
+    assert (folder / "last.ckpt").read_text() == "10"
+    assert sorted(p.name for p in (folder / "rolled_back").iterdir()) == [
+        "step-00000020.ckpt",
+        "step-00000030.ckpt",
+    ]
+    assert read_ledger(tmp_path)[-1]["state"] == "done"
+    (folder / "step-00000020.ckpt").write_text("new timeline")
+    complete_rollback(tmp_path)  # done: the new timeline's files stay where they are
+    assert (folder / "step-00000020.ckpt").read_text() == "new timeline"
+
+
+def poisoned_config(tmp: Path, char_dataset: Path, name: str, **extra: object) -> Path:
+    """120 steps of the tiny model, a checkpoint every 10, the guard on a 20-step window."""
+    cfg = tiny_overrides(char_dataset, tmp / "runs", **extra)
+    cfg["trainer"]["max_steps"] = 120
+    cfg["run"].update(name=name, eval_every_steps=40)
+    cfg["checkpoint"] = {"every_n_steps": 10, "keep_last": 2}
+    cfg.setdefault("spike", {}).update(window=20, patience=3)
+    return write_config(tmp / f"{name}.yaml", cfg)
+
+
+def poison(first: int = 58, last: int = 59) -> dict:
+    return {
+        "class_path": "cli_probes.PoisonedData",
+        "init_args": {"first": first, "last": last, "lr_factor": 300.0},
+    }
+
+
+def fit(tmp: Path, config: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``nanolab fit`` of the quickstart with ``config`` on top; the process and its run log."""
+    tests = str(Path(__file__).resolve().parent)
+    proc = run_nanolab(
+        "fit", "--config", str(QUICKSTART), "--config", str(config), cwd=tmp,
+        env={"PYTHONPATH": tests}, timeout=600,
+    )  # fmt: skip
+    log = tmp / "runs" / yaml.safe_load(config.read_text())["run"]["name"] / "metrics.jsonl"
+    return proc, (list(read_records(log)) if log.exists() else [])
+
+
+@pytest.mark.slow
+def test_a_poisoned_run_rolls_back_skips_the_poison_and_ends_like_a_clean_one(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Side by side: clean; poisoned with the guard (rollback, default); poisoned with
+    ``spike.action warn`` (what happened before: it trains on, damaged). The healed run's final
+    validation loss is within 0.1 of the clean run's; its log holds the spike record; the
+    poisoned micro-batches were trained once (before the rollback), never again."""
+    clean_cfg = poisoned_config(tmp_path, char_dataset, "clean")
+    healed_cfg = poisoned_config(tmp_path, char_dataset, "healed", trainer__callbacks=[poison()])
+    warned_cfg = poisoned_config(
+        tmp_path, char_dataset, "warned", trainer__callbacks=[poison()], spike__action="warn"
+    )
+    runs = {}
+    for name, cfg in (("clean", clean_cfg), ("healed", healed_cfg), ("warned", warned_cfg)):
+        proc, records = fit(tmp_path, cfg)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = records
+
+    def last_val(records: list[dict]) -> float:
+        return [r["val/loss"] for r in records if r.get("event") == "val"][-1]
+
+    spikes = [r for r in runs["healed"] if r.get("event") == "spike"]
+    assert len(spikes) == 1 and spikes[0]["action"] == "rollback"
+    assert spikes[0]["restored"] <= spikes[0]["began"] - 2
+    ends = [r for r in runs["healed"] if r.get("event") == "end"]
+    assert [e["reason"] for e in ends] == ["rollback", "completed"]
+    assert ends[-1]["step"] == 120
+    assert [r for r in runs["clean"] if r.get("event") == "spike"] == []
+    ledger = read_ledger(tmp_path / "runs" / "healed")
+    assert len(ledger) == 1 and ledger[0]["state"] == "done"
+    assert ledger[0]["skip_offset"] > 0
+    moved = tmp_path / "runs" / "healed" / "checkpoints" / "rolled_back"
+    assert moved.is_dir() and any(moved.iterdir())
+    clean, healed, warned = (last_val(runs[n]) for n in ("clean", "healed", "warned"))
+    assert abs(healed - clean) < 0.1, (clean, healed, warned)
+    assert [r["action"] for r in runs["warned"] if r.get("event") == "spike"] == ["warn"]
+    print(f"final val loss: clean {clean:.4f}, healed {healed:.4f}, warn only {warned:.4f}")
+
+
+def test_docs_name_the_spike_settings() -> None:
+    text = (REPO / "docs" / "callbacks.md").read_text()
+    for key in ("spike.action", "spike.factor", "spike.window", "spike.patience", "rollbacks.json"):
+        assert key in text
