@@ -219,7 +219,10 @@ def _status_text(s: RunSummary) -> str:
     if s.detail and s.status in ("error", "crashed", "diverged"):
         detail = s.detail.strip().splitlines()[-1] if s.detail.strip() else ""
         return f"{s.status}: {detail[:60]}"
-    return s.status + (f" (+{s.resumes} resume{'s' if s.resumes > 1 else ''})" if s.resumes else "")
+    notes = [f"+{s.resumes} resume{'s' if s.resumes > 1 else ''}"] if s.resumes else []
+    if s.rollbacks:
+        notes.append(f"{s.rollbacks} rollback{'s' if s.rollbacks > 1 else ''}")
+    return s.status + (f" ({', '.join(notes)})" if notes else "")
 
 
 def task_names(summaries: list[RunSummary]) -> list[str]:

@@ -73,6 +73,7 @@ class RunSummary:
     wall_s: float | None = None
     seed: int | None = None
     resumes: int = 0
+    rollbacks: int = 0  # loss spikes rolled back (``spike`` records with a restored step)
     started: float | None = None
     updated: float | None = None
     run_dir: str = ""
@@ -230,6 +231,26 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
+def current_timeline(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The log without what a later start abandoned: a run that resumed from step R (after a
+    rollback from a loss spike, or a preemption resumed from an older checkpoint) retrains the
+    steps after R, so the step records logged after R before that start are dropped."""
+    keep = [True] * len(records)
+    for j, r in enumerate(records):
+        resumed = r.get("resumed_from_step") if r.get("event") == "start" else None
+        if not isinstance(resumed, int) or isinstance(resumed, bool):
+            continue
+        for i in range(j):
+            step = records[i].get("step")
+            if records[i].get("event") in STEP_EVENTS and isinstance(step, int) and step > resumed:
+                keep[i] = False
+    return [r for r, k in zip(records, keep, strict=True) if k]
+
+
+#: Records that describe the model at their step (the ones a retrained step replaces).
+STEP_EVENTS = ("train", "val", "tasks")
+
+
 def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSummary:
     """Everything the report says about one run, from its log (and ``config.yaml`` if needed)."""
     now = time.time() if now is None else now
@@ -242,8 +263,12 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     start = records[last_start] if starts else None
     ends = [r for r in records[last_start:] if r.get("event") == "end"]
     end = ends[-1] if ends else None
+    records = current_timeline(records)
     train = last_by_step([r for r in records if r.get("event") == "train"])
     val = last_by_step([r for r in records if r.get("event") == "val"])
+    s.rollbacks = sum(
+        1 for r in records if r.get("event") == "spike" and r.get("restored") is not None
+    )
 
     config = config_of(start, run_dir)
     s.group = seed_free_fingerprint(config)

@@ -16,6 +16,7 @@ from nanolab.callbacks.spike import SpikeGuard, complete_rollback
 from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
 from nanolab.data.windows import ResumableBatchSampler, WindowPlan
 from nanolab.runlog import read_records
+from nanolab.runs import current_timeline, summarize_run
 
 
 def feed(guard: SpikeGuard, losses: list[float]) -> list[tuple[int, str]]:
@@ -166,6 +167,12 @@ def test_a_poisoned_run_rolls_back_skips_the_poison_and_ends_like_a_clean_one(
     assert abs(healed - clean) < 0.1, (clean, healed, warned)
     assert [r["action"] for r in runs["warned"] if r.get("event") == "spike"] == ["warn"]
     print(f"final val loss: clean {clean:.4f}, healed {healed:.4f}, warn only {warned:.4f}")
+    # The report counts the rollback and reads the healed timeline only (the damaged
+    # validation logged before the rollback is not its best or final number).
+    summary = summarize_run("healed", tmp_path / "runs" / "healed")
+    assert summary.rollbacks == 1 and summary.status == "completed"
+    assert summary.final_val_loss == pytest.approx(healed)
+    assert all(r["val/loss"] < 4 for r in current_timeline(runs["healed"]) if r["event"] == "val")
 
 
 def test_docs_name_the_spike_settings() -> None:
