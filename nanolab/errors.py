@@ -21,6 +21,18 @@ from typing import Any, TypeVar
 #: Exit code of every verb for input that cannot work (the message says why).
 EXIT_USAGE = 2
 
+#: Exit code of a run stopped by a full disk (or quota) while writing a checkpoint or its log
+#: (sysexits' EX_IOERR): free space and rerun the same command, it resumes from the newest
+#: complete checkpoint. The queue marks such a job failed (a person must act).
+EXIT_DISK_FULL = 74
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` is a write that failed for lack of space (ENOSPC, EDQUOT)."""
+    import errno
+
+    return getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+
 
 class NanolabError(ValueError):
     """A problem the user can fix; ``str(err)`` is the whole one-line message.

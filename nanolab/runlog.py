@@ -116,7 +116,9 @@ def dumps(record: dict[str, Any]) -> str:
 
 class RunLogWriteError(NanolabError):
     """The run log cannot be appended to (a full disk, a folder gone); the message names the
-    file and the free space, and says what was kept."""
+    file and the free space, and says what was kept. ``errno`` is the OSError's."""
+
+    errno: int | None = None
 
 
 class RunLogWriter:
@@ -192,11 +194,13 @@ class RunLogWriter:
             free = f"{shutil.disk_usage(self.path.parent).free / 1e6:.0f} MB free there"
         except OSError:
             free = "its folder is gone"
-        return RunLogWriteError(
+        error = RunLogWriteError(
             f"cannot append to the run log {self.path} ({err.strerror or err}; {free}); the "
             "lines written so far and the checkpoints are intact: free space (or restore the "
             "folder) and rerun the same command to resume"
         )
+        error.errno = err.errno  # a full disk has an exit code of its own
+        return error
 
     def close(self) -> None:
         if self._handle is not None:

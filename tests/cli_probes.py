@@ -132,3 +132,29 @@ class PoisonedData(L.Callback):
             self.hits.append(at)
             for group in trainer.optimizers[0].param_groups:
                 group["lr"] *= self.lr_factor
+
+
+class DiskFullFrom(L.Callback):
+    """From optimizer step ``step`` on, every checkpoint write fails with ENOSPC after writing
+    part of its bytes, as a disk that fills up during the night would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import errno
+
+        from nanolab.callbacks import checkpoint_io
+
+        if trainer.global_step + 1 < self.step or getattr(self, "armed", False):
+            return
+        self.armed = True
+        real = checkpoint_io.torch.save
+
+        def full(obj, f, *args, **kwargs):
+            if hasattr(f, "write"):
+                f.write(b"\0" * 1024)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        checkpoint_io.torch.save = full
+        self.real = real

@@ -179,3 +179,48 @@ def test_docs_name_the_spike_settings() -> None:
     text = (REPO / "docs" / "callbacks.md").read_text()
     for key in ("spike.action", "spike.factor", "spike.window", "spike.patience", "rollbacks.json"):
         assert key in text
+
+
+@pytest.mark.slow
+def test_a_full_disk_exits_74_and_the_rerun_continues_exactly(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A checkpoint write that runs out of space ends the run with one line and exit 74, the
+    previous checkpoint and the log intact; rerunning after space is freed resumes from it and
+    ends with the weights of a run that never stopped."""
+    import torch
+
+    straight = poisoned_config(tmp_path, char_dataset, "straight")
+    full = poisoned_config(
+        tmp_path, char_dataset, "full",
+        trainer__callbacks=[{"class_path": "cli_probes.DiskFullFrom", "init_args": {"step": 25}}],
+    )  # fmt: skip
+    proc, _ = fit(tmp_path, straight)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, records = fit(tmp_path, full)
+    assert proc.returncode == 74, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert (
+        len(lines) == 1 and "no space left on device" in lines[0] and "Traceback" not in proc.stderr
+    )
+    assert records[-1]["event"] == "end" and records[-1]["step"] == 30
+    folder = tmp_path / "runs" / "full" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "last.ckpt",
+        "step-00000010.ckpt",
+        "step-00000020.ckpt",
+    ]
+    # Space is back: the same command without the full disk.
+    cfg = yaml.safe_load(full.read_text())
+    cfg["trainer"].pop("callbacks")
+    full.write_text(yaml.safe_dump(cfg))
+    proc, records = fit(tmp_path, full)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["resumed_from_step"] for r in records if r["event"] == "start"] == [None, 20]
+
+    def weights(name: str) -> dict:
+        path = tmp_path / "runs" / name / "checkpoints" / "last.ckpt"
+        return torch.load(path, weights_only=True, map_location="cpu")["state_dict"]
+
+    a, b = weights("straight"), weights("full")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from nanolab.errors import EXIT_DISK_FULL
 from nanolab.queue.db import CLAIMABLE, Job, QueueDB, QueueError, pid_alive, runner_alive
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
@@ -641,6 +642,9 @@ def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[
         step = (end or {}).get("diverged_step", (end or {}).get("step"))
         cause = " (fp16 loss scale collapsed)" if (end or {}).get("skipped_steps") else ""
         return "failed", "diverged" + (f" at step {step}" if step is not None else "") + cause
+    if code == EXIT_DISK_FULL:
+        error = (end or {}).get("error")
+        return "failed", "disk full" + (f": {_last_line(str(error))}" if error else "")
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
         if stopping:

@@ -2,7 +2,7 @@
 (``nanolab.run.compose.launch``); a bad value ends in one error line and exit 2.
 
 Exit codes (docs/guarantees.md): 0 done (also stopped by a budget), 2 bad input or a run
-directory in use, 3 diverged, 75 preempted (rerun the same command to resume; also after a
+directory in use, 3 diverged, 74 disk full (free space, rerun to resume), 75 preempted (rerun the same command to resume; also after a
 rollback from a loss spike in a multi-process run). A one-process run that rolls back continues
 in the same process.
 """
@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 from nanolab.callbacks.checkpoint_io import CheckpointWriteError
-from nanolab.errors import NanolabError
+from nanolab.errors import EXIT_DISK_FULL, NanolabError, disk_full
 from nanolab.run.compose import launch
 from nanolab.run.parse import nulls_as_class_settings, parse_command
 
 #: What ends a run as one error line and exit 2: every error a user can fix, and a full disk
-#: (older checkpoints are intact, the message says so).
+#: (older checkpoints are intact, the message says so; that one exits EXIT_DISK_FULL).
 USER_ERRORS = (NanolabError, CheckpointWriteError)
 
 
@@ -44,7 +44,7 @@ def run_lightning_cli(argv: list[str]) -> int:
             trainer = launch(parse_command(argv, from_command_line=from_command_line))
         except USER_ERRORS as err:
             print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
-            return 2
+            return EXIT_DISK_FULL if disk_full(err) else 2
         finally:
             release_all()
         if not rolled_back(trainer):
