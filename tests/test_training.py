@@ -526,3 +526,30 @@ def test_rerunning_a_finished_run_says_it_is_complete(tmp_path, char_dataset):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "is already complete at step 6 (trainer.max_steps 6); nothing to train" in again.stderr
     assert len(list(read_records(log, "train"))) == trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+def test_resume_on_another_device_count_continues_the_same_run(
+    tmp_path, char_dataset, single_process_reference, first, then
+):
+    """A run saved on ``first`` processes (DDP) and resumed on ``then`` keeps its global batch
+    (``run.global_batch_tokens``: accumulation is derived again) and its data order, so it
+    ends where the 1-process run with 2x accumulation ends (to the DDP tolerance)."""
+    ddp = ["--config", str(QUICKSTART.parent / "strategy" / "ddp.yaml")]
+    common = dict(run__global_batch_tokens=4 * 32 * 2, checkpoint__every_n_steps=1)
+    run = _strategy_run(
+        tmp_path, char_dataset, "moved", *(ddp if first > 1 else []), "--trainer.devices",
+        str(first), "--trainer.max_steps", "2", devices=first, **common,
+    )  # fmt: skip
+    _strategy_run(
+        tmp_path, char_dataset, "moved", *(ddp if then > 1 else []), "--trainer.devices",
+        str(then), devices=then, **common,
+    )  # fmt: skip
+    starts = list(read_records(run / "metrics.jsonl", "start"))
+    assert [s["world_size"] for s in starts] == [first, then]
+    assert starts[-1]["resumed_from_step"] == 2
+    ours, ref = _train_records(run), _train_records(single_process_reference)
+    for step in (3, 4):
+        assert ours[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+    _assert_same_weights(final_state(run), final_state(single_process_reference))

@@ -115,7 +115,9 @@ def launch(cli: NanolabCLI) -> Trainer:
         from nanolab.training import early_signals
 
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
-        cand = claim_for_fit(cfg, run_dir, model, data, built.get("ckpt_path"))
+        cand = claim_for_fit(
+            cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size
+        )
         ckpt_path = str(cand.path) if cand is not None else None
         max_steps = int(trainer.max_steps or -1)
         if cand is not None and cand.step is not None and 0 < max_steps <= cand.step:
@@ -285,7 +287,9 @@ def apply_float32_matmul_precision(value: str, trainer_cfg: Any) -> None:
 
 
 # -- run: the run directory and the checkpoint ------------------------------------------------
-def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any) -> Any:
+def claim_for_fit(
+    cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any, world_size: int = 1
+) -> Any:
     """Take the run directory for this launch and return the checkpoint to resume from (its
     path and step), or None for a fresh start.
 
@@ -323,6 +327,13 @@ def claim_for_fit(cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any
     if requested is not None and not (run.fresh and requested == "auto"):
         cand = open_checkpoint(requested, flag, run_dir, model, training=True)
     path = str(cand.path) if cand is not None else None
+    if cand is not None:
+        from nanolab.training.resume import ResumeError, check_deepspeed_world_size
+
+        try:  # a DeepSpeed folder holds one optimizer shard per rank it was saved on
+            check_deepspeed_world_size(cand.path, world_size)
+        except ResumeError as err:
+            raise RunConfigError(str(err)) from None
     check_data = getattr(data, "check_resume", None)
     if callable(check_data):  # data that changed under the run (sizes, meta.json) is refused
         check_data(path)

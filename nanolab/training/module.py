@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
@@ -196,6 +197,19 @@ class GPTLightningModule(L.LightningModule):
             "schedule": asdict(self.schedule_config),
             "rng": capture_rng_state(),
             "tokenizer": self._tokenizer_spec(),
+            "layout": self._layout(),
+        }
+
+    def _layout(self) -> dict[str, int] | None:
+        """Devices x accumulation x micro-batch of this run, so a resume on another number of
+        devices can say what changed (and keep the data order: see ``realign_progress``)."""
+        if self._trainer is None:
+            return None
+        dm = getattr(self.trainer, "datamodule", None)
+        return {
+            "world_size": int(self.trainer.world_size),
+            "accumulate": int(self.trainer.accumulate_grad_batches or 1),
+            "micro_batch_size": int(getattr(dm, "micro_batch_size", 0) or 0),
         }
 
     def _tokenizer_spec(self) -> dict[str, Any] | None:
@@ -222,6 +236,13 @@ class GPTLightningModule(L.LightningModule):
                 f"model.optimizer.name is {self.optimizer_config.name!r} but the checkpoint was "
                 f"trained with {was!r}; resume with name: {was}, or start a new run"
             )
+        if fitting:
+            from nanolab.training.resume import describe_layout_change, realign_progress
+
+            realign_progress(checkpoint, int(self.trainer.accumulate_grad_batches or 1))
+            note = describe_layout_change(saved.get("layout"), self._layout())
+            if note:
+                rank_zero_info(note)
 
     def on_fit_start(self) -> None:
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);

@@ -324,3 +324,70 @@ def _size(path: Path) -> int:
 def _is_rank_zero() -> bool:
     """Before the Trainer exists, the launcher's environment says which process this is."""
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def realign_progress(checkpoint: dict[str, Any], accumulate: int) -> bool:
+    """Count the restored micro-batches as ``global_step x accumulate``, this launch's layout.
+
+    Lightning counts micro-batches per process, so a run saved on 2 devices (accumulation 1)
+    after S steps has counted S; resumed on 1 device with accumulation 2 it has consumed 2S of
+    the data order (N devices = N accumulated micro-batches) and its next optimizer step must
+    come after two micro-batches, not one. Every save is at an optimizer-step boundary, so the
+    count is a plain function of the steps; on the same layout this changes nothing. Returns
+    whether it changed the counts.
+    """
+    loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    progress = loops.get("epoch_loop.batch_progress")
+    if not isinstance(progress, dict):
+        return False
+    want = int(checkpoint.get("global_step", 0)) * max(1, accumulate)
+    total = progress.get("total")
+    if not isinstance(total, dict) or total.get("processed") == want:
+        return False
+    for part in ("total", "current"):  # one endless epoch: the current counts are the total
+        counts = progress.get(part)
+        if isinstance(counts, dict):
+            for key in ("ready", "started", "processed", "completed"):
+                if key in counts:
+                    counts[key] = want
+    return True
+
+
+def describe_layout_change(saved: Any, now: Any) -> str | None:
+    """One line when a run resumes on another devices x accumulation x micro-batch layout."""
+    if not isinstance(saved, dict) or not isinstance(now, dict) or saved == now:
+        return None
+
+    def text(layout: dict[str, Any]) -> str:
+        w, a, m = (
+            int(layout.get(k) or 0) for k in ("world_size", "accumulate", "micro_batch_size")
+        )
+        return f"{w} device(s) x {a} accumulation x micro-batch {m} = {w * a * m} windows per step"
+
+    line = f"resuming a run saved on {text(saved)} on {text(now)}"
+    before = saved["world_size"] * saved["accumulate"] * saved["micro_batch_size"]
+    after = now["world_size"] * now["accumulate"] * now["micro_batch_size"]
+    if before == after:
+        return line + ": the same global batch, and the same data order"
+    return (
+        line + f": the global batch changes ({before} -> {after} windows per step); set "
+        "run.global_batch_tokens to the run's tokens per step to keep it"
+    )
+
+
+def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
+    """Refuse, before anything is written, to resume a DeepSpeed checkpoint folder on another
+    number of data-parallel ranks: its ZeRO optimizer state is one shard per rank it was saved
+    on, and DeepSpeed loads it only on that many (a plain file or a DCP folder reshards)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    shards = {p.name for p in folder.rglob("*_optim_states.pt")}
+    saved = len({name.split("_rank_")[1].split("_")[0] for name in shards if "_rank_" in name})
+    if saved and saved != world_size:
+        raise ResumeError(
+            f"{folder} is a DeepSpeed checkpoint saved on {saved} data-parallel ranks and this "
+            f"launch has {world_size}; DeepSpeed loads its optimizer shards only on {saved}: "
+            f"resume with {saved} devices (--trainer.devices), or convert it with DeepSpeed's "
+            "ds_to_universal.py and start a new run from the weights"
+        )

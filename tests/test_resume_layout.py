@@ -1,0 +1,57 @@
+"""Resuming on another number of devices: the restored counters, the line that says so, and
+what cannot move (a DeepSpeed folder). The end-to-end runs (DDP 2 -> 1 and 1 -> 2 continue the
+run exactly) are ``test_training.py::test_resume_on_another_device_count_continues_the_same_run``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nanolab.training.resume import (
+    ResumeError,
+    check_deepspeed_world_size,
+    describe_layout_change,
+    realign_progress,
+)
+
+
+def checkpoint(step: int, processed: int) -> dict:
+    counts = {
+        "ready": processed,
+        "started": processed,
+        "processed": processed,
+        "completed": processed,
+    }
+    progress = {"total": dict(counts), "current": dict(counts), "is_last_batch": False}
+    return {"global_step": step, "loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}}
+
+
+def test_counters_follow_this_launchs_accumulation() -> None:
+    saved_on_two = checkpoint(step=3, processed=3)  # 2 devices, accumulation 1
+    assert realign_progress(saved_on_two, accumulate=2)
+    progress = saved_on_two["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    assert progress["total"]["processed"] == progress["current"]["ready"] == 6
+    same = checkpoint(step=3, processed=6)
+    assert not realign_progress(same, accumulate=2)  # the same layout: untouched
+
+
+def test_the_layout_line() -> None:
+    two = {"world_size": 2, "accumulate": 1, "micro_batch_size": 4}
+    one = {"world_size": 1, "accumulate": 2, "micro_batch_size": 4}
+    assert "the same global batch, and the same data order" in describe_layout_change(two, one)
+    smaller = {"world_size": 1, "accumulate": 1, "micro_batch_size": 4}
+    assert "global batch changes (8 -> 4 windows per step)" in describe_layout_change(two, smaller)
+    assert describe_layout_change(two, dict(two)) is None
+    assert describe_layout_change(None, two) is None  # an older checkpoint says nothing
+
+
+def test_a_deepspeed_folder_on_another_rank_count_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "step-00000010.ckpt" / "checkpoint"
+    folder.mkdir(parents=True)
+    for rank in (0, 1):
+        (folder / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    check_deepspeed_world_size(folder.parent, 2)
+    with pytest.raises(ResumeError, match="saved on 2 data-parallel ranks and this launch has 1"):
+        check_deepspeed_world_size(folder.parent, 1)
+    check_deepspeed_world_size(tmp_path / "plain.ckpt", 1)  # a file reshards: nothing to say
