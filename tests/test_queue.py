@@ -283,3 +283,23 @@ def test_ls_rm_retry_clear(tmp_path: Path, capsys) -> None:
     assert queue(capsys, path, "clear")[0] == 0
     assert [j.name for j in db.jobs()] == ["a", "b"]
     assert queue(capsys, path, "rm", "a", str(b.id))[0] == 0 and db.jobs() == []
+
+
+def test_a_config_edited_after_add_is_not_run(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+) -> None:
+    """The queue runs what ``queue add`` checked or nothing: a config file edited in between
+    (lr 9.0) fails the job with one line naming the file, and the job is never started; the
+    unedited job of the same queue runs."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    other = write_config(tmp_path / "other.yaml", __import__("yaml").safe_load(tiny.read_text()))
+    assert queue(capsys, db, "add", str(tiny), "--name", "edited")[0] == 0
+    assert queue(capsys, db, "add", str(other), "--name", "kept")[0] == 0
+    tiny.write_text(tiny.read_text() + "model:\n  optimizer:\n    lr: 9.0\n")
+    _, out, err = queue(capsys, db, "run")
+    jobs = {j.name: j for j in QueueDB(db).jobs()}
+    assert jobs["edited"].status == "failed" and jobs["edited"].attempts <= 1
+    assert f"config changed since queue add: {tiny.resolve()}" in jobs["edited"].detail
+    assert not (tmp_path / "runs" / "edited").exists()  # never started
+    assert jobs["kept"].status == "done", (out, err)

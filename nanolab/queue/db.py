@@ -106,6 +106,7 @@ CREATE TABLE IF NOT EXISTS events (
 #: predicted or why not), ``mem_cap`` (the allocator cap in bytes of its current/last packed
 #: attempt; NULL when it ran alone) and ``packed_on`` (the device it shared, e.g. ``GPU 0``).
 V2_COLUMNS = {
+    "config_sha": "TEXT",  # the config files' digest at ``queue add`` (NULL: added before it)
     "backfill": "INTEGER NOT NULL DEFAULT 0",
     "alone": "INTEGER NOT NULL DEFAULT 0",
     "mem_peak": "INTEGER",
@@ -154,6 +155,7 @@ class Job:
     mem_source: str | None = None
     mem_cap: int | None = None
     packed_on: str | None = None
+    config_sha: str | None = None
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
@@ -180,6 +182,7 @@ class NewJob:
     backfill: bool = False
     mem_peak: int | None = None
     mem_source: str | None = None
+    config_sha: str | None = None
 
 
 def default_db_path() -> Path:
@@ -274,11 +277,11 @@ class QueueDB:
                 cur = c.execute(
                     "INSERT INTO jobs(name, config, args, seed, cwd, run_dir, config_key, devices, "
                     "max_steps, estimate_s, estimate_source, created, backfill, mem_peak, "
-                    "mem_source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "mem_source, config_sha) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         j.name, j.config, json.dumps(j.args), j.seed, j.cwd, j.run_dir,
                         j.config_key, j.devices, j.max_steps, j.estimate_s, j.estimate_source, now,
-                        int(j.backfill), j.mem_peak, j.mem_source,
+                        int(j.backfill), j.mem_peak, j.mem_source, j.config_sha,
                     ),
                 )  # fmt: skip
                 ids.append(cur.lastrowid)

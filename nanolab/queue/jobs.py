@@ -195,6 +195,36 @@ def config_key(config: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def config_files(config: str | Path, args: list[str]) -> list[Path]:
+    """The YAML files a job reads: its config, then every ``--config`` in its arguments."""
+    files = [Path(config)]
+    files += [Path(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--config"]
+    return files
+
+
+def config_digest(files: list[Path]) -> str:
+    """One digest of the files' names and bytes: what ``queue add`` checked, to compare with
+    what the job would read when it starts (an edited file is refused, not run unchecked)."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path).encode() + b"\0")
+        try:
+            digest.update(path.read_bytes())
+        except OSError:
+            digest.update(b"<missing>")
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def changed_config(config: str | Path, args: list[str], sha: str | None) -> str | None:
+    """The job's config files, named, when they are not as ``queue add`` read them (None: they
+    are, or the job was added before digests were kept)."""
+    files = config_files(config, args)
+    if sha is None or config_digest(files) == sha:
+        return None
+    return ", ".join(str(f) for f in files)
+
+
 def build_jobs(
     config: Path,
     sets: list[str],
@@ -246,6 +276,7 @@ def build_jobs(
                 backfill=backfill,
                 mem_peak=peak,
                 mem_source=mem_source,
+                config_sha=config_digest(config_files(config, args)),
             )
         )
     return jobs

@@ -52,6 +52,7 @@ from typing import IO, Any
 
 from nanolab.errors import EXIT_DISK_FULL
 from nanolab.queue.db import CLAIMABLE, Job, QueueDB, QueueError, pid_alive, runner_alive
+from nanolab.queue.jobs import changed_config
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
 from nanolab.queue.predict import describe, job_peak, process_overhead, remaining_seconds
@@ -127,6 +128,7 @@ class Runner:
     _signals: int = 0
     _wake_r: int | None = None
     _counts: dict[str, int] = field(default_factory=dict)
+    _refused_start: bool = False  # a claimed job was not started (its config changed)
     _capacity: list[int] = field(default_factory=list)
     _rules: Rules = field(default_factory=Rules)
     _drained_said: set[tuple[int, int]] = field(default_factory=set)
@@ -165,6 +167,9 @@ class Runner:
                 if not self._signals:
                     self.fill()
                     self._stop_backfill_at_deadline()
+                if self._refused_start and not self._signals:
+                    self._refused_start = False  # a slot it would have used is free: fill again
+                    continue
                 if not self._active and (self._signals or not self._keep_waiting()):
                     break
                 now = time.monotonic()
@@ -412,6 +417,17 @@ class Runner:
         reserved: int = 0,
         sharing: int = 1,
     ) -> None:
+        changed = changed_config(Path(job.cwd) / job.config, job.args, job.config_sha)
+        if changed is not None:  # run what was checked, or nothing: never an unchecked edit
+            detail = (
+                f"config changed since queue add: {changed} (the job was checked as it was "
+                "then); `nanolab queue rm` it and add it again"
+            )
+            self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
+            self.say(f"job {job.id} {job.name}: not started: {detail}")
+            self._refused_start = True
+            self._counts["failed"] = self._counts.get("failed", 0) + 1
+            return
         log_dir = self.db.path.resolve().parent / "nanolab_queue_logs"
         log_dir.mkdir(exist_ok=True)
         log_path = log_dir / f"{job.id:04d}-{job.name}.log"
