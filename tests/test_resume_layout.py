@@ -55,3 +55,30 @@ def test_a_deepspeed_folder_on_another_rank_count_is_refused(tmp_path: Path) -> 
     with pytest.raises(ResumeError, match="saved on 2 data-parallel ranks and this launch has 1"):
         check_deepspeed_world_size(folder.parent, 1)
     check_deepspeed_world_size(tmp_path / "plain.ckpt", 1)  # a file reshards: nothing to say
+
+
+def test_a_changed_learning_rate_on_resume_is_said_and_the_checkpoints_kept(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """The optimizer and schedule state come back with the checkpoint, so a new
+    ``model.optimizer.lr`` cannot take effect: the resume says so in one line, trains with the
+    checkpoint's rate, and its own checkpoints record the rate it trained with."""
+    import torch
+    from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+
+    from nanolab.runlog import read_records
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
+    assert run_nanolab(*base, "--trainer.max_steps", "4", cwd=tmp_path).returncode == 0
+    proc = run_nanolab(*base, "--model.optimizer.lr", "0.05", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warned = [line for line in proc.stderr.splitlines() if "resuming keeps" in line]
+    assert len(warned) == 1 and "model.optimizer.lr 0.003 (not 0.05)" in warned[0]
+    lrs = {
+        r["step"]: r["lr"]
+        for r in read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train")
+    }
+    assert max(lrs.values()) <= 0.003 + 1e-12
+    last = torch.load(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["nanolab"]["optimizer"]["lr"] == 0.003

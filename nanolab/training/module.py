@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -243,6 +244,39 @@ class GPTLightningModule(L.LightningModule):
             note = describe_layout_change(saved.get("layout"), self._layout())
             if note:
                 rank_zero_info(note)
+            kept = self._kept_on_resume(saved)
+            if kept and self.trainer.is_global_zero:
+                print(
+                    f"nanolab: warning: resuming keeps the checkpoint's {kept}: the optimizer "
+                    "and schedule state are restored with it; to train with the new values, "
+                    "start a new run (another --run.name)",
+                    file=sys.stderr,
+                )
+
+    def _kept_on_resume(self, saved: dict[str, Any]) -> str | None:
+        """The optimizer/schedule settings this launch changed, as 'key old (not new)'."""
+        now = {
+            "optimizer": {
+                **asdict(self.optimizer_config),
+                "betas": list(self.optimizer_config.betas),
+            },
+            "schedule": asdict(self.schedule_config),
+        }
+        changed = []
+        for part in ("optimizer", "schedule"):
+            before = saved.get(part)
+            if not isinstance(before, dict):
+                continue
+            diff = {k: before[k] for k, v in now[part].items() if k in before and before[k] != v}
+            diff.pop("name", None)  # another optimizer is refused above
+            changed += [f"model.{part}.{k} {v} (not {now[part][k]})" for k, v in diff.items()]
+            if diff:  # this run goes on with the checkpoint's values, and later saves say so
+                config = self.optimizer_config if part == "optimizer" else self.schedule_config
+                values = {**now[part], **diff}
+                if "betas" in values:
+                    values["betas"] = tuple(values["betas"])
+                setattr(self, f"{part}_config", type(config)(**values))
+        return ", ".join(changed) or None
 
     def on_fit_start(self) -> None:
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);
