@@ -190,15 +190,15 @@ def test_the_built_in_order_is_one_list_and_subclasses_keep_their_place():
     from nanolab.callbacks.step import STEP_ORDER, order_of
 
     assert order_of(MetricsLog()) == 10 and order_of(CostBudget()) == 40
-    assert order_of(RotatingCheckpoint()) == 10 * len(STEP_ORDER) == 70
+    assert order_of(RotatingCheckpoint()) == 10 * len(STEP_ORDER) == 80
 
     class MyLog(MetricsLog):
         pass
 
     class MyLate(MetricsLog):
-        step_order = 80
+        step_order = 90
 
     class Plain(StepCallback):
         pass
 
-    assert order_of(MyLog()) == 10 and order_of(MyLate()) == 80 and order_of(Plain()) == 100
+    assert order_of(MyLog()) == 10 and order_of(MyLate()) == 90 and order_of(Plain()) == 100

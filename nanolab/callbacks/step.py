@@ -76,7 +76,7 @@ class StepCallback(Callback):
     """
 
     #: Position of a fork's callback among the step callbacks (lower first; nanolab's own are
-    #: placed by :data:`STEP_ORDER` at 10 ... 70).
+    #: placed by :data:`STEP_ORDER` at 10 ... 80).
     step_order: ClassVar[int] = 100
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
