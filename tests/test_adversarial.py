@@ -370,6 +370,13 @@ def _run_with_line(line: str) -> Callable[[Workspace], None]:
     return setup
 
 
+def _checkpoints_replaced_by_a_file(ws: Workspace) -> None:
+    """A finished run whose checkpoints folder was replaced by a plain file."""
+    run = ws.copy_run("base", "tiny")
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").write_text("not a folder")
+
+
 def _users_folder(ws: Workspace) -> None:
     """A folder of the user's own files, and a text to prepare."""
     ws.write("in.txt", "some text to prepare\n" * 50)
@@ -472,6 +479,8 @@ def _tool_rows() -> list[Case]:
              EXIT_USAGE, "give a YAML list of tasks", setup=_bad_suite),
         Case("eval-rows-zero", ("eval", "{runs}/base", "--rows", "0"), EXIT_USAGE,
              "--rows must be >= 1", setup=_finished_runs),
+        Case("fit-checkpoints-folder-is-a-file", FIT, EXIT_USAGE,
+             "checkpoints is not a folder", setup=_checkpoints_replaced_by_a_file),
     ]
     if not torch.cuda.is_available():  # a machine without a GPU
         rows += [

@@ -505,3 +505,19 @@ def test_a_zst_of_several_frames_is_read_whole(tmp_path, capsys) -> None:
     assert main([str(src), "-o", str(tmp_path / "ds"), "-q", "--tokenizer", "bytes"]) == 0
     meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
     assert meta["train_bytes"] + meta["val_bytes"] == len("".join(parts).encode())
+
+
+def test_output_inside_an_input_folder_is_not_read_back_and_no_lock_file_stays(tmp_path):
+    """``-o`` inside the folder being prepared: a rerun is the same no-op (it does not read its
+    own meta.json and .bin files as input), and the lock file beside the output is gone after a
+    success and after a failure."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text to prepare here\n" * 500)
+    first = prepare_dataset([str(folder)], folder / "out", "bytes", quiet=True)
+    again = prepare_dataset([str(folder)], folder / "out", "bytes", quiet=True)
+    assert again["source_hash"] == first["source_hash"]
+    assert sorted(p.name for p in folder.iterdir()) == ["a.txt", "out"]
+    with pytest.raises(PrepareError):
+        prepare_dataset([str(tmp_path / "missing")], folder / "other", "bytes", quiet=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["a.txt", "out"]

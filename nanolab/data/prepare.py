@@ -156,7 +156,8 @@ def prepare_dataset(
     if out_dir.exists() and not out_dir.is_dir():
         raise PrepareError(f"-o {out_dir} is a file; give the path of a folder to create")
     try:
-        resolved = resolve_sources(sources)
+        lock = out_dir.with_name(f".{out_dir.name}.lock")
+        resolved = resolve_sources(sources, exclude=(out_dir, lock))  # -o inside an input
     except SourceError as err:
         raise PrepareError(str(err)) from None
     tok_identity: Any = tokenizer
@@ -177,7 +178,7 @@ def prepare_dataset(
     # Every rank of a torchrun/srun launch may get here at once: one prepares, the others wait
     # on the lock and then find the dataset ready (same hash: a no-op).
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out_dir.with_name(f".{out_dir.name}.lock")):
+    with _exclusive(lock):
         existing = _existing_meta(out_dir)
         if existing is not None and existing.get("source_hash") == digest:
             return existing
@@ -238,12 +239,26 @@ def _existing_meta(out_dir: Path) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as handle:
+    """Hold ``lock_path`` exclusively; the file is removed when done (no stray lock file is
+    left beside the dataset). A waiter that locked a file since removed tries again, so two
+    processes never both hold the lock."""
+    while True:
+        handle = open(lock_path, "a")  # noqa: SIM115 - closed below
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            current = os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        handle.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)  # while still holding it: see above
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 class _Progress:

@@ -121,8 +121,11 @@ def _input_file(path: Path, explicit: bool) -> InputFile | None:
     )
 
 
-def _walk(root: Path, skipped: list[str]) -> list[Path]:
-    """Every file under ``root``, following symlinks, each directory once (loops reported)."""
+def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[Path]:
+    """Every file under ``root``, following symlinks, each directory once (loops reported),
+    except the paths in ``exclude`` (prepare's own output folder and lock, when ``-o`` lies
+    inside an input folder: a rerun must not read its own dataset as input)."""
+    skip = {os.path.realpath(p) for p in exclude}
     found: list[Path] = []
     seen: set[tuple[int, int]] = set()
     other: dict[str, int] = {}
@@ -140,6 +143,8 @@ def _walk(root: Path, skipped: list[str]) -> list[Path]:
             return
         for entry in entries:
             path = Path(entry.path)
+            if skip and os.path.realpath(path) in skip:
+                continue
             try:
                 is_dir = entry.is_dir()  # follows symlinks
                 is_file = entry.is_file()
@@ -171,8 +176,9 @@ def _walk(root: Path, skipped: list[str]) -> list[Path]:
     return found
 
 
-def resolve_sources(specs: Sequence[str]) -> Resolved:
-    """Every file the specs name, in a fixed order (specs in order, each folder sorted)."""
+def resolve_sources(specs: Sequence[str], exclude: Sequence[Path] = ()) -> Resolved:
+    """Every file the specs name, in a fixed order (specs in order, each folder sorted); a
+    folder's walk leaves out the paths in ``exclude``."""
     if not specs:
         raise SourceError("no sources given; pass files, folders, globs, or bundled:shakespeare")
     files: list[InputFile] = []
@@ -191,7 +197,7 @@ def resolve_sources(specs: Sequence[str]) -> Resolved:
             continue
         path = Path(spec).expanduser()
         if path.is_dir():
-            found = _walk(path, skipped)
+            found = _walk(path, skipped, exclude)
             if not found:
                 raise SourceError(
                     f"folder {path} holds no files nanolab reads (text {', '.join(TEXT_SUFFIXES)}"

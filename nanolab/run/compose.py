@@ -320,6 +320,13 @@ def claim_for_fit(
         ) from None
     from nanolab.callbacks.spike import complete_rollback
 
+    folder = run_dir / "checkpoints"
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        raise RunConfigError(
+            f"{folder} is not a folder (a file or a broken link is in the place of the run's "
+            "checkpoints); move it away, put the checkpoints folder back if you have it, and "
+            "rerun the same command"
+        )
     requested, flag = requested_checkpoint(str(run.resume), ckpt_path)
     if requested == "auto" and not run.fresh and global_rank_from_env() == 0:
         complete_rollback(run_dir)  # a rollback stopped half-way finishes before the choice
