@@ -158,3 +158,14 @@ class DiskFullFrom(L.Callback):
 
         checkpoint_io.torch.save = full
         self.real = real
+
+
+class KillOnRollback(L.Callback):
+    """SIGKILL this process when a fit ends in a rollback, before ``nanolab fit`` continues it:
+    a machine lost in the middle of healing a spike."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from nanolab.callbacks.events import stop_reason
+
+        if stop_reason(trainer)[0] == "rollback":
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -224,3 +224,34 @@ def test_a_full_disk_exits_74_and_the_rerun_continues_exactly(
 
     a, b = weights("straight"), weights("full")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_its_rollback_resumes_exactly(tmp_path: Path, char_dataset: Path):
+    """SIGKILL right after the rollback (ledger written, checkpoints moved, before the
+    continuation): rerunning the same command continues from the restored checkpoint with the
+    same skipped data, and ends with exactly the weights of the run that was not killed."""
+    import torch
+
+    healed = poisoned_config(tmp_path, char_dataset, "healed", trainer__callbacks=[poison()])
+    killed = poisoned_config(
+        tmp_path, char_dataset, "killed",
+        trainer__callbacks=[poison(), {"class_path": "cli_probes.KillOnRollback"}],
+    )  # fmt: skip
+    proc, _ = fit(tmp_path, healed)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, records = fit(tmp_path, killed)
+    assert proc.returncode == -9  # killed before its end record: as a lost machine would be
+    assert [r["action"] for r in records if r["event"] == "spike"] == ["rollback"]
+    assert read_ledger(tmp_path / "runs" / "killed")[-1]["state"] == "done"
+    proc, records = fit(tmp_path, killed)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    starts = [r["resumed_from_step"] for r in records if r["event"] == "start"]
+    assert starts == [None, 50]
+
+    def weights(name: str) -> dict:
+        path = tmp_path / "runs" / name / "checkpoints" / "last.ckpt"
+        return torch.load(path, weights_only=True, map_location="cpu")["state_dict"]
+
+    a, b = weights("healed"), weights("killed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
