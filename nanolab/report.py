@@ -12,7 +12,7 @@ by the config values that set it apart from the other groups (``lr=0.001``), not
 "Δ train loss" is the same for every run: the mean training loss of the last
 :data:`DELTA_WINDOW` logged steps minus the loss of the first logged step.
 
-``--plot`` draws one colour per group: the mean over its seeds and a min-max band, against
+``--plot`` draws one colour per group: the mean over its seeds and its 95% interval, against
 tokens (or GPU-hours); without ``--run`` it draws the runs trained on the same data as the most
 recently updated one (curves of different vocabularies do not share a y axis).
 ``--compare A B`` prints the config keys where two runs differ beside their results.
@@ -72,7 +72,7 @@ class ReportError(RunsError):
 SORT_FIELDS = tuple(
     f.name
     for f in fields(RunSummary)
-    if f.name not in ("group", "run_dir", "skipped_example", "task_scores")
+    if f.name not in ("group", "run_dir", "skipped_example", "task_scores", "val_points")
 )
 
 
@@ -90,6 +90,25 @@ class SeedGroup:
     repeated_seeds: list[int] = field(default_factory=list)  # seeds run twice: not a spread
     mean_core: float | None = None  # CORE over the seeds that logged one
     std_core: float | None = None
+    ci_val_loss: float | None = None  # half-width of the 95% interval (Student t over seeds)
+    at_tokens: int | None = None  # the val losses are taken here (the shortest seed's end)
+    val_losses: list[float] = field(default_factory=list)  # one per seed, at at_tokens
+
+
+@dataclass
+class Comparison:
+    """Group ``a`` minus group ``b`` in val loss at equal tokens (nanolab.stats.welch)."""
+
+    a: str
+    b: str
+    at_tokens: int | None
+    difference: float
+    half_width: float
+    p_value: float
+    n_a: int
+    n_b: int
+    seeds_needed: int | None
+    sentence: str
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -176,7 +195,8 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
     for members, label in zip(groups, group_labels(groups), strict=True):
         if len(members) < 2:
             continue
-        losses = [m.final_val_loss for m in members if m.final_val_loss is not None]
+        at_tokens = common_tokens(members)
+        losses = values_at(members, at_tokens)
         cores = [m.core for m in members if m.core is not None]
         seeds = [m.seed for m in members]
         out.append(
@@ -190,9 +210,88 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
                 repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
                 mean_core=statistics.fmean(cores) if cores else None,
                 std_core=statistics.stdev(cores) if len(cores) >= 2 else None,
+                ci_val_loss=_ci(losses),
+                at_tokens=at_tokens,
+                val_losses=losses,
             )
         )
     return sorted(out, key=lambda g: g.label)
+
+
+def common_tokens(members: list[RunSummary]) -> int | None:
+    """The most tokens every run of ``members`` validated at (runs of different length are
+    compared where all of them are, not each at its own end)."""
+    ends = [max(t for t, _ in m.val_points) for m in members if m.val_points]
+    return min(ends) if ends and len(ends) == len(members) else None
+
+
+def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
+    """Each run's val loss at its last validation at or before ``tokens`` (the final val loss
+    when ``tokens`` is None)."""
+    if tokens is None:
+        return [m.final_val_loss for m in members if m.final_val_loss is not None]
+    out = []
+    for m in members:
+        before = [loss for t, loss in m.val_points if t <= tokens]
+        if before:
+            out.append(before[-1])
+    return out
+
+
+def _ci(values: list[float]) -> float | None:
+    from nanolab.stats import StatsUnavailable, mean_ci
+
+    if len(values) < 2:
+        return None
+    try:
+        return mean_ci(values).half_width
+    except StatsUnavailable:
+        return None
+
+
+def compare_groups(
+    summaries: list[RunSummary], groups: list[SeedGroup], baseline: str | None = None
+) -> list[Comparison]:
+    """Each group against ``baseline`` (a group label), or, without one, the two groups
+    against each other, or every group against the one with the lowest mean. Empty without
+    scipy or with fewer than two groups."""
+    from nanolab.stats import StatsUnavailable, sentence, welch
+
+    by_run = {s.run: s for s in summaries}
+    usable = [g for g in groups if len(g.val_losses) >= 2]
+    if len(usable) < 2:
+        return []
+    if baseline is not None:
+        base = next((g for g in usable if g.label == baseline or baseline in g.runs), None)
+        if base is None:
+            labels = "; ".join(g.label for g in usable)
+            raise ReportError(
+                f"--baseline {baseline!r} is neither a seed group's label nor one of its runs; "
+                f"groups: {labels}"
+            )
+    else:
+        base = min(usable, key=lambda g: statistics.fmean(g.val_losses))
+    out = []
+    for g in usable:
+        if g is base:
+            continue
+        members_a = [by_run[r] for r in g.runs if r in by_run]
+        members_b = [by_run[r] for r in base.runs if r in by_run]
+        ends = [t for t in (common_tokens(members_a), common_tokens(members_b)) if t is not None]
+        at = min(ends) if len(ends) == 2 else None
+        a, b = values_at(members_a, at), values_at(members_b, at)
+        if len(a) < 2 or len(b) < 2:
+            continue
+        try:
+            d = welch(a, b)
+        except StatsUnavailable:
+            return []
+        text = sentence(g.label, base.label, d)
+        if at is not None and (at != g.at_tokens or at != base.at_tokens):
+            text += f" (at {_si(at)} tokens, where every run of both got to)"
+        out.append(Comparison(g.label, base.label, at, d.difference, d.half_width, d.p_value,
+                              d.n_a, d.n_b, d.seeds_needed, text))  # fmt: skip
+    return out
 
 
 # -- formatting -----------------------------------------------------------------------------
@@ -236,7 +335,11 @@ def _mean_spread(mean: float | None, std: float | None, fmt: str = ".4f") -> str
     return f"{mean:{fmt}} ± {std:{fmt}}" if std is not None else f"{mean:{fmt}}"
 
 
-def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
+def format_table(
+    summaries: list[RunSummary],
+    groups: list[SeedGroup],
+    comparisons: list[Comparison] | None = None,
+) -> str:
     headers = [
         "run", "status", "steps", "tokens", "train loss", "best val (step)", "val bpb",
         "Δ train loss", "tokens/s", "MFU", "GPU-h", "cost", "wall",
@@ -290,9 +393,19 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
             "a task's score is the accuracy its centered value uses"
         )
     if groups:
-        out += ["", "seed groups (same config, different seed): final val loss"]
+        with_ci = any(g.ci_val_loss is not None for g in groups)
+        out += [
+            "",
+            "seed groups (same config, different seed): val loss at the shortest seed's last "
+            "validation, "
+            + ("mean ± 95% confidence interval (Student t over the seeds)" if with_ci
+               else "mean ± standard deviation (pip install 'nanolab[stats]' for intervals)"),
+        ]  # fmt: skip
         for g in groups:
-            spread = _mean_spread(g.mean_val_loss, g.std_val_loss)
+            spread = _mean_spread(
+                None if not g.val_losses else statistics.fmean(g.val_losses),
+                g.ci_val_loss if with_ci else g.std_val_loss,
+            )
             if g.mean_core is not None:
                 spread += f", CORE {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
@@ -303,6 +416,9 @@ def format_table(summaries: list[RunSummary], groups: list[SeedGroup]) -> str:
                     f"    note: seed {twice} ran more than once in this group: those runs "
                     "repeat each other, their spread is not a seed-to-seed spread"
                 )
+    if comparisons:
+        out += ["", "differences (Welch's t-test over seeds, val loss at equal tokens):"]
+        out += [f"  {c.sentence}" for c in comparisons]
     skipped = [s for s in summaries if s.skipped_records]
     if skipped:
         out.append("")
@@ -355,14 +471,28 @@ def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, flo
 
 
 def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, float, float, float]]:
-    """(x, mean, min, max) at every step that every curve of the group has."""
+    """(x, mean, low, high) at every step that every curve of the group has: the 95%
+    confidence interval of the mean over seeds (Student t) when scipy is there, else the
+    min-max over seeds."""
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    t = None
+    if len(curves) >= 2:
+        try:
+            from scipy import stats
+
+            t = float(stats.t.ppf(0.975, len(curves) - 1))
+        except ImportError:
+            t = None
     out = []
     for step in steps:
         ys = [c[step][1] for c in curves]
-        out.append(
-            (statistics.fmean(c[step][0] for c in curves), statistics.fmean(ys), min(ys), max(ys))
-        )
+        mean = statistics.fmean(ys)
+        x = statistics.fmean(c[step][0] for c in curves)
+        if t is not None:
+            half = t * statistics.stdev(ys) / math.sqrt(len(ys))
+            out.append((x, mean, mean - half, mean + half))
+        else:
+            out.append((x, mean, min(ys), max(ys)))
     return out
 
 
@@ -381,7 +511,7 @@ def plot_runs(
     logx: bool = False,
 ) -> list[dict[str, Any]]:
     """Train and val loss against tokens or GPU-hours, written atomically to ``out``: one colour
-    per seed group, its mean over seeds as a line and the min-max over seeds as a band; with
+    per seed group, its mean over seeds as a line and its 95% interval as a band; with
     ``forecasts`` (tokens axis), each run's fitted curve dashed to max_steps, with its band.
     Returns what was drawn per group (label, colour, runs, the val band) for the caller."""
     import matplotlib
@@ -449,7 +579,7 @@ def plot_runs(
             ax.plot(bx, mean, color=color, lw=1.4, marker=marker, ms=3,
                     label=name if ax is ax_train or not trains else None)  # fmt: skip
             if len(curves) > 1:
-                ax.fill_between(bx, lo, hi, color=color, alpha=0.2, lw=0)
+                ax.fill_between(bx, lo, hi, color=color, alpha=0.3, lw=0)
         for s in members:
             f = (forecasts or {}).get(s.run)
             if f is not None and f.fit is not None and f.final_tokens and x == "tokens" and vals:
@@ -481,7 +611,7 @@ def plot_runs(
             ax.xaxis.set_major_formatter(FuncFormatter(_tokens_axis))
     ax_train.set_ylabel("loss")
     if any(len(g) > 1 for g in groups):
-        fig.suptitle("mean over seeds, band = min-max over seeds", fontsize=9)
+        fig.suptitle("mean over seeds, band = 95% confidence interval of the mean", fontsize=9)
     handles, names = ax_train.get_legend_handles_labels()
     if not handles:
         handles, names = ax_val.get_legend_handles_labels()
@@ -548,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="OUT.png",
         help="draw train and val loss: one colour per seed group, the mean over seeds and a "
-        "min-max band (without --run: the runs on the newest run's data and vocabulary)",
+        "95%% confidence band (without --run: the runs on the newest run's data and vocabulary)",
     )
     p.add_argument(
         "--x", choices=("tokens", "gpu_hours"), default="tokens", help="x axis of --plot"
@@ -558,7 +688,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         nargs=2,
         metavar=("A", "B"),
-        help="the config keys where runs A and B differ, beside their results",
+        help="the config keys where runs A and B differ, beside their results; when they are "
+        "seeds of two groups, also whether the groups differ beyond seed noise",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="GROUP",
+        help="compare every seed group with this one (its label as the table prints it, or "
+        "one of its runs): the difference, its 95%% interval and Welch's p-value",
     )
     p.add_argument(
         "--forecast",
@@ -824,11 +961,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.compare:
         print(compare_runs(found, *args.compare))
+        everyone = [summarize_run(n, d) for n, d in found]
+        pair = [g for g in seed_groups(everyone) if set(args.compare) & ({g.label} | set(g.runs))]
+        if len(pair) == 2:
+            for c in compare_groups(everyone, pair, baseline=pair[1].label):
+                print(f"\nseed groups: {c.sentence}")
         return 0
     selected = _select(found, args.run)
     now = time.time()
     summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
     groups = seed_groups(summaries)
+    comparisons = compare_groups(summaries, groups, args.baseline)
     want_forecast = args.forecast or args.target_loss is not None
     if args.target_loss is not None and not math.isfinite(args.target_loss):
         raise ReportError(f"--target-loss {args.target_loss}: give a finite loss, e.g. 1.5")
@@ -842,8 +985,12 @@ def main(argv: list[str] | None = None) -> int:
         plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx)
     if args.json:
         payload = {
-            "runs": [{k: v for k, v in asdict(s).items() if k != "group"} for s in summaries],
+            "runs": [
+                {k: v for k, v in asdict(s).items() if k not in ("group", "val_points")}
+                for s in summaries
+            ],
             "seed_groups": [asdict(g) for g in groups],
+            "comparisons": [asdict(c) for c in comparisons],
         }
         if want_forecast:
             payload["forecasts"] = {k: asdict(v) for k, v in run_fc.items()}
@@ -852,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
             payload["scaling"] = scaling_data
         print(json.dumps(payload, indent=2, default=str))
     else:
-        print(format_table(summaries, groups))
+        print(format_table(summaries, groups, comparisons))
         if want_forecast:
             ordered = {s.run: run_fc[s.run] for s in summaries}
             print(format_forecasts(ordered, group_fc, args.target_loss))

@@ -74,6 +74,8 @@ class RunSummary:
     seed: int | None = None
     resumes: int = 0
     rollbacks: int = 0  # loss spikes rolled back (``spike`` records with a restored step)
+    #: (tokens, val loss) of every validation, for comparisons at equal tokens (not in --json)
+    val_points: list[tuple[int, float]] = field(default_factory=list, repr=False)
     started: float | None = None
     updated: float | None = None
     run_dir: str = ""
@@ -311,6 +313,11 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
             key=lambda r: r["val_loss"],
             default=None,
         )
+        s.val_points = [
+            (int(r["tokens"]), float(r["val_loss"]))
+            for r in val
+            if isinstance(r.get("tokens"), int) and num(r.get("val_loss")) is not None
+        ]
         if best is not None:
             s.best_val_loss, s.best_val_step = float(best["val_loss"]), best.get("step")
             s.first_val_loss = num(next(r["val_loss"] for r in val if num(r.get("val_loss"))))

@@ -165,7 +165,9 @@ def test_seed_groups_mean_and_std(tmp_path: Path, capsys) -> None:
     assert group["label"] == "lr=0.003"  # what sets it apart from the other group
     _, table, _ = run_report(capsys, str(tmp_path))
     mean, std = statistics.fmean(finals.values()), statistics.stdev(finals.values())
-    assert f"lr=0.003: {mean:.4f} ± {std:.4f}  (n=3" in table
+    half = 4.302652729911275 * std / 3**0.5  # Student t, 2 degrees of freedom, 97.5%
+    assert f"lr=0.003: {mean:.4f} ± {half:.4f}  (n=3" in table
+    assert group["ci_val_loss"] == pytest.approx(half)
 
 
 def test_sort_and_select(tmp_path: Path, capsys) -> None:

@@ -1,0 +1,108 @@
+"""Seed groups with confidence intervals, and differences beyond seed noise, checked against
+hand computations (no scipy in the expected values)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nanolab.report import main
+from nanolab.stats import mean_ci, sentence, welch
+
+T_975_DF2 = 4.302652729911275  # Student t quantiles from a printed table
+T_975_DF4 = 2.7764451051977934
+
+
+def t_cdf_df4(t: float) -> float:
+    """Student's t CDF for 4 degrees of freedom, in closed form."""
+    u = t * t / 4
+    return 0.5 + (3 * t / (8 * math.sqrt(1 + u))) * (1 - u / (3 * (1 + u)))
+
+
+def test_interval_of_a_mean_by_hand() -> None:
+    ci = mean_ci([1.0, 1.2, 1.1])
+    assert ci.mean == pytest.approx(1.1)
+    assert ci.half_width == pytest.approx(T_975_DF2 * 0.1 / math.sqrt(3))
+    assert mean_ci([2.0]).half_width is None and "1 seed: no interval" in mean_ci([2.0]).text()
+
+
+def test_welch_by_hand() -> None:
+    """sd 0.1 in both groups of 3: se = sqrt(0.01/3 * 2), Welch's dof = 4, t = 0.3 / se."""
+    d = welch([1.0, 1.2, 1.1], [1.3, 1.5, 1.4])
+    se = math.sqrt(0.02 / 3)
+    assert d.difference == pytest.approx(-0.3)
+    assert d.dof == pytest.approx(4.0)
+    assert d.half_width == pytest.approx(T_975_DF4 * se)
+    assert d.p_value == pytest.approx(2 * (1 - t_cdf_df4(0.3 / se)), rel=1e-9)
+    assert d.significant
+    text = sentence("lr=0.003", "lr=0.001", d)
+    assert (
+        text
+        == "lr=0.003 is lower than lr=0.001 by 0.300 ± 0.227 val loss (3 seeds each, Welch p = 0.021)"
+    )
+
+
+def test_noise_says_so_and_how_many_seeds_would_tell() -> None:
+    """A difference of 0.02 with sd 0.1: not distinguishable; n = 2 (1.96 + 0.8416)^2 0.01 /
+    0.02^2 = 392.4 -> 393, plus one for the t tails."""
+    d = welch([1.0, 1.2, 1.1], [1.02, 1.22, 1.12])
+    assert not d.significant
+    assert d.seeds_needed == math.ceil(2 * (1.959964 + 0.841621) ** 2 * 0.01 / 0.02**2) + 1
+    assert "not distinguishable from seed noise at 3 seeds each" in sentence("a", "b", d)
+    assert f"about {d.seeds_needed} seeds each" in sentence("a", "b", d)
+
+
+def write_run(root: Path, name: str, lr: float, seed: int, vals: list[tuple[int, float]]) -> None:
+    """A finished run's log: start (config), validations (tokens, loss), end."""
+    run = root / name
+    run.mkdir(parents=True)
+    config = {"model": {"optimizer": {"lr": lr}}, "seed_everything": seed}
+    records = [{"event": "start", "time": 1.0, "step": 0, "seed": seed, "config": config}]
+    records += [
+        {"event": "val", "time": 2.0 + i, "step": i + 1, "tokens": t, "val_loss": v}
+        for i, (t, v) in enumerate(vals)
+    ]
+    records.append({"event": "end", "time": 99.0, "step": len(vals), "reason": "completed"})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_report_prints_the_difference_at_equal_tokens(tmp_path: Path, capsys) -> None:
+    """Two configs x 3 seeds; one seed of lr=0.001 ran twice as long (a lower loss at 2000
+    tokens that the others never reached): everything is compared at 1000 tokens."""
+    for seed, (fast, slow) in enumerate([(1.0, 1.3), (1.2, 1.5), (1.1, 1.4)]):
+        write_run(tmp_path, f"fast-s{seed}", 0.003, seed, [(500, 2.0), (1000, fast)])
+        longer = [(500, 2.1), (1000, slow)] + ([(2000, 0.5)] if seed == 0 else [])
+        write_run(tmp_path, f"slow-s{seed}", 0.001, seed, longer)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "lr=0.003: 1.1000 ± 0.2484" in out  # 4.3027 x 0.1 / sqrt(3)
+    assert "lr=0.003 is lower than lr=0.001 by 0.300 ± 0.227 val loss (3 seeds each" in out
+    assert main([str(tmp_path), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    (c,) = payload["comparisons"]
+    assert (c["a"], c["b"]) == ("lr=0.001", "lr=0.003")  # each against the lowest mean
+    assert c["difference"] == pytest.approx(0.3) and c["at_tokens"] == 1000
+    assert main([str(tmp_path), "--baseline", "lr=0.003"]) == 0
+    assert "lr=0.003 is lower than lr=0.001" in capsys.readouterr().out
+    assert main([str(tmp_path), "--baseline", "nope"]) == 2
+    assert "--baseline 'nope' is neither" in capsys.readouterr().err
+    assert main([str(tmp_path), "--compare", "fast-s0", "slow-s1"]) == 0
+    assert "seed groups: lr=0.003 is lower than lr=0.001 by 0.300" in capsys.readouterr().out
+
+
+def test_without_scipy_the_report_shows_the_spread_and_says_what_it_needs(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy -> ImportError
+    for seed, (fast, slow) in enumerate([(1.0, 1.3), (1.2, 1.5), (1.1, 1.4)]):
+        write_run(tmp_path, f"fast-s{seed}", 0.003, seed, [(1000, fast)])
+        write_run(tmp_path, f"slow-s{seed}", 0.001, seed, [(1000, slow)])
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "lr=0.003: 1.1000 ± 0.1000" in out  # the standard deviation
+    assert "pip install 'nanolab[stats]'" in out and "Welch" not in out
