@@ -22,6 +22,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "export": ("nanolab.export:main", "write a checkpoint as a Hugging Face GPT-2 folder"),
     "estimate": ("nanolab.estimator.cli:main", "predict memory, time and cost before a run"),
     "report": ("nanolab.report:main", "summarise runs from their metrics.jsonl logs"),
+    "status": (
+        "nanolab.queue.status:main",
+        "what is running, queued and finished (reads files only)",
+    ),
     "queue": ("nanolab.queue.cli:main", "queue experiments and run them one per GPU"),
     "bench": ("nanolab.bench:main", "nanolab vs a plain PyTorch loop, side by side"),
     "init": ("nanolab.scaffold:main", "write a starter project folder for a fork"),

@@ -303,3 +303,21 @@ def test_a_config_edited_after_add_is_not_run(
     assert f"config changed since queue add: {tiny.resolve()}" in jobs["edited"].detail
     assert not (tmp_path / "runs" / "edited").exists()  # never started
     assert jobs["kept"].status == "done", (out, err)
+
+
+def test_queue_run_notify_when_drained(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
+    """``queue run --notify`` fires once when the queue is drained, its fields filled in; an
+    unknown field is refused before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    db, told = tmp_path / "q.db", tmp_path / "told.txt"
+    recorder = (
+        f"{sys.executable} -c \"import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]))\""
+    )
+    assert queue(capsys, db, "add", str(tiny), "--name", "one")[0] == 0
+    code, _, err = queue(capsys, db, "run", "--notify", "echo {jobs}")
+    assert code == 2 and "--notify[0] names {jobs}" in err
+    code, _, err = queue(
+        capsys, db, "run", "--notify", f"{recorder} {told} {{reason}} {{done}} {{failed}}"
+    )
+    assert code == 0, err
+    assert told.read_text() == "drained 1 0"

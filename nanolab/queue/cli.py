@@ -316,6 +316,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.slots < 1:
         raise QueueError(f"--slots must be >= 1, got {args.slots}")
     gpus = parse_gpus(args.gpus)
+    from nanolab.notify import NotifyConfigError, check_targets
+    from nanolab.queue.runner import QUEUE_FIELDS
+
+    try:
+        check_targets(args.notify, QUEUE_FIELDS, "--notify")
+    except NotifyConfigError as err:
+        raise QueueError(str(err)) from None
     until = parse_until(args.until) if args.until else None
     device_mem = None
     if args.device_mem is not None:
@@ -337,7 +344,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = Runner(
         db, gpus=gpus, slots=args.slots, until=until, order=args.order, wait=args.wait,
         pack=args.pack, device_mem=device_mem, pack_margin=args.pack_margin,
-        compile_cache=not args.no_compile_cache,
+        compile_cache=not args.no_compile_cache, notify=list(args.notify),
     )  # fmt: skip
     return runner.run()
 
@@ -433,6 +440,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="device ids for one job each, e.g. 0,1,2,3, or 'all'; omit to run on CPU",
     )
     r.add_argument("--slots", type=int, default=1, help="jobs at once without --gpus (default 1)")
+    r.add_argument(
+        "--notify",
+        action="append",
+        default=[],
+        metavar="TARGET",
+        help="when the runner ends (queue drained or stopped): a command with {queue}, "
+        "{summary}, {reason}, {done}, {failed}, ... filled in, run without a shell, or an "
+        "apprise URL (repeatable; docs/queue.md)",
+    )
     r.add_argument(
         "--until",
         metavar="TIME",

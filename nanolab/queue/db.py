@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from nanolab.errors import NanolabError
 from nanolab.processes import pid_alive
@@ -191,6 +192,21 @@ def default_db_path() -> Path:
 
 class QueueDB:
     """A connection to the queue database; creates the schema on first use."""
+
+    @classmethod
+    def read_only(cls, path: str | os.PathLike[str]) -> QueueDB:
+        """A connection that only reads (SQLite ``mode=ro``): it creates nothing, changes no
+        journal mode and never holds a write lock, so the runner is never blocked."""
+        db = cls.__new__(cls)
+        db.path = Path(path)
+        uri = "file:" + quote(str(db.path.resolve())) + "?mode=ro"
+        try:
+            db.conn = sqlite3.connect(uri, uri=True, timeout=5.0, isolation_level=None)
+            db.conn.row_factory = sqlite3.Row
+            db.conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
+        except sqlite3.Error as err:
+            raise QueueError(unusable_db(db.path, f"cannot be read ({err})")) from None
+        return db
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path is not None else default_db_path()

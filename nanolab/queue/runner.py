@@ -129,6 +129,7 @@ class Runner:
     _wake_r: int | None = None
     _counts: dict[str, int] = field(default_factory=dict)
     _refused_start: bool = False  # a claimed job was not started (its config changed)
+    notify: list[str] = field(default_factory=list)  # targets told when the runner ends
     _capacity: list[int] = field(default_factory=list)
     _rules: Rules = field(default_factory=Rules)
     _drained_said: set[tuple[int, int]] = field(default_factory=set)
@@ -588,6 +589,21 @@ class Runner:
             text += (f"; job-to-job gap median {statistics.median(self.gaps) * 1000:.0f} ms, "
                      f"max {max(self.gaps) * 1000:.0f} ms over {len(self.gaps)}")  # fmt: skip
         self.say(text)
+        if self.notify:
+            from nanolab.notify import send
+
+            fields = {
+                "queue": str(self.db.path), "summary": counts, "waiting": left,
+                "reason": "stopped" if self._signals else "drained",
+                **{s: self._counts.get(s, 0) for s in ("done", "failed", "stopped", "preempted")},
+            }  # fmt: skip
+            send(
+                self.notify, fields, f"nanolab queue {fields['reason']}", f"{text} ({self.db.path})"
+            )
+
+
+#: What a ``queue run --notify`` command can fill in.
+QUEUE_FIELDS = ("queue", "summary", "waiting", "reason", "done", "failed", "stopped", "preempted")
 
 
 @dataclass

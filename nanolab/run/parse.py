@@ -91,6 +91,7 @@ def run_callbacks() -> dict[str, type]:
     )
     from nanolab.callbacks.divergence import DivergenceStop
     from nanolab.callbacks.downstream import DownstreamEval
+    from nanolab.callbacks.notify import Notifier
     from nanolab.callbacks.preemption import PreemptionHandler
     from nanolab.callbacks.spike import SpikeGuard
 
@@ -104,6 +105,7 @@ def run_callbacks() -> dict[str, type]:
         "divergence": DivergenceStop,
         "spike": SpikeGuard,
         "preemption": PreemptionHandler,
+        "notify": Notifier,  # last: the end record is written when it reads it
     }
 
 

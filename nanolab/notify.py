@@ -1,0 +1,107 @@
+"""Tell someone: a command of yours, or a notification service through apprise.
+
+A *target* is one string. With ``://`` in it, it is an `apprise <https://github.com/caronc/apprise>`_
+URL (``mailtos://user:pass@gmail.com``, ``slack://...``, ``ntfy://topic``, ``tgram://...``;
+``pip install 'nanolab[notify]'``). Otherwise it is a command line: split like a shell would
+split it (``shlex``), each word filled in with the event's fields (``{run}``, ``{reason}``,
+``{val_loss}``, ...; ``{{`` for a brace), and run **without a shell**: a field's value is one
+argument whatever it holds, so a run name cannot inject a command. Each target has 60 s.
+
+A target that fails (not found, non-zero exit, timeout, apprise missing or refusing) is one
+warning line on stderr and nothing else: a notification never stops or fails a run or a queue.
+"""
+
+from __future__ import annotations
+
+import shlex
+import string
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TIMEOUT_S = 60.0
+
+
+class NotifyConfigError(ValueError):
+    """A target that can never work (an unknown field, unbalanced quotes)."""
+
+
+def check_targets(targets: Sequence[str], fields: Sequence[str], where: str) -> None:
+    """Refuse, before any work, a target naming a field it will never get."""
+    for i, target in enumerate(targets):
+        if not isinstance(target, str) or not target.strip():
+            raise NotifyConfigError(f"{where}[{i}]: give a command line or an apprise URL")
+        if "://" in target:
+            continue
+        try:
+            words = shlex.split(target)
+        except ValueError as err:
+            raise NotifyConfigError(f"{where}[{i}] {target!r}: {err}") from None
+        for word in words:
+            try:
+                names = [n for _, n, _, _ in string.Formatter().parse(word) if n is not None]
+            except ValueError as err:
+                raise NotifyConfigError(f"{where}[{i}] {target!r}: {err}") from None
+            unknown = [n for n in names if n not in fields]
+            if unknown:
+                raise NotifyConfigError(
+                    f"{where}[{i}] names {{{unknown[0]}}}, which is not a field; use "
+                    + ", ".join(f"{{{f}}}" for f in fields)
+                )
+
+
+def send(targets: Sequence[str], fields: Mapping[str, Any], title: str, body: str) -> list[str]:
+    """Notify every target; returns the warnings (also printed), one per failed target."""
+    values = {k: "" if v is None else str(v) for k, v in fields.items()}
+    warnings = []
+    for target in targets:
+        problem = _apprise(target, title, body) if "://" in target else _command(target, values)
+        if problem:
+            warnings.append(f"nanolab: warning: notify {_shown(target)} failed ({problem}); "
+                            "nothing else is affected")  # fmt: skip
+            print(warnings[-1], file=sys.stderr, flush=True)
+    return warnings
+
+
+def _shown(target: str) -> str:
+    """The target without what may be a secret (an apprise URL's credentials)."""
+    if "://" in target:
+        scheme, rest = target.split("://", 1)
+        return f"{scheme}://{rest.split('@')[-1].split('/')[0]}/..."
+    return repr(target if len(target) < 60 else target[:57] + "...")
+
+
+def _command(template: str, values: Mapping[str, str]) -> str | None:
+    try:
+        argv = [word.format_map(values) for word in shlex.split(template)]
+    except (KeyError, ValueError, IndexError) as err:
+        return f"cannot fill in {template!r}: {err}"
+    try:
+        done = subprocess.run(
+            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except FileNotFoundError:
+        return f"no such command: {argv[0]}"
+    except subprocess.TimeoutExpired:
+        return f"still running after {TIMEOUT_S:.0f} s; stopped"
+    except OSError as err:
+        return f"{argv[0]}: {err.strerror or err}"
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout or "").strip().splitlines()
+        return f"exit {done.returncode}" + (f": {last[-1][:120]}" if last else "")
+    return None
+
+
+def _apprise(url: str, title: str, body: str) -> str | None:
+    try:
+        import apprise
+    except ImportError:
+        return "apprise is not installed: pip install 'nanolab[notify]'"
+    try:
+        sender = apprise.Apprise()
+        if not sender.add(url):
+            return "apprise does not understand this URL"
+        return None if sender.notify(title=title, body=body) else "apprise could not deliver it"
+    except Exception as err:  # a third-party service: never let it reach the run
+        return f"{type(err).__name__}: {err}"

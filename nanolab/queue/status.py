@@ -1,0 +1,282 @@
+"""``nanolab status``: one screen for a run root and its queue, from another shell.
+
+What is running (step of max, loss, val, tokens/s, device memory and utilisation, the ETA from
+its measured step time, how long since its last log line; a run silent for much longer than its
+steps take is flagged *stalled*), what is queued (when it would start and end if the queue runs
+one job at a time in its order), and what ended (its end reason and best validation loss).
+
+It only reads: each run's ``metrics.jsonl`` (as ``report`` does) and the queue database opened
+read-only (SQLite ``mode=ro``: it never locks a run or blocks the runner). A job's time is one
+account everywhere: the run log's elapsed time over every attempt, the same figure ``report``
+prints (the queue's own counter only for a job that never logged). ``--json`` prints the same
+as data; ``--watch N`` redraws every N seconds until Ctrl-C. Plain text, no colours: it reads
+the same over SSH, in ``watch``, or piped into a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from nanolab.errors import NanolabError, one_line_errors
+from nanolab.helpfmt import OneLineParser
+from nanolab.runlog import RUN_LOG_NAME
+from nanolab.runs import (
+    RunSummary,
+    discover_runs,
+    duration,
+    num,
+    read_run,
+    recent_mean,
+    summarize_run,
+)
+
+#: A running run is *stalled* when its last log line is older than this many step times (and
+#: at least STALL_MIN_S): a hung collective, a dead data loader, a full disk in a retry loop.
+STALL_FACTOR = 20
+STALL_MIN_S = 120.0
+
+
+class StatusError(NanolabError):
+    """A folder or queue that cannot be read; the message names it."""
+
+
+@dataclass
+class RunLine:
+    """One run as the screen shows it."""
+
+    run: str
+    status: str
+    step: int | None = None
+    max_steps: int | None = None
+    train_loss: float | None = None
+    val_loss: float | None = None
+    best_val_loss: float | None = None
+    tokens_per_s: float | None = None
+    mem_bytes: int | None = None
+    gpu_util: float | None = None
+    eta_s: float | None = None
+    since_s: float | None = None  # seconds since the last log line
+    stalled: bool = False
+    wall_s: float | None = None
+    detail: str | None = None
+    run_dir: str = ""
+
+
+@dataclass
+class JobLine:
+    """One queued job: when it would start and end if run one at a time in queue order."""
+
+    id: int
+    name: str
+    status: str
+    needs_s: float | None
+    start_in_s: float | None
+    end_in_s: float | None
+    ran_s: float | None = None
+    tries: int = 0
+
+
+@dataclass
+class Screen:
+    time: float
+    running: list[RunLine] = field(default_factory=list)
+    queued: list[JobLine] = field(default_factory=list)
+    ended: list[RunLine] = field(default_factory=list)
+    queue: str | None = None
+
+
+def run_line(name: str, run_dir: Path, now: float) -> RunLine:
+    """The screen's line of one run, from its log."""
+    s: RunSummary = summarize_run(name, run_dir, now)
+    records = read_run(run_dir)[0]
+    train = [r for r in records if r.get("event") == "train"]
+    last = train[-1] if train else {}
+    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    config = start.get("config") if isinstance(start.get("config"), dict) else {}
+    max_steps = num((config.get("trainer") or {}).get("max_steps"))
+    line = RunLine(
+        run=name,
+        status=s.status,
+        step=s.steps,
+        max_steps=int(max_steps) if max_steps and max_steps > 0 else None,
+        train_loss=s.train_loss,
+        val_loss=s.final_val_loss,
+        best_val_loss=s.best_val_loss,
+        tokens_per_s=s.tokens_per_s,
+        mem_bytes=int(v) if (v := num(last.get("mem_allocated_bytes"))) is not None else None,
+        gpu_util=num(last.get("gpu_util")),
+        since_s=None if s.updated is None else max(0.0, now - s.updated),
+        wall_s=s.wall_s,
+        detail=s.detail,
+        run_dir=str(run_dir),
+    )
+    step_time = recent_mean(train, "step_time_s", n=20)
+    if s.status == "running" and line.step is not None and line.max_steps and step_time:
+        line.eta_s = max(0, line.max_steps - line.step) * step_time
+    if s.status == "running" and line.since_s is not None:
+        limit = max(STALL_MIN_S, STALL_FACTOR * (step_time or 0.0))
+        line.stalled = line.since_s > limit
+    return line
+
+
+def queue_lines(db_path: Path, now: float, walls: dict[str, float | None]) -> list[JobLine]:
+    """Pending, preempted and running jobs of the queue at ``db_path``, read-only."""
+    from nanolab.queue.db import QueueDB, QueueError
+    from nanolab.queue.predict import remaining_seconds
+
+    try:
+        db = QueueDB.read_only(db_path)
+    except QueueError as err:
+        raise StatusError(str(err)) from None
+    try:
+        jobs = db.jobs(("running", "pending", "preempted"))
+        out: list[JobLine] = []
+        clock = 0.0  # one job at a time, in queue order: the running ones first
+        for job in sorted(jobs, key=lambda j: (j.status != "running", j.id)):
+            left, _ = remaining_seconds(db, job)
+            ran = walls.get(Path(job.run_dir).name)
+            if ran is None:
+                ran = job.run_seconds + (
+                    now - job.last_started if job.status == "running" and job.last_started else 0
+                )
+            start = 0.0 if job.status == "running" else clock
+            end = None if left is None else start + left
+            out.append(JobLine(job.id, job.name, job.status, left, start, end, ran, job.attempts))
+            clock = end if end is not None else clock
+        return out
+    finally:
+        db.conn.close()
+
+
+def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -> Screen:
+    now = time.time() if now is None else now
+    screen = Screen(time=now, queue=str(db_path) if db_path is not None else None)
+    found = [(n, d) for n, d in discover_runs(roots)] if any(r.exists() for r in roots) else []
+    for name, run_dir in found:
+        line = run_line(name, run_dir, now)
+        (screen.running if line.status == "running" else screen.ended).append(line)
+    if db_path is not None:
+        walls = {Path(line.run_dir).name: line.wall_s for line in screen.running + screen.ended}
+        screen.queued = [j for j in queue_lines(db_path, now, walls) if j.status != "running"]
+    screen.ended.sort(key=lambda r: r.run)
+    return screen
+
+
+# -- the screen --------------------------------------------------------------------------------
+def _f(value: float | None, fmt: str = ".4f") -> str:
+    return "-" if value is None else f"{value:{fmt}}"
+
+
+def _si(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [headers, *rows]
+    ]
+
+
+def render(screen: Screen, roots: list[Path]) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(screen.time))
+    where = ", ".join(str(r) for r in roots) + (f" + queue {screen.queue}" if screen.queue else "")
+    out = [f"nanolab status  {where}  {stamp}"]
+    out.append(f"\nrunning ({len(screen.running)})")
+    if screen.running:
+        rows = []
+        for r in screen.running:
+            progress = "-" if r.step is None else str(r.step)
+            if r.max_steps:
+                progress += f"/{r.max_steps} ({(r.step or 0) / r.max_steps:.0%})"
+            mem = "-" if r.mem_bytes is None else f"{r.mem_bytes / 2**30:.1f}G"
+            util = "-" if r.gpu_util is None else f"{r.gpu_util:.0f}%"
+            since = duration(r.since_s) + " ago" + ("  STALLED" if r.stalled else "")
+            rows.append([r.run, progress, _f(r.train_loss), _f(r.val_loss), _si(r.tokens_per_s),
+                         mem, util, duration(r.eta_s), since])  # fmt: skip
+        out += _table(
+            ["run", "step", "loss", "val", "tok/s", "mem", "util", "ETA", "last line"], rows
+        )
+    if screen.queue is not None:
+        out.append(f"\nqueued ({len(screen.queued)}; start/end if run one at a time in order)")
+        if screen.queued:
+            rows = [
+                [str(j.id), j.name, j.status, duration(j.needs_s),
+                 "in " + duration(j.start_in_s), "in " + duration(j.end_in_s),
+                 duration(j.ran_s) if j.ran_s else "-"]
+                for j in screen.queued
+            ]  # fmt: skip
+            out += _table(["id", "job", "status", "needs", "starts", "ends", "ran"], rows)
+    out.append(f"\nended ({len(screen.ended)})")
+    if screen.ended:
+        rows = [
+            [r.run, r.status + (f": {r.detail.splitlines()[-1][:50]}" if r.detail else ""),
+             "-" if r.step is None else str(r.step), _f(r.best_val_loss), _f(r.val_loss),
+             duration(r.wall_s)]
+            for r in screen.ended
+        ]  # fmt: skip
+        out += _table(["run", "end", "steps", "best val", "final val", "wall"], rows)
+    return "\n".join(out)
+
+
+def default_db(given: Path | None) -> Path | None:
+    """``--db``, else ``$NANOLAB_QUEUE_DB`` or ``nanolab_queue.db`` when that file exists."""
+    from nanolab.queue.db import default_db_path
+
+    if given is not None:
+        if not given.is_file():
+            raise StatusError(f"--db {given}: no such queue database file")
+        return given
+    path = default_db_path()
+    return path if path.is_file() else None
+
+
+@one_line_errors("nanolab status")
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(
+        prog="nanolab status",
+        description="What is running, queued and finished under a run root and its queue "
+        "(reads files only).",
+    )
+    parser.add_argument("roots", nargs="*", type=Path, metavar="RUNS_DIR",
+                        help="folders holding runs (default: runs)")  # fmt: skip
+    parser.add_argument("--db", type=Path, help="the queue database (default: nanolab_queue.db "
+                        "or $NANOLAB_QUEUE_DB, when it exists)")  # fmt: skip
+    parser.add_argument("--watch", type=float, metavar="SECONDS",
+                        help="redraw every SECONDS until Ctrl-C")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the screen as JSON")
+    args = parser.parse_args(argv)
+    roots = args.roots or [Path("runs")]
+    if args.watch is not None and not args.watch > 0:
+        raise StatusError(f"--watch {args.watch}: give a number of seconds > 0")
+    db = default_db(args.db)
+    if not any(r.exists() for r in roots) and db is None:
+        raise StatusError(
+            f"no runs under {', '.join(map(str, roots))} (no {RUN_LOG_NAME}) and no queue "
+            "database; runs appear there once `nanolab fit` has started"
+        )
+    while True:
+        screen = collect(roots, db)
+        text = json.dumps(asdict(screen), indent=2) if args.json else render(screen, roots)
+        if args.watch is not None and sys.stdout.isatty():
+            print("\x1b[2J\x1b[H", end="")  # clear the terminal and go home
+        print(text, flush=True)
+        if args.watch is None:
+            return 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+        if not sys.stdout.isatty():
+            print(os.linesep + "-" * 40)

@@ -1,0 +1,96 @@
+"""Notifications: a command target filled in without a shell, an apprise URL delivered to a
+local endpoint, results.log, and failures that never touch the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+
+from nanolab.notify import NotifyConfigError, check_targets, send
+
+#: A command that writes its arguments, one per line, to the file named first.
+RECORDER = f"{sys.executable} -c \"import sys; open(sys.argv[1], 'a').write('\\\\n'.join(sys.argv[2:]) + '\\\\n')\""
+
+
+def test_fields_fill_arguments_and_never_reach_a_shell(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    hostile = "x; touch pwned $(touch pwned2)"
+    assert (
+        send(
+            [f"{RECORDER} {out} {{run}} reason={{reason}}"],
+            {"run": hostile, "reason": "completed"},
+            "t",
+            "b",
+        )
+        == []
+    )
+    assert out.read_text().splitlines() == [hostile, "reason=completed"]
+    assert not (tmp_path / "pwned").exists() and not list(Path.cwd().glob("pwned*"))
+
+
+def test_a_failing_target_is_a_warning(tmp_path: Path, capsys) -> None:
+    warnings = send(["false", "no-such-command-here x", "nope://host"], {}, "t", "b")
+    assert len(warnings) == 3
+    err = capsys.readouterr().err
+    assert "notify 'false' failed (exit 1)" in err and "no such command" in err
+
+
+def test_unknown_fields_are_refused_before_anything_runs() -> None:
+    check_targets(["echo {run} {reason}", "ntfy://topic"], ("run", "reason"), "notify.targets")
+    with pytest.raises(NotifyConfigError, match=r"notify.targets\[0\] names \{runn\}"):
+        check_targets(["echo {runn}"], ("run",), "notify.targets")
+    with pytest.raises(NotifyConfigError, match="No closing quotation"):
+        check_targets(['echo "open'], ("run",), "notify.targets")
+
+
+def test_an_apprise_url_is_delivered(tmp_path: Path) -> None:
+    """apprise's json:// target posts to a local HTTP endpoint (nothing leaves the machine)."""
+    pytest.importorskip("apprise")
+    got: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"json://127.0.0.1:{server.server_port}/"
+        assert send([url], {"run": "r"}, "nanolab: r completed", "the body") == []
+    finally:
+        server.shutdown()
+    assert got and got[0]["title"] == "nanolab: r completed" and got[0]["message"] == "the body"
+
+
+def test_a_run_end_writes_results_log_and_fires_the_targets(tmp_path: Path, char_dataset: Path):
+    out = tmp_path / "told.txt"
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["notify"] = {
+        "targets": [f"{RECORDER} {out} {{run}} {{reason}} {{step}} {{val_loss}}", "false"]
+    }
+    path = write_config(tmp_path / "t.yaml", cfg)
+    proc = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run, reason, step, val = out.read_text().splitlines()
+    assert (run, reason, step) == ("tiny", "completed", "6") and float(val) > 0
+    assert "notify 'false' failed (exit 1)" in proc.stderr  # and the run still exited 0
+    (line,) = (tmp_path / "runs" / "results.log").read_text().splitlines()
+    result = json.loads(line)
+    assert result["run"] == "tiny" and result["reason"] == "completed" and result["step"] == 6
+    bad = run_nanolab(
+        "fit", "--config", str(QUICKSTART), "--config", str(path),
+        "--notify.targets", '["echo {nope}"]', "--run.name", "other", cwd=tmp_path,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "notify.targets[0] names {nope}" in bad.stderr

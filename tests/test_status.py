@@ -1,0 +1,76 @@
+"""``nanolab status``: running, stalled, ended and queued on one screen, from files only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from nanolab.queue.db import NewJob, QueueDB
+from nanolab.queue.status import main
+
+
+def write_log(run: Path, records: list[dict]) -> None:
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def training(name: str, last_time: float, steps: int, end: dict | None = None) -> list[dict]:
+    """A run of ``max_steps`` 100 at 0.5 s a step whose last line was written at ``last_time``."""
+    start = {"event": "start", "time": last_time - steps, "step": 0, "run_name": name,
+             "config": {"trainer": {"max_steps": 100}}}  # fmt: skip
+    train = [
+        {"event": "train", "time": last_time - (steps - i) * 0.5, "step": i, "loss": 3.0 - i / 100,
+         "tokens": 1000 * i, "tokens_per_s": 2000.0, "step_time_s": 0.5,
+         "mem_allocated_bytes": 3 * 2**30, "gpu_util": 87.0}
+        for i in range(1, steps + 1)
+    ]  # fmt: skip
+    val = [{"event": "val", "time": last_time, "step": steps, "tokens": 1000 * steps,
+            "val_loss": 2.5}]  # fmt: skip
+    return [start, *train, *val, *([end] if end else [])]
+
+
+def test_one_screen_of_runs_and_queue(tmp_path: Path, capsys) -> None:
+    now = time.time()
+    runs = tmp_path / "runs"
+    write_log(runs / "live", training("live", now - 2, 40))
+    write_log(runs / "hung", training("hung", now - 300, 10))  # 5 min silent, 0.5 s steps
+    done = {"event": "end", "time": now - 100, "step": 100, "reason": "completed",
+            "elapsed_s": 61.0}  # fmt: skip
+    write_log(runs / "old", training("old", now - 100, 100, done))
+    db = tmp_path / "q.db"
+    queue = QueueDB(db)
+    queue.add_jobs([
+        NewJob(name=n, config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+               run_dir=str(runs / n), estimate_s=s, max_steps=100)
+        for n, s in (("next", 600.0), ("after", 300.0))
+    ])  # fmt: skip
+    queue.conn.close()
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+
+    assert main([str(runs), "--db", str(db), "--json"]) == 0
+    screen = json.loads(capsys.readouterr().out)
+    live, hung = sorted(screen["running"], key=lambda r: r["run"])[::-1]
+    assert (live["run"], live["step"], live["max_steps"]) == ("live", 40, 100)
+    assert live["eta_s"] == 30.0 and not live["stalled"]  # 60 steps x 0.5 s
+    assert hung["run"] == "hung" and hung["stalled"]
+    (old,) = screen["ended"]
+    assert old["status"] == "completed" and old["best_val_loss"] == 2.5 and old["wall_s"] == 61.0
+    nxt, after = screen["queued"]
+    assert (nxt["name"], nxt["start_in_s"], nxt["end_in_s"]) == ("next", 0.0, 600.0)
+    assert (after["start_in_s"], after["end_in_s"]) == (600.0, 900.0)
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before  # read only
+
+    assert main([str(runs), "--db", str(db)]) == 0
+    text = capsys.readouterr().out
+    assert "live" in text and "40/100 (40%)" in text and "3.0G" in text and "87%" in text
+    assert "STALLED" in text and "in 10m00s" in text
+
+
+def test_nothing_to_show_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main([str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no runs under" in err
+    assert main(["--watch", "0"]) == 2
