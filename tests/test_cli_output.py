@@ -105,3 +105,19 @@ def test_prepare_and_generate_help_show_defaults_and_meanings(verb, expected, ca
     for text in expected:
         assert text in out, text
     assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_fit_ends_with_a_short_end_block(tmp_path, char_dataset) -> None:
+    """Under its last progress line, fit says how it ended, the val numbers, the wall time and
+    goodput, the checkpoint, and what to run next."""
+    from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    proc = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tail = proc.stdout.strip().splitlines()[-5:]
+    assert tail[0].startswith("nanolab fit: ") and tail[0].endswith("runs/tiny completed at step 6")
+    assert tail[1].startswith("  val loss ") and "at step 6 (best " in tail[1]
+    assert "of wall time, goodput " in tail[2]
+    assert tail[3] == f"  checkpoint {tmp_path / 'runs' / 'tiny' / 'checkpoints' / 'last.ckpt'}"
+    assert tail[4].startswith("  next: nanolab generate --ckpt ")

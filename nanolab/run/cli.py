@@ -64,6 +64,8 @@ def run_lightning_cli(argv: list[str]) -> int:
         argv = [*argv, "--run.resume", "auto", "--ckpt_path", "last"]
         if from_command_line:
             sys.argv[1:] = argv
+    if argv[0] == "fit" and trainer.is_global_zero:
+        print(end_block(trainer), flush=True)
     from nanolab.callbacks.divergence import EXIT_DIVERGED, diverged
 
     stopped = diverged(trainer)
@@ -79,6 +81,47 @@ def run_lightning_cli(argv: list[str]) -> int:
             file=sys.stderr,
         )
     return EXIT_DIVERGED
+
+
+def end_block(trainer: object) -> str:
+    """How the fit ended, in a few lines under its last progress line: the reason, the
+    validation (and task) numbers, the checkpoint, time and goodput, and what to run next."""
+    from nanolab.runlog import RUN_LOG_NAME, last_record
+    from nanolab.runs import duration
+
+    run_dir = Path(trainer.default_root_dir)  # type: ignore[attr-defined]
+    log = run_dir / RUN_LOG_NAME
+    end = last_record(log, where=lambda r: r.get("event") == "end") or {}
+    val = last_record(log, where=lambda r: r.get("event") == "val") or {}
+    tasks = last_record(log, where=lambda r: r.get("event") == "tasks") or {}
+    reason = end.get("reason", "ended")
+    lines = [f"nanolab fit: {run_dir} {reason} at step {end.get('step', '?')}"
+             + (f" ({end['detail']})" if end.get("detail") else "")]  # fmt: skip
+    if val:
+        best = end.get("best_val_loss")
+        lines.append(
+            f"  val loss {val.get('val_loss', float('nan')):.4f} at step {val.get('step')}"
+            + (f" (best {best:.4f})" if isinstance(best, int | float) else "")
+            + (f", bpb {val['val_bpb']:.4f}" if isinstance(val.get("val_bpb"), int | float) else "")
+        )
+    scores = [f"{k.split('/')[1]} {v:.3f}" for k, v in tasks.items()
+              if k.startswith("tasks/") and k.endswith("/score") and isinstance(v, int | float)]  # fmt: skip
+    if scores:
+        lines.append(f"  tasks at step {tasks.get('step')}: " + ", ".join(scores))
+    wall = end.get("elapsed_s")
+    goodput = end.get("goodput")
+    lines.append(
+        f"  {duration(wall) if isinstance(wall, int | float) else '-'} of wall time"
+        + (f", goodput {goodput:.2f}" if isinstance(goodput, int | float) else "")
+    )
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if last.exists():
+        lines.append(f"  checkpoint {last}")
+        lines.append(
+            f"  next: nanolab generate --ckpt {last} --prompt '...'   |   "
+            f"nanolab report {run_dir.parent}"
+        )
+    return "\n".join(lines)
 
 
 def rollback_detail(trainer: object) -> str:
