@@ -165,7 +165,7 @@ def fit_argv(config: Path, root: Path) -> list[str]:
 
 def assert_disk_full_reported(res: subprocess.CompletedProcess, run_dir: Path) -> None:
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.returncode == 74, res.stderr[-3000:]  # EXIT_DISK_FULL
     errors = [ln for ln in res.stderr.splitlines() if ": error: " in ln]
     assert len(errors) == 1, res.stderr[-3000:]
     line = errors[0]
