@@ -179,6 +179,17 @@ PLANS: dict[str, dict[str, str]] = {
         "--backfill": RUN,
         "nanolab queue run --gpus 0,1 --until 08:00": QUEUE_GPUS,
         "nanolab report runs/ --forecast": RUN,
+        "nanolab queue add configs/quickstart.yaml --name qs-lr1e-3 --seeds 1,2,3 "
+        "--set model.optimizer.lr=1e-3 --set trainer.max_steps=100 --set downstream.suite=null": (
+            elsewhere("test_docs_commands.py::test_queue_md_morning")
+        ),
+        "nanolab queue add configs/quickstart.yaml --name qs-lr3e-3 --seeds 1,2,3 "
+        "--set model.optimizer.lr=3e-3 --set trainer.max_steps=100 --set downstream.suite=null": (
+            elsewhere("test_docs_commands.py::test_queue_md_morning")
+        ),
+        'nanolab queue run --notify "./tell.sh queue {reason}: {summary}"': elsewhere(
+            "test_docs_commands.py::test_queue_md_morning"
+        ),
         "nanolab report runs/ --target-loss 1.5 --plot loss.png": RUN,
     },
     "resume.md": {
@@ -558,6 +569,38 @@ def test_queue_md_night(work: Path, capsys, monkeypatch) -> None:
     assert (work / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # six tiny 100-step jobs in processes of their own: ~1 min on 2 cores
+def test_queue_md_morning(work: Path, capsys, monkeypatch) -> None:
+    """docs/queue.md's night in small as written (the tiny model given last): two adds of 3
+    seeds, the queue run with its --notify, then the morning's status and report."""
+    import subprocess
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (work / "tell.sh").write_text('#!/bin/sh\necho "$(date +%H:%M:%S) $*" >> night.log\n')
+    (work / "tell.sh").chmod(0o755)
+    page = commands("queue.md")
+    adds = [c for c in page if c.startswith("nanolab queue add") and "qs-lr" in c]
+    (run,) = [c for c in page if c.startswith("nanolab queue run --notify")]
+    assert len(adds) == 2
+    for add in adds:
+        argv = nanolab_argv(add)
+        argv.insert(argv.index("configs/quickstart.yaml") + 1, "tiny.yaml")
+        code, _, err = nanolab(capsys, argv)
+        assert code == 0, err[-2000:]
+    done = subprocess.run(
+        [sys.executable, "-m", "nanolab", *nanolab_argv(run)], cwd=work, capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (work / "night.log").read_text().split(" ", 1)[1] == "queue drained: 6 done\n"
+    code, out, _ = nanolab(capsys, ["status"])
+    assert code == 0 and "ended (6)" in out and "queued (0;" in out, out
+    code, out, _ = nanolab(capsys, ["report", "runs/"])
+    assert code == 0 and "differences (Welch's t-test over seeds" in out, out
+    assert ("is lower than" in out) or ("not distinguishable from seed noise" in out)
+    assert len((work / "runs" / "results.log").read_text().splitlines()) == 6
+
+
 def test_callbacks_md_queries(work: Path, capsys) -> None:
     """docs/callbacks.md's metrics.jsonl queries (grep/jq, no nanolab command), on a real run of
     the quickstart (tiny model, 50 steps so the every-50-steps query has a row): each prints,
@@ -619,10 +662,8 @@ TRANSCRIPTS: dict[str, dict[str, tuple[str, str | None]]] = {
         "nanolab queue add configs/quickstart.yaml --set model.gpt.n_head=5": (RUN, None),
         "nanolab queue ls": (RECORDED, None),
         "nanolab report runs/ --plot docs/queue-report.png": (RECORDED, None),
-        "nanolab report runs/ --compare quickstart-lr1e-3-s2 quickstart-lr3e-3-s3": (
-            RECORDED,
-            None,
-        ),
+        "nanolab report runs/ --compare qs-lr1e-3-s2 qs-lr3e-3-s3": (RECORDED, None),
+        "nanolab status": (RECORDED, None),
     },
     "tool-errors.md": {
         "nanolab fit --config tiny.yaml --run.root /tmp/mnttest --run.name full "

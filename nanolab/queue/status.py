@@ -124,8 +124,11 @@ def run_line(name: str, run_dir: Path, now: float) -> RunLine:
     return line
 
 
-def queue_lines(db_path: Path, now: float, walls: dict[str, float | None]) -> list[JobLine]:
-    """Pending, preempted and running jobs of the queue at ``db_path``, read-only."""
+def queue_lines(
+    db_path: Path, now: float, walls: dict[str, float | None], etas: dict[str, float | None]
+) -> list[JobLine]:
+    """Pending, preempted and running jobs of the queue at ``db_path``, read-only. A running
+    job's time left is its run's ETA (its measured step time) where the log has one."""
     from nanolab.queue.db import QueueDB, QueueError
     from nanolab.queue.predict import remaining_seconds
 
@@ -139,7 +142,10 @@ def queue_lines(db_path: Path, now: float, walls: dict[str, float | None]) -> li
         clock = 0.0  # one job at a time, in queue order: the running ones first
         for job in sorted(jobs, key=lambda j: (j.status != "running", j.id)):
             left, _ = remaining_seconds(db, job)
-            ran = walls.get(Path(job.run_dir).name)
+            name = Path(job.run_dir).name
+            if job.status == "running" and etas.get(name) is not None:
+                left = etas[name]
+            ran = walls.get(name)
             if ran is None:
                 ran = job.run_seconds + (
                     now - job.last_started if job.status == "running" and job.last_started else 0
@@ -161,8 +167,10 @@ def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -
         line = run_line(name, run_dir, now)
         (screen.running if line.status == "running" else screen.ended).append(line)
     if db_path is not None:
-        walls = {Path(line.run_dir).name: line.wall_s for line in screen.running + screen.ended}
-        screen.queued = [j for j in queue_lines(db_path, now, walls) if j.status != "running"]
+        lines = screen.running + screen.ended
+        walls = {Path(line.run_dir).name: line.wall_s for line in lines}
+        etas = {Path(line.run_dir).name: line.eta_s for line in screen.running}
+        screen.queued = [j for j in queue_lines(db_path, now, walls, etas) if j.status != "running"]
     screen.ended.sort(key=lambda r: r.run)
     return screen
 
