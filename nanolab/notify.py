@@ -20,10 +20,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nanolab.errors import NanolabError
+
 TIMEOUT_S = 60.0
 
 
-class NotifyConfigError(ValueError):
+class NotifyConfigError(NanolabError):
     """A target that can never work (an unknown field, unbalanced quotes)."""
 
 

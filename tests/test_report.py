@@ -318,9 +318,12 @@ def test_plot_one_colour_per_group_mean_and_band_on_the_newest_runs_data(tmp_pat
     assert [(d["label"], d["runs"]) for d in drawn] == [
         ("lr=0.003", ["a-s1", "a-s2", "a-s3"]), ("lr=0.001", ["b-s1"])]  # fmt: skip
     assert len({d["color"] for d in drawn}) == 2
-    # the val band of group a at step 4 (4000 tokens): mean and min-max over its three seeds
+    # the val band of group a at step 4 (4000 tokens): mean and its 95% interval over its three
+    # seeds (2.0, 2.4, 2.2: sd 0.2; Student t at 2 degrees of freedom, 4.3027)
     x, mean, lo, hi = drawn[0]["val_band"][-1]
-    assert (x, lo, hi) == (4000, 2.0, 2.4) and mean == pytest.approx(2.2)
+    half = 4.302652729911275 * 0.2 / 3**0.5
+    assert x == 4000 and mean == pytest.approx(2.2)
+    assert (lo, hi) == (pytest.approx(2.2 - half), pytest.approx(2.2 + half))
     code, out, _ = run_report(capsys, str(tmp_path), "--plot", str(tmp_path / "q.png"), "--logx")
     assert code == 0 and (tmp_path / "q.png").stat().st_size > 10_000
     assert "4 runs on the newest run's data; 1 on other data left out" in out

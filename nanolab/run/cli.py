@@ -65,7 +65,10 @@ def run_lightning_cli(argv: list[str]) -> int:
         if from_command_line:
             sys.argv[1:] = argv
     if argv[0] == "fit" and trainer.is_global_zero:
-        print(end_block(trainer), flush=True)
+        try:
+            print(end_block(trainer), flush=True)
+        except Exception as err:  # a summary must never change how the run ended
+            print(f"nanolab fit: (no end summary: {type(err).__name__}: {err})", flush=True)
     from nanolab.callbacks.divergence import EXIT_DIVERGED, diverged
 
     stopped = diverged(trainer)
@@ -98,11 +101,15 @@ def end_block(trainer: object) -> str:
     lines = [f"nanolab fit: {run_dir} {reason} at step {end.get('step', '?')}"
              + (f" ({end['detail']})" if end.get("detail") else "")]  # fmt: skip
     if val:
-        best = end.get("best_val_loss")
+        best, loss, bpb = end.get("best_val_loss"), val.get("val_loss"), val.get("val_bpb")
+
+        def number(x: object) -> str:
+            return f"{x:.4f}" if isinstance(x, int | float) else "nan"
+
         lines.append(
-            f"  val loss {val.get('val_loss', float('nan')):.4f} at step {val.get('step')}"
-            + (f" (best {best:.4f})" if isinstance(best, int | float) else "")
-            + (f", bpb {val['val_bpb']:.4f}" if isinstance(val.get("val_bpb"), int | float) else "")
+            f"  val loss {number(loss)} at step {val.get('step')}"
+            + (f" (best {number(best)})" if isinstance(best, int | float) else "")
+            + (f", bpb {number(bpb)}" if isinstance(bpb, int | float) else "")
         )
     scores = [f"{k.split('/')[1]} {v:.3f}" for k, v in tasks.items()
               if k.startswith("tasks/") and k.endswith("/score") and isinstance(v, int | float)]  # fmt: skip
