@@ -45,20 +45,24 @@ from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (  # noqa: F401  (read_run, summarize_run, ...: public here too)
     DELTA_WINDOW,
     NUMBER_FIELDS,
+    RESULTS_LOG,
     SEED_KEYS,
     STALE_AFTER_S,
     TEXT_FIELDS,
     RunsError,
     RunSummary,
+    append_result,
     config_of,
     discover_runs,
     duration,
+    indexed_runs,
     last_by_step,
     last_value,
     num,
     read_run,
     recent_mean,
     record_problem,
+    result_fields,
     seed_free_fingerprint,
     summarize_run,
     train_delta,
@@ -692,6 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
         "seeds of two groups, also whether the groups differ beyond seed noise",
     )
     p.add_argument(
+        "--index",
+        action="store_true",
+        help="add the ended runs that <RUNS_DIR>/results.log lacks (runs that ended before it "
+        "was kept, or elsewhere), one JSON line each; nothing in it is rewritten",
+    )
+    p.add_argument(
         "--baseline",
         metavar="GROUP",
         help="compare every seed group with this one (its label as the table prints it, or "
@@ -854,6 +864,30 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
     return "\n".join(out)
 
 
+def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
+    """Append to each root's results.log the ended runs under it that it lacks."""
+    added = []
+    for root in roots:
+        if (root / RUN_LOG_NAME).is_file():
+            continue  # a run directory given as a root: its root is its parent
+        path = root / RESULTS_LOG
+        have = indexed_runs(path)
+        n = 0
+        for s in summaries:
+            if (
+                s.status in ("running", "crashed")
+                or Path(s.run_dir).resolve().parent != root.resolve()
+            ):
+                continue
+            fields = result_fields(s)
+            if (str(Path(s.run_dir).resolve()), fields["step"], fields["reason"]) in have:
+                continue
+            append_result(path, fields)
+            n += 1
+        added.append(f"{path}: {n} run(s) added")
+    return "index: " + ("; ".join(added) if added else "no folder of runs given")
+
+
 def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
     """The config keys where runs ``a`` and ``b`` differ (seed and name included), then their
     results side by side."""
@@ -970,6 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
     selected = _select(found, args.run)
     now = time.time()
     summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
+    if args.index:
+        print(update_index(roots, summaries), file=sys.stderr)
     groups = seed_groups(summaries)
     comparisons = compare_groups(summaries, groups, args.baseline)
     want_forecast = args.forecast or args.target_loss is not None

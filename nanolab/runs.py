@@ -376,3 +376,51 @@ def duration(seconds: float | None) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+# -- the index of ended runs -------------------------------------------------------------------
+#: One JSON line per ended run, in the folder that holds the runs (``run.root``).
+RESULTS_LOG = "results.log"
+
+
+def append_result(path: Path, fields: dict[str, Any]) -> None:
+    """One JSON line appended in one ``write`` to a file opened for appending (runs ending at
+    once never interleave, and nothing already there is rewritten)."""
+    import os
+
+    line = (json.dumps(fields, default=str) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        print(f"nanolab: warning: cannot append to {path} ({err.strerror or err})", flush=True)
+
+
+def result_fields(s: RunSummary) -> dict[str, Any]:
+    """The results.log line of an ended run, from its summary (the fields a run's own end
+    writes, so lines added later read the same)."""
+    return {
+        "run": Path(s.run_dir).name,
+        "reason": s.status,
+        "detail": s.detail or "",
+        "step": s.steps,
+        "val_loss": None if s.final_val_loss is None else round(s.final_val_loss, 4),
+        "best_val_loss": None if s.best_val_loss is None else round(s.best_val_loss, 4),
+        "wall": duration(s.wall_s) if s.wall_s is not None else "",
+        "wall_s": s.wall_s,
+        "tokens": s.tokens,
+        "run_dir": s.run_dir,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(s.updated or 0)),
+    }
+
+
+def indexed_runs(path: Path) -> set[tuple[str, Any, Any]]:
+    """(run directory, step, reason) of the lines already in a results.log."""
+    found = set()
+    for record in iter_records(path) if path.is_file() else []:
+        found.add((str(Path(str(record.get("run_dir", ""))).resolve()), record.get("step"),
+                   record.get("reason")))  # fmt: skip
+    return found

@@ -112,7 +112,7 @@ def test_concurrent_prepares_of_one_dataset_agree(tmp_path):
     src = tmp_path / "text.txt"
     src.write_text(SAMPLE * 50)
     out = tmp_path / "ds"
-    cmd = [sys.executable, "-m", "nanolab", "prepare", str(src), "-o", str(out)]
+    cmd = [sys.executable, "-m", "nanolab", "prepare", str(src), "-o", str(out), "--json"]
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(3)

@@ -106,3 +106,24 @@ def test_without_scipy_the_report_shows_the_spread_and_says_what_it_needs(
     out = capsys.readouterr().out
     assert "lr=0.003: 1.1000 ± 0.1000" in out  # the standard deviation
     assert "pip install 'nanolab[stats]'" in out and "Welch" not in out
+
+
+def test_index_adds_each_ended_run_once(tmp_path: Path, capsys) -> None:
+    """``report --index``: results.log gets one line per ended run it lacks (a run's own end
+    line counts), never a second one, and nothing for a run still going."""
+    write_run(tmp_path, "a", 0.003, 1, [(1000, 1.5)])
+    write_run(tmp_path, "b", 0.001, 1, [(1000, 1.7)])
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "metrics.jsonl").write_text(
+        json.dumps({"event": "start", "time": 9e9, "step": 0}) + "\n"
+    )
+    own = {"run": "a", "reason": "completed", "step": 1, "run_dir": str(tmp_path / "a")}
+    (tmp_path / "results.log").write_text(json.dumps(own) + "\n")  # a's own end line
+    assert main([str(tmp_path), "--index"]) == 0
+    assert "results.log: 1 run(s) added" in capsys.readouterr().err
+    lines = [json.loads(x) for x in (tmp_path / "results.log").read_text().splitlines()]
+    assert [x["run"] for x in lines] == ["a", "b"]
+    assert lines[1]["val_loss"] == 1.7 and lines[1]["reason"] == "completed"
+    assert main([str(tmp_path), "--index"]) == 0
+    assert "0 run(s) added" in capsys.readouterr().err

@@ -18,8 +18,6 @@ failing target is a warning line; nothing here ever stops or fails the run.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +28,11 @@ from lightning.pytorch.callbacks import Callback
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.notify import NotifyConfigError, check_targets, send
 from nanolab.runlog import RUN_LOG_NAME, last_record
-from nanolab.runs import duration
+from nanolab.runs import RESULTS_LOG, append_result, duration
 
 #: What a command target can fill in.
 FIELDS = ("run", "reason", "detail", "step", "val_loss", "best_val_loss", "wall", "wall_s",
           "tokens", "run_dir", "time")  # fmt: skip
-RESULTS_LOG = "results.log"
 
 
 class Notifier(Callback):
@@ -88,7 +85,7 @@ class Notifier(Callback):
         }
         self.sent = fields
         if self.results_log:
-            append_line(run_dir.parent / RESULTS_LOG, fields)
+            append_result(run_dir.parent / RESULTS_LOG, fields)
         if self.targets:
             title = f"nanolab: {fields['run']} {fields['reason']}"
             body = (f"{fields['run']}: {fields['reason']} at step {fields['step']}, val loss "
@@ -98,16 +95,3 @@ class Notifier(Callback):
 
 def _rounded(value: Any) -> float | None:
     return round(float(value), 4) if isinstance(value, int | float) else None
-
-
-def append_line(path: Path, fields: dict[str, Any]) -> None:
-    """One JSON line appended in one write (never a torn line between two runs)."""
-    line = (json.dumps(fields, default=str) + "\n").encode()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        print(f"nanolab: warning: cannot append to {path} ({err.strerror or err})", flush=True)

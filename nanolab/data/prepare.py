@@ -634,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--force", action="store_true", help="replace an existing dataset")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    parser.add_argument("--json", action="store_true",
+                        help="print the dataset's meta.json summary as JSON on stdout")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         sample_bytes = parse_bytes(args.bpe_sample_bytes)
@@ -655,6 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("nanolab prepare: interrupted; nothing was written", file=sys.stderr)
         return 130
-    summary = {k: v for k, v in meta.items() if k not in ("tokenizer", "skipped_files")}
-    print(json.dumps(summary, indent=2))
+    if args.json:  # the one-line summary is on stderr either way
+        summary = {k: v for k, v in meta.items() if k not in ("tokenizer", "skipped_files")}
+        print(json.dumps(summary, indent=2))
     return 0

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from nanolab.errors import NanolabError, report
 from nanolab.helpfmt import OneLineParser
@@ -213,9 +214,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     for j in jobs:
         status = j.status + (f": {j.detail}" if j.detail else "")
-        ran = j.run_seconds + (
-            now - j.last_started if j.status == "running" and j.last_started else 0
-        )
+        ran = run_time(j, now)
         left = (
             remaining_seconds(db, j)[0] if j.status in ("pending", "preempted", "running") else None
         )
@@ -347,6 +346,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         compile_cache=not args.no_compile_cache, notify=list(args.notify),
     )  # fmt: skip
     return runner.run()
+
+
+def run_time(job: Any, now: float) -> float:
+    """A job's time, one account with ``report`` and ``status``: its run log's elapsed time
+    over every attempt (the queue's own counter for a job that never logged)."""
+    from nanolab.runlog import RUN_LOG_NAME, last_record
+
+    log = Path(job.run_dir) / RUN_LOG_NAME
+    if log.is_file():
+        record = last_record(log, where=lambda r: isinstance(r.get("elapsed_s"), int | float))
+        if record is not None:
+            return float(record["elapsed_s"])
+    running = job.status == "running" and job.last_started
+    return job.run_seconds + (now - job.last_started if running else 0)
 
 
 def parse_size(text: str, option: str) -> int:
