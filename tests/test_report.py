@@ -395,3 +395,28 @@ def test_task_accuracies_columns_seed_groups_and_plot(tmp_path: Path, capsys) ->
     assert code == 0, err
     width, height = (int.from_bytes(out_png.read_bytes()[i : i + 4], "big") for i in (16, 20))
     assert (width, height) == (3 * 720, 2 * 576)  # train, val, CORE, cloze: 3 x 2 panels
+
+
+def test_the_legend_stays_inside_the_figure_with_many_groups(tmp_path, monkeypatch) -> None:
+    """Eight groups (eight learning rates, two seeds each): the legend's box lies inside the
+    saved figure, not off its edges."""
+    import matplotlib.pyplot as plt
+
+    from nanolab.report import plot_runs, summarize_run
+
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    names = []
+    for i, lr in enumerate([1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2]):
+        for seed in (1, 2):
+            name = f"lr{lr:g}-s{seed}"
+            write_run(tmp_path, name, seed=seed, lr=lr, losses=[4.0, 3.0 - i / 10], vals={2: 2.5})
+            names.append(name)
+    summaries = [summarize_run(n, tmp_path / n) for n in names]
+    drawn = plot_runs([(s, tmp_path / s.run) for s in summaries], tmp_path / "p.png", "tokens")
+    assert len(drawn) == 8
+    (fig,) = kept
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box, page = legend.get_window_extent(renderer), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
