@@ -321,3 +321,16 @@ def test_queue_run_notify_when_drained(tmp_path: Path, tiny: Path, capsys, monke
     )
     assert code == 0, err
     assert told.read_text() == "drained 1 0"
+
+
+def test_a_jobs_console_log_is_in_its_run_directory(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    assert queue(capsys, db, "add", str(tiny), "--name", "one")[0] == 0
+    assert queue(capsys, db, "run")[0] == 0
+    (job,) = QueueDB(db).jobs()
+    assert job.log == str(tmp_path / "runs" / "one" / "queue.log")
+    assert "=== attempt 1" in Path(job.log).read_text()
+    assert not (tmp_path / "nanolab_queue_logs").exists()

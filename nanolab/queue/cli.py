@@ -8,7 +8,7 @@
     nanolab report runs/
 
 The database is ``./nanolab_queue.db`` (``--db PATH`` or ``$NANOLAB_QUEUE_DB`` to change it);
-job logs go to ``nanolab_queue_logs/`` beside it.
+each job's console output goes to ``queue.log`` in its run directory.
 """
 
 from __future__ import annotations

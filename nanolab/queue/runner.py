@@ -429,9 +429,7 @@ class Runner:
             self._refused_start = True
             self._counts["failed"] = self._counts.get("failed", 0) + 1
             return
-        log_dir = self.db.path.resolve().parent / "nanolab_queue_logs"
-        log_dir.mkdir(exist_ok=True)
-        log_path = log_dir / f"{job.id:04d}-{job.name}.log"
+        log_path = job_log_path(job, self.db.path)
         cmd = [
             sys.executable, "-m", "nanolab", "fit", "--config", job.config, *job.args,
             f"--run.name={job.name}", "--run.resume=auto",
@@ -600,6 +598,20 @@ class Runner:
             send(
                 self.notify, fields, f"nanolab queue {fields['reason']}", f"{text} ({self.db.path})"
             )
+
+
+def job_log_path(job: Job, db_path: Path) -> Path:
+    """Where a job's console output goes: ``queue.log`` in its own run directory (every
+    attempt appended, each under a header line), beside the run's other files; where that
+    folder cannot be made, ``nanolab_queue_logs/<id>-<name>.log`` beside the database."""
+    run_dir = Path(job.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir / "queue.log"
+    except OSError:
+        fallback = db_path.resolve().parent / "nanolab_queue_logs"
+        fallback.mkdir(exist_ok=True)
+        return fallback / f"{job.id:04d}-{job.name}.log"
 
 
 #: What a ``queue run --notify`` command can fill in.
