@@ -169,3 +169,16 @@ class KillOnRollback(L.Callback):
 
         if stop_reason(trainer)[0] == "rollback":
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LrAtSteps(L.Callback):
+    """Appends ``{"step": s, "lr": r}`` to ``path`` for every optimizer step, with the rate the
+    optimizer is about to use (what the run trains with, whatever a log says)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        with open(self.path, "a") as f:
+            step = trainer.global_step + 1
+            f.write(json.dumps({"step": step, "lr": optimizer.param_groups[0]["lr"]}) + "\n")

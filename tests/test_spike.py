@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import subprocess
@@ -255,3 +256,46 @@ def test_a_run_killed_during_its_rollback_resumes_exactly(tmp_path: Path, char_d
 
     a, b = weights("healed"), weights("killed")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lr_scale_windows() -> None:
+    from nanolab.callbacks.spike import lr_windows, scale_at
+
+    windows = lr_windows([{"restored": 50, "lr_scale": 0.5, "lr_scale_steps": 10},
+                          {"restored": 80}])  # fmt: skip
+    assert windows == [(50, 60, 0.5)]
+    assert [scale_at(windows, s) for s in (50, 51, 60, 61)] == [1.0, 0.5, 0.5, 1.0]
+    with pytest.raises(CallbackConfigError, match=r"spike\.lr_scale must be"):
+        SpikeGuard(lr_scale=1.5)
+    with pytest.raises(CallbackConfigError, match=r"spike\.lr_scale_steps"):
+        SpikeGuard(lr_scale_steps=-1)
+
+
+@pytest.mark.slow
+def test_after_a_rollback_the_rate_is_scaled_for_a_while(tmp_path: Path, char_dataset: Path):
+    """``spike.lr_scale 0.5`` for 10 steps: the optimizer steps after the restored one train at
+    half the schedule's rate (the clean run's at the same step), then at the schedule's again;
+    the ledger and the spike record say so."""
+    probe = {"class_path": "cli_probes.LrAtSteps", "init_args": {"path": str(tmp_path / "c.jsonl")}}
+    clean = poisoned_config(tmp_path, char_dataset, "clean", trainer__callbacks=[probe])
+    scaled_probe = {**probe, "init_args": {"path": str(tmp_path / "s.jsonl")}}
+    scaled = poisoned_config(
+        tmp_path, char_dataset, "scaled", trainer__callbacks=[poison(), scaled_probe],
+        spike__lr_scale=0.5, spike__lr_scale_steps=10,
+    )  # fmt: skip
+    for cfg in (clean, scaled):
+        proc, _ = fit(tmp_path, cfg)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def rates(name: str) -> dict[int, float]:
+        lines = (tmp_path / name).read_text().splitlines()
+        return {r["step"]: r["lr"] for r in map(json.loads, lines)}  # the last attempt wins
+
+    a, b = rates("c.jsonl"), rates("s.jsonl")
+    (entry,) = read_ledger(tmp_path / "runs" / "scaled")
+    restored = entry["restored"]
+    assert (entry["lr_scale"], entry["lr_scale_steps"]) == (0.5, 10)
+    for step in range(restored + 1, restored + 11):
+        assert b[step] == pytest.approx(0.5 * a[step]), step
+    for step in range(restored + 11, 121):
+        assert b[step] == pytest.approx(a[step]), step

@@ -69,6 +69,8 @@ class SpikeGuard(StepCallback):
         window: Healthy steps whose median is the reference; none is checked before.
         patience: High steps in a row that make a spike.
         max_rollbacks: Rollbacks per run; one more spike stops it as diverged.
+        lr_scale: After a rollback, the learning rate is the schedule's times this ...
+        lr_scale_steps: ... for this many steps from the restored one (0: not scaled).
     """
 
     def __init__(
@@ -80,6 +82,8 @@ class SpikeGuard(StepCallback):
         window: int = 50,
         patience: int = 5,
         max_rollbacks: int = 3,
+        lr_scale: float = 1.0,
+        lr_scale_steps: int = 0,
     ) -> None:
         super().__init__()
         if action not in ACTIONS:
@@ -105,6 +109,26 @@ class SpikeGuard(StepCallback):
             raise CallbackConfigError(
                 f"spike.min_increase must be a number >= 0 (nats), got {min_increase!r}"
             )
+        if (
+            isinstance(lr_scale, bool)
+            or not isinstance(lr_scale, int | float)
+            or not 0 < lr_scale <= 1
+        ):
+            raise CallbackConfigError(
+                f"spike.lr_scale must be a number in (0, 1] (1: the schedule as it is), got "
+                f"{lr_scale!r}"
+            )
+        if (
+            isinstance(lr_scale_steps, bool)
+            or not isinstance(lr_scale_steps, int)
+            or lr_scale_steps < 0
+        ):
+            raise CallbackConfigError(
+                f"spike.lr_scale_steps must be an integer >= 0, got {lr_scale_steps!r}"
+            )
+        self.lr_scale = float(lr_scale)
+        self.lr_scale_steps = lr_scale_steps
+        self.lr_windows: list[tuple[int, int, float]] = []  # (after step, up to step, scale)
         self.enabled = enabled
         self.action = action
         self.factor = float(factor)
@@ -128,6 +152,24 @@ class SpikeGuard(StepCallback):
         saver = find_callback(trainer, RotatingCheckpoint)
         if self.active and saver is not None:  # keep a checkpoint old enough to roll back to
             saver.keep_one_older_than = max(saver.keep_one_older_than, self.patience + 2)
+        if self.active:
+            self.lr_windows = lr_windows(read_ledger(trainer.default_root_dir))
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """In a window after a rollback, the optimizer step uses the schedule's rate x scale.
+        Set from the scheduler's own value at every micro-batch, so it never compounds; the
+        scheduler's next step sets the plain rate again."""
+        if not self.active or not self.lr_windows:
+            return
+        scale = scale_at(self.lr_windows, trainer.global_step + 1)
+        configs = trainer.lr_scheduler_configs
+        if scale == 1.0 or not configs:
+            return
+        rates = configs[0].scheduler.get_last_lr()
+        for group, rate in zip(trainer.optimizers[0].param_groups, rates, strict=False):
+            group["lr"] = rate * scale
 
     # -- watching ----------------------------------------------------------------------------
     def on_micro_batch(
@@ -233,6 +275,9 @@ class SpikeGuard(StepCallback):
             "median": record["median"],
             "state": "pending",
         }
+        if self.lr_scale != 1.0 and self.lr_scale_steps > 0:
+            entry.update(lr_scale=self.lr_scale, lr_scale_steps=self.lr_scale_steps)
+            record.update(lr_scale=self.lr_scale, lr_scale_steps=self.lr_scale_steps)
         record.update(restored=restore, skipped_micro_batches=entry["skipped_micro_batches"])
         self._record(trainer, record)
         if trainer.is_global_zero:
@@ -257,6 +302,24 @@ class SpikeGuard(StepCallback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = deque((float(x) for x in state_dict.get("history", [])), maxlen=self.window)
+
+
+def lr_windows(rollbacks: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
+    """(restored step, last scaled step, scale) of the rollbacks that scale the rate."""
+    out = []
+    for r in rollbacks:
+        scale, steps = r.get("lr_scale"), r.get("lr_scale_steps")
+        if isinstance(scale, int | float) and isinstance(steps, int) and steps > 0:
+            out.append((int(r["restored"]), int(r["restored"]) + steps, float(scale)))
+    return out
+
+
+def scale_at(windows: list[tuple[int, int, float]], step: int) -> float:
+    """The scale of optimizer step ``step`` (1-based): the newest window holding it, else 1."""
+    for after, until, scale in reversed(windows):
+        if after < step <= until:
+            return scale
+    return 1.0
 
 
 def _restore_step(folder: Path | None, began: int) -> int | None:
