@@ -529,14 +529,17 @@ def test_rerunning_a_finished_run_says_it_is_complete(tmp_path, char_dataset):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    ("first", "then", "strategy"), [(2, 1, "ddp"), (1, 2, "ddp"), (2, 1, "fsdp")]
+)
 def test_resume_on_another_device_count_continues_the_same_run(
-    tmp_path, char_dataset, single_process_reference, first, then
+    tmp_path, char_dataset, single_process_reference, first, then, strategy
 ):
-    """A run saved on ``first`` processes (DDP) and resumed on ``then`` keeps its global batch
-    (``run.global_batch_tokens``: accumulation is derived again) and its data order, so it
-    ends where the 1-process run with 2x accumulation ends (to the DDP tolerance)."""
-    ddp = ["--config", str(QUICKSTART.parent / "strategy" / "ddp.yaml")]
+    """A run saved on ``first`` processes (DDP, or FSDP2 with its consolidated checkpoint) and
+    resumed on ``then`` keeps its global batch (``run.global_batch_tokens``: accumulation is
+    derived again) and its data order, so it ends where the 1-process run with 2x accumulation
+    ends (to the DDP tolerance)."""
+    ddp = ["--config", str(QUICKSTART.parent / "strategy" / f"{strategy}.yaml")]
     common = dict(run__global_batch_tokens=4 * 32 * 2, checkpoint__every_n_steps=1)
     run = _strategy_run(
         tmp_path, char_dataset, "moved", *(ddp if first > 1 else []), "--trainer.devices",
@@ -553,3 +556,25 @@ def test_resume_on_another_device_count_continues_the_same_run(
     for step in (3, 4):
         assert ours[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
     _assert_same_weights(final_state(run), final_state(single_process_reference))
+
+
+@pytest.mark.slow
+def test_a_plain_checkpoint_under_fsdp2_on_two_devices_is_refused_first(tmp_path, char_dataset):
+    """A run saved on one device without FSDP2 keeps its optimizer state by parameter index,
+    which FSDP2 on 2 devices cannot shard: one line, exit 2, and the run's files unchanged."""
+    common = dict(run__global_batch_tokens=4 * 32 * 2, checkpoint__every_n_steps=1)
+    run = _strategy_run(tmp_path, char_dataset, "plain", "--trainer.max_steps", "2", **common)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=4, trainer__devices=2,
+        run__name="plain", model__gpt__dropout=0.0, **common,
+    )  # fmt: skip
+    path = write_config(tmp_path / "plain-fsdp.yaml", cfg)
+    fsdp = str(QUICKSTART.parent / "strategy" / "fsdp.yaml")
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), "--config",
+                      fsdp, "--trainer.devices", "2", cwd=tmp_path, timeout=600)  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "FSDP2 on 2 devices cannot shard that state" in errors[0]
+    assert "Traceback" not in res.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

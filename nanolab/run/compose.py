@@ -22,6 +22,7 @@ from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.data.prepare import PrepareError
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
+from nanolab.training.parallelism import parse_strategy
 from nanolab.training.resolve import (
     RunConfigError,
     check_model_settings,
@@ -116,8 +117,9 @@ def launch(cli: NanolabCLI) -> Trainer:
 
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
         cand = claim_for_fit(
-            cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size
-        )
+            cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size,
+            strategy_kind=parse_strategy(plain_config(cfg)["trainer"].get("strategy"), resolved.world_size).kind,
+        )  # fmt: skip
         ckpt_path = str(cand.path) if cand is not None else None
         max_steps = int(trainer.max_steps or -1)
         if cand is not None and cand.step is not None and 0 < max_steps <= cand.step:
@@ -288,7 +290,13 @@ def apply_float32_matmul_precision(value: str, trainer_cfg: Any) -> None:
 
 # -- run: the run directory and the checkpoint ------------------------------------------------
 def claim_for_fit(
-    cfg: Any, run_dir: Path, model: Any, data: Any, ckpt_path: Any, world_size: int = 1
+    cfg: Any,
+    run_dir: Path,
+    model: Any,
+    data: Any,
+    ckpt_path: Any,
+    world_size: int = 1,
+    strategy_kind: str = "single",
 ) -> Any:
     """Take the run directory for this launch and return the checkpoint to resume from (its
     path and step), or None for a fresh start.
@@ -335,10 +343,15 @@ def claim_for_fit(
         cand = open_checkpoint(requested, flag, run_dir, model, training=True)
     path = str(cand.path) if cand is not None else None
     if cand is not None:
-        from nanolab.training.resume import ResumeError, check_deepspeed_world_size
+        from nanolab.training.resume import (
+            ResumeError,
+            check_deepspeed_world_size,
+            check_sharded_optimizer_layout,
+        )
 
         try:  # a DeepSpeed folder holds one optimizer shard per rank it was saved on
             check_deepspeed_world_size(cand.path, world_size)
+            check_sharded_optimizer_layout(cand.path, strategy_kind, world_size)
         except ResumeError as err:
             raise RunConfigError(str(err)) from None
     check_data = getattr(data, "check_resume", None)

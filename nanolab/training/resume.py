@@ -391,3 +391,23 @@ def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
             f"resume with {saved} devices (--trainer.devices), or convert it with DeepSpeed's "
             "ds_to_universal.py and start a new run from the weights"
         )
+
+
+def check_sharded_optimizer_layout(path: str | Path, strategy_kind: str, world_size: int) -> None:
+    """Refuse, before anything is written, a checkpoint whose optimizer state FSDP2 on several
+    devices cannot load: one saved without FSDP2 keeps its state by parameter index, which
+    FSDP2 cannot shard (a tensor-size error at the first restore otherwise). FSDP2's own
+    consolidated checkpoint (state by parameter name) loads on any count, one device included."""
+    if strategy_kind != "fsdp2" or world_size <= 1 or Path(path).is_dir():
+        return
+    import torch
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    states = ckpt.get("optimizer_states") or []
+    keys = list((states[0] or {}).get("state", {})) if states else []
+    if keys and all(isinstance(k, int) for k in keys):
+        raise ResumeError(
+            f"{path} was saved without FSDP2 (its optimizer state is by parameter index), and "
+            f"FSDP2 on {world_size} devices cannot shard that state: continue it with the "
+            "strategy it was saved with (ddp, or one device), where any device count works"
+        )
