@@ -126,12 +126,23 @@ def checkpoint_weights(
 def write_hf(
     ckpt: dict[str, Any], config: GPTConfig, state: dict[str, torch.Tensor], out: Path
 ) -> list[str]:
-    """A transformers GPT-2 folder in ``out``; returns notes for the user (tokenizer files)."""
-    refusals = export_refusals(config)
-    if refusals:
+    """A transformers folder in ``out``: ``GPT2LMHeadModel`` for the GPT-2 family,
+    ``LlamaForCausalLM`` for RoPE + RMSNorm + SwiGLU without biases; returns notes for the user
+    (tokenizer files)."""
+    from nanolab.model.llama import (
+        llama_config_from_nanolab,
+        llama_refusals,
+        llama_state_from_nanolab,
+    )
+
+    refusals, not_llama = export_refusals(config), llama_refusals(config)
+    if refusals and not_llama:
         raise ExportError(
-            f"--format hf: the model is not GPT-2 compatible: {'; '.join(refusals)}; "
-            "export it with --format safetensors (for nanolab) instead"
+            "--format hf: the model is neither GPT-2 ("
+            + "; ".join(refusals)
+            + ") nor Llama ("
+            + "; ".join(not_llama)
+            + "); export it with --format safetensors (for nanolab) instead"
         )
     spec = (ckpt.get("nanolab") or {}).get("tokenizer")
     notes: list[str] = []
@@ -149,9 +160,14 @@ def write_hf(
         "tokenizer": {k: v for k, v in spec.items() if k != "json"} if spec else None,
         "global_step": ckpt.get("global_step"),
     }
-    hf_config = hf_config_from_nanolab(config, eot, dtype, record)
+    if refusals:  # Llama-shaped (RoPE, RMSNorm, SwiGLU, no biases)
+        hf_config = llama_config_from_nanolab(config, eot, dtype, record)
+        tensors = llama_state_from_nanolab(state, config)
+    else:
+        hf_config = hf_config_from_nanolab(config, eot, dtype, record)
+        tensors = hf_state_from_nanolab(state, config)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    _save_safetensors(hf_state_from_nanolab(state, config), out / "model.safetensors")
+    _save_safetensors(tensors, out / "model.safetensors")
     if tokenizer is not None:
         from nanolab.model.hf_tokenizer import write_tokenizer_files
 

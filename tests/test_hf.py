@@ -352,8 +352,10 @@ def test_estimate_reads_the_architecture_from_init_from(tmp_path, gpt2_folder, c
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"bias": False}, {"tie_weights": False, "mlp_ratio": 3}, {"position_embedding": "rope"}],
-)
+    [{}, {"bias": False}, {"tie_weights": False, "mlp_ratio": 3}, {"position_embedding": "rope"},
+     {"norm": "rmsnorm"}, {"mlp": "swiglu", "bias": False}, {"mlp": "swiglu"}, {"mlp": "relu2"},
+     {"attention_variant": "qk_norm", "position_embedding": "rope"}],
+)  # fmt: skip
 def test_shapes_from_the_config_are_the_models(options):
     """``gpt_shapes`` (what import and export check tensors against without building a model)
     lists exactly GPT's state dict, for every option that changes it."""
@@ -460,7 +462,7 @@ IMPORT_ROWS = [
     ("hub-name", lambda f, t: "gpt2", [], "nanolab never downloads"),
     ("no-config", _no_config, [], "has no config.json"),
     ("safetensors-export", _nanolab_export, [], "export the checkpoint with --format hf"),
-    ("not-gpt2", _edited_config(model_type="llama"), [], "model_type is 'llama'"),
+    ("not-gpt2", _edited_config(model_type="mistral"), [], "model_type is 'mistral'"),
     ("shapes", _edited_config(n_embd=32), [], "tensor wte.weight has shape [300, 64]"),
     ("payload", _pickle_payload, [], "never runs code from a checkpoint"),
     ("arch-key", lambda f, t: f, ["--model.gpt.n_layer=3"], "model.gpt.n_layer is 3 but"),
@@ -552,3 +554,83 @@ def test_export_refusals_write_nothing(tmp_path, trained_run, capsys):
 
     assert main(["export", "--ckpt", str(trained_run), "-o", str(out), "--force"]) == 0
     assert {p.name for p in out.iterdir()} == set(before)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_rope_rmsnorm_swiglu_model_exports_as_llama(tmp_path, tied, capsys):
+    """RoPE + RMSNorm + SwiGLU without biases is the Llama architecture: ``export --format hf``
+    writes ``LlamaForCausalLM``, whose logits in transformers equal nanolab's (q/k rows permuted
+    from interleaved pairs to rotate_half's halves), and the tensors come back bit-exact."""
+    from transformers import AutoModelForCausalLM
+
+    from nanolab.model.llama import llama_state_from_nanolab, nanolab_state_from_llama
+
+    cfg = GPTConfig(vocab_size=70, vocab_multiple=64, n_layer=2, n_head=4, n_embd=64, block_size=32,
+                    position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                    tie_weights=tied, rope_base=500.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # gains away from 1, so a misplaced norm would show
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    ckpt = {
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "nanolab": {"gpt": asdict(cfg), "tokenizer": None},
+    }
+    torch.save(ckpt, tmp_path / "llama.ckpt")
+    out = tmp_path / "hf"
+    assert main(["export", "--ckpt", str(tmp_path / "llama.ckpt"), "-o", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_theta"] == 500.0
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs).__name__ == "LlamaForCausalLM"
+    idx = torch.randint(0, 70, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = model(idx)[0], theirs(idx).logits
+    diff = (a - b).abs().max().item()
+    print(f"llama export (tied={tied}): max |logit difference| {diff:.2e}")
+    assert a.shape == b.shape and diff < 1e-4
+    state = model.state_dict()
+    back = nanolab_state_from_llama(llama_state_from_nanolab(state, cfg), cfg)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_what_neither_architecture_expresses_is_named() -> None:
+    from nanolab.model.llama import llama_refusals
+
+    qk = GPTConfig(vocab_size=65, position_embedding="rope", norm="rmsnorm", mlp="relu2",
+                   attention_variant="qk_norm", bias=False)  # fmt: skip
+    refusals = llama_refusals(qk)
+    assert "model.gpt.mlp 'relu2' (Llama has 'swiglu')" in refusals
+    assert "model.gpt.attention_variant 'qk_norm' (Llama has 'causal')" in refusals
+    learned = GPTConfig(vocab_size=65, norm="rmsnorm", mlp="swiglu", bias=False)
+    assert llama_refusals(learned) == ["model.gpt.position_embedding 'learned' (Llama has 'rope')"]
+
+
+def test_a_fit_llama_run_exports_and_comes_back_with_init_from(tmp_path, char_dataset):
+    """A RoPE + RMSNorm + SwiGLU run trained by fit: ``export --format hf`` writes a Llama
+    folder with its tokenizer, and ``model.init_from`` of that folder builds the same
+    architecture with every tensor bit-identical to the checkpoint's."""
+    overrides = tiny_overrides(
+        char_dataset, tmp_path / "runs", model__gpt__position_embedding="rope",
+        model__gpt__norm="rmsnorm", model__gpt__mlp="swiglu",
+    )  # fmt: skip
+    cfg = write_config(tmp_path / "t.yaml", overrides)
+    with lightning_logs_to_stderr():
+        assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
+    run = tmp_path / "runs" / "tiny"
+    out = tmp_path / "llama"
+    assert main(["export", "--ckpt", str(run), "--format", "hf", "-o", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert (out / "tokenizer.json").is_file()
+    ours = model_from_checkpoint(load_checkpoint(run / "checkpoints" / "last.ckpt"))
+    back = GPTLightningModule(gpt=GPTConfig(block_size=32), init_from=str(out))
+    assert (back.gpt_config.mlp, back.gpt_config.norm, back.gpt_config.position_embedding) == (
+        "swiglu",
+        "rmsnorm",
+        "rope",
+    )
+    back.configure_model()
+    a, b = ours.state_dict(), back.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -115,12 +115,58 @@ def read_hf_config(folder: Path, field: str = "model.init_from") -> dict[str, An
     if not isinstance(config, dict):
         raise HFFormatError(f"{field} {path}: must hold a JSON object")
     model_type = config.get("model_type")
-    if model_type != "gpt2":
+    if model_type not in ("gpt2", "llama"):
         raise HFFormatError(
-            f"{field} {folder}: model_type is {model_type!r}, but nanolab imports only GPT-2 "
-            "('gpt2': learned positions, GELU, biases, tied head); give a GPT-2 folder"
+            f"{field} {folder}: model_type is {model_type!r}, but nanolab imports GPT-2 "
+            "('gpt2': learned positions, GELU, biases) and Llama ('llama': RoPE, RMSNorm, "
+            "SwiGLU, no biases); give a folder of one of them"
         )
     return config
+
+
+def _llama_architecture(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The :class:`GPTConfig` fields of a Llama ``config.json``, after refusing what nanolab's
+    RoPE + RMSNorm + SwiGLU GPT does not compute."""
+    from nanolab.model.gpt import swiglu_hidden
+    from nanolab.model.llama import architecture_from_llama
+
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size", "max_position_embeddings"):  # fmt: skip
+        _int_key(config, key, folder)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    refusals = []
+    if config.get("hidden_act", "silu") != "silu":
+        refusals.append(f"hidden_act {config.get('hidden_act')!r} (nanolab: silu)")
+    eps = config.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, int | float) or abs(float(eps) - 1e-5) > 1e-12:
+        refusals.append(f"rms_norm_eps {eps!r} (nanolab: 1e-05)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            refusals.append(f"{key} true (nanolab's Llama has no biases)")
+    if config.get("rope_scaling"):
+        refusals.append("rope_scaling (nanolab: plain RoPE)")
+    if config.get("num_key_value_heads", heads) != heads:
+        refusals.append("num_key_value_heads below num_attention_heads (grouped-query attention)")
+    if config.get("head_dim", hidden // heads) != hidden // heads or hidden % heads:
+        refusals.append("head_dim other than hidden_size / num_attention_heads")
+    try:
+        arch = architecture_from_llama(config)
+    except (KeyError, ValueError, TypeError) as err:
+        refusals.append(str(err))
+        arch = {}
+    if (
+        arch
+        and swiglu_hidden(GPTConfig(**{**arch, "vocab_size": 2})) != config["intermediate_size"]
+    ):
+        refusals.append(
+            f"intermediate_size {config['intermediate_size']} (nanolab's SwiGLU width for "
+            f"n_embd {hidden} is 2/3 x mlp_ratio x n_embd rounded up to 64)"
+        )
+    if refusals:
+        raise HFFormatError(
+            f"model.init_from {folder}: this Llama is not nanolab's GPT: {'; '.join(refusals)}"
+        )
+    return arch
 
 
 def _int_key(config: dict[str, Any], key: str, folder: Path) -> int:
@@ -197,10 +243,16 @@ def resolve_architecture(gpt: dict[str, Any], init_from: str | Path) -> dict[str
     shorter than the checkpoint's ``n_positions`` (the position table is cut), not longer.
     """
     folder = hf_folder(init_from)
-    imported = architecture_from_hf(read_hf_config(folder), folder)
+    config = read_hf_config(folder)
+    keys: tuple[str, ...] = ARCHITECTURE_KEYS
+    if config.get("model_type") == "llama":
+        imported = _llama_architecture(config, folder)
+        keys = (*(k for k in ARCHITECTURE_KEYS if k != "activation"), "rope_base")  # SwiGLU: silu
+    else:
+        imported = architecture_from_hf(config, folder)
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     resolved = dict(gpt)
-    for key in ARCHITECTURE_KEYS:
+    for key in keys:
         given = resolved.get(key, defaults[key])
         if given != defaults[key] and given != imported[key]:
             raise HFFormatError(
@@ -289,11 +341,18 @@ def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     alone (building the model on the meta device would import torch's compiler, seconds).
     tests/test_hf.py holds it equal to the real model's for every option that changes it."""
     C, H, V = config.n_embd, config.mlp_ratio * config.n_embd, config.padded_vocab_size
-    norm = {"weight": (C,), "bias": (C,)} if config.bias else {"weight": (C,)}
+    bias = config.bias and config.norm == "layernorm"  # RMSNorm has no bias
+    norm = {"weight": (C,), "bias": (C,)} if bias else {"weight": (C,)}
+    fc = (H, C)
+    if config.mlp == "swiglu":  # gate and up stacked, each of SwiGLU's own width
+        from nanolab.model.gpt import swiglu_hidden
+
+        H = swiglu_hidden(config)
+        fc = (2 * H, C)
     linears = {
         "attn.c_attn": (3 * C, C),
         "attn.c_proj": (C, C),
-        "mlp.c_fc": (H, C),
+        "mlp.c_fc": fc,
         "mlp.c_proj": (C, H),
     }
     shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C)}
@@ -306,6 +365,9 @@ def gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"blocks.{i}.{name}.weight"] = (out, into)
             if config.bias:
                 shapes[f"blocks.{i}.{name}.bias"] = (out,)
+        if config.attention_variant == "qk_norm":
+            for qk in ("q_norm", "k_norm"):
+                shapes[f"blocks.{i}.attn.{qk}.weight"] = (config.head_dim,)
     shapes.update({f"ln_f.{k}": v for k, v in norm.items()})
     shapes["lm_head.weight"] = (V, C)
     return shapes
@@ -458,7 +520,17 @@ def load_hf_weights(model: torch.nn.Module, init_from: str | Path) -> None:
     import torch
 
     folder = hf_folder(init_from)
-    state = nanolab_state_from_hf(read_hf_weights(folder), model.config, folder)
+    if read_hf_config(folder).get("model_type") == "llama":
+        from nanolab.model.llama import nanolab_state_from_llama
+
+        try:
+            state = nanolab_state_from_llama(read_hf_weights(folder), model.config)
+        except (KeyError, RuntimeError) as err:
+            raise HFFormatError(
+                f"model.init_from {folder}: the weights do not fit its config.json ({err})"
+            ) from None
+    else:
+        state = nanolab_state_from_hf(read_hf_weights(folder), model.config, folder)
     with torch.no_grad():
         model.load_state_dict(state)
 
