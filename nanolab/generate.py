@@ -42,8 +42,8 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise GenerateArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.max_new_tokens > MAX_NEW_TOKENS:
         raise GenerateArgumentError(
-            f"--max-new-tokens {args.max_new_tokens:,} is more than {MAX_NEW_TOKENS:,} (hours of "
-            "sampling without a KV cache); sample in pieces, each continuing the last as --prompt"
+            f"--max-new-tokens {args.max_new_tokens:,} is more than {MAX_NEW_TOKENS:,} (a sample "
+            "that would run for hours); sample in pieces, each continuing the last as --prompt"
         )
     if args.num_samples < 1:
         raise GenerateArgumentError(f"--num-samples must be >= 1, got {args.num_samples}")

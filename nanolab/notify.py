@@ -13,7 +13,10 @@ warning line on stderr and nothing else: a notification never stops or fails a r
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
+import signal
 import string
 import subprocess
 import sys
@@ -45,6 +48,11 @@ def check_targets(targets: Sequence[str], fields: Sequence[str], where: str) -> 
                 names = [n for _, n, _, _ in string.Formatter().parse(word) if n is not None]
             except ValueError as err:
                 raise NotifyConfigError(f"{where}[{i}] {target!r}: {err}") from None
+            try:  # a conversion or format spec that cannot apply fails now, not at the end
+                word.format_map(dict.fromkeys(fields, ""))
+            except (KeyError, ValueError, IndexError, AttributeError) as err:
+                if not [n for n in names if n not in fields]:
+                    raise NotifyConfigError(f"{where}[{i}] {target!r}: {err}") from None
             unknown = [n for n in names if n not in fields]
             if unknown:
                 raise NotifyConfigError(
@@ -58,7 +66,10 @@ def send(targets: Sequence[str], fields: Mapping[str, Any], title: str, body: st
     values = {k: "" if v is None else str(v) for k, v in fields.items()}
     warnings = []
     for target in targets:
-        problem = _apprise(target, title, body) if "://" in target else _command(target, values)
+        try:
+            problem = _apprise(target, title, body) if "://" in target else _command(target, values)
+        except Exception as err:  # whatever a target does, the run or queue goes on
+            problem = f"{type(err).__name__}: {err}"
         if problem:
             warnings.append(f"nanolab: warning: notify {_shown(target)} failed ({problem}); "
                             "nothing else is affected")  # fmt: skip
@@ -80,18 +91,25 @@ def _command(template: str, values: Mapping[str, str]) -> str | None:
     except (KeyError, ValueError, IndexError) as err:
         return f"cannot fill in {template!r}: {err}"
     try:
-        done = subprocess.run(
-            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: a timeout stops its children too
+        )  # fmt: skip
     except FileNotFoundError:
         return f"no such command: {argv[0]}"
-    except subprocess.TimeoutExpired:
-        return f"still running after {TIMEOUT_S:.0f} s; stopped"
     except OSError as err:
         return f"{argv[0]}: {err.strerror or err}"
-    if done.returncode != 0:
-        last = (done.stderr or done.stdout or "").strip().splitlines()
-        return f"exit {done.returncode}" + (f": {last[-1][:120]}" if last else "")
+    try:
+        out, err_bytes = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"still running after {TIMEOUT_S:.0f} s; stopped with its children"
+    if proc.returncode != 0:
+        text = (err_bytes or out or b"").decode("utf-8", errors="replace")
+        last = text.strip().splitlines()
+        return f"exit {proc.returncode}" + (f": {last[-1][:120]}" if last else "")
     return None
 
 

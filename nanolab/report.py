@@ -880,7 +880,7 @@ def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
             ):
                 continue
             fields = result_fields(s)
-            if (str(Path(s.run_dir).resolve()), fields["step"], fields["reason"]) in have:
+            if (fields["run"], fields["step"], fields["reason"]) in have:
                 continue
             append_result(path, fields)
             n += 1

@@ -418,9 +418,10 @@ def result_fields(s: RunSummary) -> dict[str, Any]:
 
 
 def indexed_runs(path: Path) -> set[tuple[str, Any, Any]]:
-    """(run directory, step, reason) of the lines already in a results.log."""
+    """(run name, step, reason) of the lines already in a results.log: names, not paths, so the
+    same root reached by another path (or copied) is not indexed twice."""
     found = set()
     for record in iter_records(path) if path.is_file() else []:
-        found.add((str(Path(str(record.get("run_dir", ""))).resolve()), record.get("step"),
-                   record.get("reason")))  # fmt: skip
+        name = record.get("run") or Path(str(record.get("run_dir", ""))).name
+        found.add((str(name), record.get("step"), record.get("reason")))
     return found

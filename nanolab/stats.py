@@ -97,8 +97,8 @@ def welch(a: list[float], b: list[float], level: float = LEVEL) -> Difference:
     va, vb = statistics.variance(a), statistics.variance(b)
     se2 = va / len(a) + vb / len(b)
     diff = statistics.fmean(a) - statistics.fmean(b)
-    if se2 == 0:  # identical seeds within each group: no spread to judge by
-        return Difference(diff, 0.0, 0.0 if diff else 1.0, math.inf, len(a), len(b), None)
+    if se2 == 0:  # every seed of both groups the same: no spread to judge by, no test
+        return Difference(diff, 0.0, math.nan, math.nan, len(a), len(b), None)
     dof = se2**2 / ((va / len(a)) ** 2 / (len(a) - 1) + (vb / len(b)) ** 2 / (len(b) - 1))
     half = float(stats.t.ppf((1 + level) / 2, dof)) * math.sqrt(se2)
     p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
@@ -119,6 +119,11 @@ def seeds_needed(a: list[float], b: list[float]) -> int | None:
 def sentence(name_a: str, name_b: str, d: Difference, what: str = "val loss") -> str:
     """One plain sentence: which is lower and by how much, or that seeds cannot tell."""
     each = f"{d.n_a} seeds each" if d.n_a == d.n_b else f"{d.n_a} and {d.n_b} seeds"
+    if math.isnan(d.p_value):
+        return (
+            f"{name_a} vs {name_b}: {d.difference:+.3f} {what}, but the seeds of each group "
+            f"gave identical values ({each}): no spread, so no test (are the seeds applied?)"
+        )
     if d.significant:
         lower, higher = (name_a, name_b) if d.difference < 0 else (name_b, name_a)
         return (

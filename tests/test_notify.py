@@ -94,3 +94,33 @@ def test_a_run_end_writes_results_log_and_fires_the_targets(tmp_path: Path, char
         "--notify.targets", '["echo {nope}"]', "--run.name", "other", cwd=tmp_path,
     )  # fmt: skip
     assert bad.returncode == 2 and "notify.targets[0] names {nope}" in bad.stderr
+
+
+def test_output_that_is_not_text_and_a_hung_command_with_children(tmp_path: Path, monkeypatch):
+    """A target printing bytes that are not UTF-8 is a warning like any failure (it was a
+    traceback); a target past its time is stopped with its children."""
+    import time
+
+    from nanolab import notify
+
+    script = tmp_path / "bin.sh"
+    script.write_text("#!/bin/sh\nprintf '\\377\\376'\nexit 3\n")
+    script.chmod(0o755)
+    (warning,) = send([str(script)], {}, "t", "b")
+    assert "failed (exit 3" in warning
+    monkeypatch.setattr(notify, "TIMEOUT_S", 1.0)
+    pidfile = tmp_path / "child.pid"
+    (warning,) = send([f"sh -c 'sleep 30 & echo $! > {pidfile}; wait'"], {}, "t", "b")
+    assert "stopped with its children" in warning
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    stat = Path(f"/proc/{child}/stat")
+    state = stat.read_text().rsplit(")", 1)[1].split()[0] if stat.exists() else "gone"
+    assert state in ("gone", "Z", "X"), state  # killed (a zombie until its new parent reaps it)
+
+
+def test_a_format_spec_that_cannot_apply_is_refused_up_front() -> None:
+    with pytest.raises(NotifyConfigError, match="Unknown conversion specifier"):
+        check_targets(["echo {run!x}"], ("run",), "notify.targets")
+    with pytest.raises(NotifyConfigError, match=r"notify\.targets\[0\]"):
+        check_targets(["echo x{run:q}"], ("run",), "notify.targets")

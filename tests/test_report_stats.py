@@ -127,3 +127,20 @@ def test_index_adds_each_ended_run_once(tmp_path: Path, capsys) -> None:
     assert lines[1]["val_loss"] == 1.7 and lines[1]["reason"] == "completed"
     assert main([str(tmp_path), "--index"]) == 0
     assert "0 run(s) added" in capsys.readouterr().err
+
+
+def test_seeds_without_spread_are_said_not_tested() -> None:
+    d = welch([3.5, 3.5, 3.5], [3.4, 3.4, 3.4])
+    assert math.isnan(d.p_value) and not d.significant
+    assert "no spread, so no test" in sentence("a", "b", d)
+
+
+def test_index_names_runs_not_paths(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The same root reached by another path (or copied) adds nothing twice."""
+    write_run(tmp_path, "a", 0.003, 1, [(1000, 1.5)])
+    monkeypatch.chdir(tmp_path)
+    assert main([".", "--index"]) == 0
+    monkeypatch.chdir("/")
+    assert main([str(tmp_path), "--index"]) == 0
+    assert "0 run(s) added" in capsys.readouterr().err
+    assert len((tmp_path / "results.log").read_text().splitlines()) == 1

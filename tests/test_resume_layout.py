@@ -82,3 +82,10 @@ def test_a_changed_learning_rate_on_resume_is_said_and_the_checkpoints_kept(
     assert max(lrs.values()) <= 0.003 + 1e-12
     last = torch.load(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["nanolab"]["optimizer"]["lr"] == 0.003
+    # The run's files name what it trained with, so report groups it with its seeds.
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "runs" / "tiny" / "config.yaml").read_text())
+    assert saved["model"]["optimizer"]["lr"] == 0.003
+    starts = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "start"))
+    assert starts[-1]["config"]["model"]["optimizer"]["lr"] == 0.003

@@ -299,3 +299,42 @@ def test_after_a_rollback_the_rate_is_scaled_for_a_while(tmp_path: Path, char_da
         assert b[step] == pytest.approx(0.5 * a[step]), step
     for step in range(restored + 11, 121):
         assert b[step] == pytest.approx(a[step]), step
+
+
+@pytest.mark.slow
+def test_spike_action_stop_ends_as_diverged_with_exit_3_and_saves_nothing_more(
+    tmp_path: Path, char_dataset: Path
+):
+    cfg = poisoned_config(
+        tmp_path, char_dataset, "stopped", trainer__callbacks=[poison()], spike__action="stop"
+    )
+    proc, records = fit(tmp_path, cfg)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "nanolab fit: diverged: loss spike" in proc.stderr
+    end = [r for r in records if r["event"] == "end"][-1]
+    assert end["reason"] == "diverged" and end["step"] == 62
+    saved = sorted(p.name for p in (tmp_path / "runs" / "stopped" / "checkpoints").glob("step-*"))
+    assert saved[-1] == "step-00000060.ckpt"  # nothing written from the state it stopped in
+
+
+def test_a_missing_or_damaged_ledger_is_one_line_before_a_resume(tmp_path: Path) -> None:
+    """The data a rollback skipped is part of the run's order: a ledger deleted after a
+    rollback, or damaged, refuses the resume with one line naming the file."""
+    from nanolab.callbacks.spike import check_ledger
+    from nanolab.data.skips import LedgerError
+
+    spike = {"event": "spike", "step": 62, "began": 60, "restored": 50, "action": "rollback"}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(spike) + "\n")
+    with pytest.raises(LedgerError, match=r"holds 0 rollback\(s\) but the run log records 1"):
+        check_ledger(tmp_path)
+    for damage in ("{not json", "[1, 2, 3]", '{"rollbacks": [{"detected": "x"}]}'):
+        (tmp_path / "rollbacks.json").write_text(damage)
+        with pytest.raises(LedgerError, match=r"rollbacks\.json .*restore it"):
+            check_ledger(tmp_path)
+    (tmp_path / "rollbacks.json").unlink()
+    (tmp_path / "rollbacks.json").mkdir()
+    with pytest.raises(LedgerError, match="cannot be read"):
+        check_ledger(tmp_path)
+    (tmp_path / "rollbacks.json").rmdir()
+    write_ledger(tmp_path, [{"restored": 50, "skip_at": 50, "skip_offset": 12}])
+    check_ledger(tmp_path)  # complete: fine

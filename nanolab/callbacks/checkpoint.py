@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from nanolab.callbacks.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_link
-from nanolab.callbacks.events import CallbackConfigError, emit, stop_reason
+from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
 from nanolab.callbacks.files import publish, remove, tmp_path
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import StepCallback, validation_follows
@@ -275,8 +275,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         clock = self.clock
         assert self.dirpath is not None and clock is not None
         path = self.dirpath / step_checkpoint_name(step)
-        if stop_reason(trainer)[0] == "rollback":
-            return None  # the state is the spike's: the run continues from an older checkpoint
+        if not stop_saves_state(trainer):
+            return None  # a loss spike's state: rolled back from, or stopped without saving
         if not parameters_finite(trainer):
             # A diverged state must not rotate the last finite checkpoints away.
             if trainer.is_global_zero:

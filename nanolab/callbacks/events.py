@@ -20,6 +20,7 @@ END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "rollb
 
 _REASON_ATTR = "nanolab_stop_reason"
 _DETAIL_ATTR = "nanolab_stop_detail"
+_SAVE_ATTR = "nanolab_stop_saves_state"
 
 C = TypeVar("C")
 
@@ -35,19 +36,30 @@ class RecordSource(Protocol):
     def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]: ...
 
 
-def set_stop_reason(trainer: L.Trainer, reason: str, detail: str | None = None) -> None:
+def set_stop_reason(
+    trainer: L.Trainer, reason: str, detail: str | None = None, save_state: bool = True
+) -> None:
     """Record why the run is about to stop, for the ``end`` record; also asks the Trainer to stop.
 
     This is the hook for code outside these callbacks (the preemption handler calls
     ``set_stop_reason(trainer, "preempted", "SIGTERM")``). The first reason set wins, so a budget
     stop that is followed by a preemption signal during the final save still reads ``budget``.
+    ``save_state=False``: the checkpoint callback saves nothing more (the weights are damaged).
     """
     if reason not in END_REASONS:
         raise ValueError(f"stop reason must be one of {', '.join(END_REASONS)}, got {reason!r}")
     if getattr(trainer, _REASON_ATTR, None) is None:
         setattr(trainer, _REASON_ATTR, reason)
         setattr(trainer, _DETAIL_ATTR, detail)
+        setattr(trainer, _SAVE_ATTR, save_state)
     trainer.should_stop = True
+
+
+def stop_saves_state(trainer: L.Trainer) -> bool:
+    """False when the stop's reason says the current weights must not become a checkpoint
+    (a loss spike: the run rolls back from an older one, or stops as diverged without saving
+    the damaged state)."""
+    return bool(getattr(trainer, _SAVE_ATTR, True))
 
 
 def stop_reason(trainer: L.Trainer) -> tuple[str | None, str | None]:

@@ -239,7 +239,7 @@ class SpikeGuard(StepCallback):
             return "warn"
         if self.action == "stop":
             self._record(trainer, record)
-            set_stop_reason(trainer, "diverged", f"{what}; spike.action stop")
+            set_stop_reason(trainer, "diverged", f"{what}; spike.action stop", save_state=False)
             return "stop"
         run_dir = Path(trainer.default_root_dir)
         done = read_ledger(run_dir)
@@ -256,7 +256,7 @@ class SpikeGuard(StepCallback):
             )
             record["action"] = "stop"
             self._record(trainer, record)
-            set_stop_reason(trainer, "diverged", f"{what} {why}")
+            set_stop_reason(trainer, "diverged", f"{what} {why}", save_state=False)
             return "stop"
         assert folder is not None
         accumulate = int(trainer.accumulate_grad_batches or 1)
@@ -289,6 +289,7 @@ class SpikeGuard(StepCallback):
             REASON,
             f"{what}; rolled back to step {restore}, skipping "
             f"{entry['skipped_micro_batches']} micro-batches",
+            save_state=False,
         )
         return "rollback"
 
@@ -357,6 +358,26 @@ def complete_rollback(run_dir: str | Path, folder: str | Path | None = None) -> 
             path.rename(kept)
     entry["state"] = "done"
     write_ledger(run_dir, ledger)
+
+
+def check_ledger(run_dir: str | Path) -> None:
+    """Before a resume: the ledger reads, and it holds every rollback the run log records (a
+    deleted or older ledger would silently change the data order)."""
+    from nanolab.data.skips import LEDGER, LedgerError
+    from nanolab.runlog import RUN_LOG_NAME, iter_records
+
+    run_dir = Path(run_dir)
+    ledger = read_ledger(run_dir)
+    logged = sum(
+        1 for r in iter_records(run_dir / RUN_LOG_NAME, "spike") if r.get("restored") is not None
+    )
+    if logged > len(ledger):
+        raise LedgerError(
+            f"{run_dir / LEDGER} holds {len(ledger)} rollback(s) but the run log records "
+            f"{logged}: the data this run skipped is missing from it, so resuming would change "
+            "its data order; restore the file (from a backup of the run), or start a new run "
+            "(another --run.name)"
+        )
 
 
 def rolled_back(trainer: L.Trainer | None) -> bool:

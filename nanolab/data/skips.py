@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanolab.errors import NanolabError
+
 LEDGER = "rollbacks.json"
 
 
@@ -34,8 +36,21 @@ class Jump:
     offset: int
 
 
+class LedgerError(NanolabError):
+    """A rollback ledger that cannot be read; the run's data order depends on it."""
+
+
+def _damaged(path: Path, why: str) -> LedgerError:
+    return LedgerError(
+        f"{path} {why}: it holds the data this run skipped after a loss spike, so its data "
+        "order depends on it; restore it (from a backup of the run), or start a new run "
+        "(another --run.name)"
+    )
+
+
 def read_ledger(run_dir: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
-    """The rollbacks recorded in ``run_dir`` (oldest first); none when there is no ledger."""
+    """The rollbacks recorded in ``run_dir`` (oldest first); none when there is no ledger.
+    A damaged one is a :class:`LedgerError` (one line), never a guess."""
     if run_dir is None:
         return []
     path = Path(run_dir) / LEDGER
@@ -43,9 +58,18 @@ def read_ledger(run_dir: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _damaged(path, f"cannot be read ({type(err).__name__}: {err})") from None
     rollbacks = data.get("rollbacks") if isinstance(data, dict) else None
     if not isinstance(rollbacks, list):
-        raise ValueError(f"{path}: not a rollback ledger (no 'rollbacks' list)")
+        raise _damaged(path, "is not a rollback ledger (no 'rollbacks' list)")
+    for i, r in enumerate(rollbacks):
+        ok = isinstance(r, dict) and all(
+            isinstance(r.get(k), int) and not isinstance(r.get(k), bool)
+            for k in ("skip_at", "skip_offset")
+        )
+        if not ok:
+            raise _damaged(path, f"entry {i} lacks skip_at/skip_offset as integers")
     return rollbacks
 
 

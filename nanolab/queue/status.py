@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the screen as JSON")
     args = parser.parse_args(argv)
     roots = args.roots or [Path("runs")]
-    if args.watch is not None and not args.watch > 0:
-        raise StatusError(f"--watch {args.watch}: give a number of seconds > 0")
+    if args.watch is not None and not 0.5 <= args.watch <= 86400:
+        raise StatusError(f"--watch {args.watch}: give a number of seconds from 0.5 to 86400")
     db = default_db(args.db)
     if not any(r.exists() for r in roots) and db is None:
         raise StatusError(

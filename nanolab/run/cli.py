@@ -70,16 +70,19 @@ def run_lightning_cli(argv: list[str]) -> int:
         except Exception as err:  # a summary must never change how the run ended
             print(f"nanolab fit: (no end summary: {type(err).__name__}: {err})", flush=True)
     from nanolab.callbacks.divergence import EXIT_DIVERGED, diverged
+    from nanolab.callbacks.events import stop_reason
 
+    reason, detail = stop_reason(trainer)
     stopped = diverged(trainer)
-    if stopped is None:
+    if stopped is None and reason != "diverged":
         return 0
-    if trainer.is_global_zero:
+    if trainer.is_global_zero:  # a non-finite loss (divergence.*) or a finite spike (spike.*)
         last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
-        kept = f"newest finite checkpoint: {last}" if last.exists() else "no checkpoint saved"
-        hint = stopped.hint()
+        kept = f"newest checkpoint: {last}" if last.exists() else "no checkpoint saved"
+        what = stopped.describe() if stopped is not None else detail or "diverged"
+        hint = stopped.hint() if stopped is not None else "lower model.optimizer.lr"
         print(
-            f"nanolab {argv[0]}: diverged: {stopped.describe()}; stopped at step "
+            f"nanolab {argv[0]}: diverged: {what}; stopped at step "
             f"{trainer.global_step} ({kept})" + (f"; {hint}" if hint else ""),
             file=sys.stderr,
         )

@@ -130,6 +130,8 @@ def launch(cli: NanolabCLI) -> Trainer:
                 "to extend it, or give another --run.name for a new run",
                 file=sys.stderr,
             )
+        if cand is not None:
+            keep_checkpoint_settings(cfg, cand.path)
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
     target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"))
@@ -326,7 +328,7 @@ def claim_for_fit(
             f"run directory {run_dir} cannot be used ({err.strerror or err}); set "
             "run.root to a folder this user can write"
         ) from None
-    from nanolab.callbacks.spike import complete_rollback
+    from nanolab.callbacks.spike import check_ledger, complete_rollback
 
     folder = run_dir / "checkpoints"
     if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
@@ -338,6 +340,8 @@ def claim_for_fit(
     requested, flag = requested_checkpoint(str(run.resume), ckpt_path)
     if requested == "auto" and not run.fresh and global_rank_from_env() == 0:
         complete_rollback(run_dir)  # a rollback stopped half-way finishes before the choice
+    if not run.fresh:
+        check_ledger(run_dir)  # the data skipped after a spike is part of the run's order
     cand = None
     if requested is not None and not (run.fresh and requested == "auto"):
         cand = open_checkpoint(requested, flag, run_dir, model, training=True)
@@ -366,6 +370,45 @@ def claim_for_fit(
         checkpoint_run_id=cand.run_id if cand is not None else None,
     )
     return cand
+
+
+def keep_checkpoint_settings(cfg: Any, path: Any) -> None:
+    """A resume restores the optimizer and LR schedule state, so ``model.optimizer`` and
+    ``model.schedule`` values changed since cannot take effect: say so in one line and write
+    the checkpoint's values into the config (config.yaml, the start record) before anything is
+    written, so the run's files name what it trains with."""
+    import torch
+
+    from nanolab.callbacks.runlock import global_rank_from_env
+
+    if Path(str(path)).is_dir():
+        return  # a sharded folder: its metadata is not a cheap read; the module still follows
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("nanolab")
+    except Exception:  # the resume itself reports a bad file
+        return
+    model_args = cfg.model.init_args
+    kept = []
+    for part in ("optimizer", "schedule"):
+        before, now = (saved or {}).get(part), model_args.get(part)
+        if not isinstance(before, dict) or now is None:
+            continue
+        for key, value in before.items():
+            if key == "name" or key not in now:
+                continue
+            current = now[key]
+            same = list(current) == list(value) if isinstance(value, list) else current == value
+            if not same:
+                kept.append(f"model.{part}.{key} {value} (not {current})")
+                now[key] = value
+    if kept and global_rank_from_env() == 0:
+        print(
+            f"nanolab: warning: resuming keeps the checkpoint's {', '.join(kept)}: the optimizer "
+            "and schedule state are restored with it, and config.yaml says so; to train with the "
+            "new values, start a new run (another --run.name)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def requested_checkpoint(resume: str, ckpt_path: Any) -> tuple[str | None, str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -244,14 +243,9 @@ class GPTLightningModule(L.LightningModule):
             note = describe_layout_change(saved.get("layout"), self._layout())
             if note:
                 rank_zero_info(note)
-            kept = self._kept_on_resume(saved)
-            if kept and self.trainer.is_global_zero:
-                print(
-                    f"nanolab: warning: resuming keeps the checkpoint's {kept}: the optimizer "
-                    "and schedule state are restored with it; to train with the new values, "
-                    "start a new run (another --run.name)",
-                    file=sys.stderr,
-                )
+            # The launch said so and wrote the checkpoint's values into config.yaml
+            # (nanolab.run.compose.keep_checkpoint_settings); the module follows them too.
+            self._kept_on_resume(saved)
 
     def _kept_on_resume(self, saved: dict[str, Any]) -> str | None:
         """The optimizer/schedule settings this launch changed, as 'key old (not new)'."""
