@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from nanolab.data.checks import (
@@ -29,10 +29,12 @@ from nanolab.data.checks import (
     fingerprint,
     load_meta,
 )
+from nanolab.data.documents import PackedWindows
 from nanolab.data.prepare import PrepareError, prepare_dataset
 from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.windows import (
     DataTooSmallError,
+    IndexPlan,
     MixturePlan,
     ResumableBatchSampler,
     WindowPlan,
@@ -40,6 +42,8 @@ from nanolab.data.windows import (
 )
 
 DATASET_KEYS = ("path", "weight", "name")
+#: ``data.align``: fixed windows cut anywhere in the token stream, or rows of whole documents.
+ALIGNS = ("stream", "document")
 
 
 class TokenWindows:
@@ -68,6 +72,10 @@ class TokenWindows:
     def __len__(self) -> int:
         return len(self.data)
 
+    def validation_keys(self, count: int) -> np.ndarray:
+        """``count`` evenly spaced, fixed window starts (the same at every evaluation)."""
+        return validation_starts(len(self), self.block_size, count)
+
     def read(self, starts: np.ndarray) -> np.ndarray:
         """``(len(starts), block_size + 1)`` int64 tokens: each window and its next token."""
         idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.block_size + 1)
@@ -86,7 +94,7 @@ class MixtureWindows:
     index as a third element so the module can log each dataset's loss.
     """
 
-    def __init__(self, parts: list[TokenWindows]) -> None:
+    def __init__(self, parts: list[TokenWindows] | list[PackedWindows]) -> None:
         self.parts = parts
 
     def __getitem__(self, key: Any) -> tuple[Any, ...]:
@@ -171,6 +179,11 @@ class TokenDataModule(L.LightningDataModule):
             ``dataset_dir`` is not used and ``source`` must be null (docs/data.md).
         allow_changed: Resume even though the data's fingerprint (file sizes, ``meta.json``)
             differs from the one in the checkpoint.
+        align: ``stream``: windows cut anywhere in the token stream, at a seeded offset each
+            epoch (nanoGPT's way). ``document``: every window starts at a document, documents
+            packed best-fit into rows and cropped where none fits (nanochat's way; the share
+            of tokens cropped is printed at start, docs/data.md). Validation windows follow
+            the same rule. Needs data prepared with an end-of-text token.
     """
 
     def __init__(
@@ -189,9 +202,16 @@ class TokenDataModule(L.LightningDataModule):
         prefetch_factor: int = 4,
         datasets: list[dict[str, Any]] | None = None,
         allow_changed: bool = False,
+        align: str = "stream",
     ) -> None:
         super().__init__()
         check_window_sizes(micro_batch_size, block_size, val_windows, num_workers)
+        if align not in ALIGNS:
+            raise PrepareError(
+                f"data.align must be 'stream' (windows anywhere) or 'document' (every window "
+                f"starts at a document), got {align!r}"
+            )
+        self.align = align
         self.mixture = parse_datasets(datasets)
         if self.mixture is not None and source:
             raise PrepareError(
@@ -212,6 +232,7 @@ class TokenDataModule(L.LightningDataModule):
         self.prefetch_factor = prefetch_factor
         self.allow_changed = allow_changed
         self._parts: list[DatasetPart] | None = None
+        self._windows: dict[str, list[Any]] = {}
         self._changed_noted = False
         self.train_sampler: ResumableBatchSampler | None = None
         self.eval_scales: list[EvalScale] | None = None
@@ -268,6 +289,12 @@ class TokenDataModule(L.LightningDataModule):
         return self.ensure_prepared()
 
     @property
+    def eot_id(self) -> int | None:
+        """The end-of-text id that ends every document (None: data prepared without one)."""
+        eot = self.meta.get("eot_id")
+        return None if eot is None else int(eot)
+
+    @property
     def is_mixture(self) -> bool:
         return self.mixture is not None
 
@@ -284,12 +311,7 @@ class TokenDataModule(L.LightningDataModule):
                 f"({model_vocab}); set model.gpt.vocab_size to null (read from the data) "
                 f"or to >= {meta['vocab_size']}"
             )
-        self.train_parts = [
-            TokenWindows(p.path / "train.bin", p.meta["dtype"], self.block_size) for p in self.parts
-        ]
-        self.val_parts = [
-            TokenWindows(p.path / "val.bin", p.meta["dtype"], self.block_size) for p in self.parts
-        ]
+        self.train_parts, self.val_parts = self.windows("train"), self.windows("val")
         # The single-dataset names of earlier versions (bench, forks).
         self.train_tokens, self.val_tokens = self.train_parts[0], self.val_parts[0]
         for part in self.parts:
@@ -300,9 +322,53 @@ class TokenDataModule(L.LightningDataModule):
                     "val_bpb is not logged; prepare the data again to log bits per byte"
                 )
 
+    def windows(self, split: str) -> list[Any]:
+        """The windows of ``split`` (train or val) of every dataset folder, as ``align``
+        cuts them (made once; document packing reports what it dropped)."""
+        cache = self._windows
+        if split not in cache:
+            if self.align == "stream":
+                cache[split] = [
+                    TokenWindows(p.path / f"{split}.bin", p.meta["dtype"], self.block_size)
+                    for p in self.parts
+                ]
+            else:
+                cache[split] = [self._packed(part, split) for part in self.parts]
+        return cache[split]
+
+    def _packed(self, part: DatasetPart, split: str) -> PackedWindows:
+        eot = part.meta.get("eot_id")
+        if eot is None:
+            raise PrepareError(
+                f"data.align: document needs the end-of-text id between documents, and "
+                f"{part.path / 'meta.json'} records none (prepared by an older nanolab); "
+                "prepare the data again, or set data.align: stream"
+            )
+        packed = PackedWindows(part.path / f"{split}.bin", part.meta["dtype"], self.block_size, eot)
+        if len(packed) < 1:
+            raise DataTooSmallError(
+                f"{part.path}: the {split} split has no document-aligned row of "
+                f"{self.block_size + 1} tokens; add text, lower model.block_size or set "
+                "data.align: stream"
+            )
+        if packed.fresh:
+            packing = packed.packing
+            rank_zero_info(f"data.align document, {part.name} {split}: {packing.summary()}")
+            if packing.dropped_tokens > 0.5 * packing.total_tokens:
+                rank_zero_warn(
+                    f"data.align document keeps only {packing.used_tokens / packing.total_tokens:.0%}"
+                    f" of {part.path}'s {split} tokens: its documents are mostly longer than a "
+                    "window, and each is cut after its first; for long documents data.align: "
+                    "stream trains on all of them"
+                )
+        return packed
+
     def check_fits(self, world_size: int) -> None:
         """Raise :class:`DataTooSmallError` now if a split cannot fill one step or one window."""
         self.window_plan(world_size)
+        if self.align == "document":
+            self.windows("val")
+            return
         for part in self.parts:
             try:
                 validation_starts(int(part.meta["val_tokens"]), self.block_size, 1)
@@ -321,13 +387,20 @@ class TokenDataModule(L.LightningDataModule):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data_fingerprint": self.data_fingerprint()}
+        return {"data_fingerprint": self.data_fingerprint(), "align": self.align}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":
             return  # validate/test on other data is fine: it is what they are for
         self.refuse_changed_data(state_dict.get("data_fingerprint"), trainer.ckpt_path)
+        saved = state_dict.get("align", "stream")
+        if saved != self.align:
+            raise DataChangedError(
+                f"data.align is {self.align}, the checkpoint's run trained with {saved}: "
+                f"resuming would not continue its window order; set data.align: {saved} to "
+                "resume it, or start a new run (--run.name)"
+            )
 
     def refuse_changed_data(self, saved: dict[str, Any] | None, ckpt: Any = None) -> None:
         """Raise :class:`DataChangedError` if ``saved`` is not this data's fingerprint (unless
@@ -357,7 +430,12 @@ class TokenDataModule(L.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
-    def window_plan(self, world_size: int = 1) -> WindowPlan | MixturePlan:
+    def window_plan(self, world_size: int = 1) -> WindowPlan | IndexPlan | MixturePlan:
+        rows = None
+        if self.align == "document":
+            rows = [len(w) for w in self.windows("train")]
+            if self.mixture is None:
+                return IndexPlan(rows[0], self.micro_batch_size, world_size, self.seed)
         if self.mixture is None:
             return WindowPlan(
                 num_tokens=int(self.meta["train_tokens"]),
@@ -375,6 +453,7 @@ class TokenDataModule(L.LightningDataModule):
             world_size,
             self.seed,
             [str(p.path) for p in parts],
+            rows,
         )
 
     def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
@@ -403,7 +482,7 @@ class TokenDataModule(L.LightningDataModule):
         keys: list[Any] = []
         counts = []
         for d, part in enumerate(self.val_parts):
-            starts = validation_starts(len(part), self.block_size, self.val_windows)
+            starts = part.validation_keys(self.val_windows)
             # Every rank gets as many windows (and batches) as the others: sharded models
             # run collectives in each forward.
             starts = starts[: max(world, len(starts) // world * world)]

@@ -28,8 +28,6 @@ prepared token stream, with windows cut at a seeded offset each epoch and mixtur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
@@ -47,9 +45,8 @@ from nanolab.data.datamodule import (
 from nanolab.data.prepare import PrepareError
 from nanolab.data.windows import (
     DataTooSmallError,
+    IndexPlan,
     ResumableBatchSampler,
-    epoch_seed,
-    rank_share,
 )
 
 
@@ -60,41 +57,6 @@ class WindowSource(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class IndexPlan:
-    """The training order over ``num_windows`` fixed windows for one (world, micro-batch)."""
-
-    num_windows: int
-    micro_batch_size: int
-    world_size: int
-    seed: int
-
-    def __post_init__(self) -> None:
-        if self.batches_per_epoch < 1:
-            raise DataTooSmallError(
-                f"the training split has {self.num_windows} windows, fewer than "
-                f"micro_batch_size x world_size = {self.micro_batch_size * self.world_size}; "
-                "add windows or lower data.micro_batch_size"
-            )
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Micro-batches each rank draws per epoch (a partial last batch is dropped)."""
-        return self.num_windows // self.world_size // self.micro_batch_size
-
-    def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
-        """Window numbers of rank ``rank``'s micro-batch ``global_batch`` (over all epochs)."""
-        epoch, position = divmod(global_batch, self.batches_per_epoch)
-        order = _order(self.num_windows, self.seed, epoch)
-        return rank_share(order, position, self.micro_batch_size, self.world_size, rank)
-
-
-@lru_cache(maxsize=4)
-def _order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
-    g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-    return torch.randperm(num_windows, generator=g).numpy()
 
 
 class WindowDataModule(L.LightningDataModule):

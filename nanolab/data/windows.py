@@ -75,6 +75,11 @@ class WindowPlan:
         """(offset, permutation of window indices) for ``epoch``."""
         return _epoch_layout(self, epoch)
 
+    def fresh_layout(self, epoch: int) -> tuple[int, np.ndarray, int]:
+        """(offset, order, stride) of ``epoch``, uncached: window ``i`` of the epoch's order
+        is read at token ``offset + order[i] * stride``."""
+        return (*_epoch_layout.__wrapped__(self, epoch), self.block_size)
+
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
         """Token offsets of the windows in micro-batch ``global_batch`` (counted over all epochs)."""
         epoch, position = divmod(global_batch, self.batches_per_epoch)
@@ -97,6 +102,45 @@ def _epoch_layout(plan: WindowPlan, epoch: int) -> tuple[int, np.ndarray]:
     offset = int(torch.randint(0, plan.max_offset + 1, (1,), generator=g))
     order = torch.randperm(plan.num_windows, generator=g).numpy()
     return offset, order
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """The training order over ``num_windows`` fixed windows for one (world, micro-batch)."""
+
+    num_windows: int
+    micro_batch_size: int
+    world_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.batches_per_epoch < 1:
+            raise DataTooSmallError(
+                f"the training split has {self.num_windows} windows, fewer than "
+                f"micro_batch_size x world_size = {self.micro_batch_size * self.world_size}; "
+                "add windows or lower data.micro_batch_size"
+            )
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches each rank draws per epoch (a partial last batch is dropped)."""
+        return self.num_windows // self.world_size // self.micro_batch_size
+
+    def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
+        """Window numbers of rank ``rank``'s micro-batch ``global_batch`` (over all epochs)."""
+        epoch, position = divmod(global_batch, self.batches_per_epoch)
+        order = _order(self.num_windows, self.seed, epoch)
+        return rank_share(order, position, self.micro_batch_size, self.world_size, rank)
+
+    def fresh_layout(self, epoch: int) -> tuple[int, np.ndarray, int]:
+        """(0, order, 1) of ``epoch``, uncached: the keys are the window numbers themselves."""
+        return 0, _order.__wrapped__(self.num_windows, self.seed, epoch), 1
+
+
+@lru_cache(maxsize=4)
+def _order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
+    g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+    return torch.randperm(num_windows, generator=g).numpy()
 
 
 class ResumableBatchSampler:
@@ -166,6 +210,7 @@ class MixturePlan:
         world_size: int,
         seed: int,
         names: Sequence[str] | None = None,
+        rows: Sequence[int] | None = None,
     ) -> None:
         if len(num_tokens) != len(weights) or not num_tokens:
             raise ValueError("a mixture needs one weight per dataset")
@@ -175,10 +220,13 @@ class MixturePlan:
         self.world_size = world_size
         self.seed = seed
         self.names = names
-        plans = []
+        plans: list[WindowPlan | IndexPlan] = []
         for i, n in enumerate(num_tokens):
             try:
-                plans.append(WindowPlan(int(n), block_size, 1, 1, _dataset_seed(seed, i)))
+                if rows is None:
+                    plans.append(WindowPlan(int(n), block_size, 1, 1, _dataset_seed(seed, i)))
+                else:  # document-aligned rows, numbered (nanolab.data.documents)
+                    plans.append(IndexPlan(int(rows[i]), 1, 1, _dataset_seed(seed, i)))
             except DataTooSmallError as err:
                 raise DataTooSmallError(f"dataset {names[i]}: {err}") from None
         self.plans = plans
@@ -194,7 +242,7 @@ class MixturePlan:
             q = share / left
             self._split.append((q.numerator, q.denominator))
             left -= share
-        self._layouts: dict[int, tuple[int, int, np.ndarray]] = {}
+        self._layouts: dict[int, tuple[int, int, np.ndarray, int]] = {}
 
     def slot_source(self, slot: int) -> tuple[int, int]:
         """(dataset, index in that dataset's own window stream) of global slot ``slot``."""
@@ -206,23 +254,24 @@ class MixturePlan:
             r -= before  # position among the slots the later datasets share
         return len(self._split), r
 
-    def _layout(self, dataset: int, epoch: int) -> tuple[int, np.ndarray]:
+    def _layout(self, dataset: int, epoch: int) -> tuple[int, np.ndarray, int]:
         cached = self._layouts.get(dataset)
         if cached is None or cached[0] != epoch:
             # One layout per dataset: the stream moves forward, so older epochs are not kept.
-            cached = (epoch, *_epoch_layout.__wrapped__(self.plans[dataset], epoch))
+            cached = (epoch, *self.plans[dataset].fresh_layout(epoch))
             self._layouts[dataset] = cached
-        return cached[1], cached[2]
+        return cached[1], cached[2], cached[3]
 
     def _starts(self, dataset: int, ks: np.ndarray) -> np.ndarray:
-        """Token offsets of windows ``ks`` of ``dataset``'s own stream."""
+        """Read keys (token offsets, or aligned row numbers) of windows ``ks`` of
+        ``dataset``'s own stream."""
         plan = self.plans[dataset]
         epochs, positions = np.divmod(ks, plan.num_windows)
         out = np.empty(len(ks), dtype=np.int64)
         for epoch in np.unique(epochs):  # one, or two at an epoch boundary
             here = epochs == epoch
-            offset, order = self._layout(dataset, int(epoch))
-            out[here] = offset + order[positions[here]] * plan.block_size
+            offset, order, stride = self._layout(dataset, int(epoch))
+            out[here] = offset + order[positions[here]] * stride
         return out
 
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:

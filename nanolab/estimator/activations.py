@@ -126,7 +126,16 @@ def saved_activations(
     blk["ln_1 mean+rstd"] = 2 * BT * num.ln_stats
     blk["c_attn input"] = BTC * c
     rope_tables = 4 * T * (D // 2) * c if (rope and num.rope_table_copies) else 0
-    if gpt.attention == "sdpa" and not (drop and num.sdpa_dropout_math):
+    # A document mask differs per row; a window alone is one (T, T) mask for every row.
+    mask_rows = B if gpt.document_mask else 1
+    if gpt.masks_attention and num.gpu and gpt.attention != "math" and not drop:
+        # FlexAttention on a GPU: a block mask of a few KB; q, k, v, output and log-sum-exp
+        # as a fused kernel saves them (the rules below).
+        pass
+    elif gpt.masks_attention and gpt.attention != "math":
+        # SDPA with a boolean mask turns it into an additive one in q's dtype, per block.
+        blk["attention mask (additive copy)"] = mask_rows * T * T * c
+    if gpt.attention in ("sdpa", "flex") and not (drop and num.sdpa_dropout_math):
         # Fused (flash / memory-efficient) kernel: q, k, v, the output and the row
         # log-sum-exp (fp32); never the T x T scores. Dropout is regenerated from its seed.
         blk["q,k,v (c_attn output)"] = 3 * BTC * c
@@ -165,7 +174,7 @@ def saved_activations(
                 blk["q, k^T, v matmul operands"] = 3 * BTC * c
             if rope:
                 blk["rope cos/sin casts"] = rope_tables
-            blk["causal mask (bool)"] = T * T
+            blk["causal mask (bool)"] = mask_rows * T * T
             blk["softmax output"] = scores * num.softmax
             if drop:
                 blk["attention dropout mask"] = _mask(scores, num.softmax, num)

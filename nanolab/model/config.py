@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from nanolab.errors import NanolabError
 
-AttentionImpl = Literal["sdpa", "math"]
+AttentionImpl = Literal["sdpa", "math", "flex"]
 Activation = Literal["gelu_tanh", "gelu"]
 
 
@@ -44,7 +44,11 @@ class GPTConfig:
         mlp_ratio: Hidden width of the MLP as a multiple of ``n_embd``.
         attention: ``"sdpa"`` uses ``F.scaled_dot_product_attention`` (flash / memory-efficient
             kernels when the device has them); ``"math"`` spells attention out and materialises
-            the B x H x T x T score matrix (useful as a reference and for the memory estimator).
+            the B x H x T x T score matrix (useful as a reference and for the memory estimator);
+            ``"flex"`` runs FlexAttention (torch >= 2.5) with a block mask, compiled on a GPU
+            (and unfused, as a reference, on a CPU). With ``document_mask`` or
+            ``attention_window``, ``"sdpa"`` takes FlexAttention on CUDA by itself and a boolean
+            mask elsewhere.
         gradient_checkpointing: Recompute each block's activations in the backward pass instead
             of storing them (non-reentrant ``torch.utils.checkpoint``): less memory, ~30% more
             compute.
@@ -60,6 +64,14 @@ class GPTConfig:
         attention_variant: A registered attention (what it computes; ``attention`` is the
             kernel that computes it): ``"causal"`` (GPT-2) or ``"qk_norm"`` (RMS-normalised
             queries and keys).
+        document_mask: Attention never crosses an end-of-text token: a token sees only the
+            tokens of its own document (the end-of-text that opens it included), as when
+            documents are trained one by one. Pairs with ``data.align: document``.
+        eot_id: The end-of-text id that separates documents; ``null``: read from the data
+            (``nanolab fit`` fills it in when ``document_mask`` is on).
+        attention_window: Local causal attention: a token sees at most this many tokens, itself
+            included (sliding-window attention, as in Mistral and modded-nanogpt); ``null``:
+            the whole context.
 
     The four registered fields accept every name in :mod:`nanolab.model.registry`, including
     variants a project registers itself (docs/forking.md, "Adding a model variant").
@@ -86,6 +98,9 @@ class GPTConfig:
     norm: str = "layernorm"
     mlp: str = "gelu"
     attention_variant: str = "causal"
+    document_mask: bool = False
+    eot_id: int | None = None
+    attention_window: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,9 +135,25 @@ class GPTConfig:
         self._validate_registered()
         if self.rope_base <= 1.0:
             raise ConfigError(f"model.gpt.rope_base must be > 1, got {self.rope_base!r}")
-        if self.attention not in ("sdpa", "math"):
+        if self.attention not in ("sdpa", "math", "flex"):
             raise ConfigError(
-                f"model.gpt.attention must be 'sdpa' or 'math', got {self.attention!r}"
+                f"model.gpt.attention must be 'sdpa', 'math' or 'flex', got {self.attention!r}"
+            )
+        if self.attention == "flex" and self.dropout > 0:
+            raise ConfigError(
+                "model.gpt.attention 'flex' has no attention dropout; set model.gpt.dropout: 0 "
+                "or use attention 'sdpa' (it takes FlexAttention on CUDA when dropout is 0)"
+            )
+        window = self.attention_window
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ConfigError(
+                f"model.gpt.attention_window must be a positive number of tokens or null "
+                f"(the whole context), got {window!r}"
+            )
+        if self.eot_id is not None and (not isinstance(self.eot_id, int) or self.eot_id < 0):
+            raise ConfigError(
+                f"model.gpt.eot_id must be a token id >= 0 or null (from the data), "
+                f"got {self.eot_id!r}"
             )
         if self.activation not in ("gelu_tanh", "gelu"):
             raise ConfigError(
@@ -141,6 +172,11 @@ class GPTConfig:
             check = reg.config_check(name)
             if check is not None:
                 check(self)
+
+    @property
+    def masks_attention(self) -> bool:
+        """Whether attention is narrower than plain causal (documents or a window)."""
+        return self.document_mask or self.attention_window is not None
 
     @property
     def head_dim(self) -> int:

@@ -163,6 +163,99 @@ class RotaryEmbedding(nn.Module):
 # -- attention ----------------------------------------------------------------------------------
 
 
+def attended_span(seq_len: int, window: int | None) -> float:
+    """The key span per query that the FLOP count charges, PaLM's convention: causal attention
+    is charged the full ``seq_len`` (the kernels compute about half of it); a sliding window
+    the same share of that as the pairs it keeps are of the causal pairs."""
+    if window is None or window >= seq_len:
+        return float(seq_len)
+    kept = window * seq_len - window * (window - 1) / 2  # sum over queries of min(q + 1, W)
+    return seq_len * kept / (seq_len * (seq_len + 1) / 2)
+
+
+class AttentionMask:
+    """Which keys each query of one forward pass sees: causal, within its own document
+    (``model.gpt.document_mask``) and within the last ``attention_window`` positions.
+
+    Made once per forward and shared by the blocks. A document is numbered by the end-of-text
+    tokens up to and including each position, so an end-of-text opens the document after it
+    (as a beginning-of-sequence token would) and nothing after it sees what came before. The
+    dense boolean form (SDPA, ``math``) and FlexAttention's block mask are each built on first
+    use.
+    """
+
+    def __init__(self, idx: torch.Tensor, config: GPTConfig) -> None:
+        self.batch, self.length = idx.shape
+        self.device = idx.device
+        self.window = config.attention_window
+        self.documents: torch.Tensor | None = None
+        if config.document_mask:
+            if config.eot_id is None:
+                raise ConfigError(
+                    "model.gpt.document_mask needs the end-of-text id: set model.gpt.eot_id, "
+                    "or train on prepared data, whose meta.json records it"
+                )
+            self.documents = (idx == config.eot_id).cumsum(dim=1)
+        self._dense: torch.Tensor | None = None
+        self._block: object | None = None
+
+    def allows(self, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Whether query position ``q`` of row ``b`` may see key position ``k`` (broadcast
+        index tensors; FlexAttention's ``mask_mod`` signature without the head)."""
+        ok = q >= k
+        if self.window is not None:
+            ok = ok & (q - k < self.window)
+        if self.documents is not None:
+            ok = ok & (self.documents[b, q] == self.documents[b, k])
+        return ok
+
+    def dense(self) -> torch.Tensor:
+        """The mask as booleans (B, 1, T, T) for SDPA and the spelled-out kernel."""
+        if self._dense is None:
+            at = torch.arange(self.length, device=self.device)
+            rows = torch.arange(self.batch, device=self.device)[:, None, None]
+            self._dense = self.allows(rows, at[None, :, None], at[None, None, :]).unsqueeze(1)
+        return self._dense
+
+    def block_mask(self) -> object:
+        """FlexAttention's block mask: blocks that no pair reaches are skipped, not computed."""
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            batch = None if self.documents is None else self.batch
+            self._block = create_block_mask(
+                lambda b, h, q, k: self.allows(b, q, k),
+                batch,
+                None,
+                self.length,
+                self.length,
+                device=self.device,
+            )
+        return self._block
+
+
+_COMPILED_FLEX: dict[str, object] = {}
+
+
+def flex_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: object
+) -> torch.Tensor:
+    """FlexAttention over (B, H, T, D): compiled into one fused kernel on a GPU; run unfused
+    (the scores are materialised, as a reference) on a CPU, where it is only for tests."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.is_cuda:
+        fn = _COMPILED_FLEX.get("cuda")
+        if fn is None:
+            fn = _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+        return fn(q, k, v, block_mask=block_mask)  # type: ignore[operator]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask)  # type: ignore[return-value]
+
+
 @register_attention("causal")
 class CausalSelfAttention(nn.Module):
     """GPT-2's multi-head causal self-attention.
@@ -180,6 +273,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         self.impl = config.attention
+        self.window = config.attention_window
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
@@ -216,7 +310,27 @@ class CausalSelfAttention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         return self.attn_dropout(F.softmax(scores, dim=-1)) @ v
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def attend_masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: AttentionMask
+    ) -> torch.Tensor:
+        """Attention under an :class:`AttentionMask`: FlexAttention's block mask with
+        ``attention: flex``, and with ``sdpa`` on CUDA when there is no attention dropout
+        (flex has none); else the dense boolean mask through :meth:`attend`. FlexAttention
+        has no backward on a CPU, so there it runs only where no gradient is needed."""
+        dropout_on = self.training and self.dropout > 0
+        backward_on_cpu = not q.is_cuda and torch.is_grad_enabled() and q.requires_grad
+        if self.impl == "flex" and not backward_on_cpu:
+            return flex_attend(q, k, v, visible.block_mask())
+        if self.impl == "sdpa" and q.is_cuda and not dropout_on:
+            return flex_attend(q, k, v, visible.block_mask())
+        return self.attend(q, k, v, visible.dense())
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | None = None,
+        visible: AttentionMask | None = None,
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -224,7 +338,7 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         if cache is None:
             q, k = self.prepare_qk(q, k)
-            y = self.attend(q, k, v)
+            y = self.attend(q, k, v) if visible is None else self.attend_masked(q, k, v, visible)
         else:  # new tokens at their positions, attending to the cached ones too
             q, k = self.prepare_qk(q, k, cache.positions)
             k, v = cache.extend(k, v)
@@ -234,8 +348,11 @@ class CausalSelfAttention(nn.Module):
 
     def activation_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token of q k^T and scores @ v (no weights, so not in 6N):
-        2 matmuls x 2·D·T per head forward, twice that backward (PaLM appendix B)."""
-        return 12 * self.n_head * self.head_dim * seq_len
+        2 matmuls x 2·D·T per head forward, twice that backward (PaLM appendix B); a sliding
+        window charges its share of T (:func:`attended_span`). A document mask is charged as
+        plain causal attention: what it saves depends on the documents of each batch."""
+        span = attended_span(seq_len, self.window)
+        return round(12 * self.n_head * self.head_dim * span)
 
 
 @register_attention("qk_norm")
@@ -414,8 +531,18 @@ class Block(nn.Module):
         self.ln_2 = norm(config.n_embd, config)
         self.mlp = registry.MLPS.get(config.mlp)(config)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        attn = self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | None = None,
+        visible: AttentionMask | None = None,
+    ) -> torch.Tensor:
+        if cache is not None:
+            attn = self.attn(self.ln_1(x), cache)
+        elif visible is not None:
+            attn = self.attn(self.ln_1(x), visible=visible)
+        else:
+            attn = self.attn(self.ln_1(x))
         x = x + attn
         return x + self.mlp(self.ln_2(x))
 
@@ -456,7 +583,10 @@ class GPT(nn.Module):
     @property
     def supports_kv_cache(self) -> bool:
         """Whether every attention and position module declares it can run with a
-        :class:`KVCache` (in its own class body: a subclass must declare it again)."""
+        :class:`KVCache` (in its own class body: a subclass must declare it again), and
+        attention is plain causal (a document mask or window runs without a cache)."""
+        if self.config.masks_attention:
+            return False
         parts: list[nn.Module] = [] if self.wpe is None else [self.wpe]
         for block in self.blocks:
             parts.append(block.attn)
@@ -497,11 +627,16 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = self.wpe(x) if positions is None else self.wpe(x, positions)
         x = self.drop(x)
+        visible = None
+        if cache is None and (self.config.masks_attention or self.config.attention == "flex"):
+            visible = AttentionMask(idx, self.config)
         for i, block in enumerate(self.blocks):
             if cache is not None:
                 x = block(x, LayerCache(cache, i, positions, mask))  # type: ignore[arg-type]
             elif self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, None, visible, use_reentrant=False)
+            elif visible is not None:
+                x = block(x, visible=visible)
             else:
                 x = block(x)
         if cache is not None:

@@ -70,6 +70,7 @@ def launch(cli: NanolabCLI) -> Trainer:
         from nanolab.model.hf_tokenizer import check_init_from_data
 
         check_init_from_data(model_args, data)
+    fill_eot_id(model_args, data)
     resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab)
     micro = plan_micro_batch(cfg, resolved)
     if micro != resolved.micro_batch_size:
@@ -204,6 +205,21 @@ def data_vocab(data: Any) -> int | None:
             f"{data.dataset_dir} --force`"
         ) from None
     return None if vocab is None else int(vocab)
+
+
+def fill_eot_id(model_args: Any, data: Any) -> None:
+    """``model.gpt.document_mask`` with ``eot_id: null``: the end-of-text id the data's
+    documents end with, written into the config the run saves."""
+    gpt = model_args.get("gpt")
+    if gpt is None or not gpt.get("document_mask") or gpt.get("eot_id") is not None:
+        return
+    eot = getattr(data, "eot_id", None)
+    if eot is None:
+        raise RunConfigError(
+            "model.gpt.document_mask needs the end-of-text id between documents, and the data "
+            "records none; prepare the data again with this nanolab, or set model.gpt.eot_id"
+        )
+    gpt.eot_id = int(eot)
 
 
 def plan_micro_batch(cfg: Any, resolved: Any) -> int:
