@@ -358,8 +358,8 @@ class TokenDataModule(L.LightningDataModule):
                 rank_zero_warn(
                     f"data.align document keeps only {packing.used_tokens / packing.total_tokens:.0%}"
                     f" of {part.path}'s {split} tokens: its documents are mostly longer than a "
-                    "window, and each is cut after its first; for long documents data.align: "
-                    "stream trains on all of them"
+                    "window and only their first window's worth is kept; for long documents "
+                    "data.align: stream trains on every token"
                 )
         return packed
 
@@ -435,7 +435,17 @@ class TokenDataModule(L.LightningDataModule):
         if self.align == "document":
             rows = [len(w) for w in self.windows("train")]
             if self.mixture is None:
-                return IndexPlan(rows[0], self.micro_batch_size, world_size, self.seed)
+                try:
+                    return IndexPlan(rows[0], self.micro_batch_size, world_size, self.seed)
+                except DataTooSmallError:
+                    packing = self.windows("train")[0].packing
+                    raise DataTooSmallError(
+                        f"data.align: document packs the {packing.documents:,} document(s) of "
+                        f"{self.dataset_dir}'s training split into {packing.rows:,} row(s), "
+                        f"fewer than micro_batch_size x devices = "
+                        f"{self.micro_batch_size * world_size}; its documents are few or long: "
+                        "set data.align: stream, or lower data.micro_batch_size"
+                    ) from None
         if self.mixture is None:
             return WindowPlan(
                 num_tokens=int(self.meta["train_tokens"]),

@@ -1,0 +1,308 @@
+"""Document-aligned windows (``data.align: document``) and document-masked / sliding-window
+attention (``model.gpt.document_mask``, ``attention_window``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from test_data_checks import fit_config, fit_in_process
+
+from nanolab.data import documents
+from nanolab.data.datamodule import TokenDataModule
+from nanolab.data.documents import PackedWindows, pack_documents, unit_starts
+from nanolab.data.windows import MixturePlan, ResumableBatchSampler
+from nanolab.estimator.memory import estimate_memory
+from nanolab.estimator.setup import Setup
+from nanolab.model import GPT, GPTConfig
+from nanolab.model.config import ConfigError
+from nanolab.model.gpt import attended_span
+
+EOT = 256  # the bytes tokenizer's end-of-text id
+
+
+def write_documents(folder: Path, train: list[str], val: list[str]) -> Path:
+    """A dataset as ``nanolab prepare --tokenizer bytes`` lays it out: every document ends with
+    the end-of-text id."""
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "nanolab-tokens-v1", "tokenizer": {"name": "bytes", "eot": True},
+            "vocab_size": 257, "dtype": "uint16", "eot_id": EOT}  # fmt: skip
+    for split, docs in (("train", train), ("val", val)):
+        ids = [t for d in docs for t in [*d.encode(), EOT]]
+        (folder / f"{split}.bin").write_bytes(np.asarray(ids, dtype=np.uint16).tobytes())
+        meta[f"{split}_tokens"] = len(ids)
+        meta[f"{split}_bytes"] = sum(len(d.encode()) for d in docs)
+    meta["documents"] = {"train": len(train), "val": len(val)}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def random_documents(n: int, seed: int, longest: int = 90) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "slept", "well"]
+    return [
+        " ".join(rng.choice(words, size=int(rng.integers(2, longest // 4))))
+        for _ in range(n)
+    ]
+
+
+# -- packing ----------------------------------------------------------------------------------
+def test_units_begin_at_the_end_of_text_before_each_document(monkeypatch):
+    tokens = np.array([5, 6, EOT, 7, EOT, 8, 9, 9, EOT], dtype=np.uint16)
+    assert unit_starts(tokens, EOT).tolist() == [0, 2, 4]
+    monkeypatch.setattr(documents, "SCAN_CHUNK", 2)  # a boundary on a chunk edge is found too
+    assert unit_starts(tokens, EOT).tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("row_len", [9, 33, 200])
+def test_every_row_is_full_starts_at_a_document_and_holds_whole_or_cropped_documents(row_len):
+    rng = np.random.default_rng(row_len)
+    lengths = rng.integers(1, 60, size=400)
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    total = int(lengths.sum())
+    p = pack_documents(starts, total, row_len)
+    unit_length = dict(zip(starts.tolist(), lengths.tolist(), strict=True))
+    assert p.rows > 0 and p.row_ptr[0] == 0
+    seen = set()
+    for r in range(p.rows):
+        pieces = range(p.row_ptr[r], p.row_ptr[r + 1])
+        assert sum(int(p.piece_len[i]) for i in pieces) == row_len  # no padding
+        for i in pieces:
+            start, length = int(p.piece_start[i]), int(p.piece_len[i])
+            assert start in unit_length and start not in seen  # a document, used once
+            seen.add(start)
+            cropped = length < unit_length[start]
+            # Only the last piece of a row may be cropped: a document that fits is kept whole.
+            assert not cropped or i == p.row_ptr[r + 1] - 1
+    assert p.dropped_tokens == total - p.rows * row_len
+    assert p.dropped_tokens < 0.25 * total or row_len < 60
+
+
+def test_packed_rows_read_the_pieces_end_to_end(tmp_path):
+    folder = write_documents(tmp_path / "d", random_documents(60, 0), ["x y"])
+    windows = PackedWindows(folder / "train.bin", "uint16", 31, EOT)
+    data = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    p = windows.packing
+    rows = np.array([0, p.rows - 1, 3, 3])
+    x, y = windows[rows]
+    for j, r in enumerate(rows):
+        want = np.concatenate(
+            [data[p.piece_start[i] : p.piece_start[i] + p.piece_len[i]]
+             for i in range(p.row_ptr[r], p.row_ptr[r + 1])]
+        )  # fmt: skip
+        assert torch.equal(x[j], torch.from_numpy(want[:-1].astype(np.int64)))
+        assert torch.equal(y[j], torch.from_numpy(want[1:].astype(np.int64)))
+        # Every row opens with the end-of-text before a document, or with the split's start.
+        assert x[j, 0] == EOT or p.piece_start[p.row_ptr[r]] == 0
+
+
+# -- the DataModule ---------------------------------------------------------------------------
+def _opens_documents(windows: PackedWindows, keys: np.ndarray, x: torch.Tensor) -> bool:
+    """Whether each row opens with an end-of-text (a document starts after it), or with the
+    split's first document, which has none before it."""
+    p = windows.packing
+    return all(
+        row[0] == EOT or p.piece_start[p.row_ptr[k]] == 0 for k, row in zip(keys, x, strict=True)
+    )
+
+
+def _module(folder: Path, **kw) -> TokenDataModule:
+    dm = TokenDataModule(dataset_dir=str(folder), source=None, block_size=31,
+                         micro_batch_size=4, val_windows=6, align="document", **kw)  # fmt: skip
+    dm.setup("fit")
+    return dm
+
+
+def test_training_windows_start_at_documents_and_an_epoch_visits_every_row(tmp_path):
+    dm = _module(write_documents(tmp_path / "d", random_documents(200, 1), random_documents(20, 2)))
+    plan = dm.window_plan(1)
+    rows = len(dm.train_parts[0])
+    seen = []
+    for g in range(plan.batches_per_epoch):
+        keys = plan.batch_starts(g, 0)
+        x, _ = dm.train_parts[0][keys]
+        assert _opens_documents(dm.train_parts[0], keys, x)
+        seen += keys.tolist()
+    assert len(seen) == len(set(seen)) == plan.batches_per_epoch * 4 <= rows
+
+
+def test_the_order_resumes_exactly_and_two_ranks_take_one_step_of_two_micro_batches(tmp_path):
+    dm = _module(write_documents(tmp_path / "d", random_documents(200, 3), random_documents(20, 4)))
+    one = iter(ResumableBatchSampler(dm.window_plan(1), 0))
+    stream = [next(one) for _ in range(40)]
+    resumed = iter(ResumableBatchSampler(dm.window_plan(1), 0, start=17))
+    assert all(np.array_equal(next(resumed), stream[g]) for g in range(17, 40))
+    two = dm.window_plan(2)
+    for step in range(5):  # step k of two ranks = micro-batches 2k and 2k+1 of one
+        ranks = np.concatenate([two.batch_starts(step, r) for r in (0, 1)])
+        assert sorted(ranks.tolist()) == sorted(np.concatenate(stream[2 * step : 2 * step + 2]).tolist())
+
+
+def test_validation_rows_are_fixed_and_aligned(tmp_path):
+    folder = write_documents(tmp_path / "d", random_documents(50, 5), random_documents(40, 6))
+    a, b = _module(folder), _module(folder)
+    keys = [k for batch in a.val_dataloader().sampler for k in batch]
+    assert keys == [k for batch in b.val_dataloader().sampler for k in batch] and len(keys) == 6
+    x, _ = a.val_parts[0][np.asarray(keys)]
+    assert _opens_documents(a.val_parts[0], np.asarray(keys), x)
+
+
+def test_a_mixture_of_aligned_datasets_reads_rows_of_each(tmp_path):
+    prose = write_documents(tmp_path / "prose", random_documents(120, 7), random_documents(20, 8))
+    code = write_documents(tmp_path / "code", ["def f(x):\n    return x"] * 80, ["pass"] * 20)
+    dm = TokenDataModule(datasets=[{"path": str(prose), "weight": 0.7},
+                                   {"path": str(code), "weight": 0.3}],
+                         block_size=31, micro_batch_size=4, val_windows=4, align="document")  # fmt: skip
+    dm.setup("fit")
+    plan = dm.window_plan(1)
+    assert isinstance(plan, MixturePlan)
+    rows = np.concatenate([plan.batch_starts(g, 0) for g in range(25)])
+    sizes = [len(p) for p in dm.train_parts]
+    for d in (0, 1):
+        mine = rows[rows[:, 0] == d, 1]
+        assert mine.min() >= 0 and mine.max() < sizes[d]
+    assert 0.6 < np.mean(rows[:, 0] == 0) < 0.8
+    x, y = dm.train_dataloader().dataset[plan.batch_starts(0, 0)]
+    assert x.shape == y.shape == (4, 31)
+
+
+def test_long_documents_are_named_when_aligning_drops_most_tokens(tmp_path, recwarn):
+    long_docs = ["word " * 200] * 10  # 1000-byte documents, 32-token rows
+    _module(write_documents(tmp_path / "d", long_docs, long_docs[:3]))
+    messages = [str(w.message) for w in recwarn]
+    assert any("data.align document keeps only" in m and "train tokens" in m for m in messages)
+
+
+# -- the mask -----------------------------------------------------------------------------------
+BASE = dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 49, (3, 32), generator=g)
+    idx[0, 5], idx[0, 20], idx[1, 0], idx[2, 31] = 49, 49, 49, 49
+    return idx, torch.randint(0, 49, (3, 32), generator=g)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_a_masked_document_sees_nothing_of_the_one_before(position):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, position_embedding=position, document_mask=True, eot_id=49))
+    model.eval()
+    idx, _ = _batch()
+    logits, _ = model(idx[:1])
+    alone, _ = model(idx[:1, :20])  # the first two documents, without the third
+    assert torch.allclose(logits[0, :20], alone[0], atol=1e-6)
+    changed = idx[:1].clone()
+    changed[0, :5] = (changed[0, :5] + 1) % 49  # rewrite the first document
+    after, _ = model(changed)
+    assert torch.allclose(after[0, 5:], logits[0, 5:], atol=1e-6)  # the later ones never see it
+    assert not torch.allclose(after[0, :5], logits[0, :5])
+    if position == "rope":  # relative positions: a document alone = the document packed
+        solo, _ = model(idx[:1, 5:20])
+        assert torch.allclose(logits[0, 5:20], solo[0], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [dict(document_mask=True, eot_id=49), dict(attention_window=7),
+     dict(document_mask=True, eot_id=49, attention_window=5)],  # fmt: skip
+    ids=["documents", "window", "both"],
+)
+def test_flex_sdpa_and_math_give_the_same_losses_and_gradients(extra):
+    """FlexAttention has no backward on a CPU, so its loss is compared without gradients;
+    SDPA with a boolean mask and the spelled-out kernel are compared with them."""
+    idx, targets = _batch()
+    results = {}
+    for impl in ("sdpa", "math", "flex"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**BASE, position_embedding="rope", attention=impl, **extra))
+        with torch.no_grad():
+            results[impl] = [model(idx, targets)[1]]
+        if impl != "flex":
+            loss = model(idx, targets)[1]
+            loss.backward()
+            results[impl].append(model.blocks[0].attn.c_attn.weight.grad)
+    assert float(results["flex"][0]) == pytest.approx(float(results["sdpa"][0]), abs=1e-5)
+    assert float(results["math"][0]) == pytest.approx(float(results["sdpa"][0]), abs=1e-5)
+    assert torch.allclose(results["sdpa"][1], results["math"][1], atol=1e-5)
+
+
+def test_a_window_sees_exactly_its_last_tokens():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, position_embedding="rope", attention_window=4)).eval()
+    idx, _ = _batch()
+    logits, _ = model(idx[:1])
+    changed = idx[:1].clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 49
+    after, _ = model(changed)
+    # Two layers of a 4-token window: position 10 reaches at most positions 10..16.
+    differs = [(after[0, t] - logits[0, t]).abs().max() > 1e-6 for t in range(32)]
+    assert differs[10:17] == [True] * 7 and not any(differs[:10]) and not any(differs[17:])
+
+
+def test_masked_models_sample_without_a_cache():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, document_mask=True, eot_id=49, attention_window=8)).eval()
+    assert not model.supports_kv_cache
+    out = model.generate(torch.tensor([[1, 2, 49, 3]]), 6, temperature=0)
+    assert out.shape == (1, 10)
+
+
+def test_settings_that_cannot_work_are_named():
+    with pytest.raises(ConfigError, match="attention_window must be a positive"):
+        GPTConfig(**BASE, attention_window=0)
+    with pytest.raises(ConfigError, match="'flex' has no attention dropout"):
+        GPTConfig(**BASE, attention="flex", dropout=0.1)
+    model = GPT(GPTConfig(**BASE, document_mask=True))
+    with pytest.raises(ConfigError, match="document_mask needs the end-of-text id"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+
+
+# -- what the estimator counts ------------------------------------------------------------------
+def test_a_window_is_charged_its_share_of_the_attention_flops():
+    assert attended_span(1024, None) == 1024 and attended_span(1024, 4096) == 1024
+    assert attended_span(1024, 1) == pytest.approx(1024 / 512.5)
+    full = GPT(GPTConfig(**BASE))
+    windowed = GPT(GPTConfig(**BASE, attention_window=8))
+    attention = full.flops_per_token() - 6 * full.num_params(non_embedding=True)
+    kept = sum(min(q + 1, 8) for q in range(32)) / (32 * 33 / 2)
+    assert windowed.flops_per_token() - 6 * full.num_params(non_embedding=True) == round(
+        attention * kept / BASE["n_layer"]
+    ) * BASE["n_layer"]
+
+
+def test_the_estimator_adds_the_mask_sdpa_keeps_on_a_cpu_and_not_flex_on_a_gpu():
+    plain = GPTConfig(vocab_size=600, block_size=128, n_layer=3, n_head=4, n_embd=128)
+    masked = GPTConfig(**{**plain.to_dict(), "document_mask": True, "eot_id": 5})
+    cpu = [estimate_memory(Setup(gpt=g, precision="32-true"), 3, backend="cpu").peak_allocated
+           for g in (plain, masked)]  # fmt: skip
+    assert cpu[1] - cpu[0] == 3 * 3 * 128 * 128 * 4  # micro-batch x layers x T x T x fp32
+    gpu = [estimate_memory(Setup(gpt=g, precision="bf16-mixed"), 3, backend="cuda").peak_allocated
+           for g in (plain, masked)]  # fmt: skip
+    assert gpu[1] == gpu[0]
+
+
+# -- a run ----------------------------------------------------------------------------------------
+def test_fit_trains_aligned_and_masked_records_the_eot_and_refuses_another_alignment(
+    tmp_path, capsys
+):
+    folder = write_documents(tmp_path / "d", random_documents(300, 9), random_documents(40, 10))
+    cfg = fit_config(
+        tmp_path, {"dataset_dir": str(folder), "align": "document"},
+        model={"gpt": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32,
+                       "document_mask": True, "attention_window": 16}},
+    )  # fmt: skip
+    code, err = fit_in_process(capsys, cfg)
+    assert code == 0, err[-20:]
+    run = tmp_path / "runs" / "tiny"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["gpt"]["eot_id"] == EOT
+    assert saved["data"]["align"] == "document"
+    code, err = fit_in_process(capsys, cfg, "--trainer.max_steps", "6", "--data.align", "stream")
+    assert code == 2
+    assert any("data.align is stream, the checkpoint's run trained with document" in e for e in err)
