@@ -44,10 +44,7 @@ def write_documents(folder: Path, train: list[str], val: list[str]) -> Path:
 def random_documents(n: int, seed: int, longest: int = 90) -> list[str]:
     rng = np.random.default_rng(seed)
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "slept", "well"]
-    return [
-        " ".join(rng.choice(words, size=int(rng.integers(2, longest // 4))))
-        for _ in range(n)
-    ]
+    return [" ".join(rng.choice(words, size=int(rng.integers(2, longest // 4)))) for _ in range(n)]
 
 
 # -- packing ----------------------------------------------------------------------------------
@@ -139,7 +136,9 @@ def test_the_order_resumes_exactly_and_two_ranks_take_one_step_of_two_micro_batc
     two = dm.window_plan(2)
     for step in range(5):  # step k of two ranks = micro-batches 2k and 2k+1 of one
         ranks = np.concatenate([two.batch_starts(step, r) for r in (0, 1)])
-        assert sorted(ranks.tolist()) == sorted(np.concatenate(stream[2 * step : 2 * step + 2]).tolist())
+        assert sorted(ranks.tolist()) == sorted(
+            np.concatenate(stream[2 * step : 2 * step + 2]).tolist()
+        )
 
 
 def test_validation_rows_are_fixed_and_aligned(tmp_path):
@@ -209,8 +208,11 @@ def test_a_masked_document_sees_nothing_of_the_one_before(position):
 
 @pytest.mark.parametrize(
     "extra",
-    [dict(document_mask=True, eot_id=49), dict(attention_window=7),
-     dict(document_mask=True, eot_id=49, attention_window=5)],  # fmt: skip
+    [
+        dict(document_mask=True, eot_id=49),
+        dict(attention_window=7),
+        dict(document_mask=True, eot_id=49, attention_window=5),
+    ],
     ids=["documents", "window", "both"],
 )
 def test_flex_sdpa_and_math_give_the_same_losses_and_gradients(extra):
@@ -271,9 +273,10 @@ def test_a_window_is_charged_its_share_of_the_attention_flops():
     windowed = GPT(GPTConfig(**BASE, attention_window=8))
     attention = full.flops_per_token() - 6 * full.num_params(non_embedding=True)
     kept = sum(min(q + 1, 8) for q in range(32)) / (32 * 33 / 2)
-    assert windowed.flops_per_token() - 6 * full.num_params(non_embedding=True) == round(
-        attention * kept / BASE["n_layer"]
-    ) * BASE["n_layer"]
+    assert (
+        windowed.flops_per_token() - 6 * full.num_params(non_embedding=True)
+        == round(attention * kept / BASE["n_layer"]) * BASE["n_layer"]
+    )
 
 
 def test_the_estimator_adds_the_mask_sdpa_keeps_on_a_cpu_and_not_flex_on_a_gpu():
