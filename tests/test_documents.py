@@ -309,3 +309,84 @@ def test_fit_trains_aligned_and_masked_records_the_eot_and_refuses_another_align
     code, err = fit_in_process(capsys, cfg, "--trainer.max_steps", "6", "--data.align", "stream")
     assert code == 2
     assert any("data.align is stream, the checkpoint's run trained with document" in e for e in err)
+
+
+# -- exact resume and DDP = accumulation, end to end (slow) --------------------------------------
+def _aligned_config(tmp_path: Path, steps: int, name: str = "aligned.yaml") -> Path:
+    folder = tmp_path / "docs"
+    if not folder.exists():
+        write_documents(folder, random_documents(400, 11), random_documents(40, 12))
+    cfg = {
+        "seed_everything": 1234,
+        "run": {"root": str(tmp_path / "runs"), "global_batch_tokens": 4 * 32 * 2,
+                "eval_every_steps": 4},
+        "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true",
+                    "max_steps": steps, "enable_progress_bar": False,
+                    "enable_model_summary": False},
+        "checkpoint": {"every_n_steps": 1, "keep_last": 3},
+        "model": {"gpt": {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32,
+                          "dropout": 0.0, "position_embedding": "rope",
+                          "document_mask": True, "attention_window": 24},
+                  "optimizer": {"lr": 3.0e-3}, "schedule": {"warmup_steps": 3}},
+        "data": {"source": None, "dataset_dir": str(folder), "align": "document",
+                 "micro_batch_size": 4, "val_windows": 4},
+    }  # fmt: skip
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow  # 30-100 s on 2 cores
+def test_kill_and_resume_an_aligned_masked_run_is_bit_identical(tmp_path):
+    import signal
+    import time
+
+    from test_data_mixture import STEPS, _final, _launch
+
+    from nanolab.runlog import read_records
+
+    cfg = _aligned_config(tmp_path, STEPS)
+    runs = tmp_path / "runs"
+    reference = _launch(cfg, "reference")
+    proc = _launch(cfg, "killed")
+    deadline = time.monotonic() + 240
+    while not list((runs / "killed" / "checkpoints").glob("step-0000000[3-9].ckpt")):
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    resumed = _launch(cfg, "killed")
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()[-2000:]
+    assert reference.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-2000:]
+    a, b = _final(runs / "reference"), _final(runs / "killed")
+    for key, tensor in a["state_dict"].items():
+        assert torch.equal(tensor, b["state_dict"][key]), key
+    log_a, log_b = (read_records(runs / n / "metrics.jsonl") for n in ("reference", "killed"))
+    starts = [r for r in log_b if r["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed_from_step"] >= 3
+    train_a = {r["step"]: r["loss"] for r in log_a if r["event"] == "train"}
+    train_b = {r["step"]: r["loss"] for r in log_b if r["event"] == "train"}
+    assert train_a == train_b and sorted(train_a) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process_with_accumulation_when_aligned(tmp_path):
+    from conftest import QUICKSTART, run_nanolab
+
+    cfg = _aligned_config(tmp_path, 3)
+    states = {}
+    for name, extra in (
+        ("single", []),
+        ("ddp", ["--config", str(QUICKSTART.parent / "strategy" / "ddp.yaml"),
+                 "--trainer.devices", "2"]),
+    ):  # fmt: skip
+        res = run_nanolab("fit", "--config", str(cfg), "--run.name", name, *extra,
+                          "--run.eval_every_steps", "3", cwd=tmp_path, timeout=600)  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        states[name] = torch.load(
+            tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True
+        )
+    a, b = states["single"]["state_dict"], states["ddp"]["state_dict"]
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=2e-5, rtol=1e-4), key
