@@ -112,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if not model.supports_kv_cache:
+        print(f"nanolab generate: note: {no_cache_reason(model)}", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     for i in range(args.num_samples):
@@ -119,6 +121,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n" + "-" * 40)
         stream_sample(model, tok, idx, args, generator)
     return 0
+
+
+def no_cache_reason(model: Any) -> str:
+    """Why a model samples without a key/value cache, in one line."""
+    config = model.config
+    if config.masks_attention:
+        what = " and ".join(
+            name
+            for name, on in (
+                ("model.gpt.document_mask", config.document_mask),
+                ("model.gpt.attention_window", config.attention_window is not None),
+            )
+            if on
+        )
+        verb = "run" if " and " in what else "runs"
+        return f"{what} {verb} without a key/value cache: each new token runs the whole context"
+    return (
+        "a part of this model does not declare supports_kv_cache (docs/forking.md): each new "
+        "token runs the whole context"
+    )
 
 
 def stream_sample(

@@ -310,6 +310,16 @@ def test_fit_trains_aligned_and_masked_records_the_eot_and_refuses_another_align
     assert code == 2
     assert any("data.align is stream, the checkpoint's run trained with document" in e for e in err)
 
+    from nanolab.cli import main
+
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    assert main(["generate", "--ckpt", ckpt, "--prompt", "the cat", "--max-new-tokens", "5"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "note: model.gpt.document_mask and model.gpt.attention_window run without a key/value "
+        "cache" in err
+    )
+
 
 # -- exact resume and DDP = accumulation, end to end (slow) --------------------------------------
 def _aligned_config(tmp_path: Path, steps: int, name: str = "aligned.yaml") -> Path:
