@@ -400,3 +400,28 @@ def test_ddp_two_processes_match_one_process_with_accumulation_when_aligned(tmp_
     a, b = states["single"]["state_dict"], states["ddp"]["state_dict"]
     for key in a:
         assert torch.allclose(a[key], b[key], atol=2e-5, rtol=1e-4), key
+
+
+def test_estimate_counts_a_window_and_says_a_document_mask_is_an_upper_bound(capsys):
+    from conftest import QUICKSTART
+
+    from nanolab.cli import main
+
+    base = ["estimate", "--config", str(QUICKSTART), "--vocab-size", "65", "--device", "cpu"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert (
+        main([*base, "--model.gpt.document_mask", "true", "--model.gpt.attention_window", "64"])
+        == 0
+    )
+    masked = capsys.readouterr().out
+
+    def flops(out: str) -> float:
+        line = next(ln for ln in out.splitlines() if "FLOPs per token" in ln)
+        return float(line.split()[-1])
+
+    span = attended_span(128, 64) / 128  # the quickstart's context is 128
+    attention = 12 * 4 * 32 * 128 * 4  # layers x heads x head size x T
+    assert flops(plain) - flops(masked) == pytest.approx(attention * (1 - span), rel=1e-3)
+    assert "attention within a window of 64 tokens" in masked
+    assert "the document mask skips more (an upper bound)" in masked

@@ -214,6 +214,10 @@ def format_estimate(
     out.append(f"  MFU from: {c.mfu_source}")
     out.append(f"  tokens/s from: {c.tokens_per_second_source}")
     out.append(f"  FLOPs per token (6N + attention)    {c.flops_per_token:.3e}")
+    if s.gpt.attention_window is not None:
+        out.append(f"    attention within a window of {s.gpt.attention_window} tokens")
+    if s.gpt.document_mask:
+        out.append("    attention counted as causal: the document mask skips more (an upper bound)")
     out.append(f"  FLOPs per step                      {c.flops_per_step:.3e}")
     out.append(f"  step time                           {c.step_seconds:.3f} s")
     out.append(

@@ -179,6 +179,10 @@ def setup_from_config(
     if vocab_size is not None:
         gpt_raw["vocab_size"] = vocab_size
     gpt_raw["vocab_size"] = resolve_vocab(gpt_raw, data)
+    if gpt_raw.get("document_mask") and gpt_raw.get("eot_id") is None:
+        # Which id ends a document changes no size or FLOP count: any id stands in for the
+        # data's (fit reads the real one).
+        gpt_raw["eot_id"] = gpt_raw["vocab_size"] - 1
     known = set(GPTConfig.__dataclass_fields__)
     unknown = sorted(set(gpt_raw) - known)
     if unknown:
