@@ -97,6 +97,9 @@ class SeedGroup:
     ci_val_loss: float | None = None  # half-width of the 95% interval (Student t over seeds)
     at_tokens: int | None = None  # the val losses are taken here (the shortest seed's end)
     val_losses: list[float] = field(default_factory=list)  # one per seed, at at_tokens
+    #: Runs of the group left out of its statistics, each with why (diverged, no finite
+    #: val loss): a seed that failed is a result too, so the report names it.
+    left_out: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -199,6 +202,9 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
     for members, label in zip(groups, group_labels(groups), strict=True):
         if len(members) < 2:
             continue
+        left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
+        everyone = members
+        members = [m for m in members if not _unusable(m)]
         at_tokens = common_tokens(members)
         losses = values_at(members, at_tokens)
         cores = [m.core for m in members if m.core is not None]
@@ -206,8 +212,8 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
         out.append(
             SeedGroup(
                 label=label,
-                runs=[m.run for m in members],
-                seeds=seeds,
+                runs=[m.run for m in everyone],
+                seeds=[m.seed for m in everyone],
                 n=len(members),
                 mean_val_loss=statistics.fmean(losses) if losses else None,
                 std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
@@ -217,9 +223,19 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
                 ci_val_loss=_ci(losses),
                 at_tokens=at_tokens,
                 val_losses=losses,
+                left_out=left_out,
             )
         )
     return sorted(out, key=lambda g: g.label)
+
+
+def _unusable(run: RunSummary) -> str | None:
+    """Why a run cannot stand for its seed in a group's statistics (None: it can)."""
+    if run.status == "diverged":
+        return "diverged"
+    if run.final_val_loss is None:
+        return "no finite val loss at its end" if run.val_points else "no val loss"
+    return None
 
 
 def common_tokens(members: list[RunSummary]) -> int | None:
@@ -279,8 +295,8 @@ def compare_groups(
     for g in usable:
         if g is base:
             continue
-        members_a = [by_run[r] for r in g.runs if r in by_run]
-        members_b = [by_run[r] for r in base.runs if r in by_run]
+        members_a = [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+        members_b = [by_run[r] for r in base.runs if r in by_run and not _unusable(by_run[r])]
         ends = [t for t in (common_tokens(members_a), common_tokens(members_b)) if t is not None]
         at = min(ends) if len(ends) == 2 else None
         a, b = values_at(members_a, at), values_at(members_b, at)
@@ -414,6 +430,11 @@ def format_table(
                 spread += f", CORE {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
             out.append(f"  {g.label}: {spread}  (n={g.n}, seeds {seeds}: {', '.join(g.runs)})")
+            if g.left_out:
+                out.append(
+                    f"    note: left out of the statistics: {', '.join(g.left_out)}; the "
+                    f"figures are over the other {g.n} run(s)"
+                )
             if g.repeated_seeds:
                 twice = ", ".join(map(str, g.repeated_seeds))
                 out.append(

@@ -144,3 +144,21 @@ def test_index_names_runs_not_paths(tmp_path: Path, capsys, monkeypatch) -> None
     assert main([str(tmp_path), "--index"]) == 0
     assert "0 run(s) added" in capsys.readouterr().err
     assert len((tmp_path / "results.log").read_text().splitlines()) == 1
+
+
+def test_a_seed_that_diverged_is_named_and_left_out_of_the_statistics(
+    tmp_path: Path, capsys
+) -> None:
+    """Three seeds of one config, one of which ended with a NaN val loss: the mean, the
+    interval and the comparison are over the two others, and the report says which run was
+    left out and why (dropping it silently would flatter the config)."""
+    for seed, loss in enumerate([1.0, 1.2]):
+        write_run(tmp_path, f"fast-s{seed}", 0.003, seed, [(500, 2.0), (1000, loss)])
+    write_run(tmp_path, "fast-s2", 0.003, 2, [(500, 2.0), (1000, float("nan"))])
+    for seed, loss in enumerate([1.4, 1.5, 1.3]):
+        write_run(tmp_path, f"slow-s{seed}", 0.001, seed, [(500, 2.1), (1000, loss)])
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "lr=0.003: 1.1000 ± " in out and "(n=2, seeds 0,1,2: fast-s0, fast-s1, fast-s2)" in out
+    assert "left out of the statistics: fast-s2 (no finite val loss at its end)" in out
+    assert "seed noise at 3 and 2 seeds" in out  # the comparison too, over the finite ones
