@@ -7,8 +7,10 @@ split it (``shlex``), each word filled in with the event's fields (``{run}``, ``
 ``{val_loss}``, ...; ``{{`` for a brace), and run **without a shell**: a field's value is one
 argument whatever it holds, so a run name cannot inject a command. Each target has 60 s.
 
-A target that fails (not found, non-zero exit, timeout, apprise missing or refusing) is one
-warning line on stderr and nothing else: a notification never stops or fails a run or a queue.
+A target that can never work (an unknown field, an apprise URL apprise does not know, apprise
+not installed) is refused before the run starts. A target that fails when it is sent (not
+found, non-zero exit, timeout, the service refusing) is one warning line on stderr and nothing
+else: a notification never stops or fails a run or a queue.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def check_targets(targets: Sequence[str], fields: Sequence[str], where: str) -> 
         if not isinstance(target, str) or not target.strip():
             raise NotifyConfigError(f"{where}[{i}]: give a command line or an apprise URL")
         if "://" in target:
+            _check_apprise_url(target, f"{where}[{i}]")
             continue
         try:
             words = shlex.split(target)
@@ -59,6 +62,24 @@ def check_targets(targets: Sequence[str], fields: Sequence[str], where: str) -> 
                     f"{where}[{i}] names {{{unknown[0]}}}, which is not a field; use "
                     + ", ".join(f"{{{f}}}" for f in fields)
                 )
+
+
+def _check_apprise_url(url: str, where: str) -> None:
+    """An apprise URL apprise cannot use fails now, not in the morning: apprise missing, or a
+    scheme or form it does not know. (Whether the service accepts it shows only on sending.)"""
+    try:
+        import apprise
+    except ImportError:
+        raise NotifyConfigError(
+            f"{where} is an apprise URL and apprise is not installed: "
+            "pip install 'nanolab[notify]', or give a command line instead"
+        ) from None
+    if not apprise.Apprise().add(url):
+        scheme = url.split("://", 1)[0]
+        raise NotifyConfigError(
+            f"{where}: apprise does not understand {scheme}://... (an unknown service or a "
+            "malformed URL); see https://github.com/caronc/apprise/wiki for the URL of yours"
+        )
 
 
 def send(targets: Sequence[str], fields: Mapping[str, Any], title: str, body: str) -> list[str]:

@@ -124,3 +124,27 @@ def test_a_format_spec_that_cannot_apply_is_refused_up_front() -> None:
         check_targets(["echo {run!x}"], ("run",), "notify.targets")
     with pytest.raises(NotifyConfigError, match=r"notify\.targets\[0\]"):
         check_targets(["echo x{run:q}"], ("run",), "notify.targets")
+
+
+def test_an_apprise_url_that_can_never_work_is_refused_before_the_run(
+    tmp_path: Path, capsys, monkeypatch, char_dataset: Path
+) -> None:
+    """An unknown scheme (a typo of the service), or apprise missing, would only show as a
+    warning in the morning: both are refused up front, in one line, and fit exits 2."""
+    pytest.importorskip("apprise")
+    with pytest.raises(NotifyConfigError, match=r"apprise does not understand slak://"):
+        check_targets(["slak://token/channel"], ("run",), "notify.targets")
+    from test_data_checks import fit_in_process
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["notify"] = {"targets": ["slak://token/channel"]}
+    code, err = fit_in_process(capsys, write_config(tmp_path / "n.yaml", cfg))
+    assert code == 2 and not (tmp_path / "runs" / "tiny").exists()
+    assert [e for e in err if "error" in e] == [
+        "nanolab fit: error: notify.targets[0]: apprise does not understand slak://... (an "
+        "unknown service or a malformed URL); see https://github.com/caronc/apprise/wiki for "
+        "the URL of yours"
+    ]
+    monkeypatch.setitem(sys.modules, "apprise", None)  # import apprise -> ImportError
+    with pytest.raises(NotifyConfigError, match=r"pip install 'nanolab\[notify\]'"):
+        check_targets(["ntfy://topic"], ("run",), "--notify")
