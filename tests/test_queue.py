@@ -294,13 +294,18 @@ def test_a_config_edited_after_add_is_not_run(
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "q.db"
     other = write_config(tmp_path / "other.yaml", __import__("yaml").safe_load(tiny.read_text()))
-    assert queue(capsys, db, "add", str(tiny), "--name", "edited")[0] == 0
+    overlay = write_config(tmp_path / "overlay.yaml", {"model": {"optimizer": {"lr": 1e-3}}})
+    assert queue(capsys, db, "add", str(tiny), str(overlay), "--name", "edited")[0] == 0
     assert queue(capsys, db, "add", str(other), "--name", "kept")[0] == 0
     tiny.write_text(tiny.read_text() + "model:\n  optimizer:\n    lr: 9.0\n")
     _, out, err = queue(capsys, db, "run")
     jobs = {j.name: j for j in QueueDB(db).jobs()}
     assert jobs["edited"].status == "failed" and jobs["edited"].attempts <= 1
-    assert f"config changed since queue add: {tiny.resolve()}" in jobs["edited"].detail
+    # Only the file that changed is named, not the overlay the job also reads.
+    assert f"config changed since queue add: {tiny.resolve()} (edited) (the job" in (
+        jobs["edited"].detail
+    )
+    assert "overlay.yaml" not in jobs["edited"].detail
     assert not (tmp_path / "runs" / "edited").exists()  # never started
     assert jobs["kept"].status == "done", (out, err)
 

@@ -203,8 +203,21 @@ def config_files(config: str | Path, args: list[str]) -> list[Path]:
 
 
 def config_digest(files: list[Path]) -> str:
-    """One digest of the files' names and bytes: what ``queue add`` checked, to compare with
-    what the job would read when it starts (an edited file is refused, not run unchecked)."""
+    """What ``queue add`` checked, to compare with what the job would read when it starts (an
+    edited file is refused, not run unchecked): ``v2:`` and one digest of each file's bytes,
+    so the refusal can name the file that changed."""
+    return "v2:" + ",".join(_file_digest(path) for path in files)
+
+
+def _file_digest(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "missing"
+
+
+def _legacy_digest(files: list[Path]) -> str:
+    """The one digest over names and bytes that jobs added by earlier versions carry."""
     digest = hashlib.sha256()
     for path in files:
         digest.update(str(path).encode() + b"\0")
@@ -217,12 +230,20 @@ def config_digest(files: list[Path]) -> str:
 
 
 def changed_config(config: str | Path, args: list[str], sha: str | None) -> str | None:
-    """The job's config files, named, when they are not as ``queue add`` read them (None: they
-    are, or the job was added before digests were kept)."""
+    """The job's config files that are not as ``queue add`` read them, named (None: all are,
+    or the job was added before digests were kept)."""
     files = config_files(config, args)
-    if sha is None or config_digest(files) == sha:
+    if sha is None:
         return None
-    return ", ".join(str(f) for f in files)
+    if not sha.startswith("v2:"):  # an older job: one digest, so every file is named
+        return None if _legacy_digest(files) == sha else ", ".join(str(f) for f in files)
+    then = sha[3:].split(",")
+    changed = [
+        f"{path} ({'gone' if now == 'missing' else 'edited'})"
+        for path, was, now in zip(files, then, (_file_digest(f) for f in files), strict=False)
+        if was != now
+    ]
+    return ", ".join(changed) or None
 
 
 def build_jobs(
