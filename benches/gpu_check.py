@@ -20,6 +20,9 @@ Checks, most important first (``--list`` prints them with their caps):
   agrees with the math kernel;
 * ``bench_124m``: ``nanolab bench`` on GPT-2 124M (bf16, ``torch.compile``, flash): tokens/s of
   ``nanolab fit`` and of the plain loop, MFU, measured vs predicted peak memory (compiled);
+* ``flex_mask``: a document mask with a 512-token window at 124M's attention shape, bf16: the
+  compiled FlexAttention path against SDPA with the boolean mask (outputs, gradients, times,
+  and causal flash's time beside them);
 * ``memory_eager``: ``benches/bench_memory.py`` on 124M and 350M: predicted vs measured peak and
   saved activations, eager;
 * ``memory_compiled_350m``: ``nanolab fit`` of 350M with ``torch.compile``: measured peak vs
@@ -71,6 +74,7 @@ class Check:
 CHECKS: tuple[Check, ...] = (
     Check("flash", 30, "flash SDPA fwd+bwd in bf16 at 124M's attention shape, vs the math kernel"),
     Check("bench_124m", 200, "nanolab bench 124M bf16+compile+flash: tokens/s, MFU, peak memory"),
+    Check("flex_mask", 90, "document mask + window: FlexAttention vs SDPA boolean mask, bf16"),
     Check("memory_eager", 90, "bench_memory.py 124M + 350M eager: predicted vs measured memory"),
     Check("memory_compiled_350m", 120, "fit 350M compiled: measured vs predicted peak memory"),
     Check("async_checkpoint", 100, "124M, checkpoint every 10 steps: stall, sync vs async"),
@@ -212,6 +216,58 @@ def check_flash(work: Path, data_arg: str | None) -> dict[str, Any]:
     if out_diff > 2e-2:
         raise CheckFailed(f"flash and math attention differ by {out_diff:.3g}")
     return {"fwd_bwd_ms": round(ms, 3), "max_out_diff": out_diff, "max_grad_diff": grad_diff}
+
+
+def check_flex_mask(work: Path, data_arg: str | None) -> dict[str, Any]:
+    """``model.gpt.document_mask`` + ``attention_window`` at 124M's attention shape: the
+    compiled FlexAttention path the model takes on CUDA against SDPA with the dense boolean
+    mask (the CPU path), outputs and gradients, and the time of each beside causal flash."""
+    import torch
+    import torch.nn.functional as F
+
+    from nanolab.model.config import GPTConfig
+    from nanolab.model.gpt import AttentionMask, flex_attend
+
+    B, H, T, D = 8, 12, 1024, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(0, 50000, (B, T), device="cuda", generator=g)
+    idx[torch.rand(B, T, device="cuda", generator=g) < 1 / 300] = 50256  # ~300-token documents
+    config = GPTConfig(vocab_size=50257, block_size=T, n_layer=1, n_head=H, n_embd=H * D,
+                       document_mask=True, eot_id=50256, attention_window=512)  # fmt: skip
+    q, k, v = (
+        torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        for _ in range(3)
+    )
+    visible = AttentionMask(idx, config)
+
+    def flex() -> torch.Tensor:
+        return flex_attend(q, k, v, visible.block_mask())
+
+    def dense() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible.dense())
+
+    def causal() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    results: dict[str, Any] = {}
+    outputs = {}
+    for name, fn in (("flex", flex), ("dense", dense), ("causal_flash", causal)):
+        y = fn()
+        (grad,) = torch.autograd.grad(y.float().square().mean(), q)
+        outputs[name] = (y.detach().float(), grad.float())
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            y = fn()
+            torch.autograd.grad(y.float().square().mean(), q)
+        torch.cuda.synchronize()
+        results[f"{name}_fwd_bwd_ms"] = round((time.perf_counter() - start) / 10 * 1000, 3)
+    out_diff = (outputs["flex"][0] - outputs["dense"][0]).abs().max().item()
+    grad_diff = (outputs["flex"][1] - outputs["dense"][1]).abs().max().item()
+    results.update(max_out_diff=out_diff, max_grad_diff=grad_diff)
+    if out_diff > 2e-2:
+        raise CheckFailed(f"flex and the boolean-mask SDPA differ by {out_diff:.3g}")
+    return results
 
 
 def check_bench_124m(work: Path, data_arg: str | None) -> dict[str, Any]:
@@ -387,6 +443,7 @@ def check_pack(work: Path, data_arg: str | None) -> dict[str, Any]:
 
 CHECK_FUNCTIONS: dict[str, Callable[[Path, str | None], dict[str, Any]]] = {
     "flash": check_flash,
+    "flex_mask": check_flex_mask,
     "bench_124m": check_bench_124m,
     "memory_eager": check_memory_eager,
     "memory_compiled_350m": check_memory_compiled_350m,
@@ -514,6 +571,12 @@ def _headline(name: str, m: dict[str, Any]) -> str:
 
     if name == "flash":
         parts = [f"{f('fwd_bwd_ms', '.2f')} ms fwd+bwd", f"max diff {f('max_out_diff', '.1e')}"]
+    elif name == "flex_mask":
+        parts = [
+            f"flex {f('flex_fwd_bwd_ms', '.2f')} ms, boolean mask {f('dense_fwd_bwd_ms', '.2f')}"
+            f" ms, causal flash {f('causal_flash_fwd_bwd_ms', '.2f')} ms",
+            f"max diff {f('max_out_diff', '.1e')}",
+        ]
     elif name == "bench_124m":
         parts = [
             f"{f('nanolab_tokens_per_s', ',.0f')} tok/s (plain {f('plain_tokens_per_s', ',.0f')})",

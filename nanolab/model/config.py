@@ -144,6 +144,11 @@ class GPTConfig:
                 "model.gpt.attention 'flex' has no attention dropout; set model.gpt.dropout: 0 "
                 "or use attention 'sdpa' (it takes FlexAttention on CUDA when dropout is 0)"
             )
+        if self.attention == "flex" and not flex_available():
+            raise ConfigError(
+                f"model.gpt.attention 'flex' needs torch >= 2.5 (this is {_torch_version()}); "
+                "upgrade torch or use attention 'sdpa'"
+            )
         window = self.attention_window
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ConfigError(
@@ -205,6 +210,21 @@ def with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     """
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     return {**defaults, **saved}
+
+
+def flex_available() -> bool:
+    """Whether this torch has FlexAttention (2.5 and later); without it a mask is dense."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _nearest_divisor(n: int, near: int) -> int:

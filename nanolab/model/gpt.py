@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanolab.model import registry
-from nanolab.model.config import ConfigError, GPTConfig
+from nanolab.model.config import ConfigError, GPTConfig, flex_available
 from nanolab.model.registry import (
     POSITIONS,
     register_attention,
@@ -321,7 +321,7 @@ class CausalSelfAttention(nn.Module):
         backward_on_cpu = not q.is_cuda and torch.is_grad_enabled() and q.requires_grad
         if self.impl == "flex" and not backward_on_cpu:
             return flex_attend(q, k, v, visible.block_mask())
-        if self.impl == "sdpa" and q.is_cuda and not dropout_on:
+        if self.impl == "sdpa" and q.is_cuda and not dropout_on and flex_available():
             return flex_attend(q, k, v, visible.block_mask())
         return self.attend(q, k, v, visible.dense())
 
