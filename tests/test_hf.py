@@ -550,6 +550,18 @@ def test_export_refusals_write_nothing(tmp_path, trained_run, capsys):
     line = refused("--ckpt", str(tmp_path / "rope.ckpt"), "-o", str(tmp_path / "rope-hf"))
     assert "position_embedding 'rope'" in line and "--format safetensors" in line
     assert not (tmp_path / "rope-hf").exists()
+
+    # A sliding window is neither GPT-2's attention nor Llama's: named on both sides.
+    windowed = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=16, block_size=8,
+                         attention_window=4)  # fmt: skip
+    ckpt = {
+        "state_dict": {f"model.{k}": v for k, v in GPT(windowed).state_dict().items()},
+        "nanolab": {"gpt": asdict(windowed), "tokenizer": None},
+    }
+    torch.save(ckpt, tmp_path / "window.ckpt")
+    line = refused("--ckpt", str(tmp_path / "window.ckpt"), "-o", str(tmp_path / "window-hf"))
+    assert "attention_window 4 (GPT-2 attends to the whole context)" in line
+    assert "attention_window 4 (Llama attends to the whole context)" in line
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
 
     assert main(["export", "--ckpt", str(trained_run), "-o", str(out), "--force"]) == 0

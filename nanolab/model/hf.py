@@ -476,6 +476,11 @@ def export_refusals(config: GPTConfig) -> list[str]:
     for key, theirs in gpt2.items():
         if getattr(config, key) != theirs:
             refusals.append(f"model.gpt.{key} {getattr(config, key)!r} (GPT-2 has {theirs!r})")
+    if config.attention_window is not None:
+        refusals.append(
+            f"model.gpt.attention_window {config.attention_window} (GPT-2 attends to the whole "
+            "context)"
+        )
     return refusals
 
 

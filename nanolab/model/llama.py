@@ -43,6 +43,11 @@ def llama_refusals(config: GPTConfig) -> list[str]:
     ]
     if config.bias:
         out.append("model.gpt.bias true (Llama has no biases)")
+    if config.attention_window is not None:
+        out.append(
+            f"model.gpt.attention_window {config.attention_window} (Llama attends to the "
+            "whole context)"
+        )
     return out
 
 
