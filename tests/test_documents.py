@@ -13,8 +13,8 @@ import yaml
 from test_data_checks import fit_config, fit_in_process
 
 from nanolab.data import documents
-from nanolab.data.datamodule import TokenDataModule
-from nanolab.data.documents import PackedWindows, pack_documents, unit_starts
+from nanolab.data.datamodule import DocumentWindows, TokenDataModule
+from nanolab.data.documents import pack_documents, unit_starts
 from nanolab.data.windows import MixturePlan, ResumableBatchSampler
 from nanolab.estimator.memory import estimate_memory
 from nanolab.estimator.setup import Setup
@@ -81,7 +81,7 @@ def test_every_row_is_full_starts_at_a_document_and_holds_whole_or_cropped_docum
 
 def test_packed_rows_read_the_pieces_end_to_end(tmp_path):
     folder = write_documents(tmp_path / "d", random_documents(60, 0), ["x y"])
-    windows = PackedWindows(folder / "train.bin", "uint16", 31, EOT)
+    windows = DocumentWindows(folder / "train.bin", "uint16", 31, EOT)
     data = np.fromfile(folder / "train.bin", dtype=np.uint16)
     p = windows.packing
     rows = np.array([0, p.rows - 1, 3, 3])
@@ -98,7 +98,7 @@ def test_packed_rows_read_the_pieces_end_to_end(tmp_path):
 
 
 # -- the DataModule ---------------------------------------------------------------------------
-def _opens_documents(windows: PackedWindows, keys: np.ndarray, x: torch.Tensor) -> bool:
+def _opens_documents(windows: DocumentWindows, keys: np.ndarray, x: torch.Tensor) -> bool:
     """Whether each row opens with an end-of-text (a document starts after it), or with the
     split's first document, which has none before it."""
     p = windows.packing

@@ -29,7 +29,7 @@ from nanolab.data.checks import (
     fingerprint,
     load_meta,
 )
-from nanolab.data.documents import PackedWindows
+from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
 from nanolab.data.prepare import PrepareError, prepare_dataset
 from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.windows import (
@@ -86,6 +86,42 @@ class TokenWindows:
         return chunk[:, :-1], chunk[:, 1:]
 
 
+class DocumentWindows(TokenWindows):
+    """Windows of whole documents (``data.align: document``), read through a
+    :class:`~nanolab.data.documents.Packing`: indexed by row number instead of token offset.
+
+    The packing is made on first use (in the process that trains, before any DataLoader worker
+    starts) and travels with the object to workers.
+    """
+
+    def __init__(self, path: Path, dtype: str, block_size: int, eot_id: int) -> None:
+        super().__init__(path, dtype, block_size)
+        self.eot_id = eot_id
+        self._packing: Packing | None = None
+        #: False when the packing came from this process's cache (made for another instance).
+        self.fresh = True
+
+    @property
+    def packing(self) -> Packing:
+        if self._packing is None:
+            self._packing, self.fresh = packing_of(
+                self.path, self.data, self.block_size + 1, self.eot_id
+            )
+        return self._packing
+
+    def __len__(self) -> int:
+        """Rows (windows) of the split."""
+        return self.packing.rows
+
+    def validation_keys(self, count: int) -> np.ndarray:
+        """``count`` evenly spaced, fixed rows (the same at every evaluation)."""
+        return evenly_spaced(len(self), count)
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """``(len(rows), block_size + 1)`` int64 tokens: each row's pieces, end to end."""
+        return read_rows(self.packing, self.data, rows)
+
+
 class MixtureWindows:
     """Windows from several datasets' bins.
 
@@ -94,7 +130,7 @@ class MixtureWindows:
     index as a third element so the module can log each dataset's loss.
     """
 
-    def __init__(self, parts: list[TokenWindows] | list[PackedWindows]) -> None:
+    def __init__(self, parts: list[TokenWindows] | list[DocumentWindows]) -> None:
         self.parts = parts
 
     def __getitem__(self, key: Any) -> tuple[Any, ...]:
@@ -336,7 +372,7 @@ class TokenDataModule(L.LightningDataModule):
                 cache[split] = [self._packed(part, split) for part in self.parts]
         return cache[split]
 
-    def _packed(self, part: DatasetPart, split: str) -> PackedWindows:
+    def _packed(self, part: DatasetPart, split: str) -> DocumentWindows:
         eot = part.meta.get("eot_id")
         if eot is None:
             raise PrepareError(
@@ -344,7 +380,9 @@ class TokenDataModule(L.LightningDataModule):
                 f"{part.path / 'meta.json'} records none (prepared by an older nanolab); "
                 "prepare the data again, or set data.align: stream"
             )
-        packed = PackedWindows(part.path / f"{split}.bin", part.meta["dtype"], self.block_size, eot)
+        packed = DocumentWindows(
+            part.path / f"{split}.bin", part.meta["dtype"], self.block_size, eot
+        )
         if len(packed) < 1:
             raise DataTooSmallError(
                 f"{part.path}: the {split} split has no document-aligned row of "

@@ -30,10 +30,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 #: Units the best-fit packer looks ahead over (nanochat uses about a thousand documents).
 PACK_BUFFER = 1000
@@ -139,74 +137,30 @@ def pack_documents(starts: np.ndarray, total_tokens: int, row_len: int) -> Packi
 _PACKINGS: dict[tuple[object, ...], Packing] = {}
 
 
-class PackedWindows:
-    """(input, target) windows read from a token bin through a :class:`Packing`.
+def packing_of(path: Path, tokens: np.ndarray, row_len: int, eot_id: int) -> tuple[Packing, bool]:
+    """The packing of the split in ``path`` (its ``tokens``) into rows of ``row_len``, and
+    whether it was made now (False: another instance in this process made it)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, row_len, eot_id)
+    packing = _PACKINGS.get(key)
+    if packing is not None:
+        return packing, False
+    packing = pack_documents(unit_starts(tokens, eot_id), len(tokens), row_len)
+    while len(_PACKINGS) >= 8:  # a launch has two splits per dataset
+        del _PACKINGS[next(iter(_PACKINGS))]
+    _PACKINGS[key] = packing
+    return packing, True
 
-    Indexed like :class:`~nanolab.data.datamodule.TokenWindows`, but by row numbers instead of
-    token offsets. The memmap opens lazily in each process; the packing is built on first use
-    (in the process that trains, before any DataLoader worker starts) and travels with the
-    object to workers.
-    """
 
-    def __init__(self, path: Path, dtype: str, block_size: int, eot_id: int) -> None:
-        self.path = path
-        self.dtype = np.dtype(dtype)
-        self.block_size = block_size
-        self.eot_id = eot_id
-        self._data: np.memmap | None = None
-        self._packing: Packing | None = None
-        #: False when the packing came from this process's cache (made for another instance).
-        self.fresh = True
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_data": None}
-
-    @property
-    def data(self) -> np.memmap:
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=self.dtype, mode="r")
-        return self._data
-
-    @property
-    def packing(self) -> Packing:
-        if self._packing is None:
-            stat = self.path.stat()
-            key = (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns)
-            key += (self.block_size, self.eot_id)
-            self._packing = _PACKINGS.get(key)
-            if self._packing is None:
-                data = self.data
-                starts = unit_starts(data, self.eot_id)
-                self._packing = pack_documents(starts, len(data), self.block_size + 1)
-                while len(_PACKINGS) >= 8:  # a launch has two splits per dataset
-                    del _PACKINGS[next(iter(_PACKINGS))]
-                _PACKINGS[key] = self._packing
-            else:
-                self.fresh = False
-        return self._packing
-
-    def __len__(self) -> int:
-        """Rows (windows) of the split."""
-        return self.packing.rows
-
-    def validation_keys(self, count: int) -> np.ndarray:
-        """``count`` evenly spaced, fixed rows (the same at every evaluation)."""
-        return evenly_spaced(len(self), count)
-
-    def read(self, rows: np.ndarray) -> np.ndarray:
-        """``(len(rows), block_size + 1)`` int64 tokens: each row's pieces, end to end."""
-        p = self.packing
-        rows = np.asarray(rows, dtype=np.int64)
-        first, last = p.row_ptr[rows], p.row_ptr[rows + 1]
-        counts = last - first
-        pieces = np.repeat(first, counts) + _ranks(counts)
-        lengths = p.piece_len[pieces].astype(np.int64)
-        positions = np.repeat(p.piece_start[pieces], lengths) + _ranks(lengths)
-        return self.data[positions].astype(np.int64).reshape(len(rows), p.row_len)
-
-    def __getitem__(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = torch.from_numpy(self.read(rows))
-        return chunk[:, :-1], chunk[:, 1:]
+def read_rows(packing: Packing, tokens: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``(len(rows), row_len)`` int64 tokens: each row's pieces of ``tokens``, end to end."""
+    rows = np.asarray(rows, dtype=np.int64)
+    first, last = packing.row_ptr[rows], packing.row_ptr[rows + 1]
+    counts = last - first
+    pieces = np.repeat(first, counts) + _ranks(counts)
+    lengths = packing.piece_len[pieces].astype(np.int64)
+    positions = np.repeat(packing.piece_start[pieces], lengths) + _ranks(lengths)
+    return tokens[positions].astype(np.int64).reshape(len(rows), packing.row_len)
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:
