@@ -274,6 +274,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.impl = config.attention
         self.window = config.attention_window
+        self.flex_on_cuda = flex_available()  # once here, not per call in the training step
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
@@ -321,7 +322,7 @@ class CausalSelfAttention(nn.Module):
         backward_on_cpu = not q.is_cuda and torch.is_grad_enabled() and q.requires_grad
         if self.impl == "flex" and not backward_on_cpu:
             return flex_attend(q, k, v, visible.block_mask())
-        if self.impl == "sdpa" and q.is_cuda and not dropout_on and flex_available():
+        if self.impl == "sdpa" and q.is_cuda and not dropout_on and self.flex_on_cuda:
             return flex_attend(q, k, v, visible.block_mask())
         return self.attend(q, k, v, visible.dense())
 
