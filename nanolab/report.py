@@ -1,10 +1,7 @@
 """``nanolab report``: the morning summary of every run under one or more run folders.
 
-Reads each run's ``metrics.jsonl`` (through :mod:`nanolab.runlog`, which skips a half-written
-last line), whatever state the run is in: finished (the ``end`` record's reason), still running
-(no ``end`` yet, recent records) or crashed (no ``end`` and silent for a while, e.g. SIGKILL or a
-lost machine). A resumed run repeats the steps after its last checkpoint; the later copy of a step
-is the one that counts, so curves and "best" figures come from the surviving timeline.
+Each run is read by :func:`nanolab.runs.summarize_run`, whatever state it is in (finished,
+running, crashed); curves and "best" figures come from the timeline a resume leaves.
 
 Runs whose configs differ only in the seed and the run name are grouped, with the mean and
 standard deviation of their final validation loss: one seed is an anecdote. A group is labelled
@@ -27,6 +24,7 @@ GPU-hours and cost to reach ``X``; a seed group's points are fitted together.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import json
 import math
@@ -203,18 +201,17 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
         if len(members) < 2:
             continue
         left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
-        everyone = members
-        members = [m for m in members if not _unusable(m)]
-        at_tokens = common_tokens(members)
-        losses = values_at(members, at_tokens)
-        cores = [m.core for m in members if m.core is not None]
-        seeds = [m.seed for m in members]
+        usable = [m for m in members if not _unusable(m)]
+        at_tokens = common_tokens(usable)
+        losses = values_at(usable, at_tokens)
+        cores = [m.core for m in usable if m.core is not None]
+        seeds = [m.seed for m in usable]
         out.append(
             SeedGroup(
                 label=label,
-                runs=[m.run for m in everyone],
-                seeds=[m.seed for m in everyone],
-                n=len(members),
+                runs=[m.run for m in members],
+                seeds=[m.seed for m in members],
+                n=len(usable),
                 mean_val_loss=statistics.fmean(losses) if losses else None,
                 std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
                 repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
@@ -250,12 +247,8 @@ def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
     when ``tokens`` is None)."""
     if tokens is None:
         return [m.final_val_loss for m in members if m.final_val_loss is not None]
-    out = []
-    for m in members:
-        before = [loss for t, loss in m.val_points if t <= tokens]
-        if before:
-            out.append(before[-1])
-    return out
+    before = ([loss for t, loss in m.val_points if t <= tokens] for m in members)
+    return [b[-1] for b in before if b]
 
 
 def _ci(values: list[float]) -> float | None:
@@ -502,12 +495,10 @@ def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, flo
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     t = None
     if len(curves) >= 2:
-        try:
+        with contextlib.suppress(ImportError):
             from scipy import stats
 
             t = float(stats.t.ppf(0.975, len(curves) - 1))
-        except ImportError:
-            t = None
     out = []
     for step in steps:
         ys = [c[step][1] for c in curves]
@@ -620,11 +611,10 @@ def plot_runs(
     xlabel = "tokens" if x == "tokens" else "GPU-hours"
     smooth = "train loss (trailing mean)"
     titles = [(ax_train, smooth), (ax_val, "val loss")]
-    for ax, task_key in zip(task_axes, task_keys, strict=True):
-        name = task_key.split("/")[1]
-        titles.append(
-            (ax, "CORE (mean centered accuracy)" if name == "core" else f"{name} (score)")
-        )
+    titles += [
+        (ax, "CORE (mean centered accuracy)" if name == "core" else f"{name} (score)")
+        for ax, name in zip(task_axes, (k.split("/")[1] for k in task_keys), strict=True)
+    ]
     for ax, title in titles:
         ax.set_title(title)
         ax.tick_params(labelbottom=True)  # every panel keeps its x labels (rows share the axis)
@@ -893,19 +883,16 @@ def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
             continue  # a run directory given as a root: its root is its parent
         path = root / RESULTS_LOG
         have = indexed_runs(path)
-        n = 0
-        for s in summaries:
-            if (
-                s.status in ("running", "crashed")
-                or Path(s.run_dir).resolve().parent != root.resolve()
-            ):
-                continue
-            fields = result_fields(s)
-            if (fields["run"], fields["step"], fields["reason"]) in have:
-                continue
-            append_result(path, fields)
-            n += 1
-        added.append(f"{path}: {n} run(s) added")
+        ended = [
+            result_fields(s)
+            for s in summaries
+            if s.status not in ("running", "crashed")
+            and Path(s.run_dir).resolve().parent == root.resolve()
+        ]
+        new = [f for f in ended if (f["run"], f["step"], f["reason"]) not in have]
+        for f in new:
+            append_result(path, f)
+        added.append(f"{path}: {len(new)} run(s) added")
     return "index: " + ("; ".join(added) if added else "no folder of runs given")
 
 
@@ -940,20 +927,16 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
     ]
     if not keys:
         rows.append(("(no difference)", "", ""))
-    rows.append(("", "", ""))
-    rows.append(("result", "", ""))
-
-    def best(s: RunSummary) -> str:
-        return "-" if s.best_val_loss is None else f"{s.best_val_loss:.4f} (step {s.best_val_step})"
-
-    def delta(s: RunSummary) -> str:
-        return "-" if s.improvement is None else f"{-s.improvement:+.4f}"
+    rows += [("", "", ""), ("result", "", "")]
 
     for label, fn in (
         ("status", _status_text), ("steps", lambda s: "-" if s.steps is None else str(s.steps)),
         ("tokens", lambda s: _si(s.tokens)), ("final val loss", lambda s: _f(s.final_val_loss)),
-        ("best val loss", best), ("train loss", lambda s: _f(s.train_loss)),
-        ("Δ train loss", delta), ("tokens/s", lambda s: _si(s.tokens_per_s)),
+        ("best val loss", lambda s: "-" if s.best_val_loss is None
+         else f"{s.best_val_loss:.4f} (step {s.best_val_step})"),
+        ("train loss", lambda s: _f(s.train_loss)),
+        ("Δ train loss", lambda s: "-" if s.improvement is None else f"{-s.improvement:+.4f}"),
+        ("tokens/s", lambda s: _si(s.tokens_per_s)),
         ("GPU-h", lambda s: _f(s.gpu_hours, ".3f")), ("wall", lambda s: duration(s.wall_s)),
     ):  # fmt: skip
         rows.append((label, fn(sa), fn(sb)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -137,17 +138,11 @@ def record_problem(record: dict[str, Any]) -> str | None:
     step = record.get("step")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         return f"'step' is {shown(step)}"
-    for key in NUMBER_FIELDS:
+    wanted = [*((k, (int, float)) for k in NUMBER_FIELDS), *((k, str) for k in TEXT_FIELDS)]
+    for key, types in [*wanted, ("seed", int)]:
         value = record.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             return f"'{key}' is {shown(value)}"
-    for key in TEXT_FIELDS:
-        value = record.get(key)
-        if value is not None and not isinstance(value, str):
-            return f"'{key}' is {shown(value)}"
-    seed = record.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        return f"'seed' is {shown(seed)}"
     return None
 
 
@@ -185,10 +180,7 @@ def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float |
 
 
 def last_value(records: list[dict[str, Any]], key: str) -> Any:
-    for r in reversed(records):
-        if r.get(key) is not None:
-            return r[key]
-    return None
+    return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
 
 def config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | None:
@@ -196,17 +188,17 @@ def config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | N
     if isinstance(config, dict):
         return config
     saved = run_dir / "config.yaml"  # LightningCLI's copy of the merged config
-    if saved.is_file():
-        import yaml
+    if not saved.is_file():
+        return None
+    import yaml
 
-        from nanolab.training.resolve import load_yaml  # configs are read one way
+    from nanolab.training.resolve import load_yaml  # configs are read one way
 
-        try:
-            loaded = load_yaml(saved.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, OSError, UnicodeDecodeError):
-            return None
-        return loaded if isinstance(loaded, dict) else None
-    return None
+    try:
+        loaded = load_yaml(saved.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def seed_free_fingerprint(config: dict[str, Any] | None) -> str | None:
@@ -268,9 +260,7 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     records = current_timeline(records)
     train = last_by_step([r for r in records if r.get("event") == "train"])
     val = last_by_step([r for r in records if r.get("event") == "val"])
-    s.rollbacks = sum(
-        1 for r in records if r.get("event") == "spike" and r.get("restored") is not None
-    )
+    s.rollbacks = sum(r.get("event") == "spike" and r.get("restored") is not None for r in records)
 
     config = config_of(start, run_dir)
     s.group = seed_free_fingerprint(config)
@@ -343,17 +333,11 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
 
 def task_scores(record: dict[str, Any]) -> dict[str, float]:
     """``{task: score}`` of a ``tasks`` record: the accuracy its centered score is computed from."""
-    out = {}
-    for key, value in record.items():
-        parts = key.split("/")
-        if (
-            len(parts) == 3
-            and parts[0] == "tasks"
-            and parts[2] == "score"
-            and num(value) is not None
-        ):
-            out[parts[1]] = float(value)
-    return out
+    return {
+        key.split("/")[1]: float(value)
+        for key, value in record.items()
+        if re.fullmatch(r"tasks/[^/]*/score", key) and num(value) is not None
+    }
 
 
 def train_delta(train: list[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -420,8 +404,7 @@ def result_fields(s: RunSummary) -> dict[str, Any]:
 def indexed_runs(path: Path) -> set[tuple[str, Any, Any]]:
     """(run name, step, reason) of the lines already in a results.log: names, not paths, so the
     same root reached by another path (or copied) is not indexed twice."""
-    found = set()
-    for record in iter_records(path) if path.is_file() else []:
-        name = record.get("run") or Path(str(record.get("run_dir", ""))).name
-        found.add((str(name), record.get("step"), record.get("reason")))
-    return found
+    return {
+        (str(r.get("run") or Path(str(r.get("run_dir", ""))).name), r.get("step"), r.get("reason"))
+        for r in (iter_records(path) if path.is_file() else [])
+    }

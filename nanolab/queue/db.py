@@ -265,15 +265,6 @@ class QueueDB:
             raise
         self.conn.execute("COMMIT")
 
-    # -- meta ------------------------------------------------------------------------------
-    def get_meta(self, key: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row["value"]
-
-    def set_meta(self, key: str, value: str) -> None:
-        with self.transaction() as c:
-            c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
-
     # -- jobs ------------------------------------------------------------------------------
     def add_jobs(self, jobs: list[NewJob]) -> list[Job]:
         """Insert all of ``jobs`` or none (a duplicate name aborts the whole add)."""
@@ -338,10 +329,7 @@ class QueueDB:
 
     def remove(self, job_ids: list[int]) -> int:
         with self.transaction() as c:
-            n = 0
-            for i in job_ids:
-                n += c.execute("DELETE FROM jobs WHERE id = ?", (i,)).rowcount
-        return n
+            return sum(c.execute("DELETE FROM jobs WHERE id = ?", (i,)).rowcount for i in job_ids)
 
     def set_status(
         self,
