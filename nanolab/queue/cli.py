@@ -23,6 +23,7 @@ import sqlite3
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -235,10 +236,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(group_header(members))
         for j in members:
             print(line(by_id[j.id]))
-    counts = {}
-    for j in jobs:
-        counts[j.status] = counts.get(j.status, 0) + 1
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    summary = ", ".join(f"{n} {s}" for s, n in Counter(j.status for j in jobs).items())
     if gaps:
         summary += (f"; job-to-job gap median {statistics.median(gaps) * 1000:.0f} ms "
                     f"(max {max(gaps) * 1000:.0f} ms, n={len(gaps)})")  # fmt: skip
@@ -262,9 +260,7 @@ def group_header(members: list[Job]) -> str:
     if len(set(names)) > 1:
         label = os.path.commonprefix(names).rstrip("-_") or names[0]  # noqa: RUF071
     seeds = [j.seed for j in members if j.seed is not None]
-    counts: dict[str, int] = {}
-    for j in members:
-        counts[j.status] = counts.get(j.status, 0) + 1
+    counts = Counter(j.status for j in members)
     what = f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if seeds else f"{len(members)} jobs"
     return f"{label}: {what}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
 

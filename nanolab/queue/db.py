@@ -301,13 +301,8 @@ class QueueDB:
         return Job.from_row(row)
 
     def jobs(self, statuses: tuple[str, ...] | list[str] | None = None) -> list[Job]:
-        if statuses:
-            marks = ",".join("?" * len(statuses))
-            rows = self.conn.execute(
-                f"SELECT * FROM jobs WHERE status IN ({marks}) ORDER BY id", tuple(statuses)
-            ).fetchall()
-        else:
-            rows = self.conn.execute("SELECT * FROM jobs ORDER BY id").fetchall()
+        where = f"WHERE status IN ({','.join('?' * len(statuses))}) " if statuses else ""
+        rows = self.conn.execute(f"SELECT * FROM jobs {where}ORDER BY id", tuple(statuses or ()))
         return [Job.from_row(r) for r in rows]
 
     def resolve(self, refs: list[str]) -> list[Job]:
