@@ -50,6 +50,7 @@ from nanolab.runs import (  # noqa: F401  (read_run, summarize_run, ...: public 
     RunsError,
     RunSummary,
     append_result,
+    columns,
     config_of,
     discover_runs,
     duration,
@@ -62,6 +63,7 @@ from nanolab.runs import (  # noqa: F401  (read_run, summarize_run, ...: public 
     record_problem,
     result_fields,
     seed_free_fingerprint,
+    si,
     summarize_run,
     train_delta,
 )
@@ -301,22 +303,13 @@ def compare_groups(
             return []
         text = sentence(g.label, base.label, d)
         if at is not None and (at != g.at_tokens or at != base.at_tokens):
-            text += f" (at {_si(at)} tokens, where every run of both got to)"
+            text += f" (at {si(at)} tokens, where every run of both got to)"
         out.append(Comparison(g.label, base.label, at, d.difference, d.half_width, d.p_value,
                               d.n_a, d.n_b, d.seeds_needed, text))  # fmt: skip
     return out
 
 
 # -- formatting -----------------------------------------------------------------------------
-def _si(value: float | None, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.{digits}g}{unit}"
-    return f"{value:.{digits}g}"
-
-
 def _f(value: float | None, fmt: str = ".4f") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -372,12 +365,12 @@ def format_table(
                 s.run,
                 _status_text(s),
                 "-" if s.steps is None else str(s.steps),
-                _si(s.tokens),
+                si(s.tokens),
                 _f(s.train_loss),
                 best,
                 _f(s.best_val_bpb),
                 improvement,
-                _si(s.tokens_per_s),
+                si(s.tokens_per_s),
                 "-" if s.mfu is None else f"{s.mfu:.1%}",
                 _f(s.gpu_hours, ".3f"),
                 _money(s.cost),
@@ -386,16 +379,8 @@ def format_table(
         )
         if len(headers) > 13:
             rows[-1] += [_f(s.core, "+.3f"), *(_f(s.task_scores.get(t), ".3f") for t in tasks)]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     right = {2, 3, 4, 6, 8, 9, 10, 11, 12, *range(13, len(headers))}
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    out = [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    out = columns([headers, *rows], right, rule=True)
     out.append(
         f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps minus the "
         "first logged step's (the same for every run)"
@@ -513,10 +498,7 @@ def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, flo
 
 
 def _tokens_axis(value: float, _pos: Any = None) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:g}{unit}"
-    return f"{value:g}"
+    return si(value, "g", billion="B")
 
 
 def plot_runs(
@@ -787,8 +769,7 @@ def forecast_inputs(run_dir: Path) -> Any:
         for s, t, v in ((r.get("step"), num(r.get("tokens")), num(r.get("val_loss"))) for r in val)
         if isinstance(s, int) and t is not None and v is not None and t > 0
     ]
-    starts = [r for r in records if r.get("event") == "start"]
-    config = config_of(starts[-1] if starts else None, run_dir) or {}
+    config = config_of(records, run_dir) or {}
     max_steps = num((config.get("trainer") or {}).get("max_steps"))
     last = next((r for r in reversed(train) if num(r.get("tokens")) and r.get("step")), None)
     per_step = num(last["tokens"]) / int(last["step"]) if last else None
@@ -858,15 +839,15 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
             text += " (under a quarter of the LR decay seen: its gain is not counted, the range reaches the fit with it)"
         if f.final_loss is not None:
             lo, hi = f.final_band
-            text += (f"; at max_steps ({_si(f.final_tokens)} tokens): {f.final_loss:.4f} "
+            text += (f"; at max_steps ({si(f.final_tokens)} tokens): {f.final_loss:.4f} "
                      f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
         if target is not None:
             if f.target_tokens is None:
                 text += f"; {target}: {f.note}"
             else:
                 lo, hi = f.target_band
-                hi_text = _si(hi) if math.isfinite(hi) else "never"
-                text += f"; to {target}: {_si(f.target_tokens)} tokens [{_si(lo)}, {hi_text}]"
+                hi_text = si(hi) if math.isfinite(hi) else "never"
+                text += f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
                 if f.target_gpu_hours is not None:
                     text += f", {f.target_gpu_hours:.3g} GPU-h"
                 if f.target_cost is not None:
@@ -909,8 +890,7 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
     configs = []
     for name in (a, b):
         records = read_run(dirs[name])[0]
-        starts = [r for r in records if r.get("event") == "start"]
-        config = config_of(starts[-1] if starts else None, dirs[name])
+        config = config_of(records, dirs[name])
         if config is None:
             raise ReportError(
                 f"--compare: run {name} has no config (no start record, no config.yaml)"
@@ -931,19 +911,16 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
 
     for label, fn in (
         ("status", _status_text), ("steps", lambda s: "-" if s.steps is None else str(s.steps)),
-        ("tokens", lambda s: _si(s.tokens)), ("final val loss", lambda s: _f(s.final_val_loss)),
+        ("tokens", lambda s: si(s.tokens)), ("final val loss", lambda s: _f(s.final_val_loss)),
         ("best val loss", lambda s: "-" if s.best_val_loss is None
          else f"{s.best_val_loss:.4f} (step {s.best_val_step})"),
         ("train loss", lambda s: _f(s.train_loss)),
         ("Δ train loss", lambda s: "-" if s.improvement is None else f"{-s.improvement:+.4f}"),
-        ("tokens/s", lambda s: _si(s.tokens_per_s)),
+        ("tokens/s", lambda s: si(s.tokens_per_s)),
         ("GPU-h", lambda s: _f(s.gpu_hours, ".3f")), ("wall", lambda s: duration(s.wall_s)),
     ):  # fmt: skip
         rows.append((label, fn(sa), fn(sb)))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
+    return "\n".join(columns([list(r) for r in rows]))
 
 
 def _select(found: list[tuple[str, Path]], patterns: list[str]) -> list[tuple[str, Path]]:

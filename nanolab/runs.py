@@ -16,6 +16,7 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,9 @@ def last_value(records: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
 
-def config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | None:
+def config_of(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any] | None:
+    """The config of a run's last start: its ``start`` record's, else ``config.yaml``'s."""
+    start = next((r for r in reversed(records) if r.get("event") == "start"), None)
     config = start.get("config") if start else None
     if isinstance(config, dict):
         return config
@@ -255,14 +258,13 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     s.resumes = max(0, len(starts) - 1)
     last_start = starts[-1] if starts else 0
     start = records[last_start] if starts else None
-    ends = [r for r in records[last_start:] if r.get("event") == "end"]
-    end = ends[-1] if ends else None
+    end = next((r for r in reversed(records[last_start:]) if r.get("event") == "end"), None)
     records = current_timeline(records)
     train = last_by_step([r for r in records if r.get("event") == "train"])
     val = last_by_step([r for r in records if r.get("event") == "val"])
     s.rollbacks = sum(r.get("event") == "spike" and r.get("restored") is not None for r in records)
 
-    config = config_of(start, run_dir)
+    config = config_of(records, run_dir)
     s.group = seed_free_fingerprint(config)
     seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
     seed_value = None if isinstance(seed, bool) else num(seed)
@@ -360,6 +362,32 @@ def duration(seconds: float | None) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def si(value: float | None, fmt: str = ".3g", billion: str = "G") -> str:
+    """``value`` in k, M, ``billion`` or T (``-`` when unknown)."""
+    if value is None:
+        return "-"
+    for unit, scale in (("T", 1e12), (billion, 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:{fmt}}{unit}"
+    return f"{value:{fmt}}"
+
+
+def columns(rows: list[list[str]], right: Container[int] = (), rule: bool = False) -> list[str]:
+    """``rows`` (the header first) as text columns two spaces apart, right-aligned where
+    ``right`` says, with a line of dashes under the header when ``rule``: one look for the
+    tables of ``report``, ``status`` and ``queue ls``."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    if rule:
+        rows = [rows[0], ["-" * w for w in widths], *rows[1:]]
+    return [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
 
 
 # -- the index of ended runs -------------------------------------------------------------------

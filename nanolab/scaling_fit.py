@@ -303,10 +303,9 @@ def _g(v: float) -> str:
 
 
 def _si(v: float) -> str:
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(v) >= div:
-            return f"{v / div:.3g}{unit}"
-    return f"{v:.3g}"
+    from nanolab.runs import si
+
+    return si(v, billion="B")
 
 
 def scaling_report(

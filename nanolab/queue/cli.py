@@ -42,6 +42,7 @@ from nanolab.queue.db import (
 from nanolab.queue.packing import gib
 from nanolab.queue.predict import describe, remaining_seconds
 from nanolab.queue.runner import ORDERS, Runner, _is_job_process
+from nanolab.runs import columns
 from nanolab.training.resolve import is_fit_option
 
 
@@ -223,19 +224,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append([str(j.id), j.name, status[:70], str(j.attempts), _device_column(j, running),
                      describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
     headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    print(line(headers))
-    print(line(["-" * w for w in widths]))
-    by_id = {j.id: row for j, row in zip(jobs, rows, strict=True)}
+    lines = columns([headers, *rows], rule=True)
+    print("\n".join(lines[:2]))
+    by_id = {j.id: line for j, line in zip(jobs, lines[2:], strict=True)}
     for members in groups:
         if len(members) > 1:
             print(group_header(members))
         for j in members:
-            print(line(by_id[j.id]))
+            print(by_id[j.id])
     summary = ", ".join(f"{n} {s}" for s, n in Counter(j.status for j in jobs).items())
     if gaps:
         summary += (f"; job-to-job gap median {statistics.median(gaps) * 1000:.0f} ms "

@@ -27,6 +27,7 @@ from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
     RunSummary,
+    columns,
     discover_runs,
     duration,
     num,
@@ -190,11 +191,7 @@ def _si(value: float | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    return [
-        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [headers, *rows]
-    ]
+    return ["  " + line for line in columns([headers, *rows])]
 
 
 def render(screen: Screen, roots: list[Path]) -> str:
