@@ -281,16 +281,11 @@ class QueueDB:
                         f"{existing['status']}); its run directory is {j.run_dir}; pass another "
                         "--name, or `nanolab queue rm` it first"
                     )
+                row = {**vars(j), "args": json.dumps(j.args), "backfill": int(j.backfill)}
                 cur = c.execute(
-                    "INSERT INTO jobs(name, config, args, seed, cwd, run_dir, config_key, devices, "
-                    "max_steps, estimate_s, estimate_source, created, backfill, mem_peak, "
-                    "mem_source, config_sha) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        j.name, j.config, json.dumps(j.args), j.seed, j.cwd, j.run_dir,
-                        j.config_key, j.devices, j.max_steps, j.estimate_s, j.estimate_source, now,
-                        int(j.backfill), j.mem_peak, j.mem_source, j.config_sha,
-                    ),
-                )  # fmt: skip
+                    f"INSERT INTO jobs({', '.join(row)}, created) VALUES ({'?, ' * len(row)}?)",
+                    (*row.values(), now),
+                )
                 ids.append(cur.lastrowid)
         return [self.get(i) for i in ids]
 
