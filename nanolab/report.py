@@ -40,13 +40,9 @@ from typing import Any
 from nanolab.errors import one_line_errors
 from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import RUN_LOG_NAME
-from nanolab.runs import (  # noqa: F401  (read_run, summarize_run, ...: public here too)
+from nanolab.runs import (
     DELTA_WINDOW,
-    NUMBER_FIELDS,
     RESULTS_LOG,
-    SEED_KEYS,
-    STALE_AFTER_S,
-    TEXT_FIELDS,
     RunsError,
     RunSummary,
     append_result,
@@ -59,13 +55,9 @@ from nanolab.runs import (  # noqa: F401  (read_run, summarize_run, ...: public 
     last_value,
     num,
     read_run,
-    recent_mean,
-    record_problem,
     result_fields,
-    seed_free_fingerprint,
     si,
     summarize_run,
-    train_delta,
 )
 
 

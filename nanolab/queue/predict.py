@@ -25,11 +25,10 @@ from __future__ import annotations
 import os
 import statistics
 
-from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu, cpu_flops: public here too)
+from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu: public here too)
     STARTUP_S,
     VOCAB_GUESS,
     as_estimator_config,
-    cpu_flops,
     estimator_gpu,
     run_seconds,
 )
