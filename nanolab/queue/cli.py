@@ -111,10 +111,6 @@ def check_gpus_visible(ids: list[str], text: str) -> None:
         )
 
 
-def _db(args: argparse.Namespace) -> QueueDB:
-    return QueueDB(args.db)
-
-
 # -- verbs ----------------------------------------------------------------------------------
 def cmd_add(args: argparse.Namespace) -> int:
     from nanolab.queue.jobs import build_jobs, job_names, parse_sets
@@ -123,7 +119,7 @@ def cmd_add(args: argparse.Namespace) -> int:
 
     configs = [Path(c) for c in args.config]
     sweeps = parse_sweeps(args.sweep, [k for k, _ in parse_sets(args.set)])
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = []
     for point in grid(sweeps):  # one point (no sweep) or the product of every --sweep
         name = args.name
@@ -197,7 +193,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for s in args.status or []:
         if s not in STATUSES:
             raise QueueError(f"--status {s!r}: unknown status; choose from {', '.join(STATUSES)}")
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = db.jobs(args.status or None)
     running = jobs if not args.status else db.jobs(("running",))
     gaps = db.event_values("gap")
@@ -262,7 +258,7 @@ def group_header(members: list[Job]) -> str:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = db.resolve(args.jobs)
     for job in jobs:
         if job.status == "running" and job.job_pid and _is_job_process(job.job_pid, job.name):
@@ -277,7 +273,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = db.resolve(args.jobs)
     for job in jobs:
         if job.status in ("pending", "running"):
@@ -295,7 +291,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = QueueDB(args.db)
     statuses = tuple(s for s in STATUSES if s != "running") if args.all else FINISHED
     jobs = db.jobs(statuses)
     db.remove([j.id for j in jobs])
@@ -326,7 +322,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.pack and args.slots != 1:
         raise QueueError("--slots is for one job per slot; --pack decides how many jobs share")
-    db = _db(args)
+    db = QueueDB(args.db)
     live = db.live_runners(stale_s=30.0)
     if live:
         pids = ", ".join(f"pid {r['pid']} on {r['host']}" for r in live)
