@@ -392,10 +392,7 @@ def format_table(
                else "mean ± standard deviation (pip install 'nanolab[stats]' for intervals)"),
         ]  # fmt: skip
         for g in groups:
-            spread = _mean_spread(
-                None if not g.val_losses else statistics.fmean(g.val_losses),
-                g.ci_val_loss if with_ci else g.std_val_loss,
-            )
+            spread = _mean_spread(g.mean_val_loss, g.ci_val_loss if with_ci else g.std_val_loss)
             if g.mean_core is not None:
                 spread += f", CORE {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
