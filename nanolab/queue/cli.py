@@ -418,17 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
 
-    rm = sub.add_parser(
-        "rm", parents=[common], help="remove jobs (a running one checkpoints and stops)"
-    )
-    rm.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
-    rm.set_defaults(func=cmd_rm)
-
-    rt = sub.add_parser(
-        "retry", parents=[common], help="put failed/stopped/preempted jobs back (they resume)"
-    )
-    rt.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
-    rt.set_defaults(func=cmd_retry)
+    for verb, func, text in (
+        ("rm", cmd_rm, "remove jobs (a running one checkpoints and stops)"),
+        ("retry", cmd_retry, "put failed/stopped/preempted jobs back (they resume)"),
+    ):
+        by_job = sub.add_parser(verb, parents=[common], help=text)
+        by_job.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
+        by_job.set_defaults(func=func)
 
     cl = sub.add_parser("clear", parents=[common], help="remove done, stopped and failed jobs")
     cl.add_argument("--all", action="store_true", help="also pending and preempted jobs")

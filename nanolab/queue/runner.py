@@ -494,9 +494,7 @@ class Runner:
             if code is None:
                 continue
             del self._active[job_id]
-            now = time.monotonic()
-            for u in active.units:
-                self._freed_at[u] = now
+            self._freed_at.update(dict.fromkeys(active.units, time.monotonic()))
             if active.pidfd is not None:
                 os.close(active.pidfd)
             active.log.close()
