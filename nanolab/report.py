@@ -985,9 +985,7 @@ def main(argv: list[str] | None = None) -> int:
     scaling_text, scaling_data = _scaling(args, selected)
     if args.plot is not None:
         dirs = dict(selected)
-        plotted, left_out = summaries, 0
-        if not args.run:
-            plotted, left_out = default_plot_selection(summaries)
+        plotted, left_out = (summaries, 0) if args.run else default_plot_selection(summaries)
         plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx)
     if args.json:
         payload = {
