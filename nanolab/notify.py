@@ -51,17 +51,16 @@ def check_targets(targets: Sequence[str], fields: Sequence[str], where: str) -> 
                 names = [n for _, n, _, _ in string.Formatter().parse(word) if n is not None]
             except ValueError as err:
                 raise NotifyConfigError(f"{where}[{i}] {target!r}: {err}") from None
-            try:  # a conversion or format spec that cannot apply fails now, not at the end
-                word.format_map(dict.fromkeys(fields, ""))
-            except (KeyError, ValueError, IndexError, AttributeError) as err:
-                if not [n for n in names if n not in fields]:
-                    raise NotifyConfigError(f"{where}[{i}] {target!r}: {err}") from None
             unknown = [n for n in names if n not in fields]
             if unknown:
                 raise NotifyConfigError(
                     f"{where}[{i}] names {{{unknown[0]}}}, which is not a field; use "
                     + ", ".join(f"{{{f}}}" for f in fields)
                 )
+            try:  # a conversion or format spec that cannot apply fails now, not at the end
+                word.format_map(dict.fromkeys(fields, ""))
+            except (KeyError, ValueError, IndexError, AttributeError) as err:
+                raise NotifyConfigError(f"{where}[{i}] {target!r}: {err}") from None
 
 
 def _check_apprise_url(url: str, where: str) -> None:

@@ -1,10 +1,7 @@
 """``nanolab report``: the morning summary of every run under one or more run folders.
 
-Reads each run's ``metrics.jsonl`` (through :mod:`nanolab.runlog`, which skips a half-written
-last line), whatever state the run is in: finished (the ``end`` record's reason), still running
-(no ``end`` yet, recent records) or crashed (no ``end`` and silent for a while, e.g. SIGKILL or a
-lost machine). A resumed run repeats the steps after its last checkpoint; the later copy of a step
-is the one that counts, so curves and "best" figures come from the surviving timeline.
+Each run is read by :func:`nanolab.runs.summarize_run`, whatever state it is in (finished,
+running, crashed); curves and "best" figures come from the timeline a resume leaves.
 
 Runs whose configs differ only in the seed and the run name are grouped, with the mean and
 standard deviation of their final validation loss: one seed is an anecdote. A group is labelled
@@ -27,6 +24,7 @@ GPU-hours and cost to reach ``X``; a seed group's points are fitted together.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import json
 import math
@@ -42,16 +40,13 @@ from typing import Any
 from nanolab.errors import one_line_errors
 from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import RUN_LOG_NAME
-from nanolab.runs import (  # noqa: F401  (read_run, summarize_run, ...: public here too)
+from nanolab.runs import (
     DELTA_WINDOW,
-    NUMBER_FIELDS,
     RESULTS_LOG,
-    SEED_KEYS,
-    STALE_AFTER_S,
-    TEXT_FIELDS,
     RunsError,
     RunSummary,
     append_result,
+    columns,
     config_of,
     discover_runs,
     duration,
@@ -60,12 +55,9 @@ from nanolab.runs import (  # noqa: F401  (read_run, summarize_run, ...: public 
     last_value,
     num,
     read_run,
-    recent_mean,
-    record_problem,
     result_fields,
-    seed_free_fingerprint,
+    si,
     summarize_run,
-    train_delta,
 )
 
 
@@ -203,18 +195,17 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
         if len(members) < 2:
             continue
         left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
-        everyone = members
-        members = [m for m in members if not _unusable(m)]
-        at_tokens = common_tokens(members)
-        losses = values_at(members, at_tokens)
-        cores = [m.core for m in members if m.core is not None]
-        seeds = [m.seed for m in members]
+        usable = [m for m in members if not _unusable(m)]
+        at_tokens = common_tokens(usable)
+        losses = values_at(usable, at_tokens)
+        cores = [m.core for m in usable if m.core is not None]
+        seeds = [m.seed for m in usable]
         out.append(
             SeedGroup(
                 label=label,
-                runs=[m.run for m in everyone],
-                seeds=[m.seed for m in everyone],
-                n=len(members),
+                runs=[m.run for m in members],
+                seeds=[m.seed for m in members],
+                n=len(usable),
                 mean_val_loss=statistics.fmean(losses) if losses else None,
                 std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
                 repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
@@ -250,12 +241,8 @@ def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
     when ``tokens`` is None)."""
     if tokens is None:
         return [m.final_val_loss for m in members if m.final_val_loss is not None]
-    out = []
-    for m in members:
-        before = [loss for t, loss in m.val_points if t <= tokens]
-        if before:
-            out.append(before[-1])
-    return out
+    before = ([loss for t, loss in m.val_points if t <= tokens] for m in members)
+    return [b[-1] for b in before if b]
 
 
 def _ci(values: list[float]) -> float | None:
@@ -308,22 +295,13 @@ def compare_groups(
             return []
         text = sentence(g.label, base.label, d)
         if at is not None and (at != g.at_tokens or at != base.at_tokens):
-            text += f" (at {_si(at)} tokens, where every run of both got to)"
+            text += f" (at {si(at)} tokens, where every run of both got to)"
         out.append(Comparison(g.label, base.label, at, d.difference, d.half_width, d.p_value,
                               d.n_a, d.n_b, d.seeds_needed, text))  # fmt: skip
     return out
 
 
 # -- formatting -----------------------------------------------------------------------------
-def _si(value: float | None, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.{digits}g}{unit}"
-    return f"{value:.{digits}g}"
-
-
 def _f(value: float | None, fmt: str = ".4f") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -379,12 +357,12 @@ def format_table(
                 s.run,
                 _status_text(s),
                 "-" if s.steps is None else str(s.steps),
-                _si(s.tokens),
+                si(s.tokens),
                 _f(s.train_loss),
                 best,
                 _f(s.best_val_bpb),
                 improvement,
-                _si(s.tokens_per_s),
+                si(s.tokens_per_s),
                 "-" if s.mfu is None else f"{s.mfu:.1%}",
                 _f(s.gpu_hours, ".3f"),
                 _money(s.cost),
@@ -393,16 +371,8 @@ def format_table(
         )
         if len(headers) > 13:
             rows[-1] += [_f(s.core, "+.3f"), *(_f(s.task_scores.get(t), ".3f") for t in tasks)]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     right = {2, 3, 4, 6, 8, 9, 10, 11, 12, *range(13, len(headers))}
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    out = [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    out = columns([headers, *rows], right, rule=True)
     out.append(
         f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps minus the "
         "first logged step's (the same for every run)"
@@ -422,10 +392,7 @@ def format_table(
                else "mean ± standard deviation (pip install 'nanolab[stats]' for intervals)"),
         ]  # fmt: skip
         for g in groups:
-            spread = _mean_spread(
-                None if not g.val_losses else statistics.fmean(g.val_losses),
-                g.ci_val_loss if with_ci else g.std_val_loss,
-            )
+            spread = _mean_spread(g.mean_val_loss, g.ci_val_loss if with_ci else g.std_val_loss)
             if g.mean_core is not None:
                 spread += f", CORE {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
@@ -502,12 +469,10 @@ def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, flo
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     t = None
     if len(curves) >= 2:
-        try:
+        with contextlib.suppress(ImportError):
             from scipy import stats
 
             t = float(stats.t.ppf(0.975, len(curves) - 1))
-        except ImportError:
-            t = None
     out = []
     for step in steps:
         ys = [c[step][1] for c in curves]
@@ -522,10 +487,7 @@ def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, flo
 
 
 def _tokens_axis(value: float, _pos: Any = None) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:g}{unit}"
-    return f"{value:g}"
+    return si(value, "g", billion="B")
 
 
 def plot_runs(
@@ -620,11 +582,10 @@ def plot_runs(
     xlabel = "tokens" if x == "tokens" else "GPU-hours"
     smooth = "train loss (trailing mean)"
     titles = [(ax_train, smooth), (ax_val, "val loss")]
-    for ax, task_key in zip(task_axes, task_keys, strict=True):
-        name = task_key.split("/")[1]
-        titles.append(
-            (ax, "CORE (mean centered accuracy)" if name == "core" else f"{name} (score)")
-        )
+    titles += [
+        (ax, "CORE (mean centered accuracy)" if name == "core" else f"{name} (score)")
+        for ax, name in zip(task_axes, (k.split("/")[1] for k in task_keys), strict=True)
+    ]
     for ax, title in titles:
         ax.set_title(title)
         ax.tick_params(labelbottom=True)  # every panel keeps its x labels (rows share the axis)
@@ -797,8 +758,7 @@ def forecast_inputs(run_dir: Path) -> Any:
         for s, t, v in ((r.get("step"), num(r.get("tokens")), num(r.get("val_loss"))) for r in val)
         if isinstance(s, int) and t is not None and v is not None and t > 0
     ]
-    starts = [r for r in records if r.get("event") == "start"]
-    config = config_of(starts[-1] if starts else None, run_dir) or {}
+    config = config_of(records, run_dir) or {}
     max_steps = num((config.get("trainer") or {}).get("max_steps"))
     last = next((r for r in reversed(train) if num(r.get("tokens")) and r.get("step")), None)
     per_step = num(last["tokens"]) / int(last["step"]) if last else None
@@ -868,15 +828,15 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
             text += " (under a quarter of the LR decay seen: its gain is not counted, the range reaches the fit with it)"
         if f.final_loss is not None:
             lo, hi = f.final_band
-            text += (f"; at max_steps ({_si(f.final_tokens)} tokens): {f.final_loss:.4f} "
+            text += (f"; at max_steps ({si(f.final_tokens)} tokens): {f.final_loss:.4f} "
                      f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
         if target is not None:
             if f.target_tokens is None:
                 text += f"; {target}: {f.note}"
             else:
                 lo, hi = f.target_band
-                hi_text = _si(hi) if math.isfinite(hi) else "never"
-                text += f"; to {target}: {_si(f.target_tokens)} tokens [{_si(lo)}, {hi_text}]"
+                hi_text = si(hi) if math.isfinite(hi) else "never"
+                text += f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
                 if f.target_gpu_hours is not None:
                     text += f", {f.target_gpu_hours:.3g} GPU-h"
                 if f.target_cost is not None:
@@ -893,19 +853,16 @@ def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
             continue  # a run directory given as a root: its root is its parent
         path = root / RESULTS_LOG
         have = indexed_runs(path)
-        n = 0
-        for s in summaries:
-            if (
-                s.status in ("running", "crashed")
-                or Path(s.run_dir).resolve().parent != root.resolve()
-            ):
-                continue
-            fields = result_fields(s)
-            if (fields["run"], fields["step"], fields["reason"]) in have:
-                continue
-            append_result(path, fields)
-            n += 1
-        added.append(f"{path}: {n} run(s) added")
+        ended = [
+            result_fields(s)
+            for s in summaries
+            if s.status not in ("running", "crashed")
+            and Path(s.run_dir).resolve().parent == root.resolve()
+        ]
+        new = [f for f in ended if (f["run"], f["step"], f["reason"]) not in have]
+        for f in new:
+            append_result(path, f)
+        added.append(f"{path}: {len(new)} run(s) added")
     return "index: " + ("; ".join(added) if added else "no folder of runs given")
 
 
@@ -922,8 +879,7 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
     configs = []
     for name in (a, b):
         records = read_run(dirs[name])[0]
-        starts = [r for r in records if r.get("event") == "start"]
-        config = config_of(starts[-1] if starts else None, dirs[name])
+        config = config_of(records, dirs[name])
         if config is None:
             raise ReportError(
                 f"--compare: run {name} has no config (no start record, no config.yaml)"
@@ -940,27 +896,20 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
     ]
     if not keys:
         rows.append(("(no difference)", "", ""))
-    rows.append(("", "", ""))
-    rows.append(("result", "", ""))
-
-    def best(s: RunSummary) -> str:
-        return "-" if s.best_val_loss is None else f"{s.best_val_loss:.4f} (step {s.best_val_step})"
-
-    def delta(s: RunSummary) -> str:
-        return "-" if s.improvement is None else f"{-s.improvement:+.4f}"
+    rows += [("", "", ""), ("result", "", "")]
 
     for label, fn in (
         ("status", _status_text), ("steps", lambda s: "-" if s.steps is None else str(s.steps)),
-        ("tokens", lambda s: _si(s.tokens)), ("final val loss", lambda s: _f(s.final_val_loss)),
-        ("best val loss", best), ("train loss", lambda s: _f(s.train_loss)),
-        ("Δ train loss", delta), ("tokens/s", lambda s: _si(s.tokens_per_s)),
+        ("tokens", lambda s: si(s.tokens)), ("final val loss", lambda s: _f(s.final_val_loss)),
+        ("best val loss", lambda s: "-" if s.best_val_loss is None
+         else f"{s.best_val_loss:.4f} (step {s.best_val_step})"),
+        ("train loss", lambda s: _f(s.train_loss)),
+        ("Δ train loss", lambda s: "-" if s.improvement is None else f"{-s.improvement:+.4f}"),
+        ("tokens/s", lambda s: si(s.tokens_per_s)),
         ("GPU-h", lambda s: _f(s.gpu_hours, ".3f")), ("wall", lambda s: duration(s.wall_s)),
     ):  # fmt: skip
         rows.append((label, fn(sa), fn(sb)))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
+    return "\n".join(columns([list(r) for r in rows]))
 
 
 def _select(found: list[tuple[str, Path]], patterns: list[str]) -> list[tuple[str, Path]]:
@@ -1036,9 +985,7 @@ def main(argv: list[str] | None = None) -> int:
     scaling_text, scaling_data = _scaling(args, selected)
     if args.plot is not None:
         dirs = dict(selected)
-        plotted, left_out = summaries, 0
-        if not args.run:
-            plotted, left_out = default_plot_selection(summaries)
+        plotted, left_out = (summaries, 0) if args.run else default_plot_selection(summaries)
         plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx)
     if args.json:
         payload = {

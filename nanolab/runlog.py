@@ -204,11 +204,9 @@ class RunLogWriter:
 
     def close(self) -> None:
         if self._handle is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._handle.flush()
                 os.fsync(self._handle.fileno())
-            except OSError:
-                pass
             with contextlib.suppress(OSError):  # a full disk: what is buffered cannot land
                 self._handle.close()
             self._handle = None

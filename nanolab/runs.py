@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,17 +139,11 @@ def record_problem(record: dict[str, Any]) -> str | None:
     step = record.get("step")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         return f"'step' is {shown(step)}"
-    for key in NUMBER_FIELDS:
+    wanted = [*((k, (int, float)) for k in NUMBER_FIELDS), *((k, str) for k in TEXT_FIELDS)]
+    for key, types in [*wanted, ("seed", int)]:
         value = record.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             return f"'{key}' is {shown(value)}"
-    for key in TEXT_FIELDS:
-        value = record.get(key)
-        if value is not None and not isinstance(value, str):
-            return f"'{key}' is {shown(value)}"
-    seed = record.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        return f"'seed' is {shown(seed)}"
     return None
 
 
@@ -185,28 +181,27 @@ def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float |
 
 
 def last_value(records: list[dict[str, Any]], key: str) -> Any:
-    for r in reversed(records):
-        if r.get(key) is not None:
-            return r[key]
-    return None
+    return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
 
-def config_of(start: dict[str, Any] | None, run_dir: Path) -> dict[str, Any] | None:
+def config_of(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any] | None:
+    """The config of a run's last start: its ``start`` record's, else ``config.yaml``'s."""
+    start = next((r for r in reversed(records) if r.get("event") == "start"), None)
     config = start.get("config") if start else None
     if isinstance(config, dict):
         return config
     saved = run_dir / "config.yaml"  # LightningCLI's copy of the merged config
-    if saved.is_file():
-        import yaml
+    if not saved.is_file():
+        return None
+    import yaml
 
-        from nanolab.training.resolve import load_yaml  # configs are read one way
+    from nanolab.training.resolve import load_yaml  # configs are read one way
 
-        try:
-            loaded = load_yaml(saved.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, OSError, UnicodeDecodeError):
-            return None
-        return loaded if isinstance(loaded, dict) else None
-    return None
+    try:
+        loaded = load_yaml(saved.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def seed_free_fingerprint(config: dict[str, Any] | None) -> str | None:
@@ -263,16 +258,13 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     s.resumes = max(0, len(starts) - 1)
     last_start = starts[-1] if starts else 0
     start = records[last_start] if starts else None
-    ends = [r for r in records[last_start:] if r.get("event") == "end"]
-    end = ends[-1] if ends else None
+    end = next((r for r in reversed(records[last_start:]) if r.get("event") == "end"), None)
     records = current_timeline(records)
     train = last_by_step([r for r in records if r.get("event") == "train"])
     val = last_by_step([r for r in records if r.get("event") == "val"])
-    s.rollbacks = sum(
-        1 for r in records if r.get("event") == "spike" and r.get("restored") is not None
-    )
+    s.rollbacks = sum(r.get("event") == "spike" and r.get("restored") is not None for r in records)
 
-    config = config_of(start, run_dir)
+    config = config_of(records, run_dir)
     s.group = seed_free_fingerprint(config)
     seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
     seed_value = None if isinstance(seed, bool) else num(seed)
@@ -343,17 +335,11 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
 
 def task_scores(record: dict[str, Any]) -> dict[str, float]:
     """``{task: score}`` of a ``tasks`` record: the accuracy its centered score is computed from."""
-    out = {}
-    for key, value in record.items():
-        parts = key.split("/")
-        if (
-            len(parts) == 3
-            and parts[0] == "tasks"
-            and parts[2] == "score"
-            and num(value) is not None
-        ):
-            out[parts[1]] = float(value)
-    return out
+    return {
+        key.split("/")[1]: float(value)
+        for key, value in record.items()
+        if re.fullmatch(r"tasks/[^/]*/score", key) and num(value) is not None
+    }
 
 
 def train_delta(train: list[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -376,6 +362,32 @@ def duration(seconds: float | None) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def si(value: float | None, fmt: str = ".3g", billion: str = "G") -> str:
+    """``value`` in k, M, ``billion`` or T (``-`` when unknown)."""
+    if value is None:
+        return "-"
+    for unit, scale in (("T", 1e12), (billion, 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:{fmt}}{unit}"
+    return f"{value:{fmt}}"
+
+
+def columns(rows: list[list[str]], right: Container[int] = (), rule: bool = False) -> list[str]:
+    """``rows`` (the header first) as text columns two spaces apart, right-aligned where
+    ``right`` says, with a line of dashes under the header when ``rule``: one look for the
+    tables of ``report``, ``status`` and ``queue ls``."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    if rule:
+        rows = [rows[0], ["-" * w for w in widths], *rows[1:]]
+    return [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
 
 
 # -- the index of ended runs -------------------------------------------------------------------
@@ -420,8 +432,7 @@ def result_fields(s: RunSummary) -> dict[str, Any]:
 def indexed_runs(path: Path) -> set[tuple[str, Any, Any]]:
     """(run name, step, reason) of the lines already in a results.log: names, not paths, so the
     same root reached by another path (or copied) is not indexed twice."""
-    found = set()
-    for record in iter_records(path) if path.is_file() else []:
-        name = record.get("run") or Path(str(record.get("run_dir", ""))).name
-        found.add((str(name), record.get("step"), record.get("reason")))
-    return found
+    return {
+        (str(r.get("run") or Path(str(r.get("run_dir", ""))).name), r.get("step"), r.get("reason"))
+        for r in (iter_records(path) if path.is_file() else [])
+    }

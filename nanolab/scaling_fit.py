@@ -42,6 +42,7 @@ MIN_RUNS = 6
 HUBER_DELTA = 1e-3
 #: A fitted floor E below this is reported as 0 (log E ran off to -inf: no floor in the runs).
 FLOOR_ZERO = 1e-6
+PARAMS = ("E", "A", "alpha", "B", "beta")
 
 
 class ScalingError(NanolabError):
@@ -156,8 +157,7 @@ def _starts() -> np.ndarray:
     alphas = betas = (0.2, 0.5, 1.0)
     es = (-1.0, 0.0, 1.0)
     ab = (0.0, 5.0, 10.0, 20.0)
-    rows = [(a, b, e, al, be) for a, b, e, al, be in itertools.product(ab, ab, es, alphas, betas)]
-    return np.array(rows, dtype=float)
+    return np.array(list(itertools.product(ab, ab, es, alphas, betas)), dtype=float)
 
 
 def _near(law: ScalingLaw) -> np.ndarray:
@@ -242,33 +242,28 @@ def fit_with_errors(
     params = np.column_stack(
         [np.exp(best[:, 2]), np.exp(best[:, 0]), best[:, 3], np.exp(best[:, 1]), best[:, 4]]
     )  # E, A, alpha, B, beta
-    errs = []
-    for i in range(len(points)):
-        E, A, al, B, be = params[i]
-        errs.append(E + A / n[i] ** al + B / d[i] ** be - y[i])
+    E, A, al, B, be = params[: len(points)].T
+    errs = E + A / n**al + B / d**be - y
     law.loo_rmse = float(np.sqrt(np.mean(np.square(errs))))
     law.loo_max = float(np.max(np.abs(errs)))
     samples = params[len(points) :]
     if len(samples):
-        for j, name in enumerate(("E", "A", "alpha", "B", "beta")):
-            lo, hi = np.percentile(samples[:, j], (5.0, 95.0))
-            law.band[name] = (float(lo), float(hi))
+        bands = np.percentile(samples, (5.0, 95.0), axis=0).T
+        law.band = {k: (float(lo), float(hi)) for k, (lo, hi) in zip(PARAMS, bands, strict=True)}
     return law, samples
 
 
 def optimum_band(samples: np.ndarray, flops: float) -> dict[str, tuple[float, float]]:
     """5-95% of (N*, D*, L*) over bootstrap parameter rows."""
-    opts = np.array([_optimum(*row, flops) for row in samples]) if len(samples) else None
-    if opts is None:
-        return {}
+    opts = np.array([_optimum(*row, flops) for row in samples]).reshape(-1, 3)
     opts = opts[np.all(np.isfinite(opts), axis=1)]
     if not len(opts):
         return {}
-    out = {}
-    for j, name in enumerate(("n", "d", "loss")):
-        lo, hi = np.percentile(opts[:, j], (5.0, 95.0))
-        out[name] = (float(lo), float(hi))
-    return out
+    bands = np.percentile(opts, (5.0, 95.0), axis=0).T
+    return {
+        name: (float(lo), float(hi))
+        for name, (lo, hi) in zip(("n", "d", "loss"), bands, strict=True)
+    }
 
 
 def flops_per_gpu_hour(points: list[ScalingPoint]) -> float | None:
@@ -308,10 +303,9 @@ def _g(v: float) -> str:
 
 
 def _si(v: float) -> str:
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(v) >= div:
-            return f"{v / div:.3g}{unit}"
-    return f"{v:.3g}"
+    from nanolab.runs import si
+
+    return si(v, billion="B")
 
 
 def scaling_report(
@@ -326,7 +320,7 @@ def scaling_report(
         f"{sizes} sizes (N: parameters incl. embeddings, D: tokens trained, L: final val loss); "
         f"Huber fit of log L, [5%, 95%] over {len(samples)} bootstrap resamples of the runs",
     ]
-    for name in ("E", "A", "alpha", "B", "beta"):
+    for name in PARAMS:
         value = getattr(law, name)
         lo, hi = law.band.get(name, (math.nan, math.nan))
         out.append(f"  {name:<5} = {_g(value):<10} [{_g(lo)}, {_g(hi)}]")

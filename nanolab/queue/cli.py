@@ -23,6 +23,7 @@ import sqlite3
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from nanolab.queue.db import (
 from nanolab.queue.packing import gib
 from nanolab.queue.predict import describe, remaining_seconds
 from nanolab.queue.runner import ORDERS, Runner, _is_job_process
+from nanolab.runs import columns
 from nanolab.training.resolve import is_fit_option
 
 
@@ -109,10 +111,6 @@ def check_gpus_visible(ids: list[str], text: str) -> None:
         )
 
 
-def _db(args: argparse.Namespace) -> QueueDB:
-    return QueueDB(args.db)
-
-
 # -- verbs ----------------------------------------------------------------------------------
 def cmd_add(args: argparse.Namespace) -> int:
     from nanolab.queue.jobs import build_jobs, job_names, parse_sets
@@ -121,7 +119,7 @@ def cmd_add(args: argparse.Namespace) -> int:
 
     configs = [Path(c) for c in args.config]
     sweeps = parse_sweeps(args.sweep, [k for k, _ in parse_sets(args.set)])
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = []
     for point in grid(sweeps):  # one point (no sweep) or the product of every --sweep
         name = args.name
@@ -195,7 +193,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for s in args.status or []:
         if s not in STATUSES:
             raise QueueError(f"--status {s!r}: unknown status; choose from {', '.join(STATUSES)}")
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = db.jobs(args.status or None)
     running = jobs if not args.status else db.jobs(("running",))
     gaps = db.event_values("gap")
@@ -222,23 +220,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append([str(j.id), j.name, status[:70], str(j.attempts), _device_column(j, running),
                      describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
     headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    print(line(headers))
-    print(line(["-" * w for w in widths]))
-    by_id = {j.id: row for j, row in zip(jobs, rows, strict=True)}
+    lines = columns([headers, *rows], rule=True)
+    print("\n".join(lines[:2]))
+    by_id = {j.id: line for j, line in zip(jobs, lines[2:], strict=True)}
     for members in groups:
         if len(members) > 1:
             print(group_header(members))
         for j in members:
-            print(line(by_id[j.id]))
-    counts = {}
-    for j in jobs:
-        counts[j.status] = counts.get(j.status, 0) + 1
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+            print(by_id[j.id])
+    summary = ", ".join(f"{n} {s}" for s, n in Counter(j.status for j in jobs).items())
     if gaps:
         summary += (f"; job-to-job gap median {statistics.median(gaps) * 1000:.0f} ms "
                     f"(max {max(gaps) * 1000:.0f} ms, n={len(gaps)})")  # fmt: skip
@@ -262,15 +252,13 @@ def group_header(members: list[Job]) -> str:
     if len(set(names)) > 1:
         label = os.path.commonprefix(names).rstrip("-_") or names[0]  # noqa: RUF071
     seeds = [j.seed for j in members if j.seed is not None]
-    counts: dict[str, int] = {}
-    for j in members:
-        counts[j.status] = counts.get(j.status, 0) + 1
+    counts = Counter(j.status for j in members)
     what = f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if seeds else f"{len(members)} jobs"
     return f"{label}: {what}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = db.resolve(args.jobs)
     for job in jobs:
         if job.status == "running" and job.job_pid and _is_job_process(job.job_pid, job.name):
@@ -285,7 +273,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = QueueDB(args.db)
     jobs = db.resolve(args.jobs)
     for job in jobs:
         if job.status in ("pending", "running"):
@@ -303,7 +291,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = QueueDB(args.db)
     statuses = tuple(s for s in STATUSES if s != "running") if args.all else FINISHED
     jobs = db.jobs(statuses)
     db.remove([j.id for j in jobs])
@@ -334,7 +322,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.pack and args.slots != 1:
         raise QueueError("--slots is for one job per slot; --pack decides how many jobs share")
-    db = _db(args)
+    db = QueueDB(args.db)
     live = db.live_runners(stale_s=30.0)
     if live:
         pids = ", ".join(f"pid {r['pid']} on {r['host']}" for r in live)
@@ -430,17 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
 
-    rm = sub.add_parser(
-        "rm", parents=[common], help="remove jobs (a running one checkpoints and stops)"
-    )
-    rm.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
-    rm.set_defaults(func=cmd_rm)
-
-    rt = sub.add_parser(
-        "retry", parents=[common], help="put failed/stopped/preempted jobs back (they resume)"
-    )
-    rt.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
-    rt.set_defaults(func=cmd_retry)
+    for verb, func, text in (
+        ("rm", cmd_rm, "remove jobs (a running one checkpoints and stops)"),
+        ("retry", cmd_retry, "put failed/stopped/preempted jobs back (they resume)"),
+    ):
+        by_job = sub.add_parser(verb, parents=[common], help=text)
+        by_job.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
+        by_job.set_defaults(func=func)
 
     cl = sub.add_parser("clear", parents=[common], help="remove done, stopped and failed jobs")
     cl.add_argument("--all", action="store_true", help="also pending and preempted jobs")

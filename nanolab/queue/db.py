@@ -265,15 +265,6 @@ class QueueDB:
             raise
         self.conn.execute("COMMIT")
 
-    # -- meta ------------------------------------------------------------------------------
-    def get_meta(self, key: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row["value"]
-
-    def set_meta(self, key: str, value: str) -> None:
-        with self.transaction() as c:
-            c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
-
     # -- jobs ------------------------------------------------------------------------------
     def add_jobs(self, jobs: list[NewJob]) -> list[Job]:
         """Insert all of ``jobs`` or none (a duplicate name aborts the whole add)."""
@@ -290,16 +281,11 @@ class QueueDB:
                         f"{existing['status']}); its run directory is {j.run_dir}; pass another "
                         "--name, or `nanolab queue rm` it first"
                     )
+                row = {**vars(j), "args": json.dumps(j.args), "backfill": int(j.backfill)}
                 cur = c.execute(
-                    "INSERT INTO jobs(name, config, args, seed, cwd, run_dir, config_key, devices, "
-                    "max_steps, estimate_s, estimate_source, created, backfill, mem_peak, "
-                    "mem_source, config_sha) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        j.name, j.config, json.dumps(j.args), j.seed, j.cwd, j.run_dir,
-                        j.config_key, j.devices, j.max_steps, j.estimate_s, j.estimate_source, now,
-                        int(j.backfill), j.mem_peak, j.mem_source, j.config_sha,
-                    ),
-                )  # fmt: skip
+                    f"INSERT INTO jobs({', '.join(row)}, created) VALUES ({'?, ' * len(row)}?)",
+                    (*row.values(), now),
+                )
                 ids.append(cur.lastrowid)
         return [self.get(i) for i in ids]
 
@@ -310,13 +296,8 @@ class QueueDB:
         return Job.from_row(row)
 
     def jobs(self, statuses: tuple[str, ...] | list[str] | None = None) -> list[Job]:
-        if statuses:
-            marks = ",".join("?" * len(statuses))
-            rows = self.conn.execute(
-                f"SELECT * FROM jobs WHERE status IN ({marks}) ORDER BY id", tuple(statuses)
-            ).fetchall()
-        else:
-            rows = self.conn.execute("SELECT * FROM jobs ORDER BY id").fetchall()
+        where = f"WHERE status IN ({','.join('?' * len(statuses))}) " if statuses else ""
+        rows = self.conn.execute(f"SELECT * FROM jobs {where}ORDER BY id", tuple(statuses or ()))
         return [Job.from_row(r) for r in rows]
 
     def resolve(self, refs: list[str]) -> list[Job]:
@@ -338,10 +319,7 @@ class QueueDB:
 
     def remove(self, job_ids: list[int]) -> int:
         with self.transaction() as c:
-            n = 0
-            for i in job_ids:
-                n += c.execute("DELETE FROM jobs WHERE id = ?", (i,)).rowcount
-        return n
+            return sum(c.execute("DELETE FROM jobs WHERE id = ?", (i,)).rowcount for i in job_ids)
 
     def set_status(
         self,

@@ -94,10 +94,7 @@ def job_names(
 
 def fit_args(sets: list[tuple[str, str]], seed: int | None) -> list[str]:
     """Extra ``nanolab fit`` arguments for one job (the config and run name are added at launch)."""
-    args = [f"--{k}={v}" for k, v in sets]
-    if seed is not None:
-        args.append(f"--seed_everything={seed}")
-    return args
+    return [f"--{k}={v}" for k, v in sets] + ([] if seed is None else [f"--seed_everything={seed}"])
 
 
 def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> ParsedConfig:

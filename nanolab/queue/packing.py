@@ -253,11 +253,10 @@ def _place(
 
 def _start(plan: PackPlan, c: Candidate, devs: list[Device], cap: int | None, rules: Rules) -> None:
     alone = cap is None
-    for d in devs:
-        reserved = d.capacity if alone else rules.reserved(c.peak or 0)
-        d.residents.append(Resident(c.job.id, reserved, alone, bool(c.job.backfill)))
-    reserved = devs[0].capacity if alone else rules.reserved(c.peak or 0)
-    plan.start.append(Start(c.job, [d.unit for d in devs], cap, reserved, c.remaining))
+    reserved = [d.capacity if alone else rules.reserved(c.peak or 0) for d in devs]
+    for d, r in zip(devs, reserved, strict=True):
+        d.residents.append(Resident(c.job.id, r, alone, bool(c.job.backfill)))
+    plan.start.append(Start(c.job, [d.unit for d in devs], cap, reserved[0], c.remaining))
 
 
 def _hold(devs: list[Device], c: Candidate, reserved: int | None) -> None:

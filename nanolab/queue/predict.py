@@ -23,12 +23,12 @@ measured.
 from __future__ import annotations
 
 import os
+import statistics
 
-from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu, cpu_flops: public here too)
+from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu: public here too)
     STARTUP_S,
     VOCAB_GUESS,
     as_estimator_config,
-    cpu_flops,
     estimator_gpu,
     run_seconds,
 )
@@ -56,8 +56,7 @@ def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
         "AND run_seconds > 0 AND max_steps > 0 AND id != ?",
         (job.config_key, job.id),
     ).fetchall()
-    rates = [r["run_seconds"] / r["max_steps"] for r in rows]
-    return sum(rates) / len(rates) if rates else None
+    return statistics.fmean(r["run_seconds"] / r["max_steps"] for r in rows) if rows else None
 
 
 def steps_done(job: Job) -> int:
@@ -137,17 +136,14 @@ def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | Non
 
 def _memory_backend(cfg: dict, gpu: str | None) -> str:
     """``cpu`` for a CPU job, else the vendor's backend of ``gpu`` (CUDA when unknown)."""
-    accelerator = str(cfg["trainer"].get("accelerator", "auto"))
-    if accelerator == "cpu":
+    if str(cfg["trainer"].get("accelerator", "auto")) == "cpu":
         return "cpu"
-    if gpu:
-        try:
-            from nanolab.estimator.gpus import get_gpu
+    try:
+        from nanolab.estimator.gpus import get_gpu
 
-            return "rocm" if get_gpu(gpu).vendor == "amd" else "cuda"
-        except Exception:
-            return "cuda"
-    return "cuda"
+        return "rocm" if gpu and get_gpu(gpu).vendor == "amd" else "cuda"
+    except Exception:
+        return "cuda"
 
 
 def process_overhead(backend: str) -> int:
@@ -185,7 +181,4 @@ def measured_peak(db: QueueDB, job: Job) -> tuple[int, str] | None:
 def job_peak(db: QueueDB, job: Job) -> tuple[int | None, str | None]:
     """Peak bytes to pack ``job`` by: a finished same-config job's measurement, else the
     prediction stored at ``queue add`` (None: unknown, the job runs alone)."""
-    measured = measured_peak(db, job)
-    if measured is not None:
-        return measured
-    return job.mem_peak, job.mem_source
+    return measured_peak(db, job) or (job.mem_peak, job.mem_source)

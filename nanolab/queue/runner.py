@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -127,7 +128,7 @@ class Runner:
     _deferred: set[int] = field(default_factory=set)
     _signals: int = 0
     _wake_r: int | None = None
-    _counts: dict[str, int] = field(default_factory=dict)
+    _counts: Counter[str] = field(default_factory=Counter)
     _refused_start: bool = False  # a claimed job was not started (its config changed)
     notify: list[str] = field(default_factory=list)  # targets told when the runner ends
     _capacity: list[int] = field(default_factory=list)
@@ -386,8 +387,7 @@ class Runner:
             return
         active.preempted_for = for_job.id
         self.preemptions.append((active.job.id, for_job.id, time.time()))
-        with contextlib.suppress(ProcessLookupError):
-            active.proc.send_signal(signal.SIGTERM)
+        active.proc.terminate()  # Popen ignores a process already gone
         self.db.event("preempt", self.runner_id, active.job.id, float(for_job.id))
         self.say(f"job {active.job.id} {active.job.name} (backfill): asked to checkpoint and "
                  f"stop, job {for_job.id} {for_job.name} needs its room")  # fmt: skip
@@ -398,16 +398,13 @@ class Runner:
         for active in self._active.values():
             if active.job.backfill and active.preempted_for is None:
                 active.preempted_for = 0
-                with contextlib.suppress(ProcessLookupError):
-                    active.proc.send_signal(signal.SIGTERM)
+                active.proc.terminate()
                 self.say(f"job {active.job.id} {active.job.name} (backfill): the deadline has "
                          "come; asked to checkpoint and stop")  # fmt: skip
 
     def _keep_waiting(self) -> bool:
         """With nothing running: is there any reason to stay?"""
-        if self.until is not None and time.time() >= self.until:
-            return False
-        return self.wait
+        return self.wait and not (self.until is not None and time.time() >= self.until)
 
     def _spawn(
         self,
@@ -427,7 +424,7 @@ class Runner:
             self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
             self.say(f"job {job.id} {job.name}: not started: {detail}")
             self._refused_start = True
-            self._counts["failed"] = self._counts.get("failed", 0) + 1
+            self._counts["failed"] += 1
             return
         log_path = job_log_path(job, self.db.path)
         cmd = [
@@ -497,9 +494,7 @@ class Runner:
             if code is None:
                 continue
             del self._active[job_id]
-            now = time.monotonic()
-            for u in active.units:
-                self._freed_at[u] = now
+            self._freed_at.update(dict.fromkeys(active.units, time.monotonic()))
             if active.pidfd is not None:
                 os.close(active.pidfd)
             active.log.close()
@@ -516,7 +511,7 @@ class Runner:
             elif status == "preempted" and active.preempted_for == 0:
                 detail = f"backfill: stopped at the deadline; {detail}"
             if self.db.finish(job_id, self.runner_id, status, detail, code, ran, **columns):
-                self._counts[status] = self._counts.get(status, 0) + 1
+                self._counts[status] += 1
                 self.db.event("exit", self.runner_id, job_id, float(code), status)
                 tail = f": {detail}" if detail else ""
                 self.say(f"job {job_id} {active.job.name}: {status} after {describe(ran)} "
@@ -550,8 +545,7 @@ class Runner:
         else:
             self.say(f"{sig} again: stopping jobs now")
         for active in self._active.values():
-            with contextlib.suppress(ProcessLookupError):
-                active.proc.send_signal(signal.SIGTERM)
+            active.proc.terminate()
 
     def _install_signals(self) -> dict[int, Any]:
         previous: dict[int, Any] = {}
@@ -593,7 +587,7 @@ class Runner:
             fields = {
                 "queue": str(self.db.path), "summary": counts, "waiting": left,
                 "reason": "stopped" if self._signals else "drained",
-                **{s: self._counts.get(s, 0) for s in ("done", "failed", "stopped", "preempted")},
+                **{s: self._counts[s] for s in ("done", "failed", "stopped", "preempted")},
             }  # fmt: skip
             send(
                 self.notify, fields, f"nanolab queue {fields['reason']}", f"{text} ({self.db.path})"

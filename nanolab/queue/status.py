@@ -27,6 +27,7 @@ from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
     RunSummary,
+    columns,
     discover_runs,
     duration,
     num,
@@ -162,13 +163,12 @@ def queue_lines(
 def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -> Screen:
     now = time.time() if now is None else now
     screen = Screen(time=now, queue=str(db_path) if db_path is not None else None)
-    found = [(n, d) for n, d in discover_runs(roots)] if any(r.exists() for r in roots) else []
+    found = discover_runs(roots) if any(r.exists() for r in roots) else []
     for name, run_dir in found:
         line = run_line(name, run_dir, now)
         (screen.running if line.status == "running" else screen.ended).append(line)
     if db_path is not None:
-        lines = screen.running + screen.ended
-        walls = {Path(line.run_dir).name: line.wall_s for line in lines}
+        walls = {Path(line.run_dir).name: line.wall_s for line in screen.running + screen.ended}
         etas = {Path(line.run_dir).name: line.eta_s for line in screen.running}
         screen.queued = [j for j in queue_lines(db_path, now, walls, etas) if j.status != "running"]
     screen.ended.sort(key=lambda r: r.run)
@@ -190,11 +190,7 @@ def _si(value: float | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    return [
-        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [headers, *rows]
-    ]
+    return ["  " + line for line in columns([headers, *rows])]
 
 
 def render(screen: Screen, roots: list[Path]) -> str:
