@@ -61,6 +61,13 @@ def test_one_screen_of_runs_and_queue(tmp_path: Path, capsys) -> None:
     assert (nxt["name"], nxt["start_in_s"], nxt["end_in_s"]) == ("next", 0.0, 600.0)
     assert (after["start_in_s"], after["end_in_s"]) == (600.0, 900.0)
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before  # read only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.db", "runs"]  # no -shm/-wal left
+    runner = QueueDB(db)  # a live writer: read through its WAL, which holds the new job
+    runner.add_jobs([NewJob(name="late", config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+                            run_dir=str(runs / "late"), estimate_s=60.0, max_steps=100)])  # fmt: skip
+    assert main([str(runs), "--db", str(db), "--json"]) == 0
+    assert [j["name"] for j in json.loads(capsys.readouterr().out)["queued"]][-1] == "late"
+    runner.conn.close()
 
     assert main([str(runs), "--db", str(db)]) == 0
     text = capsys.readouterr().out

@@ -195,11 +195,20 @@ class QueueDB:
 
     @classmethod
     def read_only(cls, path: str | os.PathLike[str]) -> QueueDB:
-        """A connection that only reads (SQLite ``mode=ro``): it creates nothing, changes no
-        journal mode and never holds a write lock, so the runner is never blocked."""
+        """A connection that only reads (SQLite ``mode=ro``): it changes no journal mode and
+        never holds a write lock, so the runner is never blocked.
+
+        A plain read-only reader of a WAL database creates ``-shm``/``-wal`` beside it and cannot
+        remove them; with no ``-wal`` there, no process has the database open, so it is read as
+        ``immutable`` and nothing is left behind."""
         db = cls.__new__(cls)
         db.path = Path(path)
-        uri = "file:" + quote(str(db.path.resolve())) + "?mode=ro"
+        in_use = db.path.with_name(db.path.name + "-wal").exists()
+        uri = (
+            "file:"
+            + quote(str(db.path.resolve()))
+            + ("?mode=ro" if in_use else "?mode=ro&immutable=1")
+        )
         try:
             db.conn = sqlite3.connect(uri, uri=True, timeout=5.0, isolation_level=None)
             db.conn.row_factory = sqlite3.Row
