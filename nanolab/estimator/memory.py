@@ -15,7 +15,7 @@ margin for the caching allocator's fragmentation (reserved but unusable blocks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nanolab.estimator.activations import LossTransient, Saved, loss_transient, saved_activations
 from nanolab.estimator.gpus import MiB
@@ -89,13 +89,8 @@ def estimate_memory(
     backend: Backend = "cuda",
     fragmentation: float = DEFAULT_FRAGMENTATION,
 ) -> MemoryEstimate:
-    """Per-device memory for one training step of ``setup`` at ``micro_batch`` sequences.
-
-    The step is the one ``nanolab fit`` runs: Lightning's forward, backward and optimizer step,
-    with the gradients freed right after each optimizer step (``GPTLightningModule.
-    optimizer_step``), so they exist during a forward only from the second micro-batch of an
-    accumulation window on. The peak is the largest of these moments (see :func:`moments`).
-    """
+    """Per-device memory for one ``nanolab fit`` step of ``setup`` at ``micro_batch`` sequences
+    (the step of the module docstring; the peak is the largest of its :func:`moments`)."""
     B = micro_batch if micro_batch is not None else setup.micro_batch_size
     if B is None or B < 1:
         raise ValueError("a micro-batch size >= 1 is needed")
@@ -137,23 +132,14 @@ def estimate_memory(
         Line("logits", "logits + loss transients", lt.peak, _logits_note(lt)),
         Line("optimizer_temp", "optimizer step temporaries", st.optimizer_temp, ""),
     ]
-    for ln in info:
-        if ln.key not in keys:
-            ln.in_peak = False
-            lines.append(ln)
+    lines += [replace(ln, in_peak=False) for ln in info if ln.key not in keys]
     assert sum(ln.bytes for ln in lines if ln.in_peak) == peak
-    ctx = CONTEXT_BYTES[backend] + (COMM_BYTES[backend] if setup.world_size > 1 else 0)
+    comm = setup.world_size > 1
+    ctx = CONTEXT_BYTES[backend] + (COMM_BYTES[backend] if comm else 0)
     frag = int(fragmentation * peak)
     total = peak + ctx + frag
-    lines.append(
-        Line(
-            "context",
-            f"framework overhead ({backend})",
-            ctx,
-            "context, kernels" + (", NCCL buffers" if setup.world_size > 1 else ""),
-            in_peak=False,
-        )
-    )
+    note = "context, kernels" + (", NCCL buffers" if comm else "")
+    lines.append(Line("context", f"framework overhead ({backend})", ctx, note, in_peak=False))
     lines.append(fragmentation_line(fragmentation, frag))
     return MemoryEstimate(
         lines=lines,
@@ -217,6 +203,7 @@ def moments(
     head = sum(saved.head.values())
     loss_saved = sum(saved.loss.values())
     targets = BT * 8
+    notes = st.notes or {}
 
     def grads_line(nbytes: int, note: str) -> Line:
         return Line("grads", f"gradients ({'fp32' if g == 4 else '16-bit'})", nbytes, note)
@@ -335,7 +322,7 @@ def moments(
         Moment(
             "optimizer step",
             [
-                grads_line(st.grads, notes_grads(st)),
+                grads_line(st.grads, notes.get("grads", "")),
                 Line(
                     "optimizer_temp",
                     "optimizer step temporaries",
@@ -352,10 +339,6 @@ def _with_bias(inv: Inventory, weight: Tensor) -> int:
     """Elements of a Linear's weight plus its bias, if the model has one."""
     bias = weight.name[: -len("weight")] + "bias"
     return weight.numel + sum(t.numel for t in inv.tensors if t.name == bias)
-
-
-def notes_grads(st: ModelStates) -> str:
-    return (st.notes or {}).get("grads", "")
 
 
 def _share(setup: Setup, what: str) -> str:
