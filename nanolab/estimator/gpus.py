@@ -188,12 +188,8 @@ def get_gpu(name: str) -> GPU:
         )
     if found is None:
         close = difflib.get_close_matches(key, list(lookup), n=4, cutoff=0.5)
-        names = []
-        for c in close:
-            target = lookup[c]
-            for n in target if isinstance(target, list) else [target]:
-                if n not in names:
-                    names.append(n)
+        targets = [lookup[c] if isinstance(lookup[c], list) else [lookup[c]] for c in close]
+        names = list(dict.fromkeys(n for target in targets for n in target))
         hint = f"closest: {', '.join(names)}" if names else "none is close"
         raise UnknownGPUError(
             f"unknown GPU {name!r}; {hint} (nanolab estimate --list-gpus shows all "
