@@ -157,6 +157,14 @@ def _traced(
         return sum(n for st, n in saved.items() if id(st) not in params)
 
 
+def tiny_model(gpt: GPTConfig) -> GPTConfig:
+    """A model of ``gpt``'s parts, 2 layers of 2 heads, 64 wide, 32 tokens: traced in well under
+    a second, it shows whether the rules and FLOPs describe the kind of model."""
+    return replace(
+        gpt, vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, vocab_multiple=64
+    )
+
+
 def flops_difference(gpt: GPTConfig) -> float:
     """How far ``GPT.flops_per_token`` is from the matmuls the model really runs, relative.
 
@@ -179,9 +187,7 @@ def _counted_flops_difference(gpt: GPTConfig) -> float:
     from nanolab.estimator.shapes import inventory, skip_random_init
     from nanolab.model.gpt import GPT
 
-    tiny = replace(
-        gpt, vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, vocab_multiple=64
-    )
+    tiny = tiny_model(gpt)
     inv = inventory(tiny)
     aten = torch.ops.aten
     # The CPU flash kernel has no formula in the counter; it does what CUDA's flash kernel does.
