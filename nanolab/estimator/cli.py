@@ -17,9 +17,13 @@ import sys
 from collections.abc import Sequence
 
 from nanolab.errors import one_line_errors
-from nanolab.estimator.estimate import DEFAULT_GPU, Estimate, estimate_from_config
+from nanolab.estimator.estimate import (
+    DEFAULT_GPU,
+    Estimate,
+    estimate_from_config,
+    largest_fitting_micro_batch,
+)
 from nanolab.estimator.gpus import GPUS, GiB, format_bytes, format_rate
-from nanolab.estimator.recommend import largest_micro_batch
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
 from nanolab.model.config import GPTConfig
@@ -288,14 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     per_gpu = None
     if args.gpu is None and args.gpu_mem is None and args.device == "gpu":
-        per_gpu = {
-            name: largest_micro_batch(
-                est.setup,
-                g.memory_bytes,
-                backend="rocm" if g.vendor == "amd" else "cuda",
-                fragmentation=0.10 if args.fragmentation is None else args.fragmentation,
-            )
-            for name, g in GPUS.items()
-        }
+        kw = {"fragmentation": args.fragmentation, "divide_global_batch": False}
+        per_gpu = {n: largest_fitting_micro_batch(est.setup, gpu=g, **kw) for n, g in GPUS.items()}
     print(format_estimate(est, per_gpu=per_gpu, detail=args.detail))
     return 0

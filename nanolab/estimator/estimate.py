@@ -274,7 +274,7 @@ def largest_fitting_micro_batch(
     config: ConfigLike | Setup,
     *,
     device_memory: int | str | None = None,
-    gpu: str | None = None,
+    gpu: str | GPU | None = None,
     devices: int | None = None,
     vocab_size: int | None = None,
     backend: Backend | None = None,
