@@ -94,6 +94,13 @@ def _env() -> dict[str, str]:
     return {"PYTHONUNBUFFERED": "1", **os.environ}
 
 
+def _run(cmd: list[str], what: str) -> None:
+    """Run one side's process; its failure is a RuntimeError ending in its stderr."""
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
 def run_nanolab(
     configs: list[str], overrides: list[str], steps: int, warmup: int, work: Path, tag: str
 ) -> tuple[NanolabResult, Path]:
@@ -110,9 +117,7 @@ def run_nanolab(
         *overrides,
     ]  # fmt: skip
     t0 = time.time()
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nanolab fit failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    _run(cmd, "nanolab fit")
     run_dir = runs / tag
     records = read_records(run_dir / "metrics.jsonl")
     start = next(r for r in records if r["event"] == "start")
@@ -151,9 +156,7 @@ def run_plain(config_yaml: Path, steps: int, warmup: int, work: Path) -> SideRes
     t0 = time.time()
     cmd = [sys.executable, "-m", "nanolab.bench.plain_loop", "--config", str(config_yaml)]
     cmd += ["--steps", str(steps), "--out", str(out)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"plain loop failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    _run(cmd, "plain loop")
     result = json.loads(out.read_text())
     ends = result["step_ends"]
     rate, window = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())

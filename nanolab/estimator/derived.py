@@ -136,8 +136,7 @@ def _traced(
                     if b is not None and b.is_floating_point():
                         m._buffers[name] = b.to(torch.bfloat16)
         module.train()
-        params = {id(p.untyped_storage()) for p in module.parameters()}
-        params |= {id(b.untyped_storage()) for b in module.buffers()}
+        params = {id(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
         resid = torch.bfloat16 if half_resid else torch.float32
         x = torch.empty(batch, seq_len, gpt.n_embd, dtype=resid, requires_grad=True)
         with (

@@ -207,13 +207,11 @@ def _follow_the_model(
         delta,
         f"the built model allocates {delta / 2**20:+,.1f} MiB vs the rules on a CPU",
     )
-    ctx = next(ln for ln in memory.lines if ln.key == "context").bytes
+    ctx = memory.line("context")
     peak = memory.peak_allocated + delta
     frag = int(fragmentation * peak)
     lines = [ln for ln in memory.lines if ln.key not in ("context", "fragmentation")]
-    lines.append(extra)
-    lines += [ln for ln in memory.lines if ln.key == "context"]
-    lines.append(fragmentation_line(fragmentation, frag))
+    lines += [extra, ctx, fragmentation_line(fragmentation, frag)]
     if abs(delta) > 0.02 * memory.peak_allocated:
         warnings.append(
             f"the model differs from the one the rules describe ({delta / 2**20:+,.1f} MiB, "
@@ -224,7 +222,7 @@ def _follow_the_model(
         memory,
         lines=lines,
         peak_allocated=peak,
-        total=peak + ctx + frag,
+        total=peak + ctx.bytes + frag,
         peak_phase=memory.peak_phase + " (model-derived)",
     )
 

@@ -51,8 +51,7 @@ def measure_saved(
     allocated memory. ``autocast_dtype`` mimics Lightning's ``*-mixed`` (cache off).
     """
     model.train()
-    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    owned |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
