@@ -1,14 +1,13 @@
 """Ground truth from a real ``L.Trainer``: the peak bytes ``nanolab fit`` allocates on a CPU.
 
-The estimator's claims are about the step order Lightning really runs (``training_step``, then
-``zero_grad``, then backward, then the optimizer step, with the module's own hooks), so the
-reference is a real Trainer fitting :class:`~nanolab.training.module.GPTLightningModule` for a
-few steps, not a hand-written loop. The profiler's ``[memory]`` events (every allocation and free
-of the CPU allocator, with sizes) give the running total from ``on_train_start`` on, after
-Lightning has set the model up (a ``*-true`` precision casts it there; the profiler cannot see
-frees of blocks allocated before it started); its maximum plus the parameters and buffers
-resident at that moment is what ``torch.cuda.max_memory_allocated`` would report on a GPU. Used by the tests and ``benches/bench_memory.py``; imports torch and
-Lightning.
+The estimator's claims are about the step order Lightning really runs (``training_step``,
+``zero_grad``, backward, optimizer step, with the module's own hooks), so the reference is a real
+Trainer fitting :class:`~nanolab.training.module.GPTLightningModule`, not a hand-written loop. The
+profiler's ``[memory]`` events count from ``on_train_start`` on, after Lightning has set the model
+up (a ``*-true`` precision casts it there; the profiler cannot see frees of blocks allocated
+before it started); their running maximum plus the parameters and buffers resident then is what
+``torch.cuda.max_memory_allocated`` would report on a GPU. Used by the tests and
+``benches/bench_memory.py``; imports torch and Lightning.
 """
 
 from __future__ import annotations
