@@ -195,10 +195,6 @@ class ScheduleFit:
         """``alpha`` at the edge of its range: the points do not pin the curve's shape."""
         return not ALPHA_RANGE[0] * 1.05 < self.alpha < ALPHA_RANGE[1] * 0.95
 
-    @property
-    def total_steps(self) -> int:
-        return len(next(iter(self.areas.values()))[0]) - 1
-
     def _at(self, step: float, decay: float) -> tuple[float, float]:
         s1, s2 = self.areas[decay]
         s = int(min(max(round(step), 1), len(s1) - 1))
