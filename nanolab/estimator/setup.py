@@ -264,11 +264,11 @@ def check_setup(setup: Setup) -> None:
     if setup.global_batch_tokens is None:
         return
     per_seq = setup.gpt.block_size * setup.world_size
-    for what, unit in (
-        ("", per_seq),
-        ("micro_batch_size x ", (setup.micro_batch_size or 0) * per_seq),
-    ):
-        if unit and setup.global_batch_tokens % unit != 0:
+    units = {"": per_seq}
+    if setup.micro_batch_size is not None:
+        units["micro_batch_size x "] = setup.micro_batch_size * per_seq
+    for what, unit in units.items():
+        if setup.global_batch_tokens % unit != 0:
             raise EstimateError(
                 f"run.global_batch_tokens ({setup.global_batch_tokens}) is not a multiple of "
                 f"{what}block_size x devices = {unit}"
