@@ -356,13 +356,9 @@ def _share(setup: Setup, what: str) -> str:
 
 
 def _opt_label(setup: Setup) -> str:
-    if setup.optimizer == "adamw8bit":
-        return "optimizer states (AdamW8bit)"
-    if setup.optimizer == "muon":
-        return "optimizer states (Muon momentum + AdamW m+v)"
-    if setup.strategy.kind == "deepspeed":
-        return "optimizer states (Adam fp32 m+v)"
-    return "optimizer states (AdamW m+v)"
+    adam = "Adam fp32 m+v" if setup.strategy.kind == "deepspeed" else "AdamW m+v"
+    names = {"adamw8bit": "AdamW8bit", "muon": "Muon momentum + AdamW m+v"}
+    return f"optimizer states ({names.get(setup.optimizer, adam)})"
 
 
 def _master_note(setup: Setup) -> str:
@@ -379,12 +375,14 @@ def _logits_note(lt) -> str:
     return "logits + fp32 copy" if lt.fp32_copy else "logits"
 
 
+_TEMP_NOTES = {
+    "adamw8bit": "CPU 8-bit AdamW: one tensor's states in fp32",
+    "muon": "Muon: Newton-Schulz on the largest matrix, in bf16",
+}
+
+
 def _temp_note(setup: Setup) -> str:
-    if setup.optimizer == "adamw8bit":
-        return "CPU 8-bit AdamW: one tensor's states in fp32"
-    if setup.optimizer == "muon":
-        return "Muon: Newton-Schulz on the largest matrix, in bf16"
-    return "foreach AdamW: one state-sized buffer"
+    return _TEMP_NOTES.get(setup.optimizer, "foreach AdamW: one state-sized buffer")
 
 
 def fragmentation_line(fragmentation: float, frag: int) -> Line:
