@@ -91,9 +91,14 @@ def predicted_peak_bytes(config_yaml: Path) -> int | None:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+    return {"PYTHONUNBUFFERED": "1", **os.environ}
+
+
+def _run(cmd: list[str], what: str) -> None:
+    """Run one side's process; its failure is a RuntimeError ending in its stderr."""
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def run_nanolab(
@@ -112,9 +117,7 @@ def run_nanolab(
         *overrides,
     ]  # fmt: skip
     t0 = time.time()
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nanolab fit failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    _run(cmd, "nanolab fit")
     run_dir = runs / tag
     records = read_records(run_dir / "metrics.jsonl")
     start = next(r for r in records if r["event"] == "start")
@@ -151,20 +154,9 @@ def run_nanolab(
 def run_plain(config_yaml: Path, steps: int, warmup: int, work: Path) -> SideResult:
     out = work / "plain.json"
     t0 = time.time()
-    cmd = [
-        sys.executable,
-        "-m",
-        "nanolab.bench.plain_loop",
-        "--config",
-        str(config_yaml),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"plain loop failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    cmd = [sys.executable, "-m", "nanolab.bench.plain_loop", "--config", str(config_yaml)]
+    cmd += ["--steps", str(steps), "--out", str(out)]
+    _run(cmd, "plain loop")
     result = json.loads(out.read_text())
     ends = result["step_ends"]
     rate, window = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())
@@ -299,11 +291,12 @@ def benchmark(
         ],
         "load_avg": loads,  # at the start and the end
     }
-    res["spread"] = {
-        "nanolab": spread(res["nanolab_tokens_per_s"]) if rounds > 1 else None,
-        "plain loop": spread(res["plain_tokens_per_s"]) if rounds > 1 else None,
-        "ratio": spread(res["ratio"]) if rounds > 1 else None,
+    sides = {
+        "nanolab": "nanolab_tokens_per_s",
+        "plain loop": "plain_tokens_per_s",
+        "ratio": "ratio",
     }
+    res["spread"] = {k: spread(res[v]) if rounds > 1 else None for k, v in sides.items()}
     res["warnings"] = noise_warnings(res)
     res["noisy"] = bool(res["warnings"])
     return res
@@ -343,9 +336,7 @@ def format_table(res: dict[str, Any]) -> str:
         )
     waits = [w for w in res.get("data_wait_s", []) if w is not None]
     if waits:
-        lines.append(
-            f"{'waiting for batches, nanolab s':<34} {statistics.median(waits):>10.2f} {min(waits):>10.2f} {max(waits):>10.2f}"
-        )
+        lines.append(row("waiting for batches, nanolab s", _stats(waits), ">10.2f"))
     if res.get("mfu") is not None:
         lines.append(f"{'MFU, nanolab (median)':<34} {res['mfu']:>10.3f}")
     if res.get("peak_mem_bytes"):

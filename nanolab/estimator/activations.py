@@ -66,13 +66,8 @@ class Saved:
     @property
     def total(self) -> int:
         """Every saved storage: what ``saved_tensors_hooks`` would count (no recompute)."""
-        return (
-            sum(self.embed.values())
-            + self.blocks
-            + sum(self.head.values())
-            + sum(self.loss.values())
-            + self.weight_copies
-        )
+        parts = (self.embed, self.head, self.loss)
+        return sum(sum(p.values()) for p in parts) + self.blocks + self.weight_copies
 
 
 def _mask(n: int, dtype_bytes: int, num: Numerics) -> int:

@@ -17,9 +17,13 @@ import sys
 from collections.abc import Sequence
 
 from nanolab.errors import one_line_errors
-from nanolab.estimator.estimate import DEFAULT_GPU, Estimate, estimate_from_config
+from nanolab.estimator.estimate import (
+    DEFAULT_GPU,
+    Estimate,
+    estimate_from_config,
+    largest_fitting_micro_batch,
+)
 from nanolab.estimator.gpus import GPUS, GiB, format_bytes, format_rate
-from nanolab.estimator.recommend import largest_micro_batch
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
 from nanolab.model.config import GPTConfig
@@ -108,14 +112,9 @@ def format_estimate(
 ) -> str:
     s, g, m, c = est.setup, est.gpu, est.memory, est.compute
     gpt = s.gpt
-    out: list[str] = []
     vocab = f"vocab {gpt.vocab_size:,}"
     if gpt.padded_vocab_size != gpt.vocab_size:
         vocab += f" (padded to {gpt.padded_vocab_size:,})"
-    out.append(
-        f"model     GPT, {c.params:,} parameters: {gpt.n_layer} layers x {gpt.n_embd} wide, "
-        f"{gpt.n_head} heads, context {gpt.block_size}, {vocab}"
-    )
     flags = [f"attention {gpt.attention}"]
     # The registered variants that differ from GPT-2's defaults (docs/forking.md).
     defaults = GPTConfig()
@@ -126,21 +125,18 @@ def format_estimate(
         flags.append("gradient checkpointing")
     if gpt.dropout:
         flags.append(f"dropout {gpt.dropout}")
-    out.append(
+    out = [
+        f"model     GPT, {c.params:,} parameters: {gpt.n_layer} layers x {gpt.n_embd} wide, "
+        f"{gpt.n_head} heads, context {gpt.block_size}, {vocab}",
         f"setup     {s.precision}, {s.strategy.describe()}, {s.world_size} x {g.label} "
-        f"({format_bytes(est.device_memory)} each), {s.optimizer}; {', '.join(flags)}"
-    )
-    tps = c.tokens_per_step
-    out.append(
-        f"batch     micro-batch {est.micro_batch} ({est.micro_batch_source}) x "
-        f"accumulation {m.accumulate} x {s.world_size} device(s) = {tps:,} tokens/step"
-    )
-    out.append("")
-    out.append(f"memory per device at micro-batch {est.micro_batch}{'':14}GiB   note")
+        f"({format_bytes(est.device_memory)} each), {s.optimizer}; {', '.join(flags)}",
+        f"batch     micro-batch {est.micro_batch} ({est.micro_batch_source}) x accumulation "
+        f"{m.accumulate} x {s.world_size} device(s) = {c.tokens_per_step:,} tokens/step",
+        "",
+        f"memory per device at micro-batch {est.micro_batch}{'':14}GiB   note",
+    ]
     for ln in m.lines:
-        if ln.key in _OVERHEAD:
-            continue
-        if ln.bytes == 0 and not ln.note:
+        if ln.key in _OVERHEAD or (ln.bytes == 0 and not ln.note):
             continue
         value = (
             _gib(ln.bytes) if ln.in_peak or ln.bytes == 0 else f"({ln.bytes / GiB:.2f})".rjust(8)
@@ -180,8 +176,7 @@ def format_estimate(
             out.append(f"    {name:<46}{n / 2**20:10,.2f}")
         if sv.block_weight_copies:
             out.append(f"    {'autocast weight copies':<46}{sv.block_weight_copies / 2**20:10,.2f}")
-    out.append("")
-    out.append("recommendations")
+    out += ["", "recommendations"]
     if est.largest_micro_batch:
         out.append(f"  largest micro-batch that fits: {est.largest_micro_batch}")
     else:
@@ -201,44 +196,32 @@ def format_estimate(
         items = [f"{name} {mb}" for name, mb in per_gpu.items()]
         for i in range(0, len(items), 6):
             out.append("    " + ", ".join(items[i : i + 6]))
-    out.append("")
-    out.append(
+    recompute = f" (effective {c.effective_mfu:.1%} with recompute)"
+    out += [
+        "",
         f"compute   {c.matmul_dtype} matmuls, dense peak {format_rate(c.peak_tflops_per_device)} "
-        f"per device; MFU {c.mfu:.0%}"
-        + (
-            f" (effective {c.effective_mfu:.1%} with recompute)"
-            if c.recompute_flops_per_token
-            else ""
-        )
-    )
-    out.append(f"  MFU from: {c.mfu_source}")
-    out.append(f"  tokens/s from: {c.tokens_per_second_source}")
-    out.append(f"  FLOPs per token (6N + attention)    {c.flops_per_token:.3e}")
+        f"per device; MFU {c.mfu:.0%}" + (recompute if c.recompute_flops_per_token else ""),
+        f"  MFU from: {c.mfu_source}",
+        f"  tokens/s from: {c.tokens_per_second_source}",
+        f"  FLOPs per token (6N + attention)    {c.flops_per_token:.3e}",
+    ]
     if s.gpt.attention_window is not None:
         out.append(f"    attention within a window of {s.gpt.attention_window} tokens")
     if s.gpt.document_mask:
         out.append("    attention counted as causal: the document mask skips more (an upper bound)")
-    out.append(f"  FLOPs per step                      {c.flops_per_step:.3e}")
-    out.append(f"  step time                           {c.step_seconds:.3f} s")
-    out.append(
+    out += [
+        f"  FLOPs per step                      {c.flops_per_step:.3e}",
+        f"  step time                           {c.step_seconds:.3f} s",
         f"  throughput                          {c.tokens_per_second:,.0f} tokens/s, "
-        f"{c.tokens_per_day / 1e9:,.2f} B tokens/day"
-    )
-    out.append(
+        f"{c.tokens_per_day / 1e9:,.2f} B tokens/day",
         f"  token budget ({c.token_budget_source})".ljust(38)
-        + f"{c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps"
-    )
-    out.append(
-        f"  wall-clock                          {c.hours:,.1f} h on {s.world_size} device(s)"
-    )
-    out.append(
+        + f"{c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps",
+        f"  wall-clock                          {c.hours:,.1f} h on {s.world_size} device(s)",
         f"  GPU-hours and cost                  {c.gpu_hours:,.1f} GPU-h x "
-        f"${c.usd_per_gpu_hour:.2f} = ${c.cost_usd:,.0f}"
-    )
-    out.append(
+        f"${c.usd_per_gpu_hour:.2f} = ${c.cost_usd:,.0f}",
         f"  Chinchilla-optimal budget           {c.chinchilla_tokens / 1e9:,.2f} B tokens "
-        "(20 per parameter)"
-    )
+        "(20 per parameter)",
+    ]
     for w in est.warnings:
         out.append(f"note: {w}")
     return "\n".join(out)
@@ -248,20 +231,12 @@ def list_gpus() -> str:
     """The table: memory (* = datasheet capacity, not a reported value), dense TFLOP/s per
     dtype (- = no such units), the family's default MFU."""
 
-    def tf(g, dtype: str) -> str:
-        v = g.peak(dtype)
-        return "-" if v is None else f"{v:,.1f}"
-
-    rows = [
-        f"{'name':<15}{'memory':>12}  {'fp32':>7} {'tf32':>7} {'bf16':>7} {'fp16':>7} "
-        f"{'fp8':>7}  {'MFU':>4}  label"
-    ]
+    dtypes = ("fp32", "tf32", "bf16", "fp16", "fp8")
+    rows = [f"{'name':<15}{'memory':>12}  {' '.join(f'{d:>7}' for d in dtypes)}  {'MFU':>4}  label"]
     for g in GPUS.values():
         mem = format_bytes(g.memory_bytes) + ("" if g.memory_reported else "*")
-        rows.append(
-            f"{g.name:<15}{mem:>12}  {tf(g, 'fp32'):>7} {tf(g, 'tf32'):>7} {tf(g, 'bf16'):>7} "
-            f"{tf(g, 'fp16'):>7} {tf(g, 'fp8'):>7}  {g.default_mfu:>4.2f}  {g.label}"
-        )
+        peaks = " ".join("-".rjust(7) if v is None else f"{v:>7,.1f}" for v in map(g.peak, dtypes))
+        rows.append(f"{g.name:<15}{mem:>12}  {peaks}  {g.default_mfu:>4.2f}  {g.label}")
     rows.append("* datasheet capacity (no reported value found); sources: --list-gpus --json")
     return "\n".join(rows)
 
@@ -317,14 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     per_gpu = None
     if args.gpu is None and args.gpu_mem is None and args.device == "gpu":
-        per_gpu = {
-            name: largest_micro_batch(
-                est.setup,
-                g.memory_bytes,
-                backend="rocm" if g.vendor == "amd" else "cuda",
-                fragmentation=0.10 if args.fragmentation is None else args.fragmentation,
-            )
-            for name, g in GPUS.items()
-        }
+        kw = {"fragmentation": args.fragmentation, "divide_global_batch": False}
+        per_gpu = {n: largest_fitting_micro_batch(est.setup, gpu=g, **kw) for n, g in GPUS.items()}
     print(format_estimate(est, per_gpu=per_gpu, detail=args.detail))
     return 0

@@ -70,25 +70,16 @@ def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
     leaves out the bf16 probe (0.2 s more at every fit launch) for a run that has no use for it."""
     import torch
 
-    return _cpu_device(threads or torch.get_num_threads(), bf16)
-
-
-@functools.cache
-def _rate(dtype_name: str, threads: int) -> float:
-    """One probe per dtype and thread count per process: every estimate here divides by it."""
-    return matmul_tflops(dtype_name, threads=threads)
-
-
-def _cpu_device(threads: int, with_bf16: bool) -> GPU:
+    threads = threads or torch.get_num_threads()
     fp32 = _rate("float32", threads)
-    bf16 = _rate("bfloat16", threads) if with_bf16 else None
+    bf16_rate = _rate("bfloat16", threads) if bf16 else None
     return GPU(
         name="cpu",
         label=f"CPU (this machine, {threads} thread{'s' if threads > 1 else ''})",
         memory_bytes=physical_memory(),
         vendor="cpu",
         usd_per_hour=0.0,
-        tflops={"fp32": fp32, "tf32": None, "bf16": bf16, "fp16": None, "fp8": None},
+        tflops={"fp32": fp32, "tf32": None, "bf16": bf16_rate, "fp16": None, "fp8": None},
         family="cpu",
         memory_reported=True,
         memory_source="physical RAM (os.sysconf)",
@@ -98,3 +89,9 @@ def _cpu_device(threads: int, with_bf16: bool) -> GPU:
         mfu_source="nanolab's CPU assumption (CPU_EFFICIENCY): a rough share of the measured "
         "matmul rate; a finished run of the config replaces it",
     )
+
+
+@functools.cache
+def _rate(dtype_name: str, threads: int) -> float:
+    """One probe per dtype and thread count per process: every estimate here divides by it."""
+    return matmul_tflops(dtype_name, threads=threads)

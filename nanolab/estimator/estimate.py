@@ -123,38 +123,32 @@ class Estimate:
         }
 
 
-def _as_config(config: ConfigLike) -> Mapping[str, Any]:
-    if isinstance(config, Mapping):
-        return config
-    if isinstance(config, (str, Path)):
-        return load_config([config])
-    return load_config(list(config))
-
-
 def _device(
-    gpu: str | GPU | None, device_memory: int | str | None, device: str = "gpu"
-) -> tuple[GPU, int, Backend]:
+    gpu: str | GPU | None,
+    device_memory: int | str | None,
+    device: str,
+    backend: Backend | None,
+    fragmentation: float | None,
+) -> tuple[GPU, int, dict[str, Any]]:
+    """(the device, its memory, the ``backend``/``fragmentation`` keywords of the memory rules):
+    the backend from the vendor unless given; fragmentation none on a CPU (its allocator frees
+    blocks), else 10%, unless given."""
+    if device not in ("gpu", "cpu"):
+        raise EstimateError(f"--device must be gpu or cpu, got {device!r}")
     if device == "cpu":
         from nanolab.estimator.cpu import cpu_device
 
         g = gpu if isinstance(gpu, GPU) else cpu_device()
-        mem = parse_memory(device_memory) if device_memory is not None else g.memory_bytes
-        return g, mem, "cpu"
-    if device != "gpu":
-        raise EstimateError(f"--device must be gpu or cpu, got {device!r}")
-    g = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
+    else:
+        g = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
     mem = parse_memory(device_memory) if device_memory is not None else g.memory_bytes
-    if gpu is None and device_memory is not None:
+    if device == "gpu" and gpu is None and device_memory is not None:
         # Only the memory is known: say whose FLOPs the time estimate borrows.
         g = replace(g, name="custom", label=f"device (time at {g.name} speed)")
-    return g, mem, "rocm" if g.vendor == "amd" else "cuda"
-
-
-def _fragmentation(value: float | None, backend: Backend) -> float:
-    """The margin asked for, else none on a CPU (its allocator frees blocks) and 10% on GPUs."""
-    if value is not None:
-        return value
-    return 0.0 if backend == "cpu" else DEFAULT_FRAGMENTATION
+    be = backend or ("cpu" if device == "cpu" else "rocm" if g.vendor == "amd" else "cuda")
+    if fragmentation is None:
+        fragmentation = 0.0 if be == "cpu" else DEFAULT_FRAGMENTATION
+    return g, mem, {"backend": be, "fragmentation": fragmentation}
 
 
 def _follow_the_model(
@@ -213,13 +207,11 @@ def _follow_the_model(
         delta,
         f"the built model allocates {delta / 2**20:+,.1f} MiB vs the rules on a CPU",
     )
-    ctx = next(ln for ln in memory.lines if ln.key == "context").bytes
+    ctx = memory.line("context")
     peak = memory.peak_allocated + delta
     frag = int(fragmentation * peak)
     lines = [ln for ln in memory.lines if ln.key not in ("context", "fragmentation")]
-    lines.append(extra)
-    lines += [ln for ln in memory.lines if ln.key == "context"]
-    lines.append(fragmentation_line(fragmentation, frag))
+    lines += [extra, ctx, fragmentation_line(fragmentation, frag)]
     if abs(delta) > 0.02 * memory.peak_allocated:
         warnings.append(
             f"the model differs from the one the rules describe ({delta / 2**20:+,.1f} MiB, "
@@ -230,7 +222,7 @@ def _follow_the_model(
         memory,
         lines=lines,
         peak_allocated=peak,
-        total=peak + ctx + frag,
+        total=peak + ctx.bytes + frag,
         peak_phase=memory.peak_phase + " (model-derived)",
     )
 
@@ -254,16 +246,21 @@ def _check_flops(setup: Setup, check: dict[str, Any], warnings: list[str]) -> No
 
 
 def setup_for(
-    config: ConfigLike,
+    config: ConfigLike | Setup,
     *,
     devices: int | None = None,
     num_nodes: int | None = None,
     micro_batch_size: int | None = None,
     vocab_size: int | None = None,
 ) -> Setup:
-    """The :class:`Setup` the estimator reads from ``config`` (a mapping or YAML path(s))."""
+    """The :class:`Setup` the estimator reads from ``config`` (a mapping or YAML path(s)); a
+    :class:`Setup` is taken as it is, but for ``micro_batch_size``."""
+    if isinstance(config, Setup):
+        return config if micro_batch_size is None else config.with_micro_batch(micro_batch_size)
+    if not isinstance(config, Mapping):
+        config = load_config([config] if isinstance(config, (str, Path)) else list(config))
     return setup_from_config(
-        _as_config(config),
+        config,
         devices=devices,
         num_nodes=num_nodes,
         micro_batch_size=micro_batch_size,
@@ -275,7 +272,7 @@ def largest_fitting_micro_batch(
     config: ConfigLike | Setup,
     *,
     device_memory: int | str | None = None,
-    gpu: str | None = None,
+    gpu: str | GPU | None = None,
     devices: int | None = None,
     vocab_size: int | None = None,
     backend: Backend | None = None,
@@ -303,17 +300,11 @@ def largest_fitting_micro_batch(
             ``run.global_batch_tokens`` (what ``nanolab fit`` requires), so accumulation is
             exact.
     """
-    setup = (
-        config
-        if isinstance(config, Setup)
-        else setup_for(config, devices=devices, vocab_size=vocab_size)
-    )
-    _, mem, be = _device(gpu, device_memory, device)
-    be = backend or be
-    fragmentation = _fragmentation(fragmentation, be)
+    setup = setup_for(config, devices=devices, vocab_size=vocab_size)
+    _, mem, kw = _device(gpu, device_memory, device, backend, fragmentation)
     if not divide_global_batch:
-        return largest_micro_batch(setup, mem, backend=be, fragmentation=fragmentation)
-    choice = micro_batch_for_global(setup, mem, backend=be, fragmentation=fragmentation)
+        return largest_micro_batch(setup, mem, **kw)
+    choice = micro_batch_for_global(setup, mem, **kw)
     return 0 if choice is None else choice[0]
 
 
@@ -350,23 +341,15 @@ def estimate_from_config(
     Raises:
         EstimateError, UnknownGPUError, MemoryStringError: with a one-line message.
     """
-    setup = (
-        config
-        if isinstance(config, Setup)
-        else setup_for(
-            config,
-            devices=devices,
-            num_nodes=num_nodes,
-            micro_batch_size=micro_batch_size,
-            vocab_size=vocab_size,
-        )
+    setup = setup_for(
+        config,
+        devices=devices,
+        num_nodes=num_nodes,
+        micro_batch_size=micro_batch_size,
+        vocab_size=vocab_size,
     )
-    if isinstance(config, Setup) and micro_batch_size is not None:
-        setup = setup.with_micro_batch(micro_batch_size)
-    g, mem, be = _device(gpu, device_memory, device)
-    be = backend or be
-    fragmentation = _fragmentation(fragmentation, be)
-    kw = {"backend": be, "fragmentation": fragmentation}
+    g, mem, kw = _device(gpu, device_memory, device, backend, fragmentation)
+    be, fragmentation = kw["backend"], kw["fragmentation"]
     largest = largest_micro_batch(setup, mem, **kw)
     choice = micro_batch_for_global(setup, mem, **kw)
     if setup.micro_batch_size is not None:

@@ -56,16 +56,6 @@ class GPU:
         """Has bf16 matmul units (else 16-bit means fp16)."""
         return self.tflops.get("bf16") is not None
 
-    @property
-    def bf16_tflops(self) -> float:
-        """Dense 16-bit peak: bf16, or fp16 on parts without bf16."""
-        return float(self.tflops.get("bf16") or self.tflops.get("fp16") or 0.0)
-
-    @property
-    def fp32_tflops(self) -> float:
-        """FP32 GEMMs without TF32 (``float32_matmul_precision: highest``)."""
-        return float(self.tflops.get("fp32") or 0.0)
-
     def peak(self, dtype: str) -> float | None:
         """Dense TFLOP/s for matmuls in ``dtype`` (fp32, tf32, bf16, fp16, fp8), or None."""
         value = self.tflops.get(dtype)
@@ -142,6 +132,17 @@ class MemoryStringError(NanolabError):
     """A memory size that does not parse, e.g. ``12 gigs``."""
 
 
+_TEXT_FIELDS = (
+    "name",
+    "label",
+    "vendor",
+    "family",
+    "memory_source",
+    "tflops_source",
+    "price_source",
+)
+
+
 @cache
 def _load() -> tuple[dict[str, GPU], dict[str, str | list[str]]]:
     data = json.loads(TABLE.read_text())
@@ -150,18 +151,12 @@ def _load() -> tuple[dict[str, GPU], dict[str, str | list[str]]]:
     for e in data["gpus"]:
         fam = families[e["family"]]
         gpus[e["name"]] = GPU(
-            name=e["name"],
-            label=e["label"],
+            **{k: e[k] for k in _TEXT_FIELDS},
             memory_bytes=int(e["memory_bytes"]),
-            vendor=e["vendor"],
             usd_per_hour=float(e["usd_per_hour"]),
             tflops={k: e["tflops"].get(k) for k in DTYPES},
-            family=e["family"],
             patterns=tuple(e["patterns"]),
             memory_reported=bool(e["memory_reported"]),
-            memory_source=e["memory_source"],
-            tflops_source=e["tflops_source"],
-            price_source=e["price_source"],
             default_mfu=float(fam["mfu"]),
             mfu_source=fam["source"],
         )
@@ -173,10 +168,6 @@ GPUS, ALIASES = _load()
 
 def _squash(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
-def known_gpus() -> list[str]:
-    return list(GPUS)
 
 
 def get_gpu(name: str) -> GPU:
@@ -197,12 +188,8 @@ def get_gpu(name: str) -> GPU:
         )
     if found is None:
         close = difflib.get_close_matches(key, list(lookup), n=4, cutoff=0.5)
-        names = []
-        for c in close:
-            target = lookup[c]
-            for n in target if isinstance(target, list) else [target]:
-                if n not in names:
-                    names.append(n)
+        targets = [lookup[c] if isinstance(lookup[c], list) else [lookup[c]] for c in close]
+        names = list(dict.fromkeys(n for target in targets for n in target))
         hint = f"closest: {', '.join(names)}" if names else "none is close"
         raise UnknownGPUError(
             f"unknown GPU {name!r}; {hint} (nanolab estimate --list-gpus shows all "
@@ -234,22 +221,10 @@ def gpu_for_device(device_name: str) -> GPU | None:
     return None
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": KiB,
-    "mib": MiB,
-    "gib": GiB,
-    "tib": 1024**4,
-}
+#: Unit suffix -> bytes: "", "b"; "k"/"kb" ... "t"/"tb" (powers of 1000); "kib" ... "tib" (1024).
+_UNITS = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgt", start=1):
+    _UNITS |= {_prefix: 1000**_power, f"{_prefix}b": 1000**_power, f"{_prefix}ib": 1024**_power}
 
 
 def parse_memory(text: str | int | float) -> int:

@@ -31,18 +31,14 @@ class Measured:
     source: str
 
 
+#: What makes two runs' steps the same (and the strategy's kind).
+_STEP = ("gpt", "precision", "float32_matmul_precision", "micro_batch_size")
+_STEP += ("global_batch_tokens", "world_size", "optimizer", "compile")
+
+
 def _same_step(a: Setup, b: Setup) -> bool:
-    return (
-        a.gpt == b.gpt
-        and a.precision == b.precision
-        and a.float32_matmul_precision == b.float32_matmul_precision
-        and a.micro_batch_size == b.micro_batch_size
-        and a.global_batch_tokens == b.global_batch_tokens
-        and a.world_size == b.world_size
-        and a.strategy.kind == b.strategy.kind
-        and a.optimizer == b.optimizer
-        and a.compile == b.compile
-    )
+    same = all(getattr(a, k) == getattr(b, k) for k in _STEP)
+    return same and a.strategy.kind == b.strategy.kind
 
 
 def _run_tokens_per_second(run_dir: Path, setup: Setup, gpu: GPU | None) -> float | None:
@@ -91,13 +87,8 @@ def measured_throughput(setup: Setup, gpu: GPU | None, db: str | None = None) ->
             conn.close()
     except sqlite3.Error:
         return None
-    rates = []
-    for run_dir, cwd in rows:
-        d = Path(run_dir)
-        d = d if d.is_absolute() else Path(cwd) / d
-        rate = _run_tokens_per_second(d, setup, gpu)
-        if rate is not None:
-            rates.append(rate)
+    dirs = [Path(d) if Path(d).is_absolute() else Path(cwd) / d for d, cwd in rows]
+    rates = [r for d in dirs if (r := _run_tokens_per_second(d, setup, gpu)) is not None]
     if not rates:
         return None
     where = gpu.name if gpu is not None else "this CPU"

@@ -6,6 +6,7 @@ CPU in the tests) and counts real tensors, so it imports torch; the estimator it
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -50,8 +51,7 @@ def measure_saved(
     allocated memory. ``autocast_dtype`` mimics Lightning's ``*-mixed`` (cache off).
     """
     model.train()
-    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    owned |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -171,16 +171,11 @@ def measure_peak_cpu(
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, V, (batch, T), generator=g)
     tgt = torch.randint(0, V, (batch, T), generator=g)
-    amp_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+    amp = precision == "bf16-mixed"
 
     def step() -> None:
         for _ in range(accumulate):
-            amp = (
-                torch.autocast("cpu", dtype=amp_dtype, cache_enabled=False)
-                if amp_dtype is not None
-                else nullcontext()
-            )
-            with amp:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp, cache_enabled=False):
                 loss = model(idx, tgt)[1]
             loss.backward()
             del loss
@@ -192,10 +187,11 @@ def measure_peak_cpu(
     resident = storage_bytes(list(model.parameters()) + list(model.buffers()) + states)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    return resident + allocation_peak(prof)
+
+
+def allocation_peak(prof) -> int:
+    """Highest running sum (from 0) of a CPU profiler's ``[memory]`` events, in time order."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
-    current = peak = 0
-    for e in events:
-        current += e.nbytes()
-        peak = max(peak, current)
-    return resident + peak
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))

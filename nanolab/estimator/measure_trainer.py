@@ -1,14 +1,13 @@
 """Ground truth from a real ``L.Trainer``: the peak bytes ``nanolab fit`` allocates on a CPU.
 
-The estimator's claims are about the step order Lightning really runs (``training_step``, then
-``zero_grad``, then backward, then the optimizer step, with the module's own hooks), so the
-reference is a real Trainer fitting :class:`~nanolab.training.module.GPTLightningModule` for a
-few steps, not a hand-written loop. The profiler's ``[memory]`` events (every allocation and free
-of the CPU allocator, with sizes) give the running total from ``on_train_start`` on, after
-Lightning has set the model up (a ``*-true`` precision casts it there; the profiler cannot see
-frees of blocks allocated before it started); its maximum plus the parameters and buffers
-resident at that moment is what ``torch.cuda.max_memory_allocated`` would report on a GPU. Used by the tests and ``benches/bench_memory.py``; imports torch and
-Lightning.
+The estimator's claims are about the step order Lightning really runs (``training_step``,
+``zero_grad``, backward, optimizer step, with the module's own hooks), so the reference is a real
+Trainer fitting :class:`~nanolab.training.module.GPTLightningModule`, not a hand-written loop. The
+profiler's ``[memory]`` events count from ``on_train_start`` on, after Lightning has set the model
+up (a ``*-true`` precision casts it there; the profiler cannot see frees of blocks allocated
+before it started); their running maximum plus the parameters and buffers resident then is what
+``torch.cuda.max_memory_allocated`` would report on a GPU. Used by the tests and
+``benches/bench_memory.py``; imports torch and Lightning.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanolab.estimator.measure import allocation_peak, storage_bytes
 from nanolab.model.config import GPTConfig
 
 if TYPE_CHECKING:
@@ -31,14 +31,6 @@ class TrainerPeak:
 
     peak: int
     resident_at_start: int
-
-
-def _storage_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 def measure_trainer_peak_cpu(
@@ -60,20 +52,7 @@ def measure_trainer_peak_cpu(
     """
     from lightning.pytorch.callbacks import Callback
     from torch.profiler import ProfilerActivity, profile
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from nanolab.training.module import GPTLightningModule
-    from nanolab.training.optim import OptimizerConfig
-
-    torch.manual_seed(seed)
-    cls = module_cls or GPTLightningModule
-    module = cls(gpt=gpt, optimizer=OptimizerConfig(name=optimizer))
-    n = micro_batch * accumulate * steps
-    g = torch.Generator().manual_seed(seed)
-    V, T = gpt.vocab_size or 2, gpt.block_size
-    x = torch.randint(0, V, (n, T), generator=g)
-    y = torch.randint(0, V, (n, T), generator=g)
-    loader = DataLoader(TensorDataset(x, y), batch_size=micro_batch, shuffle=False)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     resident = [0]
 
@@ -81,21 +60,25 @@ def measure_trainer_peak_cpu(
         def on_train_start(self, trainer, pl_module) -> None:
             # Objects of an earlier fit freed during this one would count as negative events.
             gc.collect()
-            resident[0] = _storage_bytes(list(pl_module.parameters()) + list(pl_module.buffers()))
+            resident[0] = storage_bytes(list(pl_module.parameters()) + list(pl_module.buffers()))
             prof.start()
 
         def on_train_end(self, trainer, pl_module) -> None:
             prof.stop()
 
-    trainer = _measuring_trainer("cpu", precision, steps, accumulate, _Profile())
-    trainer.fit(module, train_dataloaders=loader)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    current = peak = 0
-    for e in events:
-        current += e.nbytes()
-        peak = max(peak, current)
-    return TrainerPeak(peak=resident[0] + peak, resident_at_start=resident[0])
+    _fit(
+        "cpu",
+        _Profile(),
+        gpt,
+        micro_batch,
+        precision,
+        optimizer,
+        accumulate,
+        steps,
+        seed,
+        module_cls,
+    )
+    return TrainerPeak(peak=resident[0] + allocation_peak(prof), resident_at_start=resident[0])
 
 
 @dataclass
@@ -125,19 +108,7 @@ def measure_trainer_peak_cuda(
     estimator's framework-overhead constant stands for.
     """
     from lightning.pytorch.callbacks import Callback
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from nanolab.training.module import GPTLightningModule
-    from nanolab.training.optim import OptimizerConfig
-
-    torch.manual_seed(seed)
-    module = GPTLightningModule(gpt=gpt, optimizer=OptimizerConfig(name=optimizer))
-    n = micro_batch * accumulate * steps
-    g = torch.Generator().manual_seed(seed)
-    V, T = gpt.vocab_size or 2, gpt.block_size
-    x = torch.randint(0, V, (n, T), generator=g)
-    y = torch.randint(0, V, (n, T), generator=g)
-    loader = DataLoader(TensorDataset(x, y), batch_size=micro_batch, shuffle=False)
     seen: dict[str, int] = {}
 
     class _Stats(Callback):
@@ -153,19 +124,38 @@ def measure_trainer_peak_cuda(
             seen["reserved"] = torch.cuda.max_memory_reserved()
             seen["outside"] = total - free - torch.cuda.memory_reserved()
 
-    trainer = _measuring_trainer("gpu", precision, steps, accumulate, _Stats())
-    trainer.fit(module, train_dataloaders=loader)
+    _fit("gpu", _Stats(), gpt, micro_batch, precision, optimizer, accumulate, steps, seed)
     return TrainerPeakCuda(seen["allocated"], seen["reserved"], seen["outside"])
 
 
-def _measuring_trainer(
-    accelerator: str, precision: str, steps: int, accumulate: int, callback: L.Callback
-) -> L.Trainer:
-    """A bare one-device Trainer for ``steps`` training steps: no logger, checkpoints,
-    validation, bar or summary, so what ``callback`` measures is the training step alone."""
+def _fit(
+    accelerator: str,
+    callback: L.Callback,
+    gpt: GPTConfig,
+    micro_batch: int,
+    precision: str,
+    optimizer: str,
+    accumulate: int,
+    steps: int,
+    seed: int,
+    module_cls: type | None = None,
+) -> None:
+    """Fit the module on ``steps`` optimizer steps of random tokens with a bare one-device
+    Trainer: no logger, checkpoints, validation, bar or summary, so what ``callback`` measures
+    is the training step alone."""
     import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
 
-    return L.Trainer(
+    from nanolab.training.module import GPTLightningModule
+    from nanolab.training.optim import OptimizerConfig
+
+    torch.manual_seed(seed)
+    module = (module_cls or GPTLightningModule)(gpt=gpt, optimizer=OptimizerConfig(name=optimizer))
+    g = torch.Generator().manual_seed(seed)
+    shape = (micro_batch * accumulate * steps, gpt.block_size)
+    x = torch.randint(0, gpt.vocab_size or 2, shape, generator=g)
+    y = torch.randint(0, gpt.vocab_size or 2, shape, generator=g)
+    trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
         precision=precision,
@@ -179,3 +169,4 @@ def _measuring_trainer(
         limit_val_batches=0,
         callbacks=[callback],
     )
+    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=micro_batch))

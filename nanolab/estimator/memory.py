@@ -15,7 +15,7 @@ margin for the caching allocator's fragmentation (reserved but unusable blocks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nanolab.estimator.activations import LossTransient, Saved, loss_transient, saved_activations
 from nanolab.estimator.gpus import MiB
@@ -89,13 +89,8 @@ def estimate_memory(
     backend: Backend = "cuda",
     fragmentation: float = DEFAULT_FRAGMENTATION,
 ) -> MemoryEstimate:
-    """Per-device memory for one training step of ``setup`` at ``micro_batch`` sequences.
-
-    The step is the one ``nanolab fit`` runs: Lightning's forward, backward and optimizer step,
-    with the gradients freed right after each optimizer step (``GPTLightningModule.
-    optimizer_step``), so they exist during a forward only from the second micro-batch of an
-    accumulation window on. The peak is the largest of these moments (see :func:`moments`).
-    """
+    """Per-device memory for one ``nanolab fit`` step of ``setup`` at ``micro_batch`` sequences
+    (the step of the module docstring; the peak is the largest of its :func:`moments`)."""
     B = micro_batch if micro_batch is not None else setup.micro_batch_size
     if B is None or B < 1:
         raise ValueError("a micro-batch size >= 1 is needed")
@@ -137,23 +132,14 @@ def estimate_memory(
         Line("logits", "logits + loss transients", lt.peak, _logits_note(lt)),
         Line("optimizer_temp", "optimizer step temporaries", st.optimizer_temp, ""),
     ]
-    for ln in info:
-        if ln.key not in keys:
-            ln.in_peak = False
-            lines.append(ln)
+    lines += [replace(ln, in_peak=False) for ln in info if ln.key not in keys]
     assert sum(ln.bytes for ln in lines if ln.in_peak) == peak
-    ctx = CONTEXT_BYTES[backend] + (COMM_BYTES[backend] if setup.world_size > 1 else 0)
+    comm = setup.world_size > 1
+    ctx = CONTEXT_BYTES[backend] + (COMM_BYTES[backend] if comm else 0)
     frag = int(fragmentation * peak)
     total = peak + ctx + frag
-    lines.append(
-        Line(
-            "context",
-            f"framework overhead ({backend})",
-            ctx,
-            "context, kernels" + (", NCCL buffers" if setup.world_size > 1 else ""),
-            in_peak=False,
-        )
-    )
+    note = "context, kernels" + (", NCCL buffers" if comm else "")
+    lines.append(Line("context", f"framework overhead ({backend})", ctx, note, in_peak=False))
     lines.append(fragmentation_line(fragmentation, frag))
     return MemoryEstimate(
         lines=lines,
@@ -217,6 +203,7 @@ def moments(
     head = sum(saved.head.values())
     loss_saved = sum(saved.loss.values())
     targets = BT * 8
+    notes = st.notes or {}
 
     def grads_line(nbytes: int, note: str) -> Line:
         return Line("grads", f"gradients ({'fp32' if g == 4 else '16-bit'})", nbytes, note)
@@ -335,7 +322,7 @@ def moments(
         Moment(
             "optimizer step",
             [
-                grads_line(st.grads, notes_grads(st)),
+                grads_line(st.grads, notes.get("grads", "")),
                 Line(
                     "optimizer_temp",
                     "optimizer step temporaries",
@@ -354,10 +341,6 @@ def _with_bias(inv: Inventory, weight: Tensor) -> int:
     return weight.numel + sum(t.numel for t in inv.tensors if t.name == bias)
 
 
-def notes_grads(st: ModelStates) -> str:
-    return (st.notes or {}).get("grads", "")
-
-
 def _share(setup: Setup, what: str) -> str:
     s = setup.strategy
     n = setup.world_size
@@ -373,13 +356,9 @@ def _share(setup: Setup, what: str) -> str:
 
 
 def _opt_label(setup: Setup) -> str:
-    if setup.optimizer == "adamw8bit":
-        return "optimizer states (AdamW8bit)"
-    if setup.optimizer == "muon":
-        return "optimizer states (Muon momentum + AdamW m+v)"
-    if setup.strategy.kind == "deepspeed":
-        return "optimizer states (Adam fp32 m+v)"
-    return "optimizer states (AdamW m+v)"
+    adam = "Adam fp32 m+v" if setup.strategy.kind == "deepspeed" else "AdamW m+v"
+    names = {"adamw8bit": "AdamW8bit", "muon": "Muon momentum + AdamW m+v"}
+    return f"optimizer states ({names.get(setup.optimizer, adam)})"
 
 
 def _master_note(setup: Setup) -> str:
@@ -396,12 +375,14 @@ def _logits_note(lt) -> str:
     return "logits + fp32 copy" if lt.fp32_copy else "logits"
 
 
+_TEMP_NOTES = {
+    "adamw8bit": "CPU 8-bit AdamW: one tensor's states in fp32",
+    "muon": "Muon: Newton-Schulz on the largest matrix, in bf16",
+}
+
+
 def _temp_note(setup: Setup) -> str:
-    if setup.optimizer == "adamw8bit":
-        return "CPU 8-bit AdamW: one tensor's states in fp32"
-    if setup.optimizer == "muon":
-        return "Muon: Newton-Schulz on the largest matrix, in bf16"
-    return "foreach AdamW: one state-sized buffer"
+    return _TEMP_NOTES.get(setup.optimizer, "foreach AdamW: one state-sized buffer")
 
 
 def fragmentation_line(fragmentation: float, frag: int) -> Line:

@@ -26,7 +26,7 @@ and autocast leaves softmax in bf16. The CPU column exists so the tests can meas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from nanolab.estimator.setup import Setup
@@ -78,65 +78,32 @@ class Numerics:
 def numerics_for(setup: Setup, backend: Backend = "cuda") -> Numerics:
     """The dtype sizes that ``setup`` trains with on ``backend``."""
     gpu = backend != "cpu"
-    p = setup.precision
     kind = setup.strategy.kind
-    mixed = p.endswith("-mixed")
-    half = p != "32-true"
-    if not half:
-        return Numerics(4, 4, 4, 4, 4, 4, 4, 4, False, False, False, gpu, not gpu, 4, gpu)
-    if kind == "deepspeed" or not mixed:
+    kernels = {"dropout_mask_bool": gpu, "sdpa_dropout_math": not gpu, "gpu": gpu}
+    fp32 = Numerics(4, 4, 4, 4, 4, 4, 4, 4, False, False, False, gather=4, **kernels)
+    if setup.precision == "32-true":
+        return fp32
+    if kind == "deepspeed" or not setup.precision.endswith("-mixed"):
         # Every activation is 16-bit; the loss too.
-        return Numerics(
-            param=2,
-            grad=2,
-            compute=2,
-            resid=2,
-            ln_in=2,
-            ln_stats=4 if gpu else 2,
-            softmax=2,
-            loss=2,
-            fp32_logits_copy=False,
-            weight_copies=False,
-            rope_table_copies=False,
-            dropout_mask_bool=gpu,
-            sdpa_dropout_math=not gpu,
-            gather=2,
-            gpu=gpu,
-        )
-    if kind == "fsdp1":
-        # 16-bit gathered parameters and buffers, fp32 sharded master, autocast on top.
-        return Numerics(
-            param=4,
-            grad=4,
-            compute=2,
-            resid=2,
-            ln_in=4 if gpu else 2,
-            ln_stats=4,
-            softmax=4 if gpu else 2,
-            loss=4,
-            fp32_logits_copy=True,
-            weight_copies=False,
-            rope_table_copies=False,
-            dropout_mask_bool=gpu,
-            sdpa_dropout_math=not gpu,
-            gather=2,
-            gpu=gpu,
-        )
+        sixteen = {k: 2 for k in ("param", "grad", "compute", "resid", "ln_in", "softmax", "loss")}
+        return replace(fp32, **sixteen, ln_stats=4 if gpu else 2, gather=2)
     # Autocast on fp32 parameters (single device, DDP, FSDP2).
-    return Numerics(
-        param=4,
-        grad=4,
+    autocast = replace(
+        fp32,
         compute=2,
-        resid=4,
-        ln_in=4,
-        ln_stats=4,
         softmax=4 if gpu else 2,
-        loss=4,
         fp32_logits_copy=True,
         weight_copies=True,
         rope_table_copies=True,
-        dropout_mask_bool=gpu,
-        sdpa_dropout_math=not gpu,
-        gather=4,
-        gpu=gpu,
     )
+    if kind == "fsdp1":
+        # 16-bit gathered parameters and buffers, fp32 sharded master, autocast on top.
+        return replace(
+            autocast,
+            resid=2,
+            ln_in=4 if gpu else 2,
+            weight_copies=False,
+            rope_table_copies=False,
+            gather=2,
+        )
+    return autocast

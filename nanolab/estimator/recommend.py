@@ -118,50 +118,34 @@ def candidate_switches(setup: Setup) -> list[Switch]:
     """Memory-saving changes not already on, cheapest in speed first."""
     gpt, s = setup.gpt, setup.strategy
     out: list[Switch] = []
+
+    def add(name: str, yaml: str, switched: Setup) -> None:
+        out.append(Switch(name, yaml, switched))
+
     ckpt = replace(setup, gpt=replace(gpt, gradient_checkpointing=True))
     if not gpt.gradient_checkpointing:
-        out.append(Switch("gradient checkpointing", "model.gpt.gradient_checkpointing: true", ckpt))
+        add("gradient checkpointing", "model.gpt.gradient_checkpointing: true", ckpt)
     if setup.optimizer == "muon":
         # Muon is another algorithm than 8-bit AdamW and needs whole matrices (no sharding).
         return out
     deepspeed_offload = s.kind == "deepspeed" and s.offload_optimizer
     if setup.optimizer != "adamw8bit" and not deepspeed_offload:
-        out.append(
-            Switch(
-                "8-bit AdamW",
-                "model.optimizer.name: adamw8bit",
-                replace(setup, optimizer="adamw8bit"),
-            )
-        )
+        add("8-bit AdamW", "model.optimizer.name: adamw8bit", replace(setup, optimizer="adamw8bit"))
         if not gpt.gradient_checkpointing:
-            out.append(
-                Switch(
-                    "checkpointing + 8-bit AdamW",
-                    "gradient_checkpointing: true, optimizer.name: adamw8bit",
-                    replace(ckpt, optimizer="adamw8bit"),
-                )
-            )
+            yaml = "gradient_checkpointing: true, optimizer.name: adamw8bit"
+            add("checkpointing + 8-bit AdamW", yaml, replace(ckpt, optimizer="adamw8bit"))
     base_opt = "adamw" if setup.optimizer == "adamw8bit" else setup.optimizer
     if setup.world_size > 1:
         for stage in (1, 2, 3):
-            if s.kind == "deepspeed" and s.zero_stage >= stage:
-                continue
-            strat = Strategy("deepspeed", zero_stage=stage)
-            out.append(
-                Switch(
-                    f"DeepSpeed ZeRO-{stage}",
-                    f"trainer.strategy: deepspeed_stage_{stage}",
-                    replace(setup, strategy=strat),
-                )
-            )
+            if not (s.kind == "deepspeed" and s.zero_stage >= stage):
+                strat = Strategy("deepspeed", zero_stage=stage)
+                yaml = f"trainer.strategy: deepspeed_stage_{stage}"
+                add(f"DeepSpeed ZeRO-{stage}", yaml, replace(setup, strategy=strat))
         if s.kind not in ("fsdp1", "fsdp2"):
-            out.append(
-                Switch(
-                    "FSDP2",
-                    "trainer.strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy}",
-                    replace(setup, strategy=Strategy("fsdp2")),
-                )
+            yaml = (
+                "trainer.strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy}"
             )
+            add("FSDP2", yaml, replace(setup, strategy=Strategy("fsdp2")))
     for stage, name in ((2, "deepspeed_stage_2_offload"), (3, "deepspeed_stage_3_offload")):
         if s.kind == "deepspeed" and s.offload_optimizer and s.zero_stage >= stage:
             continue
@@ -170,15 +154,10 @@ def candidate_switches(setup: Setup) -> list[Switch]:
         )
         off = replace(setup, strategy=strat, optimizer=base_opt)
         label = f"ZeRO-{stage} + CPU offload"
-        out.append(Switch(label, f"trainer.strategy: {name}", off))
+        add(label, f"trainer.strategy: {name}", off)
         if not gpt.gradient_checkpointing:
-            out.append(
-                Switch(
-                    f"{label} + checkpointing",
-                    f"trainer.strategy: {name}, gradient_checkpointing: true",
-                    replace(off, gpt=ckpt.gpt),
-                )
-            )
+            yaml = f"trainer.strategy: {name}, gradient_checkpointing: true"
+            add(f"{label} + checkpointing", yaml, replace(off, gpt=ckpt.gpt))
     return out
 
 
@@ -190,10 +169,9 @@ def evaluate_switches(
     fragmentation: float = DEFAULT_FRAGMENTATION,
 ) -> list[Switch]:
     """Every candidate switch with the largest micro-batch it allows."""
-    out = []
-    for sw in candidate_switches(setup):
+    out = candidate_switches(setup)
+    for sw in out:
         sw.largest_micro_batch = largest_micro_batch(
             sw.setup, device_memory, backend=backend, fragmentation=fragmentation
         )
-        out.append(sw)
     return out

@@ -29,10 +29,6 @@ from nanolab.training.resolve import deep_merge, load_config  # noqa: F401  (pub
 #: Optimizers whose state and step memory the estimator models (nanolab/estimator/states.py).
 MODELLED_OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
-#: Vocabulary of the named tokenizers (end-of-text included), used when the config leaves
-#: vocab_size null; the one table lives with the tokenizers.
-TOKENIZER_VOCAB = KNOWN_VOCAB
-
 
 #: The estimator's config errors are the resolver's: one kind for a setting that cannot work.
 EstimateError = RunConfigError
@@ -106,8 +102,8 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
             except (KeyError, json.JSONDecodeError):
                 pass
     tokenizer = str(data.get("tokenizer", ""))
-    if tokenizer in TOKENIZER_VOCAB:
-        return TOKENIZER_VOCAB[tokenizer]
+    if tokenizer in KNOWN_VOCAB:  # the named tokenizers' vocabularies, end-of-text included
+        return KNOWN_VOCAB[tokenizer]
     if tokenizer == "bpe":
         return int_setting(data.get("bpe_vocab_size", 4096), "data.bpe_vocab_size", minimum=2)
     if is_tokenizer_file(tokenizer) and Path(tokenizer).expanduser().is_file():
@@ -265,17 +261,15 @@ def check_setup(setup: Setup) -> None:
             "model.optimizer.name 'muon' needs whole weight matrices on every device, but "
             f"{s.describe()} shards them; use trainer.strategy ddp (or auto), or name adamw"
         )
-    if setup.global_batch_tokens is not None:
-        per_seq = setup.gpt.block_size * setup.world_size
-        if setup.global_batch_tokens % per_seq != 0:
+    if setup.global_batch_tokens is None:
+        return
+    per_seq = setup.gpt.block_size * setup.world_size
+    units = {"": per_seq}
+    if setup.micro_batch_size is not None:
+        units["micro_batch_size x "] = setup.micro_batch_size * per_seq
+    for what, unit in units.items():
+        if setup.global_batch_tokens % unit != 0:
             raise EstimateError(
                 f"run.global_batch_tokens ({setup.global_batch_tokens}) is not a multiple of "
-                f"block_size x devices = {per_seq}"
-            )
-    if setup.global_batch_tokens is not None and setup.micro_batch_size is not None:
-        per_step = setup.micro_batch_size * setup.gpt.block_size * setup.world_size
-        if setup.global_batch_tokens % per_step != 0:
-            raise EstimateError(
-                f"run.global_batch_tokens ({setup.global_batch_tokens}) is not a multiple of "
-                f"micro_batch_size x block_size x devices = {per_step}"
+                f"{what}block_size x devices = {unit}"
             )

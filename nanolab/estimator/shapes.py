@@ -13,6 +13,8 @@ activation rules or a trace describe it (:mod:`nanolab.estimator.activations`).
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -36,10 +38,7 @@ class Tensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -83,10 +82,9 @@ class Inventory:
     @property
     def largest_module_numel(self) -> int:
         """Parameters of the largest single module (DeepSpeed's ``largest_layer_params``)."""
-        modules: dict[str, int] = {}
+        modules: Counter[str] = Counter()
         for t in self.tensors:
-            owner = t.name.rsplit(".", 1)[0]
-            modules[owner] = modules.get(owner, 0) + t.numel
+            modules[t.name.rsplit(".", 1)[0]] += t.numel
         return max(modules.values())
 
     def mlp_linears(self, i: int = 0) -> list[Tensor]:

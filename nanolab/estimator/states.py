@@ -227,10 +227,10 @@ def model_states(setup: Setup, inv: Inventory, num: Numerics) -> ModelStates:
             st.grads = (P if stage == 1 else shard) * 4
         st.master = shard * 4 if half else 0
         st.optimizer = opt_shard
-        if s.contiguous_gradients and stage < 3:
-            st.buckets = (2 if s.overlap_comm else 1) * s.reduce_bucket_size * num.grad
-        elif s.contiguous_gradients:
-            st.buckets = s.reduce_bucket_size * num.grad
+        if s.contiguous_gradients:  # double-buffered with overlap_comm, except in ZeRO-3
+            st.buckets = (
+                (2 if s.overlap_comm and stage < 3 else 1) * s.reduce_bucket_size * num.grad
+            )
         notes["buckets"] = f"ZeRO gradient bucket: {s.reduce_bucket_size:,} elements" + (
             " x 2 (overlap_comm)" if s.overlap_comm and stage < 3 else ""
         )

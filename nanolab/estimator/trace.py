@@ -149,26 +149,12 @@ def model_matches_rules(setup: Setup) -> tuple[bool, float]:
     here in well under a second; then the full trace is worth its seconds. Returns (matches,
     relative difference of the tiny model's peak).
     """
+    from nanolab.estimator.derived import tiny_model
     from nanolab.estimator.memory import estimate_memory
 
-    heads = 2
-    width = 32 * heads
-    tiny_gpt = replace(
-        setup.gpt,
-        vocab_size=256,
-        block_size=32,
-        n_layer=2,
-        n_head=heads,
-        n_embd=width,
-        vocab_multiple=64,
-    )
+    tiny_gpt = tiny_model(setup.gpt)
     tiny = replace(
-        setup,
-        gpt=tiny_gpt,
-        micro_batch_size=2,
-        global_batch_tokens=None,
-        devices=1,
-        num_nodes=1,
+        setup, gpt=tiny_gpt, micro_batch_size=2, global_batch_tokens=None, devices=1, num_nodes=1
     )
 
     def compare() -> tuple[bool, float]:

@@ -89,6 +89,11 @@ def schedule_areas(multipliers: np.ndarray, decay: float = DECAY) -> tuple[np.nd
     return s1, s2
 
 
+def law(L0, A, alpha, C, s1, s2):
+    """``L0 + A * s1 ** -alpha - C * s2``: the model, on numbers or arrays."""
+    return L0 + A * s1**-alpha - C * s2
+
+
 def _solve_batch(
     x: np.ndarray, s2: np.ndarray, y: np.ndarray, alphas: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -190,10 +195,6 @@ class ScheduleFit:
         """``alpha`` at the edge of its range: the points do not pin the curve's shape."""
         return not ALPHA_RANGE[0] * 1.05 < self.alpha < ALPHA_RANGE[1] * 0.95
 
-    @property
-    def total_steps(self) -> int:
-        return len(next(iter(self.areas.values()))[0]) - 1
-
     def _at(self, step: float, decay: float) -> tuple[float, float]:
         s1, s2 = self.areas[decay]
         s = int(min(max(round(step), 1), len(s1) - 1))
@@ -224,17 +225,14 @@ class ScheduleFit:
     def predict(self, step: float) -> float:
         """The loss after ``step`` optimizer steps of the planned schedule (from the last point
         on, shifted by ``offset``)."""
-        s1, s2 = self._at(step, self.decay)
-        L0, A, alpha, C = self.params(step)
-        return float(L0 + A * s1**-alpha - C * s2) + self._shift(step)
+        return float(law(*self.params(step), *self._at(step, self.decay))) + self._shift(step)
 
     def sample_predictions(self, step: float) -> np.ndarray:
         out = np.full(len(self.samples), self._shift(step))
         for decay in np.unique(self.samples[:, 4]):
             rows = self.samples[:, 4] == decay
             s1, s2 = self._at(step, float(decay))
-            p = self.samples[rows]
-            out[rows] += p[:, 0] + p[:, 1] * s1 ** -p[:, 2] - p[:, 3] * s2
+            out[rows] += law(*self.samples[rows, :4].T, s1, s2)
         return out
 
     def model_error(self, step: float) -> float:
@@ -258,12 +256,9 @@ class ScheduleFit:
         extra = self.model_error(step)
         lo, hi = float(lo) - extra, float(hi) + extra
         if not self.annealing_known:
-            s1, s2 = self._at(step, self.decay)
-            for L0, A, alpha, C in (
-                (*self.no_annealing, 0.0),
-                (self.L0, self.A, self.alpha, self.C),
-            ):
-                value = L0 + A * s1**-alpha - C * s2 + self._shift(step)
+            areas = self._at(step, self.decay)
+            for params in ((*self.no_annealing, 0.0), (self.L0, self.A, self.alpha, self.C)):
+                value = law(*params, *areas) + self._shift(step)
                 lo, hi = min(lo, value), max(hi, value)
         return max(0.0, lo), hi
 
@@ -346,7 +341,7 @@ def fit_schedule_curve(
         raise ForecastError("the LR schedule is zero at the start: no forward area to fit on")
     coef, alpha, decay, sse = _fit_decays(idx, y, areas)
     s1, s2 = areas[decay]
-    fitted = coef[0] + coef[1] * s1[idx] ** -alpha - coef[2] * s2[idx]
+    fitted = law(coef[0], coef[1], alpha, coef[2], s1[idx], s2[idx])
     resid = y - fitted
     rng = np.random.default_rng(seed)
     samples = np.empty((bootstrap, 5))
@@ -379,7 +374,7 @@ def _backtest(
             continue
         coef, alpha, decay, _ = _fit_decays(idx[:keep], y[:keep], areas)
         s1, s2 = areas[decay]
-        pred = coef[0] + coef[1] * s1[idx[keep:]] ** -alpha - coef[2] * s2[idx[keep:]]
+        pred = law(coef[0], coef[1], alpha, coef[2], s1[idx[keep:]], s2[idx[keep:]])
         span = float(s1[idx[-1]] - s1[idx[keep - 1]])
         if span > 0:
             out.append((float(np.max(np.abs(pred - y[keep:]))), span))

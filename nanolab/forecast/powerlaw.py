@@ -68,14 +68,10 @@ class CurveFit:
     def predict(self, tokens: float) -> float:
         return float(self.E + self.A * (tokens / self.d0) ** -self.alpha)
 
-    def _sample_predictions(self, tokens: float) -> np.ndarray:
-        e, a, al = self.samples[:, 0], self.samples[:, 1], self.samples[:, 2]
-        return e + a * (tokens / self.d0) ** -al
-
     def band(self, tokens: float, q: tuple[float, float] = (5.0, 95.0)) -> tuple[float, float]:
         """The ``q`` percentiles of the bootstrap fits' predictions at ``tokens``."""
-        preds = self._sample_predictions(tokens)
-        lo, hi = np.percentile(preds, q)
+        e, a, al = self.samples.T
+        lo, hi = np.percentile(e + a * (tokens / self.d0) ** -al, q)
         return float(lo), float(hi)
 
     def tokens_to(self, target: float) -> float:
@@ -103,10 +99,9 @@ def _tokens_to(E: float, A: float, alpha: float, d0: float, target: float) -> fl
 def _solve(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[float, float, float]:
     """(E, A, sum of squared residuals) for a fixed ``alpha``, with ``A >= 0`` and ``E >= 0``
     (a cross-entropy cannot go below zero)."""
-    E, A = _linear(x[None, :] ** -alpha, y)
-    f = x**-alpha
-    sse = float(((E[0] + A[0] * f - y) ** 2).sum())
-    return float(E[0]), float(A[0]), sse
+    f = x[None, :] ** -alpha
+    (E,), (A,) = _linear(f, y)
+    return float(E), float(A), float(((E + A * f[0] - y) ** 2).sum())
 
 
 def _linear(f: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -172,8 +167,7 @@ def fit_loss_curve(
         raise ForecastError(
             f"{len(pts)} usable validation point(s); a forecast needs at least {MIN_POINTS}"
         )
-    d = np.array([p[0] for p in pts])
-    y = np.array([p[1] for p in pts])
+    d, y = (np.array(column) for column in zip(*pts, strict=True))
     d0 = float(d[0])
     x = d / d0
     E, A, alpha, sse = _fit(x, y)

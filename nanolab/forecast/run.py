@@ -20,6 +20,7 @@ from nanolab.forecast.annealing import (
     MIN_POINTS,
     ScheduleFit,
     fit_schedule_curve,
+    law,
     multipliers_array,
     schedule_areas,
 )
@@ -190,9 +191,9 @@ def steps_to_target(
 
     def curves(pick: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
         r = rows[pick]
-        law = r[:, 0:1] + r[:, 1:2] * s1[None, :] ** -r[:, 2:3] - r[:, 3:4] * s2
+        loss = law(r[:, 0:1], r[:, 1:2], r[:, 2:3], r[:, 3:4], s1[None, :], s2)
         miss = np.array([fit.error_ahead(float(v)) for v in s1]) if sign[pick].any() else 0.0
-        return law + fit.offset + sign[pick][:, None] * miss
+        return loss + fit.offset + sign[pick][:, None] * miss
 
     reached = np.full(len(rows), np.inf)
     for decay in decays:
