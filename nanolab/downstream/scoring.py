@@ -242,15 +242,8 @@ def _plan(requests: list[Request], rows: int, share: bool) -> list[_Batch]:
         prefix = [requests[g[0]].tokens[:skip] for skip, g in take]
         members = [(c, i, skip) for c, (skip, g) in enumerate(take) for i in g]
         for s in range(0, len(members), rows):
-            part = members[s : s + rows]
-            batches.append(
-                _Batch(
-                    [i for _, i, _ in part],
-                    [k for _, _, k in part],
-                    prefix,
-                    [c for c, _, _ in part],
-                )
-            )
+            owner, part, skip = map(list, zip(*members[s : s + rows], strict=True))
+            batches.append(_Batch(part, skip, prefix, owner))
     return batches
 
 
@@ -440,8 +433,8 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, **kwargs: Any) -> S
 
 def suite_tokens(suite: Suite, tokenizer: Any, block_size: int) -> int:
     """Tokens one evaluation of the suite feeds the model (for its time estimate)."""
-    total = 0
-    for task in suite.tasks:
-        for r in requests_for(task, tokenizer, block_size, list(range(len(task.examples)))):
-            total += len(r.tokens) - 1
-    return total
+    return sum(
+        len(r.tokens) - 1
+        for task in suite.tasks
+        for r in requests_for(task, tokenizer, block_size, list(range(len(task.examples))))
+    )

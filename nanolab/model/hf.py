@@ -37,35 +37,15 @@ EXACT_GELU = "gelu"
 RECORD_KEY = "nanolab"
 #: Architecture keys that come from the checkpoint; a user value that disagrees is an error.
 ARCHITECTURE_KEYS = (
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "vocab_size",
-    "vocab_multiple",
-    "bias",
-    "position_embedding",
-    "tie_weights",
-    "mlp_ratio",
-    "activation",
-    "norm",
-    "mlp",
-    "attention_variant",
-)
+    "n_layer", "n_head", "n_embd", "vocab_size", "vocab_multiple", "bias", "position_embedding",
+    "tie_weights", "mlp_ratio", "activation", "norm", "mlp", "attention_variant",
+)  # fmt: skip
 
-#: (nanolab name, GPT-2 name, stored transposed by Conv1D) for the tensors of block ``i``.
-_BLOCK_TENSORS = (
-    ("ln_1.weight", "ln_1.weight", False),
-    ("ln_1.bias", "ln_1.bias", False),
-    ("attn.c_attn.weight", "attn.c_attn.weight", True),
-    ("attn.c_attn.bias", "attn.c_attn.bias", False),
-    ("attn.c_proj.weight", "attn.c_proj.weight", True),
-    ("attn.c_proj.bias", "attn.c_proj.bias", False),
-    ("ln_2.weight", "ln_2.weight", False),
-    ("ln_2.bias", "ln_2.bias", False),
-    ("mlp.c_fc.weight", "mlp.c_fc.weight", True),
-    ("mlp.c_fc.bias", "mlp.c_fc.bias", False),
-    ("mlp.c_proj.weight", "mlp.c_proj.weight", True),
-    ("mlp.c_proj.bias", "mlp.c_proj.bias", False),
+#: (name, transposed by Conv1D) of the tensors of block ``i``: nanolab's and GPT-2's names agree.
+_BLOCK_TENSORS = tuple(
+    (f"{layer}.{kind}", kind == "weight" and not layer.startswith("ln_"))
+    for layer in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    for kind in ("weight", "bias")
 )
 #: Old GPT-2 checkpoints store each block's causal mask as a buffer; it is not a weight.
 _MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -377,7 +357,7 @@ def _pairs(config: GPTConfig) -> list[tuple[str, str, bool]]:
     """(nanolab name, GPT-2 name without ``transformer.``, transposed) for every tensor."""
     pairs = [("wte.weight", "wte.weight", False), ("wpe.weight", "wpe.weight", False)]
     for i in range(config.n_layer):
-        pairs += [(f"blocks.{i}.{a}", f"h.{i}.{b}", t) for a, b, t in _BLOCK_TENSORS]
+        pairs += [(f"blocks.{i}.{a}", f"h.{i}.{a}", t) for a, t in _BLOCK_TENSORS]
     pairs += [("ln_f.weight", "ln_f.weight", False), ("ln_f.bias", "ln_f.bias", False)]
     return pairs
 
