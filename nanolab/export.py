@@ -138,11 +138,8 @@ def write_hf(
     refusals, not_llama = export_refusals(config), llama_refusals(config)
     if refusals and not_llama:
         raise ExportError(
-            "--format hf: the model is neither GPT-2 ("
-            + "; ".join(refusals)
-            + ") nor Llama ("
-            + "; ".join(not_llama)
-            + "); export it with --format safetensors (for nanolab) instead"
+            f"--format hf: the model is neither GPT-2 ({'; '.join(refusals)}) nor Llama "
+            f"({'; '.join(not_llama)}); export it with --format safetensors (for nanolab) instead"
         )
     spec = (ckpt.get("nanolab") or {}).get("tokenizer")
     notes: list[str] = []

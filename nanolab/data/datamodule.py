@@ -358,16 +358,14 @@ class TokenDataModule(L.LightningDataModule):
     def windows(self, split: str) -> list[Any]:
         """The windows of ``split`` (train or val) of every dataset folder, as ``align``
         cuts them (made once; document packing reports what it dropped)."""
-        cache = self._windows
-        if split not in cache:
-            if self.align == "stream":
-                cache[split] = [
-                    TokenWindows(p.path / f"{split}.bin", p.meta["dtype"], self.block_size)
-                    for p in self.parts
-                ]
-            else:
-                cache[split] = [self._packed(part, split) for part in self.parts]
-        return cache[split]
+        if split not in self._windows:
+            self._windows[split] = [
+                TokenWindows(p.path / f"{split}.bin", p.meta["dtype"], self.block_size)
+                if self.align == "stream"
+                else self._packed(p, split)
+                for p in self.parts
+            ]
+        return self._windows[split]
 
     def _packed(self, part: DatasetPart, split: str) -> DocumentWindows:
         eot = part.meta.get("eot_id")

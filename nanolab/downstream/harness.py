@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -156,11 +157,8 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
                 reqs.append(Request(i, 0, tuple(context + predicted), len(predicted), 1))
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, (ll, _) in zip(
-            owner,
-            score_requests(self.model, reqs, self.rows, self.vocab_size, self._device),
-            strict=True,
-        ):
+        scores = score_requests(self.model, reqs, self.rows, self.vocab_size, self._device)
+        for i, (ll, _) in zip(owner, scores, strict=True):
             totals[i] += ll
         return totals
 
@@ -212,12 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)
-    saved = sys.argv
-    sys.argv = ["lm-eval", *args]
-    try:
-        cli_evaluate()
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
-    finally:
-        sys.argv = saved
+    with mock.patch.object(sys, "argv", ["lm-eval", *args]):
+        try:
+            cli_evaluate()
+        except SystemExit as stop:
+            return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
     return 0

@@ -37,9 +37,20 @@ EXACT_GELU = "gelu"
 RECORD_KEY = "nanolab"
 #: Architecture keys that come from the checkpoint; a user value that disagrees is an error.
 ARCHITECTURE_KEYS = (
-    "n_layer", "n_head", "n_embd", "vocab_size", "vocab_multiple", "bias", "position_embedding",
-    "tie_weights", "mlp_ratio", "activation", "norm", "mlp", "attention_variant",
-)  # fmt: skip
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "vocab_size",
+    "vocab_multiple",
+    "bias",
+    "position_embedding",
+    "tie_weights",
+    "mlp_ratio",
+    "activation",
+    "norm",
+    "mlp",
+    "attention_variant",
+)
 
 #: (name, transposed by Conv1D) of the tensors of block ``i``: nanolab's and GPT-2's names agree.
 _BLOCK_TENSORS = tuple(
