@@ -161,9 +161,7 @@ class DatasetPart:
     def val_bytes_per_token(self) -> float | None:
         """UTF-8 bytes per token of the validation split (None: not recorded by prepare)."""
         tokens, text_bytes = self.meta.get("val_tokens"), self.meta.get("val_bytes")
-        if not tokens or not text_bytes:
-            return None
-        return text_bytes / tokens
+        return text_bytes / tokens if tokens and text_bytes else None
 
 
 @dataclass(frozen=True)

@@ -307,10 +307,8 @@ class _Job:
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
         self.total_bytes = sum(f.size for f in self.files)
-        n = self.workers if self.workers is not None else default_workers()
-        if self.workers is None and self.total_bytes < PARALLEL_MIN_BYTES:
-            n = 1
-        self.n_workers = n
+        small = self.total_bytes < PARALLEL_MIN_BYTES
+        self.n_workers = self.workers or (1 if small else default_workers())
         self.bad_count = 0
         self.bad_examples: list[str] = []
 

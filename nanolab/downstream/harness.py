@@ -202,11 +202,7 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
 def main(argv: Sequence[str] | None = None) -> int:
     """``nanolab lm-eval ARGS``: lm-eval's command line with ``--model nanolab`` available."""
     if LM is object:
-        print(
-            f"nanolab lm-eval: error: lm-evaluation-harness is not installed; {INSTALL}",
-            file=sys.stderr,
-        )
-        return 2
+        raise HarnessError(f"lm-evaluation-harness is not installed; {INSTALL}")
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)

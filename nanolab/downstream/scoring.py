@@ -23,6 +23,7 @@ examples are sharded round-robin and the counts summed: 1 and N devices give the
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -214,12 +215,8 @@ def _plan(requests: list[Request], rows: int, share: bool) -> list[_Batch]:
     and its options after it from the cache; everything else is sorted by length and padded
     ``rows`` at a time.
     """
-    groups: list[list[int]] = []
-    for i, r in enumerate(requests):
-        if groups and requests[groups[-1][-1]].example == r.example:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+    by_example = itertools.groupby(range(len(requests)), key=lambda i: requests[i].example)
+    groups = [list(group) for _, group in by_example]
     plain: list[int] = []
     shared: list[tuple[int, list[int]]] = []
     for group in groups:

@@ -407,22 +407,20 @@ def nanolab_state_from_hf(
                 f"config.json implies {list(want)}; the weights and config.json disagree"
             )
         state[ours] = tensor
+    used.add("lm_head.weight")  # tied: the same matrix as wte (some files store it twice)
+    state["lm_head.weight"] = state["wte.weight"]
     if not config.tie_weights:
         if "lm_head.weight" not in named:
             raise HFFormatError(
                 f"model.init_from {source}: tie_word_embeddings is false but there is no "
                 "lm_head.weight"
             )
-        state["lm_head.weight"] = named["lm_head.weight"]
-        used.add("lm_head.weight")
-        if tuple(state["lm_head.weight"].shape) != expected["lm_head.weight"]:
+        head = state["lm_head.weight"] = named["lm_head.weight"]
+        if tuple(head.shape) != expected["lm_head.weight"]:
             raise HFFormatError(
                 f"model.init_from {source}: lm_head.weight has shape "
-                f"{list(state['lm_head.weight'].shape)}, expected {list(expected['lm_head.weight'])}"
+                f"{list(head.shape)}, expected {list(expected['lm_head.weight'])}"
             )
-    else:
-        used.add("lm_head.weight")  # the same matrix as wte (some files store it twice)
-        state["lm_head.weight"] = state["wte.weight"]
     extra = sorted(k for k in named if k not in used and not _MASK_BUFFER.match(k))
     if extra:
         raise HFFormatError(
