@@ -180,7 +180,10 @@ def prepare_dataset(
     # on the lock and then find the dataset ready (same hash: a no-op).
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(lock):
-        existing = _existing_meta(out_dir)
+        try:
+            existing = read_meta(out_dir)
+        except (OSError, ValueError):  # unreadable: not a dataset this run can reuse
+            existing = None
         if existing is not None and existing.get("source_hash") == digest:
             return existing
         if force and out_dir.is_dir():
@@ -229,13 +232,6 @@ def prepare_dataset(
             return job.run()
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
-
-
-def _existing_meta(out_dir: Path) -> dict[str, Any] | None:
-    try:
-        return read_meta(out_dir)
-    except (OSError, ValueError):
-        return None
 
 
 @contextlib.contextmanager
