@@ -138,11 +138,8 @@ def write_hf(
     refusals, not_llama = export_refusals(config), llama_refusals(config)
     if refusals and not_llama:
         raise ExportError(
-            "--format hf: the model is neither GPT-2 ("
-            + "; ".join(refusals)
-            + ") nor Llama ("
-            + "; ".join(not_llama)
-            + "); export it with --format safetensors (for nanolab) instead"
+            f"--format hf: the model is neither GPT-2 ({'; '.join(refusals)}) nor Llama "
+            f"({'; '.join(not_llama)}); export it with --format safetensors (for nanolab) instead"
         )
     spec = (ckpt.get("nanolab") or {}).get("tokenizer")
     notes: list[str] = []
@@ -251,12 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         notes = export(args.ckpt, args.format, args.out, args.force)
     except OSError as err:
-        print(
-            f"nanolab export: error: cannot write -o {args.out} ({err.strerror or err}); "
-            "choose a folder this user can write, with free space",
-            file=sys.stderr,
-        )
-        return 2
+        raise ExportError(
+            f"cannot write -o {args.out} ({err.strerror or err}); "
+            "choose a folder this user can write, with free space"
+        ) from None
     for note in notes:
         print(f"nanolab export: note: {note}", file=sys.stderr)
     print(f"wrote {args.out} ({args.format}) in {time.perf_counter() - start:.1f}s")

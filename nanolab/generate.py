@@ -107,11 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = tokenizer_from_checkpoint(ckpt)
     prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
-        print(
-            "nanolab generate: error: --prompt encodes to no tokens; give some text",
-            file=sys.stderr,
-        )
-        return 2
+        raise GenerateArgumentError("--prompt encodes to no tokens; give some text")
     if not model.supports_kv_cache:
         print(f"nanolab generate: note: {no_cache_reason(model)}", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)

@@ -146,13 +146,9 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
     targets = {root / rel: text for rel, text in files.items()}
 
     blocked = [str(p) for p in targets if p.exists() or p.is_symlink()]
-    for rel in EMPTY_DIRS:
-        path = root / rel
-        if path.exists() and not path.is_dir():
-            blocked.append(str(path))
-    for path in targets:
-        # A file standing where a folder must go (e.g. DIR/configs is a file).
-        blocked.extend(str(p) for p in path.parents if p.exists() and not p.is_dir())
+    # A file standing where a folder must go (e.g. DIR/configs is a file).
+    folders = {p for path in targets for p in path.parents} | {root / r for r in EMPTY_DIRS}
+    blocked += [str(p) for p in folders if p.exists() and not p.is_dir()]
     if blocked:
         listed = sorted(set(blocked))
         verb = "exists" if len(listed) == 1 else "exist"

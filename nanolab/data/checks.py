@@ -26,10 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from nanolab.data.prepare import PrepareError
+from nanolab.data.prepare import FORMAT, PrepareError
 
 SPLITS = ("train", "val")
-FORMAT = "nanolab-tokens-v1"
 #: dtypes a token file may have (``nanolab prepare`` writes uint16 or uint32).
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 REQUIRED_KEYS = ("vocab_size", "dtype", "train_tokens", "val_tokens")

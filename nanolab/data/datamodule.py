@@ -161,9 +161,7 @@ class DatasetPart:
     def val_bytes_per_token(self) -> float | None:
         """UTF-8 bytes per token of the validation split (None: not recorded by prepare)."""
         tokens, text_bytes = self.meta.get("val_tokens"), self.meta.get("val_bytes")
-        if not tokens or not text_bytes:
-            return None
-        return text_bytes / tokens
+        return text_bytes / tokens if tokens and text_bytes else None
 
 
 @dataclass(frozen=True)
@@ -311,18 +309,15 @@ class TokenDataModule(L.LightningDataModule):
             self._parts = parts
         return self._parts
 
-    def ensure_prepared(self) -> dict[str, Any]:
-        """Prepare the dataset from ``source`` if needed, check it; return its meta."""
+    @property
+    def meta(self) -> dict[str, Any]:
+        """``meta.json`` of the data (the first dataset's for a mixture: they share a tokenizer),
+        prepared from ``source`` first if needed, and checked."""
         return self.parts[0].meta
 
     @property
     def vocab_size(self) -> int:
-        return int(self.ensure_prepared()["vocab_size"])
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        """``meta.json`` of the data (the first dataset's for a mixture: they share a tokenizer)."""
-        return self.ensure_prepared()
+        return int(self.meta["vocab_size"])
 
     @property
     def eot_id(self) -> int | None:
@@ -336,10 +331,10 @@ class TokenDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         # Called on one process per node before setup(): the only place that writes files.
-        self.ensure_prepared()
+        _ = self.parts
 
     def setup(self, stage: str) -> None:
-        meta = self.ensure_prepared()
+        meta = self.meta
         model_vocab = _model_vocab(self)
         if model_vocab is not None and model_vocab < meta["vocab_size"]:
             raise PrepareError(
@@ -361,16 +356,14 @@ class TokenDataModule(L.LightningDataModule):
     def windows(self, split: str) -> list[Any]:
         """The windows of ``split`` (train or val) of every dataset folder, as ``align``
         cuts them (made once; document packing reports what it dropped)."""
-        cache = self._windows
-        if split not in cache:
-            if self.align == "stream":
-                cache[split] = [
-                    TokenWindows(p.path / f"{split}.bin", p.meta["dtype"], self.block_size)
-                    for p in self.parts
-                ]
-            else:
-                cache[split] = [self._packed(part, split) for part in self.parts]
-        return cache[split]
+        if split not in self._windows:
+            self._windows[split] = [
+                TokenWindows(p.path / f"{split}.bin", p.meta["dtype"], self.block_size)
+                if self.align == "stream"
+                else self._packed(p, split)
+                for p in self.parts
+            ]
+        return self._windows[split]
 
     def _packed(self, part: DatasetPart, split: str) -> DocumentWindows:
         eot = part.meta.get("eot_id")
@@ -462,12 +455,6 @@ class TokenDataModule(L.LightningDataModule):
             self.refuse_changed_data(saved, ckpt_path)
 
     # -- loaders ---------------------------------------------------------------------------
-    def _rank_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def window_plan(self, world_size: int = 1) -> WindowPlan | IndexPlan | MixturePlan:
         rows = None
         if self.align == "document":
@@ -518,15 +505,12 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        rank, world = self._rank_world()
-        start = consumed_micro_batches(self.trainer)
-        skips = rollback_jumps(self.trainer)
-        self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start, skips)
+        self.train_sampler = resumable_sampler(self)
         dataset = self.train_parts[0] if self.mixture is None else MixtureWindows(self.train_parts)
         return self._loader(dataset, self.train_sampler)
 
-    def _eval_loader(self) -> DataLoader:
-        rank, world = self._rank_world()
+    def val_dataloader(self) -> DataLoader:
+        rank, world = rank_world(self.trainer)
         keys: list[Any] = []
         counts = []
         for d, part in enumerate(self.val_parts):
@@ -543,11 +527,7 @@ class TokenDataModule(L.LightningDataModule):
         dataset = self.val_parts[0] if self.mixture is None else MixtureWindows(self.val_parts)
         return self._loader(dataset, keys)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._eval_loader()
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader()
+    test_dataloader = val_dataloader
 
 
 def check_window_sizes(
@@ -602,12 +582,11 @@ def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:
             raise PrepareError(f"{field}.name must be a text without '/', got {name!r}")
         out.append((name, Path(path), float(weight)))
     names = [n for n, _, _ in out]
-    for name in names:
-        if names.count(name) > 1:
-            raise PrepareError(
-                f"data.datasets: two datasets are named {name!r}; give each a distinct name "
-                "(name: ...), which labels its validation metrics"
-            )
+    if dup := next((n for n in names if names.count(n) > 1), None):
+        raise PrepareError(
+            f"data.datasets: two datasets are named {dup!r}; give each a distinct name "
+            "(name: ...), which labels its validation metrics"
+        )
     paths = [p.resolve() for _, p, _ in out]
     if len(set(paths)) != len(paths):
         raise PrepareError("data.datasets lists the same folder twice; list it once")
@@ -683,6 +662,19 @@ def consumed_micro_batches(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
 
 
+def rank_world(trainer: Any) -> tuple[int, int]:
+    """(rank, world size) of ``trainer``; (0, 1) without one."""
+    return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+
+
+def resumable_sampler(dm: Any) -> ResumableBatchSampler:
+    """This rank's micro-batches of ``dm.window_plan``, from where the run (and its rollbacks)
+    left the order."""
+    rank, world = rank_world(dm.trainer)
+    start, skips = consumed_micro_batches(dm.trainer), rollback_jumps(dm.trainer)
+    return ResumableBatchSampler(dm.window_plan(world), rank, start, skips)
+
+
 def rollback_jumps(trainer: Any) -> list[Jump]:
     """The data a rollback skipped in this run (its ``rollbacks.json``; none without one)."""
     if trainer is None:
@@ -691,7 +683,5 @@ def rollback_jumps(trainer: Any) -> list[Jump]:
 
 
 def _model_vocab(dm: TokenDataModule) -> int | None:
-    trainer = dm.trainer
-    module = getattr(trainer, "lightning_module", None) if trainer is not None else None
-    gpt_config = getattr(module, "gpt_config", None)
-    return getattr(gpt_config, "vocab_size", None)
+    module = getattr(dm.trainer, "lightning_module", None)
+    return getattr(getattr(module, "gpt_config", None), "vocab_size", None)

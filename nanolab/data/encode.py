@@ -79,15 +79,6 @@ def _field(value: Any, path: list[str]) -> Any:
     return value
 
 
-def _bad_text(where: str, value: Any, name: str) -> str | None:
-    if not isinstance(value, str):
-        kind = "missing (null)" if value is None else f"a {type(value).__name__}, not a string"
-        return f"{where}: field {name!r} is {kind}; name the text field with --text-field or pass --skip-bad"
-    if not value:
-        return f'{where}: empty document (field {name!r} is ""); remove it or pass --skip-bad'
-    return None
-
-
 def documents(block: Block, text_field: str) -> Documents:
     """Decode a block into texts; bad ones become messages naming the file and line/row."""
     out = Documents()
@@ -164,9 +155,16 @@ def documents(block: Block, text_field: str) -> Documents:
 
 
 def _add_text(out: Documents, where: str, value: Any, name: str, unit: int) -> None:
-    problem = _bad_text(where, value, name)
-    if problem is not None:
-        out.errors.append(problem)
+    if not isinstance(value, str):
+        kind = "missing (null)" if value is None else f"a {type(value).__name__}, not a string"
+        out.errors.append(
+            f"{where}: field {name!r} is {kind}; name the text field with --text-field or pass --skip-bad"
+        )
+        return
+    if not value:
+        out.errors.append(
+            f'{where}: empty document (field {name!r} is ""); remove it or pass --skip-bad'
+        )
         return
     out.texts.append(value)
     out.units.append(unit)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import IO, Any, TypeVar
+from unittest import mock
 
 import numpy as np
 
@@ -179,7 +180,10 @@ def prepare_dataset(
     # on the lock and then find the dataset ready (same hash: a no-op).
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(lock):
-        existing = _existing_meta(out_dir)
+        try:
+            existing = read_meta(out_dir)
+        except (OSError, ValueError):  # unreadable: not a dataset this run can reuse
+            existing = None
         if existing is not None and existing.get("source_hash") == digest:
             return existing
         if force and out_dir.is_dir():
@@ -228,13 +232,6 @@ def prepare_dataset(
             return job.run()
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
-
-
-def _existing_meta(out_dir: Path) -> dict[str, Any] | None:
-    try:
-        return read_meta(out_dir)
-    except (OSError, ValueError):
-        return None
 
 
 @contextlib.contextmanager
@@ -306,10 +303,8 @@ class _Job:
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
         self.total_bytes = sum(f.size for f in self.files)
-        n = self.workers if self.workers is not None else default_workers()
-        if self.workers is None and self.total_bytes < PARALLEL_MIN_BYTES:
-            n = 1
-        self.n_workers = n
+        small = self.total_bytes < PARALLEL_MIN_BYTES
+        self.n_workers = self.workers or (1 if small else default_workers())
         self.bad_count = 0
         self.bad_examples: list[str] = []
 
@@ -345,31 +340,27 @@ class _Job:
             return
         # spawn, not fork: prepare also runs inside `fit`, where torch's threads make fork unsafe.
         ctx = multiprocessing.get_context("spawn")
-        env_before = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # N processes, not N x cores threads
-        try:
-            with ProcessPoolExecutor(
+        # N processes, not N x cores threads
+        with (
+            mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"}),
+            ProcessPoolExecutor(
                 self.n_workers,
                 mp_context=ctx,
                 initializer=encode.init_worker,
                 initargs=(spec, settings),
-            ) as pool:
-                pending: deque[Future[T]] = deque()
-                try:
-                    for block in blocks:
-                        pending.append(pool.submit(func, block, *extra))
-                        if len(pending) >= 2 * self.n_workers:
-                            yield pending.popleft().result()
-                    while pending:
+            ) as pool,
+        ):
+            pending: deque[Future[T]] = deque()
+            try:
+                for block in blocks:
+                    pending.append(pool.submit(func, block, *extra))
+                    if len(pending) >= 2 * self.n_workers:
                         yield pending.popleft().result()
-                finally:
-                    for fut in pending:
-                        fut.cancel()
-        finally:
-            if env_before is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = env_before
+                while pending:
+                    yield pending.popleft().result()
+            finally:
+                for fut in pending:
+                    fut.cancel()
 
     def _note_errors(self, errors: list[str]) -> None:
         if not errors:
@@ -389,15 +380,20 @@ class _Job:
             return build_tokenizer(name, self._bpe_sample, self.bpe_vocab_size)
         return build_tokenizer(name, lambda: [], eot_token=self.eot_token)
 
+    def _first_pass(self, phase: str, func: Callable[..., Any], *extra: Any) -> Iterator[Any]:
+        """What ``func`` makes of each block, in a streaming pass before the encoding one."""
+        progress = _Progress(phase, self.total_bytes, self.quiet)
+        try:
+            for result, errors in self._map(func, self._blocks(progress, lambda: 0), None, *extra):
+                self._note_errors(errors)
+                yield result
+        finally:  # also when the caller stops early (the bpe sample is full)
+            progress.close()
+            self.bad_count, self.bad_examples = 0, []  # counted again by the encoding pass
+
     def _alphabet_texts(self) -> Iterator[str]:
-        """A first streaming pass: the corpus's characters, block by block."""
-        progress = _Progress("alphabet", self.total_bytes, self.quiet)
-        blocks = self._blocks(progress, lambda: 0)
-        for alphabet, errors in self._map(encode.block_alphabet, blocks, None):
-            self._note_errors(errors)
-            yield alphabet
-        progress.close()
-        self.bad_count, self.bad_examples = 0, []  # counted again by the encoding pass
+        """The corpus's characters, block by block."""
+        return self._first_pass("alphabet", encode.block_alphabet)
 
     def _bpe_sample(self) -> Iterator[str]:
         """A bounded sample drawn across the whole corpus, by a fixed hash per unit."""
@@ -409,26 +405,21 @@ class _Job:
         keep = min(1.0, self.bpe_sample_bytes / max(1, expected))
         cap = int(self.bpe_sample_bytes * 1.25)
         taken = 0
-        progress = _Progress("bpe sample", self.total_bytes, self.quiet)
-        blocks = self._blocks(progress, lambda: 0)
-        for texts, errors in self._map(encode.block_sample, blocks, None, keep):
-            self._note_errors(errors)
-            for text in texts:
-                taken += len(text)
-                yield text
-            if taken >= cap:
-                break
-        progress.close()
-        self.bad_count, self.bad_examples = 0, []
+        with contextlib.closing(self._first_pass("bpe sample", encode.block_sample, keep)) as each:
+            for texts in each:
+                for text in texts:
+                    taken += len(text)
+                    yield text
+                if taken >= cap:
+                    break
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         out_dir: Path = self.out_dir
-        for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # a killed run's leftovers (we hold the lock)
-        for stale in out_dir.parent.glob(f".{out_dir.name}.old-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for kind in ("tmp", "old"):  # a killed run's leftovers (we hold the lock)
+            for stale in out_dir.parent.glob(f".{out_dir.name}.{kind}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         tok = self._build_tokenizer()
         if tok.eot_id is None:
             raise PrepareError(f"tokenizer {self.tokenizer!r} has no end-of-text token")
@@ -569,11 +560,9 @@ def _rebalance(
             head = len(tok.decode(ids[:cut].tolist()).encode("utf-8"))
             pieces = {"train": (ids[:cut], head, 0), "val": (ids[cut:], nbytes - head, docs)}
         for split, (part, part_bytes, part_docs) in pieces.items():
-            handles[split].write(part.tobytes())
-            totals[split]["tokens"] += int(part.size)
-            totals[split]["bytes"] += int(part_bytes)
-            totals[split]["docs"] += int(part_docs)
-            totals[split]["units"] += 1
+            _append(
+                handles[split], SplitPart(part, int(part_bytes), int(part_docs), 1), totals[split]
+            )
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -159,15 +159,14 @@ def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[
                     other[ext] = other.get(ext, 0) + 1
                 else:
                     found.append(path)
-            elif entry.is_symlink():
-                try:
-                    os.stat(path)
-                    skipped.append(f"{path}: not a regular file, skipped")
-                except OSError as err:
-                    reason = "symlink loop" if err.errno == 40 else "broken symlink"
-                    skipped.append(f"{path}: {reason}, skipped")
             else:
-                skipped.append(f"{path}: not a regular file, skipped")
+                reason = "not a regular file"
+                if entry.is_symlink():
+                    try:
+                        os.stat(path)
+                    except OSError as err:
+                        reason = "symlink loop" if err.errno == 40 else "broken symlink"
+                skipped.append(f"{path}: {reason}, skipped")
 
     visit(root)
     if other:
@@ -290,18 +289,16 @@ class FileReader:
                 if not chunk:
                     return
                 yield chunk
-        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-            raise SourceError(
-                f"{self.file.path}: the {what} stream is truncated or corrupt ({err}); "
-                "download or copy the file again"
-            ) from None
-        except OSError as err:
-            raise SourceError(f"{self.file.path}: cannot read ({err.strerror or err})") from None
         except Exception as err:  # zstandard.ZstdError has no importable base here
-            if type(err).__name__ == "ZstdError":
+            corrupt = (EOFError, gzip.BadGzipFile, zlib.error)
+            if isinstance(err, corrupt) or type(err).__name__ == "ZstdError":
                 raise SourceError(
-                    f"{self.file.path}: the zstd stream is truncated or corrupt ({err}); "
+                    f"{self.file.path}: the {what} stream is truncated or corrupt ({err}); "
                     "download or copy the file again"
+                ) from None
+            if isinstance(err, OSError):
+                raise SourceError(
+                    f"{self.file.path}: cannot read ({err.strerror or err})"
                 ) from None
             raise
         finally:
@@ -333,11 +330,8 @@ class FileReader:
             raise EOFError("the file ends inside a zstd frame")
 
     def blocks(self) -> Iterator[Block]:
-        if self.file.kind == "text":
-            return self._text_blocks()
-        if self.file.kind == "jsonl":
-            return self._jsonl_blocks()
-        return self._parquet_blocks()
+        kinds = {"text": self._text_blocks, "jsonl": self._jsonl_blocks}
+        return kinds.get(self.file.kind, self._parquet_blocks)()
 
     # -- text: one document, cut into units at line starts ---------------------------------
     def _text_blocks(self) -> Iterator[Block]:

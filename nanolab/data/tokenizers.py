@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -36,32 +36,37 @@ class TokenizerError(NanolabError):
     """A tokenizer that cannot be built or cannot encode the text; the message says the fix."""
 
 
-class Tokenizer(Protocol):
+class Tokenizer:
+    """The base of every tokenizer here: ``encode`` is ``encode_batch`` of one text, and no
+    files besides ``meta.json`` unless :meth:`save_files` says otherwise."""
+
     name: str
 
     @property
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int:
+        raise NotImplementedError
 
     @property
     def eot_id(self) -> int | None:
         """The id appended after each document (``None`` only for datasets from before it)."""
-        ...
+        raise NotImplementedError
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0].tolist()  # type: ignore[no-any-return]
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """One int32 id array per text; no end-of-text is added here."""
-        ...
+        raise NotImplementedError
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
 
     def to_meta(self) -> dict[str, Any]:
         """What ``meta.json`` stores to rebuild this tokenizer with :func:`load_tokenizer`."""
-        ...
+        raise NotImplementedError
 
     def save_files(self, directory: Path) -> None:
         """Write any files the tokenizer needs besides ``meta.json`` (BPE merges)."""
-        ...
 
 
 def is_tokenizer_file(name: str) -> bool:
@@ -85,7 +90,7 @@ def check_tokenizer_name(name: str) -> None:
     )
 
 
-class ByteTokenizer:
+class ByteTokenizer(Tokenizer):
     """UTF-8 bytes plus one end-of-text id (256): nothing to train, nothing unknown."""
 
     name = "bytes"
@@ -101,9 +106,6 @@ class ByteTokenizer:
     def eot_id(self) -> int | None:
         return 256 if self._eot else None
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
 
@@ -113,11 +115,8 @@ class ByteTokenizer:
     def to_meta(self) -> dict[str, Any]:
         return {"name": self.name, "eot": self._eot}
 
-    def save_files(self, directory: Path) -> None:
-        pass
 
-
-class CharTokenizer:
+class CharTokenizer(Tokenizer):
     """One id per distinct character of the corpus (nanoGPT's shakespeare_char), then end-of-text.
 
     Encoding maps code points through a lookup table in NumPy, about 50x faster than a dict
@@ -129,15 +128,10 @@ class CharTokenizer:
     def __init__(self, chars: list[str], eot: bool = True) -> None:
         self.chars = chars
         self._eot = eot
-        self._stoi = {c: i for i, c in enumerate(chars)}
         codes = np.array([ord(c) for c in chars], dtype=np.int64)
         # One slot past the largest code point stays -1: every unknown character lands on a -1.
         self._lut = np.full(int(codes.max(initial=0)) + 2, -1, dtype=np.int32)
         self._lut[codes] = np.arange(len(chars), dtype=np.int32)
-
-    @classmethod
-    def train(cls, text: str) -> CharTokenizer:
-        return cls(sorted(set(text)))
 
     @classmethod
     def from_texts(cls, texts: Iterable[str]) -> CharTokenizer:
@@ -154,9 +148,6 @@ class CharTokenizer:
     @property
     def eot_id(self) -> int | None:
         return len(self.chars) if self._eot else None
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_batch([text])[0].tolist()
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         out = []
@@ -179,11 +170,8 @@ class CharTokenizer:
     def to_meta(self) -> dict[str, Any]:
         return {"name": self.name, "chars": self.chars, "eot": self._eot}
 
-    def save_files(self, directory: Path) -> None:
-        pass
 
-
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` model: nanolab's own byte-level BPE (``bpe``) or a user's
     ``tokenizer.json`` (``hf``: a Llama, Mistral or GPT-NeoX tokenizer, say).
 
@@ -272,9 +260,6 @@ class HFTokenizer:
     def eot_id(self) -> int | None:
         return self._eot_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
@@ -296,7 +281,7 @@ class HFTokenizer:
 BPETokenizer = HFTokenizer
 
 
-class TiktokenGPT2:
+class TiktokenGPT2(Tokenizer):
     """GPT-2's BPE through ``tiktoken``: only when its files are already on this machine."""
 
     name = "gpt2"
@@ -327,9 +312,6 @@ class TiktokenGPT2:
     def eot_id(self) -> int | None:
         return int(self._enc.eot_token)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._enc.encode_ordinary(text))
-
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(self._enc.encode_ordinary(t), dtype=np.int32) for t in texts]
 
@@ -338,9 +320,6 @@ class TiktokenGPT2:
 
     def to_meta(self) -> dict[str, Any]:
         return {"name": self.name}
-
-    def save_files(self, directory: Path) -> None:
-        pass
 
 
 def _chunked(texts: Iterable[str], size: int = 1 << 20) -> Iterable[str]:

@@ -39,8 +39,8 @@ from nanolab.data.checks import DataChangedError
 from nanolab.data.datamodule import (
     EvalScale,
     check_window_sizes,
-    consumed_micro_batches,
-    rollback_jumps,
+    rank_world,
+    resumable_sampler,
 )
 from nanolab.data.prepare import PrepareError
 from nanolab.data.windows import (
@@ -144,10 +144,6 @@ class WindowDataModule(L.LightningDataModule):
         """Raise :class:`DataTooSmallError` now if the split cannot fill one step of all ranks."""
         self.window_plan(world_size)
 
-    def _rank_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
-
     def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
         return DataLoader(
             dataset,
@@ -159,14 +155,11 @@ class WindowDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        rank, world = self._rank_world()
-        start = consumed_micro_batches(self.trainer)
-        skips = rollback_jumps(self.trainer)
-        self.train_sampler = ResumableBatchSampler(self.window_plan(world), rank, start, skips)
+        self.train_sampler = resumable_sampler(self)
         return self._loader(self._sources()[0], self.train_sampler)
 
-    def _eval_loader(self) -> DataLoader:
-        rank, world = self._rank_world()
+    def val_dataloader(self) -> DataLoader:
+        rank, world = rank_world(self.trainer)
         val = self._sources()[1]
         count = min(len(val), self.val_windows)
         count = max(world, count // world * world)  # every rank runs as many batches
@@ -177,11 +170,7 @@ class WindowDataModule(L.LightningDataModule):
         self.eval_scales = [EvalScale(name="val", loss_weight=1.0, bpb=bpb, overall_bpb=bpb)]
         return self._loader(val, batches)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._eval_loader()
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader()
+    test_dataloader = val_dataloader
 
     # -- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

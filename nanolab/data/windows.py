@@ -33,8 +33,19 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return (seed * 0x9E3779B1 + epoch * 0x85EBCA77 + 0x165667B1) % (1 << 63)
 
 
+class _Epochs:
+    num_windows: int
+    micro_batch_size: int
+    world_size: int
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches each rank draws per epoch (a partial last batch is dropped)."""
+        return self.num_windows // self.world_size // self.micro_batch_size
+
+
 @dataclass(frozen=True)
-class WindowPlan:
+class WindowPlan(_Epochs):
     """The window layout of one split for one (world_size, micro_batch_size)."""
 
     num_tokens: int
@@ -65,11 +76,6 @@ class WindowPlan:
     @property
     def max_offset(self) -> int:
         return self.num_tokens - 1 - self.num_windows * self.block_size
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Micro-batches each rank draws per epoch (a partial last batch is dropped)."""
-        return self.num_windows // self.world_size // self.micro_batch_size
 
     def epoch_layout(self, epoch: int) -> tuple[int, np.ndarray]:
         """(offset, permutation of window indices) for ``epoch``."""
@@ -105,7 +111,7 @@ def _epoch_layout(plan: WindowPlan, epoch: int) -> tuple[int, np.ndarray]:
 
 
 @dataclass(frozen=True)
-class IndexPlan:
+class IndexPlan(_Epochs):
     """The training order over ``num_windows`` fixed windows for one (world, micro-batch)."""
 
     num_windows: int
@@ -120,11 +126,6 @@ class IndexPlan:
                 f"micro_batch_size x world_size = {self.micro_batch_size * self.world_size}; "
                 "add windows or lower data.micro_batch_size"
             )
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Micro-batches each rank draws per epoch (a partial last batch is dropped)."""
-        return self.num_windows // self.world_size // self.micro_batch_size
 
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
         """Window numbers of rank ``rank``'s micro-batch ``global_batch`` (over all epochs)."""

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -156,11 +157,8 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
                 reqs.append(Request(i, 0, tuple(context + predicted), len(predicted), 1))
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, (ll, _) in zip(
-            owner,
-            score_requests(self.model, reqs, self.rows, self.vocab_size, self._device),
-            strict=True,
-        ):
+        scores = score_requests(self.model, reqs, self.rows, self.vocab_size, self._device)
+        for i, (ll, _) in zip(owner, scores, strict=True):
             totals[i] += ll
         return totals
 
@@ -204,20 +202,13 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
 def main(argv: Sequence[str] | None = None) -> int:
     """``nanolab lm-eval ARGS``: lm-eval's command line with ``--model nanolab`` available."""
     if LM is object:
-        print(
-            f"nanolab lm-eval: error: lm-evaluation-harness is not installed; {INSTALL}",
-            file=sys.stderr,
-        )
-        return 2
+        raise HarnessError(f"lm-evaluation-harness is not installed; {INSTALL}")
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)
-    saved = sys.argv
-    sys.argv = ["lm-eval", *args]
-    try:
-        cli_evaluate()
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
-    finally:
-        sys.argv = saved
+    with mock.patch.object(sys, "argv", ["lm-eval", *args]):
+        try:
+            cli_evaluate()
+        except SystemExit as stop:
+            return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
     return 0

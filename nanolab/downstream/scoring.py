@@ -23,6 +23,7 @@ examples are sharded round-robin and the counts summed: 1 and N devices give the
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -214,12 +215,8 @@ def _plan(requests: list[Request], rows: int, share: bool) -> list[_Batch]:
     and its options after it from the cache; everything else is sorted by length and padded
     ``rows`` at a time.
     """
-    groups: list[list[int]] = []
-    for i, r in enumerate(requests):
-        if groups and requests[groups[-1][-1]].example == r.example:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+    by_example = itertools.groupby(range(len(requests)), key=lambda i: requests[i].example)
+    groups = [list(group) for _, group in by_example]
     plain: list[int] = []
     shared: list[tuple[int, list[int]]] = []
     for group in groups:
@@ -242,15 +239,8 @@ def _plan(requests: list[Request], rows: int, share: bool) -> list[_Batch]:
         prefix = [requests[g[0]].tokens[:skip] for skip, g in take]
         members = [(c, i, skip) for c, (skip, g) in enumerate(take) for i in g]
         for s in range(0, len(members), rows):
-            part = members[s : s + rows]
-            batches.append(
-                _Batch(
-                    [i for _, i, _ in part],
-                    [k for _, _, k in part],
-                    prefix,
-                    [c for c, _, _ in part],
-                )
-            )
+            owner, part, skip = map(list, zip(*members[s : s + rows], strict=True))
+            batches.append(_Batch(part, skip, prefix, owner))
     return batches
 
 
@@ -440,8 +430,8 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, **kwargs: Any) -> S
 
 def suite_tokens(suite: Suite, tokenizer: Any, block_size: int) -> int:
     """Tokens one evaluation of the suite feeds the model (for its time estimate)."""
-    total = 0
-    for task in suite.tasks:
-        for r in requests_for(task, tokenizer, block_size, list(range(len(task.examples)))):
-            total += len(r.tokens) - 1
-    return total
+    return sum(
+        len(r.tokens) - 1
+        for task in suite.tasks
+        for r in requests_for(task, tokenizer, block_size, list(range(len(task.examples))))
+    )

@@ -174,10 +174,8 @@ def parse_example(row: dict[str, Any], kind: str, fmt: str, path: Path, line: in
         contexts = _texts(row, "context_options" if dclm else "contexts", path, line)
         label = _label(row, "gold" if dclm else "label", len(contexts), path, line)
         return Example(tuple(contexts), (_text(row, "continuation", path, line),), label, line)
-    context, continuation = (
-        _text(row, "context", path, line),
-        _text(row, "continuation", path, line),
-    )
+    context = _text(row, "context", path, line)
+    continuation = _text(row, "continuation", path, line)
     if not continuation.strip():
         raise _fail(
             path, line, "field 'continuation' is empty; a language-modeling target needs text"

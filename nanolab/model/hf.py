@@ -52,20 +52,11 @@ ARCHITECTURE_KEYS = (
     "attention_variant",
 )
 
-#: (nanolab name, GPT-2 name, stored transposed by Conv1D) for the tensors of block ``i``.
-_BLOCK_TENSORS = (
-    ("ln_1.weight", "ln_1.weight", False),
-    ("ln_1.bias", "ln_1.bias", False),
-    ("attn.c_attn.weight", "attn.c_attn.weight", True),
-    ("attn.c_attn.bias", "attn.c_attn.bias", False),
-    ("attn.c_proj.weight", "attn.c_proj.weight", True),
-    ("attn.c_proj.bias", "attn.c_proj.bias", False),
-    ("ln_2.weight", "ln_2.weight", False),
-    ("ln_2.bias", "ln_2.bias", False),
-    ("mlp.c_fc.weight", "mlp.c_fc.weight", True),
-    ("mlp.c_fc.bias", "mlp.c_fc.bias", False),
-    ("mlp.c_proj.weight", "mlp.c_proj.weight", True),
-    ("mlp.c_proj.bias", "mlp.c_proj.bias", False),
+#: (name, transposed by Conv1D) of the tensors of block ``i``: nanolab's and GPT-2's names agree.
+_BLOCK_TENSORS = tuple(
+    (f"{layer}.{kind}", kind == "weight" and not layer.startswith("ln_"))
+    for layer in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    for kind in ("weight", "bias")
 )
 #: Old GPT-2 checkpoints store each block's causal mask as a buffer; it is not a weight.
 _MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -377,7 +368,7 @@ def _pairs(config: GPTConfig) -> list[tuple[str, str, bool]]:
     """(nanolab name, GPT-2 name without ``transformer.``, transposed) for every tensor."""
     pairs = [("wte.weight", "wte.weight", False), ("wpe.weight", "wpe.weight", False)]
     for i in range(config.n_layer):
-        pairs += [(f"blocks.{i}.{a}", f"h.{i}.{b}", t) for a, b, t in _BLOCK_TENSORS]
+        pairs += [(f"blocks.{i}.{a}", f"h.{i}.{a}", t) for a, t in _BLOCK_TENSORS]
     pairs += [("ln_f.weight", "ln_f.weight", False), ("ln_f.bias", "ln_f.bias", False)]
     return pairs
 
@@ -416,22 +407,20 @@ def nanolab_state_from_hf(
                 f"config.json implies {list(want)}; the weights and config.json disagree"
             )
         state[ours] = tensor
+    used.add("lm_head.weight")  # tied: the same matrix as wte (some files store it twice)
+    state["lm_head.weight"] = state["wte.weight"]
     if not config.tie_weights:
         if "lm_head.weight" not in named:
             raise HFFormatError(
                 f"model.init_from {source}: tie_word_embeddings is false but there is no "
                 "lm_head.weight"
             )
-        state["lm_head.weight"] = named["lm_head.weight"]
-        used.add("lm_head.weight")
-        if tuple(state["lm_head.weight"].shape) != expected["lm_head.weight"]:
+        head = state["lm_head.weight"] = named["lm_head.weight"]
+        if tuple(head.shape) != expected["lm_head.weight"]:
             raise HFFormatError(
                 f"model.init_from {source}: lm_head.weight has shape "
-                f"{list(state['lm_head.weight'].shape)}, expected {list(expected['lm_head.weight'])}"
+                f"{list(head.shape)}, expected {list(expected['lm_head.weight'])}"
             )
-    else:
-        used.add("lm_head.weight")  # the same matrix as wte (some files store it twice)
-        state["lm_head.weight"] = state["wte.weight"]
     extra = sorted(k for k in named if k not in used and not _MASK_BUFFER.match(k))
     if extra:
         raise HFFormatError(

@@ -32,14 +32,9 @@ from nanolab.model.hf import RECORD_KEY, HFFormatError
 def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the other
     68 bytes take the code points from 256 up, in byte order (so every token is printable)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table = {b: chr(b) for b in keep}
-    shifted = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + shifted)
-            shifted += 1
-    return table
+    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    shifted = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(shifted)) for b in range(256)}
 
 
 def _spell(token: bytes, alphabet: dict[int, str]) -> str:

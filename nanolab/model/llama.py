@@ -51,16 +51,12 @@ def llama_refusals(config: GPTConfig) -> list[str]:
     return out
 
 
-def _to_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a q/k projection from nanolab's interleaved pairs to rotate_half's halves."""
+def _to_half_split(w: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
+    """Rows of a q/k projection from nanolab's interleaved pairs to rotate_half's halves
+    (``inverse``: back)."""
     rows, cols = w.shape
-    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of :func:`_to_half_split`."""
-    rows, cols = w.shape
-    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    pairs = (2, rows // heads // 2) if inverse else (rows // heads // 2, 2)
+    return w.view(heads, *pairs, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def llama_state_from_nanolab(
@@ -105,8 +101,8 @@ def nanolab_state_from_llama(
     }
     for i in range(config.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        q = _to_interleaved(llama[theirs + "self_attn.q_proj.weight"], H)
-        k = _to_interleaved(llama[theirs + "self_attn.k_proj.weight"], H)
+        q = _to_half_split(llama[theirs + "self_attn.q_proj.weight"], H, inverse=True)
+        k = _to_half_split(llama[theirs + "self_attn.k_proj.weight"], H, inverse=True)
         state.update({
             ours + "ln_1.weight": llama[theirs + "input_layernorm.weight"],
             ours + "attn.c_attn.weight": torch.cat((q, k, llama[theirs + "self_attn.v_proj.weight"])),
