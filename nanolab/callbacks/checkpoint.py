@@ -158,11 +158,6 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         #: newest save (set by the spike guard: a checkpoint from before a spike in progress).
         self.keep_one_older_than = 0
 
-    # -- properties Lightning and others read ------------------------------------------------
-    @property
-    def last_path(self) -> Path | None:
-        return self.dirpath / LAST_NAME if self.dirpath else None
-
     @property
     def best_model_path(self) -> str:
         best = self._best_steps(self.val_by_step, self._existing_steps())
@@ -252,11 +247,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
 
         The run log calls this before writing its ``end`` record, also after an exception.
         """
-        if self.active and isinstance(self._io, AsyncAtomicCheckpointIO):
+        if not self.active:
+            return
+        if isinstance(self._io, AsyncAtomicCheckpointIO):
             with contextlib.suppress(BaseException):
                 self._io.wait()
-        if self.active:
-            self._emit_done(trainer)
+        self._emit_done(trainer)
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
@@ -307,28 +303,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             self.last_saved_step = previous
             raise
         self._last_save_time = time.monotonic()
-        if trainer.is_global_zero:
-            vals = dict(self.val_by_step)
-            done = self._finish(path, step, stall, is_async, start, vals)
-            if self._io is not None:
-                self._io.then(done)
-            else:
-                done()
-            self._emit_done(trainer)
-        return path
-
-    def _finish(
-        self,
-        path: Path,
-        step: int,
-        stall: float,
-        is_async: bool,
-        start: float,
-        vals: dict[int, float],
-    ):
-        """Work done once ``path`` is complete: point last.ckpt at it, rotate, report."""
+        if not trainer.is_global_zero:
+            return path
+        vals = dict(self.val_by_step)
 
         def done() -> None:
+            """Once ``path`` is complete: point last.ckpt at it, rotate, report."""
             if self.save_last:
                 atomic_link(path, path.parent / LAST_NAME)
             deleted = self._rotate(path, step, vals)
@@ -345,7 +325,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                 }
             )
 
-        return done
+        if self._io is not None:
+            self._io.then(done)
+        else:
+            done()
+        self._emit_done(trainer)
+        return path
 
     def _emit_done(self, trainer: L.Trainer) -> None:
         while self._done_records:

@@ -114,11 +114,7 @@ class MetricsLog(StepCallback):
             return
         record.setdefault("time", time.time())
         record.setdefault("step", int(trainer.global_step))
-        if self.clock is None:
-            self._writer.write(record)
-            forward_record(trainer, record)
-            return
-        with self.clock.pause("log"):
+        with self.clock.pause("log") if self.clock else contextlib.nullcontext():
             self._writer.write(record)
             forward_record(trainer, record)  # --logger: the same record, at the same step
 
@@ -318,35 +314,28 @@ class MetricsLog(StepCallback):
                     flush(trainer)
         if self._writer is None:
             return
-        assert self.clock is not None
-        with self.clock.frozen():
-            record = self._end_record(trainer, reason, error, detail)
+        clock = self.clock
+        assert clock is not None
+        with clock.frozen():
+            record: dict[str, Any] = {
+                "event": "end",
+                "time": time.time(),
+                "step": int(trainer.global_step),
+                "reason": reason,
+                "error": error,
+                "detail": detail,
+                "elapsed_s": round(clock.elapsed_s(), 3),
+                "gpu_hours": clock.gpu_hours(),
+                "cost": None,
+                "tokens": clock.tokens,
+                "goodput": round(clock.goodput(), 4),
+                "best_val_loss": self.best_val_loss,
+                "time_breakdown": clock.breakdown(),
+            }
+            record.update(collect_fields(trainer, "end"))
         with contextlib.suppress(RunLogWriteError):  # a full disk: the error already says so
             self._writer.write(record)
         self._writer.close()
-
-    def _end_record(
-        self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None
-    ) -> dict[str, Any]:
-        clock = self.clock
-        assert clock is not None
-        record: dict[str, Any] = {
-            "event": "end",
-            "time": time.time(),
-            "step": int(trainer.global_step),
-            "reason": reason,
-            "error": error,
-            "detail": detail,
-            "elapsed_s": round(clock.elapsed_s(), 3),
-            "gpu_hours": clock.gpu_hours(),
-            "cost": None,
-            "tokens": clock.tokens,
-            "goodput": round(clock.goodput(), 4),
-            "best_val_loss": self.best_val_loss,
-            "time_breakdown": clock.breakdown(),
-        }
-        record.update(collect_fields(trainer, "end"))
-        return record
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reason, detail = stop_reason(trainer)
@@ -395,12 +384,11 @@ def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
     connector (private); if a Lightning upgrade moves it, the public dict is filtered by name.
     """
     try:
-        metrics = dict(trainer._logger_connector.metrics["callback"])
+        return dict(trainer._logger_connector.metrics["callback"])
     except Exception:  # private API moved: filter the public dict instead
-        metrics = {
+        return {
             k: v for k, v in trainer.callback_metrics.items() if k.startswith("val") != training
         }
-    return metrics
 
 
 def to_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
@@ -473,21 +461,16 @@ def git_state() -> dict[str, Any]:
     import nanolab
 
     for folder in (Path.cwd(), Path(nanolab.__file__).resolve().parent):
+
+        def git(*args: str) -> subprocess.CompletedProcess[str]:
+            cmd = ["git", "-C", str(folder), *args]  # noqa: B023 (called in this iteration)
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=5)
+
         try:
-            commit = subprocess.run(
-                ["git", "-C", str(folder), "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            )
+            commit = git("rev-parse", "HEAD")
             if commit.returncode != 0:
                 continue
-            status = subprocess.run(
-                ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            )
+            status = git("status", "--porcelain", "--untracked-files=no")
             dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
             return {"git_commit": commit.stdout.strip(), "git_dirty": dirty}
         except (OSError, subprocess.SubprocessError):
