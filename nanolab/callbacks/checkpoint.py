@@ -171,7 +171,6 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / CHECKPOINT_DIR
         strategy = trainer.strategy
-        wants_async = self.async_save
         if _writes_directories(strategy):
             self._rename_after_save = True
         else:
@@ -179,11 +178,11 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             if isinstance(current, (AtomicCheckpointIO, AsyncAtomicCheckpointIO)):
                 self._io = current
             elif type(current) is TorchCheckpointIO:
-                self._io = AsyncAtomicCheckpointIO() if wants_async else AtomicCheckpointIO()
+                self._io = AsyncAtomicCheckpointIO() if self.async_save else AtomicCheckpointIO()
                 strategy.checkpoint_io = self._io
             else:
                 self._rename_after_save = True  # someone else's CheckpointIO: make ours atomic
-        if self._rename_after_save and wants_async:
+        if self._rename_after_save and self.async_save:
             warnings.warn(
                 f"checkpoint.async_save is ignored with {type(strategy).__name__} / "
                 f"{type(strategy.checkpoint_io).__name__}: saves are synchronous",
@@ -232,8 +231,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if not self.active:
             return
         step = trainer.global_step
-        wanted = self.save_on_train_end or self._pending_save
-        if wanted and step > 0 and self.last_saved_step != step:
+        if (self.save_on_train_end or self._pending_save) and 0 < step != self.last_saved_step:
             self._save(trainer, step)
         self._pending_save = False
         if self._io is not None and trainer.is_global_zero:

@@ -35,6 +35,7 @@ from nanolab.callbacks.events import (
     END_REASONS,
     CallbackConfigError,
     collect_fields,
+    find_callback,
     stop_reason,
 )
 from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
@@ -135,7 +136,7 @@ class MetricsLog(StepCallback):
         error, run_id, earlier = None, None, None
         if trainer.is_global_zero:
             try:
-                claim = claim_run_dir(
+                run_id = claim_run_dir(
                     run_dir,
                     config,
                     resuming,
@@ -143,8 +144,7 @@ class MetricsLog(StepCallback):
                     self.filename,
                     checkpoint=trainer.ckpt_path,
                     checkpoint_run_id=self.run_id,  # restored from that checkpoint
-                )
-                run_id = claim.run_id
+                ).run_id
             except RunDirError as err:
                 error = str(err)
         error = trainer.strategy.broadcast(error, src=0)
@@ -161,9 +161,8 @@ class MetricsLog(StepCallback):
                 if self.run_id is None:  # checkpoint without our state: take the log's id
                     start = last_record(path, "start")
                     self.run_id = str(start["run_id"]) if start and start.get("run_id") else None
-            if run_id is not None:  # a new run (also one that starts from another's checkpoint)
-                self.run_id = run_id
-            self.run_id = self.run_id or new_run_id()
+            # A claimed id: a new run (also one that starts from another's checkpoint).
+            self.run_id = run_id or self.run_id or new_run_id()
             try:
                 self._writer = RunLogWriter(path)
             except OSError as err:
@@ -443,11 +442,11 @@ def gradient_norm(
 
 def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any] | None:
     """The merged config ``nanolab fit`` saves, or the module's dataclass settings without it."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, RunConfigWriter):
-            from nanolab.training.resolve import plain_config
+    writer = find_callback(trainer, RunConfigWriter)
+    if writer is not None:
+        from nanolab.training.resolve import plain_config
 
-            return plain_config(callback.config)  # nanolab's own classes in the short form
+        return plain_config(writer.config)  # nanolab's own classes in the short form
     model: dict[str, Any] = {}
     for name in ("gpt_config", "optimizer_config", "schedule_config"):
         value = getattr(pl_module, name, None)
@@ -481,20 +480,15 @@ def git_state() -> dict[str, Any]:
 def device_names(trainer: L.Trainer) -> list[str]:
     """Names of this node's devices in the run (``torch.cuda.get_device_name`` for GPUs)."""
     devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
-    names = []
-    for device in devices:
-        if device.type == "cuda":
-            names.append(torch.cuda.get_device_name(device))
-        elif device.type == "cpu":
-            names.append(f"cpu ({platform.machine() or 'unknown'})")
-        else:
-            names.append(str(device))
-    return names
+    cpu = f"cpu ({platform.machine() or 'unknown'})"
+    return [
+        torch.cuda.get_device_name(d) if d.type == "cuda" else cpu if d.type == "cpu" else str(d)
+        for d in devices
+    ]
 
 
 def num_params(pl_module: L.LightningModule) -> int:
-    model = getattr(pl_module, "model", None)
-    counter = getattr(model, "num_params", None)
+    counter = getattr(getattr(pl_module, "model", None), "num_params", None)
     if callable(counter):
         return int(counter())
     return int(sum(p.numel() for p in pl_module.parameters()))

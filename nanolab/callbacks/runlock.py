@@ -119,15 +119,6 @@ def read_holder(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def describe(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "another process (holder unknown)"
-    return (
-        f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
-        f"(since {holder.get('started', '?')})"
-    )
-
-
 def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
     """Hold ``run_dir`` for this launch, or raise :class:`RunLockedError` naming the holder.
 
@@ -140,14 +131,12 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
     if key in _held and _held[key].fd is not None:
         return _held[key]
     shared = _shared_with_launcher(path)
+    if shared is None and global_rank_from_env() != 0:
+        # A peer rank under torchrun/srun: rank 0 of this launch holds the directory.
+        shared = RunLock(path, os.environ.get(TOKEN_ENV, ""), None)
     if shared is not None:
         _held[key] = shared
         return shared
-    if global_rank_from_env() != 0:
-        # A peer rank under torchrun/srun: rank 0 of this launch holds the directory.
-        lock = RunLock(path, os.environ.get(TOKEN_ENV, ""), None)
-        _held[key] = lock
-        return lock
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
@@ -162,7 +151,10 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
             holder = read_holder(path)
             os.close(fd)
             if _requeued_same_job(holder):
-                _replace_file(path)  # the requeued job takes over; see the module docstring
+                # The requeued job takes over: a new, unlocked file at ``path`` (the old holder
+                # keeps its lock on the unlinked inode).
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
                 continue
             raise RunLockedError(_refusal(run_dir, holder))
         if not _same_file(fd, path):
@@ -188,8 +180,12 @@ def release_all() -> None:
 
 
 def _refusal(run_dir: Path, holder: dict[str, Any] | None) -> str:
+    who = "another process (holder unknown)"
+    if holder:
+        get = holder.get
+        who = f"pid {get('pid', '?')} on {get('host', '?')} (since {get('started', '?')})"
     return (
-        f"run directory {run_dir} is in use by {describe(holder)}; wait for it to finish, "
+        f"run directory {run_dir} is in use by {who}; wait for it to finish, "
         "stop it, or choose another run.name"
     )
 
@@ -201,9 +197,7 @@ def _shared_with_launcher(path: Path) -> RunLock | None:
     if not token or Path(where) != path.absolute():
         return None
     holder = read_holder(path)
-    if holder is None or holder.get("token") != token:
-        return None
-    return RunLock(path, token, None)
+    return RunLock(path, token, None) if holder and holder.get("token") == token else None
 
 
 def _try_flock(fd: int, path: Path) -> bool | None:
@@ -228,17 +222,10 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _write_holder(fd: int, info: dict[str, Any]) -> None:
-    data = (json.dumps(info) + "\n").encode()
     os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     with contextlib.suppress(OSError):
         os.fsync(fd)
-
-
-def _replace_file(path: Path) -> None:
-    """Put a new, unlocked file at ``path`` (the old holder keeps a lock on an unlinked inode)."""
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
 
 
 def _requeued_same_job(holder: dict[str, Any] | None) -> bool:
@@ -253,9 +240,7 @@ def _requeued_same_job(holder: dict[str, Any] | None) -> bool:
 def _live_holder_elsewhere(path: Path) -> bool:
     """Without flock: does the file name a holder that may still run?"""
     holder = read_holder(path)
-    if not holder or holder.get("pid") == os.getpid():
-        return False
-    if _requeued_same_job(holder):
+    if not holder or holder.get("pid") == os.getpid() or _requeued_same_job(holder):
         return False
     if holder.get("host") != socket.gethostname():
         return True  # cannot check another host's processes: respect the file

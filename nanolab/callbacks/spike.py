@@ -133,9 +133,6 @@ class SpikeGuard(StepCallback):
         self._count = 0
         self._pending: tuple[int, torch.Tensor] | None = None
 
-    def is_active(self, stage: str) -> bool:
-        return self.enabled and stage == "fit"
-
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         saver = find_callback(trainer, RotatingCheckpoint)
@@ -233,7 +230,7 @@ class SpikeGuard(StepCallback):
         run_dir = Path(trainer.default_root_dir)
         done = read_ledger(run_dir)
         saver = find_callback(trainer, RotatingCheckpoint)
-        folder = saver.dirpath if saver is not None and saver.dirpath is not None else None
+        folder = saver.dirpath if saver is not None else None
         if saver is not None:
             saver.flush_records(trainer)  # an asynchronous save in flight completes first
         restore = _restore_step(folder, began)

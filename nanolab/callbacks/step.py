@@ -85,8 +85,9 @@ class StepCallback(Callback):
         self.active = False
 
     def is_active(self, stage: str) -> bool:
-        """Whether the hooks run in this Trainer stage (``fit`` only unless overridden)."""
-        return stage == "fit"
+        """Whether the hooks run in this Trainer stage: ``fit`` only unless overridden, and not at
+        all when the callback has an ``enabled`` setting that is false."""
+        return stage == "fit" and bool(getattr(self, "enabled", True))
 
     # -- Lightning's hooks, turned into the events above -------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
