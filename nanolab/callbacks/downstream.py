@@ -208,8 +208,6 @@ def _max_over_ranks(trainer: L.Trainer, n: int) -> int:
     """The largest ``n`` of all ranks (every rank must run as many forward passes)."""
     if trainer.world_size <= 1:
         return n
-    import torch.distributed as dist
-
     value = torch.tensor([float(n)], device=trainer.strategy.root_device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return round(float(value.item()))

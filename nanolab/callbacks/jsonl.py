@@ -31,6 +31,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+import nanolab
 from nanolab.callbacks.events import (
     END_REASONS,
     CallbackConfigError,
@@ -182,10 +183,6 @@ class MetricsLog(StepCallback):
         config: dict[str, Any] | None,
         resuming: bool,
     ) -> dict[str, Any]:
-        import lightning
-
-        import nanolab
-
         run_dir = Path(trainer.default_root_dir)
         seed = os.environ.get("PL_GLOBAL_SEED")
         names = device_names(trainer)
@@ -205,7 +202,7 @@ class MetricsLog(StepCallback):
             "versions": {
                 "python": platform.python_version(),
                 "torch": torch.__version__,
-                "lightning": lightning.__version__,
+                "lightning": L.__version__,
                 "nanolab": nanolab.__version__,
             },
             "devices": names,
@@ -338,7 +335,8 @@ class MetricsLog(StepCallback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reason, detail = stop_reason(trainer)
-        if reason is None and trainer.should_stop and not _reached_max_steps(trainer):
+        reached_max_steps = 0 < trainer.max_steps <= trainer.global_step
+        if reason is None and trainer.should_stop and not reached_max_steps:
             detail = "stopped early by trainer.should_stop"
         self._end(trainer, reason or "completed", None, detail)
 
@@ -370,10 +368,6 @@ class MetricsLog(StepCallback):
 
 
 # -- helpers (also used by the other callbacks) --------------------------------------------------
-def _reached_max_steps(trainer: L.Trainer) -> bool:
-    return 0 < trainer.max_steps <= trainer.global_step
-
-
 def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
     """What the module logged in the current loop (train step or validation epoch).
 
@@ -457,8 +451,6 @@ def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, An
 
 def git_state() -> dict[str, Any]:
     """Commit and dirtiness of the working directory's repository (else nanolab's), or nulls."""
-    import nanolab
-
     for folder in (Path.cwd(), Path(nanolab.__file__).resolve().parent):
 
         def git(*args: str) -> subprocess.CompletedProcess[str]:

@@ -100,17 +100,6 @@ def global_rank_from_env() -> int:
     return 0
 
 
-def holder_info() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
-        "argv": " ".join(sys.argv[:8]),
-    }
-
-
 def read_holder(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8") or "null")
@@ -164,7 +153,7 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
             holder = read_holder(path)
             os.close(fd)
             raise RunLockedError(_refusal(run_dir, holder))
-        _write_holder(fd, {**holder_info(), "token": token})
+        _write_holder(fd, token)
         lock = RunLock(path, token, fd, created_dir=created)
         _held[key] = lock
         os.environ[TOKEN_ENV] = f"{key}:{token}"  # the ranks this process launches share it
@@ -221,7 +210,17 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _write_holder(fd: int, info: dict[str, Any]) -> None:
+def _write_holder(fd: int, token: str) -> None:
+    """Name this process as the holder (for a refused launch's message) with its token."""
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+        "argv": " ".join(sys.argv[:8]),
+        "token": token,
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     with contextlib.suppress(OSError):

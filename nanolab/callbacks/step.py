@@ -132,12 +132,10 @@ class StepCallback(Callback):
         """The active step callbacks, in order, if this call is the event's first; else none."""
         if not self.active or self.clock is None or not self.clock.first_call(event, trainer):
             return []
-        peers = [
-            c
-            for c in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(c, StepCallback) and c.active
-        ]
-        return sorted(peers, key=order_of)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        return sorted(
+            (c for c in callbacks if isinstance(c, StepCallback) and c.active), key=order_of
+        )
 
     # -- what subclasses override ------------------------------------------------------------
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -228,9 +228,8 @@ class ThroughputMeter(StepCallback):
 
     # -- hooks -------------------------------------------------------------------------------
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        if not (self.log_to_loggers and trainer.loggers):
-            return
-        if step % max(1, int(trainer.log_every_n_steps)) != 0:
+        every = max(1, int(trainer.log_every_n_steps))
+        if not (self.log_to_loggers and trainer.loggers) or step % every:
             return
         fields = self.measure(trainer)
         metrics = {f"perf/{k}": float(v) for k, v in fields.items() if v is not None}
