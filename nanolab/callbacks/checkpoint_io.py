@@ -78,22 +78,15 @@ def tensor_bytes(obj: Any) -> int:
 
     Used only after a failed write, to say how much room the checkpoint needs.
     """
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            key = (str(item.device), storage.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set)):
-            stack.extend(item)
-    return total
+    sizes: dict[tuple[str, int], int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        return t
+
+    apply_to_collection(obj, torch.Tensor, add)
+    return sum(sizes.values())
 
 
 def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | None:
