@@ -182,13 +182,8 @@ class CostBudget(StepCallback):
         return out
 
     def limits(self) -> dict[str, float | int]:
-        limits = {
-            "gpu_hours": self.max_gpu_hours,
-            "cost": self.max_cost,
-            "wall_hours": self.max_wall_hours,
-            "tokens": self.max_tokens,
-        }
-        return {k: v for k, v in limits.items() if v is not None}
+        names = ("gpu_hours", "cost", "wall_hours", "tokens")
+        return {k: v for k in names if (v := getattr(self, f"max_{k}")) is not None}
 
     def _per_step(self, trainer: L.Trainer) -> dict[str, float]:
         """This process's average spend per optimizer step (for projections)."""
@@ -247,13 +242,12 @@ class CostBudget(StepCallback):
         if stop_reason(trainer)[0] is not None or not self.limits():
             return
         spent, per_step = self.spent(), self._per_step(trainer)
-        hit = None
-        for name, limit in self.limits().items():
-            # Stop now if the spend by the next check would pass the limit.
-            projected = float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps
-            if projected >= limit:
-                hit = (name, limit, projected)
-                break
+        # Stop now if the spend by the next check would pass a limit.
+        projections = (
+            (name, limit, float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps)
+            for name, limit in self.limits().items()
+        )
+        hit = next((p for p in projections if p[2] >= p[1]), None)
         stop = hit is not None
         if trainer.world_size > 1:
             stop = bool(trainer.strategy.reduce_boolean_decision(stop, all=False))
@@ -283,8 +277,7 @@ class CostBudget(StepCallback):
         if self.history and self.history[-1][0] == step:
             self.history.pop()  # the same step validated again (e.g. after a resume)
         self.history.append((step, self.clock.gpu_hours(), val))
-        improved = self.best is None or val < self.best - self.min_delta
-        if improved:
+        if self.best is None or val < self.best - self.min_delta:
             self.best, self.evals_since_best = val, 0
         else:
             self.evals_since_best += 1
@@ -422,29 +415,27 @@ class CostBudget(StepCallback):
                 **fields,
                 "spent": self.spent(),
                 "limits": self.limits(),
-                "currency": self.currency if self.price_per_gpu_hour is not None else None,
+                "currency": self.priced_currency,
             },
         )
 
     # -- run log fields ----------------------------------------------------------------------
+    @property
+    def priced_currency(self) -> str | None:
+        """The currency, when there is a price to give it a meaning."""
+        return self.currency if self.price_per_gpu_hour is not None else None
+
     def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]:
         if not self.active or self.clock is None:
             return {}
         if event == "start":
             return {
                 "price_per_gpu_hour": self.price_per_gpu_hour,
-                "currency": self.currency if self.price_per_gpu_hour is not None else None,
+                "currency": self.priced_currency,
                 "budgets": self.limits(),
             }
-        if event in ("train", "end"):
-            cost = None
-            if self.price_per_gpu_hour is not None:
-                cost = self.clock.gpu_hours() * self.price_per_gpu_hour
-            fields: dict[str, Any] = {"cost": cost}
-            if event == "end":
-                fields["currency"] = self.currency if cost is not None else None
-            return fields
-        return {}
+        cost = {"cost": self.spent().get("cost")}
+        return {"train": cost, "end": {**cost, "currency": self.priced_currency}}.get(event, {})
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

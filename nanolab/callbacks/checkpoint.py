@@ -158,11 +158,6 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         #: newest save (set by the spike guard: a checkpoint from before a spike in progress).
         self.keep_one_older_than = 0
 
-    # -- properties Lightning and others read ------------------------------------------------
-    @property
-    def last_path(self) -> Path | None:
-        return self.dirpath / LAST_NAME if self.dirpath else None
-
     @property
     def best_model_path(self) -> str:
         best = self._best_steps(self.val_by_step, self._existing_steps())
@@ -176,7 +171,6 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / CHECKPOINT_DIR
         strategy = trainer.strategy
-        wants_async = self.async_save
         if _writes_directories(strategy):
             self._rename_after_save = True
         else:
@@ -184,11 +178,11 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             if isinstance(current, (AtomicCheckpointIO, AsyncAtomicCheckpointIO)):
                 self._io = current
             elif type(current) is TorchCheckpointIO:
-                self._io = AsyncAtomicCheckpointIO() if wants_async else AtomicCheckpointIO()
+                self._io = AsyncAtomicCheckpointIO() if self.async_save else AtomicCheckpointIO()
                 strategy.checkpoint_io = self._io
             else:
                 self._rename_after_save = True  # someone else's CheckpointIO: make ours atomic
-        if self._rename_after_save and wants_async:
+        if self._rename_after_save and self.async_save:
             warnings.warn(
                 f"checkpoint.async_save is ignored with {type(strategy).__name__} / "
                 f"{type(strategy.checkpoint_io).__name__}: saves are synchronous",
@@ -237,8 +231,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if not self.active:
             return
         step = trainer.global_step
-        wanted = self.save_on_train_end or self._pending_save
-        if wanted and step > 0 and self.last_saved_step != step:
+        if (self.save_on_train_end or self._pending_save) and 0 < step != self.last_saved_step:
             self._save(trainer, step)
         self._pending_save = False
         if self._io is not None and trainer.is_global_zero:
@@ -252,11 +245,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
 
         The run log calls this before writing its ``end`` record, also after an exception.
         """
-        if self.active and isinstance(self._io, AsyncAtomicCheckpointIO):
+        if not self.active:
+            return
+        if isinstance(self._io, AsyncAtomicCheckpointIO):
             with contextlib.suppress(BaseException):
                 self._io.wait()
-        if self.active:
-            self._emit_done(trainer)
+        self._emit_done(trainer)
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
@@ -307,28 +301,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             self.last_saved_step = previous
             raise
         self._last_save_time = time.monotonic()
-        if trainer.is_global_zero:
-            vals = dict(self.val_by_step)
-            done = self._finish(path, step, stall, is_async, start, vals)
-            if self._io is not None:
-                self._io.then(done)
-            else:
-                done()
-            self._emit_done(trainer)
-        return path
-
-    def _finish(
-        self,
-        path: Path,
-        step: int,
-        stall: float,
-        is_async: bool,
-        start: float,
-        vals: dict[int, float],
-    ):
-        """Work done once ``path`` is complete: point last.ckpt at it, rotate, report."""
+        if not trainer.is_global_zero:
+            return path
+        vals = dict(self.val_by_step)
 
         def done() -> None:
+            """Once ``path`` is complete: point last.ckpt at it, rotate, report."""
             if self.save_last:
                 atomic_link(path, path.parent / LAST_NAME)
             deleted = self._rotate(path, step, vals)
@@ -345,7 +323,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                 }
             )
 
-        return done
+        if self._io is not None:
+            self._io.then(done)
+        else:
+            done()
+        self._emit_done(trainer)
+        return path
 
     def _emit_done(self, trainer: L.Trainer) -> None:
         while self._done_records:

@@ -78,29 +78,24 @@ def tensor_bytes(obj: Any) -> int:
 
     Used only after a failed write, to say how much room the checkpoint needs.
     """
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            key = (str(item.device), storage.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set)):
-            stack.extend(item)
-    return total
+    sizes: dict[tuple[str, int], int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        return t
+
+    apply_to_collection(obj, torch.Tensor, add)
+    return sum(sizes.values())
 
 
-def _os_error_of(err: BaseException) -> OSError | None:
-    """The ``OSError`` behind ``err``: itself, or one in its cause/context chain.
+def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | None:
+    """The ``OSError`` a failed checkpoint write amounts to, or None if it was not the disk.
 
-    torch's zip writer reports a failed ``write`` (a full disk) as ``RuntimeError: [enforce fail
-    at inline_container.cc...] unexpected pos``, raised while the ``OSError`` is handled.
+    That is ``err`` itself or one in its cause/context chain: torch's zip writer reports a failed
+    ``write`` (a full disk) as ``RuntimeError: [enforce fail at inline_container.cc...] unexpected
+    pos``, raised while the ``OSError`` is handled. A torch writer error with no ``OSError``
+    attached still means a full disk when the free space left is smaller than the checkpoint.
     """
     seen: set[int] = set()
     current: BaseException | None = err
@@ -109,18 +104,6 @@ def _os_error_of(err: BaseException) -> OSError | None:
         if isinstance(current, OSError):
             return current
         current = current.__cause__ or current.__context__
-    return None
-
-
-def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | None:
-    """The ``OSError`` a failed checkpoint write amounts to, or None if it was not the disk.
-
-    A torch writer error with no ``OSError`` attached still means a full disk when the free
-    space left is smaller than the checkpoint.
-    """
-    found = _os_error_of(err)
-    if found is not None:
-        return found
     if isinstance(err, RuntimeError) and "inline_container" in str(err):
         try:
             full = shutil.disk_usage(path.parent).free < needed
@@ -131,8 +114,8 @@ def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | Non
     return None
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> int:
-    """``torch.save`` to ``path`` atomically (tmp + fsync + rename + dir fsync); returns bytes."""
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to ``path`` atomically (tmp + fsync + rename + dir fsync)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path(path)
@@ -141,7 +124,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> int:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        size = tmp.stat().st_size
         os.replace(tmp, path)
     except BaseException as err:
         _remove_quietly(tmp)
@@ -154,7 +136,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> int:
         message = _explain(cause, path, needed)
         raise CheckpointWriteError(cause.errno or errno.EIO, message) from err
     fsync_dir(path.parent)
-    return size
 
 
 def atomic_link(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
@@ -183,16 +164,11 @@ def atomic_link(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
         os.replace(tmp, target)
     except OSError as err:
         _remove_quietly(tmp)
-        needed = _size_of(source)
+        needed = None
+        with contextlib.suppress(OSError):
+            needed = source.stat().st_size if source.is_file() else None
         raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, target, needed)) from err
     fsync_dir(target.parent)
-
-
-def _size_of(path: Path) -> int | None:
-    try:
-        return path.stat().st_size if path.is_file() else None
-    except OSError:
-        return None
 
 
 def _remove_quietly(path: Path) -> None:
@@ -204,24 +180,16 @@ def _remove_quietly(path: Path) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are atomic and durable (see the module docstring)."""
 
-    last_bytes: int | None = None
-
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint does not take storage_options")
-        self.last_bytes = atomic_torch_save(checkpoint, path)
+        atomic_torch_save(checkpoint, path)
 
-    def then(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn`` now (writes are synchronous); returns a completed future."""
-        future: Future[Any] = Future()
-        try:
-            future.set_result(fn())
-        except BaseException as err:
-            future.set_exception(err)
-            raise
-        return future
+    def then(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` now (writes are synchronous)."""
+        fn()
 
     def wait(self) -> None:
         """Nothing is ever pending."""
@@ -269,13 +237,9 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         super().__init__(checkpoint_io or AtomicCheckpointIO())
         self._futures: list[Future[Any]] = []
 
-    def _ensure_setup(self) -> None:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanolab-ckpt")
-
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        self._ensure_setup()
-        assert self._executor is not None
 
         def run() -> Any:
             if self._error is not None:
@@ -288,7 +252,6 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
 
         future = self._executor.submit(run)
         self._futures = [f for f in self._futures if not f.done()] + [future]
-        return future
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -299,12 +262,8 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         assert self.checkpoint_io is not None
         self._submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
 
-    def then(self, fn: Callable[[], Any]) -> Future[Any]:
-        return self._submit(fn)
-
-    @property
-    def pending(self) -> bool:
-        return any(not f.done() for f in self._futures)
+    def then(self, fn: Callable[[], Any]) -> None:
+        self._submit(fn)
 
     def wait(self) -> None:
         """Block until every queued write and follow-up has finished; re-raise a failure."""

@@ -121,12 +121,11 @@ class RunClock(Callback):
     @classmethod
     def attach(cls, trainer: L.Trainer) -> RunClock:
         """The Trainer's clock, appended to its callbacks on first use."""
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, cls):
-                callback._bind(trainer)
-                return callback
-        clock = cls()
-        trainer.callbacks.append(clock)  # type: ignore[attr-defined]
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        clock = next((c for c in callbacks if isinstance(c, cls)), None)
+        if clock is None:
+            clock = cls()
+            callbacks.append(clock)
         clock._bind(trainer)
         return clock
 
@@ -254,10 +253,6 @@ class RunClock(Callback):
         self.samples += samples * self.world_size
         self.tokens += tokens * self.world_size
 
-    def add_step_time(self, seconds: float) -> None:
-        """Count time spent waiting for the device to finish step work as step time."""
-        self.step_s += max(0.0, seconds)
-
     @contextmanager
     def device_wait(self) -> Iterator[None]:
         """Time inside is the host waiting for queued step work (a ``.item()``, a sync): it is
@@ -266,7 +261,7 @@ class RunClock(Callback):
         try:
             yield
         finally:
-            self.add_step_time(time.monotonic() - start)
+            self.step_s += max(0.0, time.monotonic() - start)
 
     def sync_device(self, trainer: L.Trainer) -> None:
         """Wait for queued device work (counted as step time) so a pause that follows is honest."""

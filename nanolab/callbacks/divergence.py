@@ -1,40 +1,30 @@
 """Stop a run that trains nothing: its loss or gradient norm stays non-finite, or fp16's loss
 scale collapsed.
 
-Once the loss is NaN or infinite (a learning rate far too high, an fp16 overflow, a bad batch
-that poisoned the weights) every later step is wasted GPU time, and without a check the run
+Once the loss is NaN or infinite every later step is wasted GPU time, and without a check the run
 ends "completed" hours later with NaN checkpoints. :class:`DivergenceStop` counts consecutive
 optimizer steps whose loss (any micro-batch of the step) or global gradient norm is not finite;
-at ``patience`` of them it stops the run: the ``end`` record says ``diverged`` (with the first
-bad step in ``diverged_step``), ``nanolab fit`` exits with :data:`EXIT_DIVERGED`, and the
-checkpoint callback never saves non-finite weights, so the newest checkpoint on disk is the last
-finite one.
+at ``patience`` of them the ``end`` record says ``diverged`` (the first bad step in
+``diverged_step``), ``nanolab fit`` exits with :data:`EXIT_DIVERGED`, and the checkpoint callback
+never saves non-finite weights, so the newest checkpoint on disk is the last finite one.
 
-Cost: the flags stay on the device; under DDP/FSDP they are all-reduced on the device (so every
-rank stops at the same step) and copied to pinned host memory without blocking. Each step reads
-the previous step's flag, which the device has finished by then, so the check adds no host-device
-synchronisation (on CPU it is read at once). The gradient norm is one fused pass over the
-gradients per optimizer step.
+Cost: the flags stay on the device (all-reduced there under DDP/FSDP, so every rank stops at the
+same step) and are copied to pinned host memory without blocking; each step reads the previous
+step's flag, finished by then, so no host-device synchronisation is added (on CPU it is read at
+once). The gradient norm is one fused pass over the gradients per optimizer step.
 
-Under fp16 with a GradScaler, non-finite gradients are how the scaler finds its scale: it skips
-such a step by design (and halves the scale), so there the loss counts but the gradient norm does
-not. What counts instead is the scaler giving up: a *collapsed* loss scale. When every step's
-gradients overflow, the scaler skips every optimizer step and halves the scale each time; the
-loss stays finite and the run trains nothing for hours. A step was skipped exactly when the
-scale fell across it (the scaler lowers it on non-finite gradients only), so the callback keeps
-the scale from before the step and compares on the device. The rule: ``patience`` skipped steps
-in a row, the last of them leaving the scale below ``loss_scale_floor`` (1.0). Consecutive skips
-alone are not enough: a fresh scaler starts at 2**16 on purpose too high and halves its way down
-(several skips in a row are normal in the first steps), and after each growth it may skip one.
-None of that takes the scale below 1, because a scale of 1 or more only *lifts* small
-gradients above fp16's underflow; a scaler that goes below 1 is shrinking the gradients, i.e.
-they overflow fp16 (65504) unscaled, or the overflow does not depend on the scale at all (a
-backward op that is inf in fp16 whatever its input's scale). Either way no scale will make the
-steps count: the run stops as ``diverged`` with the cause in the ``end`` record's ``detail``
-("fp16 loss scale collapsed: N consecutive optimizer steps skipped (scale S); use bf16-mixed or
-lower the learning rate") and ``skipped_steps``/``loss_scale`` next to ``diverged_step``. From a
-steady scale of 2**k that takes k + 1 steps. The skip flag and the scale travel with the loss flag
-(same deferred read, no extra synchronisation).
+Under fp16 a GradScaler finds its scale through non-finite gradients (it skips such a step and
+halves the scale), so there the gradient norm does not count; a *collapsed* loss scale does. When
+every step overflows, every step is skipped, the loss stays finite and nothing is trained. A step
+was skipped exactly when the scale fell across it, so the scale from before the step is kept and
+compared on the device (same deferred read as the loss flag). The rule: ``patience`` skipped
+steps in a row, the last leaving the scale below ``loss_scale_floor`` (1.0). Skips alone are
+normal (a fresh scaler starts at 2**16 and halves its way down; after each growth it may skip
+one), but never below 1: a scale >= 1 only lifts small gradients above fp16's underflow, so a
+scale below 1 means the gradients overflow fp16 unscaled, or overflow whatever the scale. No
+scale will make the steps count: the run stops as ``diverged``, the cause in the ``end`` record's
+``detail`` (:meth:`DivergenceStop.describe`) and ``skipped_steps``/``loss_scale`` beside
+``diverged_step``. From a steady scale of 2**k that takes k + 1 steps.
 """
 
 from __future__ import annotations
@@ -46,7 +36,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from nanolab.callbacks.events import CallbackConfigError, set_stop_reason
+from nanolab.callbacks.events import CallbackConfigError, find_callback, set_stop_reason
 from nanolab.callbacks.jsonl import gradient_norm
 from nanolab.callbacks.step import StepCallback
 
@@ -126,9 +116,6 @@ class DivergenceStop(StepCallback):
         self._host: list[torch.Tensor] = []
 
     # -- hooks -------------------------------------------------------------------------------
-    def is_active(self, stage: str) -> bool:
-        return self.enabled and stage == "fit"
-
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._params = None
@@ -282,9 +269,5 @@ def _scale_tensor(scaler: Any) -> torch.Tensor | None:
 
 def diverged(trainer: L.Trainer | None) -> DivergenceStop | None:
     """The run's divergence callback if it stopped the run, else None."""
-    if trainer is None:
-        return None
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, DivergenceStop) and callback.diverged_step is not None:
-            return callback
-    return None
+    found = find_callback(trainer, DivergenceStop) if trainer is not None else None
+    return found if found is not None and found.diverged_step is not None else None

@@ -62,12 +62,8 @@ class DownstreamEval(Callback):
             raise CallbackConfigError(f"downstream.limit must be >= 1 or null, got {limit}")
         if rows is not None and rows < 1:
             raise CallbackConfigError(f"downstream.rows must be >= 1 or null, got {rows}")
-        self.suite_spec, self.every_n_evals, self.limit, self.rows = (
-            suite,
-            every_n_evals,
-            limit,
-            rows,
-        )
+        self.suite_spec, self.every_n_evals = suite, every_n_evals
+        self.limit, self.rows = limit, rows
         self.suite: Any = None
         self.tokenizer: Any = None
         self.tokens_per_eval = 0
@@ -152,8 +148,7 @@ class DownstreamEval(Callback):
         if not self.active or trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self._validations += 1
-        max_steps = trainer.max_steps if trainer.max_steps is not None else -1
-        last = 0 < max_steps <= trainer.global_step  # -1: no last step, a budget ends the run
+        last = 0 < (trainer.max_steps or -1) <= trainer.global_step  # -1: a budget ends the run
         if self._validations % self.every_n_evals and not last:
             return
         self.run(trainer, pl_module)
@@ -213,8 +208,6 @@ def _max_over_ranks(trainer: L.Trainer, n: int) -> int:
     """The largest ``n`` of all ranks (every rank must run as many forward passes)."""
     if trainer.world_size <= 1:
         return n
-    import torch.distributed as dist
-
     value = torch.tensor([float(n)], device=trainer.strategy.root_device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return round(float(value.item()))

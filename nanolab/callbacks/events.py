@@ -18,9 +18,8 @@ from nanolab.errors import NanolabError
 #: Why a run ended, as written in the ``end`` record.
 END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "rollback", "error")
 
-_REASON_ATTR = "nanolab_stop_reason"
-_DETAIL_ATTR = "nanolab_stop_detail"
-_SAVE_ATTR = "nanolab_stop_saves_state"
+#: The Trainer attribute holding ``(reason, detail, save_state)`` once a stop reason is set.
+_STOP_ATTR = "nanolab_stop"
 
 C = TypeVar("C")
 
@@ -48,10 +47,8 @@ def set_stop_reason(
     """
     if reason not in END_REASONS:
         raise ValueError(f"stop reason must be one of {', '.join(END_REASONS)}, got {reason!r}")
-    if getattr(trainer, _REASON_ATTR, None) is None:
-        setattr(trainer, _REASON_ATTR, reason)
-        setattr(trainer, _DETAIL_ATTR, detail)
-        setattr(trainer, _SAVE_ATTR, save_state)
+    if getattr(trainer, _STOP_ATTR, None) is None:
+        setattr(trainer, _STOP_ATTR, (reason, detail, save_state))
     trainer.should_stop = True
 
 
@@ -59,20 +56,19 @@ def stop_saves_state(trainer: L.Trainer) -> bool:
     """False when the stop's reason says the current weights must not become a checkpoint
     (a loss spike: the run rolls back from an older one, or stops as diverged without saving
     the damaged state)."""
-    return bool(getattr(trainer, _SAVE_ATTR, True))
+    return bool(getattr(trainer, _STOP_ATTR, (None, None, True))[2])
 
 
 def stop_reason(trainer: L.Trainer) -> tuple[str | None, str | None]:
     """The reason (and detail) set with :func:`set_stop_reason`, or ``(None, None)``."""
-    return getattr(trainer, _REASON_ATTR, None), getattr(trainer, _DETAIL_ATTR, None)
+    reason, detail, _ = getattr(trainer, _STOP_ATTR, None) or (None, None, True)
+    return reason, detail
 
 
 def find_callback(trainer: L.Trainer, kind: type[C]) -> C | None:
     """The first callback of type ``kind`` attached to ``trainer``."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, kind):
-            return callback
-    return None
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    return next((c for c in callbacks if isinstance(c, kind)), None)
 
 
 def emit(trainer: L.Trainer, record: dict[str, Any]) -> None:
@@ -91,9 +87,7 @@ def collect_fields(trainer: L.Trainer, event: str) -> dict[str, Any]:
     same field the later one in that order wins, not the later one registered.
     """
     fields: dict[str, Any] = {}
-    callbacks = trainer.callbacks  # type: ignore[attr-defined]
-    for callback in sorted(callbacks, key=order_of):
-        method = getattr(callback, "record_fields", None)
-        if method is not None:
-            fields.update(method(trainer, event))
+    for callback in sorted(trainer.callbacks, key=order_of):  # type: ignore[attr-defined]
+        if isinstance(callback, RecordSource):
+            fields.update(callback.record_fields(trainer, event))
     return fields

@@ -7,6 +7,7 @@ fallback all need the same three moves, so they live here once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -25,9 +26,8 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
     except OSError:
         return  # e.g. Windows: directories cannot be opened; renames are durable there anyway
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -50,10 +50,8 @@ def publish(tmp: Path, path: Path) -> None:
 
 def remove(path: Path) -> None:
     """Delete a file, a link or a folder tree; a path that is already gone is not an error."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
-    except FileNotFoundError:
-        pass

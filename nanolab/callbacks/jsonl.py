@@ -31,10 +31,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+import nanolab
 from nanolab.callbacks.events import (
     END_REASONS,
     CallbackConfigError,
     collect_fields,
+    find_callback,
     stop_reason,
 )
 from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
@@ -114,11 +116,7 @@ class MetricsLog(StepCallback):
             return
         record.setdefault("time", time.time())
         record.setdefault("step", int(trainer.global_step))
-        if self.clock is None:
-            self._writer.write(record)
-            forward_record(trainer, record)
-            return
-        with self.clock.pause("log"):
+        with self.clock.pause("log") if self.clock else contextlib.nullcontext():
             self._writer.write(record)
             forward_record(trainer, record)  # --logger: the same record, at the same step
 
@@ -139,7 +137,7 @@ class MetricsLog(StepCallback):
         error, run_id, earlier = None, None, None
         if trainer.is_global_zero:
             try:
-                claim = claim_run_dir(
+                run_id = claim_run_dir(
                     run_dir,
                     config,
                     resuming,
@@ -147,8 +145,7 @@ class MetricsLog(StepCallback):
                     self.filename,
                     checkpoint=trainer.ckpt_path,
                     checkpoint_run_id=self.run_id,  # restored from that checkpoint
-                )
-                run_id = claim.run_id
+                ).run_id
             except RunDirError as err:
                 error = str(err)
         error = trainer.strategy.broadcast(error, src=0)
@@ -165,9 +162,8 @@ class MetricsLog(StepCallback):
                 if self.run_id is None:  # checkpoint without our state: take the log's id
                     start = last_record(path, "start")
                     self.run_id = str(start["run_id"]) if start and start.get("run_id") else None
-            if run_id is not None:  # a new run (also one that starts from another's checkpoint)
-                self.run_id = run_id
-            self.run_id = self.run_id or new_run_id()
+            # A claimed id: a new run (also one that starts from another's checkpoint).
+            self.run_id = run_id or self.run_id or new_run_id()
             try:
                 self._writer = RunLogWriter(path)
             except OSError as err:
@@ -187,10 +183,6 @@ class MetricsLog(StepCallback):
         config: dict[str, Any] | None,
         resuming: bool,
     ) -> dict[str, Any]:
-        import lightning
-
-        import nanolab
-
         run_dir = Path(trainer.default_root_dir)
         seed = os.environ.get("PL_GLOBAL_SEED")
         names = device_names(trainer)
@@ -210,7 +202,7 @@ class MetricsLog(StepCallback):
             "versions": {
                 "python": platform.python_version(),
                 "torch": torch.__version__,
-                "lightning": lightning.__version__,
+                "lightning": L.__version__,
                 "nanolab": nanolab.__version__,
             },
             "devices": names,
@@ -318,39 +310,33 @@ class MetricsLog(StepCallback):
                     flush(trainer)
         if self._writer is None:
             return
-        assert self.clock is not None
-        with self.clock.frozen():
-            record = self._end_record(trainer, reason, error, detail)
+        clock = self.clock
+        assert clock is not None
+        with clock.frozen():
+            record: dict[str, Any] = {
+                "event": "end",
+                "time": time.time(),
+                "step": int(trainer.global_step),
+                "reason": reason,
+                "error": error,
+                "detail": detail,
+                "elapsed_s": round(clock.elapsed_s(), 3),
+                "gpu_hours": clock.gpu_hours(),
+                "cost": None,
+                "tokens": clock.tokens,
+                "goodput": round(clock.goodput(), 4),
+                "best_val_loss": self.best_val_loss,
+                "time_breakdown": clock.breakdown(),
+            }
+            record.update(collect_fields(trainer, "end"))
         with contextlib.suppress(RunLogWriteError):  # a full disk: the error already says so
             self._writer.write(record)
         self._writer.close()
 
-    def _end_record(
-        self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None
-    ) -> dict[str, Any]:
-        clock = self.clock
-        assert clock is not None
-        record: dict[str, Any] = {
-            "event": "end",
-            "time": time.time(),
-            "step": int(trainer.global_step),
-            "reason": reason,
-            "error": error,
-            "detail": detail,
-            "elapsed_s": round(clock.elapsed_s(), 3),
-            "gpu_hours": clock.gpu_hours(),
-            "cost": None,
-            "tokens": clock.tokens,
-            "goodput": round(clock.goodput(), 4),
-            "best_val_loss": self.best_val_loss,
-            "time_breakdown": clock.breakdown(),
-        }
-        record.update(collect_fields(trainer, "end"))
-        return record
-
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reason, detail = stop_reason(trainer)
-        if reason is None and trainer.should_stop and not _reached_max_steps(trainer):
+        reached_max_steps = 0 < trainer.max_steps <= trainer.global_step
+        if reason is None and trainer.should_stop and not reached_max_steps:
             detail = "stopped early by trainer.should_stop"
         self._end(trainer, reason or "completed", None, detail)
 
@@ -382,10 +368,6 @@ class MetricsLog(StepCallback):
 
 
 # -- helpers (also used by the other callbacks) --------------------------------------------------
-def _reached_max_steps(trainer: L.Trainer) -> bool:
-    return 0 < trainer.max_steps <= trainer.global_step
-
-
 def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
     """What the module logged in the current loop (train step or validation epoch).
 
@@ -395,12 +377,11 @@ def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
     connector (private); if a Lightning upgrade moves it, the public dict is filtered by name.
     """
     try:
-        metrics = dict(trainer._logger_connector.metrics["callback"])
+        return dict(trainer._logger_connector.metrics["callback"])
     except Exception:  # private API moved: filter the public dict instead
-        metrics = {
+        return {
             k: v for k, v in trainer.callback_metrics.items() if k.startswith("val") != training
         }
-    return metrics
 
 
 def to_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
@@ -455,11 +436,11 @@ def gradient_norm(
 
 def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any] | None:
     """The merged config ``nanolab fit`` saves, or the module's dataclass settings without it."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, RunConfigWriter):
-            from nanolab.training.resolve import plain_config
+    writer = find_callback(trainer, RunConfigWriter)
+    if writer is not None:
+        from nanolab.training.resolve import plain_config
 
-            return plain_config(callback.config)  # nanolab's own classes in the short form
+        return plain_config(writer.config)  # nanolab's own classes in the short form
     model: dict[str, Any] = {}
     for name in ("gpt_config", "optimizer_config", "schedule_config"):
         value = getattr(pl_module, name, None)
@@ -470,24 +451,17 @@ def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, An
 
 def git_state() -> dict[str, Any]:
     """Commit and dirtiness of the working directory's repository (else nanolab's), or nulls."""
-    import nanolab
-
     for folder in (Path.cwd(), Path(nanolab.__file__).resolve().parent):
+
+        def git(*args: str) -> subprocess.CompletedProcess[str]:
+            cmd = ["git", "-C", str(folder), *args]  # noqa: B023 (called in this iteration)
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=5)
+
         try:
-            commit = subprocess.run(
-                ["git", "-C", str(folder), "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            )
+            commit = git("rev-parse", "HEAD")
             if commit.returncode != 0:
                 continue
-            status = subprocess.run(
-                ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            )
+            status = git("status", "--porcelain", "--untracked-files=no")
             dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
             return {"git_commit": commit.stdout.strip(), "git_dirty": dirty}
         except (OSError, subprocess.SubprocessError):
@@ -498,20 +472,15 @@ def git_state() -> dict[str, Any]:
 def device_names(trainer: L.Trainer) -> list[str]:
     """Names of this node's devices in the run (``torch.cuda.get_device_name`` for GPUs)."""
     devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
-    names = []
-    for device in devices:
-        if device.type == "cuda":
-            names.append(torch.cuda.get_device_name(device))
-        elif device.type == "cpu":
-            names.append(f"cpu ({platform.machine() or 'unknown'})")
-        else:
-            names.append(str(device))
-    return names
+    cpu = f"cpu ({platform.machine() or 'unknown'})"
+    return [
+        torch.cuda.get_device_name(d) if d.type == "cuda" else cpu if d.type == "cpu" else str(d)
+        for d in devices
+    ]
 
 
 def num_params(pl_module: L.LightningModule) -> int:
-    model = getattr(pl_module, "model", None)
-    counter = getattr(model, "num_params", None)
+    counter = getattr(getattr(pl_module, "model", None), "num_params", None)
     if callable(counter):
         return int(counter())
     return int(sum(p.numel() for p in pl_module.parameters()))

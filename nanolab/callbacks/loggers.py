@@ -44,10 +44,9 @@ def check_available(name: str) -> None:
     module, pip = PACKAGES[name]
     if module is None:
         return
-    present = importlib.util.find_spec(module) is not None
-    if name == "tensorboard" and not present:
-        present = importlib.util.find_spec("tensorboardX") is not None  # Lightning takes either
-    if not present:
+    # Lightning's TensorBoard logger takes either package.
+    names = (module, "tensorboardX") if name == "tensorboard" else (module,)
+    if all(importlib.util.find_spec(m) is None for m in names):
         raise LoggerUnavailableError(
             f"--logger {name} needs the {module} package, which is not installed: {pip}"
         )
@@ -83,7 +82,9 @@ def make_logger(name: str, run_dir: Path, run_name: str) -> Any:
     )
 
 
-def _appending_writer() -> type:
+def AppendingCSVLogger(**kwargs: Any) -> Any:
+    """A :class:`~lightning.pytorch.loggers.CSVLogger` that appends to ``metrics.csv``."""
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
     class AppendingExperimentWriter(ExperimentWriter):
@@ -101,12 +102,6 @@ def _appending_writer() -> type:
                     header = next(csv.reader(f), [])
                 self.metrics_keys = sorted(header)
 
-    return AppendingExperimentWriter
-
-
-def _csv_logger_class() -> type:
-    from lightning.pytorch.loggers import CSVLogger
-
     class _AppendingCSVLogger(CSVLogger):
         """CSVLogger that keeps the rows an earlier process of the run wrote."""
 
@@ -114,15 +109,10 @@ def _csv_logger_class() -> type:
         def experiment(self) -> Any:
             if self._experiment is None:
                 self._fs.makedirs(self.root_dir, exist_ok=True)
-                self._experiment = _appending_writer()(log_dir=self.log_dir)
+                self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
             return self._experiment
 
-    return _AppendingCSVLogger
-
-
-def AppendingCSVLogger(**kwargs: Any) -> Any:
-    """A :class:`~lightning.pytorch.loggers.CSVLogger` that appends to ``metrics.csv``."""
-    return _csv_logger_class()(**kwargs)
+    return _AppendingCSVLogger(**kwargs)
 
 
 # -- one step axis ------------------------------------------------------------------------------
@@ -165,10 +155,7 @@ def forward_record(trainer: Any, record: dict[str, Any]) -> None:
     ):
         return
     loggers = getattr(trainer, "loggers", None) or []
-    if not loggers:
-        return
-    metrics = logger_metrics(record)
-    if not metrics:
+    if not loggers or not (metrics := logger_metrics(record)):
         return
     for logger in loggers:
         log = vars(logger).get("_nanolab_log_metrics", logger.log_metrics)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanolab.estimator.gpus import GPU, gpu_for_device, matmul_rate, normalise_device_name
+from nanolab.estimator.gpus import gpu_for_device, matmul_rate, normalise_device_name
 from nanolab.estimator.gpus import matmul_dtype as gpu_matmul_dtype
 
 __all__ = ["Peak", "lookup_peak", "matmul_dtype", "normalise_device_name", "peak_flops_per_device"]
@@ -41,7 +41,11 @@ class Peak:
     fp8: float | None = None
 
 
-def _peak(g: GPU) -> Peak:
+def lookup_peak(name: str) -> Peak | None:
+    """The table entry for a device name, or ``None`` when the name is not exactly known."""
+    g = gpu_for_device(name)
+    if g is None:
+        return None
     return Peak(
         product=g.label,
         bf16=g.peak("bf16"),
@@ -50,12 +54,6 @@ def _peak(g: GPU) -> Peak:
         fp32=g.peak("fp32") or 0.0,
         fp8=g.peak("fp8"),
     )
-
-
-def lookup_peak(name: str) -> Peak | None:
-    """The table entry for a device name, or ``None`` when the name is not exactly known."""
-    g = gpu_for_device(name)
-    return None if g is None else _peak(g)
 
 
 def matmul_dtype(precision: str) -> str | None:

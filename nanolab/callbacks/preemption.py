@@ -96,9 +96,7 @@ def parse_signals(names: list[str]) -> list[signal.Signals]:
     """``["SIGTERM", "usr1", "INT"]`` -> signals; an unknown name is one clear error."""
     out: list[signal.Signals] = []
     for raw in names:
-        name = str(raw).strip().upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
+        name = "SIG" + str(raw).strip().upper().removeprefix("SIG")
         sig = getattr(signal, name, None)
         if not isinstance(sig, signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
             raise PreemptionConfigError(
@@ -214,9 +212,6 @@ class PreemptionHandler(StepCallback):
         self._previous = {}
 
     # -- hooks -----------------------------------------------------------------------------
-    def is_active(self, stage: str) -> bool:
-        return self.enabled and stage == "fit"
-
     def on_run_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Installed here, after Lightning registered its own handlers (Trainer._run), so ours
         # replace its SIGTERM handler, which would stop in the middle of an accumulation.
@@ -233,22 +228,7 @@ class PreemptionHandler(StepCallback):
         if (requested or getattr(trainer, "world_size", 1) > 1) and self._agreed(
             trainer, requested
         ):
-            self._stop_before_first_step(trainer)
-
-    def _stop_before_first_step(self, trainer: pl.Trainer) -> None:
-        """Nothing was trained in this process: no checkpoint to add, just the end record."""
-        if self.received is None:
-            self.received = signal.SIGTERM  # another rank was signalled
-        set_stop_reason(trainer, REASON, f"{self.received.name} before the first step")
-        if trainer.is_global_zero:
-            _write_stderr(
-                f"nanolab: preempted by {self.received.name} before the first step (step "
-                f"{trainer.global_step}); nothing to save; exiting with code {self.exit_code}, "
-                "rerun the same command to resume\n"
-            )
-        raise Preempted(
-            self.received.name, trainer.global_step, None, self.exit_code, before_first_step=True
-        )
+            self._stop(trainer, before_first_step=True)
 
     def on_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         if not self._agreed(trainer, self.received is not None):
@@ -272,20 +252,25 @@ class PreemptionHandler(StepCallback):
             requested = bool(trainer.strategy.reduce_boolean_decision(requested, all=False))
         return requested and not 0 < trainer.max_steps <= trainer.global_step
 
-    def _stop(self, trainer: pl.Trainer) -> None:
+    def _stop(self, trainer: pl.Trainer, before_first_step: bool = False) -> None:
         if self.received is None:
             self.received = signal.SIGTERM  # another rank was signalled
+        name, step = self.received.name, trainer.global_step
         self._after_validation = False
-        set_stop_reason(trainer, REASON, self.received.name)  # the end record's reason
-        path = save_checkpoint_now(trainer)
-        waited = time.time() - (self.received_at or time.time())
+        if before_first_step:  # nothing was trained in this process: nothing to save
+            set_stop_reason(trainer, REASON, f"{name} before the first step")
+            path, what = None, f"before the first step (step {step}); nothing to save"
+        else:
+            set_stop_reason(trainer, REASON, name)  # the end record's reason
+            path = save_checkpoint_now(trainer)
+            waited = time.time() - (self.received_at or time.time())
+            what = f"after step {step}: saved {path} ({waited:.1f}s after the signal)"
         if trainer.is_global_zero:
             _write_stderr(
-                f"nanolab: preempted by {self.received.name} after step {trainer.global_step}: "
-                f"saved {path} ({waited:.1f}s after the signal); exiting with code "
-                f"{self.exit_code}, rerun the same command to resume\n"
+                f"nanolab: preempted by {name} {what}; exiting with code {self.exit_code}, "
+                "rerun the same command to resume\n"
             )
-        raise Preempted(self.received.name, trainer.global_step, path, self.exit_code)
+        raise Preempted(name, step, path, self.exit_code, before_first_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._uninstall()

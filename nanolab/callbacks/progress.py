@@ -156,9 +156,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self._last_line = time.monotonic()
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         text = f"step {step}/{total} ({step / total:.0%})" if total else f"step {step}"
-        for key, name in (("loss", "loss"), ("val", "val"), ("bpb", "bpb")):
+        for key in ("loss", "val", "bpb"):
             if key in self._postfix:
-                text += f"  {name} {self._postfix[key]}"
+                text += f"  {key} {self._postfix[key]}"
         if "tok/s" in self._postfix:
             text += f"  {self._postfix['tok/s']} tok/s"
         if self._started is not None:

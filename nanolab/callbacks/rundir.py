@@ -146,9 +146,8 @@ def claim_run_dir(
         if checkpoint is None or _is_own_checkpoint(
             run_dir, Path(checkpoint), old_id, checkpoint_run_id
         ):
-            _check_writable(run_dir)
-            return RunClaim(run_id=None)
-        if holds_run:
+            claim = RunClaim(run_id=None)
+        elif holds_run:
             what = f"run {old_id}" if old_id else "another run's files"
             theirs = f"run {checkpoint_run_id}" if checkpoint_run_id else "another run"
             raise RunDirError(
@@ -157,15 +156,14 @@ def claim_run_dir(
                 "another run.name (a new run directory), or resume this run from its own "
                 "checkpoints (run.resume auto)"
             )
-        _check_writable(run_dir)  # a new directory: this run starts from the other's weights
-        return RunClaim(run_id=new_run_id(), forked_from=str(checkpoint))
-
-    if not holds_run:
+        else:  # a new directory: this run starts from the other's weights
+            claim = RunClaim(run_id=new_run_id(), forked_from=str(checkpoint))
         _check_writable(run_dir)
-        return RunClaim(run_id=new_run_id())
-    if fresh:
+        return claim
+    if not holds_run or fresh:
         _check_writable(run_dir)
-        return RunClaim(run_id=new_run_id(), archived_to=_archive(run_dir, old_id, log_name))
+        archived = _archive(run_dir, old_id, log_name) if holds_run else None  # fresh
+        return RunClaim(run_id=new_run_id(), archived_to=archived)
 
     what = f"run {old_id}" if old_id else "another run"
     if checkpoints:

@@ -100,32 +100,12 @@ def global_rank_from_env() -> int:
     return 0
 
 
-def holder_info() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
-        "argv": " ".join(sys.argv[:8]),
-    }
-
-
 def read_holder(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8") or "null")
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def describe(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "another process (holder unknown)"
-    return (
-        f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
-        f"(since {holder.get('started', '?')})"
-    )
 
 
 def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
@@ -140,14 +120,12 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
     if key in _held and _held[key].fd is not None:
         return _held[key]
     shared = _shared_with_launcher(path)
+    if shared is None and global_rank_from_env() != 0:
+        # A peer rank under torchrun/srun: rank 0 of this launch holds the directory.
+        shared = RunLock(path, os.environ.get(TOKEN_ENV, ""), None)
     if shared is not None:
         _held[key] = shared
         return shared
-    if global_rank_from_env() != 0:
-        # A peer rank under torchrun/srun: rank 0 of this launch holds the directory.
-        lock = RunLock(path, os.environ.get(TOKEN_ENV, ""), None)
-        _held[key] = lock
-        return lock
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
@@ -162,7 +140,10 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
             holder = read_holder(path)
             os.close(fd)
             if _requeued_same_job(holder):
-                _replace_file(path)  # the requeued job takes over; see the module docstring
+                # The requeued job takes over: a new, unlocked file at ``path`` (the old holder
+                # keeps its lock on the unlinked inode).
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
                 continue
             raise RunLockedError(_refusal(run_dir, holder))
         if not _same_file(fd, path):
@@ -172,7 +153,7 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
             holder = read_holder(path)
             os.close(fd)
             raise RunLockedError(_refusal(run_dir, holder))
-        _write_holder(fd, {**holder_info(), "token": token})
+        _write_holder(fd, token)
         lock = RunLock(path, token, fd, created_dir=created)
         _held[key] = lock
         os.environ[TOKEN_ENV] = f"{key}:{token}"  # the ranks this process launches share it
@@ -188,8 +169,12 @@ def release_all() -> None:
 
 
 def _refusal(run_dir: Path, holder: dict[str, Any] | None) -> str:
+    who = "another process (holder unknown)"
+    if holder:
+        get = holder.get
+        who = f"pid {get('pid', '?')} on {get('host', '?')} (since {get('started', '?')})"
     return (
-        f"run directory {run_dir} is in use by {describe(holder)}; wait for it to finish, "
+        f"run directory {run_dir} is in use by {who}; wait for it to finish, "
         "stop it, or choose another run.name"
     )
 
@@ -201,9 +186,7 @@ def _shared_with_launcher(path: Path) -> RunLock | None:
     if not token or Path(where) != path.absolute():
         return None
     holder = read_holder(path)
-    if holder is None or holder.get("token") != token:
-        return None
-    return RunLock(path, token, None)
+    return RunLock(path, token, None) if holder and holder.get("token") == token else None
 
 
 def _try_flock(fd: int, path: Path) -> bool | None:
@@ -227,18 +210,21 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _write_holder(fd: int, info: dict[str, Any]) -> None:
-    data = (json.dumps(info) + "\n").encode()
+def _write_holder(fd: int, token: str) -> None:
+    """Name this process as the holder (for a refused launch's message) with its token."""
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+        "argv": " ".join(sys.argv[:8]),
+        "token": token,
+    }
     os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     with contextlib.suppress(OSError):
         os.fsync(fd)
-
-
-def _replace_file(path: Path) -> None:
-    """Put a new, unlocked file at ``path`` (the old holder keeps a lock on an unlinked inode)."""
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
 
 
 def _requeued_same_job(holder: dict[str, Any] | None) -> bool:
@@ -253,9 +239,7 @@ def _requeued_same_job(holder: dict[str, Any] | None) -> bool:
 def _live_holder_elsewhere(path: Path) -> bool:
     """Without flock: does the file name a holder that may still run?"""
     holder = read_holder(path)
-    if not holder or holder.get("pid") == os.getpid():
-        return False
-    if _requeued_same_job(holder):
+    if not holder or holder.get("pid") == os.getpid() or _requeued_same_job(holder):
         return False
     if holder.get("host") != socket.gethostname():
         return True  # cannot check another host's processes: respect the file

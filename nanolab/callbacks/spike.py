@@ -90,19 +90,16 @@ class SpikeGuard(StepCallback):
             raise CallbackConfigError(
                 f"spike.action must be one of {', '.join(ACTIONS)}, got {action!r}"
             )
-        for name, value, low in (("window", window, 1), ("patience", patience, 1)):
+        for name, value, low in (
+            ("window", window, 1),
+            ("patience", patience, 1),
+            ("max_rollbacks", max_rollbacks, 0),
+            ("lr_scale_steps", lr_scale_steps, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise CallbackConfigError(
                     f"spike.{name} must be an integer >= {low}, got {value!r}"
                 )
-        if (
-            isinstance(max_rollbacks, bool)
-            or not isinstance(max_rollbacks, int)
-            or max_rollbacks < 0
-        ):
-            raise CallbackConfigError(
-                f"spike.max_rollbacks must be an integer >= 0, got {max_rollbacks!r}"
-            )
         if not isinstance(factor, int | float) or not factor > 1 or math.isinf(factor):
             raise CallbackConfigError(f"spike.factor must be a number > 1, got {factor!r}")
         if not isinstance(min_increase, int | float) or not min_increase >= 0:
@@ -117,14 +114,6 @@ class SpikeGuard(StepCallback):
             raise CallbackConfigError(
                 f"spike.lr_scale must be a number in (0, 1] (1: the schedule as it is), got "
                 f"{lr_scale!r}"
-            )
-        if (
-            isinstance(lr_scale_steps, bool)
-            or not isinstance(lr_scale_steps, int)
-            or lr_scale_steps < 0
-        ):
-            raise CallbackConfigError(
-                f"spike.lr_scale_steps must be an integer >= 0, got {lr_scale_steps!r}"
             )
         self.lr_scale = float(lr_scale)
         self.lr_scale_steps = lr_scale_steps
@@ -143,9 +132,6 @@ class SpikeGuard(StepCallback):
         self._sum: torch.Tensor | None = None
         self._count = 0
         self._pending: tuple[int, torch.Tensor] | None = None
-
-    def is_active(self, stage: str) -> bool:
-        return self.enabled and stage == "fit"
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -244,7 +230,7 @@ class SpikeGuard(StepCallback):
         run_dir = Path(trainer.default_root_dir)
         done = read_ledger(run_dir)
         saver = find_callback(trainer, RotatingCheckpoint)
-        folder = saver.dirpath if saver is not None and saver.dirpath is not None else None
+        folder = saver.dirpath if saver is not None else None
         if saver is not None:
             saver.flush_records(trainer)  # an asynchronous save in flight completes first
         restore = _restore_step(folder, began)

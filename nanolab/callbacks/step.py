@@ -85,8 +85,9 @@ class StepCallback(Callback):
         self.active = False
 
     def is_active(self, stage: str) -> bool:
-        """Whether the hooks run in this Trainer stage (``fit`` only unless overridden)."""
-        return stage == "fit"
+        """Whether the hooks run in this Trainer stage: ``fit`` only unless overridden, and not at
+        all when the callback has an ``enabled`` setting that is false."""
+        return stage == "fit" and bool(getattr(self, "enabled", True))
 
     # -- Lightning's hooks, turned into the events above -------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -131,12 +132,10 @@ class StepCallback(Callback):
         """The active step callbacks, in order, if this call is the event's first; else none."""
         if not self.active or self.clock is None or not self.clock.first_call(event, trainer):
             return []
-        peers = [
-            c
-            for c in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(c, StepCallback) and c.active
-        ]
-        return sorted(peers, key=order_of)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        return sorted(
+            (c for c in callbacks if isinstance(c, StepCallback) and c.active), key=order_of
+        )
 
     # -- what subclasses override ------------------------------------------------------------
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -20,6 +20,7 @@ checkpointing and logging pauses; data waits count, they are part of real throug
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -37,17 +38,13 @@ class UtilizationSampler:
     """Device utilisation in percent from NVML or AMD SMI; ``sample()`` is ``None`` when neither works."""
 
     def __init__(self, device_index: int) -> None:
-        self.backend: str | None = None
+        self.backend: str | None = None  # "nvml" or "amdsmi" once one works
         self._read: Any = None
-        try:
-            self._read = self._nvml(device_index)
-            self.backend = "nvml"
-        except Exception:
-            try:
-                self._read = self._amdsmi(device_index)
-                self.backend = "amdsmi"
-            except Exception:
-                self._read = None
+        for name in ("nvml", "amdsmi"):
+            with contextlib.suppress(Exception):
+                self._read = getattr(self, f"_{name}")(device_index)
+                self.backend = name
+                break
 
     @staticmethod
     def _nvml(index: int) -> Any:
@@ -140,14 +137,12 @@ class ThroughputMeter(StepCallback):
         assert self.clock is not None
         pl_module = trainer.lightning_module
         device = trainer.strategy.root_device
-        if device.type == "cuda":
-            self.device_name = torch.cuda.get_device_name(device)
-        else:
-            self.device_name = device.type
+        cuda = device.type == "cuda"
+        self.device_name = torch.cuda.get_device_name(device) if cuda else device.type
         precision = str(trainer.precision)
         if self.peak_flops_override is not None:
             self.peak_flops, self.peak_source = self.peak_flops_override, "throughput.peak_flops"
-        elif device.type == "cuda":
+        elif cuda:
             self.peak_flops, self.peak_source = peak_flops_per_device(self.device_name, precision)
         else:
             self.peak_flops, self.peak_source = None, f"no peak-FLOPs table for {device.type}"
@@ -160,7 +155,7 @@ class ThroughputMeter(StepCallback):
                 stacklevel=2,
             )
         self.flops_per_token = model_flops_per_token(pl_module, trainer)
-        if device.type == "cuda" and self.gpu_utilization and trainer.is_global_zero:
+        if cuda and self.gpu_utilization and trainer.is_global_zero:
             self._sampler = UtilizationSampler(device.index or 0)
         self._first = self._last = self.clock.snapshot()
         self._cache = None
@@ -233,9 +228,8 @@ class ThroughputMeter(StepCallback):
 
     # -- hooks -------------------------------------------------------------------------------
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        if not (self.log_to_loggers and trainer.loggers):
-            return
-        if step % max(1, int(trainer.log_every_n_steps)) != 0:
+        every = max(1, int(trainer.log_every_n_steps))
+        if not (self.log_to_loggers and trainer.loggers) or step % every:
             return
         fields = self.measure(trainer)
         metrics = {f"perf/{k}": float(v) for k, v in fields.items() if v is not None}
