@@ -88,6 +88,7 @@ def collect_fields(trainer: L.Trainer, event: str) -> dict[str, Any]:
     """
     fields: dict[str, Any] = {}
     for callback in sorted(trainer.callbacks, key=order_of):  # type: ignore[attr-defined]
-        if isinstance(callback, RecordSource):
-            fields.update(callback.record_fields(trainer, event))
+        method = getattr(callback, "record_fields", None)  # per record: no Protocol isinstance
+        if method is not None:
+            fields.update(method(trainer, event))
     return fields
