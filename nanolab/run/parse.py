@@ -14,7 +14,6 @@ launch whose imports cost 3.9-4.8 s, and it gives every Trainer/model/data setti
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -159,16 +158,15 @@ def check_config_files(argv: list[str]) -> None:
 
 
 class OneLineErrorParser(LightningArgumentParser):
-    """Reports a bad config in one line (the key and what is wrong), not a usage screen."""
+    """Reports a bad config as one :class:`RunConfigError` (the key and what is wrong) for the
+    CLI's one error handler, not a usage screen and ``SystemExit``."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)
         message = subclass_problem(str(message)) or str(message)
         lines = [line.strip() for line in message.splitlines() if line.strip()]
-        summary = " ".join(lines[:3])
-        sys.stderr.write(f"nanolab: error: {summary}\n")
-        sys.exit(2)
+        raise RunConfigError(" ".join(lines[:3]))
 
 
 def unwrap_union_error(err: BaseException) -> BaseException:
@@ -367,30 +365,11 @@ def parse_fit_config(args: list[str]) -> Any:
     and the resolver's parity test holds :func:`nanolab.training.resolve.compose` against it.
     Raises :class:`FitParseError` with the parser's error line.
     """
-    import contextlib
-    import io
     import warnings
 
-    err = io.StringIO()
     try:
-        with (
-            contextlib.redirect_stderr(err),
-            contextlib.redirect_stdout(io.StringIO()),
-            warnings.catch_warnings(),
-        ):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return parse_command(nulls_as_class_settings(["fit", *args])).config["fit"]
-    except RunConfigError as error:  # unreadable YAML, a model/data class that does not import
+    except RunConfigError as error:
         raise FitParseError(str(error)) from None
-    except SystemExit:
-        raise FitParseError(_parser_error_line(err.getvalue())) from None
-
-
-def _parser_error_line(text: str) -> str:
-    """The parser's message without its usage screen: the last line that says 'error'."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if "error:" in lines[i]:
-            msg = lines[i].split("error:", 1)[1].strip()
-            return " ".join([msg, *lines[i + 1 : i + 3]]).strip()
-    return lines[-1] if lines else "the config does not parse"
