@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nanolab.estimator.gpus import MatmulPrecision
@@ -278,19 +279,6 @@ class NanolabCLI(LightningCLI):
         super()._parse_ckpt_path()
 
 
-def model_and_data_classes() -> dict[str, Any]:
-    """LightningCLI arguments that make ``model`` and ``data`` choices of any LightningModule /
-    LightningDataModule (subclass mode); :class:`NanolabCLI` defaults them to nanolab's own."""
-    from lightning.pytorch import LightningDataModule, LightningModule
-
-    return {
-        "model_class": LightningModule,
-        "datamodule_class": LightningDataModule,
-        "subclass_mode_model": True,
-        "subclass_mode_data": True,
-    }
-
-
 NULL_WORDS = ("null", "Null", "NULL", "~")
 
 
@@ -340,8 +328,11 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
     """
     check_config_files(argv)
     try:
-        NanolabCLI(
-            **model_and_data_classes(),
+        NanolabCLI(  # model and data: any LightningModule / LightningDataModule class path
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
             args=None if from_command_line else argv,
             trainer_defaults=trainer_defaults(),
             seed_everything_default=FIT_SEED,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 import textwrap
 from typing import Any
 
@@ -59,21 +58,12 @@ def _load(spec: str) -> Any:
 
 
 def docstring_args(obj: Any) -> dict[str, str]:
-    """``name -> first sentence`` from a Google-style ``Args:`` section."""
-    doc = inspect.getdoc(obj) or ""
-    match = re.search(r"^Args:\n(.*?)(?:\n\S|\Z)", doc, re.S | re.M)
-    if not match:
-        return {}
-    out: dict[str, str] = {}
-    current = None
-    for line in match.group(1).splitlines():
-        m = re.match(r"^ {4}(\w+)(?: \([^)]*\))?: (.*)$", line)
-        if m:
-            current = m.group(1)
-            out[current] = m.group(2).strip()
-        elif current and line.strip():
-            out[current] += " " + line.strip()
-    return {k: _first_sentence(v) for k, v in out.items()}
+    """``name -> first sentence`` of each entry in the object's ``Args:`` section, read by the
+    docstring parser jsonargparse itself uses for ``--help-all``."""
+    import docstring_parser
+
+    params = docstring_parser.parse(inspect.getdoc(obj) or "").params
+    return {p.arg_name: _first_sentence(" ".join((p.description or "").split())) for p in params}
 
 
 def _first_sentence(text: str, limit: int = 110) -> str:
