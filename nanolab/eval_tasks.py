@@ -84,22 +84,44 @@ def precision_context(precision: str | None, device: Any) -> Any:
     return contextlib.nullcontext()
 
 
-def check_json_target(text: str, run_dir: Path | None) -> Path:
-    """``--json``: a file in an existing folder, not a folder, not inside the evaluated run
-    (a run's files are its own: eval adds only its record to the log)."""
+def check_json_target(text: str) -> Path:
+    """``--json``: a new file, or one an earlier ``eval --json`` wrote, in an existing folder
+    and inside no run directory (a run's files are its own: eval adds only its record to the
+    evaluated run's log)."""
+    from nanolab.runlog import run_dir_holding
+
     out = Path(text)
+    if not text.strip():
+        raise EvalArgumentError("--json is empty; give a file name, e.g. --json results.json")
     if out.is_dir():
         raise EvalArgumentError(f"--json {text} is a folder; give a file name")
     if not out.parent.is_dir():
         raise EvalArgumentError(
             f"--json {text}: folder {out.parent} does not exist; create it first"
         )
-    if run_dir is not None and out.resolve().is_relative_to(run_dir.resolve()):
+    run_dir = run_dir_holding(out)
+    if run_dir is not None:
         raise EvalArgumentError(
-            f"--json {text} is inside the run directory {run_dir}; write it elsewhere (the "
-            "run's files are its own; the tasks record goes into its metrics.jsonl)"
+            f"--json {text} is inside the run directory {run_dir}; write it elsewhere (a "
+            "run's files are its own; the tasks record goes into the evaluated run's log)"
+        )
+    if out.exists() and not _eval_output(out):
+        raise EvalArgumentError(
+            f"--json {text} already exists and is not an earlier `nanolab eval --json` "
+            "result; give a new file name (eval replaces only its own output)"
         )
     return out
+
+
+def _eval_output(path: Path) -> bool:
+    """Whether ``path`` holds one JSON ``tasks`` record as ``eval --json`` writes it."""
+    try:
+        if path.stat().st_size > 1 << 20:
+            return False
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("evaluated_by") == "nanolab eval"
 
 
 def result_table(result: Any) -> str:
@@ -179,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A run directory given: its record goes into its log. A checkpoint file given: printed
     # only (as validate/test do), though its run's settings are still the defaults.
     log_dir = None if Path(args.target).is_file() or args.no_log else run_dir
-    out = check_json_target(args.json, run_dir) if args.json else None
+    out = check_json_target(args.json) if args.json is not None else None
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path).to(device)
     tokenizer = tokenizer_from_checkpoint(ckpt)

@@ -39,7 +39,7 @@ from typing import Any
 
 from nanolab.errors import one_line_errors
 from nanolab.helpfmt import OneLineParser
-from nanolab.runlog import RUN_LOG_NAME
+from nanolab.runlog import RUN_LOG_NAME, run_dir_holding
 from nanolab.runs import (
     DELTA_WINDOW,
     RESULTS_LOG,
@@ -619,6 +619,27 @@ def plot_runs(
     return drawn
 
 
+def check_plot_path(out: Path) -> None:
+    """``--plot``: an image file name matplotlib can write, outside every run directory,
+    checked before anything is read (a bad name would otherwise fail after the table)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if not str(out).strip() or str(out) == "." or out.is_dir():
+        raise ReportError(f"--plot {str(out)!r} is not a file name; give one such as loss.png")
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in kinds:
+        raise ReportError(
+            f"--plot {out}: matplotlib cannot write {out.suffix or 'a file without a suffix'}; "
+            f"end the name in one of {', '.join('.' + k for k in sorted(kinds))}"
+        )
+    run_dir = run_dir_holding(out)
+    if run_dir is not None:
+        raise ReportError(
+            f"--plot {out} is inside the run directory {run_dir}; write it elsewhere (a run's "
+            "files are its own)"
+        )
+
+
 def _plot_forecast(ax: Any, f: Any, start: float, color: Any) -> None:
     """The fitted curve from the first val point to max_steps (dashed) and its 5-95% band."""
     xs = [t for t, _ in f.curve if t >= start]
@@ -953,6 +974,8 @@ def _scaling(args: argparse.Namespace, selected: list[tuple[str, Path]]) -> tupl
 @one_line_errors("nanolab report")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot is not None:
+        check_plot_path(args.plot)
     roots = args.runs_dirs or [Path("runs")]
     found = discover_runs(roots)
     if not found:
@@ -979,8 +1002,8 @@ def main(argv: list[str] | None = None) -> int:
     groups = seed_groups(summaries)
     comparisons = compare_groups(summaries, groups, args.baseline)
     want_forecast = args.forecast or args.target_loss is not None
-    if args.target_loss is not None and not math.isfinite(args.target_loss):
-        raise ReportError(f"--target-loss {args.target_loss}: give a finite loss, e.g. 1.5")
+    if args.target_loss is not None and not 0 < args.target_loss < math.inf:
+        raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
     run_fc, group_fc = forecasts(selected, groups, args.target_loss) if want_forecast else ({}, {})
     scaling_text, scaling_data = _scaling(args, selected)
     if args.plot is not None:

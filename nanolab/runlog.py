@@ -33,9 +33,8 @@ def iter_records(
 
     ``event`` keeps only records of that kind. A missing file yields nothing.
     """
-    try:
-        handle = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - generator
-    except (FileNotFoundError, NotADirectoryError):
+    handle = _open_log(path, "r")
+    if handle is None:
         return
     with handle:
         for line in handle:
@@ -60,9 +59,8 @@ def last_record(
     Long runs log hundreds of thousands of lines; resuming and ``nanolab report`` only need the
     tail, so this reads ``chunk`` bytes at a time from the end instead of parsing everything.
     """
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - closed below
-    except (FileNotFoundError, NotADirectoryError):
+    handle = _open_log(path, "rb")
+    if handle is None:
         return None
     with handle:
         handle.seek(0, os.SEEK_END)
@@ -84,6 +82,38 @@ def last_record(
                     and (where is None or where(record))
                 ):
                     return record
+    return None
+
+
+class RunLogReadError(NanolabError):
+    """A run log that is there but cannot be read (a folder in its place, no permission)."""
+
+
+def _open_log(path: str | os.PathLike[str], mode: str) -> IO[Any] | None:
+    """The log opened for reading; None when there is none (a run that has not started)."""
+    try:
+        if mode == "rb":
+            return open(path, "rb")
+        return open(path, encoding="utf-8", errors="replace")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:  # a folder in its place, no permission
+        raise RunLogReadError(
+            f"run log {path} cannot be read ({err.strerror}); move it out of the way or make "
+            "it a readable file"
+        ) from None
+
+
+def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
+    """The run directory ``path`` lies in (a folder up its tree holding a run log), or None.
+
+    A command that writes a file the user names (``eval --json``, ``report --plot``) refuses
+    such a path: a run's files are its own, and one slip of the shell would replace another
+    run's checkpoint or log.
+    """
+    for folder in Path(os.path.abspath(path)).parents:
+        if (folder / RUN_LOG_NAME).exists():
+            return folder
     return None
 
 

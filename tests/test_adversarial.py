@@ -377,6 +377,19 @@ def _checkpoints_replaced_by_a_file(ws: Workspace) -> None:
     (run / "checkpoints").write_text("not a folder")
 
 
+def _config_yaml_replaced_by_a_folder(ws: Workspace) -> None:
+    """A finished run whose config.yaml was replaced by a folder (a resume must not start)."""
+    run = ws.copy_run("base", "tiny")
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").mkdir()
+    (run / "config.yaml" / "keep.txt").write_text("kept")
+
+
+def _null_group_yaml(ws: Workspace) -> None:
+    ws.write("null_checkpoint.yaml", "checkpoint: null\n")
+    ws.write("null_steps.yaml", "trainer:\n  max_steps: null\n")
+
+
 def _users_folder(ws: Workspace) -> None:
     """A folder of the user's own files, and a text to prepare."""
     ws.write("in.txt", "some text to prepare\n" * 50)
@@ -481,6 +494,24 @@ def _tool_rows() -> list[Case]:
              "--rows must be >= 1", setup=_finished_runs),
         Case("fit-checkpoints-folder-is-a-file", FIT, EXIT_USAGE,
              "checkpoints is not a folder", setup=_checkpoints_replaced_by_a_file),
+        Case("fit-config.yaml-is-a-folder", FIT, EXIT_USAGE,
+             "config.yaml is a folder where the run keeps a file",
+             setup=_config_yaml_replaced_by_a_folder),
+        Case("fit-group-null-in-yaml", (*FIT, "--config", "{work}/null_checkpoint.yaml"),
+             EXIT_USAGE, "`checkpoint: null` gives the checkpoint group no settings",
+             setup=_null_group_yaml),
+        Case("fit-max_steps-null-in-yaml", (*FIT, "--config", "{work}/null_steps.yaml"),
+             EXIT_USAGE, "trainer.max_steps must be a positive number", setup=_null_group_yaml),
+        Case("queue-add-group-null-in-yaml",
+             ("queue", "add", "{cfg}", "{work}/null_checkpoint.yaml", "--db", "{work}/q.db"),
+             EXIT_USAGE,
+             "null_checkpoint.yaml: `checkpoint: null`", setup=_null_group_yaml),
+        Case("eval-json-into-another-runs-checkpoint",
+             ("eval", "{runs}/base", "--limit", "3", "--json",
+              "{runs}/shape3/checkpoints/last.ckpt"),
+             EXIT_USAGE, "is inside the run directory", setup=_finished_runs),
+        Case("report-plot-onto-a-folder", ("report", "{runs}", "--plot", "{work}"), EXIT_USAGE,
+             "is not a file name", setup=_finished_runs),
     ]
     if not torch.cuda.is_available():  # a machine without a GPU
         rows += [

@@ -113,6 +113,19 @@ def _check_writable(run_dir: Path) -> None:
         ) from None
 
 
+def _check_layout(run_dir: Path, log_name: str) -> None:
+    """The names the run writes are free or of the kind it writes (a folder named
+    ``config.yaml`` would otherwise fail the run at setup, after its checks passed)."""
+    for name, folder in ((CONFIG_NAME, False), (log_name, False), (CHECKPOINT_DIR, True)):
+        path = run_dir / name
+        if path.exists() and path.is_dir() != folder:
+            kind, want = ("a folder", "a file") if path.is_dir() else ("a file", "a folder")
+            raise RunDirError(
+                f"run directory {run_dir}: {name} is {kind} where the run keeps {want}; move it "
+                "out of the way, or choose another run.name"
+            )
+
+
 def claim_run_dir(
     run_dir: str | os.PathLike[str],
     config: dict[str, Any] | None,
@@ -130,6 +143,7 @@ def claim_run_dir(
     when ``fresh`` and ``resuming`` contradict each other, or when it is not writable.
     """
     run_dir = Path(run_dir)
+    _check_layout(run_dir, log_name)
     if fresh and resuming:
         raise RunDirError(
             "run.fresh: true starts the run over, but a checkpoint to resume from was given "

@@ -73,6 +73,15 @@ class PrepareError(NanolabError):
     """Input that cannot become a dataset; the message names it and the fix."""
 
 
+class OutputInUseError(PrepareError):
+    """The output folder holds something else: another dataset (``holds_dataset``) or files
+    that are not a dataset's. ``fit`` words its own fix from it (it has no ``--force``)."""
+
+    def __init__(self, message: str, holds_dataset: bool) -> None:
+        super().__init__(message)
+        self.holds_dataset = holds_dataset
+
+
 #: The files a prepared dataset folder holds (and all that ``--force`` may replace).
 DATASET_FILES = frozenset({"meta.json", "train.bin", "val.bin", "tokenizer.json"})
 
@@ -155,7 +164,9 @@ def prepare_dataset(
         )
     out_dir = Path(dataset_dir).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
-        raise PrepareError(f"-o {out_dir} is a file; give the path of a folder to create")
+        raise PrepareError(
+            f"dataset folder {out_dir} is a file; give the path of a folder to create"
+        )
     try:
         lock = out_dir.with_name(f".{out_dir.name}.lock")
         resolved = resolve_sources(sources, exclude=(out_dir, lock))  # -o inside an input
@@ -206,9 +217,10 @@ def prepare_dataset(
                 if existing
                 else "other files"
             )
-            raise PrepareError(
+            raise OutputInUseError(
                 f"{out_dir} already holds {what}; choose another output folder or pass --force "
-                "to replace it"
+                "to replace it",
+                holds_dataset=existing is not None,
             )
         for note in resolved.skipped:
             if not quiet:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -270,8 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise EstimateError("--gpu names a GPU; leave it out with --device cpu")
     if args.fragmentation is not None and not 0 <= args.fragmentation < 1:
         raise EstimateError(f"--fragmentation must be in [0, 1), got {args.fragmentation}")
-    if args.tokens is not None and args.tokens <= 0:
-        raise EstimateError(f"--tokens must be > 0, got {args.tokens}")
+    if args.tokens is not None and not 0 < args.tokens < math.inf:
+        raise EstimateError(f"--tokens must be a finite number > 0, got {args.tokens}")
+    price = args.usd_per_gpu_hour
+    if price is not None and not 0 <= price < math.inf:
+        raise EstimateError(f"--usd-per-gpu-hour must be a finite price >= 0, got {price}")
     est = estimate_from_config(
         compose(fit_args),
         gpu=args.gpu,

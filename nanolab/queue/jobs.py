@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,10 @@ def job_names(
 ) -> list[str]:
     """Run names: ``--name`` or ``<config stem>[-<key><value>...]``, plus ``-s<seed>`` per seed."""
     if name is not None:
-        if not name or "/" in name or name in (".", ".."):
-            raise JobConfigError(f"--name {name!r}: give a plain folder name (no '/')")
+        if not name.strip() or "/" in name or name in (".", "..") or not name.isprintable():
+            raise JobConfigError(
+                f"--name {name!r}: give a plain folder name (no '/' or control characters)"
+            )
         base = name
     else:
         parts = [config.stem] + [f"{k.rsplit('.', 1)[-1]}{v}" for k, v in sets]
@@ -101,14 +104,17 @@ def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> Par
     """Parse ``nanolab fit --config CONFIG ARGS`` with the real parser and check it can run."""
     from nanolab.run.parse import FitParseError, parse_fit_config
 
+    # The error names every config file of the job: the key at fault may be in any of them.
+    files = [str(config), *(b for a, b in pairwise(args) if a == "--config")]
+    where = " + ".join(files)
     try:
         cfg = parse_fit_config(["--config", str(config), *args, f"--run.name={run_name}"])
     except FitParseError as e:
-        raise JobConfigError(f"{config}: {e}") from None
+        raise JobConfigError(f"{where}: {e}") from None
     try:
         return _check(cfg, cwd)
     except (ValueError, TypeError) as e:  # RunConfigError, ConfigError: the key and the fix
-        raise JobConfigError(f"{config}: {e}") from None
+        raise JobConfigError(f"{where}: {e}") from None
 
 
 #: What ``trainer.devices: auto`` is for a queued job: the one device the runner gives it
@@ -261,12 +267,12 @@ def build_jobs(
     ``estimate(parsed) -> (seconds, how)`` and ``memory(parsed) -> (peak bytes, how)`` are the
     duration and memory predictions (:mod:`nanolab.queue.predict`); ``backfill`` marks the jobs
     low priority (they run on idle devices only and are preempted for other jobs)."""
-    if not config.is_file():
-        raise JobConfigError(f"config {config} does not exist")
+    for path in (config, *extra_configs):
+        if path.is_dir():
+            raise JobConfigError(f"config {path} is a folder; give a YAML file in it")
+        if not path.is_file():
+            raise JobConfigError(f"config {path} does not exist")
     config = config.resolve()
-    for extra in extra_configs:
-        if not extra.is_file():
-            raise JobConfigError(f"config {extra} does not exist")
     more = [a for extra in extra_configs for a in ("--config", str(extra.resolve()))]
     pairs = parse_sets(sets)
     seed_list = parse_seeds(seeds)

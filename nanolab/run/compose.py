@@ -19,7 +19,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.loggers import RunConfigWriter
-from nanolab.data.prepare import PrepareError
+from nanolab.data.prepare import OutputInUseError
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.training.parallelism import parse_strategy
@@ -191,18 +191,18 @@ def data_vocab(data: Any) -> int | None:
         vocab = data.vocab_size
     except AttributeError:
         return None
-    except PrepareError as err:
-        from nanolab.data.checks import DataCheckError
-
-        if "--force" not in str(err) or isinstance(err, DataCheckError):
-            raise  # a damaged dataset names its own fix
-        # prepare's "already holds another dataset ... pass --force": fit has no --force.
+    except OutputInUseError as err:  # fit has no --force: its own fix, keyed by data.*
+        where = f"data.dataset_dir {data.dataset_dir}"
+        if not err.holds_dataset:
+            raise RunConfigError(
+                f"{where} holds files that are not a dataset; fit prepares data.source only "
+                "into a new or empty folder: choose another --data.dataset_dir"
+            ) from None
         raise RunConfigError(
-            f"data.dataset_dir {data.dataset_dir} already holds a dataset prepared from other "
-            "sources or settings than data.source/data.tokenizer, and fit never overwrites "
-            f"one: train on it as it is with --data.source null, choose another "
-            f"--data.dataset_dir, or replace it with `nanolab prepare <sources> -o "
-            f"{data.dataset_dir} --force`"
+            f"{where} already holds a dataset prepared from other sources or settings than "
+            "data.source/data.tokenizer, and fit never overwrites one: train on it as it is "
+            "with --data.source null, choose another --data.dataset_dir, or replace it with "
+            f"`nanolab prepare <sources> -o {data.dataset_dir} --force`"
         ) from None
     return None if vocab is None else int(vocab)
 

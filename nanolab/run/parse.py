@@ -151,6 +151,12 @@ def check_config_files(argv: list[str]) -> None:
                 f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
                 f"got a {type(data).__name__}"
             )
+        for group in ("run", "trainer", "model", "data", *run_callbacks()):
+            if group in data and data[group] is None:
+                raise RunConfigError(
+                    f"config file {path}: `{group}: null` gives the {group} group no settings; "
+                    f"leave it out to keep its defaults, or give its keys (`{group}: {{...}}`)"
+                )
         plugins += class_paths_in_config(data)
     try:
         check_importable(plugins)

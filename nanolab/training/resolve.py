@@ -203,6 +203,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     import yaml
 
     p = Path(path)
+    if p.is_dir():
+        raise RunConfigError(f"config file {str(path)!r} is a folder; give a YAML file in it")
     if not p.is_file():
         raise RunConfigError(f"config file {str(path)!r} does not exist")
     try:
@@ -357,11 +359,12 @@ def check_run_name(name: Any) -> None:
         or text in (".", "..")
         or "/" in text
         or "\\" in text
-        or "\0" in text
+        or not text.isprintable()  # a newline or tab would break every table of runs
         or Path(text).is_absolute()
     ):
         raise RunConfigError(
-            f"run.name {text!r}: give a plain folder name (no '/', not empty, '.' or '..'); "
+            f"run.name {text!r}: give a plain folder name (no '/' or control characters, not "
+            "empty, '.' or '..'); "
             "the run directory is run.root/run.name, set run.root to put it elsewhere"
         )
 
@@ -375,7 +378,7 @@ def check_max_steps(max_steps: Any) -> None:
     ):
         raise RunConfigError(
             f"trainer.max_steps must be a positive number of optimizer steps (or -1: no limit, "
-            f"stop on a budget), got {max_steps!r}"
+            f"stop on a budget), got {'null' if max_steps is None else repr(max_steps)}"
         )
 
 
@@ -579,7 +582,7 @@ def resolve(
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise RunConfigError(f"run.eval_every_steps must be >= 1, got {eval_every!r}")
     max_steps = trainer.get("max_steps")  # absent only in a raw YAML (the estimator's input)
-    if max_steps is not None:
+    if "max_steps" in trainer:  # given, even as null: Lightning would fail on null mid-start
         check_max_steps(max_steps)
     name = run.get("name")
     run_dir = None

@@ -1,0 +1,207 @@
+"""Inputs a review found slipping through: each is now one error line, and nothing is written.
+
+In-process and fast (no Lightning start-up per case); the same inputs run end to end as rows of
+``tests/test_adversarial.py`` under ``pytest -m slow``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides, write_config
+
+from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+from nanolab.data.prepare import OutputInUseError, prepare_dataset
+from nanolab.errors import RunConfigError
+from nanolab.eval_tasks import EvalArgumentError, check_json_target
+from nanolab.queue.jobs import JobConfigError, job_names, parse_config
+from nanolab.run.parse import FitParseError, parse_fit_config
+from nanolab.runlog import RunLogReadError, read_records, run_dir_holding
+from nanolab.training.resolve import check_run_name
+
+
+def _fake_run(root: Path, name: str) -> Path:
+    """A run directory as fit leaves it: a run log, a config and a checkpoint."""
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n')
+    (run / "config.yaml").write_text("trainer: {max_steps: 6}\n")
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    return run
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+# -- files a command is asked to write ------------------------------------------------------
+def test_run_dir_holding_finds_the_run_a_path_lies_in(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path / "runs", "B")
+    assert run_dir_holding(run / "checkpoints" / "last.ckpt") == run
+    assert run_dir_holding(run / "metrics.jsonl") == run
+    assert run_dir_holding(tmp_path / "runs" / "B.json") is None
+    assert run_dir_holding(tmp_path / "out.json") is None
+
+
+@pytest.mark.parametrize(
+    ("target", "problem"),
+    [
+        ("runs/B/checkpoints/last.ckpt", "is inside the run directory"),
+        ("runs/B/metrics.jsonl", "is inside the run directory"),
+        ("runs/B/new.json", "is inside the run directory"),
+        ("notes.txt", "is not an earlier `nanolab eval --json` result"),
+        ("", "--json is empty"),
+        ("runs", "is a folder"),
+    ],
+)
+def test_eval_json_never_replaces_another_runs_or_a_users_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, problem: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    _fake_run(tmp_path / "runs", "B")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    before = _digest(tmp_path)
+    with pytest.raises(EvalArgumentError, match=problem):
+        check_json_target(target)
+    assert _digest(tmp_path) == before
+
+
+def test_eval_json_may_replace_its_own_earlier_output(tmp_path: Path) -> None:
+    out = tmp_path / "tasks.json"
+    assert check_json_target(str(out)) == out  # a new file
+    out.write_text(json.dumps({"event": "tasks", "evaluated_by": "nanolab eval", "step": 6}))
+    assert check_json_target(str(out)) == out
+    out.write_text(json.dumps({"event": "tasks", "step": 6}))  # looks alike, not ours
+    with pytest.raises(EvalArgumentError, match="not an earlier"):
+        check_json_target(str(out))
+
+
+@pytest.mark.parametrize(
+    ("plot", "problem"),
+    [
+        ("{tmp}", "is not a file name"),
+        ("", "is not a file name"),
+        ("loss.txt", "matplotlib cannot write .txt"),
+        ("loss", "a file without a suffix"),
+        ("{tmp}/runs/B/loss.png", "is inside the run directory"),
+    ],
+)
+def test_report_plot_names_a_bad_file_before_reading_runs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    plot: str,
+    problem: str,
+) -> None:
+    from nanolab.report import main
+
+    monkeypatch.chdir(tmp_path)
+    _fake_run(tmp_path / "runs", "B")
+    before = _digest(tmp_path)
+    assert main([str(tmp_path / "runs"), "--plot", plot.format(tmp=tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # refused before the table is printed
+    assert problem in out.err and len(out.err.strip().splitlines()) == 1
+    assert _digest(tmp_path) == before
+
+
+# -- config values that crashed a run after its checks ----------------------------------------
+@pytest.mark.parametrize("group", ["checkpoint", "preemption", "run", "trainer", "notify"])
+def test_a_group_set_to_null_in_yaml_is_one_line(tmp_path: Path, group: str) -> None:
+    path = tmp_path / "null.yaml"
+    path.write_text(f"{group}: null\n")
+    with pytest.raises(FitParseError, match=rf"`{group}: null` gives the {group} group no"):
+        parse_fit_config(["--config", str(path)])
+
+
+def test_max_steps_null_is_refused_by_fit_estimate_and_queue_alike(
+    tmp_path: Path, char_dataset: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One resolver: the null is named the same way by every entry point, with both files."""
+    from nanolab.estimator.cli import main as estimate
+
+    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    null = tmp_path / "null_steps.yaml"
+    null.write_text("trainer: {max_steps: null}\n")
+    problem = "trainer.max_steps must be a positive number of optimizer steps"
+    assert estimate(["--config", str(base), "--config", str(null), "--device", "cpu"]) == 2
+    assert problem in capsys.readouterr().err
+    with pytest.raises(JobConfigError) as err:
+        parse_config(base, ["--config", str(null)], "q", tmp_path)
+    assert str(err.value).startswith(f"{base} + {null}: {problem}"), err.value
+
+
+def test_run_and_job_names_with_control_characters_are_refused() -> None:
+    for name in ("a\nb", "tab\there", "bell\a"):
+        with pytest.raises(RunConfigError, match="control characters"):
+            check_run_name(name)
+    with pytest.raises(JobConfigError, match="control characters"):
+        job_names(Path("c.yaml"), "a\nb", [], None)
+    with pytest.raises(JobConfigError, match="plain folder name"):
+        job_names(Path("c.yaml"), "   ", [], None)
+    check_run_name("ablation-é 2")  # printable, not ASCII: fine
+
+
+# -- run directories and data folders with the wrong thing in them ----------------------------
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
+def test_a_folder_in_place_of_a_run_file_is_refused_before_the_run(
+    tmp_path: Path, name: str
+) -> None:
+    run = _fake_run(tmp_path, "r")
+    (run / name).unlink()
+    (run / name).mkdir()
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(RunDirError, match=f"{name} is a folder where the run keeps a file"):
+        claim_run_dir(run, {"a": 1}, resuming=True)
+    assert sorted(p.name for p in run.iterdir()) == before  # no temp file, nothing moved
+
+
+def test_a_run_log_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(RunLogReadError, match="cannot be read"):
+        read_records(tmp_path / "metrics.jsonl")
+    assert read_records(tmp_path / "absent.jsonl") == []  # not started: simply no records
+
+
+def test_prepare_says_whether_the_folder_holds_a_dataset_or_other_files(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    corpus = tmp_path / "in.txt"
+    corpus.write_text("a small corpus of its own\n" * 400)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep\n")
+    with pytest.raises(OutputInUseError, match="other files") as err:
+        prepare_dataset([str(corpus)], tmp_path / "mine", "chars", quiet=True)
+    assert not err.value.holds_dataset
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep\n"
+    with pytest.raises(OutputInUseError, match="a dataset of other sources") as err:
+        prepare_dataset([str(corpus)], char_dataset, "chars", quiet=True)
+    assert err.value.holds_dataset
+
+
+# -- statistics -------------------------------------------------------------------------------
+def test_welch_on_seeds_that_agree_to_many_digits_is_quiet_and_matches_scipy() -> None:
+    pytest.importorskip("scipy")
+    from scipy import stats
+
+    from nanolab.stats import welch
+
+    a, b = [2.5000001, 2.5000002, 2.5000001], [2.5000003, 2.5000001, 2.5000004]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = welch(a, b).p_value
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert p == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue, rel=1e-6)
+    a, b = [1.1, 0.9, 1.05, 0.97], [1.2, 1.35, 1.1]
+    assert welch(a, b).p_value == pytest.approx(
+        stats.ttest_ind(a, b, equal_var=False).pvalue, rel=1e-9
+    )
