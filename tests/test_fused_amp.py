@@ -1,0 +1,159 @@
+"""Fused AdamW under every precision, with and without clipping: the path CUDA takes, on CPU.
+
+On a GPU ``model.optimizer.fused: null`` means torch's fused AdamW, and the GPT-2 recipes clip
+at 1.0 under ``bf16-mixed``. torch runs the same fused kernel on CPU, so every test here takes
+that path for real: a Lightning fit of the tiny GPT with ``fused=True``, against the same fit with
+the per-tensor (``foreach``) AdamW. fp16 needs a real ``GradScaler("cpu")`` passed on purpose
+(Lightning turns ``precision="16-mixed"`` into bf16 on a CPU).
+
+Tolerance: the two AdamW kernels round differently in the last bits, so after 4 steps the
+weights agree to ``atol=1e-5, rtol=1e-4`` (measured differences are below 2e-6 in fp32 and
+bf16, 1e-5 under fp16's rounding of the scaled loss).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from nanolab.callbacks.jsonl import gradient_norm
+from nanolab.data.datamodule import TokenDataModule
+from nanolab.model import GPTConfig
+from nanolab.runlog import read_records
+from nanolab.training.module import GPTLightningModule
+from nanolab.training.optim import OptimizerConfig
+
+PRECISIONS = ("32-true", "bf16-mixed", "fp16")
+CLIP = 0.05  # well below the tiny GPT's gradient norm at lr 3e-3 (about 1-3): always active
+
+
+class NormProbe(L.Callback):
+    """The gradient norm where the run log reads it (``on_before_optimizer_step``) and the one
+    the optimizer stepped with (a step post-hook: the gradients after the clip and any
+    unscaling, still in place until the module frees them after the step)."""
+
+    def __init__(self) -> None:
+        self.logged: list[float] = []
+        self.stepped: list[float] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def after_step(optimizer, args, kwargs) -> None:
+            grads = [
+                p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+            ]
+            self.stepped.append(
+                float(
+                    torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                    )
+                )
+            )
+
+        trainer.optimizers[0].register_step_post_hook(after_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.logged.append(float(gradient_norm(pl_module)))
+
+
+def _fit(data, root, precision: str, fused: bool, clip: float, steps: int = 4, name: str = "adamw"):
+    L.seed_everything(0)
+    model = GPTLightningModule(
+        gpt=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0),
+        optimizer=OptimizerConfig(name=name, lr=3e-3, fused=fused),
+    )
+    dm = TokenDataModule(dataset_dir=str(data), micro_batch_size=4, block_size=32)
+    if precision == "fp16":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        precision_args = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    else:
+        precision_args = {"precision": precision}
+    probe = NormProbe()
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, gradient_clip_val=clip,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=root, use_distributed_sampler=False,
+        callbacks=[probe], **precision_args,
+    )  # fmt: skip
+    trainer.fit(model, dm)
+    return model, trainer, probe
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("clip", [CLIP, 0.0], ids=["clip", "noclip"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fused_adamw_trains_like_the_unfused_one(char_dataset, tmp_path, precision, clip):
+    """Mutations caught: dropping the clip for fused optimizers (weights differ, the stepped
+    norm exceeds CLIP); not unscaling before the hooks under fp16 (the logged norm is x65536);
+    unscaling twice (the update is 65536x too small, weights differ)."""
+    fused, trainer, fused_probe = _fit(char_dataset, tmp_path / "f", precision, True, clip)
+    assert trainer.optimizers[0].defaults["fused"] is True
+    plain, _, plain_probe = _fit(char_dataset, tmp_path / "p", precision, False, clip)
+    a, b = _weights(fused), _weights(plain)
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5, rtol=1e-4), key
+    assert len(fused_probe.logged) == len(plain_probe.logged) == 4
+    assert fused_probe.logged == pytest.approx(plain_probe.logged, rel=1e-3)
+    assert max(fused_probe.logged) < 100  # true gradients, not loss-scaled ones
+    if clip:
+        assert min(fused_probe.logged) > 4 * CLIP  # the clip had work to do...
+        assert max(fused_probe.stepped) <= CLIP * (1 + 1e-4)  # ...and the optimizer saw it done
+    else:
+        assert fused_probe.stepped == pytest.approx(fused_probe.logged, rel=1e-5)
+
+
+def test_an_fp16_overflow_still_skips_the_fused_step(char_dataset, tmp_path):
+    """Unscaling early must keep GradScaler's inf check: a scale that overflows fp16 makes the
+    first steps skip (weights unchanged, scale halved), then training proceeds."""
+    L.seed_everything(0)
+    model = GPTLightningModule(
+        gpt=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0),
+        optimizer=OptimizerConfig(lr=3e-3, fused=True),
+    )
+    dm = TokenDataModule(
+        dataset_dir=str(data_dir := char_dataset), micro_batch_size=4, block_size=32
+    )
+    assert data_dir.is_dir()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # loss x 2^40 overflows fp16
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", devices=1, logger=False, gradient_clip_val=1.0,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=tmp_path, use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.fit(model, dm)
+    before = _weights(model)
+    assert scaler.get_scale() < 2.0**40  # the overflow was found and the scale backed off
+    state = trainer.optimizers[0].state
+    assert all(float(s["step"]) == 0 for s in state.values())  # and the step was skipped
+    assert all(torch.isfinite(v).all() for v in before.values())
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw8bit"])
+def test_other_optimizers_clip_under_bf16(char_dataset, tmp_path, name):
+    """Muon (its AdamW part fused) and 8-bit AdamW under bf16 with clipping: they train and the
+    optimizer steps on clipped gradients."""
+    if name == "adamw8bit":
+        pytest.importorskip("bitsandbytes")
+    model, _, probe = _fit(char_dataset, tmp_path, "bf16-mixed", True, CLIP, steps=3, name=name)
+    assert max(probe.stepped) <= CLIP * (1 + 1e-3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_issue_reproduction_trains_through_the_cli(char_dataset, tmp_path):
+    """``fit`` with bf16-mixed, fused AdamW and the quickstart's clip at 1.0: 3 steps, a finite
+    loss, exit 0 (it stopped at step 1 before)."""
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    res = run_nanolab(
+        "fit", "--config", str(QUICKSTART), "--config", str(cfg), "--trainer.max_steps", "3",
+        "--trainer.precision", "bf16-mixed", "--model.optimizer.fused", "true", cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    train = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["loss"] is not None and r["grad_norm"] is not None for r in train)
