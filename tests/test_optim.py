@@ -227,6 +227,42 @@ def test_muon_is_refused_where_parameters_are_sharded():
             check_setup(Setup(gpt=TINY, devices=2, strategy=strategy, optimizer="muon"))
 
 
+def test_adamw8bit_is_refused_under_fsdp2_and_not_recommended_there():
+    """bitsandbytes' kernels take plain tensors; FSDP2 hands DTensors ("got mixed torch.Tensor
+    and DTensor" at the first step). Refused in one line by the resolver and the estimator, and
+    ``estimate`` no longer offers 8-bit AdamW as a memory switch under FSDP2 (it still does
+    under DDP and DeepSpeed without offload).
+
+    Mutation caught: ``dtensor=False`` dropped from adamw8bit's registration.
+    """
+    from nanolab.estimator.recommend import candidate_switches
+    from nanolab.training.resolve import RunConfigError, resolve
+
+    with pytest.raises(EstimateError, match="'adamw8bit' cannot step FSDP2's DTensor shards"):
+        check_setup(Setup(gpt=TINY, devices=2, strategy=Strategy("fsdp2"), optimizer="adamw8bit"))
+    check_setup(Setup(gpt=TINY, devices=2, strategy=Strategy("ddp"), optimizer="adamw8bit"))
+    cfg = {
+        "model": {"gpt": {"vocab_size": 65, "block_size": 32}, "optimizer": {"name": "adamw8bit"}},
+        "trainer": {
+            "strategy": {"class_path": "nanolab.training.strategies.FSDP2Strategy"},
+            "devices": 2,
+        },
+    }
+    with pytest.raises(RunConfigError) as err:
+        resolve(cfg, visible_gpus=0)
+    assert "\n" not in str(err.value) and "FSDP2's DTensor" in str(err.value)
+
+    def names(strategy: Strategy) -> list[str]:
+        setup = Setup(gpt=TINY, devices=2, strategy=strategy)
+        return [s.name for s in candidate_switches(setup)]
+
+    assert not any("8-bit" in n for n in names(Strategy("fsdp2")))
+    assert "8-bit AdamW" in names(Strategy("ddp"))
+    on_8bit = Setup(gpt=TINY, devices=2, strategy=Strategy("ddp"), optimizer="adamw8bit")
+    fsdp2 = next(s for s in candidate_switches(on_8bit) if s.name == "FSDP2")
+    assert fsdp2.setup.optimizer == "adamw" and "optimizer.name: adamw" in fsdp2.yaml
+
+
 # -- the estimator --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "precision,dtype", [("32-true", torch.float32), ("bf16-true", torch.bfloat16)]

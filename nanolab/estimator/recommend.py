@@ -128,8 +128,11 @@ def candidate_switches(setup: Setup) -> list[Switch]:
     if setup.optimizer == "muon":
         # Muon is another algorithm than 8-bit AdamW and needs whole matrices (no sharding).
         return out
+    from nanolab.training.optim import strategy_refusal
+
     deepspeed_offload = s.kind == "deepspeed" and s.offload_optimizer
-    if setup.optimizer != "adamw8bit" and not deepspeed_offload:
+    eight_bit_runs = strategy_refusal("adamw8bit", s.kind) is None
+    if setup.optimizer != "adamw8bit" and not deepspeed_offload and eight_bit_runs:
         add("8-bit AdamW", "model.optimizer.name: adamw8bit", replace(setup, optimizer="adamw8bit"))
         if not gpt.gradient_checkpointing:
             yaml = "gradient_checkpointing: true, optimizer.name: adamw8bit"
@@ -145,7 +148,11 @@ def candidate_switches(setup: Setup) -> list[Switch]:
             yaml = (
                 "trainer.strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy}"
             )
-            add("FSDP2", yaml, replace(setup, strategy=Strategy("fsdp2")))
+            fsdp2 = replace(setup, strategy=Strategy("fsdp2"))
+            if strategy_refusal(setup.optimizer, "fsdp2") is not None:  # 8-bit AdamW
+                fsdp2 = replace(fsdp2, optimizer="adamw")
+                yaml += ", model.optimizer.name: adamw"
+            add("FSDP2", yaml, fsdp2)
     for stage, name in ((2, "deepspeed_stage_2_offload"), (3, "deepspeed_stage_3_offload")):
         if s.kind == "deepspeed" and s.offload_optimizer and s.zero_stage >= stage:
             continue

@@ -256,11 +256,11 @@ def check_setup(setup: Setup) -> None:
     s = setup.strategy
     if s.kind == "deepspeed" and setup.optimizer == "adamw8bit" and s.offload_optimizer:
         raise EstimateError("DeepSpeed optimizer offload runs its own CPU Adam; use name: adamw")
-    if setup.optimizer == "muon" and s.kind in ("fsdp1", "fsdp2", "deepspeed"):
-        raise EstimateError(
-            "model.optimizer.name 'muon' needs whole weight matrices on every device, but "
-            f"{s.describe()} shards them; use trainer.strategy ddp (or auto), or name adamw"
-        )
+    from nanolab.training.optim import strategy_refusal
+
+    why = strategy_refusal(setup.optimizer, s.kind, s.describe())
+    if why:
+        raise EstimateError(why)
     if setup.global_batch_tokens is None:
         return
     per_seq = setup.gpt.block_size * setup.world_size

@@ -37,18 +37,49 @@ class OptimizerSpec:
         build: ``(model, OptimizerConfig, device) -> torch.optim.Optimizer``.
         shardable: Its update is elementwise, so it runs on FSDP/DeepSpeed shards of a parameter.
             Muon's Newton-Schulz iteration needs each whole matrix, so Muon is not.
+        dtensor: It steps FSDP2's shards, which are ``DTensor``s. bitsandbytes' 8-bit kernels
+            take plain tensors only ("got mixed torch.Tensor and DTensor" at the first step).
     """
 
     name: str
     build: Builder
     shardable: bool = True
+    dtensor: bool = True
+
+
+#: Strategy kinds (:func:`nanolab.training.parallelism.parse_strategy`) that shard parameters.
+SHARDING_KINDS = ("fsdp1", "fsdp2", "deepspeed")
+
+
+def strategy_refusal(name: str, kind: str, strategy_label: str | None = None) -> str | None:
+    """Why optimizer ``name`` cannot run under a strategy of ``kind``, as the one-line error the
+    resolver, the estimator and the optimizer builder all give; ``None`` when it can (or when
+    the name is unknown: that has its own error)."""
+    spec = OPTIMIZERS.get(name)
+    label = strategy_label or kind
+    if spec is None or kind not in SHARDING_KINDS:
+        return None
+    if not spec.shardable:
+        return (
+            f"model.optimizer.name {name!r} needs whole weight matrices on every device, but "
+            f"trainer.strategy ({label}) shards them; use trainer.strategy ddp (or auto), or "
+            "name adamw"
+        )
+    if kind == "fsdp2" and not spec.dtensor:
+        return (
+            f"model.optimizer.name {name!r} cannot step FSDP2's DTensor shards; use "
+            "trainer.strategy ddp or deepspeed, or name adamw"
+        )
+    return None
 
 
 #: Every optimizer ``model.optimizer.name`` can select, by name.
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
 
-def register_optimizer(name: str, *, shardable: bool = True) -> Callable[[Any], Any]:
+def register_optimizer(
+    name: str, *, shardable: bool = True, dtensor: bool = True
+) -> Callable[[Any], Any]:
     """Class or function decorator: make ``name`` a valid ``model.optimizer.name``.
 
     A builder function gets ``(model, cfg, device)`` and returns the optimizer. A
@@ -61,7 +92,7 @@ def register_optimizer(name: str, *, shardable: bool = True) -> Callable[[Any], 
         known = OPTIMIZERS.get(name)
         if known is not None and _origin(known.build) != _origin(obj):
             raise ValueError(f"optimizer {name!r} is already registered by {_origin(known.build)}")
-        OPTIMIZERS[name] = OptimizerSpec(name, build, shardable)
+        OPTIMIZERS[name] = OptimizerSpec(name, build, shardable, dtensor)
         return obj
 
     return decorate
@@ -258,11 +289,11 @@ def build_optimizer(
     a shard of each parameter on this device (refused for an optimizer that needs whole ones).
     """
     spec = optimizer_spec(cfg.name)
-    if sharded and not spec.shardable:
-        raise ConfigError(
-            f"model.optimizer.name {cfg.name!r} needs whole weight matrices on every device, "
-            "but FSDP/DeepSpeed shard them; use trainer.strategy ddp (or auto), or name adamw"
-        )
+    if sharded:
+        kind = "fsdp2" if _has_dtensors(model) else "deepspeed"
+        why = strategy_refusal(cfg.name, kind, "FSDP/DeepSpeed")
+        if why:
+            raise ConfigError(why)
     if cpu_offload:
         if cfg.name != "adamw":
             raise ConfigError(
@@ -286,7 +317,13 @@ def build_adamw(model: nn.Module, cfg: OptimizerConfig, device: torch.device):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None)
 
 
-@register_optimizer("adamw8bit")
+def _has_dtensors(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@register_optimizer("adamw8bit", dtensor=False)
 def build_adamw8bit(model: nn.Module, cfg: OptimizerConfig, device: torch.device):
     """bitsandbytes AdamW8bit: block-wise 8-bit moments for tensors of >= 4096 elements."""
     try:

@@ -402,28 +402,22 @@ def check_model_settings(model_args: Mapping[str, Any]) -> None:
 def _check_optimizer_fits_strategy(
     model_args: Mapping[str, Any], strategy: Any, world: int
 ) -> None:
-    """An optimizer that needs whole weight matrices (Muon) under a strategy that shards them is
-    refused here, before a run folder is made, rather than when the optimizer is built on every
-    rank."""
+    """An optimizer that cannot step the shards a strategy makes (Muon needs whole matrices,
+    8-bit AdamW plain tensors) is refused here, before a run folder is made, rather than when
+    the optimizer is built on every rank."""
     optimizer = model_args.get("optimizer")
     name = optimizer.get("name") if isinstance(optimizer, Mapping) else None
     if not isinstance(name, str):
         return
-    from nanolab.training.optim import OPTIMIZERS
+    from nanolab.training.optim import strategy_refusal
 
-    spec = OPTIMIZERS.get(name)
-    if spec is None or spec.shardable:
-        return  # an unknown name is refused by check_model_settings with the list of names
     try:
         kind = parse_strategy(strategy, world).kind
     except RunConfigError:
         return  # a strategy of the user's own: the optimizer's build-time check decides
-    if kind in ("fsdp1", "fsdp2", "deepspeed"):
-        raise RunConfigError(
-            f"model.optimizer.name {name!r} needs whole weight matrices on every device, but "
-            f"trainer.strategy ({kind}) shards them; use trainer.strategy ddp (or auto), or "
-            "name adamw"
-        )
+    why = strategy_refusal(name, kind)
+    if why:
+        raise RunConfigError(why)
 
 
 # -- the resolver ------------------------------------------------------------------------------
