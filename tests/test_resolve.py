@@ -86,6 +86,17 @@ def test_run_micro_batch_wins_and_auto_waits_for_the_caller() -> None:
         # The data's windows follow the model's context: another value is refused, not replaced.
         ({"data": {"block_size": 64}}, None, "data.block_size (64) differs from model.gpt"),
         (
+            {
+                "trainer": {
+                    "precision": "16-mixed",
+                    "strategy": {"class_path": "nanolab.training.strategies.FSDP2Strategy"},
+                }
+            },
+            None,
+            "trainer.precision 16-mixed cannot run under FSDP2 (it has no fp16 loss scaler); use "
+            "bf16-mixed, or trainer.strategy ddp or deepspeed for 16-mixed",
+        ),
+        (
             {"model": {"optimizer": {"name": "muon"}}, "trainer": {"strategy": "fsdp"}},
             None,
             "model.optimizer.name 'muon' needs whole weight matrices on every device, but "

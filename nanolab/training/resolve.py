@@ -420,6 +420,28 @@ def _check_optimizer_fits_strategy(
         raise RunConfigError(why)
 
 
+#: Precisions Lightning's ModelParallelStrategy (nanolab's FSDP2) accepts: it has no fp16 loss
+#: scaler, so ``16-mixed`` is a ValueError inside Trainer() after the run folder exists.
+FSDP2_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+
+
+def _check_precision_fits_strategy(precision: Any, strategy: Any, world: int) -> None:
+    """FSDP2 with a precision it cannot run (fp16 with loss scaling) is refused before the run."""
+    if precision is None:
+        return
+    try:
+        kind = parse_strategy(strategy, world).kind
+    except RunConfigError:
+        return
+    name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if kind == "fsdp2" and name not in FSDP2_PRECISIONS:
+        raise RunConfigError(
+            f"trainer.precision {name} cannot run under FSDP2 (it has no fp16 loss scaler); use "
+            "bf16-mixed, or trainer.strategy ddp or deepspeed for 16-mixed"
+        )
+
+
 # -- the resolver ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Resolved:
@@ -527,6 +549,7 @@ def resolve(
     )
     world = per_node * nodes
     _check_optimizer_fits_strategy(model_args, trainer.get("strategy"), world)
+    _check_precision_fits_strategy(trainer.get("precision"), trainer.get("strategy"), world)
 
     gpt = dict(model_args.get("gpt") or {}) if "gpt" in model_args else None
     if gpt is not None:
