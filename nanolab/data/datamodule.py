@@ -204,7 +204,8 @@ class TokenDataModule(L.LightningDataModule):
             one does not change the other).
         num_workers: DataLoader worker processes. 0 loads in the training process, which is
             fastest for small models on CPU; 2-4 hides disk latency on GPUs.
-        pin_memory: Page-locked host batches for faster copies; ``null`` = on when CUDA is.
+        pin_memory: Page-locked host batches for faster copies; ``null`` = on when the run
+            trains on a CUDA/ROCm device.
         prefetch_factor: Batches each worker prepares ahead (only with workers).
         datasets: A mixture instead of one folder: prepared folders with weights, e.g.
             ``[{path: data/web, weight: 0.8}, {path: data/code, weight: 0.2}]`` (an optional
@@ -492,7 +493,7 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
-        pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
+        pin = pins_memory(self.pin_memory, self.trainer)
         workers = self.num_workers
         return DataLoader(
             dataset,
@@ -660,6 +661,17 @@ def consumed_micro_batches(trainer: Any) -> int:
     if trainer is None:
         return 0
     return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+
+
+def pins_memory(setting: bool | None, trainer: Any) -> bool:
+    """Whether the loaders page-lock their batches: ``setting`` when given; otherwise when the
+    run trains on a CUDA/ROCm device (the trainer's root device), not merely when the host has
+    one: a CPU run on a GPU host neither pins nor touches CUDA."""
+    if setting is not None:
+        return bool(setting)
+    strategy = getattr(trainer, "strategy", None)
+    device = getattr(strategy, "root_device", None)
+    return getattr(device, "type", None) == "cuda"
 
 
 def rank_world(trainer: Any) -> tuple[int, int]:

@@ -39,6 +39,7 @@ from nanolab.data.checks import DataChangedError
 from nanolab.data.datamodule import (
     EvalScale,
     check_window_sizes,
+    pins_memory,
     rank_world,
     resumable_sampler,
 )
@@ -150,7 +151,7 @@ class WindowDataModule(L.LightningDataModule):
             sampler=sampler,
             batch_size=None,  # the sampler yields whole micro-batches of window numbers
             num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=pins_memory(None, self.trainer),
             persistent_workers=self.num_workers > 0,
         )
 

@@ -328,14 +328,24 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], cuda: Any = torch.cuda) -> None:
+    """Put back what :func:`capture_rng_state` saved.
+
+    The CUDA states are one per GPU the saving process saw; a resume may see fewer (an 8-GPU
+    run resumed on 1, a queue job given other GPUs) or more. Device ``i`` takes saved state
+    ``i`` where both exist; devices without a saved state keep their seeded state.
+    ``cuda`` is the device module (``torch.cuda``; a test passes a stand-in with
+    ``is_available``, ``device_count`` and ``set_rng_state``).
+    """
     torch.set_rng_state(state["torch"])
     version, *rest = state["python"]
     random.setstate((version, tuple(rest[0]), rest[1]))
     kind, keys, *tail = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), *tail))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda") or []
+    if saved and cuda.is_available():
+        for index in range(min(len(saved), cuda.device_count())):
+            cuda.set_rng_state(saved[index], index)
 
 
 def shards_parameters(strategy: Any) -> bool:

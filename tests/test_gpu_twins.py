@@ -1,0 +1,70 @@
+"""CPU twins of branches that behave differently when CUDA is present (docs/architecture.md,
+"GPU-only branches"): each runs the code a GPU run takes, on CPU, by forcing the setting or
+through a seam that takes a stand-in device object."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from nanolab.data.datamodule import TokenDataModule, pins_memory
+from nanolab.training.module import capture_rng_state, restore_rng_state
+
+
+class FakeCuda:
+    """A stand-in for ``torch.cuda`` with ``count`` visible devices that records what each
+    device's generator was given."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.states: dict[int, torch.Tensor] = {}
+
+    def is_available(self) -> bool:
+        return self.count > 0
+
+    def device_count(self) -> int:
+        return self.count
+
+    def set_rng_state(self, state: torch.Tensor, device: int) -> None:
+        if device >= self.count:
+            raise IndexError(f"device {device} of {self.count}")
+        self.states[device] = state
+
+
+@pytest.mark.parametrize(("saved", "visible"), [(8, 1), (2, 2), (2, 4), (1, 0)])
+def test_cuda_rng_states_restore_onto_the_devices_now_visible(saved, visible):
+    """An 8-GPU checkpoint resumed on 1 GPU (or a queue job given other GPUs): device i takes
+    saved state i where both exist, the rest keep their seed. Mutation caught: restoring with
+    ``set_rng_state_all`` (IndexError with fewer devices visible)."""
+    state = capture_rng_state()
+    cuda_states = [torch.full((16,), i, dtype=torch.uint8) for i in range(saved)]
+    cuda = FakeCuda(visible)
+    restore_rng_state({**state, "cuda": cuda_states}, cuda=cuda)
+    assert sorted(cuda.states) == list(range(min(saved, visible)))
+    for i, got in cuda.states.items():
+        assert torch.equal(got, cuda_states[i])
+
+
+def _trainer_on(device: str) -> SimpleNamespace:
+    return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+
+
+def test_pin_memory_follows_the_setting_and_the_run_device(char_dataset):
+    """``data.pin_memory`` is obeyed; ``null`` pins only when the run's device is CUDA (not when
+    the host merely has one). The DataLoader a CUDA run builds is built here with the same
+    decision, through the trainer the data module is attached to."""
+    assert pins_memory(False, _trainer_on("cuda")) is False
+    assert pins_memory(True, _trainer_on("cpu")) is True
+    assert pins_memory(None, _trainer_on("cuda")) is True
+    assert pins_memory(None, _trainer_on("cpu")) is False
+    assert pins_memory(None, None) is False
+    for setting, expected in ((None, False), (False, False)):
+        dm = TokenDataModule(
+            dataset_dir=str(char_dataset), micro_batch_size=4, block_size=32, pin_memory=setting
+        )
+        dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+        dm.setup("fit")
+        assert dm.train_dataloader().pin_memory is expected
