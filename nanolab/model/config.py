@@ -47,8 +47,7 @@ class GPTConfig:
             the B x H x T x T score matrix (useful as a reference and for the memory estimator);
             ``"flex"`` runs FlexAttention (torch >= 2.5) with a block mask, compiled on a GPU
             (and unfused, as a reference, on a CPU). With ``document_mask`` or
-            ``attention_window``, ``"sdpa"`` takes FlexAttention on CUDA by itself and a boolean
-            mask elsewhere.
+            ``attention_window``, ``"sdpa"`` passes SDPA a boolean mask on every device.
         gradient_checkpointing: Recompute each block's activations in the backward pass instead
             of storing them (non-reentrant ``torch.utils.checkpoint``): less memory, ~30% more
             compute.
@@ -142,7 +141,7 @@ class GPTConfig:
         if self.attention == "flex" and self.dropout > 0:
             raise ConfigError(
                 "model.gpt.attention 'flex' has no attention dropout; set model.gpt.dropout: 0 "
-                "or use attention 'sdpa' (it takes FlexAttention on CUDA when dropout is 0)"
+                "or use attention 'sdpa' (a boolean mask, with dropout)"
             )
         if self.attention == "flex" and not flex_available():
             raise ConfigError(

@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanolab.model import registry
-from nanolab.model.config import ConfigError, GPTConfig, flex_available
+from nanolab.model.config import ConfigError, GPTConfig
 from nanolab.model.registry import (
     POSITIONS,
     register_attention,
@@ -230,6 +230,8 @@ class AttentionMask:
                 self.length,
                 self.length,
                 device=self.device,
+                # Compiled on a GPU: uncompiled, it materialises every (b, q, k) triple.
+                _compile=self.device.type == "cuda",
             )
         return self._block
 
@@ -274,7 +276,6 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.impl = config.attention
         self.window = config.attention_window
-        self.flex_on_cuda = flex_available()  # once here, not per call in the training step
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
@@ -315,14 +316,12 @@ class CausalSelfAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: AttentionMask
     ) -> torch.Tensor:
         """Attention under an :class:`AttentionMask`: FlexAttention's block mask with
-        ``attention: flex``, and with ``sdpa`` on CUDA when there is no attention dropout
-        (flex has none); else the dense boolean mask through :meth:`attend`. FlexAttention
-        has no backward on a CPU, so there it runs only where no gradient is needed."""
-        dropout_on = self.training and self.dropout > 0
+        ``attention: flex``; the dense boolean mask through :meth:`attend` with ``sdpa`` and
+        ``math`` (the kernel a config names is the kernel that runs: docs/configs.md gives the
+        measured times of both). FlexAttention has no backward on a CPU, so there it runs only
+        where no gradient is needed."""
         backward_on_cpu = not q.is_cuda and torch.is_grad_enabled() and q.requires_grad
         if self.impl == "flex" and not backward_on_cpu:
-            return flex_attend(q, k, v, visible.block_mask())
-        if self.impl == "sdpa" and q.is_cuda and not dropout_on and self.flex_on_cuda:
             return flex_attend(q, k, v, visible.block_mask())
         return self.attend(q, k, v, visible.dense())
 
