@@ -89,52 +89,94 @@ def _single_device(setup: Setup, micro_batch: int) -> Setup:
 
 
 # -- GPU ----------------------------------------------------------------------------------------
-def run_gpu(configs: Sequence[str], micro_batch: int | None) -> list[Row]:
+@dataclass
+class DevicePeak:
+    allocated: int
+    reserved: int | None  # the caching allocator's (GPU only)
+    outside_allocator: int | None  # context, kernels, workspaces (GPU only)
+
+
+def device_memory(device: str) -> tuple[str, int]:
+    """(name, bytes) of the device the GPU path measures on: GPU 0, or this host's RAM for the
+    CPU twin of that path (``--device-path-on-cpu``)."""
+    import os
+
+    import torch
+
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        return props.name, int(props.total_memory)
+    return "CPU", int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def measure_device_peak(device: str, setup: Setup, B: int) -> DevicePeak:
+    """The peak a real Lightning fit of ``setup`` reaches (clipping on, as the recipes run)."""
+    from nanolab.estimator.measure_trainer import (
+        measure_trainer_peak_cpu,
+        measure_trainer_peak_cuda,
+    )
+
+    kwargs = dict(precision=setup.precision, optimizer=setup.optimizer, accumulate=ACCUMULATE)
+    if device == "cuda":
+        real = measure_trainer_peak_cuda(setup.gpt, B, **kwargs)
+        return DevicePeak(real.peak_allocated, real.peak_reserved, real.outside_allocator)
+    return DevicePeak(measure_trainer_peak_cpu(setup.gpt, B, **kwargs).peak, None, None)
+
+
+def run_gpu(configs: Sequence[str], micro_batch: int | None, device: str = "cuda") -> list[Row]:
+    """Predicted vs measured peak and saved activations of each recipe on one device.
+
+    ``device="cpu"`` runs this same path on the CPU with the recipes shrunk (:func:`reduced`),
+    so the code a GPU session runs has run before (tests/test_gpu_check.py)."""
     import torch
 
     from nanolab.estimator.measure import measure_saved
-    from nanolab.estimator.measure_trainer import measure_trainer_peak_cuda
     from nanolab.estimator.memory import CONTEXT_BYTES, DEFAULT_FRAGMENTATION
     from nanolab.estimator.recommend import largest_micro_batch
     from nanolab.model.gpt import GPT
 
-    props = torch.cuda.get_device_properties(0)
-    backend = "rocm" if torch.version.hip else "cuda"
+    name_of_device, total = device_memory(device)
+    backend = "cpu" if device == "cpu" else ("rocm" if torch.version.hip else "cuda")
     rows: list[Row] = []
     calibration = []
     for path in configs:
         base = setup_from_config(load_config(path.split("+")))
-        fit_b = largest_micro_batch(_single_device(base, 1), props.total_memory, backend=backend)
+        if device == "cpu":
+            base = replace(reduced(base), fused=False)
+        fit_b = largest_micro_batch(_single_device(base, 1), total, backend=backend)
         B = micro_batch or min(base.micro_batch_size or fit_b, fit_b)
+        if device == "cpu":
+            B = min(B, 4)
         if B < 1:
-            print(f"{path}: does not fit on {props.name} even at micro-batch 1; skipped")
+            print(f"{path}: does not fit on {name_of_device} even at micro-batch 1; skipped")
             continue
         setup = _single_device(base, B)
         gpt = setup.gpt
-        real = measure_trainer_peak_cuda(
-            gpt, B, precision=setup.precision, optimizer=setup.optimizer, accumulate=ACCUMULATE
-        )
+        real = measure_device_peak(device, setup, B)
         est = estimate_memory(setup, B, backend=backend)
-        name = Path(path).stem
-        rows.append(Row(name, B, "peak allocated", est.peak_allocated, real.peak_allocated))
+        name = Path(path.split("+")[-1]).stem
+        rows.append(Row(name, B, "peak allocated", est.peak_allocated, real.allocated))
         calibration.append((name, B, real))
         torch.manual_seed(0)
-        model = GPT(gpt).cuda()
+        model = GPT(gpt).to(device)
         if setup.precision.endswith("-true") and setup.precision != "32-true":
             model = model.to(torch.bfloat16 if setup.precision.startswith("bf16") else torch.half)
         amp = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(setup.precision)
-        saved = measure_saved(model, B, gpt.block_size, autocast_dtype=amp, device="cuda")
+        saved = measure_saved(model, B, gpt.block_size, autocast_dtype=amp, device=device)
         rows.append(Row(name, B, "saved activations", est.saved.total, saved.bytes))
         del model
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if device != "cuda":
+        return rows
     print(
-        f"calibration on {props.name}: reserved / allocated - 1 (the fragmentation margin, now "
-        f"{DEFAULT_FRAGMENTATION:.0%}) and memory used outside PyTorch's allocator (the "
+        f"calibration on {name_of_device}: reserved / allocated - 1 (the fragmentation margin, "
+        f"now {DEFAULT_FRAGMENTATION:.0%}) and memory used outside PyTorch's allocator (the "
         f"framework-overhead line, now {CONTEXT_BYTES[backend] / MiB:,.0f} MiB)"
     )
     for name, B, real in calibration:
         print(
-            f"  {name:<30} B={B:<4} {real.peak_reserved / real.peak_allocated - 1:>7.1%}  "
+            f"  {name:<30} B={B:<4} {real.reserved / real.allocated - 1:>7.1%}  "
             f"{real.outside_allocator / MiB:>9,.0f} MiB"
         )
     return rows
@@ -376,6 +418,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="recipes to measure, a.yaml+b.yaml composes b on a (default configs/gpt2-*)",
     )
     p.add_argument("--cpu", action="store_true", help="reduced CPU mode even if a GPU exists")
+    p.add_argument(
+        "--device-path-on-cpu",
+        action="store_true",
+        help="the GPU path's code on the CPU, recipes shrunk (the GPU check's dry run)",
+    )
     p.add_argument("--quick", action="store_true", help="CPU mode: one case per recipe")
     p.add_argument(
         "--trainer",
@@ -396,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     configs = args.configs or default_configs()
+    from nanolab.allocator import prefer_expandable_segments
+
+    prefer_expandable_segments()  # measured as `nanolab fit` runs
 
     import torch
 
@@ -413,6 +463,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows, "CPU, real L.Trainer step vs nanolab estimate --device cpu", TRAINER_TARGET
         )
         return 0 if all(abs(r.error) <= TRAINER_TARGET for r in rows) else 1
+    if args.device_path_on_cpu:
+        torch.set_num_threads(1)
+        try:
+            rows = run_gpu(configs, args.micro_batch, device="cpu")
+        finally:
+            torch.set_num_threads(threads)
+        print_table(rows, "the GPU path on the CPU, recipes shrunk")
+        return 0 if all(abs(r.error) <= TARGET for r in rows) else 1
     if not args.cpu and torch.cuda.is_available():
         rows = run_gpu(configs, args.micro_batch)
         title = f"GPU: {torch.cuda.get_device_name(0)}, eager mode, accumulation {ACCUMULATE}"

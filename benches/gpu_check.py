@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,17 +72,53 @@ class Check:
     what: str
 
 
+# In the order they run: fast and most important first, the slowest last (a run cut short by
+# its deadline still has the headline figures). Caps sum to the 8-minute plan of a lent GPU
+# session (cold, no compile cache; one Inductor cache shared by every process of the run).
 CHECKS: tuple[Check, ...] = (
     Check("flash", 30, "flash SDPA fwd+bwd in bf16 at 124M's attention shape, vs the math kernel"),
-    Check("bench_124m", 200, "nanolab bench 124M bf16+compile+flash: tokens/s, MFU, peak memory"),
-    Check("flex_mask", 90, "document mask + window: FlexAttention vs SDPA boolean mask, bf16"),
-    Check("memory_eager", 90, "bench_memory.py 124M + 350M eager: predicted vs measured memory"),
-    Check("memory_compiled_350m", 120, "fit 350M compiled: measured vs predicted peak memory"),
-    Check("async_checkpoint", 100, "124M, checkpoint every 10 steps: stall, sync vs async"),
-    Check("micro_batch_auto", 60, "run.micro_batch_size auto on 124M: picked size really fits"),
-    Check("pack", 120, "benches/gpu_pack.py: 3 x 124M packed vs sequential (if present)"),
+    Check("flex_mask", 60, "document mask + window: FlexAttention vs SDPA boolean mask, bf16"),
+    Check("bench_124m", 200, "nanolab bench 124M bf16+compile+flash+clip: tokens/s, MFU, memory"),
+    Check("memory_eager", 60, "bench_memory.py 124M + 350M eager: predicted vs measured memory"),
+    Check("micro_batch_auto", 40, "run.micro_batch_size auto on 124M: the picked size fits"),
+    Check("async_checkpoint", 50, "124M, checkpoint every 5 steps: stall, sync vs async"),
+    Check("memory_compiled_350m", 60, "fit 350M compiled: measured vs predicted peak memory"),
+    Check("pack", 90, "benches/gpu_pack.py: 2 x 124M packed vs sequential"),
 )
 BY_NAME = {c.name: c for c in CHECKS}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Sizes and device of a run: the GPU's, or the CPU dry run's (every check's code path on
+    tiny sizes, so the code a lent GPU session runs has run before; tests/test_gpu_check.py)."""
+
+    device: str
+    attention_shape: tuple[int, int, int, int]  # B, H, T, D
+    model_args: tuple[str, ...]  # fit overrides that shrink the recipe (none on a GPU)
+    bench_steps: int
+    bench_warmup: int
+    bench_micro_batch: int
+    fit_steps: int
+    checkpoint_every: int
+    pack_jobs: int
+    pack_steps: int
+    block_size: int  # the recipe's context at this scale
+    compile: bool  # whether the checks that compile do (a cold CPU compile costs ~40 s)
+
+
+GPU = Scale("cuda", (8, 12, 1024, 64), (), 60, 20, 16, 6, 5, 2, 30, 1024, True)
+DRY = Scale(
+    "cpu", (2, 2, 128, 16),
+    (
+        "--trainer.accelerator", "cpu", "--model.gpt.n_layer", "1", "--model.gpt.n_head", "2",
+        "--model.gpt.n_embd", "32", "--model.gpt.block_size", "64", "--data.num_workers", "0",
+        "--model.gpt.vocab_size", "null", "--data.val_windows", "8", "--trainer.limit_val_batches", "2",
+        "--model.compile", "false",
+    ),
+    6, 2, 4, 3, 2, 2, 3, 64, False,
+)  # fmt: skip
+SCALE = GPU  # the child process sets DRY for --dry-run
 
 
 @dataclass
@@ -110,13 +147,26 @@ def nanolab_cmd(*args: str) -> list[str]:
 
 
 def run(cmd: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run a command, echoing it and its output into this check's log (our stdout)."""
+    """Run a command with its output streamed into this check's log as it comes (a check
+    killed at its cap still leaves what the child printed); the output is also returned
+    (stdout and stderr merged, its last 2 MB) for the check to read."""
     print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    sys.stdout.write(proc.stdout[-20000:])
-    sys.stdout.write(proc.stderr[-20000:])
-    sys.stdout.flush()
-    return proc
+    tail: deque[str] = deque()
+    size = 0
+    with subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            tail.append(line)
+            size += len(line)
+            while size > 2_000_000 and len(tail) > 1:
+                size -= len(tail.popleft())
+    text = "".join(tail)
+    return subprocess.CompletedProcess(cmd, proc.returncode, text, text)
 
 
 def last_line(text: str) -> str:
@@ -126,17 +176,18 @@ def last_line(text: str) -> str:
 
 def ensure_data(work: Path, given: str | None) -> Path:
     """A GPT-2-vocabulary dataset: ``--data``, or BPE 50257 trained on the bundled text (speed
-    and memory depend on the vocabulary size, not on the text)."""
+    and memory depend on the vocabulary size, not on the text); characters in the dry run."""
     if given:
         return Path(given).resolve()
-    data = work / "data" / "bpe50k"
+    dry = SCALE is DRY
+    data = work / "data" / ("chars" if dry else "bpe50k")
     if not (data / "meta.json").is_file():
+        tokenizer = ["chars"] if dry else ["bpe", "--bpe-vocab-size", "50257"]
         proc = run(
             nanolab_cmd(
-                "prepare", "bundled:shakespeare", "--tokenizer", "bpe",
-                "--bpe-vocab-size", "50257", "-o", str(data),
+                "prepare", "bundled:shakespeare", "--tokenizer", *tokenizer, "-o", str(data)
             )
-        )  # fmt: skip
+        )
         if proc.returncode != 0:
             raise CheckFailed(f"nanolab prepare failed: {last_line(proc.stderr)}")
     return data
@@ -151,8 +202,8 @@ def fit_args(config: str, data: Path, work: Path, name: str, steps: int) -> list
         "--run.root", str(work / "runs"), "--run.name", name, "--run.resume", "never",
         "--run.global_batch_tokens", "null", "--run.eval_every_steps", "100000",
         "--checkpoint.every_n_steps", "100000", "--trainer.max_steps", str(steps),
-        "--trainer.enable_progress_bar", "false",
-        "--data.dataset_dir", str(data), "--data.source", "null",
+        "--trainer.enable_progress_bar", "false", "--downstream.suite", "null",
+        "--data.dataset_dir", str(data), "--data.source", "null", *SCALE.model_args,
     ]  # fmt: skip
 
 
@@ -162,10 +213,11 @@ def records(work: Path, name: str) -> list[dict[str, Any]]:
     return read_records(work / "runs" / name / "metrics.jsonl")
 
 
-def peak_allocated(recs: list[dict[str, Any]]) -> int:
-    return max(
-        (r.get("mem_allocated_bytes") or 0 for r in recs if r["event"] == "train"), default=0
-    )
+def peak_allocated(recs: list[dict[str, Any]]) -> int | None:
+    """The run's largest ``mem_allocated_bytes`` (the device allocator's peak); ``None`` where
+    the run log has none (a CPU run)."""
+    values = [r.get("mem_allocated_bytes") for r in recs if r["event"] == "train"]
+    return max((v for v in values if v), default=None)
 
 
 def predicted_peak(work: Path, name: str) -> int | None:
@@ -174,9 +226,35 @@ def predicted_peak(work: Path, name: str) -> int | None:
     return predicted_peak_bytes(work / "runs" / name / "config.yaml")
 
 
+def gib(value: float | None) -> float | None:
+    return None if value is None else value / GiB
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured - 1 if predicted and measured else None
+
+
 def step_seconds(recs: list[dict[str, Any]]) -> list[float]:
     times = [r["time"] for r in recs if r["event"] == "train"]
     return [b - a for a, b in itertools.pairwise(times)]
+
+
+def synchronize() -> None:
+    import torch
+
+    if SCALE.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn: Callable[[], Any], repeats: int = 10) -> float:
+    """Mean wall milliseconds of ``fn`` over ``repeats`` calls, after one warm-up call."""
+    fn()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    synchronize()
+    return (time.perf_counter() - start) / repeats * 1000
 
 
 # -- the checks (each runs in a child process: `gpu_check.py --run-check NAME`) -----------------
@@ -187,10 +265,11 @@ def check_flash(work: Path, data_arg: str | None) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    B, H, T, D = 8, 12, 1024, 64  # GPT-2 124M at micro-batch 8
-    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, T, D = SCALE.attention_shape  # GPT-2 124M at micro-batch 8
+    device = SCALE.device
+    g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
-        torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
         for _ in range(3)
     )
 
@@ -205,12 +284,7 @@ def check_flash(work: Path, data_arg: str | None) -> dict[str, Any]:
     except RuntimeError as err:
         raise CheckFailed(f"flash kernel unavailable: {last_line(str(err))}") from None
     y_math, g_math = attend(SDPBackend.MATH)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        attend(SDPBackend.FLASH_ATTENTION)
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) / 10 * 1000
+    ms = timed_ms(lambda: attend(SDPBackend.FLASH_ATTENTION))
     out_diff = (y_flash.float() - y_math.float()).abs().max().item()
     grad_diff = (g_flash.float() - g_math.float()).abs().max().item()
     if out_diff > 2e-2:
@@ -219,82 +293,97 @@ def check_flash(work: Path, data_arg: str | None) -> dict[str, Any]:
 
 
 def check_flex_mask(work: Path, data_arg: str | None) -> dict[str, Any]:
-    """``model.gpt.document_mask`` + ``attention_window`` at 124M's attention shape: the
-    compiled FlexAttention path the model takes on CUDA against SDPA with the dense boolean
-    mask (the CPU path), outputs and gradients, and the time of each beside causal flash."""
+    """``model.gpt.document_mask`` + ``attention_window`` at 124M's attention shape, as training
+    runs it: the mask built once per batch (``block_mask_ms``: FlexAttention's block mask,
+    ``dense_mask_ms``: the boolean one), then each layer's attention with it
+    (``attention: flex`` against ``attention: sdpa``), forward and backward, beside causal
+    flash. On a CPU (the dry run) FlexAttention has no backward: forward only there."""
     import torch
     import torch.nn.functional as F
 
     from nanolab.model.config import GPTConfig
     from nanolab.model.gpt import AttentionMask, flex_attend
 
-    B, H, T, D = 8, 12, 1024, 64
-    g = torch.Generator(device="cuda").manual_seed(0)
-    idx = torch.randint(0, 50000, (B, T), device="cuda", generator=g)
-    idx[torch.rand(B, T, device="cuda", generator=g) < 1 / 300] = 50256  # ~300-token documents
+    B, H, T, D = SCALE.attention_shape
+    device = SCALE.device
+    backward = device == "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    idx = torch.randint(0, 50000, (B, T), device=device, generator=g)
+    idx[torch.rand(B, T, device=device, generator=g) < 1 / 300] = 50256  # ~300-token documents
     config = GPTConfig(vocab_size=50257, block_size=T, n_layer=1, n_head=H, n_embd=H * D,
-                       document_mask=True, eot_id=50256, attention_window=512)  # fmt: skip
+                       document_mask=True, eot_id=50256, attention_window=T // 2)  # fmt: skip
     q, k, v = (
-        torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_(
+            backward
+        )
         for _ in range(3)
     )
     visible = AttentionMask(idx, config)
+    block, dense = visible.block_mask(), visible.dense()  # first builds: compile, not timed
 
-    def flex() -> torch.Tensor:
-        return flex_attend(q, k, v, visible.block_mask())
-
-    def dense() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible.dense())
-
-    def causal() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    results: dict[str, Any] = {}
-    outputs = {}
-    for name, fn in (("flex", flex), ("dense", dense), ("causal_flash", causal)):
-        y = fn()
-        (grad,) = torch.autograd.grad(y.float().square().mean(), q)
-        outputs[name] = (y.detach().float(), grad.float())
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
+    def with_grad(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        def step() -> Any:
             y = fn()
-            torch.autograd.grad(y.float().square().mean(), q)
-        torch.cuda.synchronize()
-        results[f"{name}_fwd_bwd_ms"] = round((time.perf_counter() - start) / 10 * 1000, 3)
-    out_diff = (outputs["flex"][0] - outputs["dense"][0]).abs().max().item()
-    grad_diff = (outputs["flex"][1] - outputs["dense"][1]).abs().max().item()
-    results.update(max_out_diff=out_diff, max_grad_diff=grad_diff)
+            return torch.autograd.grad(y.float().square().mean(), q) if backward else y
+
+        return step
+
+    kernels = {
+        "flex": lambda: flex_attend(q, k, v, block),
+        "dense": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+        "causal_flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    results: dict[str, Any] = {"backward": backward}
+    with torch.no_grad():
+        results["block_mask_ms"] = round(
+            timed_ms(lambda: AttentionMask(idx, config).block_mask()), 3
+        )
+        results["dense_mask_ms"] = round(timed_ms(lambda: AttentionMask(idx, config).dense()), 3)
+    outputs = {}
+    for name in ("flex", "dense"):
+        outputs[name] = kernels[name]().detach().float()
+    for name, fn in kernels.items():
+        results[f"{name}_ms"] = round(timed_ms(with_grad(fn)), 3)
+    out_diff = (outputs["flex"] - outputs["dense"]).abs().max().item()
+    results["max_out_diff"] = out_diff
     if out_diff > 2e-2:
-        raise CheckFailed(f"flex and the boolean-mask SDPA differ by {out_diff:.3g}")
+        raise CheckFailed(f"flex and the boolean-mask SDPA differ by {out_diff:.3g}", results)
     return results
 
 
 def check_bench_124m(work: Path, data_arg: str | None) -> dict[str, Any]:
     data = ensure_data(work, data_arg)
-    mb = 16
+    mb = SCALE.bench_micro_batch
+    sets = [
+        f"--set={a}={b}" for a, b in zip(SCALE.model_args[::2], SCALE.model_args[1::2], strict=True)
+    ]
     proc = run(
         nanolab_cmd(
             "bench", "--config", str(ROOT / "configs" / "gpt2-124m.yaml"),
-            "--steps", "120", "--warmup", "30", "--rounds", "1", "--json",
+            "--steps", str(SCALE.bench_steps), "--warmup", str(SCALE.bench_warmup),
+            "--rounds", "1", "--json",
             f"--set=--data.dataset_dir={data}", "--set=--data.source=null",
             f"--set=--data.micro_batch_size={mb}",
-            f"--set=--run.global_batch_tokens={mb * 1024 * 2}",
-            "--set=--run.eval_every_steps=100",
+            f"--set=--run.global_batch_tokens={2 * mb * SCALE.block_size}",  # 2 micro-batches
+            "--set=--run.eval_every_steps=100000", "--set=--downstream.suite=null", *sets,
         )
     )  # fmt: skip
     if proc.returncode != 0:
         raise CheckFailed(f"nanolab bench failed: {last_line(proc.stderr)}")
-    res = json.loads(proc.stdout[proc.stdout.index("{") :])
+    opening = re.search(r"^\{$", proc.stdout, re.M)  # stderr lines are merged in around it
+    if opening is None:
+        raise CheckFailed("nanolab bench printed no JSON")
+    res, _ = json.JSONDecoder().raw_decode(proc.stdout[opening.start() :])
     measured, predicted = res.get("peak_mem_bytes"), res.get("predicted_peak_bytes")
     return {
+        "micro_batch": mb,
         "nanolab_tokens_per_s": res["nanolab_tokens_per_s"]["median"],
         "plain_tokens_per_s": res["plain_tokens_per_s"]["median"],
         "ratio_nanolab_over_plain": res["ratio"]["median"],
         "mfu": res.get("mfu"),
-        "peak_measured_gib": measured / GiB if measured else None,
-        "peak_predicted_gib": predicted / GiB if predicted else None,
-        "peak_error": predicted / measured - 1 if measured and predicted else None,
+        "peak_measured_gib": gib(measured),
+        "peak_predicted_gib": gib(predicted),
+        "peak_error": relative_error(predicted, measured),
         "startup_s": res["nanolab_startup_s"]["median"],
         "loss_gap_max": (res.get("loss_gap") or {}).get("max"),
     }
@@ -325,8 +414,14 @@ def parse_memory_table(text: str) -> list[dict[str, Any]]:
 
 
 def check_memory_eager(work: Path, data_arg: str | None) -> dict[str, Any]:
-    configs = [str(ROOT / "configs" / f"gpt2-{s}.yaml") for s in ("124m", "350m")]
-    proc = run([sys.executable, str(ROOT / "benches" / "bench_memory.py"), "--configs", *configs])
+    """``bench_memory.py``'s device path on the 124M recipe and on 350M composed onto it (the
+    size overlays hold only what changes). The dry run takes the same path on the CPU with
+    the recipes shrunk (``--device cpu``)."""
+    base = str(ROOT / "configs" / "gpt2-124m.yaml")
+    configs = [base, f"{base}+{ROOT / 'configs' / 'gpt2-350m.yaml'}"]
+    device = ["--device-path-on-cpu"] if SCALE is DRY else []
+    script = str(ROOT / "benches" / "bench_memory.py")
+    proc = run([sys.executable, script, "--configs", *configs, *device])
     rows = parse_memory_table(proc.stdout)
     if not rows:
         raise CheckFailed(f"bench_memory.py printed no rows (exit {proc.returncode})")
@@ -337,33 +432,45 @@ def check_memory_eager(work: Path, data_arg: str | None) -> dict[str, Any]:
     return metrics
 
 
-def check_memory_compiled_350m(work: Path, data_arg: str | None) -> dict[str, Any]:
-    data = ensure_data(work, data_arg)
-    args = fit_args("gpt2-124m.yaml+gpt2-350m.yaml", data, work, "compiled350m", 6)
-    proc = run(nanolab_cmd(*args, "--model.compile", "true"))
+def _fit_peak(work: Path, data: Path, config: str, name: str, *extra: str) -> dict[str, Any]:
+    """Fit ``config`` for a few steps; its measured and predicted peak memory."""
+    args = fit_args(config, data, work, name, SCALE.fit_steps)
+    proc = run(nanolab_cmd(*args, *extra))
     if proc.returncode != 0:
         raise CheckFailed(f"nanolab fit failed: {last_line(proc.stderr)}")
-    recs = records(work, "compiled350m")
-    measured = peak_allocated(recs)
-    predicted = predicted_peak(work, "compiled350m")
+    recs = records(work, name)
+    measured, predicted = peak_allocated(recs), predicted_peak(work, name)
     start = next(r for r in recs if r["event"] == "start")
     return {
         "micro_batch": start["config"]["data"]["micro_batch_size"],
-        "peak_measured_gib": measured / GiB,
-        "peak_predicted_gib": predicted / GiB if predicted else None,
-        "peak_error": predicted / measured - 1 if predicted and measured else None,
+        "peak_measured_gib": gib(measured),
+        "peak_predicted_gib": gib(predicted),
+        "peak_error": relative_error(predicted, measured),
+        "output": proc.stdout,
     }
+
+
+def check_memory_compiled_350m(work: Path, data_arg: str | None) -> dict[str, Any]:
+    data = ensure_data(work, data_arg)
+    compile_flag = str(SCALE.compile).lower()
+    got = _fit_peak(
+        work, data, "gpt2-124m.yaml+gpt2-350m.yaml", "compiled350m", "--model.compile", compile_flag
+    )
+    got.pop("output")
+    return got
 
 
 def check_async_checkpoint(work: Path, data_arg: str | None) -> dict[str, Any]:
     data = ensure_data(work, data_arg)
     out: dict[str, Any] = {}
+    steps = 3 * SCALE.checkpoint_every
     for mode in ("sync", "async"):
         name = f"ckpt_{mode}"
-        args = fit_args("gpt2-124m.yaml", data, work, name, 30)
+        args = fit_args("gpt2-124m.yaml", data, work, name, steps)
         proc = run(
             nanolab_cmd(
-                *args, "--model.compile", "false", "--checkpoint.every_n_steps", "10",
+                *args, "--model.compile", "false",
+                "--checkpoint.every_n_steps", str(SCALE.checkpoint_every),
                 "--checkpoint.async_save", str(mode == "async").lower(),
             )
         )  # fmt: skip
@@ -373,16 +480,16 @@ def check_async_checkpoint(work: Path, data_arg: str | None) -> dict[str, Any]:
         saves = [r for r in recs if r["event"] == "checkpoint"]
         if not saves:
             raise CheckFailed(f"{mode}: no checkpoint record in the run log")
-        steps = step_seconds(recs)
+        steps_s = step_seconds(recs)
         out[mode] = {
             "checkpoints": len(saves),
             "stall_s_median": statistics.median(r["seconds"] for r in saves),
             "write_s_median": statistics.median(r["write_seconds"] for r in saves),
             "checkpoint_gib": max(r.get("bytes") or 0 for r in saves) / GiB,
-            "step_s_median": statistics.median(steps) if steps else None,
+            "step_s_median": statistics.median(steps_s) if steps_s else None,
         }
     out["stall_saved_s"] = out["sync"]["stall_s_median"] - out["async"]["stall_s_median"]
-    if out["async"]["stall_s_median"] >= out["sync"]["stall_s_median"]:
+    if SCALE is GPU and out["async"]["stall_s_median"] >= out["sync"]["stall_s_median"]:
         raise CheckFailed("async checkpoints stall the loop as long as sync ones", out)
     return out
 
@@ -390,36 +497,32 @@ def check_async_checkpoint(work: Path, data_arg: str | None) -> dict[str, Any]:
 _AUTO_LINE = re.compile(
     r"run\.micro_batch_size auto: (\d+) \(predicted peak ([\d.]+) of ([\d.]+) GiB"
 )
+#: How far the measured peak of the picked micro-batch may be from the estimator's prediction.
+AUTO_TOLERANCE = 0.15
 
 
 def check_micro_batch_auto(work: Path, data_arg: str | None) -> dict[str, Any]:
-    import torch
-
+    """``run.micro_batch_size: auto`` on 124M: the picked size trains, its measured peak is
+    within :data:`AUTO_TOLERANCE` of the prediction it was picked by, and stays below the
+    device's memory. (On a CPU auto keeps the data's value: the dry run checks the path.)"""
     data = ensure_data(work, data_arg)
-    args = fit_args("gpt2-124m.yaml", data, work, "auto_mb", 3)
-    i = args.index("--run.global_batch_tokens")  # the recipe's global batch stays: auto divides it
-    del args[i : i + 2]
-    proc = run(nanolab_cmd(*args, "--run.micro_batch_size", "auto", "--model.compile", "false"))
-    if proc.returncode != 0:
-        raise CheckFailed(f"nanolab fit with auto micro-batch failed: {last_line(proc.stderr)}")
-    m = _AUTO_LINE.search(proc.stdout + proc.stderr)
-    recs = records(work, "auto_mb")
-    start = next(r for r in recs if r["event"] == "start")
-    total = torch.cuda.get_device_properties(0).total_memory
-    measured = peak_allocated(recs)
-    reserved = max(
-        (r.get("mem_reserved_bytes") or 0 for r in recs if r["event"] == "train"), default=0
-    )
-    metrics = {
-        "micro_batch": start["config"]["data"]["micro_batch_size"],
-        "predicted_peak_gib": float(m[2]) if m else None,
-        "peak_measured_gib": measured / GiB,
-        "peak_reserved_gib": reserved / GiB,
-        "device_gib": total / GiB,
-        "headroom": 1 - reserved / total,
-    }
-    if reserved > total:
-        raise CheckFailed("reserved memory exceeds the device's", metrics)
+    got = _fit_peak(
+        work, data, "gpt2-124m.yaml", "auto_mb",
+        "--run.micro_batch_size", "auto", "--model.compile", "false",
+    )  # fmt: skip
+    m = _AUTO_LINE.search(got.pop("output"))
+    metrics = {**got, "auto_line": m[0] if m else None}
+    if SCALE is DRY:
+        return metrics
+    if m is None:
+        raise CheckFailed("fit printed no 'run.micro_batch_size auto' line", metrics)
+    predicted, device = float(m[2]), float(m[3])
+    measured = metrics["peak_measured_gib"] or 0.0
+    metrics.update(predicted_peak_gib=predicted, device_gib=device, headroom=1 - measured / device)
+    error = predicted / measured - 1 if measured else None
+    metrics["auto_error"] = error
+    if error is None or abs(error) > AUTO_TOLERANCE:
+        raise CheckFailed(f"picked by a prediction {error:+.1%} off the measured peak", metrics)
     return metrics
 
 
@@ -429,10 +532,12 @@ def check_pack(work: Path, data_arg: str | None) -> dict[str, Any]:
         raise CheckSkipped("benches/gpu_pack.py is not in this tree")
     data = ensure_data(work, data_arg)
     pack_work = work / "pack"
+    device = ["--device", "cpu"] if SCALE is DRY else []
     proc = run(
         [
-            sys.executable, str(script), "--jobs", "3", "--steps", "60",
-            "--data", str(data), "--work", str(pack_work),
+            sys.executable, str(script), "--jobs", str(SCALE.pack_jobs),
+            "--steps", str(SCALE.pack_steps), "--data", str(data), "--work", str(pack_work),
+            *device,
         ]
     )  # fmt: skip
     result = pack_work / "gpu_pack.json"
@@ -453,8 +558,12 @@ CHECK_FUNCTIONS: dict[str, Callable[[Path, str | None], dict[str, Any]]] = {
 }
 
 
-def run_check_in_child(name: str, work: Path, data: str | None, result_file: Path) -> int:
+def run_check_in_child(
+    name: str, work: Path, data: str | None, result_file: Path, dry_run: bool = False
+) -> int:
     """The child side: run one check, write ``{status, metrics, note}`` to ``result_file``."""
+    global SCALE
+    SCALE = DRY if dry_run else GPU
     try:
         metrics = CHECK_FUNCTIONS[name](work, data)
         status, note = "ok", ""
@@ -492,8 +601,13 @@ def time_for(check: Check, remaining_s: float) -> float:
     return max(0.0, min(float(check.cap_s), remaining_s))
 
 
-def run_check(check: Check, work: Path, data: str | None, logs: Path, limit_s: float) -> Result:
-    """Run one check in a child process group; kill the whole group when it passes its time."""
+def run_check(
+    check: Check, work: Path, data: str | None, logs: Path, limit_s: float, dry_run: bool = False
+) -> Result:
+    """Run one check in a child process group; kill the whole group when it passes its time.
+
+    Every process of the run shares one Inductor cache in ``work`` (``bench_124m``'s two sides
+    compile the same model: the second reads the first's kernels)."""
     log = logs / f"{check.name}.log"
     if limit_s < 5:
         return Result(check.name, "not_run", note="no time left before the deadline")
@@ -502,11 +616,17 @@ def run_check(check: Check, work: Path, data: str | None, logs: Path, limit_s: f
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--run-check", check.name,
         "--work", str(work), "--result-file", str(result_file),
-    ] + (["--data", data] if data else [])  # fmt: skip
+    ] + (["--data", data] if data else []) + (["--dry-run"] if dry_run else [])  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
+        **({"OMP_NUM_THREADS": "1"} if dry_run else {}),
+    }
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         try:
             proc.wait(timeout=limit_s)
@@ -573,8 +693,10 @@ def _headline(name: str, m: dict[str, Any]) -> str:
         parts = [f"{f('fwd_bwd_ms', '.2f')} ms fwd+bwd", f"max diff {f('max_out_diff', '.1e')}"]
     elif name == "flex_mask":
         parts = [
-            f"flex {f('flex_fwd_bwd_ms', '.2f')} ms, boolean mask {f('dense_fwd_bwd_ms', '.2f')}"
-            f" ms, causal flash {f('causal_flash_fwd_bwd_ms', '.2f')} ms",
+            f"per layer: flex {f('flex_ms', '.2f')} ms, boolean mask {f('dense_ms', '.2f')} ms,"
+            f" causal flash {f('causal_flash_ms', '.2f')} ms",
+            f"per batch: block mask {f('block_mask_ms', '.2f')} ms, boolean"
+            f" {f('dense_mask_ms', '.2f')} ms",
             f"max diff {f('max_out_diff', '.1e')}",
         ]
     elif name == "bench_124m":
@@ -586,6 +708,9 @@ def _headline(name: str, m: dict[str, Any]) -> str:
         ]
     elif name == "memory_eager":
         parts = [f"{len(m.get('rows', []))} rows, worst error {f('worst_error', '.1%')}"]
+    elif name == "pack" and "results" in m:
+        rates = {r["mode"]: r.get("tokens_per_s_wall") for r in m["results"]}
+        parts = [f"{mode} {rate or 0:,.0f} tok/s" for mode, rate in rates.items()]
     elif name in ("memory_compiled_350m", "micro_batch_auto"):
         parts = [
             f"micro-batch {m.get('micro_batch')}",
@@ -602,7 +727,7 @@ def _headline(name: str, m: dict[str, Any]) -> str:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    gpu = res.get("gpu") or "no GPU"
+    gpu = "CPU dry run" if res.get("dry_run") else (res.get("gpu") or "no GPU")
     lines = [
         f"nanolab GPU check: {gpu}, torch {res.get('torch')}, nanolab {res.get('nanolab_commit')}, "
         f"{res.get('date')}, {res.get('total_s')} s, status {res['status']}",
@@ -669,6 +794,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--list", action="store_true", help="print the checks and their caps, run nothing"
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every check's code path on this CPU at tiny sizes (no GPU needed; figures "
+        "mean nothing); what CI runs so a GPU session does not run code for the first time",
+    )
     p.add_argument("--run-check", choices=sorted(CHECK_FUNCTIONS), help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.error = _one_line_error  # type: ignore[method-assign]
@@ -676,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.run_check:  # child process of run_check()
         return run_check_in_child(
-            args.run_check, Path(args.work), args.data, Path(args.result_file)
+            args.run_check, Path(args.work), args.data, Path(args.result_file), args.dry_run
         )
     try:
         checks = select(args.only, args.skip)
@@ -695,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    ok, why = gpu_visible()
+    ok, why = (True, "") if args.dry_run else gpu_visible()
     if not ok:
         write_summary(out, {**summary(machine(), [], started), "status": "no_gpu", "note": why})
         print(
@@ -703,7 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    meta = machine()
+    meta = {**machine(), "dry_run": args.dry_run}
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nanolab-gpu-check-"))
@@ -716,7 +847,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"[{time.strftime('%H:%M:%S')}] {check.name} (up to {limit:.0f} s) ...", flush=True
             )
-            results.append(run_check(check, work, args.data, logs, limit))
+            results.append(run_check(check, work, args.data, logs, limit, args.dry_run))
             write_summary(out, summary(meta, results, started))
     finally:
         if not args.keep and not args.work:

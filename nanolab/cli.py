@@ -71,6 +71,9 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
     verb = args[0]
     if verb in VERBS:
+        from nanolab.allocator import prefer_expandable_segments
+
+        prefer_expandable_segments()  # before any verb touches a GPU
         module_name, func_name = VERBS[verb][0].split(":")
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(args[1:]) or 0)

@@ -68,3 +68,20 @@ def test_pin_memory_follows_the_setting_and_the_run_device(char_dataset):
         dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
         dm.setup("fit")
         assert dm.train_dataloader().pin_memory is expected
+
+
+def test_the_cuda_allocator_gets_expandable_segments_unless_configured():
+    """The setting every verb makes before touching a GPU: set on CUDA builds, the user's own
+    allocator settings kept, ROCm builds left alone."""
+    from nanolab.allocator import SETTING, prefer_expandable_segments
+
+    env: dict[str, str] = {}
+    assert prefer_expandable_segments(env, hip_version="") and env == {
+        "PYTORCH_CUDA_ALLOC_CONF": SETTING
+    }
+    own = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert not prefer_expandable_segments(own, hip_version="") and own == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"
+    }
+    rocm: dict[str, str] = {}
+    assert not prefer_expandable_segments(rocm, hip_version="6.2") and rocm == {}

@@ -95,10 +95,20 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], what: str) -> None:
-    """Run one side's process; its failure is a RuntimeError ending in its stderr."""
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    """Run one side's process, its output passed on to this process's stderr as it comes (a
+    bench stopped from outside still shows how far each side got; stdout stays the result's);
+    its failure is a RuntimeError ending in its last output."""
+    tail: list[str] = []
+    with subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail = [*tail[-59:], line]
+    sys.stderr.flush()
     if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{''.join(tail)[-3000:]}")
 
 
 def run_nanolab(

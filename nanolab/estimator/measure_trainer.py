@@ -142,7 +142,7 @@ def _fit(
 ) -> None:
     """Fit the module on ``steps`` optimizer steps of random tokens with a bare one-device
     Trainer: no logger, checkpoints, validation, bar or summary, so what ``callback`` measures
-    is the training step alone."""
+    is the training step alone (with the recipes' gradient clipping)."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -167,6 +167,9 @@ def _fit(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
+        # Clipped as the recipes are: with a fused optimizer clipping takes its own path
+        # (nanolab/training/fused_amp.py), which a measurement must run too.
+        gradient_clip_val=1.0,
         callbacks=[callback],
     )
     trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=micro_batch))
