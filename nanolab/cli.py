@@ -70,10 +70,11 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"nanolab {__version__}")
         return 0
     verb = args[0]
-    if verb in VERBS:
+    if verb in VERBS or verb in LIGHTNING_VERBS:
         from nanolab.allocator import prefer_expandable_segments
 
         prefer_expandable_segments()  # before any verb touches a GPU
+    if verb in VERBS:
         module_name, func_name = VERBS[verb][0].split(":")
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(args[1:]) or 0)

@@ -85,3 +85,33 @@ def test_the_cuda_allocator_gets_expandable_segments_unless_configured():
     }
     rocm: dict[str, str] = {}
     assert not prefer_expandable_segments(rocm, hip_version="6.2") and rocm == {}
+
+
+def test_fit_runs_with_the_allocator_setting(char_dataset, tmp_path):
+    """``fit`` (a Lightning verb, dispatched apart from the others) sets it before the run:
+    the run log's start record holds the process environment's value."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import QUICKSTART, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        "from nanolab.cli import main\n"
+        "main(sys.argv[1:])\n"
+        "print('ALLOC=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
+    res = subprocess.run(
+        [sys.executable, str(probe), "fit", "--config", str(QUICKSTART), "--config", str(cfg),
+         "--trainer.max_steps", "1"],
+        cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "ALLOC=expandable_segments:True" in res.stdout
+    assert json.loads((tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[0])
