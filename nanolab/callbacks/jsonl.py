@@ -42,6 +42,7 @@ from nanolab.callbacks.events import (
 from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
 from nanolab.callbacks.step import StepCallback
+from nanolab.claimed import LeftClaimedDir
 from nanolab.runlog import (
     RUN_LOG_NAME,
     RunLogWriteError,
@@ -165,7 +166,7 @@ class MetricsLog(StepCallback):
             # A claimed id: a new run (also one that starts from another's checkpoint).
             self.run_id = run_id or self.run_id or new_run_id()
             try:
-                self._writer = RunLogWriter(path)
+                self._writer = RunLogWriter(path, run_id=self.run_id)
             except OSError as err:
                 raise RunDirError(
                     f"cannot write the run log {path} ({err.strerror or err}); set run.root to a "
@@ -329,7 +330,8 @@ class MetricsLog(StepCallback):
                 "time_breakdown": clock.breakdown(),
             }
             record.update(collect_fields(trainer, "end"))
-        with contextlib.suppress(RunLogWriteError):  # a full disk: the error already says so
+        # A full disk, or the log's path now leading elsewhere: the error already says so.
+        with contextlib.suppress(RunLogWriteError, LeftClaimedDir):
             self._writer.write(record)
         self._writer.close()
 
