@@ -9,6 +9,7 @@ before and after, and the command ends in one line (exit 2, no traceback) or say
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -122,3 +123,56 @@ def test_run_log_swapped_for_a_link_to_another_runs_log_mid_run(tmp_path, char_d
     assert "metrics.jsonl is a link" in last_line(res.stderr), detail
     assert digests(b) == before
     assert (a / "checkpoints" / "last.ckpt").exists()  # the checkpoints are kept
+
+
+def _recreated_log(run_dir: Path, run_id: str | None) -> None:
+    """A run log that lost its `start` record: only what a run writes after `rm metrics.jsonl`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"event": "log_recreated", "time": 0.0, "step": 3, "detail": "recreated"}
+    if run_id is not None:
+        record["run_id"] = run_id
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+
+
+@pytest.mark.parametrize("run_id", ["aaaaaaaaaaaa", None], ids=["log-names-a", "log-names-none"])
+def test_a_recreated_log_does_not_adopt_a_copied_checkpoint(tmp_path, run_id) -> None:
+    """Item 4 (the claim alone): `runs/a`'s log was recreated, `b`'s `last.ckpt` copied into
+    `runs/a/checkpoints/`. Whether the recreated log names `a` or nothing, resuming that file
+    here is refused (it would give two directories one run id); `a`'s own file is accepted."""
+    from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+
+    a = tmp_path / "runs" / "a"
+    _recreated_log(a, run_id)
+    (a / "checkpoints").mkdir()
+    copied = a / "checkpoints" / "last.ckpt"
+    copied.write_bytes(b"stand-in")
+    b_dir = str(tmp_path / "runs" / "b")
+    with pytest.raises(RunDirError, match="would mix two runs"):
+        claim_run_dir(a, None, True, checkpoint=copied, checkpoint_run_id="bbbbbbbbbbbb",
+                      checkpoint_run_dir=b_dir)  # fmt: skip
+    own = claim_run_dir(a, None, True, checkpoint=copied, checkpoint_run_id=run_id or "a" * 12,
+                        checkpoint_run_dir=str(a))  # fmt: skip
+    assert own.run_id is None  # resumes under the checkpoint's id
+
+
+def test_resume_into_a_recreated_log_refuses_another_runs_checkpoint(
+    tmp_path, char_dataset, victim
+) -> None:
+    """Item 4 end to end: `runs/a` holds a recreated log (no `start`, no run id) and a copy of
+    `b`'s `last.ckpt`; `nanolab fit --run.name a` (resume auto) refuses in one line instead of
+    continuing `b` under `b`'s run id in a second directory. Nothing changes."""
+    runs = tmp_path / "runs"
+    shutil.copytree(victim, runs / "b")
+    a = runs / "a"
+    _recreated_log(a, None)
+    (a / "checkpoints").mkdir()
+    shutil.copy2(victim / "checkpoints" / "last.ckpt", a / "checkpoints" / "last.ckpt")
+    before = digests(runs)
+    cfg = tiny_overrides(char_dataset, runs, run__name="a", trainer__max_steps=8)
+    res = run_nanolab("fit", "--config", str(write_config(tmp_path / "a.yaml", cfg)), cwd=tmp_path)
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE, detail
+    assert "Traceback" not in res.stderr, detail
+    assert "would mix two runs" in last_line(res.stderr), detail
+    after = digests(runs)
+    assert {k: after.get(k) for k in before} == before  # nothing changed or removed

@@ -100,6 +100,8 @@ class MetricsLog(StepCallback):
         self.monitor = monitor
         self.fresh = fresh
         self.run_id: str | None = None
+        self.run_dir: str | None = None  # where this run is, saved in its checkpoints
+        self.checkpoint_run_dir: str | None = None  # where the restored checkpoint was saved
         self.best_val_loss: float | None = None
         self._writer: RunLogWriter | None = None
         self._grad_norm: torch.Tensor | None = None
@@ -146,12 +148,14 @@ class MetricsLog(StepCallback):
                     self.filename,
                     checkpoint=trainer.ckpt_path,
                     checkpoint_run_id=self.run_id,  # restored from that checkpoint
+                    checkpoint_run_dir=self.checkpoint_run_dir,
                 ).run_id
             except RunDirError as err:
                 error = str(err)
         error = trainer.strategy.broadcast(error, src=0)
         if error:
             raise RunDirError(error)
+        self.run_dir = os.path.realpath(run_dir)
         if trainer.is_global_zero:
             if resuming:
                 # Time after the last checkpoint of the previous process was paid for too.
@@ -362,10 +366,11 @@ class MetricsLog(StepCallback):
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "best_val_loss": self.best_val_loss}
+        return {"run_id": self.run_id, "best_val_loss": self.best_val_loss, "run_dir": self.run_dir}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.run_id = state_dict.get("run_id")
+        self.checkpoint_run_dir = state_dict.get("run_dir")
         self.best_val_loss = state_dict.get("best_val_loss")
 
 
