@@ -176,3 +176,38 @@ def test_resume_into_a_recreated_log_refuses_another_runs_checkpoint(
     assert "would mix two runs" in last_line(res.stderr), detail
     after = digests(runs)
     assert {k: after.get(k) for k in before} == before  # nothing changed or removed
+
+
+def queue(capsys, db: Path, *argv: str) -> tuple[int, str, str]:
+    """``nanolab queue VERB --db DB ARGS`` in this process; (exit code, stdout, stderr)."""
+    from nanolab.queue.cli import main
+
+    code = main([argv[0], "--db", str(db), *argv[1:]])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_sweep_names_its_jobs_by_the_swept_values_and_the_seed(
+    tmp_path, char_dataset, capsys, monkeypatch
+) -> None:
+    """Item 6: a 2x2 sweep with five fixed `--set`s is named `<config>-<swept values>-s<seed>`;
+    the fixed overrides are in each job's arguments, not its name."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    del cfg["run"]["name"]
+    config = write_config(tmp_path / "quickstart.yaml", cfg)
+    fixed = ["trainer.max_steps=40", "downstream.suite=null", "model.gpt.n_layer=2",
+             "model.gpt.n_embd=64", "run.eval_every_steps=20"]  # fmt: skip
+    sets = [a for s in fixed for a in ("--set", s)]
+    code, _, err = queue(capsys, tmp_path / "q.db", "add", str(config), *sets, "--seeds", "1",
+                         "--sweep", "model.optimizer.lr=1e-3,3e-3",
+                         "--sweep", "model.gpt.n_head=2,4")  # fmt: skip
+    assert code == 0, err
+    from nanolab.queue.db import QueueDB
+
+    jobs = QueueDB(tmp_path / "q.db").jobs()
+    assert [j.name for j in jobs] == [
+        "quickstart-lr1e-3-n_head2-s1", "quickstart-lr1e-3-n_head4-s1",
+        "quickstart-lr3e-3-n_head2-s1", "quickstart-lr3e-3-n_head4-s1",
+    ]  # fmt: skip
+    assert "--trainer.max_steps=40" in jobs[0].args and "--run.eval_every_steps=20" in jobs[0].args
