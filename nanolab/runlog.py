@@ -107,16 +107,35 @@ def _open_log(path: str | os.PathLike[str], mode: str) -> IO[Any] | None:
 
 
 def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
-    """The run directory ``path`` lies in (a folder up its tree holding a run log), or None.
+    """The run directory ``path`` is or lies in (a folder up its tree holding a run log), or None.
 
-    A command that writes a file the user names (``eval --json``, ``report --plot``) refuses
-    such a path: a run's files are its own, and one slip of the shell would replace another
-    run's checkpoint or log.
+    Both the path as given and where its links lead are checked: a link to a run's folder is
+    that run's folder.
     """
-    for folder in Path(os.path.abspath(path)).parents:
-        if (folder / RUN_LOG_NAME).exists():
-            return folder
+    given = Path(os.path.abspath(path))
+    for start in (given, Path(os.path.realpath(given))):
+        for folder in (start, *start.parents):
+            if (folder / RUN_LOG_NAME).is_file():
+                return folder
     return None
+
+
+def refuse_inside_run(
+    path: str | os.PathLike[str], option: str, error: type[NanolabError] = NanolabError
+) -> None:
+    """The one rule for every command that writes where the user says (``eval --json``,
+    ``report --plot``, ``export -o``, ``prepare -o``, ``init``): never into a run directory.
+
+    A run's files are its own (its lock, its rotation and its resume rely on knowing every file
+    there), and one slip of the shell would put, or replace, a file among another run's
+    checkpoints. Raises ``error`` naming ``option`` and the run directory.
+    """
+    run_dir = run_dir_holding(path)
+    if run_dir is not None:
+        raise error(
+            f"{option} {path} is inside the run directory {run_dir}; write it elsewhere (a run's "
+            "files are its own)"
+        )
 
 
 def _parse(line: str) -> dict[str, Any] | None:

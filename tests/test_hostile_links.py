@@ -211,3 +211,37 @@ def test_a_sweep_names_its_jobs_by_the_swept_values_and_the_seed(
         "quickstart-lr3e-3-n_head2-s1", "quickstart-lr3e-3-n_head4-s1",
     ]  # fmt: skip
     assert "--trainer.max_steps=40" in jobs[0].args and "--run.eval_every_steps=20" in jobs[0].args
+
+
+@pytest.mark.parametrize(
+    ("verb", "argv"),
+    [
+        ("export", ["--ckpt", "{run}/checkpoints/last.ckpt", "-o", "{target}"]),
+        ("init", ["{target}"]),
+        ("prepare", ["bundled:shakespeare", "-o", "{target}"]),
+    ],
+)
+@pytest.mark.parametrize("via", ["path", "link"])
+def test_no_output_folder_inside_a_run_directory(tmp_path, capsys, verb, argv, via) -> None:
+    """Item 5: `export -o`, `init` and `prepare -o` into a folder inside a run directory (also
+    through a link to it) are refused in one line, as `eval --json` and `report --plot` are:
+    one rule (`nanolab.runlog.refuse_inside_run`), and nothing is written."""
+    import importlib
+
+    run = tmp_path / "runs" / "b"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "start", "run_id": "b"}\n')
+    if via == "link":
+        (tmp_path / "elsewhere").symlink_to(run)
+        target = tmp_path / "elsewhere" / "out"
+    else:
+        target = run / "out"
+    module = {"export": "nanolab.export", "init": "nanolab.scaffold",
+              "prepare": "nanolab.data.prepare"}[verb]  # fmt: skip
+    main = importlib.import_module(module).main
+    before = digests(tmp_path / "runs")
+    code = main([a.format(run=run, target=target) for a in argv])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert len(err.strip().splitlines()) == 1 and "inside the run directory" in err, err
+    assert digests(tmp_path / "runs") == before and not (run / "out").exists()
