@@ -245,3 +245,37 @@ def test_no_output_folder_inside_a_run_directory(tmp_path, capsys, verb, argv, v
     assert code == EXIT_USAGE, err
     assert len(err.strip().splitlines()) == 1 and "inside the run directory" in err, err
     assert digests(tmp_path / "runs") == before and not (run / "out").exists()
+
+
+def test_queue_add_names_an_existing_fit_run(tmp_path, char_dataset, victim, capsys, monkeypatch):
+    """Item 3: `queue add --name b` where `runs/b` is a finished run of `nanolab fit`: refused
+    at add time in one line naming the step it would continue from; `--continue` queues it and
+    says so in one line; a model shape that cannot resume it is refused at add time. The run's
+    files are untouched throughout."""
+    from nanolab.queue.db import QueueDB
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    shutil.copytree(victim, runs / "b")
+    before = digests(runs / "b")
+    cfg = tiny_overrides(char_dataset, runs, trainer__max_steps=8)
+    del cfg["run"]["name"]
+    config = write_config(tmp_path / "tiny.yaml", cfg)
+    db = tmp_path / "q.db"
+
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "b")
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1, err
+    assert "existing run started by nanolab fit" in err and "from step 6" in err, err
+    assert "--continue" in err
+
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "b", "--continue",
+                         "--set", "model.gpt.n_layer=3")  # fmt: skip
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1, err
+    assert "different model" in err and "n_layer 2 in the checkpoint vs 3 now" in err, err
+    assert QueueDB(db).jobs() == []
+
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "b", "--continue")
+    assert code == 0, err
+    assert f"job b continues the existing run {runs / 'b'} from step 6" in err, err
+    assert [j.name for j in QueueDB(db).jobs()] == ["b"]
+    assert digests(runs / "b") == before

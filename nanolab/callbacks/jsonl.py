@@ -223,6 +223,9 @@ class MetricsLog(StepCallback):
             "peak_flops": None,
             "price_per_gpu_hour": None,
             "pid": os.getpid(),
+            # The queue job that started this process (None: started by hand): `queue add`
+            # continues only runs the queue started unless told to.
+            "queue_job": os.environ.get("NANOLAB_QUEUE_JOB"),
             "argv": sys.argv,
         }
         record.update(collect_fields(trainer, "start"))

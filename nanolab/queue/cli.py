@@ -120,7 +120,7 @@ def cmd_add(args: argparse.Namespace) -> int:
     configs = [Path(c) for c in args.config]
     sweeps = parse_sweeps(args.sweep, [k for k, _ in parse_sets(args.set)])
     db = QueueDB(args.db)
-    jobs = []
+    jobs, notes = [], []
     for point in grid(sweeps):  # one point (no sweep) or the product of every --sweep
         name = sweep_job_name(args.name, configs, point, parse_sets(args.set))
         jobs += build_jobs(
@@ -133,6 +133,8 @@ def cmd_add(args: argparse.Namespace) -> int:
             memory=lambda parsed: memory_need(parsed, args.gpu),
             backfill=args.backfill,
             extra_configs=tuple(configs[1:]),
+            continue_runs=args.continue_runs,
+            notes=notes,
         )
     names = [j.name for j in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -141,7 +143,10 @@ def cmd_add(args: argparse.Namespace) -> int:
             f"two jobs would share the name {dupes[0]!r}; give --sweep values that differ after "
             "being made into a name, or --name"
         )
-    for job in db.add_jobs(jobs):
+    added = db.add_jobs(jobs)
+    for note in notes:
+        print(f"nanolab queue: note: {note}", file=sys.stderr)
+    for job in added:
         peak = f", peak {gib(job.mem_peak)}" if job.mem_peak else ""
         kind = " as backfill" if job.backfill else ""
         print(f"added job {job.id} {job.name}{kind} (~{describe(job.estimate_s)}{peak}; "
@@ -427,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="low priority: run only on devices that would idle; checkpoint and give way (exit "
         "75, resumed later) when another job needs the device or --until comes",
+    )
+    a.add_argument(
+        "--continue",
+        dest="continue_runs",
+        action="store_true",
+        help="let a job continue a run already in its run directory that the queue did not "
+        "start (by default that is refused at add time)",
     )
     a.set_defaults(func=cmd_add)
 
