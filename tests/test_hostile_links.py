@@ -279,3 +279,24 @@ def test_queue_add_names_an_existing_fit_run(tmp_path, char_dataset, victim, cap
     assert f"job b continues the existing run {runs / 'b'} from step 6" in err, err
     assert [j.name for j in QueueDB(db).jobs()] == ["b"]
     assert digests(runs / "b") == before
+
+
+def test_rotation_deletes_only_files_it_recorded(tmp_path) -> None:
+    """Rotation's own record decides what it may delete: a step file it wrote goes, a file
+    copied in under a step name (another run's checkpoint, same name) stays."""
+    from nanolab.callbacks.checkpoint import RotatingCheckpoint
+    from nanolab.claimed import ClaimedDir
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    ckpt = RotatingCheckpoint(every_n_steps=1, keep_last=1, keep_best=0)
+    ckpt.dirpath = folder
+    ckpt._folder = ClaimedDir(folder)
+    for step in (1, 3):
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"ours")
+        ckpt._remember(f"step-{step:08d}.ckpt")
+    (folder / "step-00000002.ckpt").write_bytes(b"copied in from another run")
+    deleted = ckpt._rotate(folder / "step-00000003.ckpt", 3, {})
+    assert [p.name for p in deleted] == ["step-00000001.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002.ckpt", "step-00000003.ckpt"]
+    ckpt._close_folder()
