@@ -88,7 +88,7 @@ def check_json_target(text: str) -> Path:
     """``--json``: a new file, or one an earlier ``eval --json`` wrote, in an existing folder
     and inside no run directory (a run's files are its own: eval adds only its record to the
     evaluated run's log)."""
-    from nanolab.runlog import run_dir_holding
+    from nanolab.runlog import refuse_inside_run
 
     out = Path(text)
     if not text.strip():
@@ -99,12 +99,7 @@ def check_json_target(text: str) -> Path:
         raise EvalArgumentError(
             f"--json {text}: folder {out.parent} does not exist; create it first"
         )
-    run_dir = run_dir_holding(out)
-    if run_dir is not None:
-        raise EvalArgumentError(
-            f"--json {text} is inside the run directory {run_dir}; write it elsewhere (a "
-            "run's files are its own; the tasks record goes into the evaluated run's log)"
-        )
+    refuse_inside_run(text, "--json", EvalArgumentError)  # the tasks record goes in the log
     if out.exists() and not _eval_output(out):
         raise EvalArgumentError(
             f"--json {text} already exists and is not an earlier `nanolab eval --json` "

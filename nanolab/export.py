@@ -36,6 +36,7 @@ from nanolab.model.hf import (
     hf_config_from_nanolab,
     hf_state_from_nanolab,
 )
+from nanolab.runlog import refuse_inside_run
 
 #: Files an export writes; ``--force`` replaces a folder holding nothing else.
 EXPORT_FILES = frozenset(
@@ -244,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-o", "--out", required=True, help="folder to write (must not exist)")
     parser.add_argument("--force", action="store_true", help="replace a previous export in -o")
     args = parser.parse_args(argv)
+    refuse_inside_run(args.out, "-o", ExportError)
     start = time.perf_counter()
     try:
         notes = export(args.ckpt, args.format, args.out, args.force)

@@ -39,7 +39,7 @@ from typing import Any
 
 from nanolab.errors import one_line_errors
 from nanolab.helpfmt import OneLineParser
-from nanolab.runlog import RUN_LOG_NAME, run_dir_holding
+from nanolab.runlog import RUN_LOG_NAME, refuse_inside_run
 from nanolab.runs import (
     DELTA_WINDOW,
     RESULTS_LOG,
@@ -632,12 +632,7 @@ def check_plot_path(out: Path) -> None:
             f"--plot {out}: matplotlib cannot write {out.suffix or 'a file without a suffix'}; "
             f"end the name in one of {', '.join('.' + k for k in sorted(kinds))}"
         )
-    run_dir = run_dir_holding(out)
-    if run_dir is not None:
-        raise ReportError(
-            f"--plot {out} is inside the run directory {run_dir}; write it elsewhere (a run's "
-            "files are its own)"
-        )
+    refuse_inside_run(out, "--plot", ReportError)
 
 
 def _plot_forecast(ax: Any, f: Any, start: float, color: Any) -> None:

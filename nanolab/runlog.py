@@ -14,6 +14,7 @@ Every record has ``event`` (``start``, ``train``, ``val``, ``budget``, ``checkpo
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import NanolabError
 
 RUN_LOG_NAME = "metrics.jsonl"
@@ -105,16 +107,35 @@ def _open_log(path: str | os.PathLike[str], mode: str) -> IO[Any] | None:
 
 
 def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
-    """The run directory ``path`` lies in (a folder up its tree holding a run log), or None.
+    """The run directory ``path`` is or lies in (a folder up its tree holding a run log), or None.
 
-    A command that writes a file the user names (``eval --json``, ``report --plot``) refuses
-    such a path: a run's files are its own, and one slip of the shell would replace another
-    run's checkpoint or log.
+    Both the path as given and where its links lead are checked: a link to a run's folder is
+    that run's folder.
     """
-    for folder in Path(os.path.abspath(path)).parents:
-        if (folder / RUN_LOG_NAME).exists():
-            return folder
+    given = Path(os.path.abspath(path))
+    for start in (given, Path(os.path.realpath(given))):
+        for folder in (start, *start.parents):
+            if (folder / RUN_LOG_NAME).is_file():
+                return folder
     return None
+
+
+def refuse_inside_run(
+    path: str | os.PathLike[str], option: str, error: type[NanolabError] = NanolabError
+) -> None:
+    """The one rule for every command that writes where the user says (``eval --json``,
+    ``report --plot``, ``export -o``, ``prepare -o``, ``init``): never into a run directory.
+
+    A run's files are its own (its lock, its rotation and its resume rely on knowing every file
+    there), and one slip of the shell would put, or replace, a file among another run's
+    checkpoints. Raises ``error`` naming ``option`` and the run directory.
+    """
+    run_dir = run_dir_holding(path)
+    if run_dir is not None:
+        raise error(
+            f"{option} {path} is inside the run directory {run_dir}; write it elsewhere (a run's "
+            "files are its own)"
+        )
 
 
 def _parse(line: str) -> dict[str, Any] | None:
@@ -162,26 +183,54 @@ class RunLogWriter:
     A log deleted or replaced while it is written (``rm metrics.jsonl`` during a run) would
     otherwise take every later record into an unlinked file that vanishes at the end: each
     write checks that the path is still the open file (one ``stat``) and, if not, starts the
-    file again at the path with a ``log_recreated`` record and says so on stderr.
+    file again at the path with a ``log_recreated`` record (naming ``run_id``, so the folder
+    still says whose it is) and says so on stderr.
+
+    The folder is claimed when the writer opens (:class:`~nanolab.claimed.ClaimedDir`) and the
+    file is opened through it, never through a link: a link to another run's log put in place
+    of this one, or this run's folder moved or replaced by a link, stops the run with one line
+    (:class:`~nanolab.claimed.LeftClaimedDir`) instead of appending this run's records there.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], run_id: str | None = None) -> None:
         self.path = Path(path)
+        self.run_id = run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        needs_newline = False
-        if self.path.is_file() and self.path.stat().st_size > 0:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                needs_newline = f.read(1) != b"\n"
+        self._folder = ClaimedDir(self.path.parent)
+        self._refused: LeftClaimedDir | None = None
         self._handle: IO[str] | None = self._open()
-        if needs_newline:
+        fd = self._handle.fileno()
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
             self._handle.write("\n")
             self._handle.flush()
 
     def _open(self) -> IO[str]:
-        handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._inode = os.fstat(handle.fileno())[1:3]  # (inode, device)
-        return handle
+        """The log opened for appending through the claimed folder; never a link, never a file
+        that is also another name (a hard link to another run's log)."""
+        assert self._folder.fd is not None
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path.name, flags, 0o644, dir_fd=self._folder.fd)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise self._refuse(f"{self.path} is a link") from None
+        st = os.fstat(fd)
+        if st.st_nlink > 1:
+            os.close(fd)
+            raise self._refuse(f"{self.path} is a hard link ({st.st_nlink} names for one file)")
+        self._inode = (st.st_ino, st.st_dev)
+        return open(fd, "a", encoding="utf-8")
+
+    def _refuse(self, why: str) -> LeftClaimedDir:
+        """The error that stops the run: ``why`` names what is at the log's path now."""
+        self._refused = LeftClaimedDir(
+            f"{why}; this run appends only to its own log, never through a link, so it stopped "
+            f"without writing there (the other file is untouched). Remove {self.path} and rerun "
+            "the same command to resume"
+        )
+        return self._refused
 
     def _still_there(self) -> bool:
         try:
@@ -190,6 +239,8 @@ class RunLogWriter:
             return False
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._refused is not None:
+            raise self._refused
         if self._handle is None:
             raise ValueError(f"run log {self.path} is closed")
         try:
@@ -197,6 +248,9 @@ class RunLogWriter:
                 self._recreate(record)
             self._handle.write(dumps(record) + "\n")
             self._handle.flush()
+        except LeftClaimedDir as err:  # every later record (the end record too) is refused
+            self._refused = err
+            raise
         except OSError as err:
             raise self._write_error(err) from None
 
@@ -207,7 +261,8 @@ class RunLogWriter:
         assert self._handle is not None
         with contextlib.suppress(OSError):
             self._handle.close()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = None
+        self._folder.check(f"the run log {self.path.name}")
         self._handle = self._open()
         note = (
             f"{self.path} was deleted or replaced while this run wrote it; started it again "
@@ -215,7 +270,8 @@ class RunLogWriter:
         )
         print(f"nanolab: warning: {note}", file=sys.stderr)
         self._handle.write(dumps({"event": "log_recreated", "time": time.time(),
-                                  "step": record.get("step"), "detail": note}) + "\n")  # fmt: skip
+                                  "step": record.get("step"), "run_id": self.run_id,
+                                  "detail": note}) + "\n")  # fmt: skip
 
     def _write_error(self, err: OSError) -> RunLogWriteError:
         import shutil
@@ -240,6 +296,7 @@ class RunLogWriter:
             with contextlib.suppress(OSError):  # a full disk: what is buffered cannot land
                 self._handle.close()
             self._handle = None
+        self._folder.close()
 
     @property
     def closed(self) -> bool:

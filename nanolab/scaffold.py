@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser
+from nanolab.runlog import refuse_inside_run
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; only annotations need it
     from importlib.resources.abc import Traversable
@@ -186,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--name", help="run name used in the config (default: the folder's name)")
     args = parser.parse_args(argv)
+    refuse_inside_run(args.directory, "init", ScaffoldError)
     written = write_project(args.directory, args.name)
     root = Path(args.directory)
     for path in written:

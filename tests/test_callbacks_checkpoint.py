@@ -183,19 +183,19 @@ def test_torch_writer_error_without_an_oserror_is_judged_by_free_space(tmp_path,
 
 def test_async_saves_complete_before_old_ones_are_deleted(tmp_path, char_dataset, monkeypatch):
     seen: list[tuple[str, bool]] = []
-    real_delete = checkpoint_module.remove
+    real_delete = checkpoint_module.unlink_in
 
     def slow_save(obj, f, *args, **kwargs):
         time.sleep(0.3)  # a slow disk: the training thread must not wait for it
         return REAL_SAVE(obj, f, *args, **kwargs)
 
-    def watched_delete(path):
+    def watched_delete(folder, path):
         newer = [p for p in path.parent.iterdir() if (step_of(p) or -1) > step_of(path)]
         seen.append((path.name, all(load(p)["global_step"] == step_of(p) for p in newer)))
-        real_delete(path)
+        real_delete(folder, path)
 
     monkeypatch.setattr(io_module.torch, "save", slow_save)
-    monkeypatch.setattr(checkpoint_module, "remove", watched_delete)
+    monkeypatch.setattr(checkpoint_module, "unlink_in", watched_delete)
     run = tmp_path / "run"
     ckpt = RotatingCheckpoint(every_n_steps=2, keep_last=1, keep_best=0, async_save=True)
     fit(run, char_dataset, [MetricsLog(), ckpt], max_steps=8, eval_every=100)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
+import stat
 import sys
 import time
 import warnings
@@ -38,6 +40,7 @@ from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
 from nanolab.callbacks.files import publish, remove, tmp_path
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import StepCallback, validation_follows
+from nanolab.claimed import ClaimedDir, LeftClaimedDir
 
 STEP_FILE = re.compile(r"^step-(\d{8,})\.ckpt$")
 LAST_NAME = "last.ckpt"
@@ -154,6 +157,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._pending_save = False
         self._done_records: list[dict[str, Any]] = []
         self._warned_cap = False
+        self._folder: ClaimedDir | None = None  # the claimed checkpoint folder (rank 0)
+        self._written: dict[str, tuple[int, int]] = {}  # its files this run wrote: (dev, inode)
         #: Rotation also keeps the newest checkpoint at least this many steps older than the
         #: newest save (set by the spike guard: a checkpoint from before a spike in progress).
         self.keep_one_older_than = 0
@@ -188,13 +193,73 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                 f"{type(strategy.checkpoint_io).__name__}: saves are synchronous",
                 stacklevel=2,
             )
-        if trainer.is_global_zero and self.dirpath.is_dir():
-            for stale in self.dirpath.glob("*.tmp"):  # a crash mid-save leaves these behind
-                with contextlib.suppress(OSError):
-                    remove(stale)
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_save_time = time.monotonic()
+        assert self.dirpath is not None
+        if trainer.is_global_zero and (self.dirpath.exists() or self.dirpath.is_symlink()):
+            self._claim_folder(at_start=True)
+
+    def _claim_folder(self, at_start: bool) -> None:
+        """Hold the checkpoint folder from now on (the run log has claimed the run directory);
+        a run without one yet claims it at its first save, when it creates it.
+
+        Saves, ``last.ckpt`` and rotation go through its descriptor, so a link swapped in for
+        it later cannot redirect them into another run's folder (:mod:`nanolab.claimed`). The
+        step files already there are this run's (the claim checked that), so rotation may
+        delete them; any other file is only ever deleted if this process wrote it.
+        """
+        assert self.dirpath is not None
+        if not self.dirpath.exists() and self.dirpath.is_symlink():
+            raise LeftClaimedDir(
+                f"{self.dirpath} is a link to a folder that does not exist; the run keeps its "
+                "checkpoints in a folder of its own: remove the link and rerun the same command"
+            )
+        if not self.dirpath.exists():
+            self.dirpath.mkdir(parents=True)
+        elif not at_start and self.dirpath.is_symlink():
+            # It did not exist at start-up; a link appeared since: not a folder this run chose.
+            raise LeftClaimedDir(
+                f"{self.dirpath} became a link after this run started; it stopped without "
+                "writing through it: remove the link and rerun the same command to resume"
+            )
+        self._close_folder()
+        self._folder = folder = ClaimedDir(self.dirpath)
+        self._written = {}
+        for name in os.listdir(folder.fd) if at_start else ():  # later: none of them ours
+            if name.endswith(".tmp"):  # a crash mid-save leaves these behind
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=folder.fd)
+            elif step_of(name) is not None or name == LAST_NAME:
+                self._remember(name)
+        inner = (
+            self._io.checkpoint_io if isinstance(self._io, AsyncAtomicCheckpointIO) else self._io
+        )
+        if isinstance(inner, AtomicCheckpointIO):
+            inner.folder = folder
+
+    def _remember(self, name: str) -> None:
+        """Record that ``name`` in the claimed folder is this run's file (as it is now)."""
+        ident = self._ident(name)
+        if ident is not None:
+            self._written[name] = ident
+
+    def _ident(self, name: str) -> tuple[int, int] | None:
+        """(device, inode) of a regular file ``name`` in the claimed folder; None otherwise."""
+        assert self._folder is not None
+        try:
+            st = os.stat(name, dir_fd=self._folder.fd, follow_symlinks=False)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+    def _close_folder(self) -> None:
+        if self._folder is not None:
+            self._folder.close()
+            self._folder = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._close_folder()
 
     # -- deciding when -----------------------------------------------------------------------
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
@@ -283,6 +348,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                     flush=True,
                 )
             return None
+        if self._folder is None and trainer.is_global_zero:
+            self._claim_folder(at_start=False)  # the first save of a run without the folder
         is_async = isinstance(self._io, AsyncAtomicCheckpointIO)
         clock.sync_device(trainer)
         previous, self.last_saved_step = self.last_saved_step, step  # stored inside the file
@@ -293,6 +360,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                     tmp = tmp_path(path)
                     trainer.save_checkpoint(tmp, weights_only=False)
                     if trainer.is_global_zero:
+                        if self._folder is not None:
+                            self._folder.check(path.name)
                         publish(tmp, path)
                 else:
                     trainer.save_checkpoint(path, weights_only=False)
@@ -307,8 +376,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
 
         def done() -> None:
             """Once ``path`` is complete: point last.ckpt at it, rotate, report."""
+            if self._folder is not None:
+                self._remember(path.name)
             if self.save_last:
-                atomic_link(path, path.parent / LAST_NAME)
+                atomic_link(path, path.parent / LAST_NAME, self._folder)
+                if self._folder is not None:
+                    self._remember(LAST_NAME)
             deleted = self._rotate(path, step, vals)
             self._done_records.append(
                 {
@@ -348,7 +421,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
     def _rotate(self, newest: Path, newest_step: int, vals: dict[int, float]) -> list[Path]:
         """Delete step checkpoints beyond last K + best J (then beyond the disk cap)."""
         folder = newest.parent
-        files = {s: p for p in folder.iterdir() if (s := step_of(p)) is not None}
+        if self._folder is not None:
+            self._folder.check("rotation")
+            names = os.listdir(self._folder.fd)
+        else:
+            names = os.listdir(folder)
+        files = {s: folder / n for n in names if (s := step_of(n)) is not None}
         # Files from steps after this one belong to a timeline abandoned by resuming from an
         # older checkpoint: leave them (they are overwritten when the run gets there again).
         timeline = sorted(s for s in files if s <= newest_step)
@@ -359,9 +437,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             keep.update(older[-1:])
         best = self._best_steps(vals, set(timeline))
         keep.update(best)
-        deleted = [files[s] for s in timeline if s not in keep]
-        for path in deleted:
-            remove(path)
+        deleted = [files[s] for s in timeline if s not in keep and self._delete(files[s])]
         if self.max_disk_gb is not None:
             deleted += self._enforce_cap(folder, files, keep, newest_step, best)
         return deleted
@@ -390,9 +466,10 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         for s in order:
             if total <= cap:
                 break
-            total -= _size(kept[s])
-            remove(kept[s])
-            removed.append(kept[s])
+            size = _size(kept[s])
+            if self._delete(kept[s]):
+                total -= size
+                removed.append(kept[s])
         if total > cap and not self._warned_cap:
             self._warned_cap = True
             warnings.warn(
@@ -401,6 +478,25 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                 stacklevel=2,
             )
         return removed
+
+    def _delete(self, path: Path) -> bool:
+        """Delete a step checkpoint this run wrote; leave anything else (False).
+
+        In the claimed folder, only a name this run recorded, still the same file (a copy of
+        another run's checkpoint put under that name is a different inode), is deleted, through
+        the folder's descriptor.
+        """
+        folder = self._folder
+        if folder is None:
+            remove(path)
+            return True
+        ident = self._ident(path.name)
+        if ident is None or self._written.get(path.name) != ident:
+            return False
+        folder.check(f"a deletion of {path.name}")
+        unlink_in(folder, path)
+        self._written.pop(path.name, None)
+        return True
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -412,6 +508,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.val_by_step = {int(k): float(v) for k, v in state_dict.get("val_by_step", {}).items()}
         self.last_saved_step = state_dict.get("last_saved_step")
+
+
+def unlink_in(folder: ClaimedDir, path: Path) -> None:
+    """Delete the entry ``path.name`` of ``folder`` through its descriptor (gone already: fine)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path.name, dir_fd=folder.fd)
 
 
 def parameters_finite(trainer: L.Trainer) -> bool:

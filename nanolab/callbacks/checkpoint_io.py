@@ -23,13 +23,14 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from nanolab.callbacks.files import fsync_dir, remove, tmp_path
+from nanolab.claimed import ClaimedDir
 
 
 class CheckpointWriteError(OSError):
@@ -114,19 +115,31 @@ def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | Non
     return None
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to ``path`` atomically (tmp + fsync + rename + dir fsync)."""
+def atomic_torch_save(
+    obj: Any, path: str | os.PathLike[str], folder: ClaimedDir | None = None
+) -> None:
+    """``torch.save`` to ``path`` atomically (tmp + fsync + rename + dir fsync).
+
+    With ``folder`` (the run's claimed checkpoint folder, holding ``path``), the file is created
+    and renamed through the folder's descriptor, after checking the path still leads there: a
+    link swapped in for the folder mid-run cannot redirect the write into another run's files.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if folder is not None and not folder.holds(path):
+        folder = None
+    if folder is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        folder.check(path.name)
     tmp = tmp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with _open_new(tmp, folder) as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _replace(tmp, path, folder)
     except BaseException as err:
-        _remove_quietly(tmp)
+        _remove_quietly(tmp, folder)
         if not isinstance(err, (OSError, RuntimeError)):
             raise
         needed = tensor_bytes(obj)
@@ -135,22 +148,57 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
             raise
         message = _explain(cause, path, needed)
         raise CheckpointWriteError(cause.errno or errno.EIO, message) from err
-    fsync_dir(path.parent)
+    _fsync_folder(path.parent, folder)
 
 
-def atomic_link(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+def _open_new(path: Path, folder: ClaimedDir | None) -> BinaryIO:
+    """``path`` opened for writing (truncated); in ``folder`` by descriptor, never via a link."""
+    if folder is None:
+        return open(path, "wb")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path.name, flags, 0o644, dir_fd=folder.fd), "wb")
+
+
+def _replace(tmp: Path, path: Path, folder: ClaimedDir | None) -> None:
+    if folder is None:
+        os.replace(tmp, path)
+    else:
+        os.replace(tmp.name, path.name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
+
+
+def _fsync_folder(directory: Path, folder: ClaimedDir | None) -> None:
+    if folder is None or folder.fd is None:
+        fsync_dir(directory)
+    else:
+        with contextlib.suppress(OSError):
+            os.fsync(folder.fd)
+
+
+def atomic_link(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    folder: ClaimedDir | None = None,
+) -> None:
     """Make ``target`` the same file as ``source`` (hard link; copy where links are refused).
 
     A hard link costs no extra disk and no extra write; it is swapped in with ``os.replace`` so a
     reader sees the old or the new ``last.ckpt``, never a missing or partial one. A directory
-    (sharded checkpoint) gets a relative symlink instead.
+    (sharded checkpoint) gets a relative symlink instead. With ``folder`` (the claimed folder
+    holding both), every step goes through its descriptor, as in :func:`atomic_torch_save`.
     """
     source, target = Path(source), Path(target)
+    if folder is not None and not (folder.holds(source) and folder.holds(target)):
+        folder = None
+    if folder is not None:
+        folder.check(target.name)
     tmp = tmp_path(target)
-    _remove_quietly(tmp)
+    _remove_quietly(tmp, folder)
     try:
         if source.is_dir():
             os.symlink(os.path.relpath(source, target.parent), tmp)
+        elif folder is not None:
+            os.link(source.name, tmp.name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd,
+                     follow_symlinks=False)  # fmt: skip
         else:
             try:
                 os.link(source, tmp)
@@ -161,31 +209,40 @@ def atomic_link(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
                     os.fsync(dst.fileno())
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
-        os.replace(tmp, target)
+        _replace(tmp, target, folder)
     except OSError as err:
-        _remove_quietly(tmp)
+        _remove_quietly(tmp, folder)
         needed = None
         with contextlib.suppress(OSError):
             needed = source.stat().st_size if source.is_file() else None
         raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, target, needed)) from err
-    fsync_dir(target.parent)
+    _fsync_folder(target.parent, folder)
 
 
-def _remove_quietly(path: Path) -> None:
+def _remove_quietly(path: Path, folder: ClaimedDir | None = None) -> None:
     """Clean up a ``.tmp`` on a failure path, where the first error is the one to report."""
     with contextlib.suppress(OSError):
-        remove(path)
+        if folder is None:
+            remove(path)
+        else:
+            os.unlink(path.name, dir_fd=folder.fd)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are atomic and durable (see the module docstring)."""
+    """``TorchCheckpointIO`` whose saves are atomic and durable (see the module docstring).
+
+    ``folder``: the run's claimed checkpoint folder, set by the rotation callback once the run
+    has claimed it; saves into it go through its descriptor.
+    """
+
+    folder: ClaimedDir | None = None
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint does not take storage_options")
-        atomic_torch_save(checkpoint, path)
+        atomic_torch_save(checkpoint, path, self.folder)
 
     def then(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` now (writes are synchronous)."""

@@ -42,6 +42,7 @@ from nanolab.callbacks.events import (
 from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
 from nanolab.callbacks.step import StepCallback
+from nanolab.claimed import LeftClaimedDir
 from nanolab.runlog import (
     RUN_LOG_NAME,
     RunLogWriteError,
@@ -99,6 +100,8 @@ class MetricsLog(StepCallback):
         self.monitor = monitor
         self.fresh = fresh
         self.run_id: str | None = None
+        self.run_dir: str | None = None  # where this run is, saved in its checkpoints
+        self.checkpoint_run_dir: str | None = None  # where the restored checkpoint was saved
         self.best_val_loss: float | None = None
         self._writer: RunLogWriter | None = None
         self._grad_norm: torch.Tensor | None = None
@@ -145,12 +148,14 @@ class MetricsLog(StepCallback):
                     self.filename,
                     checkpoint=trainer.ckpt_path,
                     checkpoint_run_id=self.run_id,  # restored from that checkpoint
+                    checkpoint_run_dir=self.checkpoint_run_dir,
                 ).run_id
             except RunDirError as err:
                 error = str(err)
         error = trainer.strategy.broadcast(error, src=0)
         if error:
             raise RunDirError(error)
+        self.run_dir = os.path.realpath(run_dir)
         if trainer.is_global_zero:
             if resuming:
                 # Time after the last checkpoint of the previous process was paid for too.
@@ -165,7 +170,7 @@ class MetricsLog(StepCallback):
             # A claimed id: a new run (also one that starts from another's checkpoint).
             self.run_id = run_id or self.run_id or new_run_id()
             try:
-                self._writer = RunLogWriter(path)
+                self._writer = RunLogWriter(path, run_id=self.run_id)
             except OSError as err:
                 raise RunDirError(
                     f"cannot write the run log {path} ({err.strerror or err}); set run.root to a "
@@ -218,6 +223,9 @@ class MetricsLog(StepCallback):
             "peak_flops": None,
             "price_per_gpu_hour": None,
             "pid": os.getpid(),
+            # The queue job that started this process (None: started by hand): `queue add`
+            # continues only runs the queue started unless told to.
+            "queue_job": os.environ.get("NANOLAB_QUEUE_JOB"),
             "argv": sys.argv,
         }
         record.update(collect_fields(trainer, "start"))
@@ -329,7 +337,8 @@ class MetricsLog(StepCallback):
                 "time_breakdown": clock.breakdown(),
             }
             record.update(collect_fields(trainer, "end"))
-        with contextlib.suppress(RunLogWriteError):  # a full disk: the error already says so
+        # A full disk, or the log's path now leading elsewhere: the error already says so.
+        with contextlib.suppress(RunLogWriteError, LeftClaimedDir):
             self._writer.write(record)
         self._writer.close()
 
@@ -360,10 +369,11 @@ class MetricsLog(StepCallback):
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "best_val_loss": self.best_val_loss}
+        return {"run_id": self.run_id, "best_val_loss": self.best_val_loss, "run_dir": self.run_dir}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.run_id = state_dict.get("run_id")
+        self.checkpoint_run_dir = state_dict.get("run_dir")
         self.best_val_loss = state_dict.get("best_val_loss")
 
 

@@ -134,11 +134,12 @@ def claim_run_dir(
     log_name: str = RUN_LOG_NAME,
     checkpoint: str | os.PathLike[str] | None = None,
     checkpoint_run_id: str | None = None,
+    checkpoint_run_dir: str | None = None,
 ) -> RunClaim:
     """Check that this process may write into ``run_dir``; archive the old run if ``fresh``.
 
     ``checkpoint`` is the file a resume continues from and ``checkpoint_run_id`` the run id saved
-    in it (None: unknown). Raises :class:`RunDirError` (nothing written) when the directory holds
+    in it (None: unknown), ``checkpoint_run_dir`` the run directory that saved it. Raises :class:`RunDirError` (nothing written) when the directory holds
     a different run, when the checkpoint belongs to another run and the directory holds one,
     when ``fresh`` and ``resuming`` contradict each other, or when it is not writable.
     """
@@ -153,12 +154,12 @@ def claim_run_dir(
     previous = last_record(log_path, where=lambda r: r.get("event") == "start")
     has_log = log_path.is_file() and log_path.stat().st_size > 0
     checkpoints = checkpoint_files(run_dir)
-    old_id = str(previous.get("run_id")) if previous and previous.get("run_id") else None
+    old_id = owner_of_log(log_path)
     holds_run = has_log or bool(checkpoints)
 
     if resuming:
         if checkpoint is None or _is_own_checkpoint(
-            run_dir, Path(checkpoint), old_id, checkpoint_run_id
+            run_dir, Path(checkpoint), old_id, checkpoint_run_id, checkpoint_run_dir
         ):
             claim = RunClaim(run_id=None)
         elif holds_run:
@@ -203,17 +204,38 @@ def claim_run_dir(
     )
 
 
+def owner_of_log(log_path: Path) -> str | None:
+    """The run id the run log names last: its ``start`` record, or the ``log_recreated`` record
+    a run writes when its log was deleted under it (None: no record names one)."""
+    owner = last_record(
+        log_path,
+        where=lambda r: r.get("event") in ("start", "log_recreated") and bool(r.get("run_id")),
+    )
+    return str(owner["run_id"]) if owner else None
+
+
 def _is_own_checkpoint(
-    run_dir: Path, checkpoint: Path, run_id: str | None, checkpoint_run_id: str | None
+    run_dir: Path,
+    checkpoint: Path,
+    run_id: str | None,
+    checkpoint_run_id: str | None,
+    checkpoint_run_dir: str | None = None,
 ) -> bool:
     """Whether ``checkpoint`` continues the run ``run_dir`` holds (or held, when it is empty).
 
     The run ids decide when both are known (a copy of this run's checkpoint kept elsewhere is
-    still this run's). Otherwise the location does: ``checkpoints/`` and Lightning's SLURM
+    still this run's). When the log names no run (deleted, or recreated without a ``start``
+    record), a checkpoint that says which run directory saved it must have been saved here: a
+    copy of another run's ``last.ckpt`` would otherwise take that run's id into a second
+    directory. Otherwise the location decides: ``checkpoints/`` and Lightning's SLURM
     ``hpc_ckpt_*`` files of this directory are its own; ``previous/`` holds archived runs.
     """
     if run_id is not None and checkpoint_run_id is not None:
         return run_id == checkpoint_run_id
+    if checkpoint_run_dir is not None and os.path.realpath(checkpoint_run_dir) != os.path.realpath(
+        run_dir
+    ):
+        return False
     try:
         where = checkpoint.resolve().relative_to(run_dir.resolve())
     except (ValueError, OSError):

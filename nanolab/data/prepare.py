@@ -638,6 +638,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="print the dataset's meta.json summary as JSON on stdout")  # fmt: skip
     args = parser.parse_args(argv)
+    from nanolab.runlog import refuse_inside_run
+
+    refuse_inside_run(args.out, "-o", PrepareError)
     try:
         sample_bytes = parse_bytes(args.bpe_sample_bytes)
         meta = prepare_dataset(

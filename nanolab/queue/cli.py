@@ -113,22 +113,16 @@ def check_gpus_visible(ids: list[str], text: str) -> None:
 
 # -- verbs ----------------------------------------------------------------------------------
 def cmd_add(args: argparse.Namespace) -> int:
-    from nanolab.queue.jobs import build_jobs, job_names, parse_sets
+    from nanolab.queue.jobs import build_jobs, parse_sets
     from nanolab.queue.predict import flops_estimate, memory_need
-    from nanolab.queue.sweep import grid, parse_sweeps, point_name
+    from nanolab.queue.sweep import grid, parse_sweeps
 
     configs = [Path(c) for c in args.config]
     sweeps = parse_sweeps(args.sweep, [k for k, _ in parse_sets(args.set)])
     db = QueueDB(args.db)
-    jobs = []
+    jobs, notes = [], []
     for point in grid(sweeps):  # one point (no sweep) or the product of every --sweep
-        name = args.name
-        if name is None and (len(configs) > 1 or point):
-            base = job_names(configs[0], None, parse_sets(args.set), None)[0]
-            stems = "+".join(c.stem for c in configs)  # quickstart+overfit
-            name = point_name(stems + base[len(configs[0].stem) :], point)
-        elif point:
-            name = point_name(name, point)
+        name = sweep_job_name(args.name, configs, point, parse_sets(args.set))
         jobs += build_jobs(
             configs[0],
             [*args.set, *(f"{k}={v}" for k, v in point)],
@@ -139,6 +133,8 @@ def cmd_add(args: argparse.Namespace) -> int:
             memory=lambda parsed: memory_need(parsed, args.gpu),
             backfill=args.backfill,
             extra_configs=tuple(configs[1:]),
+            continue_runs=args.continue_runs,
+            notes=notes,
         )
     names = [j.name for j in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -147,12 +143,40 @@ def cmd_add(args: argparse.Namespace) -> int:
             f"two jobs would share the name {dupes[0]!r}; give --sweep values that differ after "
             "being made into a name, or --name"
         )
-    for job in db.add_jobs(jobs):
+    added = db.add_jobs(jobs)
+    for note in notes:
+        print(f"nanolab queue: note: {note}", file=sys.stderr)
+    for job in added:
         peak = f", peak {gib(job.mem_peak)}" if job.mem_peak else ""
         kind = " as backfill" if job.backfill else ""
         print(f"added job {job.id} {job.name}{kind} (~{describe(job.estimate_s)}{peak}; "
               f"run dir {job.run_dir})")  # fmt: skip
     return 0
+
+
+def sweep_job_name(
+    name: str | None,
+    configs: list[Path],
+    point: tuple[tuple[str, str], ...],
+    sets: list[tuple[str, str]],
+) -> str | None:
+    """The run name of one sweep point (``-s<seed>`` is added later), or None for the default.
+
+    A sweep point is named by the config(s) (or ``--name``) and the swept values only
+    (``quickstart-lr1e-3-n_layer4``): the fixed ``--set`` overrides are the same for every point
+    and are in each job's config, and a name built from them grows past what ``queue ls`` can
+    show. Several configs without a sweep keep the overrides in the name, as one config does.
+    """
+    from nanolab.queue.jobs import job_names
+    from nanolab.queue.sweep import point_name
+
+    stems = "+".join(c.stem for c in configs)  # quickstart+overfit
+    if point:
+        return point_name(name if name is not None else stems, point)
+    if name is None and len(configs) > 1:
+        base = job_names(configs[0], None, sets, None)[0]
+        return stems + base[len(configs[0].stem) :]
+    return name
 
 
 def _job_dict(job: Job, db: QueueDB, jobs: list[Job]) -> dict:
@@ -408,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="low priority: run only on devices that would idle; checkpoint and give way (exit "
         "75, resumed later) when another job needs the device or --until comes",
+    )
+    a.add_argument(
+        "--continue",
+        dest="continue_runs",
+        action="store_true",
+        help="let a job continue a run already in its run directory that the queue did not "
+        "start (by default that is refused at add time)",
     )
     a.set_defaults(func=cmd_add)
 

@@ -259,6 +259,8 @@ def build_jobs(
     memory=None,
     backfill: bool = False,
     extra_configs: tuple[Path, ...] = (),
+    continue_runs: bool = False,
+    notes: list[str] | None = None,
 ) -> list[NewJob]:
     """Validated jobs for one ``queue add`` (one per seed); nothing is written here.
 
@@ -266,7 +268,12 @@ def build_jobs(
 
     ``estimate(parsed) -> (seconds, how)`` and ``memory(parsed) -> (peak bytes, how)`` are the
     duration and memory predictions (:mod:`nanolab.queue.predict`); ``backfill`` marks the jobs
-    low priority (they run on idle devices only and are preempted for other jobs)."""
+    low priority (they run on idle devices only and are preempted for other jobs).
+
+    A job whose run directory already holds a run continues it (the queue resumes with
+    ``run.resume auto``): that is refused for a run the queue did not start unless
+    ``continue_runs``, and for a model that cannot resume it; otherwise one line saying so is
+    appended to ``notes``."""
     for path in (config, *extra_configs):
         if path.is_dir():
             raise JobConfigError(f"config {path} is a folder; give a YAML file in it")
@@ -284,6 +291,10 @@ def build_jobs(
         parsed = parse_config(config, args, job_name, cwd)
         seconds, source = estimate(parsed) if estimate else (None, None)
         peak, mem_source = memory(parsed) if memory else (None, None)
+        run_dir = _under(cwd, parsed.run_root) / job_name
+        note = existing_run(run_dir, job_name, parsed.config, continue_runs)
+        if note is not None and notes is not None:
+            notes.append(note)
         jobs.append(
             NewJob(
                 name=job_name,
@@ -291,7 +302,7 @@ def build_jobs(
                 args=args,
                 seed=seed,
                 cwd=str(cwd),
-                run_dir=str(_under(cwd, parsed.run_root) / job_name),
+                run_dir=str(run_dir),
                 config_key=config_key(parsed.config),
                 devices=parsed.devices,
                 max_steps=parsed.max_steps,
@@ -304,3 +315,43 @@ def build_jobs(
             )
         )
     return jobs
+
+
+def existing_run(
+    run_dir: Path, name: str, config: dict[str, Any], continue_runs: bool
+) -> str | None:
+    """What a job named ``name`` would do to a run already in ``run_dir``, said now.
+
+    None when the directory holds no run. A run that ``nanolab fit`` (or anything but the queue)
+    started is the user's: the job would resume it, train on and rotate its final checkpoint
+    away, so that needs ``--continue``. A model the run's checkpoint cannot resume into is
+    refused here instead of failing at 3 a.m. Otherwise: one line naming the step it resumes at.
+    """
+    from nanolab.model.config import with_defaults
+    from nanolab.runlog import RUN_LOG_NAME, read_records
+    from nanolab.training.resolve import sections
+    from nanolab.training.resume import ResumeError, check_same_model, find_resume_checkpoint
+
+    log = run_dir / RUN_LOG_NAME
+    choice = find_resume_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    chosen = choice.chosen if choice is not None else None
+    if chosen is None and not (log.is_file() and log.stat().st_size > 0):
+        return None
+    starts = read_records(log, "start")
+    by_queue = bool(starts) and starts[0].get("queue_job") is not None
+    where = f"step {chosen.step} ({chosen.path.name})" if chosen else "step 0 (no checkpoint)"
+    if not by_queue and not continue_runs:
+        who = "nanolab fit" if starts else "no queue job"
+        raise JobConfigError(
+            f"--name {name}: {run_dir} is an existing run started by {who}; this job would "
+            f"continue it from {where} and rotate its checkpoints. Pass --continue to do that, "
+            "or choose another --name"
+        )
+    if chosen is not None:
+        gpt = sections(config)[1].get("gpt")
+        try:
+            check_same_model(chosen, with_defaults(gpt) if isinstance(gpt, dict) else None,
+                             f"--name {name}")  # fmt: skip
+        except ResumeError as err:
+            raise JobConfigError(f"{err} (the job would continue the run in {run_dir})") from None
+    return f"job {name} continues the existing run {run_dir} from {where}"

@@ -1,0 +1,302 @@
+"""Links and names that would point one run's writes at another run's files.
+
+Each test swaps a path under a live run (a callback in the run's own config does it at a fixed
+step, so the swap lands mid-run every time) or names an existing run from the queue, and checks
+the contract of docs/guarantees.md ("Links and names"): the other run's files hash the same
+before and after, and the command ends in one line (exit 2, no traceback) or says what it does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_nanolab, tiny_overrides, write_config
+
+from nanolab.runlog import read_records
+
+EXIT_USAGE = 2
+
+#: A callback the run under test loads from its config: at ``at_step`` it does what a hostile
+#: shell would (``mv`` the run's ``name`` to ``<name>.moved``, or ``rm`` it, then ``ln -s``
+#: ``target`` in its place; or copy ``target`` to ``name``).
+SWAPPER = """
+import os, shutil
+from lightning.pytorch import Callback
+
+class Swap(Callback):
+    def __init__(self, name: str, target: str, at_step: int = 3, how: str = "move") -> None:
+        self.name, self.target, self.at_step, self.how, self.done = name, target, at_step, how, False
+
+    def on_train_batch_end(self, trainer, *args):
+        if self.done or trainer.global_step < self.at_step:
+            return
+        self.done = True
+        path = os.path.join(trainer.default_root_dir, self.name)
+        if self.how == "move":
+            os.rename(path, path + ".moved")
+        else:
+            os.unlink(path)
+        os.symlink(self.target, path)
+"""
+
+
+def digests(root: Path) -> dict[str, str]:
+    """sha256 of every regular file under ``root`` (links are not followed)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture(scope="module")
+def victim(tmp_path_factory, char_dataset) -> Path:
+    """A finished tiny run ``b`` (checkpoints at steps 4 and 6, ``last.ckpt``), trained once."""
+    root = tmp_path_factory.mktemp("victim")
+    cfg = tiny_overrides(char_dataset, root / "runs", run__name="b")
+    cfg["checkpoint"] = {"every_n_steps": 2, "keep_last": 2}
+    res = run_nanolab("fit", "--config", str(write_config(root / "b.yaml", cfg)), cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root / "runs" / "b"
+
+
+def _fit_with_swap(
+    tmp_path: Path, char_dataset: Path, victim: Path, **swap: object
+) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """Run ``a`` next to a copy of ``victim`` (as ``b``) with the swap; (result, a, b)."""
+    runs = tmp_path / "runs"
+    shutil.copytree(victim, runs / "b")
+    (tmp_path / "swapper.py").write_text(SWAPPER)
+    cfg = tiny_overrides(char_dataset, runs, run__name="a", trainer__max_steps=8)
+    cfg["checkpoint"] = {"every_n_steps": 1, "keep_last": 1, "keep_best": 0}
+    cfg["trainer"]["callbacks"] = [{"class_path": "swapper.Swap", "init_args": swap}]
+    config = write_config(tmp_path / "a.yaml", cfg)
+    path = os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH"))))
+    res = run_nanolab("fit", "--config", str(config), cwd=tmp_path, env={"PYTHONPATH": path})
+    return res, runs / "a", runs / "b"
+
+
+def test_checkpoints_swapped_for_a_link_to_another_run_mid_run(tmp_path, char_dataset, victim):
+    """Item 1: `mv runs/a/checkpoints x; ln -s ../b/checkpoints runs/a/checkpoints` at step 3
+    of a run that saves every step and keeps one: it stops with one line at its next save,
+    `b`'s files are untouched (none overwritten, none rotated away), `a`'s are in the moved
+    folder."""
+    before = digests(victim)
+    res, a, b = _fit_with_swap(
+        tmp_path, char_dataset, victim, name="checkpoints", target="../b/checkpoints"
+    )
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE, detail
+    assert "Traceback" not in res.stderr, detail
+    line = last_line(res.stderr)
+    assert "now leads to" in line and "checkpoints.moved" in line, line
+    assert digests(b) == before
+    moved = sorted(p.name for p in (a / "checkpoints.moved").iterdir())
+    assert moved[0] == "last.ckpt" and len(moved) == 2, moved  # and one step file, before the swap
+    end = read_records(a / "metrics.jsonl", "end")[-1]
+    assert end["reason"] == "error" and "LeftClaimedDir" in end["error"]
+
+
+def test_run_log_swapped_for_a_link_to_another_runs_log_mid_run(tmp_path, char_dataset, victim):
+    """Item 2: `rm runs/a/metrics.jsonl; ln -s ../b/metrics.jsonl runs/a/metrics.jsonl` at
+    step 3: the run does not follow the link (not one of its records lands in `b`'s log); it
+    stops with one line naming the link, and `b` hashes the same."""
+    before = digests(victim)
+    res, a, b = _fit_with_swap(
+        tmp_path, char_dataset, victim, name="metrics.jsonl", target="../b/metrics.jsonl",
+        how="remove",
+    )  # fmt: skip
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE, detail
+    assert "Traceback" not in res.stderr, detail
+    assert "metrics.jsonl is a link" in last_line(res.stderr), detail
+    assert digests(b) == before
+    assert (a / "checkpoints" / "last.ckpt").exists()  # the checkpoints are kept
+
+
+def _recreated_log(run_dir: Path, run_id: str | None) -> None:
+    """A run log that lost its `start` record: only what a run writes after `rm metrics.jsonl`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"event": "log_recreated", "time": 0.0, "step": 3, "detail": "recreated"}
+    if run_id is not None:
+        record["run_id"] = run_id
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+
+
+@pytest.mark.parametrize("run_id", ["aaaaaaaaaaaa", None], ids=["log-names-a", "log-names-none"])
+def test_a_recreated_log_does_not_adopt_a_copied_checkpoint(tmp_path, run_id) -> None:
+    """Item 4 (the claim alone): `runs/a`'s log was recreated, `b`'s `last.ckpt` copied into
+    `runs/a/checkpoints/`. Whether the recreated log names `a` or nothing, resuming that file
+    here is refused (it would give two directories one run id); `a`'s own file is accepted."""
+    from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+
+    a = tmp_path / "runs" / "a"
+    _recreated_log(a, run_id)
+    (a / "checkpoints").mkdir()
+    copied = a / "checkpoints" / "last.ckpt"
+    copied.write_bytes(b"stand-in")
+    b_dir = str(tmp_path / "runs" / "b")
+    with pytest.raises(RunDirError, match="would mix two runs"):
+        claim_run_dir(a, None, True, checkpoint=copied, checkpoint_run_id="bbbbbbbbbbbb",
+                      checkpoint_run_dir=b_dir)  # fmt: skip
+    own = claim_run_dir(a, None, True, checkpoint=copied, checkpoint_run_id=run_id or "a" * 12,
+                        checkpoint_run_dir=str(a))  # fmt: skip
+    assert own.run_id is None  # resumes under the checkpoint's id
+
+
+def test_resume_into_a_recreated_log_refuses_another_runs_checkpoint(
+    tmp_path, char_dataset, victim
+) -> None:
+    """Item 4 end to end: `runs/a` holds a recreated log (no `start`, no run id) and a copy of
+    `b`'s `last.ckpt`; `nanolab fit --run.name a` (resume auto) refuses in one line instead of
+    continuing `b` under `b`'s run id in a second directory. Nothing changes."""
+    runs = tmp_path / "runs"
+    shutil.copytree(victim, runs / "b")
+    a = runs / "a"
+    _recreated_log(a, None)
+    (a / "checkpoints").mkdir()
+    shutil.copy2(victim / "checkpoints" / "last.ckpt", a / "checkpoints" / "last.ckpt")
+    before = digests(runs)
+    cfg = tiny_overrides(char_dataset, runs, run__name="a", trainer__max_steps=8)
+    res = run_nanolab("fit", "--config", str(write_config(tmp_path / "a.yaml", cfg)), cwd=tmp_path)
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE, detail
+    assert "Traceback" not in res.stderr, detail
+    assert "would mix two runs" in last_line(res.stderr), detail
+    after = digests(runs)
+    assert {k: after.get(k) for k in before} == before  # nothing changed or removed
+
+
+def queue(capsys, db: Path, *argv: str) -> tuple[int, str, str]:
+    """``nanolab queue VERB --db DB ARGS`` in this process; (exit code, stdout, stderr)."""
+    from nanolab.queue.cli import main
+
+    code = main([argv[0], "--db", str(db), *argv[1:]])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_sweep_names_its_jobs_by_the_swept_values_and_the_seed(
+    tmp_path, char_dataset, capsys, monkeypatch
+) -> None:
+    """Item 6: a 2x2 sweep with five fixed `--set`s is named `<config>-<swept values>-s<seed>`;
+    the fixed overrides are in each job's arguments, not its name."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    del cfg["run"]["name"]
+    config = write_config(tmp_path / "quickstart.yaml", cfg)
+    fixed = ["trainer.max_steps=40", "downstream.suite=null", "model.gpt.n_layer=2",
+             "model.gpt.n_embd=64", "run.eval_every_steps=20"]  # fmt: skip
+    sets = [a for s in fixed for a in ("--set", s)]
+    code, _, err = queue(capsys, tmp_path / "q.db", "add", str(config), *sets, "--seeds", "1",
+                         "--sweep", "model.optimizer.lr=1e-3,3e-3",
+                         "--sweep", "model.gpt.n_head=2,4")  # fmt: skip
+    assert code == 0, err
+    from nanolab.queue.db import QueueDB
+
+    jobs = QueueDB(tmp_path / "q.db").jobs()
+    assert [j.name for j in jobs] == [
+        "quickstart-lr1e-3-n_head2-s1", "quickstart-lr1e-3-n_head4-s1",
+        "quickstart-lr3e-3-n_head2-s1", "quickstart-lr3e-3-n_head4-s1",
+    ]  # fmt: skip
+    assert "--trainer.max_steps=40" in jobs[0].args and "--run.eval_every_steps=20" in jobs[0].args
+
+
+@pytest.mark.parametrize(
+    ("verb", "argv"),
+    [
+        ("export", ["--ckpt", "{run}/checkpoints/last.ckpt", "-o", "{target}"]),
+        ("init", ["{target}"]),
+        ("prepare", ["bundled:shakespeare", "-o", "{target}"]),
+    ],
+)
+@pytest.mark.parametrize("via", ["path", "link"])
+def test_no_output_folder_inside_a_run_directory(tmp_path, capsys, verb, argv, via) -> None:
+    """Item 5: `export -o`, `init` and `prepare -o` into a folder inside a run directory (also
+    through a link to it) are refused in one line, as `eval --json` and `report --plot` are:
+    one rule (`nanolab.runlog.refuse_inside_run`), and nothing is written."""
+    import importlib
+
+    run = tmp_path / "runs" / "b"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "start", "run_id": "b"}\n')
+    if via == "link":
+        (tmp_path / "elsewhere").symlink_to(run)
+        target = tmp_path / "elsewhere" / "out"
+    else:
+        target = run / "out"
+    module = {"export": "nanolab.export", "init": "nanolab.scaffold",
+              "prepare": "nanolab.data.prepare"}[verb]  # fmt: skip
+    main = importlib.import_module(module).main
+    before = digests(tmp_path / "runs")
+    code = main([a.format(run=run, target=target) for a in argv])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert len(err.strip().splitlines()) == 1 and "inside the run directory" in err, err
+    assert digests(tmp_path / "runs") == before and not (run / "out").exists()
+
+
+def test_queue_add_names_an_existing_fit_run(tmp_path, char_dataset, victim, capsys, monkeypatch):
+    """Item 3: `queue add --name b` where `runs/b` is a finished run of `nanolab fit`: refused
+    at add time in one line naming the step it would continue from; `--continue` queues it and
+    says so in one line; a model shape that cannot resume it is refused at add time. The run's
+    files are untouched throughout."""
+    from nanolab.queue.db import QueueDB
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    shutil.copytree(victim, runs / "b")
+    before = digests(runs / "b")
+    cfg = tiny_overrides(char_dataset, runs, trainer__max_steps=8)
+    del cfg["run"]["name"]
+    config = write_config(tmp_path / "tiny.yaml", cfg)
+    db = tmp_path / "q.db"
+
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "b")
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1, err
+    assert "existing run started by nanolab fit" in err and "from step 6" in err, err
+    assert "--continue" in err
+
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "b", "--continue",
+                         "--set", "model.gpt.n_layer=3")  # fmt: skip
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1, err
+    assert "different model" in err and "n_layer 2 in the checkpoint vs 3 now" in err, err
+    assert QueueDB(db).jobs() == []
+
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "b", "--continue")
+    assert code == 0, err
+    assert f"job b continues the existing run {runs / 'b'} from step 6" in err, err
+    assert [j.name for j in QueueDB(db).jobs()] == ["b"]
+    assert digests(runs / "b") == before
+
+
+def test_rotation_deletes_only_files_it_recorded(tmp_path) -> None:
+    """Rotation's own record decides what it may delete: a step file it wrote goes, a file
+    copied in under a step name (another run's checkpoint, same name) stays."""
+    from nanolab.callbacks.checkpoint import RotatingCheckpoint
+    from nanolab.claimed import ClaimedDir
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    ckpt = RotatingCheckpoint(every_n_steps=1, keep_last=1, keep_best=0)
+    ckpt.dirpath = folder
+    ckpt._folder = ClaimedDir(folder)
+    for step in (1, 3):
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"ours")
+        ckpt._remember(f"step-{step:08d}.ckpt")
+    (folder / "step-00000002.ckpt").write_bytes(b"copied in from another run")
+    deleted = ckpt._rotate(folder / "step-00000003.ckpt", 3, {})
+    assert [p.name for p in deleted] == ["step-00000001.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002.ckpt", "step-00000003.ckpt"]
+    ckpt._close_folder()
