@@ -78,10 +78,10 @@ def check_destination(out: Path, force: bool) -> None:
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from nanolab.model.hf import safetensors_module
+    from safetensors.torch import save_file
 
     plain = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    safetensors_module().save_file(plain, str(path), metadata={"format": "pt"})
+    save_file(plain, str(path), metadata={"format": "pt"})
 
 
 def checkpoint_weights(

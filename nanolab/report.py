@@ -24,7 +24,6 @@ GPU-hours and cost to reach ``X``; a seed group's points are fitted together.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fnmatch
 import json
 import math
@@ -246,23 +245,18 @@ def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
 
 
 def _ci(values: list[float]) -> float | None:
-    from nanolab.stats import StatsUnavailable, mean_ci
+    from nanolab.stats import mean_ci
 
-    if len(values) < 2:
-        return None
-    try:
-        return mean_ci(values).half_width
-    except StatsUnavailable:
-        return None
+    return mean_ci(values).half_width if len(values) >= 2 else None
 
 
 def compare_groups(
     summaries: list[RunSummary], groups: list[SeedGroup], baseline: str | None = None
 ) -> list[Comparison]:
     """Each group against ``baseline`` (a group label), or, without one, the two groups
-    against each other, or every group against the one with the lowest mean. Empty without
-    scipy or with fewer than two groups."""
-    from nanolab.stats import StatsUnavailable, sentence, welch
+    against each other, or every group against the one with the lowest mean. Empty with fewer
+    than two groups of two usable seeds."""
+    from nanolab.stats import sentence, welch
 
     by_run = {s.run: s for s in summaries}
     usable = [g for g in groups if len(g.val_losses) >= 2]
@@ -289,10 +283,7 @@ def compare_groups(
         a, b = values_at(members_a, at), values_at(members_b, at)
         if len(a) < 2 or len(b) < 2:
             continue
-        try:
-            d = welch(a, b)
-        except StatsUnavailable:
-            return []
+        d = welch(a, b)
         text = sentence(g.label, base.label, d)
         if at is not None and (at != g.at_tokens or at != base.at_tokens):
             text += f" (at {si(at)} tokens, where every run of both got to)"
@@ -383,16 +374,13 @@ def format_table(
             "a task's score is the accuracy its centered value uses"
         )
     if groups:
-        with_ci = any(g.ci_val_loss is not None for g in groups)
         out += [
             "",
             "seed groups (same config, different seed): val loss at the shortest seed's last "
-            "validation, "
-            + ("mean ± 95% confidence interval (Student t over the seeds)" if with_ci
-               else "mean ± standard deviation (pip install 'nanolab[stats]' for intervals)"),
-        ]  # fmt: skip
+            "validation, mean ± 95% confidence interval (Student t over the seeds)",
+        ]
         for g in groups:
-            spread = _mean_spread(g.mean_val_loss, g.ci_val_loss if with_ci else g.std_val_loss)
+            spread = _mean_spread(g.mean_val_loss, g.ci_val_loss)
             if g.mean_core is not None:
                 spread += f", CORE {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
@@ -462,27 +450,26 @@ def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, flo
     return out
 
 
+#: What the --plot band is, in the figure's title and the docs (docs/queue.md): one statement.
+BAND_TITLE = (
+    "mean over seeds, band = 95% confidence interval of the mean (Student t over the seeds)"
+)
+
+
 def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, float, float, float]]:
     """(x, mean, low, high) at every step that every curve of the group has: the 95%
-    confidence interval of the mean over seeds (Student t) when scipy is there, else the
-    min-max over seeds."""
-    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-    t = None
-    if len(curves) >= 2:
-        with contextlib.suppress(ImportError):
-            from scipy import stats
+    confidence interval of the mean over seeds (Student t; low = high = mean for one seed)."""
+    from scipy import stats
 
-            t = float(stats.t.ppf(0.975, len(curves) - 1))
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    t = float(stats.t.ppf(0.975, len(curves) - 1)) if len(curves) >= 2 else 0.0
     out = []
     for step in steps:
         ys = [c[step][1] for c in curves]
         mean = statistics.fmean(ys)
         x = statistics.fmean(c[step][0] for c in curves)
-        if t is not None:
-            half = t * statistics.stdev(ys) / math.sqrt(len(ys))
-            out.append((x, mean, mean - half, mean + half))
-        else:
-            out.append((x, mean, min(ys), max(ys)))
+        half = t * statistics.stdev(ys) / math.sqrt(len(ys)) if len(ys) >= 2 else 0.0
+        out.append((x, mean, mean - half, mean + half))
     return out
 
 
@@ -597,7 +584,7 @@ def plot_runs(
             ax.xaxis.set_major_formatter(FuncFormatter(_tokens_axis))
     ax_train.set_ylabel("loss")
     if any(len(g) > 1 for g in groups):
-        fig.suptitle("mean over seeds, band = 95% confidence interval of the mean", fontsize=9)
+        fig.suptitle(BAND_TITLE, fontsize=9)
     handles, names = ax_train.get_legend_handles_labels()
     if not handles:
         handles, names = ax_val.get_legend_handles_labels()
