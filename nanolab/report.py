@@ -57,6 +57,7 @@ from nanolab.runs import (
     result_fields,
     si,
     summarize_run,
+    tail_records,
 )
 
 
@@ -886,8 +887,7 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
     sa, sb = summarize_run(a, dirs[a], now), summarize_run(b, dirs[b], now)
     configs = []
     for name in (a, b):
-        records = read_run(dirs[name])[0]
-        config = config_of(records, dirs[name])
+        config = config_of(tail_records(dirs[name], "start"), dirs[name])
         if config is None:
             raise ReportError(
                 f"--compare: run {name} has no config (no start record, no config.yaml)"
