@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanolab.downstream.tasks import suite_name_of
 from nanolab.errors import NanolabError
 from nanolab.runlog import RUN_LOG_NAME, iter_numbered, iter_records
 
@@ -83,9 +84,19 @@ class RunSummary:
     updated: float | None = None
     run_dir: str = ""
     group: str | None = field(default=None, repr=False)  # fingerprint of the seed-free config
-    core: float | None = None  # CORE (mean centered accuracy) of the newest ``tasks`` record
+    #: The newest ``tasks`` record written during training (--downstream.suite): its mean
+    #: centered accuracy (CORE only when ``suite`` is core), scores per task, step and suite.
+    core: float | None = None
     task_scores: dict[str, float] = field(default_factory=dict, repr=False)  # name -> score
     tasks_step: int | None = None  # the step that record scored
+    suite: str | None = None
+    #: The same from the newest record ``nanolab eval`` appended (kept apart: it scores a
+    #: checkpoint afterwards, perhaps with another suite or precision).
+    eval_core: float | None = None
+    eval_task_scores: dict[str, float] = field(default_factory=dict, repr=False)
+    eval_step: int | None = None
+    eval_suite: str | None = None
+    accelerator: str | None = None  # the start record's (CPUAccelerator, CUDAAccelerator, ...)
     skipped_records: int = 0  # valid JSON of the wrong shape (e.g. a string step), not used
     skipped_example: str | None = None  # what was wrong with the first of them
 
@@ -361,7 +372,8 @@ class _RunStream:
         # field -> (step key, value) at the highest step that logged it: last_value(train, field)
         self.last: dict[str, tuple[float, Any]] = dict.fromkeys(TRAIN_LAST, (-math.inf, None))
         self.val: dict[float, dict[str, Any]] = {}
-        self.tasks: dict[str, Any] | None = None
+        self.tasks: dict[str, Any] | None = None  # the newest in training
+        self.evals: dict[str, Any] | None = None  # the newest by nanolab eval
 
     def add(self, number: int, r: dict[str, Any]) -> None:
         problem = record_problem(r)
@@ -391,6 +403,9 @@ class _RunStream:
             self.val[_step_key(r)] = {
                 k: r.get(k) for k in ("step", "tokens", "val_loss", "val_bpb")
             }
+        elif event == "tasks" and r.get("evaluated_by"):
+            if self.evals is None or _step_key(r) >= _step_key(self.evals):
+                self.evals = r
         elif event == "tasks" and (self.tasks is None or _step_key(r) >= _step_key(self.tasks)):
             self.tasks = r
 
@@ -446,7 +461,12 @@ class _RunStream:
         _set_val(s, val)
         if self.tasks is not None:
             s.core, s.tasks_step = num(self.tasks.get("tasks/core")), self.tasks.get("step")
-            s.task_scores = task_scores(self.tasks)
+            s.task_scores, s.suite = task_scores(self.tasks), suite_name_of(self.tasks)
+        if self.evals is not None:
+            s.eval_core, s.eval_step = num(self.evals.get("tasks/core")), self.evals.get("step")
+            s.eval_task_scores, s.eval_suite = task_scores(self.evals), suite_name_of(self.evals)
+        accelerator = (start or {}).get("accelerator")
+        s.accelerator = accelerator if isinstance(accelerator, str) else None
         s.start_loss, s.improvement = self.train_delta()
         s.tokens_per_s = recent_mean(recent, "tokens_per_s", RECENT)
         s.mfu = recent_mean(recent, "mfu", RECENT)
@@ -522,6 +542,17 @@ def train_delta(train: list[dict[str, Any]]) -> tuple[float | None, float | None
 
 
 # -- formatting -----------------------------------------------------------------------------
+def hours_label(accelerators: list[str | None]) -> str:
+    """What the runs' device-hours are called: ``GPU-h`` when every run trained on GPUs,
+    ``CPU-h`` when every one on CPUs, else ``device-h`` (a CPU run's hours are no GPU-hours)."""
+    kinds = set(accelerators)
+    if kinds and kinds <= {"CUDAAccelerator"}:
+        return "GPU-h"
+    if kinds and kinds <= {"CPUAccelerator"}:
+        return "CPU-h"
+    return "device-h"
+
+
 def duration(seconds: float | None) -> str:
     """``45s``, ``3m07s``, ``2h05m`` (``-`` when unknown)."""
     if seconds is None:
@@ -558,6 +589,36 @@ def columns(rows: list[list[str]], right: Container[int] = (), rule: bool = Fals
         ).rstrip()
         for r in rows
     ]
+
+
+def columns_within(
+    rows: list[list[str]], right: Container[int] = (), width: int = 100
+) -> list[str]:
+    """:func:`columns` (with a rule) cut into tables of at most ``width`` characters, each
+    repeating the first column (the run), so a wide report reads in a terminal or a pasted
+    message; a table holds at least one column beside the first, however wide."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out: list[str] = []
+    chunk: list[int] = []
+    for i in range(1, len(widths)):
+        used = widths[0] + sum(widths[j] + 2 for j in chunk)
+        if chunk and used + 2 + widths[i] > width:
+            out += _chunk_table(rows, right, chunk)
+            chunk = []
+        chunk.append(i)
+    if chunk or not out:
+        out += _chunk_table(rows, right, chunk)
+    return out
+
+
+def _chunk_table(rows: list[list[str]], right: Container[int], chunk: list[int]) -> list[str]:
+    picked = [0, *chunk]
+    table = columns(
+        [[r[i] for i in picked] for r in rows],
+        {n for n, i in enumerate(picked) if i in right},
+        rule=True,
+    )
+    return table if not chunk or chunk[0] == 1 else ["", *table]
 
 
 # -- the index of ended runs -------------------------------------------------------------------

@@ -110,3 +110,96 @@ def test_streamed_summary_keeps_the_resumed_timeline(tmp_path: Path) -> None:
     assert s.start_loss == 9 and s.improvement == pytest.approx(9 - sum(losses[1:]) / 6)
     assert s.tokens_per_s == pytest.approx(100 * sum([1, 2, 3, 4, 5, 6, 7]) / 7)
     assert (s.started, s.updated) == (0.0, 11.0)
+
+
+# -- 3. names that mean what they say ----------------------------------------------------------
+def test_the_suite_mean_is_called_core_only_for_the_core_suite() -> None:
+    """Shakespeare's one-task cloze is "shakespeare mean"; a DCLM bundle (suite "core") is CORE;
+    old records without ``suite_name`` get the name load_suite would give their ``suite``."""
+    from nanolab.downstream.scoring import SuiteResult
+    from nanolab.downstream.tasks import mean_label, suite_name_of
+    from nanolab.eval_tasks import result_table
+
+    assert mean_label("core") == "CORE" and mean_label("shakespeare") == "shakespeare mean"
+    assert suite_name_of({"suite": "builtin:shakespeare"}) == "shakespeare"
+    assert suite_name_of({"suite": "tasks/my.yaml"}) == "my"
+    assert suite_name_of({"suite": "/data/eval_bundle"}) == "core"
+    assert suite_name_of({"suite": "x.yaml", "suite_name": "mine"}) == "mine"
+    result = SuiteResult([], 1.0, "shakespeare")
+    assert result.record()["suite_name"] == "shakespeare"
+    table = result_table(result)
+    assert "shakespeare mean (mean centered)" in table and "CORE" not in table
+    assert "CORE (mean centered)" in result_table(SuiteResult([], 1.0, "core"))
+
+
+def _tasks(step: int, core: float, **extra: object) -> dict:
+    return {"event": "tasks", "time": 5.0, "step": step, "suite": "builtin:shakespeare",
+            "tasks/cloze/score": 0.5 + core, "tasks/core": core, **extra}  # fmt: skip
+
+
+def _cpu_run(root: Path, name: str, lr: float, seed: int, extra: list[dict]) -> None:
+    """A finished CPU run: start (config, accelerator), train, val, any extra records, end."""
+    import json
+
+    run = root / name
+    run.mkdir(parents=True)
+    config = {"model": {"optimizer": {"lr": lr}}, "seed_everything": seed}
+    records = [
+        {"event": "start", "time": 1.0, "step": 0, "seed": seed, "config": config,
+         "accelerator": "CPUAccelerator"},
+        {"event": "train", "time": 2.0, "step": 2, "tokens": 100, "loss": 3.0, "gpu_hours": 0.01},
+        {"event": "val", "time": 2.0, "step": 2, "tokens": 100, "val_loss": 2.5 + lr},
+        *extra,
+        {"event": "end", "time": 9.0, "step": 2, "reason": "completed"},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_report_names_hours_suites_and_sources_within_100_columns(tmp_path: Path, capsys) -> None:
+    """A CPU run's hours are CPU-h; the in-training score and a later `nanolab eval` score are
+    both shown, each with where it came from; no table line is over 100 characters."""
+    evaluated = _tasks(2, 0.30, evaluated_by="nanolab eval")
+    _cpu_run(tmp_path, "sw-lr1e-3-s1", 0.001, 1, [_tasks(2, 0.10), evaluated])
+    _cpu_run(tmp_path, "sw-lr1e-3-s2", 0.001, 2, [_tasks(2, 0.20)])
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "CPU-h" in out and "GPU-h" not in out and "CORE" not in out.split("mean centered:")[0]
+    rows = [line.split() for line in out.splitlines() if line.startswith("sw-lr1e-3-s1 ")]
+    assert ["sw-lr1e-3-s1", "training", "2", "shakespeare", "+0.100", "0.600"] in rows
+    assert ["sw-lr1e-3-s1", "nanolab", "eval", "2", "shakespeare", "+0.300", "0.800"] in rows
+    table = out.split("\nseed groups")[0]
+    assert max(len(line) for line in table.splitlines() if "  " in line) <= 100
+    assert report.main([str(tmp_path), "--json"]) == 0
+    (first, _) = __import__("json").loads(capsys.readouterr().out)["runs"]
+    assert (first["core"], first["eval_core"], first["suite"]) == (0.1, 0.3, "shakespeare")
+
+
+def test_a_group_keeps_its_label_whatever_run_selects(tmp_path: Path, capsys) -> None:
+    """Two learning rates x two seeds: the group is ``lr=0.001`` with and without --run."""
+    for lr, tag in ((0.001, "1e-3"), (0.003, "3e-3")):
+        for seed in (1, 2):
+            _cpu_run(tmp_path, f"sw-lr{tag}-s{seed}", lr, seed, [])
+    assert report.main([str(tmp_path), "--json"]) == 0
+    everyone = __import__("json").loads(capsys.readouterr().out)["seed_groups"]
+    assert report.main([str(tmp_path), "--run", "sw-lr1e-3-*", "--json"]) == 0
+    picked = __import__("json").loads(capsys.readouterr().out)["seed_groups"]
+    assert [g["label"] for g in everyone] == ["lr=0.001", "lr=0.003"]
+    assert [g["label"] for g in picked] == ["lr=0.001"]
+
+
+def test_test_says_it_ran_on_the_validation_windows() -> None:
+    """``nanolab test`` on nanolab's data modules (test_dataloader is val_dataloader) says which
+    windows it scored; the lines are nanolab's plain ones, the loss first."""
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.training.evaluate import EvalTarget, evaluation_lines
+
+    assert TokenDataModule.test_dataloader is TokenDataModule.val_dataloader
+    target = EvalTarget(Path("runs/x/checkpoints/last.ckpt"), 6, True)
+    lines = evaluation_lines("test", {"test/ppl": 3.0, "test/loss": 1.0986}, target, True)
+    assert lines == [
+        "nanolab test: runs/x/checkpoints/last.ckpt (step 6), on the validation windows "
+        "(the data has no test split of its own)",
+        "  test/loss  1.0986",
+        "  test/ppl   3.0000",
+    ]
+    assert "the data module's test split" in evaluation_lines("test", {}, target, False)[0]
