@@ -203,3 +203,78 @@ def test_test_says_it_ran_on_the_validation_windows() -> None:
         "  test/ppl   3.0000",
     ]
     assert "the data module's test split" in evaluation_lines("test", {}, target, False)[0]
+
+
+# -- 4. the generated data/README.md says what prepare does ---------------------------------------
+def _scaffold(tmp_path: Path) -> Path:
+    from nanolab.scaffold import main as init
+
+    project = tmp_path / "poems"
+    assert init([str(project)]) == 0
+    return project
+
+
+def test_the_generated_data_readme_matches_meta_json(tmp_path: Path, capsys) -> None:
+    """Prepare 30 text files and a 5-record .jsonl as data/README.md says, then check each of
+    its claims against meta.json and the bins: the stated share and seed of a document draw
+    (not the tail of the text), one document per file and per record, an end-of-text after each."""
+    import json
+    import re
+
+    import numpy as np
+
+    from nanolab.data.prepare import prepare_dataset
+
+    project = _scaffold(tmp_path)
+    readme = (project / "data" / "README.md").read_text()
+    assert "last 10%" not in readme and "name order" not in readme
+    share = int(re.search(r"seeded draw of (\d+)% of the documents", readme)[1]) / 100
+    text = project / "data" / "text"
+    for i in range(30):
+        (text / f"{i:02d}.txt").write_text(f"poem {i}: " + "la " * (5 + i) + "\n")
+    records = [{"text": f"record {i} " + "da " * i} for i in range(5)]
+    (text / "zz.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare_dataset([str(text)], project / "data" / "tokens", "bytes", quiet=True)
+    capsys.readouterr()
+    assert meta["val_fraction"] == share and meta["split_seed"] == 0
+    assert sum(meta["documents"].values()) == 30 + len(records)  # a record is a document
+    ids = {
+        s: np.fromfile(project / "data" / "tokens" / f"{s}.bin", meta["dtype"])
+        for s in meta["documents"]
+    }
+    for split, tokens in ids.items():  # an end-of-text ends every document
+        assert int((tokens == meta["eot_id"]).sum()) == meta["documents"][split]
+        assert tokens[-1] == meta["eot_id"]
+    texts = bytes(t for t in ids["val"].tolist() if t != meta["eot_id"]).decode()
+    drawn = sorted(int(n) for n in re.findall(r"poem (\d+):", texts))
+    assert drawn and drawn != list(range(30 - len(drawn), 30))  # not the last files by name
+    assert 0 < meta["documents"]["val"] < 35 * 0.3
+
+
+def test_the_records_example_keeps_each_record_a_document(tmp_path: Path) -> None:
+    """The README's ``Records`` class (run as written) renders one JSON line per record, so
+    prepare puts an end-of-text between records."""
+    import json
+    import re
+
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.data.prepare import prepare_dataset
+
+    project = _scaffold(tmp_path)
+    readme = (project / "README.md").read_text()
+    section = readme.split("## Add a dataset")[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)[1]
+    namespace: dict = {"TokenDataModule": TokenDataModule}
+    exec(compile(code, "README.md", "exec"), namespace)
+    (project / "records.jsonl").write_text(
+        "".join(json.dumps({"question": f"q{i}?", "answer": f"a{i}."}) + "\n" for i in range(4))
+    )
+    data = namespace["Records"](
+        records=str(project / "records.jsonl"), template="Q: {question}\nA: {answer}",
+        dataset_dir=str(project / "data" / "tokens-records"), tokenizer="bytes",
+    )  # fmt: skip
+    data.render()
+    lines = data.text.read_text().splitlines()
+    assert [json.loads(x)["text"] for x in lines] == [f"Q: q{i}?\nA: a{i}." for i in range(4)]
+    meta = prepare_dataset([str(data.text)], tmp_path / "tokens", "bytes", quiet=True)
+    assert sum(meta["documents"].values()) == 4  # an end-of-text after each record
