@@ -897,6 +897,9 @@ def format_forecasts(
         if f.fit is None:
             out.append(f"  {label}: no forecast ({f.note})")
             continue
+        if f.finished:
+            out.append(f"  {label}: {finished_text(f)}" + _target_text(f, target, hours))
+            continue
         text = f"  {label}: {f.points} val points, "
         if f.model == "schedule":
             text += (f"L0={f.fit['L0']:.3f} alpha={f.fit['alpha']:.3f} C={f.fit['C']:.3g} "
@@ -911,19 +914,40 @@ def format_forecasts(
             lo, hi = f.final_band
             text += (f"; at max_steps ({si(f.final_tokens)} tokens): {f.final_loss:.4f} "
                      f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
-        if target is not None:
-            if f.target_tokens is None:
-                text += f"; {target}: {f.note}"
-            else:
-                lo, hi = f.target_band
-                hi_text = si(hi) if math.isfinite(hi) else "never"
-                text += f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
-                if f.target_gpu_hours is not None:
-                    text += f", {f.target_gpu_hours:.3g} {hours}"
-                if f.target_cost is not None:
-                    text += f", {_money(f.target_cost)}"
-        out.append(text)
+        out.append(text + _target_text(f, target, hours))
     return "\n".join(out)
+
+
+def _target_text(f: Any, target: float | None, hours: str) -> str:
+    """``; to X: tokens [range], hours, cost`` for --target-loss (empty without one)."""
+    if target is None:
+        return ""
+    if f.target_tokens is None:
+        return f"; {target}: {f.note}"
+    lo, hi = f.target_band
+    hi_text = si(hi) if math.isfinite(hi) else "never"
+    text = f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
+    if f.target_gpu_hours is not None:
+        text += f", {f.target_gpu_hours:.3g} {hours}"
+    if f.target_cost is not None:
+        text += f", {_money(f.target_cost)}"
+    return text
+
+
+def finished_text(f: Any) -> str:
+    """A run whose last validation is at max_steps: its final val loss and how well the curve
+    was fitted (rmse, the worst backtest miss), not a forecast of a point already reached; a
+    floor fitted at its bound of 0 is named as such, not shown as a loss the run tends to."""
+    fit = f.fit
+    text = f"finished ({f.points} val points), final val loss {f.last_loss:.4f}; the fit's "
+    text += f"rmse {fit['rmse']:.3g} over {fit['n']} points"
+    misses = [m for m, _ in fit.get("backtests") or []]
+    if misses:
+        text += f", worst backtest miss {max(misses):.3g}"
+    floor = fit.get("L0", fit.get("E"))
+    if floor is not None and floor <= 1e-6:
+        text += "; its floor is at the bound 0 (not pinned by the points)"
+    return text
 
 
 def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
