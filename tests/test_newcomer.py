@@ -278,3 +278,121 @@ def test_the_records_example_keeps_each_record_a_document(tmp_path: Path) -> Non
     assert [json.loads(x)["text"] for x in lines] == [f"Q: q{i}?\nA: a{i}." for i in range(4)]
     meta = prepare_dataset([str(data.text)], tmp_path / "tokens", "bytes", quiet=True)
     assert sum(meta["documents"].values()) == 4  # an end-of-text after each record
+
+
+# -- 5. smaller ------------------------------------------------------------------------------------
+def test_forecast_of_a_finished_run_says_finished_and_how_well_it_fitted(tmp_path, capsys) -> None:
+    """A run whose last validation is at max_steps: no forecast of the point it reached, but its
+    final val loss and the fit's rmse; the same run half way is still forecast."""
+    from tests.test_forecast import _write_scheduled_run
+
+    _write_scheduled_run(tmp_path, "done", last=400)
+    _write_scheduled_run(tmp_path, "half", last=200)
+    assert report.main([str(tmp_path), "--forecast"]) == 0
+    out = capsys.readouterr().out.split("\nforecast:")[1]
+    (done,) = [x for x in out.splitlines() if x.startswith("  done:")]
+    (half,) = [x for x in out.splitlines() if x.startswith("  half:")]
+    assert "finished (40 val points), final val loss" in done and "rmse" in done
+    assert "at max_steps" not in done and "L0=" not in done
+    assert "at max_steps (400k tokens)" in half
+
+
+def test_the_export_has_a_model_card(tmp_path: Path) -> None:
+    """README.md of an export: config, data, steps, val loss and bpb at the checkpoint's step,
+    and the commands that trained and exported it (from the run's start record)."""
+    import json
+
+    from nanolab.export import model_card
+    from nanolab.model import GPTConfig
+
+    run = tmp_path / "runs" / "poems"
+    (run / "checkpoints").mkdir(parents=True)
+    config = {"data": {"init_args": {"dataset_dir": "data/tokens", "source": ["data/text"]}}}
+    records = [
+        {"event": "start", "time": 1.0, "step": 0, "config": config,
+         "argv": ["/venv/bin/nanolab", "fit", "--config", "configs/experiment.yaml"]},
+        {"event": "val", "time": 2.0, "step": 300, "tokens": 9600, "val_loss": 1.91, "val_bpb": 2.7},
+        {"event": "val", "time": 3.0, "step": 600, "tokens": 19200, "val_loss": 1.5, "val_bpb": 2.1},
+        {"event": "val", "time": 4.0, "step": 900, "tokens": 28800, "val_loss": 1.4, "val_bpb": 2.0},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    ckpt = {"global_step": 600, "nanolab": {"tokenizer": {"name": "chars"}}}
+    card = model_card(ckpt, GPTConfig(vocab_size=65), run / "checkpoints" / "step-600.ckpt",
+                      "nanolab export --ckpt runs/poems -o out")  # fmt: skip
+    assert card.startswith("# poems\n")
+    for row in ("| steps | 600 |", "| tokens | 19,200 |", "| val loss | 1.5000 |",
+                "| val bits per byte | 2.1000 |", '`"data/tokens"`', "| tokenizer | chars, vocabulary 65",
+                "`nanolab fit --config configs/experiment.yaml`",
+                "`nanolab export --ckpt runs/poems -o out`", '"vocab_size": 65'):  # fmt: skip
+        assert row in card, row
+
+
+def test_estimate_names_a_given_micro_batch_as_given(capsys) -> None:
+    """``estimate --micro-batch 8`` labels the figure ``(--micro-batch)``, not ``(config)``."""
+    from nanolab.estimator.cli import main as estimate
+    from nanolab.estimator.estimate import estimate_from_config
+
+    gpt2 = Path(__file__).resolve().parents[1] / "configs" / "gpt2-124m.yaml"
+    assert estimate_from_config(str(gpt2), gpu="h100").micro_batch_source == "config"
+    assert estimate(["--config", str(gpt2), "--gpu", "h100", "--micro-batch", "8"]) == 0
+    assert "micro-batch 8 (--micro-batch)" in capsys.readouterr().out
+
+
+# -- 6. the CPU probe and the queue's ETAs ------------------------------------------------------
+def test_the_probe_keeps_the_fastest_of_its_short_repeats(monkeypatch) -> None:
+    """Single matmuls timed one by one (a neighbour's load makes some slow): the rate is the
+    fastest one's, 2 n^3 FLOPs over its seconds."""
+    import itertools
+
+    from nanolab.estimator import cpu
+
+    durations = itertools.cycle([0.050, 0.004, 0.030, 0.002, 0.040])
+    clock = {"t": 0.0, "open": False}
+
+    def perf_counter() -> float:  # start/stop pairs advance by the next duration
+        if clock["open"]:
+            clock["t"] += next(durations)
+        clock["open"] = not clock["open"]
+        return clock["t"]
+
+    monkeypatch.setattr(cpu.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(cpu.time, "sleep", lambda s: None)
+    clock["open"] = True  # the deadline's read is a lone call
+    rate = cpu.matmul_tflops("float32", seconds=10.0, n=64, threads=1)
+    assert rate == pytest.approx(2 * 64**3 / 0.002 / 1e12)
+
+
+def test_the_queue_uses_a_configs_measured_step_time_before_a_probe(tmp_path, monkeypatch) -> None:
+    """A finished job of the same config whose log shows 0.5 s per step after start-up: a new
+    job of 400 steps is STARTUP_S + 200 s, with no FLOP estimate (no CPU probe) at all."""
+    import json
+
+    from nanolab.queue import predict
+    from nanolab.queue.db import NewJob, QueueDB
+    from nanolab.queue.jobs import ParsedConfig, config_key
+
+    config = {"model": {"gpt": {"n_layer": 2}}, "trainer": {"max_steps": 100}}
+    run = tmp_path / "runs" / "old"
+    run.mkdir(parents=True)
+    train = [
+        {"event": "train", "step": s, "elapsed_s": 20.0 + 0.5 * (s - 1)} for s in range(1, 101)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    db = QueueDB(tmp_path / "q.db")
+    key = config_key(config)
+    (old,) = db.add_jobs(
+        [NewJob("old", "c.yaml", [], 1, str(tmp_path), str(run), key, max_steps=100)]
+    )
+    db.set_status(old.id, "done", run_seconds=90.0)
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed although the config has run before")
+
+    monkeypatch.setattr(predict, "flops_estimate", no_probe)
+    parsed = ParsedConfig(config, "runs", 400, 1, 1024)
+    seconds, how = predict.job_estimate(db, parsed)
+    assert seconds == pytest.approx(predict.STARTUP_S + 0.5 * 400)
+    assert how == "measured step time of 1 past run of this config"
+    (new,) = db.add_jobs([NewJob("new", "c.yaml", [], 2, str(tmp_path), str(tmp_path / "n"), key,
+                                 max_steps=400)])  # fmt: skip
+    assert predict.remaining_seconds(db, new)[0] == pytest.approx(predict.STARTUP_S + 200)
