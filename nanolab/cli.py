@@ -17,7 +17,10 @@ from collections.abc import Sequence
 VERBS: dict[str, tuple[str, str]] = {
     "prepare": ("nanolab.data.prepare:main", "tokenize text files into train.bin/val.bin"),
     "generate": ("nanolab.generate:main", "sample text from a checkpoint"),
-    "eval": ("nanolab.eval_tasks:main", "in-context task accuracies (CORE) of a checkpoint"),
+    "eval": (
+        "nanolab.eval_tasks:main",
+        "in-context task accuracies of a checkpoint (CORE: a DCLM bundle)",
+    ),
     "lm-eval": ("nanolab.downstream.harness:main", "lm-evaluation-harness on a checkpoint"),
     "export": ("nanolab.export:main", "write a checkpoint as a Hugging Face GPT-2 folder"),
     "estimate": ("nanolab.estimator.cli:main", "predict memory, time and cost before a run"),

@@ -3,7 +3,8 @@
 ``nanolab eval RUN_DIR_OR_CKPT --suite SUITE`` scores a checkpoint on a suite of local task
 files (``builtin:shakespeare``, a YAML list of tasks, or a DCLM evaluation bundle's folder for
 CORE) with the checkpoint's own tokenizer, and prints each task's accuracy, normalized accuracy
-and centered score with its standard error, and the suite's CORE. Given a run directory it
+and centered score with its standard error, and the suite's mean centered score (called CORE
+only when the suite is CORE). Given a run directory it
 evaluates the run's newest complete checkpoint and appends a ``tasks`` record to the run's
 ``metrics.jsonl`` (holding the run directory's lock; with a fit running there, it prints
 instead), which is what ``nanolab report`` and the loggers read. The numbers are exactly those
@@ -121,7 +122,7 @@ def _eval_output(path: Path) -> bool:
 
 def result_table(result: Any) -> str:
     """One line per task (its accuracies, the score its centered value uses, ± one standard
-    error) and the CORE line."""
+    error) and the suite's mean centered score (CORE only when the suite is CORE)."""
     head = f"{'task':<24} {'kind':<17} {'n':>5} {'acc':>6} {'acc_norm':>8}  {'score':<15} {'centered':>15}"
     lines = [head]
     for t in result.tasks:
@@ -132,7 +133,7 @@ def result_table(result: Any) -> str:
             f"{t.centered:>+7.3f} ± {err:.3f}"
         )
     lines.append(
-        f"{'CORE (mean centered)':<24} {'':<17} {'':>5} {'':>6} {'':>8}  {'':<15} {result.core:>+7.3f}"
+        f"{result.label + ' (mean centered)':<42} {'':>5} {'':>6} {'':>8}  {'':<15} {result.core:>+7.3f}"
     )
     return "\n".join(lines)
 

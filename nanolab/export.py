@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -48,6 +49,7 @@ EXPORT_FILES = frozenset(
         "tokenizer_config.json",
         "special_tokens_map.json",
         "nanolab.json",
+        "README.md",
     }
 )
 
@@ -79,10 +81,10 @@ def check_destination(out: Path, force: bool) -> None:
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from nanolab.model.hf import safetensors_module
+    from safetensors.torch import save_file
 
     plain = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    safetensors_module().save_file(plain, str(path), metadata={"format": "pt"})
+    save_file(plain, str(path), metadata={"format": "pt"})
 
 
 def checkpoint_weights(
@@ -192,8 +194,96 @@ def write_nanolab_safetensors(
     (out / "nanolab.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def export(ckpt_path: str | Path, fmt: str, out: str | Path, force: bool = False) -> list[str]:
-    """Write the export of ``ckpt_path`` to ``out`` (atomically); returns notes for the user."""
+def _command(argv: Any) -> str | None:
+    """``nanolab fit ...`` from a start record's ``argv`` (None when it holds no fit command)."""
+    if not isinstance(argv, list) or len(argv) < 2 or not all(isinstance(a, str) for a in argv):
+        return None
+    if argv[1] != "fit":  # a fit started in-process by other code: its argv is not a command
+        return None
+    return "nanolab " + shlex.join(argv[1:])
+
+
+def _run_facts(source: Path, step: Any) -> dict[str, Any]:
+    """What the run that wrote checkpoint ``source`` logged: its start record (config, argv)
+    and its validation at the checkpoint's step (the last one before it, failing that)."""
+    from nanolab.runs import tail_records
+
+    if source.parent.name != "checkpoints":
+        return {}
+    run_dir = source.parent.parent
+    starts = tail_records(run_dir, "start")
+    vals = [
+        r
+        for r in tail_records(run_dir, "val", 1 << 16)
+        if isinstance(r.get("step"), int) and (not isinstance(step, int) or r["step"] <= step)
+    ]
+    return {
+        "run_dir": run_dir,
+        "start": starts[-1] if starts else {},
+        "val": max(vals, key=lambda r: r["step"]) if vals else None,
+    }
+
+
+def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: str | None) -> str:
+    """The export's README.md: what the weights are (architecture, data, tokenizer), how far they
+    were trained (steps, tokens, val loss and bits per byte from the run's log) and the
+    commands that trained and exported them, so a folder found later explains itself."""
+    step = ckpt.get("global_step")
+    facts = _run_facts(source, step)
+    start, val = facts.get("start") or {}, facts.get("val")
+    run_config = start.get("config") if isinstance(start.get("config"), dict) else {}
+    data = (run_config.get("data") or {}).get("init_args") or run_config.get("data") or {}
+    meta = ckpt.get("nanolab") or {}
+    tokenizer = meta.get("tokenizer") or {}
+
+    def shown(value: Any, fmt: str = "") -> str:
+        return "not logged" if value is None else format(value, fmt)
+
+    at = f" (step {val['step']})" if val and val.get("step") != step else ""
+    rows = [
+        ("checkpoint", f"`{source}`"),
+        ("run", f"`{facts['run_dir']}`" if facts.get("run_dir") else "not known (a loose file)"),
+        ("steps", shown(step)),
+        ("tokens", shown((val or {}).get("tokens"), ",")),
+        ("val loss", shown((val or {}).get("val_loss"), ".4f") + at),
+        ("val bits per byte", shown((val or {}).get("val_bpb"), ".4f") + at),
+        ("data", ", ".join(f"{k}: `{json.dumps(data[k])}`"
+                           for k in ("dataset_dir", "source", "datasets") if data.get(k)) or "not logged"),
+        ("tokenizer", f"{tokenizer.get('name', 'not stored')}, vocabulary {config.vocab_size}"),
+        ("trained with", f"`{c}`" if (c := _command(start.get("argv"))) else "not logged"),
+        ("exported with", f"`{command}`" if command else "nanolab export"),
+    ]  # fmt: skip
+    lines = [
+        f"# {source.parent.parent.name if facts else source.stem}",
+        "",
+        "A GPT language model trained with nanolab. The figures below are read from the",
+        "checkpoint and from the run log (`metrics.jsonl`) of the run that wrote it.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in rows),
+        "",
+        "## Architecture (nanolab's GPTConfig)",
+        "",
+        "```json",
+        json.dumps(asdict(config), indent=2),
+        "```",
+    ]
+    if run_config:
+        lines += ["", "## The run's config", "", "```json",
+                  json.dumps(run_config, indent=2, default=str), "```"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def export(
+    ckpt_path: str | Path,
+    fmt: str,
+    out: str | Path,
+    force: bool = False,
+    command: str | None = None,
+) -> list[str]:
+    """Write the export of ``ckpt_path`` to ``out`` (atomically), with a README.md model card;
+    returns notes for the user."""
     out = Path(out)
     check_destination(out, force)
     path = resolve_checkpoint(ckpt_path)
@@ -209,6 +299,7 @@ def export(ckpt_path: str | Path, fmt: str, out: str | Path, force: bool = False
             notes = write_hf(ckpt, config, state, staging)
         else:
             write_nanolab_safetensors(ckpt, config, state, staging)
+        (staging / "README.md").write_text(model_card(ckpt, config, path, command))
         old = None
         if out.exists():  # an empty folder, or a previous export with --force
             old = out.parent / f".{out.name}.replaced-{os.getpid()}"
@@ -248,7 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     refuse_inside_run(args.out, "-o", ExportError)
     start = time.perf_counter()
     try:
-        notes = export(args.ckpt, args.format, args.out, args.force)
+        given = list(sys.argv[2:] if argv is None else argv)
+        notes = export(
+            args.ckpt, args.format, args.out, args.force, "nanolab export " + shlex.join(given)
+        )
     except OSError as err:
         raise ExportError(
             f"cannot write -o {args.out} ({err.strerror or err}); "

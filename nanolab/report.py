@@ -24,7 +24,6 @@ GPU-hours and cost to reach ``X``; a seed group's points are fitted together.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fnmatch
 import json
 import math
@@ -32,11 +31,13 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nanolab.downstream.tasks import mean_label
 from nanolab.errors import one_line_errors
 from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import RUN_LOG_NAME, refuse_inside_run
@@ -47,17 +48,21 @@ from nanolab.runs import (
     RunSummary,
     append_result,
     columns,
+    columns_within,
     config_of,
     discover_runs,
     duration,
+    hours_label,
     indexed_runs,
     last_by_step,
     last_value,
     num,
     read_run,
     result_fields,
+    seed_free_fingerprint,
     si,
     summarize_run,
+    tail_records,
 )
 
 
@@ -68,7 +73,8 @@ class ReportError(RunsError):
 SORT_FIELDS = tuple(
     f.name
     for f in fields(RunSummary)
-    if f.name not in ("group", "run_dir", "skipped_example", "task_scores", "val_points")
+    if f.name
+    not in ("group", "run_dir", "skipped_example", "task_scores", "eval_task_scores", "val_points")
 )
 
 
@@ -84,8 +90,9 @@ class SeedGroup:
     mean_val_loss: float | None
     std_val_loss: float | None
     repeated_seeds: list[int] = field(default_factory=list)  # seeds run twice: not a spread
-    mean_core: float | None = None  # CORE over the seeds that logged one
+    mean_core: float | None = None  # mean centered score in training, over the seeds with one
     std_core: float | None = None
+    suite: str | None = None  # the suite of those scores (CORE only when "core")
     ci_val_loss: float | None = None  # half-width of the 95% interval (Student t over seeds)
     at_tokens: int | None = None  # the val losses are taken here (the shortest seed's end)
     val_losses: list[float] = field(default_factory=list)  # one per seed, at at_tokens
@@ -157,19 +164,24 @@ def _value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
-def group_labels(groups: list[list[RunSummary]], max_keys: int = 4) -> list[str]:
-    """Each group's label: the config values that set it apart from the other groups
-    (``lr=0.001, n_layer=6``); with one group, or too many differences, its run names without
-    the seed suffix."""
-    common = _common_configs([g[0] for g in groups])
+def group_labels(
+    groups: list[list[RunSummary]], max_keys: int = 4, universe: list[RunSummary] | None = None
+) -> list[str]:
+    """Each group's label: the config values that set it apart from the other groups of
+    ``universe`` (every run found; default: the groups given) (``lr=0.001, n_layer=6``); with
+    one group, or too many differences, its run names without the seed suffix. Taking the
+    differences over every run found keeps a group's label the same whatever ``--run`` picks."""
+    everyone = [g[0] for g in _by_config(universe)] if universe else [g[0] for g in groups]
+    common = _common_configs(everyone + [g[0] for g in groups])
     configs = [common.get(g[0].run) for g in groups]
-    keys = sorted({k for c in configs if c for k in c})
+    across = [common.get(r.run) for r in everyone]
+    keys = sorted({k for c in across if c for k in c})
     missing = object()
     varying = [
         k
         for k in keys
-        if len({_value(c.get(k, missing)) if c else "?" for c in configs}) > 1
-        and all(c is not None for c in configs)
+        if len({_value(c.get(k, missing)) if c else "?" for c in across}) > 1
+        and all(c is not None for c in across)
     ]
     short = _short_keys(varying)
     labels = []
@@ -187,11 +199,14 @@ def group_labels(groups: list[list[RunSummary]], max_keys: int = 4) -> list[str]
     return labels
 
 
-def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
-    """Groups of two or more runs sharing a seed-free config, with mean ± std of final val loss."""
+def seed_groups(
+    summaries: list[RunSummary], universe: list[RunSummary] | None = None
+) -> list[SeedGroup]:
+    """Groups of two or more runs sharing a seed-free config, with mean ± std of final val loss
+    (labelled against ``universe``, every run found: see :func:`group_labels`)."""
     groups = _by_config(summaries)
     out = []
-    for members, label in zip(groups, group_labels(groups), strict=True):
+    for members, label in zip(groups, group_labels(groups, universe=universe), strict=True):
         if len(members) < 2:
             continue
         left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
@@ -211,6 +226,7 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
                 repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
                 mean_core=statistics.fmean(cores) if cores else None,
                 std_core=statistics.stdev(cores) if len(cores) >= 2 else None,
+                suite=next((m.suite for m in usable if m.core is not None), None),
                 ci_val_loss=_ci(losses),
                 at_tokens=at_tokens,
                 val_losses=losses,
@@ -218,6 +234,17 @@ def seed_groups(summaries: list[RunSummary]) -> list[SeedGroup]:
             )
         )
     return sorted(out, key=lambda g: g.label)
+
+
+def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:
+    """Every found run with only its name and seed-free config: what the group labels are
+    taken against, read from the start records alone (not a whole summary per run)."""
+    return [
+        RunSummary(
+            run=n, status="", group=seed_free_fingerprint(config_of(tail_records(d, "start"), d))
+        )
+        for n, d in found
+    ]
 
 
 def _unusable(run: RunSummary) -> str | None:
@@ -246,23 +273,18 @@ def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
 
 
 def _ci(values: list[float]) -> float | None:
-    from nanolab.stats import StatsUnavailable, mean_ci
+    from nanolab.stats import mean_ci
 
-    if len(values) < 2:
-        return None
-    try:
-        return mean_ci(values).half_width
-    except StatsUnavailable:
-        return None
+    return mean_ci(values).half_width if len(values) >= 2 else None
 
 
 def compare_groups(
     summaries: list[RunSummary], groups: list[SeedGroup], baseline: str | None = None
 ) -> list[Comparison]:
     """Each group against ``baseline`` (a group label), or, without one, the two groups
-    against each other, or every group against the one with the lowest mean. Empty without
-    scipy or with fewer than two groups."""
-    from nanolab.stats import StatsUnavailable, sentence, welch
+    against each other, or every group against the one with the lowest mean. Empty with fewer
+    than two groups of two usable seeds."""
+    from nanolab.stats import sentence, welch
 
     by_run = {s.run: s for s in summaries}
     usable = [g for g in groups if len(g.val_losses) >= 2]
@@ -289,10 +311,7 @@ def compare_groups(
         a, b = values_at(members_a, at), values_at(members_b, at)
         if len(a) < 2 or len(b) < 2:
             continue
-        try:
-            d = welch(a, b)
-        except StatsUnavailable:
-            return []
+        d = welch(a, b)
         text = sentence(g.label, base.label, d)
         if at is not None and (at != g.at_tokens or at != base.at_tokens):
             text += f" (at {si(at)} tokens, where every run of both got to)"
@@ -327,6 +346,47 @@ def task_names(summaries: list[RunSummary]) -> list[str]:
     return list(dict.fromkeys(name for s in summaries for name in s.task_scores))
 
 
+#: The widest line of a report table.
+WIDTH = 100
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, break_on_hyphens=False)
+
+
+def downstream_table(summaries: list[RunSummary]) -> list[str]:
+    """One row per run and source of downstream scores: the newest ``tasks`` record written in
+    training and the newest ``nanolab eval`` appended, each with its step and suite; the mean
+    column is CORE only when every row's suite is CORE."""
+    scored = [
+        (s.run, source, step, suite, core, scores)
+        for s in summaries
+        for source, step, suite, core, scores in (
+            ("training", s.tasks_step, s.suite, s.core, s.task_scores),
+            ("nanolab eval", s.eval_step, s.eval_suite, s.eval_core, s.eval_task_scores),
+        )
+        if core is not None or scores
+    ]
+    if not scored:
+        return []
+    suites = {row[3] for row in scored}
+    mean = "CORE" if suites == {"core"} else "mean centered"
+    tasks = list(dict.fromkeys(t for row in scored for t in row[5]))
+    headers = ["run", "from", "step", "suite", mean, *tasks]
+    rows = [
+        [run, source, "-" if step is None else str(step), suite or "?", _f(core, "+.3f"),
+         *(_f(scores.get(t), ".3f") for t in tasks)]
+        for run, source, step, suite, core, scores in scored
+    ]  # fmt: skip
+    out = ["", *columns_within([headers, *rows], {2, *range(4, len(headers))}, WIDTH)]
+    return out + _wrap(
+        f"{mean}: the mean centered accuracy of the suite's tasks"
+        + (" (CORE only for the CORE suite)" if mean != "CORE" else "")
+        + "; a task's column: the accuracy its centered value uses; from: the tasks record "
+        "written in training (--downstream.suite) or appended by nanolab eval"
+    )
+
+
 def _mean_spread(mean: float | None, std: float | None, fmt: str = ".4f") -> str:
     if mean is None:
         return "-"
@@ -338,13 +398,13 @@ def format_table(
     groups: list[SeedGroup],
     comparisons: list[Comparison] | None = None,
 ) -> str:
+    """The report: runs (cut into tables of at most 100 columns), then the downstream scores,
+    seed groups, their differences and notes."""
+    hours = hours_label([s.accelerator for s in summaries])
     headers = [
         "run", "status", "steps", "tokens", "train loss", "best val (step)", "val bpb",
-        "Δ train loss", "tokens/s", "MFU", "GPU-h", "cost", "wall",
+        "Δ train loss", "tokens/s", "MFU", hours, "cost", "wall",
     ]  # fmt: skip
-    tasks = task_names(summaries)
-    if tasks or any(s.core is not None for s in summaries):
-        headers += ["CORE", *tasks]  # the newest tasks record: its score per task
     rows = []
     for s in summaries:
         best = "-" if s.best_val_loss is None else f"{s.best_val_loss:.4f} ({s.best_val_step})"
@@ -369,32 +429,24 @@ def format_table(
                 duration(s.wall_s),
             ]
         )
-        if len(headers) > 13:
-            rows[-1] += [_f(s.core, "+.3f"), *(_f(s.task_scores.get(t), ".3f") for t in tasks)]
-    right = {2, 3, 4, 6, 8, 9, 10, 11, 12, *range(13, len(headers))}
-    out = columns([headers, *rows], right, rule=True)
-    out.append(
+    out = columns_within([headers, *rows], {2, 3, 4, 6, 8, 9, 10, 11, 12}, WIDTH)
+    out += _wrap(
         f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps minus the "
-        "first logged step's (the same for every run)"
+        f"first logged step's (the same for every run). {hours}: devices x wall hours"
     )
-    if len(headers) > 13:
-        out.append(
-            "CORE and task columns: the newest tasks record (nanolab eval or --downstream.suite); "
-            "a task's score is the accuracy its centered value uses"
-        )
+    out += downstream_table(summaries)
     if groups:
-        with_ci = any(g.ci_val_loss is not None for g in groups)
         out += [
             "",
-            "seed groups (same config, different seed): val loss at the shortest seed's last "
-            "validation, "
-            + ("mean ± 95% confidence interval (Student t over the seeds)" if with_ci
-               else "mean ± standard deviation (pip install 'nanolab[stats]' for intervals)"),
-        ]  # fmt: skip
+            *_wrap(
+                "seed groups (same config, different seed): val loss at the shortest seed's "
+                "last validation, mean ± 95% confidence interval (Student t over the seeds)"
+            ),
+        ]
         for g in groups:
-            spread = _mean_spread(g.mean_val_loss, g.ci_val_loss if with_ci else g.std_val_loss)
+            spread = _mean_spread(g.mean_val_loss, g.ci_val_loss)
             if g.mean_core is not None:
-                spread += f", CORE {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
+                spread += f", {mean_label(g.suite)} {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
             out.append(f"  {g.label}: {spread}  (n={g.n}, seeds {seeds}: {', '.join(g.runs)})")
             if g.left_out:
@@ -462,27 +514,26 @@ def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, flo
     return out
 
 
+#: What the --plot band is, in the figure's title and the docs (docs/queue.md): one statement.
+BAND_TITLE = (
+    "mean over seeds, band = 95% confidence interval of the mean (Student t over the seeds)"
+)
+
+
 def _band(curves: list[dict[int, tuple[float, float]]]) -> list[tuple[float, float, float, float]]:
     """(x, mean, low, high) at every step that every curve of the group has: the 95%
-    confidence interval of the mean over seeds (Student t) when scipy is there, else the
-    min-max over seeds."""
-    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-    t = None
-    if len(curves) >= 2:
-        with contextlib.suppress(ImportError):
-            from scipy import stats
+    confidence interval of the mean over seeds (Student t; low = high = mean for one seed)."""
+    from scipy import stats
 
-            t = float(stats.t.ppf(0.975, len(curves) - 1))
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    t = float(stats.t.ppf(0.975, len(curves) - 1)) if len(curves) >= 2 else 0.0
     out = []
     for step in steps:
         ys = [c[step][1] for c in curves]
         mean = statistics.fmean(ys)
         x = statistics.fmean(c[step][0] for c in curves)
-        if t is not None:
-            half = t * statistics.stdev(ys) / math.sqrt(len(ys))
-            out.append((x, mean, mean - half, mean + half))
-        else:
-            out.append((x, mean, min(ys), max(ys)))
+        half = t * statistics.stdev(ys) / math.sqrt(len(ys)) if len(ys) >= 2 else 0.0
+        out.append((x, mean, mean - half, mean + half))
     return out
 
 
@@ -496,6 +547,7 @@ def plot_runs(
     x: str,
     forecasts: dict | None = None,
     logx: bool = False,
+    universe: list[RunSummary] | None = None,
 ) -> list[dict[str, Any]]:
     """Train and val loss against tokens or GPU-hours, written atomically to ``out``: one colour
     per seed group, its mean over seeds as a line and its 95% interval as a band; with
@@ -525,7 +577,7 @@ def plot_runs(
         ax.set_visible(False)
     dirs = {s.run: d for s, d in runs}
     groups = _by_config([s for s, _ in runs])
-    labels = group_labels(groups)
+    labels = group_labels(groups, universe=universe)
     missing: list[str] = []
     drawn: list[dict[str, Any]] = []
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -547,7 +599,10 @@ def plot_runs(
                 trains.append(t)
             if v:
                 vals.append(v)
-            scored = last_by_step([r for r in records if r.get("event") == "tasks"])
+            # The scores written in training (a later `nanolab eval` record is not a curve point).
+            scored = last_by_step(
+                [r for r in records if r.get("event") == "tasks" and not r.get("evaluated_by")]
+            )
             for curves, task_key in zip(task_curves, task_keys, strict=True):
                 curve = _curve(scored, key, task_key, xs)
                 if curve:
@@ -579,11 +634,14 @@ def plot_runs(
             if x != "tokens"
             else f"run(s) {', '.join(missing)} log no token counts"
         )
-    xlabel = "tokens" if x == "tokens" else "GPU-hours"
+    unit = hours_label([s.accelerator for s in summaries]).removesuffix("-h") + "-hours"
+    xlabel = "tokens" if x == "tokens" else unit
     smooth = "train loss (trailing mean)"
+    suites = {s.suite for s in summaries if s.core is not None}
+    core_title = mean_label(suites.pop()) if len(suites) == 1 else "suite mean"
     titles = [(ax_train, smooth), (ax_val, "val loss")]
     titles += [
-        (ax, "CORE (mean centered accuracy)" if name == "core" else f"{name} (score)")
+        (ax, f"{core_title} (mean centered accuracy)" if name == "core" else f"{name} (score)")
         for ax, name in zip(task_axes, (k.split("/")[1] for k in task_keys), strict=True)
     ]
     for ax, title in titles:
@@ -597,7 +655,7 @@ def plot_runs(
             ax.xaxis.set_major_formatter(FuncFormatter(_tokens_axis))
     ax_train.set_ylabel("loss")
     if any(len(g) > 1 for g in groups):
-        fig.suptitle("mean over seeds, band = 95% confidence interval of the mean", fontsize=9)
+        fig.suptitle(BAND_TITLE, fontsize=9)
     handles, names = ax_train.get_legend_handles_labels()
     if not handles:
         handles, names = ax_val.get_legend_handles_labels()
@@ -822,7 +880,9 @@ def forecasts(
     return runs, by_group
 
 
-def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float | None) -> str:
+def format_forecasts(
+    runs: dict[str, Any], groups: dict[str, Any], target: float | None, hours: str = "GPU-h"
+) -> str:
     head = ("forecast: the val curve fitted as L = L0 + A*S1^-alpha - C*S2 over the run's LR "
             "schedule (S1: LR area, S2: annealing area; without a known schedule L = E + "
             "A*D^-alpha in tokens); [5%, 95%] of a residual bootstrap, widened by the fit's "
@@ -831,6 +891,9 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
     for label, f in [*runs.items(), *((f"group {k}", v) for k, v in groups.items())]:
         if f.fit is None:
             out.append(f"  {label}: no forecast ({f.note})")
+            continue
+        if f.finished:
+            out.append(f"  {label}: {finished_text(f)}" + _target_text(f, target, hours))
             continue
         text = f"  {label}: {f.points} val points, "
         if f.model == "schedule":
@@ -846,19 +909,40 @@ def format_forecasts(runs: dict[str, Any], groups: dict[str, Any], target: float
             lo, hi = f.final_band
             text += (f"; at max_steps ({si(f.final_tokens)} tokens): {f.final_loss:.4f} "
                      f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
-        if target is not None:
-            if f.target_tokens is None:
-                text += f"; {target}: {f.note}"
-            else:
-                lo, hi = f.target_band
-                hi_text = si(hi) if math.isfinite(hi) else "never"
-                text += f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
-                if f.target_gpu_hours is not None:
-                    text += f", {f.target_gpu_hours:.3g} GPU-h"
-                if f.target_cost is not None:
-                    text += f", {_money(f.target_cost)}"
-        out.append(text)
+        out.append(text + _target_text(f, target, hours))
     return "\n".join(out)
+
+
+def _target_text(f: Any, target: float | None, hours: str) -> str:
+    """``; to X: tokens [range], hours, cost`` for --target-loss (empty without one)."""
+    if target is None:
+        return ""
+    if f.target_tokens is None:
+        return f"; {target}: {f.note}"
+    lo, hi = f.target_band
+    hi_text = si(hi) if math.isfinite(hi) else "never"
+    text = f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
+    if f.target_gpu_hours is not None:
+        text += f", {f.target_gpu_hours:.3g} {hours}"
+    if f.target_cost is not None:
+        text += f", {_money(f.target_cost)}"
+    return text
+
+
+def finished_text(f: Any) -> str:
+    """A run whose last validation is at max_steps: its final val loss and how well the curve
+    was fitted (rmse, the worst backtest miss), not a forecast of a point already reached; a
+    floor fitted at its bound of 0 is named as such, not shown as a loss the run tends to."""
+    fit = f.fit
+    text = f"finished ({f.points} val points), final val loss {f.last_loss:.4f}; the fit's "
+    text += f"rmse {fit['rmse']:.3g} over {fit['n']} points"
+    misses = [m for m, _ in fit.get("backtests") or []]
+    if misses:
+        text += f", worst backtest miss {max(misses):.3g}"
+    floor = fit.get("L0", fit.get("E"))
+    if floor is not None and floor <= 1e-6:
+        text += "; its floor is at the bound 0 (not pinned by the points)"
+    return text
 
 
 def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
@@ -894,8 +978,7 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
     sa, sb = summarize_run(a, dirs[a], now), summarize_run(b, dirs[b], now)
     configs = []
     for name in (a, b):
-        records = read_run(dirs[name])[0]
-        config = config_of(records, dirs[name])
+        config = config_of(tail_records(dirs[name], "start"), dirs[name])
         if config is None:
             raise ReportError(
                 f"--compare: run {name} has no config (no start record, no config.yaml)"
@@ -922,7 +1005,8 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
         ("train loss", lambda s: _f(s.train_loss)),
         ("Δ train loss", lambda s: "-" if s.improvement is None else f"{-s.improvement:+.4f}"),
         ("tokens/s", lambda s: si(s.tokens_per_s)),
-        ("GPU-h", lambda s: _f(s.gpu_hours, ".3f")), ("wall", lambda s: duration(s.wall_s)),
+        (hours_label([sa.accelerator, sb.accelerator]), lambda s: _f(s.gpu_hours, ".3f")),
+        ("wall", lambda s: duration(s.wall_s)),
     ):  # fmt: skip
         rows.append((label, fn(sa), fn(sb)))
     return "\n".join(columns([list(r) for r in rows]))
@@ -994,7 +1078,8 @@ def main(argv: list[str] | None = None) -> int:
     summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
     if args.index:
         print(update_index(roots, summaries), file=sys.stderr)
-    groups = seed_groups(summaries)
+    universe = config_summaries(found) if args.run else summaries
+    groups = seed_groups(summaries, universe)
     comparisons = compare_groups(summaries, groups, args.baseline)
     want_forecast = args.forecast or args.target_loss is not None
     if args.target_loss is not None and not 0 < args.target_loss < math.inf:
@@ -1004,7 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         dirs = dict(selected)
         plotted, left_out = (summaries, 0) if args.run else default_plot_selection(summaries)
-        plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx)
+        plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx,
+                  universe=universe)  # fmt: skip
     if args.json:
         payload = {
             "runs": [
@@ -1024,7 +1110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(summaries, groups, comparisons))
         if want_forecast:
             ordered = {s.run: run_fc[s.run] for s in summaries}
-            print(format_forecasts(ordered, group_fc, args.target_loss))
+            hours = hours_label([s.accelerator for s in summaries])
+            print(format_forecasts(ordered, group_fc, args.target_loss, hours))
         if scaling_text is not None:
             print(scaling_text)
     if args.plot is not None:

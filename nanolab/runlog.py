@@ -35,14 +35,27 @@ def iter_records(
 
     ``event`` keeps only records of that kind. A missing file yields nothing.
     """
+    for _, record in iter_numbered(path):
+        if event is None or record.get("event") == event:
+            yield record
+
+
+def iter_numbered(
+    path: str | os.PathLike[str], containing: str | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of each parsable line, one line in memory at a time, so a reader's
+    memory does not grow with the log. ``containing`` parses only the lines holding that text (a
+    cheap first look, e.g. for the few ``start`` records of a 300k-line log)."""
     handle = _open_log(path, "r")
     if handle is None:
         return
     with handle:
-        for line in handle:
+        for number, line in enumerate(handle):
+            if containing is not None and containing not in line:
+                continue
             record = _parse(line)
-            if record is not None and (event is None or record.get("event") == event):
-                yield record
+            if record is not None:
+                yield number, record
 
 
 def read_records(path: str | os.PathLike[str], event: str | None = None) -> list[dict[str, Any]]:

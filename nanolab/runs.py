@@ -11,6 +11,7 @@ one experiment (the report's groups, the queue's history).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -21,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanolab.downstream.tasks import suite_name_of
 from nanolab.errors import NanolabError
-from nanolab.runlog import RUN_LOG_NAME, iter_records
+from nanolab.runlog import RUN_LOG_NAME, iter_numbered, iter_records
 
 #: Seconds without a new record after which a run with no ``end`` record counts as crashed
 #: (unless its own step time says records are naturally further apart).
@@ -82,9 +84,19 @@ class RunSummary:
     updated: float | None = None
     run_dir: str = ""
     group: str | None = field(default=None, repr=False)  # fingerprint of the seed-free config
-    core: float | None = None  # CORE (mean centered accuracy) of the newest ``tasks`` record
+    #: The newest ``tasks`` record written during training (--downstream.suite): its mean
+    #: centered accuracy (CORE only when ``suite`` is core), scores per task, step and suite.
+    core: float | None = None
     task_scores: dict[str, float] = field(default_factory=dict, repr=False)  # name -> score
     tasks_step: int | None = None  # the step that record scored
+    suite: str | None = None
+    #: The same from the newest record ``nanolab eval`` appended (kept apart: it scores a
+    #: checkpoint afterwards, perhaps with another suite or precision).
+    eval_core: float | None = None
+    eval_task_scores: dict[str, float] = field(default_factory=dict, repr=False)
+    eval_step: int | None = None
+    eval_suite: str | None = None
+    accelerator: str | None = None  # the start record's (CPUAccelerator, CUDAAccelerator, ...)
     skipped_records: int = 0  # valid JSON of the wrong shape (e.g. a string step), not used
     skipped_example: str | None = None  # what was wrong with the first of them
 
@@ -160,6 +172,15 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], int, str | None]:
         if example is None:
             example = f"a {r.get('event')!s:.20} record whose {problem}"
     return records, skipped, example
+
+
+def tail_records(run_dir: Path, event: str, n: int = 1) -> list[dict[str, Any]]:
+    """The last ``n`` usable records of kind ``event``, read as a stream (at most n in memory)."""
+    from collections import deque
+
+    return list(
+        deque((r for r in iter_records(run_dir / RUN_LOG_NAME, event) if not record_problem(r)), n)
+    )
 
 
 def last_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -249,30 +270,219 @@ STEP_EVENTS = ("train", "val", "tasks")
 
 
 def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSummary:
-    """Everything the report says about one run, from its log (and ``config.yaml`` if needed)."""
+    """Everything the report says about one run, from its log (and ``config.yaml`` if needed).
+
+    The log is read as a stream, twice: first the few ``start`` records (where a resume
+    rewound to), then every record once, kept only as the running figures below. Memory stays
+    flat in the log's length (a 300k-step run logs over 100 MB); the only lists kept are the
+    validations, one small entry each."""
     now = time.time() if now is None else now
-    records, skipped, example = read_run(run_dir)
-    s = RunSummary(run=name, status="crashed", run_dir=str(run_dir))
-    s.skipped_records, s.skipped_example = skipped, example
-    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
-    s.resumes = max(0, len(starts) - 1)
-    last_start = starts[-1] if starts else 0
-    start = records[last_start] if starts else None
-    end = next((r for r in reversed(records[last_start:]) if r.get("event") == "end"), None)
-    records = current_timeline(records)
-    train = last_by_step([r for r in records if r.get("event") == "train"])
-    val = last_by_step([r for r in records if r.get("event") == "val"])
-    s.rollbacks = sum(r.get("event") == "spike" and r.get("restored") is not None for r in records)
+    log = run_dir / RUN_LOG_NAME
+    acc = _RunStream(_Rewinds(_resume_points(log)))
+    for number, record in iter_numbered(log):
+        acc.add(number, record)
+    return acc.summary(name, run_dir, now)
 
-    config = config_of(records, run_dir)
-    s.group = seed_free_fingerprint(config)
-    seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
-    seed_value = None if isinstance(seed, bool) else num(seed)
-    s.seed = int(seed_value) if seed_value is not None else None
-    if records:
-        s.started = num(records[0].get("time"))
-        s.updated = num(records[-1].get("time"))
 
+def _resume_points(log: Path) -> list[tuple[int, int]]:
+    """(line number, resumed_from_step) of each usable start that resumed from a step."""
+    points = []
+    for number, r in iter_numbered(log, containing='"start"'):
+        resumed = r.get("resumed_from_step")
+        usable = r.get("event") == "start" and record_problem(r) is None
+        if usable and isinstance(resumed, int) and not isinstance(resumed, bool):
+            points.append((number, resumed))
+    return points
+
+
+class _Rewinds:
+    """Which step records a later resume abandoned (:func:`current_timeline`, as a stream):
+    a step record on line i is dropped when a start after line i resumed from a lower step."""
+
+    def __init__(self, points: list[tuple[int, int]]) -> None:
+        self.lines = [n for n, _ in points]
+        self.floor = [min(r for _, r in points[i:]) for i in range(len(points))]
+        self.next = 0  # the first resume after the current line (lines come in order)
+
+    def abandoned(self, number: int, record: dict[str, Any]) -> bool:
+        while self.next < len(self.lines) and self.lines[self.next] <= number:
+            self.next += 1
+        step = record.get("step")
+        return (
+            self.next < len(self.lines)
+            and record.get("event") in STEP_EVENTS
+            and isinstance(step, int)
+            and step > self.floor[self.next]
+        )
+
+
+def _step_key(record: dict[str, Any]) -> float:
+    """A record's place in the timeline by step (no step sorts last, as in :func:`last_by_step`)."""
+    step = record.get("step")
+    return math.inf if step is None else float(step)
+
+
+class _LastSteps:
+    """The latest copy of each of the ``k`` highest steps: the end of ``last_by_step(records)``
+    without the rest of it (a step once pushed out by k higher steps never comes back)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.steps: list[float] = []
+        self.by_step: dict[float, dict[str, Any]] = {}
+
+    def add(self, key: float, record: dict[str, Any]) -> None:
+        if key not in self.by_step:
+            if self.steps and key > self.steps[-1]:
+                self.steps.append(key)  # the usual case: the next step
+            elif len(self.steps) >= self.k and key < self.steps[0]:
+                return
+            else:
+                bisect.insort(self.steps, key)
+            if len(self.steps) > self.k:
+                del self.by_step[self.steps.pop(0)]
+        self.by_step[key] = record
+
+    def records(self) -> list[dict[str, Any]]:
+        return [self.by_step[k] for k in self.steps]
+
+
+#: The train fields a summary reads (a train record is cut to these before it is kept).
+TRAIN_KEPT = ("step", "loss", "tokens", "tokens_per_s", "mfu", "step_time_s")
+#: The train fields read as "the last one logged" (the end record's, when it has one, first).
+TRAIN_LAST = ("tokens", "loss", "gpu_hours", "cost", "elapsed_s")
+#: Train records averaged for tokens/s, MFU and step time (:func:`recent_mean`'s window).
+RECENT = 50
+
+
+class _RunStream:
+    """The running figures of one log, fed record by record; :meth:`summary` makes the
+    :class:`RunSummary` that :func:`summarize_run` returns."""
+
+    def __init__(self, rewinds: _Rewinds) -> None:
+        self.rewinds = rewinds
+        self.skipped, self.example = 0, None
+        self.starts, self.start, self.end = 0, None, None
+        self.kept, self.first_time, self.last_time = 0, None, None
+        self.max_step: int | None = None
+        self.rollbacks = 0
+        self.recent = _LastSteps(RECENT)
+        self.losses = _LastSteps(DELTA_WINDOW + 1)  # train records with a loss
+        self.first_loss: tuple[float, float] | None = None  # (step key, loss)
+        # field -> (step key, value) at the highest step that logged it: last_value(train, field)
+        self.last: dict[str, tuple[float, Any]] = dict.fromkeys(TRAIN_LAST, (-math.inf, None))
+        self.val: dict[float, dict[str, Any]] = {}
+        self.tasks: dict[str, Any] | None = None  # the newest in training
+        self.evals: dict[str, Any] | None = None  # the newest by nanolab eval
+
+    def add(self, number: int, r: dict[str, Any]) -> None:
+        problem = record_problem(r)
+        if problem is not None:
+            self.skipped += 1
+            if self.example is None:
+                self.example = f"a {r.get('event')!s:.20} record whose {problem}"
+            return
+        event = r.get("event")
+        if event == "start":
+            self.starts, self.start, self.end = self.starts + 1, r, None
+        elif event == "end":
+            self.end = r
+        if self.rewinds.abandoned(number, r):
+            return
+        self.kept += 1
+        self.first_time = r.get("time") if self.kept == 1 else self.first_time
+        self.last_time = r.get("time")
+        if isinstance(r.get("step"), int):
+            self.max_step = max(self.max_step or 0, r["step"])
+        if event == "spike" and r.get("restored") is not None:
+            self.rollbacks += 1
+        elif event == "train":
+            self._train(r)
+        elif event == "val":
+            self.val.pop(_step_key(r), None)  # the latest copy, in timeline order
+            self.val[_step_key(r)] = {
+                k: r.get(k) for k in ("step", "tokens", "val_loss", "val_bpb")
+            }
+        elif event == "tasks" and r.get("evaluated_by"):
+            if self.evals is None or _step_key(r) >= _step_key(self.evals):
+                self.evals = r
+        elif event == "tasks" and (self.tasks is None or _step_key(r) >= _step_key(self.tasks)):
+            self.tasks = r
+
+    def _train(self, r: dict[str, Any]) -> None:
+        key = _step_key(r)
+        kept = {k: r.get(k) for k in TRAIN_KEPT}
+        self.recent.add(key, kept)
+        for f, (at, _) in self.last.items():
+            value = r.get(f)
+            if value is not None and key >= at:  # a later copy of a step replaces it
+                self.last[f] = (key, value)
+        loss = num(r.get("loss"))
+        if loss is not None:
+            self.losses.add(key, kept)
+            if self.first_loss is None or key <= self.first_loss[0]:
+                self.first_loss = (key, loss)
+
+    def train_delta(self) -> tuple[float | None, float | None]:
+        """:func:`train_delta` from the first loss and the last ``DELTA_WINDOW + 1``."""
+        if self.first_loss is None:
+            return None, None
+        first = self.first_loss[1]
+        losses = [float(r["loss"]) for r in self.losses.records()]
+        if len(losses) < 2:
+            return first, None
+        # Fewer than DELTA_WINDOW + 1 losses in all: the window holds the first one; leave it out.
+        tail = losses[-DELTA_WINDOW:] if len(losses) > DELTA_WINDOW else losses[1:]
+        return first, first - statistics.fmean(tail)
+
+    def summary(self, name: str, run_dir: Path, now: float) -> RunSummary:
+        s = RunSummary(run=name, status="crashed", run_dir=str(run_dir))
+        s.skipped_records, s.skipped_example = self.skipped, self.example
+        s.resumes = max(0, self.starts - 1)
+        start, end = self.start, self.end
+        recent = self.recent.records()
+        val = [self.val[k] for k in sorted(self.val)]
+        s.rollbacks = self.rollbacks
+        config = config_of([start] if start else [], run_dir)
+        s.group = seed_free_fingerprint(config)
+        seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
+        seed_value = None if isinstance(seed, bool) else num(seed)
+        s.seed = int(seed_value) if seed_value is not None else None
+        if self.kept:
+            s.started, s.updated = num(self.first_time), num(self.last_time)
+        _set_status(s, end, self.kept, recent_mean(recent, "step_time_s", RECENT), now)
+        s.steps = self.max_step
+        if end is not None and isinstance(end.get("step"), int):
+            s.steps = end["step"]
+        tokens = (end or {}).get("tokens", self.last["tokens"][1])
+        tokens = None if isinstance(tokens, bool) else num(tokens)
+        s.tokens = int(tokens) if tokens is not None else None
+        s.train_loss = num(self.last["loss"][1])
+        _set_val(s, val)
+        if self.tasks is not None:
+            s.core, s.tasks_step = num(self.tasks.get("tasks/core")), self.tasks.get("step")
+            s.task_scores, s.suite = task_scores(self.tasks), suite_name_of(self.tasks)
+        if self.evals is not None:
+            s.eval_core, s.eval_step = num(self.evals.get("tasks/core")), self.evals.get("step")
+            s.eval_task_scores, s.eval_suite = task_scores(self.evals), suite_name_of(self.evals)
+        accelerator = (start or {}).get("accelerator")
+        s.accelerator = accelerator if isinstance(accelerator, str) else None
+        s.start_loss, s.improvement = self.train_delta()
+        s.tokens_per_s = recent_mean(recent, "tokens_per_s", RECENT)
+        s.mfu = recent_mean(recent, "mfu", RECENT)
+        for f in ("gpu_hours", "cost", "elapsed_s"):
+            value = (end or {}).get(f)
+            setattr(s, "wall_s" if f == "elapsed_s" else f,
+                    num(value if value is not None else self.last[f][1]))  # fmt: skip
+        if s.wall_s is None and s.started is not None and s.updated is not None:
+            s.wall_s = s.updated - s.started
+        return s
+
+
+def _set_status(
+    s: RunSummary, end: dict[str, Any] | None, kept: int, step_time: float | None, now: float
+) -> None:
+    """The run's status and detail: its end's reason, or running / crashed by its silence."""
     if end is not None:
         s.status = str(end.get("reason") or "completed")
         s.detail = end.get("error") or None
@@ -280,57 +490,37 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
             s.detail = f"at step {end['diverged_step']}"
             if end.get("skipped_steps") is not None:  # steps skipped, not NaN: say which
                 s.detail = f"fp16 loss scale collapsed {s.detail}"
-    elif not records:
+    elif not kept:
         s.status, s.detail = "crashed", "empty log"
     else:
-        step_time = recent_mean(train, "step_time_s") or 0.0
         quiet = now - (s.updated or now)
-        if quiet > max(STALE_AFTER_S, 20 * step_time):
+        if quiet > max(STALE_AFTER_S, 20 * (step_time or 0.0)):
             s.status = "crashed"
             s.detail = f"no end record; silent for {duration(quiet)}"
         else:
             s.status = "running"
 
-    steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
-    s.steps = max(steps) if steps else None
-    if end is not None and isinstance(end.get("step"), int):
-        s.steps = end["step"]
-    tokens = (end or {}).get("tokens", last_value(train, "tokens"))
-    tokens = None if isinstance(tokens, bool) else num(tokens)
-    s.tokens = int(tokens) if tokens is not None else None
-    s.train_loss = num(last_value(train, "loss"))
-    if val:
-        best = min(
-            (r for r in val if num(r.get("val_loss")) is not None),
-            key=lambda r: r["val_loss"],
-            default=None,
-        )
-        s.val_points = [
-            (int(r["tokens"]), float(r["val_loss"]))
-            for r in val
-            if isinstance(r.get("tokens"), int) and num(r.get("val_loss")) is not None
-        ]
-        if best is not None:
-            s.best_val_loss, s.best_val_step = float(best["val_loss"]), best.get("step")
-            s.first_val_loss = num(next(r["val_loss"] for r in val if num(r.get("val_loss"))))
-            s.final_val_loss = num(last_value(val, "val_loss"))
-            s.best_val_bpb = num(best.get("val_bpb"))
-            s.final_val_bpb = num(last_value(val, "val_bpb"))
-    tasks = last_by_step([r for r in records if r.get("event") == "tasks"])
-    if tasks:
-        newest = tasks[-1]
-        s.core, s.tasks_step = num(newest.get("tasks/core")), newest.get("step")
-        s.task_scores = task_scores(newest)
-    s.start_loss, s.improvement = train_delta(train)
-    s.tokens_per_s = recent_mean(train, "tokens_per_s")
-    s.mfu = recent_mean(train, "mfu")
-    tail = [*train, *([end] if end else [])]
-    s.gpu_hours = num(last_value(tail, "gpu_hours"))
-    s.cost = num(last_value(tail, "cost"))
-    s.wall_s = num(last_value(tail, "elapsed_s"))
-    if s.wall_s is None and s.started is not None and s.updated is not None:
-        s.wall_s = s.updated - s.started
-    return s
+
+def _set_val(s: RunSummary, val: list[dict[str, Any]]) -> None:
+    """Best, first and final validation, and the (tokens, val loss) points."""
+    if not val:
+        return
+    best = min(
+        (r for r in val if num(r.get("val_loss")) is not None),
+        key=lambda r: r["val_loss"],
+        default=None,
+    )
+    s.val_points = [
+        (int(r["tokens"]), float(r["val_loss"]))
+        for r in val
+        if isinstance(r.get("tokens"), int) and num(r.get("val_loss")) is not None
+    ]
+    if best is not None:
+        s.best_val_loss, s.best_val_step = float(best["val_loss"]), best.get("step")
+        s.first_val_loss = num(next(r["val_loss"] for r in val if num(r.get("val_loss"))))
+        s.final_val_loss = num(last_value(val, "val_loss"))
+        s.best_val_bpb = num(best.get("val_bpb"))
+        s.final_val_bpb = num(last_value(val, "val_bpb"))
 
 
 def task_scores(record: dict[str, Any]) -> dict[str, float]:
@@ -352,6 +542,17 @@ def train_delta(train: list[dict[str, Any]]) -> tuple[float | None, float | None
 
 
 # -- formatting -----------------------------------------------------------------------------
+def hours_label(accelerators: list[str | None]) -> str:
+    """What the runs' device-hours are called: ``GPU-h`` when every run trained on GPUs,
+    ``CPU-h`` when every one on CPUs, else ``device-h`` (a CPU run's hours are no GPU-hours)."""
+    kinds = set(accelerators)
+    if kinds and kinds <= {"CUDAAccelerator"}:
+        return "GPU-h"
+    if kinds and kinds <= {"CPUAccelerator"}:
+        return "CPU-h"
+    return "device-h"
+
+
 def duration(seconds: float | None) -> str:
     """``45s``, ``3m07s``, ``2h05m`` (``-`` when unknown)."""
     if seconds is None:
@@ -388,6 +589,36 @@ def columns(rows: list[list[str]], right: Container[int] = (), rule: bool = Fals
         ).rstrip()
         for r in rows
     ]
+
+
+def columns_within(
+    rows: list[list[str]], right: Container[int] = (), width: int = 100
+) -> list[str]:
+    """:func:`columns` (with a rule) cut into tables of at most ``width`` characters, each
+    repeating the first column (the run), so a wide report reads in a terminal or a pasted
+    message; a table holds at least one column beside the first, however wide."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out: list[str] = []
+    chunk: list[int] = []
+    for i in range(1, len(widths)):
+        used = widths[0] + sum(widths[j] + 2 for j in chunk)
+        if chunk and used + 2 + widths[i] > width:
+            out += _chunk_table(rows, right, chunk)
+            chunk = []
+        chunk.append(i)
+    if chunk or not out:
+        out += _chunk_table(rows, right, chunk)
+    return out
+
+
+def _chunk_table(rows: list[list[str]], right: Container[int], chunk: list[int]) -> list[str]:
+    picked = [0, *chunk]
+    table = columns(
+        [[r[i] for i in picked] for r in rows],
+        {n for n, i in enumerate(picked) if i in right},
+        rule=True,
+    )
+    return table if not chunk or chunk[0] == 1 else ["", *table]
 
 
 # -- the index of ended runs -------------------------------------------------------------------

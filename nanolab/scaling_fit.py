@@ -277,7 +277,7 @@ def flops_per_gpu_hour(points: list[ScalingPoint]) -> float | None:
 def points_from_runs(found: list[tuple[str, object]]) -> tuple[list[ScalingPoint], list[str]]:
     """One point per run that completed its schedule with a final val loss and a logged
     parameter count; the others are named with why they were left out."""
-    from nanolab.runs import read_run, summarize_run
+    from nanolab.runs import summarize_run, tail_records
 
     points, left_out = [], []
     for name, run_dir in found:
@@ -285,7 +285,7 @@ def points_from_runs(found: list[tuple[str, object]]) -> tuple[list[ScalingPoint
         if s.status != "completed":
             left_out.append(f"{name} ({s.status})")
             continue
-        starts = [r for r in read_run(run_dir)[0] if r.get("event") == "start"]
+        starts = tail_records(run_dir, "start")
         n = starts[-1].get("num_params") if starts else None
         if not isinstance(n, (int, float)) or isinstance(n, bool) or n <= 0:
             left_out.append(f"{name} (no num_params in its start record)")

@@ -16,8 +16,7 @@ normal approximation ``n = 2 (z_0.975 + z_0.8)^2 s^2 / d^2``, plus one seed per 
 t distribution's heavier tails). It is a planning figure, not a promise: the spread of 2-3 seeds
 is itself uncertain.
 
-scipy does the distributions (``pip install 'nanolab[stats]'``); without it ``report`` shows the
-mean and spread and says what it would need.
+scipy (a core dependency) does the distributions.
 """
 
 from __future__ import annotations
@@ -25,25 +24,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any
+
+from scipy import stats as scipy_stats
 
 LEVEL = 0.95
 ALPHA = 0.05
 POWER = 0.80
-
-
-class StatsUnavailable(RuntimeError):
-    """scipy is not installed."""
-
-
-def _scipy_stats() -> Any:
-    try:
-        from scipy import stats
-    except ImportError:
-        raise StatsUnavailable(
-            "confidence intervals and tests need scipy: pip install 'nanolab[stats]'"
-        ) from None
-    return stats
 
 
 @dataclass(frozen=True)
@@ -68,7 +54,7 @@ def mean_ci(values: list[float], level: float = LEVEL) -> MeanCI:
     mean = statistics.fmean(values)
     if n < 2:
         return MeanCI(mean, None, n)
-    t = float(_scipy_stats().t.ppf((1 + level) / 2, n - 1))
+    t = float(scipy_stats.t.ppf((1 + level) / 2, n - 1))
     return MeanCI(mean, t * statistics.stdev(values) / math.sqrt(n), n)
 
 
@@ -93,7 +79,7 @@ def welch(a: list[float], b: list[float], level: float = LEVEL) -> Difference:
     """Welch's t-test of mean(a) != mean(b) and the interval of mean(a) - mean(b)."""
     if len(a) < 2 or len(b) < 2:
         raise ValueError("each group needs at least 2 seeds")
-    stats = _scipy_stats()
+    stats = scipy_stats
     va, vb = statistics.variance(a), statistics.variance(b)
     se2 = va / len(a) + vb / len(b)
     diff = statistics.fmean(a) - statistics.fmean(b)
@@ -109,7 +95,7 @@ def welch(a: list[float], b: list[float], level: float = LEVEL) -> Difference:
 
 def seeds_needed(a: list[float], b: list[float]) -> int | None:
     """Seeds per group for 80% power to detect the observed difference at the 5% level."""
-    stats = _scipy_stats()
+    stats = scipy_stats
     d = abs(statistics.fmean(a) - statistics.fmean(b))
     s2 = (statistics.variance(a) + statistics.variance(b)) / 2
     if d == 0 or s2 == 0:

@@ -234,8 +234,11 @@ def test_the_fork_story(tmp_path: Path) -> None:
     assert _apply_files(project, blocks) == [f"src/{PACKAGE}/data.py", "configs/records.yaml"]
     (fit_records,) = _commands(blocks)
     story.run(fit_records + QUICK)
-    rendered = (project / "data" / "tokens-records.text" / "records.txt").read_text()
-    assert rendered.startswith("Q: ") and "\nA: " in rendered
+    rendered = (project / "data" / "tokens-records.text" / "records.jsonl").read_text()
+    docs = [json.loads(line)["text"] for line in rendered.splitlines()]
+    assert docs[0].startswith("Q: ") and "\nA: " in docs[0]
+    meta = json.loads((project / "data" / "tokens-records" / "meta.json").read_text())
+    assert sum(meta["documents"].values()) == len(docs)  # one document per record
     assert (project / "data" / "tokens-records" / "meta.json").is_file()
 
     # -- A dataset of windows: the window protocol, trained, stopped and resumed ---------------

@@ -211,7 +211,8 @@ def test_export_of_a_fit_checkpoint_loads_in_transformers(tmp_path, trained_run,
     seconds = time.perf_counter() - start
     print(f"export --format hf of the tiny fit checkpoint: {seconds:.2f}s")
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "README.md", "config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
     ]  # fmt: skip
     ckpt = load_checkpoint(trained_run / "checkpoints" / "last.ckpt")
     ours = model_from_checkpoint(ckpt)

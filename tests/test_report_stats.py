@@ -93,21 +93,6 @@ def test_report_prints_the_difference_at_equal_tokens(tmp_path: Path, capsys) ->
     assert "seed groups: lr=0.003 is lower than lr=0.001 by 0.300" in capsys.readouterr().out
 
 
-def test_without_scipy_the_report_shows_the_spread_and_says_what_it_needs(
-    tmp_path: Path, capsys, monkeypatch
-) -> None:
-    import sys
-
-    monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy -> ImportError
-    for seed, (fast, slow) in enumerate([(1.0, 1.3), (1.2, 1.5), (1.1, 1.4)]):
-        write_run(tmp_path, f"fast-s{seed}", 0.003, seed, [(1000, fast)])
-        write_run(tmp_path, f"slow-s{seed}", 0.001, seed, [(1000, slow)])
-    assert main([str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "lr=0.003: 1.1000 ± 0.1000" in out  # the standard deviation
-    assert "pip install 'nanolab[stats]'" in out and "Welch" not in out
-
-
 def test_index_adds_each_ended_run_once(tmp_path: Path, capsys) -> None:
     """``report --index``: results.log gets one line per ended run it lacks (a run's own end
     line counts), never a second one, and nothing for a run still going."""

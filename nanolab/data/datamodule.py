@@ -193,7 +193,8 @@ class TokenDataModule(L.LightningDataModule):
             when it does not exist yet; ``null`` means the dataset must already be prepared.
         tokenizer: ``bytes``, ``chars``, ``bpe`` or ``gpt2`` (used only when preparing).
         bpe_vocab_size: Vocabulary size of a locally trained BPE tokenizer.
-        val_fraction: Share of the token stream held out for validation (when preparing).
+        val_fraction: Share of the documents held out for validation, a seeded draw (when
+            preparing).
         micro_batch_size: Sequences per device per forward pass.
         block_size: Tokens per sequence. ``null`` (the default): the model's context,
             ``model.gpt.block_size``, which ``nanolab fit`` fills in; a different value is

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanolab.downstream.tasks import Suite, Task
+from nanolab.downstream.tasks import Suite, Task, mean_label
 
 #: Few-shot examples of example ``i`` are drawn with ``random.Random(FEWSHOT_SEED + i)`` from
 #: the task's other examples (the DCLM/nanochat rule), so every run sees the same prompts.
@@ -86,16 +86,23 @@ class TaskResult:
 class SuiteResult:
     tasks: list[TaskResult] = field(default_factory=list)
     seconds: float = 0.0
+    suite: str = ""  # the suite's name: ``core`` is CORE (see mean_label)
 
     @property
     def core(self) -> float:
-        """CORE: the mean centered accuracy over the suite's tasks."""
+        """The mean centered accuracy over the suite's tasks (CORE for the CORE suite; the
+        ``tasks/core`` field of every suite's record)."""
         return sum(t.centered for t in self.tasks) / max(1, len(self.tasks))
+
+    @property
+    def label(self) -> str:
+        return mean_label(self.suite)
 
     def record(self) -> dict[str, Any]:
         """The run-log fields: ``tasks/<name>/{score,acc,acc_norm,[acc_pmi],centered,n}``,
-        ``tasks/core`` and ``tasks/seconds``."""
-        out: dict[str, Any] = {}
+        ``tasks/core`` (the mean centered score, whatever the suite), ``tasks/seconds`` and
+        ``suite_name``."""
+        out: dict[str, Any] = {"suite_name": self.suite}
         for t in self.tasks:
             out[f"tasks/{t.name}/score"] = t.score  # the accuracy ``centered`` is made of
             out[f"tasks/{t.name}/acc"] = t.acc
@@ -425,7 +432,7 @@ def evaluate_suite(model: Any, tokenizer: Any, suite: Suite, **kwargs: Any) -> S
         tasks = [evaluate_task(model, tokenizer, task, **kwargs) for task in suite.tasks]
     finally:
         model.train(was_training)
-    return SuiteResult(tasks, time.perf_counter() - started)
+    return SuiteResult(tasks, time.perf_counter() - started, suite.name)
 
 
 def suite_tokens(suite: Suite, tokenizer: Any, block_size: int) -> int:

@@ -109,6 +109,30 @@ class Suite:
     tasks: list[Task] = field(default_factory=list)
 
 
+def mean_label(suite: str | None) -> str:
+    """What a suite's mean centered accuracy is called where it is shown: ``CORE`` only for the
+    CORE suite (a DCLM bundle), otherwise ``<suite> mean``; one Shakespeare cloze is not CORE."""
+    if not suite:
+        return "mean centered"
+    return "CORE" if suite == "core" else f"{suite} mean"
+
+
+def suite_name_of(record: dict[str, Any]) -> str | None:
+    """The suite a ``tasks`` record scored: its ``suite_name``, or, in logs written before it
+    was recorded, the name :func:`nanolab.downstream.tasks.load_suite` gives its ``suite``
+    (``builtin:<name>``, a YAML file's stem, ``core`` for a DCLM bundle folder)."""
+    name = record.get("suite_name")
+    if isinstance(name, str) and name:
+        return name
+    spec = record.get("suite")
+    if not isinstance(spec, str) or not spec:
+        return None
+    if spec.startswith("builtin:"):
+        return spec.removeprefix("builtin:")
+    path = Path(spec)
+    return path.stem if path.suffix in (".yaml", ".yml") else "core"
+
+
 # -- one line of a task file ----------------------------------------------------------------
 def _fail(path: Path, line: int, problem: str) -> TaskFileError:
     return TaskFileError(f"task file {path} line {line}: {problem}")

@@ -210,6 +210,7 @@ def format_estimate(
         out.append(f"    attention within a window of {s.gpt.attention_window} tokens")
     if s.gpt.document_mask:
         out.append("    attention counted as causal: the document mask skips more (an upper bound)")
+    kind = "CPU" if est.backend == "cpu" else "GPU"  # a CPU run's hours are no GPU-hours
     out += [
         f"  FLOPs per step                      {c.flops_per_step:.3e}",
         f"  step time                           {c.step_seconds:.3f} s",
@@ -218,7 +219,7 @@ def format_estimate(
         f"  token budget ({c.token_budget_source})".ljust(38)
         + f"{c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps",
         f"  wall-clock                          {c.hours:,.1f} h on {s.world_size} device(s)",
-        f"  GPU-hours and cost                  {c.gpu_hours:,.1f} GPU-h x "
+        f"  {kind}-hours and cost                  {c.gpu_hours:,.1f} {kind}-h x "
         f"${c.usd_per_gpu_hour:.2f} = ${c.cost_usd:,.0f}",
         f"  Chinchilla-optimal budget           {c.chinchilla_tokens / 1e9:,.2f} B tokens "
         "(20 per parameter)",

@@ -3,13 +3,14 @@
 ``nanolab estimate --device cpu`` describes a CPU run: CPU kernels (dropout masks in the input
 dtype, SDPA's math fallback with dropout, torch AdamW's per-tensor loop), no framework overhead
 and no fragmentation margin (the CPU allocator returns freed blocks). The time estimate uses the
-fp32 (and bf16) matmul rates measured here for 0.2 s each, at the efficiency the queue assumes
+fp32 (and bf16) matmul rates measured here (the fastest of many short matmuls within 0.2 s), at the efficiency the queue assumes
 for CPU jobs; imports torch.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 
@@ -32,15 +33,24 @@ def physical_memory() -> int:
         return 0
 
 
+#: Single matmuls timed per probe, at most (the fastest one counts), and the pause between two.
+PROBE_REPEATS = 40
+PROBE_PAUSE_S = 0.002
+
+
 def matmul_tflops(
     dtype_name: str = "float32", seconds: float = 0.2, n: int = 512, threads: int | None = None
 ) -> float:
     """Dense matmul TFLOP/s of this machine in ``dtype_name``, with ``threads`` threads (default:
     the current count; the queue passes the count its jobs will use).
 
-    The best of five windows of ``seconds / 5``: another process on the machine only ever makes
-    a window slower (with several threads, one descheduled thread stalls every matmul), so the
-    fastest window is the closest to what the machine can do once training has the cores.
+    The fastest of up to :data:`PROBE_REPEATS` single matmuls timed one by one within
+    ``seconds``, with a short pause between them. Another process on the machine only ever makes
+    a matmul slower (with several threads, one descheduled thread stalls the whole product), and
+    one 512 x 512 product takes a few milliseconds, so among many short repeats spread over the
+    window some run with the cores free: their rate is what training gets once it has the cores.
+    Windows of several products (the earlier probe) caught load in every window and swung from
+    17 to 40 GFLOP/s between calls on a shared 2-core machine.
     """
     import torch
 
@@ -51,14 +61,16 @@ def matmul_tflops(
         dtype = getattr(torch, dtype_name)
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         a @ b  # warm-up: the thread pool starts here
-        best = 0.0
-        for _ in range(5):
-            count, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds / 5:
-                a @ b
-                count += 1
-            best = max(best, 2 * n**3 * count / elapsed / 1e12)
-        return best
+        best = math.inf
+        deadline = time.perf_counter() + seconds
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+            if start > deadline:
+                break
+            time.sleep(PROBE_PAUSE_S)  # let a busy neighbour's time slice pass
+        return 2 * n**3 / best / 1e12
     finally:
         torch.set_num_threads(previous)
 
@@ -83,7 +95,8 @@ def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
         family="cpu",
         memory_reported=True,
         memory_source="physical RAM (os.sysconf)",
-        tflops_source="measured here: 512 x 512 matmuls for 0.2 s per dtype (best of 5 windows)",
+        tflops_source="measured here: the fastest of up to 40 single 512 x 512 matmuls in 0.2 s "
+        "per dtype",
         price_source="no price for a CPU; pass --usd-per-gpu-hour",
         default_mfu=CPU_EFFICIENCY,
         mfu_source="nanolab's CPU assumption (CPU_EFFICIENCY): a rough share of the measured "

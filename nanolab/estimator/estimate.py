@@ -352,7 +352,9 @@ def estimate_from_config(
     be, fragmentation = kw["backend"], kw["fragmentation"]
     largest = largest_micro_batch(setup, mem, **kw)
     choice = micro_batch_for_global(setup, mem, **kw)
-    if setup.micro_batch_size is not None:
+    if micro_batch_size is not None:  # given here (estimate --micro-batch), not the config's
+        micro, source = micro_batch_size, "--micro-batch"
+    elif setup.micro_batch_size is not None:
         micro, source = setup.micro_batch_size, "config"
     else:
         micro, source = (choice[0] if choice else 1), "auto"

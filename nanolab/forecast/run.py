@@ -71,6 +71,9 @@ class RunForecast:
             floor), and the GPU-hours and cost of getting there at the run's own rate so far.
         curve: ``(tokens, loss)`` of the fitted curve from the first point to ``max_steps``.
         note: Why something is missing.
+        finished: The last validation point is at ``max_steps``: nothing is left to forecast
+            (the report says "finished" and how well the curve was fitted, not a forecast).
+        last_loss: The val loss of the last point.
     """
 
     points: int
@@ -86,6 +89,8 @@ class RunForecast:
     target_cost: float | None = None
     curve: list[tuple[float, float]] = field(default_factory=list)
     note: str | None = None
+    finished: bool = False
+    last_loss: float | None = None
 
 
 def fit_curve(inputs: CurveInputs, bootstrap: int = 200) -> ScheduleFit:
@@ -107,6 +112,11 @@ def fit_curve(inputs: CurveInputs, bootstrap: int = 200) -> ScheduleFit:
 def forecast(inputs: CurveInputs, target: float | None = None, bootstrap: int = 200) -> RunForecast:
     """Fit ``inputs`` and forecast the end of the run and a target (see the module)."""
     out = RunForecast(points=len(inputs.points), target=target)
+    if inputs.points:
+        last_step, _, out.last_loss = max(inputs.points)
+        out.finished = bool(
+            inputs.max_steps and inputs.max_steps > 0 and last_step >= inputs.max_steps
+        )
     if inputs.tokens_per_step and inputs.max_steps and inputs.max_steps > 0:
         out.final_tokens = inputs.max_steps * inputs.tokens_per_step
     try:

@@ -263,27 +263,16 @@ def resolve_architecture(gpt: dict[str, Any], init_from: str | Path) -> dict[str
 
 
 # -- reading weights ---------------------------------------------------------------------------
-def safetensors_module() -> Any:
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise HFFormatError(
-            "reading and writing model.safetensors needs the safetensors package: "
-            "pip install 'nanolab[hf]'"
-        ) from None
-    return safetensors.torch
-
-
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's ``model.safetensors`` (single or sharded) or, failing that,
     ``pytorch_model.bin`` read with ``weights_only=True``: a pickle that asks for anything but
     tensors is refused, never run."""
+    import safetensors.torch as st
     import torch
 
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file() or index.is_file():
-        st = safetensors_module()
         files = [single]
         if not single.is_file():
             try:

@@ -114,7 +114,7 @@ def check_gpus_visible(ids: list[str], text: str) -> None:
 # -- verbs ----------------------------------------------------------------------------------
 def cmd_add(args: argparse.Namespace) -> int:
     from nanolab.queue.jobs import build_jobs, parse_sets
-    from nanolab.queue.predict import flops_estimate, memory_need
+    from nanolab.queue.predict import job_estimate, memory_need
     from nanolab.queue.sweep import grid, parse_sweeps
 
     configs = [Path(c) for c in args.config]
@@ -129,7 +129,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             args.seeds,
             name,
             Path.cwd(),
-            estimate=lambda parsed: flops_estimate(parsed, args.gpu),
+            estimate=lambda parsed: job_estimate(db, parsed, args.gpu),
             memory=lambda parsed: memory_need(parsed, args.gpu),
             backfill=args.backfill,
             extra_configs=tuple(configs[1:]),

@@ -3,8 +3,10 @@
 ``--until 08:00`` defers jobs that cannot finish in time and ``--order longest-first`` starts the
 long ones first, so both need a duration per job. In order of trust:
 
-1. **History**: seconds per step of finished jobs with the same config (seeds of one experiment,
-   same config key), measured wall time including start-up and evaluation.
+1. **History**: finished jobs with the same config (seeds of one experiment, same config key):
+   their own steady wall seconds per step from their run logs (evaluations included, start-up
+   added once), else their whole wall time per step. ``queue add`` uses it too, and then does
+   not probe the CPU at all.
 2. **FLOPs**: ``flops_per_token x tokens`` over the device's throughput. On GPUs the estimator
    (:mod:`nanolab.estimator`) does this with its peak table at an assumed MFU; on CPU there is no
    datasheet peak, so this machine's FP32 matmul rate is measured (0.2 s, at ``queue add``)
@@ -47,16 +49,65 @@ def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float 
     )
 
 
-def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
-    """Mean wall seconds per step of finished jobs with the same config (None: no history)."""
-    if job.config_key is None:
+def steady_step_seconds(run_dir: str) -> float | None:
+    """A finished run's own steady wall seconds per step: the slope of ``elapsed_s`` over its
+    train records from the first logged one (start-up and the first, compiling step left out;
+    the validations in between counted, as a job will run them too). None: too few records."""
+    from nanolab.runlog import RUN_LOG_NAME, iter_records
+
+    first = last = None
+    for r in iter_records(os.path.join(run_dir, RUN_LOG_NAME), "train"):
+        step, elapsed = r.get("step"), r.get("elapsed_s")
+        if isinstance(step, int) and isinstance(elapsed, (int, float)) and step > 0:
+            first = first or (step, float(elapsed))
+            last = (step, float(elapsed))
+    if first is None or last is None or last[0] <= first[0] or last[1] <= first[1]:
+        return None
+    return (last[1] - first[1]) / (last[0] - first[0])
+
+
+def history(db: QueueDB, key: str | None, exclude: int | None = None) -> tuple[float, str] | None:
+    """(seconds per step, how) from finished jobs of the same config: the median of their own
+    steady step times when their logs have them, else their mean wall seconds per step; None
+    without such a job (then a FLOP count over a probed or tabled rate is all there is)."""
+    if key is None:
         return None
     rows = db.conn.execute(
-        "SELECT run_seconds, max_steps FROM jobs WHERE config_key = ? AND status = 'done' "
-        "AND run_seconds > 0 AND max_steps > 0 AND id != ?",
-        (job.config_key, job.id),
+        "SELECT run_dir, run_seconds, max_steps FROM jobs WHERE config_key = ? AND "
+        "status = 'done' AND run_seconds > 0 AND max_steps > 0 AND id != ?",
+        (key, -1 if exclude is None else exclude),
     ).fetchall()
-    return statistics.fmean(r["run_seconds"] / r["max_steps"] for r in rows) if rows else None
+    steady = [v for v in (steady_step_seconds(r["run_dir"]) for r in rows) if v is not None]
+    if steady:
+        n = len(steady)
+        return statistics.median(
+            steady
+        ), f"measured step time of {n} past run{'s' * (n > 1)} of this config"
+    if rows:
+        return statistics.fmean(
+            r["run_seconds"] / r["max_steps"] for r in rows
+        ), "past runs of this config"
+    return None
+
+
+def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
+    """Seconds per step of finished jobs with the same config (None: no history)."""
+    found = history(db, job.config_key, job.id)
+    return found[0] if found else None
+
+
+def job_estimate(
+    db: QueueDB, parsed: ParsedConfig, gpu: str | None = None
+) -> tuple[float | None, str | None]:
+    """(seconds, how) for a job being added: its config's own measured step time when the
+    queue has run it before (no probe then), else :func:`flops_estimate`."""
+    from nanolab.queue.jobs import config_key
+
+    found = history(db, config_key(parsed.config))
+    if found is not None and parsed.max_steps:
+        per_step, how = found
+        return STARTUP_S + per_step * parsed.max_steps, how
+    return flops_estimate(parsed, gpu)
 
 
 def steps_done(job: Job) -> int:
@@ -70,11 +121,13 @@ def steps_done(job: Job) -> int:
 
 def remaining_seconds(db: QueueDB, job: Job) -> tuple[float | None, str]:
     """Time the job still needs: history if any, else its stored estimate; scaled by progress."""
-    per_step = history_seconds_per_step(db, job)
+    found = history(db, job.config_key, job.id)
     total = None
     source = job.estimate_source or "unknown"
-    if per_step is not None and job.max_steps:
-        total, source = per_step * job.max_steps, "past runs of this config"
+    if found is not None and job.max_steps:
+        per_step, source = found
+        startup = STARTUP_S if source.startswith("measured") else 0.0  # wall/step includes it
+        total = startup + per_step * job.max_steps
     elif job.estimate_s is not None:
         total = job.estimate_s
     if total is None:

@@ -31,9 +31,9 @@ from nanolab.runs import (
     discover_runs,
     duration,
     num,
-    read_run,
     recent_mean,
     summarize_run,
+    tail_records,
 )
 
 #: A running run is *stalled* when its last log line is older than this many step times (and
@@ -94,10 +94,9 @@ class Screen:
 def run_line(name: str, run_dir: Path, now: float) -> RunLine:
     """The screen's line of one run, from its log."""
     s: RunSummary = summarize_run(name, run_dir, now)
-    records = read_run(run_dir)[0]
-    train = [r for r in records if r.get("event") == "train"]
+    train = tail_records(run_dir, "train", 20)
     last = train[-1] if train else {}
-    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    start = next(iter(tail_records(run_dir, "start")), {})
     config = start.get("config") if isinstance(start.get("config"), dict) else {}
     max_steps = num((config.get("trainer") or {}).get("max_steps"))
     line = RunLine(

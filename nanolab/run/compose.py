@@ -137,16 +137,24 @@ def launch(cli: NanolabCLI) -> Trainer:
         return trainer
     target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"))
     evaluate = trainer.validate if verb == "validate" else trainer.test
-    evaluate(
-        model,
-        datamodule=data,
-        ckpt_path=ckpt_path,
-        verbose=built.get("verbose", True),
-        weights_only=True,
-    )
+    # nanolab prints its own plain lines (evaluation_lines), as every other verb does.
+    evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
+    if built.get("verbose", True) and trainer.is_global_zero:
+        print_evaluation(trainer, verb, target, data)
     if target.log_to_run and trainer.is_global_zero:
         log_evaluation(trainer, verb, run_dir, target)
     return trainer
+
+
+def print_evaluation(trainer: Trainer, verb: str, target: Any, data: Any) -> None:
+    """The evaluation's metrics as plain lines on stdout; ``test`` names the windows it used."""
+    from nanolab.callbacks.jsonl import to_floats
+    from nanolab.training.evaluate import evaluation_lines
+
+    kind = type(data)
+    on_val = getattr(kind, "test_dataloader", None) is getattr(kind, "val_dataloader", None)
+    metrics = to_floats(dict(trainer.callback_metrics))
+    print("\n".join(evaluation_lines(verb, metrics, target, on_val)), flush=True)
 
 
 # -- resolve ----------------------------------------------------------------------------------

@@ -128,6 +128,38 @@ def eval_record(
     return record
 
 
+def evaluation_lines(
+    verb: str, metrics: dict[str, float | None], target: EvalTarget, on_val_windows: bool
+) -> list[str]:
+    """What ``validate``/``test`` print, in nanolab's plain lines (not Lightning's box table):
+    what was evaluated, on which windows, then one ``name  value`` line per metric (the
+    stage's loss first). ``test`` on a data module without a test split of its own evaluates
+    the validation windows, and says so."""
+    stage = "val" if verb == "validate" else "test"
+    what = (
+        "the model as built (no checkpoint)"
+        if target.path is None
+        else f"{target.path}" + (f" (step {target.step})" if target.step is not None else "")
+    )
+    where = "the validation windows"
+    if stage == "test":
+        where = (
+            "the validation windows (the data has no test split of its own)"
+            if on_val_windows
+            else "the data module's test split"
+        )
+    names = sorted(k for k in metrics if k.startswith(f"{stage}/"))
+    names.sort(key=lambda k: k != f"{stage}/loss")
+    width = max((len(k) for k in names), default=0)
+    lines = [f"nanolab {verb}: {what}, on {where}"]
+    lines += [f"  {k:<{width}}  {_shown(metrics[k])}" for k in names]
+    return lines
+
+
+def _shown(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def append_record(run_dir: Path, record: dict[str, Any]) -> Path:
     """Append one record to the run log (the caller holds the run-directory lock)."""
     writer = RunLogWriter(run_dir / RUN_LOG_NAME)
