@@ -73,11 +73,14 @@ def run_queue(
     nanolab("queue", "run", "--db", str(db), *run_flags, cwd=work, env=env)
     wall = time.time() - start
     jobs, tokens, first, last, peaks, failed = [], 0, [], [], [], []
-    for run in sorted(runs.iterdir()):
+    for run in sorted(p for p in runs.iterdir() if p.is_dir()):  # the queue's files sit beside
         recs = read_log(run / "metrics.jsonl")
         train = [r for r in recs if r.get("event") == "train"]
         end = [r for r in recs if r.get("event") == "end"]
         if not end or end[-1].get("reason") != "completed":
+            why = end[-1].get("reason") if end else "no end record"
+            print(f"gpu_pack: job {run.name} did not complete ({why}); its log: "
+                  f"{run / 'queue.log'}", file=sys.stderr, flush=True)  # fmt: skip
             failed.append(run.name)
             continue
         tokens += int(end[-1].get("tokens") or 0)

@@ -76,9 +76,10 @@ def test_selection_keeps_the_order_and_names_unknown_checks():
 def test_list_prints_each_check_with_its_cap(capsys):
     assert gc.main(["--list", "--only", "flash,memory_eager"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["flash", "30", "s"]
-    assert out[1].split()[:3] == ["memory_eager", "90", "s"]
-    assert out[2].startswith("total cap") and "120 s" in out[2]
+    caps = gc.BY_NAME["flash"].cap_s, gc.BY_NAME["memory_eager"].cap_s
+    assert out[0].split()[:3] == ["flash", str(caps[0]), "s"]
+    assert out[1].split()[:3] == ["memory_eager", str(caps[1]), "s"]
+    assert out[2].startswith("total cap") and f"{sum(caps)} s" in out[2]
 
 
 @pytest.mark.parametrize(
@@ -94,7 +95,7 @@ def test_bad_arguments_are_one_line(argv, says, capsys):
 
 def test_each_check_gets_its_cap_or_what_is_left(tmp_path):
     flash = gc.BY_NAME["flash"]
-    assert gc.time_for(flash, 1000) == 30 and gc.time_for(flash, 12.5) == 12.5
+    assert gc.time_for(flash, 1000) == flash.cap_s and gc.time_for(flash, 12.5) == 12.5
     assert gc.time_for(flash, -3) == 0
     result = gc.run_check(flash, tmp_path, None, tmp_path, limit_s=2)
     assert (result.status, result.note) == ("not_run", "no time left before the deadline")
@@ -168,3 +169,26 @@ def test_memory_table_is_read_back_from_bench_memorys_own_printout():
     assert parsed[0]["predicted_mib"] == 20 * 1024 and parsed[0]["measured_mib"] == 19 * 1024
     assert parsed[0]["error"] == pytest.approx(20 / 19 - 1, abs=1e-4)
     assert parsed[1]["error"] == pytest.approx(12_345 / 12_000 - 1, abs=1e-4)
+
+
+def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path):
+    """``--dry-run``: every check of a GPU session, on this CPU at tiny sizes, with CUDA's
+    fused AdamW forced: the shipped recipes (124M, 350M composed on it) go through ``fit``,
+    ``nanolab bench``, ``bench_memory.py``'s device path and ``gpu_pack.py``. Mutation caught:
+    any check that crashes before it reaches a GPU (bench_memory's uncomposed 350M overlay, the
+    bench's JSON read, flex's backward on CPU) fails here instead of in a lent GPU session."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benches" / "gpu_check.py"), "--dry-run", "--out", str(out),
+         "--work", str(tmp_path / "work"), "--deadline", "1200"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    summary = json.loads((out / "gpu_check.json").read_text())
+    statuses = {c["name"]: (c["status"], c["note"]) for c in summary["checks"]}
+    assert set(statuses) == {c.name for c in gc.CHECKS}
+    not_ok = {name: got for name, got in statuses.items() if got[0] != "ok"}
+    assert not not_ok
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert summary["dry_run"] is True and "CPU dry run" in (out / "gpu_check.md").read_text()
+    bench = next(c for c in summary["checks"] if c["name"] == "bench_124m")["metrics"]
+    assert bench["nanolab_tokens_per_s"] > 0 and bench["plain_tokens_per_s"] > 0
