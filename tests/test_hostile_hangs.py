@@ -67,3 +67,46 @@ def test_a_billion_layers_is_one_line_within_seconds(
     assert out.returncode == 2, out.stderr
     assert "model.gpt.n_layer 1,000,000,000" in one_error_line(out.stderr, f"nanolab {verb}")
     assert time.monotonic() - start < 60
+
+
+# -- 2. a YAML alias bomb is refused before any reader expands it -----------------------------
+def _alias_bomb(path: Path, levels: int = 9) -> Path:
+    """The "billion laughs": each level nine aliases of the one before (9**9 strings)."""
+    lines = ["a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    path.write_text("\n".join([*lines, "trainer: {max_steps: 2}", ""]))
+    return path
+
+
+def test_alias_expansion_is_counted_without_expanding(tmp_path: Path) -> None:
+    from nanolab.errors import RunConfigError
+    from nanolab.training.resolve import check_alias_expansion, load_yaml
+
+    text = _alias_bomb(tmp_path / "b.yaml").read_text()
+    start = time.monotonic()
+    with pytest.raises(RunConfigError, match=r"^bomb.yaml: its anchors and aliases expand"):
+        load_yaml(text, "bomb.yaml")
+    assert time.monotonic() - start < 1.0
+    check_alias_expansion("base: &b {lr: 1}\nx: *b\ny: *b\n")  # ordinary aliases are fine
+    with pytest.raises(RunConfigError, match="aliases expand"):
+        check_alias_expansion("a: &a [1, *a]\n")  # a list that contains itself
+
+
+@pytest.mark.parametrize("verb", ["fit", "estimate", "queue add"])
+def test_billion_laughs_is_one_line_naming_the_file(
+    verb: str, char_dataset: Path, tmp_path: Path
+) -> None:
+    bomb = _alias_bomb(tmp_path / "laughs.yaml")
+    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    args = {
+        "fit": ["fit", "--config", str(base), "--config", str(bomb)],
+        "estimate": ["estimate", "--config", str(base), "--config", str(bomb)],
+        "queue add": ["queue", "add", "--db", str(tmp_path / "q.db"), str(bomb)],
+    }[verb]
+    start = time.monotonic()
+    out = run_nanolab(*args, cwd=tmp_path, timeout=90)
+    assert out.returncode == 2, out.stderr
+    line = one_error_line(out.stderr, f"nanolab {verb}")
+    assert "laughs.yaml: its anchors and aliases expand" in line
+    assert line.count("laughs.yaml") == 1
+    assert time.monotonic() - start < 60

@@ -30,7 +30,12 @@ from nanolab.training.plugins import (
     class_paths_in_argv,
     class_paths_in_config,
 )
-from nanolab.training.resolve import FIT_SEED, RunConfigError, trainer_defaults
+from nanolab.training.resolve import (
+    FIT_SEED,
+    RunConfigError,
+    check_alias_expansion,
+    trainer_defaults,
+)
 
 
 @dataclass
@@ -132,6 +137,7 @@ def check_config_files(argv: list[str]) -> None:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
+        check_alias_expansion(text, f"config file {path}")
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
