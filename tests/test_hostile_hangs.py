@@ -7,13 +7,19 @@ where a unit says it faster.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import REPO, run_nanolab, tiny_overrides, write_config
 
 from nanolab.model.config import MAX_LAYERS, ConfigError, GPTConfig
+from nanolab.training import early_signals
+from nanolab.training.early_signals import EXIT_PREEMPTED
 
 
 def one_error_line(stderr: str, prog: str) -> str:
@@ -110,3 +116,132 @@ def test_billion_laughs_is_one_line_naming_the_file(
     assert "laughs.yaml: its anchors and aliases expand" in line
     assert line.count("laughs.yaml") == 1
     assert time.monotonic() - start < 60
+
+
+# -- 3. a signal before the first step ends the process within seconds -------------------------
+def _start_fit(tmp_path: Path, cfg: dict, *extra: str) -> subprocess.Popen:
+    config = write_config(tmp_path / "fit.yaml", cfg)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanolab", "fit", "--config", str(config), *extra],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_nothing_is_written_ends_the_run_at_once(
+    sig: signal.Signals, char_dataset: Path, tmp_path: Path
+) -> None:
+    proc = _start_fit(tmp_path, tiny_overrides(char_dataset, tmp_path / "runs"))
+    time.sleep(0.5)  # importing Lightning: seconds from any safe point
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    code = proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert time.monotonic() - sent < 5, err
+    assert code == EXIT_PREEMPTED, err
+    assert "before the first step" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("resumable", [False, True], ids=["fresh", "with-checkpoint"])
+def test_a_start_up_stuck_after_it_began_writing_ends_within_the_grace(
+    resumable: bool, char_dataset: Path, tmp_path: Path
+) -> None:
+    """A fork's callback that never finishes building: no safe point comes, the watchdog ends
+    the process: exit 75 with a checkpoint to resume from, else death by the signal."""
+    marker = tmp_path / "hanging"
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["trainer"]["callbacks"] = [
+        {"class_path": "hang_probes.HangsWhenBuilt", "init_args": {"marker": str(marker)}}
+    ]
+    if resumable:
+        (tmp_path / "runs" / "tiny" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    proc = _start_fit(tmp_path, cfg)
+    _wait_for_file(marker, proc)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code = proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert time.monotonic() - sent < early_signals.START_GRACE_S + 5, err
+    last = err.strip().splitlines()[-1]
+    if resumable:
+        assert code == EXIT_PREEMPTED, err
+        assert "rerun the same command to resume" in last
+    else:
+        assert code == -signal.SIGTERM, err
+        assert "nothing to resume; exiting by SIGTERM" in last
+    assert "Traceback" not in err
+
+
+# -- 4. signal handlers belong to a run, for its duration only --------------------------------
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def _handlers() -> dict[signal.Signals, object]:
+    return {sig: signal.getsignal(sig) for sig in HANDLED}
+
+
+def test_importing_nanolab_and_building_its_objects_installs_no_handler() -> None:
+    code = (
+        "import importlib, pkgutil, signal, sys\n"
+        "sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)\n"
+        "before = [signal.getsignal(s) for s in sigs]\n"
+        "import nanolab\n"
+        "for m in pkgutil.walk_packages(nanolab.__path__, 'nanolab.'):\n"
+        "    if m.name != 'nanolab.__main__':\n"
+        "        importlib.import_module(m.name)\n"
+        "from nanolab.callbacks.preemption import PreemptionHandler\n"
+        "from nanolab.run.parse import run_callbacks\n"
+        "[cls() for cls in run_callbacks().values()]\n"
+        "PreemptionHandler()\n"
+        "after = [signal.getsignal(s) for s in sigs]\n"
+        "sys.exit(0 if before == after else f'{before} -> {after}')\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("outcome", ["completed", "refused"])
+def test_an_in_process_fit_puts_back_the_handlers_it_found(
+    outcome: str, char_dataset: Path, tmp_path: Path
+) -> None:
+    from nanolab.cli import main
+
+    def mine(signum: int, frame: object) -> None:  # a test runner's own handler
+        raise KeyboardInterrupt
+
+    previous = _handlers()
+    try:
+        signal.signal(signal.SIGINT, mine)
+        before = _handlers()
+        cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=1)
+        config = write_config(tmp_path / "fit.yaml", cfg)
+        extra = ["--model.gpt.n_layer", "0"] if outcome == "refused" else []
+        code = main(["fit", "--config", str(config), *extra])
+        assert code == (2 if outcome == "refused" else 0)
+        assert _handlers() == before
+        assert early_signals.received() is None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -59,11 +59,12 @@ def launch(cli: NanolabCLI) -> Trainer:
 
         apply_init_from(model_args)
     visible = visible_gpus(cfg.trainer.get("accelerator"))
-    resolve(cfg, visible_gpus=visible)
-    if verb == "fit" and not cfg.get("preemption", {}).get("enabled", True):
-        from nanolab.training import early_signals
+    named = resolve(cfg, visible_gpus=visible)
+    from nanolab.training import early_signals
 
+    if verb == "fit" and not cfg.get("preemption", {}).get("enabled", True):
         early_signals.uninstall()  # preemption off: signals act as they did before
+    early_signals.defer(named.run_dir)  # from here start-up writes: a signal waits for a safe point
     data = build_data_module(cfg.data)  # once, to read the vocabulary (preparing it if asked)
     vocab = data_vocab(data)
     if model_args.get("init_from"):  # the data must be tokenized as the checkpoint's was
@@ -114,8 +115,6 @@ def launch(cli: NanolabCLI) -> Trainer:
 
     # -- run: hold the run directory, pick the checkpoint (opened without running its pickle)
     if verb == "fit":
-        from nanolab.training import early_signals
-
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
         cand = claim_for_fit(
             cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size,
