@@ -245,3 +245,111 @@ def test_an_in_process_fit_puts_back_the_handlers_it_found(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# -- 5. tracebacks that are one line now ------------------------------------------------------
+def test_an_empty_dataset_dir_is_refused_by_fit_and_by_queue_add(
+    char_dataset: Path, tmp_path: Path
+) -> None:
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["data"]["source"] = ["bundled:shakespeare"]  # preparing into '' was the traceback
+    config = write_config(tmp_path / "fit.yaml", cfg)
+    fit = run_nanolab("fit", "--config", str(config), "--data.dataset_dir", "", cwd=tmp_path)
+    add = run_nanolab(
+        "queue", "add", "--db", str(tmp_path / "q.db"), str(config), "--set", "data.dataset_dir=",
+        cwd=tmp_path,
+    )  # fmt: skip
+    for out, prog in ((fit, "nanolab fit"), (add, "nanolab queue add")):
+        assert out.returncode == 2, out.stderr
+        assert "data.dataset_dir is empty" in one_error_line(out.stderr, prog)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("case", ["raises", "lambda-arguments"])
+def test_a_callback_of_the_config_that_cannot_work_is_one_line(
+    case: str, char_dataset: Path, tmp_path: Path
+) -> None:
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["trainer"]["callbacks"] = [
+        {"class_path": "hang_probes.FailsWhenBuilt"}
+        if case == "raises"
+        else {
+            "class_path": "lightning.pytorch.callbacks.LambdaCallback",
+            "init_args": {"on_train_start": "os.getcwd"},  # takes no (trainer, pl_module)
+        }
+    ]
+    config = write_config(tmp_path / "fit.yaml", cfg)
+    out = run_nanolab(
+        "fit",
+        "--config",
+        str(config),
+        cwd=tmp_path,
+        env={"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = one_error_line(out.stderr, "nanolab fit")
+    if case == "raises":
+        assert "hang_probes.FailsWhenBuilt could not be built (RuntimeError: this callback" in line
+    else:
+        assert "LambdaCallback on_train_start=getcwd cannot be called with" in line
+
+
+def test_a_clipping_norm_that_is_not_a_finite_number_says_so() -> None:
+    from nanolab.run.parse import FitParseError, parse_fit_config
+    from nanolab.training.resolve import RunConfigError, check_gradient_clip
+
+    rule = r"trainer.gradient_clip_val: .* must be a finite number >= 0"
+    with pytest.raises(FitParseError, match=rule):  # the parser reads "nan" as a string
+        parse_fit_config(["--trainer.gradient_clip_val=nan"])
+    for bad in (float("nan"), float("inf"), -1.0):  # what YAML's .nan / .inf / -1 give
+        with pytest.raises(RunConfigError, match=rule):
+            check_gradient_clip(bad)
+    check_gradient_clip(None)
+    check_gradient_clip(0)
+
+
+def test_union_reports_say_what_the_value_must_be() -> None:
+    from nanolab.run.parse import union_problem
+
+    report = (
+        'Parser key "run.micro_batch_size": Does not validate against any of the Union subtypes '
+        "Subtypes: [<class 'int'>, typing.Literal['auto'], <class 'NoneType'>] Errors: - "
+        "Expected a <class 'int'> - Expected a typing.Literal['auto'] - Expected a <class "
+        "'NoneType'> Given value type: <class 'str'> Given value: x"
+    )
+    assert union_problem(report) == (
+        "run.micro_batch_size: 'x' is not valid; expected int or 'auto' (or null)"
+    )
+
+
+def _lm_eval_checkpoint(folder: Path) -> Path:
+    """A 2-layer checkpoint as ``fit`` writes one (weights, model config, tokenizer spec)."""
+    from dataclasses import asdict
+
+    import torch
+
+    from nanolab.data.tokenizers import CharTokenizer
+    from nanolab.model import GPT
+
+    tok = CharTokenizer(list("abc "))
+    cfg = GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=tok.vocab_size)
+    path = folder / "tiny.ckpt"
+    state = {f"model.{k}": v for k, v in GPT(cfg).state_dict().items()}
+    nanolab = {"gpt": asdict(cfg), "tokenizer": tok.to_meta()}
+    torch.save({"state_dict": state, "global_step": 0, "nanolab": nanolab}, path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["unknown", "offline"])
+def test_lm_eval_task_problems_are_one_line_naming_the_task(case: str, tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval")
+    task = "nanolab_no_such_task" if case == "unknown" else "lambada_openai"
+    out = run_nanolab(
+        "lm-eval", "run", "--model", "nanolab", "--device", "cpu", "--limit", "1",
+        "--model_args", f"checkpoint={_lm_eval_checkpoint(tmp_path)}", "--tasks", task,
+        cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = one_error_line(out.stderr, "nanolab lm-eval")
+    assert f"--tasks {task}:" in line
+    assert ("no such lm-eval task" if case == "unknown" else "could not be fetched") in line

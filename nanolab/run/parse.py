@@ -179,7 +179,52 @@ class OneLineErrorParser(LightningArgumentParser):
             super().error(message, ex)
         message = subclass_problem(str(message)) or str(message)
         lines = [line.strip() for line in message.splitlines() if line.strip()]
-        raise RunConfigError(" ".join(lines[:3]))
+        raise RunConfigError(union_problem(" ".join(lines)) or " ".join(lines[:3]))
+
+
+#: What a setting must be, for keys whose parser type ("int, float or null") says too little.
+VALUE_RULES = {
+    "trainer.gradient_clip_val": "must be a finite number >= 0 (e.g. 1.0), or null: no clipping",
+}
+
+
+def union_problem(text: str) -> str | None:
+    """jsonargparse's "Does not validate against any of the Union subtypes" report (one line)
+    as what is wrong: the key, the value and what it must be, without the subtype listing."""
+    import re
+
+    m = re.search(
+        r'Parser key "([^"]+)": Does not validate against any of the Union subtypes '
+        r"Subtypes: \[.*?\] Errors: (.*?)(?: Given value type: .*? Given value: (.*))?$",
+        text,
+    )
+    if m is None:
+        return None
+    key, errors, value = m.group(1), m.group(2), m.group(3)
+    given = f"{value!r}" if value is not None else "the value given"
+    if key in VALUE_RULES:
+        return f"{key}: {given} is not valid; it {VALUE_RULES[key]}"
+    items = [e.strip() for e in re.split(r"(?:^| )- ", errors) if e.strip()]
+    items = [e for e in items if e != "Expected a <class 'NoneType'>"]
+    expected = [_expected_type(e) for e in items]
+    if items and all(expected):
+        return f"{key}: {given} is not valid; expected {' or '.join(map(str, expected))} (or null)"
+    return f"{key}: {'; '.join(items)}" if items else None
+
+
+def _expected_type(error: str) -> str | None:
+    """``"Expected a <class 'int'>"`` -> ``"int"``; ``"Expected a typing.Literal['auto']"`` ->
+    ``"'auto'"``; any other error (it says more than a type) -> None."""
+    import re
+
+    m = re.fullmatch(r"Expected a (.+)", error)
+    if m is None:
+        return None
+    cls = re.fullmatch(r"<class '([\w.]+)'>", m.group(1))
+    if cls:
+        return cls.group(1).rsplit(".", 1)[-1]
+    literal = re.fullmatch(r"typing\.Literal\[(.*)\]", m.group(1))
+    return " or ".join(literal.group(1).split(", ")) if literal else None
 
 
 def unwrap_union_error(err: BaseException) -> BaseException:

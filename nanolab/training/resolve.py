@@ -437,6 +437,35 @@ def check_max_steps(max_steps: Any) -> None:
         )
 
 
+def check_gradient_clip(value: Any) -> None:
+    """A clipping norm that is not a finite number >= 0 (YAML's ``.nan``, ``-1``) would turn
+    every step's gradients into NaN or zero, silently; null turns clipping off."""
+    import math
+
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        ok = False
+    else:
+        ok = value >= 0
+    if not ok:
+        raise RunConfigError(
+            f"trainer.gradient_clip_val: {value!r} is not valid; it must be a finite number "
+            ">= 0 (e.g. 1.0), or null: no clipping"
+        )
+
+
+def check_dataset_dir(data_args: Mapping[str, Any]) -> None:
+    """An empty ``data.dataset_dir`` is the current folder to some readers and a path without a
+    name to others (a traceback when the data is prepared into it): refuse it by name."""
+    value = data_args.get("dataset_dir")
+    if isinstance(value, str) and not value.strip():
+        raise RunConfigError(
+            "data.dataset_dir is empty; give the folder of a prepared dataset (e.g. "
+            "data/shakespeare_char), or leave it out to keep the default"
+        )
+
+
 def check_model_settings(model_args: Mapping[str, Any]) -> None:
     """Validate ``gpt``/``optimizer``/``schedule`` where the model class takes them, so an error
     names the model key (their dataclasses check themselves and raise ``ConfigError``)."""
@@ -636,6 +665,8 @@ def resolve(
     eval_every = run.get("eval_every_steps", 250)
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise RunConfigError(f"run.eval_every_steps must be >= 1, got {eval_every!r}")
+    check_gradient_clip(trainer.get("gradient_clip_val"))
+    check_dataset_dir(data_args)
     max_steps = trainer.get("max_steps")  # absent only in a raw YAML (the estimator's input)
     if "max_steps" in trainer:  # given, even as null: Lightning would fail on null mid-start
         check_max_steps(max_steps)
