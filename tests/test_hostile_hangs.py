@@ -353,3 +353,23 @@ def test_lm_eval_task_problems_are_one_line_naming_the_task(case: str, tmp_path:
     line = one_error_line(out.stderr, "nanolab lm-eval")
     assert f"--tasks {task}:" in line
     assert ("no such lm-eval task" if case == "unknown" else "could not be fetched") in line
+
+
+# -- 8. a run that ends on a non-finite loss diverged, however short ----------------------------
+def test_a_run_shorter_than_the_patience_that_ends_nan_is_diverged(
+    char_dataset: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from nanolab.callbacks.divergence import EXIT_DIVERGED
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    cfg["model"]["optimizer"] = {"lr": 1e30}
+    config = write_config(tmp_path / "fit.yaml", cfg)
+    out = run_nanolab("fit", "--config", str(config), cwd=tmp_path)
+    assert out.returncode == EXIT_DIVERGED, out.stderr[-3000:]
+    assert "nanolab fit: diverged: " in out.stderr and "at the end of the run" in out.stderr
+    records = (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()
+    end = json.loads(records[-1])
+    assert end["event"] == "end" and end["reason"] == "diverged", end
+    assert end["diverged_step"] is not None
