@@ -8,6 +8,7 @@ where a unit says it faster.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -373,3 +374,32 @@ def test_a_run_shorter_than_the_patience_that_ends_nan_is_diverged(
     end = json.loads(records[-1])
     assert end["event"] == "end" and end["reason"] == "diverged", end
     assert end["diverged_step"] is not None
+
+
+# -- 9. prepare names what a source is instead of a file, the same way everywhere ------------
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_prepare_names_fifos_and_broken_links_wherever_they_are(tmp_path: Path) -> None:
+    from nanolab.data.sources import SourceError, resolve_sources
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("to be or not to be\n")
+    os.mkfifo(folder / "pipe.txt")
+    (folder / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    (folder / "self.txt").symlink_to(folder / "self.txt")
+
+    notes = resolve_sources([str(folder)]).skipped
+    assert f"{folder}/pipe.txt: a FIFO (named pipe), skipped" in notes
+    assert f"{folder}/gone.txt: a broken symlink, skipped" in notes
+    assert f"{folder}/self.txt: a symlink loop, skipped" in notes
+    globbed = resolve_sources([str(folder / "*.txt")]).skipped
+    assert f"{folder}/gone.txt: a broken symlink, skipped" in globbed
+    for name, what in (("pipe.txt", "a FIFO (named pipe)"), ("gone.txt", "a broken symlink")):
+        with pytest.raises(SourceError, match=rf"is {re.escape(what)}, not a file nanolab"):
+            resolve_sources([str(folder / name)])
+
+    start = time.monotonic()  # reading the FIFO would block forever: it is never opened
+    out = run_nanolab("prepare", str(folder / "pipe.txt"), "-o", str(tmp_path / "d"), cwd=tmp_path)
+    assert out.returncode == 2 and time.monotonic() - start < 30
+    line = one_error_line(out.stderr, "nanolab prepare")
+    assert "pipe.txt' is a FIFO (named pipe), not a file nanolab can read" in line
