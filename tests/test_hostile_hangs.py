@@ -403,3 +403,74 @@ def test_prepare_names_fifos_and_broken_links_wherever_they_are(tmp_path: Path) 
     assert out.returncode == 2 and time.monotonic() - start < 30
     line = one_error_line(out.stderr, "nanolab prepare")
     assert "pipe.txt' is a FIFO (named pipe), not a file nanolab can read" in line
+
+
+# -- 7. prepare's workers die with it; --workers is capped at the usable cores ----------------
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigkill_of_prepare_takes_its_workers_and_resource_tracker_along(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    lines = (" ".join(rng.choices(words, k=12)) for _ in range(300_000))
+    (tmp_path / "big.txt").write_text("\n".join(lines))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanolab", "prepare", str(tmp_path / "big.txt"), "-q",
+         "-o", str(tmp_path / "out"), "--workers", "2"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # two workers and the resource tracker
+            kids = _children(proc.pid)
+        assert len(kids) >= 3, f"prepare ended or never started its workers ({kids})"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [k for k in kids if _alive(k)], "orphans outlived prepare"
+    finally:
+        for k in kids:  # only processes this test started
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+
+
+def test_more_workers_than_cores_is_capped_with_a_note(tmp_path: Path) -> None:
+    from nanolab.data.prepare import default_workers
+
+    (tmp_path / "a.txt").write_text("to be or not to be, that is the question\n" * 50)
+    out = run_nanolab(
+        "prepare", str(tmp_path / "a.txt"), "-o", str(tmp_path / "d"), "--workers", "4096",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    usable = default_workers()
+    note = f"nanolab prepare: --workers 4096 is more than the {usable} usable core"
+    assert note in out.stderr and f"; using {usable}" in out.stderr
