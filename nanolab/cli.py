@@ -75,8 +75,14 @@ def _run(argv: Sequence[str] | None) -> int:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(args[1:]) or 0)
     if verb in LIGHTNING_VERBS:
+        from nanolab.errors import NanolabError, report
+        from nanolab.run.keys import preflight
         from nanolab.training import early_signals
 
+        try:  # before Lightning's import: a typo or an alias bomb is refused in a second
+            preflight(verb, args[1:])
+        except NanolabError as err:
+            return report(f"nanolab {verb}", err)
         if verb != "fit":
             from nanolab.run.cli import run_lightning_cli
 

@@ -474,3 +474,53 @@ def test_more_workers_than_cores_is_capped_with_a_note(tmp_path: Path) -> None:
     usable = default_workers()
     note = f"nanolab prepare: --workers 4096 is more than the {usable} usable core"
     assert note in out.stderr and f"; using {usable}" in out.stderr
+
+
+# -- 6. an unknown key gets the nearest known one, and is refused before Lightning loads ---------
+def test_unknown_keys_get_the_nearest_known_key() -> None:
+    from nanolab.errors import RunConfigError
+    from nanolab.run.keys import check_keys
+
+    known = frozenset(
+        ["model.gpt.n_layer", "model.gpt.n_head", "trainer.max_steps", "trainer.callbacks",
+         "log.every_n_steps", "model.class_path"]
+    )  # fmt: skip
+    for argv, message in (
+        (["--model.gpt.n_layers", "3"], "unknown setting --model.gpt.n_layers; did you mean "
+         "--model.gpt.n_layer?"),
+        (["--trainr.max_steps=3"], "did you mean --trainer.max_steps?"),
+        (["--trainer.max_step", "3"], "did you mean --trainer.max_steps?"),  # no abbreviations
+        (["--log.evry", "3"], "did you mean --log.every_n_steps?"),
+        (["--zzz.qqq", "1"], "unknown setting --zzz.qqq; `nanolab fit --help` lists them"),
+    ):  # fmt: skip
+        with pytest.raises(RunConfigError, match=re.escape(message)):
+            check_keys(argv, known)
+    check_keys(["--model.init_args.gpt.n_layer", "2", "--trainer.callbacks+=X"], known)
+    check_keys(["--trainer.callbacks.init_args.x", "1"], known)  # inside a free-form setting
+    check_keys(["--model", "my.Model", "--model.anything", "1"], known)  # another class's keys
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_an_unknown_key_is_refused_with_a_suggestion_in_well_under_two_seconds(
+    where: str, char_dataset: Path, tmp_path: Path
+) -> None:
+    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    typo = write_config(tmp_path / "typo.yaml", {"model": {"gpt": {"n_layers": 3}}})
+    args = ["--model.gpt.n_layers", "3"] if where == "command line" else ["--config", str(typo)]
+    env = {"NANOLAB_ESTIMATOR_CACHE": str(tmp_path / "cache")}  # a cold cache: the first run
+    timings, lines = [], []
+    for _ in range(2):
+        start = time.monotonic()
+        out = run_nanolab("fit", "--config", str(base), *args, cwd=tmp_path, env=env)
+        timings.append(time.monotonic() - start)
+        assert out.returncode == 2, out.stderr
+        lines.append(one_error_line(out.stderr, "nanolab fit"))
+    assert lines[0] == lines[1]  # the parser's answer and the early check's are the same
+    if where == "command line":
+        assert lines[0].endswith("unknown setting --model.gpt.n_layers; did you mean "
+                                 "--model.gpt.n_layer?")  # fmt: skip
+    else:
+        assert lines[0].endswith(f"config file {typo}: unknown setting model.gpt.n_layers; did "
+                                 "you mean model.gpt.n_layer?")  # fmt: skip
+    assert timings[1] < 2.0, timings  # ~0.15 s: nothing heavy is imported
+    assert not (tmp_path / "runs").exists()

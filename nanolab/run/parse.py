@@ -22,6 +22,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nanolab.estimator.gpus import MatmulPrecision
+from nanolab.run import keys
 from nanolab.training.plugins import (
     DEFAULT_DATA,
     DEFAULT_MODEL,
@@ -384,6 +385,22 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
     ``from_command_line`` LightningCLI reads ``sys.argv`` itself (it warns when given both).
     """
     check_config_files(argv)
+    verb = argv[0] if argv else None
+    known = keys.known_keys(verb) if verb in ("fit", "validate", "test") else None
+    if known is not None:
+        keys.check_keys(argv[1:], known)
+    try:
+        cli = _parse(argv, from_command_line)
+    except RunConfigError:
+        if verb in ("fit", "validate", "test") and known is None:
+            keys.check_keys(argv[1:], verb_keys(verb))  # an unknown key: "did you mean"
+        raise
+    if verb in ("fit", "validate", "test") and known is None:
+        keys.check_keys(argv[1:], verb_keys(verb))  # an abbreviation the parser completed
+    return cli
+
+
+def _parse(argv: list[str], from_command_line: bool) -> NanolabCLI:
     try:
         NanolabCLI(  # model and data: any LightningModule / LightningDataModule class path
             LightningModule,
@@ -400,6 +417,17 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
     except Parsed as done:
         return done.cli
     raise RunConfigError("the command line could not be parsed")  # pragma: no cover
+
+
+def verb_keys(verb: str) -> frozenset[str]:
+    """Every key of ``verb``'s parser with nanolab's own classes (a parse of the defaults,
+    ~0.3 s), remembered for the next launch's check before Lightning is imported."""
+    import warnings
+
+    with warnings.catch_warnings():  # LightningCLI warns that sys.argv is not what it parses
+        warnings.simplefilter("ignore")
+        cli = _parse([verb], from_command_line=False)
+    return keys.remember_keys(verb, keys.parser_keys(cli.config[verb]))
 
 
 class FitParseError(RunConfigError):
