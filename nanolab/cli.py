@@ -82,14 +82,24 @@ def _run(argv: Sequence[str] | None) -> int:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(args[1:]) or 0)
     if verb in LIGHTNING_VERBS:
-        if verb == "fit":
-            # Before the heavy imports: a SIGTERM during start-up ends in exit 75, not 143.
-            from nanolab.training import early_signals
+        from nanolab.errors import NanolabError, report
+        from nanolab.run.keys import preflight
+        from nanolab.training import early_signals
 
-            early_signals.install()
-        from nanolab.run.cli import run_lightning_cli
+        try:  # before Lightning's import: a typo or an alias bomb is refused in a second
+            preflight(verb, args[1:])
+        except NanolabError as err:
+            return report(f"nanolab {verb}", err)
+        if verb != "fit":
+            from nanolab.run.cli import run_lightning_cli
 
-        return run_lightning_cli(args)
+            return run_lightning_cli(args)
+        # Before the heavy imports: a SIGTERM during start-up ends in exit 75, not 143; the
+        # handlers are this run's only, and put back when it ends.
+        with early_signals.held_during_startup():
+            from nanolab.run.cli import run_lightning_cli
+
+            return run_lightning_cli(args)
     print(f"nanolab: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -589,7 +589,7 @@ CASES: list[Case] = [
     ),
     Case(
         "fit-model-larger-than-cpu-memory",
-        (*FIT, "--trainer.accelerator=cpu", "--model.gpt.n_layer=10000",
+        (*FIT, "--trainer.accelerator=cpu", "--model.gpt.n_layer=4000",
          "--model.gpt.n_embd=1024", "--model.gpt.n_head=8"),
         EXIT_USAGE, "memory", memory_limit_gb=8,
     ),

@@ -36,7 +36,12 @@ from typing import Any
 import lightning as L
 import torch
 
-from nanolab.callbacks.events import CallbackConfigError, find_callback, set_stop_reason
+from nanolab.callbacks.events import (
+    CallbackConfigError,
+    find_callback,
+    set_stop_reason,
+    stop_reason,
+)
 from nanolab.callbacks.jsonl import gradient_norm
 from nanolab.callbacks.step import StepCallback
 
@@ -109,6 +114,7 @@ class DivergenceStop(StepCallback):
         self.skipped = Streak()  # fp16: optimizer steps in a row the GradScaler skipped
         self.diverged_step: int | None = None  # first step of the streak that stopped the run
         self.collapse: tuple[int, float] | None = None  # (skipped steps, scale) if that stopped it
+        self.at_end: tuple[int, bool] | None = None  # (bad last steps, val loss bad) at the end
         self._step_bad: torch.Tensor | None = None  # this optimizer step, on the device
         self._scale_before: torch.Tensor | None = None  # the GradScaler's scale before the step
         self._params: list[torch.nn.Parameter] | None = None
@@ -172,6 +178,21 @@ class DivergenceStop(StepCallback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.active:
             self._drain(trainer, keep=0)
+            self._check_the_end(trainer)
+
+    def _check_the_end(self, trainer: L.Trainer) -> None:
+        """A run that ends on non-finite steps, or with a non-finite validation loss, diverged:
+        ``patience`` gives a run the chance to recover, and an ended run has none left (a 2-step
+        run at ``lr 1e30`` must not read ``completed``)."""
+        if self.diverged_step is not None or stop_reason(trainer)[0] is not None:
+            return  # already diverged, or stopped by a budget (its reason stands)
+        val = trainer.callback_metrics.get("val/loss")
+        val_bad = isinstance(val, torch.Tensor) and not bool(torch.isfinite(val).all())
+        if self.bad.count == 0 and not val_bad:
+            return
+        self.diverged_step = self.bad.first if self.bad.count else int(trainer.global_step)
+        self.at_end = (self.bad.count, val_bad)
+        set_stop_reason(trainer, REASON, self.describe())
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _mark(self, bad: torch.Tensor) -> None:
@@ -227,6 +248,19 @@ class DivergenceStop(StepCallback):
             return (
                 f"fp16 loss scale collapsed: {skipped} consecutive optimizer steps skipped "
                 f"(scale {scale:.3g}); use bf16-mixed or lower the learning rate"
+            )
+        if self.at_end is not None:
+            bad_steps, val_bad = self.at_end
+            what = []
+            if bad_steps == 1:
+                what.append(f"the last optimizer step ({self.diverged_step})")
+            elif bad_steps:
+                what.append(f"the last {bad_steps} optimizer steps (from {self.diverged_step})")
+            if val_bad:
+                what.append("the last validation")
+            return (
+                f"loss or gradient norm not finite (NaN/inf) at the end of the run: "
+                f"{' and '.join(what)}"
             )
         steps = (
             f"step {self.diverged_step}"

@@ -164,6 +164,11 @@ class PreemptionHandler(StepCallback):
         self.received_at: float | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._trainer: pl.Trainer | None = None
+        self._stepped = False  # an optimizer step ended in this process
+
+    def _run_dir(self) -> Path | None:
+        """Where a checkpoint to resume from would be (for the watchdog's exit code)."""
+        return Path(self._trainer.default_root_dir) if self._trainer is not None else None
 
     # -- signal plumbing -------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -177,6 +182,10 @@ class PreemptionHandler(StepCallback):
             return
         self.received = sig
         self.received_at = time.time()
+        if not self._stepped:  # the first step may never end (a compile, a hung collective)
+            from nanolab.training import early_signals
+
+            early_signals.arm_watchdog(sig, self._run_dir)
         step = self._trainer.global_step if self._trainer is not None else "?"
         _write_stderr(
             f"nanolab: received {sig.name} at step {step}: finishing the optimizer step, saving a "
@@ -204,6 +213,9 @@ class PreemptionHandler(StepCallback):
             signal.signal(sig, self._handle)
 
     def _uninstall(self) -> None:
+        from nanolab.training import early_signals
+
+        early_signals.disarm_watchdog()
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, previous in self._previous.items():
@@ -215,7 +227,7 @@ class PreemptionHandler(StepCallback):
     def on_run_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Installed here, after Lightning registered its own handlers (Trainer._run), so ours
         # replace its SIGTERM handler, which would stop in the middle of an accumulation.
-        self._trainer = trainer
+        self._trainer, self._stepped = trainer, False
         from nanolab.training import early_signals
 
         held = early_signals.received()  # a signal that arrived during start-up
@@ -231,6 +243,11 @@ class PreemptionHandler(StepCallback):
             self._stop(trainer, before_first_step=True)
 
     def on_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        if not self._stepped:
+            from nanolab.training import early_signals
+
+            self._stepped = True
+            early_signals.disarm_watchdog()  # a step boundary: the usual stop takes over
         if not self._agreed(trainer, self.received is not None):
             return
         if self.finish_validation and validation_follows(trainer):

@@ -13,6 +13,7 @@ second (no torch, no Lightning).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +65,54 @@ _tokenizer: Tokenizer | None = None
 _settings: EncodeSettings | None = None
 
 
-def init_worker(spec: dict[str, Any] | None, settings: EncodeSettings) -> None:
-    """Build this process's tokenizer once (a pool initializer, also called in-process)."""
+def init_worker(
+    spec: dict[str, Any] | None, settings: EncodeSettings, parent: int | None = None
+) -> None:
+    """Build this process's tokenizer once (a pool initializer, also called in-process).
+
+    ``parent``: the pid of the ``prepare`` that started this worker process; the worker then
+    dies with it (:func:`die_with_parent`).
+    """
     global _tokenizer, _settings
+    if parent is not None:
+        die_with_parent(parent)
     _tokenizer = tokenizer_from_spec(spec) if spec is not None else None
     _settings = settings
+
+
+def die_with_parent(parent: int) -> None:
+    """End this worker when ``parent`` dies, even by SIGKILL: a pool worker waits on a queue
+    whose other end it holds itself, so it would wait forever, and with it the
+    multiprocessing resource tracker that waits for every holder of its pipe.
+
+    Linux: the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``).
+    Elsewhere a daemon thread polls the parent's pid every second. Either way a parent that
+    died before this ran (the worker was adopted) ends the worker at once.
+    """
+    import ctypes
+    import signal
+    import sys
+    import threading
+    import time
+
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:
+        os._exit(1)  # the parent is already gone
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanolab-parent-watch", daemon=True).start()
 
 
 def _field(value: Any, path: list[str]) -> Any:

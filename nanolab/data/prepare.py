@@ -158,6 +158,14 @@ def prepare_dataset(
         raise PrepareError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
     if workers is not None and workers < 1:
         raise PrepareError(f"--workers must be >= 1, got {workers}")
+    if workers is not None and workers > (usable := default_workers()):
+        # More processes than cores only adds memory and switching, never speed.
+        print(
+            f"nanolab prepare: --workers {workers} is more than the {usable} usable core"
+            f"{'s' if usable > 1 else ''}; using {usable}",
+            file=sys.stderr,
+        )
+        workers = usable
     if not text_field or any(not part for part in text_field.split(".")):
         raise PrepareError(
             f"--text-field {text_field!r} is not a field name (e.g. text, meta.body)"
@@ -359,7 +367,7 @@ class _Job:
                 self.n_workers,
                 mp_context=ctx,
                 initializer=encode.init_worker,
-                initargs=(spec, settings),
+                initargs=(spec, settings, os.getpid()),
             ) as pool,
         ):
             pending: deque[Future[T]] = deque()

@@ -121,6 +121,30 @@ def _input_file(path: Path, explicit: bool) -> InputFile | None:
     )
 
 
+def not_a_file(path: Path) -> str:
+    """What ``path`` is instead of a regular file, in the words every message uses: a FIFO is
+    not "missing", and a broken symlink is named as one wherever it is found."""
+    import errno
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        if os.path.islink(path):
+            return "a symlink loop" if err.errno == errno.ELOOP else "a broken symlink"
+        return "missing" if err.errno == errno.ENOENT else f"not readable ({err.strerror})"
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
 def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[Path]:
     """Every file under ``root``, following symlinks, each directory once (loops reported),
     except the paths in ``exclude`` (prepare's own output folder and lock, when ``-o`` lies
@@ -133,7 +157,7 @@ def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[
     def visit(directory: Path) -> None:
         st = directory.stat()
         if (st.st_dev, st.st_ino) in seen:
-            skipped.append(f"{directory}: symlink loop (directory already read), skipped")
+            skipped.append(f"{directory}: a symlink loop (folder already read), skipped")
             return
         seen.add((st.st_dev, st.st_ino))
         try:
@@ -148,8 +172,8 @@ def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[
             try:
                 is_dir = entry.is_dir()  # follows symlinks
                 is_file = entry.is_file()
-            except OSError as err:
-                skipped.append(f"{path}: {err.strerror or err}, skipped")
+            except OSError:
+                skipped.append(f"{path}: {not_a_file(path)}, skipped")
                 continue
             if is_dir:
                 visit(path)
@@ -160,13 +184,7 @@ def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[
                 else:
                     found.append(path)
             else:
-                reason = "not a regular file"
-                if entry.is_symlink():
-                    try:
-                        os.stat(path)
-                    except OSError as err:
-                        reason = "symlink loop" if err.errno == 40 else "broken symlink"
-                skipped.append(f"{path}: {reason}, skipped")
+                skipped.append(f"{path}: {not_a_file(path)}, skipped")
 
     visit(root)
     if other:
@@ -208,12 +226,22 @@ def resolve_sources(specs: Sequence[str], exclude: Sequence[Path] = ()) -> Resol
         elif glob.has_magic(spec):
             matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
             picked = [Path(m) for m in matches if Path(m).is_file()]
+            odd = [
+                f"{m}: {not_a_file(Path(m))}"
+                for m in matches
+                if not Path(m).is_file() and not Path(m).is_dir()
+            ]
+            skipped += [f"{note}, skipped" for note in odd]
             picked = [p for p in picked if _classify(p.name)[0] is not None]
             if not picked:
-                raise SourceError(f"the glob {spec!r} matches no files nanolab reads")
+                why = f" (it matched {'; '.join(odd)})" if odd else ""
+                raise SourceError(f"the glob {spec!r} matches no files nanolab reads{why}")
             files.extend(_input_file(p, explicit=False) for p in picked)  # type: ignore[misc]
-        elif path.is_symlink():
-            raise SourceError(f"source {spec!r} is a broken symlink or a symlink loop")
+        elif path.is_symlink() or path.exists():  # a link to nothing, a FIFO, a device
+            raise SourceError(
+                f"source {spec!r} is {not_a_file(path)}, not a file nanolab can read; give a "
+                "file, a folder or a glob"
+            )
         else:
             raise SourceError(f"source {spec!r} does not exist; give a file, a folder or a glob")
     return Resolved(files, skipped)

@@ -211,4 +211,49 @@ def main(argv: Sequence[str] | None = None) -> int:
             cli_evaluate()
         except SystemExit as stop:
             return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+        except Exception as err:  # lm-eval's own refusals, at nanolab's boundary: one line
+            one_line = task_error(err, args)
+            if one_line is None:
+                raise
+            raise one_line from None
     return 0
+
+
+#: Exceptions (by class name, anywhere in the chain) that mean "the hub could not be reached".
+OFFLINE_ERRORS = frozenset(
+    {"ConnectionError", "LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectTimeout"}
+)
+
+
+def task_error(err: BaseException, args: list[str]) -> HarnessError | None:
+    """lm-eval's "Tasks not found" and a task whose dataset cannot be fetched (no network) as
+    one line naming the task and the cause; None for anything else (it keeps its traceback)."""
+    tasks = _option(args, "--tasks") or "?"
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, ValueError) and text.startswith("Tasks not found"):
+        missing = text.split(":", 1)[1].strip() if ":" in text else tasks
+        return HarnessError(
+            f"--tasks {missing}: no such lm-eval task; `nanolab lm-eval ls tasks` lists them, "
+            "and --include_path adds a folder of your own task YAMLs"
+        )
+    chain: BaseException | None = err
+    while chain is not None:
+        if type(chain).__name__ in OFFLINE_ERRORS:
+            return HarnessError(
+                f"--tasks {tasks}: the task's dataset could not be fetched ({text}); lm-eval "
+                "downloads it from the Hugging Face hub: run where the hub is reachable, use a "
+                "warm cache with HF_DATASETS_OFFLINE=1, or point the task's YAML at local files "
+                "(docs/evaluate.md)"
+            )
+        chain = chain.__cause__ or chain.__context__
+    return None
+
+
+def _option(args: list[str], name: str) -> str | None:
+    """The value of ``name`` in ``args`` (``--tasks a,b`` or ``--tasks=a,b``)."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None

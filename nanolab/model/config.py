@@ -20,6 +20,13 @@ class ConfigError(NanolabError):
     """A configuration value that cannot work; the message names the field and the fix."""
 
 
+#: The deepest model nanolab builds. Every block is a Python object built one by one (~1.5 ms
+#: each even on the meta device the estimator uses), so the depth bounds the work before any
+#: tensor exists: 4096 is four times the deepest transformer trained to date (DeepNet's 1000
+#: layers) and builds in seconds, while ``n_layer: 1000000000`` would spin for days.
+MAX_LAYERS = 4096
+
+
 @dataclass
 class GPTConfig:
     """Shape of a decoder-only transformer in the GPT-2 family.
@@ -117,6 +124,11 @@ class GPTConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.gpt.{name} must be a positive integer, got {value!r}")
+        if self.n_layer > MAX_LAYERS:
+            raise ConfigError(
+                f"model.gpt.n_layer {self.n_layer:,} is deeper than nanolab builds (at most "
+                f"{MAX_LAYERS} blocks); lower model.gpt.n_layer"
+            )
         if self.vocab_size is not None and (
             not isinstance(self.vocab_size, int) or self.vocab_size < 2
         ):
@@ -176,6 +188,18 @@ class GPTConfig:
             check = reg.config_check(name)
             if check is not None:
                 check(self)
+
+    def min_params(self) -> int:
+        """A lower bound on the parameter count, by arithmetic alone (nothing is built).
+
+        Every block holds at least its attention's query and output projections (2 x n_embd^2)
+        and the model a token embedding when the vocabulary is known; registered variants only
+        add to that. Checks of memory use it to refuse an absurd config in microseconds,
+        before the estimator builds a meta model block by block.
+        """
+        C = self.n_embd
+        embedding = self.padded_vocab_size * C if self.vocab_size is not None else 0
+        return self.n_layer * 2 * C * C + embedding
 
     @property
     def masks_attention(self) -> bool:

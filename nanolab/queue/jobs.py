@@ -109,8 +109,8 @@ def parse_config(config: Path, args: list[str], run_name: str, cwd: Path) -> Par
     where = " + ".join(files)
     try:
         cfg = parse_fit_config(["--config", str(config), *args, f"--run.name={run_name}"])
-    except FitParseError as e:
-        raise JobConfigError(f"{where}: {e}") from None
+    except FitParseError as e:  # named once: a config file's own error already names it
+        raise JobConfigError(str(e) if str(config) in str(e) else f"{where}: {e}") from None
     try:
         return _check(cfg, cwd)
     except (ValueError, TypeError) as e:  # RunConfigError, ConfigError: the key and the fix

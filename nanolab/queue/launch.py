@@ -40,10 +40,16 @@ def apply_memory_cap(fraction: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["fit"]:
-        from nanolab.training import early_signals
+    if args[:1] != ["fit"]:
+        return _launch(args)
+    from nanolab.training import early_signals
 
-        early_signals.install()
+    with early_signals.held_during_startup():  # this run's handlers only, put back after it
+        return _launch(args)
+
+
+def _launch(args: list[str]) -> int:
+    """Cap the GPU allocator when asked, then run ``args`` (``fit ...``) as ``nanolab`` would."""
     raw = os.environ.get(CAP_ENV)
     if raw:
         try:

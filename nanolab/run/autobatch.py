@@ -119,6 +119,9 @@ def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
     available = host_memory_available()
     if available is None:
         return
+    floor = _min_bytes(config) * max(1, processes)
+    if floor > available:  # refused by arithmetic: the estimator would build the model first
+        raise _too_big(floor, available, processes, "at least ")
     try:
         from nanolab.estimator.estimate import setup_for
         from nanolab.estimator.memory import estimate_memory
@@ -136,8 +139,25 @@ def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
     need = int(per_process) * max(1, processes)
     if need <= available:
         return
-    raise HostMemoryError(
-        f"this model needs about {need / 2**30:.1f} GiB of memory to train on the CPU "
+    raise _too_big(need, available, processes, "about ")
+
+
+def _min_bytes(config: dict[str, Any]) -> int:
+    """Bytes a run of ``config`` needs at the very least: 2-byte weights and gradients of
+    :meth:`GPTConfig.min_params` (0 when the model section is not nanolab's GPT)."""
+    from nanolab.model.config import GPTConfig
+    from nanolab.training.resolve import sections
+
+    try:
+        gpt = sections(config)[1].get("gpt") or {}
+        return 4 * GPTConfig(**gpt).min_params()
+    except Exception:  # another model class, or a config the run itself will refuse
+        return 0
+
+
+def _too_big(need: int, available: int, processes: int, how: str) -> HostMemoryError:
+    return HostMemoryError(
+        f"this model needs {how}{need / 2**30:.1f} GiB of memory to train on the CPU "
         f"(estimate: weights, gradients, optimizer states and activations"
         + (f", x{processes} processes" if processes > 1 else "")
         + f"), but only {available / 2**30:.1f} GiB are available; make model.gpt smaller "

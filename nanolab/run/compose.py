@@ -59,11 +59,12 @@ def launch(cli: NanolabCLI) -> Trainer:
 
         apply_init_from(model_args)
     visible = visible_gpus(cfg.trainer.get("accelerator"))
-    resolve(cfg, visible_gpus=visible)
-    if verb == "fit" and not cfg.get("preemption", {}).get("enabled", True):
-        from nanolab.training import early_signals
+    named = resolve(cfg, visible_gpus=visible)
+    from nanolab.training import early_signals
 
+    if verb == "fit" and not cfg.get("preemption", {}).get("enabled", True):
         early_signals.uninstall()  # preemption off: signals act as they did before
+    early_signals.defer(named.run_dir)  # from here start-up writes: a signal waits for a safe point
     data = build_data_module(cfg.data)  # once, to read the vocabulary (preparing it if asked)
     vocab = data_vocab(data)
     if model_args.get("init_from"):  # the data must be tokenized as the checkpoint's was
@@ -94,15 +95,23 @@ def launch(cli: NanolabCLI) -> Trainer:
     run_dir = Path(resolved.run_dir)
 
     # -- build: model, data, the run's callbacks, the logger, the Trainer
+    given_callbacks = callback_class_paths(cfg.trainer.get("callbacks"))
     try:
         instantiate = getattr(cli.parser, "instantiate", None) or cli.parser.instantiate_classes
         built = instantiate(cli.config)[verb]  # jsonargparse >= 4.49 names it instantiate
     except ValueError as err:  # a class's own error, not the parser's Union report around it
-        raise unwrap_union_error(err) from None
+        err = unwrap_union_error(err)
+        raise callback_build_error(err, given_callbacks) or err from None
+    except Exception as err:  # a callback of the config that cannot be built: name it
+        one_line = callback_build_error(err, given_callbacks)
+        if one_line is None:
+            raise
+        raise one_line from None
     model, data = built.model, built.data
     trainer_args = {**built.trainer}
     callbacks = trainer_args.get("callbacks") or []
     callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+    check_lambda_callbacks(callbacks)
     callbacks += [built[group] for group in run_callbacks()]
     if verb == "fit" and not trainer_args.get("fast_dev_run"):
         callbacks.append(RunConfigWriter(cli.verb_parser, cfg))  # config.yaml in the run dir
@@ -114,8 +123,6 @@ def launch(cli: NanolabCLI) -> Trainer:
 
     # -- run: hold the run directory, pick the checkpoint (opened without running its pickle)
     if verb == "fit":
-        from nanolab.training import early_signals
-
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
         cand = claim_for_fit(
             cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size,
@@ -508,3 +515,60 @@ def log_evaluation(trainer: Trainer, verb: str, run_dir: Path, target: Any) -> N
     metrics = to_floats(dict(trainer.callback_metrics))
     path = append_record(run_dir, eval_record(verb, stage, metrics, target))
     rank_zero_info(f"{stage} record (step {target.step}) appended to {path}")
+
+
+def callback_class_paths(given: Any) -> list[str]:
+    """The class paths ``trainer.callbacks`` names, in order."""
+    items = given if isinstance(given, list) else [] if given is None else [given]
+    paths = []
+    for item in items:
+        path = item.get("class_path") if hasattr(item, "get") else item
+        if isinstance(path, str):
+            paths.append(path)
+    return paths
+
+
+def callback_build_error(err: BaseException, class_paths: list[str]) -> RunConfigError | None:
+    """One line for a ``trainer.callbacks`` class whose constructor raised, found by the frame
+    of its ``__init__`` in the traceback; ``None`` when the error came from elsewhere (a bug of
+    the model or data keeps its traceback)."""
+    import traceback
+
+    for frame, _ in reversed(list(traceback.walk_tb(err.__traceback__))):
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        cls = type(owner)
+        for path in class_paths:
+            if path in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__):
+                problem = f"{type(err).__name__}: {err}".splitlines()[0]
+                return RunConfigError(
+                    f"trainer.callbacks: {path} could not be built ({problem}); fix its "
+                    "init_args or remove it from trainer.callbacks"
+                )
+    return None
+
+
+def check_lambda_callbacks(callbacks: list[Any]) -> None:
+    """Each function given to a ``LambdaCallback`` must take the arguments its hook is called
+    with; otherwise the run would fail with a traceback at that hook, minutes in."""
+    import inspect
+
+    from lightning.pytorch.callbacks import Callback, LambdaCallback
+
+    for cb in callbacks:
+        if not isinstance(cb, LambdaCallback):
+            continue
+        for hook, func in vars(cb).items():
+            base = getattr(Callback, hook, None)
+            if not callable(func) or base is None:
+                continue
+            names = list(inspect.signature(base).parameters)[1:]  # without self
+            try:
+                inspect.signature(func).bind(*names)
+            except TypeError:
+                where = getattr(func, "__qualname__", repr(func))
+                raise RunConfigError(
+                    f"trainer.callbacks: LambdaCallback {hook}={where} cannot be called with "
+                    f"the hook's arguments ({', '.join(names)}); give a function taking them"
+                ) from None
+            except ValueError:  # no signature to read (some builtins): let it run
+                continue

@@ -22,6 +22,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nanolab.estimator.gpus import MatmulPrecision
+from nanolab.run import keys
 from nanolab.training.plugins import (
     DEFAULT_DATA,
     DEFAULT_MODEL,
@@ -30,7 +31,12 @@ from nanolab.training.plugins import (
     class_paths_in_argv,
     class_paths_in_config,
 )
-from nanolab.training.resolve import FIT_SEED, RunConfigError, trainer_defaults
+from nanolab.training.resolve import (
+    FIT_SEED,
+    RunConfigError,
+    check_alias_expansion,
+    trainer_defaults,
+)
 
 
 @dataclass
@@ -132,6 +138,7 @@ def check_config_files(argv: list[str]) -> None:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
+        check_alias_expansion(text, f"config file {path}")
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
@@ -173,7 +180,52 @@ class OneLineErrorParser(LightningArgumentParser):
             super().error(message, ex)
         message = subclass_problem(str(message)) or str(message)
         lines = [line.strip() for line in message.splitlines() if line.strip()]
-        raise RunConfigError(" ".join(lines[:3]))
+        raise RunConfigError(union_problem(" ".join(lines)) or " ".join(lines[:3]))
+
+
+#: What a setting must be, for keys whose parser type ("int, float or null") says too little.
+VALUE_RULES = {
+    "trainer.gradient_clip_val": "must be a finite number >= 0 (e.g. 1.0), or null: no clipping",
+}
+
+
+def union_problem(text: str) -> str | None:
+    """jsonargparse's "Does not validate against any of the Union subtypes" report (one line)
+    as what is wrong: the key, the value and what it must be, without the subtype listing."""
+    import re
+
+    m = re.search(
+        r'Parser key "([^"]+)": Does not validate against any of the Union subtypes '
+        r"Subtypes: \[.*?\] Errors: (.*?)(?: Given value type: .*? Given value: (.*))?$",
+        text,
+    )
+    if m is None:
+        return None
+    key, errors, value = m.group(1), m.group(2), m.group(3)
+    given = f"{value!r}" if value is not None else "the value given"
+    if key in VALUE_RULES:
+        return f"{key}: {given} is not valid; it {VALUE_RULES[key]}"
+    items = [e.strip() for e in re.split(r"(?:^| )- ", errors) if e.strip()]
+    items = [e for e in items if e != "Expected a <class 'NoneType'>"]
+    expected = [_expected_type(e) for e in items]
+    if items and all(expected):
+        return f"{key}: {given} is not valid; expected {' or '.join(map(str, expected))} (or null)"
+    return f"{key}: {'; '.join(items)}" if items else None
+
+
+def _expected_type(error: str) -> str | None:
+    """``"Expected a <class 'int'>"`` -> ``"int"``; ``"Expected a typing.Literal['auto']"`` ->
+    ``"'auto'"``; any other error (it says more than a type) -> None."""
+    import re
+
+    m = re.fullmatch(r"Expected a (.+)", error)
+    if m is None:
+        return None
+    cls = re.fullmatch(r"<class '([\w.]+)'>", m.group(1))
+    if cls:
+        return cls.group(1).rsplit(".", 1)[-1]
+    literal = re.fullmatch(r"typing\.Literal\[(.*)\]", m.group(1))
+    return " or ".join(literal.group(1).split(", ")) if literal else None
 
 
 def unwrap_union_error(err: BaseException) -> BaseException:
@@ -333,6 +385,22 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
     ``from_command_line`` LightningCLI reads ``sys.argv`` itself (it warns when given both).
     """
     check_config_files(argv)
+    verb = argv[0] if argv else None
+    known = keys.known_keys(verb) if verb in ("fit", "validate", "test") else None
+    if known is not None:
+        keys.check_keys(argv[1:], known)
+    try:
+        cli = _parse(argv, from_command_line)
+    except RunConfigError:
+        if verb in ("fit", "validate", "test") and known is None:
+            keys.check_keys(argv[1:], verb_keys(verb))  # an unknown key: "did you mean"
+        raise
+    if verb in ("fit", "validate", "test") and known is None:
+        keys.check_keys(argv[1:], verb_keys(verb))  # an abbreviation the parser completed
+    return cli
+
+
+def _parse(argv: list[str], from_command_line: bool) -> NanolabCLI:
     try:
         NanolabCLI(  # model and data: any LightningModule / LightningDataModule class path
             LightningModule,
@@ -349,6 +417,17 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
     except Parsed as done:
         return done.cli
     raise RunConfigError("the command line could not be parsed")  # pragma: no cover
+
+
+def verb_keys(verb: str) -> frozenset[str]:
+    """Every key of ``verb``'s parser with nanolab's own classes (a parse of the defaults,
+    ~0.3 s), remembered for the next launch's check before Lightning is imported."""
+    import warnings
+
+    with warnings.catch_warnings():  # LightningCLI warns that sys.argv is not what it parses
+        warnings.simplefilter("ignore")
+        cli = _parse([verb], from_command_line=False)
+    return keys.remember_keys(verb, keys.parser_keys(cli.config[verb]))
 
 
 class FitParseError(RunConfigError):

@@ -8,6 +8,17 @@ exit code 75. So ``nanolab fit`` installs these handlers first thing: a first si
 recorded (start-up continues to a safe point: nothing half-written), then the run stops before its
 first step, saying "preempted before the first step", and exits 75. A second signal exits at once.
 
+Until start-up begins to write (imports, parsing, checks: :func:`defer` not yet called) there is
+nothing to half-write, so a signal stops the run at once, from the handler. After that a safe point
+may never come (a start-up stuck in a model build, a data module or a callback of a fork): a
+watchdog ends the process :data:`START_GRACE_S` seconds after the signal, exit 75 when the run
+directory holds a checkpoint to resume from, else by the signal's own default action.
+
+Only a run that owns the process installs these handlers, and only for its duration:
+:func:`held_during_startup` wraps ``fit``'s entry and puts back every handler it found, so an
+in-process run (a test) leaves Ctrl-C to whoever had it before. Importing this module, or any of
+nanolab, installs nothing.
+
 Deliberately light (no torch/Lightning import) so it can run before the heavy imports.
 """
 
@@ -17,7 +28,10 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -27,8 +41,14 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 #: Exit status of a preempted run (sysexits.h EX_TEMPFAIL), as in the preemption callback.
 EXIT_PREEMPTED = 75
 
+#: Seconds a held signal waits for start-up's next safe point before the process ends anyway.
+START_GRACE_S = 5.0
+
 _received: tuple[signal.Signals, float] | None = None
 _previous: dict[signal.Signals, Any] = {}
+_deferring = False  # start-up writes from here on: hold a signal to the next safe point
+_run_dir: Path | None = None  # where a checkpoint to resume from would be
+_watchdog: threading.Timer | None = None
 
 
 class PreemptedBeforeStart(SystemExit):
@@ -52,10 +72,76 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), sig)
         return
     _received = (sig, time.time())
+    if not _deferring:  # nothing written yet: this moment is as safe as any later one
+        stop_if_received()
     _write(
-        f"nanolab: received {sig.name} during start-up: stopping before the first step, "
-        f"then exiting with code {EXIT_PREEMPTED} (send it again to exit at once)\n"
+        f"nanolab: received {sig.name} during start-up: stopping at the next safe point before "
+        f"the first step (within {START_GRACE_S:.0f}s), then exiting with code {EXIT_PREEMPTED} "
+        "(send it again to exit at once)\n"
     )
+    arm_watchdog(sig, lambda: _run_dir)
+
+
+def arm_watchdog(sig: signal.Signals, run_dir: Callable[[], Path | None]) -> None:
+    """End the process :data:`START_GRACE_S` seconds from now unless :func:`disarm_watchdog`
+    is called first: a held signal must not wait for a step or safe point that never comes.
+
+    ``run_dir`` says, when the time is up, where a checkpoint to resume from would be.
+    """
+    global _watchdog
+    disarm_watchdog()
+    _watchdog = threading.Timer(START_GRACE_S, _give_up, args=(sig, run_dir))
+    _watchdog.daemon = True
+    _watchdog.start()
+
+
+def disarm_watchdog() -> None:
+    """A safe point was reached (or the run is over): the watchdog has nothing to do."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.cancel()
+        _watchdog = None
+
+
+def _give_up(sig: signal.Signals, run_dir: Callable[[], Path | None]) -> None:
+    """From the watchdog's thread: exit 75 if there is a checkpoint to resume, else die by
+    ``sig`` (its default action, as if no handler had been installed)."""
+    folder = run_dir()
+    if has_checkpoint(folder):
+        _write(
+            f"nanolab: no safe point within {START_GRACE_S:.0f}s of {sig.name} before the first "
+            f"step; exiting with code {EXIT_PREEMPTED}, rerun the same command to resume from "
+            f"{folder}\n"
+        )
+        os._exit(EXIT_PREEMPTED)
+    _write(
+        f"nanolab: no safe point within {START_GRACE_S:.0f}s of {sig.name} before the first "
+        f"step and nothing to resume; exiting by {sig.name}\n"
+    )
+    die_by(sig)
+
+
+def has_checkpoint(run_dir: Path | None) -> bool:
+    """Whether ``run_dir`` holds a complete checkpoint (``run.resume auto`` would take it)."""
+    if run_dir is None:
+        return False
+    with contextlib.suppress(OSError):
+        return any(p.suffix == ".ckpt" for p in (run_dir / "checkpoints").iterdir())
+    return False
+
+
+def die_by(sig: signal.Signals) -> None:
+    """End the process by ``sig``'s default action, from any thread (Python's own
+    ``signal.signal`` works in the main thread only, which may be stuck)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(int(sig), ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), sig)
+        time.sleep(1.0)  # delivery is asynchronous to this thread
+    os._exit(128 + int(sig))  # what a shell reports for a death by the signal
 
 
 def install(names: tuple[str, ...] = DEFAULT_SIGNALS) -> None:
@@ -90,6 +176,7 @@ def uninstall(deliver: bool = True) -> None:
     ``deliver``: a signal held meanwhile is raised again under the restored handler, so turning
     preemption off means the default action, as before.
     """
+    disarm_watchdog()
     for sig, previous in list(_previous.items()):
         if signal.getsignal(sig) == _handle:
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
@@ -98,11 +185,47 @@ def uninstall(deliver: bool = True) -> None:
         os.kill(os.getpid(), _received[0])
 
 
+def defer(run_dir: str | Path | None = None) -> None:
+    """From here start-up writes (data, the run directory): a signal is held to the next safe
+    point, :data:`START_GRACE_S` seconds at most. ``run_dir``: where the run's checkpoints
+    are, once known."""
+    global _deferring, _run_dir
+    stop_if_received()
+    _deferring = True
+    if run_dir is not None:
+        _run_dir = Path(run_dir)
+
+
+@contextlib.contextmanager
+def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[None]:
+    """Install the handlers for one run that owns the process; afterwards put back the handlers
+    found before it, whatever the run (or Lightning's teardown) left installed."""
+    global _received, _deferring, _run_dir
+    main = threading.current_thread() is threading.main_thread()
+    before = {}
+    if main:
+        for name in names:
+            sig = getattr(signal, name, None)
+            if isinstance(sig, signal.Signals):
+                before[sig] = signal.getsignal(sig)
+    _received, _deferring, _run_dir = None, False, None  # whatever an earlier run left
+    install(names)
+    try:
+        yield
+    finally:
+        disarm_watchdog()
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        _previous.clear()
+        _received, _deferring, _run_dir = None, False, None  # the next run starts unsignalled
+
+
 def stop_if_received(where: str = "") -> None:
     """At a safe point of start-up: exit 75 (via :class:`PreemptedBeforeStart`) if signalled."""
     sig = received()
     if sig is None:
         return
+    disarm_watchdog()
     _write(
         f"nanolab: preempted by {sig.name} before the first step{where}; nothing was trained "
         f"or written; exiting with code {EXIT_PREEMPTED}, rerun the same command to start\n"

@@ -180,10 +180,65 @@ def config_loader() -> type:
     return ConfigLoader
 
 
-def load_yaml(text: str) -> Any:
-    """``text`` read with :func:`config_loader`."""
+#: The most values a config's YAML may expand to through anchors and aliases. A config holds
+#: hundreds; a "billion laughs" file (nine levels of nine aliases) a few hundred bytes long
+#: expands to 9**9 values, which every reader after PyYAML (the parser's copies and checks)
+#: walks one by one until memory runs out.
+MAX_YAML_VALUES = 100_000
+
+
+def check_alias_expansion(text: str, source: str = "the YAML") -> None:
+    """Refuse YAML whose aliases expand beyond :data:`MAX_YAML_VALUES` values, by counting the
+    composed node graph (linear in the text: an alias is one shared node) before any reader
+    expands it. A YAML error is left for the reader, which names it its own way."""
     import yaml
 
+    if "*" not in text:  # no alias, nothing to expand: the text's size is its size
+        return
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return
+    if root is not None and _expanded_values(root, {}, set()) > MAX_YAML_VALUES:
+        raise RunConfigError(
+            f"{source}: its anchors and aliases expand to more than {MAX_YAML_VALUES:,} values "
+            "(an alias bomb); write the settings out, or use fewer nested aliases"
+        )
+
+
+def _expanded_values(node: Any, sizes: dict[int, int], open_: set[int]) -> int:
+    """Values under ``node`` with every alias expanded (memoised per shared node; stops
+    counting past the limit, and a node that contains itself counts as too many)."""
+    import yaml
+
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        return MAX_YAML_VALUES + 1
+    if isinstance(node, yaml.ScalarNode):
+        return 1
+    open_.add(key)
+    total = 1
+    children = (
+        node.value
+        if isinstance(node, yaml.SequenceNode)
+        else [part for pair in node.value for part in pair]
+    )
+    for child in children:
+        total += _expanded_values(child, sizes, open_)
+        if total > MAX_YAML_VALUES:
+            break
+    open_.discard(key)
+    sizes[key] = total
+    return total
+
+
+def load_yaml(text: str, source: str = "the YAML") -> Any:
+    """``text`` read with :func:`config_loader`; an alias bomb is refused naming ``source``."""
+    import yaml
+
+    check_alias_expansion(text, source)
     return yaml.load(text, Loader=config_loader())
 
 
@@ -208,7 +263,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise RunConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = load_yaml(p.read_text(encoding="utf-8")) or {}
+        data = load_yaml(p.read_text(encoding="utf-8"), f"config file {path}") or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise RunConfigError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
     if not isinstance(data, Mapping):
@@ -379,6 +434,35 @@ def check_max_steps(max_steps: Any) -> None:
         raise RunConfigError(
             f"trainer.max_steps must be a positive number of optimizer steps (or -1: no limit, "
             f"stop on a budget), got {'null' if max_steps is None else repr(max_steps)}"
+        )
+
+
+def check_gradient_clip(value: Any) -> None:
+    """A clipping norm that is not a finite number >= 0 (YAML's ``.nan``, ``-1``) would turn
+    every step's gradients into NaN or zero, silently; null turns clipping off."""
+    import math
+
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        ok = False
+    else:
+        ok = value >= 0
+    if not ok:
+        raise RunConfigError(
+            f"trainer.gradient_clip_val: {value!r} is not valid; it must be a finite number "
+            ">= 0 (e.g. 1.0), or null: no clipping"
+        )
+
+
+def check_dataset_dir(data_args: Mapping[str, Any]) -> None:
+    """An empty ``data.dataset_dir`` is the current folder to some readers and a path without a
+    name to others (a traceback when the data is prepared into it): refuse it by name."""
+    value = data_args.get("dataset_dir")
+    if isinstance(value, str) and not value.strip():
+        raise RunConfigError(
+            "data.dataset_dir is empty; give the folder of a prepared dataset (e.g. "
+            "data/shakespeare_char), or leave it out to keep the default"
         )
 
 
@@ -598,6 +682,8 @@ def resolve(
     eval_every = run.get("eval_every_steps", 250)
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise RunConfigError(f"run.eval_every_steps must be >= 1, got {eval_every!r}")
+    check_gradient_clip(trainer.get("gradient_clip_val"))
+    check_dataset_dir(data_args)
     max_steps = trainer.get("max_steps")  # absent only in a raw YAML (the estimator's input)
     if "max_steps" in trainer:  # given, even as null: Lightning would fail on null mid-start
         check_max_steps(max_steps)
