@@ -1,0 +1,85 @@
+"""The shipped GPU recipes, verbatim except size, accelerator, data and step count, on CPU.
+
+Each row composes ``configs/gpt2-124m.yaml`` with the overlays a GPU user would give (a size,
+a precision, a strategy), forces what CUDA switches on (fused AdamW; compile in one slow row),
+shrinks the model to 1 layer x 32 wide on the bundled characters, trains 2 steps, then resumes
+to 4 (the recipes' ``run.resume: auto``) and checks the run log: finite losses at every step,
+the second launch resumed from step 2, and the run ended ``completed``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import QUICKSTART, run_nanolab
+
+from nanolab.runlog import read_records
+
+CONFIGS = QUICKSTART.parent
+SHRINK = [
+    "--trainer.accelerator", "cpu", "--model.gpt.n_layer", "1", "--model.gpt.n_head", "2",
+    "--model.gpt.n_embd", "32", "--model.gpt.block_size", "64", "--model.gpt.vocab_size", "null",
+    "--data.micro_batch_size", "4", "--run.global_batch_tokens", "512",
+    "--data.val_windows", "8", "--trainer.limit_val_batches", "2", "--data.num_workers", "0",
+    "--model.optimizer.fused", "true", "--downstream.suite", "null",
+]  # fmt: skip
+
+# The base recipe is bf16-mixed already; 350M runs in the GPU check's dry run as well.
+ROWS = {
+    "124m": [],
+    "124m+774m": ["gpt2-774m.yaml"],
+    "124m+fp16": ["precision/fp16.yaml"],
+}
+SLOW_ROWS = {
+    "124m+350m": (["gpt2-350m.yaml"], []),
+    "124m+fp32": (["precision/fp32.yaml"], []),
+    "124m+ddp": (["strategy/ddp.yaml"], ["--trainer.devices", "2"]),
+    "124m+fsdp": (["strategy/fsdp.yaml"], ["--trainer.devices", "2"]),
+    "124m+deepspeed2": (["strategy/deepspeed_stage2.yaml"], ["--trainer.devices", "2"]),
+    "124m+compile": ([], ["--model.compile", "true"]),
+}
+
+
+def _fit(tmp_path, char_dataset, overlays: list[str], extra: list[str], steps: int):
+    files = ["gpt2-124m.yaml", *overlays]
+    args = [a for f in files for a in ("--config", str(CONFIGS / f))]
+    res = run_nanolab(
+        "fit", *args, *SHRINK, *extra, "--data.dataset_dir", str(char_dataset),
+        "--data.source", "null", "--run.root", str(tmp_path / "runs"), "--run.name", "recipe",
+        "--trainer.max_steps", str(steps), "--run.eval_every_steps", "2",
+        cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _check_trained_and_resumed(tmp_path) -> None:
+    log = tmp_path / "runs" / "recipe" / "metrics.jsonl"
+    train = read_records(log, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in train)
+    starts = read_records(log, "start")
+    assert [s["resumed_from_step"] for s in starts] == [None, 2]
+    assert read_records(log, "end")[-1]["reason"] == "completed"
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_a_gpu_recipe_trains_and_resumes_on_cpu(tmp_path, char_dataset, row):
+    """Mutation caught: any recipe setting that cannot run with CUDA's fused AdamW and the
+    recipes' clipping under its precision (the crash of the first GPU run)."""
+    _fit(tmp_path, char_dataset, ROWS[row], [], 2)
+    _fit(tmp_path, char_dataset, ROWS[row], [], 4)
+    _check_trained_and_resumed(tmp_path)
+
+
+@pytest.mark.slow  # two processes, DeepSpeed's CPU op build, a cold compile: minutes each
+@pytest.mark.parametrize("row", list(SLOW_ROWS))
+def test_a_gpu_recipe_with_a_strategy_or_compile_trains_and_resumes_on_cpu(
+    tmp_path, char_dataset, row
+):
+    if "deepspeed" in row:
+        pytest.importorskip("deepspeed")
+    overlays, extra = SLOW_ROWS[row]
+    _fit(tmp_path, char_dataset, overlays, extra, 2)
+    _fit(tmp_path, char_dataset, overlays, extra, 4)
+    _check_trained_and_resumed(tmp_path)
