@@ -84,6 +84,7 @@ CHECKS: tuple[Check, ...] = (
     Check("async_checkpoint", 70, "124M, checkpoint every 5 steps: stall, sync vs async"),
     Check("memory_compiled_350m", 90, "fit 350M compiled: measured vs predicted peak memory"),
     Check("pack", 120, "benches/gpu_pack.py: 2 x 124M packed vs sequential"),
+    Check("vs_nanogpt", 120, "nanoGPT's train.py, same GPU, data and 124M config (--nanogpt)"),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 
@@ -105,9 +106,10 @@ class Scale:
     pack_steps: int
     block_size: int  # the recipe's context at this scale
     compile: bool  # whether the checks that compile do (a cold CPU compile costs ~40 s)
+    nanogpt_model: tuple[int, int, int]  # n_layer, n_head, n_embd of the side-by-side
 
 
-GPU = Scale("cuda", (8, 12, 1024, 64), (), 60, 20, 16, 6, 5, 2, 30, 1024, True)
+GPU = Scale("cuda", (8, 12, 1024, 64), (), 60, 20, 16, 6, 5, 2, 30, 1024, True, (12, 12, 768))
 DRY = Scale(
     "cpu", (2, 2, 128, 16),
     (
@@ -116,7 +118,7 @@ DRY = Scale(
         "--model.gpt.vocab_size", "null", "--data.val_windows", "8", "--trainer.limit_val_batches", "2",
         "--model.compile", "false", "--model.optimizer.fused", "true",  # CUDA's optimizer
     ),
-    6, 2, 4, 3, 2, 2, 3, 64, False,
+    6, 2, 4, 3, 2, 2, 3, 64, False, (1, 2, 32),
 )  # fmt: skip
 SCALE = GPU  # the child process sets DRY for --dry-run
 
@@ -546,6 +548,85 @@ def check_pack(work: Path, data_arg: str | None) -> dict[str, Any]:
     return json.loads(result.read_text())
 
 
+def check_vs_nanogpt(work: Path, data_arg: str | None) -> dict[str, Any]:
+    """nanoGPT's own ``train.py`` (a checkout given by ``--nanogpt``, never shipped here) on the
+    same device, token files and model as ``bench_124m``: GPT-2 124M with bias, vocabulary
+    padded to 50304, bf16, compile, fused AdamW, clip 1.0, 2 x 16 x 1024 tokens per step. Its
+    steady tokens/s, and nanolab's from ``bench_124m`` over it."""
+    nanogpt = os.environ.get("GPU_CHECK_NANOGPT")
+    if not nanogpt:
+        raise CheckSkipped("no nanoGPT checkout given (--nanogpt PATH)")
+    vs = _load_bench("vs_nanogpt")
+    checkout = Path(nanogpt).resolve()
+    try:
+        vs.check_checkout(checkout)
+    except vs.BenchError as err:
+        raise CheckFailed(str(err)) from None
+    data = ensure_data(work, data_arg)
+    from nanolab.data.prepare import read_meta
+
+    meta = read_meta(data) or {}
+    if meta.get("dtype") != "uint16":
+        raise CheckSkipped(f"nanoGPT reads uint16 token files; {data} holds {meta.get('dtype')}")
+    scratch = work / "nanogpt"
+    (scratch / "data" / "nanolab").mkdir(parents=True, exist_ok=True)
+    for name in ("train.bin", "val.bin"):
+        link = scratch / "data" / "nanolab" / name
+        if not link.exists():
+            link.symlink_to(data / name)
+    if SCALE is DRY:  # the tiny model's vocabulary is the data's (on a GPU: GPT-2's 50304)
+        import pickle
+
+        vocab = {"vocab_size": int(meta["vocab_size"])}
+        (scratch / "data" / "nanolab" / "meta.pkl").write_bytes(pickle.dumps(vocab))
+    if not (scratch / "configurator.py").exists():
+        (scratch / "configurator.py").symlink_to(checkout / "configurator.py")
+    layers, heads, width = SCALE.nanogpt_model
+    gpu = SCALE is GPU
+    mb, steps = SCALE.bench_micro_batch, SCALE.bench_steps
+    settings = {
+        "device": SCALE.device, "compile": gpu, "dtype": "bfloat16" if gpu else "float32",
+        "dataset": "nanolab", "out_dir": str(scratch / "out"), "wandb_log": False,
+        "init_from": "scratch", "eval_interval": 100000, "eval_iters": 1, "log_interval": 1,
+        "always_save_checkpoint": False, "max_iters": steps - 1,
+        "gradient_accumulation_steps": 2, "batch_size": mb, "block_size": SCALE.block_size,
+        "n_layer": layers, "n_head": heads, "n_embd": width, "dropout": 0.0, "bias": True,
+        "learning_rate": 6e-4, "weight_decay": 0.1, "beta2": 0.95, "grad_clip": 1.0,
+        "warmup_iters": 10, "lr_decay_iters": steps,
+    }  # fmt: skip
+    args = [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in settings.items()]
+    proc = run([sys.executable, str(checkout / "train.py"), *args], cwd=scratch)
+    if proc.returncode != 0:
+        raise CheckFailed(f"nanoGPT's train.py failed: {last_line(proc.stdout)}")
+    step_s, dirty, _ = vs.parse_nanogpt_log(proc.stdout, 100000)
+    steady = vs.steady_step_s(step_s, dirty, SCALE.bench_warmup)
+    tokens_per_step = 2 * mb * SCALE.block_size
+    metrics: dict[str, Any] = {
+        "nanogpt_step_ms": round(steady * 1000, 2),
+        "nanogpt_tokens_per_s": round(tokens_per_step / steady, 1),
+        "tokens_per_step": tokens_per_step,
+    }
+    ours = work / "bench_124m.result.json"
+    if ours.is_file():
+        bench = json.loads(ours.read_text()).get("metrics") or {}
+        rate = bench.get("nanolab_tokens_per_s")
+        if rate:
+            metrics["nanolab_tokens_per_s"] = rate
+            metrics["ratio_nanolab_over_nanogpt"] = round(rate / metrics["nanogpt_tokens_per_s"], 3)
+    return metrics
+
+
+def _load_bench(name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benches" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Path, str | None], dict[str, Any]]] = {
     "flash": check_flash,
     "flex_mask": check_flex_mask,
@@ -555,6 +636,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Path, str | None], dict[str, Any]]] = {
     "async_checkpoint": check_async_checkpoint,
     "micro_batch_auto": check_micro_batch_auto,
     "pack": check_pack,
+    "vs_nanogpt": check_vs_nanogpt,
 }
 
 
@@ -708,6 +790,11 @@ def _headline(name: str, m: dict[str, Any]) -> str:
         ]
     elif name == "memory_eager":
         parts = [f"{len(m.get('rows', []))} rows, worst error {f('worst_error', '.1%')}"]
+    elif name == "vs_nanogpt":
+        parts = [
+            f"nanoGPT {f('nanogpt_tokens_per_s', ',.0f')} tok/s ({f('nanogpt_step_ms', '.1f')} ms/step)",
+            f"nanolab / nanoGPT {f('ratio_nanolab_over_nanogpt', '.3f')}",
+        ]
     elif name == "pack" and "results" in m:
         rates = {r["mode"]: r.get("tokens_per_s_wall") for r in m["results"]}
         parts = [f"{mode} {rate or 0:,.0f} tok/s" for mode, rate in rates.items()]
@@ -787,6 +874,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--data", help="a prepared GPT-2-vocabulary dataset (default: made from bundled text)"
     )
+    p.add_argument(
+        "--nanogpt",
+        help="a nanoGPT checkout (never shipped here): adds its train.py side by side on the "
+        "same device, data and 124M config (the vs_nanogpt check)",
+    )
     p.add_argument("--only", help="comma-separated checks to run (see --list)")
     p.add_argument("--skip", help="comma-separated checks to leave out")
     p.add_argument("--deadline", type=float, default=570.0,
@@ -804,6 +896,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.error = _one_line_error  # type: ignore[method-assign]
     args = p.parse_args(argv)
+    if args.nanogpt:  # the children read it (the vs_nanogpt check)
+        os.environ["GPU_CHECK_NANOGPT"] = str(Path(args.nanogpt).resolve())
 
     if args.run_check:  # child process of run_check()
         return run_check_in_child(

@@ -186,6 +186,8 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path):
     summary = json.loads((out / "gpu_check.json").read_text())
     statuses = {c["name"]: (c["status"], c["note"]) for c in summary["checks"]}
     assert set(statuses) == {c.name for c in gc.CHECKS}
+    # nanoGPT's train.py is never shipped: without a checkout its side-by-side is skipped.
+    assert statuses.pop("vs_nanogpt") == ("skipped", "no nanoGPT checkout given (--nanogpt PATH)")
     not_ok = {name: got for name, got in statuses.items() if got[0] != "ok"}
     assert not not_ok
     assert proc.returncode == 0, proc.stderr[-2000:]
