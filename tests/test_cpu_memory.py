@@ -50,9 +50,13 @@ def test_freed_memory_stays_in_the_process_after_keep_freed_memory():
     if not applied:
         pytest.skip("no glibc mallopt here")
     # 64 MiB is 16384 pages, above glibc's adaptive mmap threshold (at most 32 MiB): by default
-    # each one is mapped fresh, zero-filled page by page, and unmapped when freed.
-    assert before > 8000, before
-    assert after < 500, after
+    # each one is mapped fresh, zero-filled page by page, and unmapped when freed. The kernel
+    # may serve a fresh mapping with transparent huge pages (a few dozen faults), more often on
+    # an idle machine than a loaded one: then there is nothing to compare. The bar is relative,
+    # so it holds whatever else the machine is doing.
+    if before < 1000:
+        pytest.skip(f"the kernel mapped the tensors with huge pages ({before:.0f} faults each)")
+    assert after < before / 10, (before, after)
 
 
 def test_the_environment_turns_it_off():
