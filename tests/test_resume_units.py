@@ -225,3 +225,22 @@ def test_preempted_at_an_evaluation_step_keeps_the_evaluation(
     assert res.returncode == 0, res.stderr[-2000:]
     steps = [r["step"] for r in read_records(log, "val")]
     assert steps == list(range(1, end["step"] + 4))
+
+
+def test_fsdp2_resumes_its_own_checkpoint_on_several_devices_but_not_a_plain_one(tmp_path):
+    """Lightning writes FSDP2's consolidated optimizer state by parameter index too, and maps it
+    back onto the shards by name at load: nanolab's layout record says which strategy wrote the
+    file. Mutation caught: refusing every index-keyed state (FSDP2 could not resume its own run
+    on the same 2 devices)."""
+    import torch
+
+    from nanolab.training.resume import ResumeError, check_sharded_optimizer_layout
+
+    state = {"optimizer_states": [{"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": []}]}
+    own = tmp_path / "fsdp2.ckpt"
+    torch.save({**state, "nanolab": {"layout": {"world_size": 2, "fsdp2": True}}}, own)
+    check_sharded_optimizer_layout(own, "fsdp2", 2)
+    plain = tmp_path / "ddp.ckpt"
+    torch.save({**state, "nanolab": {"layout": {"world_size": 2, "fsdp2": False}}}, plain)
+    with pytest.raises(ResumeError, match="was saved without FSDP2"):
+        check_sharded_optimizer_layout(plain, "fsdp2", 2)

@@ -232,11 +232,15 @@ class GPTLightningModule(L.LightningModule):
         devices can say what changed (and keep the data order: see ``realign_progress``)."""
         if self._trainer is None:
             return None
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
         dm = getattr(self.trainer, "datamodule", None)
         return {
             "world_size": int(self.trainer.world_size),
             "accumulate": int(self.trainer.accumulate_grad_batches or 1),
             "micro_batch_size": int(getattr(dm, "micro_batch_size", 0) or 0),
+            # Which strategy wrote the optimizer state: FSDP2's loads back onto FSDP2 shards.
+            "fsdp2": isinstance(self.trainer.strategy, ModelParallelStrategy),
         }
 
     def _tokenizer_spec(self) -> dict[str, Any] | None:

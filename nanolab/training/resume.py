@@ -403,6 +403,8 @@ def check_sharded_optimizer_layout(path: str | Path, strategy_kind: str, world_s
     import torch
 
     ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if ((ckpt.get("nanolab") or {}).get("layout") or {}).get("fsdp2"):
+        return  # FSDP2 wrote it; Lightning maps its state back onto the shards by name
     states = ckpt.get("optimizer_states") or []
     keys = list((states[0] or {}).get("state", {})) if states else []
     if keys and all(isinstance(k, int) for k in keys):
