@@ -178,7 +178,6 @@ PLANS: dict[str, dict[str, str]] = {
         "nanolab queue add configs/gpt2-124m.yaml configs/gpt2-350m.yaml --name next-size "
         "--backfill": RUN,
         "nanolab queue run --gpus 0,1 --until 08:00": QUEUE_GPUS,
-        "nanolab report runs/ --forecast": RUN,
         "nanolab queue add configs/quickstart.yaml --name qs-lr1e-3 --seeds 1,2,3 "
         "--set model.optimizer.lr=1e-3 --set trainer.max_steps=100 --set downstream.suite=null": (
             elsewhere("test_docs_commands.py::test_queue_md_morning")
@@ -190,6 +189,10 @@ PLANS: dict[str, dict[str, str]] = {
         'nanolab queue run --notify "./tell.sh queue {reason}: {summary}"': elsewhere(
             "test_docs_commands.py::test_queue_md_morning"
         ),
+    },
+    "report.md": {
+        "nanolab report runs/ --plot loss.png": RUN,
+        "nanolab report runs/ --forecast": RUN,
         "nanolab report runs/ --target-loss 1.5 --plot loss.png": RUN,
     },
     "resume.md": {
@@ -225,7 +228,7 @@ PLANS: dict[str, dict[str, str]] = {
 #: The pages this module has a test for (``test_<page>_md``) that runs their RUN commands.
 PAGES_RUN_HERE = {
     "estimate.md", "evaluate.md", "forking.md", "loggers.md", "performance.md", "queue.md",
-    "resume.md",
+    "report.md", "resume.md",
 }  # fmt: skip
 
 #: Words after which ``nanolab`` is the command a line runs.
@@ -549,7 +552,8 @@ def test_queue_md(work: Path, char_dataset: Path, capsys, monkeypatch) -> None:
 @pytest.mark.slow  # three tiny 60-step jobs in processes of their own: ~60 s on 2 cores
 def test_queue_md_night(work: Path, capsys, monkeypatch) -> None:
     """docs/queue.md's night on a CPU: the page's qs60 add (the tiny model given last), the
-    page's ``queue run --pack --device-mem 1.1GiB`` as written, then its report commands."""
+    page's ``queue run --pack --device-mem 1.1GiB`` as written, then the report commands of
+    docs/queue.md and docs/report.md."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     (add,) = [c for c in commands("queue.md") if "qs60" in c.split()]
     argv = nanolab_argv(add)
@@ -562,7 +566,8 @@ def test_queue_md_night(work: Path, capsys, monkeypatch) -> None:
     for seed in (1, 2, 3):
         ckpt = work / "runs" / f"qs60-s{seed}" / "checkpoints" / "last.ckpt"
         assert ckpt.exists(), (out + err)[-3000:]
-    for command in [c for c in commands("queue.md", RUN) if c.startswith("nanolab report")]:
+    reports = [*commands("queue.md", RUN), *commands("report.md", RUN)]
+    for command in dict.fromkeys(c for c in reports if c.startswith("nanolab report")):
         code, out, err = nanolab(capsys, nanolab_argv(command))
         assert code == 0, f"{command}: {err[-2000:]}"
         assert "qs60" in out, out[-2000:]
@@ -661,9 +666,12 @@ TRANSCRIPTS: dict[str, dict[str, tuple[str, str | None]]] = {
     "queue.md": {
         "nanolab queue add configs/quickstart.yaml --set model.gpt.n_head=5": (RUN, None),
         "nanolab queue ls": (RECORDED, None),
+        "nanolab status": (RECORDED, None),
+    },
+    "report.md": {
+        "nanolab queue ls": (RECORDED, None),
         "nanolab report runs/ --plot docs/queue-report.png": (RECORDED, None),
         "nanolab report runs/ --compare qs-lr1e-3-s2 qs-lr3e-3-s3": (RECORDED, None),
-        "nanolab status": (RECORDED, None),
     },
     "tool-errors.md": {
         "nanolab fit --config tiny.yaml --run.root /tmp/mnttest --run.name full "

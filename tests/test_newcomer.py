@@ -16,7 +16,7 @@ BENCHES = Path(__file__).resolve().parents[1] / "benches"
 # -- 1. the plot's band is what its title says ------------------------------------------------
 def test_plot_band_is_the_t_interval_its_title_names(tmp_path: Path, monkeypatch) -> None:
     """Three seeds at 1.0, 1.2, 1.1: the band is 1.1 ± t(0.975, 2) 0.1 / sqrt(3), never the
-    min-max; the figure's title says so, and so does docs/queue.md."""
+    min-max; the figure's title says so, and so does docs/report.md."""
     import matplotlib.figure
 
     for seed, loss in enumerate([1.0, 1.2, 1.1]):
@@ -36,7 +36,7 @@ def test_plot_band_is_the_t_interval_its_title_names(tmp_path: Path, monkeypatch
     assert (x, mean) == (1000, pytest.approx(1.1))
     assert (lo, hi) == (pytest.approx(1.1 - half), pytest.approx(1.1 + half))
     assert titles == [report.BAND_TITLE] and "95% confidence interval" in titles[0]
-    docs = (Path(__file__).parents[1] / "docs" / "queue.md").read_text()
+    docs = (Path(__file__).parents[1] / "docs" / "report.md").read_text()
     assert "min–max" not in docs and "without scipy" not in docs
 
 
