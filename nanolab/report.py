@@ -514,7 +514,7 @@ def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, flo
     return out
 
 
-#: What the --plot band is, in the figure's title and the docs (docs/queue.md): one statement.
+#: What the --plot band is, in the figure's title and the docs (docs/report.md): one statement.
 BAND_TITLE = (
     "mean over seeds, band = 95% confidence interval of the mean (Student t over the seeds)"
 )

@@ -475,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TARGET",
         help="when the runner ends (queue drained or stopped): a command with {queue}, "
         "{summary}, {reason}, {done}, {failed}, ... filled in, run without a shell, or an "
-        "apprise URL (repeatable; docs/queue.md)",
+        "apprise URL (repeatable; docs/report.md)",
     )
     r.add_argument(
         "--until",

@@ -7,7 +7,7 @@ resume policy), the run's callbacks (``log``, ``checkpoint``, ``budget``, ``thro
 built: :func:`nanolab.run.compose.launch` resolves the derived values and assembles the run in
 one function. ``--print_config`` shows the config as given.
 
-Why LightningCLI still parses (measured, docs/performance.md): its parse costs 0.28-0.46 s of a
+Why LightningCLI still parses (measured, docs/architecture.md): its parse costs 0.28-0.46 s of a
 launch whose imports cost 3.9-4.8 s, and it gives every Trainer/model/data setting its typed
 ``--key value`` flag, ``--config`` merging, class choices and ``--print_config`` for free.
 """
