@@ -12,6 +12,7 @@ what the estimator's fragmentation margin assumes. A user's own ``PYTORCH_CUDA_A
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import MutableMapping
 
 SETTING = "expandable_segments:True"
@@ -24,10 +25,39 @@ def prefer_expandable_segments(
     allocator or this is a ROCm build; whether it was set. Call before the first CUDA
     allocation (the allocator reads its settings once); child processes inherit it."""
     if hip_version is None:
-        import torch
-
-        hip_version = torch.version.hip
+        hip_version = torch_hip_version()
     if hip_version or "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
         return False
     environ["PYTORCH_CUDA_ALLOC_CONF"] = SETTING
     return True
+
+
+def torch_hip_version() -> str | None:
+    """``torch.version.hip``, read from torch's ``version.py`` without importing torch: every verb
+    asks, and importing torch costs ~2 s that ``queue ls`` or ``fit --help`` have no use for."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].version.hip
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        with open(os.path.join(folders[0], "version.py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:  # `hip: Optional[str] = None` or `hip = '6.2...'`
+            if isinstance(node, ast.AnnAssign):
+                target, value = node.target, node.value
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+            else:
+                continue
+            if isinstance(target, ast.Name) and target.id == "hip" and value is not None:
+                hip = ast.literal_eval(value)
+                if hip is None or isinstance(hip, str):
+                    return hip
+    except (OSError, IndexError, ValueError, SyntaxError, ImportError):
+        pass
+    import torch  # a torch laid out otherwise: ask it
+
+    return torch.version.hip

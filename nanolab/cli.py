@@ -90,6 +90,11 @@ def _run(argv: Sequence[str] | None) -> int:
             preflight(verb, args[1:])
         except NanolabError as err:
             return report(f"nanolab {verb}", err)
+        from nanolab.run import short_help
+
+        if short_help.wants_short_help(args) and (page := short_help.remembered_page(verb)):
+            print(page)  # as an earlier --help of this code wrote it, without Lightning
+            return 0
         if verb != "fit":
             from nanolab.run.cli import run_lightning_cli
 

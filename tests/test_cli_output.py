@@ -82,6 +82,21 @@ def test_fit_help_leads_with_nanolab_groups_and_common_keys(tmp_path):
         assert key in text, key
 
 
+def test_fit_help_is_remembered_and_printed_the_same_without_lightning(tmp_path):
+    """The first ``--help`` of this code builds the page from the classes; the next prints the
+    remembered page, byte for byte, before Lightning or torch is imported."""
+    env = {"NANOLAB_ESTIMATOR_CACHE": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"}
+    first = run_nanolab("fit", "--help", cwd=tmp_path, env=env)
+    second = run_nanolab("fit", "--help", cwd=tmp_path, env=env)
+    assert first.returncode == second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
+    assert second.stdout == first.stdout and first.stdout.startswith("usage: nanolab fit")
+    imported = {line.split("|")[-1].strip() for line in second.stderr.splitlines() if "|" in line}
+    assert "lightning" in {line.split("|")[-1].strip() for line in first.stderr.splitlines()}
+    assert not {"torch", "lightning", "jsonargparse"} & imported
+    other = run_nanolab("validate", "--help", cwd=tmp_path, env=env)  # a page per verb
+    assert other.stdout.startswith("usage: nanolab validate") and "--ckpt_path" in other.stdout
+
+
 @pytest.mark.slow  # builds LightningCLI's whole parser: ~15 s of CPU
 def test_fit_help_all_is_lightnings_full_list(tmp_path):
     full = run_nanolab("fit", "--help-all", cwd=tmp_path)

@@ -115,3 +115,18 @@ def test_fit_runs_with_the_allocator_setting(char_dataset, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "ALLOC=expandable_segments:True" in res.stdout
     assert json.loads((tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_the_hip_version_is_read_without_importing_torch():
+    """Every verb asks before it starts; reading torch's version file answers as torch does
+    (``queue ls`` and ``fit --help`` stay free of torch's ~2 s import)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from nanolab.allocator import torch_hip_version; "
+        "hip = torch_hip_version(); print('torch' in sys.modules); "
+        "import torch; print(hip == torch.version.hip)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]

@@ -91,3 +91,62 @@ def test_the_sweep_commands_of_docs_queue_md_queue_what_they_say(tmp_path, capsy
         counts.append([j.name for j in QueueDB(db).jobs()])
     assert counts[0] == [f"quickstart-lr{lr}-s{s}" for lr in ("1e-3", "3e-3") for s in (1, 2, 3)]
     assert len(counts[1]) == 12 and counts[1][0] == "quickstart-lr1e-3-n_layer4-s1"
+
+
+def test_a_sweep_times_seeds_parses_and_estimates_each_point_once(
+    tmp_path, char_dataset, capsys, monkeypatch
+):
+    """The parser and the estimators run once per sweep point, not once per job: the seeds of
+    a point differ only in ``seed_everything`` and the run name (counted, not timed)."""
+    import nanolab.queue.predict as predict
+    import nanolab.run.parse as parse
+
+    calls: dict[str, int] = {"parse": 0, "estimate": 0, "memory": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(parse, "parse_fit_config", counted("parse", parse.parse_fit_config))
+    monkeypatch.setattr(predict, "job_estimate", counted("estimate", predict.job_estimate))
+    monkeypatch.setattr(predict, "memory_need", counted("memory", predict.memory_need))
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
+    del cfg["run"]["name"]
+    base = write_config(tmp_path / "base.yaml", cfg)
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(base), "--seeds", "1,2,3",
+                         "--sweep", "model.optimizer.lr=1e-3,3e-3",
+                         "--sweep", "model.gpt.n_layer=1,2")  # fmt: skip
+    assert code == 0, err
+    assert len(QueueDB(db).jobs()) == 12
+    assert calls == {"parse": 4, "estimate": 4, "memory": 4}
+
+
+def test_the_seeds_of_a_point_are_the_jobs_one_parse_per_seed_gives(tmp_path, char_dataset):
+    """A seed's job built from its sibling's parse equals the job built from its own parse:
+    the same config (seed and run name included), key, estimate, memory and run directory."""
+    from nanolab.queue.jobs import build_jobs, parse_config
+    from nanolab.queue.predict import flops_estimate, memory_need
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
+    del cfg["run"]["name"]
+    base = write_config(tmp_path / "base.yaml", cfg).resolve()
+    sets = ["model.optimizer.lr=3e-3", "--run.eval_every_steps=4"]
+
+    def build(seeds: str):
+        return build_jobs(base, sets, seeds, None, tmp_path, estimate=flops_estimate,
+                          memory=memory_need)  # fmt: skip
+
+    together = build("7,-2,11")
+    alone = [job for seed in ("7", "-2", "11") for job in build(seed)]
+    assert together == alone
+    args = ["--model.optimizer.lr=3e-3", "--run.eval_every_steps=4"]
+    first = parse_config(base, [*args, "--seed_everything=7"], "base-lr-s7", tmp_path)
+    own = parse_config(base, [*args, "--seed_everything=-2"], "base-lr-s-2", tmp_path)
+    shared = parse_config(base, [*args, "--seed_everything=-2"], "base-lr-s-2", tmp_path,
+                          seed_of=first, seed=-2)  # fmt: skip
+    assert shared == own and shared.config["seed_everything"] == -2

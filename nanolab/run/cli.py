@@ -31,7 +31,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     from nanolab.run import short_help
 
     if short_help.wants_short_help(argv):  # one page; Lightning's ~900 lines: --help-all
-        print(short_help.short_help(argv[0]))
+        print(short_help.page(argv[0]))
         return 0
     from_command_line = argv == sys.argv[1:]
     argv = nulls_as_class_settings(short_help.full_help_argv(argv))

@@ -31,14 +31,16 @@ from nanolab.errors import RunConfigError
 CLASS_GROUPS = ("model", "data")
 
 
-def _cache_file(verb: str) -> Path | None:
+def _cache_file(verb: str, kind: str = "keys", dists: tuple[str, ...] = ()) -> Path | None:
+    """Where ``verb``'s remembered ``kind`` (``keys``, ``help``) lives for this code; ``dists``:
+    more packages whose version the answer depends on."""
     from nanolab.estimator.facts_cache import cache_dir
 
     folder = cache_dir()
-    return None if folder is None else folder / f"{verb}-keys-{_fingerprint()}.json"
+    return None if folder is None else folder / f"{verb}-{kind}-{_fingerprint(dists)}.json"
 
 
-def _fingerprint() -> str:
+def _fingerprint(dists: tuple[str, ...] = ()) -> str:
     """Changes whenever the keys could: nanolab's files, and the parser's packages."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -50,7 +52,7 @@ def _fingerprint() -> str:
             if name.endswith(".py"):
                 st = os.stat(os.path.join(root, name))
                 digest.update(f"{root}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    for dist in ("lightning", "jsonargparse", "torch"):
+    for dist in ("lightning", "jsonargparse", "torch", *dists):
         try:
             digest.update(f"{dist}={version(dist)}\n".encode())
         except PackageNotFoundError:
@@ -72,18 +74,23 @@ def remember_keys(verb: str, keys: Iterable[str]) -> frozenset[str]:
     """Write ``keys`` for the next launch (atomically; a cache that cannot be written is
     skipped: it only makes the next refusal slower)."""
     known = frozenset(keys)
-    path = _cache_file(verb)
+    write_remembered(_cache_file(verb), sorted(known))
+    return known
+
+
+def write_remembered(path: Path | None, value: Any) -> None:
+    """``value`` as JSON at ``path``, atomically (a cache that cannot be written is skipped:
+    it only makes the next launch slower)."""
     if path is None:
-        return known
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(sorted(known), f)
+            json.dump(value, f)
         os.replace(tmp, path)
     except OSError:
         pass
-    return known
 
 
 def parser_keys(config: Any) -> list[str]:

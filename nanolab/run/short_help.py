@@ -4,6 +4,11 @@ LightningCLI's own help lists every argument of every class (~900 lines, mostly 
 it stays one flag away (``--help-all``). Defaults here are read from the classes themselves and
 descriptions from their docstrings' ``Args:`` sections, so this page cannot drift from the code;
 only the Trainer's few keys carry a description written here (its docstrings run to pages).
+
+Reading those classes imports Lightning and torch (seconds); the page is the same at every
+launch of the same code, so it is remembered like the parser's keys (:mod:`nanolab.run.keys`:
+keyed by nanolab's files and the versions of Lightning, jsonargparse, torch, docstring_parser
+and Python) and the next ``--help`` prints it before anything heavy is imported.
 """
 
 from __future__ import annotations
@@ -158,6 +163,33 @@ def short_help(verb: str) -> str:
         "docs: docs/configs.md (groups), docs/callbacks.md, docs/resume.md, docs/scaling.md",
     ]
     return "\n".join(lines)
+
+
+#: Packages the page depends on beyond those the parser's keys do.
+HELP_DISTS = ("docstring_parser",)
+
+
+def remembered_page(verb: str) -> str | None:
+    """The page an earlier ``--help`` of this code wrote, or None."""
+    import json
+
+    from nanolab.run.keys import _cache_file
+
+    path = _cache_file(verb, "help", HELP_DISTS)
+    try:
+        page = json.loads(path.read_text(encoding="utf-8")) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    return page if isinstance(page, str) else None
+
+
+def page(verb: str) -> str:
+    """:func:`short_help`, remembered for the next launch."""
+    from nanolab.run.keys import _cache_file, write_remembered
+
+    text = short_help(verb)
+    write_remembered(_cache_file(verb, "help", HELP_DISTS), text)
+    return text
 
 
 def wants_short_help(argv: list[str]) -> bool:
