@@ -74,7 +74,7 @@ class Check:
 
 # In the order they run: fast and most important first, the slowest last (a run cut short by
 # its deadline still has the headline figures). Caps are from the H200 runs of 2026-12-04
-# (docs/performance.md, "GPU check"), cold, with one Inductor cache shared by every process.
+# (docs/gpu-check.md), cold, with one Inductor cache shared by every process.
 CHECKS: tuple[Check, ...] = (
     Check("flash", 20, "flash SDPA fwd+bwd in bf16 at 124M's attention shape, vs the math kernel"),
     Check("flex_mask", 45, "document mask + window: FlexAttention vs SDPA boolean mask, bf16"),

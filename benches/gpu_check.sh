@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# nanolab's GPU checks in one run, under a hard time limit (docs/performance.md, "GPU check").
+# nanolab's GPU checks in one run, under a hard time limit (docs/gpu-check.md).
 #
 #   bash benches/gpu_check.sh                          # every check; summary in $OUT
 #   OUT=/tmp/res bash benches/gpu_check.sh --only flash,bench_124m

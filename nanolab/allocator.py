@@ -3,8 +3,7 @@
 With the default allocator a training step's large, changing blocks (logits of a big
 vocabulary, a grown micro-batch) leave reserved-but-unallocated memory behind: on an H200,
 GPT-2 124M at micro-batch 16 reserved 22% more than it allocated, and ``run.micro_batch_size:
-auto`` at 139 ran out of memory with 26 GiB "reserved but unallocated" (docs/performance.md,
-GPU check). Expandable segments grow one mapping instead of caching fixed blocks, which is
+auto`` at 139 ran out of memory with 26 GiB "reserved but unallocated" (docs/gpu-check.md). Expandable segments grow one mapping instead of caching fixed blocks, which is
 what the estimator's fragmentation margin assumes. A user's own ``PYTORCH_CUDA_ALLOC_CONF``
 (or ``PYTORCH_ALLOC_CONF``) is kept as it is; ROCm builds are left alone.
 """
