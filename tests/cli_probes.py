@@ -182,3 +182,24 @@ class LrAtSteps(L.Callback):
         with open(self.path, "a") as f:
             step = trainer.global_step + 1
             f.write(json.dumps({"step": step, "lr": optimizer.param_groups[0]["lr"]}) + "\n")
+
+
+class RunLogFullFrom(L.Callback):
+    """From optimizer step ``step`` on, every append to the run log fails with ENOSPC, as a
+    disk that fills up under ``metrics.jsonl`` would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import errno
+
+        from nanolab import runlog
+
+        if trainer.global_step + 1 < self.step:
+            return
+
+        def full(self) -> bool:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        runlog.RunLogWriter._still_there = full
