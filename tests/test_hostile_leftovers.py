@@ -11,6 +11,8 @@ from pathlib import Path
 
 from conftest import QUICKSTART, REPO, run_nanolab, tiny_overrides, write_config
 
+from nanolab.data.prepare import prepare_dataset
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -41,3 +43,21 @@ def test_a_full_disk_under_the_run_log_exits_74_as_the_docs_say(
     text = (REPO / "docs" / "guarantees.md").read_text()
     claim = text[text.index("A full disk under the run log") :][:200]
     assert "exit 74" in claim and "exit 2" not in claim
+
+
+# -- 2. another data.dataset_dir on resume is named as the change, not as another model -----
+def test_a_resume_on_other_data_names_the_data_not_the_model(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    other = tmp_path / "bytes_data"
+    prepare_dataset(["bundled:shakespeare"], other, "bytes", quiet=True)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", checkpoint={"every_n_steps": 3})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    assert _fit(tmp_path, config).returncode == 0
+    proc = _fit(tmp_path, config, "--data.dataset_dir", str(other), "--trainer.max_steps", "9")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _errors(proc)
+    assert "different model" not in line and "model.gpt" not in line, line
+    assert f"trained on the data in {char_dataset}" in line, line
+    assert f"this run points at {other}" in line and "data.dataset_dir" in line, line
+    assert "--run.name" in line, line

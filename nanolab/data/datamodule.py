@@ -450,6 +450,24 @@ class TokenDataModule(L.LightningDataModule):
             self._changed_noted = True
             rank_zero_warn(f"data.allow_changed: resuming anyway; {message}")
 
+    def changed_since(self, ckpt_path: str | Path) -> str | None:
+        """When ``ckpt_path`` was trained on other data than this: one line naming the data it
+        trained on, the data this run points at, and what to do (None: the same data, or a
+        checkpoint that does not say)."""
+        saved = checkpoint_fingerprint(ckpt_path, type(self).__qualname__)
+        if not isinstance(saved, dict):
+            return None
+        changes = data_changes(saved, self.data_fingerprint())
+        if not changes:
+            return None
+        before = ", ".join(str(d.get("path")) for d in saved.get("datasets") or []) or "?"
+        now = ", ".join(str(p.path) for p in self.parts)
+        return (
+            f"{ckpt_path} was trained on the data in {before}; this run points at {now} "
+            f"({'; '.join(changes[:2])}): restore data.dataset_dir (or data.datasets) to the "
+            "data it trained on, or start a new run (another --run.name)"
+        )
+
     def check_resume(self, ckpt_path: str | Path | None) -> None:
         """Before a resume starts: refuse it if the checkpoint was trained on other data."""
         if ckpt_path is not None:

@@ -40,6 +40,14 @@ class ResumeError(NanolabError):
     """``run.resume`` names a checkpoint that cannot be resumed from."""
 
 
+class DifferentModelError(ResumeError):
+    """The checkpoint's architecture or weight shapes are not this model's. ``checkpoint`` is
+    its path: the caller may find the data changed too and name that instead (a vocabulary
+    taken from other data is a consequence, not the change)."""
+
+    checkpoint: Path | None = None
+
+
 @dataclass
 class Candidate:
     """One checkpoint file (or sharded checkpoint folder) and what opening it told us."""
@@ -219,11 +227,13 @@ def check_same_model(
         and saved[k] != gpt_config[k]
     ]
     if diffs:
-        raise ResumeError(
+        err = DifferentModelError(
             f"{flag}: {cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); "
             "set model.gpt to match it, give this run another run.name, or start it fresh "
             "(run.resume never)"
         )
+        err.checkpoint = cand.path
+        raise err
 
 
 def check_same_shapes(
@@ -249,10 +259,12 @@ def check_same_shapes(
         parts.append(f"{len(missing)} weight(s) missing, e.g. {missing[0]}")
     if extra:
         parts.append(f"{len(extra)} unexpected weight(s), e.g. {extra[0]}")
-    raise ResumeError(
+    err = DifferentModelError(
         f"{flag}: {cand.path} holds a different model ({'; '.join(parts)}); "
         "set model.gpt to the architecture it was trained with"
     )
+    err.checkpoint = cand.path
+    raise err
 
 
 def resolve_resume(
