@@ -61,3 +61,27 @@ def test_a_resume_on_other_data_names_the_data_not_the_model(
     assert f"trained on the data in {char_dataset}" in line, line
     assert f"this run points at {other}" in line and "data.dataset_dir" in line, line
     assert "--run.name" in line, line
+
+
+# -- 3. every checkpoint unreadable: the error says so and names what works ----------------
+def test_every_checkpoint_unreadable_is_named_with_a_fix_that_works(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", checkpoint={"every_n_steps": 3})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    assert _fit(tmp_path, config).returncode == 0
+    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    for ckpt in folder.glob("*.ckpt"):
+        with open(ckpt, "r+b") as f:
+            f.truncate(1000)
+    proc = _fit(tmp_path, config, "--trainer.max_steps", "9")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _errors(proc)
+    assert "starting fresh" not in proc.stderr and "auto" not in line, proc.stderr
+    assert "every checkpoint in" in line and "is unreadable" in line, line
+    assert "step-00000003.ckpt (truncated" in line and "step-00000006.ckpt (truncated" in line
+    # What the line says works does: the run starts over, its files kept under previous/.
+    proc = _fit(tmp_path, config, "--trainer.max_steps", "3", "--run.fresh", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = sorted(p.name for p in (tmp_path / "runs" / "tiny" / "previous").rglob("*.ckpt"))
+    assert kept == ["last.ckpt", "step-00000003.ckpt", "step-00000006.ckpt"], kept

@@ -78,15 +78,12 @@ class ResumeChoice:
     skipped: list[Candidate] = field(default_factory=list)
 
     def warning(self) -> str | None:
-        """One line naming every skipped checkpoint and what was used instead (None: nothing skipped)."""
-        if not self.skipped:
+        """One line naming every skipped checkpoint and what was used instead (None: nothing
+        skipped, or nothing chosen: every checkpoint unreadable is an error, not a warning)."""
+        if not self.skipped or self.chosen is None:
             return None
         parts = "; ".join(f"{c.path.name} ({c.error})" for c in self.skipped)
-        target = (
-            f"resuming from {self.chosen.path.name} (step {self.chosen.step})"
-            if self.chosen
-            else "no complete checkpoint left: starting fresh"
-        )
+        target = f"resuming from {self.chosen.path.name} (step {self.chosen.step})"
         return f"nanolab: warning: skipped incomplete or corrupt checkpoint(s): {parts}; {target}"
 
 
@@ -295,6 +292,8 @@ def resume_candidate(
         return None
     if resume == "auto":
         choice = find_resume_checkpoint(run_dir)
+        if choice.chosen is None and choice.skipped:
+            raise ResumeError(unreadable_message(choice.skipped, Path(run_dir), flag))
         line = choice.warning()
         if line and _is_rank_zero():
             print(line, file=sys.stderr, flush=True)
@@ -317,6 +316,18 @@ def resume_candidate(
         )
     check_same_model(cand, gpt_config, flag)
     return cand
+
+
+def unreadable_message(broken: list[Candidate], run_dir: Path, flag: str) -> str:
+    """Every checkpoint of the run is unreadable: one line naming each and what works (the
+    run directory holds them, so it cannot simply start over in place)."""
+    names = "; ".join(f"{c.path.name} ({c.error})" for c in broken)
+    return (
+        f"{flag}: every checkpoint in {run_dir} is unreadable: {names}; there is nothing to "
+        f"resume from. Start the run over with run.fresh: true (moves its files to "
+        f"{run_dir / 'previous'}, nothing is deleted), or start a new run under another "
+        "run.name"
+    )
 
 
 def _mtime(path: Path) -> float:
