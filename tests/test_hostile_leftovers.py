@@ -6,11 +6,14 @@ Each row runs real ``nanolab fit`` processes on the tiny model (a few seconds ea
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 from conftest import QUICKSTART, REPO, run_nanolab, tiny_overrides, write_config
 
+from nanolab.data.checks import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS, sampled_sha256
 from nanolab.data.prepare import prepare_dataset
 
 TESTS = Path(__file__).resolve().parent
@@ -85,3 +88,53 @@ def test_every_checkpoint_unreadable_is_named_with_a_fix_that_works(
     assert proc.returncode == 0, proc.stderr[-3000:]
     kept = sorted(p.name for p in (tmp_path / "runs" / "tiny" / "previous").rglob("*.ckpt"))
     assert kept == ["last.ckpt", "step-00000003.ckpt", "step-00000006.ckpt"], kept
+
+
+# -- 4. train.bin rewritten in place, same size, same meta.json: the resume is refused -------
+def test_a_train_bin_rewritten_in_place_is_refused_on_resume(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(char_dataset, data)
+    train = data / "train.bin"
+    assert train.stat().st_size > SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES  # sampled, not hashed whole
+    cfg = tiny_overrides(data, tmp_path / "runs", checkpoint={"every_n_steps": 3})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    assert _fit(tmp_path, config).returncode == 0
+    ids = np.memmap(train, dtype=np.uint16, mode="r+")
+    ids[:1000] = ids[1000:2000].copy()  # a rewrite of the first block: same size, same ids
+    ids.flush()
+    del ids
+    proc = _fit(tmp_path, config, "--trainer.max_steps", "9")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _errors(proc)
+    assert f"{train} has the same size but other bytes" in line, line
+    assert "--data.allow_changed true" in line, line
+
+
+def test_the_sample_sees_every_sampled_block_and_only_those(tmp_path: Path) -> None:
+    """What docs/data.md says the fingerprint detects, and what it does not."""
+    path = tmp_path / "train.bin"
+    size = 40 * SAMPLE_BLOCK_BYTES + 123
+    path.write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    before = sampled_sha256(path)
+    span = size - SAMPLE_BLOCK_BYTES
+
+    def changed_at(offset: int) -> bool:
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0xFF
+        path.write_bytes(data)
+        try:
+            return sampled_sha256(path) != before
+        finally:
+            data[offset] ^= 0xFF
+            path.write_bytes(data)
+
+    starts = [span * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
+    assert all(changed_at(s) and changed_at(s + SAMPLE_BLOCK_BYTES - 1) for s in starts)
+    assert not changed_at(starts[0] + SAMPLE_BLOCK_BYTES)  # between two blocks: not seen
+    small = tmp_path / "val.bin"
+    small.write_bytes(b"\1" * 1000)
+    whole = sampled_sha256(small)
+    small.write_bytes(b"\1" * 999 + b"\2")
+    assert sampled_sha256(small) != whole  # a small file is hashed whole

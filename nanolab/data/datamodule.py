@@ -213,8 +213,8 @@ class TokenDataModule(L.LightningDataModule):
             ``name`` labels the per-dataset validation metrics; default: the folder name).
             Every folder must have been prepared with the same tokenizer. When set,
             ``dataset_dir`` is not used and ``source`` must be null (docs/data.md).
-        allow_changed: Resume even though the data's fingerprint (file sizes, ``meta.json``)
-            differs from the one in the checkpoint.
+        allow_changed: Resume even though the data's fingerprint (sizes, ``meta.json``,
+            sampled bytes) differs from the one in the checkpoint.
         align: ``stream``: windows cut anywhere in the token stream, at a seeded offset each
             epoch (nanoGPT's way). ``document``: every window starts at a document, documents
             packed best-fit into rows and cropped where none fits (nanochat's way; the share

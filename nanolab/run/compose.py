@@ -390,7 +390,7 @@ def claim_for_fit(
         except ResumeError as err:
             raise RunConfigError(str(err)) from None
     check_data = getattr(data, "check_resume", None)
-    if callable(check_data):  # data that changed under the run (sizes, meta.json) is refused
+    if callable(check_data):  # data changed under the run (sizes, meta.json, sampled bytes)
         check_data(path)
     claim_run_dir(
         run_dir,
