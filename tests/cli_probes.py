@@ -203,3 +203,30 @@ class RunLogFullFrom(L.Callback):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         runlog.RunLogWriter._still_there = full
+
+
+class DiskHoldsSteps(L.Callback):
+    """A disk with room for ``room`` step checkpoints of this run: a checkpoint write fails
+    with ENOSPC when the checkpoint folder already holds that many (what a full disk does to
+    a run that keeps more, whatever it deletes afterwards)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import errno
+
+        from nanolab.callbacks import checkpoint_io
+        from nanolab.callbacks.checkpoint import step_of
+
+        folder = Path(trainer.default_root_dir) / "checkpoints"
+        real = checkpoint_io.torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if sum(step_of(p) is not None for p in folder.iterdir()) >= self.room:
+                if hasattr(f, "write"):
+                    f.write(b"\0" * 1024)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(obj, f, *args, **kwargs)
+
+        checkpoint_io.torch.save = save

@@ -6,11 +6,13 @@ Each row runs real ``nanolab fit`` processes on the tiny model (a few seconds ea
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import QUICKSTART, REPO, run_nanolab, tiny_overrides, write_config
 
 from nanolab.data.checks import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS, sampled_sha256
@@ -138,3 +140,35 @@ def test_the_sample_sees_every_sampled_block_and_only_those(tmp_path: Path) -> N
     whole = sampled_sha256(small)
     small.write_bytes(b"\1" * 999 + b"\2")
     assert sampled_sha256(small) != whole  # a small file is hashed whole
+
+
+# -- 5. after a full disk, the fix the error line gives works on the rerun ------------------
+@pytest.mark.parametrize("fix", ["keep_last", "max_disk_gb"])
+def test_the_fix_a_full_disk_suggests_works_on_the_rerun(
+    tmp_path: Path, char_dataset: Path, fix: str
+) -> None:
+    disk = {"class_path": "cli_probes.DiskHoldsSteps", "init_args": {"room": 2}}
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__callbacks=[disk],
+        checkpoint={"every_n_steps": 3, "keep_last": 2},
+    )  # fmt: skip
+    cfg["trainer"]["max_steps"] = 12
+    config = write_config(tmp_path / "c.yaml", cfg)
+    proc = _fit(tmp_path, config)
+    assert proc.returncode == 74, proc.stderr[-3000:]
+    (line,) = _errors(proc)
+    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("step-*")) == [
+        "step-00000003.ckpt",
+        "step-00000006.ckpt",
+    ]
+    if fix == "keep_last":
+        assert "--checkpoint.keep_last 1 --checkpoint.keep_best 0" in line, line
+        args = ["--checkpoint.keep_last", "1", "--checkpoint.keep_best", "0"]
+    else:
+        below = float(re.search(r"--checkpoint.max_disk_gb below ([0-9.e-]+)", line)[1])
+        args = ["--checkpoint.max_disk_gb", str(below * 0.75)]
+    proc = _fit(tmp_path, config, *args)  # the same disk, no more room than before
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "deleted step-00000003.ckpt before the first save" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in folder.glob("step-*"))[-1] == "step-00000012.ckpt"
