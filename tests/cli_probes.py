@@ -182,3 +182,51 @@ class LrAtSteps(L.Callback):
         with open(self.path, "a") as f:
             step = trainer.global_step + 1
             f.write(json.dumps({"step": step, "lr": optimizer.param_groups[0]["lr"]}) + "\n")
+
+
+class RunLogFullFrom(L.Callback):
+    """From optimizer step ``step`` on, every append to the run log fails with ENOSPC, as a
+    disk that fills up under ``metrics.jsonl`` would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import errno
+
+        from nanolab import runlog
+
+        if trainer.global_step + 1 < self.step:
+            return
+
+        def full(self) -> bool:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        runlog.RunLogWriter._still_there = full
+
+
+class DiskHoldsSteps(L.Callback):
+    """A disk with room for ``room`` step checkpoints of this run: a checkpoint write fails
+    with ENOSPC when the checkpoint folder already holds that many (what a full disk does to
+    a run that keeps more, whatever it deletes afterwards)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import errno
+
+        from nanolab.callbacks import checkpoint_io
+        from nanolab.callbacks.checkpoint import step_of
+
+        folder = Path(trainer.default_root_dir) / "checkpoints"
+        real = checkpoint_io.torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if sum(step_of(p) is not None for p in folder.iterdir()) >= self.room:
+                if hasattr(f, "write"):
+                    f.write(b"\0" * 1024)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(obj, f, *args, **kwargs)
+
+        checkpoint_io.torch.save = save

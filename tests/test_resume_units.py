@@ -79,13 +79,14 @@ def test_weights_only_and_empty_files_are_not_resumable(tmp_path: Path) -> None:
     assert "missing state_dict" in inspect_checkpoint(tmp_path / "c.ckpt").error
 
 
-def test_only_torn_checkpoints_means_a_fresh_start(tmp_path: Path, capsys) -> None:
+def test_only_torn_checkpoints_is_one_error_naming_them(tmp_path: Path) -> None:
     ckpts = tmp_path / "run" / "checkpoints"
     (ckpts).mkdir(parents=True)
     (ckpts / "step-00000002.ckpt").write_bytes(b"PK\x03\x04 half a zip")
-    assert resolve_resume("auto", tmp_path / "run") is None
-    err = capsys.readouterr().err
-    assert "step-00000002.ckpt" in err and "no complete checkpoint left: starting fresh" in err
+    with pytest.raises(ResumeError, match=r"every checkpoint in .* is unreadable") as err:
+        resolve_resume("auto", tmp_path / "run")
+    assert "step-00000002.ckpt (truncated or not a checkpoint)" in str(err.value)
+    assert "run.fresh: true" in str(err.value) and "run.resume" not in str(err.value)[12:]
     assert resolve_resume("auto", tmp_path / "nothing-here") is None
     assert resolve_resume("never", tmp_path / "run") is None
 

@@ -199,6 +199,34 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         assert self.dirpath is not None
         if trainer.is_global_zero and (self.dirpath.exists() or self.dirpath.is_symlink()):
             self._claim_folder(at_start=True)
+            self._rotate_existing(trainer.global_step)
+
+    def _rotate_existing(self, step: int) -> None:
+        """Apply ``keep_last``/``keep_best``/``max_disk_gb`` to the step files already here,
+        before the first save: a rerun that lowered them (after a full disk) frees the room
+        there and then, not after a save that would fail again for want of it. With the
+        settings unchanged this deletes nothing (a save rotated to them already). The newest
+        step file up to ``step`` (the one resumed from) is never deleted; neither is anything
+        rotation would keep, nor a file this run has no record of (:meth:`_delete`)."""
+        assert self.dirpath is not None
+        if self._folder is None:
+            return
+        steps = [s for n in os.listdir(self._folder.fd) if (s := step_of(n)) is not None]
+        timeline = [s for s in steps if s <= step]
+        if not timeline:
+            return
+        newest = max(timeline)
+        deleted = self._rotate(
+            self.dirpath / step_checkpoint_name(newest), newest, self.val_by_step
+        )
+        if deleted:
+            print(
+                f"nanolab: checkpoint.keep_last {self.keep_last}, keep_best {self.keep_best}, "
+                f"max_disk_gb {self.max_disk_gb}: deleted {', '.join(p.name for p in deleted)} "
+                f"before the first save (kept {step_checkpoint_name(newest)}, the newest)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _claim_folder(self, at_start: bool) -> None:
         """Hold the checkpoint folder from now on (the run log has claimed the run directory);

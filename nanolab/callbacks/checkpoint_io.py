@@ -50,8 +50,8 @@ def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
         what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
         return (
             f"{what} writing {path} ({free} free{needs}); the previous "
-            "checkpoints are intact (no partial file was left under the final name); free space, "
-            "lower checkpoint.keep_last/keep_best or set checkpoint.max_disk_gb"
+            "checkpoints are intact (no partial file was left under the final name); "
+            + _room_fix(path.parent)
         )
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         cause = "permission denied"
@@ -62,6 +62,31 @@ def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
     return (
         f"could not write checkpoint {path}: {cause}; the previous checkpoints are intact "
         f"(no partial file was left under the final name); {fix}"
+    )
+
+
+def _room_fix(folder: Path) -> str:
+    """What makes room for the next checkpoint: free space, or keep fewer of the step files
+    here (a rerun applies lower ``keep_last``/``keep_best``/``max_disk_gb`` to them before its
+    first save, never to the newest)."""
+    from nanolab.callbacks.checkpoint import step_of
+
+    try:
+        steps = sorted(
+            (s, (folder / n).stat().st_size)
+            for n in os.listdir(folder)
+            if (s := step_of(n)) is not None
+        )
+    except OSError:
+        steps = []
+    if len(steps) < 2:
+        return "free space, then rerun the same command (the newest checkpoint is always kept)"
+    total = sum(size for _, size in steps)
+    return (
+        f"free space, or rerun keeping fewer of the {len(steps)} step checkpoints here "
+        f"({_size_text(total)}): --checkpoint.keep_last {len(steps) - 1} --checkpoint.keep_best "
+        f"0, or --checkpoint.max_disk_gb below {total / 1e9:.3g}, deletes the oldest before the "
+        "first save (never the newest)"
     )
 
 

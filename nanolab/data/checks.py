@@ -12,15 +12,16 @@ failure is one line that names the file and the fix (``nanolab fit`` turns it in
 * token ids in a bounded, strided sample of each file are below the vocabulary size (the sample
   is a few MB however large the file: memory and time do not grow with the corpus).
 
-:func:`fingerprint` identifies the data a run trained on (file sizes and a hash of
-``meta.json``, cheap to recompute); the DataModule stores it in every checkpoint and refuses to
-resume on data that changed underneath the run.
+:func:`fingerprint` identifies the data a run trained on (file sizes, a hash of ``meta.json``
+and a hash of 16 fixed 64 KiB blocks of each ``.bin``, cheap to recompute); the DataModule
+stores it in every checkpoint and refuses to resume on data that changed underneath the run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -201,13 +202,38 @@ def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int) -> int:
 
 
 # -- fingerprints ----------------------------------------------------------------------------
+#: The content sample of a ``.bin``: this many blocks of this many bytes, at offsets fixed by the
+#: file's size (the first block at 0, the last ending at the end, the rest evenly between). A
+#: file no larger than their sum is hashed whole.
+SAMPLE_BLOCKS = 16
+SAMPLE_BLOCK_BYTES = 64 * 1024
+
+
+def sampled_sha256(path: str | Path) -> str:
+    """The sha256 of the size and :data:`SAMPLE_BLOCKS` blocks of ``path`` (1 MiB read,
+    however large the file): an edit in place that keeps the size changes it when it touches
+    a sampled block; an edit elsewhere does not."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h = hashlib.sha256(str(size).encode())
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            h.update(f.read())
+            return h.hexdigest()
+        span = size - SAMPLE_BLOCK_BYTES
+        for i in range(SAMPLE_BLOCKS):
+            h.update(os.pread(f.fileno(), SAMPLE_BLOCK_BYTES, span * i // (SAMPLE_BLOCKS - 1)))
+    return h.hexdigest()
+
+
 def fingerprint(dataset_dir: str | Path) -> dict[str, Any]:
-    """What identifies the data cheaply: the sha256 of ``meta.json`` and each ``.bin`` size."""
+    """What identifies the data cheaply: the sha256 of ``meta.json``, each ``.bin`` size, and
+    the sha256 of a fixed sample of each ``.bin``'s bytes (:func:`sampled_sha256`)."""
     dataset_dir = Path(dataset_dir)
     meta = dataset_dir / "meta.json"
     return {
         "meta_sha256": hashlib.sha256(meta.read_bytes()).hexdigest(),
         **{f"{s}.bin": (dataset_dir / f"{s}.bin").stat().st_size for s in SPLITS},
+        **{f"{s}.bin_sample": sampled_sha256(dataset_dir / f"{s}.bin") for s in SPLITS},
     }
 
 
@@ -231,6 +257,9 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             key = f"{split}.bin"
             if old.get(key) != new.get(key):
                 changes.append(f"{where / key} is {new.get(key):,} bytes, was {old.get(key):,}")
+            elif old.get(f"{key}_sample") not in (None, new.get(f"{key}_sample")):
+                # An older checkpoint has no sample: its size and meta.json are all it says.
+                changes.append(f"{where / key} has the same size but other bytes (rewritten)")
         if old.get("meta_sha256") != new.get("meta_sha256"):
             changes.append(f"{where / 'meta.json'} changed")
         if old.get("weight") != new.get("weight"):

@@ -213,8 +213,8 @@ class TokenDataModule(L.LightningDataModule):
             ``name`` labels the per-dataset validation metrics; default: the folder name).
             Every folder must have been prepared with the same tokenizer. When set,
             ``dataset_dir`` is not used and ``source`` must be null (docs/data.md).
-        allow_changed: Resume even though the data's fingerprint (file sizes, ``meta.json``)
-            differs from the one in the checkpoint.
+        allow_changed: Resume even though the data's fingerprint (sizes, ``meta.json``,
+            sampled bytes) differs from the one in the checkpoint.
         align: ``stream``: windows cut anywhere in the token stream, at a seeded offset each
             epoch (nanoGPT's way). ``document``: every window starts at a document, documents
             packed best-fit into rows and cropped where none fits (nanochat's way; the share
@@ -449,6 +449,24 @@ class TokenDataModule(L.LightningDataModule):
         if not self._changed_noted:
             self._changed_noted = True
             rank_zero_warn(f"data.allow_changed: resuming anyway; {message}")
+
+    def changed_since(self, ckpt_path: str | Path) -> str | None:
+        """When ``ckpt_path`` was trained on other data than this: one line naming the data it
+        trained on, the data this run points at, and what to do (None: the same data, or a
+        checkpoint that does not say)."""
+        saved = checkpoint_fingerprint(ckpt_path, type(self).__qualname__)
+        if not isinstance(saved, dict):
+            return None
+        changes = data_changes(saved, self.data_fingerprint())
+        if not changes:
+            return None
+        before = ", ".join(str(d.get("path")) for d in saved.get("datasets") or []) or "?"
+        now = ", ".join(str(p.path) for p in self.parts)
+        return (
+            f"{ckpt_path} was trained on the data in {before}; this run points at {now} "
+            f"({'; '.join(changes[:2])}): restore data.dataset_dir (or data.datasets) to the "
+            "data it trained on, or start a new run (another --run.name)"
+        )
 
     def check_resume(self, ckpt_path: str | Path | None) -> None:
         """Before a resume starts: refuse it if the checkpoint was trained on other data."""

@@ -375,7 +375,7 @@ def claim_for_fit(
         check_ledger(run_dir)  # the data skipped after a spike is part of the run's order
     cand = None
     if requested is not None and not (run.fresh and requested == "auto"):
-        cand = open_checkpoint(requested, flag, run_dir, model, training=True)
+        cand = open_checkpoint(requested, flag, run_dir, model, training=True, data=data)
     path = str(cand.path) if cand is not None else None
     if cand is not None:
         from nanolab.training.resume import (
@@ -390,7 +390,7 @@ def claim_for_fit(
         except ResumeError as err:
             raise RunConfigError(str(err)) from None
     check_data = getattr(data, "check_resume", None)
-    if callable(check_data):  # data that changed under the run (sizes, meta.json) is refused
+    if callable(check_data):  # data changed under the run (sizes, meta.json, sampled bytes)
         check_data(path)
     claim_run_dir(
         run_dir,
@@ -463,10 +463,19 @@ def requested_checkpoint(resume: str, ckpt_path: Any) -> tuple[str | None, str]:
     return given, "--ckpt_path"
 
 
-def open_checkpoint(requested: str, flag: str, run_dir: Path, model: Any, training: bool) -> Any:
+def open_checkpoint(
+    requested: str, flag: str, run_dir: Path, model: Any, training: bool, data: Any = None
+) -> Any:
     """Open the checkpoint without running its pickle and check it fits this model: a bad
-    file is one error line (exit 2), never a traceback from deep inside Lightning."""
-    from nanolab.training.resume import ResumeError, check_same_shapes, resume_candidate
+    file is one error line (exit 2), never a traceback from deep inside Lightning. A model
+    that differs because ``data`` is not the data the checkpoint trained on (another
+    ``data.dataset_dir``, so another vocabulary) is named as a change of data."""
+    from nanolab.training.resume import (
+        DifferentModelError,
+        ResumeError,
+        check_same_shapes,
+        resume_candidate,
+    )
 
     gpt = getattr(model, "gpt_config", None)
     try:
@@ -474,6 +483,10 @@ def open_checkpoint(requested: str, flag: str, run_dir: Path, model: Any, traini
         if cand is not None and getattr(model, "model", None) is not None:
             expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
             check_same_shapes(cand, expected, flag)
+    except DifferentModelError as err:
+        moved = getattr(data, "changed_since", None)
+        other_data = moved(err.checkpoint) if callable(moved) and err.checkpoint else None
+        raise RunConfigError(f"{flag}: {other_data}" if other_data else str(err)) from None
     except ResumeError as err:
         raise RunConfigError(str(err)) from None
     return cand

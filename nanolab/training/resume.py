@@ -40,6 +40,14 @@ class ResumeError(NanolabError):
     """``run.resume`` names a checkpoint that cannot be resumed from."""
 
 
+class DifferentModelError(ResumeError):
+    """The checkpoint's architecture or weight shapes are not this model's. ``checkpoint`` is
+    its path: the caller may find the data changed too and name that instead (a vocabulary
+    taken from other data is a consequence, not the change)."""
+
+    checkpoint: Path | None = None
+
+
 @dataclass
 class Candidate:
     """One checkpoint file (or sharded checkpoint folder) and what opening it told us."""
@@ -70,15 +78,12 @@ class ResumeChoice:
     skipped: list[Candidate] = field(default_factory=list)
 
     def warning(self) -> str | None:
-        """One line naming every skipped checkpoint and what was used instead (None: nothing skipped)."""
-        if not self.skipped:
+        """One line naming every skipped checkpoint and what was used instead (None: nothing
+        skipped, or nothing chosen: every checkpoint unreadable is an error, not a warning)."""
+        if not self.skipped or self.chosen is None:
             return None
         parts = "; ".join(f"{c.path.name} ({c.error})" for c in self.skipped)
-        target = (
-            f"resuming from {self.chosen.path.name} (step {self.chosen.step})"
-            if self.chosen
-            else "no complete checkpoint left: starting fresh"
-        )
+        target = f"resuming from {self.chosen.path.name} (step {self.chosen.step})"
         return f"nanolab: warning: skipped incomplete or corrupt checkpoint(s): {parts}; {target}"
 
 
@@ -219,11 +224,13 @@ def check_same_model(
         and saved[k] != gpt_config[k]
     ]
     if diffs:
-        raise ResumeError(
+        err = DifferentModelError(
             f"{flag}: {cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); "
             "set model.gpt to match it, give this run another run.name, or start it fresh "
             "(run.resume never)"
         )
+        err.checkpoint = cand.path
+        raise err
 
 
 def check_same_shapes(
@@ -249,10 +256,12 @@ def check_same_shapes(
         parts.append(f"{len(missing)} weight(s) missing, e.g. {missing[0]}")
     if extra:
         parts.append(f"{len(extra)} unexpected weight(s), e.g. {extra[0]}")
-    raise ResumeError(
+    err = DifferentModelError(
         f"{flag}: {cand.path} holds a different model ({'; '.join(parts)}); "
         "set model.gpt to the architecture it was trained with"
     )
+    err.checkpoint = cand.path
+    raise err
 
 
 def resolve_resume(
@@ -283,6 +292,8 @@ def resume_candidate(
         return None
     if resume == "auto":
         choice = find_resume_checkpoint(run_dir)
+        if choice.chosen is None and choice.skipped:
+            raise ResumeError(unreadable_message(choice.skipped, Path(run_dir), flag))
         line = choice.warning()
         if line and _is_rank_zero():
             print(line, file=sys.stderr, flush=True)
@@ -305,6 +316,18 @@ def resume_candidate(
         )
     check_same_model(cand, gpt_config, flag)
     return cand
+
+
+def unreadable_message(broken: list[Candidate], run_dir: Path, flag: str) -> str:
+    """Every checkpoint of the run is unreadable: one line naming each and what works (the
+    run directory holds them, so it cannot simply start over in place)."""
+    names = "; ".join(f"{c.path.name} ({c.error})" for c in broken)
+    return (
+        f"{flag}: every checkpoint in {run_dir} is unreadable: {names}; there is nothing to "
+        f"resume from. Start the run over with run.fresh: true (moves its files to "
+        f"{run_dir / 'previous'}, nothing is deleted), or start a new run under another "
+        "run.name"
+    )
 
 
 def _mtime(path: Path) -> float:
