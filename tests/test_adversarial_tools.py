@@ -117,7 +117,7 @@ def test_report_skips_and_counts_records_of_the_wrong_shape(
 #: bytes left after the first checkpoint. Only the file object torch writes to is replaced:
 #: torch's own zip writer meets the ENOSPC and raises what it raises on a real full disk.
 FULL_DISK = """
-import builtins, errno, os, shutil, sys
+import errno, os, shutil, sys
 import nanolab.callbacks.checkpoint_io as io_module
 
 ROOM = int(os.environ["NANOLAB_TEST_ROOM"])
@@ -139,16 +139,18 @@ class FullDisk:
     def __exit__(self, *exc):
         return self.f.__exit__(*exc)
 
-def open_on_full_disk(path, mode="r", *args, **kwargs):
-    f = builtins.open(path, mode, *args, **kwargs)
-    if "w" in mode:
-        state["opened"] += 1
-        if state["opened"] >= 2:
-            state["used"] = 0
-            return FullDisk(f)
+real_open_new = io_module._open_new
+
+def open_on_full_disk(path, folder):
+    # Every checkpoint file is opened here (through the run's claimed folder descriptor).
+    f = real_open_new(path, folder)
+    state["opened"] += 1
+    if state["opened"] >= 2:
+        state["used"] = 0
+        return FullDisk(f)
     return f
 
-io_module.open = open_on_full_disk
+io_module._open_new = open_on_full_disk
 real_usage = shutil.disk_usage
 shutil.disk_usage = lambda p: real_usage(p)._replace(free=ROOM)
 from nanolab.cli import main
