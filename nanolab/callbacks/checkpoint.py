@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import stat
 import sys
 import time
@@ -35,25 +34,24 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from nanolab.callbacks.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_link
+from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of: public here too)
+    STEP_FILE,
+    AsyncAtomicCheckpointIO,
+    AtomicCheckpointIO,
+    atomic_link,
+    step_of,
+)
 from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
 from nanolab.callbacks.files import publish, remove, tmp_path
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import StepCallback, validation_follows
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 
-STEP_FILE = re.compile(r"^step-(\d{8,})\.ckpt$")
 LAST_NAME = "last.ckpt"
 
 
 def step_checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.ckpt"
-
-
-def step_of(path: str | Path) -> int | None:
-    """The step of a ``step-XXXXXXXX.ckpt`` file name, or ``None`` for any other name."""
-    match = STEP_FILE.match(Path(path).name)
-    return int(match.group(1)) if match else None
 
 
 def _size(path: Path) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,12 +66,20 @@ def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
     )
 
 
+#: A rotated checkpoint's file name: ``step-`` and the optimizer step, 8 digits or more.
+STEP_FILE = re.compile(r"^step-(\d{8,})\.ckpt$")
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step of a ``step-XXXXXXXX.ckpt`` file name, or ``None`` for any other name."""
+    match = STEP_FILE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def _room_fix(folder: Path) -> str:
     """What makes room for the next checkpoint: free space, or keep fewer of the step files
     here (a rerun applies lower ``keep_last``/``keep_best``/``max_disk_gb`` to them before its
     first save, never to the newest)."""
-    from nanolab.callbacks.checkpoint import step_of
-
     try:
         steps = sorted(
             (s, (folder / n).stat().st_size)
