@@ -171,9 +171,16 @@ def run(cmd: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, text, text)
 
 
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:|: error: ")
+
+
 def last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][-300:] if lines else "(no output)"
+    """What a failed child said: its last exception line (``torch.OutOfMemoryError: CUDA out of
+    memory. Tried to allocate ...``) or one-line error, else its last line; 300 characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if _EXCEPTION_LINE.search(line)]
+    chosen = errors[-1] if errors else (lines[-1] if lines else "(no output)")
+    return chosen[:300]
 
 
 def ensure_data(work: Path, given: str | None) -> Path:
@@ -765,11 +772,14 @@ def summary(meta: dict[str, Any], results: list[Result], started: float) -> dict
 
 
 def _headline(name: str, m: dict[str, Any]) -> str:
-    """The few numbers of a check that fit in a table cell."""
+    """The few numbers of a check that fit in a table cell ("-" for one it did not measure;
+    nothing for a check that measured nothing, such as one stopped at its cap)."""
+    if not m:
+        return ""
 
-    def f(key: str, fmt: str, d: dict[str, Any] = m) -> str | None:
+    def f(key: str, fmt: str, d: dict[str, Any] = m) -> str:
         value = d.get(key)
-        return None if value is None else format(value, fmt)
+        return "-" if value is None else format(value, fmt)
 
     if name == "flash":
         parts = [f"{f('fwd_bwd_ms', '.2f')} ms fwd+bwd", f"max diff {f('max_out_diff', '.1e')}"]

@@ -194,3 +194,17 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path):
     assert summary["dry_run"] is True and "CPU dry run" in (out / "gpu_check.md").read_text()
     bench = next(c for c in summary["checks"] if c["name"] == "bench_124m")["metrics"]
     assert bench["nanolab_tokens_per_s"] > 0 and bench["plain_tokens_per_s"] > 0
+
+
+def test_a_failed_child_is_summed_up_by_its_exception_line():
+    """The summary names the error (a CUDA OOM's first line), not the tail of PyTorch's advice."""
+    log = (
+        "Traceback (most recent call last):\n  File 'x.py', line 1\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 26.67 GiB. GPU 0 has a "
+        "total capacity of 139.80 GiB\nIf reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n"
+    )
+    assert gc.last_line(log).startswith("torch.OutOfMemoryError: CUDA out of memory. Tried")
+    assert gc.last_line("start\nnanolab fit: error: bad value\n") == "nanolab fit: error: bad value"
+    assert gc.last_line("one\ntwo\n") == "two" and gc.last_line("") == "(no output)"
+    assert gc._headline("bench_124m", {}) == ""  # stopped at its cap: nothing measured
