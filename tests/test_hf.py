@@ -536,8 +536,9 @@ def test_export_refusals_write_nothing(tmp_path, trained_run, capsys):
     assert "already exists; pass --force" in refused("--ckpt", str(trained_run), "-o", str(out))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     run_files = sorted(p.name for p in trained_run.iterdir())
+    # Even with --force: no command writes into a run directory (one rule for every -o).
     line = refused("--ckpt", str(trained_run), "-o", str(trained_run), "--force")
-    assert "only a previous export" in line
+    assert "is inside the run directory" in line and "write it elsewhere" in line
     assert sorted(p.name for p in trained_run.iterdir()) == run_files
 
     rope = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=16, block_size=8,

@@ -73,6 +73,12 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         return
     _received = (sig, time.time())
     if not _deferring:  # nothing written yet: this moment is as safe as any later one
+        if _inside_an_import(frame):
+            # An exception unwinding through a half-run module import leaves that module
+            # broken for whatever catches it (numpy under scipy: an AttributeError traceback
+            # and exit 1). Nothing was written, so there is nothing to clean up: end here.
+            _say_preempted(sig)
+            os._exit(EXIT_PREEMPTED)
         stop_if_received()
     _write(
         f"nanolab: received {sig.name} during start-up: stopping at the next safe point before "
@@ -226,11 +232,24 @@ def stop_if_received(where: str = "") -> None:
     if sig is None:
         return
     disarm_watchdog()
+    _say_preempted(sig, where)
+    raise PreemptedBeforeStart(sig.name)
+
+
+def _say_preempted(sig: signal.Signals, where: str = "") -> None:
     _write(
         f"nanolab: preempted by {sig.name} before the first step{where}; nothing was trained "
         f"or written; exiting with code {EXIT_PREEMPTED}, rerun the same command to start\n"
     )
-    raise PreemptedBeforeStart(sig.name)
+
+
+def _inside_an_import(frame: FrameType | None) -> bool:
+    """Whether the interrupted code is running a module's import (importlib's frames)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _write(text: str) -> None:
