@@ -102,7 +102,12 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
     its failure is a RuntimeError ending in its last output."""
     tail: list[str] = []
     with subprocess.Popen(
-        cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        cmd,
+        env={**_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:

@@ -191,7 +191,9 @@ class DivergenceStop(StepCallback):
         assert self.clock is not None
         self._observe_all(trainer, self.clock.readout.completed)
 
-    def _observe_all(self, trainer: L.Trainer, completed: list[tuple[int, dict[str, float]]]) -> None:
+    def _observe_all(
+        self, trainer: L.Trainer, completed: list[tuple[int, dict[str, float]]]
+    ) -> None:
         for step, values in completed:
             if FLAG_KEYS[0] in values:
                 self._observe(trainer, step, [values[k] for k in FLAG_KEYS])

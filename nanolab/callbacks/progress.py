@@ -27,7 +27,6 @@ from nanolab.callbacks.events import CallbackConfigError
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback, validation_follows
 
-
 #: The bar's loss in the step readout (:mod:`nanolab.callbacks.readout`).
 PROGRESS_KEY = "progress:loss"
 
