@@ -42,6 +42,9 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     assert set(out["spread"]) == {"nanolab", "plain loop", "ratio"}
     assert all(v is not None and v >= 0 for v in out["spread"].values())
     assert out["noisy"] == bool(out["warnings"]) and len(out["load_avg"]) == 2
+    # nanolab's fixed cost per step, and its syncs counted in an extra, untimed run
+    assert set(out["overhead_ms_per_step"]) == {"median", "min", "max"}
+    assert out["syncs"]["per_step"]["max"] == 1 and out["syncs"]["per_micro_batch_max"] == 0
 
 
 def test_bench_refuses_a_window_without_steady_state(tmp_path):

@@ -41,6 +41,12 @@ TWINS: dict[str, tuple[str, ...]] = {
     "nanolab/bench/harness.py": (
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
+    "nanolab/callbacks/readout.py": (
+        "tests/test_syncs.py::test_the_readout_defers_a_copy_nobody_waits_for",
+    ),
+    "nanolab/bench/syncs.py": (
+        "tests/test_syncs.py::test_the_counter_counts_what_waits_and_once_per_transfer",
+    ),
     "nanolab/bench/plain_loop.py": (
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
@@ -53,7 +59,6 @@ TWINS: dict[str, tuple[str, ...]] = {
 #: equivalent); the code around them runs on a CPU in the suite.
 NO_CPU_TWIN: dict[str, str] = {
     "nanolab/callbacks/clock.py": "torch.cuda.synchronize before reading the step clock",
-    "nanolab/callbacks/divergence.py": "a torch.cuda.Event for the non-blocking flag copy",
     "nanolab/callbacks/jsonl.py": "torch.cuda.get_device_name for the start record",
     "nanolab/callbacks/throughput.py": "max_memory_allocated/reserved and the device's name",
     "nanolab/downstream/harness.py": "the default device when none is given",

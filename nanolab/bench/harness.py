@@ -43,6 +43,7 @@ NOISY_SPREAD = 0.10
 @dataclass
 class SideResult:
     tokens_per_s: float
+    median_step_s: float  # the median interval between steady step ends
     window_tokens_per_s: float
     startup_s: float  # process start -> end of the first optimizer step
     steps: int
@@ -59,15 +60,16 @@ class NanolabResult(SideResult):
 
 def _steady_rate(
     ends: list[float], tokens_per_step: int, warmup: int, skip: set[int]
-) -> tuple[float, float]:
-    """(tokens / median step interval, tokens / wall time of the whole measured window)."""
+) -> tuple[float, float, float]:
+    """(tokens / median step interval, tokens / wall time of the whole measured window, the
+    median step interval in seconds)."""
     intervals = [ends[i] - ends[i - 1] for i in range(max(1, warmup), len(ends)) if i not in skip]
     if not intervals:
         raise RuntimeError(f"only {len(ends)} steps measured; raise --steps above --warmup")
     median = statistics.median(intervals)
     window = ends[-1] - ends[max(0, warmup - 1)]
     n = len(ends) - max(0, warmup - 1) - 1
-    return tokens_per_step / median, tokens_per_step * n / window
+    return tokens_per_step / median, tokens_per_step * n / window, median
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -94,13 +96,18 @@ def _env() -> dict[str, str]:
     return {"PYTHONUNBUFFERED": "1", **os.environ}
 
 
-def _run(cmd: list[str], what: str) -> None:
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
     """Run one side's process, its output passed on to this process's stderr as it comes (a
     bench stopped from outside still shows how far each side got; stdout stays the result's);
     its failure is a RuntimeError ending in its last output."""
     tail: list[str] = []
     with subprocess.Popen(
-        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        cmd,
+        env={**_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -112,7 +119,13 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def run_nanolab(
-    configs: list[str], overrides: list[str], steps: int, warmup: int, work: Path, tag: str
+    configs: list[str],
+    overrides: list[str],
+    steps: int,
+    warmup: int,
+    work: Path,
+    tag: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[NanolabResult, Path]:
     runs = work / "runs"
     cmd = [sys.executable, "-m", "nanolab", "fit"]
@@ -127,7 +140,7 @@ def run_nanolab(
         *overrides,
     ]  # fmt: skip
     t0 = time.time()
-    _run(cmd, "nanolab fit")
+    _run(cmd, "nanolab fit", env)
     run_dir = runs / tag
     records = read_records(run_dir / "metrics.jsonl")
     start = next(r for r in records if r["event"] == "start")
@@ -143,10 +156,11 @@ def run_nanolab(
             skip.add(index + 1)
     ends = [r["time"] for r in train]
     tokens_per_step = int(start.get("global_batch_tokens") or 0)
-    rate, window = _steady_rate(ends, tokens_per_step, warmup, skip)
+    rate, window, median = _steady_rate(ends, tokens_per_step, warmup, skip)
     return (
         NanolabResult(
             tokens_per_s=rate,
+            median_step_s=median,
             window_tokens_per_s=window,
             startup_s=ends[0] - t0,
             steps=len(ends),
@@ -169,9 +183,10 @@ def run_plain(config_yaml: Path, steps: int, warmup: int, work: Path) -> SideRes
     _run(cmd, "plain loop")
     result = json.loads(out.read_text())
     ends = result["step_ends"]
-    rate, window = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())
+    rate, window, median = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())
     return SideResult(
         tokens_per_s=rate,
+        median_step_s=median,
         window_tokens_per_s=window,
         startup_s=ends[0] - t0,
         steps=len(ends),
@@ -239,8 +254,40 @@ def noise_warnings(res: dict[str, Any]) -> list[str]:
     return out
 
 
+#: Optimizer steps of the (untimed) run that counts nanolab's host-device synchronisations.
+COUNT_STEPS = 30
+
+
+def count_syncs(
+    configs: list[str], overrides: list[str], steps: int, work: Path
+) -> dict[str, Any] | None:
+    """nanolab's host-device synchronisations per steady step and per micro-batch, counted in
+    one extra, untimed ``nanolab fit`` of the config (:mod:`nanolab.bench.syncs`); None when
+    the run was too short to have a steady step."""
+    from nanolab.bench.syncs import ENV, FIRST_STEP, read_counts
+
+    path = work / "syncs.json"
+    steps = max(FIRST_STEP + 2, min(steps, COUNT_STEPS))
+    run_nanolab(configs, overrides, steps, 1, work, "bench-syncs", env={ENV: str(path)})
+    counts = read_counts(path)
+    steady = counts["steady_per_step"]
+    if not steady:
+        return None
+    return {
+        "per_step": _stats([float(n) for n in steady]),
+        "per_micro_batch_max": max(counts["micro_batches"], default=0),
+        "steps_counted": len(steady),
+        "sources": counts["steady_sources"],
+    }
+
+
 def benchmark(
-    configs: list[str], overrides: list[str], steps: int, warmup: int, rounds: int
+    configs: list[str],
+    overrides: list[str],
+    steps: int,
+    warmup: int,
+    rounds: int,
+    syncs: bool = True,
 ) -> dict[str, Any]:
     nano: list[NanolabResult] = []
     plain: list[SideResult] = []
@@ -265,6 +312,7 @@ def benchmark(
                 plain.append(run_plain(config_yaml, steps, warmup, work))
                 nanolab_side(r)
         predicted = predicted_peak_bytes(config_yaml) if config_yaml else None
+        counted = count_syncs(configs, overrides, steps, work) if syncs else None
     loads.append(load_average())
     ratios = [n.tokens_per_s / p.tokens_per_s for n, p in zip(nano, plain, strict=True)]
     # Both sides must train the same thing: the same loss at the same step (the plain loop reads
@@ -286,6 +334,11 @@ def benchmark(
         "nanolab_tokens_per_s": _stats([n.tokens_per_s for n in nano]),
         "plain_tokens_per_s": _stats([p.tokens_per_s for p in plain]),
         "ratio": _stats(ratios),
+        # nanolab's fixed cost per step: its median step interval minus the plain loop's
+        "overhead_ms_per_step": _stats(
+            [(n.median_step_s - p.median_step_s) * 1e3 for n, p in zip(nano, plain, strict=True)]
+        ),
+        "syncs": counted,
         "loss_gap": {"max": max(gaps) if gaps else None, "steps_compared": len(gaps)},
         "nanolab_window_tokens_per_s": _stats([n.window_tokens_per_s for n in nano]),
         "plain_window_tokens_per_s": _stats([p.window_tokens_per_s for p in plain]),
@@ -332,6 +385,17 @@ def format_table(res: dict[str, Any]) -> str:
         row("nanolab tokens/s (steady)", res["nanolab_tokens_per_s"], ">10,.0f"),
         row("plain loop tokens/s (steady)", res["plain_tokens_per_s"], ">10,.0f"),
         row("ratio nanolab / plain", res["ratio"], ">10.3f"),
+    ]
+    if res.get("overhead_ms_per_step"):
+        lines.append(row("overhead per step ms", res["overhead_ms_per_step"], ">10.2f"))
+    syncs = res.get("syncs")
+    if syncs:
+        lines.append(
+            row("syncs per step, nanolab", syncs["per_step"], ">10.0f")
+            + f"  ({syncs['steps_counted']} steps counted; per micro-batch at most "
+            f"{syncs['per_micro_batch_max']})"
+        )
+    lines += [
         row("nanolab tokens/s (whole window)", res["nanolab_window_tokens_per_s"], ">10,.0f"),
         row("plain tokens/s (whole window)", res["plain_window_tokens_per_s"], ">10,.0f"),
         row("start-up to first step, nanolab s", res["nanolab_startup_s"], ">10.2f"),
@@ -408,6 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="extra override for nanolab fit, e.g. --set=--run.eval_every_steps=50",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--no-count-syncs",
+        dest="count_syncs",
+        action="store_false",
+        help="skip the extra, untimed nanolab run that counts host-device syncs per step",
+    )
     args = parser.parse_args(argv)
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
@@ -416,7 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [part for item in args.set for part in item.split("=", 1)]
     resolve_benchmarked(args.config, overrides, args.steps)
     try:
-        res = benchmark(args.config, overrides, args.steps, args.warmup, args.rounds)
+        res = benchmark(
+            args.config, overrides, args.steps, args.warmup, args.rounds, args.count_syncs
+        )
     except RuntimeError as err:
         print(f"nanolab bench: error: {err}", file=sys.stderr)
         return 1

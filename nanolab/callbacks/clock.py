@@ -38,6 +38,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from nanolab.callbacks.readout import StepReadout
+
 PAUSE_KINDS = ("eval", "tasks", "checkpoint", "log")
 
 
@@ -116,6 +118,7 @@ class RunClock(Callback):
         self._step_at_batch_start = -1
         self._validations = 0  # evaluations started (sanity check included)
         self._claimed: dict[str, int] = {}  # event -> occurrence already handed out
+        self.readout = StepReadout()  # the step callbacks' one host read per step
 
     # -- attaching ---------------------------------------------------------------------------
     @classmethod

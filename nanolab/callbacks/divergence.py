@@ -9,9 +9,10 @@ at ``patience`` of them the ``end`` record says ``diverged`` (the first bad step
 never saves non-finite weights, so the newest checkpoint on disk is the last finite one.
 
 Cost: the flags stay on the device (all-reduced there under DDP/FSDP, so every rank stops at the
-same step) and are copied to pinned host memory without blocking; each step reads the previous
-step's flag, finished by then, so no host-device synchronisation is added (on CPU it is read at
-once). The gradient norm is one fused pass over the gradients per optimizer step.
+same step) and go to the host in the step's one shared read (:mod:`nanolab.callbacks.readout`):
+with the run log's values on a step it records, else copied to pinned host memory without
+blocking and read at the next step (on CPU at once). No host-device synchronisation is added.
+The gradient norm is one fused pass over the gradients per optimizer step.
 
 Under fp16 a GradScaler finds its scale through non-finite gradients (it skips such a step and
 halves the scale), so there the gradient norm does not count; a *collapsed* loss scale does. When
@@ -43,6 +44,7 @@ from nanolab.callbacks.events import (
     stop_reason,
 )
 from nanolab.callbacks.jsonl import gradient_norm
+from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
 
 #: Exit status of ``nanolab fit`` when this callback stopped the run. Not 2 (bad input) and not
@@ -51,6 +53,10 @@ EXIT_DIVERGED = 3
 
 #: The reason string of the ``end`` record.
 REASON = "diverged"
+
+#: The step's flags in the step readout: loss or gradient norm not finite, the GradScaler
+#: skipped the step, its scale after the step.
+FLAG_KEYS = ("divergence:bad", "divergence:skipped", "divergence:scale")
 
 
 @dataclass
@@ -118,8 +124,6 @@ class DivergenceStop(StepCallback):
         self._step_bad: torch.Tensor | None = None  # this optimizer step, on the device
         self._scale_before: torch.Tensor | None = None  # the GradScaler's scale before the step
         self._params: list[torch.nn.Parameter] | None = None
-        self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
-        self._host: list[torch.Tensor] = []
 
     # -- hooks -------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -158,7 +162,9 @@ class DivergenceStop(StepCallback):
         if isinstance(loss, torch.Tensor):
             self._mark(~torch.isfinite(loss.detach().float()).all())
 
-    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+    def step_values(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
+    ) -> None:
         bad, self._step_bad = self._step_bad, None
         before, self._scale_before = self._scale_before, None
         bad = (
@@ -173,11 +179,29 @@ class DivergenceStop(StepCallback):
             after = after.detach().to(bad.device, torch.float32).reshape(())
             skipped = (after < before.to(bad.device, torch.float32).reshape(())).to(torch.float32)
             scale = after.clone()
-        self._submit(trainer, step, torch.stack((bad, skipped, scale)))
+        flags = torch.stack((bad, skipped, scale))
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if trainer.world_size > 1 and distributed:
+            # Any rank's bad step stops every rank (the scale is the same on all of them).
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        for key, flag in zip(FLAG_KEYS, flags.unbind(), strict=True):
+            readout.put(key, flag)
+
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        assert self.clock is not None
+        self._observe_all(trainer, self.clock.readout.completed)
+
+    def _observe_all(
+        self, trainer: L.Trainer, completed: list[tuple[int, dict[str, float]]]
+    ) -> None:
+        for step, values in completed:
+            if FLAG_KEYS[0] in values:
+                self._observe(trainer, step, [values[k] for k in FLAG_KEYS])
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.active:
-            self._drain(trainer, keep=0)
+            if self.clock is not None:  # the last steps' flags, if still on their way
+                self._observe_all(trainer, self.clock.readout.drain())
             self._check_the_end(trainer)
 
     def _check_the_end(self, trainer: L.Trainer) -> None:
@@ -197,34 +221,6 @@ class DivergenceStop(StepCallback):
     # -- bookkeeping -------------------------------------------------------------------------
     def _mark(self, bad: torch.Tensor) -> None:
         self._step_bad = bad if self._step_bad is None else self._step_bad | bad
-
-    def _submit(self, trainer: L.Trainer, step: int, flags: torch.Tensor) -> None:
-        """Agree across ranks on the device, then read it now (CPU) or at the next step.
-
-        ``flags`` = (loss or gradient norm not finite, GradScaler skipped the step, its scale
-        after the step), float32 on the device. The max over ranks: any rank's bad step stops
-        every rank (the scale is the same on all of them).
-        """
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if trainer.world_size > 1 and distributed:
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        if flags.device.type != "cuda":
-            self._observe(trainer, step, flags.tolist())
-            return
-        self._drain(trainer, keep=1)  # the previous step's flags: finished on the device by now
-        if len(self._host) < 2:
-            self._host = [torch.zeros(3, pin_memory=True) for _ in range(2)]
-        host = self._host[step % 2]
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._in_flight.append((step, host, event))
-
-    def _drain(self, trainer: L.Trainer, keep: int) -> None:
-        while len(self._in_flight) > keep:
-            step, host, event = self._in_flight.pop(0)
-            event.synchronize()
-            self._observe(trainer, step, host.tolist())
 
     def _observe(self, trainer: L.Trainer, step: int, flags: list[float]) -> None:
         self.bad.update(bool(flags[0]), step)

@@ -9,8 +9,9 @@ and the queue read the same file with :func:`nanolab.runlog.read_records`. The s
   the clock, the throughput meter and the budget contribute (:class:`~.events.RecordSource`);
 * ``val`` after every validation; ``end`` when the run ends, for whatever reason.
 
-Cost: one host-device sync per ``train`` record (all logged scalars copied in one transfer) and a
-JSON line written with a flush; nothing else per step. Rank 0 writes; the other ranks take part
+Cost: one host-device sync per ``train`` record (all logged scalars copied in one transfer,
+shared with the other step callbacks: :mod:`nanolab.callbacks.readout`) and a JSON line written
+with a flush; nothing else per step. Rank 0 writes; the other ranks take part
 only in the collective parts (the gradient norm of sharded parameters, broadcasting decisions).
 """
 
@@ -40,6 +41,7 @@ from nanolab.callbacks.events import (
     stop_reason,
 )
 from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
+from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
 from nanolab.callbacks.step import StepCallback
 from nanolab.claimed import LeftClaimedDir
@@ -52,6 +54,9 @@ from nanolab.runlog import (
 )
 
 __all__ = ["MetricsLog", "read_records"]
+
+#: The run log's keys in the step readout (the logged names follow it).
+LOG_KEY = "log:"
 
 TRAIN_FIELDS = (
     "step_time_s",
@@ -244,21 +249,33 @@ class MetricsLog(StepCallback):
                 self._params = list(pl_module.parameters())
             self._grad_norm = gradient_norm(pl_module, self._params)
 
-    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+    def step_values(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
+    ) -> None:
         if not self._logs_step(step):
             return
         grad_norm, self._grad_norm = self._grad_norm, None
         if self._writer is None:
             return
-        clock = self.clock
-        assert clock is not None
         metrics = fresh_metrics(trainer, training=True)
         if grad_norm is None:
             grad_norm = engine_gradient_norm(trainer)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
-        with clock.device_wait():
-            values = to_floats(metrics)  # the one host sync: it waits for the step's device work
+        for key, value in metrics.items():
+            readout.put(LOG_KEY + key, value, now=True)  # read with the others: one sync
+
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if not self._logs_step(step) or self._writer is None:
+            return
+        clock = self.clock
+        assert clock is not None
+        read = clock.readout.values or {}
+        values = {
+            key[len(LOG_KEY) :]: (v if math.isfinite(v) else None)
+            for key, v in read.items()
+            if key.startswith(LOG_KEY)
+        }
         with clock.pause("log"), clock.frozen():
             optimizers = trainer.optimizers
             lr = optimizers[0].param_groups[0].get("lr") if optimizers else None

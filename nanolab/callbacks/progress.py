@@ -4,7 +4,7 @@ Lightning's bar counts micro-batches of an endless loader ("123/?": no ETA), ope
 for every validation, and converts every progress-bar metric to a Python number at each
 refresh. This one counts optimizer steps against ``trainer.max_steps`` (from the restored step
 when resuming, so tqdm's rate and ETA are this launch's), reads the loss only at the refresh
-interval (one host sync per refresh, none in between), takes tokens/s from the shared clock and
+interval (in the step's one host read, shared with the run log: :mod:`.readout`), takes tokens/s from the shared clock and
 shows the validation result in the same bar. Where the output is not a terminal (a queue job's
 log, a SLURM file) a bar is a stream of escape codes, so it prints plain lines instead, at most
 one per ``plain_every_s`` seconds plus one after every validation and one at the end.
@@ -13,6 +13,7 @@ The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Literal
@@ -23,7 +24,11 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from nanolab.callbacks.clock import ClockSnapshot
 from nanolab.callbacks.events import CallbackConfigError
+from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback, validation_follows
+
+#: The bar's loss in the step readout (:mod:`nanolab.callbacks.readout`).
+PROGRESS_KEY = "progress:loss"
 
 
 class StepProgressBar(StepCallback, TQDMProgressBar):
@@ -115,22 +120,31 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return dict(self._postfix)
 
-    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+    def _refreshes(self, trainer: L.Trainer, step: int) -> bool:
         if self.refresh_rate == 0 or (not self.plain and self._train_progress_bar is None):
+            return False
+        last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        return not (step % self.refresh_rate and step != last)
+
+    def step_values(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
+    ) -> None:
+        if not self._refreshes(trainer, step):
+            return
+        from nanolab.callbacks.jsonl import fresh_metrics
+
+        loss = fresh_metrics(trainer, training=True).get(self.loss_key)
+        if loss is not None:  # read with the run log's values: no sync of its own
+            readout.put(PROGRESS_KEY, loss, now=True)
+
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if not self._refreshes(trainer, step):
             return
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        if step % self.refresh_rate and step != last:
-            return
-        from nanolab.callbacks.jsonl import fresh_metrics, to_floats
-
         assert self.clock is not None
-        with self.clock.device_wait():  # the sync waits for the step's device work
-            metrics = fresh_metrics(trainer, training=True)
-            loss = to_floats(
-                {self.loss_key: metrics[self.loss_key]} if self.loss_key in metrics else {}
-            )
-        if loss.get(self.loss_key) is not None:
-            self._postfix["loss"] = f"{loss[self.loss_key]:.4f}"
+        loss = (self.clock.readout.values or {}).get(PROGRESS_KEY)
+        if loss is not None and math.isfinite(loss):
+            self._postfix["loss"] = f"{loss:.4f}"
         if self._last is not None:
             now = self.clock.snapshot()
             active = now.active_s - self._last.active_s

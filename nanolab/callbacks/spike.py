@@ -27,8 +27,10 @@ called before the checkpoint to resume from is chosen), so it resumes exactly.
 Checkpoint rotation always keeps one checkpoint old enough to roll back to (the newest one at
 least ``patience + 2`` steps before the newest save), besides ``checkpoint.keep_last``.
 
-Cost: one scalar per step, read at the next step on a GPU (no added synchronisation) and
-averaged over ranks, so every rank decides the same.
+Cost: one scalar per step, averaged over ranks (so every rank decides the same) and brought to
+the host in the step's one shared read (:mod:`nanolab.callbacks.readout`): no synchronisation
+of its own. (It used to ``.item()`` the previous step's loss on a GPU, which waited for the
+whole queued step all the same.)
 """
 
 from __future__ import annotations
@@ -47,11 +49,14 @@ from nanolab.callbacks.checkpoint import LAST_NAME, RotatingCheckpoint, step_of
 from nanolab.callbacks.checkpoint_io import atomic_link
 from nanolab.callbacks.divergence import Streak
 from nanolab.callbacks.events import CallbackConfigError, emit, find_callback, set_stop_reason
+from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
 from nanolab.data.datamodule import consumed_micro_batches
 from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
 
 ACTIONS = ("rollback", "stop", "warn")
+#: The step's mean training loss in the step readout (:mod:`nanolab.callbacks.readout`).
+LOSS_KEY = "spike:loss"
 #: The ``end`` record's reason of the part of a run that a rollback ended.
 REASON = "rollback"
 #: Where the checkpoints newer than the one rolled back to are moved (kept, never deleted).
@@ -131,7 +136,6 @@ class SpikeGuard(StepCallback):
         self.spikes: list[dict[str, Any]] = []  # this process's spike records
         self._sum: torch.Tensor | None = None
         self._count = 0
-        self._pending: tuple[int, torch.Tensor] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -167,7 +171,9 @@ class SpikeGuard(StepCallback):
             self._sum = loss if self._sum is None else self._sum + loss
             self._count += 1
 
-    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+    def step_values(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
+    ) -> None:
         if self._sum is None:
             return
         mean, self._sum, self._count = self._sum / self._count, None, 0
@@ -175,11 +181,13 @@ class SpikeGuard(StepCallback):
         if trainer.world_size > 1 and distributed:
             torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.SUM)
             mean = mean / trainer.world_size
-        previous, self._pending = self._pending, (step, mean)
-        if mean.device.type != "cuda":  # read now; on a GPU the previous step's, done by now
-            previous, self._pending = self._pending, None
-        if previous is not None:
-            self.observe(trainer, previous[0], float(previous[1].item()))
+        readout.put(LOSS_KEY, mean)  # read now on CPU; on a GPU maybe the next step
+
+    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        assert self.clock is not None
+        for done, values in self.clock.readout.completed:
+            if LOSS_KEY in values:
+                self.observe(trainer, done, values[LOSS_KEY])
 
     def observe(self, trainer: L.Trainer | None, step: int, loss: float) -> str | None:
         """Take one step's loss; the action taken when it completes a spike, else None."""

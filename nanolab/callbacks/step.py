@@ -10,6 +10,8 @@ others in an order that does not depend on where it sits in ``trainer.callbacks`
 * :meth:`~StepCallback.on_run_start` — training starts in this process (a restored checkpoint
   is already loaded);
 * :meth:`~StepCallback.on_micro_batch` — after every micro-batch, before ``on_step``;
+* :meth:`~StepCallback.step_values` — a step finished: put the device scalars to read (one
+  transfer for all the callbacks, :mod:`nanolab.callbacks.readout`), before any ``on_step``;
 * :meth:`~StepCallback.on_step` — an optimizer step just finished (``step`` = steps done);
 * :meth:`~StepCallback.on_validated` — an evaluation during fit ended (not the sanity check).
 
@@ -34,6 +36,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from nanolab.callbacks.clock import RunClock
+from nanolab.callbacks.readout import StepReadout
 
 #: nanolab's step callbacks in the order every event reaches them (a subclass takes its base's
 #: place). Place ``i`` (from 0) is ``step_order`` ``10 * (i + 1)``.
@@ -117,6 +120,12 @@ class StepCallback(Callback):
             callback.on_micro_batch(trainer, pl_module, outputs)
         if peers and self.clock is not None and self.clock.step_finished(trainer):
             step = int(trainer.global_step)
+            readout = self.clock.readout
+            readout.begin(step)
+            for callback in peers:
+                callback.step_values(trainer, pl_module, step, readout)
+            with self.clock.device_wait():  # the host waits for the step's queued device work
+                readout.transfer()
             for callback in peers:
                 callback.on_step(trainer, pl_module, step)
 
@@ -146,8 +155,17 @@ class StepCallback(Callback):
     ) -> None:
         """A micro-batch finished (every one, also mid-accumulation); runs before ``on_step``."""
 
+    def step_values(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
+    ) -> None:
+        """Before ``on_step``: put the device scalars of this step that this callback reads
+        (``readout.put``); they are read together, in one transfer, for every callback
+        (:mod:`nanolab.callbacks.readout`). Reading a device tensor any other way per step
+        (``.item()``, ``float()``) adds a host-device synchronisation."""
+
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        """An optimizer step just finished; ``step`` = optimizer steps done."""
+        """An optimizer step just finished; ``step`` = optimizer steps done. ``self.clock.readout``
+        holds what the callbacks' :meth:`step_values` put (``values``/``completed``)."""
 
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """An evaluation during fit ended (never the sanity check); ``step`` as in ``on_step``."""

@@ -115,6 +115,10 @@ def launch(cli: NanolabCLI) -> Trainer:
     callbacks += [built[group] for group in run_callbacks()]
     if verb == "fit" and not trainer_args.get("fast_dev_run"):
         callbacks.append(RunConfigWriter(cli.verb_parser, cfg))  # config.yaml in the run dir
+    if verb == "fit" and os.environ.get("NANOLAB_COUNT_SYNCS"):  # nanolab bench --count-syncs
+        from nanolab.bench.syncs import ENV, sync_count_callback
+
+        callbacks.append(sync_count_callback(os.environ[ENV]))
     if verb == "fit" and cfg.get("logger"):
         from nanolab.callbacks.loggers import make_logger
 

@@ -113,7 +113,9 @@ class GPTLightningModule(L.LightningModule):
     ) -> torch.Tensor:
         x, y = batch
         _, loss = self(x, y)
-        self.log("train/loss", loss, prog_bar=True)
+        # Not prog_bar: Lightning converts progress-bar values with .item() at every micro-batch
+        # (a host-device sync each); nanolab's bar reads the loss from the step's one read.
+        self.log("train/loss", loss)
         return loss
 
     def validation_step(self, batch: tuple[Any, ...], batch_idx: int) -> None:

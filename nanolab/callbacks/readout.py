@@ -1,0 +1,137 @@
+"""One host read per optimizer step: the step's device scalars, brought over together.
+
+The run log's loss and gradient norm, the divergence stop's non-finite flags and the spike
+guard's mean loss are device scalars of the same step. Read one by one (``.item()``,
+``.tolist()``), each is a host-device synchronisation: the host waits for the whole queued
+step. :class:`StepReadout` (one per :class:`~nanolab.callbacks.clock.RunClock`, ``clock.readout``)
+takes them all and copies them in one transfer per device:
+
+* before the step callbacks' ``on_step``, each puts what it wants read
+  (:meth:`~nanolab.callbacks.step.StepCallback.step_values`); one that needs the value during
+  this step (the run log on a step it records, the progress bar on a refresh) puts it with
+  ``now=True``;
+* :meth:`StepReadout.transfer` then reads them all at once when one is wanted now, or on a
+  device that is not a GPU (there a read waits for nothing). Otherwise, on a CUDA device, the
+  copy goes to pinned host memory without blocking and the values arrive at the next step's
+  transfer, whose wait is for a copy queued a whole step earlier (finished by then);
+* during ``on_step``, :attr:`StepReadout.values` holds this step's values when they were read,
+  and :attr:`StepReadout.completed` every step whose values arrived in this transfer (this one's
+  included), oldest first.
+
+So a steady step costs at most one synchronisation, whatever the callbacks, and none when no
+callback wants a value now on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+Values = dict[str, float]
+
+
+class StepReadout:
+    """The device scalars of the current optimizer step (see the module docstring)."""
+
+    def __init__(self, defer: bool | None = None) -> None:
+        #: Copy without blocking when no value is wanted now: ``None`` = when the values are on
+        #: a CUDA device (True on a CPU runs the same code, as tests/test_syncs.py does).
+        self.defer = defer
+        self.step: int | None = None
+        self.values: Values | None = None  # this step's, when read in this step
+        self.completed: list[tuple[int, Values]] = []  # arrived in this step's transfer
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._plain: Values = {}
+        self._now = False
+        self._in_flight: deque[tuple[int, list[str], Values, torch.Tensor, Any]] = deque()
+        self._pinned: dict[int, list[torch.Tensor]] = {}  # spare host buffers by size
+
+    # -- filling -----------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """A new step: forget the previous step's values (in-flight copies stay in flight)."""
+        self.step, self.values, self.completed = step, None, []
+        self._tensors, self._plain, self._now = {}, {}, False
+
+    def put(self, key: str, value: Any, now: bool = False) -> None:
+        """Have ``value`` (a one-element tensor or a number) read with this step's others;
+        ``now``: it is needed in this step's ``on_step`` (else it may arrive a step later)."""
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return
+            self._tensors[key] = value.detach().reshape(())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._plain[key] = float(value)
+        else:
+            return
+        self._now = self._now or now
+
+    # -- reading -----------------------------------------------------------------------------
+    def transfer(self) -> None:
+        """Read what was put (see the module docstring); fills ``values`` and ``completed``."""
+        assert self.step is not None, "begin() first"
+        step, tensors = self.step, self._tensors
+        on_gpu = any(t.device.type == "cuda" for t in tensors.values())
+        defer = on_gpu if self.defer is None else self.defer
+        if self._now or not defer or not tensors:
+            values = dict(self._plain)
+            for items in _by_device(tensors).values():
+                keys = [k for k, _ in items]
+                stacked = torch.stack([t.float() for _, t in items])
+                values.update(zip(keys, stacked.tolist(), strict=True))  # the one sync
+            self._finish_in_flight()  # done by now: the read above waited for them
+            self.values = values
+            self.completed.append((step, values))
+            return
+        self._finish_in_flight()  # the previous step's copy, queued a step ago
+        keys, items = list(tensors), list(tensors.values())
+        if len({t.device for t in items}) > 1:  # mixed devices (rare): read them now instead
+            self._now = True
+            self.transfer()
+            return
+        stacked = torch.stack([t.float() for t in items])
+        cuda = stacked.device.type == "cuda"
+        host = self._host_buffer(len(items), pin=cuda)
+        host.copy_(stacked, non_blocking=cuda)
+        event = torch.cuda.Event() if cuda else _Done()
+        event.record()
+        self._in_flight.append((step, keys, dict(self._plain), host, event))
+
+    def drain(self) -> list[tuple[int, Values]]:
+        """Wait for every copy still in flight (the run's end); their steps' values."""
+        before = len(self.completed)
+        self._finish_in_flight()
+        return self.completed[before:]
+
+    def _finish_in_flight(self) -> None:
+        while self._in_flight:
+            step, keys, plain, host, event = self._in_flight.popleft()
+            event.synchronize()
+            values = {**plain, **dict(zip(keys, host.tolist(), strict=True))}
+            self._pinned.setdefault(host.numel(), []).append(host)
+            self.completed.append((step, values))
+        self.completed.sort(key=lambda item: item[0])
+
+    def _host_buffer(self, size: int, pin: bool) -> torch.Tensor:
+        spare = self._pinned.get(size)
+        if spare:
+            return spare.pop()
+        return torch.empty(size, dtype=torch.float32, pin_memory=pin)
+
+
+class _Done:
+    """A CUDA event's stand-in off the GPU, where a copy is finished when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _by_device(tensors: dict[str, torch.Tensor]) -> dict[torch.device, list[tuple[str, Any]]]:
+    out: dict[torch.device, list[tuple[str, Any]]] = {}
+    for key, tensor in tensors.items():
+        out.setdefault(tensor.device, []).append((key, tensor))
+    return out

@@ -1,0 +1,110 @@
+"""Host-device synchronisations per steady optimizer step of a real ``nanolab fit``: at most one.
+
+A sync makes the host wait for the device's whole queued step (``.item()``, ``.tolist()``,
+``float()`` of a tensor, ``.cpu()``, ``torch.cuda.synchronize`` ...), so a GPU idles while the
+host catches up. They are counted by instrumenting torch (:mod:`nanolab.bench.syncs`) in the
+fit process, from step 3 on; on a CPU every tensor is host memory, so what is counted is what
+would wait on a GPU, where the same code runs with device tensors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+
+from nanolab.bench.syncs import ENV, SyncCounter
+from nanolab.callbacks.readout import StepReadout
+
+
+def test_a_fit_takes_one_sync_per_step_and_none_per_micro_batch(tmp_path, char_dataset):
+    """The quickstart's callbacks (run log, throughput, progress, budget, divergence, spike,
+    preemption, checkpoint, in-loop tasks), every step logged and the progress bar's plain line
+    refreshed every step, two micro-batches per step: every steady step costs exactly one sync,
+    the step's one read (:mod:`nanolab.callbacks.readout`), and no micro-batch costs any.
+
+    Mutations caught (the tree before this test had all of them: 9 per step, 2 per micro-batch):
+    ``self.log("train/loss", loss, prog_bar=True)`` (Lightning ``.item()``s progress-bar values
+    whenever it gathers metrics: 5 per step, 2 per micro-batch); the progress bar, the spike
+    guard or the divergence stop reading its value itself (one more per step each).
+    """
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
+    cfg["model"]["gpt"]["n_layer"] = 1
+    cfg["run"].update(eval_every_steps=6, global_batch_tokens=2 * 4 * 32)  # 2 micro-batches
+    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": 6},
+               progress={"refresh_rate": 1, "plain_every_s": 0})  # fmt: skip
+    cfg["trainer"]["enable_progress_bar"] = True
+    out = tmp_path / "syncs.json"
+    res = run_nanolab(
+        "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
+        cwd=tmp_path, env={ENV: str(out)},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step 5/12" in res.stdout  # the bar's line of every step was printed
+    counts = json.loads(out.read_text())
+    steps = counts["steps"]
+    assert [s["step"] for s in steps] == list(range(3, 13))
+    steady = counts["steady_per_step"]
+    assert len(steady) >= 6, steps  # steps 7 and 12 hold an evaluation and a save
+    assert steady == [1] * len(steady), counts["steady_sources"]
+    assert len(counts["micro_batches"]) >= 6 and set(counts["micro_batches"]) == {0}, counts
+    (where,) = counts["steady_sources"]
+    assert where.startswith("nanolab/callbacks/readout.py")
+    records = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
+    train = [r for r in records if r["event"] == "train"]
+    assert len(train) == 12 and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in train)
+
+
+def test_the_counter_counts_what_waits_and_once_per_transfer():
+    x = torch.ones(3)
+    with SyncCounter().counting() as counter:
+        x.sum().item()
+        float(x[0])
+        bool(x.any())
+        x.sum().cpu().tolist()  # one transfer, then a host read
+        x.to("cpu")
+        x.to(torch.device("cpu"))  # on a CPU run: the training device, not a transfer
+        x.to(torch.float64)
+        x + 1
+    assert counter.count == 5
+    assert all(k.startswith("tests/test_syncs.py") for k in counter.sources)
+    assert x.item.__name__ == "item" and "wrapper" not in repr(torch.Tensor.item)  # put back
+
+
+def test_the_readout_defers_a_copy_nobody_waits_for():
+    """The GPU path (``defer``), on a CPU: values nobody needs now arrive a step later, one read
+    for everything put; a value needed now brings the earlier ones with it."""
+    readout = StepReadout(defer=True)
+    readout.begin(1)
+    readout.put("a", torch.tensor(1.0))
+    readout.put("b", torch.tensor([float("nan")]))
+    readout.put("n", 3)
+    readout.transfer()
+    assert readout.values is None and readout.completed == []
+    readout.begin(2)
+    readout.put("a", torch.tensor(2.0))
+    readout.transfer()
+    assert readout.values is None
+    ((step, values),) = readout.completed
+    assert step == 1 and values["a"] == 1.0 and values["n"] == 3.0 and values["b"] != values["b"]
+    readout.begin(3)
+    readout.put("a", torch.tensor(3.0), now=True)
+    readout.transfer()
+    assert readout.values == {"a": 3.0}
+    assert [s for s, _ in readout.completed] == [2, 3]
+    readout.begin(4)
+    readout.put("a", torch.tensor(4.0))
+    readout.transfer()
+    assert readout.drain() == [(4, {"a": 4.0})]
+
+
+@pytest.mark.parametrize("defer", [None, False])
+def test_the_readout_reads_at_once_off_the_gpu(defer):
+    readout = StepReadout(defer=defer)
+    readout.begin(7)
+    readout.put("a", torch.tensor(0.5))
+    readout.put("skip", torch.ones(2))  # not a scalar: not read
+    readout.transfer()
+    assert readout.values == {"a": 0.5} and readout.completed == [(7, {"a": 0.5})]
