@@ -44,7 +44,7 @@ TWINS: dict[str, tuple[str, ...]] = {
     "nanolab/callbacks/readout.py": (
         "tests/test_syncs.py::test_the_readout_defers_a_copy_nobody_waits_for",
     ),
-    "nanolab/bench/syncs.py": (
+    "nanolab/callbacks/syncs.py": (
         "tests/test_syncs.py::test_the_counter_counts_what_waits_and_once_per_transfer",
     ),
     "nanolab/bench/plain_loop.py": (

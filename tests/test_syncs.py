@@ -2,7 +2,7 @@
 
 A sync makes the host wait for the device's whole queued step (``.item()``, ``.tolist()``,
 ``float()`` of a tensor, ``.cpu()``, ``torch.cuda.synchronize`` ...), so a GPU idles while the
-host catches up. They are counted by instrumenting torch (:mod:`nanolab.bench.syncs`) in the
+host catches up. They are counted by instrumenting torch (:mod:`nanolab.callbacks.syncs`) in the
 fit process, from step 3 on; on a CPU every tensor is host memory, so what is counted is what
 would wait on a GPU, where the same code runs with device tensors.
 """
@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
 
-from nanolab.bench.syncs import ENV, SyncCounter
 from nanolab.callbacks.readout import StepReadout
+from nanolab.callbacks.syncs import ENV, SyncCounter
 
 
 def test_a_fit_takes_one_sync_per_step_and_none_per_micro_batch(tmp_path, char_dataset):

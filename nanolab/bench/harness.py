@@ -262,9 +262,9 @@ def count_syncs(
     configs: list[str], overrides: list[str], steps: int, work: Path
 ) -> dict[str, Any] | None:
     """nanolab's host-device synchronisations per steady step and per micro-batch, counted in
-    one extra, untimed ``nanolab fit`` of the config (:mod:`nanolab.bench.syncs`); None when
+    one extra, untimed ``nanolab fit`` of the config (:mod:`nanolab.callbacks.syncs`); None when
     the run was too short to have a steady step."""
-    from nanolab.bench.syncs import ENV, FIRST_STEP, read_counts
+    from nanolab.callbacks.syncs import ENV, FIRST_STEP, read_counts
 
     path = work / "syncs.json"
     steps = max(FIRST_STEP + 2, min(steps, COUNT_STEPS))

@@ -116,7 +116,7 @@ def launch(cli: NanolabCLI) -> Trainer:
     if verb == "fit" and not trainer_args.get("fast_dev_run"):
         callbacks.append(RunConfigWriter(cli.verb_parser, cfg))  # config.yaml in the run dir
     if verb == "fit" and os.environ.get("NANOLAB_COUNT_SYNCS"):  # nanolab bench --count-syncs
-        from nanolab.bench.syncs import ENV, sync_count_callback
+        from nanolab.callbacks.syncs import ENV, sync_count_callback
 
         callbacks.append(sync_count_callback(os.environ[ENV]))
     if verb == "fit" and cfg.get("logger"):
