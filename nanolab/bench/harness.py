@@ -315,8 +315,8 @@ def benchmark(
         counted = count_syncs(configs, overrides, steps, work) if syncs else None
     loads.append(load_average())
     ratios = [n.tokens_per_s / p.tokens_per_s for n, p in zip(nano, plain, strict=True)]
-    # Both sides must train the same thing: the same loss at the same step (the plain loop reads
-    # its loss every 10 steps; nanolab logs every step).
+    # Both sides must train the same thing: the same loss at the same step (each reads its loss
+    # once per step).
     gaps = [
         abs(n.losses[step] - loss)
         for n, p in zip(nano, plain, strict=True)

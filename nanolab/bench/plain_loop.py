@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,9 +38,13 @@ def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContex
 
 
 def train(
-    config: dict[str, Any], steps: int, device: torch.device, log_every: int = 10
+    config: dict[str, Any], steps: int, device: torch.device, log_every: int = 1
 ) -> dict[str, Any]:
-    """Train ``steps`` optimizer steps; return the wall time at the end of each one."""
+    """Train ``steps`` optimizer steps; return the wall time at the end of each one.
+
+    The loss is read every ``log_every`` steps: every step by default, the one host sync per
+    step that ``nanolab fit`` makes too. A progress line goes to stderr every 10 steps (the
+    bench streams it), so a run stopped from outside shows how far it got."""
     from nanolab.training.resolve import resolve
 
     # The same resolver as `nanolab fit` on one device: micro-batch, accumulation, block size.
@@ -104,6 +109,8 @@ def train(
         if step % log_every == 0 or step == steps - 1:
             losses.append((step + 1, loss.item()))  # the one host sync, as a loop would log
         step_ends.append(time.time())
+        if step % 10 == 0 or step == steps - 1:
+            print(f"plain loop: step {step + 1}/{steps}", file=sys.stderr, flush=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
         step_ends[-1] = time.time()
