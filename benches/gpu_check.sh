@@ -6,13 +6,14 @@
 #   python benches/gpu_check.py --list                 # the checks and their time caps
 #
 # Writes $OUT/gpu_check.json, $OUT/gpu_check.md and $OUT/logs/ (OUT defaults to runs/gpu_check).
-# GPU_CHECK_TIMEOUT (default 600 s) bounds the whole run; the driver's own deadline is 30 s
-# shorter so it can write the summary of what it finished. Without a GPU it stops at once with
+# GPU_CHECK_TIMEOUT (default 720 s: a 15-minute lent session less start-up and margin) bounds
+# the whole run; the driver's own deadline is 30 s shorter so it can write the summary of what
+# it finished. Without a GPU it stops at once with
 # exit code 2. Replaces benches/gpu_124m.sh (its bench is the bench_124m check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
-LIMIT=${GPU_CHECK_TIMEOUT:-600}
+LIMIT=${GPU_CHECK_TIMEOUT:-720}
 case "$LIMIT" in
   ''|*[!0-9]*) echo "gpu_check: error: GPU_CHECK_TIMEOUT must be whole seconds, got '$LIMIT'" >&2; exit 2 ;;
 esac
