@@ -166,6 +166,7 @@ def test_a_signal_while_nothing_is_written_ends_the_run_at_once(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # waits out the 5 s grace, ~11 s each
 @pytest.mark.parametrize("resumable", [False, True], ids=["fresh", "with-checkpoint"])
 def test_a_start_up_stuck_after_it_began_writing_ends_within_the_grace(
     resumable: bool, char_dataset: Path, tmp_path: Path
@@ -346,6 +347,7 @@ def _lm_eval_checkpoint(folder: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # imports lm-eval, ~10 s each
 @pytest.mark.parametrize("case", ["unknown", "offline"])
 def test_lm_eval_task_problems_are_one_line_naming_the_task(case: str, tmp_path: Path) -> None:
     pytest.importorskip("lm_eval")

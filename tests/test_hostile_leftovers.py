@@ -69,6 +69,7 @@ def test_a_resume_on_other_data_names_the_data_not_the_model(
 
 
 # -- 3. every checkpoint unreadable: the error says so and names what works ----------------
+@pytest.mark.slow  # three CLI runs, ~20 s
 def test_every_checkpoint_unreadable_is_named_with_a_fix_that_works(
     tmp_path: Path, char_dataset: Path
 ) -> None:
@@ -143,6 +144,7 @@ def test_the_sample_sees_every_sampled_block_and_only_those(tmp_path: Path) -> N
 
 
 # -- 5. after a full disk, the fix the error line gives works on the rerun ------------------
+@pytest.mark.slow  # a failed and a fixed run each, ~15 s
 @pytest.mark.parametrize("fix", ["keep_last", "max_disk_gb"])
 def test_the_fix_a_full_disk_suggests_works_on_the_rerun(
     tmp_path: Path, char_dataset: Path, fix: str

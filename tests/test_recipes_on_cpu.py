@@ -25,13 +25,14 @@ SHRINK = [
     "--model.optimizer.fused", "true", "--downstream.suite", "null",
 ]  # fmt: skip
 
-# The base recipe is bf16-mixed already; 350M runs in the GPU check's dry run as well.
-ROWS = {
-    "124m": [],
-    "124m+774m": ["gpt2-774m.yaml"],
-    "124m+fp16": ["precision/fp16.yaml"],
-}
+# The base recipe (bf16-mixed) in the default suite; 350M also runs in the GPU check's dry run.
+ROWS = {"124m": []}
 SLOW_ROWS = {
+    "124m+774m": (["gpt2-774m.yaml"], []),
+    "124m+fp16": (
+        ["precision/fp16.yaml"],
+        [],
+    ),  # fp16's fused path runs in-process in test_fused_amp
     "124m+350m": (["gpt2-350m.yaml"], []),
     "124m+fp32": (["precision/fp32.yaml"], []),
     "124m+ddp": (["strategy/ddp.yaml"], ["--trainer.devices", "2"]),
