@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +94,7 @@ class DevicePeak:
     allocated: int
     reserved: int | None  # the caching allocator's (GPU only)
     outside_allocator: int | None  # context, kernels, workspaces (GPU only)
+    phases: dict[str, int] = field(default_factory=dict)  # peak per phase of the step (GPU only)
 
 
 def device_memory(device: str) -> tuple[str, int]:
@@ -119,7 +120,9 @@ def measure_device_peak(device: str, setup: Setup, B: int) -> DevicePeak:
     kwargs = dict(precision=setup.precision, optimizer=setup.optimizer, accumulate=ACCUMULATE)
     if device == "cuda":
         real = measure_trainer_peak_cuda(setup.gpt, B, **kwargs)
-        return DevicePeak(real.peak_allocated, real.peak_reserved, real.outside_allocator)
+        return DevicePeak(
+            real.peak_allocated, real.peak_reserved, real.outside_allocator, real.phases
+        )
     return DevicePeak(measure_trainer_peak_cpu(setup.gpt, B, **kwargs).peak, None, None)
 
 
@@ -179,7 +182,16 @@ def run_gpu(configs: Sequence[str], micro_batch: int | None, device: str = "cuda
             f"  {name:<30} B={B:<4} {real.reserved / real.allocated - 1:>7.1%}  "
             f"{real.outside_allocator / MiB:>9,.0f} MiB"
         )
+    print_phases([(name, B, real.phases) for name, B, real in calibration])
     return rows
+
+
+def print_phases(measured: Sequence[tuple[str, int, dict[str, int]]]) -> None:
+    """Where each run's peak is: the peak of each phase of the step (``PhasePeaks``) in MiB."""
+    print("where the peak is: each phase's peak allocated (MiB), steps after the first")
+    for name, B, phases in measured:
+        cells = "  ".join(f"{k} {v / MiB:,.0f}" for k, v in phases.items())
+        print(f"  {name:<30} B={B:<4} {cells}")
 
 
 # -- CPU (reduced) ------------------------------------------------------------------------------

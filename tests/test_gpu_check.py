@@ -171,6 +171,22 @@ def test_memory_table_is_read_back_from_bench_memorys_own_printout():
     assert parsed[1]["error"] == pytest.approx(12_345 / 12_000 - 1, abs=1e-4)
 
 
+def test_the_phase_peaks_bench_memory_prints_are_read_back():
+    """memory_eager keeps bench_memory's "where the peak is" lines as figures. Mutation caught:
+    a change to either side's format loses the phases from gpu_check.json."""
+    bm = _load("bench_memory")
+    text = io.StringIO()
+    with redirect_stdout(text):
+        bm.print_phases(
+            [("gpt2-124m", 16, {"forward": 12 * 2**30, "backward": 15 * 2**30}),
+             ("gpt2-350m", 8, {"optimizer_step": 3 * 2**20, "at_forward_end": 2**20})]
+        )  # fmt: skip
+    assert gc.parse_phase_peaks(text.getvalue()) == {
+        "gpt2-124m B16": {"forward": 12 * 1024.0, "backward": 15 * 1024.0},
+        "gpt2-350m B8": {"optimizer_step": 3.0, "at_forward_end": 1.0},
+    }
+
+
 def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path):
     """``--dry-run``: every check of a GPU session, on this CPU at tiny sizes, with CUDA's
     fused AdamW forced: the shipped recipes (124M, 350M composed on it) go through ``fit``,

@@ -130,3 +130,51 @@ def test_the_hip_version_is_read_without_importing_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+class CountingAllocator:
+    """A stand-in for ``torch.cuda``'s allocator statistics: every peak read is a new, larger
+    number, so which reads land in which phase shows in the result."""
+
+    def __init__(self) -> None:
+        self.reads: list[int] = []
+        self.resets = 0
+
+    def memory_allocated(self) -> int:
+        return 7
+
+    def max_memory_allocated(self) -> int:
+        self.reads.append(100 + len(self.reads))
+        return self.reads[-1]
+
+    def max_memory_reserved(self) -> int:
+        return 2 * (100 + len(self.reads))
+
+    def reset_peak_memory_stats(self) -> None:
+        self.resets += 1
+
+
+def test_the_gpu_memory_bench_records_each_phase_of_a_real_lightning_step():
+    """bench_memory's GPU path reads the device's peak per phase of Lightning's step (forward,
+    backward, before the optimizer, the optimizer step) through ``PhasePeaks``; here the same
+    hooks of a real fit on CPU feed it. Mutation caught: a hook not wired (its phase missing),
+    the first step counted (it creates the optimizer states), the overall peak lost to the
+    per-phase resets."""
+    from nanolab.estimator.measure_trainer import PhasePeaks, _fit, phase_peaks_callback
+    from nanolab.model.config import GPTConfig
+
+    allocator = CountingAllocator()
+    phases = PhasePeaks(allocator)
+    gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    _fit("cpu", [phase_peaks_callback(phases)], gpt, 2, "32-true", "adamw", 2, 3, 0)
+    summary = phases.summary()
+    assert list(summary) == [*PhasePeaks.ORDER, "at_forward_end"]
+    assert summary["at_forward_end"] == 7
+    # 3 steps x 2 micro-batches: each batch closes before it starts, forward, backward; each
+    # step closes before the optimizer and after it; the end closes once more.
+    assert len(allocator.reads) == 3 * 2 * 3 + 3 * 2 + 1
+    assert phases.overall_allocated == max(allocator.reads)
+    assert phases.overall_reserved == 2 * (100 + len(allocator.reads))
+    # The first step's reads (the first 8) count overall but in no phase.
+    assert min(summary[p] for p in PhasePeaks.ORDER) > allocator.reads[7]
+    assert allocator.resets == len(allocator.reads)

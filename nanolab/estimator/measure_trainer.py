@@ -13,8 +13,8 @@ before it started); their running maximum plus the parameters and buffers reside
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,6 +88,92 @@ class TrainerPeakCuda:
     peak_allocated: int  # torch.cuda.max_memory_allocated
     peak_reserved: int  # torch.cuda.max_memory_reserved: allocated + the caching allocator's slack
     outside_allocator: int  # device memory in use that PyTorch's allocator does not hold
+    phases: dict[str, int] = field(default_factory=dict)  # PhasePeaks: where the peak is
+
+
+class PhasePeaks:
+    """Where in a training step the device's peak is reached: the peak of each phase of the
+    step (forward, backward, between backward and the optimizer, optimizer step), the largest
+    over the steps after the first (which creates the optimizer states), and what is allocated
+    at the forward's end. The estimator names the phase it predicts the peak in; a measured
+    peak elsewhere says which of its lines is wrong.
+
+    Resetting the allocator's peak at each phase loses the fit's overall peaks, so they are kept
+    here (``overall_allocated``, ``overall_reserved``, every step included). ``memory`` is the
+    device's allocator statistics: ``torch.cuda`` (``memory_allocated``, ``max_memory_allocated``,
+    ``max_memory_reserved``, ``reset_peak_memory_stats``), or anything with those four. Fed by
+    the step's hooks through :func:`phase_peaks_callback`."""
+
+    ORDER = ("forward", "backward", "before_step", "optimizer_step")
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+        self.peaks: dict[str, int] = {}
+        self.at_forward_end = 0
+        self.overall_allocated = 0
+        self.overall_reserved = 0
+        self._counting = False
+
+    def _close(self, phase: str | None) -> None:
+        peak = self.memory.max_memory_allocated()
+        self.overall_allocated = max(self.overall_allocated, peak)
+        self.overall_reserved = max(self.overall_reserved, self.memory.max_memory_reserved())
+        if phase is not None and self._counting:
+            self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
+        self.memory.reset_peak_memory_stats()
+
+    def batch_start(self, global_step: int) -> None:
+        self._close(None)  # what came before the batch (the data transfer) counts overall only
+        self._counting = global_step >= 1
+
+    def before_backward(self) -> None:
+        if self._counting:
+            self.at_forward_end = max(self.at_forward_end, self.memory.memory_allocated())
+        self._close("forward")
+
+    def after_backward(self) -> None:
+        self._close("backward")
+
+    def before_optimizer_step(self) -> None:
+        self._close("before_step")
+
+    def batch_end(self, stepped: bool) -> None:
+        if stepped:
+            self._close("optimizer_step")
+
+    def summary(self) -> dict[str, int]:
+        """Each phase's peak in step order, and ``at_forward_end``."""
+        out = {p: self.peaks[p] for p in self.ORDER if p in self.peaks}
+        if out:
+            out["at_forward_end"] = self.at_forward_end
+        return out
+
+
+def phase_peaks_callback(phases: PhasePeaks) -> L.Callback:
+    """A Lightning Callback that feeds :class:`PhasePeaks` from the step's own hooks."""
+    from lightning.pytorch.callbacks import Callback
+
+    class _Phases(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._step_before = trainer.global_step
+            phases.batch_start(trainer.global_step)
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            phases.before_backward()
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            phases.after_backward()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            phases.before_optimizer_step()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            phases.batch_end(trainer.global_step > self._step_before)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            phases._close(None)
+
+    return _Phases()
 
 
 def measure_trainer_peak_cuda(
@@ -102,10 +188,11 @@ def measure_trainer_peak_cuda(
 ) -> TrainerPeakCuda:
     """Fit ``GPTLightningModule(gpt)`` on one GPU; the peak Lightning's step really reaches.
 
-    The statistics are reset at ``on_train_start`` (the model is on the device by then) and read
-    at ``on_train_end``. ``outside_allocator`` is what ``cudaMemGetInfo`` says is used minus
-    what the allocator reserved: the CUDA/ROCm context, kernels and library workspaces that the
-    estimator's framework-overhead constant stands for.
+    The statistics are reset at ``on_train_start`` (the model is on the device by then) and
+    the peaks kept per phase of the step (:class:`PhasePeaks`) to the end. ``outside_allocator``
+    is what ``cudaMemGetInfo`` says is used minus what the allocator reserved: the CUDA/ROCm
+    context, kernels and library workspaces that the estimator's framework-overhead constant
+    stands for.
     """
     from lightning.pytorch.callbacks import Callback
 
@@ -120,17 +207,19 @@ def measure_trainer_peak_cuda(
         def on_train_end(self, trainer, pl_module) -> None:
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
-            seen["allocated"] = torch.cuda.max_memory_allocated()
-            seen["reserved"] = torch.cuda.max_memory_reserved()
             seen["outside"] = total - free - torch.cuda.memory_reserved()
 
-    _fit("gpu", _Stats(), gpt, micro_batch, precision, optimizer, accumulate, steps, seed)
-    return TrainerPeakCuda(seen["allocated"], seen["reserved"], seen["outside"])
+    phases = PhasePeaks(torch.cuda)
+    callbacks = [_Stats(), phase_peaks_callback(phases)]
+    _fit("gpu", callbacks, gpt, micro_batch, precision, optimizer, accumulate, steps, seed)
+    return TrainerPeakCuda(
+        phases.overall_allocated, phases.overall_reserved, seen["outside"], phases.summary()
+    )
 
 
 def _fit(
     accelerator: str,
-    callback: L.Callback,
+    callback: L.Callback | list[L.Callback],
     gpt: GPTConfig,
     micro_batch: int,
     precision: str,
@@ -170,6 +259,6 @@ def _fit(
         # Clipped as the recipes are: with a fused optimizer clipping takes its own path
         # (nanolab/training/fused_amp.py), which a measurement must run too.
         gradient_clip_val=1.0,
-        callbacks=[callback],
+        callbacks=callback if isinstance(callback, list) else [callback],
     )
     trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=micro_batch))
