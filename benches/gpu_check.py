@@ -83,7 +83,7 @@ CHECKS: tuple[Check, ...] = (
     Check("memory_eager", 70, "bench_memory.py 124M + 350M eager: predicted vs measured memory"),
     Check("micro_batch_auto", 45, "run.micro_batch_size auto on 124M: the picked size fits"),
     Check("async_checkpoint", 70, "124M, checkpoint every 5 steps: stall, sync vs async"),
-    Check("memory_compiled_350m", 90, "fit 350M compiled: measured vs predicted peak memory"),
+    Check("memory_compiled_350m", 150, "fit 350M compiled: measured vs predicted peak memory"),
     Check("pack", 120, "benches/gpu_pack.py: 2 x 124M packed vs sequential"),
 )
 BY_NAME = {c.name: c for c in CHECKS}
@@ -524,14 +524,17 @@ def check_async_checkpoint(work: Path, data_arg: str | None) -> dict[str, Any]:
 _AUTO_LINE = re.compile(
     r"run\.micro_batch_size auto: (\d+) \(predicted peak ([\d.]+) of ([\d.]+) GiB"
 )
-#: How far the measured peak of the picked micro-batch may be from the estimator's prediction.
-AUTO_TOLERANCE = 0.15
+#: How far the estimator's peak allocated may be from the measured one at the picked micro-batch
+#: (eager: the rules are exact to ~0.4% on the H200 runs of 2026-12-04).
+AUTO_TOLERANCE = 0.05
 
 
 def check_micro_batch_auto(work: Path, data_arg: str | None) -> dict[str, Any]:
-    """``run.micro_batch_size: auto`` on 124M: the picked size trains, its measured peak is
-    within :data:`AUTO_TOLERANCE` of the prediction it was picked by, and stays below the
-    device's memory. (On a CPU auto keeps the data's value: the dry run checks the path.)"""
+    """``run.micro_batch_size: auto`` on 124M, eager: the picked size trains without running out
+    of memory, and the estimator's peak allocated at that size is within
+    :data:`AUTO_TOLERANCE` of the measured one. (The auto line's prediction adds the framework
+    overhead and the fragmentation margin to that peak, which is how it fits the device; on a
+    CPU auto keeps the data's value: the dry run checks the path.)"""
     data = ensure_data(work, data_arg)
     got = _fit_peak(
         work, data, "gpt2-124m.yaml", "auto_mb",
@@ -543,13 +546,15 @@ def check_micro_batch_auto(work: Path, data_arg: str | None) -> dict[str, Any]:
         return metrics
     if m is None:
         raise CheckFailed("fit printed no 'run.micro_batch_size auto' line", metrics)
-    predicted, device = float(m[2]), float(m[3])
+    predicted_total, device = float(m[2]), float(m[3])
     measured = metrics["peak_measured_gib"] or 0.0
-    metrics.update(predicted_peak_gib=predicted, device_gib=device, headroom=1 - measured / device)
-    error = predicted / measured - 1 if measured else None
-    metrics["auto_error"] = error
+    metrics.update(
+        predicted_total_gib=predicted_total, device_gib=device, headroom=1 - measured / device
+    )
+    error = metrics["peak_error"]
     if error is None or abs(error) > AUTO_TOLERANCE:
-        raise CheckFailed(f"picked by a prediction {error:+.1%} off the measured peak", metrics)
+        shown = "none" if error is None else f"{error:+.1%}"
+        raise CheckFailed(f"peak allocated predicted {shown} off the measured one", metrics)
     return metrics
 
 

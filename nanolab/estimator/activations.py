@@ -220,6 +220,8 @@ def _head_and_loss(s: Saved, gpt: GPTConfig, inv: Inventory, B: int, T: int, num
         s.head["final norm, measured from the module"] = saved_bytes(gpt, "final_norm", B, T, num)
     s.head["lm_head input"] = BTC * num.compute
     s.loss["log-softmax"] = BT * V * num.loss
+    if num.gpu_autocast_loss:
+        s.loss["16-bit logits (autocast on a GPU)"] = BT * V * num.compute
     s.loss["targets"] = BT * INT64
     s.loss["loss weight scalar"] = num.loss
 
@@ -250,6 +252,10 @@ def loss_transient(gpt: GPTConfig, batch: int, seq_len: int | None, num: Numeric
     """
     T = gpt.block_size if seq_len is None else seq_len
     btv = batch * T * gpt.padded_vocab_size
+    if num.gpu_autocast_loss:
+        # Measured on a GPU (Numerics.gpu_autocast_loss): the logits are saved, not transient;
+        # the forward peaks one 16-bit B·T·V above its end, the backward one fp32 B·T·V.
+        return LossTransient(logits=btv * num.compute, fp32_copy=0, backward=btv * 4)
     return LossTransient(
         logits=btv * num.compute,
         fp32_copy=btv * 4 if num.fp32_logits_copy else 0,

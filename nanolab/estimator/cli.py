@@ -25,6 +25,7 @@ from nanolab.estimator.estimate import (
     largest_fitting_micro_batch,
 )
 from nanolab.estimator.gpus import GPUS, GiB, format_bytes, format_rate
+from nanolab.estimator.memory import DEFAULT_FRAGMENTATION
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
 from nanolab.model.config import GPTConfig
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fragmentation",
         type=float,
-        help="allocator fragmentation margin as a share of the peak (0.10 on GPUs, 0 on CPU)",
+        help="allocator fragmentation margin as a share of the peak "
+        f"({DEFAULT_FRAGMENTATION:g} on GPUs, 0 on CPU)",
     )
     p.add_argument(
         "--detail",

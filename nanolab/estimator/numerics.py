@@ -56,6 +56,11 @@ class Numerics:
         sdpa_dropout_math: SDPA with dropout falls back to the fp32 math kernel (CPU).
         gather: Dtype FSDP gathers parameters in.
         gpu: A CUDA/ROCm device (False: CPU, where some kernels allocate differently).
+        gpu_autocast_loss: Autocast on a GPU: the loss keeps the 16-bit logits for backward as
+            well as its fp32 log-softmax, and its backward holds one fp32 B·T·V gradient, not
+            two (measured on an H200, 2026-12-04: GPT-2 124M at B16 and 350M at B8 both saved
+            exactly 2·B·T·V bytes more than the CPU rule and peaked 4·B·T·V above the forward's
+            end; benches/bench_memory.py prints both).
     """
 
     param: int
@@ -73,6 +78,7 @@ class Numerics:
     sdpa_dropout_math: bool
     gather: int
     gpu: bool = True
+    gpu_autocast_loss: bool = False
 
 
 def numerics_for(setup: Setup, backend: Backend = "cuda") -> Numerics:
@@ -95,6 +101,7 @@ def numerics_for(setup: Setup, backend: Backend = "cuda") -> Numerics:
         fp32_logits_copy=True,
         weight_copies=True,
         rope_table_copies=True,
+        gpu_autocast_loss=gpu,
     )
     if kind == "fsdp1":
         # 16-bit gathered parameters and buffers, fp32 sharded master, autocast on top.
