@@ -108,3 +108,53 @@ def test_the_readout_reads_at_once_off_the_gpu(defer):
     readout.put("skip", torch.ones(2))  # not a scalar: not read
     readout.transfer()
     assert readout.values == {"a": 0.5} and readout.completed == [(7, {"a": 0.5})]
+
+
+def test_a_run_log_written_a_step_late_holds_the_same_records_in_the_same_order(
+    tmp_path, char_dataset
+):
+    """The GPU path, on a CPU (``NANOLAB_READOUT_DEFER=1``): the run log no longer makes the
+    host wait for the device at every record; a train record's loss and gradient norm arrive
+    with the next step's transfer and the record is written then. The file must be the one the
+    blocking path writes: every step's train record with the same loss and gradient norm, each
+    before the validation and checkpoint records of its step, the end record last; and the
+    steady steps cost no sync at all. Mutations caught: the pending record dropped at a
+    validation or at the end (a missing step), written after the next record (out of order),
+    a value read by the drain lost to the divergence stop or spike guard (their counts differ).
+    """
+    from nanolab.callbacks.readout import DEFER_ENV
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
+    cfg["model"]["gpt"]["n_layer"] = 1
+    cfg["run"].update(eval_every_steps=5, global_batch_tokens=2 * 4 * 32)
+    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": 5})
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    logs, counts = {}, {}
+    for defer in ("0", "1"):
+        out = tmp_path / f"syncs{defer}.json"
+        res = run_nanolab(
+            "fit", "--config", str(QUICKSTART), "--config", config, "--run.name", f"d{defer}",
+            cwd=tmp_path, env={ENV: str(out), DEFER_ENV: defer},
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        logs[defer] = [
+            json.loads(line) for line in (tmp_path / f"runs/d{defer}/metrics.jsonl").open()
+        ]
+        counts[defer] = json.loads(out.read_text())
+
+    def shape(records):
+        return [(r["event"], r.get("step")) for r in records if r["event"] != "start"]
+
+    assert shape(logs["1"]) == shape(logs["0"])
+    events = shape(logs["1"])
+    assert events[-1][0] == "end"
+    for event, step in events:
+        if event in ("val", "checkpoint"):
+            assert events.index(("train", step)) < events.index((event, step))
+    train = {d: [r for r in logs[d] if r["event"] == "train"] for d in logs}
+    assert [r["step"] for r in train["1"]] == list(range(1, 13))
+    for a, b in zip(train["0"], train["1"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+    assert set(counts["0"]["steady_per_step"]) == {1}
+    assert set(counts["1"]["steady_per_step"]) == {0}, counts["1"]["steady_sources"]

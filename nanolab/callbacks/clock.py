@@ -38,7 +38,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from nanolab.callbacks.readout import StepReadout
+from nanolab.callbacks.readout import StepReadout, defer_from_env
 
 PAUSE_KINDS = ("eval", "tasks", "checkpoint", "log")
 
@@ -118,7 +118,7 @@ class RunClock(Callback):
         self._step_at_batch_start = -1
         self._validations = 0  # evaluations started (sanity check included)
         self._claimed: dict[str, int] = {}  # event -> occurrence already handed out
-        self.readout = StepReadout()  # the step callbacks' one host read per step
+        self.readout = StepReadout(defer_from_env())  # the step callbacks' one read per step
 
     # -- attaching ---------------------------------------------------------------------------
     @classmethod

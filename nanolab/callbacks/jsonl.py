@@ -9,9 +9,13 @@ and the queue read the same file with :func:`nanolab.runlog.read_records`. The s
   the clock, the throughput meter and the budget contribute (:class:`~.events.RecordSource`);
 * ``val`` after every validation; ``end`` when the run ends, for whatever reason.
 
-Cost: one host-device sync per ``train`` record (all logged scalars copied in one transfer,
-shared with the other step callbacks: :mod:`nanolab.callbacks.readout`) and a JSON line written
-with a flush; nothing else per step. Rank 0 writes; the other ranks take part
+Cost: no host-device sync of its own. A ``train`` record's device scalars (loss, gradient norm)
+go into the step callbacks' one transfer (:mod:`nanolab.callbacks.readout`); on a GPU that copy
+does not block, and the record is written when its values arrive, at the next step, so the host
+queues the next step while the device finishes this one (the loop never waits for the device
+to log). Its host fields (time, tokens, throughput, memory) are taken at its own step. Before any
+other record (``val``, a checkpoint's, ``end``) the pending one is written, so the file stays in
+step order. A JSON line is written with a flush per record. Rank 0 writes; the other ranks take part
 only in the collective parts (the gradient norm of sharded parameters, broadcasting decisions).
 """
 
@@ -111,6 +115,7 @@ class MetricsLog(StepCallback):
         self._writer: RunLogWriter | None = None
         self._grad_norm: torch.Tensor | None = None
         self._params: list[torch.nn.Parameter] | None = None
+        self._pending: dict[int, dict[str, Any]] = {}  # train records waiting for their values
         self._ended = False
 
     # -- writing -----------------------------------------------------------------------------
@@ -119,9 +124,11 @@ class MetricsLog(StepCallback):
         return self._writer.path if self._writer is not None else None
 
     def write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
-        """Append one record (rank 0; a no-op elsewhere and before the log is open)."""
+        """Append one record (rank 0; a no-op elsewhere and before the log is open), after the
+        train records still waiting for their values (the file stays in step order)."""
         if self._writer is None or self._writer.closed:
             return
+        self.flush_train_records(trainer)
         record.setdefault("time", time.time())
         record.setdefault("step", int(trainer.global_step))
         with self.clock.pause("log") if self.clock else contextlib.nullcontext():
@@ -263,41 +270,74 @@ class MetricsLog(StepCallback):
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         for key, value in metrics.items():
-            readout.put(LOG_KEY + key, value, now=True)  # read with the others: one sync
+            readout.put(LOG_KEY + key, value)  # with the others; on a GPU it may come next step
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        if not self._logs_step(step) or self._writer is None:
+        if self._writer is None:
             return
         clock = self.clock
         assert clock is not None
-        read = clock.readout.values or {}
-        values = {
-            key[len(LOG_KEY) :]: (v if math.isfinite(v) else None)
-            for key, v in read.items()
-            if key.startswith(LOG_KEY)
+        if self._logs_step(step):
+            with clock.pause("log"), clock.frozen():
+                self._pending[step] = self._train_record(trainer, step)
+        self._write_arrived(trainer, clock.readout.completed)
+
+    def _train_record(self, trainer: L.Trainer, step: int) -> dict[str, Any]:
+        """A train record's host fields, taken now; its device values come later."""
+        clock = self.clock
+        assert clock is not None
+        optimizers = trainer.optimizers
+        lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
+        record: dict[str, Any] = {
+            "event": "train",
+            "time": time.time(),
+            "step": int(step),
+            "epoch": int(trainer.current_epoch),
+            "tokens": clock.tokens,
+            "loss": None,
+            "lr": float(lr) if lr is not None else None,
+            "grad_norm": None,
+            **dict.fromkeys(TRAIN_FIELDS),
+            "elapsed_s": round(clock.elapsed_s(), 3),
+            "gpu_hours": clock.gpu_hours(),
+            "goodput": round(clock.goodput(), 4),
         }
+        record.update(collect_fields(trainer, "train"))
+        return record
+
+    def _write_arrived(
+        self, trainer: L.Trainer, arrived: list[tuple[int, dict[str, float]]]
+    ) -> None:
+        """Write the pending train records whose values are in ``arrived``, oldest first."""
+        if not self._pending or self._writer is None:
+            return
+        clock = self.clock
+        assert clock is not None
         with clock.pause("log"), clock.frozen():
-            optimizers = trainer.optimizers
-            lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
-            record: dict[str, Any] = {
-                "event": "train",
-                "time": time.time(),
-                "step": int(step),
-                "epoch": int(trainer.current_epoch),
-                "tokens": clock.tokens,
-                "loss": values.pop("train/loss", None),
-                "lr": float(lr) if lr is not None else None,
-                "grad_norm": values.pop("grad_norm", None),
-                **dict.fromkeys(TRAIN_FIELDS),
-                "elapsed_s": round(clock.elapsed_s(), 3),
-                "gpu_hours": clock.gpu_hours(),
-                "goodput": round(clock.goodput(), 4),
-            }
-            record.update(collect_fields(trainer, "train"))
-            for key, value in values.items():
-                record.setdefault(key, value)
-            self._writer.write(record)
-            forward_record(trainer, record)
+            for step, read in arrived:
+                record = self._pending.pop(step, None)
+                if record is None:
+                    continue
+                values = {
+                    key[len(LOG_KEY) :]: (v if math.isfinite(v) else None)
+                    for key, v in read.items()
+                    if key.startswith(LOG_KEY)
+                }
+                record["loss"] = values.pop("train/loss", None)
+                record["grad_norm"] = values.pop("grad_norm", None)
+                for key, value in values.items():
+                    record.setdefault(key, value)
+                self._writer.write(record)
+                forward_record(trainer, record)
+
+    def flush_train_records(self, trainer: L.Trainer) -> None:
+        """Write the train records still waiting for their values (waits for their copies)."""
+        if not self._pending or self.clock is None:
+            return
+        self._write_arrived(trainer, self.clock.readout.drain())
+        # A step whose values never came (none were put): its record as it is.
+        for step in sorted(self._pending):
+            self._write_arrived(trainer, [(step, {})])
 
     # -- validation --------------------------------------------------------------------------
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
@@ -335,6 +375,9 @@ class MetricsLog(StepCallback):
                     flush(trainer)
         if self._writer is None:
             return
+        with contextlib.suppress(Exception):  # a failed device read loses the values, not the end
+            self.flush_train_records(trainer)
+        self._pending.clear()
         clock = self.clock
         assert clock is not None
         with clock.frozen():

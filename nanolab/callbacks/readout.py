@@ -16,7 +16,11 @@ takes them all and copies them in one transfer per device:
   transfer, whose wait is for a copy queued a whole step earlier (finished by then);
 * during ``on_step``, :attr:`StepReadout.values` holds this step's values when they were read,
   and :attr:`StepReadout.completed` every step whose values arrived in this transfer (this one's
-  included), oldest first.
+  included), oldest first;
+* :meth:`StepReadout.drain` waits for the copies still in flight when a value is needed outside
+  a step (the run log before it writes another record, the run's end). What it brings is handed
+  to the ``completed`` of the next step, so a callback that reads ``completed`` sees each step
+  once, whoever drained it.
 
 So a steady step costs at most one synchronisation, whatever the callbacks, and none when no
 callback wants a value now on a GPU.
@@ -24,12 +28,25 @@ callback wants a value now on a GPU.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Any
 
 import torch
 
+from nanolab.callbacks.syncs import mark_host_buffer
+
 Values = dict[str, float]
+
+#: ``1`` forces the GPU's non-blocking path in a ``nanolab fit`` on a CPU (``0``: never defer).
+#: The CPU twin of the GPU path, for tests (tests/test_syncs.py); unset in real runs.
+DEFER_ENV = "NANOLAB_READOUT_DEFER"
+
+
+def defer_from_env() -> bool | None:
+    """:data:`DEFER_ENV` as ``StepReadout``'s ``defer``: ``None`` (decide by device) if unset."""
+    value = os.environ.get(DEFER_ENV, "").strip()
+    return None if value == "" else value not in ("0", "false", "no")
 
 
 class StepReadout:
@@ -46,12 +63,14 @@ class StepReadout:
         self._plain: Values = {}
         self._now = False
         self._in_flight: deque[tuple[int, list[str], Values, torch.Tensor, Any]] = deque()
+        self._drained: list[tuple[int, Values]] = []  # arrived by drain(), for the next step
         self._pinned: dict[int, list[torch.Tensor]] = {}  # spare host buffers by size
 
     # -- filling -----------------------------------------------------------------------------
     def begin(self, step: int) -> None:
         """A new step: forget the previous step's values (in-flight copies stay in flight)."""
-        self.step, self.values, self.completed = step, None, []
+        self.step, self.values = step, None
+        self.completed, self._drained = self._drained, []
         self._tensors, self._plain, self._now = {}, {}, False
 
     def put(self, key: str, value: Any, now: bool = False) -> None:
@@ -80,11 +99,11 @@ class StepReadout:
                 keys = [k for k, _ in items]
                 stacked = torch.stack([t.float() for _, t in items])
                 values.update(zip(keys, stacked.tolist(), strict=True))  # the one sync
-            self._finish_in_flight()  # done by now: the read above waited for them
+            self._finish_in_flight(wait=False)  # done by now: the read above waited for them
             self.values = values
             self.completed.append((step, values))
             return
-        self._finish_in_flight()  # the previous step's copy, queued a step ago
+        self._finish_in_flight(wait=False)  # the copies already done (queued a step ago)
         keys, items = list(tensors), list(tensors.values())
         if len({t.device for t in items}) > 1:  # mixed devices (rare): read them now instead
             self._now = True
@@ -99,25 +118,36 @@ class StepReadout:
         self._in_flight.append((step, keys, dict(self._plain), host, event))
 
     def drain(self) -> list[tuple[int, Values]]:
-        """Wait for every copy still in flight (the run's end); their steps' values."""
-        before = len(self.completed)
-        self._finish_in_flight()
-        return self.completed[before:]
+        """Wait for every copy still in flight; the values of every step drained since the last
+        :meth:`begin` (by any caller), oldest first. They are not added to this step's
+        ``completed`` (its readers may have run already) but to the next step's."""
+        self._finish_in_flight(wait=True, into=self._drained)
+        return list(self._drained)
 
-    def _finish_in_flight(self) -> None:
+    def _finish_in_flight(self, wait: bool, into: list[tuple[int, Values]] | None = None) -> None:
+        """Take the values of the copies in flight, oldest first: all of them (``wait``: the
+        host waits for the last), or those already finished (a step's copy normally is by the
+        next step; one that is not stays for the next transfer, and nothing waits)."""
+        arrived = self.completed if into is None else into
         while self._in_flight:
-            step, keys, plain, host, event = self._in_flight.popleft()
-            event.synchronize()
+            step, keys, plain, host, event = self._in_flight[0]
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._in_flight.popleft()
             values = {**plain, **dict(zip(keys, host.tolist(), strict=True))}
             self._pinned.setdefault(host.numel(), []).append(host)
-            self.completed.append((step, values))
-        self.completed.sort(key=lambda item: item[0])
+            arrived.append((step, values))
+        arrived.sort(key=lambda item: item[0])
 
     def _host_buffer(self, size: int, pin: bool) -> torch.Tensor:
         spare = self._pinned.get(size)
         if spare:
             return spare.pop()
-        return torch.empty(size, dtype=torch.float32, pin_memory=pin)
+        buffer = torch.empty(size, dtype=torch.float32, pin_memory=pin)
+        mark_host_buffer(buffer)  # read only once its copy is finished: never a wait
+        return buffer
 
 
 class _Done:
@@ -125,6 +155,9 @@ class _Done:
 
     def record(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
     def synchronize(self) -> None:
         pass

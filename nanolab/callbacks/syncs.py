@@ -11,7 +11,8 @@ tensor that one counted transfer brought to the host is host memory from then on
 On a CPU every tensor is a host tensor, so the counter counts what *would* wait on a GPU: the
 same code runs there with device tensors. Two kinds of call are not counted because they never
 wait on a GPU either: calls made by ``torch.optim`` (the optimizers keep their step counters on
-the host by design) and calls on tensors a counted transfer already brought over (above).
+the host by design), calls on tensors a counted transfer already brought over (above), and
+reads of a host buffer marked by :func:`mark_host_buffer` (read only once its copy is done).
 
 ``nanolab fit`` counts when the environment variable :data:`ENV` names a JSON file to write:
 the calls of every optimizer step from :data:`FIRST_STEP` on, of every micro-batch that did not
@@ -35,6 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+#: Set on a host buffer that is read only after its copy finished (``mark_host_buffer``).
+HOST_BUFFER = "_nanolab_host_buffer"
+
+
+def mark_host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` as host memory that is read only once the copy into it is known to be
+    finished (a CUDA event queried done): its reads never wait for the device, so they are not
+    counted, on a CPU as on a GPU (on a CPU every tensor looks like one that would wait)."""
+    setattr(tensor, HOST_BUFFER, True)
+    return tensor
+
 
 #: The environment variable that turns counting on in ``nanolab fit`` (a path to write to).
 ENV = "NANOLAB_COUNT_SYNCS"
@@ -100,6 +113,8 @@ class SyncCounter:
 
     def _hit(self, tensor: torch.Tensor | None) -> bool:
         if getattr(self._local, "inside", False):
+            return False
+        if tensor is not None and getattr(tensor, HOST_BUFFER, False):
             return False
         if tensor is not None:
             ref = self._host.get(id(tensor))
