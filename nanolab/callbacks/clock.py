@@ -29,7 +29,7 @@ Goodput = step time / wall time, summed over every process of the run.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +118,7 @@ class RunClock(Callback):
         self._step_at_batch_start = -1
         self._validations = 0  # evaluations started (sanity check included)
         self._claimed: dict[str, int] = {}  # event -> occurrence already handed out
+        self._per_step: dict[str, tuple[int, Any]] = {}  # once_per_step: key -> (step, value)
         self.readout = StepReadout(defer_from_env())  # the step callbacks' one read per step
 
     # -- attaching ---------------------------------------------------------------------------
@@ -155,6 +156,16 @@ class RunClock(Callback):
             return False
         self._claimed[event] = occurrence
         return True
+
+    def once_per_step(self, key: str, step: int, compute: Callable[[], Any]) -> Any:
+        """``compute()`` for the first caller of ``key`` in optimizer step ``step``, the same
+        value for the others (the run log and the divergence stop read one gradient norm)."""
+        held = self._per_step.get(key)
+        if held is not None and held[0] == step:
+            return held[1]
+        value = compute()
+        self._per_step[key] = (step, value)
+        return value
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._bind(trainer)

@@ -43,7 +43,7 @@ from nanolab.callbacks.events import (
     set_stop_reason,
     stop_reason,
 )
-from nanolab.callbacks.jsonl import gradient_norm
+from nanolab.callbacks.jsonl import step_gradient_norm
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
 
@@ -151,7 +151,7 @@ class DivergenceStop(StepCallback):
             return
         if self._params is None:
             self._params = list(pl_module.parameters())
-        norm = gradient_norm(pl_module, self._params)
+        norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
         if norm is not None:
             self._mark(~torch.isfinite(norm.detach().float()))
 

@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
+from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
     CallbackConfigError,
@@ -254,7 +255,7 @@ class MetricsLog(StepCallback):
         if self.active and self._logs_step(trainer.global_step + 1):
             if self._params is None:
                 self._params = list(pl_module.parameters())
-            self._grad_norm = gradient_norm(pl_module, self._params)
+            self._grad_norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
 
     def step_values(
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
@@ -477,6 +478,20 @@ def engine_gradient_norm(trainer: L.Trainer) -> Any:
     engine = getattr(trainer.strategy, "deepspeed_engine", None)
     norm = getattr(engine, "get_global_grad_norm", None)
     return norm() if callable(norm) else None
+
+
+def step_gradient_norm(
+    clock: RunClock | None,
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    params: list[torch.nn.Parameter] | None = None,
+) -> torch.Tensor | None:
+    """:func:`gradient_norm` of this optimizer step, taken once for every callback that reads
+    it (the run log, the divergence stop): each pass over the gradients costs host time."""
+    if clock is None:
+        return gradient_norm(pl_module, params)
+    step = int(trainer.global_step)
+    return clock.once_per_step("grad_norm", step, lambda: gradient_norm(pl_module, params))
 
 
 def gradient_norm(
