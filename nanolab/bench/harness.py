@@ -473,6 +473,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
+        "--no-import-time",
+        dest="import_time",
+        action="store_false",
+        help="skip timing `import nanolab.run.cli` in fresh interpreters (6 extra launches)",
+    )
+    parser.add_argument(
         "--no-count-syncs",
         dest="count_syncs",
         action="store_false",
@@ -492,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as err:
         print(f"nanolab bench: error: {err}", file=sys.stderr)
         return 1
-    res["import_s"] = import_time("nanolab.run.cli")
+    if args.import_time:
+        res["import_s"] = import_time("nanolab.run.cli")
     print(json.dumps(res, indent=2) if args.json else format_table(res))
     return 0
