@@ -42,7 +42,14 @@ LIGHTNING_VERBS: dict[str, str] = {
 
 
 def _usage() -> str:
-    lines = ["usage: nanolab <verb> [options]   (nanolab <verb> --help for each)", "", "verbs:"]
+    lines = [
+        "usage: nanolab [-q | -v] <verb> [options]   (nanolab <verb> --help for each)",
+        "",
+        "  -q, --quiet    only warnings and errors besides the command's output",
+        "  -v, --verbose  also debug detail (or NANOLAB_VERBOSITY=quiet|normal|verbose)",
+        "",
+        "verbs:",
+    ]
     for verb, text in LIGHTNING_VERBS.items():
         lines.append(f"  {verb:<10} {text}")
     for verb, (_, text) in VERBS.items():
@@ -63,7 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    from nanolab.messages import flag_verbosity, split_verbosity
+
+    verbosity, args = split_verbosity(list(sys.argv[1:] if argv is None else argv))
+    with flag_verbosity(verbosity):
+        return _dispatch(args)
+
+
+def _dispatch(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2

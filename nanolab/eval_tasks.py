@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError, one_line_errors
+from nanolab.messages import say, warn, warn_line
 
 
 class EvalArgumentError(NanolabError):
@@ -39,7 +40,7 @@ def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
         choice = find_resume_checkpoint(run_dir)
         warning = choice.warning()
         if warning:
-            print(warning.replace("resuming from", "evaluating"), file=sys.stderr)
+            warn_line(warning.replace("resuming from", "evaluating"))
         if choice.chosen is None:
             raise CheckpointError(
                 f"{target}: no complete checkpoint in this run directory; train it first or "
@@ -223,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=device,
         )
     print(result_table(result))
-    print(f"{result.seconds:.1f}s for {sum(t.n for t in result.tasks)} examples", file=sys.stderr)
+    say("nanolab eval", f"{result.seconds:.1f}s for {sum(t.n for t in result.tasks)} examples")
     record = {
         "event": "tasks",
         "time": time.time(),
@@ -250,10 +251,10 @@ def append_to_run(run_dir: Path, record: dict[str, Any]) -> None:
     try:
         acquire(run_dir)
     except (RunLockedError, OSError) as err:
-        print(f"nanolab eval: not logging to {run_dir}: {err}", file=sys.stderr)
+        warn("nanolab eval", f"not logging to {run_dir}: {err}")
         return
     try:
         path = append_record(run_dir, record)
     finally:
         release_all()
-    print(f"nanolab eval: tasks record (step {record['step']}) appended to {path}", file=sys.stderr)
+    say("nanolab eval", f"tasks record (step {record['step']}) appended to {path}")

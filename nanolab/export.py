@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nanolab import messages
 from nanolab.data.tokenizers import TokenizerError, tokenizer_from_spec
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser
@@ -349,6 +350,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "choose a folder this user can write, with free space"
         ) from None
     for note in notes:
-        print(f"nanolab export: note: {note}", file=sys.stderr)
+        messages.note("nanolab export", note)
     print(f"wrote {args.out} ({args.format}) in {time.perf_counter() - start:.1f}s")
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from nanolab.errors import NanolabError, one_line_errors
+from nanolab.messages import note, say
 from nanolab.model.checkpoint import (  # noqa: F401  (public here too)
     CheckpointError,
     load_checkpoint,
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = check_device(args.device)
     path = resolve_checkpoint(args.ckpt)
     if path != Path(args.ckpt):
-        print(f"nanolab generate: using {path}", file=sys.stderr)
+        say("nanolab generate", f"using {path}")
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path).to(device)
     tok = tokenizer_from_checkpoint(ckpt)
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not prompt_ids:
         raise GenerateArgumentError("--prompt encodes to no tokens; give some text")
     if not model.supports_kv_cache:
-        print(f"nanolab generate: note: {no_cache_reason(model)}", file=sys.stderr)
+        note("nanolab generate", no_cache_reason(model))
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     for i in range(args.num_samples):

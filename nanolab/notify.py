@@ -21,11 +21,11 @@ import shlex
 import signal
 import string
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nanolab.errors import NanolabError
+from nanolab.messages import warn_line
 
 TIMEOUT_S = 60.0
 
@@ -93,7 +93,7 @@ def send(targets: Sequence[str], fields: Mapping[str, Any], title: str, body: st
         if problem:
             warnings.append(f"nanolab: warning: notify {_shown(target)} failed ({problem}); "
                             "nothing else is affected")  # fmt: skip
-            print(warnings[-1], file=sys.stderr, flush=True)
+            warn_line(warnings[-1])
     return warnings
 
 

@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import NanolabError
+from nanolab.messages import warn
 
 RUN_LOG_NAME = "metrics.jsonl"
 
@@ -268,7 +269,6 @@ class RunLogWriter:
             raise self._write_error(err) from None
 
     def _recreate(self, record: dict[str, Any]) -> None:
-        import sys
         import time
 
         assert self._handle is not None
@@ -281,7 +281,7 @@ class RunLogWriter:
             f"{self.path} was deleted or replaced while this run wrote it; started it again "
             "here (the records before this point are in the removed file)"
         )
-        print(f"nanolab: warning: {note}", file=sys.stderr)
+        warn("nanolab", note)
         self._handle.write(dumps({"event": "log_recreated", "time": time.time(),
                                   "step": record.get("step"), "run_id": self.run_id,
                                   "detail": note}) + "\n")  # fmt: skip

@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -648,3 +649,40 @@ def test_a_fit_llama_run_exports_and_comes_back_with_init_from(tmp_path, char_da
     back.configure_model()
     a, b = ours.state_dict(), back.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("flag", "shown"), [([], True), (["-q"], False), (["--verbose"], True)])
+def test_one_verbosity_flag_governs_what_a_verb_says_besides_its_output(
+    trained_run, capsys, flag, shown
+):
+    """``nanolab -q <verb>`` keeps the command's output (the sample on stdout) and drops its
+    informational lines (``using .../last.ckpt`` on stderr), through the ``nanolab`` logger.
+    Mutations caught: a note printed around the logger (shown under -q), the flag leaking into
+    the next command of the same process (the environment is put back)."""
+    from nanolab.messages import ENV
+
+    before = os.environ.get(ENV)
+    code = main([*flag, "generate", "--ckpt", str(trained_run), "--prompt", "To",
+                 "--max-new-tokens", "3", "--seed", "1"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0 and out.strip().startswith("To")
+    assert ("nanolab generate: using" in err) is shown, err
+    assert os.environ.get(ENV) == before
+
+
+def test_warnings_still_show_when_quiet(capsys, monkeypatch):
+    from nanolab import messages
+
+    monkeypatch.setenv(messages.ENV, "quiet")
+    messages.configure()
+    messages.note("nanolab x", "hidden")
+    messages.warn("nanolab x", "shown")
+    messages.debug("nanolab x", "hidden too")
+    err = capsys.readouterr().err
+    assert err == "nanolab x: warning: shown\n"
+    monkeypatch.setenv(messages.ENV, "verbose")
+    messages.configure()
+    messages.debug("nanolab x", "detail")
+    assert capsys.readouterr().err == "nanolab x: detail\n"
+    monkeypatch.delenv(messages.ENV)
+    messages.configure()

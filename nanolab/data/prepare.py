@@ -58,6 +58,7 @@ from nanolab.data.tokenizers import (
     check_tokenizer_name,
 )
 from nanolab.errors import NanolabError, one_line_errors
+from nanolab.messages import say
 
 FORMAT = "nanolab-tokens-v1"
 #: Below this much input, worker processes cost more to start than they save.
@@ -232,7 +233,7 @@ def prepare_dataset(
             )
         for note in resolved.skipped:
             if not quiet:
-                print(f"nanolab prepare: {note}", file=sys.stderr)
+                say("nanolab prepare", note)
         job = _Job(
             files=resolved.files,
             out_dir=out_dir,

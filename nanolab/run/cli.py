@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nanolab.callbacks.checkpoint_io import CheckpointWriteError
 from nanolab.errors import EXIT_DISK_FULL, NanolabError, disk_full
+from nanolab.messages import say
 from nanolab.run.compose import launch
 from nanolab.run.parse import nulls_as_class_settings, parse_command
 
@@ -59,7 +60,7 @@ def run_lightning_cli(argv: list[str]) -> int:
                     file=sys.stderr,
                 )
             return EXIT_PREEMPTED
-        print(f"nanolab {argv[0]}: {rollback_detail(trainer)}; continuing", file=sys.stderr)
+        say(f"nanolab {argv[0]}", f"{rollback_detail(trainer)}; continuing")
         # The same command again, resuming this run (whatever --ckpt_path first started it).
         argv = [*argv, "--run.resume", "auto", "--ckpt_path", "last"]
         if from_command_line:

@@ -7,13 +7,13 @@ to", checkpoint restore notices in ``fit`` (the banner names the checkpoint), "`
 `max_steps=N` reached", a ``FutureWarning`` from Lightning's own use of a deprecated torch
 pytree class, and on CPU the expected "MFU unknown" (CPUs have no peak-FLOPs table; records
 carry ``mfu: null`` as docs/callbacks.md says). Warnings and errors of every other kind still
-show. ``NANOLAB_VERBOSE=1`` keeps Lightning's output as it is.
+show. ``nanolab -v fit ...`` (or ``NANOLAB_VERBOSITY=verbose``, or the older
+``NANOLAB_VERBOSE=1``) keeps Lightning's output as it is (:mod:`nanolab.messages`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 #: Start of an INFO line from Lightning that nanolab's banner makes redundant.
@@ -65,7 +65,9 @@ _FILTER = _DropNoise()
 
 def quiet_lightning(verb: str | None = "fit") -> bool:
     """Install the filters (idempotent); False when ``NANOLAB_VERBOSE`` asks for everything."""
-    if os.environ.get("NANOLAB_VERBOSE", "").strip() not in ("", "0"):
+    from nanolab.messages import verbosity
+
+    if verbosity() == "verbose":
         return False
     _FILTER.prefixes = NOISE_PREFIXES + (RESTORE_PREFIXES if verb == "fit" else ())
     for name in NOISY_LOGGERS:

@@ -65,9 +65,9 @@ def eval_target(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> Ev
     choice = find_resume_checkpoint(run_dir)
     warning = choice.warning()
     if warning:
-        import sys
+        from nanolab.messages import warn_line
 
-        print(warning.replace("resuming from", "evaluating"), file=sys.stderr)
+        warn_line(warning.replace("resuming from", "evaluating"))
     if choice.chosen is None:
         if text is None and has_init_from:
             return EvalTarget(None)  # the pretrained weights model.init_from loaded

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError
+from nanolab.messages import warn_line
 
 #: What a checkpoint must hold to restart training (not just to load weights).
 REQUIRED_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
@@ -296,7 +296,7 @@ def resume_candidate(
             raise ResumeError(unreadable_message(choice.skipped, Path(run_dir), flag))
         line = choice.warning()
         if line and _is_rank_zero():
-            print(line, file=sys.stderr, flush=True)
+            warn_line(line)
         if choice.chosen is None:
             return None
         check_same_model(choice.chosen, gpt_config, flag)
