@@ -34,7 +34,6 @@ from nanolab.training.plugins import (
 from nanolab.training.resolve import (
     FIT_SEED,
     RunConfigError,
-    check_alias_expansion,
     trainer_defaults,
 )
 
@@ -115,55 +114,18 @@ def run_callbacks() -> dict[str, type]:
     }
 
 
-def check_config_files(argv: list[str]) -> None:
-    """Read every ``--config`` file first, so an empty or malformed one is named in the error
-    (the parser itself reports them as "Unexpected config" or ``<unicode string>``), and import
-    the model, data and callback classes they and the command line name, so a plug-in that
-    does not import is one line naming its module (the parser would say it "does not validate
-    against any of the Union subtypes")."""
-    import yaml
+def config_groups() -> tuple[str, ...]:
+    """The groups of a config file that ``group: null`` would empty (refused by name)."""
+    return ("run", "trainer", "model", "data", *run_callbacks())
 
+
+def check_config_files(argv: list[str]) -> None:
+    """Read every ``--config`` file first (:func:`nanolab.run.keys.read_config_files`: an empty
+    or malformed one is named in the error), and import the model, data and callback classes
+    they and the command line name, so a plug-in that does not import is one line naming its
+    module (the parser would say it "does not validate against any of the Union subtypes")."""
     plugins = class_paths_in_argv(argv)
-    paths = []
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            paths.append(argv[i + 1])
-        elif arg.startswith("--config="):
-            paths.append(arg.split("=", 1)[1])
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_file():
-            continue  # not a file: the parser reports it (or takes it as inline YAML)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
-        check_alias_expansion(text, f"config file {path}")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise RunConfigError(
-                f"config file {path}: YAML error{where}: {problem}; fix the file's syntax"
-            ) from None
-        if data is None:
-            raise RunConfigError(
-                f"config file {path} is empty; give it settings (e.g. `trainer: {{max_steps: "
-                f"100}}`) or leave out --config {raw}"
-            )
-        if not isinstance(data, dict):
-            raise RunConfigError(
-                f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
-                f"got a {type(data).__name__}"
-            )
-        for group in ("run", "trainer", "model", "data", *run_callbacks()):
-            if group in data and data[group] is None:
-                raise RunConfigError(
-                    f"config file {path}: `{group}: null` gives the {group} group no settings; "
-                    f"leave it out to keep its defaults, or give its keys (`{group}: {{...}}`)"
-                )
+    for data in keys.read_config_files(argv, config_groups()):
         plugins += class_paths_in_config(data)
     try:
         check_importable(plugins)
