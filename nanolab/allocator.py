@@ -34,8 +34,14 @@ def prefer_expandable_segments(
 def torch_hip_version() -> str | None:
     """``torch.version.hip``, read from torch's ``version.py`` without importing torch: every verb
     asks, and importing torch costs ~2 s that ``queue ls`` or ``fit --help`` have no use for."""
+    return torch_build("hip")
+
+
+def torch_build(field: str) -> str | None:
+    """``torch.version.<field>`` (``hip``, ``cuda``): the GPU toolkit torch was built with, None
+    for a build without it, read from torch's ``version.py`` without importing torch."""
     if "torch" in sys.modules:
-        return sys.modules["torch"].version.hip
+        return getattr(sys.modules["torch"].version, field, None)
     import ast
     import importlib.util
 
@@ -51,12 +57,12 @@ def torch_hip_version() -> str | None:
                 target, value = node.targets[0], node.value
             else:
                 continue
-            if isinstance(target, ast.Name) and target.id == "hip" and value is not None:
-                hip = ast.literal_eval(value)
-                if hip is None or isinstance(hip, str):
-                    return hip
+            if isinstance(target, ast.Name) and target.id == field and value is not None:
+                found = ast.literal_eval(value)
+                if found is None or isinstance(found, str):
+                    return found
     except (OSError, IndexError, ValueError, SyntaxError, ImportError):
         pass
     import torch  # a torch laid out otherwise: ask it
 
-    return torch.version.hip
+    return getattr(torch.version, field, None)

@@ -96,12 +96,15 @@ def test_the_sweep_commands_of_docs_queue_md_queue_what_they_say(tmp_path, capsy
 def test_a_sweep_times_seeds_parses_and_estimates_each_point_once(
     tmp_path, char_dataset, capsys, monkeypatch
 ):
-    """The parser and the estimators run once per sweep point, not once per job: the seeds of
-    a point differ only in ``seed_everything`` and the run name (counted, not timed)."""
+    """A config is read and estimated once per sweep point, not once per job: the seeds of a
+    point differ only in ``seed_everything`` and the run name (counted, not timed). With the
+    parser's schema remembered, no point needs the parser itself."""
     import nanolab.queue.predict as predict
     import nanolab.run.parse as parse
+    import nanolab.run.read as read
 
-    calls: dict[str, int] = {"parse": 0, "estimate": 0, "memory": 0}
+    parse.verb_keys("fit")  # the keys and the schema remembered, as after any earlier fit
+    calls: dict[str, int] = {"read": 0, "parse": 0, "estimate": 0, "memory": 0}
 
     def counted(name, real):
         def call(*args, **kwargs):
@@ -110,6 +113,7 @@ def test_a_sweep_times_seeds_parses_and_estimates_each_point_once(
 
         return call
 
+    monkeypatch.setattr(read, "fit_config", counted("read", read.fit_config))
     monkeypatch.setattr(parse, "parse_fit_config", counted("parse", parse.parse_fit_config))
     monkeypatch.setattr(predict, "job_estimate", counted("estimate", predict.job_estimate))
     monkeypatch.setattr(predict, "memory_need", counted("memory", predict.memory_need))
@@ -123,7 +127,7 @@ def test_a_sweep_times_seeds_parses_and_estimates_each_point_once(
                          "--sweep", "model.gpt.n_layer=1,2")  # fmt: skip
     assert code == 0, err
     assert len(QueueDB(db).jobs()) == 12
-    assert calls == {"parse": 4, "estimate": 4, "memory": 4}
+    assert calls == {"read": 4, "parse": 0, "estimate": 4, "memory": 4}
 
 
 def test_the_seeds_of_a_point_are_the_jobs_one_parse_per_seed_gives(tmp_path, char_dataset):

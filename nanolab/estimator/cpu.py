@@ -84,14 +84,17 @@ def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
 
     threads = threads or torch.get_num_threads()
     fp32 = _rate("float32", threads)
-    bf16_rate = _rate("bfloat16", threads) if bf16 else None
+    return _device(threads, fp32, _rate("bfloat16", threads) if bf16 else None)
+
+
+def _device(threads: int, fp32: float, bf16: float | None) -> GPU:
     return GPU(
         name="cpu",
         label=f"CPU (this machine, {threads} thread{'s' if threads > 1 else ''})",
         memory_bytes=physical_memory(),
         vendor="cpu",
         usd_per_hour=0.0,
-        tflops={"fp32": fp32, "tf32": None, "bf16": bf16_rate, "fp16": None, "fp8": None},
+        tflops={"fp32": fp32, "tf32": None, "bf16": bf16, "fp16": None, "fp8": None},
         family="cpu",
         memory_reported=True,
         memory_source="physical RAM (os.sysconf)",
@@ -108,3 +111,66 @@ def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
 def _rate(dtype_name: str, threads: int) -> float:
     """One probe per dtype and thread count per process: every estimate here divides by it."""
     return matmul_tflops(dtype_name, threads=threads)
+
+
+#: How long a probe's rates stand in for a new probe (:func:`remembered_cpu_device`).
+REMEMBERED_RATES_S = 24 * 3600.0
+
+
+def remembered_cpu_device(bf16: bool = True) -> GPU:
+    """:func:`cpu_device` with the default thread count, from the rates a probe measured on
+    this machine (same CPU, core count and affinity, thread settings and torch) within
+    :data:`REMEMBERED_RATES_S`, without importing torch (~2 s); else probed, and remembered
+    beside the estimator's cache (``NANOLAB_ESTIMATOR_CACHE=0``: always probed).
+
+    ``queue add`` asks here: its duration estimates then cost no torch import, and the probe
+    (the fastest of many short matmuls, which a busy neighbour only ever slows) gives the
+    machine's rate, not the moment's."""
+    import hashlib
+    import json
+
+    from nanolab.estimator.facts_cache import cache_dir, write_json
+
+    folder = cache_dir()
+    if folder is None:
+        return cpu_device(bf16=bf16)
+    machine = _machine()
+    name = hashlib.sha256(json.dumps(machine).encode()).hexdigest()[:16]
+    path = folder / f"cpu-rates-{name}.json"
+    try:
+        stored = json.loads(path.read_text())
+        age = time.time() - float(stored["time"])
+        if stored["machine"] == machine and 0 <= age < REMEMBERED_RATES_S:
+            fp32, bf16_rate = float(stored["fp32"]), stored["bf16"]
+            if fp32 > 0 and (not bf16 or bf16_rate):
+                return _device(int(stored["threads"]), fp32, float(bf16_rate) if bf16 else None)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none, unreadable, another machine's or too old: probe
+    device = cpu_device(bf16=bf16)
+    import torch
+
+    rates = device.tflops
+    write_json(path, {"machine": machine, "time": time.time(), "threads": torch.get_num_threads(),
+                      "fp32": rates["fp32"], "bf16": rates["bf16"]})  # fmt: skip
+    return device
+
+
+def _machine() -> list:
+    """What the rates and the default thread count depend on, read without importing torch."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")  # fmt: skip
+    except OSError:
+        pass
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "none"
+    threads = [os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")]
+    return [platform.node(), platform.machine(), model, os.cpu_count(), affinity, threads,
+            torch_version]  # fmt: skip

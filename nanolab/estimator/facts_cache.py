@@ -117,11 +117,11 @@ def remembered(
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, unreadable or from other code: compute it again
     value = answer()
-    _write(path, {"key": key, "answer": encode(value)})
+    write_json(path, {"key": key, "answer": encode(value)})
     return value
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` under ``path`` atomically; a cache that cannot be written is no error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,14 @@ add :data:`STARTUP_S` for importing torch/Lightning and building the model.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from nanolab.estimator.cpu import CPU_EFFICIENCY, cpu_device  # noqa: F401  (CPU_EFFICIENCY: public here)
+from nanolab.estimator.cpu import (  # noqa: F401  (CPU_EFFICIENCY: public here)
+    CPU_EFFICIENCY,
+    cpu_device,
+    remembered_cpu_device,
+)
 from nanolab.estimator.gpus import format_rate
 
 #: Vocabulary assumed for a duration estimate when the data is not prepared yet.
@@ -27,7 +32,12 @@ def cpu_flops() -> float:
 
 
 def _gpu_name() -> str | None:
-    """The estimator's name for the first visible GPU (``NVIDIA H200`` -> ``h200``), if any."""
+    """The estimator's name for the first visible GPU (``NVIDIA H200`` -> ``h200``), if any.
+    A torch built without CUDA or ROCm sees none, known without importing torch (~2 s)."""
+    from nanolab.allocator import torch_build
+
+    if "torch" not in sys.modules and torch_build("cuda") is None and torch_build("hip") is None:
+        return None
     try:
         import torch
 
@@ -55,6 +65,7 @@ def run_seconds(
     tokens_per_step: int,
     max_steps: int,
     gpu: str | None = None,
+    remembered_cpu: bool = False,
 ) -> tuple[float | None, str]:
     """(seconds, how it was estimated) for ``max_steps`` steps of a merged ``fit`` config,
     start-up included; (None, why not) when it cannot be estimated.
@@ -62,7 +73,9 @@ def run_seconds(
     The estimator's own time (:func:`nanolab.estimator.estimate_from_config`), so ``estimate``,
     the banner and the queue give one number for one config: ``devices`` and
     ``tokens_per_step`` are the resolved ones; ``gpu`` names the device in the estimator's
-    table (default: the first visible GPU, or this CPU).
+    table (default: the first visible GPU, or this CPU). ``remembered_cpu``: this CPU's rates
+    as a recent probe measured them (:func:`nanolab.estimator.cpu.remembered_cpu_device`, no
+    torch import: ``queue add``), not probed in this process.
     """
     from nanolab.errors import RunConfigError
     from nanolab.estimator.estimate import estimate_from_config
@@ -76,7 +89,8 @@ def run_seconds(
         where: dict[str, Any] = {"gpu": gpu}
     else:  # this CPU, probed once per process (bf16 rates only for a bf16 run)
         bf16 = str(cfg["trainer"].get("precision") or "").startswith("bf16")
-        where = {"gpu": cpu_device(bf16=bf16), "device": "cpu"}
+        device = remembered_cpu_device(bf16=bf16) if remembered_cpu else cpu_device(bf16=bf16)
+        where = {"gpu": device, "device": "cpu"}
     tokens = max(1, tokens_per_step * max_steps)
     guessed = ""
     try:

@@ -1,8 +1,9 @@
 """From ``queue add CONFIG --set k=v --seeds 1,2`` to validated jobs, refused now, not at 3 a.m.
 
-A config is checked with the real ``nanolab fit`` parser (the same LightningCLI class, defaults
-and linked arguments), in this process: unknown keys, wrong types and unreadable YAML fail here.
-Then the checks ``nanolab fit`` would only make when it starts are made too: the model, optimizer
+A config is read as the real ``nanolab fit`` parser reads it (the same LightningCLI class,
+defaults and linked arguments: from the parser's remembered schema where it can say, else by the
+parser itself; :mod:`nanolab.run.read`), in this process: unknown keys, wrong types and
+unreadable YAML fail here. Then the checks ``nanolab fit`` would only make when it starts are made too: the model, optimizer
 and schedule settings (their dataclasses validate themselves), the global batch against the
 micro-batch (gradient accumulation must come out whole), a finite ``trainer.max_steps`` (the
 training stream is endless, so a job without it never ends), and that the data exists (a
@@ -110,13 +111,15 @@ def parse_config(
     seed_of: ParsedConfig | None = None,
     seed: int | None = None,
 ) -> ParsedConfig:
-    """Parse ``nanolab fit --config CONFIG ARGS`` with the real parser and check it can run.
+    """Read ``nanolab fit --config CONFIG ARGS`` as the fit parser does and check it can run.
 
-    ``seed_of``: the parse of this job's command line with another ``--seed_everything`` and
-    run name (a sibling seed): its config is taken with ``seed`` and ``run_name`` set, the one
-    thing the parser would read differently, and checked again; the parser (~0.3-0.8 s a job)
-    runs once per experiment, not once per seed."""
-    from nanolab.run.parse import FitParseError, parse_fit_config
+    The config is read by :func:`nanolab.run.read.fit_config`: with the parser's remembered
+    types and defaults (no Lightning, ~10 ms), or by the parser itself where they cannot say
+    (a value they refuse, a class of one's own; seconds). ``seed_of``: the reading of this
+    job's command line with another ``--seed_everything`` and run name (a sibling seed): its
+    config is taken with ``seed`` and ``run_name`` set, the one thing read differently, and
+    checked again, so a config is read once per experiment, not once per seed."""
+    from nanolab.run.read import FitParseError, fit_config
 
     # The error names every config file of the job: the key at fault may be in any of them.
     files = [str(config), *(b for a, b in pairwise(args) if a == "--config")]
@@ -127,7 +130,7 @@ def parse_config(
         cfg["run"]["name"] = run_name
     else:
         try:
-            cfg = parse_fit_config(["--config", str(config), *args, f"--run.name={run_name}"])
+            cfg = fit_config(["--config", str(config), *args, f"--run.name={run_name}"])
         except FitParseError as e:  # named once: a config file's own error already names it
             raise JobConfigError(str(e) if str(config) in str(e) else f"{where}: {e}") from None
     try:

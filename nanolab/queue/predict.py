@@ -46,6 +46,7 @@ def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float 
         tokens_per_step=parsed.tokens_per_step,
         max_steps=parsed.max_steps,
         gpu=gpu,
+        remembered_cpu=True,
     )
 
 

@@ -15,7 +15,9 @@ unknown too: a silently completed typo is the same typo.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -42,8 +44,6 @@ def _cache_file(verb: str, kind: str = "keys", dists: tuple[str, ...] = ()) -> P
 
 def _fingerprint(dists: tuple[str, ...] = ()) -> str:
     """Changes whenever the keys could: nanolab's files, and the parser's packages."""
-    from importlib.metadata import PackageNotFoundError, version
-
     digest = hashlib.sha256()
     package = Path(__file__).resolve().parents[1]
     for root, dirs, files in os.walk(package):
@@ -53,12 +53,20 @@ def _fingerprint(dists: tuple[str, ...] = ()) -> str:
                 st = os.stat(os.path.join(root, name))
                 digest.update(f"{root}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     for dist in ("lightning", "jsonargparse", "torch", *dists):
-        try:
-            digest.update(f"{dist}={version(dist)}\n".encode())
-        except PackageNotFoundError:
-            digest.update(f"{dist}=none\n".encode())
+        digest.update(f"{dist}={_version(dist)}\n".encode())
     digest.update(f"python={sys.version_info[:3]}".encode())
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _version(dist: str) -> str:
+    """A package's version, looked up once per process (each look-up lists site-packages)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "none"
 
 
 def known_keys(verb: str) -> frozenset[str] | None:
@@ -120,20 +128,30 @@ def given_keys(argv: list[str]) -> Iterator[tuple[str, str]]:
 
 
 def _file_keys(raw: str) -> Iterator[tuple[str, str]]:
-    from nanolab.training.resolve import load_yaml
-
     path = Path(raw)
     if not path.is_file():
         return
     try:
-        data = load_yaml(path.read_text(encoding="utf-8"), f"config file {path}")
+        text = path.read_text(encoding="utf-8")
+    except Exception:  # not text: the parser names the problem its own way
+        return
+    for key in _keys_in(text, str(path)):
+        yield key, f"config file {path}"
+
+
+@functools.lru_cache(maxsize=32)
+def _keys_in(text: str, path: str) -> tuple[str, ...]:
+    """The dotted keys of a config file's ``text`` (remembered: ``queue add`` reads one file
+    for every job of a sweep)."""
+    from nanolab.training.resolve import load_yaml
+
+    try:
+        data = load_yaml(text, f"config file {path}")
     except RunConfigError:
         raise
-    except Exception:  # not YAML, not text: the parser names the problem its own way
-        return
-    if isinstance(data, Mapping):
-        for key in _flatten(data):
-            yield key, f"config file {path}"
+    except Exception:  # not YAML: the parser names the problem its own way
+        return ()
+    return tuple(_flatten(data)) if isinstance(data, Mapping) else ()
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
@@ -195,6 +213,74 @@ def suggestion(key: str, known: frozenset[str]) -> str | None:
         return siblings[near[0]]
     near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     return near[0] if near else None
+
+
+def config_file_paths(argv: list[str]) -> list[str]:
+    """The ``--config`` files of ``argv``, in order (``--config X`` and ``--config=X``)."""
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    return paths
+
+
+def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, Any]]:
+    """Every ``--config`` file of ``argv`` read first, so an empty or malformed one is named in
+    the error (the parser itself reports them as "Unexpected config" or ``<unicode string>``):
+    each file's settings, in order. ``groups``: the config groups a file may not set to null.
+    A path that is not a file is left to the parser (it reports it, or takes it as YAML)."""
+    import yaml
+
+    found = []
+    for raw in config_file_paths(argv):
+        path = Path(raw)
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
+        try:
+            data = copy.deepcopy(_settings_in(text, str(path)))
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise RunConfigError(
+                f"config file {path}: YAML error{where}: {problem}; fix the file's syntax"
+            ) from None
+        if data is None:
+            raise RunConfigError(
+                f"config file {path} is empty; give it settings (e.g. `trainer: {{max_steps: "
+                f"100}}`) or leave out --config {raw}"
+            )
+        if not isinstance(data, dict):
+            raise RunConfigError(
+                f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
+                f"got a {type(data).__name__}"
+            )
+        for group in groups:
+            if group in data and data[group] is None:
+                raise RunConfigError(
+                    f"config file {path}: `{group}: null` gives the {group} group no settings; "
+                    f"leave it out to keep its defaults, or give its keys (`{group}: {{...}}`)"
+                )
+        found.append(data)
+    return found
+
+
+@functools.lru_cache(maxsize=32)
+def _settings_in(text: str, path: str) -> Any:
+    """A config file's ``text`` read (an alias bomb refused first); remembered like
+    :func:`_keys_in`. Callers copy the result before changing it."""
+    import yaml
+
+    from nanolab.training.resolve import check_alias_expansion
+
+    check_alias_expansion(text, f"config file {path}")
+    return yaml.safe_load(text)
 
 
 def preflight(verb: str, argv: list[str]) -> None:

@@ -22,7 +22,12 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nanolab.estimator.gpus import MatmulPrecision
-from nanolab.run import keys
+from nanolab.run import keys, schema
+from nanolab.run.schema import (  # noqa: F401  (NULL_WORDS: public here too)
+    NULL_WORDS,
+    FitParseError,
+    nulls_as_class_settings,
+)
 from nanolab.training.plugins import (
     DEFAULT_DATA,
     DEFAULT_MODEL,
@@ -34,7 +39,6 @@ from nanolab.training.plugins import (
 from nanolab.training.resolve import (
     FIT_SEED,
     RunConfigError,
-    check_alias_expansion,
     trainer_defaults,
 )
 
@@ -115,55 +119,18 @@ def run_callbacks() -> dict[str, type]:
     }
 
 
-def check_config_files(argv: list[str]) -> None:
-    """Read every ``--config`` file first, so an empty or malformed one is named in the error
-    (the parser itself reports them as "Unexpected config" or ``<unicode string>``), and import
-    the model, data and callback classes they and the command line name, so a plug-in that
-    does not import is one line naming its module (the parser would say it "does not validate
-    against any of the Union subtypes")."""
-    import yaml
+def config_groups() -> tuple[str, ...]:
+    """The groups of a config file that ``group: null`` would empty (refused by name)."""
+    return ("run", "trainer", "model", "data", *run_callbacks())
 
+
+def check_config_files(argv: list[str]) -> None:
+    """Read every ``--config`` file first (:func:`nanolab.run.keys.read_config_files`: an empty
+    or malformed one is named in the error), and import the model, data and callback classes
+    they and the command line name, so a plug-in that does not import is one line naming its
+    module (the parser would say it "does not validate against any of the Union subtypes")."""
     plugins = class_paths_in_argv(argv)
-    paths = []
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            paths.append(argv[i + 1])
-        elif arg.startswith("--config="):
-            paths.append(arg.split("=", 1)[1])
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_file():
-            continue  # not a file: the parser reports it (or takes it as inline YAML)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
-        check_alias_expansion(text, f"config file {path}")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise RunConfigError(
-                f"config file {path}: YAML error{where}: {problem}; fix the file's syntax"
-            ) from None
-        if data is None:
-            raise RunConfigError(
-                f"config file {path} is empty; give it settings (e.g. `trainer: {{max_steps: "
-                f"100}}`) or leave out --config {raw}"
-            )
-        if not isinstance(data, dict):
-            raise RunConfigError(
-                f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
-                f"got a {type(data).__name__}"
-            )
-        for group in ("run", "trainer", "model", "data", *run_callbacks()):
-            if group in data and data[group] is None:
-                raise RunConfigError(
-                    f"config file {path}: `{group}: null` gives the {group} group no settings; "
-                    f"leave it out to keep its defaults, or give its keys (`{group}: {{...}}`)"
-                )
+    for data in keys.read_config_files(argv, config_groups()):
         plugins += class_paths_in_config(data)
     try:
         check_importable(plugins)
@@ -337,46 +304,6 @@ class NanolabCLI(LightningCLI):
         super()._parse_ckpt_path()
 
 
-NULL_WORDS = ("null", "Null", "NULL", "~")
-
-
-def nulls_as_class_settings(argv: list[str]) -> list[str]:
-    """``--model.gpt.vocab_size null`` rewritten as ``--model '{"init_args": {...: null}}'``.
-
-    With ``model``/``data`` as class choices, jsonargparse (4.53) hands a nested ``null`` to the
-    class's parser as the string ``"None"``, so every ``Optional`` setting refused ``null`` on the
-    command line. The same setting given as an ``init_args`` dict merges into the chosen class
-    and keeps everything given before and after it.
-    """
-    import json
-
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        key, value, width = None, None, 1
-        for group in ("--model.", "--data."):
-            if arg.startswith(group) and not arg.startswith(group + "class_path"):
-                if "=" in arg:
-                    key, value = arg.split("=", 1)
-                elif i + 1 < len(argv):
-                    key, value, width = arg, argv[i + 1], 2
-                break
-        if key is None or value not in NULL_WORDS:
-            out.append(arg)
-            i += 1
-            continue
-        group, *path = key[2:].split(".")
-        if path and path[0] == "init_args":
-            path = path[1:]
-        nested: object = None
-        for part in reversed(path):
-            nested = {part: nested}
-        out += [f"--{group}", json.dumps({"init_args": nested})]
-        i += width
-    return out
-
-
 def parse_command(argv: list[str], *, from_command_line: bool = False) -> NanolabCLI:
     """``VERB ARGS`` parsed by the run's parser: the CLI holding ``config`` and the parsers.
 
@@ -427,11 +354,29 @@ def verb_keys(verb: str) -> frozenset[str]:
     with warnings.catch_warnings():  # LightningCLI warns that sys.argv is not what it parses
         warnings.simplefilter("ignore")
         cli = _parse([verb], from_command_line=False)
+    _remember_schema(verb, cli)
     return keys.remember_keys(verb, keys.parser_keys(cli.config[verb]))
 
 
-class FitParseError(RunConfigError):
-    """``fit``'s parser refused a command line; the message is its one error line."""
+def remember_schema(verb: str) -> None:
+    """Remember ``verb``'s settings, types and defaults (:mod:`nanolab.run.schema`) from a parse
+    of the defaults (~0.3 s), for the next launch's reading of a config without Lightning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = _parse([verb], from_command_line=False)
+    _remember_schema(verb, cli)
+
+
+def _remember_schema(verb: str, cli: NanolabCLI) -> None:
+    from nanolab.training.resolve import plain_config
+
+    try:
+        found = schema.schema_of(cli.verb_parser, plain_config(cli.config[verb]), config_groups())
+    except Exception:  # a parser the schema cannot describe: every config goes to the parser
+        return
+    schema.remember(verb, found)
 
 
 def parse_fit_config(args: list[str]) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,7 +242,7 @@ def load_yaml(text: str, source: str = "the YAML") -> Any:
     return yaml.load(text, Loader=config_loader())
 
 
-def _override_value(text: str) -> Any:
+def override_value(text: str) -> Any:
     """A command-line value as the fit parser reads it: YAML (``2``, ``true``, ``null``,
     ``6e-4``, ``[a, b]``, ``{k: v}``), else the string itself."""
     import yaml
@@ -289,15 +289,25 @@ def _append(config: dict[str, Any], keys: list[str], value: Any) -> dict[str, An
     return out
 
 
-def compose(args: Sequence[str], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def compose(
+    args: Sequence[str],
+    base: Mapping[str, Any] | None = None,
+    *,
+    read_file: Callable[[str], Mapping[str, Any]] = read_config_file,
+    value: Callable[[str, str], Any] | None = None,
+) -> dict[str, Any]:
     """The merged config of a ``fit`` command line, read left to right as the fit parser does.
 
     ``args`` holds ``--config FILE`` and dotted ``--group.key VALUE`` (or ``--group.key=VALUE``,
     or ``--group.key+=VALUE`` to append to a list); a later one wins. ``model``/``data`` are
     class choices (:func:`merge_configs`). It starts from ``base``, by default the values ``fit``
     sets before any file (:func:`fit_defaults`). This is the one reader of configs outside LightningCLI
-    itself: ``estimate``, ``bench`` and the estimator's API call it, and a test holds its result
+    itself: ``estimate``, ``bench``, the estimator's API and ``queue add`` call it, and a test holds its result
     against ``fit --print_config`` for every shipped config and overlay.
+
+    ``read_file(path)`` reads a ``--config`` file and ``value(name, text)`` an override's text
+    (``name``: ``model.gpt.n_layer``, ``trainer.callbacks+``); by default YAML as it is.
+    :mod:`nanolab.run.schema` passes both, to type each value as the fit parser would.
     """
     merged: dict[str, Any] = fit_defaults() if base is None else dict(base)
     tokens = list(args)
@@ -318,14 +328,14 @@ def compose(args: Sequence[str], base: Mapping[str, Any] | None = None) -> dict[
             i += 2
         name = flag[2:]
         if name == "config":
-            merged = merge_configs(merged, read_config_file(text))
+            merged = merge_configs(merged, read_file(text))
             continue
         keys = name.removesuffix("+").split(".")
-        value = _override_value(text)
+        given = override_value(text) if value is None else value(name, text)
         if name.endswith("+"):
-            merged = _append(merged, keys, value)
+            merged = _append(merged, keys, given)
             continue
-        nested: Any = value
+        nested: Any = given
         for key in reversed(keys):
             nested = {key: nested}
         merged = merge_configs(merged, nested)
