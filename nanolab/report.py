@@ -284,12 +284,12 @@ def compare_groups(
     """Each group against ``baseline`` (a group label), or, without one, the two groups
     against each other, or every group against the one with the lowest mean. Empty with fewer
     than two groups of two usable seeds."""
-    from nanolab.stats import sentence, welch
-
-    by_run = {s.run: s for s in summaries}
     usable = [g for g in groups if len(g.val_losses) >= 2]
     if len(usable) < 2:
         return []
+    from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
+
+    by_run = {s.run: s for s in summaries}
     if baseline is not None:
         base = next((g for g in usable if g.label == baseline or baseline in g.runs), None)
         if base is None:
