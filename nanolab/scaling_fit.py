@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from nanolab.errors import NanolabError
+from nanolab.tables import table
 
 #: Fewest distinct model sizes (and token counts) the fit is attempted with.
 MIN_SIZES = 3
@@ -348,10 +349,11 @@ def scaling_report(
         f"{sizes} sizes (N: parameters incl. embeddings, D: tokens trained, L: final val loss); "
         f"Huber fit of log L, [5%, 95%] over {len(samples)} bootstrap resamples of the runs",
     ]
+    rows = []
     for name in PARAMS:
-        value = getattr(law, name)
         lo, hi = law.band.get(name, (math.nan, math.nan))
-        out.append(f"  {name:<5} = {_g(value):<10} [{_g(lo)}, {_g(hi)}]")
+        rows.append([name, f"= {_g(getattr(law, name))}", f"[{_g(lo)}, {_g(hi)}]"])
+    out += ["  " + line for line in table(rows, rule=False)]
     if law.E < FLOOR_ZERO:
         out.append("  note: the fit took the floor E to 0: these runs do not pin an irreducible "
                    "loss (too few sizes or tokens in the power-law regime); the optimum is a guess")  # fmt: skip

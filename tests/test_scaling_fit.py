@@ -201,7 +201,7 @@ def test_report_scaling_recovers_the_law_and_the_optimum(tmp_path: Path, capsys)
     assert main([str(tmp_path), "--scaling", "--gpu-hours", "1e5"]) == 0
     out = capsys.readouterr().out
     assert "over 12 finished runs of 4 sizes" in out and "compute-optimal: N = " in out
-    assert "leave-one-out error" in out and "alpha = 0.3" in out
+    assert "leave-one-out error" in out and "alpha  = 0.3" in out
 
 
 @pytest.mark.parametrize(
@@ -260,5 +260,5 @@ def test_a_floor_the_runs_do_not_show_is_reported_as_zero_with_a_note(tmp_path, 
             _write_run(tmp_path, f"n{n:.0e}-d{d:.0e}", n, d, loss)
     assert main([str(tmp_path), "--scaling"]) == 0
     out = capsys.readouterr().out
-    assert "  E     = 0          [0, 0]" in out and "alpha = 0.34 " in out
+    assert "  E      = 0      [0, 0]" in out and "alpha  = 0.34   " in out
     assert "note: the fit took the floor E to 0" in out
