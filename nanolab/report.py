@@ -47,8 +47,6 @@ from nanolab.runs import (
     RunsError,
     RunSummary,
     append_result,
-    columns,
-    columns_within,
     config_of,
     discover_runs,
     duration,
@@ -64,6 +62,7 @@ from nanolab.runs import (
     summarize_run,
     tail_records,
 )
+from nanolab.tables import WIDTH, table, table_within
 
 
 class ReportError(RunsError):
@@ -284,12 +283,12 @@ def compare_groups(
     """Each group against ``baseline`` (a group label), or, without one, the two groups
     against each other, or every group against the one with the lowest mean. Empty with fewer
     than two groups of two usable seeds."""
-    from nanolab.stats import sentence, welch
-
-    by_run = {s.run: s for s in summaries}
     usable = [g for g in groups if len(g.val_losses) >= 2]
     if len(usable) < 2:
         return []
+    from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
+
+    by_run = {s.run: s for s in summaries}
     if baseline is not None:
         base = next((g for g in usable if g.label == baseline or baseline in g.runs), None)
         if base is None:
@@ -346,10 +345,6 @@ def task_names(summaries: list[RunSummary]) -> list[str]:
     return list(dict.fromkeys(name for s in summaries for name in s.task_scores))
 
 
-#: The widest line of a report table.
-WIDTH = 100
-
-
 def _wrap(text: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, break_on_hyphens=False)
 
@@ -378,7 +373,7 @@ def downstream_table(summaries: list[RunSummary]) -> list[str]:
          *(_f(scores.get(t), ".3f") for t in tasks)]
         for run, source, step, suite, core, scores in scored
     ]  # fmt: skip
-    out = ["", *columns_within([headers, *rows], {2, *range(4, len(headers))}, WIDTH)]
+    out = ["", *table_within(rows, headers, {2, *range(4, len(headers))})]
     return out + _wrap(
         f"{mean}: the mean centered accuracy of the suite's tasks"
         + (" (CORE only for the CORE suite)" if mean != "CORE" else "")
@@ -429,7 +424,7 @@ def format_table(
                 duration(s.wall_s),
             ]
         )
-    out = columns_within([headers, *rows], {2, 3, 4, 6, 8, 9, 10, 11, 12}, WIDTH)
+    out = table_within(rows, headers, {2, 3, 4, 6, 8, 9, 10, 11, 12})
     out += _wrap(
         f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps minus the "
         f"first logged step's (the same for every run). {hours}: devices x wall hours"
@@ -1009,7 +1004,7 @@ def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
         ("wall", lambda s: duration(s.wall_s)),
     ):  # fmt: skip
         rows.append((label, fn(sa), fn(sb)))
-    return "\n".join(columns([list(r) for r in rows]))
+    return "\n".join(table(rows, rule=False))
 
 
 def _select(found: list[tuple[str, Path]], patterns: list[str]) -> list[tuple[str, Path]]:

@@ -577,8 +577,9 @@ def si(value: float | None, fmt: str = ".3g", billion: str = "G") -> str:
 
 def columns(rows: list[list[str]], right: Container[int] = (), rule: bool = False) -> list[str]:
     """``rows`` (the header first) as text columns two spaces apart, right-aligned where
-    ``right`` says, with a line of dashes under the header when ``rule``: one look for the
-    tables of ``report``, ``status`` and ``queue ls``."""
+    ``right`` says, with a line of dashes under the header when ``rule``: the tables of
+    ``status`` and ``queue ls``, laid out by hand; ``report``'s go through
+    :mod:`nanolab.tables` (tabulate), which prints the same look."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     if rule:
         rows = [rows[0], ["-" * w for w in widths], *rows[1:]]
@@ -589,36 +590,6 @@ def columns(rows: list[list[str]], right: Container[int] = (), rule: bool = Fals
         ).rstrip()
         for r in rows
     ]
-
-
-def columns_within(
-    rows: list[list[str]], right: Container[int] = (), width: int = 100
-) -> list[str]:
-    """:func:`columns` (with a rule) cut into tables of at most ``width`` characters, each
-    repeating the first column (the run), so a wide report reads in a terminal or a pasted
-    message; a table holds at least one column beside the first, however wide."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out: list[str] = []
-    chunk: list[int] = []
-    for i in range(1, len(widths)):
-        used = widths[0] + sum(widths[j] + 2 for j in chunk)
-        if chunk and used + 2 + widths[i] > width:
-            out += _chunk_table(rows, right, chunk)
-            chunk = []
-        chunk.append(i)
-    if chunk or not out:
-        out += _chunk_table(rows, right, chunk)
-    return out
-
-
-def _chunk_table(rows: list[list[str]], right: Container[int], chunk: list[int]) -> list[str]:
-    picked = [0, *chunk]
-    table = columns(
-        [[r[i] for i in picked] for r in rows],
-        {n for n, i in enumerate(picked) if i in right},
-        rule=True,
-    )
-    return table if not chunk or chunk[0] == 1 else ["", *table]
 
 
 # -- the index of ended runs -------------------------------------------------------------------

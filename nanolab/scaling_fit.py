@@ -12,11 +12,15 @@ compute budget should buy. Why each choice:
   estimate ``6 N D`` uses too.
 * **Fitted in log space with a Huber loss** (``delta`` = 1e-3) on ``log L`` against
   ``logsumexp(a - alpha log N, b - beta log D, e)``, ``A = e^a, B = e^b, E = e^e``: relative errors,
-  outliers down-weighted. Levenberg-Marquardt (iteratively reweighted for the Huber loss) from a
-  grid of starting points, all at once in NumPy, the best end kept; no optimiser dependency.
-* **Errors**: a bootstrap over runs (refits on runs drawn with replacement: 5-95% of each
-  parameter and of the optimum) and a leave-one-out check (each run predicted by the fit
-  without it).
+  outliers down-weighted. ``scipy.optimize.least_squares`` (``loss="huber"``, ``f_scale=delta``)
+  from a few starting points, the lowest end kept. The starts come from a profile: for fixed
+  exponents the law is linear in (E, A, B), so each (alpha, beta) of a grid gets its best
+  E, A, B >= 0 (``scipy.optimize.nnls`` on relative errors) and the best pairs are polished;
+  the best end is polished once more with the floor at 0 (from an E > 0 least_squares can stop
+  on a floor the runs do not show).
+* **Errors**: a bootstrap over runs (refits on runs drawn with replacement, each from the
+  full fit's optimum: 5-95% of each parameter and of the optimum) and a leave-one-out check
+  (each run predicted by the fit without it).
 * **Compute-optimal size** for a budget ``C`` FLOPs (``C = 6 N D``):
   ``N* = G (C/6)^(beta/(alpha+beta))``, ``D* = (C/6) / N*``, ``G = (alpha A / (beta B))^(1/(alpha+beta))``.
   GPU-hours become FLOPs at the runs' own measured rate (``6 N D`` per GPU-hour logged, the
@@ -26,7 +30,6 @@ compute budget should buy. Why each choice:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from nanolab.errors import NanolabError
+from nanolab.tables import table
 
 #: Fewest distinct model sizes (and token counts) the fit is attempted with.
 MIN_SIZES = 3
@@ -100,72 +104,107 @@ def _optimum(E: float, A: float, alpha: float, B: float, beta: float, flops: flo
     return n, d, E + A / n**alpha + B / d**beta
 
 
-def _objective_parts(p: np.ndarray, ln: np.ndarray, ld: np.ndarray, ll: np.ndarray, delta: float,
-                     wt: np.ndarray | float = 1.0):  # fmt: skip
-    """Residuals (K, n), Jacobian (K, n, 5) and Huber objective (K,) for parameter rows
-    ``p = [a, b, e, alpha, beta]``; the data are (n,) or one row per parameter row (K, n), and
-    ``wt`` weighs each point (0 leaves it out)."""
-    ln, ld, ll = (np.broadcast_to(v, (len(p), v.shape[-1])) for v in (ln, ld, ll))
-    u = np.stack(
-        [
-            p[:, 0:1] - p[:, 3:4] * ln,
-            p[:, 1:2] - p[:, 4:5] * ld,
-            np.broadcast_to(p[:, 2:3], ln.shape),
-        ],
-        axis=2,
-    )  # (K, n, 3)
-    m = u.max(axis=2, keepdims=True)
-    ex = np.exp(u - m)
-    tot = ex.sum(axis=2, keepdims=True)
-    lse = (m + np.log(tot))[..., 0]
-    w = ex / tot
-    r = lse - ll
-    jac = np.stack([w[..., 0], w[..., 1], w[..., 2], -w[..., 0] * ln, -w[..., 1] * ld], axis=2)
+#: Exponents tried for (alpha, beta) when choosing starting points (each pair: the best
+#: non-negative E, A, B for them), and how many of the best pairs the fit is polished from.
+PROFILE_GRID = np.geomspace(0.02, 3.0, 25)
+PROFILE_STARTS = 4
+#: ``log`` of a coefficient the profile put at 0 (e^-50: the term is gone, yet finite).
+LOG_ZERO = -50.0
+#: least_squares' ftol, xtol and gtol: tight, so a noiseless law comes back to 1e-12 or better.
+TOL = 1e-12
+
+
+class _LogLaw:
+    """Residuals ``logsumexp(a - alpha ln, b - beta ld, e) - ll`` of ``p = [a, b, e, alpha, beta]``
+    and their Jacobian, for least_squares (the last point's values kept: it asks for both)."""
+
+    def __init__(self, ln: np.ndarray, ld: np.ndarray, ll: np.ndarray) -> None:
+        self.ln, self.ld, self.ll = ln, ld, ll
+        self._p: np.ndarray | None = None
+
+    def _at(self, p: np.ndarray) -> None:
+        if self._p is not None and np.array_equal(p, self._p):
+            return
+        a, b, e, alpha, beta = p
+        u = np.stack([a - alpha * self.ln, b - beta * self.ld, np.full_like(self.ln, e)])
+        top = u.max(axis=0)
+        ex = np.exp(u - top)
+        total = ex.sum(axis=0)
+        self._r = top + np.log(total) - self.ll
+        self._w = ex / total  # d logsumexp / d (each term)
+        self._p = np.array(p, dtype=float)
+
+    def residuals(self, p: np.ndarray) -> np.ndarray:
+        self._at(p)
+        return self._r
+
+    def jacobian(self, p: np.ndarray) -> np.ndarray:
+        self._at(p)
+        w = self._w
+        return np.column_stack([w[0], w[1], w[2], -w[0] * self.ln, -w[1] * self.ld])
+
+
+def _log(v: float) -> float:
+    return math.log(v) if v > 0 else LOG_ZERO
+
+
+def _huber(r: np.ndarray, delta: float) -> float:
+    """Sum of Huber losses (what least_squares' ``loss="huber", f_scale=delta`` minimises)."""
     a = np.abs(r)
-    huber = (wt * np.where(a <= delta, 0.5 * r**2, delta * (a - 0.5 * delta))).sum(axis=1)
-    return r, jac, huber
+    return float(np.where(a <= delta, 0.5 * r**2, delta * (a - 0.5 * delta)).sum())
 
 
-def _lm(p0: np.ndarray, ln, ld, ll, delta: float, wt: np.ndarray | float = 1.0,
-        iters: int = 300) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """Levenberg-Marquardt with Huber IRLS weights, for every starting row at once."""
-    p = p0.astype(float).copy()
-    mu = np.full(len(p), 1e-3)
-    r, jac, obj = _objective_parts(p, ln, ld, ll, delta, wt)
-    eye = np.eye(5)[None]
-    for _ in range(iters):
-        wgt = wt * np.where(np.abs(r) <= delta, 1.0, delta / np.maximum(np.abs(r), 1e-300))
-        jw = jac * wgt[..., None]
-        h = np.einsum("kni,knj->kij", jw, jac)
-        g = np.einsum("kni,kn->ki", jw, r)
-        diag = np.einsum("kii->ki", h)
-        lhs = h + mu[:, None, None] * (eye * np.maximum(diag, 1e-12)[:, :, None])
-        step = np.linalg.solve(lhs + 1e-300 * eye, -g[..., None])[..., 0]
-        step = np.where(np.isfinite(step), step, 0.0)
-        cand = p + step
-        rc, jc, oc = _objective_parts(cand, ln, ld, ll, delta, wt)
-        ok = np.isfinite(oc) & (oc < obj)
-        p[ok], r[ok], jac[ok], obj[ok] = cand[ok], rc[ok], jc[ok], oc[ok]
-        mu = np.clip(np.where(ok, mu / 3.0, mu * 4.0), 1e-12, 1e12)
-        if np.all(mu >= 1e6):  # every row has failed to improve ~15 times in a row: converged
-            break
-    return p, obj
+def _polish(law: _LogLaw, p0: np.ndarray, delta: float) -> tuple[np.ndarray, float]:
+    """least_squares from ``p0``: the end and its Huber objective."""
+    from scipy.optimize import least_squares
+
+    fit = least_squares(law.residuals, p0, jac=law.jacobian, loss="huber", f_scale=delta,
+                        method="trf", ftol=TOL, xtol=TOL, gtol=TOL)  # fmt: skip
+    return fit.x, _huber(fit.fun, delta)
 
 
-def _starts() -> np.ndarray:
-    """A grid of starting points ``[a, b, e, alpha, beta]`` (432 rows)."""
-    alphas = betas = (0.2, 0.5, 1.0)
-    es = (-1.0, 0.0, 1.0)
-    ab = (0.0, 5.0, 10.0, 20.0)
-    return np.array(list(itertools.product(ab, ab, es, alphas, betas)), dtype=float)
+def _profile_starts(ln: np.ndarray, ld: np.ndarray, ll: np.ndarray, k: int) -> np.ndarray:
+    """Starting points ``[a, b, e, alpha, beta]``: for each (alpha, beta) of the grid the law is
+    linear in (E, A, B), solved with E, A, B >= 0 on relative errors (scipy.optimize.nnls; a
+    relative error is the log residual to first order); the ``k`` pairs that fit best."""
+    from scipy.optimize import nnls
+
+    loss = np.exp(ll)
+    found = []
+    for alpha in PROFILE_GRID:
+        x = np.exp(-alpha * ln)
+        for beta in PROFILE_GRID:
+            cols = np.column_stack([np.ones_like(x), x, np.exp(-beta * ld)]) / loss[:, None]
+            (E, A, B), rnorm = nnls(cols, np.ones_like(x))
+            found.append((rnorm, alpha, beta, E, A, B))
+    found.sort(key=lambda row: row[0])
+
+    return np.array([[_log(A), _log(B), _log(E), alpha, beta]
+                     for _, alpha, beta, E, A, B in found[:k]])  # fmt: skip
 
 
-def _near(law: ScalingLaw) -> np.ndarray:
-    """Starts for refits on nearly the same runs: the full fit's optimum and four moves away."""
-    at = np.array([math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta])
-    moves = np.array([[0, 0, 0, 0, 0], [2, 0, 0, 0.15, 0], [0, 2, 0, 0, 0.15],
-                      [-2, -2, 0, -0.1, -0.1], [0, 0, -0.7, 0, 0]])  # fmt: skip
-    return at[None, :] + moves
+def _best_fit(
+    law: _LogLaw, starts: np.ndarray, delta: float, floor_zero: bool = True
+) -> tuple[np.ndarray, float]:
+    """The lowest end of least_squares from every start, then (``floor_zero``) from that end
+    with the floor at 0 (E = e^-50), kept if no higher: from an E > 0 least_squares can stop
+    on a floor the runs do not show (a local optimum, or a slow approach to 0)."""
+    best, objective = None, math.inf
+    for p0 in starts:
+        p, obj = _polish(law, p0, delta)
+        if obj < objective:
+            best, objective = p, obj
+    assert best is not None
+    if floor_zero and best[2] > LOG_ZERO:
+        p, obj = _polish(law, np.array([*best[:2], LOG_ZERO, *best[3:]]), delta)
+        if obj <= objective:
+            best, objective = p, obj
+    return best, objective
+
+
+def _law(p: np.ndarray, objective: float) -> ScalingLaw:
+    a, b, e, alpha, beta = (float(v) for v in p)
+    return ScalingLaw(math.exp(e), math.exp(a), alpha, math.exp(b), beta, objective)
 
 
 def fit_scaling_law(
@@ -176,15 +215,12 @@ def fit_scaling_law(
     delta: float = HUBER_DELTA,
     starts: np.ndarray | None = None,
 ) -> ScalingLaw:
-    """The best of the Huber fits in log space from every starting point (see the module)."""
+    """The best of the Huber fits in log space (see the module); ``starts``: rows
+    ``[log A, log B, log E, alpha, beta]`` to start from instead of the profile's."""
     ln, ld = np.log(np.asarray(n, float)), np.log(np.asarray(d, float))
     ll = np.log(np.asarray(loss, float))
-    p0 = _starts() if starts is None else starts
-    p, obj = _lm(p0, ln, ld, ll, delta)
-    obj = np.where(np.isfinite(obj), obj, np.inf)
-    best = p[int(np.argmin(obj))]
-    a, b, e, alpha, beta = (float(v) for v in best)
-    return ScalingLaw(math.exp(e), math.exp(a), alpha, math.exp(b), beta, float(obj.min()))
+    p0 = _profile_starts(ln, ld, ll, PROFILE_STARTS) if starts is None else np.atleast_2d(starts)
+    return _law(*_best_fit(_LogLaw(ln, ld, ll), p0, delta))
 
 
 def check_points(points: list[ScalingPoint]) -> None:
@@ -220,28 +256,21 @@ def fit_with_errors(
     d = np.array([p.d for p in points])
     y = np.array([p.loss for p in points])
     law = fit_scaling_law(n, d, y)
-    local = _near(law)
-    # Leave-one-out and bootstrap refits, all in one batched fit from the local starts: each
-    # refit is a row of indices into the runs (a bootstrap draw) or of weights (0: left out).
+    # Leave-one-out and bootstrap refits, each from the full fit's optimum: a refit on nearly
+    # the same runs ends near it.
+    at = np.array([[_log(law.A), _log(law.B), _log(law.E), law.alpha, law.beta]])
     rng = np.random.default_rng(seed)
-    loo = [np.arange(len(points))] * len(points)
+    loo = [np.delete(np.arange(len(points)), i) for i in range(len(points))]
     boots = []
     while len(boots) < bootstrap:
         pick = rng.integers(0, len(points), len(points))
         if len({round(v) for v in n[pick]}) >= 2 and len({round(v) for v in d[pick]}) >= 2:
             boots.append(pick)
-    index = np.array(loo + boots)
-    weights = np.ones(index.shape)
-    weights[np.arange(len(points)), np.arange(len(points))] = 0.0
-    k = len(local)
-    rows = np.repeat(index, k, axis=0)
-    p, obj = _lm(np.tile(local, (len(index), 1)), np.log(n)[rows], np.log(d)[rows],
-                 np.log(y)[rows], HUBER_DELTA, np.repeat(weights, k, axis=0), iters=100)  # fmt: skip
-    obj = np.where(np.isfinite(obj), obj, np.inf).reshape(len(index), k)
-    best = p.reshape(len(index), k, 5)[np.arange(len(index)), obj.argmin(axis=1)]
-    params = np.column_stack(
-        [np.exp(best[:, 2]), np.exp(best[:, 0]), best[:, 3], np.exp(best[:, 1]), best[:, 4]]
-    )  # E, A, alpha, B, beta
+    refits = [
+        _law(*_best_fit(_LogLaw(np.log(n[i]), np.log(d[i]), np.log(y[i])), at, HUBER_DELTA, False))
+        for i in loo + boots
+    ]
+    params = np.array([[r.E, r.A, r.alpha, r.B, r.beta] for r in refits])  # E, A, alpha, B, beta
     E, A, al, B, be = params[: len(points)].T
     errs = E + A / n**al + B / d**be - y
     law.loo_rmse = float(np.sqrt(np.mean(np.square(errs))))
@@ -320,10 +349,11 @@ def scaling_report(
         f"{sizes} sizes (N: parameters incl. embeddings, D: tokens trained, L: final val loss); "
         f"Huber fit of log L, [5%, 95%] over {len(samples)} bootstrap resamples of the runs",
     ]
+    rows = []
     for name in PARAMS:
-        value = getattr(law, name)
         lo, hi = law.band.get(name, (math.nan, math.nan))
-        out.append(f"  {name:<5} = {_g(value):<10} [{_g(lo)}, {_g(hi)}]")
+        rows.append([name, f"= {_g(getattr(law, name))}", f"[{_g(lo)}, {_g(hi)}]"])
+    out += ["  " + line for line in table(rows, rule=False)]
     if law.E < FLOOR_ZERO:
         out.append("  note: the fit took the floor E to 0: these runs do not pin an irreducible "
                    "loss (too few sizes or tokens in the power-law regime); the optimum is a guess")  # fmt: skip

@@ -265,6 +265,33 @@ def test_schedule_forecast_of_a_noisy_curve_lands_in_its_band(fraction, max_mean
     assert inside >= 8, inside
 
 
+def test_the_fits_are_the_previous_fits_on_the_same_points() -> None:
+    """The power law (alpha refined by scipy's bounded minimize_scalar) and the schedule fit
+    ((L0, A, C) >= 0 by scipy.optimize.nnls) give what their hand-written predecessors (a
+    golden-section search; every subset of free coefficients solved) gave on the same noisy
+    points: parameters, the forecast and its band to 1e-6 relative (seen: 3e-9 at most).
+
+    Mutations caught: the refinement's tolerance at 1e-3 (E off by 1.5e-5); the annealing
+    column dropped from nnls (C = 0).
+    """
+    from nanolab.forecast import fit_schedule_curve
+
+    noisy = curve(TOKENS) + np.random.default_rng(3).normal(0, 0.01, len(TOKENS))
+    fit = fit_loss_curve(TOKENS[:12], noisy[:12], bootstrap=50, seed=3)
+    previous = (1.915747321727442, 2.4029764879850637, 0.38386060249803133, 0.01261143272917774)
+    assert (fit.E, fit.A, fit.alpha, fit.rmse) == pytest.approx(previous, rel=1e-6)
+    assert fit.band(TOKENS[-1]) == pytest.approx((2.3019970420988107, 2.3423953276630605), rel=1e-6)
+    steps = np.arange(20, 401, 10)
+    y = schedule_curve(steps) + np.random.default_rng(3).normal(0, 0.003, len(steps))
+    half = steps <= 200
+    fit = fit_schedule_curve(steps[half], y[half], _planned(400), 400, bootstrap=50, seed=3)
+    previous = (1.5716811255589316, 3.104775262545333, 0.43986893324017845, 0.21115372795302856)
+    assert (fit.L0, fit.A, fit.alpha, fit.C) == pytest.approx(previous, rel=1e-6)
+    assert fit.decay == 0.0
+    assert fit.predict(400) == pytest.approx(1.6726630488271368, rel=1e-6)
+    assert fit.band(400) == pytest.approx((1.521280493815438, 1.7243332191610676), rel=1e-6)
+
+
 def _write_scheduled_run(root: Path, name: str, last: int, max_steps: int = 400,
                          lr_shift: float = 1.0) -> None:  # fmt: skip
     """A run log with the schedule in its config and the LR in its train records (the next

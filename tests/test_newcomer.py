@@ -41,12 +41,12 @@ def test_plot_band_is_the_t_interval_its_title_names(tmp_path: Path, monkeypatch
 
 
 def test_scipy_and_safetensors_are_core_dependencies() -> None:
-    """No extra to install for report's statistics or for export's weights file."""
+    """No extra to install for report's statistics and tables or for export's weights file."""
     tomllib = pytest.importorskip("tomllib")
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     core = [d.split(">")[0] for d in project["dependencies"]]
-    assert "scipy" in core and "safetensors" in core
+    assert "scipy" in core and "safetensors" in core and "tabulate" in core
     assert "stats" not in project["optional-dependencies"]
 
 

@@ -5,9 +5,10 @@ schedule is unknown; :mod:`nanolab.forecast.annealing` is used when it is known)
 
 ``E`` is the loss the run would approach with endless data at this model size, ``A`` and
 ``alpha`` how fast it gets there. Fitted by least squares: for a fixed ``alpha`` the model is
-linear in ``(E, A)``, so ``alpha`` is searched on a log grid (then refined) and ``(E, A)`` solved
-exactly (with ``A >= 0``) at each, which never diverges the way a joint Newton fit can on a short,
-noisy curve. NumPy only.
+linear in ``(E, A)``, so ``alpha`` is searched on a log grid, then refined between the best grid
+point's neighbours by ``scipy.optimize.minimize_scalar`` (bounded), and ``(E, A)`` solved exactly
+(with ``A, E >= 0``) at each, which never diverges the way a joint Newton fit can on a short,
+noisy curve.
 
 The uncertainty is a residual bootstrap: the fitted curve plus resampled residuals, refitted
 ``bootstrap`` times; predictions are reported as the median and the 5-95% range of those fits.
@@ -30,6 +31,8 @@ from nanolab.errors import NanolabError
 MIN_POINTS = 5
 #: Range of exponents searched (token exponents of LM losses are ~0.05-0.5).
 ALPHA_RANGE = (0.005, 3.0)
+#: How closely log(alpha) is refined between the grid's neighbours of the best grid point.
+XATOL = 1e-8
 
 
 class ForecastError(NanolabError):
@@ -105,7 +108,12 @@ def _solve(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[float, float, fl
 
 
 def _linear(f: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Least-squares ``(E, A)`` of ``y ~ E + A f`` for each row of ``f``, with ``A, E >= 0``."""
+    """Least-squares ``(E, A)`` of ``y ~ E + A f`` for each row of ``f``, with ``A, E >= 0``.
+
+    With two unknowns the non-negative solution is a closed form (the unconstrained one, else
+    A = 0 or E = 0), so every alpha of the grid is solved in one NumPy pass; scipy.optimize.nnls
+    solves one problem per call and made ``fit_loss_curve`` 2.5x slower with the same result.
+    """
     fm = f.mean(axis=1, keepdims=True)
     fc = f - fm
     A = np.maximum((fc * (y - y.mean())).sum(axis=1) / np.maximum((fc**2).sum(axis=1), 1e-300), 0)
@@ -127,21 +135,16 @@ def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float]:
     sses = ((E[:, None] + A[:, None] * f - y[None, :]) ** 2).sum(axis=1)
     i = int(np.argmin(sses))
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-    # Golden-section refinement on log(alpha) between the grid neighbours.
-    g = (math.sqrt(5) - 1) / 2
-    a, b = math.log(lo), math.log(hi)
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = _solve(x, y, math.exp(c))[2], _solve(x, y, math.exp(d))[2]
-    for _ in range(30):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = _solve(x, y, math.exp(c))[2]
-        else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = _solve(x, y, math.exp(d))[2]
-    alpha = math.exp((a + b) / 2)
+    # Refined on log(alpha) between the grid neighbours (Brent's method, bounded).
+    from scipy.optimize import minimize_scalar
+
+    best = minimize_scalar(
+        lambda log_alpha: _solve(x, y, math.exp(log_alpha))[2],
+        bounds=(math.log(lo), math.log(hi)),
+        method="bounded",
+        options={"xatol": XATOL},
+    )
+    alpha = math.exp(best.x)
     E, A, sse = _solve(x, y, alpha)
     return E, A, alpha, sse
 
