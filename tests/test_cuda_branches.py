@@ -21,10 +21,6 @@ CUDA_CODE = re.compile(
 
 #: file -> the tests that run its CUDA branch's code on a CPU.
 TWINS: dict[str, tuple[str, ...]] = {
-    "nanolab/allocator.py": (
-        "tests/test_gpu_twins.py::test_the_cuda_allocator_gets_expandable_segments_unless_configured",
-        "tests/test_gpu_twins.py::test_fit_runs_with_the_allocator_setting",
-    ),
     "nanolab/training/optim.py": (
         "tests/test_fused_amp.py::test_fused_adamw_trains_like_the_unfused_one",
     ),
