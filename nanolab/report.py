@@ -40,6 +40,7 @@ from typing import Any
 from nanolab.downstream.tasks import mean_label
 from nanolab.errors import one_line_errors
 from nanolab.helpfmt import OneLineParser
+from nanolab.messages import say
 from nanolab.runlog import RUN_LOG_NAME, refuse_inside_run
 from nanolab.runs import (
     DELTA_WINDOW,
@@ -1072,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
     now = time.time()
     summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
     if args.index:
-        print(update_index(roots, summaries), file=sys.stderr)
+        say("nanolab report", update_index(roots, summaries))
     universe = config_summaries(found) if args.run else summaries
     groups = seed_groups(summaries, universe)
     comparisons = compare_groups(summaries, groups, args.baseline)

@@ -17,7 +17,6 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -573,23 +572,6 @@ def si(value: float | None, fmt: str = ".3g", billion: str = "G") -> str:
         if abs(value) >= scale:
             return f"{value / scale:{fmt}}{unit}"
     return f"{value:{fmt}}"
-
-
-def columns(rows: list[list[str]], right: Container[int] = (), rule: bool = False) -> list[str]:
-    """``rows`` (the header first) as text columns two spaces apart, right-aligned where
-    ``right`` says, with a line of dashes under the header when ``rule``: the tables of
-    ``status`` and ``queue ls``, laid out by hand; ``report``'s go through
-    :mod:`nanolab.tables` (tabulate), which prints the same look."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    if rule:
-        rows = [rows[0], ["-" * w for w in widths], *rows[1:]]
-    return [
-        "  ".join(
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in rows
-    ]
 
 
 # -- the index of ended runs -------------------------------------------------------------------

@@ -380,7 +380,7 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     for text in (
         "activations saved for backward",
-        "log-softmax saved by the loss",
+        "saved by the loss",
         "framework overhead",
         "fragmentation",
         "DOES NOT FIT",

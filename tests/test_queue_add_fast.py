@@ -290,3 +290,24 @@ def test_the_cpu_rates_a_probe_measured_stand_for_a_day(tmp_path: Path, monkeypa
     monkeypatch.setattr(cpu, "_machine", lambda: ["another machine"])
     cpu.remembered_cpu_device(bf16=False)
     assert len(probes) == 5
+
+
+def test_the_best_rate_any_probe_saw_is_what_is_remembered(tmp_path: Path, monkeypatch) -> None:
+    """Load only ever slows a probe (14 GFLOP/s at load 3-4 on the 2-core machine, 170-200
+    idle): a later probe in a process that has torch anyway (a fit's banner) raises the
+    remembered rate, a slower one does not lower it, and ``queue add`` reads the best without
+    probing. Mutations caught: the first, busy probe's rate kept for a day (queue estimates 10x
+    long until tomorrow); a later, slower probe replacing a faster one."""
+    import torch
+
+    from nanolab.estimator import cpu
+
+    monkeypatch.setenv("NANOLAB_ESTIMATOR_CACHE", str(tmp_path))
+    seen = iter([0.014, 0.18, 0.05])
+    monkeypatch.setattr(cpu, "_rate", lambda dtype, threads: next(seen))
+    assert cpu.remembered_cpu_device(bf16=False).tflops["fp32"] == 0.014  # the first probe
+    threads = torch.get_num_threads()
+    assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.18  # a fit's own probe
+    assert cpu.remembered_cpu_device(bf16=False).tflops["fp32"] == 0.18  # raised, no probe
+    assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.05
+    assert cpu.remembered_cpu_device(bf16=False).tflops["fp32"] == 0.18  # not lowered

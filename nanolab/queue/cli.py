@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nanolab import messages
 from nanolab.errors import NanolabError, report
 from nanolab.helpfmt import OneLineParser
 from nanolab.queue.db import (
@@ -42,7 +43,7 @@ from nanolab.queue.db import (
 from nanolab.queue.packing import gib
 from nanolab.queue.predict import describe, remaining_seconds
 from nanolab.queue.runner import ORDERS, Runner, _is_job_process
-from nanolab.runs import columns
+from nanolab.tables import table
 from nanolab.training.resolve import is_fit_option
 
 
@@ -145,7 +146,7 @@ def cmd_add(args: argparse.Namespace) -> int:
         )
     added = db.add_jobs(jobs)
     for note in notes:
-        print(f"nanolab queue: note: {note}", file=sys.stderr)
+        messages.note("nanolab queue", note)
     for job in added:
         peak = f", peak {gib(job.mem_peak)}" if job.mem_peak else ""
         kind = " as backfill" if job.backfill else ""
@@ -244,7 +245,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append([str(j.id), j.name, status[:70], str(j.attempts), _device_column(j, running),
                      describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
     headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
-    lines = columns([headers, *rows], rule=True)
+    lines = table(rows, headers, rule=True)
     print("\n".join(lines[:2]))
     by_id = {j.id: line for j, line in zip(jobs, lines[2:], strict=True)}
     for members in groups:

@@ -18,6 +18,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from nanolab.messages import say
+
 #: Share of device 0's memory (0 < f <= 1) the job's caching allocator may hold.
 CAP_ENV = "NANOLAB_QUEUE_MEMORY_FRACTION"
 
@@ -57,7 +59,7 @@ def _launch(args: list[str]) -> int:
         except ValueError as err:
             print(f"nanolab queue: error: {err}", file=sys.stderr)
             return 2
-        print(f"nanolab queue: {note}", file=sys.stderr, flush=True)
+        say("nanolab queue", note)
     from nanolab.run.cli import run_lightning_cli
 
     return run_lightning_cli(args)

@@ -27,7 +27,6 @@ from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
     RunSummary,
-    columns,
     discover_runs,
     duration,
     num,
@@ -35,6 +34,7 @@ from nanolab.runs import (
     summarize_run,
     tail_records,
 )
+from nanolab.tables import table
 
 #: A running run is *stalled* when its last log line is older than this many step times (and
 #: at least STALL_MIN_S): a hung collective, a dead data loader, a full disk in a retry loop.
@@ -189,7 +189,7 @@ def _si(value: float | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["  " + line for line in columns([headers, *rows])]
+    return ["  " + line for line in table(rows, headers, rule=False)]
 
 
 def render(screen: Screen, roots: list[Path]) -> str:
