@@ -39,7 +39,12 @@ if str(ROOT) not in sys.path:
 from nanolab.estimator.activations import saved_activations  # noqa: E402
 from nanolab.estimator.memory import estimate_memory  # noqa: E402
 from nanolab.estimator.numerics import numerics_for  # noqa: E402
-from nanolab.estimator.setup import Setup, Strategy, load_config, setup_from_config  # noqa: E402
+from nanolab.estimator.setup import (  # noqa: E402
+    Setup,
+    load_config,
+    on_one_device,
+    setup_from_config,
+)
 from nanolab.estimator.shapes import inventory  # noqa: E402
 from nanolab.estimator.states import model_states  # noqa: E402
 
@@ -77,15 +82,7 @@ def print_table(rows: list[Row], title: str, target: float = TARGET) -> None:
 
 
 def _single_device(setup: Setup, micro_batch: int) -> Setup:
-    return replace(
-        setup,
-        devices=1,
-        num_nodes=1,
-        strategy=Strategy("single"),
-        micro_batch_size=micro_batch,
-        global_batch_tokens=micro_batch * setup.gpt.block_size * ACCUMULATE,
-        compile=False,
-    )
+    return on_one_device(setup, micro_batch, ACCUMULATE)
 
 
 # -- GPU ----------------------------------------------------------------------------------------

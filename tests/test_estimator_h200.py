@@ -9,13 +9,12 @@ fits elsewhere (tests/test_estimator_lightning.py), which cannot see a GPU's ker
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from nanolab.estimator.memory import estimate_memory
-from nanolab.estimator.setup import Strategy, load_config, setup_from_config
+from nanolab.estimator.setup import load_config, on_one_device, setup_from_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MiB = 2**20
@@ -38,15 +37,7 @@ def test_the_gpu_prediction_is_within_two_percent_of_the_h200(files, B, accumula
     backward and no saved 16-bit logits: +9.8% on 124M), a dropped saved-logits line (-15%
     saved activations)."""
     base = setup_from_config(load_config([str(CONFIGS / f) for f in files]))
-    setup = replace(
-        base,
-        devices=1,
-        num_nodes=1,
-        strategy=Strategy("single"),
-        micro_batch_size=B,
-        global_batch_tokens=B * base.gpt.block_size * accumulate,
-        compile=False,
-    )
+    setup = on_one_device(base, B, accumulate)
     est = estimate_memory(setup, B, backend="cuda")
     assert est.peak_allocated / MiB == pytest.approx(peak, rel=0.02)
     if saved is not None:

@@ -79,6 +79,21 @@ class Setup:
 
 
 # -- interpretation ---------------------------------------------------------------------------
+def on_one_device(setup: Setup, micro_batch: int, accumulate: int) -> Setup:
+    """``setup`` trained eager on one device at ``micro_batch`` with ``accumulate`` micro-batches
+    a step: what ``benches/bench_memory.py`` measures on a GPU, and the GPU figures the tests
+    hold the rules to were measured as."""
+    return replace(
+        setup,
+        devices=1,
+        num_nodes=1,
+        strategy=Strategy("single"),
+        micro_batch_size=micro_batch,
+        global_batch_tokens=micro_batch * setup.gpt.block_size * accumulate,
+        compile=False,
+    )
+
+
 def _section(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
     value = cfg.get(name) or {}
     if not isinstance(value, Mapping):
