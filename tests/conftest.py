@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,10 +21,17 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 torch.set_num_threads(1)
 
 # The estimator remembers model facts on disk between launches (nanolab/estimator/facts_cache.py);
-# the suite's CLI runs get a cache of their own, not the user's ~/.cache.
-os.environ.setdefault(
-    "NANOLAB_ESTIMATOR_CACHE", tempfile.mkdtemp(prefix="nanolab-estimator-cache-")
-)
+# the suite's CLI runs get a cache of their own, not the user's ~/.cache, removed when the
+# session ends (one given in the environment is the caller's, and kept).
+_ESTIMATOR_CACHE: str | None = None
+if "NANOLAB_ESTIMATOR_CACHE" not in os.environ:
+    _ESTIMATOR_CACHE = tempfile.mkdtemp(prefix="nanolab-estimator-cache-")
+    os.environ["NANOLAB_ESTIMATOR_CACHE"] = _ESTIMATOR_CACHE
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _ESTIMATOR_CACHE is not None:
+        shutil.rmtree(_ESTIMATOR_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
