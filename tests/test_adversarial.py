@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.queue.db import QueueDB
 from nanolab.runlog import read_records
@@ -57,7 +57,7 @@ class RunCache:
                 self.data, self.root, run__name=name, model__gpt__n_layer=self.LAYERS[name]
             )
             path = write_config(self.root / f"{name}.yaml", cfg)
-            res = run_nanolab("fit", "--config", str(path), cwd=self.root)
+            res = nanolab_here("fit", "--config", str(path), cwd=self.root)  # set-up only
             assert res.returncode == 0, res.stderr[-3000:]
         return run_dir
 
