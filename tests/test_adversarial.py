@@ -623,6 +623,11 @@ def _limit_memory(gb: float) -> Callable[[], None]:
     return apply
 
 
+def _here(ws: Workspace, *argv: str) -> subprocess.CompletedProcess:
+    """``nanolab ARGV`` (placeholders filled) in this process, from ``ws.work``."""
+    return nanolab_here(*(a.format(**ws.fields()) for a in argv), cwd=ws.work)
+
+
 def run_case(case: Case, ws: Workspace) -> subprocess.CompletedProcess:
     """Run the row's command in ``ws.work`` (its setup has been applied)."""
     argv = [a.format(**ws.fields()) for a in case.argv]
@@ -761,8 +766,8 @@ def test_second_launch_is_refused_naming_the_holder_and_a_dead_holder_is_taken_o
     """Item 3: one launch per run directory; exit 2 naming the holder; SIGKILL frees it."""
     run_dir = ws.runs / "dup"
     first = _live_run(ws, "dup")
-    try:
-        second = run_case(Case("second", (*FIT, "--run.name", "dup"), 2, ""), ws)
+    try:  # the later launches run in this process: another process than the holder's
+        second = _here(ws, *FIT, "--run.name", "dup")
         line = last_line(second.stderr)
         assert second.returncode == EXIT_USAGE, second.stderr[-2000:]
         assert "Traceback" not in second.stderr
@@ -775,9 +780,7 @@ def test_second_launch_is_refused_naming_the_holder_and_a_dead_holder_is_taken_o
     # The holder died without cleaning up: its lock file is still there, its lock is not.
     assert (run_dir / ".nanolab.lock").exists()
     saved = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.ckpt"))
-    third = run_case(
-        Case("third", (*FIT, "--run.name", "dup", f"--trainer.max_steps={saved + 2}"), 0, ""), ws
-    )
+    third = _here(ws, *FIT, "--run.name", "dup", f"--trainer.max_steps={saved + 2}")
     assert third.returncode == 0, third.stderr[-3000:]
     starts = _records(run_dir, "start")
     assert len(starts) == 2 and starts[1]["resumed_from_step"] == saved

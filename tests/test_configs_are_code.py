@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 MARKER_MODULE = """
 import os, pathlib
@@ -27,12 +27,8 @@ class Evil:
 
 def test_reading_a_run_never_imports_the_classes_it_names(tmp_path: Path, char_dataset: Path):
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    assert (
-        run_nanolab(
-            "fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path
-        ).returncode
-        == 0
-    )
+    fit = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]  # the run's files: made in this process
     run = tmp_path / "runs" / "tiny"
     # Name the marker class everywhere a run's files name classes.
     config = yaml.safe_load((run / "config.yaml").read_text())
