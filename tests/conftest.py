@@ -63,6 +63,22 @@ def _lightning_logs_to_this_tests_stderr() -> None:
                 handler.stream = sys.stderr
 
 
+@pytest.fixture
+def lm_eval_local_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-eval in this process without the two things of its own no test reads: the index of
+    its ~14,000 built-in task YAMLs, built before every run (the tests' tasks are local files,
+    ``--include_path``), and the environment report ``simple_evaluate`` adds to its results
+    (``pip list``, ``conda list``, ``nvcc``...). Each is 5-10 s on 2 cores."""
+    from lm_eval import evaluator, tasks
+
+    class LocalTasks(tasks.TaskManager):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+    monkeypatch.setattr(tasks, "TaskManager", LocalTasks)
+    monkeypatch.setattr(evaluator, "add_env_info", lambda storage: None)
+
+
 @pytest.fixture(scope="session")
 def char_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled corpus, character-tokenized, prepared once per test session."""
