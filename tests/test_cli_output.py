@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.runlog import read_records
 
@@ -78,7 +78,7 @@ def test_extending_a_finished_run_keeps_its_schedule_and_counts_to_the_new_end(
 
 
 def test_fit_help_leads_with_nanolab_groups_and_common_keys(tmp_path):
-    short = run_nanolab("fit", "--help", cwd=tmp_path)
+    short = nanolab_here("fit", "--help", cwd=tmp_path)  # a process's page: the test below
     assert short.returncode == 0, short.stderr
     lines = short.stdout.splitlines()
     assert len(lines) < 120
