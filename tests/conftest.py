@@ -44,23 +44,29 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+def _console_handlers() -> list:
+    """The plain console handler of every logger (Lightning's, lm-eval's, the root's)."""
+    import logging
+
+    loggers = [logging.root]
+    loggers += [
+        v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)
+    ]
+    return [h for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler]
+
+
 @pytest.fixture(autouse=True)
 def _lightning_logs_to_this_tests_stderr() -> None:
-    """Point Lightning's console handlers at the current ``sys.stderr`` before each test.
+    """Point the loggers' console handlers at the current ``sys.stderr`` before each test.
 
-    Lightning gives its loggers a StreamHandler bound to whatever ``sys.stderr`` was when it was
-    first imported: in a test run, some earlier test's capture stream, closed since. Every later
-    Lightning log line would then print "--- Logging error ---" into the stderr that tests read
-    for one-line errors.
+    Lightning (and lm-eval) give their loggers a StreamHandler bound to whatever ``sys.stderr``
+    was when it was first imported: in a test run, some earlier test's capture stream, closed
+    since. Every later log line would then print "--- Logging error ---" into the stderr that
+    tests read for one-line errors.
     """
-    import logging
-    import sys
-
-    for name in ("", "lightning", "lightning.pytorch", "lightning.fabric"):  # "": the root
-        for handler in logging.getLogger(name).handlers:
-            if type(handler) is logging.StreamHandler:
-                # Not setStream: it flushes the old stream first, which may be closed by now.
-                handler.stream = sys.stderr
+    for handler in _console_handlers():
+        # Not setStream: it flushes the old stream first, which may be closed by now.
+        handler.stream = sys.stderr
 
 
 @pytest.fixture
@@ -135,36 +141,24 @@ def run_nanolab(
     )
 
 
-_CONSOLE_LOGGERS = ("", "lightning", "lightning.pytorch", "lightning.fabric")
-
-
 def nanolab_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """``nanolab ARGS`` through the CLI's entry point in this process, output captured, as
     :func:`run_nanolab` returns it: for a test's setup (a run it then reads or resumes in a real
     process) or a check that is not about the process. A tiny fit takes under a second here; a
-    process pays ~8 s of imports on 2 cores. The working directory, the environment and
-    Lightning's console handlers are put back afterwards."""
+    process pays ~8 s of imports on 2 cores. The working directory and the environment are put
+    back afterwards, and the loggers' console handlers point at this test's stderr."""
     import contextlib
     import io
-    import logging
 
     from nanolab.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     outer_stderr, cwd_before, env_before = sys.stderr, os.getcwd(), dict(os.environ)
 
-    def console_handlers() -> list[logging.StreamHandler]:
-        return [
-            h
-            for name in _CONSOLE_LOGGERS
-            for h in logging.getLogger(name).handlers
-            if type(h) is logging.StreamHandler
-        ]
-
     try:
         os.environ.update(env or {})
         os.chdir(cwd)
-        for handler in console_handlers():
+        for handler in _console_handlers():
             handler.stream = err
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -177,6 +171,6 @@ def nanolab_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.C
         os.chdir(cwd_before)
         os.environ.clear()
         os.environ.update(env_before)
-        for handler in console_handlers():  # those made by a first import of Lightning too
+        for handler in _console_handlers():  # those a first import made too
             handler.stream = outer_stderr
     return subprocess.CompletedProcess(["nanolab", *args], code, out.getvalue(), err.getvalue())
