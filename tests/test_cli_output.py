@@ -101,7 +101,7 @@ def test_fit_help_is_remembered_and_printed_the_same_without_lightning(tmp_path)
     imported = {line.split("|")[-1].strip() for line in second.stderr.splitlines() if "|" in line}
     assert "lightning" in {line.split("|")[-1].strip() for line in first.stderr.splitlines()}
     assert not {"torch", "lightning", "jsonargparse"} & imported
-    other = run_nanolab("validate", "--help", cwd=tmp_path, env=env)  # a page per verb
+    other = nanolab_here("validate", "--help", cwd=tmp_path, env=env)  # a page per verb
     assert other.stdout.startswith("usage: nanolab validate") and "--ckpt_path" in other.stdout
 
 
