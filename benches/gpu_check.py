@@ -107,6 +107,8 @@ class Scale:
     block_size: int  # the recipe's context at this scale
     compile: bool  # whether the checks that compile do (a cold CPU compile costs ~40 s)
     nanogpt_model: tuple[int, int, int]  # n_layer, n_head, n_embd of the side-by-side
+    bench_args: tuple[str, ...] = ()  # more `nanolab bench` options (none on a GPU)
+    pack_args: tuple[str, ...] = ()  # more `benches/gpu_pack.py` options (none on a GPU)
 
 
 GPU = Scale("cuda", (8, 12, 1024, 64), (), 60, 20, 16, 6, 5, 2, 10, 1024, True, (12, 12, 768))
@@ -119,6 +121,9 @@ DRY = Scale(
         "--model.compile", "false", "--model.optimizer.fused", "true",  # CUDA's optimizer
     ),
     6, 2, 4, 3, 2, 2, 3, 64, False, (1, 2, 32),
+    # One fresh interpreter for the bench's import time, not three (~5 s each on 2 cores); no
+    # cloze in the packed quickstart jobs (the GPU's 124M jobs have none; ~6 s a job here).
+    bench_args=("--import-repeats", "1"), pack_args=("--set", "downstream.suite=null"),
 )  # fmt: skip
 SCALE = GPU  # the child process sets DRY for --dry-run
 
@@ -377,6 +382,7 @@ def check_bench_124m(work: Path, data_arg: str | None) -> dict[str, Any]:
             f"--set=--data.micro_batch_size={mb}",
             f"--set=--run.global_batch_tokens={2 * mb * SCALE.block_size}",  # 2 micro-batches
             "--set=--run.eval_every_steps=100000", "--set=--downstream.suite=null", *sets,
+            *SCALE.bench_args,
         )
     )  # fmt: skip
     if proc.returncode != 0:
@@ -570,7 +576,7 @@ def check_pack(work: Path, data_arg: str | None) -> dict[str, Any]:
         [
             sys.executable, str(script), "--jobs", str(SCALE.pack_jobs),
             "--steps", str(SCALE.pack_steps), "--data", str(data), "--work", str(pack_work),
-            *device,
+            *device, *SCALE.pack_args,
         ]
     )  # fmt: skip
     result = pack_work / "gpu_pack.json"

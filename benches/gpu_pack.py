@@ -17,7 +17,9 @@ GPU mode needs a visible CUDA/ROCm device; without one it says so and exits 2 (`
 cpu`` is the CPU comparison). The data is a BPE corpus of GPT-2's vocabulary size made from the
 bundled text unless ``--data`` points at a prepared one (speed does not depend on the text).
 ``model.compile`` is off unless ``--compile`` (then a 2-step warm-up job fills the queue's
-compile cache first, so neither mode pays the compile in its numbers). Writes
+compile cache first, so neither mode pays the compile in its numbers); ``--set KEY=VALUE``
+adds an override to every job (``--set downstream.suite=null``: the CPU default, the
+quickstart, scores its cloze at the end of each job, which the GPU's 124M does not). Writes
 ``<work>/gpu_pack.json``; exit 1 when a job fails.
 """
 
@@ -160,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         "comparison is of packing, not of thread counts",
     )
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_gpu_pack"))
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more `queue add --set` for every job, after the bench's own (repeatable; "
+        "e.g. downstream.suite=null)",
+    )
     args = p.parse_args(argv)
 
     gpu = args.device == "gpu"
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.compile:
         sets.append("model.compile=false")
+    sets += args.set
     sets = [x for s in sets for x in ("--set", s)]
     device_flags = ["--gpus", args.gpu] if gpu else []
     if args.compile:  # fill the queue's compile cache once, so neither mode pays for it

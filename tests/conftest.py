@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,10 +21,17 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 torch.set_num_threads(1)
 
 # The estimator remembers model facts on disk between launches (nanolab/estimator/facts_cache.py);
-# the suite's CLI runs get a cache of their own, not the user's ~/.cache.
-os.environ.setdefault(
-    "NANOLAB_ESTIMATOR_CACHE", tempfile.mkdtemp(prefix="nanolab-estimator-cache-")
-)
+# the suite's CLI runs get a cache of their own, not the user's ~/.cache, removed when the
+# session ends (one given in the environment is the caller's, and kept).
+_ESTIMATOR_CACHE: str | None = None
+if "NANOLAB_ESTIMATOR_CACHE" not in os.environ:
+    _ESTIMATOR_CACHE = tempfile.mkdtemp(prefix="nanolab-estimator-cache-")
+    os.environ["NANOLAB_ESTIMATOR_CACHE"] = _ESTIMATOR_CACHE
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _ESTIMATOR_CACHE is not None:
+        shutil.rmtree(_ESTIMATOR_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -36,23 +44,45 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+def _console_handlers() -> list:
+    """The plain console handler of every logger (Lightning's, lm-eval's, the root's)."""
+    import logging
+
+    loggers = [logging.root]
+    loggers += [
+        v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)
+    ]
+    return [h for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler]
+
+
 @pytest.fixture(autouse=True)
 def _lightning_logs_to_this_tests_stderr() -> None:
-    """Point Lightning's console handlers at the current ``sys.stderr`` before each test.
+    """Point the loggers' console handlers at the current ``sys.stderr`` before each test.
 
-    Lightning gives its loggers a StreamHandler bound to whatever ``sys.stderr`` was when it was
-    first imported: in a test run, some earlier test's capture stream, closed since. Every later
-    Lightning log line would then print "--- Logging error ---" into the stderr that tests read
-    for one-line errors.
+    Lightning (and lm-eval) give their loggers a StreamHandler bound to whatever ``sys.stderr``
+    was when it was first imported: in a test run, some earlier test's capture stream, closed
+    since. Every later log line would then print "--- Logging error ---" into the stderr that
+    tests read for one-line errors.
     """
-    import logging
-    import sys
+    for handler in _console_handlers():
+        # Not setStream: it flushes the old stream first, which may be closed by now.
+        handler.stream = sys.stderr
 
-    for name in ("", "lightning", "lightning.pytorch", "lightning.fabric"):  # "": the root
-        for handler in logging.getLogger(name).handlers:
-            if type(handler) is logging.StreamHandler:
-                # Not setStream: it flushes the old stream first, which may be closed by now.
-                handler.stream = sys.stderr
+
+@pytest.fixture
+def lm_eval_local_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-eval in this process without the two things of its own no test reads: the index of
+    its ~14,000 built-in task YAMLs, built before every run (the tests' tasks are local files,
+    ``--include_path``), and the environment report ``simple_evaluate`` adds to its results
+    (``pip list``, ``conda list``, ``nvcc``...). Each is 5-10 s on 2 cores."""
+    from lm_eval import evaluator, tasks
+
+    class LocalTasks(tasks.TaskManager):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+    monkeypatch.setattr(tasks, "TaskManager", LocalTasks)
+    monkeypatch.setattr(evaluator, "add_env_info", lambda storage: None)
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +139,38 @@ def run_nanolab(
         text=True,
         timeout=timeout,
     )
+
+
+def nanolab_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``nanolab ARGS`` through the CLI's entry point in this process, output captured, as
+    :func:`run_nanolab` returns it: for a test's setup (a run it then reads or resumes in a real
+    process) or a check that is not about the process. A tiny fit takes under a second here; a
+    process pays ~8 s of imports on 2 cores. The working directory and the environment are put
+    back afterwards, and the loggers' console handlers point at this test's stderr."""
+    import contextlib
+    import io
+
+    from nanolab.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    outer_stderr, cwd_before, env_before = sys.stderr, os.getcwd(), dict(os.environ)
+
+    try:
+        os.environ.update(env or {})
+        os.chdir(cwd)
+        for handler in _console_handlers():
+            handler.stream = err
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_:
+                if isinstance(exit_.code, str):
+                    print(exit_.code, file=sys.stderr)
+                code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        os.chdir(cwd_before)
+        os.environ.clear()
+        os.environ.update(env_before)
+        for handler in _console_handlers():  # those a first import made too
+            handler.stream = outer_stderr
+    return subprocess.CompletedProcess(["nanolab", *args], code, out.getvalue(), err.getvalue())

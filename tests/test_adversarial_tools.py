@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.queue.db import QueueDB
 
@@ -28,7 +28,7 @@ from nanolab.queue.db import QueueDB
 # -- a real run to point the tools at --------------------------------------------------------
 @dataclass
 class Trained:
-    """A finished 6-step run of the tiny model, made once by ``nanolab fit``."""
+    """A finished 6-step run of the tiny model, made once by ``nanolab fit`` (in-process)."""
 
     root: Path  # runs/
     run_dir: Path  # runs/tiny
@@ -43,7 +43,7 @@ class Trained:
 def trained(tmp_path_factory: pytest.TempPathFactory, char_dataset: Path) -> Trained:
     base = tmp_path_factory.mktemp("trained")
     cfg = write_config(base / "tiny.yaml", tiny_overrides(char_dataset, base / "runs"))
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=base)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=base)
     assert res.returncode == 0, res.stderr[-3000:]
     return Trained(base / "runs", base / "runs" / "tiny", cfg)
 

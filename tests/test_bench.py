@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 
 @pytest.mark.slow
@@ -52,6 +52,11 @@ def test_bench_refuses_a_window_without_steady_state(tmp_path):
         "bench", "--config", str(QUICKSTART), "--steps", "5", "--warmup", "5", cwd=tmp_path
     )
     assert res.returncode == 2 and "--steps must exceed --warmup" in res.stderr
+
+
+def test_bench_refuses_no_import_timing(tmp_path):
+    res = nanolab_here("bench", "--config", str(QUICKSTART), "--import-repeats", "0", cwd=tmp_path)
+    assert res.returncode == 2 and "--import-repeats must be >= 1" in res.stderr
 
 
 def _result(nano: list[float], plain: list[float], load: float = 0.1) -> dict:

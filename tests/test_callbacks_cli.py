@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.runlog import read_records
 
@@ -41,7 +41,7 @@ def test_fit_stops_on_budget_and_refuses_a_different_run(tmp_path, char_dataset)
 
 def test_bad_callback_settings_exit_2_before_anything_is_written(tmp_path, char_dataset):
     cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    res = run_nanolab(
+    res = nanolab_here(  # a refusal: in this process (a refused fit's own: test_adversarial)
         "fit", "--config", str(QUICKSTART), "--config", str(cfg),
         "--budget.price_per_gpu_hour", "2.5", "--budget.currency", "bitcoins",
         cwd=tmp_path,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.runlog import read_records
 
@@ -26,11 +26,19 @@ def _tiny(tmp_path, char_dataset):
     return write_config(tmp_path / "tiny.yaml", cfg)
 
 
-def test_fit_prints_a_banner_and_plain_lines_and_nothing_else(tmp_path, char_dataset):
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory, char_dataset):
+    """What one tiny ``fit`` in a process of its own printed, validating on steps that also
+    print (every 2nd): (its folder, the finished process). The tests below only read it."""
+    tmp_path = tmp_path_factory.mktemp("printed")
     config = str(_tiny(tmp_path, char_dataset))
-    # Validating on steps that also print (every 2nd): each still prints once, after its validation.
     first = run_nanolab("fit", "--config", config, "--run.eval_every_steps", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
+    return tmp_path, first
+
+
+def test_fit_prints_a_banner_and_plain_lines_and_nothing_else(printed):
+    tmp_path, first = printed
     out = first.stdout
     for noise in NOISE:
         assert noise not in out + first.stderr, noise
@@ -70,7 +78,7 @@ def test_extending_a_finished_run_keeps_its_schedule_and_counts_to_the_new_end(
 
 
 def test_fit_help_leads_with_nanolab_groups_and_common_keys(tmp_path):
-    short = run_nanolab("fit", "--help", cwd=tmp_path)
+    short = nanolab_here("fit", "--help", cwd=tmp_path)  # a process's page: the test below
     assert short.returncode == 0, short.stderr
     lines = short.stdout.splitlines()
     assert len(lines) < 120
@@ -93,7 +101,7 @@ def test_fit_help_is_remembered_and_printed_the_same_without_lightning(tmp_path)
     imported = {line.split("|")[-1].strip() for line in second.stderr.splitlines() if "|" in line}
     assert "lightning" in {line.split("|")[-1].strip() for line in first.stderr.splitlines()}
     assert not {"torch", "lightning", "jsonargparse"} & imported
-    other = run_nanolab("validate", "--help", cwd=tmp_path, env=env)  # a page per verb
+    other = nanolab_here("validate", "--help", cwd=tmp_path, env=env)  # a page per verb
     assert other.stdout.startswith("usage: nanolab validate") and "--ckpt_path" in other.stdout
 
 
@@ -122,14 +130,10 @@ def test_prepare_and_generate_help_show_defaults_and_meanings(verb, expected, ca
     assert "(default: None)" not in out and "(default: False)" not in out
 
 
-def test_fit_ends_with_a_short_end_block(tmp_path, char_dataset) -> None:
+def test_fit_ends_with_a_short_end_block(printed) -> None:
     """Under its last progress line, fit says how it ended, the val numbers, the wall time and
     goodput, the checkpoint, and what to run next."""
-    from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
-
-    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    proc = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    tmp_path, proc = printed
     tail = proc.stdout.strip().splitlines()[-5:]
     assert tail[0].startswith("nanolab fit: ") and tail[0].endswith("runs/tiny completed at step 6")
     assert tail[1].startswith("  val loss ") and "at step 6 (best " in tail[1]

@@ -9,11 +9,12 @@ are made to name a class whose module writes a marker file when it is imported; 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 import yaml
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 MARKER_MODULE = """
 import os, pathlib
@@ -25,14 +26,12 @@ class Evil:
 """
 
 
-def test_reading_a_run_never_imports_the_classes_it_names(tmp_path: Path, char_dataset: Path):
+def test_reading_a_run_never_imports_the_classes_it_names(
+    tmp_path: Path, char_dataset: Path, monkeypatch
+):
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    assert (
-        run_nanolab(
-            "fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path
-        ).returncode
-        == 0
-    )
+    fit = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]  # the run's files: made in this process
     run = tmp_path / "runs" / "tiny"
     # Name the marker class everywhere a run's files name classes.
     config = yaml.safe_load((run / "config.yaml").read_text())
@@ -63,8 +62,12 @@ def test_reading_a_run_never_imports_the_classes_it_names(tmp_path: Path, char_d
         proc = run_nanolab(*command, cwd=tmp_path, env=env)
         assert proc.returncode == 0, (command, proc.stderr[-2000:])
         assert not marker.exists(), f"nanolab {command[0]} imported a class the run names"
-    # The check can fail: fit with that config does import it (configs are code).
-    proc = run_nanolab(
-        "fit", "--config", str(run / "config.yaml"), "--run.name", "other", cwd=tmp_path, env=env
-    )
+    # The check can fail: fit with that config does import it (configs are code); in this
+    # process, the marker's module on sys.path as PYTHONPATH puts it for the commands above.
+    monkeypatch.syspath_prepend(str(tmp_path / "mod"))
+    try:
+        nanolab_here("fit", "--config", str(run / "config.yaml"), "--run.name", "other",
+                     cwd=tmp_path, env={"MARKER_FILE": str(marker)})  # fmt: skip
+    finally:
+        sys.modules.pop("markermod", None)
     assert marker.exists()

@@ -1,10 +1,10 @@
 """configs/debug/: fast_dev_run, overfit and profile presets composed after a base config, through
-the real CLI; each lands in its own runs/debug/<preset>-<time>/ and leaves the base run alone."""
+the CLI's entry point (in the test's process); each lands in its own runs/debug/<preset>-<time>/ and leaves the base run alone."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import REPO, run_nanolab, tiny_overrides, write_config
+from conftest import REPO, nanolab_here, tiny_overrides, write_config
 
 from nanolab.runlog import read_records
 
@@ -13,7 +13,7 @@ DEBUG = REPO / "configs" / "debug"
 
 def _launch(tmp_path, char_dataset, preset: str, *extra: str):
     base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    done = run_nanolab("fit", "--config", str(base), "--config", str(DEBUG / f"{preset}.yaml"),
+    done = nanolab_here("fit", "--config", str(base), "--config", str(DEBUG / f"{preset}.yaml"),
                        *extra, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = (tmp_path / "runs" / "debug").glob(f"{preset}-*")

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 from lightning.pytorch.plugins import MixedPrecision
 
 from nanolab.callbacks.divergence import EXIT_DIVERGED, DivergenceStop
@@ -211,10 +212,11 @@ def test_floor_zero_turns_the_loss_scale_check_off(char_dataset, tmp_path):
     assert trainer.precision_plugin.scaler.get_scale() == 2.0 ** (16 - 20)
 
 
-def test_fit_exits_3_and_report_and_queue_name_the_collapse(char_dataset, tmp_path):
+def test_fit_exits_3_and_report_and_queue_name_the_collapse(char_dataset, tmp_path, monkeypatch):
     """``nanolab fit`` under fp16 whose scale collapses: exit 3, one line naming the cause, the
     ``end`` record (reason ``diverged``, the sentence in ``detail``), ``nanolab report`` and the
-    queue's reading of the attempt."""
+    queue's reading of the attempt. The fit runs in this process (exit 3 from a process of its
+    own: test_adversarial's divergence test)."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "overflow_gpt.py").write_text(GAIN_MODULE)
@@ -229,7 +231,11 @@ def test_fit_exits_3_and_report_and_queue_name_the_collapse(char_dataset, tmp_pa
     cfg["model"]["init_args"] = {"gpt": cfg["model"].pop("gpt")}
     cfg["checkpoint"] = {"every_n_steps": 5}
     path = write_config(work / "fp16.yaml", cfg)
-    res = run_nanolab("fit", "--config", str(path), cwd=work)
+    monkeypatch.syspath_prepend(str(work))  # overflow_gpt, as the working directory is for -m
+    try:
+        res = nanolab_here("fit", "--config", str(path), cwd=work)
+    finally:
+        sys.modules.pop("overflow_gpt", None)
     assert res.returncode == EXIT_DIVERGED, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert "Traceback" not in res.stderr

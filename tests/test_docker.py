@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import nanolab_here
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -739,13 +740,7 @@ def test_sbatch_without_configs_is_a_usage_error() -> None:
 def test_sbatch_command_is_a_valid_fit_with_requeue(tmp_path: Path) -> None:
     argv = _fit_argv_from_sbatch(tmp_path, "configs/quickstart.yaml")
     assert argv[0] == "fit"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nanolab", *argv, "--print_config"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = nanolab_here(*argv, "--print_config", cwd=ROOT)  # the config, not the process
     assert proc.returncode == 0, proc.stderr[-2000:]
     config = yaml.safe_load(proc.stdout)
     assert config["trainer"]["num_nodes"] == 2
@@ -761,25 +756,10 @@ def test_sbatch_command_is_a_valid_fit_with_requeue(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not QUICKSTART.is_file(), reason="configs/quickstart.yaml not in this tree")
 def test_multinode_snippet_composes_after_a_strategy() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nanolab",
-            "fit",
-            "--config",
-            "configs/quickstart.yaml",
-            "--config",
-            "configs/strategy/ddp.yaml",
-            "--config",
-            "configs/strategy/multinode.yaml",
-            "--print_config",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = nanolab_here(
+        "fit", "--config", "configs/quickstart.yaml", "--config", "configs/strategy/ddp.yaml",
+        "--config", "configs/strategy/multinode.yaml", "--print_config", cwd=ROOT,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     trainer = yaml.safe_load(proc.stdout)["trainer"]
     assert (trainer["num_nodes"], trainer["devices"], trainer["accelerator"]) == (2, 8, "gpu")

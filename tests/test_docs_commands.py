@@ -438,7 +438,9 @@ def evaluate_md_files(work: Path) -> None:
     )
 
 
-def test_evaluate_md(work: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluate_md(
+    work: Path, capsys, monkeypatch: pytest.MonkeyPatch, lm_eval_local_only: None
+) -> None:
     """docs/evaluate.md: fit, validate the newest checkpoint, test the best, validate untrained;
     eval the tasks three ways (each logged at the checkpoint's step); lm-eval on a local task."""
     pytest.importorskip("lm_eval")

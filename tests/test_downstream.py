@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.data.tokenizers import CharTokenizer, load_tokenizer
 from nanolab.downstream import cloze
@@ -396,7 +396,7 @@ def test_in_loop_numbers_equal_nanolab_eval_on_the_checkpoint(
         downstream__suite="builtin:shakespeare", downstream__limit=40, downstream__every_n_evals=1,
     )  # fmt: skip
     path = write_config(tmp_path / "c.yaml", cfg)
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"
     in_loop = list(read_records(run / "metrics.jsonl", "tasks"))
@@ -480,7 +480,7 @@ def test_a_suite_the_vocabulary_cannot_spell_is_turned_off_with_one_warning(
     write_lines(tmp_path / "t.jsonl", [{"context": "Hello", "choices": ["a"], "label": 0}])
     cfg["run"]["name"] = "bad-file"
     path = write_config(tmp_path / "c.yaml", cfg)
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert f"task file {tmp_path / 't.jsonl'} line 1: field 'choices' has 1 entries" in res.stderr
     assert not (tmp_path / "runs" / "bad-file" / "metrics.jsonl").exists() or not list(
@@ -579,12 +579,8 @@ def test_eval_json_targets_and_a_checkpoint_file_is_printed_only(
     is scored; a .ckpt path (not the run directory) prints and leaves the run's log alone."""
     cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
     path = write_config(tmp_path / "c.yaml", cfg)
-    assert (
-        run_nanolab(
-            "fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path
-        ).returncode
-        == 0
-    )
+    fit = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"
     before = (run / "metrics.jsonl").read_bytes()
     for target, problem in [
@@ -592,7 +588,7 @@ def test_eval_json_targets_and_a_checkpoint_file_is_printed_only(
         (tmp_path, "is a folder; give a file name"),
         (run / "metrics.jsonl", "is inside the run directory"),
     ]:
-        res = run_nanolab("eval", str(run), "--limit", "3", "--json", str(target), cwd=tmp_path)
+        res = nanolab_here("eval", str(run), "--limit", "3", "--json", str(target), cwd=tmp_path)
         assert res.returncode == 2 and problem in res.stderr and "Traceback" not in res.stderr
     ckpt = next((run / "checkpoints").glob("step-*.ckpt"))
     res = run_nanolab("eval", str(ckpt), "--limit", "3", cwd=tmp_path)
@@ -610,7 +606,7 @@ def test_mixed_precision_eval_equals_the_in_loop_numbers(
         downstream__limit=40, downstream__every_n_evals=1,
     )  # fmt: skip
     path = write_config(tmp_path / "c.yaml", cfg)
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"
     (record,) = read_records(run / "metrics.jsonl", "tasks")
@@ -638,7 +634,7 @@ def test_cadence_without_max_steps(tmp_path: Path, char_dataset: Path) -> None:
         downstream__limit=5, downstream__every_n_evals=3,
     )  # fmt: skip
     path = write_config(tmp_path / "c.yaml", cfg)
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r["step"] for r in read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "tasks")]
     end = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "end"))[-1]["step"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.runlog import read_records
 
@@ -28,7 +28,7 @@ def trained(tmp_path_factory, char_dataset) -> Path:
     overrides = tiny_overrides(char_dataset, Path("runs"))  # relative: copies stay self-contained
     overrides["checkpoint"] = {"every_n_steps": 3, "keep_last": 5}
     cfg = write_config(root / "tiny.yaml", overrides)
-    res = run_nanolab("fit", "--config", str(cfg), cwd=root)
+    res = nanolab_here("fit", "--config", str(cfg), cwd=root)  # in-process: set-up only
     assert res.returncode == 0, res.stderr[-3000:]
     return root
 

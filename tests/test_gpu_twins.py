@@ -87,33 +87,29 @@ def test_the_cuda_allocator_gets_expandable_segments_unless_configured():
     assert not prefer_expandable_segments(rocm, hip_version="6.2") and rocm == {}
 
 
-def test_fit_runs_with_the_allocator_setting(char_dataset, tmp_path):
-    """``fit`` (a Lightning verb, dispatched apart from the others) sets it before the run:
-    the run log's start record holds the process environment's value."""
+def test_fit_runs_with_the_allocator_setting(char_dataset, tmp_path, capsys):
+    """``fit`` (a Lightning verb, dispatched apart from the others) sets it before the run, in
+    the environment of its process (here: this one's, put back afterwards)."""
     import json
     import os
-    import subprocess
-    import sys
 
     from conftest import QUICKSTART, tiny_overrides, write_config
 
+    from nanolab.cli import main
+
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    probe = tmp_path / "probe.py"
-    probe.write_text(
-        "import os, sys\n"
-        "from nanolab.cli import main\n"
-        "main(sys.argv[1:])\n"
-        "print('ALLOC=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
-    res = subprocess.run(
-        [sys.executable, str(probe), "fit", "--config", str(QUICKSTART), "--config", str(cfg),
-         "--trainer.max_steps", "1"],
-        cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "ALLOC=expandable_segments:True" in res.stdout
+    before = dict(os.environ)
+    try:
+        for key in [k for k in os.environ if "ALLOC_CONF" in k]:
+            del os.environ[key]
+        code = main(["fit", "--config", str(QUICKSTART), "--config", str(cfg),
+                     "--trainer.max_steps", "1"])  # fmt: skip
+        setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert setting == "expandable_segments:True"
     assert json.loads((tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[0])
 
 

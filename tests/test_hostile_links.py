@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.runlog import read_records
 
@@ -62,11 +62,12 @@ def last_line(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory, char_dataset) -> Path:
-    """A finished tiny run ``b`` (checkpoints at steps 4 and 6, ``last.ckpt``), trained once."""
+    """A finished tiny run ``b`` (checkpoints at steps 4 and 6, ``last.ckpt``), trained once,
+    in this process."""
     root = tmp_path_factory.mktemp("victim")
     cfg = tiny_overrides(char_dataset, root / "runs", run__name="b")
     cfg["checkpoint"] = {"every_n_steps": 2, "keep_last": 2}
-    res = run_nanolab("fit", "--config", str(write_config(root / "b.yaml", cfg)), cwd=root)
+    res = nanolab_here("fit", "--config", str(write_config(root / "b.yaml", cfg)), cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     return root / "runs" / "b"
 
@@ -169,7 +170,8 @@ def test_resume_into_a_recreated_log_refuses_another_runs_checkpoint(
     shutil.copy2(victim / "checkpoints" / "last.ckpt", a / "checkpoints" / "last.ckpt")
     before = digests(runs)
     cfg = tiny_overrides(char_dataset, runs, run__name="a", trainer__max_steps=8)
-    res = run_nanolab("fit", "--config", str(write_config(tmp_path / "a.yaml", cfg)), cwd=tmp_path)
+    config = write_config(tmp_path / "a.yaml", cfg)
+    res = nanolab_here("fit", "--config", str(config), cwd=tmp_path)  # the swaps: processes
     detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
     assert res.returncode == EXIT_USAGE, detail
     assert "Traceback" not in res.stderr, detail

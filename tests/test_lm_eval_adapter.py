@@ -98,7 +98,7 @@ def test_generate_until_is_greedy_and_stops(checkpoint: Path) -> None:
 
 
 def test_simple_evaluate_on_a_local_task_matches_nanolab_eval(
-    checkpoint: Path, tmp_path: Path
+    checkpoint: Path, tmp_path: Path, lm_eval_local_only: None
 ) -> None:
     """lm-eval reads a local JSON-lines file (nothing downloaded) and scores it through the
     adapter; its acc and acc_norm are nanolab eval's on the same examples."""
@@ -122,10 +122,10 @@ def test_simple_evaluate_on_a_local_task_matches_nanolab_eval(
     from lm_eval.tasks import TaskManager
 
     lm = NanolabLM(checkpoint=str(checkpoint), device="cpu", batch_size=4)
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)  # not lm-eval's ~14k
     out = lm_eval.simple_evaluate(
-        model=lm, tasks=["nanolab_toy"], task_manager=TaskManager(include_path=str(tmp_path)),
-        bootstrap_iters=0,
-    )  # fmt: skip
+        model=lm, tasks=["nanolab_toy"], task_manager=tasks, bootstrap_iters=0
+    )
     res = out["results"]["nanolab_toy"]
     examples, _ = read_task_file(data, "multiple_choice")
     ours = evaluate_task(
@@ -144,10 +144,11 @@ def test_model_args_win_over_lm_evals_own_defaults(checkpoint: Path) -> None:
     assert lm.device.type == "cpu" and lm.rows == 3
 
 
-def test_a_bad_checkpoint_is_one_line(tmp_path: Path) -> None:
-    """`nanolab lm-eval` as a user runs it: a checkpoint that does not exist is one error line
-    (the NanolabError the adapter raises), exit 2, no traceback."""
-    from conftest import run_nanolab
+def test_a_bad_checkpoint_is_one_line(tmp_path: Path, lm_eval_local_only: None) -> None:
+    """`nanolab lm-eval` as a user runs it (through the entry point, in this process): a
+    checkpoint that does not exist is one error line (the NanolabError the adapter raises),
+    exit 2, no traceback."""
+    from conftest import nanolab_here
 
     data = tmp_path / "toy.jsonl"
     data.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "label": 0}) + "\n")
@@ -156,7 +157,7 @@ def test_a_bad_checkpoint_is_one_line(tmp_path: Path) -> None:
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
     )
-    res = run_nanolab(
+    res = nanolab_here(
         "lm-eval", "run", "--model", "nanolab", "--model_args", f"checkpoint={tmp_path}/nowhere",
         "--tasks", "nanolab_bad_ckpt", "--include_path", str(tmp_path), "--device", "cpu",
         cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},

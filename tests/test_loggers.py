@@ -10,13 +10,14 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.runlog import read_records
 
 
-def fit(work: Path, *args: str):
-    res = run_nanolab("fit", "--config", "tiny.yaml", *args, cwd=work)
+def fit(work: Path, *args: str, here: bool = False):
+    """``nanolab fit`` of the tiny run in a process of its own (``here``: in this one)."""
+    res = (nanolab_here if here else run_nanolab)("fit", "--config", "tiny.yaml", *args, cwd=work)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -33,7 +34,7 @@ def fit_records(run: Path, event: str) -> dict[int, dict]:
 
 def test_csv_logger_shares_the_run_logs_steps_and_survives_a_resume(work):
     run = work / "runs" / "tiny"
-    fit(work, "--logger", "csv")
+    fit(work, "--logger", "csv", here=True)
     first_rows = (run / "csv" / "metrics.csv").read_text().splitlines()[1:]
     fit(work, "--logger", "csv", "--trainer.max_steps", "9")  # continues the same run
     rows = list(csv.DictReader((run / "csv" / "metrics.csv").open()))

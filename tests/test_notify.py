@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.notify import NotifyConfigError, check_targets, send
 
@@ -89,7 +89,7 @@ def test_a_run_end_writes_results_log_and_fires_the_targets(tmp_path: Path, char
     (line,) = (tmp_path / "runs" / "results.log").read_text().splitlines()
     result = json.loads(line)
     assert result["run"] == "tiny" and result["reason"] == "completed" and result["step"] == 6
-    bad = run_nanolab(
+    bad = nanolab_here(  # a refusal: this process does
         "fit", "--config", str(QUICKSTART), "--config", str(path),
         "--notify.targets", '["echo {nope}"]', "--run.name", "other", cwd=tmp_path,
     )  # fmt: skip

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.callbacks.preemption import PreemptionConfigError, PreemptionHandler, parse_signals
 from nanolab.runlog import read_records
@@ -112,7 +112,7 @@ def test_resume_path_and_architecture_checks(tmp_path: Path) -> None:
 def test_fit_refuses_a_bad_resume_path_in_one_line(tmp_path: Path, char_dataset: Path) -> None:
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     (tmp_path / "torn.ckpt").write_bytes(b"not a checkpoint")
-    res = run_nanolab(
+    res = nanolab_here(
         "fit", "--config", str(cfg), "--run.resume", str(tmp_path / "torn.ckpt"), cwd=tmp_path
     )
     assert res.returncode == 2

@@ -8,7 +8,7 @@ import shutil
 import lightning as L
 import pytest
 import torch
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.cli import main
 from nanolab.data.datamodule import TokenDataModule
@@ -26,7 +26,9 @@ def final_state(run_dir) -> dict[str, torch.Tensor]:
 
 def test_fit_then_generate_through_the_cli(tmp_path, char_dataset):
     cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    # fit through the entry point in this process (a fit's process: test_cli_output), generate
+    # in its own
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "runs" / "tiny"
     assert (run_dir / "config.yaml").is_file()
@@ -44,7 +46,7 @@ def test_fit_then_generate_through_the_cli(tmp_path, char_dataset):
 
 def test_print_config_shows_the_merged_config(tmp_path, char_dataset):
     cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    res = run_nanolab(
+    res = nanolab_here(
         "fit", "--config", str(QUICKSTART), "--config", str(cfg), "--print_config", cwd=tmp_path
     )
     assert res.returncode == 0, res.stderr
@@ -101,7 +103,7 @@ def test_a_dataset_shorter_than_one_block_is_refused(tmp_path):
     overrides = tiny_overrides(tmp_path / "ds", tmp_path / "runs")
     overrides["data"]["source"] = [str(text)]
     cfg = write_config(tmp_path / "tiny.yaml", overrides)
-    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
     assert res.returncode == 2
     assert "fewer than one block" in res.stderr
 
@@ -238,15 +240,21 @@ def test_adamw8bit_trains_with_8bit_states(char_dataset, tmp_path):
 
 
 # -- strategies: 2 processes on CPU ---------------------------------------------------------
-def _strategy_run(tmp_path, char_dataset, name: str, *extra: str, devices: int = 1, **overrides):
+def _strategy_run(
+    tmp_path, char_dataset, name: str, *extra: str, devices: int = 1, here: bool = False,
+    **overrides,
+):  # fmt: skip
+    """``nanolab fit`` of the tiny model in its own processes (``here``: this one, 1 device)."""
     base = tiny_overrides(
         char_dataset, tmp_path / "runs", trainer__max_steps=4, trainer__devices=devices,
         run__name=name, model__gpt__dropout=0.0, **overrides,
     )  # fmt: skip
     cfg = write_config(tmp_path / f"{name}.yaml", base)
-    res = run_nanolab(
-        "fit", "--config", str(QUICKSTART), "--config", str(cfg), *extra, cwd=tmp_path, timeout=600
-    )
+    args = ("fit", "--config", str(QUICKSTART), "--config", str(cfg), *extra)
+    if here:
+        res = nanolab_here(*args, cwd=tmp_path)
+    else:
+        res = run_nanolab(*args, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return tmp_path / "runs" / name
 
@@ -303,10 +311,10 @@ def _assert_same_trajectory(run, reference_run, dataset, grad_norm: bool = True)
 @pytest.fixture(scope="module")
 def single_process_reference(tmp_path_factory, char_dataset):
     """One process, micro-batch 4, 2x accumulation: the reference for the 2-process runs
-    (a checkpoint every step, to replay each step's loss from)."""
+    (a checkpoint every step, to replay each step's loss from), trained in this process."""
     tmp = tmp_path_factory.mktemp("reference")
     return _strategy_run(
-        tmp, char_dataset, "single", run__global_batch_tokens=4 * 32 * 2,
+        tmp, char_dataset, "single", here=True, run__global_batch_tokens=4 * 32 * 2,
         checkpoint__every_n_steps=1, checkpoint__keep_last=10,
     )  # fmt: skip
 
@@ -518,7 +526,7 @@ def test_rerunning_a_finished_run_says_it_is_complete(tmp_path, char_dataset):
     """The same command after the run ended: exit 0, one line saying the run is complete and
     how to extend it, no step trained again."""
     cfg = write_config(tmp_path / "c.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    first = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    first = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     log = tmp_path / "runs" / "tiny" / "metrics.jsonl"
     trained = len(list(read_records(log, "train")))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import run_nanolab
+from conftest import nanolab_here
 
 from nanolab.data.datamodule import TokenDataModule, TokenWindows
 
@@ -93,7 +93,7 @@ def test_nanolab_command_is_a_valid_fit_config(tmp_path, name):
     cmd = vs.nanolab_command(shape, tmp_path / "data", tmp_path / "runs", "t", [])
     assert cmd[1:4] == ["-m", "nanolab", "fit"]
     extra = ["--model.gpt.activation", "gelu_tanh"]
-    res = run_nanolab(*cmd[3:], *extra, "--print_config", cwd=tmp_path, timeout=300)
+    res = nanolab_here(*cmd[3:], *extra, "--print_config", cwd=tmp_path)  # the config only
     assert res.returncode == 0, res.stderr[-2000:]
     cfg = yaml.safe_load(res.stdout)
     model, data = (cfg[k].get("init_args", cfg[k]) for k in ("model", "data"))  # class-path form

@@ -484,11 +484,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="skip the extra, untimed nanolab run that counts host-device syncs per step",
     )
+    parser.add_argument(
+        "--import-repeats",
+        type=int,
+        default=3,
+        help="fresh interpreters timed for import_s, the best kept (default 3; each is a few "
+        "seconds of imports)",
+    )
     args = parser.parse_args(argv)
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.import_repeats < 1:
+        parser.error("--import-repeats must be >= 1")
     overrides = [part for item in args.set for part in item.split("=", 1)]
     resolve_benchmarked(args.config, overrides, args.steps)
     try:
@@ -499,6 +508,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nanolab bench: error: {err}", file=sys.stderr)
         return 1
     if args.import_time:
-        res["import_s"] = import_time("nanolab.run.cli")
+        res["import_s"] = import_time("nanolab.run.cli", args.import_repeats)
     print(json.dumps(res, indent=2) if args.json else format_table(res))
     return 0
