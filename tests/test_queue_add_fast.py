@@ -188,17 +188,28 @@ def test_a_sweep_is_queued_without_importing_lightning_or_torch(
         assert (a.name, a.args, a.config_key, a.max_steps, a.mem_peak, a.estimate_s) == (b.name, b.args, b.config_key, b.max_steps, b.mem_peak, b.estimate_s)  # fmt: skip
 
 
+def _spy_on_the_parser(monkeypatch) -> list:
+    """The argument lists fit's full parser is called with from here on (it still parses)."""
+    calls: list = []
+    real = parse.parse_fit_config
+    monkeypatch.setattr(parse, "parse_fit_config", lambda args: calls.append(args) or real(args))
+    return calls
+
+
+def _tiny_config(path: Path, dataset: Path, runs: Path) -> Path:
+    """A tiny fit config of 8 steps without a run name (a queued job is named by the queue)."""
+    cfg = tiny_overrides(dataset, runs, trainer__max_steps=8)
+    del cfg["run"]["name"]
+    return write_config(path, cfg)
+
+
 def test_a_cold_cache_asks_the_parser_once_and_remembers(
     tmp_path, char_dataset, capsys, monkeypatch
 ):
     monkeypatch.setenv("NANOLAB_ESTIMATOR_CACHE", str(tmp_path / "cold"))
     monkeypatch.chdir(tmp_path)
-    calls = []
-    real = parse.parse_fit_config
-    monkeypatch.setattr(parse, "parse_fit_config", lambda args: calls.append(args) or real(args))
-    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
-    del cfg["run"]["name"]
-    config = write_config(tmp_path / "base.yaml", cfg)
+    calls = _spy_on_the_parser(monkeypatch)
+    config = _tiny_config(tmp_path / "base.yaml", char_dataset, tmp_path / "runs")
     sweep = ["--sweep", "model.optimizer.lr=1e-3,3e-3", "--sweep", "model.gpt.n_layer=1,2"]
     assert main(["add", str(config), "--db", str(tmp_path / "a.db"), *sweep]) == 0
     assert len(calls) == 1  # the first point; its parse remembered the schema for the others
@@ -249,12 +260,8 @@ def test_each_refusal_is_the_one_line_it_was(tmp_path, char_dataset, capsys, mon
     """Refused in one line and exit 2, nothing queued; the schema answers what it can (an
     unknown key, a file that cannot be read, the resolver's checks) without the parser."""
     monkeypatch.chdir(tmp_path)
-    calls = []
-    real = parse.parse_fit_config
-    monkeypatch.setattr(parse, "parse_fit_config", lambda args: calls.append(args) or real(args))
-    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
-    del cfg["run"]["name"]
-    config = write_config(tmp_path / "tiny.yaml", cfg)
+    calls = _spy_on_the_parser(monkeypatch)
+    config = _tiny_config(tmp_path / "tiny.yaml", char_dataset, tmp_path / "runs")
     files = {k: str(v) for k, v in _files(tmp_path).items()}
     argv = [a.format(**files) if a.startswith("{") else a for a in extra]
     db = tmp_path / "q.db"
