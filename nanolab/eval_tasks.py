@@ -124,19 +124,18 @@ def _eval_output(path: Path) -> bool:
 def result_table(result: Any) -> str:
     """One line per task (its accuracies, the score its centered value uses, ± one standard
     error) and the suite's mean centered score (CORE only when the suite is CORE)."""
-    head = f"{'task':<24} {'kind':<17} {'n':>5} {'acc':>6} {'acc_norm':>8}  {'score':<15} {'centered':>15}"
-    lines = [head]
+    from nanolab.tables import table
+
+    rows = []
     for t in result.tasks:
         err = t.stderr() / (1 - t.baseline)
-        score = f"{t.score:.3f} {t.metric}"
-        lines.append(
-            f"{t.name:<24} {t.kind:<17} {t.n:>5} {t.acc:>6.3f} {t.acc_norm:>8.3f}  {score:<15} "
-            f"{t.centered:>+7.3f} ± {err:.3f}"
-        )
-    lines.append(
-        f"{result.label + ' (mean centered)':<42} {'':>5} {'':>6} {'':>8}  {'':<15} {result.core:>+7.3f}"
-    )
-    return "\n".join(lines)
+        rows.append(
+            [t.name, t.kind, str(t.n), f"{t.acc:.3f}", f"{t.acc_norm:.3f}",
+             f"{t.score:.3f} {t.metric}", f"{t.centered:+.3f} ± {err:.3f}"]
+        )  # fmt: skip
+    rows.append([f"{result.label} (mean centered)", "", "", "", "", "", f"{result.core:+.3f}"])
+    headers = ["task", "kind", "n", "acc", "acc_norm", "score", "centered"]
+    return "\n".join(table(rows, headers, right={2, 3, 4, 6}))
 
 
 @one_line_errors("nanolab eval")

@@ -10,8 +10,9 @@ from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, writ
 
 @pytest.mark.slow
 def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
-    """Both sides train the same thing: at every step the plain loop reads its loss (1, 11, 16),
-    nanolab logged the same loss, in every round; then their speeds are compared.
+    """Both sides train the same thing: the plain loop reads its loss at every step (its one
+    sync per step, as nanolab's), nanolab logged the same loss, in every round; then their
+    speeds are compared.
 
     Mutation caught: the plain loop seeded differently (``torch.manual_seed(seed + 1)``): the
     speeds still compare fine, the losses differ from step 1 on.
@@ -34,10 +35,10 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     for detail in out["rounds_detail"]:
         nano, plain = detail["nanolab"], detail["plain"]
         assert nano["steps"] == 16 and plain["steps"] == 16
-        assert sorted(plain["losses"], key=int) == ["1", "11", "16"]
+        assert sorted(plain["losses"], key=int) == [str(s) for s in range(1, 17)]
         for step, loss in plain["losses"].items():
             assert nano["losses"][step] == pytest.approx(loss, rel=1e-4, abs=1e-5), step
-    assert out["loss_gap"]["steps_compared"] == 6 and out["loss_gap"]["max"] < 1e-4
+    assert out["loss_gap"]["steps_compared"] == 32 and out["loss_gap"]["max"] < 1e-4
     # The run-to-run spread of each side, and a verdict on whether the ratio can be read.
     assert set(out["spread"]) == {"nanolab", "plain loop", "ratio"}
     assert all(v is not None and v >= 0 for v in out["spread"].values())

@@ -33,11 +33,10 @@ def one_error_line(stderr: str, prog: str) -> str:
 
 
 # -- 1. an absurd depth is refused by arithmetic, before any block is built -----------------
+@pytest.mark.timeout(60)  # a hang guard, not a speed claim: building 10**9 blocks never ends
 def test_depth_beyond_the_cap_is_refused_by_the_config() -> None:
-    start = time.monotonic()
     with pytest.raises(ConfigError, match=r"model.gpt.n_layer 1,000,000,000 .*at most 4096"):
         GPTConfig(n_layer=1_000_000_000)
-    assert time.monotonic() - start < 0.5
     GPTConfig(n_layer=MAX_LAYERS, n_head=1, n_embd=8)  # the cap itself is a model
 
 
@@ -88,15 +87,14 @@ def _alias_bomb(path: Path, levels: int = 9) -> Path:
     return path
 
 
+@pytest.mark.timeout(60)  # a hang guard: expanding 9**9 strings takes minutes and gigabytes
 def test_alias_expansion_is_counted_without_expanding(tmp_path: Path) -> None:
     from nanolab.errors import RunConfigError
     from nanolab.training.resolve import check_alias_expansion, load_yaml
 
     text = _alias_bomb(tmp_path / "b.yaml").read_text()
-    start = time.monotonic()
     with pytest.raises(RunConfigError, match=r"^bomb.yaml: its anchors and aliases expand"):
         load_yaml(text, "bomb.yaml")
-    assert time.monotonic() - start < 1.0
     check_alias_expansion("base: &b {lr: 1}\nx: *b\ny: *b\n")  # ordinary aliases are fine
     with pytest.raises(RunConfigError, match="aliases expand"):
         check_alias_expansion("a: &a [1, *a]\n")  # a list that contains itself
@@ -535,21 +533,41 @@ def test_unknown_keys_get_the_nearest_known_key() -> None:
     check_keys(["--model", "my.Model", "--model.anything", "1"], known)  # another class's keys
 
 
+def _fit_reporting_imports(
+    base: Path, args: list[str], cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """``nanolab fit`` in a process that prints, at exit, which heavy modules it imported."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('imported:', *sorted(m for m in ('torch', 'lightning')"
+        " if m in sys.modules)))\n"
+        "from nanolab.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, "fit", "--config", str(base), *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.parametrize("where", ["command line", "config file"])
-def test_an_unknown_key_is_refused_with_a_suggestion_in_well_under_two_seconds(
+def test_an_unknown_key_is_refused_with_a_suggestion_without_importing_torch(
     where: str, char_dataset: Path, tmp_path: Path
 ) -> None:
     base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     typo = write_config(tmp_path / "typo.yaml", {"model": {"gpt": {"n_layers": 3}}})
     args = ["--model.gpt.n_layers", "3"] if where == "command line" else ["--config", str(typo)]
     env = {"NANOLAB_ESTIMATOR_CACHE": str(tmp_path / "cache")}  # a cold cache: the first run
-    timings, lines = [], []
+    lines, heavy = [], []
     for _ in range(2):
-        start = time.monotonic()
-        out = run_nanolab("fit", "--config", str(base), *args, cwd=tmp_path, env=env)
-        timings.append(time.monotonic() - start)
+        out = _fit_reporting_imports(base, args, tmp_path, env)
         assert out.returncode == 2, out.stderr
         lines.append(one_error_line(out.stderr, "nanolab fit"))
+        heavy.append(out.stdout.split("imported:")[-1].split())
     assert lines[0] == lines[1]  # the parser's answer and the early check's are the same
     if where == "command line":
         assert lines[0].endswith("unknown setting --model.gpt.n_layers; did you mean "
@@ -557,5 +575,7 @@ def test_an_unknown_key_is_refused_with_a_suggestion_in_well_under_two_seconds(
     else:
         assert lines[0].endswith(f"config file {typo}: unknown setting model.gpt.n_layers; did "
                                  "you mean model.gpt.n_layer?")  # fmt: skip
-    assert timings[1] < 2.0, timings  # ~0.15 s: nothing heavy is imported
+    # What makes it answer at once (~0.15 s, where importing Lightning takes seconds): the
+    # second run, with the key list cached by the first, imports neither torch nor Lightning.
+    assert heavy[1] == [], heavy
     assert not (tmp_path / "runs").exists()

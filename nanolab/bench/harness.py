@@ -33,6 +33,7 @@ from typing import Any
 
 from nanolab.errors import one_line_errors
 from nanolab.runlog import read_records
+from nanolab.tables import table
 
 #: Run-to-run spread of the per-round ratio, (max - min) / median, above which the rounds
 #: disagree too much for the ratio to mean anything. (Each side's own spread is reported too;
@@ -376,55 +377,57 @@ def _machine() -> str:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    def row(name: str, s: dict[str, float], fmt: str) -> str:
-        return f"{name:<34} {s['median']:{fmt}} {s['min']:{fmt}} {s['max']:{fmt}}"
+    """The bench's figures as a table (median, min, max over rounds; one figure: median only),
+    the spread and the verdict on the ratio below it."""
+    rows: list[list[str]] = []
 
-    lines = [
-        f"nanolab bench — {res['machine']}, {res['date']}, {res['rounds']} rounds x {res['steps']} steps (warmup {res['warmup']})",
-        f"{'':<34} {'median':>10} {'min':>10} {'max':>10}",
-        row("nanolab tokens/s (steady)", res["nanolab_tokens_per_s"], ">10,.0f"),
-        row("plain loop tokens/s (steady)", res["plain_tokens_per_s"], ">10,.0f"),
-        row("ratio nanolab / plain", res["ratio"], ">10.3f"),
-    ]
+    def row(name: str, s: dict[str, float], fmt: str, note: str = "") -> None:
+        rows.append([name, *(format(s[k], fmt) for k in ("median", "min", "max")), note])
+
+    def one(name: str, value: str, note: str = "") -> None:
+        rows.append([name, value, "", "", note])
+
+    row("nanolab tokens/s (steady)", res["nanolab_tokens_per_s"], ",.0f")
+    row("plain loop tokens/s (steady)", res["plain_tokens_per_s"], ",.0f")
+    row("ratio nanolab / plain", res["ratio"], ".3f")
     if res.get("overhead_ms_per_step"):
-        lines.append(row("overhead per step ms", res["overhead_ms_per_step"], ">10.2f"))
+        row("overhead per step ms", res["overhead_ms_per_step"], ".2f")
     syncs = res.get("syncs")
     if syncs:
-        lines.append(
-            row("syncs per step, nanolab", syncs["per_step"], ">10.0f")
-            + f"  ({syncs['steps_counted']} steps counted; per micro-batch at most "
-            f"{syncs['per_micro_batch_max']})"
+        note = (
+            f"{syncs['steps_counted']} steps counted; per micro-batch at most "
+            f"{syncs['per_micro_batch_max']}"
         )
-    lines += [
-        row("nanolab tokens/s (whole window)", res["nanolab_window_tokens_per_s"], ">10,.0f"),
-        row("plain tokens/s (whole window)", res["plain_window_tokens_per_s"], ">10,.0f"),
-        row("start-up to first step, nanolab s", res["nanolab_startup_s"], ">10.2f"),
-        row("start-up to first step, plain s", res["plain_startup_s"], ">10.2f"),
-        row("goodput, nanolab", res["goodput"], ">10.3f"),
-    ]
+        row("syncs per step, nanolab", syncs["per_step"], ".0f", note)
+    row("nanolab tokens/s (whole window)", res["nanolab_window_tokens_per_s"], ",.0f")
+    row("plain tokens/s (whole window)", res["plain_window_tokens_per_s"], ",.0f")
+    row("start-up to first step, nanolab s", res["nanolab_startup_s"], ".2f")
+    row("start-up to first step, plain s", res["plain_startup_s"], ".2f")
+    row("goodput, nanolab", res["goodput"], ".3f")
     gap = res.get("loss_gap") or {}
     if gap.get("max") is not None:  # both sides trained the same thing
-        lines.append(
-            f"{'|loss gap| at the same steps, max':<34} {gap['max']:>10.2g} "
-            f"({gap['steps_compared']} steps compared)"
-        )
+        note = f"{gap['steps_compared']} steps compared"
+        one("|loss gap| at the same steps, max", f"{gap['max']:.2g}", note)
     waits = [w for w in res.get("data_wait_s", []) if w is not None]
     if waits:
-        lines.append(row("waiting for batches, nanolab s", _stats(waits), ">10.2f"))
+        row("waiting for batches, nanolab s", _stats(waits), ".2f")
     if res.get("mfu") is not None:
-        lines.append(f"{'MFU, nanolab (median)':<34} {res['mfu']:>10.3f}")
+        one("MFU, nanolab (median)", f"{res['mfu']:.3f}")
     if res.get("peak_mem_bytes"):
-        lines.append(f"{'peak memory measured, GiB':<34} {res['peak_mem_bytes'] / 2**30:>10.2f}")
+        one("peak memory measured, GiB", f"{res['peak_mem_bytes'] / 2**30:.2f}")
     if res.get("predicted_peak_bytes"):
-        lines.append(
-            f"{'peak memory predicted, GiB':<34} {res['predicted_peak_bytes'] / 2**30:>10.2f}"
-        )
+        one("peak memory predicted, GiB", f"{res['predicted_peak_bytes'] / 2**30:.2f}")
     if "import_s" in res:
-        lines.append(f"{'import nanolab.run.cli, s':<34} {res['import_s']:>10.2f}")
+        one("import nanolab.run.cli, s", f"{res['import_s']:.2f}")
+    title = (
+        f"nanolab bench — {res['machine']}, {res['date']}, {res['rounds']} rounds x "
+        f"{res['steps']} steps (warmup {res['warmup']})"
+    )
+    lines = [title, *table(rows, ["", "median", "min", "max", ""], right={1, 2, 3})]
     spreads = res.get("spread") or {}
     if any(v is not None for v in spreads.values()):
         shown = ", ".join(f"{k} {v:.1%}" for k, v in spreads.items() if v is not None)
-        lines.append(f"{'run-to-run spread (max-min)/median':<34} {shown}")
+        lines.append(f"run-to-run spread (max-min)/median: {shown}")
     for warning in res.get("warnings", []):
         lines.append(f"warning: {warning}")
     if not res.get("warnings"):

@@ -16,6 +16,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from nanolab.errors import one_line_errors
 from nanolab.estimator.estimate import (
@@ -29,6 +30,7 @@ from nanolab.estimator.memory import DEFAULT_FRAGMENTATION
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
 from nanolab.model.config import GPTConfig
+from nanolab.tables import table
 from nanolab.training.resolve import compose, split_fit_args
 
 
@@ -136,25 +138,8 @@ def format_estimate(
         f"batch     micro-batch {est.micro_batch} ({est.micro_batch_source}) x accumulation "
         f"{m.accumulate} x {s.world_size} device(s) = {c.tokens_per_step:,} tokens/step",
         "",
-        f"memory per device at micro-batch {est.micro_batch}{'':14}GiB   note",
     ]
-    for ln in m.lines:
-        if ln.key in _OVERHEAD or (ln.bytes == 0 and not ln.note):
-            continue
-        value = (
-            _gib(ln.bytes) if ln.in_peak or ln.bytes == 0 else f"({ln.bytes / GiB:.2f})".rjust(8)
-        )
-        out.append(f"  {ln.label:<48}{value}   {ln.note}")
-    out.append("  " + "-" * 60)
-    out.append(
-        f"  {'peak allocated (' + _peak_meter(est) + ')':<48}"
-        f"{_gib(m.peak_allocated)}   at the {m.peak_phase}"
-    )
-    for key in ("context", "fragmentation"):
-        ln = m.line(key)
-        out.append(f"  {ln.label:<48}{_gib(ln.bytes)}   {ln.note}")
-    verdict = "fits" if est.fits else "DOES NOT FIT"
-    out.append(f"  {'total':<48}{_gib(m.total)}   of {est.device_memory / GiB:.2f} GiB: {verdict}")
+    out += _memory_table(est)
     check = m.details.get("model_check")
     if check and check.get("traced"):
         out.append(
@@ -191,9 +176,8 @@ def format_estimate(
         )
     if est.switches:
         out.append("  switches that save memory (largest micro-batch that fits with each):")
-        for sw in est.switches:
-            mb = str(sw.largest_micro_batch) if sw.largest_micro_batch else "none"
-            out.append(f"    {sw.name:<36}{mb:>6}   {sw.yaml}")
+        rows = [[sw.name, str(sw.largest_micro_batch or "none"), sw.yaml] for sw in est.switches]
+        out += ["    " + line for line in table(rows, right={1})]
     if per_gpu:
         out.append(f"  largest micro-batch per GPU (no --gpu given; table above is for {g.name}):")
         items = [f"{name} {mb}" for name, mb in per_gpu.items()]
@@ -231,18 +215,46 @@ def format_estimate(
     return "\n".join(out)
 
 
+def _memory_table(est: Any) -> list[str]:
+    """Memory per device, line by line, then the peak, the overheads and the total, as one
+    table (GiB right-aligned under its header, a rule above the sums)."""
+    m = est.memory
+    rows = []
+    for ln in m.lines:
+        if ln.key in _OVERHEAD or (ln.bytes == 0 and not ln.note):
+            continue
+        value = _gib(ln.bytes) if ln.in_peak or ln.bytes == 0 else f"({ln.bytes / GiB:.2f})"
+        rows.append([ln.label, value.strip(), ln.note])
+    parts = len(rows)
+    rows.append([f"peak allocated ({_peak_meter(est)})", _gib(m.peak_allocated).strip(),
+                 f"at the {m.peak_phase}"])  # fmt: skip
+    for key in ("context", "fragmentation"):
+        ln = m.line(key)
+        rows.append([ln.label, _gib(ln.bytes).strip(), ln.note])
+    verdict = "fits" if est.fits else "DOES NOT FIT"
+    rows.append(
+        ["total", _gib(m.total).strip(), f"of {est.device_memory / GiB:.2f} GiB: {verdict}"]
+    )
+    lines = table(rows, ["", "GiB", "note"], right={1})
+    widths = [len(cell) for cell in lines[1].split("  ")]  # the header's rule: one per column
+    lines.insert(2 + parts, "  ".join("-" * w for w in widths[:2]))
+    return [f"memory per device at micro-batch {est.micro_batch}", *("  " + ln for ln in lines)]
+
+
 def list_gpus() -> str:
     """The table: memory (* = datasheet capacity, not a reported value), dense TFLOP/s per
     dtype (- = no such units), the family's default MFU."""
 
     dtypes = ("fp32", "tf32", "bf16", "fp16", "fp8")
-    rows = [f"{'name':<15}{'memory':>12}  {' '.join(f'{d:>7}' for d in dtypes)}  {'MFU':>4}  label"]
+    rows = []
     for g in GPUS.values():
         mem = format_bytes(g.memory_bytes) + ("" if g.memory_reported else "*")
-        peaks = " ".join("-".rjust(7) if v is None else f"{v:>7,.1f}" for v in map(g.peak, dtypes))
-        rows.append(f"{g.name:<15}{mem:>12}  {peaks}  {g.default_mfu:>4.2f}  {g.label}")
-    rows.append("* datasheet capacity (no reported value found); sources: --list-gpus --json")
-    return "\n".join(rows)
+        peaks = ["-" if v is None else f"{v:,.1f}" for v in map(g.peak, dtypes)]
+        rows.append([g.name, mem, *peaks, f"{g.default_mfu:.2f}", g.label])
+    headers = ["name", "memory", *dtypes, "MFU", "label"]
+    lines = table(rows, headers, right=set(range(1, len(dtypes) + 3)))
+    lines.append("* datasheet capacity (no reported value found); sources: --list-gpus --json")
+    return "\n".join(lines)
 
 
 def list_gpus_json() -> str:
