@@ -20,7 +20,8 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "unused"))
     res = run_nanolab(
         "bench", "--config", str(QUICKSTART), "--config", str(cfg),
-        "--steps", "16", "--warmup", "4", "--rounds", "2", "--json", cwd=tmp_path, timeout=600,
+        "--steps", "16", "--warmup", "4", "--rounds", "2", "--json", "--floor", cwd=tmp_path,
+        timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
@@ -38,7 +39,7 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
         assert sorted(plain["losses"], key=int) == [str(s) for s in range(1, 17)]
         for step, loss in plain["losses"].items():
             assert nano["losses"][step] == pytest.approx(loss, rel=1e-4, abs=1e-5), step
-    assert out["loss_gap"]["steps_compared"] == 32 and out["loss_gap"]["max"] < 1e-4
+    assert out["loss_gap"]["steps_compared"] == 64 and out["loss_gap"]["max"] < 1e-4
     # The run-to-run spread of each side, and a verdict on whether the ratio can be read.
     assert set(out["spread"]) == {"nanolab", "plain loop", "ratio"}
     assert all(v is not None and v >= 0 for v in out["spread"].values())
@@ -46,6 +47,13 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     # nanolab's fixed cost per step, and its syncs counted in an extra, untimed run
     assert set(out["overhead_ms_per_step"]) == {"median", "min", "max"}
     assert out["syncs"]["per_step"]["max"] == 1 and out["syncs"]["per_micro_batch_max"] == 0
+    # --floor: the overhead split at Lightning's bare loop, which trained the same losses
+    assert set(out["lightning_ms_per_step"]) == {"median", "min", "max"}
+    assert set(out["nanolab_beyond_lightning_ms_per_step"]) == {"median", "min", "max"}
+    for detail in out["rounds_detail"]:
+        bare, plain = detail["lightning"]["losses"], detail["plain"]["losses"]
+        assert bare.keys() == plain.keys()
+        assert all(bare[k] == pytest.approx(v, rel=1e-4, abs=1e-5) for k, v in plain.items())
 
 
 def test_bench_refuses_a_window_without_steady_state(tmp_path):
@@ -106,3 +114,32 @@ def test_bench_resolves_the_config_before_running_anything(capsys):
     code = main(["--config", str(QUICKSTART), "--set=--run.global_batch_tokens=1000"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "run.global_batch_tokens (1000)" in err[0]
+
+
+def test_a_bare_lightning_trainer_trains_the_plain_loops_setup_step_for_step(
+    tmp_path, char_dataset
+):
+    """``nanolab bench --floor``'s third side: the plain loop's model, optimizer, schedule,
+    clipping and batches under a bare Lightning Trainer. It must train the same thing, or
+    "Lightning's own loop per step" would compare different work: the same loss at every step
+    (accumulating 2 micro-batches a step, clipping on), one record per optimizer step.
+
+    Mutations caught: the bare side without the LR schedule, or stepping every micro-batch
+    (``accumulate_grad_batches=1``): the losses part from step 2 on."""
+    import torch
+    import yaml
+
+    from nanolab.bench.plain_loop import train, train_lightning
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=1)
+    cfg["run"]["global_batch_tokens"] = 2 * 4 * 32  # 2 micro-batches of 4 x 32 per step
+    out = nanolab_here("fit", "--config", str(write_config(tmp_path / "t.yaml", cfg)), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = yaml.safe_load((tmp_path / "runs" / "tiny" / "config.yaml").read_text())
+    plain = train(config, 8, torch.device("cpu"))
+    bare = train_lightning(config, 8, torch.device("cpu"))
+    assert [s for s, _ in bare["losses"]] == [s for s, _ in plain["losses"]] == list(range(1, 9))
+    for (step, expected), (_, got) in zip(plain["losses"], bare["losses"], strict=True):
+        assert got == pytest.approx(expected, rel=1e-5), step
+    assert len(bare["step_ends"]) == 8 and bare["step_ends"] == sorted(bare["step_ends"])
+    assert bare["tokens_per_step"] == plain["tokens_per_step"] == 256

@@ -176,12 +176,16 @@ def run_nanolab(
     )
 
 
-def run_plain(config_yaml: Path, steps: int, warmup: int, work: Path) -> SideResult:
-    out = work / "plain.json"
+def run_plain(
+    config_yaml: Path, steps: int, warmup: int, work: Path, driver: str = "plain"
+) -> SideResult:
+    """The plain loop (``driver="plain"``) or the same setup under a bare Lightning Trainer
+    (``"lightning"``), in its own process."""
+    out = work / f"{driver}.json"
     t0 = time.time()
     cmd = [sys.executable, "-m", "nanolab.bench.plain_loop", "--config", str(config_yaml)]
-    cmd += ["--steps", str(steps), "--out", str(out)]
-    _run(cmd, "plain loop")
+    cmd += ["--steps", str(steps), "--out", str(out), "--driver", driver]
+    _run(cmd, "plain loop" if driver == "plain" else "bare Lightning loop")
     result = json.loads(out.read_text())
     ends = result["step_ends"]
     rate, window, median = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())
@@ -289,9 +293,14 @@ def benchmark(
     warmup: int,
     rounds: int,
     syncs: bool = True,
+    floor: bool = False,
 ) -> dict[str, Any]:
+    """``rounds`` rounds of each side, alternating which goes first; ``floor`` adds a third
+    side, the same training under a bare Lightning Trainer, which splits nanolab's overhead
+    into Lightning's own loop and nanolab's callbacks and logging."""
     nano: list[NanolabResult] = []
     plain: list[SideResult] = []
+    bare: list[SideResult] = []
     loads = [load_average()]
     with tempfile.TemporaryDirectory(prefix="nanolab-bench-") as tmp:
         work = Path(tmp)
@@ -303,15 +312,20 @@ def benchmark(
             nano.append(result)
             config_yaml = run_dir / "config.yaml"  # resolved: vocab, accumulation, ...
 
+        def plain_side(r: int) -> None:
+            assert config_yaml is not None
+            plain.append(run_plain(config_yaml, steps, warmup, work))
+
+        def bare_side(r: int) -> None:
+            assert config_yaml is not None
+            bare.append(run_plain(config_yaml, steps, warmup, work, driver="lightning"))
+
+        sides = [nanolab_side, plain_side, *([bare_side] if floor else [])]
         for r in range(rounds):
-            # The first round starts with nanolab (its run resolves the config for the plain
-            # loop); later rounds alternate which side goes first.
-            if r % 2 == 0 or config_yaml is None:
-                nanolab_side(r)
-                plain.append(run_plain(config_yaml, steps, warmup, work))
-            else:
-                plain.append(run_plain(config_yaml, steps, warmup, work))
-                nanolab_side(r)
+            # The first round starts with nanolab (its run resolves the config for the other
+            # sides); later rounds rotate which side goes first.
+            for k in range(len(sides)):
+                sides[(r + k) % len(sides) if config_yaml else k](r)
         predicted = predicted_peak_bytes(config_yaml) if config_yaml else None
         counted = count_syncs(configs, overrides, steps, work) if syncs else None
     loads.append(load_average())
@@ -319,10 +333,11 @@ def benchmark(
     # Both sides must train the same thing: the same loss at the same step (each reads its loss
     # once per step).
     gaps = [
-        abs(n.losses[step] - loss)
-        for n, p in zip(nano, plain, strict=True)
+        abs(other.losses[step] - loss)
+        for r, p in enumerate(plain)
+        for other in (nano[r], *bare[r : r + 1])
         for step, loss in p.losses.items()
-        if step in n.losses
+        if step in other.losses
     ]
     res = {
         "configs": configs,
@@ -351,10 +366,24 @@ def benchmark(
         "peak_mem_bytes": max((n.peak_mem_bytes or 0 for n in nano), default=0) or None,
         "predicted_peak_bytes": predicted,
         "rounds_detail": [
-            {"nanolab": asdict(n), "plain": asdict(p)} for n, p in zip(nano, plain, strict=True)
+            {
+                "nanolab": asdict(n),
+                "plain": asdict(p),
+                **({"lightning": asdict(bare[r])} if bare else {}),
+            }
+            for r, (n, p) in enumerate(zip(nano, plain, strict=True))
         ],
         "load_avg": loads,  # at the start and the end
     }
+    if bare:
+        res["lightning_tokens_per_s"] = _stats([b.tokens_per_s for b in bare])
+        # the overhead split: Lightning's own loop, then what nanolab adds on top of it
+        res["lightning_ms_per_step"] = _stats(
+            [(b.median_step_s - p.median_step_s) * 1e3 for b, p in zip(bare, plain, strict=True)]
+        )
+        res["nanolab_beyond_lightning_ms_per_step"] = _stats(
+            [(n.median_step_s - b.median_step_s) * 1e3 for n, b in zip(nano, bare, strict=True)]
+        )
     sides = {
         "nanolab": "nanolab_tokens_per_s",
         "plain loop": "plain_tokens_per_s",
@@ -392,6 +421,11 @@ def format_table(res: dict[str, Any]) -> str:
     row("ratio nanolab / plain", res["ratio"], ".3f")
     if res.get("overhead_ms_per_step"):
         row("overhead per step ms", res["overhead_ms_per_step"], ".2f")
+    if res.get("lightning_ms_per_step"):
+        row("bare Lightning tokens/s (steady)", res["lightning_tokens_per_s"], ",.0f")
+        row("overhead: Lightning's loop ms", res["lightning_ms_per_step"], ".2f", "bare - plain")
+        note = "nanolab - bare"
+        row("overhead: nanolab's own ms", res["nanolab_beyond_lightning_ms_per_step"], ".2f", note)
     syncs = res.get("syncs")
     if syncs:
         note = (
@@ -488,6 +522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="skip the extra, untimed nanolab run that counts host-device syncs per step",
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also train under a bare Lightning Trainer (no callbacks, no logging): splits "
+        "the overhead per step into Lightning's own loop and nanolab's",
+    )
+    parser.add_argument(
         "--import-repeats",
         type=int,
         default=3,
@@ -505,7 +545,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     resolve_benchmarked(args.config, overrides, args.steps)
     try:
         res = benchmark(
-            args.config, overrides, args.steps, args.warmup, args.rounds, args.count_syncs
+            args.config,
+            overrides,
+            args.steps,
+            args.warmup,
+            args.rounds,
+            args.count_syncs,
+            floor=args.floor,
         )
     except RuntimeError as err:
         print(f"nanolab bench: error: {err}", file=sys.stderr)

@@ -5,6 +5,11 @@ Written for the speed benchmark only. It reads the resolved ``config.yaml`` of a
 precision, clipping, optimizer and LR schedule) and does what a careful hand-written loop does:
 no framework, no callbacks, no logging but a loss read every ``log_every`` steps.
 
+``--driver lightning`` trains the same setup under a bare Lightning ``Trainer`` instead (no
+callbacks, logger, checkpointing, progress bar or ``self.log``): the difference between the two
+drivers is what Lightning's own loop costs per step, and ``nanolab fit`` minus it is what
+nanolab's callbacks and logging cost (``nanolab bench --floor``).
+
 Run as ``python -m nanolab.bench.plain_loop --config runs/x/config.yaml --steps 200 --out t.json``.
 """
 
@@ -15,7 +20,8 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +43,23 @@ def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContex
     return contextlib.nullcontext()
 
 
-def train(
-    config: dict[str, Any], steps: int, device: torch.device, log_every: int = 1
-) -> dict[str, Any]:
-    """Train ``steps`` optimizer steps; return the wall time at the end of each one.
+@dataclass
+class Setup:
+    """What both drivers train: the model, optimizer, schedule and batches of a run's config."""
 
-    The loss is read every ``log_every`` steps: every step by default, the one host sync per
-    step that ``nanolab fit`` makes too. A progress line goes to stderr every 10 steps (the
-    bench streams it), so a run stopped from outside shows how far it got."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: str
+    accumulate: int
+    clip: float | None
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # micro-batch g, on the device
+    tokens_per_step: int
+
+
+def build(config: dict[str, Any], device: torch.device) -> Setup:
+    """The model, optimizer, LR schedule and data windows of ``config``, as ``nanolab fit``
+    builds them on one device (the same resolver, seed, windows and optimizer factory)."""
     from nanolab.training.resolve import resolve
 
     # The same resolver as `nanolab fit` on one device: micro-batch, accumulation, block size.
@@ -64,8 +79,7 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(sched_cfg.warmup_steps, decay, sched_cfg.min_lr_ratio)
     )
-    precision = str(trainer_cfg.get("precision", "32-true"))
-    scaler = torch.amp.GradScaler(device.type, enabled=precision.startswith("16-mixed"))
+    precision = str(trainer_cfg.get("precision") or "32-true")  # null: Lightning's default
     accumulate = int(resolved.accumulate or 1)
     clip = trainer_cfg.get("gradient_clip_val")
 
@@ -89,6 +103,36 @@ def train(
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     model.train()
+    return Setup(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precision=precision,
+        accumulate=accumulate,
+        clip=float(clip) if clip else None,
+        batch=batch,
+        tokens_per_step=plan.micro_batch_size * gpt.block_size * accumulate,
+    )
+
+
+def _progress(step: int, steps: int) -> None:
+    """A line to stderr every 10 steps (the bench streams it): a run stopped from outside
+    shows how far it got."""
+    if step % 10 == 0 or step == steps - 1:
+        print(f"plain loop: step {step + 1}/{steps}", file=sys.stderr, flush=True)
+
+
+def train(
+    config: dict[str, Any], steps: int, device: torch.device, log_every: int = 1
+) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps; return the wall time at the end of each one.
+
+    The loss is read every ``log_every`` steps: every step by default, the one host sync per
+    step that ``nanolab fit`` makes too."""
+    s = build(config, device)
+    model, optimizer, scheduler, precision = s.model, s.optimizer, s.scheduler, s.precision
+    accumulate, clip, batch = s.accumulate, s.clip, s.batch
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.startswith("16-mixed"))
     step_ends: list[float] = []
     losses: list[tuple[int, float]] = []  # (optimizer step, 1-based; its last micro-batch's loss)
     g = 0
@@ -109,16 +153,84 @@ def train(
         if step % log_every == 0 or step == steps - 1:
             losses.append((step + 1, loss.item()))  # the one host sync, as a loop would log
         step_ends.append(time.time())
-        if step % 10 == 0 or step == steps - 1:
-            print(f"plain loop: step {step + 1}/{steps}", file=sys.stderr, flush=True)
+        _progress(step, steps)
     if device.type == "cuda":
         torch.cuda.synchronize()
         step_ends[-1] = time.time()
-    return {
-        "step_ends": step_ends,
-        "losses": losses,
-        "tokens_per_step": plan.micro_batch_size * gpt.block_size * accumulate,
-    }
+    return {"step_ends": step_ends, "losses": losses, "tokens_per_step": s.tokens_per_step}
+
+
+def train_lightning(config: dict[str, Any], steps: int, device: torch.device) -> dict[str, Any]:
+    """The same training under a bare Lightning ``Trainer``: Lightning's loop, closure,
+    accumulation, precision plugin and clipping, and nothing of nanolab's (no callbacks, no
+    logger, no ``self.log``). The loss is read once per step, as :func:`train` reads it."""
+    import lightning as L
+
+    from nanolab.training.fused_amp import clip_gradients, handles_unscaling
+
+    s = build(config, device)
+    step_ends: list[float] = []
+    losses: list[tuple[int, float]] = []
+
+    class Bare(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = s.model
+            self.last_loss: torch.Tensor | None = None
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+            _, loss = self.model(*batch)
+            self.last_loss = loss.detach()
+            return loss  # Lightning divides by the accumulation itself
+
+        def configure_optimizers(self) -> dict[str, Any]:
+            schedule = {"scheduler": s.scheduler, "interval": "step"}
+            return {"optimizer": s.optimizer, "lr_scheduler": schedule}
+
+        def configure_gradient_clipping(
+            self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+        ) -> None:
+            # Lightning's AMP plugin refuses to clip for a fused optimizer (fused_amp.py)
+            if handles_unscaling(optimizer):
+                algorithm = gradient_clip_algorithm or "norm"
+                clip_gradients(optimizer, gradient_clip_val or 0.0, algorithm)
+            else:
+                super().configure_gradient_clipping(
+                    optimizer, gradient_clip_val, gradient_clip_algorithm
+                )
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (batch_idx + 1) % s.accumulate == 0:  # an optimizer step ended
+                assert self.last_loss is not None
+                losses.append((self.trainer.global_step, self.last_loss.item()))
+                step_ends.append(time.time())
+                _progress(self.trainer.global_step - 1, steps)
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for g in range(steps * s.accumulate):
+                yield s.batch(g)
+
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=1,
+        max_steps=steps,
+        precision=s.precision,  # type: ignore[arg-type]
+        accumulate_grad_batches=s.accumulate,
+        gradient_clip_val=s.clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    loader = torch.utils.data.DataLoader(Batches(), batch_size=None)
+    trainer.fit(Bare(), train_dataloaders=loader)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        step_ends[-1] = time.time()
+    return {"step_ends": step_ends, "losses": losses, "tokens_per_step": s.tokens_per_step}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,9 +239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--driver", choices=("plain", "lightning"), default="plain", help="the loop that trains"
+    )
     args = parser.parse_args(argv)
     config = yaml.safe_load(Path(args.config).read_text())
-    result = train(config, args.steps, torch.device(args.device))
+    run = train if args.driver == "plain" else train_lightning
+    result = run(config, args.steps, torch.device(args.device))
     Path(args.out).write_text(json.dumps(result))
     return 0
 
