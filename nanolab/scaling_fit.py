@@ -203,8 +203,19 @@ def _best_fit(
 
 
 def _law(p: np.ndarray, objective: float) -> ScalingLaw:
+    """The law of log-space parameters ``p``; a coefficient past float range is ``inf`` (a fit
+    that ran off to a degenerate exponent, see :func:`_ran_off`)."""
     a, b, e, alpha, beta = (float(v) for v in p)
-    return ScalingLaw(math.exp(e), math.exp(a), alpha, math.exp(b), beta, objective)
+    with np.errstate(over="ignore"):
+        E, A, B = (float(np.exp(v)) for v in (e, a, b))
+    return ScalingLaw(E, A, alpha, B, beta, objective)
+
+
+def _ran_off(law: ScalingLaw) -> bool:
+    """Whether a coefficient overflowed: the optimum sits at an exponent so steep (A = e^800
+    with alpha = 50, say) that the law exists only in log space, where the runs cannot tell it
+    from a flatter one."""
+    return not all(math.isfinite(v) for v in (law.E, law.A, law.B))
 
 
 def fit_scaling_law(
@@ -220,7 +231,14 @@ def fit_scaling_law(
     ln, ld = np.log(np.asarray(n, float)), np.log(np.asarray(d, float))
     ll = np.log(np.asarray(loss, float))
     p0 = _profile_starts(ln, ld, ll, PROFILE_STARTS) if starts is None else np.atleast_2d(starts)
-    return _law(*_best_fit(_LogLaw(ln, ld, ll), p0, delta))
+    law = _law(*_best_fit(_LogLaw(ln, ld, ll), p0, delta))
+    if _ran_off(law):
+        raise ScalingError(
+            f"the fit ran off to a degenerate law (alpha {law.alpha:.3g}, beta {law.beta:.3g}, "
+            "a coefficient beyond float range): these runs do not determine it; add runs that "
+            "vary model size and tokens further apart"
+        )
+    return law
 
 
 def check_points(points: list[ScalingPoint]) -> None:
@@ -270,12 +288,15 @@ def fit_with_errors(
         _law(*_best_fit(_LogLaw(np.log(n[i]), np.log(d[i]), np.log(y[i])), at, HUBER_DELTA, False))
         for i in loo + boots
     ]
-    params = np.array([[r.E, r.A, r.alpha, r.B, r.beta] for r in refits])  # E, A, alpha, B, beta
+    # E, A, alpha, B, beta per refit; a refit that ran off is left out (its row is NaN)
+    params = np.array([[np.nan] * 5 if _ran_off(r) else [r.E, r.A, r.alpha, r.B, r.beta]
+                       for r in refits])  # fmt: skip
     E, A, al, B, be = params[: len(points)].T
     errs = E + A / n**al + B / d**be - y
-    law.loo_rmse = float(np.sqrt(np.mean(np.square(errs))))
-    law.loo_max = float(np.max(np.abs(errs)))
+    law.loo_rmse = float(np.sqrt(np.nanmean(np.square(errs))))
+    law.loo_max = float(np.nanmax(np.abs(errs)))
     samples = params[len(points) :]
+    samples = samples[np.all(np.isfinite(samples), axis=1)]
     if len(samples):
         bands = np.percentile(samples, (5.0, 95.0), axis=0).T
         law.band = {k: (float(lo), float(hi)) for k, (lo, hi) in zip(PARAMS, bands, strict=True)}

@@ -16,6 +16,7 @@ import pytest
 from nanolab.report import main
 from nanolab.scaling_fit import (
     FLOOR_ZERO,
+    ScalingError,
     ScalingLaw,
     ScalingPoint,
     fit_scaling_law,
@@ -117,6 +118,17 @@ def test_the_fit_recovers_the_law_from_noisy_points_within_the_stated_tolerance(
     assert (law.loo_rmse, law.loo_max) == pytest.approx(PREVIOUS_ERRORS["loo"], rel=1e-6)
     for name, band in PREVIOUS_ERRORS["band"].items():
         assert law.band[name] == pytest.approx(band, rel=1e-6), name
+
+
+def test_a_fit_that_runs_off_past_float_range_is_a_scaling_error_not_an_overflow() -> None:
+    """An optimum at a degenerate exponent (beta = 50 with B = e^800: a law in log space only)
+    used to end `report --scaling` in an OverflowError traceback; it is a ScalingError, which
+    the report prints as one line, saying what the runs lack."""
+    n = np.array([1e6, 1e6, 4e6, 4e6, 16e6, 16e6])
+    d = np.array([1e8, 4e8, 1e8, 4e8, 1e8, 4e8])
+    y = [law_loss(a, b) for a, b in zip(n, d, strict=True)]
+    with pytest.raises(ScalingError, match=r"ran off to a degenerate law .*add runs"):
+        fit_scaling_law(n, d, y, starts=np.array([[800.0, 800.0, 800.0, 50.0, 50.0]]))
 
 
 def test_a_fit_started_above_a_missing_floor_ends_at_the_floor_zero() -> None:
