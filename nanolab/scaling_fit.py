@@ -82,6 +82,7 @@ class ScalingLaw:
     objective: float
     loo_rmse: float | None = None
     loo_max: float | None = None
+    loo_left_out: int = 0  # leave-one-out refits that ran off (not in loo_rmse / loo_max)
     band: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def predict(self, n: float | np.ndarray, d: float | np.ndarray) -> float | np.ndarray:
@@ -98,16 +99,22 @@ class ScalingLaw:
 def _optimum(E: float, A: float, alpha: float, B: float, beta: float, flops: float):
     if alpha <= 0 or beta <= 0 or A <= 0 or B <= 0:
         return math.nan, math.nan, math.nan
-    g = (alpha * A / (beta * B)) ** (1.0 / (alpha + beta))
-    n = g * (flops / 6.0) ** (beta / (alpha + beta))
-    d = flops / 6.0 / n
-    return n, d, E + A / n**alpha + B / d**beta
+    try:
+        g = (alpha * A / (beta * B)) ** (1.0 / (alpha + beta))
+        n = g * (flops / 6.0) ** (beta / (alpha + beta))
+        d = flops / 6.0 / n
+        return n, d, E + A / n**alpha + B / d**beta
+    except (OverflowError, ZeroDivisionError):  # a law at the edge of float range: no optimum
+        return math.nan, math.nan, math.nan
 
 
 #: Exponents tried for (alpha, beta) when choosing starting points (each pair: the best
 #: non-negative E, A, B for them), and how many of the best pairs the fit is polished from.
 PROFILE_GRID = np.geomspace(0.02, 3.0, 25)
 PROFILE_STARTS = 4
+#: An exponent above this is a degenerate fit, not a scaling law (measured ones are 0.1-1; the
+#: profile's starts go to 3): a loss term that falls as N^-50 is flat over any two sizes.
+MAX_EXPONENT = 5.0
 #: ``log`` of a coefficient the profile put at 0 (e^-50: the term is gone, yet finite).
 LOG_ZERO = -50.0
 #: least_squares' ftol, xtol and gtol: tight, so a noiseless law comes back to 1e-12 or better.
@@ -212,10 +219,11 @@ def _law(p: np.ndarray, objective: float) -> ScalingLaw:
 
 
 def _ran_off(law: ScalingLaw) -> bool:
-    """Whether a coefficient overflowed: the optimum sits at an exponent so steep (A = e^800
-    with alpha = 50, say) that the law exists only in log space, where the runs cannot tell it
-    from a flatter one."""
-    return not all(math.isfinite(v) for v in (law.E, law.A, law.B))
+    """Whether the fit ran off to a degenerate law: an exponent above :data:`MAX_EXPONENT` or a
+    coefficient past float range (A = e^800 with alpha = 50, say), a law that exists only in
+    log space, where the runs cannot tell it from a flatter one."""
+    finite = all(math.isfinite(v) for v in (law.E, law.A, law.B))
+    return not finite or max(law.alpha, law.beta) > MAX_EXPONENT
 
 
 def fit_scaling_law(
@@ -234,9 +242,9 @@ def fit_scaling_law(
     law = _law(*_best_fit(_LogLaw(ln, ld, ll), p0, delta))
     if _ran_off(law):
         raise ScalingError(
-            f"the fit ran off to a degenerate law (alpha {law.alpha:.3g}, beta {law.beta:.3g}, "
-            "a coefficient beyond float range): these runs do not determine it; add runs that "
-            "vary model size and tokens further apart"
+            f"the fit ran off to a degenerate law (alpha {law.alpha:.3g}, beta {law.beta:.3g}; "
+            f"a scaling exponent is at most {MAX_EXPONENT:g}): these runs do not determine it; "
+            "add runs that vary model size and tokens further apart"
         )
     return law
 
@@ -291,10 +299,13 @@ def fit_with_errors(
     # E, A, alpha, B, beta per refit; a refit that ran off is left out (its row is NaN)
     params = np.array([[np.nan] * 5 if _ran_off(r) else [r.E, r.A, r.alpha, r.B, r.beta]
                        for r in refits])  # fmt: skip
-    E, A, al, B, be = params[: len(points)].T
-    errs = E + A / n**al + B / d**be - y
-    law.loo_rmse = float(np.sqrt(np.nanmean(np.square(errs))))
-    law.loo_max = float(np.nanmax(np.abs(errs)))
+    kept = np.all(np.isfinite(params[: len(points)]), axis=1)
+    E, A, al, B, be = params[: len(points)][kept].T
+    errs = E + A / n[kept] ** al + B / d[kept] ** be - y[kept]
+    law.loo_left_out = int((~kept).sum())
+    if len(errs):  # else every leave-one-out refit ran off: no error to give
+        law.loo_rmse = float(np.sqrt(np.mean(np.square(errs))))
+        law.loo_max = float(np.max(np.abs(errs)))
     samples = params[len(points) :]
     samples = samples[np.all(np.isfinite(samples), axis=1)]
     if len(samples):
@@ -368,7 +379,12 @@ def scaling_report(
         "",
         f"scaling: L(N, D) = E + A/N^alpha + B/D^beta over {len(points)} finished runs of "
         f"{sizes} sizes (N: parameters incl. embeddings, D: tokens trained, L: final val loss); "
-        f"Huber fit of log L, [5%, 95%] over {len(samples)} bootstrap resamples of the runs",
+        f"Huber fit of log L, "
+        + (
+            f"[5%, 95%] over {len(samples)} bootstrap resamples of the runs"
+            if len(samples)
+            else "no band: every bootstrap refit ran off to a degenerate law"
+        ),
     ]
     rows = []
     for name in PARAMS:
@@ -378,8 +394,13 @@ def scaling_report(
     if law.E < FLOOR_ZERO:
         out.append("  note: the fit took the floor E to 0: these runs do not pin an irreducible "
                    "loss (too few sizes or tokens in the power-law regime); the optimum is a guess")  # fmt: skip
-    out.append(f"  leave-one-out error of the final loss: rmse {law.loo_rmse:.4f}, max "
-               f"{law.loo_max:.4f}")  # fmt: skip
+    left_out = f" ({law.loo_left_out} refits that ran off left out)" if law.loo_left_out else ""
+    if law.loo_rmse is None:
+        out.append("  leave-one-out error of the final loss: none, every refit without one run "
+                   "ran off to a degenerate law (the fit hangs on single runs)")  # fmt: skip
+    else:
+        out.append(f"  leave-one-out error of the final loss: rmse {law.loo_rmse:.4f}, max "
+                   f"{law.loo_max:.4f}{left_out}")  # fmt: skip
     data: dict = {"law": law.to_dict(), "runs": [asdict(p) for p in points]}
     if gpu_hours is not None:
         rate = flops_per_gpu_hour(points)

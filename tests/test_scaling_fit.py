@@ -129,6 +129,11 @@ def test_a_fit_that_runs_off_past_float_range_is_a_scaling_error_not_an_overflow
     y = [law_loss(a, b) for a, b in zip(n, d, strict=True)]
     with pytest.raises(ScalingError, match=r"ran off to a degenerate law .*add runs"):
         fit_scaling_law(n, d, y, starts=np.array([[800.0, 800.0, 800.0, 50.0, 50.0]]))
+    # finite coefficients (A = 3e303) but an exponent of 65: as degenerate, and its optimum
+    # overflowed in report --scaling --gpu-hours
+    with pytest.raises(ScalingError, match=r"alpha 6\d.*at most 5"):
+        fit_scaling_law(n, d, y, starts=np.array([[700.0, 700.0, 0.5, 50.0, 50.0]]))
+    assert all(math.isnan(v) for v in ScalingLaw(1.6, 3.3e303, 65.0, 1e304, 50.0, 0).optimum(1e18))
 
 
 def test_a_fit_started_above_a_missing_floor_ends_at_the_floor_zero() -> None:

@@ -330,15 +330,18 @@ def benchmark(
         counted = count_syncs(configs, overrides, steps, work) if syncs else None
     loads.append(load_average())
     ratios = [n.tokens_per_s / p.tokens_per_s for n, p in zip(nano, plain, strict=True)]
+
     # Both sides must train the same thing: the same loss at the same step (each reads its loss
     # once per step).
-    gaps = [
-        abs(other.losses[step] - loss)
-        for r, p in enumerate(plain)
-        for other in (nano[r], *bare[r : r + 1])
-        for step, loss in p.losses.items()
-        if step in other.losses
-    ]
+    def loss_gap(sides: list[SideResult]) -> dict[str, Any]:
+        gaps = [
+            abs(other.losses[step] - loss)
+            for other, p in zip(sides, plain, strict=True)
+            for step, loss in p.losses.items()
+            if step in other.losses
+        ]
+        return {"max": max(gaps) if gaps else None, "steps_compared": len(gaps)}
+
     res = {
         "configs": configs,
         "overrides": overrides,
@@ -355,7 +358,7 @@ def benchmark(
             [(n.median_step_s - p.median_step_s) * 1e3 for n, p in zip(nano, plain, strict=True)]
         ),
         "syncs": counted,
-        "loss_gap": {"max": max(gaps) if gaps else None, "steps_compared": len(gaps)},
+        "loss_gap": loss_gap(list(nano)),  # nanolab vs the plain loop
         "nanolab_window_tokens_per_s": _stats([n.window_tokens_per_s for n in nano]),
         "plain_window_tokens_per_s": _stats([p.window_tokens_per_s for p in plain]),
         "nanolab_startup_s": _stats([n.startup_s for n in nano]),
@@ -377,6 +380,7 @@ def benchmark(
     }
     if bare:
         res["lightning_tokens_per_s"] = _stats([b.tokens_per_s for b in bare])
+        res["lightning_loss_gap"] = loss_gap(bare)  # the bare Trainer vs the plain loop
         # the overhead split: Lightning's own loop, then what nanolab adds on top of it
         res["lightning_ms_per_step"] = _stats(
             [(b.median_step_s - p.median_step_s) * 1e3 for b, p in zip(bare, plain, strict=True)]
@@ -388,6 +392,7 @@ def benchmark(
         "nanolab": "nanolab_tokens_per_s",
         "plain loop": "plain_tokens_per_s",
         "ratio": "ratio",
+        **({"bare Lightning": "lightning_tokens_per_s"} if bare else {}),
     }
     res["spread"] = {k: spread(res[v]) if rounds > 1 else None for k, v in sides.items()}
     res["warnings"] = noise_warnings(res)
@@ -440,7 +445,11 @@ def format_table(res: dict[str, Any]) -> str:
     row("goodput, nanolab", res["goodput"], ".3f")
     gap = res.get("loss_gap") or {}
     if gap.get("max") is not None:  # both sides trained the same thing
-        note = f"{gap['steps_compared']} steps compared"
+        note = f"nanolab vs plain, {gap['steps_compared']} steps compared"
+        one("|loss gap| at the same steps, max", f"{gap['max']:.2g}", note)
+    gap = res.get("lightning_loss_gap") or {}
+    if gap.get("max") is not None:
+        note = f"bare Lightning vs plain, {gap['steps_compared']} steps compared"
         one("|loss gap| at the same steps, max", f"{gap['max']:.2g}", note)
     waits = [w for w in res.get("data_wait_s", []) if w is not None]
     if waits:
@@ -525,7 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--floor",
         action="store_true",
         help="also train under a bare Lightning Trainer (no callbacks, no logging): splits "
-        "the overhead per step into Lightning's own loop and nanolab's",
+        "the overhead per step into Lightning's own loop and nanolab's (the rounds rotate "
+        "which side goes first: give a multiple of 3)",
     )
     parser.add_argument(
         "--import-repeats",

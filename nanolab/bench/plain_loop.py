@@ -34,11 +34,26 @@ from nanolab.data.windows import WindowPlan
 from nanolab.model import GPT, GPTConfig
 from nanolab.training.optim import OptimizerConfig, ScheduleConfig, WarmupCosine, build_optimizer
 
+#: ``*-true`` precisions: the model's weights in this dtype, no autocast (as Lightning does).
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def trained_precision(precision: Any, device: torch.device) -> str:
+    """The precision Lightning really trains ``trainer.precision`` with on ``device``: short
+    spellings and null named as Lightning names them, and ``16-mixed`` on a CPU is bf16-mixed
+    (Lightning's CPU AMP has no fp16), so the plain loop trains what ``nanolab fit`` trains."""
+    from nanolab.training.resolve import precision_name
+
+    name = precision_name(precision)
+    if name == "16-mixed" and device.type == "cpu":
+        return "bf16-mixed"
+    return name
+
 
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision.startswith("bf16-mixed"):
+    if precision == "bf16-mixed":
         return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision.startswith("16-mixed"):
+    if precision == "16-mixed":
         return torch.autocast(device.type, dtype=torch.float16)
     return contextlib.nullcontext()
 
@@ -53,6 +68,7 @@ class Setup:
     precision: str
     accumulate: int
     clip: float | None
+    clip_algorithm: str  # "norm" or "value", as trainer.gradient_clip_algorithm
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # micro-batch g, on the device
     tokens_per_step: int
 
@@ -67,7 +83,8 @@ def build(config: dict[str, Any], device: torch.device) -> Setup:
     model_cfg, data_cfg, trainer_cfg = resolved.model_args, resolved.data_args, config["trainer"]
     torch.manual_seed(int(config.get("seed_everything") or 0))
     gpt = GPTConfig(**model_cfg["gpt"])
-    model = GPT(gpt).to(device)
+    precision = trained_precision(trainer_cfg.get("precision"), device)
+    model = GPT(gpt).to(device, dtype=TRUE_DTYPES.get(precision))
     if model_cfg.get("compile"):
         model.compile(mode=model_cfg.get("compile_mode"))
     opt_cfg = OptimizerConfig(
@@ -79,7 +96,6 @@ def build(config: dict[str, Any], device: torch.device) -> Setup:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(sched_cfg.warmup_steps, decay, sched_cfg.min_lr_ratio)
     )
-    precision = str(trainer_cfg.get("precision") or "32-true")  # null: Lightning's default
     accumulate = int(resolved.accumulate or 1)
     clip = trainer_cfg.get("gradient_clip_val")
 
@@ -110,16 +126,24 @@ def build(config: dict[str, Any], device: torch.device) -> Setup:
         precision=precision,
         accumulate=accumulate,
         clip=float(clip) if clip else None,
+        clip_algorithm=str(trainer_cfg.get("gradient_clip_algorithm") or "norm"),
         batch=batch,
         tokens_per_step=plan.micro_batch_size * gpt.block_size * accumulate,
     )
 
 
-def _progress(step: int, steps: int) -> None:
+def _progress(step: int, steps: int, side: str = "plain loop") -> None:
     """A line to stderr every 10 steps (the bench streams it): a run stopped from outside
     shows how far it got."""
     if step % 10 == 0 or step == steps - 1:
-        print(f"plain loop: step {step + 1}/{steps}", file=sys.stderr, flush=True)
+        print(f"{side}: step {step + 1}/{steps}", file=sys.stderr, flush=True)
+
+
+def _clip(model: torch.nn.Module, clip: float, algorithm: str) -> None:
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
 
 
 def train(
@@ -132,7 +156,7 @@ def train(
     s = build(config, device)
     model, optimizer, scheduler, precision = s.model, s.optimizer, s.scheduler, s.precision
     accumulate, clip, batch = s.accumulate, s.clip, s.batch
-    scaler = torch.amp.GradScaler(device.type, enabled=precision.startswith("16-mixed"))
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
     step_ends: list[float] = []
     losses: list[tuple[int, float]] = []  # (optimizer step, 1-based; its last micro-batch's loss)
     g = 0
@@ -145,7 +169,7 @@ def train(
             scaler.scale(loss / accumulate).backward()
         if clip:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))
+            _clip(model, clip, s.clip_algorithm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -164,9 +188,12 @@ def train_lightning(config: dict[str, Any], steps: int, device: torch.device) ->
     """The same training under a bare Lightning ``Trainer``: Lightning's loop, closure,
     accumulation, precision plugin and clipping, and nothing of nanolab's (no callbacks, no
     logger, no ``self.log``). The loss is read once per step, as :func:`train` reads it."""
+    import logging
+    import warnings
+
     import lightning as L
 
-    from nanolab.training.fused_amp import clip_gradients, handles_unscaling
+    from nanolab.training.fused_amp import clip_gradients, handles_unscaling, unscale_after_backward
 
     s = build(config, device)
     step_ends: list[float] = []
@@ -187,6 +214,18 @@ def train_lightning(config: dict[str, Any], steps: int, device: torch.device) ->
             schedule = {"scheduler": s.scheduler, "interval": "step"}
             return {"optimizer": s.optimizer, "lr_scheduler": schedule}
 
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+            # As GPTLightningModule: under fp16, a fused optimizer's gradients are unscaled
+            # right after the backward, so the clip below sees true gradients.
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            if (
+                scaler is not None
+                and optimizer_closure is not None
+                and handles_unscaling(optimizer)
+            ):
+                optimizer_closure = unscale_after_backward(optimizer_closure, scaler, optimizer)
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
         def configure_gradient_clipping(
             self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
         ) -> None:
@@ -204,29 +243,44 @@ def train_lightning(config: dict[str, Any], steps: int, device: torch.device) ->
                 assert self.last_loss is not None
                 losses.append((self.trainer.global_step, self.last_loss.item()))
                 step_ends.append(time.time())
-                _progress(self.trainer.global_step - 1, steps)
+                _progress(self.trainer.global_step - 1, steps, "bare Lightning loop")
 
     class Batches(torch.utils.data.IterableDataset):
         def __iter__(self):
             for g in range(steps * s.accumulate):
                 yield s.batch(g)
 
-    trainer = L.Trainer(
-        accelerator=device.type,
-        devices=1,
-        max_steps=steps,
-        precision=s.precision,  # type: ignore[arg-type]
-        accumulate_grad_batches=s.accumulate,
-        gradient_clip_val=s.clip,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    loader = torch.utils.data.DataLoader(Batches(), batch_size=None)
-    trainer.fit(Bare(), train_dataloaders=loader)
+    # Lightning's start-up notes (accelerators, tips) and deprecation warnings are not the
+    # bench's output; both are put back afterwards.
+    log = logging.getLogger("lightning.pytorch")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deprecated.*")
+            trainer = L.Trainer(
+                accelerator=device.type,
+                devices=1,
+                max_steps=steps,
+                precision=s.precision,  # type: ignore[arg-type]
+                accumulate_grad_batches=s.accumulate,
+                gradient_clip_val=s.clip,
+                gradient_clip_algorithm=s.clip_algorithm,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+            )
+            # Its own generator: a DataLoader's iterator draws a seed, which would otherwise
+            # come from the global RNG and change the dropout masks against the plain loop's.
+            loader = torch.utils.data.DataLoader(
+                Batches(), batch_size=None, generator=torch.Generator().manual_seed(0)
+            )
+            trainer.fit(Bare(), train_dataloaders=loader)
+    finally:
+        log.setLevel(level)
     if device.type == "cuda":
         torch.cuda.synchronize()
         step_ends[-1] = time.time()

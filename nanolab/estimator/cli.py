@@ -152,8 +152,6 @@ def format_estimate(
             "  model check: a tiny model of this config traced on fake tensors matches the rules "
             f"({check['tiny_model_difference']:+.2%})"
         )
-    if m.cpu_bytes:
-        out.append(f"  {'CPU memory for offloaded states (per device)':<48}{_gib(m.cpu_bytes)}")
     if any(not ln.in_peak and ln.bytes for ln in m.lines if ln.key not in _OVERHEAD):
         out.append("  (values in parentheses exist at another moment of the step than the peak)")
     if detail:
@@ -163,7 +161,8 @@ def format_estimate(
         for name, n in m.details["block"].items():
             out.append(f"    {name:<46}{n / 2**20:10,.2f}")
         if sv.block_weight_copies:
-            out.append(f"    {'autocast weight copies':<46}{sv.block_weight_copies / 2**20:10,.2f}")
+            label = "autocast weight copies (their own line above)"
+            out.append(f"    {label:<46}{sv.block_weight_copies / 2**20:10,.2f}")
     out += ["", "recommendations"]
     if est.largest_micro_batch:
         out.append(f"  largest micro-batch that fits: {est.largest_micro_batch}")
@@ -235,6 +234,9 @@ def _memory_table(est: Any) -> list[str]:
     rows.append(
         ["total", _gib(m.total).strip(), f"of {est.device_memory / GiB:.2f} GiB: {verdict}"]
     )
+    if m.cpu_bytes:
+        rows.append(["CPU memory for offloaded states (per device)", _gib(m.cpu_bytes).strip(),
+                     "host memory, not in the total"])  # fmt: skip
     lines = table(rows, ["", "GiB", "note"], right={1})
     widths = [len(cell) for cell in lines[1].split("  ")]  # the header's rule: one per column
     lines.insert(2 + parts, "  ".join("-" * w for w in widths[:2]))
@@ -248,7 +250,7 @@ def list_gpus() -> str:
     dtypes = ("fp32", "tf32", "bf16", "fp16", "fp8")
     rows = []
     for g in GPUS.values():
-        mem = format_bytes(g.memory_bytes) + ("" if g.memory_reported else "*")
+        mem = format_bytes(g.memory_bytes) + (" " if g.memory_reported else "*")  # digits align
         peaks = ["-" if v is None else f"{v:,.1f}" for v in map(g.peak, dtypes)]
         rows.append([g.name, mem, *peaks, f"{g.default_mfu:.2f}", g.label])
     headers = ["name", "memory", *dtypes, "MFU", "label"]

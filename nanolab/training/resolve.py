@@ -520,6 +520,14 @@ FSDP2_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
 
 
+def precision_name(precision: Any) -> str:
+    """``trainer.precision`` as Lightning names it: the short spellings (``bf16``, ``16``, ``32``,
+    ``64``) mapped to theirs, null to Lightning's default ``32-true``."""
+    if precision is None:
+        return "32-true"
+    return _PRECISION_ALIASES.get(str(precision), str(precision))
+
+
 def _check_precision_fits_strategy(precision: Any, strategy: Any, world: int) -> None:
     """FSDP2 with a precision it cannot run (fp16 with loss scaling) is refused before the run."""
     if precision is None:
@@ -528,7 +536,7 @@ def _check_precision_fits_strategy(precision: Any, strategy: Any, world: int) ->
         kind = parse_strategy(strategy, world).kind
     except RunConfigError:
         return
-    name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    name = precision_name(precision)
     if kind == "fsdp2" and name not in FSDP2_PRECISIONS:
         raise RunConfigError(
             f"trainer.precision {name} cannot run under FSDP2 (it has no fp16 loss scaler); use "
