@@ -42,7 +42,7 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     assert out["loss_gap"]["steps_compared"] == 32 and out["loss_gap"]["max"] < 1e-4
     assert out["lightning_loss_gap"]["steps_compared"] == 32
     # The run-to-run spread of each side, and a verdict on whether the ratio can be read.
-    assert set(out["spread"]) == {"nanolab", "plain loop", "ratio"}
+    assert set(out["spread"]) == {"nanolab", "plain loop", "ratio", "bare Lightning"}
     assert all(v is not None and v >= 0 for v in out["spread"].values())
     assert out["noisy"] == bool(out["warnings"]) and len(out["load_avg"]) == 2
     # nanolab's fixed cost per step, and its syncs counted in an extra, untimed run
