@@ -193,6 +193,7 @@ def train_lightning(config: dict[str, Any], steps: int, device: torch.device) ->
 
     import lightning as L
 
+    from nanolab.estimator.measure_trainer import BARE_TRAINER
     from nanolab.training.fused_amp import clip_gradients, handles_unscaling, unscale_after_backward
 
     s = build(config, device)
@@ -266,12 +267,7 @@ def train_lightning(config: dict[str, Any], steps: int, device: torch.device) ->
                 accumulate_grad_batches=s.accumulate,
                 gradient_clip_val=s.clip,
                 gradient_clip_algorithm=s.clip_algorithm,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                limit_val_batches=0,
+                **BARE_TRAINER,
             )
             # Its own generator: a DataLoader's iterator draws a seed, which would otherwise
             # come from the global RNG and change the dropout masks against the plain loop's.

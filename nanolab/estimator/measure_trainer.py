@@ -21,6 +21,17 @@ import torch
 from nanolab.estimator.measure import allocation_peak, storage_bytes
 from nanolab.model.config import GPTConfig
 
+#: A Lightning Trainer that only trains: no logger, checkpoints, progress bar, model summary or
+#: validation. What a measurement of training alone runs (here, and ``nanolab bench --floor``).
+BARE_TRAINER: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
+
 if TYPE_CHECKING:
     import lightning as L
 
@@ -250,12 +261,7 @@ def _fit(
         precision=precision,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **BARE_TRAINER,
         # Clipped as the recipes are: with a fused optimizer clipping takes its own path
         # (nanolab/training/fused_amp.py), which a measurement must run too.
         gradient_clip_val=1.0,
