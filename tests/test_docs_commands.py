@@ -104,16 +104,16 @@ PLANS: dict[str, dict[str, str]] = {
         ),
         "nanolab fit --config configs/quickstart.yaml --model mylab.models.SmoothedGPT "
         "--model.label_smoothing 0.1 --data mylab.data.SubsetData "
-        "--data.max_train_tokens 200000": elsewhere(
+        "--data.max_train_tokens 200000 --run.name smoothed": elsewhere(
             "test_plugins.py::test_the_forking_pages_classes_work_with_fit_estimate_and_queue"
         ),
-        "nanolab validate --config runs/quickstart/config.yaml": elsewhere(
+        "nanolab validate --config runs/smoothed/config.yaml": elsewhere(
             "test_plugins.py::test_the_forking_pages_classes_work_with_fit_estimate_and_queue"
         ),
-        "nanolab estimate --config runs/quickstart/config.yaml --device cpu": elsewhere(
+        "nanolab estimate --config runs/smoothed/config.yaml --device cpu": elsewhere(
             "test_plugins.py::test_the_forking_pages_classes_work_with_fit_estimate_and_queue"
         ),
-        "nanolab queue add runs/quickstart/config.yaml --name smoothed-again": elsewhere(
+        "nanolab queue add runs/smoothed/config.yaml --name smoothed-again": elsewhere(
             "test_plugins.py::test_the_forking_pages_classes_work_with_fit_estimate_and_queue"
         ),
         "nanolab fit --config configs/quickstart.yaml --model mylab.models.SmoothedGPT "

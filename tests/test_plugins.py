@@ -97,11 +97,11 @@ def test_the_forking_pages_classes_work_with_fit_estimate_and_queue(
     assert [c[1] for c in commands] == ["fit", "validate", "estimate", "queue"]
     fit, validate, estimate, queue = (c[1:] for c in commands)
     at = fit.index("configs/quickstart.yaml") + 1
-    fit[at:at] = ["--config", str(tiny), "--run.name", "quickstart"]
+    fit[at:at] = ["--config", str(tiny)]
     code, _, err = run(capsys, *fit)
     assert code == 0, err[-2000:]
 
-    run_dir = tmp_path / "runs" / "quickstart"
+    run_dir = tmp_path / "runs" / "smoothed"  # its own run, not the quickstart's
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["class_path"] == "mylab.models.SmoothedGPT"
     assert saved["model"]["init_args"]["label_smoothing"] == 0.1

@@ -534,6 +534,13 @@ def test_rerunning_a_finished_run_says_it_is_complete(tmp_path, char_dataset):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "is already complete at step 6 (trainer.max_steps 6); nothing to train" in again.stderr
     assert len(list(read_records(log, "train"))) == trained
+    # Other settings on the complete run train nothing, so they do not replace the config it
+    # trained with (a fork's example once rewrote runs/quickstart/config.yaml this way).
+    config = (tmp_path / "runs" / "tiny" / "config.yaml").read_text()
+    changed = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg),
+                           "--model.gpt.dropout", "0.3", "--seed_everything", "7", cwd=tmp_path)  # fmt: skip
+    assert changed.returncode == 0 and "nothing to train" in changed.stderr, changed.stderr[-2000:]
+    assert (tmp_path / "runs" / "tiny" / "config.yaml").read_text() == config
 
 
 @pytest.mark.slow

@@ -142,6 +142,9 @@ def launch(cli: NanolabCLI) -> Trainer:
                 "to extend it, or give another --run.name for a new run",
                 file=sys.stderr,
             )
+            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(callback, RunConfigWriter):
+                    callback.keep_existing()  # its config.yaml stays what it trained with
         if cand is not None:
             keep_checkpoint_settings(cfg, cand.path)
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
