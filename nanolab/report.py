@@ -914,7 +914,7 @@ def _target_text(f: Any, target: float | None, hours: str) -> str:
     if target is None:
         return ""
     if f.target_tokens is None:
-        return f"; {target}: {f.note}"
+        return f"; to {target}: {f.note}"
     lo, hi = f.target_band
     hi_text = si(hi) if math.isfinite(hi) else "never"
     text = f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
@@ -1056,11 +1056,11 @@ def main(argv: list[str] | None = None) -> int:
     if not found:
         where = ", ".join(str(r) for r in roots)
         print(
-            f"nanolab report: no runs under {where} (no {RUN_LOG_NAME} found); "
+            f"nanolab report: error: no runs under {where} (no {RUN_LOG_NAME} found); "
             "runs appear there once `nanolab fit` has started",
             file=sys.stderr,
         )
-        return 1
+        return 2  # bad input, as nanolab status says of the same folder
     if args.compare:
         print(compare_runs(found, *args.compare))
         everyone = [summarize_run(n, d) for n, d in found]

@@ -397,6 +397,8 @@ class _RunStream:
             self.rollbacks += 1
         elif event == "train":
             self._train(r)
+        elif event == "val" and r.get("evaluated_by"):
+            pass  # validate/test after training: not the in-training curve (nor its best)
         elif event == "val":
             self.val.pop(_step_key(r), None)  # the latest copy, in timeline order
             self.val[_step_key(r)] = {

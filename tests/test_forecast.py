@@ -424,3 +424,13 @@ def test_forecast_check_compares_both_forecasters_and_replays_the_payoff_rule(tm
         bench.main([str(tmp_path), "--cuts", "0.5", "--payoff", "1e-9", "--bootstrap", "30"]) == 0
     )
     assert "payoff 1e-09: done runs to the end" in capsys.readouterr().out
+
+
+def test_a_finished_seed_groups_final_loss_is_the_mean_of_its_seeds() -> None:
+    """A group's curve holds one point per seed at each validation: "final val loss" is their
+    mean at the last step (it was the worst seed's, the tuple max)."""
+    from nanolab.forecast.run import CurveInputs, forecast
+
+    seeds = [(s, s * 100.0, 4.0 - s / 100 + k * 0.01) for s in (10, 20, 30, 40) for k in range(3)]
+    f = forecast(CurveInputs(points=seeds, max_steps=40, tokens_per_step=100.0), bootstrap=10)
+    assert f.finished and f.last_loss == pytest.approx(3.6 + 0.01)  # 3.60, 3.61, 3.62

@@ -188,7 +188,7 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, capsys) -> None:
     assert code == 2 and "no run named 'nope'" in err and "runs found: a" in err
     (tmp_path / "empty").mkdir()
     code, _, err = run_report(capsys, str(tmp_path / "empty"))
-    assert code == 1 and "no runs under" in err
+    assert code == 2 and "nanolab report: error: no runs under" in err
     code, _, err = run_report(capsys, str(tmp_path / "missing"))
     assert code == 2 and "does not exist" in err
     assert len(err.strip().splitlines()) == 1
@@ -420,3 +420,23 @@ def test_the_legend_stays_inside_the_figure_with_many_groups(tmp_path, monkeypat
     (legend,) = fig.legends
     box, page = legend.get_window_extent(renderer), fig.bbox
     assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+
+
+def test_a_validate_appended_after_training_is_not_the_runs_best(tmp_path: Path) -> None:
+    """``nanolab validate`` appends a val record (``evaluated_by``) after training; the
+    report's best and final val loss stay those of training, the step ``--ckpt_path best``
+    also takes (a second reader found them disagreeing: 310 vs 300)."""
+    from nanolab.runs import summarize_run
+
+    run = tmp_path / "r"
+    run.mkdir()
+    records = [
+        {"event": "start", "time": 0.0, "step": 0, "run_id": "x"},
+        {"event": "val", "time": 1.0, "step": 300, "tokens": 3000, "val_loss": 2.5175},
+        {"event": "end", "time": 2.0, "step": 300, "reason": "completed"},
+        {"event": "val", "time": 3.0, "step": 310, "tokens": 3100, "val_loss": 2.5165,
+         "evaluated_by": "nanolab validate"},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    s = summarize_run("r", run)
+    assert (s.best_val_loss, s.best_val_step, s.final_val_loss) == (2.5175, 300, 2.5175)

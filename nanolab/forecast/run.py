@@ -113,7 +113,10 @@ def forecast(inputs: CurveInputs, target: float | None = None, bootstrap: int = 
     """Fit ``inputs`` and forecast the end of the run and a target (see the module)."""
     out = RunForecast(points=len(inputs.points), target=target)
     if inputs.points:
-        last_step, _, out.last_loss = max(inputs.points)
+        # The last validation's loss; a seed group has one point per seed there: their mean.
+        last_step = max(s for s, _, _ in inputs.points)
+        at_last = [v for s, _, v in inputs.points if s == last_step]
+        out.last_loss = sum(at_last) / len(at_last)
         out.finished = bool(
             inputs.max_steps and inputs.max_steps > 0 and last_step >= inputs.max_steps
         )
