@@ -339,3 +339,16 @@ def test_a_jobs_console_log_is_in_its_run_directory(
     assert job.log == str(tmp_path / "runs" / "one" / "queue.log")
     assert "=== attempt 1" in Path(job.log).read_text()
     assert not (tmp_path / "nanolab_queue_logs").exists()
+
+
+@pytest.mark.parametrize("verb", [["rm", "1"], ["retry", "1"], ["clear"]])
+def test_a_mistyped_db_is_one_line_and_leaves_no_database(tmp_path, verb, capsys) -> None:
+    """``queue rm/retry/clear`` on a --db that does not exist: one line, exit 2, and no empty
+    database created at the typo (README: bad input writes nothing)."""
+    from nanolab.queue.cli import main
+
+    typo = tmp_path / "nanolab_queu.db"
+    assert main([*verb, "--db", str(typo)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no queue database at {typo}" in err[0]
+    assert not typo.exists()

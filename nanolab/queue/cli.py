@@ -282,8 +282,20 @@ def group_header(members: list[Job]) -> str:
     return f"{label}: {what}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
+def existing_db(path: str | None) -> QueueDB:
+    """The queue database a command that changes jobs works on: it must exist already (a
+    mistyped ``--db`` is one line and exit 2, and no empty database is left behind)."""
+    where = Path(path) if path is not None else default_db_path()
+    if not where.exists():
+        raise QueueError(
+            f"no queue database at {where}: nothing was queued there (check --db; "
+            "`nanolab queue add` creates it)"
+        )
+    return QueueDB(where)
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
-    db = QueueDB(args.db)
+    db = existing_db(args.db)
     jobs = db.resolve(args.jobs)
     for job in jobs:
         if job.status == "running" and job.job_pid and _is_job_process(job.job_pid, job.name):
@@ -298,7 +310,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    db = QueueDB(args.db)
+    db = existing_db(args.db)
     jobs = db.resolve(args.jobs)
     for job in jobs:
         if job.status in ("pending", "running"):
@@ -316,7 +328,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    db = QueueDB(args.db)
+    db = existing_db(args.db)
     statuses = tuple(s for s in STATUSES if s != "running") if args.all else FINISHED
     jobs = db.jobs(statuses)
     db.remove([j.id for j in jobs])
