@@ -224,3 +224,32 @@ def test_the_id_check_reads_a_bounded_sample_of_a_huge_file(tmp_path):
         f.write(np.uint16(999).tobytes())
     with pytest.raises(DataCheckError, match=f"token id 999 at position {tokens - 1:,}"):
         check_token_ids(path, np.dtype("uint16"), 256)
+
+
+def test_a_folder_prepared_otherwise_names_the_exact_prepare_command_that_replaces_it(tmp_path):
+    """fit never overwrites a dataset prepared from other sources or settings; its error line
+    gives the ``nanolab prepare ... --force`` command with the config's sources and tokenizer
+    settings (it had a ``<sources>`` placeholder and no tokenizer), and that command, run as
+    printed, makes the same fit train."""
+    import shlex
+
+    from conftest import nanolab_here, tiny_overrides
+
+    text = tmp_path / "a.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    assert (
+        nanolab_here("prepare", str(text), "-o", str(tmp_path / "d"), cwd=tmp_path).returncode == 0
+    )
+    cfg = tiny_overrides(tmp_path / "d", tmp_path / "runs", trainer__max_steps=2)
+    cfg["data"].update(source=[str(text)], tokenizer="bpe", bpe_vocab_size=300, val_windows=4)
+    config = write_config(tmp_path / "c.yaml", cfg)
+    refused = nanolab_here(
+        "fit", "--config", str(QUICKSTART), "--config", str(config), cwd=tmp_path
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    command = refused.stderr.strip().splitlines()[-1].split("`")[-2]
+    assert command == (f"nanolab prepare {text} -o {tmp_path / 'd'} --tokenizer bpe "
+                       "--bpe-vocab-size 300 --force")  # fmt: skip
+    assert nanolab_here(*shlex.split(command)[1:], cwd=tmp_path).returncode == 0
+    done = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(config), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -224,9 +224,23 @@ def data_vocab(data: Any) -> int | None:
             f"{where} already holds a dataset prepared from other sources or settings than "
             "data.source/data.tokenizer, and fit never overwrites one: train on it as it is "
             "with --data.source null, choose another --data.dataset_dir, or replace it with "
-            f"`nanolab prepare <sources> -o {data.dataset_dir} --force`"
+            f"`{prepare_command(data)}`"
         ) from None
     return None if vocab is None else int(vocab)
+
+
+def prepare_command(data: Any) -> str:
+    """The ``nanolab prepare`` command that prepares ``data.source`` with the data's tokenizer
+    settings into its folder, replacing what is there (what fit would have prepared)."""
+    import shlex
+
+    words = ["nanolab", "prepare", *data.source, "-o", str(data.dataset_dir)]
+    words += ["--tokenizer", str(data.tokenizer)]
+    if data.tokenizer == "bpe":
+        words += ["--bpe-vocab-size", str(data.bpe_vocab_size)]
+    if data.val_fraction != 0.1:
+        words += ["--val-fraction", str(data.val_fraction)]
+    return shlex.join([*words, "--force"])
 
 
 def fill_eot_id(model_args: Any, data: Any) -> None:
