@@ -170,10 +170,24 @@ def test_a_mixture_of_aligned_datasets_reads_rows_of_each(tmp_path):
 
 
 def test_long_documents_are_named_when_aligning_drops_most_tokens(tmp_path, recwarn):
-    long_docs = ["word " * 200] * 10  # 1000-byte documents, 32-token rows
-    _module(write_documents(tmp_path / "d", long_docs, long_docs[:3]))
-    messages = [str(w.message) for w in recwarn]
-    assert any("data.align document keeps only" in m and "train tokens" in m for m in messages)
+    """A ``nanolab: warning:`` line through nanolab's logger, not a Python warning (which
+    prints its source line too)."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("nanolab").addHandler(handler)
+    try:
+        long_docs = ["word " * 200] * 10  # 1000-byte documents, 32-token rows
+        _module(write_documents(tmp_path / "d", long_docs, long_docs[:3]))
+    finally:
+        logging.getLogger("nanolab").removeHandler(handler)
+    assert any(
+        m.startswith("nanolab: warning: data.align document keeps only") and "train tokens" in m
+        for m in said
+    ), said
+    assert not [w for w in recwarn if "keeps only" in str(w.message)]
 
 
 # -- the mask -----------------------------------------------------------------------------------

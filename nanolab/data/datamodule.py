@@ -16,9 +16,10 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from nanolab import messages
 from nanolab.data.checks import (
     DataChangedError,
     DataCheckError,
@@ -388,11 +389,13 @@ class TokenDataModule(L.LightningDataModule):
             packing = packed.packing
             rank_zero_info(f"data.align document, {part.name} {split}: {packing.summary()}")
             if packing.dropped_tokens > 0.5 * packing.total_tokens:
-                rank_zero_warn(
+                # a nanolab warning line (the logger), not a Python warning with its source line
+                rank_zero_only(messages.warn)(
+                    "nanolab",
                     f"data.align document keeps only {packing.used_tokens / packing.total_tokens:.0%}"
                     f" of {part.path}'s {split} tokens: its documents are mostly longer than a "
                     "window and only their first window's worth is kept; for long documents "
-                    "data.align: stream trains on every token"
+                    "data.align: stream trains on every token",
                 )
         return packed
 
