@@ -81,3 +81,28 @@ def test_nothing_to_show_is_one_line(tmp_path: Path, capsys, monkeypatch) -> Non
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no runs under" in err
     assert main(["--watch", "0"]) == 2
+
+
+def test_a_queue_job_starting_before_its_run_logs_is_shown_as_starting(tmp_path: Path, capsys):
+    """The runner marks a job running before its fit has logged a start (imports, preparing
+    its data on first use); status lists it as ``starting`` instead of nowhere, and under
+    running once its run logs."""
+    now = time.time()
+    runs, db = tmp_path / "runs", tmp_path / "q.db"
+    queue = QueueDB(db)
+    queue.add_jobs([NewJob(name="warming", config="c.yaml", args=[], seed=None,
+                           cwd=str(tmp_path), run_dir=str(runs / "warming"), estimate_s=60.0,
+                           max_steps=100)])  # fmt: skip
+    (job,) = queue.jobs()
+    queue.set_status(job.id, "running", expect=("pending",))
+    queue.conn.close()
+    runs.mkdir()
+    assert main([str(runs), "--db", str(db), "--json"]) == 0
+    screen = json.loads(capsys.readouterr().out)
+    assert screen["running"] == [] and [(j["name"], j["status"]) for j in screen["queued"]] == [
+        ("warming", "starting")
+    ]
+    write_log(runs / "warming", training("warming", now - 2, 5))
+    assert main([str(runs), "--db", str(db), "--json"]) == 0
+    screen = json.loads(capsys.readouterr().out)
+    assert [r["run"] for r in screen["running"]] == ["warming"] and screen["queued"] == []

@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from nanolab.errors import NanolabError, one_line_errors
@@ -80,6 +80,7 @@ class JobLine:
     end_in_s: float | None
     ran_s: float | None = None
     tries: int = 0
+    run: str = ""  # its run directory's name
 
 
 @dataclass
@@ -152,7 +153,9 @@ def queue_lines(
                 )
             start = 0.0 if job.status == "running" else clock
             end = None if left is None else start + left
-            out.append(JobLine(job.id, job.name, job.status, left, start, end, ran, job.attempts))
+            out.append(
+                JobLine(job.id, job.name, job.status, left, start, end, ran, job.attempts, name)
+            )
             clock = end if end is not None else clock
         return out
     finally:
@@ -169,7 +172,14 @@ def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -
     if db_path is not None:
         walls = {Path(line.run_dir).name: line.wall_s for line in screen.running + screen.ended}
         etas = {Path(line.run_dir).name: line.eta_s for line in screen.running}
-        screen.queued = [j for j in queue_lines(db_path, now, walls, etas) if j.status != "running"]
+        # A running job shows under running once its run has logged its start; before that
+        # (imports, preparing its data: seconds to hours) it is listed here as starting.
+        logging = {Path(line.run_dir).name for line in screen.running}
+        screen.queued = [
+            j if j.status != "running" else replace(j, status="starting")
+            for j in queue_lines(db_path, now, walls, etas)
+            if j.status != "running" or j.run not in logging
+        ]
     screen.ended.sort(key=lambda r: r.run)
     return screen
 
