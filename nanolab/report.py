@@ -147,14 +147,17 @@ def _by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
     return list(by_key.values())
 
 
-def _short_keys(keys: list[str]) -> dict[str, str]:
-    """The last part of each dotted key, or more of it where the last part is ambiguous."""
+def _short_keys(keys: list[str], among: list[str] | None = None) -> dict[str, str]:
+    """The last part of each dotted key, or more of it where the last part is ambiguous among
+    ``among`` (default ``keys``): ``checkpoint.every_n_steps``, not ``every_n_steps``, where the
+    config also has ``log.every_n_steps``."""
+    pool = among if among is not None else keys
     out = {}
     for key in keys:
         parts = key.split(".")
         for n in range(1, len(parts) + 1):
             short = ".".join(parts[-n:])
-            if sum(k == short or k.endswith("." + short) for k in keys) == 1:
+            if sum(k == short or k.endswith("." + short) for k in pool) <= 1:
                 break
         out[key] = short
     return out
@@ -183,7 +186,7 @@ def group_labels(
         if len({_value(c.get(k, missing)) if c else "?" for c in across}) > 1
         and all(c is not None for c in across)
     ]
-    short = _short_keys(varying)
+    short = _short_keys(varying, keys)  # unambiguous among every key of the configs
     labels = []
     for group, config in zip(groups, configs, strict=True):
         if config is None or not varying or len(varying) > max_keys:

@@ -440,3 +440,15 @@ def test_a_validate_appended_after_training_is_not_the_runs_best(tmp_path: Path)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     s = summarize_run("r", run)
     assert (s.best_val_loss, s.best_val_step, s.final_val_loss) == (2.5175, 300, 2.5175)
+
+
+def test_a_group_label_names_a_key_unambiguously_among_all_of_the_configs_keys() -> None:
+    """Groups that differ in ``checkpoint.every_n_steps`` while every config also has
+    ``log.every_n_steps`` are labelled ``checkpoint.every_n_steps=...``: ``every_n_steps=``
+    alone did not say which (a second reader's finding)."""
+    from nanolab.report import _short_keys
+
+    keys = ["checkpoint.every_n_steps", "log.every_n_steps", "model.optimizer.lr"]
+    short = _short_keys(["checkpoint.every_n_steps", "model.optimizer.lr"], keys)
+    assert short == {"checkpoint.every_n_steps": "checkpoint.every_n_steps",
+                     "model.optimizer.lr": "lr"}  # fmt: skip
