@@ -245,3 +245,36 @@ def test_fsdp2_resumes_its_own_checkpoint_on_several_devices_but_not_a_plain_one
     torch.save({**state, "nanolab": {"layout": {"world_size": 2, "fsdp2": False}}}, plain)
     with pytest.raises(ResumeError, match="was saved without FSDP2"):
         check_sharded_optimizer_layout(plain, "fsdp2", 2)
+
+
+def test_a_run_from_another_runs_checkpoint_counts_its_own_hours_not_the_parents(
+    tmp_path, char_dataset
+):
+    """A new run started from another run's checkpoint (a fine-tune, a branch) keeps the
+    model's tokens but not the parent's wall time and GPU-hours: those were the parent's, and
+    counting them again doubled them in a sum over runs and in the child's budget. Resuming
+    the parent itself keeps them. The parent's clock is set to 10,000 s in its checkpoint, so
+    the difference cannot be timing."""
+    from nanolab.runlog import read_records
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    parent = tmp_path / "runs" / "tiny"
+    assert nanolab_here("fit", "--config", str(cfg), cwd=tmp_path).returncode == 0
+    ckpt = parent / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, weights_only=True)
+    state["callbacks"]["RunClock"].update(elapsed_s=10_000.0, gpu_hours=10_000.0 / 3600)
+    torch.save(state, ckpt)
+    tokens = state["callbacks"]["RunClock"]["tokens"]
+
+    child = nanolab_here("fit", "--config", str(cfg), "--run.name", "child", "--run.resume",
+                         str(ckpt), "--trainer.max_steps", "8", cwd=tmp_path)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    (end,) = read_records(tmp_path / "runs" / "child" / "metrics.jsonl", "end")
+    assert end["elapsed_s"] < 1_000 and end["gpu_hours"] < 0.3
+    first = read_records(tmp_path / "runs" / "child" / "metrics.jsonl", "train")[0]
+    assert first["tokens"] > tokens  # the model's tokens go on
+
+    again = nanolab_here("fit", "--config", str(cfg), "--trainer.max_steps", "8", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    ends = read_records(parent / "metrics.jsonl", "end")
+    assert ends[-1]["elapsed_s"] > 10_000 and ends[-1]["gpu_hours"] > 10_000 / 3600

@@ -326,6 +326,12 @@ class RunClock(Callback):
         self.end_pause("eval")
 
     # -- resume ------------------------------------------------------------------------------
+    def start_new_run(self) -> None:
+        """A new run that starts from another run's checkpoint: its wall time, step time and
+        GPU-hours (and so its budget and cost) count from zero; the tokens and samples the
+        model has trained on are kept (they are the model's, and a scaling fit's D)."""
+        self.before_elapsed_s = self.before_gpu_hours = self.before_step_s = 0.0
+
     def account_earlier(self, elapsed_s: float, gpu_hours: float, step_s: float) -> None:
         """Raise the earlier processes' totals to at least these (from the run log).
 

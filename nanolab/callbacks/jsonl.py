@@ -150,7 +150,7 @@ class MetricsLog(StepCallback):
         path = run_dir / self.filename
         config = run_config(trainer, pl_module)
         resuming = trainer.ckpt_path is not None
-        error, run_id, earlier = None, None, None
+        error, run_id, earlier, adopted = None, None, None, False
         if trainer.is_global_zero:
             try:
                 run_id = claim_run_dir(
@@ -181,6 +181,7 @@ class MetricsLog(StepCallback):
                     start = last_record(path, "start")
                     self.run_id = str(start["run_id"]) if start and start.get("run_id") else None
             # A claimed id: a new run (also one that starts from another's checkpoint).
+            adopted = resuming and run_id is not None
             self.run_id = run_id or self.run_id or new_run_id()
             try:
                 self._writer = RunLogWriter(path, run_id=self.run_id)
@@ -190,6 +191,8 @@ class MetricsLog(StepCallback):
                     "writable folder"
                 ) from None
         earlier = trainer.strategy.broadcast(earlier, src=0)
+        if trainer.strategy.broadcast(adopted, src=0):
+            self.clock.start_new_run()  # another run's checkpoint: its hours are not this run's
         if earlier is not None:
             self.clock.account_earlier(*earlier)
         self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
