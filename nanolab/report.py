@@ -386,6 +386,24 @@ def downstream_table(summaries: list[RunSummary]) -> list[str]:
     )
 
 
+def validated_table(summaries: list[RunSummary]) -> list[str]:
+    """The val loss ``nanolab validate`` appended to a run after training, one row per run that
+    has one: apart from the runs table, whose best and final val loss are training's."""
+    rows = [
+        [s.run, "-" if s.evaluated_val_step is None else str(s.evaluated_val_step),
+         _f(s.evaluated_val_loss), _f(s.evaluated_val_bpb)]
+        for s in summaries
+        if s.evaluated_val_loss is not None
+    ]  # fmt: skip
+    if not rows:
+        return []
+    out = ["", *table(rows, ["run", "step", "val loss (nanolab validate)", "val bpb"], {1, 2, 3})]
+    return out + _wrap(
+        "appended by nanolab validate after training; the runs table's best and final val loss "
+        "are training's validations, the ones --ckpt_path best chooses from"
+    )
+
+
 def _mean_spread(mean: float | None, std: float | None, fmt: str = ".4f") -> str:
     if mean is None:
         return "-"
@@ -434,6 +452,7 @@ def format_table(
         f"first logged step's (the same for every run). {hours}: devices x wall hours"
     )
     out += downstream_table(summaries)
+    out += validated_table(summaries)
     if groups:
         out += [
             "",

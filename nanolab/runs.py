@@ -95,6 +95,11 @@ class RunSummary:
     eval_task_scores: dict[str, float] = field(default_factory=dict, repr=False)
     eval_step: int | None = None
     eval_suite: str | None = None
+    #: The newest val loss ``nanolab validate`` appended after training (kept apart from the
+    #: training curve and its best, which ``--ckpt_path best`` reads): value, step, bpb.
+    evaluated_val_loss: float | None = None
+    evaluated_val_step: int | None = None
+    evaluated_val_bpb: float | None = None
     accelerator: str | None = None  # the start record's (CPUAccelerator, CUDAAccelerator, ...)
     skipped_records: int = 0  # valid JSON of the wrong shape (e.g. a string step), not used
     skipped_example: str | None = None  # what was wrong with the first of them
@@ -373,6 +378,7 @@ class _RunStream:
         self.val: dict[float, dict[str, Any]] = {}
         self.tasks: dict[str, Any] | None = None  # the newest in training
         self.evals: dict[str, Any] | None = None  # the newest by nanolab eval
+        self.evaluated_val: dict[str, Any] | None = None  # the newest by nanolab validate
 
     def add(self, number: int, r: dict[str, Any]) -> None:
         problem = record_problem(r)
@@ -398,7 +404,9 @@ class _RunStream:
         elif event == "train":
             self._train(r)
         elif event == "val" and r.get("evaluated_by"):
-            pass  # validate/test after training: not the in-training curve (nor its best)
+            # validate after training: not the in-training curve (nor its best); kept apart
+            if self.evaluated_val is None or _step_key(r) >= _step_key(self.evaluated_val):
+                self.evaluated_val = r
         elif event == "val":
             self.val.pop(_step_key(r), None)  # the latest copy, in timeline order
             self.val[_step_key(r)] = {
@@ -466,6 +474,13 @@ class _RunStream:
         if self.evals is not None:
             s.eval_core, s.eval_step = num(self.evals.get("tasks/core")), self.evals.get("step")
             s.eval_task_scores, s.eval_suite = task_scores(self.evals), suite_name_of(self.evals)
+        if self.evaluated_val is not None:
+            ev = self.evaluated_val
+            s.evaluated_val_loss, s.evaluated_val_bpb = (
+                num(ev.get("val_loss")),
+                num(ev.get("val_bpb")),
+            )
+            s.evaluated_val_step = ev.get("step") if isinstance(ev.get("step"), int) else None
         accelerator = (start or {}).get("accelerator")
         s.accelerator = accelerator if isinstance(accelerator, str) else None
         s.start_loss, s.improvement = self.train_delta()

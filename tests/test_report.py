@@ -440,6 +440,14 @@ def test_a_validate_appended_after_training_is_not_the_runs_best(tmp_path: Path)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     s = summarize_run("r", run)
     assert (s.best_val_loss, s.best_val_step, s.final_val_loss) == (2.5175, 300, 2.5175)
+    # ... and the validate's value is kept apart, labelled by where it came from
+    assert (s.evaluated_val_loss, s.evaluated_val_step) == (2.5165, 310)
+    code = main([str(run)])
+    assert code == 0
+    from nanolab.report import validated_table
+
+    lines = validated_table([s])
+    assert "val loss (nanolab validate)" in lines[1] and "2.5165" in "".join(lines)
 
 
 def test_a_group_label_names_a_key_unambiguously_among_all_of_the_configs_keys() -> None:
