@@ -182,3 +182,31 @@ def test_a_bare_lightning_trainer_trains_the_plain_loops_setup_step_for_step(res
         unclipped = train(_with(config, {"trainer": {"gradient_clip_val": None}}), 8,
                           torch.device("cpu"))  # fmt: skip
         assert unclipped["losses"][-1][1] != pytest.approx(plain["losses"][-1][1], rel=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_bare_sides_fp16_path_with_a_fused_optimizer_clips_unscaled_gradients(
+    resolved_tiny, fused
+):
+    """The GPU's fp16 path on a CPU: a real ``GradScaler("cpu")`` in Lightning's fp16 plugin
+    (Lightning alone would train bf16 here), a binding clip, fused AdamW (what CUDA picks) or
+    not. A fused optimizer unscales inside its step, so the bare side must unscale right
+    after the backward, as ``GPTLightningModule`` does, or it clips scaled gradients.
+
+    Mutation caught: the bare side's ``optimizer_step`` override removed (fused: the losses
+    part from step 2 on)."""
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from nanolab.bench.plain_loop import train, train_lightning
+
+    config = _with(resolved_tiny, {"trainer": {"gradient_clip_val": 0.01},
+                                   "model": {"optimizer": {"fused": fused}}})  # fmt: skip
+    cpu = torch.device("cpu")
+    plain = train(config, 8, cpu, precision="16-mixed")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    bare = train_lightning(config, 8, cpu, precision_plugin=plugin)
+    assert plugin.scaler is not None and plugin.scaler.get_scale() > 1  # it really scaled
+    for (step, expected), (_, got) in zip(plain["losses"], bare["losses"], strict=True):
+        # fp16 rounds in a different order in the two loops: ~3e-6 apart; the bug: ~1e-2
+        assert got == pytest.approx(expected, rel=2e-5), step

@@ -73,9 +73,11 @@ class Setup:
     tokens_per_step: int
 
 
-def build(config: dict[str, Any], device: torch.device) -> Setup:
+def build(config: dict[str, Any], device: torch.device, precision: str | None = None) -> Setup:
     """The model, optimizer, LR schedule and data windows of ``config``, as ``nanolab fit``
-    builds them on one device (the same resolver, seed, windows and optimizer factory)."""
+    builds them on one device (the same resolver, seed, windows and optimizer factory).
+    ``precision``: the one to train with instead of what Lightning makes of the config's on
+    ``device`` (a CPU test of the GPU's fp16 path)."""
     from nanolab.training.resolve import resolve
 
     # The same resolver as `nanolab fit` on one device: micro-batch, accumulation, block size.
@@ -83,7 +85,7 @@ def build(config: dict[str, Any], device: torch.device) -> Setup:
     model_cfg, data_cfg, trainer_cfg = resolved.model_args, resolved.data_args, config["trainer"]
     torch.manual_seed(int(config.get("seed_everything") or 0))
     gpt = GPTConfig(**model_cfg["gpt"])
-    precision = trained_precision(trainer_cfg.get("precision"), device)
+    precision = precision or trained_precision(trainer_cfg.get("precision"), device)
     model = GPT(gpt).to(device, dtype=TRUE_DTYPES.get(precision))
     if model_cfg.get("compile"):
         model.compile(mode=model_cfg.get("compile_mode"))
@@ -147,13 +149,17 @@ def _clip(model: torch.nn.Module, clip: float, algorithm: str) -> None:
 
 
 def train(
-    config: dict[str, Any], steps: int, device: torch.device, log_every: int = 1
+    config: dict[str, Any],
+    steps: int,
+    device: torch.device,
+    log_every: int = 1,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; return the wall time at the end of each one.
 
     The loss is read every ``log_every`` steps: every step by default, the one host sync per
-    step that ``nanolab fit`` makes too."""
-    s = build(config, device)
+    step that ``nanolab fit`` makes too. ``precision``: see :func:`build`."""
+    s = build(config, device, precision)
     model, optimizer, scheduler, precision = s.model, s.optimizer, s.scheduler, s.precision
     accumulate, clip, batch = s.accumulate, s.clip, s.batch
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
@@ -184,10 +190,16 @@ def train(
     return {"step_ends": step_ends, "losses": losses, "tokens_per_step": s.tokens_per_step}
 
 
-def train_lightning(config: dict[str, Any], steps: int, device: torch.device) -> dict[str, Any]:
+def train_lightning(
+    config: dict[str, Any], steps: int, device: torch.device, precision_plugin: Any = None
+) -> dict[str, Any]:
     """The same training under a bare Lightning ``Trainer``: Lightning's loop, closure,
     accumulation, precision plugin and clipping, and nothing of nanolab's (no callbacks, no
-    logger, no ``self.log``). The loss is read once per step, as :func:`train` reads it."""
+    logger, no ``self.log``). The loss is read once per step, as :func:`train` reads it.
+
+    ``precision_plugin``: Lightning's plugin to train with instead of the config's precision
+    (a ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))`` runs the GPU's fp16
+    path on a CPU, where Lightning would train bf16)."""
     import logging
     import warnings
 
@@ -196,7 +208,7 @@ def train_lightning(config: dict[str, Any], steps: int, device: torch.device) ->
     from nanolab.estimator.measure_trainer import BARE_TRAINER
     from nanolab.training.fused_amp import clip_gradients, handles_unscaling, unscale_after_backward
 
-    s = build(config, device)
+    s = build(config, device, getattr(precision_plugin, "precision", None))
     step_ends: list[float] = []
     losses: list[tuple[int, float]] = []
 
@@ -263,7 +275,11 @@ def train_lightning(config: dict[str, Any], steps: int, device: torch.device) ->
                 accelerator=device.type,
                 devices=1,
                 max_steps=steps,
-                precision=s.precision,  # type: ignore[arg-type]
+                **(
+                    {"plugins": [precision_plugin]}
+                    if precision_plugin is not None
+                    else {"precision": s.precision}
+                ),
                 accumulate_grad_batches=s.accumulate,
                 gradient_clip_val=s.clip,
                 gradient_clip_algorithm=s.clip_algorithm,
