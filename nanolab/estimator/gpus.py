@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from nanolab.errors import NanolabError
+from nanolab.training.resolve import precision_name
 
 KiB = 1024
 MiB = 1024**2
@@ -62,16 +63,20 @@ class GPU:
         return None if value is None else float(value)
 
 
-#: Lightning's ``trainer.precision`` spellings, each with its canonical name.
+#: The ``trainer.precision`` values the estimator has rules for, each spelling (the short ones
+#: too) with Lightning's name for it; the names come from the resolver's one alias table.
 PRECISIONS = {
-    "32": "32-true",
-    "32-true": "32-true",
-    "bf16": "bf16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "16": "16-mixed",
-    "16-mixed": "16-mixed",
-    "bf16-true": "bf16-true",
-    "16-true": "16-true",
+    spelling: precision_name(spelling)
+    for spelling in (
+        "32",
+        "32-true",
+        "bf16",
+        "bf16-mixed",
+        "16",
+        "16-mixed",
+        "bf16-true",
+        "16-true",
+    )
 }
 
 #: ``torch.set_float32_matmul_precision`` values (``run.float32_matmul_precision``): ``highest``

@@ -174,11 +174,11 @@ def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -
         etas = {Path(line.run_dir).name: line.eta_s for line in screen.running}
         # A running job shows under running once its run has logged its start; before that
         # (imports, preparing its data: seconds to hours) it is listed here as starting.
-        logging = {Path(line.run_dir).name for line in screen.running}
+        logged = {Path(line.run_dir).name for line in screen.running}
         screen.queued = [
             j if j.status != "running" else replace(j, status="starting")
             for j in queue_lines(db_path, now, walls, etas)
-            if j.status != "running" or j.run not in logging
+            if j.status != "running" or j.run not in logged
         ]
     screen.ended.sort(key=lambda r: r.run)
     return screen
