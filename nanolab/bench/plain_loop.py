@@ -206,7 +206,7 @@ def train_lightning(
     import lightning as L
 
     from nanolab.estimator.measure_trainer import BARE_TRAINER
-    from nanolab.training.fused_amp import clip_gradients, handles_unscaling, unscale_after_backward
+    from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
 
     s = build(config, device, getattr(precision_plugin, "precision", None))
     step_ends: list[float] = []
@@ -230,14 +230,8 @@ def train_lightning(
         def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
             # As GPTLightningModule: under fp16, a fused optimizer's gradients are unscaled
             # right after the backward, so the clip below sees true gradients.
-            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-            if (
-                scaler is not None
-                and optimizer_closure is not None
-                and handles_unscaling(optimizer)
-            ):
-                optimizer_closure = unscale_after_backward(optimizer_closure, scaler, optimizer)
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            closure = step_closure(self.trainer, optimizer, optimizer_closure)
+            super().optimizer_step(epoch, batch_idx, optimizer, closure)
 
         def configure_gradient_clipping(
             self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None

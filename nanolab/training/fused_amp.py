@@ -53,6 +53,18 @@ def unscale_after_backward(
     return closure_then_unscale
 
 
+def step_closure(
+    trainer: Any, optimizer: Any, closure: Callable[[], Any] | None
+) -> Callable[[], Any] | None:
+    """The closure a LightningModule's ``optimizer_step`` should step with: under fp16 (the
+    precision plugin has a scaler) with an optimizer that unscales inside its step, one that
+    unscales right after the backward (:func:`unscale_after_backward`); else ``closure``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and closure is not None and handles_unscaling(optimizer):
+        return unscale_after_backward(closure, scaler, optimizer)
+    return closure
+
+
 def _with_gradients(optimizer: Any) -> Iterator[torch.Tensor]:
     for group in optimizer.param_groups:
         yield from (p for p in group["params"] if p.grad is not None)

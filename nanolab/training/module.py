@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
 from nanolab.training.freeze import FreezeConfig, apply_freeze
-from nanolab.training.fused_amp import clip_gradients, handles_unscaling, unscale_after_backward
+from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
 from nanolab.training.optim import (
     OptimizerConfig,
     ScheduleConfig,
@@ -199,10 +199,8 @@ class GPTLightningModule(L.LightningModule):
         GPTs, see docs/estimator.md). Nothing reads them after the step (the gradient norm is
         taken before it), and the estimator models exactly this order.
         """
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is not None and optimizer_closure is not None and handles_unscaling(optimizer):
-            optimizer_closure = unscale_after_backward(optimizer_closure, scaler, optimizer)
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        closure = step_closure(self.trainer, optimizer, optimizer_closure)
+        super().optimizer_step(epoch, batch_idx, optimizer, closure)
         optimizer.zero_grad(set_to_none=True)
 
     def configure_gradient_clipping(
