@@ -57,6 +57,7 @@ from nanolab.runlog import (
     last_record,
     read_records,
 )
+from nanolab.training.module import TRAIN_LOSS, GPTLightningModule
 
 __all__ = ["MetricsLog", "read_records"]
 
@@ -451,11 +452,19 @@ def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
     connector (private); if a Lightning upgrade moves it, the public dict is filtered by name.
     """
     try:
-        return dict(trainer._logger_connector.metrics["callback"])
+        metrics = dict(trainer._logger_connector.metrics["callback"])
     except Exception:  # private API moved: filter the public dict instead
         return {
             k: v for k, v in trainer.callback_metrics.items() if k.startswith("val") != training
         }
+    if training and TRAIN_LOSS not in metrics:
+        # nanolab's module puts each step's loss straight into callback_metrics, not through
+        # self.log (GPTLightningModule.publish_train_loss says why).
+        module = getattr(trainer, "lightning_module", None)
+        loss = trainer.callback_metrics.get(TRAIN_LOSS)
+        if loss is not None and isinstance(module, GPTLightningModule):
+            metrics[TRAIN_LOSS] = loss
+    return metrics
 
 
 def to_floats(metrics: dict[str, Any]) -> dict[str, float | None]:

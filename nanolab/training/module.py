@@ -23,6 +23,8 @@ from nanolab.training.optim import (
 )
 
 CHECKPOINT_KEY = "nanolab"
+#: The training loss of each optimizer step's last micro-batch, in ``trainer.callback_metrics``.
+TRAIN_LOSS = "train/loss"
 
 
 class GPTLightningModule(L.LightningModule):
@@ -68,6 +70,7 @@ class GPTLightningModule(L.LightningModule):
             self.gpt_config = GPTConfig(**arch)
         self.model: GPT | None = None
         self._pending_rng: dict[str, Any] | None = None
+        self._live_callback_metrics: bool | None = None  # per fit: publish_train_loss's route
         if self.gpt_config.vocab_size is not None:
             self.model = self._build_model()
 
@@ -113,14 +116,31 @@ class GPTLightningModule(L.LightningModule):
     ) -> torch.Tensor:
         x, y = batch
         _, loss = self(x, y)
-        # Not prog_bar: Lightning converts progress-bar values with .item() at every micro-batch
-        # (a host-device sync each); nanolab's bar reads the loss from the step's one read.
-        # Logged on the micro-batch that ends an optimizer step only: what the step's readers
-        # see (the last micro-batch's loss) is the same, and each self.log costs ~0.2 ms of
-        # host time (Lightning moves its result object to the device at every call).
+        # On the micro-batch that ends an optimizer step only: what the step's readers see (the
+        # last micro-batch's loss) is the same, for less host time per micro-batch.
         if self._ends_optimizer_step():
-            self.log("train/loss", loss)
+            self.publish_train_loss(loss)
         return loss
+
+    def publish_train_loss(self, loss: torch.Tensor) -> None:
+        """Put ``loss`` in ``trainer.callback_metrics["train/loss"]``, where the run log, the
+        progress bar and a fork's callbacks read it (no host-device sync: it stays a tensor).
+
+        ``self.log("train/loss", loss)`` would put it there too, at ~0.35 ms of host time a
+        call (Lightning re-applies its result object's ``.to(device)``, a walk that deep-copies
+        its metadata), a third of what nanolab adds to a step (docs/performance.md). So the
+        value goes straight into the dict Lightning hands its callbacks, when that dict is the
+        one it keeps (checked once per fit); else, through ``self.log``. Not a progress-bar
+        value either way: Lightning ``.item()``s those at every micro-batch.
+        """
+        if self._trainer is None:
+            return
+        if self._live_callback_metrics is None:
+            self._live_callback_metrics = callback_metrics_are_live(self.trainer)
+        if self._live_callback_metrics:
+            self.trainer.callback_metrics[TRAIN_LOSS] = loss.detach()
+        else:
+            self.log(TRAIN_LOSS, loss)
 
     def _ends_optimizer_step(self) -> bool:
         """Whether the current micro-batch ends an optimizer step: Lightning's own test (its
@@ -317,6 +337,7 @@ class GPTLightningModule(L.LightningModule):
         return ", ".join(changed) or None
 
     def on_fit_start(self) -> None:
+        self._live_callback_metrics = None  # another Trainer, maybe: ask it again
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);
         # otherwise every step re-faults it from the OS (~2.5% of a CPU step, measured).
         if self.device.type == "cpu":
@@ -363,6 +384,17 @@ def restore_rng_state(state: dict[str, Any], cuda: Any = torch.cuda) -> None:
     if saved and cuda.is_available():
         for index in range(min(len(saved), cuda.device_count())):
             cuda.set_rng_state(saved[index], index)
+
+
+def callback_metrics_are_live(trainer: Any) -> bool:
+    """Whether ``trainer.callback_metrics`` is the dict Lightning keeps (an entry put in it stays
+    for the callbacks), not a copy made per read. Lightning 2.x returns its own dict; a version
+    that copies would drop the entry, so :meth:`GPTLightningModule.publish_train_loss` then takes
+    ``self.log``."""
+    try:
+        return trainer.callback_metrics is trainer.callback_metrics
+    except Exception:
+        return False
 
 
 def shards_parameters(strategy: Any) -> bool:
