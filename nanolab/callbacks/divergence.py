@@ -121,7 +121,9 @@ class DivergenceStop(StepCallback):
         self.diverged_step: int | None = None  # first step of the streak that stopped the run
         self.collapse: tuple[int, float] | None = None  # (skipped steps, scale) if that stopped it
         self.at_end: tuple[int, bool] | None = None  # (bad last steps, val loss bad) at the end
-        self._step_bad: torch.Tensor | None = None  # this optimizer step, on the device
+        # This optimizer step's losses (one per micro-batch) and gradient norm, on the device:
+        # checked together once the step is done (a few device ops a step, not a few each).
+        self._watched: list[torch.Tensor] = []
         self._scale_before: torch.Tensor | None = None  # the GradScaler's scale before the step
         self._params: list[torch.nn.Parameter] | None = None
 
@@ -132,7 +134,7 @@ class DivergenceStop(StepCallback):
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.bad, self.skipped = Streak(), Streak()
-        self._step_bad, self._scale_before = None, None
+        self._watched, self._scale_before = [], None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -153,25 +155,28 @@ class DivergenceStop(StepCallback):
             self._params = list(pl_module.parameters())
         norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
         if norm is not None:
-            self._mark(~torch.isfinite(norm.detach().float()))
+            self._watched.append(norm.detach())
 
     def on_micro_batch(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self._mark(~torch.isfinite(loss.detach().float()).all())
+            self._watched.append(loss.detach())
 
     def step_values(
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
     ) -> None:
-        bad, self._step_bad = self._step_bad, None
+        watched, self._watched = self._watched, []
         before, self._scale_before = self._scale_before, None
-        bad = (
-            torch.zeros((), dtype=torch.float32, device=pl_module.device)
-            if bad is None
-            else bad.to(torch.float32).reshape(())
-        )
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        gathered = trainer.world_size > 1 and distributed
+        bad = _any_not_finite(watched)
+        if before is None and not gathered:  # the common case: one flag, nothing to reduce
+            readout.put(FLAG_KEYS[0], 0.0 if bad is None else bad)
+            return
+        if bad is None:
+            bad = torch.zeros((), dtype=torch.float32, device=pl_module.device)
         skipped, scale = torch.zeros_like(bad), torch.zeros_like(bad)
         after = _scale_tensor(_grad_scaler(trainer)) if before is not None else None
         if before is not None and after is not None:
@@ -180,8 +185,7 @@ class DivergenceStop(StepCallback):
             skipped = (after < before.to(bad.device, torch.float32).reshape(())).to(torch.float32)
             scale = after.clone()
         flags = torch.stack((bad, skipped, scale))
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if trainer.world_size > 1 and distributed:
+        if gathered:
             # Any rank's bad step stops every rank (the scale is the same on all of them).
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         for key, flag in zip(FLAG_KEYS, flags.unbind(), strict=True):
@@ -195,8 +199,8 @@ class DivergenceStop(StepCallback):
         self, trainer: L.Trainer, completed: list[tuple[int, dict[str, float]]]
     ) -> None:
         for step, values in completed:
-            if FLAG_KEYS[0] in values:
-                self._observe(trainer, step, [values[k] for k in FLAG_KEYS])
+            if FLAG_KEYS[0] in values:  # the other two are absent without a GradScaler
+                self._observe(trainer, step, [values.get(k, 0.0) for k in FLAG_KEYS])
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.active:
@@ -219,9 +223,6 @@ class DivergenceStop(StepCallback):
         set_stop_reason(trainer, REASON, self.describe())
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _mark(self, bad: torch.Tensor) -> None:
-        self._step_bad = bad if self._step_bad is None else self._step_bad | bad
-
     def _observe(self, trainer: L.Trainer, step: int, flags: list[float]) -> None:
         self.bad.update(bool(flags[0]), step)
         self.skipped.update(bool(flags[1]), step)
@@ -281,6 +282,16 @@ class DivergenceStop(StepCallback):
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # a resumed run starts from a finite checkpoint: nothing to carry
+
+
+def _any_not_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """1.0 (as a float32 device scalar) when any element of ``tensors`` is NaN or infinite, else
+    0.0; None for no tensors. One stack and one check, on the tensors' device."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in tensors])
+    return (~torch.isfinite(flat).all()).to(torch.float32)
 
 
 def _grad_scaler(trainer: L.Trainer) -> Any:
