@@ -205,30 +205,36 @@ def test_the_built_in_order_is_one_list_and_subclasses_keep_their_place():
     assert order_of(MyLog()) == 10 and order_of(MyLate()) == 90 and order_of(Plain()) == 100
 
 
-@pytest.mark.parametrize("live", [True, False], ids=["callback_metrics", "self.log"])
+@pytest.mark.parametrize(
+    "live, clip",
+    [(True, None), (False, None), (True, 0.05)],
+    ids=["callback_metrics", "self.log", "clip-by-norm"],
+)
 def test_a_step_publishes_its_loss_once_and_takes_one_gradient_norm(
-    tmp_path, char_dataset, monkeypatch, live
+    tmp_path, char_dataset, monkeypatch, live, clip
 ):
     """Host time per step: ``train/loss`` is published on the micro-batch that ends the
     optimizer step only, straight into ``trainer.callback_metrics`` (no ``self.log``, ~0.35 ms a
     call), and the run log and the divergence stop share one gradient norm. What the run log
     writes and a callback reads is unchanged: every step's loss is its last micro-batch's. The
     fallback for a Lightning whose callback_metrics is a copy (``live`` False) logs it instead.
-    Mutations caught: publishing every micro-batch (4 per step here), one norm per callback (2
-    per step), a published loss that is not the step's last micro-batch's, ``self.log`` on the
+    One pass over the gradients a step (``torch._foreach_norm``), the clip's included: the clip
+    by norm uses the norm the run log records, and really clips (the gradients the optimizer
+    stepped with have the clip's norm). Mutations caught: publishing every micro-batch (4 per
+    step here), one norm per callback or one more for the clip (2 per step), a clip that skips
+    clipping, a published loss that is not the step's last micro-batch's, ``self.log`` on the
     fast route, a fallback that drops the loss."""
-    import nanolab.callbacks.jsonl as jsonl
     import nanolab.training.module as module_mod
     from nanolab.training.module import GPTLightningModule
 
-    norms, published, logged, last_loss, seen = [0], [], [], {}, {}
-    real_norm = jsonl.gradient_norm
+    norms, published, logged, last_loss, seen, stepped = [0], [], [], {}, {}, []
+    real_foreach_norm = torch._foreach_norm
 
     def counting_norm(*args, **kwargs):
         norms[0] += 1
-        return real_norm(*args, **kwargs)
+        return real_foreach_norm(*args, **kwargs)
 
-    monkeypatch.setattr(jsonl, "gradient_norm", counting_norm)
+    monkeypatch.setattr(torch, "_foreach_norm", counting_norm)
     monkeypatch.setattr(module_mod, "callback_metrics_are_live", lambda trainer: live)
     real_log, real_step = GPTLightningModule.log, GPTLightningModule.training_step
     real_publish = GPTLightningModule.publish_train_loss
@@ -247,6 +253,16 @@ def test_a_step_publishes_its_loss_once_and_takes_one_gradient_norm(
         return loss
 
     class Reader(StepCallback):
+        def on_run_start(self, trainer, pl_module):
+            def after_step(optimizer, args, kwargs):  # the gradients the optimizer stepped with
+                grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+                norm = torch.linalg.vector_norm(
+                    torch.stack([g.norm() for g in grads if g is not None])
+                )
+                stepped.append(float(norm))
+
+            trainer.optimizers[0].register_step_post_hook(after_step)
+
         def on_step(self, trainer, pl_module, step):
             seen[step] = float(trainer.callback_metrics["train/loss"])
 
@@ -255,7 +271,7 @@ def test_a_step_publishes_its_loss_once_and_takes_one_gradient_norm(
     monkeypatch.setattr(GPTLightningModule, "training_step", training_step)
     run = tmp_path / "run"
     fit(run, char_dataset, [MetricsLog(), DivergenceStop(), Reader()], max_steps=5,
-        eval_every=100, accumulate=4)  # fmt: skip
+        eval_every=100, accumulate=4, gradient_clip_val=clip)  # fmt: skip
     assert published == [0, 1, 2, 3, 4]
     train_logs = [step for step, name in logged if name == "train/loss"]
     assert train_logs == ([] if live else [0, 1, 2, 3, 4])
@@ -265,6 +281,12 @@ def test_a_step_publishes_its_loss_once_and_takes_one_gradient_norm(
     for r in train:
         assert r["loss"] == pytest.approx(last_loss[r["step"]], rel=1e-6)
         assert r["grad_norm"] > 0
+    logged_norms = [r["grad_norm"] for r in train]
+    if clip is None:
+        assert stepped == pytest.approx(logged_norms, rel=1e-5)
+    else:
+        assert min(logged_norms) > 4 * clip  # the clip binds at every step
+        assert stepped == pytest.approx([clip] * 5, rel=1e-4)
     assert seen == pytest.approx({step: last_loss[step] for step in range(1, 6)}, rel=1e-6)
 
 

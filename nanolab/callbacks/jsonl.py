@@ -57,6 +57,7 @@ from nanolab.runlog import (
     last_record,
     read_records,
 )
+from nanolab.training import grad_norm
 from nanolab.training.module import TRAIN_LOSS, GPTLightningModule
 
 __all__ = ["MetricsLog", "read_records"]
@@ -257,6 +258,10 @@ class MetricsLog(StepCallback):
     ) -> None:
         # Only on steps that will be logged; kept as a tensor (no sync) until the record is built.
         if self.active and self._logs_step(trainer.global_step + 1):
+            if module_takes_gradient_norm(pl_module):
+                pl_module.request_gradient_norm()  # taken by its clip, after every hook
+                self._grad_norm = FROM_MODULE
+                return
             if self._params is None:
                 self._params = list(pl_module.parameters())
             self._grad_norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
@@ -269,6 +274,8 @@ class MetricsLog(StepCallback):
         grad_norm, self._grad_norm = self._grad_norm, None
         if self._writer is None:
             return
+        if grad_norm is FROM_MODULE:
+            grad_norm = getattr(pl_module, "step_gradient_norm", None)
         metrics = fresh_metrics(trainer, training=True)
         if grad_norm is None:
             grad_norm = engine_gradient_norm(trainer)
@@ -509,26 +516,22 @@ def step_gradient_norm(
 def gradient_norm(
     pl_module: L.LightningModule, params: list[torch.nn.Parameter] | None = None
 ) -> torch.Tensor | None:
-    """Global L2 norm of the gradients, as a tensor (no host sync); ``None`` if none are visible.
+    """Global L2 norm of the gradients, as a tensor (no host sync); ``None`` if none are visible
+    (:func:`nanolab.training.grad_norm.gradient_norm`). ``params`` (the module's parameters,
+    listed once per fit) saves walking the module tree each step."""
+    return grad_norm.gradient_norm(params if params is not None else pl_module.parameters())
 
-    ``params`` (the module's parameters, listed once per fit) saves walking the module tree each
-    step; plain tensors on one device take a single ``_foreach_norm``. That is torch's private
-    API: the public ``get_total_norm`` makes the same per-tensor pass but also reduces the norms
-    in the gradients' dtype, which rounds the result to 3 digits under ``bf16-true``.
-    """
-    grads = [p.grad for p in (params if params is not None else pl_module.parameters())]
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return None  # e.g. DeepSpeed keeps partitioned gradients outside .grad
-    first = grads[0]
-    if type(first) is torch.Tensor and all(
-        type(g) is torch.Tensor and g.device == first.device for g in grads
-    ):
-        norms = torch._foreach_norm(grads)
-        return torch.linalg.vector_norm(torch.stack(norms).float())
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # DTensor / mixed devices
-    full_tensor = getattr(total, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else total
+
+#: ``MetricsLog._grad_norm`` on a step whose norm the module takes (read after the step).
+FROM_MODULE = object()
+
+
+def module_takes_gradient_norm(pl_module: L.LightningModule) -> bool:
+    """Whether ``pl_module`` takes each step's gradient norm itself, after every hook, for its
+    clip and the readers (:meth:`GPTLightningModule.takes_gradient_norm`): then a reader asks
+    for it with ``request_gradient_norm()`` before the step and reads ``step_gradient_norm``
+    after it, instead of taking its own."""
+    return isinstance(pl_module, GPTLightningModule) and pl_module.takes_gradient_norm()
 
 
 def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
+from nanolab.training.grad_norm import clip_with_norm, norm_of, plain_on_one_device
 from nanolab.training.optim import (
     OptimizerConfig,
     ScheduleConfig,
@@ -71,6 +72,12 @@ class GPTLightningModule(L.LightningModule):
         self.model: GPT | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._live_callback_metrics: bool | None = None  # per fit: publish_train_loss's route
+        #: This optimizer step's global gradient norm (before clipping; float32, on the device)
+        #: when the clip or a reader needed it; None otherwise. See configure_gradient_clipping.
+        self.step_gradient_norm: torch.Tensor | None = None
+        self._norm_requested = False
+        self._whole_gradients: bool | None = None  # per fit: no strategy shards the gradients
+        self._param_list: list[torch.nn.Parameter] | None = None  # per fit, listed once
         if self.gpt_config.vocab_size is not None:
             self.model = self._build_model()
 
@@ -229,12 +236,71 @@ class GPTLightningModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip a fused optimizer's gradients too (nanolab/training/fused_amp.py says why
-        Lightning's AMP plugin refuses to); every other optimizer takes Lightning's path."""
-        if handles_unscaling(optimizer) and not self._engine_clips():
-            clip_gradients(optimizer, gradient_clip_val or 0.0, gradient_clip_algorithm or "norm")
+        """Take the step's gradient norm once (:mod:`nanolab.training.grad_norm`) and clip.
+
+        Lightning calls this after every ``on_before_optimizer_step`` hook and before the step,
+        with the gradients unscaled under fp16: the norm the run log and the divergence stop
+        read (:attr:`step_gradient_norm`) is the one the clip used. Clipping by norm reuses it
+        where every rank holds whole gradients as plain tensors on one device (one device, DDP);
+        sharded gradients (FSDP2, FSDP) take Lightning's clip, DeepSpeed's engine clips itself.
+        A fused optimizer is clipped here too (Lightning's AMP plugin refuses to,
+        nanolab/training/fused_amp.py says why).
+        """
+        requested, self._norm_requested = self._norm_requested, False
+        self.step_gradient_norm = None
+        if self._engine_clips():  # its gradients are not in .grad; it reports its own norm
+            super().configure_gradient_clipping(
+                optimizer, gradient_clip_val, gradient_clip_algorithm
+            )
+            return
+        clip_val = float(gradient_clip_val or 0.0)
+        algorithm = str(gradient_clip_algorithm or "norm").lower()
+        by_norm = clip_val > 0 and not algorithm.endswith("value")
+        if by_norm or requested:
+            params = self._params_with_grads()
+            grads = [p.grad for p in params]
+            norm = self.step_gradient_norm = norm_of(grads)
+            if (
+                by_norm
+                and norm is not None
+                and self._gradients_whole()
+                and plain_on_one_device(grads)
+            ):
+                clip_with_norm(params, clip_val, norm)
+                return
+        if clip_val <= 0:
+            return
+        if handles_unscaling(optimizer):
+            clip_gradients(optimizer, clip_val, gradient_clip_algorithm or "norm")
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def request_gradient_norm(self) -> None:
+        """Have this optimizer step's gradient norm taken into :attr:`step_gradient_norm` even
+        if the clip does not need it (the run log and the divergence stop ask in their
+        ``on_before_optimizer_step``, and read it once the step is done)."""
+        self._norm_requested = True
+
+    def takes_gradient_norm(self) -> bool:
+        """Whether :meth:`configure_gradient_clipping` (this class's, not overridden) runs every
+        optimizer step (automatic optimization): then readers request the norm and read
+        :attr:`step_gradient_norm`, else they take their own in ``on_before_optimizer_step``."""
+        hook = type(self).configure_gradient_clipping
+        return (
+            self.automatic_optimization and hook is GPTLightningModule.configure_gradient_clipping
+        )
+
+    def _params_with_grads(self) -> list[torch.nn.Parameter]:
+        if self._param_list is None:
+            self._param_list = list(self.parameters())
+        return [p for p in self._param_list if p.grad is not None]
+
+    def _gradients_whole(self) -> bool:
+        """Whether each rank holds whole gradients (no FSDP / DeepSpeed sharding), per fit."""
+        if self._whole_gradients is None:
+            strategy = self.trainer.strategy if self._trainer is not None else None
+            self._whole_gradients = not shards_parameters(strategy)
+        return self._whole_gradients
 
     def _engine_clips(self) -> bool:
         """DeepSpeed clips inside its engine (``gradient_clipping`` in its config)."""
@@ -337,7 +403,9 @@ class GPTLightningModule(L.LightningModule):
         return ", ".join(changed) or None
 
     def on_fit_start(self) -> None:
-        self._live_callback_metrics = None  # another Trainer, maybe: ask it again
+        # Another Trainer, maybe: ask again. The parameters may have been replaced since
+        # __init__ (FSDP2 shards them in configure_model).
+        self._live_callback_metrics = self._whole_gradients = self._param_list = None
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);
         # otherwise every step re-faults it from the OS (~2.5% of a CPU step, measured).
         if self.device.type == "cpu":
