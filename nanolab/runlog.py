@@ -174,9 +174,13 @@ def _clean(value: Any) -> Any:
     return value
 
 
+#: One encoder for every record: ``json.dumps`` with these options builds a new one per call.
+_ENCODER = json.JSONEncoder(default=str, allow_nan=False, separators=(",", ":"))
+
+
 def dumps(record: dict[str, Any]) -> str:
     """One record as one line of strict JSON (non-finite floats -> null, unknown types -> str)."""
-    return json.dumps(_clean(record), default=str, allow_nan=False, separators=(",", ":"))
+    return _ENCODER.encode(_clean(record))
 
 
 class RunLogWriteError(NanolabError):

@@ -265,3 +265,19 @@ def test_a_collapsed_loss_scale_stops_a_gpu_run(char_dataset, tmp_path):
     assert trainer.global_step in (17, 18)
     assert stop_reason(trainer) == ("diverged", COLLAPSE)
     assert div.record_fields(trainer, "end")["skipped_steps"] == 17
+
+
+def test_a_steps_losses_and_norm_are_checked_in_one_device_op():
+    """The step's check (``_any_not_finite``): scalars of mixed dtypes (a bf16-true loss, a
+    float32 norm) and non-scalar values alike; any NaN or inf in any of them flags the step."""
+    from nanolab.callbacks.divergence import _any_not_finite
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert _any_not_finite([]) is None
+    fine = [torch.tensor(2.5, dtype=bf16), torch.tensor(2.4, dtype=bf16), torch.tensor(1e4)]
+    assert float(_any_not_finite(fine)) == 0.0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert float(_any_not_finite([*fine[:2], torch.tensor(bad, dtype=f32)])) == 1.0
+        assert float(_any_not_finite([torch.tensor(bad, dtype=bf16), fine[2]])) == 1.0
+    assert float(_any_not_finite([fine[0], torch.tensor([1.0, float("nan")])])) == 1.0
+    assert _any_not_finite(fine).dtype == f32

@@ -300,7 +300,10 @@ def _any_not_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if not tensors:
         return None
     device = tensors[0].device
-    flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in tensors])
+    if all(t.dim() == 0 and t.device == device for t in tensors):  # losses and a norm: scalars
+        flat = torch.stack(tensors)  # promotes mixed dtypes (a bf16 loss, a float32 norm)
+    else:
+        flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in tensors])
     return (~torch.isfinite(flat).all()).to(torch.float32)
 
 
