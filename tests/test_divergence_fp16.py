@@ -280,4 +280,4 @@ def test_a_steps_losses_and_norm_are_checked_in_one_device_op():
         assert float(_any_not_finite([*fine[:2], torch.tensor(bad, dtype=f32)])) == 1.0
         assert float(_any_not_finite([torch.tensor(bad, dtype=bf16), fine[2]])) == 1.0
     assert float(_any_not_finite([fine[0], torch.tensor([1.0, float("nan")])])) == 1.0
-    assert _any_not_finite(fine).dtype == f32
+    assert _any_not_finite(fine).dtype == torch.bool

@@ -185,8 +185,11 @@ class DivergenceStop(StepCallback):
         if before is None and not gathered:  # the common case: one flag, nothing to reduce
             readout.put(FLAG_KEYS[0], 0.0 if bad is None else bad)
             return
-        if bad is None:
-            bad = torch.zeros((), dtype=torch.float32, device=pl_module.device)
+        bad = (
+            torch.zeros((), dtype=torch.float32, device=pl_module.device)
+            if bad is None
+            else bad.to(torch.float32)
+        )
         skipped, scale = torch.zeros_like(bad), torch.zeros_like(bad)
         after = _scale_tensor(_grad_scaler(trainer)) if before is not None else None
         if before is not None and after is not None:
@@ -295,8 +298,8 @@ class DivergenceStop(StepCallback):
 
 
 def _any_not_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """1.0 (as a float32 device scalar) when any element of ``tensors`` is NaN or infinite, else
-    0.0; None for no tensors. One stack and one check, on the tensors' device."""
+    """True (a bool device scalar) when any element of ``tensors`` is NaN or infinite; None for
+    no tensors. One stack and one check, on the tensors' device."""
     if not tensors:
         return None
     device = tensors[0].device
@@ -304,7 +307,7 @@ def _any_not_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         flat = torch.stack(tensors)  # promotes mixed dtypes (a bf16 loss, a float32 norm)
     else:
         flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in tensors])
-    return (~torch.isfinite(flat).all()).to(torch.float32)
+    return torch.logical_not(torch.isfinite(flat).all())  # the readout reads it as 1.0 / 0.0
 
 
 def _grad_scaler(trainer: L.Trainer) -> Any:
