@@ -43,7 +43,7 @@ from nanolab.callbacks.events import (
     set_stop_reason,
     stop_reason,
 )
-from nanolab.callbacks.jsonl import module_takes_gradient_norm, step_gradient_norm
+from nanolab.callbacks.jsonl import read_gradient_norm, step_gradient_norm
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
 
@@ -124,7 +124,7 @@ class DivergenceStop(StepCallback):
         # This optimizer step's losses (one per micro-batch) and gradient norm, on the device:
         # checked together once the step is done (a few device ops a step, not a few each).
         self._watched: list[torch.Tensor] = []
-        self._norm_from_module = False  # this step's norm comes from the module's clip
+        self._norm: Any = None  # this step's gradient norm, as step_gradient_norm answered
         self._scale_before: torch.Tensor | None = None  # the GradScaler's scale before the step
         self._params: list[torch.nn.Parameter] | None = None
 
@@ -135,7 +135,7 @@ class DivergenceStop(StepCallback):
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.bad, self.skipped = Streak(), Streak()
-        self._watched, self._scale_before, self._norm_from_module = [], None, False
+        self._watched, self._scale_before, self._norm = [], None, None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -152,15 +152,9 @@ class DivergenceStop(StepCallback):
             return
         if not self.check_grad_norm:
             return
-        if module_takes_gradient_norm(pl_module):
-            pl_module.request_gradient_norm()  # taken by its clip, read in step_values
-            self._norm_from_module = True
-            return
         if self._params is None:
             self._params = list(pl_module.parameters())
-        norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
-        if norm is not None:
-            self._watched.append(norm.detach())
+        self._norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
 
     def on_micro_batch(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any
@@ -173,11 +167,9 @@ class DivergenceStop(StepCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
     ) -> None:
         watched, self._watched = self._watched, []
-        if self._norm_from_module:
-            self._norm_from_module = False
-            norm = getattr(pl_module, "step_gradient_norm", None)
-            if norm is not None:
-                watched.append(norm.detach())
+        norm, self._norm = read_gradient_norm(self._norm, pl_module), None
+        if norm is not None:
+            watched.append(norm.detach())
         before, self._scale_before = self._scale_before, None
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         gathered = trainer.world_size > 1 and distributed

@@ -258,10 +258,6 @@ class MetricsLog(StepCallback):
     ) -> None:
         # Only on steps that will be logged; kept as a tensor (no sync) until the record is built.
         if self.active and self._logs_step(trainer.global_step + 1):
-            if module_takes_gradient_norm(pl_module):
-                pl_module.request_gradient_norm()  # taken by its clip, after every hook
-                self._grad_norm = FROM_MODULE
-                return
             if self._params is None:
                 self._params = list(pl_module.parameters())
             self._grad_norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
@@ -274,8 +270,7 @@ class MetricsLog(StepCallback):
         grad_norm, self._grad_norm = self._grad_norm, None
         if self._writer is None:
             return
-        if grad_norm is FROM_MODULE:
-            grad_norm = getattr(pl_module, "step_gradient_norm", None)
+        grad_norm = read_gradient_norm(grad_norm, pl_module)
         metrics = fresh_metrics(trainer, training=True)
         if grad_norm is None:
             grad_norm = engine_gradient_norm(trainer)
@@ -504,9 +499,17 @@ def step_gradient_norm(
     trainer: L.Trainer,
     pl_module: L.LightningModule,
     params: list[torch.nn.Parameter] | None = None,
-) -> torch.Tensor | None:
-    """:func:`gradient_norm` of this optimizer step, taken once for every callback that reads
-    it (the run log, the divergence stop): each pass over the gradients costs host time."""
+) -> Any:
+    """This optimizer step's gradient norm for a reader, asked in ``on_before_optimizer_step``
+    and turned into a tensor by :func:`read_gradient_norm` after the step: taken once for every
+    reader (the clip, the run log, the divergence stop), as each pass over the gradients costs.
+
+    nanolab's module takes it in its clip, after every hook (:data:`FROM_MODULE` is returned
+    and the module is asked for it); for another module, :func:`gradient_norm` now, shared
+    through the run's clock."""
+    if module_takes_gradient_norm(pl_module):
+        pl_module.request_gradient_norm()
+        return FROM_MODULE
     if clock is None:
         return gradient_norm(pl_module, params)
     step = int(trainer.global_step)
@@ -522,8 +525,13 @@ def gradient_norm(
     return grad_norm.gradient_norm(params if params is not None else pl_module.parameters())
 
 
-#: ``MetricsLog._grad_norm`` on a step whose norm the module takes (read after the step).
+#: :func:`step_gradient_norm` on a step whose norm the module takes (read after the step).
 FROM_MODULE = object()
+
+
+def read_gradient_norm(asked: Any, pl_module: L.LightningModule) -> torch.Tensor | None:
+    """After the step: what :func:`step_gradient_norm` returned, as the norm tensor (or None)."""
+    return getattr(pl_module, "step_gradient_norm", None) if asked is FROM_MODULE else asked
 
 
 def module_takes_gradient_norm(pl_module: L.LightningModule) -> bool:
