@@ -2,12 +2,15 @@
 
 Each round runs (a) ``nanolab fit`` on the config — with its default callbacks, periodic
 evaluation and checkpoints, exactly as a user runs it — and (b) the plain loop of
-:mod:`nanolab.bench.plain_loop` on the same resolved config, one after the other; rounds
-alternate which side goes first so drift on a shared machine hits both. Both sides report the
-wall time at the end of every optimizer step; steady-state tokens/s is
-``tokens per step / median step interval`` after ``--warmup`` steps, where nanolab's intervals
-that contain an evaluation or checkpoint are left out (those are goodput's business, reported
-separately from the run's own ``end`` record).
+:mod:`nanolab.bench.plain_loop` on the same resolved config, with the same validations, task
+scoring and checkpoints at the same steps (:mod:`nanolab.bench.plain_evals`), one after the
+other; rounds alternate which side goes first so drift on a shared machine hits both. Both
+sides report the wall time at the end of every optimizer step; steady-state tokens/s is
+``tokens per step / median step interval`` after ``--warmup`` steps, where the intervals that
+contain an evaluation or checkpoint are left out (those are goodput's business, reported
+separately from the run's own ``end`` record). Two more ratios take that work in: over the
+whole step window after warm-up, and end to end (each process's start to its exit, start-up
+and the final scoring and save included).
 
 A ratio means something only when each side is steady from round to round: the run-to-run
 spread of each side's tokens/s and of the per-round ratio (max - min over the median) is
@@ -49,6 +52,8 @@ class SideResult:
     startup_s: float  # process start -> end of the first optimizer step
     steps: int
     losses: dict[int, float]  # optimizer step -> loss of its last micro-batch (plain: sampled)
+    wall_s: float  # process start -> exit: start-up, steps, evaluations, saves, teardown
+    val_losses: dict[int, float]  # optimizer step -> validation loss (none: steps only)
 
 
 @dataclass
@@ -142,6 +147,7 @@ def run_nanolab(
     ]  # fmt: skip
     t0 = time.time()
     _run(cmd, "nanolab fit", env)
+    wall = time.time() - t0
     run_dir = runs / tag
     records = read_records(run_dir / "metrics.jsonl")
     start = next(r for r in records if r["event"] == "start")
@@ -153,7 +159,7 @@ def run_nanolab(
     for r in records:
         if r["event"] == "train":
             index += 1
-        elif r["event"] in ("val", "checkpoint") and index >= 0:
+        elif r["event"] in ("val", "tasks", "checkpoint") and index >= 0:
             skip.add(index + 1)
     ends = [r["time"] for r in train]
     tokens_per_step = int(start.get("global_batch_tokens") or 0)
@@ -166,6 +172,12 @@ def run_nanolab(
             startup_s=ends[0] - t0,
             steps=len(ends),
             losses={int(r["step"]): r["loss"] for r in train if r.get("loss") is not None},
+            wall_s=wall,
+            val_losses={
+                int(r["step"]): r["val/loss"]
+                for r in records
+                if r["event"] == "val" and r.get("val/loss") is not None
+            },
             goodput=end.get("goodput"),
             data_wait_s=(end.get("time_breakdown") or {}).get("data_wait_s"),
             mfu=_median([r.get("mfu") for r in train[warmup:]]),
@@ -179,16 +191,21 @@ def run_nanolab(
 def run_plain(
     config_yaml: Path, steps: int, warmup: int, work: Path, driver: str = "plain"
 ) -> SideResult:
-    """The plain loop (``driver="plain"``) or the same setup under a bare Lightning Trainer
-    (``"lightning"``), in its own process."""
+    """The plain loop (``driver="plain"``), which validates, scores tasks and saves at the
+    config's cadence as ``nanolab fit`` does, or the same training steps under a bare Lightning
+    Trainer (``"lightning"``, steps only), in its own process."""
     out = work / f"{driver}.json"
     t0 = time.time()
     cmd = [sys.executable, "-m", "nanolab.bench.plain_loop", "--config", str(config_yaml)]
     cmd += ["--steps", str(steps), "--out", str(out), "--driver", driver]
+    if driver == "plain":
+        cmd += ["--checkpoint-dir", str(work / "plain-checkpoints")]
     _run(cmd, "plain loop" if driver == "plain" else "bare Lightning loop")
+    wall = time.time() - t0
     result = json.loads(out.read_text())
     ends = result["step_ends"]
-    rate, window, median = _steady_rate(ends, int(result["tokens_per_step"]), warmup, set())
+    busy = set(result.get("busy_steps", []))  # the interval after such a step holds the work
+    rate, window, median = _steady_rate(ends, int(result["tokens_per_step"]), warmup, busy)
     return SideResult(
         tokens_per_s=rate,
         median_step_s=median,
@@ -196,6 +213,8 @@ def run_plain(
         startup_s=ends[0] - t0,
         steps=len(ends),
         losses={int(step): float(loss) for step, loss in result["losses"]},
+        wall_s=wall,
+        val_losses={int(step): float(loss) for step, loss in result.get("val_losses", [])},
     )
 
 
@@ -342,6 +361,14 @@ def benchmark(
         ]
         return {"max": max(gaps) if gaps else None, "steps_compared": len(gaps)}
 
+    # ... and validated the same model the same way at the same steps.
+    val_gaps = [
+        abs(n.val_losses[step] - loss)
+        for n, p in zip(nano, plain, strict=True)
+        for step, loss in p.val_losses.items()
+        if step in n.val_losses
+    ]
+
     res = {
         "configs": configs,
         "overrides": overrides,
@@ -361,6 +388,20 @@ def benchmark(
         "loss_gap": loss_gap(list(nano)),  # nanolab vs the plain loop
         "nanolab_window_tokens_per_s": _stats([n.window_tokens_per_s for n in nano]),
         "plain_window_tokens_per_s": _stats([p.window_tokens_per_s for p in plain]),
+        "window_ratio": _stats(
+            [
+                n.window_tokens_per_s / p.window_tokens_per_s
+                for n, p in zip(nano, plain, strict=True)
+            ]
+        ),
+        # the whole process, start to exit, both sides doing the same evaluations and saves
+        "nanolab_wall_s": _stats([n.wall_s for n in nano]),
+        "plain_wall_s": _stats([p.wall_s for p in plain]),
+        "end_to_end_ratio": _stats([p.wall_s / n.wall_s for n, p in zip(nano, plain, strict=True)]),
+        "val_loss_gap": {
+            "max": max(val_gaps) if val_gaps else None,
+            "steps_compared": len(val_gaps),
+        },
         "nanolab_startup_s": _stats([n.startup_s for n in nano]),
         "plain_startup_s": _stats([p.startup_s for p in plain]),
         "goodput": _stats([n.goodput for n in nano if n.goodput is not None] or [float("nan")]),
@@ -440,6 +481,12 @@ def format_table(res: dict[str, Any]) -> str:
         row("syncs per step, nanolab", syncs["per_step"], ".0f", note)
     row("nanolab tokens/s (whole window)", res["nanolab_window_tokens_per_s"], ",.0f")
     row("plain tokens/s (whole window)", res["plain_window_tokens_per_s"], ",.0f")
+    if res.get("window_ratio"):
+        row("ratio, whole window", res["window_ratio"], ".3f", "evaluations and saves included")
+    if res.get("end_to_end_ratio"):
+        row("end to end, nanolab s", res["nanolab_wall_s"], ".1f", "process start to exit")
+        row("end to end, plain s", res["plain_wall_s"], ".1f")
+        row("ratio, end to end", res["end_to_end_ratio"], ".3f", "plain s / nanolab s")
     row("start-up to first step, nanolab s", res["nanolab_startup_s"], ".2f")
     row("start-up to first step, plain s", res["plain_startup_s"], ".2f")
     row("goodput, nanolab", res["goodput"], ".3f")
@@ -447,6 +494,10 @@ def format_table(res: dict[str, Any]) -> str:
     if gap.get("max") is not None:  # both sides trained the same thing
         note = f"nanolab vs plain, {gap['steps_compared']} steps compared"
         one("|loss gap| at the same steps, max", f"{gap['max']:.2g}", note)
+    gap = res.get("val_loss_gap") or {}
+    if gap.get("max") is not None:  # both sides validated the same model
+        note = f"nanolab vs plain, {gap['steps_compared']} validations compared"
+        one("|val loss gap|, max", f"{gap['max']:.2g}", note)
     gap = res.get("lightning_loss_gap") or {}
     if gap.get("max") is not None:
         note = f"bare Lightning vs plain, {gap['steps_compared']} steps compared"

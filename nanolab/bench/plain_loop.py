@@ -154,17 +154,31 @@ def train(
     device: torch.device,
     log_every: int = 1,
     precision: str | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; return the wall time at the end of each one.
 
     The loss is read every ``log_every`` steps: every step by default, the one host sync per
-    step that ``nanolab fit`` makes too. ``precision``: see :func:`build`."""
+    step that ``nanolab fit`` makes too. ``precision``: see :func:`build`. ``checkpoint_dir``:
+    also validate, score tasks and save checkpoints there at the config's cadence, as ``fit``
+    does (:mod:`nanolab.bench.plain_evals`); the steps followed by such work are returned as
+    ``busy_steps``."""
     s = build(config, device, precision)
     model, optimizer, scheduler, precision = s.model, s.optimizer, s.scheduler, s.precision
     accumulate, clip, batch = s.accumulate, s.clip, s.batch
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
+    between = None
+    if checkpoint_dir is not None:
+        from nanolab.bench.plain_evals import between_steps
+
+        micro = s.tokens_per_step // (accumulate * int(config["model"]["gpt"]["block_size"]))
+        between = between_steps(
+            config, model, optimizer, scheduler, lambda: _autocast(precision, device),
+            micro, device, checkpoint_dir,
+        )  # fmt: skip
     step_ends: list[float] = []
     losses: list[tuple[int, float]] = []  # (optimizer step, 1-based; its last micro-batch's loss)
+    busy_steps: list[int] = []  # steps followed by a validation, task scoring or checkpoint
     g = 0
     for step in range(steps):
         for _ in range(accumulate):
@@ -182,12 +196,19 @@ def train(
         scheduler.step()
         if step % log_every == 0 or step == steps - 1:
             losses.append((step + 1, loss.item()))  # the one host sync, as a loop would log
+        if device.type == "cuda" and step == steps - 1:
+            torch.cuda.synchronize()  # the last step ends when its queued work is done
         step_ends.append(time.time())
         _progress(step, steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        step_ends[-1] = time.time()
-    return {"step_ends": step_ends, "losses": losses, "tokens_per_step": s.tokens_per_step}
+        if between is not None and between.after_step(step + 1, last=step == steps - 1):
+            busy_steps.append(step + 1)
+    result = {"step_ends": step_ends, "losses": losses, "tokens_per_step": s.tokens_per_step}
+    if between is not None:
+        between.at_end(steps)
+        result.update(
+            busy_steps=busy_steps, val_losses=between.val_losses, task_scores=between.task_scores
+        )
+    return result
 
 
 def train_lightning(
@@ -302,10 +323,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--driver", choices=("plain", "lightning"), default="plain", help="the loop that trains"
     )
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="plain driver: also validate, score tasks and save checkpoints here at the "
+        "config's cadence, as nanolab fit does (without it: training steps only)",
+    )
     args = parser.parse_args(argv)
     config = yaml.safe_load(Path(args.config).read_text())
-    run = train if args.driver == "plain" else train_lightning
-    result = run(config, args.steps, torch.device(args.device))
+    device = torch.device(args.device)
+    if args.driver == "plain":
+        saves = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+        result = train(config, args.steps, device, checkpoint_dir=saves)
+    else:
+        result = train_lightning(config, args.steps, device)
     Path(args.out).write_text(json.dumps(result))
     return 0
 

@@ -1,0 +1,228 @@
+"""What the plain loop does between steps: validate, score the task suite, save a checkpoint.
+
+``nanolab fit`` validates, scores its in-loop tasks and saves checkpoints at the cadence its
+config gives; a loop that does none of that finishes sooner for reasons that are not speed. So
+the plain loop of ``nanolab bench`` does the same work at the same steps, the way a careful
+hand-written loop does it (nanoGPT's ``estimate_loss`` and ``torch.save``):
+
+* **validation** every ``run.eval_every_steps`` steps: the same ``data.val_windows`` fixed
+  windows of the validation split, in micro-batches, without gradients; the mean loss is read
+  (and returned, so the bench can check both sides validated the same model the same way);
+* **tasks** after every ``downstream.every_n_evals``-th validation and once more on the final
+  model: nanolab's own scorer on the same suite and limit (scoring is model work, not framework
+  work), eager even when the model is compiled, as ``fit`` scores them;
+* **checkpoints** every ``checkpoint.every_n_steps`` steps (after that step's validation) and at
+  the end: model, optimizer, LR schedule and step in one ``torch.save``, written to a temporary
+  name, fsynced and renamed, the newest ``checkpoint.keep_last`` kept and ``last.ckpt`` a hard
+  link to the newest (as nanolab's files are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanolab.data.datamodule import TokenWindows
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop validates, scores tasks and saves: a resolved ``config.yaml``'s settings."""
+
+    eval_every: int | None  # optimizer steps between validations; None: never
+    val_windows: int
+    suite: str | None  # downstream.suite; None: no tasks
+    tasks_every_n_evals: int
+    tasks_limit: int | None
+    tasks_rows: int | None
+    save_every: int | None  # optimizer steps between checkpoints; None: only at the end
+    keep_last: int
+    save_at_end: bool
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> Cadence:
+        run, data = config.get("run") or {}, config.get("data") or {}
+        tasks, ckpt = config.get("downstream") or {}, config.get("checkpoint") or {}
+        return cls(
+            eval_every=run.get("eval_every_steps"),
+            val_windows=int(data.get("val_windows") or 256),
+            suite=tasks.get("suite"),
+            tasks_every_n_evals=int(tasks.get("every_n_evals") or 1),
+            tasks_limit=tasks.get("limit"),
+            tasks_rows=tasks.get("rows"),
+            save_every=ckpt.get("every_n_steps"),
+            keep_last=max(1, int(ckpt.get("keep_last") or 1)),
+            save_at_end=bool(ckpt.get("save_on_train_end", True)),
+        )
+
+
+@dataclass
+class Between:
+    """The evaluation and checkpoint work of one plain-loop run, called after every step."""
+
+    cadence: Cadence
+    validate: Callable[[], float]
+    score_tasks: Callable[[], dict[str, float]] | None
+    save: Callable[[int], None]
+    val_losses: list[tuple[int, float]]
+    task_scores: list[tuple[int, dict[str, float]]]
+    validations: int = 0
+    last_scored: int = 0
+    last_saved: int = 0
+
+    def after_step(self, step: int, last: bool) -> bool:
+        """The work due after optimizer step ``step`` (1-based); True when there was any (the
+        next step interval then holds it and is not a steady-state one)."""
+        c, did = self.cadence, False
+        if c.eval_every and step % c.eval_every == 0:
+            self.val_losses.append((step, self.validate()))
+            self.validations += 1
+            did = True
+            if self.score_tasks and (self.validations % c.tasks_every_n_evals == 0 or last):
+                self._tasks(step)
+        if c.save_every and step % c.save_every == 0:
+            self.save(step)
+            self.last_saved, did = step, True
+        return did
+
+    def at_end(self, step: int) -> None:
+        """The final model is scored and saved, as ``fit`` does at the end of training."""
+        if self.score_tasks and self.last_scored != step:
+            self._tasks(step)
+        if self.cadence.save_at_end and self.last_saved != step:
+            self.save(step)
+            self.last_saved = step
+
+    def _tasks(self, step: int) -> None:
+        assert self.score_tasks is not None
+        self.task_scores.append((step, self.score_tasks()))
+        self.last_scored = step
+
+
+def between_steps(
+    config: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    forward_context: Callable[[], contextlib.AbstractContextManager],
+    micro_batch_size: int,
+    device: torch.device,
+    checkpoint_dir: Path,
+) -> Between:
+    """The validation, task scoring and saving a run of ``config`` does, on the plain loop's
+    model, optimizer and schedule. ``forward_context``: the training precision's autocast."""
+    cadence = Cadence.of(config)
+    block_size = int(config["model"]["gpt"]["block_size"])
+    dataset_dir = Path(config["data"]["dataset_dir"])
+    val = TokenWindows(dataset_dir / "val.bin", _token_dtype(dataset_dir), block_size)
+    starts = val.validation_keys(cadence.val_windows)
+    val_keys = [starts[i : i + micro_batch_size] for i in range(0, len(starts), micro_batch_size)]
+
+    def validate() -> float:
+        model.eval()
+        with torch.no_grad(), forward_context():
+            losses = []
+            for keys in val_keys:
+                x, y = (t.to(device) for t in val[keys])
+                losses.append(model(x, y)[1].float())
+        model.train()
+        return torch.stack(losses).mean().item()
+
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(step: int) -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+        }
+        path = checkpoint_dir / f"step-{step:08d}.ckpt"
+        _write_atomically(path, lambda f: torch.save(state, f))
+        last = checkpoint_dir / "last.tmp"
+        last.unlink(missing_ok=True)
+        os.link(path, last)
+        os.replace(last, checkpoint_dir / "last.ckpt")
+        for old in sorted(checkpoint_dir.glob("step-*.ckpt"))[: -cadence.keep_last]:
+            old.unlink()
+
+    return Between(
+        cadence=cadence,
+        validate=validate,
+        score_tasks=_task_scorer(config, model, cadence, forward_context, micro_batch_size, device),
+        save=save,
+        val_losses=[],
+        task_scores=[],
+    )
+
+
+def _task_scorer(
+    config: dict[str, Any],
+    model: torch.nn.Module,
+    cadence: Cadence,
+    forward_context: Callable[[], contextlib.AbstractContextManager],
+    micro_batch_size: int,
+    device: torch.device,
+) -> Callable[[], dict[str, float]] | None:
+    """Scoring of the config's task suite, or None where ``fit`` scores none (no suite, or one
+    this data's tokenizer cannot spell, which ``fit`` turns off with a warning)."""
+    if cadence.suite is None:
+        return None
+    from nanolab.data.tokenizers import load_tokenizer
+    from nanolab.downstream.scoring import evaluate_suite, suite_tokens
+    from nanolab.downstream.tasks import TaskFileError, load_suite
+
+    gpt = config["model"]["gpt"]
+    suite = load_suite(cadence.suite, cadence.tasks_limit)
+    tokenizer = load_tokenizer(config["data"]["dataset_dir"])
+    try:
+        suite_tokens(suite, tokenizer, int(gpt["block_size"]))
+    except TaskFileError:
+        return None
+
+    def score() -> dict[str, float]:
+        stance = getattr(torch.compiler, "set_stance", None)
+        eager = stance("force_eager") if stance is not None else contextlib.nullcontext()
+        with forward_context(), eager:
+            result = evaluate_suite(
+                model,
+                tokenizer,
+                suite,
+                block_size=int(gpt["block_size"]),
+                rows=int(cadence.tasks_rows or micro_batch_size),
+                vocab_size=int(gpt["vocab_size"]),
+                device=device,
+            )
+        return {k: float(v) for k, v in result.record().items() if isinstance(v, int | float)}
+
+    return score
+
+
+def _token_dtype(dataset_dir: Path) -> str:
+    from nanolab.data.prepare import read_meta
+
+    meta = read_meta(dataset_dir)
+    assert meta is not None, f"{dataset_dir} holds no prepared dataset"
+    return str(meta["dtype"])
+
+
+def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """``write(file)`` to a temporary name beside ``path``, fsynced, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
