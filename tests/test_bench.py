@@ -46,6 +46,8 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     for side in ("plain", "nanolab"):
         assert out[f"{side}_wall_s"]["min"] > out[f"{side}_startup_s"]["max"]
     assert 0.05 < out["end_to_end_ratio"]["median"] < 20 and out["window_ratio"]["min"] > 0
+    for side in ("plain", "nanolab"):  # at least the start-up is outside the steps
+        assert out[f"{side}_outside_steps_s"]["min"] > 0.5 * out[f"{side}_startup_s"]["min"]
     assert out["lightning_loss_gap"]["steps_compared"] == 32
     # The run-to-run spread of each side, and a verdict on whether the ratio can be read.
     assert set(out["spread"]) == {"nanolab", "plain loop", "ratio", "bare Lightning"}

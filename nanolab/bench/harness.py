@@ -78,6 +78,13 @@ def _steady_rate(
     return tokens_per_step / median, tokens_per_step * n / window, median
 
 
+def outside_steps(side: SideResult) -> float:
+    """Seconds of a side's run spent outside steady-state steps: its end-to-end time less its
+    steps at its median step interval (start-up, evaluations, saves and teardown, which the
+    end-to-end ratio mixes with the steady rate)."""
+    return side.wall_s - side.steps * side.median_step_s
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -398,6 +405,9 @@ def benchmark(
         "nanolab_wall_s": _stats([n.wall_s for n in nano]),
         "plain_wall_s": _stats([p.wall_s for p in plain]),
         "end_to_end_ratio": _stats([p.wall_s / n.wall_s for n, p in zip(nano, plain, strict=True)]),
+        # what end to end adds to the steady steps: start-up, evaluations, saves, teardown
+        "nanolab_outside_steps_s": _stats([outside_steps(n) for n in nano]),
+        "plain_outside_steps_s": _stats([outside_steps(p) for p in plain]),
         "val_loss_gap": {
             "max": max(val_gaps) if val_gaps else None,
             "steps_compared": len(val_gaps),
@@ -487,6 +497,9 @@ def format_table(res: dict[str, Any]) -> str:
         row("end to end, nanolab s", res["nanolab_wall_s"], ".1f", "process start to exit")
         row("end to end, plain s", res["plain_wall_s"], ".1f")
         row("ratio, end to end", res["end_to_end_ratio"], ".3f", "plain s / nanolab s")
+        note = "end to end - steps x median step"
+        row("outside steady steps, nanolab s", res["nanolab_outside_steps_s"], ".1f", note)
+        row("outside steady steps, plain s", res["plain_outside_steps_s"], ".1f")
     row("start-up to first step, nanolab s", res["nanolab_startup_s"], ".2f")
     row("start-up to first step, plain s", res["plain_startup_s"], ".2f")
     row("goodput, nanolab", res["goodput"], ".3f")
