@@ -46,6 +46,10 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     for side in ("plain", "nanolab"):
         assert out[f"{side}_wall_s"]["min"] > out[f"{side}_startup_s"]["max"]
     assert 0.05 < out["end_to_end_ratio"]["median"] < 20 and out["window_ratio"]["min"] > 0
+    # the same work timed on both sides: 5 validations and the save at the end (no tasks here)
+    assert set(out["extra_s"]) == {"eval_s", "tasks_s", "checkpoint_s"}
+    assert out["extra_s"]["tasks_s"]["min"] == out["extra_s"]["tasks_s"]["max"] == 0
+    assert set(out["startup_extra_s"]) == {"median", "min", "max"}
     for side in ("plain", "nanolab"):  # at least the start-up is outside the steps
         assert out[f"{side}_outside_steps_s"]["min"] > 0.5 * out[f"{side}_startup_s"]["min"]
     assert out["lightning_loss_gap"]["steps_compared"] == 32

@@ -66,6 +66,9 @@ def test_the_plain_loop_validates_scores_and_saves_where_fit_does(fitted, tmp_pa
     assert not list(saves.glob("*.tmp"))
 
     assert plain["busy_steps"] == [2, 3, 4, 6]  # step 7's work follows the last step
+    # each kind of work timed under the end record's names, for the bench's comparison
+    assert set(plain["time_breakdown"]) == {"eval_s", "tasks_s", "checkpoint_s"}
+    assert all(seconds > 0 for seconds in plain["time_breakdown"].values())
 
 
 def test_the_cadence_is_read_from_the_resolved_config(fitted):

@@ -43,6 +43,9 @@ from nanolab.tables import table
 #: alternating the sides cancels slow drift, so the paired ratio can be steady when they are not.)
 NOISY_SPREAD = 0.10
 
+#: The work both sides do outside the steps, by its ``time_breakdown`` key.
+PAUSES = {"eval_s": "validation", "tasks_s": "task scoring", "checkpoint_s": "saving"}
+
 
 @dataclass
 class SideResult:
@@ -54,6 +57,8 @@ class SideResult:
     losses: dict[int, float]  # optimizer step -> loss of its last micro-batch (plain: sampled)
     wall_s: float  # process start -> exit: start-up, steps, evaluations, saves, teardown
     val_losses: dict[int, float]  # optimizer step -> validation loss (none: steps only)
+    #: seconds validating, scoring tasks and saving (``eval_s``, ``tasks_s``, ``checkpoint_s``)
+    breakdown: dict[str, float]
 
 
 @dataclass
@@ -83,6 +88,21 @@ def outside_steps(side: SideResult) -> float:
     steps at its median step interval (start-up, evaluations, saves and teardown, which the
     end-to-end ratio mixes with the steady rate)."""
     return side.wall_s - side.steps * side.median_step_s
+
+
+def extra_seconds(nano: list[NanolabResult], plain: list[SideResult]) -> dict[str, Any]:
+    """Per kind of work both sides do outside the steps (validation, task scoring, saving):
+    nanolab's seconds for it minus the plain loop's, over the rounds where both timed it."""
+    out = {}
+    for kind in PAUSES:
+        diffs = [
+            n.breakdown[kind] - p.breakdown[kind]
+            for n, p in zip(nano, plain, strict=True)
+            if kind in n.breakdown and kind in p.breakdown
+        ]
+        if diffs:
+            out[kind] = _stats(diffs)
+    return out
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -185,6 +205,7 @@ def run_nanolab(
                 for r in records
                 if r["event"] == "val" and r.get("val/loss") is not None
             },
+            breakdown=end.get("time_breakdown") or {},
             goodput=end.get("goodput"),
             data_wait_s=(end.get("time_breakdown") or {}).get("data_wait_s"),
             mfu=_median([r.get("mfu") for r in train[warmup:]]),
@@ -222,6 +243,7 @@ def run_plain(
         losses={int(step): float(loss) for step, loss in result["losses"]},
         wall_s=wall,
         val_losses={int(step): float(loss) for step, loss in result.get("val_losses", [])},
+        breakdown=result.get("time_breakdown", {}),
     )
 
 
@@ -408,6 +430,10 @@ def benchmark(
         # what end to end adds to the steady steps: start-up, evaluations, saves, teardown
         "nanolab_outside_steps_s": _stats([outside_steps(n) for n in nano]),
         "plain_outside_steps_s": _stats([outside_steps(p) for p in plain]),
+        "extra_s": extra_seconds(nano, plain),
+        "startup_extra_s": _stats(
+            [n.startup_s - p.startup_s for n, p in zip(nano, plain, strict=True)]
+        ),
         "val_loss_gap": {
             "max": max(val_gaps) if val_gaps else None,
             "steps_compared": len(val_gaps),
@@ -500,6 +526,10 @@ def format_table(res: dict[str, Any]) -> str:
         note = "end to end - steps x median step"
         row("outside steady steps, nanolab s", res["nanolab_outside_steps_s"], ".1f", note)
         row("outside steady steps, plain s", res["plain_outside_steps_s"], ".1f")
+    for what, stats in [("start-up", res.get("startup_extra_s")),
+                        *((PAUSES[k], v) for k, v in (res.get("extra_s") or {}).items())]:  # fmt: skip
+        if stats:
+            row(f"{what}, nanolab - plain s", stats, "+.2f", "the same work on both sides")
     row("start-up to first step, nanolab s", res["nanolab_startup_s"], ".2f")
     row("start-up to first step, plain s", res["plain_startup_s"], ".2f")
     row("goodput, nanolab", res["goodput"], ".3f")

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,10 @@ class Between:
     save: Callable[[int], None]
     val_losses: list[tuple[int, float]]
     task_scores: list[tuple[int, dict[str, float]]]
+    #: seconds spent in each kind of work, named as the ``end`` record's ``time_breakdown``
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"eval_s": 0.0, "tasks_s": 0.0, "checkpoint_s": 0.0}
+    )
     validations: int = 0
     last_scored: int = 0
     last_saved: int = 0
@@ -81,14 +86,15 @@ class Between:
         next step interval then holds it and is not a steady-state one)."""
         c, did = self.cadence, False
         if c.eval_every and step % c.eval_every == 0:
-            self.val_losses.append((step, self.validate()))
+            with self._timed("eval_s"):
+                self.val_losses.append((step, self.validate()))
             self.validations += 1
             did = True
             if self.score_tasks and (self.validations % c.tasks_every_n_evals == 0 or last):
                 self._tasks(step)
         if c.save_every and step % c.save_every == 0:
-            self.save(step)
-            self.last_saved, did = step, True
+            self._save(step)
+            did = True
         return did
 
     def at_end(self, step: int) -> None:
@@ -96,13 +102,26 @@ class Between:
         if self.score_tasks and self.last_scored != step:
             self._tasks(step)
         if self.cadence.save_at_end and self.last_saved != step:
-            self.save(step)
-            self.last_saved = step
+            self._save(step)
 
     def _tasks(self, step: int) -> None:
         assert self.score_tasks is not None
-        self.task_scores.append((step, self.score_tasks()))
+        with self._timed("tasks_s"):
+            self.task_scores.append((step, self.score_tasks()))
         self.last_scored = step
+
+    def _save(self, step: int) -> None:
+        with self._timed("checkpoint_s"):
+            self.save(step)
+        self.last_saved = step
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] += time.perf_counter() - started
 
 
 def between_steps(

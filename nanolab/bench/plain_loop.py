@@ -206,7 +206,10 @@ def train(
     if between is not None:
         between.at_end(steps)
         result.update(
-            busy_steps=busy_steps, val_losses=between.val_losses, task_scores=between.task_scores
+            busy_steps=busy_steps,
+            val_losses=between.val_losses,
+            task_scores=between.task_scores,
+            time_breakdown=between.seconds,
         )
     return result
 
