@@ -222,3 +222,36 @@ def test_the_bare_sides_fp16_path_with_a_fused_optimizer_clips_unscaled_gradient
     for (step, expected), (_, got) in zip(plain["losses"], bare["losses"], strict=True):
         # fp16 rounds in a different order in the two loops: ~3e-6 apart; the bug: ~1e-2
         assert got == pytest.approx(expected, rel=2e-5), step
+
+
+REFUSED = {
+    "data.align": ["--set=--data.align=document"],
+    "data.datasets": ['--set=--data.datasets=[{"dir": "data/a", "weight": 1}]'],
+    "model.init_from": ["--set=--model.init_from=models/gpt2"],
+    "model.freeze": ["--set=--model.freeze.embeddings=true"],
+    "trainer.devices": ["--set=--trainer.devices=2"],
+    "model.class_path": ["--set=--model=smoothed_lm.SmoothedGPT"],
+}
+
+
+@pytest.mark.parametrize("field", list(REFUSED))
+def test_bench_refuses_what_the_plain_loop_would_not_train_the_same_way(
+    field, tmp_path, monkeypatch, capsys
+):
+    """A mixture, document-aligned windows, pretrained or frozen weights, several devices or a
+    fork's own module: the plain loop would time other work, so the ratio would not be
+    nanolab's overhead. One line naming the setting and the fix, exit 2, before any run."""
+    from nanolab.bench.harness import main
+
+    (tmp_path / "smoothed_lm.py").write_text(
+        "from nanolab.training.module import GPTLightningModule\n\n\n"
+        "class SmoothedGPT(GPTLightningModule):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code = main(["--config", str(QUICKSTART), *REFUSED[field]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"nanolab bench: error: {field}: the plain loop "), err[0]
+    assert "--set=" in err[0] or "bench" in err[0].split(";", 1)[1]
+    assert not (tmp_path / "runs").exists()

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nanolab.bench.comparable import check_comparable
 from nanolab.errors import one_line_errors
 from nanolab.runlog import read_records
 from nanolab.tables import table
@@ -574,7 +575,8 @@ def format_table(res: dict[str, Any]) -> str:
 
 def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) -> Any:
     """The config both sides will train, through the resolver ``nanolab fit`` uses: a setting
-    that cannot work is one line now, not a failed run after the first round's start-up.
+    that cannot work, or that the plain loop would not train the same way, is one line now,
+    not a failed run or a ratio of different work after the first round.
 
     ``overrides`` are the ``--key value`` pairs given to fit, read as fit reads them.
     """
@@ -589,7 +591,9 @@ def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) ->
         ]
     )
     trainer = config.get("trainer") or {}
-    return resolve(config, visible_gpus=visible_gpus(trainer.get("accelerator")))
+    resolved = resolve(config, visible_gpus=visible_gpus(trainer.get("accelerator")))
+    check_comparable(resolved)
+    return resolved
 
 
 @one_line_errors("nanolab bench")
