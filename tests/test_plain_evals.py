@@ -11,12 +11,13 @@ from conftest import nanolab_here, tiny_overrides, write_config
 
 @pytest.fixture
 def fitted(tmp_path, char_dataset):
-    """A 7-step tiny fit that validates every 2 steps, scores the cloze after every 2nd
-    validation and on the final model, and saves every 3 steps (and at the end)."""
+    """A 7-step tiny fit that validates every 2 steps (3 batches of 4), scores the cloze after
+    every 2nd validation and on the final model, and saves every 3 steps (and at the end)."""
     import yaml
 
     cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=7)
     cfg["run"]["eval_every_steps"] = 2
+    cfg["trainer"]["limit_val_batches"] = 3  # of the 4 batches of 16 windows
     cfg["downstream"] = {"suite": "builtin:shakespeare", "every_n_evals": 2, "limit": 12}
     cfg["checkpoint"] = {"every_n_steps": 3, "keep_last": 2}
     out = nanolab_here("fit", "--config", str(write_config(tmp_path / "t.yaml", cfg)), cwd=tmp_path)
@@ -32,7 +33,7 @@ def test_the_plain_loop_validates_scores_and_saves_where_fit_does(fitted, tmp_pa
     steps 3, 6 and 7 with the newest 2 kept and ``last.ckpt`` the newest, and the steps
     followed by that work are named so the bench leaves their intervals out of the steady rate.
 
-    Mutations caught: validating on other windows (the losses differ), scoring tasks after
+    Mutations caught: validating on other windows or all 4 batches (the losses differ), scoring tasks after
     every validation (steps 2, 4, 6, 7), no final save (step 7 missing), rotation keeping
     them all."""
     import torch
@@ -84,3 +85,23 @@ def test_the_cadence_is_read_from_the_resolved_config(fitted):
     quiet = {"downstream": {"suite": None}, "checkpoint": {"every_n_steps": None}}
     off = Cadence.of({**config, **quiet})
     assert off.suite is None and off.save_every is None
+
+
+def test_limit_val_batches_is_followed_as_lightning_reads_it(fitted, tmp_path):
+    """An int caps the validation batches, a fraction rounds down, 0 turns validation off (the
+    tasks then score the final model only, as ``fit`` does)."""
+    import torch
+
+    from nanolab.bench.plain_evals import limited
+    from nanolab.bench.plain_loop import train
+
+    assert [limited(4, x) for x in (None, 2, 9, 0.5, 0.3, 1.0, 0, 0.0)] == [4, 2, 4, 2, 1, 4, 0, 0]
+    config, _, _ = fitted
+    off = {**config, "trainer": {**config["trainer"], "limit_val_batches": 0}}
+    plain = train(off, 7, torch.device("cpu"), checkpoint_dir=tmp_path / "saves")
+    assert plain["val_losses"] == [] and [s for s, _ in plain["task_scores"]] == [7]
+    assert plain["busy_steps"] == [3, 6]
+    half = {**config, "trainer": {**config["trainer"], "limit_val_batches": 2}}
+    first_two = train(half, 2, torch.device("cpu"), checkpoint_dir=tmp_path / "half")
+    every = train(config, 2, torch.device("cpu"), checkpoint_dir=tmp_path / "all")
+    assert first_two["val_losses"][0][1] != pytest.approx(every["val_losses"][0][1], rel=1e-6)

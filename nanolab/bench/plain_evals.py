@@ -6,7 +6,8 @@ the plain loop of ``nanolab bench`` does the same work at the same steps, the wa
 hand-written loop does it (nanoGPT's ``estimate_loss`` and ``torch.save``):
 
 * **validation** every ``run.eval_every_steps`` steps: the same ``data.val_windows`` fixed
-  windows of the validation split, in micro-batches, without gradients; the mean loss is read
+  windows of the validation split, in micro-batches (``trainer.limit_val_batches`` of them, as
+  Lightning reads it), without gradients; the mean loss is read
   (and returned, so the bench can check both sides validated the same model the same way);
 * **tasks** after every ``downstream.every_n_evals``-th validation and once more on the final
   model: nanolab's own scorer on the same suite and limit (scoring is model work, not framework
@@ -23,7 +24,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ class Cadence:
 
     eval_every: int | None  # optimizer steps between validations; None: never
     val_windows: int
+    val_batches: int | float | None  # trainer.limit_val_batches: a count, a fraction or all
     suite: str | None  # downstream.suite; None: no tasks
     tasks_every_n_evals: int
     tasks_limit: int | None
@@ -48,11 +50,12 @@ class Cadence:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Cadence:
-        run, data = config.get("run") or {}, config.get("data") or {}
+        run, data, trainer = (config.get(k) or {} for k in ("run", "data", "trainer"))
         tasks, ckpt = config.get("downstream") or {}, config.get("checkpoint") or {}
         return cls(
             eval_every=run.get("eval_every_steps"),
             val_windows=int(data.get("val_windows") or 256),
+            val_batches=trainer.get("limit_val_batches"),
             suite=tasks.get("suite"),
             tasks_every_n_evals=int(tasks.get("every_n_evals") or 1),
             tasks_limit=tasks.get("limit"),
@@ -142,6 +145,9 @@ def between_steps(
     val = TokenWindows(dataset_dir / "val.bin", _token_dtype(dataset_dir), block_size)
     starts = val.validation_keys(cadence.val_windows)
     val_keys = [starts[i : i + micro_batch_size] for i in range(0, len(starts), micro_batch_size)]
+    val_keys = val_keys[: limited(len(val_keys), cadence.val_batches)]
+    if not val_keys:  # limit_val_batches 0: Lightning runs no validation at all
+        cadence = replace(cadence, eval_every=None)
 
     def validate() -> float:
         model.eval()
@@ -221,6 +227,16 @@ def _task_scorer(
         return {k: float(v) for k, v in result.record().items() if isinstance(v, int | float)}
 
     return score
+
+
+def limited(batches: int, limit: int | float | None) -> int:
+    """The validation batches Lightning runs of ``batches`` under ``trainer.limit_val_batches``
+    (an int: at most that many; a float: that fraction, rounded down; None: all)."""
+    if limit is None:
+        return batches
+    if isinstance(limit, float):
+        return int(batches * limit)
+    return min(batches, int(limit))
 
 
 def _token_dtype(dataset_dir: Path) -> str:
