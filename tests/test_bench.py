@@ -231,6 +231,13 @@ REFUSED = {
     "model.freeze": ["--set=--model.freeze.embeddings=true"],
     "trainer.devices": ["--set=--trainer.devices=2"],
     "model.class_path": ["--set=--model=smoothed_lm.SmoothedGPT"],
+    "trainer.strategy": ["--set=--trainer.strategy=ddp"],
+    "trainer.fast_dev_run": ["--set=--trainer.fast_dev_run=3"],
+    "trainer.profiler": ["--config", str(QUICKSTART.parent / "debug" / "profile.yaml")],
+    "trainer.callbacks": ["--config", str(QUICKSTART.parent / "debug" / "overfit.yaml")],
+    "checkpoint.every_n_minutes": ["--set=--checkpoint.every_n_minutes=30"],
+    "checkpoint.save_on_best": ["--set=--checkpoint.save_on_best=true"],
+    "checkpoint.async_save": ["--set=--checkpoint.async_save=true"],
 }
 
 
@@ -238,9 +245,11 @@ REFUSED = {
 def test_bench_refuses_what_the_plain_loop_would_not_train_the_same_way(
     field, tmp_path, monkeypatch, capsys
 ):
-    """A mixture, document-aligned windows, pretrained or frozen weights, several devices or a
-    fork's own module: the plain loop would time other work, so the ratio would not be
-    nanolab's overhead. One line naming the setting and the fix, exit 2, before any run."""
+    """A mixture, document-aligned windows, pretrained or frozen weights, several devices, a
+    strategy, a debug mode, the user's callbacks, saves by time, on a new best or in the
+    background, or a fork's own module: the plain loop would time other work, so the ratio
+    would not be nanolab's overhead. One line naming the setting and the fix, exit 2, before
+    any run."""
     from nanolab.bench.harness import main
 
     (tmp_path / "smoothed_lm.py").write_text(
@@ -255,3 +264,22 @@ def test_bench_refuses_what_the_plain_loop_would_not_train_the_same_way(
     assert err[0].startswith(f"nanolab bench: error: {field}: the plain loop "), err[0]
     assert "--set=" in err[0] or "bench" in err[0].split(";", 1)[1]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        ["quickstart.yaml"],
+        ["gpt2-124m.yaml"],
+        ["gpt2-124m.yaml", "gpt2-350m.yaml"],
+        ["gpt2-124m.yaml", "gpt2-774m.yaml"],
+        *([["gpt2-124m.yaml", f"precision/{p}.yaml"] for p in ("bf16", "fp16", "fp32")]),
+    ],
+)
+def test_bench_takes_every_shipped_recipe_on_one_device(configs):
+    """No false refusal: the recipes a user benches (alone, composed, with each precision)."""
+    from nanolab.bench.harness import resolve_benchmarked
+
+    paths = [str(QUICKSTART.parent / c) for c in configs]
+    overrides = ["--data.source", "null", "--trainer.devices", "1"]
+    assert resolve_benchmarked(paths, overrides, 10).world_size == 1

@@ -11,13 +11,14 @@ from conftest import nanolab_here, tiny_overrides, write_config
 
 @pytest.fixture
 def fitted(tmp_path, char_dataset):
-    """A 7-step tiny fit that validates every 2 steps (3 batches of 4), scores the cloze after
-    every 2nd validation and on the final model, and saves every 3 steps (and at the end)."""
+    """A 7-step tiny fit that validates every 2 steps (10 windows: batches of 4, 4 and 2), scores
+    the cloze after every 2nd validation and on the final model, and saves every 3 steps (and
+    at the end)."""
     import yaml
 
     cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=7)
     cfg["run"]["eval_every_steps"] = 2
-    cfg["trainer"]["limit_val_batches"] = 3  # of the 4 batches of 16 windows
+    cfg["data"]["val_windows"] = 10  # batches of 4, 4 and 2: Lightning weighs them by size
     cfg["downstream"] = {"suite": "builtin:shakespeare", "every_n_evals": 2, "limit": 12}
     cfg["checkpoint"] = {"every_n_steps": 3, "keep_last": 2}
     out = nanolab_here("fit", "--config", str(write_config(tmp_path / "t.yaml", cfg)), cwd=tmp_path)
@@ -33,7 +34,7 @@ def test_the_plain_loop_validates_scores_and_saves_where_fit_does(fitted, tmp_pa
     steps 3, 6 and 7 with the newest 2 kept and ``last.ckpt`` the newest, and the steps
     followed by that work are named so the bench leaves their intervals out of the steady rate.
 
-    Mutations caught: validating on other windows or all 4 batches (the losses differ), scoring tasks after
+    Mutations caught: validating on other windows or averaging the batches unweighted (the losses differ), scoring tasks after
     every validation (steps 2, 4, 6, 7), no final save (step 7 missing), rotation keeping
     them all."""
     import torch
@@ -77,11 +78,11 @@ def test_the_cadence_is_read_from_the_resolved_config(fitted):
 
     config, _, _ = fitted
     cadence = Cadence.of(config)
-    assert (cadence.eval_every, cadence.val_windows, cadence.save_every) == (2, 16, 3)
+    assert (cadence.eval_every, cadence.val_windows, cadence.save_every) == (2, 10, 3)
     assert (cadence.suite, cadence.tasks_every_n_evals, cadence.tasks_limit) == (
         "builtin:shakespeare", 2, 12,
     )  # fmt: skip
-    assert cadence.keep_last == 2 and cadence.save_at_end
+    assert cadence.keep_last == 2 and cadence.save_at_end and cadence.save_last
     quiet = {"downstream": {"suite": None}, "checkpoint": {"every_n_steps": None}}
     off = Cadence.of({**config, **quiet})
     assert off.suite is None and off.save_every is None
@@ -101,6 +102,9 @@ def test_limit_val_batches_is_followed_as_lightning_reads_it(fitted, tmp_path):
     plain = train(off, 7, torch.device("cpu"), checkpoint_dir=tmp_path / "saves")
     assert plain["val_losses"] == [] and [s for s, _ in plain["task_scores"]] == [7]
     assert plain["busy_steps"] == [3, 6]
+    no_link = {**config, "checkpoint": {**config["checkpoint"], "save_last": False}}
+    unlinked = train(no_link, 3, torch.device("cpu"), checkpoint_dir=tmp_path / "unlinked")
+    assert unlinked["busy_steps"] == [2, 3] and not (tmp_path / "unlinked" / "last.ckpt").exists()
     half = {**config, "trainer": {**config["trainer"], "limit_val_batches": 2}}
     first_two = train(half, 2, torch.device("cpu"), checkpoint_dir=tmp_path / "half")
     every = train(config, 2, torch.device("cpu"), checkpoint_dir=tmp_path / "all")

@@ -218,7 +218,7 @@ def run_nanolab(
 
 
 def run_plain(
-    config_yaml: Path, steps: int, warmup: int, work: Path, driver: str = "plain"
+    config_yaml: Path, steps: int, warmup: int, work: Path, driver: str = "plain", tag: str = "0"
 ) -> SideResult:
     """The plain loop (``driver="plain"``), which validates, scores tasks and saves at the
     config's cadence as ``nanolab fit`` does, or the same training steps under a bare Lightning
@@ -228,7 +228,8 @@ def run_plain(
     cmd = [sys.executable, "-m", "nanolab.bench.plain_loop", "--config", str(config_yaml)]
     cmd += ["--steps", str(steps), "--out", str(out), "--driver", driver]
     if driver == "plain":
-        cmd += ["--checkpoint-dir", str(work / "plain-checkpoints")]
+        # a folder of its own per run, as each nanolab run has its run directory
+        cmd += ["--checkpoint-dir", str(work / f"plain-checkpoints-{tag}")]
     _run(cmd, "plain loop" if driver == "plain" else "bare Lightning loop")
     wall = time.time() - t0
     result = json.loads(out.read_text())
@@ -363,7 +364,7 @@ def benchmark(
 
         def plain_side(r: int) -> None:
             assert config_yaml is not None
-            plain.append(run_plain(config_yaml, steps, warmup, work))
+            plain.append(run_plain(config_yaml, steps, warmup, work, tag=str(r)))
 
         def bare_side(r: int) -> None:
             assert config_yaml is not None
@@ -592,7 +593,7 @@ def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) ->
     )
     trainer = config.get("trainer") or {}
     resolved = resolve(config, visible_gpus=visible_gpus(trainer.get("accelerator")))
-    check_comparable(resolved)
+    check_comparable(config, resolved)
     return resolved
 
 

@@ -46,6 +46,7 @@ class Cadence:
     tasks_rows: int | None
     save_every: int | None  # optimizer steps between checkpoints; None: only at the end
     keep_last: int
+    save_last: bool  # checkpoint.save_last: last.ckpt a link to the newest
     save_at_end: bool
 
     @classmethod
@@ -62,6 +63,7 @@ class Cadence:
             tasks_rows=tasks.get("rows"),
             save_every=ckpt.get("every_n_steps"),
             keep_last=max(1, int(ckpt.get("keep_last") or 1)),
+            save_last=bool(ckpt.get("save_last", True)),
             save_at_end=bool(ckpt.get("save_on_train_end", True)),
         )
 
@@ -152,12 +154,12 @@ def between_steps(
     def validate() -> float:
         model.eval()
         with torch.no_grad(), forward_context():
-            losses = []
+            total = torch.zeros((), device=device)
             for keys in val_keys:
                 x, y = (t.to(device) for t in val[keys])
-                losses.append(model(x, y)[1].float())
+                total += model(x, y)[1].float() * len(keys)  # as Lightning weighs batches
         model.train()
-        return torch.stack(losses).mean().item()
+        return (total / sum(len(keys) for keys in val_keys)).item()
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
@@ -170,10 +172,11 @@ def between_steps(
         }
         path = checkpoint_dir / f"step-{step:08d}.ckpt"
         _write_atomically(path, lambda f: torch.save(state, f))
-        last = checkpoint_dir / "last.tmp"
-        last.unlink(missing_ok=True)
-        os.link(path, last)
-        os.replace(last, checkpoint_dir / "last.ckpt")
+        if cadence.save_last:
+            last = checkpoint_dir / "last.tmp"
+            last.unlink(missing_ok=True)
+            os.link(path, last)
+            os.replace(last, checkpoint_dir / "last.ckpt")
         for old in sorted(checkpoint_dir.glob("step-*.ckpt"))[: -cadence.keep_last]:
             old.unlink()
 
