@@ -601,7 +601,8 @@ def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) ->
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nanolab bench",
-        description="nanolab fit vs a plain PyTorch loop on the same config, alternating A/B.",
+        description="nanolab fit vs a plain PyTorch loop on the same config (the same "
+        "validations, task scoring and saves at the same steps), alternating A/B.",
     )
     parser.add_argument(
         "--config", action="append", required=True, help="nanolab config (repeatable)"

@@ -3,14 +3,17 @@
 Written for the speed benchmark only. It reads the resolved ``config.yaml`` of a nanolab run
 (so both sides train the same model on the same windows with the same batch, accumulation,
 precision, clipping, optimizer and LR schedule) and does what a careful hand-written loop does:
-no framework, no callbacks, no logging but a loss read every ``log_every`` steps.
+no framework, no callbacks, no logging but a loss read every ``log_every`` steps. With
+``--checkpoint-dir`` (as ``nanolab bench`` runs it) it also validates, scores the task suite and
+saves at the config's cadence, as ``fit`` does (:mod:`nanolab.bench.plain_evals`).
 
 ``--driver lightning`` trains the same setup under a bare Lightning ``Trainer`` instead (no
 callbacks, logger, checkpointing, progress bar or ``self.log``): the difference between the two
 drivers is what Lightning's own loop costs per step, and ``nanolab fit`` minus it is what
 nanolab's callbacks and logging cost (``nanolab bench --floor``).
 
-Run as ``python -m nanolab.bench.plain_loop --config runs/x/config.yaml --steps 200 --out t.json``.
+Run as ``python -m nanolab.bench.plain_loop --config runs/x/config.yaml --steps 200 --out t.json
+[--checkpoint-dir saves/]``.
 """
 
 from __future__ import annotations
