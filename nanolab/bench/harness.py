@@ -181,6 +181,7 @@ def run_nanolab(
     start = next(r for r in records if r["event"] == "start")
     train = [r for r in records if r["event"] == "train"]
     end = next((r for r in records if r["event"] == "end"), {})
+    breakdown = end.get("time_breakdown") or {}
     # An interval is "dirty" when an evaluation or checkpoint happened inside it.
     skip: set[int] = set()
     index = -1
@@ -206,9 +207,9 @@ def run_nanolab(
                 for r in records
                 if r["event"] == "val" and r.get("val/loss") is not None
             },
-            breakdown=end.get("time_breakdown") or {},
+            breakdown=breakdown,
             goodput=end.get("goodput"),
-            data_wait_s=(end.get("time_breakdown") or {}).get("data_wait_s"),
+            data_wait_s=breakdown.get("data_wait_s"),
             mfu=_median([r.get("mfu") for r in train[warmup:]]),
             peak_mem_bytes=max((r.get("mem_allocated_bytes") or 0 for r in train), default=0)
             or None,

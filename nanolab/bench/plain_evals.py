@@ -14,23 +14,34 @@ hand-written loop does it (nanoGPT's ``estimate_loss`` and ``torch.save``):
   work), eager even when the model is compiled, as ``fit`` scores them;
 * **checkpoints** every ``checkpoint.every_n_steps`` steps (after that step's validation) and at
   the end: model, optimizer, LR schedule and step in one ``torch.save``, written to a temporary
-  name, fsynced and renamed, the newest ``checkpoint.keep_last`` kept and ``last.ckpt`` a hard
-  link to the newest (as nanolab's files are).
+  name, fsynced and renamed (nanolab's own atomic write), the newest ``checkpoint.keep_last``
+  kept and ``last.ckpt`` a hard link to the newest (as nanolab's files are).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from nanolab.callbacks.checkpoint_io import atomic_link, atomic_torch_save
+from nanolab.callbacks.downstream import eager_even_if_compiled
 from nanolab.data.datamodule import TokenWindows
+
+
+class Trained(Protocol):
+    """What this module needs of the plain loop's :class:`~nanolab.bench.plain_loop.Setup`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    micro_batch_size: int
+    token_dtype: str
 
 
 @dataclass(frozen=True)
@@ -131,20 +142,19 @@ class Between:
 
 def between_steps(
     config: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    setup: Trained,
     forward_context: Callable[[], contextlib.AbstractContextManager],
-    micro_batch_size: int,
     device: torch.device,
     checkpoint_dir: Path,
 ) -> Between:
     """The validation, task scoring and saving a run of ``config`` does, on the plain loop's
-    model, optimizer and schedule. ``forward_context``: the training precision's autocast."""
+    model, optimizer and schedule (``setup``). ``forward_context``: the training precision's
+    autocast."""
+    model, micro_batch_size = setup.model, setup.micro_batch_size
     cadence = Cadence.of(config)
     block_size = int(config["model"]["gpt"]["block_size"])
     dataset_dir = Path(config["data"]["dataset_dir"])
-    val = TokenWindows(dataset_dir / "val.bin", _token_dtype(dataset_dir), block_size)
+    val = TokenWindows(dataset_dir / "val.bin", setup.token_dtype, block_size)
     starts = val.validation_keys(cadence.val_windows)
     val_keys = [starts[i : i + micro_batch_size] for i in range(0, len(starts), micro_batch_size)]
     val_keys = val_keys[: limited(len(val_keys), cadence.val_batches)]
@@ -166,17 +176,14 @@ def between_steps(
     def save(step: int) -> None:
         state = {
             "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "optimizer": setup.optimizer.state_dict(),
+            "scheduler": setup.scheduler.state_dict(),
             "step": step,
         }
         path = checkpoint_dir / f"step-{step:08d}.ckpt"
-        _write_atomically(path, lambda f: torch.save(state, f))
+        atomic_torch_save(state, path)  # the write nanolab's checkpoints make
         if cadence.save_last:
-            last = checkpoint_dir / "last.tmp"
-            last.unlink(missing_ok=True)
-            os.link(path, last)
-            os.replace(last, checkpoint_dir / "last.ckpt")
+            atomic_link(path, checkpoint_dir / "last.ckpt")
         for old in sorted(checkpoint_dir.glob("step-*.ckpt"))[: -cadence.keep_last]:
             old.unlink()
 
@@ -215,9 +222,7 @@ def _task_scorer(
         return None
 
     def score() -> dict[str, float]:
-        stance = getattr(torch.compiler, "set_stance", None)
-        eager = stance("force_eager") if stance is not None else contextlib.nullcontext()
-        with forward_context(), eager:
+        with forward_context(), eager_even_if_compiled():
             result = evaluate_suite(
                 model,
                 tokenizer,
@@ -240,27 +245,3 @@ def limited(batches: int, limit: int | float | None) -> int:
     if isinstance(limit, float):
         return int(batches * limit)
     return min(batches, int(limit))
-
-
-def _token_dtype(dataset_dir: Path) -> str:
-    from nanolab.data.prepare import read_meta
-
-    meta = read_meta(dataset_dir)
-    assert meta is not None, f"{dataset_dir} holds no prepared dataset"
-    return str(meta["dtype"])
-
-
-def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """``write(file)`` to a temporary name beside ``path``, fsynced, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

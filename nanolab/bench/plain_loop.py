@@ -73,6 +73,8 @@ class Setup:
     clip: float | None
     clip_algorithm: str  # "norm" or "value", as trainer.gradient_clip_algorithm
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # micro-batch g, on the device
+    micro_batch_size: int
+    token_dtype: str  # of the prepared dataset's token files
     tokens_per_step: int
 
 
@@ -133,6 +135,8 @@ def build(config: dict[str, Any], device: torch.device, precision: str | None = 
         clip=float(clip) if clip else None,
         clip_algorithm=str(trainer_cfg.get("gradient_clip_algorithm") or "norm"),
         batch=batch,
+        micro_batch_size=plan.micro_batch_size,
+        token_dtype=str(meta["dtype"]),
         tokens_per_step=plan.micro_batch_size * gpt.block_size * accumulate,
     )
 
@@ -174,11 +178,9 @@ def train(
     if checkpoint_dir is not None:
         from nanolab.bench.plain_evals import between_steps
 
-        micro = s.tokens_per_step // (accumulate * int(config["model"]["gpt"]["block_size"]))
         between = between_steps(
-            config, model, optimizer, scheduler, lambda: _autocast(precision, device),
-            micro, device, checkpoint_dir,
-        )  # fmt: skip
+            config, s, lambda: _autocast(precision, device), device, checkpoint_dir
+        )
     step_ends: list[float] = []
     losses: list[tuple[int, float]] = []  # (optimizer step, 1-based; its last micro-batch's loss)
     busy_steps: list[int] = []  # steps followed by a validation, task scoring or checkpoint
