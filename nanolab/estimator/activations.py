@@ -219,8 +219,13 @@ def _head_and_loss(s: Saved, gpt: GPTConfig, inv: Inventory, B: int, T: int, num
     else:
         s.head["final norm, measured from the module"] = saved_bytes(gpt, "final_norm", B, T, num)
     s.head["lm_head input"] = BTC * num.compute
-    s.loss["log-softmax"] = BT * V * num.loss
-    if num.gpu_autocast_loss:
+    if num.compiled_loss:
+        # Inductor's fused loss recomputes the log-softmax in the backward from these.
+        s.loss["logits (the compiled loss's input)"] = BT * V * num.compute
+        s.loss["row max + log-sum-exp (fp32)"] = 2 * BT * 4
+    else:
+        s.loss["log-softmax"] = BT * V * num.loss
+    if num.gpu_autocast_loss and not num.compiled_loss:
         s.loss["16-bit logits (autocast on a GPU)"] = BT * V * num.compute
     s.loss["targets"] = BT * INT64
     s.loss["loss weight scalar"] = num.loss
@@ -252,6 +257,10 @@ def loss_transient(gpt: GPTConfig, batch: int, seq_len: int | None, num: Numeric
     """
     T = gpt.block_size if seq_len is None else seq_len
     btv = batch * T * gpt.padded_vocab_size
+    if num.compiled_loss:
+        # Measured on a GPU (Numerics.compiled_loss): nothing beyond the saved logits in the
+        # forward; the backward holds one fp32 B·T·V gradient, as eager's does.
+        return LossTransient(logits=0, fp32_copy=0, backward=btv * 4)
     if num.gpu_autocast_loss:
         # Measured on a GPU (Numerics.gpu_autocast_loss): the logits are saved, not transient;
         # the forward peaks one 16-bit B·T·V above its end, the backward one fp32 B·T·V.

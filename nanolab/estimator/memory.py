@@ -221,22 +221,14 @@ def moments(
         + f" + {(embed + head) / MiB:,.1f} MiB embeddings/final norm",
     )
     copies = Line("weight_copies", "autocast 16-bit weight copies", saved.weight_copies, "")
+    loss_label, loss_note = _loss_label(num, B, T, V)
     base = [acts, copies] + ([grads_line(G, "kept across micro-batches")] if G else [])
     out.append(
         Moment(
             "forward end / loss backward",
             [
                 *base,
-                Line(
-                    "loss",
-                    "log-softmax + logits saved by the loss"
-                    if num.gpu_autocast_loss
-                    else "log-softmax saved by the loss",
-                    loss_saved,
-                    f"B*T*V = {B}*{T}*{V} in fp32 + in 16-bit (GPU autocast)"
-                    if num.gpu_autocast_loss
-                    else f"B*T*V = {B}*{T}*{V} in {'fp32' if num.loss == 4 else '16-bit'}",
-                ),
+                Line("loss", loss_label, loss_saved, loss_note),
                 Line("logits", "logits + loss transients", lt.peak, _logits_note(lt, num)),
             ],
         )
@@ -376,9 +368,20 @@ def _master_note(setup: Setup) -> str:
     return "none" if setup.precision == "32-true" else "none: 16-bit updates"
 
 
+def _loss_label(num: Numerics, B: int, T: int, V: int) -> tuple[str, str]:
+    """The label and note of the line for what the loss saves."""
+    btv = f"B*T*V = {B}*{T}*{V}"
+    if num.compiled_loss:
+        width = "fp32" if num.compute == 4 else "16-bit"
+        return "logits saved by the loss (compiled)", f"{btv} in {width} (no log-softmax kept)"
+    if num.gpu_autocast_loss:
+        return "log-softmax + logits saved by the loss", f"{btv} in fp32 + in 16-bit (GPU autocast)"
+    return "log-softmax saved by the loss", f"{btv} in {'fp32' if num.loss == 4 else '16-bit'}"
+
+
 def _logits_note(lt, num: Numerics) -> str:
     if lt.backward >= lt.forward_peak:
-        if num.gpu_autocast_loss:
+        if num.gpu_autocast_loss or num.compiled_loss:
             return "loss backward: one fp32 B*T*V gradient (measured, H200)"
         return "loss backward: d(log-softmax) + d(logits)"
     return "logits + fp32 copy" if lt.fp32_copy else "logits"

@@ -61,6 +61,13 @@ class Numerics:
             two (measured on an H200, 2026-12-04: GPT-2 124M at B16 and 350M at B8 both saved
             exactly 2·B·T·V bytes more than the CPU rule and peaked 4·B·T·V above the forward's
             end; benches/bench_memory.py prints both).
+        compiled_loss: ``torch.compile`` on a GPU: Inductor fuses the log-softmax into the loss,
+            which then saves its input logits (compute dtype) and each row's max and
+            log-sum-exp, never a B·T·V log-softmax; its backward holds one fp32 B·T·V gradient.
+            The blocks save what eager saves (Inductor's partition of GPT-2's block, checked on
+            CPU by tests/test_estimator_compiled.py). Measured on an H200, 2026-12-04: 124M at
+            B16 and 350M at B8 compiled peaked 4·B·T·V bytes under the eager rule, the
+            log-softmax it no longer keeps.
     """
 
     param: int
@@ -79,13 +86,19 @@ class Numerics:
     gather: int
     gpu: bool = True
     gpu_autocast_loss: bool = False
+    compiled_loss: bool = False
 
 
 def numerics_for(setup: Setup, backend: Backend = "cuda") -> Numerics:
     """The dtype sizes that ``setup`` trains with on ``backend``."""
     gpu = backend != "cpu"
     kind = setup.strategy.kind
-    kernels = {"dropout_mask_bool": gpu, "sdpa_dropout_math": not gpu, "gpu": gpu}
+    kernels = {
+        "dropout_mask_bool": gpu,
+        "sdpa_dropout_math": not gpu,
+        "gpu": gpu,
+        "compiled_loss": gpu and setup.compile,
+    }
     fp32 = Numerics(4, 4, 4, 4, 4, 4, 4, 4, False, False, False, gather=4, **kernels)
     if setup.precision == "32-true":
         return fp32

@@ -49,7 +49,8 @@ class Setup:
         global_batch_tokens: Tokens per optimizer step over all devices (``None``: one
             micro-batch per device per step).
         max_steps: Optimizer steps of the run (for the token budget), if known.
-        compile: ``torch.compile`` is on (estimates are for eager mode; see docs/estimate.md).
+        compile: ``torch.compile`` is on (on a GPU its loss keeps no log-softmax:
+            ``Numerics.compiled_loss``; docs/estimator.md).
         float32_matmul_precision: ``run.float32_matmul_precision`` (``highest``: FP32 GEMMs;
             ``high``/``medium``: TF32 where the GPU has it); only ``32-true`` matmuls care.
         devices_guessed: ``trainer.devices`` was ``auto`` (or absent) and no override was
