@@ -10,6 +10,7 @@ would wait on a GPU, where the same code runs with device tensors.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -158,3 +159,37 @@ def test_a_run_log_written_a_step_late_holds_the_same_records_in_the_same_order(
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
     assert set(counts["0"]["steady_per_step"]) == {1}
     assert set(counts["1"]["steady_per_step"]) == {0}, counts["1"]["steady_sources"]
+
+
+def test_the_progress_bar_refreshes_without_waiting_for_the_device(tmp_path, char_dataset):
+    """The GPU path on a CPU (``NANOLAB_READOUT_DEFER=1``) with the bar's plain line refreshed
+    every other step: no steady step syncs, and each line shows the newest loss that had
+    arrived, the step before's (the last line its own step's, read at the end). Mutation
+    caught: the bar asking for its loss now (one sync every refresh, as before)."""
+    from nanolab.callbacks.readout import DEFER_ENV
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
+    cfg["model"]["gpt"]["n_layer"] = 1
+    cfg["run"].update(eval_every_steps=100, global_batch_tokens=4 * 32)
+    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": 100},
+               progress={"refresh_rate": 2, "plain_every_s": 0})  # fmt: skip
+    cfg["trainer"]["enable_progress_bar"] = True
+    out = tmp_path / "syncs.json"
+    res = run_nanolab(
+        "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
+        cwd=tmp_path, env={ENV: str(out), DEFER_ENV: "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    counts = json.loads(out.read_text())
+    syncs = {s["step"]: s["syncs"] for s in counts["steps"]}
+    assert syncs == {**dict.fromkeys(range(3, 12), 0), 12: 1}, counts["steady_sources"]
+    records = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
+    loss = {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+    shown = {
+        int(m[1]): float(m[2])
+        for m in re.finditer(r"^step (\d+)/12 \(\d+%\)\s+loss ([\d.]+)", res.stdout, re.M)
+    }
+    assert sorted(shown) == [2, 4, 6, 8, 10, 12], res.stdout[-2000:]
+    for step, value in shown.items():
+        arrived = step if step == 12 else step - 1
+        assert value == pytest.approx(loss[arrived], abs=1e-4), (step, value)

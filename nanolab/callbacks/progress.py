@@ -3,9 +3,10 @@
 Lightning's bar counts micro-batches of an endless loader ("123/?": no ETA), opens a second bar
 for every validation, and converts every progress-bar metric to a Python number at each
 refresh. This one counts optimizer steps against ``trainer.max_steps`` (from the restored step
-when resuming, so tqdm's rate and ETA are this launch's), reads the loss only at the refresh
-interval (in the step's one host read, shared with the run log: :mod:`.readout`), takes tokens/s from the shared clock and
-shows the validation result in the same bar. Where the output is not a terminal (a queue job's
+when resuming, so tqdm's rate and ETA are this launch's), reads the loss only around the
+refresh interval, in the step's one host read shared with the run log (:mod:`.readout`) and
+never waiting for it (on a GPU a refresh shows the step before's loss, already copied), takes
+tokens/s from the shared clock and shows the validation result in the same bar. Where the output is not a terminal (a queue job's
 log, a SLURM file) a bar is a stream of escape codes, so it prints plain lines instead, at most
 one per ``plain_every_s`` seconds plus one after every validation and one at the end.
 The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
@@ -29,6 +30,17 @@ from nanolab.callbacks.step import StepCallback, validation_follows
 
 #: The bar's loss in the step readout (:mod:`nanolab.callbacks.readout`).
 PROGRESS_KEY = "progress:loss"
+
+
+def newest_arrived(readout: StepReadout, key: str) -> float | None:
+    """``key``'s value from the latest step whose values are on the host now (this step's when
+    they were read in it, on a CPU always; on a GPU usually the step before)."""
+    if readout.values is not None and key in readout.values:
+        return readout.values[key]
+    for _, values in reversed(readout.completed):
+        if key in values:
+            return values[key]
+    return None
 
 
 class StepProgressBar(StepCallback, TQDMProgressBar):
@@ -129,20 +141,24 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
     def step_values(
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
     ) -> None:
-        if not self._refreshes(trainer, step):
+        """The loss goes with the step's one read, never wanted now (but at the last step): a
+        GPU's copy arrives a step later, so it is put on the step before a refresh too, and the
+        refresh shows the newest that arrived, without making the host wait for the device."""
+        if not (self._refreshes(trainer, step) or self._refreshes(trainer, step + 1)):
             return
         from nanolab.callbacks.jsonl import fresh_metrics
 
         loss = fresh_metrics(trainer, training=True).get(self.loss_key)
         if loss is not None:  # read with the run log's values: no sync of its own
-            readout.put(PROGRESS_KEY, loss, now=True)
+            last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+            readout.put(PROGRESS_KEY, loss, now=step == last)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if not self._refreshes(trainer, step):
             return
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         assert self.clock is not None
-        loss = (self.clock.readout.values or {}).get(PROGRESS_KEY)
+        loss = newest_arrived(self.clock.readout, PROGRESS_KEY)
         if loss is not None and math.isfinite(loss):
             self._postfix["loss"] = f"{loss:.4f}"
         if self._last is not None:
