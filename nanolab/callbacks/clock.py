@@ -38,7 +38,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from nanolab.callbacks.readout import StepReadout, defer_from_env
+from nanolab.callbacks.readout import StepReadout, defer_from_env, lag_from_env
 
 PAUSE_KINDS = ("eval", "tasks", "checkpoint", "log")
 
@@ -119,7 +119,8 @@ class RunClock(Callback):
         self._validations = 0  # evaluations started (sanity check included)
         self._claimed: dict[str, int] = {}  # event -> occurrence already handed out
         self._per_step: dict[str, tuple[int, Any]] = {}  # once_per_step: key -> (step, value)
-        self.readout = StepReadout(defer_from_env())  # the step callbacks' one read per step
+        # The step callbacks' one read per step.
+        self.readout = StepReadout(defer_from_env(), lag_from_env())
 
     # -- attaching ---------------------------------------------------------------------------
     @classmethod

@@ -5,10 +5,11 @@ for every validation, and converts every progress-bar metric to a Python number 
 refresh. This one counts optimizer steps against ``trainer.max_steps`` (from the restored step
 when resuming, so tqdm's rate and ETA are this launch's), reads the loss only around the
 refresh interval, in the step's one host read shared with the run log (:mod:`.readout`) and
-never waiting for it (on a GPU a refresh shows the step before's loss, already copied), takes
-tokens/s from the shared clock and shows the validation result in the same bar. Where the output is not a terminal (a queue job's
-log, a SLURM file) a bar is a stream of escape codes, so it prints plain lines instead, at most
-one per ``plain_every_s`` seconds plus one after every validation and one at the end.
+never waiting for it (on a GPU a refresh shows the newest loss already copied, usually the
+step before's), takes tokens/s from the shared clock and shows the validation result in the
+same bar. Where the output is not a terminal (a queue job's log, a SLURM file) a bar is a
+stream of escape codes, so it prints plain lines instead, at most one per ``plain_every_s``
+seconds plus one after every validation and one at the end.
 The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
 """
 
@@ -30,17 +31,6 @@ from nanolab.callbacks.step import StepCallback, validation_follows
 
 #: The bar's loss in the step readout (:mod:`nanolab.callbacks.readout`).
 PROGRESS_KEY = "progress:loss"
-
-
-def newest_arrived(readout: StepReadout, key: str) -> float | None:
-    """``key``'s value from the latest step whose values are on the host now (this step's when
-    they were read in it, on a CPU always; on a GPU usually the step before)."""
-    if readout.values is not None and key in readout.values:
-        return readout.values[key]
-    for _, values in reversed(readout.completed):
-        if key in values:
-            return values[key]
-    return None
 
 
 class StepProgressBar(StepCallback, TQDMProgressBar):
@@ -82,6 +72,8 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self._postfix: dict[str, Any] = {}
         self._started: tuple[float, int] | None = None  # (monotonic time, step) at train start
         self._last_line = float("-inf")
+        self._loss: tuple[int, float] | None = None  # (step, loss): the newest on the host
+        self._loss_keys: tuple[str, ...] = ()
 
     @property
     def refresh_rate(self) -> int:
@@ -142,8 +134,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
     ) -> None:
         """The loss goes with the step's one read, never wanted now (but at the last step): a
-        GPU's copy arrives a step later, so it is put on the step before a refresh too, and the
-        refresh shows the newest that arrived, without making the host wait for the device."""
+        GPU's copy arrives a step or more later, so it is put on the step before a refresh too,
+        and a refresh shows the newest that has arrived (:meth:`_take_arrived_loss`) without
+        making the host wait for the device."""
         if not (self._refreshes(trainer, step) or self._refreshes(trainer, step + 1)):
             return
         from nanolab.callbacks.jsonl import fresh_metrics
@@ -154,11 +147,12 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             readout.put(PROGRESS_KEY, loss, now=step == last)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        assert self.clock is not None
+        self._take_arrived_loss(self.clock.readout)
         if not self._refreshes(trainer, step):
             return
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        assert self.clock is not None
-        loss = newest_arrived(self.clock.readout, PROGRESS_KEY)
+        loss = None if self._loss is None else self._loss[1]
         if loss is not None and math.isfinite(loss):
             self._postfix["loss"] = f"{loss:.4f}"
         if self._last is not None:
@@ -176,6 +170,19 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         bar.n = step
         bar.set_postfix(self._postfix, refresh=False)
         bar.refresh()
+
+    def _take_arrived_loss(self, readout: StepReadout) -> None:
+        """Keep the newest loss on the host: the bar's own, or the run log's (every step it
+        records). On a GPU a copy arrives a step or more after its step, whenever the device
+        has finished it, so every step's arrivals are looked at, not only a refresh's."""
+        if not self._loss_keys:
+            from nanolab.callbacks.jsonl import LOG_KEY
+
+            self._loss_keys = (PROGRESS_KEY, LOG_KEY + self.loss_key)
+        for step, values in readout.completed:  # oldest first
+            for key in self._loss_keys:
+                if key in values and (self._loss is None or step >= self._loss[0]):
+                    self._loss = (step, values[key])
 
     def _print_line(self, trainer: L.Trainer, step: int) -> None:
         """``step 100/600 (17%)  loss 2.5432  val 2.5401  13,512 tok/s  0m35s, ETA 2m55s``."""

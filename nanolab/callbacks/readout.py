@@ -38,8 +38,10 @@ from nanolab.callbacks.syncs import mark_host_buffer
 
 Values = dict[str, float]
 
-#: ``1`` forces the GPU's non-blocking path in a ``nanolab fit`` on a CPU (``0``: never defer).
-#: The CPU twin of the GPU path, for tests (tests/test_syncs.py); unset in real runs.
+#: ``1`` forces the GPU's non-blocking path in a ``nanolab fit`` on a CPU (``0``: never defer);
+#: ``N`` > 1 also makes each copy arrive N transfers later, as from a device running N steps
+#: behind the host. The CPU twin of the GPU path, for tests (tests/test_syncs.py); unset in
+#: real runs.
 DEFER_ENV = "NANOLAB_READOUT_DEFER"
 
 
@@ -49,13 +51,24 @@ def defer_from_env() -> bool | None:
     return None if value == "" else value not in ("0", "false", "no")
 
 
+def lag_from_env() -> int:
+    """:data:`DEFER_ENV` as ``StepReadout``'s ``lag``: the whole number it holds, at least 1."""
+    value = os.environ.get(DEFER_ENV, "").strip()
+    return max(1, int(value)) if value.isdigit() else 1
+
+
 class StepReadout:
     """The device scalars of the current optimizer step (see the module docstring)."""
 
-    def __init__(self, defer: bool | None = None) -> None:
+    def __init__(self, defer: bool | None = None, lag: int = 1) -> None:
         #: Copy without blocking when no value is wanted now: ``None`` = when the values are on
         #: a CUDA device (True on a CPU runs the same code, as tests/test_syncs.py does).
         self.defer = defer
+        #: Off a GPU, the transfers after its own at which a deferred copy counts as finished
+        #: (1: the next; more plays a device that runs several steps behind, for tests).
+        self.lag = lag
+        self._transfers = 0
+        self._read_at = 0  # the last transfer that waited for the device: all before it is done
         self.step: int | None = None
         self.values: Values | None = None  # this step's, when read in this step
         self.completed: list[tuple[int, Values]] = []  # arrived in this step's transfer
@@ -90,6 +103,7 @@ class StepReadout:
     def transfer(self) -> None:
         """Read what was put (see the module docstring); fills ``values`` and ``completed``."""
         assert self.step is not None, "begin() first"
+        self._transfers += 1
         step, tensors = self.step, self._tensors
         on_gpu = any(t.device.type == "cuda" for t in tensors.values())
         defer = on_gpu if self.defer is None else self.defer
@@ -99,6 +113,7 @@ class StepReadout:
                 keys = [k for k, _ in items]
                 stacked = torch.stack([t.float() for _, t in items])
                 values.update(zip(keys, stacked.tolist(), strict=True))  # the one sync
+            self._read_at = self._transfers
             self._finish_in_flight(wait=False)  # done by now: the read above waited for them
             self.values = values
             self.completed.append((step, values))
@@ -113,7 +128,7 @@ class StepReadout:
         cuda = stacked.device.type == "cuda"
         host = self._host_buffer(len(items), pin=cuda)
         host.copy_(stacked, non_blocking=cuda)
-        event = torch.cuda.Event() if cuda else _Done()
+        event = torch.cuda.Event() if cuda else _Done(self, self._transfers + self.lag)
         event.record()
         self._in_flight.append((step, keys, dict(self._plain), host, event))
 
@@ -151,13 +166,20 @@ class StepReadout:
 
 
 class _Done:
-    """A CUDA event's stand-in off the GPU, where a copy is finished when it returns."""
+    """A CUDA event's stand-in off the GPU, where a copy is finished when it returns; it
+    answers "finished" from the readout's ``due``-th transfer on (``lag`` transfers after its
+    own), or once a later transfer has waited for the device, as a device that ran that far
+    behind would."""
+
+    def __init__(self, readout: StepReadout, due: int) -> None:
+        self.readout, self.due, self.queued_at = readout, due, readout._transfers
 
     def record(self) -> None:
         pass
 
     def query(self) -> bool:
-        return True
+        r = self.readout
+        return r._transfers >= self.due or r._read_at > self.queued_at
 
     def synchronize(self) -> None:
         pass
