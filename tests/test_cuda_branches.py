@@ -47,6 +47,9 @@ TWINS: dict[str, tuple[str, ...]] = {
     "nanolab/bench/plain_loop.py": (
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
+    "nanolab/run/trainer_errors.py": (
+        "tests/test_trainer_refusals.py::test_a_setting_the_trainer_refuses_is_one_line_and_writes_nothing",
+    ),
     "nanolab/estimator/measure_trainer.py": (
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),

@@ -22,6 +22,7 @@ from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.data.prepare import OutputInUseError
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
+from nanolab.run.trainer_errors import REFUSALS, trainer_refusal
 from nanolab.training.parallelism import parse_strategy
 from nanolab.training.resolve import (
     RunConfigError,
@@ -123,7 +124,10 @@ def launch(cli: NanolabCLI) -> Trainer:
         from nanolab.callbacks.loggers import make_logger
 
         trainer_args["logger"] = make_logger(cfg.logger, run_dir, str(run.name))
-    trainer = Trainer(**{**trainer_args, "callbacks": callbacks})
+    try:
+        trainer = Trainer(**{**trainer_args, "callbacks": callbacks})
+    except REFUSALS as err:  # a trainer.* setting Lightning refuses: one line, nothing written
+        raise trainer_refusal(err, trainer_args) from None
 
     # -- run: hold the run directory, pick the checkpoint (opened without running its pickle)
     if verb == "fit":

@@ -1,0 +1,65 @@
+"""Lightning's refusals of a ``trainer.*`` setting, as one line that names the key and the fix.
+
+``Trainer(...)`` checks the accelerator, strategy, precision and clipping settings itself and
+raises (``MisconfigurationException``, ``ValueError``) with a message of its own, sometimes over
+several lines; through ``nanolab fit`` that was a traceback and exit code 1 for a typo. Nothing
+has been written by then (the run directory is claimed after the Trainer exists), so the
+refusal is safe to turn into :class:`~nanolab.errors.RunConfigError`: one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from nanolab.errors import RunConfigError
+
+#: What Lightning's message is about (a word in it) -> the key it refuses.
+_KEYS = (
+    ("gradient_clip_algorithm", "trainer.gradient_clip_algorithm"),
+    ("gpu backend", "trainer.accelerator"),
+    ("strategy", "trainer.strategy"),  # before accelerator: its messages name one too
+    ("accelerator", "trainer.accelerator"),
+    ("precision", "trainer.precision"),
+    ("devices", "trainer.devices"),
+)
+
+#: The exceptions ``Trainer(...)`` raises for a setting it refuses.
+REFUSALS = (MisconfigurationException, ValueError)
+
+
+def trainer_refusal(err: BaseException, trainer_args: Mapping[str, Any]) -> RunConfigError:
+    """``err`` from ``Trainer(**trainer_args)`` as one line: the key, Lightning's reason, a fix."""
+    accelerator = str(trainer_args.get("accelerator") or "auto")
+    if accelerator in ("gpu", "cuda") and not gpu_visible():
+        return RunConfigError(
+            f"{accelerator!r} needs a CUDA or ROCm GPU and {torch_build()} sees none",
+            field="trainer.accelerator",
+            fix="run where one is visible (Docker: --gpus all, or ROCm's /dev/kfd and "
+            "/dev/dri), or train on this CPU with --trainer.accelerator cpu",
+        )
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    reason = (lines[0] if lines else type(err).__name__)[:300]
+    lowered = reason.lower()
+    key = next((k for word, k in _KEYS if word in lowered), "trainer")
+    fix = "check it against `nanolab fit --help`"
+    if key == "trainer.strategy" and "fsdp" in lowered:
+        fix = "for FSDP2, which runs on a CPU too, add --config configs/strategy/fsdp.yaml"
+    return RunConfigError(reason.rstrip("."), field=key, fix=fix)
+
+
+def gpu_visible() -> bool:
+    """Whether torch sees a GPU Lightning's ``gpu`` accelerator can use (CUDA, ROCm, or MPS)."""
+    import torch
+
+    return torch.cuda.is_available() or torch.backends.mps.is_available()
+
+
+def torch_build() -> str:
+    """``torch 2.13.0 (a CPU-only build)``, ``torch 2.11.0+cu130``: what the error can blame."""
+    import torch
+
+    gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+    return f"torch {torch.__version__}" + ("" if gpu_build else " (a CPU-only build)")

@@ -1,0 +1,46 @@
+"""A ``trainer.*`` setting Lightning's Trainer refuses is one line naming the key, exit 2.
+
+``Trainer(...)`` checks the accelerator, the strategy and the clipping algorithm itself; through
+``nanolab fit`` its refusal was a traceback and exit code 1. The accelerator row is the CPU twin
+of a GPU recipe started where torch sees no GPU (``configs/gpt2-124m.yaml`` says ``gpu``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import QUICKSTART, tiny_overrides, write_config
+
+from nanolab.cli import main
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "says"),
+    [
+        (
+            ["--trainer.gradient_clip_algorithm", "bogus"],
+            "trainer.gradient_clip_algorithm",
+            "bogus",
+        ),
+        (["--trainer.strategy", "bogus"], "trainer.strategy", "bogus"),
+        (["--trainer.strategy", "fsdp"], "trainer.strategy", "configs/strategy/fsdp.yaml"),
+        (["--trainer.accelerator", "gpu"], "trainer.accelerator", "--trainer.accelerator cpu"),
+    ],
+    ids=["clip-algorithm", "strategy", "fsdp1-on-cpu", "gpu-without-one"],
+)
+def test_a_setting_the_trainer_refuses_is_one_line_and_writes_nothing(
+    tmp_path: Path, char_dataset: Path, capsys, override: list[str], key: str, says: str
+) -> None:
+    runs = tmp_path / "runs"
+    cfg = tiny_overrides(char_dataset, runs, trainer__max_steps=2)
+    config = write_config(tmp_path / "tiny.yaml", cfg)
+    capsys.readouterr()
+    code = main(["fit", "--config", str(QUICKSTART), "--config", str(config), *override])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"nanolab fit: error: {key}: "), lines[0]
+    assert says in lines[0]
+    assert not runs.exists()  # no run directory, no log
