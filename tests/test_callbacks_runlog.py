@@ -151,3 +151,29 @@ def test_records_are_strict_json(tmp_path):
     line = dumps({"a": math.nan, "b": [math.inf, 1.0], "c": Path("/x")})
     assert json.loads(line) == {"a": None, "b": [None, 1.0], "c": "/x"}
     assert "\n" not in line
+
+
+def test_reading_the_git_state_writes_nothing_into_the_users_repository(tmp_path, monkeypatch):
+    """The start record's commit and dirtiness come from ``git status``, which by default
+    refreshes a stale index by rewriting it under ``index.lock``: a git command the user runs
+    in that checkout at the same moment would fail. Mutation caught: without
+    ``--no-optional-locks`` the index is rewritten (its bytes and time change)."""
+    import os
+    import subprocess
+
+    from nanolab.callbacks.jsonl import git_state
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "train.py").write_text("print(1)\n")
+    git("add", "train.py")
+    git("-c", "user.email=a@b", "-c", "user.name=n", "commit", "-qm", "one")
+    index = tmp_path / ".git" / "index"
+    os.utime(index, (1_000_000_000, 1_000_000_000))  # older than the file: the index is stale
+    before = (index.read_bytes(), index.stat().st_mtime_ns)
+    monkeypatch.chdir(tmp_path)
+    state = git_state()
+    assert state["git_dirty"] is False and len(state["git_commit"]) == 40
+    assert (index.read_bytes(), index.stat().st_mtime_ns) == before

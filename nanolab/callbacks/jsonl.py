@@ -558,11 +558,16 @@ def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, An
 
 
 def git_state() -> dict[str, Any]:
-    """Commit and dirtiness of the working directory's repository (else nanolab's), or nulls."""
+    """Commit and dirtiness of the working directory's repository (else nanolab's), or nulls.
+
+    Read-only: ``--no-optional-locks`` keeps ``git status`` from taking the index lock to
+    refresh it, which would make a git command the user runs at that moment in the checkout
+    fail ("index.lock exists")."""
     for folder in (Path.cwd(), Path(nanolab.__file__).resolve().parent):
 
         def git(*args: str) -> subprocess.CompletedProcess[str]:
-            cmd = ["git", "-C", str(folder), *args]  # noqa: B023 (called in this iteration)
+            folder_now = folder  # noqa: B023 (called in this iteration)
+            cmd = ["git", "--no-optional-locks", "-C", str(folder_now), *args]
             return subprocess.run(cmd, capture_output=True, text=True, timeout=5)
 
         try:
