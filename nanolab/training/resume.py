@@ -226,8 +226,8 @@ def check_same_model(
     if diffs:
         err = DifferentModelError(
             f"{flag}: {cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); "
-            "set model.gpt to match it, give this run another run.name, or start it fresh "
-            "(run.resume never)"
+            "set model.gpt to match it, give this run another run.name, or start it over "
+            "(run.fresh: true moves the old run to previous/)"
         )
         err.checkpoint = cand.path
         raise err
