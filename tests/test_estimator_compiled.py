@@ -6,7 +6,9 @@ log-softmax. Inductor decides what to save in its joint-graph partition (the min
 saving and recomputing), before it generates any kernel, and it decides the same on a CPU as on
 a GPU. These tests compile a tiny GPT with Inductor on CPU under bf16 autocast, stop before code
 generation (the partitioned graphs run as FX), and sum the storages the forward hands to the
-backward. The compiled peaks on a GPU are in tests/test_estimator_h200.py.
+backward. The compiled peaks on a GPU are in tests/test_estimator_h200.py. A torch upgrade that
+changes Inductor's partition fails here first: re-derive ``Numerics.compiled_loss`` from what
+``compiled_saved_bytes`` then reports, and measure a GPU again.
 """
 
 from __future__ import annotations
