@@ -78,8 +78,10 @@ def matmul_tflops(
 
 def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
     """This machine as an estimator device, with ``threads`` torch threads (default: the count
-    a run started here uses). Measured once per process and thread count: ``estimate --device
-    cpu``, the start banner and ``queue add`` then divide by the same rate. ``bf16=False``
+    a run started here uses). Measured once per process and thread count; at the default count
+    the rate is the best any probe here saw within a day (:func:`_remember`), so ``estimate
+    --device cpu``, the start banner and ``queue add`` divide by the same rate, and a probe
+    taken while a neighbour held the cores does not make one call's estimate 10x another's. ``bf16=False``
     leaves out the bf16 probe (0.2 s more at every fit launch) for a run that has no use for it."""
     import torch
 
@@ -87,8 +89,9 @@ def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
     threads = threads or default
     fp32 = _rate("float32", threads)
     bf16_rate = _rate("bfloat16", threads) if bf16 else None
-    if threads == default:
-        _remember(threads, fp32, bf16_rate)
+    if threads == default:  # the best any probe here saw today: load only lowers a probe
+        fp32, best_bf16 = _remember(threads, fp32, bf16_rate)
+        bf16_rate = best_bf16 if bf16 else None
     return _device(threads, fp32, bf16_rate)
 
 
@@ -163,16 +166,17 @@ def _rates_path():  # -> Path | None
     return folder / f"cpu-rates-{name}.json"
 
 
-def _remember(threads: int, fp32: float, bf16: float | None) -> None:
+def _remember(threads: int, fp32: float, bf16: float | None) -> tuple[float, float | None]:
     """Keep the best rates any probe at the default thread count saw today (load only ever
-    lowers a probe's rate); a probe with no bf16 rate keeps the remembered one."""
+    lowers a probe's rate); a probe with no bf16 rate keeps the remembered one. Returns the
+    best rates, this probe's where nothing is remembered."""
     import json
 
     from nanolab.estimator.facts_cache import write_json
 
     path = _rates_path()
     if path is None:
-        return
+        return fp32, bf16
     machine = _machine()
     try:
         stored = json.loads(path.read_text())
@@ -186,6 +190,7 @@ def _remember(threads: int, fp32: float, bf16: float | None) -> None:
     with contextlib.suppress(OSError):
         write_json(path, {"machine": machine, "time": time.time(), "threads": threads,
                           "fp32": fp32, "bf16": bf16})  # fmt: skip
+    return fp32, bf16
 
 
 def _machine() -> list:
