@@ -169,7 +169,17 @@ def test_reading_the_git_state_writes_nothing_into_the_users_repository(tmp_path
     git("init", "-q")
     (tmp_path / "train.py").write_text("print(1)\n")
     git("add", "train.py")
-    git("-c", "user.email=a@b", "-c", "user.name=n", "commit", "-qm", "one")
+    git(
+        "-c",
+        "user.email=a@b",
+        "-c",
+        "user.name=n",
+        "-c",
+        "commit.gpgsign=false",
+        "commit",
+        "-qm",
+        "one",
+    )
     index = tmp_path / ".git" / "index"
     os.utime(index, (1_000_000_000, 1_000_000_000))  # older than the file: the index is stale
     before = (index.read_bytes(), index.stat().st_mtime_ns)

@@ -320,3 +320,29 @@ def test_the_best_rate_any_probe_saw_is_what_is_remembered(tmp_path: Path, monke
     assert cpu.remembered_cpu_device(bf16=False).tflops["fp32"] == 0.18  # raised, no probe
     assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.18  # a busy probe: the best
     assert cpu.remembered_cpu_device(bf16=False).tflops["fp32"] == 0.18  # not lowered
+
+
+def test_a_best_cpu_rate_expires_a_day_after_it_was_measured(tmp_path: Path, monkeypatch) -> None:
+    """A slower probe keeps the best rate but not its own time: the best stands until a day
+    after the probe that measured it, then this machine's rate as now measured is believed (a
+    CPU quota lowered since). Mutation caught: every write restamping the best (it never
+    expires while something probes daily)."""
+    import torch
+
+    from nanolab.estimator import cpu
+
+    monkeypatch.setenv("NANOLAB_ESTIMATOR_CACHE", str(tmp_path))
+    seen = iter([0.5, 0.05, 0.05])
+    monkeypatch.setattr(cpu, "_rate", lambda dtype, threads: next(seen))
+    threads = torch.get_num_threads()
+
+    def age_by(hours: float) -> None:
+        (stored,) = tmp_path.glob("cpu-rates-*.json")
+        data = json.loads(stored.read_text())
+        stored.write_text(json.dumps({**data, "time": data["time"] - hours * 3600}))
+
+    assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.5
+    age_by(23)
+    assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.5  # 23 h old: still the best
+    age_by(2)  # the best probe is 25 h old now, the slower one 2 h
+    assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.05

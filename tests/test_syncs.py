@@ -199,3 +199,49 @@ def test_the_progress_bar_refreshes_without_waiting_for_the_device(tmp_path, cha
     for step, value in shown.items():
         arrived = step if step == 12 else step - lag
         assert value == pytest.approx(loss[arrived], abs=1e-4), (step, value)
+
+
+def test_a_step_that_reads_no_tensor_does_not_catch_a_lagging_device_up():
+    """The simulated device (``lag``) catches up only at a read that waited for it: a step
+    that put nothing, or only host numbers, waits for nothing on a GPU either. Mutation
+    caught: any read-now branch counting as a wait (step 1 arriving at the 2nd transfer)."""
+    readout = StepReadout(defer=True, lag=3)
+    readout.begin(1)
+    readout.put("a", torch.tensor(1.0))
+    readout.transfer()
+    for step in (2, 3):
+        readout.begin(step)
+        readout.put("n", step)  # a host number only
+        readout.transfer()
+        assert all(s != 1 for s, _ in readout.completed), (step, readout.completed)
+    readout.begin(4)
+    readout.transfer()
+    assert [s for s, _ in readout.completed] == [1, 4]
+    assert readout.completed[0][1]["a"] == 1.0
+
+
+def test_a_run_stopped_early_ends_its_bar_on_its_last_steps_loss(tmp_path, char_dataset):
+    """A token budget stops the run before step 12 (and after the step-8 refresh), on a device
+    3 steps behind: nothing was read at once, so the last steps' losses are still in flight at
+    the end; the bar's last line drains them and shows the last step's. Mutation caught: the
+    last line showing the newest loss that had arrived at the last refresh (step 5's)."""
+    from nanolab.callbacks.readout import DEFER_ENV
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
+    cfg["model"]["gpt"]["n_layer"] = 1
+    cfg["run"].update(eval_every_steps=100, global_batch_tokens=4 * 32)
+    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": 100},
+               progress={"refresh_rate": 4, "plain_every_s": 0},
+               budget={"max_tokens": 10 * 4 * 32, "check_every_n_steps": 1})  # fmt: skip
+    cfg["trainer"]["enable_progress_bar"] = True
+    res = run_nanolab(
+        "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
+        cwd=tmp_path, env={DEFER_ENV: "3"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
+    loss = {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+    end = max(loss)
+    assert 8 < end < 12, sorted(loss)  # stopped by the budget, after the step-8 refresh
+    last = re.findall(rf"^step {end}/12 \(\d+%\)\s+loss ([\d.]+)", res.stdout, re.M)
+    assert last and float(last[-1]) == pytest.approx(loss[end], abs=1e-4), res.stdout[-1500:]

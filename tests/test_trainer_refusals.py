@@ -44,3 +44,32 @@ def test_a_setting_the_trainer_refuses_is_one_line_and_writes_nothing(
     assert lines[0].startswith(f"nanolab fit: error: {key}: "), lines[0]
     assert says in lines[0]
     assert not runs.exists()  # no run directory, no log
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"accelerator": "cpu", "devices": 0}, "trainer.devices"),
+        ({"devices": "x"}, "trainer.devices"),
+        ({"plugins": "bogus"}, "trainer.plugins"),
+        ({"val_check_interval": -1}, "trainer.val_check_interval"),
+        ({"num_nodes": 0}, "trainer.num_nodes"),
+        ({"max_time": "x"}, "trainer.max_time"),
+        ({"profiler": "bogus"}, "trainer.profiler"),
+        ({"strategy": "fsdp", "accelerator": "cpu"}, "trainer.strategy"),
+        ({"precision": "bogus"}, "trainer.precision"),
+        ({"accelerator": "bogus"}, "trainer.accelerator"),
+    ],
+)
+def test_the_refusal_names_the_key_lightnings_message_is_about(kwargs: dict, key: str) -> None:
+    """Lightning's own messages, from a real ``Trainer``: the key is the argument the message
+    names first, or an alias it uses (``plugin``, ``Timer(duration``). Mutation caught: a
+    fixed keyword order (``devices=0`` on a CPU labelled trainer.accelerator)."""
+    from lightning.pytorch import Trainer
+
+    from nanolab.run.trainer_errors import REFUSALS, trainer_refusal
+
+    with pytest.raises(REFUSALS) as caught:
+        Trainer(**kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    line = str(trainer_refusal(caught.value, kwargs))
+    assert line.startswith(f"{key}: ") and "\n" not in line, line

@@ -565,9 +565,8 @@ def git_state() -> dict[str, Any]:
     fail ("index.lock exists")."""
     for folder in (Path.cwd(), Path(nanolab.__file__).resolve().parent):
 
-        def git(*args: str) -> subprocess.CompletedProcess[str]:
-            folder_now = folder  # noqa: B023 (called in this iteration)
-            cmd = ["git", "--no-optional-locks", "-C", str(folder_now), *args]
+        def git(*args: str, folder: Path = folder) -> subprocess.CompletedProcess[str]:
+            cmd = ["git", "--no-optional-locks", "-C", str(folder), *args]
             return subprocess.run(cmd, capture_output=True, text=True, timeout=5)
 
         try:

@@ -148,13 +148,11 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
-        self._take_arrived_loss(self.clock.readout)
+        self._take_arrived_loss(self.clock.readout.completed)
         if not self._refreshes(trainer, step):
             return
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        loss = None if self._loss is None else self._loss[1]
-        if loss is not None and math.isfinite(loss):
-            self._postfix["loss"] = f"{loss:.4f}"
+        self._show_loss()
         if self._last is not None:
             now = self.clock.snapshot()
             active = now.active_s - self._last.active_s
@@ -171,7 +169,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         bar.set_postfix(self._postfix, refresh=False)
         bar.refresh()
 
-    def _take_arrived_loss(self, readout: StepReadout) -> None:
+    def _take_arrived_loss(self, arrived: list[tuple[int, dict[str, float]]]) -> None:
         """Keep the newest loss on the host: the bar's own, or the run log's (every step it
         records). On a GPU a copy arrives a step or more after its step, whenever the device
         has finished it, so every step's arrivals are looked at, not only a refresh's."""
@@ -179,10 +177,15 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             from nanolab.callbacks.jsonl import LOG_KEY
 
             self._loss_keys = (PROGRESS_KEY, LOG_KEY + self.loss_key)
-        for step, values in readout.completed:  # oldest first
+        for step, values in arrived:  # oldest first
             for key in self._loss_keys:
                 if key in values and (self._loss is None or step >= self._loss[0]):
                     self._loss = (step, values[key])
+
+    def _show_loss(self) -> None:
+        loss = None if self._loss is None else self._loss[1]
+        if loss is not None and math.isfinite(loss):
+            self._postfix["loss"] = f"{loss:.4f}"
 
     def _print_line(self, trainer: L.Trainer, step: int) -> None:
         """``step 100/600 (17%)  loss 2.5432  val 2.5401  13,512 tok/s  0m35s, ETA 2m55s``."""
@@ -225,6 +228,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.plain and self.refresh_rate:
+            if self.clock is not None:  # a run stopped early: its last steps' losses in flight
+                self._take_arrived_loss(self.clock.readout.drain())
+                self._show_loss()
             self._print_line(trainer, trainer.global_step)
         if self._train_progress_bar is not None:
             self.train_progress_bar.close()

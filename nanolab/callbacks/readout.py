@@ -54,7 +54,7 @@ def defer_from_env() -> bool | None:
 def lag_from_env() -> int:
     """:data:`DEFER_ENV` as ``StepReadout``'s ``lag``: the whole number it holds, at least 1."""
     value = os.environ.get(DEFER_ENV, "").strip()
-    return max(1, int(value)) if value.isdigit() else 1
+    return max(1, int(value)) if value.isascii() and value.isdigit() else 1
 
 
 class StepReadout:
@@ -113,8 +113,9 @@ class StepReadout:
                 keys = [k for k, _ in items]
                 stacked = torch.stack([t.float() for _, t in items])
                 values.update(zip(keys, stacked.tolist(), strict=True))  # the one sync
-            self._read_at = self._transfers
-            self._finish_in_flight(wait=False)  # done by now: the read above waited for them
+            if tensors:  # the read waited for the device: every earlier copy is done
+                self._read_at = self._transfers
+            self._finish_in_flight(wait=False)  # those done (all, after a read of tensors)
             self.values = values
             self.completed.append((step, values))
             return
@@ -122,6 +123,7 @@ class StepReadout:
         keys, items = list(tensors), list(tensors.values())
         if len({t.device for t in items}) > 1:  # mixed devices (rare): read them now instead
             self._now = True
+            self._transfers -= 1  # the same transfer, taken the other way
             self.transfer()
             return
         stacked = torch.stack([t.float() for t in items])

@@ -167,9 +167,11 @@ def _rates_path():  # -> Path | None
 
 
 def _remember(threads: int, fp32: float, bf16: float | None) -> tuple[float, float | None]:
-    """Keep the best rates any probe at the default thread count saw today (load only ever
-    lowers a probe's rate); a probe with no bf16 rate keeps the remembered one. Returns the
-    best rates, this probe's where nothing is remembered."""
+    """Keep the best rates any probe at the default thread count saw within a day of it (load
+    only ever lowers a probe's rate), with the time of that probe: a best rate expires a day
+    after it was measured, so a machine that became slower (a smaller CPU quota) is believed
+    by the next day. A probe with no bf16 rate keeps the remembered one. Returns the best
+    rates, this probe's where nothing is remembered."""
     import json
 
     from nanolab.estimator.facts_cache import write_json
@@ -178,17 +180,20 @@ def _remember(threads: int, fp32: float, bf16: float | None) -> tuple[float, flo
     if path is None:
         return fp32, bf16
     machine = _machine()
+    now = time.time()
+    measured_at = now
     try:
         stored = json.loads(path.read_text())
-        fresh = 0 <= time.time() - float(stored["time"]) < REMEMBERED_RATES_S
+        fresh = 0 <= now - float(stored["time"]) < REMEMBERED_RATES_S
         if stored["machine"] == machine and fresh and int(stored["threads"]) == threads:
-            fp32 = max(fp32, float(stored["fp32"] or 0.0))
+            if float(stored["fp32"] or 0.0) >= fp32:
+                fp32, measured_at = float(stored["fp32"]), float(stored["time"])
             if stored.get("bf16"):
                 bf16 = max(bf16 or 0.0, float(stored["bf16"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     with contextlib.suppress(OSError):
-        write_json(path, {"machine": machine, "time": time.time(), "threads": threads,
+        write_json(path, {"machine": machine, "time": measured_at, "threads": threads,
                           "fp32": fp32, "bf16": bf16})  # fmt: skip
     return fp32, bf16
 

@@ -376,7 +376,8 @@ def existing_run(
         gpt = sections(config)[1].get("gpt")
         try:
             check_same_model(chosen, with_defaults(gpt) if isinstance(gpt, dict) else None,
-                             f"--name {name}")  # fmt: skip
+                             f"--name {name}", "set model.gpt to match it, or choose another "
+                             "--name")  # fmt: skip
         except ResumeError as err:
             raise JobConfigError(f"{err} (the job would continue the run in {run_dir})") from None
     return f"job {name} continues the existing run {run_dir} from {where}"

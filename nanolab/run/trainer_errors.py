@@ -1,14 +1,16 @@
 """Lightning's refusals of a ``trainer.*`` setting, as one line that names the key and the fix.
 
 ``Trainer(...)`` checks the accelerator, strategy, precision and clipping settings itself and
-raises (``MisconfigurationException``, ``ValueError``) with a message of its own, sometimes over
-several lines; through ``nanolab fit`` that was a traceback and exit code 1 for a typo. Nothing
-has been written by then (the run directory is claimed after the Trainer exists), so the
-refusal is safe to turn into :class:`~nanolab.errors.RunConfigError`: one line, exit code 2.
+raises (``MisconfigurationException``, ``ValueError``, ``TypeError``) with a message of its own,
+sometimes over several lines; through ``nanolab fit`` that was a traceback and exit code 1 for a
+typo. Nothing is in the run directory by then (it is claimed after the Trainer exists; a
+``data.source`` may have been prepared, which later runs reuse), so the refusal is safe to turn
+into :class:`~nanolab.errors.RunConfigError`: one line, exit code 2.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,18 +18,31 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from nanolab.errors import RunConfigError
 
-#: What Lightning's message is about (a word in it) -> the key it refuses.
-_KEYS = (
-    ("gradient_clip_algorithm", "trainer.gradient_clip_algorithm"),
-    ("gpu backend", "trainer.accelerator"),
-    ("strategy", "trainer.strategy"),  # before accelerator: its messages name one too
-    ("accelerator", "trainer.accelerator"),
-    ("precision", "trainer.precision"),
-    ("devices", "trainer.devices"),
+#: Words of Lightning's messages that name a key other than by its name (checked first).
+_ALIASES = (
+    ("gpu backend", "accelerator"),
+    ("plugin", "plugins"),
+    ("Timer(duration", "max_time"),
 )
 
-#: The exceptions ``Trainer(...)`` raises for a setting it refuses.
-REFUSALS = (MisconfigurationException, ValueError)
+#: The exceptions ``Trainer(...)`` raises for a setting it refuses (``TypeError``: a device
+#: count that is not one, ``trainer.devices: x``).
+REFUSALS = (MisconfigurationException, ValueError, TypeError)
+
+
+def refused_key(reason: str) -> str:
+    """The ``trainer.*`` key Lightning's message is about: an alias it uses, else the Trainer
+    argument it names first (``Trainer(devices=0)`` ... cpu accelerator: ``devices``)."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    for word, key in _ALIASES:
+        if word in reason:
+            return f"trainer.{key}"
+    names = [n for n in inspect.signature(Trainer.__init__).parameters if n != "self"]
+    found = [(m.start(), n) for n in names if (m := re.search(rf"\b{n}\b", reason, re.I))]
+    return f"trainer.{min(found)[1]}" if found else "trainer"
 
 
 def trainer_refusal(err: BaseException, trainer_args: Mapping[str, Any]) -> RunConfigError:
@@ -42,10 +57,9 @@ def trainer_refusal(err: BaseException, trainer_args: Mapping[str, Any]) -> RunC
         )
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     reason = (lines[0] if lines else type(err).__name__)[:300]
-    lowered = reason.lower()
-    key = next((k for word, k in _KEYS if word in lowered), "trainer")
+    key = refused_key(reason)
     fix = "check it against `nanolab fit --help`"
-    if key == "trainer.strategy" and "fsdp" in lowered:
+    if key == "trainer.strategy" and "fsdp" in reason.lower():
         fix = "for FSDP2, which runs on a CPU too, add --config configs/strategy/fsdp.yaml"
     return RunConfigError(reason.rstrip("."), field=key, fix=fix)
 

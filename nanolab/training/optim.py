@@ -141,7 +141,9 @@ class OptimizerConfig:
             and embedding weights), never to biases or LayerNorm gains.
         betas: Adam's moment decay rates; (0.9, 0.95) is the GPT-3 / nanoGPT choice.
         eps: Adam's epsilon.
-        fused: Use the fused CUDA kernel; ``null`` = whenever the model is on CUDA.
+        fused: Use torch's fused AdamW kernel (``adamw``, and ``muon``'s AdamW part; 8-bit AdamW
+            has bitsandbytes' own kernels and ignores it); ``null`` = whenever the model is on
+            CUDA.
         muon_lr: ``muon`` only: peak learning rate of the hidden matrices (Keller Jordan's
             scaling: each update is orthogonalised, then scaled by ``sqrt(max(1, out/in))``).
         muon_momentum: ``muon`` only: Nesterov momentum of the hidden matrices.

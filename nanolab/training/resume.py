@@ -206,10 +206,23 @@ def find_resume_checkpoint(run_dir: str | Path) -> ResumeChoice:
     return ResumeChoice(chosen, skipped)
 
 
+#: What to do about a checkpoint of another model that ``run.resume: auto`` found in the run.
+FIX_AUTO = (
+    "set model.gpt to match it, give this run another run.name, or start it over "
+    "(run.fresh: true moves the old run to previous/)"
+)
+#: ... that was named (``run.resume PATH``, ``--ckpt_path``).
+FIX_NAMED = "set model.gpt to match it, or pass a checkpoint of this model"
+
+
 def check_same_model(
-    cand: Candidate, gpt_config: dict[str, Any] | None, flag: str = "run.resume"
+    cand: Candidate,
+    gpt_config: dict[str, Any] | None,
+    flag: str = "run.resume",
+    fix: str = FIX_NAMED,
 ) -> None:
-    """Refuse to resume a checkpoint of another architecture (a clear line, not a shape traceback)."""
+    """Refuse to resume a checkpoint of another architecture (a clear line, not a shape
+    traceback); ``fix`` is what works where it was asked for (:data:`FIX_AUTO`, ...)."""
     saved = (cand.nanolab or {}).get("gpt")
     if not saved or not gpt_config:
         return
@@ -225,9 +238,7 @@ def check_same_model(
     ]
     if diffs:
         err = DifferentModelError(
-            f"{flag}: {cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); "
-            "set model.gpt to match it, give this run another run.name, or start it over "
-            "(run.fresh: true moves the old run to previous/)"
+            f"{flag}: {cand.path} holds a different model (model.gpt: {'; '.join(diffs)}); {fix}"
         )
         err.checkpoint = cand.path
         raise err
@@ -299,7 +310,7 @@ def resume_candidate(
             warn_line(line)
         if choice.chosen is None:
             return None
-        check_same_model(choice.chosen, gpt_config, flag)
+        check_same_model(choice.chosen, gpt_config, flag, FIX_AUTO)
         return choice.chosen
     path = Path(resume)
     if not path.exists():
