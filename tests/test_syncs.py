@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pytest
 import torch
@@ -18,6 +19,40 @@ from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
 
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.syncs import ENV, SyncCounter
+
+
+def tiny_fit(
+    tmp_path,
+    char_dataset,
+    *,
+    every: int,
+    micro_batches: int = 1,
+    refresh: int | None = None,
+    env: dict[str, str] | None = None,
+    **groups: dict,
+) -> subprocess.CompletedProcess:
+    """A 12-step fit of a 1-layer quickstart model, every step logged, a validation and a save
+    every ``every`` steps, ``micro_batches`` per step; the bar's plain line every ``refresh``
+    steps (None: hidden); ``groups``: more config sections (``budget={...}``)."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
+    cfg["model"]["gpt"]["n_layer"] = 1
+    cfg["run"].update(eval_every_steps=every, global_batch_tokens=micro_batches * 4 * 32)
+    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": every}, **groups)
+    if refresh is not None:
+        cfg["progress"] = {"refresh_rate": refresh, "plain_every_s": 0}
+        cfg["trainer"]["enable_progress_bar"] = True
+    res = run_nanolab(
+        "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
+        cwd=tmp_path, env=env or {},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def train_records(tmp_path) -> list[dict]:
+    """The ``train`` records of :func:`tiny_fit`'s run log, in file order."""
+    records = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
+    return [r for r in records if r["event"] == "train"]
 
 
 def test_a_fit_takes_one_sync_per_step_and_none_per_micro_batch(tmp_path, char_dataset):
@@ -31,18 +66,8 @@ def test_a_fit_takes_one_sync_per_step_and_none_per_micro_batch(tmp_path, char_d
     whenever it gathers metrics: 5 per step, 2 per micro-batch); the progress bar, the spike
     guard or the divergence stop reading its value itself (one more per step each).
     """
-    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
-    cfg["model"]["gpt"]["n_layer"] = 1
-    cfg["run"].update(eval_every_steps=6, global_batch_tokens=2 * 4 * 32)  # 2 micro-batches
-    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": 6},
-               progress={"refresh_rate": 1, "plain_every_s": 0})  # fmt: skip
-    cfg["trainer"]["enable_progress_bar"] = True
     out = tmp_path / "syncs.json"
-    res = run_nanolab(
-        "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
-        cwd=tmp_path, env={ENV: str(out)},
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = tiny_fit(tmp_path, char_dataset, every=6, micro_batches=2, refresh=1, env={ENV: str(out)})
     assert "step 5/12" in res.stdout  # the bar's line of every step was printed
     counts = json.loads(out.read_text())
     steps = counts["steps"]
@@ -53,8 +78,7 @@ def test_a_fit_takes_one_sync_per_step_and_none_per_micro_batch(tmp_path, char_d
     assert len(counts["micro_batches"]) >= 6 and set(counts["micro_batches"]) == {0}, counts
     (where,) = counts["steady_sources"]
     assert where.startswith("nanolab/callbacks/readout.py")
-    records = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
-    train = [r for r in records if r["event"] == "train"]
+    train = train_records(tmp_path)
     assert len(train) == 12 and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in train)
 
 
@@ -172,23 +196,14 @@ def test_the_progress_bar_refreshes_without_waiting_for_the_device(tmp_path, cha
     caught up by a blocking read (the run log's records out of order)."""
     from nanolab.callbacks.readout import DEFER_ENV
 
-    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
-    cfg["model"]["gpt"]["n_layer"] = 1
-    cfg["run"].update(eval_every_steps=100, global_batch_tokens=4 * 32)
-    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": 100},
-               progress={"refresh_rate": 4, "plain_every_s": 0})  # fmt: skip
-    cfg["trainer"]["enable_progress_bar"] = True
     out = tmp_path / "syncs.json"
-    res = run_nanolab(
-        "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
-        cwd=tmp_path, env={ENV: str(out), DEFER_ENV: str(lag)},
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = tiny_fit(
+        tmp_path, char_dataset, every=100, refresh=4, env={ENV: str(out), DEFER_ENV: str(lag)}
+    )
     counts = json.loads(out.read_text())
     syncs = {s["step"]: s["syncs"] for s in counts["steps"]}
     assert syncs == {**dict.fromkeys(range(3, 12), 0), 12: 1}, counts["steady_sources"]
-    records = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
-    train = [r for r in records if r["event"] == "train"]
+    train = train_records(tmp_path)
     assert [r["step"] for r in train] == list(range(1, 13))  # all written, in order
     loss = {r["step"]: r["loss"] for r in train}
     shown = {
@@ -227,20 +242,11 @@ def test_a_run_stopped_early_ends_its_bar_on_its_last_steps_loss(tmp_path, char_
     last line showing the newest loss that had arrived at the last refresh (step 5's)."""
     from nanolab.callbacks.readout import DEFER_ENV
 
-    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=12)
-    cfg["model"]["gpt"]["n_layer"] = 1
-    cfg["run"].update(eval_every_steps=100, global_batch_tokens=4 * 32)
-    cfg.update(log={"every_n_steps": 1}, checkpoint={"every_n_steps": 100},
-               progress={"refresh_rate": 4, "plain_every_s": 0},
-               budget={"max_tokens": 10 * 4 * 32, "check_every_n_steps": 1})  # fmt: skip
-    cfg["trainer"]["enable_progress_bar"] = True
-    res = run_nanolab(
-        "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
-        cwd=tmp_path, env={DEFER_ENV: "3"},
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
-    loss = {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+    budget = {"max_tokens": 10 * 4 * 32, "check_every_n_steps": 1}
+    res = tiny_fit(
+        tmp_path, char_dataset, every=100, refresh=4, env={DEFER_ENV: "3"}, budget=budget
+    )
+    loss = {r["step"]: r["loss"] for r in train_records(tmp_path)}
     end = max(loss)
     assert 8 < end < 12, sorted(loss)  # stopped by the budget, after the step-8 refresh
     last = re.findall(rf"^step {end}/12 \(\d+%\)\s+loss ([\d.]+)", res.stdout, re.M)
