@@ -73,3 +73,19 @@ def test_the_refusal_names_the_key_lightnings_message_is_about(kwargs: dict, key
         Trainer(**kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     line = str(trainer_refusal(caught.value, kwargs))
     assert line.startswith(f"{key}: ") and "\n" not in line, line
+
+
+def test_the_gpu_recipe_without_a_gpu_is_refused_before_its_data_is_read(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """``nanolab fit --config configs/gpt2-124m.yaml`` where torch sees no GPU and the recipe's
+    ``data/owt`` does not exist: the missing GPU is what is said (the first thing to fix), not
+    the missing dataset, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "gpt2-124m.yaml"
+    capsys.readouterr()
+    code = main(["fit", "--config", str(recipe)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("nanolab fit: error: trainer.accelerator: 'gpu' needs a CUDA or ROCm GPU")
+    assert list(tmp_path.iterdir()) == []

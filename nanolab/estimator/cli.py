@@ -173,6 +173,11 @@ def format_estimate(
             f"  for run.global_batch_tokens {s.global_batch_tokens:,}: micro-batch "
             f"{est.recommended_micro_batch} x gradient accumulation {est.recommended_accumulation}"
         )
+        if est.recommended_micro_batch != est.micro_batch:
+            out.append(
+                f"  to train so: --data.micro_batch_size {est.recommended_micro_batch}, or "
+                "--run.micro_batch_size auto (fit picks it for the GPU it runs on)"
+            )
     if est.switches:
         out.append("  switches that save memory (largest micro-batch that fits with each):")
         rows = [[sw.name, str(sw.largest_micro_batch or "none"), sw.yaml] for sw in est.switches]

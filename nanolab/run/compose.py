@@ -22,7 +22,7 @@ from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.data.prepare import OutputInUseError
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
-from nanolab.run.trainer_errors import REFUSALS, trainer_refusal
+from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
 from nanolab.training.parallelism import parse_strategy
 from nanolab.training.resolve import (
     RunConfigError,
@@ -59,6 +59,7 @@ def launch(cli: NanolabCLI) -> Trainer:
         from nanolab.model.hf import apply_init_from
 
         apply_init_from(model_args)
+    refuse_missing_gpu(cfg.trainer)  # before the data: a GPU recipe on a machine without one
     visible = visible_gpus(cfg.trainer.get("accelerator"))
     named = resolve(cfg, visible_gpus=visible)
     from nanolab.training import early_signals

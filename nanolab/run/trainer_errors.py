@@ -45,16 +45,30 @@ def refused_key(reason: str) -> str:
     return f"trainer.{min(found)[1]}" if found else "trainer"
 
 
+def missing_gpu(trainer_args: Mapping[str, Any]) -> RunConfigError | None:
+    """The refusal of ``trainer.accelerator: gpu`` (or ``cuda``) where torch sees no GPU."""
+    accelerator = str(trainer_args.get("accelerator") or "auto")
+    if accelerator not in ("gpu", "cuda") or gpu_visible():
+        return None
+    return RunConfigError(
+        f"{accelerator!r} needs a CUDA or ROCm GPU and {torch_build()} sees none",
+        field="trainer.accelerator",
+        fix="run where one is visible (Docker: --gpus all, or ROCm's /dev/kfd and /dev/dri), "
+        "or train on this CPU with --trainer.accelerator cpu",
+    )
+
+
+def refuse_missing_gpu(trainer_args: Mapping[str, Any]) -> None:
+    """Refuse a GPU accelerator without a GPU at once, before the data is read or prepared:
+    the GPU recipes say ``accelerator: gpu``, and their data may not exist on this machine."""
+    if (refusal := missing_gpu(trainer_args)) is not None:
+        raise refusal
+
+
 def trainer_refusal(err: BaseException, trainer_args: Mapping[str, Any]) -> RunConfigError:
     """``err`` from ``Trainer(**trainer_args)`` as one line: the key, Lightning's reason, a fix."""
-    accelerator = str(trainer_args.get("accelerator") or "auto")
-    if accelerator in ("gpu", "cuda") and not gpu_visible():
-        return RunConfigError(
-            f"{accelerator!r} needs a CUDA or ROCm GPU and {torch_build()} sees none",
-            field="trainer.accelerator",
-            fix="run where one is visible (Docker: --gpus all, or ROCm's /dev/kfd and "
-            "/dev/dri), or train on this CPU with --trainer.accelerator cpu",
-        )
+    if (refusal := missing_gpu(trainer_args)) is not None:
+        return refusal
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     reason = (lines[0] if lines else type(err).__name__)[:300]
     key = refused_key(reason)
