@@ -390,6 +390,9 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
         "Chinchilla",
     ):
         assert text in out
+    # The recipe's 16 does not fit 12 GB; the recommendation comes with the option to paste.
+    assert "micro-batch 8 x gradient accumulation 64" in out
+    assert "to train so: --data.micro_batch_size 8, or --run.micro_batch_size auto" in out
 
 
 def test_cli_json(capsys: pytest.CaptureFixture) -> None:
