@@ -1,8 +1,9 @@
 """The shipped GPU recipes, verbatim except size, accelerator, data and step count, on CPU.
 
 Each row composes ``configs/gpt2-124m.yaml`` with the overlays a GPU user would give (a size,
-a precision, a strategy), forces what CUDA switches on (fused AdamW), shrinks the model to 1
-layer x 32 wide on the bundled characters, trains 2 steps, then resumes
+a precision, a strategy), then ``configs/debug/cpu_check.yaml``, the shrink a user gives for the
+same check: what CUDA switches on forced (fused AdamW), the model 1 layer x 32 wide on the
+bundled characters; it trains 2 steps, then resumes
 to 4 (the recipes' ``run.resume: auto``) and checks the run log: finite losses at every step,
 the second launch resumed from step 2, and the run ended ``completed``. The default row, the one
 CI runs, keeps the recipe's ``model.compile: true``; the slow rows turn it off (a cold CPU
@@ -19,14 +20,9 @@ from conftest import QUICKSTART, nanolab_here, run_nanolab
 from nanolab.runlog import read_records
 
 CONFIGS = QUICKSTART.parent
-SHRINK = [
-    "--trainer.accelerator", "cpu", "--model.gpt.n_layer", "1", "--model.gpt.n_head", "2",
-    "--model.gpt.n_embd", "32", "--model.gpt.block_size", "64", "--model.gpt.vocab_size", "null",
-    "--data.micro_batch_size", "4", "--run.global_batch_tokens", "512",
-    "--data.val_windows", "8", "--trainer.limit_val_batches", "2", "--data.num_workers", "0",
-    "--model.optimizer.fused", "true", "--downstream.suite", "null",
-    "--model.compile", "false",  # the recipes compile; on a CPU that is the compile row's cost
-]  # fmt: skip
+# The shrink a user gives for the same check (docs/configs.md): 1 layer x 32 wide, CUDA's fused
+# AdamW, compile off (the rows that keep it turn it back on), 2 micro-batches a step.
+SHRINK = ["--config", str(CONFIGS / "debug" / "cpu_check.yaml"), "--run.resume", "auto"]
 
 # The base recipe (bf16-mixed) in the default suite; 350M also runs in the GPU check's dry run.
 ROWS = {"124m": []}
