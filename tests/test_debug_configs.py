@@ -11,8 +11,10 @@ from nanolab.runlog import read_records
 DEBUG = REPO / "configs" / "debug"
 
 
-def _launch(tmp_path, char_dataset, preset: str, *extra: str):
-    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+def _launch(tmp_path, char_dataset, preset: str, *extra: str, micro_batches: int = 1):
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["run"]["global_batch_tokens"] = micro_batches * 4 * 32  # micro-batch 4 x block 32
+    base = write_config(tmp_path / "base.yaml", cfg)
     done = nanolab_here("fit", "--config", str(base), "--config", str(DEBUG / f"{preset}.yaml"),
                        *extra, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -21,8 +23,12 @@ def _launch(tmp_path, char_dataset, preset: str, *extra: str):
     return run, read_records(run / "metrics.jsonl")
 
 
-def test_fast_dev_run_trains_three_steps_and_validates_once(tmp_path, char_dataset):
-    _, records = _launch(tmp_path, char_dataset, "fast_dev_run")
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_fast_dev_run_trains_three_steps_and_validates_once(tmp_path, char_dataset, micro_batches):
+    """Three optimizer steps whatever the base's accumulation (Lightning's fast_dev_run counts
+    batches). Mutation caught: the preset keeping the base's global batch (with 4 micro-batches
+    a step its 3 batches ended at step 1, and the banner promised 3)."""
+    _, records = _launch(tmp_path, char_dataset, "fast_dev_run", micro_batches=micro_batches)
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3]
     assert len([r for r in records if r["event"] == "val"]) == 1
 
