@@ -205,3 +205,31 @@ def test_welch_on_seeds_that_agree_to_many_digits_is_quiet_and_matches_scipy() -
     assert welch(a, b).p_value == pytest.approx(
         stats.ttest_ind(a, b, equal_var=False).pvalue, rel=1e-9
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["fit", "CONFIG"], "; a config file goes after --config: --config CONFIG"),
+        (["fit", "--config", "no-such.yaml"], "--config: {tmp}/no-such.yaml does not exist"),
+    ],
+    ids=["without-config", "missing-file"],
+)
+def test_a_config_file_given_wrong_is_one_line_with_the_fix(
+    tmp_path: Path, capsys, monkeypatch, argv: list[str], says: str
+) -> None:
+    """``nanolab fit configs/x.yaml`` (``--config`` forgotten) and a ``--config`` path that
+    does not exist: one line that says what to type, exit 2, nothing written."""
+    from conftest import QUICKSTART
+
+    from nanolab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = [str(QUICKSTART) if a == "CONFIG" else a for a in argv]
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    expected = says.replace("CONFIG", str(QUICKSTART)).replace("{tmp}", str(tmp_path))
+    assert err.startswith("nanolab fit: error: ") and expected in err, err
+    assert list(tmp_path.iterdir()) == []

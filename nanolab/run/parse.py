@@ -147,7 +147,31 @@ class OneLineErrorParser(LightningArgumentParser):
             super().error(message, ex)
         message = subclass_problem(str(message)) or str(message)
         lines = [line.strip() for line in message.splitlines() if line.strip()]
-        raise RunConfigError(union_problem(" ".join(lines)) or " ".join(lines[:3]))
+        text = " ".join(lines)
+        raise RunConfigError(
+            union_problem(text) or config_file_problem(text) or " ".join(lines[:3])
+        )
+
+
+def config_file_problem(text: str) -> str | None:
+    """The two ways a config file is given wrong, with the fix: a path without ``--config``
+    before it (``nanolab fit configs/x.yaml``), and a ``--config`` path that does not exist."""
+    import os
+    import re
+
+    loose = re.fullmatch(r"unrecognized arguments: (.+)", text)
+    if loose:
+        files = [a for a in loose.group(1).split() if a.endswith((".yaml", ".yml"))]
+        if files:
+            return (
+                f"unrecognized arguments: {loose.group(1)}; a config file goes after --config: "
+                f"--config {files[0]}"
+            )
+    missing = re.fullmatch(r'Parser key "config": File does not exist: (.+)', text)
+    if missing:
+        path = missing.group(1).strip("'\"")
+        return f"--config: {path} does not exist (relative paths start from {os.getcwd()})"
+    return None
 
 
 #: What a setting must be, for keys whose parser type ("int, float or null") says too little.
