@@ -521,3 +521,20 @@ def test_output_inside_an_input_folder_is_not_read_back_and_no_lock_file_stays(t
     with pytest.raises(PrepareError):
         prepare_dataset([str(tmp_path / "missing")], folder / "other", "bytes", quiet=True)
     assert sorted(p.name for p in folder.iterdir()) == ["a.txt", "out"]
+
+
+def test_bpe_says_when_the_text_holds_fewer_tokens_than_asked(tmp_path):
+    """A small corpus cannot give GPT-2's 50257 tokens: prepare says how many it learned
+    instead of writing a smaller vocabulary silently (the dataset is still written)."""
+    src = tmp_path / "small.txt"
+    src.write_text(SAMPLE * 20)
+    out = tmp_path / "ds"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanolab", "prepare", str(src), "-o", str(out),
+         "--tokenizer", "bpe", "--bpe-vocab-size", "50257"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    vocab = json.loads((out / "meta.json").read_text())["vocab_size"]
+    assert vocab < 50257
+    assert f"BPE learned {vocab:,} of the 50,257 tokens asked" in proc.stderr, proc.stderr

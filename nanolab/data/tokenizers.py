@@ -209,6 +209,16 @@ class HFTokenizer(Tokenizer):
         )
         tok.train_from_iterator(_chunked(texts), trainer=trainer)
         tok.add_special_tokens([EOT_TEXT])
+        learned = tok.get_vocab_size()
+        if learned < vocab_size:  # the text ran out of pairs to merge: say so, not silently
+            from nanolab.messages import note
+
+            note(
+                "nanolab prepare",
+                f"BPE learned {learned:,} of the {vocab_size:,} tokens asked: the text holds no "
+                "more pairs to merge; the vocabulary is that size (a larger fixed "
+                "model.gpt.vocab_size still trains, with unused rows)",
+            )
         return cls(tok, "bpe", tok.token_to_id(EOT_TEXT))
 
     @classmethod
