@@ -392,7 +392,31 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
         assert text in out
     # The recipe's 16 does not fit 12 GB; the recommendation comes with the option to paste.
     assert "micro-batch 8 x gradient accumulation 64" in out
-    assert "to train so: --data.micro_batch_size 8, or --run.micro_batch_size auto" in out
+    assert "to train so: --run.micro_batch_size 8, or --run.micro_batch_size auto" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--run.micro_batch_size", "16"], "to train so: --run.micro_batch_size 8, or"),
+        (["--micro-batch", "8"], "to train so: --run.micro_batch_size 8, or"),
+        (["--devices", "4"], "to train so: --run.micro_batch_size 8 --trainer.devices 4, or"),
+        (["--run.micro_batch_size", "auto"], None),
+    ],
+    ids=["run-micro-batch-wins", "given-equal", "devices", "auto-already"],
+)
+def test_the_recommendation_says_the_option_that_trains_so(capsys, extra, line) -> None:
+    """``run.micro_batch_size`` wins over ``data.micro_batch_size`` (so the line names it), a
+    ``--micro-batch`` equal to the advice still needs the config changed, several devices are
+    part of the advice, and a config already on ``auto`` needs no line. Mutation caught:
+    advising ``--data.micro_batch_size`` (ignored under a numeric run.micro_batch_size)."""
+    assert main(["--config", str(GPT2), "--gpu", "rtx4070", "--trace", "never", *extra]) == 0
+    out = capsys.readouterr().out
+    found = [ln.strip() for ln in out.splitlines() if "to train so:" in ln]
+    if line is None:
+        assert found == [], found
+    else:
+        assert len(found) == 1 and found[0].startswith(line), found
 
 
 def test_cli_json(capsys: pytest.CaptureFixture) -> None:

@@ -531,7 +531,7 @@ def test_bpe_says_when_the_text_holds_fewer_tokens_than_asked(tmp_path):
     out = tmp_path / "ds"
     proc = subprocess.run(
         [sys.executable, "-m", "nanolab", "prepare", str(src), "-o", str(out),
-         "--tokenizer", "bpe", "--bpe-vocab-size", "50257"],
+         "--tokenizer", "bpe", "--bpe-vocab-size", "50257", "-q"],  # said even when quiet
         capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

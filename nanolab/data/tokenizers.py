@@ -211,9 +211,9 @@ class HFTokenizer(Tokenizer):
         tok.add_special_tokens([EOT_TEXT])
         learned = tok.get_vocab_size()
         if learned < vocab_size:  # the text ran out of pairs to merge: say so, not silently
-            from nanolab.messages import note
+            from nanolab.messages import warn
 
-            note(
+            warn(
                 "nanolab prepare",
                 f"BPE learned {learned:,} of the {vocab_size:,} tokens asked: the text holds no "
                 "more pairs to merge; the vocabulary is that size (a larger fixed "

@@ -173,10 +173,14 @@ def format_estimate(
             f"  for run.global_batch_tokens {s.global_batch_tokens:,}: micro-batch "
             f"{est.recommended_micro_batch} x gradient accumulation {est.recommended_accumulation}"
         )
-        if est.recommended_micro_batch != est.micro_batch:
+        given = est.micro_batch_source != "config"  # --micro-batch, or the config's auto
+        if est.micro_batch_source != "auto" and (
+            given or est.recommended_micro_batch != est.micro_batch
+        ):
+            devices = f" --trainer.devices {s.devices}" if s.devices > 1 else ""
             out.append(
-                f"  to train so: --data.micro_batch_size {est.recommended_micro_batch}, or "
-                "--run.micro_batch_size auto (fit picks it for the GPU it runs on)"
+                f"  to train so: --run.micro_batch_size {est.recommended_micro_batch}{devices}, "
+                "or --run.micro_batch_size auto (fit picks it for the GPU it runs on)"
             )
     if est.switches:
         out.append("  switches that save memory (largest micro-batch that fits with each):")

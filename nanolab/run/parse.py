@@ -161,12 +161,10 @@ def config_file_problem(text: str) -> str | None:
 
     loose = re.fullmatch(r"unrecognized arguments: (.+)", text)
     if loose:
-        files = [a for a in loose.group(1).split() if a.endswith((".yaml", ".yml"))]
-        if files:
-            return (
-                f"unrecognized arguments: {loose.group(1)}; a config file goes after --config: "
-                f"--config {files[0]}"
-            )
+        words = loose.group(1).split()
+        if all(w.endswith((".yaml", ".yml")) for w in words):  # only file names, no option
+            fix = " ".join(f"--config {w}" for w in words)
+            return f"unrecognized arguments: {loose.group(1)}; a config file goes after --config: {fix}"
     missing = re.fullmatch(r'Parser key "config": File does not exist: (.+)', text)
     if missing:
         path = missing.group(1).strip("'\"")

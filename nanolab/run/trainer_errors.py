@@ -48,13 +48,14 @@ def refused_key(reason: str) -> str:
 def missing_gpu(trainer_args: Mapping[str, Any]) -> RunConfigError | None:
     """The refusal of ``trainer.accelerator: gpu`` (or ``cuda``) where torch sees no GPU."""
     accelerator = str(trainer_args.get("accelerator") or "auto")
-    if accelerator not in ("gpu", "cuda") or gpu_visible():
+    if accelerator not in ("gpu", "cuda") or gpu_visible(mps=accelerator == "gpu"):
         return None
+    kinds = "a CUDA or ROCm GPU" + (" (or Apple's MPS)" if accelerator == "gpu" else "")
     return RunConfigError(
-        f"{accelerator!r} needs a CUDA or ROCm GPU and {torch_build()} sees none",
+        f"{accelerator!r} needs {kinds} and {torch_build()} sees none",
         field="trainer.accelerator",
         fix="run where one is visible (Docker: --gpus all, or ROCm's /dev/kfd and /dev/dri), "
-        "or train on this CPU with --trainer.accelerator cpu",
+        "or run on this CPU with --trainer.accelerator cpu",
     )
 
 
@@ -78,11 +79,12 @@ def trainer_refusal(err: BaseException, trainer_args: Mapping[str, Any]) -> RunC
     return RunConfigError(reason.rstrip("."), field=key, fix=fix)
 
 
-def gpu_visible() -> bool:
-    """Whether torch sees a GPU Lightning's ``gpu`` accelerator can use (CUDA, ROCm, or MPS)."""
+def gpu_visible(mps: bool = True) -> bool:
+    """Whether torch sees a CUDA or ROCm GPU (or, with ``mps``, Apple's: Lightning's ``gpu``
+    accelerator takes either, its ``cuda`` only the first)."""
     import torch
 
-    return torch.cuda.is_available() or torch.backends.mps.is_available()
+    return torch.cuda.is_available() or (mps and torch.backends.mps.is_available())
 
 
 def torch_build() -> str:
