@@ -148,6 +148,8 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
+        if self.refresh_rate == 0:  # hidden (nanolab bench, enable_progress_bar: false)
+            return
         self._take_arrived_loss(self.clock.readout.completed)
         if not self._refreshes(trainer, step):
             return
