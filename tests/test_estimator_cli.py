@@ -523,3 +523,21 @@ def test_bench_cpu_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert "14 fp32 step-bound" in out and "worst error" in out
     assert (tmp_path / "case14.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--gpu", "h100", "--model.compile", "false"], True),
+        (["--gpu", "h100", "--model.compile", "false", "--mfu", "0.2"], False),
+        (["--gpu", "h100"], False),  # the recipe compiles
+        (["--model.compile", "false", "--device", "cpu"], False),  # a CPU's rate is measured
+    ],
+    ids=["eager", "eager-own-mfu", "compiled", "cpu"],
+)
+def test_an_eager_gpu_estimate_says_its_time_is_optimistic(capsys, extra, said) -> None:
+    """The GPU families' MFU come from compiled or hand-fused runs (nanoGPT, llm.c); an eager
+    run is typically 1.3-2x slower, and the estimate says so unless told an MFU."""
+    assert main(["--config", str(GPT2), "--trace", "never", *extra]) == 0
+    out = capsys.readouterr().out
+    assert ("eager steps are typically 1.3-2x slower" in out) is said
