@@ -536,8 +536,8 @@ def test_bench_cpu_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ids=["eager", "eager-own-mfu", "compiled", "cpu"],
 )
 def test_an_eager_gpu_estimate_says_its_time_is_optimistic(capsys, extra, said) -> None:
-    """The GPU families' MFU come from compiled or hand-fused runs (nanoGPT, llm.c); an eager
-    run is typically 1.3-2x slower, and the estimate says so unless told an MFU."""
+    """The GPU families' measured MFU come from compiled or hand-fused runs (nanoGPT, llm.c);
+    an eager run is typically 1.3-2x slower, and the estimate says so unless told an MFU."""
     assert main(["--config", str(GPT2), "--trace", "never", *extra]) == 0
     out = capsys.readouterr().out
     assert ("eager steps are typically 1.3-2x slower" in out) is said

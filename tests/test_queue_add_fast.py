@@ -346,3 +346,31 @@ def test_a_best_cpu_rate_expires_a_day_after_it_was_measured(tmp_path: Path, mon
     assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.5  # 23 h old: still the best
     age_by(2)  # the best probe is 25 h old now, the slower one 2 h
     assert cpu.cpu_device(threads, bf16=False).tflops["fp32"] == 0.05
+
+
+def test_a_best_bf16_rate_expires_on_its_own_probes_time(tmp_path: Path, monkeypatch) -> None:
+    """A newer, faster fp32 probe does not renew an old bf16 best: each rate expires a day
+    after the probe that measured it. Mutation caught: one timestamp for both rates."""
+    import torch
+
+    from nanolab.estimator import cpu
+
+    monkeypatch.setenv("NANOLAB_ESTIMATOR_CACHE", str(tmp_path))
+    rates = iter([0.1, 0.5, 0.2, 0.05, 0.3, 0.05])  # (fp32, bf16) per call
+    monkeypatch.setattr(cpu, "_rate", lambda dtype, threads: next(rates))
+    threads = torch.get_num_threads()
+
+    def age_by(hours: float) -> None:
+        (stored,) = tmp_path.glob("cpu-rates-*.json")
+        data = json.loads(stored.read_text())
+        data["time"] -= hours * 3600
+        data["bf16_time"] -= hours * 3600
+        stored.write_text(json.dumps(data))
+
+    assert cpu.cpu_device(threads).tflops["bf16"] == 0.5
+    age_by(23)
+    second = cpu.cpu_device(threads)  # fp32 0.2 beats 0.1 (stamped now); bf16 0.05 < 0.5 kept
+    assert second.tflops["fp32"] == 0.2 and second.tflops["bf16"] == 0.5
+    age_by(2)  # the bf16 best is 25 h old now; the fp32 best 2 h
+    third = cpu.cpu_device(threads)
+    assert third.tflops["fp32"] == 0.3 and third.tflops["bf16"] == 0.05

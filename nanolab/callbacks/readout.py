@@ -8,8 +8,8 @@ takes them all and copies them in one transfer per device:
 
 * before the step callbacks' ``on_step``, each puts what it wants read
   (:meth:`~nanolab.callbacks.step.StepCallback.step_values`); one that needs the value during
-  this step (the run log on a step it records, the progress bar on a refresh) puts it with
-  ``now=True``;
+  this step puts it with ``now=True`` (the progress bar at the last step; the run log never:
+  it writes a record when its values arrive);
 * :meth:`StepReadout.transfer` then reads them all at once when one is wanted now, or on a
   device that is not a GPU (there a read waits for nothing). Otherwise, on a CUDA device, the
   copy goes to pinned host memory without blocking and the values arrive at the next step's

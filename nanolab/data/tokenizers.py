@@ -214,7 +214,7 @@ class HFTokenizer(Tokenizer):
             from nanolab.messages import warn
 
             warn(
-                "nanolab prepare",
+                "nanolab",  # prepare, or fit preparing a data.source
                 f"BPE learned {learned:,} of the {vocab_size:,} tokens asked: the text holds no "
                 "more pairs to merge; the vocabulary is that size (a larger fixed "
                 "model.gpt.vocab_size still trains, with unused rows)",

@@ -173,7 +173,7 @@ def format_estimate(
             f"  for run.global_batch_tokens {s.global_batch_tokens:,}: micro-batch "
             f"{est.recommended_micro_batch} x gradient accumulation {est.recommended_accumulation}"
         )
-        given = est.micro_batch_source != "config"  # --micro-batch, or the config's auto
+        given = est.micro_batch_source == "--micro-batch"  # the config's may still differ
         if est.micro_batch_source != "auto" and (
             given or est.recommended_micro_batch != est.micro_batch
         ):

@@ -117,7 +117,8 @@ def _device(threads: int, fp32: float, bf16: float | None) -> GPU:
 
 @functools.cache
 def _rate(dtype_name: str, threads: int) -> float:
-    """One probe per dtype and thread count per process: every estimate here divides by it."""
+    """One probe per dtype and thread count per process (at the default thread count the
+    estimates divide by the best rate remembered today, :func:`_remember`)."""
     return matmul_tflops(dtype_name, threads=threads)
 
 
@@ -143,9 +144,13 @@ def remembered_cpu_device(bf16: bool = True) -> GPU:
         return cpu_device(bf16=bf16)
     try:
         stored = json.loads(path.read_text())
-        age = time.time() - float(stored["time"])
+        now = time.time()
+        age = now - float(stored["time"])
         if stored["machine"] == _machine() and 0 <= age < REMEMBERED_RATES_S:
             fp32, bf16_rate = float(stored["fp32"]), stored["bf16"]
+            bf16_age = now - float(stored.get("bf16_time", stored["time"]))
+            if not 0 <= bf16_age < REMEMBERED_RATES_S:
+                bf16_rate = None  # a day old: probed again if wanted
             if fp32 > 0 and (not bf16 or bf16_rate):
                 return _device(int(stored["threads"]), fp32, float(bf16_rate) if bf16 else None)
     except (OSError, ValueError, KeyError, TypeError):
@@ -181,20 +186,22 @@ def _remember(threads: int, fp32: float, bf16: float | None) -> tuple[float, flo
         return fp32, bf16
     machine = _machine()
     now = time.time()
-    measured_at = now
+    fp32_at = bf16_at = now
     try:
         stored = json.loads(path.read_text())
-        fresh = 0 <= now - float(stored["time"]) < REMEMBERED_RATES_S
-        if stored["machine"] == machine and fresh and int(stored["threads"]) == threads:
-            if float(stored["fp32"] or 0.0) >= fp32:
-                fp32, measured_at = float(stored["fp32"]), float(stored["time"])
-            if stored.get("bf16"):
-                bf16 = max(bf16 or 0.0, float(stored["bf16"]))
+        if stored["machine"] == machine and int(stored["threads"]) == threads:
+            at = float(stored["time"])
+            if 0 <= now - at < REMEMBERED_RATES_S and float(stored["fp32"] or 0.0) >= fp32:
+                fp32, fp32_at = float(stored["fp32"]), at
+            at = float(stored.get("bf16_time", at))
+            old_bf16 = float(stored.get("bf16") or 0.0)
+            if 0 <= now - at < REMEMBERED_RATES_S and old_bf16 >= (bf16 or 0.0) and old_bf16:
+                bf16, bf16_at = old_bf16, at
     except (OSError, ValueError, KeyError, TypeError):
         pass
     with contextlib.suppress(OSError):
-        write_json(path, {"machine": machine, "time": measured_at, "threads": threads,
-                          "fp32": fp32, "bf16": bf16})  # fmt: skip
+        write_json(path, {"machine": machine, "time": fp32_at, "threads": threads,
+                          "fp32": fp32, "bf16": bf16, "bf16_time": bf16_at})  # fmt: skip
     return fp32, bf16
 
 

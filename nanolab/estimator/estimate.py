@@ -400,9 +400,10 @@ def estimate_from_config(
         warnings.append(_compile_note(setup, be))
     elif be != "cpu" and mfu is None and measured is None:
         warnings.append(
-            f"model.compile is off: eager steps are typically 1.3-2x slower than the compiled "
-            f"or hand-fused runs the {g.label}'s MFU ({g.default_mfu:.0%}) comes from, so the time "
-            "is optimistic; pass --mfu, or let a finished run of this config set it"
+            f"model.compile is off: eager steps are typically 1.3-2x slower than compiled ones, "
+            f"and the time assumes the GPU family's MFU ({g.default_mfu:.0%}, measured compiled "
+            "where measured), so it is likely optimistic; pass --mfu, or let a finished "
+            "nanolab queue run of this config set it"
         )
     if setup.global_batch_tokens is not None and setup.micro_batch_size is None and not choice:
         warnings.append("no micro-batch fits; see the switches")
@@ -457,5 +458,5 @@ def _compile_note(setup: Setup, backend: str) -> str:
     return (
         "model.compile is on: the loss is Inductor's fused one (logits saved, no log-softmax); "
         "GPT-2's blocks save what eager saves (measured on an H200 under bf16-mixed: 124M and "
-        "350M within 1%)"
+        "350M within 0.6%)"
     )

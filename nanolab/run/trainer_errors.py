@@ -21,13 +21,16 @@ from nanolab.errors import RunConfigError
 #: Words of Lightning's messages that name a key other than by its name (checked first).
 _ALIASES = (
     ("gpu backend", "accelerator"),
+    ("torch_xla", "accelerator"),  # accelerator: tpu, without its package
+    ("transformer_engine", "precision"),  # precision: transformer-engine, without its package
     ("plugin", "plugins"),
     ("Timer(duration", "max_time"),
 )
 
 #: The exceptions ``Trainer(...)`` raises for a setting it refuses (``TypeError``: a device
-#: count that is not one, ``trainer.devices: x``).
-REFUSALS = (MisconfigurationException, ValueError, TypeError)
+#: count that is not one, ``trainer.devices: x``; ``ImportError``: a value whose package is not
+#: installed, ``accelerator: tpu``, ``precision: transformer-engine``).
+REFUSALS = (MisconfigurationException, ValueError, TypeError, ImportError)
 
 
 def refused_key(reason: str) -> str:
@@ -92,4 +95,5 @@ def torch_build() -> str:
     import torch
 
     gpu_build = torch.version.cuda is not None or torch.version.hip is not None
-    return f"torch {torch.__version__}" + ("" if gpu_build else " (a CPU-only build)")
+    said = gpu_build or torch.__version__.endswith("+cpu")  # the version says which build
+    return f"torch {torch.__version__}" + ("" if said else " (a CPU-only build)")
