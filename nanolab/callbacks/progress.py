@@ -33,6 +33,11 @@ from nanolab.callbacks.step import StepCallback, validation_follows
 PROGRESS_KEY = "progress:loss"
 
 
+def last_step(trainer: L.Trainer) -> int | None:
+    """The run's last optimizer step, ``trainer.max_steps``; None when it has none (-1)."""
+    return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+
+
 class StepProgressBar(StepCallback, TQDMProgressBar):
     """tqdm bar (or plain lines) over optimizer steps with ETA, loss and tokens/s.
 
@@ -98,7 +103,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
     def init_train_tqdm(self) -> Tqdm:
         """One bar, counting optimizer steps from the restored step to ``max_steps``."""
         trainer = self.trainer
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        total = last_step(trainer)
         step = trainer.global_step
         return self._bar("train", total=total, initial=step, leave=self._leave, smoothing=0)
 
@@ -127,7 +132,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
     def _refreshes(self, trainer: L.Trainer, step: int) -> bool:
         if self.refresh_rate == 0 or (not self.plain and self._train_progress_bar is None):
             return False
-        last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        last = last_step(trainer)
         return not (step % self.refresh_rate and step != last)
 
     def step_values(
@@ -143,7 +148,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
 
         loss = fresh_metrics(trainer, training=True).get(self.loss_key)
         if loss is not None:  # read with the run log's values: no sync of its own
-            last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+            last = last_step(trainer)
             readout.put(PROGRESS_KEY, loss, now=step == last)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
@@ -153,7 +158,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self._take_arrived_loss(self.clock.readout.completed)
         if not self._refreshes(trainer, step):
             return
-        last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        last = last_step(trainer)
         self._show_loss()
         if self._last is not None:
             now = self.clock.snapshot()
@@ -196,7 +201,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         from nanolab.callbacks.banner import duration
 
         self._last_line = time.monotonic()
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        total = last_step(trainer)
         text = f"step {step}/{total} ({step / total:.0%})" if total else f"step {step}"
         for key in ("loss", "val", "bpb"):
             if key in self._postfix:
@@ -218,7 +223,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             bpb = trainer.callback_metrics.get("val/bpb")  # absent for data without byte counts
             if bpb is not None:
                 self._postfix["bpb"] = f"{float(bpb):.4f}"
-            last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+            last = last_step(trainer)
             fitting, step = trainer.state.fn == "fit", trainer.global_step
             if self.plain and fitting and self.refresh_rate and step != last:
                 self._print_line(trainer, step)

@@ -425,15 +425,6 @@ def estimate_from_config(
     )
 
 
-__all__ = [
-    "Estimate",
-    "EstimateError",
-    "estimate_from_config",
-    "largest_fitting_micro_batch",
-    "setup_for",
-]
-
-
 def _compile_note(setup: Setup, backend: str) -> str:
     """What the estimate knows of ``torch.compile``'s memory (Numerics.compiled_loss)."""
     if backend == "cpu":
@@ -460,3 +451,12 @@ def _compile_note(setup: Setup, backend: str) -> str:
         "GPT-2's blocks save what eager saves (measured on an H200 under bf16-mixed: 124M and "
         "350M within 0.6%)"
     )
+
+
+__all__ = [
+    "Estimate",
+    "EstimateError",
+    "estimate_from_config",
+    "largest_fitting_micro_batch",
+    "setup_for",
+]
