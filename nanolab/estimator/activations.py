@@ -225,8 +225,8 @@ def _head_and_loss(s: Saved, gpt: GPTConfig, inv: Inventory, B: int, T: int, num
         s.loss["row max + log-sum-exp (fp32)"] = 2 * BT * 4
     else:
         s.loss["log-softmax"] = BT * V * num.loss
-    if num.gpu_autocast_loss and not num.compiled_loss:
-        s.loss["16-bit logits (autocast on a GPU)"] = BT * V * num.compute
+        if num.gpu_autocast_loss:
+            s.loss["16-bit logits (autocast on a GPU)"] = BT * V * num.compute
     s.loss["targets"] = BT * INT64
     s.loss["loss weight scalar"] = num.loss
 

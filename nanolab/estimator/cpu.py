@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import time
+from typing import Any
 
 from nanolab.estimator.gpus import GPU
 
@@ -187,16 +188,20 @@ def _remember(threads: int, fp32: float, bf16: float | None) -> tuple[float, flo
     machine = _machine()
     now = time.time()
     fp32_at = bf16_at = now
+
+    def best(new: float | None, old: Any, old_at: float) -> tuple[float | None, float]:
+        """The remembered rate with its probe's time while it is fresh and not beaten."""
+        old = float(old or 0.0)
+        if old and 0 <= now - old_at < REMEMBERED_RATES_S and old >= (new or 0.0):
+            return old, old_at
+        return new, now
+
     try:
         stored = json.loads(path.read_text())
         if stored["machine"] == machine and int(stored["threads"]) == threads:
             at = float(stored["time"])
-            if 0 <= now - at < REMEMBERED_RATES_S and float(stored["fp32"] or 0.0) >= fp32:
-                fp32, fp32_at = float(stored["fp32"]), at
-            at = float(stored.get("bf16_time", at))
-            old_bf16 = float(stored.get("bf16") or 0.0)
-            if 0 <= now - at < REMEMBERED_RATES_S and old_bf16 >= (bf16 or 0.0) and old_bf16:
-                bf16, bf16_at = old_bf16, at
+            fp32, fp32_at = best(fp32, stored["fp32"], at)  # type: ignore[assignment]
+            bf16, bf16_at = best(bf16, stored.get("bf16"), float(stored.get("bf16_time", at)))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     with contextlib.suppress(OSError):
