@@ -24,7 +24,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "lm-eval": ("nanolab.downstream.harness:main", "lm-evaluation-harness on a checkpoint"),
     "export": ("nanolab.export:main", "write a checkpoint as a Hugging Face GPT-2 folder"),
     "estimate": ("nanolab.estimator.cli:main", "predict memory, time and cost before a run"),
-    "report": ("nanolab.report:main", "summarise runs from their metrics.jsonl logs"),
+    "report": ("nanolab.report.cli:main", "summarise runs from their metrics.jsonl logs"),
     "status": (
         "nanolab.queue.status:main",
         "what is running, queued and finished (reads files only)",

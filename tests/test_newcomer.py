@@ -35,7 +35,7 @@ def test_plot_band_is_the_t_interval_its_title_names(tmp_path: Path, monkeypatch
     half = T_975_DF2 * 0.1 / math.sqrt(3)
     assert (x, mean) == (1000, pytest.approx(1.1))
     assert (lo, hi) == (pytest.approx(1.1 - half), pytest.approx(1.1 + half))
-    assert titles == [report.BAND_TITLE] and "95% confidence interval" in titles[0]
+    assert titles == [report.plot.BAND_TITLE] and "95% confidence interval" in titles[0]
     docs = (Path(__file__).parents[1] / "docs" / "report.md").read_text()
     assert "min–max" not in docs and "without scipy" not in docs
 

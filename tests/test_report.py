@@ -331,7 +331,7 @@ def test_plot_one_colour_per_group_mean_and_band_on_the_newest_runs_data(tmp_pat
 
 
 def test_tokens_axis_reads_in_k_m_b() -> None:
-    from nanolab.report import _tokens_axis
+    from nanolab.report.plot import _tokens_axis
 
     assert [_tokens_axis(v) for v in (500, 2e4, 1.5e6, 2e9)] == ["500", "20k", "1.5M", "2B"]
 
@@ -454,7 +454,7 @@ def test_a_group_label_names_a_key_unambiguously_among_all_of_the_configs_keys()
     """Groups that differ in ``checkpoint.every_n_steps`` while every config also has
     ``log.every_n_steps`` are labelled ``checkpoint.every_n_steps=...``: ``every_n_steps=``
     alone did not say which (a second reader's finding)."""
-    from nanolab.report import _short_keys
+    from nanolab.report.groups import _short_keys
 
     keys = ["checkpoint.every_n_steps", "log.every_n_steps", "model.optimizer.lr"]
     short = _short_keys(["checkpoint.every_n_steps", "model.optimizer.lr"], keys)

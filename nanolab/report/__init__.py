@@ -1,0 +1,56 @@
+"""``nanolab report``: the morning summary of every run under one or more run folders.
+
+Each run is read by :func:`nanolab.runs.summarize_run`, whatever state it is in (finished,
+running, crashed); curves and "best" figures come from the timeline a resume leaves.
+
+Runs whose configs differ only in the seed and the run name are grouped, with the mean and
+standard deviation of their final validation loss: one seed is an anecdote. A group is labelled
+by the config values that set it apart from the other groups (``lr=0.001``), not by its names.
+"Δ train loss" is the same for every run: the mean training loss of the last
+:data:`DELTA_WINDOW` logged steps minus the loss of the first logged step.
+
+``--plot`` draws one colour per group: the mean over its seeds and its 95% interval, against
+tokens (or GPU-hours); without ``--run`` it draws the runs trained on the same data as the most
+recently updated one (curves of different vocabularies do not share a y axis).
+``--compare A B`` prints the config keys where two runs differ beside their results.
+
+``--forecast`` (and ``--target-loss X``) fits each run's validation curve with
+:mod:`nanolab.forecast` and says what it will reach at ``trainer.max_steps``, and the tokens,
+GPU-hours and cost to reach ``X``; a seed group's points are fitted together.
+``--scaling`` (and ``--gpu-hours H``) fits L(N, D) over finished runs of several model sizes
+(:mod:`nanolab.scaling_fit`) and gives the compute-optimal size for ``H`` GPU-hours.
+
+The package, one module a job: :mod:`~nanolab.report.groups` (seed groups and their tests),
+:mod:`~nanolab.report.text` (tables), :mod:`~nanolab.report.plot` (``--plot``),
+:mod:`~nanolab.report.forecasts` (``--forecast``) and :mod:`~nanolab.report.cli` (the verb).
+"""
+
+from nanolab.report.cli import main
+from nanolab.report.forecasts import forecast_inputs, forecasts
+from nanolab.report.groups import (
+    Comparison,
+    ReportError,
+    SeedGroup,
+    compare_groups,
+    seed_groups,
+)
+from nanolab.report.plot import default_plot_selection, plot_runs
+from nanolab.report.text import format_table, validated_table
+from nanolab.runs import discover_runs, summarize_run
+
+__all__ = [
+    "Comparison",
+    "ReportError",
+    "SeedGroup",
+    "compare_groups",
+    "default_plot_selection",
+    "discover_runs",
+    "forecast_inputs",
+    "forecasts",
+    "format_table",
+    "main",
+    "plot_runs",
+    "seed_groups",
+    "summarize_run",
+    "validated_table",
+]

@@ -1,0 +1,267 @@
+"""``nanolab report``'s command line: which runs, which views, in what order."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from nanolab.errors import one_line_errors
+from nanolab.helpfmt import OneLineParser
+from nanolab.messages import say
+from nanolab.report.forecasts import forecasts, format_forecasts
+from nanolab.report.groups import (
+    ReportError,
+    compare_groups,
+    config_summaries,
+    seed_groups,
+)
+from nanolab.report.plot import check_plot_path, default_plot_selection, plot_runs
+from nanolab.report.text import compare_runs, format_table
+from nanolab.runlog import RUN_LOG_NAME
+from nanolab.runs import (
+    RESULTS_LOG,
+    RunSummary,
+    append_result,
+    discover_runs,
+    hours_label,
+    indexed_runs,
+    result_fields,
+    summarize_run,
+)
+
+#: What ``--sort`` accepts: the summary's fields that hold one comparable value.
+SORT_FIELDS = tuple(
+    f.name
+    for f in fields(RunSummary)
+    if f.name
+    not in ("group", "run_dir", "skipped_example", "task_scores", "eval_task_scores", "val_points")
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="nanolab report",
+        description="Summarise runs from their metrics.jsonl logs (finished, stopped, crashed or "
+        "still running).",
+    )
+    p.add_argument(
+        "runs_dirs",
+        nargs="*",
+        type=Path,
+        metavar="RUNS_DIR",
+        help="folders holding run directories, or run directories (default: runs)",
+    )
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only these runs (repeatable; shell-style patterns such as 'lr*')",
+    )
+    p.add_argument(
+        "--sort",
+        default="run",
+        metavar="FIELD",
+        help=f"sort by FIELD, '-FIELD' for descending; one of: {', '.join(SORT_FIELDS)}",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print JSON (runs and seed groups) instead of a table"
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="draw train and val loss: one colour per seed group, the mean over seeds and a "
+        "95%% confidence band (without --run: the runs on the newest run's data and vocabulary)",
+    )
+    p.add_argument(
+        "--x", choices=("tokens", "gpu_hours"), default="tokens", help="x axis of --plot"
+    )
+    p.add_argument("--logx", action="store_true", help="a logarithmic x axis in --plot")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="the config keys where runs A and B differ, beside their results; when they are "
+        "seeds of two groups, also whether the groups differ beyond seed noise",
+    )
+    p.add_argument(
+        "--index",
+        action="store_true",
+        help="add the ended runs that <RUNS_DIR>/results.log lacks (runs that ended before it "
+        "was kept, or elsewhere), one JSON line each; nothing in it is rewritten",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="GROUP",
+        help="compare every seed group with this one (its label as the table prints it, or "
+        "one of its runs): the difference, its 95%% interval and Welch's p-value",
+    )
+    p.add_argument(
+        "--forecast",
+        action="store_true",
+        help="fit each run's val curve over its LR schedule: the final val loss at max_steps "
+        "with a 5-95%% range (dashed in --plot)",
+    )
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        metavar="LOSS",
+        help="with the forecast: tokens, GPU-hours and cost to reach this val loss",
+    )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="fit L(N, D) = E + A/N^alpha + B/D^beta over finished runs of >= 3 model sizes "
+        "(docs/scaling.md)",
+    )
+    p.add_argument(
+        "--gpu-hours",
+        type=float,
+        metavar="H",
+        help="with --scaling: the compute-optimal model size and tokens for H GPU-hours",
+    )
+    return p
+
+
+def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
+    """Append to each root's results.log the ended runs under it that it lacks."""
+    added = []
+    for root in roots:
+        if (root / RUN_LOG_NAME).is_file():
+            continue  # a run directory given as a root: its root is its parent
+        path = root / RESULTS_LOG
+        have = indexed_runs(path)
+        ended = [
+            result_fields(s)
+            for s in summaries
+            if s.status not in ("running", "crashed")
+            and Path(s.run_dir).resolve().parent == root.resolve()
+        ]
+        new = [f for f in ended if (f["run"], f["step"], f["reason"]) not in have]
+        for f in new:
+            append_result(path, f)
+        added.append(f"{path}: {len(new)} run(s) added")
+    return "index: " + ("; ".join(added) if added else "no folder of runs given")
+
+
+def _select(found: list[tuple[str, Path]], patterns: list[str]) -> list[tuple[str, Path]]:
+    if not patterns:
+        return found
+    names = [n for n, _ in found]
+    unknown = [p for p in patterns if not fnmatch.filter(names, p)]
+    if unknown:
+        have = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+        raise ReportError(
+            f"--run: no run named {', '.join(map(repr, unknown))}; runs found: {have}"
+        )
+    return [(n, d) for n, d in found if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def _sort(summaries: list[RunSummary], spec: str) -> list[RunSummary]:
+    desc = spec.startswith("-")
+    key = spec.lstrip("-")
+    if key not in SORT_FIELDS:
+        raise ReportError(f"--sort: unknown field {key!r}; choose one of {', '.join(SORT_FIELDS)}")
+    present = [s for s in summaries if getattr(s, key) is not None]
+    absent = [s for s in summaries if getattr(s, key) is None]  # always last
+    return sorted(present, key=lambda s: getattr(s, key), reverse=desc) + absent
+
+
+def _scaling(args: argparse.Namespace, selected: list[tuple[str, Path]]) -> tuple[Any, Any]:
+    """``--scaling`` / ``--gpu-hours``: the fit's text and data (None, None when not asked)."""
+    if not args.scaling and args.gpu_hours is None:
+        return None, None
+    if args.gpu_hours is not None and not (math.isfinite(args.gpu_hours) and args.gpu_hours > 0):
+        raise ReportError(f"--gpu-hours {args.gpu_hours}: give a positive number, e.g. 100")
+    from nanolab.scaling_fit import ScalingError, points_from_runs, scaling_report
+
+    points, _ = points_from_runs(selected)
+    try:
+        return scaling_report(points, args.gpu_hours)
+    except ScalingError as err:
+        raise ReportError(f"--scaling: {err}") from None
+
+
+@one_line_errors("nanolab report")
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.plot is not None:
+        check_plot_path(args.plot)
+    roots = args.runs_dirs or [Path("runs")]
+    found = discover_runs(roots)
+    if not found:
+        where = ", ".join(str(r) for r in roots)
+        print(
+            f"nanolab report: error: no runs under {where} (no {RUN_LOG_NAME} found); "
+            "runs appear there once `nanolab fit` has started",
+            file=sys.stderr,
+        )
+        return 2  # bad input, as nanolab status says of the same folder
+    if args.compare:
+        print(compare_runs(found, *args.compare))
+        everyone = [summarize_run(n, d) for n, d in found]
+        pair = [g for g in seed_groups(everyone) if set(args.compare) & ({g.label} | set(g.runs))]
+        if len(pair) == 2:
+            for c in compare_groups(everyone, pair, baseline=pair[1].label):
+                print(f"\nseed groups: {c.sentence}")
+        return 0
+    selected = _select(found, args.run)
+    now = time.time()
+    summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
+    if args.index:
+        say("nanolab report", update_index(roots, summaries))
+    universe = config_summaries(found) if args.run else summaries
+    groups = seed_groups(summaries, universe)
+    comparisons = compare_groups(summaries, groups, args.baseline)
+    want_forecast = args.forecast or args.target_loss is not None
+    if args.target_loss is not None and not 0 < args.target_loss < math.inf:
+        raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
+    run_fc, group_fc = forecasts(selected, groups, args.target_loss) if want_forecast else ({}, {})
+    scaling_text, scaling_data = _scaling(args, selected)
+    if args.plot is not None:
+        dirs = dict(selected)
+        plotted, left_out = (summaries, 0) if args.run else default_plot_selection(summaries)
+        plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx,
+                  universe=universe)  # fmt: skip
+    if args.json:
+        payload = {
+            "runs": [
+                {k: v for k, v in asdict(s).items() if k not in ("group", "val_points")}
+                for s in summaries
+            ],
+            "seed_groups": [asdict(g) for g in groups],
+            "comparisons": [asdict(c) for c in comparisons],
+        }
+        if want_forecast:
+            payload["forecasts"] = {k: asdict(v) for k, v in run_fc.items()}
+            payload["group_forecasts"] = {k: asdict(v) for k, v in group_fc.items()}
+        if scaling_data is not None:
+            payload["scaling"] = scaling_data
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        print(format_table(summaries, groups, comparisons))
+        if want_forecast:
+            ordered = {s.run: run_fc[s.run] for s in summaries}
+            hours = hours_label([s.accelerator for s in summaries])
+            print(format_forecasts(ordered, group_fc, args.target_loss, hours))
+        if scaling_text is not None:
+            print(scaling_text)
+    if args.plot is not None:
+        note = ""
+        if left_out:
+            note = (f" ({len(plotted)} runs on the newest run's data; {left_out} on other data "
+                    "left out: --run NAME to choose)")  # fmt: skip
+        print(f"plot: {args.plot}{note}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""``--forecast`` and ``--target-loss``: each run's (and each seed group's) validation curve
+fitted over its LR schedule, and the text that says what it will reach."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from nanolab.report.groups import SeedGroup
+from nanolab.report.text import money
+from nanolab.runs import (
+    config_of,
+    last_by_step,
+    last_value,
+    num,
+    read_run,
+    si,
+)
+
+
+def _schedule_of(config: dict[str, Any], train: list[dict[str, Any]]) -> tuple[Any, int]:
+    """``(planned steps -> LR multiplier, warmup steps)`` from a run's config, checked against the
+    LRs its log recorded (``(None, 0)`` when the config has no schedule or the log disagrees,
+    e.g. a model class with its own schedule)."""
+    from nanolab.training.optim import ScheduleConfig, lr_schedule
+
+    model = config.get("model") or {}
+    if isinstance(model.get("init_args"), dict):
+        model = model["init_args"]
+    sched, peak = model.get("schedule"), num((model.get("optimizer") or {}).get("lr"))
+    if not isinstance(sched, dict) or not peak:
+        return None, 0
+    try:
+        cfg = ScheduleConfig(**sched)
+    except (TypeError, ValueError):
+        return None, 0
+    max_steps = int(num((config.get("trainer") or {}).get("max_steps")) or -1)
+    planned = lr_schedule(cfg, max_steps)
+    logged = [(r["step"], num(r.get("lr"))) for r in train if isinstance(r.get("step"), int)]
+    logged = [(s, lr) for s, lr in logged if lr is not None and s >= 1]
+    # A train record is written after the scheduler stepped: it shows the LR of the next step.
+    for step, lr in logged[:: max(1, len(logged) // 50)]:
+        if not math.isclose(lr, peak * planned(step), rel_tol=1e-3, abs_tol=1e-12):
+            return None, 0
+    return (lambda steps: lr_schedule(cfg, steps)), cfg.warmup_steps
+
+
+def forecast_inputs(run_dir: Path) -> Any:
+    """What a forecast of one run needs from its log (:class:`nanolab.forecast.CurveInputs`):
+    (step, tokens, val loss) points, ``trainer.max_steps``, tokens per step, the LR schedule
+    from the config, and GPU-hours and cost per token so far."""
+    from nanolab.forecast import CurveInputs
+
+    records = read_run(run_dir)[0]
+    val = last_by_step([r for r in records if r.get("event") == "val"])
+    train = last_by_step([r for r in records if r.get("event") == "train"])
+    points = [
+        (float(s), t, v)
+        for s, t, v in ((r.get("step"), num(r.get("tokens")), num(r.get("val_loss"))) for r in val)
+        if isinstance(s, int) and t is not None and v is not None and t > 0
+    ]
+    config = config_of(records, run_dir) or {}
+    max_steps = num((config.get("trainer") or {}).get("max_steps"))
+    last = next((r for r in reversed(train) if num(r.get("tokens")) and r.get("step")), None)
+    per_step = num(last["tokens"]) / int(last["step"]) if last else None
+    tokens = num((last or {}).get("tokens"))
+    gpu_h, cost = num(last_value(train, "gpu_hours")), num(last_value(train, "cost"))
+    schedule_for, warmup = _schedule_of(config, train) if points else (None, 0)
+    return CurveInputs(
+        points=points,
+        max_steps=int(max_steps) if max_steps and max_steps > 0 else None,
+        tokens_per_step=per_step,
+        schedule_for=schedule_for,
+        warmup_steps=warmup,
+        gpu_hours_per_token=gpu_h / tokens if gpu_h and tokens else None,
+        cost_per_token=cost / tokens if cost and tokens else None,
+    )
+
+
+def forecasts(
+    selected: list[tuple[str, Path]], groups: list[SeedGroup], target: float | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Forecasts per run and per seed group (the group's points fitted together)."""
+    from dataclasses import replace
+
+    from nanolab.forecast import forecast
+
+    inputs = {name: forecast_inputs(d) for name, d in selected}
+    runs = {name: forecast(i, target) for name, i in inputs.items()}
+    by_group = {}
+    for g in groups:
+        members = [inputs[r] for r in g.runs if r in inputs]
+        if not members:
+            continue
+        rate = [m.gpu_hours_per_token for m in members if m.gpu_hours_per_token]
+        price = [m.cost_per_token for m in members if m.cost_per_token]
+        # One recipe, several seeds: the first member's plan, everyone's points.
+        by_group[g.label] = forecast(
+            replace(
+                members[0],
+                points=sorted(p for m in members for p in m.points),
+                gpu_hours_per_token=statistics.fmean(rate) if rate else None,
+                cost_per_token=statistics.fmean(price) if price else None,
+            ),
+            target,
+        )
+    return runs, by_group
+
+
+def format_forecasts(
+    runs: dict[str, Any], groups: dict[str, Any], target: float | None, hours: str = "GPU-h"
+) -> str:
+    head = ("forecast: the val curve fitted as L = L0 + A*S1^-alpha - C*S2 over the run's LR "
+            "schedule (S1: LR area, S2: annealing area; without a known schedule L = E + "
+            "A*D^-alpha in tokens); [5%, 95%] of a residual bootstrap, widened by the fit's "
+            "own backtest miss")  # fmt: skip
+    out = ["", head]
+    for label, f in [*runs.items(), *((f"group {k}", v) for k, v in groups.items())]:
+        if f.fit is None:
+            out.append(f"  {label}: no forecast ({f.note})")
+            continue
+        if f.finished:
+            out.append(f"  {label}: {finished_text(f)}" + _target_text(f, target, hours))
+            continue
+        text = f"  {label}: {f.points} val points, "
+        if f.model == "schedule":
+            text += (f"L0={f.fit['L0']:.3f} alpha={f.fit['alpha']:.3f} C={f.fit['C']:.3g} "
+                     f"decay={f.fit['decay']:g}")  # fmt: skip
+        else:
+            text += f"power law E={f.fit['E']:.3f} alpha={f.fit['alpha']:.3f}"
+        if f.fit.get("degenerate"):
+            text += " (the points do not pin the curve's shape: unreliable)"
+        elif f.fit.get("annealing_seen", 1.0) < 0.25:
+            text += " (under a quarter of the LR decay seen: its gain is not counted, the range reaches the fit with it)"
+        if f.final_loss is not None:
+            lo, hi = f.final_band
+            text += (f"; at max_steps ({si(f.final_tokens)} tokens): {f.final_loss:.4f} "
+                     f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
+        out.append(text + _target_text(f, target, hours))
+    return "\n".join(out)
+
+
+def _target_text(f: Any, target: float | None, hours: str) -> str:
+    """``; to X: tokens [range], hours, cost`` for --target-loss (empty without one)."""
+    if target is None:
+        return ""
+    if f.target_tokens is None:
+        return f"; to {target}: {f.note}"
+    lo, hi = f.target_band
+    hi_text = si(hi) if math.isfinite(hi) else "never"
+    text = f"; to {target}: {si(f.target_tokens)} tokens [{si(lo)}, {hi_text}]"
+    if f.target_gpu_hours is not None:
+        text += f", {f.target_gpu_hours:.3g} {hours}"
+    if f.target_cost is not None:
+        text += f", {money(f.target_cost)}"
+    return text
+
+
+def finished_text(f: Any) -> str:
+    """A run whose last validation is at max_steps: its final val loss and how well the curve
+    was fitted (rmse, the worst backtest miss), not a forecast of a point already reached; a
+    floor fitted at its bound of 0 is named as such, not shown as a loss the run tends to."""
+    fit = f.fit
+    text = f"finished ({f.points} val points), final val loss {f.last_loss:.4f}; the fit's "
+    text += f"rmse {fit['rmse']:.3g} over {fit['n']} points"
+    misses = [m for m, _ in fit.get("backtests") or []]
+    if misses:
+        text += f", worst backtest miss {max(misses):.3g}"
+    floor = fit.get("L0", fit.get("E"))
+    if floor is not None and floor <= 1e-6:
+        text += "; its floor is at the bound 0 (not pinned by the points)"
+    return text

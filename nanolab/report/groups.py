@@ -1,0 +1,269 @@
+"""Seed groups and their comparisons: runs of one configuration that differ only in seed,
+labelled by what sets them apart, and Welch's test between groups at equal tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanolab.runs import (
+    RunsError,
+    RunSummary,
+    config_of,
+    seed_free_fingerprint,
+    si,
+    tail_records,
+)
+
+
+class ReportError(RunsError):
+    """Bad input for the report (unknown field or run name, missing folder)."""
+
+
+@dataclass
+class SeedGroup:
+    """Runs of one configuration that differ only in seed: the spread of the final val loss."""
+
+    label: str
+    runs: list[str]
+    seeds: list[int | None]
+    n: int
+    mean_val_loss: float | None
+    std_val_loss: float | None
+    repeated_seeds: list[int] = field(default_factory=list)  # seeds run twice: not a spread
+    mean_core: float | None = None  # mean centered score in training, over the seeds with one
+    std_core: float | None = None
+    suite: str | None = None  # the suite of those scores (CORE only when "core")
+    ci_val_loss: float | None = None  # half-width of the 95% interval (Student t over seeds)
+    at_tokens: int | None = None  # the val losses are taken here (the shortest seed's end)
+    val_losses: list[float] = field(default_factory=list)  # one per seed, at at_tokens
+    #: Runs of the group left out of its statistics, each with why (diverged, no finite
+    #: val loss): a seed that failed is a result too, so the report names it.
+    left_out: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    """Group ``a`` minus group ``b`` in val loss at equal tokens (nanolab.stats.welch)."""
+
+    a: str
+    b: str
+    at_tokens: int | None
+    difference: float
+    half_width: float
+    p_value: float
+    n_a: int
+    n_b: int
+    seeds_needed: int | None
+    sentence: str
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    if not isinstance(config, dict):
+        return {prefix: config} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
+    """Each run's seed-free config, flattened, cut to the keys every run's config has: a key
+    only some logs carry was added (or removed) by another nanolab version, with a default the
+    older runs also trained with, so it must not split one experiment's seeds."""
+    flats = {s.run: flatten(json.loads(s.group)) for s in summaries if s.group is not None}
+    common = set.intersection(*(set(f) for f in flats.values())) if flats else set()
+    return {run: {k: f[k] for k in sorted(common)} for run, f in flats.items()}
+
+
+def by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
+    """Runs sharing a seed-free config, in order of first appearance (a run without a config
+    is a group of its own)."""
+    configs = _common_configs(summaries)
+    by_key: dict[str, list[RunSummary]] = {}
+    for s in summaries:
+        key = json.dumps(configs[s.run], default=str) if s.run in configs else f"run:{s.run}"
+        by_key.setdefault(key, []).append(s)
+    return list(by_key.values())
+
+
+def _short_keys(keys: list[str], among: list[str] | None = None) -> dict[str, str]:
+    """The last part of each dotted key, or more of it where the last part is ambiguous among
+    ``among`` (default ``keys``): ``checkpoint.every_n_steps``, not ``every_n_steps``, where the
+    config also has ``log.every_n_steps``."""
+    pool = among if among is not None else keys
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            short = ".".join(parts[-n:])
+            if sum(k == short or k.endswith("." + short) for k in pool) <= 1:
+                break
+        out[key] = short
+    return out
+
+
+def value_text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def group_labels(
+    groups: list[list[RunSummary]], max_keys: int = 4, universe: list[RunSummary] | None = None
+) -> list[str]:
+    """Each group's label: the config values that set it apart from the other groups of
+    ``universe`` (every run found; default: the groups given) (``lr=0.001, n_layer=6``); with
+    one group, or too many differences, its run names without the seed suffix. Taking the
+    differences over every run found keeps a group's label the same whatever ``--run`` picks."""
+    everyone = [g[0] for g in by_config(universe)] if universe else [g[0] for g in groups]
+    common = _common_configs(everyone + [g[0] for g in groups])
+    configs = [common.get(g[0].run) for g in groups]
+    across = [common.get(r.run) for r in everyone]
+    keys = sorted({k for c in across if c for k in c})
+    missing = object()
+    varying = [
+        k
+        for k in keys
+        if len({value_text(c.get(k, missing)) if c else "?" for c in across}) > 1
+        and all(c is not None for c in across)
+    ]
+    short = _short_keys(varying, keys)  # unambiguous among every key of the configs
+    labels = []
+    for group, config in zip(groups, configs, strict=True):
+        if config is None or not varying or len(varying) > max_keys:
+            names = [m.run for m in group]
+            prefix = os.path.commonprefix(names) if len(names) > 1 else names[0]  # noqa: RUF071
+            label = re.sub(r"[-_.=]*(seed|s)[-_=]?\d*$", "", prefix).rstrip("-_.=") or names[0]
+        else:
+            label = ", ".join(
+                f"{short[k]}={value_text(config[k])}" if k in config else f"{short[k]} unset"
+                for k in varying
+            )
+        labels.append(label)
+    return labels
+
+
+def seed_groups(
+    summaries: list[RunSummary], universe: list[RunSummary] | None = None
+) -> list[SeedGroup]:
+    """Groups of two or more runs sharing a seed-free config, with mean ± std of final val loss
+    (labelled against ``universe``, every run found: see :func:`group_labels`)."""
+    groups = by_config(summaries)
+    out = []
+    for members, label in zip(groups, group_labels(groups, universe=universe), strict=True):
+        if len(members) < 2:
+            continue
+        left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
+        usable = [m for m in members if not _unusable(m)]
+        at_tokens = common_tokens(usable)
+        losses = values_at(usable, at_tokens)
+        cores = [m.core for m in usable if m.core is not None]
+        seeds = [m.seed for m in usable]
+        out.append(
+            SeedGroup(
+                label=label,
+                runs=[m.run for m in members],
+                seeds=[m.seed for m in members],
+                n=len(usable),
+                mean_val_loss=statistics.fmean(losses) if losses else None,
+                std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
+                repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
+                mean_core=statistics.fmean(cores) if cores else None,
+                std_core=statistics.stdev(cores) if len(cores) >= 2 else None,
+                suite=next((m.suite for m in usable if m.core is not None), None),
+                ci_val_loss=_ci(losses),
+                at_tokens=at_tokens,
+                val_losses=losses,
+                left_out=left_out,
+            )
+        )
+    return sorted(out, key=lambda g: g.label)
+
+
+def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:
+    """Every found run with only its name and seed-free config: what the group labels are
+    taken against, read from the start records alone (not a whole summary per run)."""
+    return [
+        RunSummary(
+            run=n, status="", group=seed_free_fingerprint(config_of(tail_records(d, "start"), d))
+        )
+        for n, d in found
+    ]
+
+
+def _unusable(run: RunSummary) -> str | None:
+    """Why a run cannot stand for its seed in a group's statistics (None: it can)."""
+    if run.status == "diverged":
+        return "diverged"
+    if run.final_val_loss is None:
+        return "no finite val loss at its end" if run.val_points else "no val loss"
+    return None
+
+
+def common_tokens(members: list[RunSummary]) -> int | None:
+    """The most tokens every run of ``members`` validated at (runs of different length are
+    compared where all of them are, not each at its own end)."""
+    ends = [max(t for t, _ in m.val_points) for m in members if m.val_points]
+    return min(ends) if ends and len(ends) == len(members) else None
+
+
+def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
+    """Each run's val loss at its last validation at or before ``tokens`` (the final val loss
+    when ``tokens`` is None)."""
+    if tokens is None:
+        return [m.final_val_loss for m in members if m.final_val_loss is not None]
+    before = ([loss for t, loss in m.val_points if t <= tokens] for m in members)
+    return [b[-1] for b in before if b]
+
+
+def _ci(values: list[float]) -> float | None:
+    from nanolab.stats import mean_ci
+
+    return mean_ci(values).half_width if len(values) >= 2 else None
+
+
+def compare_groups(
+    summaries: list[RunSummary], groups: list[SeedGroup], baseline: str | None = None
+) -> list[Comparison]:
+    """Each group against ``baseline`` (a group label), or, without one, the two groups
+    against each other, or every group against the one with the lowest mean. Empty with fewer
+    than two groups of two usable seeds."""
+    usable = [g for g in groups if len(g.val_losses) >= 2]
+    if len(usable) < 2:
+        return []
+    from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
+
+    by_run = {s.run: s for s in summaries}
+    if baseline is not None:
+        base = next((g for g in usable if g.label == baseline or baseline in g.runs), None)
+        if base is None:
+            labels = "; ".join(g.label for g in usable)
+            raise ReportError(
+                f"--baseline {baseline!r} is neither a seed group's label nor one of its runs; "
+                f"groups: {labels}"
+            )
+    else:
+        base = min(usable, key=lambda g: statistics.fmean(g.val_losses))
+    out = []
+    for g in usable:
+        if g is base:
+            continue
+        members_a = [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+        members_b = [by_run[r] for r in base.runs if r in by_run and not _unusable(by_run[r])]
+        ends = [t for t in (common_tokens(members_a), common_tokens(members_b)) if t is not None]
+        at = min(ends) if len(ends) == 2 else None
+        a, b = values_at(members_a, at), values_at(members_b, at)
+        if len(a) < 2 or len(b) < 2:
+            continue
+        d = welch(a, b)
+        text = sentence(g.label, base.label, d)
+        if at is not None and (at != g.at_tokens or at != base.at_tokens):
+            text += f" (at {si(at)} tokens, where every run of both got to)"
+        out.append(Comparison(g.label, base.label, at, d.difference, d.half_width, d.p_value,
+                              d.n_a, d.n_b, d.seeds_needed, text))  # fmt: skip
+    return out
