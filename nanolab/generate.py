@@ -58,6 +58,10 @@ def check_sampling(args: argparse.Namespace) -> None:
             f"--top-k must be >= 1, got {args.top_k}; a value at least the vocabulary size "
             "samples from every token"
         )
+    if not 0 < args.top_p <= 1:
+        raise GenerateArgumentError(
+            f"--top-p must be in (0, 1], got {args.top_p}; 1 samples from every token top-k keeps"
+        )
 
 
 @one_line_errors("nanolab generate")
@@ -86,6 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--top-k", type=int, default=200, help="sample among the k likeliest tokens only"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="then among the likeliest tokens whose probabilities sum to p only (nucleus "
+        "sampling; 1 = off)",
     )
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples")
     parser.add_argument(
@@ -148,7 +159,10 @@ def stream_sample(
     token can hold half of one)."""
     print(tok.decode(idx[0].tolist()), end="", flush=True)
     pending: list[int] = []
-    for new in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, generator):
+    nucleus = {"top_p": args.top_p} if args.top_p < 1 else {}  # a fork's stream may lack it
+    for new in model.stream(
+        idx, args.max_new_tokens, args.temperature, args.top_k, generator, **nucleus
+    ):
         pending.append(int(new[0, -1]))
         text = tok.decode(pending)
         if text and not text.endswith("\ufffd"):

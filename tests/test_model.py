@@ -126,6 +126,35 @@ def test_generate_greedy_top_k_and_padding():
     assert long.shape == (2, 45)
 
 
+def test_top_p_keeps_the_likeliest_tokens_up_to_p_and_the_one_that_crosses_it():
+    from nanolab.model.gpt import sampling_probs
+
+    logits = torch.tensor([[0.05, 0.5, 0.15, 0.3]]).log()
+    kept = sampling_probs(logits, top_p=0.8)  # 0.5 + 0.3 reach 0.8: those two, renormalised
+    assert torch.allclose(kept, torch.tensor([[0.0, 0.625, 0.0, 0.375]]))
+    crossed = sampling_probs(logits, top_p=0.81)  # 0.15 crosses 0.81: kept too
+    assert torch.allclose(crossed, torch.tensor([[0.0, 0.5, 0.15, 0.3]]) / 0.95)
+    assert torch.allclose(sampling_probs(logits, top_p=1e-9), torch.tensor([[0.0, 1, 0, 0]]))
+    both = sampling_probs(logits, top_k=3, top_p=0.6)  # top-k first (drops 0.05), then p of it
+    assert torch.allclose(both, torch.tensor([[0.0, 0.5, 0.0, 0.3]]) / 0.8)
+    assert torch.equal(sampling_probs(logits, top_p=1.0), sampling_probs(logits))
+
+
+def test_generate_with_a_tiny_top_p_is_greedy_and_top_p_one_changes_nothing():
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=70)).eval()
+    idx = torch.randint(0, 70, (2, 5))
+    greedy = model.generate(idx, 12, temperature=0)
+    nucleus = model.generate(idx, 12, temperature=1.5, top_p=1e-6)
+    assert torch.equal(greedy, nucleus)
+
+    def draw(**kw: float) -> torch.Tensor:
+        return model.generate(idx, 12, 1.5, None, torch.Generator().manual_seed(3), **kw)
+
+    assert torch.equal(draw(top_p=1.0), draw())
+    assert not torch.equal(draw(top_p=0.3), draw())
+
+
 #: Every shipped variant of each part, so the cache is checked against each of them.
 VARIANTS = [
     {},

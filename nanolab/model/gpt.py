@@ -700,13 +700,16 @@ class GPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool | None = None,
+        top_p: float | None = None,
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) and return it.
 
-        ``temperature`` 0 means greedy decoding; ``top_k`` keeps only the k most likely tokens.
-        Padded vocabulary rows are never sampled. See :meth:`stream` for the cache.
+        ``temperature`` 0 means greedy decoding; ``top_k`` keeps only the k most likely tokens,
+        ``top_p`` only the likeliest tokens whose probabilities sum to ``top_p`` (nucleus
+        sampling; both may be given). Padded vocabulary rows are never sampled. See
+        :meth:`stream` for the cache.
         """
-        new = self.stream(idx, max_new_tokens, temperature, top_k, generator, use_cache)
+        new = self.stream(idx, max_new_tokens, temperature, top_k, generator, use_cache, top_p)
         return torch.cat([idx, *new], dim=1)
 
     @torch.no_grad()
@@ -718,6 +721,7 @@ class GPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool | None = None,
+        top_p: float | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield each token (B, 1) as it is sampled after the prompts ``idx`` (B, T).
 
@@ -749,15 +753,29 @@ class GPT(nn.Module):
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
-                if top_k is not None:
-                    k = min(top_k, logits.size(-1))
-                    kth = torch.topk(logits, k).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
+                probs = sampling_probs(logits / temperature, top_k, top_p)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             context = torch.cat((context, next_id), dim=1)[:, -block:]
             yield next_id
+
+
+def sampling_probs(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """Probabilities (B, V) to draw the next token from: the ``top_k`` likeliest tokens, then
+    the smallest set of the likeliest whose probabilities reach ``top_p`` (the token that
+    crosses it is kept, so at least one always is), renormalised."""
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the likelier ones
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def _activation_flops(root: nn.Module, seq_len: int) -> int:
