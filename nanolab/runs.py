@@ -12,6 +12,7 @@ one experiment (the report's groups, the queue's history).
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 import re
@@ -205,6 +206,31 @@ def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float |
     return statistics.fmean(values) if values else None
 
 
+def recent_rates(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """``(tokens/s, MFU)`` over consecutive train records: their tokens over their active time.
+
+    Each record's ``tokens_per_s`` covers the interval since the record before it, so the rate
+    of several is the tokens of all the intervals over the sum of their times (each interval's
+    tokens divided by its rate), not the mean of the rates: a mean of rates counts a fast
+    interval as much as a slow one of the same tokens and overstates a run whose steps vary
+    (on a busy machine by 3x). MFU, proportional to the rate, is weighted by time the same way.
+    With one usable record its own rates are returned."""
+    tokens = seconds = mfu_seconds = mfu_weight = 0.0
+    for before, record in itertools.pairwise(records):
+        start, end = num(before.get("tokens")), num(record.get("tokens"))
+        rate, mfu = num(record.get("tokens_per_s")), num(record.get("mfu"))
+        if start is None or end is None or rate is None or rate <= 0 or end <= start:
+            continue
+        interval = (end - start) / rate
+        tokens, seconds = tokens + end - start, seconds + interval
+        if mfu is not None:
+            mfu_seconds, mfu_weight = mfu_seconds + mfu * interval, mfu_weight + interval
+    if seconds > 0:
+        return tokens / seconds, (mfu_seconds / mfu_weight if mfu_weight > 0 else None)
+    last = records[-1] if records else {}
+    return num(last.get("tokens_per_s")), num(last.get("mfu"))
+
+
 def last_value(records: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
@@ -355,7 +381,7 @@ class _LastSteps:
 TRAIN_KEPT = ("step", "loss", "tokens", "tokens_per_s", "mfu", "step_time_s")
 #: The train fields read as "the last one logged" (the end record's, when it has one, first).
 TRAIN_LAST = ("tokens", "loss", "gpu_hours", "cost", "elapsed_s")
-#: Train records averaged for tokens/s, MFU and step time (:func:`recent_mean`'s window).
+#: Train records (intervals between them) averaged for tokens/s, MFU and step time.
 RECENT = 50
 
 
@@ -370,7 +396,7 @@ class _RunStream:
         self.kept, self.first_time, self.last_time = 0, None, None
         self.max_step: int | None = None
         self.rollbacks = 0
-        self.recent = _LastSteps(RECENT)
+        self.recent = _LastSteps(RECENT + 1)  # RECENT intervals between records
         self.losses = _LastSteps(DELTA_WINDOW + 1)  # train records with a loss
         self.first_loss: tuple[float, float] | None = None  # (step key, loss)
         # field -> (step key, value) at the highest step that logged it: last_value(train, field)
@@ -484,8 +510,7 @@ class _RunStream:
         accelerator = (start or {}).get("accelerator")
         s.accelerator = accelerator if isinstance(accelerator, str) else None
         s.start_loss, s.improvement = self.train_delta()
-        s.tokens_per_s = recent_mean(recent, "tokens_per_s", RECENT)
-        s.mfu = recent_mean(recent, "mfu", RECENT)
+        s.tokens_per_s, s.mfu = recent_rates(recent)
         for f in ("gpu_hours", "cost", "elapsed_s"):
             value = (end or {}).get(f)
             setattr(s, "wall_s" if f == "elapsed_s" else f,

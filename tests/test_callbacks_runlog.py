@@ -91,7 +91,6 @@ def fit(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
-        logger=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
@@ -99,7 +98,7 @@ def fit(
         check_val_every_n_epoch=None,
         accumulate_grad_batches=accumulate,
         callbacks=callbacks,
-        **{"enable_progress_bar": False, **trainer_kwargs},
+        **{"enable_progress_bar": False, "logger": False, **trainer_kwargs},
     )
     trainer.fit(module, dm, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     return trainer

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 import types
 
+import lightning as L
 import pytest
 import torch
 from test_callbacks_runlog import TOKENS_PER_MICRO_BATCH, events, fit
@@ -139,6 +141,36 @@ def test_override_gives_mfu_with_accumulation_and_goodput(tmp_path, char_dataset
     assert parts["eval_s"] > 0 and parts["checkpoint_s"] > 0 and parts["step_s"] > 0
     assert end["goodput"] == pytest.approx(parts["step_s"] / end["elapsed_s"], abs=0.01)
     assert 0 < end["goodput"] < 1 and end["mfu"] > 0
+
+
+def test_each_run_log_rate_covers_its_own_interval_whatever_the_loggers_cadence(
+    tmp_path, char_dataset
+):
+    # The meter's logger hook measures every step and the run log every fourth step: each
+    # run-log record's rate must still cover the four steps since the record before it (what
+    # `nanolab report` sums), not the one step since the logger hook's measure.
+    from lightning.pytorch.loggers import CSVLogger
+
+    class SlowFirstStep(L.Callback):  # the first step of each interval takes 0.1 s more
+        def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+            if trainer.global_step % 4 == 1:
+                time.sleep(0.1)
+
+    run = tmp_path / "run"
+    fit(
+        run, char_dataset, [MetricsLog(every_n_steps=4), ThroughputMeter(), SlowFirstStep()],
+        max_steps=12, eval_every=100, logger=CSVLogger(tmp_path / "csv"), log_every_n_steps=1,
+    )  # fmt: skip
+    train = events(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [4, 8, 12]
+    for before, record in itertools.pairwise(train):
+        seconds = (record["tokens"] - before["tokens"]) / record["tokens_per_s"]
+        assert seconds == pytest.approx(record["time"] - before["time"], rel=0.3)
+        assert seconds > 0.1
+    # The loggers got the run log's records (train/tokens_per_s), at its steps.
+    (logged,) = (tmp_path / "csv").rglob("metrics.csv")
+    header, *rows = logged.read_text().splitlines()
+    assert "train/tokens_per_s" in header and [r.split(",")[0] for r in rows] == ["4", "8", "12"]
 
 
 def test_utilization_sampler_uses_nvml_when_importable(monkeypatch):

@@ -104,10 +104,33 @@ def test_finished_run_figures_and_torn_last_line(tmp_path: Path, capsys) -> None
     # Δ train loss: the first step's loss minus the mean of the last 10 logged (here: 2..6).
     assert run["start_loss"] == 4.0
     assert run["improvement"] == pytest.approx(4.0 - statistics.fmean(losses[1:]))
-    assert run["tokens_per_s"] == pytest.approx(statistics.fmean(500.0 + i for i in range(1, 7)))
+    # Each record's rate covers the 1,000 tokens since the record before: their tokens over
+    # their time (a harmonic mean), not the mean of the rates.
+    assert run["tokens_per_s"] == pytest.approx(
+        statistics.harmonic_mean([500.0 + i for i in range(2, 7)])
+    )
     assert run["mfu"] == pytest.approx(0.25)
     assert run["gpu_hours"] == pytest.approx(7 / 3600) and run["cost"] == pytest.approx(7 / 1800)
     assert run["wall_s"] == 7.0
+
+
+def test_tokens_per_s_is_the_tokens_of_the_recent_intervals_over_their_time() -> None:
+    from nanolab.runs import recent_rates
+
+    # A busy machine: 1,000 tokens in 0.1 s, then 1,000 in 1 s, then 2,000 in 1 s (MFU follows).
+    records = [
+        {"step": 1, "tokens": 1000, "tokens_per_s": 9999.0, "mfu": 0.9},
+        {"step": 2, "tokens": 2000, "tokens_per_s": 10000.0, "mfu": 0.5},
+        {"step": 3, "tokens": 3000, "tokens_per_s": 1000.0, "mfu": 0.05},
+        {"step": 5, "tokens": 5000, "tokens_per_s": 2000.0, "mfu": 0.1},
+    ]
+    tokens_per_s, mfu = recent_rates(records)
+    assert tokens_per_s == pytest.approx(4000 / 2.1)  # the mean of the rates: 4,333
+    assert mfu == pytest.approx((0.5 * 0.1 + 0.05 * 1 + 0.1 * 1) / 2.1)
+    # Without two usable records: the last record's own.
+    assert recent_rates(records[-1:]) == (2000.0, 0.1)
+    assert recent_rates([{"step": 1, "tokens": None, "tokens_per_s": 5.0}] * 2) == (5.0, None)
+    assert recent_rates([]) == (None, None)
 
 
 def test_statuses_running_crashed_stopped_error(tmp_path: Path, capsys) -> None:

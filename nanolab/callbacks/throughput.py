@@ -114,9 +114,13 @@ class ThroughputMeter(StepCallback):
         self.peak_source: str = ""
         self.device_name: str = ""
         self.flops_per_token: int | None = None
-        self._last: ClockSnapshot | None = None
         self._first: ClockSnapshot | None = None
-        self._cache: tuple[int, dict[str, Any]] | None = None
+        #: Per reader (the run log, the loggers): the snapshot of its previous measure.
+        self._last: dict[str, ClockSnapshot] = {}
+        #: Per reader: (step, fields) of its measure at that step.
+        self._cache: dict[str, tuple[int, dict[str, Any]]] = {}
+        #: The step's memory and utilisation, sampled once however many readers ask.
+        self._sampled: tuple[int, dict[str, Any]] | None = None
         self._sampler: UtilizationSampler | None = None
         self._mem_per_device: list[dict[str, int]] | None = None
         self._warned = False
@@ -157,22 +161,29 @@ class ThroughputMeter(StepCallback):
         self.flops_per_token = model_flops_per_token(pl_module, trainer)
         if cuda and self.gpu_utilization and trainer.is_global_zero:
             self._sampler = UtilizationSampler(device.index or 0)
-        self._first = self._last = self.clock.snapshot()
-        self._cache = None
+        self._first = self.clock.snapshot()
+        self._last, self._cache, self._sampled = {}, {}, None
 
     # -- numbers -----------------------------------------------------------------------------
-    def measure(self, trainer: L.Trainer) -> dict[str, Any]:
-        """Rates since the previous call (cached per step, so every reader sees the same)."""
+    def measure(self, trainer: L.Trainer, reader: str = "record") -> dict[str, Any]:
+        """Rates since ``reader``'s previous measure, so each record's rate covers exactly the
+        interval since the reader's record before it, whatever the other readers' cadence
+        (``nanolab report`` sums those intervals); cached per reader and step. Memory and
+        utilisation are sampled once a step for every reader."""
         step = int(trainer.global_step)
-        if self._cache is not None and self._cache[0] == step:
-            return self._cache[1]
-        assert self.clock is not None and self._last is not None
+        cached = self._cache.get(reader)
+        if cached is not None and cached[0] == step:
+            return cached[1]
+        assert self.clock is not None and self._first is not None
         now = self.clock.snapshot()
-        fields = self._rates(self._last, now, trainer)
-        fields.update(self._memory(trainer))
-        fields["gpu_util"] = self._sampler.sample() if self._sampler is not None else None
-        self._last = now
-        self._cache = (step, fields)
+        fields = self._rates(self._last.get(reader, self._first), now, trainer)
+        if self._sampled is None or self._sampled[0] != step:
+            sampled = self._memory(trainer)
+            sampled["gpu_util"] = self._sampler.sample() if self._sampler is not None else None
+            self._sampled = (step, sampled)
+        fields.update(self._sampled[1])
+        self._last[reader] = now
+        self._cache[reader] = (step, fields)
         return fields
 
     def _rates(self, a: ClockSnapshot, b: ClockSnapshot, trainer: L.Trainer) -> dict[str, Any]:
@@ -231,7 +242,7 @@ class ThroughputMeter(StepCallback):
         every = max(1, int(trainer.log_every_n_steps))
         if not (self.log_to_loggers and trainer.loggers) or step % every:
             return
-        fields = self.measure(trainer)
+        fields = self.measure(trainer, reader="loggers")
         metrics = {f"perf/{k}": float(v) for k, v in fields.items() if v is not None}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
