@@ -117,7 +117,7 @@ DRY = Scale(
     (
         "--trainer.accelerator", "cpu", "--model.gpt.n_layer", "1", "--model.gpt.n_head", "2",
         "--model.gpt.n_embd", "32", "--model.gpt.block_size", "64", "--data.num_workers", "0",
-        "--model.gpt.vocab_size", "null", "--data.val_windows", "8", "--trainer.limit_val_batches", "2",
+        "--model.gpt.vocab_size", "null", "--data.val_windows", "8",
         "--model.compile", "false", "--model.optimizer.fused", "true",  # CUDA's optimizer
     ),
     6, 2, 4, 3, 2, 2, 3, 64, False, (1, 2, 32),

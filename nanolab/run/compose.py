@@ -23,6 +23,7 @@ from nanolab.data.prepare import OutputInUseError
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
+from nanolab.run.validation_set import partial_validation_warning
 from nanolab.training.parallelism import parse_strategy
 from nanolab.training.resolve import (
     RunConfigError,
@@ -83,6 +84,14 @@ def launch(cli: NanolabCLI) -> Trainer:
     check_fits = getattr(data, "check_fits", None)
     if callable(check_fits):  # now, not after start-up: the data must fill a step of each rank
         check_fits(resolved.world_size)
+    partial = partial_validation_warning(
+        cfg.trainer.get("limit_val_batches"),
+        cfg.data.init_args.get("val_windows"),
+        int(resolved.micro_batch_size or 1),
+        resolved.world_size,
+    )
+    if partial:
+        rank_zero_warn(partial)
     if runs_on_cpu(cfg.trainer):  # say it now rather than swap or be OOM-killed later
         from nanolab.run.autobatch import check_fits_on_host
 
