@@ -146,6 +146,33 @@ def test_a_different_run_is_refused_and_fresh_archives_it(tmp_path, char_dataset
     assert len(starts) == 1 and starts[0]["run_id"] != old_id
 
 
+def test_fresh_takes_the_old_runs_rollbacks_and_logger_folders_with_it(tmp_path, char_dataset):
+    # The rollback ledger shifts the data order and the LR of the run that wrote it; a fresh
+    # run (or a new one where the old log and checkpoints were deleted by hand) must not
+    # inherit it, and the old run keeps it beside its log and checkpoints.
+    from nanolab.data.skips import read_ledger, write_ledger
+
+    run = tmp_path / "run"
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2)], max_steps=2)
+    write_ledger(run, [{"restored": 2, "skip_at": 2, "skip_offset": 12}])
+    (run / "csv").mkdir()
+    (run / "csv" / "metrics.csv").write_text("step,loss\n1,4.0\n")
+    ledger = (run / "rollbacks.json").read_bytes()
+    fit(run, char_dataset, [MetricsLog(fresh=True), RotatingCheckpoint(every_n_steps=2)],
+        max_steps=2)  # fmt: skip
+    (archived,) = (run / "previous").iterdir()
+    assert (archived / "rollbacks.json").read_bytes() == ledger
+    assert (archived / "csv" / "metrics.csv").read_text() == "step,loss\n1,4.0\n"
+    assert read_ledger(run) == [] and not (run / "csv").exists()
+
+    gone = tmp_path / "gone"  # a run whose log and checkpoints were deleted by hand
+    gone.mkdir()
+    write_ledger(gone, [{"restored": 2, "skip_at": 2, "skip_offset": 12}])
+    claim = claim_run_dir(gone, {"model": {}}, resuming=False)
+    assert claim.archived_to is not None and (claim.archived_to / "rollbacks.json").is_file()
+    assert read_ledger(gone) == []
+
+
 def test_run_directory_claims(tmp_path):
     config = {"model": {"lr": 1.0}, "run": {"resume": "auto"}}
     claim = claim_run_dir(tmp_path / "a", config, resuming=False)

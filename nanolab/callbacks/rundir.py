@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
+from nanolab.callbacks.loggers import LOGGER_FOLDERS
+from nanolab.data.skips import LEDGER
 from nanolab.runlog import RUN_LOG_NAME, dumps, last_record
+
+#: What else in a run directory belongs to the run that wrote it, so a fresh run moves it to
+#: ``previous/`` with the log and the checkpoints: the rollback ledger (its data order and
+#: learning rates after a loss spike; a new run must not inherit them) and the loggers' folders
+#: (a new run's curves must not continue the old run's).
+RUN_STATE = (LEDGER, *LOGGER_FOLDERS)
 
 #: Config keys that may differ between two processes of the same run.
 VOLATILE_KEYS = (
@@ -177,7 +185,10 @@ def claim_run_dir(
         return claim
     if not holds_run or fresh:
         _check_writable(run_dir)
-        archived = _archive(run_dir, old_id, log_name) if holds_run else None  # fresh
+        # Fresh, or a new run where a gone one left its state (its log and checkpoints deleted
+        # by hand): that state goes with the old run, so the new one starts from nothing of it.
+        leftovers = holds_run or any((run_dir / name).exists() for name in RUN_STATE)
+        archived = _archive(run_dir, old_id, log_name) if leftovers else None
         return RunClaim(run_id=new_run_id(), archived_to=archived)
 
     what = f"run {old_id}" if old_id else "another run"
@@ -246,14 +257,15 @@ def _is_own_checkpoint(
 
 
 def _archive(run_dir: Path, old_id: str | None, log_name: str) -> Path:
-    """Move the previous run's log, checkpoints and config into ``previous/<id>-<time>/``."""
+    """Move the previous run's log, checkpoints, config and the rest of its state
+    (:data:`RUN_STATE`) into ``previous/<id>-<time>/``."""
     target = run_dir / "previous" / f"{old_id or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     suffix = 1
     while target.exists():
         target = target.with_name(f"{target.name.split('~')[0]}~{suffix}")
         suffix += 1
     target.mkdir(parents=True)
-    for name in (log_name, CHECKPOINT_DIR, CONFIG_NAME):
+    for name in (log_name, CHECKPOINT_DIR, CONFIG_NAME, *RUN_STATE):
         source = run_dir / name
         if source.exists():
             os.replace(source, target / name)
