@@ -26,6 +26,7 @@ name, and ``dot-X`` becomes ``.X`` because packaging globs skip dot-files.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -157,6 +158,11 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
             f"{', '.join(listed)} already {verb}; nothing was written "
             "(choose a new folder, or move those files away)"
         )
+
+    # Where each file really lands: a link inside the folder (DIR/data -> runs/x) must not
+    # carry the project's files into a run's folder.
+    for path in [*targets, *(root / rel for rel in EMPTY_DIRS)]:
+        refuse_inside_run(os.path.realpath(path), "init: the project's", ScaffoldError)
 
     written: list[Path] = []
     try:

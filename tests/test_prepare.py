@@ -538,3 +538,15 @@ def test_bpe_says_when_the_text_holds_fewer_tokens_than_asked(tmp_path):
     vocab = json.loads((out / "meta.json").read_text())["vocab_size"]
     assert vocab < 50257
     assert f"BPE learned {vocab:,} of the 50,257 tokens asked" in proc.stderr, proc.stderr
+
+
+def test_a_dataset_folder_inside_a_run_is_refused_before_anything_is_written(tmp_path):
+    # fit's data.dataset_dir prepares through prepare_dataset too, not only `prepare -o`.
+    from nanolab.data.prepare import PrepareError, prepare_dataset
+
+    run = tmp_path / "runs" / "qa"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "start", "run_id": "qa"}\n')
+    with pytest.raises(PrepareError, match=r"the dataset folder .*tokens is inside the run"):
+        prepare_dataset(["bundled:shakespeare"], run / "tokens", "chars", quiet=True)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]

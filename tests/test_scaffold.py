@@ -247,3 +247,15 @@ def test_sample_callback_leaves_the_training_rng_alone(tmp_path: Path) -> None:
     cb.on_validation_end(trainer, pl_module)
     assert torch.equal(torch.get_rng_state(), before), "sampling consumed the global RNG"
     assert model.training, "the model is back in training mode"
+
+
+def test_a_link_inside_the_folder_does_not_carry_files_into_a_run(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "start", "run_id": "x"}\n')
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "data").symlink_to(run)
+    assert main([str(project)]) == 2
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert [p.name for p in project.iterdir()] == ["data"]  # nothing written anywhere

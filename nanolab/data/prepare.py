@@ -59,6 +59,7 @@ from nanolab.data.tokenizers import (
 )
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.messages import say
+from nanolab.runlog import refuse_inside_run
 
 FORMAT = "nanolab-tokens-v1"
 #: Below this much input, worker processes cost more to start than they save.
@@ -196,6 +197,9 @@ def prepare_dataset(
         "skip_bad": skip_bad,
     }
     digest = identity_hash(resolved.files, settings)
+    # Never into a run's folder (``fit``'s data.dataset_dir too, not only ``prepare -o``): the
+    # lock file and the dataset would be written among another run's files.
+    refuse_inside_run(out_dir, "the dataset folder", PrepareError)
     # Every rank of a torchrun/srun launch may get here at once: one prepares, the others wait
     # on the lock and then find the dataset ready (same hash: a no-op).
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -647,8 +651,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="print the dataset's meta.json summary as JSON on stdout")  # fmt: skip
     args = parser.parse_args(argv)
-    from nanolab.runlog import refuse_inside_run
-
     refuse_inside_run(args.out, "-o", PrepareError)
     try:
         sample_bytes = parse_bytes(args.bpe_sample_bytes)
