@@ -18,6 +18,7 @@ import errno
 import json
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -64,6 +65,11 @@ def read_records(path: str | os.PathLike[str], event: str | None = None) -> list
     return list(iter_records(path, event))
 
 
+#: No record is longer (a ``start`` record with its config is a few kB): a longer line is
+#: damage, skipped by :func:`last_record` without holding it in memory.
+MAX_RECORD_BYTES = 16 << 20
+
+
 def last_record(
     path: str | os.PathLike[str],
     event: str | None = None,
@@ -78,26 +84,45 @@ def last_record(
     handle = _open_log(path, "rb")
     if handle is None:
         return None
+
+    def wanted(raw: bytes) -> dict[str, Any] | None:
+        record = _parse(raw.decode("utf-8", errors="replace"))
+        if (
+            record is not None
+            and (event is None or record.get("event") == event)
+            and (where is None or where(record))
+        ):
+            return record
+        return None
+
     with handle:
-        handle.seek(0, os.SEEK_END)
-        pos = handle.tell()
-        tail = b""
+        pos = handle.seek(0, os.SEEK_END)
+        # The line that crosses ``pos``, in pieces (each chunk read once, joined once: a tail
+        # without newlines, such as the zeros a power loss leaves, stays linear), or None
+        # once it is longer than any record, when it is skipped rather than held.
+        partial: deque[bytes] | None = deque()
+        held = 0
         while pos > 0:
             step = min(chunk, pos)
             pos -= step
             handle.seek(pos)
-            tail = handle.read(step) + tail
-            lines = tail.split(b"\n")
-            # The first piece may be a partial line unless we reached the start of the file.
-            complete, tail = (lines, b"") if pos == 0 else (lines[1:], lines[0])
-            for raw in reversed(complete):
-                record = _parse(raw.decode("utf-8", errors="replace"))
-                if (
-                    record is not None
-                    and (event is None or record.get("event") == event)
-                    and (where is None or where(record))
-                ):
+            pieces = handle.read(step).split(b"\n")
+            if len(pieces) == 1 and pos > 0:  # no line starts in this chunk
+                if partial is not None:
+                    partial.appendleft(pieces[0])
+                    held += len(pieces[0])
+                    if held > MAX_RECORD_BYTES:
+                        partial = None
+                continue
+            lines = [b"".join([pieces[-1], *partial])] if partial is not None else []
+            if len(pieces) > 1:
+                lines = [*pieces[1:-1], *lines]
+                if pos == 0:  # the file's first line is whole too
+                    lines.insert(0, pieces[0])
+            for raw in reversed(lines):
+                if (record := wanted(raw)) is not None:
                     return record
+            partial, held = deque([pieces[0]]), len(pieces[0])
     return None
 
 

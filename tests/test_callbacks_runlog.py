@@ -146,6 +146,50 @@ def test_last_record_reads_backwards_across_chunks(tmp_path):
     assert read_records(tmp_path / "missing.jsonl") == []
 
 
+def test_last_record_matches_a_whole_file_parse_whatever_the_damage_and_chunk(tmp_path):
+    # Zero-filled tails (a power loss), torn lines, lines that span many chunks, no final
+    # newline: the backward reader finds what reading every line would, at any chunk size.
+    import random
+
+    def every_line(path: Path, event: str | None) -> dict | None:
+        for raw in reversed(path.read_bytes().split(b"\n")):
+            try:
+                record = json.loads(raw.decode("utf-8", errors="replace"))
+            except ValueError:
+                continue
+            if isinstance(record, dict) and (event is None or record.get("event") == event):
+                return record
+        return None
+
+    rng = random.Random(0)
+    path = tmp_path / "metrics.jsonl"
+    for _ in range(150):
+        parts = []
+        for i in range(rng.randint(0, 20)):
+            roll = rng.random()
+            if roll < 0.6:
+                kind = rng.choice(["train", "val", "start"])
+                parts.append(json.dumps({"event": kind, "i": i, "pad": "x" * rng.randint(0, 300)}))
+            elif roll < 0.8:
+                parts.append("\0" * rng.randint(0, 500))
+            else:
+                parts.append('{"event": "train", "step": 5, "lo')
+        path.write_text("\n".join(parts) + rng.choice(["", "\n"]))
+        for event in (None, "start", "val"):
+            for chunk in (1, 7, 64, 1 << 16):
+                assert last_record(path, event, chunk=chunk) == every_line(path, event)
+
+
+def test_a_line_longer_than_any_record_is_skipped_not_held(tmp_path, monkeypatch):
+    import nanolab.runlog as runlog
+
+    monkeypatch.setattr(runlog, "MAX_RECORD_BYTES", 1000)
+    path = tmp_path / "metrics.jsonl"
+    big = json.dumps({"event": "start", "pad": "x" * 5000})  # a record, but past the bound
+    path.write_text(json.dumps({"event": "start", "i": 1}) + "\n" + big + "\n" + "\0" * 9000)
+    assert last_record(path, "start", chunk=64) == {"event": "start", "i": 1}
+
+
 def test_records_are_strict_json(tmp_path):
     line = dumps({"a": math.nan, "b": [math.inf, 1.0], "c": Path("/x")})
     assert json.loads(line) == {"a": None, "b": [None, 1.0], "c": "/x"}
