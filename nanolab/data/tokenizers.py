@@ -14,6 +14,7 @@ vectorised where the tokenizer allows (bytes and chars go through NumPy, not a P
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -332,11 +333,28 @@ class TiktokenGPT2(Tokenizer):
         return {"name": self.name}
 
 
+#: The longest run of non-space characters the BPE trainer sees as one word. Its cost grows
+#: with the square of a word's length (a 500k-letter run: 100 s; minified code, base64 and
+#: long tables hold such runs), and no merge it would learn past this length is ever used.
+MAX_TRAIN_WORD = 256
+_LONG_RUN = re.compile(rf"\S{{{MAX_TRAIN_WORD},}}")
+
+
 def _chunked(texts: Iterable[str], size: int = 1 << 20) -> Iterable[str]:
-    """Long texts in pieces of ``size`` characters: the BPE trainer holds one piece at a time."""
+    """Long texts in pieces of ``size`` characters (the BPE trainer holds one piece at a time),
+    with every run of non-space characters longer than :data:`MAX_TRAIN_WORD` cut into pieces
+    of that length, each its own text (the trainer never joins two texts into one word)."""
     for text in texts:
         for i in range(0, len(text), size):
-            yield text[i : i + size]
+            piece, start = text[i : i + size], 0
+            for run in _LONG_RUN.finditer(piece):
+                if run.start() > start:
+                    yield piece[start : run.start()]
+                for j in range(run.start(), run.end(), MAX_TRAIN_WORD):
+                    yield piece[j : min(j + MAX_TRAIN_WORD, run.end())]
+                start = run.end()
+            if start < len(piece):
+                yield piece[start:]
 
 
 def build_tokenizer(
