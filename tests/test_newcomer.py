@@ -108,7 +108,8 @@ def test_streamed_summary_keeps_the_resumed_timeline(tmp_path: Path) -> None:
     assert s.val_points == [(70, 1.5)] and s.best_val_loss == 1.5  # the val at 8 was abandoned
     losses = [9, 8, 7, 6, 5, 14, 13]
     assert s.start_loss == 9 and s.improvement == pytest.approx(9 - sum(losses[1:]) / 6)
-    assert s.tokens_per_s == pytest.approx(100 * sum([1, 2, 3, 4, 5, 6, 7]) / 7)
+    # the timeline's intervals 1->2 ... 6->7: 10 tokens each at 100*step tokens/s
+    assert s.tokens_per_s == pytest.approx(60 / sum(10 / (100 * s) for s in range(2, 8)))
     assert (s.started, s.updated) == (0.0, 11.0)
 
 

@@ -483,3 +483,20 @@ def test_a_group_label_names_a_key_unambiguously_among_all_of_the_configs_keys()
     short = _short_keys(["checkpoint.every_n_steps", "model.optimizer.lr"], keys)
     assert short == {"checkpoint.every_n_steps": "checkpoint.every_n_steps",
                      "model.optimizer.lr": "lr"}  # fmt: skip
+
+
+def test_the_plotted_train_curve_is_the_trailing_mean_of_its_window() -> None:
+    import random
+
+    from nanolab.report.plot import _curve
+
+    rng = random.Random(0)
+    records = [{"step": s, "tokens": 10 * s, "loss": rng.uniform(1, 5)} for s in range(1, 300)]
+    records.insert(50, {"step": "x", "tokens": 1, "loss": 1.0})  # skipped, not averaged
+    losses = [r["loss"] for r in records if isinstance(r["step"], int)]
+    for smooth in (1, 7, 40):
+        curve = _curve(records, "tokens", "loss", {}, smooth=smooth)
+        for i, step in enumerate(range(1, 300)):
+            window = losses[max(0, i - smooth + 1) : i + 1]
+            assert curve[step][0] == 10 * step
+            assert curve[step][1] == pytest.approx(statistics.fmean(window), rel=1e-12)

@@ -7,19 +7,20 @@ import json
 import math
 import os
 import statistics
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from nanolab.downstream.tasks import mean_label
 from nanolab.report.groups import ReportError, by_config, group_labels
 from nanolab.report.text import task_names
-from nanolab.runlog import refuse_inside_run
+from nanolab.runlog import RUN_LOG_NAME, iter_records, refuse_inside_run
 from nanolab.runs import (
     RunSummary,
     hours_label,
     last_by_step,
     num,
-    read_run,
+    record_problem,
     si,
 )
 
@@ -49,18 +50,34 @@ def default_plot_selection(summaries: list[RunSummary]) -> tuple[list[RunSummary
 
 def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, float | None],
            smooth: int = 1) -> dict[int, tuple[float, float]]:  # fmt: skip
-    """step -> (x, y), y a trailing mean over ``smooth`` points."""
+    """step -> (x, y), y a trailing mean over ``smooth`` points (a running sum: one pass, however
+    wide the window; a 400k-step log's window is 10k points)."""
     out: dict[int, tuple[float, float]] = {}
-    window: list[float] = []
+    window: deque[float] = deque()
+    total = 0.0
     for r in records:
         step, x, y = r.get("step"), num(r.get(key)), num(r.get(ykey))
         if x is None:
             x = xs.get(step)
         if not isinstance(step, int) or x is None or y is None:
             continue
-        window = [*window[-(smooth - 1) :], y] if smooth > 1 else [y]
-        out[step] = (x, statistics.fmean(window))
+        window.append(y)
+        total += y
+        if len(window) > max(1, smooth):
+            total -= window.popleft()
+        out[step] = (x, total / len(window))
     return out
+
+
+def _plot_records(run_dir: Path, task_keys: list[str]) -> list[dict[str, Any]]:
+    """The train, val and tasks records of a run with only the fields a plot reads, streamed:
+    a long run's log (hundreds of thousands of records) is not held whole."""
+    keep = ("event", "step", "tokens", "gpu_hours", "loss", "val_loss", "evaluated_by", *task_keys)
+    records = []
+    for r in iter_records(run_dir / RUN_LOG_NAME):
+        if r.get("event") in ("train", "val", "tasks") and record_problem(r) is None:
+            records.append({k: r[k] for k in keep if k in r})
+    return records
 
 
 #: What the --plot band is, in the figure's title and the docs (docs/report.md): one statement.
@@ -135,7 +152,7 @@ def plot_runs(
         trains, vals = [], []
         task_curves: list[list[dict[int, tuple[float, float]]]] = [[] for _ in task_keys]
         for s in members:
-            records = read_run(dirs[s.run])[0]
+            records = _plot_records(dirs[s.run], task_keys)
             train = last_by_step([r for r in records if r.get("event") == "train"])
             val = last_by_step([r for r in records if r.get("event") == "val"])
             xs = {r.get("step"): num(r.get(key)) for r in train}  # val records may lack GPU-h
