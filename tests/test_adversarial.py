@@ -308,6 +308,9 @@ def _generate_files(ws: Workspace) -> None:
     ckpt = _base_ckpt(ws)
     ckpt["nanolab"]["gpt"]["n_head"] = 3  # 32 wide: not divisible
     torch.save(ckpt, ws.work / "badconfig.ckpt")
+    ckpt = _base_ckpt(ws)
+    ckpt["nanolab"]["gpt"]["vocab_size"] = 10**9  # a terabyte of embedding: never allocated
+    torch.save(ckpt, ws.work / "inflated.ckpt")
     torch.save([1, 2, 3], ws.work / "list.ckpt")
 
 
@@ -433,6 +436,9 @@ def _tool_rows() -> list[Case]:
              "diverged.ckpt has non-finite weights", setup=_generate_files),
         Case("generate-invalid-model-config", (*gen, "{work}/badconfig.ckpt"), EXIT_USAGE,
              "badconfig.ckpt: its model config is not valid", setup=_generate_files),
+        Case("generate-config-larger-than-its-weights", (*gen, "{work}/inflated.ckpt"),
+             EXIT_USAGE, "inflated.ckpt: the weights do not fit its model config",
+             setup=_generate_files),
         Case("generate-not-a-dict", (*gen, "{work}/list.ckpt"), EXIT_USAGE,
              "list.ckpt holds no state_dict", setup=_generate_files),
         Case("generate-ckpt-folder-without-checkpoints", (*gen, "{work}"), EXIT_USAGE,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -222,3 +223,23 @@ def test_sequence_longer_than_block_is_refused():
     model = GPT(tiny())
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_a_checkpoint_whose_config_is_larger_than_its_weights_is_refused_unbuilt():
+    # The shapes are compared on the meta device first: a config of a billion-token vocabulary
+    # over small weights is one line, not a terabyte allocated (or a traceback when it fails).
+    from nanolab.model.checkpoint import CheckpointError, model_from_checkpoint
+
+    model = GPT(tiny())
+    config = {f.name: getattr(model.config, f.name) for f in dataclasses.fields(model.config)}
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    ckpt = {"state_dict": state, "nanolab": {"gpt": config}}
+    rebuilt = model_from_checkpoint(ckpt)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+    for key, value in (("vocab_size", 10**9), ("n_embd", 2**17), ("block_size", 10**9)):
+        inflated = {**ckpt, "nanolab": {"gpt": {**config, key: value}}}
+        with pytest.raises(CheckpointError, match="the weights do not fit its model config"):
+            model_from_checkpoint(inflated)

@@ -85,12 +85,15 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
             "checkpoint from its checkpoints/ folder"
         )
     try:
-        model = GPT(GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False}))
+        config = GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False})
+        with torch.device("meta"):  # the shapes first, allocating nothing: a config that says
+            skeleton = GPT(config)  # n_embd 131072 over small weights is refused, not built
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{source}: its model config is not valid ({err})") from None
-    mismatch = state_mismatch(model.state_dict(), state)
+    mismatch = state_mismatch(skeleton.state_dict(), state)
     if mismatch:
         raise CheckpointError(f"{source}: the weights do not fit its model config ({mismatch})")
+    model = GPT(config)
     model.load_state_dict(state)
     return model.eval()
 
