@@ -12,6 +12,7 @@ are the test functions after the table.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -327,6 +328,16 @@ def _queue_db(ws: Workspace, name: str = "real.db") -> Path:
     return ws.work / name
 
 
+def _queue_db_with_damaged_args(ws: Workspace) -> None:
+    """work/real.db whose one job's arguments were edited by hand into something not JSON."""
+    import sqlite3
+
+    path = _queue_db(ws)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("UPDATE jobs SET args = 'not json'")
+        conn.commit()
+
+
 def _db_with(content: Callable[[Workspace], bytes]) -> Callable[[Workspace], None]:
     """work/queue.db holding ``content``; rows run `queue add` (the verb that writes) on it."""
 
@@ -489,6 +500,14 @@ def _tool_rows() -> list[Case]:
         ],
     ]
     rows += [
+        Case("queue-run-slots-absurd",
+             ("queue", "run", "--slots", "99999999999999999999", "--db", "{work}/real.db"),
+             EXIT_USAGE, "--slots must be between 1 and 1024", setup=_queue_db),
+        Case("queue-ls-args-edited-by-hand", ("queue", "ls", "--db", "{work}/real.db"),
+             EXIT_USAGE, "job 1 (j) has arguments that are not a JSON list of strings",
+             setup=_queue_db_with_damaged_args),
+        Case("prepare-into-the-root", ("prepare", "{work}/in.txt", "-o", "/"), EXIT_USAGE,
+             "dataset folder / is the file system's root", setup=_users_folder),
         Case("generate-max-new-tokens-absurd", (*model, "--max-new-tokens", "1000000000"),
              EXIT_USAGE, "--max-new-tokens 1,000,000,000 is more than 100,000",
              setup=_generate_files),

@@ -341,6 +341,37 @@ def test_a_jobs_console_log_is_in_its_run_directory(
     assert not (tmp_path / "nanolab_queue_logs").exists()
 
 
+def test_a_job_whose_log_cannot_be_opened_fails_with_why_and_the_next_runs(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    assert queue(capsys, db, "add", str(tiny), "--name", "blocked")[0] == 0
+    assert queue(capsys, db, "add", str(tiny), "--name", "fine")[0] == 0
+    (tmp_path / "runs" / "blocked" / "queue.log").mkdir(parents=True)  # a folder in its place
+    code, _, err = queue(capsys, db, "run")
+    assert code == 0, err
+    jobs = {j.name: j for j in QueueDB(db).jobs()}
+    assert jobs["blocked"].status == "failed" and "cannot open its log" in jobs["blocked"].detail
+    assert jobs["fine"].status == "done"
+
+
+def test_a_job_row_edited_by_hand_is_named_and_rm_still_removes_it(tmp_path: Path, capsys):
+    import sqlite3
+
+    db = tmp_path / "q.db"
+    q = QueueDB(db)
+    q.add_jobs([new_job("a"), new_job("b")])
+    q.close()
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE jobs SET args = '[1, 2' WHERE name = 'a'")
+    code, _, err = queue(capsys, db, "ls")
+    assert code == 2 and "job 1 (a) has arguments that are not a JSON list of strings" in err
+    code, out, _ = queue(capsys, db, "rm", "1")
+    assert code == 0 and "removed job 1 (a damaged row)" in out
+    assert [j.name for j in QueueDB(db).jobs()] == ["b"]
+
+
 @pytest.mark.parametrize("verb", [["rm", "1"], ["retry", "1"], ["clear"]])
 def test_a_mistyped_db_is_one_line_and_leaves_no_database(tmp_path, verb, capsys) -> None:
     """``queue rm/retry/clear`` on a --db that does not exist: one line, exit 2, and no empty

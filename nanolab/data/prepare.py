@@ -173,6 +173,13 @@ def prepare_dataset(
             f"--text-field {text_field!r} is not a field name (e.g. text, meta.body)"
         )
     out_dir = Path(dataset_dir).expanduser()
+    if out_dir.name in ("", ".."):  # -o . or -o ..: the folder those name
+        out_dir = Path(os.path.abspath(out_dir))
+        if not out_dir.name:
+            raise PrepareError(
+                f"dataset folder {dataset_dir} is the file system's root; give a folder to "
+                "create, e.g. -o data/mine"
+            )
     if out_dir.exists() and not out_dir.is_dir():
         raise PrepareError(
             f"dataset folder {out_dir} is a file; give the path of a folder to create"
@@ -262,7 +269,8 @@ def prepare_dataset(
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
     """Hold ``lock_path`` exclusively; the file is removed when done (no stray lock file is
-    left beside the dataset). A waiter that locked a file since removed tries again, so two
+    left beside the dataset; one a killed process leaves is harmless, since its lock died with
+    it, and the next prepare of that folder removes it). A waiter that locked a file since removed tries again, so two
     processes never both hold the lock."""
     while True:
         handle = open(lock_path, "a")  # noqa: SIM115 - closed below

@@ -34,6 +34,7 @@ from nanolab.helpfmt import OneLineParser
 from nanolab.queue.db import (
     FINISHED,
     STATUSES,
+    DamagedJobError,
     Job,
     QueueDB,
     QueueError,
@@ -296,7 +297,19 @@ def existing_db(path: str | None) -> QueueDB:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     db = existing_db(args.db)
-    jobs = db.resolve(args.jobs)
+    refs = list(args.jobs)
+    while True:
+        try:
+            jobs = db.resolve(refs)
+            break
+        except DamagedJobError as err:  # the one command that must work on a damaged row
+            if str(err.job_id) not in refs:
+                raise
+            db.remove([int(err.job_id)])
+            refs.remove(str(err.job_id))
+            print(f"removed job {err.job_id} (a damaged row)")
+            if not refs:
+                return 0
     for job in jobs:
         if job.status == "running" and job.job_pid and _is_job_process(job.job_pid, job.name):
             os.kill(job.job_pid, signal.SIGTERM)  # checkpoints at its step boundary, exits 75
@@ -336,9 +349,16 @@ def cmd_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+#: More CPU jobs at once than any machine runs well (each is a process with its own threads).
+MAX_SLOTS = 1024
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    if args.slots < 1:
-        raise QueueError(f"--slots must be >= 1, got {args.slots}")
+    if not 1 <= args.slots <= MAX_SLOTS:
+        raise QueueError(
+            f"--slots must be between 1 and {MAX_SLOTS} (jobs at once on this machine's CPUs), "
+            f"got {args.slots}"
+        )
     gpus = parse_gpus(args.gpus)
     from nanolab.notify import NotifyConfigError, check_targets
     from nanolab.queue.runner import QUEUE_FIELDS

@@ -121,6 +121,14 @@ class QueueError(NanolabError):
     """A queue operation that cannot be done; the message says which job and what to do."""
 
 
+class DamagedJobError(QueueError):
+    """A job row that cannot be read back (edited by hand); ``queue rm ID`` still removes it."""
+
+    def __init__(self, job_id: Any, message: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
 @dataclass
 class Job:
     """One row of ``jobs`` (see the schema for the meaning of each column)."""
@@ -161,7 +169,18 @@ class Job:
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
         data = dict(row)
-        data["args"] = json.loads(data["args"])
+        try:
+            args = json.loads(data["args"])
+        except (TypeError, ValueError):
+            args = None
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise DamagedJobError(
+                data.get("id"),
+                f"job {data.get('id')} ({data.get('name')}) has arguments that are not a JSON "
+                f"list of strings ({str(data['args'])[:60]!r}): the queue database was edited "
+                f"by hand; `nanolab queue rm {data.get('id')}` and add the job again",
+            )
+        data["args"] = args
         return cls(**{f.name: data[f.name] for f in fields(cls)})
 
 

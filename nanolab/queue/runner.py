@@ -129,7 +129,7 @@ class Runner:
     _signals: int = 0
     _wake_r: int | None = None
     _counts: Counter[str] = field(default_factory=Counter)
-    _refused_start: bool = False  # a claimed job was not started (its config changed)
+    _refused_start: bool = False  # a claimed job was not started (config changed, no log)
     notify: list[str] = field(default_factory=list)  # targets told when the runner ends
     _capacity: list[int] = field(default_factory=list)
     _rules: Rules = field(default_factory=Rules)
@@ -447,7 +447,18 @@ class Runner:
             cmd[1:3] = ["-m", "nanolab.queue.launch"]
             env[CAP_ENV] = f"{cap / self._capacity[units[0]]:.6f}"
             env["NANOLAB_QUEUE_PACKED"] = self.label(units[0])
-        log = open(log_path, "ab")  # noqa: SIM115 - closed when the job exits
+        try:
+            log = open(log_path, "ab")  # noqa: SIM115 - closed when the job exits
+        except OSError as err:  # a folder in its place, no permission: this job cannot log
+            detail = (
+                f"cannot open its log {log_path} ({err.strerror}); move what is there out of "
+                "the way, then `nanolab queue retry` it"
+            )
+            self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
+            self.say(f"job {job.id} {job.name}: not started: {detail}")
+            self._refused_start = True
+            self._counts["failed"] += 1
+            return
         where = f"GPU {job.gpus}" if job.gpus else ("cpu" if self.pack else f"slot {units[0]}")
         if cap is not None:
             where += ", shared" + (f" (allocator cap {gib(cap)})" if self.gpus else "")
