@@ -568,3 +568,23 @@ def test_bpe_training_sees_long_runs_of_letters_as_words_of_bounded_length():
     assert list(_chunked([plain])) == [plain]  # ordinary text: the same input as before
     tok = train_tokenizer("bpe", "x" * 200_000 + " the end", bpe_vocab_size=300)
     assert tok.decode(list(tok.encode("xxxx the end"))) == "xxxx the end"
+
+
+def test_a_replacement_killed_between_its_two_renames_gets_the_old_dataset_back(tmp_path):
+    # The old dataset sat only in .<name>.old-PID: the next prepare puts it back (here the same
+    # sources: a no-op on it), where it used to delete it as a leftover.
+    out = tmp_path / "data"
+    first = prepare_dataset(["bundled:shakespeare"], out, "chars", quiet=True)
+    inode = (out / "train.bin").stat().st_ino
+    os.replace(out, tmp_path / ".data.old-99999")
+    again = prepare_dataset(["bundled:shakespeare"], out, "chars", quiet=True)
+    assert again == first and (out / "train.bin").stat().st_ino == inode  # the same file
+    assert not list(tmp_path.glob(".data.old-*"))
+
+
+def test_leftovers_of_another_dataset_are_never_matched_by_a_name_with_glob_characters(tmp_path):
+    other = tmp_path / ".ab.tmp-1"
+    other.mkdir()
+    (other / "keep").write_text("another dataset's half-written output")
+    prepare_dataset(["bundled:shakespeare"], tmp_path / "a*", "chars", quiet=True)
+    assert (other / "keep").is_file()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -211,6 +212,7 @@ def prepare_dataset(
     # on the lock and then find the dataset ready (same hash: a no-op).
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(lock):
+        _finish_interrupted_swap(out_dir)
         try:
             existing = read_meta(out_dir)
         except (OSError, ValueError):  # unreadable: not a dataset this run can reuse
@@ -264,6 +266,25 @@ def prepare_dataset(
             return job.run()
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
+
+
+def _leftovers(out_dir: Path, kind: str) -> list[Path]:
+    """``.<name>.<kind>-*`` beside ``out_dir``, newest first (the name taken literally: a
+    dataset called ``a*`` never matches another's)."""
+    found = out_dir.parent.glob(f".{glob.escape(out_dir.name)}.{kind}-*")
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _finish_interrupted_swap(out_dir: Path) -> None:
+    """A replacement moves the old dataset to ``.<name>.old-PID`` and the new one in. Killed
+    between the two, the old one is the only copy: put it back (the run that was replacing it
+    starts again from the rules, ``--force`` included). Once ``out_dir`` is there, a leftover
+    old copy is what was replaced, and goes. Called with the folder's lock held."""
+    olds = _leftovers(out_dir, "old")
+    if olds and not out_dir.exists():
+        os.replace(olds.pop(0), out_dir)
+    for stale in olds:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -450,9 +471,8 @@ class _Job:
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         out_dir: Path = self.out_dir
-        for kind in ("tmp", "old"):  # a killed run's leftovers (we hold the lock)
-            for stale in out_dir.parent.glob(f".{out_dir.name}.{kind}-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+        for stale in _leftovers(out_dir, "tmp"):  # a killed run's half-written output
+            shutil.rmtree(stale, ignore_errors=True)
         tok = self._build_tokenizer()
         if tok.eot_id is None:
             raise PrepareError(f"tokenizer {self.tokenizer!r} has no end-of-text token")
