@@ -261,3 +261,21 @@ def test_a_full_disk_under_the_run_log_is_one_clear_error(tmp_path) -> None:
     assert str(path) in str(err.value) and "MB free there" in str(err.value)
     assert "rerun the same command to resume" in str(err.value)
     writer.close()  # what stayed buffered cannot land: closing says nothing more
+
+
+def test_a_resume_that_moves_max_steps_inside_the_lr_plan_says_what_the_lr_does(
+    tmp_path, char_dataset, capsys
+):
+    # The cosine was planned for 8 steps and the checkpoint keeps the plan: resumed at 4 with
+    # max_steps 6, the run stops before it anneals, and says so once with the LR it stops at.
+    run = tmp_path / "run"
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4)], max_steps=8)
+    capsys.readouterr()
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4)],
+        max_steps=6, ckpt_path=run / "checkpoints" / "step-00000004.ckpt")  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("max_steps 6 is short of the 8 steps this run's LR schedule was planned") == 1
+    assert "before the cosine reaches its minimum at step 8" in err
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4)],
+        max_steps=8, ckpt_path=run / "checkpoints" / "step-00000004.ckpt")  # fmt: skip
+    assert "planned for" not in capsys.readouterr().err  # the plan's own end: nothing to say

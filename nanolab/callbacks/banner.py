@@ -45,6 +45,41 @@ def schedule_end(trainer: L.Trainer) -> int | None:
     return None
 
 
+def resumed_schedule_note(
+    trainer: L.Trainer, pl_module: L.LightningModule, start: int, end: int
+) -> str | None:
+    """What a resume with another ``trainer.max_steps`` does to the LR, or None.
+
+    The cosine of ``model.schedule.decay_steps: null`` is planned for the ``max_steps`` a run
+    started with, and the checkpoint keeps that plan (an exact resume). A resume that moves
+    ``max_steps`` inside the plan stops before the LR anneals, or runs its last steps at the
+    minimum: said once, with the LR it stops at, so a shortened run is not read as annealed.
+    """
+    schedule = getattr(pl_module, "schedule_config", None)
+    if start <= 0 or getattr(schedule, "decay_steps", 0) is not None:
+        return None  # a new run, or a horizon set on purpose (model.schedule.decay_steps)
+    fn = next(
+        (f for c in getattr(trainer, "lr_scheduler_configs", None) or []
+         for f in getattr(c.scheduler, "lr_lambdas", None) or [] if hasattr(f, "decay_steps")),
+        None,
+    )  # fmt: skip
+    horizon = getattr(fn, "decay_steps", None)
+    if fn is None or not isinstance(horizon, int) or end == horizon or start >= horizon:
+        return None  # the plan's own end, or already past it (the banner's steps line says so)
+    planned = "this run's LR schedule was planned for (a resume keeps the plan)"
+    if end < horizon:
+        return (
+            f"trainer.max_steps {end} is short of the {horizon} steps {planned}: it stops at "
+            f"step {end} with the LR at {fn(end):.0%} of its peak, before the cosine reaches "
+            f"its minimum at step {horizon}; to anneal by step {end}, train a new run "
+            f"(run.fresh: true, or another run.name) with trainer.max_steps {end}"
+        )
+    return (
+        f"trainer.max_steps {end} is past the {horizon} steps {planned}: the LR reaches its "
+        f"minimum at step {horizon} and the last {end - horizon} steps run there"
+    )
+
+
 def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[int, str] | None:
     """Tokens per optimizer step and the product that makes it up."""
     dm = getattr(trainer, "datamodule", None)

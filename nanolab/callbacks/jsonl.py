@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
+from nanolab.callbacks.banner import resumed_schedule_note
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
@@ -50,6 +51,7 @@ from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
 from nanolab.callbacks.step import StepCallback
 from nanolab.claimed import LeftClaimedDir
+from nanolab.messages import warn
 from nanolab.runlog import (
     RUN_LOG_NAME,
     RunLogWriteError,
@@ -198,6 +200,11 @@ class MetricsLog(StepCallback):
         if earlier is not None:
             self.clock.account_earlier(*earlier)
         self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
+        end = trainer.max_steps
+        if trainer.is_global_zero and resuming and end is not None and end > 0:
+            note = resumed_schedule_note(trainer, pl_module, int(trainer.global_step), end)
+            if note:  # every resume says it, with or without a progress bar
+                warn("nanolab fit", note)
 
     def _start_record(
         self,
