@@ -146,7 +146,7 @@ def test_a_different_run_is_refused_and_fresh_archives_it(tmp_path, char_dataset
     assert len(starts) == 1 and starts[0]["run_id"] != old_id
 
 
-def test_fresh_takes_the_old_runs_rollbacks_and_logger_folders_with_it(tmp_path, char_dataset):
+def test_fresh_takes_the_old_runs_rollback_ledger_with_it(tmp_path, char_dataset):
     # The rollback ledger shifts the data order and the LR of the run that wrote it; a fresh
     # run (or a new one where the old log and checkpoints were deleted by hand) must not
     # inherit it, and the old run keeps it beside its log and checkpoints.
@@ -155,15 +155,12 @@ def test_fresh_takes_the_old_runs_rollbacks_and_logger_folders_with_it(tmp_path,
     run = tmp_path / "run"
     fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2)], max_steps=2)
     write_ledger(run, [{"restored": 2, "skip_at": 2, "skip_offset": 12}])
-    (run / "csv").mkdir()
-    (run / "csv" / "metrics.csv").write_text("step,loss\n1,4.0\n")
     ledger = (run / "rollbacks.json").read_bytes()
     fit(run, char_dataset, [MetricsLog(fresh=True), RotatingCheckpoint(every_n_steps=2)],
         max_steps=2)  # fmt: skip
     (archived,) = (run / "previous").iterdir()
     assert (archived / "rollbacks.json").read_bytes() == ledger
-    assert (archived / "csv" / "metrics.csv").read_text() == "step,loss\n1,4.0\n"
-    assert read_ledger(run) == [] and not (run / "csv").exists()
+    assert read_ledger(run) == []
 
     gone = tmp_path / "gone"  # a run whose log and checkpoints were deleted by hand
     gone.mkdir()
@@ -279,3 +276,13 @@ def test_a_resume_that_moves_max_steps_inside_the_lr_plan_says_what_the_lr_does(
     fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4)],
         max_steps=8, ckpt_path=run / "checkpoints" / "step-00000004.ckpt")  # fmt: skip
     assert "planned for" not in capsys.readouterr().err  # the plan's own end: nothing to say
+
+
+@pytest.mark.parametrize(("every", "validated"), [(4, [4, 6]), (3, [3, 6]), (100, [6])])
+def test_the_last_step_is_always_validated(tmp_path, char_dataset, every, validated):
+    # 6 steps with a validation every 4 ended unvalidated: no final val loss anywhere.
+    run = tmp_path / "run"
+    fit(run, char_dataset, [MetricsLog()], max_steps=6, eval_every=every)
+    assert [r["step"] for r in events(run / "metrics.jsonl", "val")] == validated
+    (end,) = events(run / "metrics.jsonl", "end")
+    assert (end["reason"], end["step"], end.get("detail")) == ("completed", 6, None)

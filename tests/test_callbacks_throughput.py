@@ -170,7 +170,7 @@ def test_each_run_log_rate_covers_its_own_interval_whatever_the_loggers_cadence(
     # The loggers got the run log's records (train/tokens_per_s), at its steps.
     (logged,) = (tmp_path / "csv").rglob("metrics.csv")
     header, *rows = logged.read_text().splitlines()
-    assert "train/tokens_per_s" in header and [r.split(",")[0] for r in rows] == ["4", "8", "12"]
+    assert "train/tokens_per_s" in header and {r.split(",")[0] for r in rows} == {"4", "8", "12"}
 
 
 def test_utilization_sampler_uses_nvml_when_importable(monkeypatch):

@@ -101,7 +101,7 @@ class Between:
         """The work due after optimizer step ``step`` (1-based); True when there was any (the
         next step interval then holds it and is not a steady-state one)."""
         c, did = self.cadence, False
-        if c.eval_every and step % c.eval_every == 0:
+        if c.eval_every and (step % c.eval_every == 0 or last):  # fit validates its last step
             with self._timed("eval_s"):
                 self.val_losses.append((step, self.validate()))
             self.validations += 1

@@ -52,10 +52,6 @@ def check_available(name: str) -> None:
         )
 
 
-#: The folders the loggers write inside a run directory (``make_logger``).
-LOGGER_FOLDERS = ("tensorboard", "csv", "wandb", "mlruns")
-
-
 def make_logger(name: str, run_dir: Path, run_name: str) -> Any:
     """The Lightning logger for ``--logger name``, writing inside ``run_dir``."""
     check_available(name)

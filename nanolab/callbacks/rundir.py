@@ -26,15 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
-from nanolab.callbacks.loggers import LOGGER_FOLDERS
 from nanolab.data.skips import LEDGER
 from nanolab.runlog import RUN_LOG_NAME, dumps, last_record
 
 #: What else in a run directory belongs to the run that wrote it, so a fresh run moves it to
-#: ``previous/`` with the log and the checkpoints: the rollback ledger (its data order and
-#: learning rates after a loss spike; a new run must not inherit them) and the loggers' folders
-#: (a new run's curves must not continue the old run's).
-RUN_STATE = (LEDGER, *LOGGER_FOLDERS)
+#: ``previous/`` with the log and the checkpoints: the rollback ledger (the data order and
+#: learning rates after its loss spikes; a new run must not inherit them). The loggers' folders
+#: stay: this launch's logger has opened them before the directory is claimed.
+RUN_STATE = (LEDGER,)
 
 #: Config keys that may differ between two processes of the same run.
 VOLATILE_KEYS = (

@@ -120,6 +120,7 @@ class StepCallback(Callback):
             callback.on_micro_batch(trainer, pl_module, outputs)
         if peers and self.clock is not None and self.clock.step_finished(trainer):
             step = int(trainer.global_step)
+            validate_at_the_last_step(trainer)  # before on_step: saves wait for it
             readout = self.clock.readout
             readout.begin(step)
             for callback in peers:
@@ -169,6 +170,23 @@ class StepCallback(Callback):
 
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """An evaluation during fit ended (never the sanity check); ``step`` as in ``on_step``."""
+
+
+def validate_at_the_last_step(trainer: L.Trainer) -> None:
+    """Make the run's last step a validation step.
+
+    Lightning validates every ``val_check_interval`` micro-batches, so a ``trainer.max_steps``
+    that is not a multiple of ``run.eval_every_steps`` (80 steps, a validation every 100) ended
+    with no validation of the final model: no final val loss in the log, the report or the
+    queue. Asking the loop to stop at that step is Lightning's own early-stop path, which
+    validates first; the checkpoint of the last step then holds that validation too.
+    """
+    max_steps = trainer.max_steps
+    if max_steps is None or max_steps <= 0 or trainer.global_step < max_steps:
+        return
+    if trainer.should_stop or not trainer.enable_validation or validation_follows(trainer):
+        return  # stopping anyway, validation off, or the step validates already
+    trainer.should_stop = True
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
