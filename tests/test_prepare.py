@@ -588,3 +588,18 @@ def test_leftovers_of_another_dataset_are_never_matched_by_a_name_with_glob_char
     (other / "keep").write_text("another dataset's half-written output")
     prepare_dataset(["bundled:shakespeare"], tmp_path / "a*", "chars", quiet=True)
     assert (other / "keep").is_file()
+
+
+def test_prepare_again_says_nothing_to_do_and_a_refusal_names_what_differs(tmp_path, capsys):
+    text = tmp_path / "in.txt"
+    text.write_text("some words to prepare, and a few more of them\n" * 400)
+    out = str(tmp_path / "data")
+    assert main([str(text), "-o", out, "--tokenizer", "chars", "-q"]) == 0
+    capsys.readouterr()
+    assert main([str(text), "-o", out, "--tokenizer", "chars"]) == 0
+    assert "already holds this dataset (the same files and settings): nothing to do" in (
+        capsys.readouterr().err
+    )
+    assert main([str(text), "-o", out, "--tokenizer", "bytes", "--val-fraction", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "it differs in --tokenizer chars, asked bytes; --val-fraction 0.1, asked 0.2" in err

@@ -151,8 +151,10 @@ def prepare_dataset(
     skip_bad: bool = False,
     bpe_sample_bytes: int = DEFAULT_BPE_SAMPLE_BYTES,
     eot_token: str | None = None,
+    say_reused: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize ``sources`` into ``dataset_dir``; return its meta. A no-op when already prepared."""
+    """Tokenize ``sources`` into ``dataset_dir``; return its meta. A no-op when already prepared
+    (``say_reused``: say so, as ``nanolab prepare`` does; ``fit`` reuses it at every launch)."""
     try:
         check_tokenizer_name(tokenizer)
     except TokenizerError as err:
@@ -218,6 +220,9 @@ def prepare_dataset(
         except (OSError, ValueError):  # unreadable: not a dataset this run can reuse
             existing = None
         if existing is not None and existing.get("source_hash") == digest:
+            if say_reused and not quiet:
+                say("nanolab prepare", f"{out_dir} already holds this dataset (the same files and "
+                    "settings): nothing to do")  # fmt: skip
             return existing
         if force and out_dir.is_dir():
             foreign = sorted(
@@ -234,11 +239,13 @@ def prepare_dataset(
                     "only a dataset folder: choose another output folder, or move those files"
                 )
         if out_dir.exists() and any(out_dir.iterdir()) and not force:
-            what = (
-                "a dataset of other sources or settings (or its files changed since)"
-                if existing
-                else "other files"
-            )
+            what = "other files"
+            if existing:
+                differs = dataset_differences(existing, settings, bpe_vocab_size, resolved.files)
+                what = "a dataset of other sources or settings (" + (
+                    f"it differs in {'; '.join(differs)})" if differs
+                    else "or its files changed since: sizes or times)"
+                )  # fmt: skip
             raise OutputInUseError(
                 f"{out_dir} already holds {what}; choose another output folder or pass --force "
                 "to replace it",
@@ -266,6 +273,27 @@ def prepare_dataset(
             return job.run()
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
+
+
+def dataset_differences(
+    existing: dict[str, Any], settings: dict[str, Any], bpe_vocab_size: int, files: list[Any]
+) -> list[str]:
+    """Which of the asked settings a prepared dataset's ``meta.json`` shows otherwise, in
+    words (``tokenizer chars, asked bpe``), for the refusal to name them."""
+    out = []
+    had = (existing.get("tokenizer") or {}).get("name")
+    asked = settings["tokenizer"] if isinstance(settings["tokenizer"], str) else "a tokenizer file"
+    if had is not None and had != asked and not str(asked).endswith(".json"):
+        out.append(f"--tokenizer {had}, asked {asked}")
+    elif had == "bpe" == asked and existing.get("vocab_size") != bpe_vocab_size:
+        out.append(f"--bpe-vocab-size {existing.get('vocab_size')}, asked {bpe_vocab_size}")
+    for key, meta_key in (("val_fraction", "val_fraction"), ("seed", "split_seed"),
+                          ("text_field", "text_field")):  # fmt: skip
+        if meta_key in existing and existing[meta_key] != settings[key]:
+            out.append(f"--{key.replace('_', '-')} {existing[meta_key]}, asked {settings[key]}")
+    if isinstance(existing.get("files"), int) and existing["files"] != len(files):
+        out.append(f"{existing['files']} input files, now {len(files)}")
+    return out
 
 
 def _leftovers(out_dir: Path, kind: str) -> list[Path]:
@@ -696,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             skip_bad=args.skip_bad,
             bpe_sample_bytes=sample_bytes,
             eot_token=args.eot_token,
+            say_reused=True,
         )
     except KeyboardInterrupt:
         print("nanolab prepare: interrupted; nothing was written", file=sys.stderr)
