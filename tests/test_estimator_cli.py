@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -457,6 +458,12 @@ def test_cli_estimates_a_cpu_run(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert data["device"]["backend"] == "cpu" and data["gradient_accumulation"] == 2
     assert data["compute"]["tokens_per_second"] > 0 and data["compute"]["matmul_dtype"] == "bf16"
     assert main(["--config", path, "--device", "cpu", "--gpu", "h100"]) == 2
+    capsys.readouterr()
+    assert main(["--config", path, "--device", "cpu"]) == 0  # 10 tiny steps: minutes, cents
+    text = capsys.readouterr().out
+    wall = next(line for line in text.splitlines() if "wall-clock" in line)
+    assert " min on 1 device(s)" in wall and " 0.0 h" not in wall
+    assert re.search(r"CPU-h x \$0\.00 = \$0\.\d{3}$", text, re.M)
 
 
 @pytest.mark.parametrize(

@@ -212,9 +212,9 @@ def format_estimate(
         f"{c.tokens_per_day / 1e9:,.2f} B tokens/day",
         f"  token budget ({c.token_budget_source})".ljust(38)
         + f"{c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps",
-        f"  wall-clock                          {c.hours:,.1f} h on {s.world_size} device(s)",
-        f"  {kind}-hours and cost                  {c.gpu_hours:,.1f} {kind}-h x "
-        f"${c.usd_per_gpu_hour:.2f} = ${c.cost_usd:,.0f}",
+        f"  wall-clock                          {_hours(c.hours)} on {s.world_size} device(s)",
+        f"  {kind}-hours and cost                  {_amount(c.gpu_hours)} {kind}-h x "
+        f"${c.usd_per_gpu_hour:.2f} = ${_amount(c.cost_usd, whole_at=10)}",
         f"  Chinchilla-optimal budget           {c.chinchilla_tokens / 1e9:,.2f} B tokens "
         "(20 per parameter)",
     ]
@@ -326,3 +326,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_gpu = {n: largest_fitting_micro_batch(est.setup, gpu=g, **kw) for n, g in GPUS.items()}
     print(format_estimate(est, per_gpu=per_gpu, detail=args.detail))
     return 0
+
+
+def _hours(hours: float) -> str:
+    """A run's wall-clock: minutes under an hour (a CPU check of minutes is not "0.0 h")."""
+    return f"{hours * 60:,.1f} min" if hours < 1 else f"{hours:,.1f} h"
+
+
+def _amount(value: float, whole_at: float | None = None) -> str:
+    """Hours or dollars: whole from ``whole_at`` on (a cost of $11), small values legible."""
+    if whole_at is not None and value >= whole_at:
+        return f"{value:,.0f}"
+    return f"{value:,.1f}" if value >= 1 else f"{value:.3f}"

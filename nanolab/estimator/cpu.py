@@ -23,7 +23,7 @@ from nanolab.estimator.gpus import GPU
 #: --device cpu``, of queued CPU jobs and of the start banner. Measured 2026-12-01 on a 2-core
 #: x86-64 VM: the quickstart model 0.67 with 1 thread and 0.57 with 2 (2m19s of steps where 0.35
 #: had predicted 3m48s), 6 layers x 384 wide 0.83 with 1 thread. The lower end, so estimates err
-#: long; a finished run of the same config replaces it with its measured time per step.
+#: long; a finished queue run of the same config replaces it with its measured time per step.
 CPU_EFFICIENCY = 0.55
 
 
@@ -112,7 +112,7 @@ def _device(threads: int, fp32: float, bf16: float | None) -> GPU:
         price_source="no price for a CPU; pass --usd-per-gpu-hour",
         default_mfu=CPU_EFFICIENCY,
         mfu_source="nanolab's CPU assumption (CPU_EFFICIENCY): a rough share of the measured "
-        "matmul rate; a finished run of the config replaces it",
+        "matmul rate; a finished queue run of the config on this machine replaces it",
     )
 
 
