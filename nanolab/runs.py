@@ -532,7 +532,16 @@ def _set_status(
             if end.get("skipped_steps") is not None:  # steps skipped, not NaN: say which
                 s.detail = f"fp16 loss scale collapsed {s.detail}"
     elif not kept:
-        s.status, s.detail = "crashed", "empty log"
+        try:
+            size = (Path(s.run_dir) / RUN_LOG_NAME).stat().st_size if s.run_dir else 0
+        except OSError:
+            size = 0
+        s.status = "crashed"
+        s.detail = (
+            f"no readable record in its log ({size:,} bytes: damaged, or not a run log)"
+            if size
+            else "empty log"
+        )
     else:
         quiet = now - (s.updated or now)
         if quiet > max(STALE_AFTER_S, 20 * (step_time or 0.0)):

@@ -40,6 +40,30 @@ def test_plot_band_is_the_t_interval_its_title_names(tmp_path: Path, monkeypatch
     assert "min–max" not in docs and "without scipy" not in docs
 
 
+def test_a_loss_band_is_drawn_from_zero_and_a_spread_has_no_sign(tmp_path: Path, monkeypatch):
+    """Two seeds far apart: the t interval reaches below 0, a loss does not; the drawn band
+    starts at 0 (the returned band stays the statistic). "+0.041 ± 0.009", not "± +0.009"."""
+    import matplotlib.axes
+
+    from nanolab.report.text import _mean_spread
+
+    for seed, loss in enumerate([0.5, 3.5]):
+        write_run(tmp_path, f"r-s{seed}", 0.003, seed, [(500, 4.0), (1000, loss)])
+    lows: list[float] = []
+    real = matplotlib.axes.Axes.fill_between
+
+    def fill_between(ax, x, lo, hi, **kwargs):
+        lows.extend(lo)
+        return real(ax, x, lo, hi, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between", fill_between)
+    runs = [(report.summarize_run(d.name, d), d) for d in sorted(tmp_path.iterdir())]
+    (drawn,) = report.plot_runs(runs, tmp_path / "plot.png", "tokens")
+    assert drawn["val_band"][-1][2] < 0  # the statistic: 2 - 12.7 * 1.5
+    assert lows and min(lows) == 0.0
+    assert _mean_spread(0.041, 0.009, "+.3f") == "+0.041 ± 0.009"
+
+
 def test_scipy_and_safetensors_are_core_dependencies() -> None:
     """No extra to install for report's statistics and tables or for export's weights file."""
     tomllib = pytest.importorskip("tomllib")

@@ -412,7 +412,7 @@ def test_task_accuracies_columns_seed_groups_and_plot(tmp_path: Path, capsys) ->
     assert header.split()[-3:] == ["mean", "centered", "cloze"]  # Shakespeare's is no CORE
     assert "+0.100" in table and f"{0.25 + 0.75 * 0.10:.3f}" in table
     mean, std = statistics.fmean(cores.values()), statistics.stdev(cores.values())
-    assert f"shakespeare mean {mean:+.3f} ± {std:+.3f}" in table and "CORE +" not in table
+    assert f"shakespeare mean {mean:+.3f} ± {std:.3f}" in table and "CORE +" not in table
     out_png = tmp_path / "plot.png"
     code, _, err = run_report(capsys, str(tmp_path / "runs"), "--plot", str(out_png))
     assert code == 0, err
@@ -500,3 +500,15 @@ def test_the_plotted_train_curve_is_the_trailing_mean_of_its_window() -> None:
             window = losses[max(0, i - smooth + 1) : i + 1]
             assert curve[step][0] == 10 * step
             assert curve[step][1] == pytest.approx(statistics.fmean(window), rel=1e-12)
+
+
+def test_a_log_of_bytes_that_hold_no_record_is_not_called_empty(tmp_path: Path) -> None:
+    run = tmp_path / "b"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(bytes(range(1, 256)) * 100)
+    s = summarize_run("b", run)
+    assert (s.status, s.detail) == (
+        "crashed", "no readable record in its log (25,500 bytes: damaged, or not a run log)"
+    )  # fmt: skip
+    (run / "metrics.jsonl").write_bytes(b"")
+    assert summarize_run("b", run).detail == "empty log"

@@ -177,13 +177,17 @@ def plot_runs(
         name = f"{label} (n={n})" if n > 1 else label
         drawn.append({"label": label, "color": color, "runs": [m.run for m in members],
                       "val_band": _band(vals)})  # fmt: skip
-        panes = [(ax_train, trains, None), (ax_val, vals, "o")]
-        panes += [(ax, curves, "s") for ax, curves in zip(task_axes, task_curves, strict=True)]
-        for ax, curves, marker in panes:
+        # A loss is never negative: with two seeds the t interval can reach below 0, and the
+        # band is drawn from 0 there (task scores are centred, so theirs can be negative).
+        panes = [(ax_train, trains, None, 0.0), (ax_val, vals, "o", 0.0)]
+        panes += [(ax, c, "s", None) for ax, c in zip(task_axes, task_curves, strict=True)]
+        for ax, curves, marker, floor in panes:
             band = _band(curves)
             if not band:
                 continue
             bx, mean, lo, hi = zip(*band, strict=True)
+            if floor is not None:
+                lo = tuple(max(floor, v) for v in lo)
             ax.plot(bx, mean, color=color, lw=1.4, marker=marker, ms=3,
                     label=name if ax is ax_train or not trains else None)  # fmt: skip
             if len(curves) > 1:

@@ -107,7 +107,8 @@ def validated_table(summaries: list[RunSummary]) -> list[str]:
 def _mean_spread(mean: float | None, std: float | None, fmt: str = ".4f") -> str:
     if mean is None:
         return "-"
-    return f"{mean:{fmt}} ± {std:{fmt}}" if std is not None else f"{mean:{fmt}}"
+    spread = fmt.lstrip("+")  # a signed mean (+0.041), an unsigned spread (± 0.009)
+    return f"{mean:{fmt}} ± {std:{spread}}" if std is not None else f"{mean:{fmt}}"
 
 
 def format_table(
