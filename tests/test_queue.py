@@ -237,6 +237,8 @@ def test_parse_until() -> None:
     assert parse_until("2025-06-02T07:30", now) == dt.datetime(2025, 6, 2, 7, 30).timestamp()
     with pytest.raises(QueueError, match="give a time of day"):
         parse_until("tomorrow", now)
+    with pytest.raises(QueueError, match=r"--until '2020-01-01' is already past"):
+        parse_until("2020-01-01", now)
 
 
 def test_outcome_from_exit_code_and_end_record(tmp_path: Path) -> None:

@@ -63,12 +63,18 @@ def parse_until(text: str, now: float | None = None) -> float:
             target += dt.timedelta(days=1)
         return target.timestamp()
     try:
-        return dt.datetime.fromisoformat(text).timestamp()
+        when = dt.datetime.fromisoformat(text).timestamp()
     except ValueError:
         raise QueueError(
             f"--until {text!r}: give a time of day (08:00), a duration (+8h, +90m) or a "
             "date-time (2025-06-01T08:00)"
         ) from None
+    if when <= now:  # a deadline already past would start nothing, silently
+        raise QueueError(
+            f"--until {text!r} is already past ({time.ctime(now)} now); give a later date-time, "
+            "a time of day (08:00: the next one) or a duration (+8h)"
+        )
+    return when
 
 
 def parse_gpus(text: str | None) -> list[str] | None:
