@@ -215,6 +215,7 @@ def fit_args(config: str, data: Path, work: Path, name: str, steps: int) -> list
         "fit", *files,
         "--run.root", str(work / "runs"), "--run.name", name, "--run.resume", "never",
         "--run.global_batch_tokens", "null", "--run.eval_every_steps", "100000",
+        "--trainer.limit_val_batches", "0",  # no validation, not even the last step's
         "--checkpoint.every_n_steps", "100000", "--trainer.max_steps", str(steps),
         "--trainer.enable_progress_bar", "false", "--downstream.suite", "null",
         "--data.dataset_dir", str(data), "--data.source", "null", *SCALE.model_args,
@@ -382,6 +383,8 @@ def check_bench_124m(work: Path, data_arg: str | None) -> dict[str, Any]:
             f"--set=--data.micro_batch_size={mb}",
             f"--set=--run.global_batch_tokens={2 * mb * SCALE.block_size}",  # 2 micro-batches
             "--set=--run.eval_every_steps=100000", "--set=--downstream.suite=null", *sets,
+            # no validation on either side (the last step's would compile an eval graph)
+            "--set=--trainer.limit_val_batches=0",
             # no 1.4 GB save at the end on either side (async_checkpoint measures saves)
             "--set=--checkpoint.save_on_train_end=false",
             *SCALE.bench_args,
