@@ -406,6 +406,13 @@ class Runner:
         """With nothing running: is there any reason to stay?"""
         return self.wait and not (self.until is not None and time.time() >= self.until)
 
+    def _not_started(self, job: Job, detail: str) -> None:
+        """A claimed job that cannot start: failed with ``detail``; its slot is filled again."""
+        self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
+        self.say(f"job {job.id} {job.name}: not started: {detail}")
+        self._refused_start = True
+        self._counts["failed"] += 1
+
     def _spawn(
         self,
         job: Job,
@@ -417,14 +424,11 @@ class Runner:
     ) -> None:
         changed = changed_config(Path(job.cwd) / job.config, job.args, job.config_sha)
         if changed is not None:  # run what was checked, or nothing: never an unchecked edit
-            detail = (
+            self._not_started(
+                job,
                 f"config changed since queue add: {changed} (the job was checked as it was "
-                "then); `nanolab queue rm` it and add it again"
+                "then); `nanolab queue rm` it and add it again",
             )
-            self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
-            self.say(f"job {job.id} {job.name}: not started: {detail}")
-            self._refused_start = True
-            self._counts["failed"] += 1
             return
         log_path = job_log_path(job, self.db.path)
         cmd = [
@@ -450,14 +454,11 @@ class Runner:
         try:
             log = open(log_path, "ab")  # noqa: SIM115 - closed when the job exits
         except OSError as err:  # a folder in its place, no permission: this job cannot log
-            detail = (
+            self._not_started(
+                job,
                 f"cannot open its log {log_path} ({err.strerror}); move what is there out of "
-                "the way, then `nanolab queue retry` it"
+                "the way, then `nanolab queue retry` it",
             )
-            self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
-            self.say(f"job {job.id} {job.name}: not started: {detail}")
-            self._refused_start = True
-            self._counts["failed"] += 1
             return
         where = f"GPU {job.gpus}" if job.gpus else ("cpu" if self.pack else f"slot {units[0]}")
         if cap is not None:
