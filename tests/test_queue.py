@@ -385,3 +385,20 @@ def test_a_mistyped_db_is_one_line_and_leaves_no_database(tmp_path, verb, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"no queue database at {typo}" in err[0]
     assert not typo.exists()
+
+
+def test_a_config_that_changed_since_add_is_named_with_what_became_of_it(tmp_path: Path):
+    from nanolab.queue.jobs import changed_config, config_digest
+
+    kept, edited, gone, folder = (tmp_path / f"{n}.yaml" for n in ("kept", "edited", "gone", "dir"))
+    for f in (kept, edited, gone, folder):
+        f.write_text("a: 1\n")
+    sha = config_digest([kept, edited, gone, folder])
+    edited.write_text("a: 2\n")
+    gone.unlink()
+    folder.unlink()
+    folder.mkdir()
+    args = ["--config", str(edited), "--config", str(gone), "--config", str(folder)]
+    assert changed_config(kept, args, sha) == (
+        f"{edited} (edited), {gone} (gone), {folder} (now a folder)"
+    )

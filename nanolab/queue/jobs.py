@@ -237,8 +237,14 @@ def config_digest(files: list[Path]) -> str:
 def _file_digest(path: Path) -> str:
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except IsADirectoryError:
+        return "folder"
     except OSError:
         return "missing"
+
+
+#: How the refusal names a config file that is no longer what ``queue add`` read.
+_NOW = {"missing": "gone", "folder": "now a folder"}
 
 
 def _legacy_digest(files: list[Path]) -> str:
@@ -264,7 +270,7 @@ def changed_config(config: str | Path, args: list[str], sha: str | None) -> str 
         return None if _legacy_digest(files) == sha else ", ".join(str(f) for f in files)
     then = sha[3:].split(",")
     changed = [
-        f"{path} ({'gone' if now == 'missing' else 'edited'})"
+        f"{path} ({_NOW.get(now, 'edited')})"
         for path, was, now in zip(files, then, (_file_digest(f) for f in files), strict=False)
         if was != now
     ]
