@@ -106,7 +106,10 @@ class PauseInSave(L.Callback):
             if isinstance(obj, dict) and obj.get("global_step") == step:
                 if hasattr(f, "flush"):
                     f.flush()
-                Path(marker).write_text(str(getattr(f, "name", f)))  # the file being written
+                name = getattr(f, "name", f)
+                if isinstance(name, int):  # written through a descriptor (nanolab.claimed)
+                    name = os.readlink(f"/proc/self/fd/{name}")
+                Path(marker).write_text(str(name))  # the file being written
                 time.sleep(3600)
 
         torch.save = save

@@ -286,3 +286,20 @@ def test_the_last_step_is_always_validated(tmp_path, char_dataset, every, valida
     assert [r["step"] for r in events(run / "metrics.jsonl", "val")] == validated
     (end,) = events(run / "metrics.jsonl", "end")
     assert (end["reason"], end["step"], end.get("detail")) == ("completed", 6, None)
+
+
+def test_a_run_that_reaches_max_steps_is_completed_whatever_its_budget_rules_say(
+    tmp_path, char_dataset
+):
+    # The last step's validation would trip a plateau of patience 1 (no gain of 10): the run
+    # ends there anyway, so it is "completed", not stopped by a rule.
+    run = tmp_path / "run"
+    fit(run, char_dataset, [MetricsLog(), CostBudget(patience=1, min_delta=10.0)], max_steps=5,
+        eval_every=4)  # fmt: skip
+    (end,) = events(run / "metrics.jsonl", "end")
+    assert (end["reason"], end["step"]) == ("completed", 5)
+    run = tmp_path / "short"  # one step before the end, the same rule does stop it
+    fit(run, char_dataset, [MetricsLog(), CostBudget(patience=1, min_delta=10.0)], max_steps=9,
+        eval_every=4)  # fmt: skip
+    (end,) = events(run / "metrics.jsonl", "end")
+    assert (end["reason"], end["step"]) == ("plateau", 8)

@@ -338,3 +338,29 @@ def test_a_missing_or_damaged_ledger_is_one_line_before_a_resume(tmp_path: Path)
     (tmp_path / "rollbacks.json").rmdir()
     write_ledger(tmp_path, [{"restored": 50, "skip_at": 50, "skip_offset": 12}])
     check_ledger(tmp_path)  # complete: fine
+
+
+def test_a_fresh_run_trains_on_its_own_data_order_not_the_old_runs_skips(tmp_path, char_dataset):
+    # `run.fresh: true` in a folder whose run rolled back: the ledger goes to previous/ before
+    # the data order is built, so the fresh run trains exactly as a run in a clean folder.
+    from conftest import nanolab_here
+
+    from nanolab.runlog import read_records
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=4)
+    path = write_config(tmp_path / "c.yaml", cfg)
+    fit = ("fit", "--config", str(QUICKSTART), "--config", str(path))
+    assert nanolab_here(*fit, cwd=tmp_path).returncode == 0
+    write_ledger(tmp_path / "runs" / "tiny", [{"restored": 0, "skip_at": 0, "skip_offset": 12}])
+    assert nanolab_here(*fit, "--run.fresh", "true", cwd=tmp_path).returncode == 0
+    assert nanolab_here(*fit, "--run.name", "clean", cwd=tmp_path).returncode == 0
+
+    def losses(name: str) -> list[float]:
+        return [
+            r["loss"] for r in read_records(tmp_path / "runs" / name / "metrics.jsonl", "train")
+        ]
+
+    assert losses("tiny") == losses("clean")
+    assert read_ledger(tmp_path / "runs" / "tiny") == []
+    (archived,) = (tmp_path / "runs" / "tiny" / "previous").iterdir()
+    assert read_ledger(archived)[0]["skip_offset"] == 12

@@ -292,8 +292,10 @@ class CostBudget(StepCallback):
             plateau["decision"] = "stop"
         payoff = self.payoff(trainer)
         already = stop_reason(trainer)[0]
+        # The run's last step (max_steps) ends it anyway: "completed", never a stop by a rule.
+        finished = 0 < (trainer.max_steps or -1) <= trainer.global_step
         rule = "none"
-        if already is None:
+        if already is None and not finished:
             if payoff["decision"] == "stop":
                 rule = "payoff"
             elif plateau["decision"] == "stop":
