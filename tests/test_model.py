@@ -243,3 +243,23 @@ def test_a_checkpoint_whose_config_is_larger_than_its_weights_is_refused_unbuilt
         inflated = {**ckpt, "nanolab": {"gpt": {**config, key: value}}}
         with pytest.raises(CheckpointError, match="the weights do not fit its model config"):
             model_from_checkpoint(inflated)
+
+
+def test_a_fork_model_that_cannot_be_built_on_meta_still_loads(monkeypatch):
+    # A fork's part that reads a value in __init__ (.item()) fails on the meta device: the
+    # shapes are then compared on the model built for real, as before the meta check.
+    import nanolab.model.checkpoint as checkpoint
+
+    class ReadsAValue(GPT):
+        def __init__(self, config: GPTConfig) -> None:
+            super().__init__(config)
+            self.scale = float(torch.ones(1).item())
+
+    monkeypatch.setattr(checkpoint, "GPT", ReadsAValue)
+    model = GPT(tiny())
+    config = {f.name: getattr(model.config, f.name) for f in dataclasses.fields(model.config)}
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "nanolab": {"gpt": config}}  # fmt: skip
+    rebuilt = checkpoint.model_from_checkpoint(ckpt)
+    assert isinstance(rebuilt, ReadsAValue) and rebuilt.scale == 1.0
+    assert torch.equal(rebuilt.wte.weight, model.wte.weight)

@@ -603,3 +603,11 @@ def test_prepare_again_says_nothing_to_do_and_a_refusal_names_what_differs(tmp_p
     assert main([str(text), "-o", out, "--tokenizer", "bytes", "--val-fraction", "0.2"]) == 2
     err = capsys.readouterr().err
     assert "it differs in --tokenizer chars, asked bytes; --val-fraction 0.1, asked 0.2" in err
+    # BPE learns fewer tokens than asked from a small text: the vocabulary asked is compared,
+    # not the one learned, so only what really differs is named.
+    bpe = str(tmp_path / "bpe")
+    assert main([str(text), "-o", bpe, "--tokenizer", "bpe", "--bpe-vocab-size", "600", "-q"]) == 0
+    capsys.readouterr()
+    again = [str(text), "-o", bpe, "--tokenizer", "bpe", "--bpe-vocab-size", "600"]
+    assert main([*again, "--val-fraction", "0.2", "-q"]) == 2
+    assert "(it differs in --val-fraction 0.1, asked 0.2)" in capsys.readouterr().err

@@ -68,3 +68,11 @@ def test_a_fit_that_cuts_its_validation_set_says_so_once(tmp_path, char_dataset)
     assert len(said) == 1 and "scores 8 of data.val_windows 16 validation windows" in said[0]
     vals = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
     assert [r["step"] for r in vals if r.get("event") == "val"] == [3, 6]
+
+
+def test_a_mixture_counts_the_windows_of_every_dataset():
+    # 2 datasets x 128 windows, 4 batches of 32: the second dataset is never scored.
+    text = partial_validation_warning(4, 128, 32, 1, datasets=2)
+    assert text is not None and "scores 128 of data.val_windows 128 x 2 datasets" in text
+    assert "set data.val_windows 64 and" in text
+    assert partial_validation_warning(8, 128, 32, 1, datasets=2) is None

@@ -241,7 +241,7 @@ def prepare_dataset(
         if out_dir.exists() and any(out_dir.iterdir()) and not force:
             what = "other files"
             if existing:
-                differs = dataset_differences(existing, settings, bpe_vocab_size, resolved.files)
+                differs = dataset_differences(existing, settings, resolved.files)
                 what = "a dataset of other sources or settings (" + (
                     f"it differs in {'; '.join(differs)})" if differs
                     else "or its files changed since: sizes or times)"
@@ -276,21 +276,27 @@ def prepare_dataset(
 
 
 def dataset_differences(
-    existing: dict[str, Any], settings: dict[str, Any], bpe_vocab_size: int, files: list[Any]
+    existing: dict[str, Any], settings: dict[str, Any], files: list[Any]
 ) -> list[str]:
-    """Which of the asked settings a prepared dataset's ``meta.json`` shows otherwise, in
-    words (``tokenizer chars, asked bpe``), for the refusal to name them."""
+    """Which of the asked settings a prepared dataset was made with otherwise, in words
+    (``--val-fraction 0.1, asked 0.2``), for the refusal to name them. ``meta.json`` keeps the
+    settings asked (``settings``); a dataset prepared before it did is compared on what its
+    meta shows (split, text field), never on the vocabulary BPE learned, which may be smaller
+    than the one asked."""
+    had = existing.get("settings")
+    if not isinstance(had, dict):
+        had = {"val_fraction": existing.get("val_fraction"), "seed": existing.get("split_seed"),
+               "text_field": existing.get("text_field")}  # fmt: skip
     out = []
-    had = (existing.get("tokenizer") or {}).get("name")
-    asked = settings["tokenizer"] if isinstance(settings["tokenizer"], str) else "a tokenizer file"
-    if had is not None and had != asked and not str(asked).endswith(".json"):
-        out.append(f"--tokenizer {had}, asked {asked}")
-    elif had == "bpe" == asked and existing.get("vocab_size") != bpe_vocab_size:
-        out.append(f"--bpe-vocab-size {existing.get('vocab_size')}, asked {bpe_vocab_size}")
-    for key, meta_key in (("val_fraction", "val_fraction"), ("seed", "split_seed"),
-                          ("text_field", "text_field")):  # fmt: skip
-        if meta_key in existing and existing[meta_key] != settings[key]:
-            out.append(f"--{key.replace('_', '-')} {existing[meta_key]}, asked {settings[key]}")
+    for key, value in settings.items():
+        if key == "format" or key not in had or had[key] == value:
+            continue
+        if key == "tokenizer" and not (isinstance(value, str) and isinstance(had[key], str)):
+            continue  # None on one side: a dataset of an older format
+        if key == "tokenizer" and max(len(value), len(had[key])) == 64:  # a file's sha256
+            out.append("--tokenizer (another tokenizer file)")
+            continue
+        out.append(f"--{key.replace('_', '-')} {had[key]}, asked {value}")
     if isinstance(existing.get("files"), int) and existing["files"] != len(files):
         out.append(f"{existing['files']} input files, now {len(files)}")
     return out
@@ -307,11 +313,12 @@ def _finish_interrupted_swap(out_dir: Path) -> None:
     """A replacement moves the old dataset to ``.<name>.old-PID`` and the new one in. Killed
     between the two, the old one is the only copy: put it back (the run that was replacing it
     starts again from the rules, ``--force`` included). Once ``out_dir`` is there, a leftover
-    old copy is what was replaced, and goes. Called with the folder's lock held."""
+    old copy is what was replaced, and goes; a replaced copy is renamed ``.dead-`` before it is
+    deleted, so one whose deletion was killed is never put back. Called with the lock held."""
     olds = _leftovers(out_dir, "old")
     if olds and not out_dir.exists():
         os.replace(olds.pop(0), out_dir)
-    for stale in olds:
+    for stale in olds + _leftovers(out_dir, "dead"):
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -520,7 +527,9 @@ class _Job:
                 old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
                 os.replace(out_dir, old)
                 os.replace(tmp, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
+                dead = old.with_name(f".{out_dir.name}.dead-{os.getpid()}")
+                os.replace(old, dead)  # a delete killed half-way is never put back
+                shutil.rmtree(dead, ignore_errors=True)
             else:
                 os.replace(tmp, out_dir)
         except OSError as err:
@@ -595,6 +604,7 @@ class _Job:
             "val_fraction": self.settings["val_fraction"],
             "split_seed": self.settings["seed"],
             "text_field": self.settings["text_field"],
+            "settings": self.settings,  # as asked: what a refusal compares with
             "skipped": {"count": self.bad_count, "examples": self.bad_examples},
             "skipped_files": self.skipped_notes,
         }

@@ -84,16 +84,22 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
             f"tensors, e.g. {bad[0]}): the run diverged before this save; pass an earlier "
             "checkpoint from its checkpoints/ folder"
         )
+    model = None
     try:
         config = GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False})
-        with torch.device("meta"):  # the shapes first, allocating nothing: a config that says
-            skeleton = GPT(config)  # n_embd 131072 over small weights is refused, not built
+        try:
+            with torch.device("meta"):  # the shapes first, allocating nothing: a config of
+                skeleton = GPT(config)  # n_embd 131072 over small weights is refused, not built
+        except (TypeError, ValueError):
+            raise
+        except Exception:  # a fork's part that cannot be built on meta (.item() in __init__)
+            skeleton = model = GPT(config)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{source}: its model config is not valid ({err})") from None
     mismatch = state_mismatch(skeleton.state_dict(), state)
     if mismatch:
         raise CheckpointError(f"{source}: the weights do not fit its model config ({mismatch})")
-    model = GPT(config)
+    model = model or GPT(config)
     model.load_state_dict(state)
     return model.eval()
 

@@ -25,32 +25,71 @@ The package, one module a job: :mod:`~nanolab.report.groups` (seed groups and th
 :mod:`~nanolab.report.forecasts` (``--forecast``) and :mod:`~nanolab.report.cli` (the verb).
 """
 
-from nanolab.report.cli import main
-from nanolab.report.forecasts import forecast_inputs, forecasts
+from nanolab.report.cli import SORT_FIELDS, build_parser, main, update_index
+from nanolab.report.forecasts import (
+    finished_text,
+    forecast_inputs,
+    forecasts,
+    format_forecasts,
+)
 from nanolab.report.groups import (
     Comparison,
     ReportError,
     SeedGroup,
+    common_tokens,
     compare_groups,
+    config_summaries,
+    flatten,
+    group_labels,
     seed_groups,
+    values_at,
 )
-from nanolab.report.plot import default_plot_selection, plot_runs
-from nanolab.report.text import format_table, validated_table
+from nanolab.report.plot import (
+    BAND_TITLE,
+    check_plot_path,
+    data_key,
+    default_plot_selection,
+    plot_runs,
+)
+from nanolab.report.text import (
+    compare_runs,
+    downstream_table,
+    format_table,
+    task_names,
+    validated_table,
+)
 from nanolab.runs import discover_runs, summarize_run
 
+#: Every public name the single-module ``nanolab/report.py`` had, still importable from here.
 __all__ = [
+    "BAND_TITLE",
+    "SORT_FIELDS",
     "Comparison",
     "ReportError",
     "SeedGroup",
+    "build_parser",
+    "check_plot_path",
+    "common_tokens",
     "compare_groups",
+    "compare_runs",
+    "config_summaries",
+    "data_key",
     "default_plot_selection",
     "discover_runs",
+    "downstream_table",
+    "finished_text",
+    "flatten",
     "forecast_inputs",
     "forecasts",
+    "format_forecasts",
     "format_table",
+    "group_labels",
     "main",
     "plot_runs",
     "seed_groups",
     "summarize_run",
+    "task_names",
+    "update_index",
     "validated_table",
+    "values_at",
 ]

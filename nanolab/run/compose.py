@@ -89,6 +89,7 @@ def launch(cli: NanolabCLI) -> Trainer:
         cfg.data.init_args.get("val_windows"),
         int(resolved.micro_batch_size or 1),
         resolved.world_size,
+        len(getattr(data, "mixture", None) or [None]),  # a mixture: windows per dataset
     )
     if partial:
         rank_zero_warn(partial)

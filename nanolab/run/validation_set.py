@@ -15,21 +15,27 @@ from typing import Any
 
 
 def partial_validation_warning(
-    limit_val_batches: Any, val_windows: Any, micro_batch_size: int, world_size: int
+    limit_val_batches: Any,
+    val_windows: Any,
+    micro_batch_size: int,
+    world_size: int,
+    datasets: int = 1,
 ) -> str | None:
     """The warning for a batch-count limit that scores fewer windows than ``val_windows``
-    (``None`` when every window is scored, or when either setting is not a count)."""
+    (``val_windows`` of each of a mixture's ``datasets``; ``None`` when every window is scored,
+    or when either setting is not a count)."""
     if isinstance(limit_val_batches, bool) or not isinstance(limit_val_batches, int):
         return None  # unset, or a fraction: the same share of the windows at any micro-batch
     if isinstance(val_windows, bool) or not isinstance(val_windows, int) or limit_val_batches < 1:
         return None  # a data module without fixed windows, or validation off
-    scored = limit_val_batches * micro_batch_size * world_size
-    if scored >= val_windows:
+    scored, total = limit_val_batches * micro_batch_size * world_size, val_windows * datasets
+    if scored >= total:
         return None
+    each = f" x {datasets} datasets" if datasets > 1 else ""
     return (
         f"trainer.limit_val_batches {limit_val_batches} scores {scored} of data.val_windows "
-        f"{val_windows} validation windows at micro-batch {micro_batch_size} x {world_size} "
-        "device(s): another micro-batch or device count scores other windows, so their val "
-        f"losses are not comparable with this run's; for one fixed set, set data.val_windows "
-        f"{scored} and trainer.limit_val_batches null"
+        f"{val_windows}{each} validation windows at micro-batch {micro_batch_size} x "
+        f"{world_size} device(s): another micro-batch or device count scores other windows, "
+        "so their val losses are not comparable with this run's; for one fixed set, set "
+        f"data.val_windows {max(1, scored // datasets)} and trainer.limit_val_batches null"
     )
