@@ -583,6 +583,10 @@ CASES: list[Case] = [
          "--ckpt_path", "{runs}/base/checkpoints/last.ckpt"),
         0, "", setup=_finished_runs,
     ),
+    Case(  # a resume reads <run_dir>/checkpoints only: elsewhere a restart rotated them away
+        "fit-checkpoint-dirpath-elsewhere", (*FIT, "--checkpoint.dirpath", "{work}/ck"),
+        EXIT_USAGE, "checkpoint.dirpath",
+    ),
     # -- config values (item 8) --
     Case("fit-max_steps-negative", (*FIT, "--trainer.max_steps=-5"), EXIT_USAGE, "trainer.max_steps"),
     Case("fit-max_steps-zero", (*FIT, "--trainer.max_steps=0"), EXIT_USAGE, "trainer.max_steps"),

@@ -258,6 +258,8 @@ def test_stale_tmp_files_are_cleaned_and_never_mistaken_for_checkpoints(tmp_path
         ({"every_n_minutes": -1.0}, "checkpoint.every_n_minutes"),
         ({"keep_last": -1}, "checkpoint.keep_last"),
         ({"max_disk_gb": 0}, "checkpoint.max_disk_gb"),
+        # another folder: a restart would not find them and would rotate them away
+        ({"dirpath": "/elsewhere"}, "checkpoint.dirpath /elsewhere: checkpoints live in"),
     ],
 )
 def test_bad_checkpoint_settings(kwargs, message):

@@ -86,7 +86,10 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
     that step (a budget stop defers it to after the final evaluation).
 
     Args:
-        dirpath: Folder for the checkpoints; ``null`` = ``<run_dir>/checkpoints``.
+        dirpath: Must stay ``null``: checkpoints live in ``<run_dir>/checkpoints``, the one
+            folder the resume, the run lock, the rollback and the rotation read. To keep them on
+            another disk, set ``run.root`` there or make ``<run_dir>/checkpoints`` a link to a
+            folder on it (kept for configs that spell out ``dirpath: null``).
         every_n_steps: Save every N optimizer steps (``null``: not by steps).
         every_n_minutes: Save when this many minutes of wall time passed since the last save
             (``null``: not by time). On preemptible machines this bounds the work a preemption
@@ -120,6 +123,13 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         async_save: bool = False,
     ) -> None:
         super().__init__()
+        if dirpath is not None:  # another folder: resume would not find its checkpoints
+            raise CallbackConfigError(
+                f"checkpoint.dirpath {dirpath}: checkpoints live in <run_dir>/checkpoints, where "
+                "a resume finds them (elsewhere a restart begins at step 0 and rotates them "
+                "away); drop the setting, and to keep them on another disk set run.root there "
+                "or make <run_dir>/checkpoints a link to a folder on it"
+            )
         if every_n_steps is not None and every_n_steps < 1:
             raise CallbackConfigError(
                 f"checkpoint.every_n_steps must be >= 1 or null (no step-based saves), got {every_n_steps}"
@@ -135,7 +145,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             raise CallbackConfigError(
                 f"checkpoint.max_disk_gb must be > 0 or null (no cap), got {max_disk_gb}"
             )
-        self.dirpath = Path(dirpath) if dirpath else None
+        self.dirpath: Path | None = None  # <run_dir>/checkpoints, set at setup
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes
         self.keep_last = keep_last
