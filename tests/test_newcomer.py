@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 
 import pytest
+from test_report_stats import T_975_DF2, write_run
 
 from nanolab import report
-from tests.test_report_stats import T_975_DF2, write_run
 
 BENCHES = Path(__file__).resolve().parents[1] / "benches"
 
@@ -309,7 +309,7 @@ def test_the_records_example_keeps_each_record_a_document(tmp_path: Path) -> Non
 def test_forecast_of_a_finished_run_says_finished_and_how_well_it_fitted(tmp_path, capsys) -> None:
     """A run whose last validation is at max_steps: no forecast of the point it reached, but its
     final val loss and the fit's rmse; the same run half way is still forecast."""
-    from tests.test_forecast import _write_scheduled_run
+    from test_forecast import _write_scheduled_run
 
     _write_scheduled_run(tmp_path, "done", last=400)
     _write_scheduled_run(tmp_path, "half", last=200)
