@@ -278,3 +278,46 @@ def test_a_run_from_another_runs_checkpoint_counts_its_own_hours_not_the_parents
     assert again.returncode == 0, again.stderr[-2000:]
     ends = read_records(parent / "metrics.jsonl", "end")
     assert ends[-1]["elapsed_s"] > 10_000 and ends[-1]["gpu_hours"] > 10_000 / 3600
+
+
+def test_the_command_that_started_a_fine_tune_continues_it_after_a_preemption(
+    tmp_path, char_dataset
+):
+    """``fit --run.name child --run.resume PARENT.ckpt`` run again (the retry loop, a requeue,
+    the queue) continues the child from its own newest checkpoint; before its first save it
+    starts from the parent's checkpoint again as the same run. It was refused as a second run
+    in the directory ("would mix two runs"), so a preempted fine-tune could not go on. A third
+    run's checkpoint into the child is still refused."""
+    cfg = write_config(tmp_path / "c.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    assert nanolab_here("fit", "--config", str(cfg), cwd=tmp_path).returncode == 0
+    parent = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    child = tmp_path / "runs" / "child"
+
+    def fork(steps: int, origin: Path = parent) -> subprocess.CompletedProcess:
+        return nanolab_here("fit", "--config", str(cfg), "--run.name", "child", "--run.resume",
+                            str(origin), "--trainer.max_steps", str(steps), cwd=tmp_path)  # fmt: skip
+
+    first = fork(8)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = fork(10)  # the same command, a longer plan: on from the child's step 8
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "holds the run that started from" in again.stderr
+    starts = read_records(child / "metrics.jsonl", "start")
+    assert [s["resumed_from_step"] for s in starts] == [6, 8]
+    assert starts[1]["run_id"] == starts[0]["run_id"]
+    assert Path(starts[1]["resumed_from"]).parent == child / "checkpoints"
+
+    for path in (child / "checkpoints").iterdir():  # killed before the child's first save
+        path.unlink()
+    restart = fork(10)
+    assert restart.returncode == 0, restart.stderr[-2000:]
+    starts = read_records(child / "metrics.jsonl", "start")
+    assert starts[-1]["resumed_from_step"] == 6 and starts[-1]["run_id"] == starts[0]["run_id"]
+
+    other = tmp_path / "runs" / "other"
+    assert (
+        nanolab_here("fit", "--config", str(cfg), "--run.name", "other", cwd=tmp_path).returncode
+        == 0
+    )
+    mixed = fork(12, other / "checkpoints" / "last.ckpt")
+    assert mixed.returncode == 2 and "would mix two runs" in mixed.stderr

@@ -27,7 +27,7 @@ from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.skips import LEDGER
-from nanolab.runlog import RUN_LOG_NAME, dumps, last_record
+from nanolab.runlog import RUN_LOG_NAME, dumps, iter_numbered, last_record
 
 #: What else in a run directory belongs to the run that wrote it, so a fresh run moves it to
 #: ``previous/`` with the log and the checkpoints: the rollback ledger (the data order and
@@ -169,6 +169,10 @@ def claim_run_dir(
             run_dir, Path(checkpoint), old_id, checkpoint_run_id, checkpoint_run_dir
         ):
             claim = RunClaim(run_id=None)
+        elif holds_run and not checkpoints and continues_fork(run_dir, checkpoint, log_name):
+            # The run started from this checkpoint and stopped before its own first save: it
+            # starts from it again, as the same run.
+            claim = RunClaim(run_id=old_id or new_run_id(), forked_from=str(checkpoint))
         elif holds_run:
             what = f"run {old_id}" if old_id else "another run's files"
             theirs = f"run {checkpoint_run_id}" if checkpoint_run_id else "another run"
@@ -212,6 +216,34 @@ def claim_run_dir(
         f"run directory {run_dir} already holds {what}{detail}; choose another run.name, or set "
         f"run.fresh: true to move it to {run_dir / 'previous'} and start over"
     )
+
+
+def fork_origin(run_dir: Path, log_name: str = RUN_LOG_NAME) -> str | None:
+    """The checkpoint the run in ``run_dir`` started from (its first ``start`` record's
+    ``resumed_from``), or None for a run that started from nothing (or a log that names none).
+    The first start record is near the top of the log: only the lines up to it are parsed."""
+    for _, record in iter_numbered(run_dir / log_name, containing='"start"'):
+        if record.get("event") == "start":
+            origin = record.get("resumed_from")
+            return str(origin) if origin else None
+    return None
+
+
+def continues_fork(
+    run_dir: Path, checkpoint: str | os.PathLike[str], log_name: str = RUN_LOG_NAME
+) -> bool:
+    """Whether the run in ``run_dir`` is the one that started from ``checkpoint`` (the same
+    file, however it is spelled): the command that made it, run again after a preemption,
+    continues it instead of being refused as a second run in its directory."""
+    origin = fork_origin(run_dir, log_name)
+    if origin is None:
+        return False
+    if os.path.realpath(origin) == os.path.realpath(checkpoint):
+        return True
+    try:
+        return os.path.samefile(origin, checkpoint)
+    except OSError:
+        return False
 
 
 def owner_of_log(log_path: Path) -> str | None:

@@ -405,6 +405,8 @@ def claim_for_fit(
             "rerun the same command"
         )
     requested, flag = requested_checkpoint(str(run.resume), ckpt_path)
+    if requested not in (None, "auto") and not run.fresh:
+        requested = continue_own_fork(run_dir, requested)
     if requested == "auto" and not run.fresh and global_rank_from_env() == 0:
         complete_rollback(run_dir)  # a rollback stopped half-way finishes before the choice
     if not run.fresh:
@@ -437,6 +439,26 @@ def claim_for_fit(
         checkpoint_run_id=cand.run_id if cand is not None else None,
     )
     return cand
+
+
+def continue_own_fork(run_dir: Path, requested: str) -> str:
+    """``auto`` when the run directory holds the run that started from ``requested`` and has
+    checkpoints of its own: the command that started a fine-tune, run again after a preemption
+    (the documented retry loop, a requeue, the queue), continues it from its newest checkpoint
+    instead of being refused as a second run, or starting over."""
+    from nanolab.callbacks.rundir import checkpoint_files, continues_fork
+    from nanolab.callbacks.runlock import global_rank_from_env
+
+    if not checkpoint_files(run_dir) or not continues_fork(run_dir, requested):
+        return requested
+    if global_rank_from_env() == 0:
+        print(
+            f"nanolab fit: {run_dir} holds the run that started from {requested}: it continues "
+            "from its own newest checkpoint (run.fresh: true starts it over)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return "auto"
 
 
 def keep_checkpoint_settings(cfg: Any, path: Any) -> None:
