@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import tiny_overrides, write_config
 
 from nanolab.queue.cli import main, parse_until
@@ -90,6 +91,11 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--set", "lr"], "expected KEY=VALUE"),
         (["--seeds", "1,x"], "--seeds '1,x': expected integers"),
         (["--name", "a/b"], "give a plain folder name"),
+        # a restart of the job (preemption, runner stopped) would start it over
+        (["--set", "run.fresh=true"], "run.fresh: true: each restart of a queued job"),
+        (["--set", "run.resume=never"], "--set run.resume: set by the queue"),
+        # --run.name=null is no name: the job would train in a folder the queue does not follow
+        (["--name", "NULL"], "--name 'NULL': a run name the command line reads as null"),
     ],
 )  # fmt: skip
 def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, args, message) -> None:
@@ -100,6 +106,29 @@ def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, arg
     assert err.startswith("nanolab queue add: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
     assert QueueDB(db).jobs() == []
+
+
+def test_a_config_that_starts_from_a_checkpoint_is_queued_as_ckpt_path(
+    tmp_path, tiny, capsys, monkeypatch
+) -> None:
+    """``run.resume: PATH`` in a queued config started the job from scratch: the runner sets
+    ``run.resume auto`` on every attempt. The path goes on as ``--ckpt_path`` (which fit keeps
+    with ``run.resume auto``, and continues after a preemption); ``run.resume: never`` in the
+    file is refused, as ``--set run.resume`` is."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    start = tmp_path / "parent.ckpt"
+    cfg = yaml.safe_load(tiny.read_text())
+    cfg["run"]["resume"] = "parent.ckpt"
+    write_config(tmp_path / "ft.yaml", cfg)
+    code, _, err = queue(capsys, db, "add", str(tmp_path / "ft.yaml"), "--name", "ft")
+    assert code == 0, err
+    (job,) = QueueDB(db).jobs()
+    assert job.args == [f"--ckpt_path={start}"]
+    cfg["run"]["resume"] = "never"
+    write_config(tmp_path / "nv.yaml", cfg)
+    code, _, err = queue(capsys, db, "add", str(tmp_path / "nv.yaml"), "--name", "nv")
+    assert code == 2 and "run.resume: never: a queued job resumes from its own" in err
 
 
 def test_missing_config_and_db_folder(tmp_path: Path, capsys) -> None:
@@ -254,8 +283,15 @@ def test_outcome_from_exit_code_and_end_record(tmp_path: Path) -> None:
     assert outcome(job, 0, t) == ("stopped", "budget")
     assert outcome(job, 0, t + 100) == ("done", None)  # an end record of an earlier attempt
     assert outcome(job, 75, t)[0] == "preempted"
-    assert outcome(job, -9, t) == ("failed", "killed by SIGKILL (out of memory?)")
-    assert outcome(job, -15, t, stopping=True)[0] == "preempted"
+    later = t + 100  # an attempt that wrote no end record: the signal decides
+    assert outcome(job, -9, later) == ("failed", "killed by SIGKILL (out of memory?)")
+    assert outcome(job, -15, later, stopping=True)[0] == "preempted"
+    # A signal in the teardown, after the end record (which follows the final checkpoint): the
+    # run finished; resuming it again would redo nothing, or start over with run.fresh.
+    assert outcome(job, -15, t, stopping=True) == ("stopped", "budget")
+    assert outcome(job, -9, t) == ("stopped", "budget")
+    log.write_text(json.dumps({"event": "end", "time": t, "step": 5, "reason": "completed"}) + "\n")
+    assert outcome(job, -15, t, stopping=True) == ("done", None)
     with log.open("a") as f:
         f.write(json.dumps({"event": "end", "time": t + 1, "step": 5, "reason": "error",
                             "error": "Traceback...\nValueError: boom"}) + "\n")  # fmt: skip

@@ -94,6 +94,16 @@ def job_names(
         parts = [config.stem] + [f"{k.rsplit('.', 1)[-1]}{v}" for k, v in sets]
         base = "-".join(parts)
     base = _NAME_OK.sub("_", base).strip("_") or "job"
+    if base.lower() == "null":  # --run.name=null is no name: the run would go elsewhere
+        given = (
+            f"--name {name!r}"
+            if name is not None
+            else f"the job name {base!r} (from {config.name})"
+        )
+        raise JobConfigError(
+            f"{given}: a run name the command line reads as null (no name, so a timestamped "
+            "run directory the queue does not follow); give another --name"
+        )
     return [f"{base}-s{s}" for s in seeds] if seeds else [base]
 
 
@@ -158,6 +168,7 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
             "of steps (the training stream never ends on its own)"
         )
     _check_data(resolved.data_args, cwd)
+    _check_resume(cfg)
     micro = resolved.micro_batch_size
     if micro is None:  # run.micro_batch_size auto: the data's value until the job plans it
         micro = int(resolved.data_args.get("micro_batch_size") or 1)
@@ -169,6 +180,42 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
         devices=resolved.devices_per_node,
         tokens_per_step=int(resolved.tokens_per_step or 0),
     )
+
+
+def _check_resume(cfg: dict[str, Any]) -> None:
+    """The queue resumes every job from its own run directory after a preemption or a runner
+    restart; settings that would make a restart begin again are refused here, not found out at
+    the second attempt."""
+    run = cfg.get("run") or {}
+    if run.get("fresh"):
+        raise JobConfigError(
+            "run.fresh: true: each restart of a queued job (a preemption, the runner stopped) "
+            "would move the run aside and train it again from step 0; drop it, and give a new "
+            "--name for a new run"
+        )
+    if str(run.get("resume") or "auto") == "never":
+        raise JobConfigError(
+            "run.resume: never: a queued job resumes from its own checkpoints after a "
+            "preemption (a restart from step 0 would be refused in a folder that holds them); "
+            "drop it, and give a new --name for a new run"
+        )
+
+
+def start_checkpoint(cfg: dict[str, Any], cwd: Path) -> list[str]:
+    """``--ckpt_path=PATH`` for a job whose config starts it from a checkpoint
+    (``run.resume: PATH``): the runner sets ``run.resume auto`` on every attempt, so the path
+    goes on as ``--ckpt_path``, the first attempt starts from it and later ones continue the run
+    it started (``nanolab fit``'s rule for a fine-tune's own command)."""
+    resume = str((cfg.get("run") or {}).get("resume") or "auto")
+    if resume in ("auto", "never"):
+        return []
+    path = _under(cwd, resume)
+    given = cfg.get("ckpt_path")
+    if given is not None and _under(cwd, str(given)) != path:
+        raise JobConfigError(
+            f"ckpt_path {given} and run.resume {resume} name different checkpoints; give one"
+        )
+    return [f"--ckpt_path={path}"]
 
 
 def _check_data(data: dict[str, Any], cwd: Path) -> None:
@@ -322,6 +369,7 @@ def build_jobs(
             first = parsed
             seconds, source = estimate(parsed) if estimate else (None, None)
             peak, mem_source = memory(parsed) if memory else (None, None)
+        args += start_checkpoint(parsed.config, cwd)
         run_dir = _under(cwd, parsed.run_root) / job_name
         note = existing_run(run_dir, job_name, parsed.config, continue_runs)
         if note is not None and notes is not None:

@@ -681,9 +681,12 @@ def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[
         where=lambda r: r.get("event") == "end" and float(r.get("time") or 0) >= since - 1.0,
     )
     reason = (end or {}).get("reason")
-    if code == 0 and reason in (None, "completed"):
+    # The end record comes after the final checkpoint: a run that wrote one finished, even if
+    # a signal (the runner stopping) reached it during its teardown.
+    finished = code == 0 or (code < 0 and reason is not None)
+    if finished and reason in (None, "completed"):
         return "done", None
-    if code == 0 and reason in ("budget", "plateau"):
+    if finished and reason in ("budget", "plateau"):
         return "stopped", str(reason)
     if code == EXIT_PREEMPTED or reason == "preempted":
         step = (end or {}).get("step")
