@@ -467,7 +467,7 @@ def _tool_rows() -> list[Case]:
         Case("generate-ckpt-other-shape", (*gen, "{work}/shape3.ckpt", "--max-new-tokens", "5"),
              0, "", setup=_bad_checkpoints),  # its own config says 3 layers: it loads
         # queue --db that is not a queue database: refused before anything is written to it
-        Case("queue-db-yaml-file", add, EXIT_USAGE, "queue.db is damaged or not SQLite",
+        Case("queue-db-yaml-file", add, EXIT_USAGE, "queue.db is not a queue database (not SQLite",
              setup=_db_with(lambda ws: b"trainer:\n  max_steps: 100\n")),
         Case("queue-db-garbage-bytes", add, EXIT_USAGE, untouched,
              setup=_db_with(lambda ws: bytes(range(256)) * 64)),

@@ -274,6 +274,12 @@ class QueueDB:
                 upgrade_schema(self.conn)
         except sqlite3.DatabaseError as err:
             self.conn.close()
+            if not _starts_like_sqlite(self.path):  # a config or a log given as --db: not ours
+                raise QueueError(
+                    f"--db {self.path} is not a queue database (not SQLite: a config file or "
+                    "other text?); it was left untouched; pass --db with the queue's file "
+                    "(nanolab_queue.db by default), or a new path for a new queue"
+                ) from None
             raise QueueError(unusable_db(self.path, f"is damaged or not SQLite ({err})")) from None
         except BaseException:
             self.conn.close()
@@ -469,6 +475,15 @@ class QueueDB:
             "SELECT value FROM events WHERE kind = ? AND value IS NOT NULL ORDER BY id", (kind,)
         ).fetchall()
         return [float(r["value"]) for r in rows]
+
+
+def _starts_like_sqlite(path: Path) -> bool:
+    """Whether the file begins with SQLite's header (a damaged queue does; a YAML file does not)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return True  # unreadable: say what SQLite said
 
 
 def unusable_db(path: Path, why: str) -> str:
