@@ -156,6 +156,23 @@ def test_generate_with_a_tiny_top_p_is_greedy_and_top_p_one_changes_nothing():
     assert not torch.equal(draw(top_p=0.3), draw())
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(1e-40, None), (1e-300, None), (1.0, 1e-300), (1.0, 5e-324)]
+)
+def test_an_extreme_temperature_or_top_p_samples_greedily_instead_of_failing(temperature, top_p):
+    """A temperature so small that the scaled logits overflow, and a top_p that is 0 in
+    float32, both passed the argument checks and ended in multinomial's "probability tensor
+    contains either inf, nan" traceback. In the limit they are greedy decoding."""
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=70)).eval()
+    idx = torch.randint(0, 70, (2, 5))
+    greedy = model.generate(idx, 8, temperature=0)
+    sampled = model.generate(
+        idx, 8, temperature, None, torch.Generator().manual_seed(1), top_p=top_p
+    )
+    assert torch.equal(sampled, greedy)
+
+
 #: Every shipped variant of each part, so the cache is checked against each of them.
 VARIANTS = [
     {},

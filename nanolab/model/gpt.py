@@ -750,10 +750,13 @@ class GPT(nn.Module):
                 logits, _ = self(fill, cache=cache)
             assert logits is not None
             logits = logits[:, -1, :vocab].float()
-            if temperature == 0:
+            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or 0 once in float32: greedy
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                probs = sampling_probs(logits / temperature, top_k, top_p)
+                # Shifted so the largest is 0 first: a tiny temperature sends the others to
+                # -inf (greedy in the limit), never the largest to inf (NaN probabilities).
+                shifted = logits - logits.amax(dim=-1, keepdim=True)
+                probs = sampling_probs(shifted / temperature, top_k, top_p)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             context = torch.cat((context, next_id), dim=1)[:, -block:]
             yield next_id
@@ -772,7 +775,9 @@ def sampling_probs(
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the likelier ones
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        cut = before >= top_p
+        cut[..., 0] = False  # the likeliest token stays, whatever top_p rounds to in float32
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
