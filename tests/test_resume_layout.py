@@ -89,3 +89,41 @@ def test_a_changed_learning_rate_on_resume_is_said_and_the_checkpoints_kept(
     assert saved["model"]["optimizer"]["lr"] == 0.003
     starts = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "start"))
     assert starts[-1]["config"]["model"]["optimizer"]["lr"] == 0.003
+
+
+def test_a_changed_seed_on_resume_is_said_and_the_run_goes_on_in_its_own_order(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """``--data.seed`` and ``--seed_everything`` changed on a resume: the rest of the epoch was
+    drawn from another window order (windows twice, others never) with no word, and the run's
+    files took the new seed (report grouped it with that seed's runs). The resume keeps the
+    checkpoint's seeds, says so, and trains the steps an uninterrupted run trains."""
+    import yaml
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    from nanolab.runlog import read_records
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    fit = ["fit", "--config", str(cfg), "--trainer.max_steps", "8"]
+    straight = nanolab_here(*fit, "--run.name", "straight", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    first = nanolab_here(*fit[:-1], "4", "--run.name", "split", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = nanolab_here(*fit, "--run.name", "split", "--data.seed", "7", "--seed_everything", "99",
+                         cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    warned = [line for line in again.stderr.splitlines() if "resuming keeps" in line]
+    assert len(warned) == 1 and "data.seed 1337 (not 7)" in warned[0], again.stderr[-2000:]
+    assert "seed_everything" in warned[0] and "(not 99)" in warned[0]
+
+    def losses(name: str) -> dict[int, float]:
+        log = tmp_path / "runs" / name / "metrics.jsonl"
+        return {r["step"]: r["loss"] for r in read_records(log, "train") if r["step"] > 4}
+
+    assert losses("split") == losses("straight")
+    run = tmp_path / "runs" / "split"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    before = read_records(run / "metrics.jsonl", "start")[0]["config"]
+    data = saved["data"].get("init_args", saved["data"])
+    assert data["seed"] == 1337
+    assert saved["seed_everything"] == before["seed_everything"] != 99

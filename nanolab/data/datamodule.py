@@ -423,7 +423,7 @@ class TokenDataModule(L.LightningDataModule):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data_fingerprint": self.data_fingerprint(), "align": self.align}
+        return {"data_fingerprint": self.data_fingerprint(), "align": self.align, "seed": self.seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         trainer = self.trainer
@@ -437,6 +437,8 @@ class TokenDataModule(L.LightningDataModule):
                 f"resuming would not continue its window order; set data.align: {saved} to "
                 "resume it, or start a new run (--run.name)"
             )
+        if isinstance(state_dict.get("seed"), int):  # the order the run trained in goes on
+            self.seed = state_dict["seed"]
 
     def refuse_changed_data(self, saved: dict[str, Any] | None, ckpt: Any = None) -> None:
         """Raise :class:`DataChangedError` if ``saved`` is not this data's fingerprint (unless

@@ -161,7 +161,7 @@ def launch(cli: NanolabCLI) -> Trainer:
                 if isinstance(callback, RunConfigWriter):
                     callback.keep_existing()  # its config.yaml stays what it trained with
         if cand is not None:
-            keep_checkpoint_settings(cfg, cand.path)
+            keep_checkpoint_settings(cfg, cand.path, data)
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
     target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"))
@@ -461,11 +461,14 @@ def continue_own_fork(run_dir: Path, requested: str) -> str:
     return "auto"
 
 
-def keep_checkpoint_settings(cfg: Any, path: Any) -> None:
+def keep_checkpoint_settings(cfg: Any, path: Any, data: Any = None) -> None:
     """A resume restores the optimizer and LR schedule state, so ``model.optimizer`` and
     ``model.schedule`` values changed since cannot take effect: say so in one line and write
     the checkpoint's values into the config (config.yaml, the start record) before anything is
-    written, so the run's files name what it trains with."""
+    written, so the run's files name what it trains with. The same for the run's seeds: the
+    RNG streams come back from the checkpoint (``seed_everything`` changes nothing but the
+    run's label), and another ``data.seed`` would draw the rest of the epoch from another
+    window order (windows seen twice, others never), so the checkpoint's are kept."""
     import torch
 
     from nanolab.callbacks.runlock import global_rank_from_env
@@ -473,7 +476,8 @@ def keep_checkpoint_settings(cfg: Any, path: Any) -> None:
     if Path(str(path)).is_dir():
         return  # a sharded folder: its metadata is not a cheap read; the module still follows
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("nanolab")
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved = state.get("nanolab")
     except Exception:  # the resume itself reports a bad file
         return
     model_args = cfg.model.init_args
@@ -490,14 +494,40 @@ def keep_checkpoint_settings(cfg: Any, path: Any) -> None:
             if not same:
                 kept.append(f"model.{part}.{key} {value} (not {current})")
                 now[key] = value
+    seed = (saved or {}).get("seed_everything")
+    if isinstance(seed, int) and cfg.get("seed_everything") not in (seed, False, None):
+        kept.append(f"seed_everything {seed} (not {cfg.seed_everything})")
+        cfg.seed_everything = seed
+    data_seed = _saved_data_seed(state)
+    data_args = cfg.data.get("init_args") if cfg.get("data") else None
+    if (
+        data_seed is not None
+        and data_args is not None
+        and data_args.get("seed") not in (None, data_seed)
+    ):
+        kept.append(f"data.seed {data_seed} (not {data_args.seed})")
+        data_args.seed = data_seed
+        if data is not None and hasattr(data, "seed"):
+            data.seed = data_seed
     if kept and global_rank_from_env() == 0:
         print(
             f"nanolab: warning: resuming keeps the checkpoint's {', '.join(kept)}: the optimizer "
-            "and schedule state are restored with it, and config.yaml says so; to train with the "
-            "new values, start a new run (another --run.name)",
+            "and schedule state, the RNG streams and the data order are restored with it, and "
+            "config.yaml says so; to train with the new values, start a new run (another "
+            "--run.name)",
             file=sys.stderr,
             flush=True,
         )
+
+
+def _saved_data_seed(state: dict[str, Any]) -> int | None:
+    """The window-order seed a checkpoint's DataModule saved (its state sits under the class
+    name, beside its data fingerprint), or None (another DataModule, an older checkpoint)."""
+    for value in state.values():
+        if isinstance(value, dict) and "data_fingerprint" in value:
+            seed = value.get("seed")
+            return seed if isinstance(seed, int) else None
+    return None
 
 
 def requested_checkpoint(resume: str, ckpt_path: Any) -> tuple[str | None, str]:

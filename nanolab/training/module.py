@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import asdict, replace
 from typing import Any
@@ -322,6 +323,8 @@ class GPTLightningModule(L.LightningModule):
             },
             "schedule": asdict(self.schedule_config),
             "rng": capture_rng_state(),
+            # The run's seed (Lightning's seed_everything records it here): a resume keeps it.
+            "seed_everything": _global_seed(),
             "tokenizer": self._tokenizer_spec(),
             "layout": self._layout(),
         }
@@ -471,3 +474,12 @@ def shards_parameters(strategy: Any) -> bool:
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     return isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy))
+
+
+def _global_seed() -> int | None:
+    """The seed ``seed_everything`` gave this process (None: the run was not seeded)."""
+    value = os.environ.get("PL_GLOBAL_SEED")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
