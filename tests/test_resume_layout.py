@@ -127,3 +127,19 @@ def test_a_changed_seed_on_resume_is_said_and_the_run_goes_on_in_its_own_order(
     data = saved["data"].get("init_args", saved["data"])
     assert data["seed"] == 1337
     assert saved["seed_everything"] == before["seed_everything"] != 99
+
+
+def test_seed_everything_true_draws_a_seed_and_the_ranks_share_rank_0s(monkeypatch) -> None:
+    """``seed_everything: true`` is documented as a random seed, but Lightning's
+    ``seed_everything(None)`` seeds 0: every "random" run was the same run. A rank started by
+    rank 0 takes rank 0's seed from the environment it inherited."""
+    from nanolab.run.compose import chosen_seed
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "5")  # a stale value in rank 0's shell: not taken
+    draws = {chosen_seed(True) for _ in range(8)}
+    assert len(draws) > 1 and all(0 <= d < 2**32 for d in draws)
+    assert chosen_seed(1337) == 1337 and chosen_seed(None) is None
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert chosen_seed(True) == 5

@@ -47,7 +47,7 @@ def launch(cli: NanolabCLI) -> Trainer:
     cfg = cli.config[verb]
     seed = cfg.get("seed_everything")
     if seed is not False:  # LightningCLI's rule: true = a random seed, recorded in config.yaml
-        cfg.seed_everything = seed_everything(None if seed is True else seed, workers=True)
+        cfg.seed_everything = seed_everything(chosen_seed(seed), workers=True)
 
     # -- resolve: name the run, check what needs neither data nor device, then derive the rest
     run = cfg.run
@@ -161,7 +161,7 @@ def launch(cli: NanolabCLI) -> Trainer:
                 if isinstance(callback, RunConfigWriter):
                     callback.keep_existing()  # its config.yaml stays what it trained with
         if cand is not None:
-            keep_checkpoint_settings(cfg, cand.path, data)
+            keep_checkpoint_settings(cfg, cand.path, data, random_seed=seed is True)
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
     target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"))
@@ -187,6 +187,24 @@ def print_evaluation(trainer: Trainer, verb: str, target: Any, data: Any) -> Non
 
 
 # -- resolve ----------------------------------------------------------------------------------
+def chosen_seed(seed: Any) -> int | None:
+    """The seed for ``seed_everything``: the config's number, or for ``true`` a random one.
+    Lightning's ``seed_everything(None)`` gives 0 (every "random" run the same); a random draw
+    here, except in the ranks a launcher started, which take rank 0's from ``PL_GLOBAL_SEED``
+    (set by its ``seed_everything`` and inherited), so all ranks agree."""
+    if seed is not True:
+        return None if seed is None else int(seed)
+    import random
+
+    from nanolab.callbacks.runlock import global_rank_from_env
+
+    inherited = os.environ.get("PL_GLOBAL_SEED", "")
+    if inherited.isdigit() and global_rank_from_env() != 0:  # a rank that rank 0 started
+        return int(inherited)
+
+    return random.SystemRandom().randrange(2**32)
+
+
 def default_run_name(stem: str) -> str:
     """``<config stem>-<YYYYmmdd-HHMMSS>``, the same in every process of one launch.
 
@@ -461,14 +479,18 @@ def continue_own_fork(run_dir: Path, requested: str) -> str:
     return "auto"
 
 
-def keep_checkpoint_settings(cfg: Any, path: Any, data: Any = None) -> None:
+def keep_checkpoint_settings(
+    cfg: Any, path: Any, data: Any = None, random_seed: bool = False
+) -> None:
     """A resume restores the optimizer and LR schedule state, so ``model.optimizer`` and
     ``model.schedule`` values changed since cannot take effect: say so in one line and write
     the checkpoint's values into the config (config.yaml, the start record) before anything is
     written, so the run's files name what it trains with. The same for the run's seeds: the
     RNG streams come back from the checkpoint (``seed_everything`` changes nothing but the
     run's label), and another ``data.seed`` would draw the rest of the epoch from another
-    window order (windows seen twice, others never), so the checkpoint's are kept."""
+    window order (windows seen twice, others never), so the checkpoint's are kept
+    (``random_seed``: ``seed_everything: true`` drew a new one at this launch; the run's is kept
+    without a word)."""
     import torch
 
     from nanolab.callbacks.runlock import global_rank_from_env
@@ -496,7 +518,8 @@ def keep_checkpoint_settings(cfg: Any, path: Any, data: Any = None) -> None:
                 now[key] = value
     seed = (saved or {}).get("seed_everything")
     if isinstance(seed, int) and cfg.get("seed_everything") not in (seed, False, None):
-        kept.append(f"seed_everything {seed} (not {cfg.seed_everything})")
+        if not random_seed:
+            kept.append(f"seed_everything {seed} (not {cfg.seed_everything})")
         cfg.seed_everything = seed
     data_seed = _saved_data_seed(state)
     data_args = cfg.data.get("init_args") if cfg.get("data") else None
