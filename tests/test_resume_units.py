@@ -321,3 +321,33 @@ def test_the_command_that_started_a_fine_tune_continues_it_after_a_preemption(
     )
     mixed = fork(12, other / "checkpoints" / "last.ckpt")
     assert mixed.returncode == 2 and "would mix two runs" in mixed.stderr
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, char_dataset):
+    """``--run.resume checkpoints/step-4`` of a run that went on to step 8: its saves at steps
+    6 and 8 replaced the first timeline's files without a word. They move to ``rolled_back/``
+    first (byte for byte), ``last.ckpt`` points at the resumed one, and the line says so."""
+    import hashlib
+
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8,
+                       checkpoint__every_n_steps=2, checkpoint__keep_last=5),
+    )  # fmt: skip
+    assert nanolab_here("fit", "--config", str(cfg), cwd=tmp_path).returncode == 0
+    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    first = {name: digest(folder / name) for name in ("step-00000006.ckpt", "step-00000008.ckpt")}
+    again = nanolab_here("fit", "--config", str(cfg), "--run.resume",
+                         str(folder / "step-00000004.ckpt"), "--trainer.max_steps", "5", cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (
+        "the 2 later checkpoint(s) (step-00000006.ckpt, step-00000008.ckpt) moved to"
+        in again.stderr
+    )
+    assert {name: digest(folder / "rolled_back" / name) for name in first} == first
+    assert not (folder / "step-00000006.ckpt").exists()  # the new timeline stopped at step 5
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 5

@@ -338,9 +338,20 @@ def complete_rollback(run_dir: str | Path, folder: str | Path | None = None) -> 
     target = Path(entry["checkpoint"])
     folder = Path(folder) if folder is not None else target.parent
     restore = int(entry["restored"])
+    set_aside_newer(folder, target, restore)
+    entry["state"] = "done"
+    write_ledger(run_dir, ledger)
+
+
+def set_aside_newer(folder: Path, target: Path, step: int) -> list[str]:
+    """Make ``target`` (step ``step``) the newest checkpoint of ``folder``: ``last.ckpt`` points
+    at it and the step checkpoints after it move into ``rolled_back/`` (never deleted; a name
+    taken by an earlier move gets a suffix). Returns the names moved. A rollback does this, and
+    so does a resume from an older checkpoint of the run: its saves would otherwise overwrite
+    the newer files, and ``last.ckpt`` would take the next ``auto`` resume back to them."""
     if target.exists():
         atomic_link(target, folder / LAST_NAME)
-    newer = [p for p in folder.iterdir() if (s := step_of(p)) is not None and s > restore]
+    newer = sorted(p for p in folder.iterdir() if (s := step_of(p)) is not None and s > step)
     if newer:
         aside = folder / ROLLED_BACK_DIR
         aside.mkdir(exist_ok=True)
@@ -350,8 +361,7 @@ def complete_rollback(run_dir: str | Path, folder: str | Path | None = None) -> 
             while kept.exists():  # an earlier rollback moved one of that name: keep both
                 kept, n = aside / f"{path.stem}.{n}{path.suffix}", n + 1
             path.rename(kept)
-    entry["state"] = "done"
-    write_ledger(run_dir, ledger)
+    return [p.name for p in newer]
 
 
 def check_ledger(run_dir: str | Path) -> None:

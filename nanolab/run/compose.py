@@ -456,7 +456,33 @@ def claim_for_fit(
         checkpoint=cand.path if cand is not None else None,
         checkpoint_run_id=cand.run_id if cand is not None else None,
     )
+    if cand is not None and cand.step is not None and requested != "auto":
+        set_aside_later_checkpoints(folder, cand.path, cand.step)
     return cand
+
+
+def set_aside_later_checkpoints(folder: Path, path: Path, step: int) -> None:
+    """A resume from an older checkpoint of this run (``run.resume PATH`` into its own
+    ``checkpoints/``): the later step checkpoints move to ``rolled_back/`` and ``last.ckpt``
+    points at the one resumed, before anything is trained. Its saves at those steps would
+    replace them without a word, and ``last.ckpt`` would take the next ``auto`` resume back."""
+    from nanolab.callbacks.runlock import global_rank_from_env
+    from nanolab.callbacks.spike import ROLLED_BACK_DIR, set_aside_newer
+
+    try:
+        Path(path).resolve().relative_to(folder.resolve())
+    except (ValueError, OSError):
+        return  # another run's checkpoint (a fine-tune): this folder's files are not behind it
+    if global_rank_from_env() != 0:
+        return
+    moved = set_aside_newer(folder, Path(path), step)
+    if moved:
+        print(
+            f"nanolab fit: resuming from step {step}: the {len(moved)} later checkpoint(s) "
+            f"({', '.join(moved)}) moved to {folder / ROLLED_BACK_DIR} (kept, not overwritten)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def continue_own_fork(run_dir: Path, requested: str) -> str:
