@@ -131,3 +131,26 @@ def test_a_live_fit_keeps_its_log_to_itself(work):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_an_evaluation_on_other_data_or_windows_is_printed_not_logged_to_the_run(work):
+    """``validate --data.dataset_dir OTHER`` of the run's checkpoint appended a ``val`` record
+    to the run's log with nothing naming the data, and ``report`` took it for the run's val
+    loss. Other data, or other validation windows, is printed and named, not logged."""
+    run = work / "runs" / "tiny"
+    prepared = nanolab_here("prepare", "bundled:shakespeare", "-o", "other", "--tokenizer",
+                            "chars", "--val-fraction", "0.3", cwd=work)  # fmt: skip
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    log_before = (run / "metrics.jsonl").read_bytes()
+    other = nanolab_here(
+        "validate", "--config", "tiny.yaml", "--data.dataset_dir", "other", cwd=work
+    )
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "not logged to" in other.stderr and "other data than the run's" in other.stderr
+    assert "val/loss" in other.stdout
+    windows = nanolab_here("validate", "--config", "tiny.yaml", "--data.val_windows", "4", cwd=work)
+    assert windows.returncode == 0, windows.stderr[-3000:]
+    assert "data.val_windows is 4, the run validates on 16" in windows.stderr
+    assert (run / "metrics.jsonl").read_bytes() == log_before
+    same = nanolab_here("validate", "--config", "tiny.yaml", cwd=work)  # its own: logged
+    assert same.returncode == 0 and read_records(run / "metrics.jsonl")[-1]["event"] == "val"

@@ -423,7 +423,12 @@ class TokenDataModule(L.LightningDataModule):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data_fingerprint": self.data_fingerprint(), "align": self.align, "seed": self.seed}
+        return {
+            "data_fingerprint": self.data_fingerprint(),
+            "align": self.align,
+            "seed": self.seed,
+            "val_windows": self.val_windows,  # an evaluation on other windows is not the run's
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         trainer = self.trainer

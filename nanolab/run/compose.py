@@ -164,7 +164,7 @@ def launch(cli: NanolabCLI) -> Trainer:
             keep_checkpoint_settings(cfg, cand.path, data, random_seed=seed is True)
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
-    target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"))
+    target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"), data)
     evaluate = trainer.validate if verb == "validate" else trainer.test
     # nanolab prints its own plain lines (evaluation_lines), as every other verb does.
     evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
@@ -569,14 +569,20 @@ def keep_checkpoint_settings(
         )
 
 
-def _saved_data_seed(state: dict[str, Any]) -> int | None:
-    """The window-order seed a checkpoint's DataModule saved (its state sits under the class
-    name, beside its data fingerprint), or None (another DataModule, an older checkpoint)."""
+def _saved_data_state(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The state a checkpoint's TokenDataModule saved (under its class name, with the data
+    fingerprint), or None (another DataModule)."""
     for value in state.values():
         if isinstance(value, dict) and "data_fingerprint" in value:
-            seed = value.get("seed")
-            return seed if isinstance(seed, int) else None
+            return value
     return None
+
+
+def _saved_data_seed(state: dict[str, Any]) -> int | None:
+    """The window-order seed a checkpoint's DataModule saved, or None (another DataModule, an
+    older checkpoint)."""
+    seed = (_saved_data_state(state) or {}).get("seed")
+    return seed if isinstance(seed, int) else None
 
 
 def requested_checkpoint(resume: str, ckpt_path: Any) -> tuple[str | None, str]:
@@ -630,11 +636,13 @@ def open_checkpoint(
 
 
 def evaluation_target(
-    verb: str, cfg: Any, run_dir: Path, model: Any, ckpt_path: Any
+    verb: str, cfg: Any, run_dir: Path, model: Any, ckpt_path: Any, data: Any = None
 ) -> tuple[Any, str | None]:
     """What ``validate``/``test`` evaluates (docs/evaluate.md) and the checkpoint file to load:
     the run's newest by default, never an untrained model unless ``--ckpt_path none``; the run
-    directory is held when the result will be appended to its run log."""
+    directory is held when the result will be appended to its run log, which is only when it
+    scores the run's own data and validation windows (a record of other data would pass in
+    ``report`` for the run's val loss)."""
     from nanolab.training.evaluate import EvaluateError, eval_target
 
     init_from = bool(cfg.model.init_args.get("init_from"))
@@ -645,6 +653,13 @@ def evaluation_target(
     if target.path is None:
         return target, None
     cand = open_checkpoint(str(target.path), "--ckpt_path", run_dir, model, training=False)
+    other = other_data(data, cand.path) if target.log_to_run else None
+    if other is not None:
+        from nanolab.callbacks.runlock import global_rank_from_env
+
+        target.log_to_run = False
+        if global_rank_from_env() == 0:
+            print(f"nanolab {verb}: not logged to {run_dir}: {other}", file=sys.stderr, flush=True)
     if target.log_to_run:
         from nanolab.callbacks.runlock import RunLockedError, acquire
 
@@ -654,6 +669,34 @@ def evaluation_target(
             target.log_to_run = False
             rank_zero_warn(f"not logging this {verb} to {run_dir}: {err}")
     return target, str(cand.path)
+
+
+def other_data(data: Any, path: Path) -> str | None:
+    """How ``data`` differs from what the checkpoint's run trained and validated on (its
+    datasets' content, its validation windows), or None: the same, or nothing to compare (a
+    DataModule of one's own, a sharded folder, a checkpoint older than the saved state)."""
+    fingerprint = getattr(data, "data_fingerprint", None)
+    if not callable(fingerprint) or Path(path).is_dir():
+        return None
+    import torch
+
+    from nanolab.data.checks import data_changes
+
+    try:
+        saved = _saved_data_state(
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        )
+    except Exception:
+        return None
+    if saved is None:
+        return None
+    changes = data_changes(saved.get("data_fingerprint") or {}, fingerprint())
+    if changes:
+        return "it scores other data than the run's (" + "; ".join(changes[:2]) + ")"
+    windows, now = saved.get("val_windows"), getattr(data, "val_windows", None)
+    if windows is not None and now is not None and windows != now:
+        return f"data.val_windows is {now}, the run validates on {windows}"
+    return None
 
 
 def log_evaluation(trainer: Trainer, verb: str, run_dir: Path, target: Any) -> None:
