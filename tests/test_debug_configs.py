@@ -28,9 +28,13 @@ def test_fast_dev_run_trains_three_steps_and_validates_once(tmp_path, char_datas
     """Three optimizer steps whatever the base's accumulation (Lightning's fast_dev_run counts
     batches). Mutation caught: the preset keeping the base's global batch (with 4 micro-batches
     a step its 3 batches ended at step 1, and the banner promised 3)."""
-    _, records = _launch(tmp_path, char_dataset, "fast_dev_run", micro_batches=micro_batches)
+    run, records = _launch(tmp_path, char_dataset, "fast_dev_run", micro_batches=micro_batches)
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3]
     assert len([r for r in records if r["event"] == "val"]) == 1
+    # Its whole config, as every run: with the model section alone, report grouped it (and
+    # every run beside it) by the model only.
+    assert (run / "config.yaml").is_file()
+    assert {"model", "data", "trainer", "run"} <= set(records[0]["config"])
 
 
 @pytest.mark.slow  # 40 steps: ~20 s

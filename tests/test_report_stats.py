@@ -147,3 +147,29 @@ def test_a_seed_that_diverged_is_named_and_left_out_of_the_statistics(
     assert "lr=0.003: 1.1000 ± " in out and "(n=2, seeds 0,1,2: fast-s0, fast-s1, fast-s2)" in out
     assert "left out of the statistics: fast-s2 (no finite val loss at its end)" in out
     assert "seed noise at 3 and 2 seeds" in out  # the comparison too, over the finite ones
+
+
+def test_a_run_that_logged_part_of_its_config_stands_alone(tmp_path: Path) -> None:
+    """A debug run whose start record held only its ``model`` section cut every run's config
+    down to the model keys: unrelated runs (other data, other steps) became one "seed group"
+    with a mean and an interval. A run missing a section the others have stands alone."""
+    from nanolab.report import seed_groups
+    from nanolab.runs import summarize_run
+
+    model = {"optimizer": {"lr": 0.003}}
+    configs = {
+        "a-s1": {"model": model, "data": {"dataset_dir": "data/a"}, "trainer": {"max_steps": 600}},
+        "a-s2": {"model": model, "data": {"dataset_dir": "data/a"}, "trainer": {"max_steps": 600}},
+        "b": {"model": model, "data": {"dataset_dir": "data/b"}, "trainer": {"max_steps": 50}},
+        "debug": {"model": model},
+    }
+    for seed, (name, config) in enumerate(configs.items()):
+        write_run(tmp_path, name, 0.003, seed, [(500, 2.0 + seed / 10)])
+        log = tmp_path / name / "metrics.jsonl"
+        lines = log.read_text().splitlines()
+        start = json.loads(lines[0])
+        start["config"] = {**config, "seed_everything": seed}
+        log.write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+    summaries = [summarize_run(name, tmp_path / name) for name in configs]
+    (group,) = seed_groups(summaries)
+    assert sorted(group.runs) == ["a-s1", "a-s2"]

@@ -63,6 +63,11 @@ class Comparison:
     sentence: str
 
 
+#: Config sections every complete run log names; a run without one of them (where another
+#: run has it) stands alone in the groups.
+CORE_SECTIONS = frozenset({"model", "data", "trainer"})
+
+
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
     if not isinstance(config, dict):
@@ -78,6 +83,12 @@ def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
     only some logs carry was added (or removed) by another nanolab version, with a default the
     older runs also trained with, so it must not split one experiment's seeds."""
     flats = {s.run: flatten(json.loads(s.group)) for s in summaries if s.group is not None}
+    # A run whose log holds part of its config (a section others have is missing: an older
+    # debug run logged only its model) cannot be compared: it stands alone, instead of cutting
+    # every run's config down to that part and grouping unrelated runs as seeds.
+    sections = {run: {key.split(".", 1)[0] for key in f} for run, f in flats.items()}
+    wanted = CORE_SECTIONS & set().union(*sections.values())
+    flats = {run: f for run, f in flats.items() if wanted <= sections[run]}
     common = set.intersection(*(set(f) for f in flats.values())) if flats else set()
     return {run: {k: f[k] for k in sorted(common)} for run, f in flats.items()}
 

@@ -125,8 +125,8 @@ def launch(cli: NanolabCLI) -> Trainer:
     callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
     check_lambda_callbacks(callbacks)
     callbacks += [built[group] for group in run_callbacks()]
-    if verb == "fit" and not trainer_args.get("fast_dev_run"):
-        callbacks.append(RunConfigWriter(cli.verb_parser, cfg))  # config.yaml in the run dir
+    if verb == "fit":  # config.yaml in the run dir (a fast_dev_run too: its start record needs it)
+        callbacks.append(RunConfigWriter(cli.verb_parser, cfg))
     if verb == "fit" and os.environ.get("NANOLAB_COUNT_SYNCS"):  # nanolab bench --count-syncs
         from nanolab.callbacks.syncs import ENV, sync_count_callback
 
