@@ -27,3 +27,25 @@ def test_slurm_auto_requeue_is_seen_on_a_single_device(monkeypatch):
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False
     )
     assert slurm_requeue_signal(outside_slurm) is None
+
+
+def test_auto_names_under_slurm_follow_the_command_and_survive_a_requeue(monkeypatch):
+    """Two experiments in one SLURM job (``--model.optimizer.lr 1e-3``, then ``3e-3``) were
+    both named ``<stem>-slurm<job>``: the second found the first complete, kept its lr with a
+    warning and trained nothing. The command line is part of the name; the same command (a
+    requeue, every srun task) gets the same one."""
+    import sys
+
+    from nanolab.run.compose import default_run_name
+
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+
+    def name_for(*argv: str) -> str:
+        monkeypatch.delenv("NANOLAB_RUN_NAME", raising=False)
+        monkeypatch.setattr(sys, "argv", ["nanolab", "fit", *argv])
+        return default_run_name("tiny")
+
+    first = name_for("--config", "tiny.yaml", "--model.optimizer.lr", "1e-3")
+    assert first.startswith("tiny-slurm777-") and len(first) == len("tiny-slurm777-") + 6
+    assert name_for("--config", "tiny.yaml", "--model.optimizer.lr", "1e-3") == first
+    assert name_for("--config", "tiny.yaml", "--model.optimizer.lr", "3e-3") != first

@@ -209,14 +209,20 @@ def default_run_name(stem: str) -> str:
     """``<config stem>-<YYYYmmdd-HHMMSS>``, the same in every process of one launch.
 
     Lightning's DDP launcher re-executes the command for ranks 1..N-1 a moment later, so the
-    name is handed down through ``NANOLAB_RUN_NAME``; under SLURM the job id is used, which also
-    survives a requeue. Other multi-process launchers (torchrun on several nodes) should set
+    name is handed down through ``NANOLAB_RUN_NAME``; under SLURM the job id and a digest of
+    the command line are used (``<stem>-slurm<job>-<6 hex>``): the same in every task ``srun``
+    starts and after a requeue (the same command resumes its run), another for each command of
+    the job (two experiments of one job are two runs, not one resumed with the other's
+    settings). Other multi-process launchers (torchrun on several nodes) should set
     ``run.name``.
     """
     if name := os.environ.get("NANOLAB_RUN_NAME"):
         return name
     if job := os.environ.get("SLURM_JOB_ID"):
-        name = f"{stem}-slurm{job}"
+        import hashlib
+
+        command = hashlib.sha256("\0".join(sys.argv[1:]).encode()).hexdigest()[:6]
+        name = f"{stem}-slurm{job}-{command}"
     else:
         name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     os.environ["NANOLAB_RUN_NAME"] = name
