@@ -28,6 +28,7 @@ from nanolab.errors import NanolabError
 from nanolab.messages import warn
 
 RUN_LOG_NAME = "metrics.jsonl"
+QUEUE_LOG_NAME = "queue.log"  # a queued job's console output, beside its run log
 
 
 def iter_records(

@@ -303,3 +303,23 @@ def test_a_run_that_reaches_max_steps_is_completed_whatever_its_budget_rules_say
         eval_every=4)  # fmt: skip
     (end,) = events(run / "metrics.jsonl", "end")
     assert (end["reason"], end["step"]) == ("plateau", 8)
+
+
+@pytest.mark.parametrize(
+    ("filename", "message"),
+    [
+        ("logs/metrics.jsonl", "a file name without folders"),
+        # the run's own files: a log there took the ledger's (or queue log's) place, and every
+        # later resume failed on "rollbacks.json cannot be read"
+        ("rollbacks.json", "'rollbacks.json' is a file the run directory keeps for itself"),
+        ("queue.log", "keeps for itself"),
+        ("config.yaml", "keeps for itself"),
+        ("checkpoints", "keeps for itself"),
+        (".nanolab.lock", "keeps for itself"),
+    ],
+)
+def test_log_filename_is_a_name_of_its_own(filename: str, message: str) -> None:
+    from nanolab.callbacks.events import CallbackConfigError
+
+    with pytest.raises(CallbackConfigError, match=message):
+        MetricsLog(filename=filename)

@@ -48,7 +48,13 @@ from nanolab.callbacks.events import (
 )
 from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
 from nanolab.callbacks.readout import StepReadout
-from nanolab.callbacks.rundir import RunDirError, claim_run_dir, config_hash, new_run_id
+from nanolab.callbacks.rundir import (
+    RESERVED_NAMES,
+    RunDirError,
+    claim_run_dir,
+    config_hash,
+    new_run_id,
+)
 from nanolab.callbacks.step import StepCallback
 from nanolab.claimed import LeftClaimedDir
 from nanolab.messages import warn
@@ -86,7 +92,9 @@ class MetricsLog(StepCallback):
 
     Args:
         every_n_steps: Optimizer steps between ``train`` records (1 = every step).
-        filename: Log file name inside the run directory (``trainer.default_root_dir``).
+        filename: Log file name inside the run directory (``trainer.default_root_dir``); not
+            a name the run keeps for itself (``config.yaml``, ``rollbacks.json``,
+            ``queue.log``, ``checkpoints``, ``previous``, ``.nanolab*``).
         monitor: The validation loss metric (``val_loss``/``val_ppl`` in ``val`` records).
         fresh: Start a new run even if the run directory holds another one; the old one is
             moved to ``<run_dir>/previous/``. Linked from ``run.fresh`` by ``nanolab fit``.
@@ -106,6 +114,11 @@ class MetricsLog(StepCallback):
         if not filename or Path(filename).name != filename:
             raise CallbackConfigError(
                 f"log.filename must be a file name without folders, got {filename!r}"
+            )
+        if filename in RESERVED_NAMES or filename.startswith(".nanolab"):
+            raise CallbackConfigError(
+                f"log.filename {filename!r} is a file the run directory keeps for itself; "
+                f"give another name (default {RUN_LOG_NAME})"
             )
         if every_n_steps < 1:
             raise CallbackConfigError(f"log.every_n_steps must be >= 1, got {every_n_steps}")

@@ -27,7 +27,7 @@ from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.skips import LEDGER
-from nanolab.runlog import RUN_LOG_NAME, dumps, iter_numbered, last_record
+from nanolab.runlog import QUEUE_LOG_NAME, RUN_LOG_NAME, dumps, iter_numbered, last_record
 
 #: What else in a run directory belongs to the run that wrote it, so a fresh run moves it to
 #: ``previous/`` with the log and the checkpoints: the rollback ledger (the data order and
@@ -47,6 +47,10 @@ VOLATILE_KEYS = (
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_NAME = "config.yaml"
+PREVIOUS_DIR = "previous"  # archived runs (run.fresh)
+
+#: Names a run directory keeps besides its run log: ``log.filename`` must not take one.
+RESERVED_NAMES = (CONFIG_NAME, CHECKPOINT_DIR, PREVIOUS_DIR, QUEUE_LOG_NAME, LEDGER)
 
 
 class RunDirError(CallbackConfigError):
@@ -290,7 +294,7 @@ def _is_own_checkpoint(
 def _archive(run_dir: Path, old_id: str | None, log_name: str) -> Path:
     """Move the previous run's log, checkpoints, config and the rest of its state
     (:data:`RUN_STATE`) into ``previous/<id>-<time>/``."""
-    target = run_dir / "previous" / f"{old_id or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target = run_dir / PREVIOUS_DIR / f"{old_id or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     suffix = 1
     while target.exists():
         target = target.with_name(f"{target.name.split('~')[0]}~{suffix}")

@@ -610,10 +610,12 @@ def job_log_path(job: Job, db_path: Path) -> Path:
     """Where a job's console output goes: ``queue.log`` in its own run directory (every
     attempt appended, each under a header line), beside the run's other files; where that
     folder cannot be made, ``nanolab_queue_logs/<id>-<name>.log`` beside the database."""
+    from nanolab.runlog import QUEUE_LOG_NAME
+
     run_dir = Path(job.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        return run_dir / "queue.log"
+        return run_dir / QUEUE_LOG_NAME
     except OSError:
         fallback = db_path.resolve().parent / "nanolab_queue_logs"
         fallback.mkdir(exist_ok=True)
