@@ -280,3 +280,13 @@ def test_a_fork_model_that_cannot_be_built_on_meta_still_loads(monkeypatch):
     rebuilt = checkpoint.model_from_checkpoint(ckpt)
     assert isinstance(rebuilt, ReadsAValue) and rebuilt.scale == 1.0
     assert torch.equal(rebuilt.wte.weight, model.wte.weight)
+
+
+def test_a_checkpoint_path_that_is_not_a_file_says_what_it_is(tmp_path):
+    """``--ckpt /dev/null`` said "does not exist"."""
+    from nanolab.model.checkpoint import CheckpointError, load_checkpoint
+
+    with pytest.raises(CheckpointError, match="/dev/null is not a regular file"):
+        load_checkpoint("/dev/null")
+    with pytest.raises(CheckpointError, match=r"gone\.ckpt does not exist"):
+        load_checkpoint(tmp_path / "gone.ckpt")

@@ -25,6 +25,9 @@ def test_grid_and_names() -> None:
     assert len(points) == 4 and grid([]) == [()]
     assert points[1] == (("model.optimizer.lr", "1e-3"), ("model.gpt.n_layer", "6"))
     assert point_name("quickstart", points[1]) == "quickstart-lr1e-3-n_layer6"
+    # a swept path names its folder (it was refused as "--name 'q-dataset_dirdata/web'")
+    (web,) = grid(parse_sweeps(["data.dataset_dir=data/web"], []))
+    assert point_name("q", web) == "q-dataset_dirdata_web"
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        what = "is not a regular file (a device, a pipe?)" if path.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint {path} {what}; pass a .ckpt file or a run dir")
     if not zipfile.is_zipfile(path):  # what torch.save writes; anything else is not ours
         raise CheckpointError(
             f"{path} is not a checkpoint (not a torch zip archive: empty, truncated or another "

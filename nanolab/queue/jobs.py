@@ -35,6 +35,12 @@ RESERVED_KEYS = {
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=+-]+")
 
 
+def name_part(text: str) -> str:
+    """``text`` as part of a derived run name: each run of other characters (``/`` of a path,
+    spaces, brackets) becomes ``_``."""
+    return _NAME_OK.sub("_", text)
+
+
 class JobConfigError(NanolabError):
     """A queued job whose config cannot run; the message names the config, the key and the fix."""
 

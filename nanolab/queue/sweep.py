@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from nanolab.queue.jobs import RESERVED_KEYS, JobConfigError
+from nanolab.queue.jobs import RESERVED_KEYS, JobConfigError, name_part
 
 Point = tuple[tuple[str, str], ...]
 
@@ -47,5 +47,6 @@ def grid(sweeps: list[tuple[str, list[str]]]) -> list[Point]:
 
 
 def point_name(base: str, point: Point) -> str:
-    """``quickstart`` + ``(("model.optimizer.lr", "1e-3"),)`` -> ``quickstart-lr1e-3``."""
-    return "-".join([base, *(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in point)])
+    """``quickstart`` + ``(("model.optimizer.lr", "1e-3"),)`` -> ``quickstart-lr1e-3``; a value
+    that is a path names its folder with ``_`` for ``/`` (``dataset_dirdata_web``)."""
+    return "-".join([base, *(name_part(f"{k.rsplit('.', 1)[-1]}{v}") for k, v in point)])
