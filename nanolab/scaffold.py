@@ -191,7 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "directory", help="project folder to create (may exist if it holds none of the files)"
     )
-    parser.add_argument("--name", help="run name used in the config (default: the folder's name)")
+    parser.add_argument(
+        "--name",
+        help="the project's name: its package (src/NAME/, NAME.model.Model), pyproject name and "
+        "run name (default: the folder's name, - as _)",
+    )
     args = parser.parse_args(argv)
     refuse_inside_run(args.directory, "init", ScaffoldError)
     written = write_project(args.directory, args.name)

@@ -355,6 +355,21 @@ def test_union_reports_say_what_the_value_must_be() -> None:
     )
 
 
+def test_a_command_line_value_of_the_wrong_type_says_what_it_must_be() -> None:
+    """``--trainer.max_steps null`` printed the parser's "Expected a <class 'int'>. Got value:
+    None"; it gets the message ``max_steps: null`` in a file gets, with the fix."""
+    from nanolab.run.parse import FitParseError, parse_fit_config
+
+    with pytest.raises(
+        FitParseError, match=r"trainer.max_steps must be a positive number .* got null"
+    ):
+        parse_fit_config(["--trainer.max_steps", "null"])
+    with pytest.raises(
+        FitParseError, match=r"model.gpt.n_layer: 'two' is not valid; expected int$"
+    ):
+        parse_fit_config(["--model.gpt.n_layer", "two"])
+
+
 def _lm_eval_checkpoint(folder: Path) -> Path:
     """A 2-layer checkpoint as ``fit`` writes one (weights, model config, tokenizer spec)."""
     from dataclasses import asdict

@@ -149,8 +149,32 @@ class OneLineErrorParser(LightningArgumentParser):
         lines = [line.strip() for line in message.splitlines() if line.strip()]
         text = " ".join(lines)
         raise RunConfigError(
-            union_problem(text) or config_file_problem(text) or " ".join(lines[:3])
+            union_problem(text)
+            or type_problem(text)
+            or config_file_problem(text)
+            or " ".join(lines[:3])
         )
+
+
+def type_problem(text: str) -> str | None:
+    """jsonargparse's ``Parser key "K": Expected a <class 'int'>. Got value: V`` as the key,
+    the value and what it must be; ``trainer.max_steps`` with the message its YAML form gets
+    (``--trainer.max_steps null`` and ``max_steps: null`` in a file say the same)."""
+    import re
+
+    m = re.fullmatch(r'Parser key "([^"]+)": (Expected a .+?)\. Got value: (.*)', text)
+    if m is None:
+        return None
+    key, expected, value = m.group(1), _expected_type(m.group(2)), m.group(3)
+    if key == "trainer.max_steps":
+        from nanolab.training.resolve import check_max_steps
+
+        try:
+            check_max_steps(None if value == "None" else value)
+        except RunConfigError as err:
+            return str(err)
+    shown = "null" if value == "None" else repr(value)
+    return f"{key}: {shown} is not valid; expected {expected or m.group(2)}"
 
 
 def config_file_problem(text: str) -> str | None:
