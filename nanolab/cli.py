@@ -8,6 +8,7 @@ adding one line there.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -119,8 +120,17 @@ def _dispatch(args: list[str]) -> int:
             from nanolab.run.cli import run_lightning_cli
 
             return run_lightning_cli(args)
-    print(f"nanolab: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
+    known = [*VERBS, *LIGHTNING_VERBS]
+    near = VERB_ALIASES.get(verb) or next(
+        iter(difflib.get_close_matches(verb, known, 1, 0.6)), None
+    )
+    hint = f"; did you mean `nanolab {near}`?" if near else ""
+    print(f"nanolab: unknown verb {verb!r}{hint}\n\n{_usage()}", file=sys.stderr)
     return 2
+
+
+#: Verbs of other tools a newcomer types, and nanolab's for them.
+VERB_ALIASES = {"train": "fit", "evaluate": "validate", "sample": "generate"}
 
 
 if __name__ == "__main__":

@@ -594,3 +594,19 @@ def test_an_unknown_key_is_refused_with_a_suggestion_without_importing_torch(
     # second run, with the key list cached by the first, imports neither torch nor Lightning.
     assert heavy[1] == [], heavy
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_option_without_its_group_or_a_verb_mistyped_gets_the_right_name(capsys) -> None:
+    """``--max_steps 50`` was "unrecognized arguments" and ``nanolab train`` an unknown verb,
+    with nothing to say what was meant."""
+    from nanolab.cli import main
+    from nanolab.run.parse import FitParseError, parse_fit_config
+
+    with pytest.raises(
+        FitParseError, match=r"unknown option --max_steps; did you mean --trainer\.max_steps\?"
+    ):
+        parse_fit_config(["--max_steps", "50"])
+    with pytest.raises(FitParseError, match=r"did you mean --model\.optimizer\.lr\?"):
+        parse_fit_config(["--lr=0.1"])
+    assert main(["train"]) == 2
+    assert "unknown verb 'train'; did you mean `nanolab fit`?" in capsys.readouterr().err

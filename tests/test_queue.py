@@ -88,7 +88,8 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--set", "data.source=[nowhere.txt]"], "data.source: nowhere.txt does not exist"),
         (["--set", "data.dataset_dir=missing", "--set", "data.source=null"], "holds no prepared dataset"),
         (["--set", "run.name=x"], "--set run.name: set by the queue; use --name"),
-        (["--set", "lr"], "expected KEY=VALUE"),
+        (["--set", "lr"], "--set lr: write KEY=VALUE"),
+        (["--set", "trainer.max_steps", "5"], "write KEY=VALUE, e.g. --set trainer.max_steps=5"),
         (["--seeds", "1,x"], "--seeds '1,x': expected integers"),
         (["--name", "a/b"], "give a plain folder name"),
         # a restart of the job (preemption, runner stopped) would start it over

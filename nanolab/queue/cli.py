@@ -570,6 +570,14 @@ def dotted_as_sets(argv: list[str]) -> list[str]:
     while i < len(tokens):
         token = tokens[i]
         name = token[2:].split("=", 1)[0]
+        if token == "--set" and i + 1 < len(tokens) and "=" not in tokens[i + 1]:
+            key = tokens[i + 1]  # --set KEY VALUE: argparse would call VALUE unrecognized
+            value = (
+                tokens[i + 2]
+                if i + 2 < len(tokens) and not tokens[i + 2].startswith("-")
+                else "VALUE"
+            )
+            raise QueueError(f"--set {key}: write KEY=VALUE, e.g. --set {key}={value}")
         if not is_fit_option(token) or name == "config":
             out.append(token)
             i += 1

@@ -193,6 +193,23 @@ def check_keys(argv: list[str], known: frozenset[str]) -> None:
         raise RunConfigError(f"{place}unknown setting {dash}{key}; {hint}")
 
 
+def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
+    """For an option without its group (``--max_steps 50``, which the parser only calls an
+    unrecognized argument): the setting of that name (``--trainer.max_steps``), or None."""
+    for arg in argv:
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if not name or "." in name:
+            continue
+        leaves = {k.rpartition(".")[2]: k for k in sorted(known, key=len, reverse=True) if "." in k}
+        near = leaves.get(name) or next(
+            iter(difflib.get_close_matches(name, list(leaves), 1, 0.8)), None
+        )
+        if near is not None:
+            full = leaves.get(near, near)
+            return f"unknown option --{name}; did you mean --{full}? (settings take their group)"
+    return None
+
+
 def _known(key: str, known: frozenset[str]) -> bool:
     """A setting, a group of settings, or inside a setting that takes free-form values."""
     if key in known:

@@ -364,9 +364,13 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
         keys.check_keys(argv[1:], known)
     try:
         cli = _parse(argv, from_command_line)
-    except RunConfigError:
-        if verb in ("fit", "validate", "test") and known is None:
-            keys.check_keys(argv[1:], verb_keys(verb))  # an unknown key: "did you mean"
+    except RunConfigError as err:
+        if verb in ("fit", "validate", "test"):
+            known = known if known is not None else verb_keys(verb)
+            keys.check_keys(argv[1:], known)  # an unknown key: "did you mean"
+            hint = keys.undotted_hint(argv[1:], known) if "unrecognized" in str(err) else None
+            if hint:
+                raise RunConfigError(hint) from None
         raise
     if verb in ("fit", "validate", "test") and known is None:
         keys.check_keys(argv[1:], verb_keys(verb))  # an abbreviation the parser completed
