@@ -26,6 +26,9 @@ NOISE_PREFIXES = (
     "LOCAL_RANK:",
     "Seed set to",
     "`Trainer.fit` stopped:",
+    # "... Logging and checkpointing is suppressed": Lightning's loggers are, nanolab's run log
+    # and checkpoints are not (configs/debug/fast_dev_run.yaml says so)
+    "Running in `fast_dev_run` mode",
 )
 
 #: Restore notices: dropped for ``fit`` only, where the banner names the checkpoint;
