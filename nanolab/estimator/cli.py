@@ -169,9 +169,13 @@ def format_estimate(
     else:
         out.append("  not even micro-batch 1 fits as configured")
     if est.recommended_micro_batch and s.global_batch_tokens:
+        why = ""
+        if est.largest_micro_batch and est.recommended_micro_batch < est.largest_micro_batch:
+            why = f" (the largest up to {est.largest_micro_batch} that divides the step's batch)"
         out.append(
             f"  for run.global_batch_tokens {s.global_batch_tokens:,}: micro-batch "
             f"{est.recommended_micro_batch} x gradient accumulation {est.recommended_accumulation}"
+            + why
         )
         given = est.micro_batch_source == "--micro-batch"  # the config's may still differ
         if est.micro_batch_source != "auto" and (
