@@ -126,11 +126,22 @@ def _importable(module: str) -> bool:
 def render(files: dict[str, str], name: str, package: str) -> dict[str, str]:
     """The starter's files for project ``name``, its placeholders and paths filled in."""
     out = {}
+
+    def fill(text: str) -> str:
+        return text.replace(NAME_PLACEHOLDER, name).replace(PACKAGE_PLACEHOLDER, package)
+
     for path, text in files.items():
         parts = [package if part == PACKAGE_DIR else part for part in path.split("/")]
-        out["/".join(parts)] = text.replace(NAME_PLACEHOLDER, name).replace(
-            PACKAGE_PLACEHOLDER, package
-        )
+        lines = []
+        for line in text.splitlines(keepends=True):
+            m = re.match(r"^(.*?\S)(\s{2,})(#.*\n?)$", line)
+            if m and (NAME_PLACEHOLDER in m.group(1) or PACKAGE_PLACEHOLDER in m.group(1)):
+                # a filled-in value moves its line's comment: keep it in the file's column
+                code, column = fill(m.group(1)), len(m.group(1)) + len(m.group(2))
+                lines.append(code + " " * max(2, column - len(code)) + fill(m.group(3)))
+            else:
+                lines.append(fill(line))
+        out["/".join(parts)] = "".join(lines)
     return out
 
 

@@ -321,7 +321,10 @@ def test_ls_rm_retry_clear(tmp_path: Path, capsys) -> None:
     assert code == 2 and "no job 'zzz', '99'" in err
     assert queue(capsys, path, "clear")[0] == 0
     assert [j.name for j in db.jobs()] == ["a", "b"]
-    assert queue(capsys, path, "rm", "a", str(b.id))[0] == 0 and db.jobs() == []
+    code, out, _ = queue(capsys, path, "rm", "a", str(b.id))
+    assert code == 0 and db.jobs() == []
+    # a job that never ran has no run directory to keep: said so, not "is kept"
+    assert "removed job 1 a (it had not made a run directory)" in out
 
 
 def test_a_config_edited_after_add_is_not_run(

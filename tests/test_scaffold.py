@@ -259,3 +259,18 @@ def test_a_link_inside_the_folder_does_not_carry_files_into_a_run(tmp_path: Path
     assert main([str(project)]) == 2
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
     assert [p.name for p in project.iterdir()] == ["data"]  # nothing written anywhere
+
+
+@pytest.mark.parametrize("name", ["foo", "a_much_longer_project_name"])
+def test_a_filled_in_name_keeps_the_config_comments_in_their_column(
+    tmp_path: Path, name: str
+) -> None:
+    """The template's comments start in one column; ``name: "{{name}}"`` filled with another
+    length pushed its comment out of it (or pulled it in)."""
+    write_project(tmp_path / "p", name)
+    lines = (tmp_path / "p" / "configs" / "experiment.yaml").read_text().splitlines()
+    run = lines.index("run:")
+    name_line, *others = lines[run + 1 : run + 4]
+    assert [line.index(" # ") + 1 for line in others] == [33, 33]
+    assert name_line.index(" # ") + 1 == max(33, len(f'  name: "{name}"') + 2)
+    assert all(not line.endswith(" ") for line in lines)

@@ -130,8 +130,8 @@ def banner_lines(
     params = sum(p.numel() for p in pl_module.parameters())
     if gpt is not None:
         lines.append(
-            f"  model      {_count(params)} parameters: {gpt.n_layer} layers x {gpt.n_embd} wide, "
-            f"{gpt.n_head} heads, context {gpt.block_size}, vocabulary {gpt.vocab_size}"
+            f"  model      {_count(params)} parameters: {_plural(gpt.n_layer, 'layer')} x {gpt.n_embd} wide, "
+            f"{_plural(gpt.n_head, 'head')}, context {gpt.block_size}, vocabulary {gpt.vocab_size}"
         )
     else:
         lines.append(f"  model      {_count(params)} parameters")
@@ -212,3 +212,8 @@ def _price(trainer: L.Trainer) -> tuple[float, str] | None:
 def print_banner(trainer: L.Trainer, pl_module: L.LightningModule, **kwargs: Any) -> None:
     if trainer.is_global_zero:
         print("\n".join(banner_lines(trainer, pl_module, **kwargs)), flush=True)
+
+
+def _plural(n: int, noun: str) -> str:
+    """``1 layer``, ``4 layers``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -324,7 +324,12 @@ def cmd_rm(args: argparse.Namespace) -> int:
             )
     db.remove([j.id for j in jobs])
     for job in jobs:
-        print(f"removed job {job.id} {job.name} (its run directory {job.run_dir} is kept)")
+        kept = (
+            f"its run directory {job.run_dir} is kept"
+            if Path(job.run_dir).exists()
+            else "it had not made a run directory"
+        )
+        print(f"removed job {job.id} {job.name} ({kept})")
     return 0
 
 

@@ -159,7 +159,7 @@ def short_help(verb: str) -> str:
         *_entry("model.compile", False, "torch.compile the model (minutes of start-up; GPUs)"),
         "",
         "debug presets (compose after a base config): configs/debug/fast_dev_run.yaml, "
-        "overfit.yaml, profile.yaml",
+        "overfit.yaml, profile.yaml; configs/debug/cpu_check.yaml alone checks a GPU recipe here",
         "docs: docs/configs.md (groups), docs/callbacks.md, docs/resume.md, docs/scaling.md",
     ]
     return "\n".join(lines)
