@@ -247,9 +247,9 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["--set", "data.dataset_dir=missing", "--set", "data.sourc=null"], "Option 'sourc' is not accepted", True),
     (["--set", "data.dataset_dir="], "data.dataset_dir is empty", False),
     (["--set", "model.optimizer.lr=.nan"], "model.optimizer.lr", False),
-    (["--set", "model.gpt.n_layer=two"], 'Parser key "model.gpt.n_layer": Expected a <class \'int\'>. Got value: two', True),
+    (["--set", "model.gpt.n_layer=two"], "model.gpt.n_layer: 'two' is not valid; expected int", True),
     (["--set", "trainer.precision=foo"], "trainer.precision: 'foo' is not valid; expected int or", True),
-    (["--sweep", "trainer.max_steps=5,x"], 'Parser key "trainer.max_steps": Expected a <class \'int\'>. Got value: x', True),
+    (["--sweep", "trainer.max_steps=5,x"], "trainer.max_steps must be a positive number of optimizer steps (or -1: no limit, stop on a budget), got 'x'", True),
     (["--sweep", "model.optimizer.lr"], "expected KEY=V1,V2", False),
 ]  # fmt: skip
 
