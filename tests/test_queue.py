@@ -130,6 +130,11 @@ def test_a_config_that_starts_from_a_checkpoint_is_queued_as_ckpt_path(
     write_config(tmp_path / "nv.yaml", cfg)
     code, _, err = queue(capsys, db, "add", str(tmp_path / "nv.yaml"), "--name", "nv")
     assert code == 2 and "run.resume: never: a queued job resumes from its own" in err
+    # its own run's older checkpoint: every restart would go back to it
+    cfg["run"]["resume"] = str(tmp_path / "runs" / "own" / "checkpoints" / "step-00000004.ckpt")
+    write_config(tmp_path / "own.yaml", cfg)
+    code, _, err = queue(capsys, db, "add", str(tmp_path / "own.yaml"), "--name", "own")
+    assert code == 2 and "a checkpoint of the job's own run; every restart would go back" in err
 
 
 def test_missing_config_and_db_folder(tmp_path: Path, capsys) -> None:

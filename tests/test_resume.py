@@ -49,3 +49,8 @@ def test_auto_names_under_slurm_follow_the_command_and_survive_a_requeue(monkeyp
     assert first.startswith("tiny-slurm777-") and len(first) == len("tiny-slurm777-") + 6
     assert name_for("--config", "tiny.yaml", "--model.optimizer.lr", "1e-3") == first
     assert name_for("--config", "tiny.yaml", "--model.optimizer.lr", "3e-3") != first
+    # the job's `test` of that config after its `fit` (a checkpoint named or not) is that run
+    monkeypatch.delenv("NANOLAB_RUN_NAME", raising=False)
+    monkeypatch.setattr(sys, "argv", ["nanolab", "test", "--config", "tiny.yaml",
+                                      "--model.optimizer.lr", "1e-3", "--ckpt_path", "best"])  # fmt: skip
+    assert default_run_name("tiny") == first

@@ -143,3 +143,40 @@ def test_seed_everything_true_draws_a_seed_and_the_ranks_share_rank_0s(monkeypat
     assert chosen_seed(1337) == 1337 and chosen_seed(None) is None
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert chosen_seed(True) == 5
+
+
+def test_the_run_keeps_its_seed_through_every_resume_and_a_branch_picks_its_own(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A resume's checkpoints recorded the launch's seed (``PL_GLOBAL_SEED`` of the new command)
+    rather than the run's, so the next resume relabelled the run with it. A new run from
+    another run's checkpoint (a branch) keeps the seeds it is given: branches of one parent on
+    other data orders."""
+    import torch
+    import yaml
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    run = tmp_path / "runs" / "tiny"
+
+    def fit(steps: int, *extra: str) -> str:
+        done = nanolab_here("fit", "--config", str(cfg), "--trainer.max_steps", str(steps), *extra,
+                            cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr
+
+    fit(4, "--seed_everything", "42")
+    assert "seed_everything 42 (not 7)" in fit(6, "--seed_everything", "7")
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["nanolab"]
+    assert saved["seed_everything"] == 42
+    assert "seed_everything" not in fit(8, "--seed_everything", "42")  # the run's own: no word
+    assert yaml.safe_load((run / "config.yaml").read_text())["seed_everything"] == 42
+
+    branch = nanolab_here("fit", "--config", str(cfg), "--run.name", "branch", "--run.resume",
+                          str(run / "checkpoints" / "last.ckpt"), "--trainer.max_steps", "10",
+                          "--seed_everything", "5", "--data.seed", "5", cwd=tmp_path)  # fmt: skip
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    assert "resuming keeps" not in branch.stderr
+    mine = yaml.safe_load((tmp_path / "runs" / "branch" / "config.yaml").read_text())
+    assert mine["seed_everything"] == 5
+    assert mine["data"].get("init_args", mine["data"])["seed"] == 5

@@ -351,3 +351,22 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, c
     assert {name: digest(folder / "rolled_back" / name) for name in first} == first
     assert not (folder / "step-00000006.ckpt").exists()  # the new timeline stopped at step 5
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 5
+
+
+def test_a_resume_that_fails_to_restore_sets_nothing_aside(tmp_path, char_dataset):
+    """The later checkpoints move aside once the resume has restored: a resume from an older
+    checkpoint refused during the restore (another data.align) left the run rewound, and the
+    next ``auto`` resume quietly redid the steps from the older one."""
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8,
+                       checkpoint__every_n_steps=2, checkpoint__keep_last=5),
+    )  # fmt: skip
+    assert nanolab_here("fit", "--config", str(cfg), cwd=tmp_path).returncode == 0
+    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    before = sorted(p.name for p in folder.iterdir())
+    refused = nanolab_here("fit", "--config", str(cfg), "--run.resume", str(folder / "step-00000004.ckpt"),
+                           "--data.align", "document", "--data.micro_batch_size", "1", "--trainer.max_steps", "9", cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2 and "data.align is document" in refused.stderr
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 8

@@ -48,6 +48,7 @@ from nanolab.callbacks.step import StepCallback, validation_follows
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 
 LAST_NAME = "last.ckpt"
+ROLLED_BACK_DIR = "rolled_back"  # checkpoints a rollback (or a resume from an older one) set aside
 
 
 def step_checkpoint_name(step: int) -> str:
@@ -170,6 +171,10 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         #: Rotation also keeps the newest checkpoint at least this many steps older than the
         #: newest save (set by the spike guard: a checkpoint from before a spike in progress).
         self.keep_one_older_than = 0
+        #: (checkpoint, step) of a resume from an older checkpoint of this run than its newest
+        #: (set by ``nanolab fit``): the later step checkpoints move to ``rolled_back/`` once the
+        #: resume has restored, before the first save could overwrite one of them.
+        self.set_aside_after: tuple[Path, int] | None = None
 
     @property
     def best_model_path(self) -> str:
@@ -205,6 +210,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_save_time = time.monotonic()
         assert self.dirpath is not None
+        if trainer.is_global_zero and self.set_aside_after is not None:
+            self._set_aside_later(*self.set_aside_after)
         if trainer.is_global_zero and (self.dirpath.exists() or self.dirpath.is_symlink()):
             self._claim_folder(at_start=True)
             self._rotate_existing(trainer.global_step)
@@ -293,6 +300,19 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if self._folder is not None:
             self._folder.close()
             self._folder = None
+
+    def _set_aside_later(self, resumed: Path, step: int) -> None:
+        assert self.dirpath is not None
+        moved = set_aside_newer(self.dirpath, resumed, step)
+        if moved:
+            print(
+                f"nanolab fit: resumed from step {step}: the {len(moved)} later checkpoint(s) "
+                f"({', '.join(moved)}) moved to {self.dirpath / ROLLED_BACK_DIR} (kept, not "
+                "overwritten)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.set_aside_after = None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close_folder()
@@ -572,3 +592,24 @@ __all__ = [
     "step_checkpoint_name",
     "step_of",
 ]
+
+
+def set_aside_newer(folder: Path, target: Path, step: int) -> list[str]:
+    """Make ``target`` (step ``step``) the newest checkpoint of ``folder``: ``last.ckpt`` points
+    at it and the step checkpoints after it move into ``rolled_back/`` (never deleted; a name
+    taken by an earlier move gets a suffix). Returns the names moved. A rollback does this, and
+    so does a resume from an older checkpoint of the run: its saves would otherwise overwrite
+    the newer files, and ``last.ckpt`` would take the next ``auto`` resume back to them."""
+    if target.exists():
+        atomic_link(target, folder / LAST_NAME)
+    newer = sorted(p for p in folder.iterdir() if (s := step_of(p)) is not None and s > step)
+    if newer:
+        aside = folder / ROLLED_BACK_DIR
+        aside.mkdir(exist_ok=True)
+        for path in newer:
+            kept = aside / path.name
+            n = 1
+            while kept.exists():  # an earlier rollback moved one of that name: keep both
+                kept, n = aside / f"{path.stem}.{n}{path.suffix}", n + 1
+            path.rename(kept)
+    return [p.name for p in newer]

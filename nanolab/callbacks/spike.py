@@ -45,8 +45,11 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from nanolab.callbacks.checkpoint import LAST_NAME, RotatingCheckpoint, step_of
-from nanolab.callbacks.checkpoint_io import atomic_link
+from nanolab.callbacks.checkpoint import (
+    RotatingCheckpoint,
+    set_aside_newer,
+    step_of,
+)
 from nanolab.callbacks.divergence import Streak
 from nanolab.callbacks.events import CallbackConfigError, emit, find_callback, set_stop_reason
 from nanolab.callbacks.readout import StepReadout
@@ -60,7 +63,6 @@ LOSS_KEY = "spike:loss"
 #: The ``end`` record's reason of the part of a run that a rollback ended.
 REASON = "rollback"
 #: Where the checkpoints newer than the one rolled back to are moved (kept, never deleted).
-ROLLED_BACK_DIR = "rolled_back"
 
 
 class SpikeGuard(StepCallback):
@@ -341,27 +343,6 @@ def complete_rollback(run_dir: str | Path, folder: str | Path | None = None) -> 
     set_aside_newer(folder, target, restore)
     entry["state"] = "done"
     write_ledger(run_dir, ledger)
-
-
-def set_aside_newer(folder: Path, target: Path, step: int) -> list[str]:
-    """Make ``target`` (step ``step``) the newest checkpoint of ``folder``: ``last.ckpt`` points
-    at it and the step checkpoints after it move into ``rolled_back/`` (never deleted; a name
-    taken by an earlier move gets a suffix). Returns the names moved. A rollback does this, and
-    so does a resume from an older checkpoint of the run: its saves would otherwise overwrite
-    the newer files, and ``last.ckpt`` would take the next ``auto`` resume back to them."""
-    if target.exists():
-        atomic_link(target, folder / LAST_NAME)
-    newer = sorted(p for p in folder.iterdir() if (s := step_of(p)) is not None and s > step)
-    if newer:
-        aside = folder / ROLLED_BACK_DIR
-        aside.mkdir(exist_ok=True)
-        for path in newer:
-            kept = aside / path.name
-            n = 1
-            while kept.exists():  # an earlier rollback moved one of that name: keep both
-                kept, n = aside / f"{path.stem}.{n}{path.suffix}", n + 1
-            path.rename(kept)
-    return [p.name for p in newer]
 
 
 def check_ledger(run_dir: str | Path) -> None:

@@ -264,6 +264,9 @@ class TokenDataModule(L.LightningDataModule):
         self._block_size = block_size
         self.val_windows = val_windows
         self.seed = seed
+        #: Set by ``nanolab fit`` for a resume of this run: the window order goes on with the
+        #: checkpoint's seed (a new run from another run's checkpoint keeps its own).
+        self.keep_saved_seed = False
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
@@ -442,8 +445,8 @@ class TokenDataModule(L.LightningDataModule):
                 f"resuming would not continue its window order; set data.align: {saved} to "
                 "resume it, or start a new run (--run.name)"
             )
-        if isinstance(state_dict.get("seed"), int):  # the order the run trained in goes on
-            self.seed = state_dict["seed"]
+        if self.keep_saved_seed and isinstance(state_dict.get("seed"), int):
+            self.seed = state_dict["seed"]  # the order the run trained in goes on
 
     def refuse_changed_data(self, saved: dict[str, Any] | None, ckpt: Any = None) -> None:
         """Raise :class:`DataChangedError` if ``saved`` is not this data's fingerprint (unless

@@ -100,7 +100,7 @@ def job_names(
         parts = [config.stem] + [f"{k.rsplit('.', 1)[-1]}{v}" for k, v in sets]
         base = "-".join(parts)
     base = _NAME_OK.sub("_", base).strip("_") or "job"
-    if base.lower() == "null":  # --run.name=null is no name: the run would go elsewhere
+    if base.lower() == "null" and not seeds:  # --run.name=null is no name: the run goes elsewhere
         given = (
             f"--name {name!r}"
             if name is not None
@@ -216,6 +216,15 @@ def start_checkpoint(cfg: dict[str, Any], cwd: Path) -> list[str]:
     if resume in ("auto", "never"):
         return []
     path = _under(cwd, resume)
+    run_dir = _under(cwd, str((cfg.get("run") or {}).get("root") or "runs")) / str(
+        cfg["run"]["name"]
+    )
+    if path.resolve().is_relative_to(run_dir.resolve()):
+        raise JobConfigError(
+            f"run.resume {resume}: a checkpoint of the job's own run; every restart would go "
+            "back to it (and set aside what the job trained since). Go back once with `nanolab "
+            "fit --run.resume PATH` (the later checkpoints are kept aside), then queue the run"
+        )
     given = cfg.get("ckpt_path")
     if given is not None and _under(cwd, str(given)) != path:
         raise JobConfigError(

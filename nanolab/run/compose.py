@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from nanolab.callbacks.checkpoint import RotatingCheckpoint
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.data.prepare import OutputInUseError
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
@@ -143,10 +144,11 @@ def launch(cli: NanolabCLI) -> Trainer:
     # -- run: hold the run directory, pick the checkpoint (opened without running its pickle)
     if verb == "fit":
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
-        cand = claim_for_fit(
+        claimed = claim_for_fit(
             cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size,
             strategy_kind=parse_strategy(plain_config(cfg)["trainer"].get("strategy"), resolved.world_size).kind,
         )  # fmt: skip
+        cand = claimed.candidate
         ckpt_path = str(cand.path) if cand is not None else None
         max_steps = int(trainer.max_steps or -1)
         if cand is not None and cand.step is not None and 0 < max_steps <= cand.step:
@@ -161,7 +163,14 @@ def launch(cli: NanolabCLI) -> Trainer:
                 if isinstance(callback, RunConfigWriter):
                     callback.keep_existing()  # its config.yaml stays what it trained with
         if cand is not None:
-            keep_checkpoint_settings(cfg, cand.path, data, random_seed=seed is True)
+            own = not claimed.forked  # a new run from another's checkpoint picks its own seeds
+            keep_checkpoint_settings(cfg, cand.path, data, random_seed=seed is True, seeds=own)
+            if own and hasattr(data, "keep_saved_seed"):
+                data.keep_saved_seed = True  # sharded checkpoints too: the run's window order
+        if claimed.older_than_newest:
+            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(callback, RotatingCheckpoint):  # once the resume has restored
+                    callback.set_aside_after = (Path(cand.path), int(cand.step))
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
     target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"), data)
@@ -190,8 +199,10 @@ def print_evaluation(trainer: Trainer, verb: str, target: Any, data: Any) -> Non
 def chosen_seed(seed: Any) -> int | None:
     """The seed for ``seed_everything``: the config's number, or for ``true`` a random one.
     Lightning's ``seed_everything(None)`` gives 0 (every "random" run the same); a random draw
-    here, except in the ranks a launcher started, which take rank 0's from ``PL_GLOBAL_SEED``
-    (set by its ``seed_everything`` and inherited), so all ranks agree."""
+    here, except in the ranks that rank 0 started (Lightning's launcher), which take rank 0's
+    from ``PL_GLOBAL_SEED`` (set by its ``seed_everything`` and inherited). Ranks started
+    side by side (srun, torchrun) draw their own: DDP and FSDP take rank 0's weights anyway, and
+    config.yaml records rank 0's."""
     if seed is not True:
         return None if seed is None else int(seed)
     import random
@@ -210,10 +221,10 @@ def default_run_name(stem: str) -> str:
 
     Lightning's DDP launcher re-executes the command for ranks 1..N-1 a moment later, so the
     name is handed down through ``NANOLAB_RUN_NAME``; under SLURM the job id and a digest of
-    the command line are used (``<stem>-slurm<job>-<6 hex>``): the same in every task ``srun``
-    starts and after a requeue (the same command resumes its run), another for each command of
-    the job (two experiments of one job are two runs, not one resumed with the other's
-    settings). Other multi-process launchers (torchrun on several nodes) should set
+    the command line after the verb are used (``<stem>-slurm<job>-<6 hex>``): the same in every
+    task ``srun`` starts, after a requeue (the same command resumes its run) and for ``test``
+    after ``fit`` of one config; another for each experiment of the job (two experiments of one
+    job are two runs, not one resumed with the other's settings). Other multi-process launchers (torchrun on several nodes) should set
     ``run.name``.
     """
     if name := os.environ.get("NANOLAB_RUN_NAME"):
@@ -221,12 +232,33 @@ def default_run_name(stem: str) -> str:
     if job := os.environ.get("SLURM_JOB_ID"):
         import hashlib
 
-        command = hashlib.sha256("\0".join(sys.argv[1:]).encode()).hexdigest()[:6]
+        command = hashlib.sha256("\0".join(_run_defining_args(sys.argv[2:])).encode()).hexdigest()[
+            :6
+        ]
         name = f"{stem}-slurm{job}-{command}"
     else:
         name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     os.environ["NANOLAB_RUN_NAME"] = name
     return name
+
+
+#: Options that say what to do with a run, not which run: ``fit``, ``validate`` and ``test`` of
+#: one config (a job script that trains, then tests) name the same run.
+_NOT_THE_RUN = ("--ckpt_path", "--verbose", "--run.resume", "--run.fresh")
+
+
+def _run_defining_args(args: list[str]) -> list[str]:
+    """The arguments after the verb, less those of :data:`_NOT_THE_RUN` (and their values)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _NOT_THE_RUN:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in _NOT_THE_RUN)):
+            out.append(arg)
+    return out
 
 
 def build_data_module(data_cfg: Any) -> Any:
@@ -454,7 +486,7 @@ def claim_for_fit(
     check_data = getattr(data, "check_resume", None)
     if callable(check_data):  # data changed under the run (sizes, meta.json, sampled bytes)
         check_data(path)
-    claim_run_dir(
+    claim = claim_run_dir(
         run_dir,
         plain_config(cfg),
         resuming=cand is not None,
@@ -462,33 +494,40 @@ def claim_for_fit(
         checkpoint=cand.path if cand is not None else None,
         checkpoint_run_id=cand.run_id if cand is not None else None,
     )
-    if cand is not None and cand.step is not None and requested != "auto":
-        set_aside_later_checkpoints(folder, cand.path, cand.step)
-    return cand
+    older = (
+        cand is not None
+        and cand.step is not None
+        and requested != "auto"
+        and _inside(Path(cand.path), folder)
+        and any(step > cand.step for step in _step_numbers(folder))
+    )
+    return Claimed(cand, forked=claim.forked_from is not None, older_than_newest=older)
 
 
-def set_aside_later_checkpoints(folder: Path, path: Path, step: int) -> None:
-    """A resume from an older checkpoint of this run (``run.resume PATH`` into its own
-    ``checkpoints/``): the later step checkpoints move to ``rolled_back/`` and ``last.ckpt``
-    points at the one resumed, before anything is trained. Its saves at those steps would
-    replace them without a word, and ``last.ckpt`` would take the next ``auto`` resume back."""
-    from nanolab.callbacks.runlock import global_rank_from_env
-    from nanolab.callbacks.spike import ROLLED_BACK_DIR, set_aside_newer
+@dataclass(frozen=True)
+class Claimed:
+    """What :func:`claim_for_fit` found: the checkpoint to resume from (None: a new run),
+    whether it is another run's (this run starts from it: a fine-tune, a branch), and whether
+    it is an older checkpoint of this run than its newest (the later ones are set aside once
+    the resume has restored, so its saves never overwrite them)."""
 
+    candidate: Any
+    forked: bool = False
+    older_than_newest: bool = False
+
+
+def _inside(path: Path, folder: Path) -> bool:
     try:
-        Path(path).resolve().relative_to(folder.resolve())
+        path.resolve().relative_to(folder.resolve())
     except (ValueError, OSError):
-        return  # another run's checkpoint (a fine-tune): this folder's files are not behind it
-    if global_rank_from_env() != 0:
-        return
-    moved = set_aside_newer(folder, Path(path), step)
-    if moved:
-        print(
-            f"nanolab fit: resuming from step {step}: the {len(moved)} later checkpoint(s) "
-            f"({', '.join(moved)}) moved to {folder / ROLLED_BACK_DIR} (kept, not overwritten)",
-            file=sys.stderr,
-            flush=True,
-        )
+        return False
+    return True
+
+
+def _step_numbers(folder: Path) -> list[int]:
+    from nanolab.callbacks.checkpoint import step_of
+
+    return [s for p in folder.iterdir() if (s := step_of(p)) is not None] if folder.is_dir() else []
 
 
 def continue_own_fork(run_dir: Path, requested: str) -> str:
@@ -512,7 +551,7 @@ def continue_own_fork(run_dir: Path, requested: str) -> str:
 
 
 def keep_checkpoint_settings(
-    cfg: Any, path: Any, data: Any = None, random_seed: bool = False
+    cfg: Any, path: Any, data: Any = None, random_seed: bool = False, seeds: bool = True
 ) -> None:
     """A resume restores the optimizer and LR schedule state, so ``model.optimizer`` and
     ``model.schedule`` values changed since cannot take effect: say so in one line and write
@@ -522,7 +561,8 @@ def keep_checkpoint_settings(
     run's label), and another ``data.seed`` would draw the rest of the epoch from another
     window order (windows seen twice, others never), so the checkpoint's are kept
     (``random_seed``: ``seed_everything: true`` drew a new one at this launch; the run's is kept
-    without a word)."""
+    without a word). ``seeds`` False: a new run from another run's checkpoint, whose seeds are
+    its own to choose (branches of one parent on other data orders)."""
     import torch
 
     from nanolab.callbacks.runlock import global_rank_from_env
@@ -548,12 +588,13 @@ def keep_checkpoint_settings(
             if not same:
                 kept.append(f"model.{part}.{key} {value} (not {current})")
                 now[key] = value
-    seed = (saved or {}).get("seed_everything")
+    seed = (saved or {}).get("seed_everything") if seeds else None
     if isinstance(seed, int) and cfg.get("seed_everything") not in (seed, False, None):
         if not random_seed:
             kept.append(f"seed_everything {seed} (not {cfg.seed_everything})")
         cfg.seed_everything = seed
-    data_seed = _saved_data_seed(state)
+        os.environ["PL_GLOBAL_SEED"] = str(seed)  # what this run's checkpoints record as its seed
+    data_seed = _saved_data_seed(state) if seeds else None
     data_args = cfg.data.get("init_args") if cfg.get("data") else None
     if (
         data_seed is not None
