@@ -611,3 +611,40 @@ def test_prepare_again_says_nothing_to_do_and_a_refusal_names_what_differs(tmp_p
     again = [str(text), "-o", bpe, "--tokenizer", "bpe", "--bpe-vocab-size", "600"]
     assert main([*again, "--val-fraction", "0.2", "-q"]) == 2
     assert "(it differs in --val-fraction 0.1, asked 0.2)" in capsys.readouterr().err
+
+
+def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
+    """A link beside its target (or a file inside a folder also given, overlapping globs) was
+    read twice: the text doubled, and each copy was split into train and validation on its
+    own, so one copy's validation text sat in the other's training text."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "plays.txt").write_text("".join(f"line {i} of a play\n" for i in range(3000)))
+    (folder / "plays-link.txt").symlink_to("plays.txt")
+    resolved = sources.resolve_sources(
+        [str(folder), str(folder / "plays.txt"), str(folder / "*.txt")]
+    )
+    assert [Path(f.path).name for f in resolved.files] == ["plays-link.txt"]
+    assert sum("(read once), skipped" in note for note in resolved.skipped) == 4
+    stats = prepare_dataset([str(folder)], tmp_path / "ds", tokenizer="bytes")
+    once = prepare_dataset([str(folder / "plays.txt")], tmp_path / "one", tokenizer="bytes")
+    assert stats["train_tokens"] + stats["val_tokens"] == once["train_tokens"] + once["val_tokens"]
+
+
+def test_a_glob_names_what_it_matched_and_did_not_read_and_leaves_out_the_output(tmp_path):
+    """``'c/*'`` dropped the folders and the files of other types it matched without a word,
+    and ``'c/**'`` read the dataset it had written into ``c/ds`` on the next run."""
+    folder = tmp_path / "c"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "a.txt").write_text("under a folder\n")
+    (folder / "top.txt").write_text("top level text\n" * 50)
+    (folder / "t.csv").write_text("a,b\n")
+    resolved = sources.resolve_sources([str(folder / "*")])
+    assert [Path(f.path).name for f in resolved.files] == ["top.txt"]
+    assert any("1 matched files of other types skipped (t.csv" in n for n in resolved.skipped)
+    assert any("1 matched folder(s) skipped" in n for n in resolved.skipped)
+    spec = str(folder / "**")
+    first = prepare_dataset([spec], folder / "ds", tokenizer="bytes")
+    again = sources.resolve_sources([spec], exclude=[folder / "ds"])
+    assert sorted(Path(f.path).name for f in again.files) == ["a.txt", "top.txt"]
+    assert first["train_tokens"] > 0

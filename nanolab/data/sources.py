@@ -224,19 +224,7 @@ def resolve_sources(specs: Sequence[str], exclude: Sequence[Path] = ()) -> Resol
         elif path.is_file():
             files.append(_input_file(path, explicit=True))  # type: ignore[arg-type]
         elif glob.has_magic(spec):
-            matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
-            picked = [Path(m) for m in matches if Path(m).is_file()]
-            odd = [
-                f"{m}: {not_a_file(Path(m))}"
-                for m in matches
-                if not Path(m).is_file() and not Path(m).is_dir()
-            ]
-            skipped += [f"{note}, skipped" for note in odd]
-            picked = [p for p in picked if _classify(p.name)[0] is not None]
-            if not picked:
-                why = f" (it matched {'; '.join(odd)})" if odd else ""
-                raise SourceError(f"the glob {spec!r} matches no files nanolab reads{why}")
-            files.extend(_input_file(p, explicit=False) for p in picked)  # type: ignore[misc]
+            files.extend(_glob_files(spec, skipped, exclude))
         elif path.is_symlink() or path.exists():  # a link to nothing, a FIFO, a device
             raise SourceError(
                 f"source {spec!r} is {not_a_file(path)}, not a file nanolab can read; give a "
@@ -244,7 +232,69 @@ def resolve_sources(specs: Sequence[str], exclude: Sequence[Path] = ()) -> Resol
             )
         else:
             raise SourceError(f"source {spec!r} does not exist; give a file, a folder or a glob")
-    return Resolved(files, skipped)
+    return Resolved(_read_once(files, skipped), skipped)
+
+
+def _glob_files(spec: str, skipped: list[str], exclude: Sequence[Path]) -> list[InputFile]:
+    """The files a glob matches that nanolab reads; what else it matches (folders, files of
+    other types, links to nothing) is named in ``skipped``, never dropped without a word, and
+    the paths in ``exclude`` (prepare's own output) are left out as a folder's walk does."""
+    skip = [os.path.realpath(p) for p in exclude]
+
+    def excluded(match: str) -> bool:
+        real = os.path.realpath(match)
+        return any(real == s or real.startswith(s + os.sep) for s in skip)
+
+    matches = [
+        Path(m)
+        for m in sorted(glob.glob(os.path.expanduser(spec), recursive=True))
+        if not excluded(m)
+    ]
+    picked, other, odd = [], [], []
+    for path in matches:
+        if path.is_file():
+            (picked if _classify(path.name)[0] is not None else other).append(path)
+        elif path.is_dir():
+            continue  # its files are matched by the glob themselves, or named below
+        else:
+            odd.append(f"{path}: {not_a_file(path)}")
+    folders = [p for p in matches if p.is_dir()]
+    skipped += [f"{note}, skipped" for note in odd]
+    if other:
+        skipped.append(
+            f"{spec}: {len(other)} matched files of other types skipped ({other[0].name}, ...)"
+        )
+    if folders and "**" not in spec:  # a recursive glob matches the files under them too
+        skipped.append(
+            f"{spec}: {len(folders)} matched folder(s) skipped ({folders[0]}, ...): a glob reads the "
+            "files it matches; name a folder to read everything under it"
+        )
+    if not picked:
+        why = f" (it matched {'; '.join(odd)})" if odd else ""
+        raise SourceError(f"the glob {spec!r} matches no files nanolab reads{why}")
+    return [f for p in picked if (f := _input_file(p, explicit=False)) is not None]
+
+
+def _read_once(files: list[InputFile], skipped: list[str]) -> list[InputFile]:
+    """Each file once, however many sources reach it (a link beside its target, a file inside
+    a folder also given, overlapping globs): a second copy would be split into train and
+    validation on its own, putting the validation text of one copy into the training text of
+    the other."""
+    seen: dict[tuple[int, int], str] = {}
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f.path)
+        except OSError:  # bundled corpora, or gone since: read (or reported) as before
+            out.append(f)
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            skipped.append(f"{f.path}: the same file as {seen[key]} (read once), skipped")
+            continue
+        seen[key] = f.path
+        out.append(f)
+    return out
 
 
 class _Counting:
