@@ -184,7 +184,7 @@ def _parse(line: str) -> dict[str, Any] | None:
         return None
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # damage: a line of 1,000 "[" is not a record
         return None
     return record if isinstance(record, dict) else None
 

@@ -190,6 +190,14 @@ def test_a_line_longer_than_any_record_is_skipped_not_held(tmp_path, monkeypatch
     assert last_record(path, "start", chunk=64) == {"event": "start", "i": 1}
 
 
+def test_a_line_nested_deeper_than_json_reads_is_damage_not_a_traceback(tmp_path):
+    """``[`` x 1,000 appended to a log raised RecursionError in report, status and a resume."""
+    log = tmp_path / "metrics.jsonl"
+    log.write_text(dumps({"event": "train", "step": 1}) + "\n" + "[" * 1000 + "\n")
+    assert [r["step"] for r in iter_records(log)] == [1]
+    assert last_record(log)["step"] == 1
+
+
 def test_records_are_strict_json(tmp_path):
     line = dumps({"a": math.nan, "b": [math.inf, 1.0], "c": Path("/x")})
     assert json.loads(line) == {"a": None, "b": [None, 1.0], "c": "/x"}

@@ -113,6 +113,13 @@ def test_nanolab_layouts(tmp_path: Path) -> None:
         ([{"contexts": ["a", "b"], "continuation": "c", "label": -1}], "schema", "out of range"),
         ([{"context": "x", "continuation": 3}], "language_modeling", "'continuation' is a int"),
         (["[1, 2]"], "multiple_choice", "line 1: a JSON list, not an object"),
+        # an empty option is scored as the bare delimiter: an accuracy for nothing
+        (
+            [{"context": "x", "choices": ["a", ""], "label": 1}],
+            "multiple_choice",
+            "entry 1 is empty",
+        ),
+        (["[" * 5000], "multiple_choice", "line 1: JSON nested too deeply to read"),
     ],
 )
 def test_bad_task_files_name_file_and_line(tmp_path: Path, rows, kind, problem) -> None:

@@ -409,6 +409,22 @@ def test_skip_bad_counts_bad_documents_in_meta(tmp_path):
     assert sum(meta["documents"].values()) == 37
 
 
+def test_a_lone_surrogate_or_a_deeply_nested_line_is_a_bad_document_not_a_traceback(tmp_path):
+    """``"\\ud83d"`` (half an emoji, common in web dumps) is valid JSON but not text: encoding
+    it raised UnicodeEncodeError through prepare, ``--skip-bad`` or not; a line nested 5,000
+    deep raised RecursionError. Both are bad documents: named by line, or skipped and counted."""
+    src = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": d}) for d in DOCS[:20]]
+    lines[2] = '{"text": "broken emoji \\ud83d here"}'
+    lines[5] = '{"text": "x", "meta": ' + "[" * 5000 + "]" * 5000 + "}"
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PrepareError, match="line 3: field 'text' holds an unpaired surrogate"):
+        prepare_dataset([str(src)], tmp_path / "ds", "bytes", quiet=True)
+    meta = prepare_dataset([str(src)], tmp_path / "ds", "bytes", skip_bad=True, quiet=True)
+    assert meta["skipped"]["count"] == 2
+    assert any("line 6: JSON nested too deeply" in e for e in meta["skipped"]["examples"])
+
+
 def test_output_that_is_a_file_and_missing_sources(tmp_path, capsys):
     src = tmp_path / "a.txt"
     src.write_text(SAMPLE)

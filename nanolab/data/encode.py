@@ -172,6 +172,11 @@ def documents(block: Block, text_field: str) -> Documents:
                     "or pass --skip-bad"
                 )
                 continue
+            except RecursionError:
+                out.errors.append(
+                    f"{where}: JSON nested too deeply to read; fix the line or pass --skip-bad"
+                )
+                continue
             try:
                 value = _field(record, path)
             except KeyError:
@@ -210,10 +215,18 @@ def _add_text(out: Documents, where: str, value: Any, name: str, unit: int) -> N
             f'{where}: empty document (field {name!r} is ""); remove it or pass --skip-bad'
         )
         return
+    try:
+        nbytes = len(value.encode("utf-8"))
+    except UnicodeEncodeError as err:  # a lone surrogate escaped in JSON ("\ud83d"): not text
+        out.errors.append(
+            f"{where}: field {name!r} holds an unpaired surrogate ({value[err.start]!r} at "
+            f"character {err.start}), which is not text; fix the line or pass --skip-bad"
+        )
+        return
     out.texts.append(value)
     out.units.append(unit)
     out.ends.append(True)
-    out.nbytes.append(len(value.encode("utf-8")))
+    out.nbytes.append(nbytes)
 
 
 _MASK = (1 << 64) - 1

@@ -153,6 +153,9 @@ def _texts(row: dict[str, Any], key: str, path: Path, line: int, least: int = 2)
         raise _fail(path, line, f"field {key!r} is {what}")
     if len(value) < least:
         raise _fail(path, line, f"field {key!r} has {len(value)} entries; it needs {least} or more")
+    empty = [i for i, v in enumerate(value) if not v.strip()]
+    if empty:  # scored as the bare delimiter: cheap for any model, an accuracy for nothing
+        raise _fail(path, line, f"field {key!r} entry {empty[0]} is empty; every option needs text")
     return value
 
 
@@ -241,6 +244,8 @@ def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[
                     raise _fail(
                         path, number, f"not JSON ({err.msg} at column {err.colno})"
                     ) from None
+                except RecursionError:
+                    raise _fail(path, number, "JSON nested too deeply to read") from None
                 if not isinstance(row, dict):
                     raise _fail(path, number, f"a JSON {type(row).__name__}, not an object")
                 fmt = fmt or detect_format(row)
