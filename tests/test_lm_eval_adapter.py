@@ -142,6 +142,13 @@ def test_model_args_win_over_lm_evals_own_defaults(checkpoint: Path) -> None:
         f"checkpoint={checkpoint},device=cpu,batch_size=3", {"device": "cuda:7", "batch_size": 16}
     )
     assert lm.device.type == "cpu" and lm.rows == 3
+    # lm-eval 0.4.13 parses --model_args itself and passes a dict: the same rule (it raised
+    # "got multiple values for keyword argument 'batch_size'")
+    lm = NanolabLM.create_from_arg_obj(
+        {"checkpoint": str(checkpoint), "device": "cpu", "batch_size": 3},
+        {"device": "cuda:7", "batch_size": 16},
+    )
+    assert lm.device.type == "cpu" and lm.rows == 3
 
 
 def test_a_bad_checkpoint_is_one_line(tmp_path: Path, lm_eval_local_only: None) -> None:

@@ -121,11 +121,20 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
         where ``--model_args`` does not set them (lm-eval's default passes both, twice)."""
         from lm_eval.utils import simple_parse_args_string
 
-        args = simple_parse_args_string(arg_string)
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+    ) -> NanolabLM:
+        """The same rule for lm-eval versions (0.4.13) that parse ``--model_args`` themselves
+        and pass a dict: its keys win over lm-eval's own ``--device``/``--batch_size``."""
         extra = {
-            k: v for k, v in (additional_config or {}).items() if v is not None and k not in args
+            k: v
+            for k, v in (additional_config or {}).items()
+            if v is not None and k not in arg_dict
         }
-        return cls(**args, **extra)
+        return cls(**arg_dict, **extra)
 
     # -- lm-eval's three request types -----------------------------------------------------
     def loglikelihood(
