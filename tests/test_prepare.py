@@ -664,3 +664,19 @@ def test_a_glob_names_what_it_matched_and_did_not_read_and_leaves_out_the_output
     again = sources.resolve_sources([spec], exclude=[folder / "ds"])
     assert sorted(Path(f.path).name for f in again.files) == ["a.txt", "top.txt"]
     assert first["train_tokens"] > 0
+
+
+def test_an_output_that_is_a_link_to_a_folder_fills_that_folder(tmp_path):
+    """``-o dsl`` with ``dsl -> /scratch/ds``: the swap replaced the link by a local folder and
+    left the data off the disk it was meant for (and a dangling ``.dsl.dead-*`` behind)."""
+    src = tmp_path / "a.txt"
+    src.write_text(SAMPLE)
+    (tmp_path / "scratch" / "ds").mkdir(parents=True)
+    link = tmp_path / "dsl"
+    link.symlink_to(tmp_path / "scratch" / "ds")
+    prepare_dataset([str(src)], link, "bytes", quiet=True)
+    prepare_dataset([str(src)], link, "chars", force=True, quiet=True)  # a replacement too
+    assert link.is_symlink() and (tmp_path / "scratch" / "ds" / "meta.json").is_file()
+    meta = json.loads((tmp_path / "scratch" / "ds" / "meta.json").read_text())
+    assert meta["tokenizer"]["name"] == "chars"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "dsl", "scratch"]

@@ -183,6 +183,8 @@ def prepare_dataset(
                 f"dataset folder {dataset_dir} is the file system's root; give a folder to "
                 "create, e.g. -o data/mine"
             )
+    if out_dir.is_symlink():  # a link to a folder on another disk: the dataset goes there and
+        out_dir = Path(os.path.realpath(out_dir))  # the link stays (replacing it lost both)
     if out_dir.exists() and not out_dir.is_dir():
         raise PrepareError(
             f"dataset folder {out_dir} is a file; give the path of a folder to create"
