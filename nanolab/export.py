@@ -286,6 +286,7 @@ def export(
     """Write the export of ``ckpt_path`` to ``out`` (atomically), with a README.md model card;
     returns notes for the user."""
     out = Path(out)
+    recover_interrupted(out)
     check_destination(out, force)
     path = resolve_checkpoint(ckpt_path)
     ckpt = load_checkpoint(path)
@@ -316,6 +317,32 @@ def export(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return notes
+
+
+def recover_interrupted(out: Path) -> None:
+    """What a killed export left beside ``out``: its staging copy (``.<name>.export-PID``, a
+    full-size hidden folder no later export would remove) goes; a previous export it had moved
+    aside (``.<name>.replaced-PID``) and not yet replaced comes back as ``out``, or goes once
+    ``out`` is the newer export. Leftovers of a live process are left to it."""
+    import glob
+
+    from nanolab.processes import pid_alive
+
+    def dead(kind: str) -> list[Path]:
+        found = out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")
+        return sorted(
+            (p for p in found if p.name.rsplit("-", 1)[-1].isdigit()
+             and not pid_alive(int(p.name.rsplit("-", 1)[-1]))),
+            key=lambda p: p.stat().st_mtime, reverse=True,
+        )  # fmt: skip
+
+    for staging in dead("export"):
+        shutil.rmtree(staging, ignore_errors=True)
+    replaced = dead("replaced")
+    if replaced and not out.exists():
+        os.replace(replaced.pop(0), out)
+    for stale in replaced:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 @one_line_errors("nanolab export")

@@ -686,3 +686,22 @@ def test_warnings_still_show_when_quiet(capsys, monkeypatch):
     assert capsys.readouterr().err == "nanolab x: detail\n"
     monkeypatch.delenv(messages.ENV)
     messages.configure()
+
+
+def test_what_a_killed_export_left_is_cleared_or_put_back(tmp_path, trained_run):
+    """A kill -9 mid-export left ``.st.export-PID`` (a full-size hidden copy no later export
+    removed); a kill between moving the previous export aside and the new one in left the
+    previous one as ``.st.replaced-PID`` only. The next export clears the first and puts the
+    second back (then ``--force`` is needed to replace it, as for any export)."""
+    out = tmp_path / "st"
+    args = ["export", "--ckpt", str(trained_run), "--format", "safetensors", "-o", str(out)]
+    assert main(args) == 0
+    dead_pid = 2**22 + 12345  # above pid_max's default: no such process
+    (tmp_path / f".st.export-{dead_pid}").mkdir()
+    (tmp_path / f".st.export-{dead_pid}" / "model.safetensors").write_bytes(b"0" * 1000)
+    out.rename(tmp_path / f".st.replaced-{dead_pid}")
+    assert main(args) == 2  # the previous export is back: replacing it takes --force
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
+    assert main([*args, "--force"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
