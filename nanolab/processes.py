@@ -1,8 +1,10 @@
-"""Processes on this machine, as the run lock and the queue see them."""
+"""Processes and memory on this machine, as the run lock, the queue, a CPU run and ``prepare``
+see them."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -20,3 +22,34 @@ def pid_alive(pid: int | None) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process can still allocate: free RAM, capped by its cgroup and address-space
+    limits (None when none of them can be read)."""
+    limits: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if text != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            limits.append(int(text) - used)
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm", encoding="ascii") as f:
+                mapped = int(f.read().split()[0]) * resource.getpagesize()
+            limits.append(soft - mapped)
+    except (OSError, ValueError, ImportError):
+        pass
+    return max(0, min(limits)) if limits else None

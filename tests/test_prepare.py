@@ -680,3 +680,54 @@ def test_an_output_that_is_a_link_to_a_folder_fills_that_folder(tmp_path):
     meta = json.loads((tmp_path / "scratch" / "ds" / "meta.json").read_text())
     assert meta["tokenizer"]["name"] == "chars"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "dsl", "scratch"]
+
+
+def test_a_bpe_sample_of_mostly_new_words_is_cut_to_what_memory_holds(monkeypatch, capsys):
+    """The BPE trainer holds ~110 bytes per byte of distinct words: text without spaces or of
+    random tokens (every word new) took 1.05 GB for 8 MB, ~28 GB for the default 256 MB
+    sample. Its first 4 MB say how much is new; the sample stops where half of the free memory
+    is spent, and says so. English repeats its words and keeps the whole sample."""
+    import random
+
+    from nanolab import processes
+    from nanolab.data import prepare as prep
+
+    monkeypatch.setattr(processes, "host_memory_available", lambda: 8 << 30)
+    rng = random.Random(0)
+    han = [chr(c) for c in range(0x4E00, 0x4E00 + 3000)]
+    new_words = _probe_cap(prep, lambda: "".join(rng.choice(han) for _ in range(20)) + "。")
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "a",
+        "is",
+        "that",
+        "for",
+        "it",
+        "as",
+        "was",
+        "with",
+        "be",
+        "by",
+        "on",
+        "not",
+        "he",
+        "this",
+        "are",
+    ]
+    english = _probe_cap(prep, lambda: " ".join(rng.choice(words) for _ in range(40)) + ".\n")
+    wanted = 256 << 20
+    assert english == wanted
+    assert prep.PROBE_BYTES <= new_words < wanted / 10
+    said = capsys.readouterr().err
+    assert said.count("the BPE sample stops at") == 1 and "--bpe-sample-bytes sets it" in said
+
+
+def _probe_cap(prep, piece) -> int:
+    probe = prep._DistinctWords()
+    while not probe.full():
+        probe.add("".join(piece() for _ in range(100)))
+    return probe.bounded_cap(256 << 20, 1 << 40)  # a corpus far larger than the sample

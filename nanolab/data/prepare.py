@@ -29,6 +29,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -59,7 +60,7 @@ from nanolab.data.tokenizers import (
     check_tokenizer_name,
 )
 from nanolab.errors import NanolabError, one_line_errors
-from nanolab.messages import say
+from nanolab.messages import note, say
 from nanolab.runlog import refuse_inside_run
 
 FORMAT = "nanolab-tokens-v1"
@@ -304,6 +305,63 @@ def dataset_differences(
     return out
 
 
+#: What HF ``tokenizers``' BPE trainer holds per byte of distinct words in its sample (each
+#: byte a symbol with its links, each pair with the words it occurs in): 8 MB of random Han
+#: text (every word new) peaked at 1.05 GB RSS, 2026-12-05; English repeats its words and
+#: stays near 10 bytes per byte.
+TRAINER_BYTES_PER_DISTINCT_BYTE = 110
+#: Bytes of the sample read to measure how many of its words are new.
+PROBE_BYTES = 4 << 20
+_WORD = re.compile(r"\w+|[^\w\s]+")
+
+
+class _DistinctWords:
+    """How much of a BPE sample's text is distinct words, measured on its first
+    :data:`PROBE_BYTES`: text without spaces (Chinese, Japanese) or of random tokens holds
+    few repeats, and the trainer's memory grows with the distinct words' bytes, so a 256 MB
+    sample of it needs ~28 GB. :meth:`bounded_cap` says how much sample fits in half of the
+    memory this process can allocate, and says so when that is less than asked."""
+
+    def __init__(self) -> None:
+        self.words: set[str] = set()
+        self.seen = 0  # characters (what the sample's cap counts)
+        self.seen_bytes = 0  # their UTF-8 bytes (what the byte-level trainer holds)
+        self.cap: int | None = None
+
+    def add(self, text: str) -> None:
+        if self.seen < PROBE_BYTES:
+            self.seen += len(text)
+            self.seen_bytes += len(text.encode("utf-8"))
+            self.words.update(_WORD.findall(text))
+
+    def full(self) -> bool:
+        return self.seen >= PROBE_BYTES
+
+    def bounded_cap(self, cap: int, expected_bytes: float) -> int:
+        """The sample's cap in characters: ``cap``, or less where the trainer would hold over
+        half of the free memory for the sample expected (``expected_bytes`` of text)."""
+        from nanolab.processes import host_memory_available
+
+        share = sum(len(w.encode("utf-8")) for w in self.words) / max(1, self.seen_bytes)
+        self.words.clear()
+        per_char = self.seen_bytes / max(1, self.seen)  # UTF-8 bytes per character
+        wanted = min(cap, int(expected_bytes / per_char))  # characters
+        held = TRAINER_BYTES_PER_DISTINCT_BYTE * share * per_char  # memory per character
+        available = host_memory_available()
+        self.cap = cap
+        if available and held * wanted > available / 2:
+            self.cap = max(PROBE_BYTES, int(available / 2 / held))
+            note(
+                "nanolab prepare",
+                f"the BPE sample stops at {self.cap * per_char / 2**20:.0f} MB of text, not "
+                f"{wanted * per_char / 2**20:.0f}: {share:.0%} of it is distinct words, which "
+                f"the trainer holds at ~{TRAINER_BYTES_PER_DISTINCT_BYTE} bytes of memory per "
+                f"byte (about {held * wanted / 2**30:.1f} GB, over half of the "
+                f"{available / 2**30:.1f} GB free); --bpe-sample-bytes sets it",
+            )
+        return self.cap
+
+
 def _leftovers(out_dir: Path, kind: str) -> list[Path]:
     """``.<name>.<kind>-*`` beside ``out_dir``, newest first (the name taken literally: a
     dataset called ``a*`` never matches another's)."""
@@ -496,11 +554,15 @@ class _Job:
         keep = min(1.0, self.bpe_sample_bytes / max(1, expected))
         cap = int(self.bpe_sample_bytes * 1.25)
         taken = 0
+        probe = _DistinctWords()
         with contextlib.closing(self._first_pass("bpe sample", encode.block_sample, keep)) as each:
             for texts in each:
                 for text in texts:
                     taken += len(text)
+                    probe.add(text)
                     yield text
+                if probe.full() and probe.cap is None:
+                    cap = probe.bounded_cap(cap, expected * keep)
                 if taken >= cap:
                     break
 

@@ -9,12 +9,12 @@ at start when the estimate exceeds the device's memory, naming the switches that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from nanolab.errors import NanolabError
+from nanolab.processes import host_memory_available
 
 
 class AutoBatchError(NanolabError):
@@ -76,37 +76,6 @@ def plan_memory(
 
 class HostMemoryError(NanolabError):
     """A CPU run whose model cannot fit in this machine's memory (refused before allocating)."""
-
-
-def host_memory_available() -> int | None:
-    """Bytes this process can still allocate: free RAM, capped by its cgroup and address-space
-    limits (None when none of them can be read)."""
-    limits: list[int] = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    limits.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if text != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-            limits.append(int(text) - used)
-    except (OSError, ValueError):
-        pass
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft != resource.RLIM_INFINITY:
-            with open("/proc/self/statm", encoding="ascii") as f:
-                mapped = int(f.read().split()[0]) * resource.getpagesize()
-            limits.append(soft - mapped)
-    except (OSError, ValueError, ImportError):
-        pass
-    return max(0, min(limits)) if limits else None
 
 
 def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
