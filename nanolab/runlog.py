@@ -53,7 +53,14 @@ def iter_numbered(
     if handle is None:
         return
     with handle:
-        for number, line in enumerate(handle):
+        number = -1
+        while line := handle.readline(MAX_RECORD_BYTES + 1):
+            number += 1
+            if len(line) > MAX_RECORD_BYTES and not line.endswith("\n"):
+                # longer than any record (a power loss's zeros): damage, passed over in pieces
+                while (rest := handle.readline(1 << 20)) and not rest.endswith("\n"):
+                    pass
+                continue
             if containing is not None and containing not in line:
                 continue
             record = _parse(line)

@@ -188,6 +188,10 @@ def test_a_line_longer_than_any_record_is_skipped_not_held(tmp_path, monkeypatch
     big = json.dumps({"event": "start", "pad": "x" * 5000})  # a record, but past the bound
     path.write_text(json.dumps({"event": "start", "i": 1}) + "\n" + big + "\n" + "\0" * 9000)
     assert last_record(path, "start", chunk=64) == {"event": "start", "i": 1}
+    # the forward reader too (report, status): it held the longest line, 2x its size in RSS
+    after = json.dumps({"event": "end", "i": 3})
+    path.write_text(json.dumps({"event": "start", "i": 1}) + "\n" + big + "\n" + after + "\n")
+    assert [(n, r["i"]) for n, r in runlog.iter_numbered(path)] == [(0, 1), (2, 3)]
 
 
 def test_a_line_nested_deeper_than_json_reads_is_damage_not_a_traceback(tmp_path):
