@@ -731,3 +731,16 @@ def _probe_cap(prep, piece) -> int:
     while not probe.full():
         probe.add("".join(piece() for _ in range(100)))
     return probe.bounded_cap(256 << 20, 1 << 40)  # a corpus far larger than the sample
+
+
+def test_a_one_file_corpus_cut_for_validation_counts_its_bytes(tmp_path):
+    """A corpus of one short document is cut: its tail is the validation split. The cut fell
+    inside a two-byte character and counted the decoded U+FFFD (3 bytes), so val_bytes (the
+    bits-per-byte denominator) was 17 where the text holds 19."""
+    src = tmp_path / "u.txt"
+    src.write_text("é" * 100)
+    meta = prepare_dataset([str(src)], tmp_path / "ds", "bytes", quiet=True)
+    assert meta["train_bytes"] + meta["val_bytes"] == 200
+    val = np.fromfile(tmp_path / "ds" / "val.bin", dtype=meta["dtype"])
+    text = bytes(int(i) for i in val if i < 256)
+    assert len(text) == meta["val_bytes"] and text.decode("utf-8") == "é" * (len(text) // 2)

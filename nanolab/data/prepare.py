@@ -712,6 +712,8 @@ def _rebalance(
                     f"the corpus is too small to split: {ids.size} token(s); add text"
                 )
             cut = ids.size - max(1, int(ids.size * val_fraction))
+            while cut < ids.size - 1 and tok.decode(ids[:cut].tolist()).endswith("\ufffd"):
+                cut += 1  # not inside a character: its bytes would be counted as U+FFFD's 3
             head = len(tok.decode(ids[:cut].tolist()).encode("utf-8"))
             pieces = {"train": (ids[:cut], head, 0), "val": (ids[cut:], nbytes - head, docs)}
         for split, (part, part_bytes, part_docs) in pieces.items():
