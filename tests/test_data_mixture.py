@@ -268,7 +268,7 @@ def test_kill_and_resume_a_mixture_run_is_bit_identical(tmp_path):
              if r["event"] == "val"}  # fmt: skip
     val_b = {r["step"]: (r["val/prose/loss"], r["val/code/loss"]) for r in log_b
              if r["event"] == "val"}  # fmt: skip
-    assert val_a == val_b and sorted(val_a) == [4, 8]
+    assert val_a == val_b and sorted(val_a) == [4, 8, STEPS]  # the last step is validated too
 
 
 # -- DDP = accumulation on a mixture (the single-dataset version: test_training.py) ----------

@@ -166,7 +166,10 @@ def test_a_poisoned_run_rolls_back_skips_the_poison_and_ends_like_a_clean_one(
     assert moved.is_dir() and any(moved.iterdir())
     clean, healed, warned = (last_val(runs[n]) for n in ("clean", "healed", "warned"))
     assert abs(healed - clean) < 0.1, (clean, healed, warned)
-    assert [r["action"] for r in runs["warned"] if r.get("event") == "spike"] == ["warn"]
+    # warn only: it trains on, damaged (a damaged model may spike again: how often depends on
+    # the machine's float rounding, so the count is not the point)
+    warned_actions = [r["action"] for r in runs["warned"] if r.get("event") == "spike"]
+    assert warned_actions and set(warned_actions) == {"warn"}
     print(f"final val loss: clean {clean:.4f}, healed {healed:.4f}, warn only {warned:.4f}")
     # The report counts the rollback and reads the healed timeline only (the damaged
     # validation logged before the rollback is not its best or final number).
