@@ -325,16 +325,20 @@ def recover_interrupted(out: Path) -> None:
     aside (``.<name>.replaced-PID``) and not yet replaced comes back as ``out``, or goes once
     ``out`` is the newer export. Leftovers of a live process are left to it."""
     import glob
+    import re
 
     from nanolab.processes import pid_alive
 
     def dead(kind: str) -> list[Path]:
-        found = out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")
-        return sorted(
-            (p for p in found if p.name.rsplit("-", 1)[-1].isdigit()
-             and not pid_alive(int(p.name.rsplit("-", 1)[-1]))),
-            key=lambda p: p.stat().st_mtime, reverse=True,
-        )  # fmt: skip
+        """``.<name>.<kind>-PID`` exactly (not another output's), its process gone: this one's
+        own pid too (in a container every export may be pid 1, and this one has not begun)."""
+        exact = re.compile(rf"\.{re.escape(out.name)}\.{kind}-(\d+)")
+        found = []
+        for p in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
+            m = exact.fullmatch(p.name)
+            if m and (int(m.group(1)) == os.getpid() or not pid_alive(int(m.group(1)))):
+                found.append(p)
+        return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
     for staging in dead("export"):
         shutil.rmtree(staging, ignore_errors=True)

@@ -24,6 +24,19 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
+def _reclaimable_cache() -> int:
+    """Bytes of the cgroup's page cache the kernel drops before it runs out (``inactive_file``
+    of ``memory.stat``): ``memory.current`` counts them, and a corpus just read fills them."""
+    try:
+        for line in Path("/sys/fs/cgroup/memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "inactive_file":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def host_memory_available() -> int | None:
     """Bytes this process can still allocate: free RAM, capped by its cgroup and address-space
     limits (None when none of them can be read)."""
@@ -39,7 +52,7 @@ def host_memory_available() -> int | None:
         text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if text != "max":
             used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-            limits.append(int(text) - used)
+            limits.append(int(text) - used + _reclaimable_cache())
     except (OSError, ValueError):
         pass
     try:

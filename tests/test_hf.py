@@ -705,3 +705,9 @@ def test_what_a_killed_export_left_is_cleared_or_put_back(tmp_path, trained_run)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
     assert main([*args, "--force"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
+    # this process's own pid (every export is pid 1 in a container) is not a live export; a
+    # leftover of another output whose name begins the same is not this one's
+    out.rename(tmp_path / f".st.replaced-{os.getpid()}")
+    other = tmp_path / f".st.export-x.replaced-{dead_pid}"
+    other.mkdir()
+    assert main(args) == 2 and (out / "model.safetensors").is_file() and other.is_dir()

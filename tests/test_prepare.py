@@ -642,6 +642,8 @@ def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
     )
     assert [Path(f.path).name for f in resolved.files] == ["plays-link.txt"]
     assert sum("(read once), skipped" in note for note in resolved.skipped) == 4
+    bundled = sources.resolve_sources(["bundled:shakespeare", "bundled:shakespeare"])
+    assert len(bundled.files) == 1 and "(read once)" in bundled.skipped[0]
     stats = prepare_dataset([str(folder)], tmp_path / "ds", tokenizer="bytes")
     once = prepare_dataset([str(folder / "plays.txt")], tmp_path / "one", tokenizer="bytes")
     assert stats["train_tokens"] + stats["val_tokens"] == once["train_tokens"] + once["val_tokens"]
@@ -664,6 +666,11 @@ def test_a_glob_names_what_it_matched_and_did_not_read_and_leaves_out_the_output
     again = sources.resolve_sources([spec], exclude=[folder / "ds"])
     assert sorted(Path(f.path).name for f in again.files) == ["a.txt", "top.txt"]
     assert first["train_tokens"] > 0
+    # a killed run's leftovers beside the output, inside the input folder, are not input
+    (folder / ".ds.tmp-123").mkdir()
+    (folder / ".ds.tmp-123" / "half.txt").write_text("half written\n")
+    again = prepare_dataset([str(folder)], folder / "ds", tokenizer="bytes", force=True)
+    assert again["files"] == 2
 
 
 def test_an_output_that_is_a_link_to_a_folder_fills_that_folder(tmp_path):

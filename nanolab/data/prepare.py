@@ -186,13 +186,21 @@ def prepare_dataset(
             )
     if out_dir.is_symlink():  # a link to a folder on another disk: the dataset goes there and
         out_dir = Path(os.path.realpath(out_dir))  # the link stays (replacing it lost both)
+        if not os.access(out_dir.parent, os.W_OK):
+            raise PrepareError(
+                f"dataset folder {dataset_dir} links to {out_dir}, whose parent folder cannot be "
+                "written (prepare writes beside the folder and renames it into place); link to "
+                "a folder inside one you own, e.g. /scratch/$USER/data/NAME"
+            )
     if out_dir.exists() and not out_dir.is_dir():
         raise PrepareError(
             f"dataset folder {out_dir} is a file; give the path of a folder to create"
         )
     try:
         lock = out_dir.with_name(f".{out_dir.name}.lock")
-        resolved = resolve_sources(sources, exclude=(out_dir, lock))  # -o inside an input
+        # -o inside an input folder: its dataset, lock and a killed run's leftovers are not input
+        mine = (out_dir, lock, *out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"))
+        resolved = resolve_sources(sources, exclude=mine)
     except SourceError as err:
         raise PrepareError(str(err)) from None
     tok_identity: Any = tokenizer
@@ -349,8 +357,11 @@ class _DistinctWords:
         held = TRAINER_BYTES_PER_DISTINCT_BYTE * share * per_char  # memory per character
         available = host_memory_available()
         self.cap = cap
-        if available and held * wanted > available / 2:
-            self.cap = max(PROBE_BYTES, int(available / 2 / held))
+        if available is None:
+            return cap
+        bound = max(PROBE_BYTES, int(available / 2 / held)) if held else cap
+        self.cap = min(cap, bound)  # also where the corpus holds more text than its size said
+        if wanted > bound:
             note(
                 "nanolab prepare",
                 f"the BPE sample stops at {self.cap * per_char / 2**20:.0f} MB of text, not "
@@ -712,9 +723,13 @@ def _rebalance(
                     f"the corpus is too small to split: {ids.size} token(s); add text"
                 )
             cut = ids.size - max(1, int(ids.size * val_fraction))
-            while cut < ids.size - 1 and tok.decode(ids[:cut].tolist()).endswith("\ufffd"):
+
+            def size(part: np.ndarray) -> int:
+                return len(tok.decode(part.tolist()).encode("utf-8"))
+
+            while cut < ids.size - 1 and size(ids[:cut]) + size(ids[cut:]) != nbytes:
                 cut += 1  # not inside a character: its bytes would be counted as U+FFFD's 3
-            head = len(tok.decode(ids[:cut].tolist()).encode("utf-8"))
+            head = size(ids[:cut])
             pieces = {"train": (ids[:cut], head, 0), "val": (ids[cut:], nbytes - head, docs)}
         for split, (part, part_bytes, part_docs) in pieces.items():
             _append(

@@ -280,15 +280,18 @@ def _read_once(files: list[InputFile], skipped: list[str]) -> list[InputFile]:
     a folder also given, overlapping globs): a second copy would be split into train and
     validation on its own, putting the validation text of one copy into the training text of
     the other."""
-    seen: dict[tuple[int, int], str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     out = []
     for f in files:
-        try:
-            st = os.stat(f.path)
-        except OSError:  # bundled corpora, or gone since: read (or reported) as before
-            out.append(f)
-            continue
-        key = (st.st_dev, st.st_ino)
+        if f.bundled is not None:
+            key: tuple[Any, ...] = ("bundled", f.bundled)
+        else:
+            try:
+                st = os.stat(f.path)
+            except OSError:  # gone since: reported when read, as before
+                out.append(f)
+                continue
+            key = (st.st_dev, st.st_ino)
         if key in seen:
             skipped.append(f"{f.path}: the same file as {seen[key]} (read once), skipped")
             continue
