@@ -323,19 +323,24 @@ def test_the_command_that_started_a_fine_tune_continues_it_after_a_preemption(
     assert mixed.returncode == 2 and "would mix two runs" in mixed.stderr
 
 
-def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, char_dataset):
-    """``--run.resume checkpoints/step-4`` of a run that went on to step 8: its saves at steps
-    6 and 8 replaced the first timeline's files without a word. They move to ``rolled_back/``
-    first (byte for byte), ``last.ckpt`` points at the resumed one, and the line says so."""
-    import hashlib
-
+def _run_with_checkpoints_every_2_steps(tmp_path: Path, char_dataset: Path) -> tuple[Path, Path]:
+    """An 8-step run keeping its checkpoints of steps 2..8: its config and checkpoint folder."""
     cfg = write_config(
         tmp_path / "c.yaml",
         tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8,
                        checkpoint__every_n_steps=2, checkpoint__keep_last=5),
     )  # fmt: skip
     assert nanolab_here("fit", "--config", str(cfg), cwd=tmp_path).returncode == 0
-    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    return cfg, tmp_path / "runs" / "tiny" / "checkpoints"
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, char_dataset):
+    """``--run.resume checkpoints/step-4`` of a run that went on to step 8: its saves at steps
+    6 and 8 replaced the first timeline's files without a word. They move to ``rolled_back/``
+    first (byte for byte), ``last.ckpt`` points at the resumed one, and the line says so."""
+    import hashlib
+
+    cfg, folder = _run_with_checkpoints_every_2_steps(tmp_path, char_dataset)
 
     def digest(path: Path) -> str:
         return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -357,13 +362,7 @@ def test_a_resume_that_fails_to_restore_sets_nothing_aside(tmp_path, char_datase
     """The later checkpoints move aside once the resume has restored: a resume from an older
     checkpoint refused during the restore (another data.align) left the run rewound, and the
     next ``auto`` resume quietly redid the steps from the older one."""
-    cfg = write_config(
-        tmp_path / "c.yaml",
-        tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8,
-                       checkpoint__every_n_steps=2, checkpoint__keep_last=5),
-    )  # fmt: skip
-    assert nanolab_here("fit", "--config", str(cfg), cwd=tmp_path).returncode == 0
-    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    cfg, folder = _run_with_checkpoints_every_2_steps(tmp_path, char_dataset)
     before = sorted(p.name for p in folder.iterdir())
     refused = nanolab_here("fit", "--config", str(cfg), "--run.resume", str(folder / "step-00000004.ckpt"),
                            "--data.align", "document", "--data.micro_batch_size", "1", "--trainer.max_steps", "9", cwd=tmp_path)  # fmt: skip
