@@ -250,15 +250,14 @@ def _glob_files(spec: str, skipped: list[str], exclude: Sequence[Path]) -> list[
         for m in sorted(glob.glob(os.path.expanduser(spec), recursive=True))
         if not excluded(m)
     ]
-    picked, other, odd = [], [], []
+    picked, other, folders, odd = [], [], [], []
     for path in matches:
         if path.is_file():
             (picked if _classify(path.name)[0] is not None else other).append(path)
         elif path.is_dir():
-            continue  # its files are matched by the glob themselves, or named below
+            folders.append(path)  # its files are matched by the glob themselves, or named below
         else:
             odd.append(f"{path}: {not_a_file(path)}")
-    folders = [p for p in matches if p.is_dir()]
     skipped += [f"{note}, skipped" for note in odd]
     if other:
         skipped.append(

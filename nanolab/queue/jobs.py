@@ -99,7 +99,7 @@ def job_names(
     else:
         parts = [config.stem] + [f"{k.rsplit('.', 1)[-1]}{v}" for k, v in sets]
         base = "-".join(parts)
-    base = _NAME_OK.sub("_", base).strip("_") or "job"
+    base = name_part(base).strip("_") or "job"
     if base.lower() == "null" and not seeds:  # --run.name=null is no name: the run goes elsewhere
         given = (
             f"--name {name!r}"

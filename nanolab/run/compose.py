@@ -18,7 +18,7 @@ from typing import Any
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from nanolab.callbacks.checkpoint import RotatingCheckpoint
+from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.data.prepare import OutputInUseError
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
@@ -224,18 +224,16 @@ def default_run_name(stem: str) -> str:
     the command line after the verb are used (``<stem>-slurm<job>-<6 hex>``): the same in every
     task ``srun`` starts, after a requeue (the same command resumes its run) and for ``test``
     after ``fit`` of one config; another for each experiment of the job (two experiments of one
-    job are two runs, not one resumed with the other's settings). Other multi-process launchers (torchrun on several nodes) should set
-    ``run.name``.
+    job are two runs, not one resumed with the other's settings). Other multi-process launchers
+    (torchrun on several nodes) should set ``run.name``.
     """
     if name := os.environ.get("NANOLAB_RUN_NAME"):
         return name
     if job := os.environ.get("SLURM_JOB_ID"):
         import hashlib
 
-        command = hashlib.sha256("\0".join(_run_defining_args(sys.argv[2:])).encode()).hexdigest()[
-            :6
-        ]
-        name = f"{stem}-slurm{job}-{command}"
+        defining = "\0".join(_run_defining_args(sys.argv[2:])).encode()
+        name = f"{stem}-slurm{job}-{hashlib.sha256(defining).hexdigest()[:6]}"
     else:
         name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     os.environ["NANOLAB_RUN_NAME"] = name
@@ -431,7 +429,7 @@ def claim_for_fit(
     checked against this model and data; a directory holding a different run is refused
     before ``config.yaml`` is written.
     """
-    from nanolab.callbacks.rundir import claim_run_dir
+    from nanolab.callbacks.rundir import checkpoint_files, claim_run_dir
     from nanolab.callbacks.runlock import acquire, global_rank_from_env
 
     run = cfg.run
@@ -499,7 +497,7 @@ def claim_for_fit(
         and cand.step is not None
         and requested != "auto"
         and _inside(Path(cand.path), folder)
-        and any(step > cand.step for step in _step_numbers(folder))
+        and any((s := step_of(p)) is not None and s > cand.step for p in checkpoint_files(run_dir))
     )
     return Claimed(cand, forked=claim.forked_from is not None, older_than_newest=older)
 
@@ -522,12 +520,6 @@ def _inside(path: Path, folder: Path) -> bool:
     except (ValueError, OSError):
         return False
     return True
-
-
-def _step_numbers(folder: Path) -> list[int]:
-    from nanolab.callbacks.checkpoint import step_of
-
-    return [s for p in folder.iterdir() if (s := step_of(p)) is not None] if folder.is_dir() else []
 
 
 def continue_own_fork(run_dir: Path, requested: str) -> str:
@@ -594,10 +586,10 @@ def keep_checkpoint_settings(
             kept.append(f"seed_everything {seed} (not {cfg.seed_everything})")
         cfg.seed_everything = seed
         os.environ["PL_GLOBAL_SEED"] = str(seed)  # what this run's checkpoints record as its seed
-    data_seed = _saved_data_seed(state) if seeds else None
+    data_seed = (_saved_data_state(state) or {}).get("seed") if seeds else None
     data_args = cfg.data.get("init_args") if cfg.get("data") else None
     if (
-        data_seed is not None
+        isinstance(data_seed, int)
         and data_args is not None
         and data_args.get("seed") not in (None, data_seed)
     ):
@@ -623,13 +615,6 @@ def _saved_data_state(state: dict[str, Any]) -> dict[str, Any] | None:
         if isinstance(value, dict) and "data_fingerprint" in value:
             return value
     return None
-
-
-def _saved_data_seed(state: dict[str, Any]) -> int | None:
-    """The window-order seed a checkpoint's DataModule saved, or None (another DataModule, an
-    older checkpoint)."""
-    seed = (_saved_data_state(state) or {}).get("seed")
-    return seed if isinstance(seed, int) else None
 
 
 def requested_checkpoint(resume: str, ckpt_path: Any) -> tuple[str | None, str]:
