@@ -8,6 +8,7 @@ import shutil
 import lightning as L
 import pytest
 import torch
+import yaml
 from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.cli import main
@@ -110,6 +111,12 @@ def test_a_dataset_shorter_than_one_block_is_refused(tmp_path):
 
 def test_gradient_accumulation_is_derived_from_global_batch_tokens():
     assert gradient_accumulation(None, 16, 1024, 8) == 1
+    # Without a global batch in tokens, Lightning's own setting is the accumulation; with one,
+    # the derived value wins (it keeps the batch on another device count).
+    assert gradient_accumulation(None, 16, 1024, 8, 4) == 4
+    assert gradient_accumulation(524288, 16, 1024, 8, 2) == 4
+    with pytest.raises(RunConfigError, match="trainer.accumulate_grad_batches"):
+        gradient_accumulation(None, 16, 1024, 8, 0)
     assert gradient_accumulation(524288, 16, 1024, 1) == 32
     assert gradient_accumulation(524288, 16, 1024, 8) == 4
     with pytest.raises(RunConfigError, match="multiple"):
@@ -593,3 +600,20 @@ def test_a_plain_checkpoint_under_fsdp2_on_two_devices_is_refused_first(tmp_path
     assert len(errors) == 1 and "FSDP2 on 2 devices cannot shard that state" in errors[0]
     assert "Traceback" not in res.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_accumulate_grad_batches_is_obeyed_without_a_global_batch(tmp_path, char_dataset):
+    """`trainer.accumulate_grad_batches` was replaced by 1 when `run.global_batch_tokens` was
+    null: the run trained a quarter of the batch it was asked for, and said nothing."""
+    overrides = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    overrides["trainer"]["accumulate_grad_batches"] = 4
+    overrides["run"]["global_batch_tokens"] = None
+    cfg = write_config(tmp_path / "tiny.yaml", overrides)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    run_dir = tmp_path / "runs" / "tiny"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["trainer"]["accumulate_grad_batches"] == 4
+    assert "x 4 accumulation" in res.stdout + res.stderr
+    steps = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("event") == "train"]
+    assert [r["tokens"] for r in steps] == [4 * 32 * 4, 2 * 4 * 32 * 4]

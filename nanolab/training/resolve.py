@@ -401,11 +401,20 @@ def visible_gpus(accelerator: Any) -> int:
 
 
 def gradient_accumulation(
-    global_batch_tokens: int | None, micro_batch_size: int, block_size: int, world_size: int
+    global_batch_tokens: int | None,
+    micro_batch_size: int,
+    block_size: int,
+    world_size: int,
+    accumulate_grad_batches: Any = None,
 ) -> int:
-    """Micro-batches per optimizer step that make up ``global_batch_tokens``."""
+    """Micro-batches per optimizer step that make up ``global_batch_tokens``; without one,
+    Lightning's own ``trainer.accumulate_grad_batches`` (default 1), so a Lightning user's
+    setting is obeyed rather than replaced by 1. A global batch in tokens wins over it: it is
+    what keeps the batch the same on another device count or micro-batch."""
     if global_batch_tokens is None:
-        return 1
+        if accumulate_grad_batches is None:
+            return 1
+        return int_setting(accumulate_grad_batches, "trainer.accumulate_grad_batches")
     per_step = micro_batch_size * block_size * world_size
     if global_batch_tokens <= 0 or global_batch_tokens % per_step != 0:
         raise RunConfigError(
@@ -690,7 +699,9 @@ def resolve(
     gbt = None if gbt is None else int_setting(gbt, "run.global_batch_tokens")
     accumulate = None
     if micro is not None:
-        accumulate = gradient_accumulation(gbt, micro, block, world)
+        accumulate = gradient_accumulation(
+            gbt, micro, block, world, trainer.get("accumulate_grad_batches")
+        )
     elif gbt is not None and gbt % (block * world) != 0:
         raise RunConfigError(
             f"run.global_batch_tokens ({gbt}) is not a multiple of model.gpt.block_size x "
