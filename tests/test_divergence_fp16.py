@@ -281,3 +281,20 @@ def test_a_steps_losses_and_norm_are_checked_in_one_device_op():
         assert float(_any_not_finite([torch.tensor(bad, dtype=bf16), fine[2]])) == 1.0
     assert float(_any_not_finite([fine[0], torch.tensor([1.0, float("nan")])])) == 1.0
     assert _any_not_finite(fine).dtype == torch.bool
+
+
+def test_a_run_of_skipped_steps_in_progress_survives_a_resume():
+    """Under fp16 a checkpoint can fall inside a run of GradScaler-skipped steps (the weights
+    stay finite): the run's counts are in the checkpoint, and the start of the resumed run does
+    not reset them (they are reset at setup, before Lightning restores callback states)."""
+    from nanolab.callbacks.divergence import DivergenceStop, Streak
+
+    before = DivergenceStop(patience=3)
+    before.bad, before.skipped = Streak(1, 40), Streak(2, 39)
+    state = before.state_dict()
+    after = DivergenceStop(patience=3)
+    after.load_state_dict(state)
+    after.on_run_start(None, None)  # type: ignore[arg-type]
+    assert (after.bad, after.skipped) == (Streak(1, 40), Streak(2, 39))
+    after.load_state_dict({})  # a checkpoint from before: nothing in progress
+    assert (after.bad, after.skipped) == (Streak(), Streak())

@@ -54,6 +54,33 @@ def test_a_spike_fires_after_patience_steps_and_single_outliers_do_not() -> None
     assert feed(warn, losses) == [(155, "warn")]  # once per spike, not at every high step
 
 
+def test_a_resume_in_the_middle_of_a_spike_fires_at_the_same_step(tmp_path: Path) -> None:
+    """The run of high steps in progress is part of the checkpoint: a run killed at step 152 of
+    a spike that began at 151 and resumed from that step's checkpoint fires at 155, as the
+    uninterrupted run does (it had fired at 156 and rolled back to other data); a warn-only
+    spike already reported is not reported again after a resume."""
+    import torch
+
+    losses = healthy(200, 0)
+    losses[150:170] = [9.0] * 20
+
+    def resumed_at(step: int, **kwargs: object) -> list[tuple[int, str]]:
+        before = SpikeGuard(patience=5, **kwargs)
+        fired = feed(before, losses[:step])
+        path = tmp_path / "callback_state.pt"
+        torch.save(before.state_dict(), path)  # as a checkpoint stores it, loaded the same way
+        after = SpikeGuard(patience=5, **kwargs)
+        after.load_state_dict(torch.load(path, weights_only=True))
+        later = [(step + i, a) for i, a in feed(after, losses[step:])]
+        return fired + later
+
+    assert resumed_at(152) == feed(SpikeGuard(patience=5), losses) == [(155, "rollback")]
+    assert resumed_at(160, action="warn") == [(155, "warn")]
+    old = SpikeGuard(patience=5)
+    old.load_state_dict({"history": [2.0] * 20})  # a checkpoint from before: none in progress
+    assert old.high.count == 0 and old.fired is False
+
+
 def test_bad_settings_are_one_line() -> None:
     for kwargs, field in [
         ({"action": "restart"}, "spike.action"),

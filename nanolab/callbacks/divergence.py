@@ -132,9 +132,10 @@ class DivergenceStop(StepCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._params = None
+        # Here, not at the run's start: a checkpoint's runs of steps are restored after setup.
+        self.bad, self.skipped = Streak(), Streak()
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.bad, self.skipped = Streak(), Streak()
         self._watched, self._scale_before, self._norm = [], None, None
 
     def on_before_optimizer_step(
@@ -286,7 +287,20 @@ class DivergenceStop(StepCallback):
         return fields
 
     def state_dict(self) -> dict[str, Any]:
-        return {}  # a resumed run starts from a finite checkpoint: nothing to carry
+        """The runs of bad and skipped steps in progress: under fp16 the GradScaler skips a
+        non-finite step and the weights stay finite, so a checkpoint can fall inside such a
+        run, and the resumed run must stop at the step an uninterrupted one would."""
+        return {
+            "bad": [self.bad.count, self.bad.first],
+            "skipped": [self.skipped.count, self.skipped.first],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        def streak(key: str) -> Streak:
+            count, first = state_dict.get(key, (0, None))  # older checkpoints: none in progress
+            return Streak(int(count), None if first is None else int(first))
+
+        self.bad, self.skipped = streak("bad"), streak("skipped")
 
 
 def _any_not_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -295,10 +295,20 @@ class SpikeGuard(StepCallback):
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history)}
+        """The window of healthy losses and the run of high steps in progress: a run resumed in
+        the middle of a spike sees it complete at the same step as one never interrupted (and
+        so rolls back to the same checkpoint and skips the same data)."""
+        return {
+            "history": list(self.history),
+            "high": [self.high.count, self.high.first],
+            "fired": self.fired,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = deque((float(x) for x in state_dict.get("history", [])), maxlen=self.window)
+        count, first = state_dict.get("high", (0, None))  # checkpoints before it: none in progress
+        self.high = Streak(int(count), None if first is None else int(first))
+        self.fired = bool(state_dict.get("fired", False))
 
 
 def lr_windows(rollbacks: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
