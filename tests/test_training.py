@@ -115,7 +115,7 @@ def test_gradient_accumulation_is_derived_from_global_batch_tokens():
     # the derived value wins (it keeps the batch on another device count).
     assert gradient_accumulation(None, 16, 1024, 8, 4) == 4
     assert gradient_accumulation(524288, 16, 1024, 8, 2) == 4
-    with pytest.raises(RunConfigError, match="trainer.accumulate_grad_batches"):
+    with pytest.raises(RunConfigError, match=r"trainer\.accumulate_grad_batches"):
         gradient_accumulation(None, 16, 1024, 8, 0)
     assert gradient_accumulation(524288, 16, 1024, 1) == 32
     assert gradient_accumulation(524288, 16, 1024, 8) == 4
