@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from test_callbacks_runlog import TOKENS_PER_MICRO_BATCH, events, fit
@@ -39,10 +40,76 @@ def test_gpu_hour_budget_counts_across_resume(tmp_path, char_dataset):
         run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2), budget],
         max_steps=50, eval_every=100, ckpt_path=run / "checkpoints" / "last.ckpt",
     )  # fmt: skip
-    assert trainer.global_step == 3
+    assert trainer.global_step == 2  # not one step more: the budget was spent at the start
     end = events(run / "metrics.jsonl", "end")[-1]
-    assert end["reason"] == "budget" and end["gpu_hours"] > spent
+    assert end["reason"] == "budget" and end["gpu_hours"] >= spent
     assert end["cost"] == pytest.approx(end["gpu_hours"] * 3.0) and end["currency"] == "EUR"
+
+
+def test_a_rerun_after_a_budget_stop_trains_no_further_step(tmp_path, char_dataset, capsys):
+    """A budget stop stands: the same command again (or a resume from its last checkpoint)
+    ends at once with the same reason, and rewrites no checkpoint; a larger budget goes on.
+    Before, every rerun trained one more step past the spent budget."""
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+
+    def again(max_tokens: int) -> L.Trainer:
+        budget = CostBudget(max_tokens=max_tokens)
+        return fit(
+            run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=None), budget],
+            max_steps=50, eval_every=100, ckpt_path=ckpts / "last.ckpt" if ckpts.exists() else None,
+        )  # fmt: skip
+
+    assert again(5 * TOKENS_PER_MICRO_BATCH).global_step == 4
+    saved = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in ckpts.iterdir()}
+    capsys.readouterr()
+    assert again(5 * TOKENS_PER_MICRO_BATCH).global_step == 4
+    assert "stopped at step 4 (budget: max_tokens" in capsys.readouterr().err
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in ckpts.iterdir()} == saved
+    ends = events(run / "metrics.jsonl", "end")
+    assert [(e["step"], e["reason"]) for e in ends] == [(4, "budget"), (4, "budget")]
+    assert again(9 * TOKENS_PER_MICRO_BATCH).global_step == 8  # a raised budget goes on
+
+
+def test_a_plateau_stop_stands_until_its_patience_is_raised(tmp_path, char_dataset, capsys):
+    run = tmp_path / "run"
+    vals = [3.0, 2.0, 2.5, 2.6, 2.7, 2.8, 2.9, 3.0]
+
+    def again(patience: int, val_losses: list[float]) -> L.Trainer:
+        ckpt = run / "checkpoints" / "last.ckpt"
+        return fit(
+            run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2),
+                                CostBudget(patience=patience)],
+            max_steps=40, eval_every=2, ckpt_path=ckpt if ckpt.exists() else None,
+            module_kwargs={"val_losses": val_losses},
+        )  # fmt: skip
+
+    assert again(2, vals).global_step == 8  # 2.0 at step 4, then two evaluations no better
+    capsys.readouterr()
+    assert again(2, vals[4:]).global_step == 8
+    assert "stopped at step 8 (plateau: no val improvement" in capsys.readouterr().err
+    assert again(4, vals[4:]).global_step == 12  # two more evaluations without improvement
+    reasons = [(e["step"], e["reason"]) for e in events(run / "metrics.jsonl", "end")]
+    assert reasons == [(8, "plateau"), (8, "plateau"), (12, "plateau")]
+
+
+def test_a_signal_at_the_step_a_budget_stops_leaves_the_budget_stop(tmp_path, char_dataset):
+    """SIGTERM during the step at which the budget stops the run: the run ends as the budget
+    said (final save, exit 0, `end` reason budget), not as preempted; a rerun would otherwise
+    train past the budget."""
+    from cli_probes import SignalAt
+
+    from nanolab.callbacks.preemption import PreemptionHandler
+
+    run = tmp_path / "run"
+    callbacks = [MetricsLog(), RotatingCheckpoint(every_n_steps=None),
+                 CostBudget(max_tokens=5 * TOKENS_PER_MICRO_BATCH), PreemptionHandler(),
+                 SignalAt(3)]  # fmt: skip
+    trainer = fit(run, char_dataset, callbacks, max_steps=50, eval_every=100)
+    assert trainer.global_step == 4
+    end = events(run / "metrics.jsonl", "end")[-1]
+    assert end["reason"] == "budget" and end["step"] == 4
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
 
 
 def _payoff_records(run):

@@ -134,6 +134,26 @@ def test_signal_names() -> None:
         PreemptionHandler(exit_code=300)
 
 
+def test_a_signal_ignored_at_launch_stays_ignored_in_training() -> None:
+    """`cmd &` in a script starts nanolab with SIGINT ignored; start-up kept it ignored but the
+    training loop caught it (a SIGINT then preempted a run that one during start-up did not).
+    One rule now: a signal ignored at launch is left ignored; SIGTERM still preempts."""
+    trainer = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=None), global_step=0)
+    before_int, before_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    handler = PreemptionHandler()
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        handler.on_run_start(trainer, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == handler._handle
+        handler.on_train_end(trainer, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        handler._uninstall()
+        signal.signal(signal.SIGINT, before_int)
+        signal.signal(signal.SIGTERM, before_term)
+
+
 def test_slurm_auto_requeue_keeps_its_signal(monkeypatch) -> None:
     """Under SLURM auto-requeue, Lightning's SIGUSR1 handler stays; SIGTERM becomes ours."""
     from lightning.fabric.plugins.environments import SLURMEnvironment

@@ -27,6 +27,7 @@ At every validation a ``budget`` record gives the decision and every number behi
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -166,6 +167,11 @@ class CostBudget(StepCallback):
         self.history: list[tuple[int, float, float]] = []  # (step, gpu_hours, val_loss)
         self.best: float | None = None
         self.evals_since_best = 0
+        # The stop a rule decided (rule, end reason, detail, step, the settings it was decided
+        # under) and the spend per step it projected with: a resumed or rerun run whose
+        # decision still stands stops before its first step instead of training on past it.
+        self.decided: dict[str, Any] | None = None
+        self.last_per_step: dict[str, float] = {}
         self._start: tuple[int, float, int] | None = None  # step, process wall s, tokens
 
     # -- spending ----------------------------------------------------------------------------
@@ -235,6 +241,71 @@ class CostBudget(StepCallback):
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert self.clock is not None
         self._start = (trainer.global_step, self.clock.process_elapsed_s(), self.clock.tokens)
+        standing = self.standing_stop(trainer)
+        if standing is None:
+            self.decided = None  # settings changed since: the rules decide again as they go
+            return
+        reason, detail, fix = standing
+        set_stop_reason(trainer, reason, detail)
+        if trainer.is_global_zero:
+            print(
+                f"nanolab fit: {trainer.default_root_dir} stopped at step {trainer.global_step} "
+                f"({reason}: {detail}); nothing to train. {fix}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def settings(self, trainer: L.Trainer) -> dict[str, Any]:
+        """What a rule's decision depends on: a resume under other values decides again."""
+        return {
+            "limits": self.limits(),
+            "price_per_gpu_hour": self.price_per_gpu_hour,
+            "payoff_threshold": self.payoff_threshold,
+            "payoff_per_gpu_hour": self.payoff_per_gpu_hour,
+            "patience": self.patience,
+            "min_delta": self.min_delta,
+            "max_steps": int(trainer.max_steps or -1),
+        }
+
+    def standing_stop(self, trainer: L.Trainer) -> tuple[str, str, str] | None:
+        """(end reason, detail, how to go on) when this run, as restored, must not train another
+        step: a stop decided under the same settings, a budget that the next step would pass
+        at the saved run's spend per step, or a plateau as long as ``patience``."""
+        if 0 < (trainer.max_steps or -1) <= trainer.global_step:
+            return None  # complete: it ends as completed, whatever a rule says
+        spent = self.spent()
+        limits = self.limits()
+        per_step = self.last_per_step or {}
+        over = [
+            name
+            for name, limit in limits.items()
+            if float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps >= limit
+        ]
+        if over:
+            name = over[0]
+            unit = self.currency if name == "cost" else name.split("_")[-1]
+            return ("budget", f"max_{name} {limits[name]} {unit} spent",
+                    f"Raise budget.max_{name} (or set it to null) to go on")  # fmt: skip
+        if self.patience is not None and self.evals_since_best >= self.patience:
+            return ("plateau",
+                    f"no val improvement >= {self.min_delta} in {self.evals_since_best} evaluations",
+                    "Raise budget.patience (or set it to null) to go on")  # fmt: skip
+        decided = self.decided
+        if (
+            decided
+            and decided.get("rule") == "payoff"
+            and decided.get("settings") == self.settings(trainer)
+        ):
+            return ("budget", str(decided.get("detail")),
+                    "Lower budget.payoff_threshold / payoff_per_gpu_hour (or set them to null) "
+                    "or raise trainer.max_steps to go on")  # fmt: skip
+        return None
+
+    def _decide(self, trainer: L.Trainer, rule: str, reason: str, detail: str) -> None:
+        """Stop the run for ``rule`` and remember the decision in the final checkpoint."""
+        self.decided = {"rule": rule, "reason": reason, "detail": detail,
+                        "step": int(trainer.global_step), "settings": self.settings(trainer)}  # fmt: skip
+        set_stop_reason(trainer, reason, detail)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if step % self.check_every_n_steps != 0:
@@ -242,6 +313,7 @@ class CostBudget(StepCallback):
         if stop_reason(trainer)[0] is not None or not self.limits():
             return
         spent, per_step = self.spent(), self._per_step(trainer)
+        self.last_per_step = per_step
         # Stop now if the spend by the next check would pass a limit.
         projections = (
             (name, limit, float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps)
@@ -266,7 +338,7 @@ class CostBudget(StepCallback):
                 "projected_at_next_check": projected,
             },
         )
-        set_stop_reason(trainer, "budget", detail)
+        self._decide(trainer, "budget", "budget", detail)
 
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
@@ -321,12 +393,13 @@ class CostBudget(StepCallback):
             detail = (
                 payoff_detail(payoff) if payoff["decision"] == "stop" else "payoff (another rank)"
             )
-            set_stop_reason(trainer, "budget", detail)
+            self._decide(trainer, "payoff", "budget", detail)
             if trainer.is_global_zero:  # the console says why, with the forecast behind it
                 print(f"stopping: {detail}", flush=True)
         elif stop and rule == "plateau":
-            set_stop_reason(
+            self._decide(
                 trainer,
+                "plateau",
                 "plateau",
                 f"no val improvement >= {self.min_delta} in {self.evals_since_best} evaluations",
             )
@@ -447,12 +520,16 @@ class CostBudget(StepCallback):
             "best": self.best,
             "evals_since_best": self.evals_since_best,
             "spent": spent,
+            "decided": self.decided,
+            "per_step": dict(self.last_per_step),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [(int(s), float(g), float(v)) for s, g, v in state_dict.get("history", [])]
         self.best = state_dict.get("best")
         self.evals_since_best = int(state_dict.get("evals_since_best", 0))
+        self.decided = state_dict.get("decided")  # checkpoints before it: none
+        self.last_per_step = {k: float(v) for k, v in (state_dict.get("per_step") or {}).items()}
 
 
 def _lr_multiplier(trainer: L.Trainer) -> Any:

@@ -46,7 +46,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from nanolab.callbacks.events import set_stop_reason
+from nanolab.callbacks.events import set_stop_reason, stop_reason
 from nanolab.callbacks.files import publish, tmp_path
 from nanolab.callbacks.step import StepCallback, validation_follows
 from nanolab.model.config import ConfigError
@@ -56,6 +56,10 @@ EXIT_PREEMPTED = 75
 
 #: The reason string the ``end`` record carries for a preempted run.
 REASON = "preempted"
+
+#: Stop reasons after which a signal does not preempt: the run is ending by itself (a final
+#: validation and save, exit 0), and a rerun must not train on past the rule's decision.
+ENDS_ON_ITS_OWN = ("budget", "plateau")
 
 
 class PreemptionConfigError(ConfigError):
@@ -209,6 +213,10 @@ class PreemptionHandler(StepCallback):
         for sig in self.signals:
             if sig == requeue:
                 continue  # Lightning's SLURM auto-requeue owns this one
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                # Ignored by whoever started us (SIGINT for `cmd &` in a script, as Python and
+                # the shells do): the same rule as during start-up (early_signals.install).
+                continue
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
 
@@ -264,10 +272,12 @@ class PreemptionHandler(StepCallback):
 
     def _agreed(self, trainer: pl.Trainer, requested: bool) -> bool:
         """Whether to stop here: every rank stops at the same step, whichever was signalled;
-        not after the last step (the run completes normally then)."""
+        not after the last step, nor once a budget or plateau rule has stopped the run (it
+        ends normally then, saves, and its ``end`` record keeps the rule's reason)."""
         if trainer.world_size > 1:
             requested = bool(trainer.strategy.reduce_boolean_decision(requested, all=False))
-        return requested and not 0 < trainer.max_steps <= trainer.global_step
+        ending = stop_reason(trainer)[0] in ENDS_ON_ITS_OWN
+        return requested and not ending and not 0 < trainer.max_steps <= trainer.global_step
 
     def _stop(self, trainer: pl.Trainer, before_first_step: bool = False) -> None:
         if self.received is None:
