@@ -177,6 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="do not append a record to the run's metrics.jsonl (a .ckpt file given: never)",
     )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="a module that registers model parts of your own (repeatable; a project installed with a nanolab.plugins entry point needs none): docs/forking.md",
+    )
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise EvalArgumentError("--limit must be >= 1 (or left out for every example)")
@@ -190,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer_from_checkpoint,
     )
     from nanolab.model.device import check_device
+    from nanolab.model.registry import import_modules
 
     suite = load_suite(args.suite, args.limit)  # bad task files fail before the model loads
     device = check_device(args.device)
@@ -198,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # only (as validate/test do), though its run's settings are still the defaults.
     log_dir = None if Path(args.target).is_file() or args.no_log else run_dir
     out = check_json_target(args.json) if args.json is not None else None
+    import_modules(args.imports)
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path).to(device)
     tokenizer = tokenizer_from_checkpoint(ckpt)

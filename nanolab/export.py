@@ -30,14 +30,20 @@ from nanolab import messages
 from nanolab.data.tokenizers import TokenizerError, tokenizer_from_spec
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser
-from nanolab.model import GPTConfig
-from nanolab.model.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from nanolab.model import GPT, GPTConfig
+from nanolab.model.checkpoint import (
+    CheckpointError,
+    invalid_config,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from nanolab.model.hf import (
     export_refusals,
     gpt_shapes,
     hf_config_from_nanolab,
     hf_state_from_nanolab,
 )
+from nanolab.model.registry import import_modules
 from nanolab.runlog import refuse_inside_run
 
 #: Files an export writes; ``--force`` replaces a folder holding nothing else.
@@ -88,6 +94,14 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(plain, str(path), metadata={"format": "pt"})
 
 
+def built_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape of the model a config builds, on the meta device (nothing
+    allocated): for parts a project registered, whose tensors :func:`gpt_shapes` cannot know."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def checkpoint_weights(
     ckpt: dict[str, Any], source: Path
 ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -99,11 +113,11 @@ def checkpoint_weights(
     try:
         config = GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False})
     except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{source}: its model config is not valid ({err})") from None
+        raise invalid_config(source, meta, err) from None
     state = {
         k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
     }
-    expected = gpt_shapes(config)
+    expected = gpt_shapes(config) if not meta.get("part_modules") else built_shapes(config)
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     wrong = [k for k in expected if k in state and tuple(state[k].shape) != expected[k]]
@@ -367,8 +381,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("-o", "--out", required=True, help="folder to write (must not exist)")
     parser.add_argument("--force", action="store_true", help="replace a previous export in -o")
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="a module that registers model parts of your own (repeatable; a project installed with a nanolab.plugins entry point needs none): docs/forking.md",
+    )
     args = parser.parse_args(argv)
     refuse_inside_run(args.out, "-o", ExportError)
+    import_modules(args.imports)
     start = time.perf_counter()
     try:
         given = list(sys.argv[2:] if argv is None else argv)

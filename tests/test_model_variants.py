@@ -269,9 +269,59 @@ def test_the_documented_command_trains_and_estimates_the_variant(
         assert "softcap" in estimate["model"]["gpt"]["attention_variant"]
         # Spelled-out scores: the block is measured, not described by the GPT-2 rules.
         assert any("measured" in key for key in estimate["memory"]["per_block_saved"])
+        assert ckpt["nanolab"]["part_modules"] == {"attention_variant": "mylab.layers"}
+        _generate_eval_export_need_the_module(run_dir, capsys)
     finally:
         for mod in [m for m in sys.modules if m.split(".")[0] == "mylab"]:
             del sys.modules[mod]
+
+
+def _generate_eval_export_need_the_module(run_dir: Path, capsys) -> None:
+    """generate, eval and export build the model from the checkpoint alone: in a process that
+    never imported the variant's module, each says which module to --import (it never imports
+    what a checkpoint names), and runs with it; an installed project's nanolab.plugins entry
+    point (a dist-info on the path, as pip install -e writes it) needs no flag."""
+    from nanolab.cli import main
+    from nanolab.model import registry
+
+    def forget() -> None:  # a new process: the variant's module was never imported
+        registry.ATTENTIONS._classes.pop("softcap", None)
+        for mod in [m for m in sys.modules if m.split(".")[0] == "mylab"]:
+            del sys.modules[mod]
+        registry._plugins_loaded.clear()
+
+    out = run_dir.parent / "exported"
+    commands = {
+        "generate": ["generate", "--ckpt", str(run_dir), "--max-new-tokens", "4"],
+        "eval": ["eval", str(run_dir), "--limit", "4", "--no-log"],
+        "export": ["export", "--ckpt", str(run_dir), "--format", "safetensors", "-o", str(out)],
+    }
+    for verb, args in commands.items():
+        forget()
+        capsys.readouterr()
+        assert main(args) == 2, verb
+        err = capsys.readouterr().err
+        assert "registered when it was saved; pass --import mylab.layers" in err, (verb, err)
+        assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1
+        assert "Traceback" not in err
+        assert main([*args, "--import", "mylab.layers"]) == 0, (verb, capsys.readouterr().err)
+    assert (out / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(run_dir), "--import", "mylab.nothing"]) == 2
+    assert "--import mylab.nothing: cannot import it" in capsys.readouterr().err
+
+    forget()
+    site = run_dir.parent / "site"
+    dist = site / "mylab_project-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mylab-project\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[nanolab.plugins]\nmylab = mylab.layers\n")
+    sys.path.insert(0, str(site))
+    try:
+        assert main(commands["generate"]) == 0, capsys.readouterr().err
+    finally:
+        sys.path.remove(str(site))
+        registry._plugins_loaded.clear()
 
 
 @pytest.mark.parametrize(

@@ -96,13 +96,38 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
         except Exception:  # a fork's part that cannot be built on meta (.item() in __init__)
             skeleton = model = GPT(config)
     except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{source}: its model config is not valid ({err})") from None
+        raise invalid_config(source, meta, err) from None
     mismatch = state_mismatch(skeleton.state_dict(), state)
     if mismatch:
         raise CheckpointError(f"{source}: the weights do not fit its model config ({mismatch})")
     model = model or GPT(config)
     model.load_state_dict(state)
     return model.eval()
+
+
+def invalid_config(source: str | Path, meta: dict[str, Any], err: Exception) -> CheckpointError:
+    """The one line for a checkpoint whose model config does not build here. A part that a
+    project registered is unknown until its module is imported: the checkpoint names that
+    module (``part_modules``), and the line says to pass it with ``--import``; nanolab never
+    imports a module because a checkpoint names it."""
+    modules = meta.get("part_modules")
+    missing = []
+    if isinstance(modules, dict):
+        from nanolab.model.registry import REGISTRIES
+
+        for field, module in modules.items():
+            registry = REGISTRIES.get(field)
+            name = (meta.get("gpt") or {}).get(field)
+            if registry is not None and isinstance(module, str) and name not in registry:
+                missing.append(module)
+    if missing:
+        imports = " ".join(f"--import {m}" for m in dict.fromkeys(missing))
+        return CheckpointError(
+            f"{source}: its model uses parts of your own that {', '.join(dict.fromkeys(missing))} "
+            f"registered when it was saved; pass {imports} (importable from here: PYTHONPATH, "
+            "or pip install -e your project)"
+        )
+    return CheckpointError(f"{source}: its model config is not valid ({err})")
 
 
 def state_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> str:

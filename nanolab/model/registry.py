@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from nanolab.errors import NanolabError
+
 T = TypeVar("T")
 
 #: The module whose import registers the built-in variants.
@@ -82,6 +84,8 @@ class Registry:
     def get(self, name: str) -> type:
         """The class registered as ``name``; an unknown name lists the registered ones."""
         _load_builtins()
+        if name not in self._classes:
+            load_plugins()  # an installed project's variants, on first need
         try:
             return self._classes[name]
         except KeyError:
@@ -93,8 +97,19 @@ class Registry:
         return (
             f"model.gpt.{self.field} must be one of the registered {self.kind} variants "
             f"({known}), got {name!r}; a variant of your own registers itself when its module "
-            f"is imported (docs/forking.md, 'Adding a model variant')"
+            f"is imported: name that module in your package's '{PLUGIN_GROUP}' entry point, or "
+            f"pass --import MODULE to generate/eval/export (docs/forking.md, 'Adding a model "
+            f"variant')"
         )
+
+    def module_of(self, name: str) -> str | None:
+        """The module that registered ``name``, for a variant of a project's own (None for a
+        built-in or an unknown name): a checkpoint records it, so a later command can say
+        which module to import."""
+        if name in self.builtins:
+            return None
+        cls = self._classes.get(name)
+        return None if cls is None else cls.__module__
 
     def config_check(self, name: str) -> Callable[[Any], None] | None:
         """The ``validate_config`` of the class registered as ``name``, if it has one.
@@ -106,11 +121,57 @@ class Registry:
         return getattr(self.get(name), "validate_config", None)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.builtins or name in self._classes
+        if name in self.builtins or name in self._classes:
+            return True
+        load_plugins()  # an installed project's variants, on first need
+        return name in self._classes
 
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: The entry-point group whose modules register a project's own variants: a project installed
+#: with ``pip install -e .`` declares, in its pyproject.toml,
+#: ``[project.entry-points."nanolab.plugins"] myproj = "myproj.model"``, and every command that
+#: meets a variant name it does not know imports those modules (installed code, which the
+#: user chose to install; nothing a checkpoint or config names is imported by itself).
+PLUGIN_GROUP = "nanolab.plugins"
+_plugins_loaded: list[str] = []
+
+
+def load_plugins() -> list[str]:
+    """Import the modules of every installed ``nanolab.plugins`` entry point, once per process;
+    their names. A plugin that fails to import is an error naming it (a half-registered
+    project would otherwise read as an unknown variant)."""
+    if _plugins_loaded:
+        return _plugins_loaded[1:]
+    _plugins_loaded.append("")  # marks "done" even when none is installed
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=PLUGIN_GROUP):
+        try:
+            importlib.import_module(point.value.split(":")[0])
+        except Exception as err:
+            raise NanolabError(
+                f"the {PLUGIN_GROUP} entry point {point.name!r} = {point.value!r} failed to "
+                f"import ({type(err).__name__}: {err}); fix that module or uninstall its package"
+            ) from None
+        _plugins_loaded.append(point.value)
+    return _plugins_loaded[1:]
+
+
+def import_modules(modules: list[str] | None) -> None:
+    """Import the modules a command's ``--import`` names (a project's variants, not installed
+    as a package); one line naming the module when one cannot be imported."""
+    for name in modules or []:
+        try:
+            importlib.import_module(name)
+        except Exception as err:
+            raise NanolabError(
+                f"--import {name}: cannot import it ({type(err).__name__}: {err}); give a "
+                "module importable from here (PYTHONPATH, or pip install -e your project)"
+            ) from None
 
 
 def _load_builtins() -> None:
@@ -130,3 +191,18 @@ register_attention = ATTENTIONS.register
 register_mlp = MLPS.register
 register_norm = NORMS.register
 register_position = POSITIONS.register
+
+
+#: Every registry, by the ``model.gpt`` field that names its part.
+REGISTRIES = {r.field: r for r in (ATTENTIONS, MLPS, NORMS, POSITIONS)}
+
+
+def part_modules(gpt_config: Any) -> dict[str, str]:
+    """``{field: module}`` for the parts of ``gpt_config`` that a project registered (not
+    built in): what a checkpoint records, so a command loading it can name the ``--import``."""
+    out = {}
+    for field, registry in REGISTRIES.items():
+        module = registry.module_of(getattr(gpt_config, field, None))
+        if module is not None:
+            out[field] = module
+    return out

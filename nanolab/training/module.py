@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
+from nanolab.model.registry import part_modules
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
 from nanolab.training.grad_norm import clip_with_norm, norm_of, plain_on_one_device
@@ -327,6 +328,9 @@ class GPTLightningModule(L.LightningModule):
             "seed_everything": _global_seed(),
             "tokenizer": self._tokenizer_spec(),
             "layout": self._layout(),
+            # The modules that registered this model's own parts (none for built-ins): a
+            # command that loads the checkpoint names them in its --import hint.
+            "part_modules": part_modules(self.gpt_config),
         }
 
     def _layout(self) -> dict[str, int] | None:
