@@ -727,3 +727,41 @@ def test_error_transcripts_print_the_pages_line(work: Path, capsys) -> None:
             assert code == 2, f"{command}: {err[-2000:]}"
             pattern = ".*".join(map(re.escape, shown[command].split("...")))
             assert re.fullmatch(pattern, err.strip().splitlines()[-1]), (shown[command], err)
+
+
+def test_scaling_md_strategy_table_is_what_estimate_says(capsys) -> None:
+    """docs/scaling.md's table of model states and largest micro-batch per strategy and size
+    (8 RTX 4090s) and its A100 sentence, cell by cell against ``nanolab estimate --json`` as
+    the page says to run it: the table went stale once when the recipes turned compile on."""
+    page = (DOCS / "scaling.md").read_text()
+    sizes = [[], ["configs/gpt2-350m.yaml"], ["configs/gpt2-774m.yaml"]]
+
+    def estimate(size: list[str], strategy: str, gpu: str) -> dict:
+        argv = ["estimate", "--config", str(REPO / "configs" / "gpt2-124m.yaml")]
+        for extra in [*size, f"configs/strategy/{strategy}.yaml"]:
+            argv += ["--config", str(REPO / extra)]
+        code, out, err = nanolab(capsys, [*argv, "--gpu", gpu, "--devices", "8", "--json"])
+        assert code == 0, err[-2000:]
+        return json.loads(out)
+
+    checked = 0
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = re.match(r"(DDP|ZeRO-\d|FSDP2|ZeRO-3 \+ offload) \(`([\w.]+)\.yaml`\)", cells[0])
+        if not name or len(cells) != 4:
+            continue
+        strategy = name.group(2)
+        for cell, size in zip(cells[1:], sizes, strict=True):
+            states, micro = re.match(r"([\d.]+) GiB.*· (\d+)$", cell).groups()
+            report = estimate(size, strategy, "rtx4090")
+            lines = {x["key"]: x["bytes"] for x in report["memory"]["lines"]}
+            found = sum(lines.get(k, 0) for k in ("params", "optimizer", "master", "grads"))
+            assert f"{found / 2**30:.2f}" == states, (strategy, size, cell)
+            assert report["largest_micro_batch"] == int(micro), (strategy, size, cell)
+            checked += 1
+    assert checked == 18  # six strategies x three sizes
+    a100 = re.search(r"On 80 GB\s+A100s, DDP fits micro-batches\s+of (\d+), (\d+) and (\d+)", page)
+    assert a100, "the A100 sentence moved"
+    assert [estimate(s, "ddp", "a100-80gb")["largest_micro_batch"] for s in sizes] == [
+        int(x) for x in a100.groups()
+    ]

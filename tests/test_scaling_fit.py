@@ -158,7 +158,9 @@ def test_a_fit_started_above_a_missing_floor_ends_at_the_floor_zero() -> None:
         assert getattr(law, name) == pytest.approx(getattr(best, name), rel=1e-5), name
 
 
-def _write_run(root: Path, name: str, n: float, d: float, loss: float, *, done: bool = True):
+def _write_run(
+    root: Path, name: str, n: float, d: float, loss: float, *, done: bool = True, data=None
+):
     """A finished run's log: start (num_params), train records with tokens and GPU-hours, a
     final val loss, and the end record."""
     run = root / name
@@ -167,6 +169,8 @@ def _write_run(root: Path, name: str, n: float, d: float, loss: float, *, done: 
     per_step = d / steps
     config = {"seed_everything": 1, "trainer": {"max_steps": steps}, "run": {"name": name},
               "model": {"gpt": {"n_embd": int(n) % 997}}}  # fmt: skip
+    if data is not None:
+        config["data"] = {"dataset_dir": data}
     lines = [{"event": "start", "time": 0.0, "step": 0, "num_params": int(n), "config": config}]
     for step in (50, 100):
         tokens = int(per_step * step)
@@ -219,6 +223,34 @@ def test_report_scaling_recovers_the_law_and_the_optimum(tmp_path: Path, capsys)
     out = capsys.readouterr().out
     assert "over 12 finished runs of 4 sizes" in out and "compute-optimal: N = " in out
     assert "leave-one-out error" in out and "alpha  = 0.3" in out
+
+
+def test_scaling_fits_the_runs_of_one_dataset_and_says_what_it_left_out(tmp_path, capsys):
+    """A runs folder that also holds runs on other data (another tokenizer's losses are another
+    quantity): the fit takes the newest run's dataset only, as --plot does, and lists the runs
+    it left out and why; a --run selection across datasets is one error line.
+
+    Mutations caught: every completed run fitted whatever its data (14 points), left out
+    silently."""
+    for i, (n, d, loss) in enumerate([(3e6, 1e8, 5.5), (3e7, 1e9, 5.1)]):
+        _write_run(tmp_path, f"bpe{i}", n, d, loss, data="data/bpe")
+    _sweep(tmp_path)
+    _write_run(tmp_path, "live", 5e6, 5e8, 2.0, done=False)
+    for i in range(2):  # the bpe runs are the oldest: the newest run's data is the sweep's
+        log = tmp_path / f"bpe{i}" / "metrics.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        log.write_text("".join(json.dumps({**r, "time": r["time"] - 1e3}) + "\n" for r in records))
+    assert main([str(tmp_path), "--scaling", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["scaling"]
+    assert len(data["runs"]) == 12
+    assert sorted(data["left_out"]) == [
+        "bpe0 (other data or vocabulary)", "bpe1 (other data or vocabulary)", "live (crashed)",
+    ]  # fmt: skip
+    assert main([str(tmp_path), "--scaling"]) == 0
+    assert "left out: live (crashed), bpe0 (other data" in capsys.readouterr().out
+    assert main([str(tmp_path), "--scaling", "--run", "bpe0", "--run", "n1e+06-d1e+08"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --scaling: the runs --run selects were trained on 2 different" in err
 
 
 @pytest.mark.parametrize(

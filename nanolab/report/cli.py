@@ -175,19 +175,47 @@ def _sort(summaries: list[RunSummary], spec: str) -> list[RunSummary]:
     return sorted(present, key=lambda s: getattr(s, key), reverse=desc) + absent
 
 
-def _scaling(args: argparse.Namespace, selected: list[tuple[str, Path]]) -> tuple[Any, Any]:
-    """``--scaling`` / ``--gpu-hours``: the fit's text and data (None, None when not asked)."""
+def _scaling(
+    args: argparse.Namespace, selected: list[tuple[str, Path]], summaries: list[Any]
+) -> tuple[Any, Any]:
+    """``--scaling`` / ``--gpu-hours``: the fit's text and data (None, None when not asked).
+
+    One law is fitted to runs of one dataset and vocabulary only (a loss over 65 characters and
+    one over 50k tokens are different quantities): without ``--run``, the newest run's, as
+    ``--plot`` picks; a ``--run`` selection that spans several is refused. The runs left out,
+    and why, are listed under the fit."""
     if not args.scaling and args.gpu_hours is None:
         return None, None
     if args.gpu_hours is not None and not (math.isfinite(args.gpu_hours) and args.gpu_hours > 0):
         raise ReportError(f"--gpu-hours {args.gpu_hours}: give a positive number, e.g. 100")
+    from nanolab.report.plot import data_key, default_plot_selection
     from nanolab.scaling_fit import ScalingError, points_from_runs, scaling_report
 
-    points, _ = points_from_runs(selected)
+    if args.run:
+        kinds = {data_key(s) for s in summaries}
+        if len(kinds) > 1:
+            raise ReportError(
+                f"--scaling: the runs --run selects were trained on {len(kinds)} different "
+                "datasets or vocabularies, whose losses one law cannot fit; select the runs of "
+                "one dataset"
+            )
+        kept = {s.run for s in summaries}
+    else:
+        kept = {s.run for s in default_plot_selection(summaries)[0]}
+    other_data = [f"{name} (other data or vocabulary)" for name, _ in selected if name not in kept]
+    points, left_out = points_from_runs([(n, d) for n, d in selected if n in kept])
     try:
-        return scaling_report(points, args.gpu_hours)
+        text, data = scaling_report(points, args.gpu_hours)
     except ScalingError as err:
         raise ReportError(f"--scaling: {err}") from None
+    skipped = left_out + other_data
+    if skipped:
+        shown = ", ".join(skipped[:8]) + (
+            f", and {len(skipped) - 8} more" if len(skipped) > 8 else ""
+        )
+        text += f"\n  left out: {shown}"
+        data = {**data, "left_out": skipped}
+    return text, data
 
 
 @one_line_errors("nanolab report")
@@ -225,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target_loss is not None and not 0 < args.target_loss < math.inf:
         raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
     run_fc, group_fc = forecasts(selected, groups, args.target_loss) if want_forecast else ({}, {})
-    scaling_text, scaling_data = _scaling(args, selected)
+    scaling_text, scaling_data = _scaling(args, selected, summaries)
     if args.plot is not None:
         dirs = dict(selected)
         plotted, left_out = (summaries, 0) if args.run else default_plot_selection(summaries)
