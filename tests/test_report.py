@@ -512,3 +512,27 @@ def test_a_log_of_bytes_that_hold_no_record_is_not_called_empty(tmp_path: Path) 
     )  # fmt: skip
     (run / "metrics.jsonl").write_bytes(b"")
     assert summarize_run("b", run).detail == "empty log"
+
+
+@pytest.mark.parametrize(
+    ("names", "label"),
+    [
+        (["qs600"], "qs600"),  # docs/queue.md's job: its legend read "q"
+        (["records"], "records"),
+        (["class"], "class"),
+        (["qs60-s1"], "qs60"),
+        (["qs60-s1", "qs60-s2", "qs60-s3"], "qs60"),
+        (["lr_seed1", "lr_seed2"], "lr"),
+        (["a-s1", "a-s12"], "a"),
+        (["cpu_check-20261205-121530", "cpu_check-20261205-121702"], "cpu_check-20261205"),
+        (["records", "records2"], "records, records2"),
+        (["run-a", "run-b"], "run"),
+    ],
+)
+def test_a_label_drops_a_seed_suffix_only(names: list[str], label: str) -> None:
+    """Labels of runs (legends, seed groups) lost any trailing "s" or "s<digits>": qs600 became
+    q, records record. Only a separated seed suffix goes, and a common part is cut at a
+    separator."""
+    from nanolab.report.groups import name_label
+
+    assert name_label(names) == label

@@ -147,9 +147,7 @@ def group_labels(
     labels = []
     for group, config in zip(groups, configs, strict=True):
         if config is None or not varying or len(varying) > max_keys:
-            names = [m.run for m in group]
-            prefix = os.path.commonprefix(names) if len(names) > 1 else names[0]  # noqa: RUF071
-            label = re.sub(r"[-_.=]*(seed|s)[-_=]?\d*$", "", prefix).rstrip("-_.=") or names[0]
+            label = name_label([m.run for m in group])
         else:
             label = ", ".join(
                 f"{short[k]}={value_text(config[k])}" if k in config else f"{short[k]} unset"
@@ -157,6 +155,29 @@ def group_labels(
             )
         labels.append(label)
     return labels
+
+
+#: A seed suffix as the queue and sweeps write it: ``-s3``, ``_seed7``, ``.seed=2``.
+_SEED_SUFFIX = r"[-_.](?:seed[-_=]?|s)"
+_SEPARATORS = "-_./="
+
+
+def name_label(names: list[str]) -> str:
+    """A group's label from its run names: one name less its seed suffix (``qs60-s1`` ->
+    ``qs60``; ``qs600``, ``records`` and ``class`` stay whole), several names their common
+    part, cut at a separator (``cpu_check-20261205-1215`` of two timestamped names is not a
+    name of its own) and less a seed suffix that only the seeds follow, else the names."""
+    if len(names) == 1:
+        return re.sub(_SEED_SUFFIX + r"\d+$", "", names[0]) or names[0]
+    prefix = os.path.commonprefix(names)  # noqa: RUF071
+    rests = [n[len(prefix) :] for n in names]
+    seed = re.search(_SEED_SUFFIX + "$", prefix)
+    if seed and all(r.isdigit() for r in rests):
+        return prefix[: seed.start()] or names[0]
+    if not all(r[:1] in _SEPARATORS for r in rests):  # "" (a name that is the prefix) counts
+        prefix = re.sub(rf"[^{re.escape(_SEPARATORS)}]*$", "", prefix)
+    whole = prefix.rstrip(_SEPARATORS)
+    return whole or ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
 
 
 def seed_groups(
