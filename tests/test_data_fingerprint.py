@@ -63,6 +63,22 @@ def test_resuming_on_changed_data_is_refused_with_the_reason(
     assert snapshot(run_dir) == before  # no log record, no config.yaml rewrite, no checkpoint
 
 
+def test_other_data_in_another_folder_names_both_folders_and_a_new_run(
+    tmp_path, capsys, finished_run
+):
+    """The same command on another dataset folder (docs/hf.md's "your text instead" without a
+    run name of its own): the line names the old and the new folder (it set the new path
+    beside the old sizes) and says a new run is another --run.name."""
+    data, cfg = finished_run
+    other = tmp_path / "other"
+    write_dataset(other, train=CODE_TEXT)
+    code, err = fit_in_process(capsys, cfg, "--data.dataset_dir", str(other))
+    errors = [line for line in err if line.startswith("nanolab")]
+    assert code == 2 and len(errors) == 1, err
+    assert f"the data is {other} now, was {data}" in errors[0]
+    assert "give the run another --run.name" in errors[0]
+
+
 def test_allow_changed_resumes_on_the_new_data(tmp_path, capsys, finished_run):
     data, cfg = finished_run
     write_dataset(data, train=CODE_TEXT)

@@ -253,6 +253,11 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     changes: list[str] = []
     for old, new in zip(before, after, strict=True):
         where = Path(str(new.get("path")))
+        if str(old.get("path")) != str(new.get("path")) and (
+            old.get("meta_sha256") != new.get("meta_sha256")
+        ):  # other data under another path (a moved folder is no change): name both
+            changes.append(f"the data is {where} now, was {old.get('path')}")
+            continue
         for split in SPLITS:
             key = f"{split}.bin"
             if old.get(key) != new.get(key):
@@ -294,6 +299,8 @@ def changed_data_message(changes: list[str], ckpt: str | Path | None) -> str:
     more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
     return (
         f"the data changed since {source}: {'; '.join(changes[:3])}{more}; resuming would not "
-        "continue the run on the data it trained on. Point data.dataset_dir / data.datasets at "
-        "that data, or pass --data.allow_changed true to resume on the new data"
+        "continue the run on the data it trained on. To train on the new data, give the run "
+        "another --run.name (a new run; a fine-tune starts from its checkpoint again); to "
+        "resume, point data.dataset_dir / data.datasets at the old data, or pass "
+        "--data.allow_changed true to continue this run on the new data"
     )
