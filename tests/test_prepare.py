@@ -659,8 +659,13 @@ def test_a_glob_names_what_it_matched_and_did_not_read_and_leaves_out_the_output
     (folder / "t.csv").write_text("a,b\n")
     resolved = sources.resolve_sources([str(folder / "*")])
     assert [Path(f.path).name for f in resolved.files] == ["top.txt"]
-    assert any("1 matched files of other types skipped (t.csv" in n for n in resolved.skipped)
-    assert any("1 matched folder(s) skipped" in n for n in resolved.skipped)
+    assert any("1 file(s) matched of other types (t.csv) skipped" in n for n in resolved.skipped)
+    assert any("matched and skipped 1 folder(s)" in n for n in resolved.skipped)
+    # A glob that matches folders only: the error says so, and how to read them.
+    with pytest.raises(
+        sources.SourceError, match=r"it matched 1 folder\(s\) .*name a folder to read"
+    ):
+        sources.resolve_sources([str(folder / "s*")])
     spec = str(folder / "**")
     first = prepare_dataset([spec], folder / "ds", tokenizer="bytes")
     again = sources.resolve_sources([spec], exclude=[folder / "ds"])

@@ -245,7 +245,9 @@ class CostBudget(StepCallback):
         if standing is None:
             self.decided = None  # settings changed since: the rules decide again as they go
             return
-        reason, detail, fix = standing
+        reason, detail, fix, record = standing
+        if record is not None:
+            self._emit(trainer, record)
         set_stop_reason(trainer, reason, detail)
         if trainer.is_global_zero:
             print(
@@ -267,10 +269,13 @@ class CostBudget(StepCallback):
             "max_steps": int(trainer.max_steps or -1),
         }
 
-    def standing_stop(self, trainer: L.Trainer) -> tuple[str, str, str] | None:
-        """(end reason, detail, how to go on) when this run, as restored, must not train another
-        step: a stop decided under the same settings, a budget that the next step would pass
-        at the saved run's spend per step, or a plateau as long as ``patience``."""
+    def standing_stop(
+        self, trainer: L.Trainer
+    ) -> tuple[str, str, str, dict[str, Any] | None] | None:
+        """(end reason, detail, how to go on, the ``budget`` record of a budget's decision)
+        when this run, as restored, must not train another step: a stop decided under the
+        same settings, a budget that the next step would pass at the saved run's spend per
+        step (or that start-up spent), or a plateau as long as ``patience``."""
         if 0 < (trainer.max_steps or -1) <= trainer.global_step:
             return None  # complete: it ends as completed, whatever a rule says
         spent = self.spent()
@@ -284,12 +289,15 @@ class CostBudget(StepCallback):
         if over:
             name = over[0]
             unit = self.currency if name == "cost" else name.split("_")[-1]
+            projected = float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps
+            record = {"rule": "budget", "decision": "stop", "budget": f"max_{name}",
+                      "limit": limits[name], "projected_at_next_check": projected}  # fmt: skip
             return ("budget", f"max_{name} {limits[name]} {unit} spent",
-                    f"Raise budget.max_{name} (or set it to null) to go on")  # fmt: skip
+                    f"Raise budget.max_{name} (or set it to null) to go on", record)  # fmt: skip
         if self.patience is not None and self.evals_since_best >= self.patience:
             return ("plateau",
                     f"no val improvement >= {self.min_delta} in {self.evals_since_best} evaluations",
-                    "Raise budget.patience (or set it to null) to go on")  # fmt: skip
+                    "Raise budget.patience (or set it to null) to go on", None)  # fmt: skip
         decided = self.decided
         if (
             decided
@@ -298,7 +306,7 @@ class CostBudget(StepCallback):
         ):
             return ("budget", str(decided.get("detail")),
                     "Lower budget.payoff_threshold / payoff_per_gpu_hour (or set them to null) "
-                    "or raise trainer.max_steps to go on")  # fmt: skip
+                    "or raise trainer.max_steps to go on", None)  # fmt: skip
         return None
 
     def _decide(self, trainer: L.Trainer, rule: str, reason: str, detail: str) -> None:

@@ -259,17 +259,23 @@ def _glob_files(spec: str, skipped: list[str], exclude: Sequence[Path]) -> list[
         else:
             odd.append(f"{path}: {not_a_file(path)}")
     skipped += [f"{note}, skipped" for note in odd]
+    others = f"{len(other)} file(s) of other types" if other else ""
     if other:
-        skipped.append(
-            f"{spec}: {len(other)} matched files of other types skipped ({other[0].name}, ...)"
-        )
+        others += f" ({other[0].name}{', ...' if len(other) > 1 else ''})"
+        skipped.append(f"{spec}: {others.replace(' of other', ' matched of other')} skipped")
+    folder_note = None
     if folders and "**" not in spec:  # a recursive glob matches the files under them too
-        skipped.append(
-            f"{spec}: {len(folders)} matched folder(s) skipped ({folders[0]}, ...): a glob reads the "
-            "files it matches; name a folder to read everything under it"
+        more = ", ..." if len(folders) > 1 else ""
+        folder_note = (
+            f"{len(folders)} folder(s) ({folders[0]}{more}): a glob reads the files it "
+            "matches; name a folder to read everything under it"
         )
+        skipped.append(f"{spec}: matched and skipped {folder_note}")
     if not picked:
-        why = f" (it matched {'; '.join(odd)})" if odd else ""
+        reasons = [*odd, *([folder_note] if folder_note else [])]
+        if other:
+            reasons.append(others)
+        why = f" (it matched {'; '.join(reasons)})" if reasons else ""
         raise SourceError(f"the glob {spec!r} matches no files nanolab reads{why}")
     return [f for p in picked if (f := _input_file(p, explicit=False)) is not None]
 
