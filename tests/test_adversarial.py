@@ -402,6 +402,11 @@ def _config_yaml_replaced_by_a_folder(ws: Workspace) -> None:
 def _null_group_yaml(ws: Workspace) -> None:
     ws.write("null_checkpoint.yaml", "checkpoint: null\n")
     ws.write("null_steps.yaml", "trainer:\n  max_steps: null\n")
+    ws.write(
+        "twice.yaml", "trainer:\n  max_steps: 7\nmodel: {}\ntrainer:\n  gradient_clip_val: 0.5\n"
+    )
+    ws.write("number_group.yaml", "checkpoint: 5\n")
+    ws.write("list_gpt.yaml", "model:\n  gpt: [1, 2]\n")
 
 
 def _users_folder(ws: Workspace) -> None:
@@ -529,6 +534,16 @@ def _tool_rows() -> list[Case]:
         Case("fit-group-null-in-yaml", (*FIT, "--config", "{work}/null_checkpoint.yaml"),
              EXIT_USAGE, "`checkpoint: null` gives the checkpoint group no settings",
              setup=_null_group_yaml),
+        Case("fit-key-twice-in-yaml", (*FIT, "--config", "{work}/twice.yaml"), EXIT_USAGE,
+             "`trainer` is given twice in one mapping (lines 1 and 4)", setup=_null_group_yaml),
+        Case("fit-group-not-a-mapping", (*FIT, "--config", "{work}/number_group.yaml"),
+             EXIT_USAGE, "`checkpoint: 5` must be a mapping of settings", setup=_null_group_yaml),
+        Case("estimate-model-gpt-not-a-mapping",
+             ("estimate", "--config", "{cfg}", "--config", "{work}/list_gpt.yaml"), EXIT_USAGE,
+             "`model.gpt: [1, 2]` must be a mapping of settings", setup=_null_group_yaml),
+        Case("queue-add-key-twice-in-yaml",
+             ("queue", "add", "{cfg}", "{work}/twice.yaml", "--db", "{work}/q.db"), EXIT_USAGE,
+             "`trainer` is given twice", setup=_null_group_yaml),
         Case("fit-max_steps-null-in-yaml", (*FIT, "--config", "{work}/null_steps.yaml"),
              EXIT_USAGE, "trainer.max_steps must be a positive number", setup=_null_group_yaml),
         Case("queue-add-group-null-in-yaml",

@@ -284,6 +284,9 @@ def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, 
                     f"config file {path}: `{group}: null` gives the {group} group no settings; "
                     f"leave it out to keep its defaults, or give its keys (`{group}: {{...}}`)"
                 )
+        from nanolab.training.resolve import check_group_shapes
+
+        check_group_shapes(data, groups, f"config file {path}")
         found.append(data)
     return found
 
@@ -292,12 +295,9 @@ def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, 
 def _settings_in(text: str, path: str) -> Any:
     """A config file's ``text`` read (an alias bomb refused first); remembered like
     :func:`_keys_in`. Callers copy the result before changing it."""
-    import yaml
+    from nanolab.training.resolve import load_yaml
 
-    from nanolab.training.resolve import check_alias_expansion
-
-    check_alias_expansion(text, f"config file {path}")
-    return yaml.safe_load(text)
+    return load_yaml(text, f"config file {path}")
 
 
 def preflight(verb: str, argv: list[str]) -> None:

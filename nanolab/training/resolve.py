@@ -167,7 +167,17 @@ def config_loader() -> type:
     import yaml
 
     class ConfigLoader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            # A key given twice: PyYAML keeps the last one, so a second `trainer:` block
+            # would silently replace the first whole.
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, str | int | float | bool) and key in seen:
+                    raise DuplicateKeyError(key, seen[key], line)
+                seen.setdefault(key, line)
+            return super().construct_mapping(node, deep=deep)
 
     timestamp, float_tag = "tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:float"
     ConfigLoader.yaml_implicit_resolvers = {
@@ -235,11 +245,67 @@ def _expanded_values(node: Any, sizes: dict[int, int], open_: set[int]) -> int:
 
 
 def load_yaml(text: str, source: str = "the YAML") -> Any:
-    """``text`` read with :func:`config_loader`; an alias bomb is refused naming ``source``."""
+    """``text`` read with :func:`config_loader`; an alias bomb and a key given twice in one
+    mapping are refused naming ``source``."""
     import yaml
 
     check_alias_expansion(text, source)
-    return yaml.load(text, Loader=config_loader())
+    try:
+        return yaml.load(text, Loader=config_loader())
+    except DuplicateKeyError as err:
+        raise RunConfigError(
+            f"{source}: `{err.key}` is given twice in one mapping (lines {err.first} and "
+            f"{err.second}); YAML would keep only the second, dropping the first silently: "
+            "merge them into one"
+        ) from None
+
+
+_KINDS = {"int": "a number", "float": "a number", "bool": "true/false", "list": "a list",
+          "str": "text"}  # fmt: skip
+
+#: The groups every config reader checks the shape of (``fit`` and ``queue add`` also check
+#: the run callbacks' groups, which this layer does not know: ``nanolab.run.parse``).
+SETTING_GROUPS = ("run", "trainer", "model", "data")
+#: Groups whose value may also be a class path (``model: mylab.models.X``).
+CLASS_GROUPS = ("model", "data")
+#: Settings inside the model group that are groups of keys themselves.
+MODEL_SUBGROUPS = ("gpt", "optimizer", "schedule", "freeze")
+
+
+def check_group_shapes(data: dict[str, Any], groups: Sequence[str], where: str) -> None:
+    """Refuse a group given a value that is not a mapping of settings (``checkpoint: 5``,
+    ``trainer: [1, 2]``, ``model: {gpt: 3}``): the parser would replace the whole group with it,
+    or fail deep inside a class with a traceback."""
+
+    def refuse(key: str, value: Any) -> None:
+        raise RunConfigError(
+            f"{where}: `{key}: {value!r}` must be a mapping of settings (`{key}: {{...}}`), not "
+            f"{_KINDS.get(type(value).__name__, type(value).__name__)}; give its keys, or leave "
+            "it out for its defaults"
+        )
+
+    for group in groups:
+        value = data.get(group)
+        if value is None or isinstance(value, dict):
+            pass
+        elif not (group in CLASS_GROUPS and isinstance(value, str)):
+            refuse(group, value)
+    model = data.get("model")
+    if isinstance(model, dict):
+        settings = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
+        prefix = "model.init_args" if settings is not model else "model"
+        for sub in MODEL_SUBGROUPS:
+            value = settings.get(sub)
+            if value is not None and not isinstance(value, dict):
+                refuse(f"{prefix}.{sub}", value)
+
+
+class DuplicateKeyError(Exception):
+    """A key given twice in one YAML mapping (with both lines)."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(key, first, second)
+        self.key, self.first, self.second = key, first, second
 
 
 def override_value(text: str) -> Any:
@@ -268,6 +334,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise RunConfigError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
     if not isinstance(data, Mapping):
         raise RunConfigError(f"{path}: the top level must be a mapping of config groups")
+    check_group_shapes(dict(data), SETTING_GROUPS, f"config file {path}")
     return dict(data)
 
 
