@@ -83,6 +83,13 @@ def parse_seeds(text: str | None) -> list[int] | None:
         ) from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise JobConfigError(f"--seeds {text!r}: give distinct integers, e.g. --seeds 42,43,44")
+    from nanolab.training.resolve import MAX_SEED
+
+    bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if bad:
+        raise JobConfigError(
+            f"--seeds {text!r}: {bad[0]} is out of range; seeds go from 0 to {MAX_SEED}"
+        )
     return seeds
 
 

@@ -29,6 +29,7 @@ from nanolab.training.parallelism import parse_strategy
 from nanolab.training.resolve import (
     RunConfigError,
     check_model_settings,
+    check_seed,
     plain_config,
     resolve,
     visible_gpus,
@@ -204,6 +205,7 @@ def chosen_seed(seed: Any) -> int | None:
     side by side (srun, torchrun) draw their own: DDP and FSDP take rank 0's weights anyway, and
     config.yaml records rank 0's."""
     if seed is not True:
+        check_seed(seed)
         return None if seed is None else int(seed)
     import random
 

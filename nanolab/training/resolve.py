@@ -492,6 +492,22 @@ def gradient_accumulation(
     return global_batch_tokens // per_step
 
 
+#: The largest seed torch's and numpy's generators take (``seed_everything`` seeds both).
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: Any, where: str = "seed_everything") -> None:
+    """A seed numpy accepts (0 .. 2^32 - 1), or ``true``/``false``/null; one line otherwise
+    (``seed_everything(-1)`` ends in numpy's ValueError, a traceback, at start-up)."""
+    if seed is None or isinstance(seed, bool):
+        return
+    if not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise RunConfigError(
+            f"{where} must be an integer from 0 to {MAX_SEED} (or true for a random one), got "
+            f"{seed!r}"
+        )
+
+
 def check_run_name(name: Any) -> None:
     """Refuse a run name that would put the run directory outside ``run.root`` (or be ``root``)."""
     text = str(name) if name is not None else ""
@@ -716,6 +732,7 @@ def resolve(
     trainer = dict(cfg.get("trainer") or {})
     run = dict(cfg.get("run") or {})
     model_class, model_args, data_class, data_args = sections(cfg)
+    check_seed(cfg.get("seed_everything"))
 
     per_node, guessed = count_devices(
         trainer.get("devices", "auto") if devices is None else devices,
