@@ -534,6 +534,8 @@ def _tool_rows() -> list[Case]:
         Case("fit-group-null-in-yaml", (*FIT, "--config", "{work}/null_checkpoint.yaml"),
              EXIT_USAGE, "`checkpoint: null` gives the checkpoint group no settings",
              setup=_null_group_yaml),
+        Case("fit-lightning-overfit-batches", (*FIT, "--trainer.overfit_batches", "1"),
+             EXIT_USAGE, "use --config configs/debug/overfit.yaml"),
         Case("fit-seed-out-of-range", (*FIT, "--seed_everything", "-5"), EXIT_USAGE,
              "seed_everything must be an integer from 0 to 4294967295"),
         Case("queue-add-seed-out-of-range",

@@ -539,6 +539,20 @@ def check_max_steps(max_steps: Any) -> None:
         )
 
 
+def check_overfit_batches(value: Any) -> None:
+    """Lightning's ``trainer.overfit_batches`` replaces the loaders' samplers, which choose
+    nanolab's windows (by seed, micro-batch and rank): refused before anything is written,
+    naming the preset that overfits the nanolab way."""
+    if value in (None, 0, 0.0) or value is False:
+        return
+    raise RunConfigError(
+        f"trainer.overfit_batches {value!r}: nanolab's data loaders choose their windows "
+        "themselves, which Lightning's overfit_batches would replace; use --config "
+        "configs/debug/overfit.yaml (nanolab.callbacks.overfit.OverfitBatches) to train on a "
+        "few fixed batches"
+    )
+
+
 def check_gradient_clip(value: Any) -> None:
     """A clipping norm that is not a finite number >= 0 (YAML's ``.nan``, ``-1``) would turn
     every step's gradients into NaN or zero, silently; null turns clipping off."""
@@ -796,6 +810,7 @@ def resolve(
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise RunConfigError(f"run.eval_every_steps must be >= 1, got {eval_every!r}")
     check_gradient_clip(trainer.get("gradient_clip_val"))
+    check_overfit_batches(trainer.get("overfit_batches"))
     check_dataset_dir(data_args)
     max_steps = trainer.get("max_steps")  # absent only in a raw YAML (the estimator's input)
     if "max_steps" in trainer:  # given, even as null: Lightning would fail on null mid-start
