@@ -617,3 +617,20 @@ def test_accumulate_grad_batches_is_obeyed_without_a_global_batch(tmp_path, char
     assert "x 4 accumulation" in res.stdout + res.stderr
     steps = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("event") == "train"]
     assert [r["tokens"] for r in steps] == [4 * 32 * 4, 2 * 4 * 32 * 4]
+
+
+def test_a_replaced_accumulation_or_validation_interval_is_said(tmp_path, char_dataset):
+    """With run.global_batch_tokens set, nanolab derives the accumulation and the validation
+    interval; a trainer value given for either was replaced without a word."""
+    overrides = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=1)
+    overrides["run"]["global_batch_tokens"] = 2 * 4 * 32
+    overrides["trainer"].update(accumulate_grad_batches=4, val_check_interval=1)
+    cfg = write_config(tmp_path / "tiny.yaml", overrides)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout + res.stderr
+    assert (
+        "trainer.accumulate_grad_batches 4 is replaced by 2, derived from run.global_batch_tokens"
+        in out
+    )
+    assert "trainer.val_check_interval 1 is replaced by 6 micro-batches" in out

@@ -20,7 +20,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
 from nanolab.callbacks.loggers import RunConfigWriter
+from nanolab.callbacks.runlock import global_rank_from_env
 from nanolab.data.prepare import OutputInUseError
+from nanolab.messages import warn
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
@@ -209,8 +211,6 @@ def chosen_seed(seed: Any) -> int | None:
         return None if seed is None else int(seed)
     import random
 
-    from nanolab.callbacks.runlock import global_rank_from_env
-
     inherited = os.environ.get("PL_GLOBAL_SEED", "")
     if inherited.isdigit() and global_rank_from_env() != 0:  # a rank that rank 0 started
         return int(inherited)
@@ -373,6 +373,22 @@ def write_derived(cfg: Any, resolved: Any) -> None:
     cfg.trainer.default_root_dir = str(resolved.run_dir)
     cfg.trainer.check_val_every_n_epoch = None  # steps, not epochs: validation by interval
     if resolved.accumulate is not None:
+        for key, derived, source in (
+            ("accumulate_grad_batches", resolved.accumulate, "run.global_batch_tokens"),
+            ("val_check_interval", resolved.val_check_interval, "run.eval_every_steps"),
+        ):
+            given = cfg.trainer.get(key)
+            default = None if key == "val_check_interval" else 1  # Lightning's defaults
+            replaced = given not in (default, derived) and resolved.global_batch_tokens is not None
+            if replaced and global_rank_from_env() == 0:
+                warn(  # a config.yaml of a run with another micro-batch gets here too
+                    "nanolab fit",
+                    f"trainer.{key} {given} is replaced by {derived}, derived from {source}; "
+                    f"to choose it yourself set run.global_batch_tokens: null"
+                    if key == "accumulate_grad_batches"
+                    else f"trainer.{key} {given} is replaced by {derived} micro-batches, derived "
+                    f"from {source}: set that instead",
+                )
         cfg.trainer.accumulate_grad_batches = resolved.accumulate
         # The training stream is endless (steps, not epochs): validation is counted in
         # micro-batches, so one optimizer step = `accumulate` of them.
