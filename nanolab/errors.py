@@ -34,6 +34,30 @@ def disk_full(err: BaseException) -> bool:
     return getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
 
 
+def storage_refused(err: BaseException) -> bool:
+    """Whether ``err`` is the file system refusing a write: read-only, no permission, full.
+    The user fixes those (another folder, free space), so each verb says them in one line
+    instead of a traceback, whichever write met them."""
+    import errno
+
+    return isinstance(err, OSError) and getattr(err, "errno", None) in (
+        errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT,
+    )  # fmt: skip
+
+
+def storage_message(err: OSError) -> str:
+    """The one line for a refused write, naming the path and the fix."""
+    import errno
+
+    where = err.filename or "a file"
+    what = err.strerror or str(err)
+    if disk_full(err):
+        return f"cannot write {where} ({what}); free space there, or write elsewhere"
+    if err.errno == errno.EROFS:
+        return f"cannot write {where} ({what}); choose a folder on a writable file system"
+    return f"cannot use {where} ({what}); choose a path this user can read and write"
+
+
 class NanolabError(ValueError):
     """A problem the user can fix; ``str(err)`` is the whole one-line message.
 
@@ -83,6 +107,12 @@ def one_line_errors(prog: str | Callable[..., str]) -> Callable[[Main], Main]:
             except NanolabError as err:
                 name = prog(*args, **kwargs) if callable(prog) else prog
                 return report(name, err)
+            except OSError as err:
+                if not storage_refused(err):
+                    raise  # anything else is a bug of ours: its traceback stays
+                name = prog(*args, **kwargs) if callable(prog) else prog
+                report(name, NanolabError(storage_message(err)))
+                return EXIT_DISK_FULL if disk_full(err) else EXIT_USAGE
 
         return run  # type: ignore[return-value]
 

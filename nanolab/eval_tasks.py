@@ -14,6 +14,7 @@ the in-loop callback (``--downstream.suite``) logs for the same checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -102,6 +103,11 @@ def check_json_target(text: str) -> Path:
             f"--json {text}: folder {out.parent} does not exist; create it first"
         )
     refuse_inside_run(text, "--json", EvalArgumentError)  # the tasks record goes in the log
+    if not os.access(out.parent, os.W_OK):  # before the scoring and the run log's record
+        raise EvalArgumentError(
+            f"--json {text}: this user cannot write in {out.parent} (read-only or no "
+            "permission); give a file in a folder you can write"
+        )
     if out.exists() and not _eval_output(out):
         raise EvalArgumentError(
             f"--json {text} already exists and is not an earlier `nanolab eval --json` "
@@ -242,12 +248,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "suite": str(args.suite),
         **result.record(),
     }
+    if out is not None:  # first: a file that cannot be written leaves the run's log as it was
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)  # a full disk's half-written copy goes too
     if log_dir is not None:
         append_to_run(log_dir, record)
-    if out is not None:
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(out)
     return 0
 
 

@@ -91,7 +91,21 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     plain = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    save_file(plain, str(path), metadata={"format": "pt"})
+    try:
+        save_file(plain, str(path), metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as err:  # safetensors' own error type wraps the file system's
+        if "No space left" in str(err) or "Disk quota" in str(err):
+            import errno
+
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        raise
+    # safetensors creates the file 0600; every other export file follows the umask (0644
+    # under the usual 022), and a serving process of another user must read the weights too.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def built_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:

@@ -13,7 +13,13 @@ import sys
 from pathlib import Path
 
 from nanolab.callbacks.checkpoint_io import CheckpointWriteError
-from nanolab.errors import EXIT_DISK_FULL, NanolabError, disk_full
+from nanolab.errors import (
+    EXIT_DISK_FULL,
+    NanolabError,
+    disk_full,
+    storage_message,
+    storage_refused,
+)
 from nanolab.messages import say
 from nanolab.run.compose import launch
 from nanolab.run.parse import nulls_as_class_settings, parse_command
@@ -45,6 +51,11 @@ def run_lightning_cli(argv: list[str]) -> int:
             trainer = launch(parse_command(argv, from_command_line=from_command_line))
         except USER_ERRORS as err:
             print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
+            return EXIT_DISK_FULL if disk_full(err) else 2
+        except OSError as err:
+            if not storage_refused(err):
+                raise
+            print(f"nanolab {argv[0]}: error: {storage_message(err)}", file=sys.stderr)
             return EXIT_DISK_FULL if disk_full(err) else 2
         finally:
             release_all()

@@ -1,0 +1,100 @@
+"""A file system that refuses a write (read-only, full) is one error line in every verb, never
+a traceback, and leaves nothing half-written: on real mounts (a read-only tmpfs and a 16 KiB
+one), which needs root; elsewhere the module is skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+from nanolab.runlog import read_records
+
+
+def _mount(target: Path, options: str) -> bool:
+    target.mkdir(parents=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True
+    )
+    return done.returncode == 0
+
+
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """(read-only folder, 16 KiB folder)."""
+    ro, full = tmp_path / "ro", tmp_path / "full"
+    if not _mount(ro, "ro,size=1m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        assert _mount(full, "size=16k")
+        yield ro, full
+    finally:
+        for folder in (ro, full):
+            subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def _one_error_line(res, *needles: str) -> None:
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def test_writes_the_file_system_refuses_are_one_line(tmp_path, char_dataset, mounts):
+    ro, full = mounts
+    runs = tmp_path / "runs"
+    cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, runs))
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    run = runs / "tiny"
+    log_before = (run / "metrics.jsonl").read_bytes()
+
+    res = nanolab_here("prepare", "bundled:shakespeare", "-o", str(ro / "ds"), cwd=tmp_path)
+    _one_error_line(res, "nanolab prepare: error: cannot write", "Read-only file system")
+    res = nanolab_here(
+        "fit", "--config", str(QUICKSTART), "--data.dataset_dir", str(ro / "ds"),
+        "--run.root", str(tmp_path / "other"), cwd=tmp_path,
+    )  # fmt: skip
+    _one_error_line(res, "nanolab fit: error: cannot write", "writable file system")
+    assert not (tmp_path / "other").exists()
+    res = nanolab_here("report", str(runs), "--plot", str(ro / "loss.png"), cwd=tmp_path)
+    _one_error_line(res, "nanolab report: error: cannot write", "loss")
+    res = nanolab_here("eval", str(run), "--json", str(ro / "e.json"), "--limit", "2", cwd=tmp_path)
+    _one_error_line(res, "--json", "cannot write in")
+    assert (run / "metrics.jsonl").read_bytes() == log_before  # refused before any record
+    res = nanolab_here("export", "--ckpt", str(run), "-o", str(full / "ex"), cwd=tmp_path)
+    _one_error_line(res, "No space left on device")
+    assert list(full.iterdir()) == []  # no half export, no staging folder
+    assert [r["event"] for r in read_records(run / "metrics.jsonl")][-1] == "end"
+
+
+def test_an_exported_safetensors_file_follows_the_umask(tmp_path, char_dataset):
+    """safetensors creates its file 0600: a serving process of another user could not read
+    the weights that every other export file (0644 under umask 022) lets it read."""
+    import os
+
+    runs = tmp_path / "runs"
+    cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, runs))
+    assert (
+        nanolab_here(
+            "fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path
+        ).returncode
+        == 0
+    )
+    before = os.umask(0o022)
+    try:
+        res = nanolab_here(
+            "export", "--ckpt", str(runs / "tiny"), "--format", "safetensors", "-o",
+            str(tmp_path / "ex"), cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        os.umask(before)
+    assert res.returncode == 0, res.stderr[-2000:]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ex").iterdir()}
+    assert modes["model.safetensors"] == modes["nanolab.json"] == 0o644, modes
+    json.loads((tmp_path / "ex" / "nanolab.json").read_text())
