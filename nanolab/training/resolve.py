@@ -300,11 +300,12 @@ def check_group_shapes(data: dict[str, Any], groups: Sequence[str], where: str) 
                 refuse(f"{prefix}.{sub}", value)
 
 
-class DuplicateKeyError(Exception):
-    """A key given twice in one YAML mapping (with both lines)."""
+class DuplicateKeyError(RunConfigError):
+    """A key given twice in one YAML mapping (with both lines); :func:`load_yaml` names the
+    file in the message."""
 
     def __init__(self, key: Any, first: int, second: int) -> None:
-        super().__init__(key, first, second)
+        super().__init__(f"`{key}` is given twice in one mapping (lines {first} and {second})")
         self.key, self.first, self.second = key, first, second
 
 
