@@ -137,10 +137,10 @@ PLANS: dict[str, dict[str, str]] = {
         ),
     },
     "loggers.md": {
-        "nanolab fit --config configs/quickstart.yaml --logger csv": RUN,
-        "nanolab fit --config configs/quickstart.yaml --logger tensorboard": RUN,
-        "nanolab fit --config configs/quickstart.yaml --logger wandb": NO_PACKAGE,
-        "nanolab fit --config configs/quickstart.yaml --logger mlflow": NO_PACKAGE,
+        "nanolab fit --config configs/quickstart.yaml --run.name qs-csv --logger csv": RUN,
+        "nanolab fit --config configs/quickstart.yaml --run.name qs-tb --logger tensorboard": RUN,
+        "nanolab fit --config configs/quickstart.yaml --run.name qs-wandb --logger wandb": NO_PACKAGE,
+        "nanolab fit --config configs/quickstart.yaml --run.name qs-mlflow --logger mlflow": NO_PACKAGE,
     },
     "optimizers.md": {
         "nanolab fit --config configs/quickstart.yaml --model.optimizer.name muon "
@@ -473,9 +473,9 @@ def test_loggers_md(work: Path, capsys) -> None:
     for command in commands("loggers.md", RUN):
         code, _, err = nanolab(capsys, sized(nanolab_argv(command)))
         assert code == 0, f"{command}: {err[-2000:]}"
-    run = work / "runs" / "quickstart"
-    assert (run / "csv" / "metrics.csv").stat().st_size > 0
-    assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    runs = work / "runs"
+    assert (runs / "qs-csv" / "csv" / "metrics.csv").stat().st_size > 0
+    assert list((runs / "qs-tb" / "tensorboard").rglob("events.out.tfevents.*"))
 
 
 def test_resume_md(work: Path, capsys) -> None:

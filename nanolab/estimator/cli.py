@@ -131,7 +131,7 @@ def format_estimate(
     if gpt.dropout:
         flags.append(f"dropout {gpt.dropout}")
     out = [
-        f"model     GPT, {c.params:,} parameters: {gpt.n_layer} layers x {gpt.n_embd} wide, "
+        f"model     GPT, {c.params:,} parameters: {gpt.n_layer} layer{'s' if gpt.n_layer != 1 else ''} x {gpt.n_embd} wide, "
         f"{gpt.n_head} heads, context {gpt.block_size}, {vocab}",
         f"setup     {s.precision}, {s.strategy.describe()}, {s.world_size} x {g.label} "
         f"({format_bytes(est.device_memory)} each), {s.optimizer}; {', '.join(flags)}",

@@ -9,6 +9,7 @@ in the same process.
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -140,8 +141,8 @@ def end_block(trainer: object) -> str:
     if last.exists():
         lines.append(f"  checkpoint {last}")
         lines.append(
-            f"  next: nanolab generate --ckpt {last} --prompt '...'   |   "
-            f"nanolab report {run_dir.parent}"
+            f"  next: nanolab generate --ckpt {shlex.quote(str(last))} --prompt '...'   |   "
+            f"nanolab report {shlex.quote(str(run_dir.parent))}"
         )
     return "\n".join(lines)
 
