@@ -64,10 +64,16 @@ def test_parse_memory(text: str, expected: int) -> None:
     assert parse_memory(text) == expected
 
 
-@pytest.mark.parametrize("text", ["12 gigs", "GiB", "-3GB", "0", "1e9", ""])
+@pytest.mark.parametrize("text", ["12 gigs", "GiB", "-3GB", "0", "1e9", "", "12"])
 def test_parse_memory_rejects(text: str) -> None:
     with pytest.raises(MemoryStringError):
         parse_memory(text)
+
+
+def test_a_small_size_without_a_unit_asks_for_one() -> None:
+    """``--gpu-mem 12`` read as 12 bytes and said DOES NOT FIT, exit 0."""
+    with pytest.raises(MemoryStringError, match="did you mean 12GiB"):
+        parse_memory("12")
 
 
 def test_gpu_table() -> None:

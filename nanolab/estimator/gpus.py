@@ -252,6 +252,11 @@ def parse_memory(text: str | int | float) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value < 1:
         raise MemoryStringError(f"memory size must be positive, got {text!r}")
+    if not m.group(2) and value < MiB:  # "12": a device of 12 bytes is a unit left out
+        raise MemoryStringError(
+            f"memory size {text!r} has no unit and reads as {int(value)} bytes; did you mean "
+            f"{m.group(1)}GiB?"
+        )
     return int(value)
 
 
