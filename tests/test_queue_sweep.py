@@ -36,7 +36,10 @@ def test_grid_and_names() -> None:
      (["--sweep", "model.optimizer.lr=1e-3,"], "expected KEY=V1,V2"),
      (["--sweep", "model.optimizer.lr=1e-3", "--set", "model.optimizer.lr=2e-3"], "also given with --set"),
      (["--sweep", "seed_everything=1,2"], "use --seeds"),
-     (["--sweep", "model.optimizer.lr=1,2", "--sweep", "model.optimizer.lr=3"], "swept twice")],
+     (["--sweep", "model.optimizer.lr=1,2", "--sweep", "model.optimizer.lr=3"], "swept twice"),
+     (["--sweep", "model.optimizer.lr=1e-3,1.0e-3"], "'1.0e-3' is a value listed before"),
+     (["--sweep", "model.gpt.n_layer=1,01"], "'01' is a value listed before"),
+     (["--sweep", "model.optimizer.betas=[0.9,0.95],[0.9,0.99]"], "a list or mapping value cannot be swept")],
 )  # fmt: skip
 def test_bad_sweeps_are_one_line_and_add_nothing(tmp_path, capsys, argv, message) -> None:
     config = write_config(tmp_path / "a.yaml", {"trainer": {"max_steps": 5}})

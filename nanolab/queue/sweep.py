@@ -32,10 +32,25 @@ def parse_sweeps(items: list[str], set_keys: list[str]) -> list[tuple[str, list[
             raise JobConfigError(f"--sweep {key}: also given with --set; give it in one of them")
         if key in (k for k, _ in sweeps):
             raise JobConfigError(f"--sweep {key}: swept twice; list all its values in one --sweep")
-        if len(set(values)) != len(values):
-            raise JobConfigError(f"--sweep {item!r}: a value is listed twice")
+        if "[" in values_text or "{" in values_text:
+            raise JobConfigError(
+                f"--sweep {item!r}: a list or mapping value cannot be swept (values are split "
+                "on commas); queue each value with its own --set KEY=[...]"
+            )
+        read = [_as_read(v) for v in values]  # 1e-3 and 1.0e-3, 1 and 01: one value
+        twice = next((v for i, v in enumerate(values) if read[i] in read[:i]), None)
+        if twice is not None:
+            raise JobConfigError(f"--sweep {item!r}: {twice!r} is a value listed before")
         sweeps.append((key, values))
     return sweeps
+
+
+def _as_read(text: str) -> object:
+    """A value as the fit parser reads it (YAML: ``1.0e-3`` == ``1e-3``), for comparing."""
+    from nanolab.training.resolve import override_value
+
+    value = override_value(text)
+    return ("bool", value) if isinstance(value, bool) else value  # true is not 1
 
 
 def grid(sweeps: list[tuple[str, list[str]]]) -> list[Point]:
