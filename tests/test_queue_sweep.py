@@ -151,12 +151,12 @@ def test_the_seeds_of_a_point_are_the_jobs_one_parse_per_seed_gives(tmp_path, ch
         return build_jobs(base, sets, seeds, None, tmp_path, estimate=flops_estimate,
                           memory=memory_need)  # fmt: skip
 
-    together = build("7,-2,11")
-    alone = [job for seed in ("7", "-2", "11") for job in build(seed)]
+    together = build("7,2,11")
+    alone = [job for seed in ("7", "2", "11") for job in build(seed)]
     assert together == alone
     args = ["--model.optimizer.lr=3e-3", "--run.eval_every_steps=4"]
     first = parse_config(base, [*args, "--seed_everything=7"], "base-lr-s7", tmp_path)
-    own = parse_config(base, [*args, "--seed_everything=-2"], "base-lr-s-2", tmp_path)
-    shared = parse_config(base, [*args, "--seed_everything=-2"], "base-lr-s-2", tmp_path,
-                          seed_of=first, seed=-2)  # fmt: skip
-    assert shared == own and shared.config["seed_everything"] == -2
+    own = parse_config(base, [*args, "--seed_everything=2"], "base-lr-s2", tmp_path)
+    shared = parse_config(base, [*args, "--seed_everything=2"], "base-lr-s2", tmp_path,
+                          seed_of=first, seed=2)  # fmt: skip
+    assert shared == own and shared.config["seed_everything"] == 2
