@@ -563,6 +563,13 @@ def _tool_rows() -> list[Case]:
              EXIT_USAGE, "is inside the run directory", setup=_finished_runs),
         Case("report-plot-onto-a-folder", ("report", "{runs}", "--plot", "{work}"), EXIT_USAGE,
              "is not a file name", setup=_finished_runs),
+        Case("report-logx-without-a-plot", ("report", "{runs}", "--logx"), EXIT_USAGE,
+             "--x and --logx shape the plot only", setup=_finished_runs),
+        Case("report-baseline-without-groups", ("report", "{runs}", "--baseline", "zzz"),
+             EXIT_USAGE, "a comparison needs two", setup=_finished_runs),
+        Case("estimate-gpu-empty", ("estimate", "--config", "{cfg}", "--gpu", ""), EXIT_USAGE,
+             "--gpu is empty"),
+        Case("fit-run-root-empty", (*FIT, "--run.root", ""), EXIT_USAGE, "run.root is empty"),
     ]
     if not torch.cuda.is_available():  # a machine without a GPU
         rows += [

@@ -297,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise EstimateError(f"{name} must be >= 1, got {value}")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise EstimateError(f"--mfu must be in (0, 1], got {args.mfu}")
+    if args.gpu is not None and not args.gpu.strip():
+        raise EstimateError("--gpu is empty; name a device (nanolab estimate --list-gpus)")
     if args.device == "cpu" and args.gpu:
         raise EstimateError("--gpu names a GPU; leave it out with --device cpu")
     if args.fragmentation is not None and not 0 <= args.fragmentation < 1:

@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot is not None:
         check_plot_path(args.plot)
+    elif args.logx or args.x != "tokens":
+        raise ReportError("--x and --logx shape the plot only; add --plot FILE.png")
     roots = args.runs_dirs or [Path("runs")]
     found = discover_runs(roots)
     if not found:

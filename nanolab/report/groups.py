@@ -267,6 +267,11 @@ def compare_groups(
     than two groups of two usable seeds."""
     usable = [g for g in groups if len(g.val_losses) >= 2]
     if len(usable) < 2:
+        if baseline is not None:  # asked for, and nothing to compare: said, not ignored
+            raise ReportError(
+                f"--baseline {baseline!r}: these runs hold {len(usable)} seed group(s) with two "
+                "usable seeds; a comparison needs two (queue add --seeds 1,2,3 for each config)"
+            )
         return []
     from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
 

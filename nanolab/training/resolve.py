@@ -820,7 +820,10 @@ def resolve(
     run_dir = None
     if name is not None:
         check_run_name(name)
-        run_dir = Path(str(run.get("root") or "runs")) / str(name)
+        root = run.get("root")
+        if root is not None and not str(root).strip():
+            raise RunConfigError("run.root is empty; give the folder of the runs (e.g. runs)")
+        run_dir = Path(str(root or "runs")) / str(name)
 
     return Resolved(
         model_class=model_class,
