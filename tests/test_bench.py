@@ -284,3 +284,22 @@ def test_bench_takes_every_shipped_recipe_on_one_device(configs):
     paths = [str(QUICKSTART.parent / c) for c in configs]
     overrides = ["--data.source", "null", "--trainer.devices", "1"]
     assert resolve_benchmarked(paths, overrides, 10).world_size == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set=--run.name=foo"], "--set --run.name: the bench sets it"),
+        (["--set=--trainer.max_steps=10"], "use --steps"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--steps", "5", "--warmup", "5"], "--steps must exceed --warmup + 1"),
+    ],
+)
+def test_bench_options_that_cannot_work_are_one_line(args, message, capsys) -> None:
+    """A --set of what the bench sets itself ended in a StopIteration traceback (run.name) or
+    a run measured on other steps (exit 1); a negative warm-up was taken."""
+    from nanolab.bench import main
+
+    assert main(["--config", str(QUICKSTART), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

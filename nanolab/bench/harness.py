@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.bench.comparable import check_comparable
-from nanolab.errors import one_line_errors
+from nanolab.errors import NanolabError, one_line_errors
 from nanolab.runlog import read_records
 from nanolab.tables import table
 
@@ -575,6 +575,19 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class BenchError(NanolabError):
+    """A ``nanolab bench`` option that cannot work."""
+
+
+#: Settings the bench gives each side itself, with what to use instead.
+BENCH_OWNS = {
+    "trainer.max_steps": "use --steps",
+    "run.name": "each round has its own run",
+    "run.root": "the runs go to a temporary folder",
+    "run.resume": "every round starts fresh",
+}
+
+
 def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) -> Any:
     """The config both sides will train, through the resolver ``nanolab fit`` uses: a setting
     that cannot work, or that the plain loop would not train the same way, is one line now,
@@ -646,13 +659,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds of imports)",
     )
     args = parser.parse_args(argv)
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
     if args.steps <= args.warmup + 1:
-        parser.error("--steps must exceed --warmup + 1")
+        raise BenchError("--steps must exceed --warmup + 1")
     if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
+        raise BenchError("--rounds must be >= 1")
     if args.import_repeats < 1:
-        parser.error("--import-repeats must be >= 1")
+        raise BenchError("--import-repeats must be >= 1")
     overrides = [part for item in args.set for part in item.split("=", 1)]
+    for key in overrides[::2]:
+        owner = BENCH_OWNS.get(key.lstrip("-"))
+        if owner is not None:
+            raise BenchError(f"--set {key}: the bench sets it for every side and round; {owner}")
     resolve_benchmarked(args.config, overrides, args.steps)
     try:
         res = benchmark(
