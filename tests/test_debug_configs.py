@@ -40,6 +40,18 @@ def test_fast_dev_run_trains_three_steps_and_validates_once(tmp_path, char_datas
     assert "suppressed" not in _launch.stderr  # type: ignore[attr-defined]
 
 
+def test_a_fast_dev_run_flag_with_accumulation_promises_the_steps_it_trains(tmp_path, char_dataset):
+    """``--trainer.fast_dev_run 3`` on a config that accumulates 2 micro-batches: Lightning
+    trains 3 micro-batches, 2 optimizer steps; the banner promised 3."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["run"]["global_batch_tokens"] = 2 * 4 * 32
+    base = write_config(tmp_path / "base.yaml", cfg)
+    done = nanolab_here("fit", "--config", str(base), "--trainer.fast_dev_run", "3", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout + done.stderr
+    assert "steps      0 -> 2 " in out and "completed at step 2" in out, out[-2000:]
+
+
 @pytest.mark.slow  # 40 steps: ~20 s
 def test_overfit_memorises_one_batch(tmp_path, char_dataset):
     _, records = _launch(tmp_path, char_dataset, "overfit", "--trainer.max_steps", "40", "--run.eval_every_steps", "20",

@@ -145,6 +145,11 @@ def banner_lines(
         f"  devices    {trainer.num_devices} {device}{nodes} ({strategy}), precision {trainer.precision}"
     )
     start, end = trainer.global_step, trainer.max_steps
+    dev_run = getattr(trainer, "fast_dev_run", False)
+    if dev_run:  # Lightning counts those in micro-batches: N of them are ceil(N / accumulation)
+        batches = 1 if dev_run is True else int(dev_run)
+        accumulate = int(trainer.accumulate_grad_batches or 1)
+        end = min(end, -(-batches // accumulate)) if end and end > 0 else -(-batches // accumulate)
     ckpt = getattr(trainer, "ckpt_path", None)
     if ckpt and start > 0:
         lines.append(f"  resume     from step {start} ({ckpt})")
