@@ -140,3 +140,27 @@ def test_fit_ends_with_a_short_end_block(printed) -> None:
     assert "of wall time, goodput " in tail[2]
     assert tail[3] == f"  checkpoint {tmp_path / 'runs' / 'tiny' / 'checkpoints' / 'last.ckpt'}"
     assert tail[4].startswith("  next: nanolab generate --ckpt ")
+
+
+def test_the_end_block_reads_the_runs_own_numbers_and_quotes_its_paths(tmp_path) -> None:
+    """A finished run's command run again printed the score of a later `nanolab eval` (another
+    example count) as the run's; a run name with a space made the printed next command fail."""
+    import json
+    from types import SimpleNamespace
+
+    from nanolab.run.cli import end_block
+
+    run = tmp_path / "runs" / "my run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    records = [
+        {"event": "val", "step": 600, "val_loss": 1.81, "val_bpb": 2.6},
+        {"event": "tasks", "step": 600, "tasks/cloze/score": 0.387},
+        {"event": "end", "step": 600, "reason": "completed", "best_val_loss": 1.81},
+        {"event": "val", "step": 600, "val_loss": 2.5, "evaluated_by": "nanolab validate"},
+        {"event": "tasks", "step": 600, "tasks/cloze/score": 0.364, "evaluated_by": "nanolab eval"},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = end_block(SimpleNamespace(default_root_dir=str(run)))
+    assert "val loss 1.8100 at step 600" in text and "cloze 0.387" in text, text
+    assert f"--ckpt '{run / 'checkpoints' / 'last.ckpt'}'" in text, text
