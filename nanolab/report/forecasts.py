@@ -170,5 +170,8 @@ def finished_text(f: Any) -> str:
         text += f", worst backtest miss {max(misses):.3g}"
     floor = fit.get("L0", fit.get("E"))
     if floor is not None and floor <= 1e-6:
-        text += "; its floor is at the bound 0 (not pinned by the points)"
+        text += (
+            "; its irreducible loss came out 0 (the points do not show where the curve levels "
+            "off: a forecast far past them is a guess)"
+        )
     return text

@@ -147,6 +147,10 @@ def plot_runs(
     missing: list[str] = []
     drawn: list[dict[str, Any]] = []
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if len(groups) > len(colors):  # past the default 10, two groups would share a colour
+        colors = [plt.get_cmap("tab20")(i % 20) for i in range(len(groups))]
+        if len(groups) > 20:
+            colors = [plt.get_cmap("turbo")(i / (len(groups) - 1)) for i in range(len(groups))]
     for i, (members, label) in enumerate(zip(groups, labels, strict=True)):
         color = colors[i % len(colors)]
         trains, vals = [], []
