@@ -570,6 +570,7 @@ def _tool_rows() -> list[Case]:
         Case("estimate-gpu-empty", ("estimate", "--config", "{cfg}", "--gpu", ""), EXIT_USAGE,
              "--gpu is empty"),
         Case("fit-run-root-empty", (*FIT, "--run.root", ""), EXIT_USAGE, "run.root is empty"),
+        Case("fit-config-empty", ("fit", "--config", ""), EXIT_USAGE, "--config is empty"),
     ]
     if not torch.cuda.is_available():  # a machine without a GPU
         rows += [

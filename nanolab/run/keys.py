@@ -252,6 +252,8 @@ def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, 
 
     found = []
     for raw in config_file_paths(argv):
+        if not raw.strip():
+            raise RunConfigError("--config is empty; give a YAML file, e.g. --config my.yaml")
         path = Path(raw)
         if not path.is_file():
             continue
