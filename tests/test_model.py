@@ -290,3 +290,15 @@ def test_a_checkpoint_path_that_is_not_a_file_says_what_it_is(tmp_path):
         load_checkpoint("/dev/null")
     with pytest.raises(CheckpointError, match=r"gone\.ckpt does not exist"):
         load_checkpoint(tmp_path / "gone.ckpt")
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused():
+    """An edited or mixed-up checkpoint: generate indexed past the embedding (IndexError
+    traceback), or printed nothing for ids its tokenizer could not decode."""
+    from nanolab.model.checkpoint import CheckpointError, tokenizer_from_checkpoint
+
+    fits = {"nanolab": {"gpt": {"vocab_size": 256}, "tokenizer": {"name": "bytes"}}}
+    assert tokenizer_from_checkpoint(fits).vocab_size == 256
+    small = {"nanolab": {"gpt": {"vocab_size": 64}, "tokenizer": {"name": "bytes"}}}
+    with pytest.raises(CheckpointError, match="256 tokens, more than its model's vocabulary"):
+        tokenizer_from_checkpoint(small)

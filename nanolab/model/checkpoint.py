@@ -145,9 +145,20 @@ def state_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Ten
 
 
 def tokenizer_from_checkpoint(ckpt: dict[str, Any]) -> Tokenizer:
+    """The checkpoint's tokenizer; one that has ids the model has no row for is refused (an
+    edited or mixed-up checkpoint: sampling would index past the embedding, or print nothing
+    for ids the tokenizer cannot decode)."""
     spec = (ckpt.get("nanolab") or {}).get("tokenizer")
     if spec is None:
         raise CheckpointError(
             "the checkpoint stores no tokenizer; it was saved without a datamodule"
         )
-    return tokenizer_from_spec(spec)
+    tokenizer = tokenizer_from_spec(spec)
+    rows = ((ckpt.get("nanolab") or {}).get("gpt") or {}).get("vocab_size")
+    if isinstance(rows, int) and tokenizer.vocab_size > rows:
+        raise CheckpointError(
+            f"the checkpoint's tokenizer has {tokenizer.vocab_size:,} tokens, more than its "
+            f"model's vocabulary ({rows:,}): the two do not belong together; pass a checkpoint "
+            "written by nanolab fit as it wrote it"
+        )
+    return tokenizer
