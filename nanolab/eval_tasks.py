@@ -216,7 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path).to(device)
     tokenizer = tokenizer_from_checkpoint(ckpt)
-    step = int(ckpt.get("global_step", step or 0)) if step is None else step
+    if step is None:  # a hand-edited checkpoint's non-number step reads as unknown (0)
+        saved = ckpt.get("global_step")
+        step = saved if isinstance(saved, int) and not isinstance(saved, bool) else 0
     micro, precision = run_settings(run_dir)
     precision = args.precision or precision or "32-true"
     if precision in ("bf16-true", "16-true"):
