@@ -6,8 +6,9 @@
   (per-parameter DTensor sharding). Unlike Lightning's FSDP1 strategy it runs on CPU.
 * DeepSpeed ZeRO 1/2/3: Lightning's ``DeepSpeedStrategy`` refuses any accelerator but CUDA.
   :class:`DeepSpeedStrategy` below lifts only that check; DeepSpeed itself supports CPU (its CPU
-  accelerator, gloo/ccl communication, a JIT-built shared-memory op). On GPUs it behaves exactly
-  like Lightning's.
+  accelerator, gloo/ccl communication, a JIT-built shared-memory op). On GPUs it behaves like
+  Lightning's but for one fix: an accumulating run's loss is divided by the accumulation once,
+  not twice (:meth:`DeepSpeedStrategy.backward`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ class DeepSpeedStrategy(_LightningDeepSpeed):
             DDPStrategy.setup_environment(self)
         else:
             super().setup_environment()
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning has already divided the loss by the accumulation (its automatic
+        optimization normalises every micro-batch's loss); DeepSpeed's ``engine.backward``
+        divides it again by its ``gradient_accumulation_steps`` unless told not to. With both,
+        every gradient of an accumulating run was 1/accumulation of the true one (the clip,
+        the logged norm and the update all off by that factor): measured against DDP, the same
+        to fp tolerance only once one of the two divisions is left out."""
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _auto_select_batch_size(self) -> int:
         # DeepSpeed wants the micro-batch for its own bookkeeping; nanolab's loaders yield whole
