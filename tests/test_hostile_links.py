@@ -302,3 +302,43 @@ def test_rotation_deletes_only_files_it_recorded(tmp_path) -> None:
     assert [p.name for p in deleted] == ["step-00000001.ckpt"]
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002.ckpt", "step-00000003.ckpt"]
     ckpt._close_folder()
+
+
+def test_rotation_and_the_disk_cap_delete_sharded_checkpoint_folders(tmp_path) -> None:
+    """DeepSpeed and FSDP2's distributed saves write each checkpoint as a folder; rotation
+    refused every folder (its record held regular files only), so keep_last and max_disk_gb
+    did nothing and a night of 350M saves filled the disk. A folder it wrote now goes, through
+    a hidden name (a crash mid-delete never leaves half a checkpoint under a step name); a
+    folder copied in under a step name stays, as a file does."""
+    from nanolab.callbacks.checkpoint import LAST_NAME, RotatingCheckpoint
+    from nanolab.callbacks.checkpoint_io import atomic_link
+    from nanolab.claimed import ClaimedDir
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    ckpt = RotatingCheckpoint(every_n_steps=1, keep_last=1, keep_best=0, max_disk_gb=1e-6)
+    ckpt.dirpath = folder
+    ckpt._folder = ClaimedDir(folder)
+
+    def save(step: int) -> Path:
+        shards = folder / f"step-{step:08d}.ckpt"
+        (shards / "checkpoint").mkdir(parents=True)
+        for rank in range(2):
+            (shards / "checkpoint" / f"rank{rank}_model_states.pt").write_bytes(b"x" * 600)
+        ckpt._remember(shards.name)
+        atomic_link(shards, folder / LAST_NAME, ckpt._folder)
+        return shards
+
+    for step in (1, 2):
+        save(step)
+    copied = folder / "step-00000003.ckpt"
+    (copied / "checkpoint").mkdir(parents=True)  # another run's folder put here by hand
+    newest = save(4)
+    with pytest.warns(UserWarning, match="smaller than one checkpoint"):
+        deleted = ckpt._rotate(newest, 4, {})
+    assert sorted(p.name for p in deleted) == ["step-00000001.ckpt", "step-00000002.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        LAST_NAME, "step-00000003.ckpt", "step-00000004.ckpt",
+    ]  # fmt: skip
+    assert (folder / LAST_NAME).resolve() == newest.resolve()
+    ckpt._close_folder()

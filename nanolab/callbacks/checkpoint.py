@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import stat
 import sys
 import time
@@ -288,13 +289,15 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             self._written[name] = ident
 
     def _ident(self, name: str) -> tuple[int, int] | None:
-        """(device, inode) of a regular file ``name`` in the claimed folder; None otherwise."""
+        """(device, inode) of a regular file or a folder (a sharded checkpoint: DeepSpeed,
+        FSDP2's distributed save) ``name`` in the claimed folder; None otherwise (a link)."""
         assert self._folder is not None
         try:
             st = os.stat(name, dir_fd=self._folder.fd, follow_symlinks=False)
         except OSError:
             return None
-        return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+        kept = stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
+        return (st.st_dev, st.st_ino) if kept else None
 
     def _close_folder(self) -> None:
         if self._folder is not None:
@@ -567,9 +570,29 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
 
 
 def unlink_in(folder: ClaimedDir, path: Path) -> None:
-    """Delete the entry ``path.name`` of ``folder`` through its descriptor (gone already: fine)."""
+    """Delete the entry ``path.name`` of ``folder`` through its descriptor (gone already: fine).
+
+    A sharded checkpoint (a folder) is first renamed to a hidden name, then its tree removed:
+    a crash in between leaves ``.<name>.deleting``, never half a checkpoint under its name
+    (which a resume would try to load)."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path.name, dir_fd=folder.fd)
+        st = os.stat(path.name, dir_fd=folder.fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(path.name, dir_fd=folder.fd)
+            return
+        doomed = f".{path.name}.deleting"
+        _rmtree_in(folder, doomed)  # a crash's leftover of the same name
+        os.rename(path.name, doomed, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
+        _rmtree_in(folder, doomed)
+
+
+def _rmtree_in(folder: ClaimedDir, name: str) -> None:
+    """Remove the tree ``name`` of ``folder`` (through its descriptor where Python can)."""
+    with contextlib.suppress(FileNotFoundError):
+        if sys.version_info >= (3, 11):
+            shutil.rmtree(name, dir_fd=folder.fd)
+        else:
+            shutil.rmtree(folder.path / name)
 
 
 def parameters_finite(trainer: L.Trainer) -> bool:
