@@ -57,6 +57,49 @@ def test_a_deepspeed_folder_on_another_rank_count_is_refused(tmp_path: Path) -> 
     check_deepspeed_world_size(tmp_path / "plain.ckpt", 1)  # a file reshards: nothing to say
 
 
+def test_a_checkpoint_the_strategy_cannot_read_is_refused(tmp_path: Path) -> None:
+    """Resuming across strategy families ended in a traceback on every rank, after
+    config.yaml was rewritten: now one line before anything is written."""
+    from nanolab.training.resume import check_checkpoint_format
+
+    deepspeed = tmp_path / "step-00000010.ckpt" / "checkpoint"
+    deepspeed.mkdir(parents=True)
+    (deepspeed / "mp_rank_00_model_states.pt").write_bytes(b"")
+    dcp = tmp_path / "step-00000012.ckpt"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    plain = tmp_path / "step-00000014.ckpt"
+    plain.write_bytes(b"")
+    check_checkpoint_format(deepspeed.parent, "deepspeed")
+    check_checkpoint_format(dcp, "fsdp2")
+    for kind in ("single", "ddp", "fsdp2"):
+        check_checkpoint_format(plain, kind)
+        with pytest.raises(ResumeError, match="is a DeepSpeed checkpoint folder"):
+            check_checkpoint_format(deepspeed.parent, kind)
+    with pytest.raises(ResumeError, match="only FSDP reads"):
+        check_checkpoint_format(dcp, "ddp")
+    with pytest.raises(ResumeError, match="one-file checkpoint, which DeepSpeed cannot resume"):
+        check_checkpoint_format(plain, "deepspeed")
+
+
+def test_a_one_device_run_resumed_under_deepspeed_is_refused_before_any_write(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    pytest.importorskip("deepspeed")
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
+    assert nanolab_here(*base, "--trainer.max_steps", "2", cwd=tmp_path).returncode == 0
+    run = tmp_path / "runs" / "tiny"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    strategy = str(QUICKSTART.parent / "strategy" / "deepspeed_stage2.yaml")
+    res = nanolab_here(*base, "--config", strategy, "--trainer.max_steps", "4", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "one-file checkpoint, which DeepSpeed cannot resume" in res.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_a_changed_learning_rate_on_resume_is_said_and_the_checkpoints_kept(
     tmp_path: Path, char_dataset: Path
 ) -> None:

@@ -490,11 +490,13 @@ def claim_for_fit(
     if cand is not None:
         from nanolab.training.resume import (
             ResumeError,
+            check_checkpoint_format,
             check_deepspeed_world_size,
             check_sharded_optimizer_layout,
         )
 
         try:  # a DeepSpeed folder holds one optimizer shard per rank it was saved on
+            check_checkpoint_format(cand.path, strategy_kind)
             check_deepspeed_world_size(cand.path, world_size)
             check_sharded_optimizer_layout(cand.path, strategy_kind, world_size)
         except ResumeError as err:

@@ -427,6 +427,35 @@ def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
         )
 
 
+def check_checkpoint_format(path: str | Path, strategy_kind: str) -> None:
+    """Refuse, before anything is written, a checkpoint the launch's strategy cannot read: a
+    DeepSpeed folder under another strategy, a torch distributed-checkpoint folder (FSDP2's
+    sharded save) under another than FSDP, or a one-file checkpoint under DeepSpeed (which
+    reads only its own folders). Each failed later, after config.yaml was rewritten, in a
+    traceback on every rank."""
+    where = Path(path)
+    if where.is_dir():
+        deepspeed = any(where.rglob("*_model_states.pt")) or any(where.rglob("*_optim_states.pt"))
+        if deepspeed and strategy_kind != "deepspeed":
+            raise ResumeError(
+                f"{where} is a DeepSpeed checkpoint folder, which only DeepSpeed reads: resume "
+                "with the strategy it was saved with (--config configs/strategy/"
+                "deepspeed_stageN.yaml), or convert it to one file with Lightning's "
+                "convert_zero_checkpoint_to_fp32_state_dict (docs/scaling.md)"
+            )
+        if (where / ".metadata").is_file() and strategy_kind not in ("fsdp1", "fsdp2"):
+            raise ResumeError(
+                f"{where} is a sharded FSDP checkpoint folder, which only FSDP reads: resume "
+                "with --config configs/strategy/fsdp.yaml"
+            )
+    elif strategy_kind == "deepspeed":
+        raise ResumeError(
+            f"{where} is a one-file checkpoint, which DeepSpeed cannot resume (it reads only "
+            "its own checkpoint folders): resume it with the strategy it was saved with (DDP, "
+            "FSDP2 or one device)"
+        )
+
+
 def check_sharded_optimizer_layout(path: str | Path, strategy_kind: str, world_size: int) -> None:
     """Refuse, before anything is written, a checkpoint whose optimizer state FSDP2 on several
     devices cannot load: one saved without FSDP2 keeps its state by parameter index, which
