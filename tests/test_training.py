@@ -421,6 +421,10 @@ def test_deepspeed_with_accumulation_divides_the_loss_once(tmp_path, char_datase
     common = expected.keys() & state.keys()
     assert "wte.weight" in common and len(common) >= len(expected) - 1
     _assert_same_weights({k: state[k] for k in common}, {k: expected[k] for k in common}, atol=1e-4)
+    # validate under DeepSpeed on a CPU: its inference set-up passed a CUDA index (None here)
+    res = run_nanolab("validate", "--config", str(run / "config.yaml"), cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "val" in res.stdout, res.stdout[-2000:]
 
 
 def test_val_loss_drops_on_the_bundled_corpus(tmp_path, char_dataset):

@@ -121,6 +121,26 @@ class DeepSpeedStrategy(_LightningDeepSpeed):
         )
         return engine, ds_optimizer
 
+    def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
+        """``validate``/``test``: Lightning's set-up, with DeepSpeed's device rank given as on
+        the training path (it passes the CUDA index, None on a CPU, which DeepSpeed compares
+        with an int: a TypeError at every CPU validate or test under DeepSpeed)."""
+        if not isinstance(self.accelerator, CPUAccelerator):
+            return super()._initialize_deepspeed_inference(model)
+        import deepspeed
+
+        initialize = deepspeed.initialize
+
+        def on_this_rank(*args: Any, **kwargs: Any) -> Any:
+            kwargs["args"] = argparse.Namespace(device_rank=self.local_rank)
+            return initialize(*args, **kwargs)
+
+        deepspeed.initialize = on_this_rank
+        try:
+            return super()._initialize_deepspeed_inference(model)
+        finally:
+            deepspeed.initialize = initialize
+
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CPUAccelerator):
             # CPU "devices" have no indices to validate against local ranks.
