@@ -73,6 +73,10 @@ def test_run_micro_batch_wins_and_auto_waits_for_the_caller() -> None:
     assert planned.micro_batch_size == 16 and planned.accumulate == 2
 
 
+FSDP2 = "nanolab.training.strategies.FSDP2Strategy"
+DEEPSPEED = "nanolab.training.strategies.DeepSpeedStrategy"
+
+
 @pytest.mark.parametrize(
     ("overrides", "data_vocab", "message"),
     [
@@ -94,7 +98,30 @@ def test_run_micro_batch_wins_and_auto_waits_for_the_caller() -> None:
             },
             None,
             "trainer.precision 16-mixed cannot run under FSDP2 (it has no fp16 loss scaler); use "
-            "bf16-mixed, or trainer.strategy ddp or deepspeed for 16-mixed",
+            "bf16-mixed, or trainer.strategy ddp or deepspeed",
+        ),
+        (
+            {"trainer": {"precision": "64-true", "strategy": {"class_path": FSDP2}}},
+            None,
+            "64-true cannot run under FSDP2 (it runs 32-bit, bf16 or 16-bit weights only)",
+        ),
+        (
+            {"trainer": {"gradient_clip_algorithm": "value", "strategy": "deepspeed_stage_2"}},
+            None,
+            "trainer.gradient_clip_algorithm value: DeepSpeed clips by the global norm only",
+        ),
+        (
+            {
+                "model": {"optimizer": {"name": "adamw8bit"}},
+                "trainer": {
+                    "strategy": {
+                        "class_path": DEEPSPEED,
+                        "init_args": {"stage": 3, "offload_optimizer": True},
+                    }
+                },
+            },
+            None,
+            "model.optimizer.name 'adamw8bit' cannot run with DeepSpeed's optimizer offload",
         ),
         (
             {"model": {"optimizer": {"name": "muon"}}, "trainer": {"strategy": "fsdp"}},

@@ -635,6 +635,48 @@ def precision_name(precision: Any) -> str:
     return _PRECISION_ALIASES.get(str(precision), str(precision))
 
 
+def _offloads_optimizer(strategy: Any) -> bool:
+    """Whether a DeepSpeed strategy's settings offload the optimizer (``offload_optimizer``,
+    or a ``config`` whose ``zero_optimization.offload_optimizer`` names cpu or nvme)."""
+    args = strategy.get("init_args") if isinstance(strategy, Mapping) else None
+    if not isinstance(args, Mapping):
+        return False
+    if args.get("offload_optimizer"):
+        return True
+    config = args.get("config")
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
+    return isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme")
+
+
+def _check_deepspeed_settings(
+    trainer: Mapping[str, Any], model_args: Mapping[str, Any], world: int
+) -> None:
+    """What DeepSpeed refuses once every rank has started (a traceback per rank, config.yaml
+    already written), refused here in one line: clipping by value, and an optimizer other than
+    AdamW with the optimizer offloaded (the step runs DeepSpeed's CPU Adam)."""
+    strategy = trainer.get("strategy")
+    try:
+        kind = parse_strategy(strategy, world).kind
+    except RunConfigError:
+        return
+    if kind != "deepspeed":
+        return
+    if str(trainer.get("gradient_clip_algorithm") or "norm") == "value":
+        raise RunConfigError(
+            "trainer.gradient_clip_algorithm value: DeepSpeed clips by the global norm only; "
+            "use norm (the default), or another trainer.strategy"
+        )
+    optimizer = model_args.get("optimizer")
+    name = optimizer.get("name") if isinstance(optimizer, Mapping) else None
+    if _offloads_optimizer(strategy) and name not in (None, "adamw"):
+        raise RunConfigError(
+            f"model.optimizer.name {name!r} cannot run with DeepSpeed's optimizer offload; use "
+            "'adamw' (offloaded states already live in CPU memory, stepped by DeepSpeed's CPU "
+            "Adam)"
+        )
+
+
 def _check_precision_fits_strategy(precision: Any, strategy: Any, world: int) -> None:
     """FSDP2 with a precision it cannot run (fp16 with loss scaling) is refused before the run."""
     if precision is None:
@@ -645,9 +687,14 @@ def _check_precision_fits_strategy(precision: Any, strategy: Any, world: int) ->
         return
     name = precision_name(precision)
     if kind == "fsdp2" and name not in FSDP2_PRECISIONS:
+        why, other = (
+            ("it has no fp16 loss scaler", "ddp or deepspeed")
+            if name.startswith("16")
+            else ("it runs 32-bit, bf16 or 16-bit weights only", "ddp")
+        )
         raise RunConfigError(
-            f"trainer.precision {name} cannot run under FSDP2 (it has no fp16 loss scaler); use "
-            "bf16-mixed, or trainer.strategy ddp or deepspeed for 16-mixed"
+            f"trainer.precision {name} cannot run under FSDP2 ({why}); use bf16-mixed, or "
+            f"trainer.strategy {other}"
         )
 
 
@@ -760,6 +807,7 @@ def resolve(
     world = per_node * nodes
     _check_optimizer_fits_strategy(model_args, trainer.get("strategy"), world)
     _check_precision_fits_strategy(trainer.get("precision"), trainer.get("strategy"), world)
+    _check_deepspeed_settings(trainer, model_args, world)
 
     gpt = dict(model_args.get("gpt") or {}) if "gpt" in model_args else None
     if gpt is not None:
