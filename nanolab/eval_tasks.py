@@ -32,10 +32,13 @@ class EvalArgumentError(NanolabError):
 def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
     """The checkpoint to evaluate, the run directory it belongs to (None for a loose file),
     and its step (None: read it from the checkpoint)."""
-    from nanolab.model.checkpoint import CheckpointError
+    from nanolab.model.checkpoint import CheckpointError, sharded_folder_error
     from nanolab.training.resume import find_resume_checkpoint
 
     path = Path(target)
+    sharded = sharded_folder_error(path)
+    if sharded is not None:
+        raise sharded
     if path.is_dir():
         run_dir = path.parent if path.name == "checkpoints" else path
         choice = find_resume_checkpoint(run_dir)

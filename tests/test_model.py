@@ -302,3 +302,31 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused():
     small = {"nanolab": {"gpt": {"vocab_size": 64}, "tokenizer": {"name": "bytes"}}}
     with pytest.raises(CheckpointError, match="256 tokens, more than its model's vocabulary"):
         tokenizer_from_checkpoint(small)
+
+
+def test_a_sharded_checkpoint_folder_says_how_to_make_it_one_file(tmp_path, capsys):
+    """generate, eval and export on a DeepSpeed run: its last.ckpt is a folder; they said "a
+    folder without checkpoints/last.ckpt" and suggested another folder. Now one line naming
+    the conversion, for the run, its last.ckpt and a step folder alike."""
+    from nanolab.callbacks.checkpoint_io import atomic_link
+    from nanolab.cli import main
+
+    run = tmp_path / "runs" / "ds"
+    step = run / "checkpoints" / "step-00000008.ckpt"
+    (step / "checkpoint").mkdir(parents=True)
+    (step / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    atomic_link(step, run / "checkpoints" / "last.ckpt")
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    for args, how in [
+        (["generate", "--ckpt", str(run)], "convert_zero_checkpoint_to_fp32_state_dict"),
+        (["generate", "--ckpt", str(run / "checkpoints" / "last.ckpt")], "convert_zero"),
+        (["eval", str(run / "checkpoints" / "last.ckpt")], "convert_zero"),
+        (["eval", str(run)], "convert_zero"),
+        (["export", "--ckpt", str(step), "-o", str(tmp_path / "out")], "convert_zero"),
+        (["generate", "--ckpt", str(dcp)], "dcp_to_torch_save"),
+    ]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is a sharded checkpoint folder" in err[0] and how in err[0], err

@@ -25,9 +25,34 @@ class CheckpointError(NanolabError):
     """A checkpoint that cannot be used (missing, not a torch archive, not nanolab's, or damaged)."""
 
 
+def sharded_folder_error(path: Path) -> CheckpointError | None:
+    """The one line for a sharded checkpoint folder (DeepSpeed's, or FSDP's distributed
+    save), which generate, eval and export cannot read: how to make it one file."""
+    if not path.is_dir():
+        return None
+    # DeepSpeed's layout: <folder>/<tag>/*_model_states.pt (a run directory holds them deeper)
+    deepspeed = any(path.glob("*/*_model_states.pt")) or any(path.glob("*_model_states.pt"))
+    if not deepspeed and not (path / ".metadata").is_file():
+        return None
+    module, function = (
+        ("lightning.pytorch.utilities.deepspeed", "convert_zero_checkpoint_to_fp32_state_dict")
+        if deepspeed
+        else ("torch.distributed.checkpoint.format_utils", "dcp_to_torch_save")
+    )
+    return CheckpointError(
+        f"{path} is a sharded checkpoint folder ({'DeepSpeed' if deepspeed else 'FSDP'}), "
+        f'which this command reads only as one file: convert it with python -c "from {module} '
+        f"import {function}; {function}('{path}', 'model.ckpt')\" and pass model.ckpt "
+        "(docs/scaling.md)"
+    )
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """``path`` itself, or for a run directory (or its ``checkpoints/``) its ``last.ckpt``."""
     path = Path(path)
+    sharded = sharded_folder_error(path)
+    if sharded is not None:
+        raise sharded
     if not path.is_dir():
         if not path.exists():
             raise CheckpointError(f"--ckpt {path} does not exist; pass a .ckpt file or a run dir")
@@ -35,6 +60,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
         if candidate.is_file():
             return candidate
+        sharded = sharded_folder_error(candidate)
+        if sharded is not None:
+            raise sharded
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     steps = sorted(folder.glob("step-*.ckpt"))
     hint = f"pass one of its checkpoints, e.g. --ckpt {steps[-1]}" if steps else "pass a .ckpt file"
@@ -43,6 +71,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    sharded = sharded_folder_error(path)
+    if sharded is not None:
+        raise sharded
     if not path.is_file():
         what = "is not a regular file (a device, a pipe?)" if path.exists() else "does not exist"
         raise CheckpointError(f"checkpoint {path} {what}; pass a .ckpt file or a run dir")

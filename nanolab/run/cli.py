@@ -148,10 +148,12 @@ def end_block(trainer: object) -> str:
     last = run_dir / "checkpoints" / "last.ckpt"
     if last.exists():
         lines.append(f"  checkpoint {last}")
-        lines.append(
-            f"  next: nanolab generate --ckpt {shlex.quote(str(last))} --prompt '...'   |   "
-            f"nanolab report {shlex.quote(str(run_dir.parent))}"
+        sample = (
+            f"nanolab generate --ckpt {shlex.quote(str(last))} --prompt '...'"
+            if not last.is_dir()  # a sharded folder: generate says how to make it one file
+            else "convert the sharded checkpoint to one file for generate (docs/scaling.md)"
         )
+        lines.append(f"  next: {sample}   |   nanolab report {shlex.quote(str(run_dir.parent))}")
     return "\n".join(lines)
 
 
