@@ -290,7 +290,7 @@ class PreemptionHandler(StepCallback):
         else:
             set_stop_reason(trainer, REASON, name)  # the end record's reason
             path = save_checkpoint_now(trainer)
-            waited = time.time() - (self.received_at or time.time())
+            waited = max(0.0, time.time() - (self.received_at or time.time()))
             what = f"after step {step}: saved {path} ({waited:.1f}s after the signal)"
         if trainer.is_global_zero:
             _write_stderr(
