@@ -186,13 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="do not append a record to the run's metrics.jsonl (a .ckpt file given: never)",
     )
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        metavar="MODULE",
-        help="a module that registers model parts of your own (repeatable; a project installed with a nanolab.plugins entry point needs none): docs/forking.md",
-    )
+    from nanolab.model.registry import add_import_option
+
+    add_import_option(parser)
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise EvalArgumentError("--limit must be >= 1 (or left out for every example)")

@@ -43,7 +43,7 @@ from nanolab.model.hf import (
     hf_config_from_nanolab,
     hf_state_from_nanolab,
 )
-from nanolab.model.registry import import_modules
+from nanolab.model.registry import add_import_option, import_modules
 from nanolab.runlog import refuse_inside_run
 
 #: Files an export writes; ``--force`` replaces a folder holding nothing else.
@@ -395,13 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("-o", "--out", required=True, help="folder to write (must not exist)")
     parser.add_argument("--force", action="store_true", help="replace a previous export in -o")
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        metavar="MODULE",
-        help="a module that registers model parts of your own (repeatable; a project installed with a nanolab.plugins entry point needs none): docs/forking.md",
-    )
+    add_import_option(parser)
     args = parser.parse_args(argv)
     refuse_inside_run(args.out, "-o", ExportError)
     import_modules(args.imports)

@@ -28,7 +28,7 @@ from nanolab.model.checkpoint import (  # noqa: F401  (public here too)
     tokenizer_from_checkpoint,
 )
 from nanolab.model.device import check_device
-from nanolab.model.registry import import_modules
+from nanolab.model.registry import add_import_option, import_modules
 
 #: The longest sample one call makes: each token is a forward pass over the whole context.
 MAX_NEW_TOKENS = 100_000
@@ -108,13 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="cpu, cuda, cuda:1, mps (default here: %(default)s)",
     )
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        metavar="MODULE",
-        help="a module that registers model parts of your own (repeatable; a project installed with a nanolab.plugins entry point needs none): docs/forking.md",
-    )
+    add_import_option(parser)
     args = parser.parse_args(argv)
     check_sampling(args)
     device = check_device(args.device)

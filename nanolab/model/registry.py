@@ -161,6 +161,19 @@ def load_plugins() -> list[str]:
     return _plugins_loaded[1:]
 
 
+def add_import_option(parser: Any) -> None:
+    """``--import MODULE`` (repeatable) on a verb that builds a model from a checkpoint alone
+    (generate, eval, export), read by :func:`import_modules`."""
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="a module that registers model parts of your own (repeatable; a project "
+        "installed with a nanolab.plugins entry point needs none): docs/forking.md",
+    )
+
+
 def import_modules(modules: list[str] | None) -> None:
     """Import the modules a command's ``--import`` names (a project's variants, not installed
     as a package); one line naming the module when one cannot be imported."""
