@@ -260,3 +260,23 @@ def test_data_block_size_left_out_or_equal_follows_the_model() -> None:
 def test_muon_under_ddp_is_accepted() -> None:
     cfg = quickstart(model={"optimizer": {"name": "muon"}}, trainer={"strategy": "ddp"})
     assert resolve(cfg, visible_gpus=1).model_class
+
+
+def test_a_key_given_twice_is_refused_and_merge_keys_still_work() -> None:
+    """PyYAML keeps the last of two equal keys, so a second `trainer:` block silently dropped
+    the first; the refusal must leave YAML's `<<: *anchor` merges (whose keys a mapping may
+    override) as they were."""
+    from nanolab.training.resolve import load_yaml
+
+    text = "base: &b\n  lr: 1\n  wd: 2\none:\n  <<: *b\n  lr: 3\ntwo: {<<: *b}\n"
+    assert load_yaml(text) == {
+        "base": {"lr": 1, "wd": 2}, "one": {"lr": 3, "wd": 2}, "two": {"lr": 1, "wd": 2},
+    }  # fmt: skip
+    with pytest.raises(
+        RunConfigError, match=r"`trainer` is given twice in one mapping \(lines 1 and 3\)"
+    ):
+        load_yaml(
+            "trainer: {max_steps: 7}\nmodel: {}\ntrainer: {gradient_clip_val: 0.5}\n", "f.yaml"
+        )
+    with pytest.raises(RunConfigError, match="`max_steps` is given twice"):
+        load_yaml("trainer:\n  max_steps: 5\n  max_steps: 10\n")

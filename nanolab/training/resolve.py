@@ -156,6 +156,10 @@ def split_fit_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return fit, rest
 
 
+#: YAML's merge key (``<<: *anchor``).
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 @functools.cache
 def config_loader() -> type:
     """The YAML loader configs are read with, matching the fit parser's reading of them.
@@ -172,6 +176,8 @@ def config_loader() -> type:
             # would silently replace the first whole.
             seen: dict[Any, int] = {}
             for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
+                    continue  # `<<: *base` merges (its keys may be overridden): not a duplicate
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, str | int | float | bool) and key in seen:
