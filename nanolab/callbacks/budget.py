@@ -280,7 +280,10 @@ class CostBudget(StepCallback):
             return None  # complete: it ends as completed, whatever a rule says
         spent = self.spent()
         limits = self.limits()
-        per_step = self.last_per_step or {}
+        # The projection to the next check, as the run makes it at a check step; between two
+        # checks (a preemption there) an uninterrupted run would not stop until a limit is hit.
+        at_check = trainer.global_step % self.check_every_n_steps == 0
+        per_step = (self.last_per_step or {}) if at_check else {}
         over = [
             name
             for name, limit in limits.items()
