@@ -93,6 +93,50 @@ def test_a_plateau_stop_stands_until_its_patience_is_raised(tmp_path, char_datas
     assert reasons == [(8, "plateau"), (8, "plateau"), (12, "plateau")]
 
 
+def test_a_completed_run_with_a_plateau_rule_is_extended(tmp_path, char_dataset):
+    """A run that reached max_steps with patience used up was not stopped by the rule: raising
+    max_steps goes on (the standing-stop check read the counter alone and refused it)."""
+    run = tmp_path / "run"
+    vals = [3.0, 2.0, 2.5, 2.6, 2.7, 2.8]
+
+    def again(max_steps: int, val_losses: list[float]) -> L.Trainer:
+        ckpt = run / "checkpoints" / "last.ckpt"
+        return fit(
+            run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2),
+                                CostBudget(patience=1)],
+            max_steps=max_steps, eval_every=2, ckpt_path=ckpt if ckpt.exists() else None,
+            module_kwargs={"val_losses": val_losses},
+        )  # fmt: skip
+
+    assert again(6, vals).global_step == 6  # 2.0 at step 4, 2.5 at 6: the last step, complete
+    assert again(20, vals[3:]).global_step == 8  # extended; the rule stops it at its next eval
+    reasons = [(e["step"], e["reason"]) for e in events(run / "metrics.jsonl", "end")]
+    assert reasons == [(6, "completed"), (8, "plateau")]
+
+
+def test_a_budget_stop_of_a_checkpoint_from_before_stands_too(tmp_path, char_dataset):
+    """A checkpoint saved before the spend per step was stored: the projection falls back to
+    the run's average, so the rerun still trains no step past the budget."""
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+
+    def again() -> L.Trainer:
+        return fit(
+            run, char_dataset,
+            [MetricsLog(), RotatingCheckpoint(every_n_steps=None),
+             CostBudget(max_tokens=5 * TOKENS_PER_MICRO_BATCH)],
+            max_steps=50, eval_every=100, ckpt_path=ckpts / "last.ckpt" if ckpts.exists() else None,
+        )  # fmt: skip
+
+    assert again().global_step == 4
+    for path in ckpts.glob("step-*.ckpt"):  # as an older nanolab wrote it
+        ckpt = torch.load(path, weights_only=True)
+        for key in ("per_step", "decided"):
+            ckpt["callbacks"]["CostBudget"].pop(key)
+        torch.save(ckpt, path)
+    assert again().global_step == 4
+
+
 def test_a_signal_at_the_step_a_budget_stops_leaves_the_budget_stop(tmp_path, char_dataset):
     """SIGTERM during the step at which the budget stops the run: the run ends as the budget
     said (final save, exit 0, `end` reason budget), not as preempted; a rerun would otherwise
@@ -252,3 +296,26 @@ def test_budget_state_survives_resume(tmp_path, char_dataset):
 def test_bad_budgets_are_refused(kwargs, message):
     with pytest.raises(CallbackConfigError, match=message):
         CostBudget(**kwargs)
+
+
+def test_a_branch_from_a_plateau_stopped_run_trains(tmp_path, char_dataset):
+    """A new run from a plateau-stopped run's checkpoint (another run.name: a branch, e.g. a
+    fine-tune on other data) decides anew; the same command again stays stopped."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    from nanolab.runlog import read_records
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=20)
+    cfg["run"]["eval_every_steps"] = 2
+    cfg["budget"] = {"patience": 1, "min_delta": 10.0}  # no evaluation is 10 better: stops at 4
+    config = write_config(tmp_path / "p.yaml", cfg)
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(config)]
+    for _ in range(2):
+        assert nanolab_here(*base, cwd=tmp_path).returncode == 0
+    ends = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "end")
+    assert [(e["step"], e["reason"]) for e in ends] == [(4, "plateau"), (4, "plateau")]
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    res = nanolab_here(*base, "--run.name", "branch", "--run.resume", str(last), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ends = read_records(tmp_path / "runs" / "branch" / "metrics.jsonl", "end")
+    assert [(e["step"], e["reason"]) for e in ends] == [(6, "plateau")]

@@ -674,3 +674,11 @@ def test_a_replaced_accumulation_or_validation_interval_is_said(tmp_path, char_d
         in out
     )
     assert "trainer.val_check_interval 1 is replaced by 6 micro-batches" in out
+    # without a global batch the interval is derived all the same: said all the same
+    overrides["run"]["global_batch_tokens"] = None
+    overrides["run"]["name"] = "no-global-batch"
+    overrides["trainer"].pop("accumulate_grad_batches")
+    cfg = write_config(tmp_path / "tiny2.yaml", overrides)
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "trainer.val_check_interval 1 is replaced by 3 micro-batches" in res.stdout + res.stderr

@@ -172,6 +172,7 @@ class CostBudget(StepCallback):
         # decision still stands stops before its first step instead of training on past it.
         self.decided: dict[str, Any] | None = None
         self.last_per_step: dict[str, float] = {}
+        self.branch = False  # set by fit for a new run from another run's checkpoint
         self._start: tuple[int, float, int] | None = None  # step, process wall s, tokens
 
     # -- spending ----------------------------------------------------------------------------
@@ -274,8 +275,9 @@ class CostBudget(StepCallback):
     ) -> tuple[str, str, str, dict[str, Any] | None] | None:
         """(end reason, detail, how to go on, the ``budget`` record of a budget's decision)
         when this run, as restored, must not train another step: a stop decided under the
-        same settings, a budget that the next step would pass at the saved run's spend per
-        step (or that start-up spent), or a plateau as long as ``patience``."""
+        same settings (a plateau while ``patience`` still says so), or a budget that the next
+        step would pass at the saved run's spend per step (or that start-up spent). A new run
+        from another's checkpoint (a branch) keeps only the budgets: its rules decide anew."""
         if 0 < (trainer.max_steps or -1) <= trainer.global_step:
             return None  # complete: it ends as completed, whatever a rule says
         spent = self.spent()
@@ -283,7 +285,7 @@ class CostBudget(StepCallback):
         # The projection to the next check, as the run makes it at a check step; between two
         # checks (a preemption there) an uninterrupted run would not stop until a limit is hit.
         at_check = trainer.global_step % self.check_every_n_steps == 0
-        per_step = (self.last_per_step or {}) if at_check else {}
+        per_step = (self.last_per_step or self._average_step(trainer, spent)) if at_check else {}
         over = [
             name
             for name, limit in limits.items()
@@ -297,20 +299,32 @@ class CostBudget(StepCallback):
                       "limit": limits[name], "projected_at_next_check": projected}  # fmt: skip
             return ("budget", f"max_{name} {limits[name]} {unit} spent",
                     f"Raise budget.max_{name} (or set it to null) to go on", record)  # fmt: skip
-        if self.patience is not None and self.evals_since_best >= self.patience:
+        decided = None if self.branch else self.decided  # a new run from it decides anew
+        rule = decided.get("rule") if isinstance(decided, dict) else None
+        if (
+            rule == "plateau"
+            and self.patience is not None
+            and self.evals_since_best >= self.patience
+        ):  # only a plateau that stopped the run: one that ran to max_steps is extended
             return ("plateau",
                     f"no val improvement >= {self.min_delta} in {self.evals_since_best} evaluations",
                     "Raise budget.patience (or set it to null) to go on", None)  # fmt: skip
-        decided = self.decided
         if (
-            decided
-            and decided.get("rule") == "payoff"
+            rule == "payoff"
+            and decided is not None
             and decided.get("settings") == self.settings(trainer)
         ):
             return ("budget", str(decided.get("detail")),
                     "Lower budget.payoff_threshold / payoff_per_gpu_hour (or set them to null) "
                     "or raise trainer.max_steps to go on", None)  # fmt: skip
         return None
+
+    @staticmethod
+    def _average_step(trainer: L.Trainer, spent: dict[str, Any]) -> dict[str, float]:
+        """The run's average spend per step: the projection of a checkpoint saved before the
+        spend per step was stored (tokens exact; time including start-ups)."""
+        steps = int(trainer.global_step)
+        return {k: float(v) / steps for k, v in spent.items()} if steps > 0 else {}
 
     def _decide(self, trainer: L.Trainer, rule: str, reason: str, detail: str) -> None:
         """Stop the run for ``rule`` and remember the decision in the final checkpoint."""

@@ -18,6 +18,7 @@ from typing import Any
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from nanolab.callbacks.budget import CostBudget
 from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.runlock import global_rank_from_env
@@ -165,6 +166,9 @@ def launch(cli: NanolabCLI) -> Trainer:
             for callback in trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, RunConfigWriter):
                     callback.keep_existing()  # its config.yaml stays what it trained with
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, CostBudget):  # a branch's rules decide anew
+                callback.branch = bool(cand is not None and claimed.forked)
         if cand is not None:
             own = not claimed.forked  # a new run from another's checkpoint picks its own seeds
             keep_checkpoint_settings(cfg, cand.path, data, random_seed=seed is True, seeds=own)
@@ -379,7 +383,8 @@ def write_derived(cfg: Any, resolved: Any) -> None:
         ):
             given = cfg.trainer.get(key)
             default = None if key == "val_check_interval" else 1  # Lightning's defaults
-            replaced = given not in (default, derived) and resolved.global_batch_tokens is not None
+            derives = key == "val_check_interval" or resolved.global_batch_tokens is not None
+            replaced = given not in (default, derived) and derives
             if replaced and global_rank_from_env() == 0:
                 warn(  # a config.yaml of a run with another micro-batch gets here too
                     "nanolab fit",
