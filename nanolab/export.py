@@ -33,6 +33,7 @@ from nanolab.helpfmt import OneLineParser
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.checkpoint import (
     CheckpointError,
+    check_part_modules,
     invalid_config,
     load_checkpoint,
     resolve_checkpoint,
@@ -128,6 +129,7 @@ def checkpoint_weights(
         config = GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False})
     except (TypeError, ValueError) as err:
         raise invalid_config(source, meta, err) from None
+    check_part_modules(source, meta)
     state = {
         k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
     }

@@ -323,6 +323,27 @@ def _generate_eval_export_need_the_module(run_dir: Path, capsys) -> None:
         sys.path.remove(str(site))
         registry._plugins_loaded.clear()
 
+    # Another project registers the same name with other maths: refused, not built with it.
+    forget()
+    other = run_dir.parent / "otherlab"
+    other.mkdir()
+    (other / "__init__.py").write_text(
+        "from nanolab.model.gpt import CausalSelfAttention\n"
+        "from nanolab.model.registry import register_attention\n\n\n"
+        "@register_attention('softcap')\n"
+        "class Other(CausalSelfAttention):\n    pass\n"
+    )
+    sys.path.insert(0, str(other.parent))
+    try:
+        capsys.readouterr()
+        assert main([*commands["generate"], "--import", "otherlab"]) == 2
+        err = capsys.readouterr().err
+        assert "was registered by mylab.layers when it was saved, and here by otherlab" in err
+    finally:
+        sys.path.remove(str(other.parent))
+        registry.ATTENTIONS._classes.pop("softcap", None)
+        sys.modules.pop("otherlab", None)
+
 
 @pytest.mark.parametrize(
     ("field", "variant"), [("norm", "rmsnorm"), ("mlp", "swiglu"), ("attention_variant", "qk_norm")]

@@ -128,12 +128,35 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
             skeleton = model = GPT(config)
     except (TypeError, ValueError) as err:
         raise invalid_config(source, meta, err) from None
+    check_part_modules(source, meta)
     mismatch = state_mismatch(skeleton.state_dict(), state)
     if mismatch:
         raise CheckpointError(f"{source}: the weights do not fit its model config ({mismatch})")
     model = model or GPT(config)
     model.load_state_dict(state)
     return model.eval()
+
+
+def check_part_modules(source: str | Path, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose own parts are registered here by another module than the one
+    that registered them when it was saved: two projects using one name (an installed
+    project's entry point, say) would build the model with the other's maths, silently."""
+    from nanolab.model.registry import REGISTRIES
+
+    modules = meta.get("part_modules")
+    gpt = meta.get("gpt") or {}
+    if not isinstance(modules, dict):
+        return
+    for field, saved in modules.items():
+        registry = REGISTRIES.get(field)
+        name = gpt.get(field)
+        here = registry.module_of(name) if registry is not None else None
+        if here is not None and here != saved:
+            raise CheckpointError(
+                f"{source}: its {field} {name!r} was registered by {saved} when it was saved, "
+                f"and here by {here} (two projects use the name): run where only {saved} "
+                f"registers it (--import {saved}, and uninstall the other project's package)"
+            )
 
 
 def invalid_config(source: str | Path, meta: dict[str, Any], err: Exception) -> CheckpointError:
