@@ -25,15 +25,25 @@ class CheckpointError(NanolabError):
     """A checkpoint that cannot be used (missing, not a torch archive, not nanolab's, or damaged)."""
 
 
-def sharded_folder_error(path: Path) -> CheckpointError | None:
-    """The one line for a sharded checkpoint folder (DeepSpeed's, or FSDP's distributed
-    save), which generate, eval and export cannot read: how to make it one file."""
+def sharded_kind(path: str | Path) -> str | None:
+    """``"deepspeed"`` or ``"fsdp"`` for a sharded checkpoint folder (DeepSpeed's, or torch's
+    distributed checkpoint that FSDP saves), None for anything else (a file, a run directory)."""
+    path = Path(path)
     if not path.is_dir():
         return None
     # DeepSpeed's layout: <folder>/<tag>/*_model_states.pt (a run directory holds them deeper)
-    deepspeed = any(path.glob("*/*_model_states.pt")) or any(path.glob("*_model_states.pt"))
-    if not deepspeed and not (path / ".metadata").is_file():
+    if any(path.glob("*/*_model_states.pt")) or any(path.glob("*_model_states.pt")):
+        return "deepspeed"
+    return "fsdp" if (path / ".metadata").is_file() else None
+
+
+def sharded_folder_error(path: Path) -> CheckpointError | None:
+    """The one line for a sharded checkpoint folder (DeepSpeed's, or FSDP's distributed
+    save), which generate, eval and export cannot read: how to make it one file."""
+    kind = sharded_kind(path)
+    if kind is None:
         return None
+    deepspeed = kind == "deepspeed"
     module, function = (
         ("lightning.pytorch.utilities.deepspeed", "convert_zero_checkpoint_to_fp32_state_dict")
         if deepspeed

@@ -433,17 +433,19 @@ def check_checkpoint_format(path: str | Path, strategy_kind: str) -> None:
     sharded save) under another than FSDP, or a one-file checkpoint under DeepSpeed (which
     reads only its own folders). Each failed later, after config.yaml was rewritten, in a
     traceback on every rank."""
+    from nanolab.model.checkpoint import sharded_kind
+
     where = Path(path)
     if where.is_dir():
-        deepspeed = any(where.rglob("*_model_states.pt")) or any(where.rglob("*_optim_states.pt"))
-        if deepspeed and strategy_kind != "deepspeed":
+        kind = sharded_kind(where)
+        if kind == "deepspeed" and strategy_kind != "deepspeed":
             raise ResumeError(
                 f"{where} is a DeepSpeed checkpoint folder, which only DeepSpeed reads: resume "
                 "with the strategy it was saved with (--config configs/strategy/"
                 "deepspeed_stageN.yaml), or convert it to one file with Lightning's "
                 "convert_zero_checkpoint_to_fp32_state_dict (docs/scaling.md)"
             )
-        if (where / ".metadata").is_file() and strategy_kind not in ("fsdp1", "fsdp2"):
+        if kind == "fsdp" and strategy_kind not in ("fsdp1", "fsdp2"):
             raise ResumeError(
                 f"{where} is a sharded FSDP checkpoint folder, which only FSDP reads: resume "
                 "with --config configs/strategy/fsdp.yaml"
