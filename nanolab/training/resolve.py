@@ -260,8 +260,7 @@ def load_yaml(text: str, source: str = "the YAML") -> Any:
         return yaml.load(text, Loader=config_loader())
     except DuplicateKeyError as err:
         raise RunConfigError(
-            f"{source}: `{err.key}` is given twice in one mapping (lines {err.first} and "
-            f"{err.second}); YAML would keep only the second, dropping the first silently: "
+            f"{source}: {err}; YAML would keep only the second, dropping the first silently: "
             "merge them into one"
         ) from None
 
