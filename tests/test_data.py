@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.data.prepare import PrepareError
@@ -136,3 +137,21 @@ def test_worker_processes_serve_the_same_batches(char_dataset):
 
     for a, b in zip(first_batches(0), first_batches(2), strict=True):
         assert np.array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loaders_leave_the_training_rng_alone(char_dataset, workers):
+    """Starting a loader (a validation, or the first one after a resume, whose persistent
+    workers start then) draws the workers' base seed: from the loader's own generator, never
+    from the global torch RNG that dropout trains with. Mutation caught: a DataLoader without a
+    ``generator`` (a resumed run with workers parted from the uninterrupted one at its first
+    evaluation)."""
+    dm = TokenDataModule(
+        dataset_dir=str(char_dataset), micro_batch_size=4, block_size=16, num_workers=workers
+    )
+    dm.setup("fit")
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    for loader in (dm.train_dataloader(), dm.val_dataloader(), dm.val_dataloader()):
+        next(iter(loader))
+    assert torch.equal(torch.get_rng_state(), before)

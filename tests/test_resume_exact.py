@@ -274,3 +274,28 @@ def test_kill_anywhere_then_resume_is_bit_identical(tmp_path: Path) -> None:
 
     assert_identical(final_checkpoint(runs / "reference"), final_checkpoint(killed))
     check_log_continuity(killed / "metrics.jsonl", runs / "reference" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resume_with_loader_workers_is_bit_identical(tmp_path: Path) -> None:
+    """The same run with ``data.num_workers: 2`` (persistent workers, started again by the
+    resumed process at its first validation): SIGKILL after a checkpoint past the first
+    evaluation, resume, and every weight, moment and RNG state equals the uninterrupted run's.
+    Mutation caught: loaders drawing their workers' seed from the global torch RNG (dropout
+    parted from the reference right after the resumed run's first evaluation)."""
+    cfg = write_config(tmp_path)
+    cfg.write_text(
+        cfg.read_text().replace("  val_windows: 8\n", "  val_windows: 8\n  num_workers: 2\n")
+    )
+    runs = tmp_path / "runs"
+    reference = launch(cfg, "reference", tmp_path / "reference.log")
+    assert reference.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-2000:]
+    log = tmp_path / "killed.log"
+    proc = launch(cfg, "killed", log)
+    wait_for_checkpoint(runs / "killed", 7, proc)  # after the evaluation at step 5
+    assert kill(proc) == -signal.SIGKILL
+    assert newest_named_step(runs / "killed") < STEPS
+    proc = launch(cfg, "killed", log)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-2000:]
+    assert_identical(final_checkpoint(runs / "reference"), final_checkpoint(runs / "killed"))

@@ -535,6 +535,7 @@ class TokenDataModule(L.LightningDataModule):
             pin_memory=pin,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
             persistent_workers=workers > 0,
+            generator=loader_generator(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -704,6 +705,15 @@ def pins_memory(setting: bool | None, trainer: Any) -> bool:
     strategy = getattr(trainer, "strategy", None)
     device = getattr(strategy, "root_device", None)
     return getattr(device, "type", None) == "cuda"
+
+
+def loader_generator(seed: int) -> torch.Generator:
+    """A loader's own RNG. Each new iterator of a DataLoader draws its workers' base seed, from
+    the global torch RNG unless the loader has a generator: a validation (or a first one after a
+    resume, whose persistent workers start then) would move the RNG that dropout trains with, and
+    a resumed run would part from the uninterrupted one at its first evaluation. The windows
+    themselves never depend on it (they are a function of the data seed and the step)."""
+    return torch.Generator().manual_seed(int(seed))
 
 
 def rank_world(trainer: Any) -> tuple[int, int]:
