@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import lightning as L
 import pytest
@@ -323,3 +324,54 @@ def test_log_filename_is_a_name_of_its_own(filename: str, message: str) -> None:
 
     with pytest.raises(CallbackConfigError, match=message):
         MetricsLog(filename=filename)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_logged_rate_is_the_one_the_step_trained_with(tmp_path, char_dataset, name):
+    """Step s trains at ``lr x schedule(s - 1)`` (the scheduler steps after the optimizer), with
+    accumulation too, and its record says so; with Muon, the rate of the AdamW groups (those
+    ``model.optimizer.lr`` sets), not Muon's ``muon_lr``. Mutation caught: the rate read when the
+    record is built, after the scheduler stepped (every record showed the next step's rate, the
+    last one a floor no step trained at)."""
+    from nanolab.training.optim import OptimizerConfig, ScheduleConfig, lr_schedule
+
+    used: dict[int, list[float]] = {}
+
+    class RatesUsed(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            used[trainer.global_step + 1] = [g["lr"] for g in optimizer.param_groups]
+
+    run = tmp_path / "run"
+    optimizer = OptimizerConfig(name=name, lr=1e-3, muon_lr=0.02)
+    fit(run, char_dataset, [MetricsLog(), RatesUsed()], max_steps=8, accumulate=2,
+        module_kwargs={"optimizer": optimizer})  # fmt: skip
+    planned = lr_schedule(ScheduleConfig(warmup_steps=2), 8)
+    train = events(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == list(range(1, 9))
+    for r in train:
+        assert r["lr"] == pytest.approx(1e-3 * planned(r["step"] - 1), rel=1e-9), r["step"]
+        assert r["lr"] in used[r["step"]]
+    assert train[-1]["lr"] > 1e-3 * planned(8)  # the floor comes after the last step
+
+
+def test_epoch_counts_passes_over_the_data_and_the_banner_says_it_repeats(tmp_path):
+    """A run longer than its training split: each train record's ``epoch`` is tokens trained
+    over the split's tokens (it was Lightning's epoch counter, always 0 on nanolab's endless
+    stream), and the banner says the data repeats and how often."""
+    from nanolab.callbacks.banner import banner_lines
+    from nanolab.data.prepare import prepare_dataset
+
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i} of a small corpus.\n" for i in range(15)))
+    data = tmp_path / "small"
+    prepare_dataset([str(text)], data, "chars", quiet=True)
+    split = json.loads((data / "meta.json").read_text())["train_tokens"]
+    run = tmp_path / "run"
+    trainer = fit(run, data, [MetricsLog()], max_steps=12)
+    train = events(run / "metrics.jsonl", "train")
+    assert train[-1]["tokens"] > split
+    for r in train:
+        assert r["epoch"] == pytest.approx(r["tokens"] / split, abs=1e-4)
+    banner = "\n".join(banner_lines(trainer, trainer.lightning_module, estimate=False))
+    passes = 12 * TOKENS_PER_MICRO_BATCH / split
+    assert f"the data repeats: {passes:.3g} passes over its" in banner, banner

@@ -73,8 +73,9 @@ def test_extending_a_finished_run_keeps_its_schedule_and_counts_to_the_new_end(
     lr = {r["step"]: r["lr"] for r in read_records(tmp_path / "runs/tiny/metrics.jsonl")
           if r["event"] == "train"}  # fmt: skip
     assert sorted(lr) == list(range(1, 9))
-    assert lr[6] == pytest.approx(0.001 * 0.1) and lr[7] == lr[8] == pytest.approx(0.001 * 0.1)
-    assert lr[5] > lr[6]  # still decaying before the old end
+    # Step s trains at the schedule's rate of s - 1: step 7 is the first at the minimum.
+    assert lr[7] == lr[8] == pytest.approx(0.001 * 0.1)
+    assert lr[6] > lr[7]  # still decaying at the old end
 
 
 def test_fit_help_leads_with_nanolab_groups_and_common_keys(tmp_path):

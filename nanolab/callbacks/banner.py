@@ -98,6 +98,22 @@ def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[i
     return total, how
 
 
+def split_tokens(trainer: L.Trainer) -> int | None:
+    """Tokens in one pass over the training data (``None``: a data module that does not say)."""
+    try:
+        tokens = getattr(getattr(trainer, "datamodule", None), "split_tokens", None)
+    except Exception:  # a fork's data module whose metadata cannot be read: say nothing
+        return None
+    return tokens if isinstance(tokens, int) and tokens > 0 else None
+
+
+def data_passes(trainer: L.Trainer, tokens: int | None) -> float | None:
+    """Passes over the training data that ``tokens`` trained tokens make (1.5: halfway
+    through the second); ``None`` when either is unknown."""
+    split = split_tokens(trainer)
+    return None if split is None or tokens is None else round(tokens / split, 4)
+
+
 def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:
     """Seconds for ``steps`` more steps, with the estimate ``nanolab queue`` makes for a job (past
     runs are not consulted here): the FLOPs over this device's rate at an assumed efficiency."""
@@ -160,6 +176,10 @@ def banner_lines(
         steps = f"  steps      {start} -> {end}"
         if per_step is not None:
             steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
+            passes = data_passes(trainer, end * per_step[0])
+            if passes is not None and passes > 1:
+                split = _count(split_tokens(trainer) or 0)
+                steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"
         if horizon is not None and start >= horizon and end > horizon:
             steps += (
                 f"; the LR schedule ended at step {horizon}: the extra steps run at its minimum"

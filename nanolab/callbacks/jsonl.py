@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
-from nanolab.callbacks.banner import resumed_schedule_note
+from nanolab.callbacks.banner import data_passes, resumed_schedule_note
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
@@ -132,6 +132,7 @@ class MetricsLog(StepCallback):
         self.best_val_loss: float | None = None
         self._writer: RunLogWriter | None = None
         self._grad_norm: torch.Tensor | None = None
+        self._lr: float | None = None  # the rate the step about to run trains with
         self._params: list[torch.nn.Parameter] | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # train records waiting for their values
         self._ended = False
@@ -278,6 +279,7 @@ class MetricsLog(StepCallback):
     ) -> None:
         # Only on steps that will be logged; kept as a tensor (no sync) until the record is built.
         if self.active and self._logs_step(trainer.global_step + 1):
+            self._lr = trained_rate(optimizer)
             if self._params is None:
                 self._params = list(pl_module.parameters())
             self._grad_norm = step_gradient_norm(self.clock, trainer, pl_module, self._params)
@@ -313,16 +315,15 @@ class MetricsLog(StepCallback):
         """A train record's host fields, taken now; its device values come later."""
         clock = self.clock
         assert clock is not None
-        optimizers = trainer.optimizers
-        lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
+        lr, self._lr = self._lr, None
         record: dict[str, Any] = {
             "event": "train",
             "time": time.time(),
             "step": int(step),
-            "epoch": int(trainer.current_epoch),
+            "epoch": data_passes(trainer, clock.tokens),
             "tokens": clock.tokens,
             "loss": None,
-            "lr": float(lr) if lr is not None else None,
+            "lr": lr,
             "grad_norm": None,
             **dict.fromkeys(TRAIN_FIELDS),
             "elapsed_s": round(clock.elapsed_s(), 3),
@@ -625,3 +626,18 @@ def global_batch_tokens(trainer: L.Trainer) -> int | None:
     if not isinstance(micro, int) or not isinstance(block, int):
         return None
     return micro * block * int(trainer.accumulate_grad_batches) * int(trainer.world_size)
+
+
+def trained_rate(optimizer: Any) -> float | None:
+    """The learning rate a step trains with, read just before its optimizer step (the scheduler
+    steps after it, so a rate read later is the next step's): that of the first parameter group
+    following ``model.optimizer.lr``. Muon's own groups (``muon_lr``) are passed over, so the
+    logged rate means the same with every optimizer; after a spike rollback it includes the
+    guard's ``lr_scale``."""
+    from nanolab.training.muon import KIND
+
+    groups = getattr(optimizer, "param_groups", None) or []
+    for group in groups:
+        if group.get(KIND) != "muon" and group.get("lr") is not None:
+            return float(group["lr"])
+    return None

@@ -293,6 +293,12 @@ class TokenDataModule(L.LightningDataModule):
 
     # -- dataset ---------------------------------------------------------------------------
     @property
+    def split_tokens(self) -> int:
+        """Tokens in the training split (every dataset folder of a mixture): one pass over the
+        data, what a run's ``epoch`` counts in."""
+        return sum(int(p.meta["train_tokens"]) for p in self.parts)
+
+    @property
     def parts(self) -> list[DatasetPart]:
         """The checked dataset folders (one, or the mixture's), preparing first if asked to."""
         if self._parts is None:

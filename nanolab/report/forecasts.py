@@ -40,11 +40,16 @@ def _schedule_of(config: dict[str, Any], train: list[dict[str, Any]]) -> tuple[A
     planned = lr_schedule(cfg, max_steps)
     logged = [(r["step"], num(r.get("lr"))) for r in train if isinstance(r.get("step"), int)]
     logged = [(s, lr) for s, lr in logged if lr is not None and s >= 1]
-    # A train record is written after the scheduler stepped: it shows the LR of the next step.
-    for step, lr in logged[:: max(1, len(logged) // 50)]:
-        if not math.isclose(lr, peak * planned(step), rel_tol=1e-3, abs_tol=1e-12):
-            return None, 0
-    return (lambda steps: lr_schedule(cfg, steps)), cfg.warmup_steps
+    # Step s trained at the multiplier of s - 1 (counted from 0); logs written before this
+    # release showed the next step's rate, planned(s). Either alignment, held by every sample.
+    sample = logged[:: max(1, len(logged) // 50)]
+    for shift in (1, 0):
+        if all(
+            math.isclose(lr, peak * planned(step - shift), rel_tol=1e-3, abs_tol=1e-12)
+            for step, lr in sample
+        ):
+            return (lambda steps: lr_schedule(cfg, steps)), cfg.warmup_steps
+    return None, 0
 
 
 def forecast_inputs(run_dir: Path) -> Any:
