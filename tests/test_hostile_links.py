@@ -342,3 +342,26 @@ def test_rotation_and_the_disk_cap_delete_sharded_checkpoint_folders(tmp_path) -
     ]  # fmt: skip
     assert (folder / LAST_NAME).resolve() == newest.resolve()
     ckpt._close_folder()
+
+
+def test_queue_add_and_fit_refuse_a_config_kept_where_the_run_will_write(
+    tmp_path, char_dataset, capsys, monkeypatch
+):
+    """A job's own ``--config`` saved as ``runs/exp/config.yaml`` (the folder the job's run
+    will use): the run would replace it with its merged config at its first launch and the
+    queue would then refuse every restart ("config changed"). Refused at ``queue add`` and by
+    ``fit``, one line, the file untouched."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "exp"
+    run.mkdir(parents=True)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    cfg["run"]["name"] = "exp"
+    config = write_config(run / "config.yaml", cfg)
+    before = digests(run)
+    code, _, err = queue(capsys, tmp_path / "q.db", "add", str(config), "--name", "exp")
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1, err
+    assert "config.yaml was not written by a run" in err and "move that file" in err, err
+    proc = run_nanolab("fit", "--config", str(config), cwd=tmp_path)
+    assert proc.returncode == EXIT_USAGE and "was not written by a run" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert digests(run) == before

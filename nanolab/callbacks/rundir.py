@@ -49,6 +49,10 @@ CHECKPOINT_DIR = "checkpoints"
 CONFIG_NAME = "config.yaml"
 PREVIOUS_DIR = "previous"  # archived runs (run.fresh)
 
+#: First line of the ``config.yaml`` a run writes: it tells the run's own copy (rewritten at
+#: each launch) from a config a user keeps in the folder, which a launch must not overwrite.
+CONFIG_HEADER = "# nanolab fit: this run's merged config, rewritten at each launch\n"
+
 #: Names a run directory keeps besides its run log: ``log.filename`` must not take one.
 RESERVED_NAMES = (CONFIG_NAME, CHECKPOINT_DIR, PREVIOUS_DIR, QUEUE_LOG_NAME, LEDGER)
 
@@ -137,6 +141,24 @@ def _check_layout(run_dir: Path, log_name: str) -> None:
             )
 
 
+def foreign_config(run_dir: Path) -> str | None:
+    """Why a run may not start in ``run_dir``, which holds no run: a ``config.yaml`` that no
+    run wrote (no header), which the run's own would replace. None when there is none."""
+    path = run_dir / CONFIG_NAME
+    try:
+        with path.open("rb") as f:
+            first = f.readline(len(CONFIG_HEADER) + 1)
+    except OSError:  # none (or unreadable: the writability check speaks for it)
+        return None
+    if first.startswith(b"# nanolab fit:"):
+        return None
+    return (
+        f"{path} was not written by a run (the folder holds no run log), and the run writes "
+        "its config there: move that file out of the run directory (e.g. to configs/) and "
+        "point --config at the new place, or choose another run.name"
+    )
+
+
 def claim_run_dir(
     run_dir: str | os.PathLike[str],
     config: dict[str, Any] | None,
@@ -167,6 +189,9 @@ def claim_run_dir(
     checkpoints = checkpoint_files(run_dir)
     old_id = owner_of_log(log_path)
     holds_run = has_log or bool(checkpoints)
+    refusal = foreign_config(run_dir) if not holds_run else None
+    if refusal is not None:  # a config kept here by hand (a queued job's own --config, notes)
+        raise RunDirError(refusal)
 
     if resuming:
         if checkpoint is None or _is_own_checkpoint(

@@ -428,6 +428,7 @@ def existing_run(
     away, so that needs ``--continue``. A model the run's checkpoint cannot resume into is
     refused here instead of failing at 3 a.m. Otherwise: one line naming the step it resumes at.
     """
+    from nanolab.callbacks.rundir import foreign_config
     from nanolab.model.config import with_defaults
     from nanolab.runlog import RUN_LOG_NAME, read_records
     from nanolab.training.resolve import sections
@@ -437,6 +438,9 @@ def existing_run(
     choice = find_resume_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
     chosen = choice.chosen if choice is not None else None
     if chosen is None and not (log.is_file() and log.stat().st_size > 0):
+        refusal = foreign_config(run_dir)
+        if refusal is not None:
+            raise JobConfigError(f"--name {name}: {refusal}")
         return None
     starts = read_records(log, "start")
     by_queue = bool(starts) and starts[0].get("queue_job") is not None
