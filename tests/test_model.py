@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanolab.model import GPT, ConfigError, GPTConfig
 
@@ -330,3 +331,19 @@ def test_a_sharded_checkpoint_folder_says_how_to_make_it_one_file(tmp_path, caps
         assert main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is a sharded checkpoint folder" in err[0] and how in err[0], err
+
+
+def test_a_model_cast_to_16_bits_computes_its_loss_in_fp32():
+    """DeepSpeed and ``bf16-true`` cast the whole model to bf16: the loss is still computed in
+    fp32 from its logits, as autocast does, so such runs log the loss DDP and FSDP2 runs log.
+    Mutation caught: cross-entropy in bf16 (the loss rounded to 1/32 near 4.8, and biased)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=71, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    x, y = torch.randint(0, 71, (4, 32)), torch.randint(0, 71, (4, 32))
+    with torch.no_grad():
+        logits, loss = model.to(torch.bfloat16)(x, y)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    exact = F.cross_entropy(logits.float().flatten(0, 1), y.view(-1))
+    assert loss.item() == pytest.approx(exact.item(), abs=1e-6)
+    rounded = F.cross_entropy(logits.flatten(0, 1), y.view(-1))
+    assert abs(rounded.float().item() - exact.item()) > 1e-4  # what a bf16 loss would log

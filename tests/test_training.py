@@ -425,6 +425,12 @@ def test_deepspeed_with_accumulation_divides_the_loss_once(tmp_path, char_datase
     res = run_nanolab("validate", "--config", str(run / "config.yaml"), cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "val" in res.stdout, res.stdout[-2000:]
+    # ...and without DeepSpeed its folder is one line (a traceback from Lightning's loader)
+    for verb in ("validate", "test"):
+        res = run_nanolab(verb, "--config", str(run / "config.yaml"), "--trainer.strategy", "auto",
+                          "--trainer.devices", "1", cwd=tmp_path)  # fmt: skip
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+        assert "is a DeepSpeed checkpoint folder, which only DeepSpeed reads" in res.stderr
 
 
 def test_val_loss_drops_on_the_bundled_corpus(tmp_path, char_dataset):

@@ -646,9 +646,13 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
-            )
+            flat = logits.view(-1, logits.size(-1))
+            if flat.dtype != torch.float32 and not torch.is_autocast_enabled(flat.device.type):
+                # A model cast whole to 16 bits (DeepSpeed, bf16-true): the loss in fp32, as
+                # autocast computes it. A bf16 loss is rounded to 1/128 at a loss of 3 and
+                # biased: runs would not compare with DDP's or FSDP2's at the 0.01 level.
+                flat = flat.float()
+            loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def num_params(self, non_embedding: bool = False) -> int:

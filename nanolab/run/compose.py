@@ -146,11 +146,14 @@ def launch(cli: NanolabCLI) -> Trainer:
         raise trainer_refusal(err, trainer_args) from None
 
     # -- run: hold the run directory, pick the checkpoint (opened without running its pickle)
+    strategy_kind = parse_strategy(
+        plain_config(cfg)["trainer"].get("strategy"), resolved.world_size
+    ).kind
     if verb == "fit":
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
         claimed = claim_for_fit(
             cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size,
-            strategy_kind=parse_strategy(plain_config(cfg)["trainer"].get("strategy"), resolved.world_size).kind,
+            strategy_kind=strategy_kind,
         )  # fmt: skip
         cand = claimed.candidate
         ckpt_path = str(cand.path) if cand is not None else None
@@ -180,7 +183,9 @@ def launch(cli: NanolabCLI) -> Trainer:
                     callback.set_aside_after = (Path(cand.path), int(cand.step))
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
-    target, ckpt_path = evaluation_target(verb, cfg, run_dir, model, built.get("ckpt_path"), data)
+    target, ckpt_path = evaluation_target(
+        verb, cfg, run_dir, model, built.get("ckpt_path"), data, strategy_kind
+    )
     evaluate = trainer.validate if verb == "validate" else trainer.test
     # nanolab prints its own plain lines (evaluation_lines), as every other verb does.
     evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
@@ -693,7 +698,13 @@ def open_checkpoint(
 
 
 def evaluation_target(
-    verb: str, cfg: Any, run_dir: Path, model: Any, ckpt_path: Any, data: Any = None
+    verb: str,
+    cfg: Any,
+    run_dir: Path,
+    model: Any,
+    ckpt_path: Any,
+    data: Any = None,
+    strategy_kind: str = "single",
 ) -> tuple[Any, str | None]:
     """What ``validate``/``test`` evaluates (docs/evaluate.md) and the checkpoint file to load:
     the run's newest by default, never an untrained model unless ``--ckpt_path none``; the run
@@ -710,6 +721,12 @@ def evaluation_target(
     if target.path is None:
         return target, None
     cand = open_checkpoint(str(target.path), "--ckpt_path", run_dir, model, training=False)
+    from nanolab.training.resume import ResumeError, check_checkpoint_format
+
+    try:  # a sharded folder only its own strategy reads: one line, not a traceback
+        check_checkpoint_format(cand.path, strategy_kind)
+    except ResumeError as err:
+        raise RunConfigError(str(err)) from None
     other = other_data(data, cand.path) if target.log_to_run else None
     if other is not None:
         from nanolab.callbacks.runlock import global_rank_from_env
