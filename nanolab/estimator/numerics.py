@@ -105,9 +105,7 @@ def numerics_for(setup: Setup, backend: Backend = "cuda") -> Numerics:
     if kind == "deepspeed" or not setup.precision.endswith("-mixed"):
         # Every activation is 16-bit; the loss casts the logits to fp32 first (GPT.forward).
         sixteen = {k: 2 for k in ("param", "grad", "compute", "resid", "ln_in", "softmax")}
-        return replace(
-            fp32, **sixteen, ln_stats=4 if gpu else 2, gather=2, fp32_logits_copy=True
-        )
+        return replace(fp32, **sixteen, ln_stats=4 if gpu else 2, gather=2, fp32_logits_copy=True)
     # Autocast on fp32 parameters (single device, DDP, FSDP2).
     autocast = replace(
         fp32,
