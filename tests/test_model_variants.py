@@ -399,3 +399,81 @@ def test_a_built_in_name_cannot_be_taken_by_another_class() -> None:
         @register_mlp("gelu")
         class NotTheBuiltIn(nn.Module):
             pass
+
+
+class _PlainAttention(torch.nn.Module):
+    """An attention written from scratch (not a CausalSelfAttention): forward(x) only."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(config.n_embd, 3 * config.n_embd)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(x.size(-1), dim=2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class _WideMLP(torch.nn.Module):
+    def __init__(self, config, width: int = 4) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(config.n_embd, width * config.n_embd)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _OneWideMLP(_WideMLP):
+    def __init__(self, config) -> None:
+        torch.nn.Module.__init__(self)
+        self.fc = torch.nn.Linear(config.n_embd, 1)
+
+
+class _DimOnlyNorm(torch.nn.Module):
+    def __init__(self, dim) -> None:  # the block calls cls(dim, config)
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ({"attention_variant": "t_plain", "position_embedding": "rope"},
+         r"attention_variant 't_plain' \(.*_PlainAttention\) does not subclass CausalSelfAttention, whose prepare_qk applies .*'rope'"),
+        ({"attention_variant": "t_plain", "attention": "math"},
+         r"kernel model\.gpt\.attention 'math' picks"),
+        ({"attention_variant": "t_plain", "attention_window": 8},
+         r"its forward takes no `visible` argument"),
+        ({"mlp": "t_wide"}, r"model\.gpt\.mlp 't_wide' \(.*_WideMLP\) returned \(2, 4, 128\) for an input of \(2, 4, 32\)"),
+        ({"mlp": "t_one"}, r"model\.gpt\.mlp 't_one' .* returned \(2, 4, 1\)"),
+        ({"norm": "t_dim_only"}, r"model\.gpt\.norm 't_dim_only' .* cannot be built as cls\(dim, config\)"),
+    ],
+)  # fmt: skip
+def test_a_part_of_ones_own_that_would_be_ignored_or_misshapen_is_one_line(parts, message):
+    """What a from-scratch part would silently skip (RoPE, the kernel, the document mask or
+    window) or get wrong (a shape other than (B, T, C), which the residual add would broadcast
+    from (B, T, 1)), refused when the module is built: the setting, the class and the fix.
+    Mutations caught: a plain attention with rope trained with no positions at all; a
+    (B, T, 1) MLP output trained to the end."""
+    from nanolab.model.config import ConfigError
+    from nanolab.model.registry import register_attention
+    from nanolab.training.module import GPTLightningModule
+
+    registered = [(ATTENTIONS, "t_plain", _PlainAttention), (MLPS, "t_wide", _WideMLP),
+                  (MLPS, "t_one", _OneWideMLP), (NORMS, "t_dim_only", _DimOnlyNorm)]  # fmt: skip
+    register_attention("t_plain")(_PlainAttention)
+    register_mlp("t_wide")(_WideMLP)
+    register_mlp("t_one")(_OneWideMLP)
+    register_norm("t_dim_only")(_DimOnlyNorm)
+    try:
+        gpt = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, **parts)
+        with pytest.raises(ConfigError, match=message):
+            GPTLightningModule(gpt=gpt)
+        plain = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32,
+                          attention_variant="t_plain")  # fmt: skip
+        GPTLightningModule(gpt=plain)  # learned positions, sdpa, no mask: it trains as written
+    finally:
+        for reg, name, _ in registered:
+            reg._classes.pop(name, None)

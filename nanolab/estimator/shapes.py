@@ -96,8 +96,9 @@ def meta_model(gpt: GPTConfig) -> nn.Module:
     """``GPT(gpt)`` on the meta device, its random initialisation skipped (shapes only)."""
     import torch
 
-    from nanolab.model.gpt import GPT
+    from nanolab.model.gpt import GPT, check_parts
 
+    check_parts(gpt)  # a part of one's own the run would refuse: the same line here
     with torch.device("meta"), skip_random_init():
         return GPT(replace(gpt))
 

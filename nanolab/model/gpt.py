@@ -520,16 +520,92 @@ class LayerCache:
 # -- the model ----------------------------------------------------------------------------------
 
 
+def _built(reg: registry.Registry, name: str, *args: object) -> nn.Module:
+    """``reg``'s class ``name`` built with ``args``; a class whose constructor does not take
+    them is one line naming the setting, the class and the signature the block calls."""
+    cls = reg.get(name)
+    try:
+        return cls(*args)
+    except TypeError as err:
+        if "argument" not in str(err):
+            raise
+        call = "cls(dim, config)" if len(args) == 2 else "cls(config)"
+        raise ConfigError(
+            f"model.gpt.{reg.field} {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be "
+            f"built as {call}: {err} (docs/forking.md lists what each part takes)"
+        ) from None
+
+
+def _part(config: GPTConfig, field: str, module: nn.Module) -> str:
+    cls = type(module)
+    return f"model.gpt.{field} {getattr(config, field)!r} ({cls.__module__}.{cls.__qualname__})"
+
+
+def check_attention(config: GPTConfig, attn: nn.Module) -> None:
+    """Settings an attention of one's own would silently ignore are refused: RoPE (``"qk"``
+    positions) and the kernel are CausalSelfAttention's (``prepare_qk``, ``attend``), and a
+    document mask or window reaches the attention as its ``visible`` argument."""
+    import inspect
+
+    where = _part(config, "attention_variant", attn)
+    if not isinstance(attn, CausalSelfAttention):
+        if registry.POSITIONS.get(config.position_embedding).applies_to == "qk":
+            raise ConfigError(
+                f"{where} does not subclass CausalSelfAttention, whose prepare_qk applies "
+                f"model.gpt.position_embedding {config.position_embedding!r}: the model would "
+                "train without positions; subclass CausalSelfAttention, or use learned positions"
+            )
+        if config.attention != "sdpa":
+            raise ConfigError(
+                f"{where} does not subclass CausalSelfAttention, whose kernel model.gpt.attention "
+                f"{config.attention!r} picks; subclass it (its attend), or leave attention: sdpa"
+            )
+    if config.masks_attention or config.attention == "flex":
+        params = inspect.signature(type(attn).forward).parameters
+        if "visible" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ConfigError(
+                f"{where}: its forward takes no `visible` argument, which carries "
+                "model.gpt.document_mask / attention_window to it; add `visible=None` and attend "
+                "with self.attend_masked(q, k, v, visible) when it is given"
+            )
+
+
+def check_parts(config: GPTConfig) -> None:
+    """A block's parts, checked before a run builds the model, on one block on the meta device
+    (no memory, no compute, outside any strategy's set-up): :func:`check_attention`, and each
+    part maps (B, T, C) to (B, T, C): a part of one's own returning another shape is one line
+    naming it, not a traceback at the first step, nor a (B, T, 1) silently broadcast into the
+    residual stream. A part that cannot run on meta tensors is left to its first real step."""
+    with torch.device("meta"):
+        block = Block(config)
+        check_attention(config, block.attn)
+        x = torch.empty(2, min(4, config.block_size), config.n_embd)
+        for field, part in (
+            ("norm", block.ln_1),
+            ("mlp", block.mlp),
+            ("attention_variant", block.attn),
+        ):
+            try:
+                out = part(x)
+            except Exception:  # meta tensors are not every op's: the first step decides
+                continue
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            if shape != tuple(x.shape):
+                raise ConfigError(
+                    f"{_part(config, field, part)} returned {shape} for an input of "
+                    f"{tuple(x.shape)} (B, T, C); a block's parts map (B, T, C) to (B, T, C)"
+                )
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        norm = registry.NORMS.get(config.norm)
-        self.ln_1 = norm(config.n_embd, config)
-        self.attn = registry.ATTENTIONS.get(config.attention_variant)(config)
-        self.ln_2 = norm(config.n_embd, config)
-        self.mlp = registry.MLPS.get(config.mlp)(config)
+        self.ln_1 = _built(registry.NORMS, config.norm, config.n_embd, config)
+        self.attn = _built(registry.ATTENTIONS, config.attention_variant, config)
+        self.ln_2 = _built(registry.NORMS, config.norm, config.n_embd, config)
+        self.mlp = _built(registry.MLPS, config.mlp, config)
 
     def forward(
         self,

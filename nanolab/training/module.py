@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
+from nanolab.model.gpt import check_parts
 from nanolab.model.registry import part_modules
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
@@ -80,6 +81,7 @@ class GPTLightningModule(L.LightningModule):
         self._norm_requested = False
         self._whole_gradients: bool | None = None  # per fit: no strategy shards the gradients
         self._param_list: list[torch.nn.Parameter] | None = None  # per fit, listed once
+        check_parts(self.gpt_config)  # parts of one's own: one line now, not at step 1
         if self.gpt_config.vocab_size is not None:
             self.model = self._build_model()
 
