@@ -208,3 +208,24 @@ def test_wait_slots_rm_and_a_second_ctrl_c(tmp_path, char_dataset, monkeypatch):
     assert (job.status, job.detail) == ("preempted", "stopped with the runner (SIGTERM)")
     assert "second SIGTERM: exiting now without a checkpoint" in job_log.read_text()
     assert not list((runs / "slow-s2" / "checkpoints").glob("step-*.ckpt"))
+
+
+def test_a_signal_the_runner_starts_ignoring_stays_ignored():
+    """``nohup nanolab queue run &`` starts with SIGHUP ignored: the runner keeps it so (a
+    logout once stopped the whole night's queue), and handles the signals it may handle."""
+    from types import SimpleNamespace
+
+    from nanolab.queue.runner import Runner
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    runner = SimpleNamespace(_on_signal=lambda *a: None, _wake_r=None)
+    try:
+        previous = Runner._install_signals(runner)  # type: ignore[arg-type]
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is runner._on_signal
+        assert signal.SIGHUP not in previous and signal.SIGTERM in previous
+        Runner._restore_signals(runner, previous)  # type: ignore[arg-type]
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -570,6 +570,8 @@ class Runner:
         except (ValueError, OSError):  # not the main thread
             return previous
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # nohup (or a parent) ignores it: a logout must not end the night
             previous[sig] = signal.signal(sig, self._on_signal)
         return previous
 
