@@ -121,6 +121,8 @@ def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
     """(display name, run directory) of every run under ``roots``; a root may be a run itself.
 
     Archived runs (``<run>/previous/...``) are not listed: a run nested inside another is skipped.
+    A run reached through two roots (``runs runs/debug``, ``runs ./runs``) is listed once, as the
+    first root found it.
     """
     found: list[tuple[str, Path]] = []
     for root in roots:
@@ -138,6 +140,8 @@ def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
             if not any(k in d.parents for k in kept):
                 kept.append(d)
         found += [(d.relative_to(root).as_posix(), d) for d in sorted(kept)]
+    seen: set[Path] = set()
+    found = [(n, d) for n, d in found if not (d.resolve() in seen or seen.add(d.resolve()))]
     names = [n for n, _ in found]
     if len(set(names)) != len(names):  # same name under two roots: qualify with the root
         found = [(str(d), d) for _, d in found]
