@@ -636,13 +636,17 @@ RESULTS_LOG = "results.log"
 
 def append_result(path: Path, fields: dict[str, Any]) -> None:
     """One JSON line appended in one ``write`` to a file opened for appending (runs ending at
-    once never interleave, and nothing already there is rewritten)."""
+    once never interleave, and nothing already there is rewritten). A torn last line (no
+    newline: a writer killed mid-line) is ended first, so the new line stays a line of its own."""
     import os
 
     line = (json.dumps(fields, default=str) + "\n").encode()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            size = os.fstat(fd).st_size
+            if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
             os.write(fd, line)
         finally:
             os.close(fd)
