@@ -259,8 +259,11 @@ def config_of(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any] | 
     return loaded if isinstance(loaded, dict) else None
 
 
-def seed_free_fingerprint(config: dict[str, Any] | None) -> str | None:
-    """The config without seed, run name and paths, as canonical JSON (None when unknown)."""
+def seed_free_fingerprint(config: dict[str, Any] | None, keep_nulls: bool = False) -> str | None:
+    """The config without seed, run name and paths, as canonical JSON (None when unknown).
+
+    A key set to null is dropped unless ``keep_nulls`` (the report's groups keep it: a null
+    option is a value, ``attention_window: null`` is not ``attention_window: 8``)."""
     if config is None:
         return None
     plain = json.loads(json.dumps(config, default=str))
@@ -270,7 +273,8 @@ def seed_free_fingerprint(config: dict[str, Any] | None) -> str | None:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(path[-1], None)
-    return json.dumps(_drop_nulls(plain), sort_keys=True, separators=(",", ":"))
+    plain = plain if keep_nulls else _drop_nulls(plain)
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"))
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -483,7 +487,7 @@ class _RunStream:
         val = [self.val[k] for k in sorted(self.val)]
         s.rollbacks = self.rollbacks
         config = config_of([start] if start else [], run_dir)
-        s.group = seed_free_fingerprint(config)
+        s.group = seed_free_fingerprint(config, keep_nulls=True)
         seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
         seed_value = None if isinstance(seed, bool) else num(seed)
         s.seed = int(seed_value) if seed_value is not None else None

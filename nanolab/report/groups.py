@@ -79,9 +79,12 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
-    """Each run's seed-free config, flattened, cut to the keys every run's config has: a key
-    only some logs carry was added (or removed) by another nanolab version, with a default the
-    older runs also trained with, so it must not split one experiment's seeds."""
+    """Each run's seed-free config, flattened, cut to the keys that can tell runs apart: every
+    key all the runs' configs have (null is a value there: ``attention_window`` null and 8 are
+    two configs), and a key only some logs carry where those logs disagree on it. A key only
+    some logs carry, all with one value, was added (or removed) by another nanolab version with
+    a default the older runs also trained with, so it must not split one experiment's seeds;
+    where the logs that carry it differ, a run without it is a config of its own (``unset``)."""
     flats = {s.run: flatten(json.loads(s.group)) for s in summaries if s.group is not None}
     # A run whose log holds part of its config (a section others have is missing: an older
     # debug run logged only its model) cannot be compared: it stands alone, instead of cutting
@@ -89,8 +92,32 @@ def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
     sections = {run: {key.split(".", 1)[0] for key in f} for run, f in flats.items()}
     wanted = CORE_SECTIONS & set().union(*sections.values())
     flats = {run: f for run, f in flats.items() if wanted <= sections[run]}
-    common = set.intersection(*(set(f) for f in flats.values())) if flats else set()
-    return {run: {k: f[k] for k in sorted(common)} for run, f in flats.items()}
+    flats = {run: {k: _value_in(f, k) for k in set().union(*flats.values())}
+             for run, f in flats.items()}  # fmt: skip
+    keys = set().union(*flats.values()) if flats else set()
+    kept = set()
+    for key in keys:
+        values = {value_text(f[key]) for f in flats.values() if f[key] is not _ABSENT}
+        if len(values) > 1 or all(f[key] is not _ABSENT for f in flats.values()):
+            kept.add(key)
+    return {run: {k: f[k] for k in sorted(kept) if f[k] is not _ABSENT} for run, f in flats.items()}
+
+
+#: A key a run's config does not have (neither it nor a null section above it).
+_ABSENT: Any = object()
+
+
+def _value_in(flat: dict[str, Any], key: str) -> Any:
+    """``flat[key]``; null inside a section set to null (``trainer.logger: null`` has a null
+    ``trainer.logger.class_path``); :data:`_ABSENT` when the config does not have it."""
+    if key in flat:
+        return flat[key]
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        above = ".".join(parts[:n])
+        if above in flat:
+            return None if flat[above] is None else _ABSENT
+    return _ABSENT
 
 
 def by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
@@ -222,7 +249,9 @@ def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:
     taken against, read from the start records alone (not a whole summary per run)."""
     return [
         RunSummary(
-            run=n, status="", group=seed_free_fingerprint(config_of(tail_records(d, "start"), d))
+            run=n,
+            status="",
+            group=seed_free_fingerprint(config_of(tail_records(d, "start"), d), keep_nulls=True),
         )
         for n, d in found
     ]
