@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_report import write_run
+from test_report import run_report, write_run
 
 from nanolab.report import seed_groups, summarize_run
 
@@ -70,3 +70,21 @@ def test_a_key_only_some_logs_carry_splits_only_where_those_logs_differ(tmp_path
         ("attention_window unset", ("old-s1", "old-s2")),
         ("attention_window=8", ("w-s1", "w-s2")),
     ]
+
+
+def test_a_seed_without_a_validation_where_the_group_is_read_is_named_not_counted(
+    tmp_path: Path, capsys
+) -> None:
+    """Four seeds read at 2k tokens (the shortest one's end): one validated only at 4k."""
+    write_run(tmp_path, "x-s1", seed=1, losses=[3.0] * 2, vals={2: 2.5})
+    write_run(tmp_path, "x-s2", seed=2, losses=[3.0] * 4, vals={2: 2.7, 4: 2.0})
+    write_run(tmp_path, "x-s3", seed=3, losses=[3.0] * 4, vals={1: 2.9, 4: 2.0})
+    write_run(tmp_path, "x-s4", seed=4, losses=[3.0] * 4, vals={4: 2.0})
+    (group,) = seed_groups([summarize_run(f"x-s{i}", tmp_path / f"x-s{i}") for i in range(1, 5)])
+    assert group.at_tokens == 2000 and group.val_losses == [2.5, 2.7, 2.9]
+    assert group.n == 3 and group.mean_val_loss == pytest.approx(2.7)
+    assert group.left_out == ["x-s4 (no validation by 2k tokens)"]
+    code, out, err = run_report(capsys, str(tmp_path))
+    assert code == 0, err
+    assert "(n=3, seeds 1,2,3,4:" in out
+    assert "left out of the statistics: x-s4 (no validation by 2k tokens)" in out

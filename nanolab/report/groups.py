@@ -220,7 +220,13 @@ def seed_groups(
         left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
         usable = [m for m in members if not _unusable(m)]
         at_tokens = common_tokens(usable)
-        losses = values_at(usable, at_tokens)
+        # A seed whose first validation came after at_tokens has no value there: left out and
+        # named, so that n counts the values the mean is over.
+        at = [(m, _value_at(m, at_tokens)) for m in usable]
+        left_out += [f"{m.run} (no validation by {si(at_tokens)} tokens)"
+                     for m, v in at if v is None]  # fmt: skip
+        usable = [m for m, v in at if v is not None]
+        losses = [v for _, v in at if v is not None]
         cores = [m.core for m in usable if m.core is not None]
         seeds = [m.seed for m in usable]
         out.append(
@@ -276,10 +282,15 @@ def common_tokens(members: list[RunSummary]) -> int | None:
 def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
     """Each run's val loss at its last validation at or before ``tokens`` (the final val loss
     when ``tokens`` is None)."""
+    return [v for v in (_value_at(m, tokens) for m in members) if v is not None]
+
+
+def _value_at(member: RunSummary, tokens: int | None) -> float | None:
+    """:func:`values_at` of one run (None: it did not validate at or before ``tokens``)."""
     if tokens is None:
-        return [m.final_val_loss for m in members if m.final_val_loss is not None]
-    before = ([loss for t, loss in m.val_points if t <= tokens] for m in members)
-    return [b[-1] for b in before if b]
+        return member.final_val_loss
+    before = [loss for t, loss in member.val_points if t <= tokens]
+    return before[-1] if before else None
 
 
 def _ci(values: list[float]) -> float | None:
