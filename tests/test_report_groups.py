@@ -88,3 +88,21 @@ def test_a_seed_without_a_validation_where_the_group_is_read_is_named_not_counte
     assert code == 0, err
     assert "(n=3, seeds 1,2,3,4:" in out
     assert "left out of the statistics: x-s4 (no validation by 2k tokens)" in out
+
+
+def test_compare_says_what_it_cannot_compare_and_refuses_json(tmp_path: Path, capsys) -> None:
+    """Run A's group has three seeds; run B's two, one of them diverged: one usable seed."""
+    for seed, val in ((1, 2.5), (2, 2.6), (3, 2.55)):
+        write_run(tmp_path, f"x-s{seed}", seed=seed, losses=[3.0], vals={1: val})
+    write_run(tmp_path, "y-s1", seed=1, lr=0.001, losses=[3.0], vals={1: 2.9})
+    write_run(tmp_path, "y-s2", seed=2, lr=0.001, losses=[3.0], vals={1: 2.9}, end="diverged")
+    code, out, err = run_report(capsys, str(tmp_path), "--compare", "x-s1", "y-s1")
+    assert code == 0, err
+    assert "final val loss" in out and "error" not in err
+    assert out.rstrip().endswith(
+        "seed groups: not compared: lr=0.001 has 1 usable seed(s) (left out: y-s2 (diverged)); "
+        "a comparison needs two in each group"
+    )
+    code, out, err = run_report(capsys, str(tmp_path), "--compare", "x-s1", "y-s1", "--json")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("nanolab report: error: --json: --compare prints text only")

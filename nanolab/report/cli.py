@@ -218,6 +218,24 @@ def _scaling(
     return text, data
 
 
+def _compare_pair(everyone: list[RunSummary], pair: list[Any]) -> str:
+    """``--compare``'s line on the two seed groups its runs belong to: their difference, or
+    what kept them from being compared (a group with fewer than two usable seeds)."""
+    short = [g for g in pair if len(g.val_losses) < 2]
+    if not short:
+        found = compare_groups(everyone, pair, baseline=pair[1].label)
+        if found:
+            return "\n".join(f"\nseed groups: {c.sentence}" for c in found)
+        return ("\nseed groups: not compared: fewer than two seeds of each validated by the "
+                "tokens both groups reached")  # fmt: skip
+    why = "; ".join(
+        f"{g.label} has {len(g.val_losses)} usable seed(s)"
+        + (f" (left out: {', '.join(g.left_out)})" if g.left_out else "")
+        for g in short
+    )
+    return f"\nseed groups: not compared: {why}; a comparison needs two in each group"
+
+
 @one_line_errors("nanolab report")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -225,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         check_plot_path(args.plot)
     elif args.logx or args.x != "tokens":
         raise ReportError("--x and --logx shape the plot only; add --plot FILE.png")
+    if args.compare and args.json:
+        raise ReportError(
+            "--json: --compare prints text only; drop --json (report --json without --compare "
+            "has the runs, seed groups and comparisons)"
+        )
     roots = args.runs_dirs or [Path("runs")]
     found = discover_runs(roots)
     if not found:
@@ -240,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         everyone = [summarize_run(n, d) for n, d in found]
         pair = [g for g in seed_groups(everyone) if set(args.compare) & ({g.label} | set(g.runs))]
         if len(pair) == 2:
-            for c in compare_groups(everyone, pair, baseline=pair[1].label):
-                print(f"\nseed groups: {c.sentence}")
+            print(_compare_pair(everyone, pair))
         return 0
     selected = _select(found, args.run)
     now = time.time()
