@@ -278,11 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
     run_fc, group_fc = forecasts(selected, groups, args.target_loss) if want_forecast else ({}, {})
     scaling_text, scaling_data = _scaling(args, selected, summaries)
+    not_drawn: list[str] = []
     if args.plot is not None:
         dirs = dict(selected)
         plotted, left_out = (summaries, 0) if args.run else default_plot_selection(summaries)
         plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx,
-                  universe=universe)  # fmt: skip
+                  universe=universe, left_out=not_drawn)  # fmt: skip
     if args.json:
         payload = {
             "runs": [
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         if left_out:
             note = (f" ({len(plotted)} runs on the newest run's data; {left_out} on other data "
                     "left out: --run NAME to choose)")  # fmt: skip
+        if not_drawn:
+            note += f" (not drawn: {', '.join(not_drawn)})"
         print(f"plot: {args.plot}{note}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

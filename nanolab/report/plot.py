@@ -80,6 +80,15 @@ def _plot_records(run_dir: Path, task_keys: list[str]) -> list[dict[str, Any]]:
     return records
 
 
+def _nothing_to_draw(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> str | None:
+    """Why a run's curves cannot be drawn: records of a kind, none with a finite loss (a run
+    that diverged before its first validation logs a val loss of null)."""
+    for records, key, what in ((train, "loss", "train"), (val, "val_loss", "val")):
+        if records and not any(num(r.get(key)) is not None for r in records):
+            return f"no finite {what} loss"
+    return None
+
+
 #: What the --plot band is, in the figure's title and the docs (docs/report.md): one statement.
 BAND_TITLE = (
     "mean over seeds, band = 95% confidence interval of the mean (Student t over the seeds)"
@@ -114,11 +123,14 @@ def plot_runs(
     forecasts: dict | None = None,
     logx: bool = False,
     universe: list[RunSummary] | None = None,
+    left_out: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Train and val loss against tokens or GPU-hours, written atomically to ``out``: one colour
     per seed group, its mean over seeds as a line and its 95% interval as a band; with
     ``forecasts`` (tokens axis), each run's fitted curve dashed to max_steps, with its band.
-    Returns what was drawn per group (label, colour, runs, the val band) for the caller."""
+    Returns what was drawn per group (label, colour, runs, the val band) for the caller; a run
+    with no finite loss to draw (diverged before its first validation) is left out of its
+    group's curves and named, with why, in ``left_out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,10 +167,17 @@ def plot_runs(
         color = colors[i % len(colors)]
         trains, vals = [], []
         task_curves: list[list[dict[int, tuple[float, float]]]] = [[] for _ in task_keys]
+        n = len(members)
         for s in members:
             records = _plot_records(dirs[s.run], task_keys)
             train = last_by_step([r for r in records if r.get("event") == "train"])
             val = last_by_step([r for r in records if r.get("event") == "val"])
+            why = _nothing_to_draw(train, val)
+            if why:
+                n -= 1
+                if left_out is not None:
+                    left_out.append(f"{s.run} ({why})")
+                continue
             xs = {r.get("step"): num(r.get(key)) for r in train}  # val records may lack GPU-h
             t = _curve(train, key, "loss", xs, smooth=max(1, len(train) // 40))
             v = _curve(val, key, "val_loss", xs)
@@ -177,7 +196,6 @@ def plot_runs(
                 curve = _curve(scored, key, task_key, xs)
                 if curve:
                     curves.append(curve)
-        n = len(members)
         name = f"{label} (n={n})" if n > 1 else label
         drawn.append({"label": label, "color": color, "runs": [m.run for m in members],
                       "val_band": _band(vals)})  # fmt: skip
