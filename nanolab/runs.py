@@ -18,6 +18,7 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -320,6 +321,37 @@ def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSumm
     for number, record in iter_numbered(log):
         acc.add(number, record)
     return acc.summary(name, run_dir, now)
+
+
+def iter_timeline(run_dir: Path, events: tuple[str, ...] = STEP_EVENTS) -> Iterator[dict[str, Any]]:
+    """The usable records of ``events`` on the timeline a resume leaves (what
+    :func:`current_timeline` keeps of :func:`read_run`'s records), streamed: one record in
+    memory at a time, however long the log."""
+    log = run_dir / RUN_LOG_NAME
+    rewinds = _Rewinds(_resume_points(log))
+    for number, r in iter_numbered(log):
+        usable = r.get("event") in events and record_problem(r) is None
+        if usable and not rewinds.abandoned(number, r):
+            yield r
+
+
+class EvenSample:
+    """At most ``2 * size`` items evenly spread over a stream of unknown length: every
+    ``stride``-th item is kept, and when too many are, every other one is dropped and the
+    stride doubles (the first item is always kept; ``last`` holds the last one seen)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.stride, self.seen = size, 1, 0
+        self.items: list[Any] = []
+        self.last: Any = None
+
+    def add(self, item: Any) -> None:
+        if self.seen % self.stride == 0:
+            self.items.append(item)
+            if len(self.items) > 2 * self.size:
+                self.items, self.stride = self.items[::2], self.stride * 2
+        self.seen += 1
+        self.last = item
 
 
 def _resume_points(log: Path) -> list[tuple[int, int]]:

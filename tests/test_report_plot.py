@@ -3,6 +3,8 @@ the plot keeps of it)."""
 
 from __future__ import annotations
 
+import json
+import tracemalloc
 from pathlib import Path
 
 from test_report import run_report, write_run
@@ -23,3 +25,49 @@ def test_a_run_diverged_before_its_first_validation_is_left_out_of_the_plot(
     assert out_png.is_file()
     assert "ok-s1" in out and "div " in out  # the table
     assert f"plot: {out_png} (not drawn: div (no finite val loss))" in out
+
+
+def _long_run(root: Path, steps: int) -> Path:
+    """A log of ``steps`` train records (a long run in small), validated every 1,000 steps."""
+    run_dir = root / "long"
+    run_dir.mkdir(parents=True)
+    config = {"trainer": {"max_steps": 2 * steps}, "model": {"optimizer": {"lr": 0.003}}}
+    lines = [json.dumps({"event": "start", "time": 0.0, "step": 0, "seed": 1, "config": config})]
+    for i in range(1, steps + 1):
+        lines.append(json.dumps({"event": "train", "time": 1.0 + i, "step": i, "tokens": 64 * i,
+                                 "loss": 4.0 - i / steps, "lr": 0.003, "gpu_hours": i / 3600,
+                                 "grad_norm": 1.0, "tokens_per_s": 1000.0}))  # fmt: skip
+        if i % 1000 == 0:
+            lines.append(json.dumps({"event": "val", "time": 1.5 + i, "step": i,
+                                     "tokens": 64 * i, "val_loss": 4.1 - i / steps}))  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def _peak_mib(fn) -> float:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_long_log_is_streamed_by_the_plot_and_the_forecast(tmp_path: Path) -> None:
+    """40,000 train records: held as dicts they take ~40 MiB; the plot keeps a thinned curve
+    (at most TRAIN_POINTS + 1 points) and the forecast its val points and a sample of LRs."""
+    from nanolab.report import forecast_inputs, plot_runs, summarize_run
+
+    run_dir = _long_run(tmp_path, 40_000)
+    summary = summarize_run("long", run_dir)
+    inputs = forecast_inputs(run_dir)  # warm: imports are not the log
+    assert len(inputs.points) == 40 and inputs.tokens_per_step == 64
+    assert _peak_mib(lambda: forecast_inputs(run_dir)) < 4
+    out = tmp_path / "loss.png"
+    plot_runs([(summary, run_dir)], out, "tokens")
+    assert _peak_mib(lambda: plot_runs([(summary, run_dir)], out, "gpu_hours")) < 8
+
+    from nanolab.report.plot import TRAIN_POINTS, _train_curve
+
+    curve, _ = _train_curve(run_dir, "tokens", [40_000, 40_000], set())
+    assert len(curve) <= TRAIN_POINTS + 1 and max(curve) == 40_000

@@ -10,20 +10,23 @@ from typing import Any
 
 from nanolab.report.groups import SeedGroup
 from nanolab.report.text import money
+from nanolab.runlog import RUN_LOG_NAME, iter_records
 from nanolab.runs import (
+    EvenSample,
     config_of,
-    last_by_step,
-    last_value,
     num,
-    read_run,
+    record_problem,
     si,
 )
 
+#: Logged LRs a forecast checks the config's schedule against: an even sample of the log's.
+LR_SAMPLE = 50
 
-def _schedule_of(config: dict[str, Any], train: list[dict[str, Any]]) -> tuple[Any, int]:
-    """``(planned steps -> LR multiplier, warmup steps)`` from a run's config, checked against the
-    LRs its log recorded (``(None, 0)`` when the config has no schedule or the log disagrees,
-    e.g. a model class with its own schedule)."""
+
+def _schedule_of(config: dict[str, Any], logged: list[tuple[int, float]]) -> tuple[Any, int]:
+    """``(planned steps -> LR multiplier, warmup steps)`` from a run's config, checked against
+    ``logged``, an even sample of the (step, LR) its log recorded (``(None, 0)`` when the config
+    has no schedule or the log disagrees, e.g. a model class with its own schedule)."""
     from nanolab.training.optim import ScheduleConfig, lr_schedule
 
     model = config.get("model") or {}
@@ -38,8 +41,6 @@ def _schedule_of(config: dict[str, Any], train: list[dict[str, Any]]) -> tuple[A
         return None, 0
     max_steps = int(num((config.get("trainer") or {}).get("max_steps")) or -1)
     planned = lr_schedule(cfg, max_steps)
-    logged = [(r["step"], num(r.get("lr"))) for r in train if isinstance(r.get("step"), int)]
-    logged = [(s, lr) for s, lr in logged if lr is not None and s >= 1]
     # Step s trained at the multiplier of s - 1 (counted from 0); logs written before this
     # release showed the next step's rate, planned(s). Either alignment, held by every sample.
     sample = logged[:: max(1, len(logged) // 50)]
@@ -58,21 +59,48 @@ def forecast_inputs(run_dir: Path) -> Any:
     from the config, and GPU-hours and cost per token so far."""
     from nanolab.forecast import CurveInputs
 
-    records = read_run(run_dir)[0]
-    val = last_by_step([r for r in records if r.get("event") == "val"])
-    train = last_by_step([r for r in records if r.get("event") == "train"])
+    # One pass over the log, keeping the validations, the last start and train record, and an
+    # even sample of the logged LRs: a 1M-step log is not held (it took 2 GB).
+    val: dict[float, dict[str, Any]] = {}
+    start, last = None, None
+    latest: dict[str, tuple[float, float | None]] = dict.fromkeys(("gpu_hours", "cost"), (-1, None))
+    lrs = EvenSample(LR_SAMPLE)
+    for r in iter_records(run_dir / RUN_LOG_NAME):
+        event = r.get("event")
+        if event not in ("start", "train", "val") or record_problem(r) is not None:
+            continue
+        if event == "start":
+            start = r
+            continue
+        step = r.get("step")
+        at = math.inf if step is None else float(step)  # last_by_step's order
+        if event == "val":
+            val.pop(at, None)
+            val[at] = {k: r.get(k) for k in ("step", "tokens", "val_loss")}
+            continue
+        if num(r.get("tokens")) and step and at >= (last or {}).get("at", -1):
+            last = {"at": at, "step": step, "tokens": r["tokens"]}
+        for f in latest:
+            if r.get(f) is not None and at >= latest[f][0]:
+                latest[f] = (at, r[f])
+        lr = num(r.get("lr"))
+        if isinstance(step, int) and step >= 1 and lr is not None:
+            lrs.add((step, lr))
     points = [
         (float(s), t, v)
-        for s, t, v in ((r.get("step"), num(r.get("tokens")), num(r.get("val_loss"))) for r in val)
+        for s, t, v in (
+            (r.get("step"), num(r.get("tokens")), num(r.get("val_loss")))
+            for r in (val[k] for k in sorted(val))
+        )
         if isinstance(s, int) and t is not None and v is not None and t > 0
     ]
-    config = config_of(records, run_dir) or {}
+    config = config_of([start] if start else [], run_dir) or {}
     max_steps = num((config.get("trainer") or {}).get("max_steps"))
-    last = next((r for r in reversed(train) if num(r.get("tokens")) and r.get("step")), None)
     per_step = num(last["tokens"]) / int(last["step"]) if last else None
     tokens = num((last or {}).get("tokens"))
-    gpu_h, cost = num(last_value(train, "gpu_hours")), num(last_value(train, "cost"))
-    schedule_for, warmup = _schedule_of(config, train) if points else (None, 0)
+    gpu_h, cost = num(latest["gpu_hours"][1]), num(latest["cost"][1])
+    sample = lrs.items + ([lrs.last] if lrs.last is not None and lrs.last not in lrs.items else [])
+    schedule_for, warmup = _schedule_of(config, sample) if points else (None, 0)
     return CurveInputs(
         points=points,
         max_steps=int(max_steps) if max_steps and max_steps > 0 else None,

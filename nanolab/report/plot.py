@@ -14,13 +14,13 @@ from typing import Any
 from nanolab.downstream.tasks import mean_label
 from nanolab.report.groups import ReportError, by_config, group_labels
 from nanolab.report.text import task_names
-from nanolab.runlog import RUN_LOG_NAME, iter_records, refuse_inside_run
+from nanolab.runlog import refuse_inside_run
 from nanolab.runs import (
     RunSummary,
     hours_label,
+    iter_timeline,
     last_by_step,
     num,
-    record_problem,
     si,
 )
 
@@ -69,23 +69,72 @@ def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, flo
     return out
 
 
-def _plot_records(run_dir: Path, task_keys: list[str]) -> list[dict[str, Any]]:
-    """The train, val and tasks records of a run with only the fields a plot reads, streamed:
-    a long run's log (hundreds of thousands of records) is not held whole."""
-    keep = ("event", "step", "tokens", "gpu_hours", "loss", "val_loss", "evaluated_by", *task_keys)
-    records = []
-    for r in iter_records(run_dir / RUN_LOG_NAME):
-        if r.get("event") in ("train", "val", "tasks") and record_problem(r) is None:
+#: Train points a plotted curve keeps of a long log: its trailing mean, evenly thinned (a
+#: 1M-step log draws as well from 2,000 points, and a dict per record took a GB).
+TRAIN_POINTS = 2000
+
+
+def _plot_records(
+    run_dir: Path, task_keys: list[str]
+) -> tuple[list[int], bool, list[dict[str, Any]]]:
+    """A run's train records counted (how many, the highest step), whether one has a finite
+    loss, and its val and tasks records with only the fields a plot reads; streamed."""
+    keep = ("event", "step", "tokens", "gpu_hours", "val_loss", "evaluated_by", *task_keys)
+    count, finite, records = [0, 0], False, []
+    for r in iter_timeline(run_dir):
+        if r.get("event") == "train":
+            count[0] += 1
+            count[1] = max(count[1], r["step"] if isinstance(r.get("step"), int) else 0)
+            finite = finite or num(r.get("loss")) is not None
+        else:
             records.append({k: r[k] for k in keep if k in r})
-    return records
+    return count, finite, records
 
 
-def _nothing_to_draw(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> str | None:
+def _train_curve(
+    run_dir: Path, key: str, count: list[int], steps: set[Any]
+) -> tuple[dict[int, tuple[float, float]], dict[Any, float | None]]:
+    """The train loss as :func:`_curve` draws it (a trailing mean over 1/40 of the records),
+    streamed, kept at the first step of each of at most ``TRAIN_POINTS`` spans of steps and the
+    last; and the x of ``steps`` (val records may lack GPU-hours). A span is a power of two
+    steps long, so seeds of different lengths keep the same steps and share a band."""
+    smooth = max(1, count[0] // 40)
+    span = 1 << max(0, math.ceil(math.log2(max(1, count[1]) / TRAIN_POINTS)))
+    window: deque[float] = deque()
+    total, last_step, bucket = 0.0, -1, -1
+    out: dict[int, tuple[float, float]] = {}
+    xs: dict[Any, float | None] = {}
+    point = None
+    for r in iter_timeline(run_dir, ("train",)):
+        step = r.get("step")
+        if not isinstance(step, int) or step <= last_step:
+            continue
+        last_step = step
+        x, y = num(r.get(key)), num(r.get("loss"))
+        if step in steps:
+            xs[step] = x
+        if x is None or y is None:
+            continue
+        window.append(y)
+        total += y
+        if len(window) > smooth:
+            total -= window.popleft()
+        point = (step, (x, total / len(window)))
+        if step // span != bucket:
+            bucket = step // span
+            out[step] = point[1]
+    if point is not None:
+        out[point[0]] = point[1]
+    return out, xs
+
+
+def _nothing_to_draw(count: list[int], finite: bool, val: list[dict[str, Any]]) -> str | None:
     """Why a run's curves cannot be drawn: records of a kind, none with a finite loss (a run
     that diverged before its first validation logs a val loss of null)."""
-    for records, key, what in ((train, "loss", "train"), (val, "val_loss", "val")):
-        if records and not any(num(r.get(key)) is not None for r in records):
-            return f"no finite {what} loss"
+    if count[0] and not finite:
+        return "no finite train loss"
+    if val and not any(num(r.get("val_loss")) is not None for r in val):
+        return "no finite val loss"
     return None
 
 
@@ -169,29 +218,28 @@ def plot_runs(
         task_curves: list[list[dict[int, tuple[float, float]]]] = [[] for _ in task_keys]
         n = len(members)
         for s in members:
-            records = _plot_records(dirs[s.run], task_keys)
-            train = last_by_step([r for r in records if r.get("event") == "train"])
+            count, finite, records = _plot_records(dirs[s.run], task_keys)
             val = last_by_step([r for r in records if r.get("event") == "val"])
-            why = _nothing_to_draw(train, val)
+            why = _nothing_to_draw(count, finite, val)
             if why:
                 n -= 1
                 if left_out is not None:
                     left_out.append(f"{s.run} ({why})")
                 continue
-            xs = {r.get("step"): num(r.get(key)) for r in train}  # val records may lack GPU-h
-            t = _curve(train, key, "loss", xs, smooth=max(1, len(train) // 40))
+            # The scores written in training (a later `nanolab eval` record is not a curve point).
+            scored = last_by_step(
+                [r for r in records if r.get("event") == "tasks" and not r.get("evaluated_by")]
+            )
+            steps = {r.get("step") for r in (*val, *scored)}
+            t, xs = _train_curve(dirs[s.run], key, count, steps) if count[0] else ({}, {})
             v = _curve(val, key, "val_loss", xs)
-            if (train and not t) or (val and not v):
+            if (count[0] and not t) or (val and not v):
                 missing.append(s.run)
                 continue
             if t:
                 trains.append(t)
             if v:
                 vals.append(v)
-            # The scores written in training (a later `nanolab eval` record is not a curve point).
-            scored = last_by_step(
-                [r for r in records if r.get("event") == "tasks" and not r.get("evaluated_by")]
-            )
             for curves, task_key in zip(task_curves, task_keys, strict=True):
                 curve = _curve(scored, key, task_key, xs)
                 if curve:
