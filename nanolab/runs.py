@@ -31,6 +31,10 @@ from nanolab.runlog import RUN_LOG_NAME, iter_numbered, iter_records
 #: (unless its own step time says records are naturally further apart).
 STALE_AFTER_S = 600.0
 
+#: First line of the ``config.yaml`` a run writes: it tells the run's own copy (rewritten at
+#: each launch) from a config a user keeps in the folder, which a launch must not overwrite.
+CONFIG_HEADER = "# nanolab fit: this run's merged config, rewritten at each launch\n"
+
 #: Config keys that differ between seeds of one experiment (dropped before grouping).
 SEED_KEYS = (
     ("seed_everything",),
@@ -238,6 +242,24 @@ def recent_rates(records: list[dict[str, Any]]) -> tuple[float | None, float | N
 
 def last_value(records: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
+
+
+def foreign_config(run_dir: Path) -> str | None:
+    """Why a run may not start in ``run_dir``, which holds no run: a ``config.yaml`` that no
+    run wrote (no header), which the run's own would replace. None when there is none."""
+    path = run_dir / "config.yaml"
+    try:
+        with path.open("rb") as f:
+            first = f.readline(len(CONFIG_HEADER) + 1)
+    except OSError:  # none (or unreadable: the writability check speaks for it)
+        return None
+    if first.startswith(b"# nanolab fit:"):
+        return None
+    return (
+        f"{path} was not written by a run (the folder holds no run log), and the run writes "
+        "its config there: move that file out of the run directory (e.g. to configs/) and "
+        "point --config at the new place, or choose another run.name"
+    )
 
 
 def config_of(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any] | None:

@@ -172,7 +172,7 @@ def test_a_config_kept_in_an_empty_run_directory_is_never_replaced(
     ``--config``) is refused, not overwritten nor archived; the run's own copy (its header),
     left by a launch that died before its first record, is taken over."""
     from nanolab.callbacks.loggers import write_config_yaml
-    from nanolab.callbacks.rundir import CONFIG_HEADER
+    from nanolab.runs import CONFIG_HEADER
 
     run = tmp_path / "exp"
     run.mkdir()

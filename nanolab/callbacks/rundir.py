@@ -28,6 +28,7 @@ from typing import Any
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.skips import LEDGER
 from nanolab.runlog import QUEUE_LOG_NAME, RUN_LOG_NAME, dumps, iter_numbered, last_record
+from nanolab.runs import foreign_config
 
 #: What else in a run directory belongs to the run that wrote it, so a fresh run moves it to
 #: ``previous/`` with the log and the checkpoints: the rollback ledger (the data order and
@@ -49,9 +50,6 @@ CHECKPOINT_DIR = "checkpoints"
 CONFIG_NAME = "config.yaml"
 PREVIOUS_DIR = "previous"  # archived runs (run.fresh)
 
-#: First line of the ``config.yaml`` a run writes: it tells the run's own copy (rewritten at
-#: each launch) from a config a user keeps in the folder, which a launch must not overwrite.
-CONFIG_HEADER = "# nanolab fit: this run's merged config, rewritten at each launch\n"
 
 #: Names a run directory keeps besides its run log: ``log.filename`` must not take one.
 RESERVED_NAMES = (CONFIG_NAME, CHECKPOINT_DIR, PREVIOUS_DIR, QUEUE_LOG_NAME, LEDGER)
@@ -139,24 +137,6 @@ def _check_layout(run_dir: Path, log_name: str) -> None:
                 f"run directory {run_dir}: {name} is {kind} where the run keeps {want}; move it "
                 "out of the way, or choose another run.name"
             )
-
-
-def foreign_config(run_dir: Path) -> str | None:
-    """Why a run may not start in ``run_dir``, which holds no run: a ``config.yaml`` that no
-    run wrote (no header), which the run's own would replace. None when there is none."""
-    path = run_dir / CONFIG_NAME
-    try:
-        with path.open("rb") as f:
-            first = f.readline(len(CONFIG_HEADER) + 1)
-    except OSError:  # none (or unreadable: the writability check speaks for it)
-        return None
-    if first.startswith(b"# nanolab fit:"):
-        return None
-    return (
-        f"{path} was not written by a run (the folder holds no run log), and the run writes "
-        "its config there: move that file out of the run directory (e.g. to configs/) and "
-        "point --config at the new place, or choose another run.name"
-    )
 
 
 def claim_run_dir(

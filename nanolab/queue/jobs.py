@@ -428,9 +428,9 @@ def existing_run(
     away, so that needs ``--continue``. A model the run's checkpoint cannot resume into is
     refused here instead of failing at 3 a.m. Otherwise: one line naming the step it resumes at.
     """
-    from nanolab.callbacks.rundir import foreign_config
     from nanolab.model.config import with_defaults
     from nanolab.runlog import RUN_LOG_NAME, read_records
+    from nanolab.runs import foreign_config
     from nanolab.training.resolve import sections
     from nanolab.training.resume import ResumeError, check_same_model, find_resume_checkpoint
 
