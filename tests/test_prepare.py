@@ -756,3 +756,29 @@ def test_a_one_file_corpus_cut_for_validation_counts_its_bytes(tmp_path):
     val = np.fromfile(tmp_path / "ds" / "val.bin", dtype=meta["dtype"])
     text = bytes(int(i) for i in val if i < 256)
     assert len(text) == meta["val_bytes"] and text.decode("utf-8") == "é" * (len(text) // 2)
+
+
+def test_a_json_line_over_the_cap_is_refused_in_one_line_and_shorter_ones_stream(
+    tmp_path, monkeypatch, capsys
+):
+    """A JSON line is one document, held whole: one over the cap is refused by its number
+    (a 100 MB line peaked at 1.6 GB, its chunks re-copied until the newline), and lines under
+    it read the same in chunks of any size."""
+    monkeypatch.setattr(sources, "JSON_LINE_MAX_BYTES", 1000)
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 300)
+    monkeypatch.setattr(sources, "_READ_BYTES", 7)
+    texts = [f"doc {i} " + "y" * (900 if i == 5 else i * 13) for i in range(40)]
+    ok = tmp_path / "ok.jsonl"
+    write_jsonl(ok, [{"text": t} for t in texts])
+    prepare_dataset([str(ok)], tmp_path / "ok", "chars", quiet=True)
+    docs = split_docs(tmp_path / "ok")
+    assert sorted(docs["train"] + docs["val"]) == sorted(texts)
+
+    big = tmp_path / "big.jsonl"
+    write_jsonl(big, [{"text": "a"}, {"text": "b"}, {"text": "z" * 5000}, {"text": "c"}])
+    for flags in ([], ["--skip-bad"]):
+        assert main([str(big), "-o", str(tmp_path / "ds"), "-q", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"{big} line 3 is over 1,000 bytes: JSON lines hold one document" in err[0]
+        assert not (tmp_path / "ds").exists()

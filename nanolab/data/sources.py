@@ -48,6 +48,9 @@ TEXT_UNIT_BYTES = 16 << 10
 TEXT_UNIT_MAX_BYTES = 1 << 20
 #: Target raw size of one block of work.
 BLOCK_BYTES = 1 << 20
+#: The longest line of a JSON lines file: a line is one document, held whole while it is read and
+#: parsed, so a longer one is refused (naming the line) rather than filling the memory.
+JSON_LINE_MAX_BYTES = 64 << 20
 #: Rows per parquet record batch (one block).
 PARQUET_ROWS = 256
 _READ_BYTES = 4 << 20
@@ -465,8 +468,14 @@ class FileReader:
 
     # -- json lines: one document per line --------------------------------------------------
     def _jsonl_blocks(self) -> Iterator[Block]:
-        pending = b""
-        line = 0
+        # The chunks of the pending lines are kept in a list and joined once per block: adding
+        # each chunk to one bytes object copied everything held at every chunk, which made a
+        # long line's cost grow with its square.
+        parts: list[bytes] = []
+        held = 0  # bytes in parts
+        tail = 0  # bytes in parts after their last newline: the line being read
+        newlines = 0  # newlines in parts
+        line = 0  # line index of the first line in parts
         first = True
         for chunk in self._chunks():
             if first:
@@ -477,17 +486,27 @@ class FileReader:
                         f"{self.file.path}: this is one JSON array, not JSON lines; convert it "
                         f"with `jq -c '.[]' {self.file.path} > out.jsonl`"
                     )
-            pending += chunk
-            if len(pending) < BLOCK_BYTES:
+            parts.append(chunk)
+            held += len(chunk)
+            count = chunk.count(b"\n")
+            newlines += count
+            tail = len(chunk) - chunk.rfind(b"\n") - 1 if count else tail + len(chunk)
+            if tail > JSON_LINE_MAX_BYTES:
+                raise SourceError(
+                    f"{self.file.path} line {line + newlines + 1} is over "
+                    f"{_size(JSON_LINE_MAX_BYTES)}: JSON lines hold one document per line, each "
+                    "read whole; split it into several lines (documents), or put its text in a "
+                    ".txt file"
+                )
+            if held < BLOCK_BYTES or tail == held:
                 continue
-            end = pending.rfind(b"\n")
-            if end < 0:
-                continue
-            block, pending = pending[: end + 1], pending[end + 1 :]
-            yield Block("jsonl", self.index, self.file.path, line, block)
-            line += block.count(b"\n")
-        if pending:
-            yield Block("jsonl", self.index, self.file.path, line, pending)
+            data = b"".join(parts)
+            cut = held - tail
+            yield Block("jsonl", self.index, self.file.path, line, data[:cut])
+            line += newlines
+            parts, held, newlines = ([data[cut:]] if tail else []), tail, 0
+        if held:
+            yield Block("jsonl", self.index, self.file.path, line, b"".join(parts))
 
     # -- parquet: one document per row ------------------------------------------------------
     def _parquet_blocks(self) -> Iterator[Block]:
@@ -515,6 +534,11 @@ class FileReader:
                 f"{self.file.path}: not a readable parquet file near row {row} "
                 f"({str(err).splitlines()[0]}); download or copy the file again"
             ) from None
+
+
+def _size(n: int) -> str:
+    """``64 MB`` (whole megabytes), else ``1,000 bytes``."""
+    return f"{n >> 20} MB" if n % (1 << 20) == 0 else f"{n:,} bytes"
 
 
 def _next_cut(buf: bytes, pos: int, eof: bool) -> int | None:
