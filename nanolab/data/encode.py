@@ -71,11 +71,19 @@ def init_worker(
     """Build this process's tokenizer once (a pool initializer, also called in-process).
 
     ``parent``: the pid of the ``prepare`` that started this worker process; the worker then
-    dies with it (:func:`die_with_parent`).
+    dies with it (:func:`die_with_parent`) and ignores SIGINT.
     """
     global _tokenizer, _settings
     if parent is not None:
         die_with_parent(parent)
+        # Ctrl-C reaches the whole process group: the parent decides what it means and ends
+        # the workers; a worker stopped by it would only print a traceback. The parent holds
+        # SIGINT back while it starts a worker, so one sent before this line is dropped here.
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _tokenizer = tokenizer_from_spec(spec) if spec is not None else None
     _settings = settings
 

@@ -31,8 +31,10 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -418,6 +420,39 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         handle.close()
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """SIGINT held back in this thread, and raised as KeyboardInterrupt on leaving. A worker
+    process started meanwhile starts with it held too (the signal mask survives its exec), so
+    a Ctrl-C to the process group while it imports is never a traceback: it ignores SIGINT
+    once it runs (:func:`encode.init_worker`), and the parent decides."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """End a pool now, its blocks unfinished: queued ones are cancelled by the pool itself and
+    the workers are terminated (a block of BPE takes seconds). The order matters: the pool is
+    told to shut down before its workers die, so it cancels what was queued before it sees
+    them gone; a future cancelled from outside made the pool's own clean-up fail on it
+    (InvalidStateError), leaving its feeder thread blocked on a pipe no process read, and the
+    interpreter waiting on that thread at exit for ever."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.terminate()
+    if manager is not None:
+        manager.join(timeout=30)  # it reaps the workers and the queue's feeder thread
+
+
 class _Progress:
     """One status line on stderr: MB/s of input, tokens/s and an ETA from the input's size."""
 
@@ -501,26 +536,28 @@ class _Job:
         # spawn, not fork: prepare also runs inside `fit`, where torch's threads make fork unsafe.
         ctx = multiprocessing.get_context("spawn")
         # N processes, not N x cores threads
-        with (
-            mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"}),
-            ProcessPoolExecutor(
+        with mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"}):
+            pool = ProcessPoolExecutor(
                 self.n_workers,
                 mp_context=ctx,
                 initializer=encode.init_worker,
                 initargs=(spec, settings, os.getpid()),
-            ) as pool,
-        ):
+            )
             pending: deque[Future[T]] = deque()
             try:
                 for block in blocks:
-                    pending.append(pool.submit(func, block, *extra))
+                    with _sigint_held():  # a worker starts inside submit: see _stop
+                        pending.append(pool.submit(func, block, *extra))
                     if len(pending) >= 2 * self.n_workers:
                         yield pending.popleft().result()
                 while pending:
                     yield pending.popleft().result()
-            finally:
-                for fut in pending:
-                    fut.cancel()
+            except BaseException:  # Ctrl-C, a bad document, or the caller stopping early
+                pending.clear()
+                with _sigint_held():  # a second Ctrl-C must not leave the pool half stopped
+                    _stop(pool)
+                raise
+            pool.shutdown(wait=True)
 
     def _note_errors(self, errors: list[str]) -> None:
         if not errors:
@@ -818,6 +855,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             say_reused=True,
         )
     except KeyboardInterrupt:
+        # The command ends here: a Ctrl-C pressed again while it exits is not a traceback.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("nanolab prepare: interrupted; nothing was written", file=sys.stderr)
         return 130
     if args.json:  # the one-line summary is on stderr either way

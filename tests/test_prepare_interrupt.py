@@ -1,0 +1,107 @@
+"""Ctrl-C during a ``nanolab prepare`` of worker processes: one line, exit 130, promptly, and
+the dataset it was replacing left as it was.
+
+A terminal's Ctrl-C sends SIGINT to the whole process group, the workers included: they ignore
+it and the parent ends them. It used to kill them mid-block (a traceback each), and the pool's
+clean-up then failed on a future the parent had cancelled, so the interpreter waited at exit,
+for ever, on a thread feeding blocks to workers that were gone.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanolab.data.prepare import PARALLEL_MIN_BYTES, default_workers, prepare_dataset
+
+pytestmark = pytest.mark.skipif(
+    default_workers() < 2, reason="needs 2 usable cores: the worker pool is what is tested"
+)
+
+ANSWER = "nanolab prepare: interrupted; nothing was written"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~10 MB of text of varied words: over the pool's threshold, and a few seconds of BPE."""
+    path = tmp_path_factory.mktemp("corpus") / "big.txt"
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(3000)]
+    lines = [" ".join(rng.choices(words, k=12)) + ".\n" for _ in range(2000)]
+    with open(path, "w") as f:
+        size = 0
+        while size < PARALLEL_MIN_BYTES + (2 << 20):
+            chunk = "".join(rng.sample(lines, len(lines)))
+            f.write(chunk)
+            size += len(chunk)
+    return path
+
+
+def interrupt(corpus: Path, out: Path, delays: list[float]) -> tuple[int, str, float]:
+    """Run prepare over the dataset in ``out`` (``--force``), SIGINT its process group after
+    each delay; (exit code, stderr, seconds from the last signal to the exit)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanolab",
+        "prepare",
+        str(corpus),
+        "-o",
+        str(out),
+        "--force",
+        "--tokenizer",
+        "bpe",
+        "--bpe-vocab-size",
+        "300",
+        "--bpe-sample-bytes",
+        "1M",
+        "-q",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    sent = time.monotonic()
+    try:
+        for delay in delays:
+            time.sleep(delay)
+            sent = time.monotonic()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"prepare did not exit within 30 s of SIGINT: {err[-3000:]}")
+    return proc.returncode, err, time.monotonic() - sent
+
+
+@pytest.mark.parametrize(
+    "delays",
+    [
+        pytest.param([1.5], id="tokenizing"),
+        pytest.param([0.3], id="starting", marks=pytest.mark.slow),
+        pytest.param([0.7], id="sampling", marks=pytest.mark.slow),
+        pytest.param([1.1], id="training", marks=pytest.mark.slow),
+        pytest.param([2.2], id="later", marks=pytest.mark.slow),
+        pytest.param([0.9, 0.05], id="twice", marks=pytest.mark.slow),
+        pytest.param([1.6, 0.02, 0.02], id="three-times", marks=pytest.mark.slow),
+    ],
+)
+def test_ctrl_c_to_the_process_group_exits_130_at_once_in_one_line(tmp_path, corpus, delays):
+    out = tmp_path / "ds"
+    (tmp_path / "old.txt").write_text("an old dataset, to be kept\n" * 50)
+    prepare_dataset([str(tmp_path / "old.txt")], out, "bytes", quiet=True)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, err, after = interrupt(corpus, out, delays)
+    assert code == 130, (code, err[-3000:])
+    assert err.strip().splitlines() == [ANSWER], err[-3000:]
+    assert after < 5, f"exit {after:.1f} s after SIGINT"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]
