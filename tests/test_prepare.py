@@ -782,3 +782,34 @@ def test_a_json_line_over_the_cap_is_refused_in_one_line_and_shorter_ones_stream
         assert len(err) == 1, err
         assert f"{big} line 3 is over 1,000 bytes: JSON lines hold one document" in err[0]
         assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_skips_a_text_file_that_is_not_utf8_whole(tmp_path, monkeypatch, workers):
+    """A text file is one document: a byte that is not UTF-8 anywhere in it skips all of it,
+    counted once, and every document kept ends with its end-of-text. Only the bad ~16 KB
+    unit used to go; in a file's last unit that took the end-of-text with it, and the
+    document ran into the next file's."""
+    monkeypatch.setattr(sources, "TEXT_UNIT_BYTES", 64)
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 256)  # many blocks of a few units each
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_bytes(b"A is for apple.\n" * 100 + b"\xff\n")  # bad in its last unit
+    (d / "b.txt").write_text("Bb bb bb.\n" * 90)
+    (d / "c.txt").write_text("Cc cc cc.\n" * 70)
+    (d / "m.txt").write_bytes(b"M is for mango.\n" * 60 + b"\xfe" + b"M is for mango.\n" * 60)
+    meta = prepare_dataset(
+        [str(d)], tmp_path / "ds", "bytes", skip_bad=True, quiet=True, workers=workers
+    )
+    assert meta["skipped"]["count"] == 2
+    assert "a.txt: not UTF-8" in meta["skipped"]["examples"][0]
+    assert "m.txt: not UTF-8" in meta["skipped"]["examples"][1]
+    assert sum(meta["documents"].values()) == 2
+    # Units of a text go to either split: the splits together hold b and c, their two ends.
+    out = tmp_path / "ds"
+    ids = np.concatenate([np.fromfile(out / f"{s}.bin", np.uint16) for s in ("train", "val")])
+    assert int((ids == meta["eot_id"]).sum()) == 2
+    text = bytes(ids[ids != meta["eot_id"]].astype(np.uint8)).decode()
+    assert "A" not in text and "M" not in text
+    assert sorted(text) == sorted("Bb bb bb.\n" * 90 + "Cc cc cc.\n" * 70)
+    assert meta["train_bytes"] + meta["val_bytes"] == 90 * 10 + 70 * 10

@@ -143,14 +143,14 @@ def documents(block: Block, text_field: str) -> Documents:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 at = block.byte_offset + start + err.start
-                out.errors.append(
-                    f"{block.file_path}: not UTF-8 text (bad byte at offset {at}); convert it "
-                    "with `iconv -f <encoding> -t utf-8` or pass --skip-bad"
+                # The file is one document: none of it is kept (--skip-bad skips it whole).
+                return Documents(
+                    errors=[
+                        f"{block.file_path}: not UTF-8 text (bad byte at offset {at}); convert "
+                        "it with `iconv -f <encoding> -t utf-8` or pass --skip-bad"
+                    ]
                 )
-                text = None
             start += size
-            if text is None:
-                continue
             if not text and block.ends_document and block.first_unit == 0:
                 out.errors.append(
                     f"{block.file_path}: empty document (the file is empty); remove it or pass "

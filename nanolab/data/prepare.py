@@ -23,6 +23,7 @@ How it stays bounded and exact:
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import glob
 import hashlib
@@ -502,15 +503,21 @@ class _Job:
         self.n_workers = self.workers or (1 if small else default_workers())
         self.bad_count = 0
         self.bad_examples: list[str] = []
+        #: Text files found bad (a byte that is not UTF-8): each is one document, skipped whole
+        #: under --skip-bad, so the rest of it is not read.
+        self.dropped: set[int] = set()
 
     # -- blocks in, results out -----------------------------------------------------------
     def _blocks(self, progress: _Progress, tokens: Callable[[], int]) -> Iterator[Block]:
         done = 0
         for index, f in enumerate(self.files):
             reader = FileReader(f, index, self.settings["text_field"])
-            for block in reader.blocks():
-                progress.update(done + reader.consumed, tokens())
-                yield block
+            with contextlib.closing(reader.blocks()) as each:
+                for block in each:
+                    if index in self.dropped:
+                        break
+                    progress.update(done + reader.consumed, tokens())
+                    yield block
             done += f.size
         progress.update(done, tokens(), force=True)
 
@@ -520,8 +527,9 @@ class _Job:
         blocks: Iterable[Block],
         spec: dict[str, Any] | None,
         *extra: Any,
-    ) -> Iterator[T]:
-        """``func(block, *extra)`` over the blocks, in order, with at most 2 x workers in flight."""
+    ) -> Iterator[tuple[tuple[int, str], T]]:
+        """``func(block, *extra)`` over the blocks, in order, with at most 2 x workers in flight,
+        each with its block's file index and kind."""
         settings = EncodeSettings(
             text_field=self.settings["text_field"],
             val_fraction=self.settings["val_fraction"],
@@ -531,7 +539,7 @@ class _Job:
         if self.n_workers == 1:
             encode.init_worker(spec, settings)
             for block in blocks:
-                yield func(block, *extra)
+                yield (block.file_index, block.kind), func(block, *extra)
             return
         # spawn, not fork: prepare also runs inside `fit`, where torch's threads make fork unsafe.
         ctx = multiprocessing.get_context("spawn")
@@ -543,21 +551,37 @@ class _Job:
                 initializer=encode.init_worker,
                 initargs=(spec, settings, os.getpid()),
             )
-            pending: deque[Future[T]] = deque()
+            pending: deque[tuple[tuple[int, str], Future[T]]] = deque()
             try:
                 for block in blocks:
                     with _sigint_held():  # a worker starts inside submit: see _stop
-                        pending.append(pool.submit(func, block, *extra))
+                        future = pool.submit(func, block, *extra)
+                    pending.append(((block.file_index, block.kind), future))
                     if len(pending) >= 2 * self.n_workers:
-                        yield pending.popleft().result()
+                        where, future = pending.popleft()
+                        yield where, future.result()
                 while pending:
-                    yield pending.popleft().result()
+                    where, future = pending.popleft()
+                    yield where, future.result()
             except BaseException:  # Ctrl-C, a bad document, or the caller stopping early
                 pending.clear()
                 with _sigint_held():  # a second Ctrl-C must not leave the pool half stopped
                     _stop(pool)
                 raise
             pool.shutdown(wait=True)
+
+    def _bad_text(self, where: tuple[int, str], errors: list[str]) -> bool:
+        """Whether a block is of a text file found bad, now or before: the file is one
+        document, dropped whole (a block's worth of it, and the rest of it, would leave a
+        document without its end, run into the next file's)."""
+        index, kind = where
+        if index in self.dropped:
+            return True
+        if kind != "text" or not errors:
+            return False
+        self._note_errors(errors[:1])
+        self.dropped.add(index)
+        return True
 
     def _note_errors(self, errors: list[str]) -> None:
         if not errors:
@@ -581,12 +605,17 @@ class _Job:
         """What ``func`` makes of each block, in a streaming pass before the encoding one."""
         progress = _Progress(phase, self.total_bytes, self.quiet)
         try:
-            for result, errors in self._map(func, self._blocks(progress, lambda: 0), None, *extra):
-                self._note_errors(errors)
-                yield result
+            results = self._map(func, self._blocks(progress, lambda: 0), None, *extra)
+            with contextlib.closing(results):
+                for where, (result, errors) in results:
+                    if self._bad_text(where, errors):
+                        continue
+                    self._note_errors(errors)
+                    yield result
         finally:  # also when the caller stops early (the bpe sample is full)
             progress.close()
             self.bad_count, self.bad_examples = 0, []  # counted again by the encoding pass
+            self.dropped = set()
 
     def _alphabet_texts(self) -> Iterator[str]:
         """The corpus's characters, block by block."""
@@ -680,13 +709,32 @@ class _Job:
             handles = {"train": ftrain, "val": fval}
             blocks = self._blocks(progress, written)
             result: BlockResult
-            for result in self._map(encode.encode_block, blocks, spec):
-                self._note_errors(result.errors)
-                characters += result.characters
-                for split, part in (("train", result.train), ("val", result.val)):
-                    _append(handles[split], part, totals[split])
-                    if part.last is not None:
-                        last[split] = part.last
+            # A text file is one document over many blocks: where it started, to take back
+            # what was written of it when a later block finds it bad (--skip-bad).
+            document, start = -1, None
+            with contextlib.closing(self._map(encode.encode_block, blocks, spec)) as results:
+                for where, result in results:
+                    if where[1] == "text" and where[0] != document:
+                        at = {split: handle.tell() for split, handle in handles.items()}
+                        document, start = (
+                            where[0],
+                            (at, copy.deepcopy(totals), dict(last), characters),
+                        )
+                    if self._bad_text(where, result.errors):
+                        if where[0] == document and start is not None:
+                            at, was, kept, characters = start
+                            for split, handle in handles.items():
+                                handle.truncate(at[split])
+                                handle.seek(at[split])
+                            totals.update(copy.deepcopy(was))
+                            last.update(kept)
+                        continue
+                    self._note_errors(result.errors)
+                    characters += result.characters
+                    for split, part in (("train", result.train), ("val", result.val)):
+                        _append(handles[split], part, totals[split])
+                        if part.last is not None:
+                            last[split] = part.last
             progress.close()
             _rebalance(handles, totals, last, tok, self.settings["val_fraction"])
             for handle in handles.values():
