@@ -813,3 +813,21 @@ def test_skip_bad_skips_a_text_file_that_is_not_utf8_whole(tmp_path, monkeypatch
     assert "A" not in text and "M" not in text
     assert sorted(text) == sorted("Bb bb bb.\n" * 90 + "Cc cc cc.\n" * 70)
     assert meta["train_bytes"] + meta["val_bytes"] == 90 * 10 + 70 * 10
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "chars", "bpe"])
+def test_skip_bad_refuses_when_every_document_is_bad(tmp_path, capsys, tokenizer):
+    """An empty dataset was written with exit 0, and only `fit` refused it."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_text("")
+    (d / "b.txt").write_text("")
+    (d / "c.jsonl").write_text('{"body": "x"}\n{oops\n')
+    out = tmp_path / "ds"
+    assert main([str(d), "-o", str(out), "--tokenizer", tokenizer, "--skip-bad", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "every document was skipped as bad (4); nothing to prepare" in err[0]
+    assert f"the first: {d / 'a.txt'}: empty document" in err[0]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]

@@ -288,8 +288,9 @@ def encode_block(block: Block) -> BlockResult:
     return BlockResult(parts[False], parts[True], chars, errors)
 
 
-def block_alphabet(block: Block) -> tuple[str, list[str]]:
-    """The characters of a block (the ``chars`` tokenizer's first pass), as one string.
+def block_alphabet(block: Block) -> tuple[str, list[str], int]:
+    """The characters of a block (the ``chars`` tokenizer's first pass), as one string, with
+    the block's errors and how many of its texts are kept.
 
     Code points are marked in a NumPy table rather than added to a Python set: ~20x faster.
     """
@@ -297,20 +298,22 @@ def block_alphabet(block: Block) -> tuple[str, list[str]]:
     docs = documents(block, _settings.text_field)
     codes = np.frombuffer("".join(docs.texts).encode("utf-32-le"), dtype=np.uint32)
     if not codes.size:
-        return "", docs.errors
+        return "", docs.errors, 0
     seen = np.zeros(int(codes.max()) + 1, dtype=bool)
     seen[codes] = True
-    return "".join(map(chr, np.flatnonzero(seen).tolist())), docs.errors
+    return "".join(map(chr, np.flatnonzero(seen).tolist())), docs.errors, len(docs.texts)
 
 
-def block_sample(block: Block, keep: float) -> tuple[list[str], list[str]]:
-    """The texts of a block that the BPE training sample draws (a fixed hash, not a live RNG)."""
+def block_sample(block: Block, keep: float) -> tuple[list[str], list[str], int]:
+    """The texts of a block that the BPE training sample draws (a fixed hash, not a live RNG),
+    with the block's errors and how many of its texts are kept."""
     assert _settings is not None, "init_worker was not called"
     docs = documents(block, _settings.text_field)
+    kept = len(docs.texts)
     if keep >= 1.0:
-        return docs.texts, docs.errors
+        return docs.texts, docs.errors, kept
     draws = split_draw(_settings.seed + 1, block.file_index, np.asarray(docs.units, np.int64))
-    return [t for t, d in zip(docs.texts, draws, strict=True) if d < keep], docs.errors
+    return [t for t, d in zip(docs.texts, draws, strict=True) if d < keep], docs.errors, kept
 
 
 def _empty(dtype: np.dtype) -> SplitPart:

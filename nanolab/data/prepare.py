@@ -583,6 +583,15 @@ class _Job:
         self.dropped.add(index)
         return True
 
+    def _refuse_all_bad(self) -> None:
+        """--skip-bad skipped every document: an empty dataset is not one to train on."""
+        if self.bad_count:
+            first = self.bad_examples[0].replace(" or pass --skip-bad", "")
+            raise PrepareError(
+                f"every document was skipped as bad ({self.bad_count:,}); nothing to prepare "
+                f"(the first: {first})"
+            )
+
     def _note_errors(self, errors: list[str]) -> None:
         if not errors:
             return
@@ -606,12 +615,16 @@ class _Job:
         progress = _Progress(phase, self.total_bytes, self.quiet)
         try:
             results = self._map(func, self._blocks(progress, lambda: 0), None, *extra)
+            kept = 0
             with contextlib.closing(results):
-                for where, (result, errors) in results:
+                for where, (result, errors, documents) in results:
                     if self._bad_text(where, errors):
                         continue
                     self._note_errors(errors)
+                    kept += documents
                     yield result
+            if not kept:
+                self._refuse_all_bad()
         finally:  # also when the caller stops early (the bpe sample is full)
             progress.close()
             self.bad_count, self.bad_examples = 0, []  # counted again by the encoding pass
@@ -736,6 +749,8 @@ class _Job:
                         if part.last is not None:
                             last[split] = part.last
             progress.close()
+            if not totals["train"]["units"] + totals["val"]["units"]:
+                self._refuse_all_bad()
             _rebalance(handles, totals, last, tok, self.settings["val_fraction"])
             for handle in handles.values():
                 handle.flush()
