@@ -391,7 +391,7 @@ class TokenDataModule(L.LightningDataModule):
         if len(packed) < 1:
             raise DataTooSmallError(
                 f"{part.path}: the {split} split has no document-aligned row of "
-                f"{self.block_size + 1} tokens; add text, lower model.block_size or set "
+                f"{self.block_size + 1} tokens; add text, lower model.gpt.block_size or set "
                 "data.align: stream"
             )
         if packed.fresh:

@@ -58,7 +58,7 @@ class WindowPlan(_Epochs):
         if self.num_tokens < self.block_size + 1:
             raise DataTooSmallError(
                 f"the training split has {self.num_tokens} tokens, fewer than one block "
-                f"(block_size {self.block_size} + 1); add text or lower model.block_size"
+                f"(block_size {self.block_size} + 1); add text or lower model.gpt.block_size"
             )
         if self.batches_per_epoch < 1:
             raise DataTooSmallError(

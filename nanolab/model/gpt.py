@@ -694,7 +694,7 @@ class GPT(nn.Module):
             past = int(cache.valid.sum(dim=1).min())
         if self.config.block_size < past + T:
             raise ValueError(
-                f"sequence length {past + T} exceeds model.block_size {self.config.block_size}"
+                f"sequence length {past + T} exceeds model.gpt.block_size {self.config.block_size}"
             )
         positions, mask = (None, None) if cache is None else cache.step(B, T, idx.device)
         if positions is not None:

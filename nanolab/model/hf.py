@@ -92,7 +92,8 @@ def read_hf_config(folder: Path, field: str = "model.init_from") -> dict[str, An
     if not path.is_file() and (folder / "nanolab.json").is_file():
         raise HFFormatError(
             f"{field} {folder}: is a `nanolab export --format safetensors` folder; init_from "
-            "reads Hugging Face GPT-2 folders: export the checkpoint with --format hf"
+            "reads Hugging Face GPT-2 and Llama folders: export the checkpoint with --format hf "
+            "(a model neither expresses continues only from its own checkpoint: --run.resume)"
         )
     if not path.is_file():
         raise HFFormatError(

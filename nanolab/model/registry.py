@@ -97,7 +97,8 @@ class Registry:
         return (
             f"model.gpt.{self.field} must be one of the registered {self.kind} variants "
             f"({known}), got {name!r}; a variant of your own registers itself when its module "
-            f"is imported: name that module in your package's '{PLUGIN_GROUP}' entry point, or "
+            f"is imported: name that module in your package's '{PLUGIN_GROUP}' entry point "
+            f"(pip install -e . again after editing entry points), or "
             f"pass --import MODULE to generate/eval/export (docs/forking.md, 'Adding a model "
             f"variant')"
         )

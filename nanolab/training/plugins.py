@@ -91,8 +91,9 @@ def load_class(class_path: str, where: str) -> type:
     except Exception as err:  # ImportError, and whatever the module raises while importing
         kind = type(err).__name__
         hint = (
-            "; install the package that provides it (pip install -e . in your project) or fix "
-            "the name"
+            "; install the package that provides it (pip install -e . in your project: a package "
+            "outside its src/ is not installed, move it there or put its folder on PYTHONPATH) "
+            "or fix the name"
             if isinstance(err, ModuleNotFoundError)
             else ""
         )

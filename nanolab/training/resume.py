@@ -422,8 +422,9 @@ def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
         raise ResumeError(
             f"{folder} is a DeepSpeed checkpoint saved on {saved} data-parallel ranks and this "
             f"launch has {world_size}; DeepSpeed loads its optimizer shards only on {saved}: "
-            f"resume with {saved} devices (--trainer.devices), or convert it with DeepSpeed's "
-            "ds_to_universal.py and start a new run from the weights"
+            f"resume with {saved} devices (--trainer.devices), or start a new run from its "
+            "weights: convert it to one file (docs/scaling.md), `nanolab export --format hf` "
+            "it and give that folder as --model.init_from"
         )
 
 
