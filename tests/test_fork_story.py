@@ -234,12 +234,22 @@ def test_the_fork_story(tmp_path: Path) -> None:
     assert _apply_files(project, blocks) == [f"src/{PACKAGE}/data.py", "configs/records.yaml"]
     (fit_records,) = _commands(blocks)
     story.run(fit_records + QUICK)
-    rendered = (project / "data" / "tokens-records.text" / "records.jsonl").read_text()
+    (text,) = (project / "data" / "tokens-records.text").glob("records-*.jsonl")
+    rendered = text.read_text()
     docs = [json.loads(line)["text"] for line in rendered.splitlines()]
     assert docs[0].startswith("Q: ") and "\nA: " in docs[0]
     meta = json.loads((project / "data" / "tokens-records" / "meta.json").read_text())
     assert sum(meta["documents"].values()) == len(docs)  # one document per record
     assert (project / "data" / "tokens-records" / "meta.json").is_file()
+    # Another template on the same tokens is refused, and rewrites nothing the run's resume
+    # checks: the run extends afterwards (it was refused as "changed" once).
+    other = _with(fit_records + QUICK, {"--run.name": "records2"})
+    other += ["--data.init_args.template", "Question: {question}"]
+    refused = subprocess.run(story.argv(other), cwd=project, env=story.env, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    assert refused.returncode == 2 and "already holds a dataset" in refused.stderr, refused.stderr
+    assert text.read_text() == rendered
+    story.run(_with(fit_records + QUICK, {"--trainer.max_steps": "10"}))
 
     # -- A dataset of windows: the window protocol, trained, stopped and resumed ---------------
     blocks = sections["A dataset of windows"]

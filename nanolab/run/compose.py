@@ -302,7 +302,8 @@ def data_vocab(data: Any) -> int | None:
             ) from None
         raise RunConfigError(
             f"{where} already holds a dataset prepared from other sources or settings than "
-            "data.source/data.tokenizer, and fit never overwrites one: train on it as it is "
+            "data.source/data.tokenizer (or its source files changed since: sizes or times), "
+            "and fit never overwrites one: train on it as it is "
             "with --data.source null, choose another --data.dataset_dir, or replace it with "
             f"`{prepare_command(data)}`"
         ) from None
