@@ -244,7 +244,7 @@ def test_the_fork_story(tmp_path: Path) -> None:
     # Another template on the same tokens is refused, and rewrites nothing the run's resume
     # checks: the run extends afterwards (it was refused as "changed" once).
     other = _with(fit_records + QUICK, {"--run.name": "records2"})
-    other += ["--data.init_args.template", "Question: {question}"]
+    other += ["--data.init_args.template", "Question - {question}"]
     refused = subprocess.run(story.argv(other), cwd=project, env=story.env, capture_output=True,
                              text=True, timeout=600)  # fmt: skip
     assert refused.returncode == 2 and "already holds a dataset" in refused.stderr, refused.stderr
