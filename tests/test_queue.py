@@ -447,3 +447,30 @@ def test_a_config_that_changed_since_add_is_named_with_what_became_of_it(tmp_pat
     assert changed_config(kept, args, sha) == (
         f"{edited} (edited), {gone} (gone), {folder} (now a folder)"
     )
+
+
+def test_a_job_whose_runner_died_says_so_in_ls_and_retry(tmp_path: Path, capsys) -> None:
+    """The runner was killed (or ran out of memory) while its job ran: the morning's ``queue ls``
+    says the runner is gone and that ``queue run`` resumes the job, and ``queue retry`` says the
+    same instead of "running already". A live runner's job is plainly running."""
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    (job,) = db.add_jobs([new_job("night")])
+    runner = db.register_runner()
+    assert db.claim(job.id, runner, None, time.time())
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0 and "runner is gone" not in out
+    with db.transaction() as c:  # no heartbeat for a minute: the runner is gone
+        c.execute("UPDATE runners SET heartbeat = ? WHERE id = ?", (time.time() - 60, runner))
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0 and "running: its runner is gone; `queue run` resumes it" in out, out
+    code, out, _ = queue(capsys, path, "ls", "--json")
+    assert json.loads(out)["jobs"][0]["runner_gone"] is True
+    from nanolab.queue.status import main as status
+
+    assert status([str(tmp_path / "runs"), "--db", str(path), "--json"]) == 0
+    queued = json.loads(capsys.readouterr().out)["queued"]
+    assert [j["status"] for j in queued] == ["runner gone: queue run resumes it"]
+    code, _, err = queue(capsys, path, "retry", "night")
+    assert code == 2 and "`nanolab queue run` recovers it and resumes it" in err, err
+    assert QueueDB(path).jobs()[0].status == "running"  # nothing changed

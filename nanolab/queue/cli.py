@@ -33,12 +33,14 @@ from nanolab.errors import NanolabError, report
 from nanolab.helpfmt import OneLineParser
 from nanolab.queue.db import (
     FINISHED,
+    RUNNER_STALE_S,
     STATUSES,
     DamagedJobError,
     Job,
     QueueDB,
     QueueError,
     default_db_path,
+    orphaned,
     unusable_db,
 )
 from nanolab.queue.packing import gib
@@ -192,6 +194,7 @@ def _job_dict(job: Job, db: QueueDB, jobs: list[Job]) -> dict:
     d = dict(vars(job))
     d["remaining_s"], d["estimate_basis"] = remaining, source
     d["shares_with"] = [j.id for j in sharing(job, jobs)]
+    d["runner_gone"] = orphaned(db, job)
     return d
 
 
@@ -244,6 +247,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     for j in jobs:
         status = j.status + (f": {j.detail}" if j.detail else "")
+        if orphaned(db, j):
+            status = "running: its runner is gone; `queue run` resumes it"
         ran = run_time(j, now)
         left = (
             remaining_seconds(db, j)[0] if j.status in ("pending", "preempted", "running") else None
@@ -337,6 +342,11 @@ def cmd_retry(args: argparse.Namespace) -> int:
     db = existing_db(args.db)
     jobs = db.resolve(args.jobs)
     for job in jobs:
+        if orphaned(db, job):
+            raise QueueError(
+                f"job {job.id} {job.name} was running under a runner that is gone (killed or "
+                "lost); `nanolab queue run` recovers it and resumes it from its checkpoint"
+            )
         if job.status in ("pending", "running"):
             raise QueueError(f"job {job.id} {job.name} is {job.status} already")
         if job.status == "done":
@@ -391,7 +401,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.pack and args.slots != 1:
         raise QueueError("--slots is for one job per slot; --pack decides how many jobs share")
     db = QueueDB(args.db)
-    live = db.live_runners(stale_s=30.0)
+    live = db.live_runners(stale_s=RUNNER_STALE_S)
     if live:
         pids = ", ".join(f"pid {r['pid']} on {r['host']}" for r in live)
         print(f"nanolab queue run: note: another runner is active ({pids}); jobs are claimed "

@@ -552,6 +552,16 @@ def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
         raise QueueError(unusable_db(path, f"is damaged (sqlite quick_check: {problems[0]})"))
 
 
+#: Seconds without a heartbeat (5 s apart) after which a runner counts as gone.
+RUNNER_STALE_S = 30.0
+
+
+def orphaned(db: QueueDB, job: Job) -> bool:
+    """A ``running`` job whose runner is gone (killed, out of memory, its machine lost): the
+    next ``queue run`` recovers it and resumes it from its checkpoint."""
+    return job.status == "running" and not runner_alive(db.runner(job.runner_id), RUNNER_STALE_S)
+
+
 def runner_alive(runner: dict[str, Any] | None, stale_s: float) -> bool:
     """A runner is alive if it has not stopped, its heartbeat is recent and, when it runs on this
     machine, its process exists. A runner on another machine is judged by its heartbeat only."""

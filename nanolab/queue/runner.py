@@ -52,7 +52,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from nanolab.errors import EXIT_DISK_FULL
-from nanolab.queue.db import CLAIMABLE, Job, QueueDB, QueueError, pid_alive, runner_alive
+from nanolab.queue.db import (
+    CLAIMABLE,
+    RUNNER_STALE_S,
+    Job,
+    QueueDB,
+    QueueError,
+    pid_alive,
+    runner_alive,
+)
 from nanolab.queue.jobs import changed_config
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
@@ -114,7 +122,7 @@ class Runner:
     wait: bool = False
     poll_s: float = 1.0
     heartbeat_s: float = 5.0
-    stale_s: float = 30.0
+    stale_s: float = RUNNER_STALE_S
     grace_s: float = 120.0
     pack: bool = False
     device_mem: int | None = None

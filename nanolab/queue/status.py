@@ -130,7 +130,7 @@ def queue_lines(
 ) -> list[JobLine]:
     """Pending, preempted and running jobs of the queue at ``db_path``, read-only. A running
     job's time left is its run's ETA (its measured step time) where the log has one."""
-    from nanolab.queue.db import QueueDB, QueueError
+    from nanolab.queue.db import QueueDB, QueueError, orphaned
     from nanolab.queue.predict import remaining_seconds
 
     try:
@@ -153,9 +153,9 @@ def queue_lines(
                 )
             start = 0.0 if job.status == "running" else clock
             end = None if left is None else start + left
-            out.append(
-                JobLine(job.id, job.name, job.status, left, start, end, ran, job.attempts, name)
-            )
+            # A job whose runner is gone waits for the next `queue run` to resume it.
+            status = "runner gone: queue run resumes it" if orphaned(db, job) else job.status
+            out.append(JobLine(job.id, job.name, status, left, start, end, ran, job.attempts, name))
             clock = end if end is not None else clock
         return out
     finally:
