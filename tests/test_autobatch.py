@@ -46,3 +46,18 @@ def test_a_fixed_micro_batch_that_does_not_fit_gets_one_warning(gpt2_124m):
 def test_nothing_fits_is_an_error_with_switches(gpt2_124m):
     with pytest.raises(AutoBatchError, match="not even one sequence fits"):
         plan_memory(gpt2_124m, GIB // 2, auto=True, devices_per_node=1)
+
+
+def test_auto_on_a_cpu_says_it_takes_the_data_micro_batch(tmp_path, char_dataset):
+    """No GPU memory to plan against: ``auto`` takes ``data.micro_batch_size`` and says so (it
+    was silent, where a GPU run names what it picked)."""
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=1)
+    config = write_config(tmp_path / "t.yaml", cfg)
+    proc = nanolab_here("fit", "--config", str(config), "--run.micro_batch_size", "auto",
+                        "--run.global_batch_tokens", "512", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    assert "run.micro_batch_size auto: 4, data.micro_batch_size (no GPU memory" in said, said
+    assert "4 micro-batch x 32 context x 4 accumulation" in said

@@ -266,6 +266,9 @@ def test_the_fork_story(tmp_path: Path) -> None:
     assert resumed["resumed_from_step"] and 0 < resumed["resumed_from_step"] < 150
     assert resumed["config"]["data"]["class_path"] == f"{PACKAGE}.data.Windows"
     assert read_records(windows_run / "metrics.jsonl", "end")[-1]["step"] == 150
+    # Its checkpoint keeps the tokens' tokenizer (the class names dataset_dir): it samples.
+    story.run(["nanolab", "generate", "--ckpt", "runs/windows", "--prompt", "The",
+               "--max-new-tokens", "4"])  # fmt: skip
     val = read_records(windows_run / "metrics.jsonl", "val")[-1]
     assert val["val_bpb"] is not None and val["val_loss"] > 0
     assert (project / "data" / "windows" / "train.npy").is_file()

@@ -215,7 +215,9 @@ def tokenizer_from_checkpoint(ckpt: dict[str, Any]) -> Tokenizer:
     spec = (ckpt.get("nanolab") or {}).get("tokenizer")
     if spec is None:
         raise CheckpointError(
-            "the checkpoint stores no tokenizer; it was saved without a datamodule"
+            "the checkpoint stores no tokenizer: its run's DataModule had no `dataset_dir` (a "
+            "folder `nanolab prepare` made, which holds the tokenizer); give yours one "
+            "(docs/forking.md) and train again"
         )
     tokenizer = tokenizer_from_spec(spec)
     rows = ((ckpt.get("nanolab") or {}).get("gpt") or {}).get("vocab_size")

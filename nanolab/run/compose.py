@@ -347,8 +347,13 @@ def plan_micro_batch(cfg: Any, resolved: Any) -> int:
     if micro is None:  # auto: planned below, the data's value where there is no GPU
         micro = int(cfg.data.init_args.get("micro_batch_size") or 1)
     device_memory = device_memory_bytes() if str(cfg.trainer.get("accelerator")) != "cpu" else None
-    if device_memory is None:
-        return micro  # CPU: no device memory to plan against
+    if device_memory is None:  # CPU: no device memory to plan against
+        if choice == "auto":
+            rank_zero_info(
+                f"run.micro_batch_size auto: {micro}, data.micro_batch_size (no GPU memory to "
+                "plan against)"
+            )
+        return micro
     try:
         config = plain_config(cfg)
         section = config["data"].get("init_args", config["data"])
