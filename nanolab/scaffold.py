@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from importlib import resources
@@ -214,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in written:
         print(f"wrote {path}")
     print(
-        f"\nnext:\n  cd {root}\n  pip install -e .\n  # put your .txt files in data/text/, then\n"
+        f"\nnext:\n  cd {shlex.quote(str(root))}\n  pip install -e .\n  # put your .txt files in data/text/, then\n"
         "  nanolab prepare data/text -o data/tokens --tokenizer bpe --bpe-vocab-size 4096\n"
         "  nanolab fit --config configs/experiment.yaml"
     )

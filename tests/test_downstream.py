@@ -138,13 +138,13 @@ def test_bad_task_file_is_one_line_and_exit_2_before_the_model_loads(tmp_path: P
     res = run_nanolab("eval", str(tmp_path / "no-such-run"), "--suite", str(suite), cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
-    assert f"{bad} line 1: label label=5 is out of range" in res.stderr
+    assert f"{bad} line 1: field 'label' is 5, out of range" in res.stderr
 
 
 def test_suite_entries_are_checked(tmp_path: Path) -> None:
     write_lines(tmp_path / "t.jsonl", [{"context": "x", "choices": ["a", "b"], "label": 0}] * 3)
     for entry, problem in [
-        ({"file": "t.jsonl", "kind": "mc"}, "kind 'mc' is not one of"),
+        ({"file": "t.jsonl", "kind": "mc"}, r"kind 'mc' \(as its suite gives it\) is not one of"),
         ({"file": "t.jsonl", "kind": "multiple_choice", "shots": -1}, "shots must be"),
         ({"file": "t.jsonl", "kind": "multiple_choice", "shots": 3}, "3 shots need more than 3"),
         (

@@ -167,7 +167,7 @@ def _label(row: dict[str, Any], key: str, options: int, path: Path, line: int) -
         what = "missing" if key not in row else f"{value!r}, not an integer"
         raise _fail(path, line, f"field {key!r} is {what}")
     if not 0 <= value < options:
-        raise _fail(path, line, f"label {key}={value} is out of range for {options} options")
+        raise _fail(path, line, f"field {key!r} is {value}, out of range for {options} options")
     return value
 
 
@@ -222,7 +222,10 @@ def detect_format(row: dict[str, Any]) -> str:
 def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[Example], str]:
     """Every example of a JSON-lines task file (blank lines skipped), and its layout."""
     if kind not in KINDS:
-        raise TaskFileError(f"task file {path}: kind {kind!r} is not one of {', '.join(KINDS)}")
+        raise TaskFileError(
+            f"task file {path}: kind {kind!r} (as its suite gives it) is not one of "
+            f"{', '.join(KINDS)}"
+        )
     if fmt is not None and fmt not in FORMATS:
         raise TaskFileError(f"task file {path}: format {fmt!r} is not one of {', '.join(FORMATS)}")
     try:
