@@ -68,7 +68,7 @@ def test_other_data_in_another_folder_names_both_folders_and_a_new_run(
 ):
     """The same command on another dataset folder (docs/hf.md's "your text instead" without a
     run name of its own): the line names the old and the new folder (it set the new path
-    beside the old sizes) and says a new run is another --run.name."""
+    beside the old sizes) and says a fine-tune is --data.allow_changed true and a new run another --run.name."""
     data, cfg = finished_run
     other = tmp_path / "other"
     write_dataset(other, train=CODE_TEXT)
@@ -76,7 +76,7 @@ def test_other_data_in_another_folder_names_both_folders_and_a_new_run(
     errors = [line for line in err if line.startswith("nanolab")]
     assert code == 2 and len(errors) == 1, err
     assert f"the data is {other} now, was {data}" in errors[0]
-    assert "give the run another --run.name" in errors[0]
+    assert "give another --run.name" in errors[0] and "--data.allow_changed true" in errors[0]
 
 
 def test_allow_changed_resumes_on_the_new_data(tmp_path, capsys, finished_run):

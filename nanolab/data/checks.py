@@ -299,8 +299,8 @@ def changed_data_message(changes: list[str], ckpt: str | Path | None) -> str:
     more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
     return (
         f"the data changed since {source}: {'; '.join(changes[:3])}{more}; resuming would not "
-        "continue the run on the data it trained on. To train on the new data, give the run "
-        "another --run.name (a new run; a fine-tune starts from its checkpoint again); to "
-        "resume, point data.dataset_dir / data.datasets at the old data, or pass "
-        "--data.allow_changed true to continue this run on the new data"
+        "continue the run on the data it trained on. To resume, point data.dataset_dir / "
+        "data.datasets at the old data; to train these weights on the new data (a fine-tune), "
+        "pass --data.allow_changed true; to start from scratch on it, give another --run.name "
+        "(and no --run.resume PATH)"
     )
