@@ -474,3 +474,26 @@ def test_a_job_whose_runner_died_says_so_in_ls_and_retry(tmp_path: Path, capsys)
     code, _, err = queue(capsys, path, "retry", "night")
     assert code == 2 and "`nanolab queue run` recovers it and resumes it" in err, err
     assert QueueDB(path).jobs()[0].status == "running"  # nothing changed
+
+
+def test_a_group_of_one_config_under_unrelated_names_lists_every_name() -> None:
+    """Jobs of one config added under names with nothing in common: the group is labelled by
+    all of them, not by the first (``edited: 2 jobs`` listed ``late`` under ``edited``)."""
+    from nanolab.queue.cli import group_header
+    from nanolab.queue.db import Job
+
+    def job(name: str, status: str) -> Job:
+        fields = dict.fromkeys(Job.__dataclass_fields__)
+        return Job(**{**fields, "name": name, "status": status, "seed": None})
+
+    assert group_header([job("edited", "failed"), job("late", "done")]) == (
+        "edited, late: 2 jobs: 1 failed, 1 done"
+    )
+    assert group_header([job("lr-a", "done"), job("lr-b", "done")]).startswith("lr: 2 jobs")
+
+
+def test_an_empty_until_is_refused(tmp_path: Path, capsys) -> None:
+    """``--until ''`` (an unset shell variable) is refused in one line; it was ignored, and the
+    runner started jobs with no deadline at all."""
+    code, _, err = queue(capsys, tmp_path / "q.db", "run", "--until", "")
+    assert code == 2 and "--until '': give a time of day" in err, err

@@ -286,8 +286,9 @@ def group_header(members: list[Job]) -> str:
     """``quickstart-lr1e-3: 3 seeds (1, 2, 3): 2 done, 1 running``."""
     names = [re.sub(r"-s-?\d+$", "", j.name) for j in members]
     label = names[0]
-    if len(set(names)) > 1:
-        label = os.path.commonprefix(names).rstrip("-_") or names[0]  # noqa: RUF071
+    if len(set(names)) > 1:  # one config under several names: the common part, or every name
+        common = os.path.commonprefix(names).rstrip("-_")  # noqa: RUF071
+        label = common or ", ".join(dict.fromkeys(names))
     seeds = [j.seed for j in members if j.seed is not None]
     counts = Counter(j.status for j in members)
     what = f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if seeds else f"{len(members)} jobs"
@@ -388,7 +389,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_targets(args.notify, QUEUE_FIELDS, "--notify")
     except NotifyConfigError as err:
         raise QueueError(str(err)) from None
-    until = parse_until(args.until) if args.until else None
+    until = parse_until(args.until) if args.until is not None else None
     device_mem = None
     if args.device_mem is not None:
         if not args.pack:
