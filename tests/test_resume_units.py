@@ -389,3 +389,16 @@ def test_a_resume_that_fails_to_restore_sets_nothing_aside(tmp_path, char_datase
     assert refused.returncode == 2 and "data.align is document" in refused.stderr
     assert sorted(p.name for p in folder.iterdir()) == before
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 8
+
+
+@pytest.mark.parametrize(("rank", "said"), [(0, True), (1, False)])
+def test_a_signal_is_announced_once_per_launch(capfd, rank, said):
+    """Every rank of a DDP launch gets the signal (rank 0 forwards it to the ranks it started):
+    only global rank 0 says so, so one signal is one line, not one per process."""
+    handler = PreemptionHandler()
+    handler._stepped = True  # past the first step: no start-up watchdog
+    handler._trainer = SimpleNamespace(global_rank=rank, global_step=14, strategy=None)
+    handler._handle(signal.SIGTERM, None)
+    assert handler.received is signal.SIGTERM
+    err = capfd.readouterr().err
+    assert ("received SIGTERM at step 14" in err) is said, err

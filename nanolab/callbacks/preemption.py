@@ -191,10 +191,12 @@ class PreemptionHandler(StepCallback):
 
             early_signals.arm_watchdog(sig, self._run_dir)
         step = self._trainer.global_step if self._trainer is not None else "?"
-        _write_stderr(
-            f"nanolab: received {sig.name} at step {step}: finishing the optimizer step, saving a "
-            f"checkpoint, then exiting with code {self.exit_code} (send it again to exit at once)\n"
-        )
+        if getattr(self._trainer, "global_rank", 0) == 0:  # one line per launch, not per rank
+            _write_stderr(
+                f"nanolab: received {sig.name} at step {step}: finishing the optimizer step, "
+                f"saving a checkpoint, then exiting with code {self.exit_code} (send it again to "
+                "exit at once)\n"
+            )
         self._forward(sig)
 
     def _forward(self, sig: signal.Signals) -> None:
