@@ -463,7 +463,7 @@ IMPORT_ROWS = [
     # (id, make the folder, extra args, what the one line says)
     ("hub-name", lambda f, t: "gpt2", [], "nanolab never downloads"),
     ("no-config", _no_config, [], "has no config.json"),
-    ("safetensors-export", _nanolab_export, [], "export the checkpoint with --format hf"),
+    ("safetensors-export", _nanolab_export, [], "has no model architecture nanolab reads"),
     ("not-gpt2", _edited_config(model_type="mistral"), [], "model_type is 'mistral'"),
     ("shapes", _edited_config(n_embd=32), [], "tensor wte.weight has shape [300, 64]"),
     ("payload", _pickle_payload, [], "never runs code from a checkpoint"),
@@ -649,6 +649,51 @@ def test_a_fit_llama_run_exports_and_comes_back_with_init_from(tmp_path, char_da
     back.configure_model()
     a, b = ours.state_dict(), back.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_model_no_hf_format_expresses_comes_back_from_its_safetensors_export(
+    tmp_path, char_dataset, capsys
+):
+    """QK-norm attention with RoPE (neither GPT-2 nor Llama): ``export --format safetensors``,
+    then ``model.init_from`` of that folder builds the same architecture, every tensor
+    bit-identical, at a longer context (RoPE has no table); a new run fine-tunes from it on data
+    of the same tokenizer, and an architecture key set otherwise is refused naming both."""
+    overrides = tiny_overrides(
+        char_dataset, tmp_path / "runs", model__gpt__position_embedding="rope",
+        model__gpt__attention_variant="qk_norm",
+    )  # fmt: skip
+    cfg = write_config(tmp_path / "t.yaml", overrides)
+    with lightning_logs_to_stderr():
+        assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
+    run = tmp_path / "runs" / "tiny"
+    out = tmp_path / "export"
+    assert main(["export", "--ckpt", str(run), "--format", "safetensors", "-o", str(out)]) == 0
+    ours = model_from_checkpoint(load_checkpoint(run / "checkpoints" / "last.ckpt"))
+    back = GPTLightningModule(gpt=GPTConfig(block_size=64), init_from=str(out))
+    assert (back.gpt_config.attention_variant, back.gpt_config.position_embedding) == (
+        "qk_norm",
+        "rope",
+    )
+    back.configure_model()
+    a, b = ours.state_dict(), back.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    code, err = fit(
+        capsys, f"--model.init_from={out}", f"--data.dataset_dir={char_dataset}",
+        "--data.source=null", f"--run.root={tmp_path / 'runs'}", "--run.name=ft",
+        "--model.gpt.block_size=32", "--trainer.max_steps=2", "--data.micro_batch_size=2",
+        "--run.global_batch_tokens=null", "--trainer.accelerator=cpu",
+        "--trainer.precision=32-true", config=FINETUNE,
+    )  # fmt: skip
+    assert code == 0, err[-10:]
+    code, err = fit(
+        capsys, f"--model.init_from={out}", f"--data.dataset_dir={char_dataset}",
+        "--data.source=null", f"--run.root={tmp_path / 'runs'}", "--run.name=ft2",
+        "--model.gpt.norm=rmsnorm", "--trainer.accelerator=cpu", config=FINETUNE,
+    )  # fmt: skip
+    errors = error_lines(err)
+    assert code == 2 and len(errors) == 1, err[-10:]
+    assert "model.gpt.norm is 'rmsnorm' but the checkpoint in" in errors[0], errors
 
 
 @pytest.mark.parametrize(("flag", "shown"), [([], True), (["-q"], False), (["--verbose"], True)])

@@ -91,9 +91,9 @@ def read_hf_config(folder: Path, field: str = "model.init_from") -> dict[str, An
     path = folder / "config.json"
     if not path.is_file() and (folder / "nanolab.json").is_file():
         raise HFFormatError(
-            f"{field} {folder}: is a `nanolab export --format safetensors` folder; init_from "
-            "reads Hugging Face GPT-2 and Llama folders: export the checkpoint with --format hf "
-            "(a model neither expresses continues only from its own checkpoint: --run.resume)"
+            f"{field} {folder}: is a `nanolab export --format safetensors` folder, which "
+            "model.init_from reads but this command does not: give a Hugging Face folder "
+            "(--format hf)"
         )
     if not path.is_file():
         raise HFFormatError(
@@ -234,10 +234,16 @@ def resolve_architecture(gpt: dict[str, Any], init_from: str | Path) -> dict[str
     error naming both. ``block_size`` stays the user's (the context to train on): it may be
     shorter than the checkpoint's ``n_positions`` (the position table is cut), not longer.
     """
+    from nanolab.model import exported
+
     folder = hf_folder(init_from)
-    config = read_hf_config(folder)
+    info = exported.exported_info(folder)
+    config = {} if info is not None else read_hf_config(folder)
     keys: tuple[str, ...] = ARCHITECTURE_KEYS
-    if config.get("model_type") == "llama":
+    if info is not None:  # nanolab's own export: any nanolab model
+        imported = exported.exported_architecture(info)
+        keys = exported.ARCHITECTURE_KEYS
+    elif config.get("model_type") == "llama":
         imported = _llama_architecture(config, folder)
         keys = (*(k for k in ARCHITECTURE_KEYS if k != "activation"), "rope_base")  # SwiGLU: silu
     else:
@@ -254,10 +260,14 @@ def resolve_architecture(gpt: dict[str, Any], init_from: str | Path) -> dict[str
             )
         resolved[key] = imported[key]
     block = resolved.get("block_size", defaults["block_size"])
-    if block > imported["block_size"]:
+    # A learned table has no rows past its length; RoPE of a nanolab export has no limit.
+    if block > imported["block_size"] and (
+        info is None or resolved["position_embedding"] == "learned"
+    ):
+        where = "nanolab.json block_size" if info is not None else "config.json n_positions"
         raise HFFormatError(
             f"model.gpt.block_size {block} is longer than the checkpoint's {imported['block_size']} "
-            f"positions ({folder} config.json n_positions); set model.gpt.block_size to "
+            f"positions ({folder} {where}); set model.gpt.block_size to "
             f"{imported['block_size']} or less"
         )
     return resolved
@@ -503,8 +513,14 @@ def load_hf_weights(model: torch.nn.Module, init_from: str | Path) -> None:
     """Copy the GPT-2 weights in folder ``init_from`` into ``model`` (built for them)."""
     import torch
 
+    from nanolab.model import exported
+
     folder = hf_folder(init_from)
-    if read_hf_config(folder).get("model_type") == "llama":
+    info = exported.exported_info(folder)
+    if info is not None:
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        state = exported.exported_state(folder, info, expected)
+    elif read_hf_config(folder).get("model_type") == "llama":
         from nanolab.model.llama import nanolab_state_from_llama
 
         try:

@@ -193,10 +193,17 @@ def check_data_tokenizer(folder: Path, dataset_dir: Path, vocab_size: int) -> st
         f"{folder / 'tokenizer.json'} -o <folder>)"
     )
     if theirs is None:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        recorded = (config.get(RECORD_KEY) or {}).get("tokenizer")
+        from nanolab.model.exported import exported_info
+
+        info = exported_info(folder)  # a safetensors export keeps its tokenizer in nanolab.json
+        if info is not None:
+            recorded = info.get("tokenizer")
+        else:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            recorded = (config.get(RECORD_KEY) or {}).get("tokenizer")
         if isinstance(recorded, dict):
             spec = json.loads((dataset_dir / "meta.json").read_text())["tokenizer"]
+            recorded = {k: v for k, v in recorded.items() if k != "json"}
             if {k: v for k, v in spec.items() if k != "json"} != recorded:
                 raise HFFormatError(
                     f"data.dataset_dir {dataset_dir}: prepared with tokenizer {spec.get('name')!r}, "

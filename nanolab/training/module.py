@@ -41,7 +41,8 @@ class GPTLightningModule(L.LightningModule):
         compile: ``torch.compile`` the model (in place, so checkpoint keys do not change).
             Costs a minute of start-up; pays off on GPUs for runs longer than a few minutes.
         compile_mode: ``torch.compile`` mode (``null``, ``"max-autotune"``, ...).
-        init_from: A local Hugging Face GPT-2 folder to start from (docs/hf.md): the architecture
+        init_from: A local Hugging Face GPT-2 or Llama folder, or a ``nanolab export --format
+            safetensors`` folder (any nanolab model), to start from (docs/hf.md): the architecture
             and the weights come from it (``model.gpt`` keys left at their defaults take its
             values), ``block_size`` may cut its positions. ``null`` = random initialisation.
         freeze: Parts that fine-tuning leaves unchanged (``model.freeze.embeddings``,

@@ -423,8 +423,8 @@ def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
             f"{folder} is a DeepSpeed checkpoint saved on {saved} data-parallel ranks and this "
             f"launch has {world_size}; DeepSpeed loads its optimizer shards only on {saved}: "
             f"resume with {saved} devices (--trainer.devices), or start a new run from its "
-            "weights: convert it to one file (docs/scaling.md), `nanolab export --format hf` "
-            "it and give that folder as --model.init_from"
+            "weights: convert it to one file (docs/scaling.md), `nanolab export --format "
+            "safetensors` it and give that folder as --model.init_from"
         )
 
 
