@@ -520,7 +520,7 @@ def _tool_rows() -> list[Case]:
              ("prepare", "{work}/in.txt", "-o", "{work}/userdir", "--force"), EXIT_USAGE,
              "holds files that are not a dataset's (notes.txt, sub/)", setup=_users_folder),
         Case("eval-label-out-of-range", ("eval", "{runs}/base", "--suite", "{work}/suite.yaml"),
-             EXIT_USAGE, "bad.jsonl line 2: label label=7 is out of range for 2 options",
+             EXIT_USAGE, "bad.jsonl line 2: field 'label' is 7, out of range for 2 options",
              setup=_bad_suite),
         Case("eval-suite-not-yaml", ("eval", "{runs}/base", "--suite", "{work}/in.txt"),
              EXIT_USAGE, "give a YAML list of tasks", setup=_bad_suite),

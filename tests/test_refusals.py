@@ -260,3 +260,24 @@ def test_a_config_file_given_wrong_is_one_line_with_the_fix(
     expected = says.replace("CONFIG", str(QUICKSTART)).replace("{tmp}", str(tmp_path))
     assert err.startswith("nanolab fit: error: ") and expected in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_class_given_by_class_path_wrong_is_one_line_with_the_fix(tmp_path: Path) -> None:
+    """A callback class name its module lacks is said once, with the nearest name; a key its
+    class does not take says where to look (the parser said the first twice, the second as a
+    bare "Option 'x' is not accepted")."""
+    quickstart = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    with pytest.raises(FitParseError) as err:
+        parse_fit_config(
+            ["--config", quickstart, "--trainer.callbacks+=nanolab.callbacks.MetricsLogg"]
+        )
+    said = str(err.value)
+    assert "Problem with given class_path" not in said and said.count("has no") == 1, said
+    assert "did you mean nanolab.callbacks.MetricsLog?" in said
+    data = tmp_path / "data.yaml"
+    data.write_text(
+        "data:\n  class_path: nanolab.data.datamodule.TokenDataModule\n"
+        "  init_args:\n    micro_batch_sise: 2\n"
+    )
+    with pytest.raises(FitParseError, match=r"'micro_batch_sise' is not a setting of the class"):
+        parse_fit_config(["--config", quickstart, "--config", str(data)])

@@ -152,6 +152,7 @@ class OneLineErrorParser(LightningArgumentParser):
             union_problem(text)
             or type_problem(text)
             or config_file_problem(text)
+            or class_path_problem(text)
             or " ".join(lines[:3])
         )
 
@@ -175,6 +176,34 @@ def type_problem(text: str) -> str | None:
             return str(err)
     shown = "null" if value == "None" else repr(value)
     return f"{key}: {shown} is not valid; expected {expected or m.group(2)}"
+
+
+def class_path_problem(text: str) -> str | None:
+    """A class chosen by ``class_path`` given wrong, said once with the fix: a name its module
+    does not have (with the nearest names it has), or an ``init_args`` key its ``__init__`` does
+    not take (the parser said each twice, or without saying where to look)."""
+    import difflib
+    import importlib
+    import re
+
+    m = re.fullmatch(r"module '([\w.]+)' has no attribute '(\w+)' - Problem with given .*", text)
+    if m:
+        module, name = m.group(1), m.group(2)
+        try:
+            names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+        except Exception:  # the import error was reported before this; say what is known
+            names = []
+        near = difflib.get_close_matches(name, names, n=2)
+        hint = f"; did you mean {' or '.join(f'{module}.{n}' for n in near)}?" if near else ""
+        return f"class_path {module}.{name}: module {module!r} has no {name!r}{hint}"
+    m = re.match(r"Option '([^']+)' is not accepted", text)
+    if m:
+        return (
+            f"{m.group(1)!r} is not a setting of the class it is given to: a class chosen by "
+            "class_path takes the arguments of its __init__ (and its base classes'); check the "
+            "spelling under that class's init_args"
+        )
+    return None
 
 
 def config_file_problem(text: str) -> str | None:
