@@ -623,32 +623,37 @@ def test_what_neither_architecture_expresses_is_named() -> None:
     assert llama_refusals(learned) == ["model.gpt.position_embedding 'learned' (Llama has 'rope')"]
 
 
+def _round_trip(tmp_path: Path, char_dataset: Path, fmt: str, block: int, **gpt: str):
+    """A tiny run of ``model.gpt`` settings ``gpt`` trained by fit, exported as ``fmt`` and
+    built back by ``model.init_from`` at context ``block``: (export folder, module built back),
+    its every tensor checked bit-identical to the checkpoint's."""
+    settings = {f"model__gpt__{key}": value for key, value in gpt.items()}
+    cfg = write_config(
+        tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs", **settings)
+    )
+    with lightning_logs_to_stderr():
+        assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
+    run = tmp_path / "runs" / "tiny"
+    out = tmp_path / "export"
+    assert main(["export", "--ckpt", str(run), "--format", fmt, "-o", str(out)]) == 0
+    ours = model_from_checkpoint(load_checkpoint(run / "checkpoints" / "last.ckpt"))
+    back = GPTLightningModule(gpt=GPTConfig(block_size=block), init_from=str(out))
+    assert {key: getattr(back.gpt_config, key) for key in gpt} == gpt
+    back.configure_model()
+    a, b = ours.state_dict(), back.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return out, back
+
+
 def test_a_fit_llama_run_exports_and_comes_back_with_init_from(tmp_path, char_dataset):
     """A RoPE + RMSNorm + SwiGLU run trained by fit: ``export --format hf`` writes a Llama
     folder with its tokenizer, and ``model.init_from`` of that folder builds the same
     architecture with every tensor bit-identical to the checkpoint's."""
-    overrides = tiny_overrides(
-        char_dataset, tmp_path / "runs", model__gpt__position_embedding="rope",
-        model__gpt__norm="rmsnorm", model__gpt__mlp="swiglu",
-    )  # fmt: skip
-    cfg = write_config(tmp_path / "t.yaml", overrides)
-    with lightning_logs_to_stderr():
-        assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
-    run = tmp_path / "runs" / "tiny"
-    out = tmp_path / "llama"
-    assert main(["export", "--ckpt", str(run), "--format", "hf", "-o", str(out)]) == 0
+    out, _ = _round_trip(
+        tmp_path, char_dataset, "hf", 32, position_embedding="rope", norm="rmsnorm", mlp="swiglu"
+    )
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert (out / "tokenizer.json").is_file()
-    ours = model_from_checkpoint(load_checkpoint(run / "checkpoints" / "last.ckpt"))
-    back = GPTLightningModule(gpt=GPTConfig(block_size=32), init_from=str(out))
-    assert (back.gpt_config.mlp, back.gpt_config.norm, back.gpt_config.position_embedding) == (
-        "swiglu",
-        "rmsnorm",
-        "rope",
-    )
-    back.configure_model()
-    a, b = ours.state_dict(), back.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_model_no_hf_format_expresses_comes_back_from_its_safetensors_export(
@@ -658,25 +663,10 @@ def test_a_model_no_hf_format_expresses_comes_back_from_its_safetensors_export(
     then ``model.init_from`` of that folder builds the same architecture, every tensor
     bit-identical, at a longer context (RoPE has no table); a new run fine-tunes from it on data
     of the same tokenizer, and an architecture key set otherwise is refused naming both."""
-    overrides = tiny_overrides(
-        char_dataset, tmp_path / "runs", model__gpt__position_embedding="rope",
-        model__gpt__attention_variant="qk_norm",
+    out, _ = _round_trip(
+        tmp_path, char_dataset, "safetensors", 64, position_embedding="rope",
+        attention_variant="qk_norm",
     )  # fmt: skip
-    cfg = write_config(tmp_path / "t.yaml", overrides)
-    with lightning_logs_to_stderr():
-        assert main(["fit", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
-    run = tmp_path / "runs" / "tiny"
-    out = tmp_path / "export"
-    assert main(["export", "--ckpt", str(run), "--format", "safetensors", "-o", str(out)]) == 0
-    ours = model_from_checkpoint(load_checkpoint(run / "checkpoints" / "last.ckpt"))
-    back = GPTLightningModule(gpt=GPTConfig(block_size=64), init_from=str(out))
-    assert (back.gpt_config.attention_variant, back.gpt_config.position_embedding) == (
-        "qk_norm",
-        "rope",
-    )
-    back.configure_model()
-    a, b = ours.state_dict(), back.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     capsys.readouterr()
     code, err = fit(
         capsys, f"--model.init_from={out}", f"--data.dataset_dir={char_dataset}",

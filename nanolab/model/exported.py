@@ -29,11 +29,11 @@ INFO_NAME = "nanolab.json"
 
 #: ``GPTConfig`` keys an export fixes: the ones that shape the weights or what they compute.
 ARCHITECTURE_KEYS = (
-    "vocab_size",
-    "vocab_multiple",
     "n_layer",
     "n_head",
     "n_embd",
+    "vocab_size",
+    "vocab_multiple",
     "bias",
     "position_embedding",
     "rope_base",

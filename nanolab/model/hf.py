@@ -22,6 +22,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanolab.model import exported
 from nanolab.model.config import ConfigError, GPTConfig
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: `nanolab estimate` reads
@@ -36,21 +37,8 @@ EXACT_GELU = "gelu"
 #: ``config.json`` entry where ``nanolab export`` records what GPT-2's config cannot say.
 RECORD_KEY = "nanolab"
 #: Architecture keys that come from the checkpoint; a user value that disagrees is an error.
-ARCHITECTURE_KEYS = (
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "vocab_size",
-    "vocab_multiple",
-    "bias",
-    "position_embedding",
-    "tie_weights",
-    "mlp_ratio",
-    "activation",
-    "norm",
-    "mlp",
-    "attention_variant",
-)
+#: A nanolab export's, but ``rope_base`` (GPT-2 has no RoPE; Llama's is read on its own).
+ARCHITECTURE_KEYS = tuple(k for k in exported.ARCHITECTURE_KEYS if k != "rope_base")
 
 #: (name, transposed by Conv1D) of the tensors of block ``i``: nanolab's and GPT-2's names agree.
 _BLOCK_TENSORS = tuple(
@@ -234,8 +222,6 @@ def resolve_architecture(gpt: dict[str, Any], init_from: str | Path) -> dict[str
     error naming both. ``block_size`` stays the user's (the context to train on): it may be
     shorter than the checkpoint's ``n_positions`` (the position table is cut), not longer.
     """
-    from nanolab.model import exported
-
     folder = hf_folder(init_from)
     info = exported.exported_info(folder)
     config = {} if info is not None else read_hf_config(folder)
@@ -512,8 +498,6 @@ def hf_config_from_nanolab(
 def load_hf_weights(model: torch.nn.Module, init_from: str | Path) -> None:
     """Copy the GPT-2 weights in folder ``init_from`` into ``model`` (built for them)."""
     import torch
-
-    from nanolab.model import exported
 
     folder = hf_folder(init_from)
     info = exported.exported_info(folder)
