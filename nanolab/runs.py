@@ -244,9 +244,16 @@ def last_value(records: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
 
 
+#: Top-level keys of every config a run wrote before the header: the parser's whole dump
+#: (``ckpt_path`` and ``weights_only`` are the verb's own, never in a hand-written config).
+_DUMPED_KEYS = frozenset({"trainer", "model", "data", "run", "ckpt_path", "weights_only"})
+
+
 def foreign_config(run_dir: Path) -> str | None:
     """Why a run may not start in ``run_dir``, which holds no run: a ``config.yaml`` that no
-    run wrote (no header), which the run's own would replace. None when there is none."""
+    run wrote, which the run's own would replace (a queued job's own ``--config``, notes).
+    A run's copy has the header; one written before it had the parser's whole dump. None
+    when there is none, or it is a run's."""
     path = run_dir / "config.yaml"
     try:
         with path.open("rb") as f:
@@ -255,10 +262,19 @@ def foreign_config(run_dir: Path) -> str | None:
         return None
     if first.startswith(b"# nanolab fit:"):
         return None
+    try:
+        import yaml
+
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except Exception:  # not YAML or not text: certainly not a run's copy
+        data = None
+    if isinstance(data, dict) and data.keys() >= _DUMPED_KEYS:
+        return None  # a run's copy from before the header (a launch killed at start-up)
     return (
-        f"{path} was not written by a run (the folder holds no run log), and the run writes "
-        "its config there: move that file out of the run directory (e.g. to configs/) and "
-        "point --config at the new place, or choose another run.name"
+        f"{path} is not a config a run wrote (the folder holds no run log), and the run writes "
+        "its own there: move that file out of the run directory (e.g. to configs/) and point "
+        "--config at the new place, choose another run.name, or set run.fresh: true to move it "
+        "to previous/"
     )
 
 

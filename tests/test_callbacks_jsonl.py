@@ -375,3 +375,25 @@ def test_epoch_counts_passes_over_the_data_and_the_banner_says_it_repeats(tmp_pa
     banner = "\n".join(banner_lines(trainer, trainer.lightning_module, estimate=False))
     passes = 12 * TOKENS_PER_MICRO_BATCH / split
     assert f"the data repeats: {passes:.3g} passes over its" in banner, banner
+
+
+def test_a_new_run_from_another_runs_checkpoint_counts_its_own_passes():
+    """The model's tokens travel with a fork (a fine-tune keeps pretraining's count); its data
+    passes count only what this run trained on: the clock keeps the tokens it inherited, across
+    the fork's own resumes. Mutation caught: epoch = all the model's tokens over a fine-tune's
+    small dataset (51 passes where it trained 0.26)."""
+    from nanolab.callbacks.clock import RunClock
+
+    fork = RunClock()
+    fork.forked = True
+    fork.load_state_dict({"tokens": 1_000_000, "samples": 10})
+    fork.tokens += 5_000
+    assert fork.run_tokens == 5_000
+    resumed = RunClock()  # the fork resumed from its own checkpoint
+    resumed.load_state_dict(fork.state_dict())
+    assert resumed.run_tokens == 5_000
+    own = RunClock()  # a run of its own from scratch
+    own.load_state_dict({"tokens": 7_000, "samples": 10})
+    assert own.run_tokens == 7_000
+    own.start_new_run()  # the same run id taken over by a fork's first launch
+    assert own.run_tokens == 0

@@ -293,10 +293,10 @@ def test_the_fits_are_the_previous_fits_on_the_same_points() -> None:
 
 
 def _write_scheduled_run(root: Path, name: str, last: int, max_steps: int = 400,
-                         lr_shift: float = 1.0, older_log: bool = False) -> None:  # fmt: skip
+                         lr_shift: float = 1.0, older_log: int = 0) -> None:  # fmt: skip
     """A run log with the schedule in its config and the LR in its train records (the rate the
-    step trained with, as ``nanolab fit`` logs it; ``older_log``: the next step's, as it logged
-    before; ``lr_shift`` != 1 makes the log disagree)."""
+    step trained with, as ``nanolab fit`` logs it; up to step ``older_log``: the next step's, as
+    it logged before; ``lr_shift`` != 1 makes the log disagree)."""
     run = root / name
     run.mkdir(parents=True)
     planned = _planned(max_steps)
@@ -306,7 +306,7 @@ def _write_scheduled_run(root: Path, name: str, last: int, max_steps: int = 400,
     rng = np.random.default_rng(7)
     for step in range(1, last + 1):
         lines.append({"event": "train", "time": float(step), "step": step, "tokens": 1000 * step,
-                      "loss": 3.0, "lr": 1e-3 * planned(step - 1 + older_log) * lr_shift,
+                      "loss": 3.0, "lr": 1e-3 * planned(step - (step > older_log)) * lr_shift,
                       "gpu_hours": step * 1e-3})  # fmt: skip
         if step % 10 == 0:
             loss = float(schedule_curve(np.array([step]))[0] + rng.normal(0, 0.002))
@@ -329,7 +329,7 @@ def test_report_forecast_reads_the_schedule_and_checks_it_against_the_log(tmp_pa
     other falls back to the power law); the target searched only within the plan.
     """
     _write_scheduled_run(tmp_path, "sched", last=200)
-    _write_scheduled_run(tmp_path, "older", last=200, older_log=True)
+    _write_scheduled_run(tmp_path, "older", last=200, older_log=120)  # resumed across releases
     _write_scheduled_run(tmp_path, "other", last=200, lr_shift=1.5)
     truth = float(schedule_curve(np.array([400]))[0])
     assert main([str(tmp_path), "--json", "--target-loss", str(truth - 0.02)]) == 0

@@ -360,8 +360,8 @@ def test_queue_add_and_fit_refuse_a_config_kept_where_the_run_will_write(
     before = digests(run)
     code, _, err = queue(capsys, tmp_path / "q.db", "add", str(config), "--name", "exp")
     assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1, err
-    assert "config.yaml was not written by a run" in err and "move that file" in err, err
+    assert "config.yaml is not a config a run wrote" in err and "move that file" in err, err
     proc = run_nanolab("fit", "--config", str(config), cwd=tmp_path)
-    assert proc.returncode == EXIT_USAGE and "was not written by a run" in proc.stderr
+    assert proc.returncode == EXIT_USAGE and "is not a config a run wrote" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert digests(run) == before

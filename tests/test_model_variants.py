@@ -477,3 +477,51 @@ def test_a_part_of_ones_own_that_would_be_ignored_or_misshapen_is_one_line(parts
     finally:
         for reg, name, _ in registered:
             reg._classes.pop(name, None)
+
+
+class _SizedMLP(torch.nn.Module):
+    """Reads a tensor's value while it is built (a LLaMA-style hidden size): no meta build."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden = int(torch.tensor(8 * config.n_embd / 3).div(8).ceil().mul(8).item())
+        self.up, self.down = (
+            torch.nn.Linear(config.n_embd, hidden),
+            torch.nn.Linear(hidden, config.n_embd),
+        )
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _BuggyMLP(torch.nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(config.n_embd)  # a bug in the body, not in the signature
+
+
+def test_the_build_check_leaves_what_it_cannot_judge_to_the_real_build():
+    """A part that reads a tensor's value in its constructor (refused on the meta device) is
+    built and trains as before the check existed; a TypeError inside a constructor's body is
+    the user's traceback, not a line blaming the signature. Mutations caught: the meta build
+    outside the guard (the run could not start); any TypeError mentioning "argument" taken
+    for a wrong signature."""
+    from nanolab.training.module import GPTLightningModule
+
+    register_mlp("t_sized")(_SizedMLP)
+    register_mlp("t_buggy")(_BuggyMLP)
+    try:
+        gpt = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, mlp="t_sized")
+        module = GPTLightningModule(gpt=gpt)
+        logits, loss = module.model(
+            torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
+        )
+        assert logits.shape == (1, 4, 64) and loss is not None
+        buggy = GPTConfig(
+            vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, mlp="t_buggy"
+        )
+        with pytest.raises(TypeError, match="out_features"):
+            GPTLightningModule(gpt=buggy)
+    finally:
+        MLPS._classes.pop("t_sized", None)
+        MLPS._classes.pop("t_buggy", None)

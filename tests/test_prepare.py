@@ -782,6 +782,12 @@ def test_a_json_line_over_the_cap_is_refused_in_one_line_and_shorter_ones_stream
         assert len(err) == 1, err
         assert f"{big} line 3 is over 1,000 bytes: JSON lines hold one document" in err[0]
         assert not (tmp_path / "ds").exists()
+    # A line just over the cap that ends inside a read is measured whole, not from the read.
+    monkeypatch.setattr(sources, "_READ_BYTES", 600)
+    edge = tmp_path / "edge.jsonl"
+    write_jsonl(edge, [{"text": "z" * 1090}, {"text": "c"}])
+    assert main([str(edge), "-o", str(tmp_path / "ds"), "-q"]) == 2
+    assert f"{edge} line 1 is over 1,000 bytes" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -164,23 +164,29 @@ def test_a_folder_in_place_of_a_run_file_is_refused_before_the_run(
     assert sorted(p.name for p in run.iterdir()) == before  # no temp file, nothing moved
 
 
-@pytest.mark.parametrize("fresh", [False, True])
-def test_a_config_kept_in_an_empty_run_directory_is_never_replaced(
-    tmp_path: Path, fresh: bool
-) -> None:
+def test_a_config_kept_in_an_empty_run_directory_is_never_replaced(tmp_path: Path) -> None:
     """A ``config.yaml`` the user keeps where a run will go (notes, a queued job's own
-    ``--config``) is refused, not overwritten nor archived; the run's own copy (its header),
-    left by a launch that died before its first record, is taken over."""
+    ``--config``) is refused, untouched, or with ``run.fresh`` moved to ``previous/``; the
+    run's own copy (its header, or the whole dump a run wrote before the header), left by a
+    launch that died before its first record, is taken over."""
     from nanolab.callbacks.loggers import write_config_yaml
     from nanolab.runs import CONFIG_HEADER
 
     run = tmp_path / "exp"
     run.mkdir()
-    (run / "config.yaml").write_text("# my settings\ntrainer: {max_steps: 6}\n")
+    mine = "# my settings\ntrainer: {max_steps: 6}\n"
+    (run / "config.yaml").write_text(mine)
     before = _digest(tmp_path)
-    with pytest.raises(RunDirError, match=r"exp/config\.yaml was not written by a run .*move that"):
-        claim_run_dir(run, {"a": 1}, resuming=False, fresh=fresh)
+    with pytest.raises(RunDirError, match=r"exp/config\.yaml is not a config a run wrote .*move"):
+        claim_run_dir(run, {"a": 1}, resuming=False)
     assert _digest(tmp_path) == before
+    claim = claim_run_dir(run, {"a": 1}, resuming=False, fresh=True)
+    assert claim.archived_to is not None and (claim.archived_to / "config.yaml").read_text() == mine
+    assert not (run / "config.yaml").exists()
+
+    old = "seed_everything: 1\ntrainer: {}\nmodel: {}\ndata: {}\nrun: {}\nckpt_path: null\nweights_only: null\n"
+    (run / "config.yaml").write_text(old)  # what a run wrote before the header
+    assert claim_run_dir(run, {"a": 1}, resuming=False).run_id
 
     class Dumper:  # what LightningCLI's parser gives write_config_yaml
         def dump(self, config, **kwargs):
@@ -188,7 +194,7 @@ def test_a_config_kept_in_an_empty_run_directory_is_never_replaced(
 
     write_config_yaml(Dumper(), None, run / "config.yaml")
     assert (run / "config.yaml").read_text().startswith(CONFIG_HEADER)
-    assert claim_run_dir(run, {"a": 1}, resuming=False, fresh=fresh).run_id
+    assert claim_run_dir(run, {"a": 1}, resuming=False).run_id
 
 
 def test_a_run_log_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:

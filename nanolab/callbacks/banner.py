@@ -15,6 +15,8 @@ from typing import Any
 
 import lightning as L
 
+from nanolab.callbacks.clock import RunClock
+
 
 def _count(n: float) -> str:
     """``812_992`` -> ``813k``; ``1.24e8`` -> ``124M``."""
@@ -176,7 +178,9 @@ def banner_lines(
         steps = f"  steps      {start} -> {end}"
         if per_step is not None:
             steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
-            passes = data_passes(trainer, end * per_step[0])
+            clock = next((c for c in trainer.callbacks if isinstance(c, RunClock)), None)
+            so_far = clock.run_tokens if clock is not None else start * per_step[0]
+            passes = data_passes(trainer, so_far + (end - start) * per_step[0])
             if passes is not None and passes > 1:
                 split = _count(split_tokens(trainer) or 0)
                 steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"

@@ -106,6 +106,11 @@ class RunClock(Callback):
         self.pauses = dict.fromkeys(PAUSE_KINDS, 0.0)
         self.tokens = 0
         self.samples = 0
+        # The model's tokens when this run started from another run's checkpoint (0 for a run
+        # of its own from scratch): what it trained on before this run, on other data perhaps.
+        self.inherited_tokens = 0
+        #: Set before a launch that starts a new run from another run's checkpoint.
+        self.forked = False
         self._trainer: L.Trainer | None = None
         self._batch_start: float | None = None
         self._batch_shape = (0, 0)
@@ -327,11 +332,18 @@ class RunClock(Callback):
         self.end_pause("eval")
 
     # -- resume ------------------------------------------------------------------------------
+    @property
+    def run_tokens(self) -> int:
+        """Tokens this run trained on (all ranks), leaving out what the model had before a run
+        started from another run's checkpoint."""
+        return max(0, self.tokens - self.inherited_tokens)
+
     def start_new_run(self) -> None:
         """A new run that starts from another run's checkpoint: its wall time, step time and
         GPU-hours (and so its budget and cost) count from zero; the tokens and samples the
         model has trained on are kept (they are the model's, and a scaling fit's D)."""
         self.before_elapsed_s = self.before_gpu_hours = self.before_step_s = 0.0
+        self.inherited_tokens = self.tokens
 
     def account_earlier(self, elapsed_s: float, gpu_hours: float, step_s: float) -> None:
         """Raise the earlier processes' totals to at least these (from the run log).
@@ -357,6 +369,7 @@ class RunClock(Callback):
             "step_s": self.total_step_s(),
             "tokens": self.tokens,
             "samples": self.samples,
+            "inherited_tokens": self.inherited_tokens,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -365,3 +378,6 @@ class RunClock(Callback):
         self.before_step_s = float(state_dict.get("step_s", 0.0))
         self.tokens = int(state_dict.get("tokens", 0))
         self.samples = int(state_dict.get("samples", 0))
+        self.inherited_tokens = (
+            self.tokens if self.forked else int(state_dict.get("inherited_tokens", 0))
+        )

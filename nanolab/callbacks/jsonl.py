@@ -320,7 +320,7 @@ class MetricsLog(StepCallback):
             "event": "train",
             "time": time.time(),
             "step": int(step),
-            "epoch": data_passes(trainer, clock.tokens),
+            "epoch": data_passes(trainer, clock.run_tokens),
             "tokens": clock.tokens,
             "loss": None,
             "lr": lr,

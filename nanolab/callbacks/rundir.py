@@ -169,9 +169,9 @@ def claim_run_dir(
     checkpoints = checkpoint_files(run_dir)
     old_id = owner_of_log(log_path)
     holds_run = has_log or bool(checkpoints)
-    refusal = foreign_config(run_dir) if not holds_run else None
-    if refusal is not None:  # a config kept here by hand (a queued job's own --config, notes)
-        raise RunDirError(refusal)
+    foreign = foreign_config(run_dir) if not holds_run else None
+    if foreign is not None and not fresh:  # a config kept here by hand: fresh moves it aside
+        raise RunDirError(foreign)
 
     if resuming:
         if checkpoint is None or _is_own_checkpoint(
@@ -199,7 +199,8 @@ def claim_run_dir(
         _check_writable(run_dir)
         # Fresh, or a new run where a gone one left its state (its log and checkpoints deleted
         # by hand): that state goes with the old run, so the new one starts from nothing of it.
-        leftovers = holds_run or any((run_dir / name).exists() for name in RUN_STATE)
+        leftovers = holds_run or foreign is not None
+        leftovers = leftovers or any((run_dir / name).exists() for name in RUN_STATE)
         archived = _archive(run_dir, old_id, log_name) if leftovers else None
         return RunClaim(run_id=new_run_id(), archived_to=archived)
 

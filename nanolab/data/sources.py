@@ -489,11 +489,17 @@ class FileReader:
             parts.append(chunk)
             held += len(chunk)
             count = chunk.count(b"\n")
+            # The line that ends in this chunk (the one held so far plus the chunk's start),
+            # else the one still being read; lines wholly inside a chunk are shorter than it.
+            ended = tail + chunk.find(b"\n") if count else 0
+            over = newlines + 1 if ended > JSON_LINE_MAX_BYTES else None
             newlines += count
             tail = len(chunk) - chunk.rfind(b"\n") - 1 if count else tail + len(chunk)
-            if tail > JSON_LINE_MAX_BYTES:
+            if over is None and tail > JSON_LINE_MAX_BYTES:
+                over = newlines + 1
+            if over is not None:
                 raise SourceError(
-                    f"{self.file.path} line {line + newlines + 1} is over "
+                    f"{self.file.path} line {line + over} is over "
                     f"{_size(JSON_LINE_MAX_BYTES)}: JSON lines hold one document per line, each "
                     "read whole; split it into several lines (documents), or put its text in a "
                     ".txt file"

@@ -523,17 +523,20 @@ class LayerCache:
 def _built(reg: registry.Registry, name: str, *args: object) -> nn.Module:
     """``reg``'s class ``name`` built with ``args``; a class whose constructor does not take
     them is one line naming the setting, the class and the signature the block calls."""
+    import inspect
+
     cls = reg.get(name)
     try:
-        return cls(*args)
-    except TypeError as err:
-        if "argument" not in str(err):
-            raise
+        inspect.signature(cls).bind(*args)
+    except TypeError as err:  # the signature, not an error inside the constructor's body
         call = "cls(dim, config)" if len(args) == 2 else "cls(config)"
         raise ConfigError(
             f"model.gpt.{reg.field} {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be "
             f"built as {call}: {err} (docs/forking.md lists what each part takes)"
         ) from None
+    except ValueError:  # no signature to read (a builtin): the call decides
+        pass
+    return cls(*args)
 
 
 def _part(config: GPTConfig, field: str, module: nn.Module) -> str:
@@ -576,9 +579,15 @@ def check_parts(config: GPTConfig) -> None:
     part maps (B, T, C) to (B, T, C): a part of one's own returning another shape is one line
     naming it, not a traceback at the first step, nor a (B, T, 1) silently broadcast into the
     residual stream. A part that cannot run on meta tensors is left to its first real step."""
+    try:
+        with torch.device("meta"):
+            block = Block(config)
+    except ConfigError:
+        raise
+    except Exception:  # a part that reads a tensor's value while it is built: the real build
+        return
+    check_attention(config, block.attn)
     with torch.device("meta"):
-        block = Block(config)
-        check_attention(config, block.attn)
         x = torch.empty(2, min(4, config.block_size), config.n_embd)
         for field, part in (
             ("norm", block.ln_1),
@@ -637,6 +646,7 @@ class GPT(nn.Module):
         self.wpe = position(config) if position.applies_to == "input" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        check_attention(config, self.blocks[0].attn)
         self.ln_f = registry.NORMS.get(config.norm)(config.n_embd, config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_weights:

@@ -41,15 +41,18 @@ def _schedule_of(config: dict[str, Any], logged: list[tuple[int, float]]) -> tup
         return None, 0
     max_steps = int(num((config.get("trainer") or {}).get("max_steps")) or -1)
     planned = lr_schedule(cfg, max_steps)
-    # Step s trained at the multiplier of s - 1 (counted from 0); logs written before this
-    # release showed the next step's rate, planned(s). Either alignment, held by every sample.
+    # Step s trained at the multiplier of s - 1 (counted from 0); records written before this
+    # release showed the next step's rate, planned(s), and a run resumed across the upgrade
+    # holds both: each sample must be one or the other.
     sample = logged[:: max(1, len(logged) // 50)]
-    for shift in (1, 0):
-        if all(
+    if all(
+        any(
             math.isclose(lr, peak * planned(step - shift), rel_tol=1e-3, abs_tol=1e-12)
-            for step, lr in sample
-        ):
-            return (lambda steps: lr_schedule(cfg, steps)), cfg.warmup_steps
+            for shift in (1, 0)
+        )
+        for step, lr in sample
+    ):
+        return (lambda steps: lr_schedule(cfg, steps)), cfg.warmup_steps
     return None, 0
 
 

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.budget import CostBudget
 from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
+from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.runlock import global_rank_from_env
 from nanolab.data.prepare import OutputInUseError
@@ -172,6 +173,8 @@ def launch(cli: NanolabCLI) -> Trainer:
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, CostBudget):  # a branch's rules decide anew
                 callback.branch = bool(cand is not None and claimed.forked)
+        # A new run from another's checkpoint: its data passes count from here.
+        RunClock.attach(trainer).forked = bool(cand is not None and claimed.forked)
         if cand is not None:
             own = not claimed.forked  # a new run from another's checkpoint picks its own seeds
             keep_checkpoint_settings(cfg, cand.path, data, random_seed=seed is True, seeds=own)
