@@ -244,7 +244,7 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1; a queued job needs a finite number", False),
     (["--set", "data.source=[nowhere.txt]"], "data.source: nowhere.txt does not exist", False),
     (["--set", "data.dataset_dir=missing", "--set", "data.source=null"], "holds no prepared dataset", False),
-    (["--set", "data.dataset_dir=missing", "--set", "data.sourc=null"], "Option 'sourc' is not accepted", True),
+    (["--set", "data.dataset_dir=missing", "--set", "data.sourc=null"], "'sourc' is not a setting of the class it is given to", True),
     (["--set", "data.dataset_dir="], "data.dataset_dir is empty", False),
     (["--set", "model.optimizer.lr=.nan"], "model.optimizer.lr", False),
     (["--set", "model.gpt.n_layer=two"], "model.gpt.n_layer: 'two' is not valid; expected int", True),

@@ -199,9 +199,9 @@ def class_path_problem(text: str) -> str | None:
     m = re.match(r"Option '([^']+)' is not accepted", text)
     if m:
         return (
-            f"{m.group(1)!r} is not a setting of the class it is given to: a class chosen by "
-            "class_path takes the arguments of its __init__ (and its base classes'); check the "
-            "spelling under that class's init_args"
+            f"{m.group(1)!r} is not a setting of the class it is given to (the arguments of its "
+            "__init__ and its base classes'); check its spelling, under init_args for a class "
+            "chosen by class_path (nanolab fit --help-all lists nanolab's own)"
         )
     return None
 
