@@ -147,17 +147,8 @@ def no_cache_reason(model: Any) -> str:
         )
         verb = "run" if " and " in what else "runs"
         return f"{what} {verb} without a key/value cache: each new token runs the whole context"
-    parts = [] if model.wpe is None else [model.wpe]
-    for block in model.blocks[:1]:  # every block is built alike
-        parts += [block.attn, *([block.attn.rope] if getattr(block.attn, "rope", None) else [])]
-    missing = sorted(
-        {
-            f"{type(p).__module__}.{type(p).__qualname__}"
-            for p in parts
-            if not vars(type(p)).get("supports_kv_cache", False)
-        }
-    )
-    which = ", ".join(missing) or "a part of this model"
+    missing = {f"{type(p).__module__}.{type(p).__qualname__}" for p in model.uncached_parts()}
+    which = ", ".join(sorted(missing)) or "a part of this model"
     return (
         f"{which} does not declare supports_kv_cache in its class body (docs/forking.md): each "
         "new token runs the whole context"

@@ -145,8 +145,10 @@ def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
             if not any(k in d.parents for k in kept):
                 kept.append(d)
         found += [(d.relative_to(root).as_posix(), d) for d in sorted(kept)]
-    seen: set[Path] = set()
-    found = [(n, d) for n, d in found if not (d.resolve() in seen or seen.add(d.resolve()))]
+    unique: dict[Path, tuple[str, Path]] = {}
+    for name, run_dir in found:
+        unique.setdefault(run_dir.resolve(), (name, run_dir))  # the first root that found it
+    found = list(unique.values())
     names = [n for n, _ in found]
     if len(set(names)) != len(names):  # same name under two roots: qualify with the root
         found = [(str(d), d) for _, d in found]

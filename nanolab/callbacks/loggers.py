@@ -168,13 +168,12 @@ def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
     (``model: {gpt: ...}``, as written before they became choices); written atomically."""
     import yaml
 
+    from nanolab.runs import CONFIG_HEADER
     from nanolab.training.resolve import plain_config
 
     data = yaml.safe_load(parser.dump(config, skip_none=False, skip_validation=True))
     data.pop("config", None)  # the --config files it was merged from: not part of the run
     tmp = path.with_name(f".{path.name}.tmp")
-    from nanolab.runs import CONFIG_HEADER
-
     text = CONFIG_HEADER + yaml.safe_dump(plain_config(data), sort_keys=False)
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)

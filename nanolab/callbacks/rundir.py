@@ -50,7 +50,6 @@ CHECKPOINT_DIR = "checkpoints"
 CONFIG_NAME = "config.yaml"
 PREVIOUS_DIR = "previous"  # archived runs (run.fresh)
 
-
 #: Names a run directory keeps besides its run log: ``log.filename`` must not take one.
 RESERVED_NAMES = (CONFIG_NAME, CHECKPOINT_DIR, PREVIOUS_DIR, QUEUE_LOG_NAME, LEDGER)
 
@@ -199,8 +198,9 @@ def claim_run_dir(
         _check_writable(run_dir)
         # Fresh, or a new run where a gone one left its state (its log and checkpoints deleted
         # by hand): that state goes with the old run, so the new one starts from nothing of it.
-        leftovers = holds_run or foreign is not None
-        leftovers = leftovers or any((run_dir / name).exists() for name in RUN_STATE)
+        leftovers = (
+            holds_run or foreign is not None or any((run_dir / name).exists() for name in RUN_STATE)
+        )
         archived = _archive(run_dir, old_id, log_name) if leftovers else None
         return RunClaim(run_id=new_run_id(), archived_to=archived)
 

@@ -671,15 +671,18 @@ class GPT(nn.Module):
         """Whether every attention and position module declares it can run with a
         :class:`KVCache` (in its own class body: a subclass must declare it again), and
         attention is plain causal (a document mask or window runs without a cache)."""
-        if self.config.masks_attention:
-            return False
+        return not self.config.masks_attention and not self.uncached_parts()
+
+    def uncached_parts(self) -> list[nn.Module]:
+        """The attention and position modules that do not declare ``supports_kv_cache`` in
+        their own class body."""
         parts: list[nn.Module] = [] if self.wpe is None else [self.wpe]
         for block in self.blocks:
             parts.append(block.attn)
             rope = getattr(block.attn, "rope", None)
             if rope is not None:
                 parts.append(rope)
-        return all(vars(type(p)).get("supports_kv_cache", False) for p in parts)
+        return [p for p in parts if not vars(type(p)).get("supports_kv_cache", False)]
 
     def forward(
         self,
