@@ -293,13 +293,35 @@ def test_bench_takes_every_shipped_recipe_on_one_device(configs):
         (["--set=--trainer.max_steps=10"], "use --steps"),
         (["--warmup", "-1"], "--warmup must be >= 0"),
         (["--steps", "5", "--warmup", "5"], "--steps must exceed --warmup + 1"),
+        (["--set=--nonsense.key=3"], "unknown setting --nonsense.key"),
+        (["--set=--model.gpt.n_layer=abc"], "model.gpt.n_layer"),
+        (["--set=--model.gpt.n_head=3"], "n_head"),
+        (["--set=--model.gpt.n_layer"], "give one fit setting and its value"),
+        (["--set=model.gpt.n_layer=2"], "give one fit setting and its value"),
     ],
 )
 def test_bench_options_that_cannot_work_are_one_line(args, message, capsys) -> None:
     """A --set of what the bench sets itself ended in a StopIteration traceback (run.name) or
-    a run measured on other steps (exit 1); a negative warm-up was taken."""
+    a run measured on other steps (exit 1); a negative warm-up was taken. A --set fit refuses
+    (unknown key, wrong type, a head count that does not divide the width, no value) passed
+    the up-front check, so the first side's run failed and printed its error three times,
+    exit 1."""
     from nanolab.bench import main
 
     assert main(["--config", str(QUICKSTART), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_bench_set_takes_both_spellings() -> None:
+    """``--set '--key value'``, the form the help showed, was split on ``=`` only and refused
+    as an unknown setting ``--model.gpt.n_layer 2``."""
+    from nanolab.bench.harness import resolve_benchmarked, set_pair
+
+    assert set_pair("--model.gpt.n_layer 2") == ("--model.gpt.n_layer", "2")
+    assert set_pair("--model.gpt.n_layer=2") == ("--model.gpt.n_layer", "2")
+    assert set_pair('--data.datasets=[{"dir": "a=b"}]')[1] == '[{"dir": "a=b"}]'
+    resolved = resolve_benchmarked(
+        [str(QUICKSTART)], [*set_pair("--model.gpt.n_layer 2"), "--data.source", "null"], 10
+    )
+    assert resolved.world_size == 1

@@ -133,8 +133,8 @@ def _env() -> dict[str, str]:
 def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
     """Run one side's process, its output passed on to this process's stderr as it comes (a
     bench stopped from outside still shows how far each side got; stdout stays the result's);
-    its failure is a RuntimeError ending in its last output."""
-    tail: list[str] = []
+    its failure is a RuntimeError with its last line (the rest was passed on already)."""
+    last = "no output"
     with subprocess.Popen(
         cmd,
         env={**_env(), **(env or {})},
@@ -146,10 +146,10 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stderr.write(line)
-            tail = [*tail[-59:], line]
+            last = line.strip() or last
     sys.stderr.flush()
     if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{''.join(tail)[-3000:]}")
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}; its output is above): {last}")
 
 
 def run_nanolab(
@@ -593,22 +593,43 @@ def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) ->
     that cannot work, or that the plain loop would not train the same way, is one line now,
     not a failed run or a ratio of different work after the first round.
 
-    ``overrides`` are the ``--key value`` pairs given to fit, read as fit reads them.
+    ``overrides`` are the ``--key value`` pairs given to fit, read by fit's own parser (an
+    unknown key or a value of the wrong type is its one line here) and checked as fit checks
+    the model at start-up.
     """
-    from nanolab.training.resolve import compose, resolve, visible_gpus
+    from nanolab.run.read import FitParseError, fit_config
+    from nanolab.training.resolve import check_model_settings, resolve, sections, visible_gpus
 
-    pairs = [a for k, v in zip(overrides[::2], overrides[1::2], strict=False) for a in (k, v)]
-    config = compose(
-        [
-            *(a for c in configs for a in ("--config", c)),
-            *("--trainer.max_steps", str(steps), "--run.name", "bench-0"),
-            *pairs,
-        ]
-    )
+    try:
+        config = fit_config(
+            [
+                *(a for c in configs for a in ("--config", c)),
+                *("--trainer.max_steps", str(steps), "--run.name", "bench-0"),
+                *overrides,
+            ]
+        )
+    except FitParseError as err:
+        raise BenchError(str(err)) from None
+    check_model_settings(sections(config)[1])
     trainer = config.get("trainer") or {}
     resolved = resolve(config, visible_gpus=visible_gpus(trainer.get("accelerator")))
     check_comparable(config, resolved)
     return resolved
+
+
+def set_pair(item: str) -> tuple[str, str]:
+    """(``--key``, value) of one ``--set``: ``--key=value`` or ``--key value``."""
+    text = item.strip()
+    key, sep, value = text.partition("=")
+    if not sep:
+        key, _, value = text.partition(" ")
+    key, value = key.strip(), value.strip()
+    if not key.startswith("--") or len(key) < 3 or not value:
+        raise BenchError(
+            f"--set {item!r}: give one fit setting and its value, e.g. "
+            "--set=--run.eval_every_steps=50"
+        )
+    return key, value
 
 
 @one_line_errors("nanolab bench")
@@ -628,8 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--set",
         action="append",
         default=[],
-        metavar="--key value",
-        help="extra override for nanolab fit, e.g. --set=--run.eval_every_steps=50",
+        metavar="--key=value",
+        help="extra override for nanolab fit, e.g. --set=--run.eval_every_steps=50 (or "
+        "--set '--run.eval_every_steps 50')",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
@@ -649,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also train under a bare Lightning Trainer (no callbacks, no logging): splits "
         "the overhead per step into Lightning's own loop and nanolab's (the rounds rotate "
-        "which side goes first: give a multiple of 3)",
+        "which side goes first: a multiple of 3 puts each side first equally often)",
     )
     parser.add_argument(
         "--import-repeats",
@@ -667,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise BenchError("--rounds must be >= 1")
     if args.import_repeats < 1:
         raise BenchError("--import-repeats must be >= 1")
-    overrides = [part for item in args.set for part in item.split("=", 1)]
+    overrides = [part for item in args.set for part in set_pair(item)]
     for key in overrides[::2]:
         owner = BENCH_OWNS.get(key.lstrip("-"))
         if owner is not None:
