@@ -66,3 +66,14 @@ def host_memory_available() -> int | None:
     except (OSError, ValueError, ImportError):
         pass
     return max(0, min(limits)) if limits else None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (``/proc/self/statm``; 0 where it cannot be read)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError, ImportError):
+        return 0

@@ -14,7 +14,7 @@ import pytest
 
 from nanolab.estimator import largest_fitting_micro_batch
 from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
-from nanolab.estimator.memory import estimate_memory
+from nanolab.estimator.memory import CONTEXT_BYTES, estimate_memory
 from nanolab.estimator.setup import Setup
 from nanolab.model.config import GPTConfig
 from nanolab.training.module import GPTLightningModule
@@ -112,7 +112,11 @@ def test_the_recommended_micro_batch_fits_a_real_trainer_and_the_next_does_not()
     for b in range(1, 4):
         budget = (peaks[b] + peaks[b + 1]) // 2
         chosen = largest_fitting_micro_batch(
-            setup, device_memory=budget, device="cpu", divide_global_batch=False
+            setup,
+            device_memory=budget + CONTEXT_BYTES["cpu"],  # the allocator's share of the RAM
+            device="cpu",
+            fragmentation=0.0,
+            divide_global_batch=False,
         )
         assert chosen == b, (b, budget, peaks)
 
@@ -128,7 +132,10 @@ def test_a_smaller_micro_batch_can_need_more_memory_and_the_recommendation_knows
     predicted = {b: estimate_memory(setup, b, backend="cpu").peak_allocated for b in (2, 4)}
     assert predicted[2] > predicted[4]
     budget = (max(real[4], predicted[4]) + min(real[2], predicted[2])) // 2
-    assert largest_fitting_micro_batch(setup, device_memory=budget, device="cpu") == 4
+    room = budget + CONTEXT_BYTES["cpu"]  # the allocator's share of the RAM is the budget
+    assert (
+        largest_fitting_micro_batch(setup, device_memory=room, device="cpu", fragmentation=0.0) == 4
+    )
 
 
 @pytest.mark.parametrize(

@@ -182,9 +182,14 @@ def format_estimate(
             given or est.recommended_micro_batch != est.micro_batch
         ):
             devices = f" --trainer.devices {s.devices}" if s.devices > 1 else ""
+            auto = (
+                ""  # on a CPU, auto trains at data.micro_batch_size
+                if est.backend == "cpu"
+                else ", or --run.micro_batch_size auto (fit picks it for the GPU it runs on)"
+            )
             out.append(
-                f"  to train so: --run.micro_batch_size {est.recommended_micro_batch}{devices}, "
-                "or --run.micro_batch_size auto (fit picks it for the GPU it runs on)"
+                f"  to train so: --run.micro_batch_size {est.recommended_micro_batch}{devices}"
+                + auto
             )
     if est.switches:
         out.append("  switches that save memory (largest micro-batch that fits with each):")
@@ -214,8 +219,8 @@ def format_estimate(
         f"  step time                           {c.step_seconds:.3f} s",
         f"  throughput                          {c.tokens_per_second:,.0f} tokens/s, "
         f"{c.tokens_per_day / 1e9:,.2f} B tokens/day",
-        f"  token budget ({c.token_budget_source})".ljust(38)
-        + f"{c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps",
+        f"  token budget ({c.token_budget_source})".ljust(37)
+        + f" {c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps",
         f"  wall-clock                          {_hours(c.hours)} on {s.world_size} device(s)",
         f"  {kind}-hours and cost                  {_amount(c.gpu_hours)} {kind}-h x "
         f"${c.usd_per_gpu_hour:.2f} = ${_amount(c.cost_usd, whole_at=10)}",

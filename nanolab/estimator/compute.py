@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from nanolab.estimator.cpu import sixteen_bit_mfu
 from nanolab.estimator.gpus import GPU, format_rate
 from nanolab.estimator.gpus import matmul_rate as gpu_matmul_rate
 from nanolab.estimator.setup import Setup
@@ -108,6 +109,8 @@ def estimate_compute(
     else:
         mfu_used = gpu.default_mfu if mfu is None else mfu
         mfu_source = gpu.mfu_source if mfu is None else "--mfu"
+        if mfu is None and gpu.family == "cpu":
+            mfu_used, mfu_source = sixteen_bit_mfu(gpu, dtype)
         eff = mfu_used * fpt / (fpt + rpt)
         step_s = flops_step / (setup.world_size * peak * eff)
         tok_s = tps / step_s

@@ -1,10 +1,12 @@
 """The CPU as an estimator device: this machine's memory and its measured matmul rates.
 
-``nanolab estimate --device cpu`` describes a CPU run: CPU kernels (dropout masks in the input
-dtype, SDPA's math fallback with dropout, torch AdamW's per-tensor loop), no framework overhead
-and no fragmentation margin (the CPU allocator returns freed blocks). The time estimate uses the
-fp32 (and bf16) matmul rates measured here (the fastest of many short matmuls within 0.2 s), at the efficiency the queue assumes
-for CPU jobs; imports torch.
+``nanolab estimate --device cpu`` describes a CPU run on this machine: CPU kernels (dropout
+masks in the input dtype, SDPA's math fallback with dropout, torch AdamW's per-tensor loop), the
+training process's own memory and the C heap's slack on top of the allocator's peak
+(:data:`nanolab.estimator.memory.CPU_FRAGMENTATION`), against the RAM available now, the figure
+fit checks before it builds the model. The time estimate uses the fp32 (and bf16) matmul rates
+measured here (the fastest of many short matmuls within 0.2 s), at the efficiency the queue
+assumes for CPU jobs; imports torch.
 """
 
 from __future__ import annotations
@@ -27,12 +29,45 @@ from nanolab.estimator.gpus import GPU
 CPU_EFFICIENCY = 0.55
 
 
+def sixteen_bit_mfu(device: GPU, dtype: str) -> tuple[float, str]:
+    """(MFU against the ``dtype`` peak, why) that times a 16-bit run on a CPU at
+    :data:`CPU_EFFICIENCY` of the fp32 rate.
+
+    A 512 x 512 bf16 matmul on a CPU with AMX reads 3x the fp32 rate, but a training step under
+    bf16 autocast gets nowhere near it: the casts, the fp32 ops around the matmuls and the small
+    matmuls of a small model dominate. Measured 2026-12-05 on a 2-core Xeon with AMX (1 thread,
+    fastest steps, fp32 = 1): the quickstart model 0.81-0.87 under bf16-mixed and 0.71-0.93 as
+    bf16-true; a 6-layer, 384-wide model 2.3 and 2.4. Timing at the fp32 rate is close for small
+    models and errs long for larger ones; a finished queue run replaces it with its measured
+    time."""
+    peak, fp32 = device.peak(dtype), device.peak("fp32")
+    if not peak or not fp32 or dtype == "fp32":
+        return device.default_mfu, device.mfu_source
+    return device.default_mfu * min(1.0, fp32 / peak), (
+        f"{device.default_mfu:.0%} of the fp32 rate (CPU_EFFICIENCY): 16-bit training on a CPU "
+        "is timed at the fp32 rate, its matmul peak is rarely reached there; a finished queue "
+        "run of the config on this machine replaces it"
+    )
+
+
 def physical_memory() -> int:
     """Bytes of RAM (``os.sysconf``); 0 where the platform does not say."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def usable_memory() -> tuple[int, str]:
+    """(bytes a new run can have, where the figure comes from): the RAM available now (free
+    RAM capped by the cgroup and address-space limits, what fit's check before the model reads),
+    else the physical RAM."""
+    from nanolab.processes import host_memory_available
+
+    available = host_memory_available()
+    if available:
+        return available, "RAM available now (MemAvailable, cgroup and address-space limits)"
+    return physical_memory(), "physical RAM (os.sysconf)"
 
 
 #: Single matmuls timed per probe, at most (the fastest one counts), and the pause between two.
@@ -97,16 +132,17 @@ def cpu_device(threads: int | None = None, bf16: bool = True) -> GPU:
 
 
 def _device(threads: int, fp32: float, bf16: float | None) -> GPU:
+    memory, memory_source = usable_memory()
     return GPU(
         name="cpu",
         label=f"CPU (this machine, {threads} thread{'s' if threads > 1 else ''})",
-        memory_bytes=physical_memory(),
+        memory_bytes=memory,
         vendor="cpu",
         usd_per_hour=0.0,
         tflops={"fp32": fp32, "tf32": None, "bf16": bf16, "fp16": None, "fp8": None},
         family="cpu",
         memory_reported=True,
-        memory_source="physical RAM (os.sysconf)",
+        memory_source=memory_source,
         tflops_source="measured here: the fastest of up to 40 single 512 x 512 matmuls in 0.2 s "
         "per dtype",
         price_source="no price for a CPU; pass --usd-per-gpu-hour",

@@ -16,6 +16,7 @@ from nanolab.estimator.activations import rules_describe_block
 from nanolab.estimator.compute import ComputeEstimate, estimate_compute
 from nanolab.estimator.gpus import GPU, get_gpu, parse_memory
 from nanolab.estimator.memory import (
+    CPU_FRAGMENTATION,
     DEFAULT_FRAGMENTATION,
     Line,
     MemoryEstimate,
@@ -126,6 +127,13 @@ class Estimate:
         }
 
 
+#: Step times (GPU, CPU) below which the FLOPs model no longer predicts the time: a GPU step
+#: launches hundreds of kernels (~5 us each) and a CPU step pays ~3 ms of loop and per-op costs
+#: whatever its size (docs/overhead.md: 1.5 ms for a 1-layer plain loop, 1 ms of Lightning and
+#: nanolab on top).
+SMALL_STEP_S = (0.01, 0.05)
+
+
 def _device(
     gpu: str | GPU | None,
     device_memory: int | str | None,
@@ -134,8 +142,8 @@ def _device(
     fragmentation: float | None,
 ) -> tuple[GPU, int, dict[str, Any]]:
     """(the device, its memory, the ``backend``/``fragmentation`` keywords of the memory rules):
-    the backend from the vendor unless given; fragmentation none on a CPU (its allocator frees
-    blocks), else 10%, unless given."""
+    the backend from the vendor unless given; the fragmentation margin measured for the
+    backend (the C heap's slack on a CPU, the caching allocator's on a GPU) unless given."""
     if device not in ("gpu", "cpu"):
         raise EstimateError(f"--device must be gpu or cpu, got {device!r}")
     if device == "cpu":
@@ -150,7 +158,7 @@ def _device(
         g = replace(g, name="custom", label=f"device (time at {g.name} speed)")
     be = backend or ("cpu" if device == "cpu" else "rocm" if g.vendor == "amd" else "cuda")
     if fragmentation is None:
-        fragmentation = 0.0 if be == "cpu" else DEFAULT_FRAGMENTATION
+        fragmentation = CPU_FRAGMENTATION if be == "cpu" else DEFAULT_FRAGMENTATION
     return g, mem, {"backend": be, "fragmentation": fragmentation}
 
 
@@ -359,6 +367,8 @@ def estimate_from_config(
         micro, source = micro_batch_size, "--micro-batch"
     elif setup.micro_batch_size is not None:
         micro, source = setup.micro_batch_size, "config"
+    elif be == "cpu" and setup.data_micro_batch_size:  # fit plans auto on a GPU only
+        micro, source = setup.data_micro_batch_size, "auto: data.micro_batch_size on a CPU"
     else:
         micro, source = (choice[0] if choice else 1), "auto"
     memory = estimate_memory(setup, micro, **kw)
@@ -404,6 +414,12 @@ def estimate_from_config(
             f"and the time assumes the GPU family's MFU ({g.default_mfu:.0%}, measured compiled "
             "where measured), so it is likely optimistic; pass --mfu, or let a finished "
             "nanolab queue run of this config set it"
+        )
+    if measured is None and compute.step_seconds < SMALL_STEP_S[be == "cpu"]:
+        warnings.append(
+            f"{compute.step_seconds * 1e3:.2f} ms a step by the FLOPs model: at this size the "
+            "fixed costs of a step (kernel launches, Python, the training loop) dominate, so the "
+            "time is a lower bound; `nanolab bench --config ...` measures it"
         )
     if setup.global_batch_tokens is not None and setup.micro_batch_size is None and not choice:
         warnings.append("no micro-batch fits; see the switches")

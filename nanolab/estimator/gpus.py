@@ -105,11 +105,15 @@ def matmul_rate(
 
     The one answer for the estimator's time and the MFU callback's denominator. A dtype the
     device has no units for runs at its FP32 rate: TF32 on CDNA, bf16 on V100/T4 (emulated),
-    fp16 on a CPU. ``None`` only for a precision without rates.
+    fp16 on a CPU; ``16-mixed`` on a CPU is Lightning's bf16-mixed. ``None`` only for a
+    precision without rates.
     """
     dtype = matmul_dtype(precision, float32_matmul_precision)
     if dtype is None:
         return None, "", f"precision {precision!r} has no entry in the peak-FLOPs table"
+    if gpu.family == "cpu" and PRECISIONS.get(str(precision)) == "16-mixed" and gpu.bf16:
+        # Lightning has no fp16 autocast on a CPU: it trains 16-mixed as bf16-mixed there.
+        return gpu.peak("bf16"), "bf16", f"{gpu.label} bf16 dense (16-mixed runs as bf16-mixed)"
     value = gpu.peak(dtype)
     if value is not None:
         return value, dtype, f"{gpu.label} {dtype} dense"

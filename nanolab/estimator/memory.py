@@ -29,12 +29,21 @@ from nanolab.estimator.states import ModelStates, model_states
 #: 2026-12-04, benches/bench_memory.py): 767 MiB during a bf16 fit of 124M and of 350M alike.
 #: ROCm's context and rocBLAS/hipBLASLt workspaces are larger (not measured yet). NCCL/RCCL
 #: adds its own buffers once there is more than one device.
-CONTEXT_BYTES = {"cuda": 768 * MiB, "rocm": 1024 * MiB, "cpu": 0}
+#: On a CPU the line is the training process itself before its model and data (Python, torch,
+#: Lightning, the loaders): peak RSS of a 1-layer, 32-wide quickstart fit, 468 MiB (torch 2.13
+#: CPU build, Lightning 2.6.6, 2026-12-05), rounded up. The queue's CPU packing adds the same.
+CONTEXT_BYTES = {"cuda": 768 * MiB, "rocm": 1024 * MiB, "cpu": 512 * MiB}
 COMM_BYTES = {"cuda": 384 * MiB, "rocm": 512 * MiB, "cpu": 0}
 #: Share of the peak kept free for the caching allocator's slack (reserved / allocated - 1).
 #: Measured on an H200 with expandable segments (which `fit` turns on): 10.9% for 124M at
 #: micro-batch 16, 3.6% for 350M at 8; the default allocator left 22.1% and 6.2%.
 DEFAULT_FRAGMENTATION = 0.12
+#: The same margin on a CPU: resident memory the C heap keeps beyond the allocator's peak (freed
+#: blocks it does not hand back at once). Measured as the growth of a quickstart fit's peak RSS
+#: against the growth of its allocator peak between micro-batches 8, 128 and 256: 1.23x, 1.29x
+#: (1.26x over the whole range; 2026-12-05, torch 2.13 CPU build), rounded up. ``nanolab estimate --device
+#: cpu`` and fit's refusal of a run too big for this machine's RAM both use it.
+CPU_FRAGMENTATION = 0.35
 
 
 @dataclass
@@ -141,7 +150,8 @@ def estimate_memory(
     ctx = CONTEXT_BYTES[backend] + (COMM_BYTES[backend] if comm else 0)
     frag = int(fragmentation * peak)
     total = peak + ctx + frag
-    note = "context, kernels" + (", NCCL buffers" if comm else "")
+    note = "the process: Python, torch, Lightning" if backend == "cpu" else "context, kernels"
+    note += ", NCCL buffers" if comm else ""
     lines.append(Line("context", f"framework overhead ({backend})", ctx, note, in_peak=False))
     lines.append(fragmentation_line(fragmentation, frag))
     return MemoryEstimate(

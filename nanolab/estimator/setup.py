@@ -55,6 +55,8 @@ class Setup:
             ``high``/``medium``: TF32 where the GPU has it); only ``32-true`` matmuls care.
         devices_guessed: ``trainer.devices`` was ``auto`` (or absent) and no override was
             given, so one device per node was assumed.
+        data_micro_batch_size: ``data.micro_batch_size``, what an ``auto`` micro-batch trains
+            at where fit has no GPU memory to plan against (a CPU run).
     """
 
     gpt: GPTConfig
@@ -70,6 +72,7 @@ class Setup:
     compile: bool = False
     devices_guessed: bool = False  # trainer.devices was "auto" and nothing overrode it
     float32_matmul_precision: str = "high"
+    data_micro_batch_size: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -262,9 +265,15 @@ def setup_from_config(
         compile=bool(model.get("compile", False)),
         devices_guessed=resolved.devices_guessed,
         float32_matmul_precision=matmul,
+        data_micro_batch_size=_positive_int_or_none(data.get("micro_batch_size")),
     )
     check_setup(setup)
     return setup
+
+
+def _positive_int_or_none(value: Any) -> int | None:
+    """``value`` as a micro-batch when it is a positive whole number (else the data refuses it)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def check_setup(setup: Setup) -> None:

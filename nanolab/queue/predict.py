@@ -150,9 +150,6 @@ def describe(seconds: float | None) -> str:
 
 
 # -- memory, for packing jobs onto one device ---------------------------------------------------
-#: Resident memory of a ``nanolab fit`` process on a CPU before its model and data: Python,
-#: torch and Lightning imported (370 MiB measured on this project's machine, rounded up).
-CPU_PROCESS_BYTES = 512 * 1024**2
 
 
 def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | None, str]:
@@ -202,9 +199,7 @@ def _memory_backend(cfg: dict, gpu: str | None) -> str:
 
 def process_overhead(backend: str) -> int:
     """Bytes one more process takes on a device outside its allocator: the estimator's
-    framework line (context, kernels) on GPUs, the process itself on a CPU."""
-    if backend == "cpu":
-        return CPU_PROCESS_BYTES
+    framework line (context, kernels on GPUs; the process itself on a CPU)."""
     from nanolab.estimator.memory import CONTEXT_BYTES
 
     return int(CONTEXT_BYTES.get(backend, CONTEXT_BYTES["cuda"]))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nanolab.errors import NanolabError
-from nanolab.processes import host_memory_available
+from nanolab.processes import host_memory_available, resident_bytes
 
 
 class AutoBatchError(NanolabError):
@@ -82,8 +82,11 @@ def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
     """Refuse, before anything is allocated, a CPU run the estimator says cannot fit in RAM.
 
     ``config`` is the merged ``nanolab fit`` config as plain data (``vocab_size`` resolved);
-    ``processes`` training processes share this machine's memory. A config the estimator cannot
-    describe is let through (the run then finds out for itself).
+    ``processes`` training processes share this machine's memory. The need is the total of
+    ``nanolab estimate --device cpu`` (the process itself and the C heap's slack included), held
+    against the RAM available plus what this process already holds, so both commands give one
+    answer. A config the estimator cannot describe is let through (the run then finds out for
+    itself).
     """
     available = host_memory_available()
     if available is None:
@@ -93,7 +96,7 @@ def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
         raise _too_big(floor, available, processes, "at least ")
     try:
         from nanolab.estimator.estimate import setup_for
-        from nanolab.estimator.memory import estimate_memory
+        from nanolab.estimator.memory import CPU_FRAGMENTATION, estimate_memory
 
         trainer = dict(config.get("trainer") or {})
         trainer["precision"] = trainer.get("precision") or "32-true"  # Lightning's default
@@ -102,13 +105,16 @@ def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
         from nanolab.training.resolve import sections
 
         micro = int(sections(config)[3].get("micro_batch_size") or 1)
-        per_process = estimate_memory(setup, micro, backend="cpu").total
+        per_process = estimate_memory(
+            setup, micro, backend="cpu", fragmentation=CPU_FRAGMENTATION
+        ).total
     except Exception:
         return
     need = int(per_process) * max(1, processes)
-    if need <= available:
+    room = available + resident_bytes()  # this process's own memory is part of the need
+    if need <= room:
         return
-    raise _too_big(need, available, processes, "about ")
+    raise _too_big(need, room, processes, "about ")
 
 
 def _min_bytes(config: dict[str, Any]) -> int:
