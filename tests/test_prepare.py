@@ -837,3 +837,50 @@ def test_skip_bad_refuses_when_every_document_is_bad(tmp_path, capsys, tokenizer
     assert f"the first: {d / 'a.txt'}: empty document" in err[0]
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]
+
+
+def _word_level(path: Path, vocab: dict[str, int], unk: str | None = "[UNK]") -> Path:
+    """A WordLevel tokenizer.json over whitespace-split words, with an end-of-text token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(("top", "dtype"), [(65540, "uint32"), (1000, "uint16")])
+def test_a_tokenizer_json_with_gaps_in_its_ids_keeps_every_id(tmp_path, top, dtype):
+    """Seven tokens whose largest id is 65540: the vocabulary was the count (7), the bins
+    uint16, and 65540 was written as 4 ("the" trained as "mat"); with 1000 fit refused the
+    data (ids past a vocabulary of 7). The vocabulary is the largest id + 1."""
+    vocab = {"[UNK]": 0, "cat": 1, "sat": 2, "on": 3, "mat": 4, "the": top}
+    path = _word_level(tmp_path / "sparse.json", vocab)
+    for name in ("a", "b"):
+        (tmp_path / "txt").mkdir(exist_ok=True)
+        (tmp_path / "txt" / f"{name}.txt").write_text("the cat sat on the mat\n" * 400)
+    out = tmp_path / "ds"
+    assert main([str(tmp_path / "txt"), "-o", str(out), "--tokenizer", str(path), "-q"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["vocab_size"] == top + 1 and meta["dtype"] == dtype
+    ids = np.fromfile(out / "train.bin", dtype=meta["dtype"])
+    assert ids[:7].tolist() == [top, 1, 2, 3, top, 4, top]
+
+
+def test_an_id_the_dtype_cannot_hold_is_refused_not_wrapped(tmp_path):
+    """The encoder's last guard: an id past its dtype stops the run (``--skip-bad`` too,
+    since no document is at fault) instead of being written modulo 65536."""
+    from nanolab.data import encode
+    from nanolab.data.sources import Block
+    from nanolab.data.tokenizers import TokenizerError, build_tokenizer
+
+    path = _word_level(tmp_path / "sparse.json", {"[UNK]": 0, "cat": 1, "the": 65540})
+    tok = build_tokenizer(str(path), lambda: [])
+    spec = {**tok.to_meta(), "json": tok.to_json()}
+    settings = encode.EncodeSettings("text", 0.1, 0, "uint16")
+    encode.init_worker(spec, settings)
+    text = b"the cat"
+    block = Block("text", 0, "a.txt", 0, text, [len(text)], 0, True)
+    with pytest.raises(TokenizerError, match="gave id 65,540, past the uint16"):
+        encode.encode_block(block)

@@ -267,6 +267,7 @@ def encode_block(block: Block) -> BlockResult:
         arrays = _tokenizer.encode_batch(docs.texts) if docs.texts else []
     except TokenizerError as err:
         return BlockResult(_empty(dtype), _empty(dtype), 0, [f"{block.file_path}: {err}"])
+    _check_fits(arrays, dtype, block.file_path)
     draws = split_draw(s.seed, block.file_index, np.asarray(docs.units, dtype=np.int64))
     eot = _tokenizer.eot_id
     eot_arr = np.asarray([] if eot is None else [eot], dtype=dtype)
@@ -286,6 +287,19 @@ def encode_block(block: Block) -> BlockResult:
             part.ids = np.concatenate(pieces[is_val])
     chars = sum(len(t) for t in docs.texts)
     return BlockResult(parts[False], parts[True], chars, errors)
+
+
+def _check_fits(arrays: list[np.ndarray], dtype: np.dtype, where: str) -> None:
+    """Refuse an id the bins' dtype cannot hold: ``astype`` would wrap it (65540 to 4 in
+    uint16) and the model would train on other tokens than the text's. Raised, not returned:
+    it is the tokenizer's fault, not a document's, so ``--skip-bad`` does not skip it."""
+    top = max((int(a.max()) for a in arrays if a.size), default=0)
+    if top > np.iinfo(dtype).max:
+        raise TokenizerError(
+            f"{where}: the tokenizer gave id {top:,}, past the {dtype.name} the dataset's "
+            f"vocabulary chose (ids up to {np.iinfo(dtype).max:,}); the tokenizer.json gives ids "
+            "outside its own vocabulary: fix the file or use another tokenizer"
+        )
 
 
 def block_alphabet(block: Block) -> tuple[str, list[str], int]:

@@ -188,6 +188,7 @@ class HFTokenizer(Tokenizer):
         self._tok = tokenizer
         self.name = name
         self._eot_id = eot_id
+        self._vocab_size: int | None = None
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
@@ -265,7 +266,13 @@ class HFTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
+        """The largest id plus one, not the number of tokens: a file's ids may leave gaps (a
+        WordLevel vocabulary of 7 tokens whose last id is 65540), and the model's embedding
+        and the bins' dtype must hold every id it can give."""
+        if self._vocab_size is None:
+            ids = self._tok.get_vocab(with_added_tokens=True).values()
+            self._vocab_size = max(ids, default=-1) + 1
+        return self._vocab_size
 
     @property
     def eot_id(self) -> int | None:
