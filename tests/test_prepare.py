@@ -884,3 +884,36 @@ def test_an_id_the_dtype_cannot_hold_is_refused_not_wrapped(tmp_path):
     block = Block("text", 0, "a.txt", 0, text, [len(text)], 0, True)
     with pytest.raises(TokenizerError, match="gave id 65,540, past the uint16"):
         encode.encode_block(block)
+
+
+def test_characters_a_tokenizer_json_cannot_represent_are_refused_not_dropped(tmp_path, capsys):
+    """A BPE with no unknown token and no byte fallback (what a chars model exports) left
+    out every character it lacks: 'Genesis 1:1 ... God (Elohim)' trained as 'Genesis : ...
+    God Elohim', with no bad document counted and val_bytes counting the lost text."""
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = sorted(set("Genesis In the beginning, God Elohim created:\n"))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<|endoftext|>"])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for folder, text in (
+        (good, "In the beginning, God created\n"),
+        (bad, "Genesis 1:1 God (Elohim)\n"),
+    ):
+        folder.mkdir()
+        (folder / "a.txt").write_text(text * 200)
+    assert main([str(good), "-o", str(tmp_path / "ok"), "--tokenizer", str(path), "-q"]) == 0
+    meta = json.loads((tmp_path / "ok" / "meta.json").read_text())
+    ids = [np.fromfile(tmp_path / "ok" / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
+    text = load_tokenizer(tmp_path / "ok").decode(np.concatenate(ids)[:-1].tolist())
+    assert text == "In the beginning, God created\n" * 200
+    capsys.readouterr()
+    out = tmp_path / "ds"
+    assert main([str(bad), "-o", str(out), "--tokenizer", str(path), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "800 characters this tokenizer cannot represent" in err[0], err
+    assert "(such as '1', '(', ')')" in err[0] and "unknown token or byte fallback" in err[0]
+    assert not out.exists()

@@ -189,6 +189,8 @@ class HFTokenizer(Tokenizer):
         self.name = name
         self._eot_id = eot_id
         self._vocab_size: int | None = None
+        self._drops = _can_drop(tokenizer)
+        self._kept: dict[int, bool] = {}  # code point -> whether it gets an id
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
@@ -280,7 +282,33 @@ class HFTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        if self._drops:
+            self._refuse_dropped(texts)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def _refuse_dropped(self, texts: Sequence[str]) -> None:
+        """Refuse text with characters this tokenizer leaves out of its ids, as CharTokenizer
+        refuses a character it lacks. A character is tried alone once (cached: the cost grows
+        with the alphabet, not the text); the encoding's offsets cannot show it, since a
+        dropped character shifts every later offset of its word onto the characters after it."""
+        codes = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32)
+        bad = []
+        for code in np.unique(codes).tolist():
+            if code not in self._kept:
+                char = chr(code)
+                ids = self._tok.encode(char, add_special_tokens=False).ids
+                self._kept[code] = bool(ids) or char.isspace()  # a pre-tokenizer's split
+            if not self._kept[code]:
+                bad.append(code)
+        if bad:
+            lost = codes[np.isin(codes, bad)]
+            _, first = np.unique(lost, return_index=True)
+            shown = ", ".join(repr(chr(lost[i])) for i in sorted(first)[:5])
+            raise TokenizerError(
+                f"{lost.size:,} characters this tokenizer cannot represent would be dropped "
+                f"(such as {shown}); use a tokenizer.json with an unknown token or byte "
+                "fallback, or remove those characters from the text"
+            )
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(list(ids)))
@@ -293,6 +321,22 @@ class HFTokenizer(Tokenizer):
 
     def save_files(self, directory: Path) -> None:
         self._tok.save(str(directory / self.FILE))
+
+
+def _can_drop(tokenizer: Any) -> bool:
+    """Whether a ``tokenizers`` model can leave characters out of its ids without a trace: a
+    BPE with neither an unknown token nor byte fallback drops a character it has no symbol for
+    (the tokenizer.json a chars model exports, say). A byte-level BPE holding all 256 byte
+    symbols cannot: every character is bytes it has. The other models give an unknown token."""
+    from tokenizers import models, pre_tokenizers
+
+    model = tokenizer.model
+    if not isinstance(model, models.BPE) or model.unk_token or model.byte_fallback:
+        return False
+    pre = tokenizer.pre_tokenizer
+    if pre is not None and b'"ByteLevel"' in pre.__getstate__():
+        return not set(pre_tokenizers.ByteLevel.alphabet()) <= set(tokenizer.get_vocab())
+    return True
 
 
 #: The name older datasets and checkpoints use for nanolab's own BPE class.
