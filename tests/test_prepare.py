@@ -453,7 +453,9 @@ def test_a_tiny_corpus_still_gets_both_splits(tmp_path):
         np.fromfile(tmp_path / "ds1" / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")
     )
     assert tok.decode(train.tolist()) + tok.decode(val.tolist()) == SAMPLE
-    assert meta["val_tokens"] == int((len(SAMPLE) + 1) * 0.1) and val[-1] == meta["eot_id"]
+    # The cut is at a tenth of the tokens, moved to the next space (64 characters at most).
+    assert 0 <= int((len(SAMPLE) + 1) * 0.1) - meta["val_tokens"] < 64
+    assert val[-1] == meta["eot_id"] and SAMPLE[len(train)].isspace()
     assert meta["train_bytes"] + meta["val_bytes"] == len(SAMPLE.encode())
     (tmp_path / "x.txt").write_text("a")
     with pytest.raises(PrepareError, match="too small to split"):
@@ -917,3 +919,30 @@ def test_characters_a_tokenizer_json_cannot_represent_are_refused_not_dropped(tm
     assert len(err) == 1 and "800 characters this tokenizer cannot represent" in err[0], err
     assert "(such as '1', '(', ')')" in err[0] and "unknown token or byte fallback" in err[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3])
+def test_one_short_file_with_a_tokenizer_that_drops_spaces_is_cut_at_its_fraction(
+    tmp_path, fraction
+):
+    """A WordLevel tokenizer's decode leaves out the spaces, so decoded sizes never added up
+    to the file's bytes and the cut slid to the last token: validation was the end-of-text
+    alone (val_tokens 1, val_bytes 1) whatever --val-fraction. The cut is at the fraction and
+    each side's bytes are the text's."""
+    vocab = {"[UNK]": 0, "cat": 1, "sat": 2, "on": 3, "mat": 4, "the": 5}
+    path = _word_level(tmp_path / "wl.json", vocab)
+    text = "the cat sat on the mat\n" * 100
+    (tmp_path / "a.txt").write_text(text)
+    out = tmp_path / "ds"
+    args = [str(tmp_path / "a.txt"), "-o", str(out), "--tokenizer", str(path), "-q"]
+    assert main([*args, "--val-fraction", str(fraction)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    tokens = 6 * 100 + 1
+    assert abs(meta["val_tokens"] - tokens * fraction) <= 3
+    assert meta["train_tokens"] + meta["val_tokens"] == tokens
+    assert meta["train_bytes"] + meta["val_bytes"] == len(text)
+    assert abs(meta["val_bytes"] - len(text) * fraction) <= 10
+    ids = np.concatenate(
+        [np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
+    )
+    assert 0 not in ids.tolist()  # no word cut in two ([UNK])

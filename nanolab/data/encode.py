@@ -48,9 +48,10 @@ class SplitPart:
     nbytes: int = 0
     docs: int = 0
     units: int = 0
-    #: The last unit of this split in the block (ids, bytes, docs): the fallback moves it when a
-    #: tiny corpus left the other split empty.
-    last: tuple[np.ndarray, int, int] | None = None
+    #: The last unit of this split in the block (ids, bytes, docs, and its text when it is the
+    #: block's only unit): the fallback moves it when a tiny corpus left the other split empty,
+    #: or cuts the text of a corpus of one unit in two.
+    last: tuple[np.ndarray, int, int, str | None] | None = None
 
 
 @dataclass
@@ -273,6 +274,7 @@ def encode_block(block: Block) -> BlockResult:
     eot_arr = np.asarray([] if eot is None else [eot], dtype=dtype)
     pieces: dict[bool, list[np.ndarray]] = {False: [], True: []}
     parts = {False: _empty(dtype), True: _empty(dtype)}
+    alone = docs.texts[0] if len(docs.texts) == 1 else None
     for ids, end, nbytes, draw in zip(arrays, docs.ends, docs.nbytes, draws, strict=True):
         is_val = bool(draw < s.val_fraction)
         part = parts[is_val]
@@ -281,7 +283,7 @@ def encode_block(block: Block) -> BlockResult:
         part.nbytes += nbytes
         part.docs += int(end)
         part.units += 1
-        part.last = (unit_ids, nbytes, int(end))
+        part.last = (unit_ids, nbytes, int(end), alone)
     for is_val, part in parts.items():
         if pieces[is_val]:
             part.ids = np.concatenate(pieces[is_val])

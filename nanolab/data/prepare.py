@@ -714,7 +714,10 @@ class _Job:
         totals: dict[str, Any] = {
             split: {"tokens": 0, "bytes": 0, "docs": 0, "units": 0} for split in ("train", "val")
         }
-        last: dict[str, tuple[np.ndarray, int, int] | None] = {"train": None, "val": None}
+        last: dict[str, tuple[np.ndarray, int, int, str | None] | None] = {
+            "train": None,
+            "val": None,
+        }
         characters = 0
         progress = _Progress("tokenize", self.total_bytes, self.quiet)
         written = lambda: totals["train"]["tokens"] + totals["val"]["tokens"]  # noqa: E731
@@ -797,7 +800,7 @@ def _append(handle: IO[bytes], part: SplitPart, total: dict[str, int]) -> None:
 def _rebalance(
     handles: dict[str, IO[bytes]],
     totals: dict[str, Any],
-    last: dict[str, tuple[np.ndarray, int, int] | None],
+    last: dict[str, tuple[np.ndarray, int, int, str | None] | None],
     tok: Tokenizer,
     val_fraction: float,
 ) -> None:
@@ -808,7 +811,7 @@ def _rebalance(
             continue
         moved = last[full]
         assert moved is not None
-        ids, nbytes, docs = moved
+        ids, nbytes, docs, text = moved
         src = handles[full]
         src.flush()
         src.truncate(src.tell() - ids.nbytes)
@@ -818,23 +821,43 @@ def _rebalance(
         if totals[full]["units"]:
             pieces = {empty: (ids, nbytes, docs)}
         else:
+            assert text is not None  # the corpus's only unit is its block's only one
             if ids.size < 4:
                 raise PrepareError(
                     f"the corpus is too small to split: {ids.size} token(s); add text"
                 )
-            cut = ids.size - max(1, int(ids.size * val_fraction))
-
-            def size(part: np.ndarray) -> int:
-                return len(tok.decode(part.tolist()).encode("utf-8"))
-
-            while cut < ids.size - 1 and size(ids[:cut]) + size(ids[cut:]) != nbytes:
-                cut += 1  # not inside a character: its bytes would be counted as U+FFFD's 3
-            head = size(ids[:cut])
-            pieces = {"train": (ids[:cut], head, 0), "val": (ids[cut:], nbytes - head, docs)}
+            pieces = _cut(text, ids, nbytes, docs, tok, val_fraction)
         for split, (part, part_bytes, part_docs) in pieces.items():
             _append(
                 handles[split], SplitPart(part, int(part_bytes), int(part_docs), 1), totals[split]
             )
+
+
+_SPACE = re.compile(r"\s")
+
+
+def _cut(
+    text: str, ids: np.ndarray, nbytes: int, docs: int, tok: Tokenizer, val_fraction: float
+) -> dict[str, tuple[np.ndarray, int, int]]:
+    """The one unit of a corpus in two: ``val_fraction`` of its tokens, end-of-text included,
+    are the validation split. The text is cut at the character as far into it as that token
+    is into its ids, and each side is encoded and its bytes counted on its own: the bytes of
+    decoded ids are not the text's for a tokenizer whose decode gives other text back (a
+    WordLevel one drops the spaces), which counted 1 validation byte, or -128."""
+    body = ids.size - docs  # the text's tokens, without the end-of-text
+    keep = ids.size - max(1, int(ids.size * val_fraction))  # tokens left for training
+    at = min(len(text) - 1, max(1, round(len(text) * keep / body)))
+    space = _SPACE.search(text, at, min(len(text) - 1, at + 64))
+    at = space.start() if space else at  # not inside a word, where a WordLevel would see [UNK]
+    head, tail = text[:at], text[at:]  # whole characters: never inside one's UTF-8 bytes
+    head_ids, tail_ids = (a.astype(ids.dtype) for a in tok.encode_batch([head, tail]))
+    if docs:
+        tail_ids = np.concatenate([tail_ids, ids[-1:]])
+    head_bytes = len(head.encode("utf-8"))
+    return {
+        "train": (head_ids, head_bytes, 0),
+        "val": (tail_ids, nbytes - head_bytes, docs),
+    }
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
