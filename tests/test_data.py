@@ -155,3 +155,69 @@ def test_loaders_leave_the_training_rng_alone(char_dataset, workers):
     for loader in (dm.train_dataloader(), dm.val_dataloader(), dm.val_dataloader()):
         next(iter(loader))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize(("windows", "batch"), [(3, 4), (9, 4), (8, 1), (320, 16)])
+def test_a_device_count_that_scores_fewer_validation_windows_says_so(
+    char_dataset, capsys, windows, batch
+):
+    """Each device scores as many windows (Lightning averages the window count over ranks as
+    an integer), so 3 windows on 2 devices scored [0, 3579] of [0, 3579, 7158] without a
+    word; the launch now names the windows left out and the val_windows that keeps them. A
+    multiple of the devices scores one device's windows exactly."""
+    from types import SimpleNamespace
+
+    dm = TokenDataModule(
+        dataset_dir=str(char_dataset), micro_batch_size=batch, block_size=64, val_windows=windows
+    )
+    dm.setup("fit")
+    one = sorted(np.concatenate(dm.val_dataloader().sampler).tolist())
+    assert one == dm.val_parts[0].validation_keys(windows).tolist()
+    for world in (2, 3, 4):
+        if windows < world:
+            with pytest.raises(DataTooSmallError, match=f"each of the {world} devices a batch"):
+                dm.check_fits(world)
+            continue
+        capsys.readouterr()
+        dm.check_fits(world)
+        said = capsys.readouterr().err
+        kept = windows // world * world
+        if kept == windows:
+            assert said == ""
+        else:
+            assert f"{world} devices score {kept} of the {windows} validation windows" in said
+            assert (
+                f"set data.val_windows to a multiple of {world} ({kept} or {kept + world})" in said
+            )
+        ranks = []
+        for rank in range(world):
+            dm.trainer = SimpleNamespace(global_rank=rank, world_size=world)
+            ranks.append(list(dm.val_dataloader().sampler))
+        dm.trainer = None
+        assert len({len(r) for r in ranks}) == 1 and all(len(b) <= batch for r in ranks for b in r)
+        scored = sorted(np.concatenate([b for r in ranks for b in r]).tolist())
+        assert len(scored) == kept and set(scored) <= set(one)
+
+
+def test_fewer_validation_windows_than_devices_is_one_line_before_start(
+    char_dataset, capsys, tmp_path, monkeypatch
+):
+    """val_windows 1 on 2 devices left rank 1 without a batch: "DataLoader within local rank
+    has zero length" and the other rank's gloo connection closed, two tracebacks."""
+    from pathlib import Path
+
+    from nanolab.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "debug" / "cpu_check.yaml"
+    monkeypatch.chdir(tmp_path)  # where a run would be written: nothing must be
+    args = ["fit", "--config", str(config), "--data.source", "null",
+            "--data.dataset_dir", str(char_dataset), "--trainer.devices", "2",
+            "--trainer.strategy", "ddp", "--data.val_windows", "1"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "1 validation window(s) cannot give each of the 2 devices a batch" in err[0]
+    )
+    assert "set data.val_windows to 2 or more" in err[0], err
+    assert not list(tmp_path.iterdir())

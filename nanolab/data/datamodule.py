@@ -39,6 +39,8 @@ from nanolab.data.windows import (
     MixturePlan,
     ResumableBatchSampler,
     WindowPlan,
+    evaluation_batches,
+    validation_cut,
     validation_starts,
 )
 
@@ -409,16 +411,32 @@ class TokenDataModule(L.LightningDataModule):
         return packed
 
     def check_fits(self, world_size: int) -> None:
-        """Raise :class:`DataTooSmallError` now if a split cannot fill one step or one window."""
+        """Raise :class:`DataTooSmallError` now if a split cannot fill one step or one window,
+        or its validation windows cannot give every rank a batch."""
         self.window_plan(world_size)
-        if self.align == "document":
-            self.windows("val")
-            return
-        for part in self.parts:
+        for part, windows in zip(self.parts, self._validation_sets(), strict=True):
             try:
-                validation_starts(int(part.meta["val_tokens"]), self.block_size, 1)
+                evaluation_batches(windows, 0, world_size, self.micro_batch_size)
             except DataTooSmallError as err:
                 raise DataTooSmallError(f"{part.path}: {err}") from None
+            if cut := validation_cut(len(windows), world_size, str(part.path)):
+                rank_zero_only(messages.warn)("nanolab", cut)
+
+    def _validation_sets(self) -> list[np.ndarray]:
+        """Each folder's validation windows: the first ``val_windows``, evenly spaced."""
+        if self.align == "document":
+            return [part.validation_keys(self.val_windows) for part in self.windows("val")]
+        out = []
+        for part in self.parts:
+            try:
+                out.append(
+                    validation_starts(
+                        int(part.meta["val_tokens"]), self.block_size, self.val_windows
+                    )
+                )
+            except DataTooSmallError as err:
+                raise DataTooSmallError(f"{part.path}: {err}") from None
+        return out
 
     # -- fingerprint and resume ------------------------------------------------------------
     def data_fingerprint(self) -> dict[str, Any]:
@@ -555,13 +573,8 @@ class TokenDataModule(L.LightningDataModule):
         counts = []
         for d, part in enumerate(self.val_parts):
             starts = part.validation_keys(self.val_windows)
-            # Every rank gets as many windows (and batches) as the others: sharded models
-            # run collectives in each forward.
-            starts = starts[: max(world, len(starts) // world * world)]
-            counts.append(len(starts))
-            mine = starts[rank::world]
-            for i in range(0, len(mine), self.micro_batch_size):
-                batch = mine[i : i + self.micro_batch_size]
+            counts.append(len(starts) // world * world)  # what the ranks score together
+            for batch in evaluation_batches(starts, rank, world, self.micro_batch_size):
                 keys.append(batch if self.mixture is None else (d, batch))
         self.eval_scales = eval_scales(self.parts, counts)
         dataset = self.val_parts[0] if self.mixture is None else MixtureWindows(self.val_parts)

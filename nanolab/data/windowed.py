@@ -33,8 +33,10 @@ from typing import Any, Protocol, runtime_checkable
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
+from nanolab import messages
 from nanolab.data.checks import DataChangedError
 from nanolab.data.datamodule import (
     EvalScale,
@@ -48,6 +50,8 @@ from nanolab.data.windows import (
     DataTooSmallError,
     IndexPlan,
     ResumableBatchSampler,
+    evaluation_batches,
+    validation_cut,
 )
 
 
@@ -142,8 +146,14 @@ class WindowDataModule(L.LightningDataModule):
         return IndexPlan(len(train), self.micro_batch_size, world_size, self.seed)
 
     def check_fits(self, world_size: int) -> None:
-        """Raise :class:`DataTooSmallError` now if the split cannot fill one step of all ranks."""
+        """Raise :class:`DataTooSmallError` now if the split cannot fill one step of all ranks,
+        or the validation windows cannot give every rank a batch."""
         self.window_plan(world_size)
+        val = self._sources()[1]
+        windows = np.arange(min(len(val), self.val_windows), dtype=np.int64)
+        evaluation_batches(windows, 0, world_size, self.micro_batch_size)
+        if cut := validation_cut(len(windows), world_size, type(self).__name__):
+            rank_zero_only(messages.warn)("nanolab", cut)
 
     def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
         return DataLoader(
@@ -162,10 +172,8 @@ class WindowDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         rank, world = rank_world(self.trainer)
         val = self._sources()[1]
-        count = min(len(val), self.val_windows)
-        count = max(world, count // world * world)  # every rank runs as many batches
-        mine = np.arange(count, dtype=np.int64)[rank::world] % len(val)
-        batches = [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]  # fmt: skip
+        windows = np.arange(min(len(val), self.val_windows), dtype=np.int64)
+        batches = evaluation_batches(windows, rank, world, self.micro_batch_size)
         per_token = getattr(val, "bytes_per_token", None)
         bpb = None if not per_token else 1.0 / (float(per_token) * float(np.log(2)))
         self.eval_scales = [EvalScale(name="val", loss_weight=1.0, bpb=bpb, overall_bpb=bpb)]

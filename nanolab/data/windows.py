@@ -177,6 +177,40 @@ def validation_starts(num_tokens: int, block_size: int, count: int) -> np.ndarra
     return np.linspace(0, last, count).round().astype(np.int64)
 
 
+def evaluation_batches(
+    keys: np.ndarray, rank: int, world: int, micro_batch_size: int
+) -> list[np.ndarray]:
+    """Rank ``rank``'s batches of the validation windows ``keys``, at most
+    ``micro_batch_size`` each. Every rank gets as many windows, so as many batches (a sharded
+    model runs collectives in each forward) and as many windows to average: Lightning reduces
+    a logged mean as the ranks' sums over the ranks' mean window count, an integer mean, so
+    unequal shares would be weighed wrong. So the set is cut to a multiple of ``world``
+    (:func:`validation_cut` says so at launch); a rank without any window is refused, as it
+    stopped the run with a traceback on every rank."""
+    count = len(keys)
+    if count < world:
+        raise DataTooSmallError(
+            f"{count} validation window(s) cannot give each of the {world} devices a batch; set "
+            f"data.val_windows to {world} or more (a validation split of fewer windows needs "
+            "more text: a larger --val-fraction), or run on fewer devices"
+        )
+    mine = keys[: count // world * world][rank::world]
+    return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def validation_cut(count: int, world: int, where: str) -> str | None:
+    """The launch's warning when ``world`` devices score fewer of ``where``'s ``count``
+    validation windows than one device does (``None`` when they score all of them)."""
+    if count < world or count % world == 0:
+        return None
+    kept = count // world * world
+    return (
+        f"{where}: {world} devices score {kept} of the {count} validation windows (each device "
+        f"as many), one device all {count}: their val losses differ; set data.val_windows to a "
+        f"multiple of {world} ({kept} or {kept + world}) for the same set on both"
+    )
+
+
 # -- mixtures ----------------------------------------------------------------------------------
 def _dataset_seed(seed: int, index: int) -> int:
     """The window-order seed of dataset ``index`` of a mixture (distinct per dataset)."""
