@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import resource
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +150,13 @@ def _bad_checkpoints(ws: Workspace) -> None:
     payload = ws.work / "pickle.ckpt"
     torch.save({"state_dict": {}, "evil": _Payload(str(ws.work / "pwned"))}, payload)
     shutil.copy(ws.cache.run("shape3") / "checkpoints" / "last.ckpt", ws.work / "shape3.ckpt")
+    # A header overwritten inside the archive (a bad sector): the zip directory is intact, and a
+    # memory-mapped load read every later tensor from shifted bytes, finite and wrong.
+    damaged = bytearray(good)
+    with zipfile.ZipFile(io.BytesIO(good)) as archive:
+        first = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    damaged[first.header_offset : first.header_offset + 30] = bytes(30)
+    ws.write("damaged.ckpt", bytes(damaged))
 
 
 class _Payload:
@@ -467,6 +476,10 @@ def _tool_rows() -> list[Case]:
         Case("generate-ckpt-truncated", (*gen, "{work}/truncated.ckpt"), EXIT_USAGE,
              "truncated.ckpt is not a checkpoint (not a torch zip archive: empty, truncated",
              setup=_bad_checkpoints),
+        Case("generate-ckpt-damaged", (*gen, "{work}/damaged.ckpt"), EXIT_USAGE,
+             "damaged.ckpt is damaged (its record", setup=_bad_checkpoints),
+        Case("export-ckpt-damaged", ("export", "--ckpt", "{work}/damaged.ckpt", "-o",
+             "{work}/out"), EXIT_USAGE, "damaged.ckpt is damaged", setup=_bad_checkpoints),
         Case("generate-ckpt-pickle", (*gen, "{work}/pickle.ckpt"), EXIT_USAGE,
              "pickle.ckpt holds Python objects besides tensors", setup=_bad_checkpoints),
         Case("generate-ckpt-other-shape", (*gen, "{work}/shape3.ckpt", "--max-new-tokens", "5"),

@@ -347,3 +347,27 @@ def test_a_model_cast_to_16_bits_computes_its_loss_in_fp32():
     assert loss.item() == pytest.approx(exact.item(), abs=1e-6)
     rounded = F.cross_entropy(logits.flatten(0, 1), y.view(-1))
     assert abs(rounded.float().item() - exact.item()) > 1e-4  # what a bf16 loss would log
+
+
+def test_a_checkpoint_with_an_overwritten_record_header_is_refused_not_read_shifted(tmp_path):
+    """A zip record's local header overwritten (a bad sector, a torn copy) left the archive's
+    directory intact, and the memory-mapped load read the tensors after it from shifted bytes:
+    an export of such a file held embeddings of 4e24, finite and silent. Every record's header
+    is now checked where the directory says it is."""
+    import io
+    import zipfile
+
+    from nanolab.model.checkpoint import CheckpointError, damaged_record, load_checkpoint
+
+    path = tmp_path / "good.ckpt"
+    torch.save({"state_dict": {f"model.w{i}": torch.randn(64) for i in range(3)}}, path)
+    assert damaged_record(path) is None and load_checkpoint(path)["state_dict"]
+    good = path.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(good)) as archive:
+        record = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    damaged = bytearray(good)
+    damaged[record.header_offset : record.header_offset + 30] = bytes(30)
+    (tmp_path / "damaged.ckpt").write_bytes(bytes(damaged))
+    assert damaged_record(tmp_path / "damaged.ckpt") == record.filename
+    with pytest.raises(CheckpointError, match=r"damaged.ckpt is damaged \(its record .*data/0"):
+        load_checkpoint(tmp_path / "damaged.ckpt")

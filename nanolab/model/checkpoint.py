@@ -9,6 +9,7 @@ code. A path may also name a run directory (its ``checkpoints/last.ckpt`` is use
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,31 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"--ckpt {path} is a folder without checkpoints/last.ckpt; {hint}")
 
 
+def damaged_record(path: str | Path) -> str | None:
+    """The first record of the torch zip archive ``path`` whose local header is not where the
+    archive's directory says, or whose data would run past the end of the file (``None`` when
+    every record is in place).
+
+    ``torch.load(mmap=True)`` maps each tensor at the offset the directory gives without
+    reading the header there, so a file whose header was overwritten (a bad sector, a torn copy)
+    loads shifted bytes as weights: finite, wrong and silent. Checking every header costs one
+    small read per tensor, not a read of the data."""
+    size = Path(path).stat().st_size
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+        for info in archive.infolist():
+            f.seek(info.header_offset)
+            head = f.read(30)
+            if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                return info.filename
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            if f.read(name_len).decode("utf-8", "replace") != info.orig_filename:
+                return info.filename
+            end = info.header_offset + 30 + name_len + extra_len + info.compress_size
+            if end > size:
+                return info.filename
+    return None
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     sharded = sharded_folder_error(path)
@@ -91,6 +117,16 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a checkpoint (not a torch zip archive: empty, truncated or another "
             "kind of file); pass a .ckpt written by nanolab fit"
+        )
+    try:
+        damaged = damaged_record(path)
+    except (OSError, zipfile.BadZipFile) as err:
+        damaged = str(err) or type(err).__name__
+    if damaged is not None:
+        raise CheckpointError(
+            f"{path} is damaged (its record {damaged} is not where the archive's directory "
+            "says: a bad disk or a torn copy); pass another checkpoint, e.g. an earlier "
+            "step-*.ckpt of the run"
         )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
