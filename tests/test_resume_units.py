@@ -109,6 +109,18 @@ def test_resume_path_and_architecture_checks(tmp_path: Path) -> None:
         resolve_resume(str(tmp_path / "torn.ckpt"), tmp_path)
 
 
+def test_a_null_is_a_change_unless_it_means_from_the_data(tmp_path: Path) -> None:
+    """``attention_window: null`` is the whole context, not "as the checkpoint": a windowed run
+    resumed or scored without its window is refused. Only vocab_size and eot_id read null as
+    "take it from the data", which the checkpoint matches."""
+    windowed = {**GPT, "attention_window": 8, "document_mask": True, "eot_id": 0}
+    ckpt = fake_checkpoint(tmp_path / "x.ckpt", 4, windowed)
+    with pytest.raises(ResumeError, match=r"attention_window 8 in the checkpoint vs None now"):
+        resolve_resume(str(ckpt), tmp_path, {**windowed, "attention_window": None})
+    from_data = {**windowed, "vocab_size": None, "eot_id": None}
+    assert resolve_resume(str(ckpt), tmp_path, from_data) == str(ckpt)
+
+
 def test_fit_refuses_a_bad_resume_path_in_one_line(tmp_path: Path, char_dataset: Path) -> None:
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     (tmp_path / "torn.ckpt").write_bytes(b"not a checkpoint")

@@ -33,6 +33,11 @@ REQUIRED_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "gl
 #: GPT settings that do not change parameter shapes; a resume may change them.
 RUNTIME_GPT_FIELDS = frozenset({"dropout", "gradient_checkpointing", "attention"})
 
+#: GPT settings whose ``null`` means "read it from the data" (``nanolab fit`` fills them in
+#: after this check may run, e.g. the queue's at ``add``): null there is no change. Any other
+#: null is a value (``attention_window: null`` is the whole context) and must match.
+FROM_DATA_GPT_FIELDS = frozenset({"vocab_size", "eot_id"})
+
 _STEP_IN_NAME = re.compile(r"step[=_-]?(\d+)")
 
 
@@ -233,7 +238,7 @@ def check_same_model(
         f"{k} {saved[k]!r} in the checkpoint vs {gpt_config[k]!r} now"
         for k in sorted(set(saved) & set(gpt_config))
         if k not in RUNTIME_GPT_FIELDS
-        and gpt_config[k] is not None  # vocab_size: null is filled in from the data later
+        and not (k in FROM_DATA_GPT_FIELDS and gpt_config[k] is None)
         and saved[k] != gpt_config[k]
     ]
     if diffs:
