@@ -108,7 +108,7 @@ def _llama_architecture(config: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The :class:`GPTConfig` fields of a Llama ``config.json``, after refusing what nanolab's
     RoPE + RMSNorm + SwiGLU GPT does not compute."""
     from nanolab.model.gpt import swiglu_hidden
-    from nanolab.model.llama import architecture_from_llama
+    from nanolab.model.llama import architecture_from_llama, rope_of_llama
 
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "vocab_size", "max_position_embeddings"):  # fmt: skip
@@ -123,8 +123,7 @@ def _llama_architecture(config: dict[str, Any], folder: Path) -> dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             refusals.append(f"{key} true (nanolab's Llama has no biases)")
-    if config.get("rope_scaling"):
-        refusals.append("rope_scaling (nanolab: plain RoPE)")
+    refusals += [f"{rope} (nanolab: plain RoPE)" for rope in rope_of_llama(config)[1]]
     if config.get("num_key_value_heads", heads) != heads:
         refusals.append("num_key_value_heads below num_attention_heads (grouped-query attention)")
     if config.get("head_dim", hidden // heads) != hidden // heads or hidden % heads:

@@ -155,6 +155,31 @@ def llama_config_from_nanolab(
     }
 
 
+def rope_of_llama(config: dict[str, Any]) -> tuple[Any, list[str]]:
+    """A Llama ``config.json``'s RoPE base (as written), and its RoPE types other than plain.
+
+    transformers 4 writes a top-level ``rope_theta`` and, for a scaled RoPE, ``rope_scaling``
+    (its type under ``rope_type``, or ``type`` in older files); transformers 5 writes both in
+    ``rope_parameters`` (``{"rope_theta": ..., "rope_type": "default"}``) and neither at the
+    top. Reading only one spelling would take the default base 10000 for a model trained with
+    another, or import a scaled RoPE as a plain one: both compute other logits, silently.
+    """
+    theta = config.get("rope_theta", 10000.0)
+    other: list[str] = []
+    for key in ("rope_scaling", "rope_parameters"):
+        params = config.get(key)
+        if not params:
+            continue
+        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+            other.append(f"{key} not one mapping of settings")  # e.g. one per layer type
+            continue
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            other.append(f"{key} rope_type {kind!r}")
+        theta = params.get("rope_theta", theta)
+    return theta, other
+
+
 def architecture_from_llama(config: dict[str, Any]) -> dict[str, Any]:
     """``model.gpt`` settings of a Llama ``config.json`` nanolab wrote (or one shaped alike)."""
     heads = int(config["num_attention_heads"])
@@ -172,6 +197,6 @@ def architecture_from_llama(config: dict[str, Any]) -> dict[str, Any]:
         "mlp_ratio": mlp_ratio,
         "bias": False,
         "tie_weights": bool(config.get("tie_word_embeddings", False)),
-        "rope_base": float(config.get("rope_theta", 10000.0)),
+        "rope_base": float(rope_of_llama(config)[0]),
         **LLAMA,
     }
