@@ -11,7 +11,9 @@ The architecture comes from ``nanolab.json`` as from a Hugging Face ``config.jso
 user left at its default takes the export's value, one set to another value is refused naming
 both. What does not change the weights (the context length, dropout, the attention kernel,
 document masking, a window, checkpointing) stays the user's; a learned position table is cut to
-``block_size`` rows, never extended.
+``block_size`` rows, never extended. A window or document mask the export was trained with and
+the new run leaves out (or sets otherwise) is said in one note (:func:`attention_note`): the
+weights load either way, but each token then attends to other tokens than it learned with.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ ARCHITECTURE_KEYS = (
     "mlp",
     "attention_variant",
 )
+
+
+#: ``GPTConfig`` keys an export records that stay the new run's choice although they change
+#: what attention sees (so what the weights compute): named when they differ.
+ATTENTION_KEYS = ("attention_window", "document_mask")
 
 
 class ExportedFormatError(ConfigError):
@@ -122,3 +129,22 @@ def exported_state(
                 f"makes it {list(shape)}"
             )
     return state
+
+
+def attention_note(folder: Path, info: dict[str, Any], gpt: dict[str, Any]) -> str | None:
+    """One line when the run (``gpt``, its ``model.gpt``) attends otherwise than the export in
+    ``folder`` was trained to (a window, document masking), or None: the same."""
+    trained = exported_architecture(info)
+    differ = [k for k in ATTENTION_KEYS if gpt.get(k, trained[k]) != trained[k]]
+    if not differ:
+        return None
+
+    def said(keys: list[str], values: dict[str, Any]) -> str:
+        return " and ".join(f"{k} {json.dumps(values.get(k))}" for k in keys)
+
+    keep = " ".join(f"--model.gpt.{k} {json.dumps(trained[k])}" for k in differ)
+    return (
+        f"model.init_from {folder} was trained with {said(differ, trained)}, this run has "
+        f"{said(differ, gpt)}: the weights load, but each token attends to other tokens than "
+        f"it learned with; set {keep} to keep what it was trained with"
+    )

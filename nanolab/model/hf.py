@@ -525,3 +525,12 @@ def apply_init_from(model_cfg: Any) -> None:
     current = {f.name: gpt.get(f.name, f.default) for f in fields(GPTConfig)}
     for key, value in resolve_architecture(current, model_cfg.init_from).items():
         setattr(gpt, key, value)
+    folder = hf_folder(model_cfg.init_from)
+    info = exported.exported_info(folder)
+    line = exported.attention_note(folder, info, current) if info is not None else None
+    if line is not None:
+        from nanolab.callbacks.runlock import global_rank_from_env
+        from nanolab.messages import note
+
+        if global_rank_from_env() == 0:
+            note("nanolab", line)
