@@ -121,6 +121,18 @@ def test_a_null_is_a_change_unless_it_means_from_the_data(tmp_path: Path) -> Non
     assert resolve_resume(str(ckpt), tmp_path, from_data) == str(ckpt)
 
 
+def test_a_folder_is_a_sharded_checkpoint_only_with_its_files(tmp_path: Path) -> None:
+    """A folder named with a step counts as a sharded checkpoint only when it holds one (torch
+    distributed checkpoint's .metadata, DeepSpeed's *_model_states.pt): a folder holding a
+    copied last.ckpt was taken as one and Lightning failed on it with IsADirectoryError."""
+    copied = fake_checkpoint(tmp_path / "x" / "step-00000010" / "last.ckpt", 10).parent
+    assert "sharded checkpoint's files" in (inspect_checkpoint(copied).error or "")
+    (tmp_path / "dcp" / "step-00000010.ckpt").mkdir(parents=True)
+    (tmp_path / "dcp" / "step-00000010.ckpt" / ".metadata").write_bytes(b"")
+    sharded = inspect_checkpoint(tmp_path / "dcp" / "step-00000010.ckpt")
+    assert sharded.ok and sharded.step == 10
+
+
 def test_fit_refuses_a_bad_resume_path_in_one_line(tmp_path: Path, char_dataset: Path) -> None:
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     (tmp_path / "torn.ckpt").write_bytes(b"not a checkpoint")

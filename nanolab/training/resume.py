@@ -107,9 +107,14 @@ def inspect_checkpoint(path: str | Path, training: bool = True) -> Candidate:
     cand = Candidate(path)
     if path.is_dir():
         # Sharded checkpoints (FSDP, DeepSpeed) are folders; opening them needs the strategy.
-        # They count when they are non-empty and named with their step.
+        # They count when they hold a sharded checkpoint's files and are named with their
+        # step; any other folder (a torn save, a folder of .ckpt files) is not one.
+        from nanolab.model.checkpoint import sharded_kind
+
         if not any(path.iterdir()):
             cand.error = "empty checkpoint folder"
+        elif sharded_kind(path) is None:
+            cand.error = "a folder without a DeepSpeed or FSDP sharded checkpoint's files"
         elif cand.name_step is None:
             cand.error = "sharded checkpoint folder without a step in its name"
         else:
