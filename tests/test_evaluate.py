@@ -72,6 +72,29 @@ def test_validate_evaluates_the_newest_checkpoint_and_logs_it(work):
     assert sorted(set(after) - set(before)) == []  # the lock file is gone again
 
 
+@pytest.mark.slow  # three CLI runs: ~25 s on 2 cores
+def test_a_folder_given_as_the_checkpoint_is_read_as_generate_reads_it(work):
+    """A run directory, or a step-named folder a checkpoint was copied into, is its last.ckpt
+    (the folder was taken for a sharded checkpoint: an IsADirectoryError traceback, exit 1);
+    any other folder is one line naming it a folder, exit 2. Printed, not logged: a path."""
+    run = work / "runs" / "tiny"
+    copy = work / "x" / "step-00000006"
+    copy.mkdir(parents=True)
+    shutil.copy(run / "checkpoints" / "last.ckpt", copy / "last.ckpt")
+    before = digests(work)
+    for given in ("runs/tiny", "x/step-00000006"):
+        res = run_nanolab("validate", "--config", "tiny.yaml", "--ckpt_path", given, cwd=work)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"{fit_val_loss(run, 6):.4f}"[:5] in res.stdout
+    assert digests(work) == before
+    res = run_nanolab("validate", "--config", "tiny.yaml", "--ckpt_path", "x", cwd=work)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "nanolab validate: error: --ckpt_path x is a folder without checkpoints/last.ckpt; "
+        "pass a .ckpt file"
+    )
+
+
 @pytest.mark.slow
 def test_test_best_picks_the_lowest_logged_validation_loss(work):
     run = work / "runs" / "tiny"

@@ -21,6 +21,7 @@ from nanolab.training.resume import (
     find_resume_checkpoint,
     inspect_checkpoint,
     resolve_resume,
+    resume_candidate,
 )
 
 GPT = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 70, "dropout": 0.1}
@@ -131,6 +132,39 @@ def test_a_folder_is_a_sharded_checkpoint_only_with_its_files(tmp_path: Path) ->
     (tmp_path / "dcp" / "step-00000010.ckpt" / ".metadata").write_bytes(b"")
     sharded = inspect_checkpoint(tmp_path / "dcp" / "step-00000010.ckpt")
     assert sharded.ok and sharded.step == 10
+
+
+def test_a_named_folder_is_read_as_generate_reads_it_or_named_a_folder(tmp_path: Path) -> None:
+    """A run directory (or a folder holding last.ckpt) given to evaluate is its last.ckpt, as
+    for generate, eval and export; given to resume from, it is named with the file to pass
+    (the same command run again continues a run only by the same file); any other folder is
+    one line calling it a folder, not "a sharded checkpoint folder without a step in its name"."""
+    run = tmp_path / "runs" / "base"
+    last = fake_checkpoint(run / "checkpoints" / "last.ckpt", 6)
+    fake_checkpoint(run / "checkpoints" / "step-00000006.ckpt", 6)
+    flag = "--ckpt_path"
+    cand = resume_candidate(str(run), tmp_path, GPT, flag, training=False)
+    assert cand is not None and cand.path == last and cand.step == 6
+    copied = fake_checkpoint(tmp_path / "x" / "step-00000006" / "last.ckpt", 6)
+    cand = resume_candidate(str(copied.parent), tmp_path, GPT, flag, training=False)
+    assert cand is not None and cand.path == copied
+    with pytest.raises(ResumeError) as err:
+        resolve_resume(str(run), tmp_path, GPT)
+    assert str(err.value) == (
+        f"run.resume {run} is a folder, not a checkpoint; pass the checkpoint in it, "
+        f"run.resume {last}, or run.resume auto to continue this run from its newest"
+    )
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ResumeError) as err:
+        resume_candidate(str(tmp_path / "plain"), tmp_path, None, flag, training=False)
+    assert str(err.value) == (
+        f"--ckpt_path {tmp_path / 'plain'} is a folder without checkpoints/last.ckpt; "
+        "pass a .ckpt file"
+    )
+    last.unlink()
+    with pytest.raises(ResumeError, match=r"e\.g\. --ckpt_path .*step-00000006\.ckpt$"):
+        resume_candidate(str(run), tmp_path, None, flag, training=False)
 
 
 def test_fit_refuses_a_bad_resume_path_in_one_line(tmp_path: Path, char_dataset: Path) -> None:

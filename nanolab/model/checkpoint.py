@@ -58,15 +58,16 @@ def sharded_folder_error(path: Path) -> CheckpointError | None:
     )
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """``path`` itself, or for a run directory (or its ``checkpoints/``) its ``last.ckpt``."""
+def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
+    """``path`` itself, or for a run directory (or its ``checkpoints/``) its ``last.ckpt``;
+    ``flag`` names the setting in messages (``--ckpt``, ``--ckpt_path``, ``run.resume``)."""
     path = Path(path)
     sharded = sharded_folder_error(path)
     if sharded is not None:
         raise sharded
     if not path.is_dir():
         if not path.exists():
-            raise CheckpointError(f"--ckpt {path} does not exist; pass a .ckpt file or a run dir")
+            raise CheckpointError(f"{flag} {path} does not exist; pass a .ckpt file or a run dir")
         return path
     for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
         if candidate.is_file():
@@ -76,8 +77,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise sharded
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     steps = sorted(folder.glob("step-*.ckpt"))
-    hint = f"pass one of its checkpoints, e.g. --ckpt {steps[-1]}" if steps else "pass a .ckpt file"
-    raise CheckpointError(f"--ckpt {path} is a folder without checkpoints/last.ckpt; {hint}")
+    hint = f"pass one of its checkpoints, e.g. {flag} {steps[-1]}" if steps else "pass a .ckpt file"
+    raise CheckpointError(f"{flag} {path} is a folder without checkpoints/last.ckpt; {hint}")
 
 
 def damaged_record(path: str | Path) -> str | None:

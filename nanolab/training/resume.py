@@ -328,6 +328,8 @@ def resume_candidate(
             f"{flag}: checkpoint {resume} does not exist; pass an existing .ckpt"
             + (", auto or never" if flag == "run.resume" else "")
         )
+    if path.is_dir():
+        path = _checkpoint_in_folder(path, flag, training)
     cand = inspect_checkpoint(path, training=training)
     if not cand.ok:
         raise ResumeError(
@@ -337,6 +339,29 @@ def resume_candidate(
         )
     check_same_model(cand, gpt_config, flag)
     return cand
+
+
+def _checkpoint_in_folder(folder: Path, flag: str, training: bool) -> Path:
+    """A named folder: itself when it is a sharded checkpoint; for an evaluation, the file
+    generate, eval and export read in it (a run directory's ``checkpoints/last.ckpt``); else
+    one line naming it a folder and what to pass."""
+    from nanolab.model.checkpoint import CheckpointError, resolve_checkpoint, sharded_kind
+
+    if sharded_kind(folder) is not None:
+        return folder
+    try:
+        found = resolve_checkpoint(folder, flag)
+    except CheckpointError as err:
+        raise ResumeError(str(err)) from None
+    if training:
+        # A run records the file it started from, and the same command run again after a
+        # preemption continues it only by naming that file: name it, do not pick it.
+        last = "auto" if flag == "run.resume" else "last"
+        raise ResumeError(
+            f"{flag} {folder} is a folder, not a checkpoint; pass the checkpoint in it, "
+            f"{flag} {found}, or {flag} {last} to continue this run from its newest"
+        )
+    return found
 
 
 def unreadable_message(broken: list[Candidate], run_dir: Path, flag: str) -> str:
