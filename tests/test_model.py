@@ -218,6 +218,27 @@ def test_a_variant_that_does_not_declare_the_cache_recomputes() -> None:
         block.attn.__class__ = Mine
     assert not model.supports_kv_cache
     assert model.generate(torch.zeros(1, 3, dtype=torch.long), 20, temperature=0).shape == (1, 23)
+    with pytest.raises(ValueError, match=r"use_cache=True, but .*\.Mine does not declare"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, use_cache=True)
+
+
+@pytest.mark.parametrize(
+    ("masks", "named"),
+    [
+        ({"attention_window": 4}, "model.gpt.attention_window runs"),
+        ({"document_mask": True, "eot_id": 0}, "model.gpt.document_mask runs"),
+    ],
+)
+def test_asking_for_the_cache_on_a_masked_model_is_refused(masks: dict, named: str) -> None:
+    """A cached pass drops the window and the document mask (the cache has no mask for
+    them): ``use_cache=True`` sampled from another model than the one trained, silently."""
+    model = GPT(tiny(vocab_size=70, **masks)).eval()
+    idx = torch.randint(1, 70, (1, 8))
+    with pytest.raises(ValueError, match=f"use_cache=True, but {named} without a key/value"):
+        model.generate(idx, 2, use_cache=True)
+    with pytest.raises(ValueError, match="leave use_cache unset"):
+        next(model.stream(idx, 2, use_cache=True))
+    assert model.generate(idx, 2).shape == model.generate(idx, 2, use_cache=False).shape == (1, 10)
 
 
 @pytest.mark.parametrize(

@@ -824,10 +824,18 @@ class GPT(nn.Module):
         Past it the two differ by design: without a cache every token sees the newest
         ``block_size`` tokens; with one, the cache is refilled from the newest half block
         when it is full (one pass per half block), so a token sees between half a block and
-        a block of context. One draw from ``generator`` per token either way.
+        a block of context. One draw from ``generator`` per token either way. ``use_cache``
+        True on a model without :attr:`supports_kv_cache` is refused: the cached pass would
+        drop its window or document mask, or run a part that never saw the cache's arguments.
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if use_cache and not self.supports_kv_cache:
+            from nanolab.generate import no_cache_reason
+
+            raise ValueError(
+                f"use_cache=True, but {no_cache_reason(self)}; leave use_cache unset (or False)"
+            )
         use_cache = self.supports_kv_cache if use_cache is None else use_cache
         block, vocab = self.config.block_size, self.config.vocab_size
         context = idx[:, -block:]
