@@ -61,6 +61,26 @@ def test_newest_complete_checkpoint_wins_torn_ones_are_reported(tmp_path: Path) 
     assert line.endswith("resuming from step-00000020.ckpt (step 20)")
 
 
+def test_a_checkpoint_with_an_overwritten_record_header_is_skipped(tmp_path: Path) -> None:
+    """A newest checkpoint whose zip record header was overwritten (a bad sector) passed the
+    memory-mapped check, so ``run.resume auto`` chose it and Lightning's full load crashed with
+    a traceback on every rerun; the intact checkpoint before it was never used."""
+    import io
+    import zipfile
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    good = fake_checkpoint(ckpts / "step-00000010.ckpt", 10)
+    newest = fake_checkpoint(ckpts / "step-00000020.ckpt", 20)
+    data = bytearray(newest.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        record = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    data[record.header_offset : record.header_offset + 30] = bytes(30)
+    newest.write_bytes(bytes(data))
+    choice = find_resume_checkpoint(tmp_path / "run")
+    assert choice.chosen is not None and choice.chosen.path == good
+    assert "step-00000020.ckpt (damaged: its record" in (choice.warning() or "")
+
+
 def test_step_comes_from_the_checkpoint_not_the_name(tmp_path: Path) -> None:
     ckpts = tmp_path / "run" / "checkpoints"
     fake_checkpoint(ckpts / "epoch=0-step=5.ckpt", 5)

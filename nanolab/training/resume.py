@@ -128,6 +128,12 @@ def inspect_checkpoint(path: str | Path, training: bool = True) -> Candidate:
     try:
         import torch
 
+        from nanolab.model.checkpoint import damaged_record
+
+        damaged = damaged_record(path)  # the memory-mapped load below does not look
+        if damaged is not None:
+            cand.error = f"damaged: its record {damaged} is not where its directory says"
+            return cand
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # any failure means "not resumable": say why, in one line
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
