@@ -189,7 +189,7 @@ def test_seed_groups_mean_and_std(tmp_path: Path, capsys) -> None:
     _, table, _ = run_report(capsys, str(tmp_path))
     mean, std = statistics.fmean(finals.values()), statistics.stdev(finals.values())
     half = 4.302652729911275 * std / 3**0.5  # Student t, 2 degrees of freedom, 97.5%
-    assert f"lr=0.003: {mean:.4f} ± {half:.4f}  (n=3" in table
+    assert f"lr=0.003: {mean:.4f} ± {half:.4f} at 2,000 tokens  (n=3" in table
     assert group["ci_val_loss"] == pytest.approx(half)
 
 

@@ -75,19 +75,76 @@ def test_a_key_only_some_logs_carry_splits_only_where_those_logs_differ(tmp_path
 def test_a_seed_without_a_validation_where_the_group_is_read_is_named_not_counted(
     tmp_path: Path, capsys
 ) -> None:
-    """Four seeds read at 2k tokens (the shortest one's end): one validated only at 4k."""
+    """Four seeds that share no validation, read at 2k tokens (the shortest one's end): x-s3,
+    validated at 1k and 4k, is read on the line between them (not at 1k under the 2k label);
+    x-s4 validated only at 4k, so it has no value at 2k."""
     write_run(tmp_path, "x-s1", seed=1, losses=[3.0] * 2, vals={2: 2.5})
     write_run(tmp_path, "x-s2", seed=2, losses=[3.0] * 4, vals={2: 2.7, 4: 2.0})
     write_run(tmp_path, "x-s3", seed=3, losses=[3.0] * 4, vals={1: 2.9, 4: 2.0})
     write_run(tmp_path, "x-s4", seed=4, losses=[3.0] * 4, vals={4: 2.0})
     (group,) = seed_groups([summarize_run(f"x-s{i}", tmp_path / f"x-s{i}") for i in range(1, 5)])
-    assert group.at_tokens == 2000 and group.val_losses == [2.5, 2.7, 2.9]
-    assert group.n == 3 and group.mean_val_loss == pytest.approx(2.7)
-    assert group.left_out == ["x-s4 (no validation by 2k tokens)"]
+    assert group.at_tokens == 2000 and group.val_losses == pytest.approx([2.5, 2.7, 2.6])
+    assert group.interpolated
+    assert group.n == 3 and group.mean_val_loss == pytest.approx(2.6)
+    assert group.left_out == ["x-s4 (no validation by 2,000 tokens)"]
     code, out, err = run_report(capsys, str(tmp_path))
     assert code == 0, err
-    assert "(n=3, seeds 1,2,3,4:" in out
-    assert "left out of the statistics: x-s4 (no validation by 2k tokens)" in out
+    assert (
+        "at 2,000 tokens (interpolated: the seeds share no validation)  (n=3, seeds 1,2,3,4:" in out
+    )
+    assert "left out of the statistics: x-s4 (no validation by 2,000 tokens)" in out
+
+
+def test_seeds_that_stopped_off_the_grid_are_read_where_all_validated(tmp_path: Path) -> None:
+    """Seeds validated every 300 steps, one stopped (and validated) at 615 by a budget and one
+    at 630: both are read at 600, where each has a validation, not one at 600 and one at 615."""
+    grid = {300: 3.0, 600: 2.5}
+    write_run(tmp_path, "b-s1", seed=1, losses=[3.0] * 615, vals={**grid, 615: 2.4})
+    write_run(tmp_path, "b-s2", seed=2, losses=[3.0] * 630, vals={300: 3.1, 600: 2.7, 630: 1.0})
+    (group,) = seed_groups([summarize_run(n, tmp_path / n) for n in ("b-s1", "b-s2")])
+    assert group.at_tokens == 600_000 and not group.interpolated
+    assert group.val_losses == [2.5, 2.7] and group.left_out == []
+
+
+def test_groups_off_each_others_grid_are_compared_where_every_run_validated(
+    tmp_path: Path, capsys
+) -> None:
+    """One group ran to 30.7k tokens (validations at 15.4k and 30.7k), the other stopped at
+    29.7k by a token budget (validations at 15.4k and 29.7k). The comparison reads every run at
+    15,360, and says so; reading the first group at 15.4k under the label 29.7k made it look
+    0.2 worse."""
+    for seed, (mid, end) in ((1, (6.30, 6.14)), (2, (6.31, 6.13))):
+        write_run(tmp_path, f"full-s{seed}", seed=seed, losses=[7.0] * 60, vals={30: mid, 60: end},
+                  tokens_per_step=512)  # fmt: skip
+        write_run(tmp_path, f"cap-s{seed}", seed=seed, lr=0.001, losses=[7.0] * 58,
+                  vals={30: mid + 0.001, 58: end + 0.002}, tokens_per_step=512)  # fmt: skip
+    code, out, err = run_report(capsys, str(tmp_path), "--json")
+    assert code == 0, err
+    (c,) = json.loads(out)["comparisons"]
+    assert c["at_tokens"] == 15_360 and not c["interpolated"]
+    assert c["difference"] == pytest.approx(0.001 if c["a"] == "lr=0.001" else -0.001)
+    assert "(at 15,360 tokens, the most where every run of both validated)" in c["sentence"]
+    code, out, err = run_report(capsys, str(tmp_path))
+    assert "lr=0.001: 6.1370 ± " in out and " at 29,696 tokens  (n=2" in out
+    assert "lr=0.003: 6.1350 ± " in out and " at 30,720 tokens  (n=2" in out
+
+
+def test_groups_that_share_no_validation_are_compared_between_validations(
+    tmp_path: Path, capsys
+) -> None:
+    """Validations every 3k tokens against every 2k, to 6k and 4k: no count every run has (6k is
+    past the shorter end), so each is read at 4k, the long runs on the line from 3k to 6k."""
+    for seed, shift in ((1, 0.0), (2, 0.1)):
+        write_run(tmp_path, f"a-s{seed}", seed=seed, losses=[3.0] * 6,
+                  vals={3: 2.0 + shift, 6: 1.4 + shift})  # fmt: skip
+        write_run(tmp_path, f"b-s{seed}", seed=seed, lr=0.001, losses=[3.0] * 4,
+                  vals={2: 2.5 + shift, 4: 2.0 + shift})  # fmt: skip
+    code, out, err = run_report(capsys, str(tmp_path), "--json")
+    assert code == 0, err
+    (c,) = json.loads(out)["comparisons"]
+    assert c["at_tokens"] == 4000 and c["interpolated"]
+    assert abs(c["difference"]) == pytest.approx(0.2)  # a reads 1.8 and 1.9 at 4k; b 2.0, 2.1
+    assert "(at 4,000 tokens, interpolated: no count has a validation of every run" in c["sentence"]
 
 
 def test_compare_says_what_it_cannot_compare_and_refuses_json(tmp_path: Path, capsys) -> None:

@@ -16,7 +16,6 @@ from nanolab.runs import (
     RunSummary,
     config_of,
     seed_free_fingerprint,
-    si,
     tail_records,
 )
 
@@ -40,8 +39,9 @@ class SeedGroup:
     std_core: float | None = None
     suite: str | None = None  # the suite of those scores (CORE only when "core")
     ci_val_loss: float | None = None  # half-width of the 95% interval (Student t over seeds)
-    at_tokens: int | None = None  # the val losses are taken here (the shortest seed's end)
+    at_tokens: int | None = None  # the val losses are read here (see common_tokens)
     val_losses: list[float] = field(default_factory=list)  # one per seed, at at_tokens
+    interpolated: bool = False  # some seed has no validation at at_tokens: read between two
     #: Runs of the group left out of its statistics, each with why (diverged, no finite
     #: val loss): a seed that failed is a result too, so the report names it.
     left_out: list[str] = field(default_factory=list)
@@ -61,6 +61,7 @@ class Comparison:
     n_b: int
     seeds_needed: int | None
     sentence: str
+    interpolated: bool = False  # some run has no validation at at_tokens: read between two
 
 
 #: Config sections every complete run log names; a run without one of them (where another
@@ -220,10 +221,11 @@ def seed_groups(
         left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
         usable = [m for m in members if not _unusable(m)]
         at_tokens = common_tokens(usable)
+        between = interpolated(usable, at_tokens)
         # A seed whose first validation came after at_tokens has no value there: left out and
         # named, so that n counts the values the mean is over.
         at = [(m, _value_at(m, at_tokens)) for m in usable]
-        left_out += [f"{m.run} (no validation by {si(at_tokens)} tokens)"
+        left_out += [f"{m.run} (no validation by {at_tokens:,} tokens)"
                      for m, v in at if v is None]  # fmt: skip
         usable = [m for m, v in at if v is not None]
         losses = [v for _, v in at if v is not None]
@@ -244,6 +246,7 @@ def seed_groups(
                 ci_val_loss=_ci(losses),
                 at_tokens=at_tokens,
                 val_losses=losses,
+                interpolated=between,
                 left_out=left_out,
             )
         )
@@ -273,24 +276,44 @@ def _unusable(run: RunSummary) -> str | None:
 
 
 def common_tokens(members: list[RunSummary]) -> int | None:
-    """The most tokens every run of ``members`` validated at (runs of different length are
-    compared where all of them are, not each at its own end)."""
-    ends = [max(t for t, _ in m.val_points) for m in members if m.val_points]
-    return min(ends) if ends and len(ends) == len(members) else None
+    """The tokens ``members`` are read at side by side: the most tokens every one of them
+    validated at, so that each value is a validation at that very count (a run read at its last
+    validation before another run's end would be a run read earlier, under the other's count).
+    Where no count is shared (runs off each other's evaluation grid), the most tokens every run
+    reached, its last validation or beyond, where :func:`values_at` interpolates. None when a
+    run has no validation with a token count (the final val losses are read then)."""
+    if not members or not all(m.val_points for m in members):
+        return None
+    shared = set.intersection(*({t for t, _ in m.val_points} for m in members))
+    return max(shared) if shared else min(max(t for t, _ in m.val_points) for m in members)
+
+
+def interpolated(members: list[RunSummary], tokens: int | None) -> bool:
+    """Whether some run of ``members`` has no validation at ``tokens`` itself: its value
+    there is interpolated (the report says so beside the count)."""
+    return tokens is not None and any(all(t != tokens for t, _ in m.val_points) for m in members)
 
 
 def values_at(members: list[RunSummary], tokens: int | None) -> list[float]:
-    """Each run's val loss at its last validation at or before ``tokens`` (the final val loss
-    when ``tokens`` is None)."""
+    """Each run's val loss at ``tokens``: its validation there, else the straight line between
+    its validations either side (a run without one on each side has no value and is left
+    out); the final val loss when ``tokens`` is None."""
     return [v for v in (_value_at(m, tokens) for m in members) if v is not None]
 
 
 def _value_at(member: RunSummary, tokens: int | None) -> float | None:
-    """:func:`values_at` of one run (None: it did not validate at or before ``tokens``)."""
+    """:func:`values_at` of one run (None: it has no validation at or on both sides of
+    ``tokens``)."""
     if tokens is None:
         return member.final_val_loss
-    before = [loss for t, loss in member.val_points if t <= tokens]
-    return before[-1] if before else None
+    points = dict(member.val_points)  # a count validated twice (a resume): its last value
+    if tokens in points:
+        return points[tokens]
+    t0 = max((t for t in points if t < tokens), default=None)
+    t1 = min((t for t in points if t > tokens), default=None)
+    if t0 is None or t1 is None:
+        return None
+    return points[t0] + (points[t1] - points[t0]) * (tokens - t0) / (t1 - t0)
 
 
 def _ci(values: list[float]) -> float | None:
@@ -332,15 +355,18 @@ def compare_groups(
             continue
         members_a = [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
         members_b = [by_run[r] for r in base.runs if r in by_run and not _unusable(by_run[r])]
-        ends = [t for t in (common_tokens(members_a), common_tokens(members_b)) if t is not None]
-        at = min(ends) if len(ends) == 2 else None
+        at = common_tokens(members_a + members_b)
         a, b = values_at(members_a, at), values_at(members_b, at)
         if len(a) < 2 or len(b) < 2:
             continue
         d = welch(a, b)
         text = sentence(g.label, base.label, d)
-        if at is not None and (at != g.at_tokens or at != base.at_tokens):
-            text += f" (at {si(at)} tokens, where every run of both got to)"
+        between = interpolated(members_a + members_b, at)
+        if between:
+            text += (f" (at {at:,} tokens, interpolated: no count has a validation of every run "
+                     "of both)")  # fmt: skip
+        elif at is not None and (at != g.at_tokens or at != base.at_tokens):
+            text += f" (at {at:,} tokens, the most where every run of both validated)"
         out.append(Comparison(g.label, base.label, at, d.difference, d.half_width, d.p_value,
-                              d.n_a, d.n_b, d.seeds_needed, text))  # fmt: skip
+                              d.n_a, d.n_b, d.seeds_needed, text, between))  # fmt: skip
     return out

@@ -158,12 +158,15 @@ def format_table(
         out += [
             "",
             *_wrap(
-                "seed groups (same config, different seed): val loss at the shortest seed's "
-                "last validation, mean ± 95% confidence interval (Student t over the seeds)"
+                "seed groups (same config, different seed): val loss at the most tokens where "
+                "every seed validated, mean ± 95% confidence interval (Student t over the seeds)"
             ),
         ]
         for g in groups:
             spread = _mean_spread(g.mean_val_loss, g.ci_val_loss)
+            if g.at_tokens is not None:
+                spread += f" at {g.at_tokens:,} tokens"
+                spread += " (interpolated: the seeds share no validation)" if g.interpolated else ""
             if g.mean_core is not None:
                 spread += f", {mean_label(g.suite)} {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
             seeds = ",".join(str(x) for x in g.seeds)
