@@ -109,6 +109,44 @@ def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, arg
     assert QueueDB(db).jobs() == []
 
 
+#: Callback settings ``nanolab fit`` refuses when it builds the run's callbacks, with its line.
+CALLBACK_REFUSALS = [
+    ("budget.max_tokens=-5", "budget.max_tokens must be > 0 (or null for no limit), got -5"),
+    ("budget.max_wall_hours=0", "budget.max_wall_hours must be > 0 (or null for no limit), got 0.0"),
+    ("budget.max_cost=5", "budget.max_cost needs budget.price_per_gpu_hour (> 0) to turn GPU-hours into money"),
+    ("budget.currency=XYZ", "budget.currency 'XYZ' is not a known ISO 4217 code; use e.g. USD"),
+    ("budget.price_per_gpu_hour=-1", "budget.price_per_gpu_hour must be a number >= 0, got -1.0"),
+    ("budget.max_gpu_hours=-1", "budget.max_gpu_hours must be > 0 (or null for no limit), got -1.0"),
+    ("budget.patience=0", "budget.patience must be >= 1 or null, got 0"),
+    ("budget.min_delta=-1", "budget.min_delta must be >= 0, got -1.0"),
+    ('notify.targets=["echo {nosuch}"]', "notify.targets[0] names {nosuch}, which is not a field"),
+    ("spike.factor=-1", "spike.factor must be a number > 1, got -1.0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("setting", "message"), CALLBACK_REFUSALS, ids=lambda x: x[:28])
+def test_callback_settings_fit_refuses_are_refused_at_add(
+    tmp_path, tiny, capsys, monkeypatch, setting, message
+) -> None:
+    """Each was queued and then failed at night with exit 2: the queue checked the model, the
+    data and the resume settings, never the callbacks fit builds at start-up."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(tiny), "--set", setting)
+    assert code == 2, err
+    assert err.startswith(f"nanolab queue add: error: {tiny}: {message}"), err
+    assert len(err.strip().splitlines()) == 1
+    assert QueueDB(db).jobs() == []
+
+
+def test_callback_settings_that_fit_takes_are_queued(tmp_path, tiny, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = queue(capsys, tmp_path / "q.db", "add", str(tiny), "--set", "budget.max_tokens=9000",
+                         "--set", "budget.max_cost=5", "--set", "budget.price_per_gpu_hour=2",
+                         "--set", 'notify.targets=["echo {run}"]', "--set", "spike.factor=3")  # fmt: skip
+    assert code == 0, err
+
+
 def test_a_config_that_starts_from_a_checkpoint_is_queued_as_ckpt_path(
     tmp_path, tiny, capsys, monkeypatch
 ) -> None:

@@ -182,6 +182,7 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
         )
     _check_data(resolved.data_args, cwd)
     _check_resume(cfg)
+    _check_callbacks(cfg)
     micro = resolved.micro_batch_size
     if micro is None:  # run.micro_batch_size auto: the data's value until the job plans it
         micro = int(resolved.data_args.get("micro_batch_size") or 1)
@@ -193,6 +194,33 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
         devices=resolved.devices_per_node,
         tokens_per_step=int(resolved.tokens_per_step or 0),
     )
+
+
+def _check_callbacks(cfg: dict[str, Any]) -> None:
+    """The run's callbacks built from their config groups, as ``nanolab fit`` builds them at
+    start-up: each class's constructor holds the rules of its settings (a budget of -5 tokens,
+    a cost cap without a price, a notify field that does not exist, a spike factor below 1), so
+    a job is refused here with the line fit would print, not when it starts at night.
+
+    A group left at the parser's defaults is not built: every fit starts from those, and
+    building a callback imports Lightning, which a sweep of model settings is queued without
+    (a config that changes a callback's settings pays that import once per ``queue add``)."""
+    from nanolab.run import schema
+    from nanolab.training.resolve import SETTING_GROUPS
+
+    remembered = schema.load("fit")
+    if remembered is not None:
+        groups = [g for g in remembered.groups if g not in SETTING_GROUPS]
+        if all(cfg.get(g) == remembered.defaults.get(g) for g in groups):
+            return
+    from nanolab.run.parse import run_callbacks
+
+    for group, callback in run_callbacks().items():
+        settings = cfg.get(group)
+        if isinstance(settings, dict) and (
+            remembered is None or settings != remembered.defaults.get(group)
+        ):
+            callback(**settings)
 
 
 def _check_resume(cfg: dict[str, Any]) -> None:
