@@ -370,6 +370,25 @@ def test_ls_rm_retry_clear(tmp_path: Path, capsys) -> None:
     assert "removed job 1 a (it had not made a run directory)" in out
 
 
+def test_ls_shows_a_long_error_line_whole_under_its_row(tmp_path: Path, capsys) -> None:
+    """ls cut a failed job's status at 70 characters, and the fix was the part cut off: a
+    longer one is printed whole on its own line under the row, the table kept narrow."""
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    a, b = db.add_jobs([new_job("a"), new_job("b")])
+    why = ("config changed since queue add: /home/me/lab/configs/ablation-long-name.yaml "
+           "(edited) (the job was checked as it was then); `nanolab queue rm` it and add it again")  # fmt: skip
+    db.set_status(a.id, "failed", detail=why)
+    db.set_status(b.id, "failed", detail="ValueError: boom")
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0
+    lines = out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("1 "))
+    assert "failed (below)" in lines[row] and lines[row + 1] == f"    failed: {why}"
+    assert "failed: ValueError: boom" in out  # a short one stays in its column
+    assert max(len(line) for line in lines if line != lines[row + 1]) < 100
+
+
 def test_a_config_edited_after_add_is_not_run(
     tmp_path: Path, tiny: Path, capsys, monkeypatch
 ) -> None:

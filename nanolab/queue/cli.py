@@ -224,6 +224,12 @@ def _device_column(job: Job, jobs: list[Job]) -> str:
     return where
 
 
+#: The widest status ``ls`` puts in its table. A longer one (a failed job's error line, which
+#: ends with the fix) is printed whole on its own indented line under the job's row: cut to
+#: the column, the fix was the part cut off.
+STATUS_WIDTH = 70
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     for s in args.status or []:
         if s not in STATUSES:
@@ -245,16 +251,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
     groups = group_jobs(jobs)
     jobs = [j for members in groups for j in members]
     rows = []
+    whole: dict[int, str] = {}  # job id -> a status too wide for the table, shown under it
     for j in jobs:
         status = j.status + (f": {j.detail}" if j.detail else "")
         if orphaned(db, j):
             status = "running: its runner is gone; `queue run` resumes it"
+        if len(status) > STATUS_WIDTH or "\n" in status:
+            whole[j.id] = " ".join(status.split())
+            status = f"{j.status} (below)"
         ran = run_time(j, now)
         left = (
             remaining_seconds(db, j)[0] if j.status in ("pending", "preempted", "running") else None
         )
         run_dir = os.path.relpath(j.run_dir) if j.run_dir.startswith(os.getcwd()) else j.run_dir
-        rows.append([str(j.id), j.name, status[:70], str(j.attempts), _device_column(j, running),
+        rows.append([str(j.id), j.name, status, str(j.attempts), _device_column(j, running),
                      describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
     headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
     lines = table(rows, headers, rule=True)
@@ -265,6 +275,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(group_header(members))
         for j in members:
             print(by_id[j.id])
+            if j.id in whole:
+                print(f"    {whole[j.id]}")
     summary = ", ".join(f"{n} {s}" for s, n in Counter(j.status for j in jobs).items())
     if gaps:
         summary += (f"; job-to-job gap median {statistics.median(gaps) * 1000:.0f} ms "
