@@ -10,6 +10,7 @@ through a writer with a byte quota (always) and a real tmpfs (where this machine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -232,3 +233,43 @@ def test_full_disk_on_a_real_filesystem(small_tmpfs: Path, trained: Trained) -> 
     assert_disk_full_reported(res, small_tmpfs / "full")
     # The kernel's own ENOSPC, met by torch's real writer: the disk really had no room.
     assert shutil.disk_usage(small_tmpfs).free < trained.last.stat().st_size
+
+
+def test_a_healthy_queue_on_a_full_disk_is_not_called_damaged(tmp_path: Path, capsys) -> None:
+    """A full disk made SQLite fail on opening ('disk I/O error': no room for the journal), and
+    the queue called its healthy database damaged and advised moving it aside and queueing the
+    jobs again, which throws away every job's history. It now says the disk is full and to free
+    space; the database is unchanged and opens once there is room."""
+    import hashlib
+
+    from nanolab.queue.cli import main as queue_main
+    from nanolab.queue.db import QueueDB, QueueError
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                         capture_output=True)  # fmt: skip
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        db_path = mnt / "q.db"
+        QueueDB(db_path).close()
+        digest = hashlib.sha256(db_path.read_bytes()).hexdigest()
+        with open(mnt / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:  # every free block taken
+                f.write(b"\0" * 65536)
+                f.flush()
+        with pytest.raises(QueueError) as refused:
+            QueueDB(db_path)
+        line = str(refused.value)
+        assert "is full" in line and "free space there" in line and "move it aside" not in line
+        assert queue_main(["ls", "--db", str(db_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is full" in err[0], err
+        (mnt / "filler").unlink()
+        assert hashlib.sha256(db_path.read_bytes()).hexdigest() == digest
+        QueueDB(db_path).close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -40,6 +40,7 @@ from nanolab.queue.db import (
     QueueDB,
     QueueError,
     default_db_path,
+    no_room,
     orphaned,
     unusable_db,
 )
@@ -631,8 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except NanolabError as err:
         return report(f"nanolab queue {args.verb}", err)
-    except sqlite3.DatabaseError as err:  # damage found past the checks made on opening
+    except sqlite3.DatabaseError as err:  # damage (or a full disk) met past the opening checks
         path = Path(args.db) if args.db else default_db_path()
-        print(f"nanolab queue {args.verb}: error: {unusable_db(path, f'failed: {err}')}",
-              file=sys.stderr)  # fmt: skip
+        line = no_room(path, err) or unusable_db(path, f"failed: {err}")
+        print(f"nanolab queue {args.verb}: error: {line}", file=sys.stderr)
         return 2

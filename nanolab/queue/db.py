@@ -233,7 +233,8 @@ class QueueDB:
             db.conn.row_factory = sqlite3.Row
             db.conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
         except sqlite3.Error as err:
-            raise QueueError(unusable_db(db.path, f"cannot be read ({err})")) from None
+            room = no_room(db.path, err)
+            raise QueueError(room or unusable_db(db.path, f"cannot be read ({err})")) from None
         return db
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
@@ -280,6 +281,9 @@ class QueueDB:
                     "other text?); it was left untouched; pass --db with the queue's file "
                     "(nanolab_queue.db by default), or a new path for a new queue"
                 ) from None
+            room = no_room(self.path, err)
+            if room is not None:
+                raise QueueError(room) from None
             raise QueueError(unusable_db(self.path, f"is damaged or not SQLite ({err})")) from None
         except BaseException:
             self.conn.close()
@@ -484,6 +488,36 @@ def _starts_like_sqlite(path: Path) -> bool:
             return f.read(16) == b"SQLite format 3\x00"
     except OSError:
         return True  # unreadable: say what SQLite said
+
+
+#: Free bytes below which a failed SQLite write is taken for a full disk, not a damaged file.
+LOW_SPACE_BYTES = 1 << 20
+
+
+def no_room(path: Path, err: BaseException) -> str | None:
+    """The one line for a SQLite error that is the disk's, not the file's: its file system is
+    full (or out of file entries) and SQLite could not write the journal or the page. ``None``
+    when there is room (then the file itself is at fault). Said as it is, because the damaged-file
+    advice (move it aside, queue the jobs again) would throw away a healthy queue's history."""
+    name = str(getattr(err, "sqlite_errorname", ""))
+    full = "full" in str(err).lower() or name.startswith(("SQLITE_FULL", "SQLITE_IOERR"))
+    if not full:
+        return None
+    try:
+        st = os.statvfs(path.parent if str(path.parent) else Path("."))
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if st.f_files and st.f_favail == 0:
+        what = "has no file entries (inodes) left"
+    elif free < LOW_SPACE_BYTES:
+        what = f"is full ({free / 2**20:.2f} MiB free)"
+    else:
+        return None
+    return (
+        f"the file system holding the queue database {path} {what} ({err}); the database was "
+        "left untouched: free space there and rerun the same command"
+    )
 
 
 def unusable_db(path: Path, why: str) -> str:
