@@ -106,3 +106,22 @@ def test_a_queue_job_starting_before_its_run_logs_is_shown_as_starting(tmp_path:
     assert main([str(runs), "--db", str(db), "--json"]) == 0
     screen = json.loads(capsys.readouterr().out)
     assert [r["run"] for r in screen["running"]] == ["warming"] and screen["queued"] == []
+
+
+def test_an_ended_runs_long_error_line_is_shown_whole() -> None:
+    """An ended run's last line was cut at 50 characters in its row, hiding the fix of an error
+    line ("budget.max_wall_hours must be > 0 (or null"). A longer one is now printed whole
+    under the table; a short one stays in the row."""
+    from nanolab.queue.status import RunLine, Screen, render
+
+    fix = "nanolab fit: error: budget.max_wall_hours must be > 0 (or null for no limit), got 0"
+    screen = Screen(
+        time=0.0,
+        ended=[
+            RunLine(run="long", status="failed", step=3, detail=f"traceback...\n{fix}"),
+            RunLine(run="short", status="stopped", step=9, detail="budget: tokens"),
+        ],
+    )
+    text = render(screen, [])
+    assert f"  long: {fix}" in text.splitlines()
+    assert "failed (below)" in text and "stopped: budget: tokens" in text

@@ -233,14 +233,25 @@ def render(screen: Screen, roots: list[Path]) -> str:
             out += _table(["id", "job", "status", "needs", "starts", "ends", "ran"], rows)
     out.append(f"\nended ({len(screen.ended)})")
     if screen.ended:
-        rows = [
-            [r.run, r.status + (f": {r.detail.splitlines()[-1][:50]}" if r.detail else ""),
-             "-" if r.step is None else str(r.step), _f(r.best_val_loss), _f(r.val_loss),
-             duration(r.wall_s)]
-            for r in screen.ended
-        ]  # fmt: skip
+        rows, whole = [], []
+        for r in screen.ended:
+            last = r.detail.splitlines()[-1] if r.detail and r.detail.strip() else ""
+            end = r.status
+            if last and len(last) > DETAIL_WIDTH:  # the whole line below the table: its fix
+                end += " (below)"
+                whole.append(f"  {r.run}: {last}")
+            elif last:
+                end += f": {last}"
+            rows.append([r.run, end, "-" if r.step is None else str(r.step),
+                         _f(r.best_val_loss), _f(r.val_loss), duration(r.wall_s)])  # fmt: skip
         out += _table(["run", "end", "steps", "best val", "final val", "wall"], rows)
+        out += whole
     return "\n".join(out)
+
+
+#: Characters of an ended run's last line shown in its row; a longer one (an error line and
+#: its fix) is printed whole under the table.
+DETAIL_WIDTH = 50
 
 
 def default_db(given: Path | None) -> Path | None:
