@@ -14,6 +14,7 @@ code written against the older classes.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -45,6 +46,26 @@ def storage_refused(err: BaseException) -> bool:
     )  # fmt: skip
 
 
+def size_text(nbytes: float) -> str:
+    """Bytes as GB (MB or kB when small, so a tiny file does not read "0.00 GB")."""
+    if nbytes >= 1e8:
+        return f"{nbytes / 1e9:.2f} GB"
+    if nbytes >= 1e5:
+        return f"{nbytes / 1e6:.2f} MB"
+    return f"{nbytes / 1e3:.0f} kB"
+
+
+def free_space(folder: str | os.PathLike[str]) -> str:
+    """What is left where a write failed (``"12 kB free there"``), for its error line: how much
+    to free is the first thing the user asks."""
+    import shutil
+
+    try:
+        return f"{size_text(shutil.disk_usage(folder).free)} free there"
+    except OSError:
+        return "its folder is gone"
+
+
 def storage_message(err: OSError) -> str:
     """The one line for a refused write, naming the path and the fix."""
     import errno
@@ -52,6 +73,8 @@ def storage_message(err: OSError) -> str:
     where = err.filename or "a file"
     what = err.strerror or str(err)
     if disk_full(err):
+        if err.filename:
+            what = f"{what}; {free_space(os.path.dirname(os.path.abspath(where)))}"
         return f"cannot write {where} ({what}); free space there, or write elsewhere"
     if err.errno == errno.EROFS:
         return f"cannot write {where} ({what}); choose a folder on a writable file system"

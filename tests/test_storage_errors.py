@@ -98,3 +98,52 @@ def test_an_exported_safetensors_file_follows_the_umask(tmp_path, char_dataset):
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ex").iterdir()}
     assert modes["model.safetensors"] == modes["nanolab.json"] == 0o644, modes
     json.loads((tmp_path / "ex" / "nanolab.json").read_text())
+
+
+def test_a_full_disk_at_config_yaml_names_the_file_and_leaves_no_tmp(tmp_path, char_dataset):
+    """A resume that finds no room for ``config.yaml`` says which file and how much is free
+    (like the run log's and the checkpoints' lines), exits 74, and leaves the run as it was:
+    no ``.tmp`` beside the old ``config.yaml``."""
+    import os
+    import shutil
+
+    small = tmp_path / "small"
+    if not _mount(small, "size=2m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, small))
+        base = ("fit", "--config", str(QUICKSTART), "--config", str(cfg), "--run.resume", "auto")
+        assert nanolab_here(*base, cwd=tmp_path).returncode == 0
+        run = small / "tiny"
+        before = sorted(os.listdir(run)), (run / "config.yaml").read_bytes()
+        left = shutil.disk_usage(small).free - 4096
+        (small / "filler").write_bytes(b"\0" * left)
+        res = nanolab_here(*base, "--trainer.max_steps", "12", cwd=tmp_path)
+        assert res.returncode == 74, res.stderr[-2000:]
+        errors = [line for line in res.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert f"cannot write {run / 'config.yaml'} (No space left on device; " in errors[0]
+        assert "free there); free space there" in errors[0], errors[0]
+        assert (sorted(os.listdir(run)), (run / "config.yaml").read_bytes()) == before
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_failed_atomic_text_write_names_the_file_and_removes_its_tmp(tmp_path):
+    """Without root: the ``.tmp`` leads to /dev/full, where every write fails for lack of space."""
+    import errno
+
+    from nanolab.callbacks.files import tmp_path as tmp_name
+    from nanolab.callbacks.files import write_text
+    from nanolab.errors import storage_message
+
+    target = tmp_path / "config.yaml"
+    target.write_text("kept\n")
+    tmp_name(target).symlink_to("/dev/full")
+    with pytest.raises(OSError) as info:
+        write_text(target, "x" * 100_000)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    assert target.read_text() == "kept\n"
+    assert storage_message(info.value).startswith(f"cannot write {target} (No space left")

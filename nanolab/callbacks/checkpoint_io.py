@@ -32,6 +32,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from nanolab.callbacks.files import fsync_dir, remove, tmp_path
 from nanolab.claimed import ClaimedDir
+from nanolab.errors import size_text
 
 
 class CheckpointWriteError(OSError):
@@ -44,10 +45,10 @@ class CheckpointWriteError(OSError):
 def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
-            free = _size_text(shutil.disk_usage(path.parent).free)
+            free = size_text(shutil.disk_usage(path.parent).free)
         except OSError:
             free = "unknown space"
-        needs = f", checkpoint needs {_size_text(needed)}" if needed else ""
+        needs = f", checkpoint needs {size_text(needed)}" if needed else ""
         what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
         return (
             f"{what} writing {path} ({free} free{needs}); the previous "
@@ -93,19 +94,10 @@ def _room_fix(folder: Path) -> str:
     total = sum(size for _, size in steps)
     return (
         f"free space, or rerun keeping fewer of the {len(steps)} step checkpoints here "
-        f"({_size_text(total)}): --checkpoint.keep_last {len(steps) - 1} --checkpoint.keep_best "
+        f"({size_text(total)}): --checkpoint.keep_last {len(steps) - 1} --checkpoint.keep_best "
         f"0, or --checkpoint.max_disk_gb below {total / 1e9:.3g}, deletes the oldest before the "
         "first save (never the newest)"
     )
-
-
-def _size_text(nbytes: int) -> str:
-    """Bytes as GB (MB or kB when small, so a tiny checkpoint does not read "0.00 GB")."""
-    if nbytes >= 1e8:
-        return f"{nbytes / 1e9:.2f} GB"
-    if nbytes >= 1e5:
-        return f"{nbytes / 1e6:.2f} MB"
-    return f"{nbytes / 1e3:.0f} kB"
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from nanolab.callbacks.files import write_text
 from nanolab.errors import NanolabError
 
 #: shorthand -> (import name that must be present, pip command that provides it)
@@ -173,10 +174,7 @@ def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
 
     data = yaml.safe_load(parser.dump(config, skip_none=False, skip_validation=True))
     data.pop("config", None)  # the --config files it was merged from: not part of the run
-    tmp = path.with_name(f".{path.name}.tmp")
-    text = CONFIG_HEADER + yaml.safe_dump(plain_config(data), sort_keys=False)
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, CONFIG_HEADER + yaml.safe_dump(plain_config(data), sort_keys=False))
 
 
 class RunConfigWriter(Callback):
