@@ -55,15 +55,49 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / 1e3:.0f} kB"
 
 
-def free_space(folder: str | os.PathLike[str]) -> str:
-    """What is left where a write failed (``"12 kB free there"``), for its error line: how much
-    to free is the first thing the user asks."""
+#: Fewer free file entries (inodes) than this, where a write failed for lack of space, means the
+#: entries ran out rather than the bytes: a checkpoint save takes two (its ``.tmp`` and the link
+#: that becomes ``last.ckpt``), and the failed write's ``.tmp`` is removed before they are counted.
+FEW_INODES = 16
+
+
+def inodes_left(folder: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """``(free, total)`` file entries (inodes) of the file system holding ``folder`` when they
+    have run out (fewer than :data:`FEW_INODES` free), else None. "No space left on device" is
+    the kernel's word for both; the bytes may be plentiful. None too where the file system does
+    not count entries (``f_files`` 0: btrfs, many network file systems) or has no ``statvfs``."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    if st.f_files == 0 or st.f_ffree >= FEW_INODES:
+        return None
+    return st.f_ffree, st.f_files
+
+
+def room_left(folder: str | os.PathLike[str], err: OSError) -> tuple[str, str]:
+    """For ``err``, a write in ``folder`` refused for lack of space: what is left there
+    (``"12 kB free there"``: how much to free is the first thing the user asks) and the fix.
+    When the file entries ran out (ENOSPC with bytes to spare), both say so: freeing bytes
+    would not help."""
+    import errno
     import shutil
 
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # a folder that could not be made: its parent's disk
     try:
-        return f"{size_text(shutil.disk_usage(folder).free)} free there"
+        free = size_text(shutil.disk_usage(folder).free)
     except OSError:
-        return "its folder is gone"
+        return "free space unknown", "free space there, or write elsewhere"
+    entries = inodes_left(folder) if err.errno == errno.ENOSPC else None
+    if entries is None:
+        return f"{free} free there", "free space there, or write elsewhere"
+    left = f"no file entries (inodes) left there: {entries[0]} of {entries[1]}, {free} free"
+    return left, (
+        "delete files you no longer need on that file system (each file takes one entry, "
+        "whatever its size), or write elsewhere"
+    )
 
 
 def storage_message(err: OSError) -> str:
@@ -73,9 +107,11 @@ def storage_message(err: OSError) -> str:
     where = err.filename or "a file"
     what = err.strerror or str(err)
     if disk_full(err):
+        fix = "free space there, or write elsewhere"
         if err.filename:
-            what = f"{what}; {free_space(os.path.dirname(os.path.abspath(where)))}"
-        return f"cannot write {where} ({what}); free space there, or write elsewhere"
+            left, fix = room_left(os.path.dirname(os.path.abspath(where)), err)
+            what = f"{what}; {left}"
+        return f"cannot write {where} ({what}); {fix}"
     if err.errno == errno.EROFS:
         return f"cannot write {where} ({what}); choose a folder on a writable file system"
     return f"cannot use {where} ({what}); choose a path this user can read and write"

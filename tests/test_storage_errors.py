@@ -147,3 +147,46 @@ def test_a_failed_atomic_text_write_names_the_file_and_removes_its_tmp(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
     assert target.read_text() == "kept\n"
     assert storage_message(info.value).startswith(f"cannot write {target} (No space left")
+
+
+def test_no_file_entries_left_is_said_so_not_as_a_lack_of_bytes(tmp_path, char_dataset):
+    """A file system out of inodes with megabytes free: "No space left on device" from the
+    kernel, but freeing bytes would not help, so the lines say the entries ran out and the fix
+    is deleting files (a checkpoint's line and the one every other write gets)."""
+    import errno
+
+    import torch
+
+    from nanolab.callbacks.checkpoint_io import CheckpointWriteError, atomic_torch_save
+    from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+    from nanolab.errors import storage_message
+
+    ino = tmp_path / "ino"
+    if not _mount(ino, "size=20m,nr_inodes=7"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, ino))
+        res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+        assert res.returncode == 74, res.stderr[-2000:]
+        errors = [line for line in res.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "no file entries (inodes) left" in errors[0], errors
+        assert "free space" not in errors[0] and "delete files" in errors[0], errors[0]
+
+        while True:  # use up what is left, then a checkpoint save meets the same
+            try:
+                (ino / f"f{len(list(ino.iterdir()))}").touch()
+            except OSError:
+                break
+        with pytest.raises(CheckpointWriteError) as info:
+            atomic_torch_save({"w": torch.zeros(4)}, ino / "step-00000001.ckpt")
+        assert info.value.errno == errno.ENOSPC
+        assert str(info.value).startswith("no file entries (inodes) left on the file system")
+        assert "MB of space free)" in str(info.value) and "free file entries" in str(info.value)
+        line = storage_message(OSError(errno.ENOSPC, "No space left on device", str(ino / "x")))
+        assert "no file entries (inodes) left there: 0 of 7, " in line, line
+        with pytest.raises(RunDirError) as refused:  # a new run directory cannot be made
+            claim_run_dir(ino / "new", None, resuming=False)
+        assert refused.value.errno == errno.ENOSPC and "delete files" in str(refused.value)
+        assert "no file entries (inodes) left there" in str(refused.value)
+    finally:
+        subprocess.run(["umount", str(ino)], capture_output=True)

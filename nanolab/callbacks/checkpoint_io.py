@@ -32,7 +32,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from nanolab.callbacks.files import fsync_dir, remove, tmp_path
 from nanolab.claimed import ClaimedDir
-from nanolab.errors import size_text
+from nanolab.errors import inodes_left, size_text
 
 
 class CheckpointWriteError(OSError):
@@ -50,10 +50,15 @@ def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
             free = "unknown space"
         needs = f", checkpoint needs {size_text(needed)}" if needed else ""
         what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+        room = "free space"
+        if err.errno == errno.ENOSPC and (entries := inodes_left(path.parent)) is not None:
+            what = "no file entries (inodes) left on the file system"  # the bytes are not short
+            free, needs = f"{entries[0]} of {entries[1]} entries free, {free} of space", ""
+            room = "free file entries (delete files you no longer need there: each takes one)"
         return (
             f"{what} writing {path} ({free} free{needs}); the previous "
             "checkpoints are intact (no partial file was left under the final name); "
-            + _room_fix(path.parent)
+            + _room_fix(path.parent, room)
         )
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         cause = "permission denied"
@@ -77,10 +82,10 @@ def step_of(path: str | Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _room_fix(folder: Path) -> str:
-    """What makes room for the next checkpoint: free space, or keep fewer of the step files
-    here (a rerun applies lower ``keep_last``/``keep_best``/``max_disk_gb`` to them before its
-    first save, never to the newest)."""
+def _room_fix(folder: Path, room: str = "free space") -> str:
+    """What makes room for the next checkpoint: ``room`` (free space, or file entries), or keep
+    fewer of the step files here (a rerun applies lower ``keep_last``/``keep_best``/
+    ``max_disk_gb`` to them before its first save, never to the newest)."""
     try:
         steps = sorted(
             (s, (folder / n).stat().st_size)
@@ -90,10 +95,10 @@ def _room_fix(folder: Path) -> str:
     except OSError:
         steps = []
     if len(steps) < 2:
-        return "free space, then rerun the same command (the newest checkpoint is always kept)"
+        return f"{room}, then rerun the same command (the newest checkpoint is always kept)"
     total = sum(size for _, size in steps)
     return (
-        f"free space, or rerun keeping fewer of the {len(steps)} step checkpoints here "
+        f"{room}, or rerun keeping fewer of the {len(steps)} step checkpoints here "
         f"({size_text(total)}): --checkpoint.keep_last {len(steps) - 1} --checkpoint.keep_best "
         f"0, or --checkpoint.max_disk_gb below {total / 1e9:.3g}, deletes the oldest before the "
         "first save (never the newest)"

@@ -27,6 +27,7 @@ from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.skips import LEDGER
+from nanolab.errors import disk_full, room_left
 from nanolab.runlog import QUEUE_LOG_NAME, RUN_LOG_NAME, dumps, iter_numbered, last_record
 from nanolab.runs import foreign_config
 
@@ -56,6 +57,8 @@ RESERVED_NAMES = (CONFIG_NAME, CHECKPOINT_DIR, PREVIOUS_DIR, QUEUE_LOG_NAME, LED
 
 class RunDirError(CallbackConfigError):
     """The run directory cannot be used for this run (held by another run, or not writable)."""
+
+    errno: int | None = None  # a full disk's: it has an exit code of its own
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,13 @@ def _check_writable(run_dir: Path) -> None:
         os.unlink(probe)
     except OSError as err:
         reason = err.strerror or type(err).__name__
+        if disk_full(err):  # writable, but full: another folder is not the only fix
+            left, fix = room_left(run_dir, err)
+            error = RunDirError(
+                f"run directory {run_dir} cannot be written ({reason}; {left}); {fix}"
+            )
+            error.errno = err.errno  # the disk-full exit code
+            raise error from None
         raise RunDirError(
             f"run directory {run_dir} is not writable ({reason}); set run.root (or "
             "trainer.default_root_dir) to a folder this user can write"
