@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from nanolab.callbacks import (
     RotatingCheckpoint,
 )
 from nanolab.callbacks.checkpoint import step_of
+from nanolab.errors import size_text
 from nanolab.training.resume import find_resume_checkpoint
 
 REAL_SAVE = torch.save
@@ -225,7 +227,7 @@ def test_async_full_disk_surfaces_and_keeps_the_previous(tmp_path, char_dataset,
     assert load(folder / "last.ckpt")["global_step"] == 2
 
 
-def test_disk_cap_deletes_oldest_first_and_never_the_newest(tmp_path, char_dataset):
+def test_disk_cap_deletes_oldest_first_and_never_the_newest(tmp_path, char_dataset, capsys):
     run = tmp_path / "run"
     probe = RotatingCheckpoint(every_n_steps=2)
     fit(tmp_path / "probe", char_dataset, [probe], max_steps=2, eval_every=100)
@@ -236,9 +238,16 @@ def test_disk_cap_deletes_oldest_first_and_never_the_newest(tmp_path, char_datas
     assert names(run / "checkpoints") == {"step-00000008.ckpt", "step-00000010.ckpt", "last.ckpt"}
 
     tiny = RotatingCheckpoint(every_n_steps=2, keep_last=5, keep_best=0, max_disk_gb=size / 4e9)
-    with pytest.warns(UserWarning, match="smaller than one checkpoint"):
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # one plain line, not a Python warning
         fit(tmp_path / "tiny", char_dataset, [tiny], max_steps=4, eval_every=100)
     assert names(tmp_path / "tiny" / "checkpoints") == {"step-00000004.ckpt", "last.ckpt"}
+    said = [line for line in capsys.readouterr().err.splitlines() if "max_disk_gb" in line]
+    assert said == [
+        f"nanolab: warning: checkpoint.max_disk_gb {size / 4e9} is smaller than one checkpoint "
+        f"({size_text(size)} on disk); keeping the newest anyway"
+    ], said  # a unit that does not round a small checkpoint to "0.000 GB"
 
 
 def test_stale_tmp_files_are_cleaned_and_never_mistaken_for_checkpoints(tmp_path, char_dataset):

@@ -304,7 +304,7 @@ def test_rotation_deletes_only_files_it_recorded(tmp_path) -> None:
     ckpt._close_folder()
 
 
-def test_rotation_and_the_disk_cap_delete_sharded_checkpoint_folders(tmp_path) -> None:
+def test_rotation_and_the_disk_cap_delete_sharded_checkpoint_folders(tmp_path, capsys) -> None:
     """DeepSpeed and FSDP2's distributed saves write each checkpoint as a folder; rotation
     refused every folder (its record held regular files only), so keep_last and max_disk_gb
     did nothing and a night of 350M saves filled the disk. A folder it wrote now goes, through
@@ -334,8 +334,8 @@ def test_rotation_and_the_disk_cap_delete_sharded_checkpoint_folders(tmp_path) -
     copied = folder / "step-00000003.ckpt"
     (copied / "checkpoint").mkdir(parents=True)  # another run's folder put here by hand
     newest = save(4)
-    with pytest.warns(UserWarning, match="smaller than one checkpoint"):
-        deleted = ckpt._rotate(newest, 4, {})
+    deleted = ckpt._rotate(newest, 4, {})
+    assert "smaller than one checkpoint (1 kB on disk)" in capsys.readouterr().err
     assert sorted(p.name for p in deleted) == ["step-00000001.ckpt", "step-00000002.ckpt"]
     assert sorted(p.name for p in folder.iterdir()) == [
         LAST_NAME, "step-00000003.ckpt", "step-00000004.ckpt",

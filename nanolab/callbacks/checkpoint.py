@@ -47,6 +47,8 @@ from nanolab.callbacks.files import publish, remove, tmp_path
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import StepCallback, validation_follows
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
+from nanolab.errors import size_text
+from nanolab.messages import warn
 
 LAST_NAME = "last.ckpt"
 ROLLED_BACK_DIR = "rolled_back"  # checkpoints a rollback (or a resume from an older one) set aside
@@ -531,10 +533,10 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                 removed.append(kept[s])
         if total > cap and not self._warned_cap:
             self._warned_cap = True
-            warnings.warn(
-                f"checkpoint.max_disk_gb={self.max_disk_gb} is smaller than one checkpoint "
-                f"({total / 1e9:.3f} GB on disk); keeping the newest anyway",
-                stacklevel=2,
+            warn(
+                "nanolab",
+                f"checkpoint.max_disk_gb {self.max_disk_gb} is smaller than one checkpoint "
+                f"({size_text(total)} on disk); keeping the newest anyway",
             )
         return removed
 
