@@ -180,6 +180,74 @@ def test_resume_into_a_recreated_log_refuses_another_runs_checkpoint(
     assert {k: after.get(k) for k in before} == before  # nothing changed or removed
 
 
+def _but_config(files: dict[str, str]) -> dict[str, str]:
+    """The checkpoints and the rest; config.yaml is written at setup, before this refusal."""
+    return {k: v for k, v in files.items() if not k.endswith("config.yaml")}
+
+
+def _start_ids(log: Path) -> list[str]:
+    return [r["run_id"] for r in read_records(log) if r.get("event") == "start"]
+
+
+def test_a_run_moved_without_its_log_resumes_as_itself(tmp_path, char_dataset, victim) -> None:
+    """A run directory moved elsewhere whose metrics.jsonl was then lost: its checkpoints say
+    they were saved in the old place, which no longer holds the run, and every one is this
+    run's, so the same command resumes it under its own id. With another run's checkpoint put
+    beside them, it is refused in one line naming that run, and nothing changes."""
+    runs, moved = tmp_path / "runs", tmp_path / "moved"
+    cfg = tiny_overrides(char_dataset, runs, run__name="z")
+    cfg["checkpoint"] = {"every_n_steps": 2, "keep_last": 2}
+    res = nanolab_here("fit", "--config", str(write_config(tmp_path / "z.yaml", cfg)), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run_id,) = _start_ids(runs / "z" / "metrics.jsonl")
+    moved.mkdir()
+    os.rename(runs / "z", moved / "z")
+    (moved / "z" / "metrics.jsonl").unlink()
+    other = victim / "checkpoints" / "step-00000004.ckpt"
+    shutil.copy2(other, moved / "z" / "checkpoints" / "step-00000002.ckpt")  # b's, not z's
+    before = digests(moved)
+    cfg = tiny_overrides(char_dataset, moved, run__name="z", trainer__max_steps=8)
+    again = ("fit", "--config", str(write_config(tmp_path / "m.yaml", cfg)))
+    res = nanolab_here(*again, "--run.resume", "auto", cwd=tmp_path)
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, detail
+    line = last_line(res.stderr)
+    assert f"was saved by run {run_id} in {runs / 'z'}" in line, line
+    assert f"also holds checkpoints of run {_start_ids(victim / 'metrics.jsonl')[0]}" in line
+    assert _but_config(digests(moved)) == _but_config(before)
+
+    (moved / "z" / "checkpoints" / "step-00000002.ckpt").unlink()
+    res = nanolab_here(*again, "--run.resume", "auto", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = read_records(moved / "z" / "metrics.jsonl")
+    assert _start_ids(moved / "z" / "metrics.jsonl") == [run_id]
+    assert [r["step"] for r in records if r.get("event") == "end"] == [8]
+
+
+def test_a_copy_of_a_run_without_its_log_is_refused_with_a_fix_that_works(
+    tmp_path, char_dataset, victim
+) -> None:
+    """The same, but the run is still where its checkpoints were saved (a copy, not a move):
+    continuing both would make two runs of one id, so it is refused, naming the original, and
+    the fix it gives (a new run.name from the checkpoint) runs."""
+    copy = tmp_path / "copy"
+    shutil.copytree(victim, copy / "b")
+    (copy / "b" / "metrics.jsonl").unlink()
+    before = digests(copy)
+    cfg = tiny_overrides(char_dataset, copy, run__name="b", trainer__max_steps=8)
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    res = nanolab_here("fit", "--config", config, "--run.resume", "auto", cwd=tmp_path)
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, detail
+    line = last_line(res.stderr)
+    assert f"in {victim}, which still holds that run" in line, line
+    assert _but_config(digests(copy)) == _but_config(before)
+    fix = line.rsplit("(", 1)[1].rstrip(")").split()
+    assert fix[0] == "--run.resume", line
+    res = nanolab_here("fit", "--config", config, *fix, "--run.name", "b2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def queue(capsys, db: Path, *argv: str) -> tuple[int, str, str]:
     """``nanolab queue VERB --db DB ARGS`` in this process; (exit code, stdout, stderr)."""
     from nanolab.queue.cli import main

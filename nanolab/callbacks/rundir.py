@@ -183,14 +183,40 @@ def claim_run_dir(
         raise RunDirError(foreign)
 
     if resuming:
-        if checkpoint is None or _is_own_checkpoint(
-            run_dir, Path(checkpoint), old_id, checkpoint_run_id, checkpoint_run_dir
+        # A checkpoint here that says it was saved in another directory, and no log to say
+        # whose this one is: the run moved here (it continues), or a copy of it (refused).
+        elsewhere = (
+            checkpoint is not None
+            and not has_log
+            and checkpoint_run_id is not None
+            and checkpoint_run_dir is not None
+            and _is_own_checkpoint(run_dir, Path(checkpoint), None, None)
+            and os.path.realpath(checkpoint_run_dir) != os.path.realpath(run_dir)
+        )
+        not_moved = (
+            _why_not_moved(run_dir, str(checkpoint_run_id), str(checkpoint_run_dir), log_name)
+            if elsewhere
+            else None
+        )
+        if (
+            checkpoint is None
+            or _is_own_checkpoint(
+                run_dir, Path(checkpoint), old_id, checkpoint_run_id, checkpoint_run_dir
+            )
+            or (elsewhere and not_moved is None)
         ):
             claim = RunClaim(run_id=None)
         elif holds_run and not checkpoints and continues_fork(run_dir, checkpoint, log_name):
             # The run started from this checkpoint and stopped before its own first save: it
             # starts from it again, as the same run.
             claim = RunClaim(run_id=old_id or new_run_id(), forked_from=str(checkpoint))
+        elif holds_run and not_moved is not None:
+            raise RunDirError(
+                f"run directory {run_dir} has no run log, and {checkpoint} was saved by run "
+                f"{checkpoint_run_id} in {checkpoint_run_dir}, {not_moved}: continuing here "
+                "could make two copies of one run. Resume it where it is, or start a new run "
+                f"from this checkpoint under another run.name (--run.resume {checkpoint})"
+            )
         elif holds_run:
             what = f"run {old_id}" if old_id else "another run's files"
             theirs = f"run {checkpoint_run_id}" if checkpoint_run_id else "another run"
@@ -305,6 +331,34 @@ def _is_own_checkpoint(
     return where.parts[:1] == (CHECKPOINT_DIR,) or (
         len(where.parts) == 1 and where.name.startswith("hpc_ckpt_")
     )
+
+
+def _why_not_moved(run_dir: Path, run_id: str, origin: str, log_name: str) -> str | None:
+    """Why ``run_dir``, holding checkpoints of run ``run_id`` saved in ``origin`` and no log,
+    cannot be taken for that run moved here; None when it can: ``origin`` no longer holds the
+    run (gone, emptied, or another run's now) and every readable checkpoint here is that run's.
+    Then a resume continues the run in its new place, and no other copy can continue beside
+    it. Reading a checkpoint's run id opens it the cheap way (no tensor data)."""
+    from nanolab.training.resume import checkpoint_files as resumable
+    from nanolab.training.resume import inspect_checkpoint
+
+    there = Path(origin)
+    owner = owner_of_log(there / log_name)
+    if owner == run_id:
+        return f"which still holds that run ({there / log_name} names it)"
+    if owner is None and checkpoint_files(there):
+        return f"which may still hold that run ({there / CHECKPOINT_DIR} has checkpoints)"
+    others = sorted(
+        {
+            c.run_id or "unknown"
+            for p in resumable(run_dir)
+            if (c := inspect_checkpoint(p, training=False)).ok
+        }
+        - {run_id}
+    )
+    if others:
+        return f"but {run_dir / CHECKPOINT_DIR} also holds checkpoints of run {', '.join(others)}"
+    return None
 
 
 def _archive(run_dir: Path, old_id: str | None, log_name: str) -> Path:
