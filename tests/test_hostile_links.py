@@ -180,11 +180,6 @@ def test_resume_into_a_recreated_log_refuses_another_runs_checkpoint(
     assert {k: after.get(k) for k in before} == before  # nothing changed or removed
 
 
-def _but_config(files: dict[str, str]) -> dict[str, str]:
-    """The checkpoints and the rest; config.yaml is written at setup, before this refusal."""
-    return {k: v for k, v in files.items() if not k.endswith("config.yaml")}
-
-
 def _start_ids(log: Path) -> list[str]:
     return [r["run_id"] for r in read_records(log) if r.get("event") == "start"]
 
@@ -214,7 +209,7 @@ def test_a_run_moved_without_its_log_resumes_as_itself(tmp_path, char_dataset, v
     line = last_line(res.stderr)
     assert f"was saved by run {run_id} in {runs / 'z'}" in line, line
     assert f"also holds checkpoints of run {_start_ids(victim / 'metrics.jsonl')[0]}" in line
-    assert _but_config(digests(moved)) == _but_config(before)
+    assert digests(moved) == before  # config.yaml too: refused before it is written
 
     (moved / "z" / "checkpoints" / "step-00000002.ckpt").unlink()
     res = nanolab_here(*again, "--run.resume", "auto", cwd=tmp_path)
@@ -241,7 +236,7 @@ def test_a_copy_of_a_run_without_its_log_is_refused_with_a_fix_that_works(
     assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, detail
     line = last_line(res.stderr)
     assert f"in {victim}, which still holds that run" in line, line
-    assert _but_config(digests(copy)) == _but_config(before)
+    assert digests(copy) == before  # config.yaml too: refused before it is written
     fix = line.rsplit("(", 1)[1].rstrip(")").split()
     assert fix[0] == "--run.resume", line
     res = nanolab_here("fit", "--config", config, *fix, "--run.name", "b2", cwd=tmp_path)

@@ -530,6 +530,7 @@ def claim_for_fit(
         fresh=run.fresh,
         checkpoint=cand.path if cand is not None else None,
         checkpoint_run_id=cand.run_id if cand is not None else None,
+        checkpoint_run_dir=cand.run_dir if cand is not None else None,
     )
     older = (
         cand is not None

@@ -62,6 +62,7 @@ class Candidate:
     error: str | None = None  # why it cannot be resumed from; None = usable
     nanolab: dict[str, Any] | None = None  # the module's plain-data section, when present
     run_id: str | None = None  # the run that saved it (the run log callback's state), if known
+    run_dir: str | None = None  # the run directory it was saved in (same state), if known
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # state_dict tensor shapes
 
     @property
@@ -156,22 +157,24 @@ def inspect_checkpoint(path: str | Path, training: bool = True) -> Candidate:
     cand.step = int(step) if isinstance(step, int) else None
     section = ckpt.get("nanolab")
     cand.nanolab = section if isinstance(section, dict) else None
-    cand.run_id = _run_id_of(ckpt)
+    cand.run_id, cand.run_dir = _run_of(ckpt)
     cand.shapes = {
         str(k): tuple(v.shape) for k, v in ckpt["state_dict"].items() if hasattr(v, "shape")
     }
     return cand
 
 
-def _run_id_of(ckpt: dict[str, Any]) -> str | None:
-    """The run id the run log callback stored in the checkpoint's callback states."""
+def _run_of(ckpt: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(run id, run directory) the run log callback stored in the checkpoint's callback states
+    (``None`` for what it does not say)."""
     callbacks = ckpt.get("callbacks")
     if not isinstance(callbacks, dict):
-        return None
+        return None, None
     for key, state in callbacks.items():
         if str(key).startswith("MetricsLog") and isinstance(state, dict) and state.get("run_id"):
-            return str(state["run_id"])
-    return None
+            where = state.get("run_dir")
+            return str(state["run_id"]), str(where) if isinstance(where, str) and where else None
+    return None, None
 
 
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
