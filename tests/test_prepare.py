@@ -921,6 +921,30 @@ def test_characters_a_tokenizer_json_cannot_represent_are_refused_not_dropped(tm
     assert not out.exists()
 
 
+def test_a_metaspace_bpe_that_drops_a_character_is_refused_too(tmp_path, capsys):
+    """A SentencePiece-style BPE (Metaspace pre-tokenizer) encodes a character it lacks as the
+    word-start mark alone: the ids were not empty, so 'emoji \U0001f600 done' trained as
+    'emoji  done' with no word. What a character encodes to must decode to something."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [*sorted(set("emoji done hello world\n")), "\u2581"]
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.add_special_tokens(["</s>"])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for folder, text in ((good, "hello world\n"), (bad, "emoji \U0001f600 done\n")):
+        folder.mkdir()
+        (folder / "a.txt").write_text(text * 100)
+    assert main([str(good), "-o", str(tmp_path / "ok"), "--tokenizer", str(path), "-q"]) == 0
+    capsys.readouterr()
+    assert main([str(bad), "-o", str(tmp_path / "ds"), "--tokenizer", str(path), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "100 characters this tokenizer cannot represent" in err[0], err
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.3])
 def test_one_short_file_with_a_tokenizer_that_drops_spaces_is_cut_at_its_fraction(
     tmp_path, fraction

@@ -289,15 +289,19 @@ class HFTokenizer(Tokenizer):
     def _refuse_dropped(self, texts: Sequence[str]) -> None:
         """Refuse text with characters this tokenizer leaves out of its ids, as CharTokenizer
         refuses a character it lacks. A character is tried alone once (cached: the cost grows
-        with the alphabet, not the text); the encoding's offsets cannot show it, since a
-        dropped character shifts every later offset of its word onto the characters after it."""
+        with the alphabet, not the text) and must decode to something; the encoding's offsets
+        cannot show it, since a dropped character shifts every later offset of its word onto
+        the characters after it."""
         codes = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32)
         bad = []
         for code in np.unique(codes).tolist():
             if code not in self._kept:
                 char = chr(code)
                 ids = self._tok.encode(char, add_special_tokens=False).ids
-                self._kept[code] = bool(ids) or char.isspace()  # a pre-tokenizer's split
+                # Kept when its ids decode to something: a Metaspace pre-tokenizer gives a
+                # dropped character the word-start mark alone, which decodes to nothing
+                # (whitespace is a pre-tokenizer's split, never dropped).
+                self._kept[code] = char.isspace() or bool(self._tok.decode(ids).strip())
             if not self._kept[code]:
                 bad.append(code)
         if bad:
