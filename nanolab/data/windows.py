@@ -184,25 +184,34 @@ def evaluation_batches(
     ``micro_batch_size`` each. Every rank gets as many windows, so as many batches (a sharded
     model runs collectives in each forward) and as many windows to average: Lightning reduces
     a logged mean as the ranks' sums over the ranks' mean window count, an integer mean, so
-    unequal shares would be weighed wrong. So the set is cut to a multiple of ``world``
-    (:func:`validation_cut` says so at launch); a rank without any window is refused, as it
-    stopped the run with a traceback on every rank."""
+    unequal shares would be weighed wrong. So the set is cut to a multiple of ``world``, and a
+    set smaller than ``world`` is repeated until every rank has one window (the same mean as one
+    device when ``world`` is a multiple of it); :func:`validation_cut` says when either changes
+    what is scored."""
     count = len(keys)
-    if count < world:
+    if count == 0:
         raise DataTooSmallError(
-            f"{count} validation window(s) cannot give each of the {world} devices a batch; set "
-            f"data.val_windows to {world} or more (a validation split of fewer windows needs "
-            "more text: a larger --val-fraction), or run on fewer devices"
+            "the validation split holds no window to score; add validation text (or windows)"
         )
-    mine = keys[: count // world * world][rank::world]
+    if count < world:
+        keys = np.resize(keys, world)  # cyclic: windows 0..count-1, 0.., one per rank
+    mine = keys[: len(keys) // world * world][rank::world]
     return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
 
 
 def validation_cut(count: int, world: int, where: str) -> str | None:
-    """The launch's warning when ``world`` devices score fewer of ``where``'s ``count``
-    validation windows than one device does (``None`` when they score all of them)."""
-    if count < world or count % world == 0:
+    """The launch's warning when ``world`` devices score ``where``'s ``count`` validation
+    windows otherwise than one device does: fewer of them (cut to a multiple of ``world``), or
+    some more often than others (fewer windows than devices, ``world`` not a multiple);
+    ``None`` when they score the same set, each window as often."""
+    if count == 0 or count % world == 0 or (count < world and world % count == 0):
         return None
+    if count < world:
+        return (
+            f"{where}: {world} devices score its {count} validation window(s) unevenly (one per "
+            f"device, some twice), one device each once: their val losses differ; set "
+            f"data.val_windows to a multiple of {world}, or give the split more windows"
+        )
     kept = count // world * world
     return (
         f"{where}: {world} devices score {kept} of the {count} validation windows (each device "
