@@ -321,6 +321,8 @@ def test_bench_set_takes_both_spellings() -> None:
     assert set_pair("--model.gpt.n_layer 2") == ("--model.gpt.n_layer", "2")
     assert set_pair("--model.gpt.n_layer=2") == ("--model.gpt.n_layer", "2")
     assert set_pair('--data.datasets=[{"dir": "a=b"}]')[1] == '[{"dir": "a=b"}]'
+    assert set_pair("--data.dataset_dir data/a=b") == ("--data.dataset_dir", "data/a=b")
+    assert set_pair("--run.eval_every_steps=5 0")[1] == "5 0"
     resolved = resolve_benchmarked(
         [str(QUICKSTART)], [*set_pair("--model.gpt.n_layer 2"), "--data.source", "null"], 10
     )

@@ -136,7 +136,7 @@ def test_a_null_is_a_change_unless_it_means_from_the_data(tmp_path: Path) -> Non
     "take it from the data", which the checkpoint matches."""
     windowed = {**GPT, "attention_window": 8, "document_mask": True, "eot_id": 0}
     ckpt = fake_checkpoint(tmp_path / "x.ckpt", 4, windowed)
-    with pytest.raises(ResumeError, match=r"attention_window 8 in the checkpoint vs None now"):
+    with pytest.raises(ResumeError, match=r"attention_window 8 in the checkpoint vs null now"):
         resolve_resume(str(ckpt), tmp_path, {**windowed, "attention_window": None})
     from_data = {**windowed, "vocab_size": None, "eot_id": None}
     assert resolve_resume(str(ckpt), tmp_path, from_data) == str(ckpt)
@@ -172,7 +172,8 @@ def test_a_named_folder_is_read_as_generate_reads_it_or_named_a_folder(tmp_path:
         resolve_resume(str(run), tmp_path, GPT)
     assert str(err.value) == (
         f"run.resume {run} is a folder, not a checkpoint; pass the checkpoint in it, "
-        f"run.resume {last}, or run.resume auto to continue this run from its newest"
+        f"run.resume {last} (to continue that run itself, rerun it with its own run.name "
+        "and run.resume auto)"
     )
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "notes.txt").write_text("not a checkpoint")

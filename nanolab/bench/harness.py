@@ -620,9 +620,11 @@ def resolve_benchmarked(configs: list[str], overrides: list[str], steps: int) ->
 def set_pair(item: str) -> tuple[str, str]:
     """(``--key``, value) of one ``--set``: ``--key=value`` or ``--key value``."""
     text = item.strip()
-    key, sep, value = text.partition("=")
-    if not sep:
+    space, equals = text.find(" "), text.find("=")
+    if space >= 0 and (equals < 0 or space < equals):  # --key value (the value may hold '=')
         key, _, value = text.partition(" ")
+    else:
+        key, _, value = text.partition("=")
     key, value = key.strip(), value.strip()
     if not key.startswith("--") or len(key) < 3 or not value:
         raise BenchError(

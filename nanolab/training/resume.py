@@ -249,7 +249,7 @@ def check_same_model(
 
     saved = with_defaults(saved)  # a field the checkpoint predates: what it meant then
     diffs = [
-        f"{k} {saved[k]!r} in the checkpoint vs {gpt_config[k]!r} now"
+        f"{k} {_yaml(saved[k])} in the checkpoint vs {_yaml(gpt_config[k])} now"
         for k in sorted(set(saved) & set(gpt_config))
         if k not in RUNTIME_GPT_FIELDS
         and not (k in FROM_DATA_GPT_FIELDS and gpt_config[k] is None)
@@ -365,10 +365,10 @@ def _checkpoint_in_folder(folder: Path, flag: str, training: bool) -> Path:
     if training:
         # A run records the file it started from, and the same command run again after a
         # preemption continues it only by naming that file: name it, do not pick it.
-        last = "auto" if flag == "run.resume" else "last"
         raise ResumeError(
             f"{flag} {folder} is a folder, not a checkpoint; pass the checkpoint in it, "
-            f"{flag} {found}, or {flag} {last} to continue this run from its newest"
+            f"{flag} {found} (to continue that run itself, rerun it with its own run.name "
+            "and run.resume auto)"
         )
     return found
 
@@ -523,3 +523,12 @@ def check_sharded_optimizer_layout(path: str | Path, strategy_kind: str, world_s
             f"FSDP2 on {world_size} devices cannot shard that state: continue it with the "
             "strategy it was saved with (ddp, or one device), where any device count works"
         )
+
+
+def _yaml(value: Any) -> str:
+    """A setting as the config spells it: ``null``, ``true``, ``'gelu'``, ``8``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
