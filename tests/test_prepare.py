@@ -970,3 +970,17 @@ def test_one_short_file_with_a_tokenizer_that_drops_spaces_is_cut_at_its_fractio
         [np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
     )
     assert 0 not in ids.tolist()  # no word cut in two ([UNK])
+
+
+def test_one_file_of_uneven_words_is_cut_at_its_token_share(tmp_path):
+    """The cut took the fraction of the characters for the fraction of the tokens: a 92-letter
+    word then nine short ones at --val-fraction 0.3 gave validation 6 of 7 tokens (86%)."""
+    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate("bcdefghij")}}
+    path = _word_level(tmp_path / "wl.json", vocab)
+    (tmp_path / "a.txt").write_text("a" * 92 + " b c d e f g h i j\n")
+    out = tmp_path / "ds"
+    args = [str(tmp_path / "a.txt"), "-o", str(out), "--tokenizer", str(path), "-q"]
+    assert main([*args, "--val-fraction", "0.3"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["train_tokens"] + meta["val_tokens"] == 11  # [UNK], b..j, end-of-text
+    assert meta["val_tokens"] == 3, meta

@@ -840,13 +840,21 @@ def _cut(
     text: str, ids: np.ndarray, nbytes: int, docs: int, tok: Tokenizer, val_fraction: float
 ) -> dict[str, tuple[np.ndarray, int, int]]:
     """The one unit of a corpus in two: ``val_fraction`` of its tokens, end-of-text included,
-    are the validation split. The text is cut at the character as far into it as that token
-    is into its ids, and each side is encoded and its bytes counted on its own: the bytes of
-    decoded ids are not the text's for a tokenizer whose decode gives other text back (a
-    WordLevel one drops the spaces), which counted 1 validation byte, or -128."""
-    body = ids.size - docs  # the text's tokens, without the end-of-text
+    are the validation split. The text is cut at the first character whose prefix encodes to
+    the training share of the tokens (a bisection: a prefix's token count grows with it; the
+    share of characters is not the share of tokens when words differ in length), and each side
+    is encoded and its bytes counted on its own: the bytes of decoded ids are not the text's for
+    a tokenizer whose decode gives other text back (a WordLevel one drops the spaces), which
+    counted 1 validation byte, or -128."""
     keep = ids.size - max(1, int(ids.size * val_fraction))  # tokens left for training
-    at = min(len(text) - 1, max(1, round(len(text) * keep / body)))
+    lo, hi = 1, len(text) - 1
+    while lo < hi:  # one unit is at most a block of text: a few dozen encodes of it
+        mid = (lo + hi) // 2
+        if tok.encode_batch([text[:mid]])[0].size >= keep:
+            hi = mid
+        else:
+            lo = mid + 1
+    at = lo
     space = _SPACE.search(text, at, min(len(text) - 1, at + 64))
     at = space.start() if space else at  # not inside a word, where a WordLevel would see [UNK]
     head, tail = text[:at], text[at:]  # whole characters: never inside one's UTF-8 bytes
