@@ -225,7 +225,7 @@ def small_tmpfs(tmp_path: Path, trained: Trained):
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_full_disk_on_a_real_filesystem(small_tmpfs: Path, trained: Trained) -> None:
@@ -272,4 +272,4 @@ def test_a_healthy_queue_on_a_full_disk_is_not_called_damaged(tmp_path: Path, ca
         assert hashlib.sha256(db_path.read_bytes()).hexdigest() == digest
         QueueDB(db_path).close()
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -34,7 +34,7 @@ def mounts(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         yield ro, full
     finally:
         for folder in (ro, full):
-            subprocess.run(["umount", str(folder)], capture_output=True)
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def _one_error_line(res, *needles: str) -> None:
@@ -126,7 +126,7 @@ def test_a_full_disk_at_config_yaml_names_the_file_and_leaves_no_tmp(tmp_path, c
         assert "free there); free space there" in errors[0], errors[0]
         assert (sorted(os.listdir(run)), (run / "config.yaml").read_bytes()) == before
     finally:
-        subprocess.run(["umount", str(small)], capture_output=True)
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -189,4 +189,4 @@ def test_no_file_entries_left_is_said_so_not_as_a_lack_of_bytes(tmp_path, char_d
         assert refused.value.errno == errno.ENOSPC and "delete files" in str(refused.value)
         assert "no file entries (inodes) left there" in str(refused.value)
     finally:
-        subprocess.run(["umount", str(ino)], capture_output=True)
+        subprocess.run(["umount", "-l", str(ino)], capture_output=True)
