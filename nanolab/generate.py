@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not prompt_ids:
         raise GenerateArgumentError("--prompt encodes to no tokens; give some text")
     if not model.supports_kv_cache:
-        note("nanolab generate", no_cache_reason(model))
+        note("nanolab generate", model.no_cache_reason())
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     for i in range(args.num_samples):
@@ -131,28 +131,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n" + "-" * 40)
         stream_sample(model, tok, idx, args, generator)
     return 0
-
-
-def no_cache_reason(model: Any) -> str:
-    """Why a model samples without a key/value cache, in one line."""
-    config = model.config
-    if config.masks_attention:
-        what = " and ".join(
-            name
-            for name, on in (
-                ("model.gpt.document_mask", config.document_mask),
-                ("model.gpt.attention_window", config.attention_window is not None),
-            )
-            if on
-        )
-        verb = "run" if " and " in what else "runs"
-        return f"{what} {verb} without a key/value cache: each new token runs the whole context"
-    missing = {f"{type(p).__module__}.{type(p).__qualname__}" for p in model.uncached_parts()}
-    which = ", ".join(sorted(missing)) or "a part of this model"
-    return (
-        f"{which} does not declare supports_kv_cache in its class body (docs/forking.md): each "
-        "new token runs the whole context"
-    )
 
 
 def stream_sample(

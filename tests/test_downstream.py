@@ -322,9 +322,8 @@ def test_a_model_without_cache_support_scores_full_passes() -> None:
     for block in model.blocks:
         block.attn.__class__ = Plain
     assert not model.supports_kv_cache
-    from nanolab.generate import no_cache_reason
 
-    assert no_cache_reason(model).startswith(f"{Plain.__module__}.{Plain.__qualname__} does not")
+    assert model.no_cache_reason().startswith(f"{Plain.__module__}.{Plain.__qualname__} does not")
     examples = [Example(("to be or not to be",), ("x", "yz"), 0, i) for i in range(3)]
     task = Task("t", "multiple_choice", examples, Path("t"))
     requests = requests_for(task, CHARS, 32, [0, 1, 2])

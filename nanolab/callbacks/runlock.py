@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
-from nanolab.processes import pid_alive
+from nanolab.processes import global_rank_from_env, pid_alive
 
 LOCK_NAME = ".nanolab.lock"
 #: Environment variable through which a holder hands its token to the ranks it launches.
@@ -81,23 +81,6 @@ class RunLock:
 
 
 _held: dict[Path, RunLock] = {}
-
-
-def global_rank_from_env() -> int:
-    """This process's global rank as a launcher set it (0 when launched alone)."""
-    for key in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        value = os.environ.get(key)
-        if value is not None and value.strip().isdigit():
-            if key == "SLURM_PROCID" and int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1:
-                continue  # a single-task job (also each sbatch step): every launch is rank 0
-            return int(value)
-    # Lightning's launcher on the other nodes of a multi-node run (started by hand or by a
-    # scheduler with NODE_RANK set), or a rank a launcher started with only its local rank.
-    for key in ("NODE_RANK", "GROUP_RANK", "LOCAL_RANK"):
-        value = os.environ.get(key, "")
-        if value.strip().isdigit() and int(value) > 0:
-            return int(value)
-    return 0
 
 
 def read_holder(path: Path) -> dict[str, Any] | None:

@@ -684,6 +684,28 @@ class GPT(nn.Module):
                 parts.append(rope)
         return [p for p in parts if not vars(type(p)).get("supports_kv_cache", False)]
 
+    def no_cache_reason(self) -> str:
+        """Why this model samples without a key/value cache, in one line (``nanolab generate``
+        says it; an explicit ``use_cache=True`` is refused with it)."""
+        config = self.config
+        if config.masks_attention:
+            what = " and ".join(
+                name
+                for name, on in (
+                    ("model.gpt.document_mask", config.document_mask),
+                    ("model.gpt.attention_window", config.attention_window is not None),
+                )
+                if on
+            )
+            verb = "run" if " and " in what else "runs"
+            return f"{what} {verb} without a key/value cache: each new token runs the whole context"
+        missing = {f"{type(p).__module__}.{type(p).__qualname__}" for p in self.uncached_parts()}
+        which = ", ".join(sorted(missing)) or "a part of this model"
+        return (
+            f"{which} does not declare supports_kv_cache in its class body (docs/forking.md): "
+            "each new token runs the whole context"
+        )
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -831,10 +853,8 @@ class GPT(nn.Module):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if use_cache and not self.supports_kv_cache:
-            from nanolab.generate import no_cache_reason
-
             raise ValueError(
-                f"use_cache=True, but {no_cache_reason(self)}; leave use_cache unset (or False)"
+                f"use_cache=True, but {self.no_cache_reason()}; leave use_cache unset (or False)"
             )
         use_cache = self.supports_kv_cache if use_cache is None else use_cache
         block, vocab = self.config.block_size, self.config.vocab_size

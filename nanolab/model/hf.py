@@ -529,8 +529,8 @@ def apply_init_from(model_cfg: Any) -> None:
     info = exported.exported_info(folder)
     line = exported.attention_note(folder, info, current) if info is not None else None
     if line is not None:
-        from nanolab.callbacks.runlock import global_rank_from_env
         from nanolab.messages import note
+        from nanolab.processes import global_rank_from_env
 
         if global_rank_from_env() == 0:
             note("nanolab", line)
