@@ -190,3 +190,39 @@ def test_no_file_entries_left_is_said_so_not_as_a_lack_of_bytes(tmp_path, char_d
         assert "no file entries (inodes) left there" in str(refused.value)
     finally:
         subprocess.run(["umount", "-l", str(ino)], capture_output=True)
+
+
+def test_no_file_entries_left_at_the_run_lock_or_the_queue_is_said_so(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Out of file entries where fit takes the run directory's lock: it said "the disk is full
+    (3 MB free); free space" and exited 2; a queue database there was called damaged
+    (SQLite's "unable to open database file" for its -wal file) with the advice to move it
+    aside. Both now name the missing file entries; fit exits 74, as every full disk."""
+    from nanolab.queue.db import QueueDB, QueueError
+
+    ino = tmp_path / "ino"
+    if not _mount(ino, "size=3m,nr_inodes=8"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        (ino / "runs").mkdir()
+        QueueDB(ino / "q.db").close()
+        n = 0
+        while True:  # every entry taken
+            try:
+                (ino / f"f{n}").touch()
+            except OSError:
+                break
+            n += 1
+        cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, ino / "runs"))
+        res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+        assert res.returncode == 74, res.stderr[-2000:]
+        errors = [line for line in res.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert "no file entries (inodes) left there" in errors[0] and "delete files" in errors[0]
+        with pytest.raises(QueueError) as refused:
+            QueueDB(ino / "q.db")
+        line = str(refused.value)
+        assert "no file entries (inodes) left" in line and "move it aside" not in line, line
+    finally:
+        subprocess.run(["umount", "-l", str(ino)], capture_output=True)

@@ -57,6 +57,7 @@ from nanolab.callbacks.rundir import (
 )
 from nanolab.callbacks.step import StepCallback
 from nanolab.claimed import LeftClaimedDir
+from nanolab.errors import disk_full, room_left
 from nanolab.messages import warn
 from nanolab.runlog import (
     RUN_LOG_NAME,
@@ -182,10 +183,12 @@ class MetricsLog(StepCallback):
                     checkpoint_run_dir=self.checkpoint_run_dir,
                 ).run_id
             except RunDirError as err:
-                error = str(err)
+                error = (str(err), err.errno)  # a full disk keeps its exit code (74)
         error = trainer.strategy.broadcast(error, src=0)
         if error:
-            raise RunDirError(error)
+            refused = RunDirError(error[0])
+            refused.errno = error[1]
+            raise refused
         self.run_dir = os.path.realpath(run_dir)
         if trainer.is_global_zero:
             if resuming:
@@ -204,6 +207,11 @@ class MetricsLog(StepCallback):
             try:
                 self._writer = RunLogWriter(path, run_id=self.run_id)
             except OSError as err:
+                if disk_full(err):
+                    left, fix = room_left(run_dir, err)
+                    full = RunDirError(f"cannot write the run log {path} ({left}); {fix}")
+                    full.errno = err.errno
+                    raise full from None
                 raise RunDirError(
                     f"cannot write the run log {path} ({err.strerror or err}); set run.root to a "
                     "writable folder"

@@ -500,7 +500,9 @@ def no_room(path: Path, err: BaseException) -> str | None:
     when there is room (then the file itself is at fault). Said as it is, because the damaged-file
     advice (move it aside, queue the jobs again) would throw away a healthy queue's history."""
     name = str(getattr(err, "sqlite_errorname", ""))
-    full = "full" in str(err).lower() or name.startswith(("SQLITE_FULL", "SQLITE_IOERR"))
+    full = "full" in str(err).lower() or name.startswith(
+        ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CANTOPEN")  # no entry left for its -wal/-shm
+    )
     if not full:
         return None
     try:
@@ -509,14 +511,14 @@ def no_room(path: Path, err: BaseException) -> str | None:
         return None
     free = st.f_bavail * st.f_frsize
     if st.f_files and st.f_favail == 0:
-        what = "has no file entries (inodes) left"
+        what, fix = "has no file entries (inodes) left", "delete files you no longer need there"
     elif free < LOW_SPACE_BYTES:
-        what = f"is full ({free / 2**20:.2f} MiB free)"
+        what, fix = f"is full ({free / 2**20:.2f} MiB free)", "free space there"
     else:
         return None
     return (
         f"the file system holding the queue database {path} {what} ({err}); the database was "
-        "left untouched: free space there and rerun the same command"
+        f"left untouched: {fix} and rerun the same command"
     )
 
 

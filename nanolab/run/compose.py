@@ -473,15 +473,16 @@ def claim_for_fit(
     try:
         acquire(run_dir)
     except OSError as err:
-        import errno
-        import shutil
+        from nanolab.errors import disk_full, room_left
 
-        if err.errno == errno.ENOSPC:
-            free = shutil.disk_usage(run_dir.parent if run_dir.parent.exists() else ".").free
-            raise RunConfigError(
-                f"run directory {run_dir} cannot be used: the disk is full ({free / 1e6:.0f} MB "
-                "free there); free space and rerun the same command (the run's files are intact)"
-            ) from None
+        if disk_full(err):  # no bytes or no file entries left: exit 74, as every full disk
+            left, fix = room_left(run_dir, err)
+            full = RunConfigError(
+                f"run directory {run_dir} cannot be used ({left}); {fix}, then rerun the same "
+                "command (the run's files are intact)"
+            )
+            full.errno = err.errno  # type: ignore[attr-defined]
+            raise full from None
         raise RunConfigError(
             f"run directory {run_dir} cannot be used ({err.strerror or err}); set "
             "run.root to a folder this user can write"
