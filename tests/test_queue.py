@@ -121,6 +121,8 @@ CALLBACK_REFUSALS = [
     ("budget.min_delta=-1", "budget.min_delta must be >= 0, got -1.0"),
     ('notify.targets=["echo {nosuch}"]', "notify.targets[0] names {nosuch}, which is not a field"),
     ("spike.factor=-1", "spike.factor must be a number > 1, got -1.0"),
+    ("downstream.suite=nonexistent_suite.yaml", "suite "),
+    ("downstream.suite=builtin:nosuch", "builtin:nosuch: no such built-in suite"),
 ]  # fmt: skip
 
 

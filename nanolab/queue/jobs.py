@@ -183,6 +183,7 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
     _check_data(resolved.data_args, cwd)
     _check_resume(cfg)
     _check_callbacks(cfg)
+    _check_suite(cfg, cwd)
     micro = resolved.micro_batch_size
     if micro is None:  # run.micro_batch_size auto: the data's value until the job plans it
         micro = int(resolved.data_args.get("micro_batch_size") or 1)
@@ -221,6 +222,24 @@ def _check_callbacks(cfg: dict[str, Any]) -> None:
             remembered is None or settings != remembered.defaults.get(group)
         ):
             callback(**settings)
+
+
+def _check_suite(cfg: dict[str, Any], cwd: Path) -> None:
+    """The in-loop task suite read as fit reads it when the run starts (its constructor only
+    keeps the name): a suite file that does not exist or does not parse is refused at add."""
+    section = cfg.get("downstream")
+    spec = section.get("suite") if isinstance(section, dict) else None
+    if not spec:
+        return
+    from nanolab.downstream.tasks import TaskFileError, load_suite
+
+    text = str(spec)
+    if not text.startswith("builtin:") and not Path(text).expanduser().is_absolute():
+        text = str(_under(cwd, text))  # the job runs where it was added
+    try:
+        load_suite(text, section.get("limit"))
+    except TaskFileError as err:
+        raise JobConfigError(str(err)) from None  # the line fit prints at start-up
 
 
 def _check_resume(cfg: dict[str, Any]) -> None:
