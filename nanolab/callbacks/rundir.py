@@ -337,8 +337,10 @@ def _why_not_moved(run_dir: Path, run_id: str, origin: str, log_name: str) -> st
     """Why ``run_dir``, holding checkpoints of run ``run_id`` saved in ``origin`` and no log,
     cannot be taken for that run moved here; None when it can: ``origin`` no longer holds the
     run (gone, emptied, or another run's now) and every readable checkpoint here is that run's.
-    Then a resume continues the run in its new place, and no other copy can continue beside
-    it. Reading a checkpoint's run id opens it the cheap way (no tensor data)."""
+    Then a resume continues the run in its new place. Only the folder that saved the
+    checkpoints can tell: two copies made before the original was moved away and stripped of
+    its log would each pass, as nothing records where else copies went. Reading a checkpoint's
+    run id opens it the cheap way (no tensor data)."""
     from nanolab.training.resume import checkpoint_files as resumable
     from nanolab.training.resume import inspect_checkpoint
 
