@@ -180,3 +180,23 @@ def test_the_fix_a_full_disk_suggests_works_on_the_rerun(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "deleted step-00000003.ckpt before the first save" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in folder.glob("step-*"))[-1] == "step-00000012.ckpt"
+
+
+def test_a_run_log_torn_in_its_first_record_does_not_hold_a_run(tmp_path: Path) -> None:
+    """A disk that filled as the run began left half a start record and no newline; the rerun
+    the error line advised ("rerun the same command") was refused as "already holds another
+    run". Such a log is no run yet: the same command starts it, the torn file moved aside."""
+    from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+
+    run = tmp_path / "full12"
+    run.mkdir()
+    torn = '{"event": "start", "time": 1.0, "step": 0, "run_id": "abc", "config": {"trai'
+    (run / "metrics.jsonl").write_text(torn)
+    claim = claim_run_dir(run, {"trainer": {"max_steps": 4}}, resuming=False)
+    assert claim.run_id and claim.archived_to is not None
+    assert (claim.archived_to / "metrics.jsonl").read_text() == torn  # moved, not deleted
+    assert not (run / "metrics.jsonl").exists()
+    # One whole record is a run: the same folder is refused to a different config.
+    (run / "metrics.jsonl").write_text(torn.replace('"config": {"trai', '"config": {}}\n'))
+    with pytest.raises(RunDirError, match="already holds"):
+        claim_run_dir(run, {"trainer": {"max_steps": 4}}, resuming=False)

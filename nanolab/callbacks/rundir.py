@@ -174,7 +174,7 @@ def claim_run_dir(
         )
     log_path = run_dir / log_name
     previous = last_record(log_path, where=lambda r: r.get("event") == "start")
-    has_log = log_path.is_file() and log_path.stat().st_size > 0
+    has_log = _holds_a_record(log_path)
     checkpoints = checkpoint_files(run_dir)
     old_id = owner_of_log(log_path)
     holds_run = has_log or bool(checkpoints)
@@ -235,7 +235,10 @@ def claim_run_dir(
         # Fresh, or a new run where a gone one left its state (its log and checkpoints deleted
         # by hand): that state goes with the old run, so the new one starts from nothing of it.
         leftovers = (
-            holds_run or foreign is not None or any((run_dir / name).exists() for name in RUN_STATE)
+            holds_run
+            or foreign is not None
+            or (log_path.is_file() and log_path.stat().st_size > 0)  # a torn first record
+            or any((run_dir / name).exists() for name in RUN_STATE)
         )
         archived = _archive(run_dir, old_id, log_name) if leftovers else None
         return RunClaim(run_id=new_run_id(), archived_to=archived)
@@ -262,6 +265,20 @@ def claim_run_dir(
         f"run directory {run_dir} already holds {what}{detail}; choose another run.name, or set "
         f"run.fresh: true to move it to {run_dir / 'previous'} and start over"
     )
+
+
+def _holds_a_record(log_path: Path) -> bool:
+    """Whether the run log holds one whole line: a log that is only the torn start of its first
+    record (a disk that filled as the run began) is no run yet, and the same command run again
+    once there is room starts it, the torn file moved to ``previous/`` with the leftovers."""
+    try:
+        with open(log_path, "rb") as f:
+            while chunk := f.read(1 << 20):  # up to the first newline: the start record
+                if b"\n" in chunk:
+                    return True
+    except OSError:
+        return False
+    return False
 
 
 def fork_origin(run_dir: Path, log_name: str = RUN_LOG_NAME) -> str | None:
