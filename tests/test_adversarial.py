@@ -849,6 +849,7 @@ def _stop(proc: subprocess.Popen) -> int:
     return proc.wait(timeout=120)
 
 
+@pytest.mark.slow  # a row of a kind the default run covers (the suite's time)
 def test_second_launch_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over(ws):
     """Item 3: one launch per run directory; exit 2 naming the holder; SIGKILL frees it."""
     run_dir = ws.runs / "dup"
@@ -975,6 +976,7 @@ def _diverging_config(ws: Workspace) -> Path:
     return write_config(ws.work / "div.yaml", cfg)
 
 
+@pytest.mark.slow  # a row of a kind the default run covers (the suite's time)
 def test_divergence_stops_the_run_keeps_finite_checkpoints_and_is_reported(ws):
     """Item 5: NaN loss -> stopped after K steps, exit 3, end reason diverged, report says so."""
     cfg = _diverging_config(ws)

@@ -400,6 +400,7 @@ def test_forecast_starts_where_the_curve_is() -> None:
     assert fit.predict(200) == pytest.approx(float(y[steps == 200][0]), abs=0.01)
 
 
+@pytest.mark.slow  # a row of a kind the default run covers (the suite's time)
 def test_forecast_check_compares_both_forecasters_and_replays_the_payoff_rule(tmp_path, capsys):
     """``benches/forecast_check.py --payoff`` on a finished run whose config holds its schedule:
     both forecasters' rows (the schedule one near the truth and inside its band), and where the

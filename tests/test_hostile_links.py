@@ -88,6 +88,7 @@ def _fit_with_swap(
     return res, runs / "a", runs / "b"
 
 
+@pytest.mark.slow  # a row of a kind the default run covers (the suite's time)
 def test_checkpoints_swapped_for_a_link_to_another_run_mid_run(tmp_path, char_dataset, victim):
     """Item 1: `mv runs/a/checkpoints x; ln -s ../b/checkpoints runs/a/checkpoints` at step 3
     of a run that saves every step and keeps one: it stops with one line at its next save,

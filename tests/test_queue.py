@@ -447,6 +447,7 @@ def test_a_jobs_console_log_is_in_its_run_directory(
     assert not (tmp_path / "nanolab_queue_logs").exists()
 
 
+@pytest.mark.slow  # a row of a kind the default run covers (the suite's time)
 def test_a_job_whose_log_cannot_be_opened_fails_with_why_and_the_next_runs(
     tmp_path: Path, tiny: Path, capsys, monkeypatch
 ):

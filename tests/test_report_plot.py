@@ -7,6 +7,7 @@ import json
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from test_report import run_report, write_run
 
 
@@ -53,6 +54,7 @@ def _peak_mib(fn) -> float:
         tracemalloc.stop()
 
 
+@pytest.mark.slow  # a row of a kind the default run covers (the suite's time)
 def test_a_long_log_is_streamed_by_the_plot_and_the_forecast(tmp_path: Path) -> None:
     """40,000 train records: held as dicts they take ~40 MiB; the plot keeps a thinned curve
     (at most TRAIN_POINTS + 1 points) and the forecast its val points and a sample of LRs."""

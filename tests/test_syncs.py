@@ -235,6 +235,7 @@ def test_a_step_that_reads_no_tensor_does_not_catch_a_lagging_device_up():
     assert readout.completed[0][1]["a"] == 1.0
 
 
+@pytest.mark.slow  # a row of a kind the default run covers (the suite's time)
 def test_a_run_stopped_early_ends_its_bar_on_its_last_steps_loss(tmp_path, char_dataset):
     """A token budget stops the run before step 12 (and after the step-8 refresh), on a device
     3 steps behind: nothing was read at once, so the last steps' losses are still in flight at
