@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import sqlite3
 import time
@@ -505,15 +506,17 @@ def no_room(path: Path, err: BaseException) -> str | None:
     )
     if not full:
         return None
+    from nanolab.errors import inodes_left, size_text
+
+    folder = path.parent if str(path.parent) else Path(".")
     try:
-        st = os.statvfs(path.parent if str(path.parent) else Path("."))
+        free = shutil.disk_usage(folder).free
     except OSError:
         return None
-    free = st.f_bavail * st.f_frsize
-    if st.f_files and st.f_favail == 0:
+    if inodes_left(folder) is not None:
         what, fix = "has no file entries (inodes) left", "delete files you no longer need there"
     elif free < LOW_SPACE_BYTES:
-        what, fix = f"is full ({free / 2**20:.2f} MiB free)", "free space there"
+        what, fix = f"is full ({size_text(free)} free)", "free space there"
     else:
         return None
     return (
