@@ -649,3 +649,14 @@ def test_cadence_without_max_steps(tmp_path: Path, char_dataset: Path) -> None:
     end = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "end"))[-1]["step"]
     assert steps[:2] == [6, 12] and steps[-1] == end, (steps, end)  # not 2, 4, 8, 10
     assert len(steps) == (2 if end == 12 else 3), (steps, end)
+
+
+def test_the_shipped_cloze_file_is_what_its_builder_writes(tmp_path: Path) -> None:
+    """The bundled cloze task is rebuilt by ``python -m nanolab.downstream.cloze``: the shipped
+    file is byte for byte its output, and the rebuild leaves no temporary file behind."""
+    from nanolab.downstream.cloze import CLOZE_FILE, main
+
+    out = tmp_path / "cloze.jsonl"
+    assert main([str(out)]) == 0
+    assert out.read_bytes() == CLOZE_FILE.read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == ["cloze.jsonl"]

@@ -73,3 +73,22 @@ def test_a_long_log_is_streamed_by_the_plot_and_the_forecast(tmp_path: Path) -> 
 
     curve, _ = _train_curve(run_dir, "tokens", [40_000, 40_000], set())
     assert len(curve) <= TRAIN_POINTS + 1 and max(curve) == 40_000
+
+
+def test_a_plot_leaves_another_reports_half_drawn_image_alone(tmp_path: Path, capsys) -> None:
+    """Two reports drawing to one file (two shells): each draws under a name of its own, so
+    neither overwrites, publishes nor deletes the other's unfinished image."""
+    runs = tmp_path / "runs"
+    write_run(runs, "a", seed=1, losses=[3.0, 2.8], vals={2: 2.7})
+    out_png = tmp_path / "loss.png"
+    others = [tmp_path / ".loss.tmp.png", tmp_path / ".loss.png.tmp"]
+    for other in others:
+        other.write_bytes(b"another report, still drawing")
+    code, _, err = run_report(capsys, str(runs), "--plot", str(out_png))
+    assert code == 0, err
+    assert out_png.read_bytes().startswith(b"\x89PNG")
+    for other in others:
+        assert other.read_bytes() == b"another report, still drawing"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["runs", "loss.png", *(o.name for o in others)]
+    )

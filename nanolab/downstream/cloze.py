@@ -15,6 +15,7 @@ settings (``chars`` tokenizer, ``val_fraction`` 0.1, split seed 0).
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import tempfile
@@ -93,9 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     out = Path(args[0]) if args else CLOZE_FILE
     examples = build_examples(validation_text())
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(render(examples), encoding="utf-8")
-    tmp.replace(out)
+    # A name of this call's own, synced before the rename: the shipped file is whole or the old
+    # one, and two rebuilds at once cannot publish each other's half-written text.
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(render(examples))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(name, out)
+    finally:
+        if os.path.exists(name):
+            os.unlink(name)
     print(f"{len(examples)} examples -> {out}")
     return 0
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -304,7 +305,11 @@ def plot_runs(
     rows = (len(names) + 2) // 3 if handles else 0
     fig.tight_layout(rect=(0, min(0.3, 0.05 * rows + 0.02) if handles else 0, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
+    # A name of this call's own: two reports drawing to one file (two shells, a cron job) must
+    # not write into, publish or delete each other's half-drawn image.
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=f".tmp{out.suffix}")
+    os.close(fd)
+    tmp = Path(name)
     try:
         fig.savefig(tmp, dpi=120, format=out.suffix.lstrip(".") or "png")
         with open(tmp, "rb") as f:
@@ -312,8 +317,7 @@ def plot_runs(
         os.replace(tmp, out)
     finally:
         plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return drawn
 
 
