@@ -288,3 +288,25 @@ def test_async_snapshot_is_a_point_in_time_copy_that_keeps_tied_weights_shared()
     assert torch.equal(snap["state_dict"]["wte"], before)
     assert snap["state_dict"]["wte"] is snap["state_dict"]["head"]  # saved once, as sync would
     assert snap["step"] == 3
+
+
+def test_async_save_that_cannot_apply_says_so_in_one_plain_line(tmp_path, char_dataset, capsys):
+    """A CheckpointIO of the user's own (as DeepSpeed and FSDP2 have) cannot save on a thread:
+    ``async_save`` is then one ``warning:`` line from rank zero, not a Python warning per rank,
+    and the saves are still made whole by the rename."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class OwnIO(TorchCheckpointIO):
+        pass
+
+    ckpt = RotatingCheckpoint(every_n_steps=2, async_save=True)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fit(tmp_path / "run", char_dataset, [ckpt], max_steps=2, eval_every=100, plugins=[OwnIO()])
+    said = [line for line in capsys.readouterr().err.splitlines() if "async_save" in line]
+    assert said == [
+        "nanolab: warning: checkpoint.async_save is ignored with SingleDeviceStrategy / OwnIO: "
+        "saves are synchronous (set checkpoint.async_save false to silence this)"
+    ], said
+    assert names(tmp_path / "run" / "checkpoints") == {"step-00000002.ckpt", "last.ckpt"}

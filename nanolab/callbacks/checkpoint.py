@@ -26,7 +26,6 @@ import shutil
 import stat
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -203,11 +202,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                 strategy.checkpoint_io = self._io
             else:
                 self._rename_after_save = True  # someone else's CheckpointIO: make ours atomic
-        if self._rename_after_save and self.async_save:
-            warnings.warn(
+        if self._rename_after_save and self.async_save and trainer.is_global_zero:
+            warn(
+                "nanolab",
                 f"checkpoint.async_save is ignored with {type(strategy).__name__} / "
-                f"{type(strategy.checkpoint_io).__name__}: saves are synchronous",
-                stacklevel=2,
+                f"{type(strategy.checkpoint_io).__name__}: saves are synchronous "
+                "(set checkpoint.async_save false to silence this)",
             )
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
