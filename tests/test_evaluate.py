@@ -82,10 +82,17 @@ def test_a_folder_given_as_the_checkpoint_is_read_as_generate_reads_it(work):
     copy.mkdir(parents=True)
     shutil.copy(run / "checkpoints" / "last.ckpt", copy / "last.ckpt")
     before = digests(work)
-    for given in ("runs/tiny", "x/step-00000006"):
+    for given, file in (
+        ("runs/tiny", "runs/tiny/checkpoints"),
+        ("x/step-00000006", "x/step-00000006"),
+    ):
         res = run_nanolab("validate", "--config", "tiny.yaml", "--ckpt_path", given, cwd=work)
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"{fit_val_loss(run, 6):.4f}"[:5] in res.stdout
+        # The line names the file scored, not the folder given.
+        assert (
+            f"nanolab validate: {file}/last.ckpt (step 6), on the validation windows" in res.stdout
+        )
     assert digests(work) == before
     res = run_nanolab("validate", "--config", "tiny.yaml", "--ckpt_path", "x", cwd=work)
     assert res.returncode == 2 and "Traceback" not in res.stderr

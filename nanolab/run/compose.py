@@ -732,6 +732,11 @@ def evaluation_target(
     if target.path is None:
         return target, None
     cand = open_checkpoint(str(target.path), "--ckpt_path", run_dir, model, training=False)
+    # A folder given (a run directory) names the file it resolved to, and its step, in the
+    # printed line and the record: what was scored is that file.
+    target.path = Path(cand.path)
+    if target.step is None and isinstance(cand.step, int):
+        target.step = cand.step
     from nanolab.training.resume import ResumeError, check_checkpoint_format
 
     try:  # a sharded folder only its own strategy reads: one line, not a traceback
