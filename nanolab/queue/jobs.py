@@ -418,11 +418,16 @@ def build_jobs(
     ``run.resume auto``): that is refused for a run the queue did not start unless
     ``continue_runs``, and for a model that cannot resume it; otherwise one line saying so is
     appended to ``notes``."""
+    from nanolab.training.resolve import config_path_problem, shell_pipe
+
     for path in (config, *extra_configs):
-        if path.is_dir():
-            raise JobConfigError(f"config {path} is a folder; give a YAML file in it")
-        if not path.is_file():
-            raise JobConfigError(f"config {path} does not exist")
+        if (problem := config_path_problem(path)) is not None:
+            raise JobConfigError(f"config {path} {problem}")
+        if shell_pipe(path):  # gone when the job starts: each attempt reads the file again
+            raise JobConfigError(
+                f"config {path} is a pipe the shell made (<(...)), read once; a queued job "
+                "reads its config again at each start: give a YAML file"
+            )
     config = config.resolve()
     more = [a for extra in extra_configs for a in ("--config", str(extra.resolve()))]
     pairs = parse_sets(sets)

@@ -129,14 +129,57 @@ def given_keys(argv: list[str]) -> Iterator[tuple[str, str]]:
 
 def _file_keys(raw: str) -> Iterator[tuple[str, str]]:
     path = Path(raw)
-    if not path.is_file():
+    if not _readable_file(raw):
         return
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_config(raw)
     except Exception:  # not text: the parser names the problem its own way
         return
     for key in _keys_in(text, str(path)):
         yield key, f"config file {path}"
+
+
+def _readable_file(raw: str) -> bool:
+    """Whether ``--config raw`` is a file to read here: a regular file or the shell's
+    ``<(...)`` pipe. A folder, a named FIFO or a device is refused in one line (the parser would
+    say "Path is not a file", or block on the FIFO until something writes to it); a missing
+    path is left to the parser, which names it."""
+    from nanolab.training.resolve import config_path_problem
+
+    problem = config_path_problem(raw)
+    if problem is not None and problem != "does not exist":
+        raise RunConfigError(f"--config {raw} {problem}")
+    return problem is None
+
+
+#: The text of each ``<(...)`` pipe of this command line, read once (see :func:`_read_config`).
+_PIPED: dict[str, str] = {}
+
+
+def _read_config(raw: str) -> str:
+    """A ``--config`` file's text. The shell's ``<(...)`` pipe holds its text for one read,
+    and the parser reads it after the checks here: the text read is put back into a new pipe
+    on the same descriptor (``/dev/fd/N`` still names it), so each reader sees the same text."""
+    from nanolab.training.resolve import shell_pipe
+
+    if not shell_pipe(raw):
+        return Path(raw).read_text(encoding="utf-8")
+    if raw not in _PIPED:
+        import threading
+
+        data = Path(raw).read_bytes()
+        fd = int(raw.rsplit("/", 1)[1])
+        read_end, write_end = os.pipe()
+        os.dup2(read_end, fd)
+        os.close(read_end)
+
+        def refill() -> None:  # a thread: a pipe buffers 64 KiB, a config may be longer
+            with os.fdopen(write_end, "wb") as out:
+                out.write(data)
+
+        threading.Thread(target=refill, daemon=True).start()
+        _PIPED[raw] = data.decode("utf-8")
+    return _PIPED[raw]
 
 
 @functools.lru_cache(maxsize=32)
@@ -255,10 +298,10 @@ def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, 
         if not raw.strip():
             raise RunConfigError("--config is empty; give a YAML file, e.g. --config my.yaml")
         path = Path(raw)
-        if not path.is_file():
+        if not _readable_file(raw):
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            text = _read_config(raw)
         except (OSError, UnicodeDecodeError) as err:
             raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
         try:

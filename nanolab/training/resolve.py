@@ -15,6 +15,7 @@ both, :func:`plain_config` writes the default classes back in the short form.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -325,15 +326,46 @@ def override_value(text: str) -> Any:
         return text
 
 
+def shell_pipe(path: str | Path) -> bool:
+    """Whether ``path`` is a pipe the shell made for ``--config <(...)`` (``/dev/fd/N``): it
+    holds its text once, for the one reader that opens it."""
+    import stat
+
+    text = str(path)
+    if not text.startswith(("/dev/fd/", "/proc/self/fd/")):
+        return False
+    try:
+        return stat.S_ISFIFO(os.stat(text).st_mode)
+    except OSError:
+        return False
+
+
+def config_path_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as a config file, in words (``is a folder; ...``), or None
+    for a regular file or the shell's ``<(...)`` pipe. A named FIFO or a device would block the
+    reader until something writes to it (or forever), so it is refused before it is opened."""
+    import stat
+
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return "does not exist"
+    if stat.S_ISREG(mode) or shell_pipe(p):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a folder; give a YAML file in it"
+    kind = "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a device or socket"
+    return f"is {kind}, not a file: reading it would wait for a writer; give a YAML file"
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """One ``--config`` file as a mapping; a missing or broken file is one line naming it."""
     import yaml
 
     p = Path(path)
-    if p.is_dir():
-        raise RunConfigError(f"config file {str(path)!r} is a folder; give a YAML file in it")
-    if not p.is_file():
-        raise RunConfigError(f"config file {str(path)!r} does not exist")
+    if (problem := config_path_problem(p)) is not None:
+        raise RunConfigError(f"config file {str(path)!r} {problem}")
     try:
         data = load_yaml(p.read_text(encoding="utf-8"), f"config file {path}") or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
