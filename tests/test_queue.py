@@ -557,3 +557,15 @@ def test_an_empty_until_is_refused(tmp_path: Path, capsys) -> None:
     runner started jobs with no deadline at all."""
     code, _, err = queue(capsys, tmp_path / "q.db", "run", "--until", "")
     assert code == 2 and "--until '': give a time of day" in err, err
+
+
+@pytest.mark.parametrize(("gpu", "said"), [("nope", "unknown GPU 'nope'"), ("", "--gpu is empty")])
+def test_add_refuses_a_gpu_the_estimator_does_not_know(tmp_path: Path, gpu: str, said: str) -> None:
+    """``--gpu`` names the device of the job's estimate: an unknown name is refused as
+    ``estimate --gpu`` refuses it, before the config is read, not a silent ``~?``."""
+    from conftest import nanolab_here
+
+    proc = nanolab_here("queue", "add", "--db", "q.db", "x.yaml", "--gpu", gpu, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr
+    assert "--gpu-mem" not in lines[0] and not (tmp_path / "q.db").exists()

@@ -129,6 +129,15 @@ def cmd_add(args: argparse.Namespace) -> int:
     from nanolab.queue.sweep import grid, parse_sweeps
 
     configs = [Path(c) for c in args.config]
+    if args.gpu is not None:  # estimate's own lookup: an unknown name, not a silent "~?"
+        from nanolab.estimator.gpus import get_gpu
+
+        if not args.gpu.strip():
+            raise QueueError("--gpu is empty; name a device (nanolab estimate --list-gpus)")
+        try:
+            get_gpu(args.gpu)
+        except ValueError as err:
+            raise QueueError(str(err).replace("; or give --gpu-mem)", ")")) from None  # estimate's
     sweeps = parse_sweeps(args.sweep, [k for k, _ in parse_sets(args.set)])
     db = QueueDB(args.db)
     jobs, notes = [], []
