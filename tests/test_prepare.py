@@ -439,6 +439,20 @@ def test_output_that_is_a_file_and_missing_sources(tmp_path, capsys):
     assert target.read_text() == "mine"
 
 
+@pytest.mark.parametrize("size", ["nan", "inf", "-inf", "1e400", "lots"])
+def test_a_bpe_sample_size_that_is_not_a_number_is_one_line(tmp_path, capsys, size):
+    """``inf`` and ``1e400`` overflowed int() past the ValueError that ``nan`` raises: a
+    traceback instead of the line naming the flag."""
+    src = tmp_path / "a.txt"
+    src.write_text(SAMPLE)
+    argv = [str(src), "-o", str(tmp_path / "ds"), "--tokenizer", "bpe"]
+    assert main([*argv, f"--bpe-sample-bytes={size}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"nanolab prepare: error: --bpe-sample-bytes {size!r} is not a size; use e.g. "
+                   "256M or 2G"]  # fmt: skip
+    assert not (tmp_path / "ds").exists()
+
+
 def test_a_tiny_corpus_still_gets_both_splits(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text(SAMPLE * 20)  # ~54 KB: three or four units

@@ -122,7 +122,7 @@ def parse_bytes(text: str | int) -> int:
     number = s[:-1] if s[-1:] in units else s
     try:
         value = int(float(number) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # "nan" is a ValueError, "inf" and "1e400" overflow
         raise PrepareError(
             f"--bpe-sample-bytes {text!r} is not a size; use e.g. 256M or 2G"
         ) from None
