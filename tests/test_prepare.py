@@ -572,6 +572,24 @@ def test_bpe_says_when_the_text_holds_fewer_tokens_than_asked(tmp_path):
     assert f"BPE learned {vocab:,} of the 50,257 tokens asked" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("size", ["10000000000", "1048577"])
+def test_a_bpe_vocabulary_beyond_what_the_trainer_can_reserve_is_one_line(tmp_path, size):
+    """10**10 ids made the trainer reserve 567 GB before reading a word: the process aborted
+    with a 60-line Rust backtrace (exit 134). Above the bound it is refused in one line."""
+    src = tmp_path / "small.txt"
+    src.write_text(SAMPLE * 20)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanolab", "prepare", str(src), "-o", str(tmp_path / "ds"),
+         "--tokenizer", "bpe", "--bpe-vocab-size", size],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "must be <= 1,048,576" in lines[0], lines
+    assert f"got {int(size):,}" in lines[0]
+    assert not (tmp_path / "ds").exists()
+
+
 def test_a_dataset_folder_inside_a_run_is_refused_before_anything_is_written(tmp_path):
     # fit's data.dataset_dir prepares through prepare_dataset too, not only `prepare -o`.
     from nanolab.data.prepare import PrepareError, prepare_dataset

@@ -28,6 +28,13 @@ TOKENIZER_NAMES = ("bytes", "chars", "bpe", "gpt2")
 #: Vocabulary of the tokenizers that do not learn from the corpus (end-of-text included).
 KNOWN_VOCAB = {"bytes": 257, "gpt2": 50257}
 
+#: The vocabulary a locally trained BPE may ask for: 256 bytes, a merge and end-of-text at
+#: least; at most 2**20, four times the largest vocabularies in use (262,144). The uint32 ids of
+#: the bins would hold 2**32, but the trainer reserves ~57 bytes per id asked before it reads a
+#: word: 60 MB at this bound, 240 GB at that one, where 10**10 aborted the process on an
+#: allocation it could not make (a Rust backtrace, not a line naming the setting).
+BPE_VOCAB_RANGE = (258, 1 << 20)
+
 #: The end-of-text token nanolab's own BPE adds, and the names looked for in a user's file.
 EOT_TEXT = "<|endoftext|>"
 EOT_CANDIDATES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
@@ -89,6 +96,21 @@ def check_tokenizer_name(name: str) -> None:
         f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZER_NAMES)} "
         "or give the path of a Hugging Face tokenizer.json"
     )
+
+
+def check_bpe_vocab_size(size: int, name: str) -> None:
+    """Refuse a BPE vocabulary outside :data:`BPE_VOCAB_RANGE` before the trainer sees it;
+    ``name`` is the setting as the caller's user typed it (a flag, a config key)."""
+    low, high = BPE_VOCAB_RANGE
+    if size < low:
+        raise TokenizerError(
+            f"{name} must be >= {low} (256 bytes, merges, end-of-text), got {size}"
+        )
+    if size > high:
+        raise TokenizerError(
+            f"{name} must be <= {high:,} (the trainer reserves memory for every id asked), got "
+            f"{size:,}; GPT-2 uses 50,257, the largest tokenizers ~262,144"
+        )
 
 
 class ByteTokenizer(Tokenizer):
@@ -198,11 +220,7 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as RustTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
-        if vocab_size < 258:
-            raise TokenizerError(
-                f"data.bpe_vocab_size must be >= 258 (256 bytes, merges, end-of-text), "
-                f"got {vocab_size}"
-            )
+        check_bpe_vocab_size(vocab_size, "data.bpe_vocab_size")
         tok = RustTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
