@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -587,6 +588,33 @@ def test_a_bpe_vocabulary_beyond_what_the_trainer_can_reserve_is_one_line(tmp_pa
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "must be <= 1,048,576" in lines[0], lines
     assert f"got {int(size):,}" in lines[0]
+    assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "key", "says"),
+    [
+        ("--bpe-vocab-size", "10", "bpe_vocab_size", "must be >= 258"),
+        ("--val-fraction", "1.0", "val_fraction", "must be in (0, 0.5)"),
+    ],
+)
+def test_a_refused_setting_is_named_as_prepare_or_fit_takes_it(
+    tmp_path, capsys, option, value, key, says
+):
+    """prepare's ``--bpe-vocab-size 10`` was refused as ``data.bpe_vocab_size`` and its
+    ``--val-fraction 1.0`` as ``val_fraction``: each command now names its own setting."""
+    from nanolab.data.datamodule import TokenDataModule
+
+    src = tmp_path / "a.txt"
+    src.write_text(SAMPLE)
+    argv = [str(src), "-o", str(tmp_path / "ds"), "--tokenizer", "bpe", option, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nanolab prepare: error: {option} {says}") and f"got {value}" in err
+    settings = {key: type(getattr(TokenDataModule(), key))(value)}
+    data = TokenDataModule(str(tmp_path / "ds"), [str(src)], "bpe", **settings)
+    with pytest.raises(PrepareError, match=rf"^data\.{key} {re.escape(says)}.*, got "):
+        data.meta  # noqa: B018  (fit prepares data.source here)
     assert not (tmp_path / "ds").exists()
 
 

@@ -31,7 +31,7 @@ from nanolab.data.checks import (
     load_meta,
 )
 from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
-from nanolab.data.prepare import PrepareError, prepare_dataset
+from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.windows import (
     DataTooSmallError,
@@ -312,6 +312,7 @@ class TokenDataModule(L.LightningDataModule):
                         self.tokenizer,
                         self.bpe_vocab_size,
                         self.val_fraction,
+                        setting_names=FIT_KEYS,
                     )
                 parts = [_checked_part(self.dataset_dir.name, self.dataset_dir, 1.0)]
             else:

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -60,6 +60,7 @@ from nanolab.data.tokenizers import (
     Tokenizer,
     TokenizerError,
     build_tokenizer,
+    check_bpe_vocab_size,
     check_tokenizer_name,
 )
 from nanolab.errors import NanolabError, one_line_errors
@@ -88,6 +89,11 @@ class OutputInUseError(PrepareError):
         super().__init__(message)
         self.holds_dataset = holds_dataset
 
+
+#: How ``nanolab prepare`` names the settings :func:`prepare_dataset` checks; ``fit``, preparing
+#: a ``data.source``, passes :data:`FIT_KEYS`: a refusal names what its user typed.
+PREPARE_FLAGS = {"bpe_vocab_size": "--bpe-vocab-size", "val_fraction": "--val-fraction"}
+FIT_KEYS = {"bpe_vocab_size": "data.bpe_vocab_size", "val_fraction": "data.val_fraction"}
 
 #: The files a prepared dataset folder holds (and all that ``--force`` may replace).
 DATASET_FILES = frozenset({"meta.json", "train.bin", "val.bin", "tokenizer.json"})
@@ -156,15 +162,21 @@ def prepare_dataset(
     bpe_sample_bytes: int = DEFAULT_BPE_SAMPLE_BYTES,
     eot_token: str | None = None,
     say_reused: bool = False,
+    setting_names: Mapping[str, str] = PREPARE_FLAGS,
 ) -> dict[str, Any]:
     """Tokenize ``sources`` into ``dataset_dir``; return its meta. A no-op when already prepared
-    (``say_reused``: say so, as ``nanolab prepare`` does; ``fit`` reuses it at every launch)."""
+    (``say_reused``: say so, as ``nanolab prepare`` does; ``fit`` reuses it at every launch).
+    ``setting_names``: what a refusal of ``bpe_vocab_size`` or ``val_fraction`` calls them."""
     try:
         check_tokenizer_name(tokenizer)
+        if tokenizer == "bpe":  # before the corpus is read, not after its sample
+            check_bpe_vocab_size(bpe_vocab_size, setting_names["bpe_vocab_size"])
     except TokenizerError as err:
         raise PrepareError(str(err)) from None
     if not 0.0 < val_fraction < 0.5:
-        raise PrepareError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
+        raise PrepareError(
+            f"{setting_names['val_fraction']} must be in (0, 0.5), got {val_fraction}"
+        )
     if workers is not None and workers < 1:
         raise PrepareError(f"--workers must be >= 1, got {workers}")
     if workers is not None and workers > (usable := default_workers()):

@@ -220,7 +220,7 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as RustTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
-        check_bpe_vocab_size(vocab_size, "data.bpe_vocab_size")
+        check_bpe_vocab_size(vocab_size, "the BPE vocab_size")
         tok = RustTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
