@@ -8,6 +8,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,22 +156,50 @@ def test_a_bad_checkpoint_is_one_line(tmp_path: Path, lm_eval_local_only: None) 
     """`nanolab lm-eval` as a user runs it (through the entry point, in this process): a
     checkpoint that does not exist is one error line (the NanolabError the adapter raises),
     exit 2, no traceback."""
-    from conftest import nanolab_here
-
-    data = tmp_path / "toy.jsonl"
-    data.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "label": 0}) + "\n")
-    (tmp_path / "toy.yaml").write_text(
-        f"task: nanolab_bad_ckpt\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
-    )
-    res = nanolab_here(
-        "lm-eval", "run", "--model", "nanolab", "--model_args", f"checkpoint={tmp_path}/nowhere",
-        "--tasks", "nanolab_bad_ckpt", "--include_path", str(tmp_path), "--device", "cpu",
-        cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+    res = run_toy_task(tmp_path, f"checkpoint={tmp_path}/nowhere")
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert (
         last.startswith("nanolab lm-eval: error: checkpoint=") and "nowhere does not exist" in last
     )
+
+
+def run_toy_task(tmp_path: Path, model_args: str, *more: str) -> Any:
+    """`nanolab lm-eval run` of a one-question local task, in this process, with those
+    --model_args (and lm-eval's own --device cpu, or ``more`` options after it)."""
+    from conftest import nanolab_here
+
+    data = tmp_path / "toy.jsonl"
+    data.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "label": 0}) + "\n")
+    (tmp_path / "toy.yaml").write_text(
+        f"task: nanolab_toy\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+    )
+    return nanolab_here(
+        "lm-eval", "run", "--model", "nanolab", "--model_args", model_args,
+        "--tasks", "nanolab_toy", "--include_path", str(tmp_path), "--device", "cpu", *more,
+        cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_args", "more", "says"),
+    [
+        (",device=nope", (), "device 'nope' is not a device name; use cpu, cuda, cuda:N or mps"),
+        (",device=meta", (), "device meta holds no data"),
+        (",batch_size=0", (), "batch_size 0 is not a positive whole number"),
+        ("", ("--batch_size", "-3"), "batch_size '-3' is not a positive whole number"),
+        (",batch_size=2.5", (), "batch_size 2.5 is not a positive whole number"),
+    ],
+)
+def test_a_device_or_batch_size_that_cannot_work_is_one_line(
+    tmp_path: Path, checkpoint: Path, lm_eval_local_only: None, model_args: str, more: tuple,
+    says: str,
+) -> None:  # fmt: skip
+    """``device=nope`` raised torch's RuntimeError through lm-eval (a traceback); it is checked
+    as ``generate --device`` is. ``batch_size=0`` scored nothing and still printed a table."""
+    res = run_toy_task(tmp_path, f"checkpoint={checkpoint}{model_args}", *more)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("nanolab lm-eval: error: ") and says in last, last

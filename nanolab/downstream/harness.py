@@ -66,6 +66,23 @@ def checkpoint_path(target: str) -> Path:
     return path
 
 
+def batch_rows(batch_size: int | str | None) -> int:
+    """Sequences per forward pass for lm-eval's ``batch_size`` (``auto`` and unset: 8); zero,
+    a negative or a non-number is refused: 0 rows scored nothing and the tasks still passed."""
+    if batch_size is None or str(batch_size).startswith("auto"):
+        return 8
+    try:
+        rows = int(str(batch_size).strip())  # 16 or "16"; not 16.5, "x" or True
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise HarnessError(
+            f"batch_size {batch_size!r} is not a positive whole number of sequences; give e.g. "
+            "batch_size=16, or auto"
+        )
+    return rows
+
+
 @register_model("nanolab")
 class NanolabLM(LM):  # type: ignore[misc,valid-type]
     """A nanolab checkpoint as an lm-eval model.
@@ -93,24 +110,26 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
             model_from_checkpoint,
             tokenizer_from_checkpoint,
         )
+        from nanolab.model.device import check_device
 
         path = checkpoint_path(str(checkpoint))
-        ckpt = load_checkpoint(path)
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm-eval's --device defaults to cuda: on a machine without one, say so and go on.
             print(
                 f"nanolab lm-eval: no CUDA device here; --device {device} -> cpu", file=sys.stderr
             )
             device = "cpu"
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # ``device`` is --model_args device=... or lm-eval's own --device: checked as generate
+        # and eval check theirs, before the checkpoint is read.
+        self._device = check_device(
+            str(device or ("cuda" if torch.cuda.is_available() else "cpu")), "device"
+        )
+        self.rows = batch_rows(batch_size)
+        ckpt = load_checkpoint(path)
         self.model = model_from_checkpoint(ckpt, path).to(self._device)
         self.tok = tokenizer_from_checkpoint(ckpt)
         self.block_size = int(self.model.config.block_size)
         self.vocab_size = int(self.model.config.vocab_size)
-        rows = (
-            8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else batch_size
-        )
-        self.rows = int(rows)  # type: ignore[arg-type]
         self.max_gen_toks = int(max_gen_toks)
 
     @classmethod

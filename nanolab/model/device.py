@@ -12,16 +12,17 @@ class DeviceError(NanolabError):
     """A ``--device`` this machine does not have; the message lists the usable ones."""
 
 
-def check_device(text: str) -> torch.device:
-    """The device ``--device`` names, if this machine has it (tried with a one-element tensor)."""
+def check_device(text: str, flag: str = "--device") -> torch.device:
+    """The device ``--device`` names, if this machine has it (tried with a one-element tensor);
+    ``flag`` is the setting as the user gave it (``lm-eval`` takes ``device`` two ways)."""
     try:
         device = torch.device(text)
     except RuntimeError:
         raise DeviceError(
-            f"--device {text!r} is not a device name; use cpu, cuda, cuda:N or mps"
+            f"{flag} {text!r} is not a device name; use cpu, cuda, cuda:N or mps"
         ) from None
     if device.type == "meta":
-        raise DeviceError("--device meta holds no data; use cpu, cuda, cuda:N or mps")
+        raise DeviceError(f"{flag} meta holds no data; use cpu, cuda, cuda:N or mps")
     try:
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as err:
@@ -30,6 +31,6 @@ def check_device(text: str) -> torch.device:
             usable.append("mps")
         why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DeviceError(
-            f"--device {text}: not usable here ({why[:120]}); use --device {' or '.join(usable)}"
+            f"{flag} {text}: not usable here ({why[:120]}); use {flag} {' or '.join(usable)}"
         ) from None
     return device
