@@ -610,3 +610,24 @@ def test_an_option_without_its_group_or_a_verb_mistyped_gets_the_right_name(caps
         parse_fit_config(["--lr=0.1"])
     assert main(["train"]) == 2
     assert "unknown verb 'train'; did you mean `nanolab fit`?" in capsys.readouterr().err
+
+
+# -- 10. an eval suite, its task file or a bundle's file that is a FIFO is named, not read -----
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+@pytest.mark.timeout(60)  # a hang guard: reading a FIFO with no writer never returns
+def test_an_eval_suite_or_task_file_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
+    from nanolab.downstream.tasks import TaskFileError, load_suite
+
+    os.mkfifo(tmp_path / "suite.yaml")
+    with pytest.raises(TaskFileError, match=r"^suite .*suite.yaml is a FIFO \(named pipe\), not"):
+        load_suite(tmp_path / "suite.yaml")
+    os.mkfifo(tmp_path / "t.jsonl")
+    (tmp_path / "s.yaml").write_text("- {file: t.jsonl, kind: multiple_choice}\n")
+    with pytest.raises(TaskFileError, match=r"^task file .*t.jsonl is a FIFO \(named pipe\)"):
+        load_suite(tmp_path / "s.yaml")
+    bundle = tmp_path / "bundle"
+    (bundle / "eval_data").mkdir(parents=True)
+    os.mkfifo(bundle / "core.yaml")
+    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
+    with pytest.raises(TaskFileError, match=r"core.yaml is a FIFO \(named pipe\), not a file"):
+        load_suite(bundle)

@@ -219,6 +219,15 @@ def detect_format(row: dict[str, Any]) -> str:
     return "nanolab"
 
 
+def refuse_non_file(path: Path, what: str, fix: str) -> None:
+    """Refuse ``path`` when it exists but is not a regular file: reading a FIFO waits for a
+    writer forever, a device never ends. A missing file is left to the read, which says so."""
+    from nanolab.data.sources import not_a_file
+
+    if path.exists() and not path.is_file():
+        raise TaskFileError(f"{what} {path} is {not_a_file(path)}, not a file; {fix}")
+
+
 def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[Example], str]:
     """Every example of a JSON-lines task file (blank lines skipped), and its layout."""
     if kind not in KINDS:
@@ -228,6 +237,7 @@ def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[
         )
     if fmt is not None and fmt not in FORMATS:
         raise TaskFileError(f"task file {path}: format {fmt!r} is not one of {', '.join(FORMATS)}")
+    refuse_non_file(path, "task file", "give a JSON-lines file")
     try:
         handle = path.open(encoding="utf-8")
     except OSError as err:
@@ -345,6 +355,9 @@ def load_suite(spec: str | Path, limit: int | None = None) -> Suite:
         return load_dclm_bundle(path, limit)
     import yaml
 
+    refuse_non_file(
+        path, "suite", "give a YAML list of tasks, a DCLM bundle folder or builtin:<task>"
+    )
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
@@ -390,6 +403,8 @@ def load_dclm_bundle(folder: Path, limit: int | None = None) -> Suite:
                 f"{folder} is not a DCLM evaluation bundle: {needed.name} is missing (it holds "
                 "core.yaml, eval_meta_data.csv and eval_data/)"
             )
+    for needed in (config, meta):
+        refuse_non_file(needed, "DCLM bundle file", "the bundle holds it as a regular file")
     try:
         tasks = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("icl_tasks")
         with meta.open(encoding="utf-8", newline="") as handle:
