@@ -152,6 +152,10 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
     Raises :class:`ScaffoldError`, having written nothing, when ``directory`` is a file or any
     target already exists.
     """
+    if not str(directory):  # Path("") is the current folder: the starter would land in it
+        raise ScaffoldError(
+            "the project folder is empty (''); give a folder to create, e.g. nanolab init my-lab"
+        )
     root = Path(directory)
     if root.exists() and not root.is_dir():
         raise ScaffoldError(f"{root} exists and is not a folder")

@@ -19,7 +19,7 @@ import pytest
 import zstandard
 
 from nanolab.data import sources
-from nanolab.data.prepare import PrepareError, main, prepare_dataset
+from nanolab.data.prepare import FIT_KEYS, PrepareError, main, prepare_dataset
 from nanolab.data.tokenizers import load_tokenizer
 
 SAMPLE = (
@@ -452,6 +452,33 @@ def test_a_bpe_sample_size_that_is_not_a_number_is_one_line(tmp_path, capsys, si
     assert err == [f"nanolab prepare: error: --bpe-sample-bytes {size!r} is not a size; use e.g. "
                    "256M or 2G"]  # fmt: skip
     assert not (tmp_path / "ds").exists()
+
+
+def test_an_empty_source_or_output_is_refused_not_taken_as_the_current_folder(
+    tmp_path, capsys, monkeypatch
+):
+    """``prepare ''`` tokenized every file of the current folder, and ``-o ''`` made the
+    current folder itself the dataset (replaced by a renamed one: the user's folder gone)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text(SAMPLE)
+    src = tmp_path / "a.txt"
+    src.write_text(SAMPLE)
+    monkeypatch.chdir(here)
+    inode = here.stat().st_ino
+    assert main(["", "-o", str(tmp_path / "ds")]) == 2
+    assert main([str(src), "-o", ""]) == 2
+    assert main([str(src), "-o", "", "--force"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err[0] == "nanolab prepare: error: a source is empty (''); give a file, a folder or a glob"
+    )
+    assert err[1:] == ["nanolab prepare: error: -o is empty; give the dataset folder to create "
+                       "(e.g. data/mine)"] * 2  # fmt: skip
+    assert here.stat().st_ino == inode and [p.name for p in here.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "ds").exists()
+    with pytest.raises(PrepareError, match=r"^data\.dataset_dir is empty"):
+        prepare_dataset([str(src)], "", setting_names=FIT_KEYS)
 
 
 def test_a_tiny_corpus_still_gets_both_splits(tmp_path):

@@ -170,6 +170,17 @@ def test_a_file_in_the_way_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["configs"]
 
 
+def test_an_empty_folder_name_is_refused_not_taken_as_the_current_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``init ''`` wrote the starter into the folder the command ran in."""
+    monkeypatch.chdir(tmp_path)
+    assert main([""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("nanolab init: error: the project folder is empty") and "\n" not in err
+    assert not any(tmp_path.iterdir())
+
+
 # -- the starter config stays in step with nanolab's ---------------------------------------
 @pytest.mark.skipif(not QUICKSTART.is_file(), reason="configs/quickstart.yaml not in this tree")
 def test_starter_config_is_the_quickstart_on_your_text_with_your_classes(tmp_path: Path) -> None:

@@ -92,8 +92,16 @@ class OutputInUseError(PrepareError):
 
 #: How ``nanolab prepare`` names the settings :func:`prepare_dataset` checks; ``fit``, preparing
 #: a ``data.source``, passes :data:`FIT_KEYS`: a refusal names what its user typed.
-PREPARE_FLAGS = {"bpe_vocab_size": "--bpe-vocab-size", "val_fraction": "--val-fraction"}
-FIT_KEYS = {"bpe_vocab_size": "data.bpe_vocab_size", "val_fraction": "data.val_fraction"}
+PREPARE_FLAGS = {
+    "dataset_dir": "-o",
+    "bpe_vocab_size": "--bpe-vocab-size",
+    "val_fraction": "--val-fraction",
+}
+FIT_KEYS = {
+    "dataset_dir": "data.dataset_dir",
+    "bpe_vocab_size": "data.bpe_vocab_size",
+    "val_fraction": "data.val_fraction",
+}
 
 #: The files a prepared dataset folder holds (and all that ``--force`` may replace).
 DATASET_FILES = frozenset({"meta.json", "train.bin", "val.bin", "tokenizer.json"})
@@ -166,7 +174,13 @@ def prepare_dataset(
 ) -> dict[str, Any]:
     """Tokenize ``sources`` into ``dataset_dir``; return its meta. A no-op when already prepared
     (``say_reused``: say so, as ``nanolab prepare`` does; ``fit`` reuses it at every launch).
-    ``setting_names``: what a refusal of ``bpe_vocab_size`` or ``val_fraction`` calls them."""
+    ``setting_names``: what a refusal of ``dataset_dir``, ``bpe_vocab_size`` or
+    ``val_fraction`` calls them."""
+    if not str(dataset_dir):  # Path("") is the current folder: it would become the dataset
+        raise PrepareError(
+            f"{setting_names['dataset_dir']} is empty; give the dataset folder to create "
+            "(e.g. data/mine)"
+        )
     try:
         check_tokenizer_name(tokenizer)
         if tokenizer == "bpe":  # before the corpus is read, not after its sample

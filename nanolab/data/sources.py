@@ -204,6 +204,8 @@ def resolve_sources(specs: Sequence[str], exclude: Sequence[Path] = ()) -> Resol
     files: list[InputFile] = []
     skipped: list[str] = []
     for spec in specs:
+        if not spec:  # Path("") is the current folder: every file in it would be read
+            raise SourceError("a source is empty (''); give a file, a folder or a glob")
         if spec.startswith(BUNDLED_PREFIX):
             key = spec[len(BUNDLED_PREFIX) :]
             if key not in BUNDLED:
