@@ -23,6 +23,8 @@ import pytest
         (["estimate", "--gpu-mem"], "--gpu-mem"),
         (["generate", "--temperature", "x"], "--temperature"),
         (["export", "--ckpt"], "--ckpt"),
+        (["bench"], "--config"),
+        (["bench", "--steps"], "--steps"),
     ],
 )
 def test_a_bad_option_is_one_line_and_exit_2(argv: list[str], names: str, tmp_path) -> None:

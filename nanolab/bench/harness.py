@@ -21,7 +21,6 @@ instead of letting 0.35 on a loaded machine read as "nanolab is 3x slower".
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -36,6 +35,7 @@ from typing import Any
 
 from nanolab.bench.comparable import check_comparable
 from nanolab.errors import NanolabError, one_line_errors
+from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import read_records
 from nanolab.tables import table
 
@@ -636,7 +636,7 @@ def set_pair(item: str) -> tuple[str, str]:
 
 @one_line_errors("nanolab bench")
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nanolab bench",
         description="nanolab fit vs a plain PyTorch loop on the same config (the same "
         "validations, task scoring and saves at the same steps), alternating A/B.",
