@@ -125,3 +125,23 @@ def test_an_ended_runs_long_error_line_is_shown_whole() -> None:
     text = render(screen, [])
     assert f"  long: {fix}" in text.splitlines()
     assert "failed (below)" in text and "stopped: budget: tokens" in text
+
+
+def test_a_db_that_is_a_folder_or_a_fifo_is_named_as_such(tmp_path: Path, capsys) -> None:
+    """``--db adir`` and ``--db fifo`` were "no such queue database file": they exist, and the
+    line now says what they are, in the words ``queue add --db`` uses."""
+    import os
+
+    (tmp_path / "adir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    assert main([str(tmp_path), "--db", str(tmp_path / "adir")]) == 2
+    assert main([str(tmp_path), "--db", str(tmp_path / "fifo")]) == 2
+    assert main([str(tmp_path), "--db", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"nanolab status: error: the queue database {tmp_path}/adir is a folder; pass --db with "
+        f"a file path, e.g. --db {tmp_path}/adir/nanolab_queue.db",
+        f"nanolab status: error: the queue database {tmp_path}/fifo is not a regular file; pass "
+        "--db with a file path, e.g. --db nanolab_queue.db",
+        f"nanolab status: error: --db {tmp_path}/nope: no such queue database file",
+    ]

@@ -256,9 +256,16 @@ DETAIL_WIDTH = 50
 
 def default_db(given: Path | None) -> Path | None:
     """``--db``, else ``$NANOLAB_QUEUE_DB`` or ``nanolab_queue.db`` when that file exists."""
-    from nanolab.queue.db import default_db_path
+    from nanolab.queue.db import DEFAULT_DB, default_db_path
 
     if given is not None:
+        if given.exists() and not given.is_file():  # in the words `queue add --db` uses
+            what = "a folder" if given.is_dir() else "not a regular file"
+            hint = given / DEFAULT_DB if given.is_dir() else DEFAULT_DB
+            raise StatusError(
+                f"the queue database {given} is {what}; pass --db with a file path, "
+                f"e.g. --db {hint}"
+            )
         if not given.is_file():
             raise StatusError(f"--db {given}: no such queue database file")
         return given
