@@ -35,6 +35,10 @@ def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
     from nanolab.model.checkpoint import CheckpointError, sharded_folder_error
     from nanolab.training.resume import find_resume_checkpoint
 
+    if not target:  # Path("") is the current folder, named "" in every message after
+        raise CheckpointError(
+            "the checkpoint to evaluate is empty (''); give a run directory or a .ckpt file"
+        )
     path = Path(target)
     sharded = sharded_folder_error(path)
     if sharded is not None:

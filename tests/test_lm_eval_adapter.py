@@ -203,3 +203,11 @@ def test_a_device_or_batch_size_that_cannot_work_is_one_line(
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("nanolab lm-eval: error: ") and says in last, last
+
+
+def test_an_empty_checkpoint_is_one_line(tmp_path: Path, lm_eval_local_only: None) -> None:
+    """``checkpoint=`` looked in the current folder: "checkpoint=: no complete checkpoint"."""
+    res = run_toy_task(tmp_path, "checkpoint=")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == "nanolab lm-eval: error: checkpoint= is empty; give a run directory or a .ckpt"

@@ -287,3 +287,25 @@ def test_a_class_given_by_class_path_wrong_is_one_line_with_the_fix(tmp_path: Pa
     )
     with pytest.raises(FitParseError, match=r"'micro_batch_sise' is not a setting of the class"):
         parse_fit_config(["--config", quickstart, "--config", str(data)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([""], "the checkpoint to evaluate is empty (''); give a run directory or a .ckpt file"),
+        (["runs/x", "--suite", ""], "the suite is empty (''); give a YAML list of tasks"),
+    ],
+)
+def test_eval_of_an_empty_checkpoint_or_suite_name_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    argv: list[str], says: str,
+) -> None:  # fmt: skip
+    """``nanolab eval ''`` looked for a run in the current folder and said ": no complete
+    checkpoint in this run directory" (a blank name); ``--suite ''`` read it as a bundle."""
+    from nanolab.eval_tasks import main as eval_main
+
+    monkeypatch.chdir(tmp_path)
+    assert eval_main([*argv, "--device", "cpu", "--no-log"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"nanolab eval: error: {says}") and "\n" not in err, err
+    assert not any(tmp_path.iterdir())

@@ -53,6 +53,8 @@ def checkpoint_path(target: str) -> Path:
     from nanolab.model.checkpoint import CheckpointError
     from nanolab.training.resume import find_resume_checkpoint
 
+    if not target:  # Path("") is the current folder
+        raise CheckpointError("checkpoint= is empty; give a run directory or a .ckpt")
     path = Path(target)
     if path.is_dir():
         chosen = find_resume_checkpoint(path).chosen

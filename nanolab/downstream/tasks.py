@@ -343,6 +343,11 @@ def load_suite(spec: str | Path, limit: int | None = None) -> Suite:
     ``limit`` caps every task's examples (the first ``limit`` after CORE's shuffle).
     """
     text = str(spec)
+    if not text:  # Path("") is the current folder: read as a bundle folder that is not one
+        raise TaskFileError(
+            "the suite is empty (''); give a YAML list of tasks, a DCLM bundle folder or "
+            "builtin:<task>"
+        )
     if text.startswith("builtin:"):  # a suite shipped with nanolab: data/<name>.yaml
         name = text.removeprefix("builtin:")
         path = BUILTIN_DIR / f"{name}.yaml"
