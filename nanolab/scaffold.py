@@ -26,6 +26,7 @@ name, and ``dot-X`` becomes ``.X`` because packaging globs skip dot-files.
 from __future__ import annotations
 
 import importlib.util
+import keyword
 import os
 import re
 import shlex
@@ -100,10 +101,12 @@ def project_name(directory: Path, name: str | None) -> str:
 
 def package_name(name: str) -> str:
     """The project's Python package: the run name as an identifier (``tiny-poems`` ->
-    ``tiny_poems``), refused when it would shadow a module Python already finds (``nanolab``,
-    ``json``, an installed library): the configs import the project's classes by that name."""
+    ``tiny_poems``; ``2024`` and a keyword such as ``class``, which ``import`` cannot take,
+    become ``project_2024``, ``project_class``), refused when it would shadow a module Python
+    already finds (``nanolab``, ``json``, an installed library): the configs import the
+    project's classes by that name."""
     package = re.sub(r"\W+", "_", name).strip("_").lower()
-    if not package or package[0].isdigit():
+    if not package or package[0].isdigit() or keyword.iskeyword(package):
         package = f"project_{package}".rstrip("_")
     if package in sys.stdlib_module_names or _importable(package):
         raise ScaffoldError(

@@ -113,6 +113,9 @@ def test_template_set_is_what_the_docs_promise() -> None:
 def test_package_name_is_an_identifier_that_shadows_nothing(tmp_path: Path) -> None:
     assert package_name("tiny-poems") == "tiny_poems"
     assert package_name("2024") == "project_2024"
+    # `import class` is a SyntaxError: a keyword is made a name the way a leading digit is
+    assert package_name("class") == "project_class" and package_name("Import") == "project_import"
+    assert package_name("match") == "match"  # a soft keyword imports fine
     assert package_name("Quill.Sonnets") == "quill_sonnets"  # not my_lm: a fork may install that
     for taken in ("nanolab", "json", "torch"):
         assert main([str(tmp_path / taken)]) == 2
