@@ -13,6 +13,7 @@ flags; this one leaves those out, and options whose help already names their def
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -21,6 +22,15 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def given_path(text: str) -> Path:
+    """An argparse ``type`` for a path the user must spell: an empty value (an unset shell
+    variable, ``report "$RUNS"``) is refused, where ``Path("")`` would quietly be the current
+    folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty path (or only blanks); give a folder or a file")
+    return Path(text)
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

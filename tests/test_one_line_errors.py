@@ -25,6 +25,9 @@ import pytest
         (["export", "--ckpt"], "--ckpt"),
         (["bench"], "--config"),
         (["bench", "--steps"], "--steps"),
+        # An unset shell variable: Path("") would be the current folder, read as a run root.
+        (["report", ""], "'' is an empty path"),
+        (["status", ""], "'' is an empty path"),
     ],
 )
 def test_a_bad_option_is_one_line_and_exit_2(argv: list[str], names: str, tmp_path) -> None:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from nanolab.errors import NanolabError, one_line_errors
-from nanolab.helpfmt import OneLineParser
+from nanolab.helpfmt import OneLineParser, given_path
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
     RunSummary,
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         description="What is running, queued and finished under a run root and its queue "
         "(reads files only).",
     )
-    parser.add_argument("roots", nargs="*", type=Path, metavar="RUNS_DIR",
+    parser.add_argument("roots", nargs="*", type=given_path, metavar="RUNS_DIR",
                         help="folders holding runs (default: runs)")  # fmt: skip
     parser.add_argument("--db", type=Path, help="the queue database (default: nanolab_queue.db "
                         "or $NANOLAB_QUEUE_DB, when it exists)")  # fmt: skip

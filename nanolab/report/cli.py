@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import one_line_errors
-from nanolab.helpfmt import OneLineParser
+from nanolab.helpfmt import OneLineParser, given_path
 from nanolab.messages import say
 from nanolab.report.forecasts import forecasts, format_forecasts
 from nanolab.report.groups import (
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "runs_dirs",
         nargs="*",
-        type=Path,
+        type=given_path,
         metavar="RUNS_DIR",
         help="folders holding run directories, or run directories (default: runs)",
     )
