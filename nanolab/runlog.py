@@ -36,19 +36,23 @@ def iter_records(
 ) -> Iterator[dict[str, Any]]:
     """Yield the records of a run log in order, skipping lines that are not JSON objects.
 
-    ``event`` keeps only records of that kind. A missing file yields nothing.
+    ``event`` keeps only records of that kind; only the lines that can hold one are parsed
+    (:func:`event_marks`), so looking for a rare kind in a long log costs a read, not a parse.
+    A missing file yields nothing.
     """
-    for _, record in iter_numbered(path):
-        if event is None or record.get("event") == event:
+    for _, record in iter_numbered(path, containing=event_marks(event)):
+        if is_event(record, event):
             yield record
 
 
 def iter_numbered(
-    path: str | os.PathLike[str], containing: str | None = None
+    path: str | os.PathLike[str], containing: str | tuple[str, ...] | None = None
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) of each parsable line, one line in memory at a time, so a reader's
-    memory does not grow with the log. ``containing`` parses only the lines holding that text (a
-    cheap first look, e.g. for the few ``start`` records of a 300k-line log)."""
+    memory does not grow with the log. ``containing`` parses only the lines holding that text
+    (or one of those texts): a cheap first look, e.g. for the few ``start`` records of a
+    300k-line log."""
+    needles = (containing,) if isinstance(containing, str) else containing
     handle = _open_log(path, "r")
     if handle is None:
         return
@@ -61,11 +65,29 @@ def iter_numbered(
                 while (rest := handle.readline(1 << 20)) and not rest.endswith("\n"):
                     pass
                 continue
-            if containing is not None and containing not in line:
+            if needles is not None and not any(n in line for n in needles):
                 continue
             record = _parse(line)
             if record is not None:
                 yield number, record
+
+
+def event_marks(event: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Texts one of which every line holding a record of ``event`` (one of them) contains: the
+    event as a JSON string, or a backslash (the only other way to spell it, escaped). A line
+    with none of them cannot be such a record, so readers skip it unparsed. None: any event."""
+    if event is None:
+        return None
+    events = (event,) if isinstance(event, str) else event
+    return (*(json.dumps(e, ensure_ascii=False) for e in events), "\\")
+
+
+def is_event(record: dict[str, Any], event: str | tuple[str, ...] | None) -> bool:
+    """Whether ``record`` is of kind ``event`` (one of them; None: any)."""
+    if event is None:
+        return True
+    kind = record.get("event")
+    return kind == event if isinstance(event, str) else any(kind == e for e in event)
 
 
 def read_records(path: str | os.PathLike[str], event: str | None = None) -> list[dict[str, Any]]:
@@ -80,7 +102,7 @@ MAX_RECORD_BYTES = 16 << 20
 
 def last_record(
     path: str | os.PathLike[str],
-    event: str | None = None,
+    event: str | tuple[str, ...] | None = None,
     where: Callable[[dict[str, Any]], bool] | None = None,
     chunk: int = 1 << 16,
 ) -> dict[str, Any] | None:
@@ -89,19 +111,43 @@ def last_record(
     Long runs log hundreds of thousands of lines; resuming and ``nanolab report`` only need the
     tail, so this reads ``chunk`` bytes at a time from the end instead of parsing everything.
     """
+    with contextlib.closing(iter_backwards(path, event, where, chunk)) as newest_first:
+        return next(newest_first, None)
+
+
+def iter_backwards(
+    path: str | os.PathLike[str],
+    event: str | tuple[str, ...] | None = None,
+    where: Callable[[dict[str, Any]], bool] | None = None,
+    chunk: int = 1 << 16,
+    split_cr: bool = False,
+) -> Iterator[dict[str, Any]]:
+    """The parsable records (of kind ``event``, for which ``where`` is true), newest first.
+
+    Lines end at newlines; ``split_cr`` also ends them at a carriage return, as the text reader
+    of :func:`iter_records` does, so that the newest ``n`` records read here are the last ``n``
+    it yields. With ``event`` given, only the lines that can hold one are parsed
+    (:func:`event_marks`), and a chunk holding none of them is passed over whole: the one
+    ``start`` record at the top of a 2M-line log is found at the speed of reading the file.
+    """
     handle = _open_log(path, "rb")
     if handle is None:
-        return None
+        return
+    marks = event_marks(event)
+    needles = (
+        tuple(m.encode() for m in marks) if marks and all(m.isascii() for m in marks) else None
+    )
 
-    def wanted(raw: bytes) -> dict[str, Any] | None:
-        record = _parse(raw.decode("utf-8", errors="replace"))
-        if (
-            record is not None
-            and (event is None or record.get("event") == event)
-            and (where is None or where(record))
-        ):
-            return record
-        return None
+    def may_hold(raw: bytes) -> bool:
+        return needles is None or any(n in raw for n in needles)
+
+    def wanted(raw: bytes) -> Iterator[dict[str, Any]]:
+        if not may_hold(raw):
+            return
+        for part in reversed(raw.split(b"\r")) if split_cr else (raw,):
+            record = _parse(part.decode("utf-8", errors="replace"))
+            if record is not None and is_event(record, event) and (where is None or where(record)):
+                yield record
 
     with handle:
         pos = handle.seek(0, os.SEEK_END)
@@ -114,24 +160,26 @@ def last_record(
             step = min(chunk, pos)
             pos -= step
             handle.seek(pos)
-            pieces = handle.read(step).split(b"\n")
-            if len(pieces) == 1 and pos > 0:  # no line starts in this chunk
+            data = handle.read(step)
+            first = data.find(b"\n")
+            if first < 0 and pos > 0:  # no line starts in this chunk
                 if partial is not None:
-                    partial.appendleft(pieces[0])
-                    held += len(pieces[0])
+                    partial.appendleft(data)
+                    held += len(data)
                     if held > MAX_RECORD_BYTES:
                         partial = None
                 continue
-            lines = [b"".join([pieces[-1], *partial])] if partial is not None else []
-            if len(pieces) > 1:
-                lines = [*pieces[1:-1], *lines]
+            last = data.rfind(b"\n") if first >= 0 else -1
+            lines = [b"".join([data[last + 1 :], *partial])] if partial is not None else []
+            if first >= 0:
+                middle = data[first + 1 : last]  # whole lines: none can match without a mark
+                if first < last and may_hold(middle):
+                    lines = [*middle.split(b"\n"), *lines]
                 if pos == 0:  # the file's first line is whole too
-                    lines.insert(0, pieces[0])
+                    lines.insert(0, data[:first])
             for raw in reversed(lines):
-                if (record := wanted(raw)) is not None:
-                    return record
-            partial, held = deque([pieces[0]]), len(pieces[0])
-    return None
+                yield from wanted(raw)
+            partial, held = deque([data[:first]]), first
 
 
 class RunLogReadError(NanolabError):

@@ -242,3 +242,62 @@ def test_reading_the_git_state_writes_nothing_into_the_users_repository(tmp_path
     state = git_state()
     assert state["git_dirty"] is False and len(state["git_commit"]) == 40
     assert (index.read_bytes(), index.stat().st_mtime_ns) == before
+
+
+def test_reading_by_event_parses_only_the_lines_that_can_hold_it(tmp_path):
+    """The escaped spelling of an event, a carriage return inside a line, torn lines: reading
+    by event finds what parsing every line would, forwards and backwards, at any chunk."""
+    import random
+
+    from nanolab.runlog import iter_backwards
+
+    rng = random.Random(1)
+    path = tmp_path / "metrics.jsonl"
+    for _ in range(120):
+        parts = []
+        for i in range(rng.randint(0, 16)):
+            roll = rng.random()
+            kind = rng.choice(["train", "start", "log_recreated", "\\u0073tart"])
+            if roll < 0.7:
+                parts.append(
+                    f'{{"event": "{kind}", "i": {i}, "pad": "{"x" * rng.randint(0, 90)}"}}'
+                )
+            elif roll < 0.8:
+                parts.append(f'{{"event":"{kind}","i":{i}}}\r{{"event":"start","i":{i}}}')
+            else:
+                parts.append('{"event": "start", "step": 5, "lo')
+        path.write_text("\n".join(parts) + rng.choice(["", "\n"]), newline="")
+        every = list(iter_records(path))
+        for event in ("start", ("start", "log_recreated")):
+            want = [
+                r for r in every if r["event"] in ((event,) if isinstance(event, str) else event)
+            ]
+            if isinstance(event, str):
+                assert list(iter_records(path, event)) == want
+            for chunk in (1, 7, 64, 1 << 16):
+                got = list(iter_backwards(path, event, chunk=chunk, split_cr=True))
+                assert got == want[::-1]
+
+
+def test_a_resume_reads_a_long_logs_start_without_parsing_the_log(tmp_path, monkeypatch):
+    """Resuming a 2M-step run parsed every line several times before its first step (the one
+    start record is on line 1): claiming the folder and checking the rollback ledger now parse
+    only the lines that can be a start, log_recreated or spike record."""
+    import nanolab.runlog as runlog
+    from nanolab.callbacks.rundir import claim_run_dir, owner_of_log
+    from nanolab.callbacks.spike import check_ledger
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    train = dumps({"event": "train", "time": 1.0, "step": 1, "loss": 2.0, "tokens": 128})
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.write(dumps({"event": "start", "time": 0.0, "step": 0, "run_id": "abc"}) + "\n")
+        for _ in range(100_000):
+            f.write(train + "\n")
+    parsed = []
+    real = runlog._parse
+    monkeypatch.setattr(runlog, "_parse", lambda line: parsed.append(1) or real(line))
+    assert owner_of_log(run_dir / "metrics.jsonl") == "abc"
+    claim_run_dir(run_dir, {"model": {}}, resuming=True)
+    check_ledger(run_dir)
+    assert len(parsed) < 10

@@ -15,6 +15,7 @@ holds a run. Which process may write here at all is the lock's job (:mod:`.runlo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +29,13 @@ from typing import Any
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.skips import LEDGER
 from nanolab.errors import disk_full, room_left
-from nanolab.runlog import QUEUE_LOG_NAME, RUN_LOG_NAME, dumps, iter_numbered, last_record
+from nanolab.runlog import (
+    QUEUE_LOG_NAME,
+    RUN_LOG_NAME,
+    dumps,
+    iter_backwards,
+    iter_numbered,
+)
 from nanolab.runs import foreign_config
 
 #: What else in a run directory belongs to the run that wrote it, so a fresh run moves it to
@@ -173,10 +180,9 @@ def claim_run_dir(
             "(run.resume or --ckpt_path); drop one of them"
         )
     log_path = run_dir / log_name
-    previous = last_record(log_path, where=lambda r: r.get("event") == "start")
+    previous, old_id = _last_start_and_owner(log_path)
     has_log = _holds_a_record(log_path)
     checkpoints = checkpoint_files(run_dir)
-    old_id = owner_of_log(log_path)
     holds_run = has_log or bool(checkpoints)
     foreign = foreign_config(run_dir) if not holds_run else None
     if foreign is not None and not fresh:  # a config kept here by hand: fresh moves it aside
@@ -312,11 +318,23 @@ def continues_fork(
 def owner_of_log(log_path: Path) -> str | None:
     """The run id the run log names last: its ``start`` record, or the ``log_recreated`` record
     a run writes when its log was deleted under it (None: no record names one)."""
-    owner = last_record(
-        log_path,
-        where=lambda r: r.get("event") in ("start", "log_recreated") and bool(r.get("run_id")),
-    )
-    return str(owner["run_id"]) if owner else None
+    return _last_start_and_owner(log_path)[1]
+
+
+def _last_start_and_owner(log_path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The log's last ``start`` record and its owner (:func:`owner_of_log`), in one read from
+    the end: a resumed run's log holds one ``start`` per launch, the first on its first line,
+    and only those lines and the ``log_recreated`` ones are parsed."""
+    start, owner = None, None
+    with contextlib.closing(iter_backwards(log_path, ("start", "log_recreated"))) as newest:
+        for record in newest:
+            if owner is None and record.get("run_id"):
+                owner = str(record["run_id"])
+            if start is None and record.get("event") == "start":
+                start = record
+            if start is not None and owner is not None:
+                break
+    return start, owner
 
 
 def _is_own_checkpoint(
