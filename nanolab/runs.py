@@ -140,10 +140,10 @@ def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
             continue
         logs = (p for p in root.rglob(RUN_LOG_NAME) if p.is_file())
         dirs = sorted({p.parent for p in logs}, key=lambda p: len(p.parts))
-        kept: list[Path] = []
+        kept: set[Path] = set()  # shallowest first: a run's folders above it are already in
         for d in dirs:
-            if not any(k in d.parents for k in kept):
-                kept.append(d)
+            if not any(p in kept for p in d.parents):
+                kept.add(d)
         found += [(d.relative_to(root).as_posix(), d) for d in sorted(kept)]
     unique: dict[Path, tuple[str, Path]] = {}
     for name, run_dir in found:

@@ -93,9 +93,8 @@ def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
     sections = {run: {key.split(".", 1)[0] for key in f} for run, f in flats.items()}
     wanted = CORE_SECTIONS & set().union(*sections.values())
     flats = {run: f for run, f in flats.items() if wanted <= sections[run]}
-    flats = {run: {k: _value_in(f, k) for k in set().union(*flats.values())}
-             for run, f in flats.items()}  # fmt: skip
-    keys = set().union(*flats.values()) if flats else set()
+    keys: set[str] = set().union(*flats.values())  # once: per run it was quadratic
+    flats = {run: {k: _value_in(f, k) for k in keys} for run, f in flats.items()}
     kept = set()
     for key in keys:
         values = {value_text(f[key]) for f in flats.values() if f[key] is not _ABSENT}
