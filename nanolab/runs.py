@@ -12,6 +12,7 @@ one experiment (the report's groups, the queue's history).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import json
 import math
@@ -25,7 +26,7 @@ from typing import Any
 
 from nanolab.downstream.tasks import suite_name_of
 from nanolab.errors import NanolabError
-from nanolab.runlog import RUN_LOG_NAME, iter_numbered, iter_records
+from nanolab.runlog import RUN_LOG_NAME, iter_backwards, iter_numbered, iter_records
 
 #: Seconds without a new record after which a run with no ``end`` record counts as crashed
 #: (unless its own step time says records are naturally further apart).
@@ -191,12 +192,14 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], int, str | None]:
 
 
 def tail_records(run_dir: Path, event: str, n: int = 1) -> list[dict[str, Any]]:
-    """The last ``n`` usable records of kind ``event``, read as a stream (at most n in memory)."""
-    from collections import deque
-
-    return list(
-        deque((r for r in iter_records(run_dir / RUN_LOG_NAME, event) if not record_problem(r)), n)
+    """The last ``n`` usable records of kind ``event``, oldest first, read from the end of the
+    log: the newest ``n`` are parsed, not the whole log (a long run's one ``start`` record is
+    on its first line; lines end where :func:`iter_records` ends them)."""
+    newest = iter_backwards(
+        run_dir / RUN_LOG_NAME, event, where=lambda r: record_problem(r) is None, split_cr=True
     )
+    with contextlib.closing(newest):
+        return list(itertools.islice(newest, n))[::-1]
 
 
 def last_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from nanolab.report.groups import (
     compare_groups,
     config_summaries,
     seed_groups,
+    seed_groups_holding,
 )
 from nanolab.report.plot import check_plot_path, default_plot_selection, plot_runs
 from nanolab.report.text import compare_runs, format_table
@@ -259,11 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2  # bad input, as nanolab status says of the same folder
     if args.compare:
-        print(compare_runs(found, *args.compare))
-        everyone = [summarize_run(n, d) for n, d in found]
-        pair = [g for g in seed_groups(everyone) if set(args.compare) & ({g.label} | set(g.runs))]
+        # Only the two runs and their seed groups are read whole (the other runs' configs
+        # place them in groups): a long run beside them does not slow the comparison.
+        now = time.time()
+        known: dict[str, RunSummary] = {}
+        print(compare_runs(found, *args.compare, known=known, now=now))
+        pair = seed_groups_holding(found, args.compare, known, now)
         if len(pair) == 2:
-            print(_compare_pair(everyone, pair))
+            print(_compare_pair(list(known.values()), pair))
         return 0
     selected = _select(found, args.run)
     now = time.time()

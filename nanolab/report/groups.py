@@ -16,6 +16,7 @@ from nanolab.runs import (
     RunSummary,
     config_of,
     seed_free_fingerprint,
+    summarize_run,
     tail_records,
 )
 
@@ -213,43 +214,69 @@ def seed_groups(
     """Groups of two or more runs sharing a seed-free config, with mean ± std of final val loss
     (labelled against ``universe``, every run found: see :func:`group_labels`)."""
     groups = by_config(summaries)
+    labels = group_labels(groups, universe=universe)
+    return sorted(
+        (seed_group(g, label) for g, label in zip(groups, labels, strict=True) if len(g) >= 2),
+        key=lambda g: g.label,
+    )
+
+
+def seed_groups_holding(
+    found: list[tuple[str, Path]],
+    names: list[str],
+    known: dict[str, RunSummary],
+    now: float | None = None,
+) -> list[SeedGroup]:
+    """The seed groups of ``found`` that hold one of ``names`` (a run or a group's label), as
+    :func:`seed_groups` of every run's summary makes them, with only their own runs summarised
+    (``known``: the summaries already made, by run; those made here are added). The groups and
+    labels come from each run's config alone (:func:`config_summaries`): a long run beside
+    them costs a read of its last ``start`` record, not of its whole log."""
+    dirs = dict(found)
+    groups = by_config(config_summaries(found))
     out = []
-    for members, label in zip(groups, group_labels(groups, universe=universe), strict=True):
-        if len(members) < 2:
+    for members, label in zip(groups, group_labels(groups), strict=True):
+        if len(members) < 2 or not set(names) & ({label} | {m.run for m in members}):
             continue
-        left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
-        usable = [m for m in members if not _unusable(m)]
-        at_tokens = common_tokens(usable)
-        between = interpolated(usable, at_tokens)
-        # A seed whose first validation came after at_tokens has no value there: left out and
-        # named, so that n counts the values the mean is over.
-        at = [(m, _value_at(m, at_tokens)) for m in usable]
-        left_out += [f"{m.run} (no validation by {at_tokens:,} tokens)"
-                     for m, v in at if v is None]  # fmt: skip
-        usable = [m for m, v in at if v is not None]
-        losses = [v for _, v in at if v is not None]
-        cores = [m.core for m in usable if m.core is not None]
-        seeds = [m.seed for m in usable]
-        out.append(
-            SeedGroup(
-                label=label,
-                runs=[m.run for m in members],
-                seeds=[m.seed for m in members],
-                n=len(usable),
-                mean_val_loss=statistics.fmean(losses) if losses else None,
-                std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
-                repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
-                mean_core=statistics.fmean(cores) if cores else None,
-                std_core=statistics.stdev(cores) if len(cores) >= 2 else None,
-                suite=next((m.suite for m in usable if m.core is not None), None),
-                ci_val_loss=_ci(losses),
-                at_tokens=at_tokens,
-                val_losses=losses,
-                interpolated=between,
-                left_out=left_out,
-            )
-        )
+        for m in members:
+            if m.run not in known:
+                known[m.run] = summarize_run(m.run, dirs[m.run], now)
+        out.append(seed_group([known[m.run] for m in members], label))
     return sorted(out, key=lambda g: g.label)
+
+
+def seed_group(members: list[RunSummary], label: str) -> SeedGroup:
+    """One group's statistics from the summaries of its runs."""
+    left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
+    usable = [m for m in members if not _unusable(m)]
+    at_tokens = common_tokens(usable)
+    between = interpolated(usable, at_tokens)
+    # A seed whose first validation came after at_tokens has no value there: left out and
+    # named, so that n counts the values the mean is over.
+    at = [(m, _value_at(m, at_tokens)) for m in usable]
+    left_out += [f"{m.run} (no validation by {at_tokens:,} tokens)"
+                 for m, v in at if v is None]  # fmt: skip
+    usable = [m for m, v in at if v is not None]
+    losses = [v for _, v in at if v is not None]
+    cores = [m.core for m in usable if m.core is not None]
+    seeds = [m.seed for m in usable]
+    return SeedGroup(
+        label=label,
+        runs=[m.run for m in members],
+        seeds=[m.seed for m in members],
+        n=len(usable),
+        mean_val_loss=statistics.fmean(losses) if losses else None,
+        std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
+        repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
+        mean_core=statistics.fmean(cores) if cores else None,
+        std_core=statistics.stdev(cores) if len(cores) >= 2 else None,
+        suite=next((m.suite for m in usable if m.core is not None), None),
+        ci_val_loss=_ci(losses),
+        at_tokens=at_tokens,
+        val_losses=losses,
+        interpolated=between,
+        left_out=left_out,
+    )
 
 
 def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:

@@ -196,16 +196,27 @@ def format_table(
     return "\n".join(out)
 
 
-def compare_runs(found: list[tuple[str, Path]], a: str, b: str) -> str:
+def compare_runs(
+    found: list[tuple[str, Path]],
+    a: str,
+    b: str,
+    known: dict[str, RunSummary] | None = None,
+    now: float | None = None,
+) -> str:
     """The config keys where runs ``a`` and ``b`` differ (seed and name included), then their
-    results side by side."""
+    results side by side. ``known``: summaries already made, by run (the two made here are
+    added, for the seed groups that follow)."""
     dirs = dict(found)
     for name in (a, b):
         if name not in dirs:
             have = ", ".join(list(dirs)[:12]) + (" ..." if len(dirs) > 12 else "")
             raise ReportError(f"--compare: no run named {name!r}; runs found: {have}")
-    now = time.time()
-    sa, sb = summarize_run(a, dirs[a], now), summarize_run(b, dirs[b], now)
+    now = time.time() if now is None else now
+    known = {} if known is None else known
+    for name in (a, b):
+        if name not in known:
+            known[name] = summarize_run(name, dirs[name], now)
+    sa, sb = known[a], known[b]
     configs = []
     for name in (a, b):
         config = config_of(tail_records(dirs[name], "start"), dirs[name])
