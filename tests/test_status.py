@@ -145,3 +145,31 @@ def test_a_db_that_is_a_folder_or_a_fifo_is_named_as_such(tmp_path: Path, capsys
         "--db with a file path, e.g. --db nanolab_queue.db",
         f"nanolab status: error: --db {tmp_path}/nope: no such queue database file",
     ]
+
+
+def test_a_runs_line_parses_its_log_once_and_its_newest_records_from_the_end(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each screen parsed every run's log three times (the summary, the last 20 train records,
+    the start record): a 250k-line run cost 8 s per redraw of --watch. The summary is the one
+    pass; the newest train records and the start are read from the end of the log."""
+    import nanolab.runlog as runlog
+    from nanolab.queue.status import run_line
+
+    run = tmp_path / "long"
+    run.mkdir()
+    n = 30_000
+    with open(run / "metrics.jsonl", "w") as f:
+        start = {"event": "start", "time": 1.0, "step": 0, "run_id": "a",
+                 "config": {"trainer": {"max_steps": 100_000}}}  # fmt: skip
+        f.write(json.dumps(start) + "\n")
+        for step in range(1, n + 1):
+            f.write(json.dumps({"event": "train", "time": 1.0 + step, "step": step, "loss": 2.0,
+                                "step_time_s": 0.5, "gpu_util": 0.9}) + "\n")  # fmt: skip
+    parsed = []
+    real = runlog._parse
+    monkeypatch.setattr(runlog, "_parse", lambda line: parsed.append(1) or real(line))
+    line = run_line("long", run, now=n + 2.0)
+    assert (line.step, line.max_steps, line.gpu_util) == (n, 100_000, 0.9)
+    assert line.eta_s == (100_000 - n) * 0.5
+    assert len(parsed) < n + 100, len(parsed)  # one pass (it was three)
