@@ -32,6 +32,7 @@ from nanolab.data.checks import (
 )
 from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
+from nanolab.data.sizes import check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.tokenizers import TOKENIZER_NAMES, is_tokenizer_file
 from nanolab.data.windows import (
@@ -594,21 +595,6 @@ class TokenDataModule(L.LightningDataModule):
         return self._loader(dataset, keys)
 
     test_dataloader = val_dataloader
-
-
-def check_window_sizes(
-    micro_batch_size: int, block_size: int | None, val_windows: int, num_workers: int
-) -> None:
-    """The sizes every window DataModule takes, each in range; one line naming the key if not."""
-    for name, value in (
-        ("micro_batch_size", micro_batch_size),
-        ("block_size", block_size),
-        ("val_windows", val_windows),
-    ):
-        if value is not None and value < 1:
-            raise PrepareError(f"data.{name} must be >= 1, got {value}")
-    if num_workers < 0:
-        raise PrepareError(f"data.num_workers must be >= 0, got {num_workers}")
 
 
 def check_tokenizer_setting(name: str | None) -> None:

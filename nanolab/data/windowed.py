@@ -40,12 +40,12 @@ from nanolab import messages
 from nanolab.data.checks import DataChangedError
 from nanolab.data.datamodule import (
     EvalScale,
-    check_window_sizes,
     pins_memory,
     rank_world,
     resumable_sampler,
 )
 from nanolab.data.prepare import PrepareError
+from nanolab.data.sizes import check_window_sizes
 from nanolab.data.windows import (
     DataTooSmallError,
     IndexPlan,

@@ -19,12 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nanolab.data.sizes import DataTooSmallError, check_stream_fits, stream_windows
 from nanolab.data.skips import Jump, data_position
-from nanolab.errors import NanolabError
-
-
-class DataTooSmallError(NanolabError):
-    """The split holds fewer windows than one step of all ranks needs."""
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -55,23 +51,12 @@ class WindowPlan(_Epochs):
     seed: int
 
     def __post_init__(self) -> None:
-        if self.num_tokens < self.block_size + 1:
-            raise DataTooSmallError(
-                f"the training split has {self.num_tokens} tokens, fewer than one block "
-                f"(block_size {self.block_size} + 1); add text or lower model.gpt.block_size"
-            )
-        if self.batches_per_epoch < 1:
-            raise DataTooSmallError(
-                f"the training split has {self.num_windows} windows of {self.block_size + 1} "
-                f"tokens, fewer than micro_batch_size x world_size = "
-                f"{self.micro_batch_size * self.world_size}; add text or lower data.micro_batch_size"
-            )
+        check_stream_fits(self.num_tokens, self.block_size, self.micro_batch_size, self.world_size)
 
     @property
     def num_windows(self) -> int:
         """Windows per epoch. One block of slack is kept when the data allows, for the shift."""
-        n = (self.num_tokens - 1) // self.block_size
-        return n - 1 if n >= 2 else n
+        return stream_windows(self.num_tokens, self.block_size)
 
     @property
     def max_offset(self) -> int:

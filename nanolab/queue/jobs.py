@@ -188,6 +188,7 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
     if micro is None:  # run.micro_batch_size auto: the data's value until the job plans it
         micro = int(resolved.data_args.get("micro_batch_size") or 1)
         resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS, micro_batch_size=micro)
+    _check_data_sizes(resolved, micro, cwd)
     return ParsedConfig(
         config=cfg,
         run_root=str((cfg.get("run") or {}).get("root") or "runs"),
@@ -320,6 +321,31 @@ def _check_data(data: dict[str, Any], cwd: Path) -> None:
                     )
             elif not _under(cwd, spec).exists():
                 raise JobConfigError(f"data.source: {spec} does not exist")
+
+
+def _check_data_sizes(resolved: Any, micro: int, cwd: Path) -> None:
+    """fit's start-up rules on the data's sizes (:mod:`nanolab.data.sizes`, the functions fit
+    calls): the window settings in range, and a single prepared folder cut as a stream that
+    fills one window and one micro-batch per device. A mixture, document alignment and data
+    fit prepares from ``data.source`` need the tokens themselves: fit checks those at start."""
+    import json
+
+    from nanolab.data.sizes import check_stream_fits, check_window_sizes
+
+    data = resolved.data_args
+    sizes = [micro, resolved.block_size, data.get("val_windows", 1), data.get("num_workers", 0)]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+        return  # a DataModule of one's own with other meanings: its own start-up checks them
+    check_window_sizes(*sizes)
+    if data.get("datasets") or data.get("source") or data.get("align", "stream") != "stream":
+        return
+    meta_path = _under(cwd, str(data.get("dataset_dir", ""))) / "meta.json"
+    try:
+        tokens = json.loads(meta_path.read_text())["train_tokens"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no readable meta.json: _check_data has said what it can, fit says the rest
+    if isinstance(tokens, int):
+        check_stream_fits(tokens, resolved.block_size, micro, resolved.world_size)
 
 
 def _under(cwd: Path, path: str) -> Path:
