@@ -639,6 +639,9 @@ CASES: list[Case] = [
         "model.optimizer.lr", setup=_nan_lr_yaml,
     ),
     Case("fit-lr-inf", (*FIT, "--model.optimizer.lr=.inf"), EXIT_USAGE, "model.optimizer.lr"),
+    # Python's spellings, text to YAML: the setting's own rule, not "expected float"
+    Case("fit-lr-nan-word", (*FIT, "--model.optimizer.lr=nan"), EXIT_USAGE, "model.optimizer.lr must be a finite number > 0"),
+    Case("fit-lr-inf-word", (*FIT, "--model.optimizer.lr", "inf"), EXIT_USAGE, "model.optimizer.lr must be a finite number > 0"),
     Case("fit-lr-1e400", (*FIT, "--model.optimizer.lr=1e400"), EXIT_USAGE, "model.optimizer.lr"),
     Case("fit-lr-zero", (*FIT, "--model.optimizer.lr=0"), EXIT_USAGE, "model.optimizer.lr"),
     Case(

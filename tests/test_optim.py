@@ -345,3 +345,14 @@ def test_docs_commands_and_snippet(tmp_path, char_dataset, capsys, monkeypatch, 
     # Lion's first step moves every weight with a gradient by exactly lr (the sign), plus decay.
     moved = [(p - b).abs().max().item() for p, b in zip(model.parameters(), before, strict=True)]
     assert all(m == pytest.approx(1e-3, rel=0.2) for m in moved)
+
+
+@pytest.mark.parametrize("word", ["nan", "inf", "-inf", "Infinity"])
+def test_a_non_finite_lr_spelled_as_python_reads_it_gets_the_lr_rule(word: str) -> None:
+    """YAML reads ``nan`` as text (it spells ``.nan``): the parser said "'nan' is not valid;
+    expected float", where lr 0 or ``.nan`` say what lr must be."""
+    from nanolab.run.parse import parse_command
+    from nanolab.training.resolve import RunConfigError
+
+    with pytest.raises(RunConfigError, match=r"^model.optimizer.lr must be a finite number > 0"):
+        parse_command(["fit", f"--model.optimizer.lr={word}"])

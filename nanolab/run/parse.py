@@ -14,6 +14,7 @@ launch whose imports cost 3.9-4.8 s, and it gives every Trainer/model/data setti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -174,8 +175,24 @@ def type_problem(text: str) -> str | None:
             check_max_steps(None if value == "None" else value)
         except RunConfigError as err:
             return str(err)
+    if key.startswith("model.optimizer.") and _spells_non_finite(value):
+        # YAML reads nan/inf as text (it spells them .nan/.inf): the setting's own rule says it
+        from nanolab.training.optim import OptimizerConfig
+
+        try:
+            OptimizerConfig(**{key.rsplit(".", 1)[1]: float(value)})
+        except (ValueError, TypeError) as err:
+            return str(err)
     shown = "null" if value == "None" else repr(value)
     return f"{key}: {shown} is not valid; expected {expected or m.group(2)}"
+
+
+def _spells_non_finite(value: str) -> bool:
+    """``nan``, ``inf``, ``-Infinity``, ...: a float Python reads and YAML does not."""
+    try:
+        return not math.isfinite(float(value))
+    except ValueError:
+        return False
 
 
 def class_path_problem(text: str) -> str | None:
