@@ -29,7 +29,9 @@ def given_path(text: str) -> Path:
     variable, ``report "$RUNS"``) is refused, where ``Path("")`` would quietly be the current
     folder."""
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is an empty path (or only blanks); give a folder or a file")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is an empty path (or only blanks); give a folder or a file"
+        )
     return Path(text)
 
 
