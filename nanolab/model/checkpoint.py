@@ -4,11 +4,19 @@
 the architecture (``ckpt["nanolab"]["gpt"]``) and the tokenizer as plain data, so nothing else
 is needed, and it is read with ``torch.load(weights_only=True)``: a checkpoint is data, never
 code. A path may also name a run directory (its ``checkpoints/last.ckpt`` is used).
+
+A live run rotates its checkpoints (``checkpoint.keep_last``): a step file can be deleted
+between the moment a reader picks it and the moment it reads it. So a reader *holds* the file it
+picked (:func:`hold`): one descriptor opened at the pick, and every later read of that name in
+this process (its inspection, :func:`load_checkpoint`, Lightning's restore) goes through the
+descriptor (:func:`read_path`), which reads the same file whatever happens to its name.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 import struct
 import zipfile
 from pathlib import Path
@@ -56,6 +64,53 @@ def sharded_folder_error(path: Path) -> CheckpointError | None:
         f"import {function}; {function}('{path}', 'model.ckpt')\" and pass model.ckpt "
         "(docs/scaling.md)"
     )
+
+
+#: Checkpoint files this process holds open, by the absolute name they were picked under.
+_HELD: dict[str, int] = {}
+
+
+def _descriptor_path(fd: int) -> Path | None:
+    """A path that opens what ``fd`` has open, even once its name is deleted (Linux's
+    ``/proc/self/fd``, ``/dev/fd`` elsewhere); None where the system has neither."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return Path(folder) / str(fd)
+    return None
+
+
+def hold(path: str | Path) -> Path:
+    """Open the checkpoint file ``path`` and keep it open (idempotent), so that a rotation
+    deleting its name no longer matters to this process; returns the path reads should use
+    (:func:`read_path`). Raises ``FileNotFoundError`` when the name is already gone. Only a
+    regular file is held: a folder (a sharded checkpoint) would still lose its files one by
+    one, and anything else is refused by its reader."""
+    key = os.path.abspath(path)
+    if key in _HELD:
+        return read_path(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a pipe must not block
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or _descriptor_path(fd) is None:
+        os.close(fd)
+        return Path(path)
+    _HELD[key] = fd
+    return read_path(path)
+
+
+def read_path(path: str | Path) -> Path:
+    """Where to read ``path`` from: its held descriptor's path, or the name itself."""
+    fd = _HELD.get(os.path.abspath(path))
+    return (_descriptor_path(fd) or Path(path)) if fd is not None else Path(path)
+
+
+def is_held(path: str | Path) -> bool:
+    return os.path.abspath(path) in _HELD
+
+
+def release(path: str | Path) -> None:
+    """Close the descriptor :func:`hold` opened for ``path`` (nothing when it holds none)."""
+    fd = _HELD.pop(os.path.abspath(path), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
@@ -107,20 +162,23 @@ def damaged_record(path: str | Path) -> str | None:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The checkpoint ``path`` names, read safely (a held file through its descriptor:
+    :func:`hold`); messages name ``path``."""
     path = Path(path)
     sharded = sharded_folder_error(path)
     if sharded is not None:
         raise sharded
-    if not path.is_file():
+    source = read_path(path)
+    if not source.is_file():
         what = "is not a regular file (a device, a pipe?)" if path.exists() else "does not exist"
         raise CheckpointError(f"checkpoint {path} {what}; pass a .ckpt file or a run dir")
-    if not zipfile.is_zipfile(path):  # what torch.save writes; anything else is not ours
+    if not zipfile.is_zipfile(source):  # what torch.save writes; anything else is not ours
         raise CheckpointError(
             f"{path} is not a checkpoint (not a torch zip archive: empty, truncated or another "
             "kind of file); pass a .ckpt written by nanolab fit"
         )
     try:
-        damaged = damaged_record(path)
+        damaged = damaged_record(source)
     except (OSError, zipfile.BadZipFile) as err:
         damaged = str(err) or type(err).__name__
     if damaged is not None:
@@ -130,7 +188,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             "step-*.ckpt of the run"
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise CheckpointError(
             f"{path} holds Python objects besides tensors, which weights_only loading refuses "

@@ -192,8 +192,13 @@ def launch(cli: NanolabCLI) -> Trainer:
         verb, cfg, run_dir, model, built.get("ckpt_path"), data, strategy_kind
     )
     evaluate = trainer.validate if verb == "validate" else trainer.test
-    # nanolab prints its own plain lines (evaluation_lines), as every other verb does.
-    evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
+    from nanolab.model.checkpoint import release
+
+    try:  # nanolab prints its own plain lines (evaluation_lines), as every other verb does.
+        evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
+    finally:
+        if target.path is not None:
+            release(target.path)  # the held file is restored: let a deleted one go
     if built.get("verbose", True) and trainer.is_global_zero:
         print_evaluation(trainer, verb, target, data)
     if target.log_to_run and trainer.is_global_zero:
@@ -719,11 +724,12 @@ def evaluation_target(
     data: Any = None,
     strategy_kind: str = "single",
 ) -> tuple[Any, str | None]:
-    """What ``validate``/``test`` evaluates (docs/evaluate.md) and the checkpoint file to load:
-    the run's newest by default, never an untrained model unless ``--ckpt_path none``; the run
-    directory is held when the result will be appended to its run log, which is only when it
-    scores the run's own data and validation windows (a record of other data would pass in
-    ``report`` for the run's val loss)."""
+    """What ``validate``/``test`` evaluates (docs/evaluate.md) and the path Lightning loads it
+    from: the run's newest by default, never an untrained model unless ``--ckpt_path none``.
+    The file picked is held open and read through its descriptor, so a live run's rotation
+    cannot delete it in between. The run directory is held when the result will be appended
+    to its run log, which is only when it scores the run's own data and validation windows (a
+    record of other data would pass in ``report`` for the run's val loss)."""
     from nanolab.training.evaluate import EvaluateError, eval_target
 
     init_from = bool(cfg.model.init_args.get("init_from"))
@@ -739,13 +745,15 @@ def evaluation_target(
     target.path = Path(cand.path)
     if target.step is None and isinstance(cand.step, int):
         target.step = cand.step
+    from nanolab.model.checkpoint import read_path
     from nanolab.training.resume import ResumeError, check_checkpoint_format
 
     try:  # a sharded folder only its own strategy reads: one line, not a traceback
         check_checkpoint_format(cand.path, strategy_kind)
     except ResumeError as err:
         raise RunConfigError(str(err)) from None
-    other = other_data(data, cand.path) if target.log_to_run else None
+    source = read_path(cand.path)  # the held file's descriptor: the name may be gone by now
+    other = other_data(data, source) if target.log_to_run else None
     if other is not None:
         from nanolab.callbacks.runlock import global_rank_from_env
 
@@ -760,7 +768,7 @@ def evaluation_target(
         except (RunLockedError, OSError) as err:
             target.log_to_run = False
             rank_zero_warn(f"not logging this {verb} to {run_dir}: {err}")
-    return target, str(cand.path)
+    return target, str(source)
 
 
 def other_data(data: Any, path: Path) -> str | None:

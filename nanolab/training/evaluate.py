@@ -14,10 +14,15 @@ checkpoint is found, which silently reports an untrained model's loss. So here:
   appended to the run's ``metrics.jsonl`` as a ``val`` or ``test`` record at the checkpoint's
   step, under the run-directory lock so it never interleaves with a live ``fit``. A checkpoint
   given by path, or no checkpoint, is printed only: its step is not on the run's timeline.
+* A live run deletes old step files as it saves new ones. The file picked is held open from
+  the pick on (:func:`nanolab.model.checkpoint.hold`), and every later read (the checks, the
+  restore) goes through that descriptor: what is scored is the file picked, and the record
+  names its step, even when its name is gone by then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -59,10 +64,10 @@ def eval_target(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> Ev
                 f"--ckpt_path {text}: give last, best, a checkpoint file, or none (the model "
                 "as built, untrained)"
             )
-        return EvalTarget(Path(text))
+        return EvalTarget(_held_if_there(Path(text)))
     if text == "best":
         return _best(run_dir, verb)
-    choice = find_resume_checkpoint(run_dir)
+    choice = find_resume_checkpoint(run_dir, hold=True)
     warning = choice.warning()
     if warning:
         from nanolab.messages import warn_line
@@ -79,28 +84,44 @@ def eval_target(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> Ev
     return EvalTarget(choice.chosen.path, choice.chosen.step, log_to_run=True)
 
 
+def _held_if_there(path: Path) -> Path:
+    """A checkpoint file given by path, held open like a picked one; a missing or other path
+    is left to the checks that name what is wrong with it."""
+    from nanolab.model.checkpoint import hold
+
+    with contextlib.suppress(OSError):
+        hold(path)
+    return path
+
+
 def _best(run_dir: Path, verb: str) -> EvalTarget:
-    """The checkpoint, among those still on disk, whose step had the lowest logged val loss."""
-    from nanolab.training.resume import checkpoint_files, inspect_checkpoint
+    """The checkpoint, among those still on disk, whose step had the lowest logged val loss
+    (held open: :func:`eval_target`)."""
+    from nanolab.model.checkpoint import release
+    from nanolab.training.resume import Candidate, checkpoint_files, inspect_checkpoint
 
     val_by_step: dict[int, float] = {}
     for r in iter_records(run_dir / RUN_LOG_NAME, "val"):
         loss, step = r.get("val_loss"), r.get("step")
         if r.get("evaluated_by") is None and isinstance(step, int) and _finite(loss):
             val_by_step[step] = float(loss)  # the latest copy of a step wins (resumes redo steps)
-    found = []
+    best: Candidate | None = None
+    best_key: tuple[float, int, bool] | None = None
     for path in checkpoint_files(run_dir):
-        cand = inspect_checkpoint(path, training=False)
+        cand = drop = inspect_checkpoint(path, training=False, keep_open=True)
         if cand.ok and cand.step in val_by_step:
             # Ties (last.ckpt copied rather than linked): the file named with its step.
-            found.append((val_by_step[cand.step], cand.step, cand.path.name == "last.ckpt", cand))
-    if not found:
+            key = (val_by_step[cand.step], cand.step, cand.path.name == "last.ckpt")
+            if best_key is None or key < best_key:
+                best, best_key, drop = cand, key, best
+        if drop is not None:
+            release(drop.path)  # only the best one stays open
+    if best is None:
         raise EvaluateError(
             f"--ckpt_path best: run directory {run_dir} has no checkpoint saved at a step with "
             f"a validation loss in {RUN_LOG_NAME}; use --ckpt_path last, or save checkpoints at "
             "validation steps (checkpoint.save_on_best true)"
         )
-    best = min(found, key=lambda f: f[:3])[3]
     return EvalTarget(best.path, best.step, log_to_run=True)
 
 

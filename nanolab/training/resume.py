@@ -64,6 +64,7 @@ class Candidate:
     run_id: str | None = None  # the run that saved it (the run log callback's state), if known
     run_dir: str | None = None  # the run directory it was saved in (same state), if known
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # state_dict tensor shapes
+    gone: bool = False  # deleted between the listing and the opening (rotated, not damaged)
 
     @property
     def ok(self) -> bool:
@@ -98,11 +99,16 @@ def _is_partial(path: Path) -> bool:
     return ".tmp" in path.name or path.name.startswith(".")
 
 
-def inspect_checkpoint(path: str | Path, training: bool = True) -> Candidate:
+def inspect_checkpoint(
+    path: str | Path, training: bool = True, keep_open: bool = False
+) -> Candidate:
     """Open ``path`` without reading tensor data and say whether it can be used.
 
     ``training``: whether training resumes from it (it must then hold the optimizer and loop
-    state); otherwise (validate, test) the weights are enough.
+    state); otherwise (validate, test) the weights are enough. The file is opened once and every
+    read goes through that descriptor, so a rotation deleting it meanwhile changes nothing; one
+    already deleted is ``gone``. ``keep_open``: leave it held for later reads
+    (:func:`nanolab.model.checkpoint.hold`; the caller releases it).
     """
     path = Path(path)
     cand = Candidate(path)
@@ -112,7 +118,12 @@ def inspect_checkpoint(path: str | Path, training: bool = True) -> Candidate:
         # step; any other folder (a torn save, a folder of .ckpt files) is not one.
         from nanolab.model.checkpoint import sharded_kind
 
-        if not any(path.iterdir()):
+        try:
+            empty = not any(path.iterdir())
+        except FileNotFoundError:  # deleted since the listing (rotated)
+            cand.error, cand.gone = "deleted while it was read (rotated)", True
+            return cand
+        if empty:
             cand.error = "empty checkpoint folder"
         elif sharded_kind(path) is None:
             cand.error = "a folder without a DeepSpeed or FSDP sharded checkpoint's files"
@@ -121,27 +132,46 @@ def inspect_checkpoint(path: str | Path, training: bool = True) -> Candidate:
         else:
             cand.step = cand.name_step
         return cand
-    if not zipfile.is_zipfile(path):
+    from nanolab.model.checkpoint import hold, is_held, release
+
+    was_held = is_held(path)
+    try:
+        source = hold(path)
+    except FileNotFoundError:
+        cand.error, cand.gone = "deleted while it was read (rotated)", True
+        return cand
+    except OSError:
+        source = path  # unreadable: the reads below say why
+    try:
+        return _inspect_file(cand, source, training)
+    finally:
+        if not (keep_open or was_held):
+            release(path)
+
+
+def _inspect_file(cand: Candidate, source: Path, training: bool) -> Candidate:
+    """:func:`inspect_checkpoint` of a file, read at ``source`` (its held descriptor)."""
+    if not zipfile.is_zipfile(source):
         # torch.save writes a zip whose directory is at the very end: a file cut short by a
         # kill, a full disk or an interrupted copy has none.
-        cand.error = "truncated or not a checkpoint" if _size(path) else "empty file"
+        cand.error = "truncated or not a checkpoint" if _size(source) else "empty file"
         return cand
     try:
         import torch
 
         from nanolab.model.checkpoint import damaged_record
 
-        damaged = damaged_record(path)  # the memory-mapped load below does not look
+        damaged = damaged_record(source)  # the memory-mapped load below does not look
         if damaged is not None:
             cand.error = f"damaged: its record {damaged} is not where its directory says"
             return cand
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # any failure means "not resumable": say why, in one line
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         if "Weights only load failed" in str(err):
             # torch refused to unpickle something other than tensors and plain data.
             first = "it holds pickled Python objects, not only tensors; refused to load it"
-        cand.error = first[:120] if _size(path) else "empty file"
+        cand.error = first[:120] if _size(source) else "empty file"
         return cand
     if not isinstance(ckpt, dict):
         cand.error = "not a Lightning checkpoint"
@@ -199,20 +229,41 @@ def checkpoint_files(run_dir: str | Path) -> list[Path]:
     return sorted(unique.values())
 
 
-def find_resume_checkpoint(run_dir: str | Path) -> ResumeChoice:
-    """The newest complete checkpoint in ``run_dir`` (most optimizer steps; ties: a step file)."""
-    cands = [inspect_checkpoint(p) for p in checkpoint_files(run_dir)]
-    good = [c for c in cands if c.ok]
-    chosen = None
-    if good:
-        chosen = max(
-            good,
-            key=lambda c: (c.step, c.path.name != "last.ckpt", _mtime(c.path)),
-        )
+def find_resume_checkpoint(run_dir: str | Path, hold: bool = False) -> ResumeChoice:
+    """The newest complete checkpoint in ``run_dir`` (most optimizer steps; ties: a step file).
+
+    A file deleted between the listing and its opening was rotated away by a live run, not
+    damaged: it is left out silently, and when it was newer than every file that could be
+    read, the run has saved a newer one since: the folder is listed again (a few times at
+    most). Files are opened newest name first, so the one most likely chosen is opened right
+    after the listing, not after inspecting the others has given rotation time to delete it.
+
+    ``hold``: keep the chosen file open (:func:`nanolab.model.checkpoint.hold`), so that
+    reading it later gets the file chosen even when rotation deletes its name first (validate,
+    test, eval and lm-eval read a live run's checkpoints; ``fit`` holds its run directory).
+    """
+    from nanolab.model.checkpoint import release
+
+    for listing in range(_LISTINGS):
+        cands, chosen, listed, newer_gone = [], None, checkpoint_files(run_dir), False
+        for path in sorted(listed, key=lambda p: Candidate(p).name_step or -1, reverse=True):
+            cand = drop = inspect_checkpoint(path, keep_open=hold)
+            if cand.gone:
+                newer_gone = newer_gone or chosen is None
+                continue
+            cands.append(cand)
+            if cand.ok and (chosen is None or _newness(cand) > _newness(chosen)):
+                chosen, drop = cand, chosen
+            if hold and drop is not None:
+                release(drop.path)  # only the chosen one stays open
+        if not newer_gone or listing == _LISTINGS - 1:
+            break
+        if hold and chosen is not None:
+            release(chosen.path)  # a newer one was saved meanwhile: list again
     # Report the broken ones that could have been newer than the choice: a step in the name
     # above the chosen step, or no step in the name but written after it.
     skipped = []
-    for c in cands:
+    for c in sorted(cands, key=lambda c: c.path):
         if c.ok:
             continue
         if chosen is None:
@@ -223,6 +274,16 @@ def find_resume_checkpoint(run_dir: str | Path) -> ResumeChoice:
         elif _mtime(c.path) >= _mtime(chosen.path):
             skipped.append(c)
     return ResumeChoice(chosen, skipped)
+
+
+#: How many times a run's checkpoint folder is listed when its newest files were deleted before
+#: they could be opened (a run rotating faster than it is read); then the newest one read wins.
+_LISTINGS = 5
+
+
+def _newness(cand: Candidate) -> tuple[Any, ...]:
+    """Which checkpoint is newest: most steps, then a step file over ``last.ckpt``, then mtime."""
+    return (cand.step, cand.path.name != "last.ckpt", _mtime(cand.path))
 
 
 #: What to do about a checkpoint of another model that ``run.resume: auto`` found in the run.
@@ -331,8 +392,10 @@ def resume_candidate(
             return None
         check_same_model(choice.chosen, gpt_config, flag, FIX_AUTO)
         return choice.chosen
+    from nanolab.model.checkpoint import is_held
+
     path = Path(resume)
-    if not path.exists():
+    if not (path.exists() or is_held(path)):  # held: picked and open, whatever its name now
         raise ResumeError(
             f"{flag}: checkpoint {resume} does not exist; pass an existing .ckpt"
             + (", auto or never" if flag == "run.resume" else "")
@@ -386,8 +449,10 @@ def unreadable_message(broken: list[Candidate], run_dir: Path, flag: str) -> str
 
 
 def _mtime(path: Path) -> float:
+    from nanolab.model.checkpoint import read_path
+
     try:
-        return path.stat().st_mtime
+        return read_path(path).stat().st_mtime  # a held file: its own, whatever its name
     except OSError:  # removed meanwhile (rotation): sorts as oldest
         return 0.0
 
