@@ -31,7 +31,9 @@ class EvalArgumentError(NanolabError):
 
 def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
     """The checkpoint to evaluate, the run directory it belongs to (None for a loose file),
-    and its step (None: read it from the checkpoint)."""
+    and its step (None: read it from the checkpoint). A run directory's newest checkpoint is
+    held open from the pick (:func:`nanolab.model.checkpoint.hold`): loading it reads the
+    file picked, even when a live run's rotation deletes its name meanwhile."""
     from nanolab.model.checkpoint import CheckpointError, sharded_folder_error
     from nanolab.training.resume import find_resume_checkpoint
 
@@ -45,7 +47,7 @@ def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
         raise sharded
     if path.is_dir():
         run_dir = path.parent if path.name == "checkpoints" else path
-        choice = find_resume_checkpoint(run_dir)
+        choice = find_resume_checkpoint(run_dir, hold=True)
         warning = choice.warning()
         if warning:
             warn_line(warning.replace("resuming from", "evaluating"))

@@ -80,6 +80,28 @@ def test_validate_scores_and_logs_the_checkpoint_it_picked_after_rotation_delete
     assert "step-00000006.ckpt (step 6)" in res.stdout
 
 
+def test_eval_scores_and_logs_the_checkpoint_it_picked_after_rotation_deleted_it(run, monkeypatch):
+    """``nanolab eval RUN`` picked step 6 by name and loaded it by name after rotation deleted
+    it: "checkpoint ... does not exist; pass a .ckpt file or a run dir", exit 2."""
+    rotate_after_the_pick(monkeypatch, resume_module, "find_resume_checkpoint", run)
+    res = nanolab_here("eval", "runs/tiny", "--limit", "5", cwd=run.parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "runs/tiny/checkpoints/step-00000006.ckpt (step 6)" in res.stderr
+    record = read_records(run / "metrics.jsonl")[-1]
+    assert record["event"] == "tasks" and record["step"] == 6
+
+
+def test_lm_eval_loads_the_checkpoint_it_picked_after_rotation_deleted_it(run, monkeypatch):
+    """The lm-eval model's pick of a run directory is the same held pick as eval's."""
+    from nanolab.downstream.harness import checkpoint_path
+    from nanolab.model.checkpoint import load_checkpoint
+
+    rotate_after_the_pick(monkeypatch, resume_module, "find_resume_checkpoint", run)
+    path = checkpoint_path(str(run))
+    assert path == run / "checkpoints" / "step-00000006.ckpt" and not path.exists()
+    assert load_checkpoint(path)["global_step"] == 6
+
+
 def test_a_checkpoint_deleted_during_the_scan_is_not_called_corrupt(run, monkeypatch):
     """Step 6, listed and then deleted by rotation before it was opened, was reported as
     "skipped incomplete or corrupt checkpoint(s): step-00000006.ckpt (empty file)". It was

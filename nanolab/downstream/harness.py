@@ -49,7 +49,8 @@ class HarnessError(NanolabError):
 
 
 def checkpoint_path(target: str) -> Path:
-    """A ``.ckpt`` file, or a run directory's newest complete checkpoint."""
+    """A ``.ckpt`` file, or a run directory's newest complete checkpoint (held open, so a live
+    run's rotation cannot delete it before it is loaded)."""
     from nanolab.model.checkpoint import CheckpointError
     from nanolab.training.resume import find_resume_checkpoint
 
@@ -57,7 +58,7 @@ def checkpoint_path(target: str) -> Path:
         raise CheckpointError("checkpoint= is empty; give a run directory or a .ckpt")
     path = Path(target)
     if path.is_dir():
-        chosen = find_resume_checkpoint(path).chosen
+        chosen = find_resume_checkpoint(path, hold=True).chosen
         if chosen is None:
             raise CheckpointError(f"checkpoint={target}: no complete checkpoint in this folder")
         return chosen.path
