@@ -9,6 +9,8 @@ run directory must be free for a ``fit`` while the evaluation runs.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from conftest import nanolab_here, tiny_overrides, write_config
 
 import nanolab.training.evaluate as evaluate_module
 import nanolab.training.resume as resume_module
+from nanolab.callbacks.runlock import LOCK_NAME
 from nanolab.runlog import read_records
 
 
@@ -78,6 +81,43 @@ def test_validate_scores_and_logs_the_checkpoint_it_picked_after_rotation_delete
     # Step 6's weights, not step 3's (the file left): the loss the fit logged at step 6.
     assert record["val_loss"] == pytest.approx(fit_val_loss(run, 6), abs=1e-5)
     assert "step-00000006.ckpt (step 6)" in res.stdout
+
+
+def test_validate_leaves_the_run_free_for_a_fit_while_it_evaluates(run, monkeypatch):
+    """validate held the run directory from before the restore to its exit, so a continuation
+    started meanwhile (a queued --continue, a resume loop) failed "is in use by ... (validate)".
+    It is held for the append only."""
+    from lightning.pytorch import Trainer
+
+    seen = []
+    real = Trainer.validate
+
+    def validate_and_probe(self, *args, **kwargs):
+        seen.append(held_by_another_launch(run))  # a fit started now takes the lock this way
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "validate", validate_and_probe)
+    res = nanolab_here("validate", "--config", "tiny.yaml", cwd=run.parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert seen == [False]
+    assert read_records(run / "metrics.jsonl")[-1]["evaluated_by"] == "nanolab validate"
+    assert not (run / LOCK_NAME).exists()  # taken for the append, and given back
+
+
+def held_by_another_launch(run: Path) -> bool:
+    """Whether the run lock (flock on its file, which two opens contend for even in one
+    process) is held now."""
+    try:
+        fd = os.open(run / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def test_eval_scores_and_logs_the_checkpoint_it_picked_after_rotation_deleted_it(run, monkeypatch):

@@ -727,9 +727,10 @@ def evaluation_target(
     """What ``validate``/``test`` evaluates (docs/evaluate.md) and the path Lightning loads it
     from: the run's newest by default, never an untrained model unless ``--ckpt_path none``.
     The file picked is held open and read through its descriptor, so a live run's rotation
-    cannot delete it in between. The run directory is held when the result will be appended
-    to its run log, which is only when it scores the run's own data and validation windows (a
-    record of other data would pass in ``report`` for the run's val loss)."""
+    cannot delete it in between. The result is appended to the run log (holding the run
+    directory for the append only: :func:`log_evaluation`) only when it scores the run's own
+    data and validation windows (a record of other data would pass in ``report`` for the run's
+    val loss)."""
     from nanolab.training.evaluate import EvaluateError, eval_target
 
     init_from = bool(cfg.model.init_args.get("init_from"))
@@ -760,14 +761,6 @@ def evaluation_target(
         target.log_to_run = False
         if global_rank_from_env() == 0:
             print(f"nanolab {verb}: not logged to {run_dir}: {other}", file=sys.stderr, flush=True)
-    if target.log_to_run:
-        from nanolab.callbacks.runlock import RunLockedError, acquire
-
-        try:
-            acquire(run_dir)  # no fit may append or rotate while the record is written
-        except (RunLockedError, OSError) as err:
-            target.log_to_run = False
-            rank_zero_warn(f"not logging this {verb} to {run_dir}: {err}")
     return target, str(source)
 
 
@@ -800,13 +793,25 @@ def other_data(data: Any, path: Path) -> str | None:
 
 
 def log_evaluation(trainer: Trainer, verb: str, run_dir: Path, target: Any) -> None:
-    """Append an evaluation of the run's own checkpoint to its run log."""
+    """Append an evaluation of the run's own checkpoint to its run log, holding the run
+    directory for the append only: held for the whole evaluation, it refused a ``fit`` of the
+    run started meanwhile (a queued continuation, a resume loop). A ``fit`` holding it now
+    keeps its log to itself: the result stays printed, with one warning, and this succeeds."""
     from nanolab.callbacks.jsonl import to_floats
+    from nanolab.callbacks.runlock import RunLockedError, acquire
     from nanolab.training.evaluate import append_record, eval_record
 
     stage = "val" if verb == "validate" else "test"
     metrics = to_floats(dict(trainer.callback_metrics))
-    path = append_record(run_dir, eval_record(verb, stage, metrics, target))
+    try:
+        lock = acquire(run_dir)  # no fit may append or rotate while the record is written
+    except (RunLockedError, OSError) as err:
+        rank_zero_warn(f"not logging this {verb} to {run_dir}: {err}")
+        return
+    try:
+        path = append_record(run_dir, eval_record(verb, stage, metrics, target))
+    finally:
+        lock.release()
     rank_zero_info(f"{stage} record (step {target.step}) appended to {path}")
 
 
