@@ -35,7 +35,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     from nanolab.callbacks.runlock import release_all
     from nanolab.run.quiet import quiet_lightning
 
-    quiet_lightning(argv[0] if argv else None)  # start-up chatter; the banner says what matters
+    quiet_lightning()  # start-up chatter; the banner says what matters
     from nanolab.run import short_help
 
     if short_help.wants_short_help(argv):  # one page; Lightning's ~900 lines: --help-all

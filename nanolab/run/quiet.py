@@ -3,7 +3,7 @@
 A nanolab run prints its own banner (model, batch, devices, precision, run directory, resume
 point, estimate: :mod:`nanolab.callbacks.banner`), so these lines only push it off the screen:
 the accelerator inventory ("GPU available: False, used: False"), a cloud-logging tip, "Seed set
-to", checkpoint restore notices in ``fit`` (the banner names the checkpoint), "`Trainer.fit` stopped:
+to", checkpoint restore notices (the banner or the evaluation line names the checkpoint), "`Trainer.fit` stopped:
 `max_steps=N` reached", a ``FutureWarning`` from Lightning's own use of a deprecated torch
 pytree class, and on CPU the expected "MFU unknown" (CPUs have no peak-FLOPs table; records
 carry ``mfu: null`` as docs/callbacks.md says). Warnings and errors of every other kind still
@@ -31,11 +31,13 @@ NOISE_PREFIXES = (
     "Running in `fast_dev_run` mode",
 )
 
-#: Restore notices: dropped for ``fit`` only, where the banner names the checkpoint;
-#: ``validate``/``test`` keep them (they say which checkpoint was evaluated).
+#: Restore notices: the banner (``fit``) or the evaluation's own line (``validate``/``test``)
+#: names the checkpoint file and its step; Lightning's name the descriptor the picked file is
+#: read through (``/proc/self/fd/N``, so a live run's rotation cannot pull it away).
 RESTORE_PREFIXES = (
     "Restoring states from the checkpoint",
     "Restored all states from the checkpoint",
+    "Loaded model weights from the checkpoint",
 )
 
 #: Loggers those lines come from (filters on a logger only see records created there).
@@ -66,13 +68,13 @@ class _DropNoise(logging.Filter):
 _FILTER = _DropNoise()
 
 
-def quiet_lightning(verb: str | None = "fit") -> bool:
+def quiet_lightning() -> bool:
     """Install the filters (idempotent); False when ``NANOLAB_VERBOSE`` asks for everything."""
     from nanolab.messages import verbosity
 
     if verbosity() == "verbose":
         return False
-    _FILTER.prefixes = NOISE_PREFIXES + (RESTORE_PREFIXES if verb == "fit" else ())
+    _FILTER.prefixes = NOISE_PREFIXES + RESTORE_PREFIXES
     for name in NOISY_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
