@@ -472,8 +472,8 @@ def test_a_resume_that_fails_to_restore_sets_nothing_aside(tmp_path, char_datase
 
 @pytest.mark.parametrize(("rank", "said"), [(0, True), (1, False)])
 def test_a_signal_is_announced_once_per_launch(capfd, rank, said):
-    """Every rank of a DDP launch gets the signal (rank 0 forwards it to the ranks it started):
-    only global rank 0 says so, so one signal is one line, not one per process."""
+    """Every rank of a DDP launch may get the signal (a group signal): only global rank 0 says
+    so, so one signal is one line, not one per process."""
     handler = PreemptionHandler()
     handler._stepped = True  # past the first step: no start-up watchdog
     handler._trainer = SimpleNamespace(global_rank=rank, global_step=14, strategy=None)
@@ -481,3 +481,62 @@ def test_a_signal_is_announced_once_per_launch(capfd, rank, said):
     assert handler.received is signal.SIGTERM
     err = capfd.readouterr().err
     assert ("received SIGTERM at step 14" in err) is said, err
+
+
+def test_rank_0_keeps_a_first_signal_and_ends_its_ranks_only_on_a_second() -> None:
+    """A copy of rank 0's first signal reached a rank that a group signal had reached already
+    as its second, and that rank died without a checkpoint; a second signal to rank 0 SIGKILLs
+    the ranks it launched (test_second_signal_exits_at_once runs that path in a process)."""
+    sent: list[signal.Signals] = []
+    launcher = SimpleNamespace(kill=sent.append)  # Lightning's launcher: signals its children
+    handler = PreemptionHandler()
+    handler._stepped = True
+    handler._trainer = SimpleNamespace(
+        global_rank=0, global_step=14, strategy=SimpleNamespace(launcher=launcher)
+    )
+    handler._handle(signal.SIGTERM, None)
+    assert handler.received is signal.SIGTERM and sent == []
+    handler._end_launched_ranks()
+    assert sent == [signal.SIGKILL]
+
+
+def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """GNU ``timeout``, ``kill -- -PGID`` and SLURM signal every process of a launch. Rank 0
+    used to forward its signal to the rank it started, which took that copy as a second signal
+    and died: a crash (exit 1 or 137), no checkpoint, end reason ``error``."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=100000, trainer__devices=2,
+        run__name="group", run__eval_every_steps=1000, checkpoint__every_n_steps=1000,
+    )  # fmt: skip
+    config = write_config(tmp_path / "group.yaml", cfg)
+    ddp = Path(__file__).resolve().parents[1] / "configs" / "strategy" / "ddp.yaml"
+    log = tmp_path / "group.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nanolab", "fit", "--config", str(config), "--config",
+             str(ddp)],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    run_dir = tmp_path / "runs" / "group"
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or not any(
+            r["step"] >= 3 for r in read_records(run_dir / "metrics.jsonl", "train")
+        ):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no train record"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)  # every process of the launch, as `timeout` does
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 75, text[-3000:]
+    assert "second SIGTERM" not in text and "Traceback" not in text, text[-3000:]
+    end = read_records(run_dir / "metrics.jsonl", "end")[-1]
+    assert end["reason"] == "preempted", end
+    assert (run_dir / "checkpoints" / f"step-{end['step']:08d}.ckpt").exists()

@@ -16,6 +16,14 @@ nothing. This callback instead:
 3. on a second signal, exits at once (the previous complete checkpoint is still there: writes
    are atomic).
 
+Several processes: every rank decides at each step end whether any rank was signalled, so a
+signal needs no forwarding to stop them all. Rank 0 does not pass its first signal on to the
+ranks Lightning's launcher started from it: when the whole process group was signalled (GNU
+``timeout``, ``kill -- -PGID``, SLURM), a forwarded copy would reach them as a *second* signal
+and end them without a checkpoint. On its own second signal rank 0 ends those ranks with
+SIGKILL (they may be waiting in a collective that a catchable signal does not interrupt, as
+Lightning's launcher also knows), then itself.
+
 A signal that arrives during start-up, before this callback's handlers exist, is held by
 :mod:`nanolab.training.early_signals` (installed first thing by ``nanolab fit``) and ends the run
 at ``on_train_start``, before its first step: an ``end`` record with reason ``preempted``, exit 75.
@@ -180,7 +188,7 @@ class PreemptionHandler(StepCallback):
         if self.received is not None:
             # Second signal: the user (or the scheduler) means it. Die by that signal now.
             _write_stderr(f"nanolab: second {sig.name}: exiting now without a checkpoint\n")
-            self._forward(sig)
+            self._end_launched_ranks()
             signal.signal(sig, signal.SIG_DFL)
             os.kill(os.getpid(), sig)
             return
@@ -189,7 +197,7 @@ class PreemptionHandler(StepCallback):
         if not self._stepped:  # the first step may never end (a compile, a hung collective)
             from nanolab.training import early_signals
 
-            early_signals.arm_watchdog(sig, self._run_dir)
+            early_signals.arm_watchdog(sig, self._run_dir, self._end_launched_ranks)
         step = self._trainer.global_step if self._trainer is not None else "?"
         if getattr(self._trainer, "global_rank", 0) == 0:  # one line per launch, not per rank
             _write_stderr(
@@ -197,16 +205,18 @@ class PreemptionHandler(StepCallback):
                 f"saving a checkpoint, then exiting with code {self.exit_code} (send it again to "
                 "exit at once)\n"
             )
-        self._forward(sig)
+        # Not passed on to the ranks launched from here: they learn it at the step's end (see
+        # the module docstring), and a group signal has reached them already.
 
-    def _forward(self, sig: signal.Signals) -> None:
-        """Pass the signal to ranks this process launched itself (Lightning's DDP launcher)."""
+    def _end_launched_ranks(self) -> None:
+        """SIGKILL the ranks this process launched itself (Lightning's DDP launcher), before
+        it exits without a checkpoint: left alone they would wait for it in a collective."""
         launcher = getattr(self._trainer.strategy, "launcher", None) if self._trainer else None
         kill = getattr(launcher, "kill", None)
         if callable(kill):
-            # a launcher without children has nothing to forward to
+            # a launcher without children has nothing to end
             with contextlib.suppress(Exception):
-                kill(sig)
+                kill(signal.SIGKILL)
 
     def _install(self, trainer: pl.Trainer) -> None:
         if threading.current_thread() is not threading.main_thread():

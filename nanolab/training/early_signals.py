@@ -88,15 +88,20 @@ def _handle(signum: int, frame: FrameType | None) -> None:
     arm_watchdog(sig, lambda: _run_dir)
 
 
-def arm_watchdog(sig: signal.Signals, run_dir: Callable[[], Path | None]) -> None:
+def arm_watchdog(
+    sig: signal.Signals,
+    run_dir: Callable[[], Path | None],
+    before_exit: Callable[[], None] | None = None,
+) -> None:
     """End the process :data:`START_GRACE_S` seconds from now unless :func:`disarm_watchdog`
     is called first: a held signal must not wait for a step or safe point that never comes.
 
-    ``run_dir`` says, when the time is up, where a checkpoint to resume from would be.
+    ``run_dir`` says, when the time is up, where a checkpoint to resume from would be;
+    ``before_exit`` runs just before the process ends (rank 0 ends the ranks it launched).
     """
     global _watchdog
     disarm_watchdog()
-    _watchdog = threading.Timer(START_GRACE_S, _give_up, args=(sig, run_dir))
+    _watchdog = threading.Timer(START_GRACE_S, _give_up, args=(sig, run_dir, before_exit))
     _watchdog.daemon = True
     _watchdog.start()
 
@@ -109,10 +114,17 @@ def disarm_watchdog() -> None:
         _watchdog = None
 
 
-def _give_up(sig: signal.Signals, run_dir: Callable[[], Path | None]) -> None:
+def _give_up(
+    sig: signal.Signals,
+    run_dir: Callable[[], Path | None],
+    before_exit: Callable[[], None] | None = None,
+) -> None:
     """From the watchdog's thread: exit 75 if there is a checkpoint to resume, else die by
     ``sig`` (its default action, as if no handler had been installed)."""
     folder = run_dir()
+    if before_exit is not None:
+        with contextlib.suppress(Exception):
+            before_exit()
     if has_checkpoint(folder):
         _write(
             f"nanolab: no safe point within {START_GRACE_S:.0f}s of {sig.name} before the first "
