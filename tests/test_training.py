@@ -252,10 +252,10 @@ def _strategy_run(
     **overrides,
 ):  # fmt: skip
     """``nanolab fit`` of the tiny model in its own processes (``here``: this one, 1 device)."""
+    overrides = {"trainer__max_steps": 4, "model__gpt__dropout": 0.0, **overrides}
     base = tiny_overrides(
-        char_dataset, tmp_path / "runs", trainer__max_steps=4, trainer__devices=devices,
-        run__name=name, model__gpt__dropout=0.0, **overrides,
-    )  # fmt: skip
+        char_dataset, tmp_path / "runs", trainer__devices=devices, run__name=name, **overrides
+    )
     cfg = write_config(tmp_path / f"{name}.yaml", base)
     args = ("fit", "--config", str(QUICKSTART), "--config", str(cfg), *extra)
     if here:
@@ -624,6 +624,28 @@ def test_resume_on_another_device_count_continues_the_same_run(
     for step in (3, 4):
         assert ours[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
     _assert_same_weights(final_state(run), final_state(single_process_reference))
+
+
+def test_a_ddp_run_with_dropout_resumes_bit_exactly(tmp_path, char_dataset):
+    """Each rank draws its own dropout masks. The checkpoint kept rank 0's RNG streams only and
+    every rank restored them, so rank 1 went on with rank 0's draws: a resumed run trained other
+    weights than the run never stopped. Now each rank continues its own streams."""
+    ddp = ["--config", str(QUICKSTART.parent / "strategy" / "ddp.yaml"), "--trainer.devices", "2"]
+    common = dict(
+        devices=2, model__gpt__dropout=0.1, trainer__max_steps=6, model__schedule__decay_steps=100,
+        run__global_batch_tokens=4 * 32 * 2,
+    )  # fmt: skip
+    whole = _strategy_run(tmp_path, char_dataset, "whole", *ddp, **common)
+    split = _strategy_run(
+        tmp_path, char_dataset, "split", *ddp, "--trainer.max_steps", "3", **common
+    )
+    _strategy_run(tmp_path, char_dataset, "split", *ddp, **common)
+    assert [s["resumed_from_step"] for s in read_records(split / "metrics.jsonl", "start")] == [
+        None,
+        3,
+    ]
+    a, b = final_state(whole), final_state(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

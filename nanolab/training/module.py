@@ -327,6 +327,9 @@ class GPTLightningModule(L.LightningModule):
             },
             "schedule": asdict(self.schedule_config),
             "rng": capture_rng_state(),
+            # Each rank's own streams (dropout draws differ per rank): one list, gathered here
+            # on every rank, in whichever file the strategy's rank 0 writes.
+            "rng_by_rank": self._rng_by_rank(),
             # The run's seed (Lightning's seed_everything records it here): a resume keeps it.
             "seed_everything": _global_seed(),
             "tokenizer": self._tokenizer_spec(),
@@ -335,6 +338,17 @@ class GPTLightningModule(L.LightningModule):
             # command that loads the checkpoint names them in its --import hint.
             "part_modules": part_modules(self.gpt_config),
         }
+
+    def _rng_by_rank(self) -> list[dict[str, Any]] | None:
+        """Every rank's RNG streams, in rank order; None with one process. Collective: the
+        strategies save on every rank (``Trainer.save_checkpoint`` must be called on all)."""
+        if self._trainer is None or self.trainer.world_size < 2:
+            return None
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, capture_rng_state())
+        return gathered
 
     def _layout(self) -> dict[str, int] | None:
         """Devices x accumulation x micro-batch of this run, so a resume on another number of
@@ -366,7 +380,7 @@ class GPTLightningModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY, {})
-        self._pending_rng = saved.get("rng")
+        self._pending_rng = own_rng_state(saved, self.global_rank)
         was = (saved.get("optimizer") or {}).get("name", "adamw")
         fitting = self._trainer is not None and self.trainer.state.fn == "fit"
         if fitting and checkpoint.get("optimizer_states") and was != self.optimizer_config.name:
@@ -442,6 +456,14 @@ def capture_rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def own_rng_state(saved: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """The RNG streams ``rank`` continues from: its own where the checkpoint has them (saved on
+    as many ranks or more); else rank 0's, as every rank of a new launch starts from one seed
+    (a checkpoint saved on fewer ranks, or by a version that kept rank 0's only)."""
+    by_rank = saved.get("rng_by_rank") or []
+    return by_rank[rank] if rank < len(by_rank) else saved.get("rng")
 
 
 def restore_rng_state(state: dict[str, Any], cuda: Any = torch.cuda) -> None:
