@@ -182,15 +182,17 @@ def train(
             config, s, lambda: _autocast(precision, device), device, checkpoint_dir
         )
     step_ends: list[float] = []
-    losses: list[tuple[int, float]] = []  # (optimizer step, 1-based; its last micro-batch's loss)
+    losses: list[tuple[int, float]] = []  # (optimizer step, 1-based; its micro-batches' mean)
     busy_steps: list[int] = []  # steps followed by a validation, task scoring or checkpoint
     g = 0
     for step in range(steps):
+        total = None  # the step's loss as nanolab logs it: the mean over its micro-batches
         for _ in range(accumulate):
             x, y = batch(g)
             g += 1
             with _autocast(precision, device):
                 _, loss = model(x, y)
+            total = loss.detach() if total is None else total + loss.detach()
             scaler.scale(loss / accumulate).backward()
         if clip:
             scaler.unscale_(optimizer)
@@ -200,7 +202,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         if step % log_every == 0 or step == steps - 1:
-            losses.append((step + 1, loss.item()))  # the one host sync, as a loop would log
+            losses.append((step + 1, (total / accumulate).item()))  # the one host sync
         if device.type == "cuda" and step == steps - 1:
             torch.cuda.synchronize()  # the last step ends when its queued work is done
         step_ends.append(time.time())
@@ -249,7 +251,9 @@ def train_lightning(
 
         def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
             _, loss = self.model(*batch)
-            self.last_loss = loss.detach()
+            first = batch_idx % s.accumulate == 0  # the step's mean, as nanolab logs it
+            done = loss.detach() / s.accumulate
+            self.last_loss = done if first or self.last_loss is None else self.last_loss + done
             return loss  # Lightning divides by the accumulation itself
 
         def configure_optimizers(self) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from nanolab.training.optim import (
 )
 
 CHECKPOINT_KEY = "nanolab"
-#: The training loss of each optimizer step's last micro-batch, in ``trainer.callback_metrics``.
+#: Each optimizer step's training loss, in ``trainer.callback_metrics``: the mean over all its
+#: micro-batches on all ranks (the same number whatever the layout of one global batch).
 TRAIN_LOSS = "train/loss"
 
 
@@ -76,6 +77,9 @@ class GPTLightningModule(L.LightningModule):
         self.model: GPT | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._live_callback_metrics: bool | None = None  # per fit: publish_train_loss's route
+        # This optimizer step's micro-batch losses so far: their sum (on the device) and count.
+        self._step_loss: torch.Tensor | None = None
+        self._step_micro_batches = 0
         #: This optimizer step's global gradient norm (before clipping; float32, on the device)
         #: when the clip or a reader needed it; None otherwise. See configure_gradient_clipping.
         self.step_gradient_norm: torch.Tensor | None = None
@@ -128,11 +132,29 @@ class GPTLightningModule(L.LightningModule):
     ) -> torch.Tensor:
         x, y = batch
         _, loss = self(x, y)
-        # On the micro-batch that ends an optimizer step only: what the step's readers see (the
-        # last micro-batch's loss) is the same, for less host time per micro-batch.
+        # Summed on the device (no host sync); published on the micro-batch that ends the
+        # optimizer step only, for less host time per micro-batch.
+        done = loss.detach()
+        self._step_loss = done if self._step_loss is None else self._step_loss + done
+        self._step_micro_batches += 1
         if self._ends_optimizer_step():
-            self.publish_train_loss(loss)
+            self.publish_train_loss(self._step_mean_loss())
         return loss
+
+    def _step_mean_loss(self) -> torch.Tensor:
+        """The loss of the optimizer step that ends now: the mean over its micro-batches and,
+        with several ranks, over the ranks (each holds as many). One all-reduce of a device
+        scalar: it queues on the device like the gradients' and adds no host sync. Rank 0's last
+        micro-batch alone would be a quarter of a step's batch on 2 ranks with accumulation 2,
+        and a number that changes with the layout of one global batch."""
+        assert self._step_loss is not None
+        mean = self._step_loss / self._step_micro_batches
+        self._step_loss, self._step_micro_batches = None, 0
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.SUM)
+            mean = mean / world
+        return mean
 
     def publish_train_loss(self, loss: torch.Tensor) -> None:
         """Put ``loss`` in ``trainer.callback_metrics["train/loss"]``, where the run log, the
@@ -430,6 +452,7 @@ class GPTLightningModule(L.LightningModule):
         # Another Trainer, maybe: ask again. The parameters may have been replaced since
         # __init__ (FSDP2 shards them in configure_model).
         self._live_callback_metrics = self._whole_gradients = self._param_list = None
+        self._step_loss, self._step_micro_batches = None, 0
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);
         # otherwise every step re-faults it from the OS (~2.5% of a CPU step, measured).
         if self.device.type == "cpu":
