@@ -507,7 +507,7 @@ def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
     used to forward its signal to the rank it started, which took that copy as a second signal
     and died: a crash (exit 1 or 137), no checkpoint, end reason ``error``."""
     cfg = tiny_overrides(
-        char_dataset, tmp_path / "runs", trainer__max_steps=100000, trainer__devices=2,
+        char_dataset, tmp_path / "runs", trainer__max_steps=100000,
         run__name="group", run__eval_every_steps=1000, checkpoint__every_n_steps=1000,
     )  # fmt: skip
     config = write_config(tmp_path / "group.yaml", cfg)
@@ -516,7 +516,7 @@ def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "nanolab", "fit", "--config", str(config), "--config",
-             str(ddp)],
+             str(ddp), "--trainer.devices", "2"],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
@@ -540,3 +540,50 @@ def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
     end = read_records(run_dir / "metrics.jsonl", "end")[-1]
     assert end["reason"] == "preempted", end
     assert (run_dir / "checkpoints" / f"step-{end['step']:08d}.ckpt").exists()
+
+
+def test_a_group_signal_while_a_ddp_run_starts_its_ranks_exits_75(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Rank 0 waits in the rendezvous for the rank it launched; that rank, signalled in its own
+    start-up, used to exit 75 alone, and Lightning's launcher took that for a crash and SIGKILLed
+    rank 0 (exit 137, a run folder holding only its lock). It now holds the signal to the first
+    step's start, where both ranks stop together."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=100000,
+        run__name="starting",
+    )  # fmt: skip
+    config = write_config(tmp_path / "starting.yaml", cfg)
+    ddp = Path(__file__).resolve().parents[1] / "configs" / "strategy" / "ddp.yaml"
+    log = tmp_path / "starting.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nanolab", "fit", "--config", str(config), "--config",
+             str(ddp), "--trainer.devices", "2"],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        while True:  # until the launched rank catches SIGTERM: its start-up has begun
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no launched rank"
+            pids = children.read_text().split() if children.exists() else []
+            status = [Path(f"/proc/{pid}/status") for pid in pids]
+            caught = [
+                line.split()[1]
+                for path in status if path.exists()
+                for line in path.read_text().splitlines() if line.startswith("SigCgt:")
+            ]  # fmt: skip
+            if any(int(mask, 16) >> (signal.SIGTERM - 1) & 1 for mask in caught):
+                break
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 75, text[-3000:]
+    assert "Forcefully terminating" not in text and "Traceback" not in text, text[-3000:]

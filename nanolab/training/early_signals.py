@@ -14,6 +14,12 @@ may never come (a start-up stuck in a model build, a data module or a callback o
 watchdog ends the process :data:`START_GRACE_S` seconds after the signal, exit 75 when the run
 directory holds a checkpoint to resume from, else by the signal's own default action.
 
+A rank that Lightning's DDP launcher started from rank 0 (it re-executes the command) does not
+stop by itself before the first step: rank 0 waits for it in the process group's rendezvous, and
+a rank that exits alone there is taken for a crash (the launcher SIGKILLs rank 0: exit 137). It
+holds the signal through start-up instead; every rank then stops together at the first step's
+start (the preemption callback's agreement), exit 75. A second signal still exits at once.
+
 Only a run that owns the process installs these handlers, and only for its duration:
 :func:`held_during_startup` wraps ``fit``'s entry and puts back every handler it found, so an
 in-process run (a test) leaves Ctrl-C to whoever had it before. Importing this module, or any of
@@ -44,6 +50,10 @@ EXIT_PREEMPTED = 75
 #: Seconds a held signal waits for start-up's next safe point before the process ends anyway.
 START_GRACE_S = 5.0
 
+#: The pid of the process that runs a ``nanolab fit``; the ranks Lightning's launcher starts
+#: from it inherit it (:func:`launched_by_rank_zero`).
+LAUNCHER_ENV = "NANOLAB_LAUNCHER_PID"
+
 _received: tuple[signal.Signals, float] | None = None
 _previous: dict[signal.Signals, Any] = {}
 _deferring = False  # start-up writes from here on: hold a signal to the next safe point
@@ -72,6 +82,8 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), sig)
         return
     _received = (sig, time.time())
+    if launched_by_rank_zero():
+        return  # held to the first step's start, where every rank stops together
     if not _deferring:  # nothing written yet: this moment is as safe as any later one
         if _inside_an_import(frame):
             # An exception unwinding through a half-run module import leaves that module
@@ -86,6 +98,11 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         "(send it again to exit at once)\n"
     )
     arm_watchdog(sig, lambda: _run_dir)
+
+
+def launched_by_rank_zero() -> bool:
+    """Whether this process is a rank that its parent, this launch's rank 0, started."""
+    return os.environ.get(LAUNCHER_ENV) == str(os.getppid())
 
 
 def arm_watchdog(
@@ -227,10 +244,17 @@ def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[No
             if isinstance(sig, signal.Signals):
                 before[sig] = signal.getsignal(sig)
     _received, _deferring, _run_dir = None, False, None  # whatever an earlier run left
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launched_by_rank_zero():
+        os.environ[LAUNCHER_ENV] = str(os.getpid())  # for the ranks launched from here
     install(names)
     try:
         yield
     finally:
+        if launcher is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = launcher
         disarm_watchdog()
         for sig, handler in before.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -241,8 +265,8 @@ def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[No
 def stop_if_received(where: str = "") -> None:
     """At a safe point of start-up: exit 75 (via :class:`PreemptedBeforeStart`) if signalled."""
     sig = received()
-    if sig is None:
-        return
+    if sig is None or launched_by_rank_zero():
+        return  # a launched rank stops with the others, at the first step's start
     disarm_watchdog()
     _say_preempted(sig, where)
     raise PreemptedBeforeStart(sig.name)
