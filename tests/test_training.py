@@ -625,6 +625,7 @@ def test_resume_on_another_device_count_continues_the_same_run(
     _assert_same_weights(final_state(run), final_state(single_process_reference))
 
 
+@pytest.mark.slow  # three 2-process launches: 80-110 s on 2 cores
 def test_a_ddp_run_with_dropout_resumes_bit_exactly(tmp_path, char_dataset):
     """Each rank draws its own dropout masks. The checkpoint kept rank 0's RNG streams only and
     every rank restored them, so rank 1 went on with rank 0's draws: a resumed run trained other
