@@ -34,7 +34,6 @@ from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.sizes import check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
-from nanolab.data.tokenizers import TOKENIZER_NAMES, is_tokenizer_file
 from nanolab.data.windows import (
     DataTooSmallError,
     IndexPlan,
@@ -47,9 +46,6 @@ from nanolab.data.windows import (
 )
 
 DATASET_KEYS = ("path", "weight", "name")
-#: What ``data.source`` is prepared with when ``data.tokenizer`` is null, and the value every
-#: ``config.yaml`` spelled before null meant "the dataset's own".
-DEFAULT_PREPARE_TOKENIZER = "chars"
 #: ``data.align``: fixed windows cut anywhere in the token stream, or rows of whole documents.
 ALIGNS = ("stream", "document")
 
@@ -199,11 +195,7 @@ class TokenDataModule(L.LightningDataModule):
         dataset_dir: Folder holding ``train.bin``, ``val.bin`` and ``meta.json``.
         source: Text files, folders or ``bundled:shakespeare`` to prepare into ``dataset_dir``
             when it does not exist yet; ``null`` means the dataset must already be prepared.
-        tokenizer: ``bytes``, ``chars``, ``bpe``, ``gpt2`` or a ``tokenizer.json`` path: what
-            ``source`` is prepared with. ``null`` (the default): the prepared dataset's own
-            (``chars`` when preparing). A name that differs from the dataset's ``meta.json`` is
-            refused (the ids are the dataset's); ``chars``, the default older ``config.yaml``
-            files spell, is accepted with a warning. The run's config records the dataset's.
+        tokenizer: ``bytes``, ``chars``, ``bpe`` or ``gpt2`` (used only when preparing).
         bpe_vocab_size: Vocabulary size of a locally trained BPE tokenizer.
         val_fraction: Share of the documents held out for validation, a seeded draw (when
             preparing).
@@ -238,7 +230,7 @@ class TokenDataModule(L.LightningDataModule):
         self,
         dataset_dir: str = "data/shakespeare_char",
         source: list[str] | None = None,
-        tokenizer: str | None = None,
+        tokenizer: str = "chars",
         bpe_vocab_size: int = 4096,
         val_fraction: float = 0.1,
         micro_batch_size: int = 32,
@@ -254,7 +246,6 @@ class TokenDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         check_window_sizes(micro_batch_size, block_size, val_windows, num_workers)
-        check_tokenizer_setting(tokenizer)
         if align not in ALIGNS:
             raise PrepareError(
                 f"data.align must be 'stream' (windows anywhere) or 'document' (every window "
@@ -316,7 +307,6 @@ class TokenDataModule(L.LightningDataModule):
         if self._parts is None:
             if self.mixture is None:
                 if self.source is not None:
-                    self.tokenizer = self.tokenizer or DEFAULT_PREPARE_TOKENIZER
                     prepare_dataset(
                         self.source,
                         self.dataset_dir,
@@ -332,8 +322,6 @@ class TokenDataModule(L.LightningDataModule):
                     for i, (name, path, weight) in enumerate(self.mixture)
                 ]
                 check_same_tokenizer(parts)
-            # the ids are the dataset's: the run (and its config.yaml) names its tokenizer
-            self.tokenizer = dataset_tokenizer(self.tokenizer, parts[0])
             self._parts = parts
         return self._parts
 
@@ -595,55 +583,6 @@ class TokenDataModule(L.LightningDataModule):
         return self._loader(dataset, keys)
 
     test_dataloader = val_dataloader
-
-
-def check_tokenizer_setting(name: str | None) -> None:
-    """``data.tokenizer`` names a tokenizer (or is null); a file's existence is checked only
-    when it is prepared with, so a saved config whose file moved still reads its dataset."""
-    if name is None or name in TOKENIZER_NAMES or is_tokenizer_file(str(name)):
-        return
-    raise PrepareError(
-        f"data.tokenizer {name!r} is not a tokenizer; choose {', '.join(TOKENIZER_NAMES)}, the "
-        "path of a Hugging Face tokenizer.json, or null (the prepared dataset's own)"
-    )
-
-
-def dataset_tokenizer(asked: str | None, part: DatasetPart) -> str:
-    """The tokenizer ``part`` was prepared with, as ``data.tokenizer`` spells it, after checking
-    that ``asked`` (``data.tokenizer``) names it: training on ids of another tokenizer than the
-    config says would make the run's records (and ``report --compare``) name the wrong one."""
-    spec = part.meta.get("tokenizer")
-    name = str(spec.get("name")) if isinstance(spec, dict) else "?"
-    given = (part.meta.get("settings") or {}).get("tokenizer")
-    from_file = name == "hf"  # a tokenizer.json file: named by the path it was prepared from
-    if from_file and isinstance(given, str) and is_tokenizer_file(given):
-        name = given
-    if from_file and asked is not None and is_tokenizer_file(asked):
-        return asked  # its identity is checked where it matters (model.init_from, docs/hf.md)
-    if asked is None or asked == name:
-        return name
-    where = part.path / "meta.json"
-    if asked == DEFAULT_PREPARE_TOKENIZER:  # the default every older config.yaml spells
-        rank_zero_only(messages.warn)(
-            "nanolab",
-            f"data.tokenizer chars, but {where} was prepared with {name}: training on its "
-            f"{name} ids, and the run's config records {name}; set data.tokenizer: null "
-            "(the dataset's own) to drop this warning",
-        )
-        return name
-    raise PrepareError(
-        f"data.tokenizer {asked}, but {where} was prepared with {name}: its ids are {name} "
-        "ids; set data.tokenizer: null (the dataset's own), or prepare the data again with "
-        f"`nanolab prepare ... --tokenizer {asked}` into another folder"
-    )
-
-
-def fill_tokenizer(data_args: Any, data: Any) -> None:
-    """``data.tokenizer`` of the config the run saves: the dataset's own (what the run trains
-    on), so ``config.yaml`` and the start record name it, ``null`` and older defaults alike."""
-    name = getattr(data, "tokenizer", None)
-    if isinstance(name, str) and "tokenizer" in data_args:
-        data_args.tokenizer = name
 
 
 def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:

@@ -23,7 +23,6 @@ from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.runlock import global_rank_from_env
-from nanolab.data.datamodule import fill_tokenizer
 from nanolab.data.prepare import OutputInUseError
 from nanolab.messages import warn
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
@@ -82,7 +81,6 @@ def launch(cli: NanolabCLI) -> Trainer:
 
         check_init_from_data(model_args, data)
     fill_eot_id(model_args, data)
-    fill_tokenizer(cfg.data.init_args, data)
     resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab)
     micro = plan_micro_batch(cfg, resolved)
     if micro != resolved.micro_batch_size:
