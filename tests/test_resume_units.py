@@ -500,6 +500,7 @@ def test_rank_0_keeps_a_first_signal_and_ends_its_ranks_only_on_a_second() -> No
     assert sent == [signal.SIGKILL]
 
 
+@pytest.mark.slow  # a real 2-process run signalled as a group (~15 s); the rank-0 test above is the default proof
 def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
     tmp_path: Path, char_dataset: Path
 ) -> None:
