@@ -500,6 +500,22 @@ def test_rank_0_keeps_a_first_signal_and_ends_its_ranks_only_on_a_second() -> No
     assert sent == [signal.SIGKILL]
 
 
+def _launch_ddp_group(tmp_path: Path, name: str, cfg: dict) -> tuple[subprocess.Popen, Path]:
+    """``nanolab fit`` of ``cfg`` on 2 CPU processes (DDP), in a process group of its own (so
+    ``os.killpg`` signals every process, as ``timeout`` and SLURM do); output in ``<name>.log``."""
+    config = write_config(tmp_path / f"{name}.yaml", cfg)
+    ddp = Path(__file__).resolve().parents[1] / "configs" / "strategy" / "ddp.yaml"
+    log = tmp_path / f"{name}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nanolab", "fit", "--config", str(config), "--config",
+             str(ddp), "--trainer.devices", "2"],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    return proc, log
+
+
 @pytest.mark.slow  # a real 2-process run signalled as a group (~15 s); the rank-0 test above is the default proof
 def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
     tmp_path: Path, char_dataset: Path
@@ -511,16 +527,7 @@ def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
         char_dataset, tmp_path / "runs", trainer__max_steps=100000,
         run__name="group", run__eval_every_steps=1000, checkpoint__every_n_steps=1000,
     )  # fmt: skip
-    config = write_config(tmp_path / "group.yaml", cfg)
-    ddp = Path(__file__).resolve().parents[1] / "configs" / "strategy" / "ddp.yaml"
-    log = tmp_path / "group.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "nanolab", "fit", "--config", str(config), "--config",
-             str(ddp), "--trainer.devices", "2"],
-            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+    proc, log = _launch_ddp_group(tmp_path, "group", cfg)
     run_dir = tmp_path / "runs" / "group"
     try:
         deadline = time.monotonic() + 300
@@ -554,16 +561,7 @@ def test_a_group_signal_while_a_ddp_run_starts_its_ranks_exits_75(
         char_dataset, tmp_path / "runs", trainer__max_steps=100000,
         run__name="starting",
     )  # fmt: skip
-    config = write_config(tmp_path / "starting.yaml", cfg)
-    ddp = Path(__file__).resolve().parents[1] / "configs" / "strategy" / "ddp.yaml"
-    log = tmp_path / "starting.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "nanolab", "fit", "--config", str(config), "--config",
-             str(ddp), "--trainer.devices", "2"],
-            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+    proc, log = _launch_ddp_group(tmp_path, "starting", cfg)
     try:
         deadline = time.monotonic() + 300
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
