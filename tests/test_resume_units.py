@@ -516,6 +516,20 @@ def _launch_ddp_group(tmp_path: Path, name: str, cfg: dict) -> tuple[subprocess.
     return proc, log
 
 
+def _signal_group_and_wait(proc: subprocess.Popen, log: Path) -> str:
+    """SIGTERM to every process of the launch (as ``timeout`` does), its exit code asserted 75
+    (SIGKILL to what is left if it does not end); the launch's output."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 75, text[-3000:]
+    return text
+
+
 @pytest.mark.slow  # a real 2-process run signalled as a group (~15 s); the rank-0 test above is the default proof
 def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
     tmp_path: Path, char_dataset: Path
@@ -537,13 +551,11 @@ def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "no train record"
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGTERM)  # every process of the launch, as `timeout` does
-        code = proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
+    except BaseException:
+        if proc.poll() is None:  # no leftover launch when the wait itself failed
             os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert code == 75, text[-3000:]
+        raise
+    text = _signal_group_and_wait(proc, log)
     assert "second SIGTERM" not in text and "Traceback" not in text, text[-3000:]
     end = read_records(run_dir / "metrics.jsonl", "end")[-1]
     assert end["reason"] == "preempted", end
@@ -578,11 +590,9 @@ def test_a_group_signal_while_a_ddp_run_starts_its_ranks_exits_75(
             if any(int(mask, 16) >> (signal.SIGTERM - 1) & 1 for mask in caught):
                 break
             time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGTERM)
-        code = proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
+    except BaseException:
+        if proc.poll() is None:  # no leftover launch when the wait itself failed
             os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert code == 75, text[-3000:]
+        raise
+    text = _signal_group_and_wait(proc, log)
     assert "Forcefully terminating" not in text and "Traceback" not in text, text[-3000:]
