@@ -356,3 +356,20 @@ def test_a_non_finite_lr_spelled_as_python_reads_it_gets_the_lr_rule(word: str) 
 
     with pytest.raises(RunConfigError, match=r"^model.optimizer.lr must be a finite number > 0"):
         parse_command(["fit", f"--model.optimizer.lr={word}"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("weight_decay", float("nan"), "a finite number >= 0"),
+        ("weight_decay", float("inf"), "a finite number >= 0"),
+        ("muon_weight_decay", -0.1, "a finite number >= 0"),
+        ("eps", float("nan"), "a finite number > 0"),
+        ("eps", 0.0, "a finite number > 0"),
+    ],
+)
+def test_decay_and_eps_that_would_train_nans_are_refused(key: str, value: float, rule: str):
+    """A NaN weight decay passed ``< 0`` and made every decayed weight NaN at the first step; a
+    NaN or zero eps divides by zero where a gradient's second moment is 0."""
+    with pytest.raises(ConfigError, match=rf"^model.optimizer.{key} must be {rule}"):
+        OptimizerConfig(**{key: value})

@@ -172,8 +172,16 @@ class OptimizerConfig:
                     f"{'6e-4' if key == 'lr' else '0.02'}), got {value}"
                 )
         for key in ("weight_decay", "muon_weight_decay"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"model.optimizer.{key} must be >= 0, got {getattr(self, key)}")
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                # NaN passes `< 0` and would make every decayed weight NaN at the first step.
+                raise ConfigError(
+                    f"model.optimizer.{key} must be a finite number >= 0 (e.g. 0.1), got {value}"
+                )
+        if not isinstance(self.eps, (int, float)) or not math.isfinite(self.eps) or self.eps <= 0:
+            raise ConfigError(
+                f"model.optimizer.eps must be a finite number > 0 (e.g. 1e-8), got {self.eps}"
+            )
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"model.optimizer.betas must lie in [0, 1), got {self.betas}")
         if not 0.0 <= self.muon_momentum < 1.0:
