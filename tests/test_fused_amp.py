@@ -38,6 +38,7 @@ class NormProbe(L.Callback):
     def __init__(self) -> None:
         self.logged: list[float] = []
         self.stepped: list[float] = []
+        self.stepped_max: list[float] = []  # the largest |gradient| element the step saw
 
     def on_train_start(self, trainer, pl_module) -> None:
         def after_step(optimizer, args, kwargs) -> None:
@@ -51,6 +52,7 @@ class NormProbe(L.Callback):
                     )
                 )
             )
+            self.stepped_max.append(max(float(g.abs().max()) for g in grads))
 
         trainer.optimizers[0].register_step_post_hook(after_step)
 
@@ -58,7 +60,10 @@ class NormProbe(L.Callback):
         self.logged.append(float(gradient_norm(pl_module)))
 
 
-def _fit(data, root, precision: str, fused: bool, clip: float, steps: int = 4, name: str = "adamw"):
+def _fit(
+    data, root, precision: str, fused: bool, clip: float, steps: int = 4, name: str = "adamw",
+    algorithm: str = "norm",
+):  # fmt: skip
     L.seed_everything(0)
     model = GPTLightningModule(
         gpt=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0),
@@ -73,7 +78,7 @@ def _fit(data, root, precision: str, fused: bool, clip: float, steps: int = 4, n
     probe = NormProbe()
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=False, gradient_clip_val=clip,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_algorithm=algorithm, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, default_root_dir=root, use_distributed_sampler=False,
         callbacks=[probe], **precision_args,
     )  # fmt: skip
@@ -105,6 +110,30 @@ def test_fused_adamw_trains_like_the_unfused_one(char_dataset, tmp_path, precisi
         assert max(fused_probe.stepped) <= CLIP * (1 + 1e-4)  # ...and the optimizer saw it done
     else:
         assert fused_probe.stepped == pytest.approx(fused_probe.logged, rel=1e-5)
+
+
+CLIP_VALUE = 1e-4  # far below the tiny GPT's largest gradient elements: every step clips
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16"])
+def test_fused_adamw_clips_by_value_like_the_unfused_one(char_dataset, tmp_path, precision):
+    """``gradient_clip_algorithm: value`` with a fused AdamW (clipped by nanolab, as Lightning's
+    AMP plugin refuses to) against the foreach AdamW (clipped by Lightning): after 3 steps the
+    weights agree to ``atol=1e-5, rtol=1e-4`` and every gradient element the fused optimizer
+    stepped on is within the clip value. Mutation caught: the fused optimizer's value clip
+    dropped (its gradients reach ~1e-1, and AdamW's update direction, hence the weights,
+    differ)."""
+    fit = dict(clip=CLIP_VALUE, steps=3, algorithm="value")
+    fused, trainer, fused_probe = _fit(char_dataset, tmp_path / "f", precision, True, **fit)
+    assert trainer.optimizers[0].defaults["fused"] is True
+    plain, _, plain_probe = _fit(char_dataset, tmp_path / "p", precision, False, **fit)
+    a, b = _weights(fused), _weights(plain)
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5, rtol=1e-4), key
+    assert len(fused_probe.stepped_max) == len(plain_probe.stepped_max) == 3
+    assert min(fused_probe.logged) > 10 * CLIP_VALUE  # the clip had work to do...
+    assert max(fused_probe.stepped_max) <= CLIP_VALUE * (1 + 1e-4)  # ...and it was done
+    assert max(plain_probe.stepped_max) <= CLIP_VALUE * (1 + 1e-4)
 
 
 def test_an_fp16_overflow_still_skips_the_fused_step(char_dataset, tmp_path):
