@@ -21,10 +21,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from nanolab.callbacks.jsonl import gradient_norm
 from nanolab.data.datamodule import TokenDataModule
-from nanolab.model import GPTConfig
+from nanolab.model import GPT, GPTConfig
 from nanolab.runlog import read_records
 from nanolab.training.module import GPTLightningModule
-from nanolab.training.optim import OptimizerConfig
+from nanolab.training.optim import OptimizerConfig, build_optimizer
 
 PRECISIONS = ("32-true", "bf16-mixed", "fp16")
 CLIP = 0.05  # well below the tiny GPT's gradient norm at lr 3e-3 (about 1-3): always active
@@ -134,6 +134,34 @@ def test_fused_adamw_clips_by_value_like_the_unfused_one(char_dataset, tmp_path,
     assert min(fused_probe.logged) > 10 * CLIP_VALUE  # the clip had work to do...
     assert max(fused_probe.stepped_max) <= CLIP_VALUE * (1 + 1e-4)  # ...and it was done
     assert max(plain_probe.stepped_max) <= CLIP_VALUE * (1 + 1e-4)
+
+
+def _adamw_groups_fused(optimizer: torch.optim.Optimizer) -> list[bool]:
+    """Whether each AdamW parameter group steps with the fused kernel (Muon's own groups, which
+    have no such kernel, left out)."""
+    return [
+        bool(g["fused"]) for g in optimizer.param_groups if g.get("nanolab_optimizer") != "muon"
+    ]
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_fused_null_means_fused_on_cuda_only(name):
+    """``model.optimizer.fused: null`` decides by the run's device: the builder is given
+    ``cuda`` (the CPU parameters are what torch's fused AdamW also steps on a CPU) and builds
+    the fused AdamW (Muon: its AdamW half), given ``cpu`` it does not; ``true``/``false`` win
+    over the device. Mutation caught: ``null`` read as ``false`` (no run ever fused)."""
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    built = {
+        (fused, device.type): _adamw_groups_fused(
+            build_optimizer(model, OptimizerConfig(name=name, fused=fused), device)
+        )
+        for fused in (None, True, False)
+        for device in (cuda, cpu)
+    }
+    assert all(built[None, "cuda"]) and built[None, "cuda"]
+    assert not any(built[None, "cpu"])
+    assert all(built[True, "cpu"]) and not any(built[False, "cuda"])
 
 
 def test_an_fp16_overflow_still_skips_the_fused_step(char_dataset, tmp_path):
