@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 
 from nanolab.data.datamodule import TokenDataModule, pins_memory
+from nanolab.data.windowed import WindowDataModule
 from nanolab.training.module import capture_rng_state, restore_rng_state
 
 
@@ -49,25 +49,71 @@ def test_cuda_rng_states_restore_onto_the_devices_now_visible(saved, visible):
 
 
 def _trainer_on(device: str) -> SimpleNamespace:
-    return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+    """What the data modules read of the trainer they are attached to, on ``device``: a
+    stand-in, as a CPU-only host cannot build a Trainer on CUDA."""
+    total = SimpleNamespace(processed=0)
+    return SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device(device)),
+        global_rank=0,
+        world_size=1,
+        fit_loop=SimpleNamespace(
+            epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(total=total))
+        ),
+        default_root_dir=None,
+    )
 
 
-def test_pin_memory_follows_the_setting_and_the_run_device(char_dataset):
+class TensorWindows(WindowDataModule):
+    """The smallest window data module: both splits are the same 8 windows of 8 ids."""
+
+    def train_split(self):
+        return self._windows()
+
+    val_split = train_split
+
+    def _windows(self):
+        ids = torch.arange(8 * 9).reshape(8, 9) % 16
+
+        class Source:
+            def __len__(self) -> int:
+                return len(ids)
+
+            def __getitem__(self, indices):
+                rows = ids[torch.from_numpy(indices)]
+                return rows[:, :-1], rows[:, 1:]
+
+        return Source()
+
+
+CASES = [  # (pin_memory setting, the run's device, pinned?)
+    (None, "cuda", True), (None, "cpu", False), (False, "cuda", False), (True, "cpu", True),
+]  # fmt: skip
+
+
+def test_pin_memory_follows_the_setting_and_the_run_device():
     """``data.pin_memory`` is obeyed; ``null`` pins only when the run's device is CUDA (not when
-    the host merely has one). The DataLoader a CUDA run builds is built here with the same
-    decision, through the trainer the data module is attached to."""
+    the host merely has one)."""
     assert pins_memory(False, _trainer_on("cuda")) is False
     assert pins_memory(True, _trainer_on("cpu")) is True
     assert pins_memory(None, _trainer_on("cuda")) is True
     assert pins_memory(None, _trainer_on("cpu")) is False
     assert pins_memory(None, None) is False
-    for setting, expected in ((None, False), (False, False)):
-        dm = TokenDataModule(
-            dataset_dir=str(char_dataset), micro_batch_size=4, block_size=32, pin_memory=setting
-        )
-        dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+
+
+@pytest.mark.parametrize(("setting", "device", "pinned"), CASES)
+def test_the_loaders_a_cuda_run_builds_pin(char_dataset, setting, device, pinned):
+    """The DataLoaders of both data modules (nanolab's token data and a fork's windows), built
+    here as a run on ``device`` builds them, through the trainer each is attached to. Mutation
+    caught: a data module that ignores its setting or the run's device (pins always, never)."""
+    token = TokenDataModule(
+        dataset_dir=str(char_dataset), micro_batch_size=4, block_size=32, pin_memory=setting
+    )
+    window = TensorWindows(micro_batch_size=2, block_size=8, val_windows=4, pin_memory=setting)
+    for dm in (token, window):
+        dm.trainer = _trainer_on(device)
         dm.setup("fit")
-        assert dm.train_dataloader().pin_memory is expected
+        assert dm.train_dataloader().pin_memory is pinned, type(dm).__name__
+        assert dm.val_dataloader().pin_memory is pinned, type(dm).__name__
 
 
 def test_the_cuda_allocator_gets_expandable_segments_unless_configured():

@@ -75,6 +75,8 @@ class WindowDataModule(L.LightningDataModule):
             start of the split; all of them when it holds fewer).
         seed: Seed of the training order (independent of the model's seed).
         num_workers: DataLoader worker processes (0: load in the training process).
+        pin_memory: Page-locked host batches for faster copies to the GPU; ``null`` = on when
+            the run trains on a CUDA/ROCm device (as ``TokenDataModule``'s).
 
     Subclasses implement :meth:`train_split` and :meth:`val_split`, and may set
     :attr:`vocab_size` (else the config's ``model.gpt.vocab_size`` must give it).
@@ -90,6 +92,7 @@ class WindowDataModule(L.LightningDataModule):
         val_windows: int = 256,
         seed: int = 1337,
         num_workers: int = 0,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         check_window_sizes(micro_batch_size, block_size, val_windows, num_workers)
@@ -98,6 +101,7 @@ class WindowDataModule(L.LightningDataModule):
         self.val_windows = val_windows
         self.seed = seed
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self.train_source: WindowSource | None = None
         self.val_source: WindowSource | None = None
         self.train_sampler: ResumableBatchSampler | None = None
@@ -161,7 +165,7 @@ class WindowDataModule(L.LightningDataModule):
             sampler=sampler,
             batch_size=None,  # the sampler yields whole micro-batches of window numbers
             num_workers=self.num_workers,
-            pin_memory=pins_memory(None, self.trainer),
+            pin_memory=pins_memory(self.pin_memory, self.trainer),
             persistent_workers=self.num_workers > 0,
         )
 
