@@ -33,6 +33,28 @@ class FakeCuda:
             raise IndexError(f"device {device} of {self.count}")
         self.states[device] = state
 
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [self.states.get(i, torch.full((16,), 100 + i, dtype=torch.uint8)) for i in
+                range(self.count)]  # fmt: skip
+
+
+@pytest.mark.parametrize("visible", [0, 1, 4])
+def test_cuda_rng_states_are_saved_for_every_visible_device(visible):
+    """A checkpoint keeps one CUDA state per device the run sees, and a resume on as many
+    devices puts each back on its own device. Mutation caught: the CUDA states not saved (a
+    resumed run's dropout on the GPU would not continue its stream)."""
+    saving = FakeCuda(visible)
+    state = capture_rng_state(cuda=saving)
+    expected = saving.get_rng_state_all()
+    assert len(state.get("cuda", [])) == visible
+    for got, want in zip(state.get("cuda", []), expected, strict=True):
+        assert torch.equal(got, want)
+    resuming = FakeCuda(visible)
+    restore_rng_state(state, cuda=resuming)
+    assert [resuming.states[i].tolist() for i in sorted(resuming.states)] == [
+        s.tolist() for s in expected
+    ]
+
 
 @pytest.mark.parametrize(("saved", "visible"), [(8, 1), (2, 2), (2, 4), (1, 0)])
 def test_cuda_rng_states_restore_onto_the_devices_now_visible(saved, visible):

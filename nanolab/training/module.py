@@ -468,16 +468,20 @@ class GPTLightningModule(L.LightningModule):
             self._pending_rng = None
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Torch (CPU and every CUDA device), Python and NumPy RNG states, as plain data."""
+def capture_rng_state(cuda: Any = torch.cuda) -> dict[str, Any]:
+    """Torch (CPU and every CUDA device), Python and NumPy RNG states, as plain data.
+
+    ``cuda`` is the device module, as for :func:`restore_rng_state` (a test passes a stand-in
+    with ``is_available`` and ``get_rng_state_all``).
+    """
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda.is_available():
+        state["cuda"] = cuda.get_rng_state_all()
     return state
 
 
