@@ -4,6 +4,7 @@ attention (``model.gpt.document_mask``, ``attention_window``)."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from nanolab.estimator.memory import estimate_memory
 from nanolab.estimator.setup import Setup
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
-from nanolab.model.gpt import attended_span
+from nanolab.model.gpt import AttentionMask, attended_span, flex_attend
 
 EOT = 256  # the bytes tokenizer's end-of-text id
 
@@ -246,6 +247,36 @@ def test_flex_sdpa_and_math_give_the_same_losses_and_gradients(extra):
     assert float(results["flex"][0]) == pytest.approx(float(results["sdpa"][0]), abs=1e-5)
     assert float(results["math"][0]) == pytest.approx(float(results["sdpa"][0]), abs=1e-5)
     assert torch.allclose(results["sdpa"][1], results["math"][1], atol=1e-5)
+
+
+@pytest.mark.slow  # compiling FlexAttention and its block mask: ~1-2 min on 2 loaded cores
+def test_the_compiled_flex_path_a_gpu_takes_gives_sdpa_s_attention_on_cpu():
+    """The path a GPU takes (the block mask built by the compiled ``create_block_mask``, the
+    compiled FlexAttention kernel), forced on CPU forward-only, against SDPA: causal, and under
+    the dense document mask with a window. 256 positions make 2 x 2 blocks of 128, so a block
+    the mask skips is skipped. Mutations caught: the compiled kernel called without the block
+    mask (it attends to the future and to other documents); the mask built per call; the mask compiled through torch's deprecated flag."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 49, (2, 256), generator=g)
+    idx[0, 40], idx[0, 200], idx[1, 130] = 49, 49, 49
+    q, k, v = (torch.randn(2, 2, 256, 16, generator=g) for _ in range(3))
+    cases = {
+        "causal": ({}, {"is_causal": True}),
+        "documents": (dict(document_mask=True, eot_id=49, attention_window=150), None),
+    }
+    for name, (extra, sdpa) in cases.items():
+        config = GPTConfig(**{**BASE, "block_size": 256, "attention": "flex", **extra})
+        visible = AttentionMask(idx, config, compiled=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert visible.block_mask() is visible.block_mask()  # built once per batch
+        assert not [w for w in caught if "_compile flag" in str(w.message)]  # torch's own way
+        with torch.no_grad():
+            out = flex_attend(q, k, v, visible.block_mask(), visible.compiled)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, **(sdpa or {"attn_mask": visible.dense()})
+            )
+        assert torch.allclose(out, want, atol=1e-5), name
 
 
 def test_a_window_sees_exactly_its_last_tokens():

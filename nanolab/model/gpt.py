@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -184,9 +184,12 @@ class AttentionMask:
     use.
     """
 
-    def __init__(self, idx: torch.Tensor, config: GPTConfig) -> None:
+    def __init__(self, idx: torch.Tensor, config: GPTConfig, compiled: bool | None = None) -> None:
         self.batch, self.length = idx.shape
         self.device = idx.device
+        #: Whether the block mask (and the FlexAttention it feeds) are compiled; ``None``:
+        #: :func:`compiles_flex` decides by the device. A test sets it to run a GPU's path on CPU.
+        self.compiled = compiles_flex(idx.device) if compiled is None else compiled
         self.window = config.attention_window
         self.documents: torch.Tensor | None = None
         if config.document_mask:
@@ -222,37 +225,56 @@ class AttentionMask:
         if self._block is None:
             from torch.nn.attention.flex_attention import create_block_mask
 
+            # Compiled on a GPU: uncompiled, it materialises every (b, q, k) triple. torch
+            # compiles the function itself (its ``_compile=True`` flag is deprecated).
+            build = _compiled("create_block_mask") if self.compiled else create_block_mask
             batch = None if self.documents is None else self.batch
-            self._block = create_block_mask(
+            self._block = build(  # type: ignore[operator]
                 lambda b, h, q, k: self.allows(b, q, k),
                 batch,
                 None,
                 self.length,
                 self.length,
                 device=self.device,
-                # Compiled on a GPU: uncompiled, it materialises every (b, q, k) triple.
-                _compile=self.device.type == "cuda",
             )
         return self._block
 
 
-_COMPILED_FLEX: dict[str, object] = {}
+def compiles_flex(device: torch.device) -> bool:
+    """Whether FlexAttention and its block mask are compiled on ``device``: on a GPU, where the
+    compiled kernel is the fast one; a CPU runs them eagerly (the scores materialised, as a
+    reference), where they are only for tests."""
+    return device.type == "cuda"
+
+
+_COMPILED_FLEX: dict[str, Any] = {}
+
+
+def _compiled(name: str) -> Any:
+    """torch's ``flex_attention`` or ``create_block_mask``, compiled once per process."""
+    from torch.nn.attention import flex_attention as flex
+
+    if name not in _COMPILED_FLEX:
+        options = {"dynamic": False} if name == "flex_attention" else {}
+        _COMPILED_FLEX[name] = torch.compile(getattr(flex, name), **options)
+    return _COMPILED_FLEX[name]
 
 
 def flex_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: object
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: object,
+    compiled: bool | None = None,
 ) -> torch.Tensor:
-    """FlexAttention over (B, H, T, D): compiled into one fused kernel on a GPU; run unfused
-    (the scores are materialised, as a reference) on a CPU, where it is only for tests."""
+    """FlexAttention over (B, H, T, D): compiled into one fused kernel when ``compiled``
+    (``None``: :func:`compiles_flex` decides by the device), else run unfused."""
     import warnings
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    if q.is_cuda:
-        fn = _COMPILED_FLEX.get("cuda")
-        if fn is None:
-            fn = _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
-        return fn(q, k, v, block_mask=block_mask)  # type: ignore[operator]
+    if compiles_flex(q.device) if compiled is None else compiled:
+        return _compiled("flex_attention")(q, k, v, block_mask=block_mask)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(q, k, v, block_mask=block_mask)  # type: ignore[return-value]
@@ -322,7 +344,7 @@ class CausalSelfAttention(nn.Module):
         where no gradient is needed."""
         backward_on_cpu = not q.is_cuda and torch.is_grad_enabled() and q.requires_grad
         if self.impl == "flex" and not backward_on_cpu:
-            return flex_attend(q, k, v, visible.block_mask())
+            return flex_attend(q, k, v, visible.block_mask(), visible.compiled)
         return self.attend(q, k, v, visible.dense())
 
     def forward(
