@@ -228,6 +228,7 @@ def small_tmpfs(tmp_path: Path, trained: Trained):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_full_disk_on_a_real_filesystem(small_tmpfs: Path, trained: Trained) -> None:
     res = run_nanolab(*fit_argv(trained.config, small_tmpfs), cwd=small_tmpfs.parent)
     assert_disk_full_reported(res, small_tmpfs / "full")

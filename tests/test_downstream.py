@@ -466,6 +466,7 @@ def test_two_devices_give_the_numbers_of_one(tmp_path: Path, char_dataset: Path)
     assert {k: again[k] for k in keys} == {k: record[k] for k in keys}
 
 
+@pytest.mark.slow
 def test_a_suite_the_vocabulary_cannot_spell_is_turned_off_with_one_warning(
     tmp_path: Path, char_dataset: Path
 ) -> None:

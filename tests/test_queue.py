@@ -416,6 +416,7 @@ def test_a_config_edited_after_add_is_not_run(
     assert jobs["kept"].status == "done", (out, err)
 
 
+@pytest.mark.slow
 def test_queue_run_notify_when_drained(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
     """``queue run --notify`` fires once when the queue is drained, its fields filled in; an
     unknown field is refused before anything runs."""

@@ -562,6 +562,7 @@ def test_a_signal_to_the_whole_process_group_of_a_ddp_run_saves_and_exits_75(
     assert (run_dir / "checkpoints" / f"step-{end['step']:08d}.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_a_group_signal_while_a_ddp_run_starts_its_ranks_exits_75(
     tmp_path: Path, char_dataset: Path
 ) -> None:
