@@ -279,6 +279,29 @@ def test_a_resume_that_moves_max_steps_inside_the_lr_plan_says_what_the_lr_does(
     assert "planned for" not in capsys.readouterr().err  # the plan's own end: nothing to say
 
 
+@pytest.mark.parametrize("max_steps", [4, 6, 7])
+def test_a_new_run_whose_warmup_fills_it_says_the_lr_never_decays(
+    tmp_path, char_dataset, capsys, max_steps
+):
+    # Warm-up 5: step k trains at (k) / 6 of the peak up to step 5 and at the peak at step 6,
+    # so a run of 4 or 6 steps never decays (it ran with no word); 7 steps decay at the last.
+    from nanolab.training.optim import OptimizerConfig, ScheduleConfig
+
+    run = tmp_path / "run"
+    fit(run, char_dataset, [MetricsLog()], max_steps=max_steps,
+        module_kwargs={"schedule": ScheduleConfig(warmup_steps=5)})  # fmt: skip
+    err = capsys.readouterr().err
+    said = "warmup_steps 5 does not end before trainer.max_steps"
+    if max_steps == 7:
+        assert said not in err
+        return
+    assert err.count(said) == 1
+    last = events(run / "metrics.jsonl", "train")[-1]
+    share = last["lr"] / OptimizerConfig().lr
+    assert f"the LR rises to {share:.0%} of its peak at the last step and never decays" in err
+    assert "set model.schedule.warmup_steps to at most a tenth of trainer.max_steps" in err
+
+
 @pytest.mark.parametrize(("every", "validated"), [(4, [4, 6]), (3, [3, 6]), (100, [6])])
 def test_the_last_step_is_always_validated(tmp_path, char_dataset, every, validated):
     # 6 steps with a validation every 4 ended unvalidated: no final val loss anywhere.

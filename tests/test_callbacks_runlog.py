@@ -69,7 +69,7 @@ def make_module(dataset: Path, **kwargs: Any) -> tuple[ScriptedModule, TokenData
         val_windows=8,
     )
     gpt = GPTConfig(vocab_size=dm.vocab_size, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32)
-    module = ScriptedModule(gpt=gpt, schedule=ScheduleConfig(warmup_steps=2), **kwargs)
+    module = ScriptedModule(gpt=gpt, **{"schedule": ScheduleConfig(warmup_steps=2), **kwargs})
     return module, dm
 
 

@@ -14,6 +14,7 @@ from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, writ
 from nanolab.cli import main
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.model import GPT, GPTConfig
+from nanolab.model.config import ConfigError
 from nanolab.runlog import read_records
 from nanolab.training.module import GPTLightningModule
 from nanolab.training.optim import OptimizerConfig, ScheduleConfig, WarmupCosine, parameter_groups
@@ -129,6 +130,41 @@ def test_warmup_cosine_schedule():
     assert f(60) == pytest.approx(0.55)
     assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
     assert all(f(s) >= f(s + 1) for s in range(10, 120))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["fit", "--config", str(QUICKSTART)],
+        ["estimate", "--config", str(QUICKSTART)],
+        ["queue", "add", "--db", "q.db", str(QUICKSTART)],
+        ["bench", "--config", str(QUICKSTART), "--steps", "3", "--warmup", "0"],
+    ],
+    ids=["fit", "estimate", "queue-add", "bench"],
+)
+def test_a_decay_that_ends_inside_the_warmup_is_refused_by_every_command(
+    command, tmp_path, monkeypatch, capsys
+):
+    """decay_steps 3 after a 5-step warm-up trained 1/6 ... 5/6 of the peak, then the minimum
+    (never the peak), with no word; ``estimate`` did not check the schedule at all. Every
+    command that reads a fit config refuses it in one line, exit 2, through the one check."""
+    monkeypatch.chdir(tmp_path)
+    schedule = ["model.schedule.warmup_steps=5", "model.schedule.decay_steps=3"]
+    if command[0] == "queue":
+        overrides = [a for kv in schedule for a in ("--set", kv)]
+    elif command[0] == "bench":
+        overrides = [f"--set=--{kv}" for kv in schedule]
+    else:
+        overrides = [f"--{kv}" for kv in schedule]
+    assert main([*command, *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "model.schedule.decay_steps 3 is not above model.schedule.warmup_steps 5" in err
+    assert "set decay_steps above warmup_steps, or null" in err
+    assert not (tmp_path / "runs").exists()  # refused before any run folder
+    ScheduleConfig(warmup_steps=5, decay_steps=6)  # one step past the warm-up is a cosine
+    with pytest.raises(ConfigError, match=r"^model.schedule.decay_steps 5 is not above"):
+        ScheduleConfig(warmup_steps=5, decay_steps=5)  # the minimum at the peak's step
 
 
 def test_weight_decay_only_on_matrices():
@@ -632,7 +668,7 @@ def test_a_ddp_run_with_dropout_resumes_bit_exactly(tmp_path, char_dataset):
     weights than the run never stopped. Now each rank continues its own streams."""
     ddp = ["--config", str(QUICKSTART.parent / "strategy" / "ddp.yaml"), "--trainer.devices", "2"]
     common = dict(
-        devices=2, model__gpt__dropout=0.1, trainer__max_steps=6, model__schedule__decay_steps=100,
+        devices=2, model__gpt__dropout=0.1, trainer__max_steps=6, model__schedule__decay_steps=200,
         run__global_batch_tokens=4 * 32 * 2,
     )  # fmt: skip
     whole = _strategy_run(tmp_path, char_dataset, "whole", *ddp, **common)

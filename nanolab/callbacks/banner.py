@@ -36,15 +36,41 @@ def duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def _schedule_fn(trainer: L.Trainer) -> Any | None:
+    """The run's LR multiplier (a :class:`~nanolab.training.optim.WarmupCosine`, restored from
+    the checkpoint when resuming), or None for a schedule of a fork's own."""
+    return next(
+        (f for c in getattr(trainer, "lr_scheduler_configs", None) or []
+         for f in getattr(c.scheduler, "lr_lambdas", None) or [] if hasattr(f, "decay_steps")),
+        None,
+    )  # fmt: skip
+
+
 def schedule_end(trainer: L.Trainer) -> int | None:
     """The step where the learning-rate schedule reaches its minimum (restored from the
     checkpoint when resuming: the schedule a run started with is the one it keeps)."""
-    for config in getattr(trainer, "lr_scheduler_configs", None) or []:
-        for fn in getattr(config.scheduler, "lr_lambdas", None) or []:
-            end = getattr(fn, "decay_steps", None)
-            if isinstance(end, int):
-                return end
-    return None
+    end = getattr(_schedule_fn(trainer), "decay_steps", None)
+    return end if isinstance(end, int) else None
+
+
+def warmup_note(trainer: L.Trainer, end: int) -> str | None:
+    """What a new run whose warm-up fills it does to the LR, or None.
+
+    Step ``k`` trains at the multiplier of index ``k - 1``, so the LR first reaches its peak at
+    step ``warmup_steps + 1``: a run of ``trainer.max_steps`` at or below that never decays,
+    however the cosine is planned. Said once at launch, not refused: a smoke test of a few
+    steps with the default warm-up is meant to run.
+    """
+    fn = _schedule_fn(trainer)
+    warmup = getattr(fn, "warmup_steps", None)
+    if fn is None or not isinstance(warmup, int) or end > warmup + 1:
+        return None
+    return (
+        f"model.schedule.warmup_steps {warmup} does not end before trainer.max_steps {end}: "
+        f"the LR rises to {fn(end - 1):.0%} of its peak at the last step and never decays; "
+        f"for a warm-up then a cosine decay, set model.schedule.warmup_steps to at most a "
+        f"tenth of trainer.max_steps (here {end // 10})"
+    )
 
 
 def resumed_schedule_note(
@@ -60,11 +86,7 @@ def resumed_schedule_note(
     schedule = getattr(pl_module, "schedule_config", None)
     if start <= 0 or getattr(schedule, "decay_steps", 0) is not None:
         return None  # a new run, or a horizon set on purpose (model.schedule.decay_steps)
-    fn = next(
-        (f for c in getattr(trainer, "lr_scheduler_configs", None) or []
-         for f in getattr(c.scheduler, "lr_lambdas", None) or [] if hasattr(f, "decay_steps")),
-        None,
-    )  # fmt: skip
+    fn = _schedule_fn(trainer)
     horizon = getattr(fn, "decay_steps", None)
     if fn is None or not isinstance(horizon, int) or end == horizon or start >= horizon:
         return None  # the plan's own end, or already past it (the banner's steps line says so)

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
-from nanolab.callbacks.banner import data_passes, resumed_schedule_note
+from nanolab.callbacks.banner import data_passes, resumed_schedule_note, warmup_note
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
@@ -223,9 +223,14 @@ class MetricsLog(StepCallback):
             self.clock.account_earlier(*earlier)
         self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
         end = trainer.max_steps
-        if trainer.is_global_zero and resuming and end is not None and end > 0:
-            note = resumed_schedule_note(trainer, pl_module, int(trainer.global_step), end)
-            if note:  # every resume says it, with or without a progress bar
+        if trainer.is_global_zero and end is not None and end > 0:
+            start = int(trainer.global_step)
+            note = (
+                resumed_schedule_note(trainer, pl_module, start, end)
+                if resuming
+                else warmup_note(trainer, end)
+            )
+            if note:  # every launch says it, with or without a progress bar
                 warn("nanolab fit", note)
 
     def _start_record(

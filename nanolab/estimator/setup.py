@@ -171,10 +171,11 @@ def setup_from_config(
     ``trainer.devices: auto`` read as one device (flagged as a guess) since the estimate is
     for a machine it cannot see.
     """
-    from nanolab.training.resolve import resolve, sections
+    from nanolab.training.resolve import check_model_settings, resolve, sections
 
     model_class, model, data_class, data = sections(cfg)
     takes_gpt = _plugin_classes(model_class, data_class)
+    check_model_settings({k: v for k, v in model.items() if k != "gpt"})  # gpt: checked below
     trainer = _section(cfg, "trainer")
     if "gpt" in model and not isinstance(model["gpt"], Mapping):
         raise EstimateError(f"'model.gpt' must be a mapping, got {type(model['gpt']).__name__}")
