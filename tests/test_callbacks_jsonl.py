@@ -20,6 +20,7 @@ from nanolab.callbacks import (
 )
 from nanolab.callbacks.rundir import claim_run_dir
 from nanolab.runlog import read_records
+from nanolab.training.optim import OptimizerConfig
 
 COMMON = ("event", "time", "step")
 SCHEMA = {
@@ -274,6 +275,9 @@ def test_a_resume_that_moves_max_steps_inside_the_lr_plan_says_what_the_lr_does(
     err = capsys.readouterr().err
     assert err.count("max_steps 6 is short of the 8 steps this run's LR schedule was planned") == 1
     assert "before the cosine reaches its minimum at step 8" in err
+    # The figure is the LR step 6 trained at, 55% (it quoted step 7's, 32%).
+    last = [r for r in events(run / "metrics.jsonl", "train") if r["step"] == 6][-1]
+    assert f"stops at step 6 with the LR at {last['lr'] / OptimizerConfig().lr:.0%}" in err
     fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4)],
         max_steps=8, ckpt_path=run / "checkpoints" / "step-00000004.ckpt")  # fmt: skip
     assert "planned for" not in capsys.readouterr().err  # the plan's own end: nothing to say
@@ -285,7 +289,7 @@ def test_a_new_run_whose_warmup_fills_it_says_the_lr_never_decays(
 ):
     # Warm-up 5: step k trains at (k) / 6 of the peak up to step 5 and at the peak at step 6,
     # so a run of 4 or 6 steps never decays (it ran with no word); 7 steps decay at the last.
-    from nanolab.training.optim import OptimizerConfig, ScheduleConfig
+    from nanolab.training.optim import ScheduleConfig
 
     run = tmp_path / "run"
     fit(run, char_dataset, [MetricsLog()], max_steps=max_steps,

@@ -81,7 +81,8 @@ def resumed_schedule_note(
     The cosine of ``model.schedule.decay_steps: null`` is planned for the ``max_steps`` a run
     started with, and the checkpoint keeps that plan (an exact resume). A resume that moves
     ``max_steps`` inside the plan stops before the LR anneals, or runs its last steps at the
-    minimum: said once, with the LR it stops at, so a shortened run is not read as annealed.
+    minimum: said once, with the LR it stops at (step ``end`` trains at the multiplier of index
+    ``end - 1``), so a shortened run is not read as annealed.
     """
     schedule = getattr(pl_module, "schedule_config", None)
     if start <= 0 or getattr(schedule, "decay_steps", 0) is not None:
@@ -94,7 +95,7 @@ def resumed_schedule_note(
     if end < horizon:
         return (
             f"trainer.max_steps {end} is short of the {horizon} steps {planned}: it stops at "
-            f"step {end} with the LR at {fn(end):.0%} of its peak, before the cosine reaches "
+            f"step {end} with the LR at {fn(end - 1):.0%} of its peak, before the cosine reaches "
             f"its minimum at step {horizon}; to anneal by step {end}, train a new run "
             f"(run.fresh: true, or another run.name) with trainer.max_steps {end}"
         )
