@@ -25,7 +25,7 @@ from nanolab.estimator.measure import measure_saved
 from nanolab.estimator.measure_trainer import measure_trainer_peak_cpu
 from nanolab.estimator.numerics import numerics_for
 from nanolab.estimator.setup import Setup
-from nanolab.estimator.shapes import flops_per_token, inventory, num_params
+from nanolab.estimator.shapes import flops_per_token, num_params
 from nanolab.model.config import GPTConfig
 from nanolab.model.gpt import GPT, CausalSelfAttention
 from nanolab.model.registry import register_attention, register_mlp
@@ -77,13 +77,6 @@ def _counted_flops_per_token(cfg: GPTConfig, batch: int = 2) -> float:
     return counter.get_total_flops() / (batch * cfg.block_size)
 
 
-def _matmul_flops_per_token(cfg: GPTConfig) -> int:
-    """The estimate without 6 x the norm gains and biases, which take part in no matmul (the
-    convention counts them in 6N; the counter sees matmuls only)."""
-    inv = inventory(cfg)
-    return flops_per_token(cfg) - 6 * (inv.numel - inv.matmul_numel - inv.lookup_numel)
-
-
 def _measured_saved(cfg: GPTConfig, batch: int, precision: str) -> int:
     torch.manual_seed(0)
     amp = torch.bfloat16 if precision == "bf16-mixed" else None
@@ -98,7 +91,7 @@ def _estimated_saved(cfg: GPTConfig, batch: int, precision: str) -> int:
 @pytest.mark.parametrize("cfg", [OURS, *BUILTIN.values()], ids=["test-only", *BUILTIN])
 def test_params_and_flops_follow_the_variant(cfg: GPTConfig) -> None:
     assert num_params(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
-    assert _matmul_flops_per_token(cfg) == _counted_flops_per_token(cfg)
+    assert flops_per_token(cfg) == _counted_flops_per_token(cfg)
 
 
 def test_the_estimate_moves_with_a_test_only_variant() -> None:
@@ -107,7 +100,7 @@ def test_the_estimate_moves_with_a_test_only_variant() -> None:
     gpt2_params = sum(p.numel() for p in GPT(BASE).parameters())
     assert num_params(OURS) - num_params(BASE) == real_params - gpt2_params != 0
     counted = _counted_flops_per_token(OURS) - _counted_flops_per_token(BASE)
-    assert _matmul_flops_per_token(OURS) - _matmul_flops_per_token(BASE) == counted != 0
+    assert flops_per_token(OURS) - flops_per_token(BASE) == counted != 0
     for precision in ("32-true", "bf16-mixed"):
         measured = _measured_saved(OURS, 3, precision)
         assert _estimated_saved(OURS, 3, precision) == pytest.approx(measured, rel=0.005)
@@ -149,7 +142,7 @@ def test_undeclared_activation_matmuls_are_flagged() -> None:
         assert flops_difference(cfg) == 0.0
     bad = replace(OURS, attention_variant="test_est_two_maps_undeclared")
     tiny = replace(bad, vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
-    real = _matmul_flops_per_token(tiny) / _counted_flops_per_token(tiny) - 1
+    real = flops_per_token(tiny) / _counted_flops_per_token(tiny) - 1
     assert flops_difference(bad) == pytest.approx(real, abs=1e-9) and real < -0.01
     setup = Setup(gpt=bad, precision="32-true", micro_batch_size=2)
     estimate = estimate_from_config(setup, device="cpu", history=False, trace="auto")

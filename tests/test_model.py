@@ -93,7 +93,9 @@ def test_gpt2_124m_parameter_count():
 def test_flops_per_token_follows_6n_plus_attention():
     model = GPT(tiny())
     c = model.config
-    n_matmul = model.num_params() - c.block_size * c.n_embd  # all but the position embedding
+    # All but the position embedding, the biases and the norm gains (no matmul multiplies them).
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    n_matmul = model.num_params() - c.block_size * c.n_embd - vectors
     expected = 6 * n_matmul + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
     assert model.flops_per_token() == expected
     assert model.flops_per_token(seq_len=16) < expected

@@ -809,7 +809,8 @@ class GPT(nn.Module):
         """Training FLOPs (forward + backward) per token, PaLM appendix B convention.
 
         ``6 * N`` plus what the modules declare: N counts the parameters that take part in
-        matmuls (2 FLOPs per parameter forward, 4 backward), and each module whose matmuls
+        matmuls, the matrices (2 FLOPs per parameter forward, 4 backward; biases and norm gains
+        are element-wise work, left out below), and each module whose matmuls
         multiply two activations declares them with ``activation_flops_per_token(T)`` (plain
         attention: ``12 * H * Q * T`` per layer, the score and value matmuls). Embedding lookups
         are not matmuls: the position embedding and an *untied* token embedding are left out of
@@ -819,13 +820,14 @@ class GPT(nn.Module):
         across them.
         """
         T = seq_len if seq_len is not None else self.config.block_size
-        return 6 * self.num_params(non_embedding=True) + _activation_flops(self, T)
+        n = self.num_params(non_embedding=True) - _vector_numel(self)
+        return 6 * n + _activation_flops(self, T)
 
     def recompute_flops_per_token(self, seq_len: int | None = None) -> int:
         """FLOPs per token that gradient checkpointing adds by re-running every block's forward
-        in the backward pass: a third of the blocks' training FLOPs (2 per parameter)."""
+        in the backward pass: a third of the blocks' training FLOPs (2 per matmul parameter)."""
         T = seq_len if seq_len is not None else self.config.block_size
-        n = sum(p.numel() for p in self.blocks.parameters())
+        n = sum(p.numel() for p in self.blocks.parameters()) - _vector_numel(self.blocks)
         return 2 * n + _activation_flops(self.blocks, T) // 3
 
     @torch.no_grad()
@@ -924,6 +926,13 @@ def sampling_probs(
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _vector_numel(root: nn.Module) -> int:
+    """Elements of the 1-D parameters under ``root``: biases and norm gains, added or multiplied
+    element-wise, which the FLOP convention (and ``torch.utils.flop_counter``) counts no matmul
+    FLOPs for. What is left of a model's non-embedding parameters are its matrices."""
+    return sum(p.numel() for p in root.parameters() if p.dim() < 2)
 
 
 def _activation_flops(root: nn.Module, seq_len: int) -> int:
