@@ -132,6 +132,17 @@ def test_warmup_cosine_schedule():
     assert all(f(s) >= f(s + 1) for s in range(10, 120))
 
 
+def test_the_schedule_docs_quote_is_what_steps_train_at():
+    """docs/configs.md says "linear warm-up" and "cosine to min_lr at max_steps" exactly: step k
+    trains at f(k - 1), so step 1 at lr/(W+1) and the last step above the minimum."""
+    f = WarmupCosine(warmup_steps=3, decay_steps=12, min_ratio=0.1)
+    trained = [round(f(k - 1), 3) for k in range(1, 13)]
+    assert trained[:4] == [0.25, 0.5, 0.75, 1.0] and trained[-2:] == [0.205, 0.127]
+    doc = (QUICKSTART.parents[1] / "docs" / "configs.md").read_text()
+    assert "(12 steps, warm-up 3: 0.25, 0.5, 0.75, 1, ..., 0.205, 0.127 × lr)" in doc
+    assert "step 1 trains at lr/(W + 1), not 0" in doc
+
+
 @pytest.mark.parametrize(
     "command",
     [

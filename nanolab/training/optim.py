@@ -192,11 +192,15 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Per-step learning rate: linear warmup from 0, then cosine decay to ``min_lr_ratio * lr``.
+    """Per-step learning rate: linear warmup, then cosine decay to ``min_lr_ratio * lr``.
+
+    Step k (from 1) trains at the multiplier of index k - 1 (:class:`WarmupCosine`), as nanoGPT:
+    the first step at ``lr / (warmup_steps + 1)``, not 0, and the last step of a run whose cosine
+    ends at ``max_steps`` slightly above the minimum (docs/configs.md).
 
     Args:
         warmup_steps: Optimizer steps of linear warmup.
-        decay_steps: Step at which the cosine reaches its minimum (held after); ``null`` =
+        decay_steps: Step index at which the cosine reaches its minimum (held after); ``null`` =
             ``trainer.max_steps``.
         min_lr_ratio: Final learning rate as a fraction of the peak (nanoGPT and Chinchilla: 0.1).
     """
