@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,23 @@ SAMPLE = (
 # -- window order ----------------------------------------------------------------------------
 def plan(world=1, n=10_000, T=16, B=4, seed=7) -> WindowPlan:
     return WindowPlan(num_tokens=n, block_size=T, micro_batch_size=B, world_size=world, seed=seed)
+
+
+def test_an_epoch_is_whole_micro_batches_so_layouts_part_where_one_crosses_it():
+    """docs/resume.md said an epoch is a whole number of *global* batches; it is a whole number
+    of micro-batches per device (accumulation not counted). 101 windows: micro-batch 2 x
+    accumulation 4 has a 100-window epoch (ending inside step 13), 8 x 1 a 96-window one, so the
+    same 8-window steps agree for 12 steps and part at the 13th."""
+    a, b = plan(n=1633, B=2, seed=3), plan(n=1633, B=8, seed=3)
+    assert a.num_windows == 101 and (a.batches_per_epoch, b.batches_per_epoch) == (50, 12)
+
+    def step(p: WindowPlan, accumulate: int, s: int) -> list[int]:
+        starts = [p.batch_starts(s * accumulate + i, 0) for i in range(accumulate)]
+        return sorted(np.concatenate(starts).tolist())
+
+    assert [step(a, 4, s) == step(b, 1, s) for s in range(13)] == [True] * 12 + [False]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "resume.md").read_text()
+    assert "epoch length is a whole number of micro-batches per device" in doc
 
 
 def test_window_order_is_a_pure_function_of_seed_epoch_position_rank():
