@@ -75,7 +75,7 @@ class RunSummary:
     final_val_bpb: float | None = None
     first_val_loss: float | None = None
     start_loss: float | None = None  # training loss of the first logged step
-    improvement: float | None = None  # start_loss - mean of the last DELTA_WINDOW train losses
+    improvement: float | None = None  # start_loss - mean of the last DELTA_WINDOW after the first
     tokens_per_s: float | None = None
     mfu: float | None = None
     gpu_hours: float | None = None

@@ -101,7 +101,7 @@ def test_finished_run_figures_and_torn_last_line(tmp_path: Path, capsys) -> None
     assert run["steps"] == 6 and run["tokens"] == 6000
     assert run["train_loss"] == 2.6
     assert (run["best_val_loss"], run["best_val_step"]) == (2.7, 6)
-    # Δ train loss: the first step's loss minus the mean of the last 10 logged (here: 2..6).
+    # Δ train loss: the first step's loss minus the mean of the last 10 after it (here: 2..6).
     assert run["start_loss"] == 4.0
     assert run["improvement"] == pytest.approx(4.0 - statistics.fmean(losses[1:]))
     # Each record's rate covers the 1,000 tokens since the record before: their tokens over
@@ -350,7 +350,13 @@ def test_plot_one_colour_per_group_mean_and_band_on_the_newest_runs_data(tmp_pat
     code, out, _ = run_report(capsys, str(tmp_path), "--plot", str(tmp_path / "q.png"), "--logx")
     assert code == 0 and (tmp_path / "q.png").stat().st_size > 10_000
     assert "4 runs on the newest run's data; 1 on other data left out" in out
-    assert "Δ train loss: mean training loss of the last 10 logged steps" in out
+    # The footnote states the rule the figure follows: with 10 or fewer logged losses the
+    # mean leaves the first out (it said "the last 10 logged steps", which holds the first).
+    flat = " ".join(out.split())
+    assert (
+        "Δ train loss: mean training loss of the last 10 logged steps after the first (all of "
+        "them when fewer) minus the first logged step's" in flat
+    )
 
 
 def test_tokens_axis_reads_in_k_m_b() -> None:

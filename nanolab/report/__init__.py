@@ -7,7 +7,8 @@ Runs whose configs differ only in the seed and the run name are grouped, with th
 standard deviation of their final validation loss: one seed is an anecdote. A group is labelled
 by the config values that set it apart from the other groups (``lr=0.001``), not by its names.
 "Δ train loss" is the same for every run: the mean training loss of the last
-:data:`DELTA_WINDOW` logged steps minus the loss of the first logged step.
+:data:`DELTA_WINDOW` logged steps after the first (all of them when fewer) minus the loss of the
+first logged step.
 
 ``--plot`` draws one colour per group: the mean over its seeds and its 95% interval, against
 tokens (or GPU-hours); without ``--run`` it draws the runs trained on the same data as the most

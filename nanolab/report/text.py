@@ -149,8 +149,9 @@ def format_table(
         )
     out = table_within(rows, headers, {2, 3, 4, 6, 8, 9, 10, 11, 12})
     out += _wrap(
-        f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps minus the "
-        f"first logged step's (the same for every run). {hours}: devices x wall hours"
+        f"Δ train loss: mean training loss of the last {DELTA_WINDOW} logged steps after the "
+        f"first (all of them when fewer) minus the first logged step's (the same for every "
+        f"run). {hours}: devices x wall hours"
     )
     out += downstream_table(summaries)
     out += validated_table(summaries)
