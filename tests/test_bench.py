@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
+from conftest import (
+    QUICKSTART,
+    REPO,
+    nanolab_here,
+    run_nanolab,
+    tiny_overrides,
+    write_config,
+)
 
 
 @pytest.mark.slow
@@ -327,3 +334,20 @@ def test_bench_set_takes_both_spellings() -> None:
         [str(QUICKSTART)], [*set_pair("--model.gpt.n_layer 2"), "--data.source", "null"], 10
     )
     assert resolved.world_size == 1
+
+
+def test_the_predicted_peak_is_the_cpu_rules_where_no_gpu_is_visible():
+    """A CPU run has the estimator's prediction too (its CPU rules), so the bench and the GPU
+    check's dry run carry a figure instead of None. Mutation caught: returning None without
+    CUDA, as the bench did, leaves the dry run's memory checks with no prediction."""
+    import torch
+    import yaml
+
+    from nanolab.bench.harness import predicted_peak_bytes
+    from nanolab.estimator import estimate_from_config
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the GPU's rules apply")
+    path = REPO / "tests" / "fixtures" / "estimator_gpt2_124m.yaml"
+    expected = estimate_from_config(yaml.safe_load(path.read_text()), device="cpu", devices=1)
+    assert predicted_peak_bytes(path) == expected.memory.peak_allocated > 0

@@ -208,8 +208,19 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path):
     assert not not_ok
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert summary["dry_run"] is True and "CPU dry run" in (out / "gpu_check.md").read_text()
-    bench = next(c for c in summary["checks"] if c["name"] == "bench_124m")["metrics"]
+    metrics = {c["name"]: c["metrics"] for c in summary["checks"]}
+    bench = metrics["bench_124m"]
     assert bench["nanolab_tokens_per_s"] > 0 and bench["plain_tokens_per_s"] > 0
+    # Each memory figure is there or says why not: the CPU's rules predict; a CPU has no
+    # allocator peak to measure (on a GPU its absence fails the check).
+    for name in ("bench_124m", "memory_compiled_350m", "micro_batch_auto"):
+        assert metrics[name]["peak_predicted_gib"] > 0, name
+        assert metrics[name]["peak_measured_gib"] == gc.NA_ON_CPU, name
+    auto = metrics["micro_batch_auto"]
+    assert auto["auto_line"] == (
+        f"run.micro_batch_size auto: {auto['micro_batch']}, data.micro_batch_size "
+        "(no GPU memory to plan against)"
+    )
 
 
 def test_a_failed_child_is_summed_up_by_its_exception_line():
@@ -224,3 +235,42 @@ def test_a_failed_child_is_summed_up_by_its_exception_line():
     assert gc.last_line("start\nnanolab fit: error: bad value\n") == "nanolab fit: error: bad value"
     assert gc.last_line("one\ntwo\n") == "two" and gc.last_line("") == "(no output)"
     assert gc._headline("bench_124m", {}) == ""  # stopped at its cap: nothing measured
+
+
+def test_a_memory_check_without_its_figure_fails(monkeypatch):
+    """``bench_124m``, ``memory_compiled_350m`` and ``micro_batch_auto`` judge their figures
+    alike: on a GPU no measured peak (a broken memory reader), no prediction, or a prediction
+    beyond the tolerance fails; the dry run has no allocator peak and says so in the field.
+    Mutation caught: the checks returned ``peak - GiB`` as ok."""
+    GiB = gc.GiB
+    with pytest.raises(gc.CheckFailed, match="no measured peak"):
+        gc.judge_peak(gc.peak_metrics(None, 10 * GiB))
+    with pytest.raises(gc.CheckFailed, match="no predicted peak"):
+        gc.judge_peak(gc.peak_metrics(10 * GiB, None))
+    with pytest.raises(gc.CheckFailed, match=r"predicted \+10.0% off the measured one") as err:
+        gc.judge_peak(gc.peak_metrics(10 * GiB, 11 * GiB))
+    assert err.value.args[1]["peak_measured_gib"] == 10  # the figures go with the failure
+    fine = gc.peak_metrics(100 * GiB, 101 * GiB)
+    gc.judge_peak(fine)
+    assert fine["peak_error"] == pytest.approx(0.01)
+    monkeypatch.setattr(gc, "SCALE", gc.DRY)
+    dry = gc.peak_metrics(None, 2**20)
+    gc.judge_peak(dry)
+    assert dry["peak_measured_gib"] == dry["peak_error"] == gc.NA_ON_CPU == "n/a on CPU"
+    with pytest.raises(gc.CheckFailed, match="no predicted peak"):
+        gc.judge_peak(gc.peak_metrics(None, None))
+    assert "peak n/a on CPU GiB" in gc._headline("memory_compiled_350m", dry)
+
+
+@pytest.mark.parametrize(
+    ("line", "size", "planned"),
+    [
+        ("run.micro_batch_size auto: 139 (predicted peak 124.3 of 139.8 GiB, ...)", "139", "139.8"),
+        ("run.micro_batch_size auto: 16, data.micro_batch_size (no GPU memory to plan against)",
+         "16", None),
+    ],
+)  # fmt: skip
+def test_the_auto_line_is_read_on_a_gpu_and_on_a_cpu(line, size, planned):
+    """The dry run reads fit's CPU line through the same pattern the GPU's goes through."""
+    m = gc._AUTO_LINE.search(f"INFO {line}\n")
+    assert m is not None and m[1] == size and m[3] == planned

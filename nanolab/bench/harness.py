@@ -112,17 +112,24 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def predicted_peak_bytes(config_yaml: Path) -> int | None:
-    """The memory estimator's peak for the run's resolved config on this GPU (None on CPU)."""
+    """The memory estimator's peak for the run's resolved config on the device it ran on: this
+    GPU's rules where CUDA/ROCm is visible, the CPU's rules otherwise (the rules run anywhere,
+    so a CPU run, such as the GPU check's dry run, has its prediction too); None for a config
+    the estimator cannot describe."""
     import torch
     import yaml
 
-    if not torch.cuda.is_available():
-        return None
     from nanolab.estimator import estimate_from_config
 
     config = yaml.safe_load(config_yaml.read_text())
-    memory = torch.cuda.get_device_properties(0).total_memory
-    est = estimate_from_config(config, device_memory=memory, devices=1)
+    try:
+        if torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(0).total_memory
+            est = estimate_from_config(config, device_memory=memory, devices=1)
+        else:
+            est = estimate_from_config(config, device="cpu", devices=1)
+    except ValueError:  # a model the rules do not describe (a fork's): no prediction, no crash
+        return None
     return int(est.memory.peak_allocated)
 
 
