@@ -91,7 +91,12 @@ class DevicePeak:
     allocated: int
     reserved: int | None  # the caching allocator's (GPU only)
     outside_allocator: int | None  # context, kernels, workspaces (GPU only)
-    phases: dict[str, int] = field(default_factory=dict)  # peak per phase of the step (GPU only)
+    phases: dict[str, int] = field(default_factory=dict)  # peak per phase of the step
+
+
+#: What the calibration says for a figure the CPU has no source for (it has no caching
+#: allocator and no device context).
+NA_ON_CPU = "n/a on CPU"
 
 
 def device_memory(device: str) -> tuple[str, int]:
@@ -120,14 +125,16 @@ def measure_device_peak(device: str, setup: Setup, B: int) -> DevicePeak:
         return DevicePeak(
             real.peak_allocated, real.peak_reserved, real.outside_allocator, real.phases
         )
-    return DevicePeak(measure_trainer_peak_cpu(setup.gpt, B, **kwargs).peak, None, None)
+    cpu = measure_trainer_peak_cpu(setup.gpt, B, fused=setup.fused, **kwargs)
+    return DevicePeak(cpu.peak, None, None, cpu.phases)
 
 
 def run_gpu(configs: Sequence[str], micro_batch: int | None, device: str = "cuda") -> list[Row]:
     """Predicted vs measured peak and saved activations of each recipe on one device.
 
-    ``device="cpu"`` runs this same path on the CPU with the recipes shrunk (:func:`reduced`),
-    so the code a GPU session runs has run before (tests/test_gpu_check.py)."""
+    ``device="cpu"`` runs this same path on the CPU with the recipes shrunk (:func:`reduced`)
+    and CUDA's fused AdamW forced (torch has it on the CPU too), calibration and phase peaks
+    printed, so the code a GPU session runs has run before (tests/test_gpu_check.py)."""
     import torch
 
     from nanolab.estimator.measure import measure_saved
@@ -142,7 +149,7 @@ def run_gpu(configs: Sequence[str], micro_batch: int | None, device: str = "cuda
     for path in configs:
         base = setup_from_config(load_config(path.split("+")))
         if device == "cpu":
-            base = replace(reduced(base), fused=False)
+            base = replace(reduced(base), fused=True)  # as `fused: null` is on a GPU
         fit_b = largest_micro_batch(_single_device(base, 1), total, backend=backend)
         B = micro_batch or min(base.micro_batch_size or fit_b, fit_b)
         if device == "cpu":
@@ -167,18 +174,19 @@ def run_gpu(configs: Sequence[str], micro_batch: int | None, device: str = "cuda
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    if device != "cuda":
-        return rows
     print(
         f"calibration on {name_of_device}: reserved / allocated - 1 (the fragmentation margin, "
         f"now {DEFAULT_FRAGMENTATION:.0%}) and memory used outside PyTorch's allocator (the "
         f"framework-overhead line, now {CONTEXT_BYTES[backend] / MiB:,.0f} MiB)"
     )
     for name, B, real in calibration:
-        print(
-            f"  {name:<30} B={B:<4} {real.reserved / real.allocated - 1:>7.1%}  "
-            f"{real.outside_allocator / MiB:>9,.0f} MiB"
+        slack = NA_ON_CPU if real.reserved is None else f"{real.reserved / real.allocated - 1:.1%}"
+        outside = (
+            NA_ON_CPU
+            if real.outside_allocator is None
+            else f"{real.outside_allocator / MiB:,.0f} MiB"
         )
+        print(f"  {name:<30} B={B:<4} {slack:>10}  {outside:>13}")
     print_phases([(name, B, real.phases) for name, B, real in calibration])
     return rows
 

@@ -494,8 +494,9 @@ def parse_phase_peaks(text: str) -> dict[str, dict[str, float]]:
 
 def check_memory_eager(work: Path, data_arg: str | None) -> dict[str, Any]:
     """``bench_memory.py``'s device path on the 124M recipe and on 350M composed onto it (the
-    size overlays hold only what changes). The dry run takes the same path on the CPU with
-    the recipes shrunk (``--device cpu``)."""
+    size overlays hold only what changes): predicted vs measured rows, calibration and the
+    peak of each phase of the step, each recipe's. The dry run takes the same path on the CPU
+    with the recipes shrunk and fused AdamW (``--device-path-on-cpu``)."""
     base = str(ROOT / "configs" / "gpt2-124m.yaml")
     configs = [base, f"{base}+{ROOT / 'configs' / 'gpt2-350m.yaml'}"]
     device = ["--device-path-on-cpu"] if SCALE is DRY else []
@@ -508,6 +509,8 @@ def check_memory_eager(work: Path, data_arg: str | None) -> dict[str, Any]:
     metrics = {"rows": rows, "worst_error": worst, "phases_mib": parse_phase_peaks(proc.stdout)}
     if proc.returncode != 0:
         raise CheckFailed(f"an error beyond bench_memory's target: worst {worst:+.1%}", metrics)
+    if len(metrics["phases_mib"]) != len(configs):
+        raise CheckFailed("bench_memory.py printed no phase peaks for a recipe", metrics)
     return metrics
 
 

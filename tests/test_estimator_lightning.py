@@ -82,6 +82,27 @@ def test_peak_matches_a_real_trainer_step(case: tuple) -> None:
     assert est.peak_allocated == pytest.approx(real.peak, rel=TOLERANCE), est.peak_phase
 
 
+def test_fused_adamw_and_where_the_peak_is_on_a_cpu() -> None:
+    """The GPU check's dry run measures with CUDA's optimizer (fused AdamW, which torch has on
+    the CPU too) and reads where the peak is per phase of the step, as a GPU reports it. Here
+    the per-tensor AdamW's temporaries make the optimizer step the peak; fused AdamW has none,
+    so its optimizer step is lower and the estimate follows. Mutation caught: ``fused`` not
+    passed to the module's optimizer (the fused estimate then misses the real peak), or no
+    phases from a CPU fit (bench_memory's "where the peak is" lines empty in the dry run)."""
+    gpt = CASES[3][1]  # fp32-bytes-vocab: peak at the optimizer step
+    plain = measure_trainer_peak_cpu(gpt, 2)
+    fused = measure_trainer_peak_cpu(gpt, 2, fused=True)
+    phases = ("forward", "backward", "before_step", "optimizer_step")
+    for real in (plain, fused):
+        assert list(real.phases)[:4] == list(phases) and real.phases["at_forward_end"] > 0
+        assert max(real.phases[p] for p in phases) == real.peak
+    assert max(plain.phases, key=plain.phases.get) == "optimizer_step"
+    assert fused.phases["optimizer_step"] < plain.phases["optimizer_step"]
+    setup = Setup(gpt=gpt, precision="32-true", fused=True, global_batch_tokens=2 * 128)
+    est = estimate_memory(setup, 2, backend="cpu")
+    assert est.peak_allocated == pytest.approx(fused.peak, rel=TOLERANCE), est.peak_phase
+
+
 class LightningDefaultOrder(GPTLightningModule):
     """Lightning's own order: ``zero_grad`` inside the next step's closure, after its forward."""
 

@@ -189,8 +189,10 @@ def test_the_phase_peaks_bench_memory_prints_are_read_back():
 
 def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path):
     """``--dry-run``: every check of a GPU session, on this CPU at tiny sizes, with CUDA's
-    fused AdamW forced: the shipped recipes (124M, 350M composed on it) go through ``fit``,
-    ``nanolab bench``, ``bench_memory.py``'s device path and ``gpu_pack.py``. Mutation caught:
+    fused AdamW forced (``torch.compile`` is not: eager, as docs/gpu-check.md says): the
+    shipped recipes (124M, 350M composed on it) go through ``fit``, ``nanolab bench``,
+    ``bench_memory.py``'s device path (calibration and phase peaks included) and
+    ``gpu_pack.py``. Mutation caught:
     any check that crashes before it reaches a GPU (bench_memory's uncomposed 350M overlay, the
     bench's JSON read, flex's backward on CPU) fails here instead of in a lent GPU session."""
     out = tmp_path / "out"
@@ -216,6 +218,9 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path):
     for name in ("bench_124m", "memory_compiled_350m", "micro_batch_auto"):
         assert metrics[name]["peak_predicted_gib"] > 0, name
         assert metrics[name]["peak_measured_gib"] == gc.NA_ON_CPU, name
+    eager = metrics["memory_eager"]
+    assert set(eager["phases_mib"]) == {"gpt2-124m B4", "gpt2-350m B4"}
+    assert all(p["optimizer_step"] > 0 for p in eager["phases_mib"].values())
     auto = metrics["micro_batch_auto"]
     assert auto["auto_line"] == (
         f"run.micro_batch_size auto: {auto['micro_batch']}, data.micro_batch_size "

@@ -190,8 +190,13 @@ def measure_peak_cpu(
     return resident + allocation_peak(prof)
 
 
+def memory_events(prof) -> list[tuple[int, int]]:
+    """A CPU profiler's ``[memory]`` events as (start in ``time.time_ns`` nanoseconds, bytes
+    allocated, negative when freed), in time order."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return sorted((e.start_ns(), e.nbytes()) for e in events)
+
+
 def allocation_peak(prof) -> int:
     """Highest running sum (from 0) of a CPU profiler's ``[memory]`` events, in time order."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+    return max(itertools.accumulate((n for _, n in memory_events(prof)), initial=0))

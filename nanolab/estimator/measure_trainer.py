@@ -13,12 +13,13 @@ before it started); their running maximum plus the parameters and buffers reside
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanolab.estimator.measure import allocation_peak, storage_bytes
+from nanolab.estimator.measure import allocation_peak, memory_events, storage_bytes
 from nanolab.model.config import GPTConfig
 
 #: A Lightning Trainer that only trains: no logger, checkpoints, progress bar, model summary or
@@ -42,6 +43,7 @@ class TrainerPeak:
 
     peak: int
     resident_at_start: int
+    phases: dict[str, int] = field(default_factory=dict)  # PhasePeaks: where the peak is
 
 
 def measure_trainer_peak_cpu(
@@ -54,11 +56,15 @@ def measure_trainer_peak_cpu(
     steps: int = 3,
     module_cls: type | None = None,
     seed: int = 0,
+    fused: bool | None = None,
 ) -> TrainerPeak:
-    """Fit ``GPTLightningModule(gpt)`` for ``steps`` optimizer steps on CPU; return its peak.
+    """Fit ``GPTLightningModule(gpt)`` for ``steps`` optimizer steps on CPU; return its peak
+    and the peak of each phase of the step (:class:`PhasePeaks`, fed by replaying the
+    profiler's events at the moments the step's hooks ran).
 
     ``module_cls`` replaces the LightningModule class (a subclass, e.g. to compare another
-    ``zero_grad`` placement). Three steps: the first creates the optimizer states, the second
+    ``zero_grad`` placement); ``fused`` is ``model.optimizer.fused`` (``None``: torch's choice
+    for the CPU, not fused). Three steps: the first creates the optimizer states, the second
     and third run with everything a long run holds.
     """
     from lightning.pytorch.callbacks import Callback
@@ -77,9 +83,10 @@ def measure_trainer_peak_cpu(
         def on_train_end(self, trainer, pl_module) -> None:
             prof.stop()
 
+    hooks = _HookLog()
     _fit(
         "cpu",
-        _Profile(),
+        [_Profile(), phase_peaks_callback(hooks)],  # type: ignore[arg-type]
         gpt,
         micro_batch,
         precision,
@@ -88,8 +95,60 @@ def measure_trainer_peak_cpu(
         steps,
         seed,
         module_cls,
+        fused,
     )
-    return TrainerPeak(peak=resident[0] + allocation_peak(prof), resident_at_start=resident[0])
+    replay = _ReplayedAllocator(memory_events(prof), resident[0])
+    phases = PhasePeaks(replay)
+    for at_ns, hook, args in hooks.calls:
+        replay.advance(at_ns)
+        getattr(phases, hook)(*args)
+    return TrainerPeak(
+        peak=resident[0] + allocation_peak(prof),
+        resident_at_start=resident[0],
+        phases=phases.summary(),
+    )
+
+
+class _HookLog:
+    """Stands in for :class:`PhasePeaks` during a profiled CPU fit: notes each call and its
+    time (the profiler's events are only readable once it stops), for a real
+    :class:`PhasePeaks` to replay over :class:`_ReplayedAllocator` afterwards."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, hook: str) -> Any:
+        return lambda *args: self.calls.append((time.time_ns(), hook, args))
+
+
+class _ReplayedAllocator:
+    """The four allocator statistics :class:`PhasePeaks` reads from ``torch.cuda``, for a CPU:
+    the running sum of the profiler's ``[memory]`` events (plus what was resident at the
+    start) up to the moment :meth:`advance` reached. A CPU has no caching allocator, so what
+    is reserved is what is allocated."""
+
+    def __init__(self, events: list[tuple[int, int]], resident: int) -> None:
+        self._events = events
+        self._next = 0
+        self._allocated = self._peak = resident
+
+    def advance(self, at_ns: int) -> None:
+        while self._next < len(self._events) and self._events[self._next][0] <= at_ns:
+            self._allocated += self._events[self._next][1]
+            self._peak = max(self._peak, self._allocated)
+            self._next += 1
+
+    def memory_allocated(self) -> int:
+        return self._allocated
+
+    def max_memory_allocated(self) -> int:
+        return self._peak
+
+    def max_memory_reserved(self) -> int:
+        return self._peak
+
+    def reset_peak_memory_stats(self) -> None:
+        self._peak = self._allocated
 
 
 @dataclass
@@ -239,6 +298,7 @@ def _fit(
     steps: int,
     seed: int,
     module_cls: type | None = None,
+    fused: bool | None = None,
 ) -> None:
     """Fit the module on ``steps`` optimizer steps of random tokens with a bare one-device
     Trainer: no logger, checkpoints, validation, bar or summary, so what ``callback`` measures
@@ -250,7 +310,8 @@ def _fit(
     from nanolab.training.optim import OptimizerConfig
 
     torch.manual_seed(seed)
-    module = (module_cls or GPTLightningModule)(gpt=gpt, optimizer=OptimizerConfig(name=optimizer))
+    opt = OptimizerConfig(name=optimizer, fused=fused)
+    module = (module_cls or GPTLightningModule)(gpt=gpt, optimizer=opt)
     g = torch.Generator().manual_seed(seed)
     shape = (micro_batch * accumulate * steps, gpt.block_size)
     x = torch.randint(0, gpt.vocab_size or 2, shape, generator=g)
