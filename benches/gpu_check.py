@@ -109,6 +109,14 @@ class Scale:
     nanogpt_model: tuple[int, int, int]  # n_layer, n_head, n_embd of the side-by-side
     bench_args: tuple[str, ...] = ()  # more `nanolab bench` options (none on a GPU)
     pack_args: tuple[str, ...] = ()  # more `benches/gpu_pack.py` options (none on a GPU)
+    #: each check's H200 cap times this, and the default --deadline too: the dry run's tiny
+    #: sizes took up to 74 s a check on a 2-core CPU at load 5 (memory_eager's 50 s, past its
+    #: H200 cap of 70 s at load 3.9), so the H200's caps read a slow CPU as a failed check
+    cap_scale: int = 1
+
+    def cap_s(self, check: Check) -> int:
+        """The most ``check`` may take at this scale."""
+        return check.cap_s * self.cap_scale
 
 
 GPU = Scale("cuda", (8, 12, 1024, 64), (), 60, 20, 16, 6, 5, 2, 10, 1024, True, (12, 12, 768))
@@ -124,6 +132,7 @@ DRY = Scale(
     # One fresh interpreter for the bench's import time, not three (~5 s each on 2 cores); no
     # cloze in the packed quickstart jobs (the GPU's 124M jobs have none; ~6 s a job here).
     bench_args=("--import-repeats", "1"), pack_args=("--set", "downstream.suite=null"),
+    cap_scale=3,
 )  # fmt: skip
 SCALE = GPU  # the child process sets DRY for --dry-run
 
@@ -761,9 +770,9 @@ def select(only: str | None, skip: str | None) -> list[Check]:
     return [c for c in CHECKS if c.name in chosen]
 
 
-def time_for(check: Check, remaining_s: float) -> float:
-    """Seconds this check may take: its cap, or what is left before the deadline."""
-    return max(0.0, min(float(check.cap_s), remaining_s))
+def time_for(check: Check, remaining_s: float, scale: Scale = GPU) -> float:
+    """Seconds this check may take: its cap at ``scale``, or what is left before the deadline."""
+    return max(0.0, min(float(scale.cap_s(check)), remaining_s))
 
 
 def run_check(
@@ -969,8 +978,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--only", help="comma-separated checks to run (see --list)")
     p.add_argument("--skip", help="comma-separated checks to leave out")
-    p.add_argument("--deadline", type=float, default=690.0,
-                   help="seconds for all checks; later ones get what is left (default 690)")  # fmt: skip
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds for all checks; later ones get what is left (default 690, "
+                   "3 times that with --dry-run)")  # fmt: skip
     p.add_argument(
         "--list", action="store_true", help="print the checks and their caps, run nothing"
     )
@@ -995,14 +1005,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks = select(args.only, args.skip)
     except ValueError as err:
         p.error(str(err))
+    scale = DRY if args.dry_run else GPU
+    if args.deadline is None:
+        args.deadline = 690.0 * scale.cap_scale
     if args.deadline <= 0:
         p.error("--deadline must be > 0 seconds")
     if args.list:
         for c in checks:
-            print(f"{c.name:<22} {c.cap_s:>4} s  {c.what}")
-        print(
-            f"{'total cap':<22} {sum(c.cap_s for c in checks):>4} s  (--deadline {args.deadline:.0f} s)"
-        )
+            print(f"{c.name:<22} {scale.cap_s(c):>4} s  {c.what}")
+        total = sum(scale.cap_s(c) for c in checks)
+        print(f"{'total cap':<22} {total:>4} s  (--deadline {args.deadline:.0f} s)")
         return 0
 
     out = Path(args.out)
@@ -1025,7 +1037,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = time.monotonic() + args.deadline
     try:
         for check in checks:
-            limit = time_for(check, deadline - time.monotonic())
+            limit = time_for(check, deadline - time.monotonic(), scale)
             print(
                 f"[{time.strftime('%H:%M:%S')}] {check.name} (up to {limit:.0f} s) ...", flush=True
             )

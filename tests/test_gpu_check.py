@@ -82,6 +82,20 @@ def test_list_prints_each_check_with_its_cap(capsys):
     assert out[2].startswith("total cap") and f"{sum(caps)} s" in out[2]
 
 
+def test_the_dry_run_has_its_own_caps(capsys):
+    """The dry run gives each check 3 times its H200 cap (and 3 times the deadline): a loaded
+    2-core CPU took 50 s over memory_eager's tiny sizes, which its 70 s H200 cap read as a
+    timeout once the load rose. A hang still ends at a cap. Mutation caught: the dry run on
+    the H200's caps."""
+    eager = gc.BY_NAME["memory_eager"]
+    assert gc.time_for(eager, 1000, gc.DRY) == 3 * eager.cap_s == 210
+    assert gc.time_for(eager, 1000) == eager.cap_s  # a GPU run keeps the H200's
+    assert gc.main(["--list", "--dry-run", "--only", "memory_eager"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["memory_eager", "210", "s"]
+    assert out[1].endswith("(--deadline 2070 s)")
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [(["--only", "nope"], "unknown check nope"), (["--deadline", "0"], "--deadline must be")],
