@@ -18,7 +18,9 @@ from nanolab.callbacks import (
     ThroughputMeter,
     set_stop_reason,
 )
+from nanolab.callbacks.readout import DEFER_ENV
 from nanolab.callbacks.rundir import claim_run_dir
+from nanolab.callbacks.step import StepCallback
 from nanolab.runlog import read_records
 from nanolab.training.optim import OptimizerConfig
 
@@ -424,3 +426,41 @@ def test_a_new_run_from_another_runs_checkpoint_counts_its_own_passes():
     assert own.run_tokens == 7_000
     own.start_new_run()  # the same run id taken over by a fork's first launch
     assert own.run_tokens == 0
+
+
+class LogsForItsStep(StepCallback):
+    """A fork's step callback logging every 3 steps, as docs/callbacks.md says (``step_values``),
+    and a value in ``on_step`` (after its step's record took its values)."""
+
+    def step_values(self, trainer, pl_module, step, readout) -> None:
+        if step % 3 == 0:
+            pl_module.log("train/from_callback", float(step))
+
+    def on_step(self, trainer, pl_module, step) -> None:
+        if step % 3 == 0:
+            pl_module.log("train/too_late", float(step))
+
+
+@pytest.mark.parametrize("defer", ["0", "1"])  # 1: the GPU's path, values a step later
+def test_a_record_holds_what_was_logged_for_its_step_only(
+    tmp_path, char_dataset, monkeypatch, capsys, defer
+):
+    """A value logged every 3 steps, by the module (in one of two micro-batches) or by a step
+    callback's ``step_values``, is in the records of those steps, the last one included, and in
+    no other: Lightning keeps the last value until the epoch ends, which the log once copied
+    into every record between (as if measured there), and a callback's value landed a step late
+    (the log read before the callbacks' hooks). One logged in ``on_step`` is in no record, and
+    the run says where to log it instead."""
+    monkeypatch.setenv(DEFER_ENV, defer)
+    run = tmp_path / "run"
+    callbacks = [MetricsLog(), LogsForItsStep()]
+    fit(run, char_dataset, callbacks, max_steps=9, accumulate=2, module_kwargs={"log_every": 3})
+    train = events(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == list(range(1, 10))
+    for r in train:
+        logged = float(r["step"]) if r["step"] % 3 == 0 else None
+        assert r.get("train/every") == logged, r
+        assert r.get("train/from_callback") == logged, r
+        assert "train/too_late" not in r and r["loss"] > 0
+    (late,) = [line for line in capsys.readouterr().err.splitlines() if "too_late" in line]
+    assert "logged at step 3 after the run log took" in late and "step_values" in late

@@ -22,7 +22,8 @@ TOKENS_PER_MICRO_BATCH = MICRO * BLOCK
 
 # -- helpers for the other test_callbacks_* files ---------------------------------------------
 class ScriptedModule(GPTLightningModule):
-    """The real module; optionally logs extra metrics, scripted val losses, or fails at a step."""
+    """The real module; optionally logs extra metrics (``log_every``: ``train/every`` = the step
+    at every that many steps), scripted val losses, or fails at a step."""
 
     def __init__(
         self,
@@ -30,12 +31,14 @@ class ScriptedModule(GPTLightningModule):
         val_losses: list[float] | None = None,
         fail_at_step: int | None = None,
         extra_logs: bool = False,
+        log_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.val_losses = val_losses
         self.fail_at_step = fail_at_step
         self.extra_logs = extra_logs
+        self.log_every = log_every
         self._evals = 0
 
     def training_step(self, batch, batch_idx):
@@ -44,6 +47,9 @@ class ScriptedModule(GPTLightningModule):
         loss = super().training_step(batch, batch_idx)
         if self.extra_logs:
             self.log("train/aux", loss.detach() * 2)
+        step = self.trainer.global_step + 1  # the step this micro-batch trains
+        if self.log_every and step % self.log_every == 0:
+            self.log("train/every", float(step))
         return loss
 
     def validation_step(self, batch, batch_idx):

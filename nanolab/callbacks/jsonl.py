@@ -5,8 +5,10 @@ and the queue read the same file with :func:`nanolab.runlog.read_records`. The s
 "Callbacks") is the contract; this module only assembles records:
 
 * ``start`` once per process (after the checkpoint, if any, is restored);
-* ``train`` every ``every_n_steps`` optimizer steps — the module's ``self.log`` values plus what
-  the clock, the throughput meter and the budget contribute (:class:`~.events.RecordSource`);
+* ``train`` every ``every_n_steps`` optimizer steps — the values logged for that step (``self.log``
+  in the module's ``training_step``, in a step callback's ``step_values``; never one logged at an
+  earlier step) plus what the clock, the throughput meter and the budget contribute
+  (:class:`~.events.RecordSource`);
 * ``val`` after every validation; ``end`` when the run ends, for whatever reason.
 
 Cost: no host-device sync of its own. A ``train`` record's device scalars (loss, gradient norm)
@@ -89,7 +91,9 @@ class MetricsLog(StepCallback):
     """Writes the run log ``<run_dir>/metrics.jsonl`` (schema in docs/callbacks.md).
 
     Its step hooks run first among the step callbacks, so a step's ``train`` record precedes
-    whatever another callback records or decides at that step.
+    whatever another callback records or decides at that step; but it takes the step's logged
+    metrics after every callback's ``step_values`` (:attr:`reads_logged_metrics`), where a
+    callback logs a metric for its step.
 
     Args:
         every_n_steps: Optimizer steps between ``train`` records (1 = every step).
@@ -103,6 +107,8 @@ class MetricsLog(StepCallback):
 
     #: The one callback that writes the run log: :func:`nanolab.callbacks.events.emit` finds it.
     owns_run_log = True
+
+    reads_logged_metrics = True
 
     def __init__(
         self,
@@ -136,6 +142,9 @@ class MetricsLog(StepCallback):
         self._lr: float | None = None  # the rate the step about to run trains with
         self._params: list[torch.nn.Parameter] | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # train records waiting for their values
+        self._taken: dict[str, Any] = {}  # the logged values as last taken (see _logged_since)
+        self._taken_at: int | None = None  # the step they were taken at, until the next starts
+        self._warned_late = False
         self._ended = False
 
     # -- writing -----------------------------------------------------------------------------
@@ -162,6 +171,7 @@ class MetricsLog(StepCallback):
             self._ended = False
             mute_lightning_metrics(trainer)  # loggers get the run log's records instead
             self._params = None  # listed at the first logged step, after configure_model
+            self._taken, self._taken_at = {}, None
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert self.clock is not None
@@ -300,19 +310,56 @@ class MetricsLog(StepCallback):
     def step_values(
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
     ) -> None:
+        # At every step, recorded or not: what is logged at a step without a record is its own.
+        metrics = self._logged_since(trainer)
+        self._taken_at = step
         if not self._logs_step(step):
             return
         grad_norm, self._grad_norm = self._grad_norm, None
         if self._writer is None:
             return
         grad_norm = read_gradient_norm(grad_norm, pl_module)
-        metrics = fresh_metrics(trainer, training=True)
         if grad_norm is None:
             grad_norm = engine_gradient_norm(trainer)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         for key, value in metrics.items():
             readout.put(LOG_KEY + key, value)  # with the others; on a GPU it may come next step
+
+    def _logged_since(self, trainer: L.Trainer) -> dict[str, Any]:
+        """What the module and the callbacks logged in training since this was last asked.
+
+        Lightning keeps the last value of a name until the epoch ends, so a value logged every
+        k steps is still in its results at the steps between; each ``self.log`` stores a new
+        tensor, so a name whose tensor is the one taken last time was not logged since. The
+        taken values are held until the next call, so a new one cannot reuse their memory.
+        """
+        metrics = fresh_metrics(trainer, training=True)
+        taken, self._taken = self._taken, metrics
+        return {k: v for k, v in metrics.items() if not same_value(v, taken.get(k))}
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._took_late(trainer)
+
+    def _took_late(self, trainer: L.Trainer) -> None:
+        """Between a step's read and the next step (or the end): a value logged there (in a
+        callback's ``on_step``, the module's ``on_train_batch_end``) came after its step's record
+        took its values, and belongs in no later one; say so, once, with where to log it."""
+        step, self._taken_at = self._taken_at, None
+        if step is None or not self.active:
+            return
+        late = sorted(self._logged_since(trainer))
+        if late and not self._warned_late and trainer.is_global_zero:
+            self._warned_late = True
+            warn(
+                "nanolab fit",
+                f"{', '.join(late)} was logged at step {step} after the run log took the step's "
+                "values (in on_step or on_train_batch_end), so no record holds it; log it in "
+                "the module's training_step or in a step callback's step_values "
+                "(docs/callbacks.md)",
+            )
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if self._writer is None:
@@ -408,6 +455,8 @@ class MetricsLog(StepCallback):
         if self._ended or not self.active:
             return
         self._ended = True
+        with contextlib.suppress(Exception):  # a note, never in the way of the end record
+            self._took_late(trainer)
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             flush = getattr(callback, "flush_records", None)
             if callable(flush):
@@ -480,12 +529,14 @@ class MetricsLog(StepCallback):
 
 # -- helpers (also used by the other callbacks) --------------------------------------------------
 def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
-    """What the module logged in the current loop (train step or validation epoch).
+    """What the module logged in the current loop (train steps or validation epoch).
 
-    ``trainer.callback_metrics`` also holds stale values from the other loop (the last
-    ``val/loss`` during training, a value logged only now and then); the active loop's results
-    hold only the current ones. Lightning has no public accessor for those, hence the logger
-    connector (private); if a Lightning upgrade moves it, the public dict is filtered by name.
+    ``trainer.callback_metrics`` also holds the other loop's values (the last ``val/loss``
+    during training); the active loop's results hold only its own. They still hold a train
+    value logged only now and then at the steps between (Lightning keeps it until the epoch
+    ends): :meth:`MetricsLog._logged_since` keeps only those logged since it last looked.
+    Lightning has no public accessor for the results, hence the logger connector (private); if
+    a Lightning upgrade moves it, the public dict is filtered by name.
     """
     try:
         metrics = dict(trainer._logger_connector.metrics["callback"])
@@ -501,6 +552,14 @@ def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
         if loss is not None and isinstance(module, GPTLightningModule):
             metrics[TRAIN_LOSS] = loss
     return metrics
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two logged values are one: the same tensor memory (Lightning hands out a new
+    view of its stored tensor at each look, and stores a new tensor at each ``self.log``)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.device == b.device and a.data_ptr() == b.data_ptr()
+    return a is b
 
 
 def to_floats(metrics: dict[str, Any]) -> dict[str, float | None]:

@@ -11,7 +11,10 @@ others in an order that does not depend on where it sits in ``trainer.callbacks`
   is already loaded);
 * :meth:`~StepCallback.on_micro_batch` — after every micro-batch, before ``on_step``;
 * :meth:`~StepCallback.step_values` — a step finished: put the device scalars to read (one
-  transfer for all the callbacks, :mod:`nanolab.callbacks.readout`), before any ``on_step``;
+  transfer for all the callbacks, :mod:`nanolab.callbacks.readout`), before any ``on_step``; the
+  place to log a metric for the step (``pl_module.log``): the callbacks that read the logged
+  metrics (:attr:`~StepCallback.reads_logged_metrics`, the run log) take them after every other
+  callback's ``step_values``, and before any ``on_step``;
 * :meth:`~StepCallback.on_step` — an optimizer step just finished (``step`` = steps done);
 * :meth:`~StepCallback.on_validated` — an evaluation during fit ended (not the sanity check).
 
@@ -82,6 +85,10 @@ class StepCallback(Callback):
     #: placed by :data:`STEP_ORDER` at 10 ... 80).
     step_order: ClassVar[int] = 100
 
+    #: Whether :meth:`step_values` reads what was logged for the step (``self.log``): such a
+    #: callback's runs after every other's, so that a metric a callback logs there is the step's.
+    reads_logged_metrics: ClassVar[bool] = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # cooperative: e.g. TQDMProgressBar's arguments
         self.clock: RunClock | None = None
@@ -123,7 +130,7 @@ class StepCallback(Callback):
             validate_at_the_last_step(trainer)  # before on_step: saves wait for it
             readout = self.clock.readout
             readout.begin(step)
-            for callback in peers:
+            for callback in sorted(peers, key=lambda c: c.reads_logged_metrics):  # stable
                 callback.step_values(trainer, pl_module, step, readout)
             with self.clock.device_wait():  # the host waits for the step's queued device work
                 readout.transfer()
