@@ -161,6 +161,10 @@ def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugi
         assert f"{PACKAGE}.broken" in lines[0] and missing in lines[0], lines[0]
     code, _, err = run(capsys, "fit", "--config", str(tiny), "--data", "mylab.data.Nope")
     assert code == 2 and "module 'mylab.data' has no class 'Nope'" in err
+    assert "did you mean" not in err  # nothing near: no guess
+    # A typo of a class the module defines: named, not a class it imports (TokenDataModule).
+    code, _, err = run(capsys, "fit", "--config", str(tiny), "--data", "mylab.data.SubsetDta")
+    assert code == 2 and err.strip().endswith("did you mean mylab.data.SubsetData?"), err
     assert not (tmp_path / "runs").exists()
 
 

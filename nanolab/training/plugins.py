@@ -102,10 +102,30 @@ def load_class(class_path: str, where: str) -> type:
         ) from None
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
+        near = nearest_class(module, name)
+        hint = f"; did you mean {module_name}.{near}?" if near else ""
         raise PluginImportError(
-            f"{where}: module {module_name!r} has no class {name!r} (from {class_path})"
+            f"{where}: module {module_name!r} has no class {name!r} (from {class_path}){hint}"
         )
     return cls
+
+
+def nearest_class(module: Any, name: str) -> str | None:
+    """The class ``module`` defines whose name is nearest ``name`` (a typo of it), or None.
+
+    Only classes defined there (not those it imports, such as the base it subclasses), so the
+    suggestion is the module's own: ``Modle`` -> ``Model``, never ``GPTLightningModule``."""
+    import difflib
+
+    defined = [
+        key
+        for key, value in vars(module).items()
+        if isinstance(value, type) and value.__module__ == module.__name__
+    ]
+    near = difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
+    if not near:  # a case slip: ``model`` for ``Model``
+        near = [key for key in defined if key.lower() == name.lower()]
+    return near[0] if near else None
 
 
 def class_paths_in_argv(argv: list[str]) -> list[tuple[str, str]]:
