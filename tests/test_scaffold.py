@@ -288,3 +288,30 @@ def test_a_filled_in_name_keeps_the_config_comments_in_their_column(
     assert [line.index(" # ") + 1 for line in others] == [33, 33]
     assert name_line.index(" # ") + 1 == max(33, len(f'  name: "{name}"') + 2)
     assert all(not line.endswith(" ") for line in lines)
+
+
+def test_a_mistyped_key_of_the_starters_classes_names_the_place_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The starter chooses its classes by path, and the keys nanolab checks before parsing are
+    those of its own classes: a typo under ``model.init_args`` got the parser's words instead
+    ("Group 'model.gpt' does not accept option 'n_layers'", no file, no fix; on the command
+    line an unrecognized ``--model.gpt.n_layers=2`` that was never typed). Now the same line
+    as for nanolab's own classes: where, the key as written, the nearest setting."""
+    project = tmp_path / "proj"
+    write_project(project)
+    (project / "bad.yaml").write_text("model:\n  init_args:\n    gpt:\n      n_layers: 2\n")
+    monkeypatch.chdir(project)
+    cases = {
+        ("--config", "bad.yaml"): "config file bad.yaml: unknown setting "
+        "model.init_args.gpt.n_layers; did you mean model.init_args.gpt.n_layer?",
+        ("--model.init_args.gpt.n_layers", "2"): "unknown setting "
+        "--model.init_args.gpt.n_layers; did you mean --model.init_args.gpt.n_layer?",
+        ("--data.init_args.micro_batch=3",): "unknown setting --data.init_args.micro_batch; "
+        "did you mean --data.init_args.micro_batch_size?",
+    }
+    with importable(project, "proj"):
+        for extra, said in cases.items():
+            code = nanolab_main(["fit", "--config", "configs/experiment.yaml", *extra])
+            err = capsys.readouterr().err
+            assert code == 2 and err == f"nanolab fit: error: {said}\n", err

@@ -8,8 +8,9 @@ files against them before importing anything heavy: a typo is one line in well u
 
 A key is unknown when it is neither a setting, nor a group of settings, nor inside a setting
 that takes free-form values (``trainer.callbacks``, ``trainer.strategy``, ...). Keys under
-``model``/``data`` are not checked when the config chooses another class for them (its keys are
-that class's). An argparse-style abbreviation (``--trainer.max_step`` for ``max_steps``) is
+``model``/``data`` are not checked here when the config chooses another class for them (its keys
+are that class's): when the parser refuses such a config, the keys of the classes it names are
+checked the same way (:func:`nanolab.run.parse.chosen_class_keys`). An argparse-style abbreviation (``--trainer.max_step`` for ``max_steps``) is
 unknown too: a silently completed typo is the same typo.
 """
 
@@ -220,20 +221,25 @@ def chosen_classes(argv: list[str]) -> set[str]:
     return chosen
 
 
-def check_keys(argv: list[str], known: frozenset[str]) -> None:
+def check_keys(argv: list[str], known: frozenset[str], skip_chosen: bool = True) -> None:
     """Refuse the first key of ``argv`` (and its ``--config`` files) that ``known`` lacks,
-    naming where it is and the nearest known key."""
-    skip = chosen_classes(argv)
+    naming where it is and the nearest known key, both as the user writes them (with
+    ``init_args`` when the key has it). ``skip_chosen``: pass over the keys of a group whose
+    class ``argv`` chooses (``known`` holds nanolab's classes' keys, not that class's)."""
+    skip = chosen_classes(argv) if skip_chosen else set()
     for raw, where in given_keys(argv):
         key = _plain_key(raw)
         group = key.split(".", 1)[0]
         if group in skip or key.endswith(".help") or _known(key, known):
             continue
         near = suggestion(key, known)
+        if near is not None and key != raw:  # written with init_args: suggest it that way
+            near_group, _, rest = near.partition(".")
+            near = f"{near_group}.init_args.{rest}" if near_group == group and rest else near
         dash = "--" if where.startswith("--") else ""
         hint = f"did you mean {dash}{near}?" if near else "`nanolab fit --help` lists them"
         place = "" if dash else f"{where}: "
-        raise RunConfigError(f"{place}unknown setting {dash}{key}; {hint}")
+        raise RunConfigError(f"{place}unknown setting {dash}{raw}; {hint}")
 
 
 def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
