@@ -440,6 +440,24 @@ def test_output_that_is_a_file_and_missing_sources(tmp_path, capsys):
     assert target.read_text() == "mine"
 
 
+def test_a_missing_data_source_names_the_setting(tmp_path):
+    """fit prepares ``data.source`` through the same reader as ``nanolab prepare``; a path that
+    is not there was refused as "source 'data/txt' does not exist" without saying which setting
+    held it. prepare's own arguments are still called sources."""
+    from nanolab.data.datamodule import TokenDataModule
+
+    missing, glob_ = str(tmp_path / "txt"), str(tmp_path / "*.nothing")
+    for source, says in (
+        (missing, f"data.source: source {missing!r} does not exist; give a file, a folder or"),
+        (glob_, f"data.source: the glob {glob_!r} matches no files nanolab reads"),
+        ("", "data.source: a source is empty"),
+    ):
+        data = TokenDataModule(str(tmp_path / "ds"), [source], "chars")
+        with pytest.raises(PrepareError, match=f"^{re.escape(says)}"):
+            data.meta  # noqa: B018  (fit prepares data.source here)
+    assert not (tmp_path / "ds").exists()
+
+
 @pytest.mark.parametrize("size", ["nan", "inf", "-inf", "1e400", "lots"])
 def test_a_bpe_sample_size_that_is_not_a_number_is_one_line(tmp_path, capsys, size):
     """``inf`` and ``1e400`` overflowed int() past the ValueError that ``nan`` raises: a

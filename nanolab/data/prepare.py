@@ -98,6 +98,7 @@ PREPARE_FLAGS = {
     "val_fraction": "--val-fraction",
 }
 FIT_KEYS = {
+    "source": "data.source",
     "dataset_dir": "data.dataset_dir",
     "bpe_vocab_size": "data.bpe_vocab_size",
     "val_fraction": "data.val_fraction",
@@ -174,7 +175,7 @@ def prepare_dataset(
 ) -> dict[str, Any]:
     """Tokenize ``sources`` into ``dataset_dir``; return its meta. A no-op when already prepared
     (``say_reused``: say so, as ``nanolab prepare`` does; ``fit`` reuses it at every launch).
-    ``setting_names``: what a refusal of ``dataset_dir``, ``bpe_vocab_size`` or
+    ``setting_names``: what a refusal of ``source``, ``dataset_dir``, ``bpe_vocab_size`` or
     ``val_fraction`` calls them."""
     if not str(dataset_dir):  # Path("") is the current folder: it would become the dataset
         raise PrepareError(
@@ -229,7 +230,7 @@ def prepare_dataset(
         lock = out_dir.with_name(f".{out_dir.name}.lock")
         # -o inside an input folder: its dataset, lock and a killed run's leftovers are not input
         mine = (out_dir, lock, *out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"))
-        resolved = resolve_sources(sources, exclude=mine)
+        resolved = resolve_sources(sources, mine, setting_names.get("source") or None)
     except SourceError as err:
         raise PrepareError(str(err)) from None
     tok_identity: Any = tokenizer

@@ -196,21 +196,29 @@ def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[
     return found
 
 
-def resolve_sources(specs: Sequence[str], exclude: Sequence[Path] = ()) -> Resolved:
+def resolve_sources(
+    specs: Sequence[str], exclude: Sequence[Path] = (), setting: str | None = None
+) -> Resolved:
     """Every file the specs name, in a fixed order (specs in order, each folder sorted); a
-    folder's walk leaves out the paths in ``exclude``."""
+    folder's walk leaves out the paths in ``exclude``. ``setting``: the config key the specs
+    came from (``data.source``), put before a refusal's words; None for ``nanolab prepare``'s
+    arguments."""
+
+    def named(message: str) -> str:
+        return f"{setting}: {message}" if setting else message
+
     if not specs:
         raise SourceError("no sources given; pass files, folders, globs, or bundled:shakespeare")
     files: list[InputFile] = []
     skipped: list[str] = []
     for spec in specs:
         if not spec:  # Path("") is the current folder: every file in it would be read
-            raise SourceError("a source is empty (''); give a file, a folder or a glob")
+            raise SourceError(named("a source is empty (''); give a file, a folder or a glob"))
         if spec.startswith(BUNDLED_PREFIX):
             key = spec[len(BUNDLED_PREFIX) :]
             if key not in BUNDLED:
                 raise SourceError(
-                    f"unknown bundled corpus {spec!r}; available: "
+                    named(f"unknown bundled corpus {spec!r}; available: ")
                     + ", ".join(BUNDLED_PREFIX + k for k in BUNDLED)
                 )
             blob = resources.files("nanolab.data").joinpath("corpus", BUNDLED[key]).read_bytes()
@@ -222,21 +230,27 @@ def resolve_sources(specs: Sequence[str], exclude: Sequence[Path] = ()) -> Resol
             found = _walk(path, skipped, exclude)
             if not found:
                 raise SourceError(
-                    f"folder {path} holds no files nanolab reads (text {', '.join(TEXT_SUFFIXES)}"
-                    f"; json lines {', '.join(JSONL_SUFFIXES)}; .parquet; optionally .gz/.zst)"
+                    named(f"folder {path} holds no files nanolab reads (text ")
+                    + f"{', '.join(TEXT_SUFFIXES)}; json lines {', '.join(JSONL_SUFFIXES)}; "
+                    ".parquet; optionally .gz/.zst)"
                 )
             files.extend(f for p in found if (f := _input_file(p, explicit=False)) is not None)
         elif path.is_file():
             files.append(_input_file(path, explicit=True))  # type: ignore[arg-type]
         elif glob.has_magic(spec):
-            files.extend(_glob_files(spec, skipped, exclude))
+            try:
+                files.extend(_glob_files(spec, skipped, exclude))
+            except SourceError as err:
+                raise SourceError(named(str(err))) from None
         elif path.is_symlink() or path.exists():  # a link to nothing, a FIFO, a device
             raise SourceError(
-                f"source {spec!r} is {not_a_file(path)}, not a file nanolab can read; give a "
-                "file, a folder or a glob"
+                named(f"source {spec!r} is {not_a_file(path)}, not a file nanolab can read; ")
+                + "give a file, a folder or a glob"
             )
         else:
-            raise SourceError(f"source {spec!r} does not exist; give a file, a folder or a glob")
+            raise SourceError(
+                named(f"source {spec!r} does not exist; give a file, a folder or a glob")
+            )
     return Resolved(_read_once(files, skipped), skipped)
 
 
