@@ -23,7 +23,10 @@ VERBS: dict[str, tuple[str, str]] = {
         "in-context task accuracies of a checkpoint (CORE: a DCLM bundle)",
     ),
     "lm-eval": ("nanolab.downstream.harness:main", "lm-evaluation-harness on a checkpoint"),
-    "export": ("nanolab.export:main", "write a checkpoint as a Hugging Face GPT-2 folder"),
+    "export": (
+        "nanolab.export:main",
+        "write a checkpoint as a Hugging Face folder or as safetensors (--format)",
+    ),
     "estimate": ("nanolab.estimator.cli:main", "predict memory, time and cost before a run"),
     "report": ("nanolab.report.cli:main", "summarise runs from their metrics.jsonl logs"),
     "status": (

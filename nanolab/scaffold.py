@@ -212,8 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--name",
-        help="the project's name: its package (src/NAME/, NAME.model.Model), pyproject name and "
-        "run name (default: the folder's name, - as _)",
+        help="the project's name, its run name as it is (default: the folder's name); its "
+        "package and pyproject name are the name as a Python identifier (my-lm: src/my_lm/, "
+        "my_lm.model.Model)",
     )
     args = parser.parse_args(argv)
     refuse_inside_run(args.directory, "init", ScaffoldError)

@@ -165,3 +165,13 @@ def test_the_end_block_reads_the_runs_own_numbers_and_quotes_its_paths(tmp_path)
     text = end_block(SimpleNamespace(default_root_dir=str(run)))
     assert "val loss 1.8100 at step 600" in text and "cloze 0.387" in text, text
     assert f"--ckpt '{run / 'checkpoints' / 'last.ckpt'}'" in text, text
+
+
+def test_the_verb_list_says_export_writes_both_formats(capsys) -> None:
+    """``nanolab --help`` described export as "a Hugging Face GPT-2 folder" only, though
+    ``--format safetensors`` writes nanolab's own (any model, RoPE included)."""
+    from nanolab.cli import main
+
+    assert main(["--help"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("export")]
+    assert "Hugging Face folder" in line and "safetensors" in line and "GPT-2" not in line

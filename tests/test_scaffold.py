@@ -315,3 +315,24 @@ def test_a_mistyped_key_of_the_starters_classes_names_the_place_and_the_fix(
             code = nanolab_main(["fit", "--config", "configs/experiment.yaml", *extra])
             err = capsys.readouterr().err
             assert code == 2 and err == f"nanolab fit: error: {said}\n", err
+
+
+def test_init_help_says_what_the_name_becomes(tmp_path: Path, capsys) -> None:
+    """``--help`` said the default name was "the folder's name, - as _", but the run name keeps
+    its ``-``: only the package (and the pyproject name) become an identifier."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "- as _" not in said
+    assert "its run name as it is (default: the folder's name)" in said
+    assert (
+        "package and pyproject name are the name as a Python identifier (my-lm: src/my_lm/" in said
+    )
+    write_project(tmp_path / "tiny-verse")
+    config = yaml.safe_load((tmp_path / "tiny-verse/configs/experiment.yaml").read_text())
+    pyproject = (tmp_path / "tiny-verse/pyproject.toml").read_text()
+    assert (
+        config["run"]["name"] == "tiny-verse"
+        and config["model"]["class_path"] == "tiny_verse.model.Model"
+    )
+    assert (tmp_path / "tiny-verse/src/tiny_verse").is_dir() and 'name = "tiny_verse"' in pyproject
