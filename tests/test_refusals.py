@@ -285,8 +285,12 @@ def test_a_class_given_by_class_path_wrong_is_one_line_with_the_fix(tmp_path: Pa
         "data:\n  class_path: nanolab.data.datamodule.TokenDataModule\n"
         "  init_args:\n    micro_batch_sise: 2\n"
     )
-    with pytest.raises(FitParseError, match=r"'micro_batch_sise' is not a setting of the class"):
+    with pytest.raises(FitParseError) as err:
         parse_fit_config(["--config", quickstart, "--config", str(data)])
+    assert str(err.value) == (
+        f"config file {data}: unknown setting data.init_args.micro_batch_sise; "
+        "did you mean data.init_args.micro_batch_size?"
+    )
 
 
 @pytest.mark.parametrize(
