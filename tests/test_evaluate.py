@@ -184,3 +184,49 @@ def test_an_evaluation_on_other_data_or_windows_is_printed_not_logged_to_the_run
     assert (run / "metrics.jsonl").read_bytes() == log_before
     same = nanolab_here("validate", "--config", "tiny.yaml", cwd=work)  # its own: logged
     assert same.returncode == 0 and read_records(run / "metrics.jsonl")[-1]["event"] == "val"
+
+
+def poisoned(src: Path, dst: Path) -> None:
+    """``src`` with one NaN in its token embedding (tied to the output layer: 2 tensors),
+    written to ``dst`` as a fresh file (never through a hard link into another name)."""
+    ckpt = torch.load(src, weights_only=True)
+    ckpt["state_dict"]["model.wte.weight"][0, 0] = float("nan")
+    dst.unlink(missing_ok=True)
+    torch.save(ckpt, dst)
+
+
+@pytest.mark.parametrize(
+    ("verb", "given", "scored"),
+    [
+        ("validate", "nan.ckpt", "nan.ckpt"),
+        ("test", "last", "runs/tiny/checkpoints/"),
+        ("validate", "best", "runs/tiny/checkpoints/step-"),
+        ("test", "runs/tiny", "runs/tiny/checkpoints/last.ckpt"),
+    ],
+)
+def test_a_checkpoint_with_non_finite_weights_is_refused_in_evals_words(work, verb, given, scored):
+    """validate/test scored a checkpoint holding NaN weights, printed ``val/loss  -`` and
+    exited 0 (and for ``last``/``best`` logged the NaN record to the run). Each way of naming
+    it (a file, ``last``, ``best``, a run directory) is refused before the model runs, in the
+    line generate/eval/export give for the same file, exit 2, the run left as it was."""
+    run = work / "runs" / "tiny"
+    poisoned(run / "checkpoints" / "last.ckpt", work / "nan.ckpt")
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        poisoned(ckpt, ckpt)
+    before = digests(work)
+    res = nanolab_here(verb, "--config", "tiny.yaml", "--ckpt_path", given, cwd=work)
+    assert res.returncode == 2, (res.stdout, res.stderr[-2000:])
+    stage = "val" if verb == "validate" else "test"
+    assert "Traceback" not in res.stderr and f"{stage}/loss" not in res.stdout
+    line = res.stderr.strip().splitlines()[-1]
+    prefix = f"nanolab {verb}: error: "
+    assert line.startswith(prefix + scored), line
+    path = line[len(prefix) :].split(" has ", 1)[0]  # the file it resolved to: generate's words
+    generate = nanolab_here("generate", "--ckpt", path, "--prompt", "a", cwd=work)
+    assert generate.returncode == 2, generate.stderr[-2000:]
+    assert (
+        generate.stderr.strip().splitlines()[-1]
+        == f"nanolab generate: error: {line[len(prefix) :]}"
+    )
+    assert "has non-finite weights (NaN/inf in 2 of" in line
+    assert digests(work) == before  # nothing logged, nothing written

@@ -212,15 +212,10 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
         raise CheckpointError(
             f"{source} has no nanolab model config (was it written by nanolab fit?)"
         )
-    prefix = "model."
-    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
-    if bad:
-        raise CheckpointError(
-            f"{source} has non-finite weights (NaN/inf in {len(bad)} of {len(state)} "
-            f"tensors, e.g. {bad[0]}): the run diverged before this save; pass an earlier "
-            "checkpoint from its checkpoints/ folder"
-        )
+    state = model_weights(ckpt)
+    non_finite = non_finite_error(state, source)
+    if non_finite is not None:
+        raise non_finite
     model = None
     try:
         config = GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False})
@@ -240,6 +235,32 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
     model = model or GPT(config)
     model.load_state_dict(state)
     return model.eval()
+
+
+def model_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The GPT's weights in a checkpoint's ``state_dict``, named as the GPT names them (the
+    LightningModule keeps it as ``model``: its keys start with ``model.``)."""
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+
+
+def non_finite_error(state: dict[str, Any], source: str | Path) -> CheckpointError | None:
+    """The one line for weights holding NaN or inf (None when every tensor is finite):
+    generate, eval, validate and test refuse such a checkpoint in these words before running
+    the model (its loss would be NaN, printed as "-" with exit 0). One pass over the weights
+    as loaded (memory-mapped: each page is read once), never a load of its own."""
+    bad = [
+        k
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(v.isfinite().all())
+    ]
+    if not bad:
+        return None
+    return CheckpointError(
+        f"{source} has non-finite weights (NaN/inf in {len(bad)} of {len(state)} "
+        f"tensors, e.g. {bad[0]}): the run diverged before this save; pass an earlier "
+        "checkpoint from its checkpoints/ folder"
+    )
 
 
 def check_part_modules(source: str | Path, meta: dict[str, Any]) -> None:

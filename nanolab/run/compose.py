@@ -752,7 +752,16 @@ def evaluation_target(
     except ResumeError as err:
         raise RunConfigError(str(err)) from None
     source = read_path(cand.path)  # the held file's descriptor: the name may be gone by now
-    other = other_data(data, source) if target.log_to_run else None
+    saved = mapped_checkpoint(source)  # read once, for both checks below
+    if saved is not None:
+        from nanolab.model.checkpoint import model_weights, non_finite_error
+
+        # NaN weights score NaN (printed "-", exit 0, and logged for the run): refuse them in
+        # eval's words. A module of one's own may name its weights otherwise: all of them.
+        refused = non_finite_error(model_weights(saved) or saved["state_dict"], target.path)
+        if refused is not None:
+            raise refused
+    other = other_data(data, saved) if target.log_to_run else None
     if other is not None:
         from nanolab.callbacks.runlock import global_rank_from_env
 
@@ -762,23 +771,31 @@ def evaluation_target(
     return target, str(source)
 
 
-def other_data(data: Any, path: Path) -> str | None:
-    """How ``data`` differs from what the checkpoint's run trained and validated on (its
-    datasets' content, its validation windows), or None: the same, or nothing to compare (a
-    DataModule of one's own, a sharded folder, a checkpoint older than the saved state)."""
-    fingerprint = getattr(data, "data_fingerprint", None)
-    if not callable(fingerprint) or Path(path).is_dir():
+def mapped_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The checkpoint file ``path`` memory-mapped (its tensors' bytes are read only when
+    used), or None for a sharded folder or a file that does not load (Lightning's restore
+    says why)."""
+    if path.is_dir():
         return None
     import torch
 
-    from nanolab.data.checks import data_changes
-
     try:
-        saved = _saved_data_state(
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        )
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
+    return ckpt if isinstance(ckpt, dict) and isinstance(ckpt.get("state_dict"), dict) else None
+
+
+def other_data(data: Any, ckpt: dict[str, Any] | None) -> str | None:
+    """How ``data`` differs from what the checkpoint ``ckpt`` was trained and validated on
+    (its datasets' content, its validation windows), or None: the same, or nothing to compare
+    (a DataModule of one's own, a sharded folder, a checkpoint older than the saved state)."""
+    fingerprint = getattr(data, "data_fingerprint", None)
+    if not callable(fingerprint) or ckpt is None:
+        return None
+    from nanolab.data.checks import data_changes
+
+    saved = _saved_data_state(ckpt)
     if saved is None:
         return None
     changes = data_changes(saved.get("data_fingerprint") or {}, fingerprint())
