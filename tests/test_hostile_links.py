@@ -244,6 +244,70 @@ def test_a_copy_of_a_run_without_its_log_is_refused_with_a_fix_that_works(
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+def _run_log(run_dir: Path, run_id: str, where: Path) -> None:
+    """A run directory whose log's one launch ran in ``where``, with a checkpoint file."""
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    record = {"event": "start", "time": 0.0, "step": 0, "run_id": run_id, "run_dir": str(where)}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (run_dir / "checkpoints" / "step-00000004.ckpt").write_bytes(b"stand-in")
+
+
+def test_a_checkpoint_saved_by_a_copy_of_this_run_does_not_continue_here(tmp_path) -> None:
+    """`runs/b` is a copy of `runs/a` with its log (both name run `r`), and b trained on: b's
+    checkpoint resumed into a would splice b's steps into a's timeline, so it is refused naming
+    both directories. A backup of a's own checkpoint kept elsewhere (saved by a) resumes."""
+    from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+
+    a, b, rid = tmp_path / "runs" / "a", tmp_path / "runs" / "b", "r" * 12
+    _run_log(a, rid, a)
+    _run_log(b, rid, a)  # the copy's log: its first launch ran in a
+    theirs = b / "checkpoints" / "step-00000004.ckpt"
+    with pytest.raises(RunDirError, match="would make two runs of one id") as refused:
+        claim_run_dir(a, None, True, checkpoint=theirs, checkpoint_run_id=rid,
+                      checkpoint_run_dir=str(b))  # fmt: skip
+    assert f"of {b}, which still holds that run" in str(refused.value)
+    assert f"continuing it in {a} too" in str(refused.value)
+    backup = tmp_path / "backup" / "step-00000004.ckpt"
+    backup.parent.mkdir()
+    backup.write_bytes(b"stand-in")
+    own = claim_run_dir(a, None, True, checkpoint=backup, checkpoint_run_id=rid,
+                        checkpoint_run_dir=str(a))  # fmt: skip
+    assert own.run_id is None  # resumes as run r
+
+
+def test_a_copy_of_a_run_with_its_log_is_refused_and_a_move_resumes(
+    tmp_path, char_dataset, victim
+) -> None:
+    """`cp -r runs/b copy/b` with its log: both logs name one run, and the copy's checkpoints
+    say they were saved in the original, which still holds it, so resuming the copy is refused
+    in one line naming both and nothing changes. Once the original is moved away (the copy is
+    now the run, moved with its log) the same command resumes it under its own id."""
+    copy = tmp_path / "copy"
+    shutil.copytree(victim, copy / "b")
+    before = digests(copy)
+    cfg = tiny_overrides(char_dataset, copy, run__name="b", trainer__max_steps=8)
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    res = nanolab_here("fit", "--config", config, "--run.resume", "auto", cwd=tmp_path)
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, detail
+    line = last_line(res.stderr)
+    assert f"of {victim}, which still holds that run" in line, line
+    assert f"continuing it in {copy / 'b'} too" in line, line
+    assert digests(copy) == before  # config.yaml and the log too: refused before a write
+
+    origin = victim.parent / "b.moved"
+    os.rename(victim, origin)  # the original is gone: the copy is the run, moved
+    try:
+        res = nanolab_here("fit", "--config", config, "--run.resume", "auto", cwd=tmp_path)
+    finally:
+        os.rename(origin, victim)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run_id,) = set(_start_ids(victim / "metrics.jsonl"))
+    assert set(_start_ids(copy / "b" / "metrics.jsonl")) == {run_id}
+    ends = [r["step"] for r in read_records(copy / "b" / "metrics.jsonl") if r["event"] == "end"]
+    assert ends[-1] == 8
+
+
 def queue(capsys, db: Path, *argv: str) -> tuple[int, str, str]:
     """``nanolab queue VERB --db DB ARGS`` in this process; (exit code, stdout, stderr)."""
     from nanolab.queue.cli import main

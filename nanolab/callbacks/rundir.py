@@ -204,13 +204,25 @@ def claim_run_dir(
             if elsewhere
             else None
         )
-        if (
-            checkpoint is None
-            or _is_own_checkpoint(
-                run_dir, Path(checkpoint), old_id, checkpoint_run_id, checkpoint_run_dir
-            )
-            or (elsewhere and not_moved is None)
-        ):
+        own = checkpoint is not None and _is_own_checkpoint(
+            run_dir, Path(checkpoint), old_id, checkpoint_run_id, checkpoint_run_dir
+        )
+        run_of = old_id or checkpoint_run_id
+        if own and has_log and run_of:
+            # The log and the checkpoint name this run, but the run's own copy may be elsewhere:
+            # a directory copied with its log, or a checkpoint saved by such a copy. Only a
+            # directory the run moved out of (gone, or no longer holding it) may hand it on.
+            origins = (checkpoint_run_dir, previous.get("run_dir") if previous else None)
+            copy_of = _held_elsewhere(run_dir, run_of, origins, log_name)
+            if copy_of is not None:
+                origin, why = copy_of
+                raise RunDirError(
+                    f"{checkpoint} continues run {run_of} of {origin}, {why}: continuing it in "
+                    f"{run_dir} too would make two runs of one id. Resume it where it is "
+                    f"({origin}), or start a new run from this checkpoint under another "
+                    f"run.name (--run.resume {checkpoint})"
+                )
+        if checkpoint is None or own or (elsewhere and not_moved is None):
             claim = RunClaim(run_id=None)
         elif holds_run and not checkpoints and continues_fork(run_dir, checkpoint, log_name):
             # The run started from this checkpoint and stopped before its own first save: it
@@ -368,6 +380,34 @@ def _is_own_checkpoint(
     )
 
 
+def _still_holds(there: Path, run_id: str, log_name: str) -> str | None:
+    """Why the directory ``there`` still holds run ``run_id`` (its log names the run, or it has
+    checkpoints and no log to say whose), or None: gone, emptied, or another run's now."""
+    owner = owner_of_log(there / log_name)
+    if owner == run_id:
+        return f"which still holds that run ({there / log_name} names it)"
+    if owner is None and checkpoint_files(there):
+        return f"which may still hold that run ({there / CHECKPOINT_DIR} has checkpoints)"
+    return None
+
+
+def _held_elsewhere(
+    run_dir: Path, run_id: str, origins: tuple[Any, ...], log_name: str
+) -> tuple[Path, str] | None:
+    """(the directory, why) when one of ``origins`` (where the checkpoint was saved; where the
+    log's last launch ran) is another directory that still holds run ``run_id``: then this one
+    is a copy of it, or the checkpoint is a copy's. A directory moved with its log names its old
+    place, which no longer holds the run (or is not on this machine): it continues as itself."""
+    here = os.path.realpath(run_dir)
+    for origin in origins:
+        if not isinstance(origin, str) or not origin or os.path.realpath(origin) == here:
+            continue
+        why = _still_holds(Path(os.path.realpath(origin)), run_id, log_name)
+        if why is not None:
+            return Path(os.path.realpath(origin)), why
+    return None
+
+
 def _why_not_moved(run_dir: Path, run_id: str, origin: str, log_name: str) -> str | None:
     """Why ``run_dir``, holding checkpoints of run ``run_id`` saved in ``origin`` and no log,
     cannot be taken for that run moved here; None when it can: ``origin`` no longer holds the
@@ -379,12 +419,9 @@ def _why_not_moved(run_dir: Path, run_id: str, origin: str, log_name: str) -> st
     from nanolab.training.resume import checkpoint_files as resumable
     from nanolab.training.resume import inspect_checkpoint
 
-    there = Path(origin)
-    owner = owner_of_log(there / log_name)
-    if owner == run_id:
-        return f"which still holds that run ({there / log_name} names it)"
-    if owner is None and checkpoint_files(there):
-        return f"which may still hold that run ({there / CHECKPOINT_DIR} has checkpoints)"
+    held = _still_holds(Path(origin), run_id, log_name)
+    if held is not None:
+        return held
     others = sorted(
         {
             c.run_id or "unknown"
