@@ -28,6 +28,12 @@ class CallbackConfigError(NanolabError):
     """A callback setting that cannot work; the message names the YAML key and the fix."""
 
 
+class NothingToTrain(Exception):
+    """The run, as restored, must not train a step (complete, or stopped by a budget that still
+    holds): the message is the one line that says so and how to go on. ``fit`` prints it and
+    exits 0 before its banner, writing nothing into the run directory."""
+
+
 @runtime_checkable
 class RecordSource(Protocol):
     """A callback that adds fields to the run log's records (all methods optional in practice)."""

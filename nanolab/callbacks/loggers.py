@@ -190,12 +190,6 @@ class RunConfigWriter(Callback):
         self.parser, self.config = parser, config
         self.saved = False
 
-    def keep_existing(self) -> None:
-        """Leave the run directory's ``config.yaml`` as it is: nothing will train (the run is
-        already complete), so the settings of this launch must not replace those it trained
-        with."""
-        self.saved = True
-
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.saved:
             return

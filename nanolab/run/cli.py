@@ -32,6 +32,7 @@ USER_ERRORS = (NanolabError, CheckpointWriteError)
 
 def run_lightning_cli(argv: list[str]) -> int:
     """Run ``fit``/``validate``/``test`` with ``argv`` (``VERB ARGS``); the exit code."""
+    from nanolab.callbacks.events import NothingToTrain
     from nanolab.callbacks.runlock import release_all
     from nanolab.run.quiet import quiet_lightning
 
@@ -50,6 +51,9 @@ def run_lightning_cli(argv: list[str]) -> int:
     while True:
         try:
             trainer = launch(parse_command(argv, from_command_line=from_command_line))
+        except NothingToTrain as done:  # the run is as it was: no banner, no summary
+            print(f"nanolab {argv[0]}: {done}", file=sys.stderr)
+            return 0
         except USER_ERRORS as err:
             print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
             return EXIT_DISK_FULL if disk_full(err) else 2

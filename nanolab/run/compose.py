@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from nanolab.callbacks.budget import CostBudget
 from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
 from nanolab.callbacks.clock import RunClock
+from nanolab.callbacks.events import NothingToTrain
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.runlock import global_rank_from_env
 from nanolab.data.prepare import OutputInUseError
@@ -160,16 +161,13 @@ def launch(cli: NanolabCLI) -> Trainer:
         ckpt_path = str(cand.path) if cand is not None else None
         max_steps = int(trainer.max_steps or -1)
         if cand is not None and cand.step is not None and 0 < max_steps <= cand.step:
-            # Nothing to train: say so, instead of a silent exit 0 (the run is as it was).
-            print(
-                f"nanolab fit: {run_dir} is already complete at step {cand.step} "
+            # Nothing to train: say so and stop before the fit, which would print its banner,
+            # append a start and an end record and rewrite config.yaml (the run is as it was).
+            raise NothingToTrain(
+                f"{run_dir} is already complete at step {cand.step} "
                 f"(trainer.max_steps {max_steps}); nothing to train. Raise --trainer.max_steps "
-                "to extend it, or give another --run.name for a new run",
-                file=sys.stderr,
+                "to extend it, or give another --run.name for a new run"
             )
-            for callback in trainer.callbacks:  # type: ignore[attr-defined]
-                if isinstance(callback, RunConfigWriter):
-                    callback.keep_existing()  # its config.yaml stays what it trained with
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, CostBudget):  # a branch's rules decide anew
                 callback.branch = bool(cand is not None and claimed.forked)
