@@ -464,3 +464,33 @@ def test_a_record_holds_what_was_logged_for_its_step_only(
         assert "train/too_late" not in r and r["loss"] > 0
     (late,) = [line for line in capsys.readouterr().err.splitlines() if "too_late" in line]
     assert "logged at step 3 after the run log took" in late and "step_values" in late
+
+
+class LogsWeightNorm(StepCallback):
+    """A fork's step callback logging a value at steps 1, 11, 21, ... (none a record's step)."""
+
+    def step_values(self, trainer, pl_module, step, readout) -> None:
+        if step % 10 == 1:
+            pl_module.log("train/weight_norm", float(step))
+
+
+@pytest.mark.parametrize("defer", ["0", "1"])  # 1: the GPU's path, values a step later
+def test_a_value_logged_between_records_is_in_the_next_record(
+    tmp_path, char_dataset, monkeypatch, defer
+):
+    """With ``every_n_steps`` 5, values logged every 10 steps (by the module at the records'
+    steps, by a step callback between them) and every 3 (a step callback) are each in the next
+    record after they were logged, the newest value, once: nothing lost, nothing stale repeated.
+    Mutation caught: what was logged at a step without a record was consumed there, so a value
+    logged only between records reached no record at all."""
+    monkeypatch.setenv(DEFER_ENV, defer)
+    run = tmp_path / "run"
+    callbacks = [MetricsLog(every_n_steps=5), LogsForItsStep(), LogsWeightNorm()]
+    fit(run, char_dataset, callbacks, max_steps=30, eval_every=100,
+        module_kwargs={"log_every": 10})  # fmt: skip
+    train = events(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert [r.get("train/every") for r in train] == [None, 10.0, None, 20.0, None, 30.0]
+    assert [r.get("train/weight_norm") for r in train] == [1.0, None, 11.0, None, 21.0, None]
+    assert [r.get("train/from_callback") for r in train] == [3.0, 9.0, 15.0, 18.0, 24.0, 30.0]
+    assert all("train/too_late" not in r and r["loss"] > 0 for r in train)

@@ -5,10 +5,10 @@ and the queue read the same file with :func:`nanolab.runlog.read_records`. The s
 "Callbacks") is the contract; this module only assembles records:
 
 * ``start`` once per process (after the checkpoint, if any, is restored);
-* ``train`` every ``every_n_steps`` optimizer steps — the values logged for that step (``self.log``
-  in the module's ``training_step``, in a step callback's ``step_values``; never one logged at an
-  earlier step) plus what the clock, the throughput meter and the budget contribute
-  (:class:`~.events.RecordSource`);
+* ``train`` every ``every_n_steps`` optimizer steps — the values logged since the previous one,
+  the newest of each name (``self.log`` in the module's ``training_step``, in a step callback's
+  ``step_values``; never one an earlier record holds) plus what the clock, the throughput meter
+  and the budget contribute (:class:`~.events.RecordSource`);
 * ``val`` after every validation; ``end`` when the run ends, for whatever reason.
 
 Cost: no host-device sync of its own. A ``train`` record's device scalars (loss, gradient norm)
@@ -143,6 +143,7 @@ class MetricsLog(StepCallback):
         self._params: list[torch.nn.Parameter] | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # train records waiting for their values
         self._taken: dict[str, Any] = {}  # the logged values as last taken (see _logged_since)
+        self._unrecorded: dict[str, Any] = {}  # logged since the last train record, newest
         self._taken_at: int | None = None  # the step they were taken at, until the next starts
         self._warned_late = False
         self._ended = False
@@ -171,7 +172,7 @@ class MetricsLog(StepCallback):
             self._ended = False
             mute_lightning_metrics(trainer)  # loggers get the run log's records instead
             self._params = None  # listed at the first logged step, after configure_model
-            self._taken, self._taken_at = {}, None
+            self._taken, self._taken_at, self._unrecorded = {}, None, {}
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert self.clock is not None
@@ -310,11 +311,13 @@ class MetricsLog(StepCallback):
     def step_values(
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, readout: StepReadout
     ) -> None:
-        # At every step, recorded or not: what is logged at a step without a record is its own.
-        metrics = self._logged_since(trainer)
+        # Taken at every step, recorded or not, so a value logged at a step without a record
+        # is told from the one taken before it; it waits for the next record (the newest value).
+        self._unrecorded.update(self._logged_since(trainer))
         self._taken_at = step
         if not self._logs_step(step):
             return
+        metrics, self._unrecorded = self._unrecorded, {}
         grad_norm, self._grad_norm = self._grad_norm, None
         if self._writer is None:
             return
