@@ -494,3 +494,26 @@ def test_a_value_logged_between_records_is_in_the_next_record(
     assert [r.get("train/weight_norm") for r in train] == [1.0, None, 11.0, None, 21.0, None]
     assert [r.get("train/from_callback") for r in train] == [3.0, 9.0, 15.0, 18.0, 24.0, 30.0]
     assert all("train/too_late" not in r and r["loss"] > 0 for r in train)
+
+
+class LogsAtMicroBatchEnd(L.Callback):
+    """Logs in Lightning's ``on_train_batch_end``, after every micro-batch (as a module's hook)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("train/late", float(batch_idx))
+
+
+def test_a_value_logged_after_the_read_is_said_to_be_recorded_later_or_not_at_all(
+    tmp_path, char_dataset, capsys
+):
+    """Under gradient accumulation a value logged in ``on_train_batch_end`` after the step's read
+    is in no record, but the one logged at the next step's first micro-batch is in that step's:
+    the warning says a value logged there is recorded with a later step or not at all (it said no
+    record held it, next to records that did)."""
+    run = tmp_path / "run"
+    fit(run, char_dataset, [MetricsLog(), LogsAtMicroBatchEnd()], max_steps=3, accumulate=2)
+    train = events(run / "metrics.jsonl", "train")
+    assert [r.get("train/late") for r in train] == [0.0, 2.0, 4.0]  # each step's first micro-batch
+    (late,) = [line for line in capsys.readouterr().err.splitlines() if "train/late" in line]
+    assert "logged at step 1 after the run log took step 1's values" in late, late
+    assert "recorded with a later step or not at all" in late and "step_values" in late

@@ -349,7 +349,9 @@ class MetricsLog(StepCallback):
     def _took_late(self, trainer: L.Trainer) -> None:
         """Between a step's read and the next step (or the end): a value logged there (in a
         callback's ``on_step``, the module's ``on_train_batch_end``) came after its step's record
-        took its values, and belongs in no later one; say so, once, with where to log it."""
+        took its values, and belongs in no later one; say so, once, with where to log it. Under
+        accumulation the same hook also logs after the next step's earlier micro-batches, before
+        that step's read: those values are recorded with that step, hence "or not at all"."""
         step, self._taken_at = self._taken_at, None
         if step is None or not self.active:
             return
@@ -358,10 +360,10 @@ class MetricsLog(StepCallback):
             self._warned_late = True
             warn(
                 "nanolab fit",
-                f"{', '.join(late)} was logged at step {step} after the run log took the step's "
-                "values (in on_step or on_train_batch_end), so no record holds it; log it in "
-                "the module's training_step or in a step callback's step_values "
-                "(docs/callbacks.md)",
+                f"{', '.join(late)} was logged at step {step} after the run log took step "
+                f"{step}'s values (in on_step or on_train_batch_end): a value logged there is "
+                "recorded with a later step or not at all; log it in the module's training_step "
+                "or in a step callback's step_values (docs/callbacks.md)",
             )
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
