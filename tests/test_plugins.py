@@ -182,3 +182,37 @@ def test_estimate_reads_a_class_path_config(tmp_path, plugin, capsys) -> None:
     code, _, err = run(capsys, *base, "--config", str(other))
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and f"{PACKAGE}.other.Bigram takes no gpt" in lines[0]
+
+
+NEAR = """
+from dataclasses import dataclass
+
+import lightning as L
+
+
+@dataclass
+class LossCfg:
+    smoothing: float = 0.1
+
+
+class LossCfgGPT(L.LightningModule):
+    pass
+"""
+
+
+def test_did_you_mean_offers_only_a_class_the_setting_takes(tmp_path, monkeypatch) -> None:
+    """A typo next to a config dataclass and a LightningModule of near names: ``model`` is offered
+    the module (it was offered the dataclass, nearer by name, which the parser then refused),
+    ``data`` nothing (neither is a LightningDataModule), a key without a kind the nearest."""
+    from nanolab.training.plugins import PluginImportError, load_class
+
+    (tmp_path / "nanolab_plugin_near.py").write_text(NEAR)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = "nanolab_plugin_near.LossCfgg"
+    with pytest.raises(PluginImportError, match=r"did you mean nanolab_plugin_near.LossCfgGPT\?$"):
+        load_class(path, "model")
+    with pytest.raises(PluginImportError) as refused:
+        load_class(path, "data")
+    assert "did you mean" not in str(refused.value)
+    with pytest.raises(PluginImportError, match=r"did you mean nanolab_plugin_near.LossCfg\?$"):
+        load_class(path, "somewhere")

@@ -79,7 +79,8 @@ class NetworkProtocol(Protocol):
 def load_class(class_path: str, where: str) -> type:
     """Import ``package.module.Class``; one :class:`PluginImportError` line when that fails.
 
-    ``where`` names the config key (``model``, ``data``, ``trainer.callbacks``) for the message.
+    ``where`` names the config key (``model``, ``data``, ``trainer.callbacks``) for the message,
+    and, through :func:`expected_base`, the kind of class a "did you mean" may suggest.
     """
     module_name, _, name = str(class_path).rpartition(".")
     if not module_name or not name:
@@ -102,7 +103,7 @@ def load_class(class_path: str, where: str) -> type:
         ) from None
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
-        near = nearest_class(module, name)
+        near = nearest_class(module, name, expected_base(where))
         hint = f"; did you mean {module_name}.{near}?" if near else ""
         raise PluginImportError(
             f"{where}: module {module_name!r} has no class {name!r} (from {class_path}){hint}"
@@ -110,17 +111,34 @@ def load_class(class_path: str, where: str) -> type:
     return cls
 
 
-def nearest_class(module: Any, name: str) -> str | None:
+def expected_base(where: str) -> type | None:
+    """The class a class named at the config key ``where`` must subclass (the config parser
+    refuses any other), or None for a key without one."""
+    import lightning as L
+
+    bases = {
+        "model": L.LightningModule,
+        "data": L.LightningDataModule,
+        "trainer.callbacks": L.Callback,
+    }
+    return bases.get(where)
+
+
+def nearest_class(module: Any, name: str, base: type | None = None) -> str | None:
     """The class ``module`` defines whose name is nearest ``name`` (a typo of it), or None.
 
     Only classes defined there (not those it imports, such as the base it subclasses), so the
-    suggestion is the module's own: ``Modle`` -> ``Model``, never ``GPTLightningModule``."""
+    suggestion is the module's own: ``Modle`` -> ``Model``, never ``GPTLightningModule``; and,
+    given ``base``, only its subclasses, so the suggestion is one the setting takes (a config
+    dataclass ``LossCfg`` next to the model is never offered for ``--model ...LossCfgg``)."""
     import difflib
 
     defined = [
         key
         for key, value in vars(module).items()
-        if isinstance(value, type) and value.__module__ == module.__name__
+        if isinstance(value, type)
+        and value.__module__ == module.__name__
+        and (base is None or issubclass(value, base))
     ]
     near = difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
     if not near:  # a case slip: ``model`` for ``Model``
