@@ -308,6 +308,34 @@ def test_a_new_run_whose_warmup_fills_it_says_the_lr_never_decays(
     assert "set model.schedule.warmup_steps to at most a tenth of trainer.max_steps" in err
 
 
+def test_a_decay_that_ends_inside_the_warmup_trains_resumes_and_warns_once(
+    tmp_path, char_dataset, capsys
+):
+    # decay_steps 5 under a 6-step warm-up was refused at every construction, so a run an
+    # earlier release started with it could not resume. It trains (steps 1-6 warm up, step 7
+    # drops to the minimum, never the peak), resumes, and its launch says so once.
+    from nanolab.training.optim import ScheduleConfig
+
+    run = tmp_path / "run"
+    schedule = {"schedule": ScheduleConfig(warmup_steps=6, decay_steps=5)}
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4)], max_steps=8,
+        module_kwargs=schedule)  # fmt: skip
+    err = capsys.readouterr().err
+    said = "model.schedule.decay_steps 5 is not above model.schedule.warmup_steps 6"
+    assert err.count(said) == 1
+    assert "the LR rises to 86% of its peak by step 6, then drops to its minimum (10%)" in err
+    assert "set model.schedule.decay_steps above warmup_steps, or null" in err
+    assert "does not end before" not in err  # one line, not the warm-up's too
+    lrs = {
+        r["step"]: r["lr"] / OptimizerConfig().lr for r in events(run / "metrics.jsonl", "train")
+    }
+    assert lrs[6] == pytest.approx(6 / 7) and lrs[7] == pytest.approx(0.1)
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4)], max_steps=8,
+        module_kwargs=schedule, ckpt_path=run / "checkpoints" / "step-00000004.ckpt")  # fmt: skip
+    assert said not in capsys.readouterr().err  # a resume: said at the launch that chose it
+    assert events(run / "metrics.jsonl", "end")[-1]["step"] == 8
+
+
 @pytest.mark.parametrize(("every", "validated"), [(4, [4, 6]), (3, [3, 6]), (100, [6])])
 def test_the_last_step_is_always_validated(tmp_path, char_dataset, every, validated):
     # 6 steps with a validation every 4 ended unvalidated: no final val loss anywhere.

@@ -54,16 +54,29 @@ def schedule_end(trainer: L.Trainer) -> int | None:
 
 
 def warmup_note(trainer: L.Trainer, end: int) -> str | None:
-    """What a new run whose warm-up fills it does to the LR, or None.
+    """What a new run's warm-up does to the LR when the run never trains at its peak, or None.
 
     Step ``k`` trains at the multiplier of index ``k - 1``, so the LR first reaches its peak at
     step ``warmup_steps + 1``: a run of ``trainer.max_steps`` at or below that never decays,
-    however the cosine is planned. Said once at launch, not refused: a smoke test of a few
-    steps with the default warm-up is meant to run.
+    however the cosine is planned; and a ``decay_steps`` at or before the warm-up's end drops
+    the LR from the warm-up straight to the minimum. Said once at launch, not refused: a smoke
+    test of a few steps with the default warm-up is meant to run, and a run an earlier release
+    started with such a schedule must still resume.
     """
     fn = _schedule_fn(trainer)
     warmup = getattr(fn, "warmup_steps", None)
-    if fn is None or not isinstance(warmup, int) or end > warmup + 1:
+    decay = getattr(fn, "decay_steps", None)
+    if fn is None or not isinstance(warmup, int) or not isinstance(decay, int):
+        return None
+    if decay <= warmup < end:  # the run goes past the warm-up, and the next step is the minimum
+        return (
+            f"model.schedule.decay_steps {decay} is not above model.schedule.warmup_steps "
+            f"{warmup}: the LR rises to {fn(warmup - 1):.0%} of its peak by step {warmup}, then "
+            f"drops to its minimum ({fn(warmup):.0%}) and never trains at its peak; set "
+            "model.schedule.decay_steps above warmup_steps, or null (the cosine ends at "
+            "trainer.max_steps)"
+        )
+    if end > warmup + 1:
         return None
     return (
         f"model.schedule.warmup_steps {warmup} does not end before trainer.max_steps {end}: "

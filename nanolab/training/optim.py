@@ -214,15 +214,6 @@ class ScheduleConfig:
             raise ConfigError(f"model.schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.decay_steps is not None and self.decay_steps < 1:
             raise ConfigError(f"model.schedule.decay_steps must be >= 1, got {self.decay_steps}")
-        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
-            # The cosine would start after its own end: the LR would fall from the warm-up
-            # straight to the minimum, never trained at its peak.
-            raise ConfigError(
-                f"model.schedule.decay_steps {self.decay_steps} is not above "
-                f"model.schedule.warmup_steps {self.warmup_steps}: the LR would drop to its "
-                "minimum before the warm-up reaches the peak; set decay_steps above "
-                "warmup_steps, or null (the cosine ends at trainer.max_steps)"
-            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(
                 f"model.schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
