@@ -518,6 +518,42 @@ def test_cli_impossible_configs(tmp_path: Path, override: dict, message: str, ca
     assert len(err.splitlines()) == 1 and message in err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--model.optimizer.lrr", "0.1"],
+            "unknown setting model.optimizer.lrr; did you mean model.optimizer.lr?",
+        ),
+        (
+            ["--model.schedule.warmupsteps", "3"],
+            "unknown setting model.schedule.warmupsteps; did you mean model.schedule.warmup_steps?",
+        ),
+        (
+            ["--model.schedule.warmup_steps", "ten"],
+            "model.schedule.warmup_steps: 'ten' is not valid; expected int",
+        ),
+        (
+            ["--model.optimizer", "adamw"],
+            "model.optimizer must be a mapping of settings (e.g. `optimizer: {...}`), got str "
+            "'adamw'",
+        ),
+    ],
+    ids=["unknown-optimizer-key", "unknown-schedule-key", "wrong-type", "not-a-mapping"],
+)
+def test_model_settings_fit_refuses_are_one_line_here(
+    tmp_path: Path, args: list[str], message: str, capsys
+) -> None:
+    # The raw YAML reached the dataclasses: a TypeError or ValueError traceback, exit 1.
+    assert main(["--config", str(GPT2), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err == f"nanolab estimate: error: {message}"
+    if args[0] == "--model.optimizer.lrr":  # the same key written in a config file
+        bad = _write(tmp_path, "bad.yaml", {"model": {"optimizer": {"lrr": 0.1}}})
+        assert main(["--config", str(GPT2), "--config", bad]) == 2
+        assert capsys.readouterr().err.strip() == f"nanolab estimate: error: {message}"
+
+
 def test_cli_missing_file(capsys: pytest.CaptureFixture) -> None:
     assert main(["--config", "nope.yaml"]) == 2
     assert "does not exist" in capsys.readouterr().err

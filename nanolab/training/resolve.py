@@ -622,19 +622,88 @@ def check_dataset_dir(data_args: Mapping[str, Any]) -> None:
 
 def check_model_settings(model_args: Mapping[str, Any]) -> None:
     """Validate ``gpt``/``optimizer``/``schedule`` where the model class takes them, so an error
-    names the model key (their dataclasses check themselves and raise ``ConfigError``)."""
+    names the model key (their dataclasses check themselves and raise ``ConfigError``).
+
+    ``model_args`` may be the raw YAML (``nanolab estimate`` reads it without fit's parser), so
+    the parser's own checks are made here too, with its wording: a group that is not a mapping,
+    an unknown key (with the nearest known one) and a value of the wrong type are one line
+    each, never a ``TypeError`` from the dataclass."""
     from nanolab.model.config import GPTConfig
     from nanolab.training.optim import OptimizerConfig, ScheduleConfig
 
-    if "gpt" in model_args:
-        GPTConfig(**_plain(model_args.get("gpt") or {}))
-    if "optimizer" in model_args:
-        optimizer = dict(_plain(model_args.get("optimizer") or {}))
-        if "betas" in optimizer:
-            optimizer["betas"] = tuple(optimizer["betas"])
-        OptimizerConfig(**optimizer)
-    if "schedule" in model_args:
-        ScheduleConfig(**_plain(model_args.get("schedule") or {}))
+    for name, cls in (
+        ("gpt", GPTConfig),
+        ("optimizer", OptimizerConfig),
+        ("schedule", ScheduleConfig),
+    ):
+        if name in model_args:
+            settings = _typed_settings(f"model.{name}", model_args.get(name), cls)
+            if "betas" in settings:
+                settings["betas"] = tuple(settings["betas"])
+            cls(**settings)
+
+
+def _typed_settings(where: str, value: Any, cls: type) -> dict[str, Any]:
+    """``value`` as keyword arguments of the dataclass ``cls``, refused in fit's words when it is
+    not a mapping, has a key ``cls`` lacks, or a value of another type than the field's."""
+    import dataclasses
+    import math
+    import types
+    import typing
+
+    from nanolab.run.keys import suggestion
+
+    settings = _plain(value if value is not None else {})
+    if not isinstance(settings, Mapping):
+        raise RunConfigError(
+            f"{where} must be a mapping of settings (e.g. `{where.rpartition('.')[2]}: {{...}}`), "
+            f"got {type(settings).__name__} {settings!r}"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    out = dict(settings)
+    for key, given in settings.items():
+        if key not in fields:
+            near = suggestion(f"{where}.{key}", frozenset(f"{where}.{f}" for f in fields))
+            hint = f"did you mean {near}?" if near else f"known: {', '.join(sorted(fields))}"
+            raise RunConfigError(f"unknown setting {where}.{key}; {hint}")
+        union = typing.get_origin(hints[key]) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(hints[key]) if union else (hints[key],)
+        if float in kinds and isinstance(given, str):
+            try:  # YAML reads nan/inf as text (it spells them .nan/.inf): the field's rule says it
+                if not math.isfinite(float(given)):
+                    out[key] = float(given)
+                    continue
+            except ValueError:
+                pass
+        if not any(_is_a(given, kind) for kind in kinds):
+            names = ["null" if k is type(None) else getattr(k, "__name__", str(k)) for k in kinds]
+            raise RunConfigError(
+                f"{where}.{key}: {given!r} is not valid; expected {' or '.join(names)}"
+            )
+    return out
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    """Whether ``value`` is of the field type ``kind`` as fit's parser reads it (an int is a
+    float, a bool is not an int, a list is a tuple); types it cannot tell pass (the dataclass
+    decides)."""
+    import typing
+
+    origin = typing.get_origin(kind) or kind
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        return isinstance(value, list | tuple)
+    return True
 
 
 def _check_optimizer_fits_strategy(
