@@ -305,7 +305,39 @@ def test_a_new_run_whose_warmup_fills_it_says_the_lr_never_decays(
     last = events(run / "metrics.jsonl", "train")[-1]
     share = last["lr"] / OptimizerConfig().lr
     assert f"the LR rises to {share:.0%} of its peak at the last step and never decays" in err
-    assert "set model.schedule.warmup_steps to at most a tenth of trainer.max_steps" in err
+    assert f"a run of {max_steps} steps is too short to decay: give it at least 10 steps" in err
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "warmup", "fix"),
+    [
+        (1, 0, None),  # at the peak from step 1: nothing to fix (it advised "(here 0)")
+        (2, 1, "a run of 2 steps is too short to decay: give it at least 10 steps, with"),
+        (4, 100, "a run of 4 steps is too short to decay: give it at least 10 steps, with"),
+        (
+            20,
+            50,
+            "set model.schedule.warmup_steps to at most a tenth of trainer.max_steps (here 2)",
+        ),
+    ],
+)
+def test_the_warmup_warning_advises_what_the_run_can_do(
+    tmp_path, char_dataset, capsys, max_steps, warmup, fix
+):
+    # A run of 1 to 9 steps was told to set warmup_steps to at most "(here 0)", even with no
+    # warm-up at all: the advice is the run's length then, and no warm-up is no warning.
+    from nanolab.training.optim import ScheduleConfig
+
+    fit(tmp_path / "run", char_dataset, [MetricsLog()], max_steps=max_steps,
+        module_kwargs={"schedule": ScheduleConfig(warmup_steps=warmup)})  # fmt: skip
+    err = capsys.readouterr().err
+    said = f"model.schedule.warmup_steps {warmup} does not end before trainer.max_steps"
+    if fix is None:
+        assert "model.schedule" not in err
+        return
+    assert err.count(said) == 1
+    assert f"never decays; for a warm-up then a cosine decay, {fix}" in err
+    assert "(here 0)" not in err
 
 
 def test_a_decay_that_ends_inside_the_warmup_trains_resumes_and_warns_once(

@@ -76,13 +76,19 @@ def warmup_note(trainer: L.Trainer, end: int) -> str | None:
             "model.schedule.decay_steps above warmup_steps, or null (the cosine ends at "
             "trainer.max_steps)"
         )
-    if end > warmup + 1:
-        return None
+    if warmup == 0 or end > warmup + 1:
+        return None  # no warm-up: the LR is at its peak from step 1, there is nothing to fix
+    fix = (
+        f"set model.schedule.warmup_steps to at most a tenth of trainer.max_steps (here "
+        f"{end // 10})"
+        if end // 10 > 0
+        else f"a run of {end} steps is too short to decay: give it at least 10 steps, with "
+        "model.schedule.warmup_steps at most a tenth of them"
+    )
     return (
         f"model.schedule.warmup_steps {warmup} does not end before trainer.max_steps {end}: "
         f"the LR rises to {fn(end - 1):.0%} of its peak at the last step and never decays; "
-        f"for a warm-up then a cosine decay, set model.schedule.warmup_steps to at most a "
-        f"tenth of trainer.max_steps (here {end // 10})"
+        f"for a warm-up then a cosine decay, {fix}"
     )
 
 
