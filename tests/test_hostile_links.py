@@ -226,22 +226,32 @@ def test_a_copy_of_a_run_without_its_log_is_refused_with_a_fix_that_works(
     """The same, but the run is still where its checkpoints were saved (a copy, not a move):
     continuing both would make two runs of one id, so it is refused, naming the original, and
     the fix it gives (a new run.name from the checkpoint) runs."""
+    _, config, line = _resume_a_copy_is_refused(tmp_path, char_dataset, victim, log=False)
+    assert f"in {victim}, which still holds that run" in line, line
+    fix = line.rsplit("(", 1)[1].rstrip(")").split()
+    assert fix[0] == "--run.resume", line
+    res = nanolab_here("fit", "--config", config, *fix, "--run.name", "b2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _resume_a_copy_is_refused(
+    tmp_path: Path, char_dataset: Path, victim: Path, log: bool
+) -> tuple[Path, str, str]:
+    """``victim`` copied to ``copy/b`` (with its log or without), resumed there: refused in one
+    line (exit 2, no traceback) before anything in the copy is written (config.yaml, the log).
+    Returns the copy's root, the config that resumes it and the refusal line."""
     copy = tmp_path / "copy"
     shutil.copytree(victim, copy / "b")
-    (copy / "b" / "metrics.jsonl").unlink()
+    if not log:
+        (copy / "b" / "metrics.jsonl").unlink()
     before = digests(copy)
     cfg = tiny_overrides(char_dataset, copy, run__name="b", trainer__max_steps=8)
     config = str(write_config(tmp_path / "c.yaml", cfg))
     res = nanolab_here("fit", "--config", config, "--run.resume", "auto", cwd=tmp_path)
     detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
     assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, detail
-    line = last_line(res.stderr)
-    assert f"in {victim}, which still holds that run" in line, line
-    assert digests(copy) == before  # config.yaml too: refused before it is written
-    fix = line.rsplit("(", 1)[1].rstrip(")").split()
-    assert fix[0] == "--run.resume", line
-    res = nanolab_here("fit", "--config", config, *fix, "--run.name", "b2", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert digests(copy) == before
+    return copy, config, last_line(res.stderr)
 
 
 def _run_log(run_dir: Path, run_id: str, where: Path) -> None:
@@ -282,18 +292,9 @@ def test_a_copy_of_a_run_with_its_log_is_refused_and_a_move_resumes(
     say they were saved in the original, which still holds it, so resuming the copy is refused
     in one line naming both and nothing changes. Once the original is moved away (the copy is
     now the run, moved with its log) the same command resumes it under its own id."""
-    copy = tmp_path / "copy"
-    shutil.copytree(victim, copy / "b")
-    before = digests(copy)
-    cfg = tiny_overrides(char_dataset, copy, run__name="b", trainer__max_steps=8)
-    config = str(write_config(tmp_path / "c.yaml", cfg))
-    res = nanolab_here("fit", "--config", config, "--run.resume", "auto", cwd=tmp_path)
-    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
-    assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, detail
-    line = last_line(res.stderr)
+    copy, config, line = _resume_a_copy_is_refused(tmp_path, char_dataset, victim, log=True)
     assert f"of {victim}, which still holds that run" in line, line
     assert f"continuing it in {copy / 'b'} too" in line, line
-    assert digests(copy) == before  # config.yaml and the log too: refused before a write
 
     origin = victim.parent / "b.moved"
     os.rename(victim, origin)  # the original is gone: the copy is the run, moved
