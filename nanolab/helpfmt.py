@@ -13,6 +13,7 @@ flags; this one leaves those out, and options whose help already names their def
 from __future__ import annotations
 
 import argparse
+import difflib
 from pathlib import Path
 from typing import NoReturn
 
@@ -50,3 +51,15 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         ):
             return text
         return f"{text} (default: %(default)s)"
+
+
+def suggestion(key: str, known: frozenset[str]) -> str | None:
+    """The nearest known key: a sibling in the same group first (a looser match: the group is
+    right), then any key."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.4)
+    if near:
+        return siblings[near[0]]
+    near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return near[0] if near else None

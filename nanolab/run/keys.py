@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import RunConfigError
+from nanolab.helpfmt import suggestion
 
 #: Groups whose keys depend on a class the config may choose.
 CLASS_GROUPS = ("model", "data")
@@ -267,18 +268,6 @@ def _known(key: str, known: frozenset[str]) -> bool:
     if any(".".join(parts[:n]) in known for n in range(1, len(parts))):
         return True  # below a setting: a class's init_args, a dict value
     return any(k.startswith(key + ".") for k in known)
-
-
-def suggestion(key: str, known: frozenset[str]) -> str | None:
-    """The nearest known key: a sibling in the same group first (a looser match: the group is
-    right), then any key."""
-    parent, _, leaf = key.rpartition(".")
-    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
-    near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.4)
-    if near:
-        return siblings[near[0]]
-    near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    return near[0] if near else None
 
 
 def config_file_paths(argv: list[str]) -> list[str]:

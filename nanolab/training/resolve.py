@@ -651,7 +651,7 @@ def _typed_settings(where: str, value: Any, cls: type) -> dict[str, Any]:
     import types
     import typing
 
-    from nanolab.run.keys import suggestion
+    from nanolab.helpfmt import suggestion
 
     settings = _plain(value if value is not None else {})
     if not isinstance(settings, Mapping):
