@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 torch.set_num_threads(1)
+
+# A suite started in the background by a script (`pytest &`, or a CI step run that way) inherits
+# SIGINT ignored, and every nanolab command a test starts would then keep ignoring it (an ignored
+# signal stays ignored: nohup's contract, which nanolab keeps). The tests that send SIGINT mean a
+# terminal's Ctrl-C, so the suite takes the default back and its children start with it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The estimator remembers model facts on disk between launches (nanolab/estimator/facts_cache.py);
 # the suite's CLI runs get a cache of their own, not the user's ~/.cache, removed when the

@@ -137,14 +137,7 @@ def _start_fit(tmp_path: Path, cfg: dict, *extra: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        # A suite started in the background by a shell inherits SIGINT ignored, and nanolab
-        # keeps an ignored signal ignored (nohup's contract): the fit gets the default back.
-        preexec_fn=_default_sigint,
     )
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:

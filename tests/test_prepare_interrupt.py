@@ -87,10 +87,7 @@ def interrupt(corpus: Path, out: Path, delays: list[float]) -> tuple[int, str, f
 @pytest.mark.parametrize(
     "delays",
     [
-        # Slow like the rest, for now: in a whole default run (started in the background, as
-        # CI is) this row twice got exit 0 and no output, as if the signal never came; alone,
-        # in the background, with SIGINT ignored or blocked, it passes. Under investigation.
-        pytest.param([1.5], id="tokenizing", marks=pytest.mark.slow),
+        pytest.param([1.5], id="tokenizing"),
         pytest.param([0.3], id="starting", marks=pytest.mark.slow),
         pytest.param([0.7], id="sampling", marks=pytest.mark.slow),
         pytest.param([1.1], id="training", marks=pytest.mark.slow),
