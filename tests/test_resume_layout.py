@@ -100,6 +100,28 @@ def test_a_one_device_run_resumed_under_deepspeed_is_refused_before_any_write(
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
+def test_a_resume_the_checkpoint_restore_refuses_leaves_the_run_as_it_was(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Another optimizer is refused only when Lightning restores the checkpoint, after the
+    callbacks' setup: the run's ``config.yaml`` (and every other file) is still the one it
+    trained with, not the refused launch's.
+
+    Mutation caught: ``RunConfigWriter`` writing at ``setup`` again (config.yaml then names
+    muon)."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
+    assert nanolab_here(*base, "--trainer.max_steps", "2", cwd=tmp_path).returncode == 0
+    run = tmp_path / "runs" / "tiny"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    res = nanolab_here(*base, "--model.optimizer.name", "muon", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "checkpoint was trained with 'adamw'" in res.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_a_changed_learning_rate_on_resume_is_said_and_the_checkpoints_kept(
     tmp_path: Path, char_dataset: Path
 ) -> None:

@@ -178,19 +178,23 @@ def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
 
 
 class RunConfigWriter(Callback):
-    """Writes the run's merged config as ``config.yaml`` into the run directory at setup.
+    """Writes the run's merged config as ``config.yaml`` into the run directory when training
+    starts.
 
     Lightning's own saver writes into ``trainer.log_dir``, which moves into the logger's folder
     (``lightning_logs/version_0/``) as soon as a logger is on; the run directory is where
     ``nanolab report``, the queue and a resume look for it. ``config`` is also what the run
-    log's start record describes (``jsonl.run_config``).
+    log's start record describes (``jsonl.run_config``). Not at setup: a resume the checkpoint
+    restore then refuses (another optimizer, a changed model) would have replaced the run's
+    config with the refused one. ``nanolab fit`` puts this callback first, so the banner, which
+    reads the file at the same hook, reads this launch's.
     """
 
     def __init__(self, parser: Any, config: Any) -> None:
         self.parser, self.config = parser, config
         self.saved = False
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.saved:
             return
         if trainer.is_global_zero:

@@ -133,7 +133,7 @@ def launch(cli: NanolabCLI) -> Trainer:
     check_lambda_callbacks(callbacks)
     callbacks += [built[group] for group in run_callbacks()]
     if verb == "fit":  # config.yaml in the run dir (a fast_dev_run too: its start record needs it)
-        callbacks.append(RunConfigWriter(cli.verb_parser, cfg))
+        callbacks.insert(0, RunConfigWriter(cli.verb_parser, cfg))  # first: the banner reads it
     if verb == "fit" and os.environ.get("NANOLAB_COUNT_SYNCS"):  # nanolab bench --count-syncs
         from nanolab.callbacks.syncs import ENV, sync_count_callback
 
