@@ -481,6 +481,7 @@ def test_cli_estimates_a_cpu_run(tmp_path: Path, capsys: pytest.CaptureFixture) 
         (["--gpu-mem", "12 gigs"], "cannot read a memory size"),
         (["--devices", "0"], "--devices must be >= 1"),
         (["--mfu", "1.5"], "--mfu"),
+        (["--model.gpt.n_layr", "3"], "model.gpt.n_layr (did you mean model.gpt.n_layer?)"),
         ([], None),
     ],
 )

@@ -16,6 +16,7 @@ from typing import Any
 from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file
 from nanolab.errors import RunConfigError
 from nanolab.estimator.gpus import FLOAT32_MATMUL_PRECISIONS, PRECISIONS
+from nanolab.helpfmt import suggestion
 from nanolab.model.config import ConfigError, GPTConfig
 from nanolab.training.parallelism import (  # noqa: F401  (Strategy, parse_strategy: public here too)
     DEEPSPEED_REDUCE_BUCKET,
@@ -156,6 +157,17 @@ def _plugin_classes(model_class: str, data_class: str) -> bool:
     return issubclass(cls, GPTLightningModule) or "gpt" in inspect.signature(cls).parameters
 
 
+def unknown_gpt_keys(unknown: list[str], known: set[str]) -> str:
+    """One line for misspelt ``model.gpt`` keys, as ``fit`` words it: each key, and the nearest
+    known one where there is one."""
+    full = frozenset(f"model.gpt.{k}" for k in known)
+    parts = []
+    for key in unknown:
+        near = suggestion(f"model.gpt.{key}", full)
+        parts.append(f"model.gpt.{key}" + (f" (did you mean {near}?)" if near else ""))
+    return f"unknown setting {', '.join(parts)}; the model.gpt settings are in docs/configs.md"
+
+
 def setup_from_config(
     cfg: Mapping[str, Any],
     *,
@@ -202,7 +214,7 @@ def setup_from_config(
     known = set(GPTConfig.__dataclass_fields__)
     unknown = sorted(set(gpt_raw) - known)
     if unknown:
-        raise EstimateError(f"model.gpt has unknown keys {unknown}; known: {sorted(known)}")
+        raise EstimateError(unknown_gpt_keys(unknown, known))
     try:
         gpt = GPTConfig(**gpt_raw)
     except (ConfigError, TypeError) as err:
