@@ -59,6 +59,12 @@ class ClaimedDir:
         """Raise :class:`LeftClaimedDir` (nothing written) if ``path`` moved; ``what`` is the
         file about to be written or deleted, for the message."""
         why = self.moved()
+        if why is not None and self.deleted():
+            raise LeftClaimedDir(
+                f"{self.path} was deleted while the run wrote it, with the files it held; "
+                f"stopped without writing {what}. Rerun the same command: it resumes from a "
+                "checkpoint still on disk, if one is left, or says how to start over"
+            )
         if why is not None:
             raise LeftClaimedDir(
                 f"{why} (a link or a move since this run claimed it); stopped without writing "
@@ -66,6 +72,16 @@ class ClaimedDir:
                 f"in {self.where_now()}: put that folder back at {self.path} and rerun the same "
                 "command to resume"
             )
+
+    def deleted(self) -> bool:
+        """Whether the claimed folder itself was removed (``rm -rf``), not moved: it has no name
+        left, so there is no "where it is now" to point at."""
+        if self.fd is None:
+            return False
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return False
 
     def where_now(self) -> Path:
         """Where the claimed folder is now (it may have been moved); its old path if unknown."""

@@ -24,7 +24,7 @@ EXIT_USAGE = 2
 
 #: A callback the run under test loads from its config: at ``at_step`` it does what a hostile
 #: shell would (``mv`` the run's ``name`` to ``<name>.moved``, or ``rm`` it, then ``ln -s``
-#: ``target`` in its place; or copy ``target`` to ``name``).
+#: ``target`` in its place; or ``rm -rf`` it, ``how="rmtree"``).
 SWAPPER = """
 import os, shutil
 from lightning.pytorch import Callback
@@ -38,6 +38,9 @@ class Swap(Callback):
             return
         self.done = True
         path = os.path.join(trainer.default_root_dir, self.name)
+        if self.how == "rmtree":
+            shutil.rmtree(path)
+            return
         if self.how == "move":
             os.rename(path, path + ".moved")
         else:
@@ -107,7 +110,22 @@ def test_checkpoints_swapped_for_a_link_to_another_run_mid_run(tmp_path, char_da
     moved = sorted(p.name for p in (a / "checkpoints.moved").iterdir())
     assert moved[0] == "last.ckpt" and len(moved) == 2, moved  # and one step file, before the swap
     end = read_records(a / "metrics.jsonl", "end")[-1]
-    assert end["reason"] == "error" and "LeftClaimedDir" in end["error"]
+    assert end["reason"] == "error" and end["error"] == line.removeprefix("nanolab fit: error: ")
+
+
+def test_checkpoints_folder_deleted_mid_run_says_so(tmp_path, char_dataset, victim):
+    """`rm -rf runs/a/checkpoints` at step 3: the run stops at its next save with one line that
+    says the folder was deleted (not that its files are "intact" somewhere to be put back), and
+    the run log's end record holds the same line, without an exception class name."""
+    res, a, _ = _fit_with_swap(
+        tmp_path, char_dataset, victim, name="checkpoints", target="", how="rmtree"
+    )
+    detail = f"exit {res.returncode}; stderr tail:\n{res.stderr[-2500:]}"
+    assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, detail
+    line = last_line(res.stderr)
+    assert "checkpoints was deleted while the run wrote it" in line and "intact" not in line, line
+    end = read_records(a / "metrics.jsonl", "end")[-1]
+    assert end["reason"] == "error" and end["error"] == line.removeprefix("nanolab fit: error: ")
 
 
 def test_run_log_swapped_for_a_link_to_another_runs_log_mid_run(tmp_path, char_dataset, victim):

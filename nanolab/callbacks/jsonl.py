@@ -59,7 +59,7 @@ from nanolab.callbacks.rundir import (
 )
 from nanolab.callbacks.step import StepCallback
 from nanolab.claimed import LeftClaimedDir
-from nanolab.errors import disk_full, room_left
+from nanolab.errors import NanolabError, disk_full, room_left
 from nanolab.messages import warn
 from nanolab.runlog import (
     RUN_LOG_NAME,
@@ -514,7 +514,9 @@ class MetricsLog(StepCallback):
             self._end(trainer, "preempted", None, f"{type(exception).__name__}: {exception}")
         else:
             reason, _ = stop_reason(trainer)
-            text = f"{type(exception).__name__}: {exception}".strip()
+            # nanolab's own errors are one line for the user, the class name is noise there.
+            own = isinstance(exception, NanolabError)
+            text = (str(exception) if own else f"{type(exception).__name__}: {exception}").strip()
             self._end(trainer, "preempted" if reason == "preempted" else "error", text, None)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
