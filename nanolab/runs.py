@@ -120,6 +120,7 @@ NUMBER_FIELDS = (
     "elapsed_s", "step_time_s",
 )  # fmt: skip
 TEXT_FIELDS = ("reason", "error")
+LOSS_FIELDS = ("loss", "val_loss")
 
 
 # -- finding runs ---------------------------------------------------------------------------
@@ -173,6 +174,10 @@ def record_problem(record: dict[str, Any]) -> str | None:
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             return f"'{key}' is {shown(value)}"
+    for key in LOSS_FIELDS:  # a cross-entropy is never negative: a foreign or edited line
+        value = record.get(key)
+        if value is not None and value < 0:
+            return f"'{key}' is negative ({value:g})"
     return None
 
 

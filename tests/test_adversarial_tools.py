@@ -81,6 +81,7 @@ MALFORMED = {
     "no-event": ('{"step": 3, "loss": 1.0}', "no 'event'"),
     "nan-seed": ('{"event": "start", "step": 0, "seed": NaN}', "'seed' is float NaN"),
     "numeric-error": ('{"event": "end", "step": 6, "error": 42}', "'error' is int 42"),
+    "negative-val": ('{"event": "val", "step": 9, "val_loss": -5.0}', "'val_loss' is negative"),
 }
 
 
