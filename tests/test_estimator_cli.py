@@ -158,6 +158,8 @@ def test_gpu_table() -> None:
 def test_driver_names_map_to_one_entry(driver_name: str, entry: str | None) -> None:
     g = gpu_for_device(driver_name)
     assert (g.name if g else None) == entry
+    if entry is not None:  # --gpu takes the name nvidia-smi / rocm-smi prints, too
+        assert get_gpu(driver_name) is GPUS[entry]
 
 
 def test_gpus_module_imports_alone() -> None:

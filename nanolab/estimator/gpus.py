@@ -180,7 +180,8 @@ def _squash(name: str) -> str:
 
 
 def get_gpu(name: str) -> GPU:
-    """Look a GPU up by table name or alias: case, spaces, dashes and underscores do not matter.
+    """Look a GPU up by table name, alias or the name its driver reports (``nvidia-smi``,
+    ``torch.cuda.get_device_name()``): case, spaces, dashes and underscores do not matter.
 
     Raises:
         AmbiguousGPUError: ``a100``, ``v100``, ...: the candidates and their memory, to pick one.
@@ -195,6 +196,8 @@ def get_gpu(name: str) -> GPU:
         raise AmbiguousGPUError(
             f"--gpu {name!r} is ambiguous: {options}; name one, e.g. --gpu {found[-1]}"
         )
+    if found is None and (by_driver := gpu_for_device(name)) is not None:
+        return by_driver  # the name the driver reports ("NVIDIA GeForce RTX 4070"), as nvidia-smi shows it
     if found is None:
         close = difflib.get_close_matches(key, list(lookup), n=4, cutoff=0.5)
         targets = [lookup[c] if isinstance(lookup[c], list) else [lookup[c]] for c in close]
