@@ -651,9 +651,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--config", action="append", required=True, help="nanolab config (repeatable)"
     )
-    parser.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the steady state")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=150, help="optimizer steps per run (default %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="steps left out of the steady state (default %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="A/B rounds, each side trained once per round, which goes first alternating; the "
+        "figures are medians over rounds, with their spread (default %(default)s)",
+    )
     parser.add_argument(
         "--set",
         action="append",
