@@ -211,3 +211,13 @@ def test_an_empty_checkpoint_is_one_line(tmp_path: Path, lm_eval_local_only: Non
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last == "nanolab lm-eval: error: checkpoint= is empty; give a run directory or a .ckpt"
+
+
+def test_help_says_how_to_name_nanolabs_model(capsys: pytest.CaptureFixture) -> None:
+    """lm-eval's own help knows only its models: ``nanolab lm-eval --help`` first says how to
+    ask for nanolab's (what docs/evaluate.md shows), then prints lm-eval's."""
+    from nanolab.downstream.harness import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("--model nanolab --model_args checkpoint=") < out.index("usage: lm-eval")

@@ -229,6 +229,16 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
         return f"nanolab-{self.tok.name}"
 
 
+#: Printed above lm-eval's own top-level help, which knows nothing of nanolab's model.
+HELP_PREFACE = (
+    "nanolab lm-eval: lm-evaluation-harness's own command line (its help follows), with one "
+    "model added:\n"
+    "  nanolab lm-eval run --model nanolab --model_args checkpoint=RUN_DIR_OR_CKPT "
+    "--tasks TASKS [--include_path DIR]\n"
+    "  --model_args also takes device=, batch_size= and max_gen_toks= (docs/evaluate.md)\n"
+)
+
+
 @one_line_errors("nanolab lm-eval")
 def main(argv: Sequence[str] | None = None) -> int:
     """``nanolab lm-eval ARGS``: lm-eval's command line with ``--model nanolab`` available."""
@@ -237,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"], []):  # lm-eval's own help follows: say what nanolab adds
+        print(HELP_PREFACE, flush=True)
     with mock.patch.object(sys, "argv", ["lm-eval", *args]):
         try:
             cli_evaluate()
