@@ -185,6 +185,63 @@ def test_utilization_sampler_uses_nvml_when_importable(monkeypatch):
     assert sampler.backend == "nvml" and sampler.sample() == 87.0
 
 
+def fake_amdsmi(busy: dict[int, float], by_bdf: dict[str, int] | None) -> types.ModuleType:
+    """AMD SMI on a host of ``len(busy)`` GPUs, GPU k ``busy[k]`` percent busy: it lists every
+    GPU whatever the process's mask, and finds one by PCI address when ``by_bdf`` is given."""
+    fake = types.ModuleType("amdsmi")
+    fake.amdsmi_init = lambda: None
+    fake.amdsmi_get_processor_handles = lambda: [("gpu", k) for k in sorted(busy)]
+
+    def from_bdf(bdf: str):
+        if by_bdf is None or bdf not in by_bdf:
+            raise RuntimeError(f"no GPU at {bdf}")
+        return ("gpu", by_bdf[bdf])
+
+    fake.amdsmi_get_processor_handle_from_bdf = from_bdf
+    fake.amdsmi_get_gpu_activity = lambda h: {"gfx_activity": busy[h[1]]}
+    return fake
+
+
+@pytest.mark.parametrize(
+    ("masks", "by_bdf", "expected"),
+    [
+        ({"HIP_VISIBLE_DEVICES": "2"}, {"0000:c3:00.0": 2}, 50.0),  # by PCI address
+        ({"HIP_VISIBLE_DEVICES": "2"}, None, 50.0),  # by the mask
+        ({"CUDA_VISIBLE_DEVICES": "3,1"}, None, 75.0),  # ROCm honours CUDA's mask too
+        ({}, None, 0.0),  # no mask: device 0 is the host's 0
+        ({"HIP_VISIBLE_DEVICES": "1", "ROCR_VISIBLE_DEVICES": "2,3"}, None, None),  # nested
+        ({"HIP_VISIBLE_DEVICES": "GPU-1234"}, None, None),  # a UUID: not guessed
+    ],
+)
+def test_amd_utilization_reads_this_processs_gpu(monkeypatch, masks, by_bdf, expected):
+    """AMD SMI numbers every GPU of the host; a job given GPU 2 logged GPU 0's utilisation.
+    The sampler finds its GPU by PCI address (as NVML's does), else through the one device
+    mask that is set, else logs nothing rather than another GPU's figure."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi({0: 0, 1: 25, 2: 50, 3: 75}, by_bdf))
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0xC3, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in masks.items():
+        monkeypatch.setenv(name, value)
+    sampler = UtilizationSampler(0)
+    assert sampler.sample() == expected
+    assert sampler.backend == (None if expected is None else "amdsmi")
+
+
+def test_nvml_with_a_mask_of_uuids_logs_nothing_rather_than_gpu_0(monkeypatch):
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByPciBusId = lambda bus: (_ for _ in ()).throw(RuntimeError("no bus"))
+    fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=10)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8c6a1f2e")
+    assert UtilizationSampler(0).sample() is None
+
+
 def test_utilization_is_null_without_nvml_or_amdsmi(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.setitem(sys.modules, "amdsmi", None)

@@ -33,6 +33,35 @@ from nanolab.callbacks.events import CallbackConfigError
 from nanolab.callbacks.peak_flops import peak_flops_per_device
 from nanolab.callbacks.step import StepCallback
 
+#: The variables that renumber the devices a process sees, per vendor, outermost first.
+NVIDIA_MASKS = ("CUDA_VISIBLE_DEVICES",)
+AMD_MASKS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def _bus_id(index: int, domain_digits: int) -> str:
+    """The PCI address of visible device ``index`` as the vendor's library spells it (NVML:
+    an 8-digit domain, AMD SMI: 4)."""
+    props = torch.cuda.get_device_properties(index)
+    return (
+        f"{props.pci_domain_id:0{domain_digits}x}:{props.pci_bus_id:02x}:"
+        f"{props.pci_device_id:02x}.0"
+    )
+
+
+def physical_index(index: int, masks: tuple[str, ...]) -> int:
+    """The host's number of visible device ``index``, through the one mask variable that is
+    set. Raises ValueError when that cannot be known for sure (two masks nested, a mask of
+    UUIDs, an index past the mask): no figure is better than another GPU's."""
+    given = [os.environ[m] for m in masks if os.environ.get(m, "").strip()]
+    if not given:
+        return index
+    if len(given) > 1:
+        raise ValueError("nested device masks")
+    ids = [v.strip() for v in given[0].split(",") if v.strip()]
+    if index >= len(ids) or not ids[index].isdigit():
+        raise ValueError(f"device {index} of mask {given[0]!r}")
+    return int(ids[index])
+
 
 class UtilizationSampler:
     """Device utilisation in percent from NVML or AMD SMI; ``sample()`` is ``None`` when neither works."""
@@ -51,16 +80,10 @@ class UtilizationSampler:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = None
         try:  # the PCI bus id survives CUDA_VISIBLE_DEVICES renumbering
-            props = torch.cuda.get_device_properties(index)
-            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(_bus_id(index, 8).encode())
         except Exception:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-            ids = [v.strip() for v in visible.split(",") if v.strip()]
-            physical = int(ids[index]) if index < len(ids) and ids[index].isdigit() else index
-            handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(physical_index(index, NVIDIA_MASKS))
         return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
 
     @staticmethod
@@ -68,7 +91,10 @@ class UtilizationSampler:
         import amdsmi
 
         amdsmi.amdsmi_init()
-        handle = amdsmi.amdsmi_get_processor_handles()[index]
+        try:  # AMD SMI lists every GPU of the host, whatever HIP_VISIBLE_DEVICES hides
+            handle = amdsmi.amdsmi_get_processor_handle_from_bdf(_bus_id(index, 4))
+        except Exception:
+            handle = amdsmi.amdsmi_get_processor_handles()[physical_index(index, AMD_MASKS)]
         return lambda: float(amdsmi.amdsmi_get_gpu_activity(handle)["gfx_activity"])
 
     def sample(self) -> float | None:
