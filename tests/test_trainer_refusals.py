@@ -109,3 +109,45 @@ def test_the_gpu_recipe_without_a_gpu_is_refused_before_its_data_is_read(
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("nanolab fit: error: trainer.accelerator: 'gpu' needs a CUDA or ROCm GPU")
     assert list(tmp_path.iterdir()) == []
+
+
+LAUNCH_VARS = (
+    "MASTER_ADDR", "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS",
+    "SLURM_JOB_NAME", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "KUBERNETES_PORT",
+)  # fmt: skip
+
+
+def test_several_machines_without_a_multinode_launch_is_refused_before_anything_runs(
+    tmp_path: Path, char_dataset: Path, capsys, monkeypatch
+) -> None:
+    """``trainer.num_nodes: 2`` on one machine, started plainly: rank 0 used to wait in the
+    rendezvous for machines that never came, deaf to Ctrl-C and SIGTERM (a queue job then
+    hung until SIGKILL). Refused in one line; torchrun, SLURM or a hand-made launch
+    (MASTER_ADDR/NODE_RANK) are what a multi-node run is started by, and those are let through.
+
+    Mutation caught: the launcher check dropped (the fit blocks: the test times out)."""
+    from nanolab.run.trainer_errors import lone_multinode, multinode_launcher
+
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    runs = tmp_path / "runs"
+    config = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, runs))
+    capsys.readouterr()
+    code = main(["fit", "--config", str(QUICKSTART), "--config", str(config),
+                 "--trainer.num_nodes", "2"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("nanolab fit: error: trainer.num_nodes: 2 machines, but no multi-node")
+    assert not runs.exists()
+
+    assert multinode_launcher({}) is None
+    launches = {
+        "torchrun": {"TORCHELASTIC_RUN_ID": "j", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                     "GROUP_RANK": "0", "MASTER_ADDR": "n0", "MASTER_PORT": "1"},
+        "hand-made": {"MASTER_ADDR": "node0", "NODE_RANK": "1"},
+        "slurm": {"SLURM_NTASKS": "16", "SLURM_JOB_NAME": "train"},
+    }  # fmt: skip
+    for env in launches.values():
+        assert multinode_launcher(env) is not None, env
+        assert lone_multinode({"num_nodes": 2}, env) is None
+    assert lone_multinode({"num_nodes": 1}, {}) is None

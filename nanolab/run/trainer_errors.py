@@ -64,9 +64,68 @@ def missing_gpu(trainer_args: Mapping[str, Any]) -> RunConfigError | None:
 
 def refuse_missing_gpu(trainer_args: Mapping[str, Any]) -> None:
     """Refuse a GPU accelerator without a GPU at once, before the data is read or prepared:
-    the GPU recipes say ``accelerator: gpu``, and their data may not exist on this machine."""
-    if (refusal := missing_gpu(trainer_args)) is not None:
-        raise refusal
+    the GPU recipes say ``accelerator: gpu``, and their data may not exist on this machine.
+    Also a multi-node run started without a multi-node launch (:func:`lone_multinode`)."""
+    for refusal in (missing_gpu(trainer_args), lone_multinode(trainer_args)):
+        if refusal is not None:
+            raise refusal
+
+
+#: The variables of a hand-made multi-node launch (Lightning's general-purpose cluster: each
+#: machine runs the command with these set), beside the launchers Lightning detects itself.
+MANUAL_MULTINODE_VARS = ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK")
+
+
+def multinode_launcher(env: Mapping[str, str] | None = None) -> str | None:
+    """The multi-node launch this process is part of (``torchrun``, ``SLURM``, ...), or None.
+
+    Lightning's own detectors decide, as they do when the Trainer picks its cluster
+    environment; a launch by hand counts when it sets :data:`MANUAL_MULTINODE_VARS`."""
+    import contextlib
+    import os
+    from unittest import mock
+
+    from lightning.fabric.plugins import environments as envs
+
+    if any((os.environ if env is None else env).get(n) for n in MANUAL_MULTINODE_VARS):
+        return "MASTER_ADDR/NODE_RANK"
+    detectors = (
+        ("torchrun", envs.TorchElasticEnvironment),
+        ("SLURM", envs.SLURMEnvironment),
+        ("MPI", envs.MPIEnvironment),
+        ("LSF", envs.LSFEnvironment),
+        ("Kubeflow", envs.KubeflowEnvironment),
+    )
+    given = (
+        contextlib.nullcontext() if env is None else mock.patch.dict(os.environ, env, clear=True)
+    )
+    with given:  # the detectors read os.environ; a test gives its own
+        for name, kind in detectors:
+            try:
+                if kind.detect():
+                    return name
+            except Exception:  # MPI's detector needs mpi4py: absent means no MPI launch
+                continue
+    return None
+
+
+def lone_multinode(
+    trainer_args: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> RunConfigError | None:
+    """The refusal of ``trainer.num_nodes`` > 1 in a process no multi-node launcher started:
+    its first rank would wait for the other machines' ranks for ever (blocked in the
+    rendezvous, where a Ctrl-C or SIGTERM is not even handled)."""
+    nodes = trainer_args.get("num_nodes") or 1
+    if not isinstance(nodes, int) or nodes <= 1 or multinode_launcher(env) is not None:
+        return None
+    return RunConfigError(
+        f"{nodes} machines, but no multi-node launch started this process (no torchrun, "
+        "SLURM, MPI or LSF, nor MASTER_ADDR/NODE_RANK set), so it would wait for the other "
+        "machines for ever",
+        field="trainer.num_nodes",
+        fix="on one machine set --trainer.num_nodes 1; across machines start the same command "
+        "on each with torchrun or srun (docs/scaling.md)",
+    )
 
 
 def trainer_refusal(err: BaseException, trainer_args: Mapping[str, Any]) -> RunConfigError:
