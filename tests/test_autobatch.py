@@ -61,3 +61,28 @@ def test_auto_on_a_cpu_says_it_takes_the_data_micro_batch(tmp_path, char_dataset
     said = proc.stdout + proc.stderr
     assert "run.micro_batch_size auto: 4, data.micro_batch_size (no GPU memory" in said, said
     assert "4 micro-batch x 32 context x 4 accumulation" in said
+
+
+def test_a_rocm_machine_is_held_to_the_rules_estimate_shows_for_its_gpu(gpt2_124m, monkeypatch):
+    """On ROCm torch reports the GPU through ``torch.cuda`` too; fit's memory plan used the
+    CUDA overheads (768 MiB context, 384 MiB communication) where ``nanolab estimate --gpu
+    mi300x`` uses ROCm's, so the two disagreed by 0.25-0.4 GiB. The backend now comes from
+    the torch build: a ROCm build (``torch.version.hip`` set, forced here) plans as estimate
+    does for an MI300X."""
+    import torch
+
+    from nanolab.estimator.gpus import GPUS
+    from nanolab.run.autobatch import device_backend
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert device_backend() == "cuda"
+    monkeypatch.setattr(torch.version, "hip", "7.2.0")
+    assert device_backend() == "rocm"
+    mi300x = GPUS["mi300x"].memory_bytes
+    for devices in (1, 8):
+        plan = plan_memory(gpt2_124m, mi300x, auto=True, devices_per_node=devices)
+        est = estimate_from_config(
+            gpt2_124m, gpu="mi300x", devices=devices, micro_batch_size=plan.micro_batch_size
+        )
+        assert plan.predicted_bytes == est.memory.total
+        assert plan.micro_batch_size == est.largest_micro_batch or est.fits

@@ -124,8 +124,12 @@ def predicted_peak_bytes(config_yaml: Path) -> int | None:
     config = yaml.safe_load(config_yaml.read_text())
     try:
         if torch.cuda.is_available():
+            from nanolab.run.autobatch import device_backend
+
             memory = torch.cuda.get_device_properties(0).total_memory
-            est = estimate_from_config(config, device_memory=memory, devices=1)
+            est = estimate_from_config(
+                config, device_memory=memory, devices=1, backend=device_backend()
+            )
         else:
             est = estimate_from_config(config, device="cpu", devices=1)
     except ValueError:  # a model the rules do not describe (a fork's): no prediction, no crash

@@ -36,33 +36,42 @@ def device_memory_bytes() -> int | None:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+def device_backend() -> str:
+    """The memory rules' backend for this process's GPU: ``rocm`` under a ROCm build of torch
+    (its context and communication buffers are larger), else ``cuda``."""
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+
 def plan_memory(
-    config: dict[str, Any], device_memory: int, auto: bool, devices_per_node: int
+    config: dict[str, Any],
+    device_memory: int,
+    auto: bool,
+    devices_per_node: int,
+    backend: str | None = None,
 ) -> MemoryPlan:
     """Pick (``auto``) or check the micro-batch of ``config`` against ``device_memory`` bytes.
 
-    ``config`` is the merged ``nanolab fit`` config as a plain dict (``vocab_size`` resolved).
+    ``config`` is the merged ``nanolab fit`` config as a plain dict (``vocab_size`` resolved);
+    ``backend`` is this machine's (:func:`device_backend` unless given), so ``fit`` holds the
+    run to the rules ``nanolab estimate --gpu`` shows for the same GPU.
     """
     from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
     from nanolab.training.resolve import sections
 
+    rules: dict[str, Any] = {"devices": devices_per_node, "backend": backend or device_backend()}
     micro = int(sections(config)[3]["micro_batch_size"])
     if auto:
-        micro = largest_fitting_micro_batch(
-            config, device_memory=device_memory, devices=devices_per_node
-        )
+        micro = largest_fitting_micro_batch(config, device_memory=device_memory, **rules)
         if micro == 0:
             est = estimate_from_config(
-                config, device_memory=device_memory, devices=devices_per_node, micro_batch_size=1
+                config, device_memory=device_memory, micro_batch_size=1, **rules
             )
             raise AutoBatchError(
                 "run.micro_batch_size auto: not even one sequence fits in "
                 f"{device_memory / 2**30:.1f} GiB (predicted {est.memory.total / 2**30:.1f} GiB); "
                 f"try: {_switches(est) or 'a smaller model or block_size'}"
             )
-    est = estimate_from_config(
-        config, device_memory=device_memory, devices=devices_per_node, micro_batch_size=micro
-    )
+    est = estimate_from_config(config, device_memory=device_memory, micro_batch_size=micro, **rules)
     warning = None
     if not est.fits:
         warning = (
