@@ -503,7 +503,7 @@ def test_cli_bad_input(args: list[str], message: str | None, capsys) -> None:
         ({"run": {"global_batch_tokens": 1000}}, "global_batch_tokens"),
         ({"trainer": {"precision": "64-true"}}, "precision"),
         ({"trainer": {"strategy": "horovod"}}, "unknown trainer.strategy"),
-        ({"model": {"gpt": {"n_layers": 3}}}, "unknown keys"),
+        ({"model": {"gpt": {"n_layers": 3}}}, "unknown setting model.gpt."),
         (
             {
                 "trainer": {

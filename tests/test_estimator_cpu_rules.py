@@ -56,6 +56,34 @@ def test_estimate_and_fits_refusal_give_one_answer(monkeypatch: pytest.MonkeyPat
     assert not estimate_from_config(cfg, device="cpu", history=False).fits
 
 
+def test_several_cpu_processes_share_one_machine_in_estimate_and_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two DDP processes on one CPU: estimate held one process's total against the whole
+    machine ("fits"), while fit refused twice a single-device figure (DDP's gradient buckets
+    left out), pointing at an estimate that said the run fits. Both now hold each process (as
+    the strategy has it) to its share of the machine: estimate shows RAM / 2 each and
+    the per-process total, fit refuses when twice that total exceeds the RAM."""
+    from nanolab import processes
+    from nanolab.estimator.estimate import estimate_from_config
+    from nanolab.run import autobatch
+
+    cfg = _tiny()
+    cfg["trainer"] |= {"devices": 2, "strategy": "ddp"}
+    free = 8 << 30
+    monkeypatch.setattr(processes, "host_memory_available", lambda: free)
+    two = estimate_from_config(cfg, device="cpu", devices=2, history=False)
+    one = estimate_from_config(cfg, device="cpu", devices=1, history=False)
+    assert two.device_memory == free // 2 and one.device_memory == free
+    assert two.memory.total >= one.memory.total  # DDP's buckets, where it keeps any
+    monkeypatch.setattr(autobatch, "resident_bytes", lambda: 0)
+    monkeypatch.setattr(autobatch, "host_memory_available", lambda: 2 * two.memory.total)
+    autobatch.check_fits_on_host(cfg, processes=2)  # exactly enough
+    monkeypatch.setattr(autobatch, "host_memory_available", lambda: 2 * two.memory.total - 1)
+    with pytest.raises(autobatch.HostMemoryError, match="x2 processes"):
+        autobatch.check_fits_on_host(cfg, processes=2)
+
+
 def test_auto_micro_batch_on_a_cpu_is_the_datas() -> None:
     """fit trains ``run.micro_batch_size: auto`` at ``data.micro_batch_size`` on a CPU (no GPU
     memory to plan against), but the estimate and fit's banner planned the largest micro-batch

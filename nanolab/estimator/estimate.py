@@ -361,6 +361,10 @@ def estimate_from_config(
     )
     g, mem, kw = _device(gpu, device_memory, device, backend, fragmentation)
     be, fragmentation = kw["backend"], kw["fragmentation"]
+    if be == "cpu" and setup.devices > 1:
+        # One machine's memory holds every process of the node: each has its share (fit's
+        # check_fits_on_host holds the same processes to the same total).
+        mem //= setup.devices
     largest = largest_micro_batch(setup, mem, **kw)
     choice = micro_batch_for_global(setup, mem, **kw)
     if micro_batch_size is not None:  # given here (estimate --micro-batch), not the config's

@@ -109,8 +109,9 @@ def check_fits_on_host(config: dict[str, Any], processes: int = 1) -> None:
 
         trainer = dict(config.get("trainer") or {})
         trainer["precision"] = trainer.get("precision") or "32-true"  # Lightning's default
-        # The memory model only: the fit search and the switch list are for GPUs.
-        setup = setup_for({**config, "trainer": trainer}, devices=1)
+        # The memory model only: the fit search and the switch list are for GPUs. Each process
+        # as the run has it (a DDP process holds its gradient buckets too), as estimate does.
+        setup = setup_for({**config, "trainer": trainer}, devices=max(1, processes))
         from nanolab.training.resolve import sections
 
         micro = int(sections(config)[3].get("micro_batch_size") or 1)
