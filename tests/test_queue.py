@@ -570,3 +570,34 @@ def test_add_refuses_a_gpu_the_estimator_does_not_know(tmp_path: Path, gpu: str,
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr
     assert "--gpu-mem" not in lines[0] and not (tmp_path / "q.db").exists()
+
+
+def test_a_job_removed_while_its_runner_starts_it_is_stopped(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+) -> None:
+    """``queue rm`` between the runner's claim and its recording the job's pid had no pid to
+    signal: it deleted the row and the job trained to its end, unseen. The runner now stops a
+    job whose row is gone; here rm runs at exactly that moment (after the claim, before the
+    process starts) and the job never trains."""
+    import io
+
+    from nanolab.queue.runner import Runner
+
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    assert queue(capsys, db, "add", str(tiny), "--name", "racer")[0] == 0
+    removed: list[str] = []
+
+    class RmWhileStarting(Runner):
+        def _spawn(self, job, *args, **kw) -> None:
+            assert job.status == "running" and job.job_pid is None  # claimed, no process yet
+            removed.append(queue(capsys, db, "rm", job.name)[1])
+            super()._spawn(job, *args, **kw)
+
+    said = io.StringIO()
+    assert RmWhileStarting(QueueDB(db), out=said).run() == 0
+    assert "racer: starting; its runner stops it as soon as it has started" in removed[0]
+    assert "racer: removed from the queue as it started; asked it to checkpoint" in said.getvalue()
+    assert "it was removed from the queue meanwhile" in said.getvalue()
+    assert not (tmp_path / "runs" / "racer" / "checkpoints").exists()  # it never trained
+    assert QueueDB(db).jobs() == []

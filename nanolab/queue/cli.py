@@ -350,6 +350,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
             print(
                 f"job {job.id} {job.name}: running (pid {job.job_pid}); asked it to checkpoint and stop"
             )
+        elif job.status == "running" and not job.job_pid:
+            print(
+                f"job {job.id} {job.name}: starting; its runner stops it as soon as it has started"
+            )
     db.remove([j.id for j in jobs])
     for job in jobs:
         kept = (

@@ -91,6 +91,7 @@ class Active:
     cap: int | None = None  # allocator cap in bytes when it shares a device (None: alone)
     reserved: int = 0  # bytes of the device it takes when packed
     preempted_for: int | None = None  # the job a backfill job was asked to stop for
+    removed: bool = False  # its row left the queue while it ran; asked to stop
 
 
 @dataclass
@@ -177,6 +178,7 @@ class Runner:
                 if not self._signals:
                     self.fill()
                     self._stop_backfill_at_deadline()
+                self._stop_removed()
                 if self._refused_start and not self._signals:
                     self._refused_start = False  # a slot it would have used is free: fill again
                     continue
@@ -387,6 +389,25 @@ class Runner:
         # a backfill job is asked to stop, or the deadline passes (data_version ignores this
         # connection's own writes).
         self._plan_key = key
+
+    def _stop_removed(self) -> None:
+        """Ask each job whose row is no longer this runner's (``queue rm`` while it started,
+        before its pid was recorded for rm to signal) to checkpoint and stop, as rm does with a
+        pid: a removed job must not train on, unseen, to its end."""
+        if not self._active:
+            return
+        owned = {
+            row[0]
+            for row in self.db.conn.execute(
+                "SELECT id FROM jobs WHERE runner_id = ? AND status = 'running'", (self.runner_id,)
+            )
+        }
+        for job_id, active in self._active.items():
+            if job_id not in owned and not active.removed:
+                active.removed = True
+                active.proc.terminate()  # checkpoints at its step boundary, exits 75
+                self.say(f"job {job_id} {active.job.name}: removed from the queue as it started; "
+                         "asked it to checkpoint and stop")  # fmt: skip
 
     # -- backfill --------------------------------------------------------------------------
     def _preempt(self, active: Active, for_job: Job) -> None:
