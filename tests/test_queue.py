@@ -601,3 +601,38 @@ def test_a_job_removed_while_its_runner_starts_it_is_stopped(
     assert "it was removed from the queue meanwhile" in said.getvalue()
     assert not (tmp_path / "runs" / "racer" / "checkpoints").exists()  # it never trained
     assert QueueDB(db).jobs() == []
+
+
+def test_a_runner_whose_claim_another_runner_won_goes_on_with_the_next_job(tmp_path: Path) -> None:
+    """Two runners started together on one queue: the one whose claim lost the race quit at once
+    ("no jobs run; 2 job(s) waiting"), for with nothing of its own running its loop ended. A lost
+    claim now leads to another round; here the other runner's claim lands between this one's
+    reading the queue and its claim, through the real database."""
+    import io
+
+    from nanolab.queue.runner import Runner
+
+    path = tmp_path / "q.db"
+    # Jobs whose config is gone since add: claimed and then not started (no process needed).
+    gone = [
+        NewJob(name=n, config="gone.yaml", args=[], seed=None, cwd=str(tmp_path),
+               run_dir=str(tmp_path / "runs" / n), config_sha="before")
+        for n in ("a", "b", "c")
+    ]  # fmt: skip
+    first, *rest = QueueDB(path).add_jobs(gone)
+    other = QueueDB(path)
+    quicker = other.register_runner()
+
+    class Late(Runner):
+        def _claim_and_spawn(self, job, *args, **kw) -> bool:
+            if job.id == first.id:  # the other runner claims it first
+                assert other.claim(job.id, quicker, None, time.time())
+            return super()._claim_and_spawn(job, *args, **kw)
+
+    said = io.StringIO()
+    late = Late(QueueDB(path), out=said)
+    assert late.run() == 0
+    jobs = {j.id: j for j in QueueDB(path).jobs()}
+    assert jobs[first.id].runner_id == quicker
+    assert [jobs[j.id].runner_id for j in rest] == [late.runner_id] * 2, said.getvalue()
+    assert "0 job(s) waiting" in said.getvalue()

@@ -138,7 +138,10 @@ class Runner:
     _signals: int = 0
     _wake_r: int | None = None
     _counts: Counter[str] = field(default_factory=Counter)
-    _refused_start: bool = False  # a claimed job was not started (config changed, no log)
+    # A slot this round meant to fill is still free: a claimed job was not started (config
+    # changed, no log), or another runner's claim won the job. Fill again before deciding the
+    # queue is done: with nothing of its own running, the runner would otherwise quit.
+    _fill_again: bool = False
     notify: list[str] = field(default_factory=list)  # targets told when the runner ends
     _capacity: list[int] = field(default_factory=list)
     _rules: Rules = field(default_factory=Rules)
@@ -179,8 +182,8 @@ class Runner:
                     self.fill()
                     self._stop_backfill_at_deadline()
                 self._stop_removed()
-                if self._refused_start and not self._signals:
-                    self._refused_start = False  # a slot it would have used is free: fill again
+                if self._fill_again and not self._signals:
+                    self._fill_again = False
                     continue
                 if not self._active and (self._signals or not self._keep_waiting()):
                     break
@@ -298,7 +301,8 @@ class Runner:
         gpus = ",".join(str(self.units[u]) for u in units) if self.gpus else None
         packed_on = self.label(units[0]) if cap is not None else None
         if not self.db.claim(job.id, self.runner_id, gpus, time.time(), packed_on, cap):
-            return False  # another runner took it first; the units stay free for the next round
+            self._fill_again = True  # another runner took it first: its units go to the next job
+            return False
         self._spawn(self.db.get(job.id), units, remaining, cap, reserved, sharing)
         return True
 
@@ -439,7 +443,7 @@ class Runner:
         """A claimed job that cannot start: failed with ``detail``; its slot is filled again."""
         self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
         self.say(f"job {job.id} {job.name}: not started: {detail}")
-        self._refused_start = True
+        self._fill_again = True
         self._counts["failed"] += 1
 
     def _spawn(
