@@ -636,3 +636,58 @@ def test_a_runner_whose_claim_another_runner_won_goes_on_with_the_next_job(tmp_p
     assert jobs[first.id].runner_id == quicker
     assert [jobs[j.id].runner_id for j in rest] == [late.runner_id] * 2, said.getvalue()
     assert "0 job(s) waiting" in said.getvalue()
+
+
+def _read_only_verbs_said(capsys, path: Path, said: str) -> None:
+    """``ls`` lists the queue; every verb that changes it is one line saying what is read-only
+    (never the damaged-file advice to move a healthy queue aside), and nothing changed."""
+    code, out, err = queue(capsys, path, "ls")
+    assert code == 0 and "1   a" in out and "1 pending" in out, err
+    assert queue(capsys, path, "ls", "--json")[0] == 0
+    for verb in (["rm", "a"], ["retry", "a"], ["clear", "--all"], ["run"]):
+        code, _, err = queue(capsys, path, *verb)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and said in lines[0], err
+        assert "`nanolab queue ls` still reads it" in lines[0] and "move it aside" not in lines[0]
+    assert [(j.name, j.status) for j in QueueDB.read_only(path).jobs()] == [("a", "pending")]
+
+
+def test_a_read_only_queue_file_is_said_so_and_ls_still_reads_it(tmp_path: Path, capsys) -> None:
+    """A read-only queue database was called "damaged or not SQLite ... move it aside and queue
+    the jobs again", by every verb, ``ls`` included. Read-only to root too: chmod does not stop
+    root, the immutable attribute does."""
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    db.add_jobs([new_job("a")])
+    db.close()  # no descriptor open for writing is left in this process for SQLite to reuse
+    path.chmod(0o444)
+    immutable = os.geteuid() == 0
+    if immutable and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("root, and no chattr +i here to make a file read-only to root")
+    try:
+        _read_only_verbs_said(capsys, path, f"the queue database {path} is a read-only file")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_queue_on_a_read_only_file_system_is_said_so_with_its_mount(
+    tmp_path: Path, capsys
+) -> None:
+    """``mount -o remount,ro``: SQLite cannot make the queue's -shm file ("unable to open database
+    file"), which was taken for damage. The line names the read-only mount."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)],
+                      capture_output=True).returncode:  # fmt: skip
+        pytest.skip("mounting a file system needs root")
+    try:
+        path = folder / "q.db"
+        db = QueueDB(path)
+        db.add_jobs([new_job("a")])
+        db.close()
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        said = f"is on a read-only file system ({folder} is mounted read-only)"
+        _read_only_verbs_said(capsys, path, said)
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)

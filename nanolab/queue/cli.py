@@ -39,9 +39,11 @@ from nanolab.queue.db import (
     Job,
     QueueDB,
     QueueError,
+    ReadOnlyDBError,
     default_db_path,
     no_room,
     orphaned,
+    read_only_db,
     unusable_db,
 )
 from nanolab.queue.packing import gib
@@ -244,7 +246,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for s in args.status or []:
         if s not in STATUSES:
             raise QueueError(f"--status {s!r}: unknown status; choose from {', '.join(STATUSES)}")
-    db = QueueDB(args.db)
+    try:
+        db = QueueDB(args.db)
+    except ReadOnlyDBError:  # a read-only file or file system: a listing needs no write
+        db = QueueDB.read_only(args.db if args.db is not None else default_db_path())
     jobs = db.jobs(args.status or None)
     running = jobs if not args.status else db.jobs(("running",))
     gaps = db.event_values("gap")
@@ -647,6 +652,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(f"nanolab queue {args.verb}", err)
     except sqlite3.DatabaseError as err:  # damage (or a full disk) met past the opening checks
         path = Path(args.db) if args.db else default_db_path()
-        line = no_room(path, err) or unusable_db(path, f"failed: {err}")
+        line = read_only_db(path, err) or no_room(path, err) or unusable_db(path, f"failed: {err}")
         print(f"nanolab queue {args.verb}: error: {line}", file=sys.stderr)
         return 2

@@ -122,6 +122,11 @@ class QueueError(NanolabError):
     """A queue operation that cannot be done; the message says which job and what to do."""
 
 
+class ReadOnlyDBError(QueueError):
+    """The queue database cannot be written (a read-only file, folder or file system); it can
+    still be read (``queue ls`` falls back to :meth:`QueueDB.read_only`)."""
+
+
 class DamagedJobError(QueueError):
     """A job row that cannot be read back (edited by hand); ``queue rm ID`` still removes it."""
 
@@ -234,8 +239,8 @@ class QueueDB:
             db.conn.row_factory = sqlite3.Row
             db.conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
         except sqlite3.Error as err:
-            room = no_room(db.path, err)
-            raise QueueError(room or unusable_db(db.path, f"cannot be read ({err})")) from None
+            said = read_only_db(db.path, err, reading=True) or no_room(db.path, err)
+            raise QueueError(said or unusable_db(db.path, f"cannot be read ({err})")) from None
         return db
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
@@ -256,6 +261,8 @@ class QueueDB:
         try:
             self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         except sqlite3.Error as err:
+            if (line := read_only_db(self.path, err)) is not None:
+                raise ReadOnlyDBError(line) from None
             raise QueueError(unusable_db(self.path, f"cannot be opened ({err})")) from None
         self.conn.row_factory = sqlite3.Row
         try:
@@ -282,6 +289,8 @@ class QueueDB:
                     "other text?); it was left untouched; pass --db with the queue's file "
                     "(nanolab_queue.db by default), or a new path for a new queue"
                 ) from None
+            if (line := read_only_db(self.path, err)) is not None:
+                raise ReadOnlyDBError(line) from None
             room = no_room(self.path, err)
             if room is not None:
                 raise QueueError(room) from None
@@ -523,6 +532,50 @@ def no_room(path: Path, err: BaseException) -> str | None:
         f"the file system holding the queue database {path} {what} ({err}); the database was "
         f"left untouched: {fix} and rerun the same command"
     )
+
+
+def read_only_db(path: Path, err: BaseException, reading: bool = False) -> str | None:
+    """The one line for a SQLite error that comes from the database not being writable: its file
+    system is mounted read-only, or the file (read-only, immutable) or its folder (where SQLite
+    keeps the ``-wal``/``-shm`` files) cannot be written. ``None`` when nothing of the kind is
+    read-only (then the file itself is at fault). Said as it is, like :func:`no_room`: the
+    damaged-file advice (move it aside, queue the jobs again) would throw away a healthy queue.
+    ``reading``: said to a reader, which has no read-only way left to offer."""
+    name = str(getattr(err, "sqlite_errorname", ""))
+    kinds = ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR", "SQLITE_PERM")
+    if not name.startswith(kinds) and "readonly" not in str(err).lower():
+        return None
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        read_only_fs = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return None
+    if read_only_fs:
+        mount = _mount_point(folder)
+        what = f"is on a read-only file system ({mount} is mounted read-only)"
+        fix = f"remount it read-write (mount -o remount,rw {mount})"
+    elif path.exists() and not os.access(path, os.W_OK):
+        what = "is a read-only file"
+        fix = f"make it writable (chmod u+w {path}; if lsattr shows it immutable, chattr -i)"
+    elif not os.access(folder, os.W_OK):
+        what = f"is in a folder that cannot be written ({folder}: SQLite keeps its -wal file there)"
+        fix = f"make {folder} writable"
+    else:
+        return None
+    still = "" if reading else "; `nanolab queue ls` still reads it"
+    return (
+        f"the queue database {path} {what} ({err}); it was left untouched{still}; to change "
+        f"the queue, {fix}, or copy it to a writable folder and pass --db with the copy"
+    )
+
+
+def _mount_point(folder: Path) -> Path:
+    """The top folder of the file system holding ``folder`` (the one to remount)."""
+    here = folder.resolve()
+    device = here.stat().st_dev
+    while here.parent != here and here.parent.stat().st_dev == device:
+        here = here.parent
+    return here
 
 
 def unusable_db(path: Path, why: str) -> str:
