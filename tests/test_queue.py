@@ -691,3 +691,33 @@ def test_a_queue_on_a_read_only_file_system_is_said_so_with_its_mount(
         _read_only_verbs_said(capsys, path, said)
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_failed_jobs_long_error_line_is_kept_whole(tmp_path: Path, capsys) -> None:
+    """A failed job's error line was cut at 300 characters, and its end, the fix, was what was
+    cut; ``ls`` promises the line whole. Only an absurd line (past ERROR_LINE_MAX) is cut."""
+    from nanolab.queue.runner import ERROR_LINE_MAX
+
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    run_dir = tmp_path / "a"
+    run_dir.mkdir()
+    (job,) = db.add_jobs(
+        [NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir=str(run_dir))]
+    )
+    fix = "; pass --data.dataset_dir with a prepared dataset (nanolab prepare) and retry"
+    line = "nanolab fit: error: data.dataset_dir " + "/very/long/folder" * 25 + " is empty" + fix
+    assert len(line) > 400
+    log = run_dir / "queue.log"
+    log.write_text(f"=== attempt 1\nloading\n{line}\n")
+    job.log = str(log)
+    t = time.time()
+    assert outcome(job, 2, t) == ("failed", line)  # from its console log
+    (run_dir / "metrics.jsonl").write_text(
+        json.dumps({"event": "end", "time": t, "reason": "error", "error": f"Trace\n{line}"}) + "\n"
+    )
+    assert outcome(job, 1, t) == ("failed", line)  # from its run log's end record
+    db.set_status(job.id, "failed", detail=outcome(job, 1, t)[1])
+    assert f"    failed: {line}" in queue(capsys, path, "ls")[1]
+    log.write_text("x" * (ERROR_LINE_MAX * 3) + "\n")
+    assert len(outcome(job, 2, t + 100)[1]) == ERROR_LINE_MAX

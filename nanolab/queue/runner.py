@@ -770,6 +770,12 @@ def gpu_total_memory(device_id: str, timeout: float = 120.0) -> int:
     return int(res.stdout.strip())
 
 
+#: The longest error line kept for a failed job, in characters: the line is kept whole (its end
+#: is the fix, which ``queue ls`` must show); this bounds only an absurd one (a tensor printed
+#: into the message), so one bad job cannot swell the database and every listing.
+ERROR_LINE_MAX = 4096
+
+
 def error_from_log(path: str | None, tail_bytes: int = 16384) -> str | None:
     """The most telling line at the end of a job's log: an ``error:`` line or the exception."""
     if not path or not os.path.isfile(path):
@@ -781,13 +787,13 @@ def error_from_log(path: str | None, tail_bytes: int = 16384) -> str | None:
         ]
     for line in reversed(lines):
         if "error:" in line.lower() or line.split(":", 1)[0].endswith(("Error", "Exception")):
-            return line[:300]
-    return lines[-1][:300] if lines else None
+            return line[:ERROR_LINE_MAX]
+    return lines[-1][:ERROR_LINE_MAX] if lines else None
 
 
 def _last_line(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else text[:300]
+    return lines[-1][:ERROR_LINE_MAX] if lines else text[:ERROR_LINE_MAX]
 
 
 # -- orphans and parent-death signals ----------------------------------------------------------
