@@ -721,3 +721,38 @@ def test_a_failed_jobs_long_error_line_is_kept_whole(tmp_path: Path, capsys) -> 
     assert f"    failed: {line}" in queue(capsys, path, "ls")[1]
     log.write_text("x" * (ERROR_LINE_MAX * 3) + "\n")
     assert len(outcome(job, 2, t + 100)[1]) == ERROR_LINE_MAX
+
+
+def test_a_job_whose_run_directory_moved_as_it_ran_fails_with_its_own_reason(
+    tmp_path: Path,
+) -> None:
+    """A job whose run directory was moved while it ran was shown as ``failed: exit code 2``:
+    its error line was read back by path from ``queue.log``, which had moved with the folder.
+    The runner reads it through the handle it gave the job; here the job (a stand-in process
+    writing as ``fit`` does) moves its own folder, says why on its console and exits 2."""
+    import io
+
+    from nanolab.queue.runner import Active, Runner, job_log_path
+
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    run_dir, moved = tmp_path / "runs" / "a", tmp_path / "runs" / "moved"
+    (job,) = db.add_jobs(
+        [NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir=str(run_dir))]
+    )
+    runner = Runner(db, out=io.StringIO())
+    runner.runner_id = db.register_runner()
+    assert db.claim(job.id, runner.runner_id, None, time.time())
+    why = f"nanolab fit: error: {run_dir} is gone (a link or a move since this run claimed it)"
+    log_path = job_log_path(job, path)
+    log = open(log_path, "a+b")  # noqa: SIM115 - as the runner opens it; reap closes it
+    script = f"import os; os.rename({str(run_dir)!r}, {str(moved)!r}); print({why!r}); exit(2)"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT)
+    started = time.time()
+    proc.wait(timeout=60)
+    db.set_job_pid(job.id, proc.pid, str(log_path))
+    runner._active[job.id] = Active(db.get(job.id), proc, [0], started, log)
+    runner.reap()
+    assert not run_dir.exists() and why in (moved / "queue.log").read_text()
+    (done,) = db.jobs()
+    assert (done.status, done.detail, done.exit_code) == ("failed", why, 2)

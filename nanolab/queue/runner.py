@@ -42,6 +42,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import statistics
 import subprocess
 import sys
@@ -485,11 +486,13 @@ class Runner:
             env[CAP_ENV] = f"{cap / self._capacity[units[0]]:.6f}"
             env["NANOLAB_QUEUE_PACKED"] = self.label(units[0])
         try:
-            log = open(log_path, "ab")  # noqa: SIM115 - closed when the job exits
-        except OSError as err:  # a folder in its place, no permission: this job cannot log
+            # Read as well: its error line is read through this handle when the job exits, which
+            # still finds the file after the run directory was moved or deleted meanwhile.
+            log = open(log_path, "a+b")  # noqa: SIM115 - closed when the job exits
+        except OSError as err:  # a folder or a fifo in its place, no permission: it cannot log
             self._not_started(
                 job,
-                f"cannot open its log {log_path} ({err.strerror}); move what is there out of "
+                f"cannot open its log {log_path} ({err.strerror or err}); move what is there out of "
                 "the way, then `nanolab queue retry` it",
             )
             return
@@ -542,8 +545,10 @@ class Runner:
             self._freed_at.update(dict.fromkeys(active.units, time.monotonic()))
             if active.pidfd is not None:
                 os.close(active.pidfd)
-            active.log.close()
-            status, detail = outcome(active.job, code, active.started, stopping=bool(self._signals))
+            with active.log:  # its error line is read through the runner's own handle
+                status, detail = outcome(
+                    active.job, code, active.started, bool(self._signals), active.log
+                )
             ran = time.time() - active.started
             columns: dict[str, Any] = {}
             if status == "failed" and active.cap is not None and is_out_of_memory(detail):
@@ -709,8 +714,12 @@ def plan_starts(
     return plan
 
 
-def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[str, str | None]:
-    """(status, detail) of a job attempt from its exit code and its run log's ``end`` record."""
+def outcome(
+    job: Job, code: int, since: float, stopping: bool = False, log: IO[bytes] | None = None
+) -> tuple[str, str | None]:
+    """(status, detail) of a job attempt from its exit code and its run log's ``end`` record,
+    else its console log's error line (``log``: the runner's open handle on it, else
+    ``job.log``'s path)."""
     from nanolab.runlog import RUN_LOG_NAME, last_record
 
     end = last_record(
@@ -743,7 +752,7 @@ def outcome(job: Job, code: int, since: float, stopping: bool = False) -> tuple[
     error = (end or {}).get("error")
     if error:
         return "failed", _last_line(str(error))
-    return "failed", error_from_log(job.log) or f"exit code {code}"
+    return "failed", error_from_log(log or job.log) or f"exit code {code}"
 
 
 def is_out_of_memory(detail: str | None) -> bool:
@@ -776,15 +785,20 @@ def gpu_total_memory(device_id: str, timeout: float = 120.0) -> int:
 ERROR_LINE_MAX = 4096
 
 
-def error_from_log(path: str | None, tail_bytes: int = 16384) -> str | None:
-    """The most telling line at the end of a job's log: an ``error:`` line or the exception."""
-    if not path or not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - tail_bytes))
-        lines = [
-            ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()
-        ]
+def error_from_log(log: str | IO[bytes] | None, tail_bytes: int = 16384) -> str | None:
+    """The most telling line at the end of a job's log: an ``error:`` line or the exception.
+
+    ``log``: its path, or a handle open for reading on it. A run whose directory was moved (or
+    deleted) while it ran took its log along: only a handle opened before still reads it."""
+    if isinstance(log, str):
+        if not os.path.isfile(log):
+            return None
+        with open(log, "rb") as f:
+            return error_from_log(f, tail_bytes)
+    if log is None or not stat.S_ISREG(os.fstat(log.fileno()).st_mode):
+        return None  # a fifo or a device in its place: nothing to read back
+    log.seek(max(0, os.fstat(log.fileno()).st_size - tail_bytes))
+    lines = [ln.strip() for ln in log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     for line in reversed(lines):
         if "error:" in line.lower() or line.split(":", 1)[0].endswith(("Error", "Exception")):
             return line[:ERROR_LINE_MAX]
