@@ -756,3 +756,33 @@ def test_a_job_whose_run_directory_moved_as_it_ran_fails_with_its_own_reason(
     assert not run_dir.exists() and why in (moved / "queue.log").read_text()
     (done,) = db.jobs()
     assert (done.status, done.detail, done.exit_code) == ("failed", why, 2)
+
+
+def test_the_runners_summary_and_notify_count_jobs_not_attempts(tmp_path: Path, capsys) -> None:
+    """A job that failed, was retried (``queue retry`` from another shell) and failed again was
+    counted twice: "2 failed" and ``{failed}`` 2 for one job. Each job now counts once, by its
+    last outcome. The job fails without a process (its config is gone since add)."""
+    import io
+
+    from nanolab.queue.runner import Runner
+
+    path = tmp_path / "q.db"
+    told = tmp_path / "told.txt"
+    QueueDB(path).add_jobs(
+        [NewJob(name="flaky", config="gone.yaml", args=[], seed=None, cwd=str(tmp_path),
+                run_dir=str(tmp_path / "runs" / "flaky"), config_sha="before")]
+    )  # fmt: skip
+
+    class RetriedOnce(Runner):
+        def _not_started(self, job, detail: str) -> None:
+            super()._not_started(job, detail)
+            if job.attempts == 1:
+                assert queue(capsys, path, "retry", job.name)[0] == 0
+
+    recorder = f"{sys.executable} -c \"import sys; open(sys.argv[1], 'w').write(sys.argv[2])\""
+    said = io.StringIO()
+    runner = RetriedOnce(QueueDB(path), out=said, notify=[f"{recorder} {told} {{failed}}"])
+    assert runner.run() == 0
+    assert QueueDB(path).jobs()[0].attempts == 2
+    assert "done: 1 failed; 0 job(s) waiting" in said.getvalue()
+    assert told.read_text() == "1"

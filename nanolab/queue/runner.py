@@ -138,7 +138,9 @@ class Runner:
     _deferred: set[int] = field(default_factory=set)
     _signals: int = 0
     _wake_r: int | None = None
-    _counts: Counter[str] = field(default_factory=Counter)
+    # Each job's last outcome under this runner: the end summary and --notify count jobs, not
+    # attempts (a job that failed, was retried and failed again is one failed job).
+    _outcomes: dict[int, str] = field(default_factory=dict)
     # A slot this round meant to fill is still free: a claimed job was not started (config
     # changed, no log), or another runner's claim won the job. Fill again before deciding the
     # queue is done: with nothing of its own running, the runner would otherwise quit.
@@ -445,7 +447,7 @@ class Runner:
         self.db.finish(job.id, self.runner_id, "failed", detail, None, 0.0)
         self.say(f"job {job.id} {job.name}: not started: {detail}")
         self._fill_again = True
-        self._counts["failed"] += 1
+        self._outcomes[job.id] = "failed"
 
     def _spawn(
         self,
@@ -561,7 +563,7 @@ class Runner:
             elif status == "preempted" and active.preempted_for == 0:
                 detail = f"backfill: stopped at the deadline; {detail}"
             if self.db.finish(job_id, self.runner_id, status, detail, code, ran, **columns):
-                self._counts[status] += 1
+                self._outcomes[job_id] = status
                 self.db.event("exit", self.runner_id, job_id, float(code), status)
                 tail = f": {detail}" if detail else ""
                 self.say(f"job {job_id} {active.job.name}: {status} after {describe(ran)} "
@@ -624,7 +626,8 @@ class Runner:
             self._wake_r = None
 
     def _summary(self) -> None:
-        counts = ", ".join(f"{n} {s}" for s, n in sorted(self._counts.items())) or "no jobs run"
+        by_status = Counter(self._outcomes.values())
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(by_status.items())) or "no jobs run"
         if self.preemptions:
             counts += f"; {len(self.preemptions)} backfill preemption(s)"
         left = len(self.db.jobs(CLAIMABLE))
@@ -639,7 +642,7 @@ class Runner:
             fields = {
                 "queue": str(self.db.path), "summary": counts, "waiting": left,
                 "reason": "stopped" if self._signals else "drained",
-                **{s: self._counts[s] for s in ("done", "failed", "stopped", "preempted")},
+                **{s: by_status[s] for s in ("done", "failed", "stopped", "preempted")},
             }  # fmt: skip
             send(
                 self.notify, fields, f"nanolab queue {fields['reason']}", f"{text} ({self.db.path})"
