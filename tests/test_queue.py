@@ -786,3 +786,35 @@ def test_the_runners_summary_and_notify_count_jobs_not_attempts(tmp_path: Path, 
     assert QueueDB(path).jobs()[0].attempts == 2
     assert "done: 1 failed; 0 job(s) waiting" in said.getvalue()
     assert told.read_text() == "1"
+
+
+@pytest.mark.parametrize(
+    ("masks", "expected"),
+    [
+        ({}, ["0", "1"]),
+        ({"CUDA_VISIBLE_DEVICES": "2,3"}, ["2", "3"]),
+        ({"CUDA_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "2,3"}, ["2", "3"]),
+        ({"ROCR_VISIBLE_DEVICES": "4,5"}, ["0", "1"]),  # HIP's ids count within ROCR's list
+        ({"CUDA_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "0,1"}, "disagree or nest"),
+        ({"HIP_VISIBLE_DEVICES": "0,1", "ROCR_VISIBLE_DEVICES": "4,5"}, "disagree or nest"),
+    ],
+)
+def test_gpus_all_means_the_gpus_this_runner_was_given(monkeypatch, masks, expected) -> None:
+    """A job's ids become its own mask, so they are the host's: under CUDA_VISIBLE_DEVICES=2,3
+    ``--gpus all`` handed out 0 and 1, a colleague's GPUs on a shared box. It now means the
+    mask's ids; masks that disagree or nest are refused in one line. (``torch.cuda``'s count is
+    the one thing faked: this machine has no GPU.)"""
+    import torch
+
+    from nanolab.queue.cli import parse_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in masks.items():
+        monkeypatch.setenv(name, value)
+    if isinstance(expected, list):
+        assert parse_gpus("all") == expected
+    else:
+        with pytest.raises(QueueError, match=expected):
+            parse_gpus("all")

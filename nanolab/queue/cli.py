@@ -91,12 +91,36 @@ def parse_gpus(text: str | None) -> list[str] | None:
         n = torch.cuda.device_count()
         if n == 0:
             raise QueueError("--gpus all: no GPU is visible; leave --gpus out to run on CPU")
-        return [str(i) for i in range(n)]
+        masked = visible_mask()
+        # A job's ids become its own mask, so they are the host's ids: under a mask, "all" is
+        # the mask's devices (GPUs 2,3 of a shared box), never 0..n-1 (a colleague's).
+        return masked if masked is not None else [str(i) for i in range(n)]
     ids = [g.strip() for g in text.split(",") if g.strip()]
     if not ids or len(set(ids)) != len(ids):
         raise QueueError(f"--gpus {text!r}: give distinct device ids, e.g. --gpus 0,1,2,3")
     check_gpus_visible(ids, text)
     return ids
+
+
+def visible_mask() -> list[str] | None:
+    """The host ids of this process's visibility mask (``CUDA_VISIBLE_DEVICES``, or ROCm's
+    ``HIP_VISIBLE_DEVICES``), the mask a job's ids replace; None when neither is set. Two
+    different masks, or either under ROCm's ``ROCR_VISIBLE_DEVICES`` (HIP's ids then index
+    ROCR's list), cannot be read as one list: refused in one line rather than guessed. ROCR's
+    alone is left in place for the jobs, so their ids count within it."""
+    names = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+    masks = {k: os.environ[k].strip() for k in names if os.environ.get(k, "").strip()}
+    distinct = {tuple(g.strip() for g in v.split(",") if g.strip()) for v in masks.values()}
+    nested = bool(masks) and bool(os.environ.get("ROCR_VISIBLE_DEVICES", "").strip())
+    if len(distinct) > 1 or nested:
+        if nested:
+            masks["ROCR_VISIBLE_DEVICES"] = os.environ["ROCR_VISIBLE_DEVICES"]
+        shown = ", ".join(f"{k}={v!r}" for k, v in masks.items())
+        raise QueueError(
+            f"--gpus all: the device masks disagree or nest ({shown}); name the GPUs, e.g. "
+            "--gpus 2,3, or set one mask"
+        )
+    return list(distinct.pop()) if distinct else None
 
 
 def check_gpus_visible(ids: list[str], text: str) -> None:
