@@ -85,6 +85,8 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--set", "model.gpt.n_layer=two"], "model.gpt.n_layer"),
         (["--set", "run.global_batch_tokens=100"], "run.global_batch_tokens (100) must be a positive multiple"),
         (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1; a queued job needs a finite number"),
+        # its rank 0 would wait in the rendezvous for machines that never come (deaf to signals)
+        (["--set", "trainer.num_nodes=2"], "trainer.num_nodes is 2; the queue runs each job on this machine"),
         (["--set", "data.source=[nowhere.txt]"], "data.source: nowhere.txt does not exist"),
         (["--set", "data.dataset_dir=missing", "--set", "data.source=null"], "holds no prepared dataset"),
         (["--set", "run.name=x"], "--set run.name: set by the queue; use --name"),

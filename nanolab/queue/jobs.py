@@ -180,6 +180,11 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
             f"trainer.max_steps is {resolved.max_steps!r}; a queued job needs a finite number "
             "of steps (the training stream never ends on its own)"
         )
+    if resolved.num_nodes > 1:  # its rank 0 would wait for the other machines for ever
+        raise JobConfigError(
+            f"trainer.num_nodes is {resolved.num_nodes}; the queue runs each job on this "
+            "machine: set 1 (a multi-node run starts with torchrun or srun, docs/scaling.md)"
+        )
     _check_data(resolved.data_args, cwd)
     _check_resume(cfg)
     _check_callbacks(cfg)
