@@ -12,6 +12,10 @@ failure is one line that names the file and the fix (``nanolab fit`` turns it in
 * token ids in a bounded, strided sample of each file are below the vocabulary size (the sample
   is a few MB however large the file: memory and time do not grow with the corpus).
 
+:func:`check_files` returns each ``.bin``'s :data:`FileIdentity` as it checked it: the run reads
+that very file (the DataModule maps it right away, and a process that maps it later verifies it),
+so a folder prepared again after the check is never what the run trains on.
+
 :func:`fingerprint` identifies the data a run trained on (file sizes, a hash of ``meta.json``
 and a hash of 16 fixed 64 KiB blocks of each ``.bin``, cheap to recompute); the DataModule
 stores it in every checkpoint and refuses to resume on data that changed underneath the run.
@@ -46,6 +50,41 @@ class DataCheckError(PrepareError):
 
 class DataChangedError(PrepareError):
     """The data under a run changed since its checkpoint was written."""
+
+
+#: What identifies one file on disk: (device, inode, size, modification time in ns). A folder
+#: prepared again (``nanolab prepare --force`` renames a new one into place) gives each file
+#: another inode; a rewrite in place, another size or time.
+FileIdentity = tuple[int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> FileIdentity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class DataReplacedError(DataCheckError):
+    """A token file replaced after the run checked and fingerprinted it.
+
+    Raised where a process maps the file later (a DataLoader worker started by spawn or
+    forkserver), and re-raised in the main process by the DataLoader, which builds this class
+    from the worker's whole traceback text: the message is cut back to its own last line, so the
+    user still reads one line.
+    """
+
+    def __init__(self, message: str) -> None:
+        lines = message.strip().splitlines()
+        if len(lines) > 1:
+            _, found, own = lines[-1].partition(f"{type(self).__name__}: ")
+            message = own if found else lines[-1]
+        super().__init__(message)
+
+
+def replaced_message(path: Path) -> str:
+    return (
+        f"{path} was replaced after this run checked it (by `nanolab prepare --force`, or a copy "
+        "over it): the run would train on other data than its token counts and checkpoints "
+        "describe; rerun the command, which checks the data that is there now"
+    )
 
 
 def _reprepare(dataset_dir: Path) -> str:
@@ -112,15 +151,19 @@ def load_meta(dataset_dir: str | Path, field: str = "data.dataset_dir") -> dict[
     return meta
 
 
-def check_files(dataset_dir: str | Path, meta: dict[str, Any]) -> None:
-    """Each ``.bin`` against ``meta``: size, dtype, non-empty validation split, token ids."""
+def check_files(dataset_dir: str | Path, meta: dict[str, Any]) -> dict[str, FileIdentity]:
+    """Each ``.bin`` against ``meta``: size, dtype, non-empty validation split, token ids.
+    Returns each split's file identity as the check found it (before reading it)."""
     dataset_dir = Path(dataset_dir)
     dtype = np.dtype(meta["dtype"])
+    checked: dict[str, FileIdentity] = {}
     for split in SPLITS:
         path = dataset_dir / f"{split}.bin"
         if not path.is_file():
             raise DataCheckError(f"{path} is missing; {_reprepare(dataset_dir)}")
-        size = path.stat().st_size
+        st = path.stat()
+        checked[split] = file_identity(st)
+        size = st.st_size
         tokens = int(meta[f"{split}_tokens"])
         if size % dtype.itemsize:
             raise DataCheckError(
@@ -142,6 +185,7 @@ def check_files(dataset_dir: str | Path, meta: dict[str, Any]) -> None:
             )
             raise DataCheckError(f"{path} is empty: the {split} split holds no tokens; {fix}")
         check_token_ids(path, dtype, int(meta["vocab_size"]))
+    return checked
 
 
 def _other_dtype_hint(size: int, tokens: int, dtype: np.dtype) -> str:

@@ -9,7 +9,8 @@ every checkpoint, so a resume on data that changed underneath the run is refused
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,16 @@ from nanolab import messages
 from nanolab.data.checks import (
     DataChangedError,
     DataCheckError,
+    DataReplacedError,
+    FileIdentity,
     changed_data_message,
     check_files,
     checkpoint_fingerprint,
     data_changes,
+    file_identity,
     fingerprint,
     load_meta,
+    replaced_message,
 )
 from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
@@ -50,18 +55,23 @@ DATASET_KEYS = ("path", "weight", "name")
 ALIGNS = ("stream", "document")
 
 
-class TokenWindows:
-    """Batches of (input, target) windows read from a token bin with ``np.memmap``.
+class TokenFile:
+    """One ``.bin`` of token ids, read through ``np.memmap`` (the page cache holds it, not the
+    heap), and the identity its check found (None: not checked, e.g. a benchmark's file).
 
-    Indexed by an array of window starts (a whole micro-batch per call: one gather instead of
-    B Python calls). The memmap is opened lazily in each process, so DataLoader workers do not
-    inherit a handle and the page cache, not the heap, holds the data.
+    The DataModule maps a checked file right after the check, so a DataLoader worker forked
+    later inherits that very mapping: a folder prepared again meanwhile (its old files unlinked)
+    is not what the run reads. The map is not pickled (a copy of the whole file); a process that
+    maps the file itself (a spawn or forkserver worker) opens it, compares the opened file's
+    identity with the checked one and raises :class:`DataReplacedError` if they differ.
     """
 
-    def __init__(self, path: Path, dtype: str, block_size: int) -> None:
+    def __init__(
+        self, path: Path, dtype: str | np.dtype, identity: FileIdentity | None = None
+    ) -> None:
         self.path = path
         self.dtype = np.dtype(dtype)
-        self.block_size = block_size
+        self.identity = identity
         self._data: np.memmap | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -70,8 +80,40 @@ class TokenWindows:
     @property
     def data(self) -> np.memmap:
         if self._data is None:
-            self._data = np.memmap(self.path, dtype=self.dtype, mode="r")
+            try:
+                f = open(self.path, "rb")  # noqa: SIM115 - closed below; the map outlives it
+            except FileNotFoundError:
+                if self.identity is None:
+                    raise
+                raise DataReplacedError(replaced_message(self.path)) from None
+            with f:
+                # The opened file's own identity (fstat): no window between check and open.
+                found = file_identity(os.fstat(f.fileno()))
+                if self.identity is not None and found != self.identity:
+                    raise DataReplacedError(replaced_message(self.path))
+                self._data = np.memmap(f, dtype=self.dtype, mode="r")
         return self._data
+
+
+class TokenWindows:
+    """Batches of (input, target) windows read from a token bin with ``np.memmap``.
+
+    Indexed by an array of window starts (a whole micro-batch per call: one gather instead of
+    B Python calls). The tokens come from ``file`` (the checked :class:`TokenFile`; without
+    one, ``path`` is mapped unchecked on first use).
+    """
+
+    def __init__(
+        self, path: Path, dtype: str, block_size: int, file: TokenFile | None = None
+    ) -> None:
+        self.path = path
+        self.dtype = np.dtype(dtype)
+        self.block_size = block_size
+        self.file = file if file is not None else TokenFile(path, self.dtype)
+
+    @property
+    def data(self) -> np.memmap:
+        return self.file.data
 
     def __len__(self) -> int:
         return len(self.data)
@@ -98,8 +140,15 @@ class DocumentWindows(TokenWindows):
     starts) and travels with the object to workers.
     """
 
-    def __init__(self, path: Path, dtype: str, block_size: int, eot_id: int) -> None:
-        super().__init__(path, dtype, block_size)
+    def __init__(
+        self,
+        path: Path,
+        dtype: str,
+        block_size: int,
+        eot_id: int,
+        file: TokenFile | None = None,
+    ) -> None:
+        super().__init__(path, dtype, block_size, file)
         self.eot_id = eot_id
         self._packing: Packing | None = None
         #: False when the packing came from this process's cache (made for another instance).
@@ -160,6 +209,12 @@ class DatasetPart:
     weight: float
     meta: dict[str, Any]
     fingerprint: dict[str, Any]
+    #: ``train``/``val`` token files as checked, mapped right after the check.
+    files: dict[str, TokenFile] = field(default_factory=dict, compare=False, repr=False)
+
+    def file(self, split: str) -> TokenFile:
+        """The token file of ``split``: the checked one (an unchecked one if none was given)."""
+        return self.files.get(split) or TokenFile(self.path / f"{split}.bin", self.meta["dtype"])
 
     @property
     def val_bytes_per_token(self) -> float | None:
@@ -374,7 +429,9 @@ class TokenDataModule(L.LightningDataModule):
         cuts them (made once; document packing reports what it dropped)."""
         if split not in self._windows:
             self._windows[split] = [
-                TokenWindows(p.path / f"{split}.bin", p.meta["dtype"], self.block_size)
+                TokenWindows(
+                    p.path / f"{split}.bin", p.meta["dtype"], self.block_size, p.file(split)
+                )
                 if self.align == "stream"
                 else self._packed(p, split)
                 for p in self.parts
@@ -390,7 +447,7 @@ class TokenDataModule(L.LightningDataModule):
                 "prepare the data again, or set data.align: stream"
             )
         packed = DocumentWindows(
-            part.path / f"{split}.bin", part.meta["dtype"], self.block_size, eot
+            part.path / f"{split}.bin", part.meta["dtype"], self.block_size, eot, part.file(split)
         )
         if len(packed) < 1:
             raise DataTooSmallError(
@@ -637,8 +694,18 @@ def _checked_part(
     name: str, path: Path, weight: float, field: str = "data.dataset_dir"
 ) -> DatasetPart:
     meta = load_meta(path, field)
-    check_files(path, meta)
-    return DatasetPart(name, path, weight, meta, fingerprint(path))
+    checked = check_files(path, meta)
+    prints = fingerprint(path)
+    # Mapped now, in this process, and only if still the files the check saw: what the run reads
+    # is what was checked and fingerprinted (one replaced since the check is refused here, and
+    # forked DataLoader workers inherit these maps).
+    files = {
+        split: TokenFile(path / f"{split}.bin", meta["dtype"], identity)
+        for split, identity in checked.items()
+    }
+    for file in files.values():
+        _ = file.data
+    return DatasetPart(name, path, weight, meta, prints, files)
 
 
 def _tokenizer_identity(part: DatasetPart) -> tuple[str, str]:
