@@ -141,6 +141,13 @@ def load_meta(dataset_dir: str | Path, field: str = "data.dataset_dir") -> dict[
             )
     if meta["vocab_size"] < 1:
         raise DataCheckError(f"{path}: vocab_size is 0; {_reprepare(dataset_dir)}")
+    if meta.get("val_bytes") == 0 and meta["val_tokens"] > 0:
+        # Text that encodes to tokens has bytes; val_bpb divides by this count. (Absent is an
+        # older nanolab's dataset: it trains without val_bpb.)
+        raise DataCheckError(
+            f"{path}: val_bytes is 0 for {meta['val_tokens']:,} val_tokens, but the validation "
+            f"text has bytes (val_bpb divides by them); {_reprepare(dataset_dir)}"
+        )
     limit = int(np.iinfo(np.dtype(meta["dtype"])).max) + 1
     if meta["vocab_size"] > limit:
         raise DataCheckError(

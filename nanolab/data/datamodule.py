@@ -419,9 +419,11 @@ class TokenDataModule(L.LightningDataModule):
         for part in self.parts:
             if part.val_bytes_per_token is None and str(part.path) not in _NOTED_NO_BYTES:
                 _NOTED_NO_BYTES.add(str(part.path))
-                rank_zero_warn(
+                # a nanolab note (the logger), not a Python warning with its source line
+                rank_zero_only(messages.note)(
+                    "nanolab",
                     f"{part.path / 'meta.json'} has no val_bytes (prepared by an older nanolab): "
-                    "val_bpb is not logged; prepare the data again to log bits per byte"
+                    "val_bpb is not logged; prepare the data again to log bits per byte",
                 )
 
     def windows(self, split: str) -> list[Any]:
