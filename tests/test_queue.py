@@ -605,6 +605,23 @@ def test_a_job_removed_while_its_runner_starts_it_is_stopped(
     assert QueueDB(db).jobs() == []
 
 
+def test_rm_deletes_a_row_only_as_it_saw_it(tmp_path: Path) -> None:
+    """rm reads a starting job without a pid (nothing to signal), a runner then records the
+    pid: rm's delete must miss, so rm reads the row again and signals the job itself; and a
+    runner whose pid lands on a deleted row learns so and stops the job. Each job is asked to
+    stop once: a second SIGTERM ends a run at once, without its checkpoint."""
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    (job,) = db.add_jobs([NewJob(name="a", config="a.yaml", args=[], seed=None, cwd=str(tmp_path),
+                                 run_dir=str(tmp_path / "runs" / "a"), config_sha="x")])  # fmt: skip
+    job_id = job.id
+    assert db.set_status(job_id, "running")
+    assert db.set_job_pid(job_id, 4242, "log")  # recorded after rm's read of "no pid"
+    assert not db.remove_as_seen(job_id, None)  # so rm's delete misses
+    assert db.remove_as_seen(job_id, 4242)  # and succeeds once rm saw (and signalled) the pid
+    assert not db.set_job_pid(job_id, 4243, "log")  # a pid for a deleted row: not recorded
+
+
 def test_a_runner_whose_claim_another_runner_won_goes_on_with_the_next_job(tmp_path: Path) -> None:
     """Two runners started together on one queue: the one whose claim lost the race quit at once
     ("no jobs run; 2 job(s) waiting"), for with nothing of its own running its loop ended. A lost

@@ -374,16 +374,24 @@ def cmd_rm(args: argparse.Namespace) -> int:
             if not refs:
                 return 0
     for job in jobs:
-        if job.status == "running" and job.job_pid and _is_job_process(job.job_pid, job.name):
-            os.kill(job.job_pid, signal.SIGTERM)  # checkpoints at its step boundary, exits 75
-            print(
-                f"job {job.id} {job.name}: running (pid {job.job_pid}); asked it to checkpoint and stop"
-            )
-        elif job.status == "running" and not job.job_pid:
-            print(
-                f"job {job.id} {job.name}: starting; its runner stops it as soon as it has started"
-            )
-    db.remove([j.id for j in jobs])
+        # The row goes only as it was seen: a runner that records the pid meanwhile makes the
+        # delete miss, and the job is read again (then signalled here). A row deleted before its
+        # pid was recorded is stopped by its runner, which finds the row gone (set_job_pid).
+        while True:
+            signalled = job.status == "running" and job.job_pid
+            if signalled and _is_job_process(job.job_pid, job.name):
+                os.kill(job.job_pid, signal.SIGTERM)  # checkpoints at its step boundary, exits 75
+                print(f"job {job.id} {job.name}: running (pid {job.job_pid}); asked it to "
+                      "checkpoint and stop")  # fmt: skip
+            elif job.status == "running" and not job.job_pid:
+                print(f"job {job.id} {job.name}: starting; its runner stops it as soon as it "
+                      "has started")  # fmt: skip
+            if db.remove_as_seen(job.id, job.job_pid):
+                break
+            again = [j for j in db.jobs() if j.id == job.id]
+            if not again:  # gone already (another rm)
+                break
+            job = again[0]
     for job in jobs:
         kept = (
             f"its run directory {job.run_dir} is kept"

@@ -411,9 +411,19 @@ class QueueDB:
             )
             return cur.rowcount == 1
 
-    def set_job_pid(self, job_id: int, pid: int, log: str) -> None:
+    def set_job_pid(self, job_id: int, pid: int, log: str) -> bool:
+        """Record a started job's process; False when its row is gone (``queue rm`` deleted it
+        before the pid was there to signal: the runner then stops the process itself)."""
         with self.transaction() as c:
-            c.execute("UPDATE jobs SET job_pid = ?, log = ? WHERE id = ?", (pid, log, job_id))
+            sql = "UPDATE jobs SET job_pid = ?, log = ? WHERE id = ?"
+            return c.execute(sql, (pid, log, job_id)).rowcount == 1
+
+    def remove_as_seen(self, job_id: int, job_pid: int | None) -> bool:
+        """Delete a job's row only if its pid is still ``job_pid`` (what the caller saw, and
+        signalled or not); False when a runner recorded a pid meanwhile (read it again)."""
+        with self.transaction() as c:
+            sql = "DELETE FROM jobs WHERE id = ? AND job_pid IS ?"
+            return c.execute(sql, (job_id, job_pid)).rowcount == 1
 
     def finish(
         self,

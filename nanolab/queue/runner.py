@@ -184,7 +184,6 @@ class Runner:
                 if not self._signals:
                     self.fill()
                     self._stop_backfill_at_deadline()
-                self._stop_removed()
                 if self._fill_again and not self._signals:
                     self._fill_again = False
                     continue
@@ -397,24 +396,19 @@ class Runner:
         # connection's own writes).
         self._plan_key = key
 
-    def _stop_removed(self) -> None:
-        """Ask each job whose row is no longer this runner's (``queue rm`` while it started,
-        before its pid was recorded for rm to signal) to checkpoint and stop, as rm does with a
-        pid: a removed job must not train on, unseen, to its end."""
-        if not self._active:
+    def _stop_removed(self, job_id: int) -> None:
+        """Ask a job ``queue rm`` removed before its pid was recorded (rm had nothing to
+        signal) to checkpoint and stop, as rm does with a pid: a removed job must not train on,
+        unseen, to its end. Once the pid is recorded, rm signals the job itself (it deletes
+        the row only as it saw it: :meth:`QueueDB.remove_as_seen`), so a job is asked once; a
+        second SIGTERM would end it at once, without its checkpoint."""
+        active = self._active[job_id]
+        if active.removed:
             return
-        owned = {
-            row[0]
-            for row in self.db.conn.execute(
-                "SELECT id FROM jobs WHERE runner_id = ? AND status = 'running'", (self.runner_id,)
-            )
-        }
-        for job_id, active in self._active.items():
-            if job_id not in owned and not active.removed:
-                active.removed = True
-                active.proc.terminate()  # checkpoints at its step boundary, exits 75
-                self.say(f"job {job_id} {active.job.name}: removed from the queue as it started; "
-                         "asked it to checkpoint and stop")  # fmt: skip
+        active.removed = True
+        active.proc.terminate()  # checkpoints at its step boundary, exits 75
+        self.say(f"job {job_id} {active.job.name}: removed from the queue as it started; "
+                 "asked it to checkpoint and stop")  # fmt: skip
 
     # -- backfill --------------------------------------------------------------------------
     def _preempt(self, active: Active, for_job: Job) -> None:
@@ -526,13 +520,15 @@ class Runner:
             gap = time.monotonic() - max(freed)
             self.gaps.append(gap)
             self.db.event("gap", self.runner_id, job.id, gap)
-        self.db.set_job_pid(job.id, proc.pid, str(log_path))
+        recorded = self.db.set_job_pid(job.id, proc.pid, str(log_path))
         job.job_pid, job.log = proc.pid, str(log_path)
         self.db.event("start", self.runner_id, job.id, detail=where)
         pidfd = None
         with contextlib.suppress(AttributeError, OSError):
             pidfd = os.pidfd_open(proc.pid)
         self._active[job.id] = Active(job, proc, units, started, log, pidfd, cap, reserved)
+        if not recorded:  # queue rm deleted the row before its pid was there to signal
+            self._stop_removed(job.id)
         what = "resuming" if job.attempts > 1 else "starting"
         self.say(f"job {job.id} {job.name}: {what} on {where} (attempt {job.attempts}, "
                  f"~{describe(remaining)}; log {log_path})")  # fmt: skip
