@@ -161,6 +161,30 @@ def damaged_record(path: str | Path) -> str | None:
     return None
 
 
+def corrupt_record(path: str | Path) -> str | None:
+    """The first record of the torch zip archive ``path`` whose bytes fail the CRC-32 its
+    directory stores (``None`` when all pass, or when the archive cannot be read: the other
+    checks say why).
+
+    A bad sector or a flipped bit inside a tensor leaves every header in place
+    (:func:`damaged_record` passes) and loads as finite, wrong weights: the run then diverges
+    with advice about the learning rate. Reading every byte once is the only way to know; it
+    streams in 1 MiB reads (constant memory), at the disk's read speed (docs/resume.md)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile):
+        return None
+    with archive:
+        for info in archive.infolist():
+            try:
+                with archive.open(info) as record:
+                    while record.read(1 << 20):
+                        pass
+            except (OSError, EOFError, zipfile.BadZipFile):  # a bad CRC, or the disk's EIO
+                return info.filename
+    return None
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """The checkpoint ``path`` names, read safely (a held file through its descriptor:
     :func:`hold`); messages name ``path``."""
@@ -178,13 +202,14 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             "kind of file); pass a .ckpt written by nanolab fit"
         )
     try:
-        damaged = damaged_record(source)
+        damaged = damaged_record(source) or corrupt_record(source)
     except (OSError, zipfile.BadZipFile) as err:
         damaged = str(err) or type(err).__name__
     if damaged is not None:
         raise CheckpointError(
             f"{path} is damaged (its record {damaged} is not where the archive's directory "
-            "says: a bad disk or a torn copy); pass another checkpoint, e.g. an earlier "
+            "says, or its bytes fail their CRC-32: a bad disk or a torn copy); pass another "
+            "checkpoint, e.g. an earlier "
             "step-*.ckpt of the run"
         )
     try:

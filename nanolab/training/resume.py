@@ -229,7 +229,9 @@ def checkpoint_files(run_dir: str | Path) -> list[Path]:
     return sorted(unique.values())
 
 
-def find_resume_checkpoint(run_dir: str | Path, hold: bool = False) -> ResumeChoice:
+def find_resume_checkpoint(
+    run_dir: str | Path, hold: bool = False, verify: bool = False
+) -> ResumeChoice:
     """The newest complete checkpoint in ``run_dir`` (most optimizer steps; ties: a step file).
 
     A file deleted between the listing and its opening was rotated away by a live run, not
@@ -241,25 +243,23 @@ def find_resume_checkpoint(run_dir: str | Path, hold: bool = False) -> ResumeCho
     ``hold``: keep the chosen file open (:func:`nanolab.model.checkpoint.hold`), so that
     reading it later gets the file chosen even when rotation deletes its name first (validate,
     test, eval and lm-eval read a live run's checkpoints; ``fit`` holds its run directory).
+    ``verify``: also read the chosen file's bytes against their CRC-32s
+    (:func:`nanolab.model.checkpoint.corrupt_record`), and pick the next newest while they
+    fail: the cheap opening reads no tensor bytes, and a resume would train on damaged ones.
     """
-    from nanolab.model.checkpoint import release
+    from nanolab.model.checkpoint import corrupt_record, read_path, release
 
-    for listing in range(_LISTINGS):
-        cands, chosen, listed, newer_gone = [], None, checkpoint_files(run_dir), False
-        for path in sorted(listed, key=lambda p: Candidate(p).name_step or -1, reverse=True):
-            cand = drop = inspect_checkpoint(path, keep_open=hold)
-            if cand.gone:
-                newer_gone = newer_gone or chosen is None
-                continue
-            cands.append(cand)
-            if cand.ok and (chosen is None or _newness(cand) > _newness(chosen)):
-                chosen, drop = cand, chosen
-            if hold and drop is not None:
-                release(drop.path)  # only the chosen one stays open
-        if not newer_gone or listing == _LISTINGS - 1:
+    damaged: dict[Path, str] = {}
+    while True:
+        cands, chosen = _newest(run_dir, hold, damaged)
+        if not verify or chosen is None or chosen.path.is_dir():
             break
-        if hold and chosen is not None:
-            release(chosen.path)  # a newer one was saved meanwhile: list again
+        bad = corrupt_record(read_path(chosen.path))
+        if bad is None:
+            break
+        damaged[chosen.path] = f"damaged: its record {bad} fails its CRC-32 check"
+        if hold:
+            release(chosen.path)
     # Report the broken ones that could have been newer than the choice: a step in the name
     # above the chosen step, or no step in the name but written after it.
     skipped = []
@@ -274,6 +274,34 @@ def find_resume_checkpoint(run_dir: str | Path, hold: bool = False) -> ResumeCho
         elif _mtime(c.path) >= _mtime(chosen.path):
             skipped.append(c)
     return ResumeChoice(chosen, skipped)
+
+
+def _newest(
+    run_dir: str | Path, hold: bool, damaged: dict[Path, str]
+) -> tuple[list[Candidate], Candidate | None]:
+    """:func:`find_resume_checkpoint`'s listing and opening: every candidate, and the newest
+    usable one (those in ``damaged`` are not, for the reason it gives)."""
+    from nanolab.model.checkpoint import release
+
+    for listing in range(_LISTINGS):
+        cands, chosen, listed, newer_gone = [], None, checkpoint_files(run_dir), False
+        for path in sorted(listed, key=lambda p: Candidate(p).name_step or -1, reverse=True):
+            cand = drop = inspect_checkpoint(path, keep_open=hold)
+            if cand.gone:
+                newer_gone = newer_gone or chosen is None
+                continue
+            if cand.path in damaged:
+                cand.error = damaged[cand.path]
+            cands.append(cand)
+            if cand.ok and (chosen is None or _newness(cand) > _newness(chosen)):
+                chosen, drop = cand, chosen
+            if hold and drop is not None:
+                release(drop.path)  # only the chosen one stays open
+        if not newer_gone or listing == _LISTINGS - 1:
+            break
+        if hold and chosen is not None:
+            release(chosen.path)  # a newer one was saved meanwhile: list again
+    return cands, chosen
 
 
 #: How many times a run's checkpoint folder is listed when its newest files were deleted before
@@ -382,7 +410,7 @@ def resume_candidate(
     if resume == "never":
         return None
     if resume == "auto":
-        choice = find_resume_checkpoint(run_dir)
+        choice = find_resume_checkpoint(run_dir, verify=True)
         if choice.chosen is None and choice.skipped:
             raise ResumeError(unreadable_message(choice.skipped, Path(run_dir), flag))
         line = choice.warning()
@@ -403,6 +431,12 @@ def resume_candidate(
     if path.is_dir():
         path = _checkpoint_in_folder(path, flag, training)
     cand = inspect_checkpoint(path, training=training)
+    if cand.ok and not path.is_dir():
+        from nanolab.model.checkpoint import corrupt_record, read_path
+
+        bad = corrupt_record(read_path(path))  # the one read of its bytes before the load
+        if bad is not None:
+            cand.error = f"damaged: its record {bad} fails its CRC-32 check"
     if not cand.ok:
         raise ResumeError(
             f"{flag}: {resume} cannot be {'resumed from' if training else 'loaded'} "
