@@ -5,19 +5,136 @@ precision is said."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+import torch
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
-from nanolab.model.checkpoint import CheckpointError, load_checkpoint
+from nanolab.model.checkpoint import CheckpointError, load_checkpoint, sharded_folder_problem
 from nanolab.training.resume import (
     ResumeError,
     find_resume_checkpoint,
     inspect_checkpoint,
     resume_candidate,
 )
+
+
+class _Payload:
+    """A pickle that creates ``marker`` when unpickled: what a hostile checkpoint would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _real_dcp_folder(folder: Path) -> Path:
+    """A torch distributed checkpoint as Lightning's FSDP2 save leaves it: torch's own index
+    and shards (written by torch, one process) and Lightning's ``meta.pt``."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state_dict": {"model.w": torch.ones(4, 3)}, "optimizer_0": {"lr": 0.1}}
+    dcp.save(state, checkpoint_id=folder, no_dist=True)
+    torch.save({"global_step": 10, "loops": {}, "lr_schedulers": []}, folder / "meta.pt")
+    return folder
+
+
+def _hostile_dcp_folder(folder: Path, marker: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (folder / "__0_0.distcp").write_bytes(b"junk")
+    torch.save({"global_step": 10}, folder / "meta.pt")
+    return folder
+
+
+def test_a_dcp_folder_whose_index_runs_code_is_refused_before_torch_reads_it(tmp_path):
+    """Its ``.metadata`` was unpickled by torch under fit (a given path and auto) and validate:
+    the payload ran. Now it is read with an unpickler that resolves only what a distributed
+    checkpoint's index holds: refused in one line (auto: skipped, named), nothing runs; a real
+    one passes."""
+    marker = tmp_path / "PWNED"
+    run = tmp_path / "run"
+    _real_dcp_folder(run / "checkpoints" / "step-00000004.ckpt")
+    hostile = _hostile_dcp_folder(run / "checkpoints" / "step-00000010.ckpt", marker)
+    assert sharded_folder_problem(run / "checkpoints" / "step-00000004.ckpt") is None
+    for training in (True, False):  # fit, validate/test
+        with pytest.raises(ResumeError) as err:
+            resume_candidate(str(hostile), run, None, training=training)
+        assert "\n" not in str(err.value) and "posix.system" in str(err.value), err.value
+    choice = find_resume_checkpoint(run)
+    assert choice.chosen is not None and choice.chosen.path.name == "step-00000004.ckpt"
+    assert "step-00000010.ckpt (its .metadata names posix.system" in (choice.warning() or "")
+    assert not marker.exists()
+
+
+def test_a_deepspeed_folder_holding_a_pickle_payload_is_refused(tmp_path):
+    """DeepSpeed loads every ``.pt`` of its folder with ``weights_only=False``: each is read
+    with ``weights_only=True`` first (DeepSpeed's own few classes allowed)."""
+    marker = tmp_path / "PWNED"
+    folder = tmp_path / "step-00000010.ckpt" / "checkpoint"
+    folder.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}}, folder / "mp_rank_00_model_states.pt")
+    torch.save({"loss": _Payload(marker)}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(ResumeError, match="pickled Python objects") as err:
+        resume_candidate(str(folder.parent), tmp_path, None)
+    assert "\n" not in str(err.value) and not marker.exists()
+    (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    assert sharded_folder_problem(folder.parent) is None
+
+
+def test_a_torn_dcp_folder_is_skipped_under_auto_and_refused_when_named(tmp_path):
+    """An interrupted copy: ``.metadata`` without ``meta.pt`` (or without a shard it indexes)
+    was picked and ended in rank tracebacks; it is named and skipped, as a torn file is."""
+    run = tmp_path / "run"
+    _real_dcp_folder(run / "checkpoints" / "step-00000004.ckpt")
+    torn = _real_dcp_folder(run / "checkpoints" / "step-00000008.ckpt")
+    (torn / "meta.pt").unlink()
+    short = _real_dcp_folder(run / "checkpoints" / "step-00000006.ckpt")
+    next(short.glob("*.distcp")).write_bytes(b"")
+    choice = find_resume_checkpoint(run)
+    assert choice.chosen is not None and choice.chosen.path.name == "step-00000004.ckpt"
+    line = choice.warning() or ""
+    assert "step-00000008.ckpt (torn: it has no meta.pt" in line, line
+    assert "step-00000006.ckpt (torn: its shard" in line, line
+    with pytest.raises(ResumeError, match=r"cannot be resumed from \(torn: it has no meta\.pt"):
+        resume_candidate(str(torn), run, None)
+
+
+@pytest.mark.slow
+def test_fit_refuses_a_hostile_fsdp_folder_and_resumes_a_real_one(tmp_path, char_dataset):
+    """Through the CLI, 2 processes under FSDP2 with distributed saves: the hostile folder
+    given is one line, exit 2, nothing run; put in the run it is skipped, and the run resumes
+    from its real sharded checkpoint."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    cfg["checkpoint"] = {"every_n_steps": 2}
+    config = write_config(tmp_path / "t.yaml", cfg)
+    fsdp = [
+        "--config", str(QUICKSTART.parent / "strategy" / "fsdp.yaml"), "--trainer.devices", "2",
+        "--trainer.strategy.init_args.save_distributed_checkpoint", "true",
+    ]  # fmt: skip
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(config), *fsdp]
+    marker = tmp_path / "PWNED"
+    hostile = _hostile_dcp_folder(tmp_path / "evd" / "step-00000010.ckpt", marker)
+    res = run_nanolab(*base, "--run.resume", str(hostile), cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len(res.stderr.strip().splitlines()) == 1 and "posix.system" in res.stderr
+    assert not marker.exists()
+    res = run_nanolab(*base, "--run.resume", "never", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    saved = tmp_path / "runs" / "tiny" / "checkpoints" / "step-00000002.ckpt"
+    assert saved.is_dir() and sharded_folder_problem(saved) is None
+    shutil.copytree(hostile, saved.parent / "step-00000010.ckpt")
+    res = run_nanolab(*base, "--trainer.max_steps", "4", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "skipped incomplete or corrupt checkpoint(s): step-00000010.ckpt" in res.stderr
+    assert "resuming from step-00000002.ckpt (step 2)" in res.stderr
+    assert (saved.parent / "step-00000004.ckpt").is_dir() and not marker.exists()
 
 
 def _fit(tmp_path: Path, char_dataset: Path, *extra: str) -> Path:

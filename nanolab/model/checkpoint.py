@@ -46,6 +46,136 @@ def sharded_kind(path: str | Path) -> str | None:
     return "fsdp" if (path / ".metadata").is_file() else None
 
 
+#: Every class and function the ``.metadata`` index of torch's distributed checkpoint (FSDP2's
+#: sharded save) names, read from real saves: torch unpickles that file with no restriction
+#: when it loads the folder, so a folder whose index names anything else is refused before
+#: torch sees it (a pickle can run any code it names). dtypes are allowed on top, by type.
+DCP_METADATA_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    **dict.fromkeys(  # Python 3.13 moved the classes to pathlib._local
+        ("pathlib", "pathlib._local"),
+        frozenset({"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),
+    ),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a distributed checkpoint's index, resolving only :data:`DCP_METADATA_GLOBALS`
+    (and torch dtypes): anything else raises ``pickle.UnpicklingError`` naming it, before it
+    could be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in DCP_METADATA_GLOBALS.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def sharded_folder_problem(path: Path) -> str | None:
+    """Why the sharded checkpoint folder ``path`` cannot be handed to its strategy (None: it
+    can), read without running anything it holds: the folder's own pickles are loaded by
+    torch and DeepSpeed with no restriction, so this is what keeps a checkpoint data."""
+    kind = sharded_kind(path)
+    if kind == "fsdp":
+        return _dcp_problem(path)
+    if kind == "deepspeed":
+        return _deepspeed_problem(path)
+    return "not a sharded checkpoint folder"
+
+
+def _dcp_problem(path: Path) -> str | None:
+    """A torch distributed checkpoint as Lightning saves it: the index ``.metadata``, the
+    shard files it names (each long enough for what it says is in it) and Lightning's
+    ``meta.pt`` (loop, scheduler and callback state), which the restore requires."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not (path / "meta.pt").is_file():
+        return "torn: it has no meta.pt, which every complete save writes last"
+    try:
+        with open(path / ".metadata", "rb") as f:
+            index = _IndexUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        return (
+            f"its .metadata names {err}, which a checkpoint index never holds; refused to load it"
+        )
+    except Exception as err:  # truncated, not a pickle, a class torch no longer has
+        return f"its .metadata is not readable ({type(err).__name__})"
+    if not isinstance(index, Metadata) or not isinstance(index.storage_data, dict):
+        return "its .metadata is not a distributed checkpoint index"
+    for info in index.storage_data.values():
+        shard = path / str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        try:
+            short = shard.parent != path or shard.stat().st_size < end
+        except OSError:
+            short = True
+        if short:
+            return f"torn: its shard {shard.name} is missing or shorter than its index says"
+    return _torch_file_problem(path / "meta.pt")
+
+
+def deepspeed_safe_globals() -> list[Any]:
+    """The DeepSpeed classes its own checkpoint files pickle besides tensors (read from real
+    ZeRO saves: the loss scaler, the ZeRO stage, the fragment map); none runs code when
+    rebuilt. Empty without DeepSpeed, which cannot load the folder then anyway."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except Exception:  # not installed, or a version that moved them: refuse, do not guess
+        return []
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _deepspeed_problem(path: Path) -> str | None:
+    """A DeepSpeed checkpoint folder: DeepSpeed loads every ``.pt`` in it with
+    ``weights_only=False``, so each must load with ``weights_only=True`` first (allowing only
+    the DeepSpeed classes its own saves hold: :data:`DEEPSPEED_SAFE_GLOBALS`)."""
+    files = sorted(path.rglob("*.pt"))
+    if not any(f.name.endswith("_model_states.pt") for f in files):
+        return "torn: no *_model_states.pt"
+    for file in files:
+        problem = _torch_file_problem(file, deepspeed_safe_globals())
+        if problem is not None:
+            return f"{file.relative_to(path)}: {problem}"
+    return None
+
+
+def _torch_file_problem(file: Path, safe: list[Any] | None = None) -> str | None:
+    """Why the ``torch.save`` file ``file`` is not plain data in one piece (None: it is),
+    read as :func:`load_checkpoint` reads one, without its tensor bytes."""
+    if not zipfile.is_zipfile(file):
+        return "truncated or not a torch file"
+    try:
+        damaged = damaged_record(file)
+        if damaged is not None:
+            return f"damaged: its record {damaged} is not where its directory says"
+        with torch.serialization.safe_globals(safe or []):
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        return "it holds pickled Python objects, not only tensors; refused to load it"
+    except Exception as err:
+        return f"not readable ({type(err).__name__})"
+    return None
+
+
 def sharded_folder_error(path: Path) -> CheckpointError | None:
     """The one line for a sharded checkpoint folder (DeepSpeed's, or FSDP's distributed
     save), which generate, eval and export cannot read: how to make it one file."""

@@ -114,9 +114,10 @@ def inspect_checkpoint(
     cand = Candidate(path)
     if path.is_dir():
         # Sharded checkpoints (FSDP, DeepSpeed) are folders; opening them needs the strategy.
-        # They count when they hold a sharded checkpoint's files and are named with their
-        # step; any other folder (a torn save, a folder of .ckpt files) is not one.
-        from nanolab.model.checkpoint import sharded_kind
+        # They count when they hold a complete sharded checkpoint whose pickles are plain data
+        # (torch and DeepSpeed unpickle them unrestricted) and are named with their step; any
+        # other folder (a torn save, a folder of .ckpt files) is not one.
+        from nanolab.model.checkpoint import sharded_folder_problem, sharded_kind
 
         try:
             empty = not any(path.iterdir())
@@ -130,7 +131,11 @@ def inspect_checkpoint(
         elif cand.name_step is None:
             cand.error = "sharded checkpoint folder without a step in its name"
         else:
-            cand.step = cand.name_step
+            try:
+                cand.error = sharded_folder_problem(path)
+            except FileNotFoundError:  # deleted while it was read (rotated)
+                cand.error, cand.gone = "deleted while it was read (rotated)", True
+            cand.step = None if cand.error else cand.name_step
         return cand
     from nanolab.model.checkpoint import hold, is_held, release
 
@@ -454,7 +459,7 @@ def _checkpoint_in_folder(folder: Path, flag: str, training: bool) -> Path:
     from nanolab.model.checkpoint import CheckpointError, resolve_checkpoint, sharded_kind
 
     if sharded_kind(folder) is not None:
-        return folder
+        return folder  # inspect_checkpoint checks its files before anything loads them
     try:
         found = resolve_checkpoint(folder, flag)
     except CheckpointError as err:
