@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -145,6 +148,46 @@ def _fit(tmp_path: Path, char_dataset: Path, *extra: str) -> Path:
                        cwd=tmp_path)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     return tmp_path / "runs" / "tiny"
+
+
+def _mapped(path: Path, pid: int | str = "self") -> bool:
+    return any(str(path) in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_the_resume_check_leaves_no_mapping_of_the_checkpoint(tmp_path, char_dataset):
+    """The check kept the checkpoint's RNG tensors (views of its memory map) for the run's
+    lifetime: the file stayed mapped after rotation deleted it, its space never freed, and the
+    advised rerun after a full disk filled it again (exit 74)."""
+    run = _fit(tmp_path, char_dataset)
+    cand = resume_candidate("auto", run, None)
+    assert cand is not None and cand.nanolab and cand.nanolab.get("rng")
+    assert not _mapped(cand.path.resolve())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_a_resumed_run_frees_the_checkpoint_it_resumed_from(tmp_path, char_dataset):
+    """A real resumed fit with keep_last 1: once rotation has deleted the file it resumed from,
+    no process of the run maps it (``(deleted)`` in /proc/PID/maps before)."""
+    run = _fit(tmp_path, char_dataset)
+    first = (run / "checkpoints" / "step-00000004.ckpt").resolve()
+    argv = [sys.executable, "-m", "nanolab", "fit", "--config", str(QUICKSTART), "--config",
+            str(tmp_path / "t.yaml"), "--trainer.max_steps", "4000", "--checkpoint.keep_last",
+            "1", "--checkpoint.keep_best", "0", "--run.eval_every_steps", "100000"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while first.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert not first.exists() and proc.poll() is None, "rotation never deleted it"
+        time.sleep(0.5)
+        assert not any(f"{first} (deleted)" in line for line in
+                       Path(f"/proc/{proc.pid}/maps").read_text().splitlines())  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def _flip_tensor_byte(path: Path) -> str:

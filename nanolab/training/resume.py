@@ -191,12 +191,25 @@ def _inspect_file(cand: Candidate, source: Path, training: bool) -> Candidate:
     step = ckpt.get("global_step")
     cand.step = int(step) if isinstance(step, int) else None
     section = ckpt.get("nanolab")
-    cand.nanolab = section if isinstance(section, dict) else None
+    # A copy: the section's tensors (the RNG streams) are views of the memory-mapped file, and
+    # keeping one alive keeps the whole file mapped, so a rotation deleting it frees no space.
+    cand.nanolab = _detached(section) if isinstance(section, dict) else None
     cand.run_id, cand.run_dir = _run_of(ckpt)
     cand.shapes = {
         str(k): tuple(v.shape) for k, v in ckpt["state_dict"].items() if hasattr(v, "shape")
     }
     return cand
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor in it copied into memory of its own (containers rebuilt),
+    so nothing it holds refers to the file it was memory-mapped from."""
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    clone = getattr(value, "clone", None)
+    return clone() if callable(clone) and hasattr(value, "untyped_storage") else value
 
 
 def _run_of(ckpt: dict[str, Any]) -> tuple[str | None, str | None]:
