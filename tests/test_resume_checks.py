@@ -224,3 +224,20 @@ def test_a_checkpoint_whose_bytes_fail_their_crc_is_skipped_or_refused(tmp_path,
         assert "\n" not in str(err.value)
     with pytest.raises(CheckpointError, match="fail their CRC-32"):
         load_checkpoint(newest)
+
+
+def test_a_resume_under_another_precision_says_so(tmp_path, char_dataset):
+    """32-true -> bf16-mixed was taken with no word and config.yaml then named bf16-mixed for
+    a run that trained most steps in fp32: one line says it."""
+    _fit(tmp_path, char_dataset, "--trainer.precision", "32-true")
+    config = tmp_path / "t.yaml"
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(config),
+                       "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "6",
+                       cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if "trainer.precision 32-true" in ln]
+    assert len(lines) == 1 and "its steps up to 4 trained in 32-true" in lines[0], res.stderr
+    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(config),
+                       "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "8",
+                       cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 0 and "saved at trainer.precision" not in res.stderr  # same now

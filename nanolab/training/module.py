@@ -356,6 +356,8 @@ class GPTLightningModule(L.LightningModule):
             "seed_everything": _global_seed(),
             "tokenizer": self._tokenizer_spec(),
             "layout": self._layout(),
+            # The precision it trains in: a resume under another one says so.
+            "precision": str(self._trainer.precision) if self._trainer is not None else None,
             # The modules that registered this model's own parts (none for built-ins): a
             # command that loads the checkpoint names them in its --import hint.
             "part_modules": part_modules(self.gpt_config),
@@ -413,10 +415,19 @@ class GPTLightningModule(L.LightningModule):
                 f"trained with {was!r}; resume with name: {was}, or start a new run"
             )
         if fitting:
-            from nanolab.training.resume import describe_layout_change, realign_progress
+            from nanolab.training.resume import (
+                describe_layout_change,
+                describe_precision_change,
+                realign_progress,
+            )
 
             realign_progress(checkpoint, int(self.trainer.accumulate_grad_batches or 1))
             note = describe_layout_change(saved.get("layout"), self._layout())
+            if note:
+                rank_zero_info(note)
+            note = describe_precision_change(
+                saved.get("precision"), str(self.trainer.precision), checkpoint.get("global_step")
+            )
             if note:
                 rank_zero_info(note)
             # The launch said so and wrote the checkpoint's values into config.yaml

@@ -570,6 +570,20 @@ def describe_layout_change(saved: Any, now: Any) -> str | None:
     )
 
 
+def describe_precision_change(saved: Any, now: str, step: Any) -> str | None:
+    """One line when a run resumes under another ``trainer.precision`` than it was saved with
+    (None: the same, or a checkpoint that predates the record). The weights and optimizer
+    state carry over either way, so nothing is refused; but config.yaml then names the new
+    precision for a run whose earlier steps trained in the old one, so the change is said."""
+    if not isinstance(saved, str) or saved == now:
+        return None
+    return (
+        f"resuming a run saved at trainer.precision {saved} under {now}: its steps up to "
+        f"{step} trained in {saved}, the rest train in {now}, and config.yaml says {now}; to "
+        f"keep one precision, resume with --trainer.precision {saved}"
+    )
+
+
 def check_deepspeed_world_size(path: str | Path, world_size: int) -> None:
     """Refuse, before anything is written, to resume a DeepSpeed checkpoint folder on another
     number of data-parallel ranks: its ZeRO optimizer state is one shard per rank it was saved
