@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_overrides, write_config
+from conftest import nanolab_here, tiny_overrides, write_config
 
 from nanolab.cli import main
 from nanolab.runlog import read_records
@@ -216,3 +216,116 @@ def test_did_you_mean_offers_only_a_class_the_setting_takes(tmp_path, monkeypatc
     assert "did you mean" not in str(refused.value)
     with pytest.raises(PluginImportError, match=r"did you mean nanolab_plugin_near.LossCfg\?$"):
         load_class(path, "somewhere")
+
+
+USER_DATA = """
+import lightning as L
+import torch
+
+from nanolab.data.datamodule import TokenDataModule
+
+
+class PlainData(L.LightningDataModule):
+    \"\"\"Data of one's own without a vocabulary.\"\"\"
+
+    def __init__(self, micro_batch_size: int = 4, block_size: int = 32) -> None:
+        super().__init__()
+        self.micro_batch_size, self.block_size = micro_batch_size, block_size
+
+    def train_dataloader(self):
+        x = torch.randint(0, 50, (16, self.block_size + 1))
+        return torch.utils.data.DataLoader(list(zip(x[:, :-1], x[:, 1:])), batch_size=4)
+
+
+class NotAData:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+
+class ReqData(TokenDataModule):
+    def __init__(self, records: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.records = records
+"""
+
+USER_MODEL = """
+import lightning as L
+import torch
+
+
+class PlainLM(L.LightningModule):
+    \"\"\"A module that forgot its training_step.\"\"\"
+
+    def __init__(self, vocab_size: int = 65) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab_size, vocab_size)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+USER_CALLBACKS = """
+import lightning as L
+
+from nanolab.data.tokenizers import Tokenizer, load_tokenizer  # imported: never suggested
+
+
+class StepPrinter(L.Callback):
+    def __init__(self, every: int = 1, tag: str = "step") -> None:
+        self.every, self.tag = every, tag
+
+
+class NeedsArg(L.Callback):
+    def __init__(self, need: int) -> None:
+        self.need = need
+
+
+class NotACallback:
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+
+
+def tokenize(text: str) -> list[str]:
+    return text.split()
+"""
+
+USER = "nanolab_plugin_user"
+
+
+@pytest.fixture
+def user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A project's package of classes of the wrong kind or shape (``nanolab_plugin_user.data``,
+    ``.model``, ``.callbacks``), on sys.path as ``pip install -e .`` makes it importable."""
+    root = tmp_path / "src" / USER
+    root.mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    for name, text in (("data", USER_DATA), ("model", USER_MODEL), ("callbacks", USER_CALLBACKS)):
+        (root / f"{name}.py").write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(root.parent))
+    yield root
+    for name in [m for m in sys.modules if m.split(".")[0] == USER]:
+        del sys.modules[name]
+
+
+def one_error_line(result) -> str:
+    """The one ``error:`` line of a refused command (exit 2, nothing else on stderr)."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr[-3000:])
+    return lines[0]
+
+
+def test_a_callback_typo_suggests_only_callbacks(tmp_path, char_dataset, user) -> None:
+    """``--trainer.callbacks+=`` is checked as ``trainer.callbacks`` in a file is: a typo gets
+    the nearest Callback class of the module, never a class it imports or a function."""
+    tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(tiny)]
+    for flag in ("--trainer.callbacks+={}", "--trainer.callbacks={}"):
+        line = one_error_line(
+            nanolab_here(*base, flag.format(f"{USER}.callbacks.Tokenize"), cwd=tmp_path)
+        )
+        assert f"trainer.callbacks: module '{USER}.callbacks' has no class 'Tokenize'" in line
+        assert "did you mean" not in line, line  # Tokenizer, tokenize: not callbacks
+    arg = ["--trainer.callbacks+", f"{USER}.callbacks.StepPrinte"]
+    line = one_error_line(nanolab_here(*base, *arg, cwd=tmp_path))
+    assert line.endswith(f"did you mean {USER}.callbacks.StepPrinter?"), line
+    assert not (tmp_path / "runs").exists()

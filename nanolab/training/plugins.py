@@ -127,17 +127,24 @@ def expected_base(where: str) -> type | None:
 def nearest_class(module: Any, name: str, base: type | None = None) -> str | None:
     """The class ``module`` defines whose name is nearest ``name`` (a typo of it), or None.
 
-    Only classes defined there (not those it imports, such as the base it subclasses), so the
-    suggestion is the module's own: ``Modle`` -> ``Model``, never ``GPTLightningModule``; and,
-    given ``base``, only its subclasses, so the suggestion is one the setting takes (a config
-    dataclass ``LossCfg`` next to the model is never offered for ``--model ...LossCfgg``)."""
+    Only classes defined there or, for a package, in its own submodules (``nanolab.callbacks``
+    re-exports ``MetricsLog``), not those it imports from elsewhere, such as the base it
+    subclasses: the suggestion is the module's own, ``Modle`` -> ``Model``, never
+    ``GPTLightningModule``; and, given ``base``, only its subclasses, so the suggestion is one
+    the setting takes (a config dataclass ``LossCfg`` next to the model is never offered for
+    ``--model ...LossCfgg``, a ``Tokenizer`` or a function next to a callback never for
+    ``--trainer.callbacks+=...Tokenize``)."""
     import difflib
 
+    package = hasattr(module, "__path__")
     defined = [
         key
         for key, value in vars(module).items()
         if isinstance(value, type)
-        and value.__module__ == module.__name__
+        and (
+            value.__module__ == module.__name__
+            or (package and value.__module__.startswith(module.__name__ + "."))
+        )
         and (base is None or issubclass(value, base))
     ]
     near = difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
@@ -147,21 +154,28 @@ def nearest_class(module: Any, name: str, base: type | None = None) -> str | Non
 
 
 def class_paths_in_argv(argv: list[str]) -> list[tuple[str, str]]:
-    """``(where, class_path)`` for ``--model X``, ``--data=X``, ``--model.class_path X`` ...
+    """``(where, class_path)`` for ``--model X``, ``--data=X``, ``--model.class_path X``,
+    ``--trainer.callbacks+=X`` ...: the flags that name a class, as
+    :func:`class_paths_in_config` finds the same keys in a file (both are checked alike).
 
     Only dotted values are class paths; a bare name (``--model GPTLightningModule``) is left to
-    the parser, which resolves the names of classes it already knows.
+    the parser, which resolves the names of classes it already knows, and so is a YAML or JSON
+    value (``--trainer.callbacks '[...]'``).
     """
     found = []
     flags = {"--model": "model", "--data": "data"}
     flags.update({f"{flag}.class_path": where for flag, where in list(flags.items())})
+    flags.update(
+        {"--trainer.callbacks": "trainer.callbacks", "--trainer.callbacks+": "trainer.callbacks"}
+    )
     for i, arg in enumerate(argv):
         flag, sep, value = arg.partition("=")
         if flag not in flags:
             continue
         if not sep:
             value = argv[i + 1] if i + 1 < len(argv) else ""
-        if "." in value and not value.endswith((".yaml", ".yml", ".json")) and "{" not in value:
+        literal = any(c in value for c in "{[") or value.endswith((".yaml", ".yml", ".json"))
+        if "." in value and not literal:
             found.append((flags[flag], value))
     return found
 
