@@ -329,3 +329,47 @@ def test_a_callback_typo_suggests_only_callbacks(tmp_path, char_dataset, user) -
     line = one_error_line(nanolab_here(*base, *arg, cwd=tmp_path))
     assert line.endswith(f"did you mean {USER}.callbacks.StepPrinter?"), line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "path", "says"),
+    [
+        (
+            "data",
+            f"{USER}.data.NotAData",
+            f"data: {USER}.data.NotAData is not a LightningDataModule; subclass nanolab's "
+            "TokenDataModule (docs/forking.md)",
+        ),
+        (
+            "model",
+            "nanolab.data.datamodule.TokenDataModule",
+            "model: nanolab.data.datamodule.TokenDataModule is a LightningDataModule, not a "
+            "LightningModule; subclass nanolab's GPTLightningModule (docs/forking.md)",
+        ),
+        (
+            "trainer.callbacks",
+            f"{USER}.callbacks.NotACallback",
+            f"trainer.callbacks: {USER}.callbacks.NotACallback is not a Callback; subclass "
+            "lightning.pytorch.Callback (docs/callbacks.md)",
+        ),
+    ],
+    ids=["data", "model", "callback"],
+)
+def test_a_class_of_the_wrong_kind_is_one_line_with_the_base_to_subclass(
+    tmp_path, char_dataset, user, key, path, says
+) -> None:
+    """On the command line and in a file alike: the class, the kind its setting takes and the
+    fix, instead of the parser's "Expected a path ... Does not validate against any of the
+    Union subtypes"."""
+    tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    callbacks = key == "trainer.callbacks"
+    flag = f"--{key}+={path}" if callbacks else f"--{key}={path}"
+    chosen = {"class_path": path}
+    other = write_config(
+        tmp_path / "other.yaml",
+        {"trainer": {"callbacks": [chosen]}} if callbacks else {key: chosen},
+    )
+    for given in ([flag], ["--config", str(other)]):
+        result = nanolab_here("fit", "--config", str(tiny), *given, cwd=tmp_path)
+        assert one_error_line(result) == f"nanolab fit: error: {says}"
+    assert not (tmp_path / "runs").exists()

@@ -7,8 +7,10 @@ and nanolab's own :class:`~nanolab.training.module.GPTLightningModule` and
 ``estimate`` and ``bench`` use a class only through the two small protocols below, so any class
 that has these members works with every verb (docs/forking.md, "Your own model or data class").
 
-A class path that cannot be imported is reported in one line naming the module and the error,
-before the config parser would report it as a value that "does not validate".
+A class path that cannot be imported, or names a class of another kind than its setting takes
+(a ``data`` class that is not a LightningDataModule), is reported in one line naming the module
+or the class and the fix, before the config parser would report it as a value that "does not
+validate".
 """
 
 from __future__ import annotations
@@ -108,7 +110,29 @@ def load_class(class_path: str, where: str) -> type:
         raise PluginImportError(
             f"{where}: module {module_name!r} has no class {name!r} (from {class_path}){hint}"
         )
+    check_kind(cls, class_path, where)
     return cls
+
+
+#: What a class at each config key should subclass, for the error line that refuses another.
+SUBCLASS_FIX = {
+    "model": "subclass nanolab's GPTLightningModule (docs/forking.md)",
+    "data": "subclass nanolab's TokenDataModule (docs/forking.md)",
+    "trainer.callbacks": "subclass lightning.pytorch.Callback (docs/callbacks.md)",
+}
+
+
+def check_kind(cls: type, class_path: str, where: str) -> None:
+    """Refuse a class that is not of the kind ``where`` takes (:func:`expected_base`) in one
+    line with the fix: the parser would say it "does not validate against any of the Union
+    subtypes", and a class of another kind (a DataModule given as ``--model``) is named as
+    what it is."""
+    base = expected_base(where)
+    if base is None or issubclass(cls, base):
+        return
+    others = [b for b in map(expected_base, SUBCLASS_FIX) if b is not None and issubclass(cls, b)]
+    what = f"a {others[0].__name__}, not a {base.__name__}" if others else f"not a {base.__name__}"
+    raise PluginImportError(f"{where}: {class_path} is {what}; {SUBCLASS_FIX[where]}")
 
 
 def expected_base(where: str) -> type | None:
@@ -202,7 +226,8 @@ def class_paths_in_config(config: Any) -> list[tuple[str, str]]:
 
 
 def check_importable(paths: Iterable[tuple[str, str]]) -> None:
-    """Import every named class first, so a broken plug-in is one line, not a parser error."""
+    """Import every named class first and check its kind, so a broken plug-in or a class of
+    the wrong kind is one line, not a parser error."""
     for where, class_path in paths:
         if "." in class_path:
             load_class(class_path, where)
