@@ -373,3 +373,81 @@ def test_a_class_of_the_wrong_kind_is_one_line_with_the_base_to_subclass(
         result = nanolab_here("fit", "--config", str(tiny), *given, cwd=tmp_path)
         assert one_error_line(result) == f"nanolab fit: error: {says}"
     assert not (tmp_path / "runs").exists()
+
+
+CB = f"{USER}.callbacks"
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "flags", "says"),
+    [
+        (
+            [{"class_path": f"{CB}.StepPrinter", "init_args": {"every": "five"}}],
+            [],
+            f"trainer.callbacks[0] ({CB}.StepPrinter).init_args.every: 'five' is not valid; "
+            "expected int",
+        ),
+        (
+            None,
+            [f"--trainer.callbacks+={CB}.StepPrinter", "--trainer.callbacks.every", "five"],
+            f"trainer.callbacks[-1] ({CB}.StepPrinter).init_args.every: 'five' is not valid; "
+            "expected int",
+        ),
+        (
+            [{"class_path": f"{CB}.NeedsArg", "init_args": {"need": 1}}, f"{CB}.StepPrinter"],
+            ["--trainer.callbacks.tagg", "x"],
+            f"trainer.callbacks[-1] ({CB}.StepPrinter).init_args.tagg: not a setting of "
+            f"{CB}.StepPrinter; did you mean tag?",
+        ),
+        (
+            [f"{CB}.StepPrinter", {"class_path": f"{CB}.StepPrinter", "init_args": {"tagg": 1}}],
+            [],
+            f"trainer.callbacks[1] ({CB}.StepPrinter).init_args.tagg: not a setting of "
+            f"{CB}.StepPrinter; did you mean tag?",
+        ),
+        (
+            [{"class_path": f"{CB}.StepPrinter"}, {"class_path": f"{CB}.NeedsArg"}],
+            [],
+            f"trainer.callbacks[1] ({CB}.NeedsArg).init_args.need: required by {CB}.NeedsArg "
+            "and not given; set it under the callback's init_args in the config, or give "
+            f"--trainer.callbacks.need VALUE after --trainer.callbacks+={CB}.NeedsArg",
+        ),
+        (
+            [{"class_path": f"{CB}.StepPrinter", "init_args": None, "every": 3}],
+            [],
+            f"trainer.callbacks[0] ({CB}.StepPrinter): every is beside class_path, not under "
+            "init_args (its init_args: is empty); indent the settings under init_args",
+        ),
+    ],
+    ids=["type-yaml", "type-flag", "typo-flag", "typo-yaml", "required", "indentation"],
+)
+def test_a_mistake_in_a_callbacks_settings_is_one_line_naming_it(
+    tmp_path, char_dataset, user, callbacks, flags, says
+) -> None:
+    """A callback's settings are refused as the model's and the data's are: the item, its
+    class and key, the problem and the fix (the parser's report was the base class's words,
+    "Option 'every' is not accepted", a key without "did you mean", or 700 characters)."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    if callbacks is not None:
+        cfg["trainer"]["callbacks"] = callbacks
+    tiny = write_config(tmp_path / "tiny.yaml", cfg)
+    line = one_error_line(nanolab_here("fit", "--config", str(tiny), *flags, cwd=tmp_path))
+    assert line == f"nanolab fit: error: {says}"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_required_data_argument_left_out_says_where_to_give_it(
+    tmp_path, char_dataset, user
+) -> None:
+    """A data class's required argument is named with its key and both ways to set it."""
+    tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    line = one_error_line(
+        nanolab_here("fit", "--config", str(tiny), "--data", f"{USER}.data.ReqData", cwd=tmp_path)
+    )
+    assert line == (
+        f"nanolab fit: error: data.init_args.records: required by {USER}.data.ReqData and not "
+        "given; set it under data.init_args in the config, or give --data.records VALUE"
+    )
+    given = ["--data", f"{USER}.data.ReqData", "--data.records", "r.jsonl", "--print_config"]
+    result = nanolab_here("fit", "--config", str(tiny), *given, cwd=tmp_path)
+    assert result.returncode == 0 and "records: r.jsonl" in result.stdout, result.stderr[-2000:]

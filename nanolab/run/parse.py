@@ -299,31 +299,113 @@ def unwrap_union_error(err: BaseException) -> BaseException:
 
 
 def subclass_problem(message: str) -> str | None:
-    """The setting at fault inside a ``model``/``data`` class choice, with its full key.
+    """The setting at fault inside a ``model``/``data``/``trainer.callbacks`` class choice,
+    with its full key.
 
     The parser reports a bad ``model.gpt.n_layer`` as "Parser key "model": Does not validate
     against any of the Union subtypes ... Problem with given class_path X: Parser key
-    "gpt.n_layer": Expected a <class 'int'>": this keeps the inner problem, keyed from the top.
+    "gpt.n_layer": Expected a <class 'int'>": this keeps the inner problem, keyed from the top
+    (``model.gpt.n_layer``; a callback's as ``trainer.callbacks[1] (X).init_args.every``, the
+    list's ``[-1]`` for a ``--trainer.callbacks.every`` flag, which sets the last one given).
+    A required argument left out says where to give it.
     """
     import re
 
     head = re.match(r'Parser key "([\w.]+)":', message)
-    start = message.find("Problem with given class_path")
-    if head is None or start < 0:
+    if head is None:
         return None
     group = head.group(1)
-    lines = message[start:].splitlines()
+    block = re.search(r"^( *)- Problem with given class_path '([\w.]+)':$", message, re.M)
+    if block is None:
+        return callback_shape_problem(message) if group == "trainer.callbacks" else None
+    indent, class_path = len(block.group(1)), block.group(2)
     inner = []
-    for line in lines[1:]:
-        text = line.strip()
-        if text.startswith("- Expected a <class 'NoneType'>") or text.startswith("Given value"):
-            break
-        inner.append(text)
+    for line in message[block.end() :].splitlines()[1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break  # the parser's next alternative, or its "Given value" lines
+        inner.append(line.strip())
     text = " ".join(inner).strip()
-    text = re.sub(r'Parser key "([^"]+)"', lambda m: f'Parser key "{group}.{m.group(1)}"', text)
-    text = re.sub(r"--(?!config)([\w.]+)=", lambda m: f"--{group}.{m.group(1)}=", text)
-    text = re.sub(r"Group '([\w.]+)'", lambda m: f"Group '{group}.{m.group(1)}'", text)
+    if group == "trainer.callbacks":
+        named = re.search(r"(?:Parser key \"|Option ')(\w+)", text)
+        index = callback_index(message, class_path, named.group(1) if named else None)
+        key = f"trainer.callbacks[{index}] ({class_path}).init_args"
+        settings, where = key, "the callback's init_args"
+        flag = f"--trainer.callbacks.{{}} VALUE after --trainer.callbacks+={class_path}"
+    else:
+        key, settings = group, f"{group}.init_args"
+        where, flag = settings, f"--{group}.{{}} VALUE"
+    required = re.fullmatch(r"the following arguments are required: (.+)", text)
+    if required:
+        names = [name.strip() for name in required.group(1).split(",")]
+        return (
+            f"{', '.join(f'{settings}.{name}' for name in names)}: required by {class_path} and "
+            f"not given; set it under {where} in the config, or give "
+            + ", ".join(flag.format(name) for name in names)
+        )
+    option = re.fullmatch(r"Option '(\w+)' is not accepted", text)
+    if option and group == "trainer.callbacks":
+        return f"{key}.{option.group(1)}: {_not_a_setting(class_path, option.group(1))}"
+    text = re.sub(r'Parser key "([^"]+)"', lambda m: f'Parser key "{key}.{m.group(1)}"', text)
+    if key == group:
+        text = re.sub(r"--(?!config)([\w.]+)=", lambda m: f"--{group}.{m.group(1)}=", text)
+        text = re.sub(r"Group '([\w.]+)'", lambda m: f"Group '{group}.{m.group(1)}'", text)
     return text or None
+
+
+def callback_index(message: str, class_path: str, key: str | None = None) -> str:
+    """Where in ``trainer.callbacks`` the parser's report about ``class_path`` points: its
+    position in the list the report gives (of two of that class, the first that has ``key``),
+    or ``-1`` for a ``--trainer.callbacks.KEY`` flag, which sets the last callback given."""
+    import re
+
+    given = message[message.rfind("Given value:") :]
+    paths = re.findall(r"class_path(?:=|': )'([\w.]+)'", given)  # each item's, in order
+    items = re.split(r"(?=class_path(?:=|': )')", given)[1:]  # the text of each item
+    mine = [i for i, path in enumerate(paths) if path == class_path]
+    named = [i for i in mine if key and re.search(rf"\b{re.escape(key)}\b", items[i])]
+    return str((named or mine)[0]) if mine else "-1"
+
+
+def callback_shape_problem(message: str) -> str | None:
+    """A ``trainer.callbacks`` item whose settings sit beside ``class_path`` instead of under
+    ``init_args`` (an indentation slip in YAML): the parser says only "Not a valid subclass of
+    Callback", with the item."""
+    import ast
+    import re
+
+    m = re.search(r"Not a valid subclass of \w+\. Got value: (\{.*\})$", message, re.M)
+    try:
+        item = ast.literal_eval(m.group(1)) if m else None
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(item, dict) or not isinstance(item.get("class_path"), str):
+        return None
+    beside = [str(k) for k in item if k not in ("class_path", "init_args")]
+    if not beside:
+        return None
+    path = item["class_path"]
+    empty = " (its init_args: is empty)" if item.get("init_args") is None else ""
+    return (
+        f"trainer.callbacks[{callback_index(message, path)}] ({path}): {', '.join(beside)} "
+        f"{'is' if len(beside) == 1 else 'are'} beside class_path, not under init_args{empty}; "
+        "indent the settings under init_args"
+    )
+
+
+def _not_a_setting(class_path: str, name: str) -> str:
+    """``NAME`` given to a class whose ``__init__`` does not take it: the nearest it takes."""
+    import difflib
+    import inspect
+
+    from nanolab.training.plugins import PluginImportError, load_class
+
+    try:
+        taken = list(inspect.signature(load_class(class_path, "trainer.callbacks")).parameters)
+    except (PluginImportError, TypeError, ValueError):
+        taken = []
+    near = difflib.get_close_matches(name, taken, n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]}?" if near else f"; it takes {', '.join(taken) or 'none'}"
+    return f"not a setting of {class_path}{hint}"
 
 
 class Parsed(Exception):
