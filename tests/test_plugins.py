@@ -451,3 +451,31 @@ def test_a_required_data_argument_left_out_says_where_to_give_it(
     given = ["--data", f"{USER}.data.ReqData", "--data.records", "r.jsonl", "--print_config"]
     result = nanolab_here("fit", "--config", str(tiny), *given, cwd=tmp_path)
     assert result.returncode == 0 and "records: r.jsonl" in result.stdout, result.stderr[-2000:]
+
+
+def test_a_class_lightning_cannot_run_is_one_line_before_the_run_starts(
+    tmp_path, char_dataset, user
+) -> None:
+    """Data without a vocabulary for a GPT whose ``vocab_size`` is null, and a module without
+    ``training_step``: one line naming the class and the fix, exit 2, the run folder never
+    made (they were tracebacks from inside ``trainer.fit``, exit 1)."""
+    tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(tiny)]
+    line = one_error_line(nanolab_here(*base, "--data", f"{USER}.data.PlainData", cwd=tmp_path))
+    assert line == (
+        "nanolab fit: error: model.gpt.vocab_size is null "
+        f"(nanolab.training.module.GPTLightningModule) and data {USER}.data.PlainData provides "
+        "no vocab_size to fill it; set model.gpt.vocab_size (--model.gpt.vocab_size N), or give "
+        "the data class a vocab_size property (nanolab's TokenDataModule has one; "
+        "docs/forking.md)"
+    )
+    line = one_error_line(nanolab_here(*base, "--model", f"{USER}.model.PlainLM", cwd=tmp_path))
+    assert line == (
+        f"nanolab fit: error: model: {USER}.model.PlainLM has no training_step() method, which "
+        "nanolab fit needs; define it, or subclass nanolab's GPTLightningModule (docs/forking.md)"
+    )
+    assert not (tmp_path / "runs").exists()
+    # The fix the first line names works: the data of one's own trains with the vocabulary set.
+    fixed = ["--data", f"{USER}.data.PlainData", "--model.gpt.vocab_size", "50"]
+    result = nanolab_here(*base, *fixed, "--trainer.max_steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]

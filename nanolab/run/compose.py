@@ -31,6 +31,7 @@ from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
 from nanolab.run.validation_set import partial_validation_warning
 from nanolab.training.parallelism import parse_strategy
+from nanolab.training.plugins import check_needed_methods
 from nanolab.training.resolve import (
     RunConfigError,
     check_model_settings,
@@ -82,10 +83,12 @@ def launch(cli: NanolabCLI) -> Trainer:
 
         check_init_from_data(model_args, data)
     fill_eot_id(model_args, data)
-    resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab)
+    resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab, data_built=True)
     micro = plan_micro_batch(cfg, resolved)
     if micro != resolved.micro_batch_size:
-        resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab, micro_batch_size=micro)
+        resolved = resolve(
+            cfg, visible_gpus=visible, data_vocab=vocab, data_built=True, micro_batch_size=micro
+        )
     write_derived(cfg, resolved)
     data.block_size, data.micro_batch_size = resolved.block_size, resolved.micro_batch_size
     check_fits = getattr(data, "check_fits", None)
@@ -127,6 +130,7 @@ def launch(cli: NanolabCLI) -> Trainer:
             raise
         raise one_line from None
     model, data = built.model, built.data
+    check_needed_methods(verb, model, data)  # Lightning's own refusal comes after the claim
     trainer_args = {**built.trainer}
     callbacks = trainer_args.get("callbacks") or []
     callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]

@@ -231,3 +231,37 @@ def check_importable(paths: Iterable[tuple[str, str]]) -> None:
     for where, class_path in paths:
         if "." in class_path:
             load_class(class_path, where)
+
+
+#: What Lightning's Trainer needs to run each verb (its "expects as minimum"), by the config key
+#: of the class that should have it, and the nanolab class that has it.
+NEEDED = {
+    "fit": (
+        ("model", "training_step"),
+        ("model", "configure_optimizers"),
+        ("data", "train_dataloader"),
+    ),
+    "validate": (("model", "validation_step"),),
+    "test": (("model", "test_step"),),
+}
+
+
+def check_needed_methods(verb: str, model: Any, data: Any) -> None:
+    """Refuse a model or data class without a method Lightning needs for ``verb`` (a
+    LightningModule without ``training_step``) before the run directory is claimed: one line
+    naming the class and the fix, not Lightning's ``MisconfigurationException`` traceback from
+    inside ``trainer.fit``. A dataloader may come from either class, as Lightning allows."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from nanolab.errors import RunConfigError
+
+    built = {"model": model, "data": data}
+    for where, method in NEEDED.get(verb, ()):
+        holders = (model, data) if method.endswith("_dataloader") else (built[where],)
+        if any(h is not None and is_overridden(method, h) for h in holders):
+            continue
+        cls = type(built[where])
+        raise RunConfigError(
+            f"{where}: {cls.__module__}.{cls.__qualname__} has no {method}() method, which "
+            f"nanolab {verb} needs; define it, or {SUBCLASS_FIX[where]}"
+        )

@@ -878,6 +878,7 @@ def resolve(
     *,
     visible_gpus: int | None,
     data_vocab: int | None = None,
+    data_built: bool = False,
     micro_batch_size: int | None = None,
     devices: int | None = None,
     num_nodes: int | None = None,
@@ -889,6 +890,9 @@ def resolve(
         visible_gpus: What ``trainer.devices: auto`` means here (:func:`count_devices`).
         data_vocab: The data's vocabulary, when known: fills ``model.gpt.vocab_size: null``
             and must not exceed a vocabulary the config fixes.
+        data_built: The data was built and ``data_vocab`` is all it will say (``fit``): a
+            ``model.gpt.vocab_size: null`` it leaves unfilled is refused here, naming both
+            classes, not when the model is configured inside the Trainer (a traceback).
         micro_batch_size: A micro-batch chosen by the caller (``run.micro_batch_size: auto``
             planned from device memory, ``estimate --micro-batch``); wins over the config.
         devices / num_nodes: Overrides of ``trainer.devices`` / ``trainer.num_nodes``.
@@ -934,6 +938,13 @@ def resolve(
                     f"the data's vocabulary ({data_vocab}) is larger than model.gpt.vocab_size "
                     f"({model_vocab}); set model.gpt.vocab_size to null or >= {data_vocab}"
                 )
+        if model_vocab is None and data_built:
+            raise RunConfigError(
+                f"model.gpt.vocab_size is null ({model_class}) and data {data_class} provides "
+                "no vocab_size to fill it; set model.gpt.vocab_size (--model.gpt.vocab_size N), "
+                "or give the data class a vocab_size property (nanolab's TokenDataModule has "
+                "one; docs/forking.md)"
+            )
         model_args = {**model_args, "gpt": gpt}
         vocab = None if model_vocab is None else int(model_vocab)
     else:  # a model class of the user's own without a GPTConfig: the data's window length
