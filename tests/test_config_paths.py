@@ -83,3 +83,36 @@ def test_the_parser_reads_the_pipe_the_checks_read(work: Path) -> None:
 def test_queue_add_refuses_a_shell_pipe_it_could_not_read_again(work: Path) -> None:
     line = _one_line(_bash(work, "nanolab queue add --db q.db <(cat base.yaml)"))
     assert "is a pipe the shell made (<(...)), read once" in line
+
+
+def test_a_relative_data_path_not_found_says_it_was_read_from_the_current_folder(
+    tmp_path: Path,
+) -> None:
+    """A project's config run from the folder above it: its relative ``data.source`` and
+    ``data.dataset_dir`` are read from the current folder (the rule stays), and the line says
+    so, naming the folder, with the two fixes (it said only "does not exist")."""
+    project = tmp_path / "my-lm"
+    (project / "configs").mkdir(parents=True)
+    (project / "data" / "text").mkdir(parents=True)
+    (project / "data" / "text" / "a.txt").write_text("hello world\n" * 50)
+    config = project / "configs" / "x.yaml"
+    config.write_text(
+        BASE + "data:\n  dataset_dir: data/tokens\n  source: [data/text]\n  tokenizer: chars\n"
+    )
+    rule = (
+        f"relative paths are read from the current folder ({tmp_path}), not the config file's: "
+        "run from the folder the path is relative to (a project's own), or give an absolute path"
+    )
+    result = nanolab_here("fit", "--config", "my-lm/configs/x.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == (
+        f"nanolab fit: error: data.source: source 'data/text' does not exist; {rule}"
+    )
+    result = nanolab_here(
+        "fit", "--config", "my-lm/configs/x.yaml", "--data.source", "null", cwd=tmp_path
+    )
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "nanolab fit: error: data.dataset_dir data/tokens holds no prepared dataset (meta.json) "
+        f"and does not exist; {rule}; or run `nanolab prepare` or set data.source"
+    ), result.stderr[-2000:]
+    assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()

@@ -96,9 +96,13 @@ def load_meta(dataset_dir: str | Path, field: str = "data.dataset_dir") -> dict[
     dataset_dir = Path(dataset_dir)
     path = dataset_dir / "meta.json"
     if not path.is_file():
+        from nanolab.data.sources import read_from_here
+
+        missing = None if dataset_dir.exists() else read_from_here(dataset_dir, field)
         raise DataCheckError(
-            f"{field} {dataset_dir} holds no prepared dataset (meta.json); "
-            "run `nanolab prepare` or set data.source"
+            f"{field} {dataset_dir} holds no prepared dataset (meta.json)"
+            + (f" and does not exist; {missing}; or" if missing else ";")
+            + " run `nanolab prepare` or set data.source"
         )
     try:
         meta = json.loads(path.read_bytes().decode("utf-8"))

@@ -248,10 +248,22 @@ def resolve_sources(
                 + "give a file, a folder or a glob"
             )
         else:
-            raise SourceError(
-                named(f"source {spec!r} does not exist; give a file, a folder or a glob")
-            )
+            fix = read_from_here(path, setting) or "give a file, a folder or a glob"
+            raise SourceError(named(f"source {spec!r} does not exist; {fix}"))
     return Resolved(_read_once(files, skipped), skipped)
+
+
+def read_from_here(path: Path, setting: str | None = None) -> str | None:
+    """For a relative ``path`` that is not there, where it was looked for and the fix: a
+    config's paths are read from the current folder, not the config file's (a command run
+    from the folder above the project misses ``data/text``); None for an absolute path."""
+    if path.is_absolute():
+        return None
+    beside = ", not the config file's" if setting else ""
+    return (
+        f"relative paths are read from the current folder ({os.getcwd()}){beside}: run from "
+        "the folder the path is relative to (a project's own), or give an absolute path"
+    )
 
 
 def _glob_files(spec: str, skipped: list[str], exclude: Sequence[Path]) -> list[InputFile]:
