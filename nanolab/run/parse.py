@@ -400,9 +400,11 @@ def _not_a_setting(class_path: str, name: str) -> str:
     from nanolab.training.plugins import PluginImportError, load_class
 
     try:
-        taken = list(inspect.signature(load_class(class_path, "trainer.callbacks")).parameters)
+        params = inspect.signature(load_class(class_path, "trainer.callbacks")).parameters
     except (PluginImportError, TypeError, ValueError):
-        taken = []
+        params = {}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    taken = [name for name, p in params.items() if p.kind in named]
     near = difflib.get_close_matches(name, taken, n=1, cutoff=0.6)
     hint = f"; did you mean {near[0]}?" if near else f"; it takes {', '.join(taken) or 'none'}"
     return f"not a setting of {class_path}{hint}"
