@@ -62,8 +62,9 @@ class ClaimedDir:
         if why is not None and self.deleted():
             raise LeftClaimedDir(
                 f"{self.path} was deleted while the run wrote it, with the files it held; "
-                f"stopped without writing {what}. Rerun the same command: it resumes from a "
-                "checkpoint still on disk, if one is left, or says how to start over"
+                f"stopped without writing {what}. If other checkpoints of this run are on disk, "
+                "point --run.resume at one; otherwise start the run over with --run.fresh true "
+                "(its log moves to previous/)"
             )
         if why is not None:
             raise LeftClaimedDir(

@@ -87,6 +87,8 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1; a queued job needs a finite number"),
         # its rank 0 would wait in the rendezvous for machines that never come (deaf to signals)
         (["--set", "trainer.num_nodes=2"], "trainer.num_nodes is 2; the queue runs each job on this machine"),
+        # said first: the batch checks would ask for a batch fit for 2 machines
+        (["--set", "trainer.num_nodes=2", "--set", "run.global_batch_tokens=128"], "trainer.num_nodes is 2; the queue"),
         (["--set", "data.source=[nowhere.txt]"], "data.source: nowhere.txt does not exist"),
         (["--set", "data.dataset_dir=missing", "--set", "data.source=null"], "holds no prepared dataset"),
         (["--set", "run.name=x"], "--set run.name: set by the queue; use --name"),
@@ -708,8 +710,31 @@ def test_a_queue_on_a_read_only_file_system_is_said_so_with_its_mount(
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
         said = f"is on a read-only file system ({folder} is mounted read-only)"
         _read_only_verbs_said(capsys, path, said)
+        # No queue there at all: not "left untouched" nor "ls still reads it".
+        code, _, err = queue(capsys, folder / "none.db", "ls")
+        assert code == 2 and f"there is no queue database at {folder / 'none.db'}" in err, err
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_queue_on_a_read_only_bind_mount_names_that_mount(tmp_path: Path, capsys) -> None:
+    """A read-only bind mount shares its device with the writable file system it shows, so
+    walking up while the device stays the same named that file system's root (``/``) as the
+    mount to remount read-write. The mount named is the bind's own."""
+    src, bound = tmp_path / "src", tmp_path / "bound"
+    src.mkdir()
+    bound.mkdir()
+    db = QueueDB(src / "q.db")
+    db.add_jobs([new_job("a")])
+    db.close()
+    if subprocess.run(["mount", "--bind", str(src), str(bound)], capture_output=True).returncode:
+        pytest.skip("a bind mount needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(bound)], check=True)
+        code, _, err = queue(capsys, bound / "q.db", "add", "x.yaml")
+        assert code == 2 and f"({bound} is mounted read-only)" in err, err
+    finally:
+        subprocess.run(["umount", "-l", str(bound)], check=True)
 
 
 def test_a_failed_jobs_long_error_line_is_kept_whole(tmp_path: Path, capsys) -> None:
@@ -816,6 +841,8 @@ def test_the_runners_summary_and_notify_count_jobs_not_attempts(tmp_path: Path, 
         ({"ROCR_VISIBLE_DEVICES": "4,5"}, ["0", "1"]),  # HIP's ids count within ROCR's list
         ({"CUDA_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "0,1"}, "disagree or nest"),
         ({"HIP_VISIBLE_DEVICES": "0,1", "ROCR_VISIBLE_DEVICES": "4,5"}, "disagree or nest"),
+        # SLURM exports ROCR's on NVIDIA nodes too: nothing reads it under CUDA
+        ({"CUDA_VISIBLE_DEVICES": "0,1", "ROCR_VISIBLE_DEVICES": "0,1", "cuda": ""}, ["0", "1"]),
     ],
 )
 def test_gpus_all_means_the_gpus_this_runner_was_given(monkeypatch, masks, expected) -> None:
@@ -828,6 +855,8 @@ def test_gpus_all_means_the_gpus_this_runner_was_given(monkeypatch, masks, expec
     from nanolab.queue.cli import parse_gpus
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    masks = dict(masks)
+    monkeypatch.setattr(torch.version, "hip", None if masks.pop("cuda", None) == "" else "7.2")
     for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in masks.items():

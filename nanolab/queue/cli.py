@@ -105,13 +105,21 @@ def parse_gpus(text: str | None) -> list[str] | None:
 def visible_mask() -> list[str] | None:
     """The host ids of this process's visibility mask (``CUDA_VISIBLE_DEVICES``, or ROCm's
     ``HIP_VISIBLE_DEVICES``), the mask a job's ids replace; None when neither is set. Two
-    different masks, or either under ROCm's ``ROCR_VISIBLE_DEVICES`` (HIP's ids then index
-    ROCR's list), cannot be read as one list: refused in one line rather than guessed. ROCR's
+    different masks, or either under ROCm's ``ROCR_VISIBLE_DEVICES`` on a ROCm build (HIP's
+    ids then index ROCR's list), cannot be read as one list: refused in one line rather than guessed. ROCR's
     alone is left in place for the jobs, so their ids count within it."""
+    import torch
+
     names = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
     masks = {k: os.environ[k].strip() for k in names if os.environ.get(k, "").strip()}
     distinct = {tuple(g.strip() for g in v.split(",") if g.strip()) for v in masks.values()}
-    nested = bool(masks) and bool(os.environ.get("ROCR_VISIBLE_DEVICES", "").strip())
+    # ROCR's mask nests HIP's only under ROCm (SLURM exports every vendor's variable, ROCR's
+    # on NVIDIA nodes too, where nothing reads it).
+    nested = (
+        bool(masks)
+        and bool(os.environ.get("ROCR_VISIBLE_DEVICES", "").strip())
+        and bool(getattr(torch.version, "hip", None))
+    )
     if len(distinct) > 1 or nested:
         if nested:
             masks["ROCR_VISIBLE_DEVICES"] = os.environ["ROCR_VISIBLE_DEVICES"]

@@ -560,6 +560,14 @@ def read_only_db(path: Path, err: BaseException, reading: bool = False) -> str |
         read_only_fs = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
     except OSError:
         return None
+    if not path.exists() and (read_only_fs or not os.access(folder, os.W_OK)):
+        where = (
+            "on a read-only file system" if read_only_fs else "in a folder that cannot be written"
+        )
+        return (
+            f"there is no queue database at {path}, and none can be created there ({folder} is "
+            f"{where}); pass --db with a file in a writable folder"
+        )
     if read_only_fs:
         mount = _mount_point(folder)
         what = f"is on a read-only file system ({mount} is mounted read-only)"
@@ -580,8 +588,19 @@ def read_only_db(path: Path, err: BaseException, reading: bool = False) -> str |
 
 
 def _mount_point(folder: Path) -> Path:
-    """The top folder of the file system holding ``folder`` (the one to remount)."""
+    """The mount holding ``folder`` (the one to remount): the longest mount point above it in
+    ``/proc/self/mountinfo`` (a bind mount shares its device with the file system it shows, so
+    walking up while the device stays the same would name that file system's root); else the
+    top folder of its device."""
     here = folder.resolve()
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            points = [Path(line.split()[4].replace("\\040", " ")) for line in f if line.strip()]
+    except (OSError, IndexError):
+        points = []
+    above = [p for p in points if p == here or p in here.parents]
+    if above:
+        return max(above, key=lambda p: len(p.parts))
     device = here.stat().st_dev
     while here.parent != here and here.parent.stat().st_dev == device:
         here = here.parent

@@ -174,16 +174,17 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
 
     cfg = plain_config(parsed)
     check_model_settings(sections(cfg)[1])
+    nodes = (cfg.get("trainer") or {}).get("num_nodes") or 1
+    if isinstance(nodes, int) and nodes > 1:  # first: the batch checks count its nodes too
+        raise JobConfigError(
+            f"trainer.num_nodes is {nodes}; the queue runs each job on this machine: set 1 "
+            "(a multi-node run starts with torchrun or srun, docs/scaling.md)"
+        )
     resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS)
     if resolved.max_steps is None or resolved.max_steps <= 0:
         raise JobConfigError(
             f"trainer.max_steps is {resolved.max_steps!r}; a queued job needs a finite number "
             "of steps (the training stream never ends on its own)"
-        )
-    if resolved.num_nodes > 1:  # its rank 0 would wait for the other machines for ever
-        raise JobConfigError(
-            f"trainer.num_nodes is {resolved.num_nodes}; the queue runs each job on this "
-            "machine: set 1 (a multi-node run starts with torchrun or srun, docs/scaling.md)"
         )
     _check_data(resolved.data_args, cwd)
     _check_resume(cfg)
