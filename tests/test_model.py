@@ -338,7 +338,7 @@ def test_a_sharded_checkpoint_folder_says_how_to_make_it_one_file(tmp_path, caps
     run = tmp_path / "runs" / "ds"
     step = run / "checkpoints" / "step-00000008.ckpt"
     (step / "checkpoint").mkdir(parents=True)
-    (step / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    torch.save({"module": {}}, step / "checkpoint" / "mp_rank_00_model_states.pt")
     atomic_link(step, run / "checkpoints" / "last.ckpt")
     dcp = tmp_path / "dcp"
     dcp.mkdir()

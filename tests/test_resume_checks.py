@@ -231,13 +231,15 @@ def test_a_resume_under_another_precision_says_so(tmp_path, char_dataset):
     a run that trained most steps in fp32: one line says it."""
     _fit(tmp_path, char_dataset, "--trainer.precision", "32-true")
     config = tmp_path / "t.yaml"
-    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(config),
-                       "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "6",
-                       cwd=tmp_path)  # fmt: skip
+    # In a process of its own: its warnings go to its stderr whatever loggers earlier tests
+    # of this process left configured.
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(config),
+                      "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "6",
+                      cwd=tmp_path)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if "trainer.precision 32-true" in ln]
     assert len(lines) == 1 and "its steps up to 4 trained in 32-true" in lines[0], res.stderr
-    res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(config),
-                       "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "8",
-                       cwd=tmp_path)  # fmt: skip
+    res = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(config),
+                      "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "8",
+                      cwd=tmp_path)  # fmt: skip
     assert res.returncode == 0 and "saved at trainer.precision" not in res.stderr  # same now
