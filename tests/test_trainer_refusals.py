@@ -151,3 +151,22 @@ def test_several_machines_without_a_multinode_launch_is_refused_before_anything_
         assert multinode_launcher(env) is not None, env
         assert lone_multinode({"num_nodes": 2}, env) is None
     assert lone_multinode({"num_nodes": 1}, {}) is None
+
+
+def test_a_callback_that_needs_a_logger_on_a_run_without_one_is_one_line(
+    tmp_path: Path, char_dataset: Path, capsys
+) -> None:
+    """``--trainer.callbacks+=LearningRateMonitor`` without a logger: Lightning refused it at
+    the first step, a traceback (exit 1) after the run directory was claimed and the banner
+    printed. Said before anything is written; with ``--logger csv`` the same run trains."""
+    runs = tmp_path / "runs"
+    config = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, runs))
+    argv = ["fit", "--config", str(QUICKSTART), "--config", str(config), "--trainer.max_steps",
+            "2", "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "trainer.callbacks[0] (LearningRateMonitor) writes through a logger" in err
+    assert not runs.exists()
+    assert main([*argv, "--logger", "csv"]) == 0

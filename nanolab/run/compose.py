@@ -135,6 +135,8 @@ def launch(cli: NanolabCLI) -> Trainer:
     callbacks = trainer_args.get("callbacks") or []
     callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
     check_lambda_callbacks(callbacks)
+    if verb == "fit" and not cfg.get("logger") and trainer_args.get("logger") in (False, None, []):
+        check_logger_callbacks(callbacks, trainer_args.get("logger"))
     callbacks += [built[group] for group in run_callbacks()]
     if verb == "fit":  # config.yaml in the run dir (a fast_dev_run too: its start record needs it)
         callbacks.insert(0, RunConfigWriter(cli.verb_parser, cfg))  # first: the banner reads it
@@ -860,6 +862,23 @@ def callback_build_error(err: BaseException, class_paths: list[str]) -> RunConfi
                     "init_args or remove it from trainer.callbacks"
                 )
     return None
+
+
+def check_logger_callbacks(callbacks: list[Any], logger: Any) -> None:
+    """A callback that writes through a Lightning logger (``LearningRateMonitor``) on a run
+    without one: Lightning refuses it at the first step, a traceback after the run directory
+    was claimed. Said now, with the fix. ``logger`` None is Lightning's default logger (kept)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    if logger is None:
+        return
+    for i, cb in enumerate(callbacks):
+        if isinstance(cb, LearningRateMonitor):
+            raise RunConfigError(
+                f"trainer.callbacks[{i}] ({type(cb).__name__}) writes through a logger and this "
+                "run has none; add --logger csv (or tensorboard, wandb), or leave it out: the run "
+                "log (metrics.jsonl) records lr at every logged step"
+            )
 
 
 def check_lambda_callbacks(callbacks: list[Any]) -> None:
