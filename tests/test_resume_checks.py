@@ -243,3 +243,33 @@ def test_a_resume_under_another_precision_says_so(tmp_path, char_dataset):
                       "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "8",
                       cwd=tmp_path)  # fmt: skip
     assert res.returncode == 0 and "saved at trainer.precision" not in res.stderr  # same now
+
+
+class _ByName:
+    """Pickles as ``getattr(owner, name)``, as some Python builds pickle an enum member."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_an_index_holding_an_enum_member_by_name_is_read_and_other_getattrs_refused() -> None:
+    """A clean install's Python pickled the index's memory-format enum member as
+    ``getattr(_MEM_FORMAT_ENCODING, 'TORCH_CONTIGUOUS_FORMAT')`` and the folder check refused a
+    real FSDP2 checkpoint; getattr is read only for a member of an enum the index may hold,
+    never to reach another attribute (``Path.home``, a path to a callable)."""
+    import io
+    from pathlib import PosixPath
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from nanolab.model.checkpoint import _IndexUnpickler
+
+    member = _ByName(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")
+    read = _IndexUnpickler(io.BytesIO(pickle.dumps(member))).load()
+    assert read is _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    for payload in (_ByName(PosixPath, "home"), _ByName(_MEM_FORMAT_ENCODING, "__init__")):
+        with pytest.raises(pickle.UnpicklingError, match=r"builtins\.getattr"):
+            _IndexUnpickler(io.BytesIO(pickle.dumps(payload))).load()

@@ -80,12 +80,26 @@ class _IndexUnpickler(pickle.Unpickler):
     could be called."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # how some Pythons pickle an enum member: by its name
         allowed = name in DCP_METADATA_GLOBALS.get(module, ()) or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         )
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name}")
         return super().find_class(module, name)
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` as an index may hold it, for a member of an enum class the
+    unpickler already allowed (``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT``; Python pickles
+    enum members by name in some builds, by value in others): any other use of getattr, which
+    could reach any attribute of anything, is refused."""
+    import enum
+
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"builtins.getattr of {name!r} on {cls!r}")
 
 
 def sharded_folder_problem(path: Path) -> str | None:
