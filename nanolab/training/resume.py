@@ -265,17 +265,17 @@ def find_resume_checkpoint(
     (:func:`nanolab.model.checkpoint.corrupt_record`), and pick the next newest while they
     fail: the cheap opening reads no tensor bytes, and a resume would train on damaged ones.
     """
-    from nanolab.model.checkpoint import corrupt_record, read_path, release
+    from nanolab.model.checkpoint import release
 
     damaged: dict[Path, str] = {}
     while True:
         cands, chosen = _newest(run_dir, hold, damaged)
         if not verify or chosen is None or chosen.path.is_dir():
             break
-        bad = corrupt_record(read_path(chosen.path))
+        bad = crc_problem(chosen.path)
         if bad is None:
             break
-        damaged[chosen.path] = f"damaged: its record {bad} fails its CRC-32 check"
+        damaged[chosen.path] = bad
         if hold:
             release(chosen.path)
     # Report the broken ones that could have been newer than the choice: a step in the name
@@ -292,6 +292,15 @@ def find_resume_checkpoint(
         elif _mtime(c.path) >= _mtime(chosen.path):
             skipped.append(c)
     return ResumeChoice(chosen, skipped)
+
+
+def crc_problem(path: Path) -> str | None:
+    """Why the one-file checkpoint ``path`` (or the file held for it) is damaged by its bytes:
+    a record failing its CRC-32 (:func:`nanolab.model.checkpoint.corrupt_record`); None: none."""
+    from nanolab.model.checkpoint import corrupt_record, read_path
+
+    bad = corrupt_record(read_path(path))
+    return None if bad is None else f"damaged: its record {bad} fails its CRC-32 check"
 
 
 def _newest(
@@ -450,11 +459,7 @@ def resume_candidate(
         path = _checkpoint_in_folder(path, flag, training)
     cand = inspect_checkpoint(path, training=training)
     if cand.ok and not path.is_dir():
-        from nanolab.model.checkpoint import corrupt_record, read_path
-
-        bad = corrupt_record(read_path(path))  # the one read of its bytes before the load
-        if bad is not None:
-            cand.error = f"damaged: its record {bad} fails its CRC-32 check"
+        cand.error = crc_problem(path)  # the one read of its bytes before the load
     if not cand.ok:
         raise ResumeError(
             f"{flag}: {resume} cannot be {'resumed from' if training else 'loaded'} "
