@@ -135,7 +135,7 @@ def launch(cli: NanolabCLI) -> Trainer:
     callbacks = trainer_args.get("callbacks") or []
     callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
     check_lambda_callbacks(callbacks)
-    if verb == "fit" and not cfg.get("logger") and trainer_args.get("logger") in (False, None, []):
+    if verb == "fit" and not cfg.get("logger"):
         check_logger_callbacks(callbacks, trainer_args.get("logger"))
     callbacks += [built[group] for group in run_callbacks()]
     if verb == "fit":  # config.yaml in the run dir (a fast_dev_run too: its start record needs it)
@@ -867,10 +867,11 @@ def callback_build_error(err: BaseException, class_paths: list[str]) -> RunConfi
 def check_logger_callbacks(callbacks: list[Any], logger: Any) -> None:
     """A callback that writes through a Lightning logger (``LearningRateMonitor``) on a run
     without one: Lightning refuses it at the first step, a traceback after the run directory
-    was claimed. Said now, with the fix. ``logger`` None is Lightning's default logger (kept)."""
+    was claimed. Said now, with the fix. ``logger`` is ``trainer.logger``: only False (or no
+    logger in a list) is none; None is Lightning's default logger."""
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    if logger is None:
+    if logger not in (False, []):
         return
     for i, cb in enumerate(callbacks):
         if isinstance(cb, LearningRateMonitor):
