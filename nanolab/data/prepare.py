@@ -470,13 +470,24 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     told to shut down before its workers die, so it cancels what was queued before it sees
     them gone; a future cancelled from outside made the pool's own clean-up fail on it
     (InvalidStateError), leaving its feeder thread blocked on a pipe no process read, and the
-    interpreter waiting on that thread at exit for ever."""
+    interpreter waiting on that thread at exit for ever.
+
+    A worker ended while it was writing its result (a sample block is megabytes) leaves the
+    pool's manager thread reading a message that never completes: this process's own copy of
+    the result pipe's write end kept it from ever seeing end-of-file, so the join below waited
+    its 30 s and the interpreter then waited for ever at exit. This process never writes
+    there, so that copy is closed once the workers are told to end: the torn message then
+    reads as end-of-file, which the pool treats as a worker lost and cleans up after."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
     manager = getattr(pool, "_executor_manager_thread", None)
-    pool.shutdown(wait=False, cancel_futures=True)
+    results_writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    pool.shutdown(wait=False, cancel_futures=True)  # it forgets the three above
     for process in processes:
         with contextlib.suppress(Exception):
             process.terminate()
+    if results_writer is not None:
+        with contextlib.suppress(OSError):
+            results_writer.close()
     if manager is not None:
         manager.join(timeout=30)  # it reaps the workers and the queue's feeder thread
 
