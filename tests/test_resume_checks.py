@@ -5,6 +5,7 @@ precision is said."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -273,3 +274,38 @@ def test_an_index_holding_an_enum_member_by_name_is_read_and_other_getattrs_refu
     for payload in (_ByName(PosixPath, "home"), _ByName(_MEM_FORMAT_ENCODING, "__init__")):
         with pytest.raises(pickle.UnpicklingError, match=r"builtins\.getattr"):
             _IndexUnpickler(io.BytesIO(pickle.dumps(payload))).load()
+
+
+def test_a_run_whose_checkpoints_are_gone_is_not_started_over_in_its_own_log(
+    tmp_path, char_dataset
+):
+    """The checkpoints folder deleted, the same command trained from step 0 again into the same
+    run log (steps 1..4 twice; report counted a resume). It is refused in one line naming the
+    run, the last logged step and what works, with nothing written; the fixes it names work, and
+    a run that stopped before its first step still starts again in place."""
+    run = _fit(tmp_path, char_dataset)
+    config = tmp_path / "t.yaml"
+    shutil.rmtree(run / "checkpoints")
+    log = (run / "metrics.jsonl").read_bytes()
+    args = ("fit", "--config", str(QUICKSTART), "--config", str(config))
+    for extra in ((), ("--run.resume", "never")):
+        res = nanolab_here(*args, *extra, cwd=tmp_path)
+        assert res.returncode == 2, res.stderr[-2000:]
+        (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+        assert f"run directory {run} holds a run logged up to step 4" in line, line
+        assert "no checkpoint to resume it from" in line and "run.fresh: true" in line, line
+        assert "another run.name" in line and "Traceback" not in res.stderr
+        assert (run / "metrics.jsonl").read_bytes() == log  # nothing appended
+        assert not (run / "checkpoints").exists() and not (run / "previous").exists()
+    res = nanolab_here(*args, "--run.fresh", "true", cwd=tmp_path)  # what the line says works
+    assert res.returncode == 0, res.stderr[-2000:]
+    (kept,) = (run / "previous").iterdir()
+    assert (kept / "metrics.jsonl").read_bytes() == log
+
+    # A log holding a start record and no trained step (it failed before step 1): it restarts.
+    shutil.rmtree(run / "checkpoints")
+    start = (run / "metrics.jsonl").read_text().splitlines()[0]
+    end = {"event": "end", "step": 0, "reason": "exception"}
+    (run / "metrics.jsonl").write_text(start + "\n" + json.dumps(end) + "\n")
+    res = nanolab_here(*args, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -35,6 +35,7 @@ from nanolab.runlog import (
     dumps,
     iter_backwards,
     iter_numbered,
+    last_record,
 )
 from nanolab.runs import foreign_config
 
@@ -308,6 +309,28 @@ def fork_origin(run_dir: Path, log_name: str = RUN_LOG_NAME) -> str | None:
             origin = record.get("resumed_from")
             return str(origin) if origin else None
     return None
+
+
+def last_trained_step(run_dir: Path, log_name: str = RUN_LOG_NAME) -> int | None:
+    """The newest step the run log of ``run_dir`` records past the step the run started from
+    (its first ``start`` record's: 0, or the checkpoint a fine-tune or branch started from), or
+    None when it records none (no log, or a run that stopped before its first step). Read from
+    the end (the newest record has it) and from the top (the first start is the first line),
+    so a long log costs two short reads."""
+    path = run_dir / log_name
+    began = 0
+    for _, record in iter_numbered(path, containing='"start"'):
+        if record.get("event") == "start":
+            step = record.get("step")
+            began = step if isinstance(step, int) else 0
+            break
+
+    def trained(record: dict[str, Any]) -> bool:
+        step = record.get("step")
+        return isinstance(step, int) and not isinstance(step, bool) and step > began
+
+    newest = last_record(path, where=trained)
+    return int(newest["step"]) if newest is not None else None
 
 
 def continues_fork(

@@ -30,6 +30,7 @@ from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memo
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
 from nanolab.run.validation_set import partial_validation_warning
+from nanolab.runlog import RUN_LOG_NAME
 from nanolab.training.parallelism import parse_strategy
 from nanolab.training.plugins import check_needed_methods
 from nanolab.training.resolve import (
@@ -515,6 +516,8 @@ def claim_for_fit(
     cand = None
     if requested is not None and not (run.fresh and requested == "auto"):
         cand = open_checkpoint(requested, flag, run_dir, model, training=True, data=data)
+    if cand is None and not run.fresh:  # no checkpoint: a new run, or one that lost them
+        refuse_lost_checkpoints(run_dir, str(cfg.get("log", {}).get("filename") or RUN_LOG_NAME))
     path = str(cand.path) if cand is not None else None
     if cand is not None:
         from nanolab.training.resume import (
@@ -570,6 +573,27 @@ def _inside(path: Path, folder: Path) -> bool:
     except (ValueError, OSError):
         return False
     return True
+
+
+def refuse_lost_checkpoints(run_dir: Path, log_name: str) -> None:
+    """Refuse to start over in place a run whose log records trained steps and whose
+    checkpoints are gone (its ``checkpoints/`` deleted or moved away): the same command would
+    train from step 0 again into the same log, which would then hold those steps twice (and
+    ``report`` would count a resume). A run that stopped before its first step has nothing to
+    lose: it starts again, as before."""
+    from nanolab.callbacks.rundir import CHECKPOINT_DIR, PREVIOUS_DIR, last_trained_step
+
+    step = last_trained_step(run_dir, log_name)
+    if step is None:
+        return
+    raise RunConfigError(
+        f"run directory {run_dir} holds a run logged up to step {step} ({run_dir / log_name}) "
+        f"and no checkpoint to resume it from ({run_dir / CHECKPOINT_DIR} is missing or empty); "
+        "starting it again would log those steps twice. Put its checkpoints back and rerun the "
+        f"same command, start it over with run.fresh: true (moves its files to "
+        f"{run_dir / PREVIOUS_DIR}, nothing is deleted), or start a new run under another "
+        "run.name"
+    )
 
 
 def continue_own_fork(run_dir: Path, requested: str) -> str:
