@@ -104,13 +104,16 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
     ],
 )  # fmt: skip
 def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, args, message) -> None:
+    """Each refusal is one line, and leaves nothing behind: the queue database was created
+    (empty) by an add that queued nothing."""
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "q.db"
+    before = sorted(tmp_path.rglob("*"))
     code, _, err = queue(capsys, db, "add", str(tiny), *args)
     assert code == 2
     assert err.startswith("nanolab queue add: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
-    assert QueueDB(db).jobs() == []
+    assert sorted(tmp_path.rglob("*")) == before  # no database, no other file or folder
 
 
 #: Callback settings ``nanolab fit`` refuses when it builds the run's callbacks, with its line.

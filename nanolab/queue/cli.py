@@ -173,7 +173,10 @@ def cmd_add(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise QueueError(str(err).replace("; or give --gpu-mem)", ")")) from None  # estimate's
     sweeps = parse_sweeps(args.sweep, [k for k, _ in parse_sets(args.set)])
-    db = QueueDB(args.db)
+    where = Path(args.db) if args.db is not None else default_db_path()
+    QueueDB.check_path(where)
+    # A new database is created only once every job is accepted: a refused add leaves none.
+    db = QueueDB(where) if where.exists() else None
     jobs, notes = [], []
     for point in grid(sweeps):  # one point (no sweep) or the product of every --sweep
         name = sweep_job_name(args.name, configs, point, parse_sets(args.set))
@@ -197,7 +200,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             f"two jobs would share the name {dupes[0]!r}; give --sweep values that differ after "
             "being made into a name, or --name"
         )
-    added = db.add_jobs(jobs)
+    added = (db if db is not None else QueueDB(where)).add_jobs(jobs)
     for note in notes:
         messages.note("nanolab queue", note)
     for job in added:

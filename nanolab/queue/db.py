@@ -243,20 +243,26 @@ class QueueDB:
             raise QueueError(said or unusable_db(db.path, f"cannot be read ({err})")) from None
         return db
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        self.path = Path(path) if path is not None else default_db_path()
-        if self.path.parent and not self.path.parent.exists():
+    @staticmethod
+    def check_path(path: Path) -> None:
+        """Refuse a path no database can be opened at (its folder missing, a folder in its
+        place) before anything is created: ``queue add`` checks it before building its jobs,
+        and creates the database only once they are all accepted."""
+        if path.parent and not path.parent.exists():
             raise QueueError(
-                f"the queue database folder {self.path.parent} does not exist; "
+                f"the queue database folder {path.parent} does not exist; "
                 "create it or pass --db PATH"
             )
-        if self.path.exists() and not self.path.is_file():
-            what = "a folder" if self.path.is_dir() else "not a regular file"
-            hint = self.path / DEFAULT_DB if self.path.is_dir() else DEFAULT_DB
+        if path.exists() and not path.is_file():
+            what = "a folder" if path.is_dir() else "not a regular file"
+            hint = path / DEFAULT_DB if path.is_dir() else DEFAULT_DB
             raise QueueError(
-                f"the queue database {self.path} is {what}; pass --db with a file path, "
-                f"e.g. --db {hint}"
+                f"the queue database {path} is {what}; pass --db with a file path, e.g. --db {hint}"
             )
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else default_db_path()
+        self.check_path(self.path)
         # isolation_level=None: no implicit transactions; every write below opens its own.
         try:
             self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)

@@ -98,13 +98,14 @@ def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
 
 
 def job_estimate(
-    db: QueueDB, parsed: ParsedConfig, gpu: str | None = None
+    db: QueueDB | None, parsed: ParsedConfig, gpu: str | None = None
 ) -> tuple[float | None, str | None]:
     """(seconds, how) for a job being added: its config's own measured step time when the
-    queue has run it before (no probe then), else :func:`flops_estimate`."""
+    queue has run it before (no probe then), else :func:`flops_estimate`. ``db`` None: no
+    queue database yet, so no history."""
     from nanolab.queue.jobs import config_key
 
-    found = history(db, config_key(parsed.config))
+    found = history(db, config_key(parsed.config)) if db is not None else None
     if found is not None and parsed.max_steps:
         per_step, how = found
         return STARTUP_S + per_step * parsed.max_steps, how
