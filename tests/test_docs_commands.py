@@ -664,6 +664,7 @@ TRANSCRIPTS: dict[str, dict[str, tuple[str, str | None]]] = {
             ),
             "--logger wandb needs the wandb package, which is not installed: ",
         ),
+        "nanolab fit --config configs/quickstart.yaml --trainer.logger csv": (RUN, None),
     },
     "queue.md": {
         "nanolab queue add configs/quickstart.yaml --set model.gpt.n_head=5": (RUN, None),

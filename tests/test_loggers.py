@@ -80,6 +80,27 @@ def test_a_missing_logger_package_is_one_line_with_the_pip_command(work):
     assert not (work / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    ("given", "fix"),
+    [
+        ("csv", "write --logger csv (logger: csv in a config file)"),
+        ("TensorBoard", "write --logger tensorboard"),
+        ("neptune", "write --logger NAME with one of nanolab's loggers (tensorboard, wandb, "),
+    ],
+)
+def test_a_bare_name_given_to_trainer_logger_is_one_line_naming_the_option(work, given, fix):
+    """``--trainer.logger csv`` got the parser's report (a path expected, the Union's subtypes);
+    the short names are ``--logger``'s, and the line says so."""
+    res = nanolab_here("fit", "--config", "tiny.yaml", "--trainer.logger", given, cwd=work)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert line.startswith(
+        f"nanolab fit: error: trainer.logger: {given!r} is not a Lightning logger class; {fix}"
+    ), line
+    assert "docs/loggers.md" in line and "Union" not in line, line
+    assert not (work / "runs").exists()
+
+
 def test_task_records_reach_the_loggers_at_their_step() -> None:
     """A ``tasks`` record (the downstream callback's) goes to every logger at its step, under
     its own names; records of other kinds (``budget``) do not."""

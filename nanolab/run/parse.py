@@ -150,7 +150,8 @@ class OneLineErrorParser(LightningArgumentParser):
         lines = [line.strip() for line in message.splitlines() if line.strip()]
         text = " ".join(lines)
         raise RunConfigError(
-            union_problem(text)
+            logger_problem(text)
+            or union_problem(text)
             or type_problem(text)
             or config_file_problem(text)
             or class_path_problem(text)
@@ -270,6 +271,31 @@ def union_problem(text: str) -> str | None:
     if items and all(expected):
         return f"{key}: {given} is not valid; expected {' or '.join(map(str, expected))} (or null)"
     return f"{key}: {'; '.join(items)}" if items else None
+
+
+def logger_problem(text: str) -> str | None:
+    """A bare name given to ``trainer.logger`` (``--trainer.logger csv``), which takes a
+    Lightning logger class: the parser's report lists the Union's subtypes and says "Expected a
+    path". nanolab's short names (``csv``, ``tensorboard``, ...) belong to ``--logger``: said
+    with the option to write instead."""
+    import re
+
+    from nanolab.callbacks.loggers import LOGGER_CHOICES
+
+    m = re.match(r'Parser key "trainer\.logger":.* Given value: ([A-Za-z_][\w-]*)$', text)
+    if m is None:
+        return None
+    given = m.group(1)
+    short = given.lower().removesuffix("logger")
+    use = (
+        f"write --logger {short} (logger: {short} in a config file)"
+        if short in LOGGER_CHOICES
+        else f"write --logger NAME with one of nanolab's loggers ({', '.join(LOGGER_CHOICES)})"
+    )
+    return (
+        f"trainer.logger: {given!r} is not a Lightning logger class; {use}, see docs/loggers.md; "
+        "trainer.logger itself takes a class path (lightning.pytorch.loggers.CSVLogger) or false"
+    )
 
 
 def _expected_type(error: str) -> str | None:
