@@ -215,6 +215,28 @@ def test_a_device_count_that_scores_fewer_validation_windows_says_so(
         assert len(scored) == kept and set(scored) <= set(one)
 
 
+def test_more_validation_windows_than_the_split_holds_says_so_once(char_dataset, capsys):
+    """data.val_windows above what the validation split holds scored the whole split without a
+    word (fewer windows than the config says). The launch says it in one line, with how many
+    the split holds and what was asked; asking for exactly that many says nothing."""
+    dm = TokenDataModule(dataset_dir=str(char_dataset), micro_batch_size=4, block_size=64,
+                         val_windows=10**7)  # fmt: skip
+    dm.setup("fit")
+    held = sum(len(b) for b in dm.val_dataloader().sampler)  # what an evaluation scores
+    capsys.readouterr()
+    dm.check_fits(1)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"nanolab: warning: {char_dataset}: data.val_windows 10000000 asks for more validation "
+        f"windows than its validation split holds ({held}): each evaluation scores all {held}; "
+        f"set data.val_windows {held} to say what is scored, or give the split more text"
+    )
+    exact = TokenDataModule(dataset_dir=str(char_dataset), micro_batch_size=4, block_size=64,
+                            val_windows=held)  # fmt: skip
+    exact.check_fits(1)
+    assert capsys.readouterr().err == ""
+
+
 def test_fewer_validation_windows_than_devices_give_each_device_one(char_dataset, capsys):
     """val_windows 1 on 2 devices left rank 1 without a batch: "DataLoader within local rank
     has zero length" and the other rank's gloo connection closed, two tracebacks. (A window

@@ -182,6 +182,21 @@ def test_a_window_of_the_wrong_length_is_one_line(fork: dict, capsys):
     assert len(err) == 1 and "windows of 32 tokens but block_size is 16" in err[0], err
 
 
+def test_more_validation_windows_than_the_split_holds_says_so_once(fork: dict, capsys):
+    """The fork's val split holds 64 windows: asking for 100 scored those 64 without a word."""
+    from forkdata.data import PackedWindows
+
+    capsys.readouterr()
+    PackedWindows(str(fork["folder"]), micro_batch_size=4, val_windows=100).check_fits(1)
+    assert capsys.readouterr().err.splitlines() == [
+        "nanolab: warning: PackedWindows: data.val_windows 100 asks for more validation windows "
+        "than its validation split holds (64): each evaluation scores all 64; set "
+        "data.val_windows 64 to say what is scored, or give the split more text"
+    ]
+    PackedWindows(str(fork["folder"]), micro_batch_size=4, val_windows=64).check_fits(1)
+    assert capsys.readouterr().err == ""
+
+
 def test_the_base_class_names_what_a_subclass_must_give():
     with pytest.raises(NotImplementedError, match="train_split"):
         WindowDataModule().train_split()

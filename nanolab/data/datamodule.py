@@ -47,6 +47,7 @@ from nanolab.data.windows import (
     WindowPlan,
     evaluation_batches,
     validation_cut,
+    validation_shortfall,
     validation_starts,
 )
 
@@ -480,6 +481,8 @@ class TokenDataModule(L.LightningDataModule):
                 evaluation_batches(windows, 0, world_size, self.micro_batch_size)
             except DataTooSmallError as err:
                 raise DataTooSmallError(f"{part.path}: {err}") from None
+            if short := validation_shortfall(self.val_windows, len(windows), str(part.path)):
+                rank_zero_only(messages.warn)("nanolab", short)
             if cut := validation_cut(len(windows), world_size, str(part.path)):
                 rank_zero_only(messages.warn)("nanolab", cut)
 

@@ -52,6 +52,7 @@ from nanolab.data.windows import (
     ResumableBatchSampler,
     evaluation_batches,
     validation_cut,
+    validation_shortfall,
 )
 
 
@@ -156,7 +157,10 @@ class WindowDataModule(L.LightningDataModule):
         val = self._sources()[1]
         windows = np.arange(min(len(val), self.val_windows), dtype=np.int64)
         evaluation_batches(windows, 0, world_size, self.micro_batch_size)
-        if cut := validation_cut(len(windows), world_size, type(self).__name__):
+        where = type(self).__name__
+        if short := validation_shortfall(self.val_windows, len(windows), where):
+            rank_zero_only(messages.warn)("nanolab", short)
+        if cut := validation_cut(len(windows), world_size, where):
             rank_zero_only(messages.warn)("nanolab", cut)
 
     def _loader(self, dataset: Any, sampler: Any) -> DataLoader:

@@ -184,6 +184,20 @@ def evaluation_batches(
     return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
 
 
+def validation_shortfall(asked: int, held: int, where: str) -> str | None:
+    """The launch's warning when ``data.val_windows`` asks for more windows than ``where``'s
+    validation split holds (``held``): every evaluation then scores the whole split, fewer
+    windows than the config says, and a run on a larger split would score more with the same
+    config; ``None`` when the split holds as many."""
+    if held >= asked:
+        return None
+    return (
+        f"{where}: data.val_windows {asked} asks for more validation windows than its "
+        f"validation split holds ({held}): each evaluation scores all {held}; set "
+        f"data.val_windows {held} to say what is scored, or give the split more text"
+    )
+
+
 def validation_cut(count: int, world: int, where: str) -> str | None:
     """The launch's warning when ``world`` devices score ``where``'s ``count`` validation
     windows otherwise than one device does: fewer of them (cut to a multiple of ``world``), or
