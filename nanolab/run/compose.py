@@ -588,8 +588,8 @@ def refuse_lost_checkpoints(run_dir: Path, log_name: str) -> None:
         return
     raise RunConfigError(
         f"run directory {run_dir} holds a run logged up to step {step} ({run_dir / log_name}) "
-        f"and no checkpoint to resume it from ({run_dir / CHECKPOINT_DIR} is missing or empty); "
-        "starting it again would log those steps twice. Put its checkpoints back and rerun the "
+        f"and no checkpoint to resume it from in {run_dir / CHECKPOINT_DIR}; starting it again "
+        "would log those steps twice. Put its checkpoints back and rerun the "
         f"same command, start it over with run.fresh: true (moves its files to "
         f"{run_dir / PREVIOUS_DIR}, nothing is deleted), or start a new run under another "
         "run.name"
