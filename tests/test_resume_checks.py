@@ -293,7 +293,8 @@ def test_a_run_whose_checkpoints_are_gone_is_not_started_over_in_its_own_log(
         assert res.returncode == 2, res.stderr[-2000:]
         (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
         assert f"run directory {run} holds a run logged up to step 4" in line, line
-        assert "no checkpoint to resume it from" in line and "run.fresh: true" in line, line
+        assert "checkpoints (the newest of step 4) are no longer in" in line, line
+        assert "run.fresh: true" in line, line
         assert "another run.name" in line and "Traceback" not in res.stderr
         assert (run / "metrics.jsonl").read_bytes() == log  # nothing appended
         assert not (run / "checkpoints").exists() and not (run / "previous").exists()
@@ -301,6 +302,16 @@ def test_a_run_whose_checkpoints_are_gone_is_not_started_over_in_its_own_log(
     assert res.returncode == 0, res.stderr[-2000:]
     (kept,) = (run / "previous").iterdir()
     assert (kept / "metrics.jsonl").read_bytes() == log
+
+    # Trained steps and no checkpoint saved (killed hard before its first save, then retried):
+    # nothing to lose, it starts again in place.
+    shutil.rmtree(run / "checkpoints")
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    unsaved = [ln for ln in lines if json.loads(ln).get("event") != "checkpoint"]
+    assert len(unsaved) < len(lines) and json.loads(unsaved[-1]).get("step") == 4
+    (run / "metrics.jsonl").write_text("".join(unsaved))
+    res = nanolab_here(*args, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
 
     # A log holding a start record and no trained step (it failed before step 1): it restarts.
     shutil.rmtree(run / "checkpoints")

@@ -311,12 +311,13 @@ def fork_origin(run_dir: Path, log_name: str = RUN_LOG_NAME) -> str | None:
     return None
 
 
-def last_trained_step(run_dir: Path, log_name: str = RUN_LOG_NAME) -> int | None:
-    """The newest step the run log of ``run_dir`` records past the step the run started from
-    (its first ``start`` record's: 0, or the checkpoint a fine-tune or branch started from), or
-    None when it records none (no log, or a run that stopped before its first step). Read from
-    the end (the newest record has it) and from the top (the first start is the first line),
-    so a long log costs two short reads."""
+def lost_checkpoints(run_dir: Path, log_name: str = RUN_LOG_NAME) -> tuple[int, int] | None:
+    """(the newest step the run log of ``run_dir`` records, the step of the newest checkpoint
+    it records saving) when the run saved a checkpoint of its own, past the step it started
+    from (its first ``start`` record's: 0, or the checkpoint a fine-tune or branch started
+    from); None when it saved none (no log, a run that stopped before its first step, or one
+    killed before its first checkpoint: starting it again loses nothing). Read from the end and
+    from the top, so a long log costs short reads when it holds a checkpoint record."""
     path = run_dir / log_name
     began = 0
     for _, record in iter_numbered(path, containing='"start"'):
@@ -325,12 +326,16 @@ def last_trained_step(run_dir: Path, log_name: str = RUN_LOG_NAME) -> int | None
             began = step if isinstance(step, int) else 0
             break
 
-    def trained(record: dict[str, Any]) -> bool:
+    def past_start(record: dict[str, Any]) -> bool:
         step = record.get("step")
         return isinstance(step, int) and not isinstance(step, bool) and step > began
 
-    newest = last_record(path, where=trained)
-    return int(newest["step"]) if newest is not None else None
+    saved = last_record(path, event="checkpoint", where=past_start)
+    if saved is None:
+        return None
+    newest = last_record(path, where=past_start)
+    logged = int(newest["step"]) if newest is not None else int(saved["step"])
+    return max(logged, int(saved["step"])), int(saved["step"])
 
 
 def continues_fork(

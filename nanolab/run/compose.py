@@ -576,23 +576,25 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def refuse_lost_checkpoints(run_dir: Path, log_name: str) -> None:
-    """Refuse to start over in place a run whose log records trained steps and whose
-    checkpoints are gone (its ``checkpoints/`` deleted or moved away): the same command would
-    train from step 0 again into the same log, which would then hold those steps twice (and
-    ``report`` would count a resume). A run that stopped before its first step has nothing to
-    lose: it starts again, as before."""
-    from nanolab.callbacks.rundir import CHECKPOINT_DIR, PREVIOUS_DIR, last_trained_step
+    """Refuse to start over in place a run whose log records checkpoints it saved that are now
+    gone (its ``checkpoints/`` deleted or moved away): the same command would train from step 0
+    again into the same log, which would then hold those steps twice (and ``report`` would count
+    a resume). A run that saved no checkpoint (it stopped before its first step, or was killed
+    before its first save, e.g. a queue job retried after a hard kill) has nothing to lose: it
+    starts again, as before."""
+    from nanolab.callbacks.rundir import CHECKPOINT_DIR, PREVIOUS_DIR, lost_checkpoints
 
-    step = last_trained_step(run_dir, log_name)
-    if step is None:
+    lost = lost_checkpoints(run_dir, log_name)
+    if lost is None:
         return
+    logged, saved = lost
     raise RunConfigError(
-        f"run directory {run_dir} holds a run logged up to step {step} ({run_dir / log_name}) "
-        f"and no checkpoint to resume it from in {run_dir / CHECKPOINT_DIR}; starting it again "
-        "would log those steps twice. Put its checkpoints back and rerun the "
-        f"same command, start it over with run.fresh: true (moves its files to "
-        f"{run_dir / PREVIOUS_DIR}, nothing is deleted), or start a new run under another "
-        "run.name"
+        f"run directory {run_dir} holds a run logged up to step {logged} ({run_dir / log_name}) "
+        f"whose checkpoints (the newest of step {saved}) are no longer in "
+        f"{run_dir / CHECKPOINT_DIR}; starting it again would log those steps twice. Put its "
+        "checkpoints back and rerun the same command, start it over with run.fresh: true "
+        f"(moves its files to {run_dir / PREVIOUS_DIR}, nothing is deleted), or start a new run "
+        "under another run.name"
     )
 
 
