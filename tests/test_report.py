@@ -154,6 +154,24 @@ def test_statuses_running_crashed_stopped_error(tmp_path: Path, capsys) -> None:
     assert "crashed: no end record" in table
 
 
+def test_a_failed_run_says_its_resumes_as_a_finished_one_does(tmp_path: Path, capsys) -> None:
+    """A run resumed once that then diverged: the table says the resume as ``--json`` does."""
+    run_dir = write_run(tmp_path, "dv", losses=[4.0, 3.0], vals={}, end=None)
+    t = time.time()
+    extra = [
+        {"event": "start", "time": t, "step": 2, "resumed_from_step": 2, "seed": 1,
+         "config": _config("dv", 1)},
+        {"event": "train", "time": t + 1, "step": 3, "loss": 9.0, "tokens": 3000},
+        {"event": "end", "time": t + 2, "step": 3, "reason": "diverged", "error": "at step 3"},
+    ]  # fmt: skip
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in extra)
+    code, out, _ = run_report(capsys, str(tmp_path), "--json")
+    assert code == 0 and json.loads(out)["runs"][0]["resumes"] == 1
+    code, table, _ = run_report(capsys, str(tmp_path))
+    assert "diverged: at step 3 (+1 resume)" in table
+
+
 def test_resumed_run_counts_the_surviving_timeline(tmp_path: Path) -> None:
     """Killed after step 6 with a checkpoint at 4: steps 5-6 are redone; the redo counts."""
     run_dir = write_run(tmp_path, "r", losses=[4.0, 3.0, 2.5, 2.2, 9.9, 9.9], vals={}, end=None)

@@ -35,13 +35,16 @@ def money(value: float | None) -> str:
 
 
 def _status_text(s: RunSummary) -> str:
-    if s.detail and s.status in ("error", "crashed", "diverged"):
-        detail = s.detail.strip().splitlines()[-1] if s.detail.strip() else ""
-        return f"{s.status}: {detail[:60]}"
+    """The status, its detail for a run that failed, and its resumes and rollbacks: a run that
+    diverged or crashed after a resume says so too (its ``--json`` has the same counts)."""
     notes = [f"+{s.resumes} resume{'s' if s.resumes > 1 else ''}"] if s.resumes else []
     if s.rollbacks:
         notes.append(f"{s.rollbacks} rollback{'s' if s.rollbacks > 1 else ''}")
-    return s.status + (f" ({', '.join(notes)})" if notes else "")
+    status = s.status
+    if s.detail and s.status in ("error", "crashed", "diverged"):
+        detail = s.detail.strip().splitlines()[-1] if s.detail.strip() else ""
+        status = f"{s.status}: {detail[:60]}"
+    return status + (f" ({', '.join(notes)})" if notes else "")
 
 
 def task_names(summaries: list[RunSummary]) -> list[str]:
