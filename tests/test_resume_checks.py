@@ -246,6 +246,38 @@ def test_a_resume_under_another_precision_says_so(tmp_path, char_dataset):
     assert res.returncode == 0 and "saved at trainer.precision" not in res.stderr  # same now
 
 
+def test_another_model_freeze_on_a_resume_or_a_branch_is_one_line_before_anything_is_written(
+    tmp_path, char_dataset
+):
+    """Freezing other parameters changes what the optimizer state is for: it was Lightning's
+    traceback ("a parameter group that doesn't match the size of optimizer's group"), exit 1."""
+    run = _fit(tmp_path, char_dataset)
+    base = ("fit", "--config", str(QUICKSTART), "--config", str(tmp_path / "t.yaml"))
+    log, config = (run / "metrics.jsonl").read_bytes(), (run / "config.yaml").read_bytes()
+    res = nanolab_here(*base, "--trainer.max_steps", "6", "--model.freeze.embeddings", "true",
+                       cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if "model.freeze" in ln]
+    assert "model.freeze.embeddings false (this run: true)" in line
+    assert "--model.freeze.embeddings false" in line and "--model.init_from" in line
+    assert (run / "metrics.jsonl").read_bytes() == log
+    assert (run / "config.yaml").read_bytes() == config
+    # A new run from the run's checkpoint: refused the same way, its directory never made.
+    res = nanolab_here(*base, "--run.name", "br", "--run.resume", str(run / "checkpoints" /
+                       "last.ckpt"), "--model.freeze.blocks", "1", cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 2 and "model.freeze.blocks 0 (this run: 1)" in res.stderr
+    assert not (run.parent / "br").exists()
+    # A checkpoint saved before the record of its freeze: told by its optimizer state's size.
+    newest = run / "checkpoints" / "step-00000004.ckpt"
+    state = torch.load(newest, weights_only=True)
+    del state["nanolab"]["freeze"]
+    torch.save(state, newest)
+    res = nanolab_here(*base, "--trainer.max_steps", "6", "--model.freeze.blocks", "1",
+                       cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 2 and "trainable parameter tensors" in res.stderr, res.stderr
+    assert (run / "metrics.jsonl").read_bytes() == log
+
+
 class _ByName:
     """Pickles as ``getattr(owner, name)``, as some Python builds pickle an enum member."""
 

@@ -533,6 +533,7 @@ def claim_for_fit(
             check_sharded_optimizer_layout(cand.path, strategy_kind, world_size)
         except ResumeError as err:
             raise RunConfigError(str(err)) from None
+        refuse_changed_freeze(cand, model)
     check_data = getattr(data, "check_resume", None)
     if callable(check_data):  # data changed under the run (sizes, meta.json, sampled bytes)
         check_data(path)
@@ -616,6 +617,66 @@ def continue_own_fork(run_dir: Path, requested: str) -> str:
             flush=True,
         )
     return "auto"
+
+
+def refuse_changed_freeze(cand: Any, model: Any) -> None:
+    """Refuse, before anything is written, to resume (or branch from) a checkpoint whose
+    optimizer state is for other trainable parameters than this ``model.freeze`` leaves: torch
+    cannot load it ("a parameter group that doesn't match the size"), and no setting of the
+    optimizer makes it fit. The checkpoint names its ``freeze``; one that predates that record
+    is compared by the number of parameters its optimizer state holds."""
+    freeze = getattr(model, "freeze_config", None)
+    if freeze is None:
+        return
+    now = asdict(freeze)
+    saved = (cand.nanolab or {}).get("freeze")
+    if isinstance(saved, dict):
+        changed = [k for k, v in now.items() if k in saved and saved[k] != v]
+        diffs = [
+            f"model.freeze.{k} {_yaml_value(saved[k])} (this run: {_yaml_value(now[k])})"
+            for k in changed
+        ]
+        fix = " ".join(f"--model.freeze.{k} {_yaml_value(saved[k])}" for k in changed)
+    else:
+        trained = _trained_parameters(cand.path)
+        net = getattr(model, "model", None)
+        if trained is None or net is None:
+            return
+        trains = sum(1 for p in net.parameters() if p.requires_grad)
+        if trained == trains:
+            return
+        diffs = [
+            f"{trained} trainable parameter tensors (this run's model.freeze.embeddings "
+            f"{_yaml_value(now['embeddings'])}, blocks {now['blocks']}: {trains})"
+        ]
+        fix = "the model.freeze it was saved with"
+    if diffs:
+        raise RunConfigError(
+            f"{cand.path} was trained with {'; '.join(diffs)}: its "
+            f"optimizer state cannot continue another set. Resume with {fix}, or start a new "
+            f"run from its weights (nanolab export --ckpt {cand.path} --format safetensors -o DIR, "
+            "then --model.init_from DIR with the new model.freeze)"
+        )
+
+
+def _yaml_value(value: Any) -> str:
+    """A setting's value as it is written on the command line (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _trained_parameters(path: Any) -> int | None:
+    """How many parameter tensors a checkpoint's optimizer state is for (None: unknown, a
+    sharded folder or an unreadable file, which the resume itself reports)."""
+    import torch
+
+    if Path(str(path)).is_dir():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        groups = [g for opt in state["optimizer_states"] for g in opt["param_groups"]]
+        return sum(len(g["params"]) for g in groups)
+    except Exception:
+        return None
 
 
 def keep_checkpoint_settings(

@@ -348,6 +348,9 @@ class GPTLightningModule(L.LightningModule):
                 "betas": list(self.optimizer_config.betas),
             },
             "schedule": asdict(self.schedule_config),
+            # Which parameters train (and so which the optimizer state is for): a resume with
+            # another model.freeze is refused naming these (nanolab.run.compose).
+            "freeze": asdict(self.freeze_config),
             "rng": capture_rng_state(),
             # Each rank's own streams (dropout draws differ per rank): one list, gathered here
             # on every rank, in whichever file the strategy's rank 0 writes.
