@@ -20,6 +20,7 @@ import torch
 from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.model.checkpoint import CheckpointError, load_checkpoint, sharded_folder_problem
+from nanolab.runlog import read_records
 from nanolab.training.resume import (
     ResumeError,
     find_resume_checkpoint,
@@ -276,6 +277,32 @@ def test_another_model_freeze_on_a_resume_or_a_branch_is_one_line_before_anythin
                        cwd=tmp_path)  # fmt: skip
     assert res.returncode == 2 and "trainable parameter tensors" in res.stderr, res.stderr
     assert (run / "metrics.jsonl").read_bytes() == log
+
+
+def test_a_resume_that_changes_dropout_clipping_or_val_windows_says_each(tmp_path, char_dataset):
+    """They were taken without a word, and config.yaml then claimed the new value for the whole
+    run: one line each says up to which step the old one held; the run log keeps both."""
+    run = _fit(tmp_path, char_dataset, "--trainer.gradient_clip_val", "1.0")
+    base = ("fit", "--config", str(QUICKSTART), "--config", str(tmp_path / "t.yaml"))
+    changed = ("--model.gpt.dropout", "0.3", "--trainer.gradient_clip_val", "0.5",
+               "--data.val_windows", "8")  # fmt: skip
+    res = nanolab_here(*base, *changed, "--trainer.max_steps", "6", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    said = [
+        ln for ln in res.stderr.splitlines() if ln.startswith("nanolab: warning: resuming with")
+    ]
+    assert len(said) == 3, res.stderr
+    assert "model.gpt.dropout 0.3: its steps up to 4 trained with 0.0" in said[0]
+    assert "--model.gpt.dropout 0.0" in said[0]
+    assert "trainer.gradient_clip_val 0.5: its steps up to 4 trained with 1.0" in said[1]
+    assert "data.val_windows 8: its evaluations up to step 4 scored 16 windows" in said[2]
+    starts = [r["config"] for r in read_records(run / "metrics.jsonl", "start")]
+    assert [c["model"]["gpt"]["dropout"] for c in starts] == [0.0, 0.3]
+    assert [c["trainer"]["gradient_clip_val"] for c in starts] == [1.0, 0.5]
+    assert [c["data"]["val_windows"] for c in starts] == [16, 8]
+    # The same values again: nothing to say.
+    res = nanolab_here(*base, *changed, "--trainer.max_steps", "8", cwd=tmp_path)
+    assert res.returncode == 0 and "resuming with" not in res.stderr, res.stderr[-2000:]
 
 
 class _ByName:

@@ -182,7 +182,9 @@ def launch(cli: NanolabCLI) -> Trainer:
         RunClock.attach(trainer).forked = bool(cand is not None and claimed.forked)
         if cand is not None:
             own = not claimed.forked  # a new run from another's checkpoint picks its own seeds
-            keep_checkpoint_settings(cfg, cand.path, data, random_seed=seed is True, seeds=own)
+            keep_checkpoint_settings(
+                cfg, cand.path, data, random_seed=seed is True, seeds=own, run_dir=run_dir
+            )
             if own and hasattr(data, "keep_saved_seed"):
                 data.keep_saved_seed = True  # sharded checkpoints too: the run's window order
         if claimed.older_than_newest:
@@ -660,7 +662,10 @@ def refuse_changed_freeze(cand: Any, model: Any) -> None:
 
 
 def _yaml_value(value: Any) -> str:
-    """A setting's value as it is written on the command line (true, not True)."""
+    """A setting's value as it is written on the command line (true and null, not True and
+    None)."""
+    if value is None:
+        return "null"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -680,7 +685,12 @@ def _trained_parameters(path: Any) -> int | None:
 
 
 def keep_checkpoint_settings(
-    cfg: Any, path: Any, data: Any = None, random_seed: bool = False, seeds: bool = True
+    cfg: Any,
+    path: Any,
+    data: Any = None,
+    random_seed: bool = False,
+    seeds: bool = True,
+    run_dir: Path | None = None,
 ) -> None:
     """A resume restores the optimizer and LR schedule state, so ``model.optimizer`` and
     ``model.schedule`` values changed since cannot take effect: say so in one line and write
@@ -691,7 +701,9 @@ def keep_checkpoint_settings(
     window order (windows seen twice, others never), so the checkpoint's are kept
     (``random_seed``: ``seed_everything: true`` drew a new one at this launch; the run's is kept
     without a word). ``seeds`` False: a new run from another run's checkpoint, whose seeds are
-    its own to choose (branches of one parent on other data orders)."""
+    its own to choose (branches of one parent on other data orders), and whose settings start
+    with it. A resume of the run itself says each setting it takes anew
+    (:func:`say_taken_settings`)."""
     import torch
 
     from nanolab.callbacks.runlock import global_rank_from_env
@@ -734,6 +746,8 @@ def keep_checkpoint_settings(
         data_args.seed = data_seed
         if data is not None and hasattr(data, "seed"):
             data.seed = data_seed
+    if seeds and global_rank_from_env() == 0:
+        say_taken_settings(cfg, state, run_dir)
     if kept and global_rank_from_env() == 0:
         print(
             f"nanolab: warning: resuming keeps the checkpoint's {', '.join(kept)}: the optimizer "
@@ -743,6 +757,91 @@ def keep_checkpoint_settings(
             file=sys.stderr,
             flush=True,
         )
+
+
+#: Settings a resume takes anew although they change what the run computes from here: the
+#: regularisation and clipping of the steps, and the windows each evaluation scores (which the
+#: best val loss and the plateau rule compare). Their old value comes from the checkpoint's own
+#: record where it keeps one (``model.gpt``, the data's state), else from the launch that saved
+#: it (its ``start`` record, or config.yaml).
+TAKEN_ON_RESUME = (
+    "model.gpt.dropout",
+    "trainer.gradient_clip_val",
+    "trainer.gradient_clip_algorithm",
+    "data.val_windows",
+)
+
+
+def say_taken_settings(cfg: Any, state: dict[str, Any], run_dir: Path | None) -> None:
+    """One line for each of :data:`TAKEN_ON_RESUME` this resume changes: the run goes on with
+    the new value, and config.yaml then names it for the whole run, so the line says up to which
+    step the old one trained (each launch's ``start`` record in the run log holds its own)."""
+    step = state.get("global_step")
+    recorded: dict[str, Any] = {}
+    gpt = (state.get("nanolab") or {}).get("gpt")
+    if isinstance(gpt, dict) and "dropout" in gpt:
+        recorded["model.gpt.dropout"] = gpt["dropout"]
+    data_state = _saved_data_state(state) or {}
+    if "val_windows" in data_state:
+        recorded["data.val_windows"] = data_state["val_windows"]
+    before = None  # the config of the launch that saved the checkpoint, read once if needed
+    now = plain_config(cfg)
+    for key in TAKEN_ON_RESUME:
+        if key not in recorded and before is None:
+            before = _saving_launch_config(run_dir, cfg, step) or {}
+        old = recorded[key] if key in recorded else _dotted(before or {}, key)
+        new = _dotted(now, key)
+        if old is _UNKNOWN or new is _UNKNOWN or old == new:
+            continue
+        was, is_ = _yaml_value(old), _yaml_value(new)
+        what = (
+            f"its evaluations up to step {step} scored {was} windows, the rest score {is_} (the "
+            "best val loss and the plateau rule compare both)"
+            if key == "data.val_windows"
+            else f"its steps up to {step} trained with {was}, the rest train with {is_}"
+        )
+        print(
+            f"nanolab: warning: resuming with {key} {is_}: {what}, and config.yaml says {is_} "
+            "(each launch's start record in the run log holds its own); to keep one value, "
+            f"resume with --{key} {was}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+_UNKNOWN = object()
+
+
+def _dotted(config: dict[str, Any], key: str, missing: Any = _UNKNOWN) -> Any:
+    """``config``'s value at a dotted key (``model.gpt.dropout``; a jsonargparse model's
+    settings sit under ``init_args``), or ``missing``."""
+    node: Any = config
+    for part in key.split("."):
+        if isinstance(node, dict) and part not in node and "init_args" in node:
+            node = node["init_args"]
+        if not isinstance(node, dict) or part not in node:
+            return missing
+        node = node[part]
+    return node
+
+
+def _saving_launch_config(run_dir: Path | None, cfg: Any, step: Any) -> dict[str, Any] | None:
+    """The config of the launch that saved the step-``step`` checkpoint of the run in
+    ``run_dir``: its run log's last ``start`` record at or before that step (an older checkpoint
+    resumed belongs to an earlier launch), else the run's config.yaml (the last launch's)."""
+    if run_dir is None:
+        return None
+    from nanolab.runlog import last_record
+    from nanolab.runs import config_of
+
+    log = run_dir / str(cfg.get("log", {}).get("filename") or RUN_LOG_NAME)
+    start = last_record(
+        log,
+        "start",
+        where=lambda r: isinstance(r.get("step"), int) and r["step"] <= (step or 0),
+    )
+    config = start.get("config") if start else None
+    return config if isinstance(config, dict) else config_of([], run_dir)
 
 
 def _saved_data_state(state: dict[str, Any]) -> dict[str, Any] | None:
