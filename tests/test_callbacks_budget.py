@@ -93,6 +93,32 @@ def test_a_plateau_stop_stands_until_its_patience_is_raised(tmp_path, char_datas
     assert reasons == [(8, "plateau"), (8, "plateau"), (12, "plateau")]
 
 
+def test_a_budget_stops_extra_evaluation_is_not_one_of_the_plateau_rules(tmp_path, char_dataset):
+    """A budget stop at step 5 evaluates the final model off the every-2-steps schedule; that
+    evaluation counted toward the patience, so the run continued with the budget lifted stopped
+    at step 6, where the same run never budget-stopped stops at step 8."""
+    vals = [3.0, 2.0, 2.5, 2.6, 2.7, 2.8]
+
+    def launch(run, budget: CostBudget, val_losses: list[float]) -> L.Trainer:
+        ckpt = run / "checkpoints" / "last.ckpt"
+        return fit(
+            run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=2), budget],
+            max_steps=40, eval_every=2, ckpt_path=ckpt if ckpt.exists() else None,
+            module_kwargs={"val_losses": val_losses},
+        )  # fmt: skip
+
+    assert launch(tmp_path / "a", CostBudget(patience=2), vals).global_step == 8
+    run = tmp_path / "b"
+    stopped = launch(run, CostBudget(patience=2, max_tokens=6 * TOKENS_PER_MICRO_BATCH), vals)
+    assert stopped.global_step == 5
+    assert [r["step"] for r in events(run / "metrics.jsonl", "val")] == [2, 4, 5]  # logged
+    assert launch(run, CostBudget(patience=2), vals[3:]).global_step == 8
+    assert [(e["step"], e["reason"]) for e in events(run / "metrics.jsonl", "end")] == [
+        (5, "budget"),
+        (8, "plateau"),
+    ]
+
+
 def test_a_completed_run_with_a_plateau_rule_is_extended(tmp_path, char_dataset):
     """A run that reached max_steps with patience used up was not stopped by the rule: raising
     max_steps goes on (the standing-stop check read the counter alone and refused it)."""

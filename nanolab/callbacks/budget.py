@@ -34,7 +34,7 @@ from typing import Any
 import lightning as L
 
 from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason, stop_reason
-from nanolab.callbacks.step import StepCallback
+from nanolab.callbacks.step import StepCallback, scheduled_validation
 from nanolab.forecast import MIN_POINTS, CurveInputs, ForecastError, fit_curve, fit_loss_curve
 
 #: ISO 4217 codes accepted for ``budget.currency`` (the common ones; case-insensitive).
@@ -370,6 +370,8 @@ class CostBudget(StepCallback):
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             return
+        if not scheduled_validation(trainer):
+            return  # a stop's extra evaluation: an uninterrupted run has none to count
         val = float(value)
         if self.history and self.history[-1][0] == step:
             self.history.pop()  # the same step validated again (e.g. after a resume)

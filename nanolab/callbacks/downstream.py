@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import CallbackConfigError, emit, stop_reason
+from nanolab.callbacks.step import scheduled_validation
 
 
 class DownstreamEval(Callback):
@@ -148,10 +149,11 @@ class DownstreamEval(Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.active or trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        self._validations += 1
+        scheduled = scheduled_validation(trainer)  # a stop's extra one moves no schedule
+        self._validations += int(scheduled)
         last = 0 < (trainer.max_steps or -1) <= trainer.global_step  # -1: a budget ends the run
-        if self._validations % self.every_n_evals and not last:
-            return
+        if (not scheduled or self._validations % self.every_n_evals) and not last:
+            return  # a stopped run's final model is scored at on_train_end
         self.run(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -212,3 +212,21 @@ def validation_follows(trainer: L.Trainer) -> bool:
         )
     except Exception:
         return False
+
+
+def scheduled_validation(trainer: L.Trainer) -> bool:
+    """Whether the evaluation that just ran is one of the run's every-``run.eval_every_steps``
+    ones (True when that cannot be told), not the extra one a stop (budget, plateau, the last
+    step) asks for first. A run stopped there and continued, or never stopped there, has the same
+    scheduled evaluations; the extra one is logged, but the plateau rule's patience and the
+    in-loop tasks' ``every_n_evals`` count the scheduled ones, so both runs stop and score at the
+    same steps.
+
+    Lightning validates when the micro-batches done are a multiple of ``val_check_batch`` (the
+    micro-batches of ``eval_every_steps`` optimizer steps, counted in this launch's
+    accumulation, as a resume realigns them)."""
+    every = getattr(trainer, "val_check_batch", None)
+    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+        return True
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    return int(trainer.global_step) * accumulate % every == 0
