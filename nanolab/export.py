@@ -8,7 +8,8 @@ for any nanolab model, RoPE included.
 
 The folder is written next to its destination and renamed into place when complete: a failed
 export leaves nothing behind, and an existing destination is replaced only with ``--force`` and
-only when it holds nothing but a previous export's files (never a run directory, say).
+only when it holds nothing but a previous export's files and nanolab's mark (never a run
+directory or a transformers folder, say).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from nanolab.model.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
 )
+from nanolab.model.exported import INFO_NAME
 from nanolab.model.hf import (
+    RECORD_KEY,
     export_refusals,
     gpt_shapes,
     hf_config_from_nanolab,
@@ -86,6 +89,27 @@ def check_destination(out: Path, force: bool) -> None:
             f"-o {out} holds files an export does not write (e.g. {example}); --force replaces "
             "only a previous export folder: choose another -o"
         )
+    if not is_previous_export(out):
+        raise ExportError(
+            f"-o {out} is not a previous nanolab export (no 'nanolab' entry in its config.json, "
+            "no model in its nanolab.json): --force replaces only what nanolab export wrote; "
+            "choose another -o"
+        )
+
+
+def is_previous_export(out: Path) -> bool:
+    """Whether folder ``out`` is what an export wrote, by the mark only an export leaves: the
+    ``nanolab`` entry of ``config.json`` (``--format hf``) or the architecture in
+    ``nanolab.json`` (``--format safetensors``). File names alone do not tell: transformers'
+    ``save_pretrained`` writes ``config.json`` and ``model.safetensors`` too."""
+    for name, key in (("config.json", RECORD_KEY), (INFO_NAME, "gpt")):
+        try:
+            content = json.loads((out / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(content, dict) and isinstance(content.get(key), dict):
+            return True
+    return False
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

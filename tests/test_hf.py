@@ -571,6 +571,26 @@ def test_export_refusals_write_nothing(tmp_path, trained_run, capsys):
     assert {p.name for p in out.iterdir()} == set(before)
 
 
+@pytest.mark.parametrize("fmt", ["hf", "safetensors"])
+def test_force_never_replaces_a_transformers_folder(tmp_path, trained_run, capsys, fmt):
+    """``--force`` onto a folder ``save_pretrained`` wrote (config.json, model.safetensors, the
+    user's own README.md: every name one an export writes too) is refused in one line and the
+    folder is left as it was: only nanolab's own mark (config.json's ``nanolab`` entry,
+    nanolab.json's model) makes a folder a previous export."""
+    out = tmp_path / "user_ft"
+    save_tiny_gpt2(out, tokenizer=False)
+    (out / "README.md").write_text("# my fine-tune\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    args = ["export", "--ckpt", str(trained_run), "--format", fmt, "-o", str(out), "--force"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nanolab export: error: -o {out} "), err
+    assert "not a previous nanolab export" in err[0] and "choose another -o" in err[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["user_ft"]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_rope_rmsnorm_swiglu_model_exports_as_llama(tmp_path, tied, capsys):
     """RoPE + RMSNorm + SwiGLU without biases is the Llama architecture: ``export --format hf``
