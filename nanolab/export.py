@@ -14,6 +14,7 @@ directory or a transformers folder, say).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -48,6 +49,7 @@ from nanolab.model.hf import (
     hf_state_from_nanolab,
 )
 from nanolab.model.registry import add_import_option, import_modules
+from nanolab.processes import exclusive
 from nanolab.runlog import refuse_inside_run
 
 #: Files an export writes; ``--force`` replaces a folder holding nothing else.
@@ -79,9 +81,7 @@ def check_destination(out: Path, force: bool) -> None:
     if not entries:
         return
     if not force:
-        raise ExportError(
-            f"-o {out} already exists; pass --force to replace that export, or choose another -o"
-        )
+        raise already_exists(out)
     foreign = [name for name in entries if name not in EXPORT_FILES]
     if foreign or ("config.json" not in entries and "nanolab.json" not in entries):
         example = foreign[0] if foreign else entries[0]
@@ -95,6 +95,14 @@ def check_destination(out: Path, force: bool) -> None:
             "no model in its nanolab.json): --force replaces only what nanolab export wrote; "
             "choose another -o"
         )
+
+
+def already_exists(out: Path) -> ExportError:
+    """The refusal of an ``-o`` that exists, without ``--force`` (checked before the work and
+    again before the move into place)."""
+    return ExportError(
+        f"-o {out} already exists; pass --force to replace that export, or choose another -o"
+    )
 
 
 def is_previous_export(out: Path) -> bool:
@@ -122,8 +130,6 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise
     except Exception as err:  # safetensors' own error type wraps the file system's
         if "No space left" in str(err) or "Disk quota" in str(err):
-            import errno
-
             raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
         raise
     # safetensors creates the file 0600; every other export file follows the umask (0644
@@ -356,18 +362,24 @@ def export(
         else:
             write_nanolab_safetensors(ckpt, config, state, staging)
         (staging / "README.md").write_text(model_card(ckpt, config, path, command))
-        old = None
-        if out.exists():  # an empty folder, or a previous export with --force
-            old = out.parent / f".{out.name}.replaced-{os.getpid()}"
-            out.rename(old)
-        try:
-            staging.rename(out)
-        except OSError:
+        # -o may have appeared since the check (another export to it, a folder of the user's):
+        # checked again, and moved, under one lock that every export to -o takes.
+        with exclusive(out.parent / f".{out.name}.export-lock"):
+            check_destination(out, force)
+            old = None
+            if out.exists():  # an empty folder, or a previous export with --force
+                old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+                out.rename(old)
+            try:
+                staging.rename(out)
+            except OSError as err:
+                if old is not None:
+                    old.rename(out)  # the previous export stays as it was
+                elif err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise already_exists(out) from None  # made since the check, not an export's
+                raise
             if old is not None:
-                old.rename(out)  # the previous export stays as it was
-            raise
-        if old is not None:
-            shutil.rmtree(old)
+                shutil.rmtree(old)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return notes

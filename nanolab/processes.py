@@ -3,7 +3,10 @@ see them."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -94,3 +97,29 @@ def global_rank_from_env() -> int:
         if value.strip().isdigit() and int(value) > 0:
             return int(value)
     return 0
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold ``lock_path`` exclusively (``prepare`` of one dataset folder, ``export`` to one
+    ``-o``); the file is removed when done (no stray lock file is left beside the output; one a
+    killed process leaves is harmless, since its lock died with it, and the next holder
+    removes it). A waiter that locked a file since removed tries again, so two processes never
+    both hold the lock."""
+    while True:
+        handle = open(lock_path, "a")  # noqa: SIM115 - closed below
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            current = os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        handle.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)  # while still holding it: see above
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()

@@ -591,6 +591,45 @@ def test_force_never_replaces_a_transformers_folder(tmp_path, trained_run, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["user_ft"]
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_an_out_made_during_the_export_is_checked_again(
+    tmp_path, trained_run, capsys, monkeypatch, force
+):
+    """-o absent at the check but made while the export works (another export to it finished
+    first; a transformers folder of the user's): the move into place checks again. Without
+    --force the late export is the "already exists" line; with --force only a previous export
+    may be replaced, never the user's folder. Either way what is at -o stays, nothing is left
+    beside it."""
+    import shutil
+
+    import nanolab.export as export_module
+
+    earlier = tmp_path / "earlier"
+    assert main(["export", "--ckpt", str(trained_run), "--format", "safetensors",
+                 "-o", str(earlier)]) == 0  # fmt: skip
+    out = tmp_path / "race"
+    real_card = export_module.model_card
+
+    def card_while_out_appears(*args, **kwargs):
+        if force:
+            save_tiny_gpt2(out, tokenizer=False)  # the user's own folder
+        else:
+            shutil.copytree(earlier, out)  # another export to -o, finished meanwhile
+        return real_card(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "model_card", card_while_out_appears)
+    capsys.readouterr()
+    args = ["export", "--ckpt", str(trained_run), "--format", "hf", "-o", str(out)]
+    assert main(args + (["--force"] if force else [])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nanolab export: error: -o {out} "), err
+    wanted = "not a previous nanolab export" if force else "already exists; pass --force"
+    assert wanted in err[0]
+    assert (out / "nanolab.json").is_file() != force  # what was there is there, untouched
+    assert (out / "config.json").is_file() == force
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "race"]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_rope_rmsnorm_swiglu_model_exports_as_llama(tmp_path, tied, capsys):
     """RoPE + RMSNorm + SwiGLU without biases is the Llama architecture: ``export --format hf``

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import glob
 import hashlib
 import json
@@ -65,6 +64,7 @@ from nanolab.data.tokenizers import (
 )
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.messages import note, say
+from nanolab.processes import exclusive
 from nanolab.runlog import refuse_inside_run
 
 FORMAT = "nanolab-tokens-v1"
@@ -254,7 +254,7 @@ def prepare_dataset(
     # Every rank of a torchrun/srun launch may get here at once: one prepares, the others wait
     # on the lock and then find the dataset ready (same hash: a no-op).
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(lock):
+    with exclusive(lock):
         _finish_interrupted_swap(out_dir)
         try:
             existing = read_meta(out_dir)
@@ -421,31 +421,6 @@ def _finish_interrupted_swap(out_dir: Path) -> None:
         os.replace(olds.pop(0), out_dir)
     for stale in olds + _leftovers(out_dir, "dead"):
         shutil.rmtree(stale, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold ``lock_path`` exclusively; the file is removed when done (no stray lock file is
-    left beside the dataset; one a killed process leaves is harmless, since its lock died with
-    it, and the next prepare of that folder removes it). A waiter that locked a file since removed tries again, so two
-    processes never both hold the lock."""
-    while True:
-        handle = open(lock_path, "a")  # noqa: SIM115 - closed below
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            current = os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
-        handle.close()
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock_path)  # while still holding it: see above
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
 
 
 @contextlib.contextmanager
