@@ -186,6 +186,36 @@ def test_an_evaluation_on_other_data_or_windows_is_printed_not_logged_to_the_run
     assert same.returncode == 0 and read_records(run / "metrics.jsonl")[-1]["event"] == "val"
 
 
+@pytest.mark.parametrize("case", ["lower-cased", "more-chars"])
+def test_data_of_another_tokenizer_is_refused_before_it_is_scored(work, case):
+    """A chars model on lower-cased chars data (a smaller vocabulary, so every id fits the
+    model) scored and exited 0; data with characters the run never saw (a larger vocabulary)
+    was told to set model.gpt.vocab_size, which does not apply to a checkpoint. Both are the
+    tokenizer line ``fit --model.init_from`` gives, exit 2, and nothing is logged."""
+    import gzip
+
+    run = work / "runs" / "tiny"
+    corpus = Path(__file__).parents[1] / "nanolab" / "data" / "corpus" / "shakespeare.txt.gz"
+    with gzip.open(corpus, "rt") as f:
+        text = f.read(200_000)
+    (work / "text").mkdir()
+    other = text.lower() if case == "lower-cased" else text + "\nÉté à Noël\n"
+    (work / "text" / "t.txt").write_text(other, encoding="utf-8")
+    prepared = nanolab_here("prepare", "text", "-o", "other", "--workers", "1", "-q", cwd=work)
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    log_before = (run / "metrics.jsonl").read_bytes()
+    res = nanolab_here("validate", "--config", "tiny.yaml", "--data.dataset_dir", "other", cwd=work)
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nanolab validate: error: data.dataset_dir"), (
+        lines
+    )
+    assert "not the checkpoint's tokenizer in" in lines[0] and "vocab_size" not in lines[0]
+    assert "is id 3 in the data, id 4 in the checkpoint" in lines[0]  # the first difference
+    assert "val/loss" not in res.stdout
+    assert (run / "metrics.jsonl").read_bytes() == log_before
+
+
 def poisoned(src: Path, dst: Path) -> None:
     """``src`` with one NaN in its token embedding (tied to the output layer: 2 tensors),
     written to ``dst`` as a fresh file (never through a hard link into another name)."""

@@ -24,7 +24,10 @@ from nanolab.data.tokenizers import (
     HFTokenizer,
     TiktokenGPT2,
     Tokenizer,
+    TokenizerError,
     load_tokenizer,
+    portable_spec,
+    tokenizer_from_spec,
 )
 from nanolab.model.hf import RECORD_KEY, HFFormatError
 
@@ -221,6 +224,16 @@ def check_data_tokenizer(folder: Path, dataset_dir: Path, vocab_size: int) -> st
             f"{folder} has no tokenizer.json or vocab.json: only the vocabulary size "
             f"({vocab_size}) of data.dataset_dir {dataset_dir} could be checked against it"
         )
+    check_same_vocabulary(dataset_dir, tok, theirs, f"in {folder}", fix)
+    return None
+
+
+def check_same_vocabulary(
+    dataset_dir: Path, tok: Tokenizer, theirs: dict[str, int], where: str, fix: str
+) -> None:
+    """Refuse data whose tokenizer ``tok`` maps text to ids otherwise than the checkpoint's
+    vocabulary ``theirs`` (``where`` says which checkpoint), naming the first difference: the
+    one comparison behind ``model.init_from`` and ``validate``/``test`` of a checkpoint."""
     try:
         ours = vocabulary(tok)
     except HFFormatError:
@@ -228,10 +241,25 @@ def check_data_tokenizer(folder: Path, dataset_dir: Path, vocab_size: int) -> st
     if ours != theirs:
         raise HFFormatError(
             f"data.dataset_dir {dataset_dir}: prepared with tokenizer {tok.name!r} "
-            f"({len(ours)} tokens), not the checkpoint's tokenizer in {folder} ({len(theirs)} "
+            f"({len(ours)} tokens), not the checkpoint's tokenizer {where} ({len(theirs)} "
             f"tokens; {_first_difference(ours, theirs)}); {fix}"
         )
-    return None
+
+
+def check_scored_data(dataset_dir: Path, spec: Any, source: Path, verb: str) -> None:
+    """``validate``/``test`` of checkpoint ``source``: refuse data ``dataset_dir`` that is not
+    tokenized with the checkpoint's tokenizer (``spec``, as the checkpoint stores it). Its ids
+    would index other tokens' rows, and a loss over them means nothing; when the data's
+    vocabulary is no larger than the model's it even scores without an error. A checkpoint
+    that stores no tokenizer (or one this nanolab cannot build) is not checked."""
+    if not isinstance(spec, dict) or portable_spec(dataset_dir) == spec:
+        return  # nothing to compare, or the very tokenizer (a bpe's file included)
+    try:
+        theirs = vocabulary(tokenizer_from_spec(spec))
+    except (TokenizerError, HFFormatError):
+        return
+    fix = f"{verb} it on data prepared with its tokenizer (as its run's data was)"
+    check_same_vocabulary(dataset_dir, load_tokenizer(dataset_dir), theirs, f"in {source}", fix)
 
 
 def check_init_from_data(model_cfg: Any, datamodule: Any) -> None:

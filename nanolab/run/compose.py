@@ -83,6 +83,8 @@ def launch(cli: NanolabCLI) -> Trainer:
         from nanolab.model.hf_tokenizer import check_init_from_data
 
         check_init_from_data(model_args, data)
+    if verb != "fit":  # the checkpoint to score, picked before the model is sized by the data
+        picked = evaluation_checkpoint(verb, cfg, named.run_dir, data)
     fill_eot_id(model_args, data)
     resolved = resolve(cfg, visible_gpus=visible, data_vocab=vocab, data_built=True)
     micro = plan_micro_batch(cfg, resolved)
@@ -193,9 +195,7 @@ def launch(cli: NanolabCLI) -> Trainer:
                     callback.set_aside_after = (Path(cand.path), int(cand.step))
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
-    target, ckpt_path = evaluation_target(
-        verb, cfg, run_dir, model, built.get("ckpt_path"), data, strategy_kind
-    )
+    target, ckpt_path = evaluation_target(verb, run_dir, model, picked, data, strategy_kind)
     evaluate = trainer.validate if verb == "validate" else trainer.test
     from nanolab.model.checkpoint import release
 
@@ -903,29 +903,44 @@ def open_checkpoint(
     return cand
 
 
-def evaluation_target(
-    verb: str,
-    cfg: Any,
-    run_dir: Path,
-    model: Any,
-    ckpt_path: Any,
-    data: Any = None,
-    strategy_kind: str = "single",
-) -> tuple[Any, str | None]:
-    """What ``validate``/``test`` evaluates (docs/evaluate.md) and the path Lightning loads it
-    from: the run's newest by default, never an untrained model unless ``--ckpt_path none``.
-    The file picked is held open and read through its descriptor, so a live run's rotation
-    cannot delete it in between. The result is appended to the run log (holding the run
-    directory for the append only: :func:`log_evaluation`) only when it scores the run's own
-    data and validation windows (a record of other data would pass in ``report`` for the run's
-    val loss)."""
+def evaluation_checkpoint(verb: str, cfg: Any, run_dir: Path, data: Any) -> Any:
+    """The checkpoint ``validate``/``test`` scores (docs/evaluate.md): the run's newest by
+    default, never an untrained model unless ``--ckpt_path none``. The file picked is held open
+    and read through its descriptor, so a live run's rotation cannot delete it in between.
+    Picked before the model is sized by the data, to refuse data of another tokenizer first:
+    a larger vocabulary than the model's would be refused in words that do not apply to a
+    checkpoint, a smaller one would score."""
     from nanolab.training.evaluate import EvaluateError, eval_target
 
     init_from = bool(cfg.model.init_args.get("init_from"))
     try:
-        target = eval_target(ckpt_path, run_dir, verb, has_init_from=init_from)
+        target = eval_target(cfg.get("ckpt_path"), run_dir, verb, has_init_from=init_from)
     except EvaluateError as err:
         raise RunConfigError(str(err)) from None
+    dataset_dir = getattr(data, "dataset_dir", None)
+    if target.path is not None and dataset_dir is not None:
+        from nanolab.model.checkpoint import read_path
+        from nanolab.model.hf_tokenizer import check_scored_data
+
+        saved = mapped_checkpoint(read_path(target.path))  # a sharded folder: not checked
+        spec = ((saved or {}).get("nanolab") or {}).get("tokenizer")
+        check_scored_data(Path(dataset_dir), spec, target.path, verb)
+    return target
+
+
+def evaluation_target(
+    verb: str,
+    run_dir: Path,
+    model: Any,
+    target: Any,
+    data: Any = None,
+    strategy_kind: str = "single",
+) -> tuple[Any, str | None]:
+    """What ``validate``/``test`` evaluates (``target``, from :func:`evaluation_checkpoint`)
+    and the path Lightning loads it from. The result is appended to the run log (holding the
+    run directory for the append only: :func:`log_evaluation`) only when it scores the run's
+    own data and validation windows (a record of other data would pass in ``report`` for the
+    run's val loss)."""
     if target.path is None:
         return target, None
     cand = open_checkpoint(str(target.path), "--ckpt_path", run_dir, model, training=False)
