@@ -155,7 +155,10 @@ def test_a_live_fit_keeps_its_log_to_itself(work):
         log_before = (run / "metrics.jsonl").read_bytes()
         res = run_nanolab("validate", "--config", "tiny.yaml", cwd=work)
         assert res.returncode == 0, res.stderr[-3000:]
-        assert "not logging this validate" in res.stderr and "is in use by" in res.stderr
+        warned = [line for line in res.stderr.splitlines() if "not logging" in line]
+        assert len(warned) == 1 and "is in use by" in warned[0], res.stderr[-3000:]
+        assert warned[0].startswith("nanolab validate: warning: not logging to runs/tiny: ")
+        assert "UserWarning" not in res.stderr and "compose.py" not in res.stderr
         assert "val/loss" in res.stdout
         assert (run / "metrics.jsonl").read_bytes() == log_before
     finally:

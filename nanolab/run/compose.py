@@ -1025,8 +1025,10 @@ def log_evaluation(trainer: Trainer, verb: str, run_dir: Path, target: Any) -> N
     metrics = to_floats(dict(trainer.callback_metrics))
     try:
         lock = acquire(run_dir)  # no fit may append or rotate while the record is written
-    except (RunLockedError, OSError) as err:
-        rank_zero_warn(f"not logging this {verb} to {run_dir}: {err}")
+    except (RunLockedError, OSError) as err:  # one line, as eval says it (not a Python warning)
+        from nanolab.messages import warn
+
+        warn(f"nanolab {verb}", f"not logging to {run_dir}: {err}")
         return
     try:
         path = append_record(run_dir, eval_record(verb, stage, metrics, target))
