@@ -44,6 +44,7 @@ from nanolab.model.exported import INFO_NAME
 from nanolab.model.hf import (
     RECORD_KEY,
     export_refusals,
+    generation_config_from_nanolab,
     gpt_shapes,
     hf_config_from_nanolab,
     hf_state_from_nanolab,
@@ -228,6 +229,9 @@ def write_hf(
         hf_config = hf_config_from_nanolab(config, eot, dtype, record)
         tensors = hf_state_from_nanolab(state, config)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = generation_config_from_nanolab(config, eot)
+    if generation is not None:  # padding ids never sampled, as in nanolab generate
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_safetensors(tensors, out / "model.safetensors")
     if tokenizer is not None:
         from nanolab.model.hf_tokenizer import write_tokenizer_files

@@ -212,8 +212,8 @@ def test_export_of_a_fit_checkpoint_loads_in_transformers(tmp_path, trained_run,
     seconds = time.perf_counter() - start
     print(f"export --format hf of the tiny fit checkpoint: {seconds:.2f}s")
     assert sorted(p.name for p in out.iterdir()) == [
-        "README.md", "config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json",
+        "README.md", "config.json", "generation_config.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json",
     ]  # fmt: skip
     ckpt = load_checkpoint(trained_run / "checkpoints" / "last.ckpt")
     ours = model_from_checkpoint(ckpt)
@@ -245,6 +245,31 @@ def test_export_of_a_fit_checkpoint_loads_in_transformers(tmp_path, trained_run,
         assert torch.equal(imported[name], tensor), name
     extra = set(imported) - set(ours.state_dict())
     assert extra and all(name.endswith(".bias") and not imported[name].any() for name in extra)
+
+
+def test_transformers_never_samples_the_padding_ids_of_an_export(tmp_path, trained_run):
+    """The export keeps nanolab's padded rows (128 for 71 ids), whose logits transformers'
+    ``generate`` sampled (about one token in eight, decoding to ''), where ``nanolab generate``
+    samples the real vocabulary only. Its generation_config.json suppresses the padding ids:
+    sampled and greedy, every id transformers generates is the tokenizer's."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "export"
+    assert main(["export", "--ckpt", str(trained_run), "--format", "hf", "-o", str(out)]) == 0
+    ckpt = load_checkpoint(trained_run / "checkpoints" / "last.ckpt")
+    vocab = model_from_checkpoint(ckpt).config.vocab_size
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert theirs.config.vocab_size == 128 > vocab  # the weights as trained, padding included
+    prompt = torch.tensor([[1, 2, 3]])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        sampled = theirs.generate(
+            prompt, max_new_tokens=24, do_sample=True, top_k=0, num_return_sequences=32,
+            pad_token_id=0,
+        )[:, 3:]  # fmt: skip
+        greedy = theirs.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert sampled.numel() > 500 and int(sampled.max()) < vocab
+    assert int(greedy.max()) < vocab
 
 
 def test_safetensors_export_keeps_nanolab_names(tmp_path, trained_run):

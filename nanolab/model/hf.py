@@ -11,7 +11,8 @@ is not a folder is refused with the line that says where to put the files.
 
 Two things an export records so an import restores them (``config.json``'s ``nanolab`` entry):
 the unpadded vocabulary (nanolab pads the embedding to a multiple of ``vocab_multiple`` rows, and
-those rows are exported as they are, so logits match over every id) and the data's tokenizer.
+those rows are exported as they are, so logits match over every id; ``generation_config.json``
+keeps ``generate`` from sampling them) and the data's tokenizer.
 """
 
 from __future__ import annotations
@@ -491,6 +492,21 @@ def hf_config_from_nanolab(
             "vocab_size": config.vocab_size,
             "vocab_multiple": config.vocab_multiple,
         },
+    }
+
+
+def generation_config_from_nanolab(config: GPTConfig, eot_id: int | None) -> dict[str, Any] | None:
+    """``generation_config.json`` of an export whose vocabulary is padded: the padding ids
+    suppressed, so transformers' ``generate`` samples from the real vocabulary only, as
+    ``nanolab generate`` does (the padding rows stay in the weights: the logits, and so
+    log-likelihoods, are nanolab's own over every id, and an import restores every tensor).
+    None without padding (transformers' defaults from ``config.json`` then serve)."""
+    if config.padded_vocab_size == config.vocab_size:
+        return None
+    ends = {"bos_token_id": eot_id, "eos_token_id": eot_id} if eot_id is not None else {}
+    return {
+        **ends,
+        "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size)),
     }
 
 
