@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import nanolab_here, tiny_overrides, write_config
 
 from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
 from nanolab.estimator.cli import main
@@ -594,3 +595,40 @@ def test_an_eager_gpu_estimate_says_its_time_is_optimistic(capsys, extra, said) 
     assert main(["--config", str(GPT2), "--trace", "never", *extra]) == 0
     out = capsys.readouterr().out
     assert ("eager steps are typically 1.3-2x slower" in out) is said
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [["--trainer.accumulate_grad_batches", "3"], ["--run.global_batch_tokens", "384"]],
+    ids=["accumulate_grad_batches", "global_batch_tokens"],
+)
+def test_estimate_trains_the_batch_fit_trains(tmp_path: Path, char_dataset, batch) -> None:
+    """The estimate's tokens/step and gradient buffer are those of the run fit's banner
+    describes, whether the accumulation comes from Lightning's own setting or from a global
+    batch in tokens."""
+    cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    args = ["--config", str(cfg), "--trainer.max_steps", "1", *batch]
+    fit = nanolab_here("fit", *args, cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    assert "384 tokens/step = 4 micro-batch x 32 context x 3 accumulation x 1 device" in fit.stdout
+    est = nanolab_here("estimate", *args, "--device", "cpu", "--trace", "never", cwd=tmp_path)
+    assert est.returncode == 0, est.stderr
+    assert "micro-batch 4 (config) x accumulation 3 x 1 device(s) = 384 tokens/step" in est.stdout
+    assert re.search(r"gradients \(fp32\) +[\d.]+ +kept across micro-batches", est.stdout)
+
+
+def test_lightning_accumulation_estimates_as_the_global_batch_it_makes(capsys) -> None:
+    """gpt2-124m at 64 x 1024 tokens a device: 4 accumulated micro-batches of 16 are the run
+    ``run.global_batch_tokens 65536`` describes (the same memory, step time and cost)."""
+    forms = {
+        "accumulate": ["--run.global_batch_tokens", "null", "--trainer.accumulate_grad_batches", "4"],
+        "tokens": ["--run.global_batch_tokens", "65536"],
+    }  # fmt: skip
+    seen = {}
+    for name, extra in forms.items():
+        base = ["--config", str(ROOT / "configs" / "gpt2-124m.yaml"), "--gpu", "h100"]
+        assert main([*base, *extra, "--json"]) == 0
+        seen[name] = data = json.loads(capsys.readouterr().out)
+        assert data["gradient_accumulation"] == 4
+    a, t = seen["accumulate"], seen["tokens"]
+    assert a["memory"] == t["memory"] and a["compute"] == t["compute"]

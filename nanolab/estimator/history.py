@@ -33,7 +33,7 @@ class Measured:
 
 #: What makes two runs' steps the same (and the strategy's kind).
 _STEP = ("gpt", "precision", "float32_matmul_precision", "micro_batch_size")
-_STEP += ("global_batch_tokens", "world_size", "optimizer", "compile")
+_STEP += ("global_batch_tokens", "accumulate_grad_batches", "world_size", "optimizer", "compile")
 
 
 def _same_step(a: Setup, b: Setup) -> bool:

@@ -74,10 +74,11 @@ class MemoryEstimate:
 
 
 def grad_accumulation(setup: Setup, micro_batch: int) -> int:
-    """Micro-batches per optimizer step that reach ``global_batch_tokens`` (1 without one);
-    rounded up when it does not divide (the estimate then describes the closest run)."""
+    """Micro-batches per optimizer step that reach ``global_batch_tokens`` (without one, the
+    trainer's ``accumulate_grad_batches``, as fit trains it); rounded up when it does not
+    divide (the estimate then describes the closest run)."""
     if setup.global_batch_tokens is None:
-        return 1
+        return setup.accumulate_grad_batches
     per = micro_batch * setup.gpt.block_size * setup.world_size
     return max(1, -(-setup.global_batch_tokens // per))
 

@@ -90,13 +90,14 @@ def micro_batch_for_global(
 ) -> tuple[int, int] | None:
     """(micro-batch, accumulation) that reach the global batch exactly with the largest
     micro-batch that fits: the largest divisor of the per-device sequences whose estimate
-    fits (``None`` when none does). Without a global batch: the largest that fits, 1."""
+    fits (``None`` when none does). Without a global batch: the largest that fits, and the
+    trainer's ``accumulate_grad_batches`` (fit keeps it whatever the micro-batch)."""
     per_device = sequences_per_device(setup)
     if per_device is None:
         largest = largest_micro_batch(
             setup, device_memory, backend=backend, fragmentation=fragmentation, limit=limit
         )
-        return (largest, 1) if largest else None
+        return (largest, setup.accumulate_grad_batches) if largest else None
     divisors = [d for d in range(1, min(per_device, limit) + 1) if per_device % d == 0]
     for d in reversed(divisors):
         if fits(setup, d, device_memory, backend=backend, fragmentation=fragmentation):

@@ -25,7 +25,11 @@ from nanolab.training.parallelism import (  # noqa: F401  (Strategy, parse_strat
     int_setting,
     parse_strategy,
 )
-from nanolab.training.resolve import deep_merge, load_config  # noqa: F401  (public here too)
+from nanolab.training.resolve import (  # noqa: F401  (deep_merge, load_config: public here too)
+    deep_merge,
+    load_config,
+    trainer_accumulation,
+)
 
 #: Optimizers whose state and step memory the estimator models (nanolab/estimator/states.py).
 MODELLED_OPTIMIZERS = ("adamw", "adamw8bit", "muon")
@@ -47,8 +51,11 @@ class Setup:
         strategy: See :class:`Strategy`.
         optimizer: ``adamw``, ``adamw8bit`` or ``muon`` (:data:`MODELLED_OPTIMIZERS`).
         fused: torch AdamW's fused kernel (no step temporaries); ``None`` = on for GPUs.
-        global_batch_tokens: Tokens per optimizer step over all devices (``None``: one
-            micro-batch per device per step).
+        global_batch_tokens: Tokens per optimizer step over all devices (``None``:
+            ``accumulate_grad_batches`` micro-batches per device per step).
+        accumulate_grad_batches: ``trainer.accumulate_grad_batches`` as the resolver reads it:
+            micro-batches per optimizer step where no ``global_batch_tokens`` derives them
+            (``nanolab fit`` obeys it then, whatever the micro-batch).
         max_steps: Optimizer steps of the run (for the token budget), if known.
         compile: ``torch.compile`` is on (on a GPU its loss keeps no log-softmax:
             ``Numerics.compiled_loss``; docs/estimator.md).
@@ -69,6 +76,7 @@ class Setup:
     optimizer: str = "adamw"
     fused: bool | None = None
     global_batch_tokens: int | None = None
+    accumulate_grad_batches: int = 1
     max_steps: int | None = None
     compile: bool = False
     devices_guessed: bool = False  # trainer.devices was "auto" and nothing overrode it
@@ -263,6 +271,11 @@ def setup_from_config(
             f"got {matmul!r}"
         )
     max_steps = resolved.max_steps
+    # Without a global batch, fit trains the trainer's own accumulation (the resolver's value;
+    # it has none yet while the micro-batch is auto, and the count does not depend on it).
+    accumulate = resolved.accumulate
+    if accumulate is None or resolved.global_batch_tokens is not None:
+        accumulate = trainer_accumulation(trainer.get("accumulate_grad_batches"))
 
     setup = Setup(
         gpt=gpt,
@@ -274,6 +287,7 @@ def setup_from_config(
         optimizer=opt_name,
         fused=opt.get("fused"),
         global_batch_tokens=resolved.global_batch_tokens,
+        accumulate_grad_batches=accumulate,
         max_steps=None if max_steps in (None, -1) else max_steps,
         compile=bool(model.get("compile", False)),
         devices_guessed=resolved.devices_guessed,

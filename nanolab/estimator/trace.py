@@ -154,7 +154,13 @@ def model_matches_rules(setup: Setup) -> tuple[bool, float]:
 
     tiny_gpt = tiny_model(setup.gpt)
     tiny = replace(
-        setup, gpt=tiny_gpt, micro_batch_size=2, global_batch_tokens=None, devices=1, num_nodes=1
+        setup,
+        gpt=tiny_gpt,
+        micro_batch_size=2,
+        global_batch_tokens=None,
+        accumulate_grad_batches=1,
+        devices=1,
+        num_nodes=1,
     )
 
     def compare() -> tuple[bool, float]:

@@ -505,6 +505,14 @@ def visible_gpus(accelerator: Any) -> int:
     return max(1, torch.cuda.device_count())
 
 
+def trainer_accumulation(accumulate_grad_batches: Any) -> int:
+    """Lightning's ``trainer.accumulate_grad_batches`` as a count (``None``: its default, 1):
+    the micro-batches per optimizer step wherever no ``run.global_batch_tokens`` derives them."""
+    if accumulate_grad_batches is None:
+        return 1
+    return int_setting(accumulate_grad_batches, "trainer.accumulate_grad_batches")
+
+
 def gradient_accumulation(
     global_batch_tokens: int | None,
     micro_batch_size: int,
@@ -517,9 +525,7 @@ def gradient_accumulation(
     setting is obeyed rather than replaced by 1. A global batch in tokens wins over it: it is
     what keeps the batch the same on another device count or micro-batch."""
     if global_batch_tokens is None:
-        if accumulate_grad_batches is None:
-            return 1
-        return int_setting(accumulate_grad_batches, "trainer.accumulate_grad_batches")
+        return trainer_accumulation(accumulate_grad_batches)
     per_step = micro_batch_size * block_size * world_size
     if global_batch_tokens <= 0 or global_batch_tokens % per_step != 0:
         raise RunConfigError(
