@@ -91,3 +91,26 @@ def test_the_pages_commands_run_as_written(tmp_path: Path) -> None:
             assert printed["model.gpt.n_layer"] == 24 and printed["model.gpt.block_size"] == 1024
         else:  # the estimate describes the composed model
             assert "24 layers x 1024 wide" in out and "context 1024" in out, out[:500]
+
+
+def test_a_flag_before_a_file_that_sets_it_loses_and_is_named(tmp_path: Path, capsys) -> None:
+    """Order is the rule (a later --config wins over an earlier flag), so the flag it overrode
+    is named with its value and the file, by fit and estimate alike; a flag after the file wins
+    and is not named."""
+    before = ["--model.gpt.n_layer", "3", "--config", str(BASE), "--trainer.max_steps=7"]
+    capsys.readouterr()
+    code, out = _nanolab(["fit", *before, "--print_config"], tmp_path)
+    assert code == 0, out[-2000:]
+    printed = _flat(yaml.safe_load(out))
+    assert printed["model.gpt.n_layer"] == 12 and printed["trainer.max_steps"] == 7
+    (warning,) = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith(
+        f"nanolab fit: warning: --model.gpt.n_layer 3 is overridden by config file {BASE}"
+    ), warning
+    code, out = _nanolab(["estimate", *before, "--gpu", "h100"], tmp_path)
+    assert code == 0 and "12 layers x 768 wide" in out
+    assert capsys.readouterr().err.strip() == warning.replace("nanolab fit:", "nanolab estimate:")
+    after = ["--config", str(BASE), "--model.gpt.n_layer", "3", "--print_config"]
+    code, out = _nanolab(["fit", *after], tmp_path)
+    assert code == 0 and _flat(yaml.safe_load(out))["model.gpt.n_layer"] == 3
+    assert capsys.readouterr().err.strip() == ""

@@ -12,6 +12,7 @@ stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -29,9 +30,16 @@ from nanolab.estimator.gpus import GPUS, GiB, format_bytes, format_rate
 from nanolab.estimator.memory import DEFAULT_FRAGMENTATION
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
+from nanolab.messages import warn
 from nanolab.model.config import GPTConfig
 from nanolab.tables import table
-from nanolab.training.resolve import compose, split_fit_args
+from nanolab.training.resolve import (
+    compose,
+    config_leaves,
+    overridden_flags,
+    read_config_file,
+    split_fit_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,6 +301,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if "--config" not in fit_args and not any(a.startswith("--config=") for a in fit_args):
         raise EstimateError("give at least one --config X.yaml")
+    files: dict[str, dict[str, Any]] = {}
+
+    def read_file(path: str) -> dict[str, Any]:  # each file read once (a <(...) pipe: once)
+        if path not in files:
+            files[path] = read_config_file(path)
+        return copy.deepcopy(files[path])
+
+    for line in overridden_flags(fit_args, lambda path: config_leaves(read_file(path))):
+        warn("nanolab estimate", line)  # in order, as fit reads them: said as fit says it
     for name, value in (
         ("--devices", args.devices),
         ("--nodes", args.nodes),
@@ -314,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if price is not None and not 0 <= price < math.inf:
         raise EstimateError(f"--usd-per-gpu-hour must be a finite price >= 0, got {price}")
     est = estimate_from_config(
-        compose(fit_args),
+        compose(fit_args, read_file=read_file),
         gpu=args.gpu,
         device_memory=args.gpu_mem,
         devices=args.devices,

@@ -110,10 +110,9 @@ def parser_keys(config: Any) -> list[str]:
 
 
 def _plain_key(key: str) -> str:
-    parts = key.split(".")
-    if len(parts) >= 2 and parts[0] in CLASS_GROUPS and parts[1] == "init_args":
-        parts = [parts[0], *parts[2:]]
-    return ".".join(parts)
+    from nanolab.training.resolve import setting_key
+
+    return setting_key(key)
 
 
 def given_keys(argv: list[str]) -> Iterator[tuple[str, str]]:
@@ -342,9 +341,20 @@ def _settings_in(text: str, path: str) -> Any:
 
 def preflight(verb: str, argv: list[str]) -> None:
     """Before Lightning is imported: every ``--config`` file read (an alias bomb refused) and,
-    when the keys are remembered, an unknown key refused with its nearest known key."""
+    when the keys are remembered, an unknown key refused with its nearest known key; then a
+    warning line for each flag a later ``--config`` file overrides
+    (:func:`nanolab.training.resolve.overridden_flags`)."""
+    from nanolab.messages import warn
+
     for _ in given_keys(argv):  # reads (and checks) every --config file
         pass
     known = known_keys(verb)
     if known is not None:
         check_keys(argv, known)
+    from nanolab.training.resolve import config_path_problem, overridden_flags
+
+    def keys_in(path: str) -> list[str]:  # a file the parser will name a problem of: none
+        return [k for k, _ in _file_keys(path)] if config_path_problem(path) is None else []
+
+    for line in overridden_flags(argv, keys_in):
+        warn(f"nanolab {verb}", line)

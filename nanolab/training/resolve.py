@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,92 @@ def split_fit_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         fit += [token, tokens[i + 1]]
         i += 2
     return fit, rest
+
+
+def setting_key(key: str) -> str:
+    """A dotted key as a user writes it: ``model.gpt.n_layer`` for
+    ``model.init_args.gpt.n_layer`` (the class groups' ``init_args`` level left out)."""
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[0] in CLASS_GROUPS and parts[1] == "init_args":
+        parts = [parts[0], *parts[2:]]
+    return ".".join(parts)
+
+
+def overridden_flags(argv: Sequence[str], keys_in: Callable[[str], Iterable[str]]) -> list[str]:
+    """A line for each option of ``argv`` whose value a later ``--config`` file replaces.
+
+    The command line is read in order, later ones winning (the fit parser's rule, which
+    ``estimate`` follows): ``--model.gpt.n_layer 3 --config x.yaml`` trains x.yaml's
+    ``n_layer``. That is rarely what the flag's author meant, so each such flag is named with
+    its value and the file that won. A flag given again after that file wins, and is not named.
+    ``keys_in(path)``: the dotted keys a ``--config`` file sets (each verb reads its files its
+    own way: a shell's ``<(...)`` pipe holds its text for one reader)."""
+    given: dict[str, tuple[str, str, list[str]]] = {}  # key: (flag, value, the keys it sets)
+    lost: dict[str, tuple[str, str, str]] = {}  # key: (flag, value, the file that replaced it)
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not is_fit_option(token):
+            i += 1
+            continue
+        if "=" in token:
+            flag, text = token.split("=", 1)
+            i += 1
+        elif i + 1 < len(tokens):
+            flag, text = token, tokens[i + 1]
+            i += 2
+        else:
+            break
+        name = flag[2:].removesuffix("+")
+        if name == "config":
+            in_file = [setting_key(k) for k in keys_in(text)]
+            for key, (flag_, value, sets) in list(given.items()):
+                if any(_covers(f, s) for f in in_file for s in sets):
+                    lost[key] = (flag_, value, text)
+                    del given[key]
+            continue
+        key = setting_key(name)
+        sets = [key]
+        if name in UNDOTTED_FIT_OPTIONS and name not in ("seed_everything", "ckpt_path"):
+            sets = []  # a whole group or a class choice: its settings merge with a file's
+        else:
+            try:
+                parsed = override_value(text)
+            except RunConfigError:
+                parsed = None
+            if isinstance(parsed, Mapping) and parsed:  # --model.gpt '{n_layer: 3}'
+                sets = [f"{key}.{k}" for k in _leaves(parsed)]
+        given[key] = (flag.removesuffix("+"), text, sets)
+        lost.pop(key, None)
+    return [
+        f"{flag} {value} is overridden by config file {file}, given after it (the command "
+        f"line is read in order, later ones win); put {flag} after the last --config to use it"
+        for flag, value, file in lost.values()
+    ]
+
+
+def _covers(file_key: str, flag_key: str) -> bool:
+    """Whether a file setting ``file_key`` replaces the value a flag gave ``flag_key``: the
+    same key, one of its parents, or a setting inside it."""
+    return (
+        file_key == flag_key
+        or flag_key.startswith(file_key + ".")
+        or file_key.startswith(flag_key + ".")
+    )
+
+
+def config_leaves(data: Mapping[str, Any]) -> list[str]:
+    """The dotted keys a config file's settings set (its leaves, an empty group one too)."""
+    return list(_leaves(data))
+
+
+def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
 #: YAML's merge key (``<<: *anchor``).
