@@ -550,7 +550,7 @@ def _tool_rows() -> list[Case]:
         Case("fit-lightning-overfit-batches", (*FIT, "--trainer.overfit_batches", "1"),
              EXIT_USAGE, "use --config configs/debug/overfit.yaml"),
         Case("fit-seed-out-of-range", (*FIT, "--seed_everything", "-5"), EXIT_USAGE,
-             "seed_everything must be an integer from 0 to 4294967295"),
+             "seed_everything: -5 is not a seed; give a number from 0 to 4294967295"),
         Case("queue-add-seed-out-of-range",
              ("queue", "add", "{cfg}", "--seeds", "1,99999999999", "--db", "{work}/q.db"),
              EXIT_USAGE, "99999999999 is out of range; seeds go from 0 to 4294967295"),

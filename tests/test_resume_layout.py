@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nanolab.errors import RunConfigError
 from nanolab.training.resume import (
     ResumeError,
     check_deepspeed_world_size,
@@ -205,7 +206,9 @@ def test_seed_everything_true_draws_a_seed_and_the_ranks_share_rank_0s(monkeypat
     monkeypatch.setenv("PL_GLOBAL_SEED", "5")  # a stale value in rank 0's shell: not taken
     draws = {chosen_seed(True) for _ in range(8)}
     assert len(draws) > 1 and all(0 <= d < 2**32 for d in draws)
-    assert chosen_seed(1337) == 1337 and chosen_seed(None) is None
+    assert chosen_seed(1337) == 1337
+    with pytest.raises(RunConfigError, match="null is not a seed"):
+        chosen_seed(None)  # Lightning would seed 0: every such run the same
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert chosen_seed(True) == 5
 

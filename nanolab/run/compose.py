@@ -223,7 +223,7 @@ def print_evaluation(trainer: Trainer, verb: str, target: Any, data: Any) -> Non
 
 
 # -- resolve ----------------------------------------------------------------------------------
-def chosen_seed(seed: Any) -> int | None:
+def chosen_seed(seed: Any) -> int:
     """The seed for ``seed_everything``: the config's number, or for ``true`` a random one.
     Lightning's ``seed_everything(None)`` gives 0 (every "random" run the same); a random draw
     here, except in the ranks that rank 0 started (Lightning's launcher), which take rank 0's
@@ -231,8 +231,8 @@ def chosen_seed(seed: Any) -> int | None:
     side by side (srun, torchrun) draw their own: DDP and FSDP take rank 0's weights anyway, and
     config.yaml records rank 0's."""
     if seed is not True:
-        check_seed(seed)
-        return None if seed is None else int(seed)
+        check_seed(seed)  # null is refused: Lightning would seed 0 for every such run
+        return int(seed)
     import random
 
     inherited = os.environ.get("PL_GLOBAL_SEED", "")

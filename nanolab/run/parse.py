@@ -256,12 +256,19 @@ def union_problem(text: str) -> str | None:
 
     m = re.search(
         r'Parser key "([^"]+)": Does not validate against any of the Union subtypes '
-        r"Subtypes: \[.*?\] Errors: (.*?)(?: Given value type: .*? Given value: (.*))?$",
+        r"Subtypes: \[(.*?)\] Errors: (.*?)(?: Given value type: .*? Given value: (.*))?$",
         text,
     )
     if m is None:
         return None
-    key, errors, value = m.group(1), m.group(2), m.group(3)
+    key, subtypes, errors, value = m.group(1), m.group(2), m.group(3), m.group(4)
+    if key == "seed_everything":  # the rule fit, estimate and a config file's null all meet
+        from nanolab.training.resolve import check_seed
+
+        try:
+            check_seed(None if value in (None, "None") else value)
+        except RunConfigError as err:
+            return str(err)
     given = f"{value!r}" if value is not None else "the value given"
     if key in VALUE_RULES:
         return f"{key}: {given} is not valid; it {VALUE_RULES[key]}"
@@ -269,7 +276,8 @@ def union_problem(text: str) -> str | None:
     items = [e for e in items if e != "Expected a <class 'NoneType'>"]
     expected = [_expected_type(e) for e in items]
     if items and all(expected):
-        return f"{key}: {given} is not valid; expected {' or '.join(map(str, expected))} (or null)"
+        null = " (or null)" if "NoneType" in subtypes else ""  # only where null is a choice
+        return f"{key}: {given} is not valid; expected {' or '.join(map(str, expected))}{null}"
     return f"{key}: {'; '.join(items)}" if items else None
 
 

@@ -626,16 +626,24 @@ def gradient_accumulation(
 MAX_SEED = 2**32 - 1
 
 
+#: What ``seed_everything`` may be, as every refusal of it says.
+SEED_CHOICES = (
+    f"a number from 0 to {MAX_SEED}, true for a random seed (drawn at launch and recorded in "
+    "config.yaml), or false for none"
+)
+
+
 def check_seed(seed: Any, where: str = "seed_everything") -> None:
-    """A seed numpy accepts (0 .. 2^32 - 1), or ``true``/``false``/null; one line otherwise
-    (``seed_everything(-1)`` ends in numpy's ValueError, a traceback, at start-up)."""
-    if seed is None or isinstance(seed, bool):
+    """A seed numpy accepts (0 .. 2^32 - 1), or ``true``/``false``; one line otherwise
+    (``seed_everything(-1)`` ends in numpy's ValueError, a traceback, at start-up). Null is
+    refused too: Lightning reads it as seed 0 for every such run, with a line of its own, while
+    the command line's parser refuses it; neither is what a reader of ``null`` expects."""
+    if isinstance(seed, bool):
         return
+    if seed is None:
+        raise RunConfigError(f"{where}: null is not a seed; give {SEED_CHOICES}")
     if not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise RunConfigError(
-            f"{where} must be an integer from 0 to {MAX_SEED} (or true for a random one), got "
-            f"{seed!r}"
-        )
+        raise RunConfigError(f"{where}: {seed!r} is not a seed; give {SEED_CHOICES}")
 
 
 def check_run_name(name: Any) -> None:
@@ -996,7 +1004,8 @@ def resolve(
     trainer = dict(cfg.get("trainer") or {})
     run = dict(cfg.get("run") or {})
     model_class, model_args, data_class, data_args = sections(cfg)
-    check_seed(cfg.get("seed_everything"))
+    if "seed_everything" in cfg:  # a raw YAML (the estimator's input) may leave it out
+        check_seed(cfg["seed_everything"])
 
     per_node, guessed = count_devices(
         trainer.get("devices", "auto") if devices is None else devices,
