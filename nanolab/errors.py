@@ -145,6 +145,20 @@ class RunConfigError(NanolabError):
 Main = TypeVar("Main", bound=Callable[..., Any])
 
 
+def written_whole(where: str, value: Any, shown: str | None = None) -> str | None:
+    """For a whole-number setting given a float that is whole (``1e9``, ``1000.0``: YAML and the
+    command line read an exponent as a float), the one line saying to write it whole; else
+    None. Every reader of whole-number settings (the fit parser's reports, the resolver's and
+    the model's checks) refuses such a value with this line, so ``fit``, ``estimate`` and
+    ``queue add`` agree; ``shown``: the value as the user wrote it, when known."""
+    if isinstance(value, bool) or not isinstance(value, float) or not value.is_integer():
+        return None
+    return (
+        f"{where}: {shown or repr(value)} is read as a float and this setting takes a whole "
+        f"number; write it whole: {int(value)}"
+    )
+
+
 def report(prog: str, err: BaseException) -> int:
     """Print ``err`` as ``<prog>: error: <message>`` on stderr; the exit code for it."""
     print(f"{prog}: error: {err}", file=sys.stderr)

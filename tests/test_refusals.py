@@ -313,3 +313,41 @@ def test_eval_of_an_empty_checkpoint_or_suite_name_is_refused(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"nanolab eval: error: {says}") and "\n" not in err, err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        (["--budget.max_tokens", "1e6"], "budget.max_tokens: 1000000.0 is read as a float"),
+        (["--trainer.max_steps", "1e3"], "trainer.max_steps: 1000.0 is read as a float"),
+        (["--model.gpt.n_layer", "2e0"], "model.gpt.n_layer: 2.0 is read as a float"),
+        (["--config", "{file}"], "budget.max_tokens: 1000000000.0 is read as a float"),
+    ],
+    ids=["union-with-null", "max_steps", "class-setting", "in-a-file"],
+)
+def test_a_whole_float_for_a_whole_number_setting_says_to_write_it_whole(
+    tmp_path: Path, given: list[str], line: str
+) -> None:
+    """1e9 reads as a float: fit, estimate and queue add refuse it in the same one line, with
+    the number written whole, instead of the parser's report or a contradiction."""
+    from conftest import QUICKSTART, nanolab_here
+
+    (tmp_path / "b.yaml").write_text("budget: {max_tokens: 1e9}\n")
+    given = [g.replace("{file}", str(tmp_path / "b.yaml")) for g in given]
+    args = ["--config", str(QUICKSTART), *given]
+    verbs = {
+        "fit": ["fit", *args, "--print_config"],
+        "queue add": [  # its configs are positional
+            *("queue", "add", str(QUICKSTART), *(g for g in given if g != "--config")),
+            *("--db", str(tmp_path / "q.db")),
+        ],
+    }
+    if "budget" not in line:  # the estimate does not read the budget group
+        verbs["estimate"] = ["estimate", *args, "--device", "cpu", "--vocab-size", "71"]
+    whole = line.split(": ")[1].split(".")[0]
+    for verb, argv in verbs.items():
+        done = nanolab_here(*argv, cwd=tmp_path)
+        assert done.returncode == 2, (verb, done.stdout[-300:])
+        (said,) = done.stderr.strip().splitlines()
+        assert said.startswith(f"nanolab {verb}: error: ") and line in said, said
+        assert said.endswith(f"takes a whole number; write it whole: {whole}"), said

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from nanolab.errors import NanolabError
+from nanolab.errors import NanolabError, written_whole
 
 AttentionImpl = Literal["sdpa", "math", "flex"]
 Activation = Literal["gelu_tanh", "gelu"]
@@ -122,6 +122,8 @@ class GPTConfig:
             "mlp_ratio": self.mlp_ratio,
         }
         for name, value in positive.items():
+            if (whole := written_whole(f"model.gpt.{name}", value)) is not None:
+                raise ConfigError(whole)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.gpt.{name} must be a positive integer, got {value!r}")
         if self.n_layer > MAX_LAYERS:

@@ -151,12 +151,35 @@ class OneLineErrorParser(LightningArgumentParser):
         text = " ".join(lines)
         raise RunConfigError(
             logger_problem(text)
+            or whole_number_problem(text)
             or union_problem(text)
             or type_problem(text)
             or config_file_problem(text)
             or class_path_problem(text)
             or " ".join(lines[:3])
         )
+
+
+def whole_number_problem(text: str) -> str | None:
+    """A whole-number setting given a whole float (``--budget.max_tokens 1e9``, ``max_tokens:
+    1e9`` in a file: both read as floats) as :func:`nanolab.errors.written_whole` says it,
+    for a plain ``int`` setting and one that may also be null alike."""
+    import re
+
+    from nanolab.errors import written_whole
+
+    keys = re.findall(r'Parser key "([^"]+)"', text)
+    if not keys or "Expected a <class 'int'>" not in text:
+        return None
+    key = ".".join(k for k in keys if k != "init_args")  # a class's setting: model.gpt.n_layer
+    for shown in re.findall(r"(?:Got value|Given value): (\S+?)(?:;|$| )", text):
+        try:
+            value = float(shown)
+        except ValueError:
+            continue
+        if math.isfinite(value) and (line := written_whole(key, value, shown)) is not None:
+            return line
+    return None
 
 
 def type_problem(text: str) -> str | None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nanolab.errors import RunConfigError
+from nanolab.errors import RunConfigError, written_whole
 
 StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
 
@@ -73,7 +73,10 @@ class Strategy:
 
 
 def int_setting(value: Any, where: str, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum`` (``4``, ``4.0``, ``"4"``); ``where`` names the key."""
+    """``value`` as an int >= ``minimum`` (``4``, ``"4"``); ``where`` names the key. A whole
+    float (``1e3``) is refused as the fit parser refuses it (:func:`written_whole`)."""
+    if (whole := written_whole(where, value)) is not None:
+        raise RunConfigError(whole)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise RunConfigError(f"{where} must be an integer, got {value!r}")
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanolab.errors import RunConfigError
+from nanolab.errors import RunConfigError, written_whole
 from nanolab.training.parallelism import int_setting, parse_strategy
 from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
 
@@ -666,6 +666,8 @@ def check_run_name(name: Any) -> None:
 
 def check_max_steps(max_steps: Any) -> None:
     """Steps, not epochs: a positive number, or -1 (no limit: a budget or a signal stops it)."""
+    if (whole := written_whole("trainer.max_steps", max_steps)) is not None:
+        raise RunConfigError(whole)
     if (
         isinstance(max_steps, bool)
         or not isinstance(max_steps, int)
