@@ -632,3 +632,15 @@ def test_lightning_accumulation_estimates_as_the_global_batch_it_makes(capsys) -
         assert data["gradient_accumulation"] == 4
     a, t = seen["accumulate"], seen["tokens"]
     assert a["memory"] == t["memory"] and a["compute"] == t["compute"]
+
+
+def test_estimate_reads_the_command_line_as_fit_does(tmp_path: Path, capsys) -> None:
+    """The default model named by its class name, and a number with a leading zero (a decimal
+    on fit's command line, octal for plain YAML), mean what fit makes of them."""
+    given = ["--model", "GPTLightningModule", "--model.gpt.n_layer", "010"]
+    args = ["--config", str(ROOT / "configs" / "quickstart.yaml"), *given]
+    fit = nanolab_here("fit", *args, "--print_config", cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr
+    assert yaml.safe_load(fit.stdout)["model"]["init_args"]["gpt"]["n_layer"] == 10
+    assert main([*args, "--vocab-size", "71", "--device", "cpu", "--trace", "never"]) == 0
+    assert "10 layers x 128 wide" in capsys.readouterr().out

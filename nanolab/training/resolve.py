@@ -47,14 +47,20 @@ def section(config: Mapping[str, Any], key: str, default_class: str) -> tuple[st
     if node is None:
         return default_class, {}
     if isinstance(node, str):
-        return node, {}
+        return _class_path(node, default_class), {}
     if not isinstance(node, Mapping):
         raise RunConfigError(f"'{key}' must be a mapping of settings, got {type(node).__name__}")
     if "class_path" in node or "init_args" in node:
         args = dict(node.get("init_args") or {})
         args.update(node.get("dict_kwargs") or {})
-        return str(node.get("class_path") or default_class), args
+        return _class_path(str(node.get("class_path") or default_class), default_class), args
     return default_class, dict(node)
+
+
+def _class_path(given: str, default_class: str) -> str:
+    """The default class named by its own name (``--model GPTLightningModule``), which the fit
+    parser takes as well as its path, as that path; any other name as it is."""
+    return default_class if given == default_class.rpartition(".")[2] else given
 
 
 def sections(config: Mapping[str, Any]) -> tuple[str, dict[str, Any], str, dict[str, Any]]:
@@ -403,8 +409,14 @@ class DuplicateKeyError(RunConfigError):
 
 def override_value(text: str) -> Any:
     """A command-line value as the fit parser reads it: YAML (``2``, ``true``, ``null``,
-    ``6e-4``, ``[a, b]``, ``{k: v}``), else the string itself."""
+    ``6e-4``, ``[a, b]``, ``{k: v}``), else the string itself. A whole number in decimal digits
+    is read as the parser reads one on the command line, before YAML: ``010`` is 10 (YAML 1.1,
+    and so a config file, reads it as octal 8)."""
     import yaml
+
+    plain = text.strip()
+    if plain.isdecimal() or (plain.startswith("-") and plain[1:].isdecimal()):
+        return int(plain)
 
     try:
         return load_yaml(text)
