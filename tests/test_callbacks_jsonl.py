@@ -577,3 +577,51 @@ def test_a_value_logged_after_the_read_is_said_to_be_recorded_later_or_not_at_al
     (late,) = [line for line in capsys.readouterr().err.splitlines() if "train/late" in line]
     assert "logged at step 1 after the run log took step 1's values" in late, late
     assert "recorded with a later step or not at all" in late and "step_values" in late
+
+
+class SignalledAt(L.Callback):
+    """A SIGTERM arriving at ``step``, an evaluation step: the handler evaluates, then stops."""
+
+    def __init__(self, handler: L.Callback, step: int) -> None:
+        self.handler, self.step = handler, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import signal
+
+        if trainer.global_step == self.step and self.handler.received is None:
+            self.handler._handle(signal.SIGTERM, None)  # what the signal itself calls
+
+
+class LogsLateAt(L.Callback):
+    """Logs in ``on_train_batch_end`` at ``step`` only: after that step's record took its values."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            pl_module.log("train/late", 1.0)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["nanolab-only", "a-late-log"])
+def test_a_stop_after_an_evaluation_says_nothing_of_late_values_but_a_users(
+    tmp_path, char_dataset, capsys, late
+):
+    """A signal at an evaluation step stops right after its validation: the validation's
+    val/loss, val/bpb were taken for train values logged after the step's record (the results
+    Lightning shows then are the validation's), and a plain run was told to fix code it never
+    wrote. A value a callback does log late at that step is still named."""
+    from nanolab.callbacks.preemption import Preempted, PreemptionHandler
+
+    handler = PreemptionHandler()
+    callbacks = [SignalledAt(handler, 4), MetricsLog(), RotatingCheckpoint(every_n_steps=None)]
+    callbacks += [handler, *([LogsLateAt(4)] if late else [])]
+    with pytest.raises(Preempted):
+        fit(tmp_path / "run", char_dataset, callbacks, max_steps=8, eval_every=4)
+    assert [r["step"] for r in events(tmp_path / "run" / "metrics.jsonl", "val")] == [4]
+    warned = [line for line in capsys.readouterr().err.splitlines() if "was logged at" in line]
+    if not late:
+        assert warned == []
+    else:
+        (line,) = warned
+        assert line.split(": warning: ")[1].startswith("train/late was logged at step"), line

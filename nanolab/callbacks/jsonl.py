@@ -542,11 +542,18 @@ def fresh_metrics(trainer: L.Trainer, training: bool) -> dict[str, Any]:
     during training); the active loop's results hold only its own. They still hold a train
     value logged only now and then at the steps between (Lightning keeps it until the epoch
     ends): :meth:`MetricsLog._logged_since` keeps only those logged since it last looked.
-    Lightning has no public accessor for the results, hence the logger connector (private); if
-    a Lightning upgrade moves it, the public dict is filtered by name.
+    Lightning has no public accessor for the results, hence the logger connector and the fit
+    loop's results (private); if a Lightning upgrade moves them, the public dict is filtered by
+    name.
     """
     try:
-        metrics = dict(trainer._logger_connector.metrics["callback"])
+        if training and not trainer.training:
+            # A validation is running (a stop right after one ends the run inside it): the
+            # trainer's results are the validation's, and the train values are the fit loop's.
+            results = trainer.fit_loop.epoch_loop._results
+            metrics = dict(results.metrics(on_step=True)["callback"])
+        else:
+            metrics = dict(trainer._logger_connector.metrics["callback"])
     except Exception:  # private API moved: filter the public dict instead
         return {
             k: v for k, v in trainer.callback_metrics.items() if k.startswith("val") != training
