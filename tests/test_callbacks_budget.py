@@ -182,6 +182,49 @@ def test_a_signal_at_the_step_a_budget_stops_leaves_the_budget_stop(tmp_path, ch
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
 
 
+def test_an_evaluation_a_preemption_saved_before_is_run_by_the_resume(tmp_path, char_dataset):
+    """``preemption.finish_validation: false`` and a SIGTERM in step 4, an evaluation step: the
+    checkpoint comes before that evaluation, and the resumed run evaluates step 4 before it
+    trains. Its val records (numbers too), plateau stop and in-loop task steps are then those of
+    the run never stopped; Lightning alone skipped the evaluation, so the plateau rule stopped at
+    step 12 instead of 8 and the tasks (every 2nd evaluation) came at step 12. When that
+    evaluation is what stops the run, its checkpoint is saved again: the same command then
+    stands by the stop instead of evaluating the step once more."""
+    from cli_probes import SignalAt
+
+    from nanolab.callbacks.downstream import DownstreamEval
+    from nanolab.callbacks.preemption import Preempted, PreemptionHandler
+
+    def launch(run, signal_at: int | None = None) -> L.Trainer:
+        L.seed_everything(0)
+        ckpt = run / "checkpoints" / "last.ckpt"
+        callbacks = [DownstreamEval("builtin:shakespeare", every_n_evals=2, limit=20),
+                     MetricsLog(), RotatingCheckpoint(every_n_steps=None),
+                     CostBudget(patience=1, min_delta=10.0),  # no evaluation improves enough
+                     PreemptionHandler(finish_validation=False)]  # fmt: skip
+        if signal_at is not None:
+            callbacks.append(SignalAt(signal_at))
+        return fit(
+            run, char_dataset, callbacks, max_steps=16, eval_every=4,
+            ckpt_path=ckpt if ckpt.exists() else None,
+        )  # fmt: skip
+
+    def logged(run, kind: str, *keys: str) -> list[tuple]:
+        return [tuple(r[k] for k in keys) for r in events(run / "metrics.jsonl", kind)]
+
+    assert launch(tmp_path / "a").global_step == 8
+    for at, run in ((3, tmp_path / "b"), (7, tmp_path / "c")):  # stopped at step 4, at step 8
+        with pytest.raises(Preempted):
+            launch(run, signal_at=at)
+        assert launch(run).global_step == 8
+        for kind, keys in (("val", ("step", "val_loss")), ("tasks", ("step", "tasks/core"))):
+            assert logged(run, kind, *keys) == logged(tmp_path / "a", kind, *keys), (at, kind)
+        ends = logged(run, "end", "step", "reason")
+        assert ends == [(at + 1, "preempted"), (8, "plateau")]
+    assert launch(tmp_path / "c").global_step == 8  # the stop stands: no evaluation again
+    assert [r[0] for r in logged(tmp_path / "c", "val", "step")] == [4, 8]
+
+
 def _payoff_records(run):
     return [r for r in events(run / "metrics.jsonl", "budget") if r["rule"] in ("none", "payoff")]
 

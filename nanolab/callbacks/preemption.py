@@ -8,8 +8,9 @@ nothing. This callback instead:
 1. on the first signal, only records it (a signal handler must not do real work: it runs between
    two bytecodes of whatever the main thread was doing);
 2. at the end of the optimizer step in progress (never mid-accumulation; after its evaluation
-   when it is an evaluation step, or right after an evaluation the signal interrupted), all
-   ranks agree to stop, a checkpoint is saved through the Trainer (the same atomic path as every other checkpoint),
+   when it is an evaluation step, or right after an evaluation the signal interrupted; with
+   ``finish_validation: false`` before that evaluation, which the resumed run then runs first),
+   all ranks agree to stop, a checkpoint is saved through the Trainer (the same atomic path as every other checkpoint),
    and :class:`Preempted` is raised: other callbacks see it in ``on_exception`` (the JSONL log
    writes its ``end`` record with reason ``preempted``) and the process exits with
    :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again later");
@@ -56,7 +57,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from nanolab.callbacks.events import set_stop_reason, stop_reason
 from nanolab.callbacks.files import publish, tmp_path
-from nanolab.callbacks.step import StepCallback, validation_follows
+from nanolab.callbacks.step import (
+    StepCallback,
+    scheduled_validation,
+    validate_now,
+    validation_follows,
+)
 from nanolab.model.config import ConfigError
 
 #: Exit status of a preempted run (sysexits.h EX_TEMPFAIL: a temporary failure, retry later).
@@ -150,9 +156,11 @@ class PreemptionHandler(StepCallback):
             caught; that case is what atomic checkpoints and ``run.resume auto`` are for.
         exit_code: Process exit status after a preemption checkpoint (75 = EX_TEMPFAIL).
         finish_validation: When the step in progress is an evaluation step, evaluate before
-            saving, so the evaluation is in the log (a resumed run does not repeat the evaluation
-            of the step it resumes after). ``false`` on machines with a grace period shorter than
-            an evaluation: the checkpoint comes first and that one evaluation is skipped.
+            saving, so the evaluation is in the log and in the checkpoint. ``false`` on machines
+            with a grace period shorter than an evaluation: the checkpoint comes first and
+            records that its step is unevaluated; the resumed run evaluates it before its first
+            training step (Lightning itself would skip it), so its log, plateau rule and
+            in-loop tasks are those of a run never stopped.
     """
 
     def __init__(
@@ -177,6 +185,9 @@ class PreemptionHandler(StepCallback):
         self._previous: dict[signal.Signals, Any] = {}
         self._trainer: pl.Trainer | None = None
         self._stepped = False  # an optimizer step ended in this process
+        # The step of the checkpoint saved before its evaluation (finish_validation: false);
+        # carried in the checkpoint so that the resumed run evaluates it first.
+        self._unevaluated: int | None = None
 
     def _run_dir(self) -> Path | None:
         """Where a checkpoint to resume from would be (for the watchdog's exit code)."""
@@ -270,11 +281,13 @@ class PreemptionHandler(StepCallback):
             early_signals.disarm_watchdog()  # a step boundary: the usual stop takes over
         if not self._agreed(trainer, self.received is not None):
             return
-        if self.finish_validation and validation_follows(trainer):
-            # This step is an evaluation step: evaluate first, so the resumed run (which does
-            # not repeat an evaluation of a step it resumes after) has it in its log.
-            self._after_validation = True
-            return
+        if validation_follows(trainer):
+            if self.finish_validation:
+                # This step is an evaluation step: evaluate first, so that the evaluation is in
+                # the log and the checkpoint (a resume would not repeat it).
+                self._after_validation = True
+                return
+            self._unevaluated = step  # saved with the checkpoint: the resume evaluates it
         self._stop(trainer)
 
     def on_validated(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
@@ -311,6 +324,26 @@ class PreemptionHandler(StepCallback):
             )
         raise Preempted(name, step, path, self.exit_code, before_first_step)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # every step callback's on_run_start, once
+        self._evaluate_skipped(trainer)
+
+    def _evaluate_skipped(self, trainer: pl.Trainer) -> None:
+        """Run the evaluation the restored checkpoint was saved before, ahead of the first
+        training step. Lightning does not repeat the evaluation of a step it resumes after; a
+        run never stopped had this one (in its log, the plateau rule's patience and
+        ``downstream.every_n_evals``). Here, after the other callbacks have started, on the
+        restored weights: its numbers are the uninterrupted run's."""
+        step, self._unevaluated = self._unevaluated, None  # a later save must not ask again
+        if not self.active or step is None or step != trainer.global_step:
+            return
+        if not scheduled_validation(trainer):
+            return  # not an evaluation step at this launch's settings
+        if validate_now(trainer) and stop_reason(trainer)[0] in ENDS_ON_ITS_OWN:
+            # It ended the run (a plateau): the step's checkpoint must hold that, as a run
+            # never stopped saves it, or the same command would evaluate the step again.
+            save_checkpoint_now(trainer)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._uninstall()
 
@@ -320,7 +353,12 @@ class PreemptionHandler(StepCallback):
         self._uninstall()
 
     def state_dict(self) -> dict[str, Any]:
-        return {}  # nothing to carry across a resume: a new process starts unsignalled
+        # A new process starts unsignalled; only an evaluation saved before is carried over.
+        return {} if self._unevaluated is None else {"unevaluated_step": self._unevaluated}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        step = state_dict.get("unevaluated_step")
+        self._unevaluated = int(step) if step is not None else None
 
 
 def save_checkpoint_now(trainer: pl.Trainer) -> str:

@@ -230,3 +230,28 @@ def scheduled_validation(trainer: L.Trainer) -> bool:
         return True
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     return int(trainer.global_step) * accumulate % every == 0
+
+
+def validate_now(trainer: L.Trainer) -> bool:
+    """Run the fit's evaluation now, before the next training step; False if it cannot be run.
+
+    For an evaluation a checkpoint was saved without (a preemption that saved first): the
+    restored weights are those that evaluation would have seen, so its numbers are the
+    uninterrupted run's. Lightning has no public API for an evaluation during fit; this is what
+    its training loop does after a step (a fresh evaluation, not the continuation of one the
+    checkpoint interrupted). A Lightning upgrade that moves the loop makes this False: the step
+    then goes unevaluated, as it did before this existed.
+    """
+    if not trainer.enable_validation:
+        return False
+    try:
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        val_loop.restarting = False
+    except AttributeError:
+        return False
+    trainer.validating = True
+    try:
+        val_loop.run()
+    finally:
+        trainer.training = True
+    return True
