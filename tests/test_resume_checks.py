@@ -379,3 +379,37 @@ def test_a_run_whose_checkpoints_are_gone_is_not_started_over_in_its_own_log(
     (run / "metrics.jsonl").write_text(start + "\n" + json.dumps(end) + "\n")
     res = nanolab_here(*args, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_a_branch_whose_checkpoints_are_gone_is_not_started_over_in_its_own_log(
+    tmp_path, char_dataset
+):
+    """A run branched from another run's checkpoint (``run.resume PATH``), its checkpoints
+    deleted, rerun with the same command: it started from the parent's checkpoint again into
+    its own log (steps twice). Refused in one line whose fixes suit a branch (run.fresh takes
+    no checkpoint); a branch killed before its first save still starts again."""
+    parent = _fit(tmp_path, char_dataset)
+    branch_cmd = (
+        "fit", "--config", str(QUICKSTART), "--config", str(tmp_path / "t.yaml"),
+        "--run.name", "br", "--trainer.max_steps", "8",
+        "--run.resume", str(parent / "checkpoints" / "step-00000002.ckpt"),
+    )  # fmt: skip
+    res = nanolab_here(*branch_cmd, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    branch = tmp_path / "runs" / "br"
+    log = (branch / "metrics.jsonl").read_bytes()
+    shutil.rmtree(branch / "checkpoints")
+    res = nanolab_here(*branch_cmd, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert f"run directory {branch} holds a run logged up to step 8" in line, line
+    assert "branch from" in line and "under another run.name" in line, line
+    assert "run.fresh" not in line and "Traceback" not in res.stderr
+    assert (branch / "metrics.jsonl").read_bytes() == log
+
+    # Killed before its first save (no checkpoint record): it starts again from the parent's.
+    records = [json.loads(ln) for ln in log.decode().splitlines()]
+    kept = [r for r in records if r.get("event") != "checkpoint" and r.get("step", 0) <= 3]
+    (branch / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    res = nanolab_here(*branch_cmd, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -509,8 +509,9 @@ def claim_for_fit(
             "rerun the same command"
         )
     requested, flag = requested_checkpoint(str(run.resume), ckpt_path)
+    log_name = str(cfg.get("log", {}).get("filename") or RUN_LOG_NAME)
     if requested not in (None, "auto") and not run.fresh:
-        requested = continue_own_fork(run_dir, requested)
+        requested = continue_own_fork(run_dir, requested, log_name)
     if requested == "auto" and not run.fresh and global_rank_from_env() == 0:
         complete_rollback(run_dir)  # a rollback stopped half-way finishes before the choice
     if not run.fresh:
@@ -519,7 +520,7 @@ def claim_for_fit(
     if requested is not None and not (run.fresh and requested == "auto"):
         cand = open_checkpoint(requested, flag, run_dir, model, training=True, data=data)
     if cand is None and not run.fresh:  # no checkpoint: a new run, or one that lost them
-        refuse_lost_checkpoints(run_dir, str(cfg.get("log", {}).get("filename") or RUN_LOG_NAME))
+        refuse_lost_checkpoints(run_dir, log_name)
     path = str(cand.path) if cand is not None else None
     if cand is not None:
         from nanolab.training.resume import (
@@ -578,38 +579,50 @@ def _inside(path: Path, folder: Path) -> bool:
     return True
 
 
-def refuse_lost_checkpoints(run_dir: Path, log_name: str) -> None:
+def refuse_lost_checkpoints(run_dir: Path, log_name: str, branched_from: str | None = None) -> None:
     """Refuse to start over in place a run whose log records checkpoints it saved that are now
     gone (its ``checkpoints/`` deleted or moved away): the same command would train from step 0
     again into the same log, which would then hold those steps twice (and ``report`` would count
     a resume). A run that saved no checkpoint (it stopped before its first step, or was killed
     before its first save, e.g. a queue job retried after a hard kill) has nothing to lose: it
-    starts again, as before."""
+    starts again, as before. ``branched_from``: the other run's checkpoint the run started
+    from, given again (a branch cannot be started over with ``run.fresh``: that takes no
+    checkpoint)."""
     from nanolab.callbacks.rundir import CHECKPOINT_DIR, PREVIOUS_DIR, lost_checkpoints
 
     lost = lost_checkpoints(run_dir, log_name)
     if lost is None:
         return
     logged, saved = lost
+    over = (
+        f"branch from {branched_from} again under another run.name (or move {run_dir} away first)"
+        if branched_from is not None
+        else f"start it over with run.fresh: true (moves its files to {run_dir / PREVIOUS_DIR}, "
+        "nothing is deleted), or start a new run under another run.name"
+    )
     raise RunConfigError(
         f"run directory {run_dir} holds a run logged up to step {logged} ({run_dir / log_name}) "
         f"whose checkpoints (the newest of step {saved}) are no longer in "
         f"{run_dir / CHECKPOINT_DIR}; starting it again would log those steps twice. Put its "
-        "checkpoints back and rerun the same command, start it over with run.fresh: true "
-        f"(moves its files to {run_dir / PREVIOUS_DIR}, nothing is deleted), or start a new run "
-        "under another run.name"
+        f"checkpoints back and rerun the same command, or {over}"
     )
 
 
-def continue_own_fork(run_dir: Path, requested: str) -> str:
+def continue_own_fork(run_dir: Path, requested: str, log_name: str = RUN_LOG_NAME) -> str:
     """``auto`` when the run directory holds the run that started from ``requested`` and has
     checkpoints of its own: the command that started a fine-tune, run again after a preemption
     (the documented retry loop, a requeue, the queue), continues it from its newest checkpoint
-    instead of being refused as a second run, or starting over."""
+    instead of being refused as a second run, or starting over. Such a run whose checkpoints
+    are gone is refused (:func:`refuse_lost_checkpoints`), not started over from ``requested``
+    into its own log."""
     from nanolab.callbacks.rundir import checkpoint_files, continues_fork
     from nanolab.callbacks.runlock import global_rank_from_env
 
-    if not checkpoint_files(run_dir) or not continues_fork(run_dir, requested):
+    if not checkpoint_files(run_dir):
+        if continues_fork(run_dir, requested, log_name):
+            refuse_lost_checkpoints(run_dir, log_name, branched_from=requested)
+        return requested
+    if not continues_fork(run_dir, requested, log_name):
         return requested
     if global_rank_from_env() == 0:
         print(
