@@ -303,6 +303,16 @@ def test_a_resume_that_changes_dropout_clipping_or_val_windows_says_each(tmp_pat
     # The same values again: nothing to say.
     res = nanolab_here(*base, *changed, "--trainer.max_steps", "8", cwd=tmp_path)
     assert res.returncode == 0 and "resuming with" not in res.stderr, res.stderr[-2000:]
+    # A launch with clipping 1.0 resumed from step 8 and was killed before it saved (its start
+    # record is the newest at step 8): the values step 8 trained with are the saving launch's,
+    # so resuming with them again says nothing (it said "trained with 1.0": a false line whose
+    # advice undid the user's choice).
+    killed = read_records(run / "metrics.jsonl", "start")[-1]
+    killed["config"]["trainer"]["gradient_clip_val"] = 1.0
+    with open(run / "metrics.jsonl", "a") as log:
+        log.write(json.dumps({**killed, "step": 8}) + "\n")
+    res = nanolab_here(*base, *changed, "--trainer.max_steps", "10", cwd=tmp_path)
+    assert res.returncode == 0 and "resuming with" not in res.stderr, res.stderr[-2000:]
 
 
 class _ByName:

@@ -840,19 +840,30 @@ def _dotted(config: dict[str, Any], key: str, missing: Any = _UNKNOWN) -> Any:
 
 def _saving_launch_config(run_dir: Path | None, cfg: Any, step: Any) -> dict[str, Any] | None:
     """The config of the launch that saved the step-``step`` checkpoint of the run in
-    ``run_dir``: its run log's last ``start`` record at or before that step (an older checkpoint
-    resumed belongs to an earlier launch), else the run's config.yaml (the last launch's)."""
+    ``run_dir``: the ``start`` record before that checkpoint's record in the run log, else (no
+    record of the save: a launch killed before it logged it) the last ``start`` of a step before
+    ``step`` (a launch saves only steps past its own start: one that resumed from this
+    checkpoint and was killed did not save it), else the run's config.yaml (the last launch's)."""
     if run_dir is None:
         return None
-    from nanolab.runlog import last_record
+    import contextlib
+
+    from nanolab.runlog import iter_backwards
     from nanolab.runs import config_of
 
     log = run_dir / str(cfg.get("log", {}).get("filename") or RUN_LOG_NAME)
-    start = last_record(
-        log,
-        "start",
-        where=lambda r: isinstance(r.get("step"), int) and r["step"] <= (step or 0),
-    )
+    saved_seen = False
+    start = None
+    with contextlib.closing(iter_backwards(log, ("checkpoint", "start"))) as newest_first:
+        for record in newest_first:
+            at = record.get("step")
+            if record.get("event") == "checkpoint" and at == step:
+                saved_seen = True
+            elif record.get("event") == "start" and isinstance(at, int):
+                if saved_seen or (start is None and at < (step or 0)):
+                    start = record
+                if saved_seen:
+                    break
     config = start.get("config") if start else None
     return config if isinstance(config, dict) else config_of([], run_dir)
 
