@@ -114,3 +114,9 @@ def test_a_flag_before_a_file_that_sets_it_loses_and_is_named(tmp_path: Path, ca
     code, out = _nanolab(["fit", *after], tmp_path)
     assert code == 0 and _flat(yaml.safe_load(out))["model.gpt.n_layer"] == 3
     assert capsys.readouterr().err.strip() == ""
+    # The file sets the flag's own value: nothing was overridden, nothing is said.
+    same = ["--model.gpt.n_layer", "12", "--config", str(BASE)]
+    code, out = _nanolab(["fit", *same, "--print_config"], tmp_path)
+    assert code == 0 and capsys.readouterr().err.strip() == ""
+    code, out = _nanolab(["estimate", *same, "--gpu", "h100"], tmp_path)
+    assert code == 0 and capsys.readouterr().err.strip() == ""

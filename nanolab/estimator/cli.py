@@ -35,7 +35,7 @@ from nanolab.model.config import GPTConfig
 from nanolab.tables import table
 from nanolab.training.resolve import (
     compose,
-    config_leaves,
+    config_settings,
     overridden_flags,
     read_config_file,
     split_fit_args,
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             files[path] = read_config_file(path)
         return copy.deepcopy(files[path])
 
-    for line in overridden_flags(fit_args, lambda path: config_leaves(read_file(path))):
+    for line in overridden_flags(fit_args, lambda path: config_settings(read_file(path))):
         warn("nanolab estimate", line)  # in order, as fit reads them: said as fit says it
     for name, value in (
         ("--devices", args.devices),

@@ -140,6 +140,22 @@ def _file_keys(raw: str) -> Iterator[tuple[str, str]]:
         yield key, f"config file {path}"
 
 
+def _file_settings(raw: str) -> dict[str, Any]:
+    """A readable ``--config`` file's settings by dotted key, with their values (none for one
+    the parser will name a problem of)."""
+    from nanolab.training.resolve import config_settings, load_yaml
+
+    if not _readable_file(raw):
+        return {}
+    try:
+        data = load_yaml(_read_config(raw), f"config file {raw}")
+    except RunConfigError:
+        raise
+    except Exception:  # not text, or not YAML: the parser names the problem its own way
+        return {}
+    return config_settings(data) if isinstance(data, Mapping) else {}
+
+
 def _readable_file(raw: str) -> bool:
     """Whether ``--config raw`` is a file to read here: a regular file or the shell's
     ``<(...)`` pipe. A folder, a named FIFO or a device is refused in one line (the parser would
@@ -353,8 +369,8 @@ def preflight(verb: str, argv: list[str]) -> None:
         check_keys(argv, known)
     from nanolab.training.resolve import config_path_problem, overridden_flags
 
-    def keys_in(path: str) -> list[str]:  # a file the parser will name a problem of: none
-        return [k for k, _ in _file_keys(path)] if config_path_problem(path) is None else []
+    def keys_in(path: str) -> dict[str, Any]:  # a file the parser will name a problem of: none
+        return _file_settings(path) if config_path_problem(path) is None else {}
 
     for line in overridden_flags(argv, keys_in):
         warn(f"nanolab {verb}", line)

@@ -172,7 +172,9 @@ def setting_key(key: str) -> str:
     return ".".join(parts)
 
 
-def overridden_flags(argv: Sequence[str], keys_in: Callable[[str], Iterable[str]]) -> list[str]:
+def overridden_flags(
+    argv: Sequence[str], keys_in: Callable[[str], Iterable[str] | Mapping[str, Any]]
+) -> list[str]:
     """A line for each option of ``argv`` whose value a later ``--config`` file replaces.
 
     The command line is read in order, later ones winning (the fit parser's rule, which
@@ -180,7 +182,9 @@ def overridden_flags(argv: Sequence[str], keys_in: Callable[[str], Iterable[str]
     ``n_layer``. That is rarely what the flag's author meant, so each such flag is named with
     its value and the file that won. A flag given again after that file wins, and is not named.
     ``keys_in(path)``: the dotted keys a ``--config`` file sets (each verb reads its files its
-    own way: a shell's ``<(...)`` pipe holds its text for one reader)."""
+    own way: a shell's ``<(...)`` pipe holds its text for one reader), or those keys with their
+    values: a file that sets the flag's own key to the flag's own value replaces nothing, and
+    the flag is not named."""
     given: dict[str, tuple[str, str, list[str]]] = {}  # key: (flag, value, the keys it sets)
     lost: dict[str, tuple[str, str, str]] = {}  # key: (flag, value, the file that replaced it)
     tokens = list(argv)
@@ -200,8 +204,14 @@ def overridden_flags(argv: Sequence[str], keys_in: Callable[[str], Iterable[str]
             break
         name = flag[2:].removesuffix("+")
         if name == "config":
-            in_file = [setting_key(k) for k in keys_in(text)]
+            found = keys_in(text)
+            values = (
+                {setting_key(k): v for k, v in found.items()} if isinstance(found, Mapping) else {}
+            )
+            in_file = [setting_key(k) for k in found]
             for key, (flag_, value, sets) in list(given.items()):
+                if key in values and _same_value(values[key], value):
+                    continue  # the file sets what the flag set: nothing is replaced
                 if any(_covers(f, s) for f in in_file for s in sets):
                     lost[key] = (flag_, value, text)
                     del given[key]
@@ -226,6 +236,25 @@ def overridden_flags(argv: Sequence[str], keys_in: Callable[[str], Iterable[str]
     ]
 
 
+def _same_value(in_file: Any, flag_text: str) -> bool:
+    """Whether a file's value equals a flag's text read as the command line's values are."""
+    try:
+        return bool(override_value(flag_text) == in_file)
+    except RunConfigError:
+        return False
+
+
+def config_settings(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config file's settings by dotted key (its leaves, an empty group one too)."""
+    found: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            found.update(config_settings(value, f"{prefix}{key}."))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
+
+
 def _covers(file_key: str, flag_key: str) -> bool:
     """Whether a file setting ``file_key`` replaces the value a flag gave ``flag_key``: the
     same key, one of its parents, or a setting inside it."""
@@ -234,11 +263,6 @@ def _covers(file_key: str, flag_key: str) -> bool:
         or flag_key.startswith(file_key + ".")
         or file_key.startswith(flag_key + ".")
     )
-
-
-def config_leaves(data: Mapping[str, Any]) -> list[str]:
-    """The dotted keys a config file's settings set (its leaves, an empty group one too)."""
-    return list(_leaves(data))
 
 
 def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
