@@ -24,8 +24,10 @@ measured.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+from typing import Any
 
 from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu: public here too)
     STARTUP_S,
@@ -50,33 +52,65 @@ def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float 
     )
 
 
+#: How many of a config's newest finished jobs its step time is taken from: enough for a
+#: median, and a bound on the logs read (a night's queue asks for it for every waiting job).
+HISTORY_RUNS = 8
+
+#: Each finished run log's steady step time, by (path, size, mtime): a finished log does not
+#: change, and the runner asks again at every fill.
+_STEADY: dict[tuple[str, int, int], float | None] = {}
+
+
 def steady_step_seconds(run_dir: str) -> float | None:
     """A finished run's own steady wall seconds per step: the slope of ``elapsed_s`` over its
     train records from the first logged one (start-up and the first, compiling step left out;
-    the validations in between counted, as a job will run them too). None: too few records."""
-    from nanolab.runlog import RUN_LOG_NAME, iter_records
+    the validations in between counted, as a job will run them too). None: too few records.
+    Read from the top to the first such record and from the end to the last, so a long log
+    costs two short reads; remembered per log file."""
+    from nanolab.runlog import RUN_LOG_NAME, iter_records, last_record
 
-    first = last = None
-    for r in iter_records(os.path.join(run_dir, RUN_LOG_NAME), "train"):
-        step, elapsed = r.get("step"), r.get("elapsed_s")
-        if isinstance(step, int) and isinstance(elapsed, (int, float)) and step > 0:
-            first = first or (step, float(elapsed))
-            last = (step, float(elapsed))
-    if first is None or last is None or last[0] <= first[0] or last[1] <= first[1]:
+    path = os.path.join(run_dir, RUN_LOG_NAME)
+    try:
+        st = os.stat(path)
+    except OSError:
         return None
-    return (last[1] - first[1]) / (last[0] - first[0])
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key in _STEADY:
+        return _STEADY[key]
+
+    def timed(r: dict[str, Any]) -> bool:
+        step, elapsed = r.get("step"), r.get("elapsed_s")
+        return (
+            isinstance(step, int)
+            and not isinstance(step, bool)
+            and isinstance(elapsed, (int, float))
+            and step > 0
+        )
+
+    with contextlib.closing(iter_records(path, "train")) as records:
+        first = next((r for r in records if timed(r)), None)
+    last = last_record(path, "train", where=timed) if first is not None else None
+    value = None
+    if first is not None and last is not None:
+        steps = last["step"] - first["step"]
+        seconds = float(last["elapsed_s"]) - float(first["elapsed_s"])
+        value = seconds / steps if steps > 0 and seconds > 0 else None
+    _STEADY[key] = value
+    return value
 
 
 def history(db: QueueDB, key: str | None, exclude: int | None = None) -> tuple[float, str] | None:
-    """(seconds per step, how) from finished jobs of the same config: the median of their own
-    steady step times when their logs have them, else their mean wall seconds per step; None
-    without such a job (then a FLOP count over a probed or tabled rate is all there is)."""
+    """(seconds per step, how) from the newest finished jobs of the same config
+    (:data:`HISTORY_RUNS`): the median of their own steady step times when their logs have
+    them, else their mean wall seconds per step; None without such a job (then a FLOP count
+    over a probed or tabled rate is all there is)."""
     if key is None:
         return None
     rows = db.conn.execute(
         "SELECT run_dir, run_seconds, max_steps FROM jobs WHERE config_key = ? AND "
-        "status = 'done' AND run_seconds > 0 AND max_steps > 0 AND id != ?",
-        (key, -1 if exclude is None else exclude),
+        "status = 'done' AND run_seconds > 0 AND max_steps > 0 AND id != ? "
+        "ORDER BY id DESC LIMIT ?",
+        (key, -1 if exclude is None else exclude, HISTORY_RUNS),
     ).fetchall()
     steady = [v for v in (steady_step_seconds(r["run_dir"]) for r in rows) if v is not None]
     if steady:
