@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -869,3 +870,67 @@ def test_gpus_all_means_the_gpus_this_runner_was_given(monkeypatch, masks, expec
     else:
         with pytest.raises(QueueError, match=expected):
             parse_gpus("all")
+
+
+def test_a_configs_step_time_comes_from_its_newest_finished_runs(tmp_path):
+    """The runner asks for a config's step time for every waiting job at every fill; it read
+    the whole log of every finished job of that config each time (a night's queue spent a
+    minute between jobs after 20 had finished). It takes the newest few finished runs, each
+    log's first and last timed train records, and each log once."""
+    from nanolab.queue import predict
+
+    db = QueueDB(tmp_path / "q.db")
+    runs = []
+    for i in range(predict.HISTORY_RUNS + 4):
+        run_dir = tmp_path / f"r{i}"
+        run_dir.mkdir()
+        per_step = 100.0 if i < 4 else 2.0 + i  # the oldest four: far slower, and left out
+        with open(run_dir / "metrics.jsonl", "w") as log:
+            log.write(json.dumps({"event": "start", "step": 0}) + "\n")
+            for step in range(1, 301):
+                record = {"event": "train", "step": step, "elapsed_s": 5.0 + per_step * step}
+                log.write(json.dumps(record) + "\n")
+                if step % 50 == 0:
+                    log.write(json.dumps({"event": "val", "step": step, "val_loss": 1.0}) + "\n")
+            log.write(json.dumps({"event": "end", "step": 300}) + "\n")
+        runs.append((run_dir, per_step))
+    added = db.add_jobs([
+        NewJob(name=f"j{i}", config="c.yaml", args=[], seed=i, cwd="/", run_dir=str(d),
+               config_key="k", max_steps=300)
+        for i, (d, _) in enumerate(runs)
+    ])  # fmt: skip
+    job_ids = [j.id for j in added]
+    db.conn.execute(
+        f"UPDATE jobs SET status = 'done', run_seconds = 600 WHERE id IN "
+        f"({','.join(map(str, job_ids))})"
+    )
+    assert predict.steady_step_seconds(str(runs[5][0])) == pytest.approx(7.0)
+    newest = [p for _, p in runs[-predict.HISTORY_RUNS :]]
+    seconds, how = predict.history(db, "k")
+    assert seconds == pytest.approx(statistics.median(newest)) and "8 past runs" in how
+    # Each finished log is read once: its step time is remembered (the log's bytes blanked
+    # with its size and time kept would drop that run from the median if it were read again).
+    log = runs[-1][0] / "metrics.jsonl"
+    st = log.stat()
+    log.write_bytes(b" " * st.st_size)
+    os.utime(log, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert predict.history(db, "k")[0] == pytest.approx(seconds)
+
+
+def test_a_signal_during_a_fill_starts_no_job(tmp_path: Path) -> None:
+    """A SIGINT that landed while the runner was filling its slots (a fill that took a minute
+    over a long history) printed "no new jobs start" and then started one: the signal was
+    looked at before the fill only. Each claim now looks again; the handler's count is set as
+    the signal would set it."""
+    import io
+
+    from nanolab.queue.runner import Runner
+
+    db = QueueDB(tmp_path / "q.db")
+    db.add_jobs([NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir="/r/a")])
+    runner = Runner(db, out=io.StringIO())
+    runner.runner_id = db.register_runner()
+    runner._signals = 1  # as the SIGINT handler leaves it, mid-fill
+    runner.fill()
+    (job,) = db.jobs()
+    assert job.status == "pending" and not runner._active

@@ -300,6 +300,8 @@ class Runner:
         reserved: int = 0,
         sharing: int = 1,
     ) -> bool:
+        if self._signals:  # a signal during this fill: it said no new job starts
+            return False
         gpus = ",".join(str(self.units[u]) for u in units) if self.gpus else None
         packed_on = self.label(units[0]) if cap is not None else None
         if not self.db.claim(job.id, self.runner_id, gpus, time.time(), packed_on, cap):
