@@ -927,7 +927,8 @@ def test_a_signal_during_a_fill_starts_no_job(tmp_path: Path) -> None:
     from nanolab.queue.runner import Runner
 
     db = QueueDB(tmp_path / "q.db")
-    db.add_jobs([NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir="/r/a")])
+    run_dir = str(tmp_path / "runs" / "a")
+    db.add_jobs([NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir=run_dir)])
     runner = Runner(db, out=io.StringIO())
     runner.runner_id = db.register_runner()
     runner._signals = 1  # as the SIGINT handler leaves it, mid-fill
