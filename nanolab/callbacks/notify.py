@@ -65,10 +65,10 @@ class Notifier(Callback):
         if not trainer.is_global_zero or trainer.state.fn != "fit" or self.sent is not None:
             return
         run_dir = Path(trainer.default_root_dir)
-        end = last_record(run_dir / RUN_LOG_NAME, where=lambda r: r.get("event") == "end")
+        end = last_record(run_dir / RUN_LOG_NAME, "end")
         if end is None or end.get("reason") == "rollback":
             return  # no run log, or a rollback: the run continues
-        val = last_record(run_dir / RUN_LOG_NAME, where=lambda r: r.get("event") == "val")
+        val = last_record(run_dir / RUN_LOG_NAME, "val")
         wall = end.get("elapsed_s")
         fields = {
             "run": run_dir.name,

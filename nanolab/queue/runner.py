@@ -725,7 +725,8 @@ def outcome(
 
     end = last_record(
         Path(job.run_dir) / RUN_LOG_NAME,
-        where=lambda r: r.get("event") == "end" and float(r.get("time") or 0) >= since - 1.0,
+        "end",
+        where=lambda r: float(r.get("time") or 0) >= since - 1.0,
     )
     reason = (end or {}).get("reason")
     # The end record comes after the final checkpoint: a run that wrote one finished, even if
