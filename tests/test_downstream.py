@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from pathlib import Path
 
@@ -129,6 +130,62 @@ def test_bad_task_files_name_file_and_line(tmp_path: Path, rows, kind, problem) 
     with pytest.raises(TaskFileError) as err:
         read_task_file(path, kind)
     assert str(path) in str(err.value) and problem in str(err.value)
+
+
+def _mc(i: int) -> str:
+    return json.dumps({"context": f"c{i}", "choices": [f"a{i}", f"b{i}", "é"], "label": i % 3})
+
+
+def _core_order_of_a_full_read(path: Path, kind: str) -> list[Example]:
+    """What a suite gave before a limit was applied while reading: every line parsed, then
+    shuffled as CORE does."""
+    examples, _ = read_task_file(path, kind)
+    random.Random(1337).shuffle(examples)
+    return examples
+
+
+def test_a_limit_gives_the_examples_and_order_of_a_full_read(tmp_path: Path) -> None:
+    """A limit reads only the lines it chooses, yet chooses the ones a full read then CORE's
+    shuffle chose, in that order: with blank and whitespace-only lines, and a line break as
+    \\n, \\r\\n or a lone \\r (each counted as text reading counts it, for line numbers)."""
+    breaks = ["\n", "\r\n", "\r", "\n", "\n  \n", "\n\u00a0\n", "\r\n\r\n"]
+    text = "".join(_mc(i) + breaks[i % len(breaks)] for i in range(300))
+    path = tmp_path / "mc.jsonl"
+    path.write_bytes(text.encode("utf-8"))
+    full = _core_order_of_a_full_read(path, "multiple_choice")
+    assert len(full) == 300 and full[0].line != 1
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump([{"file": "mc.jsonl", "kind": "multiple_choice"}]))
+    for limit in (1, 2, 7, 50, 299, 300, 1000):
+        (task,) = load_suite(suite, limit=limit).tasks
+        assert task.examples == full[:limit], limit
+    (task,) = load_suite(suite).tasks
+    assert task.examples == full
+
+
+def test_a_limit_leaves_lines_it_does_not_choose_unread(tmp_path: Path) -> None:
+    """A malformed line the limit leaves out is not read; one it chooses is the error a full
+    read gives. The layout still comes from the first line, chosen or not."""
+    rows = [{"query": f"q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(200)]
+    order = list(range(200))
+    random.Random(1337).shuffle(order)
+    left_out, chosen = order[-1], order[2]
+    assert 0 not in order[:5]  # the first line is not among the five chosen
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump([{"file": "t.jsonl", "kind": "multiple_choice"}]))
+    write_lines(tmp_path / "t.jsonl", [*rows[:left_out], "{not json", *rows[left_out + 1 :]])
+    (task,) = load_suite(suite, limit=5).tasks
+    assert task.metric == "acc_token"  # the dclm layout, detected from line 1
+    assert [e.contexts[0] for e in task.examples] == [f"q{i}" for i in order[:5]]
+    with pytest.raises(TaskFileError, match=f"line {left_out + 1}: not JSON"):
+        load_suite(suite)
+    write_lines(tmp_path / "t.jsonl", [*rows[:chosen], {"query": "q"}, *rows[chosen + 1 :]])
+    with pytest.raises(TaskFileError) as limited:
+        load_suite(suite, limit=5)
+    with pytest.raises(TaskFileError) as full:
+        load_suite(suite)
+    assert str(limited.value) == str(full.value)
+    assert f"line {chosen + 1}: field 'choices' is missing" in str(full.value)
 
 
 def test_bad_task_file_is_one_line_and_exit_2_before_the_model_loads(tmp_path: Path) -> None:

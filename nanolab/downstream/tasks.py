@@ -31,9 +31,10 @@ import csv
 import json
 import random
 import re
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from nanolab.errors import NanolabError
 
@@ -228,8 +229,7 @@ def refuse_non_file(path: Path, what: str, fix: str) -> None:
         raise TaskFileError(f"{what} {path} is {not_a_file(path)}, not a file; {fix}")
 
 
-def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[Example], str]:
-    """Every example of a JSON-lines task file (blank lines skipped), and its layout."""
+def _check_kind_and_format(path: Path, kind: str, fmt: str | None) -> None:
     if kind not in KINDS:
         raise TaskFileError(
             f"task file {path}: kind {kind!r} (as its suite gives it) is not one of "
@@ -238,29 +238,41 @@ def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[
     if fmt is not None and fmt not in FORMATS:
         raise TaskFileError(f"task file {path}: format {fmt!r} is not one of {', '.join(FORMATS)}")
     refuse_non_file(path, "task file", "give a JSON-lines file")
+
+
+def _open_task_file(path: Path, mode: str) -> IO[Any]:
     try:
-        handle = path.open(encoding="utf-8")
+        return path.open(mode, encoding=None if "b" in mode else "utf-8")
     except OSError as err:
         raise TaskFileError(
             f"task file {path} cannot be read ({err.strerror or err}); give an existing "
             "JSON-lines file"
         ) from None
+
+
+def _row(raw: str, path: Path, number: int) -> dict[str, Any]:
+    """One non-blank line of a task file as a JSON object, or the line's error."""
+    try:
+        row = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise _fail(path, number, f"not JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise _fail(path, number, "JSON nested too deeply to read") from None
+    if not isinstance(row, dict):
+        raise _fail(path, number, f"a JSON {type(row).__name__}, not an object")
+    return row
+
+
+def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[Example], str]:
+    """Every example of a JSON-lines task file (blank lines skipped), and its layout."""
+    _check_kind_and_format(path, kind, fmt)
     examples: list[Example] = []
-    with handle:
+    with _open_task_file(path, "r") as handle:
         try:
             for number, raw in enumerate(handle, start=1):
                 if not raw.strip():
                     continue
-                try:
-                    row = json.loads(raw)
-                except json.JSONDecodeError as err:
-                    raise _fail(
-                        path, number, f"not JSON ({err.msg} at column {err.colno})"
-                    ) from None
-                except RecursionError:
-                    raise _fail(path, number, "JSON nested too deeply to read") from None
-                if not isinstance(row, dict):
-                    raise _fail(path, number, f"a JSON {type(row).__name__}, not an object")
+                row = _row(raw, path, number)
                 fmt = fmt or detect_format(row)
                 examples.append(parse_example(row, kind, fmt, path, number))
         except UnicodeDecodeError:
@@ -268,6 +280,92 @@ def read_task_file(path: Path, kind: str, fmt: str | None = None) -> tuple[list[
     if not examples:
         raise TaskFileError(f"task file {path} is empty; it needs one JSON object per line")
     return examples, fmt or "nanolab"
+
+
+def core_order(count: int) -> list[int]:
+    """CORE's order of ``count`` examples (the DCLM/nanochat rule): positions shuffled once with
+    :data:`SHUFFLE_SEED`. The permutation depends on ``count`` alone, so it can be drawn before
+    any example is parsed."""
+    order = list(range(count))
+    random.Random(SHUFFLE_SEED).shuffle(order)
+    return order
+
+
+def _blank(raw: bytes) -> bool:
+    """Whether a line is blank as text-mode reading sees it (``str.strip`` empty)."""
+    stripped = raw.strip()
+    if not stripped:
+        return True
+    if stripped[0] < 0x80 and not 0x1C <= stripped[0] <= 0x1F:
+        return False  # an ASCII character that is not whitespace: the common case, undecoded
+    try:
+        return not stripped.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return False  # not blank; an error if it is ever read
+
+
+def _line_starts(handle: IO[bytes]) -> tuple[array[int], array[int]]:
+    """Where each non-blank line of a task file starts (byte offset) and its number, counted
+    as text-mode reading counts them (universal newlines: ``\\n``, ``\\r\\n`` or a lone
+    ``\\r`` ends a line), from one pass that keeps no line: 16 bytes a line."""
+    offsets, numbers = array("q"), array("q")
+    offset = number = 0
+    for raw in handle:
+        pieces = [raw] if b"\r" not in raw else raw.split(b"\r")
+        if len(pieces) > 1 and pieces[-1] in (b"", b"\n"):
+            pieces.pop()  # the line's own \r\n (or a final \r): no line after it
+        start = offset
+        for piece in pieces:
+            number += 1
+            if not _blank(piece):
+                offsets.append(start)
+                numbers.append(number)
+            start += len(piece) + 1
+        offset += len(raw)
+    return offsets, numbers
+
+
+def _line_at(handle: IO[bytes], offset: int, path: Path) -> str:
+    """The text-mode line that starts at ``offset``: up to its first line break, ending in
+    ``\\n`` as universal newlines translate it."""
+    handle.seek(offset)
+    raw = handle.readline()
+    cut = raw.find(b"\r")
+    if cut >= 0:
+        raw = raw[:cut] + b"\n"
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TaskFileError(f"task file {path} is not UTF-8 text") from None
+
+
+def read_task_examples(
+    path: Path, kind: str, fmt: str | None = None, limit: int | None = None
+) -> tuple[list[Example], str]:
+    """A task file's examples in CORE's order (:func:`core_order`), the first ``limit`` of
+    them when given, and its layout.
+
+    With a limit only the chosen lines (and the first, for the layout when ``fmt`` is not
+    given) are read and parsed, after one pass that notes where each line starts: 50 examples
+    of a file of 500k lines take what 50 take, not what 500k do. A line the limit leaves out is
+    never read, so a malformed one there is not reported.
+    """
+    if limit is None:
+        examples, fmt = read_task_file(path, kind, fmt)
+        return [examples[i] for i in core_order(len(examples))], fmt
+    _check_kind_and_format(path, kind, fmt)
+    with _open_task_file(path, "rb") as handle:
+        offsets, numbers = _line_starts(handle)
+        if not offsets:
+            raise TaskFileError(f"task file {path} is empty; it needs one JSON object per line")
+        if fmt is None:  # from the first row, as a full read detects it
+            fmt = detect_format(_row(_line_at(handle, offsets[0], path), path, numbers[0]))
+        chosen = core_order(len(offsets))[:limit]
+        parsed: dict[int, Example] = {}
+        for i in sorted(chosen):  # in file order: the first bad line is the one a full read names
+            row = _row(_line_at(handle, offsets[i], path), path, numbers[i])
+            parsed[i] = parse_example(row, kind, fmt, path, numbers[i])
+    return [parsed[i] for i in chosen], fmt
 
 
 # -- suites ----------------------------------------------------------------------------------
@@ -311,12 +409,8 @@ def make_task(entry: dict[str, Any], base: Path, where: str) -> Task:
     name = str(entry.get("name") or path.stem)
     if "/" in name or not name.strip():
         raise TaskFileError(f"{where}: task name {name!r} must be non-empty and without '/'")
-    examples, fmt = read_task_file(path, entry["kind"], entry.get("format"))
-    # CORE's order (the DCLM/nanochat rule): shuffled once with a fixed seed, then the first
-    # `limit`; few-shot examples are drawn from what is left.
-    random.Random(SHUFFLE_SEED).shuffle(examples)
-    if limit is not None:
-        examples = examples[:limit]
+    # CORE's order, then the first `limit`; few-shot examples are drawn from what is left.
+    examples, fmt = read_task_examples(path, entry["kind"], entry.get("format"), limit)
     if shots and len(examples) <= shots:
         cut = (
             f" (limit {limit} leaves {len(examples)}; give a limit above {shots})" if limit else ""
