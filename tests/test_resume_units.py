@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -408,8 +409,15 @@ def test_the_command_that_started_a_fine_tune_continues_it_after_a_preemption(
     assert starts[1]["run_id"] == starts[0]["run_id"]
     assert Path(starts[1]["resumed_from"]).parent == child / "checkpoints"
 
-    for path in (child / "checkpoints").iterdir():  # killed before the child's first save
+    for path in (child / "checkpoints").iterdir():
         path.unlink()
+    # Its log records saves whose checkpoints are gone: refused, not logged twice.
+    lost = fork(10)
+    assert lost.returncode == 2 and "are no longer in" in lost.stderr, lost.stderr[-2000:]
+    # Killed before the child's first save: its log records no save.
+    records = [json.loads(line) for line in (child / "metrics.jsonl").read_text().splitlines()]
+    unsaved = [r for r in records if r.get("event") != "checkpoint"]
+    (child / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unsaved))
     restart = fork(10)
     assert restart.returncode == 0, restart.stderr[-2000:]
     starts = read_records(child / "metrics.jsonl", "start")
