@@ -354,6 +354,11 @@ def test_a_run_whose_checkpoints_are_gone_is_not_started_over_in_its_own_log(
     a run that stopped before its first step still starts again in place."""
     run = _fit(tmp_path, char_dataset)
     config = tmp_path / "t.yaml"
+    # With its checkpoints in place, run.resume never gets the claim's line, not this one.
+    args = ("fit", "--config", str(QUICKSTART), "--config", str(config))
+    res = nanolab_here(*args, "--run.resume", "never", cwd=tmp_path)
+    assert res.returncode == 2 and "with checkpoints (step-00000004.ckpt" in res.stderr
+    assert "no longer in" not in res.stderr, res.stderr[-2000:]
     shutil.rmtree(run / "checkpoints")
     log = (run / "metrics.jsonl").read_bytes()
     args = ("fit", "--config", str(QUICKSTART), "--config", str(config))

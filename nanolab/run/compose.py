@@ -588,8 +588,15 @@ def refuse_lost_checkpoints(run_dir: Path, log_name: str, branched_from: str | N
     starts again, as before. ``branched_from``: the other run's checkpoint the run started
     from, given again (a branch cannot be started over with ``run.fresh``: that takes no
     checkpoint)."""
-    from nanolab.callbacks.rundir import CHECKPOINT_DIR, PREVIOUS_DIR, lost_checkpoints
+    from nanolab.callbacks.rundir import (
+        CHECKPOINT_DIR,
+        PREVIOUS_DIR,
+        checkpoint_files,
+        lost_checkpoints,
+    )
 
+    if checkpoint_files(run_dir):  # they are there (run.resume never): the claim says what works
+        return
     lost = lost_checkpoints(run_dir, log_name)
     if lost is None:
         return
