@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,7 +226,7 @@ def overridden_flags(
             except RunConfigError:
                 parsed = None
             if isinstance(parsed, Mapping) and parsed:  # --model.gpt '{n_layer: 3}'
-                sets = [f"{key}.{k}" for k in _leaves(parsed)]
+                sets = [f"{key}.{k}" for k in config_settings(parsed)]
         given[key] = (flag.removesuffix("+"), text, sets)
         lost.pop(key, None)
     return [
@@ -263,14 +263,6 @@ def _covers(file_key: str, flag_key: str) -> bool:
         or flag_key.startswith(file_key + ".")
         or file_key.startswith(flag_key + ".")
     )
-
-
-def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
-    for key, value in data.items():
-        if isinstance(value, Mapping) and value:
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}"
 
 
 #: YAML's merge key (``<<: *anchor``).
