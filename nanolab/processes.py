@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,3 +124,19 @@ def exclusive(lock_path: Path) -> Iterator[None]:
             os.unlink(lock_path)  # while still holding it: see above
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """SIGINT held back in this thread, and raised as KeyboardInterrupt on leaving. A worker
+    process started meanwhile starts with it held too (the signal mask survives its exec), so
+    a Ctrl-C to the process group while it imports is never a traceback: it ignores SIGINT
+    once it runs (``nanolab.data.encode.become_worker``), and the parent decides."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -678,17 +678,17 @@ def test_a_dataset_folder_inside_a_run_is_refused_before_anything_is_written(tmp
 def test_bpe_training_sees_long_runs_of_letters_as_words_of_bounded_length():
     # The trainer's cost grows with the square of a word's length (500k letters: ~100 s); a
     # run is cut into pieces of MAX_TRAIN_WORD, each its own text, and nothing else changes.
-    from nanolab.data.tokenizers import MAX_TRAIN_WORD, _chunked, train_tokenizer
+    from nanolab.data.tokenizers import MAX_TRAIN_WORD, chunked, train_tokenizer
 
     rng = random.Random(0)
     text = "".join(rng.choice("ab c\n") for _ in range(3000))
     text += "x" * (3 * MAX_TRAIN_WORD + 5) + " mid " + "y" * MAX_TRAIN_WORD + "\n" + text
     for size in (97, 1000, 1 << 20):
-        pieces = list(_chunked([text, "tail"], size=size))
+        pieces = list(chunked([text, "tail"], size=size))
         assert "".join(pieces) == text + "tail"
         assert max(len(word) for piece in pieces for word in piece.split()) <= MAX_TRAIN_WORD
     plain = "the quick brown fox jumps over the lazy dog\n" * 200
-    assert list(_chunked([plain])) == [plain]  # ordinary text: the same input as before
+    assert list(chunked([plain])) == [plain]  # ordinary text: the same input as before
     tok = train_tokenizer("bpe", "x" * 200_000 + " the end", bpe_vocab_size=300)
     assert tok.decode(list(tok.encode("xxxx the end"))) == "xxxx the end"
 

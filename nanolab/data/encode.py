@@ -76,17 +76,25 @@ def init_worker(
     """
     global _tokenizer, _settings
     if parent is not None:
-        die_with_parent(parent)
-        # Ctrl-C reaches the whole process group: the parent decides what it means and ends
-        # the workers; a worker stopped by it would only print a traceback. The parent holds
-        # SIGINT back while it starts a worker, so one sent before this line is dropped here.
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        become_worker(parent)
     _tokenizer = tokenizer_from_spec(spec) if spec is not None else None
     _settings = settings
+
+
+def become_worker(parent: int) -> None:
+    """Make this process a worker of ``prepare`` ``parent``: it dies with it and ignores SIGINT.
+
+    Ctrl-C reaches the whole process group: the parent decides what it means and ends the
+    workers; a worker stopped by it would only print a traceback. The parent holds SIGINT back
+    while it starts a worker (``nanolab.processes.sigint_held``), so one sent before this runs
+    is dropped here.
+    """
+    import signal
+
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def die_with_parent(parent: int) -> None:

@@ -46,6 +46,7 @@ from unittest import mock
 import numpy as np
 
 from nanolab.data import encode
+from nanolab.data.bpe_process import train_bpe
 from nanolab.data.encode import BlockResult, EncodeSettings, SplitPart
 from nanolab.data.sources import (
     Block,
@@ -64,7 +65,7 @@ from nanolab.data.tokenizers import (
 )
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.messages import note, say
-from nanolab.processes import exclusive
+from nanolab.processes import exclusive, sigint_held
 from nanolab.runlog import refuse_inside_run
 
 FORMAT = "nanolab-tokens-v1"
@@ -423,22 +424,6 @@ def _finish_interrupted_swap(out_dir: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
-    """SIGINT held back in this thread, and raised as KeyboardInterrupt on leaving. A worker
-    process started meanwhile starts with it held too (the signal mask survives its exec), so
-    a Ctrl-C to the process group while it imports is never a traceback: it ignores SIGINT
-    once it runs (:func:`encode.init_worker`), and the parent decides."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _stop(pool: ProcessPoolExecutor) -> None:
     """End a pool now, its blocks unfinished: queued ones are cancelled by the pool itself and
     the workers are terminated (a block of BPE takes seconds). The order matters: the pool is
@@ -567,7 +552,7 @@ class _Job:
             pending: deque[tuple[tuple[int, str], Future[T]]] = deque()
             try:
                 for block in blocks:
-                    with _sigint_held():  # a worker starts inside submit: see _stop
+                    with sigint_held():  # a worker starts inside submit: see _stop
                         future = pool.submit(func, block, *extra)
                     pending.append(((block.file_index, block.kind), future))
                     if len(pending) >= 2 * self.n_workers:
@@ -578,7 +563,7 @@ class _Job:
                     yield where, future.result()
             except BaseException:  # Ctrl-C, a bad document, or the caller stopping early
                 pending.clear()
-                with _sigint_held():  # a second Ctrl-C must not leave the pool half stopped
+                with sigint_held():  # a second Ctrl-C must not leave the pool half stopped
                     _stop(pool)
                 raise
             pool.shutdown(wait=True)
@@ -620,7 +605,7 @@ class _Job:
         if name == "chars":
             return build_tokenizer(name, self._alphabet_texts)
         if name == "bpe":
-            return build_tokenizer(name, self._bpe_sample, self.bpe_vocab_size)
+            return train_bpe(self._bpe_sample(), self.bpe_vocab_size)
         return build_tokenizer(name, lambda: [], eot_token=self.eot_token)
 
     def _first_pass(self, phase: str, func: Callable[..., Any], *extra: Any) -> Iterator[Any]:

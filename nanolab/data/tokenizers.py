@@ -216,20 +216,13 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
-        """Byte-level BPE (GPT-2's scheme) with ``vocab_size`` ids, end-of-text included."""
-        from tokenizers import Tokenizer as RustTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
+        """Byte-level BPE (GPT-2's scheme) with ``vocab_size`` ids, end-of-text included, trained
+        in this process (``nanolab prepare`` trains in a child: :mod:`nanolab.data.bpe_process`)."""
+        return cls.from_learned(learn_bpe(chunked(texts), vocab_size), vocab_size)
 
-        check_bpe_vocab_size(vocab_size, "the BPE vocab_size")
-        tok = RustTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size - 1,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(_chunked(texts), trainer=trainer)
+    @classmethod
+    def from_learned(cls, tok: Any, vocab_size: int) -> HFTokenizer:
+        """The tokenizer :func:`learn_bpe` returned, its end-of-text token added."""
         tok.add_special_tokens([EOT_TEXT])
         learned = tok.get_vocab_size()
         if learned < vocab_size:  # the text ran out of pairs to merge: say so, not silently
@@ -413,7 +406,7 @@ MAX_TRAIN_WORD = 256
 _LONG_RUN = re.compile(rf"\S{{{MAX_TRAIN_WORD},}}")
 
 
-def _chunked(texts: Iterable[str], size: int = 1 << 20) -> Iterable[str]:
+def chunked(texts: Iterable[str], size: int = 1 << 20) -> Iterable[str]:
     """Long texts in pieces of ``size`` characters (the BPE trainer holds one piece at a time),
     with every run of non-space characters longer than :data:`MAX_TRAIN_WORD` cut into pieces
     of that length, each its own text (the trainer never joins two texts into one word)."""
@@ -428,6 +421,25 @@ def _chunked(texts: Iterable[str], size: int = 1 << 20) -> Iterable[str]:
                 start = run.end()
             if start < len(piece):
                 yield piece[start:]
+
+
+def learn_bpe(pieces: Iterable[str], vocab_size: int) -> Any:
+    """A ``tokenizers`` byte-level BPE learned from ``pieces`` (already cut by :func:`chunked`),
+    with ``vocab_size - 1`` ids: the end-of-text token is the last."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    check_bpe_vocab_size(vocab_size, "the BPE vocab_size")
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(pieces, trainer=trainer)
+    return tok
 
 
 def build_tokenizer(
