@@ -736,6 +736,44 @@ def test_prepare_again_says_nothing_to_do_and_a_refusal_names_what_differs(tmp_p
     assert "(it differs in --val-fraction 0.1, asked 0.2)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damage", ["truncate train.bin", "delete val.bin", "delete tokenizer"])
+def test_a_damaged_dataset_is_prepared_again_not_called_ready(tmp_path, capsys, damage):
+    """fit sends a user whose bins are cut short back to prepare: prepare must not call the
+    folder ready on its meta alone (it did, --force or not)."""
+    text = tmp_path / "in.txt"
+    text.write_text("some words to prepare, and a few more of them\n" * 400)
+    out = tmp_path / "data"
+    args = [str(text), "-o", str(out), "--tokenizer", "bpe", "--bpe-vocab-size", "300"]
+    assert main([*args, "-q"]) == 0
+    whole = {p.name: p.read_bytes() for p in out.iterdir()}
+    if damage == "truncate train.bin":
+        os.truncate(out / "train.bin", 10)
+        said = "train.bin holds 10 bytes, not "
+    elif damage == "delete val.bin":
+        (out / "val.bin").unlink()
+        said = "val.bin is missing"
+    else:
+        (out / "tokenizer.json").unlink()
+        said = "tokenizer.json is missing"
+    capsys.readouterr()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert f"holds this dataset damaged ({said}" in err and "preparing it again" in err
+    assert "nothing to do" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == whole
+
+
+def test_a_refusal_leaves_out_the_bpe_settings_of_a_dataset_that_is_not_bpe(tmp_path, capsys):
+    text = tmp_path / "in.txt"
+    text.write_text("some words to prepare, and a few more of them\n" * 400)
+    out = str(tmp_path / "data")
+    assert main([str(text), "-o", out, "-q"]) == 0
+    capsys.readouterr()
+    assert main([str(text), "-o", out, "--tokenizer", "bpe", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "(it differs in --tokenizer chars, asked bpe)" in err, err
+
+
 def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
     """A link beside its target (or a file inside a folder also given, overlapping globs) was
     read twice: the text doubled, and each copy was split into train and validation on its

@@ -261,11 +261,16 @@ def prepare_dataset(
             existing = read_meta(out_dir)
         except (OSError, ValueError):  # unreadable: not a dataset this run can reuse
             existing = None
-        if existing is not None and existing.get("source_hash") == digest:
+        damage = dataset_damage(out_dir, existing) if existing is not None else None
+        rebuild = existing is not None and existing.get("source_hash") == digest
+        if rebuild and damage is None:
             if say_reused and not quiet:
                 say("nanolab prepare", f"{out_dir} already holds this dataset (the same files and "
                     "settings): nothing to do")  # fmt: skip
             return existing
+        if rebuild and not quiet:  # the same settings: what fit asks for, --force or not
+            say("nanolab prepare", f"{out_dir} holds this dataset damaged ({damage}); "
+                "preparing it again")  # fmt: skip
         if force and out_dir.is_dir():
             foreign = sorted(
                 p.name + ("/" if p.is_dir() else "")
@@ -280,7 +285,7 @@ def prepare_dataset(
                     f"{out_dir} holds files that are not a dataset's ({shown}); --force replaces "
                     "only a dataset folder: choose another output folder, or move those files"
                 )
-        if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        if out_dir.exists() and any(out_dir.iterdir()) and not force and not rebuild:
             what = "other files"
             if existing:
                 differs = dataset_differences(existing, settings, resolved.files)
@@ -317,6 +322,29 @@ def prepare_dataset(
             raise PrepareError(str(err)) from None
 
 
+def dataset_damage(out_dir: Path, meta: Mapping[str, Any]) -> str | None:
+    """What is missing or cut short in a prepared dataset, in words (``train.bin holds 1,000
+    bytes, not 2,007,524``), or None when each bin holds its tokens in full and the tokenizer
+    file its meta needs is there. Sizes only: a no-op stays instant on a corpus of any size."""
+    try:
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        wanted = {f"{split}.bin": int(meta[f"{split}_tokens"]) * itemsize
+                  for split in ("train", "val")}  # fmt: skip
+        needs_file = meta["tokenizer"].get("name") in ("bpe", "hf")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "its meta.json lacks the token counts"
+    for name, size in wanted.items():
+        try:
+            held = (out_dir / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if held != size:
+            return f"{name} holds {held:,} bytes, not {size:,}"
+    if needs_file and not (out_dir / HFTokenizer.FILE).is_file():
+        return f"{HFTokenizer.FILE} is missing"
+    return None
+
+
 def dataset_differences(
     existing: dict[str, Any], settings: dict[str, Any], files: list[Any]
 ) -> list[str]:
@@ -333,6 +361,8 @@ def dataset_differences(
     for key, value in settings.items():
         if key == "format" or key not in had or had[key] == value:
             continue
+        if key.startswith("bpe_") and None in (had[key], value):
+            continue  # a setting of bpe only, and one of the two is not bpe: --tokenizer says it
         if key == "tokenizer" and not (isinstance(value, str) and isinstance(had[key], str)):
             continue  # None on one side: a dataset of an older format
         if key == "tokenizer" and max(len(value), len(had[key])) == 64:  # a file's sha256
