@@ -774,6 +774,29 @@ def test_a_refusal_leaves_out_the_bpe_settings_of_a_dataset_that_is_not_bpe(tmp_
     assert "(it differs in --tokenizer chars, asked bpe)" in err, err
 
 
+@pytest.mark.parametrize("tokenizer", ["chars", "bytes", "bpe"])
+def test_sources_with_no_documents_are_refused_and_nothing_is_written(tmp_path, capsys, tokenizer):
+    """An empty .jsonl, one of blank lines and an empty parquet made an empty dataset, rc 0:
+    fit could then neither train on it nor replace it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n  \n")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    inputs = [str(tmp_path / n) for n in ("empty.jsonl", "blank.jsonl", "empty.parquet")]
+    out = tmp_path / "data"
+    assert main([*inputs, "-o", str(out), "--tokenizer", tokenizer]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "nanolab prepare: error: the sources hold no documents: 3 files, all empty or blank; "
+        "give files with text"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["empty.jsonl", "blank.jsonl", "empty.parquet"]
+    )
+
+
 def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
     """A link beside its target (or a file inside a folder also given, overlapping globs) was
     read twice: the text doubled, and each copy was split into train and validation on its

@@ -611,14 +611,21 @@ class _Job:
         self.dropped.add(index)
         return True
 
-    def _refuse_all_bad(self) -> None:
-        """--skip-bad skipped every document: an empty dataset is not one to train on."""
+    def _refuse_no_documents(self) -> None:
+        """Called when no document was kept: an empty dataset is not one to train on, and one
+        written would stand in the way of the real one (``fit`` can neither use nor replace
+        it). Either --skip-bad skipped them all, or the sources hold none."""
         if self.bad_count:
             first = self.bad_examples[0].replace(" or pass --skip-bad", "")
             raise PrepareError(
                 f"every document was skipped as bad ({self.bad_count:,}); nothing to prepare "
                 f"(the first: {first})"
             )
+        n = len(self.files)
+        raise PrepareError(
+            f"the sources hold no documents: {n:,} file{'s' if n != 1 else ''}, "
+            f"{'all' if n != 1 else 'it is'} empty or blank; give files with text"
+        )
 
     def _note_errors(self, errors: list[str]) -> None:
         if not errors:
@@ -652,7 +659,7 @@ class _Job:
                     kept += documents
                     yield result
             if not kept:
-                self._refuse_all_bad()
+                self._refuse_no_documents()
         finally:  # also when the caller stops early (the bpe sample is full)
             progress.close()
             self.bad_count, self.bad_examples = 0, []  # counted again by the encoding pass
@@ -781,7 +788,7 @@ class _Job:
                             last[split] = part.last
             progress.close()
             if not totals["train"]["units"] + totals["val"]["units"]:
-                self._refuse_all_bad()
+                self._refuse_no_documents()
             _rebalance(handles, totals, last, tok, self.settings["val_fraction"])
             for handle in handles.values():
                 handle.flush()
