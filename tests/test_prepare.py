@@ -797,6 +797,45 @@ def test_sources_with_no_documents_are_refused_and_nothing_is_written(tmp_path, 
     )
 
 
+@pytest.mark.parametrize(
+    ("out", "said"),
+    [
+        ("in.txt/ds", "-o in.txt/ds: in.txt is a file, not a folder; choose a folder for"),
+        ("in.txt/a/b", "-o in.txt/a/b: in.txt is a file, not a folder;"),
+        ("loop", "loop is a symlink loop (a link that leads back to itself); remove it"),
+        ("loop/ds", "-o loop/ds: loop is a symlink loop"),
+        ("x" * 250, "the name is too long: 250 bytes, at most 238 (prepare writes .NAME.tmp-*"),
+    ],
+)
+def test_an_output_that_can_never_be_a_folder_is_one_line_before_reading(
+    tmp_path, monkeypatch, capsys, out, said
+):
+    """A file as a parent was a FileExistsError traceback, a name with no room for the lock
+    beside it an OSError one, and a symlink loop was found only after the whole corpus was
+    tokenized, called a full disk."""
+    monkeypatch.chdir(tmp_path)
+    Path("in.txt").write_text(SAMPLE)
+    os.symlink("loop", "loop")
+    before = sorted(os.listdir())
+    assert main(["in.txt", "-o", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    assert sorted(os.listdir()) == before
+
+
+def test_a_write_that_fails_is_worded_by_its_cause(tmp_path):
+    import errno
+
+    from nanolab.data.prepare import write_refused
+
+    out = tmp_path / "data"
+    loop = write_refused(out, OSError(errno.ENOTDIR, "Not a directory", str(out)))
+    assert loop == f"cannot write {out} (Not a directory: {out}); choose another output folder"
+    full = write_refused(out, OSError(errno.ENOSPC, "No space left on device"))
+    assert "No space left on device; " in full and " free there); " in full
+    assert " GB free" not in write_refused(out, OSError(errno.EACCES, "Permission denied"))
+
+
 def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
     """A link beside its target (or a file inside a folder also given, overlapping globs) was
     read twice: the text doubled, and each copy was split into train and validation on its

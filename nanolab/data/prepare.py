@@ -63,7 +63,7 @@ from nanolab.data.tokenizers import (
     check_bpe_vocab_size,
     check_tokenizer_name,
 )
-from nanolab.errors import NanolabError, one_line_errors
+from nanolab.errors import NanolabError, disk_full, one_line_errors, room_left
 from nanolab.messages import note, say
 from nanolab.processes import exclusive, sigint_held
 from nanolab.runlog import refuse_inside_run
@@ -223,6 +223,8 @@ def prepare_dataset(
                 "written (prepare writes beside the folder and renames it into place); link to "
                 "a folder inside one you own, e.g. /scratch/$USER/data/NAME"
             )
+    if problem := output_problem(out_dir):
+        raise PrepareError(f"{setting_names['dataset_dir']} {shorten(str(dataset_dir))}: {problem}")
     if out_dir.exists() and not out_dir.is_dir():
         raise PrepareError(
             f"dataset folder {out_dir} is a file; give the path of a folder to create"
@@ -320,6 +322,59 @@ def prepare_dataset(
             return job.run()
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
+
+
+#: What prepare adds to the dataset folder's name for the files it writes beside it: the lock
+#: (``.NAME.lock``), the folder being written (``.NAME.tmp-XXXXXXXX``) and a replaced one
+#: (``.NAME.old-PID``, ``.NAME.dead-PID``, a PID of up to 10 digits).
+SIBLING_NAME_EXTRA = len("..dead-") + 10
+
+
+def shorten(text: str, keep: int = 60) -> str:
+    """``text``, or its start and end around an ellipsis when longer than ``keep``."""
+    return text if len(text) <= keep else f"{text[: keep // 2]}...{text[-keep // 2 :]}"
+
+
+def output_problem(out_dir: Path) -> str | None:
+    """Why ``out_dir`` can never become a dataset folder, in words, or None. Checked before
+    the corpus is read: a file where a parent folder should be, a symlink loop (``realpath``
+    of one gives it back unchanged, and the write at the very end failed), a name with no room
+    for the files prepare writes beside it. Whatever else (no permission, a full disk) is for
+    the write itself to say."""
+    import errno
+
+    try:
+        os.stat(out_dir)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            for path in (*reversed(out_dir.parents), out_dir):  # the first one at fault
+                try:
+                    os.stat(path)
+                except OSError as inner:
+                    if inner.errno == errno.ELOOP:
+                        return f"{path} is a symlink loop (a link that leads back to itself); "\
+                            "remove it or choose another output folder"  # fmt: skip
+                    continue
+                if path != out_dir and not os.path.isdir(path):
+                    return f"{path} is a file, not a folder; choose a folder for the dataset"
+        elif err.errno == errno.ENAMETOOLONG:
+            return (
+                f"the path is too long ({len(os.fsencode(out_dir)):,} bytes, more than this "
+                "file system takes); choose a shorter one"
+            )
+    existing = next((p for p in (out_dir, *out_dir.parents) if p.is_dir()), Path("."))
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    room = name_max - SIBLING_NAME_EXTRA
+    if len(os.fsencode(out_dir.name)) > room:
+        return (
+            f"the name is too long: {len(os.fsencode(out_dir.name)):,} bytes, at most {room} "
+            f"(prepare writes .NAME.tmp-* beside it, within the {name_max} a name may have "
+            "here); choose a shorter name"
+        )
+    return None
 
 
 def dataset_damage(out_dir: Path, meta: Mapping[str, Any]) -> str | None:
@@ -723,11 +778,7 @@ class _Job:
                 os.replace(tmp, out_dir)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            free = shutil.disk_usage(out_dir.parent).free
-            raise PrepareError(
-                f"cannot write {out_dir} ({err.strerror or err}; {free / 1e9:.1f} GB free there); "
-                "free space or choose another output folder"
-            ) from None
+            raise PrepareError(write_refused(out_dir, err)) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -821,6 +872,17 @@ class _Job:
             "skipped": {"count": self.bad_count, "examples": self.bad_examples},
             "skipped_files": self.skipped_notes,
         }
+
+
+def write_refused(out_dir: Path, err: OSError) -> str:
+    """The one line for a dataset that could not be written, worded by its cause: only a full
+    disk or quota talks of space (a symlink loop or a permission was called a full disk)."""
+    what = err.strerror or str(err)
+    if disk_full(err):
+        left, fix = room_left(out_dir.parent, err)
+        return f"cannot write {out_dir} ({what}; {left}); {fix}"
+    where = f": {err.filename}" if err.filename else ""
+    return f"cannot write {out_dir} ({what}{where}); choose another output folder"
 
 
 def _append(handle: IO[bytes], part: SplitPart, total: dict[str, int]) -> None:
