@@ -836,6 +836,29 @@ def test_a_write_that_fails_is_worded_by_its_cause(tmp_path):
     assert " GB free" not in write_refused(out, OSError(errno.EACCES, "Permission denied"))
 
 
+def test_a_prepared_dataset_inside_an_input_folder_is_skipped_not_read_as_corpus(tmp_path, capsys):
+    """Its meta.json was read as JSON lines: "corp/web/meta.json line 1: not valid JSON ...;
+    fix the line or pass --skip-bad", advice that edits another dataset."""
+    corp = tmp_path / "corp"
+    corp.mkdir()
+    (corp / "a.txt").write_text(SAMPLE)
+    web = corp / "web"
+    args = ["--tokenizer", "bpe", "--bpe-vocab-size", "300", "-q"]
+    assert main([str(corp / "a.txt"), "-o", str(web), *args]) == 0
+    capsys.readouterr()
+    out = tmp_path / "data"
+    assert main([str(corp), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{web}: a prepared nanolab dataset (its meta.json), skipped" in err
+    assert json.loads((out / "meta.json").read_text())["files"] == 1
+    assert main([str(web), "-o", str(tmp_path / "again")]) == 2
+    assert "is a prepared nanolab dataset, not a corpus" in capsys.readouterr().err
+    from nanolab.data.prepare import FORMAT
+    from nanolab.data.sources import DATASET_FORMAT_PREFIX
+
+    assert FORMAT.startswith(DATASET_FORMAT_PREFIX)  # the two modules agree on what one is
+
+
 def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
     """A link beside its target (or a file inside a folder also given, overlapping globs) was
     read twice: the text doubled, and each copy was split into train and validation on its

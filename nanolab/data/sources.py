@@ -148,6 +148,30 @@ def not_a_file(path: Path) -> str:
     return "not a regular file"
 
 
+#: The ``format`` of a prepared dataset's ``meta.json`` starts with this (nanolab.data.prepare).
+DATASET_FORMAT_PREFIX = "nanolab-tokens-"
+#: A prepared dataset's ``meta.json`` is small (a char vocabulary, a few counts); a larger file
+#: of that name is read as the corpus it seems to be.
+DATASET_META_MAX_BYTES = 16 << 20
+
+
+def is_prepared_dataset(directory: Path) -> bool:
+    """Whether ``directory`` holds a dataset ``nanolab prepare`` wrote (its ``meta.json`` names
+    a nanolab format): its meta.json and tokenizer.json are another dataset's, not corpus, and
+    a bad-line refusal would advise editing them."""
+    import json
+
+    meta = directory / "meta.json"
+    try:
+        if not meta.is_file() or meta.stat().st_size > DATASET_META_MAX_BYTES:
+            return False
+        data = json.loads(meta.read_bytes())
+    except (OSError, ValueError):
+        return False
+    fmt = data.get("format") if isinstance(data, dict) else None
+    return isinstance(fmt, str) and fmt.startswith(DATASET_FORMAT_PREFIX)
+
+
 def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[Path]:
     """Every file under ``root``, following symlinks, each directory once (loops reported),
     except the paths in ``exclude`` (prepare's own output folder and lock, when ``-o`` lies
@@ -163,6 +187,9 @@ def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[
             skipped.append(f"{directory}: a symlink loop (folder already read), skipped")
             return
         seen.add((st.st_dev, st.st_ino))
+        if is_prepared_dataset(directory):
+            skipped.append(f"{directory}: a prepared nanolab dataset (its meta.json), skipped")
+            return
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except PermissionError:
@@ -227,6 +254,13 @@ def resolve_sources(
             continue
         path = Path(spec).expanduser()
         if path.is_dir():
+            if is_prepared_dataset(path):
+                raise SourceError(
+                    named(
+                        f"folder {path} is a prepared nanolab dataset, not a corpus; give the "
+                        "files or folder of text it was prepared from"
+                    )
+                )
             found = _walk(path, skipped, exclude)
             if not found:
                 raise SourceError(
