@@ -1003,6 +1003,35 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, ``kill``), raised where the main thread is, so that it
+    takes Ctrl-C's way out: the workers and the BPE trainer are stopped, the half-written
+    folder is removed, and a dataset being replaced is left as it was. Without it the default
+    action ended the process at once: exit 143 with no line, a leaked-semaphore warning, and
+    the leftovers cleared only by the next run."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt(came: threading.Event) -> Iterator[None]:
+    """SIGTERM raised as :class:`Terminated` while inside, and ``came`` set: a worker or the
+    BPE trainer killed by the same signal (a scheduler signals every process of the job) may
+    be seen first, as a lost process, and the cause is still the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can be set only from the main thread
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        if not came.is_set():  # a second SIGTERM must not break the clean-up of the first
+            came.set()
+            raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @one_line_errors("nanolab prepare")
 def main(argv: Sequence[str] | None = None) -> int:
     from nanolab.helpfmt import DefaultsHelpFormatter, OneLineParser
@@ -1058,28 +1087,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="print the dataset's meta.json summary as JSON on stdout")  # fmt: skip
     args = parser.parse_args(argv)
     refuse_inside_run(args.out, "-o", PrepareError)
+    terminated = threading.Event()
     try:
         sample_bytes = parse_bytes(args.bpe_sample_bytes)
-        meta = prepare_dataset(
-            args.sources,
-            args.out,
-            args.tokenizer,
-            args.bpe_vocab_size,
-            args.val_fraction,
-            args.force,
-            args.quiet,
-            workers=args.workers,
-            text_field=args.text_field,
-            seed=args.seed,
-            skip_bad=args.skip_bad,
-            bpe_sample_bytes=sample_bytes,
-            eot_token=args.eot_token,
-            say_reused=True,
-        )
-    except KeyboardInterrupt:
-        # The command ends here: a Ctrl-C pressed again while it exits is not a traceback.
+        with sigterm_as_interrupt(terminated):
+            meta = prepare_dataset(
+                args.sources,
+                args.out,
+                args.tokenizer,
+                args.bpe_vocab_size,
+                args.val_fraction,
+                args.force,
+                args.quiet,
+                workers=args.workers,
+                text_field=args.text_field,
+                seed=args.seed,
+                skip_bad=args.skip_bad,
+                bpe_sample_bytes=sample_bytes,
+                eot_token=args.eot_token,
+                say_reused=True,
+            )
+    except BaseException as err:
+        if not (isinstance(err, KeyboardInterrupt) or terminated.is_set()):
+            raise
+        # The command ends here: a signal sent again while it exits is not a traceback.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if terminated.is_set():
+            print("nanolab prepare: terminated; nothing was written", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print("nanolab prepare: interrupted; nothing was written", file=sys.stderr)
         return 130
     if args.json:  # the one-line summary is on stderr either way
