@@ -1237,3 +1237,41 @@ def test_the_one_unit_cut_encodes_about_the_unit_once(tmp_path):
         at = _token_position(text, keep, len(text), Counting())
         assert at == max(1, keep)  # one token per character: the cut is at the keep-th
         assert sum(encoded) <= 1.2 * len(text), (keep, sum(encoded), len(text))
+
+
+def text_unit_sizes(path: Path) -> list[int]:
+    """Every unit's byte length of a text file, as the reader cuts it."""
+    file = sources.resolve_sources([str(path)]).files[0]
+    return [n for block in sources.FileReader(file, 0, "text").blocks() for n in block.unit_sizes]
+
+
+@pytest.mark.parametrize("text", ["a" * 3_000_000, "lorem ipsum " * 250_000])
+def test_text_with_no_newlines_is_split_by_small_units_not_three_of_1_mb(
+    tmp_path, monkeypatch, text
+):
+    """A line with no line start was cut every 1 MB: 3 MB of it made 3 units, one of them
+    validation, 30% at --val-fraction 0.1. It is cut at a whitespace after the usual unit
+    size, mid-word at 64 KB when there is none, wherever the reads end."""
+    path = tmp_path / "long.txt"
+    path.write_text(text)
+    sizes = text_unit_sizes(path)
+    assert sum(sizes) == len(text) and max(sizes) <= 64 << 10
+    if " " in text:
+        assert all(text[sum(sizes[: i + 1])] == " " for i in range(len(sizes) - 1))
+    monkeypatch.setattr(sources, "_READ_BYTES", 100_003)
+    assert text_unit_sizes(path) == sizes
+    meta = prepare_dataset([str(path)], tmp_path / "ds", "bytes", quiet=True)
+    assert 0.05 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.15
+
+
+def test_text_with_lines_prepares_to_the_same_bytes_as_before_long_lines_were_cut(tmp_path):
+    """The long-line cut is only for lines with no line start within 1 MB: the bundled corpus
+    prepares to the bytes it always did (sha256 of its bins, chars tokenizer, seed 0)."""
+    import hashlib
+
+    out = tmp_path / "ds"
+    prepare_dataset(["bundled:shakespeare"], out, "chars", quiet=True)
+    digests = {
+        n: hashlib.sha256((out / n).read_bytes()).hexdigest()[:16] for n in ("train.bin", "val.bin")
+    }
+    assert digests == {"train.bin": "c2bb76de863fbb63", "val.bin": "8cd72a1e97cd181e"}

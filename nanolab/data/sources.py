@@ -5,8 +5,9 @@ A *source spec* is ``bundled:<name>``, a file, a folder (walked recursively, sym
 loops reported), or a glob. Each file is one of three kinds, by its name:
 
 - ``text``: ``.txt``/``.md``/``.text``/``.rst`` (plain, ``.gz``, ``.zst``). The file is one
-  document; it is cut into *units* of about :data:`TEXT_UNIT_BYTES` at line starts, which are the
-  pieces the train/validation split draws from, so validation comes from every part of a book.
+  document; it is cut into *units* of about :data:`TEXT_UNIT_BYTES` at line starts (a line
+  longer than any unit at a whitespace), which are the pieces the train/validation split draws
+  from, so validation comes from every part of a book.
 - ``jsonl``: ``.jsonl``/``.json``/``.ndjson`` lines (plain, ``.gz``, ``.zst``); each line is a
   document and a unit, its text at ``--text-field`` (a dotted path for nested fields).
 - ``parquet``: each row is a document and a unit, its text in the ``--text-field`` column; read
@@ -44,8 +45,13 @@ COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 
 #: Target size of a unit of a text file (the split's granularity inside one long document).
 TEXT_UNIT_BYTES = 16 << 10
-#: A text unit is cut at a line start when one comes within this many bytes, else mid-line.
+#: A text unit is cut at a line start when one comes within this many bytes; else the line is
+#: longer than any unit (text with no newlines at all, minified code), and is cut at a space.
 TEXT_UNIT_MAX_BYTES = 1 << 20
+#: The longest unit of a line with no line start in reach: cut at its first whitespace after
+#: :data:`TEXT_UNIT_BYTES`, or mid-word here when there is none. Units of 1 MB (the line start
+#: limit) left a 3 MB line 3 units, one of them validation: 30% at --val-fraction 0.1.
+TEXT_UNIT_LONG_LINE_BYTES = 64 << 10
 #: Target raw size of one block of work.
 BLOCK_BYTES = 1 << 20
 #: The longest line of a JSON lines file: a line is one document, held whole while it is read and
@@ -56,6 +62,8 @@ PARQUET_ROWS = 256
 _READ_BYTES = 4 << 20
 #: A cut after a newline that starts a non-blank line keeps GPT-2-style pre-tokenization intact.
 _LINE_START = re.compile(rb"\n(?=[^ \t\r\n\f\v])")
+#: Where a long line is cut: before a whitespace, so the word after it keeps its space.
+_WHITESPACE = re.compile(rb"[ \t\r\n\f\v]")
 
 
 class SourceError(NanolabError):
@@ -625,8 +633,14 @@ def _next_cut(buf: bytes, pos: int, eof: bool) -> int | None:
     m = _LINE_START.search(buf, want, min(n, limit))
     if m is not None:
         return m.end()
-    if limit < n:  # no line start within the limit: cut mid-line, at a character boundary
-        cut = limit
+    # No line start within the limit, or before the end of the file further than a long
+    # line's unit: a long line (lines of ordinary text end well before), cut at a whitespace.
+    if limit < n or (eof and n - pos > TEXT_UNIT_LONG_LINE_BYTES):
+        cap = pos + TEXT_UNIT_LONG_LINE_BYTES
+        space = _WHITESPACE.search(buf, want, cap)
+        if space is not None:
+            return space.start()
+        cut = cap  # none: mid-word, at a character boundary
         while cut > want and (buf[cut] & 0xC0) == 0x80:
             cut -= 1
         return cut
