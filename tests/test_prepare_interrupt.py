@@ -169,3 +169,66 @@ def test_a_worker_ended_while_writing_its_result_does_not_hang_the_stop(tmp_path
     took, alive = out.split()
     assert float(took) < 5, f"the stop took {took} s"
     assert alive == "False", "the pool's manager thread was still reading"
+
+
+UNRECORDED_WORKER_MAIN = """
+import os, signal, sys, threading, time
+import multiprocessing.util as util
+from nanolab.data.prepare import main
+
+# A thread that does not block SIGINT, as torch's in a `fit` preparing its data.source: the
+# kernel gives it a Ctrl-C that the main thread holds back.
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+arrived, wakeup = os.pipe()
+os.set_blocking(wakeup, False)
+signal.set_wakeup_fd(wakeup)
+workers = 0
+spawn = util.spawnv_passfds
+
+def spawnv_passfds(path, args, passfds):
+    global workers
+    pid = spawn(path, args, passfds)
+    if any(b"spawn_main" in os.fsencode(arg) for arg in args):
+        workers += 1
+        if workers == 2:  # the pool's second worker runs; its start data is not sent yet
+            os.kill(os.getpid(), signal.SIGINT)
+            os.read(arrived, 1)  # the other thread has taken it
+    return pid
+
+util.spawnv_passfds = spawnv_passfds
+sys.exit(main([sys.argv[1], "-o", sys.argv[2], "--tokenizer", "bytes", "--workers", "2", "-q"]))
+"""
+
+
+def test_a_ctrl_c_another_thread_takes_while_a_worker_starts_does_not_hang(tmp_path):
+    """A Ctrl-C held back in the main thread while the pool starts a worker reaches another
+    thread that does not block SIGINT (torch's in `fit`; the tokenizers library's, when the
+    BPE trained in this process, in a shell without TOKENIZERS_PARALLELISM), and the main
+    thread raised KeyboardInterrupt inside the pool's submit all the same. The worker it had
+    started was never recorded, so never ended: it waited for the rest of its start data with
+    the pool's task pipe open, the pool's feeder and manager threads waited on it, and the
+    stop its 30 s (a looped Ctrl-C in such a shell: 4 of 62 prepares). Driven on purpose: the
+    SIGINT arrives, through another thread, right after the second worker is started."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some words of a document to encode.\n" * 90_000)  # ~3 MB: 3 blocks
+    out = tmp_path / "ds"
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UNRECORDED_WORKER_MAIN, str(corpus), str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"prepare did not exit after the Ctrl-C: {err[-2000:]}")
+    took = time.monotonic() - started
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert err.strip().splitlines() == [ANSWER], err[-2000:]
+    assert took < 15, f"exit {took:.1f} s after the start"
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]
