@@ -147,6 +147,12 @@ def sigint_held() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
+    # The first process started here would also start multiprocessing's resource tracker, which
+    # unblocks SIGINT in this thread on its way: the process after it (prepare's BPE trainer)
+    # started with SIGINT open, and a Ctrl-C while it imported was a traceback. Started first.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     noted: list[int] = []
     replaced: Any = None
     main = threading.current_thread() is threading.main_thread()

@@ -232,3 +232,43 @@ def test_a_ctrl_c_another_thread_takes_while_a_worker_starts_does_not_hang(tmp_p
     assert took < 15, f"exit {took:.1f} s after the start"
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]
+
+
+MASK_CHILD = """
+import signal
+
+def report(conn):
+    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+"""
+
+FIRST_PROCESS_MAIN = """
+import multiprocessing
+import mask_child
+from nanolab.processes import sigint_held
+
+context = multiprocessing.get_context("spawn")
+ours, theirs = context.Pipe()
+child = context.Process(target=mask_child.report, args=(theirs,))
+with sigint_held():
+    child.start()  # this process's first: multiprocessing's resource tracker starts with it
+print(ours.recv(), flush=True)
+child.join()
+"""
+
+
+def test_the_first_process_started_with_sigint_held_starts_with_it_held(tmp_path):
+    """prepare's BPE trainer is the first process a BPE prepare starts. Starting it also
+    started multiprocessing's resource tracker, which unblocks SIGINT in the starting thread
+    on its way: the trainer started with SIGINT open, and a Ctrl-C while it imported printed
+    its traceback (every Ctrl-C row of this file, under load)."""
+    (tmp_path / "mask_child.py").write_text(MASK_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_PROCESS_MAIN],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True"], "the child started with SIGINT open"
