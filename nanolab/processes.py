@@ -128,22 +128,27 @@ def exclusive(lock_path: Path) -> Iterator[None]:
         handle.close()
 
 
-@contextlib.contextmanager
-def sigint_held() -> Iterator[None]:
-    """SIGINT held back in this thread, and raised as KeyboardInterrupt on leaving. A worker
-    process started meanwhile starts with it held too (the signal mask survives its exec), so
-    a Ctrl-C to the process group while it imports is never a traceback: it ignores SIGINT
-    once it runs (``nanolab.data.encode.become_worker``), and the parent decides.
+#: The signals that stop a command (Ctrl-C, a scheduler's or a queue's stop), held while a
+#: worker process starts.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    The mask alone holds nothing in the main thread while another thread does not block
-    SIGINT (torch's in a ``fit`` that prepares its ``data.source``, the tokenizers library's):
-    the kernel delivers the signal there, and Python raises KeyboardInterrupt in the main
-    thread all the same, wherever it is. Inside a process pool's submit it left a worker
-    started but not recorded, never ended, waiting for the rest of its start data with the
-    pool's task pipe open: the pool's feeder and manager threads waited on it, and the stop
-    its 30 s. So the main thread's handler only notes a SIGINT meanwhile, and the one it
-    replaced gets it on leaving. (KeyboardInterrupt is raised in the main thread only: in
-    another thread the mask is all there is to hold.)"""
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back in this thread, and delivered on leaving. A worker process
+    started meanwhile starts with them held too (the signal mask survives its exec), so a
+    Ctrl-C to the process group while it imports is never a traceback: it ignores SIGINT once
+    it runs (``nanolab.data.encode.become_worker``), and the parent decides.
+
+    The mask alone holds nothing in the main thread while another thread does not block the
+    signal (torch's in a ``fit`` that prepares its ``data.source``, the tokenizers library's):
+    the kernel delivers it there, and Python runs the handler in the main thread all the same,
+    wherever it is. A KeyboardInterrupt inside a process pool's submit left a worker started
+    but not recorded, never ended, waiting for the rest of its start data with the pool's task
+    pipe open: the pool's feeder and manager threads waited on it, and the stop its 30 s. So
+    the main thread's handlers only note a signal meanwhile, and the ones they replaced get it
+    on leaving. (Handlers run in the main thread only: in another thread the mask is all there
+    is to hold.)"""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -154,17 +159,17 @@ def sigint_held() -> Iterator[None]:
 
     resource_tracker.ensure_running()
     noted: list[int] = []
-    replaced: Any = None
-    main = threading.current_thread() is threading.main_thread()
-    if main:
-        replaced = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    replaced: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            replaced[signum] = signal.signal(signum, lambda got, _frame: noted.append(got))
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         yield
     finally:
         # One held at the kernel (no other thread took it) arrives on unblocking: noted too.
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        if main:
-            signal.signal(signal.SIGINT, replaced if replaced is not None else signal.SIG_DFL)
-            if noted:
-                signal.raise_signal(signal.SIGINT)  # to the handler it was meant for
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)  # to the handler it was meant for

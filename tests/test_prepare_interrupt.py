@@ -191,7 +191,7 @@ def spawnv_passfds(path, args, passfds):
     if any(b"spawn_main" in os.fsencode(arg) for arg in args):
         workers += 1
         if workers == 2:  # the pool's second worker runs; its start data is not sent yet
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), getattr(signal, sys.argv[3]))
             os.read(arrived, 1)  # the other thread has taken it
     return pid
 
@@ -200,7 +200,16 @@ sys.exit(main([sys.argv[1], "-o", sys.argv[2], "--tokenizer", "bytes", "--worker
 """
 
 
-def test_a_ctrl_c_another_thread_takes_while_a_worker_starts_does_not_hang(tmp_path):
+@pytest.mark.parametrize(
+    ("signame", "code", "answer"),
+    [
+        ("SIGINT", 130, ANSWER),
+        ("SIGTERM", 143, "nanolab prepare: terminated; nothing was written"),
+    ],
+)
+def test_a_signal_another_thread_takes_while_a_worker_starts_does_not_hang(
+    tmp_path, signame, code, answer
+):
     """A Ctrl-C held back in the main thread while the pool starts a worker reaches another
     thread that does not block SIGINT (torch's in `fit`; the tokenizers library's, when the
     BPE trained in this process, in a shell without TOKENIZERS_PARALLELISM), and the main
@@ -214,7 +223,7 @@ def test_a_ctrl_c_another_thread_takes_while_a_worker_starts_does_not_hang(tmp_p
     out = tmp_path / "ds"
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", UNRECORDED_WORKER_MAIN, str(corpus), str(out)],
+        [sys.executable, "-c", UNRECORDED_WORKER_MAIN, str(corpus), str(out), signame],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -227,8 +236,8 @@ def test_a_ctrl_c_another_thread_takes_while_a_worker_starts_does_not_hang(tmp_p
         _, err = proc.communicate()
         pytest.fail(f"prepare did not exit after the Ctrl-C: {err[-2000:]}")
     took = time.monotonic() - started
-    assert proc.returncode == 130, (proc.returncode, err[-2000:])
-    assert err.strip().splitlines() == [ANSWER], err[-2000:]
+    assert proc.returncode == code, (proc.returncode, err[-2000:])
+    assert err.strip().splitlines() == [answer], err[-2000:]
     assert took < 15, f"exit {took:.1f} s after the start"
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]
@@ -238,25 +247,26 @@ MASK_CHILD = """
 import signal
 
 def report(conn):
-    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    conn.send(signal.SIGINT in held and signal.SIGTERM in held)
 """
 
 FIRST_PROCESS_MAIN = """
 import multiprocessing
 import mask_child
-from nanolab.processes import sigint_held
+from nanolab.processes import stop_signals_held
 
 context = multiprocessing.get_context("spawn")
 ours, theirs = context.Pipe()
 child = context.Process(target=mask_child.report, args=(theirs,))
-with sigint_held():
+with stop_signals_held():
     child.start()  # this process's first: multiprocessing's resource tracker starts with it
 print(ours.recv(), flush=True)
 child.join()
 """
 
 
-def test_the_first_process_started_with_sigint_held_starts_with_it_held(tmp_path):
+def test_the_first_process_started_with_stop_signals_held_starts_with_it_held(tmp_path):
     """prepare's BPE trainer is the first process a BPE prepare starts. Starting it also
     started multiprocessing's resource tracker, which unblocks SIGINT in the starting thread
     on its way: the trainer started with SIGINT open, and a Ctrl-C while it imported printed

@@ -28,7 +28,7 @@ from nanolab.data.tokenizers import (
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """:meth:`HFTokenizer.train` on ``texts``, in a child process fed piece by piece."""
-    from nanolab.processes import sigint_held
+    from nanolab.processes import stop_signals_held
 
     check_bpe_vocab_size(vocab_size, "the BPE vocab_size")
     context = multiprocessing.get_context("spawn")  # prepare also runs inside a torch `fit`
@@ -39,7 +39,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
         name="nanolab-bpe-trainer",
         daemon=True,
     )
-    with sigint_held():  # a Ctrl-C while the child imports reaches it ignored (become_worker)
+    with stop_signals_held():  # a Ctrl-C while the child imports reaches it ignored (become_worker)
         child.start()
     theirs.close()  # the child's end: its death then reads here as end-of-file
     finished = False

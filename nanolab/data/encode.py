@@ -85,16 +85,17 @@ def become_worker(parent: int) -> None:
     """Make this process a worker of ``prepare`` ``parent``: it dies with it and ignores SIGINT.
 
     Ctrl-C reaches the whole process group: the parent decides what it means and ends the
-    workers; a worker stopped by it would only print a traceback. The parent holds SIGINT back
-    while it starts a worker (``nanolab.processes.sigint_held``), so one sent before this runs
-    is dropped here.
+    workers; a worker stopped by it would only print a traceback. The parent holds SIGINT
+    and SIGTERM back while it starts a worker (``nanolab.processes.stop_signals_held``), so a
+    SIGINT sent before this runs is dropped here; a SIGTERM (a scheduler stops every process of
+    the job) then takes its default action and ends the worker.
     """
     import signal
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def die_with_parent(parent: int) -> None:

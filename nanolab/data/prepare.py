@@ -65,7 +65,7 @@ from nanolab.data.tokenizers import (
 )
 from nanolab.errors import NanolabError, disk_full, one_line_errors, room_left
 from nanolab.messages import note, say
-from nanolab.processes import exclusive, sigint_held
+from nanolab.processes import exclusive, stop_signals_held
 from nanolab.runlog import refuse_inside_run
 
 FORMAT = "nanolab-tokens-v1"
@@ -637,7 +637,7 @@ class _Job:
             pending: deque[tuple[tuple[int, str], Future[T]]] = deque()
             try:
                 for block in blocks:
-                    with sigint_held():  # a worker starts inside submit: see _stop
+                    with stop_signals_held():  # a worker starts inside submit: see _stop
                         future = pool.submit(func, block, *extra)
                     pending.append(((block.file_index, block.kind), future))
                     if len(pending) >= 2 * self.n_workers:
@@ -648,7 +648,7 @@ class _Job:
                     yield where, future.result()
             except BaseException:  # Ctrl-C, a bad document, or the caller stopping early
                 pending.clear()
-                with sigint_held():  # a second Ctrl-C must not leave the pool half stopped
+                with stop_signals_held():  # a second Ctrl-C must not leave the pool half stopped
                     _stop(pool)
                 raise
             pool.shutdown(wait=True)
