@@ -424,6 +424,62 @@ def test_a_config_edited_after_add_is_not_run(
     assert jobs["kept"].status == "done", (out, err)
 
 
+def _start_record(run_dir: Path, when: float, queue_job: str | None) -> None:
+    """A run log whose first record is a run's start (what ``nanolab fit`` writes first)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"event": "start", "time": when, "run_name": run_dir.name, "queue_job": queue_job}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+
+
+def test_a_run_begun_in_a_jobs_folder_after_add_is_not_continued(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+) -> None:
+    """``nanolab fit --run.name a`` after ``queue add --name a``: the job would resume that run
+    (it ended ``done`` on the hand run's steps, under its name). It fails at start with the
+    add's refusal instead, and nothing is written into the folder (no queue.log)."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    assert queue(capsys, db, "add", str(tiny), "--name", "a")[0] == 0
+    run = tmp_path / "runs" / "a"
+    _start_record(run, time.time(), None)  # the hand run
+    before = (run / "metrics.jsonl").read_bytes()
+    queue(capsys, db, "run")
+    (job,) = QueueDB(db).jobs()
+    assert job.status == "failed" and job.detail is not None
+    assert f"{run} is an existing run started by nanolab fit after this job was added" in (
+        job.detail
+    )
+    assert f"`nanolab queue rm {job.id}` and add it again with --continue" in job.detail
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_job_resumes_its_own_run_and_the_one_add_checked(tmp_path: Path) -> None:
+    """Whose run a job may continue at start: its own earlier attempt (preempted, retried)
+    and a run there at ``queue add`` (which ``add`` checked); not a run begun after the add
+    by hand or by another queue's job of the same id."""
+    from nanolab.queue.jobs import foreign_run_at_start
+
+    db = QueueDB(tmp_path / "q.db")
+    run = tmp_path / "runs" / "a"
+    (job,) = db.add_jobs([NewJob(name="a", config="c.yaml", args=[], seed=None, cwd="/",
+                                 run_dir=str(run))])  # fmt: skip
+    assert foreign_run_at_start(job) is None  # no folder
+    run.mkdir(parents=True)
+    (run / "queue.log").write_text("=== attempt 1\n")  # an attempt that died at start-up
+    assert foreign_run_at_start(job) is None
+    _start_record(run, job.created - 5, None)  # there at add: add refused it or had --continue
+    assert foreign_run_at_start(job) is None
+    _start_record(run, job.created + 1, str(job.id))  # another queue's job 1, before this one
+    assert db.claim(job.id, db.register_runner(), None, job.created + 2)
+    job = db.get(job.id)
+    assert "started by queue job 1 (not this job) after" in (foreign_run_at_start(job) or "")
+    _start_record(run, job.created + 3, str(job.id))  # this job's first attempt
+    assert foreign_run_at_start(job) is None
+    _start_record(run, job.created + 3, None)  # by hand, after the add
+    assert "started by nanolab fit after" in (foreign_run_at_start(job) or "")
+
+
 @pytest.mark.slow
 def test_queue_run_notify_when_drained(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
     """``queue run --notify`` fires once when the queue is drained, its fields filled in; an

@@ -13,16 +13,18 @@ tokenizing a large corpus is the job's work.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import re
+import time
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError
-from nanolab.queue.db import NewJob
+from nanolab.queue.db import Job, NewJob
 
 #: Keys the queue sets itself on every job.
 RESERVED_KEYS = {
@@ -528,13 +530,12 @@ def existing_run(
         return None
     starts = read_records(log, "start")
     by_queue = bool(starts) and starts[0].get("queue_job") is not None
-    where = f"step {chosen.step} ({chosen.path.name})" if chosen else "step 0 (no checkpoint)"
+    where = _resume_point(chosen)
     if not by_queue and not continue_runs:
         who = "nanolab fit" if starts else "no queue job"
         raise JobConfigError(
-            f"--name {name}: {run_dir} is an existing run started by {who}; this job would "
-            f"continue it from {where} and rotate its checkpoints. Pass --continue to do that, "
-            "or choose another --name"
+            f"--name {name}: {_would_continue(run_dir, who, where)}. Pass --continue to do "
+            "that, or choose another --name"
         )
     if chosen is not None:
         gpt = sections(config)[1].get("gpt")
@@ -545,3 +546,79 @@ def existing_run(
         except ResumeError as err:
             raise JobConfigError(f"{err} (the job would continue the run in {run_dir})") from None
     return f"job {name} continues the existing run {run_dir} from {where}"
+
+
+def _resume_point(chosen: Any) -> str:
+    """Where a job would continue a run: its newest complete checkpoint, or step 0."""
+    return f"step {chosen.step} ({chosen.path.name})" if chosen else "step 0 (no checkpoint)"
+
+
+def _would_continue(run_dir: Path, who: str, where: str) -> str:
+    """The part of the refusal ``queue add`` and a job's start share: whose run it is."""
+    return (
+        f"{run_dir} is an existing run started by {who}; this job would continue it from "
+        f"{where} and rotate its checkpoints"
+    )
+
+
+def foreign_run_at_start(job: Job) -> str | None:
+    """Why ``job`` must not start: its run directory holds a run it did not start and that
+    ``queue add`` did not see (None: it may start).
+
+    ``queue add`` refuses to continue a run the queue did not start unless ``--continue``
+    (:func:`existing_run`), but a run can appear in the folder after the add: a ``nanolab fit
+    --run.name`` by hand, another queue's job. The job would resume it with ``run.resume
+    auto``, train past it, rotate its checkpoints and report it under its own name. So, at
+    each start (``queue retry`` included), the run's first ``start`` record says whose it is:
+    this job's own (an earlier attempt: preempted, retried) resumes; one that began before
+    the job was added is the one ``add`` checked (and refused without ``--continue``);
+    anything else is refused with the add's line, before anything is written there.
+    """
+    from nanolab.runlog import RUN_LOG_NAME, iter_records
+    from nanolab.training.resume import find_resume_checkpoint
+
+    run_dir = Path(job.run_dir)
+    with contextlib.closing(iter_records(run_dir / RUN_LOG_NAME, "start")) as starts:
+        first = next(starts, None)  # the first only: a long log is not read to its end
+    if first is not None:
+        began, by_job = first.get("time"), first.get("queue_job")
+        if not isinstance(began, (int, float)):
+            began = None
+    else:  # checkpoints without a run log (copied in?): as new as the newest of them
+        stamps = [_mtime(p) for p in _checkpoint_files(run_dir)]
+        if not stamps:
+            return None  # no run yet (a queue.log of an attempt that died at start-up is none)
+        began, by_job = max(stamps), None
+    if began is not None and began < job.created:
+        return None  # there at `queue add`, which checked it
+    if by_job == str(job.id) and began is not None and began >= (job.started or job.created):
+        return None  # this job's own earlier attempt
+    # Refused: only now is a checkpoint read (seconds), to say where the job would go on from.
+    choice = find_resume_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    chosen = choice.chosen if choice is not None else None
+    if first is None and chosen is None:
+        return None  # torn files only, no run: as `queue add` sees it
+    if first is None:
+        who = "no queue job"
+    else:
+        who = "nanolab fit" if by_job is None else f"queue job {by_job} (not this job)"
+    return (
+        f"{_would_continue(run_dir, who + ' after this job was added', _resume_point(chosen))}"
+        f"; `nanolab queue rm {job.id}` and add it again with --continue to do that, or with "
+        "another --name"
+    )
+
+
+def _checkpoint_files(run_dir: Path) -> list[Path]:
+    try:
+        return [p for p in (run_dir / "checkpoints").iterdir() if p.suffix == ".ckpt"]
+    except OSError:
+        return []
+
+
+def _mtime(path: Path) -> float:
+    """When ``path`` was last written; one that vanished meanwhile counts as written now."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()

@@ -62,7 +62,7 @@ from nanolab.queue.db import (
     pid_alive,
     runner_alive,
 )
-from nanolab.queue.jobs import changed_config
+from nanolab.queue.jobs import changed_config, foreign_run_at_start
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
 from nanolab.queue.predict import describe, job_peak, process_overhead, remaining_seconds
@@ -461,6 +461,9 @@ class Runner:
                 f"config changed since queue add: {changed} (the job was checked as it was "
                 "then); `nanolab queue rm` it and add it again",
             )
+            return
+        if (foreign := foreign_run_at_start(job)) is not None:  # a run begun after the add
+            self._not_started(job, foreign)
             return
         log_path = job_log_path(job, self.db.path)
         cmd = [
