@@ -424,6 +424,28 @@ def test_a_config_edited_after_add_is_not_run(
     assert jobs["kept"].status == "done", (out, err)
 
 
+def test_a_settings_file_given_by_set_is_checked_like_a_config(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+) -> None:
+    """``--set data=d.yaml`` (fit's ``--data d.yaml``) is read again at each start: an edit
+    after add fails the job naming that file, as an edited config does; the path is taken
+    where the job was added, not where the runner runs."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    data = yaml.safe_load(tiny.read_text())["data"]
+    settings = write_config(tmp_path / "d.yaml", data)
+    assert queue(capsys, db, "add", str(tiny), "--name", "inc", "--set", "data=d.yaml")[0] == 0
+    settings.write_text(settings.read_text().replace("micro_batch_size: 4", "micro_batch_size: 7"))
+    assert "micro_batch_size: 7" in settings.read_text()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the runner's folder: d.yaml is not here
+    queue(capsys, db, "run")
+    (job,) = QueueDB(db).jobs()
+    assert job.status == "failed" and job.detail is not None
+    assert f"config changed since queue add: {settings} (edited)" in job.detail, job.detail
+    assert not (tmp_path / "runs" / "inc").exists()
+
+
 def _start_record(run_dir: Path, when: float, queue_job: str | None) -> None:
     """A run log whose first record is a run's start (what ``nanolab fit`` writes first)."""
     run_dir.mkdir(parents=True, exist_ok=True)

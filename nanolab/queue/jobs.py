@@ -370,10 +370,22 @@ def config_key(config: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def config_files(config: str | Path, args: list[str]) -> list[Path]:
-    """The YAML files a job reads: its config, then every ``--config`` in its arguments."""
+#: A ``--set`` value with one of these suffixes names a settings file (``--set data=d.yaml``,
+#: fit's ``--data d.yaml``), which the job reads again at each start.
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def config_files(config: str | Path, args: list[str], cwd: Path | None = None) -> list[Path]:
+    """The YAML files a job reads: its config, every ``--config`` in its arguments, then every
+    ``--KEY=FILE.yaml`` (a group's settings from a file; relative to ``cwd``, where the job
+    runs). Chosen by the arguments alone, not by which files exist, so ``queue add`` and the
+    job's start list the same files in the same order (one that is gone is named so)."""
     files = [Path(config)]
     files += [Path(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--config"]
+    for arg in args:
+        _, sep, value = arg.partition("=")
+        if arg.startswith("--") and sep and value.strip().lower().endswith(YAML_SUFFIXES):
+            files.append(_under(cwd, value.strip()) if cwd else Path(value.strip()).expanduser())
     return files
 
 
@@ -410,13 +422,17 @@ def _legacy_digest(files: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def changed_config(config: str | Path, args: list[str], sha: str | None) -> str | None:
+def changed_config(
+    config: str | Path, args: list[str], sha: str | None, cwd: Path | None = None
+) -> str | None:
     """The job's config files that are not as ``queue add`` read them, named (None: all are,
-    or the job was added before digests were kept)."""
-    files = config_files(config, args)
+    or the job was added before digests were kept). ``cwd``: where the job runs, which its
+    relative ``--KEY=FILE.yaml`` paths are under."""
+    files = config_files(config, args, cwd)
     if sha is None:
         return None
     if not sha.startswith("v2:"):  # an older job: one digest, so every file is named
+        files = files[: 1 + args.count("--config")]  # it covered no --KEY=FILE.yaml
         return None if _legacy_digest(files) == sha else ", ".join(str(f) for f in files)
     then = sha[3:].split(",")
     changed = [
@@ -498,7 +514,7 @@ def build_jobs(
                 backfill=backfill,
                 mem_peak=peak,
                 mem_source=mem_source,
-                config_sha=config_digest(config_files(config, args)),
+                config_sha=config_digest(config_files(config, args, cwd)),
             )
         )
     return jobs

@@ -454,7 +454,9 @@ class Runner:
         reserved: int = 0,
         sharing: int = 1,
     ) -> None:
-        changed = changed_config(Path(job.cwd) / job.config, job.args, job.config_sha)
+        changed = changed_config(
+            Path(job.cwd) / job.config, job.args, job.config_sha, Path(job.cwd)
+        )
         if changed is not None:  # run what was checked, or nothing: never an unchecked edit
             self._not_started(
                 job,
