@@ -102,6 +102,9 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--set", "run.resume=never"], "--set run.resume: set by the queue"),
         # --run.name=null is no name: the job would train in a folder the queue does not follow
         (["--name", "NULL"], "--name 'NULL': a run name the command line reads as null"),
+        # the run directory could not be made: "File name too long" was a traceback
+        (["--name", "x" * 300], "...'xxxxxxxxxx': 300 bytes long, over the 255 a folder name may"),
+        (["--name", "é" * 127, "--seeds", "42"], "(run name 'éé"),  # 254 bytes, and "-s42"
     ],
 )  # fmt: skip
 def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, args, message) -> None:
@@ -115,6 +118,18 @@ def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, arg
     assert err.startswith("nanolab queue add: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
     assert sorted(tmp_path.rglob("*")) == before  # no database, no other file or folder
+
+
+def test_a_name_is_kept_as_given_as_fit_keeps_it(tmp_path, tiny, capsys, monkeypatch) -> None:
+    """``--name`` is the run's ``run.name``, as fit takes it: printable names in any script are
+    not rewritten ('lr-实验' was 'lr-', and 'lr-試験' then a duplicate of it)."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    for name in ("lr-实验", "lr-試験", "café run", "1st"):
+        code, out, err = queue(capsys, db, "add", str(tiny), "--name", name)
+        assert code == 0 and "added job" in out, err
+    assert [j.name for j in QueueDB(db).jobs()] == ["lr-实验", "lr-試験", "café run", "1st"]
+    assert QueueDB(db).jobs()[2].run_dir == str(tmp_path / "runs" / "café run")
 
 
 #: Callback settings ``nanolab fit`` refuses when it builds the run's callbacks, with its line.

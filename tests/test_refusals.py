@@ -148,6 +148,8 @@ def test_run_and_job_names_with_control_characters_are_refused() -> None:
     with pytest.raises(JobConfigError, match="plain folder name"):
         job_names(Path("c.yaml"), "   ", [], None)
     check_run_name("ablation-é 2")  # printable, not ASCII: fine
+    with pytest.raises(RunConfigError, match="300 bytes long, over the 255 a folder name"):
+        check_run_name("x" * 300)  # the run directory's "File name too long", said first
 
 
 # -- run directories and data folders with the wrong thing in them ----------------------------

@@ -98,28 +98,42 @@ def parse_seeds(text: str | None) -> list[int] | None:
 def job_names(
     config: Path, name: str | None, sets: list[tuple[str, str]], seeds: list[int] | None
 ) -> list[str]:
-    """Run names: ``--name`` or ``<config stem>[-<key><value>...]``, plus ``-s<seed>`` per seed."""
+    """Run names: ``--name`` or ``<config stem>[-<key><value>...]``, plus ``-s<seed>`` per seed.
+
+    A ``--name`` is kept as given: it is the run's ``run.name``, refused by fit's own rule
+    (:func:`~nanolab.training.resolve.run_name_problem`) and never rewritten (a rewritten
+    name would not be the one asked for, and two names could become one). A derived name has
+    each run of other characters (``/`` of a path, spaces) made ``_``."""
+    from nanolab.training.resolve import shown_name
+
     if name is not None:
-        if not name.strip() or "/" in name or name in (".", "..") or not name.isprintable():
-            raise JobConfigError(
-                f"--name {name!r}: give a plain folder name (no '/' or control characters)"
-            )
         base = name
+        given = f"--name {shown_name(name)}"
     else:
         parts = [config.stem] + [f"{k.rsplit('.', 1)[-1]}{v}" for k, v in sets]
-        base = "-".join(parts)
-    base = name_part(base).strip("_") or "job"
-    if base.lower() == "null" and not seeds:  # --run.name=null is no name: the run goes elsewhere
-        given = (
-            f"--name {name!r}"
-            if name is not None
-            else f"the job name {base!r} (from {config.name})"
-        )
+        base = name_part("-".join(parts)).strip("_") or "job"
+        given = f"the job name {shown_name(base)} (from {config.name}; give --name)"
+    names = [f"{base}-s{s}" for s in seeds] if seeds else [base]
+    for run_name in names:
+        _check_job_name(run_name, base, given)
+    return names
+
+
+def _check_job_name(run_name: str, base: str, given: str) -> None:
+    """Refuse a job's run name (``base`` and its seed's suffix) fit would refuse, or one the
+    queue would misread; ``given``: where the name came from, as the message says it."""
+    from nanolab.training.resolve import run_name_problem, shown_name
+
+    problem = run_name_problem(run_name)
+    if problem is not None:
+        if run_name != base:  # the seed's suffix made it too long
+            given += f" (run name {shown_name(run_name)})"
+        raise JobConfigError(f"{given}: {problem}")
+    if run_name.lower() == "null":  # --run.name=null is no name: the run goes elsewhere
         raise JobConfigError(
             f"{given}: a run name the command line reads as null (no name, so a timestamped "
             "run directory the queue does not follow); give another --name"
         )
-    return [f"{base}-s{s}" for s in seeds] if seeds else [base]
 
 
 def fit_args(sets: list[tuple[str, str]], seed: int | None) -> list[str]:

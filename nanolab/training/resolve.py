@@ -674,9 +674,17 @@ def check_seed(seed: Any, where: str = "seed_everything") -> None:
         raise RunConfigError(f"{where}: {seed!r} is not a seed; give {SEED_CHOICES}")
 
 
-def check_run_name(name: Any) -> None:
-    """Refuse a run name that would put the run directory outside ``run.root`` (or be ``root``)."""
-    text = str(name) if name is not None else ""
+#: The longest folder name file systems take (NAME_MAX), in bytes of its encoded form.
+MAX_NAME_BYTES = 255
+
+#: What a refused run name should be instead.
+PLAIN_NAME = "give a plain folder name (no '/' or control characters, not empty, '.' or '..')"
+
+
+def run_name_problem(text: str) -> str | None:
+    """Why ``text`` cannot name a run directory under ``run.root``, as the fix to print (None:
+    it can). One rule for ``fit --run.name`` and ``queue add --name``: printable names in any
+    script are kept as given (``ablation-é 2``, ``lr-实验``)."""
     if (
         not text.strip()
         or text in (".", "..")
@@ -685,11 +693,30 @@ def check_run_name(name: Any) -> None:
         or not text.isprintable()  # a newline or tab would break every table of runs
         or Path(text).is_absolute()
     ):
+        return PLAIN_NAME
+    size = len(os.fsencode(text))
+    if size > MAX_NAME_BYTES:  # the folder could not be made ("File name too long")
+        return f"{size} bytes long, over the {MAX_NAME_BYTES} a folder name may have; give a shorter one"
+    return None
+
+
+def check_run_name(name: Any) -> None:
+    """Refuse a run name that would put the run directory outside ``run.root`` (or be ``root``),
+    or that no file system takes as a folder name."""
+    text = str(name) if name is not None else ""
+    problem = run_name_problem(text)
+    if problem == PLAIN_NAME:
         raise RunConfigError(
-            f"run.name {text!r}: give a plain folder name (no '/' or control characters, not "
-            "empty, '.' or '..'); "
+            f"run.name {text!r}: {problem}; "
             "the run directory is run.root/run.name, set run.root to put it elsewhere"
         )
+    if problem is not None:
+        raise RunConfigError(f"run.name {shown_name(text)}: {problem}")
+
+
+def shown_name(text: str, limit: int = 60) -> str:
+    """``text`` quoted for a message line, its middle cut when it is long."""
+    return repr(text) if len(text) <= limit else f"{text[: limit - 20]!r}...{text[-10:]!r}"
 
 
 def check_max_steps(max_steps: Any) -> None:
