@@ -124,6 +124,14 @@ LOSS_FIELDS = ("loss", "val_loss")
 
 
 # -- finding runs ---------------------------------------------------------------------------
+def check_root(root: Path) -> None:
+    """A folder of runs named on the command line is one: a typo is one line, not an empty list."""
+    if not root.exists():
+        raise RunsError(f"{root} does not exist; pass the folder that holds your runs")
+    if not root.is_dir():
+        raise RunsError(f"{root} is not a folder; pass the folder that holds your runs")
+
+
 def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
     """(display name, run directory) of every run under ``roots``; a root may be a run itself.
 
@@ -133,10 +141,7 @@ def discover_runs(roots: list[Path]) -> list[tuple[str, Path]]:
     """
     found: list[tuple[str, Path]] = []
     for root in roots:
-        if not root.exists():
-            raise RunsError(f"{root} does not exist; pass the folder that holds your runs")
-        if not root.is_dir():
-            raise RunsError(f"{root} is not a folder; pass the folder that holds your runs")
+        check_root(root)
         if (root / RUN_LOG_NAME).is_file():
             found.append((root.resolve().name, root))
             continue

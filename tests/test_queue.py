@@ -632,6 +632,7 @@ def test_a_job_whose_runner_died_says_so_in_ls_and_retry(tmp_path: Path, capsys)
     assert json.loads(out)["jobs"][0]["runner_gone"] is True
     from nanolab.queue.status import main as status
 
+    (tmp_path / "runs").mkdir()  # a folder named to status exists (a typo is refused)
     assert status([str(tmp_path / "runs"), "--db", str(path), "--json"]) == 0
     queued = json.loads(capsys.readouterr().out)["queued"]
     assert [j["status"] for j in queued] == ["runner gone: queue run resumes it"]

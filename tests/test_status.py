@@ -77,10 +77,32 @@ def test_one_screen_of_runs_and_queue(tmp_path: Path, capsys) -> None:
 
 def test_nothing_to_show_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert main([str(tmp_path / "none")]) == 2
+    assert main([]) == 2  # no runs/ and no queue
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no runs under" in err
+    assert err.count("\n") == 1 and "no runs under runs (no metrics.jsonl)" in err, err
     assert main(["--watch", "0"]) == 2
+
+
+def test_a_named_folder_that_does_not_exist_is_one_line_beside_a_queue(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """``status NOPE`` with a queue database there showed an empty screen, exit 0, as if NOPE
+    held no runs; a folder named on the command line that does not exist is said, as report
+    says it. Without one, the default runs/ may be missing: the queue is shown; so may the
+    folder the queued jobs will make their runs in."""
+    monkeypatch.chdir(tmp_path)
+    later = tmp_path / "later" / "a"
+    QueueDB(tmp_path / "nanolab_queue.db").add_jobs(
+        [NewJob(name="a", config="c.yaml", args=[], seed=None, cwd="/", run_dir=str(later))]
+    )
+    for argv in (["NOPE"], ["NOPE", "--json"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (
+            "nanolab status: error: NOPE does not exist; pass the folder that holds your runs\n"
+        )
+    assert main([]) == 0 and "queued (1" in capsys.readouterr().out
+    assert main(["later"]) == 0 and "queued (1" in capsys.readouterr().out
 
 
 def test_a_queue_job_starting_before_its_run_logs_is_shown_as_starting(tmp_path: Path, capsys):

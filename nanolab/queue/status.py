@@ -27,6 +27,7 @@ from nanolab.helpfmt import OneLineParser, given_path
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
     RunSummary,
+    check_root,
     discover_runs,
     duration,
     num,
@@ -125,6 +126,22 @@ def run_line(name: str, run_dir: Path, now: float) -> RunLine:
     return line
 
 
+def job_roots(db_path: Path) -> set[Path]:
+    """The folders the queue's waiting and running jobs make their runs in (``runs/`` before
+    its first job starts): a root ``status`` may be given before it exists."""
+    from nanolab.queue.db import QueueDB, QueueError
+
+    try:
+        db = QueueDB.read_only(db_path)
+    except QueueError as err:
+        raise StatusError(str(err)) from None
+    try:
+        jobs = db.jobs(("running", "pending", "preempted"))
+        return {(Path(j.cwd) / j.run_dir).resolve().parent for j in jobs}
+    finally:
+        db.conn.close()
+
+
 def queue_lines(
     db_path: Path, now: float, walls: dict[str, float | None], etas: dict[str, float | None]
 ) -> list[JobLine]:
@@ -165,7 +182,7 @@ def queue_lines(
 def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -> Screen:
     now = time.time() if now is None else now
     screen = Screen(time=now, queue=str(db_path) if db_path is not None else None)
-    found = discover_runs(roots) if any(r.exists() for r in roots) else []
+    found = discover_runs([r for r in roots if r.exists()])  # a queued job's root comes later
     for name, run_dir in found:
         line = run_line(name, run_dir, now)
         (screen.running if line.status == "running" else screen.ended).append(line)
@@ -288,10 +305,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="redraw every SECONDS until Ctrl-C")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the screen as JSON")
     args = parser.parse_args(argv)
+    db = default_db(args.db)
+    missing = [r for r in args.roots if not r.exists()]
+    waiting = job_roots(db) if missing and db is not None else set()
+    # A folder named here must exist (a typo is said, even beside a queue) unless queued jobs
+    # will make their runs there; the default runs/ may be missing.
+    for root in args.roots:
+        if root.exists() or root.resolve() not in waiting:
+            check_root(root)
     roots = args.roots or [Path("runs")]
     if args.watch is not None and not 0.5 <= args.watch <= 86400:
         raise StatusError(f"--watch {args.watch}: give a number of seconds from 0.5 to 86400")
-    db = default_db(args.db)
     if not any(r.exists() for r in roots) and db is None:
         raise StatusError(
             f"no runs under {', '.join(map(str, roots))} (no {RUN_LOG_NAME}) and no queue "
