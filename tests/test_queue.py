@@ -105,8 +105,6 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         # the run directory could not be made: "File name too long" was a traceback
         (["--name", "x" * 300], "...'xxxxxxxxxx': 300 bytes long, over the 255 a folder name may"),
         (["--name", "é" * 127, "--seeds", "42"], "(run name 'éé"),  # 254 bytes, and "-s42"
-        # `queue rm 1` would remove job 1, not the job named 1
-        (["--name", "1"], "--name '1': an all-digit name reads as a job id"),
     ],
 )  # fmt: skip
 def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, args, message) -> None:

@@ -134,11 +134,6 @@ def _check_job_name(run_name: str, base: str, given: str) -> None:
             f"{given}: a run name the command line reads as null (no name, so a timestamped "
             "run directory the queue does not follow); give another --name"
         )
-    if run_name.isascii() and run_name.isdigit():  # `queue rm 1` would mean the job with id 1
-        raise JobConfigError(
-            f"{given}: an all-digit name reads as a job id in `nanolab queue rm/retry`; give "
-            f"a name with a letter in it (e.g. run{run_name})"
-        )
 
 
 def fit_args(sets: list[tuple[str, str]], seed: int | None) -> list[str]:
