@@ -182,6 +182,12 @@ BAD_DATA = [
     ("empty val.bin", _empty_val, "val.bin is empty"),
     ("val.bin missing", lambda f: (f / "val.bin").unlink(), "val.bin is missing"),
     ("token id >= vocab", _id_beyond_vocab, "holds token id 300 at position"),
+    # A bpe dataset copied as "three files": it trained, then the first save lost the run.
+    (
+        "bpe tokenizer.json missing",
+        _set_meta(tokenizer={"name": "bpe", "file": "tokenizer.json"}),
+        "tokenizer.json is missing: a bpe dataset is four files",
+    ),
 ]
 
 
@@ -256,3 +262,36 @@ def test_a_folder_prepared_otherwise_names_the_exact_prepare_command_that_replac
     assert nanolab_here(*shlex.split(command)[1:], cwd=tmp_path).returncode == 0
     done = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(config), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_checkpoints_store_the_tokenizer_checked_at_start_not_the_folders_at_save(
+    tmp_path, capsys, monkeypatch
+):
+    """A folder prepared again during a run (another alphabet, renamed into place as
+    ``prepare --force`` does) changes neither what the run trains on nor the tokenizer its
+    checkpoints store: generate decodes with the run's own."""
+    import os
+
+    import torch
+
+    from nanolab.data.datamodule import TokenDataModule
+
+    data = tmp_path / "data"
+    checked = write_dataset(data, tokenizer="chars")
+    setup = TokenDataModule.setup
+
+    def setup_then_prepare_again(self: TokenDataModule, stage: str) -> None:
+        setup(self, stage)
+        other = tmp_path / "other"
+        write_dataset(other, train=CODE_TEXT, val=CODE_TEXT[:500], tokenizer="chars")
+        os.replace(data, tmp_path / "old")
+        os.replace(other, data)
+
+    monkeypatch.setattr(TokenDataModule, "setup", setup_then_prepare_again)
+    code, err = fit_in_process(capsys, fit_config(tmp_path, {"dataset_dir": str(data)}))
+    assert code == 0, err[-20:]
+    ckpt = torch.load(
+        tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt", map_location="cpu",
+        weights_only=True,
+    )  # fmt: skip
+    assert ckpt["nanolab"]["tokenizer"] == checked["tokenizer"]

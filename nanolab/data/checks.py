@@ -1,9 +1,10 @@
 """Checks a prepared dataset folder before training, and fingerprints it for resumes.
 
-A dataset folder is ``meta.json`` plus two flat arrays of token ids. If the arrays do not match
-what ``meta.json`` says, nothing crashes: a uint32 file read as uint16 is a stream of ids and
-zeros, and the model trains all night on garbage. So before a run every folder is checked, each
-failure is one line that names the file and the fix (``nanolab fit`` turns it into exit code 2):
+A dataset folder is ``meta.json`` plus two flat arrays of token ids (and ``tokenizer.json`` for
+a bpe or hf tokenizer). If the arrays do not match what ``meta.json`` says, nothing crashes: a
+uint32 file read as uint16 is a stream of ids and zeros, and the model trains all night on
+garbage. So before a run every folder is checked, each failure is one line that names the file
+and the fix (``nanolab fit`` turns it into exit code 2):
 
 * ``meta.json`` is a JSON object with the keys training needs, a known dtype, a vocabulary that
   fits that dtype;
@@ -14,7 +15,8 @@ failure is one line that names the file and the fix (``nanolab fit`` turns it in
 
 :func:`check_files` returns each ``.bin``'s :data:`FileIdentity` as it checked it: the run reads
 that very file (the DataModule maps it right away, and a process that maps it later verifies it),
-so a folder prepared again after the check is never what the run trains on.
+so a folder prepared again after the check is never what the run trains on. Likewise the
+tokenizer every checkpoint stores is the checked one (:func:`checked_tokenizer_spec`).
 
 :func:`fingerprint` identifies the data a run trained on (file sizes, a hash of ``meta.json``
 and a hash of 16 fixed 64 KiB blocks of each ``.bin``, cheap to recompute); the DataModule
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from nanolab.data.prepare import FORMAT, PrepareError
+from nanolab.data.tokenizers import FILE_TOKENIZERS, HFTokenizer, portable_spec
 
 SPLITS = ("train", "val")
 #: dtypes a token file may have (``nanolab prepare`` writes uint16 or uint32).
@@ -163,8 +166,8 @@ def load_meta(dataset_dir: str | Path, field: str = "data.dataset_dir") -> dict[
 
 
 def check_files(dataset_dir: str | Path, meta: dict[str, Any]) -> dict[str, FileIdentity]:
-    """Each ``.bin`` against ``meta``: size, dtype, non-empty validation split, token ids.
-    Returns each split's file identity as the check found it (before reading it)."""
+    """Each ``.bin`` against ``meta``: size, dtype, non-empty validation split, token ids; and
+    the ``tokenizer.json`` of a bpe or hf dataset is there. Returns each split's file identity as the check found it (before reading it)."""
     dataset_dir = Path(dataset_dir)
     dtype = np.dtype(meta["dtype"])
     checked: dict[str, FileIdentity] = {}
@@ -196,7 +199,46 @@ def check_files(dataset_dir: str | Path, meta: dict[str, Any]) -> dict[str, File
             )
             raise DataCheckError(f"{path} is empty: the {split} split holds no tokens; {fix}")
         check_token_ids(path, dtype, int(meta["vocab_size"]))
+    _check_tokenizer_file(dataset_dir, meta)
     return checked
+
+
+def _tokenizer_file(dataset_dir: Path, meta: dict[str, Any]) -> Path | None:
+    """The ``tokenizer.json`` a dataset's token ids need to mean text (None: its tokenizer is
+    all in ``meta.json``: bytes, chars, gpt2)."""
+    spec = meta.get("tokenizer")
+    if isinstance(spec, dict) and spec.get("name") in FILE_TOKENIZERS:
+        return dataset_dir / HFTokenizer.FILE
+    return None
+
+
+def _missing_tokenizer_message(path: Path, meta: dict[str, Any]) -> str:
+    name = meta["tokenizer"]["name"]
+    return (
+        f"{path} is missing: a {name} dataset is four files (train.bin, val.bin, meta.json and "
+        f"{path.name}), and checkpoints store its tokenizer so `nanolab generate` can decode; "
+        f"copy {path.name} from where the dataset was prepared, or {_reprepare(path.parent)}"
+    )
+
+
+def _check_tokenizer_file(dataset_dir: Path, meta: dict[str, Any]) -> None:
+    path = _tokenizer_file(dataset_dir, meta)
+    if path is not None and not path.is_file():
+        raise DataCheckError(_missing_tokenizer_message(path, meta))
+
+
+def checked_tokenizer_spec(dataset_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The tokenizer of the checked ``meta`` with its file inlined, read once when the data is
+    checked: every checkpoint of the run stores this one, not whatever the folder holds at save
+    time (a folder prepared again during the run has another tokenizer; a lost file would fail
+    the first save). None when ``meta.json`` names no tokenizer."""
+    if not isinstance(meta.get("tokenizer"), dict):
+        return None
+    try:
+        return portable_spec(dataset_dir, meta)
+    except OSError:
+        path = _tokenizer_file(Path(dataset_dir), meta) or Path(dataset_dir)
+        raise DataCheckError(_missing_tokenizer_message(path, meta)) from None
 
 
 def _other_dtype_hint(size: int, tokens: int, dtype: np.dtype) -> str:

@@ -28,6 +28,7 @@ from nanolab.data.checks import (
     FileIdentity,
     changed_data_message,
     check_files,
+    checked_tokenizer_spec,
     checkpoint_fingerprint,
     data_changes,
     file_identity,
@@ -212,6 +213,8 @@ class DatasetPart:
     fingerprint: dict[str, Any]
     #: ``train``/``val`` token files as checked, mapped right after the check.
     files: dict[str, TokenFile] = field(default_factory=dict, compare=False, repr=False)
+    #: The tokenizer of the checked ``meta`` (its file inlined): what every checkpoint stores.
+    tokenizer_spec: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def file(self, split: str) -> TokenFile:
         """The token file of ``split``: the checked one (an unchecked one if none was given)."""
@@ -390,6 +393,13 @@ class TokenDataModule(L.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    @property
+    def tokenizer_spec(self) -> dict[str, Any] | None:
+        """The data's tokenizer as checked before training (a mixture's folders share one),
+        its file inlined: checkpoints store this, so ``nanolab generate`` decodes what the run
+        trained on, whatever the folder holds by then."""
+        return self.parts[0].tokenizer_spec
 
     @property
     def eot_id(self) -> int | None:
@@ -710,7 +720,8 @@ def _checked_part(
     }
     for file in files.values():
         _ = file.data
-    return DatasetPart(name, path, weight, meta, prints, files)
+    spec = checked_tokenizer_spec(path, meta)
+    return DatasetPart(name, path, weight, meta, prints, files, spec)
 
 
 def _tokenizer_identity(part: DatasetPart) -> tuple[str, str]:

@@ -479,11 +479,21 @@ def load_tokenizer(dataset_dir: str | Path) -> Tokenizer:
     return tokenizer_from_spec(json.loads(meta_path.read_text())["tokenizer"], directory)
 
 
-def portable_spec(dataset_dir: str | Path) -> dict[str, Any]:
-    """The tokenizer spec with any files inlined, for checkpoints that must decode on their own."""
+#: Tokenizers whose vocabulary lives in the dataset's ``tokenizer.json``, not in ``meta.json``.
+FILE_TOKENIZERS = ("bpe", "hf")
+
+
+def portable_spec(dataset_dir: str | Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The tokenizer spec with any files inlined, for checkpoints that must decode on their own.
+
+    ``meta`` is the dataset's ``meta.json`` as already read (and checked) by the caller; without
+    it the file is read now. A run passes the meta it checked, so its checkpoints describe the
+    data it trains on even if the folder is prepared again meanwhile."""
     directory = Path(dataset_dir)
-    spec = dict(json.loads((directory / "meta.json").read_text())["tokenizer"])
-    if spec["name"] in ("bpe", "hf"):
+    if meta is None:
+        meta = json.loads((directory / "meta.json").read_text())
+    spec = dict(meta["tokenizer"])
+    if spec["name"] in FILE_TOKENIZERS:
         spec["json"] = (directory / HFTokenizer.FILE).read_text()
     return spec
 

@@ -394,8 +394,13 @@ class GPTLightningModule(L.LightningModule):
         }
 
     def _tokenizer_spec(self) -> dict[str, Any] | None:
-        """The data's tokenizer, so ``nanolab generate`` needs nothing but the checkpoint."""
+        """The data's tokenizer, so ``nanolab generate`` needs nothing but the checkpoint: the
+        one the DataModule checked before training (``tokenizer_spec``), not what the dataset
+        folder holds at save time (prepared again, or its tokenizer.json lost, meanwhile). A
+        DataModule of a fork without ``tokenizer_spec`` gives its folder's, read at first save."""
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if hasattr(dm, "tokenizer_spec"):
+            return dm.tokenizer_spec
         dataset_dir = getattr(dm, "dataset_dir", None)
         if dataset_dir is None:
             return None
