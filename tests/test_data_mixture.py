@@ -101,6 +101,53 @@ def test_one_step_of_two_ranks_is_two_accumulated_micro_batches():
         )
 
 
+def _order_as_it_always_was(weights) -> list[tuple[int, int]]:
+    """The split of the slots before weights were normalised first: each weight as a fraction
+    (denominator up to 10^6), then normalised. A running job resumes in this order."""
+    from fractions import Fraction
+
+    fractions = [Fraction(w).limit_denominator(1_000_000) for w in weights]
+    shares = [f / sum(fractions) for f in fractions]
+    split, left = [], Fraction(1)
+    for share in shares[:-1]:
+        q = share / left
+        split.append((q.numerator, q.denominator))
+        left -= share
+    return split
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [(0.7, 0.3), (1, 2), (3, 1), (0.8, 0.1, 0.1), (0.5, 0.3, 0.2), (1, 1, 1, 7),
+     (0.123457, 0.876544), (1 / 3, 2 / 3), (2.5e-3, 7.5e-3)],
+)  # fmt: skip
+def test_ordinary_weights_keep_the_order_they_always_had(weights):
+    plan = mixture(weights, sizes=(4000,) * len(weights))
+    assert plan._split == _order_as_it_always_was(weights)
+
+
+@pytest.mark.parametrize(
+    ("weights", "same_as"),
+    [((6.0e-7, 1.2e-6), (1, 2)), ((1e-9, 3e-9), (1, 3)), ((1e308, 1e308), (1, 1))],
+)
+def test_weights_train_their_ratio_whatever_their_scale(weights, same_as):
+    """Tiny weights were each rounded to a fraction of denominator 10^6 before normalising
+    (6e-7 and 1.2e-6 trained 45.5/54.5, not 1/3, 2/3); the ratio is what trains now."""
+    plan, ratio = mixture(weights), mixture(same_as)
+    assert plan.shares == ratio.shares
+    assert [plan.slot_source(s) for s in range(500)] == [ratio.slot_source(s) for s in range(500)]
+
+
+def test_the_validation_average_of_huge_weights_is_the_ratio(tmp_path):
+    """Weights whose sum overflows (1e308 twice) weigh validation as 1:1 (it divided by zero)."""
+    datasets = [dict(d, weight=1e308) for d in two_datasets(tmp_path)]
+    dm = TokenDataModule(datasets=datasets, micro_batch_size=4, block_size=16, val_windows=4)
+    dm.setup("validate")
+    dm.val_dataloader()
+    assert [s.loss_weight for s in dm.eval_scales] == [1.0, 1.0]
+    assert all(math.isfinite(s.overall_bpb) for s in dm.eval_scales)
+
+
 def test_a_dataset_too_small_for_one_window_is_named():
     with pytest.raises(DataTooSmallError, match=r"dataset b: .*fewer than one block"):
         MixturePlan([5000, 10], [1, 1], 16, 4, 1, 0, names=["a", "b"])
@@ -164,6 +211,14 @@ def test_chars_datasets_of_different_texts_are_refused(tmp_path, capsys):
         ({"datasets": []}, "data.datasets must list prepared folders"),
         ({"datasets": [{"path": "a/web"}, {"path": "b/web"}]}, "two datasets are named 'web'"),
         ({"datasets": [{"path": "missing"}]}, "data.datasets[0].path missing holds no prepared"),
+        (
+            {"datasets": [{"path": "x", "weight": 1e-320}, {"path": "y", "weight": 1}]},
+            "data.datasets[0].weight 1e-320 is a share of 1e-320 of the weights' total, below",
+        ),
+        (
+            {"datasets": [{"path": "x", "weight": 1e300}, {"path": "y", "weight": 1e-300}]},
+            "data.datasets[1].weight 1e-300 is a share of 0 of the weights' total, below 1e-06",
+        ),
     ],
 )
 def test_bad_mixture_settings(tmp_path, capsys, change, message):

@@ -41,12 +41,14 @@ from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.sizes import check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.windows import (
+    MIN_SHARE,
     DataTooSmallError,
     IndexPlan,
     MixturePlan,
     ResumableBatchSampler,
     WindowPlan,
     evaluation_batches,
+    mixture_shares,
     validation_cut,
     validation_shortfall,
     validation_starts,
@@ -693,6 +695,14 @@ def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:
         if not isinstance(name, str) or "/" in name:
             raise PrepareError(f"{field}.name must be a text without '/', got {name!r}")
         out.append((name, Path(path), float(weight)))
+    for i, share in enumerate(mixture_shares([w for _, _, w in out])):
+        if share < MIN_SHARE:
+            raise PrepareError(
+                f"data.datasets[{i}].weight {out[i][2]!r} is a share of {share:.2g} of the "
+                f"weights' total, below {MIN_SHARE:g}: the mixture cannot give it so few "
+                f"windows; raise its weight (weights are ratios: their scale does not matter) "
+                "or leave it out"
+            )
     names = [n for n, _, _ in out]
     if dup := next((n for n in names if names.count(n) > 1), None):
         raise PrepareError(
@@ -757,8 +767,7 @@ def check_same_tokenizer(parts: list[DatasetPart]) -> None:
 def eval_scales(parts: list[DatasetPart], window_counts: list[int]) -> list[EvalScale]:
     """Per-dataset factors of the logged validation metrics (see :class:`EvalScale`)."""
     total_windows = sum(window_counts)
-    weight_sum = sum(p.weight for p in parts)
-    shares = [p.weight / weight_sum for p in parts]
+    shares = mixture_shares([p.weight for p in parts])
     per_token = [p.val_bytes_per_token for p in parts]
     # Bytes per token of the mixture: each dataset's, weighted by its share of the tokens.
     mixed = None

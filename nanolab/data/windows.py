@@ -220,6 +220,46 @@ def validation_cut(count: int, world: int, where: str) -> str | None:
 
 
 # -- mixtures ----------------------------------------------------------------------------------
+#: A mixture's shares are fractions with denominators up to this: the stratified slot rule is
+#: integer arithmetic, the same on every machine.
+SHARE_DENOMINATOR = 1_000_000
+#: The smallest share of the slots a dataset of a mixture may have (``data.datasets`` refuses a
+#: smaller one): below it the share's fraction is no longer near the weight given.
+MIN_SHARE = 1.0 / SHARE_DENOMINATOR
+
+
+def mixture_shares(weights: Sequence[float]) -> list[float]:
+    """Each weight's share of their total (summing to 1): what training and the validation
+    average give each dataset. Weights whose sum overflows (``1e308``) are scaled down by the
+    largest first, so only the ratios matter, never the scale."""
+    total = sum(weights)
+    if not np.isfinite(total):
+        top = max(weights)
+        weights = [w / top for w in weights]
+        total = sum(weights)
+    return [w / total for w in weights]
+
+
+def share_fractions(weights: Sequence[float]) -> list[Fraction]:
+    """The exact fractions (summing to 1) of the slots each dataset of a mixture takes.
+
+    Weights that are fractions with denominators up to :data:`SHARE_DENOMINATOR` as written
+    (0.7 and 0.3, 1 and 2, any decimals with six places) keep the fractions they always had: a
+    running job resumes in the very order it trained in. Any other weights (``6e-7``, ``1e-9``:
+    their own fractions would round to 0 or far from the ratio) are normalised first, and their
+    shares made fractions, so the ratio of the weights is what trains, whatever their scale."""
+    written = [Fraction(w).limit_denominator(SHARE_DENOMINATOR) for w in weights]
+    as_written = zip(written, weights, strict=True)
+    if not all(f > 0 and abs(float(f) - w) <= 1e-9 * w for f, w in as_written):
+        written = [
+            Fraction(s).limit_denominator(SHARE_DENOMINATOR) for s in mixture_shares(weights)
+        ]
+    if any(f <= 0 for f in written):
+        raise ValueError(f"mixture weights must be positive shares above {MIN_SHARE:g}")
+    total = sum(written)
+    return [f / total for f in written]
+
+
 def _dataset_seed(seed: int, index: int) -> int:
     """The window-order seed of dataset ``index`` of a mixture (distinct per dataset)."""
     return (seed * 0x9E3779B1 + (index + 1) * 0xC2B2AE3D + 0x27D4EB2F) % (1 << 63)
@@ -237,9 +277,9 @@ class MixturePlan:
     ``s`` exactly when ``floor(p0 * (s + 1)) > floor(p0 * s)`` (``p0`` its share), so after any
     ``n`` slots it has had ``floor(p0 * n)`` of them — the weights hold over every stretch of the
     stream, not only on average — and the other datasets share the remaining slots the same way,
-    one after the other. The weights are exact fractions, so the rule is integer arithmetic and
-    the same on every machine. The ``k``-th slot of dataset ``d`` is window ``k`` of that dataset's
-    own shuffled stream (a :class:`WindowPlan` with its own seed: every window once per epoch of
+    one after the other. The shares are exact fractions (:func:`share_fractions`), so the rule
+    is integer arithmetic and the same on every machine. The ``k``-th slot of dataset ``d`` is
+    window ``k`` of that dataset's own shuffled stream (a :class:`WindowPlan` with its own seed: every window once per epoch of
     that dataset). Micro-batch ``g`` of rank ``r`` is thus a pure function of (seed, g, r): a
     resumed run sees exactly what the uninterrupted one saw.
     """
@@ -273,11 +313,7 @@ class MixturePlan:
             except DataTooSmallError as err:
                 raise DataTooSmallError(f"dataset {names[i]}: {err}") from None
         self.plans = plans
-        shares = [Fraction(w).limit_denominator(1_000_000) for w in weights]
-        if any(s <= 0 for s in shares):
-            raise ValueError("mixture weights must be positive")
-        total = sum(shares)
-        self.shares = [s / total for s in shares]
+        self.shares = share_fractions(weights)
         # Dataset d takes its share of the slots the datasets before it left over.
         self._split: list[tuple[int, int]] = []
         left = Fraction(1)
