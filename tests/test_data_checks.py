@@ -295,3 +295,23 @@ def test_checkpoints_store_the_tokenizer_checked_at_start_not_the_folders_at_sav
         weights_only=True,
     )  # fmt: skip
     assert ckpt["nanolab"]["tokenizer"] == checked["tokenizer"]
+
+
+def test_a_data_tokenizer_that_prepared_data_ignores_is_one_warning_line(tmp_path, monkeypatch):
+    """With data.source null the data's own tokenizer trains: a data.tokenizer naming another
+    (it was ignored without a word) is one warning line; the data's own, or none, says nothing."""
+    from nanolab import messages
+    from nanolab.data.datamodule import TokenDataModule
+
+    data = tmp_path / "data"
+    write_dataset(data)  # bytes
+    warned: list[str] = []
+    monkeypatch.setattr(messages, "warn", lambda prog, text: warned.append(text))
+    for setting in ("bytes", "chars", "bpe", "bpe"):
+        dm = TokenDataModule(str(data), None, setting, block_size=16, micro_batch_size=4)
+        _ = dm.parts
+    assert warned == [
+        f"data.tokenizer bpe is not used: it applies only when fit prepares data.source, which "
+        f"is null, so this run trains on the tokenizer {data} was prepared with (bytes); set "
+        "data.tokenizer: bytes or leave it out, or set data.source to prepare the data with it"
+    ]

@@ -40,6 +40,7 @@ from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.sizes import check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
+from nanolab.data.tokenizers import is_tokenizer_file
 from nanolab.data.windows import (
     MIN_SHARE,
     DataTooSmallError,
@@ -57,6 +58,8 @@ from nanolab.data.windows import (
 DATASET_KEYS = ("path", "weight", "name")
 #: ``data.align``: fixed windows cut anywhere in the token stream, or rows of whole documents.
 ALIGNS = ("stream", "document")
+#: ``data.tokenizer`` when not given: a run on prepared data that leaves it out is not warned.
+DEFAULT_TOKENIZER = "chars"
 
 
 class TokenFile:
@@ -247,6 +250,7 @@ class EvalScale:
 
 
 _NOTED_NO_BYTES: set[str] = set()
+_NOTED_UNUSED: set[str] = set()
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -256,7 +260,9 @@ class TokenDataModule(L.LightningDataModule):
         dataset_dir: Folder holding ``train.bin``, ``val.bin`` and ``meta.json``.
         source: Text files, folders or ``bundled:shakespeare`` to prepare into ``dataset_dir``
             when it does not exist yet; ``null`` means the dataset must already be prepared.
-        tokenizer: ``bytes``, ``chars``, ``bpe`` or ``gpt2`` (used only when preparing).
+        tokenizer: ``bytes``, ``chars``, ``bpe``, ``gpt2`` or a ``tokenizer.json`` path (used
+            only when preparing ``source``; with ``source: null`` the data's own tokenizer
+            trains, and a different setting is warned about).
         bpe_vocab_size: Vocabulary size of a locally trained BPE tokenizer.
         val_fraction: Share of the documents held out for validation, a seeded draw (when
             preparing).
@@ -291,7 +297,7 @@ class TokenDataModule(L.LightningDataModule):
         self,
         dataset_dir: str = "data/shakespeare_char",
         source: list[str] | None = None,
-        tokenizer: str = "chars",
+        tokenizer: str = DEFAULT_TOKENIZER,
         bpe_vocab_size: int = 4096,
         val_fraction: float = 0.1,
         micro_batch_size: int = 32,
@@ -384,6 +390,10 @@ class TokenDataModule(L.LightningDataModule):
                 ]
                 check_same_tokenizer(parts)
             self._parts = parts
+            unused = None if self.source else unused_tokenizer_setting(self.tokenizer, parts[0])
+            if unused and unused not in _NOTED_UNUSED:  # once a process: fit builds more than one
+                _NOTED_UNUSED.add(unused)
+                rank_zero_only(messages.warn)("nanolab", unused)
         return self._parts
 
     @property
@@ -732,6 +742,30 @@ def _checked_part(
         _ = file.data
     spec = checked_tokenizer_spec(path, meta)
     return DatasetPart(name, path, weight, meta, prints, files, spec)
+
+
+def unused_tokenizer_setting(setting: str, part: DatasetPart) -> str | None:
+    """The warning for a ``data.tokenizer`` that differs from the prepared data's (None: it
+    is the default, or names the data's own tokenizer). It applies only when fit prepares
+    ``data.source``; without one the run trains on the tokenizer the data was prepared with,
+    and a config that names another would say something false about the run."""
+    spec = part.meta.get("tokenizer")
+    used = spec.get("name") if isinstance(spec, dict) else None
+    if setting in (DEFAULT_TOKENIZER, used) or used is None:
+        return None
+    if used == "hf" and is_tokenizer_file(setting):
+        given, own = Path(setting).expanduser(), part.path / "tokenizer.json"
+        try:
+            if given.read_bytes() == own.read_bytes():
+                return None  # the very tokenizer.json the data was prepared with
+        except OSError:
+            pass
+    return (
+        f"data.tokenizer {setting} is not used: it applies only when fit prepares data.source, "
+        f"which is null, so this run trains on the tokenizer {part.path} was prepared with "
+        f"({used}); set data.tokenizer: {used if used != 'hf' else 'its tokenizer.json'} or "
+        "leave it out, or set data.source to prepare the data with it"
+    )
 
 
 def _tokenizer_identity(part: DatasetPart) -> tuple[str, str]:
