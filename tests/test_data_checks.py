@@ -315,3 +315,23 @@ def test_a_data_tokenizer_that_prepared_data_ignores_is_one_warning_line(tmp_pat
         f"is null, so this run trains on the tokenizer {data} was prepared with (bytes); set "
         "data.tokenizer: bytes or leave it out, or set data.source to prepare the data with it"
     ]
+
+
+def test_the_in_loop_tasks_take_the_tokenizer_checked_at_start(tmp_path):
+    """The in-loop task scores encode with the run's tokenizer, the one its checkpoints store,
+    not whatever the folder holds when the callback sets up (prepared again meanwhile)."""
+    import os
+
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.data.tokenizers import data_tokenizer, tokenizer_from_spec
+
+    data = tmp_path / "data"
+    checked = write_dataset(data, tokenizer="chars")
+    dm = TokenDataModule(str(data), None, "chars", block_size=16, micro_batch_size=4)
+    _ = dm.parts  # the data check
+    other = tmp_path / "other"
+    write_dataset(other, train=CODE_TEXT, val=CODE_TEXT[:500], tokenizer="chars")
+    os.replace(data, tmp_path / "old")
+    os.replace(other, data)
+    expected = tokenizer_from_spec(checked["tokenizer"])
+    assert data_tokenizer(dm).to_meta() == expected.to_meta()

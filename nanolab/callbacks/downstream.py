@@ -79,7 +79,7 @@ class DownstreamEval(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.active or stage != "fit":
             return
-        from nanolab.data.tokenizers import load_tokenizer
+        from nanolab.data.tokenizers import data_tokenizer
         from nanolab.downstream.scoring import suite_tokens
         from nanolab.downstream.tasks import TaskFileError, load_suite
 
@@ -95,7 +95,7 @@ class DownstreamEval(Callback):
                 "downstream.suite needs the data's tokenizer, and this DataModule has no "
                 "dataset_dir; set downstream.suite null"
             )
-        self.tokenizer = load_tokenizer(dataset_dir)  # the tokenizer the checkpoint stores
+        self.tokenizer = data_tokenizer(trainer.datamodule)  # the one the checkpoint stores
         try:
             self.tokens_per_eval = suite_tokens(self.suite, self.tokenizer, self._block(pl_module))
         except TaskFileError as err:

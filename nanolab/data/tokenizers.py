@@ -483,6 +483,16 @@ def load_tokenizer(dataset_dir: str | Path) -> Tokenizer:
 FILE_TOKENIZERS = ("bpe", "hf")
 
 
+def data_tokenizer(datamodule: Any) -> Tokenizer:
+    """The tokenizer a run trains with and its checkpoints store: the copy its DataModule took
+    when it checked the data (``tokenizer_spec``), since a folder prepared again during the run
+    holds another; from a DataModule without that copy, its folder's."""
+    spec = getattr(datamodule, "tokenizer_spec", None)
+    if spec:
+        return tokenizer_from_spec(spec)
+    return load_tokenizer(datamodule.dataset_dir)
+
+
 def portable_spec(dataset_dir: str | Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The tokenizer spec with any files inlined, for checkpoints that must decode on their own.
 
