@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from nanolab.data.tokenizers import Tokenizer, load_tokenizer
+from nanolab.data.tokenizers import Tokenizer, data_tokenizer
 
 
 class SampleText(L.Callback):
@@ -51,8 +51,8 @@ class SampleText(L.Callback):
         self._tokenizer: Tokenizer | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # The tokenizer the data was prepared with (data.dataset_dir/meta.json).
-        self._tokenizer = load_tokenizer(trainer.datamodule.dataset_dir)
+        # The tokenizer the run trains with, as checked with the data (checkpoints store it).
+        self._tokenizer = data_tokenizer(trainer.datamodule)
 
     @torch.no_grad()
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
