@@ -417,6 +417,19 @@ class QueueDB:
             )
             return cur.rowcount == 1
 
+    def recover_as_seen(self, job: Job, detail: str) -> bool:
+        """Mark a ``running`` job whose runner is gone ``preempted`` (claimable again), only if
+        its row is still the attempt ``job`` shows (same runner, same attempt count): a row read
+        before another runner recovered the job and started it again is that runner's live
+        attempt, and setting it claimable would start the job twice at once."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "UPDATE jobs SET status = 'preempted', detail = ?, job_pid = NULL, ended = ? "
+                "WHERE id = ? AND status = 'running' AND runner_id IS ? AND attempts = ?",
+                (detail, time.time(), job.id, job.runner_id, job.attempts),
+            )
+            return cur.rowcount == 1
+
     def set_job_pid(self, job_id: int, pid: int, log: str) -> bool:
         """Record a started job's process; False when its row is gone (``queue rm`` deleted it
         before the pid was there to signal: the runner then stops the process itself)."""

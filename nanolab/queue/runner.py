@@ -224,14 +224,7 @@ class Runner:
                 # hung runner's did not.
                 owner_gone = owner is None or not pid_alive(int(owner["pid"]))
                 _stop_orphan(job.job_pid, self.grace_s, signalled=_HAS_PDEATHSIG and owner_gone)
-            if self.db.set_status(
-                job.id,
-                "preempted",
-                expect=("running",),
-                detail="its runner died; resumes from its last checkpoint",
-                job_pid=None,
-                ended=time.time(),
-            ):
+            if self.db.recover_as_seen(job, "its runner died; resumes from its last checkpoint"):
                 self.db.event("recover", self.runner_id, job.id)
                 self.say(f"job {job.id} {job.name}: recovered (will resume from its checkpoint)")
 
