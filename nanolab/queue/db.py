@@ -417,6 +417,20 @@ class QueueDB:
             )
             return cur.rowcount == 1
 
+    def adopt_orphan(self, job: Job, runner_id: int, detail: str) -> bool:
+        """Make ``runner_id`` the runner of a ``running`` job whose runner is gone while it stops
+        the job's leftover process, only if the row is still the attempt ``job`` shows: one
+        runner takes the orphan over (another sees a live runner and leaves it alone, so the
+        process is asked to stop once: a second SIGTERM ends a run without its checkpoint), and
+        a runner that dies meanwhile leaves it to the next."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "UPDATE jobs SET runner_id = ?, detail = ? "
+                "WHERE id = ? AND status = 'running' AND runner_id IS ? AND attempts = ?",
+                (runner_id, detail, job.id, job.runner_id, job.attempts),
+            )
+            return cur.rowcount == 1
+
     def recover_as_seen(self, job: Job, detail: str) -> bool:
         """Mark a ``running`` job whose runner is gone ``preempted`` (claimable again), only if
         its row is still the attempt ``job`` shows (same runner, same attempt count): a row read

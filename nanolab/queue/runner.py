@@ -13,8 +13,9 @@ Robustness, case by case:
   jobs exit at once;
 * the runner is SIGKILLed or its machine dies: on Linux every job was started with a parent-death
   signal (SIGTERM), so it checkpoints and exits by itself. The next runner finds jobs marked
-  ``running`` whose runner is gone (no heartbeat, or no such process on this machine), waits for
-  (or stops) any job process still alive, and resumes those jobs from their checkpoints. A job is
+  ``running`` whose runner is gone (no heartbeat, or no such process on this machine), takes each
+  over, stops any job process still alive (SIGTERM, SIGKILL after ``grace_s``) while it goes on
+  heartbeating and running its own jobs, and resumes those jobs from their checkpoints. A job is
   never started twice at once and never restarted from scratch.
 
 Exit detection uses a pidfd per job where the OS has them (Linux >= 5.3), so the next job starts
@@ -48,7 +49,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -96,6 +97,19 @@ class Active:
 
 
 @dataclass
+class Orphan:
+    """A job of a runner that is gone, taken over by this runner while its leftover process
+    checkpoints and exits; watched each loop turn (never waited for in one call), so the runner
+    heartbeats, reaps its own jobs and answers signals meanwhile."""
+
+    job: Job  # its row as taken over (runner_id: this runner)
+    pid: int
+    deadline: float  # monotonic: SIGKILL then (after SIGKILL: when to stop waiting)
+    pidfd: int | None = None  # readable once the process has exited (wakes the loop)
+    killed: bool = False
+
+
+@dataclass
 class Runner:
     """Runs claimable jobs from ``db`` until none is left (or the deadline / a signal).
 
@@ -134,6 +148,7 @@ class Runner:
     runner_id: int = 0
     gaps: list[float] = field(default_factory=list)
     _active: dict[int, Active] = field(default_factory=dict)
+    _orphans: dict[int, Orphan] = field(default_factory=dict)
     _freed_at: dict[int, float] = field(default_factory=dict)
     _deferred: set[int] = field(default_factory=set)
     _signals: int = 0
@@ -181,13 +196,16 @@ class Runner:
             self.recover()
             while True:
                 self.reap()
+                self._watch_orphans()
                 if not self._signals:
                     self.fill()
                     self._stop_backfill_at_deadline()
                 if self._fill_again and not self._signals:
                     self._fill_again = False
                     continue
-                if not self._active and (self._signals or not self._keep_waiting()):
+                # An orphan still exiting becomes claimable (this runner then resumes it).
+                waiting = bool(self._orphans) or self._keep_waiting()
+                if not self._active and (self._signals or not waiting):
                     break
                 now = time.monotonic()
                 if now - last_beat >= self.heartbeat_s:
@@ -201,6 +219,7 @@ class Runner:
                 self._wait(min(self.poll_s, self.heartbeat_s, 0.25 if backfilling else 1e9))
         finally:
             self._restore_signals(previous)
+            self._leave_orphans()
             self.db.stop_runner(self.runner_id)
         self._summary()
         return EXIT_PREEMPTED if self._signals else 0
@@ -210,23 +229,75 @@ class Runner:
 
     # -- recovering jobs of runners that died --------------------------------------------
     def recover(self) -> None:
+        """Take over the ``running`` jobs of runners that are gone: one whose process still runs
+        here is asked to checkpoint and exit, and watched (:meth:`_watch_orphans`); the others
+        are claimable again at once."""
         for job in self.db.jobs(("running",)):
             if job.runner_id == self.runner_id:
-                continue
+                continue  # its own, or an orphan it took over already
             owner = self.db.runner(job.runner_id)
             if runner_alive(owner, self.stale_s):
                 continue
             here = owner is None or owner["host"] == socket.gethostname()
             if here and job.job_pid and _is_job_process(job.job_pid, job.name):
-                self.say(f"job {job.id} {job.name}: its runner is gone; waiting for its process "
-                         f"{job.job_pid} to checkpoint and exit")  # fmt: skip
-                # A dead runner's jobs got SIGTERM from the kernel (parent-death signal); a
-                # hung runner's did not.
-                owner_gone = owner is None or not pid_alive(int(owner["pid"]))
-                _stop_orphan(job.job_pid, self.grace_s, signalled=_HAS_PDEATHSIG and owner_gone)
-            if self.db.recover_as_seen(job, "its runner died; resumes from its last checkpoint"):
-                self.db.event("recover", self.runner_id, job.id)
-                self.say(f"job {job.id} {job.name}: recovered (will resume from its checkpoint)")
+                self._adopt(job, job.job_pid, owner)
+            else:
+                self._recovered(job)
+
+    def _adopt(self, job: Job, pid: int, owner: dict[str, Any] | None) -> None:
+        """Take over a gone runner's job whose process is alive, and ask that process to stop."""
+        detail = f"its runner is gone; runner {self.runner_id} is stopping its process {pid}"
+        if not self.db.adopt_orphan(job, self.runner_id, detail):
+            return  # another runner took it over, or it changed, since it was read
+        self.say(f"job {job.id} {job.name}: its runner is gone; waiting for its process "
+                 f"{pid} to checkpoint and exit")  # fmt: skip
+        # A dead runner's jobs got SIGTERM from the kernel (parent-death signal); a hung
+        # runner's did not. A second SIGTERM would end it at once, without its checkpoint.
+        owner_gone = owner is None or not pid_alive(int(owner["pid"]))
+        if not (_HAS_PDEATHSIG and owner_gone):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        pidfd = None
+        with contextlib.suppress(AttributeError, OSError):
+            pidfd = os.pidfd_open(pid)
+        adopted = replace(job, runner_id=self.runner_id, detail=detail)
+        self._orphans[job.id] = Orphan(adopted, pid, time.monotonic() + self.grace_s, pidfd)
+
+    def _watch_orphans(self) -> None:
+        """Recover each orphan whose process has exited; SIGKILL one still there at its
+        deadline (``grace_s``), and recover it once gone or 10 s after that."""
+        for job_id, orphan in list(self._orphans.items()):
+            now = time.monotonic()
+            if pid_alive(orphan.pid):
+                if now < orphan.deadline:
+                    continue
+                if not orphan.killed:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(orphan.pid, signal.SIGKILL)
+                    orphan.killed, orphan.deadline = True, now + 10.0
+                    self.say(f"job {job_id} {orphan.job.name}: its process {orphan.pid} did not "
+                             f"exit within {describe(self.grace_s)}; killed it (SIGKILL)")  # fmt: skip
+                    continue
+            del self._orphans[job_id]
+            if orphan.pidfd is not None:
+                os.close(orphan.pidfd)
+            self._recovered(orphan.job)
+
+    def _recovered(self, job: Job) -> None:
+        """Make a gone runner's job claimable again, if its row is still as it was seen."""
+        if self.db.recover_as_seen(job, "its runner died; resumes from its last checkpoint"):
+            self.db.event("recover", self.runner_id, job.id)
+            self.say(f"job {job.id} {job.name}: recovered (will resume from its checkpoint)")
+
+    def _leave_orphans(self) -> None:
+        """Stopping with orphans still exiting: they stay taken over by this runner, which is
+        about to be marked stopped, so the next runner takes them over and recovers them."""
+        for job_id, orphan in self._orphans.items():
+            if orphan.pidfd is not None:
+                os.close(orphan.pidfd)
+            self.say(f"job {job_id} {orphan.job.name}: its process {orphan.pid} is still "
+                     "exiting; the next `nanolab queue run` recovers it")  # fmt: skip
+        self._orphans.clear()
 
     # -- starting jobs ---------------------------------------------------------------------
     def _free_units(self) -> list[int]:
@@ -570,11 +641,14 @@ class Runner:
 
     # -- waiting and signals ---------------------------------------------------------------
     def _wait(self, timeout: float) -> None:
-        fds = [a.pidfd for a in self._active.values() if a.pidfd is not None]
+        watched = [*self._active.values(), *self._orphans.values()]
+        fds = [w.pidfd for w in watched if w.pidfd is not None]
+        if len(fds) < len(watched):
+            timeout = min(timeout, 0.05)  # some process without a pidfd: poll it
+        if self._orphans:  # an orphan's deadline (SIGKILL) is kept to the second
+            timeout = min(timeout, 1.0)
         if self._wake_r is not None:
             fds.append(self._wake_r)
-        if len(fds) < len(self._active) + (self._wake_r is not None):
-            timeout = min(timeout, 0.05)  # some job without a pidfd: poll it
         if fds:
             select.select(fds, [], [], timeout)
         else:
@@ -838,18 +912,3 @@ def _is_job_process(pid: int, name: str) -> bool:
     except OSError:
         return True  # no /proc: trust the pid
     return f"--run.name={name}" in args
-
-
-def _stop_orphan(pid: int, grace_s: float, signalled: bool) -> None:
-    """Let an orphaned job checkpoint and exit (SIGTERM unless it already got one), then SIGKILL."""
-    if not signalled:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if pid_alive(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        while pid_alive(pid) and time.monotonic() < deadline + 10:
-            time.sleep(0.1)
