@@ -40,6 +40,7 @@ from nanolab.queue.db import (
     QueueDB,
     QueueError,
     ReadOnlyDBError,
+    busy_db,
     default_db_path,
     no_room,
     orphaned,
@@ -693,8 +694,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except NanolabError as err:
         return report(f"nanolab queue {args.verb}", err)
-    except sqlite3.DatabaseError as err:  # damage (or a full disk) met past the opening checks
+    except sqlite3.DatabaseError as err:  # damage, a full disk or a lock met past the opening
         path = Path(args.db) if args.db else default_db_path()
-        line = read_only_db(path, err) or no_room(path, err) or unusable_db(path, f"failed: {err}")
+        line = (
+            busy_db(path, err)
+            or read_only_db(path, err)
+            or no_room(path, err)
+            or unusable_db(path, f"failed: {err}")
+        )
         print(f"nanolab queue {args.verb}: error: {line}", file=sys.stderr)
         return 2

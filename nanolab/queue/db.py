@@ -5,7 +5,9 @@ and finishing jobs, shells adding and removing them), and a machine can die mid-
 lets readers and one writer proceed together; every change is one transaction (``BEGIN
 IMMEDIATE`` takes the write lock up front, so a read-then-update such as claiming a job cannot
 interleave with another writer); ``synchronous=FULL`` makes a committed change survive a power
-cut. Connections wait up to 30 s for the lock instead of failing.
+cut. Connections wait up to 30 s for the lock instead of failing; a lock held longer is said as
+it is (:func:`busy_db`: the queue is healthy, retry), and a runner keeps waiting
+(:attr:`QueueDB.patience`).
 
 A job's life: ``pending`` -> ``running`` -> ``done`` | ``stopped`` (budget/plateau, with the
 reason) | ``failed`` (with the error) | ``preempted`` (interrupted; resumes from its checkpoint
@@ -26,7 +28,7 @@ import shutil
 import socket
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -211,6 +213,10 @@ class NewJob:
     config_sha: str | None = None
 
 
+#: Seconds a write waits for another process's write lock before it fails as busy.
+BUSY_TIMEOUT_S = 30.0
+
+
 def default_db_path() -> Path:
     return Path(os.environ.get("NANOLAB_QUEUE_DB", DEFAULT_DB))
 
@@ -239,7 +245,11 @@ class QueueDB:
             db.conn.row_factory = sqlite3.Row
             db.conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
         except sqlite3.Error as err:
-            said = read_only_db(db.path, err, reading=True) or no_room(db.path, err)
+            said = (
+                busy_db(db.path, err, 5.0)
+                or read_only_db(db.path, err, reading=True)
+                or no_room(db.path, err)
+            )
             raise QueueError(said or unusable_db(db.path, f"cannot be read ({err})")) from None
         return db
 
@@ -264,8 +274,12 @@ class QueueDB:
         self.path = Path(path) if path is not None else default_db_path()
         self.check_path(self.path)
         # isolation_level=None: no implicit transactions; every write below opens its own.
+        #: Called, where set, when a write met the lock held by another process for longer than
+        #: the busy timeout: with the number of tries that failed so far (1, 2, ...) before each
+        #: retry, and with 0 once a write got through after such tries. Unset: the write fails.
+        self.patience: Callable[[int], None] | None = None
         try:
-            self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as err:
             if (line := read_only_db(self.path, err)) is not None:
                 raise ReadOnlyDBError(line) from None
@@ -277,7 +291,7 @@ class QueueDB:
             check_queue_db(self.conn, self.path)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=FULL")
-            self.conn.execute("PRAGMA busy_timeout=30000")
+            self.conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
             with self.transaction():
                 for statement in SCHEMA.split(";"):
                     if statement.strip():
@@ -295,6 +309,8 @@ class QueueDB:
                     "other text?); it was left untouched; pass --db with the queue's file "
                     "(nanolab_queue.db by default), or a new path for a new queue"
                 ) from None
+            if (line := busy_db(self.path, err)) is not None:
+                raise QueueError(line) from None
             if (line := read_only_db(self.path, err)) is not None:
                 raise ReadOnlyDBError(line) from None
             room = no_room(self.path, err)
@@ -308,10 +324,26 @@ class QueueDB:
     def close(self) -> None:
         self.conn.close()
 
+    def wait_for_lock(self, seconds: float) -> None:
+        """How long one write waits for another process's write lock before it is busy."""
+        self.conn.execute(f"PRAGMA busy_timeout={int(seconds * 1000)}")
+
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any error)."""
-        self.conn.execute("BEGIN IMMEDIATE")
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any error). The write lock is
+        taken up front, so a busy queue fails (or, with :attr:`patience`, waits) here only."""
+        tries = 0
+        while True:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError as err:
+                if self.patience is None or not is_busy(err):
+                    raise
+                tries += 1
+                self.patience(tries)
+        if tries and self.patience is not None:
+            self.patience(0)
         try:
             yield self.conn
         except BaseException:
@@ -638,6 +670,27 @@ def _mount_point(folder: Path) -> Path:
     while here.parent != here and here.parent.stat().st_dev == device:
         here = here.parent
     return here
+
+
+def is_busy(err: BaseException) -> bool:
+    """Whether a SQLite error is another connection holding the lock (SQLITE_BUSY/LOCKED)."""
+    name = str(getattr(err, "sqlite_errorname", ""))
+    return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in str(err)
+
+
+def busy_db(path: Path, err: BaseException, waited_s: float | None = None) -> str | None:
+    """The one line for a queue another process keeps locked (``None`` for any other error);
+    ``waited_s``: how long the lock was waited for (None: :data:`BUSY_TIMEOUT_S`). Said as it
+    is: the damaged-file advice (move it aside) would throw away a healthy queue."""
+    if not is_busy(err):
+        return None
+    if waited_s is None:
+        waited_s = BUSY_TIMEOUT_S
+    return (
+        f"the queue database {path} is busy: another process has held its write lock for over "
+        f"{waited_s:.0f} s ({err}); the queue is healthy and was left untouched; rerun the "
+        f"command once that process is done (`fuser {path}` names the processes that have it open)"
+    )
 
 
 def unusable_db(path: Path, why: str) -> str:

@@ -11,6 +11,9 @@ Robustness, case by case:
 * the runner gets SIGTERM/SIGINT: it forwards SIGTERM to its jobs (each finishes its optimizer
   step, checkpoints and exits 75), marks them ``preempted`` and exits; a second signal makes the
   jobs exit at once;
+* another process holds the queue database's write lock for long (a shell's ``sqlite3``, a
+  backup): the runner's writes (heartbeat, claims, outcomes) wait for it, retried with backoff
+  and said once in its log, while its jobs train on;
 * the runner is SIGKILLed or its machine dies: on Linux every job was started with a parent-death
   signal (SIGTERM), so it checkpoints and exits by itself. The next runner finds jobs marked
   ``running`` whose runner is gone (no heartbeat, or no such process on this machine), takes each
@@ -166,6 +169,8 @@ class Runner:
     _drained_said: set[tuple[int, int]] = field(default_factory=set)
     _plan_key: tuple | None = None
     preemptions: list[tuple[int, int, float]] = field(default_factory=list)
+    busy_try_s: float = 5.0  # how long one write waits for another process's write lock
+    _busy_since: float | None = None
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -181,6 +186,9 @@ class Runner:
         """Work through the queue; 0 when it ran dry, 75 when stopped by a signal."""
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        # Short tries, retried: a signal is handled between them, not after SQLite's 30 s wait.
+        self.db.wait_for_lock(self.busy_try_s)
+        self.db.patience = self._wait_for_the_queue
         self.runner_id = self.db.register_runner()
         where = f"GPUs {','.join(self.gpus)}" if self.gpus else f"{self.slots} CPU slot(s)"
         if self.pack:
@@ -275,8 +283,9 @@ class Runner:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(orphan.pid, signal.SIGKILL)
                     orphan.killed, orphan.deadline = True, now + 10.0
+                    within = describe(self.grace_s)
                     self.say(f"job {job_id} {orphan.job.name}: its process {orphan.pid} did not "
-                             f"exit within {describe(self.grace_s)}; killed it (SIGKILL)")  # fmt: skip
+                             f"exit within {within}; killed it (SIGKILL)")  # fmt: skip
                     continue
             del self._orphans[job_id]
             if orphan.pidfd is not None:
@@ -640,6 +649,23 @@ class Runner:
                          "the queue meanwhile")  # fmt: skip
 
     # -- waiting and signals ---------------------------------------------------------------
+    def _wait_for_the_queue(self, tries: int) -> None:
+        """:attr:`QueueDB.patience`: another process holds the queue's write lock. A runner
+        that gave up would leave its jobs ``running`` under a runner that is gone; it waits
+        instead (retrying with backoff, its jobs training on), and says so once each time."""
+        if tries == 0:
+            waited = time.monotonic() - (self._busy_since or time.monotonic())
+            self._busy_since = None
+            self.say(f"the queue database can be written again (waited {describe(waited)})")
+            return
+        if tries == 1:
+            self._busy_since = time.monotonic() - self.busy_try_s
+            self.say(f"the queue database {self.db.path} is busy: another process has held its "
+                     f"write lock for over {self.busy_try_s:.0f} s; the queue is healthy; "
+                     "retrying until it is free (jobs train on; `fuser "
+                     f"{self.db.path}` names the processes that have it open)")  # fmt: skip
+        time.sleep(min(2.0 ** (tries - 1), 30.0))
+
     def _wait(self, timeout: float) -> None:
         watched = [*self._active.values(), *self._orphans.values()]
         fds = [w.pidfd for w in watched if w.pidfd is not None]

@@ -1,0 +1,98 @@
+"""A queue database whose write lock another process holds for long (a shell's ``sqlite3``, a
+backup): the commands say the queue is busy (never that it is damaged), and the runner waits."""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from test_queue_recover import QuickJobs
+
+import nanolab.queue.db as queue_db
+from nanolab.queue.cli import main
+from nanolab.queue.db import NewJob, QueueDB
+
+
+def _add(path: Path, *names: str) -> None:
+    QueueDB(path).add_jobs([
+        NewJob(name=n, config="c.yaml", args=[], seed=None, cwd=str(path.parent),
+               run_dir=str(path.parent / "runs" / n))
+        for n in names
+    ])  # fmt: skip
+
+
+@contextmanager
+def locked(path: Path, after_s: float = 0.0, for_s: float = 60.0) -> Iterator[threading.Event]:
+    """Another connection takes the queue's write lock ``after_s`` from now and holds it for
+    ``for_s`` seconds, or until the block ends; the event is set once it holds the lock."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        time.sleep(after_s)
+        conn.execute("BEGIN IMMEDIATE")
+        holding.set()
+        done.wait(for_s)
+        conn.execute("COMMIT")
+        conn.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        yield holding
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_a_queue_held_locked_is_said_busy_not_damaged(tmp_path: Path, capsys, monkeypatch):
+    """``queue rm`` against a queue another process kept locked past the 30 s wait said the
+    database was "damaged or not SQLite (database is locked)" and advised moving it aside,
+    which throws a healthy queue away. It is now one line saying the queue is busy, exit 2:
+    when the lock is met opening the queue, and when met by a later write."""
+    monkeypatch.setattr(queue_db, "BUSY_TIMEOUT_S", 0.2)
+    path = tmp_path / "q.db"
+    _add(path, "p")
+    with locked(path) as holding:
+        assert holding.wait(5)
+        assert main(["rm", "--db", str(path), "p"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "q.db is busy: another process has held its write lock for over 0 s" in err, err
+    assert "the queue is healthy" in err and "damaged" not in err and ".bad" not in err, err
+
+    def locked_meanwhile(*args, **kw):
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(QueueDB, "remove_as_seen", locked_meanwhile)
+    assert main(["rm", "--db", str(path), "p"]) == 2
+    err = capsys.readouterr().err
+    assert "is busy: another process has held its write lock" in err and ".bad" not in err, err
+    assert [j.name for j in QueueDB(path).jobs()] == ["p"]
+
+
+def test_a_runner_waits_for_a_queue_held_locked_and_its_jobs_finish(tmp_path: Path) -> None:
+    """The runner died of a lock held past 30 s (its heartbeat or a job's outcome could not be
+    written), leaving its job "running: its runner is gone". It now retries its writes with
+    backoff, says so once, and records every outcome once the lock is let go."""
+    path = tmp_path / "q.db"
+    _add(path, "a", "b")
+    said = io.StringIO()
+    runner = QuickJobs(QueueDB(path), heartbeat_s=0.1, poll_s=0.05, busy_try_s=0.1, out=said)
+    with locked(path, after_s=0.3, for_s=1.5):
+        assert runner.run() == 0
+    text = said.getvalue()
+    assert text.count("is busy: another process has held its write lock for over 0 s") == 1, text
+    assert "the queue database can be written again (waited" in text, text
+    assert {j.name: j.status for j in QueueDB(path).jobs()} == {"a": "done", "b": "done"}, text
+
+
+@pytest.mark.parametrize("message", ["disk I/O error", "database disk image is malformed"])
+def test_other_sqlite_errors_are_not_taken_for_a_busy_queue(message: str) -> None:
+    assert queue_db.busy_db(Path("q.db"), sqlite3.OperationalError(message)) is None
