@@ -132,6 +132,28 @@ def test_a_name_is_kept_as_given_as_fit_keeps_it(tmp_path, tiny, capsys, monkeyp
     assert QueueDB(db).jobs()[2].run_dir == str(tmp_path / "runs" / "café run")
 
 
+def test_a_reference_that_is_one_jobs_id_and_anothers_name_is_refused(
+    tmp_path, tiny, capsys, monkeypatch
+) -> None:
+    """A job may be named "1": `queue rm 1` then named job id 1 too, and removed (or stopped) it
+    instead of the job named 1. Such a reference is refused, naming both; an id alone works."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    for name in ("first", "1"):
+        code, _, err = queue(capsys, db, "add", str(tiny), "--name", name)
+        assert code == 0, err
+    code, _, err = queue(capsys, db, "rm", "1")
+    assert code == 2
+    assert err.strip() == (
+        "nanolab queue rm: error: '1' is both the id of job 1 (first) and the name of job 2; "
+        "give the id of the one you mean (1 or 2)"
+    ), err
+    assert [j.name for j in QueueDB(db).jobs()] == ["first", "1"]
+    code, _, err = queue(capsys, db, "rm", "2")
+    assert code == 0, err
+    assert [j.name for j in QueueDB(db).jobs()] == ["first"]
+
+
 #: Callback settings ``nanolab fit`` refuses when it builds the run's callbacks, with its line.
 CALLBACK_REFUSALS = [
     ("budget.max_tokens=-5", "budget.max_tokens must be > 0 (or null for no limit), got -5"),

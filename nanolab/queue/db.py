@@ -393,7 +393,14 @@ class QueueDB:
         by_name = {j.name: j for j in all_jobs}
         found, unknown = [], []
         for ref in refs:
-            job = by_id.get(ref) or by_name.get(ref)
+            numbered, named = by_id.get(ref), by_name.get(ref)
+            if numbered and named and numbered.id != named.id:  # a job named "1"
+                raise QueueError(
+                    f"{ref!r} is both the id of job {numbered.id} ({numbered.name}) and the name "
+                    f"of job {named.id}; give the id of the one you mean ({numbered.id} or "
+                    f"{named.id})"
+                )
+            job = numbered or named
             (found if job else unknown).append(job or ref)
         if unknown:
             have = ", ".join(f"{j.id}:{j.name}" for j in all_jobs[:10]) or "none"
