@@ -5,16 +5,20 @@ a precision, a strategy), then ``configs/debug/cpu_check.yaml``, the shrink a us
 same check: what CUDA switches on forced (fused AdamW), the model 1 layer x 32 wide on the
 bundled characters; it trains 2 steps, then resumes
 to 4 (the recipes' ``run.resume: auto``) and checks the run log: finite losses at every step,
-the second launch resumed from step 2, and the run ended ``completed``. The default row, the one
+the second launch resumed from step 2, and the run ended ``completed``. The fp16 row gives its
+precision as the plugin (Lightning trains ``16-mixed`` as bf16 on a CPU) and checks the loss
+scaler went through the checkpoint and the resume. The default row, the one
 CI runs, keeps the recipe's ``model.compile: true``; the slow rows turn it off (a cold CPU
 compile costs more than the rest of a row) but for the compile row.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 from conftest import QUICKSTART, nanolab_here, run_nanolab
 
 from nanolab.runlog import read_records
@@ -24,14 +28,21 @@ CONFIGS = QUICKSTART.parent
 # AdamW, compile off (the rows that keep it turn it back on), 2 micro-batches a step.
 SHRINK = ["--config", str(CONFIGS / "debug" / "cpu_check.yaml"), "--run.resume", "auto"]
 
+# On a CPU Lightning swaps ``precision: 16-mixed`` for bf16 (no loss scaling). The fp16 row gives
+# the precision as the plugin a GPU run builds from it, on the CPU: fp16 autocast and a GradScaler
+# (Lightning refuses a precision and a precision plugin together: the plugin replaces it).
+FP16_ON_CPU = [
+    "--trainer.precision", "null", "--trainer.plugins", json.dumps([{
+        "class_path": "lightning.pytorch.plugins.MixedPrecision",
+        "init_args": {"precision": "16-mixed", "device": "cpu"},
+    }]),
+]  # fmt: skip
+
 # The base recipe (bf16-mixed) in the default suite; 350M also runs in the GPU check's dry run.
 ROWS = {"124m": []}
 SLOW_ROWS = {
     "124m+774m": (["gpt2-774m.yaml"], []),
-    "124m+fp16": (
-        ["precision/fp16.yaml"],
-        [],
-    ),  # fp16's fused path runs in-process in test_fused_amp
+    "124m+fp16": (["precision/fp16.yaml"], FP16_ON_CPU),
     "124m+350m": (["gpt2-350m.yaml"], []),
     "124m+fp32": (["precision/fp32.yaml"], []),
     "124m+ddp": (["strategy/ddp.yaml"], ["--trainer.devices", "2"]),
@@ -64,6 +75,22 @@ def _check_trained_and_resumed(tmp_path) -> None:
     assert read_records(log, "end")[-1]["reason"] == "completed"
 
 
+def _check_fp16_scaled_and_resumed(tmp_path) -> None:
+    """Both launches trained fp16 (not Lightning's CPU bf16 swap), and the GradScaler's state
+    went into the checkpoint and came back on resume: its count of good steps is 4, not 2."""
+    run = tmp_path / "runs" / "recipe"
+    starts = read_records(run / "metrics.jsonl", "start")
+    assert [s["precision"] for s in starts] == ["16-mixed", "16-mixed"]
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 4
+    scaler = ckpt["MixedPrecision"]
+    assert scaler["scale"] > 0 and scaler["_growth_tracker"] == 4, scaler
+
+
+# Rows with a check of their own, after the common one.
+ROW_CHECKS = {"124m+fp16": _check_fp16_scaled_and_resumed}
+
+
 @pytest.mark.parametrize("row", list(ROWS))
 def test_a_gpu_recipe_trains_and_resumes_on_cpu(tmp_path, char_dataset, row):
     """Mutation caught: any recipe setting that cannot run with CUDA's fused AdamW and the
@@ -86,3 +113,4 @@ def test_a_gpu_recipe_with_a_strategy_or_compile_trains_and_resumes_on_cpu(
     _fit(tmp_path, char_dataset, overlays, extra, 2)
     _fit(tmp_path, char_dataset, overlays, extra, 4)
     _check_trained_and_resumed(tmp_path)
+    ROW_CHECKS.get(row, lambda _: None)(tmp_path)
