@@ -113,20 +113,46 @@ def device_memory(device: str) -> tuple[str, int]:
 
 
 def measure_device_peak(device: str, setup: Setup, B: int) -> DevicePeak:
-    """The peak a real Lightning fit of ``setup`` reaches (clipping on, as the recipes run)."""
+    """The peak a real Lightning fit of ``setup`` reaches (clipping on, as the recipes run),
+    with the optimizer the estimate predicts for (``setup.fused``).
+
+    On the CPU (``--device-path-on-cpu``) the GPU's measuring code runs too, on a stand-in for
+    ``torch.cuda``'s statistics (:func:`rehearse_gpu_measure`), so it has run before a GPU
+    session; the figures are the CPU's own profiled peak, as a CPU has no allocator to read."""
     from nanolab.estimator.measure_trainer import (
         measure_trainer_peak_cpu,
         measure_trainer_peak_cuda,
     )
 
-    kwargs = dict(precision=setup.precision, optimizer=setup.optimizer, accumulate=ACCUMULATE)
+    kwargs = dict(
+        precision=setup.precision, optimizer=setup.optimizer, accumulate=ACCUMULATE,
+        fused=setup.fused,
+    )  # fmt: skip
     if device == "cuda":
         real = measure_trainer_peak_cuda(setup.gpt, B, **kwargs)
         return DevicePeak(
             real.peak_allocated, real.peak_reserved, real.outside_allocator, real.phases
         )
-    cpu = measure_trainer_peak_cpu(setup.gpt, B, fused=setup.fused, **kwargs)
+    rehearse_gpu_measure(setup, B, kwargs)
+    cpu = measure_trainer_peak_cpu(setup.gpt, B, **kwargs)
     return DevicePeak(cpu.peak, None, None, cpu.phases)
+
+
+def rehearse_gpu_measure(setup: Setup, B: int, kwargs: dict) -> None:
+    """Run :func:`measure_trainer_peak_cuda`'s fit on the CPU with a stand-in for
+    ``torch.cuda`` (nothing allocated): its callbacks, syncs, resets and phase hooks. Raises if
+    a phase of the step went unread (a hook not wired would measure nothing on the GPU)."""
+    from nanolab.estimator.measure_trainer import (
+        NoDeviceMemory,
+        PhasePeaks,
+        measure_trainer_peak_cuda,
+    )
+
+    got = measure_trainer_peak_cuda(
+        setup.gpt, B, memory=NoDeviceMemory(), accelerator="cpu", **kwargs
+    )
+    if list(got.phases) != [*PhasePeaks.ORDER, "at_forward_end"]:
+        raise RuntimeError(f"the GPU measure read the phases {list(got.phases)}, not all four")
 
 
 def run_gpu(configs: Sequence[str], micro_batch: int | None, device: str = "cuda") -> list[Row]:

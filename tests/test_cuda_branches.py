@@ -145,6 +145,7 @@ TWINS: dict[str, tuple[str, ...]] = {
         "tests/test_trainer_refusals.py::test_a_setting_the_trainer_refuses_is_one_line_and_writes_nothing",
     ),
     "nanolab/estimator/measure_trainer.py": (
+        "tests/test_gpu_twins.py::test_the_gpu_memory_measure_runs_its_fit_on_a_cpu_stand_in",
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
     "nanolab/data/datamodule.py": (
@@ -154,6 +155,7 @@ TWINS: dict[str, tuple[str, ...]] = {
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
     "benches/bench_memory.py": (
+        "tests/test_gpu_twins.py::test_the_gpu_memory_bench_measures_the_optimizer_it_predicts",
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
     "benches/gpu_pack.py": (

@@ -242,3 +242,95 @@ def test_the_gpu_memory_bench_records_each_phase_of_a_real_lightning_step():
     # The first step's reads (the first 8) count overall but in no phase.
     assert min(summary[p] for p in PhasePeaks.ORDER) > allocator.reads[7]
     assert allocator.resets == len(allocator.reads)
+
+
+class CudaStandIn(CountingAllocator):
+    """The rest of what ``measure_trainer_peak_cuda`` reads of ``torch.cuda``: its syncs and
+    ``mem_get_info`` (1,000 of 5,000 bytes free, 600 reserved by the allocator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 1000, 5000
+
+    def memory_reserved(self) -> int:
+        return 600
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_gpu_memory_measure_runs_its_fit_on_a_cpu_stand_in(monkeypatch, fused):
+    """``measure_trainer_peak_cuda`` (bench_memory's GPU path) with ``torch.cuda`` replaced by a
+    stand-in and the Trainer on the CPU: the syncs before the reset and before the end's read,
+    what is used outside the allocator (total - free - reserved), every phase read, and the
+    optimizer it fits is the one asked for (``fused``: the one the estimate predicts for)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from nanolab.estimator import measure_trainer as mt
+    from nanolab.model.config import GPTConfig
+
+    seen = []
+
+    class OptimizerSeen(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen.append(bool(trainer.optimizers[0].defaults["fused"]))  # False: None
+
+    real_fit = mt._fit
+    monkeypatch.setattr(
+        mt, "_fit", lambda acc, cbs, *a, **k: real_fit(acc, [*cbs, OptimizerSeen()], *a, **k)
+    )
+    memory = CudaStandIn()
+    gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    got = mt.measure_trainer_peak_cuda(
+        gpt, 2, precision="32-true", accumulate=2, fused=fused, memory=memory, accelerator="cpu"
+    )
+    assert seen == [fused]
+    assert memory.syncs == 2 and got.outside_allocator == 5000 - 1000 - 600
+    assert list(got.phases) == [*mt.PhasePeaks.ORDER, "at_forward_end"]
+    assert got.peak_allocated == max(memory.reads)
+    assert got.peak_reserved == 2 * (100 + len(memory.reads))
+
+
+def _bench_memory():
+    """benches/bench_memory.py, imported as the GPU check runs it (a script, not a module)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "bench_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_memory"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_memory_bench_measures_the_optimizer_it_predicts(monkeypatch):
+    """A config with ``model.optimizer.fused: false`` is predicted for foreach AdamW; the GPU
+    measure must fit that optimizer too, not torch's fused default (the error row would compare
+    two optimizers). The CPU device path runs the GPU measure's code on a stand-in as well."""
+    from nanolab.estimator import measure_trainer as mt
+    from nanolab.model.config import GPTConfig
+
+    bm = _bench_memory()
+    asked = []
+
+    def spy(gpt, B, **kwargs):
+        asked.append((kwargs["fused"], kwargs.get("accelerator", "gpu")))
+        return mt.TrainerPeakCuda(1, 2, 3, {})
+
+    monkeypatch.setattr(mt, "measure_trainer_peak_cuda", spy)
+    gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    setup = SimpleNamespace(gpt=gpt, precision="32-true", optimizer="adamw", fused=False)
+    assert bm.measure_device_peak("cuda", setup, 2).allocated == 1
+    assert asked == [(False, "gpu")]
+    monkeypatch.undo()
+    monkeypatch.setattr(mt, "measure_trainer_peak_cpu", lambda *a, **k: mt.TrainerPeak(9, 0))
+    rehearsed = []
+    monkeypatch.setattr(bm, "rehearse_gpu_measure", lambda *a: rehearsed.append(a[2]["fused"]))
+    assert bm.measure_device_peak("cpu", setup, 2).allocated == 9
+    assert rehearsed == [False]

@@ -255,6 +255,9 @@ def measure_trainer_peak_cuda(
     accumulate: int = 1,
     steps: int = 3,
     seed: int = 0,
+    fused: bool | None = None,
+    memory: Any = None,
+    accelerator: str = "gpu",
 ) -> TrainerPeakCuda:
     """Fit ``GPTLightningModule(gpt)`` on one GPU; the peak Lightning's step really reaches.
 
@@ -262,29 +265,69 @@ def measure_trainer_peak_cuda(
     the peaks kept per phase of the step (:class:`PhasePeaks`) to the end. ``outside_allocator``
     is what ``cudaMemGetInfo`` says is used minus what the allocator reserved: the CUDA/ROCm
     context, kernels and library workspaces that the estimator's framework-overhead constant
-    stands for.
+    stands for. ``fused`` is ``model.optimizer.fused`` (``None``: torch's choice, fused on a
+    GPU): the optimizer measured must be the one predicted.
+
+    ``memory`` (default ``torch.cuda``) is what the statistics, syncs and ``mem_get_info`` are
+    read from, and ``accelerator`` the Trainer's: a stand-in (:class:`NoDeviceMemory`) and
+    ``"cpu"`` run this same code on a machine without CUDA, as the tests and the GPU check's
+    dry run do.
     """
     from lightning.pytorch.callbacks import Callback
 
+    memory = torch.cuda if memory is None else memory
     seen: dict[str, int] = {}
 
     class _Stats(Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            memory.synchronize()
+            memory.reset_peak_memory_stats()
 
         def on_train_end(self, trainer, pl_module) -> None:
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            seen["outside"] = total - free - torch.cuda.memory_reserved()
+            memory.synchronize()
+            free, total = memory.mem_get_info()
+            seen["outside"] = total - free - memory.memory_reserved()
 
-    phases = PhasePeaks(torch.cuda)
+    phases = PhasePeaks(memory)
     callbacks = [_Stats(), phase_peaks_callback(phases)]
-    _fit("gpu", callbacks, gpt, micro_batch, precision, optimizer, accumulate, steps, seed)
+    _fit(
+        accelerator, callbacks, gpt, micro_batch, precision, optimizer, accumulate, steps, seed,
+        fused=fused,
+    )  # fmt: skip
     return TrainerPeakCuda(
         phases.overall_allocated, phases.overall_reserved, seen["outside"], phases.summary()
     )
+
+
+class NoDeviceMemory:
+    """``torch.cuda``'s allocator statistics, syncs and ``mem_get_info`` for a machine without
+    CUDA: nothing is ever allocated, and the syncs do nothing. With it,
+    :func:`measure_trainer_peak_cuda` runs its whole fit on a CPU (its numbers are all zero: the
+    CPU's real peak is :func:`measure_trainer_peak_cpu`'s)."""
+
+    total = 1 << 30  # what mem_get_info says the device has (all of it free)
+
+    def synchronize(self) -> None:
+        pass
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_reserved(self) -> int:
+        return 0
+
+    def memory_reserved(self) -> int:
+        return 0
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.total, self.total
 
 
 def _fit(
