@@ -129,6 +129,7 @@ TWINS: dict[str, tuple[str, ...]] = {
         "tests/test_autobatch.py::test_auto_picks_the_largest_fitting_divisor_of_the_global_batch",
     ),
     "nanolab/bench/harness.py": (
+        "tests/test_gpu_twins.py::test_the_bench_predicts_a_gpu_run_s_peak_at_the_micro_batch_it_ran",
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
     "nanolab/callbacks/readout.py": (

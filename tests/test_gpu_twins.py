@@ -334,3 +334,41 @@ def test_the_gpu_memory_bench_measures_the_optimizer_it_predicts(monkeypatch):
     monkeypatch.setattr(bm, "rehearse_gpu_measure", lambda *a: rehearsed.append(a[2]["fused"]))
     assert bm.measure_device_peak("cpu", setup, 2).allocated == 9
     assert rehearsed == [False]
+
+
+def test_the_bench_predicts_a_gpu_run_s_peak_at_the_micro_batch_it_ran(
+    char_dataset, tmp_path, monkeypatch
+):
+    """``nanolab bench``'s prediction on a GPU (``predicted_peak_bytes``) and the machine it
+    names, through a stand-in ``torch.cuda`` with two 12 GiB devices. Mutation caught: a run
+    saved with ``run.micro_batch_size: auto`` predicted at a micro-batch picked again for the
+    whole device (4,096 here, not the run's 8), not at the one it trained with."""
+    import yaml
+    from conftest import tiny_overrides
+
+    from nanolab.bench import harness
+    from nanolab.estimator import estimate_from_config
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["trainer"]["accelerator"] = "gpu"
+    cfg["run"]["micro_batch_size"] = "auto"  # as saved: the choice, and data's the pick
+    cfg["data"]["micro_batch_size"] = 8
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    memory = 12 * 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=memory)
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.version, "hip", None)
+
+    def peak(**given) -> int:
+        est = estimate_from_config(cfg, device_memory=memory, devices=1, **given)
+        return int(est.memory.peak_allocated)
+
+    got = harness.predicted_peak_bytes(path)
+    assert got == peak(backend="cuda", micro_batch_size=8)
+    assert got < peak(backend="cuda")  # auto, picked again for 12 GiB: a larger micro-batch
+    assert harness._machine() == "NVIDIA H100 x2"

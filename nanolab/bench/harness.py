@@ -115,21 +115,25 @@ def predicted_peak_bytes(config_yaml: Path) -> int | None:
     """The memory estimator's peak for the run's resolved config on the device it ran on: this
     GPU's rules where CUDA/ROCm is visible, the CPU's rules otherwise (the rules run anywhere,
     so a CPU run, such as the GPU check's dry run, has its prediction too); None for a config
-    the estimator cannot describe."""
+    the estimator cannot describe. The peak is the one at the micro-batch the run trained with
+    (``data.micro_batch_size``; a ``run.micro_batch_size: auto`` is not picked again)."""
     import torch
     import yaml
 
     from nanolab.estimator import estimate_from_config
 
     config = yaml.safe_load(config_yaml.read_text())
+    data = config.get("data") or {}
+    micro = data.get("init_args", data).get("micro_batch_size")
     try:
         if torch.cuda.is_available():
             from nanolab.run.autobatch import device_backend
 
             memory = torch.cuda.get_device_properties(0).total_memory
             est = estimate_from_config(
-                config, device_memory=memory, devices=1, backend=device_backend()
-            )
+                config, device_memory=memory, devices=1, backend=device_backend(),
+                micro_batch_size=micro if isinstance(micro, int) else None,
+            )  # fmt: skip
         else:
             est = estimate_from_config(config, device="cpu", devices=1)
     except ValueError:  # a model the rules do not describe (a fork's): no prediction, no crash
