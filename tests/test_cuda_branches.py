@@ -136,6 +136,9 @@ TWINS: dict[str, tuple[str, ...]] = {
         "tests/test_syncs.py::test_the_readout_defers_a_copy_nobody_waits_for",
         "tests/test_syncs.py::test_a_run_log_written_a_step_late_holds_the_same_records_in_the_same_order",
     ),
+    "nanolab/callbacks/throughput.py": (
+        "tests/test_gpu_twins.py::test_a_cuda_run_s_meter_names_its_gpu_and_gathers_every_rank_s_peak_memory",
+    ),
     "nanolab/callbacks/syncs.py": (
         "tests/test_syncs.py::test_the_counter_counts_what_waits_and_once_per_transfer",
     ),
@@ -169,7 +172,6 @@ TWINS: dict[str, tuple[str, ...]] = {
 NO_CPU_TWIN: dict[str, str] = {
     "nanolab/callbacks/clock.py": "torch.cuda.synchronize before reading the step clock",
     "nanolab/callbacks/jsonl.py": "torch.cuda.get_device_name for the start record",
-    "nanolab/callbacks/throughput.py": "max_memory_allocated/reserved and the device's name",
     "nanolab/downstream/harness.py": "the default device when none is given",
     "nanolab/estimator/runtime.py": "the device name for the GPU table lookup",
     "nanolab/eval_tasks.py": "the default --device",

@@ -372,3 +372,53 @@ def test_the_bench_predicts_a_gpu_run_s_peak_at_the_micro_batch_it_ran(
     assert got == peak(backend="cuda", micro_batch_size=8)
     assert got < peak(backend="cuda")  # auto, picked again for 12 GiB: a larger micro-batch
     assert harness._machine() == "NVIDIA H100 x2"
+
+
+class CudaOnCpu(str):
+    """A device the code under test reads as ``cuda:0`` (``.type``, ``.index``) while a tensor
+    made on it lands on the CPU (it is the string ``"cpu"`` to torch): a CPU-only build of
+    torch cannot make one on CUDA."""
+
+    type = "cuda"
+    index = 0
+
+
+def test_a_cuda_run_s_meter_names_its_gpu_and_gathers_every_rank_s_peak_memory(monkeypatch):
+    """``ThroughputMeter`` on a trainer whose root device is CUDA, with a stand-in
+    ``torch.cuda`` and a 2-rank ``all_gather``: the device's name and its peak-FLOPs row, the
+    utilisation sampler on its index, and the ``end`` record's per-device peaks gathered in rank
+    order. Mutation caught: the table looked up by the device type, the sampler on another
+    index, allocated and reserved swapped or a rank's row lost."""
+    from nanolab.callbacks import ThroughputMeter
+    from nanolab.callbacks import throughput as tp
+    from nanolab.callbacks.peak_flops import peak_flops_per_device
+
+    name = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 1500)
+    sampled_on = []
+    monkeypatch.setattr(tp, "UtilizationSampler", lambda index: sampled_on.append(index))
+    gathered = []
+
+    def all_gather(local: torch.Tensor) -> torch.Tensor:
+        gathered.append(local)
+        return torch.stack([local, 2 * local])  # rank 1 holds twice rank 0's
+
+    strategy = SimpleNamespace(root_device=CudaOnCpu("cpu"), all_gather=all_gather)
+    trainer = SimpleNamespace(
+        strategy=strategy, lightning_module=SimpleNamespace(), precision="bf16-mixed",
+        is_global_zero=True, datamodule=None,
+    )  # fmt: skip
+    meter = ThroughputMeter()
+    meter.active, meter.clock = True, SimpleNamespace(snapshot=lambda: "start")
+    meter._prepare(trainer)
+    assert meter.device_name == name and sampled_on == [0]
+    assert (meter.peak_flops, meter.peak_source) == peak_flops_per_device(name, "bf16-mixed")
+    assert meter.peak_flops is not None
+    meter.on_train_end(trainer, trainer.lightning_module)
+    assert [t.tolist() for t in gathered] == [[1000, 1500]]
+    assert meter._mem_per_device == [
+        {"rank": 0, "mem_allocated_bytes": 1000, "mem_reserved_bytes": 1500},
+        {"rank": 1, "mem_allocated_bytes": 2000, "mem_reserved_bytes": 3000},
+    ]
