@@ -411,9 +411,21 @@ def check_flex_mask(work: Path, data_arg: str | None) -> dict[str, Any]:
         results[f"{name}_ms"] = round(timed_ms(with_grad(fn)), 3)
     out_diff = (outputs["flex"] - outputs["dense"]).abs().max().item()
     results["max_out_diff"] = out_diff
+    if backward:  # FlexAttention's backward, which training runs: torch has none on a CPU
+        results["max_grad_diff"] = max_grad_diff(kernels["flex"], kernels["dense"], q)
     if out_diff > 2e-2:
         raise CheckFailed(f"flex and the boolean-mask SDPA differ by {out_diff:.3g}", results)
     return results
+
+
+def max_grad_diff(a: Callable[[], Any], b: Callable[[], Any], wrt: Any) -> float:
+    """The largest difference between the gradients two attention kernels give ``wrt`` for one
+    loss (the mean square of their output): how differently training through each would step.
+    Recorded, not yet held to a bound: the first GPU sessions' figures set it."""
+    import torch
+
+    grads = [torch.autograd.grad(fn().float().square().mean(), wrt)[0].float() for fn in (a, b)]
+    return (grads[0] - grads[1]).abs().max().item()
 
 
 def check_bench_124m(work: Path, data_arg: str | None) -> dict[str, Any]:
@@ -876,7 +888,7 @@ def _headline(name: str, m: dict[str, Any]) -> str:
             f" causal flash {f('causal_flash_ms', '.2f')} ms",
             f"per batch: block mask {f('block_mask_ms', '.2f')} ms, boolean"
             f" {f('dense_mask_ms', '.2f')} ms",
-            f"max diff {f('max_out_diff', '.1e')}",
+            f"max diff {f('max_out_diff', '.1e')}, gradient {f('max_grad_diff', '.1e')}",
         ]
     elif name == "bench_124m":
         parts = [

@@ -9,7 +9,8 @@ about the device (:class:`DeviceBranches`): a comparison or ``in`` test against 
 imported under any name. A file with such a hit must be in :data:`TWINS` (a test that runs the
 same code on a CPU, by forcing the setting or through a seam), :data:`NO_CPU_TWIN` (with why) or
 :data:`SETTING_NOT_DEVICE` (the string compared is a setting or a named target, not the device
-this process runs on). A stale entry fails too, and every named twin must exist.
+this process runs on). A stale entry fails too, and every named twin must exist. A twinned
+file's part that no CPU can run is named, with why, in :data:`NO_CPU_TWIN_PART`.
 """
 
 from __future__ import annotations
@@ -182,6 +183,16 @@ NO_CPU_TWIN: dict[str, str] = {
     "nanolab/run/compose.py": "whether an accelerator: auto run lands on a GPU",
 }
 
+#: twinned file -> the part of its GPU-only code no CPU test can run, why, and what runs it.
+NO_CPU_TWIN_PART: dict[str, str] = {
+    "nanolab/model/gpt.py": (
+        "FlexAttention's backward (training with attention: flex): torch has none on a CPU "
+        "('FlexAttention does not support backward on CPU'), so a CPU run that needs gradients "
+        "attends through the dense mask; benches/gpu_check.py's flex_mask runs it on a GPU and "
+        "records its gradient's difference from the boolean mask's (max_grad_diff)"
+    ),
+}
+
 #: file -> what it compares: a setting or a named target ("gpu"/"cpu" to estimate for, a job's
 #: accelerator, DeepSpeed's offload device), the same on a CPU host as on a GPU one.
 SETTING_NOT_DEVICE: dict[str, str] = {
@@ -218,6 +229,11 @@ def test_every_cuda_branch_is_twinned_or_listed():
     unlisted = {f"{f}:{line} {what}" for f in set(found) - listed for line, what in found[f]}
     assert not unlisted, "device branches without a CPU twin: add a test to TWINS"
     assert listed - set(found) == set(), "listed files that no longer branch on the device"
+
+
+def test_a_part_without_a_twin_is_of_a_twinned_file():
+    """A file whose only device code has no twin belongs in NO_CPU_TWIN instead."""
+    assert set(NO_CPU_TWIN_PART) <= set(TWINS)
 
 
 #: Ways of writing a device branch the scan must see (each is one hit or more).

@@ -166,6 +166,25 @@ def test_summary_json_and_table(tmp_path):
     assert ok["status"] == "ok"
 
 
+def test_the_flex_check_s_gradient_difference_is_zero_for_one_kernel_and_not_for_another():
+    """``max_grad_diff``, which the GPU's flex check runs on FlexAttention's backward (a CPU has
+    none), on two kernels a CPU has: SDPA against the math path under the same causal mask
+    (the same gradient, to rounding), and against no mask (another gradient). Its table cell
+    too: a figure on a GPU, "-" where none was measured (the dry run)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=g).requires_grad_() for _ in range(3))
+    causal = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    by_mask = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+    unmasked = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    assert gc.max_grad_diff(causal, by_mask, q) < 1e-5
+    assert gc.max_grad_diff(causal, unmasked, q) > 1e-3
+    assert "gradient 2.0e-03" in gc._headline("flex_mask", {"max_grad_diff": 2e-3})
+    assert "gradient -" in gc._headline("flex_mask", {"max_out_diff": 1e-3})
+
+
 def test_memory_table_is_read_back_from_bench_memorys_own_printout():
     bm = _load("bench_memory")
     rows = [
