@@ -9,7 +9,8 @@ the second launch resumed from step 2, and the run ended ``completed``. The fp16
 precision as the plugin (Lightning trains ``16-mixed`` as bf16 on a CPU) and checks the loss
 scaler went through the checkpoint and the resume. The default row, the one
 CI runs, keeps the recipe's ``model.compile: true``; the slow rows turn it off (a cold CPU
-compile costs more than the rest of a row) but for the compile row.
+compile costs more than the rest of a row) but for the compile row. Every file under configs/
+is trained by a row here or by another test file, or is listed with why none trains it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ SLOW_ROWS = {
     "124m+fp32": (["precision/fp32.yaml"], []),
     "124m+ddp": (["strategy/ddp.yaml"], ["--trainer.devices", "2"]),
     "124m+fsdp": (["strategy/fsdp.yaml"], ["--trainer.devices", "2"]),
+    "124m+deepspeed1": (["strategy/deepspeed_stage1.yaml"], ["--trainer.devices", "2"]),
     "124m+deepspeed2": (["strategy/deepspeed_stage2.yaml"], ["--trainer.devices", "2"]),
+    "124m+deepspeed3": (["strategy/deepspeed_stage3.yaml"], ["--trainer.devices", "2"]),
     "124m+compile": ([], ["--model.compile", "true"]),
 }
 
@@ -114,3 +117,36 @@ def test_a_gpu_recipe_with_a_strategy_or_compile_trains_and_resumes_on_cpu(
     _fit(tmp_path, char_dataset, overlays, extra, 4)
     _check_trained_and_resumed(tmp_path)
     ROW_CHECKS.get(row, lambda _: None)(tmp_path)
+
+
+#: Shipped configs another test file trains (through ``fit``), and which: it names the file.
+TRAINED_ELSEWHERE = {
+    "quickstart.yaml": "tests/conftest.py",  # QUICKSTART: the fit tests' base config
+    "finetune-gpt2.yaml": "tests/test_hf.py",
+    "debug/fast_dev_run.yaml": "tests/test_debug_configs.py",
+    "debug/overfit.yaml": "tests/test_debug_configs.py",
+    "debug/profile.yaml": "tests/test_debug_configs.py",
+    "strategy/deepspeed_stage3_offload.yaml": "tests/test_training.py",
+}
+#: Shipped configs no test trains, and why.
+NOT_TRAINED = {
+    "precision/bf16.yaml": "bf16-mixed, the base recipe's own precision: every row trains it",
+    "strategy/multinode.yaml": "several machines: print_config only (tests/test_docker.py); "
+    "its refusal on one machine in tests/test_trainer_refusals.py",
+}
+
+
+def test_every_shipped_config_is_trained_by_a_test_or_says_why_not():
+    """Mutation caught: a config added under configs/ that no test trains (a recipe overlay with
+    no row here, a preset no other test file launches), an entry naming a file that is gone,
+    or another test file said to train a config it does not name."""
+    shipped = {str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.yaml")}
+    rows = {**{k: (v, []) for k, v in ROWS.items()}, **SLOW_ROWS}
+    here = {"gpt2-124m.yaml", "debug/cpu_check.yaml"}  # the base and the shrink of every row
+    here |= {overlay for overlays, _ in rows.values() for overlay in overlays}
+    accounted = here | set(TRAINED_ELSEWHERE) | set(NOT_TRAINED)
+    assert shipped - accounted == set(), "add a row, or say which test trains it or why none"
+    assert accounted - shipped == set(), "a listed config is no longer shipped"
+    for config, test in TRAINED_ELSEWHERE.items():
+        stem = config.rsplit("/", 1)[-1].removesuffix(".yaml")
+        assert f'"{stem}' in (CONFIGS.parent / test).read_text(), (config, test)
