@@ -108,7 +108,6 @@ class Scale:
     compile: bool  # whether the checks that compile do (a cold CPU compile costs ~40 s)
     nanogpt_model: tuple[int, int, int]  # n_layer, n_head, n_embd of the side-by-side
     bench_args: tuple[str, ...] = ()  # more `nanolab bench` options (none on a GPU)
-    pack_args: tuple[str, ...] = ()  # more `benches/gpu_pack.py` options (none on a GPU)
     #: each check's H200 cap times this, and the default --deadline too: the dry run's tiny
     #: sizes took up to 74 s a check on a 2-core CPU at load 5 (memory_eager's 50 s, past its
     #: H200 cap of 70 s at load 3.9), so the H200's caps read a slow CPU as a failed check
@@ -129,9 +128,9 @@ DRY = Scale(
         "--model.compile", "false", "--model.optimizer.fused", "true",  # CUDA's optimizer
     ),
     6, 2, 4, 3, 2, 2, 3, 64, False, (1, 2, 32),
-    # One fresh interpreter for the bench's import time, not three (~5 s each on 2 cores); no
-    # cloze in the packed quickstart jobs (the GPU's 124M jobs have none; ~6 s a job here).
-    bench_args=("--import-repeats", "1"), pack_args=("--set", "downstream.suite=null"),
+    # One fresh interpreter for the bench's import time, not three (~5 s each on 2 cores); the
+    # packed jobs are the GPU's 124M recipe, shrunk as the fits are (see check_pack).
+    bench_args=("--import-repeats", "1"),
     cap_scale=3,
 )  # fmt: skip
 SCALE = GPU  # the child process sets DRY for --dry-run
@@ -632,7 +631,16 @@ def check_micro_batch_auto(work: Path, data_arg: str | None) -> dict[str, Any]:
     return metrics
 
 
+def as_queue_sets(fit_args: tuple[str, ...]) -> list[str]:
+    """``fit`` overrides (``--model.gpt.n_layer 1``) as ``queue add`` takes them
+    (``--set model.gpt.n_layer=1``)."""
+    pairs = zip(fit_args[::2], fit_args[1::2], strict=True)
+    return [x for key, value in pairs for x in ("--set", f"{key.removeprefix('--')}={value}")]
+
+
 def check_pack(work: Path, data_arg: str | None) -> dict[str, Any]:
+    """``gpu_pack.py``: the GPT-2 124M recipe's jobs back to back, then packed, on GPU 0; the
+    dry run packs the same recipe on the CPU, shrunk as its fits are (``SCALE.model_args``)."""
     script = ROOT / "benches" / "gpu_pack.py"
     if not script.is_file():
         raise CheckSkipped("benches/gpu_pack.py is not in this tree")
@@ -643,7 +651,8 @@ def check_pack(work: Path, data_arg: str | None) -> dict[str, Any]:
         [
             sys.executable, str(script), "--jobs", str(SCALE.pack_jobs),
             "--steps", str(SCALE.pack_steps), "--data", str(data), "--work", str(pack_work),
-            *device, *SCALE.pack_args,
+            "--config", str(ROOT / "configs" / "gpt2-124m.yaml"),
+            "--block-size", str(SCALE.block_size), *device, *as_queue_sets(SCALE.model_args),
         ]
     )  # fmt: skip
     result = pack_work / "gpu_pack.json"

@@ -12,6 +12,8 @@ concurrently instead of time-sliced.
     python benches/gpu_pack.py                        # GPU 0: 3 x GPT-2 124M, 200 steps each
     python benches/gpu_pack.py --mps --steps 300      # + a packed pass under MPS
     python benches/gpu_pack.py --device cpu           # the same comparison on this CPU
+    python benches/gpu_pack.py --device cpu --config configs/gpt2-124m.yaml --block-size 64 \
+      --set trainer.accelerator=cpu --set model.gpt.n_layer=1 ...   # the GPU's recipe, shrunk
 
 GPU mode needs a visible CUDA/ROCm device; without one it says so and exits 2 (``--device
 cpu`` is the CPU comparison). The data is a BPE corpus of GPT-2's vocabulary size made from the
@@ -151,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="per job (default: 200 GPU, 60 CPU)")
     p.add_argument("--micro-batch", type=int, default=None, help="default: 16 GPU, 16 CPU")
     p.add_argument("--config", default=None, help="default: gpt2-124m (GPU), quickstart (CPU)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="the jobs' context, set on the config (default: the config's own, taken as 1024 "
+        "on a GPU, 128 on a CPU); a step is one micro-batch of it",
+    )
     p.add_argument("--data", default=None, help="a prepared dataset folder")
     p.add_argument("--compile", action="store_true", help="keep model.compile as configured")
     p.add_argument("--mps", action="store_true", help="add a packed pass under NVIDIA MPS")
@@ -193,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     if not gpu:
         env["OMP_NUM_THREADS"] = str(args.threads)
     data = prepare_data(args, work, env)
-    block = 1024 if gpu else 128
+    block = args.block_size or (1024 if gpu else 128)
     sets = [
+        *([f"model.gpt.block_size={block}"] if args.block_size else []),
         f"trainer.max_steps={args.steps}",
         f"data.dataset_dir={data}",
         "data.source=null",

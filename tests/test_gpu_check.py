@@ -265,6 +265,10 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path, part):
     if part == "costly":
         bench = metrics["bench_124m"]
         assert bench["nanolab_tokens_per_s"] > 0 and bench["plain_tokens_per_s"] > 0
+        # The GPU's packed jobs are the 124M recipe's: the dry run packs it too, shrunk.
+        packed = metrics["pack"]["args"]
+        assert Path(packed["config"]).name == "gpt2-124m.yaml" and packed["block_size"] == "64"
+        assert all(not r["failed"] and r["tokens"] > 0 for r in metrics["pack"]["results"])
         return
     eager = metrics["memory_eager"]
     assert set(eager["phases_mib"]) == {"gpt2-124m B4", "gpt2-350m B4"}
