@@ -605,6 +605,35 @@ def test_an_option_without_its_group_or_a_verb_mistyped_gets_the_right_name(caps
     assert "unknown verb 'train'; did you mean `nanolab fit`?" in capsys.readouterr().err
 
 
+MODULE = "nanolab.training.module.GPTLightningModule"
+
+
+@pytest.mark.parametrize(
+    "choose", [["--model", MODULE], [f"--model={MODULE}"]], ids=["separate", "joined"]
+)
+def test_a_mistyped_key_of_a_class_chosen_on_the_command_line_is_named(
+    choose: list[str], char_dataset: Path, tmp_path: Path, capsys
+) -> None:
+    """``--model X --model.gpt.n_layers 3`` (forking.md's pattern) was "unknown option --model;
+    did you mean --progress.mode?": ``--model`` itself was taken for an option without its
+    group. Now fit, parse_fit_config and ``queue add`` name the mistyped key."""
+    from nanolab.cli import main
+    from nanolab.run.parse import FitParseError, parse_fit_config
+
+    wanted = "unknown setting --model.gpt.n_layers; did you mean --model.gpt.n_layer?"
+    args = [*choose, "--model.gpt.n_layers", "3"]
+    with pytest.raises(FitParseError) as refused:
+        parse_fit_config(args)
+    assert str(refused.value) == wanted
+    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    assert main(["fit", "--config", str(base), *args]) == 2
+    assert capsys.readouterr().err.strip() == f"nanolab fit: error: {wanted}"
+    db = tmp_path / "q.db"
+    assert main(["queue", "add", str(base), *args, "--db", str(db)]) == 2
+    assert capsys.readouterr().err.strip().endswith(wanted)
+    assert not (tmp_path / "runs").exists()
+
+
 # -- 10. an eval suite, its task file or a bundle's file that is a FIFO is named, not read -----
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
 @pytest.mark.timeout(60)  # a hang guard: reading a FIFO with no writer never returns

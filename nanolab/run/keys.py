@@ -260,10 +260,15 @@ def check_keys(argv: list[str], known: frozenset[str], skip_chosen: bool = True)
 
 def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
     """For an option without its group (``--max_steps 50``, which the parser only calls an
-    unrecognized argument): the setting of that name (``--trainer.max_steps``), or None."""
+    unrecognized argument): the setting of that name (``--trainer.max_steps``), or None.
+
+    An option the parser has, a top-level one (``--ckpt_path``) or a whole group (``--model
+    mylab.models.X``, which chooses the class), is passed over: its name only looks like a
+    setting's (``model`` is close to ``progress.mode``), and the unrecognized argument is
+    another one."""
     for arg in argv:
         name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
-        if not name or "." in name:
+        if not name or "." in name or _is_option(name, known):
             continue
         leaves = {k.rpartition(".")[2]: k for k in sorted(known, key=len, reverse=True) if "." in k}
         near = leaves.get(name) or next(
@@ -273,6 +278,11 @@ def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
             full = leaves.get(near, near)
             return f"unknown option --{name}; did you mean --{full}? (settings take their group)"
     return None
+
+
+def _is_option(name: str, known: frozenset[str]) -> bool:
+    """``--name`` is an option of the parser itself: a top-level setting or a group."""
+    return name in known or name in CLASS_GROUPS or any(k.startswith(name + ".") for k in known)
 
 
 def _known(key: str, known: frozenset[str]) -> bool:
