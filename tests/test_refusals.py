@@ -222,6 +222,42 @@ def test_prepare_says_whether_the_folder_holds_a_dataset_or_other_files(
     assert err.value.holds_dataset
 
 
+def test_a_stale_dataset_offers_a_null_source_only_where_it_works(
+    tmp_path: Path, char_dataset: Path, capsys
+) -> None:
+    """The refusal offered ``--data.source null`` to a data class that sets ``self.source``
+    itself (the init template's records renderer), where a null changes nothing, and said
+    "fit never overwrites one" under ``nanolab validate``."""
+    from jsonargparse import Namespace
+
+    from nanolab.cli import main
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.run.compose import data_vocab
+
+    corpus = tmp_path / "other.txt"
+    corpus.write_text("another corpus of its own\n" * 400)
+
+    class OwnSource(TokenDataModule):  # renders its own text, as the records example does
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            self.source = [str(corpus)]
+
+    given = {"dataset_dir": str(char_dataset), "source": None}
+    with pytest.raises(RunConfigError) as own:
+        data_vocab(OwnSource(**given), Namespace(init_args=Namespace(**given)), "validate")
+    assert "--data.source null" not in str(own.value)
+    assert "and validate never overwrites one: choose another --data.dataset_dir" in str(own.value)
+    assert "--force" in str(own.value)
+    config = write_config(
+        tmp_path / "stale.yaml",
+        tiny_overrides(char_dataset, tmp_path / "runs", data__source=[str(corpus)]),
+    )
+    assert main(["validate", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "and validate never overwrites one: use it as it is with --data.source null" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
 # -- statistics -------------------------------------------------------------------------------
 def test_welch_on_seeds_that_agree_to_many_digits_is_quiet_and_matches_scipy() -> None:
     pytest.importorskip("scipy")

@@ -78,7 +78,7 @@ def launch(cli: NanolabCLI) -> Trainer:
         early_signals.uninstall()  # preemption off: signals act as they did before
     early_signals.defer(named.run_dir)  # from here start-up writes: a signal waits for a safe point
     data = build_data_module(cfg.data)  # once, to read the vocabulary (preparing it if asked)
-    vocab = data_vocab(data)
+    vocab = data_vocab(data, cfg.data, verb)
     if model_args.get("init_from"):  # the data must be tokenized as the checkpoint's was
         from nanolab.model.hf_tokenizer import check_init_from_data
 
@@ -301,28 +301,59 @@ def build_data_module(data_cfg: Any) -> Any:
     return cls(**args)
 
 
-def data_vocab(data: Any) -> int | None:
+def data_vocab(data: Any, data_cfg: Any = None, verb: str = "fit") -> int | None:
     """The data's vocabulary (preparing the dataset from ``data.source`` when needed); None
-    for a DataModule that has none (the model's config must then fix it)."""
+    for a DataModule that has none (the model's config must then fix it). ``data_cfg`` (the
+    ``data`` group as configured) and ``verb`` word the refusal of a stale dataset."""
     try:
         vocab = data.vocab_size
     except AttributeError:
         return None
-    except OutputInUseError as err:  # fit has no --force: its own fix, keyed by data.*
-        where = f"data.dataset_dir {data.dataset_dir}"
-        if not err.holds_dataset:
-            raise RunConfigError(
-                f"{where} holds files that are not a dataset; fit prepares data.source only "
-                "into a new or empty folder: choose another --data.dataset_dir"
-            ) from None
+    except OutputInUseError as err:  # the verbs have no --force: their own fix, keyed by data.*
         raise RunConfigError(
-            f"{where} already holds a dataset prepared from other sources or settings than "
-            "data.source/data.tokenizer (or its source files changed since: sizes or times), "
-            "and fit never overwrites one: train on it as it is "
-            "with --data.source null, choose another --data.dataset_dir, or replace it with "
-            f"`{prepare_command(data)}`"
+            stale_dataset_message(data, data_cfg, verb, err.holds_dataset)
         ) from None
     return None if vocab is None else int(vocab)
+
+
+def stale_dataset_message(data: Any, data_cfg: Any, verb: str, holds_dataset: bool) -> str:
+    """Why ``verb`` will not prepare ``data.source`` into ``data.dataset_dir``, and the fixes
+    that work for this data class: ``--data.source null`` only when the class's ``source``
+    is the setting's (a class that sets its own, like a records renderer, ignores a null)."""
+    where = f"data.dataset_dir {data.dataset_dir}"
+    if not holds_dataset:
+        return (
+            f"{where} holds files that are not a dataset; {verb} prepares data.source only "
+            "into a new or empty folder: choose another --data.dataset_dir"
+        )
+    use = "train on" if verb == "fit" else "use"
+    keep = (
+        f"{use} it as it is with --data.source null, "
+        if source_follows_setting(data, data_cfg)
+        else ""
+    )
+    return (
+        f"{where} already holds a dataset prepared from other sources or settings than "
+        f"data.source/data.tokenizer (or its source files changed since: sizes or times), "
+        f"and {verb} never overwrites one: {keep}choose another --data.dataset_dir, or replace "
+        f"it with `{prepare_command(data)}`"
+    )
+
+
+def source_follows_setting(data: Any, data_cfg: Any) -> bool:
+    """The data module's ``source`` is the ``data.source`` setting as configured, so
+    ``--data.source null`` leaves it nothing to prepare (a class that sets ``self.source``
+    itself, from settings of its own, ignores the setting)."""
+    init_args = getattr(data_cfg, "init_args", None)
+    if init_args is None or "source" not in init_args:
+        return False
+
+    def listed(value: Any) -> list[str] | None:
+        if not value:
+            return None
+        return [str(v) for v in ([value] if isinstance(value, (str, os.PathLike)) else value)]
+
+    return listed(getattr(data, "source", None)) == listed(init_args.get("source"))
 
 
 def prepare_command(data: Any) -> str:
