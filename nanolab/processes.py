@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+#: The file in a run directory that holds it for one launch (``nanolab.callbacks.runlock``).
+RUN_LOCK_NAME = ".nanolab.lock"
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -28,6 +33,32 @@ def pid_alive(pid: int | None) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def read_lock_holder(path: Path) -> dict[str, Any] | None:
+    """The holder a run lock file names (host, pid, start, command), or None when the file is
+    absent, being written or not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "null")
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
+    """The holder ``run_dir``'s lock file names when it is a process of this host that no
+    longer runs (killed with SIGKILL, out of memory: nothing removed the file), else None.
+
+    Read-only, so a reader never stands in a launch's way: the file and the pid only. A
+    holder on another host cannot be checked from here, and a pid that runs again (reused)
+    reads as alive; for those the run's silence decides, as before."""
+    holder = read_lock_holder(run_dir / RUN_LOCK_NAME)
+    if holder is None or holder.get("host") != socket.gethostname():
+        return None
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid_alive(pid):
+        return None
+    return holder
 
 
 def _reclaimable_cache() -> int:

@@ -26,10 +26,12 @@ from typing import Any
 
 from nanolab.downstream.tasks import suite_name_of
 from nanolab.errors import NanolabError
+from nanolab.processes import gone_lock_holder
 from nanolab.runlog import RUN_LOG_NAME, iter_backwards, iter_numbered, iter_records
 
 #: Seconds without a new record after which a run with no ``end`` record counts as crashed
-#: (unless its own step time says records are naturally further apart).
+#: (unless its own step time says records are naturally further apart). A run whose lock
+#: names a dead process of this host counts as crashed at once.
 STALE_AFTER_S = 600.0
 
 #: First line of the ``config.yaml`` a run writes: it tells the run's own copy (rewritten at
@@ -635,6 +637,9 @@ def _set_status(
             if size
             else "empty log"
         )
+    elif (gone := gone_lock_holder(Path(s.run_dir)) if s.run_dir else None) is not None:
+        s.status = "crashed"  # its lock names a process of this host that no longer runs
+        s.detail = f"no end record; its process (pid {gone['pid']} on {gone['host']}) is gone"
     else:
         quiet = now - (s.updated or now)
         if quiet > max(STALE_AFTER_S, 20 * (step_time or 0.0)):

@@ -154,6 +154,39 @@ def test_statuses_running_crashed_stopped_error(tmp_path: Path, capsys) -> None:
     assert "crashed: no end record" in table
 
 
+def test_a_run_whose_lock_names_a_dead_process_of_this_host_is_crashed_at_once(
+    tmp_path: Path, capsys
+) -> None:
+    """A run killed with SIGKILL read as running (with an ETA in ``status``) for 10 minutes,
+    though its lock file named a process of this host that was gone."""
+    import socket
+
+    from nanolab.cli import main as nanolab_main
+    from nanolab.processes import RUN_LOCK_NAME
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: its pid names no process
+    host = socket.gethostname()
+    now = time.time()
+    for name, holder in (("killed", {"host": host, "pid": gone.pid}),
+                         ("live", {"host": host, "pid": os.getpid()}),
+                         ("elsewhere", {"host": host + "-other", "pid": gone.pid}),
+                         ("unlocked", None)):  # fmt: skip
+        run_dir = write_run(tmp_path, name, losses=[3.0, 2.9], vals={}, end=None, t0=now - 5)
+        if holder is not None:
+            (run_dir / RUN_LOCK_NAME).write_text(json.dumps({**holder, "started": "now"}))
+    code, out, _ = run_report(capsys, str(tmp_path), "--json")
+    status = {r["run"]: (r["status"], r["detail"]) for r in json.loads(out)["runs"]}
+    assert code == 0 and status["killed"] == (
+        "crashed", f"no end record; its process (pid {gone.pid} on {host}) is gone"
+    )  # fmt: skip
+    for name in ("live", "elsewhere", "unlocked"):  # alive, or not to be checked from here
+        assert status[name] == ("running", None), name
+    assert nanolab_main(["status", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "running (3)" in shown and f"killed: no end record; its process (pid {gone.pid}" in shown
+
+
 def test_a_failed_run_says_its_resumes_as_a_finished_one_does(tmp_path: Path, capsys) -> None:
     """A run resumed once that then diverged: the table says the resume as ``--json`` does."""
     run_dir = write_run(tmp_path, "dv", losses=[4.0, 3.0], vals={}, end=None)

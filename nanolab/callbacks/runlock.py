@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
-from nanolab.processes import global_rank_from_env, pid_alive
+from nanolab.processes import RUN_LOCK_NAME, global_rank_from_env, pid_alive, read_lock_holder
 
-LOCK_NAME = ".nanolab.lock"
+LOCK_NAME = RUN_LOCK_NAME
 #: Environment variable through which a holder hands its token to the ranks it launches.
 TOKEN_ENV = "NANOLAB_RUN_LOCK"
 
@@ -83,14 +83,6 @@ class RunLock:
 _held: dict[Path, RunLock] = {}
 
 
-def read_holder(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8") or "null")
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
     """Hold ``run_dir`` for this launch, or raise :class:`RunLockedError` naming the holder.
 
@@ -120,7 +112,7 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
             os.close(fd)
             raise
         if locked is False:
-            holder = read_holder(path)
+            holder = read_lock_holder(path)
             os.close(fd)
             if _requeued_same_job(holder):
                 # The requeued job takes over: a new, unlocked file at ``path`` (the old holder
@@ -133,7 +125,7 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
             os.close(fd)  # the holder removed the file while we opened it: try the new one
             continue
         if locked is None and _live_holder_elsewhere(path):
-            holder = read_holder(path)
+            holder = read_lock_holder(path)
             os.close(fd)
             raise RunLockedError(_refusal(run_dir, holder))
         _write_holder(fd, token)
@@ -168,7 +160,7 @@ def _shared_with_launcher(path: Path) -> RunLock | None:
     where, _, token = inherited.rpartition(":")
     if not token or Path(where) != path.absolute():
         return None
-    holder = read_holder(path)
+    holder = read_lock_holder(path)
     return RunLock(path, token, None) if holder and holder.get("token") == token else None
 
 
@@ -221,7 +213,7 @@ def _requeued_same_job(holder: dict[str, Any] | None) -> bool:
 
 def _live_holder_elsewhere(path: Path) -> bool:
     """Without flock: does the file name a holder that may still run?"""
-    holder = read_holder(path)
+    holder = read_lock_holder(path)
     if not holder or holder.get("pid") == os.getpid() or _requeued_same_job(holder):
         return False
     if holder.get("host") != socket.gethostname():
