@@ -55,6 +55,28 @@ def test_fit_prints_a_banner_and_plain_lines_and_nothing_else(printed):
     assert first.stderr.strip() == ""  # nothing else unless something is wrong
 
 
+def test_the_line_after_a_validation_between_refreshes_shows_that_steps_loss(
+    tmp_path, char_dataset
+):
+    """With ``run.eval_every_steps`` not a multiple of ``progress.refresh_rate`` the line after a
+    validation showed the last refresh's loss and tok/s under the validation's step (here step
+    3's line had neither, and step 6's repeated step 4's)."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__enable_progress_bar=True,
+                         progress__refresh_rate=4, progress__plain_every_s=0,
+                         run__eval_every_steps=3, trainer__max_steps=8)  # fmt: skip
+    done = nanolab_here(
+        "fit", "--config", str(write_config(tmp_path / "t.yaml", cfg)), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = {int(m[1]): m[0] for m in re.finditer(r"^step (\d+)/8.*$", done.stdout, re.M)}
+    assert sorted(lines) == [3, 4, 6, 8], done.stdout
+    losses = {r["step"]: r["loss"] for r in read_records(tmp_path / "runs/tiny/metrics.jsonl")
+              if r["event"] == "train"}  # fmt: skip
+    for step in (3, 6):  # validated between refreshes: that step's own loss, and a rate
+        assert f"loss {losses[step]:.4f}  val " in lines[step], (lines[step], losses)
+        assert " tok/s" in lines[step], lines[step]
+
+
 @pytest.mark.slow  # two launches: ~25 s of CPU
 def test_extending_a_finished_run_keeps_its_schedule_and_counts_to_the_new_end(
     tmp_path, char_dataset

@@ -141,8 +141,14 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         """The loss goes with the step's one read, never wanted now (but at the last step): a
         GPU's copy arrives a step or more later, so it is put on the step before a refresh too,
         and a refresh shows the newest that has arrived (:meth:`_take_arrived_loss`) without
-        making the host wait for the device."""
-        if not (self._refreshes(trainer, step) or self._refreshes(trainer, step + 1)):
+        making the host wait for the device. A step that validates puts its loss too: its
+        plain line, printed after the validation, shows this step's (:meth:`on_validation_end`)."""
+        shown_after_validation = self.plain and bool(self.refresh_rate)
+        if not (
+            self._refreshes(trainer, step)
+            or self._refreshes(trainer, step + 1)
+            or (shown_after_validation and validation_follows(trainer))
+        ):
             return
         from nanolab.callbacks.jsonl import fresh_metrics
 
@@ -159,13 +165,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         if not self._refreshes(trainer, step):
             return
         last = last_step(trainer)
-        self._show_loss()
-        if self._last is not None:
-            now = self.clock.snapshot()
-            active = now.active_s - self._last.active_s
-            if active > 0 and now.tokens > self._last.tokens:
-                self._postfix["tok/s"] = f"{(now.tokens - self._last.tokens) / active:,.0f}"
-            self._last = now
+        self._show_values()
         if self.plain:  # a step that validates gets its line after the validation (with val)
             due = time.monotonic() - self._last_line >= self.plain_every_s
             if step != last and due and not validation_follows(trainer):
@@ -188,6 +188,16 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             for key in self._loss_keys:
                 if key in values and (self._loss is None or step >= self._loss[0]):
                     self._loss = (step, values[key])
+
+    def _show_values(self) -> None:
+        """The newest loss on the host and the tokens/s since the values were last shown."""
+        self._show_loss()
+        if self._last is not None and self.clock is not None:
+            now = self.clock.snapshot()
+            active = now.active_s - self._last.active_s
+            if active > 0 and now.tokens > self._last.tokens:
+                self._postfix["tok/s"] = f"{(now.tokens - self._last.tokens) / active:,.0f}"
+            self._last = now
 
     def _show_loss(self) -> None:
         loss = None if self._loss is None else self._loss[1]
@@ -226,6 +236,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             last = last_step(trainer)
             fitting, step = trainer.state.fn == "fit", trainer.global_step
             if self.plain and fitting and self.refresh_rate and step != last:
+                if self.clock is not None:  # this step's loss and rate, not the last refresh's
+                    self._take_arrived_loss(self.clock.readout.drain())  # validation synced
+                    self._show_values()
                 self._print_line(trainer, step)
         super().on_validation_end(trainer, pl_module)
 
