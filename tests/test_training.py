@@ -143,6 +143,33 @@ def test_the_schedule_docs_quote_is_what_steps_train_at():
     assert "step 1 trains at lr/(W + 1), not 0" in doc
 
 
+def test_the_banner_says_what_the_lr_does_past_the_end_of_a_schedule_it_extends() -> None:
+    """A run first trained for fewer steps than its warm-up, then extended, keeps warming up
+    to the warm-up's end and only then drops to the minimum: the banner said "the extra steps
+    run at its minimum" for all of them."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.banner import ended_schedule_note
+
+    def trainer(fn: WarmupCosine) -> SimpleNamespace:
+        scheduler = SimpleNamespace(lr_lambdas=[fn])
+        return SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+
+    short = WarmupCosine(warmup_steps=50, decay_steps=30, min_ratio=0.1)  # first run: 30 steps
+    assert [round(short(k - 1), 2) for k in (50, 51)] == [0.98, 0.1]  # step k trains at f(k - 1)
+    assert ended_schedule_note(trainer(short), 34, 600, 30) == (
+        "the LR schedule ended at step 30, inside its 50-step warm-up: the LR goes on rising to "
+        "98% of its peak at step 50, then drops to its minimum (10%) for the last 550 steps"
+    )
+    assert ended_schedule_note(trainer(short), 30, 40, 30).endswith(
+        "the LR goes on rising, to 78% of its peak at step 40"
+    )
+    done = WarmupCosine(warmup_steps=5, decay_steps=30, min_ratio=0.1)
+    assert ended_schedule_note(trainer(done), 30, 40, 30) == (
+        "the LR schedule ended at step 30: the extra steps run at its minimum"
+    )
+
+
 @pytest.mark.parametrize(
     "command",
     [

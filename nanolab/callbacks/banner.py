@@ -53,6 +53,28 @@ def schedule_end(trainer: L.Trainer) -> int | None:
     return end if isinstance(end, int) else None
 
 
+def ended_schedule_note(trainer: L.Trainer, start: int, end: int, horizon: int) -> str:
+    """What the LR does on a resume from ``start`` to ``end`` past the schedule's end
+    ``horizon`` (a run extended past the ``max_steps`` it started with keeps that plan).
+
+    Past the end the multiplier is the minimum, except inside the warm-up: a run first
+    trained for fewer steps than ``warmup_steps`` keeps warming up to the warm-up's end and
+    only then drops to the minimum (step ``k`` trains at the multiplier of index ``k - 1``).
+    """
+    fn = _schedule_fn(trainer)
+    warmup = getattr(fn, "warmup_steps", None)
+    ended = f"the LR schedule ended at step {horizon}"
+    if fn is None or not isinstance(warmup, int) or start >= warmup:
+        return f"{ended}: the extra steps run at its minimum"
+    ended += f", inside its {warmup}-step warm-up"
+    if end <= warmup:
+        return f"{ended}: the LR goes on rising, to {fn(end - 1):.0%} of its peak at step {end}"
+    return (
+        f"{ended}: the LR goes on rising to {fn(warmup - 1):.0%} of its peak at step {warmup}, "
+        f"then drops to its minimum ({fn(warmup):.0%}) for the last {end - warmup} steps"
+    )
+
+
 def warmup_note(trainer: L.Trainer, end: int) -> str | None:
     """What a new run's warm-up does to the LR when the run never trains at its peak, or None.
 
@@ -227,9 +249,7 @@ def banner_lines(
                 split = _count(split_tokens(trainer) or 0)
                 steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"
         if horizon is not None and start >= horizon and end > horizon:
-            steps += (
-                f"; the LR schedule ended at step {horizon}: the extra steps run at its minimum"
-            )
+            steps += f"; {ended_schedule_note(trainer, start, end, horizon)}"
         lines.append(steps)
         if estimate and per_step is not None:
             guess = _safe_estimate(trainer, end - start, per_step[0])
