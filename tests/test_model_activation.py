@@ -91,6 +91,9 @@ def test_hf_import_and_export_keep_the_gelu(tmp_path, hf_name, ours):
     assert arch["activation"] == ours
     exported = hf_config_from_nanolab(GPTConfig(**TINY, activation=ours), None, torch.float32, {})
     assert exported["activation_function"] == ("gelu" if ours == "gelu" else "gelu_pytorch_tanh")
+    # docs/hf.md says so (it said every export was gelu_pytorch_tanh)
+    doc = (Path(__file__).parents[1] / "docs" / "hf.md").read_text()
+    assert f"`{exported['activation_function']}` for `{ours}`" in doc
 
 
 def test_hf_export_with_exact_gelu_matches_transformers(tmp_path):
