@@ -439,6 +439,23 @@ def test_compare_prints_the_config_diff_beside_the_results(tmp_path, capsys) -> 
     assert code == 2 and "--compare: no run named 'nope'" in err
 
 
+def test_compare_keeps_a_multi_line_value_on_its_row(tmp_path, capsys) -> None:
+    """A data template with a line break printed over two lines, and the table dropped the
+    blank line before ``result`` (its row then had no height)."""
+    write_run(tmp_path, "plain", seed=1, losses=[4.0, 3.0], vals={2: 2.9})
+    run_dir = write_run(tmp_path, "records", seed=1, losses=[4.0, 3.0], vals={2: 2.9})
+    log = run_dir / "metrics.jsonl"
+    start, *rest = log.read_text().splitlines()
+    record = json.loads(start)
+    record["config"].setdefault("data", {})["template"] = "Q: {question}\nA: {answer}"
+    log.write_text("\n".join([json.dumps(record), *rest]) + "\n")
+    code, out, err = run_report(capsys, str(tmp_path), "--compare", "plain", "records")
+    assert code == 0, err
+    assert re.search(r'^data\.template +\(unset\) +"Q: \{question\}\\nA: \{answer\}"$', out, re.M)
+    lines = out.splitlines()
+    assert lines[lines.index("result") - 1] == "", out
+
+
 def _add_tasks(run_dir: Path, step: int, cloze: float, core: float) -> None:
     """Append a ``tasks`` record as the downstream callback writes it."""
     record = {"event": "tasks", "time": time.time(), "step": step, "suite": "builtin:shakespeare",

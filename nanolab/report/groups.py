@@ -149,7 +149,12 @@ def _short_keys(keys: list[str], among: list[str] | None = None) -> dict[str, st
 
 
 def value_text(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    """A config value as one line of a table or a label: lists, dicts and a string with a line
+    break or another unprintable character (a data template) as JSON, so ``\n`` shows as
+    such rather than breaking the row in two (and dropping the table's blank rows)."""
+    if isinstance(value, (list, dict)) or (isinstance(value, str) and not value.isprintable()):
+        return json.dumps(value)
+    return str(value)
 
 
 def group_labels(
