@@ -1015,6 +1015,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.error = _one_line_error  # type: ignore[method-assign]
     args = p.parse_args(argv)
+    # The checks run their commands from the project's root: a folder given relative to where
+    # this was started is made absolute here, or a check read (and wrote) another folder.
+    for name in ("out", "work", "data", "result_file"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
     if args.nanogpt:  # the children read it (the vs_nanogpt check)
         os.environ["GPU_CHECK_NANOGPT"] = str(Path(args.nanogpt).resolve())
 

@@ -236,13 +236,16 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path, part):
     ``bench_memory.py``'s device path (calibration and phase peaks included) and
     ``gpu_pack.py``. Mutation caught:
     any check that crashes before it reaches a GPU (bench_memory's uncomposed 350M overlay, the
-    bench's JSON read, flex's backward on CPU) fails here instead of in a lent GPU session."""
+    bench's JSON read, flex's backward on CPU) fails here instead of in a lent GPU session.
+    ``--out`` and ``--work`` are given relative to where it starts, not to the project's root,
+    where the checks run their commands (a pack that worked read as crashed, exit 0)."""
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benches" / "gpu_check.py"), "--dry-run", "--out", str(out),
-         "--work", str(tmp_path / "work"), "--deadline", "1200",
+        [sys.executable, str(REPO / "benches" / "gpu_check.py"), "--dry-run", "--out", "out",
+         "--work", "work", "--deadline", "1200",
          "--only" if part == "costly" else "--skip", ",".join(COSTLY)],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1500,
+        cwd=tmp_path,
     )  # fmt: skip
     summary = json.loads((out / "gpu_check.json").read_text())
     statuses = {c["name"]: (c["status"], c["note"]) for c in summary["checks"]}
