@@ -9,6 +9,7 @@ main thread that kept Python's signal handler from running, so Ctrl-C waited for
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,8 +58,14 @@ def test_ctrl_c_while_the_trainer_merges_is_heard_at_once():
     result = _run(
         SLOW_MERGES
         + """
-import multiprocessing, os, signal, threading, time
+import os, signal, subprocess, threading, time
 from nanolab.data.bpe_process import train_bpe
+started = []
+class Recorded(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        started.append(self)
+subprocess.Popen = Recorded
 sent = {}
 def sample():
     yield TEXT
@@ -71,14 +78,14 @@ try:
     print("FINISHED")
 except KeyboardInterrupt:
     print(f"INTERRUPTED {time.perf_counter() - sent['at']:.2f}")
-    print("CHILDREN", len(multiprocessing.active_children()))
+    print("CHILDREN", len(started), "ENDED", [child.returncode for child in started])
 """
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split()
     assert lines[0] == "INTERRUPTED", result.stdout  # not FINISHED: the merges were not awaited
     assert float(lines[1]) < 3.0, result.stdout
-    assert lines[2:] == ["CHILDREN", "0"], result.stdout
+    assert lines[2:] == ["CHILDREN", "1", "ENDED", f"[{-signal.SIGKILL}]"], result.stdout
 
 
 def test_a_trainer_killed_mid_merge_is_one_line_naming_memory():
@@ -87,13 +94,19 @@ def test_a_trainer_killed_mid_merge_is_one_line_naming_memory():
     result = _run(
         SLOW_MERGES
         + """
-import multiprocessing, os, signal, time
+import os, signal, subprocess, time
 from nanolab.data.bpe_process import train_bpe
 from nanolab.data.tokenizers import TokenizerError
+started = []
+class Recorded(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        started.append(self)
+subprocess.Popen = Recorded
 def sample():
     yield TEXT
     time.sleep(0.5)
-    for child in multiprocessing.active_children():
+    for child in started:
         os.kill(child.pid, signal.SIGKILL)
 try:
     train_bpe(sample(), VOCAB)
@@ -106,9 +119,65 @@ except TokenizerError as err:
     assert result.stdout.startswith("ERROR the BPE trainer process was killed (signal 9)"), (
         result.stdout + result.stderr
     )
-    assert "--bpe-sample-bytes" in result.stdout
+    assert "most likely out of memory" in result.stdout
+    assert "(nanolab prepare --bpe-sample-bytes, 256M by default)" in result.stdout
 
 
 def test_a_vocabulary_out_of_range_is_refused_before_a_child_starts():
     with pytest.raises(TokenizerError, match="vocab_size must be >= "):
         train_bpe(iter(["text"]), 10)
+
+
+UNGUARDED_SCRIPT = """
+from nanolab.data.prepare import prepare_dataset
+prepare_dataset(["corpus.txt"], "ds", "bpe", bpe_vocab_size=300, quiet=True)
+print("PREPARED")
+"""
+
+
+def test_a_script_without_a_main_guard_prepares_bpe(tmp_path):
+    """The trainer is a fresh interpreter, not a multiprocessing child: one of those imports the
+    caller's main script again, and a script calling prepare_dataset without an
+    ``if __name__ == "__main__"`` guard prepared in it too, waiting on the lock its parent held."""
+    (tmp_path / "corpus.txt").write_text(
+        "a few words of text to learn from, again and again\n" * 300
+    )
+    (tmp_path / "script.py").write_text(UNGUARDED_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["PREPARED"]
+    assert (tmp_path / "ds" / "tokenizer.json").is_file()
+
+
+SIGNALS_IN_THE_CHILD = """
+import signal, subprocess, sys
+import nanolab.data.bpe_process as bpe
+seen = []
+real_main = bpe.child_main
+class Recorded(subprocess.Popen):
+    def __init__(self, args, **kwargs):
+        # The child reports its mask and handlers as it starts, before its own set-up runs.
+        probe = (
+            "import signal, sys; held = signal.pthread_sigmask(signal.SIG_BLOCK, []); "
+            "print('HELD', signal.SIGINT in held, signal.SIGTERM in held, file=sys.stderr); "
+        )
+        args = [args[0], "-c", probe + args[2], *args[3:]]
+        super().__init__(args, **kwargs)
+subprocess.Popen = Recorded
+bpe.train_bpe(iter(["some words to learn from " * 50]), 300)
+print("TRAINED")
+"""
+
+
+def test_the_trainer_starts_with_the_stop_signals_held_and_then_ignores_them(tmp_path):
+    """A Ctrl-C or a job-wide SIGTERM while the child imports is the parent's to handle: the
+    child starts with both held, then ignores them (a child ended by SIGTERM made `fit`, which
+    was being preempted, fail with "the BPE trainer process was ended by signal 15")."""
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNALS_IN_THE_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "HELD True True" in result.stderr, result.stderr[-2000:]
+    assert result.stdout.split() == ["TRAINED"]

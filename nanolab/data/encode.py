@@ -72,7 +72,7 @@ def init_worker(
     """Build this process's tokenizer once (a pool initializer, also called in-process).
 
     ``parent``: the pid of the ``prepare`` that started this worker process; the worker then
-    dies with it (:func:`die_with_parent`) and ignores SIGINT.
+    dies with it (:func:`die_with_parent`) and ignores SIGINT and SIGTERM.
     """
     global _tokenizer, _settings
     if parent is not None:
@@ -82,18 +82,20 @@ def init_worker(
 
 
 def become_worker(parent: int) -> None:
-    """Make this process a worker of ``prepare`` ``parent``: it dies with it and ignores SIGINT.
+    """Make this process a worker of ``prepare`` ``parent``: it dies with it and ignores the
+    signals that stop a command, SIGINT and SIGTERM.
 
-    Ctrl-C reaches the whole process group: the parent decides what it means and ends the
-    workers; a worker stopped by it would only print a traceback. The parent holds SIGINT
-    and SIGTERM back while it starts a worker (``nanolab.processes.stop_signals_held``), so a
-    SIGINT sent before this runs is dropped here; a SIGTERM (a scheduler stops every process of
-    the job) then takes its default action and ends the worker.
+    Ctrl-C reaches the whole process group, and a scheduler's SIGTERM every process of the job:
+    the parent decides what they mean and ends the workers (a worker stopped by one would only
+    print a traceback, or leave the parent reading a lost worker instead of its own stop: `fit`
+    then failed where it was preempted). The parent holds both back while it starts a worker
+    (``nanolab.processes.stop_signals_held``), so one sent before this runs is dropped here.
     """
     import signal
 
     die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
