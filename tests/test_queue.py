@@ -132,6 +132,54 @@ def test_a_name_is_kept_as_given_as_fit_keeps_it(tmp_path, tiny, capsys, monkeyp
     assert QueueDB(db).jobs()[2].run_dir == str(tmp_path / "runs" / "café run")
 
 
+#: Names the runner's ``--run.name=<name>`` reads as null (YAML: any case of null, ``~``,
+#: blanks around them, a comment, an empty anchor or tag): fit would train in a timestamped
+#: folder and the job's own run directory would hold only queue.log.
+NULL_NAMES = ["~", "null ", " null", "Null", "NULL", " ~ ", "#x", "&a", "!!null x"]
+
+#: Names YAML reads as other kinds: fit's ``run.name`` keeps them as the text given.
+TEXT_NAMES = ["true", "1e3", "[a]", "nUll", "None", "a #b", "{a: 1}"]
+
+
+@pytest.mark.parametrize("name", NULL_NAMES)
+def test_a_name_the_command_line_reads_as_null_is_refused(
+    tmp_path, tiny, capsys, monkeypatch, name
+) -> None:
+    """Only 'null' in lower or upper case was refused: '~' or 'null ' was queued, ran "done",
+    and its run went into runs/tiny-<time>, a folder the queue never followed."""
+    from nanolab.run.read import fit_config
+
+    assert fit_config(["--config", str(tiny), f"--run.name={name}"])["run"]["name"] is None
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(tiny), "--name", name)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(
+        f"nanolab queue add: error: --name {name!r}: a run name the command line reads as null"
+    ), err
+    assert not db.exists()
+    # With a seed the run name is '<name>-s1': '~-s1' is text, '#x-s1' is still a comment.
+    seeded = f"{name}-s1"
+    reads_null = fit_config(["--config", str(tiny), f"--run.name={seeded}"])["run"]["name"] is None
+    code, _, err = queue(capsys, db, "add", str(tiny), "--name", name, "--seeds", "1")
+    assert code == (2 if reads_null else 0), err
+    assert not reads_null or f"(run name {seeded!r}): a run name the command line" in err
+
+
+def test_names_yaml_reads_as_other_kinds_stay_text(tmp_path, tiny, capsys, monkeypatch) -> None:
+    """A job's run directory is the one fit trains in: fit reads ``--run.name=true`` as the
+    text 'true', so the queue takes it, and ``run.name`` is that text."""
+    from nanolab.run.read import fit_config
+
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    for name in TEXT_NAMES:
+        assert fit_config(["--config", str(tiny), f"--run.name={name}"])["run"]["name"] == name
+        code, _, err = queue(capsys, db, "add", str(tiny), "--name", name)
+        assert code == 0, err
+    assert [j.name for j in QueueDB(db).jobs()] == TEXT_NAMES
+
+
 def test_a_reference_that_is_one_jobs_id_and_anothers_name_is_refused(
     tmp_path, tiny, capsys, monkeypatch
 ) -> None:

@@ -122,14 +122,16 @@ def job_names(
 def _check_job_name(run_name: str, base: str, given: str) -> None:
     """Refuse a job's run name (``base`` and its seed's suffix) fit would refuse, or one the
     queue would misread; ``given``: where the name came from, as the message says it."""
-    from nanolab.training.resolve import run_name_problem, shown_name
+    from nanolab.training.resolve import override_value, run_name_problem, shown_name
 
+    if run_name != base:  # the seed's suffix made it too long, or a comment ('#x-s1')
+        given += f" (run name {shown_name(run_name)})"
     problem = run_name_problem(run_name)
     if problem is not None:
-        if run_name != base:  # the seed's suffix made it too long
-            given += f" (run name {shown_name(run_name)})"
         raise JobConfigError(f"{given}: {problem}")
-    if run_name.lower() == "null":  # --run.name=null is no name: the run goes elsewhere
+    # The runner passes --run.name=<name>, read as YAML: '~', 'Null', ' null', '#x' (a comment)
+    # are all null, no name, and fit trains in a timestamped folder; 'true' or '1e3' stay text.
+    if override_value(run_name) is None:
         raise JobConfigError(
             f"{given}: a run name the command line reads as null (no name, so a timestamped "
             "run directory the queue does not follow); give another --name"
