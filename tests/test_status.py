@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from nanolab.queue.db import NewJob, QueueDB
 from nanolab.queue.status import main
 
@@ -103,6 +105,36 @@ def test_a_named_folder_that_does_not_exist_is_one_line_beside_a_queue(
         )
     assert main([]) == 0 and "queued (1" in capsys.readouterr().out
     assert main(["later"]) == 0 and "queued (1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("named", "run_dir"),
+    [("runs/pend", "runs/pend"), ("out/deep/pend", "out/deep/pend"), ("out", "out/deep/pend")],
+)
+def test_a_waiting_jobs_own_run_dir_may_be_named_before_it_exists(
+    tmp_path: Path, capsys, monkeypatch, named: str, run_dir: str
+) -> None:
+    """``status runs/pend``, the run directory of a job still pending, was "does not exist;
+    pass the folder that holds your runs", exit 2: only the folders holding the jobs' run
+    directories were taken. The job's own, and every folder above it, show the queue."""
+    monkeypatch.chdir(tmp_path)
+    QueueDB(tmp_path / "nanolab_queue.db").add_jobs(
+        [
+            NewJob(
+                name="pend",
+                config="c.yaml",
+                args=[],
+                seed=None,
+                cwd="/",
+                run_dir=str(tmp_path / run_dir),
+            )
+        ]
+    )
+    assert not (tmp_path / named).exists()
+    assert main([named]) == 0, capsys.readouterr().err
+    assert "queued (1" in capsys.readouterr().out
+    assert main([f"{named}x"]) == 2  # a typo is still said
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_a_queue_job_starting_before_its_run_logs_is_shown_as_starting(tmp_path: Path, capsys):

@@ -127,8 +127,9 @@ def run_line(name: str, run_dir: Path, now: float) -> RunLine:
 
 
 def job_roots(db_path: Path) -> set[Path]:
-    """The folders the queue's waiting and running jobs make their runs in (``runs/`` before
-    its first job starts): a root ``status`` may be given before it exists."""
+    """The folders the queue's waiting and running jobs will make: each job's run directory
+    and the folders above it (``runs/`` before its first job starts, ``runs/pend`` of a job
+    still pending), which ``status`` may be given before they exist."""
     from nanolab.queue.db import QueueDB, QueueError
 
     try:
@@ -137,7 +138,8 @@ def job_roots(db_path: Path) -> set[Path]:
         raise StatusError(str(err)) from None
     try:
         jobs = db.jobs(("running", "pending", "preempted"))
-        return {(Path(j.cwd) / j.run_dir).resolve().parent for j in jobs}
+        run_dirs = [(Path(j.cwd) / j.run_dir).resolve() for j in jobs]
+        return {folder for d in run_dirs for folder in (d, *d.parents)}
     finally:
         db.conn.close()
 
