@@ -61,9 +61,22 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+#: Whether the verb's own code has been entered: a Ctrl-C before that (its modules still
+#: importing, seconds for torch) was a traceback of the import; nothing had run.
+_VERB_ENTERED: list[bool] = []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(argv)
+    except KeyboardInterrupt:
+        if _VERB_ENTERED:  # the verb's own Ctrl-C, which it leaves to Python: as before
+            raise
+        args = list(sys.argv[1:] if argv is None else argv)
+        verb = next((a for a in args if not a.startswith("-")), "")
+        print(f"nanolab {verb}: interrupted; nothing was written".replace(" :", ":"),
+              file=sys.stderr)  # fmt: skip
+        return 130
     except BrokenPipeError:
         # `nanolab estimate --list-gpus --json | head`: the reader has gone, which is not an
         # error of ours. Point stdout at /dev/null so the flush at exit does not raise again,
@@ -98,6 +111,7 @@ def _dispatch(args: list[str]) -> int:
     if verb in VERBS:
         module_name, func_name = VERBS[verb][0].split(":")
         func = getattr(importlib.import_module(module_name), func_name)
+        _VERB_ENTERED.append(True)
         return int(func(args[1:]) or 0)
     if verb in LIGHTNING_VERBS:
         from nanolab.errors import NanolabError, report
@@ -116,7 +130,9 @@ def _dispatch(args: list[str]) -> int:
         if verb != "fit":
             from nanolab.run.cli import run_lightning_cli
 
+            _VERB_ENTERED.append(True)
             return run_lightning_cli(args)
+        _VERB_ENTERED.append(True)  # fit's start-up signals are early_signals' from here
         # Before the heavy imports: a SIGTERM during start-up ends in exit 75, not 143; the
         # handlers are this run's only, and put back when it ends.
         with early_signals.held_during_startup():

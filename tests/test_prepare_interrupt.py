@@ -282,3 +282,35 @@ def test_the_first_process_started_with_stop_signals_held_starts_with_it_held(tm
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True"], "the child started with SIGINT open"
+
+
+INTERRUPTED_WHILE_IMPORTING = """
+import importlib, os, signal, sys
+import nanolab.cli as cli
+
+real_import = importlib.import_module
+
+def import_module(name, *args):
+    if name == "nanolab.data.prepare":
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the verb's modules import
+    return real_import(name, *args)
+
+cli.importlib.import_module = import_module
+sys.exit(cli.main(["prepare", sys.argv[1], "-o", sys.argv[2]]))
+"""
+
+
+def test_a_ctrl_c_while_the_verb_still_imports_is_one_line_and_exit_130(tmp_path):
+    """Before the verb's own handling begins (its modules importing: numpy, torch) a Ctrl-C was
+    a traceback of the import and exit -2; nothing had run, and one line says so."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("words\n" * 100)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WHILE_IMPORTING, str(corpus), str(tmp_path / "ds")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [ANSWER], proc.stderr[-2000:]
+    assert not (tmp_path / "ds").exists()
