@@ -763,6 +763,24 @@ def test_a_damaged_dataset_is_prepared_again_not_called_ready(tmp_path, capsys, 
     assert {p.name: p.read_bytes() for p in out.iterdir()} == whole
 
 
+def test_a_damaged_dataset_beside_the_users_files_is_refused_not_rebuilt(tmp_path, capsys):
+    """Preparing a damaged dataset again (no --force needed) replaced the whole folder: a
+    NOTES.md the user kept beside it was deleted without a word."""
+    text = tmp_path / "c1.txt"
+    text.write_text("hello world text\n")
+    out = tmp_path / "d1"
+    assert main([str(text), "-o", str(out), "-q"]) == 0
+    (out / "NOTES.md").write_text("notes")
+    (out / "val.bin").unlink()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main([str(text), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "damaged (val.bin is missing) and files that are not a " in err[0]
+    assert "(NOTES.md); preparing it again replaces the whole folder: move those" in err[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_a_refusal_leaves_out_the_bpe_settings_of_a_dataset_that_is_not_bpe(tmp_path, capsys):
     text = tmp_path / "in.txt"
     text.write_text("some words to prepare, and a few more of them\n" * 400)

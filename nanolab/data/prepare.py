@@ -270,23 +270,11 @@ def prepare_dataset(
                 say("nanolab prepare", f"{out_dir} already holds this dataset (the same files and "
                     "settings): nothing to do")  # fmt: skip
             return existing
+        if (force or rebuild) and out_dir.is_dir():
+            _refuse_users_files(out_dir, damage if rebuild else None)
         if rebuild and not quiet:  # the same settings: what fit asks for, --force or not
             say("nanolab prepare", f"{out_dir} holds this dataset damaged ({damage}); "
                 "preparing it again")  # fmt: skip
-        if force and out_dir.is_dir():
-            foreign = sorted(
-                p.name + ("/" if p.is_dir() else "")
-                for p in out_dir.iterdir()
-                if p.name not in DATASET_FILES
-            )
-            if foreign:  # --force replaces a dataset, never a folder of the user's own files
-                shown = ", ".join(foreign[:3]) + (
-                    f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-                )
-                raise PrepareError(
-                    f"{out_dir} holds files that are not a dataset's ({shown}); --force replaces "
-                    "only a dataset folder: choose another output folder, or move those files"
-                )
         if out_dir.exists() and any(out_dir.iterdir()) and not force and not rebuild:
             what = "other files"
             if existing:
@@ -322,6 +310,31 @@ def prepare_dataset(
             return job.run()
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
+
+
+def _refuse_users_files(out_dir: Path, damage: str | None) -> None:
+    """Refuse to replace ``out_dir`` when it holds files that are not a dataset's: replacing
+    swaps the whole folder, so the user's notes beside a dataset would go with it. Both ways in
+    are checked, ``--force`` and the rebuild of a damaged dataset (``damage``, which needs no
+    --force), and neither ever takes the user's files."""
+    foreign = sorted(
+        p.name + ("/" if p.is_dir() else "")
+        for p in out_dir.iterdir()
+        if p.name not in DATASET_FILES
+    )
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+    if damage is None:
+        raise PrepareError(
+            f"{out_dir} holds files that are not a dataset's ({shown}); --force replaces only a "
+            "dataset folder: choose another output folder, or move those files"
+        )
+    raise PrepareError(
+        f"{out_dir} holds this dataset damaged ({damage}) and files that are not a dataset's "
+        f"({shown}); preparing it again replaces the whole folder: move those files, or choose "
+        "another output folder"
+    )
 
 
 #: What prepare adds to the dataset folder's name for the files it writes beside it: the lock
