@@ -45,8 +45,8 @@ COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 
 #: Target size of a unit of a text file (the split's granularity inside one long document).
 TEXT_UNIT_BYTES = 16 << 10
-#: A text unit is cut at a line start when one comes within this many bytes; else the line is
-#: longer than any unit (text with no newlines at all, minified code), and is cut at a space.
+#: A text unit is cut at a line start when one comes within this many bytes; else here when a
+#: newline is (every line indented), or at a space when none is (no newlines, minified code).
 TEXT_UNIT_MAX_BYTES = 1 << 20
 #: The longest unit of a line with no line start in reach: cut at its first whitespace after
 #: :data:`TEXT_UNIT_BYTES`, or mid-word here when there is none. Units of 1 MB (the line start
@@ -62,6 +62,10 @@ PARQUET_ROWS = 256
 _READ_BYTES = 4 << 20
 #: A cut after a newline that starts a non-blank line keeps GPT-2-style pre-tokenization intact.
 _LINE_START = re.compile(rb"\n(?=[^ \t\r\n\f\v])")
+#: A newline with more of the text after it (not a file's trailing newline or blank lines): a
+#: unit with one in reach but no line start (every line indented: poetry, code, logs) is cut as
+#: it always was, so any text with lines prepares to the bytes it gave before long lines were cut.
+_LINE_BREAK = re.compile(rb"\n(?=[^\r\n])")
 #: Where a long line is cut: before a whitespace, so the word after it keeps its space.
 _WHITESPACE = re.compile(rb"[ \t\r\n\f\v]")
 
@@ -633,15 +637,26 @@ def _next_cut(buf: bytes, pos: int, eof: bool) -> int | None:
     m = _LINE_START.search(buf, want, min(n, limit))
     if m is not None:
         return m.end()
-    # No line start within the limit, or before the end of the file further than a long
-    # line's unit: a long line (lines of ordinary text end well before), cut at a whitespace.
+    reach_known = limit < n or eof  # all the bytes the rules below look at are buffered
+    if reach_known and _LINE_BREAK.search(buf, want, min(n, limit)) is not None:
+        # Lines, none starting with a non-blank: the cut of before (at the limit, mid-line).
+        if limit < n:
+            return _char_boundary(buf, limit, want)
+        return n
+    # No newline within the limit, or before the end of the file further than a long line's
+    # unit: one long line (lines of ordinary text end well before), cut at a whitespace.
     if limit < n or (eof and n - pos > TEXT_UNIT_LONG_LINE_BYTES):
         cap = pos + TEXT_UNIT_LONG_LINE_BYTES
         space = _WHITESPACE.search(buf, want, cap)
         if space is not None:
             return space.start()
-        cut = cap  # none: mid-word, at a character boundary
-        while cut > want and (buf[cut] & 0xC0) == 0x80:
-            cut -= 1
-        return cut
+        return _char_boundary(buf, cap, want)  # none: mid-word
     return n if eof else None
+
+
+def _char_boundary(buf: bytes, cut: int, floor: int) -> int:
+    """``cut`` moved back (not below ``floor``) to the start of a UTF-8 character, so no
+    character is split between two units."""
+    while cut > floor and (buf[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return cut
