@@ -871,6 +871,25 @@ def test_a_prepared_dataset_inside_an_input_folder_is_skipped_not_read_as_corpus
     assert json.loads((out / "meta.json").read_text())["files"] == 1
     assert main([str(web), "-o", str(tmp_path / "again")]) == 2
     assert "is a prepared nanolab dataset, not a corpus" in capsys.readouterr().err
+    # A recursive glob reaches its meta.json too: skipped with its dataset, not refused as a
+    # bad JSON line with advice to edit it.
+    (corp / "b.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    assert main([str(corp / "**" / "*.json*"), "-o", str(tmp_path / "g")]) == 0
+    err = capsys.readouterr().err
+    assert f"{web}: a prepared nanolab dataset (its meta.json), skipped" in err
+    assert json.loads((tmp_path / "g" / "meta.json").read_text())["files"] == 1
+    assert main([str(web / "*"), "-o", str(tmp_path / "g2")]) == 2
+    assert f"it matched the files of 1 prepared nanolab dataset(s) ({web})" in (
+        capsys.readouterr().err
+    )
+    # A folder holding only a dataset says so, not that it holds nothing nanolab reads.
+    only = tmp_path / "only"
+    only.mkdir()
+    web.rename(only / "web")
+    assert main([str(only), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"only a prepared nanolab dataset ({only / 'web'}, skipped)" in err[0]
+    assert not (tmp_path / "g2").exists() and not (tmp_path / "o").exists()
     from nanolab.data.prepare import FORMAT
     from nanolab.data.sources import DATASET_FORMAT_PREFIX
 

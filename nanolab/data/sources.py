@@ -167,6 +167,10 @@ DATASET_FORMAT_PREFIX = "nanolab-tokens-"
 DATASET_META_MAX_BYTES = 16 << 20
 
 
+#: How a prepared dataset met among the sources is listed as skipped, after its folder.
+DATASET_SKIPPED = ": a prepared nanolab dataset (its meta.json), skipped"
+
+
 def is_prepared_dataset(directory: Path) -> bool:
     """Whether ``directory`` holds a dataset ``nanolab prepare`` wrote (its ``meta.json`` names
     a nanolab format): its meta.json and tokenizer.json are another dataset's, not corpus, and
@@ -200,7 +204,7 @@ def _walk(root: Path, skipped: list[str], exclude: Sequence[Path] = ()) -> list[
             return
         seen.add((st.st_dev, st.st_ino))
         if is_prepared_dataset(directory):
-            skipped.append(f"{directory}: a prepared nanolab dataset (its meta.json), skipped")
+            skipped.append(f"{directory}{DATASET_SKIPPED}")
             return
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
@@ -273,8 +277,18 @@ def resolve_sources(
                         "files or folder of text it was prepared from"
                     )
                 )
+            noted = len(skipped)
             found = _walk(path, skipped, exclude)
             if not found:
+                datasets = [n for n in skipped[noted:] if DATASET_SKIPPED in n]
+                if datasets:
+                    shown = datasets[0].removesuffix(DATASET_SKIPPED)
+                    more = f" and {len(datasets) - 1} more" if len(datasets) > 1 else ""
+                    raise SourceError(
+                        named(f"folder {path} holds no files nanolab reads, only a prepared ")
+                        + f"nanolab dataset ({shown}{more}, skipped); give the files or folder "
+                        "of text it was prepared from"
+                    )
                 raise SourceError(
                     named(f"folder {path} holds no files nanolab reads (text ")
                     + f"{', '.join(TEXT_SUFFIXES)}; json lines {', '.join(JSONL_SUFFIXES)}; "
@@ -327,6 +341,8 @@ def _glob_files(spec: str, skipped: list[str], exclude: Sequence[Path]) -> list[
         for m in sorted(glob.glob(os.path.expanduser(spec), recursive=True))
         if not excluded(m)
     ]
+    matches, datasets = _outside_datasets(matches)
+    skipped += [f"{d}{DATASET_SKIPPED}" for d in datasets]
     picked, other, folders, odd = [], [], [], []
     for path in matches:
         if path.is_file():
@@ -350,11 +366,39 @@ def _glob_files(spec: str, skipped: list[str], exclude: Sequence[Path]) -> list[
         skipped.append(f"{spec}: matched and skipped {folder_note}")
     if not picked:
         reasons = [*odd, *([folder_note] if folder_note else [])]
+        if datasets:
+            more = ", ..." if len(datasets) > 1 else ""
+            reasons.append(f"the files of {len(datasets)} prepared nanolab dataset(s) "
+                           f"({datasets[0]}{more}), which are not a corpus")  # fmt: skip
         if other:
             reasons.append(others)
         why = f" (it matched {'; '.join(reasons)})" if reasons else ""
         raise SourceError(f"the glob {spec!r} matches no files nanolab reads{why}")
     return [f for p in picked if (f := _input_file(p, explicit=False)) is not None]
+
+
+def _outside_datasets(matches: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The glob matches that lie in no prepared dataset (in one: its meta.json would be read as
+    JSON lines and refused with advice to edit another dataset), and the datasets they lay in.
+    A recursive glob reaches files a folder's walk would skip with their dataset."""
+    verdict: dict[Path, bool] = {}
+
+    def dataset_of(path: Path) -> Path | None:
+        for folder in (path, *path.parents) if path.is_dir() else path.parents:
+            if folder not in verdict:
+                verdict[folder] = is_prepared_dataset(folder)
+            if verdict[folder]:
+                return folder
+        return None
+
+    kept: list[Path] = []
+    datasets: dict[Path, None] = {}
+    for path in matches:
+        if (dataset := dataset_of(path)) is None:
+            kept.append(path)
+        else:
+            datasets[dataset] = None
+    return kept, list(datasets)
 
 
 def _read_once(files: list[InputFile], skipped: list[str]) -> list[InputFile]:
