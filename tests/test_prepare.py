@@ -822,7 +822,7 @@ def test_sources_with_no_documents_are_refused_and_nothing_is_written(tmp_path, 
         ("in.txt/a/b", "-o in.txt/a/b: in.txt is a file, not a folder;"),
         ("loop", "loop is a symlink loop (a link that leads back to itself); remove it"),
         ("loop/ds", "-o loop/ds: loop is a symlink loop"),
-        ("x" * 250, "the name is too long: 250 bytes, at most 238 (prepare writes .NAME.tmp-*"),
+        ("x" * 250, "the name is too long: 250 bytes, at most 241 (prepare writes .NAME.tmp-*"),
     ],
 )
 def test_an_output_that_can_never_be_a_folder_is_one_line_before_reading(
@@ -839,6 +839,24 @@ def test_an_output_that_can_never_be_a_folder_is_one_line_before_reading(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said in err[0], err
     assert sorted(os.listdir()) == before
+
+
+def test_a_long_name_prepares_up_to_the_room_a_pid_needs_and_a_dataset_there_is_a_no_op(
+    tmp_path, capsys
+):
+    """Room was kept for a 10-digit PID (Linux's are at most 7): a 239-241 byte name the older
+    code prepared was refused, even as a no-op on the dataset it had written there."""
+    src = tmp_path / "in.txt"
+    src.write_text(SAMPLE)
+    assert main([str(src), "-o", str(tmp_path / ("x" * 241)), "-q"]) == 0
+    (tmp_path / ("x" * 241)).rename(tmp_path / ("y" * 249))  # room for .NAME.lock only
+    capsys.readouterr()
+    assert main([str(src), "-o", str(tmp_path / ("y" * 249))]) == 0
+    assert "nothing to do" in capsys.readouterr().err
+    (tmp_path / ("y" * 249) / "val.bin").unlink()  # preparing it again needs .NAME.tmp-* room
+    assert main([str(src), "-o", str(tmp_path / ("y" * 249))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the name is too long: 249 bytes, at most 241" in err[0]
 
 
 def test_a_write_that_fails_is_worded_by_its_cause(tmp_path):

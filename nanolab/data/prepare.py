@@ -53,6 +53,7 @@ from nanolab.data.sources import (
     FileReader,
     InputFile,
     SourceError,
+    is_prepared_dataset,
     resolve_sources,
 )
 from nanolab.data.tokenizers import (
@@ -270,6 +271,10 @@ def prepare_dataset(
                 say("nanolab prepare", f"{out_dir} already holds this dataset (the same files and "
                     "settings): nothing to do")  # fmt: skip
             return existing
+        if problem := name_problem(out_dir):  # checked for the lock alone so far
+            raise PrepareError(
+                f"{setting_names['dataset_dir']} {shorten(str(dataset_dir))}: {problem}"
+            )
         if (force or rebuild) and out_dir.is_dir():
             _refuse_users_files(out_dir, damage if rebuild else None)
         if rebuild and not quiet:  # the same settings: what fit asks for, --force or not
@@ -339,8 +344,11 @@ def _refuse_users_files(out_dir: Path, damage: str | None) -> None:
 
 #: What prepare adds to the dataset folder's name for the files it writes beside it: the lock
 #: (``.NAME.lock``), the folder being written (``.NAME.tmp-XXXXXXXX``) and a replaced one
-#: (``.NAME.old-PID``, ``.NAME.dead-PID``, a PID of up to 10 digits).
-SIBLING_NAME_EXTRA = len("..dead-") + 10
+#: (``.NAME.old-PID``, ``.NAME.dead-PID``, a PID of up to 7 digits: Linux's pid_max is at most
+#: 4,194,304), as long as the folder being written (``len("..tmp-") + 8``).
+SIBLING_NAME_EXTRA = len("..dead-") + 7
+#: What the lock (``.NAME.lock``) adds, all a no-op on a prepared dataset writes beside it.
+LOCK_NAME_EXTRA = len("..lock")
 
 
 def shorten(text: str, keep: int = 60) -> str:
@@ -375,19 +383,29 @@ def output_problem(out_dir: Path) -> str | None:
                 f"the path is too long ({len(os.fsencode(out_dir)):,} bytes, more than this "
                 "file system takes); choose a shorter one"
             )
+    # A dataset already there (an older prepare's): only the lock must fit beside it for a
+    # no-op; writing it again is checked once that is known (name_problem in prepare_dataset).
+    return name_problem(out_dir, lock_only=is_prepared_dataset(out_dir))
+
+
+def name_problem(out_dir: Path, lock_only: bool = False) -> str | None:
+    """Why ``out_dir``'s name leaves no room for what prepare writes beside it, or None:
+    ``.NAME.tmp-*`` and the other siblings of a write, or with ``lock_only`` the lock alone
+    (all a no-op writes)."""
     existing = next((p for p in (out_dir, *out_dir.parents) if p.is_dir()), Path("."))
     try:
         name_max = os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
-    room = name_max - SIBLING_NAME_EXTRA
-    if len(os.fsencode(out_dir.name)) > room:
-        return (
-            f"the name is too long: {len(os.fsencode(out_dir.name)):,} bytes, at most {room} "
-            f"(prepare writes .NAME.tmp-* beside it, within the {name_max} a name may have "
-            "here); choose a shorter name"
-        )
-    return None
+    room = name_max - (LOCK_NAME_EXTRA if lock_only else SIBLING_NAME_EXTRA)
+    size = len(os.fsencode(out_dir.name))
+    if size <= room:
+        return None
+    beside = ".NAME.lock" if lock_only else ".NAME.tmp-*"
+    return (
+        f"the name is too long: {size:,} bytes, at most {room} (prepare writes {beside} beside "
+        f"it, within the {name_max} a name may have here); choose a shorter name"
+    )
 
 
 def dataset_damage(out_dir: Path, meta: Mapping[str, Any]) -> str | None:
