@@ -317,6 +317,39 @@ def test_a_data_tokenizer_that_prepared_data_ignores_is_one_warning_line(tmp_pat
     ]
 
 
+def test_the_tokenizer_json_the_data_was_prepared_with_is_no_warning_however_it_is_written(
+    tmp_path, monkeypatch
+):
+    """A data.tokenizer naming the very tokenizer.json the data was prepared with warned "is
+    not used" when the file was not written byte for byte by the tokenizers library (pretty-
+    printed, an older hub file): its bytes differ from the dataset's copy, its tokenizer not."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from nanolab import messages
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.data.prepare import prepare_dataset
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    mine = tmp_path / "mytok.json"
+    mine.write_text(json.dumps(json.loads(tok.to_str()), indent=4))  # by hand: pretty-printed
+    (tmp_path / "in.txt").write_text("some words to prepare, and more of them\n" * 200)
+    data = tmp_path / "data"
+    prepare_dataset([str(tmp_path / "in.txt")], data, str(mine), quiet=True)
+    assert mine.read_bytes() != (data / "tokenizer.json").read_bytes()
+    warned: list[str] = []
+    monkeypatch.setattr(messages, "warn", lambda prog, text: warned.append(text))
+    _ = TokenDataModule(str(data), None, str(mine), block_size=16, micro_batch_size=4).parts
+    assert warned == []
+    other = tmp_path / "other.json"
+    del vocab["~"]
+    Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(other))
+    _ = TokenDataModule(str(data), None, str(other), block_size=16, micro_batch_size=4).parts
+    assert len(warned) == 1 and f"data.tokenizer {other} is not used" in warned[0]
+
+
 def test_the_in_loop_tasks_take_the_tokenizer_checked_at_start(tmp_path):
     """The in-loop task scores encode with the run's tokenizer, the one its checkpoints store,
     not whatever the folder holds when the callback sets up (prepared again meanwhile)."""

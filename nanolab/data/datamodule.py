@@ -753,19 +753,36 @@ def unused_tokenizer_setting(setting: str, part: DatasetPart) -> str | None:
     used = spec.get("name") if isinstance(spec, dict) else None
     if setting in (DEFAULT_TOKENIZER, used) or used is None:
         return None
-    if used == "hf" and is_tokenizer_file(setting):
-        given, own = Path(setting).expanduser(), part.path / "tokenizer.json"
-        try:
-            if given.read_bytes() == own.read_bytes():
-                return None  # the very tokenizer.json the data was prepared with
-        except OSError:
-            pass
+    own = part.path / "tokenizer.json"
+    if (
+        used == "hf"
+        and is_tokenizer_file(setting)
+        and same_tokenizer_json(Path(setting).expanduser(), own)
+    ):
+        return None  # the very tokenizer.json the data was prepared with
     return (
         f"data.tokenizer {setting} is not used: it applies only when fit prepares data.source, "
         f"which is null, so this run trains on the tokenizer {part.path} was prepared with "
         f"({used}); set data.tokenizer: {used if used != 'hf' else 'its tokenizer.json'} or "
         "leave it out, or set data.source to prepare the data with it"
     )
+
+
+def same_tokenizer_json(given: Path, own: Path) -> bool:
+    """Whether two tokenizer.json files hold the same tokenizer. Equal bytes say so at once;
+    else each is read by the tokenizers library and written back in its own form: a file it
+    did not write byte for byte (pretty-printed by hand, an older hub file) is the same
+    tokenizer as its copy in a dataset. A file either side cannot read is not the same."""
+    try:
+        if given.read_bytes() == own.read_bytes():
+            return True
+        from tokenizers import Tokenizer as RustTokenizer
+
+        return RustTokenizer.from_file(str(given)).to_str() == (
+            RustTokenizer.from_file(str(own)).to_str()
+        )
+    except Exception:  # unreadable or not a tokenizer (any library error): not the same one
+        return False
 
 
 def _tokenizer_identity(part: DatasetPart) -> tuple[str, str]:
