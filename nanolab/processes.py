@@ -45,6 +45,15 @@ def read_lock_holder(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[4026531836]``), where the kernel says it: two
+    processes' pids compare only within one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     """The holder ``run_dir``'s lock file names when it is a process of this host that no
     longer runs (killed with SIGKILL, out of memory: nothing removed the file), else None.
@@ -54,6 +63,11 @@ def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     reads as alive; for those the run's silence decides, as before."""
     holder = read_lock_holder(run_dir / RUN_LOCK_NAME)
     if holder is None or holder.get("host") != socket.gethostname():
+        return None
+    # A container with this host's name (`docker run --network host`) numbers its processes
+    # apart: its pid means nothing here, and its live run read as crashed. A holder that does
+    # not say its namespace (written before it was recorded) is not judged either.
+    if holder.get("pid_namespace") is None or holder.get("pid_namespace") != pid_namespace():
         return None
     pid = holder.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid_alive(pid):

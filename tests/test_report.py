@@ -162,15 +162,19 @@ def test_a_run_whose_lock_names_a_dead_process_of_this_host_is_crashed_at_once(
     import socket
 
     from nanolab.cli import main as nanolab_main
-    from nanolab.processes import RUN_LOCK_NAME
+    from nanolab.processes import RUN_LOCK_NAME, pid_namespace
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # exited and reaped: its pid names no process
-    host = socket.gethostname()
+    host, here = socket.gethostname(), pid_namespace()
     now = time.time()
-    for name, holder in (("killed", {"host": host, "pid": gone.pid}),
-                         ("live", {"host": host, "pid": os.getpid()}),
+    # "container": a process numbered in another PID namespace of a same-named host (docker
+    # --network host); "older": a lock file that does not say its namespace.
+    for name, holder in (("killed", {"host": host, "pid": gone.pid, "pid_namespace": here}),
+                         ("live", {"host": host, "pid": os.getpid(), "pid_namespace": here}),
                          ("elsewhere", {"host": host + "-other", "pid": gone.pid}),
+                         ("container", {"host": host, "pid": gone.pid, "pid_namespace": "pid:[1]"}),
+                         ("older", {"host": host, "pid": gone.pid}),
                          ("unlocked", None)):  # fmt: skip
         run_dir = write_run(tmp_path, name, losses=[3.0, 2.9], vals={}, end=None, t0=now - 5)
         if holder is not None:
@@ -180,11 +184,11 @@ def test_a_run_whose_lock_names_a_dead_process_of_this_host_is_crashed_at_once(
     assert code == 0 and status["killed"] == (
         "crashed", f"no end record; its process (pid {gone.pid} on {host}) is gone"
     )  # fmt: skip
-    for name in ("live", "elsewhere", "unlocked"):  # alive, or not to be checked from here
+    for name in ("live", "elsewhere", "container", "older", "unlocked"):  # alive, or unknown
         assert status[name] == ("running", None), name
     assert nanolab_main(["status", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
-    assert "running (3)" in shown and f"killed: no end record; its process (pid {gone.pid}" in shown
+    assert "running (5)" in shown and f"killed: no end record; its process (pid {gone.pid}" in shown
 
 
 def test_a_failed_run_says_its_resumes_as_a_finished_one_does(tmp_path: Path, capsys) -> None:

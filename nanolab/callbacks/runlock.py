@@ -41,7 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.callbacks.events import CallbackConfigError
-from nanolab.processes import RUN_LOCK_NAME, global_rank_from_env, pid_alive, read_lock_holder
+from nanolab.processes import (
+    RUN_LOCK_NAME,
+    global_rank_from_env,
+    pid_alive,
+    pid_namespace,
+    read_lock_holder,
+)
 
 LOCK_NAME = RUN_LOCK_NAME
 #: Environment variable through which a holder hands its token to the ranks it launches.
@@ -190,6 +196,7 @@ def _write_holder(fd: int, token: str) -> None:
     info = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "pid_namespace": pid_namespace(),  # what a pid of this host means (containers)
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
