@@ -96,3 +96,29 @@ def test_a_runner_waits_for_a_queue_held_locked_and_its_jobs_finish(tmp_path: Pa
 @pytest.mark.parametrize("message", ["disk I/O error", "database disk image is malformed"])
 def test_other_sqlite_errors_are_not_taken_for_a_busy_queue(message: str) -> None:
     assert queue_db.busy_db(Path("q.db"), sqlite3.OperationalError(message)) is None
+
+
+def test_a_ctrl_c_while_the_queue_waits_for_its_lock_is_one_line(tmp_path: Path):
+    """A Ctrl-C while `queue rm` (or `add`, `run`) waited for a lock another process held was
+    a traceback out of SQLite's wait once the lock came free; it is one line and exit 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "q.db"
+    _add(path, "a")
+    with locked(path, for_s=3.0) as holding:
+        assert holding.wait(10)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nanolab", "queue", "rm", "a", "--db", str(path)],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        time.sleep(1.0)  # it has opened the queue and waits for the lock
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines() == ["nanolab queue rm: interrupted"], err[-2000:]
+    assert [j.name for j in QueueDB(path).jobs()] == ["a"]

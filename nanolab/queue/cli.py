@@ -692,6 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(raw)
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:  # a Ctrl-C before the runner's own handling (SQLite's lock wait)
+        print(f"nanolab queue {args.verb}: interrupted", file=sys.stderr)
+        return 130
     except NanolabError as err:
         return report(f"nanolab queue {args.verb}", err)
     except sqlite3.DatabaseError as err:  # damage, a full disk or a lock met past the opening
