@@ -194,12 +194,17 @@ def test_a_reference_that_is_one_jobs_id_and_anothers_name_is_refused(
     assert code == 2
     assert err.strip() == (
         "nanolab queue rm: error: '1' is both the id of job 1 (first) and the name of job 2; "
-        "give the id of the one you mean (1 or 2)"
+        "give #1 or #2 (an id, whatever the names)"
     ), err
     assert [j.name for j in QueueDB(db).jobs()] == ["first", "1"]
-    code, _, err = queue(capsys, db, "rm", "2")
+    code, _, err = queue(capsys, db, "rm", "#1")  # the form the refusal names works
     assert code == 0, err
-    assert [j.name for j in QueueDB(db).jobs()] == ["first"]
+    assert [j.name for j in QueueDB(db).jobs()] == ["1"]
+    code, _, err = queue(capsys, db, "add", str(tiny), "--name", "2")  # id 3, named 2
+    assert code == 0, err
+    code, _, err = queue(capsys, db, "rm", "#2")  # job 2 is named "1": still reachable
+    assert code == 0, err
+    assert [j.name for j in QueueDB(db).jobs()] == ["2"]
 
 
 #: Callback settings ``nanolab fit`` refuses when it builds the run's callbacks, with its line.

@@ -378,10 +378,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
             jobs = db.resolve(refs)
             break
         except DamagedJobError as err:  # the one command that must work on a damaged row
-            if str(err.job_id) not in refs:
+            named = [r for r in refs if r in (str(err.job_id), f"#{err.job_id}")]
+            if not named:
                 raise
             db.remove([int(err.job_id)])
-            refs.remove(str(err.job_id))
+            refs.remove(named[0])
             print(f"removed job {err.job_id} (a damaged row)")
             if not refs:
                 return 0
@@ -584,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("retry", cmd_retry, "put failed/stopped/preempted jobs back (they resume)"),
     ):
         by_job = sub.add_parser(verb, parents=[common], help=text)
-        by_job.add_argument("jobs", nargs="+", metavar="JOB", help="job id or name")
+        by_job.add_argument("jobs", nargs="+", metavar="JOB", help="job id, name, or #id")
         by_job.set_defaults(func=func)
 
     cl = sub.add_parser("clear", parents=[common], help="remove done, stopped and failed jobs")

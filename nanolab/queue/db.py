@@ -387,18 +387,22 @@ class QueueDB:
         return [Job.from_row(r) for r in rows]
 
     def resolve(self, refs: list[str]) -> list[Job]:
-        """Jobs named by id or name; every unknown reference is named in one error."""
+        """Jobs named by id, name or ``#id``; every unknown reference is named in one error."""
         all_jobs = self.jobs()
         by_id = {str(j.id): j for j in all_jobs}
         by_name = {j.name: j for j in all_jobs}
         found, unknown = [], []
         for ref in refs:
+            if ref.startswith("#") and ref[1:].isdigit():  # an id, whatever the names
+                job = by_id.get(ref[1:])
+                (found if job else unknown).append(job or ref)
+                continue
             numbered, named = by_id.get(ref), by_name.get(ref)
             if numbered and named and numbered.id != named.id:  # a job named "1"
                 raise QueueError(
                     f"{ref!r} is both the id of job {numbered.id} ({numbered.name}) and the name "
-                    f"of job {named.id}; give the id of the one you mean ({numbered.id} or "
-                    f"{named.id})"
+                    f"of job {named.id}; give #{numbered.id} or #{named.id} (an id, whatever the "
+                    "names)"
                 )
             job = numbered or named
             (found if job else unknown).append(job or ref)
