@@ -29,6 +29,18 @@ TEXT = " ".join(
     for _ in range(200_000)
 )
 VOCAB = 16_000
+
+import subprocess
+started = []  # the trainer processes train_bpe starts
+
+
+class Recorded(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        started.append(self)
+
+
+subprocess.Popen = Recorded
 """
 
 
@@ -60,12 +72,6 @@ def test_ctrl_c_while_the_trainer_merges_is_heard_at_once():
         + """
 import os, signal, subprocess, threading, time
 from nanolab.data.bpe_process import train_bpe
-started = []
-class Recorded(subprocess.Popen):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        started.append(self)
-subprocess.Popen = Recorded
 sent = {}
 def sample():
     yield TEXT
@@ -97,12 +103,6 @@ def test_a_trainer_killed_mid_merge_is_one_line_naming_memory():
 import os, signal, subprocess, time
 from nanolab.data.bpe_process import train_bpe
 from nanolab.data.tokenizers import TokenizerError
-started = []
-class Recorded(subprocess.Popen):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        started.append(self)
-subprocess.Popen = Recorded
 def sample():
     yield TEXT
     time.sleep(0.5)

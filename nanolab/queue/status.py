@@ -15,12 +15,15 @@ the same over SSH, in ``watch``, or piped into a file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser, given_path
@@ -130,6 +133,14 @@ def job_roots(db_path: Path) -> set[Path]:
     """The folders the queue's waiting and running jobs will make: each job's run directory
     and the folders above it (``runs/`` before its first job starts, ``runs/pend`` of a job
     still pending), which ``status`` may be given before they exist."""
+    with _waiting_jobs(db_path) as (_, jobs):
+        run_dirs = [(Path(j.cwd) / j.run_dir).resolve() for j in jobs]
+        return {folder for d in run_dirs for folder in (d, *d.parents)}
+
+
+@contextlib.contextmanager
+def _waiting_jobs(db_path: Path) -> Iterator[tuple[Any, list[Any]]]:
+    """The queue at ``db_path``, read-only, with its running, pending and preempted jobs."""
     from nanolab.queue.db import QueueDB, QueueError
 
     try:
@@ -137,9 +148,7 @@ def job_roots(db_path: Path) -> set[Path]:
     except QueueError as err:
         raise StatusError(str(err)) from None
     try:
-        jobs = db.jobs(("running", "pending", "preempted"))
-        run_dirs = [(Path(j.cwd) / j.run_dir).resolve() for j in jobs]
-        return {folder for d in run_dirs for folder in (d, *d.parents)}
+        yield db, db.jobs(("running", "pending", "preempted"))
     finally:
         db.conn.close()
 
@@ -149,15 +158,10 @@ def queue_lines(
 ) -> list[JobLine]:
     """Pending, preempted and running jobs of the queue at ``db_path``, read-only. A running
     job's time left is its run's ETA (its measured step time) where the log has one."""
-    from nanolab.queue.db import QueueDB, QueueError, orphaned
+    from nanolab.queue.db import orphaned
     from nanolab.queue.predict import remaining_seconds
 
-    try:
-        db = QueueDB.read_only(db_path)
-    except QueueError as err:
-        raise StatusError(str(err)) from None
-    try:
-        jobs = db.jobs(("running", "pending", "preempted"))
+    with _waiting_jobs(db_path) as (db, jobs):
         out: list[JobLine] = []
         clock = 0.0  # one job at a time, in queue order: the running ones first
         for job in sorted(jobs, key=lambda j: (j.status != "running", j.id)):
@@ -177,8 +181,6 @@ def queue_lines(
             out.append(JobLine(job.id, job.name, status, left, start, end, ran, job.attempts, name))
             clock = end if end is not None else clock
         return out
-    finally:
-        db.conn.close()
 
 
 def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -> Screen:
