@@ -67,6 +67,7 @@ _VERB_ENTERED: list[bool] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _VERB_ENTERED.clear()  # this call's verb (tests call main more than once in a process)
     try:
         return _run(argv)
     except KeyboardInterrupt:
