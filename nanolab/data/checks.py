@@ -167,7 +167,8 @@ def load_meta(dataset_dir: str | Path, field: str = "data.dataset_dir") -> dict[
 
 def check_files(dataset_dir: str | Path, meta: dict[str, Any]) -> dict[str, FileIdentity]:
     """Each ``.bin`` against ``meta``: size, dtype, non-empty validation split, token ids; and
-    the ``tokenizer.json`` of a bpe or hf dataset is there. Returns each split's file identity as the check found it (before reading it)."""
+    the ``tokenizer.json`` of a bpe or hf dataset is there. Returns each split's file identity
+    as the check found it (before reading it)."""
     dataset_dir = Path(dataset_dir)
     dtype = np.dtype(meta["dtype"])
     checked: dict[str, FileIdentity] = {}

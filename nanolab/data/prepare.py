@@ -49,6 +49,7 @@ from nanolab.data import encode
 from nanolab.data.bpe_process import train_bpe
 from nanolab.data.encode import BlockResult, EncodeSettings, SplitPart
 from nanolab.data.sources import (
+    DATASET_FORMAT_PREFIX,
     Block,
     FileReader,
     InputFile,
@@ -69,7 +70,7 @@ from nanolab.messages import note, say
 from nanolab.processes import exclusive, stop_signals_held
 from nanolab.runlog import refuse_inside_run
 
-FORMAT = "nanolab-tokens-v1"
+FORMAT = f"{DATASET_FORMAT_PREFIX}v1"
 #: Below this much input, worker processes cost more to start than they save.
 PARALLEL_MIN_BYTES = 8 << 20
 DEFAULT_BPE_SAMPLE_BYTES = 256 << 20
@@ -1044,9 +1045,9 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def sigterm_as_interrupt(came: threading.Event) -> Iterator[None]:
-    """SIGTERM raised as :class:`Terminated` while inside, and ``came`` set: a worker or the
-    BPE trainer killed by the same signal (a scheduler signals every process of the job) may
-    be seen first, as a lost process, and the cause is still the signal."""
+    """SIGTERM raised as :class:`Terminated` while inside, and ``came`` set: should the stop
+    surface as another error on its way out (a pipe to a process being ended), the cause is
+    still the signal. The workers and the BPE trainer ignore it; this process ends them."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can be set only from the main thread
         return
