@@ -216,5 +216,17 @@ def stop_signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
         for signum, handler in replaced.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        for signum in dict.fromkeys(noted):
-            signal.raise_signal(signum)  # to the handler it was meant for
+        _deliver(list(dict.fromkeys(noted)))
+
+
+def _deliver(signums: list[int]) -> None:
+    """Each noted signal raised to the handler it was meant for, in the order it came. A
+    handler that raises (Ctrl-C's KeyboardInterrupt) does not swallow the ones after it: a
+    SIGTERM a scheduler sent right after a Ctrl-C still ends the process its own way, with the
+    KeyboardInterrupt as its context."""
+    if not signums:
+        return
+    try:
+        signal.raise_signal(signums[0])
+    finally:
+        _deliver(signums[1:])

@@ -318,3 +318,35 @@ def test_a_ctrl_c_while_the_verb_still_imports_is_one_line_and_exit_130(tmp_path
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [ANSWER], proc.stderr[-2000:]
     assert not (tmp_path / "ds").exists()
+
+
+BOTH_SIGNALS_HELD = """
+import os, signal, sys
+from nanolab.processes import stop_signals_held
+
+def on_term(signum, frame):
+    print("terminated", flush=True)
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, on_term)
+try:
+    with stop_signals_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+except KeyboardInterrupt:
+    print("interrupted only", flush=True)
+"""
+
+
+def test_a_sigterm_after_a_ctrl_c_while_held_is_delivered_too(tmp_path):
+    """Both stop signals noted while held: the Ctrl-C's KeyboardInterrupt does not swallow the
+    SIGTERM after it, whose handler ends the process (exit 143 here, as prepare's does)."""
+    out = subprocess.run(
+        [sys.executable, "-c", BOTH_SIGNALS_HELD],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+    assert out.stdout.split() == ["terminated"], out.stdout + out.stderr[-2000:]
+    assert out.returncode == 143
