@@ -54,6 +54,31 @@ def pid_namespace() -> str | None:
         return None
 
 
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started, as ``<boot id>:<start time in clock ticks>`` (Linux's
+    ``/proc``), or None where the kernel does not say. Pids are reused: a pid that runs with
+    another start than the one recorded is another process (the boot id tells a pid and start
+    tick of an earlier boot apart)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            # Fields after the command name (which may hold spaces and parentheses): state is
+            # field 3, starttime field 22.
+            return f"{boot}:{f.read().rsplit(')', 1)[-1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def same_process(pid: int, start: str | None) -> bool:
+    """Whether ``pid`` still runs and is the process that :func:`process_start` read as
+    ``start`` then (None: not recorded, the pid alone decides)."""
+    if not pid_alive(pid):
+        return False
+    now = process_start(pid) if start is not None else None
+    return now is None or now == start
+
+
 def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     """The holder ``run_dir``'s lock file names when it is a process of this host that no
     longer runs (killed with SIGKILL, out of memory: nothing removed the file), else None.

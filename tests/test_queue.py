@@ -686,6 +686,13 @@ def test_a_config_that_changed_since_add_is_named_with_what_became_of_it(tmp_pat
     )
 
 
+def _gone_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def test_a_job_whose_runner_died_says_so_in_ls_and_retry(tmp_path: Path, capsys) -> None:
     """The runner was killed (or ran out of memory) while its job ran: the morning's ``queue ls``
     says the runner is gone and that ``queue run`` resumes the job, and ``queue retry`` says the
@@ -697,8 +704,11 @@ def test_a_job_whose_runner_died_says_so_in_ls_and_retry(tmp_path: Path, capsys)
     assert db.claim(job.id, runner, None, time.time())
     code, out, _ = queue(capsys, path, "ls")
     assert code == 0 and "runner is gone" not in out
-    with db.transaction() as c:  # no heartbeat for a minute: the runner is gone
-        c.execute("UPDATE runners SET heartbeat = ? WHERE id = ?", (time.time() - 60, runner))
+    with db.transaction() as c:  # killed: no process, no heartbeat for a minute
+        c.execute(
+            "UPDATE runners SET pid = ?, heartbeat = ? WHERE id = ?",
+            (_gone_pid(), time.time() - 60, runner),
+        )
     code, out, _ = queue(capsys, path, "ls")
     assert code == 0 and "running: its runner is gone; `queue run` resumes it" in out, out
     code, out, _ = queue(capsys, path, "ls", "--json")

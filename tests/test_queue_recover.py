@@ -7,6 +7,7 @@ import io
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from nanolab.queue.db import Job, NewJob, QueueDB
+from nanolab.queue.db import Job, NewJob, QueueDB, orphaned
 from nanolab.queue.runner import EXIT_PREEMPTED, Active, Runner
 
 
@@ -151,3 +152,83 @@ def test_a_signal_ends_a_runners_wait_for_an_orphan(tmp_path: Path, slow_orphan)
     nxt = QuickJobs(QueueDB(path), out=io.StringIO())
     nxt.recover()
     assert QueueDB(path).get(orphan_id).status == "preempted"
+
+
+def _age_heartbeat(db: QueueDB, runner_id: int, seconds: float = 60.0, **columns: Any) -> None:
+    """The runner wrote no heartbeat for ``seconds`` (and its row says ``columns``)."""
+    sets = "".join(f", {k} = ?" for k in columns)
+    with db.transaction() as c:
+        c.execute(
+            f"UPDATE runners SET heartbeat = ?{sets} WHERE id = ?",
+            (time.time() - seconds, *columns.values(), runner_id),
+        )
+
+
+def test_a_runner_of_this_machine_is_alive_while_its_process_runs(tmp_path: Path, slow_orphan):
+    """A runner blocked for over 30 s by another process's lock on the queue wrote no
+    heartbeat, and a runner started meanwhile took it for gone by that alone: it SIGTERMed the
+    healthy job, which checkpointed and resumed, with "its runner is gone" lines. A runner of
+    this machine is now judged by its process (this test's), its start time guarding against a
+    reused pid; the heartbeat judges only runners of other machines."""
+    path, job_id, proc = slow_orphan
+    db = QueueDB(path)
+    blocked = db.register_runner()  # this process: alive, but silent for a minute
+    with db.transaction() as c:
+        c.execute("UPDATE jobs SET runner_id = ? WHERE id = ?", (blocked, job_id))
+    _age_heartbeat(db, blocked)
+    said = io.StringIO()
+    second = Runner(QueueDB(path), stale_s=1.0, out=said)
+    second.runner_id = second.db.register_runner()
+    second.recover()
+    row = db.get(job_id)
+    assert (row.status, row.runner_id, row.detail) == ("running", blocked, None), said.getvalue()
+    assert said.getvalue() == "" and proc.poll() is None
+    assert not orphaned(db, row)
+    assert blocked in [r["id"] for r in db.live_runners(stale_s=1.0)]
+
+    # The same pid started anew (reused): another process; the runner is gone.
+    _age_heartbeat(db, blocked, pid_start="another-boot:1")
+    assert orphaned(db, db.get(job_id))
+    second.recover()
+    assert f"job {job_id} z: its runner is gone" in said.getvalue()
+
+
+def test_a_runner_of_another_machine_is_judged_by_its_heartbeat(tmp_path: Path) -> None:
+    db = QueueDB(tmp_path / "q.db")
+    (job,) = db.add_jobs([_job(tmp_path)])
+    there = db.register_runner()
+    assert db.claim(job.id, there, None, time.time())
+    _age_heartbeat(db, there, seconds=1.0, host="elsewhere", pid=1 << 22)
+    assert not orphaned(db, db.get(job.id))  # its pid means nothing here
+    _age_heartbeat(db, there, seconds=60.0)
+    assert orphaned(db, db.get(job.id))
+
+
+def test_a_queue_from_before_the_runner_columns_keeps_working(tmp_path: Path) -> None:
+    """A queue whose runners table lacks ``pid_namespace``/``pid_start`` (written by an earlier
+    nanolab) opens, gains them, and judges its old runner rows as before: this machine's by
+    heartbeat and pid."""
+    import sqlite3
+
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    (job,) = db.add_jobs([_job(tmp_path)])
+    db.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    for column in ("pid_namespace", "pid_start"):
+        conn.execute(f"ALTER TABLE runners DROP COLUMN {column}")
+    now = time.time()
+    conn.execute(
+        "INSERT INTO runners(pid, host, started, heartbeat) VALUES (?, ?, ?, ?)",
+        (os.getpid(), socket.gethostname(), now, now),
+    )
+    conn.execute("UPDATE jobs SET status = 'running', runner_id = 1 WHERE id = ?", (job.id,))
+    conn.close()
+    db = QueueDB(path)
+    columns = {r[1] for r in db.conn.execute("PRAGMA table_info(runners)")}
+    assert {"pid_namespace", "pid_start"} <= columns
+    assert db.runner(1)["pid_namespace"] is None
+    assert not orphaned(db, db.get(job.id))
+    _age_heartbeat(db, 1)
+    assert orphaned(db, db.get(job.id))
+    assert db.register_runner() == 2 and db.runner(2)["pid_start"] is not None

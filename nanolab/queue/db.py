@@ -11,12 +11,15 @@ it is (:func:`busy_db`: the queue is healthy, retry), and a runner keeps waiting
 
 A job's life: ``pending`` -> ``running`` -> ``done`` | ``stopped`` (budget/plateau, with the
 reason) | ``failed`` (with the error) | ``preempted`` (interrupted; resumes from its checkpoint
-when claimed again). A runner records its pid, host and a heartbeat; a ``running`` job whose
-runner is gone is recovered by the next runner (see :mod:`nanolab.queue.runner`).
+when claimed again). A runner records its pid, host, PID namespace, process start and a
+heartbeat; a ``running`` job whose runner is gone (:func:`runner_alive`) is recovered by the next
+runner (see :mod:`nanolab.queue.runner`).
 
 Schema version 2 added the columns of packing and backfill (:data:`V2_COLUMNS`); a version-1
 queue is upgraded in place when opened (``ALTER TABLE ... ADD COLUMN``, in one transaction), so
-its jobs keep their history.
+its jobs keep their history. The runner columns of :data:`RUNNER_COLUMNS` are added the same
+way to a queue written before them, without a new version: they may be NULL (a runner started
+before them is judged as it was then), and a nanolab that does not know them ignores them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 from urllib.parse import quote
 
 from nanolab.errors import NanolabError
-from nanolab.processes import pid_alive
+from nanolab.processes import pid_alive, pid_namespace, process_start, same_process
 
 DEFAULT_DB = "nanolab_queue.db"
 SCHEMA_VERSION = 2
@@ -55,7 +58,9 @@ CREATE TABLE IF NOT EXISTS runners (
     host TEXT NOT NULL,
     started REAL NOT NULL,
     heartbeat REAL NOT NULL,
-    stopped REAL
+    stopped REAL,
+    pid_namespace TEXT,
+    pid_start TEXT
 );
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -118,6 +123,13 @@ V2_COLUMNS = {
     "mem_cap": "INTEGER",
     "packed_on": "TEXT",
 }
+
+
+#: Columns of ``runners`` added after schema version 2, added to a queue that lacks them when it
+#: is opened: ``pid_namespace`` (:func:`nanolab.processes.pid_namespace`: a pid compares only
+#: within one) and ``pid_start`` (:func:`nanolab.processes.process_start`: a reused pid is
+#: another process). NULL in rows of runners started before them.
+RUNNER_COLUMNS = {"pid_namespace": "TEXT", "pid_start": "TEXT"}
 
 
 class QueueError(NanolabError):
@@ -527,11 +539,14 @@ class QueueDB:
 
     # -- runners ---------------------------------------------------------------------------
     def register_runner(self) -> int:
+        """A row for this process as a runner: what :func:`runner_alive` judges it by."""
         now = time.time()
+        pid = os.getpid()
         with self.transaction() as c:
             cur = c.execute(
-                "INSERT INTO runners(pid, host, started, heartbeat) VALUES (?, ?, ?, ?)",
-                (os.getpid(), socket.gethostname(), now, now),
+                "INSERT INTO runners(pid, host, started, heartbeat, pid_namespace, pid_start) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (pid, socket.gethostname(), now, now, pid_namespace(), process_start(pid)),
             )
             return int(cur.lastrowid)
 
@@ -715,12 +730,14 @@ def unusable_db(path: Path, why: str) -> str:
 
 
 def upgrade_schema(conn: sqlite3.Connection) -> None:
-    """Add the columns a version-1 queue lacks and record version 2 (inside the caller's
-    transaction, so a concurrent opener sees either the old or the new schema)."""
-    have = {r[1] for r in conn.execute("PRAGMA table_info(jobs)").fetchall()}
-    for name, definition in V2_COLUMNS.items():
-        if name not in have:
-            conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
+    """Add the columns a version-1 queue lacks and record version 2, and the runner columns a
+    queue written before them lacks (inside the caller's transaction, so a concurrent opener
+    sees either the old or the new schema)."""
+    for table, columns in (("jobs", V2_COLUMNS), ("runners", RUNNER_COLUMNS)):
+        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})").fetchall()}
+        for name, definition in columns.items():
+            if name not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {definition}")
     conn.execute(
         "UPDATE meta SET value = ? WHERE key = 'schema_version' AND CAST(value AS INTEGER) < ?",
         (str(SCHEMA_VERSION), SCHEMA_VERSION),
@@ -770,7 +787,7 @@ def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
         raise QueueError(unusable_db(path, f"is damaged (sqlite quick_check: {problems[0]})"))
 
 
-#: Seconds without a heartbeat (5 s apart) after which a runner counts as gone.
+#: Seconds without a heartbeat (5 s apart) after which a runner of another machine counts as gone.
 RUNNER_STALE_S = 30.0
 
 
@@ -780,13 +797,32 @@ def orphaned(db: QueueDB, job: Job) -> bool:
     return job.status == "running" and not runner_alive(db.runner(job.runner_id), RUNNER_STALE_S)
 
 
+def runner_process(runner: dict[str, Any]) -> bool | None:
+    """Whether a runner's process still runs, where this process can tell: a runner of this host
+    and PID namespace that recorded both (its pid compared with its recorded start, so a reused
+    pid is not taken for it). None where it cannot: another machine (or container), or a row
+    written before the namespace was recorded."""
+    here = runner["host"] == socket.gethostname()
+    namespace = runner.get("pid_namespace")
+    if not here or namespace is None or namespace != pid_namespace():
+        return None
+    return same_process(int(runner["pid"]), runner.get("pid_start"))
+
+
 def runner_alive(runner: dict[str, Any] | None, stale_s: float) -> bool:
-    """A runner is alive if it has not stopped, its heartbeat is recent and, when it runs on this
-    machine, its process exists. A runner on another machine is judged by its heartbeat only."""
+    """A runner is alive if it has not stopped and, on this machine, its process runs; only a
+    runner whose process cannot be seen from here (another machine) is judged by its heartbeat.
+
+    A heartbeat is only a sign: a healthy runner misses it while another process holds the
+    queue's write lock (a ``sqlite3`` shell, a stuck command), and a runner taken for gone on
+    that sign alone had its jobs stopped and started again by the next runner."""
     if runner is None or runner.get("stopped") is not None:
         return False
+    process = runner_process(runner)
+    if process is not None:
+        return process
     if time.time() - float(runner["heartbeat"]) > stale_s:
         return False
-    if runner["host"] == socket.gethostname():
-        return pid_alive(int(runner["pid"]))
+    if runner["host"] == socket.gethostname() and runner.get("pid_namespace") is None:
+        return pid_alive(int(runner["pid"]))  # a row from before the namespace was recorded
     return True

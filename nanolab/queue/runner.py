@@ -16,7 +16,8 @@ Robustness, case by case:
   and said once in its log, while its jobs train on;
 * the runner is SIGKILLed or its machine dies: on Linux every job was started with a parent-death
   signal (SIGTERM), so it checkpoints and exits by itself. The next runner finds jobs marked
-  ``running`` whose runner is gone (no heartbeat, or no such process on this machine), takes each
+  ``running`` whose runner is gone (its process no longer runs on this machine; a runner of
+  another machine: no heartbeat for ``stale_s``), takes each
   over, stops any job process still alive (SIGTERM, SIGKILL after ``grace_s``) while it goes on
   heartbeating and running its own jobs, and resumes those jobs from their checkpoints. A job is
   never started twice at once and never restarted from scratch.
@@ -65,6 +66,7 @@ from nanolab.queue.db import (
     QueueError,
     pid_alive,
     runner_alive,
+    runner_process,
 )
 from nanolab.queue.jobs import changed_config, foreign_run_at_start
 from nanolab.queue.launch import CAP_ENV
@@ -261,7 +263,7 @@ class Runner:
                  f"{pid} to checkpoint and exit")  # fmt: skip
         # A dead runner's jobs got SIGTERM from the kernel (parent-death signal); a hung
         # runner's did not. A second SIGTERM would end it at once, without its checkpoint.
-        owner_gone = owner is None or not pid_alive(int(owner["pid"]))
+        owner_gone = owner is None or not _owner_runs(owner)
         if not (_HAS_PDEATHSIG and owner_gone):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -926,6 +928,13 @@ def _die_with_parent(parent: int):
             os.kill(os.getpid(), signal.SIGTERM)
 
     return set_signal
+
+
+def _owner_runs(owner: dict[str, Any]) -> bool:
+    """Whether a gone runner's process still runs here (a hung or stopping runner), judged by
+    its recorded start where it has one: a reused pid is not the runner."""
+    known = runner_process(owner)
+    return known if known is not None else pid_alive(int(owner["pid"]))
 
 
 def _is_job_process(pid: int, name: str) -> bool:
