@@ -5,9 +5,10 @@ and finishing jobs, shells adding and removing them), and a machine can die mid-
 lets readers and one writer proceed together; every change is one transaction (``BEGIN
 IMMEDIATE`` takes the write lock up front, so a read-then-update such as claiming a job cannot
 interleave with another writer); ``synchronous=FULL`` makes a committed change survive a power
-cut. Connections wait up to 30 s for the lock instead of failing; a lock held longer is said as
-it is (:func:`busy_db`: the queue is healthy, retry), and a runner keeps waiting
-(:attr:`QueueDB.patience`).
+cut. Connections wait up to 30 s for the lock instead of failing, in short waits retried in
+Python (:class:`PatientConnection`), so a Ctrl-C or a runner's signal is heard within a fraction
+of a second; a lock held longer is said as it is (:func:`busy_db`: the queue is healthy, retry),
+and a runner keeps waiting (:attr:`QueueDB.patience`).
 
 A job's life: ``pending`` -> ``running`` -> ``done`` | ``stopped`` (budget/plateau, with the
 reason) | ``failed`` (with the error) | ``preempted`` (interrupted; resumes from its checkpoint
@@ -227,6 +228,43 @@ class NewJob:
 
 #: Seconds a write waits for another process's write lock before it fails as busy.
 BUSY_TIMEOUT_S = 30.0
+#: Seconds SQLite itself waits for a lock before Python tries again: a signal (Ctrl-C) is
+#: handled only between SQLite calls, so this bounds how late it is heard.
+BUSY_SLICE_S = 0.2
+
+
+class PatientConnection(sqlite3.Connection):
+    """A connection whose statements wait for another process's lock up to :attr:`lock_wait_s`
+    in all, in waits of :data:`BUSY_SLICE_S` retried here (SQLite's own ``busy_timeout`` is one
+    uninterruptible C call: a Ctrl-C during a 30 s wait was heard only when it ended)."""
+
+    lock_wait_s: float = BUSY_TIMEOUT_S
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        began = time.monotonic()
+        while True:
+            try:
+                return super().execute(sql, parameters)
+            except sqlite3.OperationalError as err:
+                if not is_busy(err) or time.monotonic() - began >= self.lock_wait_s:
+                    raise
+
+
+def connect(
+    target: str | os.PathLike[str], lock_wait_s: float, uri: bool = False
+) -> PatientConnection:
+    """A :class:`PatientConnection` to ``target`` (autocommit: every write opens its own
+    transaction) that waits up to ``lock_wait_s`` for a lock."""
+    conn = sqlite3.connect(
+        target,
+        uri=uri,
+        timeout=min(BUSY_SLICE_S, lock_wait_s),
+        isolation_level=None,
+        factory=PatientConnection,
+    )
+    assert isinstance(conn, PatientConnection)
+    conn.lock_wait_s = lock_wait_s
+    return conn
 
 
 def default_db_path() -> Path:
@@ -253,7 +291,7 @@ class QueueDB:
             + ("?mode=ro" if in_use else "?mode=ro&immutable=1")
         )
         try:
-            db.conn = sqlite3.connect(uri, uri=True, timeout=5.0, isolation_level=None)
+            db.conn = connect(uri, 5.0, uri=True)
             db.conn.row_factory = sqlite3.Row
             db.conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
         except sqlite3.Error as err:
@@ -291,7 +329,7 @@ class QueueDB:
         #: retry, and with 0 once a write got through after such tries. Unset: the write fails.
         self.patience: Callable[[int], None] | None = None
         try:
-            self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self.conn = connect(self.path, BUSY_TIMEOUT_S)
         except sqlite3.Error as err:
             if (line := read_only_db(self.path, err)) is not None:
                 raise ReadOnlyDBError(line) from None
@@ -303,7 +341,6 @@ class QueueDB:
             check_queue_db(self.conn, self.path)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=FULL")
-            self.conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
             with self.transaction():
                 for statement in SCHEMA.split(";"):
                     if statement.strip():
@@ -338,7 +375,7 @@ class QueueDB:
 
     def wait_for_lock(self, seconds: float) -> None:
         """How long one write waits for another process's write lock before it is busy."""
-        self.conn.execute(f"PRAGMA busy_timeout={int(seconds * 1000)}")
+        self.conn.lock_wait_s = seconds
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
