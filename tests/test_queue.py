@@ -634,7 +634,7 @@ def test_a_job_whose_log_cannot_be_opened_fails_with_why_and_the_next_runs(
     assert queue(capsys, db, "add", str(tiny), "--name", "fine")[0] == 0
     (tmp_path / "runs" / "blocked" / "queue.log").mkdir(parents=True)  # a folder in its place
     code, _, err = queue(capsys, db, "run")
-    assert code == 0, err
+    assert code == 1, err  # a job it ran failed
     jobs = {j.name: j for j in QueueDB(db).jobs()}
     assert jobs["blocked"].status == "failed" and "cannot open its log" in jobs["blocked"].detail
     assert jobs["fine"].status == "done"
@@ -835,7 +835,7 @@ def test_a_runner_whose_claim_another_runner_won_goes_on_with_the_next_job(tmp_p
 
     said = io.StringIO()
     late = Late(QueueDB(path), out=said)
-    assert late.run() == 0
+    assert late.run() == 1  # the jobs it ran failed (their config is gone)
     jobs = {j.id: j for j in QueueDB(path).jobs()}
     assert jobs[first.id].runner_id == quicker
     assert [jobs[j.id].runner_id for j in rest] == [late.runner_id] * 2, said.getvalue()
@@ -1009,10 +1009,31 @@ def test_the_runners_summary_and_notify_count_jobs_not_attempts(tmp_path: Path, 
     recorder = f"{sys.executable} -c \"import sys; open(sys.argv[1], 'w').write(sys.argv[2])\""
     said = io.StringIO()
     runner = RetriedOnce(QueueDB(path), out=said, notify=[f"{recorder} {told} {{failed}}"])
-    assert runner.run() == 0
+    assert runner.run() == 1  # a job it ran ended failed
     assert QueueDB(path).jobs()[0].attempts == 2
     assert "done: 1 failed; 0 job(s) waiting" in said.getvalue()
     assert told.read_text() == "1"
+
+
+def test_queue_run_exits_1_when_a_job_it_ran_failed(tmp_path: Path, capsys) -> None:
+    """``queue run`` exited 0 when the only job it ran failed, so ``queue run && notify-send
+    done`` said done over a failed night. It exits 1 when a job it ran ended failed (0 when all
+    are done, 75 when stopped by a signal), and ``queue run --help`` says so."""
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs(
+        [NewJob(name="gone", config="gone.yaml", args=[], seed=None, cwd=str(tmp_path),
+                run_dir=str(tmp_path / "runs" / "gone"), config_sha="before")]
+    )  # fmt: skip
+    code, out, _ = queue(capsys, path, "run")
+    assert code == 1, out
+    assert "runner 1 done: 1 failed; 0 job(s) waiting" in out, out
+    assert QueueDB(path).jobs()[0].status == "failed"
+    code, out, _ = queue(capsys, path, "run")  # nothing left to run: nothing failed
+    assert code == 0 and "no jobs run" in out, out
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1 when any job it ran ended failed" in text and "75 when stopped by a signal" in text
 
 
 @pytest.mark.parametrize(

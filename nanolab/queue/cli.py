@@ -592,7 +592,15 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--all", action="store_true", help="also pending and preempted jobs")
     cl.set_defaults(func=cmd_clear)
 
-    r = sub.add_parser("run", parents=[common], help="run the queue, one job per GPU")
+    r = sub.add_parser(
+        "run",
+        parents=[common],
+        help="run the queue, one job per GPU",
+        description="Run the queued jobs, one per GPU (or CPU slot), until none is left. Exit "
+        "status: 0 when every job it ran is done (or stopped by its budget or plateau rule), "
+        "1 when any job it ran ended failed (`queue ls` says why), 75 when stopped by a signal "
+        "(its jobs checkpointed; run it again to resume them), 2 for bad input.",
+    )
     r.add_argument(
         "--gpus",
         metavar="IDS",

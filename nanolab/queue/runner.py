@@ -78,6 +78,9 @@ EXIT_PREEMPTED = 75
 #: ``nanolab fit``'s exit code for a run its divergence check stopped (the job failed: rerunning
 #: it as it is diverges again). Same value as ``nanolab.callbacks.divergence.EXIT_DIVERGED``.
 EXIT_DIVERGED = 3
+#: ``queue run``'s exit status when a job it ran ended ``failed`` (by its last outcome under
+#: this runner): ``queue run && notify-send done`` must not say done over a failed night.
+EXIT_JOB_FAILED = 1
 ORDERS = ("fifo", "longest-first")
 #: Folder beside the queue database that holds the compile caches all its jobs share.
 CACHE_DIR_NAME = "nanolab_queue_cache"
@@ -185,7 +188,10 @@ class Runner:
         return f"GPU {self.units[unit]}" if self.gpus else "cpu"
 
     def run(self) -> int:
-        """Work through the queue; 0 when it ran dry, 75 when stopped by a signal."""
+        """Work through the queue. Exit status: 75 when stopped by a signal (its jobs were asked
+        to checkpoint: run it again to resume them), else 1 when a job it ran ended failed
+        (:data:`EXIT_JOB_FAILED`), else 0 (every job it ran done, or stopped by its budget or
+        plateau rule; or nothing to run)."""
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         # Short tries, retried: a signal is handled between them, not after SQLite's 30 s wait.
@@ -232,7 +238,9 @@ class Runner:
             self._leave_orphans()
             self.db.stop_runner(self.runner_id)
         self._summary()
-        return EXIT_PREEMPTED if self._signals else 0
+        if self._signals:
+            return EXIT_PREEMPTED
+        return EXIT_JOB_FAILED if "failed" in self._outcomes.values() else 0
 
     def say(self, text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.out or sys.stdout, flush=True)
@@ -355,10 +363,11 @@ class Runner:
 
     def _report(self, impossible, deferred, now: float) -> None:
         for job, need in impossible:
-            self.db.set_status(
+            if self.db.set_status(
                 job.id, "failed", expect=CLAIMABLE, ended=now,
                 detail=f"needs {need} GPUs (trainer.devices); this runner has {len(self.units)}",
-            )  # fmt: skip
+            ):  # fmt: skip
+                self._outcomes[job.id] = "failed"  # a job this runner ended: it counts
             self.say(f"job {job.id} {job.name}: failed, needs {need} GPUs")
         for job, remaining in deferred:
             if job.id not in self._deferred and self.until is not None:
