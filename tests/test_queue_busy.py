@@ -4,6 +4,7 @@ backup): the commands say the queue is busy (never that it is damaged), and the 
 from __future__ import annotations
 
 import io
+import os
 import sqlite3
 import subprocess
 import threading
@@ -175,3 +176,30 @@ def test_a_runner_waiting_for_the_lock_hears_a_signal_at_once(tmp_path: Path) ->
         timer.join()
     assert runner.heard and runner.heard[0] - sent[0] < 1.0, (runner.heard, sent)
     assert QueueDB(path).jobs()[0].status == "preempted"
+
+
+class HalfSecondJobs(QuickJobs):
+    """Starts each job as a ``sleep 0.5``, watched through a pidfd as the runner's own."""
+
+    def _spawn(self, job: Job, units: list[int], *args: Any, **kw: Any) -> None:
+        proc = subprocess.Popen(["sleep", "0.5"])
+        log = open(Path(job.cwd) / f"{job.name}.log", "a+b")  # noqa: SIM115 - reap closes it
+        assert self.db.set_job_pid(job.id, proc.pid, log.name)
+        pidfd = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
+        self._active[job.id] = Active(job, proc, units, time.time(), log, pidfd)
+
+
+def test_a_jobs_run_time_leaves_out_the_runners_wait_for_the_lock(tmp_path: Path) -> None:
+    """A job that exited while its runner waited for another process's lock on the queue was
+    recorded as running until the runner could write again: a 0.5 s job held up 4 s had
+    ``run_seconds`` 4.3, which ``queue ls``, ``status`` and the estimates of the same config
+    then used. It counts its process's wall time, start to exit, as seen meanwhile."""
+    path = tmp_path / "q.db"
+    _add(path, "a")
+    said = io.StringIO()
+    runner = HalfSecondJobs(QueueDB(path), heartbeat_s=0.1, poll_s=0.05, busy_try_s=0.3, out=said)
+    with locked(path, after_s=0.2, for_s=4.0):
+        assert runner.run() == 0
+    (job,) = QueueDB(path).jobs()
+    assert job.status == "done" and "waited" in said.getvalue(), said.getvalue()
+    assert 0.5 <= job.run_seconds < 1.0, (job.run_seconds, said.getvalue())

@@ -239,6 +239,8 @@ class PatientConnection(sqlite3.Connection):
     uninterruptible C call: a Ctrl-C during a 30 s wait was heard only when it ended)."""
 
     lock_wait_s: float = BUSY_TIMEOUT_S
+    #: Called between the tries (a runner notes its jobs' exits meanwhile).
+    between_tries: Callable[[], None] | None = None
 
     def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
         began = time.monotonic()
@@ -248,6 +250,8 @@ class PatientConnection(sqlite3.Connection):
             except sqlite3.OperationalError as err:
                 if not is_busy(err) or time.monotonic() - began >= self.lock_wait_s:
                     raise
+            if self.between_tries is not None:
+                self.between_tries()
 
 
 def connect(
@@ -561,7 +565,8 @@ class QueueDB:
         **columns: Any,
     ) -> bool:
         """Record a job's outcome, if this runner still owns it (it may have been removed);
-        ``columns`` are set in the same transaction (e.g. ``alone=1``)."""
+        ``ran_s`` (the attempt's process wall time, start-up included, start to exit) is added
+        to ``run_seconds``; ``columns`` are set in the same transaction (e.g. ``alone=1``)."""
         assert status in STATUSES
         extra = "".join(f", {k} = ?" for k in columns)
         with self.transaction() as c:

@@ -59,6 +59,7 @@ from typing import IO, Any
 
 from nanolab.errors import EXIT_DISK_FULL
 from nanolab.queue.db import (
+    BUSY_SLICE_S,
     CLAIMABLE,
     RUNNER_STALE_S,
     Job,
@@ -102,6 +103,9 @@ class Active:
     reserved: int = 0  # bytes of the device it takes when packed
     preempted_for: int | None = None  # the job a backfill job was asked to stop for
     removed: bool = False  # its row left the queue while it ran; asked to stop
+    # Wall clock when its exit was first seen (:meth:`Runner._note_exits`); run_seconds is the
+    # process's time, start to exit, not until the runner could write (it may wait for the lock).
+    exited: float | None = None
 
 
 @dataclass
@@ -197,6 +201,7 @@ class Runner:
         # Short tries, retried: a signal is handled between them, not after SQLite's 30 s wait.
         self.db.wait_for_lock(self.busy_try_s)
         self.db.patience = self._wait_for_the_queue
+        self.db.conn.between_tries = self._note_exits
         self.runner_id = self.db.register_runner()
         where = f"GPUs {','.join(self.gpus)}" if self.gpus else f"{self.slots} CPU slot(s)"
         if self.pack:
@@ -625,11 +630,21 @@ class Runner:
                  f"~{describe(remaining)}; log {log_path})")  # fmt: skip
 
     # -- finished jobs ---------------------------------------------------------------------
+    def _note_exits(self) -> None:
+        """Note when each job's process exited, as soon as it is seen: also between the tries of
+        a write that waits for another process's lock, so a job's run time ends at its exit, not
+        when the runner could write its outcome."""
+        now = time.time()
+        for active in self._active.values():
+            if active.exited is None and active.proc.poll() is not None:
+                active.exited = now
+
     def reap(self) -> None:
+        self._note_exits()
         for job_id, active in list(self._active.items()):
-            code = active.proc.poll()
-            if code is None:
+            if active.exited is None:
                 continue
+            code = int(active.proc.returncode)
             del self._active[job_id]
             self._freed_at.update(dict.fromkeys(active.units, time.monotonic()))
             if active.pidfd is not None:
@@ -638,7 +653,7 @@ class Runner:
                 status, detail = outcome(
                     active.job, code, active.started, bool(self._signals), active.log
                 )
-            ran = time.time() - active.started
+            ran = active.exited - active.started
             columns: dict[str, Any] = {}
             if status == "failed" and active.cap is not None and is_out_of_memory(detail):
                 # Its prediction was too low for the room it had: run it alone next time.
@@ -675,7 +690,10 @@ class Runner:
                      f"write lock for over {self.busy_try_s:.0f} s; the queue is healthy; "
                      "retrying until it is free (jobs train on; `fuser "
                      f"{self.db.path}` names the processes that have it open)")  # fmt: skip
-        time.sleep(min(2.0 ** (tries - 1), 30.0))
+        until = time.monotonic() + min(2.0 ** (tries - 1), 30.0)
+        while (left := until - time.monotonic()) > 0:
+            self._note_exits()  # a job's exit is timed while the runner waits
+            time.sleep(min(left, BUSY_SLICE_S))
 
     def _wait(self, timeout: float) -> None:
         watched = [*self._active.values(), *self._orphans.values()]
