@@ -132,6 +132,29 @@ def test_a_name_is_kept_as_given_as_fit_keeps_it(tmp_path, tiny, capsys, monkeyp
     assert QueueDB(db).jobs()[2].run_dir == str(tmp_path / "runs" / "café run")
 
 
+def test_a_derived_name_keeps_letters_of_any_script(tmp_path, tiny, capsys, monkeypatch) -> None:
+    """A name made without ``--name`` turned every non-ASCII letter into ``_`` while ``--name``
+    kept them: ``实验.yaml`` queued as ``-max_steps5``. It keeps letters, marks and digits of any
+    script, as fit's ``run.name`` does; a path's ``/``, spaces and brackets still become ``_``."""
+    from nanolab.queue.jobs import job_names
+    from nanolab.queue.sweep import point_name
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "实验.yaml"
+    config.write_text(tiny.read_text())
+    db = tmp_path / "q.db"
+    code, out, err = queue(capsys, db, "add", str(config), "--set", "trainer.max_steps=5")
+    assert code == 0, err
+    assert [j.name for j in QueueDB(db).jobs()] == ["实验-max_steps5"], out
+    assert job_names(Path("c.yaml"), None, [("run.tags", "प्रयोग (v2)/a")], [1]) == [
+        "c-tagsप्रयोग_v2_a-s1"
+    ]
+    assert (
+        point_name("lr", (("data.dataset_dir", "data/café\u0301"),))
+        == "lr-dataset_dirdata_café\u0301"
+    )
+
+
 #: Names the runner's ``--run.name=<name>`` reads as null (YAML: any case of null, ``~``,
 #: blanks around them, a comment, an empty anchor or tag): fit would train in a timestamped
 #: folder and the job's own run directory would hold only queue.log.

@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import re
 import time
+import unicodedata
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import groupby, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,21 @@ RESERVED_KEYS = {
     "config": "pass the YAML file as CONFIG",
 }
 
-_NAME_OK = re.compile(r"[^A-Za-z0-9._=+-]+")
+#: What a derived run name keeps besides letters, marks and digits of any script.
+_NAME_PUNCTUATION = frozenset("._=+-")
+
+
+def _kept_in_name(char: str) -> bool:
+    """Letters, combining marks (a Devanagari vowel sign, a decomposed accent) and digits of any
+    script, as fit's ``run.name`` takes them (``lr-実験``), and ``._=+-``: a folder name that
+    needs no quoting in a shell."""
+    return char in _NAME_PUNCTUATION or unicodedata.category(char)[0] in "LMN"
 
 
 def name_part(text: str) -> str:
     """``text`` as part of a derived run name: each run of other characters (``/`` of a path,
-    spaces, brackets) becomes ``_``."""
-    return _NAME_OK.sub("_", text)
+    spaces, brackets, control characters) becomes ``_``."""
+    return "".join("".join(chars) if kept else "_" for kept, chars in groupby(text, _kept_in_name))
 
 
 class JobConfigError(NanolabError):
