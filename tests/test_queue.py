@@ -1059,6 +1059,25 @@ def test_queue_run_exits_1_when_a_job_it_ran_failed(tmp_path: Path, capsys) -> N
     assert "1 when any job it ran ended failed" in text and "75 when stopped by a signal" in text
 
 
+def test_a_job_that_cannot_be_started_counts_as_failed_and_the_queue_goes_on(tmp_path) -> None:
+    """A job whose process could not be started (its folder gone: the OS refused the start)
+    was marked failed, but the runner neither counted it (its end line said "no jobs run",
+    exit 0) nor started the next job: with nothing running it took the queue for done."""
+    import io
+
+    from nanolab.queue.runner import Runner
+
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs(
+        [NewJob(name=n, config="c.yaml", args=[], seed=None, cwd=str(tmp_path / "gone"),
+                run_dir=str(tmp_path / "runs" / n)) for n in ("a", "b")]
+    )  # fmt: skip
+    said = io.StringIO()
+    assert Runner(QueueDB(path), out=said).run() == 1, said.getvalue()
+    assert [j.status for j in QueueDB(path).jobs()] == ["failed", "failed"], said.getvalue()
+    assert "done: 2 failed; 0 job(s) waiting" in said.getvalue(), said.getvalue()
+
+
 @pytest.mark.parametrize(
     ("masks", "expected"),
     [

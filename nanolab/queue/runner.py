@@ -609,6 +609,8 @@ class Runner:
             log.close()
             self.db.finish(job.id, self.runner_id, "failed", f"could not start: {err}", None, 0.0)
             self.say(f"job {job.id} {job.name}: failed to start: {err}")
+            self._outcomes[job.id] = "failed"
+            self._fill_again = True  # its slot is free: the next job, before the queue is done
             return
         started = time.time()
         freed = [self._freed_at.pop(u) for u in units if u in self._freed_at]
