@@ -563,7 +563,7 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
                 keys.check_keys(argv[1:], chosen, skip_chosen=False)
         raise
     if verb in ("fit", "validate", "test") and known is None:
-        keys.check_keys(argv[1:], verb_keys(verb))  # an abbreviation the parser completed
+        keys.check_keys(argv[1:], verb_keys(verb))  # and remembered for the next launch
     return cli
 
 
@@ -579,6 +579,7 @@ def _parse(argv: list[str], from_command_line: bool) -> NanolabCLI:
             seed_everything_default=FIT_SEED,
             auto_configure_optimizers=False,
             parser_class=OneLineErrorParser,
+            parser_kwargs=whole_options(argv[0] if argv else None),
             verb=argv[0] if argv else None,
         )
     except Parsed as done:
@@ -662,3 +663,15 @@ def parse_fit_config(args: list[str]) -> Any:
             return parse_command(nulls_as_class_settings(["fit", *args])).config["fit"]
     except RunConfigError as error:
         raise FitParseError(str(error)) from None
+
+
+def whole_options(verb: str | None) -> dict[str, Any]:
+    """The parsers' keyword arguments: options are matched whole, never by a prefix.
+
+    argparse completes a prefix of one option (``--seed 3`` set ``seed_everything``, an
+    abbreviation the user may not know they made) and refuses a prefix of several as
+    "ambiguous" (``--mode`` could be ``--model``), naming neither the setting meant nor the fix.
+    Matched whole, both are unknown options, which get "did you mean" with every setting of
+    that name (:func:`nanolab.run.keys.undotted_hint`)."""
+    kwargs: dict[str, Any] = {"allow_abbrev": False}
+    return {**kwargs, verb: dict(kwargs)} if verb in LightningCLI.subcommands() else kwargs
