@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -63,3 +64,9 @@ def suggestion(key: str, known: frozenset[str]) -> str | None:
         return siblings[near[0]]
     near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     return near[0] if near else None
+
+
+def either(items: Iterable[str]) -> str:
+    """Choices as a hint names them: ``a``, ``a or b``, ``a, b or c``."""
+    names = list(items)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

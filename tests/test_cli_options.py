@@ -47,3 +47,36 @@ def test_fit_refuses_a_prefix_in_one_line_with_exit_2(
         "(settings take their group)"
     )
     assert not (tmp_path / "runs").exists()
+
+
+# -- an option without its group names every setting of that name --------------------------------
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("micro_batch_size", ["--run.micro_batch_size", "--data.micro_batch_size"]),
+        ("patience", ["--spike.patience", "--budget.patience", "--divergence.patience"]),
+        ("block_size", ["--data.block_size", "--model.gpt.block_size"]),
+        ("fresh", ["--run.fresh"]),  # log.fresh follows run.fresh: no option of its own
+        ("seed", ["--data.seed", "--seed_everything"]),
+        ("val_windows", ["--data.val_windows"]),
+        ("n_head", ["--model.gpt.n_head"]),
+        ("max_steps", ["--trainer.max_steps"]),
+    ],
+)
+def test_an_option_without_its_group_names_every_setting_of_that_name(
+    name: str, meant: list[str]
+) -> None:
+    """``--micro_batch_size 8`` was hinted as ``--run.micro_batch_size`` only, though
+    ``--data.micro_batch_size`` is one too; each option named is one the parser takes."""
+    from nanolab.run import schema
+
+    line = refusal([f"--{name}", "8"])
+    assert line.startswith(f"unknown option --{name}; did you mean ")
+    assert line.endswith("? (settings take their group)")
+    named = [w.strip(",?") for w in line.split("did you mean ")[1].split() if w.startswith("--")]
+    assert sorted(named) == sorted(meant)
+    settings = schema.load("fit").settings  # remembered by the parse above
+    for option in named:  # each, given its default, is taken as it is written
+        default = settings[option[2:]]["default"] if option[2:] in settings else 1337
+        value = {None: "null", True: "true", False: "false"}.get(default, str(default))
+        parse_fit_config([option, value])

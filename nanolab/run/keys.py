@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import RunConfigError
-from nanolab.helpfmt import suggestion
+from nanolab.helpfmt import either, suggestion
 
 #: Groups whose keys depend on a class the config may choose.
 CLASS_GROUPS = ("model", "data")
@@ -260,7 +260,8 @@ def check_keys(argv: list[str], known: frozenset[str], skip_chosen: bool = True)
 
 def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
     """For an option without its group (``--max_steps 50``, which the parser only calls an
-    unrecognized argument): the setting of that name (``--trainer.max_steps``), or None.
+    unrecognized argument): every setting of that name (``--run.micro_batch_size or
+    --data.micro_batch_size``), or None.
 
     An option the parser has, a top-level one (``--ckpt_path``) or a whole group (``--model
     mylab.models.X``, which chooses the class), is passed over: its name only looks like a
@@ -270,14 +271,24 @@ def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
         name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
         if not name or "." in name or _is_option(name, known):
             continue
-        leaves = {k.rpartition(".")[2]: k for k in sorted(known, key=len, reverse=True) if "." in k}
-        near = leaves.get(name) or next(
-            iter(difflib.get_close_matches(name, list(leaves), 1, 0.8)), None
-        )
-        if near is not None:
-            full = leaves.get(near, near)
-            return f"unknown option --{name}; did you mean --{full}? (settings take their group)"
+        meant = settings_named(name, known)
+        if meant:
+            return (
+                f"unknown option --{name}; did you mean {either(f'--{k}' for k in meant)}? "
+                "(settings take their group)"
+            )
     return None
+
+
+def settings_named(name: str, known: frozenset[str]) -> list[str]:
+    """The settings ``--name`` may mean: every one whose last part is ``name`` in any group
+    (else whose last part is nearest it), then a top-level option that ``name`` begins
+    (``--seed``: ``data.seed`` or ``seed_everything``), shortest first."""
+    leaves = {k.rpartition(".")[2] for k in known if "." in k}
+    near = [name] if name in leaves else difflib.get_close_matches(name, sorted(leaves), 1, 0.8)
+    found = [k for k in known if "." in k and k.rpartition(".")[2] in near]
+    found += [k for k in known if "." not in k and k.startswith(name)]
+    return sorted(found, key=lambda k: (len(k), k))
 
 
 def _is_option(name: str, known: frozenset[str]) -> bool:

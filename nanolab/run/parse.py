@@ -82,6 +82,11 @@ class RunConfig:
     float32_matmul_precision: MatmulPrecision = "high"
 
 
+#: Settings the parser sets from another, ``(source, target)``: ``--run.fresh`` also moves the
+#: log aside. A target is in the config but no option of its own (the parser refuses it).
+LINKS = (("run.fresh", "log.fresh"),)
+
+
 def run_callbacks() -> dict[str, type]:
     """The run's callbacks by config group (``--log.*``, ``--checkpoint.*``, ...), in the order
     the Trainer gets them, after ``trainer.callbacks``.
@@ -507,7 +512,8 @@ class NanolabCLI(LightningCLI):
         )
         for group, callback in run_callbacks().items():
             parser.add_lightning_class_args(callback, group)
-        parser.link_arguments("run.fresh", "log.fresh")
+        for source, target in LINKS:
+            parser.link_arguments(source, target)
         # A tracker fed from the run log, its files inside the run directory (docs/loggers.md).
         parser.add_argument(
             "--logger",
@@ -555,7 +561,8 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
         if verb in ("fit", "validate", "test"):
             known = known if known is not None else verb_keys(verb)
             keys.check_keys(argv[1:], known)  # an unknown key: "did you mean"
-            hint = keys.undotted_hint(argv[1:], known) if "unrecognized" in str(err) else None
+            options = known - {target for _, target in LINKS}  # a link's target is no option
+            hint = keys.undotted_hint(argv[1:], options) if "unrecognized" in str(err) else None
             if hint:
                 raise RunConfigError(hint) from None
             chosen = chosen_class_keys(verb, argv[1:])
