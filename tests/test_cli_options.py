@@ -80,3 +80,60 @@ def test_an_option_without_its_group_names_every_setting_of_that_name(
         default = settings[option[2:]]["default"] if option[2:] in settings else 1337
         value = {None: "null", True: "true", False: "false"}.get(default, str(default))
         parse_fit_config([option, value])
+
+
+# -- a group given one value names the setting it is for ----------------------------------------
+GROUP = "is a group of settings, not a value"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--progress", "plain"], f"--progress {GROUP}; did you mean --progress.mode plain?"),
+        (["--progress=mode=plain"], f"--progress {GROUP}; did you mean --progress.mode plain?"),
+        (
+            ["--checkpoint", "5"],
+            f"--checkpoint {GROUP}; did you mean --checkpoint.every_n_steps 5, "
+            "--checkpoint.keep_best 5 or --checkpoint.keep_last 5?",
+        ),
+        (["--spike", "false"], f"--spike {GROUP}; did you mean --spike.enabled false?"),
+        (
+            ["--model.optimizer", "adam"],
+            f"--model.optimizer {GROUP}; did you mean --model.optimizer.name adam?",
+        ),
+        (
+            ["--trainer", "5"],
+            f"--trainer {GROUP}; a setting of it is --trainer.KEY VALUE "
+            "(nanolab fit --help-all lists them)",
+        ),
+        (
+            ["--model", "GPT"],
+            "--model takes a class path (module.Class; the default: "
+            "nanolab.training.module.GPTLightningModule) or a mapping of its settings, not "
+            "'GPT'; a setting of it is --model.KEY VALUE (nanolab fit --help-all lists them)",
+        ),
+    ],
+)
+def test_a_group_given_one_value_names_the_setting_it_is_for(args: list[str], line: str) -> None:
+    """``--progress plain`` was the parser's 'Parser key "progress": Unable to load config
+    'plain' - Parser key "progress": Unable to load config "plain"', naming no setting."""
+    assert refusal(args) == line
+
+
+def test_a_group_still_takes_its_settings_at_once(tmp_path: Path) -> None:
+    """What a group does take is read as before: a mapping, or a file of its settings."""
+    assert parse_fit_config(["--progress", "{mode: plain}"])["progress"]["mode"] == "plain"
+    settings = write_config(tmp_path / "progress.yaml", {"mode": "bar"})
+    assert parse_fit_config(["--progress", str(settings)])["progress"]["mode"] == "bar"
+
+
+def test_fit_refuses_a_group_given_one_value_in_one_line_with_exit_2(
+    char_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nanolab.cli import main
+
+    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    assert main(["fit", "--config", str(base), "--checkpoint", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("nanolab fit: error: --checkpoint is a group of settings")
+    assert "\n" not in err and not (tmp_path / "runs").exists()

@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nanolab.estimator.gpus import MatmulPrecision
 from nanolab.run import keys, schema
+from nanolab.run.group_value import group_value_problem
 from nanolab.run.schema import (  # noqa: F401  (NULL_WORDS: public here too)
     NULL_WORDS,
     FitParseError,
@@ -563,6 +564,10 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
             keys.check_keys(argv[1:], known)  # an unknown key: "did you mean"
             options = known - {target for _, target in LINKS}  # a link's target is no option
             hint = keys.undotted_hint(argv[1:], options) if "unrecognized" in str(err) else None
+            if hint:
+                raise RunConfigError(hint) from None
+            settings = getattr(schema.load(verb), "settings", None)  # the settings' types
+            hint = group_value_problem(argv[1:], options, str(err), settings)
             if hint:
                 raise RunConfigError(hint) from None
             chosen = chosen_class_keys(verb, argv[1:])
