@@ -368,3 +368,37 @@ def test_the_in_loop_tasks_take_the_tokenizer_checked_at_start(tmp_path):
     os.replace(other, data)
     expected = tokenizer_from_spec(checked["tokenizer"])
     assert data_tokenizer(dm).to_meta() == expected.to_meta()
+
+
+def test_prepare_settings_that_prepared_data_ignores_are_one_warning_line(tmp_path, monkeypatch):
+    """With data.source null, data.bpe_vocab_size and data.val_fraction were ignored without a
+    word (and config.yaml recorded them as if used): set, they are one warning line naming
+    each with what the data's meta.json records; left at their defaults, or at the values the
+    data was prepared with, they say nothing. The config still runs."""
+    from nanolab import messages
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.data.prepare import prepare_dataset
+
+    (tmp_path / "in.txt").write_text("some words to prepare, and more of them\n" * 200)
+    data = tmp_path / "data"
+    prepare_dataset([str(tmp_path / "in.txt")], data, "chars", val_fraction=0.2, quiet=True)
+    warned: list[str] = []
+    monkeypatch.setattr(messages, "warn", lambda prog, text: warned.append(text))
+
+    def parts(**settings: object) -> None:
+        dm = TokenDataModule(str(data), None, block_size=16, micro_batch_size=4, **settings)
+        assert len(dm.parts) == 1
+
+    parts()  # the defaults
+    parts(val_fraction=0.2)  # what the data was prepared with
+    parts(bpe_vocab_size=8192, val_fraction=0.05)
+    parts(bpe_vocab_size=512)
+    assert warned == [
+        "data.bpe_vocab_size 8192 and data.val_fraction 0.05 are not used: they apply only when "
+        f"fit prepares data.source, which is null, so this run trains on {data} as it was "
+        "prepared (its meta.json: bpe_vocab_size null, val_fraction 0.2); leave them out, or "
+        "set data.source to prepare the data with them",
+        "data.bpe_vocab_size 512 is not used: it applies only when fit prepares data.source, "
+        f"which is null, so this run trains on {data} as it was prepared (its meta.json: "
+        "bpe_vocab_size null); leave it out, or set data.source to prepare the data with it",
+    ]

@@ -8,6 +8,7 @@ every checkpoint, so a resume on data that changed underneath the run is refused
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -390,10 +391,14 @@ class TokenDataModule(L.LightningDataModule):
                 ]
                 check_same_tokenizer(parts)
             self._parts = parts
-            unused = None if self.source else unused_tokenizer_setting(self.tokenizer, parts[0])
-            if unused and unused not in _NOTED_UNUSED:  # once a process: fit builds more than one
-                _NOTED_UNUSED.add(unused)
-                rank_zero_only(messages.warn)("nanolab", unused)
+            given = {name: getattr(self, name) for name in PREPARE_ONLY}
+            for unused in (
+                [] if self.source else [unused_tokenizer_setting(self.tokenizer, parts[0]),
+                                        unused_prepare_settings(given, parts)]
+            ):  # fmt: skip
+                if unused and unused not in _NOTED_UNUSED:  # once a process: fit builds more
+                    _NOTED_UNUSED.add(unused)
+                    rank_zero_only(messages.warn)("nanolab", unused)
         return self._parts
 
     @property
@@ -766,6 +771,53 @@ def unused_tokenizer_setting(setting: str, part: DatasetPart) -> str | None:
         f"({used}); set data.tokenizer: {used if used != 'hf' else 'its tokenizer.json'} or "
         "leave it out, or set data.source to prepare the data with it"
     )
+
+
+#: Settings fit passes on only when it prepares ``data.source`` (besides ``data.tokenizer``),
+#: and the ``meta.json`` field that records what the data was prepared with.
+PREPARE_ONLY = {"bpe_vocab_size": "settings.bpe_vocab_size", "val_fraction": "val_fraction"}
+
+
+def unused_prepare_settings(given: dict[str, Any], parts: list[DatasetPart]) -> str | None:
+    """The warning for ``data.bpe_vocab_size`` / ``data.val_fraction`` set while
+    ``data.source`` is null (None: none is). They only steer preparing; the run trains on the
+    folder as it was prepared, and a config that says otherwise (its ``config.yaml`` records
+    them) would say something false about the run. A setting at its default, or at the value
+    the data was prepared with, says nothing false and is passed over."""
+    import inspect
+
+    defaults = inspect.signature(TokenDataModule.__init__).parameters
+    unused = {
+        name: value
+        for name, value in given.items()
+        if value != defaults[name].default
+        and any(prepared_with(part, name) != value for part in parts)
+    }
+    if not unused:
+        return None
+    settings = " and ".join(f"data.{name} {value}" for name, value in unused.items())
+    one = len(unused) == 1
+    if len(parts) == 1:
+        record = ", ".join(f"{n} {json.dumps(prepared_with(parts[0], n))}" for n in unused)
+        prepared = f"{parts[0].path} as it was prepared (its meta.json: {record})"
+    else:
+        prepared = "the data.datasets folders as they were prepared (each one's meta.json)"
+    return (
+        f"{settings} {'is' if one else 'are'} not used: {'it applies' if one else 'they apply'}"
+        f" only when fit prepares data.source, which is null, so this run trains on {prepared};"
+        f" leave {'it' if one else 'them'} out, or set data.source to prepare the data with "
+        f"{'it' if one else 'them'}"
+    )
+
+
+def prepared_with(part: DatasetPart, name: str) -> Any:
+    """What ``part``'s ``meta.json`` records for the prepare setting ``name`` (None: nothing,
+    e.g. no BPE vocabulary for a chars tokenizer, or data prepared by an older nanolab; said
+    as ``null`` in the warning, as the file has it)."""
+    node: Any = part.meta
+    for key in PREPARE_ONLY[name].split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
 
 
 def same_tokenizer_json(given: Path, own: Path) -> bool:
