@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import QUICKSTART, REPO, run_nanolab, tiny_overrides, write_config
+from conftest import (
+    QUICKSTART,
+    REPO,
+    nanolab_here,
+    run_nanolab,
+    tiny_overrides,
+    write_config,
+)
 
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.callbacks.spike import SpikeGuard, complete_rollback
@@ -394,3 +401,75 @@ def test_a_fresh_run_trains_on_its_own_data_order_not_the_old_runs_skips(tmp_pat
     assert read_ledger(tmp_path / "runs" / "tiny") == []
     (archived,) = (tmp_path / "runs" / "tiny" / "previous").iterdir()
     assert read_ledger(archived)[0]["skip_offset"] == 12
+
+
+def accumulating_config(tmp: Path, char_dataset: Path, micro_batch_size: int, steps: int, **extra):
+    """The tiny model at 512 tokens a step: micro-batch 4 accumulates 4, micro-batch 16 none."""
+    cfg = tiny_overrides(char_dataset, tmp / "runs", **extra)
+    cfg["trainer"]["max_steps"] = steps
+    cfg["data"]["micro_batch_size"] = micro_batch_size
+    cfg["run"].update(name="acc", global_batch_tokens=512, eval_every_steps=4)
+    cfg["checkpoint"] = {"every_n_steps": 2}
+    cfg["spike"] = {"window": 5, "patience": 2, **cfg.get("spike", {})}
+    return write_config(tmp / f"acc-{micro_batch_size}-{steps}.yaml", cfg)
+
+
+def test_the_guard_watches_the_step_loss_the_run_log_records_when_accumulating(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Lightning hands callbacks a micro-batch's loss divided by the accumulation; the guard
+    compares the step's own loss (4 micro-batches a step here), as the train record says it."""
+    cfg = accumulating_config(
+        tmp_path, char_dataset, 4, 12,
+        # the last micro-batch of step 8 steps at a rate that wrecks the weights
+        trainer__callbacks=[{**poison(), "init_args": {"first": 31, "last": 31, "lr_factor": 3e4}}],
+        model__schedule={"warmup_steps": 2},
+        spike={"action": "warn", "window": 3, "patience": 1},
+    )  # fmt: skip
+    proc = nanolab_here("fit", "--config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = list(read_records(tmp_path / "runs" / "acc" / "metrics.jsonl"))
+    train = {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+    spikes = [r for r in records if r["event"] == "spike"]
+    assert spikes, proc.stderr[-3000:]
+    for spike in spikes:
+        assert spike["loss"] == pytest.approx(train[spike["step"]], abs=1e-5), (spike, train)
+
+
+@pytest.mark.slow
+def test_a_resume_with_less_accumulation_keeps_the_same_losses_and_rolls_nothing_back(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Saved at accumulation 4, resumed with the same global batch at accumulation 1: the
+    saved history is the steps' losses, so the resumed ones are no spike (they were 4x it)."""
+    cfg = accumulating_config(tmp_path, char_dataset, 4, 10)
+    first = nanolab_here("fit", "--config", str(cfg), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cfg = accumulating_config(tmp_path, char_dataset, 16, 20)
+    proc = nanolab_here("fit", "--config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = list(read_records(tmp_path / "runs" / "acc" / "metrics.jsonl"))
+    assert [r for r in records if r["event"] == "spike"] == []
+    assert not (tmp_path / "runs" / "acc" / "checkpoints" / "rolled_back").exists()
+
+
+class _Module:
+    automatic_optimization = True
+
+
+def test_a_history_saved_divided_by_the_accumulation_is_rescaled_or_started_afresh() -> None:
+    """Checkpoints from before the guard watched the step's loss hold loss / accumulation: a
+    resume multiplies it back by the accumulation their layout records, or drops it if none."""
+    saved = {"history": [1.0, 1.5, 1.25]}
+    guard = SpikeGuard(window=3)
+    guard.on_load_checkpoint(None, _Module(), {"nanolab": {"layout": {"accumulate": 4}}})
+    guard.load_state_dict(saved)
+    assert list(guard.history) == [4.0, 6.0, 5.0]
+    unknown = SpikeGuard(window=3)
+    unknown.on_load_checkpoint(None, _Module(), {"nanolab": {}})
+    unknown.load_state_dict(saved)
+    assert list(unknown.history) == []
+    current = SpikeGuard(window=3)
+    current.on_load_checkpoint(None, _Module(), {"nanolab": {"layout": {"accumulate": 4}}})
+    current.load_state_dict(guard.state_dict())  # saved now: the step's losses, kept as they are
+    assert list(current.history) == [4.0, 6.0, 5.0]

@@ -27,6 +27,12 @@ called before the checkpoint to resume from is chosen), so it resumes exactly.
 Checkpoint rotation always keeps one checkpoint old enough to roll back to (the newest one at
 least ``patience + 2`` steps before the newest save), besides ``checkpoint.keep_last``.
 
+The loss watched is the step's mean training loss, the number the run log records: Lightning
+hands a callback each micro-batch's loss divided by ``trainer.accumulate_grad_batches`` (what it
+back-propagates), so the guard multiplies that back (:func:`closure_loss_divisor`). A checkpoint
+saved before that held the divided losses; a resume rescales them by the accumulation the
+checkpoint records, or starts the window afresh with one note when it records none.
+
 Cost: one scalar per step, averaged over ranks (so every rank decides the same) and brought to
 the host in the step's one shared read (:mod:`nanolab.callbacks.readout`): no synchronisation
 of its own. (It used to ``.item()`` the previous step's loss on a GPU, which waited for the
@@ -43,7 +49,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.checkpoint import (
     RotatingCheckpoint,
@@ -60,6 +66,9 @@ from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
 ACTIONS = ("rollback", "stop", "warn")
 #: The step's mean training loss in the step readout (:mod:`nanolab.callbacks.readout`).
 LOSS_KEY = "spike:loss"
+#: What a saved history holds: the steps' mean losses (older checkpoints: divided by the
+#: accumulation, :func:`undivided_history`).
+HISTORY_OF = "step_loss"
 #: The ``end`` record's reason of the part of a run that a rollback ended.
 REASON = "rollback"
 #: Where the checkpoints newer than the one rolled back to are moved (kept, never deleted).
@@ -138,6 +147,9 @@ class SpikeGuard(StepCallback):
         self.spikes: list[dict[str, Any]] = []  # this process's spike records
         self._sum: torch.Tensor | None = None
         self._count = 0
+        # The accumulation of the checkpoint being restored (its layout), for a history saved
+        # before the guard watched the undivided loss; None when it records none.
+        self._saved_accumulate: int | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -178,7 +190,8 @@ class SpikeGuard(StepCallback):
     ) -> None:
         if self._sum is None:
             return
-        mean, self._sum, self._count = self._sum / self._count, None, 0
+        mean = self._sum / self._count * closure_loss_divisor(trainer, pl_module)
+        self._sum, self._count = None, 0
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if trainer.world_size > 1 and distributed:
             torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.SUM)
@@ -300,15 +313,62 @@ class SpikeGuard(StepCallback):
         so rolls back to the same checkpoint and skips the same data)."""
         return {
             "history": list(self.history),
+            "history_of": HISTORY_OF,
             "high": [self.high.count, self.high.first],
             "fired": self.fired,
         }
 
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Lightning calls this before :meth:`load_state_dict`: keep the accumulation the
+        checkpoint was trained with, which an older history has to be rescaled by."""
+        self._saved_accumulate = saved_accumulation(checkpoint)
+        if not getattr(pl_module, "automatic_optimization", True):
+            self._saved_accumulate = 1  # manual optimization: Lightning divides nothing
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = deque((float(x) for x in state_dict.get("history", [])), maxlen=self.window)
+        history = [float(x) for x in state_dict.get("history", [])]
+        saved_accumulate, self._saved_accumulate = self._saved_accumulate, None
+        if history and state_dict.get("history_of") != HISTORY_OF:
+            history = undivided_history(history, saved_accumulate, self.window)
+        self.history = deque(history, maxlen=self.window)
         count, first = state_dict.get("high", (0, None))  # checkpoints before it: none in progress
         self.high = Streak(int(count), None if first is None else int(first))
         self.fired = bool(state_dict.get("fired", False))
+
+
+def closure_loss_divisor(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+    """What Lightning divided the loss it hands callbacks by: ``accumulate_grad_batches`` in
+    automatic optimization (the micro-batches' losses then sum to the step's), 1 in manual."""
+    if not getattr(pl_module, "automatic_optimization", True):
+        return 1
+    return max(1, int(trainer.accumulate_grad_batches or 1))
+
+
+def saved_accumulation(checkpoint: dict[str, Any]) -> int | None:
+    """The gradient accumulation a checkpoint was trained with (its layout); None if unrecorded."""
+    from nanolab.training.module import CHECKPOINT_KEY
+
+    layout = (checkpoint.get(CHECKPOINT_KEY) or {}).get("layout") or {}
+    value = layout.get("accumulate") if isinstance(layout, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
+
+
+def undivided_history(history: list[float], accumulate: int | None, window: int) -> list[float]:
+    """A history saved before the guard watched the step's loss: each value was the step's loss
+    divided by the run's accumulation. Rescaled by it when the checkpoint records it; else
+    dropped (the window refills over the next ``window`` steps), which a note says: compared
+    with a divided history, every step of a run that accumulates would look like a spike."""
+    if accumulate is not None:
+        return [x * accumulate for x in history]
+    rank_zero_info(
+        f"spike guard: the checkpoint's loss history predates the step-loss record and its "
+        f"accumulation is unknown, so it starts afresh (no spike check for {window} steps)"
+    )
+    return []
 
 
 def lr_windows(rollbacks: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
