@@ -17,16 +17,18 @@ def test_token_budget_stops_with_a_checkpoint_and_reason(tmp_path, char_dataset)
         run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=None), budget],
         max_steps=50, eval_every=100,
     )  # fmt: skip
-    # The check stops *before* the next step would overrun the budget.
-    assert trainer.global_step == 4
+    # The check stops *before* the next step would pass the budget: 5 steps of a 5-step
+    # budget are trained (it stopped one step early when reaching the limit counted as passing).
+    assert trainer.global_step == 5
     end = events(run / "metrics.jsonl", "end")[-1]
-    assert end["reason"] == "budget" and "max_tokens" in end["detail"]
-    assert end["tokens"] <= 5 * TOKENS_PER_MICRO_BATCH
+    limit = 5 * TOKENS_PER_MICRO_BATCH
+    assert end["reason"] == "budget" and end["tokens"] == limit
+    assert end["detail"] == f"{limit} of max_tokens {limit} spent"  # what it spent, truly
     decision = [r for r in events(run / "metrics.jsonl", "budget") if r["decision"] == "stop"]
     assert decision and decision[0]["budget"] == "max_tokens"
-    assert decision[0]["projected_at_next_check"] == 5 * TOKENS_PER_MICRO_BATCH
+    assert decision[0]["projected_at_next_check"] == 6 * TOKENS_PER_MICRO_BATCH
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    assert ckpt["global_step"] == 4  # the final state is saved
+    assert ckpt["global_step"] == 5  # the final state is saved
 
 
 def test_gpu_hour_budget_counts_across_resume(tmp_path, char_dataset):
@@ -60,15 +62,18 @@ def test_a_rerun_after_a_budget_stop_trains_no_further_step(tmp_path, char_datas
             max_steps=50, eval_every=100, ckpt_path=ckpts / "last.ckpt" if ckpts.exists() else None,
         )  # fmt: skip
 
-    assert again(5 * TOKENS_PER_MICRO_BATCH).global_step == 4
+    assert again(5 * TOKENS_PER_MICRO_BATCH).global_step == 5
     saved = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in ckpts.iterdir()}
     capsys.readouterr()
-    assert again(5 * TOKENS_PER_MICRO_BATCH).global_step == 4
-    assert "stopped at step 4 (budget: max_tokens" in capsys.readouterr().err
+    assert again(5 * TOKENS_PER_MICRO_BATCH).global_step == 5
+    limit = 5 * TOKENS_PER_MICRO_BATCH
+    assert f"stopped at step 5 (budget: {limit} of max_tokens {limit} spent)" in (
+        capsys.readouterr().err
+    )
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in ckpts.iterdir()} == saved
     ends = events(run / "metrics.jsonl", "end")
-    assert [(e["step"], e["reason"]) for e in ends] == [(4, "budget"), (4, "budget")]
-    assert again(9 * TOKENS_PER_MICRO_BATCH).global_step == 8  # a raised budget goes on
+    assert [(e["step"], e["reason"]) for e in ends] == [(5, "budget"), (5, "budget")]
+    assert again(9 * TOKENS_PER_MICRO_BATCH).global_step == 9  # a raised budget goes on
 
 
 def test_a_plateau_stop_stands_until_its_patience_is_raised(tmp_path, char_dataset, capsys):
@@ -109,7 +114,7 @@ def test_a_budget_stops_extra_evaluation_is_not_one_of_the_plateau_rules(tmp_pat
 
     assert launch(tmp_path / "a", CostBudget(patience=2), vals).global_step == 8
     run = tmp_path / "b"
-    stopped = launch(run, CostBudget(patience=2, max_tokens=6 * TOKENS_PER_MICRO_BATCH), vals)
+    stopped = launch(run, CostBudget(patience=2, max_tokens=5 * TOKENS_PER_MICRO_BATCH), vals)
     assert stopped.global_step == 5
     assert [r["step"] for r in events(run / "metrics.jsonl", "val")] == [2, 4, 5]  # logged
     assert launch(run, CostBudget(patience=2), vals[3:]).global_step == 8
@@ -154,13 +159,13 @@ def test_a_budget_stop_of_a_checkpoint_from_before_stands_too(tmp_path, char_dat
             max_steps=50, eval_every=100, ckpt_path=ckpts / "last.ckpt" if ckpts.exists() else None,
         )  # fmt: skip
 
-    assert again().global_step == 4
+    assert again().global_step == 5
     for path in ckpts.glob("step-*.ckpt"):  # as an older nanolab wrote it
         ckpt = torch.load(path, weights_only=True)
         for key in ("per_step", "decided"):
             ckpt["callbacks"]["CostBudget"].pop(key)
         torch.save(ckpt, path)
-    assert again().global_step == 4
+    assert again().global_step == 5
 
 
 def test_a_signal_at_the_step_a_budget_stops_leaves_the_budget_stop(tmp_path, char_dataset):
@@ -174,12 +179,12 @@ def test_a_signal_at_the_step_a_budget_stops_leaves_the_budget_stop(tmp_path, ch
     run = tmp_path / "run"
     callbacks = [MetricsLog(), RotatingCheckpoint(every_n_steps=None),
                  CostBudget(max_tokens=5 * TOKENS_PER_MICRO_BATCH), PreemptionHandler(),
-                 SignalAt(3)]  # fmt: skip
+                 SignalAt(4)]  # fmt: skip
     trainer = fit(run, char_dataset, callbacks, max_steps=50, eval_every=100)
-    assert trainer.global_step == 4
+    assert trainer.global_step == 5
     end = events(run / "metrics.jsonl", "end")[-1]
-    assert end["reason"] == "budget" and end["step"] == 4
-    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert end["reason"] == "budget" and end["step"] == 5
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
 
 
 def test_an_evaluation_a_preemption_saved_before_is_run_by_the_resume(tmp_path, char_dataset):
@@ -388,3 +393,19 @@ def test_a_branch_from_a_plateau_stopped_run_trains(tmp_path, char_dataset):
     assert res.returncode == 0, res.stderr[-2000:]
     ends = read_records(tmp_path / "runs" / "branch" / "metrics.jsonl", "end")
     assert [(e["step"], e["reason"]) for e in ends] == [(6, "plateau")]
+
+
+def test_every_budget_stops_when_the_next_check_would_pass_it_and_says_what_was_spent():
+    """Time, GPU-hour and money budgets follow the token budget's rule: reaching a limit at the
+    next check is within it, passing it stops now; the reason gives the spend, not the limit."""
+    from nanolab.callbacks.budget import stops_now
+
+    assert not stops_now(0.25, 0.5, 0.5)  # the next check lands on the limit: train on
+    assert stops_now(0.3, 0.55, 0.5)  # it would pass it
+    assert stops_now(0.5, 0.5, 0.5)  # nothing left (a resume between checks projects nothing)
+    budget = CostBudget(max_cost=20, price_per_gpu_hour=2.5, currency="eur", max_wall_hours=0.5)
+    assert budget.spend_detail("wall_hours", 0.123456, 0.5) == (
+        "0.1235 of max_wall_hours 0.5 spent"
+    )
+    assert budget.spend_detail("cost", 17.5, 20) == "17.5 of max_cost 20 EUR spent"
+    assert budget.spend_detail("tokens", 896, 1024) == "896 of max_tokens 1024 spent"

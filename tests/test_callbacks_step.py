@@ -71,7 +71,7 @@ def every_callback() -> list[L.Callback]:
     return [
         MetricsLog(),
         RotatingCheckpoint(every_n_steps=2, keep_last=10, keep_best=1),
-        CostBudget(max_tokens=6 * step_tokens, price_per_gpu_hour=1.0, patience=5),
+        CostBudget(max_tokens=5 * step_tokens, price_per_gpu_hour=1.0, patience=5),
         ThroughputMeter(),
         StepProgressBar(refresh_rate=1),
         DivergenceStop(),

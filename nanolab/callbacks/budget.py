@@ -3,9 +3,10 @@
 Hard budgets (any combination, all counted over every process of the run, from the shared
 :class:`RunClock` whose totals travel in checkpoints): GPU-hours (devices x wall hours), money
 (GPU-hours x price), wall time, tokens. The check runs after optimizer steps and stops *before* the
-next check would overrun, using the run's own cost per step; Lightning then runs one final
-validation (it always validates when asked to stop early), the checkpoint callback saves, and the
-``end`` record says ``budget``. The process exits 0.
+next check would pass a limit (reaching it exactly is within it), at the run's own cost per step;
+Lightning then runs one final validation (it always validates when asked to stop early), the
+checkpoint callback saves, and the ``end`` record says ``budget`` with the spend against the limit
+("896 of max_tokens 1024 spent"). The process exits 0.
 
 Payoff rule (``payoff_threshold``, ``payoff_per_gpu_hour``): at each validation, the run's val
 curve so far is fitted with the loss forecast that ``nanolab report --forecast`` uses
@@ -192,6 +193,13 @@ class CostBudget(StepCallback):
         names = ("gpu_hours", "cost", "wall_hours", "tokens")
         return {k: v for k in names if (v := getattr(self, f"max_{k}")) is not None}
 
+    def spend_detail(self, name: str, spent: float, limit: float) -> str:
+        """What a budget stop says: the spend so far against the limit ("896 of max_tokens 1024
+        spent"); the stop comes before the next check would pass the limit, so the spend is
+        usually below it, and saying the limit was spent would be false."""
+        unit = f" {self.currency}" if name == "cost" else ""
+        return f"{_amount(spent)} of max_{name} {_amount(limit)}{unit} spent"
+
     def _per_step(self, trainer: L.Trainer) -> dict[str, float]:
         """This process's average spend per optimizer step (for projections)."""
         clock = self.clock
@@ -286,18 +294,16 @@ class CostBudget(StepCallback):
         # checks (a preemption there) an uninterrupted run would not stop until a limit is hit.
         at_check = trainer.global_step % self.check_every_n_steps == 0
         per_step = (self.last_per_step or self._average_step(trainer, spent)) if at_check else {}
-        over = [
-            name
+        projections = (
+            (name, limit, float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps)
             for name, limit in limits.items()
-            if float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps >= limit
-        ]
-        if over:
-            name = over[0]
-            unit = self.currency if name == "cost" else name.split("_")[-1]
-            projected = float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps
+        )
+        hit = next((p for p in projections if stops_now(spent[p[0]], p[2], p[1])), None)
+        if hit is not None:
+            name, limit, projected = hit
             record = {"rule": "budget", "decision": "stop", "budget": f"max_{name}",
-                      "limit": limits[name], "projected_at_next_check": projected}  # fmt: skip
-            return ("budget", f"max_{name} {limits[name]} {unit} spent",
+                      "limit": limit, "projected_at_next_check": projected}  # fmt: skip
+            return ("budget", self.spend_detail(name, spent[name], limit),
                     f"Raise budget.max_{name} (or set it to null) to go on", record)  # fmt: skip
         decided = None if self.branch else self.decided  # a new run from it decides anew
         rule = decided.get("rule") if isinstance(decided, dict) else None
@@ -344,15 +350,16 @@ class CostBudget(StepCallback):
             (name, limit, float(spent[name]) + per_step.get(name, 0.0) * self.check_every_n_steps)
             for name, limit in self.limits().items()
         )
-        hit = next((p for p in projections if p[2] >= p[1]), None)
+        hit = next((p for p in projections if stops_now(spent[p[0]], p[2], p[1])), None)
         stop = hit is not None
         if trainer.world_size > 1:
             stop = bool(trainer.strategy.reduce_boolean_decision(stop, all=False))
         if not stop:
             return
         name, limit, projected = hit if hit is not None else ("another rank's budget", None, None)
-        unit = self.currency if name == "cost" else name.split("_")[-1]
-        detail = f"max_{name} {limit} {unit} spent" if limit is not None else "budget spent"
+        detail = (
+            self.spend_detail(name, spent[name], limit) if limit is not None else "budget spent"
+        )
         self._emit(
             trainer,
             {
@@ -557,6 +564,19 @@ class CostBudget(StepCallback):
         self.evals_since_best = int(state_dict.get("evals_since_best", 0))
         self.decided = state_dict.get("decided")  # checkpoints before it: none
         self.last_per_step = {k: float(v) for k, v in (state_dict.get("per_step") or {}).items()}
+
+
+def stops_now(spent: float, projected: float, limit: float) -> bool:
+    """Whether a budget stops the run at a check: the spend by the next check would pass the
+    limit (reaching it exactly is within the budget: ``max_tokens`` 1024 at 128 tokens a step
+    trains 8 steps), or there is nothing left of it (a resume between checks projects nothing)."""
+    return projected > limit or float(spent) >= limit
+
+
+def _amount(value: float) -> str:
+    """A spend or a limit as a stop reason gives it: whole numbers as such, else 4 digits."""
+    number = float(value)
+    return str(int(number)) if number.is_integer() else f"{number:.4g}"
 
 
 def _lr_multiplier(trainer: L.Trainer) -> Any:
