@@ -781,3 +781,51 @@ def test_a_replaced_accumulation_or_validation_interval_is_said(tmp_path, char_d
     res = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "trainer.val_check_interval 1 is replaced by 3 micro-batches" in res.stdout + res.stderr
+
+
+def test_a_run_without_max_steps_plans_its_cosine_for_the_token_budget(tmp_path, char_dataset):
+    """``trainer.max_steps -1`` with ``budget.max_tokens``: the cosine ends where the budget
+    stops the run (8 steps of 128 tokens), as a run of ``max_steps 8`` would; it was planned
+    for 10,000 steps, so the LR never left its peak. Lightning's "`max_epochs` was not set"
+    line is gone: nanolab sets no epoch limit itself."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", trainer__max_steps=-1, budget__max_tokens=1024,
+        model__schedule={"warmup_steps": 2},
+    )  # fmt: skip
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = str(write_config(tmp_path / "c.yaml", cfg))
+        res = nanolab_here("fit", "--config", config, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not [w for w in caught if "max_epochs" in str(w.message)]
+    assert "the LR cosine ends at step 8 (budget.max_tokens)" in res.stdout
+    train = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train"))
+    assert [r["step"] for r in train] == list(range(1, 9))
+    peak, f = train[2]["lr"], WarmupCosine(2, 8, 0.1)  # step 3 trains at the peak
+    assert [r["lr"] for r in train] == pytest.approx([peak * f(k - 1) for k in range(1, 9)])
+    assert train[-1]["lr"] < 0.2 * peak
+
+
+def test_a_run_nothing_bounds_in_steps_says_its_cosine_has_no_end() -> None:
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.budget import CostBudget
+    from nanolab.training.optim import unplanned_schedule_note
+
+    note = unplanned_schedule_note(ScheduleConfig(), -1)
+    assert note is not None and note.startswith("trainer.max_steps is -1")
+    assert "model.schedule.decay_steps" in note and "10,000 steps" in note
+    assert unplanned_schedule_note(ScheduleConfig(decay_steps=500), -1) is None
+    assert unplanned_schedule_note(ScheduleConfig(min_lr_ratio=1.0), -1) is None  # constant
+    assert unplanned_schedule_note(ScheduleConfig(), 8) is None
+    # The steps a token budget trains: the last check before the next would pass the limit.
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(micro_batch_size=4), accumulate_grad_batches=1, world_size=1
+    )
+    module = SimpleNamespace(gpt_config=SimpleNamespace(block_size=32))  # 128 tokens a step
+    assert CostBudget(max_tokens=1024).token_steps(trainer, module) == 8
+    assert CostBudget(max_tokens=1000).token_steps(trainer, module) == 7
+    assert CostBudget(max_tokens=1024, check_every_n_steps=3).token_steps(trainer, module) == 6
+    assert CostBudget(max_wall_hours=1.0).token_steps(trainer, module) is None

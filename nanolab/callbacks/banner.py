@@ -114,6 +114,29 @@ def warmup_note(trainer: L.Trainer, end: int) -> str | None:
     )
 
 
+def budget_planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
+    """Where the cosine of a run without ``trainer.max_steps`` ends when ``budget.max_tokens``
+    planned it (:func:`nanolab.training.optim.planned_steps`), or None."""
+    from nanolab.training.optim import planned_steps
+
+    schedule = getattr(pl_module, "schedule_config", None)
+    end = schedule_end(trainer)
+    if getattr(schedule, "decay_steps", 0) is not None or end is None:
+        return None  # a horizon set on purpose, or a schedule of a fork's own
+    return end if end == planned_steps(trainer, pl_module) else None
+
+
+def unplanned_note(trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
+    """The launch warning of a new run whose LR cosine has no end to plan for (``trainer.
+    max_steps`` -1, no token budget, no ``decay_steps``), or None."""
+    from nanolab.training.optim import ScheduleConfig, planned_steps, unplanned_schedule_note
+
+    schedule = getattr(pl_module, "schedule_config", None)
+    if not isinstance(schedule, ScheduleConfig) or _schedule_fn(trainer) is None:
+        return None
+    return unplanned_schedule_note(schedule, planned_steps(trainer, pl_module))
+
+
 def resumed_schedule_note(
     trainer: L.Trainer, pl_module: L.LightningModule, start: int, end: int
 ) -> str | None:
@@ -262,7 +285,11 @@ def banner_lines(
                     text += f", ~{hours * price[0]:.2f} {price[1]}"
                 lines.append(text)
     else:
-        lines.append(f"  steps      from {start}, no max_steps: a budget or a signal stops it")
+        steps = f"  steps      from {start}, no max_steps: a budget or a signal stops it"
+        planned = budget_planned_steps(trainer, pl_module)
+        if planned is not None:
+            steps += f"; the LR cosine ends at step {planned} (budget.max_tokens)"
+        lines.append(steps)
     for callback in trainer.callbacks:  # callbacks that say what they add to the run's time
         line = getattr(callback, "banner_line", None)
         text = line(lambda tokens: _forward_seconds(trainer, tokens, estimate)) if line else None

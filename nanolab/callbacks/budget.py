@@ -193,6 +193,19 @@ class CostBudget(StepCallback):
         names = ("gpu_hours", "cost", "wall_hours", "tokens")
         return {k: v for k in names if (v := getattr(self, f"max_{k}")) is not None}
 
+    def token_steps(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
+        """The optimizer steps ``max_tokens`` lets a new run train (None: no token budget, or
+        tokens per step unknown): the last check before the next would pass the limit (every
+        ``check_every_n_steps``), where the run stops if nothing stops it sooner. What
+        ``trainer.max_steps: -1`` plans its LR schedule for."""
+        from nanolab.callbacks.banner import tokens_per_step
+
+        per_step = tokens_per_step(trainer, pl_module)
+        if self.max_tokens is None or per_step is None or per_step[0] <= 0:
+            return None
+        every = self.check_every_n_steps
+        return max(every, int(self.max_tokens) // per_step[0] // every * every)
+
     def spend_detail(self, name: str, spent: float, limit: float) -> str:
         """What a budget stop says: the spend so far against the limit ("896 of max_tokens 1024
         spent"); the stop comes before the next check would pass the limit, so the spend is

@@ -39,7 +39,12 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
-from nanolab.callbacks.banner import data_passes, resumed_schedule_note, warmup_note
+from nanolab.callbacks.banner import (
+    data_passes,
+    resumed_schedule_note,
+    unplanned_note,
+    warmup_note,
+)
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
@@ -242,6 +247,10 @@ class MetricsLog(StepCallback):
                 else warmup_note(trainer, end)
             )
             if note:  # every launch says it, with or without a progress bar
+                warn("nanolab fit", note)
+        elif trainer.is_global_zero and not resuming:
+            note = unplanned_note(trainer, pl_module)  # no end for the cosine to plan for
+            if note:
                 warn("nanolab fit", note)
 
     def _start_record(

@@ -24,6 +24,7 @@ from nanolab.training.optim import (
     ScheduleConfig,
     build_optimizer,
     lr_schedule,
+    planned_steps,
 )
 
 CHECKPOINT_KEY = "nanolab"
@@ -234,9 +235,9 @@ class GPTLightningModule(L.LightningModule):
             cpu_offload=offload,
             sharded=shards_parameters(strategy),
         )
-        max_steps = self.trainer.max_steps if self._trainer is not None else -1
+        planned = planned_steps(self.trainer, self) if self._trainer is not None else -1
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_schedule(self.schedule_config, max_steps)
+            opt, lr_schedule(self.schedule_config, planned)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

@@ -238,14 +238,53 @@ class WarmupCosine:
         return self.min_ratio + 0.5 * (1.0 - self.min_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+#: Where the cosine of ``decay_steps: null`` ends when nothing bounds the run in steps
+#: (``trainer.max_steps`` -1 and no ``budget.max_tokens``): an arbitrary horizon, which the
+#: launch says in a warning (:func:`unplanned_schedule_note`).
+UNPLANNED_DECAY_STEPS = 10_000
+
+
 def lr_schedule(schedule: ScheduleConfig, max_steps: int | None) -> WarmupCosine:
-    """The LR multiplier a run with ``trainer.max_steps`` trains with (``decay_steps`` null: the
-    cosine ends at ``max_steps``, or at 10,000 steps when the run is unbounded). One place, so
-    the loss forecast reads the schedule the run really follows."""
+    """The LR multiplier a run planned for ``max_steps`` steps trains with (``decay_steps``
+    null: the cosine ends at ``max_steps``, or at :data:`UNPLANNED_DECAY_STEPS` when the run is
+    unbounded). One place, so the loss forecast reads the schedule the run really follows."""
     decay_steps = schedule.decay_steps
     if decay_steps is None:
-        decay_steps = max_steps if max_steps and max_steps > 0 else 10_000
+        decay_steps = max_steps if max_steps and max_steps > 0 else UNPLANNED_DECAY_STEPS
     return WarmupCosine(schedule.warmup_steps, decay_steps, schedule.min_lr_ratio)
+
+
+def planned_steps(trainer: Any, pl_module: Any) -> int:
+    """The steps a new run's cosine is planned for: ``trainer.max_steps``, else (-1: a budget
+    or a signal stops the run) the steps ``budget.max_tokens`` lets it train, else -1.
+
+    ``trainer.max_steps: -1`` with a token budget used to plan the cosine for 10,000 steps: a
+    run the budget stopped sooner never left the LR's peak. (A resume keeps the plan its
+    checkpoint holds: the scheduler's state restores it.)"""
+    max_steps = int(trainer.max_steps or -1)
+    if max_steps > 0:
+        return max_steps
+    from nanolab.callbacks.budget import CostBudget
+    from nanolab.callbacks.events import find_callback
+
+    budget = find_callback(trainer, CostBudget)
+    steps = budget.token_steps(trainer, pl_module) if budget is not None else None
+    return steps if steps is not None else -1
+
+
+def unplanned_schedule_note(schedule: ScheduleConfig, planned: int) -> str | None:
+    """The warning of a new run whose cosine has no end to plan for (``planned`` -1), or None:
+    its ``decay_steps`` is set, a constant rate needs no end (``min_lr_ratio`` 1), or the run
+    is bounded."""
+    if planned > 0 or schedule.decay_steps is not None or schedule.min_lr_ratio >= 1.0:
+        return None
+    return (
+        f"trainer.max_steps is -1 and no budget.max_tokens bounds the run in steps, so the LR "
+        f"cosine has no end to plan for: it decays over {UNPLANNED_DECAY_STEPS:,} steps, "
+        "whenever the run stops; set model.schedule.decay_steps (the step where the LR reaches "
+        "its minimum), budget.max_tokens or trainer.max_steps, or model.schedule.min_lr_ratio "
+        "1.0 for a constant LR after the warm-up"
+    )
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, exclude: Any = ()) -> list[dict]:

@@ -581,6 +581,9 @@ def trainer_defaults() -> dict[str, Any]:
     ``fit --help`` read them here)."""
     return {
         "max_steps": 5000,
+        # Runs are counted in steps and the training stream has no end, so no epoch limit:
+        # with max_steps -1, Lightning's default (None) is 1000 epochs and a line asking for -1.
+        "max_epochs": -1,
         "logger": False,
         "use_distributed_sampler": False,  # the DataModule shards windows by rank itself
         "log_every_n_steps": 1,
