@@ -233,3 +233,20 @@ class DiskHoldsSteps(L.Callback):
             return real(obj, f, *args, **kwargs)
 
         checkpoint_io.torch.save = save
+
+
+class WindowsSeen(L.Callback):
+    """Appends ``{"step": s, "windows": [...]}`` to ``path`` for every training micro-batch:
+    each window as the CRC-32 of its input ids, so a test compares what a run trained on by
+    content, whatever nanolab's own count of the order says."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import zlib
+
+        x = batch[0].cpu().numpy().astype(np.int64)
+        windows = [zlib.crc32(row.tobytes()) for row in x]
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "windows": windows}) + "\n")

@@ -248,3 +248,166 @@ def test_the_run_keeps_its_seed_through_every_resume_and_a_branch_picks_its_own(
     mine = yaml.safe_load((tmp_path / "runs" / "branch" / "config.yaml").read_text())
     assert mine["seed_everything"] == 5
     assert mine["data"].get("init_args", mine["data"])["seed"] == 5
+
+
+# -- where the data order goes on (nanolab.data.order) ------------------------------------------
+def test_a_position_is_carried_to_the_same_window_of_another_layout() -> None:
+    """Position g of micro-batch 4 is window 4g of the epoch's order; micro-batch 8 must go on
+    there (position g/2), not at position g (window 8g: a resume that changed the micro-batch
+    skipped or repeated 4g windows)."""
+    from nanolab.data.order import carry
+    from nanolab.data.windows import WindowPlan
+
+    def plan(micro: int, world: int = 1) -> WindowPlan:
+        return WindowPlan(num_tokens=3265, block_size=32, micro_batch_size=micro,
+                          world_size=world, seed=3)  # fmt: skip
+
+    assert plan(4).num_windows == 101 and plan(8).batches_per_epoch == 12
+    assert carry(plan(8), 6, 4).position == 3 and carry(plan(8), 6, 4).skipped == 0
+    assert carry(plan(4), 6, 8).position == 12
+    assert carry(plan(4, world=2), 6, 8).position == 6  # the same unit: the same position
+    within = carry(plan(8), 7, 4)  # window 28: inside micro-batch 3 of 8
+    assert (within.position, within.skipped, within.window, within.epoch) == (4, 4, 28, 0)
+    later = carry(plan(8), 25 + 3, 4)  # epoch 1 (25 positions of 4 per epoch), window 12
+    assert (later.position, later.skipped, later.epoch) == (12 + 2, 4, 1)
+    end = carry(plan(8), 24, 4)  # window 96 of 101: no whole micro-batch of 8 left
+    assert (end.position, end.skipped, end.next_epoch) == (12, 5, True)
+    for g in range(60):  # every carried position starts at or after the saved window
+        c = carry(plan(8), g, 4)
+        starts = plan(8).batch_starts(c.position, 0)
+        assert c.skipped >= 0 and len(starts) == 8
+
+
+def test_a_mixture_position_is_carried_by_slots() -> None:
+    from nanolab.data.order import carry
+    from nanolab.data.windows import MixturePlan
+
+    mix = MixturePlan([5000, 7000], [0.3, 0.7], 16, 6, 1, 1)
+    assert carry(mix, 10, 4).position == 7 and carry(mix, 10, 4).skipped == 2  # 40 -> 42
+    assert carry(mix, 9, 4).position == 6 and carry(mix, 9, 4).skipped == 0
+
+
+def test_a_checkpoint_without_the_record_resumes_as_it_always_did() -> None:
+    """A checkpoint of an earlier nanolab has no ``order`` record: on the same layout the
+    order goes on exactly as before (steps x accumulation, with the ledger's jumps), at every
+    micro-batch from the resume on; on another one, from its saved layout."""
+    from nanolab.data.order import SavedOrder, resume_jumps, saved_order
+    from nanolab.data.skips import data_position, jumps
+    from nanolab.data.windows import WindowPlan
+
+    plan = WindowPlan(num_tokens=20_000, block_size=16, micro_batch_size=2, world_size=1, seed=3)
+    layout = {"world_size": 1, "accumulate": 2, "micro_batch_size": 2}
+    ledgers = [
+        [],
+        [{"skip_at": 40, "skip_offset": 8, "restored": 20}],
+        [
+            {"skip_at": 40, "skip_offset": 8, "restored": 20},
+            {"skip_at": 30, "skip_offset": 25, "restored": 15},
+        ],
+    ]
+    for ledger in ledgers:
+        for step in (0, 10, 15, 20, 25, 30):
+            saved = saved_order({"global_step": step, "nanolab": {"layout": layout}})
+            assert saved == SavedOrder(step, None, 2, 2)
+            start = step * 2
+            carried, _ = resume_jumps(saved, plan, start, 2, ledger)
+            for k in range(start, start + 40):
+                assert data_position(k, carried) == data_position(k, jumps(ledger)), (ledger, k)
+    moved = saved_order({"global_step": 6, "nanolab": {"layout": layout}})
+    wider = WindowPlan(num_tokens=20_000, block_size=16, micro_batch_size=4, world_size=1, seed=3)
+    carried, _ = resume_jumps(moved, wider, 6, 1, [])  # 12 micro-batches of 2 = 6 of 4
+    assert data_position(6, carried) == 6
+
+
+def test_a_rollback_is_carried_into_the_resuming_layout() -> None:
+    """A spike rolled a micro-batch-2 run back to step 10 after it had reached position 30
+    (unit 2: window 60). Resumed from step 10 on micro-batch 4, it goes on at window 60
+    (position 15); resumed from step 5 it trains to step 10 and jumps there."""
+    from nanolab.data.order import SavedOrder, resume_jumps
+    from nanolab.data.skips import data_position
+    from nanolab.data.windows import WindowPlan
+
+    plan = WindowPlan(num_tokens=20_000, block_size=16, micro_batch_size=4, world_size=1, seed=3)
+    ledger = [{"skip_at": 10, "skip_offset": 20, "restored": 10, "unit": 2}]
+    carried, where = resume_jumps(SavedOrder(10, 10, 4, None), plan, 10, 1, ledger)
+    assert data_position(10, carried) == 15 and where is not None and where.skipped == 0
+    carried, _ = resume_jumps(SavedOrder(5, 5, 4, None), plan, 5, 1, ledger)
+    assert [data_position(k, carried) for k in (5, 9, 10, 11)] == [5, 9, 15, 16]
+    older = [{"skip_at": 4, "skip_offset": 6, "restored": 4, "unit": 4}]  # before the checkpoint
+    carried, _ = resume_jumps(SavedOrder(10, 20, 4, None), plan, 10, 1, older)
+    assert data_position(10, carried) == 20  # its own record already went past it
+
+
+def _windows(path: Path) -> list[int]:
+    """The windows a run trained on, in order (``cli_probes.WindowsSeen``'s file)."""
+    import json
+
+    return [w for line in path.read_text().splitlines() for w in json.loads(line)["windows"]]
+
+
+def _fit_seen(tmp_path: Path, dataset: Path, name: str, *args: str) -> tuple[list[int], str]:
+    """``nanolab fit`` of run ``name`` with the window probe: (windows it has trained on so
+    far, this launch's stderr)."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    seen = tmp_path / f"{name}.windows"
+    probe = [{"class_path": "cli_probes.WindowsSeen", "init_args": {"path": str(seen)}}]
+    cfg = tiny_overrides(dataset, tmp_path / "runs", trainer__callbacks=probe)
+    path = write_config(tmp_path / f"{name}.yaml", cfg)
+    res = nanolab_here(
+        "fit", "--config", str(QUICKSTART), "--config", str(path), "--run.name", name, *args,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    return _windows(seen), res.stderr
+
+
+def _strip_order_record(run_dir: Path) -> None:
+    """Make the run's checkpoints those of a nanolab that did not record the data order."""
+    import torch
+
+    for path in (run_dir / "checkpoints").glob("*.ckpt"):
+        if path.is_symlink():
+            continue
+        ckpt = torch.load(path, weights_only=True)
+        ckpt["nanolab"].pop("order", None)
+        torch.save(ckpt, path)
+
+
+@pytest.mark.parametrize("record", ["recorded", "older checkpoint"])
+def test_a_resume_on_another_micro_batch_trains_every_window_once(
+    tmp_path: Path, char_dataset: Path, record: str
+) -> None:
+    """The reviewer's repro: 6 steps of micro-batch 4, resumed with micro-batch 8 to step 8,
+    trained windows 48-63 of the epoch's order after 0-23 (24 never trained); 8 -> 4 trained
+    24 windows twice. Now both train the windows an uninterrupted micro-batch-4 run trains, in
+    its order, and a checkpoint of an earlier nanolab (no record) too, from its saved layout."""
+    straight, _ = _fit_seen(tmp_path, char_dataset, "straight", "--trainer.max_steps", "16")
+    for first, then, steps, seen in ((4, 8, 8, 40), (8, 4, 10, 64)):
+        name = f"mb{first}to{then}"
+        _fit_seen(tmp_path, char_dataset, name, "--data.micro_batch_size", str(first))
+        if record != "recorded":
+            _strip_order_record(tmp_path / "runs" / name)
+        windows, err = _fit_seen(
+            tmp_path, char_dataset, name, "--data.micro_batch_size", str(then),
+            "--trainer.max_steps", str(steps),
+        )  # fmt: skip
+        assert windows == straight[:seen], name
+        assert "skipping" not in err and "goes on at the first window" in err
+
+
+def test_a_resume_inside_a_micro_batch_of_the_new_layout_says_what_it_skips(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """7 steps of micro-batch 4 stop at window 28, inside micro-batch 8's 4th: the resume goes
+    on at window 32 and says, in one line, that it skips 4 windows."""
+    straight, _ = _fit_seen(tmp_path, char_dataset, "straight", "--trainer.max_steps", "12")
+    _fit_seen(tmp_path, char_dataset, "odd", "--trainer.max_steps", "7")
+    windows, err = _fit_seen(
+        tmp_path, char_dataset, "odd", "--trainer.max_steps", "9", "--data.micro_batch_size", "8"
+    )
+    assert windows == straight[:28] + straight[32:48]
+    lines = [line for line in err.splitlines() if "skipping" in line]
+    assert len(lines) == 1 and lines[0].startswith("nanolab fit: warning: the checkpoint stopped")
+    assert "28 windows into epoch 0's window order" in lines[0]
+    assert "skipping 4 windows" in lines[0]

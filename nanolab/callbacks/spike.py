@@ -271,7 +271,7 @@ class SpikeGuard(StepCallback):
         accumulate = int(trainer.accumulate_grad_batches or 1)
         consumed = consumed_micro_batches(trainer)
         at = restore * accumulate
-        reached = data_position(consumed, jumps(done))  # where the order had got to
+        reached, restored_at, unit = order_positions(trainer, consumed, at, done)
         entry = {
             "detected": int(trainer.global_step),
             "began": began,
@@ -279,7 +279,10 @@ class SpikeGuard(StepCallback):
             "checkpoint": str(folder / f"step-{restore:08d}.ckpt"),
             "skip_at": at,
             "skip_offset": reached - at,
-            "skipped_micro_batches": reached - data_position(at, jumps(done)),
+            "skipped_micro_batches": reached - restored_at,
+            # The windows per micro-batch the positions count (nanolab.data.order): a resume on
+            # another layout carries the jump into its own micro-batches.
+            "unit": unit,
             "loss": record["loss"],
             "median": record["median"],
             "state": "pending",
@@ -396,6 +399,22 @@ def _restore_step(folder: Path | None, began: int) -> int | None:
         return None
     steps = [s for p in folder.iterdir() if (s := step_of(p)) is not None and s <= began - 2]
     return max(steps, default=None)
+
+
+def order_positions(
+    trainer: L.Trainer, consumed: int, at: int, done: list[dict[str, Any]]
+) -> tuple[int, int, int | None]:
+    """(position the order had reached after ``consumed`` micro-batches, position of micro-batch
+    ``at``, windows per micro-batch) as this launch's sampler counts them: it may have carried
+    the run's checkpoint from another layout. Without nanolab's sampler, the ledger's count."""
+    from nanolab.data.order import unit_of
+    from nanolab.data.windows import ResumableBatchSampler
+
+    sampler = getattr(getattr(trainer, "datamodule", None), "train_sampler", None)
+    if not isinstance(sampler, ResumableBatchSampler):
+        return data_position(consumed, jumps(done)), data_position(at, jumps(done)), None
+    restored_at = sampler.position(at) if at >= sampler.start else data_position(at, jumps(done))
+    return sampler.position(consumed), restored_at, unit_of(sampler.plan)
 
 
 def complete_rollback(run_dir: str | Path, folder: str | Path | None = None) -> None:

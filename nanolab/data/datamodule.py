@@ -38,6 +38,7 @@ from nanolab.data.checks import (
     replaced_message,
 )
 from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
+from nanolab.data.order import sampler_jumps
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.sizes import check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
@@ -923,11 +924,15 @@ def rank_world(trainer: Any) -> tuple[int, int]:
 
 
 def resumable_sampler(dm: Any) -> ResumableBatchSampler:
-    """This rank's micro-batches of ``dm.window_plan``, from where the run (and its rollbacks)
-    left the order."""
+    """This rank's micro-batches of ``dm.window_plan``, from where the run's checkpoint (and
+    its rollbacks) left the order, in this launch's micro-batches (:mod:`nanolab.data.order`)."""
     rank, world = rank_world(dm.trainer)
-    start, skips = consumed_micro_batches(dm.trainer), rollback_jumps(dm.trainer)
-    return ResumableBatchSampler(dm.window_plan(world), rank, start, skips)
+    plan = dm.window_plan(world)
+    start = consumed_micro_batches(dm.trainer)
+    skips, skipped = sampler_jumps(dm.trainer, plan, start)
+    if skipped and rank == 0:
+        messages.warn("nanolab fit", skipped)
+    return ResumableBatchSampler(plan, rank, start, skips)
 
 
 def rollback_jumps(trainer: Any) -> list[Jump]:

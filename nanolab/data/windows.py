@@ -134,7 +134,8 @@ class ResumableBatchSampler:
 
     Training is counted in steps, not epochs, so the stream has no end (Lightning treats the
     loader as infinite); ``start`` is set from the trainer's progress when a run resumes, and
-    ``jumps`` skip what a rollback left behind (:mod:`nanolab.data.skips`).
+    ``jumps`` carry it to where its checkpoint left the order (:mod:`nanolab.data.order`) and
+    skip what a rollback left behind (:mod:`nanolab.data.skips`).
     """
 
     def __init__(self, plan: Any, rank: int, start: int = 0, jumps: Sequence[Jump] = ()) -> None:
@@ -143,10 +144,15 @@ class ResumableBatchSampler:
         self.start = start
         self.jumps = list(jumps)  # data skipped by rollbacks (nanolab.data.skips)
 
+    def position(self, consumed: int) -> int:
+        """The position in the order of micro-batch ``consumed`` of this launch (what a
+        checkpoint records: :func:`nanolab.data.order.order_record`)."""
+        return data_position(consumed, self.jumps)
+
     def __iter__(self) -> Iterator[np.ndarray]:
         k = self.start
         while True:
-            yield self.plan.batch_starts(data_position(k, self.jumps), self.rank)
+            yield self.plan.batch_starts(self.position(k), self.rank)
             k += 1
 
 

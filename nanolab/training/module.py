@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from nanolab.data.order import ORDER_KEY, SavedOrder, order_record, saved_order
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
 from nanolab.model.gpt import check_parts
@@ -87,6 +88,8 @@ class GPTLightningModule(L.LightningModule):
         self._norm_requested = False
         self._whole_gradients: bool | None = None  # per fit: no strategy shards the gradients
         self._param_list: list[torch.nn.Parameter] | None = None  # per fit, listed once
+        #: Where the checkpoint a fit resumes from left the data order (None: a new run).
+        self.restored_order: SavedOrder | None = None
         check_parts(self.gpt_config)  # parts of one's own: one line now, not at step 1
         if self.gpt_config.vocab_size is not None:
             self.model = self._build_model()
@@ -360,6 +363,9 @@ class GPTLightningModule(L.LightningModule):
             "seed_everything": _global_seed(),
             "tokenizer": self._tokenizer_spec(),
             "layout": self._layout(),
+            # Where the next micro-batch starts in the data order, and in which layout's
+            # micro-batches: a resume on another layout goes on at the same window.
+            ORDER_KEY: order_record(self._trainer) if self._trainer is not None else None,
             # The precision it trains in: a resume under another one says so.
             "precision": str(self._trainer.precision) if self._trainer is not None else None,
             # The modules that registered this model's own parts (none for built-ins): a
@@ -431,6 +437,8 @@ class GPTLightningModule(L.LightningModule):
             )
 
             realign_progress(checkpoint, int(self.trainer.accumulate_grad_batches or 1))
+            # Read by the training sampler (nanolab.data.order.sampler_jumps) when it starts.
+            self.restored_order = saved_order(checkpoint)
             note = describe_layout_change(saved.get("layout"), self._layout())
             if note:
                 rank_zero_info(note)

@@ -530,11 +530,12 @@ def realign_progress(checkpoint: dict[str, Any], accumulate: int) -> bool:
     """Count the restored micro-batches as ``global_step x accumulate``, this launch's layout.
 
     Lightning counts micro-batches per process, so a run saved on 2 devices (accumulation 1)
-    after S steps has counted S; resumed on 1 device with accumulation 2 it has consumed 2S of
-    the data order (N devices = N accumulated micro-batches) and its next optimizer step must
-    come after two micro-batches, not one. Every save is at an optimizer-step boundary, so the
-    count is a plain function of the steps; on the same layout this changes nothing. Returns
-    whether it changed the counts.
+    after S steps has counted S; resumed on 1 device with accumulation 2 its next optimizer
+    step must come after two micro-batches, not one. Every save is at an optimizer-step
+    boundary, so the count is a plain function of the steps; on the same layout this changes
+    nothing. Where the data order goes on is the checkpoint's own record, carried into this
+    layout's micro-batches (:mod:`nanolab.data.order`), not this count. Returns whether it
+    changed the counts.
     """
     loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
     progress = loops.get("epoch_loop.batch_progress")
@@ -570,8 +571,9 @@ def describe_layout_change(saved: Any, now: Any) -> str | None:
     if before == after:
         return line + ": the same global batch, and the same data order"
     return (
-        line + f": the global batch changes ({before} -> {after} windows per step); set "
-        "run.global_batch_tokens to the run's tokens per step to keep it"
+        line + f": the global batch changes ({before} -> {after} windows per step), and the "
+        "data order goes on at the first window the run has not trained; set "
+        "run.global_batch_tokens to the run's tokens per step to keep the batch"
     )
 
 

@@ -1,0 +1,230 @@
+"""Where a resumed run continues in the training order, whatever the launch's batch layout.
+
+The order (:mod:`nanolab.data.windows`) is counted in micro-batch *positions*: position ``g``
+is the ``g``-th group of ``micro_batch_size x world_size`` windows of the order (the layout's
+*unit*). A position therefore names other windows once the micro-batch or the device count
+changes, and a resume that restarted at "optimizer steps x accumulation" in the new unit
+skipped or repeated windows. So a checkpoint records the position its next micro-batch starts
+at, with the unit it is counted in (:func:`order_record`), and a resume carries it into its own
+unit (:func:`carry`): the same window of the same epoch, or, when that is not the start of a
+whole micro-batch of the new layout, the next whole one, with one line saying how many windows
+that skips. A rollback's jump (:mod:`nanolab.data.skips`) is carried the same way: its ledger
+entry records the unit it was counted in.
+
+A checkpoint saved before the record gives its position as resumes always took it: its
+optimizer steps x the accumulation of the layout that saved it, in that layout's unit, with the
+run's jumps. On an unchanged layout that is exactly the position such a resume always took.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanolab.data.skips import Jump, data_position, jumps, read_ledger
+
+#: The key of the record in the checkpoint's ``nanolab`` section.
+ORDER_KEY = "order"
+
+
+@dataclass(frozen=True)
+class SavedOrder:
+    """What a checkpoint says about its place in the training order.
+
+    ``position`` is where its next micro-batch starts, in micro-batches of ``unit`` windows;
+    ``None`` for a checkpoint saved before that record, whose position is derived from its
+    ``step`` and the ``accumulate`` of the layout that saved it (``None``: not recorded either).
+    """
+
+    step: int
+    position: int | None
+    unit: int | None
+    accumulate: int | None
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A position carried into another layout's micro-batches.
+
+    ``position``: in the new layout's micro-batches. ``skipped``: windows of the order passed
+    over to start on a whole micro-batch (0 when it starts exactly there). ``epoch`` and
+    ``window``: where the old position was (the epoch, or ``None`` for an order without epochs,
+    a mixture's, and the windows of it before the old position); ``next_epoch``: the rest of
+    that epoch held no whole micro-batch of the new layout, so it starts the next one.
+    """
+
+    position: int
+    skipped: int = 0
+    epoch: int | None = None
+    window: int = 0
+    next_epoch: bool = False
+
+
+def unit_of(plan: Any) -> int | None:
+    """Windows per micro-batch position of ``plan`` (micro-batch x devices); ``None`` for a plan
+    that does not say (a fork's own), whose positions are then taken as they are."""
+    micro, world = getattr(plan, "micro_batch_size", None), getattr(plan, "world_size", None)
+    if not isinstance(micro, int) or not isinstance(world, int) or micro < 1 or world < 1:
+        return None
+    return micro * world
+
+
+def carry(plan: Any, position: int, unit: int | None) -> Carried:
+    """Position ``position`` of a layout of ``unit`` windows per micro-batch, as a position of
+    ``plan``: the first micro-batch of ``plan`` that starts at or after the same window.
+
+    An order with epochs (:class:`~nanolab.data.windows.WindowPlan`, ``IndexPlan``) drops the
+    windows that do not fill a whole micro-batch at each epoch's end, so the same position
+    falls in the same epoch only when counted per epoch; a mixture's order has no epochs.
+    """
+    now = unit_of(plan)
+    if unit is None or now is None or unit == now:
+        return Carried(position)
+    windows = getattr(plan, "num_windows", None)
+    per_epoch = getattr(plan, "batches_per_epoch", None)
+    if not isinstance(windows, int) or not isinstance(per_epoch, int):
+        window = position * unit  # one endless order (a mixture's slots)
+        start = -(-window // now)
+        return Carried(start, start * now - window, None, window)
+    epoch, within = divmod(position, max(1, windows // unit))
+    window = within * unit
+    start = -(-window // now)
+    if start >= per_epoch:  # the rest of the epoch is less than a micro-batch of the new layout
+        return Carried((epoch + 1) * per_epoch, windows - window, epoch, window, True)
+    return Carried(epoch * per_epoch + start, start * now - window, epoch, window)
+
+
+def saved_order(checkpoint: dict[str, Any]) -> SavedOrder:
+    """The :class:`SavedOrder` of a checkpoint (its ``nanolab`` section and global step)."""
+    section = checkpoint.get("nanolab")
+    section = section if isinstance(section, dict) else {}
+    step = checkpoint.get("global_step")
+    step = step if isinstance(step, int) else 0
+    record = section.get(ORDER_KEY)
+    if isinstance(record, dict) and _count(record.get("position"), 0) is not None:
+        unit = _count(record.get("unit"), 1)
+        if unit is not None:
+            return SavedOrder(step, int(record["position"]), unit, None)
+    layout = section.get("layout")
+    if isinstance(layout, dict):
+        world, micro = (
+            _count(layout.get("world_size"), 1),
+            _count(layout.get("micro_batch_size"), 1),
+        )
+        unit = world * micro if world is not None and micro is not None else None
+        return SavedOrder(step, None, unit, _count(layout.get("accumulate"), 1))
+    return SavedOrder(step, None, None, None)
+
+
+def _count(value: Any, least: int) -> int | None:
+    """``value`` when it is an int (not a bool) of at least ``least``."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+    return value if ok else None
+
+
+def order_record(trainer: Any) -> dict[str, int] | None:
+    """What a checkpoint saved now records: the position the micro-batch after this optimizer
+    step starts at, and the unit it is counted in. ``None`` without nanolab's sampler (a fork's
+    loader, or no training loader yet)."""
+    from nanolab.data.windows import ResumableBatchSampler
+
+    sampler = getattr(getattr(trainer, "datamodule", None), "train_sampler", None)
+    if not isinstance(sampler, ResumableBatchSampler):
+        return None
+    unit = unit_of(sampler.plan)
+    if unit is None:
+        return None
+    consumed = int(trainer.global_step) * int(trainer.accumulate_grad_batches or 1)
+    return {"position": sampler.position(consumed), "unit": unit}
+
+
+def resume_jumps(
+    saved: SavedOrder | None,
+    plan: Any,
+    start: int,
+    accumulate: int,
+    rollbacks: list[dict[str, Any]],
+) -> tuple[list[Jump], Carried | None]:
+    """The jumps (this launch's micro-batches) that make the order continue where ``saved``
+    left it, and the rollbacks of the run that lie after it; with the :class:`Carried` of the
+    resume point (``None`` when ``saved`` does not apply: a new run, or a module that does not
+    record it, which continue as the ledger alone says).
+
+    ``start`` is the consumed micro-batch count this launch restarts at (optimizer steps x
+    ``accumulate``); a rollback in force at the checkpoint's own step replaces its position
+    (a run rolled back to it goes on past the data it had reached), later ones are carried and
+    applied when the run gets there, and earlier ones are already in the checkpoint's position.
+    """
+    if saved is None or saved.step * accumulate != start:
+        return jumps(rollbacks), None
+    now = unit_of(plan)
+    unit = saved.unit or now
+    position = saved.position
+    if position is None:  # saved before the record: steps x its accumulation, with its jumps
+        position = data_position(saved.step * (saved.accumulate or accumulate), jumps(rollbacks))
+    later: list[Jump] = []
+    for entry in in_force(rollbacks, saved.accumulate or accumulate):
+        step, reached, its_unit = entry
+        if step == saved.step:
+            position, unit = reached, its_unit or unit
+        elif step > saved.step:
+            at = step * accumulate
+            later.append(Jump(at, carry(plan, reached, its_unit or unit).position - at))
+    resumed = carry(plan, position, unit)
+    return [Jump(start, resumed.position - start), *later], resumed
+
+
+def in_force(rollbacks: list[dict[str, Any]], accumulate: int) -> list[tuple[int, int, int | None]]:
+    """(step rolled back to, position the order had reached, its unit) of each rollback in
+    force: a later rollback to an earlier step abandons those at or after it. ``accumulate``
+    dates an entry that does not name its step (its micro-batch count / accumulation)."""
+    out: list[tuple[int, int, int | None]] = []
+    for r in rollbacks:
+        at = int(r["skip_at"])
+        step = _count(r.get("restored"), 0)
+        step = step if step is not None else at // max(1, accumulate)
+        reached = at + int(r["skip_offset"])
+        out = [e for e in out if e[0] < step] + [(step, reached, _count(r.get("unit"), 1))]
+    return out
+
+
+def skipped_line(carried: Carried, plan: Any) -> str | None:
+    """The warning of a resume that could not start exactly where its checkpoint stopped
+    (``None`` when it does): where it stopped, where it goes on, how many windows that skips."""
+    if carried.skipped == 0:
+        return None
+    micro, world = plan.micro_batch_size, plan.world_size
+    layout = f"micro-batch {micro} x {world} device(s) = {micro * world} windows"
+    if carried.next_epoch:
+        return (
+            f"the checkpoint stopped {carried.window} windows into epoch {carried.epoch}'s "
+            f"window order, and its remaining {carried.skipped} windows are less than one "
+            f"micro-batch of this launch ({layout}): training goes on at the start of epoch "
+            f"{carried.epoch + 1}, skipping them"
+        )
+    where = (
+        f"epoch {carried.epoch}'s window order"
+        if carried.epoch is not None
+        else "the training order"
+    )
+    return (
+        f"the checkpoint stopped {carried.window} windows into {where}, inside a micro-batch "
+        f"of this launch ({layout}): training goes on at the next whole one, skipping "
+        f"{carried.skipped} windows (a micro-batch x devices that divides {carried.window} "
+        "skips none)"
+    )
+
+
+def sampler_jumps(trainer: Any, plan: Any, start: int) -> tuple[list[Jump], str | None]:
+    """:func:`resume_jumps` for ``trainer``'s launch: the checkpoint's record (kept by the
+    module when it restored, as ``restored_order``) and the run's rollback ledger; with the
+    warning of a resume that skips windows."""
+    if trainer is None:
+        return [], None
+    rollbacks = read_ledger(getattr(trainer, "default_root_dir", None))
+    module = getattr(trainer, "lightning_module", None)
+    saved = getattr(module, "restored_order", None)
+    saved = saved if isinstance(saved, SavedOrder) else None
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    out, carried = resume_jumps(saved, plan, start, accumulate, rollbacks)
+    return out, skipped_line(carried, plan) if carried is not None else None
