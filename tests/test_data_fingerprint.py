@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 
 import lightning as L
 import pytest
-from test_data_checks import CODE_TEXT, fit_config, fit_in_process, write_dataset
+from test_data_checks import (
+    CODE_TEXT,
+    TRAIN_TEXT,
+    VAL_TEXT,
+    fit_config,
+    fit_in_process,
+    write_dataset,
+)
 
 from nanolab.data.checks import DataChangedError
 from nanolab.data.datamodule import TokenDataModule
@@ -80,21 +86,54 @@ def test_other_data_in_another_folder_names_both_folders_and_a_new_run(
 
 
 def test_allow_changed_resumes_on_the_new_data(tmp_path, capsys, finished_run):
+    """Other text of the same tokenizer: the resume says so in one ``nanolab fit: warning:``
+    line (it was a raw ``datamodule.py:574: UserWarning:`` ending in advice to pass the flag
+    already given)."""
     data, cfg = finished_run
     write_dataset(data, train=CODE_TEXT)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        code, err = fit_in_process(
-            capsys, cfg, "--trainer.max_steps", "6", "--data.allow_changed", "true"
-        )
+    code, err = fit_in_process(
+        capsys, cfg, "--trainer.max_steps", "6", "--data.allow_changed", "true"
+    )
     assert code == 0, err[-20:]
-    notes = [w for w in caught if "data.allow_changed: resuming anyway" in str(w.message)]
-    assert len(notes) == 1 and f"train.bin is {len(CODE_TEXT) * 2:,} bytes" in str(notes[0].message)
+    notes = [line for line in err if "data.allow_changed" in line]
+    assert len(notes) == 1, err
+    assert notes[0].startswith("nanolab fit: warning: data.allow_changed: resuming on other data")
+    assert f"train.bin is {len(CODE_TEXT) * 2:,} bytes" in notes[0]
+    assert "--data.allow_changed true" not in notes[0] and "UserWarning" not in "\n".join(err)
     starts = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "start")
     assert [s["resumed_from_step"] for s in starts] == [None, 4]
     # The new checkpoints carry the new fingerprint: the next resume needs no flag.
     code, err = fit_in_process(capsys, cfg, "--trainer.max_steps", "8")
     assert code == 0, err[-20:]
+
+
+def test_allow_changed_never_allows_another_tokenizer(tmp_path, capsys, finished_run):
+    """The same vocabulary size, another tokenizer (characters with one replaced: the ids
+    shift): ``data.allow_changed`` resumed on it and the new checkpoints stored the other
+    tokenizer, which ``validate`` then refused. A resume and a branch are refused as
+    ``validate`` refuses, in one line, before anything is written."""
+    data, cfg = finished_run
+    write_dataset(data, tokenizer="chars")
+    code, err = fit_in_process(capsys, cfg, "--run.name", "chars", "--trainer.max_steps", "2")
+    assert code == 0, err[-20:]
+    run_dir = tmp_path / "runs" / "chars"
+    before = snapshot(run_dir)
+    other = tmp_path / "other"
+    swap = {"train": TRAIN_TEXT.replace("e", "#"), "val": VAL_TEXT.replace("e", "#")}
+    write_dataset(other, **swap, tokenizer="chars")  # 24 characters either way
+    branch = ("--run.name", "branch", "--run.resume", str(run_dir / "checkpoints" / "last.ckpt"))
+    for extra in (("--run.name", "chars"), branch):
+        code, err = fit_in_process(
+            capsys, cfg, *extra, "--trainer.max_steps", "4", "--data.dataset_dir", str(other),
+            "--data.allow_changed", "true",
+        )  # fmt: skip
+        errors = [line for line in err if line.startswith("nanolab")]
+        assert code == 2 and len(errors) == 1, err
+        assert "not the checkpoint's tokenizer" in errors[0]
+        assert "'#' is id 1 in the data, absent in the checkpoint" in errors[0]
+        assert "data.allow_changed allows other text, not another tokenizer" in errors[0]
+    assert snapshot(run_dir) == before
+    assert not (tmp_path / "runs" / "branch").exists()
 
 
 def test_a_moved_but_identical_dataset_resumes(tmp_path, capsys, finished_run):

@@ -378,27 +378,57 @@ def checkpoint_fingerprint(ckpt_path: str | Path, key: str) -> dict[str, Any] | 
     Opened with ``mmap`` and ``weights_only``: the tensors are not read. Sharded checkpoint
     folders are not opened here (the DataModule checks them when the trainer restores them).
     """
-    path = Path(ckpt_path)
-    if not path.is_file():
-        return None
-    import torch
-
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # not loadable: the resume checks report that, in their own words
-        return None
-    state = ckpt.get(key) if isinstance(ckpt, dict) else None
+    state = _mapped_checkpoint(ckpt_path).get(key)
     found = state.get("data_fingerprint") if isinstance(state, dict) else None
     return found if isinstance(found, dict) else None
 
 
-def changed_data_message(changes: list[str], ckpt: str | Path | None) -> str:
+def checkpoint_tokenizer(ckpt_path: str | Path) -> dict[str, Any] | None:
+    """The tokenizer spec a checkpoint file stores (its ``nanolab`` section), None if none.
+    Read the way :func:`checkpoint_fingerprint` reads (no tensor data)."""
+    section = _mapped_checkpoint(ckpt_path).get("nanolab")
+    spec = section.get("tokenizer") if isinstance(section, dict) else None
+    return spec if isinstance(spec, dict) else None
+
+
+def _mapped_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+    """A checkpoint file memory-mapped (``weights_only``); empty for a sharded folder (the
+    DataModule checks those when the trainer restores them) or a file that does not load
+    (the resume checks report that, in their own words)."""
+    path = Path(ckpt_path)
+    if not path.is_file():
+        return {}
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return {}
+    return ckpt if isinstance(ckpt, dict) else {}
+
+
+def data_changes_text(changes: list[str], ckpt: str | Path | None) -> str:
+    """What changed in the data since checkpoint ``ckpt`` was saved (the first three)."""
     source = f"{ckpt} was saved" if ckpt else "the checkpoint was saved"
     more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    return f"the data changed since {source}: {'; '.join(changes[:3])}{more}"
+
+
+def changed_data_message(changes: list[str], ckpt: str | Path | None) -> str:
+    """The refusal of a resume on changed data, with the three ways on."""
     return (
-        f"the data changed since {source}: {'; '.join(changes[:3])}{more}; resuming would not "
-        "continue the run on the data it trained on. To resume, point data.dataset_dir / "
-        "data.datasets at the old data; to train these weights on the new data (a fine-tune), "
-        "pass --data.allow_changed true; to start from scratch on it, give another --run.name "
-        "(and no --run.resume PATH)"
+        f"{data_changes_text(changes, ckpt)}; resuming would not continue the run on the data "
+        "it trained on. To resume, point data.dataset_dir / data.datasets at the old data; to "
+        "train these weights on the new data (a fine-tune), pass --data.allow_changed true; to "
+        "start from scratch on it, give another --run.name (and no --run.resume PATH)"
+    )
+
+
+def allowed_change_line(changes: list[str], ckpt: str | Path | None) -> str:
+    """The warning of ``data.allow_changed`` resuming on changed data: what changed, and what
+    it means, without advising the flag already given."""
+    return (
+        f"data.allow_changed: resuming on other data: {data_changes_text(changes, ckpt)}; "
+        "the run goes on training these weights on the new data (its checkpoints record it, "
+        "so the next resume needs no flag)"
     )

@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader
 
 from nanolab import messages
@@ -27,10 +27,12 @@ from nanolab.data.checks import (
     DataCheckError,
     DataReplacedError,
     FileIdentity,
+    allowed_change_line,
     changed_data_message,
     check_files,
     checked_tokenizer_spec,
     checkpoint_fingerprint,
+    checkpoint_tokenizer,
     data_changes,
     file_identity,
     fingerprint,
@@ -572,12 +574,11 @@ class TokenDataModule(L.LightningDataModule):
         changes = data_changes(saved, self.data_fingerprint())
         if not changes:
             return
-        message = changed_data_message(changes, ckpt)
         if not self.allow_changed:
-            raise DataChangedError(message)
+            raise DataChangedError(changed_data_message(changes, ckpt))
         if not self._changed_noted:
             self._changed_noted = True
-            rank_zero_warn(f"data.allow_changed: resuming anyway; {message}")
+            rank_zero_only(messages.warn)("nanolab fit", allowed_change_line(changes, ckpt))
 
     def changed_since(self, ckpt_path: str | Path) -> str | None:
         """When ``ckpt_path`` was trained on other data than this: one line naming the data it
@@ -598,10 +599,23 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def check_resume(self, ckpt_path: str | Path | None) -> None:
-        """Before a resume starts: refuse it if the checkpoint was trained on other data."""
-        if ckpt_path is not None:
-            saved = checkpoint_fingerprint(ckpt_path, type(self).__qualname__)
-            self.refuse_changed_data(saved, ckpt_path)
+        """Before a resume (or a branch) starts: refuse it if the data is not tokenized with
+        the checkpoint's tokenizer (``data.allow_changed`` allows other text, never another
+        tokenizer: its ids would mean other tokens), or if the checkpoint was trained on other
+        data (unless ``data.allow_changed``)."""
+        if ckpt_path is None:
+            return
+        from nanolab.model.hf_tokenizer import check_scored_data
+
+        fix = (
+            "continue it on data prepared with its tokenizer (data.allow_changed allows other "
+            "text, not another tokenizer), or start a new run without its checkpoint (another "
+            "--run.name)"
+        )
+        spec = checkpoint_tokenizer(ckpt_path)
+        check_scored_data(self.parts[0].path, spec, Path(ckpt_path), "resume", fix)
+        saved = checkpoint_fingerprint(ckpt_path, type(self).__qualname__)
+        self.refuse_changed_data(saved, ckpt_path)
 
     # -- loaders ---------------------------------------------------------------------------
     def window_plan(self, world_size: int = 1) -> WindowPlan | IndexPlan | MixturePlan:

@@ -246,19 +246,23 @@ def check_same_vocabulary(
         )
 
 
-def check_scored_data(dataset_dir: Path, spec: Any, source: Path, verb: str) -> None:
-    """``validate``/``test`` of checkpoint ``source``: refuse data ``dataset_dir`` that is not
-    tokenized with the checkpoint's tokenizer (``spec``, as the checkpoint stores it). Its ids
-    would index other tokens' rows, and a loss over them means nothing; when the data's
-    vocabulary is no larger than the model's it even scores without an error. A checkpoint
-    that stores no tokenizer (or one this nanolab cannot build) is not checked."""
+def check_scored_data(
+    dataset_dir: Path, spec: Any, source: Path, verb: str, fix: str | None = None
+) -> None:
+    """``validate``/``test`` of checkpoint ``source``, and every resume or branch from one:
+    refuse data ``dataset_dir`` that is not tokenized with the checkpoint's tokenizer
+    (``spec``, as the checkpoint stores it). Its ids would index other tokens' rows, and a loss
+    over them means nothing; when the data's vocabulary is no larger than the model's it even
+    scores (and trains) without an error. A checkpoint that stores no tokenizer (or one this
+    nanolab cannot build) is not checked. ``fix``: what works instead (default: ``verb`` it on
+    data prepared with its tokenizer)."""
     if not isinstance(spec, dict) or portable_spec(dataset_dir) == spec:
         return  # nothing to compare, or the very tokenizer (a bpe's file included)
     try:
         theirs = vocabulary(tokenizer_from_spec(spec))
     except (TokenizerError, HFFormatError):
         return
-    fix = f"{verb} it on data prepared with its tokenizer (as its run's data was)"
+    fix = fix or f"{verb} it on data prepared with its tokenizer (as its run's data was)"
     check_same_vocabulary(dataset_dir, load_tokenizer(dataset_dir), theirs, f"in {source}", fix)
 
 
