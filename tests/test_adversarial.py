@@ -467,7 +467,7 @@ def _tool_rows() -> list[Case]:
         Case("generate-not-a-dict", (*gen, "{work}/list.ckpt"), EXIT_USAGE,
              "list.ckpt holds no state_dict", setup=_generate_files),
         Case("generate-ckpt-folder-without-checkpoints", (*gen, "{work}"), EXIT_USAGE,
-             "is a folder without checkpoints/last.ckpt"),
+             "is a folder without a complete checkpoint (checkpoints/*.ckpt)"),
         Case("generate-ckpt-is-a-run-dir", (*gen, "{runs}/base", "--max-new-tokens", "5"), 0,
              "", setup=_finished_runs),
         # every bad checkpoint file the fit rows use, through generate too

@@ -50,7 +50,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory, char_dataset: Path) -> Tra
 
 
 # -- the rest of the generate and queue items -------------------------------------------------
-def test_generate_from_a_run_directory_uses_its_last_checkpoint(trained: Trained) -> None:
+def test_generate_from_a_run_directory_uses_its_newest_checkpoint(trained: Trained) -> None:
+    """The run directory is its newest complete checkpoint: the step file last.ckpt links to
+    (named by its step, as validate and eval name it), the same sample."""
     direct = run_nanolab(
         "generate", "--ckpt", str(trained.last), "--max-new-tokens", "12", cwd=trained.root
     )
@@ -59,7 +61,8 @@ def test_generate_from_a_run_directory_uses_its_last_checkpoint(trained: Trained
     )
     assert direct.returncode == 0 and via_dir.returncode == 0, via_dir.stderr
     assert via_dir.stdout == direct.stdout and len(direct.stdout.strip()) >= 5  # same sample
-    assert f"using {trained.last}" in via_dir.stderr
+    newest = trained.run_dir / "checkpoints" / "step-00000006.ckpt"
+    assert newest.samefile(trained.last) and f"using {newest}" in via_dir.stderr
 
 
 def test_a_zero_byte_db_file_is_an_empty_queue(tmp_path: Path, trained: Trained) -> None:

@@ -7,6 +7,7 @@ escape codes, none of Lightning's start-up chatter. Extending a finished run kee
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -171,11 +172,15 @@ def test_the_end_block_reads_the_runs_own_numbers_and_quotes_its_paths(tmp_path)
     import json
     from types import SimpleNamespace
 
+    from nanolab.callbacks.checkpoint import RotatingCheckpoint
     from nanolab.run.cli import end_block
 
     run = tmp_path / "runs" / "my run"
     (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (run / "checkpoints" / "step-00000600.ckpt").write_bytes(b"")
+    os.link(run / "checkpoints" / "step-00000600.ckpt", run / "checkpoints" / "last.ckpt")
+    saver = RotatingCheckpoint()
+    saver.dirpath, saver.last_saved_step = run / "checkpoints", 600
     records = [
         {"event": "val", "step": 600, "val_loss": 1.81, "val_bpb": 2.6},
         {"event": "tasks", "step": 600, "tasks/cloze/score": 0.387},
@@ -184,7 +189,7 @@ def test_the_end_block_reads_the_runs_own_numbers_and_quotes_its_paths(tmp_path)
         {"event": "tasks", "step": 600, "tasks/cloze/score": 0.364, "evaluated_by": "nanolab eval"},
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    text = end_block(SimpleNamespace(default_root_dir=str(run)))
+    text = end_block(SimpleNamespace(default_root_dir=str(run), callbacks=[saver]))
     assert "val loss 1.8100 at step 600" in text and "cloze 0.387" in text, text
     assert f"--ckpt '{run / 'checkpoints' / 'last.ckpt'}'" in text, text
 

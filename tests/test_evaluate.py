@@ -83,21 +83,20 @@ def test_a_folder_given_as_the_checkpoint_is_read_as_generate_reads_it(work):
     shutil.copy(run / "checkpoints" / "last.ckpt", copy / "last.ckpt")
     before = digests(work)
     for given, file in (
-        ("runs/tiny", "runs/tiny/checkpoints"),
-        ("x/step-00000006", "x/step-00000006"),
+        ("runs/tiny", "runs/tiny/checkpoints/step-00000006.ckpt"),
+        ("x/step-00000006", "x/step-00000006/last.ckpt"),
     ):
         res = run_nanolab("validate", "--config", "tiny.yaml", "--ckpt_path", given, cwd=work)
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"{fit_val_loss(run, 6):.4f}"[:5] in res.stdout
         # The line names the file scored, not the folder given.
-        assert (
-            f"nanolab validate: {file}/last.ckpt (step 6), on the validation windows" in res.stdout
-        )
+        assert f"nanolab validate: {file} (step 6), on the validation windows" in res.stdout
     assert digests(work) == before
     res = run_nanolab("validate", "--config", "tiny.yaml", "--ckpt_path", "x", cwd=work)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1] == (
-        "nanolab validate: error: --ckpt_path x is a folder without checkpoints/last.ckpt; "
+        "nanolab validate: error: --ckpt_path x is a folder without a complete checkpoint "
+        "(checkpoints/*.ckpt); "
         "pass a .ckpt file"
     )
 
@@ -234,7 +233,7 @@ def poisoned(src: Path, dst: Path) -> None:
         ("validate", "nan.ckpt", "nan.ckpt"),
         ("test", "last", "runs/tiny/checkpoints/"),
         ("validate", "best", "runs/tiny/checkpoints/step-"),
-        ("test", "runs/tiny", "runs/tiny/checkpoints/last.ckpt"),
+        ("test", "runs/tiny", "runs/tiny/checkpoints/step-"),
     ],
 )
 def test_a_checkpoint_with_non_finite_weights_is_refused_in_evals_words(work, verb, given, scored):

@@ -158,16 +158,17 @@ def test_a_folder_is_a_sharded_checkpoint_only_with_its_files(tmp_path: Path) ->
 
 
 def test_a_named_folder_is_read_as_generate_reads_it_or_named_a_folder(tmp_path: Path) -> None:
-    """A run directory (or a folder holding last.ckpt) given to evaluate is its last.ckpt, as
-    for generate, eval and export; given to resume from, it is named with the file to pass
+    """A run directory given to evaluate is its newest complete checkpoint (a step file over
+    an equal last.ckpt), and a folder holding a copied last.ckpt is that file, as for generate,
+    eval and export; given to resume from, it is named with the file to pass
     (the same command run again continues a run only by the same file); any other folder is
     one line calling it a folder, not "a sharded checkpoint folder without a step in its name"."""
     run = tmp_path / "runs" / "base"
     last = fake_checkpoint(run / "checkpoints" / "last.ckpt", 6)
-    fake_checkpoint(run / "checkpoints" / "step-00000006.ckpt", 6)
+    step = fake_checkpoint(run / "checkpoints" / "step-00000006.ckpt", 6)
     flag = "--ckpt_path"
     cand = resume_candidate(str(run), tmp_path, GPT, flag, training=False)
-    assert cand is not None and cand.path == last and cand.step == 6
+    assert cand is not None and cand.path == step and cand.step == 6
     copied = fake_checkpoint(tmp_path / "x" / "step-00000006" / "last.ckpt", 6)
     cand = resume_candidate(str(copied.parent), tmp_path, GPT, flag, training=False)
     assert cand is not None and cand.path == copied
@@ -175,7 +176,7 @@ def test_a_named_folder_is_read_as_generate_reads_it_or_named_a_folder(tmp_path:
         resolve_resume(str(run), tmp_path, GPT)
     assert str(err.value) == (
         f"run.resume {run} is a folder, not a checkpoint; pass the checkpoint in it, "
-        f"run.resume {last} (to continue that run itself, rerun it with its own run.name "
+        f"run.resume {step} (to continue that run itself, rerun it with its own run.name "
         "and run.resume auto)"
     )
     (tmp_path / "plain").mkdir()
@@ -183,12 +184,12 @@ def test_a_named_folder_is_read_as_generate_reads_it_or_named_a_folder(tmp_path:
     with pytest.raises(ResumeError) as err:
         resume_candidate(str(tmp_path / "plain"), tmp_path, None, flag, training=False)
     assert str(err.value) == (
-        f"--ckpt_path {tmp_path / 'plain'} is a folder without checkpoints/last.ckpt; "
-        "pass a .ckpt file"
+        f"--ckpt_path {tmp_path / 'plain'} is a folder without a complete checkpoint "
+        "(checkpoints/*.ckpt); pass a .ckpt file"
     )
-    last.unlink()
-    with pytest.raises(ResumeError, match=r"e\.g\. --ckpt_path .*step-00000006\.ckpt$"):
-        resume_candidate(str(run), tmp_path, None, flag, training=False)
+    last.unlink()  # no last.ckpt (checkpoint.save_last false): its newest step file
+    cand = resume_candidate(str(run), tmp_path, None, flag, training=False)
+    assert cand is not None and cand.path == step
 
 
 def test_fit_refuses_a_bad_resume_path_in_one_line(tmp_path: Path, char_dataset: Path) -> None:

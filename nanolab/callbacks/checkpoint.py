@@ -400,8 +400,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if not parameters_finite(trainer):
             # A diverged state must not rotate the last finite checkpoints away.
             if trainer.is_global_zero:
-                last = self.dirpath / LAST_NAME
-                kept = f"{last} (step {self.last_saved_step})" if last.exists() else "none yet"
+                newest = self.newest_saved()
+                kept = f"{newest} (step {self.last_saved_step})" if newest else "none yet"
                 print(
                     f"nanolab: warning: not saving {path.name}: the parameters are not finite "
                     f"(NaN/inf); the newest checkpoint stays {kept}",
@@ -559,6 +559,22 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._written.pop(path.name, None)
         return True
 
+    def newest_saved(self) -> Path | None:
+        """The file of the newest complete save of this run (None: none yet, or gone): its
+        ``last.ckpt`` where that is kept and is the same file, else its step file. What a
+        summary names: a ``last.ckpt`` left by an earlier launch (``save_last false`` now)
+        or by a resume from an older checkpoint would name an older model."""
+        if self.dirpath is None or self.last_saved_step is None:
+            return None
+        newest = self.dirpath / step_checkpoint_name(self.last_saved_step)
+        if not newest.exists():
+            return None
+        last = self.dirpath / LAST_NAME
+        with contextlib.suppress(OSError):
+            if self.save_last and last.exists() and os.path.samefile(last, newest):
+                return last
+        return newest
+
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -611,6 +627,15 @@ def parameters_finite(trainer: L.Trainer) -> bool:
     return finite
 
 
+def newest_saved(trainer: Any) -> Path | None:
+    """The newest complete checkpoint the run of ``trainer`` saved (None: it saved none, or
+    it has no :class:`RotatingCheckpoint`): :meth:`RotatingCheckpoint.newest_saved`."""
+    for callback in getattr(trainer, "callbacks", None) or ():
+        if isinstance(callback, RotatingCheckpoint):
+            return callback.newest_saved()
+    return None
+
+
 __all__ = [
     "LAST_NAME",
     "RotatingCheckpoint",
@@ -620,13 +645,18 @@ __all__ = [
 
 
 def set_aside_newer(folder: Path, target: Path, step: int) -> list[str]:
-    """Make ``target`` (step ``step``) the newest checkpoint of ``folder``: ``last.ckpt`` points
-    at it and the step checkpoints after it move into ``rolled_back/`` (never deleted; a name
-    taken by an earlier move gets a suffix). Returns the names moved. A rollback does this, and
-    so does a resume from an older checkpoint of the run: its saves would otherwise overwrite
-    the newer files, and ``last.ckpt`` would take the next ``auto`` resume back to them."""
-    if target.exists():
-        atomic_link(target, folder / LAST_NAME)
+    """Make ``target`` (step ``step``) the newest checkpoint of ``folder``: a ``last.ckpt``
+    there points at it and the step checkpoints after it move into ``rolled_back/`` (never
+    deleted; a name taken by an earlier move gets a suffix). Returns the names moved. A rollback
+    does this, and so does a resume from an older checkpoint of the run: its saves would
+    otherwise overwrite the newer files, and ``last.ckpt`` would name one of them.
+
+    No ``last.ckpt`` is made where there is none (a run with ``checkpoint.save_last false``):
+    nothing would update it after the saves that follow, and it would stay behind as an old
+    "newest" checkpoint."""
+    last = folder / LAST_NAME
+    if target.exists() and (last.exists() or last.is_symlink()):
+        atomic_link(target, last)
     newer = sorted(p for p in folder.iterdir() if (s := step_of(p)) is not None and s > step)
     if newer:
         aside = folder / ROLLED_BACK_DIR

@@ -94,8 +94,10 @@ def run_lightning_cli(argv: list[str]) -> int:
     if stopped is None and reason != "diverged":
         return 0
     if trainer.is_global_zero:  # a non-finite loss (divergence.*) or a finite spike (spike.*)
-        last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
-        kept = f"newest checkpoint: {last}" if last.exists() else "no checkpoint saved"
+        from nanolab.callbacks.checkpoint import newest_saved
+
+        last = newest_saved(trainer)
+        kept = f"newest checkpoint: {last}" if last is not None else "no checkpoint saved"
         what = stopped.describe() if stopped is not None else detail or "diverged"
         hint = stopped.hint() if stopped is not None else "lower model.optimizer.lr"
         print(
@@ -109,6 +111,7 @@ def run_lightning_cli(argv: list[str]) -> int:
 def end_block(trainer: object) -> str:
     """How the fit ended, in a few lines under its last progress line: the reason, the
     validation (and task) numbers, the checkpoint, time and goodput, and what to run next."""
+    from nanolab.callbacks.checkpoint import newest_saved
     from nanolab.runlog import RUN_LOG_NAME, last_record
     from nanolab.runs import duration
 
@@ -145,8 +148,8 @@ def end_block(trainer: object) -> str:
         f"  {duration(wall) if isinstance(wall, int | float) else '-'} of wall time"
         + (f", goodput {goodput:.2f}" if isinstance(goodput, int | float) else "")
     )
-    last = run_dir / "checkpoints" / "last.ckpt"
-    if last.exists():
+    last = newest_saved(trainer)
+    if last is not None:
         lines.append(f"  checkpoint {last}")
         sample = (
             f"nanolab generate --ckpt {shlex.quote(str(last))} --prompt '...'"
