@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import_modules(args.imports)
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path).to(device)
-    tokenizer = tokenizer_from_checkpoint(ckpt)
+    tokenizer = tokenizer_from_checkpoint(ckpt, path)
     if step is None:  # a hand-edited checkpoint's non-number step reads as unknown (0)
         saved = ckpt.get("global_step")
         step = saved if isinstance(saved, int) and not isinstance(saved, bool) else 0

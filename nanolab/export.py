@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nanolab import messages
-from nanolab.data.tokenizers import TokenizerError, tokenizer_from_spec
+from nanolab.data.tokenizers import TokenizerError, TokenizerSpecError, tokenizer_from_spec
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser
 from nanolab.model import GPT, GPTConfig
@@ -39,6 +39,7 @@ from nanolab.model.checkpoint import (
     invalid_config,
     load_checkpoint,
     resolve_checkpoint,
+    stored_tokenizer_error,
 )
 from nanolab.model.exported import INFO_NAME
 from nanolab.model.hf import (
@@ -212,6 +213,8 @@ def write_hf(
     if isinstance(spec, dict):
         try:
             tokenizer = tokenizer_from_spec(spec)
+        except TokenizerSpecError:
+            raise  # a damaged checkpoint, refused (export names the file), not a missing file
         except TokenizerError as err:
             notes.append(f"no tokenizer files: the checkpoint's tokenizer cannot be built ({err})")
     else:
@@ -362,7 +365,10 @@ def export(
     notes: list[str] = []
     try:
         if fmt == "hf":
-            notes = write_hf(ckpt, config, state, staging)
+            try:
+                notes = write_hf(ckpt, config, state, staging)
+            except TokenizerSpecError as err:
+                raise stored_tokenizer_error(path, err) from None
         else:
             write_nanolab_safetensors(ckpt, config, state, staging)
         (staging / "README.md").write_text(model_card(ckpt, config, path, command))

@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("nanolab generate", f"using {path}")
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path).to(device)
-    tok = tokenizer_from_checkpoint(ckpt)
+    tok = tokenizer_from_checkpoint(ckpt, path)
     prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         raise GenerateArgumentError("--prompt encodes to no tokens; give some text")

@@ -44,6 +44,12 @@ class TokenizerError(NanolabError):
     """A tokenizer that cannot be built or cannot encode the text; the message says the fix."""
 
 
+class TokenizerSpecError(TokenizerError):
+    """A stored tokenizer spec (a checkpoint's, an export's) whose fields cannot be what nanolab
+    wrote: a field missing or of another type, a ``tokenizer.json`` that is not JSON. An edited
+    or damaged file; the message names the field."""
+
+
 class Tokenizer:
     """The base of every tokenizer here: ``encode`` is ``encode_batch`` of one text, and no
     files besides ``meta.json`` unless :meth:`save_files` says otherwise."""
@@ -275,7 +281,14 @@ class HFTokenizer(Tokenizer):
     def from_json(cls, text: str, spec: dict[str, Any]) -> HFTokenizer:
         from tokenizers import Tokenizer as RustTokenizer
 
-        return cls(RustTokenizer.from_str(text), spec["name"], spec.get("eot_id"))
+        try:
+            tok = RustTokenizer.from_str(text)
+        except Exception as err:  # JSON of another shape: the library's own words, one line
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise TokenizerSpecError(
+                f"the tokenizer spec json is not a tokenizer.json tokenizers reads ({first})"
+            ) from None
+        return cls(tok, spec["name"], spec.get("eot_id"))
 
     @property
     def vocab_size(self) -> int:
@@ -508,8 +521,55 @@ def portable_spec(dataset_dir: str | Path, meta: dict[str, Any] | None = None) -
     return spec
 
 
+def spec_problem(spec: Any) -> str | None:
+    """What is wrong with the fields of a stored tokenizer spec (None: nothing this can see),
+    in words naming the field. Cheap, so a checkpoint is checked whenever it is opened: the
+    fields of every kind nanolab writes (and wrote: a ``bpe``/``hf`` spec without ``json``
+    reads its dataset's file) must have their types, and an inlined ``tokenizer.json`` must be
+    a JSON object. A name this version does not know is left to :func:`tokenizer_from_spec`."""
+    if not isinstance(spec, dict):
+        return f"is a {type(spec).__name__}, not a mapping of its fields"
+    name = spec.get("name")
+    if not isinstance(name, str):
+        return f"has no name (name: {name!r})"
+    if name in ("bytes", "chars") and not isinstance(spec.get("eot", False), bool):
+        return f"eot is {spec['eot']!r}, not true or false"
+    if name == "chars":
+        chars = spec.get("chars")
+        if chars is None:
+            return "chars (its list of characters) is missing"
+        if not isinstance(chars, (list, str)):
+            return (
+                f"chars is {str(chars)[:40]!r} ({type(chars).__name__}), not a list of characters"
+            )
+        wrong = next((c for c in chars if not (isinstance(c, str) and len(c) == 1)), None)
+        if wrong is not None:
+            return f"chars holds {str(wrong)[:40]!r}, not one character"
+    if name in FILE_TOKENIZERS:
+        eot = spec.get("eot_id")
+        if eot is not None and (isinstance(eot, bool) or not isinstance(eot, int) or eot < 0):
+            return f"eot_id is {eot!r}, not a token id"
+        if "json" in spec:
+            text = spec["json"]
+            if not isinstance(text, str):
+                return f"json is a {type(text).__name__}, not the text of a tokenizer.json"
+            try:
+                parsed = json.loads(text)
+            except ValueError as err:
+                return f"json is not JSON ({err})"
+            if not isinstance(parsed, dict) or "model" not in parsed:
+                return "json is not a tokenizer.json (no model in it)"
+    return None
+
+
 def tokenizer_from_spec(spec: dict[str, Any], directory: Path | None = None) -> Tokenizer:
-    """Rebuild a tokenizer from a ``meta.json`` or checkpoint spec (older specs included)."""
+    """Rebuild a tokenizer from a ``meta.json`` or checkpoint spec (older specs included).
+
+    A spec whose fields are not what nanolab writes is :class:`TokenizerSpecError` naming the
+    field (a KeyError or a tokenizers traceback otherwise); callers name the file."""
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise TokenizerSpecError(f"the tokenizer spec {problem}")
     name = spec.get("name")
     if name == "bytes":
         return ByteTokenizer(eot=bool(spec.get("eot", False)))

@@ -130,7 +130,7 @@ class NanolabLM(LM):  # type: ignore[misc,valid-type]
         self.rows = batch_rows(batch_size)
         ckpt = load_checkpoint(path)
         self.model = model_from_checkpoint(ckpt, path).to(self._device)
-        self.tok = tokenizer_from_checkpoint(ckpt)
+        self.tok = tokenizer_from_checkpoint(ckpt, path)
         self.block_size = int(self.model.config.block_size)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_gen_toks = int(max_gen_toks)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nanolab.data.tokenizers import Tokenizer, tokenizer_from_spec
+from nanolab.data.tokenizers import Tokenizer, TokenizerSpecError, spec_problem, tokenizer_from_spec
 from nanolab.errors import NanolabError
 from nanolab.model.config import GPTConfig
 from nanolab.model.gpt import GPT
@@ -407,6 +407,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         ) from None
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointError(f"{path} holds no state_dict; pass a checkpoint saved by nanolab fit")
+    check_stored_tokenizer(ckpt, path)
     return ckpt
 
 
@@ -530,10 +531,13 @@ def state_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Ten
     return ""
 
 
-def tokenizer_from_checkpoint(ckpt: dict[str, Any]) -> Tokenizer:
+def tokenizer_from_checkpoint(
+    ckpt: dict[str, Any], source: str | Path = "the checkpoint"
+) -> Tokenizer:
     """The checkpoint's tokenizer; one that has ids the model has no row for is refused (an
     edited or mixed-up checkpoint: sampling would index past the embedding, or print nothing
-    for ids the tokenizer cannot decode)."""
+    for ids the tokenizer cannot decode), and so is one whose stored fields are not what
+    nanolab writes (:func:`stored_tokenizer_error`). ``source`` names the file in messages."""
     spec = (ckpt.get("nanolab") or {}).get("tokenizer")
     if spec is None:
         raise CheckpointError(
@@ -541,7 +545,10 @@ def tokenizer_from_checkpoint(ckpt: dict[str, Any]) -> Tokenizer:
             "folder `nanolab prepare` made, which holds the tokenizer); give yours one "
             "(docs/forking.md) and train again"
         )
-    tokenizer = tokenizer_from_spec(spec)
+    try:
+        tokenizer = tokenizer_from_spec(spec)
+    except TokenizerSpecError as err:
+        raise stored_tokenizer_error(source, err) from None
     rows = ((ckpt.get("nanolab") or {}).get("gpt") or {}).get("vocab_size")
     if isinstance(rows, int) and tokenizer.vocab_size > rows:
         raise CheckpointError(
@@ -550,3 +557,24 @@ def tokenizer_from_checkpoint(ckpt: dict[str, Any]) -> Tokenizer:
             "written by nanolab fit as it wrote it"
         )
     return tokenizer
+
+
+def stored_tokenizer_error(source: str | Path, problem: object) -> CheckpointError:
+    """The one line for a checkpoint whose stored tokenizer spec is malformed (``problem``: a
+    :class:`TokenizerSpecError` or :func:`spec_problem`'s words): an edited or damaged file,
+    whose ids no command could turn back into text."""
+    text = str(problem).removeprefix("the tokenizer spec ")
+    return CheckpointError(
+        f"{source}: its stored tokenizer is not valid (nanolab.tokenizer: {text}); pass a "
+        "checkpoint written by nanolab fit as it wrote it, e.g. another step-*.ckpt of its run"
+    )
+
+
+def check_stored_tokenizer(ckpt: dict[str, Any], source: str | Path) -> None:
+    """Refuse a checkpoint whose stored tokenizer spec is malformed (one that stores none is
+    fine: its weights are still what a command reads); the fields only, nothing is built."""
+    meta = ckpt.get("nanolab")
+    spec = meta.get("tokenizer") if isinstance(meta, dict) else None
+    problem = None if spec is None else spec_problem(spec)
+    if problem is not None:
+        raise stored_tokenizer_error(source, problem)

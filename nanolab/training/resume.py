@@ -191,6 +191,12 @@ def _inspect_file(cand: Candidate, source: Path, training: bool) -> Candidate:
     step = ckpt.get("global_step")
     cand.step = int(step) if isinstance(step, int) else None
     section = ckpt.get("nanolab")
+    from nanolab.data.tokenizers import spec_problem
+
+    spec = section.get("tokenizer") if isinstance(section, dict) else None
+    if spec is not None and (problem := spec_problem(spec)) is not None:
+        cand.error = f"its stored tokenizer is not valid (nanolab.tokenizer: {problem})"
+        return cand
     # A copy: the section's tensors (the RNG streams) are views of the memory-mapped file, and
     # keeping one alive keeps the whole file mapped, so a rotation deleting it frees no space.
     cand.nanolab = _detached(section) if isinstance(section, dict) else None
