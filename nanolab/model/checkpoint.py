@@ -179,6 +179,9 @@ def _torch_file_problem(file: Path, safe: list[Any] | None = None) -> str | None
     if not zipfile.is_zipfile(file):
         return "truncated or not a torch file"
     try:
+        compressed = compressed_problem(file)
+        if compressed is not None:
+            return compressed
         damaged = damaged_record(file)
         if damaged is not None:
             return f"damaged: its record {damaged} is not where its directory says"
@@ -342,6 +345,33 @@ def damaged_record(path: str | Path) -> str | None:
     return None
 
 
+def compressed_record(path: str | Path) -> str | None:
+    """The first record of the zip archive ``path`` that is compressed (``None``: every record
+    is stored as is), read from the archive's directory alone.
+
+    ``torch.save`` stores every record uncompressed (a tensor is memory-mapped straight from the
+    file), so a compressed one means the file was made by something else: a zip tool, or a
+    file built to be inflated (8 bytes of directory can announce gigabytes; reading every
+    record against its CRC-32 (:func:`corrupt_record`) would inflate them all)."""
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+                return info.filename
+    return None
+
+
+def compressed_problem(path: str | Path) -> str | None:
+    """Why ``path`` is not a file ``torch.save`` wrote, in words (None: no record of it is
+    compressed): :func:`compressed_record`."""
+    name = compressed_record(path)
+    if name is None:
+        return None
+    return (
+        f"not a checkpoint written by torch.save (its record {name} is compressed; torch.save "
+        "stores every record as is)"
+    )
+
+
 def corrupt_record(path: str | Path) -> str | None:
     """The first record of the torch zip archive ``path`` whose bytes fail the CRC-32 its
     directory stores (``None`` when all pass, or when the archive cannot be read: the other
@@ -350,13 +380,18 @@ def corrupt_record(path: str | Path) -> str | None:
     A bad sector or a flipped bit inside a tensor leaves every header in place
     (:func:`damaged_record` passes) and loads as finite, wrong weights: the run then diverges
     with advice about the learning rate. Reading every byte once is the only way to know; it
-    streams in 1 MiB reads (constant memory), at the disk's read speed (docs/resume.md)."""
+    streams in 1 MiB reads (constant memory), at the disk's read speed (docs/resume.md).
+
+    A compressed record is never read (never inflated): its size is the archive's word, not
+    the file's, and no ``torch.save`` file has one; :func:`compressed_record` refuses it."""
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile):
         return None
     with archive:
         for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+                continue
             try:
                 with archive.open(info) as record:
                     while record.read(1 << 20):
@@ -383,9 +418,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             "kind of file); pass a .ckpt written by nanolab fit"
         )
     try:
-        damaged = damaged_record(source) or corrupt_record(source)
+        compressed = compressed_problem(source)
+        damaged = None if compressed else damaged_record(source) or corrupt_record(source)
     except (OSError, zipfile.BadZipFile) as err:
-        damaged = str(err) or type(err).__name__
+        compressed, damaged = None, str(err) or type(err).__name__
+    if compressed is not None:
+        raise CheckpointError(f"{path} is {compressed}; pass a .ckpt written by nanolab fit")
     if damaged is not None:
         raise CheckpointError(
             f"{path} is damaged (its record {damaged} is not where the archive's directory "

@@ -164,8 +164,12 @@ def _inspect_file(cand: Candidate, source: Path, training: bool) -> Candidate:
     try:
         import torch
 
-        from nanolab.model.checkpoint import damaged_record
+        from nanolab.model.checkpoint import compressed_problem, damaged_record
 
+        compressed = compressed_problem(source)  # never inflated: not torch.save's file
+        if compressed is not None:
+            cand.error = compressed
+            return cand
         damaged = damaged_record(source)  # the memory-mapped load below does not look
         if damaged is not None:
             cand.error = f"damaged: its record {damaged} is not where its directory says"
