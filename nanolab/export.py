@@ -271,15 +271,40 @@ def _command(argv: Any) -> str | None:
     return "nanolab " + shlex.join(argv[1:])
 
 
+def _trained_by(run_dir: Path, step: Any) -> dict[str, Any]:
+    """The start record of the launch that trained step ``step`` of the run: the newest one
+    that started before it (a launch that starts at a step trains the ones after it), read
+    from the end of the log. A later launch (resumed with another config, another command)
+    did not make this checkpoint; a step not known: the newest launch."""
+    import contextlib
+
+    from nanolab.runlog import RUN_LOG_NAME, iter_backwards
+    from nanolab.runs import record_problem
+
+    def began_before(record: dict[str, Any]) -> bool:
+        began = record.get("step")
+        began = began if isinstance(began, int) and not isinstance(began, bool) else 0
+        return not isinstance(step, int) or began < step or began == step == 0
+
+    starts = iter_backwards(
+        run_dir / RUN_LOG_NAME,
+        "start",
+        where=lambda r: record_problem(r) is None and began_before(r),
+        split_cr=True,
+    )
+    with contextlib.closing(starts):
+        return next(starts, None) or {}
+
+
 def _run_facts(source: Path, step: Any) -> dict[str, Any]:
-    """What the run that wrote checkpoint ``source`` logged: its start record (config, argv)
-    and its validation at the checkpoint's step (the last one before it, failing that)."""
+    """What the run that wrote checkpoint ``source`` logged: the start record (config, argv)
+    of the launch that trained it and its validation at the checkpoint's step (the last one
+    before it, failing that)."""
     from nanolab.runs import tail_records
 
     if source.parent.name != "checkpoints":
         return {}
     run_dir = source.parent.parent
-    starts = tail_records(run_dir, "start")
     vals = [
         r
         for r in tail_records(run_dir, "val", 1 << 16)
@@ -287,7 +312,7 @@ def _run_facts(source: Path, step: Any) -> dict[str, Any]:
     ]
     return {
         "run_dir": run_dir,
-        "start": starts[-1] if starts else {},
+        "start": _trained_by(run_dir, step),
         "val": max(vals, key=lambda r: r["step"]) if vals else None,
     }
 
