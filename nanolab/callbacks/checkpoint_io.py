@@ -36,13 +36,57 @@ from nanolab.errors import inodes_left, size_text
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the message says why and that older ones are intact."""
+    """A checkpoint could not be written; the message says why and whether older ones are kept."""
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] " prefix
         return str(self.strerror)
 
 
+def _kept(path: Path) -> str:
+    """What a failed write of checkpoint ``path`` left of the run's checkpoints, in words: the
+    earlier ones are intact, or none was saved yet (a line promising "previous checkpoints" to a
+    run that has none sends the user looking for them)."""
+    try:
+        earlier = any(step_of(n) is not None and n != path.name for n in os.listdir(path.parent))
+    except OSError:
+        earlier = False
+    kept = "the previous checkpoints are intact" if earlier else "no checkpoint was saved yet"
+    return f"{kept} (no partial file was left under the final name)"
+
+
+def file_size_limit() -> int | None:
+    """This process's largest file in bytes (``ulimit -f``; None: unlimited, or a system
+    without the limit)."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if limit == resource.RLIM_INFINITY else int(limit)
+
+
+def _too_large(path: Path, needed: int | None) -> str:
+    """The line for a write refused with EFBIG: a file-size limit below the checkpoint's size,
+    this process's (``ulimit -f``, as a batch system may set it) or the file system's own
+    (FAT32: 4 GiB), named with both sizes where they are known."""
+    limit = file_size_limit()
+    size = f" (about {size_text(needed)})" if needed else ""
+    if limit is not None:
+        cause = (
+            f"this process's file-size limit (ulimit -f: {size_text(limit)}) is below the "
+            f"checkpoint's size{size}"
+        )
+        fix = "raise the limit (ulimit -f unlimited, or ask for it in the job's settings)"
+    else:
+        cause = f"the file system's maximum file size is below the checkpoint's size{size}"
+        fix = "put run.root on a file system that holds files that large (not FAT32)"
+    return f"could not write checkpoint {path}: file too large: {cause}; {_kept(path)}; {fix}"
+
+
 def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
+    if err.errno == errno.EFBIG:
+        return _too_large(path, needed)
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
             free = size_text(shutil.disk_usage(path.parent).free)
@@ -55,10 +99,8 @@ def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
             what = "no file entries (inodes) left on the file system"  # the bytes are not short
             free, needs = f"{entries[0]} of {entries[1]} entries free, {free} of space", ""
             room = "free file entries (delete files you no longer need there: each takes one)"
-        return (
-            f"{what} writing {path} ({free} free{needs}); the previous "
-            "checkpoints are intact (no partial file was left under the final name); "
-            + _room_fix(path.parent, room)
+        return f"{what} writing {path} ({free} free{needs}); {_kept(path)}; " + _room_fix(
+            path.parent, room
         )
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         cause = "permission denied"
@@ -66,10 +108,7 @@ def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
     else:
         cause = err.strerror or str(err)
         fix = "check the filesystem"
-    return (
-        f"could not write checkpoint {path}: {cause}; the previous checkpoints are intact "
-        f"(no partial file was left under the final name); {fix}"
-    )
+    return f"could not write checkpoint {path}: {cause}; {_kept(path)}; {fix}"
 
 
 #: A rotated checkpoint's file name: ``step-`` and the optimizer step, 8 digits or more.

@@ -1,0 +1,66 @@
+"""A checkpoint write the system refuses: the line names the cause and what is left of the
+run's checkpoints (the earlier ones, or none yet), never a promise of files that do not exist."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SAVE_UNDER_A_LIMIT = """
+import resource, sys, torch
+from nanolab.callbacks.checkpoint_io import CheckpointWriteError, atomic_torch_save
+resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    atomic_torch_save({"w": torch.zeros(100_000)}, sys.argv[1])
+except CheckpointWriteError as err:
+    print(err)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="ulimit -f is a POSIX limit")
+def test_a_save_past_ulimit_f_names_the_limit_and_that_no_checkpoint_exists_yet(
+    tmp_path: Path,
+) -> None:
+    """It said "File too large; the previous checkpoints are intact ...; check the
+    filesystem" for a run's first save."""
+    target = tmp_path / "checkpoints" / "step-00000001.ckpt"
+    out = subprocess.run(
+        [sys.executable, "-c", SAVE_UNDER_A_LIMIT, str(target)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (
+        f"could not write checkpoint {target}: file too large: this process's file-size limit "
+        "(ulimit -f: 0.10 MB) is below the checkpoint's size (about 0.40 MB); no checkpoint "
+        "was saved yet (no partial file was left under the final name); raise the limit "
+        "(ulimit -f unlimited, or ask for it in the job's settings)"
+    )
+    assert list(target.parent.iterdir()) == []
+
+
+def test_the_lines_say_whether_earlier_checkpoints_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nanolab.callbacks import checkpoint_io
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    target = folder / "step-00000004.ckpt"
+    monkeypatch.setattr(checkpoint_io, "file_size_limit", lambda: None)
+    big = checkpoint_io._explain(OSError(errno.EFBIG, "File too large"), target, 5 * 10**9)
+    assert (
+        "the file system's maximum file size is below the checkpoint's size (about 5.00 GB)" in big
+    )
+    full = checkpoint_io._explain(OSError(errno.ENOSPC, "No space left on device"), target, 10)
+    assert "; no checkpoint was saved yet (no partial file" in full and "intact" not in full
+    (folder / "step-00000002.ckpt").write_bytes(b"")
+    full = checkpoint_io._explain(OSError(errno.ENOSPC, "No space left on device"), target, 10)
+    assert "; the previous checkpoints are intact (no partial file" in full
+    other = checkpoint_io._explain(OSError(errno.EIO, "Input/output error"), target)
+    assert "Input/output error; the previous checkpoints are intact" in other
