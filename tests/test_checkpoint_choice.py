@@ -86,8 +86,12 @@ def test_a_folder_without_a_complete_checkpoint_says_so(tmp_path: Path) -> None:
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-00000003.ckpt").write_bytes(b"torn")
-    with pytest.raises(
-        CheckpointError,
-        match=r"without a complete checkpoint \(checkpoints/\*\.ckpt\); pass one of",
-    ):
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint(tmp_path / "run")
+    assert str(err.value) == (
+        f"--ckpt {tmp_path / 'run'}: none of its checkpoints can be read (step-00000003.ckpt "
+        "(truncated or not a checkpoint)); pass a .ckpt file"
+    )
+    (tmp_path / "run" / "checkpoints" / "step-00000003.ckpt").unlink()
+    with pytest.raises(CheckpointError, match=r"folder without a complete checkpoint"):
         resolve_checkpoint(tmp_path / "run")

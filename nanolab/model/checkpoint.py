@@ -280,7 +280,7 @@ def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
         if not path.exists():
             raise CheckpointError(f"{flag} {path} does not exist; pass a .ckpt file or a run dir")
         return path
-    chosen = newest_in_run(path, flag)
+    chosen, broken = newest_in_run(path, flag)
     if chosen is not None:
         return chosen
     # None complete: a last.ckpt there is read for the reason it cannot be (a folder holding a
@@ -291,33 +291,37 @@ def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
         sharded = sharded_folder_error(candidate)
         if sharded is not None:
             raise sharded
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = sorted(folder.glob("step-*.ckpt"))
-    hint = f"pass one of its checkpoints, e.g. {flag} {steps[-1]}" if steps else "pass a .ckpt file"
+    if broken:
+        raise CheckpointError(
+            f"{flag} {path}: none of its checkpoints can be read ({'; '.join(broken)}); pass "
+            "a .ckpt file"
+        )
     raise CheckpointError(
-        f"{flag} {path} is a folder without a complete checkpoint (checkpoints/*.ckpt); {hint}"
+        f"{flag} {path} is a folder without a complete checkpoint (checkpoints/*.ckpt); "
+        "pass a .ckpt file"
     )
 
 
-def newest_in_run(folder: Path, flag: str = "--ckpt") -> Path | None:
+def newest_in_run(folder: Path, flag: str = "--ckpt") -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint of the run directory ``folder`` (or of the run whose
-    ``checkpoints/`` it is), held open; None when it has none. A sharded one is refused with
-    its line (this process reads one file); newer ones that cannot be read are named in a
-    warning, as a resume names them."""
+    ``checkpoints/`` it is), held open, or None, with the checkpoints that cannot be read
+    (``"name (why)"``) when there is none. A sharded one is refused with its line (this process
+    reads one file); newer ones that cannot be read are named in a warning, as a resume names
+    them."""
     from nanolab.messages import warn_line
     from nanolab.training.resume import find_resume_checkpoint
 
     run_dir = folder.parent if folder.name == "checkpoints" else folder
     choice = find_resume_checkpoint(run_dir, hold=True)
     if choice.chosen is None:
-        return None
+        return None, [f"{c.path.name} ({c.error})" for c in choice.skipped]
     sharded = sharded_folder_error(choice.chosen.path)
     if sharded is not None:
         raise sharded
     warning = choice.warning()
     if warning:
         warn_line(warning.replace("resuming from", f"{flag} uses"))
-    return choice.chosen.path
+    return choice.chosen.path, []
 
 
 def damaged_record(path: str | Path) -> str | None:
