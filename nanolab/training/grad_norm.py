@@ -49,16 +49,39 @@ def plain_on_one_device(tensors: list[torch.Tensor]) -> bool:
 
 
 def clip_with_norm(
-    parameters: list[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor
+    parameters: list[torch.nn.Parameter],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """Scale the parameters' gradients in place so their global norm ``total_norm`` is at most
     ``max_norm``: ``torch.nn.utils.clip_grad_norm_``'s scaling (coefficient
-    ``max_norm / (norm + 1e-6)``, capped at 1, no host sync), with the norm already taken."""
+    ``max_norm / (norm + 1e-6)``, capped at 1, no host sync), with the norm already taken.
+
+    ``scale``: a factor the gradients still owe (a step's mean over its targets,
+    GPTLightningModule.training_step), taken into the same multiply; ``total_norm`` is then the
+    norm they will have once scaled. A scale of exactly 1.0 changes no bit of torch's clip."""
     clip = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
-    if clip is not None:
+    if clip is not None and scale is None:
         clip(parameters, max_norm, total_norm)
         return
     grads = [p.grad for p in parameters if p.grad is not None]
     if grads:
         coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        if scale is not None:
+            coefficient = coefficient * scale
         torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+
+
+def scale_gradients(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the device scalar ``scale`` (no host sync): one
+    ``_foreach_mul_`` for plain tensors on one device; else one at a time, a sharded (DTensor)
+    gradient taking the plain scalar as replicated."""
+    if plain_on_one_device(grads):
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
+        return
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        for grad in grads:
+            grad.mul_(scale.to(grad.device))

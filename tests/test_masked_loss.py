@@ -1,0 +1,195 @@
+"""Masked targets (y = -1): one mean over the targets of a whole optimizer step, and of the whole
+validation set, whatever the micro-batch layout; a batch without any target adds nothing.
+Without masks, every number is the one the per-micro-batch means gave, to the bit."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from nanolab.model import GPT, GPTConfig
+from nanolab.training.grad_norm import clip_with_norm, norm_of, plain_on_one_device
+from nanolab.training.module import TRAIN_LOSS, GPTLightningModule
+from nanolab.training.optim import ScheduleConfig
+
+VOCAB, BLOCK, WINDOWS = 32, 8, 16
+TINY = GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+
+
+def windows(masked: bool, fully_masked: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """WINDOWS windows of (x, y); with ``masked``, window i's first (5 * i) % BLOCK targets
+    carry no loss (chat prompts of varying length), and ``fully_masked`` ones have none."""
+    g = torch.Generator().manual_seed(0)
+    chunk = torch.randint(0, VOCAB, (WINDOWS, BLOCK + 1), generator=g)
+    x, y = chunk[:, :-1], chunk[:, 1:].clone()
+    if masked:
+        for i in range(WINDOWS):
+            y[i, : (5 * i) % BLOCK] = -1
+    for i in fully_masked:
+        y[i] = -1
+    return x, y
+
+
+def batches(data: tuple[torch.Tensor, torch.Tensor], micro: int) -> DataLoader:
+    """The windows in order, ``micro`` at a time (the last batch may be shorter)."""
+    x, y = data
+    cut = [(x[i : i + micro], y[i : i + micro]) for i in range(0, len(x), micro)]
+    return DataLoader(cut, batch_size=None)
+
+
+class Probe(L.Callback):
+    """Each optimizer step's published loss and gradient norm, as the run log reads them."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        pl_module.request_gradient_norm()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.step_gradient_norm is not None:
+            self.norms.append(pl_module.step_gradient_norm.clone())
+            self.losses.append(trainer.callback_metrics[TRAIN_LOSS].clone())
+            pl_module.step_gradient_norm = None
+
+
+def fit(module_class, data, micro: int, accumulate: int, steps: int, clip: float | None = 1.0):
+    L.seed_everything(0)
+    module = module_class(gpt=TINY, schedule=ScheduleConfig(warmup_steps=1))
+    probe = Probe()
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=[probe],
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=batches(data, micro))
+    weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    return probe, weights
+
+
+def validate(module: GPTLightningModule, data, micro: int) -> float:
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    return trainer.validate(module, dataloaders=batches(data, micro), verbose=False)[0]["val/loss"]
+
+
+def token_mean_loss(model: GPT, data) -> torch.Tensor:
+    """The mean cross-entropy over every target that carries a loss, in one call."""
+    x, y = data
+    logits, _ = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+
+
+def test_accumulated_micro_batches_are_the_big_batch_with_masks():
+    data = windows(masked=True)
+    whole, whole_weights = fit(GPTLightningModule, data, micro=8, accumulate=1, steps=2)
+    split, split_weights = fit(GPTLightningModule, data, micro=4, accumulate=2, steps=2)
+    quarters, _ = fit(GPTLightningModule, data, micro=2, accumulate=4, steps=2)
+    for other in (split, quarters):
+        torch.testing.assert_close(torch.stack(other.losses), torch.stack(whole.losses))
+        torch.testing.assert_close(torch.stack(other.norms), torch.stack(whole.norms))
+    for key, value in whole_weights.items():
+        torch.testing.assert_close(split_weights[key], value)
+    # And it is the mean over the step's targets, not over its windows.
+    L.seed_everything(0)
+    start = GPTLightningModule(gpt=TINY).model
+    first = (data[0][:8], data[1][:8])
+    with torch.no_grad():
+        torch.testing.assert_close(whole.losses[0], token_mean_loss(start, first))
+
+
+def test_validation_is_one_mean_over_targets_whatever_the_micro_batch():
+    data = windows(masked=True)
+    L.seed_everything(0)
+    module = GPTLightningModule(gpt=TINY)
+    values = [validate(module, data, micro) for micro in (1, 4, 16)]
+    with torch.no_grad():
+        expected = token_mean_loss(module.model.eval(), data).item()
+    assert values == pytest.approx([expected] * 3, rel=1e-6)
+
+
+def test_a_fully_masked_micro_batch_adds_nothing_and_is_never_nan():
+    data = windows(masked=True, fully_masked=(0, 3))
+    L.seed_everything(0)
+    module = GPTLightningModule(gpt=TINY)
+    x, y = data
+    _, loss = module.model(x[:1], y[:1])
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in module.model.parameters())
+    # Validation: the two windows without targets change nothing, at any micro-batch size.
+    kept = [i for i in range(WINDOWS) if i not in (0, 3)]
+    with torch.no_grad():
+        expected = token_mean_loss(module.model.eval(), (x[kept], y[kept])).item()
+    assert [validate(module, data, micro) for micro in (1, 4)] == pytest.approx(
+        [expected] * 2, rel=1e-6
+    )
+    # Training: one micro-batch per step, the first two steps' batches hold window 0 and 3.
+    probe, weights = fit(GPTLightningModule, data, micro=1, accumulate=1, steps=4)
+    assert all(math.isfinite(v.item()) for v in probe.losses + probe.norms)
+    assert probe.losses[0].item() == 0.0 and probe.norms[0].item() == 0.0
+    assert all(v.isfinite().all() for v in weights.values())
+    # Accumulated with a fully masked micro-batch: the same step as without it.
+    with_empty, _ = fit(GPTLightningModule, data, micro=2, accumulate=2, steps=2)
+    assert all(math.isfinite(v.item()) for v in with_empty.losses + with_empty.norms)
+
+
+class PerMicroBatchMeans(GPTLightningModule):
+    """The training and validation steps as they were before masks were weighed by targets:
+    each micro-batch's own mean, the step the mean of those, validation weighed by windows."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits, _ = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+        done = loss.detach()
+        self._step_loss = done if self._step_loss is None else self._step_loss + done
+        self._step_micro_batches += 1
+        if self._ends_optimizer_step():
+            mean = self._step_loss / self._step_micro_batches
+            self._step_loss, self._step_micro_batches = None, 0
+            self.publish_train_loss(mean)
+        return loss
+
+    def _eval_step(self, batch, stage):
+        x, y = batch
+        logits, _ = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+        self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=x.size(0))
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
+        requested, self._norm_requested = self._norm_requested, False
+        self.step_gradient_norm = None
+        clip_val = float(gradient_clip_val or 0.0)
+        if clip_val > 0 or requested:
+            params = self._params_with_grads()
+            grads = [p.grad for p in params]
+            norm = self.step_gradient_norm = norm_of(grads)
+            if clip_val > 0 and norm is not None and plain_on_one_device(grads):
+                clip_with_norm(params, clip_val, norm)
+
+
+@pytest.mark.parametrize("clip", [1.0, None], ids=["clip", "no-clip"])
+def test_unmasked_data_gives_the_per_micro_batch_numbers_to_the_bit(clip):
+    data = windows(masked=False)
+    new, new_weights = fit(GPTLightningModule, data, micro=4, accumulate=2, steps=2, clip=clip)
+    old, old_weights = fit(PerMicroBatchMeans, data, micro=4, accumulate=2, steps=2, clip=clip)
+    assert len(new.losses) == 2
+    for a, b in zip(new.losses + new.norms, old.losses + old.norms, strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(new_weights[k], old_weights[k]) for k in old_weights)
+    L.seed_everything(0)
+    module = GPTLightningModule(gpt=TINY)
+    reference = PerMicroBatchMeans(gpt=TINY)
+    reference.model.load_state_dict(module.model.state_dict())
+    for micro in (3, 16):  # 3: a last batch of one window
+        assert validate(module, data, micro) == validate(reference, data, micro)
