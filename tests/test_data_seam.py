@@ -60,6 +60,7 @@ class Windows:
 
 class PackedWindows(WindowDataModule):
     vocab_size = 71
+    masked_targets = True  # y = -1 on the prompt: each step averages over the targets it holds
 
     def __init__(self, folder: str, prompt: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)

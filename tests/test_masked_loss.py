@@ -1,6 +1,9 @@
-"""Masked targets (y = -1): one mean over the targets of a whole optimizer step, and of the whole
-validation set, whatever the micro-batch layout; a batch without any target adds nothing.
-Without masks, every number is the one the per-micro-batch means gave, to the bit."""
+"""Masked targets (y = -1): one mean over the targets of a whole optimizer step (for a data module
+that declares ``masked_targets``), and of the whole validation set, whatever the micro-batch
+layout; a batch without any target adds nothing. Without masks, every number is the one the
+per-micro-batch means gave, to the bit; without the declaration the step is that code, op for op
+(no count, no all-reduce of counts, no gradient scale).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+import nanolab.training.module as module_py
+from nanolab.callbacks.syncs import SyncCounter
 from nanolab.model import GPT, GPTConfig
 from nanolab.training.grad_norm import clip_with_norm, norm_of, plain_on_one_device
+from nanolab.training.masked_targets import loss_or_zero, target_count
 from nanolab.training.module import TRAIN_LOSS, GPTLightningModule
-from nanolab.training.optim import ScheduleConfig
+from nanolab.training.optim import OptimizerConfig, ScheduleConfig
 
 VOCAB, BLOCK, WINDOWS = 32, 8, 16
 TINY = GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
@@ -42,6 +48,17 @@ def batches(data: tuple[torch.Tensor, torch.Tensor], micro: int) -> DataLoader:
     return DataLoader(cut, batch_size=None)
 
 
+class Windows(L.LightningDataModule):
+    """The windows as a data module, ``micro`` at a time; ``masked_targets`` as declared."""
+
+    def __init__(self, data, micro: int, declared: bool) -> None:
+        super().__init__()
+        self.data, self.micro, self.masked_targets = data, micro, declared
+
+    def train_dataloader(self) -> DataLoader:
+        return batches(self.data, self.micro)
+
+
 class Probe(L.Callback):
     """Each optimizer step's published loss and gradient norm, as the run log reads them."""
 
@@ -59,16 +76,21 @@ class Probe(L.Callback):
             pl_module.step_gradient_norm = None
 
 
-def fit(module_class, data, micro: int, accumulate: int, steps: int, clip: float | None = 1.0):
+def fit(
+    module_class, data, micro: int, accumulate: int, steps: int, clip: float | None = 1.0,
+    declared: bool = True, fused: bool = False,
+):  # fmt: skip
+    """A fit from the seed; ``declared``: its data module declares masked targets."""
     L.seed_everything(0)
-    module = module_class(gpt=TINY, schedule=ScheduleConfig(warmup_steps=1))
+    optimizer = OptimizerConfig(fused=fused)
+    module = module_class(gpt=TINY, optimizer=optimizer, schedule=ScheduleConfig(warmup_steps=1))
     probe = Probe()
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=[probe],
     )  # fmt: skip
-    trainer.fit(module, train_dataloaders=batches(data, micro))
+    trainer.fit(module, datamodule=Windows(data, micro, declared))
     weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     return probe, weights
 
@@ -121,6 +143,8 @@ def test_a_fully_masked_micro_batch_adds_nothing_and_is_never_nan():
     module = GPTLightningModule(gpt=TINY)
     x, y = data
     _, loss = module.model(x[:1], y[:1])
+    assert loss.isnan()  # the model's own loss: 0/0 (what the module guards, below)
+    loss = loss_or_zero(loss, target_count(y[:1]))
     assert loss.item() == 0.0
     loss.backward()
     assert all(p.grad is None or not p.grad.any() for p in module.model.parameters())
@@ -162,7 +186,9 @@ class PerMicroBatchMeans(GPTLightningModule):
         x, y = batch
         logits, _ = self.model(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
-        self.log(f"{stage}/loss", loss, sync_dist=True, batch_size=x.size(0))
+        self.log(
+            f"{stage}/loss", loss, prog_bar=stage == "val", sync_dist=True, batch_size=x.size(0)
+        )
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
@@ -178,10 +204,13 @@ class PerMicroBatchMeans(GPTLightningModule):
                 clip_with_norm(params, clip_val, norm)
 
 
+@pytest.mark.parametrize("declared", [False, True], ids=["undeclared", "declared"])
 @pytest.mark.parametrize("clip", [1.0, None], ids=["clip", "no-clip"])
-def test_unmasked_data_gives_the_per_micro_batch_numbers_to_the_bit(clip):
+def test_unmasked_data_gives_the_per_micro_batch_numbers_to_the_bit(clip, declared):
     data = windows(masked=False)
-    new, new_weights = fit(GPTLightningModule, data, micro=4, accumulate=2, steps=2, clip=clip)
+    new, new_weights = fit(
+        GPTLightningModule, data, micro=4, accumulate=2, steps=2, clip=clip, declared=declared
+    )
     old, old_weights = fit(PerMicroBatchMeans, data, micro=4, accumulate=2, steps=2, clip=clip)
     assert len(new.losses) == 2
     for a, b in zip(new.losses + new.norms, old.losses + old.norms, strict=True):
@@ -193,3 +222,69 @@ def test_unmasked_data_gives_the_per_micro_batch_numbers_to_the_bit(clip):
     reference.model.load_state_dict(module.model.state_dict())
     for micro in (3, 16):  # 3: a last batch of one window
         assert validate(module, data, micro) == validate(reference, data, micro)
+
+
+class Calls:
+    """Counts the calls of the masked-target machinery through the training module's names."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts: dict[str, int] = {}
+        self.clip_scales: list[object] = []
+        for name in ("target_count", "loss_or_zero", "scale_gradients"):
+            self._count(monkeypatch, module_py, name)
+        for name in ("_masked_training_step", "_masked_step_mean_loss"):
+            self._count(monkeypatch, GPTLightningModule, name)
+        clip = module_py.clip_with_norm
+
+        def recording_clip(params, max_norm, total_norm, scale=None):
+            self.clip_scales.append(scale)
+            return clip(params, max_norm, total_norm, scale)
+
+        monkeypatch.setattr(module_py, "clip_with_norm", recording_clip)
+
+    def _count(self, monkeypatch, owner, name: str) -> None:
+        original = getattr(owner, name)
+        self.counts[name] = 0
+
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+@pytest.mark.parametrize(
+    "clip, fused", [(1.0, False), (None, False), (1.0, True)], ids=["clip", "no-clip", "fused"]
+)
+def test_data_that_does_not_declare_masks_takes_the_plain_step(monkeypatch, clip, fused):
+    """No count per micro-batch, no step-wide mean (so no all-reduce of counts under DDP or
+    FSDP: that mean is where they are taken), no gradient scale, the clip's own multiply only;
+    the same fit of a data module that declares masks goes through all of them (the seam is
+    live). Mutation caught: reading the declaration as True, or scaling by an exact 1.0."""
+    data = windows(masked=False)
+    calls = Calls(monkeypatch)
+    fit(GPTLightningModule, data, micro=4, accumulate=2, steps=2, clip=clip, fused=fused,
+        declared=False)  # fmt: skip
+    assert set(calls.counts.values()) == {0}, calls.counts
+    assert calls.clip_scales == ([None, None] if clip else [])
+    calls = Calls(monkeypatch)
+    fit(GPTLightningModule, data, micro=4, accumulate=2, steps=2, clip=clip, fused=fused)
+    assert calls.counts["target_count"] == calls.counts["_masked_training_step"] == 4
+    assert calls.counts["_masked_step_mean_loss"] == 2
+    scaled = calls.counts["scale_gradients"] + sum(s is not None for s in calls.clip_scales)
+    assert scaled == 2, calls.counts
+
+
+def test_validation_weighs_by_targets_without_a_host_sync():
+    """The count per batch (a device tensor handed to Lightning as the batch size) costs no
+    host-device sync: a validation takes as many as with the integer window count."""
+    data = windows(masked=False)
+    L.seed_everything(0)
+    module, reference = GPTLightningModule(gpt=TINY), PerMicroBatchMeans(gpt=TINY)
+    counts = []
+    for each in (module, reference):
+        validate(each, data, micro=4)  # warm: first-call set-up is not the point
+        with SyncCounter().counting() as counter:
+            validate(each, data, micro=4)
+        counts.append(counter.count)
+    assert counts[0] == counts[1], counts

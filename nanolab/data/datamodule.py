@@ -297,6 +297,10 @@ class TokenDataModule(L.LightningDataModule):
             the same rule. Needs data prepared with an end-of-text token.
     """
 
+    #: Every target of a token stream carries a loss: no masks to average over
+    #: (nanolab/training/masked_targets.py; a subclass that masks sets it True).
+    masked_targets: bool = False
+
     def __init__(
         self,
         dataset_dir: str = "data/shakespeare_char",

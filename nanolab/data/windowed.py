@@ -6,7 +6,8 @@ A dataset of your own does not have to be text that ``nanolab prepare`` tokenize
 * ``len(source)``: how many windows the split holds;
 * ``source[indices]`` (a 1-D int64 ``numpy`` array of window numbers): ``(x, y)``, two int64
   tensors of shape ``(len(indices), block_size)``: the input ids and the target ids, ``y = -1``
-  where a position has no loss (a prompt, padding: a loss mask);
+  where a position has no loss (a prompt, padding: a loss mask; the DataModule then sets
+  :attr:`WindowDataModule.masked_targets`);
 * ``bytes_per_token`` (optional): UTF-8 bytes per *target* token of the split, so validation
   also logs bits per byte (``val/bpb``), comparable across tokenizers.
 
@@ -80,11 +81,17 @@ class WindowDataModule(L.LightningDataModule):
             the run trains on a CUDA/ROCm device (as ``TokenDataModule``'s).
 
     Subclasses implement :meth:`train_split` and :meth:`val_split`, and may set
-    :attr:`vocab_size` (else the config's ``model.gpt.vocab_size`` must give it).
+    :attr:`vocab_size` (else the config's ``model.gpt.vocab_size`` must give it) and
+    :attr:`masked_targets`.
     """
 
     #: The vocabulary of the ids, when the dataset knows it (``None``: the model config's).
     vocab_size: int | None = None
+    #: Set True where a split's ``y`` may hold ``-1``: each optimizer step then averages its loss
+    #: and gradient over the targets it holds, at a count per micro-batch and a multiply over the
+    #: gradients per step that data without masks is spared (nanolab/training/masked_targets.py).
+    #: Left False, masks still carry no loss, but each micro-batch's mean counts the same.
+    masked_targets: bool = False
 
     def __init__(
         self,

@@ -54,33 +54,9 @@ from nanolab.model.registry import (
 )
 
 #: The target id that carries no loss: a forked data module's masked prompt tokens, padding.
+#: A batch without any other target has no mean (NaN): GPTLightningModule makes it 0, in
+#: validation and where the data module declares masks (:mod:`nanolab.training.masked_targets`).
 IGNORE_INDEX = -1
-
-
-def target_count(targets: torch.Tensor) -> torch.Tensor:
-    """How many of ``targets`` carry a loss (are not :data:`IGNORE_INDEX`): an int64 scalar on
-    their device, so weighting a loss by it adds no host sync."""
-    return (targets != IGNORE_INDEX).sum()
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy over the targets that carry a loss; 0 where none does.
-
-    A fully masked batch (a window of prompt only) has no mean: 0/0 would be NaN, and that NaN
-    would poison a run's whole validation and read as a diverged model. 0 weighted by its
-    :func:`target_count` of 0 adds nothing, which is what GPTLightningModule does with it; a NaN
-    from the model itself still comes through. Where some target carries a loss, the value and
-    its gradient are ``F.cross_entropy``'s to the bit (``torch.where`` selects, it does not
-    round).
-    """
-    flat = logits.view(-1, logits.size(-1))
-    if flat.dtype != torch.float32 and not torch.is_autocast_enabled(flat.device.type):
-        # A model cast whole to 16 bits (DeepSpeed, bf16-true): the loss in fp32, as
-        # autocast computes it. A bf16 loss is rounded to 1/128 at a loss of 3 and
-        # biased: runs would not compare with DDP's or FSDP2's at the 0.01 level.
-        flat = flat.float()
-    loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
-    return torch.where(target_count(targets) > 0, loss, torch.zeros_like(loss))
 
 
 # -- normalization ------------------------------------------------------------------------------
@@ -768,11 +744,10 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits of shape (B, T, padded_vocab) and, given targets, the mean cross-entropy.
 
-        Targets equal to -1 carry no loss (masked, padding); a batch without any target gives
-        0 (:func:`next_token_loss`: weight it by :func:`target_count`). With ``cache``,
-        ``idx`` holds only new tokens: they attend to the cached ones, and their keys and values are added to it
-        (check :attr:`supports_kv_cache` first). ``head=False`` skips the output layer and
-        returns ``(None, None)``: a pass that only fills the cache.
+        Targets equal to -1 (:data:`IGNORE_INDEX`) carry no loss (masked, padding). With
+        ``cache``, ``idx`` holds only new tokens: they attend to the cached ones, and their keys
+        and values are added to it (check :attr:`supports_kv_cache` first). ``head=False``
+        skips the output layer and returns ``(None, None)``: a pass that only fills the cache.
         """
         B, T = idx.shape
         past = 0 if cache is None else cache.length
@@ -808,7 +783,15 @@ class GPT(nn.Module):
         if not head:
             return None, None
         logits = self.lm_head(self.ln_f(x))
-        loss = None if targets is None else next_token_loss(logits, targets)
+        loss = None
+        if targets is not None:
+            flat = logits.view(-1, logits.size(-1))
+            if flat.dtype != torch.float32 and not torch.is_autocast_enabled(flat.device.type):
+                # A model cast whole to 16 bits (DeepSpeed, bf16-true): the loss in fp32, as
+                # autocast computes it. A bf16 loss is rounded to 1/128 at a loss of 3 and
+                # biased: runs would not compare with DDP's or FSDP2's at the 0.01 level.
+                flat = flat.float()
+            loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
         return logits, loss
 
     def num_params(self, non_embedding: bool = False) -> int:

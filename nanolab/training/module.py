@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from nanolab.data.order import ORDER_KEY, SavedOrder, order_record, saved_order
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
-from nanolab.model.gpt import check_parts, target_count
+from nanolab.model.gpt import check_parts
 from nanolab.model.registry import part_modules
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
@@ -24,6 +24,11 @@ from nanolab.training.grad_norm import (
     norm_of,
     plain_on_one_device,
     scale_gradients,
+)
+from nanolab.training.masked_targets import (
+    declares_masked_targets,
+    loss_or_zero,
+    target_count,
 )
 from nanolab.training.optim import (
     OptimizerConfig,
@@ -34,9 +39,10 @@ from nanolab.training.optim import (
 )
 
 CHECKPOINT_KEY = "nanolab"
-#: Each optimizer step's training loss, in ``trainer.callback_metrics``: the mean over every
-#: target of all its micro-batches on all ranks (the same number whatever the layout of one
-#: global batch, masked targets or not: see :meth:`GPTLightningModule.training_step`).
+#: Each optimizer step's training loss, in ``trainer.callback_metrics``: the mean over all its
+#: micro-batches on all ranks, and over all their targets where the data module declares masked
+#: ones (the same number whatever the layout of one global batch: see
+#: :meth:`GPTLightningModule.training_step`).
 TRAIN_LOSS = "train/loss"
 
 
@@ -85,16 +91,19 @@ class GPTLightningModule(L.LightningModule):
         self.model: GPT | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._live_callback_metrics: bool | None = None  # per fit: publish_train_loss's route
-        # This optimizer step's micro-batch losses so far (each weighted by its share of targets,
-        # training_step says why): their sum and count, the targets that carry a loss (both on
-        # the device) and the target slots, masked or not (on the host).
+        # This optimizer step's micro-batch losses so far: their sum (on the device) and count.
         self._step_loss: torch.Tensor | None = None
         self._step_micro_batches = 0
+        # Per fit: the data module declares masked targets (nanolab/training/masked_targets.py),
+        # so the steps average over targets.
+        self._masked_targets = False
+        # With masked targets only: the step's targets that carry a loss (on the device), and
+        # its target slots, masked or not (on the host), while its micro-batches run.
         self._step_targets: torch.Tensor | None = None
         self._step_slots = 0
-        #: What this optimizer step's gradients are multiplied by before the clip: its target
-        #: slots over its targets (all ranks; a float32 device scalar, exactly 1.0 without masked
-        #: targets); None where no training_step of this class set it.
+        #: With masked targets only: what this optimizer step's gradients are multiplied by
+        #: before the clip, its target slots over its targets (all ranks; a float32 device
+        #: scalar, exactly 1.0 without masks); None on every other step.
         self._gradient_scale: torch.Tensor | None = None
         #: This optimizer step's global gradient norm (before clipping; float32, on the device)
         #: when the clip or a reader needed it; None otherwise. See configure_gradient_clipping.
@@ -148,23 +157,54 @@ class GPTLightningModule(L.LightningModule):
     def training_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor:
-        """One micro-batch: its loss, weighted so the optimizer step averages over targets.
+        """One micro-batch: its loss. The optimizer step's loss is the mean of its micro-batches'
+        (:meth:`_step_mean_loss`); with a data module that declares masked targets, the mean
+        over all its targets instead (:meth:`_masked_training_step`)."""
+        if self._masked_targets:
+            return self._masked_training_step(batch)
+        x, y = batch
+        _, loss = self(x, y)
+        # Summed on the device (no host sync); published on the micro-batch that ends the
+        # optimizer step only, for less host time per micro-batch.
+        done = loss.detach()
+        self._step_loss = done if self._step_loss is None else self._step_loss + done
+        self._step_micro_batches += 1
+        if self._ends_optimizer_step():
+            self.publish_train_loss(self._step_mean_loss())
+        return loss
+
+    def _step_mean_loss(self) -> torch.Tensor:
+        """The loss of the optimizer step that ends now: the mean over its micro-batches and,
+        with several ranks, over the ranks (each holds as many). One all-reduce of a device
+        scalar: it queues on the device like the gradients' and adds no host sync. Rank 0's last
+        micro-batch alone would be a quarter of a step's batch on 2 ranks with accumulation 2,
+        and a number that changes with the layout of one global batch."""
+        assert self._step_loss is not None
+        mean = self._step_loss / self._step_micro_batches
+        self._step_loss, self._step_micro_batches = None, 0
+        if self._sum_over_ranks(mean):
+            mean = mean / self.trainer.world_size
+        return mean
+
+    def _masked_training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One micro-batch of data with masked targets: its loss, weighted so the optimizer step
+        averages over targets.
 
         The step's loss is one mean over every target of all its micro-batches on all ranks
         that carries a loss (``y != -1``), whatever the layout of the global batch: with masked
         targets, micro-batches hold different numbers of them, and a mean of micro-batch means
         would weigh a target by how few shared its micro-batch. The count of the whole step is
         known only at its end, so each micro-batch's mean is weighted by its targets over its
-        slots (exactly 1.0 without masks: the loss, its gradient and the log are today's to the
-        bit) and the step's gradients are multiplied by its slots over its targets before the
-        clip (:meth:`configure_gradient_clipping`). The counts stay on the device: no host sync.
+        slots (exactly 1.0 for a batch without masks) and the step's gradients are multiplied
+        by its slots over its targets before the clip (:meth:`configure_gradient_clipping`). A
+        micro-batch without any target adds 0 (:func:`~nanolab.training.masked_targets.
+        loss_or_zero`). The counts stay on the device: no host sync. Only for a data module
+        that declares masks (nanolab/training/masked_targets.py): it costs every step.
         """
         x, y = batch
         _, loss = self(x, y)
         targets = target_count(y)
-        weighted = loss * (targets / y.numel())
-        # Summed on the device (no host sync); published on the micro-batch that ends the
-        # optimizer step only, for less host time per micro-batch.
+        weighted = loss_or_zero(loss, targets) * (targets / y.numel())
         done = weighted.detach()
         first = self._step_loss is None
         self._step_loss = done if first else self._step_loss + done
@@ -172,33 +212,38 @@ class GPTLightningModule(L.LightningModule):
         self._step_slots += y.numel()
         self._step_micro_batches += 1
         if self._ends_optimizer_step():
-            self.publish_train_loss(self._step_mean_loss())
+            self.publish_train_loss(self._masked_step_mean_loss())
         return weighted
 
-    def _step_mean_loss(self) -> torch.Tensor:
+    def _masked_step_mean_loss(self) -> torch.Tensor:
         """The loss of the optimizer step that ends now, the mean over all its targets on all
         ranks, and the step's gradient scale (:attr:`_gradient_scale`) with it.
 
         The micro-batch losses come weighted by their share of targets: their mean over the
         micro-batches and ranks, times the step's slots over its targets, is the mean over the
         targets. Two all-reduces of device scalars with several ranks: they queue on the device
-        like the gradients' and add no host sync. Rank 0's last micro-batch alone would be a
-        quarter of a step's batch on 2 ranks with accumulation 2, and a number that changes
-        with the layout of one global batch. A step without any target has loss 0 and
-        gradients 0 (:func:`~nanolab.model.gpt.next_token_loss`)."""
+        like the gradients' and add no host sync. A step without any target has loss 0 and
+        gradients 0."""
         assert self._step_loss is not None and self._step_targets is not None
         mean = self._step_loss / self._step_micro_batches
         targets = self._step_targets
         counts = torch.stack((targets, targets.new_full((), self._step_slots)))
         self._step_loss, self._step_micro_batches = None, 0
         self._step_targets, self._step_slots = None, 0
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.SUM)
-            mean = mean / world
-            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
+        if self._sum_over_ranks(mean):
+            mean = mean / self.trainer.world_size
+            self._sum_over_ranks(counts)
         self._gradient_scale = counts[1] / counts[0].clamp(min=1)
         return mean * self._gradient_scale
+
+    def _sum_over_ranks(self, tensor: torch.Tensor) -> bool:
+        """All-reduce (sum) the device ``tensor`` in place over the ranks, if there are several
+        (True); False, and nothing done, in a single process."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+            return True
+        return False
 
     def publish_train_loss(self, loss: torch.Tensor) -> None:
         """Put ``loss`` in ``trainer.callback_metrics["train/loss"]``, where the run log, the
@@ -241,9 +286,10 @@ class GPTLightningModule(L.LightningModule):
         Bits per byte (loss in nats/token x tokens/bytes / ln 2) compare runs across tokenizers.
         Both are linear in the loss, so Lightning's average over batches gives the epoch value.
         Each batch weighs its targets that carry a loss, counted in windows (a float32 device
-        scalar, exactly the window count without masks, as before): the value is one mean over
-        all validation targets, whatever the micro-batch size, and a batch without any target
-        adds nothing.
+        scalar, exactly the window count without masks, as before; Lightning sums it on the
+        device): the value is one mean over all validation targets, whatever the micro-batch
+        size, and a batch without any target adds nothing. For every data module, declared
+        masks or not: validation is not the hot path, and a count costs no host sync.
         A mixture's batches carry their dataset index third: each dataset's loss and bpb are
         logged as ``<stage>/<name>/...`` and the overall values are mixture-weighted
         (:class:`~nanolab.data.datamodule.EvalScale` says how).
@@ -251,7 +297,9 @@ class GPTLightningModule(L.LightningModule):
         x, y = batch[0], batch[1]
         part = int(batch[2]) if len(batch) > 2 else 0
         _, loss = self(x, y)
-        n = target_count(y) / y.size(-1)  # Lightning weighs by it; may be a tensor (no sync)
+        count = target_count(y)
+        loss = loss_or_zero(loss, count)
+        n = count / y.size(-1)  # Lightning weighs by it; may be a tensor (no sync)
         scales = getattr(getattr(self._trainer, "datamodule", None), "eval_scales", None)
         if not scales:
             self.log(f"{stage}/loss", loss, prog_bar=stage == "val", sync_dist=True, batch_size=n)
@@ -321,10 +369,11 @@ class GPTLightningModule(L.LightningModule):
         A fused optimizer is clipped here too (Lightning's AMP plugin refuses to,
         nanolab/training/fused_amp.py says why).
 
-        The step's gradients are first made the mean over its targets (times
-        :attr:`_gradient_scale`, :meth:`training_step` says why); where the clip by norm runs
-        on whole gradients, that factor rides on the clip's own multiply (no second pass over
-        the gradients), and the norm taken is the scaled gradients'.
+        With a data module that declares masked targets, the step's gradients are first made
+        the mean over its targets (times :attr:`_gradient_scale`, :meth:`_masked_training_step`
+        says why); where the clip by norm runs on whole gradients, that factor rides on the
+        clip's own multiply (no second pass over the gradients), and the norm taken is the
+        scaled gradients'. Without the declaration there is no scale, and nothing of this runs.
         """
         requested, self._norm_requested = self._norm_requested, False
         scale, self._gradient_scale = self._gradient_scale, None
@@ -536,6 +585,8 @@ class GPTLightningModule(L.LightningModule):
         self._live_callback_metrics = self._whole_gradients = self._param_list = None
         self._step_loss, self._step_micro_batches = None, 0
         self._step_targets, self._step_slots, self._gradient_scale = None, 0, None
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self._masked_targets = declares_masked_targets(datamodule)
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);
         # otherwise every step re-faults it from the OS (~2.5% of a CPU step, measured).
         if self.device.type == "cpu":

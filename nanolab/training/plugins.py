@@ -40,6 +40,9 @@ class DataModuleProtocol(Protocol):
             one micro-batch, from which gradient accumulation is derived.
         block_size: Tokens per window (one training sequence). ``nanolab fit`` sets it to the
             model's ``gpt.block_size`` when the model has one.
+
+    Optional: ``masked_targets = True`` declares batches whose targets may be ``-1`` (no loss),
+    so each optimizer step averages over its targets (nanolab/training/masked_targets.py).
     """
 
     micro_batch_size: int
