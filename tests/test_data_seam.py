@@ -115,14 +115,37 @@ def _fit(config: Path, *args: str) -> int:
         return int(exit_.code or 0)
 
 
-def test_a_masked_window_dataset_trains_and_logs_bits_per_byte(fork: dict, tmp_path: Path):
+def test_a_masked_window_dataset_trains_and_logs_bits_per_byte(fork: dict, tmp_path: Path, capsys):
     assert _fit(fork["config"]) == 0
+    assert "masked_targets" not in capsys.readouterr().err  # declared: no warning
     records = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl")
     vals = [r for r in records if r.get("event") == "val"]
     assert vals and all(np.isfinite(r["val_loss"]) for r in vals)
     # One byte a token: bits per byte = nats per token / ln 2.
     assert vals[-1]["val_bpb"] == pytest.approx(vals[-1]["val_loss"] / np.log(2), rel=1e-5)
     assert records[-1]["event"] == "end" and records[-1]["reason"] == "completed"
+
+
+def test_masks_a_fork_does_not_declare_are_one_warning_line(
+    fork: dict, monkeypatch: pytest.MonkeyPatch, capsys
+):
+    """nanolab's own data never masks (the attribute a fork inherits is False); a fork that
+    masks without saying so trains on, told once, in one line, what to set."""
+    from forkdata.data import PackedWindows
+
+    from nanolab.data.datamodule import TokenDataModule
+
+    assert TokenDataModule.masked_targets is False and WindowDataModule.masked_targets is False
+    monkeypatch.setattr(PackedWindows, "masked_targets", False)
+    assert _fit(fork["config"], "--trainer.max_steps", "3") == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "masked_targets" in line]
+    assert lines == [
+        "nanolab fit: warning: forkdata.data.PackedWindows's training batches hold masked "
+        "targets (y = -1) it does not declare; set masked_targets = True on "
+        "forkdata.data.PackedWindows, so each optimizer step averages its loss and gradient "
+        "over its targets (micro-batch 8 = 4 x accumulation 2) and a micro-batch whose targets "
+        "are all -1 adds 0 instead of NaN"
+    ]
 
 
 def test_masked_targets_carry_no_loss(fork: dict):

@@ -2,7 +2,7 @@
 that declares ``masked_targets``), and of the whole validation set, whatever the micro-batch
 layout; a batch without any target adds nothing. Without masks, every number is the one the
 per-micro-batch means gave, to the bit; without the declaration the step is that code, op for op
-(no count, no all-reduce of counts, no gradient scale).
+(no count, no all-reduce of counts, no gradient scale), and masks found on the host say so once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import nanolab.training.module as module_py
 from nanolab.callbacks.syncs import SyncCounter
 from nanolab.model import GPT, GPTConfig
 from nanolab.training.grad_norm import clip_with_norm, norm_of, plain_on_one_device
-from nanolab.training.masked_targets import loss_or_zero, target_count
+from nanolab.training.masked_targets import holds_masked_targets, loss_or_zero, target_count
 from nanolab.training.module import TRAIN_LOSS, GPTLightningModule
 from nanolab.training.optim import OptimizerConfig, ScheduleConfig
 
@@ -273,6 +273,34 @@ def test_data_that_does_not_declare_masks_takes_the_plain_step(monkeypatch, clip
     assert calls.counts["_masked_step_mean_loss"] == 2
     scaled = calls.counts["scale_gradients"] + sum(s is not None for s in calls.clip_scales)
     assert scaled == 2, calls.counts
+
+
+def warnings_of(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "masked_targets" in line]
+
+
+def test_masks_a_data_module_did_not_declare_are_found_on_the_host_and_said_once(capsys):
+    """Found in the first training batch that holds one (window 1 masks 5 targets), while it is
+    a host tensor: one line naming the attribute and the class; the fit goes on (each
+    micro-batch's mean counting the same). Validation, which weighs by targets anyway, is not
+    looked at; neither is a batch on a device (it would take a sync), nor a declared module's."""
+    data = windows(masked=True)
+    fit(GPTLightningModule, data, micro=2, accumulate=1, steps=3, declared=False)
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert line.startswith("nanolab fit: warning: ")
+    assert f"{__name__}.Windows's training batches hold masked targets (y = -1)" in line
+    assert f"set masked_targets = True on {__name__}.Windows" in line
+    fit(GPTLightningModule, data, micro=2, accumulate=1, steps=3, declared=True)
+    validate(GPTLightningModule(gpt=TINY), data, micro=4)
+    assert warnings_of(capsys.readouterr().err) == []
+    x, y = data
+    assert holds_masked_targets((x, y)) and not holds_masked_targets((x, y.clamp(min=0)))
+    on_a_device = torch.full((2, BLOCK), -1, device="meta")  # a CUDA batch's branch, on a CPU
+    assert not holds_masked_targets((on_a_device, on_a_device))
+    assert not holds_masked_targets(x) and not holds_masked_targets({"y": y})
+    with SyncCounter().counting() as counter:  # host memory: nothing waits for a device
+        holds_masked_targets((x, y))
+    assert counter.count == 0
 
 
 def test_validation_weighs_by_targets_without_a_host_sync():

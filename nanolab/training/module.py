@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from nanolab.data.order import ORDER_KEY, SavedOrder, order_record, saved_order
+from nanolab.messages import warn
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
 from nanolab.model.gpt import check_parts
@@ -27,8 +28,10 @@ from nanolab.training.grad_norm import (
 )
 from nanolab.training.masked_targets import (
     declares_masked_targets,
+    holds_masked_targets,
     loss_or_zero,
     target_count,
+    undeclared_masks_line,
 )
 from nanolab.training.optim import (
     OptimizerConfig,
@@ -95,8 +98,10 @@ class GPTLightningModule(L.LightningModule):
         self._step_loss: torch.Tensor | None = None
         self._step_micro_batches = 0
         # Per fit: the data module declares masked targets (nanolab/training/masked_targets.py),
-        # so the steps average over targets.
+        # so the steps average over targets; else whether its batches are still to be checked
+        # for masks it did not declare (rank 0, until found).
         self._masked_targets = False
+        self._mask_check_pending = False
         # With masked targets only: the step's targets that carry a loss (on the device), and
         # its target slots, masked or not (on the host), while its micro-batches run.
         self._step_targets: torch.Tensor | None = None
@@ -587,12 +592,29 @@ class GPTLightningModule(L.LightningModule):
         self._step_targets, self._step_slots, self._gradient_scale = None, 0, None
         datamodule = getattr(self.trainer, "datamodule", None)
         self._masked_targets = declares_masked_targets(datamodule)
+        self._mask_check_pending = not self._masked_targets and self.global_rank == 0
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);
         # otherwise every step re-faults it from the OS (~2.5% of a CPU step, measured).
         if self.device.type == "cpu":
             from nanolab.training.cpu_memory import keep_freed_memory
 
             keep_freed_memory()
+
+    def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        """Lightning's ``on_before_batch_transfer`` (the data module's or this class's), then,
+        in a fit whose data module does not declare masked targets, a look for them in the
+        training batch while it is still in host memory: found, one warning, and no more looks.
+
+        This is Lightning's own call of the hook, not the hook: a LightningModule that overrides
+        the public hook makes Lightning warn at every fit with a data module, and a data module
+        overriding it too would replace this check."""
+        batch = super()._on_before_batch_transfer(batch, dataloader_idx)
+        trainer = self._trainer
+        looking = self._mask_check_pending and trainer is not None and trainer.training
+        if looking and holds_masked_targets(batch):
+            self._mask_check_pending = False
+            warn("nanolab fit", undeclared_masks_line(trainer.datamodule))
+        return batch
 
     def on_train_start(self) -> None:
         # Restored here, not at load time, so nothing that runs between loading and the first
