@@ -88,7 +88,7 @@ class WindowDataModule(L.LightningDataModule):
     #: The vocabulary of the ids, when the dataset knows it (``None``: the model config's).
     vocab_size: int | None = None
     #: Set True where a split's ``y`` may hold ``-1``: each optimizer step then averages its loss
-    #: and gradient over the targets it holds, at a count per micro-batch and a multiply over the
+    #: and gradient over the targets it holds, at a count per micro-batch and a rescale of the
     #: gradients per step that data without masks is spared (nanolab/training/masked_targets.py).
     #: Left False, masks still carry no loss, but each micro-batch's mean counts the same.
     masked_targets: bool = False

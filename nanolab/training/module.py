@@ -202,9 +202,9 @@ class GPTLightningModule(L.LightningModule):
         known only at its end, so each micro-batch's mean is weighted by its targets over its
         slots (exactly 1.0 for a batch without masks) and the step's gradients are multiplied
         by its slots over its targets before the clip (:meth:`configure_gradient_clipping`). A
-        micro-batch without any target adds 0 (:func:`~nanolab.training.masked_targets.
-        loss_or_zero`). The counts stay on the device: no host sync. Only for a data module
-        that declares masks (nanolab/training/masked_targets.py): it costs every step.
+        micro-batch without any target adds 0 (``loss_or_zero``). The counts stay on the device:
+        no host sync. Only for a data module that declares masks
+        (nanolab/training/masked_targets.py): it costs every step.
         """
         x, y = batch
         _, loss = self(x, y)
