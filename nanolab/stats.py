@@ -114,6 +114,8 @@ def sentence(name_a: str, name_b: str, d: Difference, what: str = "val loss") ->
         )
     if d.significant:
         lower, higher = (name_a, name_b) if d.difference < 0 else (name_b, name_a)
+        if d.difference >= 0 and d.n_a != d.n_b:  # the seed counts in the names' order
+            each = f"{d.n_b} and {d.n_a} seeds"
         return (
             f"{lower} is lower than {higher} by {abs(d.difference):.3f} ± {d.half_width:.3f} "
             f"{what} ({each}, Welch p = {d.p_value:.2g})"

@@ -173,3 +173,45 @@ def test_a_run_that_logged_part_of_its_config_stands_alone(tmp_path: Path) -> No
     summaries = [summarize_run(name, tmp_path / name) for name in configs]
     (group,) = seed_groups(summaries)
     assert sorted(group.runs) == ["a-s1", "a-s2"]
+
+
+def test_a_longer_group_is_not_the_reference_and_every_pair_is_tested(
+    tmp_path: Path, capsys
+) -> None:
+    """Two learning rates at 1000 tokens beside a group that trained to 2000 tokens (lowest at
+    its own end, highest at 1000): the pair of equal length is tested too, and each sentence
+    names the seed counts in the order of its names."""
+    for seed in range(3):
+        write_run(tmp_path, f"long-s{seed}", 0.0006, seed, [(1000, 1.8 + seed / 100), (2000, 0.9)])
+    for seed in range(2):
+        write_run(tmp_path, f"lr1-s{seed}", 0.001, seed, [(1000, 1.4 + seed / 100)])
+        write_run(tmp_path, f"lr3-s{seed}", 0.003, seed, [(1000, 1.1 + seed / 100)])
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(every pair of the 3 groups; --baseline GROUP tests each against one)" in out
+    assert "lr=0.003 is lower than lr=0.001 by 0.300" in out  # the pair run to be compared
+    assert "lr=0.003 is lower than lr=0.0006 by 0.705 ± " in out and "(2 and 3 seeds" in out
+    assert main([str(tmp_path), "--json"]) == 0
+    pairs = [(c["a"], c["b"]) for c in json.loads(capsys.readouterr().out)["comparisons"]]
+    assert pairs == [
+        ("lr=0.001", "lr=0.003"), ("lr=0.0006", "lr=0.003"), ("lr=0.0006", "lr=0.001")
+    ]  # fmt: skip
+
+
+def test_many_groups_are_each_tested_against_the_lowest_at_shared_tokens(
+    tmp_path: Path, capsys
+) -> None:
+    """Five groups: each against one reference, the lowest at the tokens all reached (not
+    the group that trained longest), and the heading says how to pick another."""
+    for seed in range(2):
+        write_run(tmp_path, f"long-s{seed}", 0.0001, seed, [(1000, 1.9 + seed / 10), (2000, 0.5)])
+        for i, lr in enumerate([0.001, 0.002, 0.003, 0.004]):
+            write_run(tmp_path, f"g{i}-s{seed}", lr, seed, [(1000, 1.5 - i / 10 + seed / 10)])
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "(each group against lr=0.004, the lowest val loss at 1,000 tokens, the most all "
+        "reached; --baseline GROUP picks another)"
+    ) in out
+    sentences = out.split("\ndifferences")[1].splitlines()[2:]
+    assert len(sentences) == 4 and all("lr=0.004" in line for line in sentences)

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline",
         metavar="GROUP",
         help="compare every seed group with this one (its label as the table prints it, or "
-        "one of its runs): the difference, its 95%% interval and Welch's p-value",
+        "one of its runs): the difference, its 95%% interval and Welch's p-value (default: "
+        "every pair of up to 4 groups; more, each with the lowest at the tokens all reached)",
     )
     p.add_argument(
         "--forecast",

@@ -63,6 +63,8 @@ class Comparison:
     seeds_needed: int | None
     sentence: str
     interpolated: bool = False  # some run has no validation at at_tokens: read between two
+    #: How the pairs were chosen, for the heading above the sentences ("" for two groups).
+    reference: str = ""
 
 
 #: Config sections every complete run log names; a run without one of them (where another
@@ -353,11 +355,18 @@ def _ci(values: list[float]) -> float | None:
     return mean_ci(values).half_width if len(values) >= 2 else None
 
 
+#: Up to this many seed groups, every pair is tested; more are each tested against one
+#: reference (a handful of sentences, not one per pair of a sweep's dozens of groups).
+ALL_PAIRS_UP_TO = 4
+
+
 def compare_groups(
     summaries: list[RunSummary], groups: list[SeedGroup], baseline: str | None = None
 ) -> list[Comparison]:
-    """Each group against ``baseline`` (a group label), or, without one, the two groups
-    against each other, or every group against the one with the lowest mean. Empty with fewer
+    """Each group against ``baseline`` (a group label or one of its runs); without one, every
+    pair of up to :data:`ALL_PAIRS_UP_TO` groups, or each group against the one lowest at the
+    tokens every group reached. Groups are ranked at that shared count, not at each one's own
+    (a group that trained longer is lower at its end without being better). Empty with fewer
     than two groups of two usable seeds."""
     usable = [g for g in groups if len(g.val_losses) >= 2]
     if len(usable) < 2:
@@ -370,6 +379,10 @@ def compare_groups(
     from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
 
     by_run = {s.run: s for s in summaries}
+
+    def members(g: SeedGroup) -> list[RunSummary]:
+        return [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+
     if baseline is not None:
         base = next((g for g in usable if g.label == baseline or baseline in g.runs), None)
         if base is None:
@@ -378,14 +391,27 @@ def compare_groups(
                 f"--baseline {baseline!r} is neither a seed group's label nor one of its runs; "
                 f"groups: {labels}"
             )
+        pairs = [(g, base) for g in usable if g is not base]
+        reference = f"each group against {base.label} (--baseline)" if len(pairs) > 1 else ""
     else:
-        base = min(usable, key=lambda g: statistics.fmean(g.val_losses))
+        everyone = [m for g in usable for m in members(g)]
+        shared = common_tokens(everyone)
+        ranked = sorted(usable, key=lambda g: _mean_or_inf(values_at(members(g), shared)))
+        where = "at their end" if shared is None else f"at {shared:,} tokens, the most all reached"
+        if len(ranked) <= ALL_PAIRS_UP_TO:
+            pairs = [(a, b) for i, b in enumerate(ranked) for a in ranked[i + 1 :]]
+            reference = "" if len(ranked) == 2 else (
+                f"every pair of the {len(ranked)} groups; --baseline GROUP tests each against one"
+            )  # fmt: skip
+        else:
+            pairs = [(g, ranked[0]) for g in ranked[1:]]
+            reference = (
+                f"each group against {ranked[0].label}, the lowest val loss {where}; "
+                "--baseline GROUP picks another"
+            )
     out = []
-    for g in usable:
-        if g is base:
-            continue
-        members_a = [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
-        members_b = [by_run[r] for r in base.runs if r in by_run and not _unusable(by_run[r])]
+    for g, base in pairs:
+        members_a, members_b = members(g), members(base)
         at = common_tokens(members_a + members_b)
         a, b = values_at(members_a, at), values_at(members_b, at)
         if len(a) < 2 or len(b) < 2:
@@ -399,5 +425,10 @@ def compare_groups(
         elif at is not None and (at != g.at_tokens or at != base.at_tokens):
             text += f" (at {at:,} tokens, the most where every run of both validated)"
         out.append(Comparison(g.label, base.label, at, d.difference, d.half_width, d.p_value,
-                              d.n_a, d.n_b, d.seeds_needed, text, between))  # fmt: skip
+                              d.n_a, d.n_b, d.seeds_needed, text, between, reference))  # fmt: skip
     return out
+
+
+def _mean_or_inf(values: list[float]) -> float:
+    """The mean of ``values``; infinity for none (a group without a value ranks last)."""
+    return statistics.fmean(values) if values else float("inf")

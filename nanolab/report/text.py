@@ -188,6 +188,8 @@ def format_table(
                 )
     if comparisons:
         out += ["", "differences (Welch's t-test over seeds, val loss at equal tokens):"]
+        if comparisons[0].reference:
+            out.append(f"  ({comparisons[0].reference})")
         out += [f"  {c.sentence}" for c in comparisons]
     skipped = [s for s in summaries if s.skipped_records]
     if skipped:
