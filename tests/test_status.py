@@ -162,6 +162,32 @@ def test_a_queue_job_starting_before_its_run_logs_is_shown_as_starting(tmp_path:
     assert [r["run"] for r in screen["running"]] == ["warming"] and screen["queued"] == []
 
 
+def test_a_preempted_job_waiting_to_resume_is_listed_once_under_queued(
+    tmp_path: Path, capsys
+) -> None:
+    """A run preempted at step 30 whose job waits to resume was listed under queued and under
+    ended; it is one run, shown once where its job's status says what comes next."""
+    now = time.time()
+    runs, db = tmp_path / "runs", tmp_path / "q.db"
+    stop = {"event": "end", "time": now - 50, "step": 30, "reason": "preempted", "elapsed_s": 86.0}
+    write_log(runs / "resumes", training("resumes", now - 50, 30, stop))
+    write_log(runs / "done", training("done", now - 100, 100, {**stop, "reason": "completed"}))
+    queue = QueueDB(db)
+    (job,) = queue.add_jobs([NewJob(name="resumes", config="c.yaml", args=[], seed=None,
+                                    cwd=str(tmp_path), run_dir="runs/resumes", estimate_s=60.0,
+                                    max_steps=100)])  # fmt: skip
+    assert queue.set_status(job.id, "preempted")
+    queue.conn.close()
+    assert main([str(runs), "--db", str(db), "--json"]) == 0
+    screen = json.loads(capsys.readouterr().out)
+    assert [(j["run"], j["status"], j["ran_s"]) for j in screen["queued"]] == [
+        ("resumes", "preempted", 86.0)
+    ]
+    assert [r["run"] for r in screen["ended"]] == ["done"]
+    assert main([str(runs), "--db", str(db)]) == 0
+    assert "ended (1)" in capsys.readouterr().out
+
+
 def test_an_ended_runs_long_error_line_is_shown_whole() -> None:
     """An ended run's last line was cut at 50 characters in its row, hiding the fix of an error
     line ("budget.max_wall_hours must be > 0 (or null"). A longer one is now printed whole

@@ -85,6 +85,7 @@ class JobLine:
     ran_s: float | None = None
     tries: int = 0
     run: str = ""  # its run directory's name
+    run_dir: str = ""  # its run directory, absolute
 
 
 @dataclass
@@ -178,7 +179,9 @@ def queue_lines(
             end = None if left is None else start + left
             # A job whose runner is gone waits for the next `queue run` to resume it.
             status = "runner gone: queue run resumes it" if orphaned(db, job) else job.status
-            out.append(JobLine(job.id, job.name, status, left, start, end, ran, job.attempts, name))
+            run_dir = str((Path(job.cwd) / job.run_dir).resolve())
+            out.append(JobLine(job.id, job.name, status, left, start, end, ran, job.attempts,
+                               name, run_dir))  # fmt: skip
             clock = end if end is not None else clock
         return out
 
@@ -201,6 +204,10 @@ def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -
             for j in queue_lines(db_path, now, walls, etas)
             if j.status != "running" or j.run not in logged
         ]
+        # A run whose job waits (preempted, to resume; starting again) is listed once: under
+        # queued, where its job's status says what comes next, not under ended as well.
+        waiting = {j.run_dir for j in screen.queued}
+        screen.ended = [r for r in screen.ended if str(Path(r.run_dir).resolve()) not in waiting]
     screen.ended.sort(key=lambda r: r.run)
     return screen
 
