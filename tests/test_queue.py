@@ -1177,3 +1177,36 @@ def test_a_signal_during_a_fill_starts_no_job(tmp_path: Path) -> None:
     runner.fill()
     (job,) = db.jobs()
     assert job.status == "pending" and not runner._active
+
+
+def test_a_jobs_time_is_one_figure_in_the_runners_line_and_queue_ls(tmp_path, capsys) -> None:
+    """One job's time was printed three ways: the runner's "done after 2m" (its process's time,
+    rounded as an estimate), ``queue ls`` 86s and report 1m25s. The runner and ``queue ls``
+    now give the run log's elapsed time as report and status do: 1m25s."""
+    import io
+    from typing import Any
+
+    from nanolab.queue.runner import Active, Runner
+
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    records = [{"event": "start", "time": time.time(), "step": 0},
+               {"event": "end", "time": time.time(), "step": 5, "reason": "completed",
+                "elapsed_s": 85.7}]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs([NewJob(name="a", config="c.yaml", args=[], seed=None,
+                                   cwd=str(tmp_path), run_dir="runs/a")])  # fmt: skip
+
+    class SleepJobs(Runner):
+        def _spawn(self, job: Any, units: list[int], *args: Any, **kw: Any) -> None:
+            proc = subprocess.Popen(["sleep", "0.1"])
+            log = open(tmp_path / "a.log", "a+b")  # noqa: SIM115 - reap closes it
+            assert self.db.set_job_pid(job.id, proc.pid, log.name)
+            self._active[job.id] = Active(job, proc, units, time.time(), log)
+
+    said = io.StringIO()
+    assert SleepJobs(QueueDB(path), poll_s=0.05, out=said).run() == 0, said.getvalue()
+    assert "job 1 a: done after 1m25s (exit 0)" in said.getvalue(), said.getvalue()
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0 and " 1m25s " in out and "86s" not in out, out

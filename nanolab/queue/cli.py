@@ -26,7 +26,6 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from nanolab import messages
 from nanolab.errors import NanolabError, report
@@ -48,8 +47,9 @@ from nanolab.queue.db import (
     unusable_db,
 )
 from nanolab.queue.packing import gib
-from nanolab.queue.predict import describe, remaining_seconds
+from nanolab.queue.predict import describe, remaining_seconds, run_time
 from nanolab.queue.runner import ORDERS, Runner, _is_job_process
+from nanolab.runs import duration
 from nanolab.tables import table
 from nanolab.training.resolve import is_fit_option
 
@@ -316,7 +316,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
         run_dir = os.path.relpath(j.run_dir) if j.run_dir.startswith(os.getcwd()) else j.run_dir
         rows.append([str(j.id), j.name, status, str(j.attempts), _device_column(j, running),
-                     describe(left) if left is not None else "-", describe(ran) if ran else "-", run_dir])  # fmt: skip
+                     describe(left) if left is not None else "-", duration(ran) if ran else "-", run_dir])  # fmt: skip
     headers = ["id", "name", "status", "tries", "gpus", "left", "ran", "run dir"]
     lines = table(rows, headers, rule=True)
     print("\n".join(lines[:2]))
@@ -489,20 +489,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         compile_cache=not args.no_compile_cache, notify=list(args.notify),
     )  # fmt: skip
     return runner.run()
-
-
-def run_time(job: Any, now: float) -> float:
-    """A job's time, one account with ``report`` and ``status``: its run log's elapsed time
-    over every attempt (the queue's own counter for a job that never logged)."""
-    from nanolab.runlog import RUN_LOG_NAME, last_record
-
-    log = Path(job.run_dir) / RUN_LOG_NAME
-    if log.is_file():
-        record = last_record(log, where=lambda r: isinstance(r.get("elapsed_s"), int | float))
-        if record is not None:
-            return float(record["elapsed_s"])
-    running = job.status == "running" and job.last_started
-    return job.run_seconds + (now - job.last_started if running else 0)
 
 
 def parse_size(text: str, option: str) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+from pathlib import Path
 from typing import Any
 
 from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu: public here too)
@@ -174,7 +175,31 @@ def remaining_seconds(db: QueueDB, job: Job) -> tuple[float | None, str]:
     return total, source
 
 
+def logged_time(run_dir: str | os.PathLike[str]) -> float | None:
+    """The elapsed time the run log at ``run_dir`` last recorded, over every attempt: the time
+    ``report`` and ``status`` give the run (None when it has logged none)."""
+    from nanolab.runlog import RUN_LOG_NAME, last_record
+
+    log = Path(run_dir) / RUN_LOG_NAME
+    if not log.is_file():
+        return None
+    record = last_record(log, where=lambda r: isinstance(r.get("elapsed_s"), int | float))
+    return None if record is None else float(record["elapsed_s"])
+
+
+def run_time(job: Job, now: float) -> float:
+    """A job's time, one account with ``report`` and ``status``: its run log's elapsed time
+    over every attempt (the queue's own counter for a job that never logged)."""
+    logged = logged_time(Path(job.cwd) / job.run_dir)
+    if logged is not None:
+        return logged
+    running = job.status == "running" and job.last_started
+    return job.run_seconds + (now - job.last_started if running else 0)
+
+
 def describe(seconds: float | None) -> str:
+    """An estimate, as rough as it is (``~36s``, ``~4m``, ``~2.5h``); an elapsed time is
+    :func:`nanolab.runs.duration`'s (``1m25s``), the same in every tool."""
     if seconds is None:
         return "?"
     if seconds < 90:

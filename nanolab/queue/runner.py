@@ -72,7 +72,14 @@ from nanolab.queue.db import (
 from nanolab.queue.jobs import changed_config, foreign_run_at_start
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
-from nanolab.queue.predict import describe, job_peak, process_overhead, remaining_seconds
+from nanolab.queue.predict import (
+    describe,
+    job_peak,
+    logged_time,
+    process_overhead,
+    remaining_seconds,
+)
+from nanolab.runs import duration
 
 #: Exit status of a preempted ``nanolab fit`` (see nanolab.callbacks.preemption).
 EXIT_PREEMPTED = 75
@@ -670,7 +677,10 @@ class Runner:
                 self._outcomes[job_id] = status
                 self.db.event("exit", self.runner_id, job_id, float(code), status)
                 tail = f": {detail}" if detail else ""
-                self.say(f"job {job_id} {active.job.name}: {status} after {describe(ran)} "
+                # The job's time as `queue ls`, status and report give it: its run log's.
+                took = logged_time(Path(active.job.cwd) / active.job.run_dir)
+                took = ran if took is None else took
+                self.say(f"job {job_id} {active.job.name}: {status} after {duration(took)} "
                          f"(exit {code}){tail}")  # fmt: skip
             else:
                 self.say(f"job {job_id} {active.job.name}: exited ({code}); it was removed from "
