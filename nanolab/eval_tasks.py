@@ -148,7 +148,7 @@ def result_table(result: Any) -> str:
             [t.name, t.kind, str(t.n), f"{t.acc:.3f}", f"{t.acc_norm:.3f}",
              f"{t.score:.3f} {t.metric}", f"{t.centered:+.3f}", f"{err:.3f}"]
         )  # fmt: skip
-    rows.append([f"{result.label} (mean centered)", *[""] * 5, f"{result.core:+.3f}", ""])
+    rows.append([f"{result.label} (mean of tasks)", *[""] * 5, f"{result.core:+.3f}", ""])
     headers = ["task", "kind", "n", "acc", "acc_norm", "score", "centered", "± s.e."]
     return "\n".join(table(rows, headers, right={2, 3, 4, 6, 7}))
 

@@ -468,6 +468,10 @@ def test_in_loop_numbers_equal_nanolab_eval_on_the_checkpoint(
     in_loop = list(read_records(run / "metrics.jsonl", "tasks"))
     assert [r["step"] for r in in_loop] == [2, 4]
     assert "tasks      builtin:shakespeare: 1 task(s), 40 examples" in res.stdout
+    # The centered mean beside the accuracy is named for what it is, not "mean" (0.280 beside
+    # "mean +0.040" read as a contradiction).
+    said = res.stdout + res.stderr
+    assert "(shakespeare centered " in said and ", 0 = chance; " in said, said[-3000:]
     end = list(read_records(run / "metrics.jsonl", "end"))[-1]
     assert end["time_breakdown"]["tasks_s"] > 0
     res = run_nanolab(

@@ -139,13 +139,14 @@ def test_streamed_summary_keeps_the_resumed_timeline(tmp_path: Path) -> None:
 
 # -- 3. names that mean what they say ----------------------------------------------------------
 def test_the_suite_mean_is_called_core_only_for_the_core_suite() -> None:
-    """Shakespeare's one-task cloze is "shakespeare mean"; a DCLM bundle (suite "core") is CORE;
+    """Shakespeare's one-task cloze is "shakespeare centered" (not "mean": its 0.280 beside
+    "mean +0.040" read as a contradiction); a DCLM bundle (suite "core") is CORE;
     old records without ``suite_name`` get the name load_suite would give their ``suite``."""
     from nanolab.downstream.scoring import SuiteResult
     from nanolab.downstream.tasks import mean_label, suite_name_of
     from nanolab.eval_tasks import result_table
 
-    assert mean_label("core") == "CORE" and mean_label("shakespeare") == "shakespeare mean"
+    assert mean_label("core") == "CORE" and mean_label("shakespeare") == "shakespeare centered"
     assert suite_name_of({"suite": "builtin:shakespeare"}) == "shakespeare"
     assert suite_name_of({"suite": "tasks/my.yaml"}) == "my"
     assert suite_name_of({"suite": "/data/eval_bundle"}) == "core"
@@ -153,8 +154,8 @@ def test_the_suite_mean_is_called_core_only_for_the_core_suite() -> None:
     result = SuiteResult([], 1.0, "shakespeare")
     assert result.record()["suite_name"] == "shakespeare"
     table = result_table(result)
-    assert "shakespeare mean (mean centered)" in table and "CORE" not in table
-    assert "CORE (mean centered)" in result_table(SuiteResult([], 1.0, "core"))
+    assert "shakespeare centered (mean of tasks)" in table and "CORE" not in table
+    assert "CORE (mean of tasks)" in result_table(SuiteResult([], 1.0, "core"))
 
 
 def _tasks(step: int, core: float, **extra: object) -> dict:
@@ -188,7 +189,9 @@ def test_report_names_hours_suites_and_sources_within_100_columns(tmp_path: Path
     _cpu_run(tmp_path, "sw-lr1e-3-s2", 0.001, 2, [_tasks(2, 0.20)])
     assert report.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "CPU-h" in out and "GPU-h" not in out and "CORE" not in out.split("mean centered:")[0]
+    assert (
+        "CPU-h" in out and "GPU-h" not in out and "CORE" not in out.split("centered: the mean")[0]
+    )
     rows = [line.split() for line in out.splitlines() if line.startswith("sw-lr1e-3-s1 ")]
     assert ["sw-lr1e-3-s1", "training", "2", "shakespeare", "+0.100", "0.600"] in rows
     assert ["sw-lr1e-3-s1", "nanolab", "eval", "2", "shakespeare", "+0.300", "0.800"] in rows

@@ -487,10 +487,10 @@ def test_task_accuracies_columns_seed_groups_and_plot(tmp_path: Path, capsys) ->
     assert group["std_core"] == pytest.approx(statistics.stdev(cores.values()))
     _, table, _ = run_report(capsys, str(tmp_path / "runs"))
     header = next(line for line in table.splitlines() if line.startswith("run  from"))
-    assert header.split()[-3:] == ["mean", "centered", "cloze"]  # Shakespeare's is no CORE
+    assert header.split()[-3:] == ["suite", "centered", "cloze"]  # Shakespeare's is no CORE
     assert "+0.100" in table and f"{0.25 + 0.75 * 0.10:.3f}" in table
     mean, std = statistics.fmean(cores.values()), statistics.stdev(cores.values())
-    assert f"shakespeare mean {mean:+.3f} ± {std:.3f}" in table and "CORE +" not in table
+    assert f"shakespeare centered {mean:+.3f} ± {std:.3f}" in table and "CORE +" not in table
     out_png = tmp_path / "plot.png"
     code, _, err = run_report(capsys, str(tmp_path / "runs"), "--plot", str(out_png))
     assert code == 0, err

@@ -204,7 +204,7 @@ class DownstreamEval(Callback):
             rank_zero_info(
                 f"tasks step {trainer.global_step}: "
                 + ", ".join(f"{t.name} {t.score:.3f}" for t in result.tasks)
-                + f" ({result.label} {result.core:+.3f}, {result.seconds:.1f}s)"
+                + f" ({result.label} {result.core:+.3f}, 0 = chance; {result.seconds:.1f}s)"
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -279,10 +279,10 @@ def plot_runs(
     xlabel = "tokens" if x == "tokens" else unit
     smooth = "train loss (trailing mean)"
     suites = {s.suite for s in summaries if s.core is not None}
-    core_title = mean_label(suites.pop()) if len(suites) == 1 else "suite mean"
+    core_title = mean_label(suites.pop()) if len(suites) == 1 else "suites centered"
     titles = [(ax_train, smooth), (ax_val, "val loss")]
     titles += [
-        (ax, f"{core_title} (mean centered accuracy)" if name == "core" else f"{name} (score)")
+        (ax, f"{core_title} (0 = chance)" if name == "core" else f"{name} (score)")
         for ax, name in zip(task_axes, (k.split("/")[1] for k in task_keys), strict=True)
     ]
     for ax, title in titles:

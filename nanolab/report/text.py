@@ -72,7 +72,7 @@ def downstream_table(summaries: list[RunSummary]) -> list[str]:
     if not scored:
         return []
     suites = {row[3] for row in scored}
-    mean = "CORE" if suites == {"core"} else "mean centered"
+    mean = "CORE" if suites == {"core"} else "centered"
     tasks = list(dict.fromkeys(t for row in scored for t in row[5]))
     headers = ["run", "from", "step", "suite", mean, *tasks]
     rows = [
@@ -82,8 +82,9 @@ def downstream_table(summaries: list[RunSummary]) -> list[str]:
     ]  # fmt: skip
     out = ["", *table_within(rows, headers, {2, *range(4, len(headers))})]
     return out + _wrap(
-        f"{mean}: the mean centered accuracy of the suite's tasks"
-        + (" (CORE only for the CORE suite)" if mean != "CORE" else "")
+        f"{mean}: the mean over the suite's tasks of (accuracy - chance) / (1 - chance), 0 at "
+        "chance"
+        + (" (called CORE for the CORE suite only)" if mean != "CORE" else "")
         + "; a task's column: the accuracy its centered value uses; from: the tasks record "
         "written in training (--downstream.suite) or appended by nanolab eval"
     )
