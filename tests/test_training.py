@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -664,6 +665,26 @@ def test_rerunning_a_finished_run_says_it_is_complete(tmp_path, char_dataset):
                            "--model.gpt.dropout", "0.3", "--seed_everything", "7", cwd=tmp_path)  # fmt: skip
     assert changed.returncode == 0 and "nothing to train" in changed.stderr, changed.stderr[-2000:]
     assert (tmp_path / "runs" / "tiny" / "config.yaml").read_text() == config
+
+
+def test_a_run_stopped_short_of_a_longer_launch_is_not_called_complete(tmp_path, char_dataset):
+    """A run extended to max_steps 800 and preempted at 611, launched again with its config's
+    600, was "already complete at step 611 (trainer.max_steps 600)". The line names both
+    numbers and the option that finishes it (here: launched for 10, stopped at 6)."""
+    cfg = write_config(tmp_path / "c.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    first = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    log = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    (start,) = [r for r in records if r["event"] == "start"]
+    start["config"]["trainer"]["max_steps"] = 10  # the launch asked for 10 and stopped at 6
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    again = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    said = " ".join(again.stderr.split())
+    assert "stopped at step 6 of the 10 its last launch asked for; this launch's " in said, said
+    assert "trainer.max_steps is 6, so there is nothing to train. Continue it with " in said
+    assert "--trainer.max_steps 10" in said and "already complete" not in said
 
 
 @pytest.mark.slow

@@ -173,9 +173,7 @@ def launch(cli: NanolabCLI) -> Trainer:
             # Nothing to train: say so and stop before the fit, which would print its banner,
             # append a start and an end record and rewrite config.yaml (the run is as it was).
             raise NothingToTrain(
-                f"{run_dir} is already complete at step {cand.step} "
-                f"(trainer.max_steps {max_steps}); nothing to train. Raise --trainer.max_steps "
-                "to extend it, or give another --run.name for a new run"
+                nothing_to_train(cfg, run_dir, cand.step, max_steps, bool(claimed.forked))
             )
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, CostBudget):  # a branch's rules decide anew
@@ -904,6 +902,27 @@ def _saving_launch_config(run_dir: Path | None, cfg: Any, step: Any) -> dict[str
                     break
     config = start.get("config") if start else None
     return config if isinstance(config, dict) else config_of([], run_dir)
+
+
+def nothing_to_train(cfg: Any, run_dir: Path, step: int, max_steps: int, forked: bool) -> str:
+    """The line of a launch whose checkpoint is at or past its ``trainer.max_steps``. A run a
+    longer launch extended and that stopped short of it (asked for 800, preempted at 611) is
+    not complete: the line names both numbers and the option that finishes it, instead of
+    calling it complete under this launch's smaller max_steps."""
+    config = None if forked else _saving_launch_config(run_dir, cfg, step)
+    asked = _dotted(config, "trainer.max_steps", None) if isinstance(config, dict) else None
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > step:
+        return (
+            f"{run_dir} stopped at step {step} of the {asked} its last launch asked for; this "
+            f"launch's trainer.max_steps is {max_steps}, so there is nothing to train. "
+            f"Continue it with --trainer.max_steps {asked}, or give another --run.name for a "
+            "new run"
+        )
+    return (
+        f"{run_dir} is already complete at step {step} (trainer.max_steps {max_steps}); "
+        "nothing to train. Raise --trainer.max_steps to extend it, or give another --run.name "
+        "for a new run"
+    )
 
 
 def _saved_data_state(state: dict[str, Any]) -> dict[str, Any] | None:
