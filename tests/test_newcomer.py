@@ -424,3 +424,25 @@ def test_the_queue_uses_a_configs_measured_step_time_before_a_probe(tmp_path, mo
     (new,) = db.add_jobs([NewJob("new", "c.yaml", [], 2, str(tmp_path), str(tmp_path / "n"), key,
                                  max_steps=400)])  # fmt: skip
     assert predict.remaining_seconds(db, new)[0] == pytest.approx(predict.STARTUP_S + 200)
+
+
+def test_fit_without_a_config_says_what_it_trains_and_where_the_quickstart_is(
+    tmp_path: Path,
+) -> None:
+    """``nanolab fit`` with no --config started the code's defaults (6 x 384, 5,000 steps: hours
+    on a CPU) without a word. It still runs (a launch from options alone is a way to run), with
+    one warning line first: no --config, what it trains, and the quickstart's command. A launch
+    with a config has no such line."""
+    from conftest import QUICKSTART, nanolab_here
+
+    bare = nanolab_here("fit", "--trainer.max_steps", "0", cwd=tmp_path)  # refused after it
+    lines = bare.stderr.splitlines()
+    assert lines[0] == (
+        "nanolab fit: warning: no --config given: training the code's defaults and the options "
+        "given, a 6-layer, 384-wide GPT on data/shakespeare_char; for the small first run: "
+        "nanolab fit --config configs/quickstart.yaml"
+    ), bare.stderr
+    assert bare.returncode == 2 and "trainer.max_steps" in lines[1]
+    given = nanolab_here("fit", "--config", str(QUICKSTART), "--trainer.max_steps", "0",
+                         cwd=tmp_path)  # fmt: skip
+    assert given.returncode == 2 and "no --config" not in given.stderr, given.stderr

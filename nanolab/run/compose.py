@@ -63,6 +63,8 @@ def launch(cli: NanolabCLI) -> Trainer:
     if run.name is None:
         given = cfg.get("config")
         run.name = default_run_name(Path(str(given[-1])).stem if given else "run")
+    if verb == "fit" and not cfg.get("config") and global_rank_from_env() == 0:
+        warn("nanolab fit", without_config(plain_config(cfg)))
     model_args = cfg.model.init_args
     check_model_settings(model_args.as_dict())
     if model_args.get("init_from"):  # the architecture of a Hugging Face GPT-2 (docs/hf.md)
@@ -221,6 +223,29 @@ def print_evaluation(trainer: Trainer, verb: str, target: Any, data: Any) -> Non
 
 
 # -- resolve ----------------------------------------------------------------------------------
+#: The command a launch without ``--config`` is pointed to: the small run the README starts.
+QUICKSTART_COMMAND = "nanolab fit --config configs/quickstart.yaml"
+
+
+def without_config(config: dict[str, Any]) -> str:
+    """The warning of ``nanolab fit`` given no ``--config``: it trains the code's defaults (a
+    6 x 384 model for 5,000 steps: hours on a CPU), which a newcomer may not have meant. Said
+    before anything is prepared or trained, and not refused: a launch from options alone is
+    a way to run too."""
+    gpt = _dotted(config, "model.gpt", None)
+    model = "the default model"
+    if isinstance(gpt, dict) and {"n_layer", "n_embd"} <= gpt.keys():
+        model = f"a {gpt['n_layer']}-layer, {gpt['n_embd']}-wide GPT"
+    steps = _dotted(config, "trainer.max_steps", None)
+    length = f" for {steps:,} steps" if isinstance(steps, int) and steps > 0 else ""
+    data = _dotted(config, "data.dataset_dir", None)
+    where = f" on {data}" if data else ""
+    return (
+        f"no --config given: training the code's defaults and the options given, {model}"
+        f"{length}{where}; for the small first run: {QUICKSTART_COMMAND}"
+    )
+
+
 def chosen_seed(seed: Any) -> int:
     """The seed for ``seed_everything``: the config's number, or for ``true`` a random one.
     Lightning's ``seed_everything(None)`` gives 0 (every "random" run the same); a random draw
