@@ -81,7 +81,10 @@ def test_nothing_to_show_is_one_line(tmp_path: Path, capsys, monkeypatch) -> Non
     monkeypatch.chdir(tmp_path)
     assert main([]) == 2  # no runs/ and no queue
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no runs under runs (no metrics.jsonl)" in err, err
+    # Run from another folder, it names the folders it looked in and how to point it elsewhere.
+    assert err.count("\n") == 1 and f"no runs under {tmp_path / 'runs'} (no metrics.jsonl)" in err
+    assert f"no queue database {tmp_path / 'nanolab_queue.db'}; " in err, err
+    assert "nanolab status PROJECT/runs --db PROJECT/nanolab_queue.db" in err, err
     assert main(["--watch", "0"]) == 2
 
 

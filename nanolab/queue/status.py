@@ -301,6 +301,20 @@ def default_db(given: Path | None) -> Path | None:
     return path if path.is_file() else None
 
 
+def nothing_here(roots: list[Path]) -> str:
+    """The line of a ``status`` with no runs and no queue where it looked: the absolute folders
+    (run from another folder, ``runs`` is another folder's) and how to point it elsewhere."""
+    from nanolab.queue.db import default_db_path
+
+    folders = ", ".join(str(r.absolute()) for r in roots)
+    db = default_db_path().absolute()
+    return (
+        f"no runs under {folders} (no {RUN_LOG_NAME}) and no queue database {db}; run it from "
+        "the folder you ran `nanolab fit` or `queue add` in, or name them: nanolab status "
+        "PROJECT/runs --db PROJECT/nanolab_queue.db (or set $NANOLAB_QUEUE_DB)"
+    )
+
+
 @one_line_errors("nanolab status")
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(
@@ -328,10 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch is not None and not 0.5 <= args.watch <= 86400:
         raise StatusError(f"--watch {args.watch}: give a number of seconds from 0.5 to 86400")
     if not any(r.exists() for r in roots) and db is None:
-        raise StatusError(
-            f"no runs under {', '.join(map(str, roots))} (no {RUN_LOG_NAME}) and no queue "
-            "database; runs appear there once `nanolab fit` has started"
-        )
+        raise StatusError(nothing_here(roots))
     while True:
         screen = collect(roots, db)
         text = json.dumps(asdict(screen), indent=2) if args.json else render(screen, roots)
