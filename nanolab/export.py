@@ -38,7 +38,6 @@ from nanolab.model.checkpoint import (
     check_part_modules,
     invalid_config,
     load_checkpoint,
-    resolve_checkpoint,
     stored_tokenizer_error,
 )
 from nanolab.model.exported import INFO_NAME
@@ -53,6 +52,7 @@ from nanolab.model.hf import (
 from nanolab.model.registry import add_import_option, import_modules
 from nanolab.processes import exclusive
 from nanolab.runlog import refuse_inside_run
+from nanolab.training.resume import resolve_checkpoint
 
 #: Files an export writes; ``--force`` replaces a folder holding nothing else.
 EXPORT_FILES = frozenset(

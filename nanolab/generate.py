@@ -23,12 +23,12 @@ from nanolab.model.checkpoint import (  # noqa: F401  (public here too)
     CheckpointError,
     load_checkpoint,
     model_from_checkpoint,
-    resolve_checkpoint,
     state_mismatch,
     tokenizer_from_checkpoint,
 )
 from nanolab.model.device import check_device
 from nanolab.model.registry import add_import_option, import_modules
+from nanolab.training.resume import resolve_checkpoint
 
 #: The longest sample one call makes: each token is a forward pass over the whole context.
 MAX_NEW_TOKENS = 100_000

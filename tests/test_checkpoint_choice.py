@@ -28,7 +28,8 @@ def test_a_run_resumed_from_an_older_checkpoint_without_save_last_reads_as_its_n
 ) -> None:
     """Resuming from step 4 made last.ckpt a link to step 4 though save_last was false, never
     updated after: the summary named it and generate/export of the run read step 4, not 8."""
-    from nanolab.model.checkpoint import load_checkpoint, resolve_checkpoint
+    from nanolab.model.checkpoint import load_checkpoint
+    from nanolab.training.resume import resolve_checkpoint
 
     flags = ["--checkpoint.save_last", "false", "--checkpoint.keep_last", "5"]
     assert _fit(tmp_path, char_dataset, *flags).returncode == 0
@@ -82,7 +83,8 @@ def test_setting_checkpoints_aside_makes_no_last_ckpt_and_repoints_one_that_is_t
 
 
 def test_a_folder_without_a_complete_checkpoint_says_so(tmp_path: Path) -> None:
-    from nanolab.model.checkpoint import CheckpointError, resolve_checkpoint
+    from nanolab.model.checkpoint import CheckpointError
+    from nanolab.training.resume import resolve_checkpoint
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-00000003.ckpt").write_bytes(b"torn")

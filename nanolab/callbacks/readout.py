@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nanolab.callbacks.syncs import mark_host_buffer
+from nanolab.host_buffer import mark_host_buffer
 
 Values = dict[str, float]
 

@@ -37,17 +37,7 @@ from typing import Any
 
 import torch
 
-#: Set on a host buffer that is read only after its copy finished (``mark_host_buffer``).
-HOST_BUFFER = "_nanolab_host_buffer"
-
-
-def mark_host_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """Mark ``tensor`` as host memory that is read only once the copy into it is known to be
-    finished (a CUDA event queried done): its reads never wait for the device, so they are not
-    counted, on a CPU as on a GPU (on a CPU every tensor looks like one that would wait)."""
-    setattr(tensor, HOST_BUFFER, True)
-    return tensor
-
+from nanolab.host_buffer import HOST_BUFFER, mark_host_buffer  # noqa: F401  (used here too)
 
 #: The environment variable that turns counting on in ``nanolab fit`` (a path to write to).
 ENV = "NANOLAB_COUNT_SYNCS"

@@ -32,7 +32,6 @@ from nanolab.data.checks import (
     check_files,
     checked_tokenizer_spec,
     checkpoint_fingerprint,
-    checkpoint_tokenizer,
     data_changes,
     file_identity,
     fingerprint,
@@ -603,21 +602,12 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def check_resume(self, ckpt_path: str | Path | None) -> None:
-        """Before a resume (or a branch) starts: refuse it if the data is not tokenized with
-        the checkpoint's tokenizer (``data.allow_changed`` allows other text, never another
-        tokenizer: its ids would mean other tokens), or if the checkpoint was trained on other
-        data (unless ``data.allow_changed``)."""
+        """Before a resume (or a branch) starts: refuse it if the checkpoint was trained on
+        other data (unless ``data.allow_changed``). The data's tokenizer was compared with the
+        checkpoint's before (``nanolab.run.compose``: ``allow_changed`` allows other text,
+        never another tokenizer, whose ids would mean other tokens)."""
         if ckpt_path is None:
             return
-        from nanolab.model.hf_tokenizer import check_scored_data
-
-        fix = (
-            "continue it on data prepared with its tokenizer (data.allow_changed allows other "
-            "text, not another tokenizer), or start a new run without its checkpoint (another "
-            "--run.name)"
-        )
-        spec = checkpoint_tokenizer(ckpt_path)
-        check_scored_data(self.parts[0].path, spec, Path(ckpt_path), "resume", fix)
         saved = checkpoint_fingerprint(ckpt_path, type(self).__qualname__)
         self.refuse_changed_data(saved, ckpt_path)
 

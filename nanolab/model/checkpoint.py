@@ -4,7 +4,7 @@
 the architecture (``ckpt["nanolab"]["gpt"]``) and the tokenizer as plain data, so nothing else
 is needed, and it is read with ``torch.load(weights_only=True)``: a checkpoint is data, never
 code. A path may also name a run directory (its newest complete checkpoint is used, by the rule
-a resume uses: :func:`resolve_checkpoint`).
+a resume uses: :func:`nanolab.training.resume.resolve_checkpoint`).
 
 A live run rotates its checkpoints (``checkpoint.keep_last``): a step file can be deleted
 between the moment a reader picks it and the moment it reads it. So a reader *holds* the file it
@@ -259,69 +259,6 @@ def release(path: str | Path) -> None:
     fd = _HELD.pop(os.path.abspath(path), None)
     if fd is not None:
         os.close(fd)
-
-
-def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
-    """``path`` itself, or for a run directory (or its ``checkpoints/``) its newest complete
-    checkpoint, held open (:func:`hold`); ``flag`` names the setting in messages (``--ckpt``,
-    ``--ckpt_path``, ``run.resume``).
-
-    A run directory is read by the one rule a resume, validate and eval use
-    (:func:`nanolab.training.resume.find_resume_checkpoint`: most optimizer steps, a step file
-    over ``last.ckpt`` on a tie), never "its ``last.ckpt``": a run with
-    ``checkpoint.save_last false``, or resumed with it from an older checkpoint, keeps an older
-    ``last.ckpt`` beside its newer step files, and export or generate would read a model that
-    training had moved past, silently."""
-    path = Path(path)
-    sharded = sharded_folder_error(path)
-    if sharded is not None:
-        raise sharded
-    if not path.is_dir():
-        if not path.exists():
-            raise CheckpointError(f"{flag} {path} does not exist; pass a .ckpt file or a run dir")
-        return path
-    chosen, broken = newest_in_run(path, flag)
-    if chosen is not None:
-        return chosen
-    # None complete: a last.ckpt there is read for the reason it cannot be (a folder holding a
-    # copied last.ckpt, not a run, is read as that file), a sharded one is named so.
-    for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
-        if candidate.is_file():
-            return candidate
-        sharded = sharded_folder_error(candidate)
-        if sharded is not None:
-            raise sharded
-    if broken:
-        raise CheckpointError(
-            f"{flag} {path}: none of its checkpoints can be read ({'; '.join(broken)}); pass "
-            "a .ckpt file"
-        )
-    raise CheckpointError(
-        f"{flag} {path} is a folder without a complete checkpoint (checkpoints/*.ckpt); "
-        "pass a .ckpt file"
-    )
-
-
-def newest_in_run(folder: Path, flag: str = "--ckpt") -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint of the run directory ``folder`` (or of the run whose
-    ``checkpoints/`` it is), held open, or None, with the checkpoints that cannot be read
-    (``"name (why)"``) when there is none. A sharded one is refused with its line (this process
-    reads one file); newer ones that cannot be read are named in a warning, as a resume names
-    them."""
-    from nanolab.messages import warn_line
-    from nanolab.training.resume import find_resume_checkpoint
-
-    run_dir = folder.parent if folder.name == "checkpoints" else folder
-    choice = find_resume_checkpoint(run_dir, hold=True)
-    if choice.chosen is None:
-        return None, [f"{c.path.name} ({c.error})" for c in choice.skipped]
-    sharded = sharded_folder_error(choice.chosen.path)
-    if sharded is not None:
-        raise sharded
-    warning = choice.warning()
-    if warning:
-        warn_line(warning.replace("resuming from", f"{flag} uses"))
-    return choice.chosen.path, []
 
 
 def damaged_record(path: str | Path) -> str | None:

@@ -593,6 +593,8 @@ def claim_for_fit(
         refuse_changed_freeze(cand, model)
     check_data = getattr(data, "check_resume", None)
     if callable(check_data):  # data changed under the run (sizes, meta.json, sampled bytes)
+        if path is not None:
+            refuse_other_tokenizer(data, path)
         check_data(path)
     claim = claim_run_dir(
         run_dir,
@@ -1032,6 +1034,25 @@ def evaluation_checkpoint(verb: str, cfg: Any, run_dir: Path, data: Any) -> Any:
         spec = ((saved or {}).get("nanolab") or {}).get("tokenizer")
         check_scored_data(Path(dataset_dir), spec, target.path, verb)
     return target
+
+
+def refuse_other_tokenizer(data: Any, ckpt_path: str) -> None:
+    """Before a resume or a branch: refuse data not tokenized with the checkpoint's tokenizer,
+    as validate does. ``data.allow_changed`` allows other text, never another tokenizer: its
+    ids would index other tokens' rows, and a run would train on them without an error."""
+    parts = getattr(data, "parts", None)
+    if not parts:
+        return
+    from nanolab.data.checks import checkpoint_tokenizer
+    from nanolab.model.hf_tokenizer import check_scored_data
+
+    fix = (
+        "continue it on data prepared with its tokenizer (data.allow_changed allows other "
+        "text, not another tokenizer), or start a new run without its checkpoint (another "
+        "--run.name)"
+    )
+    spec = checkpoint_tokenizer(ckpt_path)
+    check_scored_data(Path(parts[0].path), spec, Path(ckpt_path), "resume", fix)
 
 
 def evaluation_target(

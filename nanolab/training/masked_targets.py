@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from nanolab.host_buffer import mark_host_buffer
 from nanolab.model.gpt import IGNORE_INDEX
 
 #: The data module attribute that declares masked targets (``False`` on nanolab's own).
@@ -64,10 +65,7 @@ def holds_masked_targets(batch: Any) -> bool:
     if targets.numel() == 0 or targets.is_floating_point():
         return False
     # Host memory that no copy writes: reading it never waits for a device (nanolab's sync
-    # counter would count it on a CPU run, where every tensor looks like a device's). Imported
-    # here: nanolab.callbacks imports the training module, which imports this one.
-    from nanolab.callbacks.syncs import mark_host_buffer
-
+    # counter would count it on a CPU run, where every tensor looks like a device's).
     return bool(mark_host_buffer(targets.min() == IGNORE_INDEX))
 
 

@@ -264,12 +264,14 @@ def planned_steps(trainer: Any, pl_module: Any) -> int:
     max_steps = int(trainer.max_steps or -1)
     if max_steps > 0:
         return max_steps
-    from nanolab.callbacks.budget import CostBudget
-    from nanolab.callbacks.events import find_callback
-
-    budget = find_callback(trainer, CostBudget)
-    steps = budget.token_steps(trainer, pl_module) if budget is not None else None
-    return steps if steps is not None else -1
+    # Asked of the callbacks by name (the training layer imports none of them): the budget
+    # answers ``token_steps`` (nanolab.callbacks.budget.CostBudget), a fork's own stop may too.
+    for callback in getattr(trainer, "callbacks", None) or ():
+        steps_of = getattr(callback, "token_steps", None)
+        steps = steps_of(trainer, pl_module) if callable(steps_of) else None
+        if steps is not None:
+            return int(steps)
+    return -1
 
 
 def unplanned_schedule_note(schedule: ScheduleConfig, planned: int) -> str | None:

@@ -484,7 +484,7 @@ def _checkpoint_in_folder(folder: Path, flag: str, training: bool) -> Path:
     """A named folder: itself when it is a sharded checkpoint; for an evaluation, the file
     generate, eval and export read in it (a run directory's ``checkpoints/last.ckpt``); else
     one line naming it a folder and what to pass."""
-    from nanolab.model.checkpoint import CheckpointError, resolve_checkpoint, sharded_kind
+    from nanolab.model.checkpoint import CheckpointError, sharded_kind
 
     if sharded_kind(folder) is not None:
         return folder  # inspect_checkpoint checks its files before anything loads them
@@ -680,3 +680,67 @@ def _yaml(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     return repr(value)
+
+
+def resolve_checkpoint(path: str | Path, flag: str = "--ckpt") -> Path:
+    """``path`` itself, or for a run directory (or its ``checkpoints/``) its newest complete
+    checkpoint, held open (:func:`nanolab.model.checkpoint.hold`); ``flag`` names the setting in messages (``--ckpt``,
+    ``--ckpt_path``, ``run.resume``).
+
+    A run directory is read by the one rule a resume, validate and eval use
+    (:func:`find_resume_checkpoint`: most optimizer steps, a step file
+    over ``last.ckpt`` on a tie), never "its ``last.ckpt``": a run with
+    ``checkpoint.save_last false``, or resumed with it from an older checkpoint, keeps an older
+    ``last.ckpt`` beside its newer step files, and export or generate would read a model that
+    training had moved past, silently."""
+    from nanolab.model.checkpoint import CheckpointError, sharded_folder_error
+
+    path = Path(path)
+    sharded = sharded_folder_error(path)
+    if sharded is not None:
+        raise sharded
+    if not path.is_dir():
+        if not path.exists():
+            raise CheckpointError(f"{flag} {path} does not exist; pass a .ckpt file or a run dir")
+        return path
+    chosen, broken = newest_in_run(path, flag)
+    if chosen is not None:
+        return chosen
+    # None complete: a last.ckpt there is read for the reason it cannot be (a folder holding a
+    # copied last.ckpt, not a run, is read as that file), a sharded one is named so.
+    for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
+        if candidate.is_file():
+            return candidate
+        sharded = sharded_folder_error(candidate)
+        if sharded is not None:
+            raise sharded
+    if broken:
+        raise CheckpointError(
+            f"{flag} {path}: none of its checkpoints can be read ({'; '.join(broken)}); pass "
+            "a .ckpt file"
+        )
+    raise CheckpointError(
+        f"{flag} {path} is a folder without a complete checkpoint (checkpoints/*.ckpt); "
+        "pass a .ckpt file"
+    )
+
+
+def newest_in_run(folder: Path, flag: str = "--ckpt") -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint of the run directory ``folder`` (or of the run whose
+    ``checkpoints/`` it is), held open, or None, with the checkpoints that cannot be read
+    (``"name (why)"``) when there is none. A sharded one is refused with its line (this process
+    reads one file); newer ones that cannot be read are named in a warning, as a resume names
+    them."""
+    from nanolab.model.checkpoint import sharded_folder_error
+
+    run_dir = folder.parent if folder.name == "checkpoints" else folder
+    choice = find_resume_checkpoint(run_dir, hold=True)
+    if choice.chosen is None:
+        return None, [f"{c.path.name} ({c.error})" for c in choice.skipped]
+    sharded = sharded_folder_error(choice.chosen.path)
+    if sharded is not None:
+        raise sharded
+    warning = choice.warning()
+    if warning:
+        warn_line(warning.replace("resuming from", f"{flag} uses"))
+    return choice.chosen.path, []
