@@ -126,6 +126,20 @@ def test_a_masked_window_dataset_trains_and_logs_bits_per_byte(fork: dict, tmp_p
     assert records[-1]["event"] == "end" and records[-1]["reason"] == "completed"
 
 
+def test_declared_masks_under_deepspeed_are_refused_before_the_run(
+    fork: dict, tmp_path: Path, capsys
+):
+    """DeepSpeed steps its own gradients: the step's average over targets cannot reach them,
+    so a fit of a data module declaring masked targets is one line, exit 2, no run written."""
+    code = _fit(fork["config"], "--trainer.strategy", "deepspeed_stage_2")
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if "masked_targets" in line]
+    assert len(lines) == 1 and "ddp or fsdp" in lines[0], err[-2000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs" / "tiny" / "metrics.jsonl").exists()
+
+
 def test_masks_a_fork_does_not_declare_are_one_warning_line(
     fork: dict, monkeypatch: pytest.MonkeyPatch, capsys
 ):

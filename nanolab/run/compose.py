@@ -31,6 +31,7 @@ from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
 from nanolab.run.validation_set import partial_validation_warning
 from nanolab.runlog import RUN_LOG_NAME
+from nanolab.training.masked_targets import masked_targets_problem
 from nanolab.training.parallelism import parse_strategy
 from nanolab.training.plugins import check_needed_methods
 from nanolab.training.resolve import (
@@ -163,6 +164,9 @@ def launch(cli: NanolabCLI) -> Trainer:
         plain_config(cfg)["trainer"].get("strategy"), resolved.world_size
     ).kind
     if verb == "fit":
+        masked = masked_targets_problem(data, strategy_kind)
+        if masked is not None:
+            raise RunConfigError(masked)
         early_signals.stop_if_received()  # a scheduler's signal during start-up: exit 75 now
         claimed = claim_for_fit(
             cfg, run_dir, model, data, built.get("ckpt_path"), world_size=resolved.world_size,
