@@ -285,6 +285,41 @@ def test_a_resume_that_moves_max_steps_inside_the_lr_plan_says_what_the_lr_does(
     assert "planned for" not in capsys.readouterr().err  # the plan's own end: nothing to say
 
 
+def test_a_resume_past_the_lr_plan_a_token_budget_made_says_what_the_lr_does(
+    tmp_path, char_dataset, capsys
+):
+    # trainer.max_steps -1: budget.max_tokens planned the cosine for 8 steps. Resumed at 4 with
+    # the budget raised to 16 steps (or set to null), the steps past 8 train at the minimum LR:
+    # it went without a word (a larger trainer.max_steps is said).
+    run = tmp_path / "run"
+    ckpt = RotatingCheckpoint(every_n_steps=4)
+    budget = 8 * TOKENS_PER_MICRO_BATCH
+    fit(run, char_dataset, [MetricsLog(), ckpt, CostBudget(max_tokens=budget)], max_steps=-1,
+        max_epochs=-1)  # fmt: skip
+    assert events(run / "metrics.jsonl", "train")[-1]["step"] == 8
+    capsys.readouterr()
+    resume = tmp_path / "step-4.ckpt"  # the rotation deletes it as the run goes on
+    resume.write_bytes((run / "checkpoints" / "step-00000004.ckpt").read_bytes())
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4),
+        CostBudget(max_tokens=2 * budget)], max_steps=-1, max_epochs=-1, ckpt_path=resume)  # fmt: skip
+    err = capsys.readouterr().err
+    said = (
+        f"budget.max_tokens {2 * budget} (it stops the run at step 16) is past the 8 steps this "
+        "run's LR schedule was planned for (a resume keeps the plan): the LR reaches its minimum "
+        "at step 8 and the last 8 steps run there; to anneal over all 16 steps, train a new run "
+        f"(run.fresh: true, or another run.name) with budget.max_tokens {2 * budget}"
+    )
+    assert err.count(said) == 1, err
+    train = [r for r in events(run / "metrics.jsonl", "train") if r["step"] > 8]
+    assert [r["lr"] for r in train] == pytest.approx([0.1 * OptimizerConfig().lr] * 8)  # as said
+    fit(run, char_dataset, [MetricsLog(), RotatingCheckpoint(every_n_steps=4),
+        CostBudget(max_wall_hours=1.0)], max_steps=-1, max_epochs=-1, ckpt_path=resume,
+        max_time={"seconds": 3})  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("no trainer.max_steps or budget.max_tokens bounds the run in steps") == 1
+    assert "the LR reaches its minimum at step 8 and every step after runs there" in err
+
+
 @pytest.mark.parametrize("max_steps", [4, 6, 7])
 def test_a_new_run_whose_warmup_fills_it_says_the_lr_never_decays(
     tmp_path, char_dataset, capsys, max_steps

@@ -827,6 +827,16 @@ def test_a_run_without_max_steps_plans_its_cosine_for_the_token_budget(tmp_path,
     peak, f = train[2]["lr"], WarmupCosine(2, 8, 0.1)  # step 3 trains at the peak
     assert [r["lr"] for r in train] == pytest.approx([peak * f(k - 1) for k in range(1, 9)])
     assert train[-1]["lr"] < 0.2 * peak
+    # The budget raised on a resume: the checkpoint keeps the plan, and the banner says the
+    # steps past it train at the minimum (it said nothing), as for a larger trainer.max_steps.
+    res = nanolab_here("fit", "--config", config, "--budget.max_tokens", "2048", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (
+        "the LR schedule ended at step 8: the extra steps run at its minimum; a resume keeps the "
+        "plan: for a new cosine, train a new run (run.fresh: true, or another run.name)"
+    ) in res.stdout
+    train = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train"))[8:]
+    assert [r["lr"] for r in train] == pytest.approx([0.1 * peak] * 8)
 
 
 def test_a_run_nothing_bounds_in_steps_says_its_cosine_has_no_end() -> None:

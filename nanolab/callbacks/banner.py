@@ -10,6 +10,7 @@ checkpoint has been restored, so a resumed run shows its real starting step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,61 @@ def schedule_end(trainer: L.Trainer) -> int | None:
     return end if isinstance(end, int) else None
 
 
-def ended_schedule_note(trainer: L.Trainer, start: int, end: int, horizon: int) -> str:
-    """What the LR does on a resume from ``start`` to ``end`` past the schedule's end
-    ``horizon`` (a run extended past the ``max_steps`` it started with keeps that plan).
+#: How a run that outlived its LR plan gets a cosine again: a resume keeps the plan.
+NEW_COSINE = (
+    "a resume keeps the plan: for a new cosine, train a new run (run.fresh: true, or another "
+    "run.name)"
+)
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """The step a launch trains to when nothing stops it sooner, and the setting that put it
+    there: ``trainer.max_steps``, or (``max_steps`` -1) ``budget.max_tokens``.
+
+    Attributes:
+        step: The last optimizer step (:func:`nanolab.training.optim.planned_steps`).
+        max_tokens: The token budget that sets it; None when ``trainer.max_steps`` does.
+    """
+
+    step: int
+    max_tokens: int | None = None
+
+    @property
+    def said(self) -> str:
+        """``trainer.max_steps 16``, or ``budget.max_tokens 2048 (it stops the run at step 16)``."""
+        if self.max_tokens is None:
+            return f"trainer.max_steps {self.step}"
+        return f"budget.max_tokens {self.max_tokens} (it stops the run at step {self.step})"
+
+    @property
+    def setting(self) -> str:
+        """What a new run sets to end (and plan its cosine) here."""
+        if self.max_tokens is None:
+            return f"trainer.max_steps {self.step}"
+        return f"budget.max_tokens {self.max_tokens} (trainer.max_steps -1)"
+
+
+def run_end(trainer: L.Trainer, pl_module: L.LightningModule) -> RunEnd | None:
+    """Where this launch stops if nothing stops it sooner (None: neither ``trainer.max_steps``
+    nor ``budget.max_tokens`` bounds it in steps). The step a new run's cosine is planned for."""
+    from nanolab.callbacks.budget import CostBudget
+    from nanolab.callbacks.events import find_callback
+    from nanolab.training.optim import planned_steps
+
+    step = planned_steps(trainer, pl_module)
+    if step <= 0:
+        return None
+    if int(trainer.max_steps or -1) > 0:
+        return RunEnd(step)
+    budget = find_callback(trainer, CostBudget)
+    return RunEnd(step, int(budget.max_tokens) if budget and budget.max_tokens else None)
+
+
+def ended_schedule_note(trainer: L.Trainer, start: int, end: int | None, horizon: int) -> str:
+    """What the LR does on a resume from ``start`` to ``end`` (None: no step bounds the run)
+    past the schedule's end ``horizon`` (a run extended past the steps it started with keeps
+    that plan).
 
     Past the end the multiplier is the minimum, except inside the warm-up: a run first
     trained for fewer steps than ``warmup_steps`` keeps warming up to the warm-up's end and
@@ -65,13 +118,16 @@ def ended_schedule_note(trainer: L.Trainer, start: int, end: int, horizon: int) 
     warmup = getattr(fn, "warmup_steps", None)
     ended = f"the LR schedule ended at step {horizon}"
     if fn is None or not isinstance(warmup, int) or start >= warmup:
+        if end is None:
+            return f"{ended}: every further step runs at its minimum"
         return f"{ended}: the extra steps run at its minimum"
     ended += f", inside its {warmup}-step warm-up"
-    if end <= warmup:
+    if end is not None and end <= warmup:
         return f"{ended}: the LR goes on rising, to {fn(end - 1):.0%} of its peak at step {end}"
+    last = "every step after" if end is None else f"the last {end - warmup} steps"
     return (
         f"{ended}: the LR goes on rising to {fn(warmup - 1):.0%} of its peak at step {warmup}, "
-        f"then drops to its minimum ({fn(warmup):.0%}) for the last {end - warmup} steps"
+        f"then drops to its minimum ({fn(warmup):.0%}) for {last}"
     )
 
 
@@ -138,35 +194,63 @@ def unplanned_note(trainer: L.Trainer, pl_module: L.LightningModule) -> str | No
 
 
 def resumed_schedule_note(
-    trainer: L.Trainer, pl_module: L.LightningModule, start: int, end: int
+    trainer: L.Trainer, pl_module: L.LightningModule, start: int, end: RunEnd | None
 ) -> str | None:
-    """What a resume with another ``trainer.max_steps`` does to the LR, or None.
+    """What a resume to another end does to the LR, or None.
 
-    The cosine of ``model.schedule.decay_steps: null`` is planned for the ``max_steps`` a run
-    started with, and the checkpoint keeps that plan (an exact resume). A resume that moves
-    ``max_steps`` inside the plan stops before the LR anneals, or runs its last steps at the
+    The cosine of ``model.schedule.decay_steps: null`` is planned for the steps a run started
+    with (``trainer.max_steps``, or where ``budget.max_tokens`` stopped it), and the checkpoint
+    keeps that plan (an exact resume). A resume whose end (``end``; None: nothing bounds it in
+    steps now) moves inside the plan stops before the LR anneals, or runs its last steps at the
     minimum: said once, with the LR it stops at (step ``end`` trains at the multiplier of index
-    ``end - 1``), so a shortened run is not read as annealed.
+    ``end - 1``), so a shortened run is not read as annealed, nor a longer one as decaying.
     """
     schedule = getattr(pl_module, "schedule_config", None)
     if start <= 0 or getattr(schedule, "decay_steps", 0) is not None:
         return None  # a new run, or a horizon set on purpose (model.schedule.decay_steps)
     fn = _schedule_fn(trainer)
     horizon = getattr(fn, "decay_steps", None)
-    if fn is None or not isinstance(horizon, int) or end == horizon or start >= horizon:
-        return None  # the plan's own end, or already past it (the banner's steps line says so)
+    if fn is None or not isinstance(horizon, int) or start >= horizon:
+        return None  # already past the plan's end: the banner's steps line says so
+    if end is not None and end.step == horizon:
+        return None  # the plan's own end
     planned = "this run's LR schedule was planned for (a resume keeps the plan)"
-    if end < horizon:
+    new_run = "train a new run (run.fresh: true, or another run.name) with"
+    if end is None:
         return (
-            f"trainer.max_steps {end} is short of the {horizon} steps {planned}: it stops at "
-            f"step {end} with the LR at {fn(end - 1):.0%} of its peak, before the cosine reaches "
-            f"its minimum at step {horizon}; to anneal by step {end}, train a new run "
-            f"(run.fresh: true, or another run.name) with trainer.max_steps {end}"
+            f"no trainer.max_steps or budget.max_tokens bounds the run in steps now, so it "
+            f"trains past the {horizon} steps {planned}: the LR reaches its minimum at step "
+            f"{horizon} "
+            f"and every step after runs there; for a cosine to a later end, {new_run} the "
+            "trainer.max_steps or budget.max_tokens it should end at"
+        )
+    if end.step < horizon:
+        return (
+            f"{end.said} is short of the {horizon} steps {planned}: it stops at step "
+            f"{end.step} with the LR at {fn(end.step - 1):.0%} of its peak, before the cosine "
+            f"reaches its minimum at step {horizon}; to anneal by step {end.step}, {new_run} "
+            f"{end.setting}"
         )
     return (
-        f"trainer.max_steps {end} is past the {horizon} steps {planned}: the LR reaches its "
-        f"minimum at step {horizon} and the last {end - horizon} steps run there"
+        f"{end.said} is past the {horizon} steps {planned}: the LR reaches its minimum at step "
+        f"{horizon} and the last {end.step - horizon} steps run there; to anneal over all "
+        f"{end.step} steps, {new_run} {end.setting}"
     )
+
+
+def launch_schedule_note(
+    trainer: L.Trainer, pl_module: L.LightningModule, resuming: bool
+) -> str | None:
+    """The one warning a launch gives about its LR schedule, or None: a resume that moves the
+    end off the checkpoint's plan, a new run that never trains at its peak, or a new run whose
+    cosine has no end to plan for. The same rule whether ``trainer.max_steps`` or
+    ``budget.max_tokens`` sets the end."""
+    end = run_end(trainer, pl_module)
+    if resuming:
+        return resumed_schedule_note(trainer, pl_module, int(trainer.global_step), end)
+    if end is not None:
+        return warmup_note(trainer, end.step) if end.max_tokens is None else None
+    return unplanned_note(trainer, pl_module)
 
 
 def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[int, str] | None:
@@ -272,7 +356,7 @@ def banner_lines(
                 split = _count(split_tokens(trainer) or 0)
                 steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"
         if horizon is not None and start >= horizon and end > horizon:
-            steps += f"; {ended_schedule_note(trainer, start, end, horizon)}"
+            steps += f"; {ended_schedule_note(trainer, start, end, horizon)}; {NEW_COSINE}"
         lines.append(steps)
         if estimate and per_step is not None:
             guess = _safe_estimate(trainer, end - start, per_step[0])
@@ -287,7 +371,12 @@ def banner_lines(
     else:
         steps = f"  steps      from {start}, no max_steps: a budget or a signal stops it"
         planned = budget_planned_steps(trainer, pl_module)
-        if planned is not None:
+        horizon = schedule_end(trainer)
+        if ckpt and horizon is not None and 0 < horizon <= start:  # resumed past its plan
+            bound = run_end(trainer, pl_module)
+            ended = ended_schedule_note(trainer, start, bound.step if bound else None, horizon)
+            steps += f"; {ended}; {NEW_COSINE}"
+        elif planned is not None:
             steps += f"; the LR cosine ends at step {planned} (budget.max_tokens)"
         lines.append(steps)
     for callback in trainer.callbacks:  # callbacks that say what they add to the run's time

@@ -39,12 +39,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
-from nanolab.callbacks.banner import (
-    data_passes,
-    resumed_schedule_note,
-    unplanned_note,
-    warmup_note,
-)
+from nanolab.callbacks.banner import data_passes, launch_schedule_note
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
@@ -238,19 +233,9 @@ class MetricsLog(StepCallback):
         if earlier is not None:
             self.clock.account_earlier(*earlier)
         self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
-        end = trainer.max_steps
-        if trainer.is_global_zero and end is not None and end > 0:
-            start = int(trainer.global_step)
-            note = (
-                resumed_schedule_note(trainer, pl_module, start, end)
-                if resuming
-                else warmup_note(trainer, end)
-            )
+        if trainer.is_global_zero:
+            note = launch_schedule_note(trainer, pl_module, resuming)
             if note:  # every launch says it, with or without a progress bar
-                warn("nanolab fit", note)
-        elif trainer.is_global_zero and not resuming:
-            note = unplanned_note(trainer, pl_module)  # no end for the cosine to plan for
-            if note:
                 warn("nanolab fit", note)
 
     def _start_record(
