@@ -343,6 +343,32 @@ def test_a_new_run_whose_warmup_fills_it_says_the_lr_never_decays(
     assert f"a run of {max_steps} steps is too short to decay: give it at least 10 steps" in err
 
 
+def test_a_token_budget_that_ends_a_run_inside_its_warmup_says_the_lr_never_decays(
+    tmp_path, char_dataset, capsys
+):
+    # trainer.max_steps -1 and budget.max_tokens 4 steps with a 5-step warm-up: the banner
+    # said "the LR cosine ends at step 4" and no warning came, while the LR never left the
+    # warm-up (trainer.max_steps 4 warns).
+    from nanolab.callbacks.banner import banner_lines
+    from nanolab.training.optim import ScheduleConfig
+
+    run, budget = tmp_path / "run", 4 * TOKENS_PER_MICRO_BATCH
+    trainer = fit(run, char_dataset, [MetricsLog(), CostBudget(max_tokens=budget)],
+                  max_steps=-1, max_epochs=-1,
+                  module_kwargs={"schedule": ScheduleConfig(warmup_steps=5)})  # fmt: skip
+    err = capsys.readouterr().err
+    said = (
+        f"model.schedule.warmup_steps 5 does not end before budget.max_tokens {budget} (it "
+        "stops the run at step 4): the LR rises to 67% of its peak at the last step"
+    )
+    assert err.count(said) == 1, err
+    last = events(run / "metrics.jsonl", "train")[-1]
+    assert last["step"] == 4 and last["lr"] / OptimizerConfig().lr == pytest.approx(4 / 6)
+    banner = "\n".join(banner_lines(trainer, trainer.lightning_module, estimate=False))
+    assert "budget.max_tokens stops it at step 4, inside the LR's 5-step warm-up" in banner
+    assert "the LR cosine ends" not in banner
+
+
 @pytest.mark.parametrize(
     ("max_steps", "warmup", "fix"),
     [

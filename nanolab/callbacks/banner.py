@@ -131,43 +131,51 @@ def ended_schedule_note(trainer: L.Trainer, start: int, end: int | None, horizon
     )
 
 
-def warmup_note(trainer: L.Trainer, end: int) -> str | None:
+def warmup_note(trainer: L.Trainer, end: RunEnd) -> str | None:
     """What a new run's warm-up does to the LR when the run never trains at its peak, or None.
 
     Step ``k`` trains at the multiplier of index ``k - 1``, so the LR first reaches its peak at
-    step ``warmup_steps + 1``: a run of ``trainer.max_steps`` at or below that never decays,
-    however the cosine is planned; and a ``decay_steps`` at or before the warm-up's end drops
-    the LR from the warm-up straight to the minimum. Said once at launch, not refused: a smoke
-    test of a few steps with the default warm-up is meant to run, and a run an earlier release
-    started with such a schedule must still resume.
+    step ``warmup_steps + 1``: a run that ends (``end``: ``trainer.max_steps``, or where
+    ``budget.max_tokens`` stops it) at or below that never decays, however the cosine is
+    planned; and a ``decay_steps`` at or before the warm-up's end drops the LR from the warm-up
+    straight to the minimum. Said once at launch, not refused: a smoke test of a few steps with
+    the default warm-up is meant to run, and a run an earlier release started with such a
+    schedule must still resume.
     """
     fn = _schedule_fn(trainer)
     warmup = getattr(fn, "warmup_steps", None)
     decay = getattr(fn, "decay_steps", None)
     if fn is None or not isinstance(warmup, int) or not isinstance(decay, int):
         return None
-    if decay <= warmup < end:  # the run goes past the warm-up, and the next step is the minimum
+    steps = end.step
+    if decay <= warmup < steps:  # the run goes past the warm-up, and the next step is the minimum
         return (
             f"model.schedule.decay_steps {decay} is not above model.schedule.warmup_steps "
             f"{warmup}: the LR rises to {fn(warmup - 1):.0%} of its peak by step {warmup}, then "
             f"drops to its minimum ({fn(warmup):.0%}) and never trains at its peak; set "
-            "model.schedule.decay_steps above warmup_steps, or null (the cosine ends at "
-            "trainer.max_steps)"
+            "model.schedule.decay_steps above warmup_steps, or null (the cosine ends where the "
+            "run stops)"
         )
-    if warmup == 0 or end > warmup + 1:
-        return None  # no warm-up: the LR is at its peak from step 1, there is nothing to fix
+    if not never_decays(warmup, steps):
+        return None  # no warm-up (the LR is at its peak from step 1), or one that ends in time
+    length = "trainer.max_steps" if end.max_tokens is None else "the run's steps"
     fix = (
-        f"set model.schedule.warmup_steps to at most a tenth of trainer.max_steps (here "
-        f"{end // 10})"
-        if end // 10 > 0
-        else f"a run of {end} steps is too short to decay: give it at least 10 steps, with "
+        f"set model.schedule.warmup_steps to at most a tenth of {length} (here {steps // 10})"
+        if steps // 10 > 0
+        else f"a run of {steps} steps is too short to decay: give it at least 10 steps, with "
         "model.schedule.warmup_steps at most a tenth of them"
     )
     return (
-        f"model.schedule.warmup_steps {warmup} does not end before trainer.max_steps {end}: "
-        f"the LR rises to {fn(end - 1):.0%} of its peak at the last step and never decays; "
+        f"model.schedule.warmup_steps {warmup} does not end before {end.said}: "
+        f"the LR rises to {fn(steps - 1):.0%} of its peak at the last step and never decays; "
         f"for a warm-up then a cosine decay, {fix}"
     )
+
+
+def never_decays(warmup: int, steps: int) -> bool:
+    """A run of ``steps`` steps ends inside a ``warmup``-step warm-up, or at the step it first
+    reaches the peak (step ``warmup + 1``): the LR never decays. No warm-up always decays."""
+    return warmup > 0 and steps <= warmup + 1
 
 
 def budget_planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
@@ -180,6 +188,19 @@ def budget_planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> in
     if getattr(schedule, "decay_steps", 0) is not None or end is None:
         return None  # a horizon set on purpose, or a schedule of a fork's own
     return end if end == planned_steps(trainer, pl_module) else None
+
+
+def planned_course(trainer: L.Trainer, planned: int) -> str:
+    """What the LR of a run whose cosine ``budget.max_tokens`` planned does by step
+    ``planned``: its cosine ends there, or it never leaves the warm-up (said as it is, not as
+    a cosine that ends)."""
+    warmup = getattr(_schedule_fn(trainer), "warmup_steps", None)
+    if isinstance(warmup, int) and never_decays(warmup, planned):
+        return (
+            f"budget.max_tokens stops it at step {planned}, inside the LR's {warmup}-step "
+            "warm-up: the LR never decays"
+        )
+    return f"the LR cosine ends at step {planned} (budget.max_tokens)"
 
 
 def unplanned_note(trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
@@ -249,7 +270,7 @@ def launch_schedule_note(
     if resuming:
         return resumed_schedule_note(trainer, pl_module, int(trainer.global_step), end)
     if end is not None:
-        return warmup_note(trainer, end.step) if end.max_tokens is None else None
+        return warmup_note(trainer, end)
     return unplanned_note(trainer, pl_module)
 
 
@@ -377,7 +398,7 @@ def banner_lines(
             ended = ended_schedule_note(trainer, start, bound.step if bound else None, horizon)
             steps += f"; {ended}; {NEW_COSINE}"
         elif planned is not None:
-            steps += f"; the LR cosine ends at step {planned} (budget.max_tokens)"
+            steps += f"; {planned_course(trainer, planned)}"
         lines.append(steps)
     for callback in trainer.callbacks:  # callbacks that say what they add to the run's time
         line = getattr(callback, "banner_line", None)
