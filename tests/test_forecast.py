@@ -293,16 +293,22 @@ def test_the_fits_are_the_previous_fits_on_the_same_points() -> None:
 
 
 def _write_scheduled_run(root: Path, name: str, last: int, max_steps: int = 400,
-                         lr_shift: float = 1.0, older_log: int = 0) -> None:  # fmt: skip
+                         lr_shift: float = 1.0, older_log: int = 0,
+                         by_budget: bool | None = None) -> None:  # fmt: skip
     """A run log with the schedule in its config and the LR in its train records (the rate the
     step trained with, as ``nanolab fit`` logs it; up to step ``older_log``: the next step's, as
-    it logged before; ``lr_shift`` != 1 makes the log disagree)."""
+    it logged before; ``lr_shift`` != 1 makes the log disagree). ``by_budget``: a run of
+    ``trainer.max_steps -1`` that ``budget.max_tokens`` planned for ``max_steps`` (False: a log
+    from before the start record said so)."""
     run = root / name
     run.mkdir(parents=True)
     planned = _planned(max_steps)
-    config = {"seed_everything": 1, "trainer": {"max_steps": max_steps}, "run": {"name": name},
+    trainer = {"max_steps": -1 if by_budget is not None else max_steps}
+    config = {"seed_everything": 1, "trainer": trainer, "run": {"name": name},
               "model": {"schedule": SCHED, "optimizer": {"lr": 1e-3}}}  # fmt: skip
     lines = [{"event": "start", "time": 0.0, "step": 0, "config": config}]
+    if by_budget:
+        lines[0]["planned_steps"] = max_steps
     rng = np.random.default_rng(7)
     for step in range(1, last + 1):
         lines.append({"event": "train", "time": float(step), "step": step, "tokens": 1000 * step,
@@ -347,6 +353,21 @@ def test_report_forecast_reads_the_schedule_and_checks_it_against_the_log(tmp_pa
     assert data["older"]["model"] == "schedule"
     assert data["older"]["final_loss"] == pytest.approx(f["final_loss"], rel=1e-6)
     assert data["other"]["model"] == "power law"
+
+
+def test_report_forecast_reads_the_planned_end_of_a_run_a_token_budget_planned(tmp_path, capsys):
+    """``trainer.max_steps -1``: fit plans the cosine to where ``budget.max_tokens`` stops the
+    run, and the start record says where (``planned_steps``). The forecast rebuilt the schedule
+    from ``trainer.max_steps`` (-1: 10,000 steps), the logged LRs disagreed, and every such run
+    fell back to the power law with no end. A log without the record keeps that rule."""
+    _write_scheduled_run(tmp_path, "sched", last=200)
+    _write_scheduled_run(tmp_path, "budget", last=200, by_budget=True)
+    _write_scheduled_run(tmp_path, "older", last=200, by_budget=False)
+    assert main([str(tmp_path), "--json", "--forecast"]) == 0
+    data = json.loads(capsys.readouterr().out)["forecasts"]
+    assert data["budget"]["model"] == "schedule" and data["budget"]["final_tokens"] == 400_000
+    assert data["budget"]["final_loss"] == pytest.approx(data["sched"]["final_loss"], rel=1e-6)
+    assert data["older"]["model"] == "power law" and data["older"]["final_tokens"] is None
 
 
 def test_until_a_quarter_of_the_annealing_is_seen_the_forecast_counts_none() -> None:

@@ -837,6 +837,9 @@ def test_a_run_without_max_steps_plans_its_cosine_for_the_token_budget(tmp_path,
     ) in res.stdout
     train = list(read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train"))[8:]
     assert [r["lr"] for r in train] == pytest.approx([0.1 * peak] * 8)
+    # Each launch's start record says where it trains to: what report --forecast plans with.
+    starts = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "start")
+    assert [r["planned_steps"] for r in starts] == [8, 16]
 
 
 def test_a_run_nothing_bounds_in_steps_says_its_cosine_has_no_end() -> None:

@@ -70,6 +70,7 @@ from nanolab.runlog import (
 )
 from nanolab.training import grad_norm
 from nanolab.training.module import TRAIN_LOSS, GPTLightningModule
+from nanolab.training.optim import planned_steps
 
 __all__ = ["MetricsLog", "read_records"]
 
@@ -248,6 +249,7 @@ class MetricsLog(StepCallback):
         run_dir = Path(trainer.default_root_dir)
         seed = os.environ.get("PL_GLOBAL_SEED")
         names = device_names(trainer)
+        planned = planned_steps(trainer, pl_module)
         record: dict[str, Any] = {
             "event": "start",
             "time": time.time(),
@@ -276,6 +278,10 @@ class MetricsLog(StepCallback):
             "accelerator": type(trainer.accelerator).__name__,
             "num_params": num_params(pl_module),
             "global_batch_tokens": global_batch_tokens(trainer),
+            # The step this launch trains to (trainer.max_steps, or where budget.max_tokens stops
+            # it; None: neither), the end a new run's LR cosine is planned for: the forecast
+            # reads it, so a run of max_steps -1 is forecast on the schedule it trains with.
+            "planned_steps": planned if planned > 0 else None,
             "flops_per_token": None,
             "peak_flops": None,
             "price_per_gpu_hour": None,

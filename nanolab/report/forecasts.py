@@ -23,10 +23,25 @@ from nanolab.runs import (
 LR_SAMPLE = 50
 
 
-def _schedule_of(config: dict[str, Any], logged: list[tuple[int, float]]) -> tuple[Any, int]:
-    """``(planned steps -> LR multiplier, warmup steps)`` from a run's config, checked against
-    ``logged``, an even sample of the (step, LR) its log recorded (``(None, 0)`` when the config
-    has no schedule or the log disagrees, e.g. a model class with its own schedule)."""
+def planned_steps_of(start: dict[str, Any] | None, config: dict[str, Any]) -> int:
+    """The step a run's last launch trains to, as its start record says (``planned_steps``:
+    ``trainer.max_steps``, or where ``budget.max_tokens`` stops a run of ``max_steps`` -1;
+    :func:`nanolab.training.optim.planned_steps`), -1 when nothing bounds it. A log written
+    before the record had it: the config's ``trainer.max_steps``."""
+    if start is not None and "planned_steps" in start:
+        planned = num(start.get("planned_steps"))
+    else:
+        planned = num((config.get("trainer") or {}).get("max_steps"))
+    return int(planned) if planned and planned > 0 else -1
+
+
+def _schedule_of(
+    config: dict[str, Any], logged: list[tuple[int, float]], max_steps: int
+) -> tuple[Any, int]:
+    """``(planned steps -> LR multiplier, warmup steps)`` from a run's config and the steps it
+    is planned for (:func:`planned_steps_of`), checked against ``logged``, an even sample of
+    the (step, LR) its log recorded (``(None, 0)`` when the config has no schedule or the log
+    disagrees, e.g. a model class with its own schedule)."""
     from nanolab.training.optim import ScheduleConfig, lr_schedule
 
     model = config.get("model") or {}
@@ -39,7 +54,6 @@ def _schedule_of(config: dict[str, Any], logged: list[tuple[int, float]]) -> tup
         cfg = ScheduleConfig(**sched)
     except (TypeError, ValueError):
         return None, 0
-    max_steps = int(num((config.get("trainer") or {}).get("max_steps")) or -1)
     planned = lr_schedule(cfg, max_steps)
     # Step s trained at the multiplier of s - 1 (counted from 0); records written before this
     # release showed the next step's rate, planned(s), and a run resumed across the upgrade
@@ -58,7 +72,7 @@ def _schedule_of(config: dict[str, Any], logged: list[tuple[int, float]]) -> tup
 
 def forecast_inputs(run_dir: Path) -> Any:
     """What a forecast of one run needs from its log (:class:`nanolab.forecast.CurveInputs`):
-    (step, tokens, val loss) points, ``trainer.max_steps``, tokens per step, the LR schedule
+    (step, tokens, val loss) points, the steps it is planned for, tokens per step, the LR schedule
     from the config, and GPU-hours and cost per token so far."""
     from nanolab.forecast import CurveInputs
 
@@ -98,15 +112,15 @@ def forecast_inputs(run_dir: Path) -> Any:
         if isinstance(s, int) and t is not None and v is not None and t > 0
     ]
     config = config_of([start] if start else [], run_dir) or {}
-    max_steps = num((config.get("trainer") or {}).get("max_steps"))
+    max_steps = planned_steps_of(start, config)
     per_step = num(last["tokens"]) / int(last["step"]) if last else None
     tokens = num((last or {}).get("tokens"))
     gpu_h, cost = num(latest["gpu_hours"][1]), num(latest["cost"][1])
     sample = lrs.items + ([lrs.last] if lrs.last is not None and lrs.last not in lrs.items else [])
-    schedule_for, warmup = _schedule_of(config, sample) if points else (None, 0)
+    schedule_for, warmup = _schedule_of(config, sample, max_steps) if points else (None, 0)
     return CurveInputs(
         points=points,
-        max_steps=int(max_steps) if max_steps and max_steps > 0 else None,
+        max_steps=max_steps if max_steps > 0 else None,
         tokens_per_step=per_step,
         schedule_for=schedule_for,
         warmup_steps=warmup,
