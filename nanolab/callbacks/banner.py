@@ -92,8 +92,6 @@ class RunEnd:
 def run_end(trainer: L.Trainer, pl_module: L.LightningModule) -> RunEnd | None:
     """Where this launch stops if nothing stops it sooner (None: neither ``trainer.max_steps``
     nor ``budget.max_tokens`` bounds it in steps). The step a new run's cosine is planned for."""
-    from nanolab.callbacks.budget import CostBudget
-    from nanolab.callbacks.events import find_callback
     from nanolab.training.optim import planned_steps
 
     step = planned_steps(trainer, pl_module)
@@ -101,7 +99,8 @@ def run_end(trainer: L.Trainer, pl_module: L.LightningModule) -> RunEnd | None:
         return None
     if int(trainer.max_steps or -1) > 0:
         return RunEnd(step)
-    budget = find_callback(trainer, CostBudget)
+    # The budget, asked by what it answers (the budget's module imports this one).
+    budget = next((c for c in trainer.callbacks if callable(getattr(c, "token_steps", None))), None)
     return RunEnd(step, int(budget.max_tokens) if budget and budget.max_tokens else None)
 
 
