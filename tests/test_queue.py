@@ -1078,6 +1078,61 @@ def test_a_job_that_cannot_be_started_counts_as_failed_and_the_queue_goes_on(tmp
     assert "done: 2 failed; 0 job(s) waiting" in said.getvalue(), said.getvalue()
 
 
+def test_unclaim_puts_back_only_the_claim_it_made(tmp_path: Path) -> None:
+    """A refused start puts the job back as it was read, attempt not counted; a row written
+    since (read stale) is left to the runner, which makes it claimable another way."""
+    from dataclasses import replace
+
+    db = QueueDB(tmp_path / "q.db")
+    (job,) = db.add_jobs([NewJob(name="a", config="c.yaml", args=[], seed=None,
+                                 cwd=str(tmp_path), run_dir=str(tmp_path / "runs" / "a"))])  # fmt: skip
+    runner_id = db.register_runner()
+    assert db.claim(job.id, runner_id, None, time.time())
+    assert not db.unclaim(replace(job, attempts=5), runner_id, "no")
+    assert not db.unclaim(job, runner_id + 1, "no")
+    assert db.unclaim(job, runner_id, "refused")
+    row = db.get(job.id)
+    assert (row.status, row.attempts, row.runner_id, row.detail) == ("pending", 0, None, "refused")
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_process_the_machine_refuses_leaves_the_jobs_waiting(tmp_path, monkeypatch, pack) -> None:
+    """EAGAIN from a full process table (or ENOMEM) is the machine's, not the job's: every
+    pending job was marked failed within milliseconds. Now the job waits again (its attempt not
+    counted), the runner tries again with backoff, then stops starting jobs in one line, exit 75
+    (run it again)."""
+    import errno
+    import io
+
+    from nanolab.queue import runner as runner_mod
+
+    tries: list[float] = []
+
+    def refused(*args, **kwargs):
+        tries.append(time.monotonic())
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(runner_mod.subprocess, "Popen", refused)
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs(
+        [NewJob(name=n, config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+                run_dir=str(tmp_path / "runs" / n)) for n in ("a", "b", "c")]
+    )  # fmt: skip
+    said = io.StringIO()
+    runner = runner_mod.Runner(
+        QueueDB(path), out=said, poll_s=0.01, start_retry_s=0.05, start_patience_s=0.3, pack=pack,
+        device_mem=1 << 34,
+    )  # fmt: skip
+    assert runner.run() == 75, said.getvalue()
+    jobs = QueueDB(path).jobs()
+    assert [(j.status, j.attempts) for j in jobs] == [("pending", 0)] * 3, said.getvalue()
+    assert "this machine could not start a process" in (jobs[0].detail or "")
+    assert len(tries) >= 3 and tries[1] - tries[0] >= 0.04, said.getvalue()  # backed off
+    lines = said.getvalue().splitlines()
+    assert sum("cannot start job processes on this machine" in line for line in lines) == 1
+    assert "3 job(s) waiting" in lines[-1] and "failed" not in lines[-1], lines[-1]
+
+
 @pytest.mark.parametrize(
     ("masks", "expected"),
     [

@@ -513,6 +513,23 @@ class QueueDB:
             )
             return cur.rowcount == 1
 
+    def unclaim(self, job: Job, runner_id: int, detail: str) -> bool:
+        """Undo :meth:`claim` of ``job`` (the row as read before the claim): its process could not
+        be started for a cause that is not the job's own (the machine's process table full, no
+        memory to fork), so it waits again as it was, its attempt not counted; ``detail`` says
+        why. Only while the row is still this runner's claim with no process recorded."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "UPDATE jobs SET status = ?, runner_id = ?, gpus = ?, attempts = ?, "
+                "last_started = ?, started = ?, ended = ?, exit_code = ?, detail = ?, "
+                "packed_on = ?, mem_cap = ? WHERE id = ? AND status = 'running' "
+                "AND runner_id = ? AND attempts = ? AND job_pid IS NULL",
+                (job.status, job.runner_id, job.gpus, job.attempts, job.last_started,
+                 job.started, job.ended, job.exit_code, detail, job.packed_on, job.mem_cap,
+                 job.id, runner_id, job.attempts + 1),
+            )  # fmt: skip
+            return cur.rowcount == 1
+
     def adopt_orphan(self, job: Job, runner_id: int, detail: str) -> bool:
         """Make ``runner_id`` the runner of a ``running`` job whose runner is gone while it stops
         the job's leftover process, only if the row is still the attempt ``job`` shows: one

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import select
 import signal
@@ -90,6 +91,8 @@ EXIT_DIVERGED = 3
 #: this runner): ``queue run && notify-send done`` must not say done over a failed night.
 EXIT_JOB_FAILED = 1
 ORDERS = ("fifo", "longest-first")
+#: Longest wait between two tries to start a job after the machine refused a process.
+START_RETRY_MAX_S = 60.0
 #: Folder beside the queue database that holds the compile caches all its jobs share.
 CACHE_DIR_NAME = "nanolab_queue_cache"
 #: Environment variables pointing PyTorch's compilers at a cache, and their folders in it.
@@ -187,6 +190,17 @@ class Runner:
     preemptions: list[tuple[int, int, float]] = field(default_factory=list)
     busy_try_s: float = 5.0  # how long one write waits for another process's write lock
     _busy_since: float | None = None
+    # The machine refused to start a job's process (EAGAIN: its process table is full, ENOMEM,
+    # the Python it runs gone): no fault of the job, which waits again, its attempt not counted.
+    # The runner tries again after start_retry_s, doubling up to START_RETRY_MAX_S, and stops
+    # starting jobs once the refusals have lasted start_patience_s.
+    start_retry_s: float = 2.0
+    start_patience_s: float = 600.0
+    _start_refusals: int = 0
+    _refused_since: float | None = None  # time.monotonic() of the first refusal in a row
+    _start_retry_at: float = 0.0  # time.monotonic() before which no job is started
+    _retry_due: bool = False  # a job went back to the queue: stay to try it again
+    _cannot_start: str | None = None  # why the runner stopped starting jobs
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -232,7 +246,7 @@ class Runner:
                     self._fill_again = False
                     continue
                 # An orphan still exiting becomes claimable (this runner then resumes it).
-                waiting = bool(self._orphans) or self._keep_waiting()
+                waiting = bool(self._orphans) or self._keep_waiting() or self._retry_due
                 if not self._active and (self._signals or not waiting):
                     break
                 now = time.monotonic()
@@ -244,13 +258,17 @@ class Runner:
                     last_recover = now
                 # A running backfill job must give way quickly when a job arrives.
                 backfilling = any(a.job.backfill for a in self._active.values())
-                self._wait(min(self.poll_s, self.heartbeat_s, 0.25 if backfilling else 1e9))
+                retry_in = self._start_retry_at - time.monotonic() if self._retry_due else 1e9
+                self._wait(
+                    min(self.poll_s, self.heartbeat_s, 0.25 if backfilling else 1e9,
+                        max(retry_in, 0.01))
+                )  # fmt: skip
         finally:
             self._restore_signals(previous)
             self._leave_orphans()
             self.db.stop_runner(self.runner_id)
         self._summary()
-        if self._signals:
+        if self._signals or self._cannot_start:
             return EXIT_PREEMPTED
         return EXIT_JOB_FAILED if "failed" in self._outcomes.values() else 0
 
@@ -337,6 +355,9 @@ class Runner:
 
     def fill(self) -> None:
         """Start what can start now; ask backfill jobs to give way where others need room."""
+        if self._starts_held():
+            return
+        self._retry_due = False
         if self.pack:
             self._fill_packed()
             return
@@ -396,14 +417,14 @@ class Runner:
         reserved: int = 0,
         sharing: int = 1,
     ) -> bool:
-        if self._signals:  # a signal during this fill: it said no new job starts
+        if self._signals or self._starts_held():  # a signal or a refused start this round
             return False
         gpus = ",".join(str(self.units[u]) for u in units) if self.gpus else None
         packed_on = self.label(units[0]) if cap is not None else None
         if not self.db.claim(job.id, self.runner_id, gpus, time.time(), packed_on, cap):
             self._fill_again = True  # another runner took it first: its units go to the next job
             return False
-        self._spawn(self.db.get(job.id), units, remaining, cap, reserved, sharing)
+        self._spawn(self.db.get(job.id), units, remaining, cap, reserved, sharing, before=job)
         return True
 
     # -- packing ---------------------------------------------------------------------------
@@ -449,6 +470,7 @@ class Runner:
             frozenset(self._active),
             frozenset(a.job.id for a in self._active.values() if a.preempted_for is not None),
             self.until is not None and now >= self.until,
+            self._start_retry_at,  # a job given back after a refused start is planned again
         )
         if key == self._plan_key:
             return  # nothing changed since the last round decided
@@ -532,6 +554,8 @@ class Runner:
 
     def _keep_waiting(self) -> bool:
         """With nothing running: is there any reason to stay?"""
+        if self._cannot_start:
+            return False
         return self.wait and not (self.until is not None and time.time() >= self.until)
 
     def _not_started(self, job: Job, detail: str) -> None:
@@ -549,7 +573,10 @@ class Runner:
         cap: int | None = None,
         reserved: int = 0,
         sharing: int = 1,
+        before: Job | None = None,
     ) -> None:
+        """Start claimed ``job``; ``before`` is its row as read before the claim (what it goes
+        back to when the machine refuses to start its process)."""
         changed = changed_config(
             Path(job.cwd) / job.config, job.args, job.config_sha, Path(job.cwd)
         )
@@ -613,12 +640,17 @@ class Runner:
                 preexec_fn=_die_with_parent(os.getpid()) if _HAS_PDEATHSIG else None,
             )
         except OSError as err:
-            log.close()
+            with log:
+                log.write(f"not started: {err}\n".encode())
+            if before is not None and not is_the_jobs_own(err, job):
+                self._start_refused(before, job, err)
+                return
             self.db.finish(job.id, self.runner_id, "failed", f"could not start: {err}", None, 0.0)
             self.say(f"job {job.id} {job.name}: failed to start: {err}")
             self._outcomes[job.id] = "failed"
             self._fill_again = True  # its slot is free: the next job, before the queue is done
             return
+        self._start_refusals, self._refused_since = 0, None
         started = time.time()
         freed = [self._freed_at.pop(u) for u in units if u in self._freed_at]
         if freed:
@@ -637,6 +669,42 @@ class Runner:
         what = "resuming" if job.attempts > 1 else "starting"
         self.say(f"job {job.id} {job.name}: {what} on {where} (attempt {job.attempts}, "
                  f"~{describe(remaining)}; log {log_path})")  # fmt: skip
+
+    def _starts_held(self) -> bool:
+        """No job starts now: the machine refused a process a moment ago (retried later), or
+        for so long that the runner gave up starting jobs."""
+        return self._cannot_start is not None or time.monotonic() < self._start_retry_at
+
+    def _start_refused(self, before: Job, job: Job, err: OSError) -> None:
+        """The machine refused ``job``'s process for a cause not the job's own (see
+        :func:`is_the_jobs_own`): it waits again as ``before`` was, and the runner retries with
+        backoff, then stops starting jobs (its running ones finish) with one line."""
+        now = time.monotonic()
+        self._refused_since = self._refused_since if self._start_refusals else now
+        self._start_refusals += 1
+        refused_for = now - self._refused_since
+        detail = (
+            f"not started: this machine could not start a process ({err}); waiting to try again"
+        )
+        if not self.db.unclaim(before, self.runner_id, detail):
+            # The row changed since it was read (another process wrote it): claimable again all
+            # the same, never left running under a runner with no process for it.
+            self.db.finish(job.id, self.runner_id, "preempted", detail, None, 0.0)
+        if refused_for >= self.start_patience_s:
+            self._cannot_start = str(err)
+            self.say(f"cannot start job processes on this machine: {err} ({self._start_refusals} "
+                     f"tries over {duration(refused_for)}); no new job starts, the waiting jobs "
+                     "stay in the queue: run `nanolab queue run` again once processes can be "
+                     "started (ulimit -u, free memory)")  # fmt: skip
+            return
+        wait = min(
+            self.start_retry_s * 2 ** (self._start_refusals - 1),
+            START_RETRY_MAX_S,
+            self.start_patience_s - refused_for,
+        )
+        self._start_retry_at, self._retry_due = now + wait, True
+        self.say(f"job {job.id} {job.name}: not started, this machine could not start a process "
+                 f"({err}); back in the queue, trying again in {describe(wait)}")  # fmt: skip
 
     # -- finished jobs ---------------------------------------------------------------------
     def _note_exits(self) -> None:
@@ -894,6 +962,14 @@ def outcome(
     if error:
         return "failed", _last_line(str(error))
     return "failed", error_from_log(log or job.log) or f"exit code {code}"
+
+
+def is_the_jobs_own(err: OSError, job: Job) -> bool:
+    """Whether a failed start is the job's own fault, so starting it again fails the same way:
+    its folder (the child's ``chdir``) is gone or unusable, or its arguments are too long for
+    the system. Other causes (EAGAIN from a full process table, ENOMEM, the runner's Python
+    gone) are the machine's and pass."""
+    return err.filename == job.cwd or err.errno == errno.E2BIG
 
 
 def is_out_of_memory(detail: str | None) -> bool:
