@@ -1095,6 +1095,42 @@ def test_unclaim_puts_back_only_the_claim_it_made(tmp_path: Path) -> None:
     assert (row.status, row.attempts, row.runner_id, row.detail) == ("pending", 0, None, "refused")
 
 
+def test_options_an_earlier_release_completed_run_whole(tmp_path, monkeypatch) -> None:
+    """A job queued before fit matched options whole (``--set seed=7``: its fit completed it to
+    seed_everything) failed at launch with "unknown option". The runner now writes such an
+    option whole, says so once and keeps it so; ambiguous and unknown ones stay as stored."""
+    import errno
+    import io
+
+    from nanolab.queue import runner as runner_mod
+    from nanolab.queue.jobs import complete_abbreviations
+
+    known = frozenset({"seed_everything", "ckpt_path", "data.seed", "trainer.max_steps",
+                       "trainer.max_epochs", "model.gpt.n_layer"})  # fmt: skip
+    args = ["--seed=7", "--ckpt=a.ckpt", "--trainer.max_=1", "--data.seed=2", "--nope=1",
+            "--model.gpt.n_layer=2", "--c=x"]  # fmt: skip
+    done, notes = complete_abbreviations(args, known)
+    assert done == ["--seed_everything=7", "--ckpt_path=a.ckpt", *args[2:]]
+    assert notes == ["--seed as --seed_everything", "--ckpt as --ckpt_path"]
+
+    started: list[list[str]] = []
+
+    def popen(cmd, **kwargs):
+        started.append(cmd)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", kwargs["cwd"])
+
+    monkeypatch.setattr(runner_mod.subprocess, "Popen", popen)
+    monkeypatch.setattr(runner_mod, "fit_settings", lambda: known)
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs([NewJob(name="old", config="c.yaml", args=["--seed=7"], seed=None,
+                                   cwd=str(tmp_path), run_dir=str(tmp_path / "runs" / "old"))])  # fmt: skip
+    said = io.StringIO()
+    runner_mod.Runner(QueueDB(path), out=said).run()
+    assert "--seed_everything=7" in started[0] and "--seed=7" not in started[0]
+    assert QueueDB(path).get(1).args == ["--seed_everything=7"]
+    assert said.getvalue().count("runs --seed as --seed_everything") == 1, said.getvalue()
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_a_process_the_machine_refuses_leaves_the_jobs_waiting(tmp_path, monkeypatch, pack) -> None:
     """EAGAIN from a full process table (or ENOMEM) is the machine's, not the job's: every

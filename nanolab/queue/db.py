@@ -557,6 +557,13 @@ class QueueDB:
             )
             return cur.rowcount == 1
 
+    def set_args(self, job_id: int, runner_id: int, args: list[str]) -> bool:
+        """Write the fit arguments of a job this runner has claimed in the form they run in
+        (options written whole, as ``queue add`` now checks them); False when it is not its."""
+        with self.transaction() as c:
+            sql = "UPDATE jobs SET args = ? WHERE id = ? AND runner_id = ? AND status = 'running'"
+            return c.execute(sql, (json.dumps(args), job_id, runner_id)).rowcount == 1
+
     def set_job_pid(self, job_id: int, pid: int, log: str) -> bool:
         """Record a started job's process; False when its row is gone (``queue rm`` deleted it
         before the pid was there to signal: the runner then stops the process itself)."""

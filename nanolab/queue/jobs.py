@@ -662,3 +662,40 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return time.time()
+
+
+#: Options of fit's parser besides its settings: a prefix that begins one of them as well was
+#: ambiguous to the parser that took abbreviations, so it is not completed here either.
+_PARSER_OPTIONS = ("config", "print_config", "help")
+
+
+def complete_abbreviations(args: list[str], known: frozenset[str]) -> tuple[list[str], list[str]]:
+    """``args`` with each option that is a prefix of exactly one of fit's settings written
+    whole (``--seed=7`` -> ``--seed_everything=7``), and a note per completion.
+
+    Until fit matched options whole, its parser completed such prefixes, and ``queue add``
+    stored them as given: a pending or preempted job of an upgraded queue runs as it was
+    queued. A new ``queue add`` checks options whole. ``known``: fit's settings (dotted keys);
+    an option that is one, a group or inside one, or that begins several, is left as it is
+    (fit then names it as it names any unknown option)."""
+    done: list[str] = []
+    notes: list[str] = []
+    for arg in args:
+        name, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or not name or _is_setting(name, known):
+            done.append(arg)
+            continue
+        begun = [k for k in (*known, *_PARSER_OPTIONS) if k.startswith(name)]
+        if len(begun) != 1 or begun[0] not in known:
+            done.append(arg)
+            continue
+        done.append(f"--{begun[0]}{eq}{value}")
+        notes.append(f"--{name} as --{begun[0]}")
+    return done, notes
+
+
+def _is_setting(name: str, known: frozenset[str]) -> bool:
+    """``name`` is a parser option, a setting, a group of settings, or inside a setting."""
+    from nanolab.run.keys import _known
+
+    return name in _PARSER_OPTIONS or _known(name, known)

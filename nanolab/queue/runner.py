@@ -70,7 +70,7 @@ from nanolab.queue.db import (
     runner_alive,
     runner_process,
 )
-from nanolab.queue.jobs import changed_config, foreign_run_at_start
+from nanolab.queue.jobs import changed_config, complete_abbreviations, foreign_run_at_start
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
 from nanolab.queue.predict import (
@@ -201,6 +201,7 @@ class Runner:
     _start_retry_at: float = 0.0  # time.monotonic() before which no job is started
     _retry_due: bool = False  # a job went back to the queue: stay to try it again
     _cannot_start: str | None = None  # why the runner stopped starting jobs
+    _fit_settings: frozenset[str] | None = None  # fit's setting keys, read at the first need
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -577,6 +578,7 @@ class Runner:
     ) -> None:
         """Start claimed ``job``; ``before`` is its row as read before the claim (what it goes
         back to when the machine refuses to start its process)."""
+        job = self._options_whole(job)
         changed = changed_config(
             Path(job.cwd) / job.config, job.args, job.config_sha, Path(job.cwd)
         )
@@ -669,6 +671,22 @@ class Runner:
         what = "resuming" if job.attempts > 1 else "starting"
         self.say(f"job {job.id} {job.name}: {what} on {where} (attempt {job.attempts}, "
                  f"~{describe(remaining)}; log {log_path})")  # fmt: skip
+
+    def _options_whole(self, job: Job) -> Job:
+        """``job`` with the abbreviated options an earlier nanolab queued (``--seed=7``, which
+        its fit completed to ``--seed_everything=7``) written whole, as fit now matches them;
+        said once, and kept in the queue so that later attempts run them as written."""
+        if not any(arg.startswith("--") for arg in job.args):
+            return job
+        if self._fit_settings is None:
+            self._fit_settings = fit_settings()
+        args, notes = complete_abbreviations(job.args, self._fit_settings)
+        if not notes:
+            return job
+        self.db.set_args(job.id, self.runner_id, args)
+        self.say(f"job {job.id} {job.name}: queued by an earlier nanolab, whose fit completed "
+                 f"abbreviated options; runs {', '.join(notes)}")  # fmt: skip
+        return replace(job, args=args)
 
     def _starts_held(self) -> bool:
         """No job starts now: the machine refused a process a moment ago (retried later), or
@@ -962,6 +980,22 @@ def outcome(
     if error:
         return "failed", _last_line(str(error))
     return "failed", error_from_log(log or job.log) or f"exit code {code}"
+
+
+def fit_settings() -> frozenset[str]:
+    """fit's setting keys: remembered by an earlier parse of this code, else read from its
+    parser (once per runner; empty when it cannot be read: options then run as stored)."""
+    from nanolab.run import keys
+
+    known = keys.known_keys("fit")
+    if known is not None:
+        return known
+    try:
+        from nanolab.run.parse import verb_keys
+
+        return verb_keys("fit")
+    except Exception:  # the job's fit names what it cannot parse, in its own log
+        return frozenset()
 
 
 def is_the_jobs_own(err: OSError, job: Job) -> bool:
