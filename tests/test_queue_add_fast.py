@@ -256,6 +256,10 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["--set", "trainer.precision=foo"], "trainer.precision: 'foo' is not valid; expected int or", True),
     (["--sweep", "trainer.max_steps=5,x"], "trainer.max_steps must be a positive number of optimizer steps (or -1: no limit, stop on a budget), got 'x'", True),
     (["--sweep", "model.optimizer.lr"], "expected KEY=V1,V2", False),
+    # a key without its group, in queue add's own words: the queue sets seed_everything itself
+    (["--set", "seed=3"], "unknown setting --set seed=3; did you mean --set data.seed=3 or --seeds 3? (settings", True),
+    (["--set", "name=x"], "did you mean --name x or --set model.optimizer.name=x?", True),
+    (["--set", "resume=x"], "unknown setting --set resume=x; run.resume is set by the queue: the queue always", True),
 ]  # fmt: skip
 
 

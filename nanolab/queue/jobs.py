@@ -34,6 +34,18 @@ RESERVED_KEYS = {
     "config": "pass the YAML file as CONFIG",
 }
 
+#: How ``queue add`` gives a key the queue sets itself, in a hint (``{value}``: the value given).
+QUEUE_FORMS = {"seed_everything": "--seeds {value}", "run.name": "--name {value}"}
+
+
+def queue_form(key: str, value: str) -> str | None:
+    """How ``queue add`` gives fit's setting ``key`` (None: it cannot, the queue sets it)."""
+    if key in RESERVED_KEYS:
+        form = QUEUE_FORMS.get(key)
+        return None if form is None else form.format(value=value or "N")
+    return f"--set {key}={value}"
+
+
 #: What a derived run name keeps besides letters, marks and digits of any script.
 _NAME_PUNCTUATION = frozenset("._=+-")
 
@@ -181,6 +193,9 @@ def parse_config(
         try:
             cfg = fit_config(["--config", str(config), *args, f"--run.name={run_name}"])
         except FitParseError as e:  # named once: a config file's own error already names it
+            hint = set_hint(args) if "unknown option" in str(e) else None
+            if hint is not None:  # a --set key without its group: no file is at fault
+                raise JobConfigError(hint) from None
             raise JobConfigError(str(e) if str(config) in str(e) else f"{where}: {e}") from None
     try:
         return _check(cfg, cwd)
@@ -662,6 +677,42 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return time.time()
+
+
+def set_hint(args: list[str]) -> str | None:
+    """For a ``--set`` key without its group (``--set seed=3``): the settings it may mean as
+    ``queue add`` takes them (``--set data.seed=3 or --seeds 3``: the queue sets
+    ``seed_everything`` itself), or None."""
+    from nanolab.run.keys import _is_option, settings_named, undotted_hint
+
+    known = fit_settings()
+    hint = undotted_hint(args, known, queue_form)
+    if hint is not None:
+        return hint
+    for arg in args:  # every setting it may mean is one the queue sets: say so
+        name, _, value = arg[2:].partition("=")
+        given = arg.startswith("--") and "." not in name and not _is_option(name, known)
+        meant = settings_named(name, known) if given else []
+        if meant and all(k in RESERVED_KEYS for k in meant):
+            return (f"unknown setting --set {name}={value}; {meant[0]} is set by the queue: "
+                    f"{RESERVED_KEYS[meant[0]]}")  # fmt: skip
+    return None
+
+
+def fit_settings() -> frozenset[str]:
+    """fit's setting keys: remembered by an earlier parse of this code, else read from its
+    parser (once per runner; empty when it cannot be read: options then run as stored)."""
+    from nanolab.run import keys
+
+    known = keys.known_keys("fit")
+    if known is not None:
+        return known
+    try:
+        from nanolab.run.parse import verb_keys
+
+        return verb_keys("fit")
+    except Exception:  # the job's fit names what it cannot parse, in its own log
+        return frozenset()
 
 
 #: Options of fit's parser besides its settings: a prefix that begins one of them as well was

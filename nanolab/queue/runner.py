@@ -70,7 +70,12 @@ from nanolab.queue.db import (
     runner_alive,
     runner_process,
 )
-from nanolab.queue.jobs import changed_config, complete_abbreviations, foreign_run_at_start
+from nanolab.queue.jobs import (
+    changed_config,
+    complete_abbreviations,
+    fit_settings,
+    foreign_run_at_start,
+)
 from nanolab.queue.launch import CAP_ENV
 from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
 from nanolab.queue.predict import (
@@ -980,22 +985,6 @@ def outcome(
     if error:
         return "failed", _last_line(str(error))
     return "failed", error_from_log(log or job.log) or f"exit code {code}"
-
-
-def fit_settings() -> frozenset[str]:
-    """fit's setting keys: remembered by an earlier parse of this code, else read from its
-    parser (once per runner; empty when it cannot be read: options then run as stored)."""
-    from nanolab.run import keys
-
-    known = keys.known_keys("fit")
-    if known is not None:
-        return known
-    try:
-        from nanolab.run.parse import verb_keys
-
-        return verb_keys("fit")
-    except Exception:  # the job's fit names what it cannot parse, in its own log
-        return frozenset()
 
 
 def is_the_jobs_own(err: OSError, job: Job) -> bool:

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +258,9 @@ def check_keys(argv: list[str], known: frozenset[str], skip_chosen: bool = True)
         raise RunConfigError(f"{place}unknown setting {dash}{raw}; {hint}")
 
 
-def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
+def undotted_hint(
+    argv: list[str], known: frozenset[str], form: Callable[[str, str], str | None] | None = None
+) -> str | None:
     """For an option without its group (``--max_steps 50``, which the parser only calls an
     unrecognized argument): every setting of that name (``--run.micro_batch_size or
     --data.micro_batch_size``), or None.
@@ -266,17 +268,23 @@ def undotted_hint(argv: list[str], known: frozenset[str]) -> str | None:
     An option the parser has, a top-level one (``--ckpt_path``) or a whole group (``--model
     mylab.models.X``, which chooses the class), is passed over: its name only looks like a
     setting's (``model`` is close to ``progress.mode``), and the unrecognized argument is
-    another one."""
+    another one.
+
+    ``form(key, value)``: how the caller's user gives a setting where it is not fit's
+    ``--key`` (``queue add``: ``--set data.seed=3``, and ``--seeds 3`` for the seed the queue
+    sets itself), or None to leave a setting they cannot give out of the hint."""
     for arg in argv:
-        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        name, _, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         if not name or "." in name or _is_option(name, known):
             continue
         meant = settings_named(name, known)
-        if meant:
-            return (
-                f"unknown option --{name}; did you mean {either(f'--{k}' for k in meant)}? "
-                "(settings take their group)"
-            )
+        if form is None:
+            given, hints = f"option --{name}", [f"--{k}" for k in meant]
+        else:
+            given = f"setting {form(name, value)}"
+            hints = [h for h in (form(k, value) for k in meant) if h is not None]
+        if hints:
+            return f"unknown {given}; did you mean {either(hints)}? (settings take their group)"
     return None
 
 
