@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from nanolab.processes import process_start
 from nanolab.queue.db import Job, NewJob, QueueDB, orphaned
 from nanolab.queue.runner import EXIT_PREEMPTED, Active, Runner
 
@@ -187,10 +188,26 @@ def test_a_runner_of_this_machine_is_alive_while_its_process_runs(tmp_path: Path
     assert blocked in [r["id"] for r in db.live_runners(stale_s=1.0)]
 
     # The same pid started anew (reused): another process; the runner is gone.
-    _age_heartbeat(db, blocked, pid_start="another-boot:1")
+    boot = process_start(os.getpid()).partition(":")[0]
+    _age_heartbeat(db, blocked, pid_start=f"{boot}:1")
     assert orphaned(db, db.get(job_id))
     second.recover()
     assert f"job {job_id} z: its runner is gone" in said.getvalue()
+
+
+def test_a_runner_of_another_machine_with_this_hosts_name_is_judged_by_heartbeat(tmp_path) -> None:
+    """Machines cloned from one image share a host name, and every Linux host's first PID
+    namespace is ``pid:[4026531836]``: a live runner of another machine sharing the queue (NFS)
+    was judged by a pid of this one (gone here), and its running jobs taken over. Its recorded
+    start's boot id is another machine's: its heartbeat judges it."""
+    db = QueueDB(tmp_path / "q.db")
+    (job,) = db.add_jobs([_job(tmp_path)])
+    there = db.register_runner()
+    assert db.claim(job.id, there, None, time.time())
+    _age_heartbeat(db, there, seconds=1.0, pid=1 << 22, pid_start="boot-of-another-machine:77")
+    assert not orphaned(db, db.get(job.id))  # same name and namespace, its pid not ours
+    _age_heartbeat(db, there, seconds=60.0)
+    assert orphaned(db, db.get(job.id))
 
 
 def test_a_runner_of_another_machine_is_judged_by_its_heartbeat(tmp_path: Path) -> None:

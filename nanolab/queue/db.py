@@ -867,12 +867,28 @@ def runner_process(runner: dict[str, Any]) -> bool | None:
     """Whether a runner's process still runs, where this process can tell: a runner of this host
     and PID namespace that recorded both (its pid compared with its recorded start, so a reused
     pid is not taken for it). None where it cannot: another machine (or container), or a row
-    written before the namespace was recorded."""
+    written before the namespace was recorded.
+
+    Host name and namespace do not tell machines apart: hosts cloned from one image share a
+    name, and every Linux host's first PID namespace is ``pid:[4026531836]``; a runner on
+    another machine sharing the queue (NFS) was judged by a local pid, and its live jobs taken
+    over. The boot id in its recorded start tells: another one is another machine (or an
+    earlier boot of this one), judged by its heartbeat."""
     here = runner["host"] == socket.gethostname()
     namespace = runner.get("pid_namespace")
     if not here or namespace is None or namespace != pid_namespace():
         return None
-    return same_process(int(runner["pid"]), runner.get("pid_start"))
+    start = runner.get("pid_start")
+    if start is not None and not _this_boot(start):
+        return None
+    return same_process(int(runner["pid"]), start)
+
+
+def _this_boot(start: str) -> bool:
+    """Whether a start :func:`process_start` recorded was read on this machine since its boot
+    (its boot id is this one's; True where the kernel does not say)."""
+    mine = process_start(os.getpid())
+    return mine is None or start.partition(":")[0] == mine.partition(":")[0]
 
 
 def runner_alive(runner: dict[str, Any] | None, stale_s: float) -> bool:
