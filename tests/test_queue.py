@@ -63,6 +63,24 @@ def test_add_one_job_per_seed(tmp_path: Path, tiny: Path, capsys, monkeypatch) -
     assert len(QueueDB(db).jobs()) == 2
 
 
+def test_add_takes_max_steps_minus_1_when_a_token_budget_ends_the_run(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+) -> None:
+    """fit plans the cosine of ``trainer.max_steps -1`` for the steps ``budget.max_tokens``
+    allows, but ``queue add`` still refused it as unbounded; a job nothing bounds still is."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(tiny), "--set", "trainer.max_steps=-1")
+    assert code == 2 and "no budget.max_tokens bounds the run" in err, err
+    assert len(err.strip().splitlines()) == 1
+    sets = ["--set", "trainer.max_steps=-1", "--set", "budget.max_tokens=1000"]
+    code, _, err = queue(capsys, db, "add", str(tiny), *sets)
+    assert code == 0, err
+    (job,) = QueueDB(db).jobs()
+    assert job.max_steps == 1000 // (4 * 32)  # tokens per step: micro-batch 4 x block 32
+    assert job.estimate_s is not None and job.estimate_s > 0
+
+
 def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
     """``queue add`` reads ``--group.key VALUE`` (and ``=VALUE``) as fit does: each is a --set."""
     monkeypatch.chdir(tmp_path)
@@ -85,7 +103,7 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--set", "model.gpt.n_head=3"], "model.gpt.n_embd (32) must be divisible by model.gpt.n_head (3)"),
         (["--set", "model.gpt.n_layer=two"], "model.gpt.n_layer"),
         (["--set", "run.global_batch_tokens=100"], "run.global_batch_tokens (100) must be a positive multiple"),
-        (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1; a queued job needs a finite number"),
+        (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1 and no budget.max_tokens bounds the run; a queued job needs an end"),
         # its rank 0 would wait in the rendezvous for machines that never come (deaf to signals)
         (["--set", "trainer.num_nodes=2"], "trainer.num_nodes is 2; the queue runs each job on this machine"),
         # said first: the batch checks would ask for a batch fit for 2 machines

@@ -5,7 +5,7 @@ defaults and linked arguments: from the parser's remembered schema where it can 
 parser itself; :mod:`nanolab.run.read`), in this process: unknown keys, wrong types and
 unreadable YAML fail here. Then the checks ``nanolab fit`` would only make when it starts are made too: the model, optimizer
 and schedule settings (their dataclasses validate themselves), the global batch against the
-micro-batch (gradient accumulation must come out whole), a finite ``trainer.max_steps`` (the
+micro-batch (gradient accumulation must come out whole), a finite ``trainer.max_steps`` (or -1 with ``budget.max_tokens``; the
 training stream is endless, so a job without it never ends), and that the data exists (a
 prepared ``data.dataset_dir`` or readable ``data.source`` paths). The data is not prepared here:
 tokenizing a large corpus is the job's work.
@@ -222,10 +222,13 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
             "(a multi-node run starts with torchrun or srun, docs/scaling.md)"
         )
     resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS)
-    if resolved.max_steps is None or resolved.max_steps <= 0:
+    budget = cfg.get("budget") or {}
+    bounded = resolved.max_steps is not None and resolved.max_steps > 0
+    if not bounded and budget.get("max_tokens") is None:
         raise JobConfigError(
-            f"trainer.max_steps is {resolved.max_steps!r}; a queued job needs a finite number "
-            "of steps (the training stream never ends on its own)"
+            f"trainer.max_steps is {resolved.max_steps!r} and no budget.max_tokens bounds the "
+            "run; a queued job needs an end (the training stream never ends on its own): set "
+            "trainer.max_steps, or budget.max_tokens (fit then plans the steps it allows)"
         )
     _check_data(resolved.data_args, cwd)
     _check_resume(cfg)
@@ -236,13 +239,24 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
         micro = int(resolved.data_args.get("micro_batch_size") or 1)
         resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS, micro_batch_size=micro)
     _check_data_sizes(resolved, micro, cwd)
+    tokens_per_step = int(resolved.tokens_per_step or 0)
     return ParsedConfig(
         config=cfg,
         run_root=str((cfg.get("run") or {}).get("root") or "runs"),
-        max_steps=resolved.max_steps,
+        max_steps=resolved.max_steps if bounded else budget_steps(budget, tokens_per_step),
         devices=resolved.devices_per_node,
-        tokens_per_step=int(resolved.tokens_per_step or 0),
+        tokens_per_step=tokens_per_step,
     )
+
+
+def budget_steps(budget: dict[str, Any], tokens_per_step: int) -> int:
+    """The steps a run of ``trainer.max_steps: -1`` trains before ``budget.max_tokens`` stops
+    it, as fit plans its LR cosine for them (:meth:`nanolab.callbacks.budget.CostBudget.
+    token_steps`: the last budget check before the next would pass the limit); the queue
+    estimates the job from them."""
+    every = int(budget.get("check_every_n_steps") or 1)
+    per_step = max(tokens_per_step, 1)
+    return max(every, int(budget["max_tokens"]) // per_step // every * every)
 
 
 def _check_callbacks(cfg: dict[str, Any]) -> None:
