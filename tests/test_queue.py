@@ -1299,23 +1299,59 @@ def test_a_jobs_time_is_one_figure_in_the_runners_line_and_queue_ls(tmp_path, ca
 
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True)
-    records = [{"event": "start", "time": time.time(), "step": 0},
-               {"event": "end", "time": time.time(), "step": 5, "reason": "completed",
-                "elapsed_s": 85.7}]  # fmt: skip
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     path = tmp_path / "q.db"
     QueueDB(path).add_jobs([NewJob(name="a", config="c.yaml", args=[], seed=None,
                                    cwd=str(tmp_path), run_dir="runs/a")])  # fmt: skip
 
+    def log_a_run() -> None:  # what the job's fit writes while it runs
+        records = [{"event": "start", "time": time.time(), "step": 0},
+                   {"event": "end", "time": time.time(), "step": 5, "reason": "completed",
+                    "elapsed_s": 85.7}]  # fmt: skip
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
     class SleepJobs(Runner):
         def _spawn(self, job: Any, units: list[int], *args: Any, **kw: Any) -> None:
+            started = time.time()
             proc = subprocess.Popen(["sleep", "0.1"])
             log = open(tmp_path / "a.log", "a+b")  # noqa: SIM115 - reap closes it
             assert self.db.set_job_pid(job.id, proc.pid, log.name)
-            self._active[job.id] = Active(job, proc, units, time.time(), log)
+            self._active[job.id] = Active(job, proc, units, started, log)
+            log_a_run()
 
     said = io.StringIO()
     assert SleepJobs(QueueDB(path), poll_s=0.05, out=said).run() == 0, said.getvalue()
     assert "job 1 a: done after 1m25s (exit 0)" in said.getvalue(), said.getvalue()
     code, out, _ = queue(capsys, path, "ls")
     assert code == 0 and " 1m25s " in out and "86s" not in out, out
+
+
+def test_an_attempt_that_logged_nothing_is_given_its_own_time(tmp_path) -> None:
+    """A resumed job whose new attempt failed before it logged (its data gone) was said to have
+    "failed after 1m11s", the elapsed time of the attempts before it, for a 1-second attempt:
+    the run log counts only from a record this attempt wrote."""
+    import io
+    from typing import Any
+
+    from nanolab.queue.runner import Active, Runner
+
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    earlier = [{"event": "start", "time": time.time() - 100, "step": 0},
+               {"event": "end", "time": time.time() - 29, "step": 3, "reason": "completed",
+                "elapsed_s": 71.0}]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs([NewJob(name="a", config="c.yaml", args=[], seed=None,
+                                   cwd=str(tmp_path), run_dir="runs/a")])  # fmt: skip
+
+    class FailingJobs(Runner):
+        def _spawn(self, job: Any, units: list[int], *args: Any, **kw: Any) -> None:
+            proc = subprocess.Popen(["sh", "-c", "exit 2"])
+            log = open(tmp_path / "a.log", "a+b")  # noqa: SIM115 - reap closes it
+            assert self.db.set_job_pid(job.id, proc.pid, log.name)
+            self._active[job.id] = Active(job, proc, units, time.time(), log)
+
+    said = io.StringIO()
+    FailingJobs(QueueDB(path), poll_s=0.05, out=said).run()
+    line = next(x for x in said.getvalue().splitlines() if "job 1 a: failed after" in x)
+    assert "1m11s" not in line and "failed after 0s" in line, said.getvalue()

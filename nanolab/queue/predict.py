@@ -175,16 +175,23 @@ def remaining_seconds(db: QueueDB, job: Job) -> tuple[float | None, str]:
     return total, source
 
 
-def logged_time(run_dir: str | os.PathLike[str]) -> float | None:
+def logged_time(run_dir: str | os.PathLike[str], since: float | None = None) -> float | None:
     """The elapsed time the run log at ``run_dir`` last recorded, over every attempt: the time
-    ``report`` and ``status`` give the run (None when it has logged none)."""
+    ``report`` and ``status`` give the run (None when it has logged none). ``since``: a wall
+    time; a last record older than it is None too (an attempt that failed before it logged
+    would otherwise be given the time of the attempts before it)."""
     from nanolab.runlog import RUN_LOG_NAME, last_record
 
     log = Path(run_dir) / RUN_LOG_NAME
     if not log.is_file():
         return None
     record = last_record(log, where=lambda r: isinstance(r.get("elapsed_s"), int | float))
-    return None if record is None else float(record["elapsed_s"])
+    if record is None:
+        return None
+    written = record.get("time")
+    if since is not None and (not isinstance(written, int | float) or written < since):
+        return None
+    return float(record["elapsed_s"])
 
 
 def run_time(job: Job, now: float) -> float:
