@@ -320,22 +320,69 @@ def test_a_checkpoint_without_the_record_resumes_as_it_always_did() -> None:
 
 
 def test_a_rollback_is_carried_into_the_resuming_layout() -> None:
-    """A spike rolled a micro-batch-2 run back to step 10 after it had reached position 30
-    (unit 2: window 60). Resumed from step 10 on micro-batch 4, it goes on at window 60
-    (position 15); resumed from step 5 it trains to step 10 and jumps there."""
+    """A spike rolled a micro-batch-2 run back to step 10 (window 20) after it had reached
+    position 30 (unit 2: window 60). Resumed from step 10 on micro-batch 4, it goes on at
+    window 60 (position 15); resumed from its step-5 checkpoint (window 10: micro-batch 4 goes
+    on at window 12), it trains to window 20 and jumps there, not at step 10 (window 40)."""
     from nanolab.data.order import SavedOrder, resume_jumps
     from nanolab.data.skips import data_position
     from nanolab.data.windows import WindowPlan
 
     plan = WindowPlan(num_tokens=20_000, block_size=16, micro_batch_size=4, world_size=1, seed=3)
     ledger = [{"skip_at": 10, "skip_offset": 20, "restored": 10, "unit": 2}]
-    carried, where = resume_jumps(SavedOrder(10, 10, 4, None), plan, 10, 1, ledger)
+    carried, where = resume_jumps(SavedOrder(10, 10, 2, None), plan, 10, 1, ledger)
     assert data_position(10, carried) == 15 and where is not None and where.skipped == 0
-    carried, _ = resume_jumps(SavedOrder(5, 5, 4, None), plan, 5, 1, ledger)
-    assert [data_position(k, carried) for k in (5, 9, 10, 11)] == [5, 9, 15, 16]
+    carried, where = resume_jumps(SavedOrder(5, 5, 2, None), plan, 5, 1, ledger)
+    assert where is not None and where.skipped == 2
+    assert [data_position(k, carried) for k in (5, 6, 7, 8)] == [3, 4, 15, 16]
     older = [{"skip_at": 4, "skip_offset": 6, "restored": 4, "unit": 4}]  # before the checkpoint
     carried, _ = resume_jumps(SavedOrder(10, 20, 4, None), plan, 10, 1, older)
     assert data_position(10, carried) == 20  # its own record already went past it
+
+
+@pytest.mark.parametrize("micro, accumulate", [(8, 1), (4, 2), (2, 1)])
+def test_a_rollback_after_the_checkpoint_jumps_at_the_window_it_restored(
+    micro: int, accumulate: int
+) -> None:
+    """The reviewer's run: micro-batch 4 rolled back to step 8 (window 32) after reaching
+    window 44 (ledger: skip_at 8, skip_offset 3, unit 4). Resumed from step 6 (window 24) with
+    another global batch, it trains windows 24-31 and then goes on at the first micro-batch at
+    or after window 44: never the windows 32-43 the rollback skipped (a jump at step 8 of the
+    new layout trained 32-39 again on micro-batch 8, or skipped healthy 24-31 on micro-batch
+    2), and every healthy window before them once."""
+    from nanolab.data.order import SavedOrder, resume_jumps
+    from nanolab.data.skips import data_position
+    from nanolab.data.windows import WindowPlan
+
+    plan = WindowPlan(
+        num_tokens=20_000, block_size=16, micro_batch_size=micro, world_size=1, seed=3
+    )
+    entry = {"skip_at": 8, "skip_offset": 3, "restored": 8, "unit": 4}
+    for written in ({"skipped_micro_batches": 3}, {"restored_position": 8, "restored_unit": 4}, {}):
+        ledger = [{**entry, **written}]
+        start = 6 * accumulate
+        carried, _ = resume_jumps(SavedOrder(6, 6, 4, 1), plan, start, accumulate, ledger)
+        starts = [data_position(k, carried) * micro for k in range(start, start + 40 // micro)]
+        trained = [w for s in starts for w in range(s, s + micro)]
+        first_after = -(-44 // micro) * micro
+        assert trained[: 8 + 16] == [*range(24, 32), *range(first_after, first_after + 16)]
+
+
+def test_a_rollback_restored_inside_a_micro_batch_jumps_at_the_next_whole_one() -> None:
+    """A rollback whose restored checkpoint stood at window 20 (recorded exactly: position 5 of
+    4-window micro-batches) and had reached window 48: resumed on micro-batch 8 from window 8,
+    the launch jumps at its first micro-batch at or after window 20 (window 24)."""
+    from nanolab.data.order import SavedOrder, resume_jumps
+    from nanolab.data.skips import data_position
+    from nanolab.data.windows import WindowPlan
+
+    plan = WindowPlan(num_tokens=20_000, block_size=16, micro_batch_size=8, world_size=1, seed=3)
+    ledger = [
+        {"skip_at": 6, "skip_offset": 0, "restored": 5, "unit": 8, "skipped_micro_batches": 1}
+        | {"restored_position": 5, "restored_unit": 4}
+    ]
+    carried, _ = resume_jumps(SavedOrder(2, 2, 4, None), plan, 2, 1, ledger)
+    assert [data_position(k, carried) * 8 for k in (2, 3, 4, 5)] == [8, 16, 48, 56]
 
 
 def _windows(path: Path) -> list[int]:

@@ -9,7 +9,9 @@ at, with the unit it is counted in (:func:`order_record`), and a resume carries 
 unit (:func:`carry`): the same window of the same epoch, or, when that is not the start of a
 whole micro-batch of the new layout, the next whole one, with one line saying how many windows
 that skips. A rollback's jump (:mod:`nanolab.data.skips`) is carried the same way: its ledger
-entry records the unit it was counted in.
+entry records the unit it was counted in and where the order stood at the checkpoint it
+restored, so a resume from an older checkpoint jumps when it reaches that window, whatever step
+number that is in its own layout.
 
 A checkpoint saved before the record gives its position as resumes always took it: its
 optimizer steps x the accumulation of the layout that saved it, in that layout's unit, with the
@@ -152,40 +154,89 @@ def resume_jumps(
 
     ``start`` is the consumed micro-batch count this launch restarts at (optimizer steps x
     ``accumulate``); a rollback in force at the checkpoint's own step replaces its position
-    (a run rolled back to it goes on past the data it had reached), later ones are carried and
-    applied when the run gets there, and earlier ones are already in the checkpoint's position.
+    (a run rolled back to it goes on past the data it had reached), earlier ones are already in
+    the checkpoint's position, and later ones jump where this launch reaches the window they
+    restored: its first micro-batch at or after it, on to the first at or after the window they
+    had reached. Placed by window, not by step, since a step of another global batch covers
+    other windows: at ``step x accumulate`` a resume on a smaller batch would train again what
+    the rollback skipped, one on a larger batch would skip healthy windows.
     """
     if saved is None or saved.step * accumulate != start:
         return jumps(rollbacks), None
-    now = unit_of(plan)
-    unit = saved.unit or now
-    position = saved.position
-    if position is None:  # saved before the record: steps x its accumulation, with its jumps
-        position = data_position(saved.step * (saved.accumulate or accumulate), jumps(rollbacks))
-    later: list[Jump] = []
-    for entry in in_force(rollbacks, saved.accumulate or accumulate):
-        step, reached, its_unit = entry
-        if step == saved.step:
-            position, unit = reached, its_unit or unit
-        elif step > saved.step:
-            at = step * accumulate
-            later.append(Jump(at, carry(plan, reached, its_unit or unit).position - at))
+    ledger_accumulate = saved.accumulate or accumulate
+    position, unit = place_of(saved, ledger_accumulate, rollbacks, unit_of(plan))
     resumed = carry(plan, position, unit)
-    return [Jump(start, resumed.position - start), *later], resumed
+    out = [Jump(start, resumed.position - start)]
+    at, here = start, resumed.position  # this launch's micro-batch ``at`` trains ``here``
+    for later in in_force(rollbacks, ledger_accumulate):
+        if later.step <= saved.step:
+            continue
+        restored = carry(plan, later.restored, later.restored_unit or unit).position
+        at += max(0, restored - here)
+        here = carry(plan, later.reached, later.unit or unit).position
+        out.append(Jump(at, here - at))
+    return out, resumed
 
 
-def in_force(rollbacks: list[dict[str, Any]], accumulate: int) -> list[tuple[int, int, int | None]]:
-    """(step rolled back to, position the order had reached, its unit) of each rollback in
-    force: a later rollback to an earlier step abandons those at or after it. ``accumulate``
-    dates an entry that does not name its step (its micro-batch count / accumulation)."""
-    out: list[tuple[int, int, int | None]] = []
-    for r in rollbacks:
+def place_of(
+    saved: SavedOrder, accumulate: int, rollbacks: list[dict[str, Any]], unit: int | None
+) -> tuple[int, int | None]:
+    """(position, unit) where checkpoint ``saved`` left the order: a rollback in force at its
+    step (the run goes on from it past the data it had reached), else its record, else (a
+    checkpoint before the record) its steps x ``accumulate`` with the run's jumps, in its
+    layout's unit. ``unit`` counts a place that names none (this launch's)."""
+    for entry in in_force(rollbacks, accumulate):
+        if entry.step == saved.step:
+            return entry.reached, entry.unit or saved.unit or unit
+    if saved.position is not None:
+        return saved.position, saved.unit or unit
+    return data_position(saved.step * accumulate, jumps(rollbacks)), saved.unit or unit
+
+
+@dataclass(frozen=True)
+class InForce:
+    """A rollback of the ledger still in force: it restored step ``step``, where the order
+    stood at ``restored`` (micro-batches of ``restored_unit`` windows), and went on at
+    ``reached`` (micro-batches of ``unit``), the place the spike had got to. A unit of
+    ``None``: the entry predates it (the launch's own)."""
+
+    step: int
+    restored: int
+    restored_unit: int | None
+    reached: int
+    unit: int | None
+
+
+def in_force(rollbacks: list[dict[str, Any]], accumulate: int) -> list[InForce]:
+    """The rollbacks in force, oldest first: a later rollback to an earlier step abandons those
+    at or after it. ``accumulate`` dates an entry that does not name its step (its micro-batch
+    count / accumulation)."""
+    out: list[InForce] = []
+    for i, r in enumerate(rollbacks):
         at = int(r["skip_at"])
         step = _count(r.get("restored"), 0)
         step = step if step is not None else at // max(1, accumulate)
-        reached = at + int(r["skip_offset"])
-        out = [e for e in out if e[0] < step] + [(step, reached, _count(r.get("unit"), 1))]
+        reached, unit = at + int(r["skip_offset"]), _count(r.get("unit"), 1)
+        restored, restored_unit = restored_place(r, reached, unit, rollbacks[:i])
+        entry = InForce(step, restored, restored_unit, reached, unit)
+        out = [e for e in out if e.step < step] + [entry]
     return out
+
+
+def restored_place(
+    entry: dict[str, Any], reached: int, unit: int | None, before: list[dict[str, Any]]
+) -> tuple[int, int | None]:
+    """(position, unit) of the order at the checkpoint a ledger ``entry`` restored: its
+    ``restored_position``/``restored_unit``; an entry written before them, ``reached`` less the
+    micro-batches it skipped, or (without that count either) its ``skip_at`` with the jumps of
+    the rollbacks ``before`` it, in its own ``unit``."""
+    position = _count(entry.get("restored_position"), 0)
+    if position is not None:
+        return position, _count(entry.get("restored_unit"), 1) or unit
+    skipped = _count(entry.get("skipped_micro_batches"), 0)
+    if skipped is not None and skipped <= reached:
+        return reached - skipped, unit
+    return data_position(int(entry["skip_at"]), jumps(before)), unit
 
 
 def skipped_line(carried: Carried, plan: Any) -> str | None:
