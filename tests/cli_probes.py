@@ -137,6 +137,26 @@ class PoisonedData(L.Callback):
                 group["lr"] *= self.lr_factor
 
 
+class PoisonedWindows(L.Callback):
+    """:class:`PoisonedData` counted in windows of the order, whatever the launch's micro-batch:
+    the micro-batches the training sampler starts at windows ``first`` .. ``last`` of the order
+    train at the learning rate times ``lr_factor``. A rollback's jump carries the run past them,
+    so they are poisoned once, on every layout."""
+
+    def __init__(self, first: int, last: int, lr_factor: float = 300.0) -> None:
+        self.first, self.last, self.lr_factor = first, last, lr_factor
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from nanolab.data.datamodule import consumed_micro_batches
+        from nanolab.data.order import unit_of
+
+        sampler = trainer.datamodule.train_sampler
+        window = sampler.position(consumed_micro_batches(trainer)) * unit_of(sampler.plan)
+        if self.first <= window <= self.last:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] *= self.lr_factor
+
+
 class DiskFullFrom(L.Callback):
     """From optimizer step ``step`` on, every checkpoint write fails with ENOSPC after writing
     part of its bytes, as a disk that fills up during the night would."""

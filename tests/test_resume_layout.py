@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nanolab.data.skips import read_ledger
 from nanolab.errors import RunConfigError
 from nanolab.training.resume import (
     ResumeError,
@@ -458,3 +459,47 @@ def test_a_resume_inside_a_micro_batch_of_the_new_layout_says_what_it_skips(
     assert len(lines) == 1 and lines[0].startswith("nanolab fit: warning: the checkpoint stopped")
     assert "28 windows into epoch 0's window order" in lines[0]
     assert "skipping 4 windows" in lines[0]
+
+
+def test_a_rollback_across_a_layout_change_says_what_it_skipped_and_older_resumes_keep_it(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """The reviewer's run: 8 steps of micro-batch 4 (windows 0-31), its step-8 checkpoint gone,
+    resumed from last.ckpt on micro-batch 8 with poisoned windows 32-55: the spike rolls back to
+    step 6 (window 24), saved by the earlier launch. It skipped 4 micro-batches of 8 (windows
+    24-55; it said 1, counting this launch's micro-batches from step 6), and a later resume
+    from step 4 on micro-batch 8 trains 16-23 and then goes on at window 56, as the healed run
+    did (at step 6 of the new layout it trained the skipped 24-31 again)."""
+    spike = (
+        "--spike.window", "3", "--spike.patience", "2", "--spike.factor", "1.2",
+        "--model.schedule.warmup_steps", "0", "--checkpoint.keep_last", "20",
+    )  # fmt: skip
+    poison = (
+        "--trainer.callbacks+=cli_probes.PoisonedWindows", "--trainer.callbacks.first=32",
+        "--trainer.callbacks.last=55", "--trainer.callbacks.lr_factor=3000",
+    )  # fmt: skip
+    run = tmp_path / "runs" / "rb"
+    _fit_seen(
+        tmp_path,
+        char_dataset,
+        "rb",
+        "--trainer.max_steps",
+        "8",
+        "--checkpoint.every_n_steps",
+        "2",
+        *spike,
+    )
+    (run / "checkpoints" / "step-00000008.ckpt").unlink()
+    order, err = _fit_seen(
+        tmp_path, char_dataset, "rb", "--trainer.max_steps", "14", "--data.micro_batch_size",
+        "8", "--checkpoint.every_n_steps", "100", *spike, *poison,
+    )  # fmt: skip
+    (entry,) = read_ledger(run)
+    assert entry["restored"] == 6 and entry["skipped_micro_batches"] == 4, entry
+    assert "rolled back to step 6, skipping 4 micro-batches" in err
+    assert len(order) == 32 + 24 + 64  # every window of the order up to 120, once
+    windows, _ = _fit_seen(
+        tmp_path, char_dataset, "rb", "--run.resume", str(run / "checkpoints" / "step-00000004.ckpt"),
+        "--trainer.max_steps", "8", "--data.micro_batch_size", "8", *spike,
+    )  # fmt: skip
+    assert windows[len(order) :] == order[16:24] + order[56:80]

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ from nanolab.callbacks.events import CallbackConfigError, emit, find_callback, s
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
 from nanolab.data.datamodule import consumed_micro_batches
+from nanolab.data.order import SavedOrder
 from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
 
 ACTIONS = ("rollback", "stop", "warn")
@@ -271,18 +273,22 @@ class SpikeGuard(StepCallback):
         accumulate = int(trainer.accumulate_grad_batches or 1)
         consumed = consumed_micro_batches(trainer)
         at = restore * accumulate
-        reached, restored_at, unit = order_positions(trainer, consumed, at, done)
+        target = folder / f"step-{restore:08d}.ckpt"
+        places = order_positions(trainer, consumed, at, done, target)
         entry = {
             "detected": int(trainer.global_step),
             "began": began,
             "restored": restore,
-            "checkpoint": str(folder / f"step-{restore:08d}.ckpt"),
+            "checkpoint": str(target),
             "skip_at": at,
-            "skip_offset": reached - at,
-            "skipped_micro_batches": reached - restored_at,
-            # The windows per micro-batch the positions count (nanolab.data.order): a resume on
-            # another layout carries the jump into its own micro-batches.
-            "unit": unit,
+            "skip_offset": places.reached - at,
+            "skipped_micro_batches": places.reached - places.restored_at,
+            # The windows per micro-batch the positions count, and where the order stood at
+            # the restored checkpoint (nanolab.data.order): a resume on another layout, or from
+            # an older checkpoint, carries the jump into its own micro-batches at that window.
+            "unit": places.unit,
+            "restored_position": places.restored[0],
+            "restored_unit": places.restored[1],
             "loss": record["loss"],
             "median": record["median"],
             "state": "pending",
@@ -401,20 +407,63 @@ def _restore_step(folder: Path | None, began: int) -> int | None:
     return max(steps, default=None)
 
 
+@dataclass(frozen=True)
+class OrderPlaces:
+    """Where a rollback leaves the data order, as this launch's sampler counts it.
+
+    ``reached``: the position the order had got to (this launch's micro-batches of ``unit``
+    windows); ``restored_at``: the position a resume from the restored checkpoint goes on from
+    in the same micro-batches, so ``reached - restored_at`` micro-batches are skipped;
+    ``restored``: (position, unit) of the order at that checkpoint, as it counted it."""
+
+    reached: int
+    restored_at: int
+    unit: int | None
+    restored: tuple[int, int | None]
+
+
 def order_positions(
-    trainer: L.Trainer, consumed: int, at: int, done: list[dict[str, Any]]
-) -> tuple[int, int, int | None]:
-    """(position the order had reached after ``consumed`` micro-batches, position of micro-batch
-    ``at``, windows per micro-batch) as this launch's sampler counts them: it may have carried
-    the run's checkpoint from another layout. Without nanolab's sampler, the ledger's count."""
-    from nanolab.data.order import unit_of
+    trainer: L.Trainer, consumed: int, at: int, done: list[dict[str, Any]], target: Path
+) -> OrderPlaces:
+    """The :class:`OrderPlaces` of a rollback after ``consumed`` micro-batches to checkpoint
+    ``target`` (micro-batch ``at`` of this launch's count), the run's earlier rollbacks being
+    ``done``. A checkpoint this launch saved is at its own sampler's position; an older one
+    (saved before this launch resumed, maybe on another layout) is where its own record says,
+    carried into this launch's micro-batches as a resume from it would (counting this launch's
+    micro-batches back from its start would name windows it never trained). Without nanolab's
+    sampler, the ledger's count."""
+    from nanolab.data.order import carry, place_of, unit_of
     from nanolab.data.windows import ResumableBatchSampler
 
     sampler = getattr(getattr(trainer, "datamodule", None), "train_sampler", None)
     if not isinstance(sampler, ResumableBatchSampler):
-        return data_position(consumed, jumps(done)), data_position(at, jumps(done)), None
-    restored_at = sampler.position(at) if at >= sampler.start else data_position(at, jumps(done))
-    return sampler.position(consumed), restored_at, unit_of(sampler.plan)
+        reached, restored = data_position(consumed, jumps(done)), data_position(at, jumps(done))
+        return OrderPlaces(reached, restored, None, (restored, None))
+    unit = unit_of(sampler.plan)
+    reached = sampler.position(consumed)
+    saved = checkpoint_order(target) if at < sampler.start else None
+    if saved is None:  # saved by this launch (or unreadable: its resume will say so)
+        restored = sampler.position(at) if at >= sampler.start else data_position(at, jumps(done))
+        return OrderPlaces(reached, restored, unit, (restored, unit))
+    accumulate = saved.accumulate or int(trainer.accumulate_grad_batches or 1)
+    place = place_of(saved, accumulate, done, unit)
+    return OrderPlaces(reached, carry(sampler.plan, *place).position, unit, place)
+
+
+def checkpoint_order(path: Path) -> SavedOrder | None:
+    """The place in the data order a checkpoint file records (its ``nanolab`` section, read
+    without its tensors' data); ``None`` for a folder (a sharded checkpoint) or a file that
+    cannot be read."""
+    from nanolab.data.order import saved_order
+    from nanolab.model.checkpoint import read_path
+
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(read_path(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # unreadable: the resume from it refuses it in its own words
+        return None
+    return saved_order(ckpt) if isinstance(ckpt, dict) else None
 
 
 def complete_rollback(run_dir: str | Path, folder: str | Path | None = None) -> None:
