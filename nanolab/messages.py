@@ -75,10 +75,21 @@ def configure(chosen: str | None = None) -> str:
     if not any(isinstance(h, _StderrHandler) for h in LOGGER.handlers):
         LOGGER.addHandler(_StderrHandler())
     LOGGER.propagate = False
-    if chosen == "quiet":
-        logging.getLogger("lightning").setLevel(logging.WARNING)
-        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    for name in _LIGHTNING_LOGGERS:
+        lightning = logging.getLogger(name)
+        if chosen == "quiet":
+            _QUIETED.setdefault(name, lightning.level)
+            lightning.setLevel(logging.WARNING)
+        elif name in _QUIETED:  # a quiet call earlier in this process: its levels come back
+            lightning.setLevel(_QUIETED.pop(name))
     return chosen
+
+
+#: The loggers whose start-up lines quiet also quiets, and the levels quiet replaced: a command
+#: run in the same process after a quiet one (a script calling ``nanolab.cli.main`` twice)
+#: shows Lightning's resume notes again.
+_LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch")
+_QUIETED: dict[str, int] = {}
 
 
 def _ready() -> None:

@@ -830,3 +830,20 @@ def test_what_a_killed_export_left_is_cleared_or_put_back(tmp_path, trained_run)
     other = tmp_path / f".st.export-x.replaced-{dead_pid}"
     other.mkdir()
     assert main(args) == 2 and (out / "model.safetensors").is_file() and other.is_dir()
+
+
+def test_a_quiet_command_leaves_the_next_ones_lightning_lines_alone(monkeypatch):
+    """``-q`` quiets Lightning's loggers; a command run after it in the same process (a
+    script calling ``nanolab.cli.main`` twice) printed none of its resume notes, which
+    Lightning's info logger carries."""
+    import logging
+
+    from nanolab import messages
+
+    before = logging.getLogger("lightning.pytorch").level
+    monkeypatch.setenv(messages.ENV, "quiet")
+    messages.configure()
+    assert logging.getLogger("lightning.pytorch").level == logging.WARNING
+    monkeypatch.setenv(messages.ENV, "normal")
+    messages.configure()
+    assert logging.getLogger("lightning.pytorch").level == before
