@@ -44,6 +44,7 @@ from nanolab.callbacks.events import CallbackConfigError
 from nanolab.processes import (
     RUN_LOCK_NAME,
     global_rank_from_env,
+    gone_lock_holder,
     pid_alive,
     pid_namespace,
     read_lock_holder,
@@ -117,12 +118,15 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
         except BaseException:
             os.close(fd)
             raise
+        if locked is False and gone_lock_holder(run_dir) is not None:
+            locked = _wait_for_orphans(fd, path)
         if locked is False:
             holder = read_lock_holder(path)
             os.close(fd)
-            if _requeued_same_job(holder):
-                # The requeued job takes over: a new, unlocked file at ``path`` (the old holder
-                # keeps its lock on the unlinked inode).
+            if _requeued_same_job(holder) or gone_lock_holder(run_dir) is not None:
+                # The requeued job, or the launch after a holder of this host that is gone,
+                # takes over: a new, unlocked file at ``path`` (the old holder, or the children
+                # it left, keep their lock on the unlinked inode).
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 continue
@@ -168,6 +172,24 @@ def _shared_with_launcher(path: Path) -> RunLock | None:
         return None
     holder = read_lock_holder(path)
     return RunLock(path, token, None) if holder and holder.get("token") == token else None
+
+
+#: How long a launch waits for the children a killed holder left (data loader workers, which
+#: look for their parent every 5 s) to let go of the run directory's lock before taking it over.
+ORPHAN_GRACE_S = 10.0
+
+
+def _wait_for_orphans(fd: int, path: Path) -> bool | None:
+    """The lock of a holder that no longer runs (SIGKILL, the OOM killer) but is still held:
+    its children share the lock (a fork keeps the open file), and a resume started at once was
+    refused as "in use by pid N" for a pid that was gone (a queue job then failed). Wait for
+    them to exit, a few seconds; the caller takes the directory over if they do not."""
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while True:
+        locked = _try_flock(fd, path)
+        if locked is not False or time.monotonic() >= deadline:
+            return locked
+        time.sleep(0.2)
 
 
 def _try_flock(fd: int, path: Path) -> bool | None:
