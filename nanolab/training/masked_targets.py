@@ -49,6 +49,16 @@ def masked_targets_problem(datamodule: Any, strategy_kind: str) -> str | None:
     return None
 
 
+def worth_a_look(datamodule: Any) -> bool:
+    """Whether the training batches of ``datamodule``, which does not declare masked targets,
+    are looked at for them (:func:`holds_masked_targets`, once per micro-batch until found).
+    nanolab's own token data module reads ids from a token file, never ``-1``: its batches are
+    not looked at (a subclass of it, a fork's, is)."""
+    from nanolab.data.datamodule import TokenDataModule
+
+    return type(datamodule) is not TokenDataModule
+
+
 def target_count(targets: torch.Tensor) -> torch.Tensor:
     """How many of ``targets`` carry a loss (are not :data:`IGNORE_INDEX`): an int64 scalar on
     their device, so weighting a loss by it adds no host sync."""

@@ -32,6 +32,7 @@ from nanolab.training.masked_targets import (
     loss_or_zero,
     target_count,
     undeclared_masks_line,
+    worth_a_look,
 )
 from nanolab.training.optim import (
     OptimizerConfig,
@@ -592,7 +593,9 @@ class GPTLightningModule(L.LightningModule):
         self._step_targets, self._step_slots, self._gradient_scale = None, 0, None
         datamodule = getattr(self.trainer, "datamodule", None)
         self._masked_targets = declares_masked_targets(datamodule)
-        self._mask_check_pending = not self._masked_targets and self.global_rank == 0
+        self._mask_check_pending = (
+            not self._masked_targets and self.global_rank == 0 and worth_a_look(datamodule)
+        )
         # CPU: keep freed activations' memory in the process (nanolab/training/cpu_memory.py);
         # otherwise every step re-faults it from the OS (~2.5% of a CPU step, measured).
         if self.device.type == "cpu":
