@@ -645,6 +645,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def other_verbs_options(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option of a ``queue`` verb other than ``add`` -> that verb (``--gpus`` -> ``run``),
+    so an option given to the wrong verb is named with the right one."""
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found: dict[str, str] = {}
+    for verb, sub in verbs.choices.items():
+        for action in sub._actions:
+            for option in action.option_strings:
+                if verb != "add" and option.startswith("--") and option not in ("--help", "--db"):
+                    found.setdefault(option, verb)
+    return found
+
+
 def dotted_as_sets(argv: list[str]) -> list[str]:
     """``queue add`` takes ``fit``'s dotted overrides as they are (``--model.gpt.n_layer 2``,
     ``--run.eval_every_steps=50``): each becomes the ``--set KEY=VALUE`` it means."""
@@ -684,7 +697,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         raw = dotted_as_sets(raw)
     except QueueError as err:
         return report("nanolab queue add", err)
-    args = build_parser().parse_args(raw)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(raw)
+    if unknown:
+        from nanolab.queue.jobs import unknown_option_line
+
+        line = (
+            unknown_option_line(unknown, other_verbs_options(parser))
+            if args.verb == "add"
+            else None
+        )
+        if line is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return report("nanolab queue add", QueueError(line))
     try:
         return int(args.func(args))
     except KeyboardInterrupt:  # a Ctrl-C before the runner's own handling (SQLite's lock wait)

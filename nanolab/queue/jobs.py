@@ -18,6 +18,7 @@ import copy
 import hashlib
 import time
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import groupby, pairwise
 from pathlib import Path
@@ -697,10 +698,27 @@ def set_hint(args: list[str]) -> str | None:
     """For a ``--set`` key without its group (``--set seed=3``): the settings it may mean as
     ``queue add`` takes them (``--set data.seed=3 or --seeds 3``: the queue sets
     ``seed_everything`` itself), or None."""
+    return setting_hint(args, queue_form)
+
+
+def option_form(key: str, value: str) -> str | None:
+    """How ``queue add`` gives fit's setting ``key`` in fit's own form (``--data.seed 3``:
+    queue add takes it as it is), or None where the queue sets it and has no option for it."""
+    if key in RESERVED_KEYS:
+        return queue_form(key, value)
+    return f"--{key} {value}" if value else f"--{key}"
+
+
+def setting_hint(
+    args: list[str], form: Callable[[str, str], str | None] = queue_form
+) -> str | None:
+    """For a setting given without its group (``args``: ``--name=value``, each as the user
+    wrote it in ``form``): the settings it may mean, written in ``form``, by fit's own rule
+    (:func:`nanolab.run.keys.undotted_hint`), or None."""
     from nanolab.run.keys import _is_option, settings_named, undotted_hint
 
     known = fit_settings()
-    hint = undotted_hint(args, known, queue_form)
+    hint = undotted_hint(args, known, form)
     if hint is not None:
         return hint
     for arg in args:  # every setting it may mean is one the queue sets: say so
@@ -708,9 +726,40 @@ def set_hint(args: list[str]) -> str | None:
         given = arg.startswith("--") and "." not in name and not _is_option(name, known)
         meant = settings_named(name, known) if given else []
         if meant and all(k in RESERVED_KEYS for k in meant):
-            return (f"unknown setting --set {name}={value}; {meant[0]} is set by the queue: "
+            return (f"unknown setting {form(name, value)}; {meant[0]} is set by the queue: "
                     f"{RESERVED_KEYS[meant[0]]}")  # fmt: skip
     return None
+
+
+def unknown_option_line(unknown: list[str], elsewhere: dict[str, str]) -> str | None:
+    """The one error line for the options ``queue add`` does not have (``unknown``: what its
+    parser left over, values included): fit's setting without its group (``--micro_batch_size
+    8``) names every setting it may mean in the form ``queue add`` takes; an option of another
+    verb (``elsewhere``: option -> verb) names that verb; anything else says where the options
+    are listed and how fit's settings are given. None when no option is left over (a stray
+    value: argparse's own line names it)."""
+    options: list[str] = []  # each option as --name=value, the form undotted_hint reads
+    for i, token in enumerate(unknown):
+        if not token.startswith("-"):
+            continue
+        value = (
+            unknown[i + 1] if i + 1 < len(unknown) and not unknown[i + 1].startswith("-") else None
+        )
+        options.append(token if value is None or "=" in token else f"{token}={value}")
+    if not options:
+        return None
+    hint = setting_hint(options, option_form)
+    if hint is not None:
+        return hint
+    name = options[0].split("=", 1)[0]
+    if name in elsewhere:
+        verb = elsewhere[name]
+        return (f"{name} is an option of `nanolab queue {verb}`, not of `queue add`; give it "
+                f"there: `nanolab queue {verb} {name} ...`")  # fmt: skip
+    return (
+        f"unknown option {name}; `nanolab queue add --help` lists its options, and fit's "
+        "settings take their group (--trainer.max_steps 600 or --set trainer.max_steps=600)"
+    )
 
 
 def fit_settings() -> frozenset[str]:
