@@ -272,6 +272,24 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, capsys) -> None:
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("made", [True, False], ids=["empty runs", "no runs folder"])
+def test_no_runs_names_the_absolute_folder_and_how_to_point_elsewhere(
+    tmp_path: Path, capsys, monkeypatch, made: bool
+) -> None:
+    """``no runs under runs``: run from another folder, the relative default named no place to
+    look for and no way to give another one."""
+    monkeypatch.chdir(tmp_path)
+    if made:
+        (tmp_path / "runs").mkdir()
+    code, _, err = run_report(capsys)
+    why = "no metrics.jsonl found" if made else "the folder does not exist"
+    assert code == 2 and err.startswith(
+        f"nanolab report: error: no runs under {tmp_path / 'runs'} ({why}); "
+    )
+    assert err.rstrip().endswith("or name the folder: nanolab report PROJECT/runs")
+    assert err.count("\n") == 1
+
+
 def test_plot_tokens_and_gpu_hours(tmp_path: Path, capsys) -> None:
     write_run(tmp_path / "runs", "a", losses=[3.0, 2.5, 2.2], vals={2: 2.6, 3: 2.3})
     write_run(tmp_path / "runs", "b", seed=2, losses=[3.1, 2.6, 2.1], vals={3: 2.2})

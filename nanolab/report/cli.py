@@ -238,6 +238,17 @@ def _compare_pair(everyone: list[RunSummary], pair: list[Any]) -> str:
     return f"\nseed groups: not compared: {why}; a comparison needs two in each group"
 
 
+def no_runs_line(roots: list[Path], why: str) -> str:
+    """The line of a report that found no runs: the folders it looked in, absolute (run from
+    another folder, the default ``runs`` is that folder's), and how to point it elsewhere."""
+    folders = ", ".join(str(r.absolute()) for r in roots)
+    return (
+        f"no runs under {folders} ({why}); runs appear there once `nanolab fit` has started: "
+        "run it from the folder you ran `nanolab fit` in, or name the folder: nanolab report "
+        "PROJECT/runs"
+    )
+
+
 @one_line_errors("nanolab report")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -251,15 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             "has the runs, seed groups and comparisons)"
         )
     roots = args.runs_dirs or [Path("runs")]
+    if not args.runs_dirs and not roots[0].exists():
+        raise ReportError(no_runs_line(roots, "the folder does not exist"))
     found = discover_runs(roots)
-    if not found:
-        where = ", ".join(str(r) for r in roots)
-        print(
-            f"nanolab report: error: no runs under {where} (no {RUN_LOG_NAME} found); "
-            "runs appear there once `nanolab fit` has started",
-            file=sys.stderr,
-        )
-        return 2  # bad input, as nanolab status says of the same folder
+    if not found:  # bad input, as nanolab status says of the same folder
+        raise ReportError(no_runs_line(roots, f"no {RUN_LOG_NAME} found"))
     if args.compare:
         # Only the two runs and their seed groups are read whole (the other runs' configs
         # place them in groups): a long run beside them does not slow the comparison.
