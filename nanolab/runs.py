@@ -227,6 +227,19 @@ def num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
+def planned_steps_of(start: dict[str, Any] | None, config: dict[str, Any]) -> int:
+    """The step a run's last launch trains to, as its start record says (``planned_steps``:
+    ``trainer.max_steps``, or where ``budget.max_tokens`` stops a run of ``max_steps`` -1;
+    :func:`nanolab.training.optim.planned_steps`), -1 when nothing bounds it. A log written
+    before the record had it: the config's ``trainer.max_steps``. One rule for ``report``'s
+    forecast and ``status``'s progress and ETA."""
+    if start is not None and "planned_steps" in start:
+        planned = num(start.get("planned_steps"))
+    else:
+        planned = num((config.get("trainer") or {}).get("max_steps"))
+    return int(planned) if planned and planned > 0 else -1
+
+
 def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float | None:
     values = [v for v in (num(r.get(key)) for r in records[-n:]) if v is not None]
     return statistics.fmean(values) if values else None

@@ -77,6 +77,26 @@ def test_one_screen_of_runs_and_queue(tmp_path: Path, capsys) -> None:
     assert "STALLED" in text and "in 10m00s" in text
 
 
+def test_a_run_planned_by_its_token_budget_has_progress_and_an_eta(tmp_path: Path, capsys):
+    """``trainer.max_steps: -1`` with ``budget.max_tokens``: the step it trains to is its start
+    record's ``planned_steps`` (as report's forecast reads it); the config's -1 showed no ETA."""
+    now = time.time()
+    runs = tmp_path / "runs"
+    budget = {"trainer": {"max_steps": -1}, "budget": {"max_tokens": 100_000}}
+    records = training("budget", now - 2, 40)
+    records[0] = {**records[0], "config": budget, "planned_steps": 100}
+    write_log(runs / "budget", records)
+    unbounded = training("open", now - 2, 40)  # nothing bounds it: no ETA, said as such
+    unbounded[0] = {**unbounded[0], "config": {"trainer": {"max_steps": -1}}, "planned_steps": None}
+    write_log(runs / "open", unbounded)
+    assert main([str(runs), "--json"]) == 0
+    lines = {r["run"]: r for r in json.loads(capsys.readouterr().out)["running"]}
+    assert (lines["budget"]["max_steps"], lines["budget"]["eta_s"]) == (100, 30.0)
+    assert (lines["open"]["max_steps"], lines["open"]["eta_s"]) == (None, None)
+    assert main([str(runs)]) == 0
+    assert "40/100 (40%)" in capsys.readouterr().out
+
+
 def test_nothing_to_show_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main([]) == 2  # no runs/ and no queue

@@ -34,6 +34,7 @@ from nanolab.runs import (
     discover_runs,
     duration,
     num,
+    planned_steps_of,
     recent_mean,
     summarize_run,
     tail_records,
@@ -104,12 +105,14 @@ def run_line(name: str, run_dir: Path, now: float) -> RunLine:
     last = train[-1] if train else {}
     start = next(iter(tail_records(run_dir, "start")), {})
     config = start.get("config") if isinstance(start.get("config"), dict) else {}
-    max_steps = num((config.get("trainer") or {}).get("max_steps"))
+    # The step the run trains to: trainer.max_steps, or where budget.max_tokens stops a run of
+    # max_steps -1 (its start record's planned_steps), so a budget-planned run has an ETA too.
+    max_steps = planned_steps_of(start or None, config)
     line = RunLine(
         run=name,
         status=s.status,
         step=s.steps,
-        max_steps=int(max_steps) if max_steps and max_steps > 0 else None,
+        max_steps=max_steps if max_steps > 0 else None,
         train_loss=s.train_loss,
         val_loss=s.final_val_loss,
         best_val_loss=s.best_val_loss,

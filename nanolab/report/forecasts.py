@@ -15,24 +15,13 @@ from nanolab.runs import (
     EvenSample,
     config_of,
     num,
+    planned_steps_of,
     record_problem,
     si,
 )
 
 #: Logged LRs a forecast checks the config's schedule against: an even sample of the log's.
 LR_SAMPLE = 50
-
-
-def planned_steps_of(start: dict[str, Any] | None, config: dict[str, Any]) -> int:
-    """The step a run's last launch trains to, as its start record says (``planned_steps``:
-    ``trainer.max_steps``, or where ``budget.max_tokens`` stops a run of ``max_steps`` -1;
-    :func:`nanolab.training.optim.planned_steps`), -1 when nothing bounds it. A log written
-    before the record had it: the config's ``trainer.max_steps``."""
-    if start is not None and "planned_steps" in start:
-        planned = num(start.get("planned_steps"))
-    else:
-        planned = num((config.get("trainer") or {}).get("max_steps"))
-    return int(planned) if planned and planned > 0 else -1
 
 
 def _schedule_of(
