@@ -81,6 +81,34 @@ def test_add_takes_max_steps_minus_1_when_a_token_budget_ends_the_run(
     assert job.estimate_s is not None and job.estimate_s > 0
 
 
+def test_a_token_budgets_steps_are_the_budgets_own_rule(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+) -> None:
+    """The queue repeated ``CostBudget.token_steps``'s arithmetic (one rule in two places: a
+    change to the budget's rule would leave the queue's steps and estimate on the old one);
+    it asks the rule, with the job's tokens per step as fit's trainer holds them."""
+    from nanolab.callbacks.banner import tokens_per_step
+    from nanolab.callbacks.budget import CostBudget
+
+    asked: list[int] = []
+
+    def rule(self: CostBudget, trainer: object, module: object) -> int:
+        per_step = tokens_per_step(trainer, module)  # type: ignore[arg-type]
+        asked.append(per_step[0] if per_step else -1)
+        return 5  # a rule of its own: the queue must take it as it is
+
+    monkeypatch.setattr(CostBudget, "token_steps", rule)
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    sets = ["--set", "trainer.max_steps=-1", "--set", "budget.max_tokens=1000"]
+    code, _, err = queue(
+        capsys, db, "add", str(tiny), *sets, "--set", "run.global_batch_tokens=256"
+    )
+    assert code == 0, err
+    (job,) = QueueDB(db).jobs()
+    assert job.max_steps == 5 and asked == [256]  # micro-batch 4 x block 32 x 2 accumulated
+
+
 def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
     """``queue add`` reads ``--group.key VALUE`` (and ``=VALUE``) as fit does: each is a --set."""
     monkeypatch.chdir(tmp_path)

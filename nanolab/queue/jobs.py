@@ -244,20 +244,32 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
     return ParsedConfig(
         config=cfg,
         run_root=str((cfg.get("run") or {}).get("root") or "runs"),
-        max_steps=resolved.max_steps if bounded else budget_steps(budget, tokens_per_step),
+        max_steps=resolved.max_steps if bounded else budget_steps(budget, resolved),
         devices=resolved.devices_per_node,
         tokens_per_step=tokens_per_step,
     )
 
 
-def budget_steps(budget: dict[str, Any], tokens_per_step: int) -> int:
+def budget_steps(budget: dict[str, Any], resolved: Any) -> int:
     """The steps a run of ``trainer.max_steps: -1`` trains before ``budget.max_tokens`` stops
-    it, as fit plans its LR cosine for them (:meth:`nanolab.callbacks.budget.CostBudget.
-    token_steps`: the last budget check before the next would pass the limit); the queue
-    estimates the job from them."""
-    every = int(budget.get("check_every_n_steps") or 1)
-    per_step = max(tokens_per_step, 1)
-    return max(every, int(budget["max_tokens"]) // per_step // every * every)
+    it, by the budget's own rule (:meth:`nanolab.callbacks.budget.CostBudget.token_steps`: the
+    last budget check before the next would pass the limit), which fit plans its LR cosine
+    for; the queue estimates the job from them. The rule is asked, not copied, with the job's
+    shapes as fit's trainer holds them (micro-batch, accumulation, devices; the model's
+    context), so the queue's steps and the run's plan cannot drift apart. ``resolved``: the
+    job's :class:`nanolab.training.resolve.Resolved`, its micro-batch planned."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.budget import CostBudget
+
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(micro_batch_size=resolved.micro_batch_size),
+        accumulate_grad_batches=resolved.accumulate,
+        world_size=resolved.world_size,
+    )
+    module = SimpleNamespace(gpt_config=SimpleNamespace(block_size=resolved.block_size))
+    steps = CostBudget(**budget).token_steps(trainer, module)
+    return int(steps) if steps is not None else 0  # 0: no step count to estimate the job by
 
 
 def _check_callbacks(cfg: dict[str, Any]) -> None:
