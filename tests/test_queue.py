@@ -1215,6 +1215,45 @@ def test_a_process_the_machine_refuses_leaves_the_jobs_waiting(tmp_path, monkeyp
     assert "3 job(s) waiting" in lines[-1] and "failed" not in lines[-1], lines[-1]
 
 
+def test_a_child_failing_before_exec_fails_its_job_and_the_runner_goes_on(tmp_path, monkeypatch):
+    """``Popen`` raises ``SubprocessError`` when the child's ``preexec_fn`` fails (the parent
+    death signal the runner arranges): it was uncaught, and the runner died with a traceback,
+    its job left running under it. The job now fails in one line (in its log too), the next
+    job starts, nothing else changes."""
+    import io
+
+    from nanolab.queue import runner as runner_mod
+
+    real = subprocess.Popen
+    started: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("prctl failed")
+
+    def popen(cmd, **kwargs):  # the job's command stands in as `true`; its set-up as given
+        started.append(next(a for a in cmd if a.startswith("--run.name=")))
+        if len(started) == 1:
+            kwargs["preexec_fn"] = broken
+        return real(["true"], **kwargs)
+
+    monkeypatch.setattr(runner_mod.subprocess, "Popen", popen)
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs(
+        [NewJob(name=n, config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+                run_dir=str(tmp_path / "runs" / n)) for n in ("a", "b")]
+    )  # fmt: skip
+    said = io.StringIO()
+    runner_mod.Runner(QueueDB(path), out=said, poll_s=0.01).run()
+    a, b = QueueDB(path).jobs()
+    assert started == ["--run.name=a", "--run.name=b"], said.getvalue()
+    assert a.status == "failed" and a.detail is not None
+    assert a.detail.startswith("could not start: its process failed before fit could run ")
+    assert "`nanolab queue retry` it" in a.detail and "\n" not in a.detail
+    assert b.attempts == 1 and b.status != "running", said.getvalue()
+    assert "not started: its process failed" in (tmp_path / "runs" / "a" / "queue.log").read_text()
+    assert "job 1 a: failed to start: its process failed" in said.getvalue()
+
+
 @pytest.mark.parametrize(
     ("masks", "expected"),
     [

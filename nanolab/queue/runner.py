@@ -652,10 +652,16 @@ class Runner:
             if before is not None and not is_the_jobs_own(err, job):
                 self._start_refused(before, job, err)
                 return
-            self.db.finish(job.id, self.runner_id, "failed", f"could not start: {err}", None, 0.0)
-            self.say(f"job {job.id} {job.name}: failed to start: {err}")
-            self._outcomes[job.id] = "failed"
-            self._fill_again = True  # its slot is free: the next job, before the queue is done
+            self._failed_to_start(job, str(err))
+            return
+        except subprocess.SubprocessError as err:  # the child failed before exec: preexec_fn
+            why = (
+                f"its process failed before fit could run ({str(err).rstrip('.')}; that set-up "
+                "arranges the job's stop if the runner dies); `nanolab queue retry` it"
+            )
+            with log:
+                log.write(f"not started: {why}\n".encode())
+            self._failed_to_start(job, why)
             return
         self._start_refusals, self._refused_since = 0, None
         started = time.time()
@@ -676,6 +682,14 @@ class Runner:
         what = "resuming" if job.attempts > 1 else "starting"
         self.say(f"job {job.id} {job.name}: {what} on {where} (attempt {job.attempts}, "
                  f"~{describe(remaining)}; log {log_path})")  # fmt: skip
+
+    def _failed_to_start(self, job: Job, why: str) -> None:
+        """A claimed job whose process could not be started, for a cause that would stop it
+        again: failed with ``why`` in one line; the runner goes on with the next job."""
+        self.db.finish(job.id, self.runner_id, "failed", f"could not start: {why}", None, 0.0)
+        self.say(f"job {job.id} {job.name}: failed to start: {why}")
+        self._outcomes[job.id] = "failed"
+        self._fill_again = True  # its slot is free: the next job, before the queue is done
 
     def _options_whole(self, job: Job) -> Job:
         """``job`` with the abbreviated options an earlier nanolab queued (``--seed=7``, which
