@@ -35,6 +35,19 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter the kernel gives process ``pid`` (``R`` running, ``S`` sleeping, ``T``
+    stopped by a signal, ``t`` stopped under a debugger, ``Z`` exited), or None where it does
+    not say (no ``/proc``, no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return (
+                f.read().rsplit(")", 1)[-1].split()[0]
+            )  # after the command name, which may hold ")"
+    except (OSError, IndexError):
+        return None
+
+
 def read_lock_holder(path: Path) -> dict[str, Any] | None:
     """The holder a run lock file names (host, pid, start, command), or None when the file is
     absent, being written or not one."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -791,6 +792,54 @@ def test_a_job_whose_runner_died_says_so_in_ls_and_retry(tmp_path: Path, capsys)
     code, _, err = queue(capsys, path, "retry", "night")
     assert code == 2 and "`nanolab queue run` recovers it and resumes it" in err, err
     assert QueueDB(path).jobs()[0].status == "running"  # nothing changed
+
+
+def test_a_stopped_runners_silence_is_shown_in_ls_and_status(tmp_path: Path, capsys) -> None:
+    """A runner stopped by SIGSTOP (Ctrl-Z) keeps its process, so it keeps its jobs, and
+    nothing said why they sat still. ``queue ls`` and ``status`` now say how long it has not
+    beaten once that is over three intervals (and, seen from its host, that it is stopped);
+    who owns the job is not changed."""
+    from nanolab.processes import pid_namespace, process_start
+    from nanolab.queue.status import main as status
+
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    (job,) = db.add_jobs([new_job("night")])
+    runner = db.register_runner()
+    assert db.claim(job.id, runner, None, time.time())
+    stand_in = subprocess.Popen(["sleep", "60"])  # the runner's process, stopped below
+    try:
+        with db.transaction() as c:
+            c.execute("UPDATE runners SET pid = ?, pid_start = ?, pid_namespace = ? WHERE id = ?",
+                      (stand_in.pid, process_start(stand_in.pid), pid_namespace(), runner))  # fmt: skip
+        code, out, _ = queue(capsys, path, "ls")
+        assert code == 0 and "heartbeat" not in out, out  # beating: nothing to say
+        os.kill(stand_in.pid, signal.SIGSTOP)
+        with db.transaction() as c:  # 12 minutes without a heartbeat
+            c.execute("UPDATE runners SET heartbeat = ? WHERE id = ?", (time.time() - 720, runner))
+        line = (
+            f"runner pid {stand_in.pid}: no heartbeat for 12m00s (stopped by a signal: "
+            f"`kill -CONT {stand_in.pid}` resumes it)"
+        )
+        code, out, _ = queue(capsys, path, "ls")
+        assert code == 0 and out.rstrip().splitlines()[-1] == line, out
+        assert "running: its runner is gone" not in out  # still its own
+        code, out, _ = queue(capsys, path, "ls", "--json")
+        (silent,) = json.loads(out)["silent_runners"]
+        assert silent["pid"] == stand_in.pid and silent["line"] == line
+        (tmp_path / "runs").mkdir()
+        assert status([str(tmp_path / "runs"), "--db", str(path)]) == 0
+        assert f"  {line}" in capsys.readouterr().out
+        os.kill(stand_in.pid, signal.SIGCONT)  # runs again but still silent: a question only
+        code, out, _ = queue(capsys, path, "ls")
+        assert out.rstrip().endswith(
+            f"runner pid {stand_in.pid}: no heartbeat for 12m00s (stopped?)"
+        )
+        job_now = QueueDB(path).jobs()[0]
+        assert (job_now.status, job_now.runner_id) == ("running", runner)  # owner unchanged
+    finally:
+        stand_in.kill()
+        stand_in.wait()
 
 
 def test_a_group_of_one_config_under_unrelated_names_lists_every_name() -> None:

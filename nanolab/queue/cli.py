@@ -44,6 +44,7 @@ from nanolab.queue.db import (
     no_room,
     orphaned,
     read_only_db,
+    silent_runners,
     unusable_db,
 )
 from nanolab.queue.packing import gib
@@ -289,14 +290,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     jobs = db.jobs(args.status or None)
     running = jobs if not args.status else db.jobs(("running",))
     gaps = db.event_values("gap")
+    silent = silent_runners(db)  # alive, its jobs its own, but not beating: said, not changed
     if args.json:
         rows = [_job_dict(j, db, running) for j in jobs]
-        print(json.dumps({"jobs": rows, "gaps_s": gaps}, indent=2))
+        print(json.dumps({"jobs": rows, "gaps_s": gaps, "silent_runners": silent}, indent=2))
         return 0
     if not jobs:
         print(
             f"no jobs{' with status ' + ', '.join(args.status) if args.status else ''} in {db.path}"
         )
+        for runner in silent:
+            print(runner["line"])
         return 0
     now = time.time()
     groups = group_jobs(jobs)
@@ -333,6 +337,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         summary += (f"; job-to-job gap median {statistics.median(gaps) * 1000:.0f} ms "
                     f"(max {max(gaps) * 1000:.0f} ms, n={len(gaps)})")  # fmt: skip
     print(f"\n{summary}")
+    for runner in silent:
+        print(runner["line"])
     return 0
 
 

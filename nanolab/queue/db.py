@@ -40,7 +40,13 @@ from typing import Any
 from urllib.parse import quote
 
 from nanolab.errors import NanolabError
-from nanolab.processes import pid_alive, pid_namespace, process_start, same_process
+from nanolab.processes import (
+    pid_alive,
+    pid_namespace,
+    process_start,
+    process_state,
+    same_process,
+)
 
 DEFAULT_DB = "nanolab_queue.db"
 SCHEMA_VERSION = 2
@@ -853,8 +859,45 @@ def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
         raise QueueError(unusable_db(path, f"is damaged (sqlite quick_check: {problems[0]})"))
 
 
+#: Seconds between a runner's heartbeats.
+HEARTBEAT_S = 5.0
+
 #: Seconds without a heartbeat (5 s apart) after which a runner of another machine counts as gone.
 RUNNER_STALE_S = 30.0
+
+#: Heartbeat intervals a live runner may miss before ``queue ls`` and ``status`` say so.
+SILENT_BEATS = 3
+
+
+def silent_runners(db: QueueDB, now: float | None = None) -> list[dict[str, Any]]:
+    """Runners counted alive (they keep their jobs) that have not beaten for
+    :data:`SILENT_BEATS` heartbeat intervals, each with ``silent_s`` and ``line``: what
+    ``queue ls`` and ``status`` print of it.
+
+    A runner stopped by SIGSTOP (Ctrl-Z in its terminal) keeps its process, so it is not gone
+    and its jobs stay its own: no other runner takes them over, and nothing else showed why
+    they sat still. Who owns a job is not changed here, only said."""
+    from nanolab.runs import duration
+
+    now = time.time() if now is None else now
+    rows = db.conn.execute("SELECT * FROM runners WHERE stopped IS NULL ORDER BY id").fetchall()
+    found = []
+    for row in map(dict, rows):
+        silent = now - float(row["heartbeat"])
+        if silent <= SILENT_BEATS * HEARTBEAT_S or not runner_alive(row, RUNNER_STALE_S):
+            continue
+        pid = int(row["pid"])
+        here = runner_process(row) is not None  # its process can be seen from here
+        state = process_state(pid) if here else None
+        where = "" if row["host"] == socket.gethostname() else f" on {row['host']}"
+        why = (
+            f"stopped by a signal: `kill -CONT {pid}` resumes it"
+            if state in ("T", "t")
+            else "stopped?"
+        )
+        line = f"runner pid {pid}{where}: no heartbeat for {duration(silent)} ({why})"
+        found.append({"pid": pid, "host": row["host"], "silent_s": silent, "line": line})
+    return found
 
 
 def orphaned(db: QueueDB, job: Job) -> bool:

@@ -62,6 +62,7 @@ from nanolab.errors import EXIT_DISK_FULL
 from nanolab.queue.db import (
     BUSY_SLICE_S,
     CLAIMABLE,
+    HEARTBEAT_S,
     RUNNER_STALE_S,
     Job,
     QueueDB,
@@ -164,7 +165,7 @@ class Runner:
     order: str = "fifo"
     wait: bool = False
     poll_s: float = 1.0
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = HEARTBEAT_S
     stale_s: float = RUNNER_STALE_S
     grace_s: float = 120.0
     pack: bool = False

@@ -96,6 +96,8 @@ class Screen:
     queued: list[JobLine] = field(default_factory=list)
     ended: list[RunLine] = field(default_factory=list)
     queue: str | None = None
+    #: A line for each runner that keeps its jobs but has not beaten for a while (SIGSTOP?).
+    silent_runners: list[str] = field(default_factory=list)
 
 
 def run_line(name: str, run_dir: Path, now: float) -> RunLine:
@@ -157,12 +159,14 @@ def _waiting_jobs(db_path: Path) -> Iterator[tuple[Any, list[Any]]]:
         db.conn.close()
 
 
-def queue_lines(
+def queue_state(
     db_path: Path, now: float, walls: dict[str, float | None], etas: dict[str, float | None]
-) -> list[JobLine]:
-    """Pending, preempted and running jobs of the queue at ``db_path``, read-only. A running
-    job's time left is its run's ETA (its measured step time) where the log has one."""
-    from nanolab.queue.db import orphaned
+) -> tuple[list[JobLine], list[str]]:
+    """Pending, preempted and running jobs of the queue at ``db_path``, read-only, and a line
+    for each runner alive but silent (its heartbeat older than a few intervals: stopped by
+    SIGSTOP?). A running job's time left is its run's ETA (its measured step time) where the
+    log has one."""
+    from nanolab.queue.db import orphaned, silent_runners
     from nanolab.queue.predict import remaining_seconds
 
     with _waiting_jobs(db_path) as (db, jobs):
@@ -186,7 +190,7 @@ def queue_lines(
             out.append(JobLine(job.id, job.name, status, left, start, end, ran, job.attempts,
                                name, run_dir))  # fmt: skip
             clock = end if end is not None else clock
-        return out
+        return out, [r["line"] for r in silent_runners(db, now)]
 
 
 def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -> Screen:
@@ -202,9 +206,10 @@ def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -
         # A running job shows under running once its run has logged its start; before that
         # (imports, preparing its data: seconds to hours) it is listed here as starting.
         logged = {Path(line.run_dir).name for line in screen.running}
+        jobs, screen.silent_runners = queue_state(db_path, now, walls, etas)
         screen.queued = [
             j if j.status != "running" else replace(j, status="starting")
-            for j in queue_lines(db_path, now, walls, etas)
+            for j in jobs
             if j.status != "running" or j.run not in logged
         ]
         # A run whose job waits (preempted, to resume; starting again) is listed once: under
@@ -262,6 +267,7 @@ def render(screen: Screen, roots: list[Path]) -> str:
                 for j in screen.queued
             ]  # fmt: skip
             out += _table(["id", "job", "status", "needs", "starts", "ends", "ran"], rows)
+        out += [f"  {line}" for line in screen.silent_runners]
     out.append(f"\nended ({len(screen.ended)})")
     if screen.ended:
         rows, whole = [], []
