@@ -90,6 +90,17 @@ def is_event(record: dict[str, Any], event: str | tuple[str, ...] | None) -> boo
     return kind == event if isinstance(event, str) else any(kind == e for e in event)
 
 
+def written_in_training(record: dict[str, Any]) -> bool:
+    """Whether a ``val`` or ``tasks`` record is a point of the run's own training curve.
+
+    ``nanolab validate``, ``test`` and ``eval`` append records of their own to a run's log,
+    marked ``evaluated_by``: a checkpoint scored afterwards, perhaps on other data, windows or
+    suite, and without the ``tokens`` a curve point has. One rule for every reader that draws,
+    fits or sums up the curve (report, its forecast and plot, fit's closing lines, ``--ckpt_path
+    best``), so none takes such a record for training's latest point at its step."""
+    return not record.get("evaluated_by")
+
+
 def read_records(path: str | os.PathLike[str], event: str | None = None) -> list[dict[str, Any]]:
     """All (parsable) records of a run log as a list; see :func:`iter_records`."""
     return list(iter_records(path, event))

@@ -27,7 +27,13 @@ from typing import Any
 from nanolab.downstream.tasks import suite_name_of
 from nanolab.errors import NanolabError
 from nanolab.processes import gone_lock_holder
-from nanolab.runlog import RUN_LOG_NAME, iter_backwards, iter_numbered, iter_records
+from nanolab.runlog import (
+    RUN_LOG_NAME,
+    iter_backwards,
+    iter_numbered,
+    iter_records,
+    written_in_training,
+)
 
 #: Seconds without a new record after which a run with no ``end`` record counts as crashed
 #: (unless its own step time says records are naturally further apart). A run whose lock
@@ -537,7 +543,7 @@ class _RunStream:
             self.rollbacks += 1
         elif event == "train":
             self._train(r)
-        elif event == "val" and r.get("evaluated_by"):
+        elif event == "val" and not written_in_training(r):
             # validate after training: not the in-training curve (nor its best); kept apart
             if self.evaluated_val is None or _step_key(r) >= _step_key(self.evaluated_val):
                 self.evaluated_val = r
@@ -546,7 +552,7 @@ class _RunStream:
             self.val[_step_key(r)] = {
                 k: r.get(k) for k in ("step", "tokens", "val_loss", "val_bpb")
             }
-        elif event == "tasks" and r.get("evaluated_by"):
+        elif event == "tasks" and not written_in_training(r):
             if self.evals is None or _step_key(r) >= _step_key(self.evals):
                 self.evals = r
         elif event == "tasks" and (self.tasks is None or _step_key(r) >= _step_key(self.tasks)):

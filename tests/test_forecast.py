@@ -460,3 +460,34 @@ def test_a_finished_seed_groups_final_loss_is_the_mean_of_its_seeds() -> None:
     seeds = [(s, s * 100.0, 4.0 - s / 100 + k * 0.01) for s in (10, 20, 30, 40) for k in range(3)]
     f = forecast(CurveInputs(points=seeds, max_steps=40, tokens_per_step=100.0), bootstrap=10)
     assert f.finished and f.last_loss == pytest.approx(3.6 + 0.01)  # 3.60, 3.61, 3.62
+
+
+def test_a_later_validate_is_no_point_of_the_forecast_curve(tmp_path, capsys) -> None:
+    """``nanolab validate`` after training appends a ``val`` record at the checkpoint's step,
+    marked ``evaluated_by`` and without tokens. The forecast kept the last record per step, so
+    that one replaced training's last point, was then dropped for its missing tokens: a
+    finished run read as 39 points and forecast, and the group's final loss was the mean
+    without it. The plot's val curve drew the validate's loss as training's too.
+
+    Mutations caught: the forecast or the plot reading every ``val`` record."""
+    from nanolab.report import plot_runs, summarize_run
+
+    for name in ("done-s1", "done-s2"):
+        _write_scheduled_run(tmp_path, name, last=400)
+    assert main([str(tmp_path), "--json", "--forecast"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    log = tmp_path / "done-s1" / "metrics.jsonl"
+    with log.open("a") as f:
+        f.write(json.dumps({"event": "val", "time": 500.0, "step": 400, "val_loss": 9.0,
+                            "evaluated_by": "nanolab validate", "checkpoint": "x.ckpt"}) + "\n")  # fmt: skip
+    assert main([str(tmp_path), "--json", "--forecast"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    run = after["forecasts"]["done-s1"]
+    assert run["finished"] and run["points"] == 40
+    assert run["last_loss"] == before["forecasts"]["done-s1"]["last_loss"]
+    assert after["group_forecasts"] == before["group_forecasts"]
+    assert main([str(tmp_path), "--forecast"]) == 0
+    assert "done-s1: finished (40 val points)" in capsys.readouterr().out
+    summary = summarize_run("done-s1", tmp_path / "done-s1")
+    (drawn,) = plot_runs([(summary, tmp_path / "done-s1")], tmp_path / "loss.png", "tokens")
+    assert drawn["val_band"][-1][1] == pytest.approx(run["last_loss"])

@@ -10,7 +10,7 @@ from typing import Any
 
 from nanolab.report.groups import SeedGroup
 from nanolab.report.text import money
-from nanolab.runlog import RUN_LOG_NAME, iter_records
+from nanolab.runlog import RUN_LOG_NAME, iter_records, written_in_training
 from nanolab.runs import (
     EvenSample,
     config_of,
@@ -81,8 +81,9 @@ def forecast_inputs(run_dir: Path) -> Any:
         step = r.get("step")
         at = math.inf if step is None else float(step)  # last_by_step's order
         if event == "val":
-            val.pop(at, None)
-            val[at] = {k: r.get(k) for k in ("step", "tokens", "val_loss")}
+            if written_in_training(r):  # not a later validate's record of a checkpoint
+                val.pop(at, None)
+                val[at] = {k: r.get(k) for k in ("step", "tokens", "val_loss")}
             continue
         if num(r.get("tokens")) and step and at >= (last or {}).get("at", -1):
             last = {"at": at, "step": step, "tokens": r["tokens"]}

@@ -15,7 +15,7 @@ from typing import Any
 from nanolab.downstream.tasks import mean_label
 from nanolab.report.groups import ReportError, by_config, group_labels
 from nanolab.report.text import task_names
-from nanolab.runlog import refuse_inside_run
+from nanolab.runlog import refuse_inside_run, written_in_training
 from nanolab.runs import (
     RunSummary,
     hours_label,
@@ -220,17 +220,16 @@ def plot_runs(
         n = len(members)
         for s in members:
             count, finite, records = _plot_records(dirs[s.run], task_keys)
-            val = last_by_step([r for r in records if r.get("event") == "val"])
+            # The curve written in training: a later validate/test/eval record is no point of it.
+            ours = [r for r in records if written_in_training(r)]
+            val = last_by_step([r for r in ours if r.get("event") == "val"])
             why = _nothing_to_draw(count, finite, val)
             if why:
                 n -= 1
                 if left_out is not None:
                     left_out.append(f"{s.run} ({why})")
                 continue
-            # The scores written in training (a later `nanolab eval` record is not a curve point).
-            scored = last_by_step(
-                [r for r in records if r.get("event") == "tasks" and not r.get("evaluated_by")]
-            )
+            scored = last_by_step([r for r in ours if r.get("event") == "tasks"])
             steps = {r.get("step") for r in (*val, *scored)}
             t, xs = _train_curve(dirs[s.run], key, count, steps) if count[0] else ({}, {})
             v = _curve(val, key, "val_loss", xs)

@@ -112,7 +112,7 @@ def end_block(trainer: object) -> str:
     """How the fit ended, in a few lines under its last progress line: the reason, the
     validation (and task) numbers, the checkpoint, time and goodput, and what to run next."""
     from nanolab.callbacks.checkpoint import newest_saved
-    from nanolab.runlog import RUN_LOG_NAME, last_record
+    from nanolab.runlog import RUN_LOG_NAME, last_record, written_in_training
     from nanolab.runs import duration
 
     run_dir = Path(trainer.default_root_dir)  # type: ignore[attr-defined]
@@ -122,8 +122,8 @@ def end_block(trainer: object) -> str:
     end = last_record(log, "end") or {}
     # The run's own numbers: a later `nanolab validate` or `eval` appends records of its own
     # (other data, suite or example count) that would read as the run's.
-    val = last_record(log, "val", where=lambda r: not r.get("evaluated_by")) or {}
-    tasks = last_record(log, "tasks", where=lambda r: not r.get("evaluated_by")) or {}
+    val = last_record(log, "val", where=written_in_training) or {}
+    tasks = last_record(log, "tasks", where=written_in_training) or {}
     reason = end.get("reason", "ended")
     lines = [f"nanolab fit: {run_dir} {reason} at step {end.get('step', '?')}"
              + (f" ({end['detail']})" if end.get("detail") else "")]  # fmt: skip

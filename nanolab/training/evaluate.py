@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError
-from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, iter_records
+from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, iter_records, written_in_training
 
 #: ``--ckpt_path`` values that pick a checkpoint of the run directory by name.
 BY_NAME = ("last", "best")
@@ -103,7 +103,7 @@ def _best(run_dir: Path, verb: str) -> EvalTarget:
     val_by_step: dict[int, float] = {}
     for r in iter_records(run_dir / RUN_LOG_NAME, "val"):
         loss, step = r.get("val_loss"), r.get("step")
-        if r.get("evaluated_by") is None and isinstance(step, int) and _finite(loss):
+        if written_in_training(r) and isinstance(step, int) and _finite(loss):
             val_by_step[step] = float(loss)  # the latest copy of a step wins (resumes redo steps)
     best: Candidate | None = None
     best_key: tuple[float, int, bool] | None = None
