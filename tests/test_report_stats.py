@@ -215,3 +215,57 @@ def test_many_groups_are_each_tested_against_the_lowest_at_shared_tokens(
     ) in out
     sentences = out.split("\ndifferences")[1].splitlines()[2:]
     assert len(sentences) == 4 and all("lr=0.004" in line for line in sentences)
+
+
+def _write_data_run(root: Path, name: str, data: str, vocab: int, lr: float, seed: int,
+                    loss: float, bpb: float) -> None:  # fmt: skip
+    """A finished run on ``data`` with a ``vocab``-token vocabulary: two validations."""
+    run = root / name
+    run.mkdir(parents=True)
+    config = {"model": {"gpt": {"vocab_size": vocab}, "optimizer": {"lr": lr}},
+              "data": {"dataset_dir": data}, "seed_everything": seed}  # fmt: skip
+    records = [{"event": "start", "time": 1.0, "step": 0, "seed": seed, "config": config}]
+    records += [
+        {"event": "val", "time": 2.0 + i, "step": i + 1, "tokens": t, "val_loss": v,
+         "val_bpb": v / loss * bpb}
+        for i, (t, v) in enumerate([(500, loss + 1.0), (1000, loss)])
+    ]  # fmt: skip
+    records.append({"event": "end", "time": 99.0, "step": 2, "reason": "completed"})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_groups_on_other_data_or_vocabulary_are_not_ranked_or_tested(tmp_path, capsys) -> None:
+    """Two character-level groups and a BPE group: a val loss per BPE token and one per
+    character are not one quantity, so the BPE group is neither ranked nor Welch-tested against
+    the others (it read "lr=0.001 is lower than bpe by 1.3 ... p = 0.006" while its bits per
+    byte said the opposite); one line says why, with the bits per byte side by side, and
+    ``--compare`` and ``--baseline`` say the same.
+
+    Mutations caught: compare_groups over every group; the line without its reason."""
+    for seed, (a, b, c) in enumerate([(1.0, 1.3, 2.5), (1.2, 1.5, 2.7), (1.1, 1.4, 2.6)]):
+        _write_data_run(tmp_path, f"fast-s{seed}", "data/chars", 65, 0.003, seed, a, 1.5)
+        _write_data_run(tmp_path, f"slow-s{seed}", "data/chars", 65, 0.001, seed, b, 1.9)
+        _write_data_run(tmp_path, f"bpe-s{seed}", "data/bpe", 300, 0.001, seed, c, 1.2)
+    assert main([str(tmp_path), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    (c,) = payload["comparisons"]
+    assert "data/chars, vocab 65" in c["reference"] and c["difference"] == pytest.approx(0.3)
+    (apart,) = payload["not_compared"]
+    bpe = next(g["label"] for g in payload["seed_groups"] if "bpe-s0" in g["runs"])
+    assert apart["groups"] == [bpe] and apart["data"] == "data/bpe, vocab 300"
+    assert apart["others_data"] == "data/chars, vocab 65" and len(apart["others"]) == 2
+    assert apart["val_bpb"][bpe] == pytest.approx(1.2)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Welch p =") == 1
+    assert (f"{bpe} (data/bpe, vocab 300) and " in out and "(data/chars, vocab 65): not "
+            "compared, other data and another vocabulary (a val loss is per token of its own "
+            f"text and vocabulary); mean val bpb at the runs' last validation: {bpe} 1.2000 vs"
+            ) in out  # fmt: skip
+    assert main([str(tmp_path), "--compare", "fast-s0", "bpe-s1"]) == 0
+    assert "seed groups: " in (out := capsys.readouterr().out) and "not compared, other" in out
+    assert "lower than" not in out
+    assert main([str(tmp_path), "--baseline", "bpe-s1"]) == 2
+    err = capsys.readouterr().err
+    assert "no other seed group was trained on its data and vocabulary (data/bpe" in err
+    assert len(err.strip().splitlines()) == 1

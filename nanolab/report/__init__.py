@@ -35,6 +35,7 @@ from nanolab.report.forecasts import (
 )
 from nanolab.report.groups import (
     Comparison,
+    NotCompared,
     ReportError,
     SeedGroup,
     common_tokens,
@@ -42,6 +43,7 @@ from nanolab.report.groups import (
     config_summaries,
     flatten,
     group_labels,
+    not_compared,
     seed_groups,
     values_at,
 )
@@ -66,6 +68,7 @@ __all__ = [
     "BAND_TITLE",
     "SORT_FIELDS",
     "Comparison",
+    "NotCompared",
     "ReportError",
     "SeedGroup",
     "build_parser",
@@ -86,6 +89,7 @@ __all__ = [
     "format_table",
     "group_labels",
     "main",
+    "not_compared",
     "plot_runs",
     "seed_groups",
     "summarize_run",

@@ -20,6 +20,8 @@ from nanolab.report.groups import (
     ReportError,
     compare_groups,
     config_summaries,
+    data_key,
+    not_compared,
     seed_groups,
     seed_groups_holding,
 )
@@ -190,7 +192,7 @@ def _scaling(
         return None, None
     if args.gpu_hours is not None and not (math.isfinite(args.gpu_hours) and args.gpu_hours > 0):
         raise ReportError(f"--gpu-hours {args.gpu_hours}: give a positive number, e.g. 100")
-    from nanolab.report.plot import data_key, default_plot_selection
+    from nanolab.report.plot import default_plot_selection
     from nanolab.scaling_fit import ScalingError, points_from_runs, scaling_report
 
     if args.run:
@@ -222,8 +224,12 @@ def _scaling(
 
 def _compare_pair(everyone: list[RunSummary], pair: list[Any]) -> str:
     """``--compare``'s line on the two seed groups its runs belong to: their difference, or
-    what kept them from being compared (a group with fewer than two usable seeds)."""
+    what kept them from being compared (a group with fewer than two usable seeds, or the two
+    trained on other data or vocabularies)."""
     short = [g for g in pair if len(g.val_losses) < 2]
+    other_data = not_compared(everyone, pair)
+    if other_data:
+        return f"\nseed groups: {other_data[0].sentence}"
     if not short:
         found = compare_groups(everyone, pair, baseline=pair[1].label)
         if found:
@@ -285,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     universe = config_summaries(found) if args.run else summaries
     groups = seed_groups(summaries, universe)
     comparisons = compare_groups(summaries, groups, args.baseline)
+    apart = not_compared(summaries, groups)
     want_forecast = args.forecast or args.target_loss is not None
     if args.target_loss is not None and not 0 < args.target_loss < math.inf:
         raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
@@ -304,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "seed_groups": [asdict(g) for g in groups],
             "comparisons": [asdict(c) for c in comparisons],
+            "not_compared": [asdict(c) for c in apart],
         }
         if want_forecast:
             payload["forecasts"] = {k: asdict(v) for k, v in run_fc.items()}
@@ -312,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             payload["scaling"] = scaling_data
         print(json.dumps(payload, indent=2, default=str))
     else:
-        print(format_table(summaries, groups, comparisons))
+        print(format_table(summaries, groups, comparisons, apart))
         if want_forecast:
             ordered = {s.run: run_fc[s.run] for s in summaries}
             hours = hours_label([s.accelerator for s in summaries])

@@ -67,6 +67,21 @@ class Comparison:
     reference: str = ""
 
 
+@dataclass
+class NotCompared:
+    """Seed groups trained on other data or another vocabulary than ``others``: a val loss is
+    nats per token of its own validation text and vocabulary, so theirs are not one quantity
+    and are neither ranked nor tested against each other (bits per byte are shown instead)."""
+
+    groups: list[str]
+    data: str
+    others: list[str]
+    others_data: str
+    #: Each group's mean val bpb at its runs' last validation, where its runs logged one.
+    val_bpb: dict[str, float]
+    sentence: str
+
+
 #: Config sections every complete run log names; a run without one of them (where another
 #: run has it) stands alone in the groups.
 CORE_SECTIONS = frozenset({"model", "data", "trainer"})
@@ -121,6 +136,35 @@ def _value_in(flat: dict[str, Any], key: str) -> Any:
         if above in flat:
             return None if flat[above] is None else _ABSENT
     return _ABSENT
+
+
+def data_of(s: RunSummary) -> tuple[Any, Any] | None:
+    """What a run's loss is measured on: its dataset (``data.dataset_dir``, or the list
+    ``data.datasets``) and vocabulary size (None when its config is unknown)."""
+    if s.group is None:
+        return None
+    config = json.loads(s.group)
+    data = config.get("data") or {}
+    vocab = ((config.get("model") or {}).get("gpt") or {}).get("vocab_size")
+    return data.get("datasets") or data.get("dataset_dir"), vocab
+
+
+def data_key(s: RunSummary) -> str | None:
+    """:func:`data_of` as one comparable text: runs with equal keys have losses on one scale
+    (the one rule of ``--plot``, ``--scaling`` and the seed-group statistics)."""
+    of = data_of(s)
+    return None if of is None else json.dumps(list(of), sort_keys=True, default=str)
+
+
+def data_text(s: RunSummary) -> str:
+    """:func:`data_of` for a reader: ``data/shk_bpe, vocab 300``."""
+    of = data_of(s)
+    if of is None:
+        return "data unknown"
+    where, vocab = of
+    if isinstance(where, list):  # a mixture: its folders
+        where = "+".join(str(d.get("path", d)) if isinstance(d, dict) else str(d) for d in where)
+    return f"{where or 'data unknown'}, vocab {vocab if vocab is not None else 'unknown'}"
 
 
 def by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
@@ -366,8 +410,11 @@ def compare_groups(
     """Each group against ``baseline`` (a group label or one of its runs); without one, every
     pair of up to :data:`ALL_PAIRS_UP_TO` groups, or each group against the one lowest at the
     tokens every group reached. Groups are ranked at that shared count, not at each one's own
-    (a group that trained longer is lower at its end without being better). Empty with fewer
-    than two groups of two usable seeds."""
+    (a group that trained longer is lower at its end without being better). Only groups on
+    one dataset and vocabulary (:func:`same_data`) are ranked and tested against each other:
+    a val loss over 300 BPE tokens and one over 71 characters are not one quantity
+    (:func:`not_compared` says so of the others). Empty with fewer than two groups of two
+    usable seeds on one dataset."""
     usable = [g for g in groups if len(g.val_losses) >= 2]
     if len(usable) < 2:
         if baseline is not None:  # asked for, and nothing to compare: said, not ignored
@@ -376,13 +423,8 @@ def compare_groups(
                 "usable seeds; a comparison needs two (queue add --seeds 1,2,3 for each config)"
             )
         return []
-    from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
-
     by_run = {s.run: s for s in summaries}
-
-    def members(g: SeedGroup) -> list[RunSummary]:
-        return [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
-
+    families = same_data(by_run, usable)
     if baseline is not None:
         base = next((g for g in usable if g.label == baseline or baseline in g.runs), None)
         if base is None:
@@ -391,12 +433,42 @@ def compare_groups(
                 f"--baseline {baseline!r} is neither a seed group's label nor one of its runs; "
                 f"groups: {labels}"
             )
-        pairs = [(g, base) for g in usable if g is not base]
+        (family,) = [f for f in families if base in f]
+        if len(family) < 2:
+            raise ReportError(
+                f"--baseline {baseline!r}: no other seed group was trained on its data and "
+                f"vocabulary ({_group_data(by_run, base)}), and a val loss on other data or "
+                "vocabulary is not the same quantity; name a group of the same data"
+            )
+        families = [family]
+    out: list[Comparison] = []
+    for family in families:
+        if len(family) < 2:
+            continue
+        # Several datasets or vocabularies among the groups: each heading names its own.
+        on = f"the groups on {_group_data(by_run, family[0])}" if len(families) > 1 else ""
+        out += _compare_family(by_run, family, baseline, on)
+    return out
+
+
+def _compare_family(
+    by_run: dict[str, RunSummary], family: list[SeedGroup], baseline: str | None, on: str
+) -> list[Comparison]:
+    """:func:`compare_groups` over groups of one dataset and vocabulary; ``on`` names them in
+    the heading when other groups are on other data."""
+    from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
+
+    def members(g: SeedGroup) -> list[RunSummary]:
+        return [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+
+    if baseline is not None:
+        base = next(g for g in family if g.label == baseline or baseline in g.runs)
+        pairs = [(g, base) for g in family if g is not base]
         reference = f"each group against {base.label} (--baseline)" if len(pairs) > 1 else ""
     else:
-        everyone = [m for g in usable for m in members(g)]
+        everyone = [m for g in family for m in members(g)]
         shared = common_tokens(everyone)
-        ranked = sorted(usable, key=lambda g: _mean_or_inf(values_at(members(g), shared)))
+        ranked = sorted(family, key=lambda g: _mean_or_inf(values_at(members(g), shared)))
         where = "at their end" if shared is None else f"at {shared:,} tokens, the most all reached"
         if len(ranked) <= ALL_PAIRS_UP_TO:
             pairs = [(a, b) for i, b in enumerate(ranked) for a in ranked[i + 1 :]]
@@ -409,6 +481,8 @@ def compare_groups(
                 f"each group against {ranked[0].label}, the lowest val loss {where}; "
                 "--baseline GROUP picks another"
             )
+    if on:
+        reference = f"{on}: {reference}" if reference else on
     out = []
     for g, base in pairs:
         members_a, members_b = members(g), members(base)
@@ -426,6 +500,80 @@ def compare_groups(
             text += f" (at {at:,} tokens, the most where every run of both validated)"
         out.append(Comparison(g.label, base.label, at, d.difference, d.half_width, d.p_value,
                               d.n_a, d.n_b, d.seeds_needed, text, between, reference))  # fmt: skip
+    return out
+
+
+def same_data(by_run: dict[str, RunSummary], groups: list[SeedGroup]) -> list[list[SeedGroup]]:
+    """``groups`` split by the data and vocabulary their runs trained on (:func:`data_key`), in
+    order of first appearance: only groups of one family have val losses on one scale."""
+    families: dict[str | None, list[SeedGroup]] = {}
+    for g in groups:
+        first = next((by_run[r] for r in g.runs if r in by_run), None)
+        families.setdefault(None if first is None else data_key(first), []).append(g)
+    return list(families.values())
+
+
+def _first(by_run: dict[str, RunSummary], group: SeedGroup) -> RunSummary | None:
+    """A group's first run found (its runs share one config: it stands for all of them)."""
+    return next((by_run[r] for r in group.runs if r in by_run), None)
+
+
+def _group_data(by_run: dict[str, RunSummary], group: SeedGroup) -> str:
+    """:func:`data_text` of a group."""
+    first = _first(by_run, group)
+    return "data unknown" if first is None else data_text(first)
+
+
+def _what_differs(a: RunSummary | None, b: RunSummary | None) -> str:
+    """``other data``, ``another vocabulary`` or both: where two groups' losses part."""
+    of_a, of_b = (None if s is None else data_of(s) for s in (a, b))
+    if of_a is None or of_b is None:
+        return "data not known to be the same"
+    same = [json.dumps(x, sort_keys=True, default=str) == json.dumps(y, sort_keys=True, default=str)
+            for x, y in zip(of_a, of_b, strict=True)]  # fmt: skip
+    parts = [w for w, equal in zip(("other data", "another vocabulary"), same, strict=True)
+             if not equal]  # fmt: skip
+    return " and ".join(parts)
+
+
+def _mean_final_bpb(by_run: dict[str, RunSummary], group: SeedGroup) -> float | None:
+    """The mean val bpb of a group's usable runs at their last validation (None: none has
+    one, e.g. a dataset prepared without byte counts)."""
+    bpbs = [
+        bpb
+        for r in group.runs
+        if r in by_run and not _unusable(by_run[r])
+        if (bpb := by_run[r].final_val_bpb) is not None
+    ]
+    return statistics.fmean(bpbs) if bpbs else None
+
+
+def not_compared(summaries: list[RunSummary], groups: list[SeedGroup]) -> list[NotCompared]:
+    """One entry per two families of seed groups on different data or vocabularies (which
+    :func:`compare_groups` neither ranks nor tests against each other): what each trained on
+    and, where both have them, their bits per byte side by side. Empty when all the groups
+    with two usable seeds share one dataset and vocabulary."""
+    by_run = {s.run: s for s in summaries}
+    families = same_data(by_run, [g for g in groups if len(g.val_losses) >= 2])
+    out = []
+    for i, family in enumerate(families):
+        for others in families[i + 1 :]:
+            bpb = {g.label: v for g in family + others
+                   if (v := _mean_final_bpb(by_run, g)) is not None}  # fmt: skip
+            data, others_data = _group_data(by_run, family[0]), _group_data(by_run, others[0])
+            why = _what_differs(_first(by_run, family[0]), _first(by_run, others[0]))
+            text = (
+                f"{'; '.join(g.label for g in family)} ({data}) and "
+                f"{'; '.join(g.label for g in others)} ({others_data}): not compared, {why} "
+                "(a val loss is per token of its own text and vocabulary)"
+            )
+            sides = [[f"{g.label} {bpb[g.label]:.4f}" for g in f if g.label in bpb]
+                     for f in (family, others)]  # fmt: skip
+            if all(sides):
+                text += (f"; mean val bpb at the runs' last validation: {'; '.join(sides[0])} "
+                         f"vs {'; '.join(sides[1])}")  # fmt: skip
+            out.append(NotCompared([g.label for g in family], data, [g.label for g in others],
+                                   others_data, bpb, text))  # fmt: skip
     return out
 
 

@@ -3,7 +3,6 @@ GPU-hours, with the forecast dashed."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.downstream.tasks import mean_label
-from nanolab.report.groups import ReportError, by_config, group_labels
+from nanolab.report.groups import ReportError, by_config, data_key, group_labels
 from nanolab.report.text import task_names
 from nanolab.runlog import refuse_inside_run, written_in_training
 from nanolab.runs import (
@@ -24,17 +23,6 @@ from nanolab.runs import (
     num,
     si,
 )
-
-
-def data_key(s: RunSummary) -> str | None:
-    """What a run's loss is measured on: its dataset and vocabulary (None when unknown)."""
-    if s.group is None:
-        return None
-    config = json.loads(s.group)
-    data = config.get("data") or {}
-    vocab = ((config.get("model") or {}).get("gpt") or {}).get("vocab_size")
-    where = data.get("datasets") or data.get("dataset_dir")
-    return json.dumps([where, vocab], sort_keys=True, default=str)
 
 
 def default_plot_selection(summaries: list[RunSummary]) -> tuple[list[RunSummary], int]:

@@ -9,7 +9,14 @@ import time
 from pathlib import Path
 
 from nanolab.downstream.tasks import mean_label
-from nanolab.report.groups import Comparison, ReportError, SeedGroup, flatten, value_text
+from nanolab.report.groups import (
+    Comparison,
+    NotCompared,
+    ReportError,
+    SeedGroup,
+    flatten,
+    value_text,
+)
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
     DELTA_WINDOW,
@@ -119,6 +126,7 @@ def format_table(
     summaries: list[RunSummary],
     groups: list[SeedGroup],
     comparisons: list[Comparison] | None = None,
+    not_compared: list[NotCompared] | None = None,
 ) -> str:
     """The report: runs (cut into tables of at most 100 columns), then the downstream scores,
     seed groups, their differences and notes."""
@@ -187,11 +195,15 @@ def format_table(
                     f"    note: seed {twice} ran more than once in this group: those runs "
                     "repeat each other, their spread is not a seed-to-seed spread"
                 )
-    if comparisons:
+    if comparisons or not_compared:
         out += ["", "differences (Welch's t-test over seeds, val loss at equal tokens):"]
-        if comparisons[0].reference:
-            out.append(f"  ({comparisons[0].reference})")
-        out += [f"  {c.sentence}" for c in comparisons]
+        reference = ""
+        for c in comparisons or []:
+            if c.reference and c.reference != reference:  # groups on several datasets: each
+                out.append(f"  ({c.reference})")
+            reference = c.reference
+            out.append(f"  {c.sentence}")
+        out += [f"  {c.sentence}" for c in not_compared or []]
     skipped = [s for s in summaries if s.skipped_records]
     if skipped:
         out.append("")
