@@ -491,3 +491,25 @@ def test_a_later_validate_is_no_point_of_the_forecast_curve(tmp_path, capsys) ->
     summary = summarize_run("done-s1", tmp_path / "done-s1")
     (drawn,) = plot_runs([(summary, tmp_path / "done-s1")], tmp_path / "loss.png", "tokens")
     assert drawn["val_band"][-1][1] == pytest.approx(run["last_loss"])
+
+
+def test_a_forecast_counts_steps_not_the_copies_a_group_pools(tmp_path, capsys) -> None:
+    """A seed group fits its seeds' points together, and they share their steps: two runs of 3
+    validations each are 3 places on the curve, not 6. They were fitted (exactly: rmse ~0)
+    while one run alone needed 5 points.
+
+    Mutations caught: the minimum counting points rather than distinct steps (or tokens)."""
+    from nanolab.forecast.annealing import fit_schedule_curve
+
+    steps = [10, 20, 30] * 2
+    losses = [float(schedule_curve(np.array([s]))[0]) for s in steps]
+    with pytest.raises(ForecastError, match=r"6 usable validation point.* at 3 distinct steps; "
+                       r"a forecast needs at least 5 steps"):  # fmt: skip
+        fit_schedule_curve(steps, losses, _planned(400), 400, bootstrap=5)
+    with pytest.raises(ForecastError, match="at 3 distinct token counts"):
+        fit_loss_curve([1000, 2000, 3000] * 2, [3.0, 2.5, 2.2] * 2, bootstrap=5)
+    for name in ("short-s1", "short-s2"):
+        _write_scheduled_run(tmp_path, name, last=30)
+    assert main([str(tmp_path), "--json", "--forecast"]) == 0
+    (group,) = json.loads(capsys.readouterr().out)["group_forecasts"].values()
+    assert group["fit"] is None and "at 3 distinct steps" in group["note"]

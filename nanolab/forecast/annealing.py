@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nanolab.forecast.powerlaw import MIN_POINTS, ForecastError
+from nanolab.forecast.powerlaw import MIN_POINTS, ForecastError, require_points
 
 #: Memory of the annealing momentum per step (0.999: ~1000 steps).
 DECAY = 0.999
@@ -305,16 +305,15 @@ def fit_schedule_curve(
         decays: Annealing memories to choose from (one value: fixed).
 
     Raises:
-        ForecastError: fewer than :data:`MIN_POINTS` usable points, or a schedule that never
-            moved the weights (S1 = 0 at a point).
+        ForecastError: usable points at fewer than :data:`MIN_POINTS` steps, or a schedule
+            that never moved the weights (S1 = 0 at a point).
     """
     pts = sorted(
         (float(s), float(v))
         for s, v in zip(steps, losses, strict=True)
         if s is not None and v is not None and math.isfinite(s) and math.isfinite(v) and s >= 1
     )
-    if len(pts) < MIN_POINTS:
-        raise ForecastError(f"{len(pts)} usable point(s); a forecast needs at least {MIN_POINTS}")
+    require_points([round(s) for s, _ in pts], "steps")
     last = round(pts[-1][0])
     total = max(int(total_steps), last)
     mult = multipliers_array(schedule, total)
@@ -350,13 +349,13 @@ def _backtest(
     idx: np.ndarray, y: np.ndarray, areas: dict[float, tuple[np.ndarray, np.ndarray]]
 ) -> list[tuple[float, float]]:
     """Fit on the points but the last one, but the last third, and but the last half (at least
-    :data:`MIN_POINTS` kept), and predict the held-out ones: per holdout, the largest miss and
+    :data:`MIN_POINTS` steps kept), and predict the held-out ones: per holdout, the largest miss and
     the forward area from the last kept point to the last held-out one. Empty when no point can
     be held out."""
     n, out = len(y), []
     for held in sorted({1, max(1, n // 3), max(1, n // 2)}):
         keep = n - held
-        if keep < MIN_POINTS:
+        if len(set(idx[:keep].tolist())) < MIN_POINTS:  # a group's seeds share their steps
             continue
         coef, alpha, decay, _ = _fit_decays(idx[:keep], y[:keep], areas)
         s1, s2 = areas[decay]

@@ -149,6 +149,19 @@ def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float]:
     return E, A, alpha, sse
 
 
+def require_points(xs: Sequence[float], unit: str) -> None:
+    """Raise :class:`ForecastError` unless the points lie at :data:`MIN_POINTS` distinct ``xs``
+    (steps or tokens): a seed group pools its seeds' points, which share their steps, and two
+    repeats of 3 validations are 3 places on the curve, not 6 (their fit came out exact)."""
+    distinct = len(set(xs))
+    if distinct < MIN_POINTS:
+        at = f" at {distinct} distinct {unit}" if distinct != len(xs) else ""
+        raise ForecastError(
+            f"{len(xs)} usable validation point(s){at}; a forecast needs at least {MIN_POINTS}"
+            + (f" {unit}" if at else "")
+        )
+
+
 def fit_loss_curve(
     tokens: Sequence[float],
     losses: Sequence[float],
@@ -159,17 +172,15 @@ def fit_loss_curve(
     """Fit ``L(D) = E + A (D/D0)^-alpha`` to (tokens, loss) points; see the module docstring.
 
     Raises:
-        ForecastError: fewer than :data:`MIN_POINTS` usable points (finite, tokens > 0).
+        ForecastError: usable points (finite, tokens > 0) at fewer than :data:`MIN_POINTS`
+            token counts.
     """
     pts = sorted(
         (float(d), float(v))
         for d, v in zip(tokens, losses, strict=True)
         if d is not None and v is not None and math.isfinite(d) and math.isfinite(v) and d > 0
     )
-    if len(pts) < MIN_POINTS:
-        raise ForecastError(
-            f"{len(pts)} usable validation point(s); a forecast needs at least {MIN_POINTS}"
-        )
+    require_points([x for x, _ in pts], "token counts")
     d, y = (np.array(column) for column in zip(*pts, strict=True))
     d0 = float(d[0])
     x = d / d0

@@ -99,7 +99,7 @@ def fit_curve(inputs: CurveInputs, bootstrap: int = 200) -> ScheduleFit:
         raise ForecastError("no LR schedule or planned steps to forecast with")
     pts = [(s, v) for s, _, v in inputs.points]
     after = [(s, v) for s, v in pts if s >= inputs.warmup_steps]
-    use = after if len(after) >= MIN_POINTS else pts
+    use = after if len({s for s, _ in after}) >= MIN_POINTS else pts  # steps, not seeds' copies
     return fit_schedule_curve(
         [s for s, _ in use],
         [v for _, v in use],
