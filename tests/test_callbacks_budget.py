@@ -409,3 +409,57 @@ def test_every_budget_stops_when_the_next_check_would_pass_it_and_says_what_was_
     )
     assert budget.spend_detail("cost", 17.5, 20) == "17.5 of max_cost 20 EUR spent"
     assert budget.spend_detail("tokens", 896, 1024) == "896 of max_tokens 1024 spent"
+
+
+def test_a_branch_budget_counts_the_tokens_the_branch_trains(tmp_path, char_dataset):
+    """budget.max_tokens of a branch (another run.name from a run's checkpoint) counts what the
+    branch itself trains, as its hours do (docs/guarantees.md): a budget the parent already
+    spent trains that many tokens more. Before, the parent's tokens counted: the launch said
+    "stopped at step 4 (...); nothing to train" of a branch that had trained nothing. Rerun,
+    the branch stays stopped, and says so with its own spend."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    from nanolab.runlog import read_records
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=4)
+    config = write_config(tmp_path / "p.yaml", cfg)
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(config)]
+    assert nanolab_here(*base, cwd=tmp_path).returncode == 0
+    parent = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "end")[-1]["tokens"]
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    branch = [*base, "--run.name", "branch", "--run.resume", str(last), "--trainer.max_steps"]
+    branch += ["-1", "--budget.max_tokens", str(parent)]
+    res = nanolab_here(*branch, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "nothing to train" not in res.stderr
+    log = tmp_path / "runs" / "branch" / "metrics.jsonl"
+    assert read_records(log, "start")[0]["planned_steps"] == 8  # 4 steps of its own
+    (end,) = read_records(log, "end")
+    assert (end["step"], end["reason"]) == (8, "budget")
+    assert end["detail"] == f"{parent} of max_tokens {parent} spent"
+    assert end["tokens"] == 2 * parent  # the model's tokens: its parent's and its own
+    again = nanolab_here(*branch, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"stopped at step 8 (budget: {parent} of max_tokens {parent} spent)" in again.stderr
+    assert [e["step"] for e in read_records(log, "end")] == [8, 8]
+
+
+def test_the_step_a_token_budget_stops_at_is_the_one_its_checks_decide():
+    """token_stop_step (what max_steps -1 plans for, the start record's planned_steps) agrees
+    with the budget's checks from any step and spend: a branch's starts at its parent's step."""
+    from nanolab.callbacks.budget import stops_now, token_stop_step
+
+    def checked(step: int, spent: int, per: int, every: int, limit: int) -> int:
+        if spent >= limit or (step > 0 and step % every == 0 and spent + per * every > limit):
+            return step  # the restored run stops before its first step
+        while True:
+            step, spent = step + 1, spent + per
+            if step % every == 0 and stops_now(spent, spent + per * every, limit):
+                return step
+
+    for step in range(12):
+        for spent in range(0, 40, 4):
+            for every in (1, 2, 3):
+                for limit in range(1, 60, 3):
+                    want = checked(step, spent, 4, every, limit)
+                    assert token_stop_step(step, spent, 4, every, limit) == want

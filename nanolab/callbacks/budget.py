@@ -183,7 +183,8 @@ class CostBudget(StepCallback):
         out: dict[str, float | int] = {
             "gpu_hours": gpu_hours,
             "wall_hours": self.clock.elapsed_s() / 3600.0,
-            "tokens": self.clock.tokens,
+            # The tokens this run trained: a branch's budget counts its own, not its parent's.
+            "tokens": self.clock.run_tokens,
         }
         if self.price_per_gpu_hour is not None:
             out["cost"] = gpu_hours * self.price_per_gpu_hour
@@ -194,17 +195,22 @@ class CostBudget(StepCallback):
         return {k: v for k in names if (v := getattr(self, f"max_{k}")) is not None}
 
     def token_steps(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
-        """The optimizer steps ``max_tokens`` lets a new run train (None: no token budget, or
-        tokens per step unknown): the last check before the next would pass the limit (every
+        """The step where ``max_tokens`` stops the run (None: no token budget, or tokens per
+        step unknown): the last check before the next would pass the limit (every
         ``check_every_n_steps``), where the run stops if nothing stops it sooner. What
-        ``trainer.max_steps: -1`` plans its LR schedule for."""
+        ``trainer.max_steps: -1`` plans a new run's LR schedule for. Counted from where the
+        run stands with what it has spent, so a branch, whose steps start at its parent's and
+        whose budget counts only its own tokens, ends that many tokens after its start."""
         from nanolab.callbacks.banner import tokens_per_step
 
         per_step = tokens_per_step(trainer, pl_module)
         if self.max_tokens is None or per_step is None or per_step[0] <= 0:
             return None
-        every = self.check_every_n_steps
-        return max(every, int(self.max_tokens) // per_step[0] // every * every)
+        spent = self.clock.run_tokens if self.clock is not None else 0
+        step = int(getattr(trainer, "global_step", 0) or 0)  # a planner's stand-in may lack it
+        return token_stop_step(
+            step, spent, per_step[0], self.check_every_n_steps, int(self.max_tokens)
+        )
 
     def spend_detail(self, name: str, spent: float, limit: float) -> str:
         """What a budget stop says: the spend so far against the limit ("896 of max_tokens 1024
@@ -584,6 +590,22 @@ def stops_now(spent: float, projected: float, limit: float) -> bool:
     limit (reaching it exactly is within the budget: ``max_tokens`` 1024 at 128 tokens a step
     trains 8 steps), or there is nothing left of it (a resume between checks projects nothing)."""
     return projected > limit or float(spent) >= limit
+
+
+def token_stop_step(step: int, spent: int, per_step: int, every: int, limit: int) -> int:
+    """The step where a token budget of ``limit`` stops a run standing at ``step`` with
+    ``spent`` tokens of it trained, at ``per_step`` tokens a step, checked every ``every``
+    steps: the first check at which the spend by the next check would pass the limit (as
+    :meth:`CostBudget.on_step` decides), or ``step`` itself when a restored run stops before
+    its first step (:meth:`CostBudget.standing_stop`). From step 0 with nothing spent that is
+    ``max(every, limit // per_step // every * every)``."""
+    if spent >= limit:
+        return step
+    fits = (limit - spent) // per_step  # whole steps the rest of the budget pays for
+    if step > 0 and step % every == 0 and fits < every:
+        return step  # a resume at a check whose next check would pass it
+    first_check = step // every * every + every
+    return max(first_check, -(-(step + fits - every + 1) // every) * every)
 
 
 def _amount(value: float) -> str:
