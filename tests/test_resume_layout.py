@@ -461,45 +461,75 @@ def test_a_resume_inside_a_micro_batch_of_the_new_layout_says_what_it_skips(
     assert "skipping 4 windows" in lines[0]
 
 
-def test_a_rollback_across_a_layout_change_says_what_it_skipped_and_older_resumes_keep_it(
-    tmp_path: Path, char_dataset: Path
-) -> None:
-    """The reviewer's run: 8 steps of micro-batch 4 (windows 0-31), its step-8 checkpoint gone,
-    resumed from last.ckpt on micro-batch 8 with poisoned windows 32-55: the spike rolls back to
-    step 6 (window 24), saved by the earlier launch. It skipped 4 micro-batches of 8 (windows
-    24-55; it said 1, counting this launch's micro-batches from step 6), and a later resume
-    from step 4 on micro-batch 8 trains 16-23 and then goes on at window 56, as the healed run
-    did (at step 6 of the new layout it trained the skipped 24-31 again)."""
-    spike = (
-        "--spike.window", "3", "--spike.patience", "2", "--spike.factor", "1.2",
-        "--model.schedule.warmup_steps", "0", "--checkpoint.keep_last", "20",
-    )  # fmt: skip
+#: The spike guard of the rollback runs: quick to roll back, with no warm-up to hide the spike.
+SPIKE = (
+    "--spike.window", "3", "--spike.patience", "2", "--spike.factor", "1.2",
+    "--model.schedule.warmup_steps", "0", "--checkpoint.keep_last", "20",
+)  # fmt: skip
+
+
+def _rolled_back_across_a_layout_change(
+    tmp_path: Path, dataset: Path
+) -> tuple[Path, list[int], str]:
+    """Run ``rb``: 8 steps of micro-batch 4 (windows 0-31), its step-8 checkpoint gone, resumed
+    from last.ckpt on micro-batch 8 with poisoned windows 32-55, so that the spike rolls back to
+    step 6 (window 24), saved by the earlier launch, and goes on at window 56. (run directory,
+    the windows trained, the second launch's stderr)."""
     poison = (
         "--trainer.callbacks+=cli_probes.PoisonedWindows", "--trainer.callbacks.first=32",
         "--trainer.callbacks.last=55", "--trainer.callbacks.lr_factor=3000",
     )  # fmt: skip
     run = tmp_path / "runs" / "rb"
     _fit_seen(
-        tmp_path,
-        char_dataset,
-        "rb",
-        "--trainer.max_steps",
-        "8",
-        "--checkpoint.every_n_steps",
-        "2",
-        *spike,
-    )
+        tmp_path, dataset, "rb", "--trainer.max_steps", "8", "--checkpoint.every_n_steps", "2",
+        *SPIKE,
+    )  # fmt: skip
     (run / "checkpoints" / "step-00000008.ckpt").unlink()
     order, err = _fit_seen(
-        tmp_path, char_dataset, "rb", "--trainer.max_steps", "14", "--data.micro_batch_size",
-        "8", "--checkpoint.every_n_steps", "100", *spike, *poison,
+        tmp_path, dataset, "rb", "--trainer.max_steps", "14", "--data.micro_batch_size",
+        "8", "--checkpoint.every_n_steps", "100", *SPIKE, *poison,
     )  # fmt: skip
+    return run, order, err
+
+
+def test_a_rollback_across_a_layout_change_says_what_it_skipped_and_older_resumes_keep_it(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """The reviewer's run (:func:`_rolled_back_across_a_layout_change`): the spike rolled back
+    to step 6 (window 24), saved by the earlier launch. It skipped 4 micro-batches of 8 (windows
+    24-55; it said 1, counting this launch's micro-batches from step 6), and a later resume
+    from step 4 on micro-batch 8 trains 16-23 and then goes on at window 56, as the healed run
+    did (at step 6 of the new layout it trained the skipped 24-31 again)."""
+    run, order, err = _rolled_back_across_a_layout_change(tmp_path, char_dataset)
     (entry,) = read_ledger(run)
     assert entry["restored"] == 6 and entry["skipped_micro_batches"] == 4, entry
     assert "rolled back to step 6, skipping 4 micro-batches" in err
     assert len(order) == 32 + 24 + 64  # every window of the order up to 120, once
-    windows, _ = _fit_seen(
+    windows, err = _fit_seen(
         tmp_path, char_dataset, "rb", "--run.resume", str(run / "checkpoints" / "step-00000004.ckpt"),
-        "--trainer.max_steps", "8", "--data.micro_batch_size", "8", *spike,
+        "--trainer.max_steps", "8", "--data.micro_batch_size", "8", *SPIKE,
     )  # fmt: skip
     assert windows[len(order) :] == order[16:24] + order[56:80]
+    assert "skipping" not in err  # window 56 starts a micro-batch of 8: nothing to say
+
+
+def test_a_rollback_carried_inside_a_micro_batch_says_what_it_skips(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """Resumed from step 4 (window 16) on micro-batch 16, the rollback's jump to window 56 lands
+    inside this launch's 4th micro-batch (48-63): the order goes on at window 64, and the
+    launch says so in the words of the resume point's own skip. Before, it skipped windows
+    56-63 without a line."""
+    run, order, _ = _rolled_back_across_a_layout_change(tmp_path, char_dataset)
+    windows, err = _fit_seen(
+        tmp_path, char_dataset, "rb", "--run.resume", str(run / "checkpoints" / "step-00000004.ckpt"),
+        "--trainer.max_steps", "6", "--data.micro_batch_size", "16", *SPIKE,
+    )  # fmt: skip
+    assert windows[len(order) :] == order[16:32] + order[64:80]
+    lines = [line for line in err.splitlines() if "skipping" in line]
+    assert lines == [
+        "nanolab fit: warning: the rollback to step 6 went on 56 windows into epoch 0's window "
+        "order, inside a micro-batch of this launch (micro-batch 16 x 1 device(s) = 16 windows): "
+        "training goes on at the next whole one, skipping 8 windows (a micro-batch x devices "
+        "that divides 56 skips none)"
+    ]

@@ -938,8 +938,8 @@ def resumable_sampler(dm: Any) -> ResumableBatchSampler:
     plan = dm.window_plan(world)
     start = consumed_micro_batches(dm.trainer)
     skips, skipped = sampler_jumps(dm.trainer, plan, start)
-    if skipped and rank == 0:
-        messages.warn("nanolab fit", skipped)
+    for line in skipped if rank == 0 else ():
+        messages.warn("nanolab fit", line)
     return ResumableBatchSampler(plan, rank, start, skips)
 
 

@@ -11,7 +11,8 @@ whole micro-batch of the new layout, the next whole one, with one line saying ho
 that skips. A rollback's jump (:mod:`nanolab.data.skips`) is carried the same way: its ledger
 entry records the unit it was counted in and where the order stood at the checkpoint it
 restored, so a resume from an older checkpoint jumps when it reaches that window, whatever step
-number that is in its own layout.
+number that is in its own layout; where the place it jumps to is not the start of a whole
+micro-batch of the new layout, it goes on at the next whole one and says so in the same line.
 
 A checkpoint saved before the record gives its position as resumes always took it: its
 optimizer steps x the accumulation of the layout that saved it, in that layout's unit, with the
@@ -161,21 +162,38 @@ def resume_jumps(
     other windows: at ``step x accumulate`` a resume on a smaller batch would train again what
     the rollback skipped, one on a larger batch would skip healthy windows.
     """
+    out, resumed, _ = resume_order(saved, plan, start, accumulate, rollbacks)
+    return out, resumed
+
+
+def resume_order(
+    saved: SavedOrder | None,
+    plan: Any,
+    start: int,
+    accumulate: int,
+    rollbacks: list[dict[str, Any]],
+) -> tuple[list[Jump], Carried | None, list[tuple[int, Carried]]]:
+    """:func:`resume_jumps`, with where each later rollback goes on in this launch's
+    micro-batches: (the step it restored, its :class:`Carried`), whose ``skipped`` windows a
+    resume says as it says its own."""
     if saved is None or saved.step * accumulate != start:
-        return jumps(rollbacks), None
+        return jumps(rollbacks), None, []
     ledger_accumulate = saved.accumulate or accumulate
     position, unit = place_of(saved, ledger_accumulate, rollbacks, unit_of(plan))
     resumed = carry(plan, position, unit)
     out = [Jump(start, resumed.position - start)]
+    went_on: list[tuple[int, Carried]] = []
     at, here = start, resumed.position  # this launch's micro-batch ``at`` trains ``here``
     for later in in_force(rollbacks, ledger_accumulate):
         if later.step <= saved.step:
             continue
         restored = carry(plan, later.restored, later.restored_unit or unit).position
         at += max(0, restored - here)
-        here = carry(plan, later.reached, later.unit or unit).position
+        reached = carry(plan, later.reached, later.unit or unit)
+        here = reached.position
         out.append(Jump(at, here - at))
-    return out, resumed
+        went_on.append((later.step, reached))
+    return out, resumed, went_on
 
 
 def place_of(
@@ -239,16 +257,20 @@ def restored_place(
     return data_position(int(entry["skip_at"]), jumps(before)), unit
 
 
-def skipped_line(carried: Carried, plan: Any) -> str | None:
+def skipped_line(
+    carried: Carried, plan: Any, stopped: str = "the checkpoint stopped"
+) -> str | None:
     """The warning of a resume that could not start exactly where its checkpoint stopped
-    (``None`` when it does): where it stopped, where it goes on, how many windows that skips."""
+    (``None`` when it does): where it stopped, where it goes on, how many windows that skips.
+    ``stopped`` names the place: a rollback's jump carried into this launch says the same of
+    the place it went on at (:func:`rollback_skipped_line`)."""
     if carried.skipped == 0:
         return None
     micro, world = plan.micro_batch_size, plan.world_size
     layout = f"micro-batch {micro} x {world} device(s) = {micro * world} windows"
     if carried.next_epoch:
         return (
-            f"the checkpoint stopped {carried.window} windows into epoch {carried.epoch}'s "
+            f"{stopped} {carried.window} windows into epoch {carried.epoch}'s "
             f"window order, and its remaining {carried.skipped} windows are less than one "
             f"micro-batch of this launch ({layout}): training goes on at the start of epoch "
             f"{carried.epoch + 1}, skipping them"
@@ -259,23 +281,33 @@ def skipped_line(carried: Carried, plan: Any) -> str | None:
         else "the training order"
     )
     return (
-        f"the checkpoint stopped {carried.window} windows into {where}, inside a micro-batch "
+        f"{stopped} {carried.window} windows into {where}, inside a micro-batch "
         f"of this launch ({layout}): training goes on at the next whole one, skipping "
         f"{carried.skipped} windows (a micro-batch x devices that divides {carried.window} "
         "skips none)"
     )
 
 
-def sampler_jumps(trainer: Any, plan: Any, start: int) -> tuple[list[Jump], str | None]:
+def rollback_skipped_line(step: int, carried: Carried, plan: Any) -> str | None:
+    """The warning of a resume whose later rollback (to step ``step``) goes on inside a
+    micro-batch of this launch, in the words of the resume point's own (:func:`skipped_line`);
+    ``None`` when it goes on at a whole one."""
+    return skipped_line(carried, plan, stopped=f"the rollback to step {step} went on")
+
+
+def sampler_jumps(trainer: Any, plan: Any, start: int) -> tuple[list[Jump], list[str]]:
     """:func:`resume_jumps` for ``trainer``'s launch: the checkpoint's record (kept by the
     module when it restored, as ``restored_order``) and the run's rollback ledger; with the
-    warning of a resume that skips windows."""
+    warnings of a resume that skips windows: at its own start, and at each rollback's jump it
+    carries onto a whole micro-batch of this launch."""
     if trainer is None:
-        return [], None
+        return [], []
     rollbacks = read_ledger(getattr(trainer, "default_root_dir", None))
     module = getattr(trainer, "lightning_module", None)
     saved = getattr(module, "restored_order", None)
     saved = saved if isinstance(saved, SavedOrder) else None
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-    out, carried = resume_jumps(saved, plan, start, accumulate, rollbacks)
-    return out, skipped_line(carried, plan) if carried is not None else None
+    out, carried, went_on = resume_order(saved, plan, start, accumulate, rollbacks)
+    lines = [skipped_line(carried, plan) if carried is not None else None]
+    lines += [rollback_skipped_line(step, place, plan) for step, place in went_on]
+    return out, [line for line in lines if line is not None]
