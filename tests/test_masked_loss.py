@@ -157,8 +157,9 @@ def test_a_fully_masked_micro_batch_adds_nothing_and_is_never_nan():
     )
     # Training: one micro-batch per step, the first two steps' batches hold window 0 and 3.
     probe, weights = fit(GPTLightningModule, data, micro=1, accumulate=1, steps=4)
-    assert all(math.isfinite(v.item()) for v in probe.losses + probe.norms)
-    assert probe.losses[0].item() == 0.0 and probe.norms[0].item() == 0.0
+    assert all(math.isfinite(v.item()) for v in probe.losses[1:3] + probe.norms)
+    # Steps 1 and 4 hold no target: gradient 0, and no loss (NaN: the run log writes null).
+    assert probe.norms[0].item() == 0.0 and probe.losses[0].isnan() and probe.losses[3].isnan()
     assert all(v.isfinite().all() for v in weights.values())
     # Accumulated with a fully masked micro-batch: the same step as without it.
     with_empty, _ = fit(GPTLightningModule, data, micro=2, accumulate=2, steps=2)
@@ -316,3 +317,45 @@ def test_validation_weighs_by_targets_without_a_host_sync():
             validate(each, data, micro=4)
         counts.append(counter.count)
     assert counts[0] == counts[1], counts
+
+
+def test_a_step_without_any_target_logs_no_loss_and_the_guards_leave_it_out(tmp_path, capsys):
+    """With masked targets, an optimizer step whose micro-batches hold no target has no loss:
+    its gradients are 0, its ``train/loss`` is null in the run log (it was 0, a perfect step
+    to every reader), the spike guard keeps it out of its window of healthy losses (a median
+    of such zeros made every later step a spike), and the divergence stop neither counts it
+    nor lets it end a run of bad steps. ``report`` and ``status`` read the null."""
+    import json
+
+    from conftest import nanolab_here
+
+    from nanolab.callbacks import MetricsLog
+    from nanolab.callbacks.divergence import DivergenceStop
+    from nanolab.callbacks.spike import SpikeGuard
+
+    data = windows(masked=True, fully_masked=(0, 3))
+    L.seed_everything(0)
+    module = GPTLightningModule(gpt=TINY, schedule=ScheduleConfig(warmup_steps=1))
+    spike, divergence = SpikeGuard(action="warn", window=50), DivergenceStop()
+    run = tmp_path / "runs" / "masked"
+    trainer = L.Trainer(
+        default_root_dir=str(run), max_steps=6, accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[MetricsLog(), spike, divergence],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=Windows(data, 1, True))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    train = [r for r in map(json.loads, lines) if r["event"] == "train"]
+    assert [r["step"] for r in train if r["loss"] is None] == [1, 4]
+    assert all(r["loss"] > 0 for r in train if r["step"] not in (1, 4))
+    assert [r["grad_norm"] for r in train if r["step"] in (1, 4)] == [0.0, 0.0]
+    # The guard's window: the 4 steps with a loss (it watches the weighted micro-batch mean).
+    assert len(spike.history) == 4 and all(v > 0 for v in spike.history)
+    assert trainer.global_step == 6 and divergence.diverged_step is None
+    # A run of bad steps goes on across a step without a target, and is not ended by it.
+    divergence._observe(trainer, 7, [1.0, 0.0, 0.0])
+    divergence._observe(trainer, 8, [0.0, 0.0, 0.0], no_target=True)
+    assert (divergence.bad.count, divergence.bad.first) == (1, 7)
+    for verb in (["report", str(run.parent)], ["status", str(run)]):
+        res = nanolab_here(*verb, cwd=tmp_path)
+        assert res.returncode == 0 and "Traceback" not in res.stderr, (verb, res.stderr)

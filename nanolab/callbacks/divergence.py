@@ -46,6 +46,7 @@ from nanolab.callbacks.events import (
 from nanolab.callbacks.jsonl import read_gradient_norm, step_gradient_norm
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
+from nanolab.training.masked_targets import held_no_target
 
 #: Exit status of ``nanolab fit`` when this callback stopped the run. Not 2 (bad input) and not
 #: 75 (preempted, rerun me): rerunning a diverged run as it is diverges again.
@@ -57,6 +58,9 @@ REASON = "diverged"
 #: The step's flags in the step readout: loss or gradient norm not finite, the GradScaler
 #: skipped the step, its scale after the step.
 FLAG_KEYS = ("divergence:bad", "divergence:skipped", "divergence:scale")
+#: With declared masked targets: 1.0 when the step held no target (no loss to judge: it neither
+#: continues nor ends a run of bad steps), in the step readout.
+NO_TARGET_KEY = "divergence:no_target"
 
 
 @dataclass
@@ -175,6 +179,9 @@ class DivergenceStop(StepCallback):
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         gathered = trainer.world_size > 1 and distributed
         bad = _any_not_finite(watched)
+        no_target = held_no_target(pl_module)
+        if no_target is not None:  # the count is all ranks' already: no reduce of its own
+            readout.put(NO_TARGET_KEY, no_target)
         if before is None and not gathered:  # the common case: one flag, nothing to reduce
             readout.put(FLAG_KEYS[0], 0.0 if bad is None else bad)
             return
@@ -206,7 +213,8 @@ class DivergenceStop(StepCallback):
     ) -> None:
         for step, values in completed:
             if FLAG_KEYS[0] in values:  # the other two are absent without a GradScaler
-                self._observe(trainer, step, [values.get(k, 0.0) for k in FLAG_KEYS])
+                flags = [values.get(k, 0.0) for k in FLAG_KEYS]
+                self._observe(trainer, step, flags, bool(values.get(NO_TARGET_KEY, 0.0)))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.active:
@@ -229,8 +237,11 @@ class DivergenceStop(StepCallback):
         set_stop_reason(trainer, REASON, self.describe())
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _observe(self, trainer: L.Trainer, step: int, flags: list[float]) -> None:
-        self.bad.update(bool(flags[0]), step)
+    def _observe(
+        self, trainer: L.Trainer, step: int, flags: list[float], no_target: bool = False
+    ) -> None:
+        if not no_target:  # a step without a target has no loss: it is neither good nor bad
+            self.bad.update(bool(flags[0]), step)
         self.skipped.update(bool(flags[1]), step)
         scale = float(flags[2])
         if self.diverged_step is not None:

@@ -64,6 +64,7 @@ from nanolab.callbacks.step import StepCallback
 from nanolab.data.datamodule import consumed_micro_batches
 from nanolab.data.order import SavedOrder
 from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
+from nanolab.training.masked_targets import no_loss_as_nan
 
 ACTIONS = ("rollback", "stop", "warn")
 #: The step's mean training loss in the step readout (:mod:`nanolab.callbacks.readout`).
@@ -198,6 +199,8 @@ class SpikeGuard(StepCallback):
         if trainer.world_size > 1 and distributed:
             torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.SUM)
             mean = mean / trainer.world_size
+        # A step without any target (declared masked targets) has no loss: NaN, left out.
+        mean = no_loss_as_nan(mean, getattr(pl_module, "step_target_count", None))
         readout.put(LOSS_KEY, mean)  # read now on CPU; on a GPU maybe the next step
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
@@ -209,7 +212,7 @@ class SpikeGuard(StepCallback):
     def observe(self, trainer: L.Trainer | None, step: int, loss: float) -> str | None:
         """Take one step's loss; the action taken when it completes a spike, else None."""
         if not math.isfinite(loss):
-            return None  # not finite: the divergence stop's case
+            return None  # not finite: the divergence stop's case, or a step without a target
         if len(self.history) < self.window:
             self.history.append(loss)
             return None

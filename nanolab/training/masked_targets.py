@@ -76,6 +76,31 @@ def loss_or_zero(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, loss, torch.zeros_like(loss))
 
 
+def no_loss_as_nan(value: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
+    """``value`` (a step's loss), or NaN where its optimizer step held no target at all
+    (``count``, the step's :func:`target_count` over all ranks, is 0; ``None``: not counted,
+    data without declared masks).
+
+    Such a step has no loss: its gradients are 0, and the 0 its micro-batches add up to is not
+    a loss of the model (a spike guard's median of them would be 0). As NaN it is written as
+    null by the run log, not shown by the progress bar, and left out by the spike guard, which
+    takes only finite losses. The divergence stop watches the micro-batches' own losses (0
+    here) and asks :func:`held_no_target` to leave the step out. One elementwise op on the
+    device: no host sync."""
+    if count is None:
+        return value
+    nan = torch.full_like(value, float("nan"))
+    return torch.where(count.to(value.device) > 0, value, nan)
+
+
+def held_no_target(module: Any) -> torch.Tensor | None:
+    """1.0 (a float32 device scalar) when the optimizer step that ended last held no target
+    (the module's ``step_target_count`` is 0), else 0.0; ``None`` when the module does not
+    count them (no declared masks, or not nanolab's module)."""
+    count = getattr(module, "step_target_count", None)
+    return (count == 0).to(torch.float32) if isinstance(count, torch.Tensor) else None
+
+
 def holds_masked_targets(batch: Any) -> bool:
     """Whether a training batch ``(x, y, ...)`` holds a target of ``-1``, judged on the host.
 

@@ -30,6 +30,7 @@ from nanolab.training.masked_targets import (
     declares_masked_targets,
     holds_masked_targets,
     loss_or_zero,
+    no_loss_as_nan,
     target_count,
     undeclared_masks_line,
     worth_a_look,
@@ -111,6 +112,12 @@ class GPTLightningModule(L.LightningModule):
         #: before the clip, its target slots over its targets (all ranks; a float32 device
         #: scalar, exactly 1.0 without masks); None on every other step.
         self._gradient_scale: torch.Tensor | None = None
+        #: With masked targets only: the targets that carried a loss in the optimizer step that
+        #: ended last, over all ranks (an int64 device scalar); None on every other path. A step
+        #: of 0 has no loss: ``train/loss`` is NaN (the run log writes null), and the spike
+        #: guard and the divergence stop leave it out (:func:`~nanolab.training.masked_targets.
+        #: no_loss_as_nan`).
+        self.step_target_count: torch.Tensor | None = None
         #: This optimizer step's global gradient norm (before clipping; float32, on the device)
         #: when the clip or a reader needed it; None otherwise. See configure_gradient_clipping.
         self.step_gradient_norm: torch.Tensor | None = None
@@ -228,8 +235,10 @@ class GPTLightningModule(L.LightningModule):
         The micro-batch losses come weighted by their share of targets: their mean over the
         micro-batches and ranks, times the step's slots over its targets, is the mean over the
         targets. Two all-reduces of device scalars with several ranks: they queue on the device
-        like the gradients' and add no host sync. A step without any target has loss 0 and
-        gradients 0."""
+        like the gradients' and add no host sync. A step without any target has gradients 0
+        and no loss: NaN, which the run log writes as null (0 would read as a perfect step),
+        with :attr:`step_target_count` 0 for the readers that must tell it from a NaN of the
+        model's (:func:`~nanolab.training.masked_targets.no_loss_as_nan`)."""
         assert self._step_loss is not None and self._step_targets is not None
         mean = self._step_loss / self._step_micro_batches
         targets = self._step_targets
@@ -240,7 +249,8 @@ class GPTLightningModule(L.LightningModule):
             mean = mean / self.trainer.world_size
             self._sum_over_ranks(counts)
         self._gradient_scale = counts[1] / counts[0].clamp(min=1)
-        return mean * self._gradient_scale
+        self.step_target_count = counts[0]
+        return no_loss_as_nan(mean * self._gradient_scale, counts[0])
 
     def _sum_over_ranks(self, tensor: torch.Tensor) -> bool:
         """All-reduce (sum) the device ``tensor`` in place over the ranks, if there are several
@@ -591,6 +601,7 @@ class GPTLightningModule(L.LightningModule):
         self._live_callback_metrics = self._whole_gradients = self._param_list = None
         self._step_loss, self._step_micro_batches = None, 0
         self._step_targets, self._step_slots, self._gradient_scale = None, 0, None
+        self.step_target_count = None
         datamodule = getattr(self.trainer, "datamodule", None)
         self._masked_targets = declares_masked_targets(datamodule)
         self._mask_check_pending = (
