@@ -136,6 +136,43 @@ def test_allow_changed_never_allows_another_tokenizer(tmp_path, capsys, finished
     assert not (tmp_path / "runs" / "branch").exists()
 
 
+def test_another_vocabulary_size_is_named_as_the_tokenizer_change(tmp_path, capsys, finished_run):
+    """Data of another tokenizer whose vocabulary sizes the model otherwise (bytes: 256 tokens;
+    chars: 24) under a resume with ``data.allow_changed`` or a branch: one line naming the
+    checkpoint's tokenizer and the data's, and the fix, before anything is written. It was the
+    data-change line ("was trained on the data in D; this run points at D: restore
+    data.dataset_dir"), which named neither tokenizer, for a folder the run never left."""
+    data, cfg = finished_run
+    run_dir = tmp_path / "runs" / "tiny"
+    before = snapshot(run_dir)
+    other = tmp_path / "other"
+    write_dataset(other, tokenizer="chars")
+    last = str(run_dir / "checkpoints" / "last.ckpt")
+    branch = ("--run.name", "branch", "--run.resume", last, "--data.dataset_dir", str(other))
+    code, err = fit_in_process(capsys, cfg, *branch, "--trainer.max_steps", "6")
+    (line,) = [line for line in err if line.startswith("nanolab")]
+    assert code == 2, err
+    assert line == (
+        f"nanolab fit: error: data.dataset_dir {other}: prepared with tokenizer 'chars' (24 "
+        f"tokens), not the checkpoint's tokenizer 'bytes' in {last} (256 tokens; e.g. ' ' is id "
+        f"0 in the data, absent in the checkpoint); restore data.dataset_dir (or "
+        f"data.datasets) to the data it trained on, {data}, or start a new run without its "
+        "checkpoint (another --run.name, no run.resume); data.allow_changed allows other "
+        "text, not another tokenizer"
+    )
+    assert not (tmp_path / "runs" / "branch").exists()
+    write_dataset(data, tokenizer="chars")  # the run's own folder, prepared again
+    code, err = fit_in_process(
+        capsys, cfg, "--trainer.max_steps", "6", "--data.allow_changed", "true"
+    )
+    (line,) = [line for line in err if line.startswith("nanolab")]
+    assert code == 2, err
+    assert "prepared with tokenizer 'chars' (24 tokens), not the checkpoint's tokenizer " in line
+    assert "'bytes' in " in line and "continue it on data prepared with its tokenizer" in line
+    assert "was trained on the data in" not in line and "vocab_size" not in line
+    assert snapshot(run_dir) == before
+
+
 def test_a_moved_but_identical_dataset_resumes(tmp_path, capsys, finished_run):
     data, cfg = finished_run
     moved = tmp_path / "elsewhere" / "data"

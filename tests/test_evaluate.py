@@ -212,7 +212,7 @@ def test_data_of_another_tokenizer_is_refused_before_it_is_scored(work, case):
     assert len(lines) == 1 and lines[0].startswith("nanolab validate: error: data.dataset_dir"), (
         lines
     )
-    assert "not the checkpoint's tokenizer in" in lines[0] and "vocab_size" not in lines[0]
+    assert "not the checkpoint's tokenizer 'chars' in" in lines[0] and "vocab_size" not in lines[0]
     assert "is id 3 in the data, id 4 in the checkpoint" in lines[0]  # the first difference
     assert "val/loss" not in res.stdout
     assert (run / "metrics.jsonl").read_bytes() == log_before

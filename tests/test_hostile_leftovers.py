@@ -59,6 +59,8 @@ def test_a_full_disk_under_the_run_log_exits_74_as_the_docs_say(
 def test_a_resume_on_other_data_names_the_data_not_the_model(
     tmp_path: Path, char_dataset: Path
 ) -> None:
+    """Data of another tokenizer (bytes after chars) in another folder: the line names the two
+    tokenizers and, as the fix, the folder the run trained on."""
     other = tmp_path / "bytes_data"
     prepare_dataset(["bundled:shakespeare"], other, "bytes", quiet=True)
     cfg = tiny_overrides(char_dataset, tmp_path / "runs", checkpoint={"every_n_steps": 3})
@@ -69,8 +71,12 @@ def test_a_resume_on_other_data_names_the_data_not_the_model(
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _errors(proc)
     assert "different model" not in line and "model.gpt" not in line, line
-    assert f"trained on the data in {char_dataset}" in line, line
-    assert f"this run points at {other}" in line and "data.dataset_dir" in line, line
+    assert f"data.dataset_dir {other}: prepared with tokenizer 'bytes'" in line, line
+    assert "not the checkpoint's tokenizer 'chars' in" in line, line
+    assert (
+        f"restore data.dataset_dir (or data.datasets) to the data it trained on, {char_dataset},"
+        in line
+    ), line
     assert "--run.name" in line, line
 
 

@@ -263,7 +263,9 @@ def check_scored_data(
     except (TokenizerError, HFFormatError):
         return
     fix = fix or f"{verb} it on data prepared with its tokenizer (as its run's data was)"
-    check_same_vocabulary(dataset_dir, load_tokenizer(dataset_dir), theirs, f"in {source}", fix)
+    name = spec.get("name")
+    where = f"{name!r} in {source}" if isinstance(name, str) else f"in {source}"
+    check_same_vocabulary(dataset_dir, load_tokenizer(dataset_dir), theirs, where, fix)
 
 
 def check_init_from_data(model_cfg: Any, datamodule: Any) -> None:

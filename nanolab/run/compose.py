@@ -991,8 +991,10 @@ def open_checkpoint(
 ) -> Any:
     """Open the checkpoint without running its pickle and check it fits this model: a bad
     file is one error line (exit 2), never a traceback from deep inside Lightning. A model
-    that differs because ``data`` is not the data the checkpoint trained on (another
-    ``data.dataset_dir``, so another vocabulary) is named as a change of data."""
+    that differs because ``data`` is not the data the checkpoint trained on is named as what
+    changed: another tokenizer (its vocabulary sizes the model: the checkpoint's tokenizer
+    and the data's, with :func:`refuse_other_tokenizer`'s fix, flag or not), else another
+    ``data.dataset_dir``."""
     from nanolab.training.resume import (
         DifferentModelError,
         ResumeError,
@@ -1007,6 +1009,8 @@ def open_checkpoint(
             expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
             check_same_shapes(cand, expected, flag)
     except DifferentModelError as err:
+        if training and err.checkpoint:  # another tokenizer's vocabulary: say that, not shapes
+            refuse_other_tokenizer(data, str(err.checkpoint))
         moved = getattr(data, "changed_since", None)
         other_data = moved(err.checkpoint) if callable(moved) and err.checkpoint else None
         raise RunConfigError(f"{flag}: {other_data}" if other_data else str(err)) from None
@@ -1053,10 +1057,30 @@ def refuse_other_tokenizer(data: Any, ckpt_path: str) -> None:
     fix = (
         "continue it on data prepared with its tokenizer (data.allow_changed allows other "
         "text, not another tokenizer), or start a new run without its checkpoint (another "
-        "--run.name)"
+        "--run.name, no run.resume)"
     )
+    before = trained_elsewhere(data, ckpt_path)
+    if before is not None:  # pointed at other data by mistake, maybe: the data it trained on
+        fix = (
+            f"restore data.dataset_dir (or data.datasets) to the data it trained on, {before}, "
+            "or start a new run without its checkpoint (another --run.name, no run.resume); "
+            "data.allow_changed allows other text, not another tokenizer"
+        )
     spec = checkpoint_tokenizer(ckpt_path)
     check_scored_data(Path(parts[0].path), spec, Path(ckpt_path), "resume", fix)
+
+
+def trained_elsewhere(data: Any, ckpt_path: str) -> str | None:
+    """The folders the checkpoint's run trained on, when ``data`` points at others and they
+    are still there (a folder moved since is the same data), else None."""
+    from nanolab.data.checks import checkpoint_fingerprint
+
+    saved = checkpoint_fingerprint(ckpt_path, type(data).__qualname__)
+    before = [str(d.get("path")) for d in (saved or {}).get("datasets") or []]
+    now = {str(p.path) for p in getattr(data, "parts", None) or ()}
+    if not before or set(before) == now or not all(Path(b).is_dir() for b in before):
+        return None
+    return ", ".join(before)
 
 
 def evaluation_target(
