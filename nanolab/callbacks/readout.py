@@ -13,17 +13,26 @@ takes them all and copies them in one transfer per device:
 * :meth:`StepReadout.transfer` then reads them all at once when one is wanted now, or on a
   device that is not a GPU (there a read waits for nothing). Otherwise, on a CUDA device, the
   copy goes to pinned host memory without blocking and the values arrive at the next step's
-  transfer, whose wait is for a copy queued a whole step earlier (finished by then);
+  transfer, always: there the host waits for that copy (``event.synchronize()``) if it has not
+  finished yet. So when a step's values arrive is a function of the step only, never of how far
+  the host ran ahead of its device: every rank of a multi-GPU run takes the all-reduced flags
+  and losses at the same step, so all of them stop, roll back or go on together (a rank that
+  took them a step later than another left the other alone in a collective until the timeout),
+  and on one GPU the spike guard detects at the same step in every run. The host runs at most
+  one step ahead of its device: the copy it waits for was queued before the step it has just
+  queued, which the device still has to run, so it is never left idle;
 * during ``on_step``, :attr:`StepReadout.values` holds this step's values when they were read,
   and :attr:`StepReadout.completed` every step whose values arrived in this transfer (this one's
   included), oldest first;
 * :meth:`StepReadout.drain` waits for the copies still in flight when a value is needed outside
-  a step (the run log before it writes another record, the run's end). What it brings is handed
-  to the ``completed`` of the next step, so a callback that reads ``completed`` sees each step
-  once, whoever drained it.
+  a step (the run log before it writes another record, the run's end). What it brings is
+  handed to the ``completed`` of the next step as well, so a callback that reads ``completed``
+  sees each step once, whoever drained it, at the same step on every rank (only rank 0 writes
+  the run log).
 
 So a steady step costs at most one synchronisation, whatever the callbacks, and none when no
-callback wants a value now on a GPU.
+callback wants a value now on a GPU that keeps up with its host (one whose host has queued the
+next step before the copy of the step before is done makes the host wait for that copy).
 """
 
 from __future__ import annotations
@@ -39,9 +48,9 @@ from nanolab.host_buffer import mark_host_buffer
 Values = dict[str, float]
 
 #: ``1`` forces the GPU's non-blocking path in a ``nanolab fit`` on a CPU (``0``: never defer);
-#: ``N`` > 1 also makes each copy arrive N transfers later, as from a device running N steps
-#: behind the host. The CPU twin of the GPU path, for tests (tests/test_syncs.py); unset in
-#: real runs.
+#: ``N`` > 1 also plays a device running N steps behind the host: each copy is finished only N
+#: transfers after its own, so the next transfer waits for it (:class:`StandInEvent`). The CPU
+#: twin of the GPU path, for tests (tests/test_syncs.py); unset in real runs.
 DEFER_ENV = "NANOLAB_READOUT_DEFER"
 
 
@@ -65,8 +74,11 @@ class StepReadout:
         #: a CUDA device (True on a CPU runs the same code, as tests/test_syncs.py does).
         self.defer = defer
         #: Off a GPU, the transfers after its own at which a deferred copy counts as finished
-        #: (1: the next; more plays a device that runs several steps behind, for tests).
+        #: (1: the next; more plays a device that runs several steps behind, for tests: the
+        #: copy still arrives at the next transfer, which then waits for it).
         self.lag = lag
+        #: Transfers (or drains) at which the host waited for a copy that had not finished.
+        self.waits = 0
         self._transfers = 0
         self._read_at = 0  # the last transfer that waited for the device: all before it is done
         self.step: int | None = None
@@ -115,11 +127,11 @@ class StepReadout:
                 values.update(zip(keys, stacked.tolist(), strict=True))  # the one sync
             if tensors:  # the read waited for the device: every earlier copy is done
                 self._read_at = self._transfers
-            self._finish_in_flight(wait=False)  # those done (all, after a read of tensors)
+            self._finish_in_flight()  # the earlier steps', done by now (the read waited)
             self.values = values
             self.completed.append((step, values))
             return
-        self._finish_in_flight(wait=False)  # the copies already done (queued a step ago)
+        self._finish_in_flight()  # every earlier step's, queued a step ago at the latest
         keys, items = list(tensors), list(tensors.values())
         if len({t.device for t in items}) > 1:  # mixed devices (rare): read them now instead
             self._now = True
@@ -130,7 +142,7 @@ class StepReadout:
         cuda = stacked.device.type == "cuda"
         host = self._host_buffer(len(items), pin=cuda)
         host.copy_(stacked, non_blocking=cuda)
-        event = torch.cuda.Event() if cuda else _Done(self, self._transfers + self.lag)
+        event = torch.cuda.Event() if cuda else StandInEvent(self, self._transfers + self.lag)
         event.record()
         self._in_flight.append((step, keys, dict(self._plain), host, event))
 
@@ -138,21 +150,20 @@ class StepReadout:
         """Wait for every copy still in flight; the values of every step drained since the last
         :meth:`begin` (by any caller), oldest first. They are not added to this step's
         ``completed`` (its readers may have run already) but to the next step's."""
-        self._finish_in_flight(wait=True, into=self._drained)
+        self._finish_in_flight(into=self._drained)
         return list(self._drained)
 
-    def _finish_in_flight(self, wait: bool, into: list[tuple[int, Values]] | None = None) -> None:
-        """Take the values of the copies in flight, oldest first: all of them (``wait``: the
-        host waits for the last), or those already finished (a step's copy normally is by the
-        next step; one that is not stays for the next transfer, and nothing waits)."""
+    def _finish_in_flight(self, into: list[tuple[int, Values]] | None = None) -> None:
+        """Take the values of every copy in flight, oldest first (into ``completed`` unless
+        ``into``). Each was queued at an earlier transfer: a finished one is read at once, and
+        the host waits for one that is not (``event.synchronize()``, counted in ``waits``), so
+        a step's values never arrive later than the next step's transfer."""
         arrived = self.completed if into is None else into
         while self._in_flight:
-            step, keys, plain, host, event = self._in_flight[0]
-            if wait:
+            step, keys, plain, host, event = self._in_flight.popleft()
+            if not event.query():  # query() never waits: a finished copy costs no sync
+                self.waits += 1
                 event.synchronize()
-            elif not event.query():
-                break
-            self._in_flight.popleft()
             values = {**plain, **dict(zip(keys, host.tolist(), strict=True))}
             self._pinned.setdefault(host.numel(), []).append(host)
             arrived.append((step, values))
@@ -167,24 +178,27 @@ class StepReadout:
         return buffer
 
 
-class _Done:
-    """A CUDA event's stand-in off the GPU, where a copy is finished when it returns; it
-    answers "finished" from the readout's ``due``-th transfer on (``lag`` transfers after its
-    own), or once a later transfer has waited for the device, as a device that ran that far
-    behind would."""
+class StandInEvent:
+    """A CUDA event's stand-in off the GPU, where a copy is finished when it returns: it plays
+    a device ``lag`` steps behind its host. :meth:`query` answers "finished" from the readout's
+    ``due``-th transfer on (``lag`` transfers after its own), once a later transfer has read
+    the device (a read waits for everything queued before it), or once :meth:`synchronize`
+    waited for it, as a device that ran that far behind would. The sync counter counts its
+    :meth:`synchronize` as the wait it stands for (:mod:`nanolab.callbacks.syncs`)."""
 
     def __init__(self, readout: StepReadout, due: int) -> None:
         self.readout, self.due, self.queued_at = readout, due, readout._transfers
+        self.waited = False
 
     def record(self) -> None:
         pass
 
     def query(self) -> bool:
         r = self.readout
-        return r._transfers >= self.due or r._read_at > self.queued_at
+        return self.waited or r._transfers >= self.due or r._read_at > self.queued_at
 
     def synchronize(self) -> None:
-        pass
+        self.waited = True
 
 
 def _by_device(tensors: dict[str, torch.Tensor]) -> dict[torch.device, list[tuple[str, Any]]]:

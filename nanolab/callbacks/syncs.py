@@ -4,7 +4,8 @@ Every call that makes the host wait for the device's queued work, or reads a dev
 counted while :class:`SyncCounter` is installed: ``Tensor.item``/``tolist``/``numpy``,
 ``bool()``/``float()``/``int()``/``index`` of a tensor, ``Tensor.cpu()``, a blocking
 ``Tensor.to()`` to the host (see :func:`_to_host`), ``Tensor.nonzero`` (its output size depends
-on the data), ``torch.cuda.synchronize`` and the ``synchronize`` of a CUDA event or stream. A
+on the data), ``torch.cuda.synchronize`` and the ``synchronize`` of a CUDA event or stream (or
+of the step readout's stand-in for one on a CPU, which waits where the event would). A
 tensor that one counted transfer brought to the host is host memory from then on:
 ``t.cpu().tolist()`` counts once.
 
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from nanolab.callbacks.readout import StandInEvent
 from nanolab.host_buffer import HOST_BUFFER, mark_host_buffer  # noqa: F401  (used here too)
 
 #: The environment variable that turns counting on in ``nanolab fit`` (a path to write to).
@@ -172,7 +174,8 @@ class SyncCounter:
         for name in ("cpu", "to"):
             self._patch(torch.Tensor, name, self._wrap_transfer(name, getattr(torch.Tensor, name)))
         self._patch(torch.cuda, "synchronize", self._wrap_wait(torch.cuda.synchronize))
-        for cls in (torch.cuda.Event, torch.cuda.Stream):
+        # The step readout's stand-in for a CUDA event on a CPU waits where the event would.
+        for cls in (torch.cuda.Event, torch.cuda.Stream, StandInEvent):
             self._patch(cls, "synchronize", self._wrap_wait(cls.synchronize))
         return self
 
