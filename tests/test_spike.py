@@ -473,3 +473,91 @@ def test_a_history_saved_divided_by_the_accumulation_is_rescaled_or_started_afre
     current.on_load_checkpoint(None, _Module(), {"nanolab": {"layout": {"accumulate": 4}}})
     current.load_state_dict(guard.state_dict())  # saved now: the step's losses, kept as they are
     assert list(current.history) == [4.0, 6.0, 5.0]
+
+
+def test_a_save_takes_the_step_values_still_in_flight_and_the_next_step_does_not_count_them_again():
+    """On a GPU a step's values arrive at the next step (:mod:`nanolab.callbacks.readout`); a
+    save before that must still hold them. :func:`settle_step_values` hands them to the spike
+    guard and the divergence stop at the save; the next step brings the same values again in
+    its ``completed``, and they are not counted twice. Mutations caught: no settle (the window
+    and the streak without step 4), the next step counting step 4 again (a streak of 2)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanolab.callbacks.clock import RunClock
+    from nanolab.callbacks.divergence import FLAG_KEYS, DivergenceStop
+    from nanolab.callbacks.readout import StepReadout
+    from nanolab.callbacks.spike import LOSS_KEY
+    from nanolab.callbacks.step import settle_step_values
+
+    clock = RunClock()
+    clock.readout = readout = StepReadout(defer=True)
+    guard, stop = SpikeGuard(window=3, patience=2, action="warn"), DivergenceStop(patience=3)
+    trainer = SimpleNamespace(callbacks=[guard, stop, clock], lightning_module=None)
+    for callback in (guard, stop):
+        callback.active, callback.clock = True, clock
+
+    def step(k: int, loss: float) -> None:
+        readout.begin(k)
+        readout.put(LOSS_KEY, torch.tensor(loss))
+        readout.put(FLAG_KEYS[0], torch.tensor(float(not math.isfinite(loss))))
+        readout.transfer()
+        for callback in (stop, guard):
+            callback.on_step(trainer, None, k)
+
+    for k, loss in enumerate([1.0, 1.0, 1.0, float("nan")], start=1):
+        step(k, loss)
+    assert stop.bad.count == 0  # step 4's flag is still on its way
+    settle_step_values(trainer)  # a save at step 4
+    assert (stop.bad.count, stop.bad.first) == (1, 4)
+    assert list(guard.history) == [1.0, 1.0, 1.0]
+    step(5, 9.0)  # brings step 4 again (drained at the save): not counted twice
+    assert (stop.bad.count, stop.bad.first) == (1, 4)
+    settle_step_values(trainer)
+    assert (stop.bad.count, guard.high.count, guard.high.first) == (0, 1, 5)
+
+
+def test_a_run_resumed_from_a_checkpoint_saved_with_its_values_in_flight_detects_the_same_spikes(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """The step's values go to the host a step late on a GPU (here ``NANOLAB_READOUT_DEFER=1``
+    on a CPU): the step-6 checkpoint held the guard's state without step 6, so the run that
+    reported the spike from step 5 at step 6 reported it again at step 7 when resumed from that
+    checkpoint. Now every save takes the values in flight first: the resumed run's spikes are
+    the uninterrupted run's, and the saved state is the one the blocking path saves."""
+    import shutil
+
+    import torch
+
+    from nanolab.callbacks.readout import DEFER_ENV
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=16)
+    cfg["run"].update(eval_every_steps=4, global_batch_tokens=256)
+    cfg["trainer"]["precision"] = "bf16-mixed"
+    cfg["model"].update(optimizer={"lr": 0.05}, schedule={"warmup_steps": 2})
+    cfg["checkpoint"] = {"every_n_steps": 2, "keep_last": 10}
+    cfg["spike"] = {"action": "warn", "window": 3, "patience": 2, "factor": 1.001,
+                    "min_increase": 0}  # fmt: skip
+    config = str(write_config(tmp_path / "spiky.yaml", cfg))
+    saved = {}
+    for defer in ("0", "1"):
+        spikes = {}
+        for name, resume in ((f"d{defer}", None), (f"d{defer}r", tmp_path / f"s{defer}.ckpt")):
+            extra = ["--run.resume", str(resume)] if resume else []
+            proc = nanolab_here(
+                "fit", "--config", str(QUICKSTART), "--config", config, "--run.name", name,
+                *extra, cwd=tmp_path, env={DEFER_ENV: defer},
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            run = tmp_path / "runs" / name
+            spikes[name] = [
+                (r["step"], r["began"]) for r in read_records(run / "metrics.jsonl", "spike")
+            ]
+            if resume is None:  # the step-6 checkpoint, kept out of the run's rotation
+                shutil.copy(run / "checkpoints" / "step-00000006.ckpt", tmp_path / f"s{defer}.ckpt")
+        assert spikes[f"d{defer}"], spikes  # the settings make this run spike
+        assert spikes[f"d{defer}r"] == [s for s in spikes[f"d{defer}"] if s[0] > 6], spikes
+        ckpt = torch.load(tmp_path / f"s{defer}.ckpt", weights_only=True, map_location="cpu")
+        saved[defer] = {k: v for k, v in ckpt["callbacks"].items() if "Spike" in k or "Diverg" in k}
+    assert saved["1"] == saved["0"]

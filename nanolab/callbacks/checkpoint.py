@@ -44,7 +44,7 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
 from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
 from nanolab.callbacks.files import publish, remove, tmp_path
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
-from nanolab.callbacks.step import StepCallback, validation_follows
+from nanolab.callbacks.step import StepCallback, settle_step_values, validation_follows
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import size_text
 from nanolab.messages import warn
@@ -395,6 +395,9 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         clock = self.clock
         assert self.dirpath is not None and clock is not None
         path = self.dirpath / step_checkpoint_name(step)
+        # The values still in flight first: the spike guard's window and the divergence stop's
+        # streaks must hold this step, and what they decide on it can forbid the save.
+        settle_step_values(trainer)
         if not stop_saves_state(trainer):
             return None  # a loss spike's state: rolled back from, or stopped without saving
         if not parameters_finite(trainer):

@@ -208,10 +208,17 @@ class DivergenceStop(StepCallback):
         assert self.clock is not None
         self._observe_all(trainer, self.clock.readout.completed)
 
+    def on_values_arrived(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, arrived: list[tuple[int, Any]]
+    ) -> None:
+        """Before a save: the streaks it holds take its own step (a resume stops where an
+        uninterrupted run stops)."""
+        self._observe_all(trainer, arrived)
+
     def _observe_all(
         self, trainer: L.Trainer, completed: list[tuple[int, dict[str, float]]]
     ) -> None:
-        for step, values in completed:
+        for step, values in self.unseen(completed):  # each step once (a save took some early)
             if FLAG_KEYS[0] in values:  # the other two are absent without a GradScaler
                 flags = [values.get(k, 0.0) for k in FLAG_KEYS]
                 self._observe(trainer, step, flags, bool(values.get(NO_TARGET_KEY, 0.0)))

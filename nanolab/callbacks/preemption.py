@@ -60,6 +60,7 @@ from nanolab.callbacks.files import publish, tmp_path
 from nanolab.callbacks.step import (
     StepCallback,
     scheduled_validation,
+    settle_step_values,
     validate_now,
     validation_follows,
 )
@@ -376,6 +377,7 @@ def save_checkpoint_now(trainer: pl.Trainer) -> str:
             path = save_now(trainer)
             # None: the parameters are not finite, so the newest (finite) checkpoint is kept.
             return str(path) if path is not None else "none (parameters not finite)"
+    settle_step_values(trainer)  # the callbacks' state holds this step (see RotatingCheckpoint)
     ckpt_dir = Path(trainer.default_root_dir) / "checkpoints"
     final = ckpt_dir / f"step-{trainer.global_step:08d}.ckpt"
     tmp = tmp_path(final)

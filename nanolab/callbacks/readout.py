@@ -25,14 +25,16 @@ takes them all and copies them in one transfer per device:
   and :attr:`StepReadout.completed` every step whose values arrived in this transfer (this one's
   included), oldest first;
 * :meth:`StepReadout.drain` waits for the copies still in flight when a value is needed outside
-  a step (the run log before it writes another record, the run's end). What it brings is
-  handed to the ``completed`` of the next step as well, so a callback that reads ``completed``
-  sees each step once, whoever drained it, at the same step on every rank (only rank 0 writes
-  the run log).
+  a step (the run log before it writes another record, the run's end, a save). What it brings is
+  handed to the ``completed`` of the next step (this one's readers may have run), so a callback
+  that reads ``completed`` sees each step there once, whoever drained it, at the same step on
+  every rank (only rank 0 writes the run log). Before a save, every rank drains at the same point and the step callbacks take
+  what arrived (:func:`nanolab.callbacks.step.settle_step_values`), so a checkpoint holds every
+  finished step's values.
 
-So a steady step costs at most one synchronisation, whatever the callbacks, and none when no
-callback wants a value now on a GPU that keeps up with its host (one whose host has queued the
-next step before the copy of the step before is done makes the host wait for that copy).
+So a steady step costs at most one synchronisation, whatever the callbacks; on a GPU none when
+no callback wants a value now and the device has finished each step's copy by the time its host
+has queued the next step (a device further behind makes the host wait for the copy there).
 """
 
 from __future__ import annotations

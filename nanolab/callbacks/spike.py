@@ -205,7 +205,14 @@ class SpikeGuard(StepCallback):
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
-        for done, values in self.clock.readout.completed:
+        self.on_values_arrived(trainer, pl_module, self.clock.readout.completed)
+
+    def on_values_arrived(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, arrived: list[tuple[int, Any]]
+    ) -> None:
+        """Each step's loss once, whether it came at its next step or before a save (a
+        checkpoint's window must hold its own step, or a resume detects at another step)."""
+        for done, values in self.unseen(arrived):
             if LOSS_KEY in values:
                 self.observe(trainer, done, values[LOSS_KEY])
 

@@ -16,7 +16,11 @@ others in an order that does not depend on where it sits in ``trainer.callbacks`
   metrics (:attr:`~StepCallback.reads_logged_metrics`, the run log) take them after every other
   callback's ``step_values``, and before any ``on_step``;
 * :meth:`~StepCallback.on_step` — an optimizer step just finished (``step`` = steps done);
-* :meth:`~StepCallback.on_validated` — an evaluation during fit ended (not the sanity check).
+* :meth:`~StepCallback.on_validated` — an evaluation during fit ended (not the sanity check);
+* :meth:`~StepCallback.on_values_arrived` — before a save: the values of finished steps that
+  were still on their way from the device (:func:`settle_step_values`), for a callback whose
+  state goes into the checkpoint; it takes them with :meth:`~StepCallback.unseen`, as it takes
+  ``readout.completed`` in ``on_step``, so no step counts twice.
 
 Each event reaches the active step callbacks of the Trainer in one order, whichever of them
 Lightning happens to call first: :data:`STEP_ORDER`, the one list of nanolab's own step callbacks
@@ -39,7 +43,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from nanolab.callbacks.clock import RunClock
-from nanolab.callbacks.readout import StepReadout
+from nanolab.callbacks.readout import StepReadout, Values
 
 #: nanolab's step callbacks in the order every event reaches them (a subclass takes its base's
 #: place). Place ``i`` (from 0) is ``step_order`` ``10 * (i + 1)``.
@@ -93,6 +97,7 @@ class StepCallback(Callback):
         super().__init__(*args, **kwargs)  # cooperative: e.g. TQDMProgressBar's arguments
         self.clock: RunClock | None = None
         self.active = False
+        self._seen_through: int | None = None  # the newest step taken by unseen()
 
     def is_active(self, stage: str) -> bool:
         """Whether the hooks run in this Trainer stage: ``fit`` only unless overridden, and not at
@@ -103,6 +108,7 @@ class StepCallback(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self.active = self.is_active(stage)
+        self._seen_through = None  # a new fit (a rollback's goes on from an older step)
         if self.active:
             self.clock = RunClock.attach(trainer)
 
@@ -149,10 +155,18 @@ class StepCallback(Callback):
         """The active step callbacks, in order, if this call is the event's first; else none."""
         if not self.active or self.clock is None or not self.clock.first_call(event, trainer):
             return []
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        return sorted(
-            (c for c in callbacks if isinstance(c, StepCallback) and c.active), key=order_of
-        )
+        return active_step_callbacks(trainer)
+
+    def unseen(self, arrived: list[tuple[int, Values]]) -> list[tuple[int, Values]]:
+        """The steps of ``arrived`` (oldest first) this callback has not taken yet, marked taken.
+
+        A step's values can reach a callback twice: at a save (:meth:`on_values_arrived`) and
+        again in the next step's ``readout.completed``. A callback that counts steps (a streak,
+        a window of losses) takes both through this, and so each step once."""
+        fresh = [(s, v) for s, v in arrived if self._seen_through is None or s > self._seen_through]
+        if fresh:
+            self._seen_through = fresh[-1][0]
+        return fresh
 
     # -- what subclasses override ------------------------------------------------------------
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -177,6 +191,45 @@ class StepCallback(Callback):
 
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """An evaluation during fit ended (never the sanity check); ``step`` as in ``on_step``."""
+
+    def on_values_arrived(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, arrived: list[tuple[int, Values]]
+    ) -> None:
+        """Before a save, on every rank at the same point: the values of finished steps that
+        had not reached ``on_step`` yet (on a GPU the newest step's are still on their way).
+        A callback whose saved state depends on them takes them here (with :meth:`unseen`), so
+        the checkpoint holds what a run reading them at once would hold, and a run resumed
+        from it decides what an uninterrupted one decides. They come again in the next step's
+        ``readout.completed``."""
+
+
+def active_step_callbacks(trainer: L.Trainer) -> list[StepCallback]:
+    """The Trainer's active step callbacks, in the order events reach them."""
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    return sorted((c for c in callbacks if isinstance(c, StepCallback) and c.active), key=order_of)
+
+
+def settle_step_values(trainer: L.Trainer) -> None:
+    """Before a save (called on every rank, as saving is collective): wait for the step values
+    still in flight and hand them to the step callbacks' :meth:`~StepCallback.on_values_arrived`.
+
+    On a GPU a step's values arrive at the next step (:mod:`nanolab.callbacks.readout`), so a
+    checkpoint saved at step k would hold the spike guard's window and the divergence stop's
+    streaks without step k, and a run resumed from it would detect a spike at another step
+    than the run never stopped. The wait costs nothing extra: the save waits for the device
+    anyway. A callback may act on what arrives (stop the run, roll it back); the save then
+    looks at the stop reason as it would after that callback's ``on_step``."""
+    callbacks = active_step_callbacks(trainer)
+    clock = next((c.clock for c in callbacks if c.clock is not None), None)
+    if clock is None:
+        return
+    with clock.device_wait():
+        arrived = clock.readout.drain()
+    if not arrived:
+        return
+    pl_module = trainer.lightning_module
+    for callback in callbacks:
+        callback.on_values_arrived(trainer, pl_module, arrived)
 
 
 def validate_at_the_last_step(trainer: L.Trainer) -> None:
