@@ -31,6 +31,10 @@ Checks, most important first (``--list`` prints them with their caps):
   background thread: the stall each checkpoint costs the training loop;
 * ``micro_batch_auto``: ``run.micro_batch_size: auto`` on 124M: the size it picked, and that a
   real run at that size fits (measured peak vs the device's memory);
+* ``flex_fit``: ``nanolab fit`` of 124M with ``attention: flex``, ``document_mask`` and a
+  window, ``torch.compile``, bf16 and gradient checkpointing (FlexAttention's backward inside
+  the compiled model), a validation, and a branch resumed from its middle checkpoint: finite
+  losses, the branch's losses against the uninterrupted run's, step time and peak memory;
 * ``pack``: ``benches/gpu_pack.py``: 3 GPT-2 124M jobs packed on one GPU vs one after another
   (skipped when that bench is not in this tree).
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import re
@@ -82,6 +87,7 @@ CHECKS: tuple[Check, ...] = (
     Check("vs_nanogpt", 120, "nanoGPT's train.py, same GPU, data and 124M config (--nanogpt)"),
     Check("memory_eager", 70, "bench_memory.py 124M + 350M eager: predicted vs measured memory"),
     Check("micro_batch_auto", 45, "run.micro_batch_size auto on 124M: the picked size fits"),
+    Check("flex_fit", 150, "fit 124M attention flex + document mask, compiled: trains, resumes"),
     Check("async_checkpoint", 70, "124M, checkpoint every 5 steps: stall, sync vs async"),
     Check("memory_compiled_350m", 150, "fit 350M compiled: measured vs predicted peak memory"),
     Check("pack", 180, "benches/gpu_pack.py: 2 x 124M packed vs sequential"),
@@ -631,6 +637,89 @@ def check_micro_batch_auto(work: Path, data_arg: str | None) -> dict[str, Any]:
     return metrics
 
 
+#: How far the branch's losses may be from the uninterrupted run's in ``flex_fit``: a CPU
+#: resumes to the bit (0.0 in the dry run); a GPU's embedding and attention backward add in no
+#: fixed order, so a loose bound that a resume losing its optimizer state or data order passes.
+FLEX_RESUME_TOLERANCE = 0.05
+
+
+def _fit_losses(work: Path, name: str) -> tuple[dict[int, float], dict[int, float]]:
+    """A run's train and validation losses by step, from its run log."""
+    recs = records(work, name)
+    train = {r["step"]: r["loss"] for r in recs if r["event"] == "train"}
+    val = {r["step"]: r["val_loss"] for r in recs if r["event"] == "val"}
+    return train, val
+
+
+def _all_finite(values: list[Any]) -> bool:
+    """Every value a finite number (the run log writes a non-finite loss as null)."""
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def check_flex_fit(work: Path, data_arg: str | None) -> dict[str, Any]:
+    """``attention: flex`` as a run trains it, which ``flex_mask`` (the kernel alone) does not:
+    ``nanolab fit`` of the 124M recipe with ``document_mask`` and a window of half the
+    context, the model compiled around the compiled FlexAttention and block mask, bf16 and
+    gradient checkpointing, a validation at the last step; then a branch from the middle
+    checkpoint to the same step. Figures: the losses, the branch's largest difference from
+    them (:data:`FLEX_RESUME_TOLERANCE`), the steady step time and the peak allocated. A
+    failure carries what was measured before it. The dry run takes it eager (no compile), where
+    FlexAttention, having no backward on a CPU, runs in the validation only."""
+    data = ensure_data(work, data_arg)
+    steps = SCALE.fit_steps
+    middle = steps // 2
+    flex = (
+        "--model.gpt.attention", "flex", "--model.gpt.document_mask", "true",
+        "--model.gpt.attention_window", str(SCALE.block_size // 2),
+        "--model.gpt.gradient_checkpointing", "true", "--model.compile", str(SCALE.compile).lower(),
+        "--run.eval_every_steps", str(steps), "--trainer.limit_val_batches", "2",
+        "--checkpoint.every_n_steps", str(middle), "--checkpoint.keep_last", "3",
+    )  # fmt: skip
+    metrics: dict[str, Any] = {"steps": steps, "resumed_at": middle}
+    proc = run(nanolab_cmd(*fit_args("gpt2-124m.yaml", data, work, "flex", steps), *flex))
+    if proc.returncode != 0:
+        raise CheckFailed(f"nanolab fit failed: {last_line(proc.stderr)}", metrics)
+    train, val = _fit_losses(work, "flex")
+    recs = records(work, "flex")
+    later_steps = step_seconds(recs)[1:]  # the first step compiles
+    peak = peak_allocated(recs)
+    metrics.update(
+        first_loss=train.get(1), last_loss=train.get(steps), val_loss=val.get(steps),
+        step_ms_median=statistics.median(later_steps) * 1000 if later_steps else None,
+        peak_allocated_gib=NA_ON_CPU if SCALE is DRY and peak is None else gib(peak),
+    )  # fmt: skip
+    if sorted(train) != list(range(1, steps + 1)) or steps not in val:
+        raise CheckFailed(
+            f"the run log has train steps {sorted(train)}, val {sorted(val)}", metrics
+        )
+    if not _all_finite([*train.values(), *val.values()]):
+        raise CheckFailed("a loss is not finite (null in the run log)", metrics)
+    checkpoint = work / "runs" / "flex" / "checkpoints" / f"step-{middle:08d}.ckpt"
+    branch = fit_args("gpt2-124m.yaml", data, work, "flex_branch", steps)
+    proc = run(nanolab_cmd(*branch, *flex, "--run.resume", str(checkpoint)))
+    if proc.returncode != 0:
+        raise CheckFailed(f"the resumed nanolab fit failed: {last_line(proc.stderr)}", metrics)
+    b_train, b_val = _fit_losses(work, "flex_branch")
+    if sorted(b_train) != list(range(middle + 1, steps + 1)) or steps not in b_val:
+        raise CheckFailed(
+            f"the branch from step {middle} logged train steps {sorted(b_train)}, "
+            f"val {sorted(b_val)}",
+            metrics,
+        )
+    if not _all_finite([*b_train.values(), *b_val.values()]):
+        raise CheckFailed("a loss of the branch is not finite (null in the run log)", metrics)
+    pairs = [(b_train[s], train[s]) for s in b_train] + [(b_val[steps], val[steps])]
+    diff = max(abs(a - b) for a, b in pairs)
+    metrics["resume_loss_max_diff"] = diff
+    if not diff <= FLEX_RESUME_TOLERANCE:
+        raise CheckFailed(
+            f"the branch from step {middle} differs from the uninterrupted run by {diff:.3g} "
+            f"in loss (limit {FLEX_RESUME_TOLERANCE})",
+            metrics,
+        )
+    return metrics
+
+
 def as_queue_sets(fit_args: tuple[str, ...]) -> list[str]:
     """``fit`` overrides (``--model.gpt.n_layer 1``) as ``queue add`` takes them
     (``--set model.gpt.n_layer=1``)."""
@@ -748,6 +837,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Path, str | None], dict[str, Any]]] = {
     "memory_compiled_350m": check_memory_compiled_350m,
     "async_checkpoint": check_async_checkpoint,
     "micro_batch_auto": check_micro_batch_auto,
+    "flex_fit": check_flex_fit,
     "pack": check_pack,
     "vs_nanogpt": check_vs_nanogpt,
 }
@@ -920,6 +1010,12 @@ def _headline(name: str, m: dict[str, Any]) -> str:
         parts = [
             f"micro-batch {m.get('micro_batch')}",
             f"peak {f('peak_measured_gib', '.2f')} GiB (predicted {f('peak_predicted_gib', '.2f')})",
+        ]
+    elif name == "flex_fit":
+        parts = [
+            f"loss {f('first_loss', '.3f')} -> {f('last_loss', '.3f')}, val {f('val_loss', '.3f')}",
+            f"resumed at {m.get('resumed_at')}: loss diff {f('resume_loss_max_diff', '.1e')}",
+            f"{f('step_ms_median', '.1f')} ms/step, peak {f('peak_allocated_gib', '.2f')} GiB",
         ]
     elif name == "async_checkpoint" and "sync" in m and "async" in m:
         parts = [

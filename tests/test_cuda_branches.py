@@ -124,6 +124,7 @@ TWINS: dict[str, tuple[str, ...]] = {
     ),
     "nanolab/model/gpt.py": (
         "tests/test_documents.py::test_flex_sdpa_and_math_give_the_same_losses_and_gradients",
+        "tests/test_flex_fit.py::test_the_compiled_flex_path_a_gpu_takes_trains_and_resumes_through_fit",
     ),
     "nanolab/training/resolve.py": ("tests/test_resolve.py::test_one_device_counter",),
     "nanolab/run/autobatch.py": (
@@ -192,7 +193,8 @@ NO_CPU_TWIN_PART: dict[str, str] = {
         "FlexAttention's backward (training with attention: flex): torch has none on a CPU "
         "('FlexAttention does not support backward on CPU'), so a CPU run that needs gradients "
         "attends through the dense mask; benches/gpu_check.py's flex_mask runs it on a GPU and "
-        "records its gradient's difference from the boolean mask's (max_grad_diff)"
+        "records its gradient's difference from the boolean mask's (max_grad_diff), and its "
+        "flex_fit trains through it in fit, compiled, and resumes"
     ),
 }
 

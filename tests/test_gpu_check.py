@@ -185,6 +185,25 @@ def test_the_flex_check_s_gradient_difference_is_zero_for_one_kernel_and_not_for
     assert "gradient -" in gc._headline("flex_mask", {"max_out_diff": 1e-3})
 
 
+def test_the_flex_fit_check_s_losses_are_judged_and_shown():
+    """``flex_fit`` fails on a null (non-finite) loss in the run log, and its table cell gives
+    its losses, the resumed run's difference and the step time, "-" for a figure a failure
+    came before. Mutation caught: a null loss read as finite (the branch's difference from it
+    crashed the check without its figures)."""
+    assert gc._all_finite([4.2, 3, 0.0]) and not gc._all_finite([4.2, None])
+    assert not gc._all_finite([float("nan")]) and not gc._all_finite([float("inf")])
+    cell = gc._headline(
+        "flex_fit",
+        {"first_loss": 10.9, "last_loss": 9.87654, "val_loss": 9.9, "resumed_at": 3,
+         "resume_loss_max_diff": 2.5e-4, "step_ms_median": 80.04, "peak_allocated_gib": 12.345},
+    )  # fmt: skip
+    assert cell == (
+        "loss 10.900 -> 9.877, val 9.900, resumed at 3: loss diff 2.5e-04, 80.0 ms/step, "
+        "peak 12.35 GiB"
+    )
+    assert "loss diff -" in gc._headline("flex_fit", {"first_loss": 10.9, "resumed_at": 3})
+
+
 def test_memory_table_is_read_back_from_bench_memorys_own_printout():
     bm = _load("bench_memory")
     rows = [
@@ -220,10 +239,11 @@ def test_the_phase_peaks_bench_memory_prints_are_read_back():
     }
 
 
-#: The dry run's two costliest checks (process start-ups: two bench sides, three packed jobs),
-#: whose machinery has default tests of its own (tests/test_bench.py, tests/test_queue_pack.py):
-#: the default run takes the rest of the checks; ``-m slow`` takes these.
-COSTLY = ("bench_124m", "pack")
+#: The dry run's costliest checks (process start-ups: two bench sides, three packed jobs, two
+#: flex fits), whose machinery has default tests of its own (tests/test_bench.py,
+#: tests/test_queue_pack.py, tests/test_flex_fit.py): the default run takes the rest of the
+#: checks; ``-m slow`` takes these.
+COSTLY = ("bench_124m", "pack", "flex_fit")
 
 
 @pytest.mark.parametrize(
@@ -272,6 +292,11 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path, part):
         packed = metrics["pack"]["args"]
         assert Path(packed["config"]).name == "gpt2-124m.yaml" and packed["block_size"] == "64"
         assert all(not r["failed"] and r["tokens"] > 0 for r in metrics["pack"]["results"])
+        # The flex fit trained, validated and resumed; a CPU resumes it to the bit.
+        flex = metrics["flex_fit"]
+        assert flex["resume_loss_max_diff"] == 0.0 and flex["resumed_at"] == 1
+        assert all(flex[k] > 0 for k in ("first_loss", "last_loss", "val_loss"))
+        assert flex["peak_allocated_gib"] == gc.NA_ON_CPU
         return
     eager = metrics["memory_eager"]
     assert set(eager["phases_mib"]) == {"gpt2-124m B4", "gpt2-350m B4"}
