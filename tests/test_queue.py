@@ -662,6 +662,45 @@ def test_a_job_resumes_its_own_run_and_the_one_add_checked(tmp_path: Path) -> No
     assert "started by nanolab fit after" in (foreign_run_at_start(job) or "")
 
 
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("model.optimizer.name=muon", "model.optimizer.name is 'muon' but the checkpoint was "
+         "trained with 'adamw'; resume with --model.optimizer.name adamw"),
+        ("model.freeze.blocks=1", "was trained with model.freeze.blocks 0 (this run: 1): its "
+         "optimizer state cannot continue another set. Resume with --model.freeze.blocks 0"),
+        ("model.gpt.n_layer=3", "holds a different model (model.gpt: n_layer 2 in the "
+         "checkpoint vs 3 now)"),
+    ],
+)  # fmt: skip
+def test_add_continue_refuses_what_fits_resume_refuses(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch, setting: str, said: str
+) -> None:
+    """``queue add --continue`` of a run whose checkpoint cannot go on under the job's model
+    settings is refused at add with fit's own line (exit 2, no database made), not queued to
+    fail at night: one rule for both (``optimizer_state_problem``, ``check_same_model``).
+
+    Mutation caught: the queue checking only ``model.gpt`` (muon and a frozen block queued)."""
+    from conftest import nanolab_here
+
+    monkeypatch.chdir(tmp_path)
+    fit = ("fit", "--config", str(tiny), "--run.name", "a")
+    assert nanolab_here(*fit, "--trainer.max_steps", "2", cwd=tmp_path).returncode == 0
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(tiny), "--name", "a", "--continue",
+                         "--set", setting)  # fmt: skip
+    (line,) = err.strip().splitlines()
+    assert code == 2 and said in line and line.startswith("nanolab queue add: error: --name a"), err
+    assert f"the job would continue the run in {tmp_path / 'runs' / 'a'}" in line
+    assert not db.exists()
+    key, value = setting.split("=")
+    res = nanolab_here(*fit, f"--{key}", value, cwd=tmp_path)  # fit refuses it alike
+    assert res.returncode == 2 and said.split(": ")[-1] in res.stderr, res.stderr[-2000:]
+    # A setting the resume takes from the checkpoint (the learning rate) is queued.
+    assert queue(capsys, db, "add", str(tiny), "--name", "a", "--continue",
+                 "--set", "model.optimizer.lr=1e-3")[0] == 0  # fmt: skip
+
+
 @pytest.mark.slow
 def test_queue_run_notify_when_drained(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
     """``queue run --notify`` fires once when the queue is drained, its fields filled in; an

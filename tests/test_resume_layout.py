@@ -105,12 +105,13 @@ def test_a_one_device_run_resumed_under_deepspeed_is_refused_before_any_write(
 def test_a_resume_the_checkpoint_restore_refuses_leaves_the_run_as_it_was(
     tmp_path: Path, char_dataset: Path
 ) -> None:
-    """Another optimizer is refused only when Lightning restores the checkpoint, after the
-    callbacks' setup: the run's ``config.yaml`` (and every other file) is still the one it
-    trained with, not the refused launch's.
+    """Another optimizer is refused from the checkpoint's record before anything is written
+    (the rule ``queue add`` asks too), and again when Lightning restores the checkpoint: the
+    run's ``config.yaml`` (and every other file) is still the one it trained with, not the
+    refused launch's.
 
-    Mutation caught: ``RunConfigWriter`` writing at ``setup`` again (config.yaml then names
-    muon)."""
+    Mutation caught: the early refusal gone and ``RunConfigWriter`` writing at ``setup`` again
+    (config.yaml then names muon)."""
     from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
 
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))

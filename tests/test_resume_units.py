@@ -608,3 +608,36 @@ def test_a_group_signal_while_a_ddp_run_starts_its_ranks_exits_75(
         raise
     text = _signal_group_and_wait(proc, log)
     assert "Forcefully terminating" not in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("settings", "record", "said"),
+    [
+        ({"optimizer": {"name": "muon"}}, {}, "model.optimizer.name is 'muon' but the checkpoint "
+         "was trained with 'adamw'; resume with --model.optimizer.name adamw"),
+        ({"freeze": {"blocks": 1}}, {"freeze": {"embeddings": False, "blocks": 0}},
+         "x.ckpt was trained with model.freeze.blocks 0 (this run: 1)"),
+    ],
+)  # fmt: skip
+def test_a_restore_of_ones_own_meets_fits_rule_for_the_optimizer_state(settings, record, said):
+    """A ``Trainer.fit(ckpt_path=...)`` of one's own (no ``nanolab fit``, which refuses earlier)
+    meets the rule ``nanolab fit`` and ``queue add`` refuse by when the module restores the
+    checkpoint: one line naming the setting, not torch's parameter-group error.
+
+    Mutation caught: the module's check of its own (optimizer name only) dropped or drifted
+    from the rule."""
+    from nanolab.model.config import ConfigError
+    from nanolab.training.freeze import FreezeConfig
+    from nanolab.training.module import GPTLightningModule
+    from nanolab.training.optim import OptimizerConfig
+
+    module = GPTLightningModule(
+        optimizer=OptimizerConfig(**settings.get("optimizer", {})),
+        freeze=FreezeConfig(**settings.get("freeze", {})),
+    )
+    module._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), ckpt_path="x.ckpt",
+                                      global_rank=0)  # fmt: skip
+    checkpoint = {"optimizer_states": [{}], "nanolab": {"optimizer": {"name": "adamw"}, **record}}
+    with pytest.raises(ConfigError) as err:
+        module.on_load_checkpoint(checkpoint)
+    assert said in str(err.value)

@@ -620,14 +620,34 @@ def existing_run(
             "that, or choose another --name"
         )
     if chosen is not None:
-        gpt = sections(config)[1].get("gpt")
+        model = sections(config)[1]
+        gpt = model.get("gpt")
         try:
             check_same_model(chosen, with_defaults(gpt) if isinstance(gpt, dict) else None,
                              f"--name {name}", "set model.gpt to match it, or choose another "
                              "--name")  # fmt: skip
         except ResumeError as err:
             raise JobConfigError(f"{err} (the job would continue the run in {run_dir})") from None
+        problem = _optimizer_state_problem(chosen, model)
+        if problem is not None:
+            raise JobConfigError(
+                f"--name {name}: {problem} (the job would continue the run in {run_dir}; "
+                "another --name starts a new one)"
+            )
     return f"job {name} continues the existing run {run_dir} from {where}"
+
+
+def _optimizer_state_problem(chosen: Any, model: dict[str, Any]) -> str | None:
+    """Why the run's checkpoint ``chosen`` cannot continue under the job's ``model.optimizer``
+    and ``model.freeze`` (``model``: the job's model settings), by fit's own rule
+    (:func:`nanolab.training.resume.optimizer_state_problem`); None: it can. A setting the
+    job's model class does not have is not compared (fit compares what its module holds)."""
+    from nanolab.training.resume import optimizer_state_problem
+
+    optimizer, freeze = model.get("optimizer"), model.get("freeze")
+    name = optimizer.get("name") if isinstance(optimizer, dict) else None
+    now = freeze if isinstance(freeze, dict) else None
+    return optimizer_state_problem(chosen.nanolab, name, now, chosen.path)
 
 
 def _resume_point(chosen: Any) -> str:

@@ -42,6 +42,7 @@ from nanolab.training.resolve import (
     resolve,
     visible_gpus,
 )
+from nanolab.training.resume import flag_value
 
 
 def launch(cli: NanolabCLI) -> Trainer:
@@ -594,7 +595,7 @@ def claim_for_fit(
             check_sharded_optimizer_layout(cand.path, strategy_kind, world_size)
         except ResumeError as err:
             raise RunConfigError(str(err)) from None
-        refuse_changed_freeze(cand, model)
+        refuse_other_optimizer_state(cand, model)
     check_data = getattr(data, "check_resume", None)
     if callable(check_data):  # data changed under the run (sizes, meta.json, sampled bytes)
         if path is not None:
@@ -701,52 +702,40 @@ def continue_own_fork(run_dir: Path, requested: str, log_name: str = RUN_LOG_NAM
     return "auto"
 
 
-def refuse_changed_freeze(cand: Any, model: Any) -> None:
+def refuse_other_optimizer_state(cand: Any, model: Any) -> None:
     """Refuse, before anything is written, to resume (or branch from) a checkpoint whose
-    optimizer state is for other trainable parameters than this ``model.freeze`` leaves: torch
-    cannot load it ("a parameter group that doesn't match the size"), and no setting of the
-    optimizer makes it fit. The checkpoint names its ``freeze``; one that predates that record
-    is compared by the number of parameters its optimizer state holds."""
+    optimizer state cannot continue under this model's ``model.optimizer.name`` or
+    ``model.freeze``: torch cannot load another optimizer's state, nor one for other trainable
+    parameters ("a parameter group that doesn't match the size"). The rule is the checkpoint's
+    own record (:func:`nanolab.training.resume.optimizer_state_problem`, which ``queue add``
+    asks too); a checkpoint that predates its ``freeze`` record is compared by the number of
+    parameters its optimizer state holds."""
+    from nanolab.training.resume import optimizer_state_problem
+
+    optimizer = getattr(model, "optimizer_config", None)
     freeze = getattr(model, "freeze_config", None)
-    if freeze is None:
+    now = asdict(freeze) if freeze is not None else None
+    problem = optimizer_state_problem(
+        cand.nanolab, getattr(optimizer, "name", None), now, cand.path
+    )
+    if problem is not None:
+        raise RunConfigError(problem)
+    if now is None or isinstance((cand.nanolab or {}).get("freeze"), dict):
         return
-    now = asdict(freeze)
-    saved = (cand.nanolab or {}).get("freeze")
-    if isinstance(saved, dict):
-        changed = [k for k, v in now.items() if k in saved and saved[k] != v]
-        diffs = [
-            f"model.freeze.{k} {_yaml_value(saved[k])} (this run: {_yaml_value(now[k])})"
-            for k in changed
-        ]
-        fix = " ".join(f"--model.freeze.{k} {_yaml_value(saved[k])}" for k in changed)
-    else:
-        trained = _trained_parameters(cand.path)
-        net = getattr(model, "model", None)
-        if trained is None or net is None:
-            return
-        trains = sum(1 for p in net.parameters() if p.requires_grad)
-        if trained == trains:
-            return
-        diffs = [
-            f"{trained} trainable parameter tensors (this run's model.freeze.embeddings "
-            f"{_yaml_value(now['embeddings'])}, blocks {now['blocks']}: {trains})"
-        ]
-        fix = "the model.freeze it was saved with"
-    if diffs:
+    trained = _trained_parameters(cand.path)
+    net = getattr(model, "model", None)
+    if trained is None or net is None:
+        return
+    trains = sum(1 for p in net.parameters() if p.requires_grad)
+    if trained != trains:
         raise RunConfigError(
-            f"{cand.path} was trained with {'; '.join(diffs)}: its "
-            f"optimizer state cannot continue another set. Resume with {fix}, or start a new "
-            f"run from its weights (nanolab export --ckpt {cand.path} --format safetensors -o DIR, "
-            "then --model.init_from DIR with the new model.freeze)"
+            f"{cand.path} was trained with {trained} trainable parameter tensors (this run's "
+            f"model.freeze.embeddings {flag_value(now['embeddings'])}, blocks {now['blocks']}: "
+            f"{trains}): its optimizer state cannot continue another set. Resume with the "
+            f"model.freeze it was saved with, or start a new run from its weights (nanolab "
+            f"export --ckpt {cand.path} --format safetensors -o DIR, then --model.init_from "
+            "DIR with the new model.freeze)"
         )
-
-
-def _yaml_value(value: Any) -> str:
-    """A setting's value as it is written on the command line (true and null, not True and
-    None)."""
-    if value is None:
-        return "null"
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _trained_parameters(path: Any) -> int | None:
@@ -873,7 +862,7 @@ def say_taken_settings(cfg: Any, state: dict[str, Any], run_dir: Path | None) ->
         new = _dotted(now, key)
         if old is _UNKNOWN or new is _UNKNOWN or old == new:
             continue
-        was, is_ = _yaml_value(old), _yaml_value(new)
+        was, is_ = flag_value(old), flag_value(new)
         what = (
             f"its evaluations up to step {step} scored {was} windows, the rest score {is_} (the "
             "best val loss and the plateau rule compare both)"

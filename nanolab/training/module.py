@@ -539,15 +539,22 @@ class GPTLightningModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY, {})
         self._pending_rng = own_rng_state(saved, self.global_rank)
-        was = (saved.get("optimizer") or {}).get("name", "adamw")
         fitting = self._trainer is not None and self.trainer.state.fn == "fit"
-        if fitting and checkpoint.get("optimizer_states") and was != self.optimizer_config.name:
-            # Another optimizer's state cannot be loaded (torch: "different number of
-            # parameter groups", or worse, a silent mismatch); say which one the run used.
-            raise ConfigError(
-                f"model.optimizer.name is {self.optimizer_config.name!r} but the checkpoint was "
-                f"trained with {was!r}; resume with name: {was}, or start a new run"
+        if fitting and checkpoint.get("optimizer_states"):
+            # Another optimizer's state, or one for other trainable parameters, cannot be
+            # loaded (torch: "different number of parameter groups", or worse, a silent
+            # mismatch). `nanolab fit` refused it before anything was written; a Trainer.fit
+            # of one's own meets the same rule here.
+            from nanolab.training.resume import optimizer_state_problem
+
+            problem = optimizer_state_problem(
+                saved,
+                self.optimizer_config.name,
+                asdict(self.freeze_config),
+                self.trainer.ckpt_path or "the checkpoint",
             )
+            if problem is not None:
+                raise ConfigError(problem)
         if fitting:
             from nanolab.training.resume import (
                 describe_layout_change,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,6 +388,55 @@ def check_same_model(
         )
         err.checkpoint = cand.path
         raise err
+
+
+def optimizer_state_problem(
+    saved: Mapping[str, Any] | None,
+    optimizer_name: str | None,
+    freeze: Mapping[str, Any] | None,
+    checkpoint: str | Path,
+) -> str | None:
+    """Why a checkpoint's optimizer state cannot continue under this launch's
+    ``model.optimizer.name`` and ``model.freeze``, read from the checkpoint's own record
+    (``saved``: its ``nanolab`` section); None when it can, or the record does not say.
+
+    The one rule ``nanolab fit`` refuses a resume by (before anything is written, and again when
+    the module restores the state) and ``queue add`` refuses a job that would continue a run by:
+    torch cannot load another optimizer's state, nor one for another set of trainable
+    parameters, and no other setting makes it fit. ``None`` for a setting: not known (a model
+    class of one's own), not compared. A checkpoint without a ``freeze`` record predates it:
+    :func:`nanolab.run.compose.refuse_other_optimizer_state` tells by the size of its optimizer state.
+    """
+    section = saved if isinstance(saved, Mapping) else {}
+    record = section.get("freeze")
+    if isinstance(record, Mapping) and freeze is not None:
+        changed = [k for k, v in freeze.items() if k in record and record[k] != v]
+        if changed:
+            diffs = "; ".join(
+                f"model.freeze.{k} {flag_value(record[k])} (this run: {flag_value(freeze[k])})"
+                for k in changed
+            )
+            fix = " ".join(f"--model.freeze.{k} {flag_value(record[k])}" for k in changed)
+            return (
+                f"{checkpoint} was trained with {diffs}: its optimizer state cannot continue "
+                f"another set. Resume with {fix}, or start a new run from its weights (nanolab "
+                f"export --ckpt {checkpoint} --format safetensors -o DIR, then --model.init_from "
+                "DIR with the new model.freeze)"
+            )
+    was = (section.get("optimizer") or {}).get("name", "adamw")  # before the record: AdamW
+    if optimizer_name is not None and was != optimizer_name:
+        return (
+            f"model.optimizer.name is {optimizer_name!r} but the checkpoint was trained with "
+            f"{was!r}; resume with --model.optimizer.name {was}, or start a new run"
+        )
+    return None
+
+
+def flag_value(value: Any) -> str:
+    """A setting's value as the command line writes it (true and null, not True and None)."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_same_shapes(
