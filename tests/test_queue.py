@@ -345,6 +345,29 @@ def test_a_config_that_starts_from_a_checkpoint_is_queued_as_ckpt_path(
     assert code == 2 and "a checkpoint of the job's own run; every restart would go back" in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["ls", "--stat", "done"], ["run", "--slot", "2"], ["clear", "--al"], ["ls", "--d", "x"]],
+)
+def test_queue_options_are_matched_whole(tmp_path: Path, capsys, monkeypatch, argv) -> None:
+    """Every ``queue`` verb matches its options whole, as fit does: a prefix of one (``--stat``
+    for ``--status``, ``--slot`` for ``--slots``) is one error line and exit 2, not taken as
+    the option it begins (``add --seed 3`` was silently ``--seeds 3``: test_queue_add_fast).
+
+    Mutation caught: a verb's parser taking abbreviations again."""
+    monkeypatch.chdir(tmp_path)  # taken as an option it begins, each stays in here
+    db = tmp_path / "q.db"
+    job = NewJob(name="a", config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+                 run_dir=str(tmp_path / "runs" / "a"))  # fmt: skip
+    QueueDB(db).add_jobs([job])
+    with pytest.raises(SystemExit) as exit_:
+        main([argv[0], "--db", str(db), *argv[1:]])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"unrecognized arguments: {' '.join(argv[1:])}" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert [j.status for j in QueueDB(db).jobs()] == ["pending"]
+
+
 def test_missing_config_and_db_folder(tmp_path: Path, capsys) -> None:
     code, _, err = queue(capsys, tmp_path / "q.db", "add", str(tmp_path / "none.yaml"))
     assert code == 2 and "none.yaml does not exist" in err

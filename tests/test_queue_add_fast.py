@@ -264,6 +264,9 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["--micro_batch_size", "8"], "unknown setting --micro_batch_size 8; did you mean --run.micro_batch_size 8 or --data.micro_batch_size 8? (settings take their group)", False),
     (["--max_steps=5"], "unknown setting --max_steps 5; did you mean --trainer.max_steps 5? (settings", False),
     (["--lr", "1e-3"], "did you mean --model.optimizer.lr 1e-3?", False),
+    # options are matched whole, as fit matches its own: --seed is not --seeds
+    (["--seed", "3"], "unknown setting --seed 3; did you mean --data.seed 3 or --seeds 3? (settings", False),
+    (["--seed=3", "--name", "x"], "unknown setting --seed 3; did you mean --data.seed 3 or --seeds 3?", False),
     (["--resume", "x"], "unknown setting --resume x; run.resume is set by the queue: the queue always", False),
     (["--bogus", "3"], "unknown option --bogus; `nanolab queue add --help` lists its options, and fit's settings take their group", False),
     (["--gpus", "0"], "--gpus is an option of `nanolab queue run`, not of `queue add`; give it there", False),

@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from nanolab import messages
 from nanolab.errors import NanolabError, report
@@ -512,18 +513,24 @@ def parse_size(text: str, option: str) -> int:
 
 # -- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    common = OneLineParser(add_help=False)
+    """The ``queue`` verbs' parser. Options are matched whole, as fit matches its own
+    (``allow_abbrev=False``): ``add --seed 3`` is not quietly ``--seeds 3`` but fit's setting
+    without its group, named with what it may mean, and a later option that begins as an
+    abbreviation does (``--gpu`` beside ``--gpus``) never changes what a script meant."""
+    common = OneLineParser(add_help=False, allow_abbrev=False)
     common.add_argument("--db", default=None, metavar="PATH",
                         help="queue database (default ./nanolab_queue.db or $NANOLAB_QUEUE_DB)")  # fmt: skip
     p = OneLineParser(
         prog="nanolab queue",
         description="Add experiments before bed, run them one per GPU, look at them in the morning.",
+        allow_abbrev=False,
     )
-    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    a = sub.add_parser(
-        "add", parents=[common], help="queue a config (one job per seed and sweep point)"
-    )
+    def verb(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return verbs.add_parser(name, parents=[common], allow_abbrev=False, **kwargs)
+
+    a = verb("add", help="queue a config (one job per seed and sweep point)")
     a.add_argument(
         "config",
         nargs="+",
@@ -565,28 +572,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.set_defaults(func=cmd_add)
 
-    ls = sub.add_parser("ls", parents=[common], help="list jobs and their status")
+    ls = verb("ls", help="list jobs and their status")
     ls.add_argument(
         "--status", action="append", metavar="STATUS", help=f"only these ({', '.join(STATUSES)})"
     )
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
 
-    for verb, func, text in (
+    for name, func, text in (
         ("rm", cmd_rm, "remove jobs (a running one checkpoints and stops)"),
         ("retry", cmd_retry, "put failed/stopped/preempted jobs back (they resume)"),
     ):
-        by_job = sub.add_parser(verb, parents=[common], help=text)
+        by_job = verb(name, help=text)
         by_job.add_argument("jobs", nargs="+", metavar="JOB", help="job id, name, or #id")
         by_job.set_defaults(func=func)
 
-    cl = sub.add_parser("clear", parents=[common], help="remove done, stopped and failed jobs")
+    cl = verb("clear", help="remove done, stopped and failed jobs")
     cl.add_argument("--all", action="store_true", help="also pending and preempted jobs")
     cl.set_defaults(func=cmd_clear)
 
-    r = sub.add_parser(
+    r = verb(
         "run",
-        parents=[common],
         help="run the queue, one job per GPU",
         description="Run the queued jobs, one per GPU (or CPU slot), until none is left. Exit "
         "status: 0 when every job it ran is done (or stopped by its budget or plateau rule), "
