@@ -232,7 +232,10 @@ def _files(tmp_path: Path) -> dict[str, Path]:
 
 
 REFUSALS = [  # (extra argv, message, worded by the parser)
-    (["--set", "trainer.max_stepz=3"], "unknown setting --trainer.max_stepz; did you mean --trainer.max_steps?", False),
+    # a --set key fit does not know is the command line's: no config file is blamed
+    (["--set", "trainer.max_stepz=3"], "error: unknown setting --trainer.max_stepz; did you mean --trainer.max_steps?", False),
+    (["--set", "bogus=8"], "error: unknown setting --set bogus=8; fit has no setting bogus (its settings take their group, e.g. --set trainer.max_steps=600; `nanolab fit --help` lists them)", True),
+    (["--set", "bogus=8", "--set", "lr=3"], "error: unknown setting --set bogus=8; fit has no setting bogus", True),
     (["--model.gpt.n_layers", "3"], "unknown setting --model.gpt.n_layers; did you mean --model.gpt.n_layer?", False),
     (["{typo}"], "typo.yaml: unknown setting model.gpt.n_layers; did you mean model.gpt.n_layer?", False),
     (["{empty}"], "empty.yaml is empty; give it settings", False),

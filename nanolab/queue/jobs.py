@@ -194,10 +194,14 @@ def parse_config(
         try:
             cfg = fit_config(["--config", str(config), *args, f"--run.name={run_name}"])
         except FitParseError as e:  # named once: a config file's own error already names it
-            hint = set_hint(args) if "unknown option" in str(e) else None
+            text = str(e)
+            loose = "unknown option" in text or "unrecognized arguments" in text
+            hint = set_hint(args) if loose else None
             if hint is not None:  # a --set key without its group: no file is at fault
                 raise JobConfigError(hint) from None
-            raise JobConfigError(str(e) if str(config) in str(e) else f"{where}: {e}") from None
+            # A --set key fit does not know is the command line's, not a config file's.
+            given = text.startswith("unknown setting --") or str(config) in text
+            raise JobConfigError(text if given else f"{where}: {text}") from None
     try:
         return _check(cfg, cwd)
     except (ValueError, TypeError) as e:  # RunConfigError, ConfigError: the key and the fix
@@ -729,8 +733,36 @@ def _mtime(path: Path) -> float:
 def set_hint(args: list[str]) -> str | None:
     """For a ``--set`` key without its group (``--set seed=3``): the settings it may mean as
     ``queue add`` takes them (``--set data.seed=3 or --seeds 3``: the queue sets
-    ``seed_everything`` itself), or None."""
-    return setting_hint(args, queue_form)
+    ``seed_everything`` itself), or, for one that means none (``--set bogus=8``), that it is no
+    setting and how settings are given; the first such key of ``args`` is named, or None."""
+    for arg in args:
+        line = setting_hint([arg], queue_form) or unknown_set_line([arg])
+        if line is not None:
+            return line
+    return None
+
+
+def unknown_set_line(args: list[str]) -> str | None:
+    """The line for a ``--set`` key without a group that is none of fit's settings and is near
+    none of them (``args``: the job's fit arguments, ``--key=value``): the parser only says
+    "unrecognized arguments", which named neither the ``--set`` given nor the fix, and a config
+    file was not at fault. None when every such key is fit's, or fit's settings cannot be read."""
+    from nanolab.run.keys import _is_option
+
+    known = fit_settings()
+    if not known:
+        return None
+    for arg in args:
+        name, _, value = arg[2:].partition("=")
+        if not arg.startswith("--") or not name or "." in name or name == "config":
+            continue
+        if not _is_option(name, known):
+            return (
+                f"unknown setting {queue_form(name, value)}; fit has no setting {name} (its "
+                "settings take their group, e.g. --set trainer.max_steps=600; `nanolab fit "
+                "--help` lists them)"
+            )
+    return None
 
 
 def option_form(key: str, value: str) -> str | None:
