@@ -139,14 +139,18 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--set", "trainer.num_nodes=2", "--set", "run.global_batch_tokens=128"], "trainer.num_nodes is 2; the queue"),
         (["--set", "data.source=[nowhere.txt]"], "data.source: nowhere.txt does not exist"),
         (["--set", "data.dataset_dir=missing", "--set", "data.source=null"], "holds no prepared dataset"),
-        (["--set", "run.name=x"], "--set run.name: set by the queue; use --name"),
+        (["--set", "run.name=x"], "error: --set run.name=x: set by the queue; use --name x"),
+        # a setting the queue sets, named as given: no --set was written
+        (["--seed_everything", "3"], "error: --seed_everything 3: set by the queue; use --seeds 3"),
+        (["--run.name=x"], "error: --run.name=x: set by the queue; use --name x"),
+        (["--sweep", "seed_everything=1,2"], "error: --sweep seed_everything: set by the queue; use --seeds"),
         (["--set", "lr"], "--set lr: write KEY=VALUE"),
         (["--set", "trainer.max_steps", "5"], "write KEY=VALUE, e.g. --set trainer.max_steps=5"),
         (["--seeds", "1,x"], "--seeds '1,x': expected integers"),
         (["--name", "a/b"], "give a plain folder name"),
         # a restart of the job (preemption, runner stopped) would start it over
         (["--set", "run.fresh=true"], "run.fresh: true: each restart of a queued job"),
-        (["--set", "run.resume=never"], "--set run.resume: set by the queue"),
+        (["--set", "run.resume=never"], "--set run.resume=never: set by the queue"),
         # --run.name=null is no name: the job would train in a folder the queue does not follow
         (["--name", "NULL"], "--name 'NULL': a run name the command line reads as null"),
         # the run directory could not be made: "File name too long" was a traceback

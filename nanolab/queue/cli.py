@@ -672,7 +672,10 @@ def other_verbs_options(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def dotted_as_sets(argv: list[str]) -> list[str]:
     """``queue add`` takes ``fit``'s dotted overrides as they are (``--model.gpt.n_layer 2``,
-    ``--run.eval_every_steps=50``): each becomes the ``--set KEY=VALUE`` it means."""
+    ``--run.eval_every_steps=50``): each becomes the ``--set KEY=VALUE`` it means. One the
+    queue sets itself (``--seed_everything 3``, ``--run.name x``) is refused as it was given."""
+    from nanolab.queue.jobs import RESERVED_KEYS, reserved_line
+
     if argv[:1] != ["add"]:
         return argv
     out = ["add"]
@@ -692,6 +695,12 @@ def dotted_as_sets(argv: list[str]) -> list[str]:
         if not is_fit_option(token) or name == "config":
             out.append(token)
             i += 1
+        elif name in RESERVED_KEYS:  # named as given: the user wrote no --set
+            value = token.partition("=")[2] if "=" in token else None
+            if value is None and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+                value = tokens[i + 1]
+            given = token if "=" in token or value is None else f"{token} {value}"
+            raise QueueError(reserved_line(given, name, value))
         elif "=" in token:
             out += ["--set", token[2:]]
             i += 1

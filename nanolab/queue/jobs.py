@@ -39,6 +39,16 @@ RESERVED_KEYS = {
 QUEUE_FORMS = {"seed_everything": "--seeds {value}", "run.name": "--name {value}"}
 
 
+def reserved_line(given: str, key: str, value: str | None = None) -> str:
+    """The refusal of fit's setting ``key`` that the queue sets itself, naming it as the user
+    gave it (``given``: ``--seed_everything 3``, ``--set seed_everything=3``, ``--sweep
+    seed_everything``), never as another option they did not write. ``value``: the one value
+    given (not a sweep's list), shown in the option that takes it (``use --seeds 3``)."""
+    form = QUEUE_FORMS.get(key)
+    fix = f"use {form.format(value=value)}" if form and value else RESERVED_KEYS[key]
+    return f"{given}: set by the queue; {fix}"
+
+
 def queue_form(key: str, value: str) -> str | None:
     """How ``queue add`` gives fit's setting ``key`` (None: it cannot, the queue sets it)."""
     if key in RESERVED_KEYS:
@@ -90,7 +100,7 @@ def parse_sets(sets: list[str]) -> list[tuple[str, str]]:
                 f"--set {item!r}: expected KEY=VALUE, e.g. --set model.optimizer.lr=1e-3"
             )
         if key in RESERVED_KEYS:
-            raise JobConfigError(f"--set {key}: set by the queue; {RESERVED_KEYS[key]}")
+            raise JobConfigError(reserved_line(f"--set {key}={value}", key, value))
         out.append((key, value))
     return out
 

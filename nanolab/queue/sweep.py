@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from nanolab.queue.jobs import RESERVED_KEYS, JobConfigError, name_part
+from nanolab.queue.jobs import RESERVED_KEYS, JobConfigError, name_part, reserved_line
 
 Point = tuple[tuple[str, str], ...]
 
@@ -27,7 +27,7 @@ def parse_sweeps(items: list[str], set_keys: list[str]) -> list[tuple[str, list[
                 f"--sweep {item!r}: expected KEY=V1,V2,..., e.g. --sweep model.optimizer.lr=1e-3,3e-3"
             )
         if key in RESERVED_KEYS:
-            raise JobConfigError(f"--sweep {key}: set by the queue; {RESERVED_KEYS[key]}")
+            raise JobConfigError(reserved_line(f"--sweep {key}", key))
         if key in set_keys:
             raise JobConfigError(f"--sweep {key}: also given with --set; give it in one of them")
         if key in (k for k, _ in sweeps):
