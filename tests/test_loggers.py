@@ -54,6 +54,36 @@ def test_csv_logger_shares_the_run_logs_steps_and_survives_a_resume(work):
     assert not (run / "lightning_logs").exists() and not (work / "lightning_logs").exists()
 
 
+def test_a_fresh_start_moves_the_logger_folder_and_takes_a_new_logger_run(work, monkeypatch):
+    """``run.fresh`` appended the new run's rows to the old run's ``csv/metrics.csv`` (steps 1..9
+    then 1..3 in one file) and kept W&B's id (made of the run directory): now the folder goes
+    to ``previous/`` with the old run, and the logger is given the run log's id, the same on a
+    resume and a new one after a fresh start (W&B's id is made of it)."""
+    from nanolab.callbacks import loggers
+
+    given: list[str] = []
+    make = loggers.make_logger
+
+    def recording(name, run_dir, run_name, run_id):
+        given.append(run_id)
+        return make(name, run_dir, run_name, run_id)
+
+    monkeypatch.setattr(loggers, "make_logger", recording)
+    run = work / "runs" / "tiny"
+    fit(work, "--logger", "csv", "--trainer.max_steps", "3", here=True)
+    fit(work, "--logger", "csv", here=True)  # a resume: the same logger run
+    old_rows = (run / "csv" / "metrics.csv").read_text()
+    fit(work, "--logger", "csv", "--trainer.max_steps", "3", "--run.fresh", "true", here=True)
+    (archived,) = (run / "previous").iterdir()
+    assert (archived / "csv" / "metrics.csv").read_text() == old_rows
+    steps = [int(r["step"]) for r in csv.DictReader((run / "csv" / "metrics.csv").open())]
+    assert steps == [1, 2, 3, 3]  # three train rows and a val row: the new run's only
+    old_id = read_records(archived / "metrics.jsonl", "start")[0]["run_id"]
+    (new_start,) = read_records(run / "metrics.jsonl", "start")
+    assert given == [old_id, old_id, new_start["run_id"]] and new_start["run_id"] != old_id
+    assert loggers.wandb_run_id("tiny", old_id) != loggers.wandb_run_id("tiny", given[-1])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard absent")
 def test_tensorboard_logger_steps_match_the_run_log(work):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -135,6 +135,9 @@ class MetricsLog(StepCallback):
         self.monitor = monitor
         self.fresh = fresh
         self.run_id: str | None = None
+        #: The id ``nanolab fit`` settled for this run when it claimed the directory (the one
+        #: its ``--logger`` was given): a new run takes it instead of drawing another.
+        self.planned_run_id: str | None = None
         self.run_dir: str | None = None  # where this run is, saved in its checkpoints
         self.checkpoint_run_dir: str | None = None  # where the restored checkpoint was saved
         self.best_val_loss: float | None = None
@@ -193,6 +196,7 @@ class MetricsLog(StepCallback):
                     checkpoint=trainer.ckpt_path,
                     checkpoint_run_id=self.run_id,  # restored from that checkpoint
                     checkpoint_run_dir=self.checkpoint_run_dir,
+                    new_id=self.planned_run_id,
                 ).run_id
             except RunDirError as err:
                 error = (str(err), err.errno)  # a full disk keeps its exit code (74)
@@ -215,7 +219,7 @@ class MetricsLog(StepCallback):
                     self.run_id = str(start["run_id"]) if start and start.get("run_id") else None
             # A claimed id: a new run (also one that starts from another's checkpoint).
             adopted = resuming and run_id is not None
-            self.run_id = run_id or self.run_id or new_run_id()
+            self.run_id = run_id or self.run_id or self.planned_run_id or new_run_id()
             try:
                 self._writer = RunLogWriter(path, run_id=self.run_id)
             except OSError as err:

@@ -8,14 +8,15 @@ computes. So here the loggers get exactly what ``metrics.jsonl`` gets: every ``t
 done), and Lightning's own ``log_metrics`` calls to them are dropped, so there is one step axis.
 
 Files go inside the run directory (``<run_dir>/tensorboard``, ``<run_dir>/csv``,
-``<run_dir>/wandb``, ``<run_dir>/mlruns``), at a fixed place so a resumed run continues the
-same logger run: TensorBoard and CSV keep writing the same folder (the CSV file is appended to,
-never replaced), W&B reuses an id derived from the run directory.
+``<run_dir>/wandb``, ``<run_dir>/mlruns``: :data:`~nanolab.callbacks.rundir.LOGGER_DIRS`), at a
+fixed place so a resumed run continues the same logger run: TensorBoard and CSV keep writing the
+same folder (the CSV file is appended to, never replaced), W&B reuses an id made of the run's id.
+A fresh start (``run.fresh``) moves those folders to ``previous/`` with the old run, and its new
+run id starts a new W&B run, so the logger is built after the run directory is claimed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -53,8 +54,15 @@ def check_available(name: str) -> None:
         )
 
 
-def make_logger(name: str, run_dir: Path, run_name: str) -> Any:
-    """The Lightning logger for ``--logger name``, writing inside ``run_dir``."""
+def wandb_run_id(run_name: str, run_id: str) -> str:
+    """W&B's id for the run: the same across its resumes (``resume="allow"`` continues it),
+    a new one for a fresh start in the same directory, which takes a new run id."""
+    return f"{run_name}-{run_id}"
+
+
+def make_logger(name: str, run_dir: Path, run_name: str, run_id: str) -> Any:
+    """The Lightning logger for ``--logger name``, writing inside ``run_dir``, for the run of
+    id ``run_id`` (the run log's)."""
     check_available(name)
     if name == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -66,11 +74,10 @@ def make_logger(name: str, run_dir: Path, run_name: str) -> Any:
     if name == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
-        digest = hashlib.sha1(os.path.realpath(run_dir).encode()).hexdigest()[:8]
         return WandbLogger(
             save_dir=str(run_dir),
             name=run_name,
-            id=f"{run_name}-{digest}",
+            id=wandb_run_id(run_name, run_id),
             resume="allow",
             project=os.environ.get("WANDB_PROJECT", "nanolab"),
         )

@@ -41,9 +41,14 @@ from nanolab.runs import foreign_config
 
 #: What else in a run directory belongs to the run that wrote it, so a fresh run moves it to
 #: ``previous/`` with the log and the checkpoints: the rollback ledger (the data order and
-#: learning rates after its loss spikes; a new run must not inherit them). The loggers' folders
-#: stay: this launch's logger has opened them before the directory is claimed.
+#: learning rates after its loss spikes; a new run must not inherit them).
 RUN_STATE = (LEDGER,)
+
+#: The folders ``--logger`` writes in a run directory (tensorboard, csv, wandb, mlflow). They
+#: are the run's too: a fresh run moves them with the rest, or it would append its rows to the
+#: old run's ``metrics.csv``. Only a claim made before this launch's logger is built moves them
+#: (``nanolab fit`` builds it after its claim); a later one leaves the open folders alone.
+LOGGER_DIRS = ("tensorboard", "csv", "wandb", "mlruns")
 
 #: Config keys that may differ between two processes of the same run.
 VOLATILE_KEYS = (
@@ -165,11 +170,16 @@ def claim_run_dir(
     checkpoint: str | os.PathLike[str] | None = None,
     checkpoint_run_id: str | None = None,
     checkpoint_run_dir: str | None = None,
+    new_id: str | None = None,
+    logger_dirs: tuple[str, ...] = (),
 ) -> RunClaim:
     """Check that this process may write into ``run_dir``; archive the old run if ``fresh``.
 
     ``checkpoint`` is the file a resume continues from and ``checkpoint_run_id`` the run id saved
-    in it (None: unknown), ``checkpoint_run_dir`` the run directory that saved it. Raises :class:`RunDirError` (nothing written) when the directory holds
+    in it (None: unknown), ``checkpoint_run_dir`` the run directory that saved it. ``new_id`` is
+    the id a new run takes (None: a random one), so an earlier claim of this launch and the run
+    log agree on it; ``logger_dirs`` the logger folders no logger of this launch has opened yet,
+    which go to ``previous/`` with an old run (:data:`LOGGER_DIRS`). Raises :class:`RunDirError` (nothing written) when the directory holds
     a different run, when the checkpoint belongs to another run and the directory holds one,
     when ``fresh`` and ``resuming`` contradict each other, or when it is not writable.
     """
@@ -228,7 +238,7 @@ def claim_run_dir(
         elif holds_run and not checkpoints and continues_fork(run_dir, checkpoint, log_name):
             # The run started from this checkpoint and stopped before its own first save: it
             # starts from it again, as the same run.
-            claim = RunClaim(run_id=old_id or new_run_id(), forked_from=str(checkpoint))
+            claim = RunClaim(run_id=old_id or new_id or new_run_id(), forked_from=str(checkpoint))
         elif holds_run and not_moved is not None:
             raise RunDirError(
                 f"run directory {run_dir} has no run log, and {checkpoint} was saved by run "
@@ -246,7 +256,7 @@ def claim_run_dir(
                 "checkpoints (run.resume auto)"
             )
         else:  # a new directory: this run starts from the other's weights
-            claim = RunClaim(run_id=new_run_id(), forked_from=str(checkpoint))
+            claim = RunClaim(run_id=new_id or new_run_id(), forked_from=str(checkpoint))
         _check_writable(run_dir)
         return claim
     if not holds_run or fresh:
@@ -257,10 +267,10 @@ def claim_run_dir(
             holds_run
             or foreign is not None
             or (log_path.is_file() and log_path.stat().st_size > 0)  # a torn first record
-            or any((run_dir / name).exists() for name in RUN_STATE)
+            or any((run_dir / name).exists() for name in (*RUN_STATE, *logger_dirs))
         )
-        archived = _archive(run_dir, old_id, log_name) if leftovers else None
-        return RunClaim(run_id=new_run_id(), archived_to=archived)
+        archived = _archive(run_dir, old_id, log_name, logger_dirs) if leftovers else None
+        return RunClaim(run_id=new_id or new_run_id(), archived_to=archived)
 
     what = f"run {old_id}" if old_id else "another run"
     if checkpoints:
@@ -277,7 +287,7 @@ def claim_run_dir(
     ):
         # The same configuration started before and died before its first checkpoint.
         _check_writable(run_dir)
-        return RunClaim(run_id=old_id or new_run_id())
+        return RunClaim(run_id=old_id or new_id or new_run_id())
     differs = _diff_keys(normalise_config(old_config), normalise_config(config))
     detail = f" (config differs at: {', '.join(differs[:4])})" if differs and old_config else ""
     raise RunDirError(
@@ -463,16 +473,18 @@ def _why_not_moved(run_dir: Path, run_id: str, origin: str, log_name: str) -> st
     return None
 
 
-def _archive(run_dir: Path, old_id: str | None, log_name: str) -> Path:
-    """Move the previous run's log, checkpoints, config and the rest of its state
-    (:data:`RUN_STATE`) into ``previous/<id>-<time>/``."""
+def _archive(
+    run_dir: Path, old_id: str | None, log_name: str, logger_dirs: tuple[str, ...] = ()
+) -> Path:
+    """Move the previous run's log, checkpoints, config, the rest of its state
+    (:data:`RUN_STATE`) and the logger folders ``logger_dirs`` into ``previous/<id>-<time>/``."""
     target = run_dir / PREVIOUS_DIR / f"{old_id or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     suffix = 1
     while target.exists():
         target = target.with_name(f"{target.name.split('~')[0]}~{suffix}")
         suffix += 1
     target.mkdir(parents=True)
-    for name in (log_name, CHECKPOINT_DIR, CONFIG_NAME, *RUN_STATE):
+    for name in (log_name, CHECKPOINT_DIR, CONFIG_NAME, *RUN_STATE, *logger_dirs):
         source = run_dir / name
         if source.exists():
             os.replace(source, target / name)

@@ -22,6 +22,7 @@ from nanolab.callbacks.budget import CostBudget
 from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import NothingToTrain
+from nanolab.callbacks.jsonl import MetricsLog
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.runlock import global_rank_from_env
 from nanolab.data.prepare import OutputInUseError
@@ -152,9 +153,7 @@ def launch(cli: NanolabCLI) -> Trainer:
 
         callbacks.append(sync_count_callback(os.environ[ENV]))
     if verb == "fit" and cfg.get("logger"):
-        from nanolab.callbacks.loggers import make_logger
-
-        trainer_args["logger"] = make_logger(cfg.logger, run_dir, str(run.name))
+        trainer_args["logger"] = False  # built once the run directory is claimed (below)
     try:
         trainer = Trainer(**{**trainer_args, "callbacks": callbacks})
     except REFUSALS as err:  # a trainer.* setting Lightning refuses: one line, nothing written
@@ -175,6 +174,13 @@ def launch(cli: NanolabCLI) -> Trainer:
         )  # fmt: skip
         cand = claimed.candidate
         ckpt_path = str(cand.path) if cand is not None else None
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, MetricsLog):  # the run log takes the id the logger does
+                callback.planned_run_id = claimed.run_id
+        if cfg.get("logger"):  # after the claim: a fresh start has moved the old run's folder
+            from nanolab.callbacks.loggers import make_logger
+
+            trainer.logger = make_logger(cfg.logger, run_dir, str(run.name), claimed.run_id)
         max_steps = int(trainer.max_steps or -1)
         if cand is not None and cand.step is not None and 0 < max_steps <= cand.step:
             # Nothing to train: say so and stop before the fit, which would print its banner,
@@ -537,7 +543,13 @@ def claim_for_fit(
     checked against this model and data; a directory holding a different run is refused
     before ``config.yaml`` is written.
     """
-    from nanolab.callbacks.rundir import checkpoint_files, claim_run_dir
+    from nanolab.callbacks.rundir import (
+        LOGGER_DIRS,
+        checkpoint_files,
+        claim_run_dir,
+        new_run_id,
+        owner_of_log,
+    )
     from nanolab.callbacks.runlock import acquire, global_rank_from_env
 
     run = cfg.run
@@ -601,6 +613,7 @@ def claim_for_fit(
         if path is not None:
             refuse_other_tokenizer(data, path)
         check_data(path)
+    new_id = new_run_id()  # the id a new run takes: the run log and the logger share it
     claim = claim_run_dir(
         run_dir,
         plain_config(cfg),
@@ -609,6 +622,14 @@ def claim_for_fit(
         checkpoint=cand.path if cand is not None else None,
         checkpoint_run_id=cand.run_id if cand is not None else None,
         checkpoint_run_dir=cand.run_dir if cand is not None else None,
+        new_id=new_id,
+        logger_dirs=LOGGER_DIRS,  # no logger is built yet: a fresh start moves their folders
+    )
+    run_id = (
+        claim.run_id
+        or (cand.run_id if cand is not None else None)
+        or owner_of_log(run_dir / log_name)
+        or new_id
     )
     older = (
         cand is not None
@@ -617,7 +638,7 @@ def claim_for_fit(
         and _inside(Path(cand.path), folder)
         and any((s := step_of(p)) is not None and s > cand.step for p in checkpoint_files(run_dir))
     )
-    return Claimed(cand, forked=claim.forked_from is not None, older_than_newest=older)
+    return Claimed(cand, run_id, forked=claim.forked_from is not None, older_than_newest=older)
 
 
 @dataclass(frozen=True)
@@ -625,9 +646,11 @@ class Claimed:
     """What :func:`claim_for_fit` found: the checkpoint to resume from (None: a new run),
     whether it is another run's (this run starts from it: a fine-tune, a branch), and whether
     it is an older checkpoint of this run than its newest (the later ones are set aside once
-    the resume has restored, so its saves never overwrite them)."""
+    the resume has restored, so its saves never overwrite them). ``run_id`` is the run's id,
+    a new one's or the resumed one's: the run log and ``--logger`` (W&B's run id) share it."""
 
     candidate: Any
+    run_id: str
     forked: bool = False
     older_than_newest: bool = False
 
