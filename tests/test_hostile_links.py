@@ -396,6 +396,38 @@ def test_no_output_folder_inside_a_run_directory(tmp_path, capsys, verb, argv, v
     assert digests(tmp_path / "runs") == before and not (run / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("root", "name", "said"),
+    [
+        ("runs/b", "checkpoints", "is inside the run directory"),  # run.root in the run
+        ("elsewhere", "checkpoints", "is inside the run directory"),  # a link to the run
+        ("runs", "alias", "is a link into the run directory"),  # run_dir links into it
+    ],
+)
+def test_fit_refuses_a_run_directory_inside_another_run(
+    tmp_path, char_dataset, root, name, said
+) -> None:
+    """`--run.root runs/b --run.name checkpoints` put config.yaml, metrics.jsonl and the lock
+    among run b's checkpoints: the run directory is refused inside another run's, as every
+    other output folder is, also through a link, in one line (exit 2), before anything is
+    written."""
+    run = tmp_path / "runs" / "b"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "start", "run_id": "b"}\n')
+    (tmp_path / "elsewhere").symlink_to(run)
+    (tmp_path / "runs" / "alias").symlink_to(run / "checkpoints")
+    write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, Path("runs")))
+    before = digests(tmp_path / "runs")
+    res = nanolab_here(
+        "fit", "--config", "tiny.yaml", "--run.root", root, "--run.name", name, cwd=tmp_path
+    )
+    assert res.returncode == EXIT_USAGE and "Traceback" not in res.stderr, res.stderr[-2000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert said in line and str(run) in line and ("run.root" in line or "run.name" in line), line
+    assert digests(tmp_path / "runs") == before
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+
+
 def test_queue_add_names_an_existing_fit_run(tmp_path, char_dataset, victim, capsys, monkeypatch):
     """Item 3: `queue add --name b` where `runs/b` is a finished run of `nanolab fit`: refused
     at add time in one line naming the step it would continue from; `--continue` queues it and

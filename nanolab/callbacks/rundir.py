@@ -36,6 +36,7 @@ from nanolab.runlog import (
     iter_backwards,
     iter_numbered,
     last_record,
+    run_dir_holding,
 )
 from nanolab.runs import foreign_config
 
@@ -146,6 +147,25 @@ def _check_writable(run_dir: Path) -> None:
             f"run directory {run_dir} is not writable ({reason}); set run.root (or "
             "trainer.default_root_dir) to a folder this user can write"
         ) from None
+
+
+def refuse_nested_run_dir(run_dir: Path) -> None:
+    """Refuse a run directory (``run.root``/``run.name``) inside another run's directory, as
+    written or where its links lead: the new run would put its log, config and checkpoints among
+    that run's files (``--run.root runs/orig --run.name checkpoints``), which only that run may
+    write (the rule :func:`~nanolab.runlog.refuse_inside_run` keeps for every other command)."""
+    given = Path(os.path.abspath(run_dir))
+    real = Path(os.path.realpath(run_dir))
+    if (holder := run_dir_holding(given.parent)) is not None:  # run.root, or its links
+        raise RunDirError(
+            f"run directory {run_dir} is inside the run directory {os.path.realpath(holder)}, "
+            "whose files are that run's own; set run.root to a folder outside any run directory"
+        )
+    if (holder := run_dir_holding(real.parent)) is not None:  # run_dir itself is a link
+        raise RunDirError(
+            f"run directory {run_dir} is a link into the run directory {holder} ({real}), whose "
+            "files are that run's own; choose another run.name, or remove the link"
+        )
 
 
 def _check_layout(run_dir: Path, log_name: str) -> None:

@@ -77,6 +77,10 @@ def launch(cli: NanolabCLI) -> Trainer:
     refuse_missing_gpu(cfg.trainer)  # before the data: a GPU recipe on a machine without one
     visible = visible_gpus(cfg.trainer.get("accelerator"))
     named = resolve(cfg, visible_gpus=visible)
+    if verb == "fit" and named.run_dir is not None:  # before anything is written (the data)
+        from nanolab.callbacks.rundir import refuse_nested_run_dir
+
+        refuse_nested_run_dir(named.run_dir)
     from nanolab.training import early_signals
 
     if verb == "fit" and not cfg.get("preemption", {}).get("enabled", True):
