@@ -22,9 +22,10 @@ from typing import Any, TypeVar
 #: Exit code of every verb for input that cannot work (the message says why).
 EXIT_USAGE = 2
 
-#: Exit code of a run stopped by a full disk (or quota) while writing a checkpoint or its log
-#: (sysexits' EX_IOERR): free space and rerun the same command, it resumes from the newest
-#: complete checkpoint. The queue marks such a job failed (a person must act).
+#: Exit code of a run stopped by a full disk, a quota or a file-size limit while writing a
+#: checkpoint or its log (sysexits' EX_IOERR; :func:`out_of_room`): make room and rerun the same
+#: command, it resumes from the newest complete checkpoint. The queue marks such a job failed (a
+#: person must act).
 EXIT_DISK_FULL = 74
 
 
@@ -33,6 +34,16 @@ def disk_full(err: BaseException) -> bool:
     import errno
 
     return getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_room(err: BaseException) -> bool:
+    """Whether ``err`` is a write refused for room: no space (ENOSPC), a quota (EDQUOT), or a
+    file-size limit (EFBIG: ``ulimit -f``, FAT32's 4 GiB). Such a run stops with its earlier
+    files intact and the same command resumes it once there is room, so it exits
+    :data:`EXIT_DISK_FULL`, never 2 (bad input: nothing was written)."""
+    import errno
+
+    return disk_full(err) or getattr(err, "errno", None) == errno.EFBIG
 
 
 def storage_refused(err: BaseException) -> bool:

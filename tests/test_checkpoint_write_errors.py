@@ -64,3 +64,36 @@ def test_the_lines_say_whether_earlier_checkpoints_are_kept(
     assert "; the previous checkpoints are intact (no partial file" in full
     other = checkpoint_io._explain(OSError(errno.EIO, "Input/output error"), target)
     assert "Input/output error; the previous checkpoints are intact" in other
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="ulimit -f is a POSIX limit")
+def test_fit_stopped_by_a_file_size_limit_exits_74_and_the_rerun_trains(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A checkpoint past ``ulimit -f`` exited 2, which the exit-code table keeps for bad input
+    with nothing written, after the run had trained and logged: it is a write refused for room,
+    as a full disk is (exit 74), and the same command, once the limit is raised, trains the
+    run."""
+    import os
+    import resource
+
+    from conftest import tiny_overrides, write_config
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    cfg["run"]["eval_every_steps"] = 2
+    command = [sys.executable, "-m", "nanolab", "fit", "--config", str(write_config(
+        tmp_path / "tiny.yaml", cfg))]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def limit() -> None:  # the checkpoint is ~0.4 MB; the log and the config a few kB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200 * 1024, resource.RLIM_INFINITY))
+
+    res = subprocess.run(command, cwd=tmp_path, env=env, preexec_fn=limit, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 74, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "file too large" in errors[0] and "Traceback" not in res.stderr
+    rerun = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert (tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt").is_file()

@@ -2,7 +2,8 @@
 (``nanolab.run.compose.launch``); a bad value ends in one error line and exit 2.
 
 Exit codes (docs/guarantees.md): 0 done (also stopped by a budget), 2 bad input or a run
-directory in use, 3 diverged, 74 disk full (free space, rerun to resume), 75 preempted (rerun the same command to resume; also after a
+directory in use, 3 diverged, 74 disk full, quota or file-size limit (make room, rerun to
+resume), 75 preempted (rerun the same command to resume; also after a
 rollback from a loss spike in a multi-process run). A one-process run that rolls back continues
 in the same process.
 """
@@ -17,7 +18,7 @@ from nanolab.callbacks.checkpoint_io import CheckpointWriteError
 from nanolab.errors import (
     EXIT_DISK_FULL,
     NanolabError,
-    disk_full,
+    out_of_room,
     storage_message,
     storage_refused,
 )
@@ -25,8 +26,9 @@ from nanolab.messages import say
 from nanolab.run.compose import launch
 from nanolab.run.parse import nulls_as_class_settings, parse_command
 
-#: What ends a run as one error line and exit 2: every error a user can fix, and a full disk
-#: (older checkpoints are intact, the message says so; that one exits EXIT_DISK_FULL).
+#: What ends a run as one error line and exit 2: every error a user can fix, and a checkpoint
+#: write refused for room (a full disk, a quota, a file-size limit: older checkpoints are
+#: intact, the message says so; that one exits EXIT_DISK_FULL).
 USER_ERRORS = (NanolabError, CheckpointWriteError)
 
 
@@ -56,12 +58,12 @@ def run_lightning_cli(argv: list[str]) -> int:
             return 0
         except USER_ERRORS as err:
             print(f"nanolab {argv[0]}: error: {err}", file=sys.stderr)
-            return EXIT_DISK_FULL if disk_full(err) else 2
+            return EXIT_DISK_FULL if out_of_room(err) else 2
         except OSError as err:
             if not storage_refused(err):
                 raise
             print(f"nanolab {argv[0]}: error: {storage_message(err)}", file=sys.stderr)
-            return EXIT_DISK_FULL if disk_full(err) else 2
+            return EXIT_DISK_FULL if out_of_room(err) else 2
         finally:
             release_all()
         if not rolled_back(trainer):
