@@ -156,7 +156,7 @@ def test_torch_writer_error_on_a_full_disk_is_named(tmp_path, monkeypatch, room)
         io_module.atomic_torch_save(state, target)
     message = str(info.value)
     assert message.startswith(f"no space left on device writing {target} (")
-    assert "checkpoint needs 0.24 MB" in message and "inline_container" not in message
+    assert "checkpoint needs at least 0.24 MB" in message and "inline_container" not in message
     assert info.value.errno == errno.ENOSPC
     # torch raised RuntimeError (or OSError at close); both are the same full disk.
     assert isinstance(info.value.__cause__, (RuntimeError, OSError))
@@ -174,7 +174,9 @@ def test_torch_writer_error_without_an_oserror_is_judged_by_free_space(tmp_path,
     monkeypatch.setattr(io_module.torch, "save", torn_save)
     usage = io_module.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(io_module.shutil, "disk_usage", lambda p: usage._replace(free=1000))
-    with pytest.raises(CheckpointWriteError, match=r"\(1 kB free, checkpoint needs 0\.40 MB\)"):
+    with pytest.raises(
+        CheckpointWriteError, match=r"\(1 kB free, checkpoint needs at least 0\.40 MB\)"
+    ):
         io_module.atomic_torch_save({"w": torch.zeros(100_000)}, tmp_path / "a.ckpt")
     monkeypatch.setattr(io_module.shutil, "disk_usage", lambda p: usage._replace(free=10**12))
     with pytest.raises(RuntimeError, match="inline_container") as info:

@@ -37,7 +37,7 @@ def test_a_save_past_ulimit_f_names_the_limit_and_that_no_checkpoint_exists_yet(
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == (
         f"could not write checkpoint {target}: file too large: this process's file-size limit "
-        "(ulimit -f: 0.10 MB) is below the checkpoint's size (about 0.40 MB); no checkpoint "
+        "(ulimit -f: 0.10 MB) is below the checkpoint's size (at least 0.40 MB); no checkpoint "
         "was saved yet (no partial file was left under the final name); raise the limit "
         "(ulimit -f unlimited, or ask for it in the job's settings)"
     )
@@ -53,17 +53,53 @@ def test_the_lines_say_whether_earlier_checkpoints_are_kept(
     folder.mkdir()
     target = folder / "step-00000004.ckpt"
     monkeypatch.setattr(checkpoint_io, "file_size_limit", lambda: None)
-    big = checkpoint_io._explain(OSError(errno.EFBIG, "File too large"), target, 5 * 10**9)
+    size = checkpoint_io.CheckpointSize
+    big = checkpoint_io._explain(OSError(errno.EFBIG, "File too large"), target, size(5 * 10**9))
     assert (
         "the file system's maximum file size is below the checkpoint's size (about 5.00 GB)" in big
     )
-    full = checkpoint_io._explain(OSError(errno.ENOSPC, "No space left on device"), target, 10)
+    full = checkpoint_io._explain(
+        OSError(errno.ENOSPC, "No space left on device"), target, size(10)
+    )
     assert "; no checkpoint was saved yet (no partial file" in full and "intact" not in full
     (folder / "step-00000002.ckpt").write_bytes(b"")
-    full = checkpoint_io._explain(OSError(errno.ENOSPC, "No space left on device"), target, 10)
+    full = checkpoint_io._explain(
+        OSError(errno.ENOSPC, "No space left on device"), target, size(10)
+    )
     assert "; the previous checkpoints are intact (no partial file" in full
     other = checkpoint_io._explain(OSError(errno.EIO, "Input/output error"), target)
     assert "Input/output error; the previous checkpoints are intact" in other
+
+
+def test_the_checkpoints_size_is_measured_or_said_to_be_a_lower_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size came from the tensors alone (no pickle, zip records or RNG states) and was
+    called "about": "file-size limit (ulimit -f: 0.40 MB) is below the checkpoint's size (about
+    0.38 MB)". Now it is the newest checkpoint's file where the folder has one, else a lower
+    bound said as such, and a bound under the limit is not set against it."""
+    import torch
+
+    from nanolab.callbacks import checkpoint_io
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    target = folder / "step-00000004.ckpt"
+    state = {"w": torch.zeros(95_000)}  # 0.38 MB of tensors
+    first = checkpoint_io.checkpoint_size(state, folder, written=1000)
+    assert (first.nbytes, first.at_least) == (380_000, True) and str(first) == "at least 0.38 MB"
+    assert checkpoint_io.checkpoint_size(state, folder, written=400_000).nbytes == 400_000
+    monkeypatch.setattr(checkpoint_io, "file_size_limit", lambda: 400_000)
+    line = checkpoint_io._explain(OSError(errno.EFBIG, "File too large"), target, first)
+    assert "file too large: the checkpoint is larger than this process's file-size limit " in line
+    assert "(ulimit -f: 0.40 MB); no checkpoint" in line and "0.38" not in line, line
+    (folder / "step-00000002.ckpt").write_bytes(b"\0" * 420_251)  # the newest on disk
+    measured = checkpoint_io.checkpoint_size(state, folder, written=1000)
+    assert (measured.nbytes, measured.at_least) == (420_251, False)
+    line = checkpoint_io._explain(OSError(errno.EFBIG, "File too large"), target, measured)
+    assert "(ulimit -f: 0.40 MB) is below the checkpoint's size (about 0.42 MB)" in line, line
+    full = checkpoint_io._explain(OSError(errno.EDQUOT, "Disk quota exceeded"), target, measured)
+    assert "free, checkpoint needs about 0.42 MB)" in full, full
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="ulimit -f is a POSIX limit")

@@ -23,6 +23,7 @@ import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -66,17 +67,62 @@ def file_size_limit() -> int | None:
     return None if limit == resource.RLIM_INFINITY else int(limit)
 
 
-def _too_large(path: Path, needed: int | None) -> str:
+@dataclass(frozen=True)
+class CheckpointSize:
+    """How large the checkpoint that failed to write is, for its error line.
+
+    Measured where a file says it (``at_least`` False): the newest checkpoint in its folder (the
+    same model and optimizer, so the same size give or take a few kB of counters), or the file a
+    link copies. Else only bounded from below (``at_least``): its tensors, or the bytes the failed
+    write had put down, whichever is more. The tensors alone leave out the pickle, the zip
+    records and the saved RNG states, so "about" that figure would understate it.
+    """
+
+    nbytes: int
+    at_least: bool = False
+
+    def __str__(self) -> str:
+        return f"{'at least' if self.at_least else 'about'} {size_text(self.nbytes)}"
+
+
+def newest_checkpoint_size(folder: Path) -> int | None:
+    """Bytes of the newest complete ``.ckpt`` file in ``folder`` (None: there is none)."""
+    try:
+        files = [e for e in os.scandir(folder) if e.name.endswith(".ckpt")]
+        sizes = [e.stat() for e in files if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return None
+    return max(sizes, key=lambda st: st.st_mtime_ns).st_size if sizes else None
+
+
+def checkpoint_size(obj: Any, folder: Path, written: int = 0) -> CheckpointSize:
+    """The size of checkpoint ``obj`` that failed to write into ``folder`` after ``written``
+    bytes (:class:`CheckpointSize`)."""
+    floor = max(tensor_bytes(obj), written)
+    newest = newest_checkpoint_size(folder)
+    if newest is not None and newest >= floor:  # smaller: not a checkpoint of this state
+        return CheckpointSize(newest)
+    return CheckpointSize(floor, at_least=True)
+
+
+def _too_large(path: Path, needed: CheckpointSize | None) -> str:
     """The line for a write refused with EFBIG: a file-size limit below the checkpoint's size,
     this process's (``ulimit -f``, as a batch system may set it) or the file system's own
-    (FAT32: 4 GiB), named with both sizes where they are known."""
+    (FAT32: 4 GiB), named with both sizes where they are known. A size known only from below
+    and not past the limit is left out: the write failing says the file is larger."""
     limit = file_size_limit()
-    size = f" (about {size_text(needed)})" if needed else ""
+    size = f" ({needed})" if needed else ""
     if limit is not None:
-        cause = (
-            f"this process's file-size limit (ulimit -f: {size_text(limit)}) is below the "
-            f"checkpoint's size{size}"
-        )
+        if needed is not None and needed.nbytes <= limit:
+            cause = (
+                f"the checkpoint is larger than this process's file-size limit (ulimit -f: "
+                f"{size_text(limit)})"
+            )
+        else:
+            cause = (
+                f"this process's file-size limit (ulimit -f: {size_text(limit)}) is below the "
+                f"checkpoint's size{size}"
+            )
         fix = "raise the limit (ulimit -f unlimited, or ask for it in the job's settings)"
     else:
         cause = f"the file system's maximum file size is below the checkpoint's size{size}"
@@ -84,7 +130,7 @@ def _too_large(path: Path, needed: int | None) -> str:
     return f"could not write checkpoint {path}: file too large: {cause}; {_kept(path)}; {fix}"
 
 
-def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
+def _explain(err: OSError, path: Path, needed: CheckpointSize | None = None) -> str:
     if err.errno == errno.EFBIG:
         return _too_large(path, needed)
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -92,7 +138,7 @@ def _explain(err: OSError, path: Path, needed: int | None = None) -> str:
             free = size_text(shutil.disk_usage(path.parent).free)
         except OSError:
             free = "unknown space"
-        needs = f", checkpoint needs {size_text(needed)}" if needed else ""
+        needs = f", checkpoint needs {needed}" if needed else ""
         what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
         room = "free space"
         if err.errno == errno.ENOSPC and (entries := inodes_left(path.parent)) is not None:
@@ -160,7 +206,7 @@ def tensor_bytes(obj: Any) -> int:
     return sum(sizes.values())
 
 
-def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | None:
+def _write_failure(err: BaseException, path: Path, needed: CheckpointSize) -> OSError | None:
     """The ``OSError`` a failed checkpoint write amounts to, or None if it was not the disk.
 
     That is ``err`` itself or one in its cause/context chain: torch's zip writer reports a failed
@@ -177,7 +223,7 @@ def _write_failure(err: BaseException, path: Path, needed: int) -> OSError | Non
         current = current.__cause__ or current.__context__
     if isinstance(err, RuntimeError) and "inline_container" in str(err):
         try:
-            full = shutil.disk_usage(path.parent).free < needed
+            full = shutil.disk_usage(path.parent).free < needed.nbytes
         except OSError:
             full = False
         if full:
@@ -209,10 +255,11 @@ def atomic_torch_save(
             os.fsync(f.fileno())
         _replace(tmp, path, folder)
     except BaseException as err:
+        written = _size_quietly(tmp, folder)  # how far the failed write got
         _remove_quietly(tmp, folder)
         if not isinstance(err, (OSError, RuntimeError)):
             raise
-        needed = tensor_bytes(obj)
+        needed = checkpoint_size(obj, path.parent, written)
         cause = _write_failure(err, path, needed)
         if cause is None:
             raise
@@ -284,9 +331,18 @@ def atomic_link(
         _remove_quietly(tmp, folder)
         needed = None
         with contextlib.suppress(OSError):
-            needed = source.stat().st_size if source.is_file() else None
+            needed = CheckpointSize(source.stat().st_size) if source.is_file() else None
         raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, target, needed)) from err
     _fsync_folder(target.parent, folder)
+
+
+def _size_quietly(path: Path, folder: ClaimedDir | None = None) -> int:
+    """Bytes of ``path`` (in ``folder`` by descriptor); 0 when it cannot be read."""
+    with contextlib.suppress(OSError):
+        if folder is None:
+            return os.stat(path, follow_symlinks=False).st_size
+        return os.stat(path.name, dir_fd=folder.fd, follow_symlinks=False).st_size
+    return 0
 
 
 def _remove_quietly(path: Path, folder: ClaimedDir | None = None) -> None:
