@@ -544,3 +544,30 @@ def test_queue_add_and_fit_refuse_a_config_kept_where_the_run_will_write(
     assert proc.returncode == EXIT_USAGE and "is not a config a run wrote" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert digests(run) == before
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_a_run_log_that_is_a_link_naming_no_run_is_said_as_what_it_is(tmp_path, kind) -> None:
+    """A `metrics.jsonl` that is a link (symbolic, or a hard link) to a file naming no run was
+    refused as "run directory X already holds another run" (or, empty, only once training had
+    started): now before anything is written, in one line saying it is a link; `run.fresh`
+    moves the link aside and leaves the file it shares alone."""
+    from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"note": "mine"}\n')
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    if kind == "symlink":
+        (run / "metrics.jsonl").symlink_to(notes)
+        said = f"{run / 'metrics.jsonl'} is a link to {notes} that names no run"
+    else:
+        os.link(notes, run / "metrics.jsonl")
+        said = f"{run / 'metrics.jsonl'} is a hard link (2 names for one file) that names no run"
+    with pytest.raises(RunDirError) as refused:
+        claim_run_dir(run, {"model": {}}, resuming=False)
+    assert str(refused.value).startswith(said) and "already holds" not in str(refused.value)
+    assert sorted(os.listdir(run)) == ["metrics.jsonl"]
+    claim = claim_run_dir(run, {"model": {}}, resuming=False, fresh=True)
+    assert claim.archived_to is not None and not (run / "metrics.jsonl").exists()
+    assert notes.read_text() == '{"note": "mine"}\n'

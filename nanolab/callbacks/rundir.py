@@ -212,6 +212,8 @@ def claim_run_dir(
         )
     log_path = run_dir / log_name
     previous, old_id = _last_start_and_owner(log_path)
+    if old_id is None and not fresh:  # fresh moves a link aside with the rest
+        _refuse_linked_log(log_path)
     has_log = _holds_a_record(log_path)
     checkpoints = checkpoint_files(run_dir)
     holds_run = has_log or bool(checkpoints)
@@ -313,6 +315,28 @@ def claim_run_dir(
     raise RunDirError(
         f"run directory {run_dir} already holds {what}{detail}; choose another run.name, or set "
         f"run.fresh: true to move it to {run_dir / 'previous'} and start over"
+    )
+
+
+def _refuse_linked_log(log_path: Path) -> None:
+    """Refuse a run log that is a link (symbolic, or a hard link: one file under two names) and
+    names no run: the run writes its log only in a file of its own (the writer never follows a
+    link), and "already holds another run" would send the user looking for a run that is not
+    there. Said as what it is, before anything is written."""
+    if log_path.is_symlink():
+        what, kept = f"a link to {os.readlink(log_path)}", "the file it leads to is left as it is"
+    else:
+        try:
+            links = os.stat(log_path, follow_symlinks=False).st_nlink
+        except OSError:
+            return
+        if links < 2:
+            return
+        what, kept = f"a hard link ({links} names for one file)", "the file keeps its other names"
+    raise RunDirError(
+        f"{log_path} is {what} that names no run, not a run log of its own: a run writes its "
+        f"log only in a file of its own, never through a link. Move it out of the way ({kept}) "
+        "and rerun the same command, or choose another run.name"
     )
 
 
