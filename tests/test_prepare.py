@@ -352,7 +352,8 @@ BAD_INPUTS = [
     ("not-a-string", "docs.jsonl", b'{"text": 3}\n', "line 1: field 'text' is a int"),
     ("empty-doc", "docs.jsonl", b'{"text": "a"}\n{"text": ""}\n', "line 2: empty document"),
     ("not-utf8", "in.txt", b"caf\xe9 latin-1\n", "not UTF-8"),
-    ("empty-file", "in.txt", b"", "empty document"),
+    ("empty-file", "in.txt", b"", "empty document (the file is empty)"),
+    ("blank-file", "in.txt", b" \n\t\n", "empty document (the file holds only whitespace)"),
     (
         "truncated-gz",
         "in.txt.gz",

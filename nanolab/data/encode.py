@@ -163,10 +163,13 @@ def documents(block: Block, text_field: str) -> Documents:
                     ]
                 )
             start += size
-            if not text and block.ends_document and block.first_unit == 0:
+            whole_file = block.first_unit == 0 and block.ends_document
+            # A file of only whitespace holds no text to learn from: as empty as an empty one.
+            blank = whole_file and len(block.unit_sizes) == 1 and not text.strip()
+            if (whole_file and not text) or blank:
+                what = "the file is empty" if not text else "the file holds only whitespace"
                 out.errors.append(
-                    f"{block.file_path}: empty document (the file is empty); remove it or pass "
-                    "--skip-bad"
+                    f"{block.file_path}: empty document ({what}); remove it or pass --skip-bad"
                 )
                 continue
             out.texts.append(text)
