@@ -46,6 +46,34 @@ def out_of_room(err: BaseException) -> bool:
     return disk_full(err) or getattr(err, "errno", None) == errno.EFBIG
 
 
+def file_size_limit() -> int | None:
+    """This process's largest file in bytes (``ulimit -f``; None: unlimited, or a system
+    without the limit)."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if limit == resource.RLIM_INFINITY else int(limit)
+
+
+def size_limit_met() -> tuple[str, str]:
+    """For a write refused with EFBIG: the limit it met, this process's (``ulimit -f``, as a
+    batch system may set it) or else the file system's own (FAT32: 4 GiB), and the fix. Free
+    space is beside the point: freeing it would not help."""
+    limit = file_size_limit()
+    if limit is not None:
+        return (
+            f"this process's file-size limit (ulimit -f: {size_text(limit)})",
+            "raise the limit (ulimit -f unlimited, or ask for it in the job's settings)",
+        )
+    return (
+        "the file system's maximum file size",
+        "put run.root on a file system that holds files that large (not FAT32)",
+    )
+
+
 def storage_refused(err: BaseException) -> bool:
     """Whether ``err`` is the file system refusing a write: read-only, no permission, full.
     The user fixes those (another folder, free space), so each verb says them in one line

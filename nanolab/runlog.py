@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
-from nanolab.errors import NanolabError
+from nanolab.errors import NanolabError, size_limit_met
 from nanolab.messages import warn
 
 RUN_LOG_NAME = "metrics.jsonl"
@@ -385,6 +385,15 @@ class RunLogWriter:
     def _write_error(self, err: OSError) -> RunLogWriteError:
         import shutil
 
+        if err.errno == errno.EFBIG:  # a size limit: free space would not help
+            limit, fix = size_limit_met()
+            error = RunLogWriteError(
+                f"cannot append to the run log {self.path} ({err.strerror or err}: {limit}); "
+                f"the lines written so far and the checkpoints are intact: {fix}, then rerun "
+                "the same command to resume"
+            )
+            error.errno = err.errno
+            return error
         try:
             free = f"{shutil.disk_usage(self.path.parent).free / 1e6:.0f} MB free there"
         except OSError:

@@ -226,3 +226,37 @@ def test_no_file_entries_left_at_the_run_lock_or_the_queue_is_said_so(
         assert "no file entries (inodes) left" in line and "move it aside" not in line, line
     finally:
         subprocess.run(["umount", "-l", str(ino)], capture_output=True)
+
+
+APPEND_PAST_A_LIMIT = """
+import resource, sys
+from nanolab.runlog import RunLogWriter, RunLogWriteError
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+writer = RunLogWriter(sys.argv[1], run_id="r")
+try:
+    for step in range(10_000):
+        writer.write({"event": "train", "step": step, "loss": 1.0})
+except RunLogWriteError as err:
+    print(err.errno, err)
+"""
+
+
+def test_a_run_log_past_ulimit_f_names_the_limit_not_free_space(tmp_path: Path) -> None:
+    """A run log refused by a file-size limit (EFBIG) said "File too large; 45717 MB free
+    there ... free space": freeing space would not help. It names the limit and its fix."""
+    import errno
+    import sys
+
+    log = tmp_path / "metrics.jsonl"
+    out = subprocess.run([sys.executable, "-c", APPEND_PAST_A_LIMIT, str(log)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    code, line = out.stdout.strip().split(" ", 1)
+    assert int(code) == errno.EFBIG
+    assert line == (
+        f"cannot append to the run log {log} (File too large: this process's file-size limit "
+        "(ulimit -f: 8 kB)); the lines written so far and the checkpoints are intact: raise the "
+        "limit (ulimit -f unlimited, or ask for it in the job's settings), then rerun the same "
+        "command to resume"
+    ), line
+    assert "free" not in line

@@ -33,7 +33,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from nanolab.callbacks.files import fsync_dir, remove, tmp_path
 from nanolab.claimed import ClaimedDir
-from nanolab.errors import inodes_left, size_text
+from nanolab.errors import file_size_limit, inodes_left, size_text
 
 
 class CheckpointWriteError(OSError):
@@ -53,18 +53,6 @@ def _kept(path: Path) -> str:
         earlier = False
     kept = "the previous checkpoints are intact" if earlier else "no checkpoint was saved yet"
     return f"{kept} (no partial file was left under the final name)"
-
-
-def file_size_limit() -> int | None:
-    """This process's largest file in bytes (``ulimit -f``; None: unlimited, or a system
-    without the limit)."""
-    try:
-        import resource
-
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    except (ImportError, OSError, ValueError):
-        return None
-    return None if limit == resource.RLIM_INFINITY else int(limit)
 
 
 @dataclass(frozen=True)
