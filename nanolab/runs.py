@@ -409,6 +409,159 @@ def iter_timeline(run_dir: Path, events: tuple[str, ...] = STEP_EVENTS) -> Itera
             yield r
 
 
+#: Run-log events other than ``train``: a few per validation, against one ``train`` record per
+#: logged step. :func:`summarize_tail` reads these over the whole log, parsing only their lines.
+SPARSE_EVENTS = ("start", "end", "val", "budget", "checkpoint", "spike", "tasks", "log_recreated")
+#: The newest train records a status line reads as they are (its memory, utilisation, ETA).
+NEWEST_TRAIN = 20
+
+
+@dataclass
+class RunTail:
+    """What ``nanolab status`` shows of a run, read from the end of its log by
+    :func:`summarize_tail`: the summary's fields a status line uses, the newest usable
+    ``start`` record, and the newest :data:`NEWEST_TRAIN` train records (oldest first)."""
+
+    summary: RunSummary
+    start: dict[str, Any] | None
+    train: list[dict[str, Any]]
+
+
+def summarize_tail(name: str, run_dir: Path, now: float | None = None) -> RunTail:
+    """The fields of :func:`summarize_run` that a status line shows (status and detail, steps,
+    training loss, best and final validation, tokens/s and MFU, wall time, first and last
+    record time), the same figures, without parsing the log's train records: a long run logs
+    one per step (300k lines), and a screen redrawn every few seconds over hundreds of runs
+    cannot parse every line of every log (40 us a record: 8 s for one 200k-step run).
+
+    Two reads from the end of the log. The sparse records (:data:`SPARSE_EVENTS`: every start,
+    end and validation) over the whole log, only their lines parsed: where each resume rewound
+    to, the end of the last launch, every validation. The train records newest first, until the
+    last ``RECENT + 1`` steps of the run's timeline, a training loss and an elapsed time are
+    found: a few dozen lines (the whole log only for one that has none of them, an old one).
+    The other fields of the summary are left unset."""
+    now = time.time() if now is None else now
+    log = run_dir / RUN_LOG_NAME
+    s = RunSummary(run=name, status="crashed", run_dir=str(run_dir))
+    sparse = _SparseRecords(log)
+    end, trains = (
+        sparse.end,
+        _NewestTrain(log, need_elapsed=(sparse.end or {}).get("elapsed_s") is None),
+    )
+    recent = _LastSteps(RECENT + 1)
+    for r in reversed(trains.timeline):
+        recent.add(_step_key(r), r)
+    if trains.updated_record is not None:
+        s.started, s.updated = num(trains.first_time), num(trains.updated_record.get("time"))
+    _set_status(s, end, trains.updated_record is not None,
+                recent_mean(recent.records(), "step_time_s", RECENT), now)  # fmt: skip
+    steps = [v for v in (sparse.max_step, trains.max_step) if v is not None]
+    s.steps = max(steps) if steps else None
+    if end is not None and isinstance(end.get("step"), int):
+        s.steps = end["step"]
+    s.train_loss = num(trains.loss)
+    _set_val(s, [sparse.val[k] for k in sorted(sparse.val)])
+    s.tokens_per_s, s.mfu = recent_rates(recent.records())
+    value = (end or {}).get("elapsed_s")
+    s.wall_s = num(value if value is not None else trains.elapsed)
+    if s.wall_s is None and s.started is not None and s.updated is not None:
+        s.wall_s = s.updated - s.started
+    return RunTail(s, sparse.start, trains.newest[::-1])
+
+
+class _Floor:
+    """:class:`_Rewinds` read backwards: a step record is abandoned when a start after it (seen
+    before it, newest first) resumed from a lower step."""
+
+    def __init__(self) -> None:
+        self.step = math.inf
+
+    def abandoned(self, record: dict[str, Any]) -> bool:
+        step = record.get("step")
+        if record.get("event") == "start":
+            resumed = record.get("resumed_from_step")
+            if isinstance(resumed, int) and not isinstance(resumed, bool):
+                self.step = min(self.step, resumed)
+            return False
+        return record.get("event") in STEP_EVENTS and isinstance(step, int) and step > self.step
+
+
+class _SparseRecords:
+    """The usable records of :data:`SPARSE_EVENTS` of a log, newest first, as
+    :class:`_RunStream` keeps them: the end of the last launch (None when a start came after
+    it), the newest start, the highest step on the timeline, the validations by step."""
+
+    def __init__(self, log: Path) -> None:
+        self.end: dict[str, Any] | None = None
+        self.start: dict[str, Any] | None = None
+        self.max_step: int | None = None
+        self.val: dict[float, dict[str, Any]] = {}
+        decided, floor = False, _Floor()
+        newest = iter_backwards(log, SPARSE_EVENTS, where=lambda r: record_problem(r) is None,
+                                split_cr=True)  # fmt: skip
+        with contextlib.closing(newest):
+            for r in newest:
+                event = r.get("event")
+                if not decided and event in ("start", "end"):
+                    decided, self.end = True, r if event == "end" else None
+                if event == "start" and self.start is None:
+                    self.start = r
+                if floor.abandoned(r):
+                    continue
+                if isinstance(r.get("step"), int):
+                    self.max_step = max(self.max_step or 0, r["step"])
+                if event == "val" and not r.get("evaluated_by"):  # the newest copy of a step
+                    self.val.setdefault(_step_key(r), {
+                        k: r.get(k) for k in ("step", "tokens", "val_loss", "val_bpb")
+                    })  # fmt: skip
+
+
+class _NewestTrain:
+    """A log's train records read newest first, as far as a status line needs them: the newest
+    :data:`NEWEST_TRAIN` as they are, and on the run's timeline the last ``RECENT + 1`` steps,
+    the newest training loss and (``need_elapsed``) elapsed time. Also the newest usable record
+    (the run's last sign of life) and, when the whole log was read, the time of its first."""
+
+    def __init__(self, log: Path, need_elapsed: bool) -> None:
+        self.newest: list[dict[str, Any]] = []
+        self.timeline: list[dict[str, Any]] = []  # newest first, cut to the fields read
+        self.updated_record: dict[str, Any] | None = None
+        self.loss: Any = None
+        self.elapsed: Any = None
+        self.max_step: int | None = None
+        self.first_time: Any = None  # the oldest kept record's time, once the top is reached
+        floor, steps, oldest_kept = _Floor(), set(), None
+        records = iter_backwards(log, where=lambda r: record_problem(r) is None, split_cr=True)
+        with contextlib.closing(records):
+            for r in records:
+                if self.updated_record is None:
+                    self.updated_record = r
+                if r.get("event") == "train" and len(self.newest) < NEWEST_TRAIN:
+                    self.newest.append(r)
+                if floor.abandoned(r):
+                    continue
+                oldest_kept = r
+                if isinstance(r.get("step"), int):
+                    self.max_step = max(self.max_step or 0, r["step"])
+                if r.get("event") == "train":
+                    self._train(r, steps)
+                done = (len(steps) > RECENT and len(self.newest) >= NEWEST_TRAIN
+                        and self.loss is not None and (self.elapsed is not None or not need_elapsed))  # fmt: skip
+                if done:
+                    return
+        self.first_time = oldest_kept.get("time") if oldest_kept is not None else None
+
+    def _train(self, r: dict[str, Any], steps: set[float]) -> None:
+        key = _step_key(r)
+        if key in steps or len(steps) <= RECENT:  # older ones would leave _LastSteps anyway
+            steps.add(key)
+            self.timeline.append({k: r.get(k) for k in (*TRAIN_KEPT, *TRAIN_LAST)})
+        if self.loss is None:
+            self.loss = r.get("loss")
+        if self.elapsed is None:
+            self.elapsed = r.get("elapsed_s")
+
+
 class EvenSample:
     """At most ``2 * size`` items evenly spread over a stream of unknown length: every
     ``stride``-th item is kept, and when too many are, every other one is dropped and the

@@ -276,3 +276,112 @@ def test_a_runs_line_parses_its_log_once_and_its_newest_records_from_the_end(
     assert (line.step, line.max_steps, line.gpu_util) == (n, 100_000, 0.9)
     assert line.eta_s == (100_000 - n) * 0.5
     assert len(parsed) < n + 100, len(parsed)  # one pass (it was three)
+
+
+def status_fields(run: Path, now: float) -> dict:
+    """What a status line reads of a run, from the end of its log, as plain data."""
+    from nanolab.runs import summarize_tail
+
+    tail = summarize_tail(run.name, run, now)
+    s = tail.summary
+    return {"status": s.status, "detail": s.detail, "steps": s.steps, "loss": s.train_loss,
+            "best": s.best_val_loss, "final": s.final_val_loss, "tokens_per_s": s.tokens_per_s,
+            "wall": s.wall_s, "updated": s.updated, "start": tail.start, "train": tail.train}  # fmt: skip
+
+
+def full_read_fields(run: Path, now: float) -> dict:
+    """The same, from the whole log: the summary ``report`` prints and the newest records."""
+    from nanolab.runs import summarize_run, tail_records
+
+    s = summarize_run(run.name, run, now)
+    return {"status": s.status, "detail": s.detail, "steps": s.steps, "loss": s.train_loss,
+            "best": s.best_val_loss, "final": s.final_val_loss, "tokens_per_s": s.tokens_per_s,
+            "wall": s.wall_s, "updated": s.updated,
+            "start": next(iter(tail_records(run, "start")), None),
+            "train": tail_records(run, "train", 20)}  # fmt: skip
+
+
+def test_a_runs_line_reads_the_end_of_its_log_not_every_record(tmp_path: Path, monkeypatch):
+    """``status`` parsed every line of every run's log at each redraw (40 us a record: 8 s for
+    a 200k-step run, 18 s for 300 runs of 2k). Its line comes from the end of the log now: the
+    newest train records, and over the whole log only the few lines of the other events (the
+    starts a resume rewound to, every validation, the end); the figures are the full read's."""
+    import nanolab.runlog as runlog
+    from nanolab.queue.status import run_line
+
+    run = tmp_path / "long"
+    n, resumed = 30_000, 20_000
+    records = [{"event": "start", "time": 1.0, "step": 0, "resumed_from_step": None,
+                "config": {"trainer": {"max_steps": 100_000}}}]  # fmt: skip
+    for step in range(1, n + 1):
+        if step == resumed + 51:  # preempted; its last checkpoint was at `resumed`
+            records.append({"event": "start", "time": 1.0 + step, "step": resumed,
+                            "resumed_from_step": resumed, "planned_steps": 100_000})  # fmt: skip
+        at = step if step < resumed + 51 else step - 50  # the steps redone after the resume
+        records.append({"event": "train", "time": 1.0 + step, "step": at, "loss": 9.0 - at / 1e4,
+                        "tokens": 100 * at, "tokens_per_s": 200.0 + at % 7, "step_time_s": 0.5,
+                        "elapsed_s": 0.5 * step, "gpu_util": 90.0})  # fmt: skip
+        if at % 1000 == 0:
+            val = 5.0 + abs(at - 12_000) / 1e4  # best at step 12000
+            records.append({"event": "val", "time": 1.0 + step, "step": at, "tokens": 100 * at,
+                            "val_loss": val})  # fmt: skip
+    write_log(run, records)
+    now = n + 10.0
+    expected = full_read_fields(run, now)
+    parsed = []
+    real = runlog._parse
+    monkeypatch.setattr(runlog, "_parse", lambda line: parsed.append(1) or real(line))
+    line = run_line("long", run, now)
+    assert len(parsed) < 200, len(parsed)  # it was every line, twice
+    assert status_fields(run, now) == expected
+    assert (line.status, line.step, line.max_steps) == ("running", n - 50, 100_000)
+    assert (line.best_val_loss, line.val_loss) == (5.0, 5.0 + 17_000 / 1e4)
+    assert line.eta_s == (100_000 - (n - 50)) * 0.5 and line.gpu_util == 90.0
+
+
+@pytest.mark.slow  # 25 s on 2 cores: seven tiny fits
+def test_a_runs_line_is_the_full_reads_at_every_point_of_real_runs(tmp_path, char_dataset):
+    """Read from the end of the log, a run's status line says what the whole log says, at
+    every line of real runs' logs (as running, and as crashed when the log has gone silent):
+    completed and validated afterwards, preempted and resumed twice, branched from another
+    run's checkpoint,
+    diverged, and planned by its token budget (``max_steps`` -1)."""
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    runs = tmp_path / "runs"
+
+    def fit(name: str, *args: str, signal_at: int | None = None, **extra: object) -> None:
+        cfg = tiny_overrides(
+            char_dataset, runs, **{"run__name": name, "trainer__max_steps": 12, **extra}
+        )
+        cfg["checkpoint"] = {"every_n_steps": 3}
+        if signal_at is not None:
+            cfg["trainer"]["callbacks"] = [{"class_path": "cli_probes.SignalAt",
+                                            "init_args": {"step": signal_at, "signal": "SIGUSR1"}}]  # fmt: skip
+        config = write_config(tmp_path / f"{name}.yaml", cfg)
+        done = nanolab_here("fit", "--config", str(config), *args, cwd=tmp_path)
+        assert done.returncode in (0, 3, 75), done.stderr[-2000:]
+
+    fit("done")
+    nanolab_here("validate", "--config", str(tmp_path / "done.yaml"), "--ckpt_path", "best",
+                 cwd=tmp_path)  # fmt: skip
+    fit("resumed", signal_at=4)
+    fit("resumed", signal_at=8)
+    fit("resumed")
+    first = sorted((runs / "done" / "checkpoints").glob("step-*.ckpt"))[0]
+    fit("branch", "--ckpt_path", str(first), model__optimizer={"lr": 0.3}, trainer__max_steps=15)
+    fit("diverged", model__optimizer={"lr": 1.0e4}, model__schedule={"warmup_steps": 0})
+    fit("tokens", trainer__max_steps=-1, budget={"max_tokens": 8 * 4 * 32})
+    names = sorted(p.name for p in runs.iterdir() if p.is_dir())
+    assert names == ["branch", "diverged", "done", "resumed", "tokens"]
+    copy = tmp_path / "copy"
+    for name in names:
+        lines = (runs / name / "metrics.jsonl").read_text().splitlines(keepends=True)
+        assert len(lines) > 5
+        run = copy / name
+        run.mkdir(parents=True)
+        for cut in range(len(lines) + 1):
+            (run / "metrics.jsonl").write_text("".join(lines[:cut]))
+            last = json.loads(lines[cut - 1])["time"] if cut else 0.0
+            for now in (last + 1.0, last + 1e5):  # running; crashed
+                assert status_fields(run, now) == full_read_fields(run, now), (name, cut, now)

@@ -5,7 +5,9 @@ its measured step time, how long since its last log line; a run silent for much 
 steps take is flagged *stalled*), what is queued (when it would start and end if the queue runs
 one job at a time in its order), and what ended (its end reason and best validation loss).
 
-It only reads: each run's ``metrics.jsonl`` (as ``report`` does) and the queue database opened
+It only reads: each run's ``metrics.jsonl``, from its end (the newest train records, and only
+the lines of the sparse events over the whole log: :func:`nanolab.runs.summarize_tail`, the
+figures ``report`` prints, without parsing a record per step), and the queue database opened
 read-only (SQLite ``mode=ro``: it never locks a run or blocks the runner). A job's time is one
 account everywhere: the run log's elapsed time over every attempt, the same figure ``report``
 prints (the queue's own counter only for a job that never logged). ``--json`` prints the same
@@ -29,15 +31,13 @@ from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser, given_path
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
-    RunSummary,
     check_root,
     discover_runs,
     duration,
     num,
     planned_steps_of,
     recent_mean,
-    summarize_run,
-    tail_records,
+    summarize_tail,
 )
 from nanolab.tables import table
 
@@ -101,11 +101,11 @@ class Screen:
 
 
 def run_line(name: str, run_dir: Path, now: float) -> RunLine:
-    """The screen's line of one run, from its log."""
-    s: RunSummary = summarize_run(name, run_dir, now)
-    train = tail_records(run_dir, "train", 20)
+    """The screen's line of one run, from the end of its log (every redraw, every run: a
+    whole log is never parsed, see :func:`summarize_tail`)."""
+    tail = summarize_tail(name, run_dir, now)
+    s, train, start = tail.summary, tail.train, tail.start or {}
     last = train[-1] if train else {}
-    start = next(iter(tail_records(run_dir, "start")), {})
     config = start.get("config") if isinstance(start.get("config"), dict) else {}
     # The step the run trains to: trainer.max_steps, or where budget.max_tokens stops a run of
     # max_steps -1 (its start record's planned_steps), so a budget-planned run has an ETA too.
