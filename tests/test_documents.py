@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import QUICKSTART
 from test_data_checks import fit_config, fit_in_process
 
 from nanolab.data import documents
 from nanolab.data.datamodule import DocumentWindows, TokenDataModule
 from nanolab.data.documents import pack_documents, unit_starts
-from nanolab.data.windows import MixturePlan, ResumableBatchSampler
+from nanolab.data.windows import DataTooSmallError, MixturePlan, ResumableBatchSampler
 from nanolab.estimator.memory import estimate_memory
 from nanolab.estimator.setup import Setup
 from nanolab.model import GPT, GPTConfig
@@ -191,6 +192,39 @@ def test_long_documents_are_named_when_aligning_drops_most_tokens(tmp_path, recw
     assert not [w for w in recwarn if "keeps only" in str(w.message)]
 
 
+def _record_packings(monkeypatch) -> list[str]:
+    """The split files (``train.bin``, ``val.bin``) packed from here on, in order."""
+    from nanolab.data import datamodule
+
+    packed: list[str] = []
+    real = datamodule.packing_of
+
+    def recording(path, *args):
+        packed.append(Path(path).name)
+        return real(path, *args)
+
+    monkeypatch.setattr(datamodule, "packing_of", recording)
+    return packed
+
+
+def test_validate_and_test_neither_pack_nor_require_the_training_split(tmp_path, monkeypatch):
+    """The training split of a large corpus costs a scan and a packing (seconds, memory) that
+    an evaluation would never read; one too small for a step is no reason to refuse it."""
+    folder = write_documents(tmp_path / "d", ["a cat"] * 10, random_documents(40, 13))
+    packed = _record_packings(monkeypatch)
+    for stage in ("validate", "test"):
+        dm = TokenDataModule(dataset_dir=str(folder), source=None, block_size=31,
+                             micro_batch_size=4, val_windows=6, align="document")  # fmt: skip
+        dm.check_validation_fits(1)
+        dm.setup(stage)
+        keys = [k for batch in dm.val_dataloader().sampler for k in batch]
+        assert len(keys) == 6, stage
+    assert packed == ["val.bin", "val.bin"]
+    with pytest.raises(DataTooSmallError, match="training split"):
+        dm.check_fits(1)  # a fit still refuses it, naming the split
+    assert 0 < len(dm.train_parts[0]) < 4  # made on first use, for whoever reads it
+
+
 # -- the mask -----------------------------------------------------------------------------------
 BASE = dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False)
 
@@ -338,7 +372,7 @@ def test_the_estimator_adds_the_mask_sdpa_keeps_on_a_cpu_and_not_flex_on_a_gpu()
 
 # -- a run ----------------------------------------------------------------------------------------
 def test_fit_trains_aligned_and_masked_records_the_eot_and_refuses_another_alignment(
-    tmp_path, capsys
+    tmp_path, capsys, monkeypatch
 ):
     folder = write_documents(tmp_path / "d", random_documents(300, 9), random_documents(40, 10))
     cfg = fit_config(
@@ -358,6 +392,9 @@ def test_fit_trains_aligned_and_masked_records_the_eot_and_refuses_another_align
 
     from nanolab.cli import main
 
+    packed = _record_packings(monkeypatch)
+    assert main(["validate", "--config", str(QUICKSTART), "--config", str(cfg)]) == 0
+    assert packed and set(packed) == {"val.bin"}, packed  # the training split is not read
     ckpt = str(run / "checkpoints" / "last.ckpt")
     assert main(["generate", "--ckpt", ckpt, "--prompt", "the cat", "--max-new-tokens", "5"]) == 0
     err = capsys.readouterr().err

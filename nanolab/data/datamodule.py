@@ -447,9 +447,9 @@ class TokenDataModule(L.LightningDataModule):
                 f"({model_vocab}); set model.gpt.vocab_size to null (read from the data) "
                 f"or to >= {meta['vocab_size']}"
             )
-        self.train_parts, self.val_parts = self.windows("train"), self.windows("val")
-        # The single-dataset names of earlier versions (bench, forks).
-        self.train_tokens, self.val_tokens = self.train_parts[0], self.val_parts[0]
+        if stage == "fit":  # validate/test never read the training split: no scan, no packing
+            self.windows("train")
+        self.windows("val")
         for part in self.parts:
             if part.val_bytes_per_token is None and str(part.path) not in _NOTED_NO_BYTES:
                 _NOTED_NO_BYTES.add(str(part.path))
@@ -459,6 +459,29 @@ class TokenDataModule(L.LightningDataModule):
                     f"{part.path / 'meta.json'} has no val_bytes (prepared by an older nanolab): "
                     "val_bpb is not logged; prepare the data again to log bits per byte",
                 )
+
+    @property
+    def train_parts(self) -> list[Any]:
+        """Every dataset folder's training windows, made on first use: ``setup("fit")`` makes
+        them before training starts, a ``validate``/``test`` never does (a document-aligned
+        split of a large corpus costs a scan and a packing it would not read)."""
+        return self.windows("train")
+
+    @property
+    def val_parts(self) -> list[Any]:
+        """Every dataset folder's validation windows, made on first use (``setup`` makes them)."""
+        return self.windows("val")
+
+    @property
+    def train_tokens(self) -> Any:
+        """The first folder's training windows: the single-dataset name of earlier versions
+        (bench, forks)."""
+        return self.train_parts[0]
+
+    @property
+    def val_tokens(self) -> Any:
+        """The first folder's validation windows (the single-dataset name of earlier versions)."""
+        return self.val_parts[0]
 
     def windows(self, split: str) -> list[Any]:
         """The windows of ``split`` (train or val) of every dataset folder, as ``align``
@@ -509,6 +532,11 @@ class TokenDataModule(L.LightningDataModule):
         """Raise :class:`DataTooSmallError` now if a split cannot fill one step or one window,
         or its validation windows cannot give every rank a batch."""
         self.window_plan(world_size)
+        self.check_validation_fits(world_size)
+
+    def check_validation_fits(self, world_size: int) -> None:
+        """What ``validate``/``test`` check before they start: the validation windows give every
+        rank a batch (the training split, which they never read, is not looked at)."""
         for part, windows in zip(self.parts, self._validation_sets(), strict=True):
             try:
                 evaluation_batches(windows, 0, world_size, self.micro_batch_size)

@@ -104,6 +104,8 @@ def launch(cli: NanolabCLI) -> Trainer:
     write_derived(cfg, resolved)
     data.block_size, data.micro_batch_size = resolved.block_size, resolved.micro_batch_size
     check_fits = getattr(data, "check_fits", None)
+    if verb != "fit":  # validate/test read the validation windows only, not the training split
+        check_fits = getattr(data, "check_validation_fits", check_fits)
     if callable(check_fits):  # now, not after start-up: the data must fill a step of each rank
         check_fits(resolved.world_size)
     partial = partial_validation_warning(

@@ -42,7 +42,9 @@ class DataModuleProtocol(Protocol):
             model's ``gpt.block_size`` when the model has one.
 
     Optional: ``masked_targets = True`` declares batches whose targets may be ``-1`` (no loss),
-    so each optimizer step averages over its targets (nanolab/training/masked_targets.py).
+    so each optimizer step averages over its targets (nanolab/training/masked_targets.py); a
+    ``check_validation_fits(world_size)`` is what ``validate``/``test`` call instead of
+    ``check_fits``, so an evaluation need not prepare a training split it never reads.
     """
 
     micro_batch_size: int
