@@ -262,3 +262,84 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_in_evals_words(work, ve
     )
     assert "has non-finite weights (NaN/inf in 2 of" in line
     assert digests(work) == before  # nothing logged, nothing written
+
+
+def test_validate_restores_the_weights_mapped_on_the_cpu_not_the_optimizer_state(work, monkeypatch):
+    """The optimizer's state (AdamW: twice the weights) is for training: an evaluation that
+    loaded it held three times the weights in memory beside the model (and, on a GPU, put it
+    back on the device). The record is the same as the full restore's."""
+    from nanolab.training.module import GPTLightningModule
+
+    seen: list[tuple[set[str], set[str]]] = []
+    restore = GPTLightningModule.on_load_checkpoint
+
+    def spy(self, checkpoint):
+        seen.append((set(checkpoint), {t.device.type for t in checkpoint["state_dict"].values()}))
+        return restore(self, checkpoint)
+
+    loads: list[bool] = []
+    load = torch.load
+
+    def load_spy(*args, **kwargs):
+        loads.append(bool(kwargs.get("mmap")))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(GPTLightningModule, "on_load_checkpoint", spy)
+    monkeypatch.setattr(torch, "load", load_spy)
+    res = nanolab_here("validate", "--config", "tiny.yaml", cwd=work)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ((keys, devices),) = seen
+    assert "state_dict" in keys and devices == {"cpu"}
+    assert not keys & {"optimizer_states", "lr_schedulers"}, keys
+    assert loads and all(loads), loads  # every read of the checkpoint maps it
+    run = work / "runs" / "tiny"
+    record = read_records(run / "metrics.jsonl")[-1]
+    assert record["evaluated_by"] == "nanolab validate" and record["step"] == 6
+    assert record["val_loss"] == pytest.approx(fit_val_loss(run, 6), abs=1e-5)
+
+
+def test_an_evaluation_load_leaves_shards_and_other_loaders_their_own(tmp_path):
+    from lightning.fabric.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from nanolab.callbacks.checkpoint_io import (
+        AtomicCheckpointIO,
+        EvaluationCheckpointIO,
+        evaluation_loads,
+    )
+    from nanolab.training.evaluate import load_for_evaluation
+
+    ckpt = tmp_path / "step-00000001.ckpt"
+    weights = {"w": torch.arange(4.0)}
+    full = {"state_dict": weights, "global_step": 1, "optimizer_states": [{"m": torch.ones(4)}],
+            "lr_schedulers": [{"last_epoch": 1}]}  # fmt: skip
+    torch.save(full, ckpt)
+    legacy = tmp_path / "legacy.ckpt"  # torch's old format cannot be mapped: read as it is
+    torch.save(full, legacy, _use_new_zipfile_serialization=False)
+    for path in (ckpt, legacy):
+        loaded = load_for_evaluation(path)
+        assert set(loaded) == {"state_dict", "global_step"} and loaded["state_dict"]["w"].equal(
+            weights["w"]
+        )
+
+    class ShardedLoad(SingleDeviceStrategy):  # DeepSpeed, FSDP: a load of their own
+        def load_checkpoint(self, checkpoint_path, weights_only=None):
+            raise AssertionError("not called here")
+
+    class OtherStorage(TorchCheckpointIO):  # a checkpoint IO of one's own
+        pass
+
+    for make, path, lean in [
+        (lambda: SingleDeviceStrategy("cpu"), ckpt, True),
+        (lambda: SingleDeviceStrategy("cpu", checkpoint_io=AtomicCheckpointIO()), ckpt, True),
+        (lambda: SingleDeviceStrategy("cpu"), tmp_path, False),  # a sharded folder
+        (lambda: SingleDeviceStrategy("cpu"), None, False),  # --ckpt_path none
+        (lambda: SingleDeviceStrategy("cpu"), "s3://bucket/x.ckpt", False),  # not a local file
+        (lambda: ShardedLoad("cpu"), ckpt, False),
+        (lambda: SingleDeviceStrategy("cpu", checkpoint_io=OtherStorage()), ckpt, False),
+    ]:
+        strategy = make()
+        before = strategy.checkpoint_io
+        with evaluation_loads(strategy, None if path is None else str(path)):
+            assert isinstance(strategy.checkpoint_io, EvaluationCheckpointIO) == lean, (path, lean)
+        assert strategy.checkpoint_io is before

@@ -12,6 +12,9 @@ the training thread only takes a CPU snapshot of the state (the stall), a backgr
 writes it, and :meth:`AsyncAtomicCheckpointIO.then` queues follow-up work (pointing ``last.ckpt``
 at the new file, deleting old ones) behind the write, so nothing is deleted before its successor
 is complete on disk.
+
+Loading is Lightning's, but for ``validate``/``test`` (:func:`evaluation_loads`): their
+:class:`EvaluationCheckpointIO` maps the file on the CPU and leaves the optimizer state unread.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,3 +453,50 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
             self.wait()
         finally:
             super().teardown()
+
+
+class EvaluationCheckpointIO(AtomicCheckpointIO):
+    """The checkpoint IO of a ``validate``/``test``: its load is
+    :func:`~nanolab.training.evaluate.load_for_evaluation` (the weights memory-mapped on the CPU,
+    no optimizer state), where Lightning's reads the whole file into memory, onto the device
+    each tensor was saved from. Lightning's restore is otherwise unchanged: the module, the
+    data and the callbacks get their states as before, so the evaluation scores the same."""
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        from nanolab.training.evaluate import load_for_evaluation
+
+        return load_for_evaluation(path)
+
+
+def loads_through_checkpoint_io(strategy: Any) -> bool:
+    """Whether ``strategy`` reads a checkpoint file with its ``checkpoint_io`` (one device,
+    DDP). DeepSpeed, FSDP and ModelParallel read theirs in their own way (shards, only what
+    the stage needs) and are left to it."""
+    from lightning.pytorch.strategies import Strategy
+
+    return type(strategy).load_checkpoint is Strategy.load_checkpoint
+
+
+@contextlib.contextmanager
+def evaluation_loads(strategy: Any, ckpt_path: str | None) -> Iterator[None]:
+    """Within it, ``strategy`` restores the checkpoint file ``ckpt_path`` for an evaluation
+    through :class:`EvaluationCheckpointIO`; its own checkpoint IO is back afterwards. A
+    sharded folder (or anything but a local file), a strategy that loads on its own and a
+    checkpoint IO of one's own (a plugin that reads another storage) keep their load."""
+    current = strategy.checkpoint_io
+    lean = (
+        ckpt_path is not None
+        and Path(ckpt_path).is_file()
+        and loads_through_checkpoint_io(strategy)
+        and type(current) in (TorchCheckpointIO, AtomicCheckpointIO, AsyncAtomicCheckpointIO)
+    )
+    if not lean:
+        yield
+        return
+    strategy.checkpoint_io = EvaluationCheckpointIO()
+    try:
+        yield
+    finally:
+        strategy.checkpoint_io = current

@@ -214,10 +214,12 @@ def launch(cli: NanolabCLI) -> Trainer:
         return trainer
     target, ckpt_path = evaluation_target(verb, run_dir, model, picked, data, strategy_kind)
     evaluate = trainer.validate if verb == "validate" else trainer.test
+    from nanolab.callbacks.checkpoint_io import evaluation_loads
     from nanolab.model.checkpoint import release
 
     try:  # nanolab prints its own plain lines (evaluation_lines), as every other verb does.
-        evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
+        with evaluation_loads(trainer.strategy, ckpt_path):  # the weights, not the optimizer
+            evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
     finally:
         if target.path is not None:
             release(target.path)  # the held file is restored: let a deleted one go

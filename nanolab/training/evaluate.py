@@ -32,6 +32,10 @@ from typing import Any
 from nanolab.errors import NanolabError
 from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, iter_records, written_in_training
 
+#: What a checkpoint holds for training only: the optimizer's state (AdamW's two moments, twice
+#: the weights) and the LR schedulers'. ``validate``/``test`` never read them.
+TRAINING_ONLY_KEYS = ("optimizer_states", "lr_schedulers")
+
 #: ``--ckpt_path`` values that pick a checkpoint of the run directory by name.
 BY_NAME = ("last", "best")
 #: ``--ckpt_path`` values that mean "no checkpoint: evaluate the model as built".
@@ -123,6 +127,29 @@ def _best(run_dir: Path, verb: str) -> EvalTarget:
             "validation steps (checkpoint.save_on_best true)"
         )
     return EvalTarget(best.path, best.step, log_to_run=True)
+
+
+def load_for_evaluation(path: str | Path) -> dict[str, Any]:
+    """The checkpoint file ``path`` as ``validate``/``test`` restore it: its weights and the
+    small states the module, the data and the callbacks read (the step, the data's validation
+    windows), without the optimizer's and schedulers' states.
+
+    Loaded with ``weights_only=True`` onto the CPU and memory-mapped (a file torch saved in its
+    zip format, which every checkpoint nanolab writes is): a tensor's bytes are read only when
+    the restore copies it into the model, so the evaluation holds the weights once, not the
+    whole checkpoint (three times the weights with AdamW) beside them, and a checkpoint saved
+    on a GPU does not put its optimizer state back on the device."""
+    import zipfile
+
+    import torch
+
+    checkpoint = torch.load(
+        path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+    )
+    if isinstance(checkpoint, dict):
+        for key in TRAINING_ONLY_KEYS:
+            checkpoint.pop(key, None)
+    return checkpoint
 
 
 def _finite(value: Any) -> bool:
