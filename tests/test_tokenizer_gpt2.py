@@ -176,3 +176,23 @@ def test_gpt2_without_tiktoken_says_how_to_install_it(monkeypatch):
     message = str(err.value)
     assert "pip install 'nanolab[tiktoken]'" in message and "'bpe'" in message
     assert "\n" not in message and os.linesep not in message
+
+
+def test_gpt2_encodes_a_long_text_in_slices_to_the_ids_of_the_whole(local_gpt2, monkeypatch):
+    """A long document (a JSON line of tens of MB) is encoded in slices cut before a space
+    between two letters, where GPT-2's regex ends a word whatever follows: the ids are those
+    of the whole, and memory follows the slice."""
+    import random
+
+    from nanolab.data import tokenizers
+
+    monkeypatch.setattr(tokenizers, "SLICE_CHARS", 300)
+    tok = tokenizer_from_spec({"name": "gpt2"})
+    words = ["soft", "what's", "light", "42", "3.14", "ünï", "日本", "✓", "--", "<|endoftext|>"]
+    gaps = [" ", "  ", "\n", "\t", " \n ", "", ", ", "'s "]
+    rng = random.Random(0)
+    for _ in range(10):
+        text = "".join(rng.choice(words) + rng.choice(gaps) for _ in range(1500))
+        pieces = list(tok.encode_long(text))
+        assert len(pieces) > 1
+        assert np.concatenate(pieces).tolist() == tok.encode_batch([text])[0].tolist()

@@ -12,15 +12,24 @@ second (no torch, no Lightning).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from nanolab.data import tokenizers
 from nanolab.data.sources import Block
-from nanolab.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_spec
+from nanolab.data.tokenizers import (
+    Tokenizer,
+    TokenizerError,
+    char_slices,
+    tokenizer_from_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -44,14 +53,32 @@ class Documents:
 
 @dataclass
 class SplitPart:
-    ids: np.ndarray
+    #: The split's ids of the block, to be written end to end: an array per encoded slice and
+    #: end-of-text, not one concatenation of them, which held a second copy of a long
+    #: document's ids.
+    pieces: list[np.ndarray]
     nbytes: int = 0
     docs: int = 0
     units: int = 0
-    #: The last unit of this split in the block (ids, bytes, docs, and its text when it is the
-    #: block's only unit): the fallback moves it when a tiny corpus left the other split empty,
-    #: or cuts the text of a corpus of one unit in two.
-    last: tuple[np.ndarray, int, int, str | None] | None = None
+    #: The last unit of this split in the block (where its ids start, its bytes, docs, and its
+    #: text when it is the block's only unit): the fallback moves it when a tiny corpus left the
+    #: other split empty, or cuts the text of a corpus of one unit in two.
+    last: tuple[int, int, int, str | None] | None = None
+
+    @property
+    def size(self) -> int:
+        """How many ids the pieces hold."""
+        return sum(int(piece.size) for piece in self.pieces)
+
+    def ids_from(self, start: int) -> list[np.ndarray]:
+        """The ids from ``start`` on, as views of the pieces (no copy); an empty view when
+        there are none (a unit of no ids)."""
+        out = []
+        for piece in self.pieces:
+            if start < piece.size:
+                out.append(piece[max(start, 0) :])
+            start -= int(piece.size)
+        return out or [piece[:0] for piece in self.pieces[-1:]]
 
 
 @dataclass
@@ -135,6 +162,48 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="nanolab-parent-watch", daemon=True).start()
 
 
+class IdOutOfRange(TokenizerError):
+    """The tokenizer gave an id the bins' dtype cannot hold: its fault, not a document's."""
+
+
+def utf8_size(text: str) -> int:
+    """The UTF-8 length of ``text``, encoded a slice at a time (a whole 60 MB JSON document
+    encoded at once is a second copy of it). A lone surrogate raises UnicodeEncodeError with
+    ``start`` the index in ``text``."""
+    if text.isascii():
+        return len(text)
+    size = 0
+    for at in range(0, len(text), tokenizers.SLICE_CHARS):
+        try:
+            size += len(text[at : at + tokenizers.SLICE_CHARS].encode("utf-8"))
+        except UnicodeEncodeError as err:
+            raise UnicodeEncodeError(
+                err.encoding, text, at + err.start, at + err.end, err.reason
+            ) from None
+    return size
+
+
+def _line_spans(payload: bytes) -> Iterator[tuple[int, int]]:
+    """Where each line of a block starts and ends, without copying any: ``split`` held a copy of
+    every line until the block was parsed."""
+    start = 0
+    while (end := payload.find(b"\n", start)) >= 0:
+        yield start, end
+        start = end + 1
+    yield start, len(payload)
+
+
+#: What ``bytes.strip()`` keeps: a line without any is blank.
+_NON_BLANK = re.compile(rb"[^ \t\n\r\x0b\x0c]")
+
+
+def _json_line(payload: bytes, start: int, end: int) -> Any:
+    """``json.loads(payload[start:end])``, the line decoded as ``json.loads`` decodes bytes, but
+    straight from the block: a copy of a 60 MB line was one more while it was parsed."""
+    encoding = json.detect_encoding(payload[start : min(end, start + 4)])
+    return json.loads(str(memoryview(payload)[start:end], encoding, "surrogatepass"))
+
+
 def _field(value: Any, path: list[str]) -> Any:
     for key in path:
         if not isinstance(value, dict) or key not in value:
@@ -180,12 +249,12 @@ def documents(block: Block, text_field: str) -> Documents:
 
     path = text_field.split(".")
     if block.kind == "jsonl":
-        for i, line in enumerate(block.payload.split(b"\n")):
-            if not line.strip():
+        for i, (start, end) in enumerate(_line_spans(block.payload)):
+            if _NON_BLANK.search(block.payload, start, end) is None:
                 continue  # blank lines (and the end of the file) are not documents
             where = f"{block.file_path} line {block.first_unit + i + 1}"
             try:
-                record = json.loads(line)
+                record = _json_line(block.payload, start, end)
             except UnicodeDecodeError:
                 out.errors.append(f"{where}: not UTF-8; convert the file or pass --skip-bad")
                 continue
@@ -239,7 +308,7 @@ def _add_text(out: Documents, where: str, value: Any, name: str, unit: int) -> N
         )
         return
     try:
-        nbytes = len(value.encode("utf-8"))
+        nbytes = utf8_size(value)
     except UnicodeEncodeError as err:  # a lone surrogate escaped in JSON ("\ud83d"): not text
         out.errors.append(
             f"{where}: field {name!r} holds an unpaired surrogate ({value[err.start]!r} at "
@@ -279,30 +348,78 @@ def encode_block(block: Block) -> BlockResult:
     dtype = np.dtype(s.dtype)
     errors = list(docs.errors)
     try:
-        arrays = _tokenizer.encode_batch(docs.texts) if docs.texts else []
+        units = _encoded(_tokenizer, docs.texts, dtype, block.file_path)
+    except IdOutOfRange:
+        raise
     except TokenizerError as err:
         return BlockResult(_empty(dtype), _empty(dtype), 0, [f"{block.file_path}: {err}"])
-    _check_fits(arrays, dtype, block.file_path)
     draws = split_draw(s.seed, block.file_index, np.asarray(docs.units, dtype=np.int64))
     eot = _tokenizer.eot_id
     eot_arr = np.asarray([] if eot is None else [eot], dtype=dtype)
-    pieces: dict[bool, list[np.ndarray]] = {False: [], True: []}
     parts = {False: _empty(dtype), True: _empty(dtype)}
     alone = docs.texts[0] if len(docs.texts) == 1 else None
-    for ids, end, nbytes, draw in zip(arrays, docs.ends, docs.nbytes, draws, strict=True):
+    sizes = {False: 0, True: 0}  # ids of each split so far
+    for unit, end, nbytes, draw in zip(units, docs.ends, docs.nbytes, draws, strict=True):
         is_val = bool(draw < s.val_fraction)
         part = parts[is_val]
-        unit_ids = np.concatenate([ids.astype(dtype), eot_arr]) if end else ids.astype(dtype)
-        pieces[is_val].append(unit_ids)
+        part.last = (sizes[is_val], nbytes, int(end), alone)
+        part.pieces.extend([*unit, eot_arr] if end else unit)
+        sizes[is_val] += sum(int(piece.size) for piece in unit) + (eot_arr.size if end else 0)
         part.nbytes += nbytes
         part.docs += int(end)
         part.units += 1
-        part.last = (unit_ids, nbytes, int(end), alone)
-    for is_val, part in parts.items():
-        if pieces[is_val]:
-            part.ids = np.concatenate(pieces[is_val])
+    del units
+    for part in parts.values():
+        part.pieces = _joined(part.pieces)
     chars = sum(len(t) for t in docs.texts)
     return BlockResult(parts[False], parts[True], chars, errors)
+
+
+#: A piece of a split this long (a slice of a long document) is written as it is; shorter
+#: ones (documents) are joined into one array.
+_PIECE_IDS = 1 << 14
+
+
+def _joined(pieces: list[np.ndarray]) -> list[np.ndarray]:
+    """The pieces as few arrays: each run of short ones (a block's documents and their
+    end-of-text ids) concatenated, so that thousands of documents are one write and one array
+    to send back; a long one left alone, since concatenating it would copy its ids."""
+    out: list[np.ndarray] = []
+    run: list[np.ndarray] = []
+    for piece in pieces:
+        if piece.size < _PIECE_IDS:
+            run.append(piece)
+            continue
+        if run:
+            out.append(np.concatenate(run))
+            run = []
+        out.append(piece)
+    if run:
+        out.append(np.concatenate(run))
+    return out
+
+
+def _encoded(
+    tok: Tokenizer, texts: list[str], dtype: np.dtype, where: str
+) -> list[list[np.ndarray]]:
+    """Each text's ids in the bins' dtype, as one or more pieces: the short texts in one batch,
+    a text over ``SLICE_CHARS`` characters slice by slice where its tokenizer's ids cannot
+    depend on the cut (:meth:`Tokenizer.encode_long`), so that memory follows the slice, not
+    the document: a one-line 20 MB JSON document peaked at ~15x its size with ``chars`` and at
+    ~200 bytes per token with ``bpe``."""
+    out: list[list[np.ndarray]] = [[] for _ in texts]
+    short = [i for i, text in enumerate(texts) if len(text) <= tokenizers.SLICE_CHARS]
+    if short:
+        arrays = tok.encode_batch([texts[i] for i in short])
+        _check_fits(arrays, dtype, where)
+        for i, ids in zip(short, arrays, strict=True):
+            out[i].append(ids.astype(dtype))
+    for i, text in enumerate(texts):
+        if len(text) > tokenizers.SLICE_CHARS:
+            for ids in tok.encode_long(text):
+                _check_fits([ids], dtype, where)
+                out[i].append(ids.astype(dtype))
+    return out
 
 
 def _check_fits(arrays: list[np.ndarray], dtype: np.dtype, where: str) -> None:
@@ -311,7 +428,7 @@ def _check_fits(arrays: list[np.ndarray], dtype: np.dtype, where: str) -> None:
     it is the tokenizer's fault, not a document's, so ``--skip-bad`` does not skip it."""
     top = max((int(a.max()) for a in arrays if a.size), default=0)
     if top > np.iinfo(dtype).max:
-        raise TokenizerError(
+        raise IdOutOfRange(
             f"{where}: the tokenizer gave id {top:,}, past the {dtype.name} the dataset's "
             f"vocabulary chose (ids up to {np.iinfo(dtype).max:,}); the tokenizer.json gives ids "
             "outside its own vocabulary: fix the file or use another tokenizer"
@@ -326,11 +443,11 @@ def block_alphabet(block: Block) -> tuple[str, list[str], int]:
     """
     assert _settings is not None, "init_worker was not called"
     docs = documents(block, _settings.text_field)
-    codes = np.frombuffer("".join(docs.texts).encode("utf-32-le"), dtype=np.uint32)
-    if not codes.size:
-        return "", docs.errors, 0
-    seen = np.zeros(int(codes.max()) + 1, dtype=bool)
-    seen[codes] = True
+    seen = np.zeros(0x110000, dtype=bool)  # every code point; pages untouched stay unallocated
+    short = "".join(t for t in docs.texts if len(t) <= tokenizers.SLICE_CHARS)
+    long = (p for t in docs.texts if len(t) > tokenizers.SLICE_CHARS for p in char_slices(t))
+    for piece in itertools.chain([short], long):  # short texts at once, long ones by slices
+        seen[np.frombuffer(piece.encode("utf-32-le"), dtype=np.uint32)] = True
     return "".join(map(chr, np.flatnonzero(seen).tolist())), docs.errors, len(docs.texts)
 
 
@@ -347,4 +464,4 @@ def block_sample(block: Block, keep: float) -> tuple[list[str], list[str], int]:
 
 
 def _empty(dtype: np.dtype) -> SplitPart:
-    return SplitPart(np.zeros(0, dtype=dtype))
+    return SplitPart([])

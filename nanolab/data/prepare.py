@@ -832,7 +832,7 @@ class _Job:
         totals: dict[str, Any] = {
             split: {"tokens": 0, "bytes": 0, "docs": 0, "units": 0} for split in ("train", "val")
         }
-        last: dict[str, tuple[np.ndarray, int, int, str | None] | None] = {
+        last: dict[str, tuple[list[np.ndarray], int, int, str | None] | None] = {
             "train": None,
             "val": None,
         }
@@ -868,7 +868,13 @@ class _Job:
                     for split, part in (("train", result.train), ("val", result.val)):
                         _append(handles[split], part, totals[split])
                         if part.last is not None:
-                            last[split] = part.last
+                            unit_start, unit_bytes, unit_docs, unit_text = part.last
+                            last[split] = (
+                                part.ids_from(unit_start),
+                                unit_bytes,
+                                unit_docs,
+                                unit_text,
+                            )
             progress.close()
             if not totals["train"]["units"] + totals["val"]["units"]:
                 self._refuse_no_documents()
@@ -918,9 +924,10 @@ def write_refused(out_dir: Path, err: OSError) -> str:
 
 
 def _append(handle: IO[bytes], part: SplitPart, total: dict[str, int]) -> None:
-    if part.ids.size:
-        handle.write(part.ids.tobytes())
-    total["tokens"] += int(part.ids.size)
+    for piece in part.pieces:
+        if piece.size:  # the array's own memory: tobytes() was a copy of a block's ids
+            handle.write(memoryview(np.ascontiguousarray(piece)).cast("B"))
+    total["tokens"] += part.size
     total["bytes"] += part.nbytes
     total["docs"] += part.docs
     total["units"] += part.units
@@ -929,7 +936,7 @@ def _append(handle: IO[bytes], part: SplitPart, total: dict[str, int]) -> None:
 def _rebalance(
     handles: dict[str, IO[bytes]],
     totals: dict[str, Any],
-    last: dict[str, tuple[np.ndarray, int, int, str | None] | None],
+    last: dict[str, tuple[list[np.ndarray], int, int, str | None] | None],
     tok: Tokenizer,
     val_fraction: float,
 ) -> None:
@@ -940,7 +947,8 @@ def _rebalance(
             continue
         moved = last[full]
         assert moved is not None
-        ids, nbytes, docs, text = moved
+        unit, nbytes, docs, text = moved
+        ids = np.concatenate(unit)  # at most one unit, once
         src = handles[full]
         src.flush()
         src.truncate(src.tell() - ids.nbytes)
@@ -958,7 +966,7 @@ def _rebalance(
             pieces = _cut(text, ids, nbytes, docs, tok, val_fraction)
         for split, (part, part_bytes, part_docs) in pieces.items():
             _append(
-                handles[split], SplitPart(part, int(part_bytes), int(part_docs), 1), totals[split]
+                handles[split], SplitPart([part], int(part_bytes), int(part_docs), 1), totals[split]
             )
 
 

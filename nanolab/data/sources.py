@@ -626,13 +626,16 @@ class FileReader:
                 )
             if held < BLOCK_BYTES or tail == held:
                 continue
-            data = b"".join(parts)
-            cut = held - tail
-            yield Block("jsonl", self.index, self.file.path, line, data[:cut])
+            payload, parts = _split_parts(parts, held - tail)
+            block = Block("jsonl", self.index, self.file.path, line, payload)
+            del payload  # the block is the only holder while it is encoded
             line += newlines
-            parts, held, newlines = ([data[cut:]] if tail else []), tail, 0
+            held, newlines = tail, 0
+            yield block
         if held:
-            yield Block("jsonl", self.index, self.file.path, line, b"".join(parts))
+            block = Block("jsonl", self.index, self.file.path, line, b"".join(parts))
+            parts.clear()
+            yield block
 
     # -- parquet: one document per row ------------------------------------------------------
     def _parquet_blocks(self) -> Iterator[Block]:
@@ -660,6 +663,21 @@ class FileReader:
                 f"{self.file.path}: not a readable parquet file near row {row} "
                 f"({str(err).splitlines()[0]}); download or copy the file again"
             ) from None
+
+
+def _split_parts(parts: list[bytes], cut: int) -> tuple[bytes, list[bytes]]:
+    """The first ``cut`` bytes of ``parts`` joined, and the parts of the rest. Only the chunk
+    the cut falls in is split: joining everything and slicing held three copies of a long JSON
+    line (the chunks, the join, the slice) while the block was encoded."""
+    head: list[bytes] = []
+    for i, part in enumerate(parts):
+        if cut <= len(part):
+            head.append(part[:cut])
+            rest = [part[cut:]] if cut < len(part) else []
+            return b"".join(head), rest + parts[i + 1 :]
+        head.append(part)
+        cut -= len(part)
+    return b"".join(head), []
 
 
 def _size(n: int) -> str:

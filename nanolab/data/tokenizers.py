@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,44 @@ import numpy as np
 from nanolab.errors import NanolabError
 
 TOKENIZER_NAMES = ("bytes", "chars", "bpe", "gpt2")
+
+#: A text longer than this many characters is encoded in slices about this long where the
+#: tokenizer's ids cannot depend on the cut (:meth:`Tokenizer.encode_long`).
+SLICE_CHARS = 1 << 18
+
+#: Where GPT-2's pre-tokenizer ends one word and starts the next whatever comes before or after:
+#: a space between two ASCII letters. Its pattern (``'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+|
+#: ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+``) takes a letter only into a match of letters that stops
+#: at the space, looks ahead only past a run of whitespace, and never behind, so the text on each
+#: side splits into the same pieces alone as together, and BPE encodes each piece on its own.
+_WORD_GAP = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+
+
+def char_slices(text: str, size: int | None = None) -> Iterator[str]:
+    """``text`` in slices of ``size`` (:data:`SLICE_CHARS`) characters (for ids of one
+    character or byte each)."""
+    size = size or SLICE_CHARS
+    for start in range(0, len(text), size):
+        yield text[start : start + size]
+    if not text:
+        yield text
+
+
+def word_slices(text: str, size: int | None = None) -> Iterator[str]:
+    """``text`` in slices of at least ``size`` (:data:`SLICE_CHARS`) characters, each cut
+    before a space between two ASCII letters (:data:`_WORD_GAP`): GPT-2-style pre-tokenization
+    gives each slice the ids it has inside the whole text. A text with no such space after
+    ``size`` stays one slice."""
+    size = size or SLICE_CHARS
+    start = 0
+    while len(text) - start > size:
+        gap = _WORD_GAP.search(text, start + size)
+        if gap is None:
+            break
+        yield text[start : gap.start()]
+        start = gap.start()
+    yield text[start:]
+
 
 #: Vocabulary of the tokenizers that do not learn from the corpus (end-of-text included).
 KNOWN_VOCAB = {"bytes": 257, "gpt2": 50257}
@@ -71,6 +109,15 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """One int32 id array per text; no end-of-text is added here."""
         raise NotImplementedError
+
+    def encode_long(self, text: str) -> Iterator[np.ndarray]:
+        """The ids of one long text in pieces of about :data:`SLICE_CHARS` characters each,
+        which end to end are exactly ``encode_batch([text])[0]``: an encoding's memory is a
+        multiple of its text (utf-32 code points, a Hugging Face encoding's ~200 bytes per
+        token), so a 60 MB JSON line encoded whole peaked at gigabytes. This base encodes the
+        text whole: the right answer for a tokenizer whose ids can change where a text is cut
+        (a normalizer, a prefix space added to every text, merges across words)."""
+        yield from self.encode_batch([text])
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
@@ -138,6 +185,10 @@ class ByteTokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
 
+    def encode_long(self, text: str) -> Iterator[np.ndarray]:
+        for piece in char_slices(text):  # whole characters: their UTF-8 bytes are the ids
+            yield from self.encode_batch([piece])
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
@@ -193,6 +244,10 @@ class CharTokenizer(Tokenizer):
             out.append(ids)
         return out
 
+    def encode_long(self, text: str) -> Iterator[np.ndarray]:
+        for piece in char_slices(text):  # one id per character
+            yield from self.encode_batch([piece])
+
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids if 0 <= i < len(self.chars))
 
@@ -219,6 +274,7 @@ class HFTokenizer(Tokenizer):
         self._vocab_size: int | None = None
         self._drops = _can_drop(tokenizer)
         self._kept: dict[int, bool] = {}  # code point -> whether it gets an id
+        self._word_slices = _pre_tokenizes_like_gpt2(tokenizer)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
@@ -310,6 +366,15 @@ class HFTokenizer(Tokenizer):
             self._refuse_dropped(texts)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
+    def encode_long(self, text: str) -> Iterator[np.ndarray]:
+        if not self._word_slices or self._drops:
+            # A normalizer or another pre-tokenizer: whole, to be sure. One that drops
+            # characters too: its refusal counts them in the whole text.
+            yield from self.encode_batch([text])
+            return
+        for piece in word_slices(text):
+            yield from self.encode_batch([piece])
+
     def _refuse_dropped(self, texts: Sequence[str]) -> None:
         """Refuse text with characters this tokenizer leaves out of its ids, as CharTokenizer
         refuses a character it lacks. A character is tried alone once (cached: the cost grows
@@ -367,6 +432,29 @@ def _can_drop(tokenizer: Any) -> bool:
     return True
 
 
+def _pre_tokenizes_like_gpt2(tokenizer: Any) -> bool:
+    """Whether a ``tokenizers`` model encodes a text cut at :data:`_WORD_GAP` into the ids of
+    the whole: no normalizer, GPT-2's byte-level pre-tokenizer (its regex, no prefix space),
+    a model without dropout, and added tokens that hold no whitespace and take none from beside
+    them. nanolab's own BPE is one, and so is GPT-2's own ``tokenizer.json``."""
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except Exception:  # a model the library cannot write out: not one to reason about
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    if spec.get("normalizer") is not None or any(pre.get(k) != v for k, v in byte_level.items()):
+        return False
+    if (spec.get("model") or {}).get("dropout") is not None:
+        return False
+    return all(
+        not any(ch.isspace() for ch in added.get("content", " "))
+        and not added.get("lstrip")
+        and not added.get("rstrip")
+        for added in spec.get("added_tokens") or []
+    )
+
+
 #: The name older datasets and checkpoints use for nanolab's own BPE class.
 BPETokenizer = HFTokenizer
 
@@ -404,6 +492,10 @@ class TiktokenGPT2(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(self._enc.encode_ordinary(t), dtype=np.int32) for t in texts]
+
+    def encode_long(self, text: str) -> Iterator[np.ndarray]:
+        for piece in word_slices(text):  # GPT-2's own pre-tokenizer: see _WORD_GAP
+            yield from self.encode_batch([piece])
 
     def decode(self, ids: list[int]) -> str:
         return str(self._enc.decode(list(ids)))
