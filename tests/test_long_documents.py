@@ -145,3 +145,60 @@ def test_a_long_json_line_is_read_and_encoded_in_a_few_times_its_size(tmp_path, 
     assert tokens == len(text) + len("a short document before") + len("and one after") + 3
     size = src.stat().st_size
     assert peak < 6 * size, f"peak {peak / size:.1f}x the line"
+
+
+def test_long_documents_wait_for_room_in_the_workers(tmp_path, monkeypatch):
+    """Each worker took two blocks whatever their size: 16 workers held 32 lines of up to
+    64 MB, each encoded in a multiple of its size. A block that would put more raw bytes in
+    flight than one longest line (or two usual blocks a worker) waits for the ones before it,
+    and the bins are those of one worker."""
+    from concurrent.futures import Future
+
+    from nanolab.data import prepare
+
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 1000)
+    monkeypatch.setattr(sources, "_READ_BYTES", 500)
+    monkeypatch.setattr(sources, "JSON_LINE_MAX_BYTES", 20_000)
+    budget = prepare.in_flight_budget(2)
+    assert budget == 20_000
+    src = tmp_path / "lines.jsonl"
+    rng = random.Random(0)
+    with open(src, "w") as f:
+        for i in range(40):
+            text = awkward_prose(i, rng.choice([3, 1800]))  # ~12 KB lines among short ones
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    flight = {"now": 0, "peak": 0, "largest": 0}
+
+    class Tracked(Future):
+        def result(self, timeout=None):
+            if not self.taken:
+                self.taken = True
+                flight["now"] -= self.size
+            return super().result(timeout)
+
+    class InlinePool:
+        """Runs each block at once; counts a block in flight until its result is taken."""
+
+        def __init__(self, workers, mp_context=None, initializer=None, initargs=()):
+            initializer(*initargs[:2])  # not as a worker of this process
+
+        def submit(self, func, block, *extra):
+            future = Tracked()
+            future.size, future.taken = prepare.block_bytes(block), False
+            flight["now"] += future.size
+            flight["peak"] = max(flight["peak"], flight["now"])
+            flight["largest"] = max(flight["largest"], future.size)
+            future.set_result(func(block, *extra))
+            return future
+
+        def shutdown(self, wait=True, cancel_futures=False):
+            pass
+
+    monkeypatch.setattr(prepare, "default_workers", lambda: 2)
+    monkeypatch.setattr(prepare, "ProcessPoolExecutor", InlinePool)
+    prepare_dataset([str(src)], tmp_path / "two", "bytes", quiet=True, workers=2)
+    assert flight["largest"] > budget / 2  # two such blocks would not fit together
+    assert flight["peak"] <= max(budget, flight["largest"]), flight
+    prepare_dataset([str(src)], tmp_path / "one", "bytes", quiet=True, workers=1)
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()

@@ -45,7 +45,7 @@ from unittest import mock
 
 import numpy as np
 
-from nanolab.data import encode
+from nanolab.data import encode, sources
 from nanolab.data.bpe_process import train_bpe
 from nanolab.data.encode import BlockResult, EncodeSettings, SplitPart
 from nanolab.data.sources import (
@@ -608,6 +608,24 @@ class _Progress:
             print(file=sys.stderr)
 
 
+def in_flight_budget(workers: int) -> int:
+    """The raw bytes of documents that may be in the workers at once: what the usual ``2 x
+    workers`` blocks hold (a block is at most a read past its ~1 MB, but for a line longer
+    than that), or one longest JSON line. A block that would pass it waits for the blocks
+    before it (one is always let through). Without it each worker took two blocks whatever
+    their size: 16 workers held 32 lines of up to 64 MB, each encoded in a multiple of its
+    size (a tokenizer.json that cannot be encoded in slices takes ~200 bytes per token)."""
+    usual = sources.BLOCK_BYTES + sources._READ_BYTES
+    return max(2 * workers * usual, sources.JSON_LINE_MAX_BYTES)
+
+
+def block_bytes(block: Block) -> int:
+    """The raw size of a block's documents: its bytes, or a parquet block's texts' lengths."""
+    if isinstance(block.payload, bytes):
+        return len(block.payload)
+    return sum(len(value) for value in block.payload if isinstance(value, str))
+
+
 class _Job:
     """One ``prepare`` run under the folder's lock."""
 
@@ -666,17 +684,26 @@ class _Job:
                 initializer=encode.init_worker,
                 initargs=(spec, settings, os.getpid()),
             )
-            pending: deque[tuple[tuple[int, str], Future[T]]] = deque()
+            pending: deque[tuple[tuple[int, str], Future[T], int]] = deque()
+            budget = in_flight_budget(self.n_workers)
+            in_flight = 0  # raw bytes of the pending blocks
             try:
                 for block in blocks:
+                    size = block_bytes(block)
+                    while pending and in_flight + size > budget:  # a long document waits
+                        where, future, done = pending.popleft()
+                        in_flight -= done
+                        yield where, future.result()
                     with stop_signals_held():  # a worker starts inside submit: see _stop
                         future = pool.submit(func, block, *extra)
-                    pending.append(((block.file_index, block.kind), future))
+                    pending.append(((block.file_index, block.kind), future, size))
+                    in_flight += size
                     if len(pending) >= 2 * self.n_workers:
-                        where, future = pending.popleft()
+                        where, future, done = pending.popleft()
+                        in_flight -= done
                         yield where, future.result()
                 while pending:
-                    where, future = pending.popleft()
+                    where, future, _ = pending.popleft()
                     yield where, future.result()
             except BaseException:  # Ctrl-C, a bad document, or the caller stopping early
                 pending.clear()
