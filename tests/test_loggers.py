@@ -46,12 +46,28 @@ def test_csv_logger_shares_the_run_logs_steps_and_survives_a_resume(work):
     for step, record in jsonl_train.items():  # lr and grad_norm reach the logger too
         for key in ("loss", "lr", "grad_norm", "tokens"):
             assert float(train[step][f"train/{key}"]) == pytest.approx(record[key], rel=1e-6)
+    for step, record in jsonl_train.items():  # throughput: the record's, under its own name
+        for key in ("tokens_per_s", "samples_per_s", "step_time_s", "elapsed_s"):
+            assert float(train[step][f"train/{key}"]) == pytest.approx(record[key], rel=1e-6)
+    assert not [name for name in rows[0] if name.startswith("perf/")]
     for step, record in jsonl_val.items():
         assert float(val[step]["val/loss"]) == pytest.approx(record["val_loss"], rel=1e-6)
     # The first process's rows are still there (Lightning's writer would have deleted them).
     assert len(rows) == 12 and len(first_rows) == 8
     assert (run / "config.yaml").is_file()
     assert not (run / "lightning_logs").exists() and not (work / "lightning_logs").exists()
+
+
+def test_throughput_log_to_loggers_false_keeps_throughput_out_of_the_logger_only(work):
+    """``throughput.log_to_loggers`` did nothing: the meter sent ``perf/*`` through a logger
+    call the run log drops, and the train records carried the numbers to the logger anyway."""
+    run = work / "runs" / "tiny"
+    args = ("--logger", "csv", "--trainer.max_steps", "3", "--throughput.log_to_loggers", "false")
+    fit(work, *args, here=True)
+    header = next(csv.reader((run / "csv" / "metrics.csv").open()))
+    assert "train/loss" in header and "train/elapsed_s" in header
+    assert not {"train/tokens_per_s", "train/step_time_s", "train/samples_per_s"} & set(header)
+    assert all(r["tokens_per_s"] > 0 for r in fit_records(run, "train").values())
 
 
 def test_a_fresh_start_moves_the_logger_folder_and_takes_a_new_logger_run(work, monkeypatch):

@@ -140,12 +140,17 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def logger_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """A run-log record's numbers as logger metric names (``train/lr``, ``val/loss``, ...)."""
+def logger_metrics(
+    record: dict[str, Any], withheld: frozenset[str] = frozenset()
+) -> dict[str, float]:
+    """A run-log record's numbers as logger metric names (``train/lr``, ``val/loss``, ...),
+    less the fields named in ``withheld``."""
     event = record.get("event")
     out: dict[str, float] = {}
     for key, value in record.items():
-        if key in _SKIP or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if key in _SKIP or key in withheld or isinstance(value, bool):
+            continue
+        if not isinstance(value, (int, float)):
             continue
         if "/" in key:
             out.setdefault(key, float(value))
@@ -156,14 +161,27 @@ def logger_metrics(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def withheld_fields(trainer: Any) -> frozenset[str]:
+    """The record fields some callback keeps from the loggers (its ``withheld_from_loggers``,
+    e.g. ``throughput.log_to_loggers: false``)."""
+    withheld: frozenset[str] = frozenset()
+    for callback in getattr(trainer, "callbacks", None) or []:
+        withheld |= getattr(callback, "withheld_from_loggers", frozenset())
+    return withheld
+
+
 def forward_record(trainer: Any, record: dict[str, Any]) -> None:
-    """Send a ``train``/``val``/``tasks`` record to every logger at the record's step (rank 0)."""
+    """Send a ``train``/``val``/``tasks`` record to every logger at the record's step (rank 0).
+
+    The one way numbers reach a logger in a nanolab run: throughput too arrives here, as
+    ``train/tokens_per_s``, ``train/mfu``, ..., next to ``train/loss`` at the same step.
+    """
     if record.get("event") not in ("train", "val", "tasks") or not isinstance(
         record.get("step"), int
     ):
         return
     loggers = getattr(trainer, "loggers", None) or []
-    if not loggers or not (metrics := logger_metrics(record)):
+    if not loggers or not (metrics := logger_metrics(record, withheld_fields(trainer))):
         return
     for logger in loggers:
         log = vars(logger).get("_nanolab_log_metrics", logger.log_metrics)

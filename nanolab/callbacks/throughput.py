@@ -106,6 +106,20 @@ class UtilizationSampler:
             return None
 
 
+#: The fields this meter adds to ``train`` records, all of which ``log_to_loggers`` governs.
+LOGGED_FIELDS = frozenset(
+    {
+        "step_time_s",
+        "tokens_per_s",
+        "samples_per_s",
+        "mfu",
+        "mem_allocated_bytes",
+        "mem_reserved_bytes",
+        "gpu_util",
+    }
+)
+
+
 class ThroughputMeter(StepCallback):
     """Adds tokens/s, samples/s, step time, MFU, memory and utilisation to the run log.
 
@@ -113,8 +127,11 @@ class ThroughputMeter(StepCallback):
         peak_flops: Dense peak FLOP/s of *one* device at the run's precision, overriding the
             table (e.g. ``989.4e12`` for an H100 SXM in bf16). ``null`` = look the device up.
         gpu_utilization: Sample utilisation through NVML / AMD SMI when available.
-        log_to_loggers: Also send the numbers to Lightning loggers (TensorBoard, W&B, CSV)
-            every ``trainer.log_every_n_steps`` steps, as ``perf/*``.
+        log_to_loggers: Let the numbers reach the ``--logger`` trackers (TensorBoard, W&B,
+            CSV) with the rest of the run log's ``train`` records, as ``train/tokens_per_s``,
+            ``train/mfu``, ... at the records' steps (:func:`~nanolab.callbacks.loggers.
+            forward_record`, the one path to a logger); false keeps them out of the trackers
+            (they stay in ``metrics.jsonl``).
     """
 
     def __init__(
@@ -141,7 +158,7 @@ class ThroughputMeter(StepCallback):
         self.device_name: str = ""
         self.flops_per_token: int | None = None
         self._first: ClockSnapshot | None = None
-        #: Per reader (the run log, the loggers): the snapshot of its previous measure.
+        #: Per reader (the run log's records, a fork's own): the snapshot of its previous measure.
         self._last: dict[str, ClockSnapshot] = {}
         #: Per reader: (step, fields) of its measure at that step.
         self._cache: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -263,16 +280,13 @@ class ThroughputMeter(StepCallback):
             }
         return {}
 
-    # -- hooks -------------------------------------------------------------------------------
-    def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        every = max(1, int(trainer.log_every_n_steps))
-        if not (self.log_to_loggers and trainer.loggers) or step % every:
-            return
-        fields = self.measure(trainer, reader="loggers")
-        metrics = {f"perf/{k}": float(v) for k, v in fields.items() if v is not None}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+    @property
+    def withheld_from_loggers(self) -> frozenset[str]:
+        """The record fields the loggers do not get (``log_to_loggers: false``): the run log
+        forwards its records to them (:func:`~nanolab.callbacks.loggers.forward_record`)."""
+        return frozenset() if self.log_to_loggers else LOGGED_FIELDS
 
+    # -- hooks -------------------------------------------------------------------------------
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Collect every rank's peak memory for the ``end`` record (a collective: all ranks)."""
         if not self.active or trainer.strategy.root_device.type != "cuda":
