@@ -4,6 +4,7 @@ writers, ordering and deadlines, and the ``ls/rm/retry/clear`` verbs. The runner
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -537,6 +538,35 @@ def test_outcome_from_exit_code_and_end_record(tmp_path: Path) -> None:
         f.write(json.dumps({"event": "end", "time": t + 1, "step": 5, "reason": "error",
                             "error": "Traceback...\nValueError: boom"}) + "\n")  # fmt: skip
     assert outcome(job, 1, t) == ("failed", "ValueError: boom")
+
+
+def test_an_exit_74_is_labelled_out_of_room_with_the_runs_own_cause(tmp_path: Path) -> None:
+    """Exit 74 is a full disk, a quota or a file-size limit (EFBIG); the queue labelled each
+    "disk full: ...", so a job stopped by ``ulimit -f`` read as a full disk."""
+    db = QueueDB(tmp_path / "q.db")
+    console = tmp_path / "a.log"
+    (job,) = db.add_jobs(
+        [NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir=str(tmp_path / "a"))]
+    )
+    job = dataclasses.replace(job, log=str(console))
+    (tmp_path / "a").mkdir()
+    t = time.time()
+    limit = (
+        "cannot append to the run log a/metrics.jsonl (File too large: this process's file-size "
+        "limit (ulimit -f: 8 kB)); the lines written so far and the checkpoints are intact"
+    )
+    # The run log itself was refused: no end record, the console's error line says why.
+    console.write_text(f"step 3/9\nnanolab fit: error: {limit}\n")
+    assert outcome(job, 74, t) == ("failed", f"out of room: {limit}")
+    # A checkpoint refused: the end record's error says why.
+    full = "cannot save a/checkpoints/step_6.ckpt (no space left on device: 1 kB free there)"
+    log = tmp_path / "a" / "metrics.jsonl"
+    log.write_text(json.dumps({"event": "end", "time": t, "reason": "error", "error": full}) + "\n")
+    assert outcome(job, 74, t) == ("failed", f"out of room: {full}")
+    console.write_text("")
+    log.write_text("")
+    status, detail = outcome(job, 74, t)
+    assert status == "failed" and "disk" in detail and "file-size limit" in detail
 
 
 # -- verbs ----------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import select
 import signal
 import socket
@@ -990,8 +991,7 @@ def outcome(
         cause = " (fp16 loss scale collapsed)" if (end or {}).get("skipped_steps") else ""
         return "failed", "diverged" + (f" at step {step}" if step is not None else "") + cause
     if code == EXIT_DISK_FULL:
-        error = (end or {}).get("error")
-        return "failed", "disk full" + (f": {_last_line(str(error))}" if error else "")
+        return "failed", out_of_room_detail((end or {}).get("error"), log or job.log)
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
         if stopping:
@@ -1001,6 +1001,21 @@ def outcome(
     if error:
         return "failed", _last_line(str(error))
     return "failed", error_from_log(log or job.log) or f"exit code {code}"
+
+
+#: The verb's prefix on a console error line (``nanolab fit: error: ``), left out of a label.
+_VERB_ERROR_PREFIX = re.compile(r"^nanolab [\w-]+: error: ")
+
+
+def out_of_room_detail(error: Any, log: str | IO[bytes] | None) -> str:
+    """The label of an attempt that exited :data:`EXIT_DISK_FULL`: "out of room" and the line
+    that says which room, from its end record's error or else its console log (a run log that
+    could not be appended to has no end record). Exit 74 is a full disk, a quota or a file-size
+    limit (``ulimit -f``), each with its own fix, so the label names none of them itself."""
+    line = _last_line(str(error)) if error else error_from_log(log)
+    if not line:
+        return "out of room: a full disk, a quota or a file-size limit (the job's log says which)"
+    return f"out of room: {_VERB_ERROR_PREFIX.sub('', line)}"
 
 
 def is_the_jobs_own(err: OSError, job: Job) -> bool:
