@@ -58,10 +58,11 @@ def file_size_limit() -> int | None:
     return None if limit == resource.RLIM_INFINITY else int(limit)
 
 
-def size_limit_met() -> tuple[str, str]:
+def size_limit_met(target: str = "run.root") -> tuple[str, str]:
     """For a write refused with EFBIG: the limit it met, this process's (``ulimit -f``, as a
-    batch system may set it) or else the file system's own (FAT32: 4 GiB), and the fix. Free
-    space is beside the point: freeing it would not help."""
+    batch system may set it) or else the file system's own (FAT32: 4 GiB), and the fix, which
+    moves ``target`` (the setting or option that names where the file goes) elsewhere in the
+    second case. Free space is beside the point: freeing it would not help."""
     limit = file_size_limit()
     if limit is not None:
         return (
@@ -70,18 +71,18 @@ def size_limit_met() -> tuple[str, str]:
         )
     return (
         "the file system's maximum file size",
-        "put run.root on a file system that holds files that large (not FAT32)",
+        f"put {target} on a file system that holds files that large (not FAT32)",
     )
 
 
 def storage_refused(err: BaseException) -> bool:
-    """Whether ``err`` is the file system refusing a write: read-only, no permission, full.
-    The user fixes those (another folder, free space), so each verb says them in one line
-    instead of a traceback, whichever write met them."""
+    """Whether ``err`` is the file system refusing a write: read-only, no permission, full,
+    past a file-size limit. The user fixes those (another folder, free space, a higher limit),
+    so each verb says them in one line instead of a traceback, whichever write met them."""
     import errno
 
     return isinstance(err, OSError) and getattr(err, "errno", None) in (
-        errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT,
+        errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EFBIG,
     )  # fmt: skip
 
 
@@ -151,6 +152,9 @@ def storage_message(err: OSError) -> str:
             left, fix = room_left(os.path.dirname(os.path.abspath(where)), err)
             what = f"{what}; {left}"
         return f"cannot write {where} ({what}); {fix}"
+    if err.errno == errno.EFBIG:  # a size limit: free space would not help
+        limit, fix = size_limit_met("it")
+        return f"cannot write {where} ({what}: {limit}); {fix}"
     if err.errno == errno.EROFS:
         return f"cannot write {where} ({what}); choose a folder on a writable file system"
     return f"cannot use {where} ({what}); choose a path this user can read and write"
@@ -224,7 +228,7 @@ def one_line_errors(prog: str | Callable[..., str]) -> Callable[[Main], Main]:
                     raise  # anything else is a bug of ours: its traceback stays
                 name = prog(*args, **kwargs) if callable(prog) else prog
                 report(name, NanolabError(storage_message(err)))
-                return EXIT_DISK_FULL if disk_full(err) else EXIT_USAGE
+                return EXIT_DISK_FULL if out_of_room(err) else EXIT_USAGE
 
         return run  # type: ignore[return-value]
 

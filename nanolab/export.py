@@ -30,7 +30,7 @@ import torch
 
 from nanolab import messages
 from nanolab.data.tokenizers import TokenizerError, TokenizerSpecError, tokenizer_from_spec
-from nanolab.errors import NanolabError, one_line_errors
+from nanolab.errors import NanolabError, one_line_errors, size_limit_met
 from nanolab.helpfmt import OneLineParser
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.checkpoint import (
@@ -133,6 +133,8 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     except Exception as err:  # safetensors' own error type wraps the file system's
         if "No space left" in str(err) or "Disk quota" in str(err):
             raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        if "File too large" in str(err):  # a file-size limit (EFBIG): named as such
+            raise OSError(errno.EFBIG, "File too large", str(path)) from None
         raise
     # safetensors creates the file 0600; every other export file follows the umask (0644
     # under the usual 022), and a serving process of another user must read the weights too.
@@ -479,6 +481,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.ckpt, args.format, args.out, args.force, "nanolab export " + shlex.join(given)
         )
     except OSError as err:
+        if err.errno == errno.EFBIG:  # a size limit: free space would not help
+            limit, fix = size_limit_met("-o")
+            raise ExportError(
+                f"cannot write -o {args.out} ({err.strerror or err}: {limit}); {fix}; "
+                "nothing was written there"
+            ) from None
         raise ExportError(
             f"cannot write -o {args.out} ({err.strerror or err}); "
             "choose a folder this user can write, with free space"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import glob
 import hashlib
 import json
@@ -65,7 +66,13 @@ from nanolab.data.tokenizers import (
     check_bpe_vocab_size,
     check_tokenizer_name,
 )
-from nanolab.errors import NanolabError, disk_full, one_line_errors, room_left
+from nanolab.errors import (
+    NanolabError,
+    disk_full,
+    one_line_errors,
+    room_left,
+    size_limit_met,
+)
 from nanolab.messages import note, say
 from nanolab.processes import exclusive, stop_signals_held
 from nanolab.runlog import refuse_inside_run
@@ -941,11 +948,15 @@ class _Job:
 
 def write_refused(out_dir: Path, err: OSError) -> str:
     """The one line for a dataset that could not be written, worded by its cause: only a full
-    disk or quota talks of space (a symlink loop or a permission was called a full disk)."""
+    disk or quota talks of space (a symlink loop or a permission was called a full disk), and
+    a file-size limit names the limit."""
     what = err.strerror or str(err)
     if disk_full(err):
         left, fix = room_left(out_dir.parent, err)
         return f"cannot write {out_dir} ({what}; {left}); {fix}"
+    if err.errno == errno.EFBIG:  # a size limit: another folder on the same disk would not help
+        limit, fix = size_limit_met("--out")
+        return f"cannot write {out_dir} ({what}: {limit}); {fix}"
     where = f": {err.filename}" if err.filename else ""
     return f"cannot write {out_dir} ({what}{where}); choose another output folder"
 

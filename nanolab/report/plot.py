@@ -302,6 +302,11 @@ def plot_runs(
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        # The image writer's own errors name no file: the line names the one asked for.
+        raise OSError(err.errno, err.strerror or str(err), str(out)) from None
     finally:
         plt.close(fig)
         tmp.unlink(missing_ok=True)

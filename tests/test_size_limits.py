@@ -1,0 +1,74 @@
+"""A write refused by a file-size limit (EFBIG: ``ulimit -f``, as a batch system may set it) is
+one line in every verb naming the limit and its fix (raise it: free space would not help), never
+a traceback, and leaves nothing half-written; the run log's and the checkpoints' own lines are
+tested in tests/test_storage_errors.py and tests/test_checkpoint_write_errors.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nanolab import errors
+
+RAISE_IT = "raise the limit (ulimit -f unlimited, or ask for it in the job's settings)"
+
+
+def under_limit(blocks: int, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``nanolab ARGS`` under ``ulimit -f BLOCKS`` (1024-byte blocks), as a job script runs it."""
+    command = " ".join([f"ulimit -f {blocks};", sys.executable, "-m", "nanolab", *args])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def one_line(res: subprocess.CompletedProcess[str]) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    return lines[0]
+
+
+def test_prepare_past_a_file_size_limit_names_the_limit_and_leaves_no_dataset(tmp_path):
+    """prepare said "File too large; choose another output folder": another folder under the
+    same limit fails the same way."""
+    res = under_limit(50, "prepare", "bundled:shakespeare", "--out", "d", cwd=tmp_path)
+    line = one_line(res)
+    assert res.returncode == 2
+    assert line == (
+        "nanolab prepare: error: cannot write d (File too large: this process's file-size limit "
+        f"(ulimit -f: {errors.size_text(50 * 1024)})); {RAISE_IT}"
+    ), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no dataset, no staging folder
+
+
+def test_report_plot_past_a_file_size_limit_is_one_line_and_exit_74(tmp_path):
+    """report --plot under a file-size limit was PIL's traceback."""
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    records = [{"event": "start", "time": 1.0, "step": 0, "run_id": "r1", "run_name": "a"}]
+    for s in range(1, 21):
+        records.append({"event": "train", "time": 1.0 + s, "step": s, "tokens": 128 * s,
+                        "loss": 4.0 - 0.1 * s})  # fmt: skip
+        if s % 5 == 0:
+            records.append({"event": "val", "time": 1.5 + s, "step": s, "val_loss": 4 - s / 10})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    res = under_limit(5, "report", "runs", "--plot", "loss.png", cwd=tmp_path)
+    line = one_line(res)
+    assert res.returncode == errors.EXIT_DISK_FULL
+    assert line.startswith("nanolab report: error: cannot write loss.png (File too large: ")
+    assert line.endswith(RAISE_IT) and "free" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no image, whole or half
+
+
+def test_storage_message_names_the_file_systems_limit_when_the_process_has_none(monkeypatch):
+    err = OSError(errno.EFBIG, "File too large", "/mnt/usb/out.bin")
+    assert errors.storage_refused(err) and errors.out_of_room(err)
+    monkeypatch.setattr(errors, "file_size_limit", lambda: None)
+    assert errors.storage_message(err) == (
+        "cannot write /mnt/usb/out.bin (File too large: the file system's maximum file size); "
+        "put it on a file system that holds files that large (not FAT32)"
+    )
