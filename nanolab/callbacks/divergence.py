@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -290,11 +291,15 @@ class DivergenceStop(StepCallback):
         )
         return f"loss or gradient norm not finite (NaN/inf) for {steps}"
 
-    def hint(self) -> str | None:
-        """What to change, for the exit message (None: :meth:`describe` already says it)."""
+    def hint(self, trainer: L.Trainer | None = None) -> str | None:
+        """What to change, for the exit message (None: :meth:`describe` already says it):
+        with the run's ``trainer``, the command of a branch that does it
+        (:func:`divergence_fix`)."""
         if self.collapse is not None:
             return None
-        return "lower model.optimizer.lr or raise model.schedule.warmup_steps"
+        if trainer is None:
+            return "lower model.optimizer.lr or raise model.schedule.warmup_steps"
+        return divergence_fix(trainer, self.diverged_step)
 
     def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]:
         if event != "end" or self.diverged_step is None:
@@ -319,6 +324,61 @@ class DivergenceStop(StepCallback):
             return Streak(int(count), None if first is None else int(first))
 
         self.bad, self.skipped = streak("bad"), streak("skipped")
+
+
+def branch_start(folder: Path, diverged_step: int | None) -> Path | None:
+    """The checkpoint a branch with a lower learning rate starts from: the step file of the
+    newest step whose next step was still finite (before ``diverged_step - 1``: the weights of
+    the step before the first non-finite one are finite, but its very next forward is not, at
+    any rate). None when there is none; ``diverged_step`` None: the newest step file."""
+    from nanolab.callbacks.checkpoint import step_of
+
+    try:
+        names = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    except OSError:
+        return None
+    steps = [
+        (step, p)
+        for p in names
+        if (step := step_of(p)) is not None and (diverged_step is None or step < diverged_step - 1)
+    ]
+    return max(steps)[1] if steps else None
+
+
+def divergence_fix(trainer: L.Trainer, diverged_step: int | None) -> str:
+    """The exit line's fix for a diverged run: a lower learning rate (or a longer warm-up) in a
+    branch, with its command. A resume of the run itself would keep its learning rate and
+    schedule (they are restored with the optimizer), so the command starts a new run from the
+    run's newest checkpoint that a finite step followed, or without one."""
+    from nanolab.callbacks.checkpoint import step_of
+    from nanolab.callbacks.rundir import CHECKPOINT_DIR
+    from nanolab.training.branch import branch_command, lower_rate
+
+    run_dir = Path(trainer.default_root_dir)
+    config = getattr(trainer.lightning_module, "optimizer_config", None)
+    lr = getattr(config, "lr", None)
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        return "lower model.optimizer.lr or raise model.schedule.warmup_steps in a new run"
+    changes = {"model.optimizer.lr": lower_rate(lr)}
+    start = branch_start(run_dir / CHECKPOINT_DIR, diverged_step)
+    if start is None:
+        command = branch_command(run_dir, run_dir.name, None, changes)
+        none = (
+            "no checkpoint of it was followed by a finite step"
+            if branch_start(run_dir / CHECKPOINT_DIR, None) is not None
+            else "it saved no checkpoint"
+        )
+        return (
+            f"{none}: start a new run with a lower model.optimizer.lr (or a higher "
+            f"model.schedule.warmup_steps): {command}"
+        )
+    command = branch_command(run_dir, run_dir.name, start, changes)
+    which = "" if diverged_step is None else " that a finite step followed"
+    return (
+        f"a resume keeps its model.optimizer.lr {lr:g} and schedule, so branch a new run with "
+        f"a lower one (or a higher model.schedule.warmup_steps) from step {step_of(start)}, "
+        f"its newest checkpoint{which}: {command}"
+    )
 
 
 def _any_not_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -101,7 +101,12 @@ def run_lightning_cli(argv: list[str]) -> int:
         last = newest_saved(trainer)
         kept = f"newest checkpoint: {last}" if last is not None else "no checkpoint saved"
         what = stopped.describe() if stopped is not None else detail or "diverged"
-        hint = stopped.hint() if stopped is not None else "lower model.optimizer.lr"
+        if stopped is not None:
+            hint = stopped.hint(trainer)
+        else:  # the spike guard gave up on finite spikes: from its newest checkpoint
+            from nanolab.callbacks.divergence import divergence_fix
+
+            hint = divergence_fix(trainer, None)
         print(
             f"nanolab {argv[0]}: diverged: {what}; stopped at step "
             f"{trainer.global_step} ({kept})" + (f"; {hint}" if hint else ""),

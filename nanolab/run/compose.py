@@ -32,6 +32,7 @@ from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
 from nanolab.run.validation_set import partial_validation_warning
 from nanolab.runlog import RUN_LOG_NAME
+from nanolab.training.branch import BRANCH_KEEPS, branch_command
 from nanolab.training.masked_targets import masked_targets_problem
 from nanolab.training.parallelism import parse_strategy
 from nanolab.training.plugins import check_needed_methods
@@ -201,6 +202,8 @@ def launch(cli: NanolabCLI) -> Trainer:
         RunClock.attach(trainer).forked = bool(cand is not None and claimed.forked)
         if cand is not None:
             own = not claimed.forked  # a new run from another's checkpoint picks its own seeds
+            if not own:  # ... and trains with its own optimizer settings and schedule
+                model.branched_from = str(cand.path)
             keep_checkpoint_settings(
                 cfg, cand.path, data, random_seed=seed is True, seeds=own, run_dir=run_dir
             )
@@ -800,10 +803,12 @@ def keep_checkpoint_settings(
     run's label), and another ``data.seed`` would draw the rest of the epoch from another
     window order (windows seen twice, others never), so the checkpoint's are kept
     (``random_seed``: ``seed_everything: true`` drew a new one at this launch; the run's is kept
-    without a word). ``seeds`` False: a new run from another run's checkpoint, whose seeds are
-    its own to choose (branches of one parent on other data orders), and whose settings start
-    with it. A resume of the run itself says each setting it takes anew
-    (:func:`say_taken_settings`)."""
+    without a word); the warning names the branch command that trains with the new values.
+    ``seeds`` False: a branch, a new run from another run's checkpoint, whose seeds are its own
+    to choose (branches of one parent on other data orders), and whose optimizer settings and
+    schedule are its own too (:mod:`nanolab.training.branch`; but :data:`BRANCH_KEEPS`): one
+    line says which differ from its parent's. A resume of the run itself says each setting it
+    takes anew (:func:`say_taken_settings`)."""
     import torch
 
     from nanolab.callbacks.runlock import global_rank_from_env
@@ -816,7 +821,9 @@ def keep_checkpoint_settings(
     except Exception:  # the resume itself reports a bad file
         return
     model_args = cfg.model.init_args
-    kept = []
+    kept: list[str] = []
+    wanted: dict[str, Any] = {}  # what this launch asked for and cannot have: key -> value
+    taken: list[tuple[str, Any, Any]] = []  # a branch's own settings: (key, its, the parent's)
     for part in ("optimizer", "schedule"):
         before, now = (saved or {}).get(part), model_args.get(part)
         if not isinstance(before, dict) or now is None:
@@ -826,13 +833,19 @@ def keep_checkpoint_settings(
                 continue
             current = now[key]
             same = list(current) == list(value) if isinstance(value, list) else current == value
-            if not same:
-                kept.append(f"model.{part}.{key} {value} (not {current})")
-                now[key] = value
+            if same:
+                continue
+            if not seeds and key not in BRANCH_KEEPS:
+                taken.append((f"model.{part}.{key}", current, value))
+                continue
+            kept.append(f"model.{part}.{key} {value} (not {current})")
+            wanted[f"model.{part}.{key}"] = _yaml_value(current)
+            now[key] = value
     seed = (saved or {}).get("seed_everything") if seeds else None
     if isinstance(seed, int) and cfg.get("seed_everything") not in (seed, False, None):
         if not random_seed:
             kept.append(f"seed_everything {seed} (not {cfg.seed_everything})")
+            wanted["seed_everything"] = cfg.seed_everything
         cfg.seed_everything = seed
         os.environ["PL_GLOBAL_SEED"] = str(seed)  # what this run's checkpoints record as its seed
     data_seed = (_saved_data_state(state) or {}).get("seed") if seeds else None
@@ -843,20 +856,45 @@ def keep_checkpoint_settings(
         and data_args.get("seed") not in (None, data_seed)
     ):
         kept.append(f"data.seed {data_seed} (not {data_args.seed})")
+        wanted["data.seed"] = data_args.seed
         data_args.seed = data_seed
         if data is not None and hasattr(data, "seed"):
             data.seed = data_seed
     if seeds and global_rank_from_env() == 0:
         say_taken_settings(cfg, state, run_dir)
-    if kept and global_rank_from_env() == 0:
+    if global_rank_from_env() != 0:
+        return
+    if taken:
+        print(branch_settings_line(taken, state.get("global_step")), file=sys.stderr, flush=True)
+    if kept and seeds:
+        command = branch_command(run_dir or Path(str(path)).parent, cfg.run.name, path, wanted)
         print(
             f"nanolab: warning: resuming keeps the checkpoint's {', '.join(kept)}: the optimizer "
             "and schedule state, the RNG streams and the data order are restored with it, and "
-            "config.yaml says so; to train with the new values, start a new run (another "
-            "--run.name)",
+            "config.yaml says so; to train with the new values, branch a new run from this "
+            f"checkpoint: {command}",
             file=sys.stderr,
             flush=True,
         )
+    elif kept:
+        print(
+            f"nanolab: warning: this branch keeps its parent's {', '.join(kept)}: the "
+            "optimizer's restored state is placed for its kernel, and config.yaml says so",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def branch_settings_line(taken: list[tuple[str, Any, Any]], step: Any) -> str:
+    """The line of a branch that trains with optimizer or schedule settings of its own:
+    ``taken`` holds (key, the branch's value, the parent's)."""
+    keys = ", ".join(f"{key} {_yaml_value(mine)}" for key, mine, _ in taken)
+    theirs = ", ".join(_yaml_value(parents) for _, _, parents in taken)
+    were = "was" if len(taken) == 1 else "were"
+    return (
+        f"nanolab fit: this branch trains with {keys} from step {step}; its parent's {were} "
+        f"{theirs} (the optimizer's moments and step counts are its parent's)"
+    )
 
 
 #: Settings a resume takes anew although they change what the run computes from here: the

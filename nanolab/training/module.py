@@ -18,6 +18,7 @@ from nanolab.model import GPT, GPTConfig
 from nanolab.model.config import ConfigError
 from nanolab.model.gpt import check_parts
 from nanolab.model.registry import part_modules
+from nanolab.training.branch import BRANCH_KEEPS, BranchLR
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
 from nanolab.training.grad_norm import (
@@ -126,6 +127,10 @@ class GPTLightningModule(L.LightningModule):
         self._param_list: list[torch.nn.Parameter] | None = None  # per fit, listed once
         #: Where the checkpoint a fit resumes from left the data order (None: a new run).
         self.restored_order: SavedOrder | None = None
+        #: The other run's checkpoint this fit branches from (set by ``nanolab fit``): the
+        #: optimizer's state comes from it, its settings and schedule from this run's config
+        #: (:mod:`nanolab.training.branch`). None: a new run, or a resume of the run itself.
+        self.branched_from: str | None = None
         check_parts(self.gpt_config)  # parts of one's own: one line now, not at step 1
         if self.gpt_config.vocab_size is not None:
             self.model = self._build_model()
@@ -347,9 +352,10 @@ class GPTLightningModule(L.LightningModule):
             sharded=shards_parameters(strategy),
         )
         planned = planned_steps(self.trainer, self) if self._trainer is not None else -1
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_schedule(self.schedule_config, planned)
-        )
+        # A branch's scheduler gives the optimizer this run's settings back once the parent's
+        # state is restored into both (nanolab.training.branch).
+        scheduler = torch.optim.lr_scheduler.LambdaLR if self.branched_from is None else BranchLR
+        schedule = scheduler(opt, lr_schedule(self.schedule_config, planned))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -574,11 +580,15 @@ class GPTLightningModule(L.LightningModule):
             if note:
                 rank_zero_info(note)
             # The launch said so and wrote the checkpoint's values into config.yaml
-            # (nanolab.run.compose.keep_checkpoint_settings); the module follows them too.
-            self._kept_on_resume(saved)
+            # (nanolab.run.compose.keep_checkpoint_settings); the module follows them too. A
+            # branch trains with its own (its scheduler, BranchLR), but for the kernel's.
+            self._kept_on_resume(saved, only=BRANCH_KEEPS if self.branched_from else None)
 
-    def _kept_on_resume(self, saved: dict[str, Any]) -> str | None:
-        """The optimizer/schedule settings this launch changed, as 'key old (not new)'."""
+    def _kept_on_resume(
+        self, saved: dict[str, Any], only: tuple[str, ...] | None = None
+    ) -> str | None:
+        """The optimizer/schedule settings this launch changed, as 'key old (not new)', each
+        set back to the checkpoint's value (``only``: just these keys)."""
         now = {
             "optimizer": {
                 **asdict(self.optimizer_config),
@@ -593,6 +603,8 @@ class GPTLightningModule(L.LightningModule):
                 continue
             diff = {k: before[k] for k, v in now[part].items() if k in before and before[k] != v}
             diff.pop("name", None)  # another optimizer is refused above
+            if only is not None:
+                diff = {k: v for k, v in diff.items() if k in only}
             changed += [f"model.{part}.{k} {v} (not {now[part][k]})" for k, v in diff.items()]
             if diff:  # this run goes on with the checkpoint's values, and later saves say so
                 config = self.optimizer_config if part == "optimizer" else self.schedule_config

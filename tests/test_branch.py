@@ -1,0 +1,222 @@
+"""A branch (a new run from another run's checkpoint) trains with its own optimizer settings and
+LR schedule, on the optimizer state it restored: the documented fix for a diverged run (a lower
+learning rate from its newest checkpoint that a finite step followed) works, and the lines that
+name it give a command that does."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanolab.training.branch import BranchLR, branch_command, take_branch_settings
+from nanolab.training.optim import WarmupCosine
+
+
+def _adamw_pair(lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
+    param = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6).reshape(2, 3))
+    opt = torch.optim.AdamW([param], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    return param, opt
+
+
+def test_a_branch_scheduler_takes_the_branchs_settings_after_the_parents_state_loads() -> None:
+    """Lightning loads the parent's optimizer state (its ``lr``, ``initial_lr``, betas, weight
+    decay, eps in every group) and then the scheduler's (``base_lrs``, the schedule function):
+    the branch's own values were lost. The branch's scheduler puts them back after its load,
+    and the next step is AdamW's on the restored moments with the branch's settings, computed
+    here by hand.
+
+    Mutation caught: a plain ``LambdaLR`` (the parent's rate 0.5, its betas and decay)."""
+    parent_param, parent = _adamw_pair(0.5, 0.1, (0.9, 0.95), 1e-8)
+    parent_schedule = torch.optim.lr_scheduler.LambdaLR(parent, WarmupCosine(0, 40, 0.1))
+    for k in range(3):
+        parent_param.grad = torch.full_like(parent_param, 0.1 * (k + 1))
+        parent.step()
+        parent_schedule.step()
+    param, branch = _adamw_pair(1e-3, 0.01, (0.8, 0.9), 1e-6)
+    param.data.copy_(parent_param.data)
+    schedule = BranchLR(branch, WarmupCosine(2, 8, 0.1))
+    branch.load_state_dict(parent.state_dict())
+    schedule.load_state_dict(parent_schedule.state_dict())
+
+    group = branch.param_groups[0]
+    rate = 1e-3 * WarmupCosine(2, 8, 0.1)(3)
+    assert group["lr"] == pytest.approx(rate) and group["initial_lr"] == 1e-3
+    assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (0.01, (0.8, 0.9), 1e-6)
+    assert schedule.base_lrs == [1e-3] and schedule.get_last_lr() == [pytest.approx(rate)]
+    assert "branch_settings" not in schedule.state_dict()  # plain data: weights_only loads
+
+    restored = {k: v.clone() for k, v in branch.state[param].items()}
+    assert float(restored["step"]) == 3 and restored["exp_avg_sq"].abs().sum() > 0
+    before = param.detach().clone()
+    grad = torch.full_like(param, -0.2)
+    param.grad = grad
+    branch.step()
+    b1, b2, step = 0.8, 0.9, 4
+    m = b1 * restored["exp_avg"] + (1 - b1) * grad
+    v = b2 * restored["exp_avg_sq"] + (1 - b2) * grad * grad
+    expected = before * (1 - rate * 0.01) - rate / (1 - b1**step) * m / (
+        (v / (1 - b2**step)).sqrt() + 1e-6
+    )
+    assert torch.allclose(param.detach(), expected, rtol=1e-5, atol=1e-7)
+    schedule.step()
+    assert branch.param_groups[0]["lr"] == pytest.approx(1e-3 * WarmupCosine(2, 8, 0.1)(4))
+
+
+def test_a_restored_optimizer_with_other_groups_is_refused() -> None:
+    _, opt = _adamw_pair(1e-3, 0.1, (0.9, 0.95), 1e-8)
+    schedule = BranchLR(opt, WarmupCosine(0, 8, 0.1))
+    settings = schedule.branch_settings
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="parameter groups"):
+        take_branch_settings(opt, schedule, settings)
+
+
+def test_the_branch_command_is_the_runs_config_another_name_the_checkpoint_and_the_change() -> None:
+    command = branch_command(Path("runs/dv"), "dv", Path("runs/dv/c/step-3.ckpt"),
+                             {"model.optimizer.lr": "0.0001"})  # fmt: skip
+    assert shlex.split(command) == [
+        "nanolab", "fit", "--config", "runs/dv/config.yaml", "--run.name", "dv-lr0.0001",
+        "--run.resume", "runs/dv/c/step-3.ckpt", "--model.optimizer.lr", "0.0001",
+    ]  # fmt: skip
+    assert "--run.resume" not in branch_command("runs/dv", "dv", None, {"model.optimizer.lr": 1})
+
+
+def test_the_branch_starts_from_the_newest_checkpoint_a_finite_step_followed(tmp_path) -> None:
+    """Non-finite from step 5: the weights of step 4 are finite, but its very next forward is
+    not, at any learning rate; step 3 is the newest a branch can train on from."""
+    from nanolab.callbacks.divergence import branch_start
+
+    for step in (1, 3, 4):
+        (tmp_path / f"step-{step:08d}.ckpt").write_bytes(b"x")
+    (tmp_path / "last.ckpt").write_bytes(b"x")
+    assert branch_start(tmp_path, 5).name == "step-00000003.ckpt"
+    assert branch_start(tmp_path, 3).name == "step-00000001.ckpt"
+    assert branch_start(tmp_path, 2) is None
+    assert branch_start(tmp_path, None).name == "step-00000004.ckpt"
+    assert branch_start(tmp_path / "gone", None) is None
+
+
+def _lrs(log: Path) -> dict[int, tuple[float, float]]:
+    from nanolab.runlog import read_records
+
+    return {r["step"]: (r["lr"], r["loss"]) for r in read_records(log, "train")}
+
+
+def _optimizer_and_weights(path: Path) -> tuple[list[str], dict, dict]:
+    """A checkpoint's parameter names in its optimizer's order, its optimizer state by index
+    and its weights by name."""
+    from nanolab.model import GPT, GPTConfig
+    from nanolab.training.optim import parameter_groups
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    gpt = GPT(GPTConfig(**ckpt["nanolab"]["gpt"]))
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    order = [names[id(p)] for g in parameter_groups(gpt, 0.1) for p in g["params"]]
+    return order, ckpt["optimizer_states"][0], ckpt["state_dict"]
+
+
+def test_the_divergence_fix_is_a_branch_that_trains_at_its_own_rate_on_restored_moments(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """The exit-3 line named a fix that could not work: lower the learning rate and resume,
+    but a resume, and a new run from the checkpoint too, trained with the checkpoint's rate.
+    Now the line names a branch command from the newest checkpoint that a finite step
+    followed; run with a lower rate, the branch trains at its own schedule's rates (finite
+    losses, exit 0), on the parent's Adam moments: each weight of its first step is AdamW's
+    update from the parent's checkpoint, computed here by hand.
+
+    Mutations caught: the checkpoint's lr and schedule kept (lr 100 at the branch's steps, which
+    diverges); the moments zeroed (step count 1, another update); the branch named from the
+    newest checkpoint (its first forward is not finite)."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    parent = nanolab_here(
+        "fit", "--config", str(QUICKSTART), "--config", str(cfg), "--run.name", "dv",
+        "--model.optimizer.lr", "100", "--model.schedule.warmup_steps", "0",
+        "--trainer.max_steps", "30", "--checkpoint.every_n_steps", "1", cwd=tmp_path,
+    )  # fmt: skip
+    assert parent.returncode == 3, parent.stderr[-2000:]
+    line = parent.stderr.strip().splitlines()[-1]
+    assert "a resume keeps its model.optimizer.lr 100" in line, line
+    command = shlex.split(line.split(": nanolab fit ", 1)[1])
+    folder = tmp_path / "runs" / "dv" / "checkpoints"
+    start = Path(command[command.index("--run.resume") + 1])
+    assert start.parent == folder and start.exists()
+    assert command[command.index("--config") + 1] == str(tmp_path / "runs" / "dv" / "config.yaml")
+    assert command[command.index("--model.optimizer.lr") + 1] == "10"
+    from nanolab.runlog import read_records
+
+    end = read_records(tmp_path / "runs" / "dv" / "metrics.jsonl", "end")[-1]
+    parent_step = int(start.stem.split("-")[1])
+    assert end["reason"] == "diverged" and parent_step == end["diverged_step"] - 2
+
+    command[command.index("--model.optimizer.lr") + 1] = "0.001"
+    branch = nanolab_here("fit", *command, "--trainer.max_steps", str(parent_step + 4),
+                          "--checkpoint.keep_last", "10", cwd=tmp_path)  # fmt: skip
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    said = [x for x in branch.stderr.splitlines() if "this branch trains with" in x]
+    assert len(said) == 1 and (
+        f"model.optimizer.lr 0.001 from step {parent_step}; its parent's was 100" in said[0]
+    )
+    assert "resuming keeps" not in branch.stderr
+    name = command[command.index("--run.name") + 1]
+    run = tmp_path / "runs" / name
+    lrs = _lrs(run / "metrics.jsonl")
+    plan = WarmupCosine(0, parent_step + 4, 0.1)  # the branch's own cosine, to its own end
+    assert sorted(lrs) == list(range(parent_step + 1, parent_step + 5))
+    for step, (lr, loss) in lrs.items():
+        assert lr == pytest.approx(1e-3 * plan(step - 1)) and math.isfinite(loss)
+
+    order, before, weights = _optimizer_and_weights(start)
+    _, after, new_weights = _optimizer_and_weights(
+        run / "checkpoints" / f"step-{parent_step + 1:08d}.ckpt"
+    )
+    (b1, b2), eps, wd = (0.9, 0.99), 1e-8, 0.1  # quickstart's betas, eps and decay
+    rate, step = lrs[parent_step + 1][0], parent_step + 1
+    for index, param in enumerate(order):
+        old, new = before["state"][index], after["state"][index]
+        assert float(new["step"]) == step  # the parent's count, one step on
+        grad = (new["exp_avg"] - b1 * old["exp_avg"]) / (1 - b1)  # the step's clipped gradient
+        assert torch.allclose(new["exp_avg_sq"], b2 * old["exp_avg_sq"] + (1 - b2) * grad**2,
+                              rtol=1e-4, atol=1e-6), param  # fmt: skip
+        decay = wd if new_weights[f"model.{param}"].dim() >= 2 else 0.0
+        expected = weights[f"model.{param}"] * (1 - rate * decay) - rate / (1 - b1**step) * (
+            new["exp_avg"] / ((new["exp_avg_sq"] / (1 - b2**step)).sqrt() + eps)
+        )
+        assert torch.allclose(new_weights[f"model.{param}"], expected, rtol=1e-4, atol=1e-6), param
+
+
+def test_a_resume_that_keeps_the_rate_names_a_branch_command_that_trains_with_the_new_one(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """The resume's warning said "start a new run (another --run.name)", which kept the
+    checkpoint's rate too. It names the branch command now, and that command trains with the
+    new rate."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
+    assert nanolab_here(*base, "--trainer.max_steps", "4", cwd=tmp_path).returncode == 0
+    resumed = nanolab_here(*base, "--trainer.max_steps", "5", "--model.optimizer.lr", "0.05",
+                           cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    warned = [x for x in resumed.stderr.splitlines() if "resuming keeps" in x]
+    assert len(warned) == 1 and "model.optimizer.lr 0.003 (not 0.05)" in warned[0]
+    command = shlex.split(warned[0].split("from this checkpoint: nanolab fit ", 1)[1])
+    assert command[command.index("--model.optimizer.lr") + 1] == "0.05"
+    assert Path(command[command.index("--run.resume") + 1]).exists()
+    branch = nanolab_here("fit", *command, "--trainer.max_steps", "7", cwd=tmp_path)
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    run = tmp_path / "runs" / command[command.index("--run.name") + 1]
+    lrs = _lrs(run / "metrics.jsonl")
+    warmup = 50  # quickstart's: the branch is still in its warm-up, at 0.05's
+    assert {s: lr for s, (lr, _) in lrs.items()} == {
+        s: pytest.approx(0.05 * (s) / (warmup + 1)) for s in (5, 6, 7)
+    }
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["nanolab"]
+    assert saved["optimizer"]["lr"] == 0.05
