@@ -48,7 +48,12 @@ from nanolab.callbacks.events import (
     find_callback,
     stop_reason,
 )
-from nanolab.callbacks.loggers import RunConfigWriter, forward_record, mute_lightning_metrics
+from nanolab.callbacks.loggers import (
+    RunConfigWriter,
+    as_recorded,
+    forward_record,
+    mute_lightning_metrics,
+)
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.rundir import (
     RESERVED_NAMES,
@@ -659,7 +664,7 @@ def run_config(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, An
     if writer is not None:
         from nanolab.training.resolve import plain_config
 
-        return plain_config(writer.config)  # nanolab's own classes in the short form
+        return as_recorded(plain_config(writer.config))  # the short form, as config.yaml
     model: dict[str, Any] = {}
     for name in ("gpt_config", "optimizer_config", "schedule_config"):
         value = getattr(pl_module, name, None)

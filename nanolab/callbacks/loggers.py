@@ -189,9 +189,52 @@ def forward_record(trainer: Any, record: dict[str, Any]) -> None:
 
 
 # -- config.yaml --------------------------------------------------------------------------------
+def as_recorded(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` as the run's files record it (``config.yaml``, the start record): without
+    this launch's actions on the run directory. ``run.fresh: true`` moved an earlier run aside
+    before this one started; recorded, a relaunch from the run's own ``config.yaml`` (the
+    queue's, a requeue's, a user's) would move this run aside in turn and start it over, where
+    it should resume. The same for a ``run.resume`` (or ``--ckpt_path``) naming one of the
+    run's own checkpoints, recorded as ``auto``. (One naming another run's checkpoint stays: a
+    relaunch of that branch continues from its own newest checkpoint, or starts from that one
+    again when it saved none.)"""
+    out = dict(config)
+    for group in ("run", "log"):  # log.fresh: the run log's side of run.fresh (linked)
+        section = out.get(group)
+        if isinstance(section, dict) and section.get("fresh"):
+            out[group] = {**section, "fresh": False}
+    run_dir = (out.get("trainer") or {}).get("default_root_dir")
+    run = out.get("run")
+    if run_dir is None or not isinstance(run, dict):
+        return out
+    named = [run.get("resume"), out.get("ckpt_path")]
+    if any(own_checkpoint(Path(str(run_dir)), value) for value in named):
+        # A resume from one of the run's own (older) checkpoints: once more from there would
+        # set aside everything the run trained since; the run goes on from its newest.
+        out["run"] = {**run, "resume": "auto"}
+        if "ckpt_path" in out:
+            out["ckpt_path"] = None
+    return out
+
+
+def own_checkpoint(run_dir: Path, value: Any) -> bool:
+    """Whether ``value`` (``run.resume`` or ``--ckpt_path``) names a file or folder in the
+    checkpoints folder of the run in ``run_dir``."""
+    from nanolab.callbacks.rundir import CHECKPOINT_DIR
+
+    if not isinstance(value, str) or value in ("auto", "never", "last", "hpc"):
+        return False
+    try:
+        Path(value).resolve().relative_to((run_dir / CHECKPOINT_DIR).resolve())
+    except (ValueError, OSError):
+        return False
+    return True
+
+
 def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
     """The merged config as YAML, nanolab's own model/data classes in the short form
-    (``model: {gpt: ...}``, as written before they became choices); written atomically."""
+    (``model: {gpt: ...}``, as written before they became choices), as the run records it
+    (:func:`as_recorded`); written atomically."""
     import yaml
 
     from nanolab.runs import CONFIG_HEADER
@@ -199,7 +242,8 @@ def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
 
     data = yaml.safe_load(parser.dump(config, skip_none=False, skip_validation=True))
     data.pop("config", None)  # the --config files it was merged from: not part of the run
-    write_text(path, CONFIG_HEADER + yaml.safe_dump(plain_config(data), sort_keys=False))
+    data = as_recorded(plain_config(data))
+    write_text(path, CONFIG_HEADER + yaml.safe_dump(data, sort_keys=False))
 
 
 class RunConfigWriter(Callback):
