@@ -839,7 +839,7 @@ def keep_checkpoint_settings(
                 taken.append((f"model.{part}.{key}", current, value))
                 continue
             kept.append(f"model.{part}.{key} {value} (not {current})")
-            wanted[f"model.{part}.{key}"] = _yaml_value(current)
+            wanted[f"model.{part}.{key}"] = flag_value(current)
             now[key] = value
     seed = (saved or {}).get("seed_everything") if seeds else None
     if isinstance(seed, int) and cfg.get("seed_everything") not in (seed, False, None):
@@ -888,8 +888,8 @@ def keep_checkpoint_settings(
 def branch_settings_line(taken: list[tuple[str, Any, Any]], step: Any) -> str:
     """The line of a branch that trains with optimizer or schedule settings of its own:
     ``taken`` holds (key, the branch's value, the parent's)."""
-    keys = ", ".join(f"{key} {_yaml_value(mine)}" for key, mine, _ in taken)
-    theirs = ", ".join(_yaml_value(parents) for _, _, parents in taken)
+    keys = ", ".join(f"{key} {flag_value(mine)}" for key, mine, _ in taken)
+    theirs = ", ".join(flag_value(parents) for _, _, parents in taken)
     were = "was" if len(taken) == 1 else "were"
     return (
         f"nanolab fit: this branch trains with {keys} from step {step}; its parent's {were} "
