@@ -513,3 +513,74 @@ def test_a_forecast_counts_steps_not_the_copies_a_group_pools(tmp_path, capsys) 
     assert main([str(tmp_path), "--json", "--forecast"]) == 0
     (group,) = json.loads(capsys.readouterr().out)["group_forecasts"].values()
     assert group["fit"] is None and "at 3 distinct steps" in group["note"]
+
+
+def test_nanolabs_cosine_gives_its_whole_schedule_at_once() -> None:
+    """``WarmupCosine.multipliers`` is every step's ``__call__`` (warmup, cosine, the floor
+    past ``decay_steps``, a warmup longer than the decay), and the forecast reads the schedule
+    through it, not one Python call per step (200,000 calls a refit on a long run).
+
+    Mutations caught: ``multipliers_array`` calling the schedule per step; the floor applied
+    from ``decay_steps + 1``; warmup counted from 0 instead of 1/(warmup+1).
+    """
+    from nanolab.forecast.annealing import multipliers_array
+    from nanolab.training.optim import WarmupCosine
+
+    for cosine in (WarmupCosine(50, 300, 0.1), WarmupCosine(0, 1, 0.0), WarmupCosine(10, 5, 0.2)):
+        steps = cosine.decay_steps + 40
+        assert cosine.multipliers(steps).tolist() == [cosine(i) for i in range(steps)]
+
+    class Uncalled(WarmupCosine):
+        def __call__(self, step: int) -> float:
+            raise AssertionError("called per step")
+
+    planned = Uncalled(700, 1_000_000, 0.1)
+    assert multipliers_array(planned, 1_000_000)[-1] == pytest.approx(0.1)
+
+
+def test_a_schedule_is_evaluated_once_for_every_refit_under_it() -> None:
+    """Refits under the same schedule (the payoff rule's, one per validation) read its
+    multipliers once: again for the same planned length, and for a shorter one (a budget
+    moving the end step) the areas are the first steps of the longer plan's, equal to a fresh
+    computation. Another schedule (other settings) is computed anew.
+
+    Mutations caught: no cache (the schedule called again at every refit); a shorter plan
+    given the longer plan's whole areas (its annealing measured against the wrong end); a
+    cache keyed by length only (another cosine given the first one's areas).
+    """
+    calls = []
+
+    def schedule(step: int) -> float:
+        calls.append(step)
+        return 1.0 if step < 300 else 0.5 + 0.5 * math.cos(math.pi * (step - 300) / 700)
+
+    from nanolab.forecast import fit_schedule_curve
+
+    steps = np.arange(100, 501, 50)
+    losses = 2.0 + 3.0 * (steps / 100.0) ** -0.3
+    for _ in range(3):  # three validations' refits
+        fit_schedule_curve(steps, losses, schedule, 1000, bootstrap=10)
+    assert len(calls) == 1000  # once, not once a refit
+    calls.clear()
+
+    from nanolab.forecast.annealing import AreasCache, multipliers_array, schedule_areas
+
+    cache = AreasCache()
+    first = cache.areas(schedule, 1000, (0.0, 0.999))
+    assert len(calls) == 1000
+    again = cache.areas(schedule, 1000, (0.0, 0.999))
+    shorter = cache.areas(schedule, 600, (0.0, 0.999))
+    assert len(calls) == 1000  # neither evaluated it again
+    assert np.array_equal(again[0.999][1], first[0.999][1])
+    fresh = schedule_areas(multipliers_array(schedule, 600), 0.999)
+    assert len(shorter[0.999][0]) == 601
+    assert np.array_equal(shorter[0.999][0], fresh[0]) and np.array_equal(
+        shorter[0.999][1], fresh[1]
+    )
+
+    from nanolab.training.optim import WarmupCosine
+
+    one, other = WarmupCosine(10, 500, 0.1), WarmupCosine(10, 500, 0.5)
+    low, high = cache.areas(one, 500, (0.0,)), cache.areas(other, 500, (0.0,))
+    assert low[0.0][0][-1] < high[0.0][0][-1]  # the higher floor: more forward area
+    assert np.array_equal(cache.areas(WarmupCosine(10, 500, 0.1), 500, (0.0,))[0.0][0], low[0.0][0])

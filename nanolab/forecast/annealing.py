@@ -25,8 +25,8 @@ the error and the band's coverage on finished runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import numpy as np
 
@@ -47,7 +47,12 @@ MAX_EVALUATED = 200_000
 
 def multipliers_array(schedule: Multipliers, steps: int) -> np.ndarray:
     """The first ``steps`` LR multipliers of a schedule (a callable step -> multiplier, as the
-    run's ``LambdaLR`` uses, or a sequence, held at its last value past its end)."""
+    run's ``LambdaLR`` uses, or a sequence, held at its last value past its end). A callable
+    with a ``multipliers(steps)`` method (nanolab's own cosine) gives them all at once, every
+    step exact; any other is called per step, sampled past :data:`MAX_EVALUATED` steps."""
+    at_once = getattr(schedule, "multipliers", None)
+    if callable(schedule) and callable(at_once):
+        return np.asarray(at_once(steps), dtype=float)[:steps]
     if callable(schedule):
         if steps > MAX_EVALUATED:
             stride = math.ceil(steps / MAX_EVALUATED)
@@ -60,6 +65,71 @@ def multipliers_array(schedule: Multipliers, steps: int) -> np.ndarray:
     if len(arr) == 0:
         raise ForecastError("an empty LR schedule")
     return np.concatenate([arr, np.full(steps - len(arr), arr[-1])])
+
+
+def _schedule_key(schedule: Multipliers) -> Hashable | None:
+    """What defines a callable schedule, for :class:`AreasCache`: a dataclass's type and fields
+    (nanolab's cosine: equal settings, equal schedule), else the callable itself when hashable
+    (a function: the same object), else None (not cached). A sequence is not cached."""
+    if not callable(schedule):
+        return None
+    if is_dataclass(schedule) and not isinstance(schedule, type):
+        key: Hashable = (type(schedule), tuple(getattr(schedule, f.name) for f in fields(schedule)))
+    else:
+        key = schedule
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class AreasCache:
+    """The planned schedule's multipliers checked and its areas, computed once per schedule.
+
+    The payoff rule refits the forecast at every validation under the same schedule; computing
+    ``S1``/``S2`` for every decay over the whole plan each time cost up to a second on a long
+    run. Areas after ``s`` steps depend only on the steps before, so a plan's areas are the
+    first ``total + 1`` entries of a longer plan's, when every step was evaluated (not sampled):
+    a budget that moves the end step at each validation slices one computation. The newest
+    ``entries`` schedules are kept (each holds its schedule, so an identity key stays its own).
+    """
+
+    def __init__(self, entries: int = 2) -> None:
+        self.entries = entries
+        # key -> (schedule, steps computed, every step evaluated, {decay: (S1, S2)})
+        self._held: dict[Hashable, tuple[Multipliers, int, bool, dict]] = {}
+
+    def areas(
+        self, schedule: Multipliers, total: int, decays: Sequence[float]
+    ) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+        """``decay -> (S1, S2)`` of ``schedule`` over ``total`` steps (index = steps done).
+
+        Raises:
+            ForecastError: the schedule has negative or non-finite multipliers.
+        """
+        wanted = tuple(float(d) for d in decays)
+        key = _schedule_key(schedule)
+        key = None if key is None else (key, wanted)
+        held = self._held.get(key) if key is not None else None
+        if held is not None and (held[1] == total or (held[2] and held[1] >= total)):
+            self._held[key] = self._held.pop(key)  # the newest again
+            return {d: (s1[: total + 1], s2[: total + 1]) for d, (s1, s2) in held[3].items()}
+        mult = multipliers_array(schedule, total)
+        if not np.all(np.isfinite(mult)) or np.any(mult < 0):
+            raise ForecastError("the LR schedule has negative or non-finite multipliers")
+        areas = {d: schedule_areas(mult, d) for d in wanted}
+        if key is not None:
+            sampled = not callable(getattr(schedule, "multipliers", None)) and total > MAX_EVALUATED
+            self._held.pop(key, None)
+            self._held[key] = (schedule, total, not sampled, areas)
+            while len(self._held) > self.entries:
+                self._held.pop(next(iter(self._held)))
+        return areas
+
+
+#: The areas of the schedules forecast last (the payoff rule's, a report's).
+AREAS = AreasCache()
 
 
 def schedule_areas(multipliers: np.ndarray, decay: float = DECAY) -> tuple[np.ndarray, np.ndarray]:
@@ -316,10 +386,7 @@ def fit_schedule_curve(
     require_points([round(s) for s, _ in pts], "steps")
     last = round(pts[-1][0])
     total = max(int(total_steps), last)
-    mult = multipliers_array(schedule, total)
-    if not np.all(np.isfinite(mult)) or np.any(mult < 0):
-        raise ForecastError("the LR schedule has negative or non-finite multipliers")
-    areas = {float(d): schedule_areas(mult, float(d)) for d in decays}
+    areas = AREAS.areas(schedule, total, decays)
     idx = np.array([round(s) for s, _ in pts])
     y = np.array([v for _, v in pts])
     if np.any(next(iter(areas.values()))[0][idx] <= 0):
