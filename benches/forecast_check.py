@@ -105,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def replay_payoff(name: str, full, threshold: float, bootstrap: int) -> str:
     """Where ``budget.payoff_threshold`` would have stopped a finished run (see the module)."""
-    from nanolab.forecast import MIN_POINTS, ForecastError, fit_curve
+    from nanolab.callbacks.budget import PAYOFF_POINTS
+    from nanolab.forecast import MIN_POINTS, ForecastError, even_points, fit_curve
 
     end, final = full.max_steps, full.points[-1][2]
     for k in range(1, len(full.points) + 1):
-        part = replace(full, points=full.points[:k])
-        step, _, val = part.points[-1]
-        if sum(1 for s, _, _ in part.points if s >= part.warmup_steps) < MIN_POINTS:
+        step, _, val = full.points[k - 1]
+        after = [p for p in full.points[:k] if p[0] >= full.warmup_steps]
+        if len(after) < MIN_POINTS:
             continue
+        part = replace(full, points=even_points(after, PAYOFF_POINTS))  # as the rule fits
         try:
             fit = fit_curve(part, bootstrap=bootstrap)
         except ForecastError:

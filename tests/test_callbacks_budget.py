@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from test_callbacks_runlog import TOKENS_PER_MICRO_BATCH, events, fit
@@ -463,3 +464,59 @@ def test_the_step_a_token_budget_stops_at_is_the_one_its_checks_decide():
                 for limit in range(1, 60, 3):
                     want = checked(step, spent, 4, every, limit)
                     assert token_stop_step(step, spent, 4, every, limit) == want
+
+
+def _scheduled_trainer(schedule):
+    from types import SimpleNamespace
+
+    scheduler = SimpleNamespace(lr_lambdas=[schedule] if schedule is not None else None)
+    return SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+
+
+def test_payoff_rule_fits_a_bounded_number_of_validations(monkeypatch):
+    """A 100k-step run validated every 50 steps has 1,200 validations at step 60,000: the
+    payoff rule fits at most ``PAYOFF_POINTS`` of them (the newest always, those before warmup
+    never), so a validation's cost stops growing with the run; its forecast stays that of all
+    the points. The power law (an optimizer without a LambdaLR) is thinned the same way.
+
+    Mutations caught: the whole history fitted at every validation (a refit of 4,000 points
+    took 8 s); the newest validation left out of the fit; warmup points let in.
+    """
+    import nanolab.callbacks.budget as budget_module
+    from nanolab.forecast import CurveInputs, fit_curve
+    from nanolab.training.optim import WarmupCosine
+
+    fitted: list[list[float]] = []
+
+    def spy(inputs, bootstrap):
+        fitted.append([s for s, _, _ in inputs.points])
+        return fit_curve(inputs, bootstrap=bootstrap)
+
+    monkeypatch.setattr(budget_module, "fit_curve", spy)
+    schedule = WarmupCosine(100, 100_000, 0.1)
+    steps = range(50, 60_001, 50)
+    noise = np.random.default_rng(0).normal(0.0, 0.005, len(steps))
+    losses = 2.0 + 3.0 * (np.array(steps) / 100) ** -0.3 + noise
+    points = [(float(s), float(s), float(v)) for s, v in zip(steps, losses, strict=True)]
+    budget = CostBudget(payoff_threshold=0.1, payoff_bootstrap=10)
+    trainer = _scheduled_trainer(schedule)
+    now, end, _, model = budget._forecast(trainer, points, 100, 60_000, 100_000)
+    assert model == "schedule" and len(fitted) == 1
+    assert len(fitted[0]) <= budget_module.PAYOFF_POINTS and fitted[0][-1] == 60_000
+    assert min(fitted[0]) >= 100
+    inputs = CurveInputs(points, 100_000, schedule_for=lambda _s: schedule, warmup_steps=100)
+    whole = fit_curve(inputs, bootstrap=10)
+    assert end == pytest.approx(whole.predict(100_000), abs=0.01)
+    assert now == pytest.approx(whole.predict(60_000), abs=0.01)
+
+    counted: list[int] = []
+    real_law = budget_module.fit_loss_curve
+
+    def law_spy(xs, ys, bootstrap):
+        counted.append(len(xs))
+        return real_law(xs, ys, bootstrap=bootstrap)
+
+    monkeypatch.setattr(budget_module, "fit_loss_curve", law_spy)
+    plain = _scheduled_trainer(None)
+    assert budget._forecast(plain, points, 100, 60_000, 100_000)[3] == "power law"
+    assert len(counted) == 1 and counted[0] <= budget_module.PAYOFF_POINTS

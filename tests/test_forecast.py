@@ -6,6 +6,7 @@ Each test names, in its docstring, the mutation of nanolab it was seen to catch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -584,3 +585,24 @@ def test_a_schedule_is_evaluated_once_for_every_refit_under_it() -> None:
     low, high = cache.areas(one, 500, (0.0,)), cache.areas(other, 500, (0.0,))
     assert low[0.0][0][-1] < high[0.0][0][-1]  # the higher floor: more forward area
     assert np.array_equal(cache.areas(WarmupCosine(10, 500, 0.1), 500, (0.0,))[0.0][0], low[0.0][0])
+
+
+def test_even_points_bound_a_refit_and_keep_the_newest() -> None:
+    """``even_points`` keeps at most ``limit`` points, the first and the newest among them,
+    evenly spaced; from one validation to the next the kept older points stay the same (until
+    the stride doubles), so a thinned forecast does not jump; under the limit it keeps all.
+
+    Mutations caught: the newest point dropped (the forecast ignores the latest validation);
+    a stride of ``n // limit`` (the kept set shifting at every validation); more than
+    ``limit`` kept.
+    """
+    from nanolab.forecast import even_points
+
+    assert even_points(list(range(7)), 10) == list(range(7))
+    for n in (101, 150, 1000, 4001):
+        kept = even_points(list(range(n)), 100)
+        assert len(kept) <= 100 and kept[0] == 0 and kept[-1] == n - 1
+        gaps = {b - a for a, b in itertools.pairwise(kept[:-1])}
+        assert len(gaps) <= 1
+    now, later = even_points(list(range(1000)), 100), even_points(list(range(1001)), 100)
+    assert now[:-1] == later[:-1][: len(now) - 1]

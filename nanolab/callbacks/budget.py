@@ -17,7 +17,9 @@ The improvement still on offer is the forecast loss now minus the forecast at th
 the optimistic edge of the forecast's 5-95% band, so a noisy or early fit (wide band) does not
 stop a run. The run stops with reason ``budget`` when that optimistic improvement is below
 ``payoff_threshold`` (loss units), or below ``payoff_per_gpu_hour`` times the GPU-hours left
-(loss per GPU-hour). The rule waits for ``payoff_min_evals`` validations after warmup.
+(loss per GPU-hour). The rule waits for ``payoff_min_evals`` validations after warmup, and
+fits at most :data:`PAYOFF_POINTS` of them (evenly spread, the newest among them), so a
+validation costs the same early and late in a long run.
 
 Plateau rule (``patience``/``min_delta``): stop (reason ``plateau``) after ``patience``
 validations without an improvement of at least ``min_delta`` over the best.
@@ -36,7 +38,18 @@ import lightning as L
 
 from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason, stop_reason
 from nanolab.callbacks.step import StepCallback, scheduled_validation
-from nanolab.forecast import MIN_POINTS, CurveInputs, ForecastError, fit_curve, fit_loss_curve
+from nanolab.forecast import (
+    MIN_POINTS,
+    CurveInputs,
+    ForecastError,
+    even_points,
+    fit_curve,
+    fit_loss_curve,
+)
+
+#: Most validations the payoff rule fits (evenly spread, the newest always among them): a
+#: refit's cost is bounded, however long the run; the schedule fit stays the same below it.
+PAYOFF_POINTS = 100
 
 #: ISO 4217 codes accepted for ``budget.currency`` (the common ones; case-insensitive).
 CURRENCIES = frozenset(
@@ -521,14 +534,18 @@ class CostBudget(StepCallback):
     def _forecast(
         self, trainer: L.Trainer, points: list, warmup: int, step: int, end: int
     ) -> tuple[float, float, tuple[float, float], str]:
-        """(loss now, loss at ``end``, its 5-95% band, model) from the val history."""
+        """(loss now, loss at ``end``, its 5-95% band, model) from the val history, fitted on
+        at most :data:`PAYOFF_POINTS` of its points."""
         schedule = _lr_multiplier(trainer)
         if schedule is not None:
-            inputs = CurveInputs(points=points, max_steps=max(end, step), tokens_per_step=1.0,
+            # The points the schedule fit reads (those after warmup: there are enough), thinned.
+            after = even_points([p for p in points if p[0] >= warmup], PAYOFF_POINTS)
+            inputs = CurveInputs(points=after, max_steps=max(end, step), tokens_per_step=1.0,
                                  schedule_for=lambda _steps: schedule, warmup_steps=warmup)  # fmt: skip
             fit = fit_curve(inputs, bootstrap=self.payoff_bootstrap)
             return fit.predict(step), fit.predict(end), fit.band(end), "schedule"
         # An optimizer without a LambdaLR: the power law in steps (tokens per step are fixed).
+        points = even_points(points, PAYOFF_POINTS)
         law = fit_loss_curve([s for s, _, _ in points], [v for _, _, v in points],
                              bootstrap=self.payoff_bootstrap)  # fmt: skip
         return law.predict(step), law.predict(end), law.band(end), "power law"

@@ -9,7 +9,7 @@
 
 from nanolab.forecast.annealing import ScheduleFit, fit_schedule_curve, schedule_areas
 from nanolab.forecast.powerlaw import MIN_POINTS, CurveFit, ForecastError, fit_loss_curve
-from nanolab.forecast.run import CurveInputs, RunForecast, fit_curve, forecast
+from nanolab.forecast.run import CurveInputs, RunForecast, even_points, fit_curve, forecast
 
 __all__ = [
     "MIN_POINTS",
@@ -18,6 +18,7 @@ __all__ = [
     "ForecastError",
     "RunForecast",
     "ScheduleFit",
+    "even_points",
     "fit_curve",
     "fit_loss_curve",
     "fit_schedule_curve",

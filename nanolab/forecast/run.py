@@ -93,6 +93,20 @@ class RunForecast:
     last_loss: float | None = None
 
 
+def even_points(points: list, limit: int) -> list:
+    """At most ``limit`` (>= 2) of ``points`` (in step order), spread evenly: every
+    ``stride``-th from the first, the stride the smallest power of two that fits, and the last.
+    A refit's cost grows with its points (a 100k-step run validated every 50 steps has 2,000);
+    the points kept stay the same from one validation to the next until the stride doubles,
+    so successive forecasts do not jump, and the newest is always one of them."""
+    if len(points) <= limit:
+        return list(points)
+    stride = 1
+    while -(-(len(points) - 1) // stride) + 1 > limit:
+        stride *= 2
+    return [*points[:-1:stride], points[-1]]
+
+
 def fit_curve(inputs: CurveInputs, bootstrap: int = 200) -> ScheduleFit:
     """The schedule fit of ``inputs`` (raises ForecastError when it cannot be made)."""
     if inputs.schedule_for is None or not inputs.max_steps or inputs.max_steps <= 0:
