@@ -520,3 +520,40 @@ def test_payoff_rule_fits_a_bounded_number_of_validations(monkeypatch):
     plain = _scheduled_trainer(None)
     assert budget._forecast(plain, points, 100, 60_000, 100_000)[3] == "power law"
     assert len(counted) == 1 and counted[0] <= budget_module.PAYOFF_POINTS
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_payoff_rule_is_forecast_on_rank_zero_and_sent_to_every_rank(monkeypatch, rank):
+    """On a run over several devices only rank 0 fits the forecast (a second of CPU a
+    validation, on every rank before), and every rank takes rank 0's numbers and decision:
+    each rank's own spend per step projected its own end and GPU-hours left, so ranks could
+    decide apart. One device forecasts itself, with no collective.
+
+    Mutations caught: every rank forecasting; a rank deciding from its own numbers; the
+    broadcast sent from another rank than 0.
+    """
+    from types import SimpleNamespace
+
+    budget = CostBudget(payoff_threshold=0.1)
+    forecasts: list[int] = []
+    rank0 = {"decision": "stop", "gain_optimistic": 0.01}
+
+    def payoff(trainer):
+        forecasts.append(trainer.global_rank)
+        return rank0 if trainer.global_rank == 0 else {"decision": "continue"}
+
+    def broadcast(obj, src=0):
+        sent.append((obj, src))
+        return rank0
+
+    sent: list[tuple] = []
+    monkeypatch.setattr(budget, "payoff", payoff)
+    strategy = SimpleNamespace(broadcast=broadcast)
+    trainer = SimpleNamespace(
+        world_size=2, global_rank=rank, is_global_zero=rank == 0, strategy=strategy
+    )
+    assert budget.agreed_payoff(trainer) == rank0
+    assert forecasts == ([0] if rank == 0 else [])
+    assert sent == [(rank0 if rank == 0 else None, 0)]
+    alone = SimpleNamespace(world_size=1, global_rank=0, is_global_zero=True, strategy=strategy)
+    assert budget.agreed_payoff(alone) == rank0 and len(sent) == 1

@@ -19,7 +19,8 @@ stop a run. The run stops with reason ``budget`` when that optimistic improvemen
 ``payoff_threshold`` (loss units), or below ``payoff_per_gpu_hour`` times the GPU-hours left
 (loss per GPU-hour). The rule waits for ``payoff_min_evals`` validations after warmup, and
 fits at most :data:`PAYOFF_POINTS` of them (evenly spread, the newest among them), so a
-validation costs the same early and late in a long run.
+validation costs the same early and late in a long run. Rank 0 forecasts and decides; the
+other ranks receive its numbers and decision.
 
 Plateau rule (``patience``/``min_delta``): stop (reason ``plateau``) after ``patience``
 validations without an improvement of at least ``min_delta`` over the best.
@@ -428,7 +429,7 @@ class CostBudget(StepCallback):
         }
         if self.patience is not None and self.evals_since_best >= self.patience:
             plateau["decision"] = "stop"
-        payoff = self.payoff(trainer)
+        payoff = self.agreed_payoff(trainer)
         already = stop_reason(trainer)[0]
         # The run's last step (max_steps) ends it anyway: "completed", never a stop by a rule.
         finished = 0 < (trainer.max_steps or -1) <= trainer.global_step
@@ -469,6 +470,15 @@ class CostBudget(StepCallback):
                 "plateau",
                 f"no val improvement >= {self.min_delta} in {self.evals_since_best} evaluations",
             )
+
+    def agreed_payoff(self, trainer: L.Trainer) -> dict[str, Any]:
+        """The payoff rule's numbers and decision, computed on rank 0 and sent to every rank:
+        one forecast a validation instead of one per rank, and one decision (each rank's own
+        spend per step would project its own end step and GPU-hours left)."""
+        if trainer.world_size <= 1:
+            return self.payoff(trainer)
+        mine = self.payoff(trainer) if trainer.is_global_zero else None
+        return trainer.strategy.broadcast(mine, src=0)
 
     def payoff(self, trainer: L.Trainer) -> dict[str, Any]:
         """The payoff rule's forecast, numbers and decision (see the module docstring)."""
