@@ -686,3 +686,36 @@ def test_a_stop_after_an_evaluation_says_nothing_of_late_values_but_a_users(
     else:
         (line,) = warned
         assert line.split(": warning: ")[1].startswith("train/late was logged at step"), line
+
+
+class CopiesTheLogAt(L.Callback):
+    """When step ``step + 1`` begins: copies the run log, what a process killed there leaves."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.left: list[dict] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if self.left is None and trainer.global_step == self.step:
+            with open(trainer.default_root_dir + "/metrics.jsonl") as log:
+                self.left = [json.loads(line) for line in log]
+
+
+@pytest.mark.parametrize("defer", ["0", "1"])
+def test_a_process_killed_during_an_async_save_leaves_the_saved_steps_train_record(
+    tmp_path, char_dataset, monkeypatch, defer
+):
+    """On a GPU a step's train record waits for its values until the next step; the save of
+    that step took them first (for the spike guard), but the run log left its record pending,
+    so a process killed while the async save ran (SIGKILL, the out-of-memory killer) lost the
+    saved step's train record for good: the resumed log went train 1-3, start 4. Now the record
+    is written before the save, as on a CPU."""
+    monkeypatch.setenv(DEFER_ENV, defer)
+    run = tmp_path / "run"
+    copy = CopiesTheLogAt(4)
+    callbacks = [MetricsLog(), RotatingCheckpoint(every_n_steps=4, async_save=True), copy]
+    fit(run, char_dataset, callbacks, max_steps=6, eval_every=100)
+    assert copy.left is not None
+    train = [r for r in copy.left if r["event"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert train[-1]["loss"] > 0 and train[-1]["grad_norm"] > 0

@@ -17,7 +17,7 @@ does not block, and the record is written when its values arrive, at the next st
 queues the next step while the device finishes this one (the loop never waits for the device
 to log). Its host fields (time, tokens, throughput, memory) are taken at its own step. Before any
 other record (``val``, a checkpoint's, ``end``) the pending one is written, so the file stays in
-step order. A JSON line is written with a flush per record. Rank 0 writes; the other ranks take part
+step order; and before a save, so a process killed during an async save leaves its step's record. A JSON line is written with a flush per record. Rank 0 writes; the other ranks take part
 only in the collective parts (the gradient norm of sharded parameters, broadcasting decisions).
 """
 
@@ -54,7 +54,7 @@ from nanolab.callbacks.loggers import (
     forward_record,
     mute_lightning_metrics,
 )
-from nanolab.callbacks.readout import StepReadout
+from nanolab.callbacks.readout import StepReadout, Values
 from nanolab.callbacks.rundir import (
     RESERVED_NAMES,
     RunDirError,
@@ -431,6 +431,15 @@ class MetricsLog(StepCallback):
                     record.setdefault(key, value)
                 self._writer.write(record)
                 forward_record(trainer, record)
+
+    def on_values_arrived(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, arrived: list[tuple[int, Values]]
+    ) -> None:
+        # Before a save: the records whose values just came are written now. Left pending until
+        # the next step, they were lost with the process when it was killed while an async save
+        # ran (a SIGKILL, an out-of-memory kill), though the checkpoint a resume goes on from
+        # was complete: the resumed log had no train record of the saved step.
+        self._write_arrived(trainer, arrived)
 
     def flush_train_records(self, trainer: L.Trainer) -> None:
         """Write the train records still waiting for their values (waits for their copies)."""
