@@ -641,3 +641,18 @@ def test_a_restore_of_ones_own_meets_fits_rule_for_the_optimizer_state(settings,
     with pytest.raises(ConfigError) as err:
         module.on_load_checkpoint(checkpoint)
     assert said in str(err.value)
+
+
+def test_a_preemption_that_saved_nothing_says_why() -> None:
+    """``save_now`` saves nothing when the run's stop forbids saving the state (a loss spike's)
+    as well as when the parameters are not finite; the preemption line said the latter in
+    both cases."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.events import set_stop_reason
+    from nanolab.callbacks.preemption import unsaved_because
+
+    trainer = SimpleNamespace(should_stop=False)
+    assert unsaved_because(trainer) == "parameters not finite"
+    set_stop_reason(trainer, "rollback", "loss spike", save_state=False)
+    assert unsaved_because(trainer) == "the rollback stop forbids saving this state"

@@ -561,3 +561,40 @@ def test_a_run_resumed_from_a_checkpoint_saved_with_its_values_in_flight_detects
         ckpt = torch.load(tmp_path / f"s{defer}.ckpt", weights_only=True, map_location="cpu")
         saved[defer] = {k: v for k, v in ckpt["callbacks"].items() if "Spike" in k or "Diverg" in k}
     assert saved["1"] == saved["0"]
+
+
+@pytest.mark.parametrize("defer", ["0", "1"])
+@pytest.mark.parametrize(("every", "verdict", "code"), [(1, "rollback", 75), (2, "diverged", 3)])
+def test_a_signal_at_the_step_a_spike_is_judged_leaves_the_verdict_standing(
+    tmp_path: Path, char_dataset: Path, defer: str, every: int, verdict: str, code: int
+) -> None:
+    """A SIGTERM in step 3, the step the guard finds a spike at: the preemption saved step 3
+    after the guard had rolled back from it (last.ckpt then pointed at the spiked weights, which
+    the rerun resumed from with the ledger's skip in force) or had stopped without saving it;
+    on a CPU it saved nothing and said "parameters not finite". Both exited 75. Now the
+    verdict stands, on the GPU path (``NANOLAB_READOUT_DEFER=1``) too, where the step's loss
+    arrives only when the preemption settles the values: no step-3 checkpoint; a rollback
+    ends as one and exits 75 (the signal asked to stop: the rerun continues from step 1); a
+    stop ends as diverged, exit 3."""
+    from nanolab.callbacks.readout import DEFER_ENV
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
+    cfg["run"]["eval_every_steps"] = 100
+    cfg["checkpoint"] = {"every_n_steps": every, "keep_last": 5}
+    cfg["spike"] = {"factor": 1.000001, "min_increase": 0, "window": 2, "patience": 1}
+    cfg["trainer"]["callbacks"] = [{"class_path": "cli_probes.SignalAt", "init_args": {"step": 2}}]
+    config = str(write_config(tmp_path / "t.yaml", cfg))
+    proc = nanolab_here("fit", "--config", config, cwd=tmp_path, env={DEFER_ENV: defer})
+    assert proc.returncode == code, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    (spike,) = read_records(run / "metrics.jsonl", "spike")
+    assert spike["step"] == 3
+    end = read_records(run / "metrics.jsonl", "end")[-1]
+    assert (end["reason"], end["step"]) == (verdict, 3)
+    said = "rerun the same command to continue from there" if code == 75 else "fit: diverged:"
+    assert said in proc.stderr and "not finite" not in proc.stderr, proc.stderr[-3000:]
+    saved = sorted(p.name for p in (run / "checkpoints").rglob("step-*.ckpt"))
+    assert "step-00000003.ckpt" not in saved, saved
+    assert [r["step"] for r in read_records(run / "metrics.jsonl", "checkpoint")] == list(
+        range(every, 3, every)
+    )

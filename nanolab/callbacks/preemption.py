@@ -14,6 +14,8 @@ nothing. This callback instead:
    and :class:`Preempted` is raised: other callbacks see it in ``on_exception`` (the JSONL log
    writes its ``end`` record with reason ``preempted``) and the process exits with
    :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again later");
+   A loss spike or divergence found at that step (its values settled first) stands instead: the
+   run ends on that verdict, with its own save rule, ``end`` record and exit;
 3. on a second signal, exits at once (the previous complete checkpoint is still there: writes
    are atomic).
 
@@ -55,7 +57,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from nanolab.callbacks.events import set_stop_reason, stop_reason
+from nanolab.callbacks.events import set_stop_reason, stop_reason, stop_saves_state
 from nanolab.callbacks.files import publish, tmp_path
 from nanolab.callbacks.step import (
     StepCallback,
@@ -186,6 +188,7 @@ class PreemptionHandler(StepCallback):
         self._previous: dict[signal.Signals, Any] = {}
         self._trainer: pl.Trainer | None = None
         self._stepped = False  # an optimizer step ended in this process
+        self._yielded = False  # a spike or divergence verdict on the signalled step ended the run
         # The step of the checkpoint saved before its evaluation (finish_validation: false);
         # carried in the checkpoint so that the resumed run evaluates it first.
         self._unevaluated: int | None = None
@@ -259,7 +262,7 @@ class PreemptionHandler(StepCallback):
     def on_run_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Installed here, after Lightning registered its own handlers (Trainer._run), so ours
         # replace its SIGTERM handler, which would stop in the middle of an accumulation.
-        self._trainer, self._stepped = trainer, False
+        self._trainer, self._stepped, self._yielded = trainer, False, False
         from nanolab.training import early_signals
 
         held = early_signals.received()  # a signal that arrived during start-up
@@ -302,7 +305,7 @@ class PreemptionHandler(StepCallback):
         ends normally then, saves, and its ``end`` record keeps the rule's reason)."""
         if trainer.world_size > 1:
             requested = bool(trainer.strategy.reduce_boolean_decision(requested, all=False))
-        ending = stop_reason(trainer)[0] in ENDS_ON_ITS_OWN
+        ending = self._yielded or stop_reason(trainer)[0] in ENDS_ON_ITS_OWN
         return requested and not ending and not 0 < trainer.max_steps <= trainer.global_step
 
     def _stop(self, trainer: pl.Trainer, before_first_step: bool = False) -> None:
@@ -314,6 +317,11 @@ class PreemptionHandler(StepCallback):
             set_stop_reason(trainer, REASON, f"{name} before the first step")
             path, what = None, f"before the first step (step {step}); nothing to save"
         else:
+            # The step's values still in flight first (on a GPU they arrive at the next step):
+            # the spike guard and the divergence stop judge this step before the signal does.
+            settle_step_values(trainer)
+            if self._yield_to_verdict(trainer, name):
+                return
             set_stop_reason(trainer, REASON, name)  # the end record's reason
             path = save_checkpoint_now(trainer)
             waited = max(0.0, time.time() - (self.received_at or time.time()))
@@ -324,6 +332,27 @@ class PreemptionHandler(StepCallback):
                 "rerun the same command to resume\n"
             )
         raise Preempted(name, step, path, self.exit_code, before_first_step)
+
+    def _yield_to_verdict(self, trainer: pl.Trainer, name: str) -> bool:
+        """Whether a stop another callback decided at this step (a loss spike's rollback or
+        stop, a divergence) ends the run instead of the signal, and if so say so.
+
+        Such a verdict forbids saving the step (its weights are the spike's, or not finite):
+        preempting over it saved them anyway, or saved nothing and said the parameters were
+        not finite, and exited 75, so the rerun resumed from the weights the guard rejected
+        (or diverged again). The verdict keeps its own save rule, end record and exit; a
+        rollback a signal came with exits 75 after rolling back (``nanolab fit``)."""
+        reason, detail = stop_reason(trainer)
+        if reason is None or reason == REASON:
+            return False
+        self._yielded = True
+        if trainer.is_global_zero:
+            _write_stderr(
+                f"nanolab: {name} after step {trainer.global_step}: the run stops on its own "
+                f"verdict at this step instead ({reason}: {detail}), with no preemption "
+                "checkpoint\n"
+            )
+        return True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # every step callback's on_run_start, once
@@ -375,8 +404,7 @@ def save_checkpoint_now(trainer: pl.Trainer) -> str:
         save_now = getattr(cb, "save_now", None)
         if callable(save_now):
             path = save_now(trainer)
-            # None: the parameters are not finite, so the newest (finite) checkpoint is kept.
-            return str(path) if path is not None else "none (parameters not finite)"
+            return str(path) if path is not None else f"none ({unsaved_because(trainer)})"
     settle_step_values(trainer)  # the callbacks' state holds this step (see RotatingCheckpoint)
     ckpt_dir = Path(trainer.default_root_dir) / "checkpoints"
     final = ckpt_dir / f"step-{trainer.global_step:08d}.ckpt"
@@ -389,6 +417,22 @@ def save_checkpoint_now(trainer: pl.Trainer) -> str:
         publish(tmp, final)
     trainer.strategy.barrier("nanolab_preempt_saved")
     return str(final)
+
+
+def unsaved_because(trainer: pl.Trainer) -> str:
+    """Why the checkpoint callback's ``save_now`` saved nothing: the run's stop forbids saving
+    the state (a loss spike's), or else the parameters are not finite."""
+    if not stop_saves_state(trainer):
+        reason, _ = stop_reason(trainer)
+        return f"the {reason} stop forbids saving this state"
+    return "parameters not finite"
+
+
+def signalled(trainer: pl.Trainer) -> bool:
+    """Whether this fit's preemption handler received a signal (one that a spike's rollback
+    at that step took over: ``nanolab fit`` then exits 75 instead of continuing)."""
+    callbacks = getattr(trainer, "callbacks", None) or []
+    return any(isinstance(c, PreemptionHandler) and c.received is not None for c in callbacks)
 
 
 def _write_stderr(text: str) -> None:

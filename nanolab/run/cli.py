@@ -68,9 +68,11 @@ def run_lightning_cli(argv: list[str]) -> int:
             release_all()
         if not rolled_back(trainer):
             break
-        if trainer.world_size > 1:  # every rank would have to start over together: rerun
-            from nanolab.callbacks.preemption import EXIT_PREEMPTED
+        from nanolab.callbacks.preemption import EXIT_PREEMPTED, signalled
 
+        # Every rank would have to start over together; a signal at the rolled-back step asked
+        # the run to stop (continuing would ignore it): rerun.
+        if trainer.world_size > 1 or signalled(trainer):
             if trainer.is_global_zero:
                 print(
                     f"nanolab {argv[0]}: rolled back ({rollback_detail(trainer)}); rerun the "
