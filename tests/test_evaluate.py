@@ -264,10 +264,11 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_in_evals_words(work, ve
     assert digests(work) == before  # nothing logged, nothing written
 
 
-def test_validate_restores_the_weights_mapped_on_the_cpu_not_the_optimizer_state(work, monkeypatch):
+def test_validate_restores_the_checkpoint_mapped_on_the_cpu(work, monkeypatch):
     """The optimizer's state (AdamW: twice the weights) is for training: an evaluation that
-    loaded it held three times the weights in memory beside the model (and, on a GPU, put it
-    back on the device). The record is the same as the full restore's."""
+    read it held three times the weights in memory beside the model (and, on a GPU, put it
+    back on the device). Mapped on the CPU it costs nothing until read, so it stays in the
+    dict a fork's ``on_load_checkpoint`` sees. The record is the same as the full restore's."""
     from nanolab.training.module import GPTLightningModule
 
     seen: list[tuple[set[str], set[str]]] = []
@@ -290,12 +291,34 @@ def test_validate_restores_the_weights_mapped_on_the_cpu_not_the_optimizer_state
     assert res.returncode == 0, res.stderr[-3000:]
     ((keys, devices),) = seen
     assert "state_dict" in keys and devices == {"cpu"}
-    assert not keys & {"optimizer_states", "lr_schedulers"}, keys
+    assert {"optimizer_states", "lr_schedulers"} <= keys, keys  # a fork's hook may read them
     assert loads and all(loads), loads  # every read of the checkpoint maps it
     run = work / "runs" / "tiny"
     record = read_records(run / "metrics.jsonl")[-1]
     assert record["evaluated_by"] == "nanolab validate" and record["step"] == 6
     assert record["val_loss"] == pytest.approx(fit_val_loss(run, 6), abs=1e-5)
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+def test_an_evaluation_load_pays_for_the_optimizer_state_only_when_read(tmp_path):
+    """The optimizer's state stays in the loaded checkpoint (a fork's hook may read it), mapped:
+    the load itself does not bring its bytes into memory."""
+    from nanolab.training.evaluate import load_for_evaluation
+
+    moments = 32 * 2**20  # 128 MiB of float32
+    ckpt = tmp_path / "step-00000001.ckpt"
+    state = {0: {"exp_avg": torch.ones(moments)}}
+    torch.save({"state_dict": {"w": torch.ones(4)}, "optimizer_states": [{"state": state}]}, ckpt)
+    del state
+    before = _rss_bytes()
+    loaded = load_for_evaluation(ckpt)
+    assert _rss_bytes() - before < 16 * 2**20
+    exp_avg = loaded["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert exp_avg.device.type == "cpu" and float(exp_avg.sum()) == moments
 
 
 def test_an_evaluation_load_leaves_shards_and_other_loaders_their_own(tmp_path):
@@ -318,9 +341,7 @@ def test_an_evaluation_load_leaves_shards_and_other_loaders_their_own(tmp_path):
     torch.save(full, legacy, _use_new_zipfile_serialization=False)
     for path in (ckpt, legacy):
         loaded = load_for_evaluation(path)
-        assert set(loaded) == {"state_dict", "global_step"} and loaded["state_dict"]["w"].equal(
-            weights["w"]
-        )
+        assert set(loaded) == set(full) and loaded["state_dict"]["w"].equal(weights["w"])
 
     class ShardedLoad(SingleDeviceStrategy):  # DeepSpeed, FSDP: a load of their own
         def load_checkpoint(self, checkpoint_path, weights_only=None):

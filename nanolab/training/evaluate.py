@@ -32,10 +32,6 @@ from typing import Any
 from nanolab.errors import NanolabError
 from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, iter_records, written_in_training
 
-#: What a checkpoint holds for training only: the optimizer's state (AdamW's two moments, twice
-#: the weights) and the LR schedulers'. ``validate``/``test`` never read them.
-TRAINING_ONLY_KEYS = ("optimizer_states", "lr_schedulers")
-
 #: ``--ckpt_path`` values that pick a checkpoint of the run directory by name.
 BY_NAME = ("last", "best")
 #: ``--ckpt_path`` values that mean "no checkpoint: evaluate the model as built".
@@ -130,26 +126,20 @@ def _best(run_dir: Path, verb: str) -> EvalTarget:
 
 
 def load_for_evaluation(path: str | Path) -> dict[str, Any]:
-    """The checkpoint file ``path`` as ``validate``/``test`` restore it: its weights and the
-    small states the module, the data and the callbacks read (the step, the data's validation
-    windows), without the optimizer's and schedulers' states.
+    """The checkpoint file ``path`` as ``validate``/``test`` restore it: every key it holds.
 
     Loaded with ``weights_only=True`` onto the CPU and memory-mapped (a file torch saved in its
     zip format, which every checkpoint nanolab writes is): a tensor's bytes are read only when
-    the restore copies it into the model, so the evaluation holds the weights once, not the
-    whole checkpoint (three times the weights with AdamW) beside them, and a checkpoint saved
-    on a GPU does not put its optimizer state back on the device."""
+    something reads it, so the restore holds the weights once, not the whole checkpoint (three
+    times the weights with AdamW) beside them, and a checkpoint saved on a GPU does not put its
+    optimizer state back on the device. The optimizer's and schedulers' states stay in the
+    dict: a fork's callback or module hook may read them in ``on_load_checkpoint`` (an Adam step
+    count, say), and mapped they cost no memory until it does."""
     import zipfile
 
     import torch
 
-    checkpoint = torch.load(
-        path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
-    )
-    if isinstance(checkpoint, dict):
-        for key in TRAINING_ONLY_KEYS:
-            checkpoint.pop(key, None)
-    return checkpoint
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
 
 
 def _finite(value: Any) -> bool:
