@@ -571,3 +571,32 @@ def test_a_run_log_that_is_a_link_naming_no_run_is_said_as_what_it_is(tmp_path, 
     claim = claim_run_dir(run, {"model": {}}, resuming=False, fresh=True)
     assert claim.archived_to is not None and not (run / "metrics.jsonl").exists()
     assert notes.read_text() == '{"note": "mine"}\n'
+
+
+@pytest.mark.parametrize(
+    ("log", "checkpoint", "refused"),
+    [
+        ('{"epoch": 1}\n', None, False),  # another tool's metrics.jsonl in a project folder
+        ("", None, False),  # an empty file of that name
+        ('{"event": "start", "run_id": "b"}\n', None, True),  # a nanolab run
+        ('{"epoch": 1}\n', "step-00000003.ckpt", True),  # a nanolab run whose log was replaced
+        ('{"epoch": 1}\n', "model.ckpt", False),  # a checkpoint nanolab does not name so
+    ],
+)
+def test_only_a_nanolab_run_holds_a_run_root(tmp_path, log, checkpoint, refused) -> None:
+    """A run root under a folder holding a ``metrics.jsonl`` that no nanolab run wrote is not
+    inside a run: fit refused every run root of a project that kept another tool's log."""
+    from nanolab.callbacks.rundir import RunDirError, refuse_nested_run_dir
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "metrics.jsonl").write_text(log)
+    if checkpoint:
+        (proj / "checkpoints").mkdir()
+        (proj / "checkpoints" / checkpoint).write_bytes(b"")
+    for run_dir in (proj / "runs" / "a", proj / "a"):
+        if refused:
+            with pytest.raises(RunDirError, match=f"inside the run directory {proj}"):
+                refuse_nested_run_dir(run_dir)
+        else:
+            refuse_nested_run_dir(run_dir)
