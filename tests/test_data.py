@@ -116,6 +116,51 @@ def test_datamodule_batches_are_shifted_targets(char_dataset):
     assert vx.shape[1] == 24
 
 
+class _Counted(torch.utils.data.Dataset):
+    """A fork's own windows: the module's, counting the rows read."""
+
+    def __init__(self, windows) -> None:
+        self.windows, self.read = windows, 0
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        self.read += 1
+        return self.windows[i]
+
+    def __getattr__(self, name: str):  # the rest of the window protocol (validation_keys)
+        if name == "windows":
+            raise AttributeError(name)
+        return getattr(self.windows, name)
+
+
+@pytest.mark.parametrize("names", [("train_tokens", "val_tokens"), ("train_parts", "val_parts")])
+def test_a_fork_that_assigns_its_windows_in_setup_trains_on_them(char_dataset, names):
+    """Forks of earlier versions set ``self.train_tokens = ...`` in ``setup``: that must work
+    (it raised AttributeError once the names became properties) and be what the loaders read."""
+    train_name, val_name = names
+
+    class Fork(TokenDataModule):
+        def setup(self, stage: str) -> None:
+            super().setup(stage)
+            for name in (train_name, val_name):
+                windows = getattr(self, name)
+                if name.endswith("parts"):
+                    setattr(self, name, [_Counted(w) for w in windows])
+                else:
+                    setattr(self, name, _Counted(windows))
+
+    dm = Fork(dataset_dir=str(char_dataset), micro_batch_size=3, block_size=24)
+    dm.setup("fit")
+    assert isinstance(dm.train_tokens, _Counted) and dm.train_parts == [dm.train_tokens]
+    assert isinstance(dm.val_tokens, _Counted) and dm.val_parts == [dm.val_tokens]
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (3, 24) and dm.train_tokens.read > 0
+    next(iter(dm.val_dataloader()))
+    assert dm.val_tokens.read > 0
+
+
 def test_datamodule_refuses_missing_data(tmp_path):
     dm = TokenDataModule(dataset_dir=str(tmp_path / "nothing"))
     with pytest.raises(PrepareError, match="nanolab prepare"):

@@ -467,10 +467,20 @@ class TokenDataModule(L.LightningDataModule):
         split of a large corpus costs a scan and a packing it would not read)."""
         return self.windows("train")
 
+    @train_parts.setter
+    def train_parts(self, parts: list[Any]) -> None:
+        """A fork's own training windows (one per dataset folder), used from now on."""
+        self._windows["train"] = list(parts)
+
     @property
     def val_parts(self) -> list[Any]:
         """Every dataset folder's validation windows, made on first use (``setup`` makes them)."""
         return self.windows("val")
+
+    @val_parts.setter
+    def val_parts(self, parts: list[Any]) -> None:
+        """A fork's own validation windows (one per dataset folder), used from now on."""
+        self._windows["val"] = list(parts)
 
     @property
     def train_tokens(self) -> Any:
@@ -478,10 +488,28 @@ class TokenDataModule(L.LightningDataModule):
         (bench, forks)."""
         return self.train_parts[0]
 
+    @train_tokens.setter
+    def train_tokens(self, windows: Any) -> None:
+        """A fork's ``self.train_tokens = ...`` (in its ``setup``, as earlier versions allowed):
+        the first folder's training windows from now on, the ones training reads."""
+        self._windows["train"] = self._with_first("train", windows)
+
     @property
     def val_tokens(self) -> Any:
         """The first folder's validation windows (the single-dataset name of earlier versions)."""
         return self.val_parts[0]
+
+    @val_tokens.setter
+    def val_tokens(self, windows: Any) -> None:
+        """A fork's ``self.val_tokens = ...``: the first folder's validation windows from now on."""
+        self._windows["val"] = self._with_first("val", windows)
+
+    def _with_first(self, split: str, windows: Any) -> list[Any]:
+        """``split``'s windows with the first folder's replaced by ``windows``. A single dataset
+        makes none of its own for that (a fork replacing them need not pay for a packing)."""
+        if split not in self._windows and len(self.parts) == 1:
+            return [windows]
+        return [windows, *self.windows(split)[1:]]
 
     def windows(self, split: str) -> list[Any]:
         """The windows of ``split`` (train or val) of every dataset folder, as ``align``
