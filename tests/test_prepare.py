@@ -289,7 +289,8 @@ def test_the_bundled_corpus_and_folders(tmp_path):
     assert bundled.kind == "text" and bundled.compression == "gz"
 
 
-def test_a_users_tokenizer_json_and_its_end_of_text(tmp_path):
+def _gpt2_style_tokenizer():
+    """A user's tiny byte-level BPE ``tokenizer.json`` (GPT-2's scheme), ``</s>`` its end of text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -301,6 +302,30 @@ def test_a_users_tokenizer_json_and_its_end_of_text(tmp_path):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([SAMPLE], trainer=trainer)
+    return tok
+
+
+def test_a_tokenizer_json_that_truncates_or_pads_still_gives_every_document_whole(tmp_path):
+    """A tokenizer.json saved for a model's inputs (truncation to 8 tokens, padding) cut every
+    document to 8 tokens, or filled a batch's documents with pad ids, and the dataset kept it
+    silently: both are off for a dataset, and off in the copy saved with it."""
+    tok = _gpt2_style_tokenizer()
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(pad_id=0, pad_token="<s>")
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert json.loads(path.read_text())["truncation"] and json.loads(path.read_text())["padding"]
+    src = tmp_path / "docs.jsonl"
+    write_jsonl(src, [{"text": d} for d in DOCS[:50]])
+    prepare_dataset([str(src)], tmp_path / "ds", str(path), quiet=True)
+    docs = split_docs(tmp_path / "ds")
+    assert sorted(docs["train"] + docs["val"]) == sorted(DOCS[:50])
+    saved = json.loads((tmp_path / "ds" / "tokenizer.json").read_text())
+    assert saved["truncation"] is None and saved["padding"] is None
+
+
+def test_a_users_tokenizer_json_and_its_end_of_text(tmp_path):
+    tok = _gpt2_style_tokenizer()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     src = tmp_path / "docs.jsonl"

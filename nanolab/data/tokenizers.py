@@ -259,8 +259,8 @@ class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` model: nanolab's own byte-level BPE (``bpe``) or a user's
     ``tokenizer.json`` (``hf``: a Llama, Mistral or GPT-NeoX tokenizer, say).
 
-    Documents are encoded without the file's post-processor template (no BOS per chunk); the
-    end-of-text id is a special token of the file, found by name or given with ``--eot-token``.
+    Documents are encoded without the file's post-processor template (no BOS per chunk) and
+    without its truncation or padding settings (whole documents, no pad ids); the end-of-text id is a special token of the file, found by name or given with ``--eot-token``.
     Like the ``transformers`` tokenizers, a special token's literal text inside a document
     is read as that token.
     """
@@ -268,6 +268,12 @@ class HFTokenizer(Tokenizer):
     FILE = "tokenizer.json"
 
     def __init__(self, tokenizer: Any, name: str, eot_id: int | None) -> None:
+        # A tokenizer.json saved for a model's inputs may truncate (every document cut to its
+        # max_length) or pad (every document of a batch filled with pad ids to the longest):
+        # a dataset needs each document's ids, whole and alone. Both are turned off, so the
+        # copy saved with the dataset has neither.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self._tok = tokenizer
         self.name = name
         self._eot_id = eot_id
