@@ -18,6 +18,7 @@ import errno
 import json
 import math
 import os
+import shlex
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -350,11 +351,14 @@ class RunLogWriter:
         return open(fd, "a", encoding="utf-8")
 
     def _refuse(self, why: str) -> LeftClaimedDir:
-        """The error that stops the run: ``why`` names what is at the log's path now."""
+        """The error that stops the run: ``why`` names what is at the log's path now. The fix
+        it gives keeps the run's history: removing the link would leave the run directory
+        without its log (a resume then starts a new one), a copy of its own keeps every line."""
+        log, copy = shlex.quote(str(self.path)), shlex.quote(f"{self.path}.tmp")
         self._refused = LeftClaimedDir(
             f"{why}; this run appends only to its own log, never through a link, so it stopped "
-            f"without writing there (the other file is untouched). Remove {self.path} and rerun "
-            "the same command to resume"
+            "without writing there (the other file is untouched). Give the run a copy of its "
+            f"own (cp {log} {copy} && mv {copy} {log}) and rerun the same command to resume"
         )
         return self._refused
 

@@ -719,3 +719,39 @@ def test_a_process_killed_during_an_async_save_leaves_the_saved_steps_train_reco
     train = [r for r in copy.left if r["event"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert train[-1]["loss"] > 0 and train[-1]["grad_norm"] > 0
+
+
+def test_the_hard_link_refusal_advises_a_fix_that_keeps_the_log_history(tmp_path) -> None:
+    """A run log hard-linked elsewhere (a backup made with ``ln``/``cp -l``) is refused; its
+    advice was to remove the log, which threw the run's history out of its run directory. The
+    advice now is a copy of its own, and following it the run appends after its history."""
+    import os
+    import re
+    import subprocess
+
+    from nanolab.claimed import LeftClaimedDir
+    from nanolab.runlog import RunLogWriter
+
+    run = tmp_path / "run dir"  # a space: the advised command is quoted for the shell
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    writer = RunLogWriter(path)
+    writer.write({"event": "start", "step": 0, "run_id": "r"})
+    writer.write({"event": "train", "step": 1})
+    writer.close()
+    backup = tmp_path / "backup.jsonl"
+    os.link(path, backup)
+    history = backup.read_bytes()
+    with pytest.raises(LeftClaimedDir, match="is a hard link") as err:
+        RunLogWriter(path)
+    said = str(err.value)
+    assert "Remove" not in said
+    (command,) = re.findall(r"\((cp .+ && mv .+)\) and rerun the same command to resume", said)
+    subprocess.run(["bash", "-c", command], check=True)
+    writer = RunLogWriter(path)
+    writer.write({"event": "train", "step": 2})
+    writer.close()
+    assert [r.get("step") for r in read_records(path)] == [0, 1, 2]
+    assert backup.read_bytes() == history and sorted(p.name for p in run.iterdir()) == [
+        "metrics.jsonl"
+    ]
