@@ -140,6 +140,14 @@ def test_fit_refuses_a_hostile_fsdp_folder_and_resumes_a_real_one(tmp_path, char
     assert "skipped incomplete or corrupt checkpoint(s): step-00000010.ckpt" in res.stderr
     assert "resuming from step-00000002.ckpt (step 2)" in res.stderr
     assert (saved.parent / "step-00000004.ckpt").is_dir() and not marker.exists()
+    # Its section is read from meta.pt: a resume under another optimizer is refused in one
+    # line before the strategy loads the shards (where it was torch's traceback).
+    from nanolab.training.resume import optimizer_state_problem
+
+    section = inspect_checkpoint(saved).nanolab
+    assert section is not None and section["optimizer"]["name"] == "adamw"
+    said = optimizer_state_problem(section, "sgdm", None, saved)
+    assert said is not None and "trained with 'adamw'" in said
 
 
 def _fit(tmp_path: Path, char_dataset: Path, *extra: str) -> Path:
@@ -428,3 +436,27 @@ def test_a_branch_whose_checkpoints_are_gone_is_not_started_over_in_its_own_log(
     (branch / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     res = nanolab_here(*branch_cmd, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_a_checkpoint_without_nanolab_s_record_is_not_said_to_be_adamw() -> None:
+    """A sharded folder's ``nanolab`` section is read only when the strategy loads it: before
+    that, ``fit``'s refusal and ``queue add --continue`` have no record of its optimizer and
+    compare nothing (the module compares what it restores); a section without an optimizer
+    record predates it and is AdamW's.
+
+    Mutation caught: a missing section read as AdamW, refusing every sharded checkpoint trained
+    with another optimizer ("the checkpoint was trained with 'adamw'")."""
+    from types import SimpleNamespace
+
+    from nanolab.queue.jobs import _optimizer_state_problem
+    from nanolab.run.compose import refuse_other_optimizer_state
+    from nanolab.training.resume import optimizer_state_problem
+
+    folder = Path("runs/fs/checkpoints/step-00000002.ckpt")
+    assert optimizer_state_problem(None, "sgdm", None, folder) is None
+    said = optimizer_state_problem({}, "sgdm", None, folder)
+    assert said is not None and "trained with 'adamw'" in said
+    cand = SimpleNamespace(path=folder, nanolab=None)
+    model = SimpleNamespace(optimizer_config=SimpleNamespace(name="sgdm"), freeze_config=None)
+    refuse_other_optimizer_state(cand, model)  # no error: nothing is known to differ
+    assert _optimizer_state_problem(cand, {"optimizer": {"name": "sgdm"}}) is None

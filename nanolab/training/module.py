@@ -554,7 +554,7 @@ class GPTLightningModule(L.LightningModule):
             from nanolab.training.resume import optimizer_state_problem
 
             problem = optimizer_state_problem(
-                saved,
+                checkpoint.get(CHECKPOINT_KEY),  # no section (another program's): not compared
                 self.optimizer_config.name,
                 asdict(self.freeze_config),
                 self.trainer.ckpt_path or "the checkpoint",

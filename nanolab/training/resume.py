@@ -137,6 +137,8 @@ def inspect_checkpoint(
             except FileNotFoundError:  # deleted while it was read (rotated)
                 cand.error, cand.gone = "deleted while it was read (rotated)", True
             cand.step = None if cand.error else cand.name_step
+            if cand.error is None and sharded_kind(path) == "fsdp":
+                cand.nanolab = _fsdp_section(path)
         return cand
     from nanolab.model.checkpoint import hold, is_held, release
 
@@ -210,6 +212,23 @@ def _inspect_file(cand: Candidate, source: Path, training: bool) -> Candidate:
         str(k): tuple(v.shape) for k, v in ckpt["state_dict"].items() if hasattr(v, "shape")
     }
     return cand
+
+
+def _fsdp_section(path: Path) -> dict[str, Any] | None:
+    """The ``nanolab`` section of an FSDP sharded folder, read from its ``meta.pt`` (the state
+    Lightning saves beside the shards, found plain data by ``sharded_folder_problem``): the
+    optimizer, freeze and model records the resume checks compare before the strategy loads the
+    shards, which it does before the module sees the section. None: unreadable (a rotation
+    deleting it meanwhile) or no section. A DeepSpeed folder keeps it with its model states,
+    not read here."""
+    import torch
+
+    try:
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # gone or damaged since it was checked: the load itself says why
+        return None
+    section = meta.get("nanolab") if isinstance(meta, dict) else None
+    return _detached(section) if isinstance(section, dict) else None
 
 
 def _detached(value: Any) -> Any:
@@ -406,8 +425,13 @@ def optimizer_state_problem(
     parameters, and no other setting makes it fit. ``None`` for a setting: not known (a model
     class of one's own), not compared. A checkpoint without a ``freeze`` record predates it:
     :func:`nanolab.run.compose.refuse_other_optimizer_state` tells by the size of its optimizer state.
+    No section at all (``saved`` None: a sharded folder, read only when the strategy loads it)
+    says nothing: not compared here; the module's ``on_load_checkpoint`` asks again with the
+    section it restores. A section without an ``optimizer`` record predates it: AdamW.
     """
-    section = saved if isinstance(saved, Mapping) else {}
+    if not isinstance(saved, Mapping):
+        return None
+    section = saved
     record = section.get("freeze")
     if isinstance(record, Mapping) and freeze is not None:
         changed = [k for k, v in freeze.items() if k in record and record[k] != v]
