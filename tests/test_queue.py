@@ -144,7 +144,7 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         # a setting the queue sets, named as given: no --set was written
         (["--seed_everything", "3"], "error: --seed_everything 3: set by the queue; use --seeds 3"),
         (["--run.name=x"], "error: --run.name=x: set by the queue; use --name x"),
-        (["--sweep", "seed_everything=1,2"], "error: --sweep seed_everything: set by the queue; use --seeds"),
+        (["--sweep", "seed_everything=1,2"], "error: --sweep seed_everything: set by the queue; use --seeds 1,2\n"),
         (["--set", "lr"], "--set lr: write KEY=VALUE"),
         (["--set", "trainer.max_steps", "5"], "write KEY=VALUE, e.g. --set trainer.max_steps=5"),
         (["--seeds", "1,x"], "--seeds '1,x': expected integers"),

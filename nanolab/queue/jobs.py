@@ -42,8 +42,8 @@ QUEUE_FORMS = {"seed_everything": "--seeds {value}", "run.name": "--name {value}
 def reserved_line(given: str, key: str, value: str | None = None) -> str:
     """The refusal of fit's setting ``key`` that the queue sets itself, naming it as the user
     gave it (``given``: ``--seed_everything 3``, ``--set seed_everything=3``, ``--sweep
-    seed_everything``), never as another option they did not write. ``value``: the one value
-    given (not a sweep's list), shown in the option that takes it (``use --seeds 3``)."""
+    seed_everything``), never as another option they did not write. ``value``: the value
+    given, shown in the option that takes it (``use --seeds 3``; a sweep's seeds ``1,2``)."""
     form = QUEUE_FORMS.get(key)
     fix = f"use {form.format(value=value)}" if form and value else RESERVED_KEYS[key]
     return f"{given}: set by the queue; {fix}"

@@ -27,7 +27,9 @@ def parse_sweeps(items: list[str], set_keys: list[str]) -> list[tuple[str, list[
                 f"--sweep {item!r}: expected KEY=V1,V2,..., e.g. --sweep model.optimizer.lr=1e-3,3e-3"
             )
         if key in RESERVED_KEYS:
-            raise JobConfigError(reserved_line(f"--sweep {key}", key))
+            # --seeds takes the swept seeds as they are (1,2); --name takes one name, not a list.
+            seeds = ",".join(values) if key == "seed_everything" else None
+            raise JobConfigError(reserved_line(f"--sweep {key}", key, seeds))
         if key in set_keys:
             raise JobConfigError(f"--sweep {key}: also given with --set; give it in one of them")
         if key in (k for k, _ in sweeps):
