@@ -130,8 +130,12 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
     ("args", "message"),
     [
         (["--set", "trainer.max_stepz=3"], "max_stepz"),
-        (["--set", "model.gpt.n_head=3"], "model.gpt.n_embd (32) must be divisible by model.gpt.n_head (3)"),
-        (["--set", "model.gpt.n_layer=two"], "model.gpt.n_layer"),
+        # a value typed on the command line is named as typed, not as the config file's
+        (["--set", "model.gpt.n_head=3"], "error: --set model.gpt.n_head=3: model.gpt.n_embd (32) must be divisible by model.gpt.n_head (3)"),
+        (["--set", "model.gpt.n_layer=two"], "error: --set model.gpt.n_layer=two: model.gpt.n_layer: 'two' is not valid"),
+        (["--set", "trainer.max_steps=abc"], "error: --set trainer.max_steps=abc: trainer.max_steps must be"),
+        (["--sweep", "model.gpt.n_layer=2,x"], "error: --sweep model.gpt.n_layer, value x: model.gpt.n_layer: 'x' is not valid"),
+        (["--trainer.precision", "17"], "error: --set trainer.precision=17: trainer.precision: '17' is not valid"),
         (["--set", "run.global_batch_tokens=100"], "run.global_batch_tokens (100) must be a positive multiple"),
         (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1 and no budget.max_tokens bounds the run; a queued job needs an end"),
         # its rank 0 would wait in the rendezvous for machines that never come (deaf to signals)
@@ -170,6 +174,21 @@ def test_bad_configs_are_refused_at_add(tmp_path, tiny, capsys, monkeypatch, arg
     assert err.startswith("nanolab queue add: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
     assert sorted(tmp_path.rglob("*")) == before  # no database, no other file or folder
+
+
+def test_a_bad_value_in_the_config_file_is_the_file_s_even_with_a_set_of_its_key(
+    tmp_path, tiny, capsys, monkeypatch
+) -> None:
+    """The file is named when its own value is at fault, though a ``--set`` of the same key
+    (refused in the file before the ``--set`` applies) or of another is on the command line."""
+    monkeypatch.chdir(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    text = tiny.read_text()
+    assert "n_layer: 2" in text
+    bad.write_text(text.replace("n_layer: 2", "n_layer: x"))
+    for given in ("model.gpt.n_layer=3", "model.gpt.n_head=2"):
+        code, _, err = queue(capsys, tmp_path / "q.db", "add", str(bad), "--set", given)
+        assert code == 2 and f"error: {bad}: model.gpt.n_layer: 'x' is not valid" in err, err
 
 
 def test_a_name_is_kept_as_given_as_fit_keeps_it(tmp_path, tiny, capsys, monkeypatch) -> None:
@@ -309,7 +328,8 @@ def test_callback_settings_fit_refuses_are_refused_at_add(
     db = tmp_path / "q.db"
     code, _, err = queue(capsys, db, "add", str(tiny), "--set", setting)
     assert code == 2, err
-    assert err.startswith(f"nanolab queue add: error: {tiny}: {message}"), err
+    # named as typed: the config file does not hold the value at fault
+    assert err.startswith(f"nanolab queue add: error: --set {setting}: {message}"), err
     assert len(err.strip().splitlines()) == 1
     assert QueueDB(db).jobs() == []
 

@@ -195,6 +195,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             extra_configs=tuple(configs[1:]),
             continue_runs=args.continue_runs,
             notes=notes,
+            swept=frozenset(k for k, _ in point),
         )
     names = [j.name for j in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import re
 import time
 import unicodedata
 from collections.abc import Callable
@@ -182,6 +183,7 @@ def parse_config(
     *,
     seed_of: ParsedConfig | None = None,
     seed: int | None = None,
+    swept: frozenset[str] = frozenset(),
 ) -> ParsedConfig:
     """Read ``nanolab fit --config CONFIG ARGS`` as the fit parser does and check it can run.
 
@@ -190,7 +192,8 @@ def parse_config(
     (a value they refuse, a class of one's own; seconds). ``seed_of``: the reading of this
     job's command line with another ``--seed_everything`` and run name (a sibling seed): its
     config is taken with ``seed`` and ``run_name`` set, the one thing read differently, and
-    checked again, so a config is read once per experiment, not once per seed."""
+    checked again, so a config is read once per experiment, not once per seed. ``swept``: the
+    keys of ``args`` a ``--sweep`` gave (an error names that, not a ``--set``)."""
     from nanolab.run.read import FitParseError, fit_config
 
     # The error names every config file of the job: the key at fault may be in any of them.
@@ -211,11 +214,44 @@ def parse_config(
                 raise JobConfigError(hint) from None
             # A --set key fit does not know is the command line's, not a config file's.
             given = text.startswith("unknown setting --") or str(config) in text
-            raise JobConfigError(text if given else f"{where}: {text}") from None
+            raise JobConfigError(
+                text if given else f"{at_fault(text, args, where, swept)}: {text}"
+            ) from None
     try:
         return _check(cfg, cwd)
     except (ValueError, TypeError) as e:  # RunConfigError, ConfigError: the key and the fix
-        raise JobConfigError(f"{where}: {e}") from None
+        raise JobConfigError(f"{at_fault(str(e), args, where, swept)}: {e}") from None
+
+
+def at_fault(text: str, args: list[str], files: str, swept: frozenset[str] = frozenset()) -> str:
+    """Where the setting an error ``text`` is about was given: each ``--set KEY=VALUE`` of the
+    job's fit arguments (``args``: ``--KEY=VALUE``) whose key the text names, as ``queue add``
+    takes it (``--sweep KEY, value V`` for a key in ``swept``); the config ``files`` when it
+    names none of them. A value typed on the command line
+    is not the file's (which may say 2 where the user typed x); nor is a value the text quotes
+    that is not the one typed (a file's ``n_layer: x`` refused before ``--set n_layer=3`` is
+    applied)."""
+    quoted = re.findall(r"'([^']*)'", text)
+    named = []
+    for arg in args:
+        key, sep, value = arg[2:].partition("=")
+        if not (arg.startswith("--") and sep and key) or key == "seed_everything":
+            continue  # --seeds is checked before fit reads it
+        mentioned = re.search(rf"(?<![\w.]){re.escape(key)}(?!\w|\.\w)", text)
+        if (mentioned and (not quoted or value in quoted)) or _names_value(text, value):
+            named.append(
+                f"--sweep {key}, value {value}" if key in swept else f"--set {key}={value}"
+            )
+    return " ".join(named) if named else files
+
+
+def _names_value(text: str, value: str) -> bool:
+    """Whether an error ``text`` that names no setting quotes the typed ``value`` itself (a
+    suite ``builtin:nosuch``, a path): a word of its own, not a number or a short word that
+    any line may hold."""
+    if len(value) < 4 or re.fullmatch(r"[-+.\deE]+|true|false|null|none", value, re.I):
+        return False
+    return re.search(rf"(?<![\w.]){re.escape(value)}(?!\w)", text) is not None
 
 
 #: What ``trainer.devices: auto`` is for a queued job: the one device the runner gives it
@@ -535,6 +571,7 @@ def build_jobs(
     extra_configs: tuple[Path, ...] = (),
     continue_runs: bool = False,
     notes: list[str] | None = None,
+    swept: frozenset[str] = frozenset(),
 ) -> list[NewJob]:
     """Validated jobs for one ``queue add`` (one per seed); nothing is written here.
 
@@ -547,7 +584,7 @@ def build_jobs(
     A job whose run directory already holds a run continues it (the queue resumes with
     ``run.resume auto``): that is refused for a run the queue did not start unless
     ``continue_runs``, and for a model that cannot resume it; otherwise one line saying so is
-    appended to ``notes``."""
+    appended to ``notes``. ``swept``: the keys of ``sets`` a ``--sweep`` gave."""
     from nanolab.training.resolve import config_path_problem, shell_pipe
 
     for path in (config, *extra_configs):
@@ -568,7 +605,7 @@ def build_jobs(
     for i, job_name in enumerate(names):
         seed = seed_list[i] if seed_list else None
         args = [*more, *fit_args(pairs, seed)]
-        parsed = parse_config(config, args, job_name, cwd, seed_of=first, seed=seed)
+        parsed = parse_config(config, args, job_name, cwd, seed_of=first, seed=seed, swept=swept)
         if first is None:  # the seeds of one experiment: one parse, one estimate of each kind
             first = parsed
             seconds, source = estimate(parsed) if estimate else (None, None)
