@@ -220,3 +220,29 @@ def test_a_resume_that_keeps_the_rate_names_a_branch_command_that_trains_with_th
     }
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["nanolab"]
     assert saved["optimizer"]["lr"] == 0.05
+
+
+def test_a_branch_s_schedule_notes_are_its_own_not_a_resumes(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A branch trains with its own model.schedule, planned as a new run's: its notes said "a
+    resume keeps the plan: ... train a new run (run.fresh: true, or another run.name)", false
+    for a branch (a new run already, whose own decay_steps or missing end is the cause)."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
+    assert nanolab_here(*base, "--trainer.max_steps", "4", cwd=tmp_path).returncode == 0
+    parent = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    branch = [*base, "--run.resume", str(parent), "--model.schedule.warmup_steps", "1"]
+    past = nanolab_here(*branch, "--run.name", "b1", "--trainer.max_steps", "6",
+                        "--model.schedule.decay_steps", "2", cwd=tmp_path)  # fmt: skip
+    assert past.returncode == 0, past.stderr[-2000:]
+    said = past.stdout + past.stderr
+    assert "this branch trains with its own model.schedule: for a cosine past this step" in said
+    assert "a resume keeps the plan" not in said
+    endless = nanolab_here(*branch, "--run.name", "b2", "--trainer.max_steps", "-1",
+                           "--budget.max_wall_hours", "0.0003", cwd=tmp_path)  # fmt: skip
+    assert endless.returncode == 0, endless.stderr[-2000:]
+    said = endless.stdout + endless.stderr
+    assert "a resume keeps the plan" not in said and "the LR cosine has no end to plan" in said

@@ -60,6 +60,25 @@ NEW_COSINE = (
     "run.name)"
 )
 
+#: The same for a branch, whose schedule is its own model.schedule, already past its end.
+BRANCH_COSINE = (
+    "this branch trains with its own model.schedule: for a cosine past this step, branch with "
+    "a later model.schedule.decay_steps (or null: the cosine ends at trainer.max_steps)"
+)
+
+
+def is_branch(pl_module: L.LightningModule) -> bool:
+    """Whether this launch starts a branch (a new run from another run's checkpoint): its LR
+    schedule is its own ``model.schedule``, planned for this launch's end as a new run's is
+    (:mod:`nanolab.training.branch`), not the parent's plan a resume keeps."""
+    return getattr(pl_module, "branched_from", None) is not None
+
+
+def cosine_again(pl_module: L.LightningModule) -> str:
+    """How a launch past its schedule's end gets a cosine again: :data:`NEW_COSINE`, or
+    :data:`BRANCH_COSINE` for a branch (which is a new run already)."""
+    return BRANCH_COSINE if is_branch(pl_module) else NEW_COSINE
+
 
 @dataclass(frozen=True)
 class RunEnd:
@@ -264,9 +283,10 @@ def launch_schedule_note(
     """The one warning a launch gives about its LR schedule, or None: a resume that moves the
     end off the checkpoint's plan, a new run that never trains at its peak, or a new run whose
     cosine has no end to plan for. The same rule whether ``trainer.max_steps`` or
-    ``budget.max_tokens`` sets the end."""
+    ``budget.max_tokens`` sets the end. A branch's schedule is planned as a new run's (its own
+    ``model.schedule`` for this launch's end): its notes are a new run's."""
     end = run_end(trainer, pl_module)
-    if resuming:
+    if resuming and not is_branch(pl_module):
         return resumed_schedule_note(trainer, pl_module, int(trainer.global_step), end)
     if end is not None:
         return warmup_note(trainer, end)
@@ -376,7 +396,8 @@ def banner_lines(
                 split = _count(split_tokens(trainer) or 0)
                 steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"
         if horizon is not None and start >= horizon and end > horizon:
-            steps += f"; {ended_schedule_note(trainer, start, end, horizon)}; {NEW_COSINE}"
+            steps += f"; {ended_schedule_note(trainer, start, end, horizon)}; "
+            steps += cosine_again(pl_module)
         lines.append(steps)
         if estimate and per_step is not None:
             guess = _safe_estimate(trainer, end - start, per_step[0])
@@ -395,7 +416,7 @@ def banner_lines(
         if ckpt and horizon is not None and 0 < horizon <= start:  # resumed past its plan
             bound = run_end(trainer, pl_module)
             ended = ended_schedule_note(trainer, start, bound.step if bound else None, horizon)
-            steps += f"; {ended}; {NEW_COSINE}"
+            steps += f"; {ended}; {cosine_again(pl_module)}"
         elif planned is not None:
             steps += f"; {planned_course(trainer, planned)}"
         lines.append(steps)
