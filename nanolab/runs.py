@@ -98,6 +98,8 @@ class RunSummary:
     updated: float | None = None
     run_dir: str = ""
     group: str | None = field(default=None, repr=False)  # fingerprint of the seed-free config
+    #: What its data holds (the start record's ``data_identity``; None: an older log)
+    data_identity: str | None = field(default=None, repr=False)
     #: The newest ``tasks`` record written during training (--downstream.suite): its mean
     #: centered accuracy (CORE only when ``suite`` is core), scores per task, step and suite.
     core: float | None = None
@@ -312,6 +314,12 @@ def foreign_config(run_dir: Path) -> str | None:
         "--config at the new place, choose another run.name, or set run.fresh: true to move it "
         "to previous/"
     )
+
+
+def start_data_identity(start: dict[str, Any] | None) -> str | None:
+    """A start record's ``data_identity`` (what the run's data holds), None when not logged."""
+    value = (start or {}).get("data_identity")
+    return value if isinstance(value, str) and value else None
 
 
 def config_of(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any] | None:
@@ -747,6 +755,7 @@ class _RunStream:
         s.rollbacks = self.rollbacks
         config = config_of([start] if start else [], run_dir)
         s.group = seed_free_fingerprint(config, keep_nulls=True)
+        s.data_identity = start_data_identity(start)
         seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
         seed_value = None if isinstance(seed, bool) else num(seed)
         s.seed = int(seed_value) if seed_value is not None else None

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import run_nanolab, tiny_overrides, write_config
@@ -632,3 +633,47 @@ def test_a_label_drops_a_seed_suffix_only(names: list[str], label: str) -> None:
     from nanolab.report.groups import name_label
 
     assert name_label(names) == label
+
+
+def test_one_dataset_named_relative_absolute_or_copied_is_the_same_data(tmp_path) -> None:
+    """Runs compare by what their data holds (the start record's ``data_identity``), not by
+    ``data.dataset_dir`` as written: ``data`` and its absolute path, or a byte-identical copy,
+    were "other data" (not compared, --baseline refused). A log without the identity (an
+    older one) is keyed on the folder as configured; other content is other data."""
+    from nanolab.report.groups import data_key, data_text
+
+    def run(name: str, where: str, identity: str | None) -> Any:
+        run_dir = write_run(tmp_path, name, losses=[3.0], vals={1: 2.9})
+        _set_data(run_dir, where, 71)
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        start = json.loads(lines[0])
+        start["data_identity"] = identity
+        (run_dir / "metrics.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+        return summarize_run(name, run_dir)
+
+    rel, absolute = run("rel", "data", "abc"), run("abs", str(tmp_path / "data"), "abc")
+    copy, other = run("copy", "copy", "abc"), run("other", "data", "def")
+    assert data_key(rel) == data_key(absolute) == data_key(copy) != data_key(other)
+    assert data_text(absolute) == f"{tmp_path / 'data'}, vocab 71"  # shown as configured
+    old_rel, old_abs = run("old-rel", "data", None), run("old-abs", str(tmp_path / "data"), None)
+    assert data_key(old_rel) != data_key(old_abs)
+
+
+def test_a_run_logs_the_identity_of_what_its_data_holds(tmp_path) -> None:
+    """Two folders of the same bytes give one identity; other bytes another."""
+    import shutil
+
+    from nanolab.data.checks import content_identity, fingerprint
+
+    def identity(folder: Path) -> str | None:
+        return content_identity({"datasets": [{"path": str(folder), **fingerprint(folder)}]})
+
+    a = tmp_path / "a"
+    a.mkdir()
+    for split in ("train", "val"):
+        (a / f"{split}.bin").write_bytes(bytes(range(200)))
+    (a / "meta.json").write_text('{"vocab_size": 256}')
+    shutil.copytree(a, tmp_path / "b")
+    assert identity(a) == identity(tmp_path / "b") is not None
+    (tmp_path / "b" / "val.bin").write_bytes(bytes(range(1, 201)))
+    assert identity(a) != identity(tmp_path / "b")

@@ -93,6 +93,21 @@ TRAIN_FIELDS = (
 )
 
 
+def data_identity(trainer: L.Trainer) -> str | None:
+    """The content identity of the data this run trains on
+    (:func:`nanolab.data.checks.content_identity`); None for a data module of one's own
+    without a fingerprint."""
+    from nanolab.data.checks import content_identity
+
+    fingerprint = getattr(getattr(trainer, "datamodule", None), "data_fingerprint", None)
+    if not callable(fingerprint):
+        return None
+    try:
+        return content_identity(fingerprint())
+    except (AttributeError, OSError, TypeError, ValueError):  # not set up: unknown, not guessed
+        return None
+
+
 class MetricsLog(StepCallback):
     """Writes the run log ``<run_dir>/metrics.jsonl`` (schema in docs/callbacks.md).
 
@@ -299,6 +314,8 @@ class MetricsLog(StepCallback):
             # continues only runs the queue started unless told to.
             "queue_job": os.environ.get("NANOLAB_QUEUE_JOB"),
             "argv": sys.argv,
+            # What the data holds, not where: report compares runs' losses by it.
+            "data_identity": data_identity(trainer),
         }
         record.update(collect_fields(trainer, "start"))
         return record

@@ -335,6 +335,23 @@ def fingerprint(dataset_dir: str | Path) -> dict[str, Any]:
     }
 
 
+def content_identity(fingerprint: dict[str, Any]) -> str | None:
+    """What a data fingerprint's datasets hold, not where they are: a short hash of each
+    dataset's ``meta.json`` hash, sizes, sampled bytes and weight, in order (None: no datasets).
+    The same folder named ``data`` or by its absolute path, or a byte-identical copy, is one
+    identity: ``report`` compares runs by it, as a resume compares data by content."""
+    datasets = fingerprint.get("datasets")
+    if not isinstance(datasets, list) or not datasets:
+        return None
+    held = [
+        {k: v for k, v in d.items() if k not in ("name", "path")}
+        for d in datasets
+        if isinstance(d, dict)
+    ]
+    text = json.dumps(held, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """How the data fingerprint ``now`` differs from ``saved`` (empty: the same data).
 

@@ -44,7 +44,15 @@ SORT_FIELDS = tuple(
     f.name
     for f in fields(RunSummary)
     if f.name
-    not in ("group", "run_dir", "skipped_example", "task_scores", "eval_task_scores", "val_points")
+    not in (
+        "group",
+        "data_identity",
+        "run_dir",
+        "skipped_example",
+        "task_scores",
+        "eval_task_scores",
+        "val_points",
+    )
 )
 
 
@@ -306,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         payload = {
             "runs": [
-                {k: v for k, v in asdict(s).items() if k not in ("group", "val_points")}
+                {
+                    k: v
+                    for k, v in asdict(s).items()
+                    if k not in ("group", "data_identity", "val_points")
+                }
                 for s in summaries
             ],
             "seed_groups": [asdict(g) for g in groups],

@@ -16,6 +16,7 @@ from nanolab.runs import (
     RunSummary,
     config_of,
     seed_free_fingerprint,
+    start_data_identity,
     summarize_run,
     tail_records,
 )
@@ -139,14 +140,24 @@ def _value_in(flat: dict[str, Any], key: str) -> Any:
 
 
 def data_of(s: RunSummary) -> tuple[Any, Any] | None:
-    """What a run's loss is measured on: its dataset (``data.dataset_dir``, or the list
-    ``data.datasets``) and vocabulary size (None when its config is unknown)."""
+    """What a run's loss is measured on: what its data holds (the start record's
+    ``data_identity``: one folder named relative or absolute, or a byte-identical copy, is the
+    same data), else, for an older log, its dataset as configured (``data.dataset_dir``, or
+    the list ``data.datasets``); and its vocabulary size (None when its config is unknown)."""
+    where = _data_where(s)
+    if where is None:
+        return None
+    vocab = ((json.loads(s.group or "{}").get("model") or {}).get("gpt") or {}).get("vocab_size")
+    return s.data_identity or where[0], vocab
+
+
+def _data_where(s: RunSummary) -> tuple[Any] | None:
+    """The run's dataset as its config names it (in a one-tuple: it may be None), or None
+    when its config is unknown."""
     if s.group is None:
         return None
-    config = json.loads(s.group)
-    data = config.get("data") or {}
-    vocab = ((config.get("model") or {}).get("gpt") or {}).get("vocab_size")
-    return data.get("datasets") or data.get("dataset_dir"), vocab
+    data = json.loads(s.group).get("data") or {}
+    return (data.get("datasets") or data.get("dataset_dir"),)
 
 
 def data_key(s: RunSummary) -> str | None:
@@ -157,11 +168,11 @@ def data_key(s: RunSummary) -> str | None:
 
 
 def data_text(s: RunSummary) -> str:
-    """:func:`data_of` for a reader: ``data/shk_bpe, vocab 300``."""
-    of = data_of(s)
-    if of is None:
+    """:func:`data_of` for a reader: ``data/shk_bpe, vocab 300`` (where, as configured)."""
+    of, at = data_of(s), _data_where(s)
+    if of is None or at is None:
         return "data unknown"
-    where, vocab = of
+    (where,), vocab = at, of[1]
     if isinstance(where, list):  # a mixture: its folders
         where = "+".join(str(d.get("path", d)) if isinstance(d, dict) else str(d) for d in where)
     return f"{where or 'data unknown'}, vocab {vocab if vocab is not None else 'unknown'}"
@@ -337,9 +348,11 @@ def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:
         RunSummary(
             run=n,
             status="",
-            group=seed_free_fingerprint(config_of(tail_records(d, "start"), d), keep_nulls=True),
+            group=seed_free_fingerprint(config_of(start, d), keep_nulls=True),
+            data_identity=start_data_identity(start[-1] if start else None),
         )
         for n, d in found
+        for start in (tail_records(d, "start"),)
     ]
 
 
