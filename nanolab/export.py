@@ -300,8 +300,14 @@ def _trained_by(run_dir: Path, step: Any) -> dict[str, Any]:
 
 def _run_facts(source: Path, step: Any) -> dict[str, Any]:
     """What the run that wrote checkpoint ``source`` logged: the start record (config, argv)
-    of the launch that trained it and its validation at the checkpoint's step (the last one
-    before it, failing that)."""
+    of the launch that trained it; training's own validation at the checkpoint's step (the
+    last one before it, failing that); and the newest ``nanolab validate`` of this very step.
+
+    The two validations are kept apart by the one rule every reader of the curve uses
+    (:func:`nanolab.runlog.written_in_training`): a ``validate`` appended later scored the
+    checkpoint afterwards, without the tokens a training point has, and taken for training's
+    figure it made the card print its loss as the run's and "tokens: not logged"."""
+    from nanolab.runlog import written_in_training
     from nanolab.runs import tail_records
 
     if source.parent.name != "checkpoints":
@@ -312,11 +318,25 @@ def _run_facts(source: Path, step: Any) -> dict[str, Any]:
         for r in tail_records(run_dir, "val", 1 << 16)
         if isinstance(r.get("step"), int) and (not isinstance(step, int) or r["step"] <= step)
     ]
+    trained = [r for r in vals if written_in_training(r)]
+    validated = [r for r in vals if not written_in_training(r) and r["step"] == step]
     return {
         "run_dir": run_dir,
         "start": _trained_by(run_dir, step),
-        "val": max(vals, key=lambda r: r["step"]) if vals else None,
+        # the newest copy of the highest step (a resume redoes the steps after its checkpoint)
+        "val": max(reversed(trained), key=lambda r: r["step"]) if trained else None,
+        "validated": validated[-1] if validated else None,
     }
+
+
+def _validated_text(record: dict[str, Any]) -> str:
+    """A ``nanolab validate`` record of the checkpoint's step as the card shows it, apart from
+    training's validation: its loss and bits per byte (``4.8492, 6.9960 bits per byte``)."""
+    loss, bpb = record.get("val_loss"), record.get("val_bpb")
+    text = "not logged" if not isinstance(loss, (int, float)) else f"{loss:.4f}"
+    if isinstance(bpb, (int, float)):
+        text += f", {bpb:.4f} bits per byte"
+    return text + " (appended after training; the rows above are training's validation)"
 
 
 def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: str | None) -> str:
@@ -334,14 +354,18 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
     def shown(value: Any, fmt: str = "") -> str:
         return "not logged" if value is None else format(value, fmt)
 
+    # Read at an earlier step than the checkpoint's (no validation at its own): said on
+    # each row read there, the tokens too.
     at = f" (step {val['step']})" if val and val.get("step") != step else ""
+    validated = facts.get("validated")
     rows = [
         ("checkpoint", f"`{source}`"),
         ("run", f"`{facts['run_dir']}`" if facts.get("run_dir") else "not known (a loose file)"),
         ("steps", shown(step)),
-        ("tokens", shown((val or {}).get("tokens"), ",")),
+        ("tokens", shown((val or {}).get("tokens"), ",") + at),
         ("val loss", shown((val or {}).get("val_loss"), ".4f") + at),
         ("val bits per byte", shown((val or {}).get("val_bpb"), ".4f") + at),
+        *([("val loss, nanolab validate", _validated_text(validated))] if validated else []),
         ("data", ", ".join(f"{k}: `{json.dumps(data[k])}`"
                            for k in ("dataset_dir", "source", "datasets") if data.get(k)) or "not logged"),
         ("tokenizer", f"{tokenizer.get('name', 'not stored')}, vocabulary {config.vocab_size}"),

@@ -38,3 +38,38 @@ def test_the_card_names_the_launch_that_trained_the_checkpoint(tmp_path: Path) -
     # a checkpoint without a step (another program's): the newest launch, as before
     unknown = model_card({"nanolab": {}}, GPTConfig(vocab_size=65), source, None)
     assert "--trainer.max_steps 900" in unknown
+
+
+def test_the_card_shows_trainings_validation_and_names_a_later_validate_apart(
+    tmp_path: Path,
+) -> None:
+    """A run preempted at step 2044 (its last validation at 2000), then ``nanolab validate``
+    appended a val record of step 2044: the card printed that loss as the run's, at the
+    checkpoint's step, with "tokens: not logged". Training's figure is the card's, marked with
+    the step it was read at (the tokens too); the validate's is on a row of its own."""
+    from nanolab.export import model_card
+    from nanolab.model import GPTConfig
+
+    run = tmp_path / "runs" / "night"
+    (run / "checkpoints").mkdir(parents=True)
+    records = [
+        {"event": "start", "time": 1.0, "step": 0, "config": {}, "argv": ["nanolab", "fit"]},
+        {"event": "val", "time": 2.0, "step": 1000, "tokens": 128000, "val_loss": 2.4967},
+        {"event": "val", "time": 3.0, "step": 2000, "tokens": 256000, "val_loss": 2.3905,
+         "val_bpb": 3.4488},
+        {"event": "end", "time": 4.0, "step": 2044, "reason": "preempted"},
+        {"event": "val", "time": 5.0, "step": 2044, "evaluated_by": "nanolab validate",
+         "checkpoint": str(run / "checkpoints" / "step-00002044.ckpt"), "val_loss": 2.3754,
+         "val_bpb": 3.4270},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    ckpt = {"global_step": 2044, "nanolab": {"tokenizer": {"name": "chars"}}}
+    source = run / "checkpoints" / "last.ckpt"
+    card = model_card(ckpt, GPTConfig(vocab_size=65), source, None)
+    assert "| val loss | 2.3905 (step 2000) |" in card, card
+    assert "| val bits per byte | 3.4488 (step 2000) |" in card
+    assert "| tokens | 256,000 (step 2000) |" in card
+    assert "| val loss, nanolab validate | 2.3754, 3.4270 bits per byte (appended" in card
+    # the card of step 2000 has no validate of its own step: no such row
+    earlier = model_card({**ckpt, "global_step": 2000}, GPTConfig(vocab_size=65), source, None)
+    assert "| val loss | 2.3905 |" in earlier and "nanolab validate" not in earlier

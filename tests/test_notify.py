@@ -148,3 +148,29 @@ def test_an_apprise_url_that_can_never_work_is_refused_before_the_run(
     monkeypatch.setitem(sys.modules, "apprise", None)  # import apprise -> ImportError
     with pytest.raises(NotifyConfigError, match=r"pip install 'nanolab\[notify\]'"):
         check_targets(["ntfy://topic"], ("run",), "--notify")
+
+
+def test_the_end_notification_carries_trainings_last_val_loss(tmp_path: Path) -> None:
+    """A ``nanolab validate`` appended after training's last validation (a resume that then
+    ends without validating) is not the run's val loss in results.log and the targets."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.notify import Notifier
+
+    run = tmp_path / "runs" / "night"
+    run.mkdir(parents=True)
+    records = [
+        {"event": "val", "time": 1.0, "step": 2000, "tokens": 256000, "val_loss": 2.3905},
+        {"event": "val", "time": 2.0, "step": 2044, "evaluated_by": "nanolab validate",
+         "val_loss": 2.3754},
+        {"event": "end", "time": 3.0, "step": 2044, "reason": "budget"},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    trainer = SimpleNamespace(
+        is_global_zero=True, state=SimpleNamespace(fn="fit"), default_root_dir=str(run)
+    )
+    notifier = Notifier(results_log=True)
+    notifier._ended(trainer)
+    assert notifier.sent is not None and notifier.sent["val_loss"] == 2.3905
+    (line,) = (tmp_path / "runs" / "results.log").read_text().splitlines()
+    assert json.loads(line)["val_loss"] == 2.3905

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.notify import NotifyConfigError, check_targets, send
-from nanolab.runlog import RUN_LOG_NAME, last_record
+from nanolab.runlog import RUN_LOG_NAME, last_record, written_in_training
 from nanolab.runs import RESULTS_LOG, append_result, duration
 
 #: What a command target can fill in.
@@ -68,7 +68,9 @@ class Notifier(Callback):
         end = last_record(run_dir / RUN_LOG_NAME, "end")
         if end is None or end.get("reason") == "rollback":
             return  # no run log, or a rollback: the run continues
-        val = last_record(run_dir / RUN_LOG_NAME, "val")
+        # Training's last validation: a `nanolab validate` appended since (before a resume
+        # that ended without validating) scored a checkpoint afterwards, perhaps otherwise.
+        val = last_record(run_dir / RUN_LOG_NAME, "val", where=written_in_training)
         wall = end.get("elapsed_s")
         fields = {
             "run": run_dir.name,
