@@ -677,3 +677,51 @@ def test_a_run_logs_the_identity_of_what_its_data_holds(tmp_path) -> None:
     assert identity(a) == identity(tmp_path / "b") is not None
     (tmp_path / "b" / "val.bin").write_bytes(bytes(range(1, 201)))
     assert identity(a) != identity(tmp_path / "b")
+
+
+def _with_data(run_dir: Path, where: str, identity: str | None) -> Path:
+    """A hand-written run on the dataset ``where`` whose content is ``identity``."""
+    _set_data(run_dir, where, 71)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    start = json.loads(lines[0])
+    start["data_identity"] = identity
+    (run_dir / "metrics.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+    return run_dir
+
+
+def test_seeds_on_one_dataset_named_two_ways_are_one_group(tmp_path: Path, capsys) -> None:
+    """The seed groups key on what the data holds, as the comparisons do: seeds given ``data``,
+    its absolute path and a copy were three configs (no group at all, or a group per name,
+    labelled ``dataset_dir=...``). Older logs without the identity keep the folder as written;
+    one folder prepared again in place for other content is labelled apart by its content."""
+    for seed, where in enumerate(("data", str(tmp_path / "data"), "copy"), start=1):
+        run_dir = write_run(tmp_path / "runs", f"a-s{seed}", seed=seed, losses=[3.0],
+                            vals={1: 2.5 + seed / 100})  # fmt: skip
+        _with_data(run_dir, where, "abc")
+    for seed in (1, 2):
+        run_dir = write_run(tmp_path / "runs", f"b-s{seed}", seed=seed, lr=0.01, losses=[3.0],
+                            vals={1: 2.7 + seed / 100})  # fmt: skip
+        _with_data(run_dir, "data", "abc")
+    code, out, _ = run_report(capsys, str(tmp_path / "runs"), "--json")
+    assert code == 0
+    groups = {g["label"]: g["runs"] for g in json.loads(out)["seed_groups"]}
+    assert groups == {"lr=0.003": ["a-s1", "a-s2", "a-s3"], "lr=0.01": ["b-s1", "b-s2"]}
+    assert len(json.loads(out)["comparisons"]) == 1
+
+    old = tmp_path / "old"  # logs from before the identity: the folder as configured
+    for seed, where in enumerate(("data", "data", "/abs/data"), start=1):
+        _with_data(write_run(old, f"o-s{seed}", seed=seed, losses=[3.0], vals={1: 2.5}),
+                   where, None)  # fmt: skip
+    _, out, _ = run_report(capsys, str(old), "--json")
+    assert [(g["label"], g["runs"]) for g in json.loads(out)["seed_groups"]] == [
+        ("dataset=data", ["o-s1", "o-s2"])
+    ]
+
+    again = tmp_path / "again"  # "data" prepared anew between the groups: other content
+    for name, identity in (("x-s1", "abc"), ("x-s2", "abc"), ("y-s1", "def"), ("y-s2", "def")):
+        _with_data(write_run(again, name, seed=int(name[-1]), losses=[3.0], vals={1: 2.5}),
+                   "data", identity)  # fmt: skip
+    _, out, _ = run_report(capsys, str(again), "--json")
+    assert sorted(g["label"] for g in json.loads(out)["seed_groups"]) == [
+        "dataset=data (content abc)", "dataset=data (content def)"
+    ]  # fmt: skip

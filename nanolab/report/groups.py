@@ -98,6 +98,39 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: The keys of a config's ``data`` section that say where its data is: a run whose start record
+#: logged what the data holds (``data_identity``) is grouped by that instead, so ``data``, its
+#: absolute path and a byte-identical copy are one config (older logs: the keys as written).
+DATA_LOCATION_KEYS = ("dataset_dir", "datasets", "source")
+#: The one key that stands for them in a run's config as the groups compare it.
+DATA_KEY = "data.dataset"
+
+
+def _flat_config(s: RunSummary) -> dict[str, Any]:
+    """A run's seed-free config, flattened, as the seed groups compare it: the data's location
+    keys (:data:`DATA_LOCATION_KEYS`) replaced by one key, :data:`DATA_KEY`, whose value is
+    what the data holds (the start record's ``data_identity``), or for an older log without it
+    the location keys as configured (nulls dropped: a key a newer release added splits
+    nothing). The rule of :func:`data_of`, which keeps groups on other data from being
+    compared: one dataset named two ways is one group, not two that it then compares."""
+    flat = flatten(json.loads(s.group or "{}"))
+    if not any(k.startswith("data.") for k in flat):
+        return flat  # no data section (or a null one): nothing to stand for
+    where: dict[str, Any] = {}
+    for key in list(flat):
+        section, _, leaf = key.rpartition(".")
+        if section in ("data", "data.init_args") and leaf in DATA_LOCATION_KEYS:
+            value = flat.pop(key)
+            if value is not None:
+                where[leaf] = value
+    flat[DATA_KEY] = (
+        f"content {s.data_identity}"
+        if s.data_identity is not None
+        else json.dumps(where, sort_keys=True, default=str)
+    )
+    return flat
+
+
 def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
     """Each run's seed-free config, flattened, cut to the keys that can tell runs apart: every
     key all the runs' configs have (null is a value there: ``attention_window`` null and 8 are
@@ -105,7 +138,7 @@ def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
     some logs carry, all with one value, was added (or removed) by another nanolab version with
     a default the older runs also trained with, so it must not split one experiment's seeds;
     where the logs that carry it differ, a run without it is a config of its own (``unset``)."""
-    flats = {s.run: flatten(json.loads(s.group)) for s in summaries if s.group is not None}
+    flats = {s.run: _flat_config(s) for s in summaries if s.group is not None}
     # A run whose log holds part of its config (a section others have is missing: an older
     # debug run logged only its model) cannot be compared: it stands alone, instead of cutting
     # every run's config down to that part and grouping unrelated runs as seeds.
@@ -169,13 +202,21 @@ def data_key(s: RunSummary) -> str | None:
 
 def data_text(s: RunSummary) -> str:
     """:func:`data_of` for a reader: ``data/shk_bpe, vocab 300`` (where, as configured)."""
-    of, at = data_of(s), _data_where(s)
-    if of is None or at is None:
+    of = data_of(s)
+    if of is None:
         return "data unknown"
-    (where,), vocab = at, of[1]
+    vocab = of[1]
+    return f"{where_text(s)}, vocab {vocab if vocab is not None else 'unknown'}"
+
+
+def where_text(s: RunSummary) -> str:
+    """A run's dataset as its config names it: ``data/shk_bpe``, a mixture's folders joined
+    with ``+``, ``data unknown``."""
+    at = _data_where(s)
+    where = None if at is None else at[0]
     if isinstance(where, list):  # a mixture: its folders
         where = "+".join(str(d.get("path", d)) if isinstance(d, dict) else str(d) for d in where)
-    return f"{where or 'data unknown'}, vocab {vocab if vocab is not None else 'unknown'}"
+    return str(where) if where else "data unknown"
 
 
 def by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
@@ -240,11 +281,27 @@ def group_labels(
             label = name_label([m.run for m in group])
         else:
             label = ", ".join(
-                f"{short[k]}={value_text(config[k])}" if k in config else f"{short[k]} unset"
+                f"{short[k]}={_label_value(k, config[k], group[0], groups)}"
+                if k in config
+                else f"{short[k]} unset"
                 for k in varying
             )
         labels.append(label)
     return labels
+
+
+def _label_value(key: str, value: Any, run: RunSummary, groups: list[list[RunSummary]]) -> str:
+    """A config value as a group's label shows it: the data (:data:`DATA_KEY`) by the folder
+    its first run names (``dataset=data/shk``), with a short hash of what it holds where
+    another group names the same folder for other content (data prepared again in place)."""
+    if key != DATA_KEY:
+        return value_text(value)
+    where = where_text(run)
+    if run.data_identity is not None and any(
+        where_text(g[0]) == where and g[0].data_identity != run.data_identity for g in groups
+    ):
+        return f"{where} (content {run.data_identity[:8]})"
+    return where
 
 
 #: A seed suffix as the queue and sweeps write it: ``-s3``, ``_seed7``, ``.seed=2``.
