@@ -269,3 +269,44 @@ def test_groups_on_other_data_or_vocabulary_are_not_ranked_or_tested(tmp_path, c
     err = capsys.readouterr().err
     assert "no other seed group was trained on its data and vocabulary (data/bpe" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_config_too_few_runs_kept_from_a_test_is_said_not_dropped(tmp_path: Path, capsys):
+    """One seed of a variant (and a group whose other seed diverged) was no line at all under
+    the differences: each is now "not tested", with what it has and the seeds to add, against
+    the group it would be tested with; the tested groups keep their ranking and sentence."""
+    from test_report import run_report, write_run
+
+    for i, v in enumerate([2.50, 2.52, 2.49], 1):
+        write_run(tmp_path, f"a-s{i}", seed=i, losses=[3.0, 2.8], vals={1: 2.9, 2: v})
+    for i, v in enumerate([2.70, 2.72], 1):
+        write_run(tmp_path, f"c-s{i}", seed=i, lr=0.01, losses=[3.0, 2.8], vals={1: 2.9, 2: v})
+    write_run(tmp_path, "b-s1", seed=1, lr=0.001, losses=[3.0, 2.8], vals={1: 2.9, 2: 2.3})
+    write_run(tmp_path, "d-s1", seed=1, lr=0.03, losses=[3.0, 2.8], vals={1: 2.9, 2: 2.6})
+    write_run(tmp_path, "d-s2", seed=2, lr=0.03, losses=[3.0], vals={1: 9.0}, end="diverged")
+    code, out, _ = run_report(capsys, str(tmp_path))
+    assert code == 0
+    assert "lr=0.003 is lower than lr=0.01 by 0.207" in out
+    assert ("lr=0.001 vs lr=0.003: not tested, lr=0.001 has 1 run (b-s1); a test needs two "
+            "seeds of each: add seeds (queue add its config --seeds 2,3)") in out  # fmt: skip
+    assert "lr=0.03 vs lr=0.003: not tested, lr=0.03 has 1 usable seed of 2 (left out: " in out
+    _, out, _ = run_report(capsys, str(tmp_path), "--json", "--baseline", "lr=0.01")
+    report = json.loads(out)
+    assert [(c["a"], c["b"]) for c in report["comparisons"]] == [("lr=0.003", "lr=0.01")]
+    assert sorted((c["group"], c["against"], c["n"]) for c in report["not_tested"]) == [
+        ("lr=0.001", "lr=0.01", 1), ("lr=0.03", "lr=0.01", 1)
+    ]  # fmt: skip
+
+
+def test_groups_validated_off_each_others_grid_are_said_not_tested(tmp_path: Path, capsys):
+    """Two groups of two seeds whose validations do not overlap (one validated only past the
+    other's end): the pair was dropped without a word."""
+    from test_report import run_report, write_run
+
+    for i in (1, 2):
+        write_run(tmp_path, f"a-s{i}", seed=i, losses=[3.0, 2.8], vals={1: 2.9, 2: 2.5 + i / 100})
+        write_run(tmp_path, f"b-s{i}", seed=i, lr=0.01, losses=[3.0, 2.9, 2.8, 2.7],
+                  vals={3: 2.6, 4: 2.5 + i / 100})  # fmt: skip
+    _, out, _ = run_report(capsys, str(tmp_path))
+    assert ("not tested, lr=0.01 has 0 run(s) with a validation at or either side of 2,000 "
+            "tokens, the most both reached") in out, out  # fmt: skip

@@ -19,11 +19,12 @@ from nanolab.report.forecasts import forecasts, format_forecasts
 from nanolab.report.groups import (
     ReportError,
     compare_groups,
+    config_groups,
     config_summaries,
     data_key,
     not_compared,
-    seed_groups,
     seed_groups_holding,
+    tests,
 )
 from nanolab.report.plot import check_plot_path, default_plot_selection, plot_runs
 from nanolab.report.text import compare_runs, format_table
@@ -297,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.index:
         say("nanolab report", update_index(roots, summaries))
     universe = config_summaries(found) if args.run else summaries
-    groups = seed_groups(summaries, universe)
-    comparisons = compare_groups(summaries, groups, args.baseline)
+    configs = config_groups(summaries, universe)
+    groups = [g for g in configs if len(g.runs) >= 2]
+    lone = [g for g in configs if len(g.runs) == 1]  # named where they would be tested
+    comparisons, untested = tests(summaries, groups, args.baseline, lone)
     apart = not_compared(summaries, groups)
     want_forecast = args.forecast or args.target_loss is not None
     if args.target_loss is not None and not 0 < args.target_loss < math.inf:
@@ -324,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed_groups": [asdict(g) for g in groups],
             "comparisons": [asdict(c) for c in comparisons],
             "not_compared": [asdict(c) for c in apart],
+            "not_tested": [asdict(c) for c in untested],
         }
         if want_forecast:
             payload["forecasts"] = {k: asdict(v) for k, v in run_fc.items()}
@@ -332,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             payload["scaling"] = scaling_data
         print(json.dumps(payload, indent=2, default=str))
     else:
-        print(format_table(summaries, groups, comparisons, apart))
+        print(format_table(summaries, groups, comparisons, apart, untested))
         if want_forecast:
             ordered = {s.run: run_fc[s.run] for s in summaries}
             hours = hours_label([s.accelerator for s in summaries])

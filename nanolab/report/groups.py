@@ -83,6 +83,20 @@ class NotCompared:
     sentence: str
 
 
+@dataclass
+class NotTested:
+    """A config that would be tested against ``against`` (same data and vocabulary) but has
+    fewer than two values to test with: run once, or its other seeds left out, or not
+    validated by the tokens both reached. Said in one line rather than dropped: a variant run
+    with one seed is the one a reader most needs told that it was not tested."""
+
+    group: str
+    against: str
+    runs: list[str]
+    n: int  # its usable values where it would be read
+    sentence: str
+
+
 #: Config sections every complete run log names; a run without one of them (where another
 #: run has it) stands alone in the groups.
 CORE_SECTIONS = frozenset({"model", "data", "trainer"})
@@ -332,10 +346,18 @@ def seed_groups(
 ) -> list[SeedGroup]:
     """Groups of two or more runs sharing a seed-free config, with mean ± std of final val loss
     (labelled against ``universe``, every run found: see :func:`group_labels`)."""
+    return [g for g in config_groups(summaries, universe) if len(g.runs) >= 2]
+
+
+def config_groups(
+    summaries: list[RunSummary], universe: list[RunSummary] | None = None
+) -> list[SeedGroup]:
+    """Every seed-free config of ``summaries`` as a :class:`SeedGroup`, those run once too
+    (:func:`not_tested` names them where they would be tested), sorted by label."""
     groups = by_config(summaries)
     labels = group_labels(groups, universe=universe)
     return sorted(
-        (seed_group(g, label) for g, label in zip(groups, labels, strict=True) if len(g) >= 2),
+        (seed_group(g, label) for g, label in zip(groups, labels, strict=True)),
         key=lambda g: g.label,
     )
 
@@ -477,14 +499,29 @@ ALL_PAIRS_UP_TO = 4
 def compare_groups(
     summaries: list[RunSummary], groups: list[SeedGroup], baseline: str | None = None
 ) -> list[Comparison]:
+    """:func:`tests`' comparisons (without the configs it could not test)."""
+    return tests(summaries, groups, baseline)[0]
+
+
+def tests(
+    summaries: list[RunSummary],
+    groups: list[SeedGroup],
+    baseline: str | None = None,
+    lone: list[SeedGroup] | None = None,
+) -> tuple[list[Comparison], list[NotTested]]:
     """Each group against ``baseline`` (a group label or one of its runs); without one, every
     pair of up to :data:`ALL_PAIRS_UP_TO` groups, or each group against the one lowest at the
     tokens every group reached. Groups are ranked at that shared count, not at each one's own
     (a group that trained longer is lower at its end without being better). Only groups on
     one dataset and vocabulary (:func:`same_data`) are ranked and tested against each other:
     a val loss over 300 BPE tokens and one over 71 characters are not one quantity
-    (:func:`not_compared` says so of the others). Empty with fewer than two groups of two
-    usable seeds on one dataset."""
+    (:func:`not_compared` says so of the others). No comparison with fewer than two groups of
+    two usable seeds on one dataset.
+
+    Second, :class:`NotTested` lines: each config of ``groups`` or ``lone`` (configs run once)
+    with fewer than two usable values, against the group it would be tested with (the
+    baseline, else the lowest of its data), and each pair whose runs share too few validations
+    to be tested; none on data no testable group trained on."""
     usable = [g for g in groups if len(g.val_losses) >= 2]
     if len(usable) < 2:
         if baseline is not None:  # asked for, and nothing to compare: said, not ignored
@@ -492,7 +529,8 @@ def compare_groups(
                 f"--baseline {baseline!r}: these runs hold {len(usable)} seed group(s) with two "
                 "usable seeds; a comparison needs two (queue add --seeds 1,2,3 for each config)"
             )
-        return []
+        by_run = {s.run: s for s in summaries}
+        return [], _too_few(by_run, usable, [*groups, *(lone or [])], None)
     by_run = {s.run: s for s in summaries}
     families = same_data(by_run, usable)
     if baseline is not None:
@@ -512,33 +550,94 @@ def compare_groups(
             )
         families = [family]
     out: list[Comparison] = []
+    untested: list[NotTested] = []
     for family in families:
         if len(family) < 2:
             continue
         # Several datasets or vocabularies among the groups: each heading names its own.
         on = f"the groups on {_group_data(by_run, family[0])}" if len(families) > 1 else ""
-        out += _compare_family(by_run, family, baseline, on)
+        out += _compare_family(by_run, family, baseline, on, untested)
+    testable = [g for f in families for g in f]
+    return out, _too_few(by_run, testable, [*groups, *(lone or [])], baseline) + untested
+
+
+def _too_few(
+    by_run: dict[str, RunSummary],
+    testable: list[SeedGroup],
+    candidates: list[SeedGroup],
+    baseline: str | None,
+) -> list[NotTested]:
+    """A :class:`NotTested` line for each of ``candidates`` with fewer than two usable values
+    on the data and vocabulary of a ``testable`` group (two or more values): against the
+    baseline where it is on that data, else against the lowest group there (the ranking of
+    the tested groups is theirs alone: one value does not move it)."""
+    out = []
+    for family in same_data(by_run, testable):
+        key = _family_key(by_run, family[0])
+        base = next((g for g in family if baseline is not None
+                     and (g.label == baseline or baseline in g.runs)), None)  # fmt: skip
+        reference = base or _ranked(by_run, family)[0]
+        for g in candidates:
+            if len(g.val_losses) < 2 and _family_key(by_run, g) == key:
+                out.append(_not_tested(g, reference))
     return out
 
 
+def _family_key(by_run: dict[str, RunSummary], group: SeedGroup) -> str | None:
+    """:func:`data_key` of a group (its first run found stands for all)."""
+    first = _first(by_run, group)
+    return None if first is None else data_key(first)
+
+
+def _ranked(by_run: dict[str, RunSummary], family: list[SeedGroup]) -> list[SeedGroup]:
+    """``family`` lowest first at the tokens every run of it validated at (or at the end)."""
+    everyone = [m for g in family for m in _members(by_run, g)]
+    shared = common_tokens(everyone)
+    return sorted(family, key=lambda g: _mean_or_inf(values_at(_members(by_run, g), shared)))
+
+
+def _members(by_run: dict[str, RunSummary], g: SeedGroup) -> list[RunSummary]:
+    """A group's runs that stand for a seed (found, and not :func:`_unusable`)."""
+    return [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+
+
+def _not_tested(group: SeedGroup, against: SeedGroup) -> NotTested:
+    """``A vs B: not tested, A has 1 run; add seeds ...`` for a config of too few values."""
+    n, runs = len(group.val_losses), len(group.runs)
+    has = (f"1 run ({group.runs[0]})" if n == runs == 1
+           else f"{n} usable seed{'s' if n != 1 else ''} of {runs}")  # fmt: skip
+    if group.left_out:
+        has += f" (left out: {', '.join(group.left_out)})"
+    used = {x for x in group.seeds if x is not None}
+    more = [x for x in range(1, len(used) + 4) if x not in used][: 3 - n]
+    seeds = ",".join(map(str, more))
+    text = (f"{group.label} vs {against.label}: not tested, {group.label} has {has}; a test "
+            f"needs two seeds of each: add seeds (queue add its config --seeds {seeds})")  # fmt: skip
+    return NotTested(group.label, against.label, group.runs, n, text)
+
+
 def _compare_family(
-    by_run: dict[str, RunSummary], family: list[SeedGroup], baseline: str | None, on: str
+    by_run: dict[str, RunSummary],
+    family: list[SeedGroup],
+    baseline: str | None,
+    on: str,
+    untested: list[NotTested],
 ) -> list[Comparison]:
     """:func:`compare_groups` over groups of one dataset and vocabulary; ``on`` names them in
-    the heading when other groups are on other data."""
+    the heading when other groups are on other data. A pair whose runs share too few
+    validations to be tested is added to ``untested``, with why."""
     from nanolab.stats import sentence, welch  # scipy.stats: ~0.5 s, only when there is a test
 
     def members(g: SeedGroup) -> list[RunSummary]:
-        return [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+        return _members(by_run, g)
 
     if baseline is not None:
         base = next(g for g in family if g.label == baseline or baseline in g.runs)
         pairs = [(g, base) for g in family if g is not base]
         reference = f"each group against {base.label} (--baseline)" if len(pairs) > 1 else ""
     else:
-        everyone = [m for g in family for m in members(g)]
-        shared = common_tokens(everyone)
-        ranked = sorted(family, key=lambda g: _mean_or_inf(values_at(members(g), shared)))
+        shared = common_tokens([m for g in family for m in members(g)])
+        ranked = _ranked(by_run, family)
         where = "at their end" if shared is None else f"at {shared:,} tokens, the most all reached"
         if len(ranked) <= ALL_PAIRS_UP_TO:
             pairs = [(a, b) for i, b in enumerate(ranked) for a in ranked[i + 1 :]]
@@ -559,6 +658,12 @@ def _compare_family(
         at = common_tokens(members_a + members_b)
         a, b = values_at(members_a, at), values_at(members_b, at)
         if len(a) < 2 or len(b) < 2:
+            short, n = (g, len(a)) if len(a) < 2 else (base, len(b))
+            untested.append(NotTested(g.label, base.label, short.runs, n, (
+                f"{g.label} vs {base.label}: not tested, {short.label} has {n} run(s) with a "
+                f"validation at or either side of {at:,} tokens, the most both reached; "
+                "validate both on one grid (run.eval_every_steps) to test them"
+            )))  # fmt: skip
             continue
         d = welch(a, b)
         text = sentence(g.label, base.label, d)

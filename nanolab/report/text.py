@@ -12,6 +12,7 @@ from nanolab.downstream.tasks import mean_label
 from nanolab.report.groups import (
     Comparison,
     NotCompared,
+    NotTested,
     ReportError,
     SeedGroup,
     flatten,
@@ -115,6 +116,11 @@ def validated_table(summaries: list[RunSummary]) -> list[str]:
     )
 
 
+#: The "not tested" lines printed, at most (a folder of one-off runs beside a seed group
+#: would otherwise print one per run); ``--json`` has every one.
+NOT_TESTED_SHOWN = 8
+
+
 def _mean_spread(mean: float | None, std: float | None, fmt: str = ".4f") -> str:
     if mean is None:
         return "-"
@@ -127,9 +133,10 @@ def format_table(
     groups: list[SeedGroup],
     comparisons: list[Comparison] | None = None,
     not_compared: list[NotCompared] | None = None,
+    not_tested: list[NotTested] | None = None,
 ) -> str:
     """The report: runs (cut into tables of at most 100 columns), then the downstream scores,
-    seed groups, their differences and notes."""
+    seed groups, their differences (and the configs too few runs kept from a test) and notes."""
     hours = hours_label([s.accelerator for s in summaries])
     headers = [
         "run", "status", "steps", "tokens", "train loss", "best val (step)", "val bpb",
@@ -195,7 +202,7 @@ def format_table(
                     f"    note: seed {twice} ran more than once in this group: those runs "
                     "repeat each other, their spread is not a seed-to-seed spread"
                 )
-    if comparisons or not_compared:
+    if comparisons or not_compared or not_tested:
         out += ["", "differences (Welch's t-test over seeds, val loss at equal tokens):"]
         reference = ""
         for c in comparisons or []:
@@ -204,6 +211,11 @@ def format_table(
             reference = c.reference
             out.append(f"  {c.sentence}")
         out += [f"  {c.sentence}" for c in not_compared or []]
+        untested = not_tested or []
+        out += [f"  {c.sentence}" for c in untested[:NOT_TESTED_SHOWN]]
+        if len(untested) > NOT_TESTED_SHOWN:
+            out.append(f"  ... and {len(untested) - NOT_TESTED_SHOWN} more configs not tested "
+                       "(--json: not_tested)")  # fmt: skip
     skipped = [s for s in summaries if s.skipped_records]
     if skipped:
         out.append("")
