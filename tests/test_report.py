@@ -725,3 +725,30 @@ def test_seeds_on_one_dataset_named_two_ways_are_one_group(tmp_path: Path, capsy
     assert sorted(g["label"] for g in json.loads(out)["seed_groups"]) == [
         "dataset=data (content abc)", "dataset=data (content def)"
     ]  # fmt: skip
+
+
+def test_a_sweep_straddling_the_data_identity_stays_one_group(tmp_path: Path, capsys) -> None:
+    """Seeds logged before the start record carried ``data_identity`` and seeds logged after,
+    on one folder, are one group compared with the other config: the older logs take the
+    identity their peers logged for that folder (they were split into a group per log format,
+    each left with too few seeds). Where the peers logged two contents, the older log takes
+    neither and stands apart."""
+    runs = tmp_path / "runs"
+    for seed, identity in ((1, None), (2, "abc"), (3, "abc")):
+        _with_data(write_run(runs, f"a-s{seed}", seed=seed, losses=[3.0],
+                             vals={1: 2.5 + seed / 100}), "data", identity)  # fmt: skip
+    for seed, identity in ((1, None), (2, "abc")):
+        _with_data(write_run(runs, f"b-s{seed}", seed=seed, lr=0.01, losses=[3.0],
+                             vals={1: 2.7 + seed / 100}), "data", identity)  # fmt: skip
+    code, out, _ = run_report(capsys, str(runs), "--json")
+    assert code == 0
+    groups = {g["label"]: g["runs"] for g in json.loads(out)["seed_groups"]}
+    assert groups == {"lr=0.003": ["a-s1", "a-s2", "a-s3"], "lr=0.01": ["b-s1", "b-s2"]}
+    assert len(json.loads(out)["comparisons"]) == 1
+
+    mixed = tmp_path / "mixed"  # "data" prepared again: an older log cannot say which it had
+    for name, identity in (("x-s1", None), ("x-s2", "abc"), ("x-s3", "def")):
+        _with_data(write_run(mixed, name, seed=int(name[-1]), losses=[3.0], vals={1: 2.5}),
+                   "data", identity)  # fmt: skip
+    _, out, _ = run_report(capsys, str(mixed), "--json")
+    assert json.loads(out)["seed_groups"] == []
