@@ -354,3 +354,75 @@ def test_pack_options_are_checked_before_anything_runs(tmp_path, capsys, args, m
     assert code == 2 and err.startswith("nanolab queue run: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
     assert not db.exists()
+
+
+#: A stand-in for the GPU memory program: the bytes it prints say which device it was shown
+#: ((id + 1) GiB), and only when both vendors' masks name that one device.
+ONE_GPU_SEEN = (
+    "import os; c, h = os.environ['CUDA_VISIBLE_DEVICES'], os.environ['HIP_VISIBLE_DEVICES']; "
+    "print((int(c) + 1) * 2**30 if c == h else 'both masks differ')"
+)
+
+
+def test_a_packed_gpu_runner_reads_each_gpu_s_memory_in_a_child_that_sees_only_it(
+    tmp_path: Path,
+) -> None:
+    """The CPU twin of ``queue run --pack --gpus 0,3``: the runner's own GPU path (the backend
+    pick, one child per GPU id under that id's masks, its sizes said after the runner's line)
+    with only the child's program replaced, and the real program's failure on a CPU-only torch
+    as the one-line refusal a GPU machine with a broken driver gives.
+
+    Mutations caught: the masks not set per id (both GPUs read the same size); the sizes said
+    before the runner's line; the child's error raised as it is."""
+    import functools
+    import io
+
+    from nanolab.queue.db import QueueError
+    from nanolab.queue.runner import Runner, gpu_total_memory
+
+    out = io.StringIO()
+    read = functools.partial(gpu_total_memory, program=ONE_GPU_SEEN)
+    runner = Runner(QueueDB(tmp_path / "q.db"), gpus=["0", "3"], pack=True, read_gpu_memory=read,
+                    out=out, poll_s=0.05)  # fmt: skip
+    assert runner.run() == 0
+    lines = out.getvalue().splitlines()
+    assert "on GPUs 0,3, packed by memory" in lines[0], lines
+    assert "GPU 0: 1.00 GiB (reported by the device)" in lines[1], lines
+    assert "GPU 3: 4.00 GiB (reported by the device)" in lines[2], lines
+    assert "per-process overhead (rocm)" in lines[1] or "per-process overhead (cuda)" in lines[1]
+    assert runner._capacity == [GiB, 4 * GiB]
+    if not torch.cuda.is_available():
+        with pytest.raises(QueueError) as err:
+            gpu_total_memory("0")  # the program a GPU machine runs
+        assert str(err.value).startswith("--pack: GPU 0's memory could not be read (")
+        assert "pass --device-mem SIZE" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_gpu_that_does_not_answer_refuses_the_run_in_one_line_and_leaves_no_runner_row(
+    tmp_path: Path,
+) -> None:
+    """A memory read that hangs (a wedged driver) ends at its timeout as the one-line refusal,
+    naming the timeout, before the runner registers: no runner row is left without a stop time
+    (``queue status`` would list it as a runner).
+
+    Mutations caught: ``subprocess.TimeoutExpired`` raised as it is (a traceback, exit 1); the
+    sizes read after the runner's row is written (the row stays open)."""
+    import functools
+
+    from nanolab.errors import report
+    from nanolab.queue.db import QueueError
+    from nanolab.queue.runner import Runner, gpu_total_memory
+
+    hang = functools.partial(gpu_total_memory, timeout=0.5, program="import time; time.sleep(60)")
+    db = QueueDB(tmp_path / "q.db")
+    runner = Runner(db, gpus=["0"], pack=True, read_gpu_memory=hang, poll_s=0.05)
+    started = time.monotonic()
+    with pytest.raises(QueueError) as err:
+        runner.run()
+    assert time.monotonic() - started < 30
+    assert str(err.value) == (
+        "--pack: GPU 0's memory could not be read (timed out after 0.5 s); pass --device-mem "
+        "SIZE (e.g. 141GiB)"
+    )
+    assert report("nanolab queue run", err.value) == 2
+    assert db.conn.execute("SELECT count(*) FROM runners WHERE stopped IS NULL").fetchone()[0] == 0

@@ -55,6 +55,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -173,6 +174,9 @@ class Runner:
     device_mem: int | None = None
     pack_margin: float = 0.10
     compile_cache: bool = True
+    # Bytes of one GPU id for ``pack`` without ``device_mem`` (None: :func:`gpu_total_memory`);
+    # the seam a CPU test drives the GPU path through, with that reader asking its own child.
+    read_gpu_memory: Callable[[str], int] | None = None
     out: Any = None
     runner_id: int = 0
     gaps: list[float] = field(default_factory=list)
@@ -231,6 +235,9 @@ class Runner:
         self.db.wait_for_lock(self.busy_try_s)
         self.db.patience = self._wait_for_the_queue
         self.db.conn.between_tries = self._note_exits
+        # The device sizes are read before the runner's row exists: a device that cannot be
+        # read refuses the run with no row left open (no stop time) behind it.
+        pack_lines = self._setup_pack() if self.pack else []
         self.runner_id = self.db.register_runner()
         where = f"GPUs {','.join(self.gpus)}" if self.gpus else f"{self.slots} CPU slot(s)"
         if self.pack:
@@ -238,8 +245,8 @@ class Runner:
             where += ", packed by memory"
         self.say(f"runner {self.runner_id} (pid {os.getpid()}) on {where}, order {self.order}"
                  + (f", until {time.strftime('%a %H:%M', time.localtime(self.until))}" if self.until else ""))  # fmt: skip
-        if self.pack:
-            self._setup_pack()
+        for line in pack_lines:
+            self.say(line)
         previous = self._install_signals()
         last_beat = last_recover = time.monotonic()
         try:
@@ -436,8 +443,9 @@ class Runner:
         return True
 
     # -- packing ---------------------------------------------------------------------------
-    def _setup_pack(self) -> None:
-        """Device sizes and the per-process overhead, said once (they are part of every sum)."""
+    def _setup_pack(self) -> list[str]:
+        """Read the device sizes and the per-process overhead (part of every sum); the lines
+        that say them, once the runner has said itself."""
         if self.gpus:
             import torch
 
@@ -450,16 +458,19 @@ class Runner:
             if self.device_mem is not None:
                 sizes.append((self.device_mem, "--device-mem"))
             elif self.gpus:
-                sizes.append((gpu_total_memory(str(self.units[unit])), "reported by the device"))
+                read = self.read_gpu_memory or gpu_total_memory
+                sizes.append((read(str(self.units[unit])), "reported by the device"))
             else:
                 from nanolab.estimator.cpu import physical_memory
 
                 sizes.append((physical_memory(), "physical RAM"))
         self._capacity = [n for n, _ in sizes]
-        for unit, (n, source) in enumerate(sizes):
-            self.say(f"{self.label(unit)}: {gib(n)} ({source}); each packed job reserves its "
-                     f"predicted peak + {self._rules.margin:.0%} margin + "
-                     f"{gib(self._rules.overhead)} per-process overhead ({backend})")  # fmt: skip
+        return [
+            f"{self.label(unit)}: {gib(n)} ({source}); each packed job reserves its predicted "
+            f"peak + {self._rules.margin:.0%} margin + {gib(self._rules.overhead)} per-process "
+            f"overhead ({backend})"
+            for unit, (n, source) in enumerate(sizes)
+        ]
 
     def _devices(self) -> list[Device]:
         devices = [Device(u, self.label(u), self._capacity[u]) for u in range(len(self.units))]
@@ -1033,21 +1044,35 @@ def is_out_of_memory(detail: str | None) -> bool:
     return "outofmemoryerror" in text or " out of memory" in text
 
 
-def gpu_total_memory(device_id: str, timeout: float = 120.0) -> int:
+#: The child program that prints the total memory of the one GPU it sees, in bytes.
+GPU_MEMORY_PROGRAM = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+
+
+def gpu_total_memory(
+    device_id: str, timeout: float = 120.0, program: str = GPU_MEMORY_PROGRAM
+) -> int:
     """Bytes of GPU ``device_id`` as the driver reports them, asked in a child process so the
-    runner itself never creates a CUDA context (which would take memory from the jobs)."""
-    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+    runner itself never creates a CUDA context (which would take memory from the jobs).
+
+    ``program``: the child's Python code, which sees only ``device_id`` (a CPU test runs this
+    function with its own). A child that fails, prints no number or does not answer within
+    ``timeout`` seconds (a hung driver) is one :class:`QueueError` naming the fix."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=device_id, HIP_VISIBLE_DEVICES=device_id)
-    res = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    if res.returncode != 0 or not res.stdout.strip().isdigit():
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", program], env=env, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        last = f"timed out after {timeout:g} s"
+    else:
+        if res.returncode == 0 and res.stdout.strip().isdigit():
+            return int(res.stdout.strip())
         last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise QueueError(
-            f"--pack: GPU {device_id}'s memory could not be read ({last[:200]}); pass "
-            "--device-mem SIZE (e.g. 141GiB)"
-        )
-    return int(res.stdout.strip())
+    raise QueueError(
+        f"--pack: GPU {device_id}'s memory could not be read ({last[:200]}); pass "
+        "--device-mem SIZE (e.g. 141GiB)"
+    )
 
 
 #: The longest error line kept for a failed job, in characters: the line is kept whole (its end
