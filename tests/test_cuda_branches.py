@@ -2,15 +2,21 @@
 
 The rule (docs/architecture.md, "GPU-only branches"): no code runs for the first time on a GPU.
 This test parses every module of ``nanolab/`` and ``benches/`` and finds each way of asking
-about the device (:class:`DeviceBranches`): a comparison or ``in`` test against ``"cuda"``,
-``"cpu"``, ``"hip"`` or ``"mps"`` (either side, or in a tuple), ``.startswith("cuda")``,
-``.is_cuda``, anything reached through ``torch.cuda``, ``torch.backends.cuda``,
-``torch.accelerator``, ``torch.get_device_module`` or ``torch.version.hip``, and ``torch.cuda``
-imported under any name. A file with such a hit must be in :data:`TWINS` (a test that runs the
-same code on a CPU, by forcing the setting or through a seam), :data:`NO_CPU_TWIN` (with why) or
+about the device (:class:`DeviceBranches`): a comparison, ``in`` test or ``case`` against
+``"cuda"``, ``"cpu"``, ``"hip"``, ``"mps"`` or ``"gpu"`` (either side, or in a tuple),
+``.startswith("cuda")``, ``.is_cuda``, anything reached through ``torch.cuda``,
+``torch.backends.cuda``, ``torch.accelerator``, ``torch.get_device_module`` or
+``torch.version.hip`` (imported under any name, or through ``getattr``), code in a string that
+does (a child's ``python -c``), ``CUDAAccelerator``, and the GPU query libraries (``pynvml``,
+``amdsmi``). A file with such a hit must be in :data:`TWINS` (a test that runs the same code on
+a CPU, by forcing the setting or through a seam), :data:`NO_CPU_TWIN` (with why) or
 :data:`SETTING_NOT_DEVICE` (the string compared is a setting or a named target, not the device
 this process runs on). A stale entry fails too, and every named twin must exist. A twinned
 file's part that no CPU can run is named, with why, in :data:`NO_CPU_TWIN_PART`.
+
+A listed file is not a licence for more: :data:`BRANCHES` pins how many hits each function of
+each file has, so a new device branch anywhere, in a listed file too, is a failing diff to
+review (twin it, then update the count the failure prints).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("nanolab", "benches")
-DEVICE_NAMES = frozenset({"cuda", "cpu", "hip", "mps"})
+DEVICE_NAMES = frozenset({"cuda", "cpu", "hip", "mps", "gpu"})
 DEVICE_MODULES = (
     "torch.cuda",
     "torch.backends.cuda",
@@ -31,11 +37,15 @@ DEVICE_MODULES = (
     "torch.get_device_module",
     "torch.version.hip",
 )
+#: Libraries that ask the GPU's driver directly (utilisation, bus ids, memory).
+GPU_LIBRARIES = frozenset({"pynvml", "amdsmi", "pyrsmi", "nvidia_smi"})
+#: Classes whose use means "on a CUDA/ROCm device" (Lightning's accelerator).
+DEVICE_CLASSES = frozenset({"CUDAAccelerator"})
 
 
 def _names_a_device(node: ast.AST) -> bool:
-    """A string constant ``"cuda"``/``"cpu"``/``"hip"``/``"mps"`` (or ``"cuda:1"``), or a
-    tuple, list or set holding one."""
+    """A string constant ``"cuda"``/``"cpu"``/``"hip"``/``"mps"``/``"gpu"`` (or ``"cuda:1"``),
+    or a tuple, list or set holding one."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value.split(":")[0] in DEVICE_NAMES
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
@@ -43,59 +53,104 @@ def _names_a_device(node: ast.AST) -> bool:
     return False
 
 
+def _matches_a_device(pattern: ast.pattern) -> bool:
+    """A ``case`` pattern that names a device (``case "cuda":``, ``case "cuda" | "hip":``)."""
+    if isinstance(pattern, ast.MatchValue):
+        return _names_a_device(pattern.value)
+    if isinstance(pattern, ast.MatchOr):
+        return any(_matches_a_device(p) for p in pattern.patterns)
+    if isinstance(pattern, ast.MatchAs) and pattern.pattern is not None:
+        return _matches_a_device(pattern.pattern)
+    return False
+
+
+def _is_device_module(dotted: str | None) -> bool:
+    """Whether a dotted name is one of :data:`DEVICE_MODULES` or inside one."""
+    return dotted is not None and any(
+        dotted == module or dotted.startswith(module + ".") for module in DEVICE_MODULES
+    )
+
+
+#: What code in a string (a child's ``python -c``) asks the device through.
+CODE_IN_TEXT = (*(f"{module}." for module in DEVICE_MODULES), "torch.version.hip")
+
+
 class DeviceBranches(ast.NodeVisitor):
-    """The lines of one module that ask which device the code runs on, as ``(line, what)``."""
+    """The lines of one module that ask which device the code runs on, as
+    ``(line, what, scope)``: ``scope`` is the enclosing function or class, dotted
+    (``Class.method``), or ``<module>``."""
 
     def __init__(self) -> None:
-        self.torch = {"torch"}  # names torch is imported as
-        self.modules: set[str] = set()  # names a device module is imported as
-        self.hits: list[tuple[int, str]] = []
+        self.aliases: dict[str, str] = {}  # a name bound by an import -> what it names
+        self.scope: list[str] = []
+        self.hits: list[tuple[int, str, str]] = []
 
     def _hit(self, node: ast.AST, what: str) -> None:
-        self.hits.append((getattr(node, "lineno", 0), what))
+        scope = ".".join(self.scope) or "<module>"
+        self.hits.append((getattr(node, "lineno", 0), what, scope))
+
+    def _scoped(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
+        self.scope.append(node.name)
+        self.generic_visit(node)
+        self.scope.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
+
+    def visit_Expr(self, node: ast.Expr) -> None:
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return  # a docstring: prose about the device, not code that asks it
+        self.generic_visit(node)
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
-            if alias.name == "torch" and alias.asname:
-                self.torch.add(alias.asname)
-            if alias.name.startswith(DEVICE_MODULES):
+            root = alias.name.split(".")[0]
+            self.aliases[alias.asname or root] = alias.name if alias.asname else root
+            if _is_device_module(alias.name) or root in GPU_LIBRARIES:
                 self._hit(node, f"import {alias.name}")
-                if alias.asname:
-                    self.modules.add(alias.asname)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = node.module or ""
         for alias in node.names:
-            full = f"{node.module}.{alias.name}"
-            if full.startswith(DEVICE_MODULES) or str(node.module).startswith(DEVICE_MODULES):
-                self._hit(node, f"from {node.module} import {alias.name}")
-                self.modules.add(alias.asname or alias.name)
+            full = f"{module}.{alias.name}"
+            self.aliases[alias.asname or alias.name] = full
+            library = module.split(".")[0] in GPU_LIBRARIES
+            if _is_device_module(full) or library or alias.name in DEVICE_CLASSES:
+                self._hit(node, f"from {module} import {alias.name}")
 
     def _dotted(self, node: ast.AST) -> str | None:
+        """``a.b.c`` with ``a`` read through the imports (``tc.x`` -> ``torch.cuda.x``)."""
         parts = []
         while isinstance(node, ast.Attribute):
             parts.append(node.attr)
             node = node.value
         if not isinstance(node, ast.Name):
             return None
-        root = "torch" if node.id in self.torch else node.id
-        return ".".join([root, *reversed(parts)])
+        return ".".join([self.aliases.get(node.id, node.id), *reversed(parts)])
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         dotted = self._dotted(node)
         if node.attr == "is_cuda":
             self._hit(node, ".is_cuda")
-        elif dotted and (dotted.startswith(DEVICE_MODULES) or dotted.split(".")[0] in self.modules):
-            self._hit(node, dotted)
+        elif node.attr in DEVICE_CLASSES:
+            self._hit(node, node.attr)
+        elif _is_device_module(dotted):
+            self._hit(node, str(dotted))
             return  # the chain's inner attributes are the same use
         self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name) -> None:
-        if node.id in self.modules:
-            self._hit(node, node.id)
+        named = self.aliases.get(node.id)
+        if node.id in DEVICE_CLASSES or (named != node.id and _is_device_module(named)):
+            self._hit(node, named or node.id)
 
     def visit_Compare(self, node: ast.Compare) -> None:
         if any(_names_a_device(side) for side in (node.left, *node.comparators)):
             self._hit(node, "a comparison with a device name")
+        self.generic_visit(node)
+
+    def visit_match_case(self, node: ast.match_case) -> None:
+        if _matches_a_device(node.pattern):
+            self._hit(node.pattern, "a case of a device name")
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -103,11 +158,21 @@ class DeviceBranches(ast.NodeVisitor):
         prefix = isinstance(func, ast.Attribute) and func.attr in ("startswith", "endswith")
         if prefix and node.args and _names_a_device(node.args[0]):
             self._hit(node, f".{func.attr}(a device name)")
+        looks_up = isinstance(func, ast.Name) and func.id in ("getattr", "hasattr")
+        if looks_up and len(node.args) >= 2:
+            owner, name = self._dotted(node.args[0]), node.args[1]
+            attribute = name.value if isinstance(name, ast.Constant) else None
+            if owner and isinstance(attribute, str) and _is_device_module(f"{owner}.{attribute}"):
+                self._hit(node, f"{func.id}({owner}, {attribute!r})")
         self.generic_visit(node)
 
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str) and any(code in node.value for code in CODE_IN_TEXT):
+            self._hit(node, "device code in a string")
 
-def device_branches(source: str) -> list[tuple[int, str]]:
-    """Where ``source`` asks about the device: ``(line, what)`` per use."""
+
+def device_branches(source: str) -> list[tuple[int, str, str]]:
+    """Where ``source`` asks about the device: ``(line, what, scope)`` per use."""
     scan = DeviceBranches()
     scan.visit(ast.parse(source))
     return scan.hits
@@ -170,6 +235,10 @@ TWINS: dict[str, tuple[str, ...]] = {
     "benches/gpu_pack.py": (
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
+    "nanolab/queue/runner.py": (  # --pack --gpus: the backend and each GPU's memory, read
+        "tests/test_queue_pack.py::test_a_packed_gpu_runner_reads_each_gpu_s_memory_in_a_child_that_sees_only_it",
+        "tests/test_queue_pack.py::test_a_gpu_that_does_not_answer_refuses_the_run_in_one_line_and_leaves_no_runner_row",
+    ),
 }
 
 #: file -> why no CPU test runs its CUDA-only lines (device queries and readers with no CPU
@@ -182,7 +251,7 @@ NO_CPU_TWIN: dict[str, str] = {
     "nanolab/eval_tasks.py": "the default --device",
     "nanolab/generate.py": "the default --device",
     "nanolab/model/device.py": "the usable devices named in --device's error",
-    "nanolab/queue/cli.py": "torch.cuda.device_count for --gpus",
+    "nanolab/queue/cli.py": "torch.cuda.device_count for --gpus; a ROCm build's nested masks",
     "nanolab/queue/launch.py": "set_per_process_memory_fraction of a packed job",
     "nanolab/run/compose.py": "whether an accelerator: auto run lands on a GPU",
 }
@@ -214,7 +283,97 @@ SETTING_NOT_DEVICE: dict[str, str] = {
 }
 
 
-def _files_with_device_branches() -> dict[str, list[tuple[int, str]]]:
+#: file -> {scope: hits}: how many device branches each function (class, ``<module>``) of each
+#: file has, as :func:`device_branches` counts them. A new one, in a listed file too, fails the
+#: test with the entry to write here once it is twinned or listed with why.
+BRANCHES: dict[str, dict[str, int]] = {
+    "benches/bench_memory.py": {
+        "device_memory": 2,
+        "main": 2,
+        "measure_device_peak": 1,
+        "run_gpu": 6,
+    },
+    "benches/gpu_check.py": {
+        "check_flex_mask": 1,
+        "gpu_visible": 3,
+        "machine": 4,
+        "synchronize": 2,
+    },
+    "benches/gpu_pack.py": {"main": 3, "prepare_data": 1},
+    "nanolab/bench/harness.py": {"_machine": 3, "predicted_peak_bytes": 2},
+    "nanolab/bench/plain_loop.py": {
+        "build": 1,
+        "main": 1,
+        "train": 2,
+        "train_lightning": 2,
+        "trained_precision": 1,
+    },
+    "nanolab/callbacks/clock.py": {"RunClock.sync_device": 2},
+    "nanolab/callbacks/jsonl.py": {"device_names": 3},
+    "nanolab/callbacks/readout.py": {"StepReadout.transfer": 3},
+    "nanolab/callbacks/syncs.py": {
+        "SyncCounter._wrap_transfer.transfer": 1,
+        "SyncCounter.install": 4,
+        "_is_cpu": 2,
+        "sync_count_callback.SyncCount.setup": 1,
+    },
+    "nanolab/callbacks/throughput.py": {
+        "ThroughputMeter._memory": 3,
+        "ThroughputMeter._prepare": 2,
+        "ThroughputMeter.on_train_end": 1,
+        "UtilizationSampler._amdsmi": 1,
+        "UtilizationSampler._nvml": 1,
+        "_bus_id": 1,
+    },
+    "nanolab/data/datamodule.py": {"pins_memory": 1},
+    "nanolab/downstream/harness.py": {"NanolabLM.__init__": 3},
+    "nanolab/estimator/cli.py": {"_peak_meter": 2, "format_estimate": 2, "main": 2},
+    "nanolab/estimator/compute.py": {"estimate_compute": 1},
+    "nanolab/estimator/estimate.py": {
+        "_compile_note": 1,
+        "_device": 5,
+        "_follow_the_model": 2,
+        "estimate_from_config": 8,
+    },
+    "nanolab/estimator/gpus.py": {"matmul_rate": 1},
+    "nanolab/estimator/history.py": {"_run_tokens_per_second": 1},
+    "nanolab/estimator/measure_trainer.py": {"measure_trainer_peak_cuda": 1},
+    "nanolab/estimator/memory.py": {"estimate_memory": 1},
+    "nanolab/estimator/numerics.py": {"numerics_for": 1},
+    "nanolab/estimator/runtime.py": {"_gpu_name": 2, "run_seconds": 2},
+    "nanolab/eval_tasks.py": {"main": 1},
+    "nanolab/generate.py": {"main": 1},
+    "nanolab/model/device.py": {"check_device": 1},
+    "nanolab/model/gpt.py": {"CausalSelfAttention.attend_masked": 1, "compiles_flex": 1},
+    "nanolab/queue/cli.py": {"check_gpus_visible": 2, "parse_gpus": 1, "visible_mask": 1},
+    "nanolab/queue/launch.py": {"apply_memory_cap": 3},
+    "nanolab/queue/packing.py": {"describe_start": 1},
+    "nanolab/queue/predict.py": {"_memory_backend": 1},
+    "nanolab/queue/runner.py": {"<module>": 1, "Runner._setup_pack": 1},
+    "nanolab/run/autobatch.py": {"device_backend": 1, "device_memory_bytes": 3},
+    "nanolab/run/compose.py": {
+        "apply_float32_matmul_precision": 2,
+        "plan_micro_batch": 1,
+        "runs_on_cpu": 3,
+    },
+    "nanolab/run/trainer_errors.py": {"gpu_visible": 1, "missing_gpu": 3, "torch_build": 1},
+    "nanolab/training/masked_targets.py": {"holds_masked_targets": 1},
+    "nanolab/training/module.py": {
+        "GPTLightningModule.on_fit_start": 1,
+        "capture_rng_state": 1,
+        "restore_rng_state": 1,
+    },
+    "nanolab/training/optim.py": {"build_adamw": 1, "build_muon": 1},
+    "nanolab/training/resolve.py": {
+        "_offloads_optimizer": 1,
+        "count_devices": 2,
+        "visible_gpus": 2,
+    },
+    "nanolab/training/strategies.py": {"offloads_optimizer": 1},
+}
+
+
+def _files_with_device_branches() -> dict[str, list[tuple[int, str, str]]]:
     found = {}
     for top in SCANNED:
         for path in sorted((REPO / top).rglob("*.py")):
@@ -223,17 +382,55 @@ def _files_with_device_branches() -> dict[str, list[tuple[int, str]]]:
     return found
 
 
+def unpinned(
+    found: dict[str, list[tuple[int, str, str]]], pinned: dict[str, dict[str, int]]
+) -> list[str]:
+    """Each file whose hits per scope differ from ``pinned``: its new ``BRANCHES`` entry, and
+    the hits of each scope that changed (to review: twin them, or say why not)."""
+    diffs = []
+    for file in sorted(set(found) | set(pinned)):
+        hits = found.get(file, [])
+        counts: dict[str, int] = {}
+        for _, _, scope in hits:
+            counts[scope] = counts.get(scope, 0) + 1
+        was = pinned.get(file, {})
+        if counts != was:
+            changed = sorted(k for k in set(counts) | set(was) if counts.get(k) != was.get(k))
+            lines = [f"{line} {what} ({scope})" for line, what, scope in hits if scope in changed]
+            diffs.append(f"{file!r}: {dict(sorted(counts.items()))!r}  # {'; '.join(lines)}")
+    return diffs
+
+
 def test_every_cuda_branch_is_twinned_or_listed():
     """Mutation caught: a new device branch, written any of the ways :data:`SNIPPETS` shows, in
-    a file no list names (it shows up here with its lines); a listed file that no longer
-    branches (a stale entry)."""
+    a file no list names (it shows up here with its lines), or in a listed one (a changed
+    :data:`BRANCHES` count); a listed file that no longer branches (a stale entry)."""
     found = _files_with_device_branches()
     lists = (set(TWINS), set(NO_CPU_TWIN), set(SETTING_NOT_DEVICE))
     listed = set().union(*lists)
     assert sum(map(len, lists)) == len(listed), "a file in two lists"
-    unlisted = {f"{f}:{line} {what}" for f in set(found) - listed for line, what in found[f]}
+    unlisted = {f"{f}:{line} {what}" for f in set(found) - listed for line, what, _ in found[f]}
     assert not unlisted, "device branches without a CPU twin: add a test to TWINS"
     assert listed - set(found) == set(), "listed files that no longer branch on the device"
+    diffs = unpinned(found, BRANCHES)
+    assert not diffs, "device branches changed: review each, then set BRANCHES:\n" + "\n".join(
+        diffs
+    )
+
+
+def test_a_new_branch_in_a_twinned_file_is_a_failing_diff():
+    """A branch appended to a function of a twinned file (training/module.py) changes its pin,
+    where comparing whole files would let it through."""
+    file = "nanolab/training/module.py"
+    source = (REPO / file).read_text()
+    added = (
+        "\n\ndef free_memory():\n    if torch.cuda.is_available():\n"
+        "        return torch.cuda.mem_get_info()\n"
+    )
+    assert unpinned({file: device_branches(source)}, {file: BRANCHES[file]}) == []
+    diffs = unpinned({file: device_branches(source + added)}, {file: BRANCHES[file]})
+    assert len(diffs) == 1 and "'free_memory': 2" in diffs[0], diffs
+    assert "torch.cuda.is_available (free_memory)" in diffs[0], diffs
 
 
 def test_a_part_without_a_twin_is_of_a_twinned_file():
@@ -260,6 +457,19 @@ SNIPPETS = [
     "if x.is_cuda: pass",
     "import torch as t\nt.cuda.synchronize()",
     "def f(cuda=torch.cuda): pass",
+    'if getattr(torch.version, "hip", None): pass',
+    'cuda = getattr(torch, "cuda")',
+    'n = hasattr(torch.backends, "cuda")',
+    'subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"])',
+    'if trainer.accelerator == "gpu": pass',
+    "if isinstance(acc, CUDAAccelerator): pass",
+    "from lightning.pytorch.accelerators import CUDAAccelerator",
+    "from torch import version\nif version.hip: pass",
+    'match device.type:\n    case "cuda": pass',
+    'match kind:\n    case "cpu" | "mps": pass',
+    "import pynvml",
+    "import amdsmi as smi",
+    "from pynvml import nvmlInit",
 ]
 
 
@@ -271,8 +481,21 @@ def test_the_scan_sees_each_way_of_writing_a_device_branch(snippet):
 def test_the_scan_leaves_code_that_only_uses_a_device():
     """Moving a tensor or naming a device is not a branch; nor is a name that merely contains
     "cuda", nor a message saying it."""
-    plain = 'x = x.to(device)\nd = torch.device("cuda")\ncuda_ok = 1\nprint("no cuda here")'
+    plain = (
+        'x = x.to(device)\nd = torch.device("cuda")\ncuda_ok = 1\nprint("no cuda here")\n'
+        'def f():\n    """Reads torch.cuda.max_memory_allocated()."""\n'
+        "import torch.nn as nn\nimport os.path\nfrom torch import nn as cuda_layers"
+    )
     assert device_branches(plain) == []
+
+
+def test_the_scan_names_the_function_each_branch_is_in():
+    source = (
+        "import torch\nclass A:\n    def f(self):\n        return torch.cuda.is_available()\n"
+        "def g():\n    def inner():\n        return x.is_cuda\nOK = torch.cuda.is_available()"
+    )
+    scopes = [scope for _, _, scope in device_branches(source)]
+    assert scopes == ["A.f", "g.inner", "<module>"]
 
 
 def test_every_named_twin_exists():
@@ -280,3 +503,32 @@ def test_every_named_twin_exists():
         for twin in twins:
             file, name = twin.split("::")
             assert re.search(rf"^def {name}\(", (REPO / file).read_text(), re.M), twin
+
+
+def _table_paths() -> set[str]:
+    """The files and folders docs/architecture.md's "GPU-only branches" table names in its
+    first column, as paths from the repository's root (a folder ends in ``/``)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## GPU-only branches", 1)[1].split("\n## ", 1)[0]
+    paths = set()
+    for row in re.findall(r"^\|([^|\n]*)\|", section, re.M):
+        for name in re.findall(r"`([\w/.]+)`", row):
+            if name.endswith((".py", "/")):
+                paths.add(name if name.startswith("benches/") else f"nanolab/{name}")
+    return paths
+
+
+def test_the_architecture_table_names_the_twinned_files():
+    """One list: each file of :data:`TWINS` is a row of the docs' table (itself or its folder),
+    and each file or folder the table names is real and listed here."""
+    named = _table_paths()
+    assert named, "the table was not found"
+    listed = set(TWINS) | set(NO_CPU_TWIN) | set(SETTING_NOT_DEVICE)
+
+    def covers(path: str, file: str) -> bool:
+        return file == path or (path.endswith("/") and file.startswith(path))
+
+    missing = {f for f in TWINS if not any(covers(p, f) for p in named)}
+    assert not missing, "twinned files the table does not name"
+    stale = {p for p in named if not any(covers(p, f) for f in listed)}
+    assert not stale, "the table names files no list here has"
