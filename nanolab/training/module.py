@@ -183,9 +183,11 @@ class GPTLightningModule(L.LightningModule):
         x, y = batch
         _, loss = self(x, y)
         # Summed on the device (no host sync); published on the micro-batch that ends the
-        # optimizer step only, for less host time per micro-batch.
+        # optimizer step only, for less host time per micro-batch. The first is kept as a copy:
+        # under CUDA graphs (``compile_mode: reduce-overhead``) ``loss`` is the graph's output
+        # buffer, which the next micro-batch's replay overwrites (a sum is a new tensor).
         done = loss.detach()
-        self._step_loss = done if self._step_loss is None else self._step_loss + done
+        self._step_loss = done.clone() if self._step_loss is None else self._step_loss + done
         self._step_micro_batches += 1
         if self._ends_optimizer_step():
             self.publish_train_loss(self._step_mean_loss())
