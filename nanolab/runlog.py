@@ -4,8 +4,9 @@ This module is the contract between the process that trains (the ``MetricsLog`` 
 through :class:`RunLogWriter`) and everything that reads a run afterwards or from another shell
 (``nanolab report``, the queue, ``tail``/``jq``). Readers must survive a crash: a process killed
 mid-write leaves a half-written last line, so :func:`iter_records` skips any line that does not
-parse as a JSON object, and the writer starts its first record on a fresh line when the file does
-not end with a newline, so a resumed run never glues its records onto the broken one.
+parse as a JSON object, and the writer starts every record on a fresh line when the file does not
+end with a newline (a process killed mid-write, a write cut short by a full disk or a file-size
+limit), so no record, a resumed run's or the same process's next, is glued onto the broken one.
 
 Every record has ``event`` (``start``, ``train``, ``val``, ``budget``, ``checkpoint``, ``end``),
 ``time`` (unix seconds) and ``step`` (optimizer steps done); docs/callbacks.md documents each event.
@@ -302,10 +303,14 @@ class RunLogWriteError(NanolabError):
 class RunLogWriter:
     """Appends records to a run log, one flushed line each.
 
-    The file is opened in append mode and never truncated. If it does not end with a newline
-    (the previous process died mid-line), a newline is written first so the broken line stays
-    isolated and readers skip it. ``flush`` after every record makes ``tail -1 | jq`` current;
-    there is no fsync per record (that would cost milliseconds per step on network disks).
+    The file is opened in append mode and never truncated. Each record is one ``write`` of its
+    whole line, unbuffered, so ``tail -1 | jq`` is current; there is no fsync per record (that
+    would cost milliseconds per step on network disks). An append always starts on a fresh
+    line: when the file may not end with a newline (the previous process died mid-line, or a
+    write of this one was cut short by a full disk or a file-size limit), the record is written
+    after a newline, so the broken line stays isolated, readers skip it, and the record after
+    it is whole. A buffered writer dropped what it had not written of a long record and glued
+    the next record (the ``end`` record, a resume's ``start``) onto the torn bytes.
 
     A log deleted or replaced while it is written (``rm metrics.jsonl`` during a run) would
     otherwise take every later record into an unlinked file that vanishes at the end: each
@@ -325,12 +330,10 @@ class RunLogWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._folder = ClaimedDir(self.path.parent)
         self._refused: LeftClaimedDir | None = None
-        self._handle: IO[str] | None = self._open()
-        fd = self._handle.fileno()
-        size = os.fstat(fd).st_size
-        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
-            self._handle.write("\n")
-            self._handle.flush()
+        #: Whether the file may not end with a newline: a file this writer has not written to
+        #: yet, or a write of its own that failed part-way (see :meth:`_append`).
+        self._torn = True
+        self._handle: IO[bytes] | None = self._open()
 
     def _open(self) -> IO[str]:
         """The log opened for appending through the claimed folder; never a link, never a file
@@ -348,7 +351,7 @@ class RunLogWriter:
             os.close(fd)
             raise self._refuse(f"{self.path} is a hard link ({st.st_nlink} names for one file)")
         self._inode = (st.st_ino, st.st_dev)
-        return open(fd, "a", encoding="utf-8")
+        return open(fd, "ab", buffering=0)
 
     def _refuse(self, why: str) -> LeftClaimedDir:
         """The error that stops the run: ``why`` names what is at the log's path now. The fix
@@ -376,8 +379,7 @@ class RunLogWriter:
         try:
             if not self._still_there():
                 self._recreate(record)
-            self._handle.write(dumps(record) + "\n")
-            self._handle.flush()
+            self._append(dumps(record))
         except LeftClaimedDir as err:  # every later record (the end record too) is refused
             self._refused = err
             raise
@@ -398,9 +400,35 @@ class RunLogWriter:
             "here (the records before this point are in the removed file)"
         )
         warn("nanolab", note)
-        self._handle.write(dumps({"event": "log_recreated", "time": time.time(),
-                                  "step": record.get("step"), "run_id": self.run_id,
-                                  "detail": note}) + "\n")  # fmt: skip
+        self._torn = True
+        self._append(dumps({"event": "log_recreated", "time": time.time(),
+                            "step": record.get("step"), "run_id": self.run_id,
+                            "detail": note}))  # fmt: skip
+
+    def _append(self, line: str) -> None:
+        """Write ``line`` and its newline at the end of the file, on a line of its own.
+
+        One unbuffered ``write`` of the whole line (looped if the system writes it in parts),
+        so nothing of it waits in a buffer to land later, after another record. Until it has
+        all landed the file may end mid-line (:attr:`_torn`): the next append then starts
+        with a newline, when the file does not end with one.
+        """
+        assert self._handle is not None
+        data = line.encode("utf-8") + b"\n"
+        if self._torn and not self._ends_line():
+            data = b"\n" + data
+        self._torn = True
+        view = memoryview(data)
+        while view:
+            view = view[self._handle.write(view) or 0 :]
+        self._torn = False
+
+    def _ends_line(self) -> bool:
+        """Whether the file is empty or ends with a newline (a new record starts a line)."""
+        assert self._handle is not None
+        fd = self._handle.fileno()
+        size = os.fstat(fd).st_size
+        return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
 
     def _write_error(self, err: OSError) -> RunLogWriteError:
         import shutil
@@ -429,9 +457,8 @@ class RunLogWriter:
     def close(self) -> None:
         if self._handle is not None:
             with contextlib.suppress(OSError):
-                self._handle.flush()
                 os.fsync(self._handle.fileno())
-            with contextlib.suppress(OSError):  # a full disk: what is buffered cannot land
+            with contextlib.suppress(OSError):
                 self._handle.close()
             self._handle = None
         self._folder.close()

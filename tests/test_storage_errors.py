@@ -260,3 +260,54 @@ def test_a_run_log_past_ulimit_f_names_the_limit_not_free_space(tmp_path: Path) 
         "command to resume"
     ), line
     assert "free" not in line
+
+
+TORN_BY_A_LIMIT = """
+import errno, json, os, resource, sys
+from nanolab.runlog import RunLogWriter, RunLogWriteError
+path, soft, hard = sys.argv[1], *resource.getrlimit(resource.RLIMIT_FSIZE)
+writer = RunLogWriter(path, run_id="r")
+writer.write({"event": "start", "step": 0})
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 100, hard))
+try:  # a record longer than a write buffer, cut short by the limit
+    writer.write({"event": "train", "step": 1, "note": "x" * 20_000})
+except RunLogWriteError as err:
+    assert err.errno == errno.EFBIG, err
+resumed = RunLogWriter(path, run_id="r")  # a resume under the same limit
+try:
+    resumed.write({"event": "start", "step": 1})
+except RunLogWriteError as err:
+    print("resume:", err.errno == errno.EFBIG)
+resumed.close()
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again (space freed, limit raised)
+writer.write({"event": "end", "step": 1})  # the same process's next record
+writer.close()
+writer = RunLogWriter(path, run_id="r")  # a resume, once there is room
+writer.write({"event": "start", "step": 1})
+writer.close()
+"""
+
+
+def test_a_record_after_one_torn_by_a_size_limit_starts_a_line_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """A write refused part-way by ``ulimit -f`` (EFBIG) left a torn line, and the writer's
+    buffer dropped the rest of the record: the next record of the same process (the ``end``
+    record) was glued onto the torn bytes and unreadable. Every append now starts on a fresh
+    line; a resume under the same limit is the limit's one error, not "set run.root to a
+    writable folder"."""
+    import sys
+
+    log = tmp_path / "metrics.jsonl"
+    out = subprocess.run([sys.executable, "-c", TORN_BY_A_LIMIT, str(log)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["resume: True"], out.stdout
+    lines = log.read_bytes().split(b"\n")
+    assert lines[1].startswith(b'{"event":"train"') and not lines[1].endswith(b"}")  # torn
+    assert [(r["event"], r["step"]) for r in read_records(log)] == [
+        ("start", 0),
+        ("end", 1),
+        ("start", 1),
+    ]
+    assert len(lines) == 5 and lines[-1] == b""  # no blank line added: one newline per tear
