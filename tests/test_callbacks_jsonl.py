@@ -721,6 +721,72 @@ def test_a_process_killed_during_an_async_save_leaves_the_saved_steps_train_reco
     assert train[-1]["loss"] > 0 and train[-1]["grad_norm"] > 0
 
 
+@pytest.mark.slow  # a real process killed: ~35 s on 2 cores
+def test_an_async_save_whose_process_was_killed_before_logging_it_is_recorded_on_resume(
+    tmp_path, char_dataset
+):
+    """An async save's ``checkpoint`` record is written by the training thread at the step
+    after the save is complete; a process SIGKILLed in between left a complete checkpoint, the
+    one the resume continues from, that its log never mentioned. The resume now writes the
+    record, marked ``recovered``, before its ``start`` record (the save was the earlier
+    process's); the same resume again adds nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8)
+    cfg["checkpoint"] = {"every_n_steps": 3, "async_save": True}
+    cfg["run"]["eval_every_steps"] = 100
+    write_config(tmp_path / "t.yaml", cfg)
+    slow = ["--trainer.callbacks+=cli_probes.SlowSteps", "--trainer.callbacks.seconds", "2"]
+    run = tmp_path / "runs" / "tiny"
+    saved, last = run / "checkpoints" / "step-00000003.ckpt", run / "checkpoints" / "last.ckpt"
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [tests, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    args = ["fit", "--config", str(QUICKSTART), "--config", "t.yaml"]
+    proc = subprocess.Popen([sys.executable, "-m", "nanolab", *args, *slow], cwd=tmp_path,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        # Complete, and last.ckpt pointed at it: the writer thread is done with the save.
+        while not (saved.exists() and last.exists() and os.path.samefile(saved, last)):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)  # inside the next step's 2 s: its record is not out
+    finally:
+        proc.kill()
+        proc.wait()
+    log = run / "metrics.jsonl"
+    assert [r["step"] for r in read_records(log, "checkpoint")] == []
+    file = saved.stat()  # rotation deletes it later in the resume
+    res = nanolab_here(*args, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = [r for r in read_records(log) if r["event"] in ("checkpoint", "start")]
+    assert [(r["event"], r["step"]) for r in records] == [
+        ("start", 0),
+        ("checkpoint", 3),
+        ("start", 3),
+        ("checkpoint", 6),
+        ("checkpoint", 8),
+    ]
+    recovered = records[1]
+    assert recovered["recovered"] is True and recovered["path"] == str(saved)
+    assert recovered["bytes"] == file.st_size and recovered["time"] == file.st_mtime
+    assert [r.get("recovered") for r in records[3:]] == [None, None]
+    before = read_records(log, "checkpoint")
+    res = nanolab_here(*args, "--trainer.max_steps", "9", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert read_records(log, "checkpoint")[: len(before)] == before
+    assert [r["step"] for r in read_records(log, "checkpoint")] == [3, 6, 8, 9]
+
+
 def test_the_hard_link_refusal_advises_a_fix_that_keeps_the_log_history(tmp_path) -> None:
     """A run log hard-linked elsewhere (a backup made with ``ln``/``cp -l``) is refused; its
     advice was to remove the log, which threw the run's history out of its run directory. The

@@ -48,6 +48,7 @@ from nanolab.callbacks.step import StepCallback, settle_step_values, validation_
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import size_text
 from nanolab.messages import warn
+from nanolab.runlog import iter_backwards
 
 LAST_NAME = "last.ckpt"
 ROLLED_BACK_DIR = "rolled_back"  # checkpoints a rollback (or a resume from an older one) set aside
@@ -467,6 +468,19 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._emit_done(trainer)
         return path
 
+    def unrecorded_records(self, trainer: L.Trainer, log: Path) -> list[dict[str, Any]]:
+        """The ``checkpoint`` records the run log ``log`` lacks for step checkpoints of this
+        run, up to the step resumed from (:func:`unrecorded_checkpoints`); rank 0, on a resume.
+
+        The run log writes them before its ``start`` record: the saves were an earlier
+        process's. An async save is recorded by the training thread at the step after it is
+        complete, so a process killed in between left a complete checkpoint (the one the resume
+        takes) that its log never mentioned.
+        """
+        if self.dirpath is None or not self.active:
+            return []
+        return unrecorded_checkpoints(self.dirpath, log, int(trainer.global_step))
+
     def _emit_done(self, trainer: L.Trainer) -> None:
         while self._done_records:
             record = self._done_records.pop(0)
@@ -588,6 +602,68 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.val_by_step = {int(k): float(v) for k, v in state_dict.get("val_by_step", {}).items()}
         self.last_saved_step = state_dict.get("last_saved_step")
+
+
+#: Seconds a ``checkpoint`` record's time may lie before its file's modification time and still
+#: be that file's record: the clocks of a network file system's server and of this host differ.
+RECORD_CLOCK_SLACK_S = 60.0
+
+
+def unrecorded_checkpoints(folder: Path, log: Path, upto: int) -> list[dict[str, Any]]:
+    """``checkpoint`` records for the step checkpoints in ``folder`` (steps up to ``upto``) that
+    the run log ``log`` has none for, oldest first, each marked ``recovered``.
+
+    A file's record is one at its step written after the file was complete (its time not before
+    the file's modification time, give or take :data:`RECORD_CLOCK_SLACK_S`): a record of the
+    same step from before a rollback is another file's. The log is read backwards, only as far
+    as the oldest such file's time, and only its ``checkpoint`` lines are parsed. A recovered
+    record says what the file says: its ``time`` is the file's modification time (when the save
+    was complete), ``bytes`` its size; what only the saving process knew (``seconds``,
+    ``write_seconds``, ``async``, ``deleted``) is null.
+    """
+    files: dict[int, tuple[Path, float]] = {}
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                step = step_of(entry.name)
+                if step is None or step > upto:
+                    continue
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+                        files[step] = (Path(folder) / entry.name, st.st_mtime)
+    except OSError:
+        return []
+    if not files:
+        return []
+    unseen = dict(files)
+    oldest = min(mtime for _, mtime in files.values()) - RECORD_CLOCK_SLACK_S
+    with contextlib.closing(iter_backwards(log, "checkpoint")) as newest_first:
+        for record in newest_first:
+            when, step = record.get("time"), record.get("step")
+            if not isinstance(when, (int, float)) or isinstance(when, bool):
+                continue
+            if when < oldest:
+                break  # older than every file: no record of one of them lies further back
+            if step in unseen and when >= unseen[step][1] - RECORD_CLOCK_SLACK_S:
+                del unseen[step]
+                if not unseen:
+                    break
+    return [
+        {
+            "event": "checkpoint",
+            "time": mtime,
+            "step": step,
+            "path": str(path),
+            "seconds": None,
+            "write_seconds": None,
+            "bytes": _size(path),
+            "async": None,
+            "deleted": None,
+            "recovered": True,
+        }
+        for step, (path, mtime) in sorted(unseen.items())
+    ]
 
 
 def unlink_in(folder: ClaimedDir, path: Path) -> None:

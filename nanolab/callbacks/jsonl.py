@@ -257,11 +257,24 @@ class MetricsLog(StepCallback):
             self.clock.start_new_run()  # another run's checkpoint: its hours are not this run's
         if earlier is not None:
             self.clock.account_earlier(*earlier)
+        if resuming and trainer.is_global_zero and not adopted:
+            self._write_unrecorded(trainer, path)
         self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
         if trainer.is_global_zero:
             note = launch_schedule_note(trainer, pl_module, resuming)
             if note:  # every launch says it, with or without a progress bar
                 warn("nanolab fit", note)
+
+    def _write_unrecorded(self, trainer: L.Trainer, path: Path) -> None:
+        """On a resume, before its ``start`` record: the records an earlier process of this run
+        owed the log and never wrote, from each callback that keeps such a list
+        (``unrecorded_records(trainer, log)``: the checkpoint rotation's saves completed after
+        the process's last step, when a kill came before it could write them)."""
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            unrecorded = getattr(callback, "unrecorded_records", None)
+            if callable(unrecorded):
+                for record in unrecorded(trainer, path):
+                    self.write(trainer, record)
 
     def _start_record(
         self,
