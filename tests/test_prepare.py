@@ -62,6 +62,33 @@ def zst_open(path, mode, encoding=None):
     return io.TextIOWrapper(zstandard.ZstdCompressor().stream_writer(raw), encoding=encoding)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_counts_whitespace_only_documents_of_any_size(tmp_path, monkeypatch, workers):
+    """A small whitespace-only text file was a bad document, one of 200 KB (many units) was
+    kept as a document, and so was a JSON line whose text is " \\n": each is now skipped and
+    counted like the small file, and a file with text after a long blank start keeps it all.
+    The lookahead is made small so that the second read of a long blank start runs too."""
+    monkeypatch.setattr(sources, "BLANK_LOOKAHEAD_BYTES", 1 << 16)
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_text("A is for apple.\n" * 100)
+    (d / "blank.txt").write_bytes((b" " * 99 + b"\n") * 1000 + b"\t" * 100_000)  # 200 KB
+    (d / "small.txt").write_bytes(b" \n\t\n")
+    (d / "unicode.txt").write_text("\u00a0\u2003 \n" * 30_000)  # blank in str.isspace's sense
+    (d / "late.txt").write_bytes(b" " * 150_000 + b"late text\n")
+    (d / "docs.jsonl").write_text('{"text": "kept"}\n{"text": " \\n"}\n{"text": "\\t"}\n')
+    meta = prepare_dataset(
+        [str(d)], tmp_path / "ds", "bytes", skip_bad=True, quiet=True, workers=workers
+    )
+    examples = meta["skipped"]["examples"]
+    assert meta["skipped"]["count"] == 5, examples
+    for name in ("blank.txt", "small.txt", "unicode.txt"):
+        assert f"{d / name}: empty document (the file holds only whitespace)" in " ".join(examples)
+    assert sum("field 'text' is only whitespace" in e for e in examples) == 2
+    assert sum(meta["documents"].values()) == 3  # a.txt, late.txt, "kept"
+    assert meta["train_bytes"] + meta["val_bytes"] == 1600 + 150_010 + 4
+
+
 @pytest.mark.parametrize("tokenizer", ["bytes", "chars", "bpe"])
 def test_documents_round_trip_with_one_end_of_text_each(tmp_path, tokenizer):
     src = tmp_path / "docs.jsonl"
@@ -379,6 +406,14 @@ BAD_INPUTS = [
     ("not-utf8", "in.txt", b"caf\xe9 latin-1\n", "not UTF-8"),
     ("empty-file", "in.txt", b"", "empty document (the file is empty)"),
     ("blank-file", "in.txt", b" \n\t\n", "empty document (the file holds only whitespace)"),
+    # Many units (past a long line's 64 KB): each unit was blank, the file was kept.
+    ("blank-200kb", "in.txt", b" " * 200_000, "empty document (the file holds only whitespace)"),
+    (
+        "blank-field",
+        "docs.jsonl",
+        b'{"text": "a"}\n{"text": " \\n"}\n',
+        "line 2: empty document (field 'text' is only whitespace)",
+    ),
     (
         "truncated-gz",
         "in.txt.gz",

@@ -234,9 +234,9 @@ def documents(block: Block, text_field: str) -> Documents:
             start += size
             whole_file = block.first_unit == 0 and block.ends_document
             # A file of only whitespace holds no text to learn from: as empty as an empty one.
-            blank = whole_file and len(block.unit_sizes) == 1 and not text.strip()
-            if (whole_file and not text) or blank:
-                what = "the file is empty" if not text else "the file holds only whitespace"
+            # The reader tells (Block.blank): a large one is many units, in many blocks.
+            if (whole_file and not text) or block.blank:
+                what = "the file holds only whitespace" if block.blank else "the file is empty"
                 out.errors.append(
                     f"{block.file_path}: empty document ({what}); remove it or pass --skip-bad"
                 )
@@ -302,9 +302,10 @@ def _add_text(out: Documents, where: str, value: Any, name: str, unit: int) -> N
             f"{where}: field {name!r} is {kind}; name the text field with --text-field or pass --skip-bad"
         )
         return
-    if not value:
+    if not value or value.isspace():  # only whitespace: as empty as a small blank file
+        what = '""' if not value else "only whitespace"
         out.errors.append(
-            f'{where}: empty document (field {name!r} is ""); remove it or pass --skip-bad'
+            f"{where}: empty document (field {name!r} is {what}); remove it or pass --skip-bad"
         )
         return
     try:

@@ -21,9 +21,12 @@ workers there are, which is what makes the output identical for any ``--workers`
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import glob
 import gzip
 import hashlib
+import itertools
 import os
 import re
 import zlib
@@ -68,6 +71,13 @@ _LINE_START = re.compile(rb"\n(?=[^ \t\r\n\f\v])")
 _LINE_BREAK = re.compile(rb"\n(?=[^\r\n])")
 #: Where a long line is cut: before a whitespace, so the word after it keeps its space.
 _WHITESPACE = re.compile(rb"[ \t\r\n\f\v]")
+#: A byte that is text other than whitespace whatever surrounds it: ASCII, and none of the
+#: characters ``str.isspace`` calls whitespace. A text with none may still hold some (a
+#: non-ASCII character); :class:`_BlankScan` decodes it to tell.
+_ASCII_NON_SPACE = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]")
+#: How much of a text file's start is held to find out whether it is only whitespace. A file
+#: still blank past it is read through once more, without holding it, to decide.
+BLANK_LOOKAHEAD_BYTES = _READ_BYTES
 
 
 class SourceError(NanolabError):
@@ -98,6 +108,8 @@ class Block:
     unit_sizes: list[int] = field(default_factory=list)  # text: byte length of each unit
     byte_offset: int = 0  # text: offset of the block in the decompressed file
     ends_document: bool = False  # text: the block's last unit ends the file's document
+    #: text: the file holds only whitespace (not a document); its bytes are not carried.
+    blank: bool = False
 
 
 @dataclass
@@ -468,7 +480,13 @@ class FileReader:
         if self._counter is not None:
             self.consumed = self._counter.count
 
-    def _open(self) -> IO[bytes]:
+    def _open(self, counter: _Counting) -> IO[bytes]:
+        """The decompressed stream over ``counter`` (the raw file, :meth:`_open_raw`)."""
+        if self.file.compression == "gz":
+            return gzip.GzipFile(fileobj=counter, mode="rb")  # type: ignore[arg-type]
+        return counter  # type: ignore[return-value]  # zst: decoded in _zstd_chunks
+
+    def _open_raw(self) -> _Counting:
         f = self.file
         if f.bundled is not None:
             raw: IO[bytes] = (
@@ -476,17 +494,21 @@ class FileReader:
             )
         else:
             raw = open(f.path, "rb")  # noqa: SIM115 - closed by the caller's with-block
-        self._counter = _Counting(raw)
-        if f.compression == "gz":
-            return gzip.GzipFile(fileobj=self._counter, mode="rb")  # type: ignore[arg-type]
-        return self._counter  # type: ignore[return-value]  # zst: decoded in _zstd_chunks
+        return _Counting(raw)
 
-    def _chunks(self) -> Iterator[bytes]:
-        """The decompressed bytes, in pieces, with corrupt or truncated files named."""
+    def _chunks(self, counted: bool = True) -> Iterator[bytes]:
+        """The decompressed bytes, in pieces, with corrupt or truncated files named.
+
+        ``counted``: the read is the one progress follows (:attr:`consumed`); a second read
+        of the file (:meth:`_blank_through`) is not.
+        """
         what = {"gz": "gzip", "zst": "zstd", None: "file"}[self.file.compression]
-        stream = None
+        stream = counter = None
         try:
-            stream = self._open()
+            counter = self._open_raw()
+            if counted:
+                self._counter = counter
+            stream = self._open(counter)
             if self.file.compression == "zst":
                 yield from self._zstd_chunks(stream)
                 return
@@ -509,10 +531,10 @@ class FileReader:
                 ) from None
             raise
         finally:
-            if stream is not None and stream is not self._counter:
+            if stream is not None and stream is not counter:
                 stream.close()
-            if self._counter is not None:
-                self._counter.close()
+            if counter is not None:
+                counter.close()
 
     def _zstd_chunks(self, raw: IO[bytes]) -> Iterator[bytes]:
         """The frames of a ``.zst`` file decoded one after another; a file that ends inside a
@@ -542,13 +564,44 @@ class FileReader:
 
     # -- text: one document, cut into units at line starts ---------------------------------
     def _text_blocks(self) -> Iterator[Block]:
+        """The file's units in blocks; a file of only whitespace is no document: one block
+        saying so (``blank``), whatever its size, as a small one is. Its start is held until
+        a non-blank character shows (at once, in a file of text), at most
+        :data:`BLANK_LOOKAHEAD_BYTES`; a file blank that far is read once more to decide."""
+        with contextlib.closing(self._chunks()) as chunks:
+            held: list[bytes] = []
+            size, scan = 0, _BlankScan()
+            while True:
+                if size >= BLANK_LOOKAHEAD_BYTES:
+                    blank = self._blank_through()
+                    break
+                chunk = next(chunks, None)
+                if chunk is None:
+                    blank = scan.blank(b"", final=True)
+                    break
+                held.append(chunk)
+                size += len(chunk)
+                if not scan.blank(chunk):
+                    blank = False
+                    break
+            if blank and size > 0:
+                yield Block("text", self.index, self.file.path, 0, b"", [0], 0, True, blank=True)
+                return
+            yield from self._text_units(itertools.chain(held, chunks))
+
+    def _blank_through(self) -> bool:
+        """Whether the whole file is whitespace, read through on its own (nothing held)."""
+        scan = _BlankScan()
+        with contextlib.closing(self._chunks(counted=False)) as chunks:
+            return all(scan.blank(chunk) for chunk in chunks) and scan.blank(b"", final=True)
+
+    def _text_units(self, chunks: Iterator[bytes]) -> Iterator[Block]:
         buf = b""
         unit = 0
         offset = 0  # decompressed offset of buf[0]
         sizes: list[int] = []
         block_start = 0  # offset in buf where the pending block starts
         pos = 0  # offset in buf where the next unit starts
-        chunks = self._chunks()
         eof = False
         scan = _NewlineScan()
         while True:
@@ -663,6 +716,26 @@ class FileReader:
                 f"{self.file.path}: not a readable parquet file near row {row} "
                 f"({str(err).splitlines()[0]}); download or copy the file again"
             ) from None
+
+
+class _BlankScan:
+    """Whether a text read in pieces is only whitespace so far, by the rule a small file is
+    judged by (``str.isspace``: Unicode whitespace). A piece with an ASCII character other
+    than whitespace is decided at the first one, without decoding; only a piece without
+    one is decoded. A piece that is not UTF-8 counts as text: the read of the file names the
+    bad byte."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def blank(self, piece: bytes, final: bool = False) -> bool:
+        if _ASCII_NON_SPACE.search(piece) is not None:
+            return False
+        try:
+            text = self._decoder.decode(piece, final)
+        except UnicodeDecodeError:
+            return False
+        return not text or text.isspace()
 
 
 def _split_parts(parts: list[bytes], cut: int) -> tuple[bytes, list[bytes]]:
