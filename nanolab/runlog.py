@@ -19,6 +19,7 @@ import errno
 import json
 import math
 import os
+import re
 import shlex
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -31,6 +32,10 @@ from nanolab.messages import warn
 
 RUN_LOG_NAME = "metrics.jsonl"
 QUEUE_LOG_NAME = "queue.log"  # a queued job's console output, beside its run log
+CHECKPOINT_DIR = "checkpoints"  # a run's checkpoints, beside its run log
+
+#: The checkpoint names nanolab writes in a run's ``checkpoints/``.
+_NANOLAB_CHECKPOINT = re.compile(r"(last|step-\d+)\.ckpt")
 
 
 def iter_records(
@@ -230,8 +235,28 @@ def _open_log(path: str | os.PathLike[str], mode: str) -> IO[Any] | None:
         ) from None
 
 
+def is_nanolab_run(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` is a run nanolab wrote: its log opens with a nanolab ``start`` record,
+    or its ``checkpoints/`` holds a checkpoint named as nanolab names them (a run whose log
+    was lost still owns its checkpoints). A ``metrics.jsonl`` another tool left in a project
+    folder is not a run, so it does not put everything below it "inside a run"."""
+    folder = Path(folder)
+    for _, record in iter_numbered(folder / RUN_LOG_NAME):
+        if record.get("event") == "start" and "run_id" in record:
+            return True
+        break  # the start record is a run log's first
+    checkpoints = folder / CHECKPOINT_DIR
+    try:
+        names = [entry.name for entry in os.scandir(checkpoints)] if checkpoints.is_dir() else []
+    except OSError:  # unreadable: no checkpoint of nanolab's seen there
+        names = []
+    return any(_NANOLAB_CHECKPOINT.fullmatch(name) for name in names)
+
+
 def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
-    """The run directory ``path`` is or lies in (a folder up its tree holding a run log), or None.
+    """The nanolab run directory ``path`` is or lies in (a folder up its tree holding a run log
+    that :func:`is_nanolab_run` owns), or None. The one rule for "inside a run": fit's own run
+    directory (``run.root``/``run.name``) and every other command's output go by it.
 
     Both the path as given and where its links lead are checked: a link to a run's folder is
     that run's folder.
@@ -239,7 +264,7 @@ def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
     given = Path(os.path.abspath(path))
     for start in (given, Path(os.path.realpath(given))):
         for folder in (start, *start.parents):
-            if (folder / RUN_LOG_NAME).is_file():
+            if (folder / RUN_LOG_NAME).is_file() and is_nanolab_run(folder):
                 return folder
     return None
 

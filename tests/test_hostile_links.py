@@ -396,6 +396,53 @@ def test_no_output_folder_inside_a_run_directory(tmp_path, capsys, verb, argv, v
     assert digests(tmp_path / "runs") == before and not (run / "out").exists()
 
 
+@pytest.mark.parametrize("verb", ["export", "prepare"])
+@pytest.mark.parametrize("log", ["foreign", "nanolab"])
+def test_only_a_nanolab_run_log_makes_a_folder_a_run(tmp_path, capsys, verb, log) -> None:
+    """`prepare -o` and `export -o` go by fit's rule for what a run is: a folder whose
+    metrics.jsonl another tool wrote (a project's own metrics) is not a run, so writing below
+    it is allowed; below a run nanolab wrote it is refused in one line. They refused any
+    folder holding a metrics.jsonl, while fit itself trained in such a folder."""
+    from dataclasses import asdict
+
+    import torch
+
+    from nanolab.data.prepare import main as prepare_main
+    from nanolab.export import main as export_main
+    from nanolab.model import GPT, GPTConfig
+
+    project = tmp_path / "project"
+    project.mkdir()
+    record = {
+        "foreign": {"epoch": 1, "accuracy": 0.9},
+        "nanolab": {"event": "start", "run_id": "b"},
+    }
+    (project / "metrics.jsonl").write_text(json.dumps(record[log]) + "\n")
+    config = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=16, block_size=8)
+    ckpt = {
+        "state_dict": {f"model.{k}": v for k, v in GPT(config).state_dict().items()},
+        "nanolab": {"gpt": asdict(config), "tokenizer": None},
+    }
+    torch.save(ckpt, tmp_path / "w.ckpt")
+    target = project / "out"
+    if verb == "export":
+        code = export_main(["--ckpt", str(tmp_path / "w.ckpt"), "--format", "safetensors",
+                            "-o", str(target)])  # fmt: skip
+    else:
+        code = prepare_main(["bundled:shakespeare", "-o", str(target)])
+    err = capsys.readouterr().err
+    if log == "foreign":
+        assert code == 0, err
+        assert target.is_dir() and "inside the run directory" not in err
+    else:
+        assert code == EXIT_USAGE, err
+        assert err.strip() == (
+            f"nanolab {verb}: error: -o {target} is inside the run directory {project}; write "
+            "it elsewhere (a run's files are its own)"
+        )
+        assert not target.exists()
+
+
 @pytest.mark.parametrize(
     ("root", "name", "said"),
     [

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import tempfile
 import time
 import uuid
@@ -31,12 +30,14 @@ from nanolab.callbacks.events import CallbackConfigError
 from nanolab.data.skips import LEDGER
 from nanolab.errors import disk_full, room_left
 from nanolab.runlog import (
+    CHECKPOINT_DIR,
     QUEUE_LOG_NAME,
     RUN_LOG_NAME,
     dumps,
     iter_backwards,
     iter_numbered,
     last_record,
+    run_dir_holding,
 )
 from nanolab.runs import foreign_config
 
@@ -61,7 +62,6 @@ VOLATILE_KEYS = (
     ("__path__",),
 )
 
-CHECKPOINT_DIR = "checkpoints"
 CONFIG_NAME = "config.yaml"
 PREVIOUS_DIR = "previous"  # archived runs (run.fresh)
 
@@ -153,48 +153,20 @@ def refuse_nested_run_dir(run_dir: Path) -> None:
     """Refuse a run directory (``run.root``/``run.name``) inside another run's directory, as
     written or where its links lead: the new run would put its log, config and checkpoints among
     that run's files (``--run.root runs/orig --run.name checkpoints``), which only that run may
-    write (the rule :func:`~nanolab.runlog.refuse_inside_run` keeps for every other command)."""
+    write. Which folder is a run is :func:`~nanolab.runlog.run_dir_holding`'s one rule, the
+    one :func:`~nanolab.runlog.refuse_inside_run` keeps for every other command."""
     given = Path(os.path.abspath(run_dir))
     real = Path(os.path.realpath(run_dir))
-    if (holder := _run_holding(given.parent)) is not None:  # run.root, or its links
+    if (holder := run_dir_holding(given.parent)) is not None:  # run.root, or its links
         raise RunDirError(
             f"run directory {run_dir} is inside the run directory {os.path.realpath(holder)}, "
             "whose files are that run's own; set run.root to a folder outside any run directory"
         )
-    if (holder := _run_holding(real.parent)) is not None:  # run_dir itself is a link
+    if (holder := run_dir_holding(real.parent)) is not None:  # run_dir itself is a link
         raise RunDirError(
             f"run directory {run_dir} is a link into the run directory {holder} ({real}), whose "
             "files are that run's own; choose another run.name, or remove the link"
         )
-
-
-#: The checkpoint names nanolab writes in a run's ``checkpoints/``.
-_NANOLAB_CHECKPOINT = re.compile(r"(last|step-\d+)\.ckpt")
-
-
-def _run_holding(path: Path) -> Path | None:
-    """The nanolab run directory ``path`` is or lies in, as given or where its links lead, or
-    None. Unlike :func:`~nanolab.runlog.run_dir_holding` (which keeps every command's output
-    out of anything that looks like a run), a folder with a run log counts here only if a
-    nanolab run wrote it: a ``metrics.jsonl`` of another tool in a project folder does not put
-    every run root below it "inside a run"."""
-    given = Path(os.path.abspath(path))
-    for start in (given, Path(os.path.realpath(given))):
-        for folder in (start, *start.parents):
-            if (folder / RUN_LOG_NAME).is_file() and _is_nanolab_run(folder):
-                return folder
-    return None
-
-
-def _is_nanolab_run(folder: Path) -> bool:
-    """Whether ``folder`` is a run nanolab wrote: its log opens with a nanolab ``start`` record,
-    or its ``checkpoints/`` holds a checkpoint named as nanolab names them (a run whose log
-    was lost still owns its checkpoints)."""
-    for _, record in iter_numbered(folder / RUN_LOG_NAME):
-        if record.get("event") == "start" and "run_id" in record:
-            return True
-        break  # the start record is a run log's first
-    return any(_NANOLAB_CHECKPOINT.fullmatch(p.name) for p in checkpoint_files(folder))
 
 
 def _check_layout(run_dir: Path, log_name: str) -> None:
