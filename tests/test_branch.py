@@ -246,3 +246,58 @@ def test_a_branch_s_schedule_notes_are_its_own_not_a_resumes(
     assert endless.returncode == 0, endless.stderr[-2000:]
     said = endless.stdout + endless.stderr
     assert "a resume keeps the plan" not in said and "the LR cosine has no end to plan" in said
+
+
+def _sharded_folder(folder: Path, kind: str, state: dict) -> Path:
+    """A sharded checkpoint folder as its strategy leaves it: FSDP2's distributed save (torch's
+    own index and shards, one process) with Lightning's ``meta.pt``; DeepSpeed's
+    ``checkpoint/mp_rank_00_model_states.pt``, into which Lightning saves its state."""
+    if kind == "fsdp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"state_dict": {"model.w": torch.ones(4, 3)}}, checkpoint_id=folder, no_dist=True)
+        torch.save(state, folder / "meta.pt")
+    else:
+        (folder / "checkpoint").mkdir(parents=True)
+        modules = {"module": {"w": torch.ones(4, 3)}, **state}
+        torch.save(modules, folder / "checkpoint" / "mp_rank_00_model_states.pt")
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "deepspeed"])
+def test_a_branch_from_a_sharded_folder_says_it_trains_with_its_own_settings(
+    tmp_path, capsys, kind
+) -> None:
+    """A branch from a one-file checkpoint says in one line which optimizer and schedule
+    settings it trains with instead of its parent's; from a sharded folder (FSDP2, DeepSpeed)
+    it said nothing, although it trains with them the same. A resume from the folder names
+    the branch command, as from a file.
+
+    Mutation caught: the folder passed over (no line)."""
+    from jsonargparse import Namespace
+
+    from nanolab.model.checkpoint import sharded_kind
+    from nanolab.run.compose import keep_checkpoint_settings
+
+    parent = {"name": "adamw", "lr": 0.5, "weight_decay": 0.1}
+    state = {"global_step": 10, "nanolab": {"optimizer": parent, "schedule": {"decay_steps": 40}}}
+    folder = _sharded_folder(tmp_path / "dv" / "checkpoints" / "step-00000010.ckpt", kind, state)
+    assert sharded_kind(folder) == kind
+
+    def config() -> Namespace:
+        optimizer = Namespace(name="adamw", lr=0.001, weight_decay=0.1)
+        model = Namespace(init_args=Namespace(optimizer=optimizer, schedule=None))
+        return Namespace(model=model, data=None, seed_everything=None, run=Namespace(name="b"))
+
+    keep_checkpoint_settings(config(), folder, seeds=False, run_dir=tmp_path / "b")
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [
+        "nanolab fit: this branch trains with model.optimizer.lr 0.001 from step 10; its "
+        "parent's was 0.5 (the optimizer's moments and step counts are its parent's)"
+    ]
+    resumed = config()
+    keep_checkpoint_settings(resumed, folder, seeds=True, run_dir=tmp_path / "dv")
+    said = capsys.readouterr().err
+    assert "resuming keeps the checkpoint's model.optimizer.lr 0.5 (not 0.001)" in said
+    assert f"--run.resume {folder} --model.optimizer.lr 0.001" in said
+    assert resumed.model.init_args.optimizer.lr == 0.5  # config.yaml says what it trains with

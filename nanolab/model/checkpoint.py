@@ -194,6 +194,29 @@ def _torch_file_problem(file: Path, safe: list[Any] | None = None) -> str | None
     return None
 
 
+def sharded_metadata(path: str | Path) -> dict[str, Any] | None:
+    """What a sharded checkpoint folder keeps beside its shards, read as plain data without its
+    tensor bytes: Lightning's ``meta.pt`` in FSDP's folder, the model-states file DeepSpeed
+    writes Lightning's state into (``<tag>/mp_rank_00_model_states.pt``): the step, the loop,
+    scheduler and callback states and the ``nanolab`` section, as a one-file checkpoint holds
+    them. None: not a sharded folder, or not readable (the load itself says why)."""
+    path = Path(path)
+    kind = sharded_kind(path)
+    if kind == "fsdp":
+        files = [path / "meta.pt"]
+    elif kind == "deepspeed":
+        files = sorted(path.glob("*/*model_states.pt")) + sorted(path.glob("*model_states.pt"))
+    else:
+        return None
+    safe = deepspeed_safe_globals() if kind == "deepspeed" else []
+    try:
+        with torch.serialization.safe_globals(safe):
+            state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # torn, gone (rotated), or not plain data: the strategy's load reports it
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def sharded_folder_error(path: Path) -> CheckpointError | None:
     """The one line for a sharded checkpoint folder (DeepSpeed's, or FSDP's distributed
     save), which generate, eval and export cannot read: how to make it one file."""

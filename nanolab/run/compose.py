@@ -808,18 +808,25 @@ def keep_checkpoint_settings(
     to choose (branches of one parent on other data orders), and whose optimizer settings and
     schedule are its own too (:mod:`nanolab.training.branch`; but :data:`BRANCH_KEEPS`): one
     line says which differ from its parent's. A resume of the run itself says each setting it
-    takes anew (:func:`say_taken_settings`)."""
+    takes anew (:func:`say_taken_settings`). A sharded checkpoint folder (FSDP2, DeepSpeed) is
+    read as a file is, from the state its strategy saved beside the shards
+    (:func:`~nanolab.model.checkpoint.sharded_metadata`)."""
     import torch
 
     from nanolab.callbacks.runlock import global_rank_from_env
 
-    if Path(str(path)).is_dir():
-        return  # a sharded folder: its metadata is not a cheap read; the module still follows
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        saved = state.get("nanolab")
-    except Exception:  # the resume itself reports a bad file
-        return
+    if Path(str(path)).is_dir():  # a sharded folder: the state its strategy saved beside the shards
+        from nanolab.model.checkpoint import sharded_metadata
+
+        state = sharded_metadata(path)
+        if state is None:  # the resume itself reports a bad folder
+            return
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # the resume itself reports a bad file
+            return
+    saved = state.get("nanolab")
     model_args = cfg.model.init_args
     kept: list[str] = []
     wanted: dict[str, Any] = {}  # what this launch asked for and cannot have: key -> value
