@@ -3,7 +3,8 @@
 Every error that a user can fix (a config key, a file, an option, a run directory in use, a full
 disk) is a :class:`NanolabError`: its message names what is wrong and how to fix it, in one line.
 Each verb's ``main`` is wrapped in :func:`one_line_errors`, the only place that turns such an
-error into ``nanolab <verb>: error: <message>`` on stderr and exit code 2, with no traceback.
+error into ``nanolab <verb>: error: <message>`` on stderr and exit code 2 (74 for a write
+refused for room: :func:`exit_code`), with no traceback.
 Anything else is a bug of ours (or of a fork's) and keeps its traceback.
 
 The error classes of the modules (``RunConfigError``, ``EstimateError``, ``PrepareError``, ...)
@@ -168,6 +169,11 @@ class NanolabError(ValueError):
     <fix>"`` so that every message carries them in the same order.
     """
 
+    #: The refused write's ``OSError.errno`` when the problem is one (set by
+    #: :func:`with_errno_of`): a full disk, a quota or a file-size limit exits
+    #: :data:`EXIT_DISK_FULL` in every verb, not 2 (:func:`exit_code`).
+    errno: int | None = None
+
     def __init__(self, message: str = "", *, field: str | None = None, fix: str | None = None):
         self.problem = message
         self.field = field
@@ -202,14 +208,33 @@ def written_whole(where: str, value: Any, shown: str | None = None) -> str | Non
     )
 
 
+Error = TypeVar("Error", bound=NanolabError)
+
+
+def with_errno_of(error: Error, err: OSError | int) -> Error:
+    """``error`` (the one line for the refused write ``err``, an ``OSError`` or its errno)
+    carrying that errno, so the verb exits as the write failed: :data:`EXIT_DISK_FULL` for a
+    full disk, a quota or a file-size limit (make room, rerun), 2 for anything else."""
+    error.errno = err if isinstance(err, int) else err.errno
+    return error
+
+
+def exit_code(err: BaseException) -> int:
+    """The exit code of a verb ended by ``err``: :data:`EXIT_DISK_FULL` for a write refused for
+    room (:func:`out_of_room`: the error is the OSError, or carries its errno), else
+    :data:`EXIT_USAGE`."""
+    return EXIT_DISK_FULL if out_of_room(err) else EXIT_USAGE
+
+
 def report(prog: str, err: BaseException) -> int:
     """Print ``err`` as ``<prog>: error: <message>`` on stderr; the exit code for it."""
     print(f"{prog}: error: {err}", file=sys.stderr)
-    return EXIT_USAGE
+    return exit_code(err)
 
 
 def one_line_errors(prog: str | Callable[..., str]) -> Callable[[Main], Main]:
-    """Decorate a verb's ``main(argv) -> int``: a :class:`NanolabError` is one line and exit 2.
+    """Decorate a verb's ``main(argv) -> int``: a :class:`NanolabError` is one line and exit 2
+    (:data:`EXIT_DISK_FULL` for a write refused for room, as an unwrapped ``OSError`` of the kind).
 
     ``prog`` is the verb's name as the user typed it (``"nanolab report"``), or a function of
     the call's arguments that says it (``queue`` names its sub-command).
@@ -227,8 +252,7 @@ def one_line_errors(prog: str | Callable[..., str]) -> Callable[[Main], Main]:
                 if not storage_refused(err):
                     raise  # anything else is a bug of ours: its traceback stays
                 name = prog(*args, **kwargs) if callable(prog) else prog
-                report(name, NanolabError(storage_message(err)))
-                return EXIT_DISK_FULL if out_of_room(err) else EXIT_USAGE
+                return report(name, with_errno_of(NanolabError(storage_message(err)), err))
 
         return run  # type: ignore[return-value]
 

@@ -30,7 +30,7 @@ import torch
 
 from nanolab import messages
 from nanolab.data.tokenizers import TokenizerError, TokenizerSpecError, tokenizer_from_spec
-from nanolab.errors import NanolabError, one_line_errors, size_limit_met
+from nanolab.errors import NanolabError, one_line_errors, size_limit_met, with_errno_of
 from nanolab.helpfmt import OneLineParser
 from nanolab.model import GPT, GPTConfig
 from nanolab.model.checkpoint import (
@@ -507,14 +507,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         if err.errno == errno.EFBIG:  # a size limit: free space would not help
             limit, fix = size_limit_met("-o")
-            raise ExportError(
+            refused = ExportError(
                 f"cannot write -o {args.out} ({err.strerror or err}: {limit}); {fix}; "
                 "nothing was written there"
-            ) from None
-        raise ExportError(
+            )
+            raise with_errno_of(refused, err) from None
+        refused = ExportError(
             f"cannot write -o {args.out} ({err.strerror or err}); "
             "choose a folder this user can write, with free space"
-        ) from None
+        )
+        raise with_errno_of(refused, err) from None
     for note in notes:
         messages.note("nanolab export", note)
     print(f"wrote {args.out} ({args.format}) in {time.perf_counter() - start:.1f}s")

@@ -36,7 +36,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanolab.errors import NanolabError, one_line_errors
+from nanolab.errors import NanolabError, one_line_errors, with_errno_of
 from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import refuse_inside_run
 
@@ -193,7 +193,7 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
     except OSError as err:
         for path in written:
             path.unlink(missing_ok=True)
-        raise ScaffoldError(f"cannot write {root}: {err}") from None
+        raise with_errno_of(ScaffoldError(f"cannot write {root}: {err}"), err) from None
     for rel in EMPTY_DIRS:
         (root / rel).mkdir(parents=True, exist_ok=True)
     return written

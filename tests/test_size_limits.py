@@ -34,10 +34,10 @@ def one_line(res: subprocess.CompletedProcess[str]) -> str:
 
 def test_prepare_past_a_file_size_limit_names_the_limit_and_leaves_no_dataset(tmp_path):
     """prepare said "File too large; choose another output folder": another folder under the
-    same limit fails the same way."""
+    same limit fails the same way. It exits 74 as fit and report do (it exited 2)."""
     res = under_limit(50, "prepare", "bundled:shakespeare", "--out", "d", cwd=tmp_path)
     line = one_line(res)
-    assert res.returncode == 2
+    assert res.returncode == errors.EXIT_DISK_FULL
     assert line == (
         "nanolab prepare: error: cannot write d (File too large: this process's file-size limit "
         f"(ulimit -f: {errors.size_text(50 * 1024)})); {RAISE_IT}"
@@ -72,3 +72,58 @@ def test_storage_message_names_the_file_systems_limit_when_the_process_has_none(
         "cannot write /mnt/usb/out.bin (File too large: the file system's maximum file size); "
         "put it on a file system that holds files that large (not FAT32)"
     )
+
+
+def _file_size_limit(nbytes: int):
+    """A ``preexec_fn`` that sets the child's file-size limit (RLIMIT_FSIZE, as ``ulimit -f``)."""
+
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.RLIM_INFINITY))
+
+    return limit
+
+
+def test_every_verb_exits_74_past_a_file_size_limit(tmp_path):
+    """A write refused for room exits 74 (EX_IOERR) in every verb, in one line: fit and report
+    did, prepare, export, init and the queue exited 2, the code of bad input, so a job script
+    could not tell "make room and rerun" from "fix the command"."""
+    from dataclasses import asdict
+
+    import torch
+
+    from nanolab.model import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=8)
+    ckpt = {
+        "state_dict": {f"model.{k}": v for k, v in GPT(config).state_dict().items()},
+        "nanolab": {"gpt": asdict(config), "tokenizer": None},
+    }
+    torch.save(ckpt, tmp_path / "w.ckpt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    verbs = {
+        "prepare": ["prepare", "bundled:shakespeare", "-o", "d"],
+        "export": ["export", "--ckpt", "w.ckpt", "--format", "safetensors", "-o", "ex"],
+    }
+    for verb, argv in verbs.items():
+        res = subprocess.run(
+            [sys.executable, "-m", "nanolab", *argv], cwd=tmp_path, env=env, capture_output=True,
+            text=True, timeout=300, preexec_fn=_file_size_limit(4096),
+        )  # fmt: skip
+        line = one_line(res)
+        assert res.returncode == errors.EXIT_DISK_FULL, (verb, line)
+        assert line.startswith(f"nanolab {verb}: error: cannot write "), line
+        assert "File too large: this process's file-size limit (ulimit -f: 4 kB)" in line, line
+        assert line.endswith((RAISE_IT, f"{RAISE_IT}; nothing was written there")), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.ckpt"]  # nothing half-written
+
+
+def test_a_refused_write_s_error_exits_74_only_when_it_is_for_room() -> None:
+    """The one exit-code rule every verb's error line goes through: an error carrying a full
+    disk's, a quota's or a file-size limit's errno is 74, any other (a read-only folder) 2."""
+    for code, expected in ((errno.ENOSPC, 74), (errno.EDQUOT, 74), (errno.EFBIG, 74),
+                           (errno.EROFS, 2), (errno.EACCES, 2)):  # fmt: skip
+        error = errors.with_errno_of(errors.NanolabError("cannot write x"), OSError(code, "x"))
+        assert errors.exit_code(error) == expected, code
+    assert errors.exit_code(errors.NanolabError("bad input")) == errors.EXIT_USAGE

@@ -37,8 +37,8 @@ def mounts(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
             subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
-def _one_error_line(res, *needles: str) -> None:
-    assert res.returncode == 2, res.stderr[-2000:]
+def _one_error_line(res, *needles: str, code: int = 2) -> None:
+    assert res.returncode == code, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
     for needle in needles:
@@ -68,7 +68,7 @@ def test_writes_the_file_system_refuses_are_one_line(tmp_path, char_dataset, mou
     _one_error_line(res, "--json", "cannot write in")
     assert (run / "metrics.jsonl").read_bytes() == log_before  # refused before any record
     res = nanolab_here("export", "--ckpt", str(run), "-o", str(full / "ex"), cwd=tmp_path)
-    _one_error_line(res, "No space left on device")
+    _one_error_line(res, "No space left on device", code=74)  # a full disk's, as fit's
     assert list(full.iterdir()) == []  # no half export, no staging folder
     assert [r["event"] for r in read_records(run / "metrics.jsonl")][-1] == "end"
 
@@ -199,6 +199,8 @@ def test_no_file_entries_left_at_the_run_lock_or_the_queue_is_said_so(
     (3 MB free); free space" and exited 2; a queue database there was called damaged
     (SQLite's "unable to open database file" for its -wal file) with the advice to move it
     aside. Both now name the missing file entries; fit exits 74, as every full disk."""
+    import errno
+
     from nanolab.queue.db import QueueDB, QueueError
 
     ino = tmp_path / "ino"
@@ -224,6 +226,7 @@ def test_no_file_entries_left_at_the_run_lock_or_the_queue_is_said_so(
             QueueDB(ino / "q.db")
         line = str(refused.value)
         assert "no file entries (inodes) left" in line and "move it aside" not in line, line
+        assert refused.value.errno == errno.ENOSPC  # the verb exits 74, as fit does
     finally:
         subprocess.run(["umount", "-l", str(ino)], capture_output=True)
 

@@ -72,6 +72,7 @@ from nanolab.errors import (
     one_line_errors,
     room_left,
     size_limit_met,
+    with_errno_of,
 )
 from nanolab.messages import note, say
 from nanolab.processes import exclusive, stop_signals_held
@@ -844,7 +845,7 @@ class _Job:
                 os.replace(tmp, out_dir)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise PrepareError(write_refused(out_dir, err)) from None
+            raise with_errno_of(PrepareError(write_refused(out_dir, err)), err) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -25,11 +25,12 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from errno import ENOSPC
 from pathlib import Path
 from typing import Any
 
 from nanolab import messages
-from nanolab.errors import NanolabError, report
+from nanolab.errors import NanolabError, report, with_errno_of
 from nanolab.helpfmt import OneLineParser
 from nanolab.queue.db import (
     FINISHED,
@@ -741,11 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(f"nanolab queue {args.verb}", err)
     except sqlite3.DatabaseError as err:  # damage, a full disk or a lock met past the opening
         path = Path(args.db) if args.db else default_db_path()
-        line = (
-            busy_db(path, err)
-            or read_only_db(path, err)
-            or no_room(path, err)
-            or unusable_db(path, f"failed: {err}")
-        )
+        line = busy_db(path, err) or read_only_db(path, err)
+        if line is None and (room := no_room(path, err)) is not None:  # exit 74, as every full disk
+            return report(f"nanolab queue {args.verb}", with_errno_of(QueueError(room), ENOSPC))
+        line = line or unusable_db(path, f"failed: {err}")
         print(f"nanolab queue {args.verb}: error: {line}", file=sys.stderr)
         return 2

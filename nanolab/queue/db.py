@@ -26,6 +26,7 @@ before them is judged as it was then), and a nanolab that does not know them ign
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from nanolab.errors import NanolabError
+from nanolab.errors import NanolabError, with_errno_of
 from nanolab.processes import (
     pid_alive,
     pid_namespace,
@@ -305,11 +306,9 @@ class QueueDB:
             db.conn.row_factory = sqlite3.Row
             db.conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
         except sqlite3.Error as err:
-            said = (
-                busy_db(db.path, err, 5.0)
-                or read_only_db(db.path, err, reading=True)
-                or no_room(db.path, err)
-            )
+            said = busy_db(db.path, err, 5.0) or read_only_db(db.path, err, reading=True)
+            if said is None and (room := no_room(db.path, err)) is not None:
+                raise with_errno_of(QueueError(room), errno.ENOSPC) from None
             raise QueueError(said or unusable_db(db.path, f"cannot be read ({err})")) from None
         return db
 
@@ -373,8 +372,8 @@ class QueueDB:
             if (line := read_only_db(self.path, err)) is not None:
                 raise ReadOnlyDBError(line) from None
             room = no_room(self.path, err)
-            if room is not None:
-                raise QueueError(room) from None
+            if room is not None:  # exit 74, as every full disk
+                raise with_errno_of(QueueError(room), errno.ENOSPC) from None
             raise QueueError(unusable_db(self.path, f"is damaged or not SQLite ({err})")) from None
         except BaseException:
             self.conn.close()

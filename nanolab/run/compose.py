@@ -567,7 +567,7 @@ def claim_for_fit(
     try:
         acquire(run_dir)
     except OSError as err:
-        from nanolab.errors import disk_full, room_left
+        from nanolab.errors import disk_full, room_left, with_errno_of
 
         if disk_full(err):  # no bytes or no file entries left: exit 74, as every full disk
             left, fix = room_left(run_dir, err)
@@ -575,8 +575,7 @@ def claim_for_fit(
                 f"run directory {run_dir} cannot be used ({left}); {fix}, then rerun the same "
                 "command (the run's files are intact)"
             )
-            full.errno = err.errno  # type: ignore[attr-defined]
-            raise full from None
+            raise with_errno_of(full, err) from None
         raise RunConfigError(
             f"run directory {run_dir} cannot be used ({err.strerror or err}); set "
             "run.root to a folder this user can write"
