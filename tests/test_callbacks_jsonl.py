@@ -821,3 +821,23 @@ def test_the_hard_link_refusal_advises_a_fix_that_keeps_the_log_history(tmp_path
     assert backup.read_bytes() == history and sorted(p.name for p in run.iterdir()) == [
         "metrics.jsonl"
     ]
+
+
+def test_a_train_record_holds_the_same_keys_with_or_without_the_throughput_meter(
+    tmp_path, char_dataset
+):
+    """The run log's placeholders for the meter's fields and the meter's own list were two
+    lists: ``gpu_util`` was only in the meter's, so a run without the meter lacked the key
+    that docs/callbacks.md lists. One list now (``METER_FIELDS``): a field the meter adds
+    is a key of every train record, and ``log_to_loggers`` governs it."""
+    from nanolab.callbacks.throughput import LOGGED_FIELDS
+
+    keys = {}
+    for name, callbacks in (
+        ("with", [MetricsLog(), ThroughputMeter()]),
+        ("without", [MetricsLog()]),
+    ):
+        fit(tmp_path / name, char_dataset, callbacks, max_steps=2, eval_every=2)
+        keys[name] = [sorted(r) for r in events(tmp_path / name / "metrics.jsonl", "train")]
+    assert keys["with"] == keys["without"] and len(keys["with"]) == 2
+    assert set(keys["with"][0]) >= LOGGED_FIELDS and "gpu_util" in LOGGED_FIELDS

@@ -63,6 +63,7 @@ from nanolab.callbacks.rundir import (
     new_run_id,
 )
 from nanolab.callbacks.step import StepCallback
+from nanolab.callbacks.throughput import METER_FIELDS
 from nanolab.claimed import LeftClaimedDir
 from nanolab.errors import NanolabError, disk_full, room_left
 from nanolab.messages import warn
@@ -82,15 +83,9 @@ __all__ = ["MetricsLog", "read_records"]
 #: The run log's keys in the step readout (the logged names follow it).
 LOG_KEY = "log:"
 
-TRAIN_FIELDS = (
-    "step_time_s",
-    "tokens_per_s",
-    "samples_per_s",
-    "mfu",
-    "mem_allocated_bytes",
-    "mem_reserved_bytes",
-    "cost",
-)
+#: The keys every ``train`` record holds (null until their callback fills them, or without it):
+#: the throughput meter's, from its own list, and the cost budget's ``cost``.
+TRAIN_FIELDS: tuple[str, ...] = (*METER_FIELDS, "cost")
 
 
 def data_identity(trainer: L.Trainer) -> str | None:

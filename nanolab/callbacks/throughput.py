@@ -106,18 +106,22 @@ class UtilizationSampler:
             return None
 
 
-#: The fields this meter adds to ``train`` records, all of which ``log_to_loggers`` governs.
-LOGGED_FIELDS = frozenset(
-    {
-        "step_time_s",
-        "tokens_per_s",
-        "samples_per_s",
-        "mfu",
-        "mem_allocated_bytes",
-        "mem_reserved_bytes",
-        "gpu_util",
-    }
+#: The fields this meter adds to ``train`` records, in the order the run log writes them: the
+#: one list of them. The run log gives every ``train`` record these keys (null without a
+#: meter: :data:`~nanolab.callbacks.jsonl.TRAIN_FIELDS`), and ``log_to_loggers`` governs them
+#: all (:data:`LOGGED_FIELDS`), so a field added here reaches both.
+METER_FIELDS: tuple[str, ...] = (
+    "step_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "mfu",
+    "mem_allocated_bytes",
+    "mem_reserved_bytes",
+    "gpu_util",
 )
+
+#: The fields ``log_to_loggers: false`` keeps out of the trackers: all of :data:`METER_FIELDS`.
+LOGGED_FIELDS = frozenset(METER_FIELDS)
 
 
 class ThroughputMeter(StepCallback):
