@@ -38,10 +38,7 @@ GAIN = 1e9
 
 #: What the end record says when the default rule (patience 3, floor 1.0) stops a scaler that
 #: starts at 2**16: 17 halvings take it to 0.5, the first scale below 1.
-COLLAPSE = (
-    "fp16 loss scale collapsed: 17 consecutive optimizer steps skipped (scale 0.5); "
-    "use bf16-mixed or lower the learning rate"
-)
+COLLAPSE = "fp16 loss scale collapsed: 17 consecutive optimizer steps skipped (scale 0.5)"
 
 #: A module the CLI test imports from its working directory (``model.class_path``).
 GAIN_MODULE = f'''
@@ -132,7 +129,11 @@ def test_a_collapsed_fp16_loss_scale_stops_the_run(char_dataset, tmp_path):
     assert probe.scales == [2.0 ** (16 - k) for k in range(1, 18)]  # skipped, halved, every step
     assert trainer.global_step == 17
     assert stop_reason(trainer) == ("diverged", COLLAPSE)
-    assert div.describe() == COLLAPSE and div.hint() is None
+    assert div.describe() == COLLAPSE
+    assert div.hint() == (
+        "resume with --trainer.precision bf16-mixed; to stay on fp16, branch a new run with a "
+        "lower model.optimizer.lr (a resume keeps it)"
+    )
     assert div.record_fields(trainer, "end") == {
         "diverged_step": 1,
         "skipped_steps": 17,
@@ -240,6 +241,15 @@ def test_fit_exits_3_and_report_and_queue_name_the_collapse(char_dataset, tmp_pa
     last = res.stderr.strip().splitlines()[-1]
     assert "Traceback" not in res.stderr
     assert last.startswith(f"nanolab fit: diverged: {COLLAPSE}; stopped at step 17"), last
+    # It said "lower the learning rate", which a resume keeps: the branch command, as a
+    # non-finite loss's line names it (no checkpoint from before the skips: a new run).
+    config = work / "runs" / "fp16" / "config.yaml"
+    assert last.endswith(
+        "; resume with --trainer.precision bf16-mixed; to stay on fp16, no checkpoint of it was "
+        "saved before the skipped steps: start a new run with a lower model.optimizer.lr (or a "
+        f"higher model.schedule.warmup_steps): nanolab fit --config {config} --run.name "
+        "fp16-lr6e-05 --model.optimizer.lr 6e-05"
+    ), last
     run_dir = work / "runs" / "fp16"
     end = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("event") == "end"][-1]
     assert end["reason"] == "diverged" and end["detail"] == COLLAPSE
@@ -298,3 +308,28 @@ def test_a_run_of_skipped_steps_in_progress_survives_a_resume():
     assert (after.bad, after.skipped) == (Streak(1, 40), Streak(2, 39))
     after.load_state_dict({})  # a checkpoint from before: nothing in progress
     assert (after.bad, after.skipped) == (Streak(), Streak())
+
+
+def test_the_collapse_line_names_the_branch_from_before_the_skipped_steps(tmp_path):
+    """A collapsed fp16 loss scale said "use bf16-mixed or lower the learning rate": a resume
+    keeps its rate, so lowering it takes a branch. The line names the branch command, as a
+    non-finite loss's does, from the newest checkpoint saved before the first skipped step
+    (its scaler's scale was not collapsed yet; the steps skipped after it changed no weight)."""
+    from types import SimpleNamespace
+
+    run = tmp_path / "runs" / "dv"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (4, 6, 8, 12):
+        (run / "checkpoints" / f"step-{step:08d}.ckpt").write_bytes(b"w")
+    module = SimpleNamespace(optimizer_config=SimpleNamespace(lr=0.003))
+    trainer = SimpleNamespace(default_root_dir=str(run), lightning_module=module)
+    div = DivergenceStop()
+    div.diverged_step, div.collapse = 7, (17, 0.5)
+    start = run / "checkpoints" / "step-00000006.ckpt"
+    assert div.hint(trainer) == (
+        "resume with --trainer.precision bf16-mixed; to stay on fp16, a resume keeps its "
+        "model.optimizer.lr 0.003 and schedule, so branch a new run with a lower one (or a "
+        "higher model.schedule.warmup_steps) from step 6, its newest checkpoint from before the "
+        f"skipped steps: nanolab fit --config {run / 'config.yaml'} --run.name dv-lr0.0003 "
+        f"--run.resume {start} --model.optimizer.lr 0.0003"
+    )

@@ -269,7 +269,7 @@ class DivergenceStop(StepCallback):
             skipped, scale = self.collapse
             return (
                 f"fp16 loss scale collapsed: {skipped} consecutive optimizer steps skipped "
-                f"(scale {scale:.3g}); use bf16-mixed or lower the learning rate"
+                f"(scale {scale:.3g})"
             )
         if self.at_end is not None:
             bad_steps, val_bad = self.at_end
@@ -292,11 +292,15 @@ class DivergenceStop(StepCallback):
         return f"loss or gradient norm not finite (NaN/inf) for {steps}"
 
     def hint(self, trainer: L.Trainer | None = None) -> str | None:
-        """What to change, for the exit message (None: :meth:`describe` already says it):
-        with the run's ``trainer``, the command of a branch that does it
-        (:func:`divergence_fix`)."""
+        """What to change, for the exit message: with the run's ``trainer``, the command of a
+        branch that does it (:func:`divergence_fix`). A collapsed fp16 loss scale is fixed by
+        resuming under bf16, or by a lower learning rate, which (a resume keeps its rate) is a
+        branch from before the skipped steps, as for a non-finite loss."""
         if self.collapse is not None:
-            return None
+            bf16 = "resume with --trainer.precision bf16-mixed; to stay on fp16, "
+            if trainer is None:
+                return f"{bf16}branch a new run with a lower model.optimizer.lr (a resume keeps it)"
+            return bf16 + divergence_fix(trainer, self.diverged_step, skipped=True)
         if trainer is None:
             return "lower model.optimizer.lr or raise model.schedule.warmup_steps"
         return divergence_fix(trainer, self.diverged_step)
@@ -345,11 +349,13 @@ def branch_start(folder: Path, diverged_step: int | None) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def divergence_fix(trainer: L.Trainer, diverged_step: int | None) -> str:
+def divergence_fix(trainer: L.Trainer, diverged_step: int | None, skipped: bool = False) -> str:
     """The exit line's fix for a diverged run: a lower learning rate (or a longer warm-up) in a
     branch, with its command. A resume of the run itself would keep its learning rate and
     schedule (they are restored with the optimizer), so the command starts a new run from the
-    run's newest checkpoint that a finite step followed, or without one."""
+    run's newest checkpoint that a finite step followed, or without one. ``skipped``: the steps
+    from ``diverged_step`` were skipped by fp16's collapsed loss scale (finite, not taken), so
+    the checkpoint is the newest from before them (its scale was not yet collapsed)."""
     from nanolab.callbacks.checkpoint import step_of
     from nanolab.callbacks.rundir import CHECKPOINT_DIR
     from nanolab.training.branch import branch_command, lower_rate
@@ -360,11 +366,16 @@ def divergence_fix(trainer: L.Trainer, diverged_step: int | None) -> str:
     if not isinstance(lr, (int, float)) or isinstance(lr, bool):
         return "lower model.optimizer.lr or raise model.schedule.warmup_steps in a new run"
     changes = {"model.optimizer.lr": lower_rate(lr)}
-    start = branch_start(run_dir / CHECKPOINT_DIR, diverged_step)
+    # A skipped step changed no weight and the scale fell only at it: the checkpoint of the
+    # step before the first skipped one is fine (a non-finite step's is not: its next forward
+    # is not finite at any rate).
+    after = diverged_step + 1 if skipped and diverged_step is not None else diverged_step
+    start = branch_start(run_dir / CHECKPOINT_DIR, after)
     if start is None:
         command = branch_command(run_dir, run_dir.name, None, changes)
+        followed = "saved before the skipped steps" if skipped else "followed by a finite step"
         none = (
-            "no checkpoint of it was followed by a finite step"
+            f"no checkpoint of it was {followed}"
             if branch_start(run_dir / CHECKPOINT_DIR, None) is not None
             else "it saved no checkpoint"
         )
@@ -374,6 +385,8 @@ def divergence_fix(trainer: L.Trainer, diverged_step: int | None) -> str:
         )
     command = branch_command(run_dir, run_dir.name, start, changes)
     which = "" if diverged_step is None else " that a finite step followed"
+    if skipped and diverged_step is not None:
+        which = " from before the skipped steps"
     return (
         f"a resume keeps its model.optimizer.lr {lr:g} and schedule, so branch a new run with "
         f"a lower one (or a higher model.schedule.warmup_steps) from step {step_of(start)}, "
