@@ -36,7 +36,13 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanolab.errors import NanolabError, one_line_errors, with_errno_of
+from nanolab.errors import (
+    NanolabError,
+    one_line_errors,
+    storage_message,
+    storage_refused,
+    with_errno_of,
+)
 from nanolab.helpfmt import OneLineParser
 from nanolab.runlog import refuse_inside_run
 
@@ -188,12 +194,17 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
         for path, text in targets.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "x", encoding="utf-8") as f:  # "x": never replace, even in a race
-                f.write(text)
-            written.append(path)
+                written.append(path)  # ours from here: a write cut short is removed too
+                try:
+                    f.write(text)
+                except OSError as err:
+                    err.filename = err.filename or str(path)  # write() names no file
+                    raise
     except OSError as err:
         for path in written:
             path.unlink(missing_ok=True)
-        raise with_errno_of(ScaffoldError(f"cannot write {root}: {err}"), err) from None
+        said = storage_message(err) if storage_refused(err) else f"cannot write {root}: {err}"
+        raise with_errno_of(ScaffoldError(f"{said}; no file was left in {root}"), err) from None
     for rel in EMPTY_DIRS:
         (root / rel).mkdir(parents=True, exist_ok=True)
     return written

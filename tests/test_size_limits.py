@@ -127,3 +127,24 @@ def test_a_refused_write_s_error_exits_74_only_when_it_is_for_room() -> None:
         error = errors.with_errno_of(errors.NanolabError("cannot write x"), OSError(code, "x"))
         assert errors.exit_code(error) == expected, code
     assert errors.exit_code(errors.NanolabError("bad input")) == errors.EXIT_USAGE
+
+
+def test_init_past_a_file_size_limit_leaves_no_half_written_file(tmp_path):
+    """init under a file-size limit left the file it was writing cut short (README.md, 2 kB of
+    it), so the rerun was refused ("README.md already exists"); it exited 2 and named no
+    limit. Now the line names the file and the limit, exit 74, no file is left, and the same
+    command once the limit is raised writes the project."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "nanolab", "init", "proj"]
+    res = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300, preexec_fn=_file_size_limit(2048))  # fmt: skip
+    line = one_line(res)
+    assert res.returncode == errors.EXIT_DISK_FULL, line
+    assert line.startswith("nanolab init: error: cannot write proj/"), line
+    assert "(File too large: this process's file-size limit (ulimit -f: 2 kB))" in line, line
+    assert line.endswith(f"{RAISE_IT}; no file was left in proj"), line
+    assert not [p for p in (tmp_path / "proj").rglob("*") if p.is_file()]
+    again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "proj" / "README.md").stat().st_size > 2048
