@@ -778,6 +778,65 @@ def test_add_continue_refuses_what_fits_resume_refuses(
                  "--set", "model.optimizer.lr=1e-3")[0] == 0  # fmt: skip
 
 
+def test_add_continue_refuses_data_fits_resume_refuses(
+    tmp_path: Path, tiny: Path, char_dataset: Path, capsys, monkeypatch
+) -> None:
+    """``queue add --continue`` of a run whose checkpoint was trained on other data than the
+    job's, or under another ``data.align``, is refused at add with the line fit's DataModule
+    gives at the resume (one rule: ``resume_data_problem``, ``align_change``), not queued to
+    fail at night; ``data.allow_changed`` (fit's way to go on) is queued.
+
+    Mutation caught: the queue comparing only the model and optimizer (both jobs queued)."""
+    import shutil
+
+    import numpy as np
+    from conftest import nanolab_here
+
+    monkeypatch.chdir(tmp_path)
+    fit = ("fit", "--config", str(tiny), "--run.name", "a", "--trainer.max_steps", "2")
+    assert nanolab_here(*fit, cwd=tmp_path).returncode == 0
+    other = shutil.copytree(char_dataset, tmp_path / "other")
+    rewritten = np.memmap(other / "train.bin", dtype=np.uint16, mode="r+")
+    rewritten[:1000] = 1  # same size, other bytes: fit refuses to resume on it
+    rewritten.flush()
+    del rewritten
+    db = tmp_path / "q.db"
+    add = ("add", str(tiny), "--name", "a", "--continue")
+    code, _, err = queue(capsys, db, *add, "--set", f"data.dataset_dir={other}")
+    (line,) = err.strip().splitlines()
+    assert code == 2 and line.startswith("nanolab queue add: error: --name a: the data changed")
+    assert f"{other / 'train.bin'} has the same size but other bytes" in line, line
+    code, _, err = queue(capsys, db, *add, "--set", "data.align=document")
+    (line,) = err.strip().splitlines()
+    assert code == 2, err
+    assert "data.align is document, the checkpoint's run trained with stream" in line, line
+    assert not db.exists()
+    code, _, err = queue(capsys, db, *add, "--set", f"data.dataset_dir={other}",
+                         "--set", "data.allow_changed=true")  # fmt: skip
+    assert code == 0, err
+
+
+def test_add_continue_does_not_compare_data_an_older_checkpoint_does_not_record(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A checkpoint without the DataModule's state (older, or a DataModule's own) is resumed
+    by fit on any data: ``queue add`` must not refuse it. One with the state but no
+    ``align`` predates the setting: its run cut windows from the stream, as fit reads it."""
+    import torch
+
+    from nanolab.data.checks import resume_data_problem
+
+    ckpt = tmp_path / "old.ckpt"
+    data = {"dataset_dir": str(tmp_path / "elsewhere"), "align": "document"}
+    torch.save({"state_dict": {}}, ckpt)
+    assert resume_data_problem(ckpt, "TokenDataModule", data, tmp_path) is None
+    torch.save({"TokenDataModule": {"seed": 1}}, ckpt)
+    said = resume_data_problem(ckpt, "TokenDataModule", data, tmp_path)
+    assert said is not None and "the checkpoint's run trained with stream" in said
+    data["align"] = "stream"
+    assert resume_data_problem(ckpt, "TokenDataModule", data, tmp_path) is None
+
+
 @pytest.mark.slow
 def test_queue_run_notify_when_drained(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
     """``queue run --notify`` fires once when the queue is drained, its fields filled in; an

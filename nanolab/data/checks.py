@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -389,15 +390,91 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return changes
 
 
-def checkpoint_fingerprint(ckpt_path: str | Path, key: str) -> dict[str, Any] | None:
-    """The data fingerprint stored under ``key`` in a checkpoint file (None if it has none).
+def checkpoint_data_state(ckpt_path: str | Path, key: str) -> dict[str, Any] | None:
+    """The DataModule state stored under ``key`` (its class name) in a checkpoint file: what
+    its ``state_dict`` returned (None if it has none).
 
     Opened with ``mmap`` and ``weights_only``: the tensors are not read. Sharded checkpoint
     folders are not opened here (the DataModule checks them when the trainer restores them).
     """
     state = _mapped_checkpoint(ckpt_path).get(key)
-    found = state.get("data_fingerprint") if isinstance(state, dict) else None
+    return state if isinstance(state, dict) else None
+
+
+def checkpoint_fingerprint(ckpt_path: str | Path, key: str) -> dict[str, Any] | None:
+    """The data fingerprint stored under ``key`` in a checkpoint file (None if it has none),
+    read as :func:`checkpoint_data_state` reads."""
+    found = (checkpoint_data_state(ckpt_path, key) or {}).get("data_fingerprint")
     return found if isinstance(found, dict) else None
+
+
+def data_fingerprint_of(parts: Iterable[tuple[str, str | Path, float, dict[str, Any]]]) -> dict:
+    """The record of the data a run trains on, stored in every checkpoint and compared at a
+    resume (:func:`data_changes`): each folder's ``(name, path, weight, fingerprint)``."""
+    return {
+        "version": 1,
+        "datasets": [
+            {"name": name, "path": str(path), "weight": weight, **prints}
+            for name, path, weight, prints in parts
+        ],
+    }
+
+
+def align_change(saved_state: Mapping[str, Any], align: str) -> str | None:
+    """Why a run whose checkpoint holds the DataModule state ``saved_state`` cannot resume
+    under ``data.align`` ``align`` (None: it can). A state without ``align`` predates the
+    setting: its run cut windows from the stream."""
+    saved = saved_state.get("align", "stream")
+    if saved == align:
+        return None
+    return (
+        f"data.align is {align}, the checkpoint's run trained with {saved}: resuming would "
+        f"not continue its window order; set data.align: {saved} to resume it, or start a new "
+        "run (--run.name)"
+    )
+
+
+def resume_data_problem(
+    ckpt_path: str | Path, key: str, data_args: Mapping[str, Any], base: Path
+) -> str | None:
+    """Why ``nanolab fit`` would refuse to resume ``ckpt_path`` on the data that the settings
+    ``data_args`` (``data.*``, relative paths under ``base``) name, by the DataModule's rules:
+    data changed since the checkpoint (:func:`data_changes`, unless ``data.allow_changed``),
+    or another ``data.align`` (:func:`align_change`). For ``queue add``, which refuses a job
+    then rather than when it starts at night.
+
+    None: fit would not refuse it, or cannot be told now. Not compared: a checkpoint without
+    the DataModule's state (an older one, a sharded folder), and the data of a run that fit
+    prepares from ``data.source`` at its start (what it holds is known only then); a folder
+    that cannot be read is left to fit's own checks, which name it."""
+    state = checkpoint_data_state(ckpt_path, key)
+    if state is None:
+        return None
+    saved = state.get("data_fingerprint")
+    compare = not (data_args.get("allow_changed") or data_args.get("source"))
+    if isinstance(saved, dict) and compare and (now := _fingerprint_now(data_args, base)):
+        changes = data_changes(saved, now)
+        if changes:
+            return changed_data_message(changes, ckpt_path)
+    return align_change(state, str(data_args.get("align", "stream")))
+
+
+def _fingerprint_now(data_args: Mapping[str, Any], base: Path) -> dict[str, Any] | None:
+    """The data record (:func:`data_fingerprint_of`) of the prepared folders ``data_args``
+    names, as the DataModule makes it from the same settings (None: a folder unreadable)."""
+    from nanolab.data.mixture import parse_datasets
+
+    folders = parse_datasets(data_args.get("datasets"))
+    if folders is None:
+        folder = Path(str(data_args.get("dataset_dir")))
+        folders = [(folder.name, folder, 1.0)]
+    try:
+        return data_fingerprint_of(
+            (name, path, weight, fingerprint(base / path.expanduser()))
+            for name, path, weight in folders
+        )
+    except OSError:
+        return None
 
 
 def checkpoint_tokenizer(ckpt_path: str | Path) -> dict[str, Any] | None:

@@ -27,25 +27,27 @@ from nanolab.data.checks import (
     DataCheckError,
     DataReplacedError,
     FileIdentity,
+    align_change,
     allowed_change_line,
     changed_data_message,
     check_files,
     checked_tokenizer_spec,
     checkpoint_fingerprint,
     data_changes,
+    data_fingerprint_of,
     file_identity,
     fingerprint,
     load_meta,
     replaced_message,
 )
 from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
+from nanolab.data.mixture import parse_datasets
 from nanolab.data.order import sampler_jumps
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.sizes import check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.tokenizers import is_tokenizer_file
 from nanolab.data.windows import (
-    MIN_SHARE,
     DataTooSmallError,
     IndexPlan,
     MixturePlan,
@@ -58,7 +60,6 @@ from nanolab.data.windows import (
     validation_starts,
 )
 
-DATASET_KEYS = ("path", "weight", "name")
 #: ``data.align``: fixed windows cut anywhere in the token stream, or rows of whole documents.
 ALIGNS = ("stream", "document")
 #: ``data.tokenizer`` when not given: a run on prepared data that leaves it out is not warned.
@@ -594,13 +595,7 @@ class TokenDataModule(L.LightningDataModule):
     # -- fingerprint and resume ------------------------------------------------------------
     def data_fingerprint(self) -> dict[str, Any]:
         """What the run trains on: every folder's file sizes and meta hash, and its weight."""
-        return {
-            "version": 1,
-            "datasets": [
-                {"name": p.name, "path": str(p.path), "weight": p.weight, **p.fingerprint}
-                for p in self.parts
-            ],
-        }
+        return data_fingerprint_of((p.name, p.path, p.weight, p.fingerprint) for p in self.parts)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -615,13 +610,9 @@ class TokenDataModule(L.LightningDataModule):
         if trainer is None or trainer.state.fn != "fit":
             return  # validate/test on other data is fine: it is what they are for
         self.refuse_changed_data(state_dict.get("data_fingerprint"), trainer.ckpt_path)
-        saved = state_dict.get("align", "stream")
-        if saved != self.align:
-            raise DataChangedError(
-                f"data.align is {self.align}, the checkpoint's run trained with {saved}: "
-                f"resuming would not continue its window order; set data.align: {saved} to "
-                "resume it, or start a new run (--run.name)"
-            )
+        other_align = align_change(state_dict, self.align)  # queue add asks the same rule
+        if other_align is not None:
+            raise DataChangedError(other_align)
         if self.keep_saved_seed and isinstance(state_dict.get("seed"), int):
             self.seed = state_dict["seed"]  # the order the run trained in goes on
 
@@ -737,62 +728,6 @@ class TokenDataModule(L.LightningDataModule):
         return self._loader(dataset, keys)
 
     test_dataloader = val_dataloader
-
-
-def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:
-    """``data.datasets`` as (name, path, weight) triples, or one clear error line."""
-    if specs is None:
-        return None
-    if not isinstance(specs, (list, tuple)) or not specs:
-        raise PrepareError(
-            "data.datasets must list prepared folders with weights, e.g. "
-            "[{path: data/web, weight: 0.8}, {path: data/code, weight: 0.2}]; or null"
-        )
-    out: list[tuple[str, Path, float]] = []
-    for i, spec in enumerate(specs):
-        field = f"data.datasets[{i}]"
-        if hasattr(spec, "as_dict"):  # a jsonargparse Namespace
-            spec = spec.as_dict()
-        if not isinstance(spec, dict):
-            raise PrepareError(f"{field} must be a mapping like {{path: data/web, weight: 0.8}}")
-        unknown = sorted(set(spec) - set(DATASET_KEYS))
-        if unknown:
-            raise PrepareError(
-                f"{field} has unknown key(s) {', '.join(unknown)}; use {', '.join(DATASET_KEYS)}"
-            )
-        path = spec.get("path")
-        if not isinstance(path, str) or not path:
-            raise PrepareError(f"{field}.path must name a prepared dataset folder")
-        weight = spec.get("weight", 1.0)
-        if (
-            not isinstance(weight, (int, float))
-            or isinstance(weight, bool)
-            or not math.isfinite(weight)
-            or weight <= 0
-        ):
-            raise PrepareError(f"{field}.weight must be a number > 0, got {weight!r}")
-        name = spec.get("name") or Path(path).name or f"dataset{i}"
-        if not isinstance(name, str) or "/" in name:
-            raise PrepareError(f"{field}.name must be a text without '/', got {name!r}")
-        out.append((name, Path(path), float(weight)))
-    for i, share in enumerate(mixture_shares([w for _, _, w in out])):
-        if share < MIN_SHARE:
-            raise PrepareError(
-                f"data.datasets[{i}].weight {out[i][2]!r} is a share of {share:.2g} of the "
-                f"weights' total, below {MIN_SHARE:g}: the mixture cannot give it so few "
-                f"windows; raise its weight (weights are ratios: their scale does not matter) "
-                "or leave it out"
-            )
-    names = [n for n, _, _ in out]
-    if dup := next((n for n in names if names.count(n) > 1), None):
-        raise PrepareError(
-            f"data.datasets: two datasets are named {dup!r}; give each a distinct name "
-            "(name: ...), which labels its validation metrics"
-        )
-    paths = [p.resolve() for _, p, _ in out]
-    if len(set(paths)) != len(paths):
-        raise PrepareError("data.datasets lists the same folder twice; list it once")
-    return out
 
 
 def _checked_part(

@@ -612,7 +612,7 @@ def build_jobs(
             peak, mem_source = memory(parsed) if memory else (None, None)
         args += start_checkpoint(parsed.config, cwd)
         run_dir = _under(cwd, parsed.run_root) / job_name
-        note = existing_run(run_dir, job_name, parsed.config, continue_runs)
+        note = existing_run(run_dir, job_name, parsed.config, continue_runs, cwd)
         if note is not None and notes is not None:
             notes.append(note)
         jobs.append(
@@ -638,14 +638,15 @@ def build_jobs(
 
 
 def existing_run(
-    run_dir: Path, name: str, config: dict[str, Any], continue_runs: bool
+    run_dir: Path, name: str, config: dict[str, Any], continue_runs: bool, cwd: Path
 ) -> str | None:
     """What a job named ``name`` would do to a run already in ``run_dir``, said now.
 
     None when the directory holds no run. A run that ``nanolab fit`` (or anything but the queue)
     started is the user's: the job would resume it, train on and rotate its final checkpoint
-    away, so that needs ``--continue``. A model the run's checkpoint cannot resume into is
-    refused here instead of failing at 3 a.m. Otherwise: one line naming the step it resumes at.
+    away, so that needs ``--continue``. A model, optimizer or data (``cwd``: where the job runs,
+    which its data paths are under) the run's checkpoint cannot resume on is refused here
+    instead of failing at 3 a.m. Otherwise: one line naming the step it resumes at.
     """
     from nanolab.model.config import with_defaults
     from nanolab.runlog import RUN_LOG_NAME, read_records
@@ -679,7 +680,7 @@ def existing_run(
                              "--name")  # fmt: skip
         except ResumeError as err:
             raise JobConfigError(f"{err} (the job would continue the run in {run_dir})") from None
-        problem = _optimizer_state_problem(chosen, model)
+        problem = _optimizer_state_problem(chosen, model) or _data_problem(chosen, config, cwd)
         if problem is not None:
             raise JobConfigError(
                 f"--name {name}: {problem} (the job would continue the run in {run_dir}; "
@@ -699,6 +700,23 @@ def _optimizer_state_problem(chosen: Any, model: dict[str, Any]) -> str | None:
     name = optimizer.get("name") if isinstance(optimizer, dict) else None
     now = freeze if isinstance(freeze, dict) else None
     return optimizer_state_problem(chosen.nanolab, name, now, chosen.path)
+
+
+def _data_problem(chosen: Any, config: dict[str, Any], cwd: Path) -> str | None:
+    """Why the run's checkpoint ``chosen`` cannot continue on the job's data, by the rules
+    fit's DataModule applies when it restores the checkpoint
+    (:func:`nanolab.data.checks.resume_data_problem`: the data changed, another
+    ``data.align``); None: it can. A DataModule of one's own keeps its own rules, which fit
+    applies at start."""
+    from nanolab.data.checks import resume_data_problem
+    from nanolab.training.plugins import DEFAULT_DATA
+    from nanolab.training.resolve import sections
+
+    _, _, data_class, data_args = sections(config)
+    if data_class != DEFAULT_DATA:
+        return None
+    key = data_class.rpartition(".")[2]  # Lightning keeps its state under the class's name
+    return resume_data_problem(chosen.path, key, data_args, cwd)
 
 
 def _resume_point(chosen: Any) -> str:
