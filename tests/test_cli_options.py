@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import tiny_overrides, write_config
 
-from nanolab.run.parse import FitParseError, parse_fit_config
+from nanolab.errors import RunConfigError
+from nanolab.run.parse import FitParseError, parse_fit_config, verb_keys
 
 
 def refusal(args: list[str]) -> str:
@@ -46,6 +47,47 @@ def test_fit_refuses_a_prefix_in_one_line_with_exit_2(
         "nanolab fit: error: unknown option --mode; did you mean --progress.mode? "
         "(settings take their group)"
     )
+    assert not (tmp_path / "runs").exists()
+
+
+# -- an option that is none names the nearest the parser has -----------------------------------
+@pytest.mark.parametrize("verb", ["fit", "validate", "test"])
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        (["--ckpt_pth", "x"], "unknown option --ckpt_pth; did you mean --ckpt_path?"),
+        (["--print_confg"], "unknown option --print_confg; did you mean --print_config?"),
+        (["--modl", "x"], "unknown option --modl; did you mean --model?"),
+        (["--bogus", "8"], "unknown option --bogus; `nanolab {verb} --help` lists its options, "
+         "and its settings take their group (--trainer.precision 32-true, "
+         "--data.micro_batch_size 8)"),
+    ],
+)  # fmt: skip
+def test_an_unknown_option_names_the_nearest_real_one(
+    verb: str, given: list[str], line: str
+) -> None:
+    """``fit --ckpt_pth x`` (and validate/test) said only "unrecognized arguments: --ckpt_pth
+    x", naming no option, while ``queue add`` named the close one: one line, the nearest
+    options (difflib), or where they are listed; every setting the line names is the verb's."""
+    from nanolab.run.parse import parse_command
+
+    with pytest.raises(RunConfigError) as refused:
+        parse_command([verb, *given])
+    assert str(refused.value) == line.format(verb=verb)
+    if "--help" in line:
+        for setting in ("--trainer.precision", "--data.micro_batch_size"):
+            assert setting[2:] in verb_keys(verb)
+
+
+def test_fit_names_the_nearest_option_in_one_line_with_exit_2(
+    char_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nanolab.cli import main
+
+    base = write_config(tmp_path / "base.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    assert main(["fit", "--config", str(base), "--ckpt_pth", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "nanolab fit: error: unknown option --ckpt_pth; did you mean --ckpt_path?"
     assert not (tmp_path / "runs").exists()
 
 

@@ -272,6 +272,9 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["--seed=3", "--name", "x"], "unknown setting --seed 3; did you mean --data.seed 3 or --seeds 3?", False),
     (["--resume", "x"], "unknown setting --resume x; run.resume is set by the queue: the queue always", False),
     (["--bogus", "3"], "unknown option --bogus; `nanolab queue add --help` lists its options, and fit's settings take their group", False),
+    # a near miss of an option of its own, or of fit's that it takes: the nearest named
+    (["--contineu"], "unknown option --contineu; did you mean --continue?", False),
+    (["--ckpt_pth", "x"], "unknown option --ckpt_pth; did you mean --ckpt_path?", False),
     (["--gpus", "0"], "--gpus is an option of `nanolab queue run`, not of `queue add`; give it there", False),
 ]  # fmt: skip
 

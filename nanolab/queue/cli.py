@@ -672,6 +672,13 @@ def other_verbs_options(parser: argparse.ArgumentParser) -> dict[str, str]:
     return found
 
 
+def verb_options(parser: argparse.ArgumentParser, verb: str) -> list[str]:
+    """The long options of ``nanolab queue VERB`` (``--continue``, ``--seeds``, ...)."""
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = verbs.choices[verb]
+    return [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+
+
 def dotted_as_sets(argv: list[str]) -> list[str]:
     """``queue add`` takes ``fit``'s dotted overrides as they are (``--model.gpt.n_layer 2``,
     ``--run.eval_every_steps=50``): each becomes the ``--set KEY=VALUE`` it means. One the
@@ -726,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanolab.queue.jobs import unknown_option_line
 
         line = (
-            unknown_option_line(unknown, other_verbs_options(parser))
+            unknown_option_line(unknown, other_verbs_options(parser), verb_options(parser, "add"))
             if args.verb == "add"
             else None
         )

@@ -19,7 +19,7 @@ import hashlib
 import re
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import groupby, pairwise
 from pathlib import Path
@@ -860,13 +860,21 @@ def setting_hint(
     return None
 
 
-def unknown_option_line(unknown: list[str], elsewhere: dict[str, str]) -> str | None:
+def unknown_option_line(
+    unknown: list[str], elsewhere: dict[str, str], own: Iterable[str] = ()
+) -> str | None:
     """The one error line for the options ``queue add`` does not have (``unknown``: what its
     parser left over, values included): fit's setting without its group (``--micro_batch_size
     8``) names every setting it may mean in the form ``queue add`` takes; an option of another
-    verb (``elsewhere``: option -> verb) names that verb; anything else says where the options
-    are listed and how fit's settings are given. None when no option is left over (a stray
-    value: argparse's own line names it)."""
+    verb (``elsewhere``: option -> verb) names that verb; one near an option of its own
+    (``own``: ``--contineu``) or of fit's that it takes names those (fit's rule,
+    :func:`nanolab.run.keys.near_options`); anything else says where the options are listed
+    and how fit's settings are given. None when no option is left over (a stray value:
+    argparse's own line names it)."""
+    from nanolab.helpfmt import either
+    from nanolab.run.keys import near_options
+    from nanolab.training.resolve import UNDOTTED_FIT_OPTIONS
+
     options: list[str] = []  # each option as --name=value, the form undotted_hint reads
     for i, token in enumerate(unknown):
         if not token.startswith("-"):
@@ -885,6 +893,10 @@ def unknown_option_line(unknown: list[str], elsewhere: dict[str, str]) -> str | 
         verb = elsewhere[name]
         return (f"{name} is an option of `nanolab queue {verb}`, not of `queue add`; give it "
                 f"there: `nanolab queue {verb} {name} ...`")  # fmt: skip
+    taken = [o.removeprefix("--") for o in own] + list(UNDOTTED_FIT_OPTIONS)
+    near = near_options(name.removeprefix("--"), taken)
+    if near:
+        return f"unknown option {name}; did you mean {either(f'--{n}' for n in near)}?"
     return (
         f"unknown option {name}; `nanolab queue add --help` lists its options, and fit's "
         "settings take their group (--trainer.max_steps 600 or --set trainer.max_steps=600)"

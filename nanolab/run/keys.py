@@ -288,6 +288,37 @@ def undotted_hint(
     return None
 
 
+#: Options of the run's parser besides its settings (LightningCLI's own).
+PARSER_OPTIONS = ("config", "print_config", "help")
+
+
+def near_options(name: str, options: Iterable[str]) -> list[str]:
+    """The options nearest ``name`` (a mistyped option's name, no dashes), nearest first: at
+    most three, each close enough to be the one meant (``ckpt_pth``: ``ckpt_path``)."""
+    return difflib.get_close_matches(name, sorted(set(options)), n=3, cutoff=0.7)
+
+
+def unknown_option_line(argv: list[str], known: frozenset[str], verb: str) -> str | None:
+    """For the first option of ``argv`` that is no option of ``nanolab VERB``'s parser and
+    takes no group (``--ckpt_pth``, ``--bogus``: the parser only says "unrecognized
+    arguments"): one line naming the nearest of its options (:func:`near_options`), else
+    where they are listed and how settings are given. None: every option is the parser's (a
+    stray value: the parser's own line names it). ``known``: the verb's settings."""
+    options = {k.split(".", 1)[0] for k in known} | set(CLASS_GROUPS) | set(PARSER_OPTIONS)
+    for arg in argv:
+        name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+        if not name or "." in name or name in options or _is_option(name, known):
+            continue
+        near = near_options(name, options)
+        if near:
+            return f"unknown option --{name}; did you mean {either(f'--{n}' for n in near)}?"
+        return (
+            f"unknown option --{name}; `nanolab {verb} --help` lists its options, and its "
+            "settings take their group (--trainer.precision 32-true, --data.micro_batch_size 8)"
+        )
+    return None
+
+
 def settings_named(name: str, known: frozenset[str]) -> list[str]:
     """The settings ``--name`` may mean: every one whose last part is ``name`` in any group
     (else whose last part is nearest it), then a top-level option that ``name`` begins

@@ -573,6 +573,9 @@ def parse_command(argv: list[str], *, from_command_line: bool = False) -> Nanola
             chosen = chosen_class_keys(verb, argv[1:])
             if chosen is not None:  # the same check for the keys of a class the config names
                 keys.check_keys(argv[1:], chosen, skip_chosen=False)
+            line = keys.unknown_option_line(argv[1:], known, verb) if hint is None else None
+            if line is not None and "unrecognized arguments" in str(err):
+                raise RunConfigError(line) from None
         raise
     if verb in ("fit", "validate", "test") and known is None:
         keys.check_keys(argv[1:], verb_keys(verb))  # and remembered for the next launch
