@@ -100,6 +100,44 @@ def test_a_fresh_start_moves_the_logger_folder_and_takes_a_new_logger_run(work, 
     assert loggers.wandb_run_id("tiny", old_id) != loggers.wandb_run_id("tiny", given[-1])
 
 
+def test_a_run_begun_under_the_old_wandb_id_resumes_in_its_wandb_run(tmp_path, monkeypatch):
+    """W&B's id was ``<run name>-<digest of the run directory's path>`` before it was made of
+    the run id: a run begun then and resumed now started a second W&B run. Its ``wandb/``
+    folder (laid out by hand as W&B writes it: ``run-<stamp>-<id>``) names the id to keep; a
+    run without one, or whose folder has the new id too, gets the new id. (wandb itself is not
+    installed: the id chosen is checked at the logger's constructor.)"""
+    import hashlib
+    import os
+
+    from nanolab.callbacks import loggers
+
+    run, run_id = tmp_path / "runs" / "tiny", "0123456789ab"
+    new = f"tiny-{run_id}"
+    assert loggers.wandb_run_id("tiny", run_id, run) == new  # no wandb folder
+    old = f"tiny-{hashlib.sha1(os.path.realpath(run).encode()).hexdigest()[:8]}"
+    (run / "wandb" / f"run-20260101_120000-{old}" / "files").mkdir(parents=True)
+    (run / "wandb" / "offline-run-20251231_090000-tiny-0000abcd").mkdir()  # an older one
+    (run / "wandb" / "run-20260101_130000-other-1a2b3c4d").mkdir()  # another run's name
+    (run / "wandb" / "debug.log").write_text("")
+    assert loggers.wandb_run_id("tiny", run_id, run) == old
+    assert loggers.wandb_run_id("tiny", run_id) == new  # no directory: nothing to look in
+
+    made: dict = {}
+
+    class Recording:  # stands in for Lightning's WandbLogger, which needs wandb
+        def __init__(self, **kwargs) -> None:
+            made.update(kwargs)
+
+    import lightning.pytorch.loggers as lightning_loggers
+
+    monkeypatch.setattr(loggers, "check_available", lambda name: None)
+    monkeypatch.setattr(lightning_loggers, "WandbLogger", Recording)
+    loggers.make_logger("wandb", run, "tiny", run_id)
+    assert made["id"] == old and made["resume"] == "allow"
+    (run / "wandb" / f"run-20260102_080000-{new}").mkdir()  # resumed once under the new id
+    assert loggers.wandb_run_id("tiny", run_id, run) == new
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard absent")
 def test_tensorboard_logger_steps_match_the_run_log(work):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -10,7 +10,8 @@ done), and Lightning's own ``log_metrics`` calls to them are dropped, so there i
 Files go inside the run directory (``<run_dir>/tensorboard``, ``<run_dir>/csv``,
 ``<run_dir>/wandb``, ``<run_dir>/mlruns``: :data:`~nanolab.callbacks.rundir.LOGGER_DIRS`), at a
 fixed place so a resumed run continues the same logger run: TensorBoard and CSV keep writing the
-same folder (the CSV file is appended to, never replaced), W&B reuses an id made of the run's id.
+same folder (the CSV file is appended to, never replaced), W&B reuses an id made of the run's id
+(a run begun before that keeps the id its W&B run has, :func:`wandb_run_id`).
 A fresh start (``run.fresh``) moves those folders to ``previous/`` with the old run, and its new
 run id starts a new W&B run, so the logger is built after the run directory is claimed.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +56,40 @@ def check_available(name: str) -> None:
         )
 
 
-def wandb_run_id(run_name: str, run_id: str) -> str:
+#: The folder W&B writes for each process of a run into ``<save_dir>/wandb``:
+#: ``run-<YYYYMMDD_HHMMSS>-<id>`` (``offline-run-...`` when offline).
+_WANDB_RUN_FOLDER = re.compile(r"(?:offline-)?run-(?P<stamp>\d{8}_\d{6})-(?P<id>.+)")
+
+
+def wandb_run_id(run_name: str, run_id: str, run_dir: Path | None = None) -> str:
     """W&B's id for the run: the same across its resumes (``resume="allow"`` continues it),
-    a new one for a fresh start in the same directory, which takes a new run id."""
-    return f"{run_name}-{run_id}"
+    a new one for a fresh start in the same directory, which takes a new run id.
+
+    A run begun before ids were made of the run id has ``<run name>-<8 hex digits>`` (a
+    digest of its directory's path): when ``run_dir``'s ``wandb/`` folder holds a W&B run
+    under such an id and none under the new one, that id is kept, so the run's resume goes
+    on in its W&B run instead of starting a second one. A fresh start moved the folder aside
+    with the old run, so it gets the new id."""
+    new = f"{run_name}-{run_id}"
+    if run_dir is None:
+        return new
+    old_form = re.compile(rf"{re.escape(run_name)}-[0-9a-f]{{8}}")
+    found = sorted(  # by the folder's time stamp: the newest last
+        (match["stamp"], match["id"])
+        for folder in _listing(Path(run_dir) / "wandb")
+        if (match := _WANDB_RUN_FOLDER.fullmatch(folder.name)) is not None
+    )
+    ids = [wandb_id for _, wandb_id in found]
+    older = [i for i in ids if old_form.fullmatch(i)]
+    return older[-1] if older and new not in ids else new
+
+
+def _listing(folder: Path) -> list[Path]:
+    """What ``folder`` holds (nothing when it is missing or cannot be read)."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
 
 
 def make_logger(name: str, run_dir: Path, run_name: str, run_id: str) -> Any:
@@ -77,7 +109,7 @@ def make_logger(name: str, run_dir: Path, run_name: str, run_id: str) -> Any:
         return WandbLogger(
             save_dir=str(run_dir),
             name=run_name,
-            id=wandb_run_id(run_name, run_id),
+            id=wandb_run_id(run_name, run_id, run_dir),
             resume="allow",
             project=os.environ.get("WANDB_PROJECT", "nanolab"),
         )
