@@ -388,7 +388,13 @@ def test_queue_options_are_matched_whole(tmp_path: Path, capsys, monkeypatch, ar
     with pytest.raises(SystemExit) as exit_:
         main([argv[0], "--db", str(db), *argv[1:]])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"unrecognized arguments: {' '.join(argv[1:])}" in err, err
+    meant = {"--stat": "--status", "--slot": "--slots", "--al": "--all"}.get(argv[1])
+    said = (
+        f"unknown option {argv[1]}; did you mean {meant}?"  # the one it begins, named
+        if meant
+        else f"unrecognized arguments: {' '.join(argv[1:])}"
+    )
+    assert exit_.value.code == 2 and f"nanolab queue {argv[0]}: error: {said};" in err, err
     assert len(err.strip().splitlines()) == 1
     assert [j.status for j in QueueDB(db).jobs()] == ["pending"]
 
@@ -912,6 +918,46 @@ def test_a_mistyped_db_is_one_line_and_leaves_no_database(tmp_path, verb, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"no queue database at {typo}" in err[0]
     assert not typo.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["ls", "--bogus"], "unrecognized arguments: --bogus"),
+        (["ls", "stray"], "unrecognized arguments: stray"),
+        (["rm", "1", "--al"], "unrecognized arguments: --al"),
+        (["retry", "1", "--bogus"], "unrecognized arguments: --bogus"),
+        (["clear", "--bogus"], "unrecognized arguments: --bogus"),
+        (["run", "--gpu", "2"], "unknown option --gpu; did you mean --gpus?"),
+        (["add", "c.yaml", "--name", "x", "stray"], "unrecognized arguments: stray"),
+    ],
+)
+def test_an_argument_a_verb_lacks_points_to_that_verbs_own_help(
+    tmp_path: Path, capsys, argv: list[str], said: str
+) -> None:
+    """``queue ls --bogus`` said "nanolab queue: error: ...; see `nanolab queue --help`", which
+    lists the verbs, not ls's options: the line names the verb and its own help (true: that
+    help exists), and the nearest option of its own when one is close."""
+    verb = argv[0]
+    with pytest.raises(SystemExit) as ended:
+        main([*argv, "--db", str(tmp_path / "q.db")])
+    assert ended.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"nanolab queue {verb}: error: {said}; see `nanolab queue {verb} --help`"
+    with pytest.raises(SystemExit) as helped:
+        main([verb, "--help"])
+    assert helped.value.code == 0 and f"usage: nanolab queue {verb}" in capsys.readouterr().out
+    assert not (tmp_path / "q.db").exists()
+
+
+def test_add_set_followed_by_an_option_says_what_set_needs(tmp_path: Path, capsys) -> None:
+    """``queue add c.yaml --set --db q.db`` advised "--set --db: write KEY=VALUE, e.g. --set
+    --db=q.db", a setting that does not exist."""
+    code, _, err = queue(capsys, tmp_path / "q.db", "add", "c.yaml", "--set", "--seeds", "1")
+    assert code == 2 and err.strip() == (
+        "nanolab queue add: error: --set needs KEY=VALUE before --seeds, e.g. --set "
+        "trainer.max_steps=600"
+    )
 
 
 def test_a_config_that_changed_since_add_is_named_with_what_became_of_it(tmp_path: Path):

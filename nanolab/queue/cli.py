@@ -659,24 +659,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def verb_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each ``queue`` verb's own parser: its errors name its own help (``see `nanolab queue
+    ls --help```), which lists that verb's options."""
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(verbs.choices)
+
+
 def other_verbs_options(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Each option of a ``queue`` verb other than ``add`` -> that verb (``--gpus`` -> ``run``),
     so an option given to the wrong verb is named with the right one."""
-    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     found: dict[str, str] = {}
-    for verb, sub in verbs.choices.items():
-        for action in sub._actions:
-            for option in action.option_strings:
-                if verb != "add" and option.startswith("--") and option not in ("--help", "--db"):
-                    found.setdefault(option, verb)
+    for verb in verb_parsers(parser):
+        for option in verb_options(parser, verb):
+            if verb != "add" and option not in ("--help", "--db"):
+                found.setdefault(option, verb)
     return found
 
 
 def verb_options(parser: argparse.ArgumentParser, verb: str) -> list[str]:
     """The long options of ``nanolab queue VERB`` (``--continue``, ``--seeds``, ...)."""
-    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    sub = verbs.choices[verb]
+    sub = verb_parsers(parser)[verb]
     return [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+
+
+def unrecognized_line(unknown: list[str], options: list[str]) -> str:
+    """What a verb other than ``add`` says of the arguments it does not have (``unknown``, as
+    its parser left them over): the nearest of its own ``options`` to the first option given
+    (:func:`nanolab.run.keys.near_options`, fit's rule: ``run --gpu 2``: ``--gpus``), else the
+    arguments as they are."""
+    from nanolab.helpfmt import either
+    from nanolab.run.keys import near_options
+
+    name = next((t.split("=", 1)[0] for t in unknown if t.startswith("--")), None)
+    near = near_options(name[2:], [o[2:] for o in options]) if name else []
+    if name and near:
+        return f"unknown option {name}; did you mean {either(f'--{n}' for n in near)}?"
+    return f"unrecognized arguments: {' '.join(unknown)}"
 
 
 def dotted_as_sets(argv: list[str]) -> list[str]:
@@ -693,6 +712,10 @@ def dotted_as_sets(argv: list[str]) -> list[str]:
     while i < len(tokens):
         token = tokens[i]
         name = token[2:].split("=", 1)[0]
+        if token == "--set" and i + 1 < len(tokens) and tokens[i + 1].startswith("-"):
+            raise QueueError(  # not a KEY: the next option (--set --db q.db)
+                f"--set needs KEY=VALUE before {tokens[i + 1]}, e.g. --set trainer.max_steps=600"
+            )
         if token == "--set" and i + 1 < len(tokens) and "=" not in tokens[i + 1]:
             key = tokens[i + 1]  # --set KEY VALUE: argparse would call VALUE unrecognized
             value = (
@@ -732,14 +755,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         from nanolab.queue.jobs import unknown_option_line
 
-        line = (
-            unknown_option_line(unknown, other_verbs_options(parser), verb_options(parser, "add"))
-            if args.verb == "add"
-            else None
-        )
-        if line is None:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        return report("nanolab queue add", QueueError(line))
+        options = verb_options(parser, args.verb)
+        if args.verb == "add":
+            line = unknown_option_line(unknown, other_verbs_options(parser), options)
+            if line is not None:
+                return report("nanolab queue add", QueueError(line))
+        # The verb's own parser: the line names the verb and its own --help, not the queue's.
+        verb_parsers(parser)[args.verb].error(unrecognized_line(unknown, options))
     try:
         return int(args.func(args))
     except KeyboardInterrupt:  # a Ctrl-C before the runner's own handling (SQLite's lock wait)
