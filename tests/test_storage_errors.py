@@ -314,3 +314,39 @@ def test_a_record_after_one_torn_by_a_size_limit_starts_a_line_of_its_own(
         ("start", 1),
     ]
     assert len(lines) == 5 and lines[-1] == b""  # no blank line added: one newline per tear
+
+
+def test_a_queue_database_past_ulimit_f_is_said_so_never_damaged(tmp_path: Path) -> None:
+    """Under a file-size limit below what SQLite must write (its 32 KiB ``-shm``), ``queue ls``
+    called a healthy queue "damaged or not SQLite (disk I/O error)" and advised moving it aside
+    and queueing the jobs again. It names the limit and its fix, says the database was left
+    untouched, and exits 74 as every verb stopped for room does."""
+    import resource
+    import sqlite3
+    import sys
+
+    from nanolab.queue.db import NewJob, QueueDB
+
+    db_path = tmp_path / "q.db"
+    db = QueueDB(db_path)
+    db.add_jobs([NewJob(name="a1", config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+                        run_dir=str(tmp_path / "runs" / "a1"))])  # fmt: skip
+    db.close()
+    before = db_path.read_bytes()
+
+    def four_kb() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))  # fmt: skip
+
+    res = subprocess.run([sys.executable, "-m", "nanolab", "queue", "ls", "--db", str(db_path)],
+                         capture_output=True, text=True, timeout=120, preexec_fn=four_kb)  # fmt: skip
+    assert res.returncode == 74, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "this process's file-size limit (ulimit -f: 4 kB)" in errors[0], errors[0]
+    assert "ulimit -f unlimited" in errors[0] and "left untouched" in errors[0], errors[0]
+    assert "damaged" not in errors[0] and "move it aside" not in errors[0], errors[0]
+    assert db_path.read_bytes() == before
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    assert [r[0] for r in conn.execute("SELECT name FROM jobs")] == ["a1"]
+    conn.close()

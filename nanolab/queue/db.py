@@ -675,20 +675,49 @@ def _starts_like_sqlite(path: Path) -> bool:
 #: Free bytes below which a failed SQLite write is taken for a full disk, not a damaged file.
 LOW_SPACE_BYTES = 1 << 20
 
+#: SQLite's shared-memory index (``-shm``) is made 32 KiB at a time: a file-size limit below
+#: that stops even a reader that opens a WAL queue.
+SHM_CHUNK_BYTES = 32 * 1024
+
+
+def size_limit_in_the_way(path: Path) -> int | None:
+    """This process's file-size limit (``ulimit -f``) when a write to the queue database at
+    ``path`` can meet it: it is below the largest of the database, its ``-wal`` and its ``-shm``
+    (at least one 32 KiB piece) plus :data:`LOW_SPACE_BYTES` for what one write adds. SQLite
+    reports such a refused write (EFBIG) as a plain "disk I/O error"; ``None`` when no limit
+    is that close (then the error is not the limit's)."""
+    from nanolab.errors import file_size_limit
+
+    limit = file_size_limit()
+    if limit is None:
+        return None
+    sizes = [SHM_CHUNK_BYTES]
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(OSError):
+            sizes.append(path.with_name(path.name + suffix).stat().st_size)
+    return limit if limit < max(sizes) + LOW_SPACE_BYTES else None
+
 
 def no_room(path: Path, err: BaseException) -> str | None:
-    """The one line for a SQLite error that is the disk's, not the file's: its file system is
-    full (or out of file entries) and SQLite could not write the journal or the page. ``None``
-    when there is room (then the file itself is at fault). Said as it is, because the damaged-file
-    advice (move it aside, queue the jobs again) would throw away a healthy queue's history."""
+    """The one line for a SQLite error that is the room's, not the file's: its file system is
+    full (or out of file entries), or this process's file-size limit is lower than the file
+    must grow, and SQLite could not write the journal or the page. ``None`` when there is room
+    (then the file itself is at fault). Said as it is, because the damaged-file advice (move it
+    aside, queue the jobs again) would throw away a healthy queue's history."""
     name = str(getattr(err, "sqlite_errorname", ""))
     full = "full" in str(err).lower() or name.startswith(
         ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CANTOPEN")  # no entry left for its -wal/-shm
     )
     if not full:
         return None
-    from nanolab.errors import inodes_left, size_text
+    from nanolab.errors import inodes_left, size_limit_met, size_text
 
+    if not name.startswith("SQLITE_CANTOPEN") and size_limit_in_the_way(path) is not None:
+        limit, fix = size_limit_met("--db")
+        return (
+            f"the queue database {path} cannot be written past {limit} ({err}); the database "
+            f"was left untouched: {fix}, then rerun the same command"
+        )
     folder = path.parent if str(path.parent) else Path(".")
     try:
         free = shutil.disk_usage(folder).free
