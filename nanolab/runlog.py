@@ -325,6 +325,32 @@ class RunLogWriteError(NanolabError):
     errno: int | None = None
 
 
+class LinkedFileError(Exception):
+    """A file opened to be appended to that is a link: symbolic, or a hard link (one file under
+    two names, e.g. another run's log). ``str(err)`` says which, after the path
+    (``"is a link"``)."""
+
+
+def open_own_file(path: str | os.PathLike[str], flags: int, dir_fd: int | None = None) -> int:
+    """``path`` opened with ``flags`` (and ``O_NOFOLLOW``, ``O_CLOEXEC``, mode 0644 when
+    created): a file descriptor of a file of its own, never one reached through a symbolic link
+    nor one that is also another name, so an append cannot land in another run's files (a
+    ``queue.log`` or ``metrics.jsonl`` linked to another run's log). Raises
+    :class:`LinkedFileError` for either, with nothing written."""
+    flags |= os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise LinkedFileError("is a link") from None
+    links = os.fstat(fd).st_nlink
+    if links > 1:
+        os.close(fd)
+        raise LinkedFileError(f"is a hard link ({links} names for one file)")
+    return fd
+
+
 class RunLogWriter:
     """Appends records to a run log, one flushed line each.
 
@@ -364,17 +390,12 @@ class RunLogWriter:
         """The log opened for appending through the claimed folder; never a link, never a file
         that is also another name (a hard link to another run's log)."""
         assert self._folder.fd is not None
-        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
         try:
-            fd = os.open(self.path.name, flags, 0o644, dir_fd=self._folder.fd)
-        except OSError as err:
-            if err.errno != errno.ELOOP:
-                raise
-            raise self._refuse(f"{self.path} is a link") from None
+            fd = open_own_file(self.path.name, flags, dir_fd=self._folder.fd)
+        except LinkedFileError as err:
+            raise self._refuse(f"{self.path} {err}") from None
         st = os.fstat(fd)
-        if st.st_nlink > 1:
-            os.close(fd)
-            raise self._refuse(f"{self.path} is a hard link ({st.st_nlink} names for one file)")
         self._inode = (st.st_ino, st.st_dev)
         return open(fd, "ab", buffering=0)
 

@@ -647,3 +647,47 @@ def test_only_a_nanolab_run_holds_a_run_root(tmp_path, log, checkpoint, refused)
                 refuse_nested_run_dir(run_dir)
         else:
             refuse_nested_run_dir(run_dir)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_a_queue_log_linked_to_another_runs_log_is_left_alone(tmp_path, monkeypatch, kind) -> None:
+    """A ``queue.log`` in a job's run directory that was a link to another run's
+    ``metrics.jsonl`` took the job's console output: the runner appended through it. The job's
+    output now goes to ``nanolab_queue_logs/<id>-<name>.log`` beside the database, the runner
+    says so in one line, and the other run's log hashes the same."""
+    import io
+    import sys
+
+    from nanolab.queue import runner as runner_mod
+    from nanolab.queue.db import NewJob, QueueDB
+
+    real = subprocess.Popen
+
+    def popen(cmd, **kwargs):  # the job's fit stands in as one line of console output
+        return real([sys.executable, "-c", "print('console output of the job')"], **kwargs)
+
+    monkeypatch.setattr(runner_mod.subprocess, "Popen", popen)
+    victim_log = tmp_path / "runs" / "victim" / "metrics.jsonl"
+    victim_log.parent.mkdir(parents=True)
+    victim_log.write_text('{"event": "start", "time": 1.0, "step": 0}\n')
+    before = digests(victim_log.parent)
+    link = tmp_path / "runs" / "j" / "queue.log"
+    link.parent.mkdir()
+    if kind == "symlink":
+        link.symlink_to("../victim/metrics.jsonl")
+    else:
+        os.link(victim_log, link)
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs([NewJob(name="j", config="c.yaml", args=[], seed=None,
+                                   cwd=str(tmp_path), run_dir=str(link.parent))])  # fmt: skip
+    said = io.StringIO()
+    runner_mod.Runner(QueueDB(path), out=said, poll_s=0.01).run()
+    assert digests(victim_log.parent) == before, said.getvalue()
+    spare = tmp_path / "nanolab_queue_logs" / "0001-j.log"
+    assert "console output of the job" in spare.read_text(), said.getvalue()
+    (job,) = QueueDB(path).jobs()
+    assert job.status == "done" and job.log == str(spare), said.getvalue()
+    what = "is a link" if kind == "symlink" else "is a hard link (2 names for one file)"
+    moved = [line for line in said.getvalue().splitlines() if "left as it is" in line]
+    assert len(moved) == 1 and f"its log {link} {what}" in moved[0], said.getvalue()
+    assert f"its output goes to {spare}" in moved[0], moved[0]

@@ -632,16 +632,16 @@ class Runner:
             env[CAP_ENV] = f"{cap / self._capacity[units[0]]:.6f}"
             env["NANOLAB_QUEUE_PACKED"] = self.label(units[0])
         try:
-            # Read as well: its error line is read through this handle when the job exits, which
-            # still finds the file after the run directory was moved or deleted meanwhile.
-            log = open(log_path, "a+b")  # noqa: SIM115 - closed when the job exits
+            log, log_path, moved = open_job_log(job, log_path, self.db.path)
         except OSError as err:  # a folder or a fifo in its place, no permission: it cannot log
             self._not_started(
                 job,
-                f"cannot open its log {log_path} ({err.strerror or err}); move what is there out of "
-                "the way, then `nanolab queue retry` it",
+                f"cannot open its log {err.filename or log_path} ({err.strerror or err}); move "
+                "what is there out of the way, then `nanolab queue retry` it",
             )
             return
+        if moved is not None:
+            self.say(moved)
         where = f"GPU {job.gpus}" if job.gpus else ("cpu" if self.pack else f"slot {units[0]}")
         if cap is not None:
             where += ", shared" + (f" (allocator cap {gib(cap)})" if self.gpus else "")
@@ -916,9 +916,45 @@ def job_log_path(job: Job, db_path: Path) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir / QUEUE_LOG_NAME
     except OSError:
-        fallback = db_path.resolve().parent / "nanolab_queue_logs"
-        fallback.mkdir(exist_ok=True)
-        return fallback / f"{job.id:04d}-{job.name}.log"
+        return spare_log_path(job, db_path)
+
+
+def spare_log_path(job: Job, db_path: Path) -> Path:
+    """``nanolab_queue_logs/<id>-<name>.log`` beside the database: a job's console log where its
+    run directory cannot hold one (made, if need be)."""
+    folder = db_path.resolve().parent / "nanolab_queue_logs"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{job.id:04d}-{job.name}.log"
+
+
+def open_job_log(job: Job, path: Path, db_path: Path) -> tuple[IO[bytes], Path, str | None]:
+    """The job's console log at ``path`` opened to append and to read (its error line is read
+    through this handle when the job exits, which still finds the file after the run directory
+    was moved or deleted meanwhile), the path it is at, and the line to say when that is not
+    ``path``. Only a file of its own is written (:func:`~nanolab.runlog.open_own_file`): a
+    ``queue.log`` that is a link (to another run's ``metrics.jsonl``, say) is left as it is and
+    the output goes to :func:`spare_log_path`. An ``OSError`` naming the file when that one is
+    a link too, or neither can be opened."""
+    from nanolab.runlog import LinkedFileError, open_own_file
+
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
+    moved = None
+    try:
+        fd = open_own_file(path, flags)
+    except LinkedFileError as err:
+        spare = spare_log_path(job, db_path)
+        if spare == path:  # already the spare one: no other place to go
+            raise OSError(errno.ELOOP, f"it {err}", str(path)) from None
+        moved = (
+            f"job {job.id} {job.name}: its log {path} {err}, left as it is (a job writes only a "
+            f"log of its own); its output goes to {spare}"
+        )
+        path = spare
+        try:
+            fd = open_own_file(path, flags)
+        except LinkedFileError as again:
+            raise OSError(errno.ELOOP, f"it {again}", str(path)) from None
+    return open(fd, "a+b"), path, moved  # closed when the job exits
 
 
 #: What a ``queue run --notify`` command can fill in.
