@@ -1641,7 +1641,7 @@ def test_a_jobs_time_is_one_figure_in_the_runners_line_and_queue_ls(tmp_path, ca
                                    cwd=str(tmp_path), run_dir="runs/a")])  # fmt: skip
 
     def log_a_run() -> None:  # what the job's fit writes while it runs
-        records = [{"event": "start", "time": time.time(), "step": 0},
+        records = [{"event": "start", "time": time.time(), "step": 0, "queue_job": "1"},
                    {"event": "end", "time": time.time(), "step": 5, "reason": "completed",
                     "elapsed_s": 85.7}]  # fmt: skip
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -1692,3 +1692,52 @@ def test_an_attempt_that_logged_nothing_is_given_its_own_time(tmp_path) -> None:
     FailingJobs(QueueDB(path), poll_s=0.05, out=said).run()
     line = next(x for x in said.getvalue().splitlines() if "job 1 a: failed after" in x)
     assert "1m11s" not in line and "failed after 0s" in line, said.getvalue()
+
+
+def test_a_job_refused_while_another_launch_trains_its_run_is_given_its_own_time(
+    tmp_path, capsys
+) -> None:
+    """A job added with --continue whose process was refused at once (a shell's ``nanolab fit``
+    trains the run: "run directory in use") was said to have "failed after 3m15s", and ``queue
+    ls`` showed it "ran 3m24s", growing as the other launch trained: the time of a log another
+    launch wrote. Only a record of one of the job's own launches (its start record's
+    ``queue_job``) counts; else the attempt's own time."""
+    import io
+    from typing import Any
+
+    from nanolab.queue.runner import Active, Runner
+
+    run_dir = tmp_path / "runs" / "c"
+    run_dir.mkdir(parents=True)
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs([NewJob(name="c", config="c.yaml", args=[], seed=None,
+                                   cwd=str(tmp_path), run_dir="runs/c")])  # fmt: skip
+    log = run_dir / "metrics.jsonl"
+
+    def other_launch_logs(elapsed: float) -> None:  # the shell's fit, training on
+        records = [{"event": "start", "time": time.time() - elapsed, "step": 0, "queue_job": None},
+                   {"event": "train", "time": time.time(), "step": 900, "elapsed_s": elapsed}]  # fmt: skip
+        log.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    class RefusedJobs(Runner):
+        def _spawn(self, job: Any, units: list[int], *args: Any, **kw: Any) -> None:
+            proc = subprocess.Popen(["sh", "-c", "exit 2"])
+            handle = open(tmp_path / "c.log", "a+b")  # noqa: SIM115 - reap closes it
+            assert self.db.set_job_pid(job.id, proc.pid, handle.name)
+            self._active[job.id] = Active(job, proc, units, time.time(), handle)
+            other_launch_logs(195.0)
+
+    said = io.StringIO()
+    RefusedJobs(QueueDB(path), poll_s=0.05, out=said).run()
+    line = next(x for x in said.getvalue().splitlines() if "job 1 c: failed after" in x)
+    assert "3m15s" not in line and "failed after 0s" in line, said.getvalue()
+    other_launch_logs(204.0)
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0 and "3m24s" not in out and " 0s " in out, out
+    # The job's own launch, once it runs, is counted again: the run's time over every launch.
+    own = [{"event": "start", "time": time.time(), "step": 900, "queue_job": "1"},
+           {"event": "end", "time": time.time(), "step": 1000, "elapsed_s": 230.0}]  # fmt: skip
+    with log.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in own))
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0 and " 3m50s " in out, out

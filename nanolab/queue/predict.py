@@ -175,29 +175,51 @@ def remaining_seconds(db: QueueDB, job: Job) -> tuple[float | None, str]:
     return total, source
 
 
-def logged_time(run_dir: str | os.PathLike[str], since: float | None = None) -> float | None:
-    """The elapsed time the run log at ``run_dir`` last recorded, over every attempt: the time
-    ``report`` and ``status`` give the run (None when it has logged none). ``since``: a wall
-    time; a last record older than it is None too (an attempt that failed before it logged
-    would otherwise be given the time of the attempts before it)."""
+def logged_time(job: Job, since: float | None = None) -> float | None:
+    """The elapsed time the job's run log last recorded, over every attempt: the time
+    ``report`` and ``status`` give the run. None when it has logged none, or when its newest
+    time was written by a launch that is not one of this job's (:func:`launched_by`): a
+    ``nanolab fit`` in a shell training the run while the job's own process was refused at
+    once (the run directory in use) wrote a time that is not the job's, and it grows as that
+    launch trains on. ``since``: a wall time; a last record older than it is None too (an
+    attempt that failed before it logged would otherwise be given the time of the attempts
+    before it)."""
     from nanolab.runlog import RUN_LOG_NAME, last_record
 
-    log = Path(run_dir) / RUN_LOG_NAME
+    log = Path(job.cwd) / job.run_dir / RUN_LOG_NAME
     if not log.is_file():
         return None
     record = last_record(log, where=lambda r: isinstance(r.get("elapsed_s"), int | float))
     if record is None:
         return None
     written = record.get("time")
-    if since is not None and (not isinstance(written, int | float) or written < since):
+    if not isinstance(written, int | float) or (since is not None and written < since):
+        return None
+    if not launched_by(job, log, written):
         return None
     return float(record["elapsed_s"])
 
 
+def launched_by(job: Job, log: Path, at: float) -> bool:
+    """Whether the launch that wrote the record of time ``at`` in the run log ``log`` is one of
+    ``job``'s: the newest ``start`` record at or before ``at`` names the job (its
+    ``queue_job``, set by the runner) and began after the job was added (another queue's job of
+    the same id, earlier, is not this one). Reads back only to that start record."""
+    from nanolab.runlog import iter_backwards
+
+    with contextlib.closing(iter_backwards(log, "start")) as starts:
+        for start in starts:
+            began = start.get("time")
+            if isinstance(began, int | float) and began <= at:
+                return str(start.get("queue_job")) == str(job.id) and began >= job.created
+    return False
+
+
 def run_time(job: Job, now: float) -> float:
     """A job's time, one account with ``report`` and ``status``: its run log's elapsed time
-    over every attempt (the queue's own counter for a job that never logged)."""
-    logged = logged_time(Path(job.cwd) / job.run_dir)
+    over every attempt, as its own launches logged it (the queue's own counter for a job
+    that never logged, or whose run another launch is training)."""
+    logged = logged_time(job)
     if logged is not None:
         return logged
     running = job.status == "running" and job.last_started

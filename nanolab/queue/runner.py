@@ -796,8 +796,9 @@ class Runner:
                 self.db.event("exit", self.runner_id, job_id, float(code), status)
                 tail = f": {detail}" if detail else ""
                 # The job's time as `queue ls`, status and report give it: its run log's.
-                # (None when this attempt logged nothing: then its own time.)
-                took = logged_time(Path(active.job.cwd) / active.job.run_dir, active.started)
+                # (None when this attempt logged nothing, or another launch wrote the log's
+                # newest time: then its own time.)
+                took = logged_time(active.job, active.started)
                 took = ran if took is None else took
                 self.say(f"job {job_id} {active.job.name}: {status} after {duration(took)} "
                          f"(exit {code}){tail}")  # fmt: skip
