@@ -239,3 +239,65 @@ def test_compare_reads_its_two_runs_and_their_groups_not_a_long_run_beside_them(
     assert code == 0, err
     assert "seed groups: lr=0.001" in out or "seed groups: lr=0.003" in out
     assert len(parsed) < 200, len(parsed)  # the four seeds' few lines and five start records
+
+
+FORK = """
+from nanolab.training.module import GPTLightningModule
+
+
+class SmoothedGPT(GPTLightningModule):
+    def __init__(self, *args, label_smoothing: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.label_smoothing = label_smoothing
+"""
+
+
+def test_runs_of_a_class_path_model_are_a_group_of_their_own_on_the_same_data(
+    tmp_path: Path, char_dataset: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork's model named by class path (``--model pkg.SmoothedGPT``, logged as
+    ``model.class_path`` + ``model.init_args``) beside plain runs on the same data: two seed
+    groups told apart by the class and n_layer (they were one group of four, "seeds ran more
+    than once"), on one data (they were "on other data"), and --compare names only what
+    differs (every model key was "(unset)" on one side)."""
+    import sys
+
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    (tmp_path / "nanolab_report_fork.py").write_text(FORK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runs = tmp_path / "runs"
+    tiny = write_config(
+        tmp_path / "tiny.yaml",
+        tiny_overrides(char_dataset, runs, trainer__max_steps=2, run__eval_every_steps=2),
+    )
+    fork = ["--model", "nanolab_report_fork.SmoothedGPT", "--model.label_smoothing", "0.3",
+            "--model.gpt.n_layer", "1"]  # fmt: skip
+    try:
+        for seed in (1, 2):
+            for name, extra in (("base", []), ("sm", fork)):
+                done = nanolab_here("-q", "fit", "--config", str(tiny), "--seed_everything",
+                                    str(seed), "--run.name", f"{name}-s{seed}", *extra,
+                                    cwd=tmp_path)  # fmt: skip
+                assert done.returncode == 0, done.stderr[-2000:]
+    finally:
+        sys.modules.pop("nanolab_report_fork", None)
+    names = ("base-s1", "base-s2", "sm-s1", "sm-s2")
+    summaries = [summarize_run(n, runs / n) for n in names]
+    assert sorted((g.label, tuple(g.runs)) for g in seed_groups(summaries)) == [
+        ("model=GPTLightningModule, n_layer=2", ("base-s1", "base-s2")),
+        ("model=SmoothedGPT, n_layer=1", ("sm-s1", "sm-s2")),
+    ]
+    from nanolab.report import data_key
+
+    assert len({data_key(s) for s in summaries}) == 1  # one data, one vocabulary
+    code, out, err = run_report(capsys, str(runs), "--compare", "base-s1", "sm-s1")
+    assert code == 0, err
+    table = out.split("\n\n")[0].splitlines()
+    assert [row.split()[0] for row in table[1:]] == [
+        "model.class_path", "model.gpt.n_layer", "model.label_smoothing", "run.name"
+    ]  # fmt: skip
+    assert table[1].split()[1:] == [
+        "nanolab.training.module.GPTLightningModule",
+        "nanolab_report_fork.SmoothedGPT",
+    ]

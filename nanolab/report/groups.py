@@ -120,6 +120,35 @@ DATA_LOCATION_KEYS = ("dataset_dir", "datasets", "source")
 DATA_KEY = "data.dataset"
 
 
+def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its ``model`` and ``data`` sections in one form, so that the report
+    compares what a run trained with rather than how its config was written: a class-path
+    section's ``init_args`` read as the section's own keys (``model.gpt.n_layer``, not
+    ``model.init_args.gpt.n_layer``), and the class kept as ``class_path``, nanolab's own class
+    path standing for the short form. A fork's ``SmoothedGPT`` run and a plain run are then two
+    configs told apart by ``model.class_path`` (and by any setting they share, e.g. n_layer),
+    not runs whose every model key is unset on one side."""
+    from nanolab.errors import NanolabError  # section() refuses a section of another type
+    from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
+    from nanolab.training.resolve import section
+
+    out = dict(config)
+    for key, default in (("model", DEFAULT_MODEL), ("data", DEFAULT_DATA)):
+        if not isinstance(out.get(key), (dict, str)):
+            continue  # null (a value of its own) or absent: nothing to unwrap
+        try:
+            class_path, args = section(out, key, default)
+        except NanolabError:
+            continue
+        out[key] = {**args, "class_path": class_path}
+    return out
+
+
+def run_config(s: RunSummary) -> dict[str, Any]:
+    """A run's seed-free config as the report compares it (:func:`comparable_config`)."""
+    return comparable_config(json.loads(s.group or "{}"))
+
+
 def _flat_config(s: RunSummary) -> dict[str, Any]:
     """A run's seed-free config, flattened, as the seed groups compare it: the data's location
     keys (:data:`DATA_LOCATION_KEYS`) replaced by one key, :data:`DATA_KEY`, whose value is
@@ -127,13 +156,13 @@ def _flat_config(s: RunSummary) -> dict[str, Any]:
     the location keys as configured (nulls dropped: a key a newer release added splits
     nothing). The rule of :func:`data_of`, which keeps groups on other data from being
     compared: one dataset named two ways is one group, not two that it then compares."""
-    flat = flatten(json.loads(s.group or "{}"))
+    flat = flatten(run_config(s))
     if not any(k.startswith("data.") for k in flat):
         return flat  # no data section (or a null one): nothing to stand for
     where: dict[str, Any] = {}
     for key in list(flat):
         section, _, leaf = key.rpartition(".")
-        if section in ("data", "data.init_args") and leaf in DATA_LOCATION_KEYS:
+        if section == "data" and leaf in DATA_LOCATION_KEYS:
             value = flat.pop(key)
             if value is not None:
                 where[leaf] = value
@@ -196,7 +225,7 @@ def data_of(s: RunSummary) -> tuple[Any, Any] | None:
     where = _data_where(s)
     if where is None:
         return None
-    vocab = ((json.loads(s.group or "{}").get("model") or {}).get("gpt") or {}).get("vocab_size")
+    vocab = ((run_config(s).get("model") or {}).get("gpt") or {}).get("vocab_size")
     return s.data_identity or where[0], vocab
 
 
@@ -205,7 +234,7 @@ def _data_where(s: RunSummary) -> tuple[Any] | None:
     when its config is unknown."""
     if s.group is None:
         return None
-    data = json.loads(s.group).get("data") or {}
+    data = run_config(s).get("data") or {}
     return (data.get("datasets") or data.get("dataset_dir"),)
 
 
@@ -310,20 +339,37 @@ def group_labels(
         if len({value_text(c.get(k, missing)) if c else "?" for c in across}) > 1
         and all(c is not None for c in across)
     ]
-    short = _short_keys(varying, keys)  # unambiguous among every key of the configs
+    plain = [k for k in keys if k not in CLASS_KEYS]  # a class is labelled by its section
+    short = _short_keys([k for k in varying if k in plain], plain)  # unambiguous among them
+    short.update({k: CLASS_KEYS[k] for k in varying if k in CLASS_KEYS})
+    classes = {k: _class_names({c.get(k) for c in across if c}) for k in CLASS_KEYS}
     labels = []
     for group, config in zip(groups, configs, strict=True):
         if config is None or not varying or len(varying) > max_keys:
             label = name_label([m.run for m in group])
         else:
             label = ", ".join(
-                f"{short[k]}={_label_value(k, config[k], group[0], groups)}"
+                f"{short[k]}={classes[k].get(config[k], config[k])}"
+                if k in config and k in CLASS_KEYS
+                else f"{short[k]}={_label_value(k, config[k], group[0], groups)}"
                 if k in config
                 else f"{short[k]} unset"
                 for k in varying
             )
         labels.append(label)
     return labels
+
+
+#: The keys that name a section's class (:func:`comparable_config`), labelled by the section:
+#: ``model=SmoothedGPT``.
+CLASS_KEYS = {"model.class_path": "model", "data.class_path": "data"}
+
+
+def _class_names(paths: set[Any]) -> dict[Any, str]:
+    """Each class path by its class's own name (``SmoothedGPT``), or whole where another path
+    of ``paths`` ends in the same name."""
+    names = [str(p).rpartition(".")[2] for p in paths]
+    return {p: n if names.count(n) == 1 else str(p) for p, n in zip(paths, names, strict=True)}
 
 
 def _label_value(key: str, value: Any, run: RunSummary, groups: list[list[RunSummary]]) -> str:

@@ -15,6 +15,7 @@ from nanolab.report.groups import (
     NotTested,
     ReportError,
     SeedGroup,
+    comparable_config,
     flatten,
     value_text,
 )
@@ -255,7 +256,7 @@ def compare_runs(
             raise ReportError(
                 f"--compare: run {name} has no config (no start record, no config.yaml)"
             )
-        plain = flatten(json.loads(json.dumps(config, default=str)))
+        plain = flatten(comparable_config(json.loads(json.dumps(config, default=str))))
         plain.pop("trainer.default_root_dir", None)  # follows run.root/run.name
         configs.append(plain)
     missing = "(unset)"
