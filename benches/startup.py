@@ -35,8 +35,24 @@ def light_commands(work: Path) -> dict[str, list[str]]:
     """The commands that should start in well under a second (argv after ``python -m nanolab``)."""
     return {
         "--help": ["--help"],
-        "estimate": ["estimate", "--config", str(QUICKSTART), "--vocab-size", "65"],
-        "estimate, cold cache": ["estimate", "--config", str(QUICKSTART), "--vocab-size", "65"],
+        "estimate": [
+            "estimate",
+            "--config",
+            str(QUICKSTART),
+            "--vocab-size",
+            "65",
+            "--device",
+            "gpu",
+        ],
+        "estimate, cold cache": [
+            "estimate",
+            "--config",
+            str(QUICKSTART),
+            "--vocab-size",
+            "65",
+            "--device",
+            "gpu",
+        ],
         "estimate --help": ["estimate", "--help"],
         "report": ["report", str(work / "runs")],
         "queue ls": ["queue", "ls", "--db", str(work / "queue.db")],

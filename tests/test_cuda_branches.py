@@ -270,7 +270,10 @@ NO_CPU_TWIN_PART: dict[str, str] = {
 #: file -> what it compares: a setting or a named target ("gpu"/"cpu" to estimate for, a job's
 #: accelerator, DeepSpeed's offload device), the same on a CPU host as on a GPU one.
 SETTING_NOT_DEVICE: dict[str, str] = {
-    "nanolab/estimator/cli.py": "the estimate's backend, named in its report",
+    "nanolab/estimator/cli.py": (
+        "the estimate's backend, named in its report, and the config's trainer.accelerator "
+        "that picks it when --device is not given"
+    ),
     "nanolab/estimator/compute.py": "the estimate's backend",
     "nanolab/estimator/estimate.py": "--device gpu/cpu and the estimate's backend",
     "nanolab/estimator/gpus.py": "the estimated device's vendor",
@@ -327,7 +330,12 @@ BRANCHES: dict[str, dict[str, int]] = {
     },
     "nanolab/data/datamodule.py": {"pins_memory": 1},
     "nanolab/downstream/harness.py": {"NanolabLM.__init__": 3},
-    "nanolab/estimator/cli.py": {"_peak_meter": 2, "format_estimate": 2, "main": 2},
+    "nanolab/estimator/cli.py": {
+        "_peak_meter": 2,
+        "default_device": 1,
+        "format_estimate": 2,
+        "main": 2,
+    },
     "nanolab/estimator/compute.py": {"estimate_compute": 1},
     "nanolab/estimator/estimate.py": {
         "_compile_note": 1,

@@ -446,6 +446,34 @@ def test_cli_lists_gpus(capsys: pytest.CaptureFixture) -> None:
     assert table["a100-40gb"]["memory_source"] and table["h100"]["mfu_source"]
 
 
+def test_a_config_that_trains_on_a_cpu_is_estimated_on_a_cpu(capsys) -> None:
+    """The quickstart sets ``trainer.accelerator: cpu``: without ``--device`` it is estimated
+    on this machine's CPU (it was an H100, 0.0 min, with no word), and the first line says why;
+    ``--device gpu`` or a GPU's memory asks about a GPU."""
+    base = ["--config", str(ROOT / "configs" / "quickstart.yaml"), "--vocab-size", "71",
+            "--trace", "never"]  # fmt: skip
+    assert main(base) == 0
+    (
+        first,
+        *_,
+    ) = capsys.readouterr().out.splitlines()
+    assert first == (
+        "device    CPU, as the config's trainer.accelerator: cpu says (--device gpu estimates a GPU)"
+    )
+    assert main([*base, "--json"]) == 0
+    device = json.loads(capsys.readouterr().out)["device"]
+    assert (device["backend"], device["chosen_by"]) == ("cpu", "trainer.accelerator")
+    for asked, chosen_by in (
+        (["--device", "gpu"], "--device"),
+        (["--gpu-mem", "12GiB"], "default"),
+    ):
+        assert main([*base, *asked, "--json"]) == 0
+        device = json.loads(capsys.readouterr().out)["device"]
+        assert (device["backend"], device["chosen_by"]) == ("cuda", chosen_by), asked
+    assert main([*base, "--device", "gpu"]) == 0
+    assert capsys.readouterr().out.startswith("model ")  # asked for: nothing to explain
+
+
 def test_cli_estimates_a_cpu_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``--device cpu``: CPU kernels, so the JSON peak is what a CPU run allocates
     (tests/test_estimator_lightning.py checks it against a real Trainer); the total adds the

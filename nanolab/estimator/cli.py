@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         choices=("gpu", "cpu"),
-        default="gpu",
-        help="gpu (default; --gpu picks which) or cpu: this machine, CPU kernels, no "
-        "fragmentation margin, measured matmul rates",
+        help="gpu (--gpu picks which) or cpu: this machine, CPU kernels, no fragmentation "
+        "margin, measured matmul rates (default: cpu where the config sets "
+        "trainer.accelerator: cpu and no --gpu/--gpu-mem is given, else gpu)",
     )
     p.add_argument("--devices", type=int, help="devices per node (overrides trainer.devices)")
     p.add_argument("--nodes", type=int, help="nodes (overrides trainer.num_nodes)")
@@ -121,8 +121,14 @@ def _peak_meter(est: Estimate) -> str:
 
 
 def format_estimate(
-    est: Estimate, *, per_gpu: dict[str, int] | None = None, detail: bool = False
+    est: Estimate,
+    *,
+    per_gpu: dict[str, int] | None = None,
+    detail: bool = False,
+    device_from: str | None = None,
 ) -> str:
+    """The estimate as text; ``device_from``: why the device was chosen, where no
+    ``--device`` was given (:func:`default_device`), said in the first line."""
     s, g, m, c = est.setup, est.gpu, est.memory, est.compute
     gpt = s.gpt
     vocab = f"vocab {gpt.vocab_size:,}"
@@ -138,7 +144,8 @@ def format_estimate(
         flags.append("gradient checkpointing")
     if gpt.dropout:
         flags.append(f"dropout {gpt.dropout}")
-    out = [
+    out = [f"device    {device_from}"] if device_from else []
+    out += [
         f"model     GPT, {c.params:,} parameters: {gpt.n_layer} layer{'s' if gpt.n_layer != 1 else ''} x {gpt.n_embd} wide, "
         f"{gpt.n_head} heads, context {gpt.block_size}, {vocab}",
         f"setup     {s.precision}, {s.strategy.describe()}, {s.world_size} x {g.label} "
@@ -330,8 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     price = args.usd_per_gpu_hour
     if price is not None and not 0 <= price < math.inf:
         raise EstimateError(f"--usd-per-gpu-hour must be a finite price >= 0, got {price}")
+    config = compose(fit_args, read_file=read_file)
+    device, device_from = default_device(config, args)
     est = estimate_from_config(
-        compose(fit_args, read_file=read_file),
+        config,
         gpu=args.gpu,
         device_memory=args.gpu_mem,
         devices=args.devices,
@@ -342,18 +351,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens=int(args.tokens) if args.tokens is not None else None,
         usd_per_gpu_hour=args.usd_per_gpu_hour,
         fragmentation=args.fragmentation,
-        device=args.device,
+        device=device,
         trace=args.trace,
     )
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        out = est.to_dict()
+        chosen = "--device" if args.device else "trainer.accelerator" if device_from else "default"
+        out["device"]["chosen_by"] = chosen
+        print(json.dumps(out, indent=2))
         return 0
     per_gpu = None
-    if args.gpu is None and args.gpu_mem is None and args.device == "gpu":
+    if args.gpu is None and args.gpu_mem is None and device == "gpu":
         kw = {"fragmentation": args.fragmentation, "divide_global_batch": False}
         per_gpu = {n: largest_fitting_micro_batch(est.setup, gpu=g, **kw) for n, g in GPUS.items()}
-    print(format_estimate(est, per_gpu=per_gpu, detail=args.detail))
+    print(format_estimate(est, per_gpu=per_gpu, detail=args.detail, device_from=device_from))
     return 0
+
+
+def default_device(config: dict[str, Any], args: argparse.Namespace) -> tuple[str, str | None]:
+    """``(device, why)``: ``--device`` as given (why None), else ``cpu`` for a config that
+    trains on a CPU (``trainer.accelerator: cpu``, as the quickstart does) unless ``--gpu`` or
+    ``--gpu-mem`` asks about a GPU, else ``gpu`` (why None: the default). Estimating an H100
+    for a run that will train on this machine's CPU would answer another question."""
+    if args.device is not None:
+        return args.device, None
+    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
+    if (
+        str(trainer.get("accelerator")).lower() == "cpu"
+        and args.gpu is None
+        and args.gpu_mem is None
+    ):
+        return (
+            "cpu",
+            "CPU, as the config's trainer.accelerator: cpu says (--device gpu estimates a GPU)",
+        )
+    return "gpu", None
 
 
 def _hours(hours: float) -> str:
