@@ -20,10 +20,59 @@ from typing import NoReturn
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse without the usage block on errors: one ``error:`` line, exit code 2."""
+    """argparse without the usage block on errors: one ``error:`` line, exit code 2; an
+    unknown option gets the nearest one the verb takes (``--max_new_tokens``: did you mean
+    ``--max-new-tokens``?)."""
 
     def error(self, message: str) -> NoReturn:
+        hint = unknown_option_hint(message, option_strings(self))
+        if hint:
+            self.exit(2, f"{self.prog}: error: {message}; {hint}\n")
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+#: argparse's message for options it does not know (``parse_args``), the words after it.
+_UNRECOGNIZED = "unrecognized arguments: "
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option ``parser`` takes, its sub-commands' too (argparse reports a sub-command's
+    unknown option from the top parser)."""
+    found: list[str] = []
+    for action in parser._actions:
+        found += [s for s in action.option_strings if s.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += [s for s in option_strings(sub) if s not in found]
+    return found
+
+
+def nearest_option(given: str, options: list[str]) -> str | None:
+    """The option of ``options`` that ``given`` (``--max_new_tokens``, ``--bpe_vocab_size=300``)
+    most likely meant: the same words with ``_`` and ``-`` swapped (the spelling fit's dotted
+    settings use), else the closest by :mod:`difflib`; None when none is close."""
+    word = given.split("=", 1)[0]
+    if not word.startswith("--") or word in options:
+        return None
+    for swapped in ("--" + word[2:].replace("_", "-"), "--" + word[2:].replace("-", "_")):
+        if swapped in options:
+            return swapped
+    near = difflib.get_close_matches("--" + word[2:].replace("_", "-"), options, n=1, cutoff=0.7)
+    return near[0] if near else None
+
+
+def unknown_option_hint(message: str, options: list[str]) -> str | None:
+    """``did you mean --max-new-tokens?`` for argparse's ``unrecognized arguments: ...``
+    message, naming the nearest option for each unknown one that has one (None: no hint)."""
+    if not message.startswith(_UNRECOGNIZED):
+        return None
+    pairs = [(word, near) for word in message[len(_UNRECOGNIZED) :].split()
+             if (near := nearest_option(word, options))]  # fmt: skip
+    if not pairs:
+        return None
+    if len(pairs) == 1:
+        return f"did you mean {pairs[0][1]}?"
+    return "did you mean " + ", ".join(f"{near} (for {word})" for word, near in pairs) + "?"
 
 
 def given_path(text: str) -> Path:

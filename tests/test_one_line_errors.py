@@ -42,3 +42,38 @@ def test_a_bad_option_is_one_line_and_exit_2(argv: list[str], names: str, tmp_pa
     assert names in lines[0] and lines[0].endswith("--help`")
     assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["generate", "--ckpt", "x", "--max_new_tokens", "5"], "--max-new-tokens"),
+        (["prepare", "x", "-o", "out", "--bpe_vocab_size=300"], "--bpe-vocab-size"),
+        (["estimate", "--config", "c.yaml", "--micro_batch_size", "8"], "--micro-batch"),
+        (["queue", "ls", "--dbb", "q.db"], "--db"),  # a sub-command's option
+    ],
+)
+def test_an_unknown_option_names_the_one_meant(argv: list[str], meant: str, tmp_path, capsys,
+                                               monkeypatch) -> None:  # fmt: skip
+    """fit's settings are spelt with ``_`` (``--data.micro_batch_size``), the verbs' options
+    with ``-``: the other spelling is refused with the option meant, in the one line."""
+    from nanolab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith(f"; did you mean {meant}?"), line
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_an_unknown_option_with_none_near_points_at_help() -> None:
+    from nanolab.helpfmt import unknown_option_hint
+
+    options = ["--max-new-tokens", "--top-k", "--seed"]
+    assert unknown_option_hint("unrecognized arguments: --xyzzy 3", options) is None
+    assert unknown_option_hint("argument --seed: expected one argument", options) is None
+    assert unknown_option_hint("unrecognized arguments: --top_k 5 --sed 1", options) == (
+        "did you mean --top-k (for --top_k), --seed (for --sed)?"
+    )
