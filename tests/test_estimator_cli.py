@@ -13,7 +13,7 @@ import yaml
 from conftest import nanolab_here, tiny_overrides, write_config
 
 from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
-from nanolab.estimator.cli import main
+from nanolab.estimator.cli import build_parser, main
 from nanolab.estimator.compute import estimate_compute
 from nanolab.estimator.gpus import (
     GPUS,
@@ -444,6 +444,32 @@ def test_cli_lists_gpus(capsys: pytest.CaptureFixture) -> None:
     assert main(["--list-gpus", "--json"]) == 0
     table = {g["name"]: g for g in json.loads(capsys.readouterr().out)}
     assert table["a100-40gb"]["memory_source"] and table["h100"]["mfu_source"]
+
+
+def test_a_decimal_gpu_mem_a_card_is_sold_as_gets_a_note(capsys) -> None:
+    """``--gpu-mem 12GB`` is 12e9 bytes, 11.18 GiB, where a card sold as "12 GB" has 11.99:
+    said once, naming the card and the spelling that holds its memory; a GiB size, or a GB
+    size no listed card is sold as, gets none."""
+    base = ["--config", str(ROOT / "configs" / "quickstart.yaml"), "--vocab-size", "71",
+            "--trace", "never", "--json"]  # fmt: skip
+    assert main([*base, "--gpu-mem", "12GB"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "nanolab estimate: note: --gpu-mem 12GB is 11.18 GiB (GB: powers of 1000); a card sold "
+        "as 12 GB has more (rtx4070 11.99 GiB): give --gpu NAME (its own figure) or --gpu-mem "
+        "12GiB"
+    ]
+    for quiet in ("12GiB", "11GB", "12000MB"):
+        assert main([*base, "--gpu-mem", quiet]) == 0
+        assert capsys.readouterr().err == "", quiet
+    from nanolab.estimator.gpus import decimal_size_note
+
+    # Some cards sold as 24 GB hold less than 24 GiB (an L4: 22.49): no GiB size is offered.
+    assert decimal_size_note("24GB").endswith(
+        "l4 22.49 GiB, 1 more): give --gpu NAME (its own figure)"
+    )
+    help_text = build_parser().format_help()
+    assert "while 12GB is 12e9 bytes (11.18 GiB)" in " ".join(help_text.split())
 
 
 def test_a_config_that_trains_on_a_cpu_is_estimated_on_a_cpu(capsys) -> None:

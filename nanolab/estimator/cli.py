@@ -26,11 +26,11 @@ from nanolab.estimator.estimate import (
     estimate_from_config,
     largest_fitting_micro_batch,
 )
-from nanolab.estimator.gpus import GPUS, GiB, format_bytes, format_rate
+from nanolab.estimator.gpus import GPUS, GiB, decimal_size_note, format_bytes, format_rate
 from nanolab.estimator.memory import DEFAULT_FRAGMENTATION
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
-from nanolab.messages import warn
+from nanolab.messages import note, warn
 from nanolab.model.config import GPTConfig
 from nanolab.tables import table
 from nanolab.training.resolve import (
@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model.gpt.n_layer 2 apply in order, as in `nanolab fit`",
     )
     p.add_argument("--gpu", help=f"device model (default {DEFAULT_GPU}); --list-gpus shows them")
-    p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 12GiB, 24GB")
+    p.add_argument(
+        "--gpu-mem",
+        metavar="SIZE",
+        help='memory per device, e.g. 12GiB, 24GB; a card\'s "12 GB" is binary, about 12GiB, '
+        "while 12GB is 12e9 bytes (11.18 GiB)",
+    )
     p.add_argument(
         "--device",
         choices=("gpu", "cpu"),
@@ -337,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     price = args.usd_per_gpu_hour
     if price is not None and not 0 <= price < math.inf:
         raise EstimateError(f"--usd-per-gpu-hour must be a finite price >= 0, got {price}")
+    if args.gpu_mem is not None and (mem_note := decimal_size_note(args.gpu_mem)):
+        note("nanolab estimate", mem_note)
     config = compose(fit_args, read_file=read_file)
     device, device_from = default_device(config, args)
     est = estimate_from_config(

@@ -267,6 +267,37 @@ def parse_memory(text: str | int | float) -> int:
     return int(value)
 
 
+def decimal_size_note(text: str) -> str | None:
+    """A note for a ``--gpu-mem`` written in decimal gigabytes (``12GB``) where listed cards
+    sold as that many GB hold more than it reads as: a card's "12 GB" is binary (the RTX 4070
+    reports 11.99 GiB), while ``12GB`` is 12e9 bytes, 11.18 GiB, so the estimate would hold the
+    run to 7% less memory than the card has. None when no listed card is sold as that size."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(gb?)\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        return None
+    size, given = float(m.group(1)), parse_memory(text)
+    sold = [g for g in GPUS.values() if _sold_gb(g.label) == size and g.memory_bytes > given]
+    if not sold:
+        return None
+    sold.sort(key=lambda g: -g.memory_bytes)
+    cards = ", ".join(f"{g.name} {g.memory_bytes / GiB:.2f} GiB" for g in sold[:3])
+    more = f", {len(sold) - 3} more" if len(sold) > 3 else ""
+    whole = f"{size:g}"
+    fix = "give --gpu NAME (its own figure)"
+    if all(g.memory_bytes >= 0.995 * size * GiB for g in sold):  # each holds N GiB
+        fix += f" or --gpu-mem {whole}GiB"
+    return (
+        f"--gpu-mem {text.strip()} is {given / GiB:.2f} GiB (GB: powers of 1000); a card sold "
+        f"as {whole} GB has more ({cards}{more}): {fix}"
+    )
+
+
+def _sold_gb(label: str) -> float | None:
+    """The memory a card is sold with, from its label (``NVIDIA GeForce RTX 4070 12 GB``)."""
+    m = re.search(r"\b([0-9]+) GB\b", label)
+    return float(m.group(1)) if m else None
+
+
 def format_bytes(n: float) -> str:
     """``1.23 GiB`` style, for tables."""
     for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
