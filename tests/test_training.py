@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import shutil
 
 import lightning as L
@@ -657,6 +658,14 @@ def test_rerunning_a_finished_run_says_it_is_complete(tmp_path, char_dataset):
     said = [ln for ln in (again.stdout + again.stderr).splitlines() if ln.strip()]
     assert len(said) == 1, said  # the line only: no banner, no closing summary
     assert "is already complete at step 6 (trainer.max_steps 6); nothing to train" in said[0]
+    # More steps would train at the LR's minimum (the cosine ended at step 6 and a resume
+    # keeps the plan): said, with the branch whose cosine is planned for the longer run.
+    assert "its LR cosine ended at step 6 (a resume keeps the plan), so the extra steps train " \
+           "at the schedule's minimum" in said[0]  # fmt: skip
+    branch = said[0].split("planned for its own end: ", 1)[1]
+    assert shlex.split(branch)[-4:] == [
+        "--run.resume", str(log.parent / "checkpoints" / "step-00000006.ckpt"), "--trainer.max_steps", "12"
+    ]  # fmt: skip
     assert log.read_bytes() == before
     # Other settings on the complete run train nothing, so they do not replace the config it
     # trained with (a fork's example once rewrote runs/quickstart/config.yaml this way).

@@ -193,7 +193,9 @@ def launch(cli: NanolabCLI) -> Trainer:
             # Nothing to train: say so and stop before the fit, which would print its banner,
             # append a start and an end record and rewrite config.yaml (the run is as it was).
             raise NothingToTrain(
-                nothing_to_train(cfg, run_dir, cand.step, max_steps, bool(claimed.forked))
+                nothing_to_train(
+                    cfg, run_dir, cand.step, max_steps, bool(claimed.forked), cand.path
+                )
             )
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, CostBudget):  # a branch's rules decide anew
@@ -999,11 +1001,21 @@ def _saving_launch_config(run_dir: Path | None, cfg: Any, step: Any) -> dict[str
     return config if isinstance(config, dict) else config_of([], run_dir)
 
 
-def nothing_to_train(cfg: Any, run_dir: Path, step: int, max_steps: int, forked: bool) -> str:
+def nothing_to_train(
+    cfg: Any,
+    run_dir: Path,
+    step: int,
+    max_steps: int,
+    forked: bool,
+    checkpoint: Path | str | None = None,
+) -> str:
     """The line of a launch whose checkpoint is at or past its ``trainer.max_steps``. A run a
     longer launch extended and that stopped short of it (asked for 800, preempted at 611) is
     not complete: the line names both numbers and the option that finishes it, instead of
-    calling it complete under this launch's smaller max_steps."""
+    calling it complete under this launch's smaller max_steps. A complete run whose LR cosine
+    ended by ``step`` (:func:`_cosine_end`) trains any extra steps at the schedule's minimum
+    (a resume keeps the plan): the line says so, with the branch (``checkpoint``) whose
+    cosine is planned for the longer run."""
     config = None if forked else _saving_launch_config(run_dir, cfg, step)
     asked = _dotted(config, "trainer.max_steps", None) if isinstance(config, dict) else None
     if isinstance(asked, int) and not isinstance(asked, bool) and asked > step:
@@ -1013,11 +1025,51 @@ def nothing_to_train(cfg: Any, run_dir: Path, step: int, max_steps: int, forked:
             f"Continue it with --trainer.max_steps {asked}, or give another --run.name for a "
             "new run"
         )
+    end = None if forked else _cosine_end(run_dir)
+    if end is None or end > step:
+        return (
+            f"{run_dir} is already complete at step {step} (trainer.max_steps {max_steps}); "
+            "nothing to train. Raise --trainer.max_steps to extend it, or give another "
+            "--run.name for a new run"
+        )
+    longer = {"trainer.max_steps": 2 * step}
+    branch = branch_command(run_dir, run_dir.name, checkpoint, longer) if checkpoint else None
+    alternative = (
+        f"branch it, whose cosine is planned for its own end: {branch}"
+        if branch
+        else "give another --run.name for a new run"
+    )
     return (
         f"{run_dir} is already complete at step {step} (trainer.max_steps {max_steps}); "
-        "nothing to train. Raise --trainer.max_steps to extend it, or give another --run.name "
-        "for a new run"
+        f"nothing to train. Raising --trainer.max_steps extends it, but its LR cosine ended at "
+        f"step {end} (a resume keeps the plan), so the extra steps train at the schedule's "
+        f"minimum; for a cosine over the longer run, {alternative}"
     )
+
+
+def _cosine_end(run_dir: Path) -> int | None:
+    """The step where the LR cosine of the run in ``run_dir`` reaches its minimum, as its first
+    launch planned it (the checkpoint keeps that plan): ``model.schedule.decay_steps``, else
+    that launch's ``trainer.max_steps``. None where it is not known (no log, a schedule of a
+    fork's own, a budget-planned or constant LR)."""
+    from nanolab.runlog import iter_records
+
+    first = next(iter_records(run_dir / RUN_LOG_NAME, "start"), None)
+    config = (first or {}).get("config")
+    if not isinstance(config, dict):
+        return None
+    schedule = _dotted(config, "model.schedule", None)
+    if not isinstance(schedule, dict) or _number(schedule.get("min_lr_ratio", 0.1)) >= 1:
+        return None  # a constant LR after the warm-up: longer is the same rate
+    end = schedule.get("decay_steps")
+    if end is None:
+        end = _dotted(config, "trainer.max_steps", None)
+    return end if isinstance(end, int) and not isinstance(end, bool) and end > 0 else None
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float (a value that is none: 0)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 def _saved_data_state(state: dict[str, Any]) -> dict[str, Any] | None:
