@@ -22,18 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError, one_line_errors
-from nanolab.messages import say, warn, warn_line
+from nanolab.messages import say, warn_line
 
 
 class EvalArgumentError(NanolabError):
     """An option of ``nanolab eval`` that cannot work."""
 
 
-def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
+def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None, str | None]:
     """The checkpoint to evaluate, the run directory it belongs to (None for a loose file),
-    and its step (None: read it from the checkpoint). A run directory's newest checkpoint is
-    held open from the pick (:func:`nanolab.model.checkpoint.hold`): loading it reads the
-    file picked, even when a live run's rotation deletes its name meanwhile."""
+    its step (None: read it from the checkpoint) and, for a run directory, the run it scores
+    (:func:`nanolab.callbacks.evaluation_log.scored_run`: its record goes to that run's log
+    only). A run directory's newest checkpoint is held open from the pick
+    (:func:`nanolab.model.checkpoint.hold`): loading it reads the file picked, even when a
+    live run's rotation deletes its name meanwhile."""
+    from nanolab.callbacks.evaluation_log import log_owner, scored_run
     from nanolab.model.checkpoint import CheckpointError, sharded_folder_error
     from nanolab.training.resume import find_resume_checkpoint
 
@@ -47,6 +50,7 @@ def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
         raise sharded
     if path.is_dir():
         run_dir = path.parent if path.name == "checkpoints" else path
+        owner = log_owner(run_dir)  # before the pick: a run that replaces this one changes it
         choice = find_resume_checkpoint(run_dir, hold=True)
         warning = choice.warning()
         if warning:
@@ -56,12 +60,13 @@ def checkpoint_and_run(target: str) -> tuple[Path, Path | None, int | None]:
                 f"{target}: no complete checkpoint in this run directory; train it first or "
                 "give a .ckpt file"
             )
-        return choice.chosen.path, run_dir, choice.chosen.step
+        chosen = choice.chosen
+        return chosen.path, run_dir, chosen.step, scored_run(chosen.run_id, owner)
     if not path.is_file():
         raise CheckpointError(f"{target} does not exist; give a run directory or a .ckpt file")
     parent = path.parent
     run_dir = parent.parent if parent.name == "checkpoints" else None
-    return path, run_dir, None
+    return path, run_dir, None, None
 
 
 def run_settings(run_dir: Path | None) -> tuple[int | None, str | None]:
@@ -212,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     suite = load_suite(args.suite, args.limit)  # bad task files fail before the model loads
     device = check_device(args.device)
-    path, run_dir, step = checkpoint_and_run(args.target)
+    path, run_dir, step, run_id = checkpoint_and_run(args.target)
     # A run directory given: its record goes into its log. A checkpoint file given: printed
     # only (as validate/test do), though its run's settings are still the defaults.
     log_dir = None if Path(args.target).is_file() or args.no_log else run_dir
@@ -263,22 +268,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             tmp.unlink(missing_ok=True)  # a full disk's half-written copy goes too
     if log_dir is not None:
-        append_to_run(log_dir, record)
+        append_to_run(log_dir, record, run_id)
     return 0
 
 
-def append_to_run(run_dir: Path, record: dict[str, Any]) -> None:
-    """Append the record to the run log, holding the run directory (a fit there: not logged)."""
-    from nanolab.callbacks.runlock import RunLockedError, acquire, release_all
-    from nanolab.training.evaluate import append_record
+def append_to_run(run_dir: Path, record: dict[str, Any], run_id: str | None) -> None:
+    """Append the record to the log of run ``run_id`` in ``run_dir``, holding the directory (a
+    fit there, or another run there since: not logged, :mod:`nanolab.callbacks.evaluation_log`)."""
+    from nanolab.callbacks.evaluation_log import append_evaluation
 
-    try:
-        acquire(run_dir)
-    except (RunLockedError, OSError) as err:
-        warn("nanolab eval", f"not logging to {run_dir}: {err}")
-        return
-    try:
-        path = append_record(run_dir, record)
-    finally:
-        release_all()
-    say("nanolab eval", f"tasks record (step {record['step']}) appended to {path}")
+    path = append_evaluation(run_dir, record, run_id, "nanolab eval")
+    if path is not None:
+        say("nanolab eval", f"tasks record (step {record['step']}) appended to {path}")

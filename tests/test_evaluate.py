@@ -188,6 +188,53 @@ def test_an_evaluation_on_other_data_or_windows_is_printed_not_logged_to_the_run
     assert same.returncode == 0 and read_records(run / "metrics.jsonl")[-1]["event"] == "val"
 
 
+@pytest.mark.parametrize("verb", ["validate", "test", "eval"])
+def test_a_run_replaced_during_the_evaluation_is_not_credited_with_it(work, monkeypatch, verb):
+    """``fit --run.fresh true`` replacing the run while its checkpoint was scored (the old run
+    moved to ``previous/``): the old checkpoint's record was appended after the new run's
+    ``end``, and ``report`` credited the old model's scores to the new run. With the lock held
+    for the append, the log must still name the run that was scored; it does not: one
+    warning, and neither log changes."""
+    from nanolab.callbacks import runlock
+
+    run = work / "runs" / "tiny"
+    old_log = (run / "metrics.jsonl").read_bytes()
+    new_log = b'{"event":"start","time":1.0,"run_id":"0123456789ab"}\n{"event":"end","step":3}\n'
+    real_acquire, replaced = runlock.acquire, []
+
+    def replace_then_acquire(run_dir):  # a fresh fit ran between the pick and the append
+        if not replaced:
+            (work / "runs" / "previous").mkdir()
+            run.rename(work / "runs" / "previous" / "tiny")
+            run.mkdir()
+            (run / "metrics.jsonl").write_bytes(new_log)
+            replaced.append(run_dir)
+        return real_acquire(run_dir)
+
+    monkeypatch.setattr(runlock, "acquire", replace_then_acquire)
+    if verb == "eval":
+        argv = ["runs/tiny", "--suite", "builtin:shakespeare", "--limit", "4", "--device", "cpu"]
+    else:
+        argv = ["--config", "tiny.yaml"]
+    res = nanolab_here(verb, *argv, cwd=work)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert replaced, "the evaluation took no lock to append its record"
+    warned = [line for line in res.stderr.splitlines() if "not logged" in line]
+    assert warned == [
+        f"nanolab {verb}: warning: not logged: runs/tiny now holds another run (its log names "
+        f"run 0123456789ab; the checkpoint evaluated is run {read_records_id(old_log)}'s)"
+    ], res.stderr[-3000:]
+    assert (run / "metrics.jsonl").read_bytes() == new_log
+    assert (work / "runs" / "previous" / "tiny" / "metrics.jsonl").read_bytes() == old_log
+
+
+def read_records_id(log: bytes) -> str:
+    """The run id of a log's first (``start``) record."""
+    import json
+
+    return json.loads(log.splitlines()[0])["run_id"]
+
+
 @pytest.mark.parametrize("case", ["lower-cased", "more-chars"])
 def test_data_of_another_tokenizer_is_refused_before_it_is_scored(work, case):
     """A chars model on lower-cased chars data (a smaller vocabulary, so every id fits the

@@ -1142,13 +1142,16 @@ def evaluation_checkpoint(verb: str, cfg: Any, run_dir: Path, data: Any) -> Any:
     Picked before the model is sized by the data, to refuse data of another tokenizer first:
     a larger vocabulary than the model's would be refused in words that do not apply to a
     checkpoint, a smaller one would score."""
+    from nanolab.callbacks.evaluation_log import log_owner, scored_run
     from nanolab.training.evaluate import EvaluateError, eval_target
 
     init_from = bool(cfg.model.init_args.get("init_from"))
+    owner = log_owner(run_dir)  # before the pick: a run that replaces this one changes it
     try:
         target = eval_target(cfg.get("ckpt_path"), run_dir, verb, has_init_from=init_from)
     except EvaluateError as err:
         raise RunConfigError(str(err)) from None
+    target.run_id = scored_run(target.run_id, owner)
     dataset_dir = getattr(data, "dataset_dir", None)
     if target.path is not None and dataset_dir is not None:
         from nanolab.model.checkpoint import read_path
@@ -1287,25 +1290,19 @@ def log_evaluation(trainer: Trainer, verb: str, run_dir: Path, target: Any) -> N
     """Append an evaluation of the run's own checkpoint to its run log, holding the run
     directory for the append only: held for the whole evaluation, it refused a ``fit`` of the
     run started meanwhile (a queued continuation, a resume loop). A ``fit`` holding it now
-    keeps its log to itself: the result stays printed, with one warning, and this succeeds."""
+    keeps its log to itself, and a run started there since (``--run.fresh``) is another run:
+    the result stays printed, with one warning, and this succeeds
+    (:mod:`nanolab.callbacks.evaluation_log`)."""
+    from nanolab.callbacks.evaluation_log import append_evaluation
     from nanolab.callbacks.jsonl import to_floats
-    from nanolab.callbacks.runlock import RunLockedError, acquire
-    from nanolab.training.evaluate import append_record, eval_record
+    from nanolab.training.evaluate import eval_record
 
     stage = "val" if verb == "validate" else "test"
     metrics = to_floats(dict(trainer.callback_metrics))
-    try:
-        lock = acquire(run_dir)  # no fit may append or rotate while the record is written
-    except (RunLockedError, OSError) as err:  # one line, as eval says it (not a Python warning)
-        from nanolab.messages import warn
-
-        warn(f"nanolab {verb}", f"not logging to {run_dir}: {err}")
-        return
-    try:
-        path = append_record(run_dir, eval_record(verb, stage, metrics, target))
-    finally:
-        lock.release()
-    rank_zero_info(f"{stage} record (step {target.step}) appended to {path}")
+    record = eval_record(verb, stage, metrics, target)
+    path = append_evaluation(run_dir, record, target.run_id, f"nanolab {verb}")
+    if path is not None:
+        rank_zero_info(f"{stage} record (step {target.step}) appended to {path}")
 
 
 def callback_class_paths(given: Any) -> list[str]:

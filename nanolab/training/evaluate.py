@@ -49,6 +49,7 @@ class EvalTarget:
     path: Path | None
     step: int | None = None
     log_to_run: bool = False  # the run's own checkpoint picked by name: append a record
+    run_id: str | None = None  # the run that saved it: its record goes only to that run's log
 
 
 def eval_target(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> EvalTarget:
@@ -81,7 +82,8 @@ def eval_target(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> Ev
             "fit with the same config), name the run with --run.name, give a checkpoint file "
             "with --ckpt_path PATH, or pass --ckpt_path none to evaluate the untrained model"
         )
-    return EvalTarget(choice.chosen.path, choice.chosen.step, log_to_run=True)
+    chosen = choice.chosen
+    return EvalTarget(chosen.path, chosen.step, log_to_run=True, run_id=chosen.run_id)
 
 
 def _held_if_there(path: Path) -> Path:
@@ -122,7 +124,7 @@ def _best(run_dir: Path, verb: str) -> EvalTarget:
             f"a validation loss in {RUN_LOG_NAME}; use --ckpt_path last, or save checkpoints at "
             "validation steps (checkpoint.save_on_best true)"
         )
-    return EvalTarget(best.path, best.step, log_to_run=True)
+    return EvalTarget(best.path, best.step, log_to_run=True, run_id=best.run_id)
 
 
 def load_for_evaluation(path: str | Path) -> dict[str, Any]:
