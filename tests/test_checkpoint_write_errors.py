@@ -133,3 +133,54 @@ def test_fit_stopped_by_a_file_size_limit_exits_74_and_the_rerun_trains(
                            timeout=300)  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert (tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_refused_write_names_the_folder_that_refused_it(tmp_path: Path) -> None:
+    """A read-only ``checkpoints/`` in a writable run directory was told to "make the run
+    directory writable"; a read-only file system was called "permission denied"."""
+    from nanolab.callbacks import checkpoint_io
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    target = folder / "step-00000004.ckpt"
+    denied = checkpoint_io._explain(OSError(errno.EACCES, "Permission denied"), target)
+    assert denied.endswith(f"; make {folder} writable for this user or choose another run.root")
+    assert "run directory" not in denied
+    read_only = checkpoint_io._explain(OSError(errno.EROFS, "Read-only file system"), target)
+    assert f"{target}: {folder} is on a read-only file system; " in read_only, read_only
+    assert "permission denied" not in read_only and read_only.endswith("another run.root")
+
+
+def test_a_read_only_checkpoints_folder_is_refused_before_training(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """It was found at the first save, after steps trained. Said at start-up now, where the
+    run directory's own writability is checked: one line naming the folder, exit 2, and the
+    run's log untouched. Read-only to root too: chmod does not stop root, the immutable
+    attribute does."""
+    import os
+
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    cfg = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    checkpoints.chmod(0o555)
+    immutable = os.geteuid() == 0
+    if immutable and subprocess.run(["chattr", "+i", str(checkpoints)]).returncode:
+        pytest.skip("root, and no chattr +i here to make a folder read-only to root")
+    try:
+        res = nanolab_here("fit", "--config", str(cfg), cwd=tmp_path)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(checkpoints)], check=True)
+        checkpoints.chmod(0o755)
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        f"nanolab fit: error: {checkpoints} (the run's checkpoints) is not writable "
+        f"({'Operation not permitted' if immutable else 'Permission denied'}); make "
+        f"{checkpoints} writable for this user (the run saves its checkpoints there)"
+    ], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert not (checkpoints.parent / "metrics.jsonl").exists()  # nothing trained, nothing logged

@@ -139,9 +139,12 @@ def _explain(err: OSError, path: Path, needed: CheckpointSize | None = None) -> 
         return f"{what} writing {path} ({free} free{needs}); {_kept(path)}; " + _room_fix(
             path.parent, room
         )
-    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if err.errno == errno.EROFS:  # the folder that refused the write, not the run directory
+        cause = f"{path.parent} is on a read-only file system"
+        fix = "remount it read-write or choose another run.root"
+    elif err.errno in (errno.EACCES, errno.EPERM):
         cause = "permission denied"
-        fix = "make the run directory writable or choose another run.root"
+        fix = f"make {path.parent} writable for this user or choose another run.root"
     else:
         cause = err.strerror or str(err)
         fix = "check the filesystem"

@@ -128,25 +128,36 @@ def checkpoint_files(run_dir: Path) -> list[Path]:
 
 
 def _check_writable(run_dir: Path) -> None:
-    """Create the directory and prove a file can be created in it (then remove the probe)."""
+    """Create the directory and prove a file can be created in it and in its ``checkpoints/``
+    when that exists (then remove the probes): a folder the run cannot write is said now, not
+    at the first save, after steps trained."""
+    _probe(run_dir)
+    checkpoints = run_dir / CHECKPOINT_DIR
+    if checkpoints.is_dir():  # not yet there: the run creates it, as it created run_dir
+        _probe(checkpoints, of_checkpoints=True)
+
+
+def _probe(folder: Path, of_checkpoints: bool = False) -> None:
+    """Create ``folder`` (the run directory, or its ``checkpoints/`` with ``of_checkpoints``)
+    and prove a file can be created in it, else one line naming the folder that refused."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".nanolab-write-test-", dir=run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".nanolab-write-test-", dir=folder)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
         reason = err.strerror or type(err).__name__
+        what = f"{folder} (the run's checkpoints)" if of_checkpoints else f"run directory {folder}"
         if disk_full(err):  # writable, but full: another folder is not the only fix
-            left, fix = room_left(run_dir, err)
-            error = RunDirError(
-                f"run directory {run_dir} cannot be written ({reason}; {left}); {fix}"
-            )
+            left, fix = room_left(folder, err)
+            error = RunDirError(f"{what} cannot be written ({reason}; {left}); {fix}")
             error.errno = err.errno  # the disk-full exit code
             raise error from None
-        raise RunDirError(
-            f"run directory {run_dir} is not writable ({reason}); set run.root (or "
-            "trainer.default_root_dir) to a folder this user can write"
-        ) from None
+        if of_checkpoints:  # the run directory itself is writable: only this folder refuses
+            fix = f"make {folder} writable for this user (the run saves its checkpoints there)"
+        else:
+            fix = "set run.root (or trainer.default_root_dir) to a folder this user can write"
+        raise RunDirError(f"{what} is not writable ({reason}); {fix}") from None
 
 
 def refuse_nested_run_dir(run_dir: Path) -> None:
