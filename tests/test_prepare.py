@@ -766,6 +766,26 @@ def test_a_replacement_killed_between_its_two_renames_gets_the_old_dataset_back(
     assert not list(tmp_path.glob(".data.old-*"))
 
 
+def test_a_no_op_prepare_clears_a_killed_prepares_half_written_folder(tmp_path):
+    """A prepare killed while writing leaves ``.NAME.tmp-XXXXXXXX``, as large as the dataset. A
+    later prepare of the same dataset ("nothing to do"), and every fit that prepares it from
+    data.source, returned before the only place that removed it. The lock is held, so no live
+    prepare is writing it; the folder another dataset (``ds.tmp-x``) is being written to is not
+    this one's, and stays."""
+    out = tmp_path / "ds"
+    first = prepare_dataset(["bundled:shakespeare"], out, "chars", quiet=True)
+    inode = (out / "train.bin").stat().st_ino
+    killed = tmp_path / ".ds.tmp-k1ll3d_x"
+    killed.mkdir()
+    (killed / "train.bin").write_bytes(b"\0" * 4096)
+    others = tmp_path / ".ds.tmp-x.tmp-abcd1234"
+    others.mkdir()
+    assert prepare_dataset(["bundled:shakespeare"], out, "chars", quiet=True) == first
+    assert (out / "train.bin").stat().st_ino == inode  # nothing to do: not written again
+    assert not killed.exists() and others.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ds.tmp-x.tmp-abcd1234", "ds"]
+
+
 def test_leftovers_of_another_dataset_are_never_matched_by_a_name_with_glob_characters(tmp_path):
     other = tmp_path / ".ab.tmp-1"
     other.mkdir()

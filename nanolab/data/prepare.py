@@ -529,10 +529,23 @@ class _DistinctWords:
         return self.cap
 
 
+#: The part after ``.NAME.KIND-`` of what a write leaves beside the dataset folder: the folder
+#: being written (``tempfile.mkdtemp``'s 8 letters, digits or ``_``) and a replaced copy (the
+#: PID of the process that replaced it).
+_LEFTOVER_SUFFIX = {"tmp": re.compile(r"[a-z0-9_]{8}"), "old": re.compile(r"\d+"),
+                    "dead": re.compile(r"\d+")}  # fmt: skip
+
+
 def _leftovers(out_dir: Path, kind: str) -> list[Path]:
-    """``.<name>.<kind>-*`` beside ``out_dir``, newest first (the name taken literally: a
-    dataset called ``a*`` never matches another's)."""
-    found = out_dir.parent.glob(f".{glob.escape(out_dir.name)}.{kind}-*")
+    """``.<name>.<kind>-*`` beside ``out_dir``, newest first (the name taken literally, and the
+    suffix as prepare writes it: a dataset called ``a*`` never matches another's, nor ``a``
+    the folder being written for a dataset called ``a.tmp-x``, ``.a.tmp-x.tmp-XXXXXXXX``)."""
+    prefix = f".{out_dir.name}.{kind}-"
+    found = [
+        p
+        for p in out_dir.parent.glob(f"{glob.escape(prefix)}*")
+        if _LEFTOVER_SUFFIX[kind].fullmatch(p.name[len(prefix) :])
+    ]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -541,11 +554,17 @@ def _finish_interrupted_swap(out_dir: Path) -> None:
     between the two, the old one is the only copy: put it back (the run that was replacing it
     starts again from the rules, ``--force`` included). Once ``out_dir`` is there, a leftover
     old copy is what was replaced, and goes; a replaced copy is renamed ``.dead-`` before it is
-    deleted, so one whose deletion was killed is never put back. Called with the lock held."""
+    deleted, so one whose deletion was killed is never put back.
+
+    A killed prepare's half-written ``.<name>.tmp-*`` (as large as the dataset) goes too, here
+    and not only before a write: a later no-op prepare, and every ``fit`` that reuses the
+    dataset, stop at "nothing to do". Called with the lock held, which a prepare holds from
+    before it creates its folder until that folder is renamed into place: so no live prepare
+    is writing one, and every one found is a dead process's."""
     olds = _leftovers(out_dir, "old")
     if olds and not out_dir.exists():
         os.replace(olds.pop(0), out_dir)
-    for stale in olds + _leftovers(out_dir, "dead"):
+    for stale in olds + _leftovers(out_dir, "dead") + _leftovers(out_dir, "tmp"):
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -816,9 +835,7 @@ class _Job:
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
-        out_dir: Path = self.out_dir
-        for stale in _leftovers(out_dir, "tmp"):  # a killed run's half-written output
-            shutil.rmtree(stale, ignore_errors=True)
+        out_dir: Path = self.out_dir  # a killed run's leftovers: _finish_interrupted_swap
         tok = self._build_tokenizer()
         if tok.eot_id is None:
             raise PrepareError(f"tokenizer {self.tokenizer!r} has no end-of-text token")
