@@ -995,6 +995,28 @@ def test_a_prepared_dataset_inside_an_input_folder_is_skipped_not_read_as_corpus
     assert FORMAT.startswith(DATASET_FORMAT_PREFIX)  # the two modules agree on what one is
 
 
+@pytest.mark.parametrize("name", ["train.bin", "val.bin", "meta.json"])
+def test_a_file_of_a_prepared_dataset_named_as_a_source_is_refused(tmp_path, capsys, name):
+    """``prepare ds/train.bin -o ds2`` tokenized the token ids' bytes as text (with --skip-bad,
+    or ids that happen to be UTF-8), where naming the folder ``ds`` is refused; ``ds/meta.json``
+    was a bad JSON line with advice to edit it. Refused in the folder's words, nothing written.
+    A text file kept beside a dataset is still read."""
+    ds = tmp_path / "ds"
+    prepare_dataset(["bundled:shakespeare"], ds, "chars", quiet=True)
+    capsys.readouterr()
+    assert main([str(ds / name), "-o", str(tmp_path / "ds2"), "--skip-bad"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"nanolab prepare: error: {ds / name} is a file of the prepared nanolab dataset {ds}, "
+        "not a corpus; give the files or folder of text it was prepared from"
+    ]
+    assert not (tmp_path / "ds2").exists()
+    with pytest.raises(sources.SourceError, match=r"^data\.source: .* is a file of the prepared"):
+        sources.resolve_sources([str(ds / name)], setting="data.source")  # fit's words
+    (ds / "notes.txt").write_text(SAMPLE)
+    assert len(sources.resolve_sources([str(ds / "notes.txt")]).files) == 1
+
+
 def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
     """A link beside its target (or a file inside a folder also given, overlapping globs) was
     read twice: the text doubled, and each copy was split into train and validation on its

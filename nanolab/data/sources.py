@@ -181,6 +181,9 @@ DATASET_META_MAX_BYTES = 16 << 20
 
 #: How a prepared dataset met among the sources is listed as skipped, after its folder.
 DATASET_SKIPPED = ": a prepared nanolab dataset (its meta.json), skipped"
+#: The files ``nanolab prepare`` writes into a dataset folder: its token ids and their key, not
+#: text (``train.bin`` read as text is its ids' bytes tokenized again).
+DATASET_FILE_NAMES = ("train.bin", "val.bin", "meta.json", "tokenizer.json")
 
 
 def is_prepared_dataset(directory: Path) -> bool:
@@ -308,6 +311,13 @@ def resolve_sources(
                 )
             files.extend(f for p in found if (f := _input_file(p, explicit=False)) is not None)
         elif path.is_file():
+            if path.name in DATASET_FILE_NAMES and is_prepared_dataset(path.parent):
+                raise SourceError(
+                    named(
+                        f"{path} is a file of the prepared nanolab dataset {path.parent}, not a "
+                        "corpus; give the files or folder of text it was prepared from"
+                    )
+                )
             files.append(_input_file(path, explicit=True))  # type: ignore[arg-type]
         elif glob.has_magic(spec):
             try:
