@@ -28,6 +28,8 @@ class OneLineParser(argparse.ArgumentParser):
         hint = unknown_option_hint(message, option_strings(self))
         if hint:
             self.exit(2, f"{self.prog}: error: {message}; {hint}\n")
+        if "; did you mean " in message:  # the caller named the option meant: the line ends there
+            self.exit(2, f"{self.prog}: error: {message}\n")
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
