@@ -77,6 +77,19 @@ def _lightning_logs_to_this_tests_stderr() -> None:
         handler.stream = sys.stderr
 
 
+@pytest.fixture(autouse=True)
+def _verbosity_per_test():
+    """A test that runs a verb with ``-q`` in this process (``nanolab_here("-q", ...)``) sets
+    the ``nanolab`` logger to quiet for the process: a later test reading a ``say`` line on
+    stderr found none. Each test ends with the verbosity the environment asks for (Lightning's
+    quieted loggers restored too), as a new process would have it."""
+    from nanolab import messages
+
+    yield
+    if messages.LOGGER.handlers:  # configured by this test or an earlier one
+        messages.configure()
+
+
 @pytest.fixture
 def lm_eval_local_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """lm-eval in this process without the two things of its own no test reads: the index of
