@@ -28,6 +28,7 @@ from nanolab.downstream.tasks import suite_name_of
 from nanolab.errors import NanolabError
 from nanolab.processes import gone_lock_holder
 from nanolab.runlog import (
+    CHECKPOINT_DIR,
     RUN_LOG_NAME,
     iter_backwards,
     iter_numbered,
@@ -320,6 +321,26 @@ def start_data_identity(start: dict[str, Any] | None) -> str | None:
     """A start record's ``data_identity`` (what the run's data holds), None when not logged."""
     value = (start or {}).get("data_identity")
     return value if isinstance(value, str) and value else None
+
+
+def data_identity_of(start: dict[str, Any] | None, run_dir: Path) -> str | None:
+    """What a run's data held: its start record's ``data_identity``, or for a log from before
+    that record, the identity its newest checkpoint file stored (its DataModule's data record:
+    what it trained on, not what a folder of that name holds now, which may have been prepared
+    again or be another project's); None when neither says."""
+    logged = start_data_identity(start)
+    if logged is not None or start is None:
+        return logged
+    try:
+        files = [p for p in (run_dir / CHECKPOINT_DIR).glob("*.ckpt") if p.is_file()]
+    except OSError:
+        return None
+    if not files:
+        return None
+    from nanolab.data.checks import checkpoint_data_identity
+
+    newest = max(files, key=lambda p: (p.stat().st_mtime, p.name))
+    return checkpoint_data_identity(newest)
 
 
 def config_of(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any] | None:
@@ -755,7 +776,7 @@ class _RunStream:
         s.rollbacks = self.rollbacks
         config = config_of([start] if start else [], run_dir)
         s.group = seed_free_fingerprint(config, keep_nulls=True)
-        s.data_identity = start_data_identity(start)
+        s.data_identity = data_identity_of(start, run_dir)
         seed = (start or {}).get("seed", (config or {}).get("seed_everything"))
         seed_value = None if isinstance(seed, bool) else num(seed)
         s.seed = int(seed_value) if seed_value is not None else None

@@ -727,28 +727,53 @@ def test_seeds_on_one_dataset_named_two_ways_are_one_group(tmp_path: Path, capsy
     ]  # fmt: skip
 
 
+def _saved_on(run_dir: Path, fingerprint: dict[str, Any]) -> None:
+    """A checkpoint file in ``run_dir`` whose DataModule state holds ``fingerprint``, as every
+    nanolab checkpoint does (no weights: only the data record is read)."""
+    import torch
+
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    state = {"TokenDataModule": {"data_fingerprint": fingerprint, "align": "stream"}}
+    torch.save(state, run_dir / "checkpoints" / "step-00000001.ckpt")
+
+
 def test_a_sweep_straddling_the_data_identity_stays_one_group(tmp_path: Path, capsys) -> None:
     """Seeds logged before the start record carried ``data_identity`` and seeds logged after,
-    on one folder, are one group compared with the other config: the older logs take the
-    identity their peers logged for that folder (they were split into a group per log format,
-    each left with too few seeds). Where the peers logged two contents, the older log takes
-    neither and stands apart."""
+    on one data, are one group compared with the other config: an older log's identity is
+    read from its checkpoint's data record (what it trained on). A folder of the same name
+    that held other text (another project's, or prepared again) is other data: the older runs
+    are neither grouped with the newer nor compared with them."""
+    from nanolab.data.checks import content_identity
+
+    def fingerprint(sample: str) -> dict[str, Any]:
+        prints = {"meta_sha256": sample, "train.bin": 100, "val.bin": 10}
+        return {"version": 1, "datasets": [{"name": "d", "path": "data", "weight": 1.0, **prints}]}
+
+    same, other = fingerprint("aaa"), fingerprint("bbb")
+    identity = content_identity(same)
     runs = tmp_path / "runs"
-    for seed, identity in ((1, None), (2, "abc"), (3, "abc")):
-        _with_data(write_run(runs, f"a-s{seed}", seed=seed, losses=[3.0],
-                             vals={1: 2.5 + seed / 100}), "data", identity)  # fmt: skip
-    for seed, identity in ((1, None), (2, "abc")):
-        _with_data(write_run(runs, f"b-s{seed}", seed=seed, lr=0.01, losses=[3.0],
-                             vals={1: 2.7 + seed / 100}), "data", identity)  # fmt: skip
+    for seed, logged in ((1, None), (2, identity), (3, identity)):
+        run_dir = _with_data(write_run(runs, f"a-s{seed}", seed=seed, losses=[3.0],
+                                       vals={1: 2.5 + seed / 100}), "data", logged)  # fmt: skip
+        _saved_on(run_dir, same)
+    for seed, logged in ((1, None), (2, identity)):
+        run_dir = _with_data(write_run(runs, f"b-s{seed}", seed=seed, lr=0.01, losses=[3.0],
+                                       vals={1: 2.7 + seed / 100}), "data", logged)  # fmt: skip
+        _saved_on(run_dir, same)
     code, out, _ = run_report(capsys, str(runs), "--json")
     assert code == 0
     groups = {g["label"]: g["runs"] for g in json.loads(out)["seed_groups"]}
     assert groups == {"lr=0.003": ["a-s1", "a-s2", "a-s3"], "lr=0.01": ["b-s1", "b-s2"]}
     assert len(json.loads(out)["comparisons"]) == 1
 
-    mixed = tmp_path / "mixed"  # "data" prepared again: an older log cannot say which it had
-    for name, identity in (("x-s1", None), ("x-s2", "abc"), ("x-s3", "def")):
-        _with_data(write_run(mixed, name, seed=int(name[-1]), losses=[3.0], vals={1: 2.5}),
-                   "data", identity)  # fmt: skip
-    _, out, _ = run_report(capsys, str(mixed), "--json")
-    assert json.loads(out)["seed_groups"] == []
+    elsewhere = tmp_path / "elsewhere"  # "data" of another project: older logs, other text
+    for seed in (1, 2):
+        run_dir = _with_data(write_run(elsewhere, f"o-s{seed}", seed=seed, lr=0.03,
+                                       losses=[3.0], vals={1: 2.6}), "data", None)  # fmt: skip
+        _saved_on(run_dir, other)
+    _, out, _ = run_report(capsys, str(runs), str(elsewhere), "--json")
+    report = json.loads(out)
+    labels = [g["label"] for g in report["seed_groups"]]
+    assert len(labels) == 3 and sum("lr=0.03" in label for label in labels) == 1, labels
+    tested = {tuple(sorted((c["a"], c["b"]))) for c in report["comparisons"]}
+    assert len(tested) == 1 and all("0.03" not in side for side in next(iter(tested))), tested

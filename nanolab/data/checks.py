@@ -401,6 +401,17 @@ def checkpoint_data_state(ckpt_path: str | Path, key: str) -> dict[str, Any] | N
     return state if isinstance(state, dict) else None
 
 
+def checkpoint_data_identity(ckpt_path: str | Path) -> str | None:
+    """What the data a checkpoint file was trained on held (:func:`content_identity` of the
+    fingerprint its DataModule state stored, whatever the class's name), read as
+    :func:`checkpoint_data_state` reads; None when it stored none. For a run log that predates
+    the start record's ``data_identity``: its checkpoint knows, where a folder's name may not."""
+    for value in _mapped_checkpoint(ckpt_path).values():
+        if isinstance(value, dict) and isinstance(value.get("data_fingerprint"), dict):
+            return content_identity(value["data_fingerprint"])
+    return None
+
+
 def checkpoint_fingerprint(ckpt_path: str | Path, key: str) -> dict[str, Any] | None:
     """The data fingerprint stored under ``key`` in a checkpoint file (None if it has none),
     read as :func:`checkpoint_data_state` reads."""

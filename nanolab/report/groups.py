@@ -15,8 +15,8 @@ from nanolab.runs import (
     RunsError,
     RunSummary,
     config_of,
+    data_identity_of,
     seed_free_fingerprint,
-    start_data_identity,
     summarize_run,
     tail_records,
 )
@@ -180,9 +180,7 @@ def _common_configs(summaries: list[RunSummary]) -> dict[str, dict[str, Any]]:
     two configs), and a key only some logs carry where those logs disagree on it. A key only
     some logs carry, all with one value, was added (or removed) by another nanolab version with
     a default the older runs also trained with, so it must not split one experiment's seeds;
-    where the logs that carry it differ, a run without it is a config of its own (``unset``).
-    An older log takes its peers' data identity first (:func:`infer_data_identity`)."""
-    infer_data_identity(summaries)
+    where the logs that carry it differ, a run without it is a config of its own (``unset``)."""
     flats = {s.run: _flat_config(s) for s in summaries if s.group is not None}
     # A run whose log holds part of its config (a section others have is missing: an older
     # debug run logged only its model) cannot be compared: it stands alone, instead of cutting
@@ -262,26 +260,6 @@ def where_text(s: RunSummary) -> str:
     if isinstance(where, list):  # a mixture: its folders
         where = "+".join(str(d.get("path", d)) if isinstance(d, dict) else str(d) for d in where)
     return str(where) if where else "data unknown"
-
-
-def infer_data_identity(summaries: list[RunSummary]) -> None:
-    """Give a run whose log predates ``data_identity`` the identity its peers logged for the
-    same dataset as configured, where they all logged one: the seeds of one sweep that
-    straddles an upgrade stay one group, compared on one data. Where the peers disagree (the
-    folder was prepared again between them) or none logged it, the run keeps none."""
-    seen: dict[str, set[str]] = {}
-    for s in summaries:
-        where = _data_where(s)
-        if s.data_identity is not None and where is not None:
-            seen.setdefault(json.dumps(where, sort_keys=True, default=str), set()).add(
-                s.data_identity
-            )
-    for s in summaries:
-        where = _data_where(s)
-        if s.data_identity is None and where is not None:
-            known = seen.get(json.dumps(where, sort_keys=True, default=str), set())
-            if len(known) == 1:
-                s.data_identity = next(iter(known))
 
 
 def by_config(summaries: list[RunSummary]) -> list[list[RunSummary]]:
@@ -496,7 +474,7 @@ def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:
             run=n,
             status="",
             group=seed_free_fingerprint(config_of(start, d), keep_nulls=True),
-            data_identity=start_data_identity(start[-1] if start else None),
+            data_identity=data_identity_of(start[-1] if start else None, d),
         )
         for n, d in found
         for start in (tail_records(d, "start"),)
