@@ -29,10 +29,21 @@ from typing import IO, Any
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import NanolabError, size_limit_met
 from nanolab.messages import warn
+from nanolab.processes import RUN_LOCK_NAME, read_lock_holder
 
 RUN_LOG_NAME = "metrics.jsonl"
 QUEUE_LOG_NAME = "queue.log"  # a queued job's console output, beside its run log
 CHECKPOINT_DIR = "checkpoints"  # a run's checkpoints, beside its run log
+
+#: First line of the ``config.yaml`` a run writes: it tells the run's own copy (rewritten at
+#: each launch) from a config a user keeps in the folder, which a launch must not overwrite.
+CONFIG_HEADER = "# nanolab fit: this run's merged config, rewritten at each launch\n"
+#: What every run's ``config.yaml`` starts with (the header's wording may change).
+CONFIG_MARK = b"# nanolab fit:"
+
+#: The records that say which run a log is: its ``start`` records and, after the log was
+#: deleted under a live run, the ``log_recreated`` record its writer starts the new file with.
+OWNER_EVENTS = ("start", "log_recreated")
 
 #: The checkpoint names nanolab writes in a run's ``checkpoints/``.
 _NANOLAB_CHECKPOINT = re.compile(r"(last|step-\d+)\.ckpt")
@@ -235,22 +246,46 @@ def _open_log(path: str | os.PathLike[str], mode: str) -> IO[Any] | None:
         ) from None
 
 
+def names_run(record: dict[str, Any]) -> bool:
+    """Whether ``record`` says which run its log belongs to (:data:`OWNER_EVENTS`, naming a
+    ``run_id``): the one rule for a log's owner."""
+    return record.get("event") in OWNER_EVENTS and bool(record.get("run_id"))
+
+
 def is_nanolab_run(folder: str | os.PathLike[str]) -> bool:
-    """Whether ``folder`` is a run nanolab wrote: its log opens with a nanolab ``start`` record,
-    or its ``checkpoints/`` holds a checkpoint named as nanolab names them (a run whose log
-    was lost still owns its checkpoints). A ``metrics.jsonl`` another tool left in a project
-    folder is not a run, so it does not put everything below it "inside a run"."""
+    """Whether ``folder`` is a run nanolab wrote: its log opens with a record naming its run (a
+    ``start``, or the ``log_recreated`` a live run starts its log again with when it was
+    deleted), a launch's lock or the run's own ``config.yaml`` is there
+    (:func:`_held_or_configured`), or its ``checkpoints/`` holds a checkpoint named as nanolab
+    names them (a run whose log was lost still owns its checkpoints). A ``metrics.jsonl``
+    another tool left in a project folder is not a run, so it does not put everything below it
+    "inside a run"."""
     folder = Path(folder)
     for _, record in iter_numbered(folder / RUN_LOG_NAME):
-        if record.get("event") == "start" and "run_id" in record:
+        if names_run(record):
             return True
-        break  # the start record is a run log's first
+        break  # the record naming the run is a run log's first
+    if _held_or_configured(folder):
+        return True
     checkpoints = folder / CHECKPOINT_DIR
     try:
         names = [entry.name for entry in os.scandir(checkpoints)] if checkpoints.is_dir() else []
     except OSError:  # unreadable: no checkpoint of nanolab's seen there
         names = []
     return any(_NANOLAB_CHECKPOINT.fullmatch(name) for name in names)
+
+
+def _held_or_configured(folder: Path) -> bool:
+    """Whether a launch holds ``folder`` (its run lock names a holder: a live run whose log was
+    deleted, and not yet started again, is still a run) or the run's own ``config.yaml`` is
+    there (it starts with :data:`CONFIG_HEADER`, which only a run writes)."""
+    if read_lock_holder(folder / RUN_LOCK_NAME) is not None:
+        return True
+    try:
+        with open(folder / "config.yaml", "rb") as f:
+            return f.readline(len(CONFIG_HEADER) + 1).startswith(CONFIG_MARK)
+    except OSError:  # none, or a folder in its place
+        return False
 
 
 def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
@@ -264,7 +299,9 @@ def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
     given = Path(os.path.abspath(path))
     for start in (given, Path(os.path.realpath(given))):
         for folder in (start, *start.parents):
-            if (folder / RUN_LOG_NAME).is_file() and is_nanolab_run(folder):
+            if _held_or_configured(folder) or (
+                (folder / RUN_LOG_NAME).is_file() and is_nanolab_run(folder)
+            ):
                 return folder
     return None
 

@@ -29,6 +29,8 @@ from nanolab.errors import NanolabError
 from nanolab.processes import gone_lock_holder
 from nanolab.runlog import (
     CHECKPOINT_DIR,
+    CONFIG_HEADER,
+    CONFIG_MARK,
     RUN_LOG_NAME,
     iter_backwards,
     iter_numbered,
@@ -41,9 +43,6 @@ from nanolab.runlog import (
 #: names a dead process of this host counts as crashed at once.
 STALE_AFTER_S = 600.0
 
-#: First line of the ``config.yaml`` a run writes: it tells the run's own copy (rewritten at
-#: each launch) from a config a user keeps in the folder, which a launch must not overwrite.
-CONFIG_HEADER = "# nanolab fit: this run's merged config, rewritten at each launch\n"
 
 #: Config keys that differ between seeds of one experiment (dropped before grouping).
 SEED_KEYS = (
@@ -299,7 +298,7 @@ def foreign_config(run_dir: Path) -> str | None:
             first = f.readline(len(CONFIG_HEADER) + 1)
     except OSError:  # none (or unreadable: the writability check speaks for it)
         return None
-    if first.startswith(b"# nanolab fit:"):
+    if first.startswith(CONFIG_MARK):
         return None
     try:
         import yaml

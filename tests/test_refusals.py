@@ -16,7 +16,7 @@ from conftest import tiny_overrides, write_config
 
 from nanolab.callbacks.rundir import RunDirError, claim_run_dir
 from nanolab.data.prepare import OutputInUseError, prepare_dataset
-from nanolab.errors import RunConfigError
+from nanolab.errors import NanolabError, RunConfigError
 from nanolab.eval_tasks import EvalArgumentError, check_json_target
 from nanolab.queue.jobs import JobConfigError, job_names, parse_config
 from nanolab.run.parse import FitParseError, parse_fit_config
@@ -49,6 +49,36 @@ def test_run_dir_holding_finds_the_run_a_path_lies_in(tmp_path: Path) -> None:
     assert run_dir_holding(run / "metrics.jsonl") == run
     assert run_dir_holding(tmp_path / "runs" / "B.json") is None
     assert run_dir_holding(tmp_path / "out.json") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "is_run"),
+    [
+        # a live run's log deleted under it starts again with a record naming the run
+        ("metrics.jsonl", '{"event": "log_recreated", "step": 7, "run_id": "r1"}\n', True),
+        ("metrics.jsonl", '{"event": "log_recreated", "step": 7, "run_id": null}\n', False),
+        ("metrics.jsonl", '{"event": "train", "step": 7}\n', False),  # another tool's log
+        # a launch holds the folder (its log deleted, not yet started again)
+        (".nanolab.lock", '{"host": "h", "pid": 12, "command": "nanolab fit"}', True),
+        ("config.yaml", "# nanolab fit: this run's merged config\ntrainer: {}\n", True),
+        ("config.yaml", "trainer: {max_steps: 6}\n", False),  # a user's own config
+    ],
+)
+def test_a_live_run_whose_log_was_deleted_is_still_a_run(
+    tmp_path: Path, name: str, text: str, is_run: bool
+) -> None:
+    """``rm runs/live/metrics.jsonl`` while it trained: the run starts its log again with a
+    ``log_recreated`` record, and ``prepare -o runs/live/data`` wrote inside the live run."""
+    run = tmp_path / "runs" / "live"
+    run.mkdir(parents=True)
+    (run / name).write_text(text)
+    assert run_dir_holding(run / "data") == (run if is_run else None)
+    if is_run:
+        corpus = tmp_path / "in.txt"
+        corpus.write_text("a small corpus of its own\n" * 40)
+        with pytest.raises(NanolabError, match="is inside the run directory"):
+            prepare_dataset([str(corpus)], run / "data", "chars", quiet=True)
+        assert sorted(p.name for p in run.iterdir()) == [name]
 
 
 @pytest.mark.parametrize(

@@ -269,7 +269,7 @@ def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
     (:func:`as_recorded`); written atomically."""
     import yaml
 
-    from nanolab.runs import CONFIG_HEADER
+    from nanolab.runlog import CONFIG_HEADER
     from nanolab.training.resolve import plain_config
 
     data = yaml.safe_load(parser.dump(config, skip_none=False, skip_validation=True))

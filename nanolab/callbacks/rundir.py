@@ -31,12 +31,14 @@ from nanolab.data.skips import LEDGER
 from nanolab.errors import disk_full, room_left
 from nanolab.runlog import (
     CHECKPOINT_DIR,
+    OWNER_EVENTS,
     QUEUE_LOG_NAME,
     RUN_LOG_NAME,
     dumps,
     iter_backwards,
     iter_numbered,
     last_record,
+    names_run,
     run_dir_holding,
 )
 from nanolab.runs import foreign_config
@@ -432,9 +434,9 @@ def _last_start_and_owner(log_path: Path) -> tuple[dict[str, Any] | None, str | 
     the end: a resumed run's log holds one ``start`` per launch, the first on its first line,
     and only those lines and the ``log_recreated`` ones are parsed."""
     start, owner = None, None
-    with contextlib.closing(iter_backwards(log_path, ("start", "log_recreated"))) as newest:
+    with contextlib.closing(iter_backwards(log_path, OWNER_EVENTS)) as newest:
         for record in newest:
-            if owner is None and record.get("run_id"):
+            if owner is None and names_run(record):
                 owner = str(record["run_id"])
             if start is None and record.get("event") == "start":
                 start = record
