@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -785,6 +786,62 @@ def test_an_async_save_whose_process_was_killed_before_logging_it_is_recorded_on
     assert res.returncode == 0, res.stderr[-2000:]
     assert read_records(log, "checkpoint")[: len(before)] == before
     assert [r["step"] for r in read_records(log, "checkpoint")] == [3, 6, 8, 9]
+
+
+def _checkpoint_files(folder, steps, mtime):
+    """Step checkpoints of ``steps`` in ``folder``, each of 6 bytes, modified at ``mtime``."""
+    import os
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        path = folder / f"step-{step:08d}.ckpt"
+        path.write_bytes(b"weight")
+        os.utime(path, (mtime, mtime))
+
+
+def _checkpoint_records(log, folder, steps_and_times):
+    with open(log, "a") as f:
+        for step, when in steps_and_times:
+            path = folder / f"step-{step:08d}.ckpt"
+            record = {"event": "checkpoint", "time": when, "step": step, "path": str(path),
+                      "bytes": 6}  # fmt: skip
+            f.write(json.dumps(record) + "\n")
+
+
+def test_a_resume_after_copying_the_run_records_no_checkpoint_twice(tmp_path) -> None:
+    """A run folder copied with ``cp -r`` (or ``rsync -r``, a cloud sync, a network file
+    system's clock ahead) gives every checkpoint a new file time: a resume matched a file to its
+    record by step and "record time >= file time - 60 s" and wrote a false ``recovered`` record
+    for each one its log already had. Only a save after the newest recorded one can lack its
+    record (the kill window of an async save), matched by step and file name."""
+    from nanolab.callbacks.checkpoint import unrecorded_checkpoints
+
+    folder, log = tmp_path / "checkpoints", tmp_path / "metrics.jsonl"
+    saved_at = 1_700_000_000.0
+    _checkpoint_files(folder, [3, 6], saved_at + 3600)  # copied an hour later
+    _checkpoint_records(log, Path("/elsewhere/checkpoints"), [(3, saved_at), (6, saved_at)])
+    assert unrecorded_checkpoints(folder, log, upto=9) == []
+    # the save the killed process never recorded is still found, whatever its time
+    _checkpoint_files(folder, [9], saved_at - 7200)
+    assert [r["step"] for r in unrecorded_checkpoints(folder, log, upto=9)] == [9]
+    assert unrecorded_checkpoints(folder, log, upto=8) == []  # a resume from step 6
+
+
+def test_a_checkpoint_saved_again_after_a_resume_from_an_earlier_one_is_recovered(
+    tmp_path,
+) -> None:
+    """Resumed from step 3 of a run that had saved 3, 6 and 9: the record of step 9 from
+    before names the file saved then, not the one saved again in the kill window."""
+    from nanolab.callbacks.checkpoint import unrecorded_checkpoints
+
+    folder, log = tmp_path / "checkpoints", tmp_path / "metrics.jsonl"
+    first = 1_700_000_000.0
+    _checkpoint_records(log, folder, [(3, first), (6, first), (9, first), (6, first + 500)])
+    _checkpoint_files(folder, [3, 6], first)
+    _checkpoint_files(folder, [9], first)  # the first launch's file: recorded
+    assert unrecorded_checkpoints(folder, log, upto=9) == []
+    _checkpoint_files(folder, [9], first + 900)  # saved again, its record never written
+    assert [r["step"] for r in unrecorded_checkpoints(folder, log, upto=9)] == [9]
 
 
 def test_the_hard_link_refusal_advises_a_fix_that_keeps_the_log_history(tmp_path) -> None:

@@ -613,13 +613,20 @@ def unrecorded_checkpoints(folder: Path, log: Path, upto: int) -> list[dict[str,
     """``checkpoint`` records for the step checkpoints in ``folder`` (steps up to ``upto``) that
     the run log ``log`` has none for, oldest first, each marked ``recovered``.
 
-    A file's record is one at its step written after the file was complete (its time not before
-    the file's modification time, give or take :data:`RECORD_CLOCK_SLACK_S`): a record of the
-    same step from before a rollback is another file's. The log is read backwards, only as far
-    as the oldest such file's time, and only its ``checkpoint`` lines are parsed. A recovered
-    record says what the file says: its ``time`` is the file's modification time (when the save
-    was complete), ``bytes`` its size; what only the saving process knew (``seconds``,
-    ``write_seconds``, ``async``, ``deleted``) is null.
+    Only a save after the newest recorded one can lack its record: an async save is recorded
+    at the step after it completes, so a process killed in between leaves only that one save
+    unrecorded. So only files of a later step than the log's newest ``checkpoint`` record are
+    looked at, and the file times of the others never matter (a copy with ``cp -r`` or
+    ``rsync -r``, a cloud sync or a network file system's clock gives every file a new one). A
+    file of such a step is recorded when a record names its step and file name (and its size,
+    where the record says it) from no earlier than the file was complete, give or take
+    :data:`RECORD_CLOCK_SLACK_S`: after a resume from an earlier checkpoint, a record of the
+    same step from before it is another file's (a rollback moves the newer files away).
+
+    The log is read backwards, only its ``checkpoint`` lines parsed, and no further back than
+    the oldest such file. A recovered record says what the file says: its ``time`` is the
+    file's modification time (when the save was complete), ``bytes`` its size; what only the
+    saving process knew (``seconds``, ``write_seconds``, ``async``, ``deleted``) is null.
     """
     files: dict[int, tuple[Path, float]] = {}
     try:
@@ -634,21 +641,26 @@ def unrecorded_checkpoints(folder: Path, log: Path, upto: int) -> list[dict[str,
                         files[step] = (Path(folder) / entry.name, st.st_mtime)
     except OSError:
         return []
-    if not files:
-        return []
-    unseen = dict(files)
-    oldest = min(mtime for _, mtime in files.values()) - RECORD_CLOCK_SLACK_S
+    unseen: dict[int, tuple[Path, float]] | None = None  # known at the newest record
     with contextlib.closing(iter_backwards(log, "checkpoint")) as newest_first:
         for record in newest_first:
-            when, step = record.get("time"), record.get("step")
-            if not isinstance(when, (int, float)) or isinstance(when, bool):
+            step = record.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):
                 continue
-            if when < oldest:
-                break  # older than every file: no record of one of them lies further back
-            if step in unseen and when >= unseen[step][1] - RECORD_CLOCK_SLACK_S:
+            if unseen is None:  # the newest recorded save: only later ones can be unrecorded
+                unseen = {s: f for s, f in files.items() if s > step}
+                if not unseen:
+                    return []
+                oldest = min(mtime for _, mtime in unseen.values()) - RECORD_CLOCK_SLACK_S
+            when = record.get("time")
+            if isinstance(when, (int, float)) and not isinstance(when, bool) and when < oldest:
+                break  # older than every such file: no record of one of them lies further back
+            if step in unseen and _records_file(record, *unseen[step]):
                 del unseen[step]
                 if not unseen:
                     break
+    if unseen is None:  # the log records no save: every file is one
+        unseen = files
     return [
         {
             "event": "checkpoint",
@@ -664,6 +676,22 @@ def unrecorded_checkpoints(folder: Path, log: Path, upto: int) -> list[dict[str,
         }
         for step, (path, mtime) in sorted(unseen.items())
     ]
+
+
+def _records_file(record: dict[str, Any], path: Path, mtime: float) -> bool:
+    """Whether the ``checkpoint`` record ``record`` (of ``path``'s step) is the record of the
+    file ``path``: the same file name, the same size where the record says it, written no
+    earlier than the file was complete (give or take :data:`RECORD_CLOCK_SLACK_S`)."""
+    named = record.get("path")
+    if isinstance(named, str) and Path(named).name != path.name:
+        return False
+    size = record.get("bytes")
+    if isinstance(size, int) and not isinstance(size, bool) and size != _size(path):
+        return False
+    when = record.get("time")
+    if not isinstance(when, (int, float)) or isinstance(when, bool):
+        return False
+    return when >= mtime - RECORD_CLOCK_SLACK_S
 
 
 def unlink_in(folder: ClaimedDir, path: Path) -> None:
