@@ -5,8 +5,9 @@ This test parses every module of ``nanolab/`` and ``benches/`` and finds each wa
 about the device (:class:`DeviceBranches`): a comparison, ``in`` test or ``case`` against
 ``"cuda"``, ``"cpu"``, ``"hip"``, ``"mps"`` or ``"gpu"`` (either side, or in a tuple),
 ``.startswith("cuda")``, ``.is_cuda``, anything reached through ``torch.cuda``,
-``torch.backends.cuda``, ``torch.accelerator``, ``torch.get_device_module`` or
-``torch.version.hip`` (imported under any name, or through ``getattr``), code in a string that
+``torch.backends.cuda``, ``torch.backends.cudnn``, ``torch.backends.mps``, ``torch.mps``,
+``torch.xpu``, ``torch.accelerator``, ``torch.get_device_module``, ``torch.version.hip`` or
+``torch.version.cuda`` (imported under any name, or through ``getattr``), code in a string that
 does (a child's ``python -c``), ``CUDAAccelerator``, and the GPU query libraries (``pynvml``,
 ``amdsmi``). A file with such a hit must be in :data:`TWINS` (a test that runs the same code on
 a CPU, by forcing the setting or through a seam), :data:`NO_CPU_TWIN` (with why) or
@@ -36,6 +37,11 @@ DEVICE_MODULES = (
     "torch.accelerator",
     "torch.get_device_module",
     "torch.version.hip",
+    "torch.version.cuda",
+    "torch.backends.mps",
+    "torch.backends.cudnn",
+    "torch.mps",
+    "torch.xpu",
 )
 #: Libraries that ask the GPU's driver directly (utilisation, bus ids, memory).
 GPU_LIBRARIES = frozenset({"pynvml", "amdsmi", "pyrsmi", "nvidia_smi"})
@@ -72,7 +78,11 @@ def _is_device_module(dotted: str | None) -> bool:
 
 
 #: What code in a string (a child's ``python -c``) asks the device through.
-CODE_IN_TEXT = (*(f"{module}." for module in DEVICE_MODULES), "torch.version.hip")
+CODE_IN_TEXT = (
+    *(f"{module}." for module in DEVICE_MODULES),
+    "torch.version.hip",
+    "torch.version.cuda",
+)
 
 
 class DeviceBranches(ast.NodeVisitor):
@@ -250,7 +260,7 @@ NO_CPU_TWIN: dict[str, str] = {
     "nanolab/estimator/runtime.py": "the device name for the GPU table lookup",
     "nanolab/eval_tasks.py": "the default --device",
     "nanolab/generate.py": "the default --device",
-    "nanolab/model/device.py": "the usable devices named in --device's error",
+    "nanolab/model/device.py": "the usable devices (CUDA, Apple's mps) named in --device's error",
     "nanolab/queue/cli.py": "torch.cuda.device_count for --gpus; a ROCm build's nested masks",
     "nanolab/queue/launch.py": "set_per_process_memory_fraction of a packed job",
     "nanolab/run/compose.py": "whether an accelerator: auto run lands on a GPU",
@@ -298,8 +308,8 @@ BRANCHES: dict[str, dict[str, int]] = {
     },
     "benches/gpu_check.py": {
         "check_flex_mask": 1,
-        "gpu_visible": 3,
-        "machine": 4,
+        "gpu_visible": 5,
+        "machine": 5,
         "synchronize": 2,
     },
     "benches/gpu_pack.py": {"main": 3, "prepare_data": 1},
@@ -351,7 +361,7 @@ BRANCHES: dict[str, dict[str, int]] = {
     "nanolab/estimator/runtime.py": {"_gpu_name": 2, "run_seconds": 2},
     "nanolab/eval_tasks.py": {"main": 1},
     "nanolab/generate.py": {"main": 1},
-    "nanolab/model/device.py": {"check_device": 1},
+    "nanolab/model/device.py": {"check_device": 2},
     "nanolab/model/gpt.py": {"CausalSelfAttention.attend_masked": 1, "compiles_flex": 1},
     "nanolab/queue/cli.py": {"check_gpus_visible": 2, "parse_gpus": 1, "visible_mask": 1},
     "nanolab/queue/launch.py": {"apply_memory_cap": 3},
@@ -364,7 +374,7 @@ BRANCHES: dict[str, dict[str, int]] = {
         "plan_micro_batch": 1,
         "runs_on_cpu": 3,
     },
-    "nanolab/run/trainer_errors.py": {"gpu_visible": 1, "missing_gpu": 3, "torch_build": 1},
+    "nanolab/run/trainer_errors.py": {"gpu_visible": 2, "missing_gpu": 3, "torch_build": 2},
     "nanolab/training/masked_targets.py": {"holds_masked_targets": 1},
     "nanolab/training/module.py": {
         "GPTLightningModule.on_fit_start": 1,
@@ -462,6 +472,13 @@ SNIPPETS = [
     "torch.backends.cuda.matmul.allow_tf32 = True",
     "m = torch.get_device_module(d)",
     "if torch.version.hip: pass",
+    "if torch.version.cuda is None: pass",
+    "ok = torch.backends.mps.is_available()",
+    "torch.backends.cudnn.benchmark = True",
+    "torch.mps.synchronize()",
+    "n = torch.xpu.device_count()",
+    "from torch.backends import mps\nok = mps.is_built()",
+    'subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda)"])',
     "if x.is_cuda: pass",
     "import torch as t\nt.cuda.synchronize()",
     "def f(cuda=torch.cuda): pass",
