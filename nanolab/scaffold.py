@@ -193,17 +193,20 @@ def write_project(directory: str | Path, name: str | None = None) -> list[Path]:
     try:
         for path, text in targets.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "x", encoding="utf-8") as f:  # "x": never replace, even in a race
-                written.append(path)  # ours from here: a write cut short is removed too
-                try:
+            try:
+                with open(path, "x", encoding="utf-8") as f:  # "x": never replace, even in a race
+                    written.append(path)  # ours from here: a write cut short is removed too
                     f.write(text)
-                except OSError as err:
-                    err.filename = err.filename or str(path)  # write() names no file
-                    raise
+            except OSError as err:
+                # write() names no file, nor does the close that writes a small file's
+                # buffered text (where a full disk or a size limit stops it)
+                err.filename = err.filename or str(path)
+                raise
     except OSError as err:
+        # said before the files go: their removal frees the room the line reports as left
+        said = storage_message(err) if storage_refused(err) else f"cannot write {root}: {err}"
         for path in written:
             path.unlink(missing_ok=True)
-        said = storage_message(err) if storage_refused(err) else f"cannot write {root}: {err}"
         raise with_errno_of(ScaffoldError(f"{said}; no file was left in {root}"), err) from None
     for rel in EMPTY_DIRS:
         (root / rel).mkdir(parents=True, exist_ok=True)

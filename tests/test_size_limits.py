@@ -148,3 +148,22 @@ def test_init_past_a_file_size_limit_leaves_no_half_written_file(tmp_path):
                            timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]
     assert (tmp_path / "proj" / "README.md").stat().st_size > 2048
+
+
+def test_init_names_a_small_file_whose_write_fails_as_it_is_closed(tmp_path):
+    """A small file's text waits in the write buffer and is written when the file is closed:
+    there a full disk (a 28 kB tmpfs) or a size limit stopped init with "cannot write a file",
+    naming none. The line names the file now."""
+    script = (
+        "import sys; from nanolab import scaffold; "
+        "scaffold.template_files = lambda: {'configs/small.yaml': 'x' * 3000}; "
+        "sys.exit(scaffold.main(['proj']))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300,
+                         preexec_fn=_file_size_limit(2048))  # fmt: skip
+    line = one_line(res)
+    assert res.returncode == errors.EXIT_DISK_FULL, line
+    assert line.startswith("nanolab init: error: cannot write proj/configs/small.yaml ("), line
+    assert not [p for p in (tmp_path / "proj").rglob("*") if p.is_file()]

@@ -5,6 +5,7 @@ one), which needs root; elsewhere the module is skipped."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,24 @@ def test_a_full_disk_at_config_yaml_names_the_file_and_leaves_no_tmp(tmp_path, c
         assert f"cannot write {run / 'config.yaml'} (No space left on device; " in errors[0]
         assert "free there); free space there" in errors[0], errors[0]
         assert (sorted(os.listdir(run)), (run / "config.yaml").read_bytes()) == before
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def test_init_on_a_full_disk_names_the_file_and_the_room_there_was(tmp_path):
+    """``nanolab init`` on a 28 kB tmpfs said "cannot write a file (No space left on device)":
+    a small file's text is written as it is closed, where the error named no file. And the
+    room it reported was measured after its files were removed (29 kB free on a full disk)."""
+    small = tmp_path / "small"
+    if not _mount(small, "size=28k"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        res = nanolab_here("init", "proj", cwd=small)
+        _one_error_line(res, "cannot write proj/", "(No space left on device; ",
+                        "no file was left in proj", code=74)  # fmt: skip
+        free = re.search(r"; (\d+) kB free there\)", res.stderr)
+        assert free and int(free.group(1)) < 8, res.stderr  # not the room its removal made
+        assert not [p for p in (small / "proj").rglob("*") if p.is_file()]
     finally:
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
 
