@@ -184,3 +184,35 @@ def test_a_read_only_checkpoints_folder_is_refused_before_training(
     ], res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     assert not (checkpoints.parent / "metrics.jsonl").exists()  # nothing trained, nothing logged
+
+
+def test_a_full_disk_suggests_only_settings_that_keep_fewer_files(tmp_path: Path) -> None:
+    """With ``--checkpoint.keep_last 1 --checkpoint.keep_best 0`` the line said "rerun keeping
+    fewer of the 2 step checkpoints here: --checkpoint.keep_last 1 --checkpoint.keep_best 0",
+    the run's own settings: the second file is the one the spike guard keeps to roll back to.
+    The line names that instead, and only settings that would change what is kept."""
+    from nanolab.callbacks import checkpoint_io
+    from nanolab.callbacks.checkpoint_io import Retention
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step in (10, 20):
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"\0" * 1000)
+    target = folder / "step-00000030.ckpt"
+
+    def line(retention: Retention | None) -> str:
+        full = OSError(errno.ENOSPC, "No space left on device")
+        return checkpoint_io._explain(full, target, None, retention)
+
+    spiked = line(Retention(keep_last=1, keep_best=0, keep_one_older_than=7))
+    assert "--checkpoint.keep_last" not in spiked, spiked
+    assert (
+        "--spike.enabled false (the spike guard keeps step 10, the newest checkpoint at least 7 "
+        "steps older, to roll back to), or --checkpoint.max_disk_gb below 2e-06, deletes" in spiked
+    ), spiked
+    kept_last = line(Retention(keep_last=3, keep_best=1, keep_one_older_than=7))
+    assert ": --checkpoint.keep_last 1 --checkpoint.keep_best 0, or --checkpoint.max" in kept_last
+    assert "--spike" not in kept_last, kept_last  # keep_last 1 deletes step 10 itself
+    capped = line(Retention(keep_last=1, keep_best=0, max_disk_gb=1e-6))
+    assert capped.endswith("; free space, then rerun the same command"), capped
+    assert "--checkpoint.keep_last 1 --checkpoint.keep_best 0" in line(None)  # settings unknown

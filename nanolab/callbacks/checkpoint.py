@@ -38,6 +38,7 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
     STEP_FILE,
     AsyncAtomicCheckpointIO,
     AtomicCheckpointIO,
+    Retention,
     atomic_link,
     step_of,
 )
@@ -284,6 +285,11 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         )
         if isinstance(inner, AtomicCheckpointIO):
             inner.folder = folder
+            inner.retention = self.retention()
+
+    def retention(self) -> Retention:
+        """What rotation keeps, for the advice of a full disk's error line."""
+        return Retention(self.keep_last, self.keep_best, self.max_disk_gb, self.keep_one_older_than)
 
     def _remember(self, name: str) -> None:
         """Record that ``name`` in the claimed folder is this run's file (as it is now)."""
@@ -444,7 +450,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             if self._folder is not None:
                 self._remember(path.name)
             if self.save_last:
-                atomic_link(path, path.parent / LAST_NAME, self._folder)
+                atomic_link(path, path.parent / LAST_NAME, self._folder, self.retention())
                 if self._folder is not None:
                     self._remember(LAST_NAME)
             deleted = self._rotate(path, step, vals)

@@ -121,7 +121,12 @@ def _too_large(path: Path, needed: CheckpointSize | None) -> str:
     return f"could not write checkpoint {path}: file too large: {cause}; {_kept(path)}; {fix}"
 
 
-def _explain(err: OSError, path: Path, needed: CheckpointSize | None = None) -> str:
+def _explain(
+    err: OSError,
+    path: Path,
+    needed: CheckpointSize | None = None,
+    retention: Retention | None = None,
+) -> str:
     if err.errno == errno.EFBIG:
         return _too_large(path, needed)
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -137,7 +142,7 @@ def _explain(err: OSError, path: Path, needed: CheckpointSize | None = None) -> 
             free, needs = f"{entries[0]} of {entries[1]} entries free, {free} of space", ""
             room = "free file entries (delete files you no longer need there: each takes one)"
         return f"{what} writing {path} ({free} free{needs}); {_kept(path)}; " + _room_fix(
-            path.parent, room
+            path.parent, room, retention
         )
     if err.errno == errno.EROFS:  # the folder that refused the write, not the run directory
         cause = f"{path.parent} is on a read-only file system"
@@ -161,10 +166,26 @@ def step_of(path: str | Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _room_fix(folder: Path, room: str = "free space") -> str:
+@dataclass(frozen=True)
+class Retention:
+    """What the run's rotation keeps (``checkpoint.keep_last``/``keep_best``/``max_disk_gb``,
+    and the spike guard's one older checkpoint to roll back to): the full-disk line suggests
+    only a setting that would keep fewer files than these, never the run's own."""
+
+    keep_last: int
+    keep_best: int
+    max_disk_gb: float | None = None
+    #: The rotation also keeps the newest checkpoint at least this many steps older than the
+    #: newest (0: none), for the spike guard (``spike.enabled``) to roll back to.
+    keep_one_older_than: int = 0
+
+
+def _room_fix(folder: Path, room: str = "free space", retention: Retention | None = None) -> str:
     """What makes room for the next checkpoint: ``room`` (free space, or file entries), or keep
     fewer of the step files here (a rerun applies lower ``keep_last``/``keep_best``/
-    ``max_disk_gb`` to them before its first save, never to the newest)."""
+    ``max_disk_gb`` to them before its first save, never to the newest). With the run's
+    ``retention``, only a setting that changes what it keeps is named, and the spike guard's
+    older file when it is what keeps the second one."""
     try:
         steps = sorted(
             (s, (folder / n).stat().st_size)
@@ -176,12 +197,38 @@ def _room_fix(folder: Path, room: str = "free space") -> str:
     if len(steps) < 2:
         return f"{room}, then rerun the same command (the newest checkpoint is always kept)"
     total = sum(size for _, size in steps)
+    fewer = len(steps) - 1
+    changes = []
+    if retention is None or retention.keep_last > fewer or retention.keep_best > 0:
+        changes.append(f"--checkpoint.keep_last {fewer} --checkpoint.keep_best 0")
+    if (spike_kept := _kept_to_roll_back_to([s for s, _ in steps], retention)) is not None:
+        step, window = spike_kept
+        changes.append(
+            f"--spike.enabled false (the spike guard keeps step {step}, the newest checkpoint "
+            f"at least {window} steps older, to roll back to)"
+        )
+    if retention is None or retention.max_disk_gb is None or retention.max_disk_gb * 1e9 >= total:
+        changes.append(f"--checkpoint.max_disk_gb below {total / 1e9:.3g}")
+    if not changes:
+        return f"{room}, then rerun the same command"
     return (
         f"{room}, or rerun keeping fewer of the {len(steps)} step checkpoints here "
-        f"({size_text(total)}): --checkpoint.keep_last {len(steps) - 1} --checkpoint.keep_best "
-        f"0, or --checkpoint.max_disk_gb below {total / 1e9:.3g}, deletes the oldest before the "
-        "first save (never the newest)"
+        f"({size_text(total)}): {', or '.join(changes)}, deletes the oldest before the first "
+        "save (never the newest)"
     )
+
+
+def _kept_to_roll_back_to(steps: list[int], retention: Retention | None) -> tuple[int, int] | None:
+    """(step, window): the step file of sorted ``steps`` that rotation keeps only for the spike
+    guard (beyond ``keep_last``), at least ``window`` steps older than the newest; None when
+    there is none (a lower ``keep_last`` would delete it, or the guard keeps none)."""
+    if retention is None or not retention.keep_one_older_than:
+        return None
+    newest = steps[-1]
+    older = [s for s in steps if s <= newest - retention.keep_one_older_than]
+    if not older or older[-1] in steps[-max(retention.keep_last, 1) :]:
+        return None
+    return older[-1], retention.keep_one_older_than
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -226,9 +273,14 @@ def _write_failure(err: BaseException, path: Path, needed: CheckpointSize) -> OS
 
 
 def atomic_torch_save(
-    obj: Any, path: str | os.PathLike[str], folder: ClaimedDir | None = None
+    obj: Any,
+    path: str | os.PathLike[str],
+    folder: ClaimedDir | None = None,
+    retention: Retention | None = None,
 ) -> None:
     """``torch.save`` to ``path`` atomically (tmp + fsync + rename + dir fsync).
+
+    ``retention``: what the run's rotation keeps, for the full-disk line's advice.
 
     With ``folder`` (the run's claimed checkpoint folder, holding ``path``), the file is created
     and renamed through the folder's descriptor, after checking the path still leads there: a
@@ -257,7 +309,7 @@ def atomic_torch_save(
         cause = _write_failure(err, path, needed)
         if cause is None:
             raise
-        message = _explain(cause, path, needed)
+        message = _explain(cause, path, needed, retention)
         raise CheckpointWriteError(cause.errno or errno.EIO, message) from err
     _fsync_folder(path.parent, folder)
 
@@ -289,6 +341,7 @@ def atomic_link(
     source: str | os.PathLike[str],
     target: str | os.PathLike[str],
     folder: ClaimedDir | None = None,
+    retention: Retention | None = None,
 ) -> None:
     """Make ``target`` the same file as ``source`` (hard link; copy where links are refused).
 
@@ -326,7 +379,8 @@ def atomic_link(
         needed = None
         with contextlib.suppress(OSError):
             needed = CheckpointSize(source.stat().st_size) if source.is_file() else None
-        raise CheckpointWriteError(err.errno or errno.EIO, _explain(err, target, needed)) from err
+        message = _explain(err, target, needed, retention)
+        raise CheckpointWriteError(err.errno or errno.EIO, message) from err
     _fsync_folder(target.parent, folder)
 
 
@@ -352,17 +406,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are atomic and durable (see the module docstring).
 
     ``folder``: the run's claimed checkpoint folder, set by the rotation callback once the run
-    has claimed it; saves into it go through its descriptor.
+    has claimed it; saves into it go through its descriptor. ``retention``: what its rotation
+    keeps, set with it, for a full disk's advice.
     """
 
     folder: ClaimedDir | None = None
+    retention: Retention | None = None
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint does not take storage_options")
-        atomic_torch_save(checkpoint, path, self.folder)
+        atomic_torch_save(checkpoint, path, self.folder, self.retention)
 
     def then(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` now (writes are synchronous)."""
