@@ -388,6 +388,12 @@ def open_own_file(path: str | os.PathLike[str], flags: int, dir_fd: int | None =
     return fd
 
 
+#: What rerunning does once a failed append is fixed, said in the writer's error lines: a fit
+#: resumes; an evaluation (``validate``, ``test``, ``eval``) resumes nothing.
+RERUN_RESUMES = "rerun the same command to resume"
+RERUN_EVALUATES = "rerun the same command to evaluate again and append its record"
+
+
 class RunLogWriter:
     """Appends records to a run log, one flushed line each.
 
@@ -410,11 +416,20 @@ class RunLogWriter:
     file is opened through it, never through a link: a link to another run's log put in place
     of this one, or this run's folder moved or replaced by a link, stops the run with one line
     (:class:`~nanolab.claimed.LeftClaimedDir`) instead of appending this run's records there.
+
+    ``rerun``: what the error lines say a rerun does once the problem is fixed
+    (:data:`RERUN_RESUMES` for a fit, :data:`RERUN_EVALUATES` for an evaluation's record).
     """
 
-    def __init__(self, path: str | os.PathLike[str], run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        run_id: str | None = None,
+        rerun: str = RERUN_RESUMES,
+    ) -> None:
         self.path = Path(path)
         self.run_id = run_id
+        self.rerun = rerun
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._folder = ClaimedDir(self.path.parent)
         self._refused: LeftClaimedDir | None = None
@@ -444,7 +459,7 @@ class RunLogWriter:
         self._refused = LeftClaimedDir(
             f"{why}; this run appends only to its own log, never through a link, so it stopped "
             "without writing there (the other file is untouched). Give the run a copy of its "
-            f"own (cp {log} {copy} && mv {copy} {log}) and rerun the same command to resume"
+            f"own (cp {log} {copy} && mv {copy} {log}) and {self.rerun}"
         )
         return self._refused
 
@@ -520,8 +535,8 @@ class RunLogWriter:
             limit, fix = size_limit_met()
             error = RunLogWriteError(
                 f"cannot append to the run log {self.path} ({err.strerror or err}: {limit}); "
-                f"the lines written so far and the checkpoints are intact: {fix}, then rerun "
-                "the same command to resume"
+                f"the lines written so far and the checkpoints are intact: {fix}, then "
+                f"{self.rerun}"
             )
             error.errno = err.errno
             return error
@@ -532,7 +547,7 @@ class RunLogWriter:
         error = RunLogWriteError(
             f"cannot append to the run log {self.path} ({err.strerror or err}; {free}); the "
             "lines written so far and the checkpoints are intact: free space (or restore the "
-            "folder) and rerun the same command to resume"
+            f"folder) and {self.rerun}"
         )
         error.errno = err.errno  # a full disk has an exit code of its own
         return error

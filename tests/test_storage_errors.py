@@ -284,6 +284,39 @@ def test_a_run_log_past_ulimit_f_names_the_limit_not_free_space(tmp_path: Path) 
     assert "free" not in line
 
 
+EVALUATION_PAST_A_LIMIT = """
+import resource, sys
+from pathlib import Path
+from nanolab.runlog import RunLogWriteError
+from nanolab.training.evaluate import append_record
+run_dir = Path(sys.argv[1])
+(run_dir / "metrics.jsonl").write_text('{"event": "train", "step": 1}\\n' * 400)
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    append_record(run_dir, {"event": "val", "step": 1, "val/loss": 2.0})
+except RunLogWriteError as err:
+    print(err)
+"""
+
+
+def test_an_evaluation_s_record_past_ulimit_f_says_a_rerun_evaluates_again(
+    tmp_path: Path,
+) -> None:
+    """``nanolab validate`` under a file-size limit said "then rerun the same command to
+    resume": validate resumes nothing. Its line says what a rerun does for it."""
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", EVALUATION_PAST_A_LIMIT, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip()
+    assert line.startswith(f"cannot append to the run log {tmp_path / 'metrics.jsonl'} ("), line
+    assert line.endswith("then rerun the same command to evaluate again and append its record"), (
+        line
+    )
+    assert "resume" not in line, line
+
+
 TORN_BY_A_LIMIT = """
 import errno, json, os, resource, sys
 from nanolab.runlog import RunLogWriter, RunLogWriteError

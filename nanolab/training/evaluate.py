@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError
-from nanolab.runlog import RUN_LOG_NAME, RunLogWriter, iter_records, written_in_training
+from nanolab.runlog import (
+    RERUN_EVALUATES,
+    RUN_LOG_NAME,
+    RunLogWriter,
+    iter_records,
+    written_in_training,
+)
 
 #: ``--ckpt_path`` values that pick a checkpoint of the run directory by name.
 BY_NAME = ("last", "best")
@@ -201,8 +207,9 @@ def _shown(value: float | None) -> str:
 
 
 def append_record(run_dir: Path, record: dict[str, Any]) -> Path:
-    """Append one record to the run log (the caller holds the run-directory lock)."""
-    writer = RunLogWriter(run_dir / RUN_LOG_NAME)
+    """Append one evaluation's record to the run log (the caller holds the run-directory lock);
+    a failed append's line says a rerun evaluates again (it resumes nothing)."""
+    writer = RunLogWriter(run_dir / RUN_LOG_NAME, rerun=RERUN_EVALUATES)
     try:
         writer.write(record)
     finally:
