@@ -310,3 +310,30 @@ def test_groups_validated_off_each_others_grid_are_said_not_tested(tmp_path: Pat
     _, out, _ = run_report(capsys, str(tmp_path))
     assert ("not tested, lr=0.01 has 0 run(s) with a validation at or either side of 2,000 "
             "tokens, the most both reached") in out, out  # fmt: skip
+
+
+def test_a_baseline_of_a_config_run_once_says_so(tmp_path: Path, capsys) -> None:
+    """``--baseline b-s1``, the one run of its config, was "neither a seed group's label nor
+    one of its runs": it is a run, of a config run once, and a baseline needs two seeds. The
+    line says that and the seeds to add, as the "not tested" line does."""
+    from test_report import run_report, write_run
+
+    for i, v in enumerate([2.50, 2.52, 2.49], 1):
+        write_run(tmp_path, f"a-s{i}", seed=i, losses=[3.0, 2.8], vals={1: 2.9, 2: v})
+    for i, v in enumerate([2.70, 2.72], 1):
+        write_run(tmp_path, f"c-s{i}", seed=i, lr=0.01, losses=[3.0, 2.8], vals={1: 2.9, 2: v})
+    write_run(tmp_path, "b-s1", seed=1, lr=0.001, losses=[3.0, 2.8], vals={1: 2.9, 2: 2.3})
+    write_run(tmp_path, "d-s1", seed=1, lr=0.03, losses=[3.0, 2.8], vals={1: 2.9, 2: 2.6})
+    write_run(tmp_path, "d-s2", seed=2, lr=0.03, losses=[3.0], vals={1: 9.0}, end="diverged")
+    add = "a baseline needs two seeds of its config: add seeds (queue add its config --seeds"
+    for baseline, said in [
+        ("b-s1", f"--baseline 'b-s1' is a run of lr=0.001, a config run once; {add} 2,3)"),
+        ("lr=0.001", f"--baseline 'lr=0.001' names lr=0.001, a config run once; {add} 2,3)"),
+        ("d-s1", "--baseline 'd-s1' is a run of lr=0.03, which has 1 usable seed of 2 (left "),
+    ]:
+        code, _, err = run_report(capsys, str(tmp_path), "--baseline", baseline)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert said in err and "neither" not in err, err
+        assert err.strip().endswith("or name a seed group: lr=0.003; lr=0.01"), err
+    code, _, err = run_report(capsys, str(tmp_path), "--baseline", "nope")
+    assert code == 2 and "is neither a seed group's label nor one of its runs" in err, err

@@ -583,6 +583,10 @@ def tests(
         base = next((g for g in usable if g.label == baseline or baseline in g.runs), None)
         if base is None:
             labels = "; ".join(g.label for g in usable)
+            few = next((g for g in [*groups, *(lone or [])]
+                        if g.label == baseline or baseline in g.runs), None)  # fmt: skip
+            if few is not None:
+                raise ReportError(_too_few_for_a_baseline(baseline, few, labels))
             raise ReportError(
                 f"--baseline {baseline!r} is neither a seed group's label nor one of its runs; "
                 f"groups: {labels}"
@@ -647,8 +651,9 @@ def _members(by_run: dict[str, RunSummary], g: SeedGroup) -> list[RunSummary]:
     return [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
 
 
-def _not_tested(group: SeedGroup, against: SeedGroup) -> NotTested:
-    """``A vs B: not tested, A has 1 run; add seeds ...`` for a config of too few values."""
+def _has_and_seeds_to_add(group: SeedGroup) -> tuple[str, str]:
+    """What a config of too few values has (``1 run (b-s1)``, ``1 usable seed of 2 (left
+    out: ...)``) and the seeds to add for three (``2,3``)."""
     n, runs = len(group.val_losses), len(group.runs)
     has = (f"1 run ({group.runs[0]})" if n == runs == 1
            else f"{n} usable seed{'s' if n != 1 else ''} of {runs}")  # fmt: skip
@@ -656,10 +661,29 @@ def _not_tested(group: SeedGroup, against: SeedGroup) -> NotTested:
         has += f" (left out: {', '.join(group.left_out)})"
     used = {x for x in group.seeds if x is not None}
     more = [x for x in range(1, len(used) + 4) if x not in used][: 3 - n]
-    seeds = ",".join(map(str, more))
+    return has, ",".join(map(str, more))
+
+
+def _not_tested(group: SeedGroup, against: SeedGroup) -> NotTested:
+    """``A vs B: not tested, A has 1 run; add seeds ...`` for a config of too few values."""
+    has, seeds = _has_and_seeds_to_add(group)
     text = (f"{group.label} vs {against.label}: not tested, {group.label} has {has}; a test "
             f"needs two seeds of each: add seeds (queue add its config --seeds {seeds})")  # fmt: skip
-    return NotTested(group.label, against.label, group.runs, n, text)
+    return NotTested(group.label, against.label, group.runs, len(group.val_losses), text)
+
+
+def _too_few_for_a_baseline(baseline: str, group: SeedGroup, labels: str) -> str:
+    """Why ``--baseline`` names no group it can test against: it is ``group`` (or one of its
+    runs), a config run once or with fewer than two usable seeds; the seeds to add, as the
+    "not tested" line says them, and the groups it could name instead."""
+    has, seeds = _has_and_seeds_to_add(group)
+    what = f"names {group.label}" if baseline == group.label else f"is a run of {group.label}"
+    once = len(group.val_losses) == len(group.runs) == 1
+    what += ", a config run once" if once else f", which has {has}"
+    return (
+        f"--baseline {baseline!r} {what}; a baseline needs two seeds of its config: add "
+        f"seeds (queue add its config --seeds {seeds}), or name a seed group: {labels}"
+    )
 
 
 def _compare_family(
