@@ -224,6 +224,8 @@ TWINS: dict[str, tuple[str, ...]] = {
     ),
     "nanolab/run/trainer_errors.py": (
         "tests/test_trainer_refusals.py::test_a_setting_the_trainer_refuses_is_one_line_and_writes_nothing",
+        "tests/test_gpu_twins.py::test_bf16_on_a_cuda_gpu_without_it_is_refused_before_the_run",
+        "tests/test_gpu_twins.py::test_fit_under_bf16_on_a_gpu_without_it_writes_nothing",
     ),
     "nanolab/estimator/measure_trainer.py": (
         "tests/test_gpu_twins.py::test_the_gpu_memory_measure_runs_its_fit_on_a_cpu_stand_in",
@@ -374,7 +376,12 @@ BRANCHES: dict[str, dict[str, int]] = {
         "plan_micro_batch": 1,
         "runs_on_cpu": 3,
     },
-    "nanolab/run/trainer_errors.py": {"gpu_visible": 2, "missing_gpu": 3, "torch_build": 2},
+    "nanolab/run/trainer_errors.py": {
+        "bf16_unsupported": 2,
+        "gpu_visible": 2,
+        "missing_gpu": 3,
+        "torch_build": 2,
+    },
     "nanolab/training/masked_targets.py": {"holds_masked_targets": 1},
     "nanolab/training/module.py": {
         "GPTLightningModule.on_fit_start": 1,

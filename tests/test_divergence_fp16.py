@@ -131,7 +131,8 @@ def test_a_collapsed_fp16_loss_scale_stops_the_run(char_dataset, tmp_path):
     assert stop_reason(trainer) == ("diverged", COLLAPSE)
     assert div.describe() == COLLAPSE
     assert div.hint() == (
-        "resume with --trainer.precision bf16-mixed; to stay on fp16, branch a new run with a "
+        "on a GPU with bf16 (Ampere or newer), resume with --trainer.precision bf16-mixed; to "
+        "stay on fp16, branch a new run with a "
         "lower model.optimizer.lr (a resume keeps it)"
     )
     assert div.record_fields(trainer, "end") == {
@@ -245,7 +246,8 @@ def test_fit_exits_3_and_report_and_queue_name_the_collapse(char_dataset, tmp_pa
     # non-finite loss's line names it (no checkpoint from before the skips: a new run).
     config = work / "runs" / "fp16" / "config.yaml"
     assert last.endswith(
-        "; resume with --trainer.precision bf16-mixed; to stay on fp16, no checkpoint of it was "
+        "; on a GPU with bf16 (Ampere or newer), resume with --trainer.precision bf16-mixed; to "
+        "stay on fp16, no checkpoint of it was "
         "saved before the skipped steps: start a new run with a lower model.optimizer.lr (or a "
         f"higher model.schedule.warmup_steps): nanolab fit --config {config} --run.name "
         "fp16-lr6e-05 --model.optimizer.lr 6e-05"
@@ -327,7 +329,8 @@ def test_the_collapse_line_names_the_branch_from_before_the_skipped_steps(tmp_pa
     div.diverged_step, div.collapse = 7, (17, 0.5)
     start = run / "checkpoints" / "step-00000006.ckpt"
     assert div.hint(trainer) == (
-        "resume with --trainer.precision bf16-mixed; to stay on fp16, a resume keeps its "
+        "on a GPU with bf16 (Ampere or newer), resume with --trainer.precision bf16-mixed; to "
+        "stay on fp16, a resume keeps its "
         "model.optimizer.lr 0.003 and schedule, so branch a new run with a lower one (or a "
         "higher model.schedule.warmup_steps) from step 6, its newest checkpoint from before the "
         f"skipped steps: nanolab fit --config {run / 'config.yaml'} --run.name dv-lr0.0003 "

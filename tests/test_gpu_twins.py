@@ -422,3 +422,83 @@ def test_a_cuda_run_s_meter_names_its_gpu_and_gathers_every_rank_s_peak_memory(m
         {"rank": 0, "mem_allocated_bytes": 1000, "mem_reserved_bytes": 1500},
         {"rank": 1, "mem_allocated_bytes": 2000, "mem_reserved_bytes": 3000},
     ]
+
+
+class Bf16Cuda:
+    """A stand-in for ``torch.cuda`` on one GPU of compute capability ``capability``: bf16 in
+    hardware from 8.0 (Ampere), emulated below it (what ``is_bf16_supported()`` says by
+    default). ``emulation_flag``: whether its ``is_bf16_supported`` takes
+    ``including_emulation`` (an older torch's does not, and reports hardware only)."""
+
+    def __init__(self, name: str, capability: tuple[int, int], emulation_flag: bool = True):
+        self.name, self.capability, self.emulation_flag = name, capability, emulation_flag
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_bf16_supported(self, **kwargs: bool) -> bool:
+        if kwargs and not self.emulation_flag:
+            raise TypeError("is_bf16_supported() got an unexpected keyword argument")
+        emulated = kwargs.get("including_emulation", self.emulation_flag)
+        return self.capability >= (8, 0) or bool(emulated)
+
+    def get_device_capability(self, device: int = 0) -> tuple[int, int]:
+        return self.capability
+
+    def get_device_name(self, device: int = 0) -> str:
+        return self.name
+
+
+V100 = ("Tesla V100-SXM2-16GB", (7, 0))
+
+
+@pytest.mark.parametrize("emulation_flag", [True, False])
+def test_bf16_on_a_cuda_gpu_without_it_is_refused_before_the_run(emulation_flag):
+    """A V100 or T4 has no bf16 (torch emulates it, many times slower): ``bf16-mixed`` there is
+    refused in one line naming the card and what runs on it; on an Ampere card, on the CPU, or
+    under fp16 nothing is said. Mutation caught: asking ``is_bf16_supported()`` with its
+    default, which counts emulation and so says yes on every CUDA GPU."""
+    from nanolab.run.trainer_errors import bf16_unsupported
+
+    old = Bf16Cuda(*V100, emulation_flag=emulation_flag)
+    for precision in ("bf16-mixed", "bf16-true", "bf16"):
+        for accelerator in (None, "auto", "gpu", "cuda"):
+            args = {"precision": precision, "accelerator": accelerator}
+            refusal = bf16_unsupported(args, cuda=old)
+            assert refusal is not None, args
+            named = "bf16-mixed" if precision == "bf16" else precision
+            assert str(refusal) == (
+                f"trainer.precision: {named} needs a GPU with bf16 (Ampere or newer, compute "
+                "capability 8.0), and Tesla V100-SXM2-16GB (compute capability 7.0) has none; "
+                "use --trainer.precision 16-mixed (fp16 with loss scaling) or 32-true on this GPU"
+            )
+    assert bf16_unsupported({"precision": "bf16-mixed", "accelerator": "cpu"}, cuda=old) is None
+    assert bf16_unsupported({"precision": "16-mixed", "accelerator": "gpu"}, cuda=old) is None
+    assert bf16_unsupported({"precision": None}, cuda=old) is None
+    a100 = Bf16Cuda("NVIDIA A100-SXM4-80GB", (8, 0), emulation_flag=emulation_flag)
+    assert bf16_unsupported({"precision": "bf16-mixed", "accelerator": "gpu"}, cuda=a100) is None
+
+
+def test_fit_under_bf16_on_a_gpu_without_it_writes_nothing(
+    tmp_path, char_dataset, monkeypatch, capsys
+):
+    """The refusal through ``nanolab fit`` on a stand-in V100: one line, exit 2, before the
+    data is read and with no run directory."""
+    from conftest import QUICKSTART, tiny_overrides, write_config
+
+    from nanolab.cli import main
+
+    stand_in = Bf16Cuda(*V100)
+    for name in ("is_available", "is_bf16_supported", "get_device_capability", "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, getattr(stand_in, name))
+    runs = tmp_path / "runs"
+    config = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, runs))
+    argv = ["fit", "--config", str(QUICKSTART), "--config", str(config),
+            "--trainer.accelerator", "gpu", "--trainer.precision", "bf16-mixed"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "nanolab fit: error: trainer.precision: bf16-mixed needs a GPU with bf16"
+    ), err
+    assert not runs.exists()

@@ -294,10 +294,14 @@ class DivergenceStop(StepCallback):
     def hint(self, trainer: L.Trainer | None = None) -> str | None:
         """What to change, for the exit message: with the run's ``trainer``, the command of a
         branch that does it (:func:`divergence_fix`). A collapsed fp16 loss scale is fixed by
-        resuming under bf16, or by a lower learning rate, which (a resume keeps its rate) is a
+        resuming under bf16 where the GPU has it (fp16-only cards, V100 and T4, do not), or by
+        a lower learning rate, which (a resume keeps its rate) is a
         branch from before the skipped steps, as for a non-finite loss."""
         if self.collapse is not None:
-            bf16 = "resume with --trainer.precision bf16-mixed; to stay on fp16, "
+            bf16 = (
+                "on a GPU with bf16 (Ampere or newer), resume with --trainer.precision "
+                "bf16-mixed; to stay on fp16, "
+            )
             if trainer is None:
                 return f"{bf16}branch a new run with a lower model.optimizer.lr (a resume keeps it)"
             return bf16 + divergence_fix(trainer, self.diverged_step, skipped=True)

@@ -65,10 +65,52 @@ def missing_gpu(trainer_args: Mapping[str, Any]) -> RunConfigError | None:
 def refuse_missing_gpu(trainer_args: Mapping[str, Any]) -> None:
     """Refuse a GPU accelerator without a GPU at once, before the data is read or prepared:
     the GPU recipes say ``accelerator: gpu``, and their data may not exist on this machine.
-    Also a multi-node run started without a multi-node launch (:func:`lone_multinode`)."""
+    Also a multi-node run started without a multi-node launch (:func:`lone_multinode`), and
+    a bf16 precision on a CUDA GPU that has no bf16 (:func:`bf16_unsupported`)."""
     for refusal in (missing_gpu(trainer_args), lone_multinode(trainer_args)):
         if refusal is not None:
             raise refusal
+    if (refusal := bf16_unsupported(trainer_args)) is not None:
+        raise refusal
+
+
+def bf16_unsupported(trainer_args: Mapping[str, Any], cuda: Any = None) -> RunConfigError | None:
+    """The refusal of ``trainer.precision`` ``bf16-mixed``/``bf16-true`` where the run lands on
+    a CUDA GPU without bf16 in hardware (before Ampere: V100, T4), or None.
+
+    torch emulates bf16 there (``is_bf16_supported()`` says yes by default): the run would start
+    and train many times slower than fp16, or fail in a kernel that has no bf16 on that card.
+    ``cuda``: the ``torch.cuda`` to ask (a test's stand-in)."""
+    from nanolab.training.resolve import precision_name
+
+    precision = trainer_args.get("precision")
+    if precision is None or not precision_name(precision).startswith("bf16"):
+        return None
+    if str(trainer_args.get("accelerator") or "auto") not in ("auto", "gpu", "cuda"):
+        return None  # a CPU run has bf16 autocast; Apple's MPS is not CUDA
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    if not cuda.is_available() or _has_bf16(cuda):
+        return None
+    major, minor = cuda.get_device_capability(0)
+    name = precision_name(precision)
+    return RunConfigError(
+        f"{name} needs a GPU with bf16 (Ampere or newer, compute capability 8.0), and "
+        f"{cuda.get_device_name(0)} (compute capability {major}.{minor}) has none",
+        field="trainer.precision",
+        fix="use --trainer.precision 16-mixed (fp16 with loss scaling) or 32-true on this GPU",
+    )
+
+
+def _has_bf16(cuda: Any) -> bool:
+    """Whether the GPU computes in bf16 itself, not by torch's emulation (a torch whose
+    ``is_bf16_supported`` takes no ``including_emulation`` reports hardware support only)."""
+    try:
+        return bool(cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:
+        return bool(cuda.is_bf16_supported())
 
 
 #: The variables of a hand-made multi-node launch (Lightning's general-purpose cluster: each
