@@ -362,7 +362,7 @@ class RunLogWriteError(NanolabError):
     errno: int | None = None
 
 
-class LinkedFileError(Exception):
+class LinkedFileError(NanolabError):
     """A file opened to be appended to that is a link: symbolic, or a hard link (one file under
     two names, e.g. another run's log). ``str(err)`` says which, after the path
     (``"is a link"``)."""
