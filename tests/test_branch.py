@@ -301,3 +301,37 @@ def test_a_branch_from_a_sharded_folder_says_it_trains_with_its_own_settings(
     assert "resuming keeps the checkpoint's model.optimizer.lr 0.5 (not 0.001)" in said
     assert f"--run.resume {folder} --model.optimizer.lr 0.001" in said
     assert resumed.model.init_args.optimizer.lr == 0.5  # config.yaml says what it trains with
+
+
+def test_a_branch_whose_budget_ends_it_decays_its_cosine_to_where_the_budget_stops_it(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A branch with ``trainer.max_steps -1`` and ``budget.max_tokens`` planned its cosine
+    before the parent's step was restored (from step 0: 10 steps of budget ended it at step
+    10), so steps 13-22 all trained at the minimum LR while the start record said 22 and the
+    banner advised a later decay_steps. Its cosine now ends where the budget stops it: each
+    step ``k`` trains at ``lr * f(k - 1)`` of the branch's own warm-up and a cosine to step 22,
+    as a branch with ``trainer.max_steps 22`` does."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    from nanolab.runlog import read_records
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
+    parent = nanolab_here(*base, "--trainer.max_steps", "12", "--model.schedule.warmup_steps",
+                          "3", cwd=tmp_path)  # fmt: skip
+    assert parent.returncode == 0, parent.stderr[-2000:]
+    start = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    branch = nanolab_here(*base, "--run.name", "br", "--run.resume", str(start),
+                          "--model.schedule.warmup_steps", "3", "--trainer.max_steps", "-1",
+                          "--budget.max_tokens", "1280", "--model.optimizer.lr", "2e-3",
+                          cwd=tmp_path)  # fmt: skip
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    said = branch.stdout + branch.stderr
+    assert "the LR cosine ends at step 22 (budget.max_tokens)" in said, said
+    assert "later model.schedule.decay_steps" not in said
+    log = tmp_path / "runs" / "br" / "metrics.jsonl"
+    assert read_records(log, "start")[-1]["planned_steps"] == 22
+    plan = WarmupCosine(3, 22, 0.1)  # 128 tokens a step: 1280 tokens are 10 steps after 12
+    lrs = {step: lr for step, (lr, _) in _lrs(log).items()}
+    assert lrs == {k: pytest.approx(2e-3 * plan(k - 1)) for k in range(13, 23)}

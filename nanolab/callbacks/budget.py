@@ -220,7 +220,10 @@ class CostBudget(StepCallback):
         per_step = tokens_per_step(trainer, pl_module)
         if self.max_tokens is None or per_step is None or per_step[0] <= 0:
             return None
-        spent = self.clock.run_tokens if self.clock is not None else 0
+        # A branch before its run log starts it as a new run (its scheduler plans its cosine
+        # then) has trained none of its own tokens: the clock still counts its parent's.
+        fresh = self.branch and self._start is None
+        spent = self.clock.run_tokens if self.clock is not None and not fresh else 0
         step = int(getattr(trainer, "global_step", 0) or 0)  # a planner's stand-in may lack it
         return token_stop_step(
             step, spent, per_step[0], self.check_every_n_steps, int(self.max_tokens)

@@ -10,6 +10,12 @@ from the branch's config, so the branch's values would be lost: :class:`BranchLR
 built (:func:`built_settings`) and puts them back once the state is restored
 (:func:`take_branch_settings`). The optimizer's moments and step counts stay the parent's.
 
+A branch's cosine planned by its budget (``trainer.max_steps: -1`` with ``budget.max_tokens``)
+ends where that budget stops it, counted from the parent's step: the plan can only be made once
+that step is restored, after ``configure_optimizers`` ran (at step 0, it ended a budget's worth
+of steps after step 0, long before the branch's first step, which then trained at the minimum
+LR throughout), so :class:`BranchLR` plans its schedule again then (``replan``).
+
 Also the one command that starts such a branch (:func:`branch_command`), which the resume
 warning and the divergence stop both name.
 """
@@ -18,7 +24,8 @@ from __future__ import annotations
 
 import copy
 import shlex
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,17 +101,33 @@ class BranchLR(torch.optim.lr_scheduler.LambdaLR):
     itself is exact.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_lambda: Any,
+        replan: Callable[[], Any] | None = None,
+    ) -> None:
+        """``replan``: the branch's schedule function planned from where it stands, asked once
+        the parent's step is restored (the trainer's ``global_step`` is restored before the
+        schedulers' state): the end its budget stops it at depends on that step."""
         super().__init__(optimizer, lr_lambda)
         self.branch_settings = built_settings(optimizer, self)
+        self.replan = replan
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        if self.replan is not None:
+            schedule = self.replan()
+            self.branch_settings = replace(
+                self.branch_settings,
+                schedules=[copy.deepcopy(schedule) for _ in self.branch_settings.schedules],
+            )
         take_branch_settings(self.optimizer, self, self.branch_settings)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.pop("branch_settings", None)  # the built values are this launch's, not state
+        state.pop("replan", None)
         return state
 
 

@@ -354,11 +354,20 @@ class GPTLightningModule(L.LightningModule):
             sharded=shards_parameters(strategy),
         )
         planned = planned_steps(self.trainer, self) if self._trainer is not None else -1
-        # A branch's scheduler gives the optimizer this run's settings back once the parent's
-        # state is restored into both (nanolab.training.branch).
-        scheduler = torch.optim.lr_scheduler.LambdaLR if self.branched_from is None else BranchLR
-        schedule = scheduler(opt, lr_schedule(self.schedule_config, planned))
+        plan = lr_schedule(self.schedule_config, planned)
+        if self.branched_from is None or self._trainer is None:
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, plan)
+        else:
+            # A branch's scheduler gives the optimizer this run's settings back once the
+            # parent's state is restored into both, and plans its cosine from the parent's
+            # step, known only then (nanolab.training.branch).
+            schedule = BranchLR(opt, plan, replan=self._branch_schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def _branch_schedule(self) -> Any:
+        """The branch's LR multiplier planned from the step the parent's state restored: its
+        own ``model.schedule``, to where ``trainer.max_steps`` or its budget stops it."""
+        return lr_schedule(self.schedule_config, planned_steps(self.trainer, self))
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Step, then free the gradients at once (``set_to_none``).
