@@ -335,3 +335,33 @@ def test_a_branch_whose_budget_ends_it_decays_its_cosine_to_where_the_budget_sto
     plan = WarmupCosine(3, 22, 0.1)  # 128 tokens a step: 1280 tokens are 10 steps after 12
     lrs = {step: lr for step, (lr, _) in _lrs(log).items()}
     assert lrs == {k: pytest.approx(2e-3 * plan(k - 1)) for k in range(13, 23)}
+
+
+def test_a_branch_s_epoch_goes_on_from_its_parent_s_place_in_the_data(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A branch's data order goes on from its parent's position (its step 13 trains the batch
+    the parent's step 13 would), but its ``epoch`` restarted at 0, counted from its own tokens.
+    It follows the data now: the same epoch at each step as the parent resumed there."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    from nanolab.runlog import read_records
+
+    cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
+    assert nanolab_here(*base, "--trainer.max_steps", "6", cwd=tmp_path).returncode == 0
+    start = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    branch = nanolab_here(*base, "--run.name", "br", "--run.resume", str(start),
+                          "--trainer.max_steps", "9", cwd=tmp_path)  # fmt: skip
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    import json
+
+    split = json.loads((char_dataset / "meta.json").read_text())["train_tokens"]
+    per_step = 4 / (((split - 1) // 32 - 1) // 4 * 4)  # 4 of an epoch's windows a step
+    parent = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train")
+    assert [r["epoch"] for r in parent] == [
+        pytest.approx(r["step"] * per_step, abs=1e-4) for r in parent
+    ]
+    ours = read_records(tmp_path / "runs" / "br" / "metrics.jsonl", "train")
+    assert [r["step"] for r in ours] == [7, 8, 9]
+    assert [r["epoch"] for r in ours] == [pytest.approx(s * per_step, abs=1e-4) for s in (7, 8, 9)]

@@ -506,9 +506,12 @@ def test_the_logged_rate_is_the_one_the_step_trained_with(tmp_path, char_dataset
 
 
 def test_epoch_counts_passes_over_the_data_and_the_banner_says_it_repeats(tmp_path):
-    """A run longer than its training split: each train record's ``epoch`` is tokens trained
-    over the split's tokens (it was Lightning's epoch counter, always 0 on nanolab's endless
-    stream), and the banner says the data repeats and how often."""
+    """A run longer than its training split: each train record's ``epoch`` is the windows the
+    order served over the windows one epoch of it serves (it was Lightning's epoch counter,
+    always 0 on nanolab's endless stream), and the banner says the data repeats and how
+    often, over the tokens those windows hold."""
+    from test_callbacks_runlog import BLOCK, MICRO
+
     from nanolab.callbacks.banner import banner_lines
     from nanolab.data.prepare import prepare_dataset
 
@@ -517,22 +520,66 @@ def test_epoch_counts_passes_over_the_data_and_the_banner_says_it_repeats(tmp_pa
     data = tmp_path / "small"
     prepare_dataset([str(text)], data, "chars", quiet=True)
     split = json.loads((data / "meta.json").read_text())["train_tokens"]
+    windows = ((split - 1) // BLOCK - 1) // MICRO * MICRO  # one block of slack, whole batches
     run = tmp_path / "run"
     trainer = fit(run, data, [MetricsLog()], max_steps=12)
     train = events(run / "metrics.jsonl", "train")
     assert train[-1]["tokens"] > split
     for r in train:
-        assert r["epoch"] == pytest.approx(r["tokens"] / split, abs=1e-4)
+        assert r["epoch"] == pytest.approx(r["step"] * MICRO / windows, abs=1e-4)
     banner = "\n".join(banner_lines(trainer, trainer.lightning_module, estimate=False))
-    passes = 12 * TOKENS_PER_MICRO_BATCH / split
-    assert f"the data repeats: {passes:.3g} passes over its" in banner, banner
+    passes = 12 * MICRO / windows
+    assert f"the data repeats: {passes:.3g} passes over its {windows * BLOCK} training" in (
+        banner
+    ), banner
 
 
-def test_a_new_run_from_another_runs_checkpoint_counts_its_own_passes():
-    """The model's tokens travel with a fork (a fine-tune keeps pretraining's count); its data
-    passes count only what this run trained on: the clock keeps the tokens it inherited, across
-    the fork's own resumes. Mutation caught: epoch = all the model's tokens over a fine-tune's
-    small dataset (51 passes where it trained 0.26)."""
+def test_a_document_aligned_epoch_counts_the_rows_the_order_serves_not_the_cropped_split(
+    tmp_path, char_dataset
+):
+    """With ``data.align: document`` packing crops most of a corpus of short documents: the
+    third pass over its rows logged epoch 0.44 (tokens over the split's tokens, cropped ones
+    included) and the banner never said the data repeats. An epoch is now the order's: the
+    rows' micro-batches per epoch (``rows // micro_batch_size``), so step ``s`` is at
+    ``s / (rows // 4)`` passes, and the banner says the run repeats its data."""
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
+
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.data.prepare import prepare_dataset
+
+    words = ["which", "have", "not", "her", "but", "are", "were", "from", "the", "a"]
+    lines = [
+        json.dumps({"text": " ".join(words[(i * j) % 10] for j in range(5 + 7 * (i % 9)))})
+        for i in range(120)
+    ]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    data = tmp_path / "docs"
+    prepare_dataset([str(corpus)], data, "chars", quiet=True)
+    dm = TokenDataModule(dataset_dir=str(data), source=None, block_size=32, align="document")
+    rows = len(dm.windows("train")[0])
+    per_epoch = rows // 4
+    steps = 3 * per_epoch - 2  # on the third pass
+    cfg = tiny_overrides(data, tmp_path / "runs", data__align="document")
+    cfg["trainer"]["max_steps"] = steps
+    write_config(tmp_path / "d.yaml", cfg)
+    done = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(tmp_path / "d.yaml"),
+                        "--run.eval_every_steps", str(steps), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    train = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train")
+    assert [r["epoch"] for r in train] == [
+        pytest.approx(r["step"] / per_epoch, abs=1e-4) for r in train
+    ]
+    passes = steps / per_epoch
+    kept = rows // 4 * 4 * 32 / 1000  # the tokens of the rows a pass serves, in thousands
+    said = f"the data repeats: {passes:.3g} passes over its {kept:.3g}k training tokens"
+    assert said in done.stdout + done.stderr
+
+
+def test_a_new_run_from_another_runs_checkpoint_counts_its_own_tokens():
+    """The model's tokens travel with a fork (a fine-tune keeps pretraining's count); the
+    tokens its budget counts are only what this run trained on: the clock keeps the tokens it
+    inherited, across the fork's own resumes. (Its ``epoch`` follows the data order's place.)"""
     from nanolab.callbacks.clock import RunClock
 
     fork = RunClock()

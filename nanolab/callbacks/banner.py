@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as L
 
-from nanolab.callbacks.clock import RunClock
+from nanolab.data.order import data_passes
 
 
 def _count(n: float) -> str:
@@ -311,20 +311,14 @@ def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[i
     return total, how
 
 
-def split_tokens(trainer: L.Trainer) -> int | None:
-    """Tokens in one pass over the training data (``None``: a data module that does not say)."""
+def pass_tokens(trainer: L.Trainer) -> int | None:
+    """Tokens one pass over the training data trains on (``None``: a data module that does not
+    say): ``TokenDataModule.pass_tokens``, what ``epoch`` counts in."""
     try:
-        tokens = getattr(getattr(trainer, "datamodule", None), "split_tokens", None)
+        tokens = getattr(getattr(trainer, "datamodule", None), "pass_tokens", None)
     except Exception:  # a fork's data module whose metadata cannot be read: say nothing
         return None
     return tokens if isinstance(tokens, int) and tokens > 0 else None
-
-
-def data_passes(trainer: L.Trainer, tokens: int | None) -> float | None:
-    """Passes over the training data that ``tokens`` trained tokens make (1.5: halfway
-    through the second); ``None`` when either is unknown."""
-    split = split_tokens(trainer)
-    return None if split is None or tokens is None else round(tokens / split, 4)
 
 
 def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:
@@ -389,11 +383,9 @@ def banner_lines(
         steps = f"  steps      {start} -> {end}"
         if per_step is not None:
             steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
-            clock = next((c for c in trainer.callbacks if isinstance(c, RunClock)), None)
-            so_far = clock.run_tokens if clock is not None else start * per_step[0]
-            passes = data_passes(trainer, so_far + (end - start) * per_step[0])
+            passes = data_passes(trainer, end - start)  # where the order stands at the end
             if passes is not None and passes > 1:
-                split = _count(split_tokens(trainer) or 0)
+                split = _count(pass_tokens(trainer) or 0)
                 steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"
         if horizon is not None and start >= horizon and end > horizon:
             steps += f"; {ended_schedule_note(trainer, start, end, horizon)}; "

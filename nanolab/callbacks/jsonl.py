@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
-from nanolab.callbacks.banner import data_passes, launch_schedule_note
+from nanolab.callbacks.banner import launch_schedule_note
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import (
     END_REASONS,
@@ -65,6 +65,7 @@ from nanolab.callbacks.rundir import (
 from nanolab.callbacks.step import StepCallback
 from nanolab.callbacks.throughput import METER_FIELDS
 from nanolab.claimed import LeftClaimedDir
+from nanolab.data.order import data_passes
 from nanolab.errors import NanolabError, disk_full, room_left
 from nanolab.messages import warn
 from nanolab.runlog import (
@@ -419,7 +420,8 @@ class MetricsLog(StepCallback):
             "event": "train",
             "time": time.time(),
             "step": int(step),
-            "epoch": data_passes(trainer, clock.run_tokens),
+            # Where the data order stands after this step (a branch's goes on from its parent's).
+            "epoch": data_passes(trainer, int(step) - int(trainer.global_step)),
             "tokens": clock.tokens,
             "loss": None,
             "lr": lr,

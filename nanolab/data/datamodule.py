@@ -371,10 +371,15 @@ class TokenDataModule(L.LightningDataModule):
 
     # -- dataset ---------------------------------------------------------------------------
     @property
-    def split_tokens(self) -> int:
-        """Tokens in the training split (every dataset folder of a mixture): one pass over the
-        data, what a run's ``epoch`` counts in."""
-        return sum(int(p.meta["train_tokens"]) for p in self.parts)
+    def pass_tokens(self) -> int:
+        """Tokens one pass over the training data trains on, what a run's ``epoch`` counts in
+        (:func:`nanolab.data.order.data_passes`): the windows an epoch of the order serves
+        (``windows_per_pass``) x ``block_size``. The split's tokens no window holds (a stream's
+        slack, what document packing crops, a last partial micro-batch) are not in it."""
+        plan = self.train_sampler.plan if self.train_sampler is not None else None
+        if plan is None:
+            plan = self.window_plan(rank_world(self.trainer)[1])
+        return int(plan.windows_per_pass) * self.block_size
 
     @property
     def parts(self) -> list[DatasetPart]:

@@ -129,16 +129,44 @@ def order_record(trainer: Any) -> dict[str, int] | None:
     """What a checkpoint saved now records: the position the micro-batch after this optimizer
     step starts at, and the unit it is counted in. ``None`` without nanolab's sampler (a fork's
     loader, or no training loader yet)."""
+    place = order_position(trainer)
+    if place is None:
+        return None
+    plan, position = place
+    unit = unit_of(plan)
+    return None if unit is None else {"position": position, "unit": unit}
+
+
+def order_position(trainer: Any, steps_ahead: int = 0) -> tuple[Any, int] | None:
+    """(plan, position) of nanolab's training sampler: the micro-batch position the step
+    ``steps_ahead`` optimizer steps after this one starts at (0: the next step's), counted as
+    the sampler counts (a branch's from its parent's step, rollbacks' jumps included). ``None``
+    without nanolab's sampler (a fork's loader, or no training loader yet)."""
     from nanolab.data.windows import ResumableBatchSampler
 
     sampler = getattr(getattr(trainer, "datamodule", None), "train_sampler", None)
     if not isinstance(sampler, ResumableBatchSampler):
         return None
-    unit = unit_of(sampler.plan)
-    if unit is None:
+    accumulate = int(trainer.accumulate_grad_batches or 1)
+    consumed = (int(trainer.global_step) + steps_ahead) * accumulate
+    return sampler.plan, sampler.position(consumed)
+
+
+def data_passes(trainer: Any, steps_ahead: int = 0) -> float | None:
+    """Passes over the training data the order has served by :func:`order_position` (1.5:
+    halfway through the second), a run's ``epoch``: the sampler's position in windows over the
+    windows one pass serves (``windows_per_pass``: an epoch's whole micro-batches; the tokens
+    no window holds, those document packing crops, are no part of a pass). It follows the
+    data, so a branch, whose order goes on from its parent's position, goes on from its
+    parent's epoch. ``None`` when the sampler or its plan does not say."""
+    place = order_position(trainer, steps_ahead)
+    if place is None:
         return None
-    consumed = int(trainer.global_step) * int(trainer.accumulate_grad_batches or 1)
-    return {"position": sampler.position(consumed), "unit": unit}
+    plan, position = place
+    windows, unit = getattr(plan, "windows_per_pass", None), unit_of(plan)
+    if not isinstance(windows, int) or windows < 1 or unit is None:
+        return None
+    return round(position * unit / windows, 4)
 
 
 def resume_jumps(

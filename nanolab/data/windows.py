@@ -39,6 +39,12 @@ class _Epochs:
         """Micro-batches each rank draws per epoch (a partial last batch is dropped)."""
         return self.num_windows // self.world_size // self.micro_batch_size
 
+    @property
+    def windows_per_pass(self) -> int:
+        """Windows one pass over the training data serves: those of an epoch's order that fill
+        whole micro-batches on every rank (what a run's ``epoch`` counts in)."""
+        return self.batches_per_epoch * self.micro_batch_size * self.world_size
+
 
 @dataclass(frozen=True)
 class WindowPlan(_Epochs):
@@ -328,6 +334,12 @@ class MixturePlan:
             self._split.append((q.numerator, q.denominator))
             left -= share
         self._layouts: dict[int, tuple[int, int, np.ndarray, int]] = {}
+
+    @property
+    def windows_per_pass(self) -> int:
+        """Windows one pass over the training data serves: every window of each dataset once
+        (a dataset of a small share takes many passes over its own windows in one of these)."""
+        return sum(plan.num_windows for plan in self.plans)
 
     def slot_source(self, slot: int) -> tuple[int, int]:
         """(dataset, index in that dataset's own window stream) of global slot ``slot``."""
