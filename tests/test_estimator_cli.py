@@ -698,3 +698,56 @@ def test_estimate_reads_the_command_line_as_fit_does(tmp_path: Path, capsys) -> 
     assert yaml.safe_load(fit.stdout)["model"]["init_args"]["gpt"]["n_layer"] == 10
     assert main([*args, "--vocab-size", "71", "--device", "cpu", "--trace", "never"]) == 0
     assert "10 layers x 128 wide" in capsys.readouterr().out
+
+
+def test_the_estimate_trains_as_long_as_the_budget_lets_the_run_and_prices_it_so(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """``nanolab estimate`` ignored ``budget``: a ``trainer.max_steps: -1`` run stopped by
+    ``budget.max_tokens`` 1e9 at step 1,900 (checks every 100 steps) was priced for
+    Chinchilla's 20 tokens per parameter (4,749 steps) at the table's $2.50/GPU-h where the
+    config says 2.0. It now takes the steps fit's budget stops the run at (the callback's own
+    rule, as the queue plans them), the tightest limit, and the config's price."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.budget import CostBudget
+
+    cfg = load_config([GPT2])
+    cfg["trainer"]["max_steps"] = -1
+    budget = {"max_tokens": 10**9, "price_per_gpu_hour": 2.0, "check_every_n_steps": 100}
+    cfg["budget"] = budget
+    est = estimate_from_config(cfg, gpu="h100", micro_batch_size=16, mfu=0.5)
+    c = est.compute
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(micro_batch_size=16),
+        accumulate_grad_batches=32,
+        world_size=1,
+    )
+    module = SimpleNamespace(gpt_config=SimpleNamespace(block_size=1024))
+    fits = CostBudget(**budget).token_steps(trainer, module)
+    assert c.tokens_per_step == 524288 and c.steps == fits == 1900
+    assert c.token_budget_source == "budget.max_tokens"
+    assert c.usd_per_gpu_hour == 2.0 and c.cost_usd == pytest.approx(2.0 * c.gpu_hours)
+
+    fits = int(900 // c.step_seconds)  # whole steps in 15 minutes, at the estimated step time
+    cfg["budget"] = {**budget, "max_wall_hours": 0.25}
+    walled = estimate_from_config(cfg, gpu="h100", micro_batch_size=16, mfu=0.5).compute
+    assert fits < 1900 and walled.steps == -(-(fits - 99) // 100) * 100  # its last check
+    assert walled.token_budget_source == "budget.max_wall_hours"
+
+    from nanolab.estimator.compute import UNBOUNDED_NOTE
+
+    assert UNBOUNDED_NOTE not in est.warnings
+    cfg["budget"] = {}
+    open_ended = estimate_from_config(cfg, gpu="h100", micro_batch_size=16, mfu=0.5)
+    assert open_ended.compute.token_budget == 20 * open_ended.compute.params
+    assert UNBOUNDED_NOTE in open_ended.warnings
+    assert open_ended.compute.usd_per_gpu_hour == GPUS["h100"].usd_per_hour
+
+    argv = ["--config", str(GPT2), "--gpu", "h100", "--trainer.max_steps", "-1",
+            "--budget.max_tokens", "1000000000", "--budget.price_per_gpu_hour", "2.0",
+            "--budget.currency", "EUR"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "token budget (budget.max_tokens)    1.000 B tokens = 1,907 steps" in out, out
+    assert "x 2.00 EUR = " in out and "(budget.price_per_gpu_hour)" in out, out

@@ -39,6 +39,7 @@ import lightning as L
 
 from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason, stop_reason
 from nanolab.callbacks.step import StepCallback, scheduled_validation
+from nanolab.estimator.run_length import CHECK_EVERY_N_STEPS, token_stop_step
 from nanolab.forecast import (
     MIN_POINTS,
     CurveInputs,
@@ -115,7 +116,7 @@ class CostBudget(StepCallback):
         patience: int | None = None,
         min_delta: float = 0.0,
         monitor: str = "val/loss",
-        check_every_n_steps: int = 1,
+        check_every_n_steps: int = CHECK_EVERY_N_STEPS,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -620,22 +621,6 @@ def stops_now(spent: float, projected: float, limit: float) -> bool:
     limit (reaching it exactly is within the budget: ``max_tokens`` 1024 at 128 tokens a step
     trains 8 steps), or there is nothing left of it (a resume between checks projects nothing)."""
     return projected > limit or float(spent) >= limit
-
-
-def token_stop_step(step: int, spent: int, per_step: int, every: int, limit: int) -> int:
-    """The step where a token budget of ``limit`` stops a run standing at ``step`` with
-    ``spent`` tokens of it trained, at ``per_step`` tokens a step, checked every ``every``
-    steps: the first check at which the spend by the next check would pass the limit (as
-    :meth:`CostBudget.on_step` decides), or ``step`` itself when a restored run stops before
-    its first step (:meth:`CostBudget.standing_stop`). From step 0 with nothing spent that is
-    ``max(every, limit // per_step // every * every)``."""
-    if spent >= limit:
-        return step
-    fits = (limit - spent) // per_step  # whole steps the rest of the budget pays for
-    if step > 0 and step % every == 0 and fits < every:
-        return step  # a resume at a check whose next check would pass it
-    first_check = step // every * every + every
-    return max(first_check, -(-(step + fits - every + 1) // every) * every)
 
 
 def _amount(value: float) -> str:

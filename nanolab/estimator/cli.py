@@ -83,9 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens",
         type=float,
-        help="token budget (default: trainer.max_steps, fit's 5000 when the config sets none)",
+        help="token budget (default: the steps the run trains, the first of trainer.max_steps "
+        "(fit's 5000 when the config sets none) and where its budget stops it; Chinchilla's 20 "
+        "tokens per parameter when nothing bounds it)",
     )
-    p.add_argument("--usd-per-gpu-hour", type=float, help="price (default: indicative table)")
+    p.add_argument(
+        "--usd-per-gpu-hour",
+        type=float,
+        help="price (default: budget.price_per_gpu_hour, else the indicative table)",
+    )
     p.add_argument(
         "--fragmentation",
         type=float,
@@ -243,13 +249,21 @@ def format_estimate(
         + f" {c.token_budget / 1e9:,.3f} B tokens = {c.steps:,} steps",
         f"  wall-clock                          {_hours(c.hours)} on {s.world_size} device(s)",
         f"  {kind}-hours and cost                  {_amount(c.gpu_hours)} {kind}-h x "
-        f"${c.usd_per_gpu_hour:.2f} = ${_amount(c.cost_usd, whole_at=10)}",
+        + _priced(c.usd_per_gpu_hour, c.cost_usd, c.currency)
+        + ("" if c.price_source == "GPU table" else f" ({c.price_source})"),
         f"  Chinchilla-optimal budget           {c.chinchilla_tokens / 1e9:,.2f} B tokens "
         "(20 per parameter)",
     ]
     for w in est.warnings:
         out.append(f"note: {w}")
     return "\n".join(out)
+
+
+def _priced(price: float, cost: float, currency: str) -> str:
+    """``$2.50 = $12.3`` in dollars, ``2.00 EUR = 9.84 EUR`` in another currency."""
+    if currency == "USD":
+        return f"${price:.2f} = ${_amount(cost, whole_at=10)}"
+    return f"{price:.2f} {currency} = {_amount(cost, whole_at=10)} {currency}"
 
 
 def _memory_table(est: Any) -> list[str]:

@@ -22,10 +22,19 @@ from dataclasses import asdict, dataclass
 from nanolab.estimator.cpu import sixteen_bit_mfu
 from nanolab.estimator.gpus import GPU, format_rate
 from nanolab.estimator.gpus import matmul_rate as gpu_matmul_rate
+from nanolab.estimator.run_length import run_length
 from nanolab.estimator.setup import Setup
 from nanolab.estimator.shapes import flops_per_token, num_params, recompute_flops_per_token
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
+#: The token budget's source where nothing bounds the run (``trainer.max_steps`` -1, no limit).
+CHINCHILLA_SOURCE = "Chinchilla 20 tokens/param"
+#: What the estimate says then, once: the length it priced is its own choice, not the run's.
+UNBOUNDED_NOTE = (
+    "trainer.max_steps is -1 and no budget.max_tokens, max_wall_hours, max_gpu_hours or "
+    "max_cost bounds the run (it trains until stopped): the time and cost are for the "
+    "Chinchilla-optimal 20 tokens per parameter; --tokens N prices another length"
+)
 SECONDS_PER_DAY = 86_400
 
 
@@ -53,6 +62,10 @@ class ComputeEstimate:
     gpu_hours: float
     usd_per_gpu_hour: float
     cost_usd: float
+    #: Where the price comes from: ``--usd-per-gpu-hour``, ``budget.price_per_gpu_hour`` (in
+    #: ``currency``), or the GPU table's indicative USD price.
+    price_source: str = "GPU table"
+    currency: str = "USD"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,8 +99,11 @@ def estimate_compute(
 
     ``mfu`` defaults to the GPU family's (``gpu.default_mfu``). ``measured_tokens_per_second``
     (all devices together) replaces the MFU model for the time; the MFU it implies is reported.
-    The token budget is ``tokens`` if given, else ``trainer.max_steps`` x tokens per step, else
-    the Chinchilla-optimal 20 tokens per parameter.
+    The token budget is ``tokens`` if given, else the steps the run trains (the first of
+    ``trainer.max_steps`` and where the config's budget stops it, by fit's own rule:
+    :func:`nanolab.estimator.run_length.run_length`) x tokens per step, else (nothing bounds
+    the run) the Chinchilla-optimal 20 tokens per parameter. The price is
+    ``usd_per_gpu_hour`` if given, else ``budget.price_per_gpu_hour``, else the GPU table's.
     """
     if mfu is not None and not 0 < mfu <= 1:
         raise ValueError(f"MFU must be in (0, 1], got {mfu}")
@@ -116,15 +132,21 @@ def estimate_compute(
         tok_s = tps / step_s
         tok_source = f"{mfu_used:.0%} MFU of {format_rate(peak_tflops)} ({dtype})"
     chinchilla = CHINCHILLA_TOKENS_PER_PARAM * n
+    length = run_length(setup.max_steps, setup.budget, tps, step_s, setup.world_size)
     if tokens is not None:
         budget, source = tokens, "--tokens"
-    elif setup.max_steps:
-        budget, source = setup.max_steps * tps, "trainer.max_steps"
+    elif length is not None:
+        budget, source = length.steps * tps, length.source
     else:
-        budget, source = chinchilla, "Chinchilla 20 tokens/param"
+        budget, source = chinchilla, CHINCHILLA_SOURCE
     steps = -(-budget // tps)
     hours = steps * step_s / 3600
-    price = gpu.usd_per_hour if usd_per_gpu_hour is None else usd_per_gpu_hour
+    price, price_source, currency = gpu.usd_per_hour, "GPU table", "USD"
+    if usd_per_gpu_hour is not None:
+        price, price_source = usd_per_gpu_hour, "--usd-per-gpu-hour"
+    elif setup.budget.price_per_gpu_hour is not None:
+        price, price_source = setup.budget.price_per_gpu_hour, "budget.price_per_gpu_hour"
+        currency = setup.budget.currency
     gpu_hours = hours * setup.world_size
     return ComputeEstimate(
         params=n,
@@ -149,4 +171,6 @@ def estimate_compute(
         gpu_hours=gpu_hours,
         usd_per_gpu_hour=price,
         cost_usd=gpu_hours * price,
+        price_source=price_source,
+        currency=currency,
     )

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.estimator.activations import rules_describe_block
-from nanolab.estimator.compute import ComputeEstimate, estimate_compute
+from nanolab.estimator.compute import (
+    CHINCHILLA_SOURCE,
+    UNBOUNDED_NOTE,
+    ComputeEstimate,
+    estimate_compute,
+)
 from nanolab.estimator.gpus import GPU, get_gpu, parse_memory
 from nanolab.estimator.memory import (
     CPU_FRAGMENTATION,
@@ -343,9 +348,10 @@ def estimate_from_config(
     Arguments are as for :func:`largest_fitting_micro_batch`, plus ``micro_batch_size`` (overrides
     the config's), ``mfu`` (model FLOPs utilisation for the time estimate; default: a finished
     queue run's measured tokens/s when ``history`` finds one in ``queue_db``, else the GPU
-    family's default), ``tokens`` (token budget; default ``trainer.max_steps`` x tokens per
-    step, else Chinchilla's 20 per parameter), ``usd_per_gpu_hour`` (default: the GPU
-    table's indicative price) and ``trace`` (``never``: the analytic rules; ``auto``: trace a
+    family's default), ``tokens`` (token budget; default: the steps the run trains, the first of
+    ``trainer.max_steps`` and where its ``budget`` stops it, x tokens per step, else
+    Chinchilla's 20 per parameter), ``usd_per_gpu_hour`` (default: ``budget.price_per_gpu_hour``,
+    else the GPU table's indicative price) and ``trace`` (``never``: the analytic rules; ``auto``: trace a
     tiny model of the config on fake tensors and, when it differs from the rules (a fork
     changed the model), trace the real one; ``always``): see :mod:`nanolab.estimator.trace`.
 
@@ -398,6 +404,8 @@ def estimate_from_config(
         measured_tokens_per_second=measured.tokens_per_second if measured else None,
         measured_source=measured.source if measured else "",
     )
+    if tokens is None and compute.token_budget_source == CHINCHILLA_SOURCE:
+        warnings.append(UNBOUNDED_NOTE)
     if be != "cpu" and not g.memory_reported and device_memory is None:
         warnings.append(
             f"{g.name}'s memory is its datasheet capacity; the device reports ~1% less "

@@ -16,6 +16,7 @@ from typing import Any
 from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file
 from nanolab.errors import RunConfigError
 from nanolab.estimator.gpus import FLOAT32_MATMUL_PRECISIONS, PRECISIONS
+from nanolab.estimator.run_length import Budget
 from nanolab.helpfmt import suggestion
 from nanolab.model.config import ConfigError, GPTConfig
 from nanolab.training.parallelism import (  # noqa: F401  (Strategy, parse_strategy: public here too)
@@ -57,6 +58,8 @@ class Setup:
             micro-batches per optimizer step where no ``global_batch_tokens`` derives them
             (``nanolab fit`` obeys it then, whatever the micro-batch).
         max_steps: Optimizer steps of the run (for the token budget), if known.
+        budget: The config's ``budget`` limits and price: where they stop the run, what an
+            hour costs (:mod:`nanolab.estimator.run_length`).
         compile: ``torch.compile`` is on (on a GPU its loss keeps no log-softmax:
             ``Numerics.compiled_loss``; docs/estimator.md).
         float32_matmul_precision: ``run.float32_matmul_precision`` (``highest``: FP32 GEMMs;
@@ -78,6 +81,7 @@ class Setup:
     global_batch_tokens: int | None = None
     accumulate_grad_batches: int = 1
     max_steps: int | None = None
+    budget: Budget = field(default_factory=Budget)
     compile: bool = False
     devices_guessed: bool = False  # trainer.devices was "auto" and nothing overrode it
     float32_matmul_precision: str = "high"
@@ -289,6 +293,7 @@ def setup_from_config(
         global_batch_tokens=resolved.global_batch_tokens,
         accumulate_grad_batches=accumulate,
         max_steps=None if max_steps in (None, -1) else max_steps,
+        budget=Budget.from_config(cfg.get("budget")),
         compile=bool(model.get("compile", False)),
         devices_guessed=resolved.devices_guessed,
         float32_matmul_precision=matmul,

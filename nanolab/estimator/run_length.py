@@ -1,0 +1,135 @@
+"""Where a run's budget stops it: one rule, for the three that ask.
+
+``nanolab fit``'s budget (:class:`nanolab.callbacks.budget.CostBudget`) checks every
+``budget.check_every_n_steps`` steps and stops at the first check at which the spend by the
+next check would pass a limit; fit plans a ``trainer.max_steps: -1`` run's LR cosine for the
+step ``budget.max_tokens`` stops it at. ``nanolab queue`` plans a job's steps with the same
+step, and ``nanolab estimate`` prices a config for it (the tightest of ``trainer.max_steps``
+and the budget's limits). The rule lives here, below all three (the estimator is layer 5, the
+callbacks 7, the queue 9: docs/architecture.md), so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+#: ``budget.check_every_n_steps`` when a config does not set it (CostBudget's default).
+CHECK_EVERY_N_STEPS = 1
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The ``budget`` settings that bound a run's length (and its price); None: not set."""
+
+    max_tokens: int | None = None
+    max_wall_hours: float | None = None
+    max_gpu_hours: float | None = None
+    max_cost: float | None = None
+    price_per_gpu_hour: float | None = None
+    currency: str = "USD"
+    check_every_n_steps: int = CHECK_EVERY_N_STEPS
+
+    @classmethod
+    def from_config(cls, section: Any) -> Budget:
+        """The budget of a config's ``budget`` section (a dict; anything else: no budget).
+        Values fit would refuse are taken as unset here: ``nanolab fit`` says why."""
+        if not isinstance(section, dict):
+            return cls()
+
+        def number(key: str) -> float | None:
+            value = section.get(key)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            return float(value) if ok and math.isfinite(value) and value > 0 else None
+
+        tokens = number("max_tokens")
+        every = section.get("check_every_n_steps", CHECK_EVERY_N_STEPS)
+        every = every if isinstance(every, int) and not isinstance(every, bool) else 0
+        price = section.get("price_per_gpu_hour")
+        price_ok = isinstance(price, (int, float)) and not isinstance(price, bool)
+        return cls(
+            max_tokens=int(tokens) if tokens is not None else None,
+            max_wall_hours=number("max_wall_hours"),
+            max_gpu_hours=number("max_gpu_hours"),
+            max_cost=number("max_cost"),
+            price_per_gpu_hour=float(price) if price_ok and 0 <= price < math.inf else None,
+            currency=str(section.get("currency") or "USD"),
+            check_every_n_steps=every if every >= 1 else CHECK_EVERY_N_STEPS,
+        )
+
+
+def stop_step(step: int, fits: int, every: int) -> int:
+    """The step a budget that pays for ``fits`` more whole steps stops a run standing at
+    ``step`` at, checked every ``every`` steps: the first check at which the spend by the
+    next check would pass the limit, or ``step`` itself when a restored run at a check has
+    less than a check's steps left (it stops before its first step)."""
+    if step > 0 and step % every == 0 and fits < every:
+        return step
+    first_check = step // every * every + every
+    return max(first_check, -(-(step + fits - every + 1) // every) * every)
+
+
+def token_stop_step(step: int, spent: int, per_step: int, every: int, limit: int) -> int:
+    """The step where a token budget of ``limit`` stops a run standing at ``step`` with
+    ``spent`` tokens of it trained, at ``per_step`` tokens a step, checked every ``every``
+    steps (:func:`stop_step`), or ``step`` itself when nothing of it is left. From step 0 with
+    nothing spent that is ``max(every, limit // per_step // every * every)``."""
+    if spent >= limit:
+        return step
+    return stop_step(step, (limit - spent) // per_step, every)
+
+
+def budget_steps(budget: Budget, tokens_per_step: int) -> int | None:
+    """The step ``budget.max_tokens`` stops a new run at (None: no token budget), what fit
+    plans a ``trainer.max_steps: -1`` run's LR cosine for."""
+    if budget.max_tokens is None or tokens_per_step <= 0:
+        return None
+    return token_stop_step(0, 0, tokens_per_step, budget.check_every_n_steps, budget.max_tokens)
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How many steps a new run trains and the setting that ends it there."""
+
+    steps: int
+    source: str
+
+
+def run_length(
+    max_steps: int | None,
+    budget: Budget,
+    tokens_per_step: int,
+    step_seconds: float,
+    world_size: int,
+) -> RunLength | None:
+    """The steps a new run trains: the first of ``trainer.max_steps`` and the steps each of
+    ``budget``'s limits stops it at, None when nothing bounds it. The hour and cost limits are
+    turned into steps at ``step_seconds`` a step (no start-up, evaluation or checkpoint time:
+    the run may stop sooner); a cost limit needs ``price_per_gpu_hour``, as fit's does."""
+    every = budget.check_every_n_steps
+    options: list[tuple[int, str]] = []
+    if max_steps is not None and max_steps > 0:
+        options.append((max_steps, "trainer.max_steps"))
+    tokens = budget_steps(budget, tokens_per_step)
+    if tokens is not None:
+        options.append((tokens, "budget.max_tokens"))
+    hours: list[tuple[float | None, str]] = [
+        (budget.max_wall_hours, "budget.max_wall_hours"),
+        (_per_device(budget.max_gpu_hours, world_size), "budget.max_gpu_hours"),
+    ]
+    if budget.max_cost is not None and budget.price_per_gpu_hour:
+        gpu_hours = budget.max_cost / budget.price_per_gpu_hour
+        hours.append((_per_device(gpu_hours, world_size), "budget.max_cost"))
+    for wall_hours, name in hours:
+        if wall_hours is not None and step_seconds > 0:
+            options.append((stop_step(0, int(wall_hours * 3600 // step_seconds), every), name))
+    if not options:
+        return None
+    steps, source = min(options, key=lambda option: option[0])  # the first named on a tie
+    return RunLength(steps, source)
+
+
+def _per_device(gpu_hours: float | None, world_size: int) -> float | None:
+    """Wall hours that ``gpu_hours`` buy on ``world_size`` devices."""
+    return None if gpu_hours is None else gpu_hours / max(1, world_size)
