@@ -33,26 +33,11 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 def light_commands(work: Path) -> dict[str, list[str]]:
     """The commands that should start in well under a second (argv after ``python -m nanolab``)."""
+    estimate = ["estimate", "--config", str(QUICKSTART), "--vocab-size", "65", "--device", "gpu"]
     return {
         "--help": ["--help"],
-        "estimate": [
-            "estimate",
-            "--config",
-            str(QUICKSTART),
-            "--vocab-size",
-            "65",
-            "--device",
-            "gpu",
-        ],
-        "estimate, cold cache": [
-            "estimate",
-            "--config",
-            str(QUICKSTART),
-            "--vocab-size",
-            "65",
-            "--device",
-            "gpu",
-        ],
+        "estimate": estimate,
+        "estimate, cold cache": list(estimate),
         "estimate --help": ["estimate", "--help"],
         "report": ["report", str(work / "runs")],
         "queue ls": ["queue", "ls", "--db", str(work / "queue.db")],
