@@ -297,9 +297,11 @@ def test_force_replaces_a_dataset_but_never_a_folder_of_other_files(tmp_path, ca
     )
     assert "(README)" in capsys.readouterr().err
     (tmp_path / "ds" / "README").unlink()
+    (tmp_path / "ds" / "packing" / "train-0-row9-eot0").mkdir(parents=True)  # fit's, the data's
     assert (
         main([str(src), "-o", str(tmp_path / "ds"), "-q", "--force", "--tokenizer", "bytes"]) == 0
     )
+    assert not (tmp_path / "ds" / "packing").exists()  # replaced with the rest of the dataset
 
 
 def test_the_bundled_corpus_and_folders(tmp_path):

@@ -40,9 +40,10 @@ from nanolab.data.checks import (
     load_meta,
     replaced_message,
 )
-from nanolab.data.documents import Packing, evenly_spaced, packing_of, read_rows
+from nanolab.data.documents import Packing, evenly_spaced, read_rows
 from nanolab.data.mixture import parse_datasets
 from nanolab.data.order import sampler_jumps
+from nanolab.data.packing_cache import packing_of
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.sizes import check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
@@ -83,6 +84,8 @@ class TokenFile:
         self.path = path
         self.dtype = np.dtype(dtype)
         self.identity = identity
+        #: The identity of the file this process mapped (set when it maps it).
+        self.opened: FileIdentity | None = None
         self._data: np.memmap | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -103,6 +106,7 @@ class TokenFile:
                 if self.identity is not None and found != self.identity:
                     raise DataReplacedError(replaced_message(self.path))
                 self._data = np.memmap(f, dtype=self.dtype, mode="r")
+                self.opened = found
         return self._data
 
 
@@ -147,8 +151,9 @@ class DocumentWindows(TokenWindows):
     """Windows of whole documents (``data.align: document``), read through a
     :class:`~nanolab.data.documents.Packing`: indexed by row number instead of token offset.
 
-    The packing is made on first use (in the process that trains, before any DataLoader worker
-    starts) and travels with the object to workers.
+    The packing is read on first use (in the process that trains, before any DataLoader worker
+    starts) from the dataset's saved one, made and saved by the first launch
+    (:mod:`nanolab.data.packing_cache`), and travels with the object to workers.
     """
 
     def __init__(
@@ -164,13 +169,17 @@ class DocumentWindows(TokenWindows):
         self._packing: Packing | None = None
         #: False when the packing came from this process's cache (made for another instance).
         self.fresh = True
+        #: Why the packing could not be kept for later launches (None: it is kept).
+        self.cache_note: str | None = None
 
     @property
     def packing(self) -> Packing:
         if self._packing is None:
-            self._packing, self.fresh = packing_of(
-                self.path, self.data, self.block_size + 1, self.eot_id
+            tokens = self.data  # mapped first: the identity is the mapped file's
+            found = packing_of(
+                self.path, tokens, self.block_size + 1, self.eot_id, self.file.opened
             )
+            self._packing, self.fresh, self.cache_note = found.packing, found.fresh, found.note
         return self._packing
 
     def __len__(self) -> int:
@@ -551,6 +560,8 @@ class TokenDataModule(L.LightningDataModule):
         if packed.fresh:
             packing = packed.packing
             rank_zero_info(f"data.align document, {part.name} {split}: {packing.summary()}")
+            if packed.cache_note:
+                rank_zero_only(messages.note)("nanolab", packed.cache_note)
             if packing.dropped_tokens > 0.5 * packing.total_tokens:
                 # a nanolab warning line (the logger), not a Python warning with its source line
                 rank_zero_only(messages.warn)(

@@ -23,13 +23,14 @@ The scan that finds document boundaries reads the memory-mapped split in chunks 
 hundred bytes per document while packing (Python lists), 12 per packed piece after it. On a
 100 MB JSON-lines corpus (24.3M tokens, 48,595 documents) the scan and the packing take 0.25 s
 and peak RSS grows by 59 MiB, 46 MiB of which are the split's own pages of the page cache.
+Only the first launch pays that: :mod:`nanolab.data.packing_cache` keeps the packing in the
+dataset, and later launches, resumes and ranks memory-map it.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -130,26 +131,6 @@ def pack_documents(starts: np.ndarray, total_tokens: int, row_len: int) -> Packi
         documents=len(lengths),
         total_tokens=int(total_tokens),
     )
-
-
-#: Packings made in this process, by (file, size, mtime, block size, end-of-text id): the
-#: DataModule that ``fit`` builds to read the vocabulary and the one it trains with share one.
-_PACKINGS: dict[tuple[object, ...], Packing] = {}
-
-
-def packing_of(path: Path, tokens: np.ndarray, row_len: int, eot_id: int) -> tuple[Packing, bool]:
-    """The packing of the split in ``path`` (its ``tokens``) into rows of ``row_len``, and
-    whether it was made now (False: another instance in this process made it)."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, row_len, eot_id)
-    packing = _PACKINGS.get(key)
-    if packing is not None:
-        return packing, False
-    packing = pack_documents(unit_starts(tokens, eot_id), len(tokens), row_len)
-    while len(_PACKINGS) >= 8:  # a launch has two splits per dataset
-        del _PACKINGS[next(iter(_PACKINGS))]
-    _PACKINGS[key] = packing
-    return packing, True
 
 
 def read_rows(packing: Packing, tokens: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -115,8 +115,9 @@ FIT_KEYS = {
     "val_fraction": "data.val_fraction",
 }
 
-#: The files a prepared dataset folder holds (and all that ``--force`` may replace).
-DATASET_FILES = frozenset({"meta.json", "train.bin", "val.bin", "tokenizer.json"})
+#: The files a prepared dataset folder holds (and all that ``--force`` may replace): its
+#: ``packing/`` folder keeps the document packings fit made of it (``data.align: document``).
+DATASET_FILES = frozenset({"meta.json", "train.bin", "val.bin", "tokenizer.json", "packing"})
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
