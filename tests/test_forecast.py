@@ -606,3 +606,45 @@ def test_even_points_bound_a_refit_and_keep_the_newest() -> None:
         assert len(gaps) <= 1
     now, later = even_points(list(range(1000)), 100), even_points(list(range(1001)), 100)
     assert now[:-1] == later[:-1][: len(now) - 1]
+
+
+def test_a_forecast_fits_a_bounded_even_sample_with_the_newest_steps_and_lands_the_same(
+    monkeypatch,
+) -> None:
+    """A run validated very often (here 1,500 points, the cap lowered to 200) is fitted on an
+    even sample of its validation steps plus the newest ones whole (a seed group: every seed's
+    point at each step kept), and forecasts the same end, inside the full fit's band; a run
+    under the cap is fitted on every point, unchanged.
+
+    Mutations caught: every point fitted (the refits' cost grows with the log: 41,666 points
+    took 32 s); the newest steps dropped (the offset comes from the last residuals).
+    """
+    from nanolab.forecast import run
+    from nanolab.forecast.run import CurveInputs, forecast
+
+    fitted: list[list[float]] = []
+    real = run.fit_schedule_curve
+
+    def spy(steps, *args, **kwargs):
+        fitted.append(list(steps))
+        return real(steps, *args, **kwargs)
+
+    monkeypatch.setattr(run, "fit_schedule_curve", spy)
+    steps = np.arange(21, 1521)
+    y = schedule_curve(steps, max_steps=3000) + np.random.default_rng(0).normal(0, 0.003, 1500)
+    inputs = CurveInputs(points=[(float(s), float(s), float(v)) for s, v in zip(steps, y, strict=True)],
+                         max_steps=3000, tokens_per_step=1.0, schedule_for=_planned,
+                         warmup_steps=SCHED["warmup_steps"])  # fmt: skip
+    full = forecast(inputs, bootstrap=50)
+    assert fitted[-1] == [float(s) for s in steps]  # under the cap: every point
+    monkeypatch.setattr(run, "FIT_POINTS", 200)
+    thinned = forecast(inputs, bootstrap=50)
+    kept = fitted[-1]
+    assert 100 <= len(kept) <= 200 and kept[0] == 21.0
+    assert kept[-run.FIT_LAST :] == [float(s) for s in steps[-run.FIT_LAST :]]
+    assert thinned.points == full.points == 1500 and thinned.last_loss == full.last_loss
+    assert full.final_band[0] <= thinned.final_loss <= full.final_band[1]
+    assert thinned.final_band[0] <= full.final_loss <= thinned.final_band[1]
+    seeds = [(s, t, v + k * 0.01) for s, t, v in inputs.points for k in range(3)]
+    forecast(CurveInputs(**{**inputs.__dict__, "points": seeds}), bootstrap=5)
+    assert len(fitted[-1]) <= 200 and fitted[-1][-3:] == [1520.0] * 3  # whole steps, all seeds
