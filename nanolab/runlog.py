@@ -170,22 +170,6 @@ def iter_backwards(
     def may_hold(raw: bytes) -> bool:
         return needles is None or any(n in raw for n in needles)
 
-    def holding(block: bytes) -> list[bytes]:
-        """The lines of ``block`` (whole lines) that may hold a wanted record, in order: found
-        by searching for the marks, not by splitting every line (the lines of a 64 kB chunk of
-        train records that hold one ``val``: the rest are never looked at one by one)."""
-        if needles is None:
-            return block.split(b"\n")
-        spans = set()
-        for needle in needles:
-            at = block.find(needle)
-            while at >= 0:
-                begin, end = block.rfind(b"\n", 0, at) + 1, block.find(b"\n", at)
-                end = len(block) if end < 0 else end
-                spans.add((begin, end))
-                at = block.find(needle, end)
-        return [block[begin:end] for begin, end in sorted(spans)]
-
     def wanted(raw: bytes) -> Iterator[dict[str, Any]]:
         if not may_hold(raw):
             return
@@ -219,12 +203,115 @@ def iter_backwards(
             if first >= 0:
                 middle = data[first + 1 : last]  # whole lines: none can match without a mark
                 if first < last:
-                    lines = [*holding(middle), *lines]
+                    lines = [*_lines_holding(middle, needles), *lines]
                 if pos == 0:  # the file's first line is whole too
                     lines.insert(0, data[:first])
             for raw in reversed(lines):
                 yield from wanted(raw)
             partial, held = deque([data[:first]]), first
+
+
+def _lines_holding(block: bytes, needles: tuple[bytes, ...] | None) -> list[bytes]:
+    """The lines of ``block`` (whole lines) that may hold a wanted record, in order: found by
+    searching for the marks, not by splitting every line (the lines of a 64 kB chunk of train
+    records that hold one ``val``: the rest are never looked at one by one)."""
+    if needles is None:
+        return block.split(b"\n")
+    spans = set()
+    for needle in needles:
+        at = block.find(needle)
+        while at >= 0:
+            begin, end = block.rfind(b"\n", 0, at) + 1, block.find(b"\n", at)
+            end = len(block) if end < 0 else end
+            spans.add((begin, end))
+            at = block.find(needle, end)
+    return [block[begin:end] for begin, end in sorted(spans)]
+
+
+class FollowedLog:
+    """The records of kind ``event`` (for which ``where`` is true) of one run log, oldest
+    first, read forward and kept between reads: each :meth:`records` reads only the bytes
+    appended since the one before, so a screen redrawn every few seconds (``nanolab status
+    --watch``) costs what the runs wrote meanwhile, not their whole logs, and a finished run's
+    log is read once.
+
+    The records are those :func:`iter_backwards` finds (the same lines, marks and ``split_cr``):
+    whole lines are kept (cut by ``keep`` to what the reader needs), and the unfinished last
+    line is parsed at each read, as :func:`iter_backwards` parses it, until its newline comes.
+    A log replaced by another file, or shorter than what was read, is read again from its start.
+    """
+
+    #: Bytes read per step.
+    CHUNK = 1 << 20
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        event: str | tuple[str, ...] | None = None,
+        where: Callable[[dict[str, Any]], bool] | None = None,
+        split_cr: bool = False,
+        keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        self.path, self.event, self.where, self.split_cr, self.keep = (
+            path, event, where, split_cr, keep,
+        )  # fmt: skip
+        marks = event_marks(event)
+        self.needles = (
+            tuple(m.encode() for m in marks) if marks and all(m.isascii() for m in marks) else None
+        )
+        self._restart(None)
+
+    def _restart(self, identity: tuple[int, int] | None) -> None:
+        self.identity = identity  # (device, inode) of the file read
+        self.offset = 0  # bytes read and kept: whole lines only
+        self.kept: list[dict[str, Any]] = []
+        self.skipping = False  # inside a line longer than any record: damage, passed over
+
+    def records(self) -> list[dict[str, Any]]:
+        """The log's wanted records now, oldest first (read since the last call: the rest)."""
+        handle = _open_log(self.path, "rb")
+        if handle is None:
+            self._restart(None)
+            return []
+        pending = b""  # the bytes after the last newline read
+        with handle:
+            stat = os.fstat(handle.fileno())
+            if (stat.st_dev, stat.st_ino) != self.identity or stat.st_size < self.offset:
+                self._restart((stat.st_dev, stat.st_ino))
+            handle.seek(self.offset)
+            while chunk := handle.read(self.CHUNK):
+                if self.skipping:
+                    cut = chunk.find(b"\n")
+                    self.offset += len(chunk) if cut < 0 else cut + 1
+                    if cut < 0:
+                        continue
+                    chunk, self.skipping = chunk[cut + 1 :], False
+                block = pending + chunk
+                cut = block.rfind(b"\n")
+                if cut < 0:
+                    pending = block
+                    if len(pending) > MAX_RECORD_BYTES:
+                        self.offset, pending, self.skipping = self.offset + len(pending), b"", True
+                    continue
+                for raw in _lines_holding(block[:cut], self.needles):
+                    self.kept += [r if self.keep is None else self.keep(r) for r in self._in(raw)]
+                self.offset += cut + 1
+                pending = block[cut + 1 :]
+        unfinished = [] if self.skipping else list(self._in(pending))
+        return [*self.kept, *unfinished]
+
+    def _in(self, raw: bytes) -> Iterator[dict[str, Any]]:
+        """The wanted records of one line, in order (one per carriage-return part)."""
+        if self.needles is not None and not any(n in raw for n in self.needles):
+            return
+        for part in raw.split(b"\r") if self.split_cr else (raw,):
+            record = _parse(part.decode("utf-8", errors="replace"))
+            if (
+                record is not None
+                and is_event(record, self.event)
+                and (self.where is None or self.where(record))
+            ):
+                yield record
 
 
 class RunLogReadError(NanolabError):

@@ -19,7 +19,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from nanolab.runlog import (
     CONFIG_HEADER,
     CONFIG_MARK,
     RUN_LOG_NAME,
+    FollowedLog,
     iter_backwards,
     iter_numbered,
     iter_records,
@@ -455,7 +456,9 @@ class RunTail:
     train: list[dict[str, Any]]
 
 
-def summarize_tail(name: str, run_dir: Path, now: float | None = None) -> RunTail:
+def summarize_tail(
+    name: str, run_dir: Path, now: float | None = None, followed: FollowedRuns | None = None
+) -> RunTail:
     """The fields of :func:`summarize_run` that a status line shows (status and detail, steps,
     training loss, best and final validation, tokens/s and MFU, wall time, first and last
     record time), the same figures, without parsing the log's train records: a long run logs
@@ -467,11 +470,13 @@ def summarize_tail(name: str, run_dir: Path, now: float | None = None) -> RunTai
     to, the end of the last launch, every validation. The train records newest first, until the
     last ``RECENT + 1`` steps of the run's timeline, a training loss and an elapsed time are
     found: a few dozen lines (the whole log only for one that has none of them, an old one).
-    The other fields of the summary are left unset."""
+    The other fields of the summary are left unset. ``followed`` (a screen redrawn by
+    ``status --watch``) keeps each log's sparse records between calls: a redraw reads only
+    what was appended since the one before."""
     now = time.time() if now is None else now
     log = run_dir / RUN_LOG_NAME
     s = RunSummary(run=name, status="crashed", run_dir=str(run_dir))
-    sparse = _SparseRecords(log)
+    sparse = _SparseRecords(log, None if followed is None else followed.newest_first(log))
     end, trains = (
         sparse.end,
         _NewestTrain(log, need_elapsed=(sparse.end or {}).get("elapsed_s") is None),
@@ -514,21 +519,61 @@ class _Floor:
         return record.get("event") in STEP_EVENTS and isinstance(step, int) and step > self.step
 
 
+def _usable(record: dict[str, Any]) -> bool:
+    return record_problem(record) is None
+
+
+#: The fields :class:`_SparseRecords` reads of a sparse record other than a start or an end
+#: (which it keeps whole): what a followed log holds of each validation.
+SPARSE_FIELDS = ("event", "step", "resumed_from_step", "evaluated_by", "tokens", "val_loss",
+                 "val_bpb")  # fmt: skip
+
+
+def _sparse_kept(record: dict[str, Any]) -> dict[str, Any]:
+    if record.get("event") in ("start", "end"):
+        return record
+    return {k: record[k] for k in SPARSE_FIELDS if k in record}
+
+
+class FollowedRuns:
+    """The sparse records of each run log a screen shows, kept from one redraw to the next
+    (``nanolab status --watch``): each redraw reads the bytes a log gained since the one
+    before (:class:`~nanolab.runlog.FollowedLog`), and nothing of a finished run's. A 2M-record
+    log cost 12.8 s per redraw read whole, 300 finished runs 18.9 s."""
+
+    def __init__(self) -> None:
+        self._logs: dict[Path, FollowedLog] = {}
+
+    def newest_first(self, log: Path) -> list[dict[str, Any]]:
+        """The usable :data:`SPARSE_EVENTS` records of ``log``, newest first (as
+        :func:`~nanolab.runlog.iter_backwards` gives them), cut to what a status line reads."""
+        followed = self._logs.get(log)
+        if followed is None:
+            followed = self._logs[log] = FollowedLog(
+                log, SPARSE_EVENTS, where=_usable, split_cr=True, keep=_sparse_kept
+            )
+        return followed.records()[::-1]
+
+
 class _SparseRecords:
     """The usable records of :data:`SPARSE_EVENTS` of a log, newest first, as
     :class:`_RunStream` keeps them: the end of the last launch (None when a start came after
-    it), the newest start, the highest step on the timeline, the validations by step."""
+    it), the newest start, the highest step on the timeline, the validations by step. Read from
+    the end of ``log``, or given (``newest``: a followed log's)."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, newest: Iterable[dict[str, Any]] | None = None) -> None:
         self.end: dict[str, Any] | None = None
         self.start: dict[str, Any] | None = None
         self.max_step: int | None = None
         self.val: dict[float, dict[str, Any]] = {}
         decided, floor = False, _Floor()
-        newest = iter_backwards(log, SPARSE_EVENTS, where=lambda r: record_problem(r) is None,
-                                split_cr=True)  # fmt: skip
-        with contextlib.closing(newest):
-            for r in newest:
+        reading = (
+            None
+            if newest is not None
+            else iter_backwards(log, SPARSE_EVENTS, where=_usable, split_cr=True)
+        )
+        with contextlib.closing(reading) if reading is not None else contextlib.nullcontext():
+            for r in reading if reading is not None else newest or ():
                 event = r.get("event")
                 if not decided and event in ("start", "end"):
                     decided, self.end = True, r if event == "end" else None

@@ -11,8 +11,9 @@ figures ``report`` prints, without parsing a record per step), and the queue dat
 read-only (SQLite ``mode=ro``: it never locks a run or blocks the runner). A job's time is one
 account everywhere: the run log's elapsed time over every attempt, the same figure ``report``
 prints (the queue's own counter only for a job that never logged). ``--json`` prints the same
-as data; ``--watch N`` redraws every N seconds until Ctrl-C. Plain text, no colours: it reads
-the same over SSH, in ``watch``, or piped into a file.
+as data; ``--watch N`` redraws every N seconds until Ctrl-C, reading of each log only what it
+gained since the redraw before. Plain text, no colours: it reads the same over SSH, in
+``watch``, or piped into a file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser, given_path
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
+    FollowedRuns,
     check_root,
     discover_runs,
     duration,
@@ -100,10 +102,11 @@ class Screen:
     silent_runners: list[str] = field(default_factory=list)
 
 
-def run_line(name: str, run_dir: Path, now: float) -> RunLine:
+def run_line(name: str, run_dir: Path, now: float, followed: FollowedRuns | None = None) -> RunLine:
     """The screen's line of one run, from the end of its log (every redraw, every run: a
-    whole log is never parsed, see :func:`summarize_tail`)."""
-    tail = summarize_tail(name, run_dir, now)
+    whole log is never parsed, see :func:`summarize_tail`; ``followed``: read on from the
+    redraw before)."""
+    tail = summarize_tail(name, run_dir, now, followed)
     s, train, start = tail.summary, tail.train, tail.start or {}
     last = train[-1] if train else {}
     config = start.get("config") if isinstance(start.get("config"), dict) else {}
@@ -193,12 +196,19 @@ def queue_state(
         return out, [r["line"] for r in silent_runners(db, now)]
 
 
-def collect(roots: list[Path], db_path: Path | None, now: float | None = None) -> Screen:
+def collect(
+    roots: list[Path],
+    db_path: Path | None,
+    now: float | None = None,
+    followed: FollowedRuns | None = None,
+) -> Screen:
+    """The screen: every run under ``roots`` and the queue at ``db_path``. ``followed`` keeps
+    the logs read between the redraws of ``--watch``, which then read only what was appended."""
     now = time.time() if now is None else now
     screen = Screen(time=now, queue=str(db_path) if db_path is not None else None)
     found = discover_runs([r for r in roots if r.exists()])  # a queued job's root comes later
     for name, run_dir in found:
-        line = run_line(name, run_dir, now)
+        line = run_line(name, run_dir, now, followed)
         (screen.running if line.status == "running" else screen.ended).append(line)
     if db_path is not None:
         walls = {Path(line.run_dir).name: line.wall_s for line in screen.running + screen.ended}
@@ -352,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         raise StatusError(f"--watch {args.watch}: give a number of seconds from 0.5 to 86400")
     if not any(r.exists() for r in roots) and db is None:
         raise StatusError(nothing_here(roots))
+    followed = FollowedRuns() if args.watch is not None else None
     while True:
-        screen = collect(roots, db)
+        screen = collect(roots, db, followed=followed)
         text = json.dumps(asdict(screen), indent=2) if args.json else render(screen, roots)
         if args.watch is not None and sys.stdout.isatty():
             print("\x1b[2J\x1b[H", end="")  # clear the terminal and go home
