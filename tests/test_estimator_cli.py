@@ -751,3 +751,31 @@ def test_the_estimate_trains_as_long_as_the_budget_lets_the_run_and_prices_it_so
     out = capsys.readouterr().out
     assert "token budget (budget.max_tokens)    1.000 B tokens = 1,907 steps" in out, out
     assert "x 2.00 EUR = " in out and "(budget.price_per_gpu_hour)" in out, out
+
+
+@pytest.mark.parametrize(
+    ("sets", "said"),
+    [
+        (["--trainer.max_steps", "-1", "--budget.max_cost", "100"],
+         "budget.max_cost needs budget.price_per_gpu_hour (> 0) to turn GPU-hours into money"),
+        (["--budget.currency", "EURO"], "budget.currency 'EURO' is not a known ISO 4217 code"),
+    ],
+)  # fmt: skip
+def test_the_estimate_refuses_a_budget_fit_refuses_in_fits_words(
+    sets: list[str], said: str, capsys: pytest.CaptureFixture
+) -> None:
+    """A cost limit without a price was priced as a Chinchilla-length run ("no ... max_cost
+    bounds the run"), and a currency fit refuses was printed: fit refuses both configs, so
+    the estimate says fit's line (one line, exit 2)."""
+    assert main(["--config", str(GPT2), "--gpu", "h100", *sets]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_estimate_writes_the_currency_as_fit_does(capsys: pytest.CaptureFixture) -> None:
+    """``budget.currency eur`` was printed ``eur``; fit upper-cases it (EUR)."""
+    argv = ["--config", str(GPT2), "--gpu", "h100", "--budget.currency", " eur",
+            "--budget.price_per_gpu_hour", "2.0"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "x 2.00 EUR = " in out and "eur" not in out, out

@@ -39,7 +39,13 @@ import lightning as L
 
 from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason, stop_reason
 from nanolab.callbacks.step import StepCallback, scheduled_validation
-from nanolab.estimator.run_length import CHECK_EVERY_N_STEPS, token_stop_step
+from nanolab.estimator.run_length import (
+    CHECK_EVERY_N_STEPS,
+    cost_problem,
+    currency_code,
+    currency_problem,
+    token_stop_step,
+)
 from nanolab.forecast import (
     MIN_POINTS,
     CurveInputs,
@@ -52,16 +58,6 @@ from nanolab.forecast import (
 #: Most validations the payoff rule fits (evenly spread, the newest always among them): a
 #: refit's cost is bounded, however long the run; the schedule fit stays the same below it.
 PAYOFF_POINTS = 100
-
-#: ISO 4217 codes accepted for ``budget.currency`` (the common ones; case-insensitive).
-CURRENCIES = frozenset(
-    (
-        *("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "NZD", "SEK", "NOK", "DKK"),
-        *("PLN", "CZK", "HUF", "INR", "KRW", "SGD", "HKD", "TWD", "BRL", "MXN", "ZAR", "ILS"),
-        *("AED", "SAR", "TRY", "THB", "IDR", "MYR", "PHP", "VND", "RUB", "UAH", "CLP", "COP"),
-        "ARS",
-    )
-)
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -137,16 +133,10 @@ class CostBudget(StepCallback):
             raise CallbackConfigError(
                 f"budget.price_per_gpu_hour must be a number >= 0, got {price_per_gpu_hour!r}"
             )
-        code = str(currency).strip().upper()
-        if code not in CURRENCIES:
-            raise CallbackConfigError(
-                f"budget.currency {currency!r} is not a known ISO 4217 code; use e.g. USD, EUR, "
-                "GBP, JPY, CNY, CHF"
-            )
-        if max_cost is not None and not price_per_gpu_hour:
-            raise CallbackConfigError(
-                "budget.max_cost needs budget.price_per_gpu_hour (> 0) to turn GPU-hours into money"
-            )
+        problem = currency_problem(currency) or cost_problem(max_cost, price_per_gpu_hour)
+        if problem is not None:
+            raise CallbackConfigError(problem)
+        code = currency_code(currency)
         if payoff_min_evals < MIN_POINTS:
             raise CallbackConfigError(
                 f"budget.payoff_min_evals must be >= {MIN_POINTS} (the forecast's fewest points), "

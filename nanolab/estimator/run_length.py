@@ -18,6 +18,51 @@ from typing import Any
 #: ``budget.check_every_n_steps`` when a config does not set it (CostBudget's default).
 CHECK_EVERY_N_STEPS = 1
 
+#: ISO 4217 codes accepted for ``budget.currency`` (the common ones; case-insensitive).
+CURRENCIES = frozenset(
+    (
+        *("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "NZD", "SEK", "NOK", "DKK"),
+        *("PLN", "CZK", "HUF", "INR", "KRW", "SGD", "HKD", "TWD", "BRL", "MXN", "ZAR", "ILS"),
+        *("AED", "SAR", "TRY", "THB", "IDR", "MYR", "PHP", "VND", "RUB", "UAH", "CLP", "COP"),
+        "ARS",
+    )
+)
+
+
+def currency_code(currency: Any) -> str:
+    """``budget.currency`` as fit writes it: trimmed and upper-cased (``eur`` -> ``EUR``)."""
+    return str(currency).strip().upper()
+
+
+def currency_problem(currency: Any) -> str | None:
+    """Why fit refuses ``budget.currency`` (None: it is a known ISO 4217 code). One rule for
+    the budget callback and ``nanolab estimate``, so both refuse and print the same code."""
+    if currency_code(currency) in CURRENCIES:
+        return None
+    return (
+        f"budget.currency {currency!r} is not a known ISO 4217 code; use e.g. USD, EUR, GBP, "
+        "JPY, CNY, CHF"
+    )
+
+
+def cost_problem(max_cost: Any, price_per_gpu_hour: Any) -> str | None:
+    """Why fit refuses a ``budget.max_cost`` (None: it has a price to turn GPU-hours into
+    money, or there is no cost limit)."""
+    if max_cost is None or price_per_gpu_hour:
+        return None
+    return "budget.max_cost needs budget.price_per_gpu_hour (> 0) to turn GPU-hours into money"
+
+
+def budget_problem(section: Any) -> str | None:
+    """The first of fit's refusals of a config's ``budget`` section that change what a run
+    costs or where it stops (its currency, a cost limit without a price); None: none. What
+    ``nanolab estimate`` refuses a config for, in fit's words."""
+    if not isinstance(section, dict):
+        return None
+    return currency_problem(section.get("currency") or "USD") or cost_problem(
+        section.get("max_cost"), section.get("price_per_gpu_hour")
+    )
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -54,7 +99,7 @@ class Budget:
             max_gpu_hours=number("max_gpu_hours"),
             max_cost=number("max_cost"),
             price_per_gpu_hour=float(price) if price_ok and 0 <= price < math.inf else None,
-            currency=str(section.get("currency") or "USD"),
+            currency=currency_code(section.get("currency") or "USD"),
             check_every_n_steps=every if every >= 1 else CHECK_EVERY_N_STEPS,
         )
 
@@ -114,6 +159,19 @@ def run_length(
     tokens = budget_steps(budget, tokens_per_step)
     if tokens is not None:
         options.append((tokens, "budget.max_tokens"))
+    if step_seconds > 0:
+        for wall_hours, name in hour_limits(budget, world_size):
+            options.append((stop_step(0, int(wall_hours * 3600 // step_seconds), every), name))
+    if not options:
+        return None
+    steps, source = min(options, key=lambda option: option[0])  # the first named on a tie
+    return RunLength(steps, source)
+
+
+def hour_limits(budget: Budget, world_size: int) -> list[tuple[float, str]]:
+    """(wall hours, setting) of each of ``budget``'s limits on time and money: the wall hours,
+    the GPU-hours over ``world_size`` devices, and the cost at its price (a cost without a
+    price is no limit here: fit refuses it, :func:`cost_problem`). Empty: none is set."""
     hours: list[tuple[float | None, str]] = [
         (budget.max_wall_hours, "budget.max_wall_hours"),
         (_per_device(budget.max_gpu_hours, world_size), "budget.max_gpu_hours"),
@@ -121,13 +179,7 @@ def run_length(
     if budget.max_cost is not None and budget.price_per_gpu_hour:
         gpu_hours = budget.max_cost / budget.price_per_gpu_hour
         hours.append((_per_device(gpu_hours, world_size), "budget.max_cost"))
-    for wall_hours, name in hours:
-        if wall_hours is not None and step_seconds > 0:
-            options.append((stop_step(0, int(wall_hours * 3600 // step_seconds), every), name))
-    if not options:
-        return None
-    steps, source = min(options, key=lambda option: option[0])  # the first named on a tie
-    return RunLength(steps, source)
+    return [(wall_hours, name) for wall_hours, name in hours if wall_hours is not None]
 
 
 def _per_device(gpu_hours: float | None, world_size: int) -> float | None:

@@ -16,7 +16,7 @@ from typing import Any
 from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file
 from nanolab.errors import RunConfigError
 from nanolab.estimator.gpus import FLOAT32_MATMUL_PRECISIONS, PRECISIONS
-from nanolab.estimator.run_length import Budget
+from nanolab.estimator.run_length import Budget, budget_problem
 from nanolab.helpfmt import suggestion
 from nanolab.model.config import ConfigError, GPTConfig
 from nanolab.training.parallelism import (  # noqa: F401  (Strategy, parse_strategy: public here too)
@@ -274,6 +274,8 @@ def setup_from_config(
             f"run.float32_matmul_precision must be one of {list(FLOAT32_MATMUL_PRECISIONS)}, "
             f"got {matmul!r}"
         )
+    if (problem := budget_problem(cfg.get("budget"))) is not None:
+        raise EstimateError(problem)  # fit's own refusal: the run this would price never starts
     max_steps = resolved.max_steps
     # Without a global batch, fit trains the trainer's own accumulation (the resolver's value;
     # it has none yet while the micro-batch is auto, and the count does not depend on it).
