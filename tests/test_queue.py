@@ -73,7 +73,10 @@ def test_add_takes_max_steps_minus_1_when_a_token_budget_ends_the_run(
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "q.db"
     code, _, err = queue(capsys, db, "add", str(tiny), "--set", "trainer.max_steps=-1")
-    assert code == 2 and "no budget.max_tokens bounds the run" in err, err
+    assert (
+        code == 2
+        and "no budget.max_tokens, max_wall_hours, max_gpu_hours or max_cost bounds" in err
+    ), err
     assert len(err.strip().splitlines()) == 1
     sets = ["--set", "trainer.max_steps=-1", "--set", "budget.max_tokens=1000"]
     code, _, err = queue(capsys, db, "add", str(tiny), *sets)
@@ -89,17 +92,15 @@ def test_a_token_budgets_steps_are_the_budgets_own_rule(
     """The queue repeated ``CostBudget.token_steps``'s arithmetic (one rule in two places: a
     change to the budget's rule would leave the queue's steps and estimate on the old one);
     it asks the rule, with the job's tokens per step as fit's trainer holds them."""
-    from nanolab.callbacks.banner import tokens_per_step
-    from nanolab.callbacks.budget import CostBudget
+    from nanolab.estimator import run_length
 
     asked: list[int] = []
 
-    def rule(self: CostBudget, trainer: object, module: object) -> int:
-        per_step = tokens_per_step(trainer, module)  # type: ignore[arg-type]
-        asked.append(per_step[0] if per_step else -1)
+    def rule(step: int, spent: int, per_step: int, every: int, limit: int) -> int:
+        asked.append(per_step)
         return 5  # a rule of its own: the queue must take it as it is
 
-    monkeypatch.setattr(CostBudget, "token_steps", rule)
+    monkeypatch.setattr(run_length, "token_stop_step", rule)
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "q.db"
     sets = ["--set", "trainer.max_steps=-1", "--set", "budget.max_tokens=1000"]
@@ -108,7 +109,39 @@ def test_a_token_budgets_steps_are_the_budgets_own_rule(
     )
     assert code == 0, err
     (job,) = QueueDB(db).jobs()
-    assert job.max_steps == 5 and asked == [256]  # micro-batch 4 x block 32 x 2 accumulated
+    assert job.max_steps == 5 and set(asked) == {256}  # micro-batch 4 x block 32 x 2 accumulated
+
+
+def test_a_job_is_planned_for_where_its_budget_stops_it_first(
+    tmp_path: Path, tiny: Path, capsys, monkeypatch
+) -> None:
+    """The queue planned a job by ``trainer.max_steps`` when ``budget.max_tokens`` stops it
+    sooner (gpt2-124m with 1e9 tokens: 19,073 steps, ~6 h, where fit stops at 1,907), and
+    refused ``trainer.max_steps -1`` ended by hours, GPU-hours or a priced cost. It plans by
+    the rule estimate and fit use: the tightest bound, hours at the job's step time."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "q.db"
+    tokens = ["--set", "trainer.max_steps=600", "--set", "budget.max_tokens=1280"]
+    code, _, err = queue(capsys, db, "add", str(tiny), *tokens, "--name", "tokens")
+    assert code == 0, err
+    (job,) = QueueDB(db).jobs()
+    assert job.max_steps == 10  # 1280 tokens at 128 a step (micro-batch 4 x block 32)
+    whole = QueueDB(db)
+    code, _, err = queue(capsys, db, "add", str(tiny), "--set", "trainer.max_steps=600",
+                         "--name", "whole")  # fmt: skip
+    assert code == 0, err
+    assert job.estimate_s < next(j for j in whole.jobs() if j.name == "whole").estimate_s
+
+    hours = ["--set", "trainer.max_steps=-1", "--set", "budget.max_wall_hours=0.001"]
+    code, _, err = queue(capsys, db, "add", str(tiny), *hours, "--name", "hours")
+    assert code == 0, err
+    walled = next(j for j in QueueDB(db).jobs() if j.name == "hours")
+    assert walled.estimate_s is not None and walled.estimate_s <= 3.6 + 12.0 + 1e-6
+
+    cost = ["--set", "trainer.max_steps=-1", "--set", "budget.max_cost=5"]
+    code, _, err = queue(capsys, db, "add", str(tiny), *cost, "--name", "cost")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "budget.max_cost needs budget.price_per_gpu_hour (> 0)" in err, err
 
 
 def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, monkeypatch) -> None:
@@ -137,7 +170,7 @@ def test_add_takes_fits_dotted_overrides(tmp_path: Path, tiny: Path, capsys, mon
         (["--sweep", "model.gpt.n_layer=2,x"], "error: --sweep model.gpt.n_layer, value x: model.gpt.n_layer: 'x' is not valid"),
         (["--trainer.precision", "17"], "error: --set trainer.precision=17: trainer.precision: '17' is not valid"),
         (["--set", "run.global_batch_tokens=100"], "run.global_batch_tokens (100) must be a positive multiple"),
-        (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1 and no budget.max_tokens bounds the run; a queued job needs an end"),
+        (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1 and no budget.max_tokens, max_wall_hours, max_gpu_hours or max_cost bounds the run; a queued job needs an end"),
         # its rank 0 would wait in the rendezvous for machines that never come (deaf to signals)
         (["--set", "trainer.num_nodes=2"], "trainer.num_nodes is 2; the queue runs each job on this machine"),
         # said first: the batch checks would ask for a batch fit for 2 machines

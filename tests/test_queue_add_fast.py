@@ -244,7 +244,7 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["{list}"], "list.yaml must be a mapping of settings", False),
     (["--set", "model.gpt.n_head=3"], "model.gpt.n_embd (32) must be divisible by model.gpt.n_head (3)", False),
     (["--set", "run.global_batch_tokens=100"], "run.global_batch_tokens (100) must be a positive multiple", False),
-    (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1 and no budget.max_tokens bounds the run; a queued job needs an end", False),
+    (["--set", "trainer.max_steps=-1"], "trainer.max_steps is -1 and no budget.max_tokens, max_wall_hours, max_gpu_hours or max_cost bounds the run; a queued job needs an end", False),
     (["--set", "data.source=[nowhere.txt]"], "data.source: nowhere.txt does not exist", False),
     (["--set", "data.dataset_dir=missing", "--set", "data.source=null"], "holds no prepared dataset", False),
     (["--set", "data.dataset_dir=missing", "--set", "data.sourc=null"], "'sourc' is not a setting of the class it is given to", True),

@@ -5,8 +5,8 @@ defaults and linked arguments: from the parser's remembered schema where it can 
 parser itself; :mod:`nanolab.run.read`), in this process: unknown keys, wrong types and
 unreadable YAML fail here. Then the checks ``nanolab fit`` would only make when it starts are made too: the model, optimizer
 and schedule settings (their dataclasses validate themselves), the global batch against the
-micro-batch (gradient accumulation must come out whole), a finite ``trainer.max_steps`` (or -1 with ``budget.max_tokens``; the
-training stream is endless, so a job without it never ends), and that the data exists (a
+micro-batch (gradient accumulation must come out whole), a finite ``trainer.max_steps`` (or -1 with a budget limit: tokens, hours, GPU-hours or cost; the
+training stream is endless, so a job without an end never ends), and that the data exists (a
 prepared ``data.dataset_dir`` or readable ``data.source`` paths). The data is not prepared here:
 tokenizing a large corpus is the job's work.
 """
@@ -20,12 +20,18 @@ import re
 import time
 import unicodedata
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby, pairwise
 from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError
+from nanolab.estimator.run_length import (
+    Budget,
+    budget_problem,
+    hour_limits,
+    run_length,
+)
 from nanolab.queue.db import Job, NewJob
 
 #: Keys the queue sets itself on every job.
@@ -85,9 +91,24 @@ class ParsedConfig:
 
     config: dict[str, Any]  # the merged ``fit`` config as plain data
     run_root: str
+    #: The steps the job trains (:func:`planned_steps`; 0 while only an hour or cost limit
+    #: ends it: the estimate plans those at the job's step time, :meth:`steps_at`).
     max_steps: int
     devices: int
     tokens_per_step: int
+    step_bound: int | None = None  # ``trainer.max_steps`` when > 0
+    budget: Budget = field(default_factory=Budget)
+    world_size: int = 1
+
+    def steps_at(self, step_s: float) -> int:
+        """The steps the job trains at ``step_s`` seconds a step: the tightest of
+        ``trainer.max_steps`` and every budget limit, its hours and cost included."""
+        return (
+            planned_steps(
+                self.step_bound, self.budget, self.tokens_per_step, self.world_size, step_s
+            )
+            or self.max_steps
+        )
 
 
 def parse_sets(sets: list[str]) -> list[tuple[str, str]]:
@@ -273,13 +294,16 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
             "(a multi-node run starts with torchrun or srun, docs/scaling.md)"
         )
     resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS)
-    budget = cfg.get("budget") or {}
-    bounded = resolved.max_steps is not None and resolved.max_steps > 0
-    if not bounded and budget.get("max_tokens") is None:
+    if (problem := budget_problem(cfg.get("budget"))) is not None:
+        raise JobConfigError(problem)  # fit's own line: a cost without a price is no end
+    budget = Budget.from_config(cfg.get("budget"))
+    step_bound = resolved.max_steps if resolved.max_steps and resolved.max_steps > 0 else None
+    if step_bound is None and budget.max_tokens is None and not hour_limits(budget, 1):
         raise JobConfigError(
-            f"trainer.max_steps is {resolved.max_steps!r} and no budget.max_tokens bounds the "
-            "run; a queued job needs an end (the training stream never ends on its own): set "
-            "trainer.max_steps, or budget.max_tokens (fit then plans the steps it allows)"
+            f"trainer.max_steps is {resolved.max_steps!r} and no budget.max_tokens, "
+            "max_wall_hours, max_gpu_hours or max_cost bounds the run; a queued job needs an end "
+            "(the training stream never ends on its own): set trainer.max_steps, or a budget "
+            "limit (fit then stops the run where it is spent)"
         )
     _check_data(resolved.data_args, cwd)
     _check_resume(cfg)
@@ -294,32 +318,24 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
     return ParsedConfig(
         config=cfg,
         run_root=str((cfg.get("run") or {}).get("root") or "runs"),
-        max_steps=resolved.max_steps if bounded else budget_steps(budget, resolved),
+        max_steps=planned_steps(step_bound, budget, tokens_per_step, resolved.world_size, 0.0),
         devices=resolved.devices_per_node,
         tokens_per_step=tokens_per_step,
-    )
-
-
-def budget_steps(budget: dict[str, Any], resolved: Any) -> int:
-    """The steps a run of ``trainer.max_steps: -1`` trains before ``budget.max_tokens`` stops
-    it, by the budget's own rule (:meth:`nanolab.callbacks.budget.CostBudget.token_steps`: the
-    last budget check before the next would pass the limit), which fit plans its LR cosine
-    for; the queue estimates the job from them. The rule is asked, not copied, with the job's
-    shapes as fit's trainer holds them (micro-batch, accumulation, devices; the model's
-    context), so the queue's steps and the run's plan cannot drift apart. ``resolved``: the
-    job's :class:`nanolab.training.resolve.Resolved`, its micro-batch planned."""
-    from types import SimpleNamespace
-
-    from nanolab.callbacks.budget import CostBudget
-
-    trainer = SimpleNamespace(
-        datamodule=SimpleNamespace(micro_batch_size=resolved.micro_batch_size),
-        accumulate_grad_batches=resolved.accumulate,
+        step_bound=step_bound,
+        budget=budget,
         world_size=resolved.world_size,
     )
-    module = SimpleNamespace(gpt_config=SimpleNamespace(block_size=resolved.block_size))
-    steps = CostBudget(**budget).token_steps(trainer, module)
-    return int(steps) if steps is not None else 0  # 0: no step count to estimate the job by
+
+
+def planned_steps(
+    step_bound: int | None, budget: Budget, tokens_per_step: int, world_size: int, step_s: float
+) -> int:
+    """The steps a job trains: the first of ``trainer.max_steps`` (``step_bound``) and where
+    its budget stops it, by the rule fit's budget and ``nanolab estimate`` use
+    (:func:`nanolab.estimator.run_length.run_length`); its hour and cost limits count only at a
+    known ``step_s`` (seconds a step). 0: no step count is known (only such a limit ends it)."""
+    length = run_length(step_bound, budget, tokens_per_step, step_s, world_size)
+    return length.steps if length is not None else 0
 
 
 def _check_callbacks(cfg: dict[str, Any]) -> None:
@@ -625,7 +641,7 @@ def build_jobs(
                 run_dir=str(run_dir),
                 config_key=config_key(parsed.config),
                 devices=parsed.devices,
-                max_steps=parsed.max_steps,
+                max_steps=parsed.max_steps or None,  # None: only hours or cost end it
                 estimate_s=seconds,
                 estimate_source=source,
                 backfill=backfill,

@@ -40,17 +40,27 @@ from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu: public he
 from nanolab.queue.db import Job, QueueDB
 from nanolab.queue.jobs import ParsedConfig
 
+#: Steps a job only an hour or cost limit ends is timed over, for its step time.
+PROBE_STEPS = 1000
+
 
 def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float | None, str | None]:
-    """(seconds, how it was estimated) for a parsed job config; (None, why not) if impossible."""
-    return run_seconds(
+    """(seconds, how it was estimated) for a parsed job config; (None, why not) if impossible.
+    A job a budget's hours or cost may stop sooner is timed for the steps it allows at the
+    estimated step time (:meth:`ParsedConfig.steps_at`), as ``nanolab estimate`` does."""
+    timed = parsed.max_steps or PROBE_STEPS
+    seconds, how = run_seconds(
         parsed.config,
         devices=parsed.devices,
         tokens_per_step=parsed.tokens_per_step,
-        max_steps=parsed.max_steps,
+        max_steps=timed,
         gpu=gpu,
         remembered_cpu=True,
     )
+    if seconds is None:
+        return seconds, how
+    per_step = (seconds - STARTUP_S) / timed
+    return STARTUP_S + per_step * parsed.steps_at(per_step), how
 
 
 #: How many of a config's newest finished jobs its step time is taken from: enough for a
@@ -141,9 +151,9 @@ def job_estimate(
     from nanolab.queue.jobs import config_key
 
     found = history(db, config_key(parsed.config)) if db is not None else None
-    if found is not None and parsed.max_steps:
+    if found is not None:
         per_step, how = found
-        return STARTUP_S + per_step * parsed.max_steps, how
+        return STARTUP_S + per_step * parsed.steps_at(per_step), how
     return flops_estimate(parsed, gpu)
 
 
