@@ -945,3 +945,18 @@ def test_a_train_record_holds_the_same_keys_with_or_without_the_throughput_meter
         keys[name] = [sorted(r) for r in events(tmp_path / name / "metrics.jsonl", "train")]
     assert keys["with"] == keys["without"] and len(keys["with"]) == 2
     assert set(keys["with"][0]) >= LOGGED_FIELDS and "gpu_util" in LOGGED_FIELDS
+
+
+def test_the_banner_ends_the_run_where_its_token_budget_stops_it(
+    tmp_path, char_dataset, capsys
+) -> None:
+    """``trainer.max_steps`` 50 with ``budget.max_tokens`` of 10 steps: the banner said
+    ``steps 0 -> 50`` and the tokens of 50 steps to go, while the budget stops it at step 10."""
+    run, budget = tmp_path / "run", 10 * TOKENS_PER_MICRO_BATCH
+    from nanolab.callbacks.banner import banner_lines
+
+    trainer = fit(run, char_dataset, [MetricsLog(), CostBudget(max_tokens=budget)], max_steps=50)
+    assert events(run / "metrics.jsonl", "train")[-1]["step"] == 10
+    banner = "\n".join(banner_lines(trainer, trainer.lightning_module, estimate=False))
+    assert "steps      10 -> 10 (budget.max_tokens)" in banner, banner
+    assert "-> 50" not in banner

@@ -196,6 +196,18 @@ def never_decays(warmup: int, steps: int) -> bool:
     return warmup > 0 and steps <= warmup + 1
 
 
+def token_end(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
+    """The step ``budget.max_tokens`` stops this launch at, counted from where it stands with
+    what it has spent (the budget's own rule: ``CostBudget.token_steps``), or None: no token
+    budget. A run of ``trainer.max_steps`` N that the budget stops sooner ends there."""
+    for callback in trainer.callbacks:  # asked by what it answers (the budget imports this one)
+        steps_of = getattr(callback, "token_steps", None)
+        steps = steps_of(trainer, pl_module) if callable(steps_of) else None
+        if steps is not None:
+            return int(steps)
+    return None
+
+
 def budget_planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
     """Where the cosine of a run without ``trainer.max_steps`` ends when ``budget.max_tokens``
     planned it (:func:`nanolab.training.optim.planned_steps`), or None."""
@@ -380,7 +392,11 @@ def banner_lines(
         lines.append("  resume     none: a new run from step 0")
     if end is not None and end > 0:
         horizon = schedule_end(trainer)
-        steps = f"  steps      {start} -> {end}"
+        by_tokens = token_end(trainer, pl_module)
+        stopped_by = ""
+        if by_tokens is not None and by_tokens < end:
+            end, stopped_by = by_tokens, " (budget.max_tokens)"
+        steps = f"  steps      {start} -> {end}{stopped_by}"
         if per_step is not None:
             steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
             passes = data_passes(trainer, end - start)  # where the order stands at the end
