@@ -100,17 +100,28 @@ def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     holder on another host cannot be checked from here, and a pid that runs again (reused)
     reads as alive; for those the run's silence decides, as before."""
     holder = read_lock_holder(run_dir / RUN_LOCK_NAME)
-    if holder is None or holder.get("host") != socket.gethostname():
-        return None
+    return holder if holder is not None and _holder_gone(holder) else None
+
+
+def live_lock_holder(run_dir: Path) -> dict[str, Any] | None:
+    """The holder ``run_dir``'s lock file names when it may still run (any holder but one
+    :func:`gone_lock_holder` knows has exited), else None: a launch is using the folder even
+    when its log was deleted. Read-only, like :func:`gone_lock_holder`."""
+    holder = read_lock_holder(run_dir / RUN_LOCK_NAME)
+    return holder if holder is not None and not _holder_gone(holder) else None
+
+
+def _holder_gone(holder: dict[str, Any]) -> bool:
+    """Whether the lock ``holder`` is a process of this host that no longer runs."""
+    if holder.get("host") != socket.gethostname():
+        return False
     # A container with this host's name (`docker run --network host`) numbers its processes
     # apart: its pid means nothing here, and its live run read as crashed. A holder that does
     # not say its namespace (written before it was recorded) is not judged either.
     if holder.get("pid_namespace") is None or holder.get("pid_namespace") != pid_namespace():
-        return None
+        return False
     pid = holder.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid_alive(pid):
-        return None
-    return holder
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not pid_alive(pid)
 
 
 def _reclaimable_cache() -> int:

@@ -29,7 +29,7 @@ from typing import IO, Any
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import NanolabError, size_limit_met
 from nanolab.messages import warn
-from nanolab.processes import RUN_LOCK_NAME, read_lock_holder
+from nanolab.processes import live_lock_holder
 
 RUN_LOG_NAME = "metrics.jsonl"
 QUEUE_LOG_NAME = "queue.log"  # a queued job's console output, beside its run log
@@ -342,17 +342,17 @@ def names_run(record: dict[str, Any]) -> bool:
 def is_nanolab_run(folder: str | os.PathLike[str]) -> bool:
     """Whether ``folder`` is a run nanolab wrote: its log opens with a record naming its run (a
     ``start``, or the ``log_recreated`` a live run starts its log again with when it was
-    deleted), a launch's lock or the run's own ``config.yaml`` is there
-    (:func:`_held_or_configured`), or its ``checkpoints/`` holds a checkpoint named as nanolab
-    names them (a run whose log was lost still owns its checkpoints). A ``metrics.jsonl``
-    another tool left in a project folder is not a run, so it does not put everything below it
-    "inside a run"."""
+    deleted), a live launch holds it (:func:`_held`), or its ``checkpoints/`` holds a
+    checkpoint named as nanolab names them (a run whose log was lost still owns its
+    checkpoints). A ``metrics.jsonl`` another tool left in a project folder is not a run, so it
+    does not put everything below it "inside a run"; nor is a ``config.yaml`` alone, header and
+    all: users copy a run's config out to launch from (``nanolab fit --config``)."""
     folder = Path(folder)
     for _, record in iter_numbered(folder / RUN_LOG_NAME):
         if names_run(record):
             return True
         break  # the record naming the run is a run log's first
-    if _held_or_configured(folder):
+    if _held(folder):
         return True
     checkpoints = folder / CHECKPOINT_DIR
     try:
@@ -362,23 +362,18 @@ def is_nanolab_run(folder: str | os.PathLike[str]) -> bool:
     return any(_NANOLAB_CHECKPOINT.fullmatch(name) for name in names)
 
 
-def _held_or_configured(folder: Path) -> bool:
-    """Whether a launch holds ``folder`` (its run lock names a holder: a live run whose log was
-    deleted, and not yet started again, is still a run) or the run's own ``config.yaml`` is
-    there (it starts with :data:`CONFIG_HEADER`, which only a run writes)."""
-    if read_lock_holder(folder / RUN_LOCK_NAME) is not None:
-        return True
-    try:
-        with open(folder / "config.yaml", "rb") as f:
-            return f.readline(len(CONFIG_HEADER) + 1).startswith(CONFIG_MARK)
-    except OSError:  # none, or a folder in its place
-        return False
+def _held(folder: Path) -> bool:
+    """Whether a launch that may still run holds ``folder`` (its run lock names a holder not
+    known to have exited): a live run whose log was deleted, and not yet started again, is
+    still a run. A lock a killed run left behind does not make a folder a run."""
+    return live_lock_holder(folder) is not None
 
 
 def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
-    """The nanolab run directory ``path`` is or lies in (a folder up its tree holding a run log
-    that :func:`is_nanolab_run` owns), or None. The one rule for "inside a run": fit's own run
-    directory (``run.root``/``run.name``) and every other command's output go by it.
+    """The nanolab run directory ``path`` is or lies in (a folder up its tree that a live launch
+    holds, or holding a run log that :func:`is_nanolab_run` owns), or None. The one rule for
+    "inside a run": fit's own run directory (``run.root``/``run.name``) and every other
+    command's output go by it.
 
     Both the path as given and where its links lead are checked: a link to a run's folder is
     that run's folder.
@@ -386,9 +381,7 @@ def run_dir_holding(path: str | os.PathLike[str]) -> Path | None:
     given = Path(os.path.abspath(path))
     for start in (given, Path(os.path.realpath(given))):
         for folder in (start, *start.parents):
-            if _held_or_configured(folder) or (
-                (folder / RUN_LOG_NAME).is_file() and is_nanolab_run(folder)
-            ):
+            if _held(folder) or ((folder / RUN_LOG_NAME).is_file() and is_nanolab_run(folder)):
                 return folder
     return None
 

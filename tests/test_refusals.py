@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from nanolab.callbacks.rundir import RunDirError, claim_run_dir
 from nanolab.data.prepare import OutputInUseError, prepare_dataset
 from nanolab.errors import NanolabError, RunConfigError
 from nanolab.eval_tasks import EvalArgumentError, check_json_target
+from nanolab.processes import pid_namespace
 from nanolab.queue.jobs import JobConfigError, job_names, parse_config
 from nanolab.run.parse import FitParseError, parse_fit_config
 from nanolab.runlog import RunLogReadError, read_records, run_dir_holding
@@ -58,9 +63,13 @@ def test_run_dir_holding_finds_the_run_a_path_lies_in(tmp_path: Path) -> None:
         ("metrics.jsonl", '{"event": "log_recreated", "step": 7, "run_id": "r1"}\n', True),
         ("metrics.jsonl", '{"event": "log_recreated", "step": 7, "run_id": null}\n', False),
         ("metrics.jsonl", '{"event": "train", "step": 7}\n', False),  # another tool's log
-        # a launch holds the folder (its log deleted, not yet started again)
+        # a launch holds the folder (its log deleted, not yet started again): one on another
+        # host cannot be checked from here, one of this host runs (this very process)
         (".nanolab.lock", '{"host": "h", "pid": 12, "command": "nanolab fit"}', True),
-        ("config.yaml", "# nanolab fit: this run's merged config\ntrainer: {}\n", True),
+        (".nanolab.lock", "LIVE", True),
+        (".nanolab.lock", "GONE", False),  # a killed run's lock left behind holds nothing
+        # a run's config.yaml copied out to launch from (docs/evaluate.md) is not a run
+        ("config.yaml", "# nanolab fit: this run's merged config\ntrainer: {}\n", False),
         ("config.yaml", "trainer: {max_steps: 6}\n", False),  # a user's own config
     ],
 )
@@ -71,6 +80,12 @@ def test_a_live_run_whose_log_was_deleted_is_still_a_run(
     ``log_recreated`` record, and ``prepare -o runs/live/data`` wrote inside the live run."""
     run = tmp_path / "runs" / "live"
     run.mkdir(parents=True)
+    if text in ("LIVE", "GONE"):
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        pid = os.getpid() if text == "LIVE" else gone.pid
+        holder = {"host": socket.gethostname(), "pid": pid, "pid_namespace": pid_namespace()}
+        text = json.dumps(holder)
     (run / name).write_text(text)
     assert run_dir_holding(run / "data") == (run if is_run else None)
     if is_run:
@@ -79,6 +94,23 @@ def test_a_live_run_whose_log_was_deleted_is_still_a_run(
         with pytest.raises(NanolabError, match="is inside the run directory"):
             prepare_dataset([str(corpus)], run / "data", "chars", quiet=True)
         assert sorted(p.name for p in run.iterdir()) == [name]
+
+
+def test_a_folder_holding_a_copy_of_a_runs_config_is_not_a_run(tmp_path: Path) -> None:
+    """``cp runs/cap/config.yaml proj/ && cd proj && nanolab fit --config config.yaml
+    --run.root runs``, as docs/evaluate.md suggests: the copy's header made ``proj`` a run, and
+    fit's run directory and ``prepare -o`` below it were refused as inside it."""
+    run = _fake_run(tmp_path / "runs", "cap")
+    (run / "config.yaml").write_text("# nanolab fit: this run's merged config\ntrainer: {}\n")
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "config.yaml").write_bytes((run / "config.yaml").read_bytes())
+    assert run_dir_holding(proj / "runs" / "again") is None
+    assert claim_run_dir(proj / "runs" / "again", {"a": 1}, resuming=False).run_id
+    corpus = tmp_path / "in.txt"
+    corpus.write_text("a small corpus of its own\n" * 40)
+    prepare_dataset([str(corpus)], proj / "data" / "sh", "chars", quiet=True)
+    assert (proj / "data" / "sh" / "meta.json").is_file()
 
 
 @pytest.mark.parametrize(
