@@ -425,28 +425,39 @@ def test_a_cuda_run_s_meter_names_its_gpu_and_gathers_every_rank_s_peak_memory(m
 
 
 class Bf16Cuda:
-    """A stand-in for ``torch.cuda`` on one GPU of compute capability ``capability``: bf16 in
-    hardware from 8.0 (Ampere), emulated below it (what ``is_bf16_supported()`` says by
-    default). ``emulation_flag``: whether its ``is_bf16_supported`` takes
+    """A stand-in for ``torch.cuda`` on a host whose GPU 0 is ``name`` of compute capability
+    ``capability`` (and GPU 1.. the ``more`` cards, name and capability each): bf16 in hardware
+    from 8.0 (Ampere), emulated below it (what ``is_bf16_supported()`` says by default, of the
+    current GPU 0). ``emulation_flag``: whether its ``is_bf16_supported`` takes
     ``including_emulation`` (an older torch's does not, and reports hardware only)."""
 
-    def __init__(self, name: str, capability: tuple[int, int], emulation_flag: bool = True):
-        self.name, self.capability, self.emulation_flag = name, capability, emulation_flag
+    def __init__(
+        self,
+        name: str,
+        capability: tuple[int, int],
+        emulation_flag: bool = True,
+        more: tuple[tuple[str, tuple[int, int]], ...] = (),
+    ):
+        self.cards = [(name, capability), *more]
+        self.emulation_flag = emulation_flag
 
     def is_available(self) -> bool:
         return True
+
+    def device_count(self) -> int:
+        return len(self.cards)
 
     def is_bf16_supported(self, **kwargs: bool) -> bool:
         if kwargs and not self.emulation_flag:
             raise TypeError("is_bf16_supported() got an unexpected keyword argument")
         emulated = kwargs.get("including_emulation", self.emulation_flag)
-        return self.capability >= (8, 0) or bool(emulated)
+        return self.cards[0][1] >= (8, 0) or bool(emulated)
 
     def get_device_capability(self, device: int = 0) -> tuple[int, int]:
-        return self.capability
+        return self.cards[device][1]
 
     def get_device_name(self, device: int = 0) -> str:
-        return self.name
+        return self.cards[device][0]
 
 
 V100 = ("Tesla V100-SXM2-16GB", (7, 0))
@@ -469,7 +480,8 @@ def test_bf16_on_a_cuda_gpu_without_it_is_refused_before_the_run(emulation_flag)
             named = "bf16-mixed" if precision == "bf16" else precision
             assert str(refusal) == (
                 f"trainer.precision: {named} needs a GPU with bf16 (Ampere or newer, compute "
-                "capability 8.0), and Tesla V100-SXM2-16GB (compute capability 7.0) has none; "
+                "capability 8.0), and Tesla V100-SXM2-16GB (GPU 0, compute capability 7.0) has "
+                "none; "
                 "use --trainer.precision 16-mixed (fp16 with loss scaling) or 32-true on this GPU"
             )
     assert bf16_unsupported({"precision": "bf16-mixed", "accelerator": "cpu"}, cuda=old) is None
@@ -477,6 +489,37 @@ def test_bf16_on_a_cuda_gpu_without_it_is_refused_before_the_run(emulation_flag)
     assert bf16_unsupported({"precision": None}, cuda=old) is None
     a100 = Bf16Cuda("NVIDIA A100-SXM4-80GB", (8, 0), emulation_flag=emulation_flag)
     assert bf16_unsupported({"precision": "bf16-mixed", "accelerator": "gpu"}, cuda=a100) is None
+
+
+def test_bf16_is_checked_on_the_gpus_the_run_uses_not_gpu_0():
+    """A V100 at 0 and an A100 at 1: ``devices: [1]`` (or ``"1,"``) was refused naming the
+    V100, and with an A100 at 0 and a T4 at 1, ``devices: [1]`` ran on the T4 unrefused."""
+    from nanolab.run.trainer_errors import bf16_unsupported
+
+    a100 = ("NVIDIA A100-SXM4-40GB", (8, 0))
+    v100_a100 = Bf16Cuda(*V100, more=(a100,))
+    t4 = ("Tesla T4", (7, 5))
+    a100_t4 = Bf16Cuda(*a100, more=(t4,))
+
+    def refusal(cuda: Bf16Cuda, devices: object) -> str | None:
+        args = {"precision": "bf16-mixed", "accelerator": "gpu", "devices": devices}
+        found = bf16_unsupported(args, cuda=cuda)
+        return None if found is None else str(found)
+
+    for devices in ([1], "1,", (1,), "1, "):
+        assert refusal(v100_a100, devices) is None, devices
+    for devices in ([0], "0,", 1, "1", "auto", -1, "-1", None, [0, 1], "0,1", 2):
+        said = refusal(v100_a100, devices)
+        assert said is not None and "Tesla V100-SXM2-16GB (GPU 0," in said, devices
+        assert said.endswith("or --trainer.devices '[1]' (the GPUs here with bf16)"), said
+    for devices in ([1], "1,", [0, 1], "auto", 2):
+        said = refusal(a100_t4, devices)
+        assert said is not None and "Tesla T4 (GPU 1, compute capability 7.5)" in said, devices
+    for devices in ([0], 1, "0,"):
+        assert refusal(a100_t4, devices) is None, devices
+    # a GPU the host lacks, or a malformed list: Lightning's own refusal names it
+    for devices in ([5], 3, "7,", "x"):
+        assert refusal(v100_a100, devices) is None, devices
 
 
 def test_fit_under_bf16_on_a_gpu_without_it_writes_nothing(
@@ -489,7 +532,10 @@ def test_fit_under_bf16_on_a_gpu_without_it_writes_nothing(
     from nanolab.cli import main
 
     stand_in = Bf16Cuda(*V100)
-    for name in ("is_available", "is_bf16_supported", "get_device_capability", "get_device_name"):
+    for name in (
+        "is_available", "device_count", "is_bf16_supported", "get_device_capability",
+        "get_device_name",
+    ):  # fmt: skip
         monkeypatch.setattr(torch.cuda, name, getattr(stand_in, name))
     runs = tmp_path / "runs"
     config = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, runs))

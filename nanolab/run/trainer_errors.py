@@ -80,6 +80,8 @@ def bf16_unsupported(trainer_args: Mapping[str, Any], cuda: Any = None) -> RunCo
 
     torch emulates bf16 there (``is_bf16_supported()`` says yes by default): the run would start
     and train many times slower than fp16, or fail in a kernel that has no bf16 on that card.
+    Every GPU the run will use is checked (:func:`gpus_used`), not GPU 0: on a host with a V100
+    at 0 and an A100 at 1, ``devices: [1]`` runs and ``devices: [0]`` is refused naming the V100.
     ``cuda``: the ``torch.cuda`` to ask (a test's stand-in)."""
     from nanolab.training.resolve import precision_name
 
@@ -92,25 +94,55 @@ def bf16_unsupported(trainer_args: Mapping[str, Any], cuda: Any = None) -> RunCo
         import torch
 
         cuda = torch.cuda
-    if not cuda.is_available() or _has_bf16(cuda):
+    if not cuda.is_available():
         return None
-    major, minor = cuda.get_device_capability(0)
+    lacking = [i for i in gpus_used(trainer_args.get("devices"), cuda) if not _has_bf16(cuda, i)]
+    if not lacking:
+        return None
+    index = lacking[0]
+    major, minor = cuda.get_device_capability(index)
     name = precision_name(precision)
+    fix = "use --trainer.precision 16-mixed (fp16 with loss scaling) or 32-true on this GPU"
+    if capable := [i for i in range(cuda.device_count()) if _has_bf16(cuda, i)]:
+        fix += f", or --trainer.devices '{capable}' (the GPUs here with bf16)"
     return RunConfigError(
         f"{name} needs a GPU with bf16 (Ampere or newer, compute capability 8.0), and "
-        f"{cuda.get_device_name(0)} (compute capability {major}.{minor}) has none",
+        f"{cuda.get_device_name(index)} (GPU {index}, compute capability {major}.{minor}) "
+        "has none",
         field="trainer.precision",
-        fix="use --trainer.precision 16-mixed (fp16 with loss scaling) or 32-true on this GPU",
+        fix=fix,
     )
 
 
-def _has_bf16(cuda: Any) -> bool:
-    """Whether the GPU computes in bf16 itself, not by torch's emulation (a torch whose
-    ``is_bf16_supported`` takes no ``including_emulation`` reports hardware support only)."""
+def gpus_used(devices: Any, cuda: Any) -> list[int]:
+    """The indices of the GPUs ``trainer.devices`` puts the run on, read as Lightning reads it
+    (``auto``/``-1``: every visible GPU; ``N``: the first N; ``[1]`` or ``"1,"``: those). A
+    value Lightning will refuse itself (a GPU ``cuda`` does not have, a malformed list) gives
+    none here: its own refusal speaks for it once the Trainer is built."""
+    from lightning.fabric.utilities.device_parser import (
+        _normalize_parse_gpu_input_to_list,
+        _normalize_parse_gpu_string_input,
+    )
+
+    count = cuda.device_count()
+    if devices is None or str(devices).strip() in ("auto", "-1"):
+        return list(range(count))
     try:
-        return bool(cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:
-        return bool(cuda.is_bf16_supported())
+        parsed = _normalize_parse_gpu_string_input(devices)
+        ids = _normalize_parse_gpu_input_to_list(parsed, include_cuda=True, include_mps=False)
+    except (TypeError, ValueError, AssertionError):
+        return []
+    ids = list(ids or ())
+    if not all(isinstance(i, int) and 0 <= i < count for i in ids):
+        return []  # a GPU this host does not have: Lightning names it
+    return ids
+
+
+def _has_bf16(cuda: Any, index: int) -> bool:
+    """Whether GPU ``index`` computes in bf16 itself, not by torch's emulation: compute
+    capability 8.0 or newer, the test torch's ``is_bf16_supported(including_emulation=False)``
+    makes of the current GPU only (the GPUs ROCm supports report 9.0 and newer)."""
+    return tuple(cuda.get_device_capability(index)) >= (8, 0)
 
 
 #: The variables of a hand-made multi-node launch (Lightning's general-purpose cluster: each
