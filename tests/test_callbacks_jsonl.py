@@ -576,6 +576,63 @@ def test_a_document_aligned_epoch_counts_the_rows_the_order_serves_not_the_cropp
     assert said in done.stdout + done.stderr
 
 
+def test_a_forks_own_training_loader_logs_epoch_as_tokens_over_a_pass(tmp_path):
+    """A fork's data module with a training loader of its own has no nanolab order to ask
+    where it stands: every train record said ``epoch: null``. It is now the run's tokens over
+    the tokens one pass holds as the data module says (``pass_tokens``; ``split_tokens`` where
+    a module says only that)."""
+    from test_callbacks_runlog import BLOCK, MICRO, make_module
+
+    from nanolab.data.datamodule import TokenDataModule
+    from nanolab.data.prepare import prepare_dataset
+
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i} of a small corpus.\n" for i in range(15)))
+    data = tmp_path / "small"
+    prepare_dataset([str(text)], data, "chars", quiet=True)
+
+    class OwnLoader(TokenDataModule):
+        """A fork's module: nanolab's splits, its own training loader."""
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            x = torch.randint(0, self.vocab_size, (64, self.block_size + 1))
+            pairs = list(zip(x[:, :-1], x[:, 1:], strict=True))
+            return torch.utils.data.DataLoader(pairs, batch_size=self.micro_batch_size)
+
+    module, _ = make_module(data)
+    dm = OwnLoader(dataset_dir=str(data), source=None, micro_batch_size=MICRO,
+                   block_size=BLOCK, val_windows=8)  # fmt: skip
+    trainer = L.Trainer(
+        default_root_dir=str(tmp_path / "run"), accelerator="cpu", devices=1, max_steps=6,
+        enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=3,
+        check_val_every_n_epoch=None, callbacks=[MetricsLog()], enable_progress_bar=False,
+        logger=False,
+    )  # fmt: skip
+    trainer.fit(module, dm)
+    train = events(tmp_path / "run" / "metrics.jsonl", "train")
+    per_pass = dm.pass_tokens
+    assert per_pass < 6 * MICRO * BLOCK  # the run trains on more than one pass
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert [r["epoch"] for r in train] == [
+        pytest.approx(r["step"] * MICRO * BLOCK / per_pass, abs=1e-4) for r in train
+    ]
+    assert [r["tokens"] for r in train] == [r["step"] * MICRO * BLOCK for r in train]
+
+    from nanolab.data.order import declared_pass_tokens
+
+    class SaysItsSplit:
+        split_tokens = 4_000
+
+    class CannotRead:
+        @property
+        def pass_tokens(self) -> int:
+            raise OSError("meta.json is gone")
+
+    assert declared_pass_tokens(SaysItsSplit()) == 4_000
+    assert declared_pass_tokens(CannotRead()) is None
+    assert declared_pass_tokens(None) is None
+
+
 def test_a_new_run_from_another_runs_checkpoint_counts_its_own_tokens():
     """The model's tokens travel with a fork (a fine-tune keeps pretraining's count); the
     tokens its budget counts are only what this run trained on: the clock keeps the tokens it

@@ -16,7 +16,8 @@ from typing import Any
 
 import lightning as L
 
-from nanolab.data.order import data_passes
+from nanolab.callbacks.clock import RunClock
+from nanolab.data.order import data_passes, declared_pass_tokens
 
 
 def _count(n: float) -> str:
@@ -323,16 +324,6 @@ def tokens_per_step(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[i
     return total, how
 
 
-def pass_tokens(trainer: L.Trainer) -> int | None:
-    """Tokens one pass over the training data trains on (``None``: a data module that does not
-    say): ``TokenDataModule.pass_tokens``, what ``epoch`` counts in."""
-    try:
-        tokens = getattr(getattr(trainer, "datamodule", None), "pass_tokens", None)
-    except Exception:  # a fork's data module whose metadata cannot be read: say nothing
-        return None
-    return tokens if isinstance(tokens, int) and tokens > 0 else None
-
-
 def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float, str] | None:
     """Seconds for ``steps`` more steps, with the estimate ``nanolab queue`` makes for a job (past
     runs are not consulted here): the FLOPs over this device's rate at an assumed efficiency."""
@@ -399,9 +390,13 @@ def banner_lines(
         steps = f"  steps      {start} -> {end}{stopped_by}"
         if per_step is not None:
             steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
-            passes = data_passes(trainer, end - start)  # where the order stands at the end
+            callbacks = getattr(trainer, "callbacks", ())
+            clock = next((c for c in callbacks if isinstance(c, RunClock)), None)
+            so_far = clock.run_tokens if clock is not None else start * per_step[0]
+            # where the order stands at the end (a fork's own loader: the tokens trained by then)
+            passes = data_passes(trainer, end - start, so_far + (end - start) * per_step[0])
             if passes is not None and passes > 1:
-                split = _count(pass_tokens(trainer) or 0)
+                split = _count(declared_pass_tokens(getattr(trainer, "datamodule", None)) or 0)
                 steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"
         if horizon is not None and start >= horizon and end > horizon:
             steps += f"; {ended_schedule_note(trainer, start, end, horizon)}; "

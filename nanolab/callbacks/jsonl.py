@@ -421,7 +421,7 @@ class MetricsLog(StepCallback):
             "time": time.time(),
             "step": int(step),
             # Where the data order stands after this step (a branch's goes on from its parent's).
-            "epoch": data_passes(trainer, int(step) - int(trainer.global_step)),
+            "epoch": data_passes(trainer, int(step) - int(trainer.global_step), clock.run_tokens),
             "tokens": clock.tokens,
             "loss": None,
             "lr": lr,

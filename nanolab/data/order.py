@@ -152,21 +152,41 @@ def order_position(trainer: Any, steps_ahead: int = 0) -> tuple[Any, int] | None
     return sampler.plan, sampler.position(consumed)
 
 
-def data_passes(trainer: Any, steps_ahead: int = 0) -> float | None:
+def data_passes(trainer: Any, steps_ahead: int = 0, tokens: int | None = None) -> float | None:
     """Passes over the training data the order has served by :func:`order_position` (1.5:
     halfway through the second), a run's ``epoch``: the sampler's position in windows over the
     windows one pass serves (``windows_per_pass``: an epoch's whole micro-batches; the tokens
     no window holds, those document packing crops, are no part of a pass). It follows the
     data, so a branch, whose order goes on from its parent's position, goes on from its
-    parent's epoch. ``None`` when the sampler or its plan does not say."""
+    parent's epoch.
+
+    Without nanolab's sampler (a fork's data module with a training loader of its own) there is
+    no order to ask: ``tokens``, the tokens the run has trained on by then, over the tokens one
+    pass holds as the data module says (:func:`declared_pass_tokens`). ``None`` when neither
+    the sampler nor the data module says."""
     place = order_position(trainer, steps_ahead)
     if place is None:
-        return None
+        per_pass = declared_pass_tokens(getattr(trainer, "datamodule", None))
+        return None if per_pass is None or tokens is None else round(tokens / per_pass, 4)
     plan, position = place
     windows, unit = getattr(plan, "windows_per_pass", None), unit_of(plan)
     if not isinstance(windows, int) or windows < 1 or unit is None:
         return None
     return round(position * unit / windows, 4)
+
+
+def declared_pass_tokens(datamodule: Any) -> int | None:
+    """Tokens one pass over the training data trains on, as ``datamodule`` says: its
+    ``pass_tokens`` (``TokenDataModule``'s), else its ``split_tokens`` (a fork's module may say
+    only that). ``None`` when it says neither, or its data cannot be read to say it."""
+    for name in ("pass_tokens", "split_tokens"):
+        try:
+            tokens = getattr(datamodule, name, None)
+        except Exception:  # a fork's data module whose metadata cannot be read: say nothing
+            return None
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+            return tokens
+    return None
 
 
 def resume_jumps(
