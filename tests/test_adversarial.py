@@ -36,6 +36,7 @@ import torch
 from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.queue.db import QueueDB
+from nanolab.queue.runner import EXIT_JOB_FAILED
 from nanolab.runlog import read_records
 
 #: Exit code of a run stopped by the divergence check (docs/guarantees.md).
@@ -1009,7 +1010,8 @@ def test_divergence_stops_the_run_keeps_finite_checkpoints_and_is_reported(ws):
 
 @pytest.mark.slow
 def test_queue_marks_a_diverged_job_failed_and_moves_on(ws):
-    """Item 5: the queue reads exit 3 / reason diverged as failed, then runs the next job."""
+    """Item 5: the queue reads exit 3 / reason diverged as failed, then runs the next job; the
+    runner exits 1 as a job it ran failed (docs/queue.md: `queue run && notify-send done`)."""
     cfg = _diverging_config(ws)
     db = ws.work / "q.db"
     ok = ("--name", "ok", "--set", "model.optimizer.lr=1e-3", "--set", "trainer.max_steps=3")
@@ -1017,7 +1019,7 @@ def test_queue_marks_a_diverged_job_failed_and_moves_on(ws):
         res = run_nanolab("queue", "add", str(cfg), "--db", str(db), *args, cwd=ws.work)
         assert res.returncode == 0, res.stderr
     res = run_nanolab("queue", "run", "--db", str(db), cwd=ws.work, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == EXIT_JOB_FAILED, res.stderr[-3000:]
     jobs = {j.name: j for j in QueueDB(db).jobs()}
     assert jobs["div"].status == "failed" and jobs["div"].detail.startswith("diverged at step")
     assert jobs["ok"].status == "done"
