@@ -45,6 +45,14 @@ def test_fit_names_a_folder_as_estimate_and_queue_add_do(work: Path) -> None:
     assert line.endswith("--config dir.yaml is a folder; give a YAML file in it")
 
 
+def test_an_empty_config_path_is_named_empty_not_this_folder(work: Path) -> None:
+    """``Path('')`` is ``.``: fit and estimate said the empty path was a folder."""
+    line = _one_line(nanolab_here("fit", "--config", "", cwd=work))
+    assert line.endswith("--config is empty; give a YAML file, e.g. --config my.yaml")
+    line = _one_line(nanolab_here("estimate", "--config", "", cwd=work))
+    assert line.endswith("config file '' is empty; give a YAML file, e.g. --config my.yaml")
+
+
 def test_estimate_and_queue_add_say_what_a_fifo_is(work: Path) -> None:
     line = _one_line(nanolab_here("estimate", "--config", "fifo.yaml", cwd=work))
     assert "config file 'fifo.yaml' is a named pipe (FIFO)" in line

@@ -160,10 +160,13 @@ def _readable_file(raw: str) -> bool:
     """Whether ``--config raw`` is a file to read here: a regular file or the shell's
     ``<(...)`` pipe. A folder, a named FIFO or a device is refused in one line (the parser would
     say "Path is not a file", or block on the FIFO until something writes to it); a missing
-    path is left to the parser, which names it."""
-    from nanolab.training.resolve import config_path_problem
+    path is left to the parser, which names it; an empty one is named empty (not the folder
+    ``.`` that ``Path('')`` reads as)."""
+    from nanolab.training.resolve import EMPTY_CONFIG, config_path_problem
 
     problem = config_path_problem(raw)
+    if problem == EMPTY_CONFIG:
+        raise RunConfigError(f"--config {problem}")
     if problem is not None and problem != "does not exist":
         raise RunConfigError(f"--config {raw} {problem}")
     return problem is None
@@ -365,8 +368,6 @@ def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, 
 
     found = []
     for raw in config_file_paths(argv):
-        if not raw.strip():
-            raise RunConfigError("--config is empty; give a YAML file, e.g. --config my.yaml")
         path = Path(raw)
         if not _readable_file(raw):
             continue

@@ -454,12 +454,19 @@ def shell_pipe(path: str | Path) -> bool:
         return False
 
 
+#: What an empty ``--config`` path is (said before anything reads it as the folder ``.``).
+EMPTY_CONFIG = "is empty; give a YAML file, e.g. --config my.yaml"
+
+
 def config_path_problem(path: str | Path) -> str | None:
     """Why ``path`` cannot be read as a config file, in words (``is a folder; ...``), or None
     for a regular file or the shell's ``<(...)`` pipe. A named FIFO or a device would block the
-    reader until something writes to it (or forever), so it is refused before it is opened."""
+    reader until something writes to it (or forever), so it is refused before it is opened.
+    An empty path (``--config ''``) is named empty: ``Path('')`` is ``.``, this folder."""
     import stat
 
+    if not str(path).strip():
+        return EMPTY_CONFIG
     p = Path(path)
     try:
         mode = p.stat().st_mode
@@ -478,7 +485,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     import yaml
 
     p = Path(path)
-    if (problem := config_path_problem(p)) is not None:
+    if (problem := config_path_problem(path)) is not None:  # the text: Path('') is '.'
         raise RunConfigError(f"config file {str(path)!r} {problem}")
     try:
         data = load_yaml(p.read_text(encoding="utf-8"), f"config file {path}") or {}
