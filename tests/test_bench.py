@@ -51,8 +51,9 @@ def test_bench_compares_nanolab_with_the_plain_loop(tmp_path, char_dataset):
     # 16), so the whole window and the end-to-end ratio (process start to exit) compare the
     # same work.
     assert out["val_loss_gap"]["steps_compared"] == 12 and out["val_loss_gap"]["max"] < 1e-5
-    for side in ("plain", "nanolab"):
-        assert out[f"{side}_wall_s"]["min"] > out[f"{side}_startup_s"]["max"]
+    for side in ("plain", "nanolab"):  # each round's wall holds its own start-up, so the least
+        # wall exceeds the least start-up (a slow start-up of one round may exceed another's wall)
+        assert out[f"{side}_wall_s"]["min"] > out[f"{side}_startup_s"]["min"]
     assert 0.05 < out["end_to_end_ratio"]["median"] < 20 and out["window_ratio"]["min"] > 0
     # the same work timed on both sides: 5 validations and the save at the end (no tasks here)
     assert set(out["extra_s"]) == {"eval_s", "tasks_s", "checkpoint_s"}
