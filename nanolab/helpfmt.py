@@ -49,6 +49,13 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
     return found
 
 
+def near_options(name: str, options: Iterable[str]) -> list[str]:
+    """The options nearest ``name`` (a mistyped option's name), nearest first: at most three,
+    each close enough to be the one meant (``ckpt_pth``: ``ckpt_path``). The one closeness rule
+    of every verb's "did you mean"."""
+    return difflib.get_close_matches(name, sorted(set(options)), n=3, cutoff=0.7)
+
+
 def nearest_option(given: str, options: list[str]) -> str | None:
     """The option of ``options`` that ``given`` (``--max_new_tokens``, ``--bpe_vocab_size=300``)
     most likely meant: the same words with ``_`` and ``-`` swapped (the spelling fit's dotted
@@ -59,7 +66,7 @@ def nearest_option(given: str, options: list[str]) -> str | None:
     for swapped in ("--" + word[2:].replace("_", "-"), "--" + word[2:].replace("-", "_")):
         if swapped in options:
             return swapped
-    near = difflib.get_close_matches("--" + word[2:].replace("_", "-"), options, n=1, cutoff=0.7)
+    near = near_options("--" + word[2:].replace("_", "-"), options)
     return near[0] if near else None
 
 

@@ -686,10 +686,9 @@ def verb_options(parser: argparse.ArgumentParser, verb: str) -> list[str]:
 def unrecognized_line(unknown: list[str], options: list[str]) -> str:
     """What a verb other than ``add`` says of the arguments it does not have (``unknown``, as
     its parser left them over): the nearest of its own ``options`` to the first option given
-    (:func:`nanolab.run.keys.near_options`, fit's rule: ``run --gpu 2``: ``--gpus``), else the
+    (:func:`nanolab.helpfmt.near_options`, fit's rule: ``run --gpu 2``: ``--gpus``), else the
     arguments as they are."""
-    from nanolab.helpfmt import either
-    from nanolab.run.keys import near_options
+    from nanolab.helpfmt import either, near_options
 
     name = next((t.split("=", 1)[0] for t in unknown if t.startswith("--")), None)
     near = near_options(name[2:], [o[2:] for o in options]) if name else []

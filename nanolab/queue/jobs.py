@@ -884,11 +884,10 @@ def unknown_option_line(
     8``) names every setting it may mean in the form ``queue add`` takes; an option of another
     verb (``elsewhere``: option -> verb) names that verb; one near an option of its own
     (``own``: ``--contineu``) or of fit's that it takes names those (fit's rule,
-    :func:`nanolab.run.keys.near_options`); anything else says where the options are listed
+    :func:`nanolab.helpfmt.near_options`); anything else says where the options are listed
     and how fit's settings are given. None when no option is left over (a stray value:
     argparse's own line names it)."""
-    from nanolab.helpfmt import either
-    from nanolab.run.keys import near_options
+    from nanolab.helpfmt import either, near_options
     from nanolab.training.resolve import UNDOTTED_FIT_OPTIONS
 
     options: list[str] = []  # each option as --name=value, the form undotted_hint reads

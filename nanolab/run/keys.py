@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import RunConfigError
-from nanolab.helpfmt import either, suggestion
+from nanolab.helpfmt import either, near_options, suggestion
 
 #: Groups whose keys depend on a class the config may choose.
 CLASS_GROUPS = ("model", "data")
@@ -293,12 +293,6 @@ def undotted_hint(
 
 #: Options of the run's parser besides its settings (LightningCLI's own).
 PARSER_OPTIONS = ("config", "print_config", "help")
-
-
-def near_options(name: str, options: Iterable[str]) -> list[str]:
-    """The options nearest ``name`` (a mistyped option's name, no dashes), nearest first: at
-    most three, each close enough to be the one meant (``ckpt_pth``: ``ckpt_path``)."""
-    return difflib.get_close_matches(name, sorted(set(options)), n=3, cutoff=0.7)
 
 
 def unknown_option_line(argv: list[str], known: frozenset[str], verb: str) -> str | None:
