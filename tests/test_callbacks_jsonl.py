@@ -1017,3 +1017,38 @@ def test_the_banner_ends_the_run_where_its_token_budget_stops_it(
     banner = "\n".join(banner_lines(trainer, trainer.lightning_module, estimate=False))
     assert "steps      10 -> 10 (budget.max_tokens)" in banner, banner
     assert "-> 50" not in banner
+
+
+def test_the_banner_ends_the_run_where_its_time_budget_stops_it(
+    tmp_path, char_dataset, monkeypatch
+) -> None:
+    """The banner shortened its end only for ``budget.max_tokens``: a run that
+    ``budget.max_wall_hours`` stops long before ``trainer.max_steps`` (or with no
+    ``max_steps`` at all) was shown ending at ``max_steps``. It now states the step the
+    budget's rule gives from what the run has spent, as an estimate at the step time the run
+    measured (kept in its checkpoint), or at the plan's estimated step time before one."""
+    import re
+
+    from nanolab.callbacks import banner
+
+    budget = CostBudget(max_wall_hours=1.0)
+    trainer = fit(tmp_path / "run", char_dataset, [MetricsLog(), budget], max_steps=4)
+    step_s = budget.measured_step_seconds()
+    assert step_s is not None and step_s > 0
+    trainer.fit_loop.epoch_loop.max_steps = (
+        100_000  # a resume with a far end: the hours end it first
+    )
+    budget.max_wall_hours = budget.spent()["wall_hours"] + 100.5 * step_s / 3600
+    text = "\n".join(banner.banner_lines(trainer, trainer.lightning_module, estimate=False))
+    said = re.search(r"steps      4 -> ~(\d+) \(budget.max_wall_hours, an estimate at the "
+                     r"measured [\d.e-]+ s/step\)", text)  # fmt: skip
+    assert said is not None and 90 <= int(said.group(1)) <= 104, text
+    assert "-> 100000" not in text
+
+    budget.last_per_step = {}  # no step measured yet: the plan's step time
+    trainer.fit_loop.epoch_loop.max_steps = -1
+    budget.max_wall_hours = budget.spent()["wall_hours"] + 10.5 * 0.5 / 3600
+    monkeypatch.setattr(banner, "_safe_estimate", lambda t, steps, tokens: (steps * 0.5, "plan"))
+    text = "\n".join(banner.banner_lines(trainer, trainer.lightning_module))
+    assert "(budget.max_wall_hours, planned at the estimated 0.5 s/step)" in text, text
+    assert "no max_steps: a budget or a signal stops it" not in text

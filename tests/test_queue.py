@@ -1775,3 +1775,44 @@ def test_a_job_refused_while_another_launch_trains_its_run_is_given_its_own_time
         f.write("".join(json.dumps(r) + "\n" for r in own))
     code, out, _ = queue(capsys, path, "ls")
     assert code == 0 and " 3m50s " in out, out
+
+
+def test_ls_left_shrinks_for_a_job_only_an_hours_budget_ends(tmp_path: Path, capsys) -> None:
+    """A job ended only by ``budget.max_wall_hours`` stores no step count (it depends on the
+    step time), so ``queue ls``'s "left" stayed at its whole estimate however far it ran. It
+    is now the steps the budget still pays for (the run-length rule fit's budget stops by,
+    with the run's own spend) at its measured step time, read from its run log."""
+    run_dir = tmp_path / "runs" / "h"
+    run_dir.mkdir(parents=True)
+    path = tmp_path / "q.db"
+    (job,) = QueueDB(path).add_jobs([NewJob(
+        name="h", config="c.yaml", args=[], seed=None, cwd=str(tmp_path), run_dir="runs/h",
+        max_steps=None, estimate_s=3612.0, estimate_source="flops")])  # fmt: skip
+    QueueDB(path).conn.execute(
+        "UPDATE jobs SET attempts = 1, status = 'preempted' WHERE id = ?", (job.id,)
+    ).connection.commit()
+    config = {"trainer": {"max_steps": -1}, "budget": {"max_wall_hours": 1.0}}
+    start = {"event": "start", "time": 1.0, "step": 0, "config": config,
+             "global_batch_tokens": 128, "world_size": 1}  # fmt: skip
+
+    def log_to(step: int) -> None:  # 1 s a step after a 10 s start-up
+        train = [{"event": "train", "step": s, "tokens": 128 * s, "elapsed_s": 10.0 + s,
+                  "gpu_hours": (10.0 + s) / 3600} for s in range(1, step + 1)]  # fmt: skip
+        text = "".join(json.dumps(r) + "\n" for r in [start, *train])
+        (run_dir / "metrics.jsonl").write_text(text)
+
+    def left() -> str:
+        code, out, err = queue(capsys, path, "ls")
+        assert code == 0, err
+        row = next(line for line in out.splitlines() if line.split()[:2] == ["1", "h"])
+        return row.split()[5]
+
+    log_to(100)  # 110 s of the hour spent: 3490 steps left at 1 s, plus a start-up
+    assert left() == "58m"
+    log_to(1000)  # 1010 s spent: 2590 steps left
+    assert left() == "43m"
+    code, out, _ = queue(capsys, path, "ls", "--json")
+    assert code == 0
+    (row,) = json.loads(out)["jobs"]
+    assert row["estimate_basis"] == "measured step time of this run"
+    assert 2590 < row["remaining_s"] < 2590 + 30

@@ -18,6 +18,7 @@ import lightning as L
 
 from nanolab.callbacks.clock import RunClock
 from nanolab.data.order import data_passes, declared_pass_tokens
+from nanolab.estimator.run_length import HOUR_LIMITS, hour_limits, run_length
 
 
 def _count(n: float) -> str:
@@ -209,6 +210,41 @@ def token_end(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
     return None
 
 
+#: Steps the plan's step time is estimated over (the estimate's start-up left out).
+PLAN_STEPS = 1000
+
+
+def time_budget_end(
+    trainer: L.Trainer, pl_module: L.LightningModule, tokens: int, plan: bool = True
+) -> tuple[int, str] | None:
+    """(step, how it is known) where the budget's hours, GPU-hours or cost stop this launch,
+    by the run-length rule fit's budget and ``nanolab queue`` use
+    (:func:`nanolab.estimator.run_length.run_length`), from what the run has spent; None: no
+    such limit, or no step time to turn it into steps. The step time is the one the run's
+    last process measured (kept in its checkpoint: an estimate from it), else the plan's
+    (the FLOPs estimate the banner's estimate line gives; ``plan`` False: none is made).
+    ``tokens``: tokens per step."""
+    budget = next(
+        (c for c in trainer.callbacks if callable(getattr(c, "run_budget", None))), None
+    )  # asked by what it answers (the budget's module imports this one)
+    if budget is None or not hour_limits(limits := budget.run_budget(), 1):
+        return None
+    step_s = budget.measured_step_seconds()
+    if step_s is not None:
+        how = f"an estimate at the measured {step_s:.3g} s/step"
+    else:
+        planned = _safe_estimate(trainer, PLAN_STEPS, tokens) if plan else None
+        if planned is None or planned[0] <= 0:
+            return None
+        step_s = planned[0] / PLAN_STEPS
+        how = f"planned at the estimated {step_s:.3g} s/step"
+    world = max(1, int(trainer.world_size or 1))
+    length = run_length(None, limits, tokens, step_s, world, budget.run_spent(trainer))
+    if length is None or length.source not in HOUR_LIMITS:
+        return None
+    return length.steps, f"{length.source}, {how}"
+
+
 def budget_planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
     """Where the cosine of a run without ``trainer.max_steps`` ends when ``budget.max_tokens``
     planned it (:func:`nanolab.training.optim.planned_steps`), or None."""
@@ -381,13 +417,18 @@ def banner_lines(
         lines.append(f"  resume     from step {start} ({ckpt})")
     else:
         lines.append("  resume     none: a new run from step 0")
-    if end is not None and end > 0:
+    timed = time_budget_end(trainer, pl_module, per_step[0], estimate) if per_step else None
+    if (end is not None and end > 0) or timed is not None:
         horizon = schedule_end(trainer)
         by_tokens = token_end(trainer, pl_module)
-        stopped_by = ""
-        if by_tokens is not None and by_tokens < end:
+        stopped_by, about = "", ""
+        if by_tokens is not None and (end is None or end <= 0 or by_tokens < end):
             end, stopped_by = by_tokens, " (budget.max_tokens)"
-        steps = f"  steps      {start} -> {end}{stopped_by}"
+        if timed is not None and (end is None or end <= 0 or timed[0] < end):
+            (end, how), about = timed, "~"  # where a time or cost limit stops it, at a step time
+            stopped_by = f" ({how})"
+        assert end is not None
+        steps = f"  steps      {start} -> {about}{end}{stopped_by}"
         if per_step is not None:
             steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
             callbacks = getattr(trainer, "callbacks", ())

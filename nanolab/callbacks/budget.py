@@ -41,6 +41,8 @@ from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason,
 from nanolab.callbacks.step import StepCallback, scheduled_validation
 from nanolab.estimator.run_length import (
     CHECK_EVERY_N_STEPS,
+    Budget,
+    Spent,
     cost_problem,
     currency_code,
     currency_problem,
@@ -198,6 +200,39 @@ class CostBudget(StepCallback):
     def limits(self) -> dict[str, float | int]:
         names = ("gpu_hours", "cost", "wall_hours", "tokens")
         return {k: v for k in names if (v := getattr(self, f"max_{k}")) is not None}
+
+    def run_budget(self) -> Budget:
+        """These limits as the run-length rule reads them
+        (:func:`nanolab.estimator.run_length.run_length`): what the banner asks for the end a
+        time or cost limit puts on the run."""
+        return Budget(
+            max_tokens=self.max_tokens,
+            max_wall_hours=self.max_wall_hours,
+            max_gpu_hours=self.max_gpu_hours,
+            max_cost=self.max_cost,
+            price_per_gpu_hour=self.price_per_gpu_hour,
+            currency=self.currency,
+            check_every_n_steps=self.check_every_n_steps,
+        )
+
+    def run_spent(self, trainer: L.Trainer) -> Spent:
+        """Where the run stands and what it has spent of these limits (over every launch)."""
+        if self.clock is None:
+            return Spent(step=int(getattr(trainer, "global_step", 0) or 0))
+        spent = self.spent()
+        return Spent(
+            step=int(getattr(trainer, "global_step", 0) or 0),
+            tokens=int(spent["tokens"]),
+            wall_hours=float(spent["wall_hours"]),
+            gpu_hours=float(spent["gpu_hours"]),
+        )
+
+    def measured_step_seconds(self) -> float | None:
+        """Wall seconds a step took in the run's last process (evaluations and saves
+        included: the time a budget counts), as its checkpoint kept it; None before a first
+        check measured one."""
+        wall_hours = self.last_per_step.get("wall_hours")
+        return wall_hours * 3600.0 if wall_hours and wall_hours > 0 else None
 
     def token_steps(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
         """The step where ``max_tokens`` stops the run (None: no token budget, or tokens per

@@ -141,45 +141,75 @@ class RunLength:
     source: str
 
 
+@dataclass(frozen=True)
+class Spent:
+    """Where a run stands and what it has spent of its budget, over every launch (a new run:
+    nothing). The figures fit's budget counts: its run log's ``step``, ``tokens`` (the run's
+    own), ``elapsed_s`` (start-ups included) and ``gpu_hours``."""
+
+    step: int = 0
+    tokens: int = 0
+    wall_hours: float = 0.0
+    gpu_hours: float = 0.0
+
+
+#: The settings :func:`hour_limits` turns into wall hours: a run they end has no step count
+#: until its step time is known (estimated, or measured once it trains).
+HOUR_LIMITS = ("budget.max_wall_hours", "budget.max_gpu_hours", "budget.max_cost")
+
+
 def run_length(
     max_steps: int | None,
     budget: Budget,
     tokens_per_step: int,
     step_seconds: float,
     world_size: int,
+    spent: Spent = Spent(),
 ) -> RunLength | None:
-    """The steps a new run trains: the first of ``trainer.max_steps`` and the steps each of
-    ``budget``'s limits stops it at, None when nothing bounds it. The hour and cost limits are
-    turned into steps at ``step_seconds`` a step (no start-up, evaluation or checkpoint time:
-    the run may stop sooner); a cost limit needs ``price_per_gpu_hour``, as fit's does."""
+    """The step a run ends at: the first of ``trainer.max_steps`` and the steps each of
+    ``budget``'s limits stops it at, None when nothing bounds it. ``spent``: where the run
+    stands and what it has spent (a new run by default), so a run under way is asked the same
+    rule with its measured progress. The hour and cost limits are turned into steps at
+    ``step_seconds`` a step (no start-up, evaluation or checkpoint time: the run may stop
+    sooner); a cost limit needs ``price_per_gpu_hour``, as fit's does."""
     every = budget.check_every_n_steps
     options: list[tuple[int, str]] = []
     if max_steps is not None and max_steps > 0:
         options.append((max_steps, "trainer.max_steps"))
-    tokens = budget_steps(budget, tokens_per_step)
-    if tokens is not None:
+    if budget.max_tokens is not None and tokens_per_step > 0:
+        tokens = token_stop_step(
+            spent.step, spent.tokens, tokens_per_step, every, budget.max_tokens
+        )
         options.append((tokens, "budget.max_tokens"))
     if step_seconds > 0:
-        for wall_hours, name in hour_limits(budget, world_size):
-            options.append((stop_step(0, int(wall_hours * 3600 // step_seconds), every), name))
+        for wall_hours, name in hour_limits(budget, world_size, spent):
+            fits = int(max(0.0, wall_hours) * 3600 // step_seconds)
+            options.append((stop_step(spent.step, fits, every), name))
     if not options:
         return None
     steps, source = min(options, key=lambda option: option[0])  # the first named on a tie
     return RunLength(steps, source)
 
 
-def hour_limits(budget: Budget, world_size: int) -> list[tuple[float, str]]:
-    """(wall hours, setting) of each of ``budget``'s limits on time and money: the wall hours,
-    the GPU-hours over ``world_size`` devices, and the cost at its price (a cost without a
-    price is no limit here: fit refuses it, :func:`cost_problem`). Empty: none is set."""
+def hour_limits(budget: Budget, world_size: int, spent: Spent = Spent()) -> list[tuple[float, str]]:
+    """(wall hours left, setting) of each of ``budget``'s limits on time and money, after
+    ``spent``: the wall hours, the GPU-hours over ``world_size`` devices, and the cost at its
+    price (a cost without a price is no limit here: fit refuses it, :func:`cost_problem`).
+    Empty: none is set."""
     hours: list[tuple[float | None, str]] = [
-        (budget.max_wall_hours, "budget.max_wall_hours"),
-        (_per_device(budget.max_gpu_hours, world_size), "budget.max_gpu_hours"),
-    ]
+        (_less(budget.max_wall_hours, spent.wall_hours), "budget.max_wall_hours"),
+        (_per_device(_less(budget.max_gpu_hours, spent.gpu_hours), world_size),
+         "budget.max_gpu_hours"),
+    ]  # fmt: skip
     if budget.max_cost is not None and budget.price_per_gpu_hour:
-        gpu_hours = budget.max_cost / budget.price_per_gpu_hour
+        gpu_hours = budget.max_cost / budget.price_per_gpu_hour - spent.gpu_hours
         hours.append((_per_device(gpu_hours, world_size), "budget.max_cost"))
     return [(wall_hours, name) for wall_hours, name in hours if wall_hours is not None]
+
+
+def _less(limit: float | None, spent: float) -> float | None:
+    """What is left of ``limit`` after ``spent`` (None: no limit)."""
+    return None if limit is None else limit - spent
 
 
 def _per_device(gpu_hours: float | None, world_size: int) -> float | None:

@@ -166,8 +166,70 @@ def steps_done(job: Job) -> int:
     return int(step) if isinstance(step, int) else 0
 
 
+def measured_course(job: Job) -> tuple[int, int, float] | None:
+    """(step reached, step the run ends at, measured seconds a step) of a job that only a
+    budget's hours, GPU-hours or cost ends (no step count was stored at ``queue add``: it
+    depends on the step time), from its run log: the rule fit's budget stops by
+    (:func:`nanolab.estimator.run_length.run_length`), asked with the run's own spend and
+    its steady step time. None: not such a job, or its log has no timed steps yet.
+
+    Read as a stream: the first ``start`` record from the top (the job's config and batch),
+    the newest ``train`` record from the end, and the steady step time's two short reads
+    (:func:`steady_step_seconds`); a long log is never read whole."""
+    from nanolab.estimator.run_length import Budget, Spent, run_length
+    from nanolab.runlog import RUN_LOG_NAME, iter_records, last_record
+
+    if job.max_steps or not job.attempts:
+        return None
+    run_dir = Path(job.cwd) / job.run_dir
+    log = run_dir / RUN_LOG_NAME
+    with contextlib.closing(iter_records(log, "start")) as starts:
+        start = next(starts, None)
+    config = (start or {}).get("config")
+    last = last_record(log, "train", where=lambda r: isinstance(r.get("step"), int))
+    step_s = steady_step_seconds(str(run_dir))
+    if not isinstance(config, dict) or last is None or step_s is None:
+        return None
+    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
+    bound = trainer.get("max_steps")
+    length = run_length(
+        bound if isinstance(bound, int) and bound > 0 else None,
+        Budget.from_config(config.get("budget")),
+        _whole(start.get("global_batch_tokens")),
+        step_s,
+        max(1, _whole(start.get("world_size"))),
+        Spent(
+            step=int(last["step"]),
+            tokens=_whole(last.get("tokens")),
+            wall_hours=_number(last.get("elapsed_s")) / 3600,
+            gpu_hours=_number(last.get("gpu_hours")),
+        ),
+    )
+    if length is None:
+        return None
+    return int(last["step"]), length.steps, step_s
+
+
+def _whole(value: Any) -> int:
+    """An integer field of a record (0 when absent or not one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _number(value: Any) -> float:
+    """A numeric field of a record (0 when absent or not one)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else 0.0
+
+
 def remaining_seconds(db: QueueDB, job: Job) -> tuple[float | None, str]:
-    """Time the job still needs: history if any, else its stored estimate; scaled by progress."""
+    """Time the job still needs: history if any, else its stored estimate; scaled by progress.
+    A job only hours or cost end has no stored step count: once it has trained, its time left
+    is the steps the budget still pays for at its measured step time (:func:`measured_course`)."""
+    course = measured_course(job)
+    if course is not None:
+        done, end, step_s = course
+        startup = 0.0 if job.status == "running" else STARTUP_S  # a restart pays it again
+        return startup + max(0, end - done) * step_s, "measured step time of this run"
     found = history(db, job.config_key, job.id)
     total = None
     source = job.estimate_source or "unknown"
