@@ -439,6 +439,17 @@ def test_missing_config_and_db_folder(tmp_path: Path, capsys) -> None:
     assert code == 2 and "does not exist; create it or pass --db" in err
 
 
+def test_an_empty_config_path_is_said_empty(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``queue add ''`` said "config . is a folder" (``Path('')`` is this folder); it says the
+    config path is empty, as ``fit --config ''`` does, and queues nothing."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (("add", ""), ("add", "  ")):
+        code, _, err = queue(capsys, tmp_path / "q.db", *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "the config path is empty; give a YAML file" in err and "folder" not in err, err
+    assert not (tmp_path / "q.db").exists()
+
+
 # -- database -------------------------------------------------------------------------------
 ADDER = """
 import sys, time

@@ -166,6 +166,10 @@ def cmd_add(args: argparse.Namespace) -> int:
     from nanolab.queue.predict import job_estimate, memory_need
     from nanolab.queue.sweep import grid, parse_sweeps
 
+    if any(not c.strip() for c in args.config):  # Path('') is '.': "config . is a folder"
+        raise QueueError(
+            "the config path is empty; give a YAML file, e.g. nanolab queue add my.yaml"
+        )
     configs = [Path(c) for c in args.config]
     if args.gpu is not None:  # estimate's own lookup: an unknown name, not a silent "~?"
         from nanolab.estimator.gpus import get_gpu
