@@ -167,3 +167,20 @@ def test_init_names_a_small_file_whose_write_fails_as_it_is_closed(tmp_path):
     assert res.returncode == errors.EXIT_DISK_FULL, line
     assert line.startswith("nanolab init: error: cannot write proj/configs/small.yaml ("), line
     assert not [p for p in (tmp_path / "proj").rglob("*") if p.is_file()]
+
+
+def test_queue_ls_under_a_file_size_limit_lists_read_only(tmp_path):
+    """``queue ls`` under ``ulimit -f 0`` exited 74 ("cannot be written past this process's
+    file-size limit"), and left empty -wal/-shm files: it opened the database to write (its
+    journal set-up) to list it. A listing never needs to write: it reads the queue read-only
+    and leaves nothing beside it."""
+    from nanolab.queue.db import NewJob, QueueDB
+
+    db = QueueDB(tmp_path / "q.db")
+    db.add_jobs([NewJob(name="a", config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+                        run_dir=str(tmp_path / "runs" / "a"))])  # fmt: skip
+    db.close()
+    res = under_limit(0, "queue", "ls", "--db", "q.db", cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert " a " in res.stdout and "1 pending" in res.stdout, res.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.db"]  # no -wal, no -shm

@@ -47,6 +47,7 @@ from nanolab.queue.db import (
     orphaned,
     read_only_db,
     silent_runners,
+    size_limit_in_the_way,
     unusable_db,
 )
 from nanolab.queue.packing import gib
@@ -286,14 +287,25 @@ def _device_column(job: Job, jobs: list[Job]) -> str:
 STATUS_WIDTH = 70
 
 
+def listing_db(given: str | None) -> QueueDB:
+    """The queue database as ``ls`` reads it: a listing never needs to write. Opened read-only
+    at once where this process's file-size limit (``ulimit -f``) is in the way of a write (a
+    read-write open sets the journal up and may be refused: EFBIG), and when the file or its
+    folder cannot be written (a read-only file or file system)."""
+    where = Path(given) if given is not None else default_db_path()
+    if where.is_file() and size_limit_in_the_way(where) is not None:
+        return QueueDB.read_only(where)
+    try:
+        return QueueDB(where)
+    except ReadOnlyDBError:
+        return QueueDB.read_only(where)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     for s in args.status or []:
         if s not in STATUSES:
             raise QueueError(f"--status {s!r}: unknown status; choose from {', '.join(STATUSES)}")
-    try:
-        db = QueueDB(args.db)
-    except ReadOnlyDBError:  # a read-only file or file system: a listing needs no write
-        db = QueueDB.read_only(args.db if args.db is not None else default_db_path())
+    db = listing_db(args.db)
     jobs = db.jobs(args.status or None)
     running = jobs if not args.status else db.jobs(("running",))
     gaps = db.event_values("gap")
