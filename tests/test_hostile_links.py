@@ -691,3 +691,42 @@ def test_a_queue_log_linked_to_another_runs_log_is_left_alone(tmp_path, monkeypa
     moved = [line for line in said.getvalue().splitlines() if "left as it is" in line]
     assert len(moved) == 1 and f"its log {link} {what}" in moved[0], said.getvalue()
     assert f"its output goes to {spare}" in moved[0], moved[0]
+
+
+def test_a_run_directory_that_is_a_link_gets_no_queue_log_through_it(tmp_path, monkeypatch):
+    """A job whose run directory was itself a symbolic link (to another run's folder) had its
+    ``queue.log`` written through it, into that run's folder: only a ``queue.log`` that was a
+    link was caught. Its output now goes to ``nanolab_queue_logs/<id>-<name>.log``, said in
+    one line, and the other run's folder is left as it was."""
+    import io
+    import sys
+
+    from nanolab.queue import runner as runner_mod
+    from nanolab.queue.db import NewJob, QueueDB
+
+    real = subprocess.Popen
+
+    def popen(cmd, **kwargs):  # the job's fit stands in as one line of console output
+        return real([sys.executable, "-c", "print('console output of the job')"], **kwargs)
+
+    monkeypatch.setattr(runner_mod.subprocess, "Popen", popen)
+    victim = tmp_path / "runs" / "victim"
+    victim.mkdir(parents=True)
+    (victim / "metrics.jsonl").write_text('{"event": "start", "time": 1.0, "step": 0}\n')
+    before = digests(victim)
+    link = tmp_path / "runs" / "j"
+    link.symlink_to("victim")
+    path = tmp_path / "q.db"
+    QueueDB(path).add_jobs([NewJob(name="j", config="c.yaml", args=[], seed=None,
+                                   cwd=str(tmp_path), run_dir=str(link))])  # fmt: skip
+    said = io.StringIO()
+    runner_mod.Runner(QueueDB(path), out=said, poll_s=0.01).run()
+    assert digests(victim) == before and not (victim / "queue.log").exists(), said.getvalue()
+    spare = tmp_path / "nanolab_queue_logs" / "0001-j.log"
+    assert "console output of the job" in spare.read_text(), said.getvalue()
+    (job,) = QueueDB(path).jobs()
+    assert job.status == "done" and job.log == str(spare), said.getvalue()
+    moved = [line for line in said.getvalue().splitlines() if "left as it is" in line]
+    assert len(moved) == 1, said.getvalue()
+    assert f"is in a run directory that is a link ({link} -> victim)" in moved[0], moved[0]
+    assert f"its output goes to {spare}" in moved[0], moved[0]

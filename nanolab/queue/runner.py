@@ -933,15 +933,16 @@ def open_job_log(job: Job, path: Path, db_path: Path) -> tuple[IO[bytes], Path, 
     through this handle when the job exits, which still finds the file after the run directory
     was moved or deleted meanwhile), the path it is at, and the line to say when that is not
     ``path``. Only a file of its own is written (:func:`~nanolab.runlog.open_own_file`): a
-    ``queue.log`` that is a link (to another run's ``metrics.jsonl``, say) is left as it is and
-    the output goes to :func:`spare_log_path`. An ``OSError`` naming the file when that one is
-    a link too, or neither can be opened."""
+    ``queue.log`` that is a link (to another run's ``metrics.jsonl``, say), or one in a run
+    directory that is itself a link (:func:`open_in_own_folder`), is left as it is and the
+    output goes to :func:`spare_log_path`. An ``OSError`` naming the file when that one is a
+    link too, or neither can be opened."""
     from nanolab.runlog import LinkedFileError, open_own_file
 
     flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
     moved = None
     try:
-        fd = open_own_file(path, flags)
+        fd = open_in_own_folder(path, flags)
     except LinkedFileError as err:
         spare = spare_log_path(job, db_path)
         if spare == path:  # already the spare one: no other place to go
@@ -956,6 +957,29 @@ def open_job_log(job: Job, path: Path, db_path: Path) -> tuple[IO[bytes], Path, 
         except LinkedFileError as again:
             raise OSError(errno.ELOOP, f"it {again}", str(path)) from None
     return open(fd, "a+b"), path, moved  # closed when the job exits
+
+
+def open_in_own_folder(path: Path, flags: int) -> int:
+    """:func:`~nanolab.runlog.open_own_file` of ``path``, its folder opened without following
+    a link as well: a run directory that is itself a symbolic link (to another run's folder,
+    say) would take the job's log into the folder it points to. Raises
+    :class:`~nanolab.runlog.LinkedFileError` for a link in either place, with nothing written."""
+    from nanolab.runlog import LinkedFileError, open_own_file
+
+    no_follow = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        folder = os.open(path.parent, no_follow)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR) or not path.parent.is_symlink():
+            raise
+        target = os.readlink(path.parent)
+        raise LinkedFileError(
+            f"is in a run directory that is a link ({path.parent} -> {target})"
+        ) from None
+    try:
+        return open_own_file(path.name, flags, dir_fd=folder)
+    finally:
+        os.close(folder)
 
 
 #: What a ``queue run --notify`` command can fill in.
