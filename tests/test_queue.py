@@ -5,6 +5,7 @@ writers, ordering and deadlines, and the ``ls/rm/retry/clear`` verbs. The runner
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import signal
@@ -1827,3 +1828,51 @@ def test_ls_left_shrinks_for_a_job_only_an_hours_budget_ends(tmp_path: Path, cap
     (row,) = json.loads(out)["jobs"]
     assert row["estimate_basis"] == "measured step time of this run"
     assert 2590 < row["remaining_s"] < 2590 + 30
+
+
+def test_add_continue_checks_prepared_source_data_and_a_fine_tunes_checkpoint(
+    tmp_path: Path, char_dataset: Path, capsys, monkeypatch
+) -> None:
+    """``queue add --continue`` compared a run's data with its checkpoint's only for prepared
+    folders: data fit prepares from ``data.source`` and a fine-tune's ``run.resume: PATH``
+    went unchecked, to be refused at night. Without preparing anything it now compares the
+    folder fit would reuse (it holds the same files and settings), says in one line that data
+    still to be prepared is compared only at the job's start, and refuses a start checkpoint
+    that is missing or not one nanolab can read."""
+    from conftest import nanolab_here
+
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    bundled = Path(__file__).parents[1] / "nanolab" / "data" / "corpus" / "shakespeare.txt.gz"
+    corpus.write_bytes(gzip.decompress(bundled.read_bytes())[:200_000])
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    cfg["data"].update({"source": [str(corpus)], "dataset_dir": str(tmp_path / "prep")})
+    config = write_config(tmp_path / "src.yaml", cfg)
+    assert nanolab_here("fit", "--config", str(config), cwd=tmp_path).returncode == 0
+    db = tmp_path / "q.db"
+    add = ("add", str(config), "--name", "tiny", "--continue")
+    code, _, err = queue(capsys, db, *add)
+    assert code == 0 and "not compared" not in err, err
+    assert queue(capsys, db, "rm", "tiny")[0] == 0
+
+    code, _, err = queue(capsys, db, *add, "--set", f"data.dataset_dir={tmp_path / 'fresh'}")
+    assert code == 0, err
+    (note,) = [line for line in err.splitlines() if "continues the existing run" in line]
+    assert "its data is not compared with the checkpoint's now: fit prepares" in note, note
+    assert not (tmp_path / "fresh").exists()  # nothing prepared at add
+    assert queue(capsys, db, "rm", "tiny")[0] == 0
+
+    train = tmp_path / "prep" / "train.bin"
+    train.write_bytes(b"\x01\x00" * (train.stat().st_size // 2))  # same size, other bytes
+    code, _, err = queue(capsys, db, *add)
+    (line,) = err.strip().splitlines()
+    assert code == 2 and "the data changed" in line and "same size but other bytes" in line, err
+
+    (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
+    for path, said in (("missing.ckpt", "run.resume: checkpoint missing.ckpt does not exist"),
+                       ("bad.ckpt", "run.resume: bad.ckpt cannot be resumed from")):  # fmt: skip
+        cfg["run"]["resume"] = path  # a fine-tune's start (the queue's --set cannot give it)
+        write_config(config, cfg)
+        code, _, err = queue(capsys, db, *add, "--set", "data.allow_changed=true")
+        (line,) = err.strip().splitlines()
+        assert code == 2 and said in line, err

@@ -167,6 +167,64 @@ def identity_hash(files: Sequence[InputFile], settings: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def prepare_settings(
+    tokenizer: str = "chars",
+    bpe_vocab_size: int = 4096,
+    bpe_sample_bytes: int = DEFAULT_BPE_SAMPLE_BYTES,
+    eot_token: str | None = None,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    text_field: str = "text",
+    skip_bad: bool = False,
+) -> dict[str, Any]:
+    """The settings a dataset's identity (``source_hash``, with its files) is made of: a
+    folder prepared under the same files and settings is reused as it is."""
+    tok_identity: Any = tokenizer
+    if tokenizer.endswith(".json") and Path(tokenizer).expanduser().is_file():
+        tok_identity = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
+    return {
+        "format": FORMAT,
+        "tokenizer": tok_identity,
+        "bpe_vocab_size": bpe_vocab_size if tokenizer == "bpe" else None,
+        "bpe_sample_bytes": bpe_sample_bytes if tokenizer == "bpe" else None,
+        "eot_token": eot_token,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "text_field": text_field,
+        "skip_bad": skip_bad,
+    }
+
+
+def holds_prepared(
+    sources: Sequence[str],
+    dataset_dir: str | Path,
+    tokenizer: str = "chars",
+    bpe_vocab_size: int = 4096,
+    val_fraction: float = 0.1,
+) -> bool | None:
+    """Whether ``dataset_dir`` already holds what ``nanolab fit`` would prepare there from
+    ``data.source`` ``sources`` with these settings (the same files and settings: fit reuses
+    it untouched), told without preparing anything: the files are listed and stat'ed, not
+    read. None: it cannot be told (a source that cannot be listed; fit says why at start)."""
+    out_dir = Path(dataset_dir).expanduser()
+    if out_dir.is_symlink():
+        out_dir = Path(os.path.realpath(out_dir))
+    lock = out_dir.with_name(f".{out_dir.name}.lock")
+    mine = (out_dir, lock, *out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"))
+    try:
+        resolved = resolve_sources(sources, mine, "data.source")
+    except SourceError:
+        return None
+    try:
+        existing = read_meta(out_dir)
+    except (OSError, ValueError):  # unreadable: fit prepares it again (or says why)
+        existing = None
+    if not isinstance(existing, dict):
+        return False
+    settings = prepare_settings(tokenizer, bpe_vocab_size, val_fraction=val_fraction)
+    return existing.get("source_hash") == identity_hash(resolved.files, settings)
+
+
 def prepare_dataset(
     sources: Sequence[str],
     dataset_dir: str | Path,
@@ -247,20 +305,10 @@ def prepare_dataset(
         resolved = resolve_sources(sources, mine, setting_names.get("source") or None)
     except SourceError as err:
         raise PrepareError(str(err)) from None
-    tok_identity: Any = tokenizer
-    if tokenizer.endswith(".json") and Path(tokenizer).expanduser().is_file():
-        tok_identity = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
-    settings = {
-        "format": FORMAT,
-        "tokenizer": tok_identity,
-        "bpe_vocab_size": bpe_vocab_size if tokenizer == "bpe" else None,
-        "bpe_sample_bytes": bpe_sample_bytes if tokenizer == "bpe" else None,
-        "eot_token": eot_token,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "text_field": text_field,
-        "skip_bad": skip_bad,
-    }
+    settings = prepare_settings(
+        tokenizer, bpe_vocab_size, bpe_sample_bytes, eot_token, val_fraction, seed, text_field,
+        skip_bad,
+    )  # fmt: skip
     digest = identity_hash(resolved.files, settings)
     # Never into a run's folder (``fit``'s data.dataset_dir too, not only ``prepare -o``): the
     # lock file and the dataset would be written among another run's files.

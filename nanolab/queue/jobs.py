@@ -696,12 +696,19 @@ def existing_run(
                              "--name")  # fmt: skip
         except ResumeError as err:
             raise JobConfigError(f"{err} (the job would continue the run in {run_dir})") from None
-        problem = _optimizer_state_problem(chosen, model) or _data_problem(chosen, config, cwd)
+        data_problem, unchecked = _data_problem(chosen, config, cwd)
+        problem = (
+            _optimizer_state_problem(chosen, model)
+            or data_problem
+            or _start_checkpoint_problem(config, cwd)
+        )
         if problem is not None:
             raise JobConfigError(
                 f"--name {name}: {problem} (the job would continue the run in {run_dir}; "
                 "another --name starts a new one)"
             )
+        if unchecked is not None:
+            return f"job {name} continues the existing run {run_dir} from {where}; {unchecked}"
     return f"job {name} continues the existing run {run_dir} from {where}"
 
 
@@ -718,21 +725,65 @@ def _optimizer_state_problem(chosen: Any, model: dict[str, Any]) -> str | None:
     return optimizer_state_problem(chosen.nanolab, name, now, chosen.path)
 
 
-def _data_problem(chosen: Any, config: dict[str, Any], cwd: Path) -> str | None:
-    """Why the run's checkpoint ``chosen`` cannot continue on the job's data, by the rules
-    fit's DataModule applies when it restores the checkpoint
-    (:func:`nanolab.data.checks.resume_data_problem`: the data changed, another
-    ``data.align``); None: it can. A DataModule of one's own keeps its own rules, which fit
-    applies at start."""
+def _data_problem(chosen: Any, config: dict[str, Any], cwd: Path) -> tuple[str | None, str | None]:
+    """(why the run's checkpoint ``chosen`` cannot continue on the job's data, what of it
+    cannot be checked now), by the rules fit's DataModule applies when it restores the
+    checkpoint (:func:`nanolab.data.checks.resume_data_problem`: the data changed, another
+    ``data.align``); None, None: it can. Data fit prepares from ``data.source`` is compared
+    where ``data.dataset_dir`` already holds what fit would prepare (the same files and
+    settings: fit reuses it as it is); otherwise it exists only once the job starts, which is
+    said. A DataModule of one's own keeps its own rules, which fit applies at start."""
     from nanolab.data.checks import resume_data_problem
+    from nanolab.data.prepare import holds_prepared
+    from nanolab.data.sources import BUNDLED_PREFIX
     from nanolab.training.plugins import DEFAULT_DATA
     from nanolab.training.resolve import sections
 
     _, _, data_class, data_args = sections(config)
     if data_class != DEFAULT_DATA:
-        return None
+        return None, None
+    unchecked = None
+    source = data_args.get("source")
+    if source and not data_args.get("allow_changed") and not data_args.get("datasets"):
+        folder = _under(cwd, str(data_args.get("dataset_dir", "")))
+        specs = [s if s.startswith(BUNDLED_PREFIX) else str(_under(cwd, s)) for s in source]
+        held = holds_prepared(
+            specs,
+            folder,
+            str(data_args.get("tokenizer") or "chars"),
+            int(data_args.get("bpe_vocab_size") or 4096),
+            float(data_args.get("val_fraction") or 0.1),
+        )
+        if held:  # fit reuses the folder as it is: compare it as prepared data
+            data_args = {**data_args, "source": None}
+        else:
+            unchecked = (
+                f"its data is not compared with the checkpoint's now: fit prepares {folder} "
+                "from data.source when the job starts (it holds other data, or none yet), and "
+                "compares it then"
+            )
     key = data_class.rpartition(".")[2]  # Lightning keeps its state under the class's name
-    return resume_data_problem(chosen.path, key, data_args, cwd)
+    return resume_data_problem(chosen.path, key, data_args, cwd), unchecked
+
+
+def _start_checkpoint_problem(config: dict[str, Any], cwd: Path) -> str | None:
+    """Why a fine-tune's ``run.resume: PATH`` cannot be read as fit would read it (missing,
+    or not a checkpoint nanolab opens with ``weights_only``), told without reading its
+    tensors; None: it can, or the job names no such path."""
+    from nanolab.training.resume import inspect_checkpoint
+
+    resume = str((config.get("run") or {}).get("resume") or "auto")
+    if resume in ("auto", "never"):
+        return None
+    path = _under(cwd, resume)
+    if not path.exists():
+        return f"run.resume: checkpoint {resume} does not exist; pass an existing .ckpt"
+    cand = inspect_checkpoint(path)
+    if not cand.ok:
+        return (
+            f"run.resume: {resume} cannot be resumed from ({cand.error}); pass another checkpoint"
+        )
+    return None
 
 
 def _resume_point(chosen: Any) -> str:
