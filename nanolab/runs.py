@@ -19,7 +19,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -411,18 +411,27 @@ def current_timeline(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 STEP_EVENTS = ("train", "val", "tasks")
 
 
-def summarize_run(name: str, run_dir: Path, now: float | None = None) -> RunSummary:
+def summarize_run(
+    name: str,
+    run_dir: Path,
+    now: float | None = None,
+    also: Callable[[dict[str, Any]], None] | None = None,
+) -> RunSummary:
     """Everything the report says about one run, from its log (and ``config.yaml`` if needed).
 
     The log is read as a stream, twice: first the few ``start`` records (where a resume
     rewound to), then every record once, kept only as the running figures below. Memory stays
     flat in the log's length (a 300k-step run logs over 100 MB); the only lists kept are the
-    validations, one small entry each."""
+    validations, one small entry each. ``also`` is handed each usable record of the timeline a
+    resume leaves (every event, in log order: what :func:`iter_timeline` yields) during that
+    same pass, so another reader of the run (``report --forecast``) does not read the log again
+    (a 500k-record log is 7 s of parsing)."""
     now = time.time() if now is None else now
     log = run_dir / RUN_LOG_NAME
     acc = _RunStream(_Rewinds(_resume_points(log)))
     for number, record in iter_numbered(log):
-        acc.add(number, record)
+        if acc.add(number, record) and also is not None:
+            also(record)
     return acc.summary(name, run_dir, now)
 
 
@@ -746,20 +755,22 @@ class _RunStream:
         self.evals: dict[str, Any] | None = None  # the newest by nanolab eval
         self.evaluated_val: dict[str, Any] | None = None  # the newest by nanolab validate
 
-    def add(self, number: int, r: dict[str, Any]) -> None:
+    def add(self, number: int, r: dict[str, Any]) -> bool:
+        """Count record ``r`` (line ``number``) in; True when it is usable and on the timeline
+        a resume leaves (what :func:`iter_timeline` yields)."""
         problem = record_problem(r)
         if problem is not None:
             self.skipped += 1
             if self.example is None:
                 self.example = f"a {r.get('event')!s:.20} record whose {problem}"
-            return
+            return False
         event = r.get("event")
         if event == "start":
             self.starts, self.start, self.end = self.starts + 1, r, None
         elif event == "end":
             self.end = r
         if self.rewinds.abandoned(number, r):
-            return
+            return False
         self.kept += 1
         self.first_time = r.get("time") if self.kept == 1 else self.first_time
         self.last_time = r.get("time")
@@ -783,6 +794,7 @@ class _RunStream:
                 self.evals = r
         elif event == "tasks" and (self.tasks is None or _step_key(r) >= _step_key(self.tasks)):
             self.tasks = r
+        return True
 
     def _train(self, r: dict[str, Any]) -> None:
         key = _step_key(r)

@@ -15,7 +15,7 @@ from typing import Any
 from nanolab.errors import one_line_errors
 from nanolab.helpfmt import OneLineParser, given_path
 from nanolab.messages import say
-from nanolab.report.forecasts import forecasts, format_forecasts
+from nanolab.report.forecasts import ForecastReader, forecasts, format_forecasts
 from nanolab.report.groups import (
     ReportError,
     compare_groups,
@@ -294,7 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     selected = _select(found, args.run)
     now = time.time()
-    summaries = _sort([summarize_run(n, d, now) for n, d in selected], args.sort)
+    want_forecast = args.forecast or args.target_loss is not None
+    if args.target_loss is not None and not 0 < args.target_loss < math.inf:
+        raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
+    # The forecast reads each log along the summary's pass: one read of a long log, not two.
+    readers = {n: ForecastReader() for n, _ in selected} if want_forecast else {}
+    summaries = _sort(
+        [summarize_run(n, d, now, readers[n].add if readers else None) for n, d in selected],
+        args.sort,
+    )
     if args.index:
         say("nanolab report", update_index(roots, summaries))
     universe = config_summaries(found) if args.run else summaries
@@ -303,10 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     lone = [g for g in configs if len(g.runs) == 1]  # named where they would be tested
     comparisons, untested = tests(summaries, groups, args.baseline, lone)
     apart = not_compared(summaries, groups)
-    want_forecast = args.forecast or args.target_loss is not None
-    if args.target_loss is not None and not 0 < args.target_loss < math.inf:
-        raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
-    run_fc, group_fc = forecasts(selected, groups, args.target_loss) if want_forecast else ({}, {})
+    read = {n: readers[n].inputs(d) for n, d in selected} if readers else {}
+    run_fc, group_fc = (
+        forecasts(selected, groups, args.target_loss, read) if want_forecast else ({}, {})
+    )
     scaling_text, scaling_data = _scaling(args, selected, summaries)
     not_drawn: list[str] = []
     if args.plot is not None:

@@ -10,13 +10,13 @@ from typing import Any
 
 from nanolab.report.groups import SeedGroup
 from nanolab.report.text import money
-from nanolab.runlog import RUN_LOG_NAME, iter_records, written_in_training
+from nanolab.runlog import written_in_training
 from nanolab.runs import (
     EvenSample,
     config_of,
+    iter_timeline,
     num,
     planned_steps_of,
-    record_problem,
     si,
 )
 
@@ -59,75 +59,107 @@ def _schedule_of(
     return None, 0
 
 
-def forecast_inputs(run_dir: Path) -> Any:
-    """What a forecast of one run needs from its log (:class:`nanolab.forecast.CurveInputs`):
-    (step, tokens, val loss) points, the steps it is planned for, tokens per step, the LR schedule
-    from the config, and GPU-hours and cost per token so far."""
-    from nanolab.forecast import CurveInputs
+class ForecastReader:
+    """What a forecast of one run needs from its log, fed record by record: the usable records
+    of the timeline a resume leaves (:func:`nanolab.runs.iter_timeline`), so it reads along the
+    report's own pass over the log (``summarize_run(..., also=reader.add)``) or on its own
+    (:func:`forecast_inputs`). It keeps the validations, the last start and train record, and
+    an even sample of the logged LRs: a 1M-step log is not held (it took 2 GB)."""
 
-    # One pass over the log, keeping the validations, the last start and train record, and an
-    # even sample of the logged LRs: a 1M-step log is not held (it took 2 GB).
-    val: dict[float, dict[str, Any]] = {}
-    start, last = None, None
-    latest: dict[str, tuple[float, float | None]] = dict.fromkeys(("gpu_hours", "cost"), (-1, None))
-    lrs = EvenSample(LR_SAMPLE)
-    for r in iter_records(run_dir / RUN_LOG_NAME):
+    def __init__(self) -> None:
+        self.val: dict[float, dict[str, Any]] = {}
+        self.start: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+        self.latest: dict[str, tuple[float, float | None]] = dict.fromkeys(
+            ("gpu_hours", "cost"), (-1, None)
+        )
+        self.lrs = EvenSample(LR_SAMPLE)
+
+    def add(self, r: dict[str, Any]) -> None:
+        """One usable record (``record_problem`` found nothing) in log order."""
         event = r.get("event")
-        if event not in ("start", "train", "val") or record_problem(r) is not None:
-            continue
         if event == "start":
-            start = r
-            continue
+            self.start = r
+            return
+        if event not in ("train", "val"):
+            return
         step = r.get("step")
         at = math.inf if step is None else float(step)  # last_by_step's order
         if event == "val":
             if written_in_training(r):  # not a later validate's record of a checkpoint
-                val.pop(at, None)
-                val[at] = {k: r.get(k) for k in ("step", "tokens", "val_loss")}
-            continue
-        if num(r.get("tokens")) and step and at >= (last or {}).get("at", -1):
-            last = {"at": at, "step": step, "tokens": r["tokens"]}
-        for f in latest:
-            if r.get(f) is not None and at >= latest[f][0]:
-                latest[f] = (at, r[f])
+                self.val.pop(at, None)
+                self.val[at] = {k: r.get(k) for k in ("step", "tokens", "val_loss")}
+            return
+        if num(r.get("tokens")) and step and at >= (self.last or {}).get("at", -1):
+            self.last = {"at": at, "step": step, "tokens": r["tokens"]}
+        for f in self.latest:
+            if r.get(f) is not None and at >= self.latest[f][0]:
+                self.latest[f] = (at, r[f])
         lr = num(r.get("lr"))
         if isinstance(step, int) and step >= 1 and lr is not None:
-            lrs.add((step, lr))
-    points = [
-        (float(s), t, v)
-        for s, t, v in (
-            (r.get("step"), num(r.get("tokens")), num(r.get("val_loss")))
-            for r in (val[k] for k in sorted(val))
+            self.lrs.add((step, lr))
+
+    def inputs(self, run_dir: Path) -> Any:
+        """The :class:`nanolab.forecast.CurveInputs` of what was read (``run_dir``: where the
+        config is, when the start record has none)."""
+        from nanolab.forecast import CurveInputs
+
+        points = [
+            (float(s), t, v)
+            for s, t, v in (
+                (r.get("step"), num(r.get("tokens")), num(r.get("val_loss")))
+                for r in (self.val[k] for k in sorted(self.val))
+            )
+            if isinstance(s, int) and t is not None and v is not None and t > 0
+        ]
+        start, last, lrs = self.start, self.last, self.lrs
+        config = config_of([start] if start else [], run_dir) or {}
+        max_steps = planned_steps_of(start, config)
+        per_step = num(last["tokens"]) / int(last["step"]) if last else None
+        tokens = num((last or {}).get("tokens"))
+        gpu_h, cost = num(self.latest["gpu_hours"][1]), num(self.latest["cost"][1])
+        sample = lrs.items + (
+            [lrs.last] if lrs.last is not None and lrs.last not in lrs.items else []
         )
-        if isinstance(s, int) and t is not None and v is not None and t > 0
-    ]
-    config = config_of([start] if start else [], run_dir) or {}
-    max_steps = planned_steps_of(start, config)
-    per_step = num(last["tokens"]) / int(last["step"]) if last else None
-    tokens = num((last or {}).get("tokens"))
-    gpu_h, cost = num(latest["gpu_hours"][1]), num(latest["cost"][1])
-    sample = lrs.items + ([lrs.last] if lrs.last is not None and lrs.last not in lrs.items else [])
-    schedule_for, warmup = _schedule_of(config, sample, max_steps) if points else (None, 0)
-    return CurveInputs(
-        points=points,
-        max_steps=max_steps if max_steps > 0 else None,
-        tokens_per_step=per_step,
-        schedule_for=schedule_for,
-        warmup_steps=warmup,
-        gpu_hours_per_token=gpu_h / tokens if gpu_h and tokens else None,
-        cost_per_token=cost / tokens if cost and tokens else None,
-    )
+        schedule_for, warmup = _schedule_of(config, sample, max_steps) if points else (None, 0)
+        return CurveInputs(
+            points=points,
+            max_steps=max_steps if max_steps > 0 else None,
+            tokens_per_step=per_step,
+            schedule_for=schedule_for,
+            warmup_steps=warmup,
+            gpu_hours_per_token=gpu_h / tokens if gpu_h and tokens else None,
+            cost_per_token=cost / tokens if cost and tokens else None,
+        )
+
+
+def forecast_inputs(run_dir: Path) -> Any:
+    """What a forecast of one run needs from its log (:class:`nanolab.forecast.CurveInputs`):
+    (step, tokens, val loss) points, the steps it is planned for, tokens per step, the LR schedule
+    from the config, and GPU-hours and cost per token so far; on the timeline a resume leaves, as
+    the report's summary reads it. One pass of its own over the log; ``report`` reads it along
+    its summary's pass instead (:class:`ForecastReader`)."""
+    reader = ForecastReader()
+    for r in iter_timeline(run_dir, ("start", "train", "val")):
+        reader.add(r)
+    return reader.inputs(run_dir)
 
 
 def forecasts(
-    selected: list[tuple[str, Path]], groups: list[SeedGroup], target: float | None
+    selected: list[tuple[str, Path]],
+    groups: list[SeedGroup],
+    target: float | None,
+    read: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Forecasts per run and per seed group (the group's points fitted together)."""
+    """Forecasts per run and per seed group (the group's points fitted together). ``read``:
+    the runs' :class:`~nanolab.forecast.CurveInputs` already read (by name); the other runs'
+    logs are read here."""
     from dataclasses import replace
 
     from nanolab.forecast import forecast
 
-    inputs = {name: forecast_inputs(d) for name, d in selected}
+    read = read or {}
+    inputs = {name: read[name] if name in read else forecast_inputs(d) for name, d in selected}
     runs = {name: forecast(i, target) for name, i in inputs.items()}
     by_group = {}
     for g in groups:
