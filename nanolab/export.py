@@ -303,29 +303,43 @@ def _run_facts(source: Path, step: Any) -> dict[str, Any]:
     of the launch that trained it; training's own validation at the checkpoint's step (the
     last one before it, failing that); and the newest ``nanolab validate`` of this very step.
 
+    The launch is the one that logged the newest save of the checkpoint's step
+    (:func:`nanolab.runs.launch_that_saved`), and training's validation is read on the
+    timeline that launch trained (:func:`nanolab.runs.iter_timeline`): a run resumed from an
+    older checkpoint trains the later steps again, and the first timeline's validations
+    (later in the log than the steps they scored) are not this checkpoint's. A ``validate``
+    counts when it came after that save: one before it scored the file this one replaced.
+
     The two validations are kept apart by the one rule every reader of the curve uses
     (:func:`nanolab.runlog.written_in_training`): a ``validate`` appended later scored the
     checkpoint afterwards, without the tokens a training point has, and taken for training's
     figure it made the card print its loss as the run's and "tokens: not logged"."""
-    from nanolab.runlog import written_in_training
-    from nanolab.runs import tail_records
+    from nanolab.runlog import RUN_LOG_NAME, event_marks, iter_numbered, written_in_training
+    from nanolab.runs import iter_timeline, launch_that_saved, record_problem
 
     if source.parent.name != "checkpoints":
         return {}
     run_dir = source.parent.parent
-    vals = [
-        r
-        for r in tail_records(run_dir, "val", 1 << 16)
-        if isinstance(r.get("step"), int) and (not isinstance(step, int) or r["step"] <= step)
-    ]
-    trained = [r for r in vals if written_in_training(r)]
-    validated = [r for r in vals if not written_in_training(r) and r["step"] == step]
+    known = isinstance(step, int) and not isinstance(step, bool)
+    launch = launch_that_saved(run_dir, step) if known else None
+    trained = None  # the newest copy of the highest step (a resume redoes the later steps)
+    for r in iter_timeline(run_dir, ("val",), launch):
+        at = r.get("step")
+        if not isinstance(at, int) or not written_in_training(r) or (known and at > step):
+            continue
+        if trained is None or at >= trained["step"]:
+            trained = r
+    validated = None
+    after = launch.saved_line if launch is not None else -1
+    for number, r in iter_numbered(run_dir / RUN_LOG_NAME, containing=event_marks("val")):
+        of_step = known and r.get("event") == "val" and r.get("step") == step
+        if of_step and number > after and record_problem(r) is None:
+            validated = r if not written_in_training(r) else validated
     return {
         "run_dir": run_dir,
-        "start": _trained_by(run_dir, step),
-        # the newest copy of the highest step (a resume redoes the steps after its checkpoint)
-        "val": max(reversed(trained), key=lambda r: r["step"]) if trained else None,
-        "validated": validated[-1] if validated else None,
+        "start": launch.start if launch is not None else _trained_by(run_dir, step),
+        "val": trained,
+        "validated": validated,
     }
 
 

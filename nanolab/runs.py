@@ -33,6 +33,7 @@ from nanolab.runlog import (
     CONFIG_MARK,
     RUN_LOG_NAME,
     FollowedLog,
+    event_marks,
     iter_backwards,
     iter_numbered,
     iter_records,
@@ -435,16 +436,72 @@ def summarize_run(
     return acc.summary(name, run_dir, now)
 
 
-def iter_timeline(run_dir: Path, events: tuple[str, ...] = STEP_EVENTS) -> Iterator[dict[str, Any]]:
+def iter_timeline(
+    run_dir: Path, events: tuple[str, ...] = STEP_EVENTS, launch: Launch | None = None
+) -> Iterator[dict[str, Any]]:
     """The usable records of ``events`` on the timeline a resume leaves (what
     :func:`current_timeline` keeps of :func:`read_run`'s records), streamed: one record in
-    memory at a time, however long the log."""
+    memory at a time, however long the log. With ``launch``, the timeline as that launch left
+    it: the log up to the next launch's start, without what that launch (or one before it)
+    abandoned; what later launches did to the steps is not this one's history."""
     log = run_dir / RUN_LOG_NAME
-    rewinds = _Rewinds(_resume_points(log))
-    for number, r in iter_numbered(log):
+    points = _resume_points(log)
+    if launch is not None:
+        points = [p for p in points if p[0] <= launch.line]
+    rewinds = _Rewinds(points)
+    for number, r in iter_numbered(log, containing=event_marks(events)):
+        if launch is not None and number >= launch.next_line:
+            return
         usable = r.get("event") in events and record_problem(r) is None
         if usable and not rewinds.abandoned(number, r):
             yield r
+
+
+@dataclass
+class Launch:
+    """One launch of a run, as its log shows it (:func:`launch_that_saved`)."""
+
+    start: dict[str, Any]  # its start record
+    line: int  # the line of that record
+    next_line: float  # the line of the next launch's start (math.inf: none came after)
+    saved_line: int  # the line of its checkpoint record of the step asked about
+
+
+def launch_that_saved(run_dir: Path, step: int) -> Launch | None:
+    """The launch that wrote the checkpoint of ``step`` the run holds now: the one whose
+    ``checkpoint`` record of that step is the newest (a later save of a step replaces the
+    file, and a resume from an older checkpoint sets the later files aside). A run resumed
+    from an older step trains that step again on another timeline: its figures are the ones
+    of the launch that saved it. None when no launch logged a save of ``step`` (a log from
+    before checkpoint records, a file copied in)."""
+    starts: list[tuple[int, dict[str, Any]]] = []
+    saved: tuple[int, int] | None = None  # (line, index of the launch)
+    marks = event_marks(("start", "checkpoint"))
+    for number, r in iter_numbered(run_dir / RUN_LOG_NAME, containing=marks):
+        if record_problem(r) is not None:
+            continue
+        if r.get("event") == "start":
+            starts.append((number, r))
+        elif r.get("event") == "checkpoint" and r.get("step") == step and starts:
+            saved = (number, len(starts) - 1)
+    if saved is None:
+        return None
+    line, start = starts[saved[1]]
+    later = starts[saved[1] + 1 :]
+    return Launch(start, line, later[0][0] if later else math.inf, saved[0])
+
+
+def last_trained_val(run_dir: Path) -> dict[str, Any] | None:
+    """Training's newest validation on the run's timeline, read from the end of the log: not
+    one a later resume from an older step abandoned (a launch stopped before it validated
+    again), nor a ``nanolab validate`` appended after training."""
+    floor = _Floor()
+    newest = iter_backwards(run_dir / RUN_LOG_NAME, ("start", "val"), where=_usable, split_cr=True)
+    with contextlib.closing(newest):
+        for r in newest:
+            if not floor.abandoned(r) and r.get("event") == "val" and written_in_training(r):
+                return r
+    return None
 
 
 #: Run-log events other than ``train``: a few per validation, against one ``train`` record per

@@ -73,3 +73,48 @@ def test_the_card_shows_trainings_validation_and_names_a_later_validate_apart(
     # the card of step 2000 has no validate of its own step: no such row
     earlier = model_card({**ckpt, "global_step": 2000}, GPTConfig(vocab_size=65), source, None)
     assert "| val loss | 2.3905 |" in earlier and "nanolab validate" not in earlier
+
+
+def test_the_card_reads_the_timeline_that_trained_the_checkpoint(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A run validated every 2 steps to step 6, ``nanolab validate`` of its last checkpoint,
+    then resumed from step 4 to 8 validating every 5 steps: the new step-6 checkpoint was trained
+    on a timeline that validated at step 5, not 6. The card showed the first timeline's step-6
+    validation (later in the log than step 5) as this checkpoint's, and the validate of the
+    file the new one replaced."""
+    import torch
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    from nanolab.export import model_card
+    from nanolab.model import GPTConfig
+
+    cfg = write_config(
+        tmp_path / "t.yaml",
+        tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=8,
+                       checkpoint__every_n_steps=2, checkpoint__keep_last=10),
+    )  # fmt: skip
+    run = tmp_path / "runs" / "tiny"
+    folder = run / "checkpoints"
+    first = nanolab_here("fit", "--config", str(cfg), "--run.eval_every_steps", "2",
+                         "--trainer.max_steps", "6", cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    scored = nanolab_here("validate", "--config", str(cfg), cwd=tmp_path)  # step 6, logged
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    again = nanolab_here("fit", "--config", str(cfg), "--run.resume", str(folder / "step-00000004.ckpt"),
+                         "--run.eval_every_steps", "5", cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    vals = [(r["step"], r.get("evaluated_by")) for r in records if r["event"] == "val"]
+    assert vals[:4] == [(2, None), (4, None), (6, None), (6, "nanolab validate")]
+    assert vals[4:] == [(5, None), (8, None)]  # the resumed timeline: no validation at 6
+    at_5 = next(r for r in records if r["event"] == "val" and r["step"] == 5)
+
+    source = folder / "step-00000006.ckpt"
+    ckpt = torch.load(source, map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 6
+    card = model_card(ckpt, GPTConfig(vocab_size=65), source, None)
+    assert f"| val loss | {at_5['val_loss']:.4f} (step 5) |" in card, card
+    assert f"| tokens | {at_5['tokens']:,} (step 5) |" in card
+    assert "nanolab validate" not in card  # it scored the first timeline's step-6 file
+    assert '"eval_every_steps": 5' in card  # the config of the launch that trained it

@@ -174,3 +174,29 @@ def test_the_end_notification_carries_trainings_last_val_loss(tmp_path: Path) ->
     assert notifier.sent is not None and notifier.sent["val_loss"] == 2.3905
     (line,) = (tmp_path / "runs" / "results.log").read_text().splitlines()
     assert json.loads(line)["val_loss"] == 2.3905
+
+
+def test_the_end_notification_leaves_out_a_validation_a_resume_abandoned(tmp_path: Path) -> None:
+    """A run validated at 2,000 and 3,000, crashed, resumed from its step-2,000 checkpoint and
+    stopped by its budget at 2,500 before validating again: step 3,000 is the abandoned
+    timeline's; the run's val loss is step 2,000's."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.notify import Notifier
+
+    run = tmp_path / "runs" / "night"
+    run.mkdir(parents=True)
+    records = [
+        {"event": "start", "time": 0.0, "step": 0, "resumed_from_step": None},
+        {"event": "val", "time": 1.0, "step": 2000, "tokens": 256000, "val_loss": 2.3905},
+        {"event": "val", "time": 2.0, "step": 3000, "tokens": 384000, "val_loss": 2.2001},
+        {"event": "start", "time": 3.0, "step": 2000, "resumed_from_step": 2000},
+        {"event": "end", "time": 4.0, "step": 2500, "reason": "budget"},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    trainer = SimpleNamespace(
+        is_global_zero=True, state=SimpleNamespace(fn="fit"), default_root_dir=str(run)
+    )
+    notifier = Notifier(results_log=False)
+    notifier._ended(trainer)
+    assert notifier.sent is not None and notifier.sent["val_loss"] == 2.3905

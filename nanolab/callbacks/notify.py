@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import Callback
 
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.notify import NotifyConfigError, check_targets, send
-from nanolab.runlog import RUN_LOG_NAME, last_record, written_in_training
-from nanolab.runs import RESULTS_LOG, append_result, duration
+from nanolab.runlog import RUN_LOG_NAME, last_record
+from nanolab.runs import RESULTS_LOG, append_result, duration, last_trained_val
 
 #: What a command target can fill in.
 FIELDS = ("run", "reason", "detail", "step", "val_loss", "best_val_loss", "wall", "wall_s",
@@ -68,9 +68,10 @@ class Notifier(Callback):
         end = last_record(run_dir / RUN_LOG_NAME, "end")
         if end is None or end.get("reason") == "rollback":
             return  # no run log, or a rollback: the run continues
-        # Training's last validation: a `nanolab validate` appended since (before a resume
-        # that ended without validating) scored a checkpoint afterwards, perhaps otherwise.
-        val = last_record(run_dir / RUN_LOG_NAME, "val", where=written_in_training)
+        # Training's last validation on the run's timeline: a `nanolab validate` appended
+        # since (before a resume that ended without validating) scored a checkpoint
+        # afterwards, perhaps otherwise; a resume from an older step abandoned the later ones.
+        val = last_trained_val(run_dir)
         wall = end.get("elapsed_s")
         fields = {
             "run": run_dir.name,
