@@ -64,13 +64,20 @@ def iter_records(
 
 
 def iter_numbered(
-    path: str | os.PathLike[str], containing: str | tuple[str, ...] | None = None
+    path: str | os.PathLike[str],
+    containing: str | tuple[str, ...] | Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) of each parsable line, one line in memory at a time, so a reader's
     memory does not grow with the log. ``containing`` parses only the lines holding that text
     (or one of those texts): a cheap first look, e.g. for the few ``start`` records of a
-    300k-line log."""
-    needles = (containing,) if isinstance(containing, str) else containing
+    300k-line log. It may also be a test of a line's text, asked as each line is read: a
+    reader that wants other lines after some record (the first train record after each start)
+    changes its answer between records, and the lines in between are not parsed."""
+    if callable(containing):
+        wanted = containing
+    else:
+        needles = (containing,) if isinstance(containing, str) else containing
+        wanted = None if needles is None else (lambda line: any(n in line for n in needles))
     handle = _open_log(path, "r")
     if handle is None:
         return
@@ -83,7 +90,7 @@ def iter_numbered(
                 while (rest := handle.readline(1 << 20)) and not rest.endswith("\n"):
                     pass
                 continue
-            if needles is not None and not any(n in line for n in needles):
+            if wanted is not None and not wanted(line):
                 continue
             record = _parse(line)
             if record is not None:

@@ -356,7 +356,7 @@ BRANCHES: dict[str, dict[str, int]] = {
         "estimate_from_config": 8,
     },
     "nanolab/estimator/gpus.py": {"matmul_rate": 1},
-    "nanolab/estimator/history.py": {"_run_tokens_per_second": 1},
+    "nanolab/estimator/history.py": {"ran_on": 1},
     "nanolab/estimator/measure_trainer.py": {"measure_trainer_peak_cuda": 1},
     "nanolab/estimator/memory.py": {"estimate_memory": 1},
     "nanolab/estimator/numerics.py": {"numerics_for": 1},

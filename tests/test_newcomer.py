@@ -402,16 +402,20 @@ def test_the_queue_uses_a_configs_measured_step_time_before_a_probe(tmp_path, mo
     config = {"model": {"gpt": {"n_layer": 2}}, "trainer": {"max_steps": 100}}
     run = tmp_path / "runs" / "old"
     run.mkdir(parents=True)
-    train = [
-        {"event": "train", "step": s, "elapsed_s": 20.0 + 0.5 * (s - 1)} for s in range(1, 101)
-    ]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     db = QueueDB(tmp_path / "q.db")
     key = config_key(config)
     (old,) = db.add_jobs(
         [NewJob("old", "c.yaml", [], 1, str(tmp_path), str(run), key, max_steps=100)]
     )
     db.set_status(old.id, "done", run_seconds=90.0)
+    start = {"event": "start", "time": old.created, "step": 0, "queue_job": str(old.id),
+             "config": config, "devices": ["cpu"]}  # fmt: skip
+    train = [
+        {"event": "train", "step": s, "elapsed_s": 20.0 + 0.5 * (s - 1)} for s in range(1, 101)
+    ]
+    end = {"event": "end", "step": 100, "elapsed_s": 20.0 + 0.5 * 99, "reason": "completed"}
+    lines = [start, *train, end]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
     def no_probe(*args, **kwargs):
         raise AssertionError("probed although the config has run before")

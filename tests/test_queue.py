@@ -1606,41 +1606,65 @@ def test_gpus_all_means_the_gpus_this_runner_was_given(monkeypatch, masks, expec
             parse_gpus("all")
 
 
+#: A config the step-time tests' jobs ran (its key is the jobs' ``config_key``).
+_TIMED_CONFIG = {"trainer": {"max_steps": 300}, "model": {"gpt": {"n_layer": 2}}}
+
+
+def _timed_jobs(db: QueueDB, tmp_path: Path, n: int) -> list:
+    """``n`` finished jobs of :data:`_TIMED_CONFIG` (run dirs r0, r1, ...; no logs yet)."""
+    from nanolab.queue.jobs import config_key
+
+    for i in range(n):
+        (tmp_path / f"r{i}").mkdir()
+    added = db.add_jobs([
+        NewJob(name=f"j{i}", config="c.yaml", args=[], seed=i, cwd="/",
+               run_dir=str(tmp_path / f"r{i}"), config_key=config_key(_TIMED_CONFIG), max_steps=300)
+        for i in range(n)
+    ])  # fmt: skip
+    db.conn.execute(
+        f"UPDATE jobs SET status = 'done', run_seconds = 600 WHERE id IN "
+        f"({','.join(str(j.id) for j in added)})"
+    )
+    return added
+
+
+def _launch(log, job_id, per_step: float, steps: range, *, elapsed: float = 0.0,
+            config=None, devices=("cpu",), ended: bool = True) -> float:  # fmt: skip
+    """One launch in a run log: its start, a train record per step at ``per_step`` seconds
+    (``elapsed`` before it, 5 s of start-up), a validation every 50 steps, and an end."""
+    start = {"event": "start", "time": time.time(), "step": steps[0] - 1,
+             "queue_job": None if job_id is None else str(job_id),
+             "config": _TIMED_CONFIG if config is None else config, "devices": list(devices)}  # fmt: skip
+    log.write(json.dumps(start) + "\n")
+    elapsed += 5.0
+    for step in steps:
+        elapsed += per_step
+        log.write(json.dumps({"event": "train", "step": step, "elapsed_s": elapsed}) + "\n")
+        if step % 50 == 0:
+            log.write(json.dumps({"event": "val", "step": step, "val_loss": 1.0}) + "\n")
+    if ended:
+        log.write(json.dumps({"event": "end", "step": steps[-1], "elapsed_s": elapsed}) + "\n")
+    return elapsed
+
+
 def test_a_configs_step_time_comes_from_its_newest_finished_runs(tmp_path):
     """The runner asks for a config's step time for every waiting job at every fill; it read
     the whole log of every finished job of that config each time (a night's queue spent a
-    minute between jobs after 20 had finished). It takes the newest few finished runs, each
-    log's first and last timed train records, and each log once."""
+    minute between jobs after 20 had finished). It takes the newest few finished runs, and
+    each log once."""
     from nanolab.queue import predict
 
     db = QueueDB(tmp_path / "q.db")
+    jobs = _timed_jobs(db, tmp_path, predict.HISTORY_RUNS + 4)
     runs = []
-    for i in range(predict.HISTORY_RUNS + 4):
-        run_dir = tmp_path / f"r{i}"
-        run_dir.mkdir()
+    for i, job in enumerate(jobs):
         per_step = 100.0 if i < 4 else 2.0 + i  # the oldest four: far slower, and left out
-        with open(run_dir / "metrics.jsonl", "w") as log:
-            log.write(json.dumps({"event": "start", "step": 0}) + "\n")
-            for step in range(1, 301):
-                record = {"event": "train", "step": step, "elapsed_s": 5.0 + per_step * step}
-                log.write(json.dumps(record) + "\n")
-                if step % 50 == 0:
-                    log.write(json.dumps({"event": "val", "step": step, "val_loss": 1.0}) + "\n")
-            log.write(json.dumps({"event": "end", "step": 300}) + "\n")
-        runs.append((run_dir, per_step))
-    added = db.add_jobs([
-        NewJob(name=f"j{i}", config="c.yaml", args=[], seed=i, cwd="/", run_dir=str(d),
-               config_key="k", max_steps=300)
-        for i, (d, _) in enumerate(runs)
-    ])  # fmt: skip
-    job_ids = [j.id for j in added]
-    db.conn.execute(
-        f"UPDATE jobs SET status = 'done', run_seconds = 600 WHERE id IN "
-        f"({','.join(map(str, job_ids))})"
-    )
+        with open(Path(job.run_dir) / "metrics.jsonl", "w") as log:
+            _launch(log, job.id, per_step, range(1, 301))
+        runs.append((Path(job.run_dir), per_step))
     assert predict.steady_step_seconds(str(runs[5][0])) == pytest.approx(7.0)
     newest = [p for _, p in runs[-predict.HISTORY_RUNS :]]
-    seconds, how = predict.history(db, "k")
+    seconds, how = predict.history(db, jobs[0].config_key)
     assert seconds == pytest.approx(statistics.median(newest)) and "8 past runs" in how
     # Each finished log is read once: its step time is remembered (the log's bytes blanked
     # with its size and time kept would drop that run from the median if it were read again).
@@ -1648,7 +1672,38 @@ def test_a_configs_step_time_comes_from_its_newest_finished_runs(tmp_path):
     st = log.stat()
     log.write_bytes(b" " * st.st_size)
     os.utime(log, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert predict.history(db, "k")[0] == pytest.approx(seconds)
+    assert predict.history(db, jobs[0].config_key)[0] == pytest.approx(seconds)
+
+
+def test_a_step_time_counts_only_the_jobs_own_ended_launches_of_its_config(tmp_path):
+    """A finished job's run log also held a launch from a shell at 50 s a step, a launch of
+    another config, and a launch of its own that crashed (its steps trained again after a
+    long wait): the step time spanned the log's first train record to its last, all of them
+    averaged in. Only the job's own launches of its config that ended are measured, each from
+    its first train record to its end; on ``--gpu``, only those on that GPU."""
+    from nanolab.queue import predict
+
+    db = QueueDB(tmp_path / "q.db")
+    (job, other) = _timed_jobs(db, tmp_path, 2)
+    with open(Path(job.run_dir) / "metrics.jsonl", "w") as log:
+        t = _launch(log, None, 50.0, range(1, 101))  # by hand, from a shell
+        t = _launch(log, job.id, 2.0, range(101, 151), elapsed=t)
+        t = _launch(log, job.id, 2.0, range(151, 181), elapsed=t, ended=False)  # crashed
+        t = _launch(log, job.id, 9.0, range(151, 201), elapsed=t + 3600.0,
+                    config={"trainer": {"max_steps": 300}, "model": {"gpt": {"n_layer": 8}}})  # fmt: skip
+        _launch(log, job.id, 2.0, range(201, 301), elapsed=t)
+    assert predict.steady_step_seconds(job.run_dir) == pytest.approx(
+        (50.0 * 99 + 2.0 * 49 + 9.0 * 49 + 2.0 * 99) / (99 + 49 + 49 + 99)
+    )  # asked about nothing in particular: every launch that ended, each on its own
+    assert predict.history(db, job.config_key, exclude=other.id)[0] == pytest.approx(2.0)
+
+    with open(Path(other.run_dir) / "metrics.jsonl", "w") as log:
+        t = _launch(log, other.id, 1.0, range(1, 151), devices=["NVIDIA H100 80GB HBM3"])
+        _launch(log, other.id, 3.0, range(151, 301), elapsed=t, devices=["NVIDIA A100-SXM4-80GB"])
+    assert predict.history(db, job.config_key, exclude=job.id, gpu="h100")[0] == pytest.approx(1.0)
+    assert predict.history(db, job.config_key, exclude=job.id)[0] == pytest.approx(3.0)
+    # on --gpu, a job whose log does not say it ran there is not its wall time either
+    assert predict.history(db, job.config_key, exclude=other.id, gpu="h100") is None
 
 
 def test_a_signal_during_a_fill_starts_no_job(tmp_path: Path) -> None:

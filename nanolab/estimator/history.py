@@ -41,6 +41,14 @@ def _same_step(a: Setup, b: Setup) -> bool:
     return same and a.strategy.kind == b.strategy.kind
 
 
+def ran_on(devices: list, gpu: GPU | None) -> bool:
+    """Whether a launch whose start record lists ``devices`` ran on ``gpu`` (every device is
+    one; None: every device is a CPU). An empty list says nothing: no."""
+    if gpu is not None:
+        return bool(devices) and all(gpu_for_device(str(d)) == gpu for d in devices)
+    return bool(devices) and all(str(d) == "cpu" for d in devices)
+
+
 def _run_tokens_per_second(run_dir: Path, setup: Setup, gpu: GPU | None) -> float | None:
     from nanolab.runlog import RUN_LOG_NAME, last_record
 
@@ -61,11 +69,7 @@ def _run_tokens_per_second(run_dir: Path, setup: Setup, gpu: GPU | None) -> floa
         return None
     log = run_dir / RUN_LOG_NAME
     start = last_record(log, "start") or {}
-    devices = start.get("devices") or []
-    if gpu is not None:
-        if not devices or any(gpu_for_device(str(d)) != gpu for d in devices):
-            return None
-    elif any(str(d) != "cpu" for d in devices) or not devices:
+    if not ran_on(start.get("devices") or [], gpu):
         return None
     end = last_record(log, "end") or {}
     if end.get("reason") not in ("completed", "budget", "plateau"):

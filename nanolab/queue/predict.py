@@ -4,8 +4,9 @@
 long ones first, so both need a duration per job. In order of trust:
 
 1. **History**: finished jobs with the same config (seeds of one experiment, same config key):
-   their own steady wall seconds per step from their run logs (evaluations included, start-up
-   added once), else their whole wall time per step. ``queue add`` uses it too, and then does
+   their own steady wall seconds per step from their run logs, over the launches each job ran
+   of that config that ended, on the device asked about (:class:`Counted`; evaluations
+   included, start-up added once), else their whole wall time per step. ``queue add`` uses it too, and then does
    not probe the CPU at all.
 2. **FLOPs**: ``flops_per_token x tokens`` over the device's throughput. On GPUs the estimator
    (:mod:`nanolab.estimator`) does this with its peak table at an assumed MFU; on CPU there is no
@@ -27,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu: public here too)
     STARTUP_S,
@@ -38,6 +40,9 @@ from nanolab.estimator.runtime import (  # noqa: F401  (estimator_gpu: public he
     run_seconds,
 )
 from nanolab.queue.db import Job, QueueDB
+
+if TYPE_CHECKING:
+    from nanolab.estimator.gpus import GPU
 from nanolab.queue.jobs import ParsedConfig
 
 #: Steps a job only an hour or cost limit ends is timed over, for its step time.
@@ -67,69 +72,176 @@ def flops_estimate(parsed: ParsedConfig, gpu: str | None = None) -> tuple[float 
 #: median, and a bound on the logs read (a night's queue asks for it for every waiting job).
 HISTORY_RUNS = 8
 
-#: Each finished run log's steady step time, by (path, size, mtime): a finished log does not
-#: change, and the runner asks again at every fill.
-_STEADY: dict[tuple[str, int, int], float | None] = {}
+#: Each finished run log's steady step time, by (path, size, mtime) and what it was asked
+#: for: a finished log does not change, and the runner asks again at every fill.
+_STEADY: dict[tuple[Any, ...], float | None] = {}
 
 
-def steady_step_seconds(run_dir: str) -> float | None:
-    """A finished run's own steady wall seconds per step: the slope of ``elapsed_s`` over its
-    train records from the first logged one (start-up and the first, compiling step left out;
-    the validations in between counted, as a job will run them too). None: too few records.
-    Read from the top to the first such record and from the end to the last, so a long log
-    costs two short reads; remembered per log file."""
-    from nanolab.runlog import RUN_LOG_NAME, iter_records, last_record
+@dataclass(frozen=True)
+class Counted:
+    """Which launches of a finished job's run log its step time is measured over: the ones
+    that trained the prediction's work where the prediction is for. A run log also holds
+    launches that did not (a ``nanolab fit`` from a shell, a run continued under another
+    config, a launch on another machine's GPU) and launches that crashed (their time, start-up
+    and lost steps, is no step time); taken as one span, from the log's first train record to
+    its last, those were all averaged in.
 
+    Attributes:
+        config_key: The launch's start record's config has this key (:func:`config_key`:
+            the same model, data and batch). None: any config.
+        job_id, created: The launch was started by this queue job (the start record's
+            ``queue_job``) after it was added, as :func:`launched_by` reads a launch. None:
+            any.
+        gpu: The device the prediction is for (``queue add --gpu``): the launch ran on it
+            (:func:`nanolab.estimator.history.ran_on`, the estimator's own rule for a past
+            run). None: the devices the run's newest counted launch ran on (one run's
+            launches on two machines are not mixed).
+    """
+
+    config_key: str | None = None
+    job_id: int | None = None
+    created: float | None = None
+    gpu: GPU | None = None
+
+    def counts(self, start: dict[str, Any]) -> bool:
+        """Whether the launch of this start record is one to measure (devices aside)."""
+        if self.job_id is not None and not _started_by(start, self.job_id, self.created or 0.0):
+            return False
+        if self.config_key is None:
+            return True
+        from nanolab.queue.jobs import config_key
+
+        config = start.get("config")
+        return isinstance(config, dict) and config_key(config) == self.config_key
+
+
+def _started_by(start: dict[str, Any], job_id: int, created: float) -> bool:
+    """Whether the launch of ``start`` is one of job ``job_id``'s: the start record names the
+    job (its ``queue_job``, set by the runner) and began after the job was added (another
+    queue's job of the same id, earlier, is not this one)."""
+    began = start.get("time")
+    return (
+        str(start.get("queue_job")) == str(job_id)
+        and isinstance(began, int | float)
+        and began >= created
+    )
+
+
+def _timed(r: dict[str, Any]) -> bool:
+    step, elapsed = r.get("step"), r.get("elapsed_s")
+    return (
+        isinstance(step, int)
+        and not isinstance(step, bool)
+        and isinstance(elapsed, (int, float))
+        and not isinstance(elapsed, bool)
+    )
+
+
+def steady_step_seconds(run_dir: str, counted: Counted | None = None) -> float | None:
+    """A finished run's own steady wall seconds per step over the launches ``counted`` keeps
+    (all that ended, without it): each launch's steps from its first logged train record to
+    its end record over the elapsed time between them (start-up and the first, compiling step
+    left out; the validations in between counted, as a job will run them too), summed over
+    the launches. A launch with no end record crashed: its steps are trained again by the next
+    one, and its time is left out. None: no such launch.
+
+    One read of the log, parsing only its start and end records and the first train record
+    after each counted start; remembered per log file and question."""
+    from nanolab.runlog import RUN_LOG_NAME, event_marks, iter_numbered
+
+    counted = counted or Counted()
     path = os.path.join(run_dir, RUN_LOG_NAME)
     try:
         st = os.stat(path)
     except OSError:
         return None
-    key = (path, st.st_size, st.st_mtime_ns)
+    key = (path, st.st_size, st.st_mtime_ns, counted)
     if key in _STEADY:
         return _STEADY[key]
+    bounds = event_marks(("start", "end"))
+    train = event_marks("train")
+    first: dict[str, Any] | None = None  # the current counted launch's first timed train
+    launch: dict[str, Any] | None = None  # its start record, until its first train and end
+    waiting = False  # a counted launch has logged no timed train record yet
 
-    def timed(r: dict[str, Any]) -> bool:
-        step, elapsed = r.get("step"), r.get("elapsed_s")
-        return (
-            isinstance(step, int)
-            and not isinstance(step, bool)
-            and isinstance(elapsed, (int, float))
-            and step > 0
-        )
+    def wanted(line: str) -> bool:
+        return any(m in line for m in bounds) or (waiting and any(m in line for m in train))
 
-    with contextlib.closing(iter_records(path, "train")) as records:
-        first = next((r for r in records if timed(r)), None)
-    last = last_record(path, "train", where=timed) if first is not None else None
+    spans: list[tuple[tuple[Any, ...], float, int]] = []  # (devices, seconds, steps)
+    for _, r in iter_numbered(path, containing=wanted):
+        event = r.get("event")
+        if event == "start":
+            launch = r if counted.counts(r) else None
+            first, waiting = None, launch is not None
+        elif event == "train" and waiting and _timed(r) and r["step"] > 0:
+            first, waiting = r, False
+        elif event == "end" and launch is not None and first is not None and _timed(r):
+            steps = r["step"] - first["step"]
+            seconds = float(r["elapsed_s"]) - float(first["elapsed_s"])
+            if steps > 0 and seconds > 0:
+                spans.append((_devices(launch), seconds, steps))
+            launch, first, waiting = None, None, False
     value = None
-    if first is not None and last is not None:
-        steps = last["step"] - first["step"]
-        seconds = float(last["elapsed_s"]) - float(first["elapsed_s"])
-        value = seconds / steps if steps > 0 and seconds > 0 else None
+    if spans:
+        device = counted.gpu
+        if device is None:
+            keep = spans[-1][0]
+            spans = [s for s in spans if s[0] == keep]
+        else:
+            from nanolab.estimator.history import ran_on
+
+            spans = [s for s in spans if ran_on(list(s[0]), device)]
+        if spans:
+            value = sum(s[1] for s in spans) / sum(s[2] for s in spans)
     _STEADY[key] = value
     return value
 
 
-def history(db: QueueDB, key: str | None, exclude: int | None = None) -> tuple[float, str] | None:
+def _devices(start: dict[str, Any]) -> tuple[Any, ...]:
+    """The device names a launch's start record lists (empty: not logged)."""
+    names = start.get("devices")
+    return tuple(str(n) for n in names) if isinstance(names, list) else ()
+
+
+def history(
+    db: QueueDB, key: str | None, exclude: int | None = None, gpu: str | None = None
+) -> tuple[float, str] | None:
     """(seconds per step, how) from the newest finished jobs of the same config
     (:data:`HISTORY_RUNS`): the median of their own steady step times when their logs have
-    them, else their mean wall seconds per step; None without such a job (then a FLOP count
-    over a probed or tabled rate is all there is)."""
+    them (over their own launches of this config, on ``gpu`` when given: :class:`Counted`),
+    else their mean wall seconds per step; None without such a job (then a FLOP count over a
+    probed or tabled rate is all there is). With ``gpu`` the jobs' wall times, which do not say
+    where they ran, are not used."""
     if key is None:
         return None
+    device = None
+    if gpu is not None:
+        from nanolab.estimator.gpus import get_gpu
+
+        try:
+            device = get_gpu(gpu)
+        except Exception:  # `queue add --gpu` refused it already: nothing is known to run there
+            return None
     rows = db.conn.execute(
-        "SELECT run_dir, run_seconds, max_steps FROM jobs WHERE config_key = ? AND "
+        "SELECT id, created, run_dir, run_seconds, max_steps FROM jobs WHERE config_key = ? AND "
         "status = 'done' AND run_seconds > 0 AND max_steps > 0 AND id != ? "
         "ORDER BY id DESC LIMIT ?",
         (key, -1 if exclude is None else exclude, HISTORY_RUNS),
     ).fetchall()
-    steady = [v for v in (steady_step_seconds(r["run_dir"]) for r in rows) if v is not None]
+    steady = [
+        v
+        for v in (
+            steady_step_seconds(r["run_dir"], Counted(key, r["id"], r["created"], device))
+            for r in rows
+        )
+        if v is not None
+    ]
     if steady:
         n = len(steady)
         return statistics.median(
             steady
         ), f"measured step time of {n} past run{'s' * (n > 1)} of this config"
-    if rows:
+    if rows and gpu is None:
         return statistics.fmean(
             r["run_seconds"] / r["max_steps"] for r in rows
         ), "past runs of this config"
@@ -150,7 +262,7 @@ def job_estimate(
     queue database yet, so no history."""
     from nanolab.queue.jobs import config_key
 
-    found = history(db, config_key(parsed.config)) if db is not None else None
+    found = history(db, config_key(parsed.config), gpu=gpu) if db is not None else None
     if found is not None:
         per_step, how = found
         return STARTUP_S + per_step * parsed.steps_at(per_step), how
@@ -283,7 +395,7 @@ def launched_by(job: Job, log: Path, at: float) -> bool:
         for start in starts:
             began = start.get("time")
             if isinstance(began, int | float) and began <= at:
-                return str(start.get("queue_job")) == str(job.id) and began >= job.created
+                return _started_by(start, job.id, job.created)
     return False
 
 
