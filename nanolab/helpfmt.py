@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -23,6 +23,17 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse without the usage block on errors: one ``error:`` line, exit code 2; an
     unknown option gets the nearest one the verb takes (``--max_new_tokens``: did you mean
     ``--max-new-tokens``?)."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """argparse's own, but arguments left over are said by the sub-command that was given
+        (``queue ls``), so its line names that sub-command and the hint draws only from its
+        options: argparse says them from the top parser, which knows every sub-command's."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen_parser(self, parsed).error(f"{_UNRECOGNIZED}{' '.join(extras)}")
+        return parsed
 
     def error(self, message: str) -> NoReturn:
         hint = unknown_option_hint(message, option_strings(self))
@@ -38,15 +49,23 @@ _UNRECOGNIZED = "unrecognized arguments: "
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
-    """Every option ``parser`` takes, its sub-commands' too (argparse reports a sub-command's
-    unknown option from the top parser)."""
-    found: list[str] = []
+    """The long options ``parser`` itself takes; never a sub-command's (``queue add``'s
+    ``--seeds`` is no hint for ``queue ls``): a sub-command's own parser says its errors
+    (:meth:`OneLineParser.parse_args`)."""
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
+def chosen_parser(
+    parser: argparse.ArgumentParser, parsed: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the innermost sub-command ``parsed`` chose (``queue ls``: ls's own), or
+    ``parser`` itself when it has none (or the choice is not recorded: ``dest`` unset)."""
     for action in parser._actions:
-        found += [s for s in action.option_strings if s.startswith("--")]
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                found += [s for s in option_strings(sub) if s not in found]
-    return found
+        if isinstance(action, argparse._SubParsersAction) and action.dest != argparse.SUPPRESS:
+            sub = action.choices.get(getattr(parsed, action.dest, None))
+            if sub is not None:
+                return chosen_parser(sub, parsed)
+    return parser
 
 
 def near_options(name: str, options: Iterable[str]) -> list[str]:

@@ -77,3 +77,23 @@ def test_an_unknown_option_with_none_near_points_at_help() -> None:
     assert unknown_option_hint("unrecognized arguments: --top_k 5 --sed 1", options) == (
         "did you mean --top-k (for --top_k), --seed (for --sed)?"
     )
+
+
+def test_a_sub_command_hint_draws_only_from_that_sub_command_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``queue ls --slot 2``: --slots is ``queue run``'s, so ls names none of it; its own near
+    miss (``--jsn``: --json) is still named, by ls's own line."""
+    from nanolab.queue.cli import build_parser
+
+    for argv, ends in (
+        (["ls", "--slot", "2"], "; see `nanolab queue ls --help`"),
+        (["clear", "--jsn"], "; see `nanolab queue clear --help`"),
+        (["ls", "--jsn"], "; did you mean --json?"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(argv)
+        assert exit_.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"nanolab queue {argv[0]}: error: "), line
+        assert line.endswith(ends), line
