@@ -22,8 +22,8 @@ PROBE = (
 )
 
 
-def _estimate(cache: str, *args: str) -> tuple[str, bool]:
-    argv = ["estimate", "--config", str(REPO / "configs" / "gpt2-124m.yaml"), *args]
+def _estimate(cache: str, *args: str, config: str = "gpt2-124m.yaml") -> tuple[str, bool]:
+    argv = ["estimate", "--config", str(REPO / "configs" / config), *args]
     env = {"NANOLAB_ESTIMATOR_CACHE": cache, "PATH": "/usr/bin:/bin", "HOME": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, env=env, cwd=REPO
@@ -47,6 +47,22 @@ def test_a_warm_estimate_gives_the_same_answer_without_importing_torch(tmp_path:
     again, again_torch = _estimate(cache, "--json")
     assert again_torch and json.loads(again) == json.loads(cold)
     assert not _estimate(cache, "--json")[1]
+
+
+def test_a_warm_cpu_estimate_divides_by_the_remembered_rates_without_importing_torch(
+    tmp_path: Path,
+) -> None:
+    """A CPU run's estimate (the quickstart's trainer.accelerator: cpu): the first launch probes
+    this machine's matmul rates (torch) and remembers them; the next one reads them, and the
+    model's facts, from disk, so it imports no torch and divides by the same rate."""
+    cache = str(tmp_path / "cache")
+    args = ("--vocab-size", "65", "--json")
+    cold, cold_torch = _estimate(cache, *args, config="quickstart.yaml")
+    warm, warm_torch = _estimate(cache, *args, config="quickstart.yaml")
+    assert cold_torch and not warm_torch
+    assert json.loads(cold)["device"]["gpu"] == json.loads(warm)["device"]["gpu"] == "cpu"
+    rates = [json.loads(out)["device"]["peak_tflops"] for out in (cold, warm)]
+    assert rates[0] == rates[1] and rates[0]["fp32"] > 0
 
 
 @pytest.fixture

@@ -195,6 +195,16 @@ def remembered_cpu_device(bf16: bool = True) -> GPU:
     return cpu_device(bf16=bf16)  # remembers what it measured
 
 
+def this_cpu(bf16: bool = True) -> GPU:
+    """This machine as ``nanolab estimate``'s device: probed (:func:`cpu_device`) where torch is
+    loaded already (a fit's start banner: the probe then also raises the remembered rates),
+    else from the rates remembered today (:func:`remembered_cpu_device`), so a CPU estimate
+    imports torch (seconds) only when no probe of this machine is remembered."""
+    import sys
+
+    return cpu_device(bf16=bf16) if "torch" in sys.modules else remembered_cpu_device(bf16=bf16)
+
+
 def _rates_path():  # -> Path | None
     import hashlib
     import json

@@ -152,9 +152,9 @@ def _device(
     if device not in ("gpu", "cpu"):
         raise EstimateError(f"--device must be gpu or cpu, got {device!r}")
     if device == "cpu":
-        from nanolab.estimator.cpu import cpu_device
+        from nanolab.estimator.cpu import this_cpu
 
-        g = gpu if isinstance(gpu, GPU) else cpu_device()
+        g = gpu if isinstance(gpu, GPU) else this_cpu()
     else:
         g = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
     mem = parse_memory(device_memory) if device_memory is not None else g.memory_bytes
