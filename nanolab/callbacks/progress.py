@@ -3,11 +3,11 @@
 Lightning's bar counts micro-batches of an endless loader ("123/?": no ETA), opens a second bar
 for every validation, and converts every progress-bar metric to a Python number at each
 refresh. This one counts optimizer steps against ``trainer.max_steps`` (from the restored step
-when resuming, so tqdm's rate and ETA are this launch's), reads the loss only around the
-refresh interval, in the step's one host read shared with the run log (:mod:`.readout`) and
-never waiting for it (on a GPU a refresh shows the newest loss already copied, usually the
-step before's), takes tokens/s from the shared clock and shows the validation result in the
-same bar. Where the output is not a terminal (a queue job's log, a SLURM file) a bar is a
+when resuming), with the rate and ETA of the last minutes' pace (:mod:`.eta`), reads the loss
+only around the refresh interval, in the step's one host read shared with the run log
+(:mod:`.readout`) and never waiting for it (on a GPU a refresh shows the newest loss already
+copied, usually the step before's), takes tokens/s from the shared clock and shows the
+validation result in the same bar. Where the output is not a terminal (a queue job's log, a SLURM file) a bar is a
 stream of escape codes, so it prints plain lines instead, at most one per ``plain_every_s``
 seconds plus one after every validation and one at the end.
 The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from nanolab.callbacks.clock import ClockSnapshot
+from nanolab.callbacks.eta import RecentStepTime
 from nanolab.callbacks.events import CallbackConfigError
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback, validation_follows
@@ -79,6 +80,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self._last_line = float("-inf")
         self._loss: tuple[int, float] | None = None  # (step, loss): the newest on the host
         self._loss_keys: tuple[str, ...] = ()
+        self._recent = RecentStepTime()  # the ETA's pace: the last minutes', not the launch's
 
     @property
     def refresh_rate(self) -> int:
@@ -96,16 +98,19 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
     def is_enabled(self) -> bool:  # the tqdm bars; plain lines are printed by this class
         return super().is_enabled and not self.plain
 
-    def _bar(self, desc: str, **kwargs: Any) -> Tqdm:
-        return Tqdm(desc=desc, disable=self.is_disabled, dynamic_ncols=True, file=sys.stdout,
-                    bar_format=self.BAR_FORMAT, **kwargs)  # fmt: skip
+    def _bar(self, desc: str, bar: type[Tqdm] = Tqdm, **kwargs: Any) -> Tqdm:
+        return bar(desc=desc, disable=self.is_disabled, dynamic_ncols=True, file=sys.stdout,
+                   bar_format=self.BAR_FORMAT, **kwargs)  # fmt: skip
 
     def init_train_tqdm(self) -> Tqdm:
         """One bar, counting optimizer steps from the restored step to ``max_steps``."""
         trainer = self.trainer
         total = last_step(trainer)
         step = trainer.global_step
-        return self._bar("train", total=total, initial=step, leave=self._leave, smoothing=0)
+        bar = self._bar("train", RecentPaceTqdm, total=total, initial=step, leave=self._leave,
+                        smoothing=0)  # fmt: skip
+        bar.recent = self._recent
+        return bar
 
     def init_validation_tqdm(self) -> Tqdm:
         """No second bar during fit: the result goes into the training bar."""
@@ -164,6 +169,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self._take_arrived_loss(self.clock.readout.completed)
         if not self._refreshes(trainer, step):
             return
+        self._recent.add(time.monotonic(), step)
         last = last_step(trainer)
         self._show_values()
         if self.plain:  # a step that validates gets its line after the validation (with val)
@@ -222,8 +228,11 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             elapsed = time.monotonic() - self._started[0]
             done = step - self._started[1]
             text += f"  {duration(elapsed)}"
-            if total and done > 0 and step < total:
-                text += f", ETA {duration(elapsed / done * (total - step))}"
+            eta = self._recent.eta_s(step, total) if total else None
+            if eta is None and total and done > 0:  # before two refreshes: the launch's pace
+                eta = elapsed / done * (total - step)
+            if eta is not None and step < total:
+                text += f", ETA {duration(eta)}"
         print(text, flush=True)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -254,6 +263,21 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             self._print_line(trainer, trainer.global_step)
         if self._train_progress_bar is not None:
             self.train_progress_bar.close()
+
+
+class RecentPaceTqdm(Tqdm):
+    """The training bar: its rate and ETA are the recent pace (:mod:`nanolab.callbacks.eta`),
+    not tqdm's average since the bar opened (the compile included, every slowdown lagging)."""
+
+    recent: RecentStepTime | None = None
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        values = super().format_dict
+        rate = self.recent.steps_per_second() if self.recent is not None else None
+        if rate:
+            values["rate"] = rate
+        return values
 
 
 def reconcile_progress_bar(cfg: Any) -> None:
