@@ -107,6 +107,25 @@ def test_allow_changed_resumes_on_the_new_data(tmp_path, capsys, finished_run):
     assert code == 0, err[-20:]
 
 
+def test_a_fine_tune_on_other_data_counts_its_epochs_over_that_data(tmp_path, capsys, finished_run):
+    """``allow_changed``: the order goes on at the parent's place (step 4), but ``epoch`` counts
+    passes over the new data from there, 0 at step 4, and a later resume without the flag
+    keeps counting from there. It was the parent's position read as a place in the new data's
+    order (0.20 at step 5, where 0.04 is right)."""
+    data, cfg = finished_run
+    write_dataset(data, train=CODE_TEXT)
+    code, err = fit_in_process(
+        capsys, cfg, "--trainer.max_steps", "6", "--data.allow_changed", "true"
+    )
+    assert code == 0, err[-20:]
+    code, err = fit_in_process(capsys, cfg, "--trainer.max_steps", "8")
+    assert code == 0, err[-20:]
+    windows = ((len(CODE_TEXT) - 1) // 32 - 1) // 4 * 4  # an epoch's whole micro-batches of 4
+    train = read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "train")
+    epochs = {r["step"]: r["epoch"] for r in train if r["step"] > 4}
+    assert epochs == {s: pytest.approx((s - 4) * 4 / windows, abs=1e-4) for s in range(5, 9)}
+
+
 def test_allow_changed_never_allows_another_tokenizer(tmp_path, capsys, finished_run):
     """The same vocabulary size, another tokenizer (characters with one replaced: the ids
     shift): ``data.allow_changed`` resumed on it and the new checkpoints stored the other

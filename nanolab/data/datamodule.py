@@ -42,7 +42,7 @@ from nanolab.data.checks import (
 )
 from nanolab.data.documents import Packing, evenly_spaced, read_rows
 from nanolab.data.mixture import parse_datasets
-from nanolab.data.order import sampler_jumps
+from nanolab.data.order import sampler_jumps, unit_of
 from nanolab.data.packing_cache import packing_of
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
 from nanolab.data.sizes import check_window_sizes
@@ -361,6 +361,12 @@ class TokenDataModule(L.LightningDataModule):
         self._parts: list[DatasetPart] | None = None
         self._windows: dict[str, list[Any]] = {}
         self._changed_noted = False
+        #: Whether this launch resumed on other data than its checkpoint's (``allow_changed``).
+        self.data_changed = False
+        #: Windows of the order served before the run began on this data (a fine-tune branch
+        #: with ``allow_changed`` goes on at its parent's place in the order): its ``epoch``
+        #: counts passes over this data from there (:func:`nanolab.data.order.data_passes`).
+        self.pass_origin = 0
         self.train_sampler: ResumableBatchSampler | None = None
         self.eval_scales: list[EvalScale] | None = None
 
@@ -619,6 +625,7 @@ class TokenDataModule(L.LightningDataModule):
             "align": self.align,
             "seed": self.seed,
             "val_windows": self.val_windows,  # an evaluation on other windows is not the run's
+            "pass_origin": self.pass_origin,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -626,6 +633,9 @@ class TokenDataModule(L.LightningDataModule):
         if trainer is None or trainer.state.fn != "fit":
             return  # validate/test on other data is fine: it is what they are for
         self.refuse_changed_data(state_dict.get("data_fingerprint"), trainer.ckpt_path)
+        origin = state_dict.get("pass_origin")
+        if not self.data_changed and isinstance(origin, int) and not isinstance(origin, bool):
+            self.pass_origin = max(0, origin)  # the same data: its passes go on counting
         other_align = align_change(state_dict, self.align)  # queue add asks the same rule
         if other_align is not None:
             raise DataChangedError(other_align)
@@ -642,6 +652,7 @@ class TokenDataModule(L.LightningDataModule):
             return
         if not self.allow_changed:
             raise DataChangedError(changed_data_message(changes, ckpt))
+        self.data_changed = True
         if not self._changed_noted:
             self._changed_noted = True
             rank_zero_only(messages.warn)("nanolab fit", allowed_change_line(changes, ckpt))
@@ -947,7 +958,11 @@ def resumable_sampler(dm: Any) -> ResumableBatchSampler:
     skips, skipped = sampler_jumps(dm.trainer, plan, start)
     for line in skipped if rank == 0 else ():
         messages.warn("nanolab fit", line)
-    return ResumableBatchSampler(plan, rank, start, skips)
+    sampler = ResumableBatchSampler(plan, rank, start, skips)
+    unit = unit_of(plan)
+    if getattr(dm, "data_changed", False) and unit is not None:
+        dm.pass_origin = sampler.position(start) * unit  # its first pass over this data begins
+    return sampler
 
 
 def rollback_jumps(trainer: Any) -> list[Jump]:

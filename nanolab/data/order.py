@@ -158,7 +158,9 @@ def data_passes(trainer: Any, steps_ahead: int = 0, tokens: int | None = None) -
     windows one pass serves (``windows_per_pass``: an epoch's whole micro-batches; the tokens
     no window holds, those document packing crops, are no part of a pass). It follows the
     data, so a branch, whose order goes on from its parent's position, goes on from its
-    parent's epoch.
+    parent's epoch; on other data than its parent's (``data.allow_changed``, a fine-tune) it
+    counts passes over that data, from the place it began at (the data module's
+    ``pass_origin``, in windows; kept in its checkpoints).
 
     Without nanolab's sampler (a fork's data module with a training loader of its own) there is
     no order to ask: ``tokens``, the tokens the run has trained on by then, over the tokens one
@@ -172,7 +174,9 @@ def data_passes(trainer: Any, steps_ahead: int = 0, tokens: int | None = None) -
     windows, unit = getattr(plan, "windows_per_pass", None), unit_of(plan)
     if not isinstance(windows, int) or windows < 1 or unit is None:
         return None
-    return round(position * unit / windows, 4)
+    origin = getattr(getattr(trainer, "datamodule", None), "pass_origin", 0)
+    origin = origin if isinstance(origin, int) and not isinstance(origin, bool) else 0
+    return round(max(0, position * unit - origin) / windows, 4)
 
 
 def declared_pass_tokens(datamodule: Any) -> int | None:
