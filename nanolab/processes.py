@@ -99,29 +99,81 @@ def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     Read-only, so a reader never stands in a launch's way: the file and the pid only. A
     holder on another host cannot be checked from here, and a pid that runs again (reused)
     reads as alive; for those the run's silence decides, as before."""
-    holder = read_lock_holder(run_dir / RUN_LOCK_NAME)
-    return holder if holder is not None and _holder_gone(holder) else None
+    path = run_dir / RUN_LOCK_NAME
+    holder = read_lock_holder(path)
+    return holder if holder is not None and lock_holder_gone(holder, path) else None
 
 
 def live_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     """The holder ``run_dir``'s lock file names when it may still run (any holder but one
     :func:`gone_lock_holder` knows has exited), else None: a launch is using the folder even
     when its log was deleted. Read-only, like :func:`gone_lock_holder`."""
-    holder = read_lock_holder(run_dir / RUN_LOCK_NAME)
-    return holder if holder is not None and not _holder_gone(holder) else None
+    path = run_dir / RUN_LOCK_NAME
+    holder = read_lock_holder(path)
+    return holder if holder is not None and not lock_holder_gone(holder, path) else None
 
 
-def _holder_gone(holder: dict[str, Any]) -> bool:
-    """Whether the lock ``holder`` is a process of this host that no longer runs."""
+def lock_holder_gone(holder: dict[str, Any], path: Path) -> bool:
+    """Whether the lock ``holder`` (read from the lock file ``path``) is a process of this host
+    that no longer runs. A holder on another host is never judged gone from here."""
     if holder.get("host") != socket.gethostname():
         return False
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if "pid_namespace" not in holder:
+        return _unrecorded_namespace_holder_gone(pid, path)
     # A container with this host's name (`docker run --network host`) numbers its processes
-    # apart: its pid means nothing here, and its live run read as crashed. A holder that does
-    # not say its namespace (written before it was recorded) is not judged either.
+    # apart: its pid means nothing here, and its live run read as crashed.
     if holder.get("pid_namespace") is None or holder.get("pid_namespace") != pid_namespace():
         return False
-    pid = holder.get("pid")
-    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not pid_alive(pid)
+    return not pid_alive(pid)
+
+
+def _unrecorded_namespace_holder_gone(pid: int, path: Path) -> bool:
+    """An older nanolab's lock, which does not say its PID namespace: gone when the file was
+    written before this machine booted, when ``pid`` no longer runs here, or when the process
+    that now has ``pid`` started after the file was written (the pid was reused); a process
+    that runs with it since before then may be the holder. Judged from this PID namespace: a
+    live holder of an older nanolab in a same-named container cannot be told apart here."""
+    try:
+        written = path.stat().st_mtime
+    except OSError:
+        return False  # no file: nothing to judge (a reader raced its removal)
+    booted = boot_time()
+    if booted is not None and written < booted:
+        return True
+    if not pid_alive(pid):
+        return True
+    started = process_started_at(pid)
+    return started is not None and started > written + _CLOCK_SLACK_S
+
+
+#: Seconds a process start may read after its lock file's time and still be the holder (the
+#: kernel's start time is in clock ticks from a boot time rounded to the second).
+_CLOCK_SLACK_S = 2.0
+
+
+def boot_time() -> float | None:
+    """When this machine booted (Unix time, ``btime`` of ``/proc/stat``); None where the kernel
+    does not say."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            return float(next(line.split()[1] for line in f if line.startswith("btime ")))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def process_started_at(pid: int) -> float | None:
+    """When process ``pid`` started (Unix time: the boot time plus its start ticks), or None
+    where the kernel does not say."""
+    booted = boot_time()
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[-1].split()[19])  # starttime: field 22
+        return None if booted is None else booted + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _reclaimable_cache() -> int:

@@ -18,8 +18,10 @@ writing them. So before anything is read or written, the launching process takes
   filesystem): the job id in the file says it is the same job, and SLURM only requeues a job
   whose processes are gone.
 * On filesystems without ``flock`` the file alone decides: a holder on this host whose pid no
-  longer runs is taken over; a holder on another host is respected (delete the file if that
-  process is really gone).
+  longer runs is taken over (:func:`nanolab.processes.lock_holder_gone`: in its PID namespace,
+  or, for an older nanolab's file that names none, also a pid reused since the file was
+  written); a holder on another host is respected, and the refusal says to delete the file if
+  that process is really gone.
 
 The lock is released (and the file removed) when the process exits.
 """
@@ -45,6 +47,7 @@ from nanolab.processes import (
     RUN_LOCK_NAME,
     global_rank_from_env,
     gone_lock_holder,
+    lock_holder_gone,
     pid_alive,
     pid_namespace,
     read_lock_holder,
@@ -158,10 +161,15 @@ def _refusal(run_dir: Path, holder: dict[str, Any] | None) -> str:
     if holder:
         get = holder.get
         who = f"pid {get('pid', '?')} on {get('host', '?')} (since {get('started', '?')})"
-    return (
+    line = (
         f"run directory {run_dir} is in use by {who}; wait for it to finish, "
         "stop it, or choose another run.name"
     )
+    if holder and (holder.get("host") != socket.gethostname() or "pid_namespace" not in holder):
+        # Not judged from here (another host's process, or an older nanolab's lock whose pid
+        # runs here since before it was written): the user can tell, and clear it.
+        line += f"; if that process is gone, delete {run_dir / LOCK_NAME}"
+    return line
 
 
 def _shared_with_launcher(path: Path) -> RunLock | None:
@@ -247,7 +255,7 @@ def _live_holder_elsewhere(path: Path) -> bool:
         return False
     if holder.get("host") != socket.gethostname():
         return True  # cannot check another host's processes: respect the file
-    return _pid_alive(holder.get("pid"))
+    return not lock_holder_gone(holder, path)  # its namespace, or an older lock's age
 
 
 def _pid_alive(pid: Any) -> bool:
