@@ -522,6 +522,54 @@ def test_bf16_is_checked_on_the_gpus_the_run_uses_not_gpu_0():
         assert refusal(v100_a100, devices) is None, devices
 
 
+def test_the_bf16_check_reads_trainer_devices_without_lightnings_private_helpers():
+    """``gpus_used`` parsed ``trainer.devices`` with two private helpers of Lightning's device
+    parser: an upgrade that renames them would break every bf16 run's start. It reads the
+    Trainer's documented forms itself now, as those helpers read them (compared here while
+    they exist)."""
+    import ast
+    import inspect
+
+    from nanolab.run import trainer_errors
+    from nanolab.run.trainer_errors import gpus_used
+
+    tree = ast.parse(inspect.getsource(trainer_errors))
+    private = [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning")
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert private == []
+    four = Bf16Cuda(*V100, more=(V100, V100, V100))
+    forms = [None, "auto", -1, "-1", 1, 2, 4, 5, 0, "0", "2", " 3 ", "1,", "0,2", "1, ", ",1",
+             [1], [0, 3], (2,), [], [1, 1], [4], [True], True, "x", "[1]", 1.0, "1,x"]  # fmt: skip
+    for devices in forms:
+        assert gpus_used(devices, four) == _as_lightning_reads(devices, 4), devices
+
+
+def _as_lightning_reads(devices: object, count: int) -> list[int]:
+    """What Lightning's own (private) parsing makes of ``devices`` on ``count`` GPUs, in
+    ``gpus_used``'s terms ([] for what the Trainer refuses)."""
+    parser = pytest.importorskip("lightning.fabric.utilities.device_parser")
+    normalize = getattr(parser, "_normalize_parse_gpu_string_input", None)
+    to_list = getattr(parser, "_normalize_parse_gpu_input_to_list", None)
+    if normalize is None or to_list is None:
+        pytest.skip("Lightning's private device parsing moved: nothing to compare with")
+    if devices is None or str(devices).strip() in ("auto", "-1"):
+        return list(range(count))
+    try:
+        parser._check_data_type(devices)
+        ids = to_list(normalize(devices), include_cuda=True, include_mps=False)
+    except (TypeError, ValueError, AssertionError):
+        return []
+    ids = list(ids or ())
+    if len(set(ids)) != len(ids) or not all(type(i) is int and 0 <= i < count for i in ids):
+        return []
+    return ids
+
+
 def test_fit_under_bf16_on_a_gpu_without_it_writes_nothing(
     tmp_path, char_dataset, monkeypatch, capsys
 ):

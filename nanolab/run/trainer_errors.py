@@ -115,27 +115,38 @@ def bf16_unsupported(trainer_args: Mapping[str, Any], cuda: Any = None) -> RunCo
 
 
 def gpus_used(devices: Any, cuda: Any) -> list[int]:
-    """The indices of the GPUs ``trainer.devices`` puts the run on, read as Lightning reads it
-    (``auto``/``-1``: every visible GPU; ``N``: the first N; ``[1]`` or ``"1,"``: those). A
-    value Lightning will refuse itself (a GPU ``cuda`` does not have, a malformed list) gives
-    none here: its own refusal speaks for it once the Trainer is built."""
-    from lightning.fabric.utilities.device_parser import (
-        _normalize_parse_gpu_input_to_list,
-        _normalize_parse_gpu_string_input,
-    )
-
+    """The indices of the GPUs ``trainer.devices`` puts the run on, read as the Trainer's
+    documented forms read (``auto``/``-1``: every visible GPU; ``N``: the first N; ``[1]`` or
+    ``"1,"``: those), against ``cuda.device_count()``. A value the Trainer will refuse itself
+    (a GPU ``cuda`` does not have, a malformed or repeated list, 0) gives none here: its own
+    refusal speaks for it once the Trainer is built. Parsed here, not by Lightning's private
+    device-parsing helpers, so a Lightning upgrade that moves them cannot break the check."""
     count = cuda.device_count()
     if devices is None or str(devices).strip() in ("auto", "-1"):
         return list(range(count))
-    try:
-        parsed = _normalize_parse_gpu_string_input(devices)
-        ids = _normalize_parse_gpu_input_to_list(parsed, include_cuda=True, include_mps=False)
-    except (TypeError, ValueError, AssertionError):
-        return []
-    ids = list(ids or ())
-    if not all(isinstance(i, int) and 0 <= i < count for i in ids):
-        return []  # a GPU this host does not have: Lightning names it
+    ids = _listed_devices(devices)
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < count for i in ids):
+        return []  # none, a repeat, or a GPU this host does not have: the Trainer names it
     return ids
+
+
+def _listed_devices(devices: Any) -> list[int]:
+    """``trainer.devices`` as GPU indices, before they are held against the GPUs there: a list
+    or tuple of ints as it is, an int N as the first N, a string as the int or comma-separated
+    ints it spells (``"1,"``: GPU 1; ``"2"``: the first two); [] for anything else."""
+    if isinstance(devices, str):
+        text = devices.strip()
+        try:
+            if "," in text:
+                return [int(part.strip()) for part in devices.split(",") if len(part) > 0]
+            devices = int(text)
+        except ValueError:
+            return []
+    if isinstance(devices, (list, tuple)):
+        return list(devices) if all(type(i) is int for i in devices) else []
+    if type(devices) is int and devices > 0:
+        return list(range(devices))
+    return []
 
 
 def _has_bf16(cuda: Any, index: int) -> bool:
