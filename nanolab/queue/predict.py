@@ -137,13 +137,19 @@ def _timed(r: dict[str, Any]) -> bool:
     )
 
 
-def steady_step_seconds(run_dir: str, counted: Counted | None = None) -> float | None:
+def steady_step_seconds(
+    run_dir: str, counted: Counted | None = None, open_until: tuple[int, float] | None = None
+) -> float | None:
     """A finished run's own steady wall seconds per step over the launches ``counted`` keeps
     (all that ended, without it): each launch's steps from its first logged train record to
     its end record over the elapsed time between them (start-up and the first, compiling step
     left out; the validations in between counted, as a job will run them too), summed over
     the launches. A launch with no end record crashed: its steps are trained again by the next
     one, and its time is left out. None: no such launch.
+
+    ``open_until`` (step, elapsed_s) of the log's newest train record: the log's last launch,
+    when it has no end record yet (a run still training, or stopped without one), counts up to
+    it, so a running job's own pace is measured before its first launch ends.
 
     One read of the log, parsing only its start and end records and the first train record
     after each counted start; remembered per log file and question."""
@@ -155,7 +161,7 @@ def steady_step_seconds(run_dir: str, counted: Counted | None = None) -> float |
         st = os.stat(path)
     except OSError:
         return None
-    key = (path, st.st_size, st.st_mtime_ns, counted)
+    key = (path, st.st_size, st.st_mtime_ns, counted, open_until)
     if key in _STEADY:
         return _STEADY[key]
     bounds = event_marks(("start", "end"))
@@ -181,6 +187,11 @@ def steady_step_seconds(run_dir: str, counted: Counted | None = None) -> float |
             if steps > 0 and seconds > 0:
                 spans.append((_devices(launch), seconds, steps))
             launch, first, waiting = None, None, False
+    if launch is not None and first is not None and open_until is not None:
+        steps = open_until[0] - first["step"]
+        seconds = open_until[1] - float(first["elapsed_s"])
+        if steps > 0 and seconds > 0:
+            spans.append((_devices(launch), seconds, steps))
     value = None
     if spans:
         device = counted.gpu
@@ -286,8 +297,9 @@ def measured_course(job: Job) -> tuple[int, int, float] | None:
     its steady step time. None: not such a job, or its log has no timed steps yet.
 
     Read as a stream: the first ``start`` record from the top (the job's config and batch),
-    the newest ``train`` record from the end, and the steady step time's two short reads
-    (:func:`steady_step_seconds`); a long log is never read whole."""
+    the newest ``train`` record from the end, and the steady step time's one streamed pass
+    (:func:`steady_step_seconds`, up to that record while the launch has not ended), which
+    parses only start, end and first-train lines."""
     from nanolab.estimator.run_length import Budget, Spent, run_length
     from nanolab.runlog import RUN_LOG_NAME, iter_records, last_record
 
@@ -298,9 +310,11 @@ def measured_course(job: Job) -> tuple[int, int, float] | None:
     with contextlib.closing(iter_records(log, "start")) as starts:
         start = next(starts, None)
     config = (start or {}).get("config")
-    last = last_record(log, "train", where=lambda r: isinstance(r.get("step"), int))
-    step_s = steady_step_seconds(str(run_dir))
-    if not isinstance(config, dict) or last is None or step_s is None:
+    last = last_record(log, "train", where=_timed)
+    if not isinstance(config, dict) or last is None:
+        return None
+    step_s = steady_step_seconds(str(run_dir), open_until=(last["step"], float(last["elapsed_s"])))
+    if step_s is None:
         return None
     trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
     bound = trainer.get("max_steps")
