@@ -3,7 +3,9 @@ attention (``model.gpt.document_mask``, ``attention_window``)."""
 
 from __future__ import annotations
 
+import bisect
 import json
+import tracemalloc
 import warnings
 from pathlib import Path
 
@@ -79,6 +81,92 @@ def test_every_row_is_full_starts_at_a_document_and_holds_whole_or_cropped_docum
             assert not cropped or i == p.row_ptr[r + 1] - 1
     assert p.dropped_tokens == total - p.rows * row_len
     assert p.dropped_tokens < 0.25 * total or row_len < 60
+
+
+def reference_packing(tokens: np.ndarray, row_len: int) -> tuple[list[int], list[int], list[int]]:
+    """The packing rule as a plain loop over (length, unit) pairs, as nanolab packed before its
+    packing was made with compact arrays: (piece starts, piece lengths, row ends)."""
+    starts = np.unique(np.concatenate(([0], np.flatnonzero(tokens == EOT))))
+    starts = (starts[starts < len(tokens) - 1] if len(tokens) > 1 else starts[:1]).tolist()
+    lengths = [b - a for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True)]
+    pending: list[tuple[int, int]] = []
+    nxt, piece_start, piece_len, row_ptr = 0, [], [], [0]
+    while True:
+        room, row_pieces = row_len, 0
+        while room > 0:
+            while len(pending) < documents.PACK_BUFFER and nxt < len(lengths):
+                bisect.insort(pending, (lengths[nxt], nxt))
+                nxt += 1
+            if not pending:
+                break
+            i = bisect.bisect_right(pending, (room, len(lengths))) - 1
+            length, unit = pending.pop(i) if i >= 0 else (room, pending.pop(0)[1])
+            piece_start.append(starts[unit])
+            piece_len.append(length)
+            row_pieces += 1
+            room -= length
+        if room > 0:
+            del (
+                piece_start[len(piece_start) - row_pieces :],
+                piece_len[len(piece_len) - row_pieces :],
+            )
+            return piece_start, piece_len, row_ptr
+        row_ptr.append(len(piece_start))
+
+
+@pytest.mark.parametrize("buffer", [1000, 7])
+def test_packing_is_the_rule_s_bit_for_bit(monkeypatch, buffer):
+    """Random splits, with documents longer than a row, empty ones (two end-of-texts in a row),
+    an end-of-text first and last or not, and a partial last row, pack exactly as the rule's
+    plain loop packs them."""
+    monkeypatch.setattr(documents, "PACK_BUFFER", buffer)  # a small look-ahead: many crops
+    monkeypatch.setattr(documents, "SCAN_CHUNK", 97)  # boundaries on chunk edges
+    monkeypatch.setattr(documents, "KEY_CHUNK", 5, raising=False)
+    rng = np.random.default_rng(buffer)
+    for trial in range(60):
+        row_len = int(rng.choice([2, 9, 33, 257]))
+        count = int(rng.integers(1, 2500))
+        lengths = np.maximum(0, rng.lognormal(np.log(row_len / 3 + 1), 1.3, count)).astype(int)
+        lengths[rng.random(count) < 0.1] = 0  # empty documents
+        lengths[rng.random(count) < 0.05] = row_len  # exactly a row, with its end-of-text over
+        tokens = np.full(int((lengths + 1).sum()), 5, dtype=np.uint16)
+        tokens[np.cumsum(lengths + 1) - 1] = EOT
+        tokens = tokens[int(trial % 3 == 1) : len(tokens) - int(trial % 2)]
+        if trial % 5 == 0:
+            tokens[0] = EOT
+        got = pack_documents(unit_starts(tokens, EOT), len(tokens), row_len)
+        want_start, want_len, want_rows = reference_packing(tokens, row_len)
+        assert got.piece_start.dtype == np.int64 and got.piece_len.dtype == np.int32
+        assert got.piece_start.tolist() == want_start and got.piece_len.tolist() == want_len
+        assert got.row_ptr.tolist() == want_rows, trial
+    assert pack_documents(unit_starts(np.zeros(0, np.uint16), EOT), 0, 9).rows == 0
+
+
+def test_units_of_billions_of_tokens_are_cropped_shortest_first():
+    """Lengths too long for the packer's int64 sort keys still sort as lengths: of two units
+    longer than any row, the shorter (the later one here) is cropped first."""
+    first, second = (1 << 61) + 5, (1 << 61) + 2
+    p = pack_documents(np.array([0, first], dtype=np.int64), first + second, 4)
+    assert p.piece_start.tolist() == [first, 0] and p.piece_len.tolist() == [4, 4]
+    assert p.row_ptr.tolist() == [0, 1, 2]
+
+
+def test_packing_memory_follows_the_documents_not_python_objects(monkeypatch):
+    """Packing 100,000 documents peaks at tens of bytes per document (compact arrays), not at
+    the hundred and more that Python lists of ints took."""
+    monkeypatch.setattr(documents, "KEY_CHUNK", 4096, raising=False)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 400, 100_000)
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        packing = pack_documents(starts, int(lengths.sum()), 257)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert packing.rows > 0
+    assert peak / len(lengths) < 64, f"{peak / len(lengths):.0f} bytes per document"
 
 
 def test_packed_rows_read_the_pieces_end_to_end(tmp_path):
