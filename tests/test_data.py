@@ -14,8 +14,11 @@ from nanolab.data.prepare import PrepareError
 from nanolab.data.tokenizers import load_tokenizer
 from nanolab.data.windows import (
     DataTooSmallError,
+    IndexPlan,
+    MixturePlan,
     ResumableBatchSampler,
     WindowPlan,
+    epoch_seed,
     validation_starts,
 )
 
@@ -78,6 +81,36 @@ def test_a_resumed_sampler_continues_the_uninterrupted_stream():
     resumed = ResumableBatchSampler(p, rank=0, start=137)
     tail = [b for _, b in zip(range(400 - 137), iter(resumed), strict=False)]
     assert all(np.array_equal(x, y) for x, y in zip(stream[137:], tail, strict=True))
+
+
+def test_an_epoch_order_takes_four_bytes_a_window_and_is_the_order_runs_always_had():
+    """The order is held as int32 (half of int64's memory), and is the very permutation that
+    earlier versions held as int64: a run resumed from their checkpoints keeps its order."""
+    for num_windows, seed in ((1, 3), (1000, 7), (300_001, 11)):
+        p = IndexPlan(num_windows=num_windows, micro_batch_size=1, world_size=1, seed=seed)
+        order = p.fresh_layout(2)[1]
+        assert order.dtype == np.int32 and order.nbytes == 4 * num_windows
+        g = torch.Generator().manual_seed(epoch_seed(seed, 2))
+        assert np.array_equal(order, torch.randperm(num_windows, generator=g).numpy())
+    w = plan(seed=5)
+    offset, order = w.epoch_layout(1)
+    g = torch.Generator().manual_seed(epoch_seed(5, 1))
+    assert offset == int(torch.randint(0, w.max_offset + 1, (1,), generator=g))
+    assert order.dtype == np.int32
+    assert np.array_equal(order, torch.randperm(w.num_windows, generator=g).numpy())
+
+
+def test_token_offsets_past_two_billion_do_not_wrap_in_the_int32_order():
+    """A split of 3B tokens: window numbers fit int32, their token offsets do not."""
+    big = WindowPlan(num_tokens=3_000_000_000, block_size=1024, micro_batch_size=64,
+                     world_size=1, seed=1)  # fmt: skip
+    offset, order = big.epoch_layout(0)
+    starts = big.batch_starts(0, 0)
+    assert starts.dtype == np.int64 and starts.max() > 2**31
+    assert np.array_equal(starts, offset + order[:64].astype(np.int64) * 1024)
+    mixed = MixturePlan([3_000_000_000, 3_000_000_000], [0.5, 0.5], 1024, 64, 1, seed=1)
+    rows = mixed.batch_starts(0, 0)
+    assert rows[:, 1].min() >= 0 and rows[:, 1].max() > 2**31
 
 
 def test_one_step_of_n_ranks_sees_the_windows_of_n_accumulated_micro_batches():

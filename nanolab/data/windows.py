@@ -74,7 +74,8 @@ class WindowPlan(_Epochs):
 
     def fresh_layout(self, epoch: int) -> tuple[int, np.ndarray, int]:
         """(offset, order, stride) of ``epoch``, uncached: window ``i`` of the epoch's order
-        is read at token ``offset + order[i] * stride``."""
+        is read at token ``offset + order[i] * stride`` (``order[i]`` widened to int64 first:
+        the order is int32, :func:`window_permutation`)."""
         return (*_epoch_layout.__wrapped__(self, epoch), self.block_size)
 
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
@@ -82,23 +83,33 @@ class WindowPlan(_Epochs):
         epoch, position = divmod(global_batch, self.batches_per_epoch)
         offset, order = self.epoch_layout(epoch)
         windows = rank_share(order, position, self.micro_batch_size, self.world_size, rank)
-        return offset + windows * self.block_size
+        return offset + windows * self.block_size  # int64: rank_share widens the order's int32
 
 
 def rank_share(order: np.ndarray, position: int, micro: int, world: int, rank: int) -> np.ndarray:
     """Rank ``rank``'s windows of micro-batch ``position`` in an epoch's ``order``: the
     ``micro x world`` windows of that position, dealt out round-robin, so a step's windows are
-    the same set on any number of devices (N devices = N accumulated micro-batches)."""
+    the same set on any number of devices (N devices = N accumulated micro-batches). As int64,
+    whatever the order's dtype, so token offsets computed from them cannot wrap."""
     first = position * micro * world
-    return order[first + rank : first + micro * world : world]
+    return order[first + rank : first + micro * world : world].astype(np.int64)
 
 
 @lru_cache(maxsize=4)
 def _epoch_layout(plan: WindowPlan, epoch: int) -> tuple[int, np.ndarray]:
     g = torch.Generator().manual_seed(epoch_seed(plan.seed, epoch))
     offset = int(torch.randint(0, plan.max_offset + 1, (1,), generator=g))
-    order = torch.randperm(plan.num_windows, generator=g).numpy()
-    return offset, order
+    return offset, window_permutation(plan.num_windows, g)
+
+
+def window_permutation(count: int, generator: torch.Generator) -> np.ndarray:
+    """An epoch's order: a seeded permutation of ``range(count)``, held as int32 when the
+    numbers fit (half the memory of int64: 4 bytes per window, 400 MB for 100M windows), int64
+    beyond. Torch's permutation draws the same numbers for either dtype, so an order, and a
+    run resumed in it, is the one earlier versions made as int64. Its slices are widened to
+    int64 (:func:`rank_share`) before they are multiplied into token offsets."""
+    dtype = torch.int32 if count <= np.iinfo(np.int32).max else torch.int64
+    return torch.randperm(count, generator=generator, dtype=dtype).numpy()
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,7 @@ class IndexPlan(_Epochs):
 
 @lru_cache(maxsize=4)
 def _order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
-    g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-    return torch.randperm(num_windows, generator=g).numpy()
+    return window_permutation(num_windows, torch.Generator().manual_seed(epoch_seed(seed, epoch)))
 
 
 class ResumableBatchSampler:
@@ -368,7 +378,7 @@ class MixturePlan:
         for epoch in np.unique(epochs):  # one, or two at an epoch boundary
             here = epochs == epoch
             offset, order, stride = self._layout(dataset, int(epoch))
-            out[here] = offset + order[positions[here]] * stride
+            out[here] = offset + order[positions[here]].astype(np.int64) * stride
         return out
 
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
