@@ -274,7 +274,7 @@ NO_CPU_TWIN_PART: dict[str, str] = {
         "FlexAttention's backward (training with attention: flex): torch has none on a CPU "
         "('FlexAttention does not support backward on CPU'), so a CPU run that needs gradients "
         "attends through the dense mask; benches/gpu_check.py's flex_mask runs it on a GPU and "
-        "records its gradient's difference from the boolean mask's (max_grad_diff), and its "
+        "holds its gradient to the boolean mask's (max_grad_rel_diff, at most 0.02), and its "
         "flex_fit trains through it in fit, compiled, and resumes"
     ),
 }

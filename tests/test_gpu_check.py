@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from contextlib import redirect_stdout
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -167,22 +168,83 @@ def test_summary_json_and_table(tmp_path):
 
 
 def test_the_flex_check_s_gradient_difference_is_zero_for_one_kernel_and_not_for_another():
-    """``max_grad_diff``, which the GPU's flex check runs on FlexAttention's backward (a CPU has
-    none), on two kernels a CPU has: SDPA against the math path under the same causal mask
-    (the same gradient, to rounding), and against no mask (another gradient). Its table cell
-    too: a figure on a GPU, "-" where none was measured (the dry run)."""
+    """``max_grad_rel_diff``, which the GPU's flex check runs on FlexAttention's backward (a CPU
+    has none), on kernels a CPU has: SDPA against the boolean causal mask (the same gradient:
+    0) and against the mask without its window (0.17 of the largest gradient in fp32, 0.38 in
+    bf16, the figures :data:`FLEX_GRAD_LIMIT` cites). Its table cell too: a figure on a GPU,
+    "-" where none was measured (the dry run)."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 16, 8, generator=g).requires_grad_() for _ in range(3))
-    causal = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    mask = torch.ones(16, 16, dtype=torch.bool).tril()
-    by_mask = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
-    unmasked = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
-    assert gc.max_grad_diff(causal, by_mask, q) < 1e-5
-    assert gc.max_grad_diff(causal, unmasked, q) > 1e-3
-    assert "gradient 2.0e-03" in gc._headline("flex_mask", {"max_grad_diff": 2e-3})
+    for dtype, missed_window in ((torch.float32, 0.17), (torch.bfloat16, 0.38)):
+        q, k, v = (
+            torch.randn(2, 2, 128, 16, generator=g).to(dtype).requires_grad_() for _ in range(3)
+        )
+        causal = torch.ones(128, 128, dtype=torch.bool).tril()
+        window = causal & ~torch.ones(128, 128, dtype=torch.bool).tril(-64)
+        attend = partial(F.scaled_dot_product_attention, q, k, v)
+        by_kernel = partial(attend, is_causal=True)
+        by_mask, windowed = partial(attend, attn_mask=causal), partial(attend, attn_mask=window)
+        assert gc.max_grad_rel_diff(by_kernel, by_mask, q) < 1e-5
+        wrong = gc.max_grad_rel_diff(by_kernel, windowed, q)
+        assert wrong == pytest.approx(missed_window, abs=0.01) and wrong > gc.FLEX_GRAD_LIMIT
+    assert "gradient 2.0e-03 relative" in gc._headline("flex_mask", {"max_grad_rel_diff": 2e-3})
     assert "gradient -" in gc._headline("flex_mask", {"max_out_diff": 1e-3})
+
+
+@pytest.mark.parametrize(
+    ("results", "says"),
+    [
+        ({"backward": True, "max_out_diff": 1e-3, "max_grad_rel_diff": 4e-3}, None),
+        ({"backward": False, "max_out_diff": 1e-3}, None),  # the dry run: no backward on a CPU
+        ({"backward": True, "max_out_diff": 1e-3, "max_grad_rel_diff": 0.17}, "in gradient"),
+        ({"backward": True, "max_out_diff": 1e-3}, "no gradient difference recorded"),
+        ({"backward": True, "max_out_diff": 0.05, "max_grad_rel_diff": 0.0}, "in output"),
+    ],
+)
+def test_the_flex_check_holds_its_gradient_to_a_bound(results, says):
+    """Mutation caught: a gradient difference past :data:`FLEX_GRAD_LIMIT` (a mask that missed
+    its window: 0.17) was recorded and passed."""
+    if says is None:
+        gc.judge_flex_mask(results)
+        return
+    with pytest.raises(gc.CheckFailed, match=says) as err:
+        gc.judge_flex_mask(results)
+    assert err.value.args[1] is results  # the figures go with the failure
+
+
+def _bench(**changed):
+    """``bench_124m``'s metrics as a GPU run gives them (the H200's gap), with ``changed``."""
+    return {
+        "mfu": 0.391, "loss_gap_max": 0.011, "loss_gap_steps": 60, "loss_gap_limit": 0.05,
+        "peak_measured_gib": 21.5, "peak_predicted_gib": 21.6, "peak_error": 0.005, **changed,
+    }  # fmt: skip
+
+
+def test_the_bench_check_fails_when_its_two_sides_did_not_train_the_same_model(monkeypatch):
+    """Both sides of ``bench_124m`` train from the same seed on the same windows: a loss gap past
+    the device's bound, or no step compared, fails the check, and a GPU run without MFU fails
+    (the dry run's reads "n/a on CPU"). Mutation caught: the plain side's learning rate x100
+    (a gap of 0.059 after the dry run's 3 steps, 0.0 unmutated) and ``mfu: None`` passed."""
+    assert gc.loss_gap_limit() == gc.LOSS_GAP_LIMIT["cuda"] == 0.05
+    gc.judge_bench(_bench())
+    with pytest.raises(
+        gc.CheckFailed, match=r"differs from the plain loop's by 0.059 .*limit 0.05"
+    ):
+        gc.judge_bench(_bench(loss_gap_max=0.059))
+    with pytest.raises(gc.CheckFailed, match="no step's loss was compared"):
+        gc.judge_bench(_bench(loss_gap_max=None, loss_gap_steps=0))
+    with pytest.raises(gc.CheckFailed, match="no MFU") as err:
+        gc.judge_bench(_bench(mfu=None))
+    assert err.value.args[1]["loss_gap_max"] == 0.011
+    monkeypatch.setattr(gc, "SCALE", gc.DRY)
+    dry = _bench(mfu=gc.NA_ON_CPU, loss_gap_max=0.0, loss_gap_limit=gc.loss_gap_limit(),
+                 peak_measured_gib=gc.NA_ON_CPU, peak_error=gc.NA_ON_CPU)  # fmt: skip
+    gc.judge_bench(dry)
+    with pytest.raises(gc.CheckFailed, match=r"by 0.059 at the same step \(limit 0.0001 on cpu\)"):
+        gc.judge_bench({**dry, "loss_gap_max": 0.059})
+    cell = gc._headline("bench_124m", {**dry, "loss_gap_max": 0.059})
+    assert "MFU n/a on CPU, loss gap 5.9e-02 (limit 0.0001)" in cell
 
 
 def test_the_flex_fit_check_s_losses_are_judged_and_shown():
@@ -288,6 +350,9 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path, part):
     if part == "costly":
         bench = metrics["bench_124m"]
         assert bench["nanolab_tokens_per_s"] > 0 and bench["plain_tokens_per_s"] > 0
+        # Both sides trained the same model: fp32 on a CPU gives the same losses to the bit.
+        assert bench["loss_gap_steps"] > 0 and bench["loss_gap_max"] <= bench["loss_gap_limit"]
+        assert bench["mfu"] == gc.NA_ON_CPU
         # The GPU's packed jobs are the 124M recipe's: the dry run packs it too, shrunk.
         packed = metrics["pack"]["args"]
         assert Path(packed["config"]).name == "gpt2-124m.yaml" and packed["block_size"] == "64"
