@@ -10,7 +10,7 @@ one is recorded and the next one still runs. After every check the summary is re
 cut short still leaves what it measured:
 
 * ``$OUT/gpu_check.json``: machine, versions, and per check ``status`` (``ok``, ``fail``,
-  ``timeout``, ``skipped``, ``not_run``), ``seconds``, ``metrics`` and ``note``;
+  ``timeout``, ``stopped``, ``skipped``, ``not_run``), ``seconds``, ``metrics`` and ``note``;
 * ``$OUT/gpu_check.md``: the same as a table;
 * ``$OUT/logs/<check>.log``: each check's full output.
 
@@ -41,11 +41,15 @@ Checks, most important first (``--list`` prints them with their caps):
 Without a visible CUDA/ROCm GPU it stops at once: one error line, exit code 2, and a summary with
 ``status: no_gpu``. Runs, checkpoints and data go to ``--work`` (deleted at the end unless
 ``--keep``), never to ``$OUT``. Exit code 0 when every check that ran passed, 1 otherwise.
+A Ctrl-C or SIGTERM (``gpu_check.sh``'s time limit) kills the check in flight with everything
+it started, writes the summary (that check ``stopped``, the rest ``not_run``), removes the
+scratch folder and exits 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -67,7 +71,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
-STATUSES = ("ok", "fail", "timeout", "skipped", "not_run")
+STATUSES = ("ok", "fail", "timeout", "stopped", "skipped", "not_run")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,33 @@ class CheckFailed(Exception):
 
 class CheckSkipped(Exception):
     """A check that cannot run in this tree or on this device; the message says why."""
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM reached the driver (a Ctrl-C, ``gpu_check.sh``'s time limit, a kill):
+    it stops the check in flight, writes what finished and removes its scratch folder.
+    ``result`` is the check it stopped, when one was running."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.result: Result | None = None
+        super().__init__(self.name)
+
+
+def stop_on_signals() -> None:
+    """Turn the first SIGINT or SIGTERM into :class:`Stopped` in the driver, and ignore the
+    ones after it: a Ctrl-C reaches the driver both from the terminal and forwarded by
+    ``timeout``, and a second one must not cut short the clean-up the first started."""
+    from nanolab.processes import STOP_SIGNALS
+
+    def stop(signum: int, _frame: Any) -> None:
+        for each in STOP_SIGNALS:
+            signal.signal(each, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for each in STOP_SIGNALS:
+        signal.signal(each, stop)
 
 
 # -- helpers the checks share ------------------------------------------------------------------
@@ -1002,12 +1033,19 @@ def run_check(
         try:
             proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_group(proc)
             return Result(
                 check.name, "timeout", time.perf_counter() - start,
                 note=f"stopped after {limit_s:.0f} s", log=str(log),
             )  # fmt: skip
+        except Stopped as stop:  # the check and whatever it started (a fit, a prepare) end too
+            kill_group(proc)
+            stop.result = Result(
+                check.name, "stopped", time.perf_counter() - start,
+                note=f"stopped by {stop.name} after {time.perf_counter() - start:.0f} s",
+                log=str(log),
+            )  # fmt: skip
+            raise
     seconds = time.perf_counter() - start
     if not result_file.is_file():
         return Result(
@@ -1017,6 +1055,14 @@ def run_check(
         )  # fmt: skip
     got = json.loads(result_file.read_text())
     return Result(check.name, got["status"], seconds, got["metrics"], got["note"], str(log))
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a check's process group (it leads its own session: the check, the fits and
+    prepares it started) and reap the check."""
+    with contextlib.suppress(ProcessLookupError):  # the whole group had exited already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def machine() -> dict[str, Any]:
@@ -1047,7 +1093,7 @@ def summary(meta: dict[str, Any], results: list[Result], started: float) -> dict
         **meta,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "total_s": round(time.time() - started, 1),
-        "status": "ok" if counts["fail"] + counts["timeout"] == 0 else "fail",
+        "status": "ok" if counts["fail"] + counts["timeout"] + counts["stopped"] == 0 else "fail",
         "counts": counts,
         "checks": [asdict(r) for r in results],
     }
@@ -1241,11 +1287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {**machine(), "dry_run": args.dry_run}
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nanolab-gpu-check-"))
-    work.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
-    deadline = time.monotonic() + args.deadline
+    stopped: Stopped | None = None
+    stop_on_signals()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nanolab-gpu-check-"))
     try:
+        work.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + args.deadline
         for check in checks:
             limit = time_for(check, deadline - time.monotonic(), scale)
             print(
@@ -1253,13 +1301,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             results.append(run_check(check, work, args.data, logs, limit, args.dry_run))
             write_summary(out, summary(meta, results, started))
+    except Stopped as stop:
+        stopped = stop
+        results += [stop.result] if stop.result else []
+        done = {r.name for r in results}
+        why = f"the run was stopped by {stop.name}"
+        results += [Result(c.name, "not_run", note=why) for c in checks if c.name not in done]
     finally:
         if not args.keep and not args.work:
             shutil.rmtree(work, ignore_errors=True)
     res = summary(meta, results, started)
+    if stopped is not None:
+        res["note"] = f"stopped by {stopped.name}; what finished before it is below"
     write_summary(out, res)
     print(format_table(res))
     print(f"\nsummary: {out / 'gpu_check.json'}, {out / 'gpu_check.md'}; logs: {logs}")
+    if stopped is not None:
+        print(f"gpu_check: error: stopped by {stopped.name}", file=sys.stderr)
+        return 128 + stopped.signum
     return 0 if res["status"] == "ok" else 1
 
 

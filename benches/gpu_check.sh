@@ -22,11 +22,20 @@ if [ "$LIMIT" -lt 60 ]; then
   exit 2
 fi
 PYTHON=${PYTHON:-python}
+started=$(date +%s)
 set +e
-timeout --kill-after=15 "$LIMIT" "$PYTHON" benches/gpu_check.py --out "$OUT" --deadline $((LIMIT - 30)) "$@"
+# --foreground: the driver stays in this script's process group, so a Ctrl-C reaches it (it
+# kills the check in flight, writes the summary, removes its scratch folder); at the limit
+# timeout sends it SIGTERM, which it handles the same way.
+timeout --foreground --kill-after=15 "$LIMIT" "$PYTHON" benches/gpu_check.py --out "$OUT" --deadline $((LIMIT - 30)) "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-  echo "gpu_check: error: stopped after GPU_CHECK_TIMEOUT=$LIMIT s; what finished is in $OUT/gpu_check.json" >&2
+  summary="$OUT/gpu_check.json"
+  if [ -f "$summary" ] && [ "$(stat -c %Y "$summary")" -ge "$started" ]; then
+    echo "gpu_check: error: stopped after GPU_CHECK_TIMEOUT=$LIMIT s; what finished is in $summary" >&2
+  else
+    echo "gpu_check: error: stopped after GPU_CHECK_TIMEOUT=$LIMIT s before any summary was written (no $summary from this run)" >&2
+  fi
 fi
 exit "$rc"

@@ -8,12 +8,15 @@ built in the test; the crash path runs for real (a GPU check on this CPU-only to
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from contextlib import redirect_stdout
 from functools import partial
 from pathlib import Path
@@ -147,7 +150,9 @@ def test_summary_json_and_table(tmp_path):
     meta = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.9.1", "nanolab_commit": "abc1234"}
     res = gc.summary(meta, _results(), started=0.0)
     assert res["status"] == "fail"  # a failure and a timeout
-    assert res["counts"] == {"ok": 2, "fail": 1, "timeout": 1, "skipped": 1, "not_run": 1}
+    assert res["counts"] == {
+        "ok": 2, "fail": 1, "timeout": 1, "stopped": 0, "skipped": 1, "not_run": 1,
+    }  # fmt: skip
     assert [c["name"] for c in res["checks"]][:2] == ["flash", "bench_124m"]
     assert set(res["checks"][0]) == {"name", "status", "seconds", "metrics", "note", "log"}
     gc.write_summary(tmp_path, res)
@@ -424,3 +429,83 @@ def test_the_auto_line_is_read_on_a_gpu_and_on_a_cpu(line, size, planned):
     """The dry run reads fit's CPU line through the same pattern the GPU's goes through."""
     m = gc._AUTO_LINE.search(f"INFO {line}\n")
     assert m is not None and m[1] == size and m[3] == planned
+
+
+def _processes_naming(text: str) -> dict[int, str]:
+    """This machine's processes whose command line contains ``text``: id -> command line."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it exited meanwhile
+            continue
+        if text in args:
+            found[int(cmdline.parent.name)] = args
+    return found
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """The processes whose parent is ``pid``: their ids and command lines."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            args = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            continue
+        if parent == pid:
+            found.append((int(stat.parent.name), args))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the processes from /proc")
+@pytest.mark.parametrize("how", ["ctrl-c", "time limit"])
+def test_a_ctrl_c_or_the_time_limit_stops_the_check_in_flight_and_writes_what_finished(
+    tmp_path, how
+):
+    """A Ctrl-C (SIGINT to the script's process group, as a terminal sends it) or ``timeout``'s
+    SIGTERM while a check's ``nanolab fit`` runs: the check, its fit and its scratch folder are
+    gone, the summary says ``stopped`` (the check after it ``not_run``), the exit code is 128 +
+    the signal. Mutation caught: ``timeout`` without ``--foreground`` (a Ctrl-C never reached
+    the driver) and a driver without a handler (its check and fit ran on as orphans, ``--work``
+    was left behind and no summary said what had run)."""
+    scratch = tmp_path / "tmp"  # the driver's default --work is made here
+    scratch.mkdir()
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+           "TMPDIR": str(scratch), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "--dry-run", "--only", "micro_batch_auto,flex_fit"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )  # fmt: skip
+    log = tmp_path / "out" / "logs" / "micro_batch_auto.log"
+    try:
+        deadline = time.monotonic() + 90
+        while not (log.is_file() and " fit " in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the fit never started"
+            time.sleep(0.2)
+        assert _processes_naming(str(scratch)), "the check's fit runs"
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:  # the limit, now: timeout's own alarm, on which it sends the driver SIGTERM
+            (timeout,) = [pid for pid, args in _children(proc.pid) if args.startswith("timeout ")]
+            os.kill(timeout, signal.SIGALRM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        orphans = _processes_naming(str(scratch))
+        for pid in orphans:  # this test's only: each names its scratch folder
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    signum = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+    assert proc.returncode == (128 + signum if how == "ctrl-c" else 124), err
+    assert not orphans, "a check or its fit outlived the driver"
+    assert list(scratch.iterdir()) == [], "the driver's scratch folder was left behind"
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert summary["status"] == "fail" and f"stopped by {signum.name}" in summary["note"]
+    statuses = [(c["name"], c["status"]) for c in summary["checks"]]
+    assert statuses == [("micro_batch_auto", "stopped"), ("flex_fit", "not_run")]
+    assert summary["checks"][0]["note"].startswith(f"stopped by {signum.name} after ")
+    if how == "time limit":
+        assert "what finished is in" in err and str(tmp_path / "out" / "gpu_check.json") in err
