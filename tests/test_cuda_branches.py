@@ -7,9 +7,12 @@ about the device (:class:`DeviceBranches`): a comparison, ``in`` test or ``case`
 ``.startswith("cuda")``, ``.is_cuda``, anything reached through ``torch.cuda``,
 ``torch.backends.cuda``, ``torch.backends.cudnn``, ``torch.backends.mps``, ``torch.mps``,
 ``torch.xpu``, ``torch.accelerator``, ``torch.get_device_module``, ``torch.version.hip`` or
-``torch.version.cuda`` (imported under any name, or through ``getattr``), code in a string that
-does (a child's ``python -c``), ``CUDAAccelerator``, and the GPU query libraries (``pynvml``,
-``amdsmi``). A file with such a hit must be in :data:`TWINS` (a test that runs the same code on
+``torch.version.cuda`` (imported under any name, or through ``getattr`` or ``import_module``),
+Lightning's ``accelerators.cuda``/``mps`` modules, code in a string that does (a child's
+``python -c``), Lightning's accelerator classes (``isinstance(acc, CPUAccelerator)``),
+``.is_cpu``/``.is_mps``, ``.get_device()``, a ``*_VISIBLE_DEVICES`` mask or an
+``nvidia-smi``/``rocm-smi``/``amd-smi`` command in a string, ``"nccl"`` compared as a backend, and
+the GPU query libraries (``pynvml``, ``amdsmi``). A file with such a hit must be in :data:`TWINS` (a test that runs the same code on
 a CPU, by forcing the setting or through a seam), :data:`NO_CPU_TWIN` (with why) or
 :data:`SETTING_NOT_DEVICE` (the string compared is a setting or a named target, not the device
 this process runs on). A stale entry fails too, and every named twin must exist. A twinned
@@ -30,7 +33,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("nanolab", "benches")
-DEVICE_NAMES = frozenset({"cuda", "cpu", "hip", "mps", "gpu"})
+#: Device names, and the GPU-only collective backend (``dist.get_backend() == "nccl"``).
+DEVICE_NAMES = frozenset({"cuda", "cpu", "hip", "mps", "gpu", "nccl"})
 DEVICE_MODULES = (
     "torch.cuda",
     "torch.backends.cuda",
@@ -42,11 +46,23 @@ DEVICE_MODULES = (
     "torch.backends.cudnn",
     "torch.mps",
     "torch.xpu",
+    "lightning.fabric.accelerators.cuda",
+    "lightning.fabric.accelerators.mps",
+    "lightning.pytorch.accelerators.cuda",
+    "lightning.pytorch.accelerators.mps",
 )
 #: Libraries that ask the GPU's driver directly (utilisation, bus ids, memory).
 GPU_LIBRARIES = frozenset({"pynvml", "amdsmi", "pyrsmi", "nvidia_smi"})
-#: Classes whose use means "on a CUDA/ROCm device" (Lightning's accelerator).
-DEVICE_CLASSES = frozenset({"CUDAAccelerator"})
+#: Lightning's accelerators: ``isinstance(acc, CPUAccelerator)`` asks the device as surely as
+#: ``CUDAAccelerator`` does.
+DEVICE_CLASSES = frozenset(
+    {"CUDAAccelerator", "CPUAccelerator", "MPSAccelerator", "XLAAccelerator"}
+)
+#: A tensor's or device's own answer to "where am I" (``x.is_cuda``, ``x.is_cpu``).
+DEVICE_ATTRIBUTES = frozenset({"is_cuda", "is_cpu", "is_mps"})
+#: Text that asks the GPU in a string: a device mask (``CUDA_VISIBLE_DEVICES``,
+#: ``HIP_VISIBLE_DEVICES``, ...) or a vendor's query tool run as a command.
+DEVICE_TEXT = re.compile(r"\b[A-Z]+_VISIBLE_DEVICES\b|\b(nvidia|rocm|amd)-smi\b")
 
 
 def _names_a_device(node: ast.AST) -> bool:
@@ -139,8 +155,8 @@ class DeviceBranches(ast.NodeVisitor):
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         dotted = self._dotted(node)
-        if node.attr == "is_cuda":
-            self._hit(node, ".is_cuda")
+        if node.attr in DEVICE_ATTRIBUTES:
+            self._hit(node, f".{node.attr}")
         elif node.attr in DEVICE_CLASSES:
             self._hit(node, node.attr)
         elif _is_device_module(dotted):
@@ -168,6 +184,16 @@ class DeviceBranches(ast.NodeVisitor):
         prefix = isinstance(func, ast.Attribute) and func.attr in ("startswith", "endswith")
         if prefix and node.args and _names_a_device(node.args[0]):
             self._hit(node, f".{func.attr}(a device name)")
+        if isinstance(func, ast.Attribute) and func.attr == "get_device" and not node.args:
+            self._hit(node, ".get_device()")  # a tensor's CUDA index, -1 on a CPU
+        imports = (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) in (
+            "import_module", "__import__",
+        )  # fmt: skip
+        module = (
+            node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+        )
+        if imports and isinstance(module, str) and _is_device_module(module):
+            self._hit(node, f"import_module({module!r})")  # importlib.import_module("torch.cuda")
         looks_up = isinstance(func, ast.Name) and func.id in ("getattr", "hasattr")
         if looks_up and len(node.args) >= 2:
             owner, name = self._dotted(node.args[0]), node.args[1]
@@ -177,8 +203,12 @@ class DeviceBranches(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Constant(self, node: ast.Constant) -> None:
-        if isinstance(node.value, str) and any(code in node.value for code in CODE_IN_TEXT):
+        if not isinstance(node.value, str):
+            return
+        if any(code in node.value for code in CODE_IN_TEXT):
             self._hit(node, "device code in a string")
+        elif match := DEVICE_TEXT.search(node.value):
+            self._hit(node, f"{match[0]} in a string")
 
 
 def device_branches(source: str) -> list[tuple[int, str, str]]:
@@ -215,6 +245,7 @@ TWINS: dict[str, tuple[str, ...]] = {
     ),
     "nanolab/callbacks/throughput.py": (
         "tests/test_gpu_twins.py::test_a_cuda_run_s_meter_names_its_gpu_and_gathers_every_rank_s_peak_memory",
+        "tests/test_callbacks_throughput.py::test_amd_utilization_reads_this_processs_gpu",
     ),
     "nanolab/callbacks/syncs.py": (
         "tests/test_syncs.py::test_the_counter_counts_what_waits_and_once_per_transfer",
@@ -250,6 +281,12 @@ TWINS: dict[str, tuple[str, ...]] = {
     "nanolab/queue/runner.py": (  # --pack --gpus: the backend and each GPU's memory, read
         "tests/test_queue_pack.py::test_a_packed_gpu_runner_reads_each_gpu_s_memory_in_a_child_that_sees_only_it",
         "tests/test_queue_pack.py::test_a_gpu_that_does_not_answer_refuses_the_run_in_one_line_and_leaves_no_runner_row",
+        # --gpus: each job's masks
+        "tests/test_queue_runner_cli.py::test_gpus_give_each_job_its_ids_and_until_defers_what_would_end_late",
+    ),
+    "nanolab/training/strategies.py": (  # DeepSpeed on a CPU accelerator
+        "tests/test_training.py::test_deepspeed_runs_on_cpu_and_matches",
+        "tests/test_training.py::test_deepspeed_with_accumulation_divides_the_loss_once",
     ),
 }
 
@@ -277,6 +314,12 @@ NO_CPU_TWIN_PART: dict[str, str] = {
         "holds its gradient to the boolean mask's (max_grad_rel_diff, at most 0.02), and its "
         "flex_fit trains through it in fit, compiled, and resumes"
     ),
+    "nanolab/training/strategies.py": (
+        "DeepSpeedStrategy's GPU side: on any accelerator but the CPU's, setup_environment, "
+        "_setup_model_and_optimizer, _initialize_deepspeed_inference and setup_distributed "
+        "hand over to Lightning's own DeepSpeed strategy unchanged (super()); nanolab's code "
+        "there is the CPU side, which the twins run"
+    ),
 }
 
 #: file -> what it compares: a setting or a named target ("gpu"/"cpu" to estimate for, a job's
@@ -294,7 +337,6 @@ SETTING_NOT_DEVICE: dict[str, str] = {
     "nanolab/estimator/numerics.py": "the estimate's backend",
     "nanolab/queue/packing.py": "the label of the device a job is packed on",
     "nanolab/queue/predict.py": "a job's trainer.accelerator setting",
-    "nanolab/training/strategies.py": "DeepSpeed's offload_optimizer.device setting",
 }
 
 
@@ -333,6 +375,7 @@ BRANCHES: dict[str, dict[str, int]] = {
         "sync_count_callback.SyncCount.setup": 1,
     },
     "nanolab/callbacks/throughput.py": {
+        "<module>": 4,
         "ThroughputMeter._memory": 3,
         "ThroughputMeter._prepare": 2,
         "ThroughputMeter.on_train_end": 1,
@@ -365,11 +408,11 @@ BRANCHES: dict[str, dict[str, int]] = {
     "nanolab/generate.py": {"main": 1},
     "nanolab/model/device.py": {"check_device": 2},
     "nanolab/model/gpt.py": {"CausalSelfAttention.attend_masked": 1, "compiles_flex": 1},
-    "nanolab/queue/cli.py": {"check_gpus_visible": 2, "parse_gpus": 1, "visible_mask": 1},
+    "nanolab/queue/cli.py": {"check_gpus_visible": 4, "parse_gpus": 1, "visible_mask": 6},
     "nanolab/queue/launch.py": {"apply_memory_cap": 3},
     "nanolab/queue/packing.py": {"describe_start": 1},
     "nanolab/queue/predict.py": {"_memory_backend": 1},
-    "nanolab/queue/runner.py": {"<module>": 1, "Runner._setup_pack": 1},
+    "nanolab/queue/runner.py": {"<module>": 1, "Runner._setup_pack": 1, "Runner._spawn": 2},
     "nanolab/run/autobatch.py": {"device_backend": 1, "device_memory_bytes": 3},
     "nanolab/run/compose.py": {
         "apply_float32_matmul_precision": 2,
@@ -394,7 +437,14 @@ BRANCHES: dict[str, dict[str, int]] = {
         "count_devices": 2,
         "visible_gpus": 2,
     },
-    "nanolab/training/strategies.py": {"offloads_optimizer": 1},
+    "nanolab/training/strategies.py": {
+        "<module>": 1,
+        "DeepSpeedStrategy._initialize_deepspeed_inference": 1,
+        "DeepSpeedStrategy._setup_model_and_optimizer": 1,
+        "DeepSpeedStrategy.setup_distributed": 1,
+        "DeepSpeedStrategy.setup_environment": 1,
+        "offloads_optimizer": 1,
+    },
 }
 
 
@@ -502,6 +552,22 @@ SNIPPETS = [
     "import pynvml",
     "import amdsmi as smi",
     "from pynvml import nvmlInit",
+    "from lightning.pytorch.accelerators import CPUAccelerator\nok = isinstance(a, CPUAccelerator)",
+    "if isinstance(acc, MPSAccelerator): pass",
+    "if isinstance(acc, XLAAccelerator): pass",
+    "if not x.is_cpu: pass",
+    "if d.is_mps: pass",
+    "if x.get_device() >= 0: pass",
+    "from lightning.fabric.accelerators.cuda import num_cuda_devices",
+    "from lightning.pytorch.accelerators.cuda import CUDAAccelerator as A",
+    'm = importlib.import_module("torch.cuda")',
+    'm = __import__("torch.backends.mps")',
+    'if "CUDA_VISIBLE_DEVICES" in os.environ: pass',
+    'mask = os.environ.get("ROCR_VISIBLE_DEVICES")',
+    'subprocess.run(["nvidia-smi", "--query-gpu=memory.used"])',
+    'subprocess.run("rocm-smi --showmeminfo vram", shell=True)',
+    'subprocess.run(["amd-smi", "list"])',
+    'if dist.get_backend() == "nccl": pass',
 ]
 
 
@@ -512,11 +578,13 @@ def test_the_scan_sees_each_way_of_writing_a_device_branch(snippet):
 
 def test_the_scan_leaves_code_that_only_uses_a_device():
     """Moving a tensor or naming a device is not a branch; nor is a name that merely contains
-    "cuda", nor a message saying it."""
+    "cuda", nor a message saying it, nor a
+    logger named after Lightning's CUDA module."""
     plain = (
         'x = x.to(device)\nd = torch.device("cuda")\ncuda_ok = 1\nprint("no cuda here")\n'
         'def f():\n    """Reads torch.cuda.max_memory_allocated()."""\n'
-        "import torch.nn as nn\nimport os.path\nfrom torch import nn as cuda_layers"
+        "import torch.nn as nn\nimport os.path\nfrom torch import nn as cuda_layers\n"
+        'NOISY = ("lightning.pytorch.accelerators.cuda",)\nprint("set CUDA_VISIBLES")'
     )
     assert device_branches(plain) == []
 
