@@ -205,6 +205,41 @@ def test_a_bare_lightning_trainer_trains_the_plain_loops_setup_step_for_step(res
         assert unclipped["losses"][-1][1] != pytest.approx(plain["losses"][-1][1], rel=1e-4)
 
 
+class CudaOnCpu(str):
+    """A device the plain loop reads as ``cuda`` (``.type``) while torch, given it, makes
+    tensors on the CPU (it is the string ``"cpu"``): a CPU-only torch has no CUDA device."""
+
+    type = "cuda"
+    index = 0
+
+
+def test_the_plain_loop_on_a_cuda_device_pins_its_batches_and_waits_for_its_last_step(
+    resolved_tiny, monkeypatch
+):
+    """The plain loop's GPU branches, as a GPU bench runs them (``--device`` defaults to cuda
+    there), on a device it reads as ``cuda``: every micro-batch's inputs and targets
+    page-locked before the copy, and one ``torch.cuda.synchronize`` after the last step's work
+    was queued, so its end time counts that work. torch's ``pin_memory`` and
+    ``torch.cuda.synchronize`` are stand-ins (a CPU-only torch has neither); the losses are a
+    CPU run's. Mutation caught: the batches not pinned on cuda, pinned on a CPU, or the
+    synchronize left out or made before the last step."""
+    import torch
+
+    from nanolab.bench.plain_loop import train
+
+    pinned: list[int] = []
+    synced: list[int] = []  # how many tensors had been pinned when each synchronize came
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t.numel()) or t)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(len(pinned)))
+    on_cpu = train(resolved_tiny, 3, torch.device("cpu"))
+    assert pinned == synced == []  # a CPU run neither pins nor waits on a GPU
+    on_cuda = train(resolved_tiny, 3, CudaOnCpu("cpu"))
+    micro_batches = 3 * 2  # 3 steps of 2 micro-batches: an input and a target each
+    assert len(pinned) == 2 * micro_batches and set(pinned) == {4 * 32}
+    assert synced == [2 * micro_batches]  # once, after the last step's batches
+    assert on_cuda["losses"] == on_cpu["losses"]
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_bare_sides_fp16_path_with_a_fused_optimizer_clips_unscaled_gradients(
     resolved_tiny, fused

@@ -251,6 +251,7 @@ TWINS: dict[str, tuple[str, ...]] = {
         "tests/test_syncs.py::test_the_counter_counts_what_waits_and_once_per_transfer",
     ),
     "nanolab/bench/plain_loop.py": (
+        "tests/test_bench.py::test_the_plain_loop_on_a_cuda_device_pins_its_batches_and_waits_for_its_last_step",
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
     "nanolab/run/trainer_errors.py": (
@@ -270,6 +271,8 @@ TWINS: dict[str, tuple[str, ...]] = {
     ),
     "benches/gpu_check.py": (
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
+        "tests/test_gpu_check.py::test_on_a_gpu_the_timings_wait_for_the_device_and_the_machine_names_its_gpu",
+        "tests/test_gpu_check.py::test_the_flex_check_s_gradient_difference_is_zero_for_one_kernel_and_not_for_another",
     ),
     "benches/bench_memory.py": (
         "tests/test_gpu_twins.py::test_the_gpu_memory_bench_measures_the_optimizer_it_predicts",
@@ -313,6 +316,17 @@ NO_CPU_TWIN_PART: dict[str, str] = {
         "attends through the dense mask; benches/gpu_check.py's flex_mask runs it on a GPU and "
         "holds its gradient to the boolean mask's (max_grad_rel_diff, at most 0.02), and its "
         "flex_fit trains through it in fit, compiled, and resumes"
+    ),
+    "nanolab/bench/plain_loop.py": (
+        "train_lightning on a CUDA device (nanolab bench --floor on a GPU): Lightning's CUDA "
+        "accelerator, which a CPU-only torch cannot build, and the synchronize after its last "
+        "step; the same bare-Trainer loop runs on a CPU in tests/test_bench.py, and train's "
+        "own pinning and synchronize on a device it reads as cuda"
+    ),
+    "benches/gpu_check.py": (
+        "check_flex_mask's backward through FlexAttention, which torch has not on a CPU: the "
+        "gradient comparison it feeds (max_grad_rel_diff) runs on CPU kernels and its bound "
+        "is judged in tests/test_gpu_check.py; check_flash's flash kernel, likewise GPU-only"
     ),
     "nanolab/training/strategies.py": (
         "DeepSpeedStrategy's GPU side: on any accelerator but the CPU's, setup_environment, "

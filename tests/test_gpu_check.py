@@ -378,6 +378,36 @@ def test_the_dry_run_takes_every_check_s_code_path_on_this_cpu(tmp_path, part):
     )
 
 
+def test_on_a_gpu_the_timings_wait_for_the_device_and_the_machine_names_its_gpu(monkeypatch):
+    """The GPU side of ``timed_ms`` and ``machine()`` with a stand-in ``torch.cuda``: a GPU run's
+    timing synchronizes after the warm-up and after the timed calls (the kernels it queued are
+    what is timed), the dry run's does not; the summary's machine names the GPU, how many
+    there are and its memory. Mutation caught: the synchronize taken off the GPU path (kernel
+    launches timed instead of kernels), the GPU fields read on a CPU or left out."""
+    from types import SimpleNamespace
+
+    synced, calls = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(len(calls)))
+    monkeypatch.setattr(gc, "SCALE", gc.GPU)
+    assert gc.timed_ms(lambda: calls.append(1), repeats=3) >= 0
+    assert synced == [1, 4]  # after the warm-up call, then after the 3 timed ones
+    monkeypatch.setattr(gc, "SCALE", gc.DRY)
+    synced.clear()
+    gc.timed_ms(lambda: calls.append(1), repeats=3)
+    assert synced == []
+
+    assert "gpu" not in gc.machine()  # this CPU
+    props = SimpleNamespace(name="NVIDIA H200", total_memory=143 * gc.GiB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    info = gc.machine()
+    assert (info["gpu"], info["gpu_count"], info["gpu_gib"]) == ("NVIDIA H200", 8, 143.0)
+    assert gc.format_table({**gc.summary(info, [], 0.0), "dry_run": False}).startswith(
+        "nanolab GPU check: NVIDIA H200, torch "
+    )
+
+
 def test_a_failed_child_is_summed_up_by_its_exception_line():
     """The summary names the error (a CUDA OOM's first line), not the tail of PyTorch's advice."""
     log = (
