@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nanolab.errors import NanolabError, one_line_errors
+from nanolab.errors import NanolabError, one_line_errors, storage_message, with_errno_of
 from nanolab.messages import say, warn_line
 
 
@@ -128,6 +128,21 @@ def check_json_target(text: str) -> Path:
             "result; give a new file name (eval replaces only its own output)"
         )
     return out
+
+
+def write_json_result(out: Path, record: dict[str, Any]) -> None:
+    """``--json``: the record replaces ``out`` whole, through a temporary file of this call's
+    own (:func:`nanolab.atomic.write_whole`: nothing planted beside ``out`` is written through,
+    two shells cannot share a half-written copy). A refused write is one line naming ``--json``
+    (exit 74 for a full disk or a size limit, 2 otherwise), the run's log left as it was."""
+    from nanolab.atomic import write_whole
+
+    try:
+        write_whole(out, json.dumps(record, indent=1) + "\n")
+    except OSError as err:
+        raise with_errno_of(
+            EvalArgumentError(f"--json {out}: {storage_message(err)}"), err
+        ) from None
 
 
 def _eval_output(path: Path) -> bool:
@@ -261,12 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **result.record(),
     }
     if out is not None:  # first: a file that cannot be written leaves the run's log as it was
-        tmp = out.with_name(f".{out.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-            tmp.replace(out)
-        finally:
-            tmp.unlink(missing_ok=True)  # a full disk's half-written copy goes too
+        write_json_result(out, record)
     if log_dir is not None:
         append_to_run(log_dir, record, run_id)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 from pathlib import Path
@@ -722,3 +723,53 @@ def test_the_shipped_cloze_file_is_what_its_builder_writes(tmp_path: Path) -> No
     assert main([str(out)]) == 0
     assert out.read_bytes() == CLOZE_FILE.read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == ["cloze.jsonl"]
+
+
+def test_eval_json_writes_through_no_planted_temp_name(
+    tmp_path: Path, char_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--json replaces its file through a temporary name of its own: a hard link into another
+    run's log, a symlink to another run's config or a folder at the old fixed name beside it
+    (``.<name>.tmp``) is left alone, and so are the files they point at; a write the file system
+    refuses is one line naming --json (74 for a full disk, 2 otherwise), no traceback."""
+    import errno
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    fit = nanolab_here("fit", "--config", str(write_config(tmp_path / "c.yaml", cfg)), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.yaml")}
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(run / "metrics.jsonl", out / ".a.json.tmp")
+    (out / ".b.json.tmp").symlink_to(run / "config.yaml")
+    (out / ".c.json.tmp").mkdir()
+    for name in ("a", "b", "c"):
+        res = nanolab_here(
+            "eval", str(run), "--limit", "3", "--no-log", "--json", str(out / f"{name}.json"),
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert json.loads((out / f"{name}.json").read_text())["evaluated_by"] == "nanolab eval"
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".a.json.tmp", ".b.json.tmp", ".c.json.tmp", "a.json", "b.json", "c.json"]
+    )
+    replace = os.replace
+    for code, exit_code in [(errno.ENOSPC, 74), (errno.ENOENT, 2)]:
+
+        def refused(src: object, dst: object, *, code: int = code, **kw: object) -> None:
+            if str(dst).endswith("d.json"):
+                raise OSError(code, os.strerror(code), str(src))
+            replace(src, dst, **kw)
+
+        monkeypatch.setattr(os, "replace", refused)
+        res = nanolab_here(
+            "eval", str(run), "--limit", "3", "--json", str(out / "d.json"), cwd=tmp_path
+        )
+        monkeypatch.setattr(os, "replace", replace)
+        lines = [line for line in res.stderr.splitlines() if "error" in line]
+        assert res.returncode == exit_code and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert lines == [lines[-1]] and f"--json {out / 'd.json'}: cannot" in lines[-1], lines
+        assert not (out / "d.json").exists() and len(list(out.iterdir())) == 6
+    assert (run / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]  # its log as it was

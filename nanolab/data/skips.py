@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanolab.atomic import write_whole
 from nanolab.errors import NanolabError
 
 LEDGER = "rollbacks.json"
@@ -74,14 +75,9 @@ def read_ledger(run_dir: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
 
 
 def write_ledger(run_dir: str | os.PathLike[str], rollbacks: list[dict[str, Any]]) -> None:
-    """Replace the ledger atomically (a reader sees the old or the new one, never half)."""
-    path = Path(run_dir) / LEDGER
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"rollbacks": rollbacks}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace the ledger atomically (a reader sees the old or the new one, never half),
+    through a temporary name of this call's own (:func:`nanolab.atomic.write_whole`)."""
+    write_whole(Path(run_dir) / LEDGER, json.dumps({"rollbacks": rollbacks}, indent=1))
 
 
 def jumps(rollbacks: list[dict[str, Any]]) -> list[Jump]:

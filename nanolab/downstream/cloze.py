@@ -15,7 +15,6 @@ settings (``chars`` tokenizer, ``val_fraction`` 0.1, split seed 0).
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nanolab.atomic import write_whole
 from nanolab.downstream.tasks import BUILTIN_DIR
 
 #: The shipped file and how it was built.
@@ -96,16 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     examples = build_examples(validation_text())
     # A name of this call's own, synced before the rename: the shipped file is whole or the old
     # one, and two rebuilds at once cannot publish each other's half-written text.
-    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(render(examples))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(name, out)
-    finally:
-        if os.path.exists(name):
-            os.unlink(name)
+    write_whole(out, render(examples))
     print(f"{len(examples)} examples -> {out}")
     return 0
 

@@ -29,12 +29,12 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nanolab.atomic import write_whole
 from nanolab.model.config import GPTConfig
 
 T = TypeVar("T")
@@ -123,15 +123,6 @@ def remembered(
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` under ``path`` atomically; a cache that cannot be written is no error."""
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        write_whole(path, json.dumps(data), durable=False)

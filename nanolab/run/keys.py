@@ -16,6 +16,7 @@ unknown too: a silently completed typo is the same typo.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import functools
@@ -23,11 +24,11 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from nanolab.atomic import write_whole
 from nanolab.errors import RunConfigError
 from nanolab.helpfmt import either, near_options, suggestion
 
@@ -93,14 +94,9 @@ def write_remembered(path: Path | None, value: Any) -> None:
     it only makes the next launch slower)."""
     if path is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        write_whole(path, json.dumps(value), durable=False)
 
 
 def parser_keys(config: Any) -> list[str]:
