@@ -202,14 +202,14 @@ def test_a_run_replaced_during_the_evaluation_is_not_credited_with_it(work, monk
     new_log = b'{"event":"start","time":1.0,"run_id":"0123456789ab"}\n{"event":"end","step":3}\n'
     real_acquire, replaced = runlock.acquire, []
 
-    def replace_then_acquire(run_dir):  # a fresh fit ran between the pick and the append
+    def replace_then_acquire(run_dir, **how):  # a fresh fit ran between the pick and the append
         if not replaced:
             (work / "runs" / "previous").mkdir()
             run.rename(work / "runs" / "previous" / "tiny")
             run.mkdir()
             (run / "metrics.jsonl").write_bytes(new_log)
             replaced.append(run_dir)
-        return real_acquire(run_dir)
+        return real_acquire(run_dir, **how)
 
     monkeypatch.setattr(runlock, "acquire", replace_then_acquire)
     if verb == "eval":
@@ -226,6 +226,60 @@ def test_a_run_replaced_during_the_evaluation_is_not_credited_with_it(work, monk
     ], res.stderr[-3000:]
     assert (run / "metrics.jsonl").read_bytes() == new_log
     assert (work / "runs" / "previous" / "tiny" / "metrics.jsonl").read_bytes() == old_log
+
+
+@pytest.mark.parametrize(
+    ("verb", "what"), [("validate", "dir"), ("test", "dir"), ("eval", "dir"), ("eval", "log")]
+)
+def test_a_run_moved_or_deleted_during_the_evaluation_is_not_made_again(
+    work, monkeypatch, verb, what
+):
+    """The run directory moved (or its log deleted) while its checkpoint was scored: taking the
+    lock for the append made the directory again, with a lone ``metrics.jsonl`` holding the
+    record, and ``status`` then listed that folder as a running run. Now nothing is created:
+    one warning, the scores printed, exit 0 (as for a run replaced meanwhile)."""
+    from nanolab.callbacks import evaluation_log
+
+    run, moved = work / "runs" / "tiny", work / "runs" / "tiny.moved"
+    real_append = evaluation_log.append_evaluation
+
+    def move_then_append(run_dir, *args):  # after the scoring, before the record is written
+        if what == "dir":
+            run.rename(moved)
+        else:
+            (run / "metrics.jsonl").unlink()
+        return real_append(run_dir, *args)
+
+    monkeypatch.setattr(evaluation_log, "append_evaluation", move_then_append)
+    if verb == "eval":
+        argv = ["runs/tiny", "--suite", "builtin:shakespeare", "--limit", "4", "--device", "cpu"]
+    else:
+        argv = ["--config", "tiny.yaml"]
+    before = digests(work)
+    res = nanolab_here(verb, *argv, cwd=work)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    warned = [line for line in res.stderr.splitlines() if "not logg" in line]
+    if what == "dir":
+        assert warned == [
+            f"nanolab {verb}: warning: not logged: the run directory runs/tiny is gone (moved or "
+            "deleted while it was scored); the scores are printed only"
+        ], res.stderr[-3000:]
+        assert not run.exists()
+        moved_files = {k.replace("tiny.moved", "tiny", 1): v for k, v in digests(work).items()}
+        assert moved_files == before
+    else:
+        assert warned == [
+            f"nanolab {verb}: warning: not logged: runs/tiny has no metrics.jsonl (moved or "
+            "deleted?); a record alone there would read as a run of its own"
+        ], res.stderr[-3000:]
+        assert not (run / "metrics.jsonl").exists()
+    assert ("val/loss" if verb == "validate" else "test/loss" if verb == "test" else "acc") in (
+        res.stdout
+    )
+    status = nanolab_here("status", cwd=work)
+    assert "running" not in status.stdout.split("ended")[0].replace("running (0)", ""), (
+        status.stdout
+    )
 
 
 def read_records_id(log: bytes) -> str:

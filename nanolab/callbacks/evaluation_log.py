@@ -39,16 +39,25 @@ def append_evaluation(
     """Append ``record`` (an evaluation of run ``run_id``'s checkpoint) to the run log of
     ``run_dir`` and return the log's path, holding the directory for the append only. None,
     with one warning line and nothing written, when a fit holds the directory or the log now
-    names another run than the one scored."""
+    names another run than the one scored, or the directory or its log is gone (moved or
+    deleted while it was scored): nothing is created in its place."""
     from nanolab.callbacks import runlock
     from nanolab.training.evaluate import append_record
 
     try:
-        lock = runlock.acquire(run_dir)  # no fit may append or rotate while the record is written
+        # No fit may append or rotate while the record is written; a directory gone is not
+        # made again (a lone record there would read, in ``status``, as a running run).
+        lock = runlock.acquire(run_dir, create=False)
+    except FileNotFoundError:
+        warn(prog, f"not logged: {gone(run_dir)}")
+        return None
     except (runlock.RunLockedError, OSError) as err:  # one line, not a Python warning
         warn(prog, f"not logging to {run_dir}: {err}")
         return None
     try:
+        if not (run_dir / RUN_LOG_NAME).is_file():
+            warn(prog, f"not logged: {gone(run_dir)}")
+            return None
         other = replaced_by(run_dir, run_id)
         if other is not None:
             warn(prog, f"not logged: {run_dir} now holds another run ({other})")
@@ -56,6 +65,19 @@ def append_evaluation(
         return append_record(run_dir, record)
     finally:
         lock.release()
+
+
+def gone(run_dir: Path) -> str:
+    """Why a record cannot go into ``run_dir``: the directory, or its log, is not there."""
+    if not run_dir.is_dir():
+        return (
+            f"the run directory {run_dir} is gone (moved or deleted while it was scored); "
+            "the scores are printed only"
+        )
+    return (
+        f"{run_dir} has no {RUN_LOG_NAME} (moved or deleted?); a record alone there would "
+        "read as a run of its own"
+    )
 
 
 def replaced_by(run_dir: Path, run_id: str | None) -> str | None:

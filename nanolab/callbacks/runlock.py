@@ -93,13 +93,18 @@ class RunLock:
 _held: dict[Path, RunLock] = {}
 
 
-def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
+def acquire(run_dir: str | os.PathLike[str], *, create: bool = True) -> RunLock:
     """Hold ``run_dir`` for this launch, or raise :class:`RunLockedError` naming the holder.
 
     Idempotent within a process. Creates ``run_dir`` if needed (an unwritable one raises
-    ``OSError``, which the caller reports).
+    ``OSError``, which the caller reports). ``create=False`` (an evaluation appending to a run
+    it scored) never creates it: a directory moved or deleted meanwhile raises
+    :class:`FileNotFoundError` naming it, and nothing is made in its place (a new folder with
+    a lone record would read, in ``status``, as a run of its own).
     """
     run_dir = Path(run_dir)
+    if not create and not run_dir.is_dir():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(run_dir))
     path = run_dir / LOCK_NAME
     key = path.absolute()
     if key in _held and _held[key].fd is not None:
@@ -111,11 +116,12 @@ def acquire(run_dir: str | os.PathLike[str]) -> RunLock:
     if shared is not None:
         _held[key] = shared
         return shared
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    created = create and not run_dir.exists()
+    if create:
+        run_dir.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
     for _ in range(10):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a folder gone since: ENOENT
         try:
             locked = _try_flock(fd, path)
         except BaseException:
