@@ -331,3 +331,33 @@ def _deliver(signums: list[int]) -> None:
         signal.raise_signal(signums[0])
     finally:
         _deliver(signums[1:])
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, ``kill``), raised where the main thread is, so that it
+    takes Ctrl-C's way out: ``prepare`` stops its workers and BPE trainer and removes its
+    half-written folder (a dataset being replaced is left as it was); ``bench`` stops the side
+    it runs and removes its temporary runs. Without it the default action ended the process at
+    once: exit 143 with no line, its children left running, its leftovers never removed."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt(came: threading.Event) -> Iterator[None]:
+    """SIGTERM raised as :class:`Terminated` while inside, and ``came`` set: should the stop
+    surface as another error on its way out (a pipe to a process being ended), the cause is
+    still the signal. The children (prepare's workers and BPE trainer, bench's sides) are
+    this process's to end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can be set only from the main thread
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        if not came.is_set():  # a second SIGTERM must not break the clean-up of the first
+            came.set()
+            raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

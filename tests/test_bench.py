@@ -387,3 +387,53 @@ def test_the_predicted_peak_is_the_cpu_rules_where_no_gpu_is_visible():
     path = REPO / "tests" / "fixtures" / "estimator_gpt2_124m.yaml"
     expected = estimate_from_config(yaml.safe_load(path.read_text()), device="cpu", devices=1)
     assert predicted_peak_bytes(path) == expected.memory.peak_allocated > 0
+
+
+@pytest.mark.slow  # a bench and its fit to start (~45 s on 2 loaded cores) and stop (~10 s)
+def test_a_bench_stopped_by_sigterm_stops_its_side_and_removes_its_runs(tmp_path, char_dataset):
+    """SIGTERM to the bench alone (``kill PID``, a scheduler's stop) while its nanolab side
+    trained: the bench died at once (exit 143, no line) and its child ``fit`` went on as an
+    orphan, training and saving into the bench's temporary folder, which was never removed.
+    Now the side is stopped and waited for, the folder removed, and the bench says so in one
+    line, exit 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from nanolab.processes import pid_alive, read_lock_holder
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    cfg = tiny_overrides(char_dataset, tmp_path / "unused", run__eval_every_steps=1000)
+    config = write_config(tmp_path / "tiny.yaml", cfg)
+    env = {**os.environ, "TMPDIR": str(temp), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "nanolab", "bench", "--config", str(config), "--steps", "100000",
+         "--warmup", "4", "--rounds", "1", "--no-import-time", "--no-count-syncs"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        child, deadline = None, time.monotonic() + 240
+        while child is None and bench.poll() is None and time.monotonic() < deadline:
+            for lock in temp.glob("nanolab-bench-*/runs/bench-0/.nanolab.lock"):
+                log = lock.parent / "metrics.jsonl"
+                if log.exists() and '"event": "train"' in log.read_text().replace('":"', '": "'):
+                    child = (read_lock_holder(lock) or {}).get("pid")
+            time.sleep(0.2)
+        assert child and pid_alive(child), "the nanolab side never started training"
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    lines = [line for line in err.splitlines() if line.startswith("nanolab bench")]
+    assert bench.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    assert lines[-1].startswith("nanolab bench: terminated; "), err[-3000:]
+    alive = pid_alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the bench's nanolab side was left running"
+    assert list(temp.glob("nanolab-bench-*")) == []  # its temporary runs went with it

@@ -21,12 +21,15 @@ instead of letting 0.35 on a loaded machine read as "nanolab is 3x slower".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -36,6 +39,7 @@ from typing import Any
 from nanolab.bench.comparable import check_comparable
 from nanolab.errors import NanolabError, one_line_errors
 from nanolab.helpfmt import OneLineParser
+from nanolab.processes import sigterm_as_interrupt
 from nanolab.runlog import read_records
 from nanolab.tables import table
 
@@ -145,10 +149,18 @@ def _env() -> dict[str, str]:
     return {"PYTHONUNBUFFERED": "1", **os.environ}
 
 
+#: Seconds a side stopped with the bench (SIGTERM, Ctrl-C) has to exit by itself (a ``fit``
+#: finishes its optimizer step and saves) before it is killed.
+STOP_GRACE_S = 30.0
+
+
 def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
     """Run one side's process, its output passed on to this process's stderr as it comes (a
     bench stopped from outside still shows how far each side got; stdout stays the result's);
-    its failure is a RuntimeError with its last line (the rest was passed on already)."""
+    its failure is a RuntimeError with its last line (the rest was passed on already). The
+    bench stopped meanwhile (:class:`nanolab.processes.Terminated`, Ctrl-C) stops the side
+    and waits for it (:func:`_stop`) before the stop goes on: an orphan would go on training
+    and writing into the bench's temporary folder, which would never be removed."""
     last = "no output"
     with subprocess.Popen(
         cmd,
@@ -159,12 +171,29 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
         bufsize=1,
     ) as proc:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            last = line.strip() or last
+        try:
+            for line in proc.stdout:
+                sys.stderr.write(line)
+                last = line.strip() or last
+        except BaseException:
+            _stop(proc)
+            raise
     sys.stderr.flush()
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}; its output is above): {last}")
+
+
+def _stop(proc: subprocess.Popen[str], grace_s: float = STOP_GRACE_S) -> None:
+    """End a side and wait for it: SIGTERM (a ``fit`` stops at its step and ends its data
+    workers), SIGKILL after ``grace_s``. A side that got the signal too (the whole process
+    group was stopped) has exited or is exiting; the second SIGTERM only hastens it."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def run_nanolab(
@@ -649,6 +678,21 @@ def set_pair(item: str) -> tuple[str, str]:
     return key, value
 
 
+def _stopped(terminated: threading.Event) -> int:
+    """The line and exit code of a bench stopped by SIGTERM (143) or Ctrl-C (130): by now the
+    side it ran has exited (:func:`_run`) and its temporary folder is removed."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a signal again while it exits: no traceback
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    how = "terminated" if terminated.is_set() else "interrupted"
+    print(
+        f"nanolab bench: {how}; the process it ran was stopped and its temporary runs "
+        "removed; no result",
+        file=sys.stderr,
+    )
+    return 128 + signal.SIGTERM if terminated.is_set() else 130
+
+
 @one_line_errors("nanolab bench")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
@@ -725,20 +769,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if owner is not None:
             raise BenchError(f"--set {key}: the bench sets it for every side and round; {owner}")
     resolve_benchmarked(args.config, overrides, args.steps)
+    terminated = threading.Event()
     try:
-        res = benchmark(
-            args.config,
-            overrides,
-            args.steps,
-            args.warmup,
-            args.rounds,
-            args.count_syncs,
-            floor=args.floor,
-        )
+        with sigterm_as_interrupt(terminated):
+            res = benchmark(
+                args.config,
+                overrides,
+                args.steps,
+                args.warmup,
+                args.rounds,
+                args.count_syncs,
+                floor=args.floor,
+            )
+            if args.import_time:
+                res["import_s"] = import_time("nanolab.run.cli", args.import_repeats)
     except RuntimeError as err:
-        print(f"nanolab bench: error: {err}", file=sys.stderr)
-        return 1
-    if args.import_time:
-        res["import_s"] = import_time("nanolab.run.cli", args.import_repeats)
+        if not terminated.is_set():
+            print(f"nanolab bench: error: {err}", file=sys.stderr)
+            return 1
+        return _stopped(terminated)
+    except KeyboardInterrupt:
+        return _stopped(terminated)
     print(json.dumps(res, indent=2) if args.json else format_table(res))
     return 0

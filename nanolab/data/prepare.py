@@ -75,7 +75,7 @@ from nanolab.errors import (
     with_errno_of,
 )
 from nanolab.messages import note, say
-from nanolab.processes import exclusive, stop_signals_held
+from nanolab.processes import exclusive, sigterm_as_interrupt, stop_signals_held
 from nanolab.runlog import refuse_inside_run
 
 FORMAT = f"{DATASET_FORMAT_PREFIX}v1"
@@ -1146,35 +1146,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         f.write(json.dumps(data, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop, ``kill``), raised where the main thread is, so that it
-    takes Ctrl-C's way out: the workers and the BPE trainer are stopped, the half-written
-    folder is removed, and a dataset being replaced is left as it was. Without it the default
-    action ended the process at once: exit 143 with no line, a leaked-semaphore warning, and
-    the leftovers cleared only by the next run."""
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt(came: threading.Event) -> Iterator[None]:
-    """SIGTERM raised as :class:`Terminated` while inside, and ``came`` set: should the stop
-    surface as another error on its way out (a pipe to a process being ended), the cause is
-    still the signal. The workers and the BPE trainer ignore it; this process ends them."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can be set only from the main thread
-        return
-
-    def terminate(signum: int, frame: Any) -> None:
-        if not came.is_set():  # a second SIGTERM must not break the clean-up of the first
-            came.set()
-            raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @one_line_errors("nanolab prepare")
