@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,33 +97,79 @@ def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     """The holder ``run_dir``'s lock file names when it is a process of this host that no
     longer runs (killed with SIGKILL, out of memory: nothing removed the file), else None.
 
-    Read-only, so a reader never stands in a launch's way: the file and the pid only. A
-    holder on another host cannot be checked from here, and a pid that runs again (reused)
-    reads as alive; for those the run's silence decides, as before."""
+    For readers (``status``, ``report``, "is this folder a run"), which hold nothing: the file
+    and the pid, and for an older nanolab's lock (no PID namespace) whether its ``flock`` is
+    held (:func:`lock_file_held`). A holder on another host cannot be checked from here, and a
+    pid of this version's lock that runs again (reused) reads as alive; for those the run's
+    silence decides."""
     path = run_dir / RUN_LOCK_NAME
     holder = read_lock_holder(path)
-    return holder if holder is not None and lock_holder_gone(holder, path) else None
+    return holder if holder is not None and _gone_as_read(holder, path) else None
 
 
 def live_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     """The holder ``run_dir``'s lock file names when it may still run (any holder but one
     :func:`gone_lock_holder` knows has exited), else None: a launch is using the folder even
-    when its log was deleted. Read-only, like :func:`gone_lock_holder`."""
+    when its log was deleted. For readers, like :func:`gone_lock_holder`."""
     path = run_dir / RUN_LOCK_NAME
     holder = read_lock_holder(path)
-    return holder if holder is not None and not lock_holder_gone(holder, path) else None
+    return holder if holder is not None and not _gone_as_read(holder, path) else None
 
 
-def lock_holder_gone(holder: dict[str, Any], path: Path) -> bool:
+def _gone_as_read(holder: dict[str, Any], path: Path) -> bool:
+    """:func:`lock_holder_gone` for a reader: it asks the kernel about ``flock`` only for an
+    older nanolab's lock, the one holder its pid cannot judge. A lock of this version names its
+    namespace and is judged by its pid, unprobed: the holder's own process reads its run too,
+    and its probe would contend with its own lock (on NFS, where flock is a POSIX lock of the
+    process, closing the probe would drop it)."""
+    asked = lock_file_held(path) if _older_holder_here(holder) else None
+    return lock_holder_gone(holder, path, flock_held=asked)
+
+
+def _older_holder_here(holder: dict[str, Any]) -> bool:
+    """A holder of this host's name written by an older nanolab (it names no PID namespace)."""
+    return holder.get("host") == socket.gethostname() and "pid_namespace" not in holder
+
+
+def lock_file_held(path: Path) -> bool | None:
+    """Whether some process holds ``flock`` on the lock file ``path`` (True), none does (False),
+    or this cannot be asked here (None: no file, no ``flock`` on this filesystem).
+
+    Asked with a shared lock taken without waiting and dropped at once; a launch that asks for
+    the lock in that instant asks again (:mod:`nanolab.callbacks.runlock`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None  # no flock here (ENOLCK, EOPNOTSUPP, ...): the file alone decides
+    finally:
+        os.close(fd)
+
+
+def lock_holder_gone(holder: dict[str, Any], path: Path, *, flock_held: bool | None) -> bool:
     """Whether the lock ``holder`` (read from the lock file ``path``) is a process of this host
-    that no longer runs. A holder on another host is never judged gone from here."""
+    that no longer runs. A holder on another host is never judged gone from here.
+
+    ``flock_held`` is what ``flock`` says of the file (None: it cannot be asked). An older
+    nanolab (its lock names no PID namespace) held ``flock`` for its life, and its pid may
+    number a process of another namespace (a container with this host's name): while the
+    kernel answers, its answer alone judges such a holder; a held lock is a live holder, never
+    taken over for what its pid reads here."""
     if holder.get("host") != socket.gethostname():
         return False
     pid = holder.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     if "pid_namespace" not in holder:
-        return _unrecorded_namespace_holder_gone(pid, path)
+        if flock_held is not None:
+            return not flock_held
+        return _unrecorded_namespace_holder_gone(holder, pid, path)
     # A container with this host's name (`docker run --network host`) numbers its processes
     # apart: its pid means nothing here, and its live run read as crashed.
     if holder.get("pid_namespace") is None or holder.get("pid_namespace") != pid_namespace():
@@ -130,23 +177,44 @@ def lock_holder_gone(holder: dict[str, Any], path: Path) -> bool:
     return not pid_alive(pid)
 
 
-def _unrecorded_namespace_holder_gone(pid: int, path: Path) -> bool:
-    """An older nanolab's lock, which does not say its PID namespace: gone when the file was
-    written before this machine booted, when ``pid`` no longer runs here, or when the process
-    that now has ``pid`` started after the file was written (the pid was reused); a process
-    that runs with it since before then may be the holder. Judged from this PID namespace: a
-    live holder of an older nanolab in a same-named container cannot be told apart here."""
+def _unrecorded_namespace_holder_gone(holder: dict[str, Any], pid: int, path: Path) -> bool:
+    """An older nanolab's lock on a filesystem without ``flock``: gone when ``pid`` no longer
+    runs here, when the file was written before this machine booted, or when the process that
+    now has ``pid`` started after the file was written (the pid was reused); a process that
+    runs with it since before then may be the holder. Judged from this PID namespace: a live
+    holder of an older nanolab in a same-named container cannot be told apart here.
+
+    "Written" is the later of the file's time and the holder's own ``started`` (this host's
+    clock, as the holder is of this host): a network filesystem stamps the file with its
+    server's clock, and a server behind this one made a live holder's start read as later
+    than its file (a reused pid) and a file written since boot as older than the boot. Without
+    a ``started`` of its own, only a pid that runs no more judges it."""
     try:
         written = path.stat().st_mtime
     except OSError:
         return False  # no file: nothing to judge (a reader raced its removal)
+    if not pid_alive(pid):
+        return True
+    stamped = _local_stamp(holder.get("started"))
+    if stamped is None:
+        return False
+    written = max(written, stamped)
     booted = boot_time()
     if booted is not None and written < booted:
         return True
-    if not pid_alive(pid):
-        return True
     started = process_started_at(pid)
     return started is not None and started > written + _CLOCK_SLACK_S
+
+
+def _local_stamp(started: Any) -> float | None:
+    """A lock holder's ``started`` (``%Y-%m-%d %H:%M:%S`` in its local time) as Unix time, or
+    None when it is not one."""
+    if not isinstance(started, str):
+        return None
+    try:
+        return time.mktime(time.strptime(started, "%Y-%m-%d %H:%M:%S"))
+    except (ValueError, OverflowError):
+        return None
 
 
 #: Seconds a process start may read after its lock file's time and still be the holder (the

@@ -6,6 +6,7 @@ The logs are written here by hand, record by record, in the schema the JSONL cal
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -170,32 +171,39 @@ def test_a_run_whose_lock_names_a_dead_process_of_this_host_is_crashed_at_once(
     host, here = socket.gethostname(), pid_namespace()
     now = time.time()
     # "container": a process numbered in another PID namespace of a same-named host (docker
-    # --network host); "older": a lock file that does not say its namespace (an older nanolab's:
-    # judged by its pid, gone here); "older live": the same naming a process running since.
+    # --network host); "older": a lock file that does not say its namespace (an older nanolab's,
+    # its flock free: gone); "older held": the same with its flock held (an older nanolab in a
+    # same-named container, its pid numbered there: alive, though the pid names none here).
     for name, holder in (("killed", {"host": host, "pid": gone.pid, "pid_namespace": here}),
                          ("live", {"host": host, "pid": os.getpid(), "pid_namespace": here}),
                          ("elsewhere", {"host": host + "-other", "pid": gone.pid}),
                          ("container", {"host": host, "pid": gone.pid, "pid_namespace": "pid:[1]"}),
                          ("older", {"host": host, "pid": gone.pid}),
-                         ("older live", {"host": host, "pid": os.getpid()}),
+                         ("older held", {"host": host, "pid": gone.pid}),
                          ("unlocked", None)):  # fmt: skip
         run_dir = write_run(tmp_path, name, losses=[3.0, 2.9], vals={}, end=None, t0=now - 5)
         if holder is not None:
             (run_dir / RUN_LOCK_NAME).write_text(json.dumps({**holder, "started": "now"}))
-    code, out, _ = run_report(capsys, str(tmp_path), "--json")
-    status = {r["run"]: (r["status"], r["detail"]) for r in json.loads(out)["runs"]}
-    for name in ("killed", "older"):
-        assert code == 0 and status[name] == (
-            "crashed", f"no end record; its process (pid {gone.pid} on {host}) is gone"
-        ), name  # fmt: skip
-    for name in ("live", "elsewhere", "container", "older live", "unlocked"):  # alive, or unknown
-        assert status[name] == ("running", None), name
-    assert nanolab_main(["status", str(tmp_path)]) == 0
-    shown = capsys.readouterr().out
-    # The detail is in the row, or whole below the table when long (as the pid's digits make it).
-    killed = [x for x in shown.splitlines() if x.split()[:1] in (["killed"], ["killed:"])]
-    assert "running (5)" in shown and killed, shown
-    assert any(f"no end record; its process (pid {gone.pid}" in x for x in killed), shown
+    held = os.open(tmp_path / "older held" / RUN_LOCK_NAME, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        code, out, _ = run_report(capsys, str(tmp_path), "--json")
+        status = {r["run"]: (r["status"], r["detail"]) for r in json.loads(out)["runs"]}
+        for name in ("killed", "older"):
+            assert code == 0 and status[name] == (
+                "crashed", f"no end record; its process (pid {gone.pid} on {host}) is gone"
+            ), name  # fmt: skip
+        alive_or_unknown = ("live", "elsewhere", "container", "older held", "unlocked")
+        for name in alive_or_unknown:
+            assert status[name] == ("running", None), name
+        assert nanolab_main(["status", str(tmp_path)]) == 0
+        shown = capsys.readouterr().out
+        # The detail is in the row, or whole below the table when long (the pid's digits decide).
+        killed = [x for x in shown.splitlines() if x.split()[:1] in (["killed"], ["killed:"])]
+        assert "running (5)" in shown and killed, shown
+        assert any(f"no end record; its process (pid {gone.pid}" in x for x in killed), shown
+    finally:
+        os.close(held)
 
 
 def test_a_failed_run_says_its_resumes_as_a_finished_one_does(tmp_path: Path, capsys) -> None:

@@ -17,6 +17,9 @@ writing them. So before anything is read or written, the launching process takes
   (the previous allocation's node may be unreachable, its lock not yet expired on a network
   filesystem): the job id in the file says it is the same job, and SLURM only requeues a job
   whose processes are gone.
+* A held lock that an older nanolab wrote (its file names no PID namespace) is refused, whatever
+  its pid reads here: that pid may number a live process of another PID namespace (a container
+  with this host's name); the refusal says to delete the file if that process is really gone.
 * On filesystems without ``flock`` the file alone decides: a holder on this host whose pid no
   longer runs is taken over (:func:`nanolab.processes.lock_holder_gone`: in its PID namespace,
   or, for an older nanolab's file that names none, also a pid reused since the file was
@@ -46,7 +49,6 @@ from nanolab.callbacks.events import CallbackConfigError
 from nanolab.processes import (
     RUN_LOCK_NAME,
     global_rank_from_env,
-    gone_lock_holder,
     lock_holder_gone,
     pid_alive,
     pid_namespace,
@@ -123,16 +125,16 @@ def acquire(run_dir: str | os.PathLike[str], *, create: bool = True) -> RunLock:
     for _ in range(10):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a folder gone since: ENOENT
         try:
-            locked = _try_flock(fd, path)
+            locked = _try_flock_past_readers(fd, path)
         except BaseException:
             os.close(fd)
             raise
-        if locked is False and gone_lock_holder(run_dir) is not None:
+        if locked is False and _held_by_gone_holder(path):
             locked = _wait_for_orphans(fd, path)
         if locked is False:
             holder = read_lock_holder(path)
             os.close(fd)
-            if _requeued_same_job(holder) or gone_lock_holder(run_dir) is not None:
+            if _requeued_same_job(holder) or _held_by_gone_holder(path):
                 # The requeued job, or the launch after a holder of this host that is gone,
                 # takes over: a new, unlocked file at ``path`` (the old holder, or the children
                 # it left, keep their lock on the unlinked inode).
@@ -172,8 +174,8 @@ def _refusal(run_dir: Path, holder: dict[str, Any] | None) -> str:
         "stop it, or choose another run.name"
     )
     if holder and (holder.get("host") != socket.gethostname() or "pid_namespace" not in holder):
-        # Not judged from here (another host's process, or an older nanolab's lock whose pid
-        # runs here since before it was written): the user can tell, and clear it.
+        # Not judged from here (another host's process, or an older nanolab's lock, whose pid
+        # may number a process of another PID namespace): the user can tell, and clear it.
         line += f"; if that process is gone, delete {run_dir / LOCK_NAME}"
     return line
 
@@ -191,6 +193,32 @@ def _shared_with_launcher(path: Path) -> RunLock | None:
 #: How long a launch waits for the children a killed holder left (data loader workers, which
 #: look for their parent every 5 s) to let go of the run directory's lock before taking it over.
 ORPHAN_GRACE_S = 10.0
+
+
+def _held_by_gone_holder(path: Path) -> bool:
+    """The lock at ``path`` is held (flock said so): does its file name a holder of this host
+    that is gone, whose children (or nothing) hold it? An older nanolab's holder (no PID
+    namespace) is never: the held lock says it runs, wherever its pid is numbered."""
+    holder = read_lock_holder(path)
+    return holder is not None and lock_holder_gone(holder, path, flock_held=True)
+
+
+#: A reader (``status``, ``report``) asks whether an older nanolab's lock is held by taking a
+#: shared lock for an instant (:func:`nanolab.processes.lock_file_held`): a launch finding the
+#: lock held asks again this many times, :data:`_READER_PAUSE_S` apart, before it believes so.
+_READER_RETRIES = 5
+_READER_PAUSE_S = 0.02
+
+
+def _try_flock_past_readers(fd: int, path: Path) -> bool | None:
+    """:func:`_try_flock`, asked again for a moment while the lock reads as held, so that a
+    reader's brief shared lock never refuses a launch."""
+    for _ in range(_READER_RETRIES):
+        locked = _try_flock(fd, path)
+        if locked is not False:
+            return locked
+        time.sleep(_READER_PAUSE_S)
+    return _try_flock(fd, path)
 
 
 def _wait_for_orphans(fd: int, path: Path) -> bool | None:
@@ -261,7 +289,7 @@ def _live_holder_elsewhere(path: Path) -> bool:
         return False
     if holder.get("host") != socket.gethostname():
         return True  # cannot check another host's processes: respect the file
-    return not lock_holder_gone(holder, path)  # its namespace, or an older lock's age
+    return not lock_holder_gone(holder, path, flock_held=None)  # pid, namespace, file age
 
 
 def _pid_alive(pid: Any) -> bool:
