@@ -161,7 +161,8 @@ def test_the_divergence_fix_is_a_branch_that_trains_at_its_own_rate_on_restored_
     assert branch.returncode == 0, branch.stderr[-2000:]
     said = [x for x in branch.stderr.splitlines() if "this branch trains with" in x]
     assert len(said) == 1 and (
-        f"model.optimizer.lr 0.001 from step {parent_step}; its parent's was 100" in said[0]
+        f"model.optimizer.lr 0.001 from step {parent_step + 1}, after its parent's step "
+        f"{parent_step}; its parent's was 100" in said[0]
     )
     assert "resuming keeps" not in branch.stderr
     name = command[command.index("--run.name") + 1]
@@ -264,6 +265,22 @@ def _sharded_folder(folder: Path, kind: str, state: dict) -> Path:
     return folder
 
 
+def test_a_branch_s_line_names_its_first_step_the_one_after_its_parent_s() -> None:
+    """A branch from the step-7 checkpoint first trains with its own rate at step 8 (step 7 was
+    the parent's, at the parent's rate): the line said "from step 7".
+
+    Mutation caught: the checkpoint's step named as the branch's first."""
+    from nanolab.run.compose import branch_settings_line
+
+    line = branch_settings_line([("model.optimizer.lr", 0.001, 0.003)], 7)
+    assert line == (
+        "nanolab fit: this branch trains with model.optimizer.lr 0.001 from step 8, after its "
+        "parent's step 7; its parent's was 0.003 (the optimizer's moments and step counts are "
+        "its parent's)"
+    )
+    assert "after its parent's last step" in branch_settings_line([("x", 1, 2)], None)
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "deepspeed"])
 def test_a_branch_from_a_sharded_folder_says_it_trains_with_its_own_settings(
     tmp_path, capsys, kind
@@ -292,8 +309,8 @@ def test_a_branch_from_a_sharded_folder_says_it_trains_with_its_own_settings(
     keep_checkpoint_settings(config(), folder, seeds=False, run_dir=tmp_path / "b")
     said = capsys.readouterr().err.strip().splitlines()
     assert said == [
-        "nanolab fit: this branch trains with model.optimizer.lr 0.001 from step 10; its "
-        "parent's was 0.5 (the optimizer's moments and step counts are its parent's)"
+        "nanolab fit: this branch trains with model.optimizer.lr 0.001 from step 11, after its "
+        "parent's step 10; its parent's was 0.5 (the optimizer's moments and step counts are its parent's)"
     ]
     resumed = config()
     keep_checkpoint_settings(resumed, folder, seeds=True, run_dir=tmp_path / "dv")

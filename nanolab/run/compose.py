@@ -895,14 +895,24 @@ def keep_checkpoint_settings(
 
 def branch_settings_line(taken: list[tuple[str, Any, Any]], step: Any) -> str:
     """The line of a branch that trains with optimizer or schedule settings of its own:
-    ``taken`` holds (key, the branch's value, the parent's)."""
+    ``taken`` holds (key, the branch's value, the parent's). ``step`` is the checkpoint's
+    (the parent's last step, trained with the parent's values): the branch's first step, the
+    first with its own values, is the one after it."""
     keys = ", ".join(f"{key} {flag_value(mine)}" for key, mine, _ in taken)
     theirs = ", ".join(flag_value(parents) for _, _, parents in taken)
     were = "was" if len(taken) == 1 else "were"
     return (
-        f"nanolab fit: this branch trains with {keys} from step {step}; its parent's {were} "
+        f"nanolab fit: this branch trains with {keys} {_after_step(step)}; its parent's {were} "
         f"{theirs} (the optimizer's moments and step counts are its parent's)"
     )
+
+
+def _after_step(step: Any) -> str:
+    """When a branch from the step-``step`` checkpoint starts: from the step after the
+    checkpoint's, the parent's last (``from step 8, after its parent's step 7``)."""
+    if isinstance(step, int) and not isinstance(step, bool):
+        return f"from step {step + 1}, after its parent's step {step}"
+    return "after its parent's last step"
 
 
 #: Settings a resume takes anew although they change what the run computes from here: the
