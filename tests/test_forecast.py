@@ -16,6 +16,7 @@ import pytest
 
 from nanolab.forecast import ForecastError, fit_loss_curve
 from nanolab.report import main
+from nanolab.runs import si
 
 E, A, ALPHA, D0 = 1.8, 2.5, 0.35, 2000.0
 TOKENS = np.linspace(D0, 100 * D0, 40)
@@ -134,6 +135,51 @@ def test_report_forecast_and_target_loss(tmp_path: Path, capsys) -> None:
     assert "at max_steps (400k tokens)" in table
     assert "1.0: the fitted floor" in table and "not reachable" in table
     assert "group exp" in table
+
+
+def test_a_target_the_log_already_crossed_is_reported_with_or_without_a_fit(
+    tmp_path: Path, capsys
+) -> None:
+    """``report --target-loss X`` on a run whose validations crossed X says where, read off the
+    log (interpolated between the validations either side), however few they are: with 3
+    validations it only said "no forecast (3 usable validation point(s) ...)"; with 16, the
+    fitted curve's crossing stood in for the one the log shows. A target not crossed yet is
+    said so without a fit, and left to the forecast with one.
+
+    Mutations caught: the target read only through the fit; the crossing taken at the first
+    validation below X (no interpolation)."""
+    _write_run(tmp_path, "short", seed=1, last=30)  # 3 validations: too few to fit
+    _write_run(tmp_path, "long", seed=2)  # 16: fitted
+    vals = {
+        name: {r["step"]: (r["tokens"], r["val_loss"])
+               for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open())
+               if r["event"] == "val"}
+        for name in ("short", "long")
+    }  # fmt: skip
+    (_, v10), (_, v20) = vals["short"][10], vals["short"][20]
+    target = round((v10 + v20) / 2, 6)  # crossed between the validations at steps 10 and 20
+    share = (v10 - target) / (v10 - v20)
+    assert main([str(tmp_path), "--forecast", "--target-loss", str(target)]) == 0
+    table = capsys.readouterr().out
+    (short,) = [ln for ln in table.splitlines() if ln.startswith("  short:")]
+    assert "no forecast (3 usable validation point(s)" in short
+    assert (
+        f"; {target} reached at ~{si(10_000 + share * 10_000)} tokens (step ~{10 + 10 * share:.1f}), "
+        "interpolated between the validations at steps 10 and 20"
+    ) in short
+    (long,) = [ln for ln in table.splitlines() if ln.startswith("  long:")]
+    assert f"; {target} reached at ~" in long and " tokens [" not in long.split(f"; {target}")[1]
+    assert main([str(tmp_path), "--json", "--target-loss", str(target)]) == 0
+    reached = json.loads(capsys.readouterr().out)["forecasts"]["short"]["reached"]
+    assert reached["before"] == 10 and reached["after"] == 20
+    assert reached["step"] == pytest.approx(10 + 10 * share)
+    assert reached["tokens"] == pytest.approx(10_000 + share * 10_000)
+    below = round(min(v for _, v in vals["short"].values()) - 0.5, 3)
+    assert main([str(tmp_path), "--forecast", "--target-loss", str(below)]) == 0
+    (short,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  short:")]
+    assert short.endswith(
+        f"; {below} not reached by its validations (the last: {vals['short'][30][1]:.4f})"
+    )
 
 
 def test_forecast_check_bench_on_a_finished_run(tmp_path: Path, capsys) -> None:

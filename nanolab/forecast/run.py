@@ -57,6 +57,25 @@ class CurveInputs:
 
 
 @dataclass
+class Crossing:
+    """Where a validation curve first reached a target loss, read off its own points.
+
+    Attributes:
+        step, tokens: Where the straight line between the validations either side meets the
+            target (interpolated); at the first validation itself when that one is already at
+            or below it (it was reached there or sooner).
+        before: The step of the last validation above the target (None: the first validation
+            was already at or below it).
+        after: The step of the first validation at or below it.
+    """
+
+    step: float
+    tokens: float
+    before: float | None
+    after: float
+
+
+@dataclass
 class RunForecast:
     """What a run's validation curve says about its end and about a target loss.
 
@@ -74,6 +93,8 @@ class RunForecast:
         finished: The last validation point is at ``max_steps``: nothing is left to forecast
             (the report says "finished" and how well the curve was fitted, not a forecast).
         last_loss: The val loss of the last point.
+        reached: Where the validations already crossed ``target`` (:func:`observed_crossing`),
+            with or without a fit; None: not crossed, or no target.
     """
 
     points: int
@@ -91,6 +112,35 @@ class RunForecast:
     note: str | None = None
     finished: bool = False
     last_loss: float | None = None
+    reached: Crossing | None = None
+
+
+def observed_crossing(points: list[tuple[float, float, float]], target: float) -> Crossing | None:
+    """Where ``points`` (``(step, tokens, val loss)``, a seed group's several per step: their
+    mean counts) first reach ``target``, interpolated linearly in loss between the validations
+    either side; None when no validation is at or below it. A report asked for a target says
+    so from the log itself, however few points it holds (a fit needs :data:`MIN_POINTS`)."""
+    by_step: dict[float, list[tuple[float, float]]] = {}
+    for step, tokens, loss in points:
+        by_step.setdefault(step, []).append((tokens, loss))
+    previous: tuple[float, float, float] | None = None
+    for step in sorted(by_step):
+        pairs = by_step[step]
+        tokens = sum(t for t, _ in pairs) / len(pairs)
+        loss = sum(v for _, v in pairs) / len(pairs)
+        if loss <= target:
+            if previous is None:
+                return Crossing(step=step, tokens=tokens, before=None, after=step)
+            s0, t0, v0 = previous
+            share = (v0 - target) / (v0 - loss)  # v0 > target >= loss: in (0, 1]
+            return Crossing(
+                step=s0 + share * (step - s0),
+                tokens=t0 + share * (tokens - t0),
+                before=s0,
+                after=step,
+            )
+        previous = (step, tokens, loss)
+    return None
 
 
 def even_points(points: list, limit: int) -> list:
@@ -150,6 +200,8 @@ def fit_curve(inputs: CurveInputs, bootstrap: int = 200) -> ScheduleFit:
 def forecast(inputs: CurveInputs, target: float | None = None, bootstrap: int = 200) -> RunForecast:
     """Fit ``inputs`` and forecast the end of the run and a target (see the module)."""
     out = RunForecast(points=len(inputs.points), target=target)
+    if target is not None:
+        out.reached = observed_crossing(inputs.points, target)
     if inputs.points:
         # The last validation's loss; a seed group has one point per seed there: their mean.
         last_step = max(s for s, _, _ in inputs.points)

@@ -191,7 +191,7 @@ def format_forecasts(
     out = ["", head]
     for label, f in [*runs.items(), *((f"group {k}", v) for k, v in groups.items())]:
         if f.fit is None:
-            out.append(f"  {label}: no forecast ({f.note})")
+            out.append(f"  {label}: no forecast ({f.note})" + _reached_text(f, target))
             continue
         if f.finished:
             out.append(f"  {label}: {finished_text(f)}" + _target_text(f, target, hours))
@@ -218,6 +218,8 @@ def _target_text(f: Any, target: float | None, hours: str) -> str:
     """``; to X: tokens [range], hours, cost`` for --target-loss (empty without one)."""
     if target is None:
         return ""
+    if f.reached is not None:  # seen in the log: no forecast of a point already passed
+        return _reached_text(f, target)
     if f.target_tokens is None:
         return f"; to {target}: {f.note}"
     lo, hi = f.target_band
@@ -228,6 +230,24 @@ def _target_text(f: Any, target: float | None, hours: str) -> str:
     if f.target_cost is not None:
         text += f", {money(f.target_cost)}"
     return text
+
+
+def _reached_text(f: Any, target: float | None) -> str:
+    """``; X reached at ~N tokens (step ~S), ...`` when the run's validations already crossed
+    the target (:func:`nanolab.forecast.run.observed_crossing`), whether or not a curve could
+    be fitted; without a fit, also that it was not reached; else empty."""
+    at = f.reached
+    if target is None:
+        return ""
+    if at is None:
+        if f.fit is not None or f.last_loss is None:
+            return ""  # the forecast's own target text says the rest
+        return f"; {target} not reached by its validations (the last: {f.last_loss:.4f})"
+    if at.before is None:
+        return (f"; {target} reached by {si(at.tokens)} tokens (step {at.step:.0f}): its first "
+                "validation is already at or below it")  # fmt: skip
+    return (f"; {target} reached at ~{si(at.tokens)} tokens (step ~{at.step:.1f}), interpolated "
+            f"between the validations at steps {at.before:.0f} and {at.after:.0f}")  # fmt: skip
 
 
 def finished_text(f: Any) -> str:
