@@ -410,7 +410,7 @@ BRANCHES: dict[str, dict[str, int]] = {
         "_compile_note": 1,
         "_device": 5,
         "_follow_the_model": 2,
-        "estimate_from_config": 8,
+        "estimate_from_config": 7,
     },
     "nanolab/estimator/gpus.py": {"matmul_rate": 1},
     "nanolab/estimator/history.py": {"ran_on": 1},

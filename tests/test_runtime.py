@@ -20,3 +20,34 @@ def test_estimate_banner_and_queue_give_one_number_on_cpu() -> None:
     rate = est.compute.peak_tflops_per_device
     assert rate == cpu_device(bf16=False).peak("fp32") == cpu_device().peak("fp32")
     assert f"{rate * 1e3:,.0f} GFLOP/s" in how  # a CPU's rate is not printed as "0.2 TFLOP/s"
+
+
+def test_a_small_model_s_steps_are_priced_at_the_host_s_fixed_work_and_called_a_lower_bound() -> (
+    None
+):
+    """A 2-layer, 32-wide model's 3,000 CPU steps (256 tokens each) were estimated at ~3 s of
+    training, FLOPs alone, where they took 99 s: each step's fixed host work (the loop, the
+    optimizer, the per-op dispatch of every micro-batch) is at least ~4 ms here. The banner's
+    and the queue's figure (``run_seconds``) and ``estimate``'s carry it, on a CPU added to the
+    FLOPs time and on a GPU as the step's floor, and say the figure is a lower bound.
+
+    Mutations caught: no fixed cost per step (3 s); the floor not per micro-batch."""
+    from nanolab.estimator.cpu import HOST_LAYER_S, HOST_MICRO_BATCH_S, HOST_STEP_S
+
+    cfg = compose(["--config", str(QUICKSTART), "--model.gpt.vocab_size", "71",
+                   "--model.gpt.n_layer", "2", "--model.gpt.n_head", "2",
+                   "--model.gpt.n_embd", "32", "--model.gpt.block_size", "32",
+                   "--data.micro_batch_size", "4", "--trainer.accumulate_grad_batches", "2"])  # fmt: skip
+    floor = HOST_STEP_S + 2 * (HOST_MICRO_BATCH_S + 2 * HOST_LAYER_S)
+    assert floor >= 3e-3
+    est = estimate_from_config(cfg, device="cpu", history=False)
+    assert est.compute.floor_seconds == pytest.approx(floor)
+    flops_s = est.compute.flops_per_step / (est.compute.peak_tflops_per_device * 1e12 * 0.55)
+    assert est.compute.step_seconds == pytest.approx(flops_s + floor, rel=1e-6)
+    seconds, how = run_seconds(cfg, devices=1, tokens_per_step=256, max_steps=3000)
+    assert seconds - STARTUP_S == pytest.approx(est.compute.step_seconds * 3000, rel=1e-9)
+    assert seconds - STARTUP_S >= 3000 * floor
+    assert "a lower bound" in how and "fixed host work" in how
+    gpu_s, gpu_how = run_seconds(cfg, devices=1, tokens_per_step=256, max_steps=3000, gpu="h100")
+    assert gpu_s - STARTUP_S == pytest.approx(3000 * floor)  # the floor, not microseconds
+    assert "a lower bound" in gpu_how

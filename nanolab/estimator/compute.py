@@ -8,7 +8,10 @@ numerator of MFU. The time comes from, in order of trust:
 2. the GPU's dense peak *for the matmul dtype the run really uses* (bf16/fp16 for 16-bit
    precisions; for ``32-true`` TF32 when ``run.float32_matmul_precision`` allows it and the GPU
    has TF32 units, else plain FP32, 8x slower on an A100) times an MFU: ``--mfu``, else the GPU
-   family's default, whose source is in ``gpus.json``.
+   family's default, whose source is in ``gpus.json``; with the host's fixed work per step
+   (:func:`nanolab.estimator.cpu.host_floor_seconds`: the loop, the optimizer and the per-op
+   dispatch) added on a CPU and as the step's floor on a GPU, so a small model's step is not
+   priced at microseconds.
 
 Gradient checkpointing re-runs every block's forward; that work is not model FLOPs, so at the
 same hardware efficiency the achieved MFU drops by the recompute share:
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from nanolab.estimator.cpu import sixteen_bit_mfu
+from nanolab.estimator.cpu import host_floor_seconds, sixteen_bit_mfu
 from nanolab.estimator.gpus import GPU, format_rate
 from nanolab.estimator.gpus import matmul_rate as gpu_matmul_rate
 from nanolab.estimator.run_length import run_length
@@ -66,9 +69,20 @@ class ComputeEstimate:
     #: ``currency``), or the GPU table's indicative USD price.
     price_source: str = "GPU table"
     currency: str = "USD"
+    #: Seconds of fixed host work a step holds at least (:func:`nanolab.estimator.cpu.
+    #: host_floor_seconds`; 0 when the time is measured): in ``step_seconds``, added to the
+    #: FLOPs time on a CPU, its floor on a GPU.
+    floor_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def floor_dominates(self) -> bool:
+        """Whether the fixed host work is half the step time or more: the FLOPs no longer set
+        the time, and the fixed cost, measured on a quiet machine at its lower end, makes the
+        figure a lower bound."""
+        return self.floor_seconds > 0 and 2 * self.floor_seconds >= self.step_seconds
 
 
 def tokens_per_step(setup: Setup, micro_batch: int, accumulate: int) -> int:
@@ -115,6 +129,7 @@ def estimate_compute(
     peak_tflops, dtype = matmul_rate(setup, gpu)
     peak = peak_tflops * 1e12
     flops_step = float(fpt) * tps
+    floor_s = 0.0
     if measured_tokens_per_second:
         tok_s = float(measured_tokens_per_second)
         step_s = tps / tok_s
@@ -123,14 +138,20 @@ def estimate_compute(
         eff = mfu_used
         tok_source = measured_source or "measured"
     else:
+        on_cpu = gpu.family == "cpu"
         mfu_used = gpu.default_mfu if mfu is None else mfu
         mfu_source = gpu.mfu_source if mfu is None else "--mfu"
-        if mfu is None and gpu.family == "cpu":
+        if mfu is None and on_cpu:
             mfu_used, mfu_source = sixteen_bit_mfu(gpu, dtype)
         eff = mfu_used * fpt / (fpt + rpt)
-        step_s = flops_step / (setup.world_size * peak * eff)
+        floor_s = host_floor_seconds(gpt.n_layer, accumulate)
+        step_s = step_time(flops_step / (setup.world_size * peak * eff), floor_s, on_cpu=on_cpu)
         tok_s = tps / step_s
-        tok_source = f"{mfu_used:.0%} MFU of {format_rate(peak_tflops)} ({dtype})"
+        tok_source = f"{mfu_used:.0%} MFU of {format_rate(peak_tflops)} ({dtype}), " + (
+            f"plus {floor_s * 1e3:.3g} ms a step of fixed host work"
+            if on_cpu
+            else f"a step no shorter than its {floor_s * 1e3:.3g} ms of fixed host work"
+        )
     chinchilla = CHINCHILLA_TOKENS_PER_PARAM * n
     length = run_length(setup.max_steps, setup.budget, tps, step_s, setup.world_size)
     if tokens is not None:
@@ -173,4 +194,12 @@ def estimate_compute(
         cost_usd=gpu_hours * price,
         price_source=price_source,
         currency=currency,
+        floor_seconds=floor_s,
     )
+
+
+def step_time(flops_s: float, floor_s: float, *, on_cpu: bool) -> float:
+    """A step's seconds from its FLOPs time and the host's fixed work per step: on a CPU both
+    run on the host, one after the other (their sum); on a GPU the host works while the device
+    runs the queued step (the larger of the two)."""
+    return flops_s + floor_s if on_cpu else max(flops_s, floor_s)

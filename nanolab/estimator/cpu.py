@@ -28,6 +28,33 @@ from nanolab.estimator.gpus import GPU
 #: long; a finished queue run of the same config replaces it with its measured time per step.
 CPU_EFFICIENCY = 0.55
 
+#: The host's fixed work per training step, whatever the model's FLOPs: the floor of a step's
+#: time (:func:`host_floor_seconds`), which the FLOPs model alone misses for small models (a
+#: 2-layer, 32-wide model's 3,000 CPU steps were estimated at 3 s and took 99 s of steps).
+#: Per optimizer step: the training loop, the optimizer's per-tensor update, clipping and the
+#: step callbacks; per micro-batch: forward, loss and backward dispatch, plus per layer their
+#: ~100 small ops. On a CPU the tiny kernels run on the host too; on a GPU the host does the
+#: same dispatch (and the kernel launches) while the device runs the queued step, so the floor
+#: is the step's time only where it exceeds the FLOPs time (not measured on a GPU here: it is
+#: the same Python and dispatcher path, ~1-4 ms a step for nanoGPT-class models). Measured
+#: 2026-12-06 on a 2-core x86-64 VM, torch 2.13.0+cpu, 1 thread, 128-token micro-batches:
+#: process CPU time of 450-step fits minus 50-step ones of the same config (the VM was loaded
+#: ~4x, so CPU time, not wall time), per step: 1 layer 4.2 ms, 2 layers 7.1 ms, 6 layers 14.0
+#: ms, 2 layers x 4 micro-batches 17.8 ms (3.6 ms per extra micro-batch); scaled by the quiet
+#: machine's 2.5 ms for the 1-layer step (docs/overhead.md: plain loop 1.52 ms + nanolab and
+#: Lightning 0.97 ms), that is ~1.2 ms per layer and micro-batch including its FLOPs. The
+#: constants are the lower end, so the figure stays a floor.
+HOST_STEP_S = 1.0e-3
+HOST_MICRO_BATCH_S = 0.5e-3
+HOST_LAYER_S = 0.5e-3
+
+
+def host_floor_seconds(n_layer: int, accumulate: int) -> float:
+    """Seconds of fixed host work in one optimizer step of ``accumulate`` micro-batches of an
+    ``n_layer`` model (:data:`HOST_STEP_S`, :data:`HOST_MICRO_BATCH_S`, :data:`HOST_LAYER_S`)."""
+    per_micro = HOST_MICRO_BATCH_S + HOST_LAYER_S * max(1, n_layer)
+    return HOST_STEP_S + max(1, accumulate) * per_micro
+
 
 def sixteen_bit_mfu(device: GPU, dtype: str) -> tuple[float, str]:
     """(MFU against the ``dtype`` peak, why) that times a 16-bit run on a CPU at

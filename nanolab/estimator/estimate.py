@@ -132,13 +132,6 @@ class Estimate:
         }
 
 
-#: Step times (GPU, CPU) below which the FLOPs model no longer predicts the time: a GPU step
-#: launches hundreds of kernels (~5 us each) and a CPU step pays ~3 ms of loop and per-op costs
-#: whatever its size (docs/overhead.md: 1.5 ms for a 1-layer plain loop, 1 ms of Lightning and
-#: nanolab on top).
-SMALL_STEP_S = (0.01, 0.05)
-
-
 def _device(
     gpu: str | GPU | None,
     device_memory: int | str | None,
@@ -427,11 +420,12 @@ def estimate_from_config(
             "where measured), so it is likely optimistic; pass --mfu, or let a finished "
             "nanolab queue run of this config set it"
         )
-    if measured is None and compute.step_seconds < SMALL_STEP_S[be == "cpu"]:
+    if measured is None and compute.floor_dominates:
         warnings.append(
-            f"{compute.step_seconds * 1e3:.2f} ms a step by the FLOPs model: at this size the "
-            "fixed costs of a step (kernel launches, Python, the training loop) dominate, so the "
-            "time is a lower bound; `nanolab bench --config ...` measures it"
+            f"{compute.step_seconds * 1e3:.2f} ms a step, {compute.floor_seconds * 1e3:.3g} ms "
+            "of it the fixed host work of a step (the training loop, the optimizer, per-op "
+            "dispatch), counted at its lower end: at this size it dominates, "
+            "so the time is a lower bound; `nanolab bench --config ...` measures it"
         )
     if setup.global_batch_tokens is not None and setup.micro_batch_size is None and not choice:
         warnings.append("no micro-batch fits; see the switches")

@@ -4,6 +4,7 @@ One answer for the ``fit`` start banner and ``nanolab queue`` (``--until``, ``--
 GPU of the estimator's table, :func:`nanolab.estimator.estimate_from_config` at the family's MFU;
 on CPU, where there is no datasheet peak, this machine's FP32 matmul rate is measured once per
 process (:mod:`nanolab.estimator.cpu`, 0.2 s) and :data:`CPU_EFFICIENCY` of it is assumed. Both
+count the host's fixed work per step (:func:`nanolab.estimator.cpu.host_floor_seconds`) and
 add :data:`STARTUP_S` for importing torch/Lightning and building the model.
 """
 
@@ -110,6 +111,11 @@ def run_seconds(
         how = f"estimator ({gpu}, MFU {c.mfu:.0%})"
     else:
         how = f"FLOPs at {c.mfu:.0%} of this CPU's {format_rate(c.peak_tflops_per_device)}{guessed}"
+    if c.floor_dominates:  # the estimate's own rule (its note), in the same words everywhere
+        how += (
+            f"; a lower bound: {c.floor_seconds * 1e3:.3g} ms of a step's "
+            f"{c.step_seconds * 1e3:.3g} ms is fixed host work, counted at its lower end"
+        )
     return c.hours * 3600 + STARTUP_S, how
 
 

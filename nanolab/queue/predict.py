@@ -11,7 +11,8 @@ long ones first, so both need a duration per job. In order of trust:
 2. **FLOPs**: ``flops_per_token x tokens`` over the device's throughput. On GPUs the estimator
    (:mod:`nanolab.estimator`) does this with its peak table at an assumed MFU; on CPU there is no
    datasheet peak, so this machine's FP32 matmul rate is measured (0.2 s, at ``queue add``)
-   and :data:`CPU_EFFICIENCY` of it is assumed. Both add :data:`STARTUP_S` for importing
+   and :data:`CPU_EFFICIENCY` of it is assumed. Both count each step's fixed host work
+   (:func:`nanolab.estimator.cpu.host_floor_seconds`) and add :data:`STARTUP_S` for importing
    torch/Lightning and building the model.
 
 A resumed job needs only what is left: the estimate is scaled by the steps its run log has not
