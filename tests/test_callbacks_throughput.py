@@ -301,3 +301,70 @@ def test_time_waiting_for_batches_is_reported_apart_from_steps(tmp_path, char_da
     # ... and not the steps themselves: the wait is bounded by the fetches (+ loop bookkeeping).
     assert parts["data_wait_s"] <= steps * delay + 0.5
     assert end["goodput"] < 1
+
+
+class _SlowSteps(L.Callback):
+    """Each step 30 ms longer (active time, not a pause): a launch slower than the next."""
+
+    def on_train_batch_end(self, *args: object) -> None:
+        time.sleep(0.03)
+
+
+def _resumed_twice(tmp_path, char_dataset, strip_clock: bool = False):
+    """A run of 6 slow steps, then resumed to 12 at full speed: its two end records and its
+    train records (one per step, each with the active seconds its step took)."""
+    run = tmp_path / "run"
+
+    def callbacks(*extra: L.Callback) -> list[L.Callback]:
+        return [MetricsLog(), RotatingCheckpoint(every_n_steps=6), ThroughputMeter(), *extra]
+
+    fit(run, char_dataset, callbacks(_SlowSteps()), max_steps=6, eval_every=100)
+    last = run / "checkpoints" / "last.ckpt"
+    if strip_clock:  # as an older nanolab saved it: no run time or split in the clock's state
+        state = torch.load(last, weights_only=True)
+        for key, value in state["callbacks"].items():
+            if "RunClock" in key:
+                value.pop("train_active_s"), value.pop("time_breakdown")
+        last = run / "checkpoints" / "old.ckpt"
+        torch.save(state, last)
+    fit(run, char_dataset, callbacks(), max_steps=12, eval_every=100, ckpt_path=last)
+    log = run / "metrics.jsonl"
+    return events(log, "end"), events(log, "train")
+
+
+def test_a_resumed_run_s_end_record_has_the_whole_run_s_rate_and_time_split(tmp_path, char_dataset):
+    """After a resume, the ``end`` record's ``tokens_per_s`` was this launch's tokens over its
+    own active time, next to ``tokens`` of the whole run, and ``time_breakdown`` this launch's
+    split; docs call them whole-run figures. Now both cover every launch (the checkpoint keeps
+    the run's active training time and split), and ``totals_of`` says so.
+
+    Mutations caught: the rate over this launch's time only (the slow first launch left out:
+    ~2x too high); the split of this launch only."""
+    (first, second), train = _resumed_twice(tmp_path, char_dataset)
+    active = sum(r["step_time_s"] for r in train)  # every launch's steps
+    later = sum(r["step_time_s"] for r in train if r["step"] > 6)
+    tokens = train[-1]["tokens"]
+    assert first["totals_of"] == second["totals_of"] == "run"
+    assert second["tokens"] == tokens == 12 * TOKENS_PER_MICRO_BATCH
+    # Each launch's own time from its start of training to its last record is in it too.
+    assert second["tokens_per_s"] == pytest.approx(tokens / active, rel=0.2)
+    assert second["tokens_per_s"] < 0.8 * (tokens / 2) / later  # not the second launch's
+    whole, mine = second["time_breakdown"], first["time_breakdown"]
+    # The first launch's steps and waits, all before its last save, are in the run's split
+    # (what it spent after that save, its final validation, is in other_s: not in the checkpoint)
+    assert whole["step_s"] > mine["step_s"]
+    assert whole["data_wait_s"] >= mine["data_wait_s"] >= 5 * 0.03  # the sleeps between steps
+    assert sum(whole.values()) == pytest.approx(second["elapsed_s"], abs=0.05)
+
+
+def test_a_run_resumed_from_an_older_checkpoint_says_its_end_totals_are_this_launch_s(
+    tmp_path, char_dataset
+):
+    """A checkpoint of an older nanolab has no run time to add up: the end record keeps this
+    launch's rate and split, and says so (``totals_of: this launch``), rather than dividing the
+    whole run's tokens by one launch's time."""
+    (_, second), train = _resumed_twice(tmp_path, char_dataset, strip_clock=True)
+    later = sum(r["step_time_s"] for r in train if r["step"] > 6)
+    assert second["totals_of"] == "this launch"
+    assert second["tokens_per_s"] == pytest.approx(6 * TOKENS_PER_MICRO_BATCH / later, rel=0.3)
+    assert sum(second["time_breakdown"].values()) < second["elapsed_s"]  # this launch's wall

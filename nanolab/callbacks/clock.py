@@ -101,7 +101,12 @@ class RunClock(Callback):
         self.before_elapsed_s = 0.0
         self.before_gpu_hours = 0.0
         self.before_step_s = 0.0
+        #: Earlier processes' active training seconds and wall-time split (None: restored from
+        #: a checkpoint of a nanolab that did not keep them, so the run's are unknown).
+        self.before_train_active_s: float | None = 0.0
+        self.before_parts: dict[str, float] | None = {}
         # This process.
+        self._train_active_from: float | None = None  # its active seconds when training began
         self.step_s = 0.0
         self.pauses = dict.fromkeys(PAUSE_KINDS, 0.0)
         self.tokens = 0
@@ -227,16 +232,59 @@ class RunClock(Callback):
             global_step=int(trainer.global_step) if trainer is not None else 0,
         )
 
-    def breakdown(self) -> dict[str, float]:
-        """This process's wall time split into step, pauses and the rest (data waits, start-up)."""
-        elapsed = self.process_elapsed_s()
-        parts = {
+    def _parts(self) -> dict[str, float]:
+        """This process's step, data-wait and pause seconds."""
+        return {
             "step_s": self.step_s,
             "data_wait_s": self.data_wait_s,
             **{f"{k}_s": v for k, v in self.pauses.items()},
         }
-        parts["other_s"] = max(0.0, elapsed - sum(parts.values()))
+
+    def breakdown(self) -> dict[str, float]:
+        """This process's wall time split into step, pauses and the rest (data waits, start-up)."""
+        parts = self._parts()
+        parts["other_s"] = max(0.0, self.process_elapsed_s() - sum(parts.values()))
         return {k: round(v, 3) for k, v in parts.items()}
+
+    def run_breakdown(self) -> dict[str, float] | None:
+        """The whole run's wall time (:meth:`elapsed_s`, every process) split as
+        :meth:`breakdown` splits this process's: the earlier processes' parts (kept in the
+        checkpoint, so up to its save) plus this one's; ``other_s`` is the rest: start-ups, and
+        what an earlier process spent after its last save (its final validation, or steps a
+        crash lost). None: restored from a checkpoint that did not keep the parts."""
+        if self.before_parts is None:
+            return None
+        parts = self._parts()
+        for key, value in self.before_parts.items():
+            if key != "other_s" and key in parts:
+                parts[key] += value
+        parts["other_s"] = max(0.0, self.elapsed_s() - sum(parts.values()))
+        return {k: round(v, 3) for k, v in parts.items()}
+
+    def end_totals(self) -> dict[str, Any]:
+        """The ``end`` record's ``time_breakdown`` and what it (and ``tokens_per_s``, ``mfu``)
+        covers: ``totals_of`` ``run`` (every launch of the run, from the checkpoint), or
+        ``this launch`` when it resumed from an older nanolab's checkpoint, which did not keep
+        the earlier launches' times."""
+        whole = self.run_breakdown()
+        if whole is None or self.train_active_s() is None:
+            return {"time_breakdown": self.breakdown(), "totals_of": "this launch"}
+        return {"time_breakdown": whole, "totals_of": "run"}
+
+    def train_active_s(self) -> float | None:
+        """Active seconds (wall minus pauses) the whole run has trained, from each process's
+        start of training (its start-up left out): the denominator of the run's tokens/s.
+        None: restored from a checkpoint that did not keep the earlier processes'."""
+        if self.before_train_active_s is None:
+            return None
+        if self._train_active_from is None:
+            return self.before_train_active_s
+        here = self.process_elapsed_s() - self.paused_s() - self._train_active_from
+        return self.before_train_active_s + max(0.0, here)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._train_active_from is None:
+            self._train_active_from = self.process_elapsed_s() - self.paused_s()
 
     # -- marking -----------------------------------------------------------------------------
     def on_train_batch_start(
@@ -343,6 +391,7 @@ class RunClock(Callback):
         GPU-hours (and so its budget and cost) count from zero; the tokens and samples the
         model has trained on are kept (they are the model's, and a scaling fit's D)."""
         self.before_elapsed_s = self.before_gpu_hours = self.before_step_s = 0.0
+        self.before_train_active_s, self.before_parts = 0.0, {}
         self.inherited_tokens = self.tokens
 
     def account_earlier(self, elapsed_s: float, gpu_hours: float, step_s: float) -> None:
@@ -370,6 +419,8 @@ class RunClock(Callback):
             "tokens": self.tokens,
             "samples": self.samples,
             "inherited_tokens": self.inherited_tokens,
+            "train_active_s": self.train_active_s(),
+            "time_breakdown": self.run_breakdown(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -381,3 +432,11 @@ class RunClock(Callback):
         self.inherited_tokens = (
             self.tokens if self.forked else int(state_dict.get("inherited_tokens", 0))
         )
+        active, parts = state_dict.get("train_active_s"), state_dict.get("time_breakdown")
+        if isinstance(active, (int, float)) and isinstance(parts, dict):
+            self.before_train_active_s = float(active)
+            self.before_parts = {
+                k: float(v) for k, v in parts.items() if isinstance(v, (int, float))
+            }
+        else:  # an older nanolab's checkpoint: the earlier launches' split is unknown
+            self.before_train_active_s, self.before_parts = None, None

@@ -534,7 +534,7 @@ class MetricsLog(StepCallback):
                 "tokens": clock.tokens,
                 "goodput": round(clock.goodput(), 4),
                 "best_val_loss": self.best_val_loss,
-                "time_breakdown": clock.breakdown(),
+                **clock.end_totals(),
             }
             record.update(collect_fields(trainer, "end"))
         # A full disk, or the log's path now leading elsewhere: the error already says so.

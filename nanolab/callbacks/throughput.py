@@ -246,6 +246,17 @@ class ThroughputMeter(StepCallback):
             "mfu": self.mfu(tps, int(trainer.world_size)),
         }
 
+    def run_tokens_per_s(self) -> float | None:
+        """The whole run's tokens/s: the tokens it trained (all ranks, every launch; a branch's
+        inherited ones left out) over its active training time (every launch's, from the
+        checkpoint: :meth:`RunClock.train_active_s`). None when the checkpoint it resumed from
+        did not keep that time, or nothing was trained."""
+        assert self.clock is not None
+        active, tokens = self.clock.train_active_s(), self.clock.run_tokens
+        if active is None or active <= 0 or tokens <= 0:
+            return None
+        return round(tokens / active, 2)
+
     def mfu(self, tokens_per_s: float | None, world_size: int) -> float | None:
         """Model FLOPs utilisation over all devices; ``None`` if the peak or the rate is unknown."""
         if tokens_per_s is None or not self.peak_flops or not self.flops_per_token:
@@ -275,10 +286,12 @@ class ThroughputMeter(StepCallback):
         if event == "train":
             return self.measure(trainer)
         if event == "end" and self._first is not None and self.clock is not None:
-            whole = self._rates(self._first, self.clock.snapshot(), trainer)
+            tps = self.run_tokens_per_s()
+            if tps is None:  # resumed from a checkpoint without the run's time: this launch's
+                tps = self._rates(self._first, self.clock.snapshot(), trainer)["tokens_per_s"]
             return {
-                "tokens_per_s": whole["tokens_per_s"],
-                "mfu": whole["mfu"],
+                "tokens_per_s": tps,
+                "mfu": self.mfu(tps, int(trainer.world_size)),
                 **self._memory(trainer),
                 "mem_per_device": self._mem_per_device,
             }
