@@ -1859,8 +1859,8 @@ def test_ls_left_shrinks_for_a_job_only_an_hours_budget_ends(tmp_path: Path, cap
         "UPDATE jobs SET attempts = 1, status = 'preempted' WHERE id = ?", (job.id,)
     ).connection.commit()
     config = {"trainer": {"max_steps": -1}, "budget": {"max_wall_hours": 1.0}}
-    start = {"event": "start", "time": 1.0, "step": 0, "config": config,
-             "global_batch_tokens": 128, "world_size": 1}  # fmt: skip
+    start = {"event": "start", "time": time.time(), "queue_job": str(job.id), "step": 0,
+             "config": config, "global_batch_tokens": 128, "world_size": 1}  # fmt: skip
 
     def log_to(step: int) -> None:  # 1 s a step after a 10 s start-up
         train = [{"event": "train", "step": s, "tokens": 128 * s, "elapsed_s": 10.0 + s,
@@ -1883,6 +1883,124 @@ def test_ls_left_shrinks_for_a_job_only_an_hours_budget_ends(tmp_path: Path, cap
     (row,) = json.loads(out)["jobs"]
     assert row["estimate_basis"] == "measured step time of this run"
     assert 2590 < row["remaining_s"] < 2590 + 30
+
+
+def _hours_job(tmp_path: Path, status: str, estimate_s: float) -> tuple[Path, Path, object]:
+    """A queue at ``tmp_path`` with one job only a budget's hours end (no step count stored),
+    ``status``, one attempt made; (queue path, its run's log path, the job)."""
+    run_dir = tmp_path / "runs" / "h"
+    run_dir.mkdir(parents=True)
+    path = tmp_path / "q.db"
+    (job,) = QueueDB(path).add_jobs([NewJob(
+        name="h", config="c.yaml", args=[], seed=None, cwd=str(tmp_path), run_dir="runs/h",
+        max_steps=None, estimate_s=estimate_s, estimate_source="flops")])  # fmt: skip
+    QueueDB(path).conn.execute(
+        "UPDATE jobs SET attempts = 1, status = ? WHERE id = ?", (status, job.id)
+    ).connection.commit()
+    return path, run_dir / "metrics.jsonl", QueueDB(path).jobs()[0]
+
+
+def _hours_launch(hours: float, step: int, elapsed: float, **by) -> dict:
+    """A start record of a launch a ``budget.max_wall_hours`` ends (``by``: queue_job, time)."""
+    return {"event": "start", "time": by.pop("time", 1.0), "step": step, "elapsed_s": elapsed,
+            "config": {"trainer": {"max_steps": -1}, "budget": {"max_wall_hours": hours}},
+            "global_batch_tokens": 128, "world_size": 1, **by}  # fmt: skip
+
+
+def _hours_trains(steps: range, elapsed_at: float, time_at: float = 1.0) -> list[dict]:
+    """Train records at 1 s a step, the first at ``elapsed_at`` (and wall time ``time_at``)."""
+    return [{"event": "train", "time": time_at + i, "step": s, "tokens": 128 * s,
+             "elapsed_s": elapsed_at + i, "gpu_hours": (elapsed_at + i) / 3600}
+            for i, s in enumerate(steps)]  # fmt: skip
+
+
+def test_ls_left_of_a_continued_run_is_the_continuing_jobs_budget(tmp_path: Path, capsys) -> None:
+    """A run ``nanolab fit`` trained until its ``max_wall_hours: 1`` ended it, continued by a
+    queue job with ``max_wall_hours: 5``: ``left`` read the budget of the log's first start
+    record (the shell's launch) and said 0s after ~1.03 h, and ``queue run --until`` in 15
+    minutes started the ~3.9 h job. The budget is now the job's own launch's; before the job
+    has logged one, its stored estimate."""
+    from nanolab.queue import predict
+
+    path, log, job = _hours_job(tmp_path, "running", 2 * 3600.0)
+    shell = [_hours_launch(1.0, 0, 0.0), *_hours_trains(range(1, 3591), 10.0),
+             {"event": "end", "time": 3600.0, "step": 3590, "elapsed_s": 3600.0}]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in shell))
+    code, out, _ = queue(capsys, path, "ls", "--json")
+    assert code == 0
+    (row,) = json.loads(out)["jobs"]
+    assert (row["remaining_s"], row["estimate_basis"]) == (2 * 3600.0, "flops")  # not its launch
+
+    now = time.time()
+    own = [_hours_launch(5.0, 3590, 3600.0, queue_job=str(job.id), time=now),
+           *_hours_trains(range(3591, 3700), 3610.0, now)]  # fmt: skip
+    with log.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in own))
+    code, out, _ = queue(capsys, path, "ls", "--json")
+    assert code == 0
+    (row,) = json.loads(out)["jobs"]
+    spent = 3610.0 + 108  # the newest record's elapsed time: 1.03 h of the job's 5
+    assert row["estimate_basis"] == "measured step time of this run"
+    assert row["remaining_s"] == pytest.approx(5 * 3600 - spent)  # 1 s a step, running
+    QueueDB(path).conn.execute("UPDATE jobs SET status = 'preempted'").connection.commit()
+    (job,) = QueueDB(path).jobs()
+    left, _ = predict.remaining_seconds(QueueDB(path), job)
+    plan = plan_starts([(job, left)], [0], 1, now + 15 * 60, now, gpus=False)
+    assert [j.name for j, *_ in plan.deferred] == ["h"] and not plan.start
+
+
+def test_ls_left_reads_the_end_of_a_long_run_log(tmp_path: Path, monkeypatch) -> None:
+    """``queue ls`` read every hours-only job's whole run log at each call to time its steps
+    (4 jobs' 86 MB logs: 0.7 s became 4 s). The step time is now read from the log's end,
+    over whole validation intervals (each validation's time in it), and the job's start
+    record, the log's first line here, from its top: a small part of the file is read."""
+    import nanolab.runlog as runlog
+    from nanolab.queue import predict
+
+    _, log, job = _hours_job(tmp_path, "running", 100 * 3600.0)
+    now, elapsed, records = time.time(), 10.0, [_hours_launch(100.0, 0, 0.0, queue_job=str(job.id))]
+    records[0]["time"] = now
+    for s in range(1, 20051):  # 1 s a step, a 50 s validation after every 100th
+        elapsed += 1.0
+        records.append({"event": "train", "time": now + elapsed, "step": s, "tokens": 128 * s,
+                        "elapsed_s": elapsed, "loss": 3.0})  # fmt: skip
+        if s % 100 == 0:
+            elapsed += 50.0
+            records.append({"event": "val", "time": now + elapsed, "step": s, "val_loss": 3.0})
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    read = [0]
+    opened = runlog._open_log
+
+    class Counted:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __getattr__(self, name: str):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.close()
+
+        def read(self, *a):
+            data = self.handle.read(*a)
+            read[0] += len(data)
+            return data
+
+        def readline(self, *a):
+            line = self.handle.readline(*a)
+            read[0] += len(line)
+            return line
+
+    monkeypatch.setattr(
+        runlog, "_open_log", lambda p, mode: None if (h := opened(p, mode)) is None else Counted(h)
+    )
+    done, end, step_s = predict.measured_course(job)
+    assert step_s == pytest.approx(1.5)  # 100 steps and a validation: 150 s
+    assert done == 20050 and end == 20050 + int((100 * 3600 - elapsed) / 1.5)
+    assert read[0] < log.stat().st_size / 10, (read[0], log.stat().st_size)
 
 
 def test_add_continue_checks_prepared_source_data_and_a_fine_tunes_checkpoint(

@@ -16,7 +16,10 @@ long ones first, so both need a duration per job. In order of trust:
    torch/Lightning and building the model.
 
 A resumed job needs only what is left: the estimate is scaled by the steps its run log has not
-reached yet.
+reached yet. A job only hours or a cost end stores no step count: once it has trained, what is
+left is what its budget still pays for at the step time of its own launch, read from the end of
+its run log (:func:`measured_course`: ``queue ls`` asks at every call, so this read does not
+grow with the log).
 
 ``queue run --pack`` also needs each job's memory on its device: :func:`memory_need` asks the
 memory estimator at ``queue add`` (the one place the queue calls it, so an estimator API change
@@ -138,19 +141,13 @@ def _timed(r: dict[str, Any]) -> bool:
     )
 
 
-def steady_step_seconds(
-    run_dir: str, counted: Counted | None = None, open_until: tuple[int, float] | None = None
-) -> float | None:
+def steady_step_seconds(run_dir: str, counted: Counted | None = None) -> float | None:
     """A finished run's own steady wall seconds per step over the launches ``counted`` keeps
     (all that ended, without it): each launch's steps from its first logged train record to
     its end record over the elapsed time between them (start-up and the first, compiling step
     left out; the validations in between counted, as a job will run them too), summed over
     the launches. A launch with no end record crashed: its steps are trained again by the next
     one, and its time is left out. None: no such launch.
-
-    ``open_until`` (step, elapsed_s) of the log's newest train record: the log's last launch,
-    when it has no end record yet (a run still training, or stopped without one), counts up to
-    it, so a running job's own pace is measured before its first launch ends.
 
     One read of the log, parsing only its start and end records and the first train record
     after each counted start; remembered per log file and question."""
@@ -162,7 +159,7 @@ def steady_step_seconds(
         st = os.stat(path)
     except OSError:
         return None
-    key = (path, st.st_size, st.st_mtime_ns, counted, open_until)
+    key = (path, st.st_size, st.st_mtime_ns, counted)
     if key in _STEADY:
         return _STEADY[key]
     bounds = event_marks(("start", "end"))
@@ -188,11 +185,6 @@ def steady_step_seconds(
             if steps > 0 and seconds > 0:
                 spans.append((_devices(launch), seconds, steps))
             launch, first, waiting = None, None, False
-    if launch is not None and first is not None and open_until is not None:
-        steps = open_until[0] - first["step"]
-        seconds = open_until[1] - float(first["elapsed_s"])
-        if steps > 0 and seconds > 0:
-            spans.append((_devices(launch), seconds, steps))
     value = None
     if spans:
         device = counted.gpu
@@ -290,32 +282,177 @@ def steps_done(job: Job) -> int:
     return int(step) if isinstance(step, int) else 0
 
 
+#: Records read back from a run log's end, at most, for the step time of a job's launch: what
+#: ``queue ls`` and ``status`` pay per job whatever the log's length (a night's log is
+#: hundreds of thousands of records, and the running one is read again at every call).
+TAIL_RECORDS = 2000
+
+#: Train records a step-time window with validations in it spans, at least, before it may end
+#: at one: long enough to average over, and no longer than needed.
+TAIL_MIN_STEPS = 100
+
+
+@dataclass(frozen=True)
+class Tail:
+    """What the end of a run log says of the newest launch with a measurable step time.
+
+    Attributes:
+        step_s: Steady seconds a step (start-up and the first, compiling step left out; the
+            validations in between counted). None: no launch among the records read logged
+            two timed steps.
+        newest: The log's newest timed train record: the run's spend so far.
+        starts_passed: Start records between the window and the log's end: 0, the window is
+            the log's newest launch.
+        launch: The window's launch's start record, when it was among the records read.
+        own: The job's newest start record among the records read.
+        before_job: A record read was written before the job was added: no record above it
+            is the job's (a log is written in time order), its start record included.
+    """
+
+    step_s: float | None
+    newest: dict[str, Any] | None
+    starts_passed: int
+    launch: dict[str, Any] | None
+    own: dict[str, Any] | None
+    before_job: bool = False
+
+
+def read_tail(log: Path, job: Job) -> Tail:
+    """The step time of the newest launch of ``log`` that logged two timed train records,
+    read backwards from the end over at most :data:`TAIL_RECORDS` records (so its cost does
+    not grow with the log). A launch of another's (a ``nanolab fit`` from a shell) is passed
+    over for the one before it.
+
+    Where training validated, the window runs from the first train record after one
+    validation to the first after the newest, :data:`TAIL_MIN_STEPS` records at least: whole
+    evaluation intervals, each with its validation's time, as the job will spend it. Else it
+    runs from the launch's first train record (or the oldest the bound reaches) to its newest.
+    """
+    from nanolab.runlog import iter_backwards, written_in_training
+
+    newest: dict[str, Any] | None = None
+    top: dict[str, Any] | None = None  # the launch's newest timed train record
+    last: dict[str, Any] | None = None  # the window's newest: the first after a validation
+    first: dict[str, Any] | None = None  # the window's oldest, so far
+    held = vals = passed = 0
+    own: dict[str, Any] | None = None
+    oldest = float("inf")  # the oldest record's time among those read
+
+    def pace() -> float | None:
+        for older, newer in ((first, last), (first, top)):
+            if older is not None and newer is not None:
+                steps = newer["step"] - older["step"]
+                seconds = float(newer["elapsed_s"]) - float(older["elapsed_s"])
+                if steps > 0 and seconds > 0:
+                    return seconds / steps
+        return None
+
+    with contextlib.closing(iter_backwards(log, ("start", "train", "val"))) as records:
+        for read, r in enumerate(records, 1):
+            event = r.get("event")
+            written = r.get("time")
+            if isinstance(written, int | float) and not isinstance(written, bool):
+                oldest = min(oldest, written)
+            if event == "start":
+                mine = _started_by(r, job.id, job.created)
+                own = own or (r if mine else None)
+                if mine and (step_s := pace()) is not None:
+                    return Tail(step_s, newest, passed, r, own)
+                top = last = first = None
+                held = vals = 0
+                passed += 1
+            elif event == "train" and _timed(r) and r["step"] > 0:
+                newest, top, last, first = newest or r, top or r, last or r, r
+                held += 1
+            elif event == "val" and top is not None and written_in_training(r):
+                if not vals:  # the window ends where the newest whole interval does
+                    last, held = first, 1
+                elif held >= TAIL_MIN_STEPS:
+                    break
+                vals += 1
+            if read >= TAIL_RECORDS:
+                break
+    return Tail(pace(), newest, passed, None, own, oldest < job.created)
+
+
+def _nth_start(log: Path, nth: int) -> dict[str, Any] | None:
+    """The log's ``nth`` newest start record (0: the newest), read backwards at the speed of
+    reading the file: only lines holding a start are parsed (:func:`~nanolab.runlog.iter_backwards`)."""
+    from nanolab.runlog import iter_backwards
+
+    with contextlib.closing(iter_backwards(log, "start")) as starts:
+        for i, start in enumerate(starts):
+            if i == nth:
+                return start
+    return None
+
+
+def _job_start(log: Path, job: Job, tail: Tail) -> dict[str, Any] | None:
+    """A start record of one of the job's launches: its config and batch are the job's (every
+    launch of a job runs the config checked at ``queue add``: the runner refuses an edited
+    one). The one the tail read, else the log's first record when the job began the run (one
+    line read), else the job's newest, found backwards at the speed of reading the file, back
+    to the first record older than the job (none: the job has logged no launch yet)."""
+    from nanolab.runlog import iter_records
+
+    if tail.own is not None:
+        return tail.own
+    with contextlib.closing(iter_records(log)) as records:
+        top = next(records, None)
+    if top is not None and top.get("event") == "start" and _started_by(top, job.id, job.created):
+        return top
+    if tail.before_job:
+        return None
+    from nanolab.runlog import iter_backwards
+
+    with contextlib.closing(iter_backwards(log, "start")) as starts:
+        for start in starts:
+            if _started_by(start, job.id, job.created):
+                return start
+            began = start.get("time")
+            if isinstance(began, int | float) and began < job.created:
+                return None  # the starts above it are older still
+    return None
+
+
+def _measured_is_own(log: Path, job: Job, tail: Tail) -> bool:
+    """Whether the launch ``tail`` measured is one of the job's. Its start record, when read;
+    else a running job's newest launch is its own (a run holds one launch at a time), and
+    otherwise the start records above the window are read back to it."""
+    if tail.launch is not None:
+        return _started_by(tail.launch, job.id, job.created)
+    if tail.starts_passed == 0 and job.status == "running":
+        return True
+    launch = _nth_start(log, tail.starts_passed)
+    return launch is not None and _started_by(launch, job.id, job.created)
+
+
 def measured_course(job: Job) -> tuple[int, int, float] | None:
     """(step reached, step the run ends at, measured seconds a step) of a job that only a
     budget's hours, GPU-hours or cost ends (no step count was stored at ``queue add``: it
     depends on the step time), from its run log: the rule fit's budget stops by
-    (:func:`nanolab.estimator.run_length.run_length`), asked with the run's own spend and
-    its steady step time. None: not such a job, or its log has no timed steps yet.
+    (:func:`nanolab.estimator.run_length.run_length`), asked with the job's own config and
+    batch (a start record of its own launches), the run's spend (its newest train record) and
+    the step time of the job's newest launch that logged two timed steps. None: not such a
+    job, no launch of its own logged yet (a run another launch began and the job continues),
+    or no step time of its own among the records read.
 
-    Read as a stream: the first ``start`` record from the top (the job's config and batch),
-    the newest ``train`` record from the end, and the steady step time's one streamed pass
-    (:func:`steady_step_seconds`, up to that record while the launch has not ended), which
-    parses only start, end and first-train lines."""
+    Its cost does not grow with the log: :func:`read_tail` parses at most
+    :data:`TAIL_RECORDS` records from the end, and a start record beyond them is found by
+    reading, not parsing, the lines above."""
     from nanolab.estimator.run_length import Budget, Spent, run_length
-    from nanolab.runlog import RUN_LOG_NAME, iter_records, last_record
+    from nanolab.runlog import RUN_LOG_NAME
 
     if job.max_steps or not job.attempts:
         return None
-    run_dir = Path(job.cwd) / job.run_dir
-    log = run_dir / RUN_LOG_NAME
-    with contextlib.closing(iter_records(log, "start")) as starts:
-        start = next(starts, None)
-    config = (start or {}).get("config")
-    last = last_record(log, "train", where=_timed)
-    if not isinstance(config, dict) or last is None:
+    log = Path(job.cwd) / job.run_dir / RUN_LOG_NAME
+    tail = read_tail(log, job)
+    last, step_s = tail.newest, tail.step_s
+    if last is None or step_s is None:
         return None
-    step_s = steady_step_seconds(str(run_dir), open_until=(last["step"], float(last["elapsed_s"])))
-    if step_s is None:
+    start = _job_start(log, job, tail)
+    config = (start or {}).get("config")
+    if start is None or not isinstance(config, dict) or not _measured_is_own(log, job, tail):
         return None
     trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
     bound = trainer.get("max_steps")
