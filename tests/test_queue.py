@@ -2003,6 +2003,56 @@ def test_ls_left_reads_the_end_of_a_long_run_log(tmp_path: Path, monkeypatch) ->
     assert read[0] < log.stat().st_size / 10, (read[0], log.stat().st_size)
 
 
+def test_ls_and_status_read_a_jobs_log_for_its_time_left_only_where_it_is_shown(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Working out a job's time left reads its run log. ``ls --json`` worked it out for
+    finished jobs too (the table shows none for them), and ``status`` for a running job whose
+    run's ETA it shows instead: now only for the jobs whose time left is shown."""
+    import nanolab.queue.cli as queue_cli
+    import nanolab.queue.predict as predict
+    from nanolab.queue.status import main as status
+
+    path = tmp_path / "q.db"
+    db = QueueDB(path)
+    db.add_jobs([NewJob(name=n, config="c.yaml", args=[], seed=None, cwd=str(tmp_path),
+                        run_dir=f"runs/{n}", max_steps=100, estimate_s=60.0)
+                 for n in ("done", "live", "next")])  # fmt: skip
+    for name, state in (("done", "done"), ("live", "running")):
+        db.conn.execute("UPDATE jobs SET status = ?, attempts = 1 WHERE name = ?", (state, name))
+    db.conn.commit()
+    now = time.time()
+    train = [{"event": "train", "time": now - 10 + i, "step": i, "tokens": 10 * i,
+              "elapsed_s": float(i), "step_time_s": 1.0} for i in range(1, 11)]  # fmt: skip
+    start = {
+        "event": "start",
+        "time": now - 11,
+        "step": 0,
+        "config": {"trainer": {"max_steps": 100}},
+    }
+    (tmp_path / "runs" / "live").mkdir(parents=True)
+    (tmp_path / "runs" / "live" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in [start, *train])
+    )
+    asked: list[str] = []
+
+    def remaining(db, job):
+        asked.append(job.name)
+        return 60.0, "flops"
+
+    monkeypatch.setattr(queue_cli, "remaining_seconds", remaining)
+    monkeypatch.setattr(predict, "remaining_seconds", remaining)
+    code, out, _ = queue(capsys, path, "ls", "--json")
+    assert code == 0 and sorted(asked) == ["live", "next"]
+    rows = {r["name"]: r for r in json.loads(out)["jobs"]}
+    assert rows["done"]["remaining_s"] is None and rows["next"]["remaining_s"] == 60.0
+    asked.clear()
+    assert status([str(tmp_path / "runs"), "--db", str(path), "--json"]) == 0
+    screen = json.loads(capsys.readouterr().out)
+    assert asked == ["next"]  # the running one's ETA is its run's
+    assert [r["eta_s"] for r in screen["running"]] == [pytest.approx(90.0)]
+
+
 def test_add_continue_checks_prepared_source_data_and_a_fine_tunes_checkpoint(
     tmp_path: Path, char_dataset: Path, capsys, monkeypatch
 ) -> None:

@@ -36,6 +36,7 @@ from nanolab.queue.db import (
     FINISHED,
     RUNNER_STALE_S,
     STATUSES,
+    UNFINISHED,
     DamagedJobError,
     Job,
     QueueDB,
@@ -247,7 +248,11 @@ def sweep_job_name(
 
 
 def _job_dict(job: Job, db: QueueDB, jobs: list[Job]) -> dict:
-    remaining, source = remaining_seconds(db, job)
+    """A job as ``ls --json`` gives it. Its time left only while it has one (pending,
+    preempted, running): working it out reads the run log, and a finished job's is none."""
+    remaining, source = (
+        remaining_seconds(db, job) if job.status in UNFINISHED else (None, job.estimate_source)
+    )
     d = dict(vars(job))
     d["remaining_s"], d["estimate_basis"] = remaining, source
     d["shares_with"] = [j.id for j in sharing(job, jobs)]
@@ -334,9 +339,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             whole[j.id] = " ".join(status.split())
             status = f"{j.status} (below)"
         ran = run_time(j, now)
-        left = (
-            remaining_seconds(db, j)[0] if j.status in ("pending", "preempted", "running") else None
-        )
+        left = remaining_seconds(db, j)[0] if j.status in UNFINISHED else None
         run_dir = os.path.relpath(j.run_dir) if j.run_dir.startswith(os.getcwd()) else j.run_dir
         rows.append([str(j.id), j.name, status, str(j.attempts), _device_column(j, running),
                      describe(left) if left is not None else "-", duration(ran) if ran else "-", run_dir])  # fmt: skip

@@ -55,6 +55,8 @@ SCHEMA_VERSION = 2
 STATUSES = ("pending", "running", "done", "stopped", "failed", "preempted")
 #: Statuses a runner may start: new jobs, and interrupted ones (which resume).
 CLAIMABLE = ("pending", "preempted")
+#: Statuses with time still to run: the jobs ``queue ls`` and ``status`` say a time left for.
+UNFINISHED = (*CLAIMABLE, "running")
 #: Statuses ``queue clear`` removes by default: nothing left to do.
 FINISHED = ("done", "stopped", "failed")
 

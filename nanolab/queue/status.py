@@ -150,14 +150,14 @@ def job_roots(db_path: Path) -> set[Path]:
 @contextlib.contextmanager
 def _waiting_jobs(db_path: Path) -> Iterator[tuple[Any, list[Any]]]:
     """The queue at ``db_path``, read-only, with its running, pending and preempted jobs."""
-    from nanolab.queue.db import QueueDB, QueueError
+    from nanolab.queue.db import UNFINISHED, QueueDB, QueueError
 
     try:
         db = QueueDB.read_only(db_path)
     except QueueError as err:
         raise StatusError(str(err)) from None
     try:
-        yield db, db.jobs(("running", "pending", "preempted"))
+        yield db, db.jobs(UNFINISHED)
     finally:
         db.conn.close()
 
@@ -168,7 +168,8 @@ def queue_state(
     """Pending, preempted and running jobs of the queue at ``db_path``, read-only, and a line
     for each runner alive but silent (its heartbeat older than a few intervals: stopped by
     SIGSTOP?). A running job's time left is its run's ETA (its measured step time) where the
-    log has one."""
+    log has one; the queue's prediction (:func:`~nanolab.queue.predict.remaining_seconds`,
+    which reads the run log again) is worked out only for the others."""
     from nanolab.queue.db import orphaned, silent_runners
     from nanolab.queue.predict import remaining_seconds
 
@@ -176,10 +177,9 @@ def queue_state(
         out: list[JobLine] = []
         clock = 0.0  # one job at a time, in queue order: the running ones first
         for job in sorted(jobs, key=lambda j: (j.status != "running", j.id)):
-            left, _ = remaining_seconds(db, job)
             name = Path(job.run_dir).name
-            if job.status == "running" and etas.get(name) is not None:
-                left = etas[name]
+            eta = etas.get(name) if job.status == "running" else None
+            left = eta if eta is not None else remaining_seconds(db, job)[0]  # reads its log
             ran = walls.get(name)
             if ran is None:
                 ran = job.run_seconds + (
