@@ -369,10 +369,11 @@ def test_a_record_after_one_torn_by_a_size_limit_starts_a_line_of_its_own(
 
 
 def test_a_queue_database_past_ulimit_f_is_said_so_never_damaged(tmp_path: Path) -> None:
-    """Under a file-size limit below what SQLite must write (its 32 KiB ``-shm``), ``queue ls``
-    called a healthy queue "damaged or not SQLite (disk I/O error)" and advised moving it aside
-    and queueing the jobs again. It names the limit and its fix, says the database was left
-    untouched, and exits 74 as every verb stopped for room does."""
+    """Under a file-size limit below what SQLite must write (its 32 KiB ``-shm``), the queue
+    called a healthy database "damaged or not SQLite (disk I/O error)" and advised moving it
+    aside and queueing the jobs again. A verb that writes (``clear``) names the limit and its
+    fix, says the database was left untouched, and exits 74 as every verb stopped for room
+    does; ``ls`` needs no write and lists the queue."""
     import resource
     import sqlite3
     import sys
@@ -389,8 +390,13 @@ def test_a_queue_database_past_ulimit_f_is_said_so_never_damaged(tmp_path: Path)
     def four_kb() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))  # fmt: skip
 
-    res = subprocess.run([sys.executable, "-m", "nanolab", "queue", "ls", "--db", str(db_path)],
-                         capture_output=True, text=True, timeout=120, preexec_fn=four_kb)  # fmt: skip
+    def queue(verb: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "nanolab", "queue", verb, "--db", str(db_path)],
+                              capture_output=True, text=True, timeout=120, preexec_fn=four_kb)  # fmt: skip
+
+    listed = queue("ls")
+    assert listed.returncode == 0 and " a1 " in listed.stdout, listed.stderr[-2000:]
+    res = queue("clear")
     assert res.returncode == 74, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
