@@ -12,7 +12,7 @@ user's own text::
       README.md               install, train, change the attention, add a dataset, resume, queue
       data/README.md          what goes in data/text/ and what `nanolab prepare` makes of it
       data/text/              (empty) the user's text files
-      .gitignore              runs/, prepared tokens, the queue database stay out of git
+      .gitignore              runs/, prepared tokens and windows, the queue database: out of git
 
 The README's walk-through is run, as written, by tests/test_fork_story.py. The files live in
 ``nanolab/templates/init/`` (package data, so ``init`` works from an installed wheel without the

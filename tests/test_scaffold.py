@@ -8,6 +8,7 @@ import gzip
 import importlib.util
 import io
 import os
+import re
 import sys
 from collections.abc import Iterator
 from importlib import resources
@@ -15,12 +16,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import nanolab_here
 
 from nanolab.cli import VERBS
 from nanolab.cli import main as nanolab_main
+from nanolab.data.prepare import prepare_dataset
 from nanolab.scaffold import main, package_name, template_files, write_project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,3 +340,99 @@ def test_init_help_says_what_the_name_becomes(tmp_path: Path, capsys) -> None:
         and config["model"]["class_path"] == "tiny_verse.model.Model"
     )
     assert (tmp_path / "tiny-verse/src/tiny_verse").is_dir() and 'name = "tiny_verse"' in pyproject
+
+
+# -- "A dataset of windows", rendered and run ---------------------------------------------------
+# Windows cut from prepared tokens are cut anew when the tokens are prepared again, and a run
+# that trained on the old tokens is not resumed on the new ones (its checkpoints keep the old
+# tokenizer: generate, eval and export would decode the new ids with it).
+
+WINDOWS_PACKAGE = "window_lab"
+#: A tiny model on the windows; the README's command gets these on top.
+WINDOWS_QUICK = [
+    "--trainer.max_steps", "2", "--run.eval_every_steps", "2", "--checkpoint.every_n_steps", "2",
+    "--model.init_args.schedule.warmup_steps", "1",
+    "--model.init_args.gpt.n_layer", "1", "--model.init_args.gpt.n_embd", "16",
+    "--model.init_args.gpt.n_head", "2", "--model.init_args.gpt.block_size", "32",
+    "--data.init_args.micro_batch_size", "2", "--data.init_args.val_windows", "2",
+    "--trainer.enable_progress_bar", "false", "--downstream.suite", "null",
+]  # fmt: skip
+
+
+def _windows_section(project: Path) -> list[str]:
+    """Apply the section's Python and YAML blocks as the README says; its fit command."""
+    readme = (project / "README.md").read_text()
+    body = re.split(r"^## A dataset of windows\n", readme, flags=re.M)[1].split("\n## ")[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", body, flags=re.S)
+    commands = []
+    for lang, text in blocks:
+        target = project / text.splitlines()[0].lstrip("# ").split()[0]
+        if lang == "python":
+            with open(target, "a", encoding="utf-8") as f:
+                f.write("\n\n" + text)
+        elif lang == "yaml":
+            target.write_text(text)
+        else:
+            commands += [line.split()[1:] for line in text.splitlines() if line.strip()]
+    (fit,) = commands
+    return fit
+
+
+@pytest.fixture
+def project(tmp_path: Path):
+    root = tmp_path / "window-lab"
+    write_project(root, WINDOWS_PACKAGE)
+    fit = _windows_section(root)
+    text = _sample_text(20_000)
+    # A letter the text never holds stands in for one it holds: as many characters as before,
+    # other ids for them (the tokens of an edited corpus, prepared again).
+    assert "#" not in text and "z" in text
+    (root / "data" / "text" / "plays.txt").write_text(text)
+    prepare_dataset([str(root / "data" / "text")], root / "data" / "tokens", "chars", quiet=True)
+    with importable(root, WINDOWS_PACKAGE):
+        yield root, fit
+
+
+def _prepare_again(root: Path) -> None:
+    plays = root / "data" / "text" / "plays.txt"
+    plays.write_text(plays.read_text().replace("z", "#"))
+    out = root / "data" / "tokens"
+    prepare_dataset([str(root / "data" / "text")], out, "chars", quiet=True, force=True)
+
+
+def test_windows_are_cut_anew_from_tokens_prepared_again(project) -> None:
+    root, _ = project
+    from window_lab.data import Windows
+
+    def train_windows() -> tuple[Path, np.ndarray]:
+        tokens, folder = root / "data" / "tokens", root / "data" / "windows"
+        data = Windows(str(folder), prompt=2, tokens=str(tokens), block_size=16)
+        path = data.cut("train")
+        return path, np.load(path)
+
+    old_path, old = train_windows()
+    assert train_windows()[0] == old_path  # cut once, read after
+    _prepare_again(root)
+    new_path, new = train_windows()
+    assert new_path != old_path and old_path.is_file()  # the old file is left to its runs
+    ids = np.fromfile(root / "data" / "tokens" / "train.bin", dtype=np.uint16)
+    assert np.array_equal(new[0], ids[:17]) and not np.array_equal(new, old)
+    assert "data/windows/" in (root / ".gitignore").read_text().splitlines()
+
+
+def test_a_run_is_not_resumed_on_tokens_of_another_tokenizer(project) -> None:
+    root, fit = project
+    done = nanolab_here(*fit, *WINDOWS_QUICK, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _prepare_again(root)
+    longer = [*WINDOWS_QUICK, "--trainer.max_steps", "4"]
+    refused = nanolab_here(*fit, *longer, cwd=root)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    (line,) = [line for line in refused.stderr.splitlines() if "error" in line]
+    assert line.startswith("nanolab fit: error: Windows.dataset_dir data/tokens: prepared with")
+    assert "not the checkpoint's tokenizer" in line
+    assert "start a new run without its checkpoint" in line and "allow_changed" not in line
+    assert "Traceback" not in refused.stderr
+    # A new run on the new tokens trains (on windows cut from them).
+    fresh = nanolab_here(*fit, *WINDOWS_QUICK, "--run.name", "windows-new", cwd=root)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]

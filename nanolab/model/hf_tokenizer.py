@@ -229,25 +229,37 @@ def check_data_tokenizer(folder: Path, dataset_dir: Path, vocab_size: int) -> st
 
 
 def check_same_vocabulary(
-    dataset_dir: Path, tok: Tokenizer, theirs: dict[str, int], where: str, fix: str
+    dataset_dir: Path,
+    tok: Tokenizer,
+    theirs: dict[str, int],
+    where: str,
+    fix: str,
+    field: str = "data.dataset_dir",
 ) -> None:
     """Refuse data whose tokenizer ``tok`` maps text to ids otherwise than the checkpoint's
     vocabulary ``theirs`` (``where`` says which checkpoint), naming the first difference: the
-    one comparison behind ``model.init_from`` and ``validate``/``test`` of a checkpoint."""
+    one comparison behind ``model.init_from`` and ``validate``/``test`` of a checkpoint.
+    ``field`` names where ``dataset_dir`` comes from (a project's DataModule may not have it
+    as a setting)."""
     try:
         ours = vocabulary(tok)
     except HFFormatError:
         ours = {}
     if ours != theirs:
         raise HFFormatError(
-            f"data.dataset_dir {dataset_dir}: prepared with tokenizer {tok.name!r} "
+            f"{field} {dataset_dir}: prepared with tokenizer {tok.name!r} "
             f"({len(ours)} tokens), not the checkpoint's tokenizer {where} ({len(theirs)} "
             f"tokens; {_first_difference(ours, theirs)}); {fix}"
         )
 
 
 def check_scored_data(
-    dataset_dir: Path, spec: Any, source: Path, verb: str, fix: str | None = None
+    dataset_dir: Path,
+    spec: Any,
+    source: Path,
+    verb: str,
+    fix: str | None = None,
+    field: str = "data.dataset_dir",
 ) -> None:
     """``validate``/``test`` of checkpoint ``source``, and every resume or branch from one:
     refuse data ``dataset_dir`` that is not tokenized with the checkpoint's tokenizer
@@ -255,7 +267,7 @@ def check_scored_data(
     over them means nothing; when the data's vocabulary is no larger than the model's it even
     scores (and trains) without an error. A checkpoint that stores no tokenizer (or one this
     nanolab cannot build) is not checked. ``fix``: what works instead (default: ``verb`` it on
-    data prepared with its tokenizer)."""
+    data prepared with its tokenizer). ``field``: what names ``dataset_dir`` in the message."""
     if not isinstance(spec, dict) or portable_spec(dataset_dir) == spec:
         return  # nothing to compare, or the very tokenizer (a bpe's file included)
     try:
@@ -265,7 +277,8 @@ def check_scored_data(
     fix = fix or f"{verb} it on data prepared with its tokenizer (as its run's data was)"
     name = spec.get("name")
     where = f"{name!r} in {source}" if isinstance(name, str) else f"in {source}"
-    check_same_vocabulary(dataset_dir, load_tokenizer(dataset_dir), theirs, where, fix)
+    tok = load_tokenizer(dataset_dir)
+    check_same_vocabulary(dataset_dir, tok, theirs, where, fix, field)
 
 
 def check_init_from_data(model_cfg: Any, datamodule: Any) -> None:

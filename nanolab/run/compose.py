@@ -620,10 +620,10 @@ def claim_for_fit(
         except ResumeError as err:
             raise RunConfigError(str(err)) from None
         refuse_other_optimizer_state(cand, model)
+    if path is not None:  # any data that names its tokens: their tokenizer is the run's
+        refuse_other_tokenizer(data, path)
     check_data = getattr(data, "check_resume", None)
     if callable(check_data):  # data changed under the run (sizes, meta.json, sampled bytes)
-        if path is not None:
-            refuse_other_tokenizer(data, path)
         check_data(path)
     new_id = new_run_id()  # the id a new run takes: the run log and the logger share it
     claim = claim_run_dir(
@@ -1176,27 +1176,49 @@ def evaluation_checkpoint(verb: str, cfg: Any, run_dir: Path, data: Any) -> Any:
 def refuse_other_tokenizer(data: Any, ckpt_path: str) -> None:
     """Before a resume or a branch: refuse data not tokenized with the checkpoint's tokenizer,
     as validate does. ``data.allow_changed`` allows other text, never another tokenizer: its
-    ids would index other tokens' rows, and a run would train on them without an error."""
-    parts = getattr(data, "parts", None)
-    if not parts:
+    ids would index other tokens' rows, and a run would train on them without an error. A
+    project's DataModule of windows that names its tokens (``dataset_dir``, whose tokenizer its
+    checkpoints keep) is checked the same way: tokens prepared anew under it would otherwise
+    swap the run's tokenizer without a word, and generate, eval and export decode wrongly."""
+    tokens = tokens_folder(data)
+    if tokens is None:
         return
+    folder, field = tokens
     from nanolab.data.checks import checkpoint_tokenizer
     from nanolab.model.hf_tokenizer import check_scored_data
 
-    fix = (
-        "continue it on data prepared with its tokenizer (data.allow_changed allows other "
-        "text, not another tokenizer), or start a new run without its checkpoint (another "
-        "--run.name, no run.resume)"
-    )
+    new_run = "start a new run without its checkpoint (another --run.name, no run.resume)"
+    if hasattr(data, "allow_changed"):
+        fix = (
+            "continue it on data prepared with its tokenizer (data.allow_changed allows other "
+            f"text, not another tokenizer), or {new_run}"
+        )
+    else:  # a DataModule of windows has no allow_changed to mention
+        fix = f"continue it on data prepared with its tokenizer, or {new_run}"
     before = trained_elsewhere(data, ckpt_path)
     if before is not None:  # pointed at other data by mistake, maybe: the data it trained on
         fix = (
             f"restore data.dataset_dir (or data.datasets) to the data it trained on, {before}, "
-            "or start a new run without its checkpoint (another --run.name, no run.resume); "
-            "data.allow_changed allows other text, not another tokenizer"
+            f"or {new_run}; data.allow_changed allows other text, not another tokenizer"
         )
     spec = checkpoint_tokenizer(ckpt_path)
-    check_scored_data(Path(parts[0].path), spec, Path(ckpt_path), "resume", fix)
+    check_scored_data(folder, spec, Path(ckpt_path), "resume", fix, field)
+
+
+def tokens_folder(data: Any) -> tuple[Path, str] | None:
+    """The prepared tokens whose tokenizer ``data`` trains with, and what names them in a
+    message: nanolab's own data's first folder (``data.dataset_dir`` or ``data.datasets``; a
+    mixture's folders share one tokenizer), or the ``dataset_dir`` a DataModule of windows
+    sets (its checkpoints keep that folder's tokenizer). None when there is none to check."""
+    parts = getattr(data, "parts", None)
+    if parts:
+        return Path(parts[0].path), "data.dataset_dir"
+    if parts is not None:  # nanolab's own data, nothing prepared yet: nothing to compare
+        return None
+    folder = getattr(data, "dataset_dir", None)
+    if folder is None or not (Path(folder) / "meta.json").is_file():
+        return None
+    return Path(folder), f"{type(data).__name__}.dataset_dir"
 
 
 def trained_elsewhere(data: Any, ckpt_path: str) -> str | None:
