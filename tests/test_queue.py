@@ -19,6 +19,7 @@ import pytest
 import yaml
 from conftest import tiny_overrides, write_config
 
+from nanolab.data.datamodule import TokenDataModule
 from nanolab.queue.cli import main, parse_until
 from nanolab.queue.db import NewJob, QueueDB, QueueError
 from nanolab.queue.runner import order_jobs, outcome, plan_starts
@@ -2051,6 +2052,63 @@ def test_ls_and_status_read_a_jobs_log_for_its_time_left_only_where_it_is_shown(
     screen = json.loads(capsys.readouterr().out)
     assert asked == ["next"]  # the running one's ETA is its run's
     assert [r["eta_s"] for r in screen["running"]] == [pytest.approx(90.0)]
+
+
+def test_add_refuses_source_data_whose_folder_holds_a_dataset_prepared_otherwise(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A job whose ``data.dataset_dir`` holds tokens prepared from ``data.source`` before its
+    text was edited was added ("added job 1"), and fit refused it at night. ``queue add`` now
+    refuses it in fit's own words (told from file sizes and times), and adds it while the
+    folder holds what fit would prepare there."""
+    from conftest import nanolab_here
+
+    from nanolab.data.prepare import prepare_dataset
+
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    prepare_dataset([str(corpus)], tmp_path / "prep", "chars", quiet=True)
+    cfg = tiny_overrides(tmp_path / "prep", tmp_path / "runs", trainer__max_steps=2)
+    cfg["data"].update({"source": [str(corpus)], "val_windows": 4})
+    config = write_config(tmp_path / "src.yaml", cfg)
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "same")
+    assert code == 0, err
+
+    with open(corpus, "a") as f:
+        f.write("an edit. " * 50)
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "edited")
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    fit = nanolab_here("fit", "--config", str(config), cwd=tmp_path)
+    assert fit.returncode == 2
+    (fits,) = [x for x in fit.stderr.splitlines() if x.startswith("nanolab fit: error: ")]
+    said = fits.removeprefix("nanolab fit: error: ")
+    assert "already holds a dataset prepared from other sources" in said
+    assert line == f"nanolab queue add: error: {config}: {said}"
+    assert [job.name for job in QueueDB(db).jobs()] == ["same"]
+
+
+class _PlainData(TokenDataModule):
+    """A project's class that prepares ``data.source`` as configured (a starter's ``Data``)."""
+
+
+class _OwnSourceData(TokenDataModule):
+    """A project's class that sets its own source (a records renderer)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.source = ["rendered.jsonl"]
+
+
+def test_add_judges_the_prepared_folder_only_of_classes_that_prepare_the_source_setting() -> None:
+    from nanolab.queue.jobs import _source_is_setting
+
+    assert _source_is_setting("nanolab.data.datamodule.TokenDataModule")
+    assert _source_is_setting(f"{__name__}._PlainData")
+    assert not _source_is_setting(f"{__name__}._OwnSourceData")
+    assert not _source_is_setting("no_such_module.Data")
 
 
 def test_add_continue_checks_prepared_source_data_and_a_fine_tunes_checkpoint(

@@ -305,7 +305,7 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
             "(the training stream never ends on its own): set trainer.max_steps, or a budget "
             "limit (fit then stops the run where it is spent)"
         )
-    _check_data(resolved.data_args, cwd)
+    _check_data(resolved.data_args, cwd, sections(cfg)[2])
     _check_resume(cfg)
     _check_callbacks(cfg)
     _check_suite(cfg, cwd)
@@ -428,9 +428,11 @@ def start_checkpoint(cfg: dict[str, Any], cwd: Path) -> list[str]:
     return [f"--ckpt_path={path}"]
 
 
-def _check_data(data: dict[str, Any], cwd: Path) -> None:
+def _check_data(data: dict[str, Any], cwd: Path, data_class: str | None = None) -> None:
     """The data a job will train on exists: a prepared folder, a mixture of them, or sources
-    to prepare from (nanolab's data keys; a DataModule of one's own without them is trusted)."""
+    to prepare from (nanolab's data keys; a DataModule of one's own without them is trusted).
+    Sources go into a folder fit can prepare them into: one that holds a dataset prepared
+    otherwise is refused here in fit's words (fit never overwrites one), not at night."""
     from nanolab.data.sources import BUNDLED, BUNDLED_PREFIX
 
     sources = data.get("source")
@@ -461,6 +463,72 @@ def _check_data(data: dict[str, Any], cwd: Path) -> None:
                     )
             elif not _under(cwd, spec).exists():
                 raise JobConfigError(f"data.source: {spec} does not exist")
+        _check_prepared_folder(data, cwd, data_class)
+
+
+def _check_prepared_folder(data: dict[str, Any], cwd: Path, data_class: str | None) -> None:
+    """Refuse ``data.source`` whose ``data.dataset_dir`` holds a dataset prepared from other
+    files or settings, as fit does at start (told from file sizes and times, nothing read).
+    Only where the data class prepares ``data.source`` as configured: one that sets its own
+    source (a records renderer) is trusted, fit checks it at start."""
+    if not data.get("dataset_dir") or not _source_is_setting(data_class):
+        return
+    folder = _under(cwd, str(data["dataset_dir"]))
+    if not (folder / "meta.json").is_file() or _holds_prepared(data, cwd) is not False:
+        return
+    from nanolab.data.stale import prepare_command, stale_dataset_message
+
+    source = [str(s) for s in data["source"]]
+    settings = _prepare_settings(data)
+    prepare = prepare_command(source, data["dataset_dir"], *settings)
+    raise JobConfigError(
+        stale_dataset_message(data["dataset_dir"], source, prepare, "fit", holds_dataset=True)
+    )
+
+
+def _prepare_settings(data: dict[str, Any]) -> tuple[str, int, float]:
+    """(tokenizer, bpe_vocab_size, val_fraction) fit prepares ``data.source`` with (the
+    DataModule's defaults where unset; its module is not imported: queue add starts fast)."""
+    return (
+        str(data.get("tokenizer") or "chars"),
+        int(data.get("bpe_vocab_size") or 4096),
+        float(data.get("val_fraction") or 0.1),
+    )
+
+
+def _holds_prepared(data: dict[str, Any], cwd: Path) -> bool | None:
+    """Whether ``data.dataset_dir`` already holds what fit would prepare there from
+    ``data.source`` (:func:`nanolab.data.prepare.holds_prepared`: the same files and settings,
+    told from sizes and times); None: it cannot be told now. One rule for ``queue add`` and
+    ``--continue``, the rule fit applies."""
+    from nanolab.data.prepare import holds_prepared
+    from nanolab.data.sources import BUNDLED_PREFIX
+
+    folder = _under(cwd, str(data.get("dataset_dir", "")))
+    specs = [
+        s if s.startswith(BUNDLED_PREFIX) else str(_under(cwd, s)) for s in data.get("source") or ()
+    ]
+    return holds_prepared(specs, folder, *_prepare_settings(data))
+
+
+def _source_is_setting(data_class: str | None) -> bool:
+    """The data class prepares ``data.source`` as configured: nanolab's own, or a subclass
+    that defines no ``__init__`` and no ``source`` of its own (a starter project's ``Data``).
+    A class that may set its own source, or one that does not import here, is not judged."""
+    from nanolab.training.plugins import DEFAULT_DATA, PluginImportError, load_class
+
+    if data_class in (None, DEFAULT_DATA):
+        return True
+    from nanolab.data.datamodule import TokenDataModule
+
+    try:
+        cls = load_class(data_class, "data")
+    except PluginImportError:
+        return False
+    if not (isinstance(cls, type) and issubclass(cls, TokenDataModule)):
+        return False
+    own = cls.__mro__[: cls.__mro__.index(TokenDataModule)]
+    return not any("__init__" in c.__dict__ or "source" in c.__dict__ for c in own)
 
 
 def _check_data_sizes(resolved: Any, micro: int, cwd: Path) -> None:
@@ -734,8 +802,6 @@ def _data_problem(chosen: Any, config: dict[str, Any], cwd: Path) -> tuple[str |
     settings: fit reuses it as it is); otherwise it exists only once the job starts, which is
     said. A DataModule of one's own keeps its own rules, which fit applies at start."""
     from nanolab.data.checks import resume_data_problem
-    from nanolab.data.prepare import holds_prepared
-    from nanolab.data.sources import BUNDLED_PREFIX
     from nanolab.training.plugins import DEFAULT_DATA
     from nanolab.training.resolve import sections
 
@@ -746,15 +812,9 @@ def _data_problem(chosen: Any, config: dict[str, Any], cwd: Path) -> tuple[str |
     source = data_args.get("source")
     if source and not data_args.get("allow_changed") and not data_args.get("datasets"):
         folder = _under(cwd, str(data_args.get("dataset_dir", "")))
-        specs = [s if s.startswith(BUNDLED_PREFIX) else str(_under(cwd, s)) for s in source]
-        held = holds_prepared(
-            specs,
-            folder,
-            str(data_args.get("tokenizer") or "chars"),
-            int(data_args.get("bpe_vocab_size") or 4096),
-            float(data_args.get("val_fraction") or 0.1),
-        )
-        if held:  # fit reuses the folder as it is: compare it as prepared data
+        if _holds_prepared(
+            data_args, cwd
+        ):  # fit reuses the folder as it is: compare it as prepared data
             data_args = {**data_args, "source": None}
         else:
             unchecked = (

@@ -365,25 +365,18 @@ def data_vocab(data: Any, data_cfg: Any = None, verb: str = "fit") -> int | None
 
 def stale_dataset_message(data: Any, data_cfg: Any, verb: str, holds_dataset: bool) -> str:
     """Why ``verb`` will not prepare ``data.source`` into ``data.dataset_dir``, and the fixes
-    that work for this data class: ``--data.source null`` only when the class's ``source``
-    is the setting's (a class that sets its own, like a records renderer, ignores a null)."""
-    where = f"data.dataset_dir {data.dataset_dir}"
-    if not holds_dataset:
-        return (
-            f"{where} holds files that are not a dataset; {verb} prepares data.source only "
-            "into a new or empty folder: choose another --data.dataset_dir"
-        )
-    use = "train on" if verb == "fit" else "use"
-    keep = (
-        f"{use} it as it is with --data.source null, "
-        if source_follows_setting(data, data_cfg)
-        else ""
-    )
-    return (
-        f"{where} already holds a dataset prepared from other sources or settings than "
-        f"data.source/data.tokenizer (or its source files changed since: sizes or times), "
-        f"and {verb} never overwrites one: {keep}choose another --data.dataset_dir, or replace "
-        f"it with `{prepare_command(data)}`"
+    that work for this data class (:mod:`nanolab.data.stale`, the words ``queue add`` uses
+    too): ``--data.source null`` only when the class's ``source`` is the setting's (a class
+    that sets its own, like a records renderer, ignores a null)."""
+    from nanolab.data import stale
+
+    return stale.stale_dataset_message(
+        data.dataset_dir,
+        [str(s) for s in data.source],
+        prepare_command(data),
+        verb,
+        holds_dataset,
+        source_is_setting=source_follows_setting(data, data_cfg),
     )
 
 
@@ -406,15 +399,10 @@ def source_follows_setting(data: Any, data_cfg: Any) -> bool:
 def prepare_command(data: Any) -> str:
     """The ``nanolab prepare`` command that prepares ``data.source`` with the data's tokenizer
     settings into its folder, replacing what is there (what fit would have prepared)."""
-    import shlex
+    from nanolab.data.stale import prepare_command as command
 
-    words = ["nanolab", "prepare", *data.source, "-o", str(data.dataset_dir)]
-    words += ["--tokenizer", str(data.tokenizer)]
-    if data.tokenizer == "bpe":
-        words += ["--bpe-vocab-size", str(data.bpe_vocab_size)]
-    if data.val_fraction != 0.1:
-        words += ["--val-fraction", str(data.val_fraction)]
-    return shlex.join([*words, "--force"])
+    source = [str(s) for s in data.source]
+    return command(source, data.dataset_dir, data.tokenizer, data.bpe_vocab_size, data.val_fraction)
 
 
 def fill_eot_id(model_args: Any, data: Any) -> None:

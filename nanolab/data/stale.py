@@ -1,0 +1,63 @@
+"""A dataset folder that ``data.source`` will not be prepared into, said in one message.
+
+``nanolab fit`` (and ``validate``/``test``) prepare ``data.source`` into ``data.dataset_dir``
+but never overwrite a dataset there that was prepared otherwise; ``nanolab queue add`` refuses
+a job that fit would refuse at night, in the same words. The message offers what works: train
+on the folder as it is, choose another folder, or replace it with ``nanolab prepare ...
+--force``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def prepare_command(
+    source: Sequence[str],
+    dataset_dir: str | Path,
+    tokenizer: str,
+    bpe_vocab_size: int,
+    val_fraction: float,
+) -> str:
+    """The ``nanolab prepare`` command that prepares ``source`` with these tokenizer settings
+    into ``dataset_dir``, replacing what is there (what fit would have prepared)."""
+    words = ["nanolab", "prepare", *source, "-o", str(dataset_dir), "--tokenizer", str(tokenizer)]
+    if tokenizer == "bpe":
+        words += ["--bpe-vocab-size", str(bpe_vocab_size)]
+    if val_fraction != 0.1:
+        words += ["--val-fraction", str(val_fraction)]
+    return shlex.join([*words, "--force"])
+
+
+def stale_dataset_message(
+    dataset_dir: str | Path,
+    source: Sequence[str],
+    prepare: str,
+    verb: str,
+    holds_dataset: bool,
+    source_is_setting: bool = True,
+) -> str:
+    """Why ``verb`` will not prepare ``source`` into ``dataset_dir`` and the fixes that work.
+
+    Args:
+        prepare: :func:`prepare_command` for this data (the replacement).
+        holds_dataset: The folder holds a dataset (else other files: only another folder).
+        source_is_setting: ``--data.source null`` leaves the class nothing to prepare (a class
+            that sets its own ``source``, like a records renderer, ignores a null).
+    """
+    where = f"data.dataset_dir {dataset_dir}"
+    if not holds_dataset:
+        return (
+            f"{where} holds files that are not a dataset; {verb} prepares data.source only "
+            "into a new or empty folder: choose another --data.dataset_dir"
+        )
+    use = "train on" if verb == "fit" else "use"
+    keep = f"{use} it as it is with --data.source null, " if source_is_setting else ""
+    return (
+        f"{where} already holds a dataset prepared from other sources or settings than "
+        f"data.source/data.tokenizer (or its source files changed since: sizes or times), "
+        f"and {verb} never overwrites one: {keep}choose another --data.dataset_dir, or replace "
+        f"it with `{prepare}`"
+    )
