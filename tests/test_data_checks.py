@@ -264,6 +264,43 @@ def test_a_folder_prepared_otherwise_names_the_exact_prepare_command_that_replac
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_a_folder_of_other_sources_is_not_offered_for_replacement_as_if_it_were_stale(tmp_path):
+    """The stale-dataset refusal offered `nanolab prepare <data.source> -o <folder> --force`
+    also where the folder holds a dataset of other sources (the user's own): run as offered,
+    it deleted that dataset. It now says whose dataset the command deletes, after training on
+    the folder as it is; the same sources edited since keep the plain replacement."""
+    from conftest import nanolab_here, tiny_overrides
+
+    mine, other = tmp_path / "mine.txt", tmp_path / "other.txt"
+    mine.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    other.write_text("pack my box with five dozen liquor jugs. " * 400)
+    folder = tmp_path / "d"
+    assert nanolab_here("prepare", str(mine), "-o", str(folder), cwd=tmp_path).returncode == 0
+
+    def refusal(source: Path) -> str:
+        cfg = tiny_overrides(folder, tmp_path / "runs", trainer__max_steps=2)
+        cfg["data"].update(source=[str(source)], val_windows=4)
+        config = write_config(tmp_path / "c.yaml", cfg)
+        refused = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(config),
+                               cwd=tmp_path)  # fmt: skip
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        (line,) = [x for x in refused.stderr.splitlines() if "error:" in x]
+        return line
+
+    line = refusal(other)
+    assert f"holds a dataset prepared from {mine}, not from data.source {other}," in line
+    assert line.index("--data.source null") < line.index("--force")
+    assert f"or delete the dataset of {mine} in {folder} and prepare {other} there: `" in line
+
+    with open(mine, "a") as f:  # the same source, edited: the plain replacement
+        f.write("an edit. " * 20)
+    line = refusal(mine)
+    assert (
+        "other sources or settings" in line and f"replace it with `nanolab prepare {mine}" in line
+    )
+    assert "delete" not in line
+
+
 def test_checkpoints_store_the_tokenizer_checked_at_start_not_the_folders_at_save(
     tmp_path, capsys, monkeypatch
 ):

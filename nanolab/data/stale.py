@@ -4,14 +4,19 @@
 but never overwrite a dataset there that was prepared otherwise; ``nanolab queue add`` refuses
 a job that fit would refuse at night, in the same words. The message offers what works: train
 on the folder as it is, choose another folder, or replace it with ``nanolab prepare ...
---force``.
+--force``. That last command replaces the folder's dataset, so where the folder was prepared
+from *other* sources than ``data.source`` (a user's own dataset, not the same text edited
+since) the message says whose data it would replace.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+
+from nanolab.data.sources import BUNDLED_PREFIX
 
 
 def prepare_command(
@@ -31,6 +36,33 @@ def prepare_command(
     return shlex.join([*words, "--force"])
 
 
+def other_sources(
+    dataset_dir: str | Path, source: Sequence[str], cwd: Path | None = None
+) -> list[str] | None:
+    """The sources ``meta.json`` of ``dataset_dir`` says its dataset was prepared from, when
+    they are not ``source`` (paths compared as absolute ones under ``cwd``, the current folder
+    by default); None when they are the same, or the folder does not say."""
+    import json
+
+    try:
+        meta = json.loads((Path(dataset_dir).expanduser() / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    theirs = meta.get("sources") if isinstance(meta, dict) else None
+    if not isinstance(theirs, list) or not all(isinstance(s, str) for s in theirs):
+        return None
+    base = cwd or Path.cwd()
+
+    def where(spec: str) -> str:
+        if spec.startswith(BUNDLED_PREFIX):
+            return spec
+        return os.path.normpath(base / Path(spec).expanduser())
+
+    if sorted(map(where, theirs)) == sorted(map(where, source)):
+        return None
+    return theirs
+
+
 def stale_dataset_message(
     dataset_dir: str | Path,
     source: Sequence[str],
@@ -38,6 +70,7 @@ def stale_dataset_message(
     verb: str,
     holds_dataset: bool,
     source_is_setting: bool = True,
+    theirs: Sequence[str] | None = None,
 ) -> str:
     """Why ``verb`` will not prepare ``source`` into ``dataset_dir`` and the fixes that work.
 
@@ -46,6 +79,8 @@ def stale_dataset_message(
         holds_dataset: The folder holds a dataset (else other files: only another folder).
         source_is_setting: ``--data.source null`` leaves the class nothing to prepare (a class
             that sets its own ``source``, like a records renderer, ignores a null).
+        theirs: The folder's own sources where they differ from ``source``
+            (:func:`other_sources`): the replacement is then worded as replacing that data.
     """
     where = f"data.dataset_dir {dataset_dir}"
     if not holds_dataset:
@@ -55,6 +90,15 @@ def stale_dataset_message(
         )
     use = "train on" if verb == "fit" else "use"
     keep = f"{use} it as it is with --data.source null, " if source_is_setting else ""
+    if theirs:  # not the same text edited since: the replacement deletes another dataset
+        prepared, asked = ", ".join(theirs), ", ".join(source)
+        setting = "data.source" if source_is_setting else "the data class's source"
+        return (
+            f"{where} already holds a dataset prepared from {prepared}, not from {setting} "
+            f"{asked}, and {verb} never overwrites one: {keep}choose another "
+            f"--data.dataset_dir for it, or delete the dataset of {prepared} in "
+            f"{dataset_dir} and prepare {asked} there: `{prepare}`"
+        )
     return (
         f"{where} already holds a dataset prepared from other sources or settings than "
         f"data.source/data.tokenizer (or its source files changed since: sizes or times), "

@@ -476,13 +476,13 @@ def _check_prepared_folder(data: dict[str, Any], cwd: Path, data_class: str | No
     folder = _under(cwd, str(data["dataset_dir"]))
     if not (folder / "meta.json").is_file() or _holds_prepared(data, cwd) is not False:
         return
-    from nanolab.data.stale import prepare_command, stale_dataset_message
+    from nanolab.data.stale import other_sources, prepare_command, stale_dataset_message
 
     source = [str(s) for s in data["source"]]
-    settings = _prepare_settings(data)
-    prepare = prepare_command(source, data["dataset_dir"], *settings)
+    prepare = prepare_command(source, data["dataset_dir"], *_prepare_settings(data))
+    theirs = other_sources(folder, source, cwd)
     raise JobConfigError(
-        stale_dataset_message(data["dataset_dir"], source, prepare, "fit", holds_dataset=True)
+        stale_dataset_message(data["dataset_dir"], source, prepare, "fit", True, theirs=theirs)
     )
 
 

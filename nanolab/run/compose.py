@@ -370,13 +370,15 @@ def stale_dataset_message(data: Any, data_cfg: Any, verb: str, holds_dataset: bo
     that sets its own, like a records renderer, ignores a null)."""
     from nanolab.data import stale
 
+    source = [str(s) for s in data.source]
     return stale.stale_dataset_message(
         data.dataset_dir,
-        [str(s) for s in data.source],
+        source,
         prepare_command(data),
         verb,
         holds_dataset,
         source_is_setting=source_follows_setting(data, data_cfg),
+        theirs=stale.other_sources(data.dataset_dir, source),
     )
 
 
