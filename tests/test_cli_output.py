@@ -202,3 +202,45 @@ def test_the_verb_list_says_export_writes_both_formats(capsys) -> None:
     assert main(["--help"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("export")]
     assert "Hugging Face folder" in line and "safetensors" in line and "GPT-2" not in line
+
+
+def test_the_next_generate_command_imports_the_module_of_the_models_own_parts(
+    tmp_path, monkeypatch
+) -> None:
+    """A run whose model uses a part of a project's own (an attention registered by a module
+    no ``nanolab.plugins`` entry point names) ended with a ``nanolab generate`` command that
+    failed ("pass --import ..."). The command now carries the ``--import`` generate needs, and
+    none where an installed entry point names the module (generate imports it by itself)."""
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.checkpoint import RotatingCheckpoint
+    from nanolab.model.config import GPTConfig
+    from nanolab.model.gpt import CausalSelfAttention
+    from nanolab.model.registry import register_attention
+    from nanolab.run.cli import end_block
+
+    @register_attention("test_hint_own_attention")
+    class OwnAttention(CausalSelfAttention):
+        """A project's attention: the plain one, registered from this module."""
+
+    run = tmp_path / "runs" / "own"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000004.ckpt").write_bytes(b"")
+    os.link(run / "checkpoints" / "step-00000004.ckpt", run / "checkpoints" / "last.ckpt")
+    saver = RotatingCheckpoint()
+    saver.dirpath, saver.last_saved_step = run / "checkpoints", 4
+    gpt = GPTConfig(n_layer=1, n_head=2, n_embd=16, attention_variant="test_hint_own_attention")
+    trainer = SimpleNamespace(
+        default_root_dir=str(run),
+        callbacks=[saver],
+        lightning_module=SimpleNamespace(gpt_config=gpt),
+    )
+    last = run / "checkpoints" / "last.ckpt"
+    assert f"next: nanolab generate --ckpt {last} --import {__name__} --prompt" in end_block(
+        trainer
+    )
+
+    plugin = importlib.metadata.EntryPoint("own", __name__, "nanolab.plugins")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [plugin])
+    assert f"next: nanolab generate --ckpt {last} --prompt" in end_block(trainer)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from nanolab.errors import NanolabError
@@ -160,6 +160,18 @@ def load_plugins() -> list[str]:
             ) from None
         _plugins_loaded.append(point.value)
     return _plugins_loaded[1:]
+
+
+def imports_needed(modules: Iterable[str]) -> list[str]:
+    """Which of ``modules`` (those that registered a checkpoint's own model parts) a command
+    that builds the model from the checkpoint alone (generate, eval, export) must be given with
+    ``--import``: each that no installed ``nanolab.plugins`` entry point names, the modules
+    those commands import by themselves (:func:`load_plugins`). Told from the entry points'
+    metadata: nothing is imported."""
+    from importlib.metadata import entry_points
+
+    plugged = {point.value.split(":")[0].strip() for point in entry_points(group=PLUGIN_GROUP)}
+    return [m for m in dict.fromkeys(modules) if m not in plugged]
 
 
 def add_import_option(parser: Any) -> None:

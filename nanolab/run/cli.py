@@ -161,12 +161,28 @@ def end_block(trainer: object) -> str:
     if last is not None:
         lines.append(f"  checkpoint {last}")
         sample = (
-            f"nanolab generate --ckpt {shlex.quote(str(last))} --prompt '...'"
+            f"nanolab generate --ckpt {shlex.quote(str(last))}{import_flags(trainer)} "
+            "--prompt '...'"
             if not last.is_dir()  # a sharded folder: generate says how to make it one file
             else "convert the sharded checkpoint to one file for generate (docs/scaling.md)"
         )
         lines.append(f"  next: {sample}   |   nanolab report {shlex.quote(str(run_dir.parent))}")
     return "\n".join(lines)
+
+
+def import_flags(trainer: object) -> str:
+    """`` --import MODULE`` for each module that registered a part of the run's model (an
+    attention variant of a project's own, say) that generate would not import by itself
+    (:func:`nanolab.model.registry.imports_needed`: not named by a ``nanolab.plugins`` entry
+    point); "" when there is none."""
+    from nanolab.model.registry import imports_needed, part_modules
+
+    gpt = getattr(getattr(trainer, "lightning_module", None), "gpt_config", None)
+    if gpt is None:
+        return ""
+    return "".join(
+        f" --import {shlex.quote(m)}" for m in imports_needed(part_modules(gpt).values())
+    )
 
 
 def rollback_detail(trainer: object) -> str:
