@@ -547,15 +547,36 @@ def test_longest_first_and_until(tmp_path: Path) -> None:
     ]
     assert [j.name for j, _ in order_jobs(jobs, "fifo")] == ["short", "long", "unknown", "wide"]
     now = 1000.0
-    # two GPUs, an hour left: the long job waits for tomorrow, the 4-GPU job can never run here
+    # two GPUs, an hour left: the long job waits for tomorrow, and so does the job with no
+    # estimate (it could run through the deadline); the 4-GPU job can never run here
     plan = plan_starts(order_jobs(jobs, "longest-first"), [0, 1], 2, now + 3600, now, gpus=True)
-    assert [(j.name, u) for j, u, _ in plan.start] == [("short", [0]), ("unknown", [1])]
-    assert [j.name for j, _ in plan.deferred] == ["long"]
+    assert [(j.name, u) for j, u, _ in plan.start] == [("short", [0])]
+    assert [j.name for j, _ in plan.deferred] == ["long", "unknown"]
     assert [(j.name, n) for j, n in plan.impossible] == [("wide", 4)]
     # past the deadline nothing starts; without GPUs every job takes one slot
     assert plan_starts(jobs, [0], 1, now - 1, now, gpus=False).start == []
     cpu = plan_starts(jobs, [0, 1, 2], 3, None, now, gpus=False)
     assert [j.name for j, _, _ in cpu.start] == ["short", "long", "unknown"]
+
+
+def test_add_says_why_a_job_has_no_time_or_memory_estimate(tmp_path: Path) -> None:
+    """``queue add`` printed a bare ``~?`` for a job it could not time (and nothing for its
+    memory), so nobody knew ``--until`` would hold it back; the reason follows now."""
+    from nanolab.queue.cli import added_estimates
+
+    db = QueueDB(tmp_path / "q.db")
+    timed, untimed = db.add_jobs([
+        new_job("timed", estimate_s=90, mem_peak=3 * 1024**3, mem_source="estimator"),
+        new_job("untimed", estimate_source="no estimate: no GPU here to look up (pass --gpu NAME)",
+                mem_source="no memory estimate: model.optimizer.name 'lion': its state memory is "
+                "not modelled (the estimate covers adamw, adamw8bit, muon)"),
+    ])  # fmt: skip
+    assert added_estimates(timed) == "~2m, peak 3.00 GiB"
+    assert added_estimates(untimed) == (
+        "~? (no estimate: no GPU here to look up (pass --gpu NAME)), no memory estimate: "
+        "model.optimizer.name 'lion': its state memory is not modelled (the estimate covers "
+        "adamw, adamw8bit, muon)"
+    )
 
 
 def test_gpu_names_map_to_the_estimator_table() -> None:

@@ -426,3 +426,23 @@ def test_a_gpu_that_does_not_answer_refuses_the_run_in_one_line_and_leaves_no_ru
     )
     assert report("nanolab queue run", err.value) == 2
     assert db.conn.execute("SELECT count(*) FROM runners WHERE stopped IS NULL").fetchone()[0] == 0
+
+
+def test_until_holds_back_a_job_with_no_time_estimate_as_the_runner_does() -> None:
+    """``--until``'s deadline is a promise: a job that cannot be timed (no estimate) was started
+    and could run through it. Packed or not, it now waits, as a job too long for the time left
+    does; without ``--until`` it starts. Mutation caught: the planners' rules drifting apart."""
+    from dataclasses import replace
+
+    from nanolab.queue.runner import plan_starts
+
+    timed, untimed = replace(job(5.0, jid=301), remaining=600.0), job(5.0, jid=302)
+    plan = plan_pack([untimed, timed], gpus(80), RULES, 3600.0, 0.0)
+    assert started(plan) == [("j301", [0])]
+    assert [(j.name, r) for j, r in plan.deferred] == [("j302", None)]
+    assert started(plan_pack([untimed], gpus(80), RULES, None, 0.0)) == [("j302", [0])]
+    rows = [(untimed.job, None), (timed.job, 600.0)]
+    plain = plan_starts(rows, [0, 1], 2, 3600.0, 0.0, gpus=True)
+    assert [j.name for j, _, _ in plain.start] == ["j301"] and [
+        j.name for j, _ in plain.deferred
+    ] == ["j302"]

@@ -51,3 +51,40 @@ def test_a_small_model_s_steps_are_priced_at_the_host_s_fixed_work_and_called_a_
     gpu_s, gpu_how = run_seconds(cfg, devices=1, tokens_per_step=256, max_steps=3000, gpu="h100")
     assert gpu_s - STARTUP_S == pytest.approx(3000 * floor)  # the floor, not microseconds
     assert "a lower bound" in gpu_how
+
+
+def test_a_projects_own_optimizer_is_timed_from_its_flops_and_its_memory_said_unknown() -> None:
+    """An optimizer registered as docs/optimizers.md shows ("Add an optimizer") got no time at
+    all: the estimator refused it for its state memory, so ``queue add`` printed ``~?`` and
+    ``queue run --until`` could not judge it. The FLOPs, and so the time, are the model's: it is
+    timed as AdamW is; its memory is still refused, in words that say the way forward."""
+    import torch
+
+    from nanolab.estimator.setup import EstimateError
+    from nanolab.queue.jobs import ParsedConfig
+    from nanolab.queue.predict import memory_need
+    from nanolab.training.optim import OPTIMIZERS, register_optimizer
+
+    if "test_own_sign" not in OPTIMIZERS:
+
+        @register_optimizer("test_own_sign")
+        class OwnSign(torch.optim.SGD):
+            """A project's optimizer the memory model does not know."""
+
+    base = ["--config", str(QUICKSTART), "--model.gpt.vocab_size", "71"]
+    adamw = compose(base)
+    own = compose([*base, "--model.optimizer.name", "test_own_sign"])
+    timed = run_seconds(own, devices=1, tokens_per_step=4096, max_steps=600)
+    assert timed == run_seconds(adamw, devices=1, tokens_per_step=4096, max_steps=600)
+    assert timed[0] is not None
+    with pytest.raises(EstimateError) as refused:
+        estimate_from_config(own, device="cpu", history=False)
+    assert "'test_own_sign': its state memory is not modelled" in str(refused.value)
+    assert "--model.optimizer.name adamw estimates the same FLOPs and time" in str(refused.value)
+    parsed = ParsedConfig(config=own, run_root="runs", max_steps=600, devices=1,
+                          tokens_per_step=4096, step_bound=600)  # fmt: skip
+    peak, why = memory_need(parsed)
+    assert peak is None and why == (
+        "no memory estimate: model.optimizer.name 'test_own_sign': its state memory is not "
+        "modelled (the estimate covers adamw, adamw8bit, muon)"
+    )

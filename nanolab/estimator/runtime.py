@@ -119,9 +119,17 @@ def run_seconds(
     return c.hours * 3600 + STARTUP_S, how
 
 
-def as_estimator_config(config: dict[str, Any], devices: int) -> dict[str, Any]:
+def as_estimator_config(
+    config: dict[str, Any], devices: int, for_memory: bool = False
+) -> dict[str, Any]:
     """The config with ``trainer.devices`` as the run will have it (``precision: null``, Lightning's
-    32-true, is the estimator's own reading: :func:`nanolab.estimator.setup.setup_from_config`)."""
-    cfg = {**config, "trainer": dict(config.get("trainer") or {})}
+    32-true, is the estimator's own reading: :func:`nanolab.estimator.setup.setup_from_config`).
+    For a duration (``for_memory`` false) a project's own optimizer is timed as ``adamw``
+    (:func:`nanolab.estimator.setup.timed_config`: the same FLOPs); ``for_memory`` keeps it,
+    and the memory estimate says it is not modelled."""
+    from nanolab.estimator.setup import timed_config
+
+    cfg = dict(config) if for_memory else timed_config(config)
+    cfg["trainer"] = dict(config.get("trainer") or {})
     cfg["trainer"]["devices"] = devices
     return cfg

@@ -215,11 +215,24 @@ def cmd_add(args: argparse.Namespace) -> int:
     for note in notes:
         messages.note("nanolab queue", note)
     for job in added:
-        peak = f", peak {gib(job.mem_peak)}" if job.mem_peak else ""
-        kind = " as backfill" if job.backfill else ""
-        print(f"added job {job.id} {job.name}{kind} (~{describe(job.estimate_s)}{peak}; "
-              f"run dir {job.run_dir})")  # fmt: skip
+        print(f"added job {job.id} {job.name}{' as backfill' if job.backfill else ''} "
+              f"({added_estimates(job)}; run dir {job.run_dir})")  # fmt: skip
     return 0
+
+
+def added_estimates(job: Job) -> str:
+    """A job's time and peak memory as ``queue add`` prints them: ``~12m, peak 3.1 GiB``; with
+    the reason where there is none (``~? (no estimate: ...)``, ``no memory estimate: ...``):
+    an untimed job is held back by ``queue run --until``, an unmeasured one runs alone with
+    ``--pack``."""
+    out = f"~{describe(job.estimate_s)}"
+    if job.estimate_s is None and job.estimate_source:
+        out += f" ({job.estimate_source})"
+    if job.mem_peak:
+        out += f", peak {gib(job.mem_peak)}"
+    elif (job.mem_source or "").startswith("no memory estimate"):
+        out += f", {job.mem_source}"
+    return out
 
 
 def sweep_job_name(

@@ -146,6 +146,16 @@ def alone_reason(job: Job, peak: int | None, rules: Rules, largest: int) -> str 
     return None
 
 
+def held_by_deadline(until: float | None, now: float, remaining: float | None) -> bool:
+    """Whether ``queue run --until`` holds a waiting job back: the deadline has passed, the
+    job would end after it, or it has no time estimate to judge it by (the deadline is a
+    promise: a job that cannot be timed could run through it). The one rule of both planners
+    (:func:`plan_pack` and the runner's ``plan_starts``)."""
+    if until is None:
+        return False
+    return now >= until or remaining is None or now + remaining > until
+
+
 def plan_pack(
     candidates: list[Candidate],
     devices: list[Device],
@@ -176,9 +186,7 @@ def plan_pack(
         if job.devices > len(devs):
             plan.impossible.append((job, job.devices))
             continue
-        if until is not None and (
-            now >= until or (c.remaining is not None and now + c.remaining > until)
-        ):
+        if held_by_deadline(until, now, c.remaining):
             plan.deferred.append((job, c.remaining))
             continue
         why = alone_reason(job, c.peak, rules, largest)

@@ -585,7 +585,7 @@ def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | Non
     :mod:`nanolab.queue.packing`). A ``micro_batch_size: auto`` job has no fixed peak (it sizes
     itself to the whole device), so it runs alone.
     """
-    cfg = as_estimator_config(parsed.config, parsed.devices)
+    cfg = as_estimator_config(parsed.config, parsed.devices, for_memory=True)
     # run.micro_batch_size: null means data.micro_batch_size, an int overrides it, auto sizes
     # the micro-batch to the whole device at start-up.
     from nanolab.training.resolve import micro_batch_choice, sections
@@ -603,8 +603,8 @@ def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | Non
         except Exception:  # unprepared data: the vocabulary is read from it at run time
             setup = setup_for(cfg, micro_batch_size=micro, vocab_size=VOCAB_GUESS)
         est = estimate_memory(setup, backend=backend, fragmentation=0.0)
-    except Exception as err:  # the estimator cannot model this config
-        return None, f"no memory estimate: {str(err).splitlines()[0][:80]}"
+    except Exception as err:  # the estimator cannot model this config: why (its first clause)
+        return None, f"no memory estimate: {str(err).splitlines()[0].partition('; ')[0][:120]}"
     return est.peak_allocated, f"estimator ({backend}, {setup.precision}, micro-batch " + (
         f"{setup.micro_batch_size}, peak at {est.peak_phase})"
     )

@@ -80,7 +80,16 @@ from nanolab.queue.jobs import (
     foreign_run_at_start,
 )
 from nanolab.queue.launch import CAP_ENV
-from nanolab.queue.packing import Candidate, Device, Resident, Rules, describe_start, gib, plan_pack
+from nanolab.queue.packing import (
+    Candidate,
+    Device,
+    Resident,
+    Rules,
+    describe_start,
+    gib,
+    held_by_deadline,
+    plan_pack,
+)
 from nanolab.queue.predict import (
     describe,
     job_peak,
@@ -420,8 +429,14 @@ class Runner:
         for job, remaining in deferred:
             if job.id not in self._deferred and self.until is not None:
                 self._deferred.add(job.id)
-                self.say(f"job {job.id} {job.name}: deferred, needs ~{describe(remaining)} "
-                         f"and {describe(max(0.0, self.until - now))} are left")  # fmt: skip
+                left = describe(max(0.0, self.until - now))
+                if remaining is None:  # the deadline is a promise: an untimed job may break it
+                    why = job.estimate_source or "no estimate"
+                    self.say(f"job {job.id} {job.name}: deferred, its time is unknown ({why}) "
+                             f"and {left} are left; run it without --until")  # fmt: skip
+                else:
+                    self.say(f"job {job.id} {job.name}: deferred, needs ~{describe(remaining)} "
+                             f"and {left} are left")  # fmt: skip
 
     def _claim_and_spawn(
         self,
@@ -1013,8 +1028,8 @@ def plan_starts(
 ) -> Plan:
     """Assign free units to jobs in order. A job needs ``devices`` GPUs (one CPU slot without
     GPUs); one that does not fit the free units now waits (later jobs may use them); one that
-    would end after ``until`` is deferred; a job with no estimate is started (it cannot be
-    judged, and leaving GPUs idle all night is the worse mistake)."""
+    would end after ``until``, or has no estimate to judge it by, is deferred
+    (:func:`nanolab.queue.packing.held_by_deadline`)."""
     plan = Plan()
     free = list(free)
     for job, remaining in jobs:
@@ -1022,9 +1037,7 @@ def plan_starts(
         if need > total_units:
             plan.impossible.append((job, need))
             continue
-        if until is not None and (
-            now >= until or (remaining is not None and now + remaining > until)
-        ):
+        if held_by_deadline(until, now, remaining):
             plan.deferred.append((job, remaining))
             continue
         if need > len(free):
