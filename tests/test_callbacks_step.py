@@ -30,6 +30,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "callbacks.md"
 VARYING = {
     "time", "elapsed_s", "gpu_hours", "goodput", "step_time_s", "tokens_per_s", "samples_per_s",
     "cost", "seconds", "write_seconds", "time_breakdown", "wall_hours", "step_s", "train_active_s",
+    "launch_tokens_per_s",
     "remaining_gpu_hours", "improvement_per_gpu_hour", "projected_gain", "run_id", "run_dir",
     "run_name", "path", "pid", "argv", "git_commit", "git_dirty",
 }  # fmt: skip

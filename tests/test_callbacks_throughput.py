@@ -310,13 +310,17 @@ class _SlowSteps(L.Callback):
         time.sleep(0.03)
 
 
-def _resumed_twice(tmp_path, char_dataset, strip_clock: bool = False):
-    """A run of 6 slow steps, then resumed to 12 at full speed: its two end records and its
-    train records (one per step, each with the active seconds its step took)."""
+def _resumed_twice(
+    tmp_path, char_dataset, strip_clock: bool = False, later_precision: str | None = None
+):
+    """A run of 6 slow steps, then resumed to 12 at full speed (in ``later_precision``, when
+    given, and then once more to 14 in it): its end records and its train records (one per
+    step, each with the active seconds its step took)."""
     run = tmp_path / "run"
 
     def callbacks(*extra: L.Callback) -> list[L.Callback]:
-        return [MetricsLog(), RotatingCheckpoint(every_n_steps=6), ThroughputMeter(), *extra]
+        meter = ThroughputMeter(peak_flops=1e11)
+        return [MetricsLog(), RotatingCheckpoint(every_n_steps=6), meter, *extra]
 
     fit(run, char_dataset, callbacks(_SlowSteps()), max_steps=6, eval_every=100)
     last = run / "checkpoints" / "last.ckpt"
@@ -327,7 +331,11 @@ def _resumed_twice(tmp_path, char_dataset, strip_clock: bool = False):
                 value.pop("train_active_s"), value.pop("time_breakdown")
         last = run / "checkpoints" / "old.ckpt"
         torch.save(state, last)
-    fit(run, char_dataset, callbacks(), max_steps=12, eval_every=100, ckpt_path=last)
+    later = {"precision": later_precision} if later_precision else {}
+    fit(run, char_dataset, callbacks(), max_steps=12, eval_every=100, ckpt_path=last, **later)
+    if later_precision:
+        last = run / "checkpoints" / "last.ckpt"
+        fit(run, char_dataset, callbacks(), max_steps=14, eval_every=100, ckpt_path=last, **later)
     log = run / "metrics.jsonl"
     return events(log, "end"), events(log, "train")
 
@@ -349,6 +357,11 @@ def test_a_resumed_run_s_end_record_has_the_whole_run_s_rate_and_time_split(tmp_
     # Each launch's own time from its start of training to its last record is in it too.
     assert second["tokens_per_s"] == pytest.approx(tokens / active, rel=0.2)
     assert second["tokens_per_s"] < 0.8 * (tokens / 2) / later  # not the second launch's
+    # ... which is there too, and one launch has one figure.
+    launch = second["launch_tokens_per_s"]
+    assert launch == pytest.approx(6 * TOKENS_PER_MICRO_BATCH / later, rel=0.3)
+    assert launch > second["tokens_per_s"]
+    assert first["launch_tokens_per_s"] == first["tokens_per_s"]
     whole, mine = second["time_breakdown"], first["time_breakdown"]
     # The first launch's steps and waits, all before its last save, are in the run's split
     # (what it spent after that save, its final validation, is in other_s: not in the checkpoint)
@@ -368,3 +381,26 @@ def test_a_run_resumed_from_an_older_checkpoint_says_its_end_totals_are_this_lau
     assert second["totals_of"] == "this launch"
     assert second["tokens_per_s"] == pytest.approx(6 * TOKENS_PER_MICRO_BATCH / later, rel=0.3)
     assert sum(second["time_breakdown"].values()) < second["elapsed_s"]  # this launch's wall
+
+
+def test_a_resume_in_another_precision_gives_no_blended_run_rate(tmp_path, char_dataset):
+    """A resume may change the precision (fit warns and goes on), the devices or the GPU: a
+    run-wide tokens/s over such launches was one figure for none of them, and its MFU divided
+    it by the last launch's peak. Now the end record says ``totals_of: this launch`` when the
+    launches' setups differ, for every later launch too (the mixed time stays in the run's
+    total), its rate and MFU are this launch's, and ``launch_tokens_per_s`` is always there.
+
+    Mutations caught: the setup left out of the checkpoint or not compared (``run``, a 32-bit
+    and a 64-bit launch blended); a mixed run forgotten by the next launch of one precision;
+    MFU from the blended rate."""
+    ends, train = _resumed_twice(tmp_path, char_dataset, later_precision="64-true")
+    first, second, third = ends
+    assert first["totals_of"] == "run"
+    assert second["totals_of"] == third["totals_of"] == "this launch"
+    later = sum(r["step_time_s"] for r in train if 6 < r["step"] <= 12)
+    assert second["tokens_per_s"] == second["launch_tokens_per_s"]
+    assert second["tokens_per_s"] == pytest.approx(6 * TOKENS_PER_MICRO_BATCH / later, rel=0.3)
+    assert third["tokens_per_s"] == third["launch_tokens_per_s"]
+    start = events(tmp_path / "run" / "metrics.jsonl", "start")[-1]
+    mfu = start["flops_per_token"] * second["launch_tokens_per_s"] / 1e11
+    assert second["mfu"] == pytest.approx(mfu, rel=1e-4)

@@ -297,7 +297,9 @@ TWINS: dict[str, tuple[str, ...]] = {
 #: equivalent); the code around them runs on a CPU in the suite.
 NO_CPU_TWIN: dict[str, str] = {
     "nanolab/callbacks/clock.py": "torch.cuda.synchronize before reading the step clock",
-    "nanolab/callbacks/jsonl.py": "torch.cuda.get_device_name for the start record",
+    "nanolab/callbacks/devices.py": (
+        "torch.cuda.get_device_name for the start record and the launch's setup"
+    ),
     "nanolab/downstream/harness.py": "the default device when none is given",
     "nanolab/estimator/runtime.py": "the device name for the GPU table lookup",
     "nanolab/eval_tasks.py": "the default --device",
@@ -380,7 +382,7 @@ BRANCHES: dict[str, dict[str, int]] = {
         "trained_precision": 1,
     },
     "nanolab/callbacks/clock.py": {"RunClock.sync_device": 2},
-    "nanolab/callbacks/jsonl.py": {"device_names": 3},
+    "nanolab/callbacks/devices.py": {"device_names": 3},
     "nanolab/callbacks/readout.py": {"StepReadout.transfer": 3},
     "nanolab/callbacks/syncs.py": {
         "SyncCounter._wrap_transfer.transfer": 1,

@@ -152,6 +152,56 @@ def test_measured_tokens_per_second_of_a_finished_queue_run_wins(tmp_path) -> No
     assert assumed.compute.mfu == get_gpu("h100").default_mfu
 
 
+def test_history_calibrates_from_each_run_s_last_launch_not_a_blend(tmp_path) -> None:
+    """The config and devices a past run is matched on are its last launch's, so its rate must
+    be too: ``launch_tokens_per_s``, not the end record's ``tokens_per_s``, which a resumed run
+    gives over every launch (another precision's or GPU's included). An older record's
+    ``tokens_per_s`` counts where it was one launch's: no ``totals_of``, ``this launch``, or a
+    ``run`` figure of a launch that resumed nothing.
+
+    Mutations caught: the run-wide figure read (the median would be 200,000); an older
+    resumed run's whole-run figure counted."""
+    import json
+    import sqlite3
+
+    import yaml
+
+    from nanolab.estimator import estimate_from_config
+
+    cfg = {
+        "trainer": {"precision": "bf16-mixed", "max_steps": 100, "devices": 1},
+        "model": {"gpt": {"vocab_size": 50257, "block_size": 1024, "n_layer": 12,
+                          "n_head": 12, "n_embd": 768}},
+        "data": {"micro_batch_size": 8},
+        "run": {"global_batch_tokens": 8 * 1024 * 4},
+    }  # fmt: skip
+    blended = {"totals_of": "run", "tokens_per_s": 100_000.0}
+    runs = [  # (resumed, end fields): the rate each should give
+        (True, {**blended, "launch_tokens_per_s": 300_000.0}),  # today's record: 300,000
+        (True, {"totals_of": "this launch", "tokens_per_s": 310_000.0}),  # older: its own
+        (False, {"tokens_per_s": 320_000.0}),  # before totals_of: one launch's
+        (False, blended),  # a run figure of a launch that resumed nothing: 100,000 is its own
+        (True, blended),  # a resumed run's run figure without the launch's: not counted
+    ]
+    db = tmp_path / "queue.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE jobs (run_dir TEXT, cwd TEXT, status TEXT)")
+    for i, (resumed, end) in enumerate(runs):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        start = {"event": "start", "step": 0, "devices": ["NVIDIA H100 80GB HBM3"]}
+        start["resumed_from"] = "last.ckpt" if resumed else None
+        records = [start, {"event": "end", "step": 100, "reason": "completed", **end}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        conn.execute("INSERT INTO jobs VALUES (?, ?, ?)", (str(run), str(tmp_path), "done"))
+    conn.commit()
+    conn.close()
+    est = estimate_from_config(cfg, gpu="h100", queue_db=str(db))
+    assert "4 finished queue run(s)" in est.compute.tokens_per_second_source
+    assert est.compute.tokens_per_second == pytest.approx(305_000.0)
+
+
 def test_fit_sets_the_float32_matmul_precision_only_on_gpu_runs() -> None:
     from nanolab.run.compose import apply_float32_matmul_precision
     from nanolab.run.parse import RunConfig

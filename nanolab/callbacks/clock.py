@@ -38,6 +38,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from nanolab.callbacks.devices import launch_setup
 from nanolab.callbacks.readout import StepReadout, defer_from_env, lag_from_env
 
 PAUSE_KINDS = ("eval", "tasks", "checkpoint", "log")
@@ -105,7 +106,11 @@ class RunClock(Callback):
         #: a checkpoint of a nanolab that did not keep them, so the run's are unknown).
         self.before_train_active_s: float | None = 0.0
         self.before_parts: dict[str, float] | None = {}
+        #: The setup (:func:`launch_setup`) the earlier processes' active time was measured on
+        #: (None: no earlier process, or a run that began a new one from another's checkpoint).
+        self.before_setup: dict[str, Any] | None = None
         # This process.
+        self.this_launch_setup: dict[str, Any] | None = None  # from its start of training
         self._train_active_from: float | None = None  # its active seconds when training began
         self.step_s = 0.0
         self.pauses = dict.fromkeys(PAUSE_KINDS, 0.0)
@@ -265,7 +270,8 @@ class RunClock(Callback):
         """The ``end`` record's ``time_breakdown`` and what it (and ``tokens_per_s``, ``mfu``)
         covers: ``totals_of`` ``run`` (every launch of the run, from the checkpoint), or
         ``this launch`` when it resumed from an older nanolab's checkpoint, which did not keep
-        the earlier launches' times."""
+        the earlier launches' times or their setup, or when the launches trained on different
+        setups (:meth:`on_train_start`): one rate over them would describe none."""
         whole = self.run_breakdown()
         if whole is None or self.train_active_s() is None:
             return {"time_breakdown": self.breakdown(), "totals_of": "this launch"}
@@ -277,14 +283,25 @@ class RunClock(Callback):
         None: restored from a checkpoint that did not keep the earlier processes'."""
         if self.before_train_active_s is None:
             return None
+        return self.before_train_active_s + self.launch_train_active_s()
+
+    def launch_train_active_s(self) -> float:
+        """Active seconds this process has trained, from its start of training: the
+        denominator of this launch's own tokens/s (0 before training starts)."""
         if self._train_active_from is None:
-            return self.before_train_active_s
+            return 0.0
         here = self.process_elapsed_s() - self.paused_s() - self._train_active_from
-        return self.before_train_active_s + max(0.0, here)
+        return max(0.0, here)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._train_active_from is None:
             self._train_active_from = self.process_elapsed_s() - self.paused_s()
+        self.this_launch_setup = launch_setup(trainer)
+        if self.before_setup is not None and self.before_setup != self.this_launch_setup:
+            # Another precision, device layout or GPU than the earlier launches': their time
+            # and this launch's measure different rates, so the run's totals are unknown from
+            # here on (the checkpoints this launch saves say so to the next launch too).
+            self.before_train_active_s, self.before_parts = None, None
 
     # -- marking -----------------------------------------------------------------------------
     def on_train_batch_start(
@@ -392,6 +409,7 @@ class RunClock(Callback):
         model has trained on are kept (they are the model's, and a scaling fit's D)."""
         self.before_elapsed_s = self.before_gpu_hours = self.before_step_s = 0.0
         self.before_train_active_s, self.before_parts = 0.0, {}
+        self.before_setup = None
         self.inherited_tokens = self.tokens
 
     def account_earlier(self, elapsed_s: float, gpu_hours: float, step_s: float) -> None:
@@ -421,6 +439,9 @@ class RunClock(Callback):
             "inherited_tokens": self.inherited_tokens,
             "train_active_s": self.train_active_s(),
             "time_breakdown": self.run_breakdown(),
+            # What train_active_s was measured on (this launch's; an earlier one's before
+            # training starts): a resume on another setup does not add its time to it.
+            "setup": self.this_launch_setup or self.before_setup,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -433,10 +454,12 @@ class RunClock(Callback):
             self.tokens if self.forked else int(state_dict.get("inherited_tokens", 0))
         )
         active, parts = state_dict.get("train_active_s"), state_dict.get("time_breakdown")
-        if isinstance(active, (int, float)) and isinstance(parts, dict):
+        setup = state_dict.get("setup")
+        if isinstance(active, (int, float)) and isinstance(parts, dict) and isinstance(setup, dict):
             self.before_train_active_s = float(active)
             self.before_parts = {
                 k: float(v) for k, v in parts.items() if isinstance(v, (int, float))
             }
-        else:  # an older nanolab's checkpoint: the earlier launches' split is unknown
-            self.before_train_active_s, self.before_parts = None, None
+            self.before_setup = setup
+        else:  # an older nanolab's checkpoint: the earlier launches' split or setup is unknown
+            self.before_train_active_s, self.before_parts, self.before_setup = None, None, None

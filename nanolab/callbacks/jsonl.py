@@ -41,6 +41,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import nanolab
 from nanolab.callbacks.banner import launch_schedule_note
 from nanolab.callbacks.clock import RunClock
+from nanolab.callbacks.devices import device_names
 from nanolab.callbacks.events import (
     END_REASONS,
     CallbackConfigError,
@@ -731,16 +732,6 @@ def git_state() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             break
     return {"git_commit": None, "git_dirty": None}
-
-
-def device_names(trainer: L.Trainer) -> list[str]:
-    """Names of this node's devices in the run (``torch.cuda.get_device_name`` for GPUs)."""
-    devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
-    cpu = f"cpu ({platform.machine() or 'unknown'})"
-    return [
-        torch.cuda.get_device_name(d) if d.type == "cuda" else cpu if d.type == "cpu" else str(d)
-        for d in devices
-    ]
 
 
 def num_params(pl_module: L.LightningModule) -> int:

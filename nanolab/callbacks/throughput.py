@@ -250,10 +250,21 @@ class ThroughputMeter(StepCallback):
         """The whole run's tokens/s: the tokens it trained (all ranks, every launch; a branch's
         inherited ones left out) over its active training time (every launch's, from the
         checkpoint: :meth:`RunClock.train_active_s`). None when the checkpoint it resumed from
-        did not keep that time, or nothing was trained."""
+        did not keep that time, when the launches trained on different setups, or nothing was
+        trained."""
         assert self.clock is not None
         active, tokens = self.clock.train_active_s(), self.clock.run_tokens
         if active is None or active <= 0 or tokens <= 0:
+            return None
+        return round(tokens / active, 2)
+
+    def launch_tokens_per_s(self) -> float | None:
+        """This launch's own tokens/s: the tokens it trained (all ranks) over its active
+        training time (:meth:`RunClock.launch_train_active_s`), measured as the run's rate is,
+        so a run of one launch has one figure. None when nothing was trained."""
+        assert self.clock is not None and self._first is not None
+        active, tokens = self.clock.launch_train_active_s(), self.clock.tokens - self._first.tokens
+        if active <= 0 or tokens <= 0:
             return None
         return round(tokens / active, 2)
 
@@ -286,12 +297,14 @@ class ThroughputMeter(StepCallback):
         if event == "train":
             return self.measure(trainer)
         if event == "end" and self._first is not None and self.clock is not None:
-            tps = self.run_tokens_per_s()
-            if tps is None:  # resumed from a checkpoint without the run's time: this launch's
-                tps = self._rates(self._first, self.clock.snapshot(), trainer)["tokens_per_s"]
+            launch = self.launch_tokens_per_s()
+            run = self.run_tokens_per_s()  # None: totals_of "this launch" (RunClock.end_totals)
             return {
-                "tokens_per_s": tps,
-                "mfu": self.mfu(tps, int(trainer.world_size)),
+                "tokens_per_s": run if run is not None else launch,
+                # This launch's own rate, on the setup its start record names: what estimate
+                # and queue calibrate from; its MFU is over this launch's own peak.
+                "launch_tokens_per_s": launch,
+                "mfu": self.mfu(launch, int(trainer.world_size)),
                 **self._memory(trainer),
                 "mem_per_device": self._mem_per_device,
             }

@@ -2,8 +2,8 @@
 
 An MFU assumption is a guess; a finished run of the same config on the same kind of device is a
 measurement. ``nanolab queue`` keeps every job's run directory, and each run directory keeps its
-``config.yaml`` and its run log, whose ``start`` record names the devices and whose ``end``
-record has the whole run's tokens/s. A past run counts when its config describes the same step
+``config.yaml`` and its run log, whose last ``start`` record names the devices and whose ``end``
+record has that launch's own tokens/s (:func:`launch_rate`). A past run counts when its config describes the same step
 (architecture, precision, matmul precision, micro-batch, accumulation, devices, strategy,
 optimizer, compile) on a device that matches the GPU being estimated; the median of their
 tokens/s is used.
@@ -74,7 +74,20 @@ def _run_tokens_per_second(run_dir: Path, setup: Setup, gpu: GPU | None) -> floa
     end = last_record(log, "end") or {}
     if end.get("reason") not in ("completed", "budget", "plateau"):
         return None  # crashed, diverged or preempted: its rate may cover a few steps only
-    rate = end.get("tokens_per_s")
+    return launch_rate(end, resumed=start.get("resumed_from") is not None)
+
+
+def launch_rate(end: dict, resumed: bool) -> float | None:
+    """The tokens/s of the launch an ``end`` record closes: the config and devices compared
+    are that launch's (the last ``config.yaml`` and ``start``), so the rate must be too, not a
+    resumed run's whole-run figure, which may blend launches of other precisions or GPUs.
+
+    ``launch_tokens_per_s`` where the record has it; an older record's ``tokens_per_s`` where
+    it was this launch's (no ``totals_of``, or ``this launch``), or where the run's figure is
+    one launch's because the launch was not a resume (``resumed``: its start resumed one)."""
+    rate = end.get("launch_tokens_per_s")
+    if rate is None and (end.get("totals_of") in (None, "this launch") or not resumed):
+        rate = end.get("tokens_per_s")
     return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
 
 
