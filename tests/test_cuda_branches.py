@@ -3,8 +3,11 @@
 The rule (docs/architecture.md, "GPU-only branches"): no code runs for the first time on a GPU.
 This test parses every module of ``nanolab/`` and ``benches/`` and finds each way of asking
 about the device (:class:`DeviceBranches`): a comparison, ``in`` test or ``case`` against
-``"cuda"``, ``"cpu"``, ``"hip"``, ``"mps"`` or ``"gpu"`` (either side, or in a tuple),
-``.startswith("cuda")``, ``.is_cuda``, anything reached through ``torch.cuda``,
+``"cuda"``, ``"cpu"``, ``"hip"``, ``"mps"``, ``"gpu"``, ``"xpu"``, ``"xla"`` or an accelerator
+class's name (either side, or in a tuple), such a string named anywhere else (a constant, a
+dispatch table's key, a default) but where it only places something on a device
+(``torch.device("cuda")``, ``.to("cpu")``, ``map_location="cpu"``), ``.device.index``,
+``torch._C._cuda*``, ``.startswith("cuda")``, ``.is_cuda``, anything reached through ``torch.cuda``,
 ``torch.backends.cuda``, ``torch.backends.cudnn``, ``torch.backends.mps``, ``torch.mps``,
 ``torch.xpu``, ``torch.accelerator``, ``torch.get_device_module``, ``torch.version.hip`` or
 ``torch.version.cuda`` (imported under any name, or through ``getattr`` or ``import_module``),
@@ -34,7 +37,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("nanolab", "benches")
 #: Device names, and the GPU-only collective backend (``dist.get_backend() == "nccl"``).
-DEVICE_NAMES = frozenset({"cuda", "cpu", "hip", "mps", "gpu", "nccl"})
+DEVICE_NAMES = frozenset({"cuda", "cpu", "hip", "mps", "gpu", "xpu", "xla", "nccl"})
 DEVICE_MODULES = (
     "torch.cuda",
     "torch.backends.cuda",
@@ -60,16 +63,31 @@ DEVICE_CLASSES = frozenset(
 )
 #: A tensor's or device's own answer to "where am I" (``x.is_cuda``, ``x.is_cpu``).
 DEVICE_ATTRIBUTES = frozenset({"is_cuda", "is_cpu", "is_mps"})
+#: torch's private bindings of a device's runtime (``torch._C._cuda_getDeviceCount()``).
+PRIVATE_DEVICE_BINDING = re.compile(r"^torch\._C\._(cuda|mps|xpu|hip)")
+#: Calls that place something on the device a string names (``torch.device("cuda")``,
+#: ``x.to("cpu")``, ``torch.autocast("cpu")``): their first argument uses a device, it does not
+#: ask which one this is; likewise the keywords that name where a tensor goes.
+PLACING_CALLS = frozenset({"device", "to", "autocast", "GradScaler"})
+PLACING_KEYWORDS = frozenset({"device", "device_type", "map_location"})
 #: Text that asks the GPU in a string: a device mask (``CUDA_VISIBLE_DEVICES``,
 #: ``HIP_VISIBLE_DEVICES``, ...) or a vendor's query tool run as a command.
 DEVICE_TEXT = re.compile(r"\b[A-Z]+_VISIBLE_DEVICES\b|\b(nvidia|rocm|amd)-smi\b")
 
 
+def _is_device_string(value: object) -> bool:
+    """A device's name (``"cuda"``, ``"cuda:1"``, ``"xpu"``, ...) or an accelerator class's
+    (``"CUDAAccelerator"``: ``type(acc).__name__ == "CUDAAccelerator"`` asks as surely)."""
+    return isinstance(value, str) and (
+        value.split(":")[0] in DEVICE_NAMES or value in DEVICE_CLASSES
+    )
+
+
 def _names_a_device(node: ast.AST) -> bool:
-    """A string constant ``"cuda"``/``"cpu"``/``"hip"``/``"mps"``/``"gpu"`` (or ``"cuda:1"``),
-    or a tuple, list or set holding one."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value.split(":")[0] in DEVICE_NAMES
+    """A string constant naming a device (:func:`_is_device_string`), or a tuple, list or set
+    holding one."""
+    if isinstance(node, ast.Constant):
+        return _is_device_string(node.value)
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         return any(_names_a_device(e) for e in node.elts)
     return False
@@ -88,9 +106,11 @@ def _matches_a_device(pattern: ast.pattern) -> bool:
 
 def _is_device_module(dotted: str | None) -> bool:
     """Whether a dotted name is one of :data:`DEVICE_MODULES` or inside one."""
-    return dotted is not None and any(
-        dotted == module or dotted.startswith(module + ".") for module in DEVICE_MODULES
-    )
+    if dotted is None:
+        return False
+    if PRIVATE_DEVICE_BINDING.match(dotted):
+        return True
+    return any(dotted == module or dotted.startswith(module + ".") for module in DEVICE_MODULES)
 
 
 #: What code in a string (a child's ``python -c``) asks the device through.
@@ -110,6 +130,16 @@ class DeviceBranches(ast.NodeVisitor):
         self.aliases: dict[str, str] = {}  # a name bound by an import -> what it names
         self.scope: list[str] = []
         self.hits: list[tuple[int, str, str]] = []
+        #: Device-name strings already counted (in a comparison, a case, a ``startswith``) or
+        #: only placing something on a device (:data:`PLACING_CALLS`): not a hit of their own.
+        self.accounted: set[int] = set()
+
+    def _account(self, *nodes: ast.AST) -> None:
+        """Mark the device-name strings in ``nodes`` (and their tuples) as accounted for."""
+        for node in nodes:
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Constant) and _is_device_string(inner.value):
+                    self.accounted.add(id(inner))
 
     def _hit(self, node: ast.AST, what: str) -> None:
         scope = ".".join(self.scope) or "<module>"
@@ -157,6 +187,8 @@ class DeviceBranches(ast.NodeVisitor):
         dotted = self._dotted(node)
         if node.attr in DEVICE_ATTRIBUTES:
             self._hit(node, f".{node.attr}")
+        elif node.attr == "index" and _last_name(node.value).endswith("device"):
+            self._hit(node, ".device.index")  # a CUDA device's number, None on a CPU
         elif node.attr in DEVICE_CLASSES:
             self._hit(node, node.attr)
         elif _is_device_module(dotted):
@@ -170,13 +202,16 @@ class DeviceBranches(ast.NodeVisitor):
             self._hit(node, named or node.id)
 
     def visit_Compare(self, node: ast.Compare) -> None:
-        if any(_names_a_device(side) for side in (node.left, *node.comparators)):
+        sides = (node.left, *node.comparators)
+        if any(_names_a_device(side) for side in sides):
             self._hit(node, "a comparison with a device name")
+            self._account(*(side for side in sides if _names_a_device(side)))
         self.generic_visit(node)
 
     def visit_match_case(self, node: ast.match_case) -> None:
         if _matches_a_device(node.pattern):
             self._hit(node.pattern, "a case of a device name")
+            self._account(node.pattern)
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -184,6 +219,13 @@ class DeviceBranches(ast.NodeVisitor):
         prefix = isinstance(func, ast.Attribute) and func.attr in ("startswith", "endswith")
         if prefix and node.args and _names_a_device(node.args[0]):
             self._hit(node, f".{func.attr}(a device name)")
+            self._account(node.args[0])
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if called in PLACING_CALLS and node.args and isinstance(node.args[0], ast.Constant):
+            self._account(node.args[0])  # torch.device("cuda"): uses a device, asks nothing
+        for keyword in node.keywords:
+            if keyword.arg in PLACING_KEYWORDS and isinstance(keyword.value, ast.Constant):
+                self._account(keyword.value)  # map_location="cpu"
         if isinstance(func, ast.Attribute) and func.attr == "get_device" and not node.args:
             self._hit(node, ".get_device()")  # a tensor's CUDA index, -1 on a CPU
         imports = (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) in (
@@ -200,15 +242,28 @@ class DeviceBranches(ast.NodeVisitor):
             attribute = name.value if isinstance(name, ast.Constant) else None
             if owner and isinstance(attribute, str) and _is_device_module(f"{owner}.{attribute}"):
                 self._hit(node, f"{func.id}({owner}, {attribute!r})")
+                self._account(name)  # getattr(torch.version, "hip"): one use, counted once
         self.generic_visit(node)
 
     def visit_Constant(self, node: ast.Constant) -> None:
         if not isinstance(node.value, str):
             return
-        if any(code in node.value for code in CODE_IN_TEXT):
+        if _is_device_string(node.value) and id(node) not in self.accounted:
+            # Named anywhere else, the string is a branch waiting for its comparison: a
+            # constant (CUDA = "cuda", then == CUDA), a dispatch table's key
+            # ({"cuda": a, "cpu": b}[x.device.type]), a default, an argument compared inside.
+            self._hit(node, f"{node.value!r} named")
+        elif any(code in node.value for code in CODE_IN_TEXT):
             self._hit(node, "device code in a string")
         elif match := DEVICE_TEXT.search(node.value):
             self._hit(node, f"{match[0]} in a string")
+
+
+def _last_name(node: ast.AST) -> str:
+    """The last identifier of ``a.b.device`` or ``device`` ('' for anything else)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
 
 
 def device_branches(source: str) -> list[tuple[int, str, str]]:
@@ -287,6 +342,10 @@ TWINS: dict[str, tuple[str, ...]] = {
         # --gpus: each job's masks
         "tests/test_queue_runner_cli.py::test_gpus_give_each_job_its_ids_and_until_defers_what_would_end_late",
     ),
+    "nanolab/allocator.py": (  # expandable segments, not on a ROCm build (torch's version file)
+        "tests/test_gpu_twins.py::test_the_cuda_allocator_gets_expandable_segments_unless_configured",
+        "tests/test_gpu_twins.py::test_the_hip_version_is_read_without_importing_torch",
+    ),
     "nanolab/training/strategies.py": (  # DeepSpeed on a CPU accelerator
         "tests/test_training.py::test_deepspeed_runs_on_cpu_and_matches",
         "tests/test_training.py::test_deepspeed_with_accumulation_divides_the_loss_once",
@@ -349,10 +408,27 @@ SETTING_NOT_DEVICE: dict[str, str] = {
     "nanolab/estimator/estimate.py": "--device gpu/cpu and the estimate's backend",
     "nanolab/estimator/gpus.py": "the estimated device's vendor",
     "nanolab/estimator/history.py": "the devices a past run's log records",
-    "nanolab/estimator/memory.py": "the estimate's backend",
+    "nanolab/estimator/memory.py": "the estimate's backend, and its table of context bytes by backend",
     "nanolab/estimator/numerics.py": "the estimate's backend",
     "nanolab/queue/packing.py": "the label of the device a job is packed on",
-    "nanolab/queue/predict.py": "a job's trainer.accelerator setting",
+    "nanolab/queue/predict.py": (
+        "a job's trainer.accelerator setting, and the memory backend and context bytes it picks"
+    ),
+    "nanolab/estimator/cpu.py": "this machine's CPU described as the estimate's device",
+    "nanolab/estimator/measure.py": "the device a saved-memory measurement is told to run on",
+    "nanolab/estimator/recommend.py": "the estimate's backend",
+    "nanolab/estimator/states.py": "the plan's CPU offload, as the estimate's note names it",
+    "nanolab/estimator/trace.py": "the estimate's backend its CPU trace is held to",
+    "nanolab/runs.py": (
+        "the accelerator classes a past run's start records name (the hours column's label), "
+        "not the device this process runs on"
+    ),
+    "benches/startup.py": "the CPU-seconds column of each command's timings; --device gpu",
+    "benches/vs_nanogpt.py": "nanoGPT's train.py told device=cpu: the comparison is a CPU one",
+    "benches/vs_nanogpt_model.py": (
+        "the CPU-seconds column of its step timings, and nanoGPT's optimizer built for the "
+        "CPU the comparison runs on"
+    ),
 }
 
 
@@ -361,22 +437,34 @@ SETTING_NOT_DEVICE: dict[str, str] = {
 #: test with the entry to write here once it is twinned or listed with why.
 BRANCHES: dict[str, dict[str, int]] = {
     "benches/bench_memory.py": {
+        "cli_peak": 1,
         "device_memory": 2,
+        "fit_config": 1,
         "main": 2,
         "measure_device_peak": 1,
-        "run_gpu": 6,
+        "rehearse_gpu_measure": 1,
+        "run_cpu": 2,
+        "run_gpu": 9,
+        "run_zero_grad": 1,
     },
     "benches/gpu_check.py": {
+        "<module>": 5,
         "check_flex_mask": 1,
+        "check_pack": 1,
+        "format_table": 1,
         "gpu_visible": 5,
-        "machine": 5,
+        "machine": 7,
         "synchronize": 2,
     },
-    "benches/gpu_pack.py": {"main": 3, "prepare_data": 1},
+    "benches/gpu_pack.py": {"main": 6, "prepare_data": 1},
+    "benches/startup.py": {"light_commands": 1, "main": 4},
+    "benches/vs_nanogpt.py": {"nanogpt_command": 1},
+    "benches/vs_nanogpt_model.py": {"main": 2, "optimizers": 1, "summary": 2, "time_steps": 2},
+    "nanolab/allocator.py": {"torch_hip_version": 1},
     "nanolab/bench/harness.py": {"_machine": 3, "predicted_peak_bytes": 2},
     "nanolab/bench/plain_loop.py": {
         "build": 1,
-        "main": 1,
+        "main": 3,
         "train": 2,
         "train_lightning": 2,
         "trained_precision": 1,
@@ -386,50 +474,75 @@ BRANCHES: dict[str, dict[str, int]] = {
     "nanolab/callbacks/readout.py": {"StepReadout.transfer": 3},
     "nanolab/callbacks/syncs.py": {
         "SyncCounter._wrap_transfer.transfer": 1,
-        "SyncCounter.install": 4,
+        "SyncCounter.install": 5,
         "_is_cpu": 2,
         "sync_count_callback.SyncCount.setup": 1,
     },
     "nanolab/callbacks/throughput.py": {
         "<module>": 4,
         "ThroughputMeter._memory": 3,
-        "ThroughputMeter._prepare": 2,
+        "ThroughputMeter._prepare": 3,
         "ThroughputMeter.on_train_end": 1,
         "UtilizationSampler._amdsmi": 1,
         "UtilizationSampler._nvml": 1,
         "_bus_id": 1,
     },
     "nanolab/data/datamodule.py": {"pins_memory": 1},
-    "nanolab/downstream/harness.py": {"NanolabLM.__init__": 3},
+    "nanolab/downstream/harness.py": {"NanolabLM.__init__": 6},
     "nanolab/estimator/cli.py": {
         "_peak_meter": 2,
-        "default_device": 1,
+        "build_parser": 2,
+        "default_device": 3,
         "format_estimate": 2,
         "main": 2,
     },
     "nanolab/estimator/compute.py": {"estimate_compute": 1},
+    "nanolab/estimator/cpu.py": {"_device": 3},
     "nanolab/estimator/estimate.py": {
+        "Estimate.to_dict": 1,
         "_compile_note": 1,
-        "_device": 5,
-        "_follow_the_model": 2,
-        "estimate_from_config": 7,
+        "_device": 7,
+        "_follow_the_model": 3,
+        "estimate_from_config": 8,
+        "largest_fitting_micro_batch": 1,
     },
     "nanolab/estimator/gpus.py": {"matmul_rate": 1},
     "nanolab/estimator/history.py": {"ran_on": 1},
-    "nanolab/estimator/measure_trainer.py": {"measure_trainer_peak_cuda": 1},
-    "nanolab/estimator/memory.py": {"estimate_memory": 1},
-    "nanolab/estimator/numerics.py": {"numerics_for": 1},
-    "nanolab/estimator/runtime.py": {"_gpu_name": 2, "run_seconds": 2},
-    "nanolab/eval_tasks.py": {"main": 1},
-    "nanolab/generate.py": {"main": 1},
-    "nanolab/model/device.py": {"check_device": 2},
+    "nanolab/estimator/measure.py": {"measure_saved": 1},
+    "nanolab/estimator/measure_trainer.py": {
+        "measure_trainer_peak_cpu": 1,
+        "measure_trainer_peak_cuda": 2,
+    },
+    "nanolab/estimator/memory.py": {"<module>": 4, "estimate_memory": 2},
+    "nanolab/estimator/numerics.py": {"<module>": 2, "numerics_for": 3},
+    "nanolab/estimator/recommend.py": {
+        "evaluate_switches": 1,
+        "fits": 1,
+        "largest_micro_batch": 1,
+        "micro_batch_for_global": 1,
+    },
+    "nanolab/estimator/runtime.py": {"_gpu_name": 4, "run_seconds": 5},
+    "nanolab/estimator/states.py": {"model_states": 2},
+    "nanolab/estimator/trace.py": {"model_matches_rules.compare": 1},
+    "nanolab/eval_tasks.py": {"main": 3},
+    "nanolab/generate.py": {"main": 3},
+    "nanolab/model/device.py": {"check_device": 5},
     "nanolab/model/gpt.py": {"CausalSelfAttention.attend_masked": 1, "compiles_flex": 1},
     "nanolab/queue/cli.py": {"check_gpus_visible": 4, "parse_gpus": 1, "visible_mask": 6},
     "nanolab/queue/launch.py": {"apply_memory_cap": 3},
     "nanolab/queue/packing.py": {"describe_start": 1},
-    "nanolab/queue/predict.py": {"_memory_backend": 1},
-    "nanolab/queue/runner.py": {"<module>": 1, "Runner._setup_pack": 1, "Runner._spawn": 2},
-    "nanolab/run/autobatch.py": {"device_backend": 1, "device_memory_bytes": 3},
+    "nanolab/queue/predict.py": {"_memory_backend": 4, "process_overhead": 1},
+    "nanolab/queue/runner.py": {
+        "<module>": 1,
+        "Runner._setup_pack": 3,
+        "Runner._spawn": 3,
+        "Runner.label": 1,
+    },
+    "nanolab/run/autobatch.py": {
+        "check_fits_on_host": 1,
+        "device_backend": 2,
+        "device_memory_bytes": 3,
+    },
     "nanolab/run/compose.py": {
         "apply_float32_matmul_precision": 2,
         "plan_micro_batch": 1,
@@ -441,11 +554,12 @@ BRANCHES: dict[str, dict[str, int]] = {
         "missing_gpu": 3,
         "torch_build": 2,
     },
+    "nanolab/runs.py": {"hours_label": 2},
     "nanolab/training/masked_targets.py": {"holds_masked_targets": 1},
     "nanolab/training/module.py": {
         "GPTLightningModule.on_fit_start": 1,
-        "capture_rng_state": 1,
-        "restore_rng_state": 1,
+        "capture_rng_state": 2,
+        "restore_rng_state": 2,
     },
     "nanolab/training/optim.py": {"build_adamw": 1, "build_muon": 1},
     "nanolab/training/resolve.py": {
@@ -458,7 +572,7 @@ BRANCHES: dict[str, dict[str, int]] = {
         "DeepSpeedStrategy._initialize_deepspeed_inference": 1,
         "DeepSpeedStrategy._setup_model_and_optimizer": 1,
         "DeepSpeedStrategy.setup_distributed": 1,
-        "DeepSpeedStrategy.setup_environment": 1,
+        "DeepSpeedStrategy.setup_environment": 2,
         "offloads_optimizer": 1,
     },
 }
@@ -584,6 +698,18 @@ SNIPPETS = [
     'subprocess.run("rocm-smi --showmeminfo vram", shell=True)',
     'subprocess.run(["amd-smi", "list"])',
     'if dist.get_backend() == "nccl": pass',
+    'CUDA = "cuda"\nif x.device.type == CUDA: pass',
+    'y = {"cuda": a, "cpu": b}[x.device.type]()',
+    'if x.device.type == "xpu": pass',
+    'if x.device.type in ("xla",): pass',
+    'if type(t.accelerator).__name__ == "CUDAAccelerator": pass',
+    'def f(x, name="cuda"):\n    return x.device.type == name',
+    'on = is_on(x, "cuda")',
+    "if x.device.index is not None: pass",
+    "i = trainer.strategy.root_device.index",
+    "n = torch._C._cuda_getDeviceCount()",
+    "from torch._C import _cuda_getDeviceCount",
+    'n = getattr(torch._C, "_cuda_getDeviceCount")()',
 ]
 
 
@@ -593,11 +719,14 @@ def test_the_scan_sees_each_way_of_writing_a_device_branch(snippet):
 
 
 def test_the_scan_leaves_code_that_only_uses_a_device():
-    """Moving a tensor or naming a device is not a branch; nor is a name that merely contains
-    "cuda", nor a message saying it, nor a
-    logger named after Lightning's CUDA module."""
+    """Moving a tensor or naming the device it goes to (``torch.device("cuda")``,
+    ``.to("cpu")``, ``map_location="cpu"``) is not a branch; nor is a name that merely contains
+    "cuda", nor a message saying it, nor a list's ``.index``, nor torch's private bindings
+    that are not a device's, nor a logger named after Lightning's CUDA module."""
     plain = (
         'x = x.to(device)\nd = torch.device("cuda")\ncuda_ok = 1\nprint("no cuda here")\n'
+        'x = x.to("cpu")\ns = torch.load(p, map_location="cpu")\nwith torch.autocast("cpu"): pass\n'
+        'g = torch.Generator(device="cpu")\ni = names.index(n)\nx = torch._C._get_tracing_state()\n'
         'def f():\n    """Reads torch.cuda.max_memory_allocated()."""\n'
         "import torch.nn as nn\nimport os.path\nfrom torch import nn as cuda_layers\n"
         'NOISY = ("lightning.pytorch.accelerators.cuda",)\nprint("set CUDA_VISIBLES")'
