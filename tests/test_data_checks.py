@@ -301,6 +301,39 @@ def test_a_folder_of_other_sources_is_not_offered_for_replacement_as_if_it_were_
     assert "delete" not in line
 
 
+def test_the_same_file_named_through_a_link_another_folder_or_a_glob_is_not_another_dataset(
+    tmp_path, monkeypatch
+):
+    """meta.json's sources are stored as typed (relative to the folder prepare ran in): made
+    absolute under today's folder, the same file named through a linked folder, from another
+    folder or by a glob was called "a dataset prepared from corpus/a.txt, not from data.source
+    src/a.txt" and the user told to delete it. Judged from the files' real paths now; a
+    dataset that does not store them is never called another's."""
+    import json
+
+    from nanolab.data.prepare import prepare_dataset
+    from nanolab.data.stale import other_sources
+
+    project = tmp_path / "p"
+    corpus = project / "corpus"
+    corpus.mkdir(parents=True)
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    (corpus / "b.txt").write_text("pack my box with five dozen liquor jugs. " * 200)
+    monkeypatch.chdir(project)
+    prepare_dataset(["corpus/a.txt"], "data", quiet=True)
+    (project / "src").symlink_to("corpus")
+
+    assert other_sources("data", ["src/a.txt"]) is None  # through a linked folder
+    assert other_sources("p/data", ["p/corpus/a.txt"], cwd=tmp_path) is None  # another folder
+    assert other_sources("data", ["corpus/*.txt"]) is None  # a glob naming it and more
+    assert other_sources("data", ["src/b.txt"]) == ["corpus/a.txt"]  # another file's dataset
+
+    meta = json.loads((project / "data" / "meta.json").read_text())
+    del meta["source_paths"]  # prepared by an older nanolab: the typed specs cannot tell
+    (project / "data" / "meta.json").write_text(json.dumps(meta))
+    assert other_sources("data", ["src/b.txt"]) is None
+
+
 def test_checkpoints_store_the_tokenizer_checked_at_start_not_the_folders_at_save(
     tmp_path, capsys, monkeypatch
 ):

@@ -56,6 +56,7 @@ from nanolab.data.sources import (
     InputFile,
     SourceError,
     is_prepared_dataset,
+    real_paths,
     resolve_sources,
 )
 from nanolab.data.tokenizers import (
@@ -1000,7 +1001,8 @@ class _Job:
             "documents": {"train": totals["train"]["docs"], "val": totals["val"]["docs"]},
             "units": {"train": totals["train"]["units"], "val": totals["val"]["units"]},
             "characters": totals["characters"],
-            "sources": self.sources,
+            "sources": self.sources,  # as typed, for messages
+            "source_paths": real_paths(self.files),  # what they were: stale.other_sources
             "files": len(self.files),
             "input_bytes": self.total_bytes,
             "source_hash": self.digest,

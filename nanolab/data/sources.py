@@ -96,6 +96,12 @@ class InputFile:
     bundled: str | None = None
 
 
+def real_paths(files: Sequence[InputFile]) -> list[str]:
+    """Where ``files`` really are (symlinks and ``..`` resolved; a bundled corpus by its
+    name), sorted: what a dataset was prepared from, whichever folder or link named it."""
+    return sorted({str(f.fingerprint[0]) for f in files})
+
+
 @dataclass
 class Block:
     """About a megabyte of one file's documents, the unit of work a tokenizer worker takes."""

@@ -39,28 +39,44 @@ def prepare_command(
 def other_sources(
     dataset_dir: str | Path, source: Sequence[str], cwd: Path | None = None
 ) -> list[str] | None:
-    """The sources ``meta.json`` of ``dataset_dir`` says its dataset was prepared from, when
-    they are not ``source`` (paths compared as absolute ones under ``cwd``, the current folder
-    by default); None when they are the same, or the folder does not say."""
+    """The sources ``meta.json`` of ``dataset_dir`` says its dataset was prepared from (as they
+    were typed then), when it holds the text of a file that ``source`` (read under ``cwd``, the
+    current folder by default) does not name today and that is still there: another dataset,
+    which the replacement would delete. None when every file it was prepared from is among
+    ``source``'s or gone (the same text edited, grown or shrunk since), when ``source`` cannot
+    be listed, or when the folder does not say where its files really were (a dataset
+    prepared before nanolab stored ``source_paths``): the specs as typed were read under
+    another folder, maybe through links, and cannot tell."""
     import json
 
+    from nanolab.data.sources import SourceError, real_paths, resolve_sources
+
+    folder = Path(dataset_dir).expanduser()
+    base = cwd or Path.cwd()
+    folder = folder if folder.is_absolute() else base / folder
     try:
-        meta = json.loads((Path(dataset_dir).expanduser() / "meta.json").read_text())
+        meta = json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError):
         return None
-    theirs = meta.get("sources") if isinstance(meta, dict) else None
-    if not isinstance(theirs, list) or not all(isinstance(s, str) for s in theirs):
+    if not isinstance(meta, dict):
         return None
-    base = cwd or Path.cwd()
+    theirs, paths = meta.get("sources"), meta.get("source_paths")
+    if not all(isinstance(v, list) and all(isinstance(s, str) for s in v) for v in (theirs, paths)):
+        return None
 
-    def where(spec: str) -> str:
+    def under_base(spec: str) -> str:
         if spec.startswith(BUNDLED_PREFIX):
             return spec
-        return os.path.normpath(base / Path(spec).expanduser())
+        return str(base / Path(spec).expanduser())
 
-    if sorted(map(where, theirs)) == sorted(map(where, source)):
+    try:
+        ours = set(real_paths(resolve_sources([under_base(s) for s in source], (folder,)).files))
+    except SourceError:
         return None
-    return theirs
+    left_out = [
+        p for p in paths if p not in ours and (p.startswith(BUNDLED_PREFIX) or os.path.isfile(p))
+    ]
+    return theirs if left_out else None
 
 
 def stale_dataset_message(
