@@ -339,6 +339,8 @@ TWINS: dict[str, tuple[str, ...]] = {
     "nanolab/queue/runner.py": (  # --pack --gpus: the backend and each GPU's memory, read
         "tests/test_queue_pack.py::test_a_packed_gpu_runner_reads_each_gpu_s_memory_in_a_child_that_sees_only_it",
         "tests/test_queue_pack.py::test_a_gpu_that_does_not_answer_refuses_the_run_in_one_line_and_leaves_no_runner_row",
+        # --gpus --until: the name of the GPU a job added without a time is timed for
+        "tests/test_queue_pack.py::test_until_times_a_job_queue_add_could_not_for_the_gpu_the_runner_gives_it",
         # --gpus: each job's masks
         "tests/test_queue_runner_cli.py::test_gpus_give_each_job_its_ids_and_until_defers_what_would_end_late",
     ),
@@ -533,7 +535,7 @@ BRANCHES: dict[str, dict[str, int]] = {
     "nanolab/queue/packing.py": {"describe_start": 1},
     "nanolab/queue/predict.py": {"_memory_backend": 4, "process_overhead": 1},
     "nanolab/queue/runner.py": {
-        "<module>": 1,
+        "<module>": 2,
         "Runner._setup_pack": 3,
         "Runner._spawn": 3,
         "Runner.label": 1,

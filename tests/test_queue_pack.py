@@ -398,6 +398,62 @@ def test_a_packed_gpu_runner_reads_each_gpu_s_memory_in_a_child_that_sees_only_i
         assert "pass --device-mem SIZE" in str(err.value) and "\n" not in str(err.value)
 
 
+#: A child that names the GPU it sees: id 5 an H200, any other a device no table knows.
+NAMED_GPU = (
+    "import os; c, h = os.environ['CUDA_VISIBLE_DEVICES'], os.environ['HIP_VISIBLE_DEVICES']; "
+    "print(('NVIDIA H200' if c == '5' else 'Some Future Accelerator') if c == h else '')"
+)
+
+
+def test_until_times_a_job_queue_add_could_not_for_the_gpu_the_runner_gives_it(
+    tmp_path: Path, char_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU twin of ``queue run --gpus 5 --until``: a GPU job added where no GPU was
+    visible (``~?``) was held back every night, its line telling the user to "pass --gpu NAME",
+    an option ``queue run`` does not have. The runner now times it for the GPU it would give
+    it (its name read in a child that sees only that id); one it still cannot time is held
+    back with a fix that exists.
+
+    Mutations caught: the untimed job deferred without timing it again; the GPU's name not read
+    for the runner's own id; the deferral naming ``(pass --gpu NAME)``."""
+    import functools
+    import io
+
+    from nanolab.queue.runner import Runner, gpu_device_name
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("nanolab.estimator.runtime._gpu_name", lambda: None)  # no GPU at add
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__accelerator="gpu")
+    db = tmp_path / "q.db"
+    assert main(["add", str(write_config(tmp_path / "gpu.yaml", cfg)), "--db", str(db)]) == 0
+    (added,) = QueueDB(db).jobs()
+    assert added.estimate_s is None and "no GPU here" in (added.estimate_source or "")
+
+    def night(gpu_id: str) -> str:
+        out = io.StringIO()
+        read = functools.partial(gpu_device_name, program=NAMED_GPU)
+        until = time.time() + 1  # too short for any job: the line says what it was told
+        runner = Runner(QueueDB(db), gpus=[gpu_id], until=until, read_gpu_name=read, out=out,
+                        poll_s=0.05)  # fmt: skip
+        assert runner.run() == 0
+        (line,) = [x for x in out.getvalue().splitlines() if "deferred" in x]
+        return line
+
+    line = night("5")  # timed for the H200 it would run on: held back by its time, not as ~?
+    assert "job 1 gpu: deferred, needs ~" in line and "unknown" not in line, line
+    line = night("7")  # a device the estimator does not know: still untimed
+    assert (
+        "its time is unknown (no estimate: GPU 7 is a Some Future Accelerator, not in the table)"
+        in line
+        and "pass --gpu NAME" not in line
+    ), line
+    assert line.endswith("run it without --until, or add it again with "
+                         "`nanolab queue add --gpu NAME ...`"), line  # fmt: skip
+    assert QueueDB(db).get(1).status == "pending"
+    if not torch.cuda.is_available():
+        assert gpu_device_name("0") is None  # the program a GPU machine runs
+
+
 def test_a_gpu_that_does_not_answer_refuses_the_run_in_one_line_and_leaves_no_runner_row(
     tmp_path: Path,
 ) -> None:

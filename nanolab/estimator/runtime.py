@@ -26,6 +26,12 @@ VOCAB_GUESS = 256
 STARTUP_S = 12.0
 
 
+#: Why a GPU job could not be timed where no GPU is visible, and the fix ``queue add`` and
+#: ``estimate`` take (another command's message words its own fix instead).
+NO_GPU_HERE = "no estimate: no GPU here to look up"
+GPU_HINT = " (pass --gpu NAME)"
+
+
 def cpu_flops() -> float:
     """This machine's FP32 matmul FLOP/s, measured once per process and thread count (the one
     probe: :func:`nanolab.estimator.cpu.cpu_device`)."""
@@ -85,7 +91,7 @@ def run_seconds(
     accelerator = str(cfg["trainer"].get("accelerator", "auto"))
     gpu = gpu or (None if accelerator == "cpu" else _gpu_name())
     if gpu is None and accelerator not in ("cpu", "auto"):
-        return None, "no estimate: no GPU here to look up (pass --gpu NAME)"
+        return None, NO_GPU_HERE + GPU_HINT
     if gpu is not None:
         where: dict[str, Any] = {"gpu": gpu}
     else:  # this CPU, probed once per process (bf16 rates only for a bf16 run)

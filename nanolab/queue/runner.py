@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nanolab.errors import EXIT_DISK_FULL
+from nanolab.estimator.runtime import GPU_HINT
 from nanolab.queue.db import (
     BUSY_SLICE_S,
     CLAIMABLE,
@@ -186,6 +187,10 @@ class Runner:
     # Bytes of one GPU id for ``pack`` without ``device_mem`` (None: :func:`gpu_total_memory`);
     # the seam a CPU test drives the GPU path through, with that reader asking its own child.
     read_gpu_memory: Callable[[str], int] | None = None
+    # The driver's name of one GPU id (None: :func:`gpu_device_name`), to time a job that
+    # ``queue add`` could not (no GPU there) for the device this runner gives it; the seam a
+    # CPU test drives that path through.
+    read_gpu_name: Callable[[str], str | None] | None = None
     out: Any = None
     runner_id: int = 0
     gaps: list[float] = field(default_factory=list)
@@ -193,6 +198,9 @@ class Runner:
     _orphans: dict[int, Orphan] = field(default_factory=dict)
     _freed_at: dict[int, float] = field(default_factory=dict)
     _deferred: set[int] = field(default_factory=set)
+    # Jobs added without a time, timed again here for this runner's device: id -> (s, how).
+    _timed_here: dict[int, tuple[float | None, str]] = field(default_factory=dict)
+    _gpu_names: dict[str, str | None] = field(default_factory=dict)  # by id, read once
     _signals: int = 0
     _wake_r: int | None = None
     # Each job's last outcome under this runner: the end summary and --notify count jobs, not
@@ -416,7 +424,46 @@ class Runner:
                 self._claim_and_spawn(job, units, remaining)
 
     def _ordered(self, jobs: list[Job]) -> list[tuple[Job, float | None]]:
-        return order_jobs([(j, remaining_seconds(self.db, j)[0]) for j in jobs], self.order)
+        return order_jobs([(j, self._remaining(j)) for j in jobs], self.order)
+
+    def _remaining(self, job: Job) -> float | None:
+        """The job's time left (:func:`remaining_seconds`); under ``--until``, a job that
+        ``queue add`` could not time (no GPU visible there) is timed again for this runner's
+        own device, as ``queue add --gpu`` would have, before it is held back."""
+        seconds = remaining_seconds(self.db, job)[0]
+        if seconds is not None or self.until is None:
+            return seconds
+        if job.id not in self._timed_here:
+            self._timed_here[job.id] = self._estimate_here(job)
+        total, how = self._timed_here[job.id]
+        if total is None:
+            return None
+        return remaining_seconds(self.db, replace(job, estimate_s=total, estimate_source=how))[0]
+
+    def _estimate_here(self, job: Job) -> tuple[float | None, str]:
+        """(seconds, how) for the whole job on the device this runner runs it on (its first GPU,
+        by the driver's name; else this CPU); (None, why not)."""
+        from nanolab.errors import NanolabError
+        from nanolab.queue.jobs import parse_config
+        from nanolab.queue.predict import estimator_gpu, flops_estimate
+
+        gpu = None
+        if self.gpus:
+            if self.gpus[0] not in self._gpu_names:  # one child per runner, not per job
+                read = self.read_gpu_name or gpu_device_name
+                self._gpu_names[self.gpus[0]] = read(str(self.gpus[0]))
+            name = self._gpu_names[self.gpus[0]]
+            if name is None:
+                return None, f"GPU {self.gpus[0]}'s name could not be read"
+            gpu = estimator_gpu(name)
+            if gpu is None:  # queue add --gpu takes a table name: the fix the line gives
+                return None, f"no estimate: GPU {self.gpus[0]} is a {name}, not in the table"
+        try:
+            parsed = parse_config(Path(job.cwd) / job.config, job.args, job.name, Path(job.cwd))
+            seconds, how = flops_estimate(parsed, gpu)
+        except NanolabError as err:  # its start says why; here it only stays untimed
+            return None, str(err)
+        return seconds, how or ""
 
     def _report(self, impossible, deferred, now: float) -> None:
         for job, need in impossible:
@@ -431,9 +478,11 @@ class Runner:
                 self._deferred.add(job.id)
                 left = describe(max(0.0, self.until - now))
                 if remaining is None:  # the deadline is a promise: an untimed job may break it
-                    why = job.estimate_source or "no estimate"
+                    why = self._timed_here.get(job.id, (None, job.estimate_source))[1]
+                    why = (why or "no estimate").removesuffix(GPU_HINT)  # queue add's option
                     self.say(f"job {job.id} {job.name}: deferred, its time is unknown ({why}) "
-                             f"and {left} are left; run it without --until")  # fmt: skip
+                             f"and {left} are left; run it without --until, or add it again "
+                             "with `nanolab queue add --gpu NAME ...`")  # fmt: skip
                 else:
                     self.say(f"job {job.id} {job.name}: deferred, needs ~{describe(remaining)} "
                              f"and {left} are left")  # fmt: skip
@@ -1120,6 +1169,28 @@ def is_out_of_memory(detail: str | None) -> bool:
 
 #: The child program that prints the total memory of the one GPU it sees, in bytes.
 GPU_MEMORY_PROGRAM = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+
+
+GPU_NAME_PROGRAM = "import torch; print(torch.cuda.get_device_name(0))"
+
+
+def gpu_device_name(
+    device_id: str, timeout: float = 60.0, program: str = GPU_NAME_PROGRAM
+) -> str | None:
+    """The driver's name of GPU ``device_id`` (``NVIDIA H200``), asked in a child process that
+    sees only it, as :func:`gpu_total_memory` asks (no CUDA context in the runner); None when
+    it cannot be told (the job then stays untimed). ``program``: the child's code (a CPU test
+    runs this function with its own)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=device_id, HIP_VISIBLE_DEVICES=device_id)
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", program], env=env, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    name = res.stdout.strip()
+    return name if res.returncode == 0 and name and "\n" not in name else None
 
 
 def gpu_total_memory(
