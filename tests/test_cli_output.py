@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
@@ -244,3 +245,34 @@ def test_the_next_generate_command_imports_the_module_of_the_models_own_parts(
     plugin = importlib.metadata.EntryPoint("own", __name__, "nanolab.plugins")
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [plugin])
     assert f"next: nanolab generate --ckpt {last} --prompt" in end_block(trainer)
+
+    # An entry point naming a package whose __init__ imports the module that registers the
+    # part (`mylab = mylab`, mylab importing mylab.layers): generate's plugin import brings the
+    # part in too, so the command needs no --import (it carried `--import ownlab.layers`).
+    from nanolab.model import registry
+
+    package = tmp_path / "ownlab"
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import layers  # noqa: F401\n")
+    (package / "layers.py").write_text(
+        "from nanolab.model.gpt import CausalSelfAttention\n"
+        "from nanolab.model.registry import register_attention\n\n\n"
+        '@register_attention("test_hint_plugin_attention")\n'
+        "class PluginAttention(CausalSelfAttention):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_plugins_loaded", [])  # this process loads them afresh
+    monkeypatch.setattr(registry, "_plugin_modules", set())
+    plugin = importlib.metadata.EntryPoint("ownlab", "ownlab", "nanolab.plugins")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [plugin])
+    try:
+        trainer.lightning_module.gpt_config = GPTConfig(
+            n_layer=1, n_head=2, n_embd=16, attention_variant="test_hint_plugin_attention"
+        )
+        assert registry.part_modules(trainer.lightning_module.gpt_config) == {
+            "attention_variant": "ownlab.layers"
+        }
+        assert f"next: nanolab generate --ckpt {last} --prompt" in end_block(trainer)
+    finally:
+        for name in ("ownlab", "ownlab.layers"):
+            sys.modules.pop(name, None)

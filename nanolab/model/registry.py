@@ -21,6 +21,7 @@ what ``gpt`` registers.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -139,6 +140,9 @@ def _qualname(cls: type) -> str:
 #: user chose to install; nothing a checkpoint or config names is imported by itself).
 PLUGIN_GROUP = "nanolab.plugins"
 _plugins_loaded: list[str] = []
+#: Every module the plugins' imports brought in (a plugin's package importing its own layers
+#: module): a command that loads the plugins has those too, without ``--import``.
+_plugin_modules: set[str] = set()
 
 
 def load_plugins() -> list[str]:
@@ -151,6 +155,7 @@ def load_plugins() -> list[str]:
     from importlib.metadata import entry_points
 
     for point in entry_points(group=PLUGIN_GROUP):
+        before = set(sys.modules)
         try:
             importlib.import_module(point.value.split(":")[0])
         except Exception as err:
@@ -158,6 +163,8 @@ def load_plugins() -> list[str]:
                 f"the {PLUGIN_GROUP} entry point {point.name!r} = {point.value!r} failed to "
                 f"import ({type(err).__name__}: {err}); fix that module or uninstall its package"
             ) from None
+        finally:
+            _plugin_modules.update(set(sys.modules) - before)
         _plugins_loaded.append(point.value)
     return _plugins_loaded[1:]
 
@@ -165,13 +172,16 @@ def load_plugins() -> list[str]:
 def imports_needed(modules: Iterable[str]) -> list[str]:
     """Which of ``modules`` (those that registered a checkpoint's own model parts) a command
     that builds the model from the checkpoint alone (generate, eval, export) must be given with
-    ``--import``: each that no installed ``nanolab.plugins`` entry point names, the modules
-    those commands import by themselves (:func:`load_plugins`). Told from the entry points'
-    metadata: nothing is imported."""
+    ``--import``: each that no installed ``nanolab.plugins`` entry point names or imports,
+    the modules those commands import by themselves (:func:`load_plugins`; loaded here where
+    this process has not yet: the same installed code). A plugin that fails to import covers
+    only its own name."""
     from importlib.metadata import entry_points
 
     plugged = {point.value.split(":")[0].strip() for point in entry_points(group=PLUGIN_GROUP)}
-    return [m for m in dict.fromkeys(modules) if m not in plugged]
+    with contextlib.suppress(NanolabError):  # that command says why; here they are not known
+        load_plugins()
+    return [m for m in dict.fromkeys(modules) if m not in plugged | _plugin_modules]
 
 
 def add_import_option(parser: Any) -> None:
