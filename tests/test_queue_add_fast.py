@@ -275,6 +275,9 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     # a near miss of an option of its own, or of fit's that it takes: the nearest named
     (["--contineu"], "unknown option --contineu; did you mean --continue?", False),
     (["--ckpt_pth", "x"], "unknown option --ckpt_pth; did you mean --ckpt_path?", False),
+    # fit's --config (or a near miss of it): the queue takes its configs as arguments
+    (["--config", "x.yaml"], "--config: `queue add` takes its configs as arguments, composed in order: `nanolab queue add A.yaml [B.yaml ...]`", False),
+    (["--confg", "x.yaml"], "--confg: `queue add` takes its configs as arguments", False),
     (["--gpus", "0"], "--gpus is an option of `nanolab queue run`, not of `queue add`; give it there", False),
 ]  # fmt: skip
 

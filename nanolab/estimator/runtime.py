@@ -111,7 +111,7 @@ def run_seconds(
             )
             guessed = f", vocab guessed {VOCAB_GUESS}"
     except Exception as err:  # unknown GPU name, a config the estimator cannot describe
-        return None, f"no estimate: {str(err).splitlines()[0][:80]}"
+        return None, f"no estimate: {str(err).splitlines()[0]}"
     c = est.compute
     if "device" not in where:
         how = f"estimator ({gpu}, MFU {c.mfu:.0%})"

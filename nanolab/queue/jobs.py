@@ -1021,6 +1021,11 @@ def unknown_option_line(
                 f"there: `nanolab queue {verb} {name} ...`")  # fmt: skip
     taken = [o.removeprefix("--") for o in own] + list(UNDOTTED_FIT_OPTIONS)
     near = near_options(name.removeprefix("--"), taken)
+    if name == "--config" or near[:1] == ["config"]:  # fit's --config: the queue's are arguments
+        return (
+            f"{name}: `queue add` takes its configs as arguments, composed in order: "
+            "`nanolab queue add A.yaml [B.yaml ...]`"
+        )
     if near:
         return f"unknown option {name}; did you mean {either(f'--{n}' for n in near)}?"
     return (
