@@ -49,7 +49,7 @@ def write_whole(
             err.filename, err.filename2 = str(path), None
         raise
     if durable:
-        _sync_folder(path.parent)
+        fsync_dir(path.parent)
 
 
 def _umask() -> int:
@@ -67,12 +67,16 @@ def _umask() -> int:
     return mask
 
 
-def _sync_folder(folder: Path) -> None:
-    """Persist the rename on file systems that need it (a folder that cannot be opened, as on
-    Windows, keeps its renames anyway)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Persist a directory entry (a rename or a new file) on file systems that need it (a folder
+    that cannot be opened, as on Windows, keeps its renames anyway). The one copy: the run's
+    writers, the packing cache and :func:`write_whole` use it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
             os.fsync(fd)
-        finally:
-            os.close(fd)
+    finally:
+        os.close(fd)

@@ -13,24 +13,13 @@ import os
 import shutil
 from pathlib import Path
 
+from nanolab.atomic import fsync_dir
+
 
 def tmp_path(path: str | os.PathLike[str]) -> Path:
     """The name a file is written under before it is renamed into place (``<name>.tmp``)."""
     path = Path(path)
     return path.with_name(path.name + ".tmp")
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Persist a directory entry (a rename or a new file) on filesystems that need it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # e.g. Windows: directories cannot be opened; renames are durable there anyway
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def publish(tmp: Path, path: Path) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nanolab.atomic import fsync_dir
 from nanolab.data.checks import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS, FileIdentity, file_identity
 from nanolab.data.documents import Packing, pack_documents, unit_starts
 from nanolab.processes import exclusive
@@ -181,7 +182,7 @@ class PackingCache:
             os.rename(tmp, self.entry)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        _fsync_folder(self.folder)
+        fsync_dir(self.folder)
 
     def remove_other_contents(self) -> None:
         """Remove this split's entries for other contents (an earlier version of the file), and
@@ -210,13 +211,3 @@ def _write_durably(path: Path, content: np.ndarray | str) -> None:
             np.save(f, content, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Persist a rename in ``folder`` on file systems that need it."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -1174,6 +1174,17 @@ GPU_MEMORY_PROGRAM = "import torch; print(torch.cuda.get_device_properties(0).to
 GPU_NAME_PROGRAM = "import torch; print(torch.cuda.get_device_name(0))"
 
 
+def ask_one_gpu(device_id: str, program: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``program`` (Python code) in a child process that sees only GPU ``device_id``, so the
+    runner itself never creates a CUDA context (which would take memory from the jobs); its
+    output as text. Raises what :func:`subprocess.run` raises (a missing interpreter, a
+    child that does not answer within ``timeout`` seconds: a hung driver)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=device_id, HIP_VISIBLE_DEVICES=device_id)
+    return subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def gpu_device_name(
     device_id: str, timeout: float = 60.0, program: str = GPU_NAME_PROGRAM
 ) -> str | None:
@@ -1181,12 +1192,8 @@ def gpu_device_name(
     sees only it, as :func:`gpu_total_memory` asks (no CUDA context in the runner); None when
     it cannot be told (the job then stays untimed). ``program``: the child's code (a CPU test
     runs this function with its own)."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=device_id, HIP_VISIBLE_DEVICES=device_id)
     try:
-        res = subprocess.run(
-            [sys.executable, "-c", program], env=env, capture_output=True, text=True,
-            timeout=timeout,
-        )  # fmt: skip
+        res = ask_one_gpu(device_id, program, timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
     name = res.stdout.strip()
@@ -1202,12 +1209,8 @@ def gpu_total_memory(
     ``program``: the child's Python code, which sees only ``device_id`` (a CPU test runs this
     function with its own). A child that fails, prints no number or does not answer within
     ``timeout`` seconds (a hung driver) is one :class:`QueueError` naming the fix."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=device_id, HIP_VISIBLE_DEVICES=device_id)
     try:
-        res = subprocess.run(
-            [sys.executable, "-c", program], env=env, capture_output=True, text=True,
-            timeout=timeout,
-        )  # fmt: skip
+        res = ask_one_gpu(device_id, program, timeout)
     except subprocess.TimeoutExpired:
         last = f"timed out after {timeout:g} s"
     else:
