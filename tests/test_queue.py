@@ -2111,6 +2111,34 @@ def test_add_refuses_source_data_whose_folder_holds_a_dataset_prepared_otherwise
     assert [job.name for job in QueueDB(db).jobs()] == ["same"]
 
 
+def test_add_takes_a_glob_source_as_fit_does(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``data.source: [corpus/*.txt]`` trains under fit, but ``queue add`` refused it ("does not
+    exist": it looked for a file named by the pattern). A glob that matches a file is taken, one
+    that matches none is refused in one line, and the prepared folder is still compared."""
+    from nanolab.data.prepare import prepare_dataset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "corpus" / f"{name}.txt").write_text(
+            f"text {name}, the fox and the dog. " * 300
+        )
+    cfg = tiny_overrides(tmp_path / "prep", tmp_path / "runs", trainer__max_steps=2)
+    cfg["data"].update({"source": ["corpus/*.txt"], "val_windows": 4})
+    config = write_config(tmp_path / "glob.yaml", cfg)
+    db = tmp_path / "q.db"
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "unprepared")
+    assert code == 0, err
+    prepare_dataset(["corpus/*.txt"], tmp_path / "prep", "chars", quiet=True)
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "prepared")
+    assert code == 0, err
+    code, _, err = queue(capsys, db, "add", str(config), "--name", "none",
+                         "--set", "data.source=[nothing/*.txt]")  # fmt: skip
+    assert code == 2 and "data.source: nothing/*.txt matches no file" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert [job.name for job in QueueDB(db).jobs()] == ["unprepared", "prepared"]
+
+
 class _PlainData(TokenDataModule):
     """A project's class that prepares ``data.source`` as configured (a starter's ``Data``)."""
 

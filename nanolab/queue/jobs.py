@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import glob
 import hashlib
 import re
 import time
@@ -461,6 +462,9 @@ def _check_data(data: dict[str, Any], cwd: Path, data_class: str | None = None) 
                         f"data.source: unknown bundled corpus {spec!r}; available: "
                         + ", ".join(BUNDLED_PREFIX + k for k in BUNDLED)
                     )
+            elif glob.has_magic(spec):  # fit reads a glob's matches: one must be there
+                if not glob.glob(str(_under(cwd, spec)), recursive=True):
+                    raise JobConfigError(f"data.source: {spec} matches no file")
             elif not _under(cwd, spec).exists():
                 raise JobConfigError(f"data.source: {spec} does not exist")
         _check_prepared_folder(data, cwd, data_class)
