@@ -7,9 +7,9 @@ when resuming), with the rate and ETA of the last minutes' pace (:mod:`.eta`), r
 only around the refresh interval, in the step's one host read shared with the run log
 (:mod:`.readout`) and never waiting for it (on a GPU a refresh shows the newest loss already
 copied, usually the step before's), takes tokens/s from the shared clock and shows the
-validation result in the same bar. Where the output is not a terminal (a queue job's log, a SLURM file) a bar is a
-stream of escape codes, so it prints plain lines instead, at most one per ``plain_every_s``
-seconds plus one after every validation and one at the end.
+validation result in the same bar. Where the output is not a terminal (a queue job's log, a
+SLURM file) a bar is a stream of escape codes, so it prints plain lines instead, at most one per
+``plain_every_s`` seconds plus one after every validation and one at the end.
 The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
 """
 
