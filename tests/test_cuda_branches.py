@@ -9,8 +9,11 @@ dispatch table's key, a default) but where it only places something on a device
 (``torch.device("cuda")``, ``.to("cpu")``, ``map_location="cpu"``), ``.device.index``,
 ``torch._C._cuda*``, ``.startswith("cuda")``, ``.is_cuda``, anything reached through ``torch.cuda``,
 ``torch.backends.cuda``, ``torch.backends.cudnn``, ``torch.backends.mps``, ``torch.mps``,
-``torch.xpu``, ``torch.accelerator``, ``torch.get_device_module``, ``torch.version.hip`` or
-``torch.version.cuda`` (imported under any name, or through ``getattr`` or ``import_module``),
+``torch.xpu``, ``torch.accelerator``, ``torch.get_device_module``, ``torch.get_default_device``,
+``torch.set_default_device``, ``torch.version.hip`` or ``torch.version.cuda`` (imported under
+any name, or through ``getattr`` or ``import_module``), a device's type handed to a call that
+does not only place something (``getattr(torch, x.device.type)``,
+``Trainer(accelerator=device.type)``: the callee branches where no device name shows),
 Lightning's ``accelerators.cuda``/``mps`` modules, code in a string that does (a child's
 ``python -c``), Lightning's accelerator classes (``isinstance(acc, CPUAccelerator)``),
 ``.is_cpu``/``.is_mps``, ``.get_device()``, a ``*_VISIBLE_DEVICES`` mask or an
@@ -43,6 +46,11 @@ DEVICE_MODULES = (
     "torch.backends.cuda",
     "torch.accelerator",
     "torch.get_device_module",
+    # The default device: ``torch.get_default_device()`` answers "cuda" where a caller set it,
+    # and ``torch.set_default_device`` moves every tensor made after it (a factory's ``device``
+    # left out) onto the one it names.
+    "torch.get_default_device",
+    "torch.set_default_device",
     "torch.version.hip",
     "torch.version.cuda",
     "torch.backends.mps",
@@ -118,6 +126,8 @@ CODE_IN_TEXT = (
     *(f"{module}." for module in DEVICE_MODULES),
     "torch.version.hip",
     "torch.version.cuda",
+    "torch.get_default_device(",
+    "torch.set_default_device(",
 )
 
 
@@ -226,6 +236,13 @@ class DeviceBranches(ast.NodeVisitor):
         for keyword in node.keywords:
             if keyword.arg in PLACING_KEYWORDS and isinstance(keyword.value, ast.Constant):
                 self._account(keyword.value)  # map_location="cpu"
+        for position, argument in enumerate(node.args):
+            places = called in PLACING_CALLS and position == 0
+            if _is_device_type(argument) and not places:
+                self._hit(argument, ".device.type passed along")  # getattr(torch, d.type)
+        for keyword in node.keywords:
+            if _is_device_type(keyword.value) and keyword.arg not in PLACING_KEYWORDS:
+                self._hit(keyword.value, f".device.type passed along as {keyword.arg}")
         if isinstance(func, ast.Attribute) and func.attr == "get_device" and not node.args:
             self._hit(node, ".get_device()")  # a tensor's CUDA index, -1 on a CPU
         imports = (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) in (
@@ -259,6 +276,16 @@ class DeviceBranches(ast.NodeVisitor):
             self._hit(node, f"{match[0]} in a string")
 
 
+def _is_device_type(node: ast.AST) -> bool:
+    """``x.device.type`` or ``root_device.type``: a device's name read at run time, which code
+    handed it can branch on with no device name in sight."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "type"
+        and _last_name(node.value).endswith("device")
+    )
+
+
 def _last_name(node: ast.AST) -> str:
     """The last identifier of ``a.b.device`` or ``device`` ('' for anything else)."""
     if isinstance(node, ast.Attribute):
@@ -285,6 +312,8 @@ TWINS: dict[str, tuple[str, ...]] = {
     "nanolab/model/gpt.py": (
         "tests/test_documents.py::test_flex_sdpa_and_math_give_the_same_losses_and_gradients",
         "tests/test_flex_fit.py::test_the_compiled_flex_path_a_gpu_takes_trains_and_resumes_through_fit",
+        # GPT.forward: whether autocast is on for the logits' device type, asked on a CPU alike
+        "tests/test_model.py::test_a_model_cast_to_16_bits_computes_its_loss_in_fp32",
     ),
     "nanolab/training/resolve.py": ("tests/test_resolve.py::test_one_device_counter",),
     "nanolab/run/autobatch.py": (
@@ -382,7 +411,8 @@ NO_CPU_TWIN_PART: dict[str, str] = {
     ),
     "nanolab/bench/plain_loop.py": (
         "train_lightning on a CUDA device (nanolab bench --floor on a GPU): Lightning's CUDA "
-        "accelerator, which a CPU-only torch cannot build, and the synchronize after its last "
+        "accelerator (the Trainer's accelerator is the device's type), which a CPU-only torch "
+        "cannot build, and the synchronize after its last "
         "step; the same bare-Trainer loop runs on a CPU in tests/test_bench.py, and train's "
         "own pinning and synchronize on a device it reads as cuda"
     ),
@@ -468,7 +498,7 @@ BRANCHES: dict[str, dict[str, int]] = {
         "build": 1,
         "main": 3,
         "train": 2,
-        "train_lightning": 2,
+        "train_lightning": 3,
         "trained_precision": 1,
     },
     "nanolab/callbacks/clock.py": {"RunClock.sync_device": 2},
@@ -529,7 +559,11 @@ BRANCHES: dict[str, dict[str, int]] = {
     "nanolab/eval_tasks.py": {"main": 3},
     "nanolab/generate.py": {"main": 3},
     "nanolab/model/device.py": {"check_device": 5},
-    "nanolab/model/gpt.py": {"CausalSelfAttention.attend_masked": 1, "compiles_flex": 1},
+    "nanolab/model/gpt.py": {
+        "CausalSelfAttention.attend_masked": 1,
+        "GPT.forward": 1,
+        "compiles_flex": 1,
+    },
     "nanolab/queue/cli.py": {"check_gpus_visible": 4, "parse_gpus": 1, "visible_mask": 6},
     "nanolab/queue/launch.py": {"apply_memory_cap": 3},
     "nanolab/queue/packing.py": {"describe_start": 1},
@@ -712,6 +746,13 @@ SNIPPETS = [
     "n = torch._C._cuda_getDeviceCount()",
     "from torch._C import _cuda_getDeviceCount",
     'n = getattr(torch._C, "_cuda_getDeviceCount")()',
+    "if torch.get_default_device().type == d: pass",
+    "from torch import get_default_device\nd = get_default_device()",
+    "torch.set_default_device(device)",
+    'subprocess.run([sys.executable, "-c", "import torch; print(torch.get_default_device())"])',
+    "m = getattr(torch, x.device.type)",
+    "trainer = L.Trainer(accelerator=device.type, devices=1)",
+    "backend = pick_backend(trainer.strategy.root_device.type)",
 ]
 
 
@@ -731,7 +772,9 @@ def test_the_scan_leaves_code_that_only_uses_a_device():
         'g = torch.Generator(device="cpu")\ni = names.index(n)\nx = torch._C._get_tracing_state()\n'
         'def f():\n    """Reads torch.cuda.max_memory_allocated()."""\n'
         "import torch.nn as nn\nimport os.path\nfrom torch import nn as cuda_layers\n"
-        'NOISY = ("lightning.pytorch.accelerators.cuda",)\nprint("set CUDA_VISIBLES")'
+        'NOISY = ("lightning.pytorch.accelerators.cuda",)\nprint("set CUDA_VISIBLES")\n'
+        "with torch.autocast(x.device.type): pass\ny = torch.zeros(2, device=x.device.type)\n"
+        'print(f"on {x.device.type}")\ns = torch.amp.GradScaler(d.type)\nt = z.type(torch.int64)'
     )
     assert device_branches(plain) == []
 
