@@ -218,6 +218,37 @@ def test_the_flex_check_holds_its_gradient_to_a_bound(results, says):
     assert err.value.args[1] is results  # the figures go with the failure
 
 
+def test_the_flash_check_fails_when_flash_s_gradient_is_off(monkeypatch, tmp_path):
+    """``check_flash`` as the dry run runs it (this CPU's flash kernel against the math one, bf16,
+    tiny shape): a backward that agrees passes (0.003 of the largest gradient here, about one
+    bf16 rounding), and one whose gradient for ``q`` is 5% off fails, its figures in the
+    failure. Mutation caught: ``max_grad_diff`` recorded without a bound (any gradient passed;
+    an absolute one is ~1e-8 at 124M's shape)."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(gc, "SCALE", gc.DRY)
+    good = gc.check_flash(tmp_path, None)
+    assert 0 <= good["max_grad_rel_diff"] < gc.FLASH_GRAD_LIMIT == 0.02
+    assert good["max_out_diff"] <= gc.FLASH_OUT_LIMIT
+    assert "gradient 3.0e-03 relative" in gc._headline("flash", {**good, "max_grad_rel_diff": 3e-3})
+    sdpa = F.scaled_dot_product_attention
+
+    def flash_off_by_5_percent(q, *args, **kwargs):
+        if not torch.backends.cuda.math_sdp_enabled():  # inside sdpa_kernel(FLASH_ATTENTION)
+            q = q.view_as(q)
+            q.register_hook(lambda grad: grad * 1.05)
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", flash_off_by_5_percent)
+    with pytest.raises(gc.CheckFailed, match=r"differ by 0.0\d+ in gradient.*limit 0.02") as err:
+        gc.check_flash(tmp_path, None)
+    assert err.value.args[1]["max_out_diff"] == good["max_out_diff"]  # the output is unchanged
+    with pytest.raises(gc.CheckFailed, match="no gradient difference recorded"):
+        gc.judge_flash({"max_out_diff": 1e-3})
+    with pytest.raises(gc.CheckFailed, match="in output"):
+        gc.judge_flash({"max_out_diff": 0.05, "max_grad_rel_diff": 0.0})
+
+
 def _bench(**changed):
     """``bench_124m``'s metrics as a GPU run gives them (the H200's gap), with ``changed``."""
     return {
