@@ -1068,12 +1068,20 @@ def run_check(
         "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
         **({"OMP_NUM_THREADS": "1"} if dry_run else {}),
     }
+    from nanolab.processes import stop_signals_held
+
     start = time.perf_counter()
+    proc: subprocess.Popen | None = None
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
         try:
+            # A stop that came while Popen forked and exec'd would leave it without the check's
+            # pid, and the check (its own session) running on: held, it arrives as Stopped on
+            # leaving, with the pid known. The check opens the mask it inherits (main).
+            with stop_signals_held():
+                proc = subprocess.Popen(
+                    cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=env,
+                )  # fmt: skip
             proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             kill_group(proc)
@@ -1082,7 +1090,8 @@ def run_check(
                 note=f"stopped after {limit_s:.0f} s", log=str(log),
             )  # fmt: skip
         except Stopped as stop:  # the check and whatever it started (a fit, a prepare) end too
-            kill_group(proc)
+            if proc is not None:  # None: the stop came before Popen, which started nothing
+                kill_group(proc)
             stop.result = Result(
                 check.name, "stopped", time.perf_counter() - start,
                 note=f"stopped by {stop.name} after {time.perf_counter() - start:.0f} s",
@@ -1301,6 +1310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["GPU_CHECK_NANOGPT"] = str(Path(args.nanogpt).resolve())
 
     if args.run_check:  # child process of run_check()
+        # Started with SIGINT and SIGTERM held (run_check's Popen): open them again, or the
+        # fits and prepares it starts would run deaf to a stop sent to them alone.
+        if hasattr(signal, "pthread_sigmask"):
+            from nanolab.processes import STOP_SIGNALS
+
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))
         return run_check_in_child(
             args.run_check, Path(args.work), args.data, Path(args.result_file), args.dry_run
         )

@@ -519,6 +519,90 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+#: A driver whose Popen is sent a real signal after it has started the check and before it
+#: returns (``argv[1]``: the signal's name, or "none"): prints the check's pid, then what
+#: run_check ended in.
+_SIGNAL_IN_POPEN = """
+import os, signal, subprocess, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+import gpu_check as gc
+
+real, sent = subprocess.Popen, sys.argv[1]
+
+def popen_then_signal(*args, **kwargs):
+    proc = real(*args, **kwargs)  # forked and exec'd: the check runs, its pid not yet stored
+    print(proc.pid, flush=True)
+    if sent != "none":
+        os.kill(os.getpid(), signal.Signals[sent])
+    return proc
+
+gc.subprocess.Popen = popen_then_signal
+gc.stop_on_signals()
+work = Path(sys.argv[2])
+try:
+    result = gc.run_check(gc.BY_NAME["flash"], work, None, work, limit_s=120, dry_run=True)
+    print("ended", result.status, flush=True)
+except gc.Stopped as stop:
+    print("stopped", stop.name, stop.result.status if stop.result else None, flush=True)
+"""
+
+
+def _blocked_signals(pid: int) -> int | None:
+    """The signal mask ``pid`` runs with (``SigBlk`` of /proc), None once it has exited."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return int(
+        next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16
+    )
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the processes from /proc")
+@pytest.mark.parametrize("sent", ["SIGINT", "SIGTERM", "none"])
+def test_a_stop_that_comes_while_popen_starts_the_check_still_kills_it(tmp_path, sent):
+    """A real SIGINT or SIGTERM to the driver after Popen has started the check (its own
+    session: the terminal's Ctrl-C does not reach it) but before Popen returns its pid: the
+    check is killed and recorded ``stopped``. And a check started with no stop runs with
+    SIGINT and SIGTERM open again (the driver holds them while it starts one), so what it
+    starts is not deaf to a stop. Mutation caught: Stopped raised inside Popen, the check
+    left running on with no one to end it (flash ran its 7 s and more, orphaned)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGNAL_IN_POPEN, sent, str(work), str(REPO / "benches")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    check = None
+    try:
+        assert proc.stdout is not None
+        check = int(proc.stdout.readline())
+        if sent == "none":  # the mask the check runs with, once it has opened it
+            stops = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+            deadline = time.monotonic() + 60
+            while (mask := _blocked_signals(check)) is not None and mask & stops:
+                assert time.monotonic() < deadline, "the check runs with SIGINT/SIGTERM held"
+                time.sleep(0.05)
+            assert mask is not None, "the check ran to its end with SIGINT/SIGTERM held"
+        out = proc.stdout.read()  # to its end (the driver's run_check ends within 120 s)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        survived = check is not None and _blocked_signals(check) is not None
+        if survived:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(check, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    if sent == "none":
+        assert out.splitlines()[-1:] == ["ended ok"], out
+        return
+    assert out.splitlines()[-1:] == [f"stopped {sent} stopped"], out
+    assert not survived, "the check outlived the driver's stop"
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the processes from /proc")
 @pytest.mark.parametrize("how", ["ctrl-c", "time limit"])
 def test_a_ctrl_c_or_the_time_limit_stops_the_check_in_flight_and_writes_what_finished(
