@@ -6,7 +6,8 @@
 
 ``benches/gpu_check.sh`` is the entry point (it adds a hard time limit); this file is the driver.
 Each check runs in its own process group with a time cap, so a hang or an out-of-memory crash in
-one is recorded and the next one still runs. After every check the summary is rewritten, so a run
+one is recorded and the next one still runs (past its cap it is killed with every process it
+started, in its group or not: ``pack``'s queue jobs lead sessions of their own). After every check the summary is rewritten, so a run
 cut short still leaves what it measured:
 
 * ``$OUT/gpu_check.json``: machine, versions, and per check ``status`` (``ok``, ``fail``,
@@ -1111,10 +1112,63 @@ def run_check(
 
 def kill_group(proc: subprocess.Popen) -> None:
     """Kill a check's process group (it leads its own session: the check, the fits and
-    prepares it started) and reap the check."""
-    with contextlib.suppress(ProcessLookupError):  # the whole group had exited already
-        os.killpg(proc.pid, signal.SIGKILL)
+    prepares it started) and every group its processes started elsewhere, then reap the check.
+
+    ``pack``'s queue runner starts each job in a session of its own: killing the check's group
+    alone killed the runner and left its jobs on the GPU (a parent-death SIGTERM asks each to
+    checkpoint first; a job stuck in start-up or in a kernel held the GPU on, into the next
+    check). So the groups are stopped first, the check's and then each one a stopped process's
+    descendant leads, until no new one turns up (a stopped process starts nothing, and its
+    children stay its until it dies), and only then killed."""
+    from nanolab.processes import pid_alive
+
+    groups: set[int] = set()
+    new, members = {proc.pid}, set()
+    while new:
+        for group in new:
+            with contextlib.suppress(ProcessLookupError):  # it had exited already
+                os.killpg(group, signal.SIGSTOP)
+        groups |= new
+        members.update(descendants(proc.pid))
+        new = {_group_of(pid) for pid in members} - groups - {None, os.getpgrp()}
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
     proc.wait()
+    # The others are not this process's to reap: gone is when they have exited (a GPU's
+    # memory is given back on the way), which a killed process takes a moment to do.
+    give_up = time.monotonic() + KILL_WAIT_S
+    while any(map(pid_alive, members)) and time.monotonic() < give_up:
+        time.sleep(0.02)
+
+
+#: The most :func:`kill_group` waits for the processes it killed to have exited.
+KILL_WAIT_S = 10.0
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes descended from ``pid`` (its children, theirs, ...), from Linux's ``/proc``;
+    none where there is no ``/proc`` to read (the check's own group is still killed)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # after the command name, which may hold spaces and ")": state, then the parent
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(child := todo.pop())
+        todo += children.get(child, [])
+    return found
+
+
+def _group_of(pid: int) -> int | None:
+    """The process group ``pid`` is in; None once it has exited."""
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def machine() -> dict[str, Any]:

@@ -519,6 +519,52 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the processes from /proc")
+def test_the_cap_stops_the_pack_check_s_queue_jobs_too(tmp_path, monkeypatch, char_dataset):
+    """``pack`` as the dry run runs it (gpu_pack.py's tiny jobs through ``nanolab queue run``
+    on this CPU), its cap reached while a job runs: the queue runner starts each job in a
+    session of its own, and none may outlive the cap. The job is stopped first, standing for
+    one stuck where no Python handler runs (a GPU kernel, a compile, a checkpoint's write):
+    the parent-death SIGTERM the runner's death sends asks a job to checkpoint and exit,
+    which on a CPU it does in ~0.1 s, and such a job does not. Mutation caught: only the
+    check's own process group killed (the runner died, its job ran on, the GPU held into
+    the next check)."""
+    from nanolab.processes import pid_alive
+
+    stuck: list[int] = []
+
+    class CapWhileAJobRuns(subprocess.Popen):
+        def wait(self, timeout=None):
+            if timeout is None:  # the reaping wait after the kill
+                return super().wait()
+            give_up = time.monotonic() + 300
+            while time.monotonic() < give_up and self.poll() is None:
+                with contextlib.suppress(ProcessLookupError):  # one exited meanwhile
+                    # The queue's jobs: the check's descendants in sessions of their own.
+                    jobs = [p for p in gc.descendants(self.pid) if os.getsid(p) != self.pid]
+                    if jobs:
+                        os.kill(jobs[0], signal.SIGSTOP)
+                        stuck.append(jobs[0])
+                        raise subprocess.TimeoutExpired(self.args, timeout)  # the cap, now
+                time.sleep(0.05)
+            return super().wait()
+
+    monkeypatch.setattr(subprocess, "Popen", CapWhileAJobRuns)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    try:
+        result = gc.run_check(
+            gc.BY_NAME["pack"], tmp_path, str(char_dataset), logs, limit_s=300, dry_run=True
+        )
+        survivors = [job for job in stuck if pid_alive(job)]
+    finally:
+        for job in stuck:  # this test's own job only
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job, signal.SIGKILL)
+    assert stuck and result.status == "timeout", (result, (logs / "pack.log").read_text()[-2000:])
+    assert not survivors, "a queue job outlived the check's cap"
+
+
 #: A driver whose Popen is sent a real signal after it has started the check and before it
 #: returns (``argv[1]``: the signal's name, or "none"): prints the check's pid, then what
 #: run_check ended in.
