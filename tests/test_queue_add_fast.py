@@ -274,6 +274,8 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["--bogus", "3"], "unknown option --bogus; `nanolab queue add --help` lists its options, and fit's settings take their group", False),
     # a near miss of an option of its own, or of fit's that it takes: the nearest named
     (["--contineu"], "unknown option --contineu; did you mean --continue?", False),
+    # a misspelling of its own option before a setting near it (--seedz: --seeds, not data.seed)
+    (["--seedz", "3"], "unknown option --seedz; did you mean --seeds?", False),
     (["--ckpt_pth", "x"], "unknown option --ckpt_pth; did you mean --ckpt_path?", False),
     # fit's --config (or a near miss of it): the queue takes its configs as arguments
     (["--config", "x.yaml"], "--config: `queue add` takes its configs as arguments, composed in order: `nanolab queue add A.yaml [B.yaml ...]`", False),

@@ -991,6 +991,22 @@ def setting_hint(
     return None
 
 
+def names_a_setting(name: str) -> bool:
+    """Whether ``name`` (an option's name without its dashes) is spelt as a setting of fit's is:
+    the last part of one (``seed``: ``data.seed``) or the beginning of a top-level one
+    (``seed_everything``). Such a name is taken for that setting without its group; any other
+    is a misspelling, nearest an option of the verb's own where there is one."""
+    from nanolab.run.keys import _is_option
+
+    known = fit_settings()
+    leaves = {k.rpartition(".")[2] for k in known if "." in k}
+    return (
+        name in leaves
+        or _is_option(name, known)
+        or any("." not in k and k.startswith(name) for k in known)
+    )
+
+
 def unknown_option_line(
     unknown: list[str], elsewhere: dict[str, str], own: Iterable[str] = ()
 ) -> str | None:
@@ -1015,6 +1031,12 @@ def unknown_option_line(
         options.append(token if value is None or "=" in token else f"{token}={value}")
     if not options:
         return None
+    first = options[0].split("=", 1)[0]
+    mine = near_options(first.removeprefix("--"), [o.removeprefix("--") for o in own])
+    if mine and first not in elsewhere and not names_a_setting(first.removeprefix("--")):
+        # A misspelling of the verb's own option (--seedz: --seeds) is meant before a setting
+        # its spelling is near (data.seed): the verb's own options are what its user types.
+        return f"unknown option {first}; did you mean {either(f'--{n}' for n in mine)}?"
     hint = setting_hint(options, option_form)
     if hint is not None:
         return hint
