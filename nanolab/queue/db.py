@@ -33,6 +33,7 @@ import shutil
 import socket
 import sqlite3
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -284,6 +285,72 @@ def default_db_path() -> Path:
     return Path(os.environ.get("NANOLAB_QUEUE_DB", DEFAULT_DB))
 
 
+def _read_only_connection(path: Path, immutable: bool) -> PatientConnection:
+    """A connection that reads ``path`` (SQLite ``mode=ro``); ``immutable``: as a file no
+    process changes (no lock taken, no -wal/-shm read or made)."""
+    uri = "file:" + quote(str(path.resolve())) + "?mode=ro" + ("&immutable=1" if immutable else "")
+    conn = connect(uri, 5.0, uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _empty(path: Path) -> bool:
+    """Whether ``path`` is there and holds nothing (an empty -wal: no change in it)."""
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
+
+
+#: SQLite's lock bytes in a database file (its unix VFS, ``sqlite3PendingByte``): the pending
+#: byte, then the reserved byte, then the range every connection holds a shared lock in
+#: while it has the database open in WAL mode.
+_PENDING_BYTE = 0x40000000
+_SHARED_FIRST, _SHARED_SIZE = _PENDING_BYTE + 2, 510
+
+#: The queue databases this process has open (a lock it holds does not keep itself out).
+_OPEN_HERE: weakref.WeakSet[QueueDB] = weakref.WeakSet()
+
+
+def drop_unused_journal(path: Path) -> bool:
+    """Remove an empty ``-wal`` and its ``-shm`` beside ``path`` that no connection uses, as
+    SQLite's last connection does when it closes: a write that failed as it opened (a
+    file-size limit met by the ``-shm``) left them, and a reader under such a limit could not
+    rebuild the index of that journal. Nothing is removed while any process has the database
+    open (it holds a shared lock on its lock bytes: taking them all fails) or the -wal holds
+    a change. True when they were removed."""
+    import fcntl
+
+    wal, shm = (path.with_name(path.name + suffix) for suffix in ("-wal", "-shm"))
+    if not (wal.exists() or shm.exists()) or (wal.exists() and not _empty(wal)):
+        return False
+    resolved = path.resolve()
+    if any(db.path.resolve() == resolved for db in list(_OPEN_HERE)):
+        return False
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        for start, length in ((_PENDING_BYTE, 1), (_SHARED_FIRST, _SHARED_SIZE)):
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, length, start)
+        if wal.exists() and not _empty(wal):  # written before the locks were taken
+            return False
+        for leftover in (wal, shm):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+        return True
+    except OSError:  # held by a connection: in use
+        return False
+    finally:
+        os.close(fd)  # releases the locks
+
+
 class QueueDB:
     """A connection to the queue database; creates the schema on first use."""
 
@@ -297,21 +364,25 @@ class QueueDB:
         ``immutable`` and nothing is left behind."""
         db = cls.__new__(cls)
         db.path = Path(path)
-        in_use = db.path.with_name(db.path.name + "-wal").exists()
-        uri = (
-            "file:"
-            + quote(str(db.path.resolve()))
-            + ("?mode=ro" if in_use else "?mode=ro&immutable=1")
-        )
+        wal = db.path.with_name(db.path.name + "-wal")
+        in_use = wal.exists()
         try:
-            db.conn = connect(uri, 5.0, uri=True)
-            db.conn.row_factory = sqlite3.Row
-            db.conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
+            try:
+                db.conn = _read_only_connection(db.path, immutable=not in_use)
+            except sqlite3.Error as err:
+                # An empty -wal holds no change: the database file is the whole queue. Its
+                # index (-shm) is rebuilt by the first reader, a write a file-size limit
+                # refuses (a writing verb that failed under `ulimit -f` left them): the file
+                # is read alone then, as when there is no -wal.
+                if not (_empty(wal) and no_room(db.path, err)):
+                    raise
+                db.conn = _read_only_connection(db.path, immutable=True)
         except sqlite3.Error as err:
             said = busy_db(db.path, err, 5.0) or read_only_db(db.path, err, reading=True)
             if said is None and (room := no_room(db.path, err)) is not None:
                 raise with_errno_of(QueueError(room), errno.ENOSPC) from None
             raise QueueError(said or unusable_db(db.path, f"cannot be read ({err})")) from None
+        _OPEN_HERE.add(db)
         return db
 
     @staticmethod
@@ -375,13 +446,16 @@ class QueueDB:
                 raise ReadOnlyDBError(line) from None
             room = no_room(self.path, err)
             if room is not None:  # exit 74, as every full disk
+                drop_unused_journal(self.path)  # the queue as it was: no -wal/-shm of ours left
                 raise with_errno_of(QueueError(room), errno.ENOSPC) from None
             raise QueueError(unusable_db(self.path, f"is damaged or not SQLite ({err})")) from None
         except BaseException:
             self.conn.close()
             raise
+        _OPEN_HERE.add(self)
 
     def close(self) -> None:
+        _OPEN_HERE.discard(self)
         self.conn.close()
 
     def wait_for_lock(self, seconds: float) -> None:
