@@ -2025,6 +2025,102 @@ def test_ls_left_reads_the_end_of_a_long_run_log(tmp_path: Path, monkeypatch) ->
     assert read[0] < log.stat().st_size / 10, (read[0], log.stat().st_size)
 
 
+def _bytes_read_by_runlog(monkeypatch) -> list[int]:
+    """Count the bytes :mod:`nanolab.runlog` reads from run logs (one number, in a list)."""
+    import nanolab.runlog as runlog
+
+    read = [0]
+    opened = runlog._open_log
+
+    class Counting:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __getattr__(self, name: str):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.close()
+
+        def __iter__(self):
+            for line in self.handle:
+                read[0] += len(line)
+                yield line
+
+        def read(self, *a):
+            data = self.handle.read(*a)
+            read[0] += len(data)
+            return data
+
+        def readline(self, *a):
+            line = self.handle.readline(*a)
+            read[0] += len(line)
+            return line
+
+    monkeypatch.setattr(
+        runlog, "_open_log", lambda p, mode: None if (h := opened(p, mode)) is None else Counting(h)
+    )
+    return read
+
+
+def test_ls_reads_a_bounded_part_of_long_logs_where_the_runner_recorded_them(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``queue ls`` read a preempted hours-only job's log back to its launch's start record
+    twice (its time left, and whose the newest time is), and every finished job of a pending
+    job's config whole for its step time: 4 x 86 MB logs took about a second and grew with
+    them. The runner now records where each launch began in its run log, the log's size as it
+    ended and a done job's step time (:data:`nanolab.queue.db.LOG_COLUMNS`): ``ls`` reads a
+    few lines there and the log's end, whatever the log's length; the numbers are the same."""
+    from nanolab.queue import predict
+    from nanolab.queue.runner import log_columns
+
+    path, log, job = _hours_job(tmp_path, "preempted", 100 * 3600.0)
+    now = time.time()
+    shell = [_hours_launch(1.0, 0, 0.0, time=now), {"event": "end", "time": now, "step": 0}]
+    head = "".join(json.dumps(r) + "\n" for r in shell)
+    own = [_hours_launch(100.0, 0, 0.0, queue_job=str(job.id), time=now + 1),
+           *_hours_trains(range(1, 30001), 10.0, now + 2)]  # fmt: skip
+    log.write_text(head + "".join(json.dumps(r) + "\n" for r in own))
+    db = QueueDB(path)
+    from nanolab.queue.jobs import config_key
+
+    config = {"trainer": {"max_steps": 30000}}
+    key = config_key(config)
+    (done, _pending) = db.add_jobs([NewJob(
+        name=n, config="c.yaml", args=[], seed=None, cwd=str(tmp_path), run_dir=str(tmp_path / "runs" / n),
+        config_key=key, max_steps=30000, estimate_s=60.0) for n in ("d", "p")])  # fmt: skip
+    (tmp_path / "runs" / "d").mkdir()
+    done_log = tmp_path / "runs" / "d" / "metrics.jsonl"
+    records = [{"event": "start", "time": now + 1, "step": 0, "queue_job": str(done.id),
+                "config": config},
+               *_hours_trains(range(1, 30001), 10.0, now + 2),
+               {"event": "end", "time": now + 30010, "step": 30000, "elapsed_s": 30009.0}]  # fmt: skip
+    done_log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    db.conn.execute("UPDATE jobs SET status = 'done', attempts = 1, run_seconds = 30010 "
+                    "WHERE id = ?", (done.id,))  # fmt: skip
+
+    def listing() -> tuple[tuple, ...]:
+        jobs = {j.name: j for j in QueueDB(path).jobs()}
+        return tuple(
+            (predict.remaining_seconds(db, j), predict.run_time(j, now)) for j in jobs.values()
+        )
+
+    before = listing()  # no offsets recorded: the logs are read back (a queue made before)
+    for j, start in ((job, len(head.encode())), (done, 0)):  # as the runner records them
+        row = QueueDB(path).get(j.id)
+        db.conn.execute("UPDATE jobs SET log_start = ?, log_end = ?, steady_s = ? WHERE id = ?",
+                        (start, *(log_columns(row, row.status).get(k) for k in ("log_end", "steady_s")), j.id))  # fmt: skip
+    predict._STEADY.clear()
+    read = _bytes_read_by_runlog(monkeypatch)
+    assert listing() == before
+    assert QueueDB(path).get(done.id).steady_s == pytest.approx(1.0)
+    assert read[0] < (log.stat().st_size + done_log.stat().st_size) / 5, read[0]
+
+
 def test_ls_and_status_read_a_jobs_log_for_its_time_left_only_where_it_is_shown(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
@@ -2206,3 +2302,32 @@ def test_add_continue_checks_prepared_source_data_and_a_fine_tunes_checkpoint(
         code, _, err = queue(capsys, db, *add, "--set", "data.allow_changed=true")
         (line,) = err.strip().splitlines()
         assert code == 2 and said in line, err
+
+
+def test_a_queue_made_before_the_log_columns_opens_and_lists(tmp_path: Path, capsys) -> None:
+    """A queue database written by the nanolab before :data:`LOG_COLUMNS` (schema version 2,
+    without them) is read as it is where it cannot be written (its jobs have none of them),
+    and opened to write gains them in place, its jobs kept."""
+    import sqlite3
+
+    from nanolab.queue.db import LOG_COLUMNS, SCHEMA, V2_COLUMNS
+
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(SCHEMA)
+    for name, definition in V2_COLUMNS.items():
+        if name not in {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}:
+            conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
+    conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', '2')")
+    conn.execute("INSERT INTO jobs(name, config, args, cwd, run_dir, created, status) "
+                 "VALUES ('old', 'c.yaml', '[]', ?, 'runs/old', 1.0, 'done')", (str(tmp_path),))  # fmt: skip
+    conn.commit()
+    conn.close()
+    (job,) = QueueDB.read_only(path).jobs()
+    assert (job.name, job.log_start, job.log_end, job.steady_s) == ("old", None, None, None)
+    (job,) = QueueDB(path).jobs()
+    assert job.name == "old" and job.steady_s is None
+    columns = {r[1] for r in QueueDB(path).conn.execute("PRAGMA table_info(jobs)")}
+    assert set(LOG_COLUMNS) <= columns
+    code, out, _ = queue(capsys, path, "ls")
+    assert code == 0 and " old " in out, out

@@ -18,9 +18,10 @@ runner (see :mod:`nanolab.queue.runner`).
 
 Schema version 2 added the columns of packing and backfill (:data:`V2_COLUMNS`); a version-1
 queue is upgraded in place when opened (``ALTER TABLE ... ADD COLUMN``, in one transaction), so
-its jobs keep their history. The runner columns of :data:`RUNNER_COLUMNS` are added the same
-way to a queue written before them, without a new version: they may be NULL (a runner started
-before them is judged as it was then), and a nanolab that does not know them ignores them.
+its jobs keep their history. The runner columns of :data:`RUNNER_COLUMNS` (and the jobs' of
+:data:`LOG_COLUMNS`) are added the same way to a queue written before them, without a new
+version: they may be NULL (a runner started before them is judged as it was then), and a
+nanolab that does not know them ignores them.
 """
 
 from __future__ import annotations
@@ -142,6 +143,16 @@ V2_COLUMNS = {
 #: another process). NULL in rows of runners started before them.
 RUNNER_COLUMNS = {"pid_namespace": "TEXT", "pid_start": "TEXT"}
 
+#: Columns of ``jobs`` added after schema version 2, the same way (NULL in rows written before
+#: them; a nanolab that does not know them ignores them), so that ``queue ls`` reads what it
+#: needs of a job's run log in a few lines, however long the log: ``log_start`` (the run log's
+#: size when the job's newest attempt was started: that launch's records begin there),
+#: ``log_end`` (its size when that attempt ended: nothing was appended since while it still
+#: is) and ``steady_s`` (a done job's steady seconds a step over its own launches,
+#: :func:`nanolab.queue.predict.steady_step_seconds`, measured once as it ended; 0: none
+#: could be).
+LOG_COLUMNS = {"log_start": "INTEGER", "log_end": "INTEGER", "steady_s": "REAL"}
+
 
 class QueueError(NanolabError):
     """A queue operation that cannot be done; the message says which job and what to do."""
@@ -196,6 +207,9 @@ class Job:
     mem_cap: int | None = None
     packed_on: str | None = None
     config_sha: str | None = None
+    log_start: int | None = None
+    log_end: int | None = None
+    steady_s: float | None = None
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
@@ -212,7 +226,8 @@ class Job:
                 f"by hand; `nanolab queue rm {data.get('id')}` and add the job again",
             )
         data["args"] = args
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        # A column a queue written before it lacks (read read-only: not added) is its default.
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 @dataclass
@@ -645,12 +660,13 @@ class QueueDB:
             sql = "UPDATE jobs SET args = ? WHERE id = ? AND runner_id = ? AND status = 'running'"
             return c.execute(sql, (json.dumps(args), job_id, runner_id)).rowcount == 1
 
-    def set_job_pid(self, job_id: int, pid: int, log: str) -> bool:
-        """Record a started job's process; False when its row is gone (``queue rm`` deleted it
-        before the pid was there to signal: the runner then stops the process itself)."""
+    def set_job_pid(self, job_id: int, pid: int, log: str, log_start: int | None = None) -> bool:
+        """Record a started job's process (``log_start``: its run log's size before it started);
+        False when its row is gone (``queue rm`` deleted it before the pid was there to signal:
+        the runner then stops the process itself)."""
         with self.transaction() as c:
-            sql = "UPDATE jobs SET job_pid = ?, log = ? WHERE id = ?"
-            return c.execute(sql, (pid, log, job_id)).rowcount == 1
+            sql = "UPDATE jobs SET job_pid = ?, log = ?, log_start = ?, log_end = NULL WHERE id = ?"
+            return c.execute(sql, (pid, log, log_start, job_id)).rowcount == 1
 
     def remove_as_seen(self, job_id: int, job_pid: int | None) -> bool:
         """Delete a job's row only if its pid is still ``job_pid`` (what the caller saw, and
@@ -909,7 +925,7 @@ def upgrade_schema(conn: sqlite3.Connection) -> None:
     """Add the columns a version-1 queue lacks and record version 2, and the runner columns a
     queue written before them lacks (inside the caller's transaction, so a concurrent opener
     sees either the old or the new schema)."""
-    for table, columns in (("jobs", V2_COLUMNS), ("runners", RUNNER_COLUMNS)):
+    for table, columns in (("jobs", {**V2_COLUMNS, **LOG_COLUMNS}), ("runners", RUNNER_COLUMNS)):
         have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})").fetchall()}
         for name, definition in columns.items():
             if name not in have:
@@ -953,7 +969,7 @@ def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
     missing_tables = {"jobs", "runners", "events"} - tables
     job_columns = {r[1] for r in conn.execute("PRAGMA table_info(jobs)").fetchall()}
     # Version 1 lacks the V2 columns; they are added after these read-only checks.
-    needed = {f.name for f in fields(Job)} - set(V2_COLUMNS)
+    needed = {f.name for f in fields(Job)} - set(V2_COLUMNS) - set(LOG_COLUMNS)
     missing = needed - job_columns if "jobs" in tables else set()
     if missing or missing_tables:
         gone = sorted(missing_tables) + [f"jobs.{c}" for c in sorted(missing)]

@@ -227,19 +227,12 @@ def history(
         except Exception:  # `queue add --gpu` refused it already: nothing is known to run there
             return None
     rows = db.conn.execute(
-        "SELECT id, created, run_dir, run_seconds, max_steps FROM jobs WHERE config_key = ? AND "
+        "SELECT * FROM jobs WHERE config_key = ? AND "
         "status = 'done' AND run_seconds > 0 AND max_steps > 0 AND id != ? "
         "ORDER BY id DESC LIMIT ?",
         (key, -1 if exclude is None else exclude, HISTORY_RUNS),
     ).fetchall()
-    steady = [
-        v
-        for v in (
-            steady_step_seconds(r["run_dir"], Counted(key, r["id"], r["created"], device))
-            for r in rows
-        )
-        if v is not None
-    ]
+    steady = [v for v in (_steady(r, key, device) for r in rows) if v is not None]
     if steady:
         n = len(steady)
         return statistics.median(
@@ -250,6 +243,15 @@ def history(
             r["run_seconds"] / r["max_steps"] for r in rows
         ), "past runs of this config"
     return None
+
+
+def _steady(row: Any, key: str, device: GPU | None) -> float | None:
+    """A done job's steady step time: the one stored as it ended (``steady_s``, 0: none) where
+    it answers the question (no device asked), else read from its run log."""
+    stored = dict(row).get("steady_s")
+    if device is None and stored is not None:
+        return float(stored) or None
+    return steady_step_seconds(row["run_dir"], Counted(key, row["id"], row["created"], device))
 
 
 def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
@@ -387,6 +389,48 @@ def _nth_start(log: Path, nth: int) -> dict[str, Any] | None:
     return None
 
 
+#: Bytes read forward from where a job's launch began (``log_start``) for its start record:
+#: the first record a launch writes, a few kB with its config.
+LAUNCH_HEAD_BYTES = 256 << 10
+
+
+def _launch_at_start(log: Path, job: Job) -> dict[str, Any] | None:
+    """The start record of the job's newest launch, read where the runner recorded its run log
+    ended before the launch (``log_start``), a few lines, however long the launch's records
+    run after it; None where it is not there (no offset recorded, the log rewritten since, or
+    another launch's record): then the log is read back for it."""
+    from nanolab.runlog import _parse
+
+    if job.log_start is None:
+        return None
+    try:
+        with open(log, "rb") as f:
+            f.seek(job.log_start)
+            head = f.read(LAUNCH_HEAD_BYTES)
+    except OSError:
+        return None
+    if job.log_start and not head.lstrip(b"\r\n").startswith(b"{"):  # mid-line: rewritten
+        return None
+    for line in head.split(b"\n")[:-1]:
+        record = _parse(line.decode("utf-8", errors="replace"))
+        if record is not None and record.get("event") == "start":
+            return record if _started_by(record, job.id, job.created) else None
+    return None
+
+
+def _newest_launch(log: Path, job: Job) -> dict[str, Any] | None:
+    """The start record of the job's newest launch when that launch is the log's newest
+    (nothing was appended since it ended, or it is running: the run is its own while it holds
+    the run's lock), read without reading the launch's records; else None."""
+    try:
+        size = log.stat().st_size
+    except OSError:
+        return None
+    if job.status != "running" and (job.log_end is None or size != job.log_end):
+        return None
+    return _launch_at_start(log, job)
+
+
 def _job_start(log: Path, job: Job, tail: Tail) -> dict[str, Any] | None:
     """A start record of one of the job's launches: its config and batch are the job's (every
     launch of a job runs the config checked at ``queue add``: the runner refuses an edited
@@ -397,6 +441,8 @@ def _job_start(log: Path, job: Job, tail: Tail) -> dict[str, Any] | None:
 
     if tail.own is not None:
         return tail.own
+    if (start := _launch_at_start(log, job)) is not None:
+        return start
     with contextlib.closing(iter_records(log)) as records:
         top = next(records, None)
     if top is not None and top.get("event") == "start" and _started_by(top, job.id, job.created):
@@ -423,6 +469,8 @@ def _measured_is_own(log: Path, job: Job, tail: Tail) -> bool:
         return _started_by(tail.launch, job.id, job.created)
     if tail.starts_passed == 0 and job.status == "running":
         return True
+    if tail.starts_passed == 0 and _newest_launch(log, job) is not None:
+        return True  # the window's launch is the log's newest, and that is the job's
     launch = _nth_start(log, tail.starts_passed)
     return launch is not None and _started_by(launch, job.id, job.created)
 
@@ -543,6 +591,10 @@ def launched_by(job: Job, log: Path, at: float) -> bool:
     the same id, earlier, is not this one). Reads back only to that start record."""
     from nanolab.runlog import iter_backwards
 
+    newest = _newest_launch(log, job)
+    began = (newest or {}).get("time")
+    if isinstance(began, int | float) and began <= at:
+        return True  # the log's newest launch is the job's, and it began before ``at``
     with contextlib.closing(iter_backwards(log, "start")) as starts:
         for start in starts:
             began = start.get("time")

@@ -709,6 +709,7 @@ class Runner:
         where = f"GPU {job.gpus}" if job.gpus else ("cpu" if self.pack else f"slot {units[0]}")
         if cap is not None:
             where += ", shared" + (f" (allocator cap {gib(cap)})" if self.gpus else "")
+        log_start = run_log_size(job)  # before its process starts: its launch begins there
         header = f"\n=== attempt {job.attempts} at {time.ctime()} on {where}: {' '.join(cmd)}\n"
         log.write(header.encode())
         log.flush()
@@ -747,7 +748,7 @@ class Runner:
             gap = time.monotonic() - max(freed)
             self.gaps.append(gap)
             self.db.event("gap", self.runner_id, job.id, gap)
-        recorded = self.db.set_job_pid(job.id, proc.pid, str(log_path))
+        recorded = self.db.set_job_pid(job.id, proc.pid, str(log_path), log_start)
         job.job_pid, job.log = proc.pid, str(log_path)
         self.db.event("start", self.runner_id, job.id, detail=where)
         pidfd = None
@@ -855,6 +856,7 @@ class Runner:
                 detail = f"backfill: made room for job {active.preempted_for}; {detail}"
             elif status == "preempted" and active.preempted_for == 0:
                 detail = f"backfill: stopped at the deadline; {detail}"
+            columns.update(log_columns(active.job, status))
             if self.db.finish(job_id, self.runner_id, status, detail, code, ran, **columns):
                 self._outcomes[job_id] = status
                 self.db.event("exit", self.runner_id, job_id, float(code), status)
@@ -1094,6 +1096,32 @@ def plan_starts(
         plan.start.append((job, free[:need], remaining))
         free = free[need:]
     return plan
+
+
+def run_log_size(job: Job) -> int | None:
+    """The size of ``job``'s run log now (0: none yet; None: it cannot be read)."""
+    from nanolab.runlog import RUN_LOG_NAME
+
+    try:
+        return os.stat(Path(job.cwd) / job.run_dir / RUN_LOG_NAME).st_size
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return None
+
+
+def log_columns(job: Job, status: str) -> dict[str, Any]:
+    """What is stored of a job's run log as its attempt ends, so that ``queue ls`` need not
+    read the log back (:data:`nanolab.queue.db.LOG_COLUMNS`): its size now and, for a done
+    job, its steady step time (read once here; 0 when none could be measured)."""
+    from nanolab.queue.predict import Counted, steady_step_seconds
+
+    columns: dict[str, Any] = {"log_end": run_log_size(job)}
+    if status == "done":
+        counted = Counted(job.config_key, job.id, job.created)
+        steady = steady_step_seconds(str(Path(job.cwd) / job.run_dir), counted)
+        columns["steady_s"] = steady or 0.0
+    return columns
 
 
 def outcome(
