@@ -249,6 +249,7 @@ def test_the_next_generate_command_imports_the_module_of_the_models_own_parts(
     # An entry point naming a package whose __init__ imports the module that registers the
     # part (`mylab = mylab`, mylab importing mylab.layers): generate's plugin import brings the
     # part in too, so the command needs no --import (it carried `--import ownlab.layers`).
+    from nanolab import installed_plugins
     from nanolab.model import registry
 
     package = tmp_path / "ownlab"
@@ -261,8 +262,8 @@ def test_the_next_generate_command_imports_the_module_of_the_models_own_parts(
         "class PluginAttention(CausalSelfAttention):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "_plugins_loaded", [])  # this process loads them afresh
-    monkeypatch.setattr(registry, "_plugin_modules", set())
+    monkeypatch.setattr(installed_plugins, "_plugins_loaded", [])  # loaded afresh here
+    monkeypatch.setattr(installed_plugins, "_plugin_modules", set())
     plugin = importlib.metadata.EntryPoint("ownlab", "ownlab", "nanolab.plugins")
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [plugin])
     try:

@@ -281,6 +281,7 @@ def _generate_eval_export_need_the_module(run_dir: Path, capsys) -> None:
     never imported the variant's module, each says which module to --import (it never imports
     what a checkpoint names), and runs with it; an installed project's nanolab.plugins entry
     point (a dist-info on the path, as pip install -e writes it) needs no flag."""
+    from nanolab import installed_plugins
     from nanolab.cli import main
     from nanolab.model import registry
 
@@ -288,7 +289,7 @@ def _generate_eval_export_need_the_module(run_dir: Path, capsys) -> None:
         registry.ATTENTIONS._classes.pop("softcap", None)
         for mod in [m for m in sys.modules if m.split(".")[0] == "mylab"]:
             del sys.modules[mod]
-        registry._plugins_loaded.clear()
+        installed_plugins._plugins_loaded.clear()
 
     out = run_dir.parent / "exported"
     commands = {
@@ -321,7 +322,7 @@ def _generate_eval_export_need_the_module(run_dir: Path, capsys) -> None:
         assert main(commands["generate"]) == 0, capsys.readouterr().err
     finally:
         sys.path.remove(str(site))
-        registry._plugins_loaded.clear()
+        installed_plugins._plugins_loaded.clear()
 
     # Another project registers the same name with other maths: refused, not built with it.
     forget()

@@ -6,6 +6,7 @@ Each test names, in its docstring, the mutation of nanolab it was seen to catch.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import replace
@@ -14,7 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import QUICKSTART, tiny_overrides, write_config
+from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
 
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.estimator.measure import measure_peak_cpu, measure_states
@@ -104,6 +105,52 @@ def test_an_optimizer_class_with_a_decorator_is_selectable(registry):
     assert {(g["lr"], g["betas"]) for g in opt.param_groups} == {(0.5, (0.8, 0.9))}
     with pytest.raises(ValueError, match="already registered"):
         register_optimizer("signum")(type("Other", (torch.optim.SGD,), {}))
+
+
+#: An installed project's optimizer: a module its ``nanolab.plugins`` entry point names.
+PLUGIN_OPTIMIZER = """
+import torch
+
+from nanolab.training.optim import parameter_groups, register_optimizer
+
+
+@register_optimizer("plugged_sgd")
+def build(model, cfg, device):
+    return torch.optim.SGD(parameter_groups(model, cfg.weight_decay), lr=cfg.lr)
+"""
+
+
+def test_an_optimizer_an_installed_plugin_registers_is_known_to_fit_and_queue_add(
+    tmp_path, char_dataset
+):
+    """A project installed with a ``nanolab.plugins`` entry point (a dist-info on the path, as
+    ``pip install -e .`` writes it) whose module registers an optimizer and nothing else: fit
+    trains with it and queue add takes it, in processes that never imported the module.
+
+    Mutation caught: the entry points loaded only by the model-part registries ("'plugged_sgd'
+    is not a registered optimizer", exit 2, from both verbs)."""
+    site = tmp_path / "site"
+    (site / "optlab").mkdir(parents=True)
+    (site / "optlab" / "__init__.py").write_text(PLUGIN_OPTIMIZER)
+    dist = site / "optlab-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: optlab\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[nanolab.plugins]\noptlab = optlab\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    tiny = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    cfg = write_config(tmp_path / "tiny.yaml", tiny)
+    choose = ["--model.optimizer.name", "plugged_sgd"]
+
+    fit = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), *choose,
+                      cwd=tmp_path, env=env)  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["nanolab"]["optimizer"]["name"] == "plugged_sgd"
+
+    added = run_nanolab("queue", "add", "--db", str(tmp_path / "queue.db"), str(cfg),
+                        "--set", "model.optimizer.name=plugged_sgd", cwd=tmp_path, env=env)  # fmt: skip
+    assert added.returncode == 0, added.stderr[-2000:]
+    assert "added job 1 " in added.stdout, added.stdout
 
 
 # -- Muon ---------------------------------------------------------------------------------------

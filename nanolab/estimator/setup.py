@@ -185,7 +185,7 @@ def timed_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     one whose state memory is modelled: docs/optimizers.md) is read as ``adamw``. A step's time
     is the model's FLOPs, which the optimizer does not change; its memory is another matter,
     which the memory estimate still refuses in words. Anything else is left as it is."""
-    from nanolab.training.optim import OPTIMIZERS
+    from nanolab.training.optim import registered_optimizer
     from nanolab.training.resolve import sections
 
     try:
@@ -194,7 +194,7 @@ def timed_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         return dict(cfg)
     opt = model.get("optimizer")
     name = opt.get("name") if isinstance(opt, Mapping) else None
-    if not isinstance(name, str) or name in MODELLED_OPTIMIZERS or name not in OPTIMIZERS:
+    if not isinstance(name, str) or name in MODELLED_OPTIMIZERS or not registered_optimizer(name):
         return dict(cfg)
     args = {**model, "optimizer": {**opt, "name": "adamw"}}
     return {**cfg, "model": {"class_path": model_class, "init_args": args}}

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
+from nanolab import installed_plugins
 from nanolab.errors import NanolabError
 
 T = TypeVar("T")
@@ -85,8 +86,7 @@ class Registry:
     def get(self, name: str) -> type:
         """The class registered as ``name``; an unknown name lists the registered ones."""
         _load_builtins()
-        if name not in self._classes:
-            load_plugins()  # an installed project's variants, on first need
+        installed_plugins.known_after_plugins(name, self._classes)  # a project's, on first need
         try:
             return self._classes[name]
         except KeyError:
@@ -123,50 +123,19 @@ class Registry:
         return getattr(self.get(name), "validate_config", None)
 
     def __contains__(self, name: object) -> bool:
-        if name in self.builtins or name in self._classes:
+        if name in self.builtins:
             return True
-        load_plugins()  # an installed project's variants, on first need
-        return name in self._classes
+        return installed_plugins.known_after_plugins(name, self._classes)
 
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-#: The entry-point group whose modules register a project's own variants: a project installed
-#: with ``pip install -e .`` declares, in its pyproject.toml,
-#: ``[project.entry-points."nanolab.plugins"] myproj = "myproj.model"``, and every command that
-#: meets a variant name it does not know imports those modules (installed code, which the
-#: user chose to install; nothing a checkpoint or config names is imported by itself).
-PLUGIN_GROUP = "nanolab.plugins"
-_plugins_loaded: list[str] = []
-#: Every module the plugins' imports brought in (a plugin's package importing its own layers
-#: module): a command that loads the plugins has those too, without ``--import``.
-_plugin_modules: set[str] = set()
-
-
-def load_plugins() -> list[str]:
-    """Import the modules of every installed ``nanolab.plugins`` entry point, once per process;
-    their names. A plugin that fails to import is an error naming it (a half-registered
-    project would otherwise read as an unknown variant)."""
-    if _plugins_loaded:
-        return _plugins_loaded[1:]
-    _plugins_loaded.append("")  # marks "done" even when none is installed
-    from importlib.metadata import entry_points
-
-    for point in entry_points(group=PLUGIN_GROUP):
-        before = set(sys.modules)
-        try:
-            importlib.import_module(point.value.split(":")[0])
-        except Exception as err:
-            raise NanolabError(
-                f"the {PLUGIN_GROUP} entry point {point.name!r} = {point.value!r} failed to "
-                f"import ({type(err).__name__}: {err}); fix that module or uninstall its package"
-            ) from None
-        finally:
-            _plugin_modules.update(set(sys.modules) - before)
-        _plugins_loaded.append(point.value)
-    return _plugins_loaded[1:]
+#: The entry-point group whose modules register a project's own variants (and optimizers):
+#: :mod:`nanolab.installed_plugins`, which every registry asks before it calls a name unknown.
+PLUGIN_GROUP = installed_plugins.PLUGIN_GROUP
+load_plugins = installed_plugins.load_plugins
 
 
 def imports_needed(modules: Iterable[str]) -> list[str]:
@@ -181,7 +150,8 @@ def imports_needed(modules: Iterable[str]) -> list[str]:
     plugged = {point.value.split(":")[0].strip() for point in entry_points(group=PLUGIN_GROUP)}
     with contextlib.suppress(NanolabError):  # that command says why; here they are not known
         load_plugins()
-    return [m for m in dict.fromkeys(modules) if m not in plugged | _plugin_modules]
+    covered = plugged | installed_plugins.plugin_modules()
+    return [m for m in dict.fromkeys(modules) if m not in covered]
 
 
 def add_import_option(parser: Any) -> None:

@@ -7,7 +7,9 @@ An optimizer is one builder function (or ``torch.optim.Optimizer`` subclass) plu
         return Lion(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
 
 ``model.optimizer.name`` accepts exactly the registered names (an unknown one is a one-line
-error listing them), so there is no second list to keep in sync. This module imports no torch:
+error listing them), so there is no second list to keep in sync. A project installed with a
+``nanolab.plugins`` entry point registers its optimizers when a name is first not found
+(:mod:`nanolab.installed_plugins`). This module imports no torch:
 the estimator and the queue validate configs with it in a fraction of a second.
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nanolab.installed_plugins import known_after_plugins
 from nanolab.model.config import ConfigError
 
 if TYPE_CHECKING:
@@ -56,7 +59,7 @@ def strategy_refusal(name: str, kind: str, strategy_label: str | None = None) ->
     """Why optimizer ``name`` cannot run under a strategy of ``kind``, as the one-line error the
     resolver, the estimator and the optimizer builder all give; ``None`` when it can (or when
     the name is unknown: that has its own error)."""
-    spec = OPTIMIZERS.get(name)
+    spec = registered_optimizer(name)
     label = strategy_label or kind
     if spec is None or kind not in SHARDING_KINDS:
         return None
@@ -117,9 +120,18 @@ def _class_builder(cls: type) -> Builder:
     return build
 
 
+def registered_optimizer(name: object) -> OptimizerSpec | None:
+    """The optimizer registered as ``name``, or None; a name not registered yet first loads the
+    installed projects' ``nanolab.plugins`` entry points (one of which may register it), as
+    the model-part registries do. Every lookup by name goes through here."""
+    if not known_after_plugins(name, OPTIMIZERS):
+        return None
+    return OPTIMIZERS[name]  # type: ignore[index]
+
+
 def optimizer_spec(name: str) -> OptimizerSpec:
     """The registered optimizer ``name``, or a one-line :class:`ConfigError` listing them all."""
-    spec = OPTIMIZERS.get(name)
+    spec = registered_optimizer(name)
     if spec is None:
         raise ConfigError(
             f"model.optimizer.name {name!r} is not a registered optimizer; use one of "
