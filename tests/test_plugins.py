@@ -170,7 +170,8 @@ def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugi
 
 def test_estimate_reads_a_class_path_config(tmp_path, plugin, capsys) -> None:
     """A GPT subclass named with no settings of its own is estimated from nanolab's defaults
-    and the recipe's; a model without a GPTConfig is one line saying what the estimator needs."""
+    and the recipe's; a model of another family is one line saying what cannot be estimated
+    and why (docs/estimate.md, "A model class of your own")."""
     base = ["estimate", "--config", str(REPO / "configs" / "quickstart.yaml"), "--device", "cpu"]
     bare = write_config(tmp_path / "bare.yaml", {"model": "mylab.models.SmoothedGPT"})
     code, out, err = run(capsys, *base, "--config", str(bare), "--vocab-size", "65", "--json")
@@ -181,7 +182,12 @@ def test_estimate_reads_a_class_path_config(tmp_path, plugin, capsys) -> None:
     other = write_config(tmp_path / "o.yaml", {"model": {"class_path": f"{PACKAGE}.other.Bigram"}})
     code, _, err = run(capsys, *base, "--config", str(other))
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and f"{PACKAGE}.other.Bigram takes no gpt" in lines[0]
+    assert code == 2 and len(lines) == 1, lines
+    assert f"model {PACKAGE}.other.Bigram cannot be estimated: " in lines[0], lines[0]
+    # What the line says is true of the class, and it offers no fix that would make the
+    # estimator describe a GPT the class does not train.
+    assert "neither subclasses GPTLightningModule nor takes a `gpt: GPTConfig`" in lines[0]
+    assert "give the model class" not in lines[0]
 
 
 NEAR = """

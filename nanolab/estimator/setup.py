@@ -225,8 +225,10 @@ def setup_from_config(
         raise EstimateError(f"'model.gpt' must be a mapping, got {type(model['gpt']).__name__}")
     if not takes_gpt:
         raise EstimateError(
-            f"model {model_class} takes no gpt settings: the estimator describes a GPT "
-            "(model.init_args.gpt); give the model class a `gpt: GPTConfig` argument"
+            f"model {model_class} cannot be estimated: the estimator describes nanolab's GPT "
+            "(its parameters, memory and time from model.gpt), and this class neither "
+            "subclasses GPTLightningModule nor takes a `gpt: GPTConfig` argument; fit trains "
+            "it all the same (docs/estimate.md, 'A model class of your own')"
         )
     gpt_raw = dict(model.get("gpt") or {})
     if model.get("init_from"):  # a Hugging Face GPT-2 folder: its architecture (docs/hf.md)
