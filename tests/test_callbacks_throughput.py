@@ -383,6 +383,66 @@ def test_a_run_resumed_from_an_older_checkpoint_says_its_end_totals_are_this_lau
     assert sum(second["time_breakdown"].values()) < second["elapsed_s"]  # this launch's wall
 
 
+def _two_launches(run, char_dataset, later_peak: float = 1e11, edit_setup=None) -> list[dict]:
+    """A run of 3 steps and its resume to 6, the second launch's meter given ``later_peak``
+    and its checkpoint's recorded setup passed through ``edit_setup`` first: the end records."""
+
+    def callbacks(peak: float) -> list[L.Callback]:
+        return [MetricsLog(), RotatingCheckpoint(every_n_steps=3), ThroughputMeter(peak_flops=peak)]
+
+    fit(run, char_dataset, callbacks(1e11), max_steps=3, eval_every=100)
+    last = run / "checkpoints" / "last.ckpt"
+    if edit_setup is not None:
+        state = torch.load(last, weights_only=True)
+        for key, value in state["callbacks"].items():
+            if "RunClock" in key:
+                edit_setup(value["setup"])
+        last = run / "checkpoints" / "edited.ckpt"
+        torch.save(state, last)
+    fit(run, char_dataset, callbacks(later_peak), max_steps=6, eval_every=100, ckpt_path=last)
+    return events(run / "metrics.jsonl", "end")
+
+
+def test_the_run_wide_rate_is_one_setup_s_strategy_compile_micro_batch_and_peak_included(
+    tmp_path, char_dataset
+):
+    """The setup two launches must share for one run-wide tokens/s and MFU left out the
+    strategy, ``model.compile``, the micro-batch size and a ``throughput.peak_flops`` override,
+    so a resume that changed one of them reported ``totals_of: run`` over a blend. Now each is
+    in it; a setup an older nanolab recorded (without them) is unknown: per launch only.
+
+    Mutations caught: any of the four left out of ``launch_setup`` (the override changed, or a
+    field stripped from the recorded setup, still ``run``)."""
+    from nanolab.callbacks.devices import launch_setup
+
+    trainer = fit(tmp_path / "one", char_dataset, [ThroughputMeter(peak_flops=3e11)], max_steps=1)
+    setup = launch_setup(trainer)
+    assert setup["strategy"] == "SingleDeviceStrategy"
+    assert (setup["compile"], setup["compile_mode"]) == (False, None)
+    assert setup["micro_batch_size"] == trainer.datamodule.micro_batch_size
+    assert setup["peak_flops"] == 3e11
+
+    first, second = _two_launches(tmp_path / "same", char_dataset)
+    assert first["totals_of"] == second["totals_of"] == "run"  # nothing changed: one rate
+
+    first, second = _two_launches(tmp_path / "peak", char_dataset, later_peak=2e11)
+    assert second["totals_of"] == "this launch"
+    assert second["tokens_per_s"] == second["launch_tokens_per_s"]
+
+    for key in ("strategy", "compile", "micro_batch_size", "peak_flops"):
+        ends = _two_launches(tmp_path / key, char_dataset, edit_setup=lambda s, k=key: s.pop(k))
+        assert ends[1]["totals_of"] == "this launch", key
+
+    def another(key: str, value: object):
+        return lambda recorded: recorded.update({key: value})
+
+    for key, value in (("strategy", "DDPStrategy"), ("compile", True), ("micro_batch_size", 2)):
+        ends = _two_launches(
+            tmp_path / f"{key}-changed", char_dataset, edit_setup=another(key, value)
+        )
+        assert ends[1]["totals_of"] == "this launch", key
+
+
 def test_a_resume_in_another_precision_gives_no_blended_run_rate(tmp_path, char_dataset):
     """A resume may change the precision (fit warns and goes on), the devices or the GPU: a
     run-wide tokens/s over such launches was one figure for none of them, and its MFU divided
