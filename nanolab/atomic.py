@@ -2,19 +2,24 @@
 
 Every writer of a file the user names or shares (``eval --json``, a run's skip ledger, the
 estimator's cache, the shipped cloze file) replaces it the same way: the new content goes to a
-fresh file made by :func:`tempfile.mkstemp` beside it, is synced, and is renamed over the old
+fresh file made by :func:`create_temp` beside it, is synced, and is renamed over the old
 name with :func:`os.replace`. A fixed temporary name (``.<name>.tmp``) is not enough: a link
 planted there (a hard link into another run's log, a symlink to another run's config) would be
 written through, a folder there fails the write, and two shells writing the same file would
-write into, publish or delete each other's half-written copy. ``mkstemp`` creates the file
-itself (``O_EXCL``), so nothing that stood at its name is ever written through.
+write into, publish or delete each other's half-written copy. :func:`create_temp` creates the
+file itself (``O_EXCL``), so nothing that stood at its name is ever written through.
+
+A writer that streams (a checkpoint's ``torch.save``) or writes through a claimed folder's
+descriptor takes the same kind of file from :func:`create_temp`; one that hands a name to
+someone else's writer (Lightning's ``save_checkpoint``) takes a fresh, unguessable
+:func:`temp_name`, where no link can have been planted beforehand.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
@@ -29,14 +34,12 @@ def write_whole(
     path = Path(path)
     data = content.encode("utf-8") if isinstance(content, str) else content
     try:
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, name = create_temp(path)
     except OSError as err:
         err.filename = str(path)
         raise
     try:
         with os.fdopen(fd, "wb") as f:
-            if hasattr(os, "fchmod"):  # mkstemp's 0600: the mode a plain open would give
-                os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(data)
             if durable:
                 f.flush()
@@ -52,19 +55,45 @@ def write_whole(
         fsync_dir(path.parent)
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it where the system says it (Linux); else
-    set and put back at once."""
-    with (
-        contextlib.suppress(OSError, ValueError),
-        open("/proc/self/status", encoding="ascii", errors="replace") as f,
-    ):
-        for line in f:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def temp_name(path: str | os.PathLike[str]) -> Path:
+    """A temporary name beside ``path`` that nothing stands at now: ``.<name>.<random>.tmp``.
+
+    Sixteen random hex digits, so no link can have been planted there in advance (a fixed
+    ``<name>.tmp`` can be: by another tool, or left by an older crash). The leading dot and the
+    ``.tmp`` ending keep it out of every listing of checkpoints, and a run clears such leftovers
+    from its checkpoint folder when it claims it."""
+    path = Path(path)
+    while True:
+        name = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        if not os.path.lexists(name):
+            return name
+
+
+#: A new file that must be this call's own: never an existing file, never through a link.
+_NEW_FILE = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+
+
+def create_temp(path: str | os.PathLike[str], dir_fd: int | None = None) -> tuple[int, Path]:
+    """(descriptor open for writing, its name): a new empty file at a :func:`temp_name` beside
+    ``path``, created by this call (``O_EXCL``), so whatever stood at a name is never written
+    through; with the mode a plain ``open`` gives (0666 less the umask). ``dir_fd``: the folder
+    held by descriptor that holds ``path`` (:class:`nanolab.claimed.ClaimedDir`), created there
+    by name, never through a link swapped in for the folder."""
+    for _ in range(100):
+        name = temp_name(path)
+        try:
+            where = name if dir_fd is None else name.name
+            return os.open(where, _NEW_FILE, 0o666, dir_fd=dir_fd), name
+        except FileExistsError:  # taken between the look and the create: draw again
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:

@@ -6,7 +6,9 @@ import errno
 import os
 import time
 import warnings
+from pathlib import Path
 
+import lightning.pytorch as L
 import pytest
 import torch
 from test_callbacks_runlog import events, fit
@@ -312,3 +314,59 @@ def test_async_save_that_cannot_apply_says_so_in_one_plain_line(tmp_path, char_d
         "saves are synchronous (set checkpoint.async_save false to silence this)"
     ], said
     assert names(tmp_path / "run" / "checkpoints") == {"step-00000002.ckpt", "last.ckpt"}
+
+
+class PlantLinks(L.Callback):
+    """After the first step (the run has claimed its folders, clearing what a crash left), hard
+    links into another file at the fixed temporary names a save would once have used
+    (``<name>.tmp``), as another tool leaves them."""
+
+    def __init__(self, other: Path, names: list[str]) -> None:
+        self.other, self.names = other, names
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step != 1:
+            return
+        folder = Path(trainer.default_root_dir) / "checkpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in self.names:
+            os.link(self.other, folder / name)
+
+
+class SaveNowAt(L.Callback):
+    """The preemption handler's own save (no checkpoint callback with ``save_now``)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 2:
+            from nanolab.callbacks.preemption import save_checkpoint_now
+
+            save_checkpoint_now(trainer)
+
+
+@pytest.mark.parametrize("writer", ["atomic_io", "own_io", "preemption"])
+def test_a_link_planted_at_a_temporary_name_is_never_written_through(
+    tmp_path, char_dataset, writer
+):
+    """Every checkpoint writer (nanolab's CheckpointIO, the rename after someone else's
+    CheckpointIO, the preemption handler's fallback, ``last.ckpt``) writes a new file of its
+    own: the file a planted hard link leads to is untouched, and the link is left as it was."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    other = tmp_path / "other-run.ckpt"
+    other.write_bytes(b"another run's checkpoint")
+    planted = ["step-00000002.ckpt.tmp", "last.ckpt.tmp", ".step-00000002.ckpt.tmp"]
+    callbacks: list[L.Callback] = [PlantLinks(other, planted)]
+    kwargs: dict[str, object] = {}
+    if writer == "preemption":
+        callbacks.append(SaveNowAt())
+    else:
+        callbacks.append(RotatingCheckpoint(every_n_steps=2))
+    if writer == "own_io":
+        kwargs["plugins"] = [type("OwnIO", (TorchCheckpointIO,), {})()]
+    fit(tmp_path / "run", char_dataset, callbacks, max_steps=2, eval_every=100, **kwargs)
+    assert other.read_bytes() == b"another run's checkpoint"
+    folder = tmp_path / "run" / "checkpoints"
+    assert load(folder / "step-00000002.ckpt")["global_step"] == 2
+    assert all(os.path.samefile(folder / name, other) for name in planted)
+    saved = {"step-00000002.ckpt"} | ({"last.ckpt"} if writer != "preemption" else set())
+    assert names(folder) == saved | set(planted)  # no temporary file of its own left behind

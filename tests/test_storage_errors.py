@@ -5,6 +5,7 @@ one), which needs root; elsewhere the module is skipped."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -148,23 +149,47 @@ def test_init_on_a_full_disk_names_the_file_and_the_room_there_was(tmp_path):
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-def test_a_failed_atomic_text_write_names_the_file_and_removes_its_tmp(tmp_path):
-    """Without root: the ``.tmp`` leads to /dev/full, where every write fails for lack of space."""
+def test_config_yaml_is_written_through_no_planted_temp_name_and_a_failed_write_names_it(
+    tmp_path, monkeypatch
+):
+    """The run's ``config.yaml`` goes through a new file of its own: a hard link planted at the
+    old fixed temporary name (``config.yaml.tmp``: another tool's, or an older crash's) into
+    another file leaves that file untouched. A failed write (a full disk at the fsync) removes
+    its temporary file and raises the error naming ``config.yaml``, for the one error line."""
     import errno
 
-    from nanolab.callbacks.files import tmp_path as tmp_name
-    from nanolab.callbacks.files import write_text
+    from jsonargparse import ArgumentParser
+
+    from nanolab.callbacks.loggers import write_config_yaml
     from nanolab.errors import storage_message
 
+    parser = ArgumentParser()
+    parser.add_argument("--seed_everything", type=int, default=7)
+    config = parser.parse_args([])
+    other = tmp_path / "other-run-metrics.jsonl"
+    other.write_text("precious\n")
     target = tmp_path / "config.yaml"
-    target.write_text("kept\n")
-    tmp_name(target).symlink_to("/dev/full")
+    os.link(other, tmp_path / "config.yaml.tmp")
+    write_config_yaml(parser, config, target)
+    assert other.read_text() == "precious\n"
+    assert "seed_everything: 7" in target.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["config.yaml", "config.yaml.tmp", other.name]
+    )
+
+    before = target.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError) as info:
-        write_text(target, "x" * 100_000)
+        write_config_yaml(parser, parser.parse_args(["--seed_everything", "8"]), target)
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(target)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
-    assert target.read_text() == "kept\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["config.yaml", "config.yaml.tmp", other.name]
+    )
+    assert target.read_bytes() == before and other.read_text() == "precious\n"
     assert storage_message(info.value).startswith(f"cannot write {target} (No space left")
 
 

@@ -34,6 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from nanolab.atomic import temp_name
 from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of: public here too)
     STEP_FILE,
     AsyncAtomicCheckpointIO,
@@ -43,7 +44,7 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
     step_of,
 )
 from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
-from nanolab.callbacks.files import publish, remove, tmp_path
+from nanolab.callbacks.files import publish, remove
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import StepCallback, settle_step_values, validation_follows
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
@@ -428,7 +429,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             with clock.pause("checkpoint"):
                 start = time.monotonic()
                 if self._rename_after_save:
-                    tmp = tmp_path(path)
+                    # A fresh name, rank 0's on every rank: the shards of one save meet there.
+                    tmp = Path(trainer.strategy.broadcast(str(temp_name(path))))
                     trainer.save_checkpoint(tmp, weights_only=False)
                     if trainer.is_global_zero:
                         if self._folder is not None:

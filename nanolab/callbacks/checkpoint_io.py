@@ -1,9 +1,11 @@
 """Checkpoint files that are either complete or absent: atomic, fsynced writes, optionally async.
 
-A checkpoint is written to ``<name>.tmp`` in the same directory, flushed and fsynced, renamed over
-the final name with ``os.replace`` (atomic on POSIX filesystems) and the directory is fsynced so
-the rename survives a power cut. A crash, a kill or a full disk mid-write leaves at most a
-``.tmp`` file that nothing picks up as a checkpoint; the previous checkpoint is untouched.
+A checkpoint is written to a new file of its own in the same directory (``.<name>.<random>.tmp``,
+created by the write, so a link that stood at some fixed name is never written through), flushed
+and fsynced, renamed over the final name with ``os.replace`` (atomic on POSIX filesystems) and the
+directory is fsynced so the rename survives a power cut. A crash, a kill or a full disk mid-write
+leaves at most a ``.tmp`` file that nothing picks up as a checkpoint; the previous checkpoint is
+untouched.
 
 :class:`AtomicCheckpointIO` is installed as the strategy's ``checkpoint_io``, so *every* save
 through ``trainer.save_checkpoint`` (the rotation callback, a preemption handler, user code) gets
@@ -28,13 +30,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from nanolab.callbacks.files import fsync_dir, remove, tmp_path
+from nanolab.atomic import create_temp, temp_name
+from nanolab.callbacks.files import fsync_dir, remove
 from nanolab.claimed import ClaimedDir
 from nanolab.errors import file_size_limit, inodes_left, size_text
 
@@ -293,16 +296,19 @@ def atomic_torch_save(
         path.parent.mkdir(parents=True, exist_ok=True)
     else:
         folder.check(path.name)
-    tmp = tmp_path(path)
+    tmp: Path | None = None
     try:
-        with _open_new(tmp, folder) as f:
+        fd, tmp = create_temp(path, None if folder is None else folder.fd)
+        with open(fd, "wb") as f:  # a descriptor: the file create_temp made
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         _replace(tmp, path, folder)
     except BaseException as err:
-        written = _size_quietly(tmp, folder)  # how far the failed write got
-        _remove_quietly(tmp, folder)
+        written = 0
+        if tmp is not None:
+            written = _size_quietly(tmp, folder)  # how far the failed write got
+            _remove_quietly(tmp, folder)
         if not isinstance(err, (OSError, RuntimeError)):
             raise
         needed = checkpoint_size(obj, path.parent, written)
@@ -312,14 +318,6 @@ def atomic_torch_save(
         message = _explain(cause, path, needed, retention)
         raise CheckpointWriteError(cause.errno or errno.EIO, message) from err
     _fsync_folder(path.parent, folder)
-
-
-def _open_new(path: Path, folder: ClaimedDir | None) -> BinaryIO:
-    """``path`` opened for writing (truncated); in ``folder`` by descriptor, never via a link."""
-    if folder is None:
-        return open(path, "wb")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    return os.fdopen(os.open(path.name, flags, 0o644, dir_fd=folder.fd), "wb")
 
 
 def _replace(tmp: Path, path: Path, folder: ClaimedDir | None) -> None:
@@ -355,8 +353,7 @@ def atomic_link(
         folder = None
     if folder is not None:
         folder.check(target.name)
-    tmp = tmp_path(target)
-    _remove_quietly(tmp, folder)
+    tmp = temp_name(target)  # link and symlink make the name themselves, or fail: never through
     try:
         if source.is_dir():
             os.symlink(os.path.relpath(source, target.parent), tmp)
@@ -367,7 +364,8 @@ def atomic_link(
             try:
                 os.link(source, tmp)
             except OSError:
-                with open(source, "rb") as src, open(tmp, "wb") as dst:
+                fd, tmp = create_temp(target)
+                with open(source, "rb") as src, open(fd, "wb") as dst:
                     shutil.copyfileobj(src, dst, 16 << 20)
                     dst.flush()
                     os.fsync(dst.fileno())

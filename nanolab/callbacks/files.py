@@ -1,9 +1,11 @@
-"""Durable file operations the run's writers share: a ``.tmp`` name, publishing it, removing.
+"""Durable file operations the run's writers share: publishing a temporary file, removing.
 
-A checkpoint (or the run's ``config.yaml``) must be complete under its final name or absent, and
-what was renamed must survive a power cut. The rotation callback, the atomic ``CheckpointIO``, the
-preemption handler's fallback and the config writer all need the same moves, so they live here
-once.
+A checkpoint must be complete under its final name or absent, and what was renamed must survive
+a power cut. The rotation callback, the atomic ``CheckpointIO`` and the preemption handler's
+fallback all need the same moves, so they live here once. Their temporary names come from
+:mod:`nanolab.atomic` (fresh and unguessable, created by the writer itself where it can be),
+never a fixed ``<name>.tmp`` where a link planted beforehand would be written through; the
+run's ``config.yaml`` is written whole by :func:`nanolab.atomic.write_whole`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,6 @@ import shutil
 from pathlib import Path
 
 from nanolab.atomic import fsync_dir
-
-
-def tmp_path(path: str | os.PathLike[str]) -> Path:
-    """The name a file is written under before it is renamed into place (``<name>.tmp``)."""
-    path = Path(path)
-    return path.with_name(path.name + ".tmp")
 
 
 def publish(tmp: Path, path: Path) -> None:
@@ -45,20 +41,3 @@ def remove(path: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
-
-
-def write_text(path: Path, text: str) -> None:
-    """``text`` as the file ``path``, complete or not at all: written to its ``.tmp`` name,
-    then renamed into place by :func:`publish`. A failed write (a full disk) removes the
-    ``.tmp`` and raises the ``OSError`` naming ``path``, so the one error line says which file
-    could not be written (a failed ``write`` carries no file name of its own)."""
-    tmp = tmp_path(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        publish(tmp, path)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            remove(tmp)
-        err.filename = str(path)
-        raise

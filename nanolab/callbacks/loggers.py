@@ -26,7 +26,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from nanolab.callbacks.files import write_text
+from nanolab.atomic import write_whole
 from nanolab.errors import NanolabError
 
 #: shorthand -> (import name that must be present, pip command that provides it)
@@ -275,7 +275,7 @@ def write_config_yaml(parser: Any, config: Any, path: Path) -> None:
     data = yaml.safe_load(parser.dump(config, skip_none=False, skip_validation=True))
     data.pop("config", None)  # the --config files it was merged from: not part of the run
     data = as_recorded(plain_config(data))
-    write_text(path, CONFIG_HEADER + yaml.safe_dump(data, sort_keys=False))
+    write_whole(path, CONFIG_HEADER + yaml.safe_dump(data, sort_keys=False))
 
 
 class RunConfigWriter(Callback):

@@ -57,8 +57,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from nanolab.atomic import temp_name
 from nanolab.callbacks.events import set_stop_reason, stop_reason, stop_saves_state
-from nanolab.callbacks.files import publish, tmp_path
+from nanolab.callbacks.files import publish
 from nanolab.callbacks.step import (
     StepCallback,
     scheduled_validation,
@@ -396,7 +397,7 @@ def save_checkpoint_now(trainer: pl.Trainer) -> str:
 
     The run's checkpoint callback, when it offers ``save_now(trainer)``, writes it (same name
     pattern, rotation and atomic write as its periodic saves). Otherwise the checkpoint is written
-    here atomically: ``Trainer.save_checkpoint`` to a ``.tmp`` name, fsync, then rename to
+    here atomically: ``Trainer.save_checkpoint`` to a fresh ``.tmp`` name, fsync, then rename to
     ``<run_dir>/checkpoints/step-XXXXXXXX.ckpt``. Called on every rank (saving is collective for
     sharded strategies); only rank 0 renames.
     """
@@ -408,7 +409,7 @@ def save_checkpoint_now(trainer: pl.Trainer) -> str:
     settle_step_values(trainer)  # the callbacks' state holds this step (see RotatingCheckpoint)
     ckpt_dir = Path(trainer.default_root_dir) / "checkpoints"
     final = ckpt_dir / f"step-{trainer.global_step:08d}.ckpt"
-    tmp = tmp_path(final)
+    tmp = Path(trainer.strategy.broadcast(str(temp_name(final))))  # rank 0's, on every rank
     if trainer.is_global_zero:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     trainer.strategy.barrier("nanolab_preempt_mkdir")
