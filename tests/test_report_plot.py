@@ -69,10 +69,67 @@ def test_a_long_log_is_streamed_by_the_plot_and_the_forecast(tmp_path: Path) -> 
     plot_runs([(summary, run_dir)], out, "tokens")
     assert _peak_mib(lambda: plot_runs([(summary, run_dir)], out, "gpu_hours")) < 8
 
-    from nanolab.report.plot import TRAIN_POINTS, _train_curve
+    from nanolab.report.plot import TRAIN_POINTS, read_for_plot
 
-    curve, _ = _train_curve(run_dir, "tokens", [40_000, 40_000], set())
+    curve = read_for_plot(run_dir, "tokens").train_curve()
     assert len(curve) <= TRAIN_POINTS + 1 and max(curve) == 40_000
+
+
+def test_the_plot_reads_each_log_once_along_the_summarys_pass(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``report --plot`` (and ``--forecast`` with it) draws from what the summary's own pass
+    over each log handed it: one read of a long log, not three (500k records: seconds each)."""
+    import nanolab.runs as runs_module
+
+    runs = tmp_path / "runs"
+    write_run(runs, "a-s1", seed=1, losses=[3.0, 2.8, 2.6], vals={2: 2.7})
+    write_run(runs, "a-s2", seed=2, losses=[3.0, 2.9, 2.7], vals={2: 2.75})
+    passes: list[str] = []
+    real = runs_module.iter_numbered
+
+    def counted(log, *args, **kwargs):
+        if kwargs.get("containing") != '"start"':  # not the look for where resumes rewound
+            passes.append(Path(log).parent.name)
+        return real(log, *args, **kwargs)
+
+    monkeypatch.setattr(runs_module, "iter_numbered", counted)
+    out_png = tmp_path / "loss.png"
+    code, out, err = run_report(capsys, str(runs), "--plot", str(out_png), "--forecast")
+    assert code == 0, err
+    assert out_png.is_file() and f"plot: {out_png}" in out
+    assert sorted(passes) == ["a-s1", "a-s2"]
+
+
+def test_the_plotted_train_curve_of_one_pass_is_the_trailing_mean_of_1_40_of_the_records(
+    tmp_path: Path,
+) -> None:
+    """Read in one pass, the curve is still the mean of the last 1/40 of the train records at
+    each drawn step; a val record without an x (no GPU-hours) takes its train record's."""
+    import random
+    import statistics
+
+    from nanolab.report.plot import read_for_plot
+
+    rng = random.Random(0)
+    losses = [rng.uniform(1, 5) for _ in range(400)]
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    lines = [{"event": "start", "time": 0.0, "step": 0, "seed": 1, "config": {}}]
+    for i, loss in enumerate(losses, 1):
+        lines.append({"event": "train", "time": float(i), "step": i, "tokens": 8 * i,
+                      "gpu_hours": i / 100, "loss": loss})  # fmt: skip
+        if i % 100 == 0:
+            lines.append({"event": "val", "time": i + 0.5, "step": i, "val_loss": 2.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    reader = read_for_plot(run_dir, "gpu_hours")
+    curve = reader.train_curve()
+    assert sorted(curve) == list(range(1, 401))
+    for step, (x, y) in curve.items():
+        assert x == step / 100
+        window = losses[max(0, step - 10) : step]  # 400 records: a window of 10
+        assert y == pytest.approx(statistics.fmean(window), rel=1e-12)
+    assert reader.xs == {100: 1.0, 200: 2.0, 300: 3.0, 400: 4.0}
 
 
 def test_a_plot_leaves_another_reports_half_drawn_image_alone(tmp_path: Path, capsys) -> None:

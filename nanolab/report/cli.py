@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,12 @@ from nanolab.report.groups import (
     seed_groups_holding,
     tests,
 )
-from nanolab.report.plot import check_plot_path, default_plot_selection, plot_runs
+from nanolab.report.plot import (
+    PlotReader,
+    check_plot_path,
+    default_plot_selection,
+    plot_runs,
+)
 from nanolab.report.text import compare_runs, format_table
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
@@ -142,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --scaling: the compute-optimal model size and tokens for H GPU-hours",
     )
     return p
+
+
+def _along(*readers: ForecastReader | PlotReader | None) -> Callable[[dict[str, Any]], None] | None:
+    """What ``summarize_run`` hands each record of its pass to: the readers given, or None."""
+    adds = [r.add for r in readers if r is not None]
+    if not adds:
+        return None
+    if len(adds) == 1:
+        return adds[0]
+
+    def add(record: dict[str, Any]) -> None:
+        for one in adds:
+            one(record)
+
+    return add
 
 
 def update_index(roots: list[Path], summaries: list[RunSummary]) -> str:
@@ -297,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     want_forecast = args.forecast or args.target_loss is not None
     if args.target_loss is not None and not 0 < args.target_loss < math.inf:
         raise ReportError(f"--target-loss {args.target_loss}: give a loss > 0, e.g. 1.5")
-    # The forecast reads each log along the summary's pass: one read of a long log, not two.
+    # The forecast and the plot read each log along the summary's pass: one read of a long
+    # log, not two or three.
     readers = {n: ForecastReader() for n, _ in selected} if want_forecast else {}
+    plot_read = {n: PlotReader(args.x) for n, _ in selected} if args.plot is not None else {}
     summaries = _sort(
-        [summarize_run(n, d, now, readers[n].add if readers else None) for n, d in selected],
+        [summarize_run(n, d, now, _along(readers.get(n), plot_read.get(n))) for n, d in selected],
         args.sort,
     )
     if args.index:
@@ -321,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         dirs = dict(selected)
         plotted, left_out = (summaries, 0) if args.run else default_plot_selection(summaries)
         plot_runs([(s, dirs[s.run]) for s in plotted], args.plot, args.x, run_fc, logx=args.logx,
-                  universe=universe, left_out=not_drawn)  # fmt: skip
+                  universe=universe, left_out=not_drawn, read=plot_read)  # fmt: skip
     if args.json:
         payload = {
             "runs": [

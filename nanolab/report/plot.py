@@ -7,6 +7,7 @@ import math
 import os
 import statistics
 import tempfile
+from array import array
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -62,59 +63,141 @@ def _curve(records: list[dict[str, Any]], key: str, ykey: str, xs: dict[Any, flo
 #: 1M-step log draws as well from 2,000 points, and a dict per record took a GB).
 TRAIN_POINTS = 2000
 
+#: What a :class:`PlotReader` keeps of a train series, at most: the first point of each of
+#: this many spans of steps and the running loss sum every this many-th point. Above twice
+#: TRAIN_POINTS, so the spans stay within the drawn ones (both powers of two).
+KEPT = 4096
 
-def _plot_records(
-    run_dir: Path, task_keys: list[str]
-) -> tuple[list[int], bool, list[dict[str, Any]]]:
-    """A run's train records counted (how many, the highest step), whether one has a finite
-    loss, and its val and tasks records with only the fields a plot reads; streamed."""
-    keep = ("event", "step", "tokens", "gpu_hours", "val_loss", "evaluated_by", *task_keys)
-    count, finite, records = [0, 0], False, []
-    for r in iter_timeline(run_dir):
-        if r.get("event") == "train":
-            count[0] += 1
-            count[1] = max(count[1], r["step"] if isinstance(r.get("step"), int) else 0)
-            finite = finite or num(r.get("loss")) is not None
-        else:
-            records.append({k: r[k] for k in keep if k in r})
-    return count, finite, records
+#: Running loss sums a :class:`PlotReader` keeps, at most (128 kB): a trailing mean's window
+#: starts exactly where it should for a series up to this many points, within 1/1,000 of the
+#: window beyond (every 2nd, 4th, ... sum kept: the window is 1/40 of the records).
+SUMS_KEPT = 16384
 
 
-def _train_curve(
-    run_dir: Path, key: str, count: list[int], steps: set[Any]
-) -> tuple[dict[int, tuple[float, float]], dict[Any, float | None]]:
-    """The train loss as :func:`_curve` draws it (a trailing mean over 1/40 of the records),
-    streamed, kept at the first step of each of at most ``TRAIN_POINTS`` spans of steps and the
-    last; and the x of ``steps`` (val records may lack GPU-hours). A span is a power of two
-    steps long, so seeds of different lengths keep the same steps and share a band."""
-    smooth = max(1, count[0] // 40)
-    span = 1 << max(0, math.ceil(math.log2(max(1, count[1]) / TRAIN_POINTS)))
-    window: deque[float] = deque()
-    total, last_step, bucket = 0.0, -1, -1
-    out: dict[int, tuple[float, float]] = {}
-    xs: dict[Any, float | None] = {}
-    point = None
-    for r in iter_timeline(run_dir, ("train",)):
+class PlotReader:
+    """What ``--plot`` draws of one run, fed its usable timeline records one by one, in log
+    order (what :func:`nanolab.runs.iter_timeline` yields): along the summary's own pass
+    (``summarize_run(..., also=reader.add)``), so a long log is read once, not three times.
+
+    Its val and tasks records are kept (few, the fields a plot reads); the train series only
+    as the first point of each span of steps (a power of two, doubled to keep at most
+    :data:`KEPT`) and its running loss sum every so many points (at most :data:`SUMS_KEPT`).
+    The curve is the trailing mean over 1/40 of the train records, as before; its window starts
+    within half a kept interval of that. Memory stays flat in the log's length."""
+
+    def __init__(self, x: str) -> None:
+        self.key = {"tokens": "tokens", "gpu_hours": "gpu_hours"}[x]
+        self.count = [0, 0]  # train records, their highest step
+        self.finite = False  # whether one has a finite loss
+        self.records: list[dict[str, Any]] = []  # val and tasks, the fields a plot reads
+        self.xs: dict[Any, float | None] = {}  # x of the steps of those (from train records)
+        self._pending: set[int] = set()  # their steps not trained yet in the log
+        self._recent: deque[tuple[int, float | None]] = deque(maxlen=64)
+        self._last_step = -1
+        self._points = 0  # train points with an x and a loss: the ones averaged
+        self._total = 0.0  # their loss, summed
+        self._every = 1  # the running sum is kept every this many points
+        self._sums = array("d", [0.0])  # the running sum after 0, every, 2*every, ... points
+        self._grain = 1  # steps per span of the first points kept
+        self._firsts: tuple[array, ...] = tuple(array(t) for t in "qqdqd")  # span, step, x, n, sum
+        self._last: tuple[int, float, int, float] | None = None
+
+    def add(self, r: dict[str, Any]) -> None:
+        """One usable record of the timeline, in log order."""
+        event = r.get("event")
+        if event == "train":
+            self._train(r)
+        elif event in ("val", "tasks"):
+            self.records.append({k: v for k, v in r.items() if _plotted_field(k)})
+            step = r.get("step")
+            if isinstance(step, int):
+                x = next((x for s, x in reversed(self._recent) if s == step), _NONE)
+                if x is _NONE:
+                    self._pending.add(step)
+                else:
+                    self.xs[step] = x
+
+    def _train(self, r: dict[str, Any]) -> None:
+        self.count[0] += 1
         step = r.get("step")
-        if not isinstance(step, int) or step <= last_step:
-            continue
-        last_step = step
-        x, y = num(r.get(key)), num(r.get("loss"))
-        if step in steps:
-            xs[step] = x
+        self.count[1] = max(self.count[1], step if isinstance(step, int) else 0)
+        self.finite = self.finite or num(r.get("loss")) is not None
+        if not isinstance(step, int) or step <= self._last_step:
+            return
+        self._last_step = step
+        x, y = num(r.get(self.key)), num(r.get("loss"))
+        self._recent.append((step, x))
+        if step in self._pending:
+            self._pending.discard(step)
+            self.xs[step] = x
         if x is None or y is None:
-            continue
-        window.append(y)
-        total += y
-        if len(window) > smooth:
-            total -= window.popleft()
-        point = (step, (x, total / len(window)))
-        if step // span != bucket:
-            bucket = step // span
-            out[step] = point[1]
-    if point is not None:
-        out[point[0]] = point[1]
-    return out, xs
+            return
+        self._points += 1
+        self._total += y
+        if self._points % self._every == 0:
+            self._sums.append(self._total)
+            if len(self._sums) > SUMS_KEPT:
+                self._sums, self._every = self._sums[::2], self._every * 2
+        spans = self._firsts[0]
+        if not spans or step // self._grain != spans[-1]:
+            for column, value in zip(self._firsts, (step // self._grain, step, x, self._points,
+                                                    self._total), strict=True):  # fmt: skip
+                column.append(value)
+            if len(spans) > KEPT:
+                self._coarsen()
+        self._last = (step, x, self._points, self._total)
+
+    def _coarsen(self) -> None:
+        """Twice as many steps per span: each keeps the first point of its two halves."""
+        self._grain *= 2
+        old = self._firsts
+        self._firsts = tuple(array(t) for t in "qqdqd")
+        for row in zip(*old, strict=True):
+            span = row[1] // self._grain
+            if not self._firsts[0] or self._firsts[0][-1] != span:
+                for column, value in zip(self._firsts, (span, *row[1:]), strict=True):
+                    column.append(value)
+
+    def _mean(self, n: int, total: float, smooth: int) -> float:
+        """The mean loss of the ``smooth`` points up to the ``n``-th (running sum ``total``)."""
+        start = max(0, n - smooth)
+        k = min(round(start / self._every), len(self._sums) - 1, (n - 1) // self._every)
+        return (total - self._sums[k]) / (n - k * self._every)
+
+    def train_curve(self) -> dict[int, tuple[float, float]]:
+        """step -> (x, trailing mean of the loss) at the first step of each of at most
+        ``TRAIN_POINTS`` spans of steps and the last. A span is a power of two steps long, so
+        seeds of different lengths keep the same steps and share a band."""
+        smooth = max(1, self.count[0] // 40)
+        span = 1 << max(0, math.ceil(math.log2(max(1, self.count[1]) / TRAIN_POINTS)))
+        out: dict[int, tuple[float, float]] = {}
+        bucket = -1
+        for _, step, x, n, total in zip(*self._firsts, strict=True):
+            if step // span != bucket:
+                bucket = step // span
+                out[step] = (x, self._mean(n, total, smooth))
+        if self._last is not None:
+            step, x, n, total = self._last
+            out[step] = (x, self._mean(n, total, smooth))
+        return out
+
+
+_NONE = object()  # no train record of that step seen yet
+
+
+def _plotted_field(key: str) -> bool:
+    """A field of a val or tasks record that a plot reads (a task's score, the CORE mean)."""
+    return key in ("event", "step", "tokens", "gpu_hours", "val_loss", "evaluated_by") or (
+        key.startswith("tasks/") and (key == "tasks/core" or key.endswith("/score"))
+    )
+
+
+def read_for_plot(run_dir: Path, x: str) -> PlotReader:
+    """A run's :class:`PlotReader`, read on its own (a caller without the summary's pass)."""
+    reader = PlotReader(x)
+    for r in iter_timeline(run_dir):
+        reader.add(r)
+    return reader
 
 
 def _nothing_to_draw(count: list[int], finite: bool, val: list[dict[str, Any]]) -> str | None:
@@ -162,13 +245,15 @@ def plot_runs(
     logx: bool = False,
     universe: list[RunSummary] | None = None,
     left_out: list[str] | None = None,
+    read: dict[str, PlotReader] | None = None,
 ) -> list[dict[str, Any]]:
     """Train and val loss against tokens or GPU-hours, written atomically to ``out``: one colour
     per seed group, its mean over seeds as a line and its 95% interval as a band; with
     ``forecasts`` (tokens axis), each run's fitted curve dashed to max_steps, with its band.
     Returns what was drawn per group (label, colour, runs, the val band) for the caller; a run
     with no finite loss to draw (diverged before its first validation) is left out of its
-    group's curves and named, with why, in ``left_out``."""
+    group's curves and named, with why, in ``left_out``. ``read``: run name -> its
+    :class:`PlotReader`, filled along the summary's pass (a run without one is read here)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,7 +292,10 @@ def plot_runs(
         task_curves: list[list[dict[int, tuple[float, float]]]] = [[] for _ in task_keys]
         n = len(members)
         for s in members:
-            count, finite, records = _plot_records(dirs[s.run], task_keys)
+            reader = (read or {}).get(s.run)
+            if reader is None or reader.key != key:
+                reader = read_for_plot(dirs[s.run], x)
+            count, finite, records = reader.count, reader.finite, reader.records
             # The curve written in training: a later validate/test/eval record is no point of it.
             ours = [r for r in records if written_in_training(r)]
             val = last_by_step([r for r in ours if r.get("event") == "val"])
@@ -218,8 +306,7 @@ def plot_runs(
                     left_out.append(f"{s.run} ({why})")
                 continue
             scored = last_by_step([r for r in ours if r.get("event") == "tasks"])
-            steps = {r.get("step") for r in (*val, *scored)}
-            t, xs = _train_curve(dirs[s.run], key, count, steps) if count[0] else ({}, {})
+            t, xs = (reader.train_curve(), reader.xs) if count[0] else ({}, {})
             v = _curve(val, key, "val_loss", xs)
             if (count[0] and not t) or (val and not v):
                 missing.append(s.run)
