@@ -596,3 +596,82 @@ def test_fit_under_bf16_on_a_gpu_without_it_writes_nothing(
         "nanolab fit: error: trainer.precision: bf16-mixed needs a GPU with bf16"
     ), err
     assert not runs.exists()
+
+
+class MemoryCuda:
+    """A stand-in for ``torch.cuda`` on a host with one GPU of each of ``memory`` bytes, GPU 0
+    current (as it is in every process before the Trainer starts)."""
+
+    def __init__(self, *memory: int) -> None:
+        self.memory = memory
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return len(self.memory)
+
+    def current_device(self) -> int:
+        return 0
+
+    def get_device_properties(self, device: int) -> SimpleNamespace:
+        return SimpleNamespace(total_memory=self.memory[device], name=f"GPU {device}")
+
+
+def _namespace(value: object) -> object:
+    """A plain config as the parsed ``fit`` config holds it (nested jsonargparse Namespaces)."""
+    from jsonargparse import Namespace
+
+    if isinstance(value, dict):
+        return Namespace(**{key: _namespace(item) for key, item in value.items()})
+    return value
+
+
+@pytest.mark.parametrize(
+    ("devices", "micro", "planned_on"),
+    [([1], 8, 12), ("1,", 8, 12), ([0, 1], 8, 12), ("auto", 8, 12), ([0], 64, 80), (1, 64, 80)],
+)
+def test_auto_micro_batch_is_planned_on_the_smallest_gpu_the_run_uses(
+    monkeypatch, caplog, devices, micro, planned_on
+):
+    """An 80 GiB GPU 0 and a 12 GiB GPU 1: gpt2-124m on ``devices: [1]`` was planned on GPU 0,
+    micro-batch 64 (46.8 GiB predicted, an OOM on the 12 GiB card; 8 fits), and a fixed
+    micro-batch too large for GPU 1 was not warned of. Every GPU the run uses is read now and
+    the smallest decides; through ``fit``'s own planning with a stand-in ``torch.cuda``."""
+    import warnings
+
+    import yaml
+    from conftest import REPO
+
+    from nanolab.run.autobatch import device_memory_bytes
+    from nanolab.run.compose import plan_micro_batch
+    from nanolab.training.resolve import DEFAULT_DATA, resolve
+
+    stand_in = MemoryCuda(80 * 2**30, 12 * 2**30)
+    for name in ("is_available", "device_count", "current_device", "get_device_properties"):
+        monkeypatch.setattr(torch.cuda, name, getattr(stand_in, name))
+
+    def planned(micro_batch_size: object) -> tuple[int, str]:
+        cfg = yaml.safe_load((REPO / "configs" / "gpt2-124m.yaml").read_text())
+        cfg["trainer"]["devices"] = devices
+        cfg["run"]["micro_batch_size"] = micro_batch_size
+        cfg["data"] = {"class_path": DEFAULT_DATA, "init_args": cfg["data"]}
+        parsed = _namespace(cfg)
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as warned, caplog.at_level("INFO"):
+            warnings.simplefilter("always")
+            got = plan_micro_batch(parsed, resolve(parsed, visible_gpus=2))
+        return got, caplog.text + "".join(str(w.message) for w in warned)
+
+    got, said = planned("auto")
+    assert got == micro, said
+    assert f"run.micro_batch_size auto: {micro} (predicted peak " in said
+    assert f" of {planned_on}.0 GiB)" in said
+    got, said = planned(16)  # about 14 GiB: too large for the 12 GiB card only
+    assert got == 16
+    if planned_on == 12:
+        assert "exceeds this device's 12.0 GiB at micro_batch_size 16; expect an OOM" in said
+    else:
+        assert "exceeds" not in said
+    # A GPU this host lacks: planned on every GPU here (the Trainer then refuses the value).
+    assert device_memory_bytes([5], stand_in) == device_memory_bytes("x", stand_in) == 12 * 2**30

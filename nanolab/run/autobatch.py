@@ -1,9 +1,10 @@
 """Before a GPU run starts: choose the micro-batch from the estimator, or warn that it will not fit.
 
 No trial-and-error OOM runs: ``run.micro_batch_size: auto`` asks the memory estimator for the
-largest micro-batch predicted to fit on this device that also divides the per-device share of
-``run.global_batch_tokens`` (so accumulation stays exact). Any run on a GPU gets one warning line
-at start when the estimate exceeds the device's memory, naming the switches that would fit.
+largest micro-batch predicted to fit on the smallest GPU the run uses (``trainer.devices``) that
+also divides the per-device share of ``run.global_batch_tokens`` (so accumulation stays exact).
+Any run on a GPU gets one warning line at start when the estimate exceeds that GPU's memory,
+naming the switches that would fit.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from nanolab.errors import NanolabError
 from nanolab.processes import host_memory_available, resident_bytes
+from nanolab.run.trainer_errors import gpus_used
 
 
 class AutoBatchError(NanolabError):
@@ -29,11 +31,20 @@ class MemoryPlan:
     warning: str | None
 
 
-def device_memory_bytes() -> int | None:
-    """Total memory of this process's GPU (CUDA or ROCm), or None on CPU."""
-    if not torch.cuda.is_available():
+def device_memory_bytes(devices: Any = "auto", cuda: Any = None) -> int | None:
+    """Total memory of the smallest GPU (CUDA or ROCm) the run puts itself on, or None on CPU.
+
+    ``devices`` is ``trainer.devices``: every GPU it names (:func:`gpus_used`) gets the same
+    micro-batch, so the plan must fit the smallest of them, not whichever GPU is current (GPU 0
+    before the Trainer starts: an 80 GiB GPU 0 would plan ``devices: [1]`` onto a 12 GiB GPU 1
+    at a micro-batch six times too large). A value the Trainer refuses itself (a GPU this host
+    lacks) is planned on every GPU here: its own error, once it is built, names the value.
+    ``cuda``: the ``torch.cuda`` to ask (a test's stand-in)."""
+    cuda = torch.cuda if cuda is None else cuda
+    if not cuda.is_available():
         return None
-    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    used = gpus_used(devices, cuda) or range(cuda.device_count())
+    return min((int(cuda.get_device_properties(i).total_memory) for i in used), default=None)
 
 
 def device_backend() -> str:

@@ -424,12 +424,15 @@ def fill_eot_id(model_args: Any, data: Any) -> None:
 
 def plan_micro_batch(cfg: Any, resolved: Any) -> int:
     """The micro-batch: the resolved one, or for ``auto`` the largest the estimator says fits
-    this GPU (the data's value on a CPU); on a GPU, warn when it will not fit."""
+    the smallest GPU the run uses (the data's value on a CPU); on a GPU, warn when it will not
+    fit."""
     choice = cfg.run.micro_batch_size
     micro = resolved.micro_batch_size
     if micro is None:  # auto: planned below, the data's value where there is no GPU
         micro = int(cfg.data.init_args.get("micro_batch_size") or 1)
-    device_memory = device_memory_bytes() if str(cfg.trainer.get("accelerator")) != "cpu" else None
+    device_memory = None
+    if str(cfg.trainer.get("accelerator")) != "cpu":
+        device_memory = device_memory_bytes(cfg.trainer.get("devices"))
     if device_memory is None:  # CPU: no device memory to plan against
         if choice == "auto":
             rank_zero_info(

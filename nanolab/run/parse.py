@@ -64,8 +64,9 @@ class RunConfig:
             checkpoints and config are moved to ``<run_dir>/previous/`` (never deleted). Without
             it, a directory that holds a different run is refused.
         micro_batch_size: ``null`` = ``data.micro_batch_size``; an integer overrides it;
-            ``auto`` = the largest micro-batch the memory estimator predicts fits on this GPU
-            and divides the global batch (no trial-and-error OOM runs; on CPU the data's value).
+            ``auto`` = the largest micro-batch the memory estimator predicts fits on the
+            smallest GPU in ``trainer.devices`` and divides the global batch (no
+            trial-and-error OOM runs; on CPU the data's value).
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` for GPU runs:
             ``high`` (default) lets ``32-true`` matmuls use TF32 tensor cores (8x the FP32 rate
             on an A100, 10 mantissa bits per product, FP32 accumulation); ``highest`` keeps
