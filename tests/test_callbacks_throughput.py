@@ -66,6 +66,25 @@ def test_unknown_or_ambiguous_devices_get_no_number(name):
     assert peak is None and name in why
 
 
+def test_a_rocm_build_divides_fp32_mfu_by_tf32_only_with_hipblaslt_allowing_it(monkeypatch):
+    """A ``32-true`` run on an MI300X under fit's ``high``: ROCm's torch runs its matmuls in
+    FP32 unless ``HIPBLASLT_ALLOW_TF32=1``, and its MFU was divided by the TF32 peak (4x too
+    small). Both settings, through the callback's lookup on a stand-in ROCm build."""
+    previous = torch.get_float32_matmul_precision()
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    try:
+        torch.set_float32_matmul_precision("high")
+        monkeypatch.delenv("HIPBLASLT_ALLOW_TF32", raising=False)
+        peak, why = peak_flops_per_device("AMD Instinct MI300X", "32-true")
+        assert peak == 163.4e12 and "HIPBLASLT_ALLOW_TF32=1" in why, why
+        assert matmul_dtype("32-true") == "fp32"
+        monkeypatch.setenv("HIPBLASLT_ALLOW_TF32", "1")
+        assert peak_flops_per_device("AMD Instinct MI300X", "32-true")[0] == 653.7e12
+        assert matmul_dtype("32-true") == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def test_fp32_matmul_precision_picks_tf32_or_fp32():
     previous = torch.get_float32_matmul_precision()
     try:

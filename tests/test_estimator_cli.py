@@ -779,3 +779,33 @@ def test_the_estimate_writes_the_currency_as_fit_does(capsys: pytest.CaptureFixt
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "x 2.00 EUR = " in out and "eur" not in out, out
+
+
+def test_estimate_says_which_rate_it_assumed_for_fp32_on_rocm(tmp_path, monkeypatch, capsys):
+    """``nanolab estimate --gpu mi300x`` for a ``32-true`` run named the TF32 peak (ROCm's torch
+    uses TF32 only with ``HIPBLASLT_ALLOW_TF32=1``) and said nothing of why: it now follows
+    the variable in its own environment and says so in the compute section."""
+    cfg = {
+        "trainer": {"precision": "32-true", "max_steps": 10},
+        "model": {"gpt": {"vocab_size": 500, "block_size": 64, "n_layer": 2, "n_head": 2,
+                          "n_embd": 64}},
+        "data": {"micro_batch_size": 4},
+    }  # fmt: skip
+    path = _write(tmp_path, "fp32.yaml", cfg)
+    said = {}
+    for value in (None, "1"):
+        if value is None:
+            monkeypatch.delenv("HIPBLASLT_ALLOW_TF32", raising=False)
+        else:
+            monkeypatch.setenv("HIPBLASLT_ALLOW_TF32", value)
+        assert main(["--config", path, "--gpu", "mi300x", "--trace", "never"]) == 0
+        said[value] = capsys.readouterr().out
+    assert "compute   fp32 matmuls, dense peak 163.4 TFLOP/s" in said[None]
+    assert (
+        "  32-bit matmuls as FP32: ROCm's torch uses TF32 only with HIPBLASLT_ALLOW_TF32=1 set, "
+        "and it is not set here\n"
+    ) in said[None]
+    assert "compute   tf32 matmuls, dense peak 653.7 TFLOP/s" in said["1"]
+    assert "  32-bit matmuls as TF32: HIPBLASLT_ALLOW_TF32=1 is set here" in said["1"]
+    assert main(["--config", path, "--gpu", "a100-80gb", "--trace", "never"]) == 0
+    assert "32-bit matmuls as" not in capsys.readouterr().out

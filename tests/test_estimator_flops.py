@@ -96,6 +96,39 @@ def test_fp32_runs_at_the_rate_their_matmul_precision_gets() -> None:
     assert slow.step_seconds == pytest.approx(fast.step_seconds * 156.0 / 19.5)
 
 
+@pytest.mark.parametrize("allowed", [None, "0", "true", "1"])
+def test_fp32_on_an_amd_gpu_is_tf32_only_with_rocms_variable(
+    monkeypatch: pytest.MonkeyPatch, allowed: str | None
+) -> None:
+    """ROCm's torch computes ``32-true`` matmuls as TF32 only with ``HIPBLASLT_ALLOW_TF32=1``
+    set (``float32_matmul_precision: high`` alone leaves them IEEE FP32): an MI300X run at
+    fit's default was timed, and its MFU divided, at the 654 TFLOP/s TF32 peak, 4x its FP32
+    rate. The estimate now takes TF32 only with the variable at 1 (as torch reads it) and says
+    which it assumed; an NVIDIA GPU in the same environment keeps TF32."""
+    from nanolab.estimator.gpus import HIP_TF32_VARIABLE, matmul_dtype
+
+    if allowed is None:
+        monkeypatch.delenv(HIP_TF32_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(HIP_TF32_VARIABLE, allowed)
+    tf32 = allowed == "1"
+    mi300x = get_gpu("mi300x")
+    want = (653.7, "tf32") if tf32 else (163.4, "fp32")
+    assert matmul_rate(_setup("32-true", "high"), mi300x) == want
+    assert matmul_rate(_setup("32-true", "highest"), mi300x) == (163.4, "fp32")
+    assert matmul_rate(_setup("bf16-mixed"), mi300x) == (1307.4, "bf16")
+    assert matmul_rate(_setup("32-true", "high"), get_gpu("a100-80gb")) == (156.0, "tf32")
+    assert matmul_dtype("32-true", "high", amd=True) == ("tf32" if tf32 else "fp32")
+    assert matmul_dtype("32-true", "high") == "tf32"
+    note = estimate_compute(_setup("32-true", "high"), mi300x, 8, 1).matmul_dtype_note
+    assert note is not None and note.startswith("TF32: " if tf32 else "FP32: ")
+    assert f"{HIP_TF32_VARIABLE}=1" in note
+    for quiet in ((_setup("32-true", "high"), get_gpu("a100-80gb")),
+                  (_setup("bf16-mixed"), mi300x), (_setup("32-true", "highest"), mi300x),
+                  (_setup("32-true", "high"), get_gpu("mi250x"))):  # fmt: skip
+        assert estimate_compute(*quiet, 8, 1).matmul_dtype_note is None
+
+
 def test_default_mfu_comes_from_the_gpu_family() -> None:
     h100, mi300x, rtx4090 = get_gpu("h100-sxm"), get_gpu("mi300x"), get_gpu("rtx4090")
     assert mi300x.default_mfu < h100.default_mfu < rtx4090.default_mfu

@@ -12,9 +12,10 @@ and the override (``throughput.peak_flops``), never as a wrong number.
 
 The rate a run gets depends on its matmul dtype: bf16/fp16 for the ``*-mixed``/``*-true``
 16-bit precisions, and for ``32-true`` TF32 when ``torch.get_float32_matmul_precision()`` allows
-it (``run.float32_matmul_precision``, default ``high``); a dtype the hardware has no units for
-runs at its FP32 rate. That rule is :func:`nanolab.estimator.gpus.matmul_rate`, shared with the
-estimator.
+it (``run.float32_matmul_precision``, default ``high``) and, on an AMD GPU,
+``HIPBLASLT_ALLOW_TF32=1`` is set (ROCm's torch uses TF32 only then); a dtype the hardware has no
+units for runs at its FP32 rate. That rule is :func:`nanolab.estimator.gpus.matmul_rate`, shared
+with the estimator.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ def lookup_peak(name: str) -> Peak | None:
 
 def matmul_dtype(precision: str) -> str | None:
     """The matmul dtype a Lightning ``precision`` runs at in this process (bf16, fp16, tf32 or
-    fp32; ``32-true`` follows ``torch.get_float32_matmul_precision()``)."""
-    return gpu_matmul_dtype(precision, torch.get_float32_matmul_precision())
+    fp32; ``32-true`` follows ``torch.get_float32_matmul_precision()``, and on a ROCm build of
+    torch ``HIPBLASLT_ALLOW_TF32`` too)."""
+    hip = bool(getattr(torch.version, "hip", None))
+    return gpu_matmul_dtype(precision, torch.get_float32_matmul_precision(), amd=hip)
 
 
 def peak_flops_per_device(name: str, precision: str) -> tuple[float | None, str]:

@@ -231,6 +231,7 @@ def format_estimate(
         "",
         f"compute   {c.matmul_dtype} matmuls, dense peak {format_rate(c.peak_tflops_per_device)} "
         f"per device; MFU {c.mfu:.0%}" + (recompute if c.recompute_flops_per_token else ""),
+        *([f"  32-bit matmuls as {c.matmul_dtype_note}"] if c.matmul_dtype_note else []),
         f"  MFU from: {c.mfu_source}",
         f"  tokens/s from: {c.tokens_per_second_source}",
         f"  FLOPs per token (6N + attention)    {c.flops_per_token:.3e}",

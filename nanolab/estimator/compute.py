@@ -7,7 +7,8 @@ numerator of MFU. The time comes from, in order of trust:
    :mod:`nanolab.estimator.history`), when the caller passes it;
 2. the GPU's dense peak *for the matmul dtype the run really uses* (bf16/fp16 for 16-bit
    precisions; for ``32-true`` TF32 when ``run.float32_matmul_precision`` allows it and the GPU
-   has TF32 units, else plain FP32, 8x slower on an A100) times an MFU: ``--mfu``, else the GPU
+   has TF32 units, on an AMD GPU only with ``HIPBLASLT_ALLOW_TF32=1`` set, else plain FP32, 8x
+   slower on an A100) times an MFU: ``--mfu``, else the GPU
    family's default, whose source is in ``gpus.json``; with the host's fixed work per step
    (:func:`nanolab.estimator.cpu.host_floor_seconds`: the loop, the optimizer and the per-op
    dispatch) added on a CPU and as the step's floor on a GPU, so a small model's step is not
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from nanolab.estimator.cpu import host_floor_seconds, sixteen_bit_mfu
-from nanolab.estimator.gpus import GPU, format_rate
+from nanolab.estimator.gpus import GPU, format_rate, rocm_tf32_note
 from nanolab.estimator.gpus import matmul_rate as gpu_matmul_rate
 from nanolab.estimator.run_length import run_length
 from nanolab.estimator.setup import Setup
@@ -73,6 +74,9 @@ class ComputeEstimate:
     #: host_floor_seconds`; 0 when the time is measured): in ``step_seconds``, added to the
     #: FLOPs time on a CPU, its floor on a GPU.
     floor_seconds: float = 0.0
+    #: Why ``32-true`` matmuls were taken as TF32 or FP32 where the environment decides (an AMD
+    #: GPU: :func:`nanolab.estimator.gpus.rocm_tf32_note`), else None.
+    matmul_dtype_note: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,6 +183,7 @@ def estimate_compute(
         mfu_source=mfu_source,
         effective_mfu=eff,
         matmul_dtype=dtype,
+        matmul_dtype_note=rocm_tf32_note(gpu, setup.precision, setup.float32_matmul_precision),
         peak_tflops_per_device=peak_tflops,
         step_seconds=step_s,
         tokens_per_second=tok_s,

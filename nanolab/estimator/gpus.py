@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -85,9 +87,28 @@ MatmulPrecision = Literal["highest", "high", "medium"]
 FLOAT32_MATMUL_PRECISIONS: tuple[str, ...] = get_args(MatmulPrecision)
 
 
-def matmul_dtype(precision: str, float32_matmul_precision: str = "high") -> str | None:
+#: torch on ROCm runs ``32-true`` matmuls on TF32 units (hipBLASLt, MI300 class) only when this
+#: variable is exactly ``1`` in the training process, whatever ``set_float32_matmul_precision``
+#: allows (torch's own TF32 tests set it on AMD GPUs); unset, it computes them in IEEE FP32.
+HIP_TF32_VARIABLE = "HIPBLASLT_ALLOW_TF32"
+
+
+def hip_allows_tf32(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torch on ROCm may run fp32 matmuls as TF32 here: :data:`HIP_TF32_VARIABLE` is
+    ``1`` in ``environ`` (this process's environment unless given), as torch reads it."""
+    return (os.environ if environ is None else environ).get(HIP_TF32_VARIABLE) == "1"
+
+
+def matmul_dtype(
+    precision: str,
+    float32_matmul_precision: str = "high",
+    amd: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
     """The dtype a run's matmuls use at a Lightning ``precision``: bf16, fp16, tf32 or fp32
-    (``None`` for a precision the table has no rates for, such as ``64-true``)."""
+    (``None`` for a precision the table has no rates for, such as ``64-true``). ``amd``: the
+    run is on an AMD GPU (torch's ROCm build), where ``32-true`` is TF32 only when
+    :func:`hip_allows_tf32` says so in ``environ``."""
     canonical = PRECISIONS.get(str(precision))
     if canonical is None:
         return None
@@ -95,31 +116,61 @@ def matmul_dtype(precision: str, float32_matmul_precision: str = "high") -> str 
         return "bf16"
     if canonical.startswith("16"):
         return "fp16"
-    return "fp32" if float32_matmul_precision == "highest" else "tf32"
+    if float32_matmul_precision == "highest" or (amd and not hip_allows_tf32(environ)):
+        return "fp32"
+    return "tf32"
+
+
+def rocm_tf32_note(
+    gpu: GPU,
+    precision: str,
+    float32_matmul_precision: str = "high",
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """What a ``32-true`` run on an AMD GPU with TF32 units was assumed to compute in, and why
+    (the environment variable decides there, not only ``run.float32_matmul_precision``); None
+    where that variable changes nothing (another precision or GPU, ``highest``, no TF32)."""
+    if (
+        gpu.vendor != "amd"
+        or gpu.peak("tf32") is None
+        or matmul_dtype(precision, float32_matmul_precision) != "tf32"
+    ):
+        return None
+    if hip_allows_tf32(environ):
+        return f"TF32: {HIP_TF32_VARIABLE}=1 is set here (ROCm's torch uses TF32 only then)"
+    return (
+        f"FP32: ROCm's torch uses TF32 only with {HIP_TF32_VARIABLE}=1 set, and it is not set here"
+    )
 
 
 def matmul_rate(
-    gpu: GPU, precision: str, float32_matmul_precision: str = "high"
+    gpu: GPU,
+    precision: str,
+    float32_matmul_precision: str = "high",
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[float | None, str, str]:
     """(dense TFLOP/s, the dtype it is the rate of, how it was chosen) of a run's matmuls.
 
     The one answer for the estimator's time and the MFU callback's denominator. A dtype the
-    device has no units for runs at its FP32 rate: TF32 on CDNA, bf16 on V100/T4 (emulated),
-    fp16 on a CPU; ``16-mixed`` on a CPU is Lightning's bf16-mixed. ``None`` only for a
-    precision without rates.
+    device has no units for runs at its FP32 rate: TF32 on CDNA2/CDNA4, bf16 on V100/T4
+    (emulated), fp16 on a CPU; ``16-mixed`` on a CPU is Lightning's bf16-mixed. On an AMD GPU
+    ``32-true`` is TF32 only with ``HIPBLASLT_ALLOW_TF32=1`` in ``environ`` (this process's
+    unless given): :func:`rocm_tf32_note`. ``None`` only for a precision without rates.
     """
-    dtype = matmul_dtype(precision, float32_matmul_precision)
+    dtype = matmul_dtype(precision, float32_matmul_precision, gpu.vendor == "amd", environ)
     if dtype is None:
         return None, "", f"precision {precision!r} has no entry in the peak-FLOPs table"
     if gpu.family == "cpu" and PRECISIONS.get(str(precision)) == "16-mixed" and gpu.bf16:
         # Lightning has no fp16 autocast on a CPU: it trains 16-mixed as bf16-mixed there.
         return gpu.peak("bf16"), "bf16", f"{gpu.label} bf16 dense (16-mixed runs as bf16-mixed)"
+    note = rocm_tf32_note(gpu, precision, float32_matmul_precision, environ)
+    why = "" if note is None else f" ({note})"
     value = gpu.peak(dtype)
     if value is not None:
-        return value, dtype, f"{gpu.label} {dtype} dense"
+        return value, dtype, f"{gpu.label} {dtype} dense{why}"
     fp32 = gpu.peak("fp32")
-    note = "" if dtype == "tf32" else f" (no {dtype} units)"  # TF32 off-hardware is just FP32
-    return fp32, "fp32", f"{gpu.label} fp32 dense{note}"
+    unit = "" if dtype == "tf32" else f" (no {dtype} units)"  # TF32 off-hardware is just FP32
+    return fp32, "fp32", f"{gpu.label} fp32 dense{unit}"
 
 
 def format_rate(tflops: float) -> str:

@@ -69,9 +69,10 @@ class RunConfig:
             trial-and-error OOM runs; on CPU the data's value).
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` for GPU runs:
             ``high`` (default) lets ``32-true`` matmuls use TF32 tensor cores (8x the FP32 rate
-            on an A100, 10 mantissa bits per product, FP32 accumulation); ``highest`` keeps
-            full FP32. 16-bit precisions do not use it. CPU runs are left as they are. The
-            estimator, the MFU denominator and ``nanolab estimate`` follow this setting.
+            on an A100, 10 mantissa bits per product, FP32 accumulation; on ROCm only with
+            ``HIPBLASLT_ALLOW_TF32=1`` set); ``highest`` keeps full FP32. 16-bit precisions
+            do not use it. CPU runs are left as they are. The estimator, the MFU denominator
+            and ``nanolab estimate`` follow this setting.
     """
 
     name: str | None = None
