@@ -228,14 +228,24 @@ def fake_amdsmi(busy: dict[int, float], by_bdf: dict[str, int] | None) -> types.
         ({"HIP_VISIBLE_DEVICES": "2"}, None, 50.0),  # by the mask
         ({"CUDA_VISIBLE_DEVICES": "3,1"}, None, 75.0),  # ROCm honours CUDA's mask too
         ({}, None, 0.0),  # no mask: device 0 is the host's 0
-        ({"HIP_VISIBLE_DEVICES": "1", "ROCR_VISIBLE_DEVICES": "2,3"}, None, None),  # nested
+        # the queue runner's pair of masks: HIP reads HIP_VISIBLE_DEVICES, CUDA's only without it
+        ({"HIP_VISIBLE_DEVICES": "3", "CUDA_VISIBLE_DEVICES": "3"}, None, 75.0),
+        ({"HIP_VISIBLE_DEVICES": "2", "CUDA_VISIBLE_DEVICES": "3"}, None, 50.0),
+        # HIP's index picks from the devices ROCR_VISIBLE_DEVICES left: 1 of [2, 3] is 3
+        ({"HIP_VISIBLE_DEVICES": "1", "ROCR_VISIBLE_DEVICES": "2,3"}, None, 75.0),
+        ({"CUDA_VISIBLE_DEVICES": "0", "ROCR_VISIBLE_DEVICES": "1,2"}, None, 25.0),
+        ({"ROCR_VISIBLE_DEVICES": "2"}, None, 50.0),
+        ({"HIP_VISIBLE_DEVICES": "2", "ROCR_VISIBLE_DEVICES": "0,1"}, None, None),  # past it
+        ({"HIP_VISIBLE_DEVICES": "0", "ROCR_VISIBLE_DEVICES": "GPU-1234"}, None, None),
         ({"HIP_VISIBLE_DEVICES": "GPU-1234"}, None, None),  # a UUID: not guessed
     ],
 )
 def test_amd_utilization_reads_this_processs_gpu(monkeypatch, masks, by_bdf, expected):
     """AMD SMI numbers every GPU of the host; a job given GPU 2 logged GPU 0's utilisation.
-    The sampler finds its GPU by PCI address (as NVML's does), else through the one device
-    mask that is set, else logs nothing rather than another GPU's figure."""
+    The sampler finds its GPU by PCI address (as NVML's does), else through the device masks
+    as ROCm applies them, else logs nothing rather than another GPU's figure. Mutation caught:
+    the queue runner's equal ``CUDA_VISIBLE_DEVICES``/``HIP_VISIBLE_DEVICES`` refused as two
+    nested masks (no utilisation for any queued job on ROCm without a PCI match)."""
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi({0: 0, 1: 25, 2: 50, 3: 75}, by_bdf))
     props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0xC3, pci_device_id=0)

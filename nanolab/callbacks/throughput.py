@@ -34,8 +34,14 @@ from nanolab.callbacks.peak_flops import peak_flops_per_device
 from nanolab.callbacks.step import StepCallback
 
 #: The variables that renumber the devices a process sees, per vendor, outermost first.
-NVIDIA_MASKS = ("CUDA_VISIBLE_DEVICES",)
-AMD_MASKS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+#: The device-mask variables, in the order the vendor's runtime applies them: each layer picks,
+#: by index, from the devices the layer before it left, through its first variable that is set.
+#: CUDA: ``CUDA_VISIBLE_DEVICES``. ROCm: ``ROCR_VISIBLE_DEVICES`` first, then the HIP runtime's
+#: ``HIP_VISIBLE_DEVICES``, or ``CUDA_VISIBLE_DEVICES`` where that is unset (HIP reads it only
+#: then, so the queue runner's equal pair is one mask, not two).
+MaskLayers = tuple[tuple[str, ...], ...]
+NVIDIA_MASKS: MaskLayers = (("CUDA_VISIBLE_DEVICES",),)
+AMD_MASKS: MaskLayers = (("ROCR_VISIBLE_DEVICES",), ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"))
 
 
 def _bus_id(index: int, domain_digits: int) -> str:
@@ -48,19 +54,20 @@ def _bus_id(index: int, domain_digits: int) -> str:
     )
 
 
-def physical_index(index: int, masks: tuple[str, ...]) -> int:
-    """The host's number of visible device ``index``, through the one mask variable that is
-    set. Raises ValueError when that cannot be known for sure (two masks nested, a mask of
-    UUIDs, an index past the mask): no figure is better than another GPU's."""
-    given = [os.environ[m] for m in masks if os.environ.get(m, "").strip()]
-    if not given:
-        return index
-    if len(given) > 1:
-        raise ValueError("nested device masks")
-    ids = [v.strip() for v in given[0].split(",") if v.strip()]
-    if index >= len(ids) or not ids[index].isdigit():
-        raise ValueError(f"device {index} of mask {given[0]!r}")
-    return int(ids[index])
+def physical_index(index: int, masks: MaskLayers) -> int:
+    """The host's number of visible device ``index``, through the masks that are set, the last
+    layer of ``masks`` first (:data:`AMD_MASKS`: a HIP index picks from the ROCr runtime's
+    devices). Raises ValueError when that cannot be known for sure (a mask of UUIDs, an index
+    past the mask): no figure is better than another GPU's."""
+    for layer in reversed(masks):
+        given = next((os.environ[m] for m in layer if os.environ.get(m, "").strip()), None)
+        if given is None:
+            continue
+        ids = [v.strip() for v in given.split(",") if v.strip()]
+        if index >= len(ids) or not ids[index].isdigit():
+            raise ValueError(f"device {index} of mask {given!r}")
+        index = int(ids[index])
+    return index
 
 
 class UtilizationSampler:
