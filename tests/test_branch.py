@@ -382,3 +382,28 @@ def test_a_branch_s_epoch_goes_on_from_its_parent_s_place_in_the_data(
     ours = read_records(tmp_path / "runs" / "br" / "metrics.jsonl", "train")
     assert [r["step"] for r in ours] == [7, 8, 9]
     assert [r["epoch"] for r in ours] == [pytest.approx(s * per_step, abs=1e-4) for s in (7, 8, 9)]
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "deepspeed"])
+def test_a_diverged_run_s_branch_starts_from_its_sharded_step_folder(tmp_path, kind) -> None:
+    """A diverged run whose checkpoints are folders (DeepSpeed, FSDP2's distributed save) said
+    "it saved no checkpoint: start a new run" although its step folders were there: only step
+    files were looked at. The branch now starts from the newest step folder a finite step
+    followed; a folder of a step's name that holds no checkpoint is still passed over.
+
+    Mutation caught: folders left out (no start), or every folder taken (step 4's empty one)."""
+    from types import SimpleNamespace
+
+    from nanolab.callbacks.divergence import divergence_fix
+
+    run = tmp_path / "runs" / "dv"
+    state = {"global_step": 2}
+    step2 = _sharded_folder(run / "checkpoints" / "step-00000002.ckpt", kind, state)
+    (run / "checkpoints" / "step-00000004.ckpt").mkdir()  # a folder, but no checkpoint
+    _sharded_folder(run / "checkpoints" / "step-00000008.ckpt", kind, {"global_step": 8})
+    module = SimpleNamespace(optimizer_config=SimpleNamespace(lr=0.03))
+    trainer = SimpleNamespace(default_root_dir=str(run), lightning_module=module)
+    said = divergence_fix(trainer, 6)
+    assert "it saved no checkpoint" not in said
+    assert "from step 2, its newest checkpoint that a finite step followed: " in said
+    assert said.endswith(f"--run.resume {step2} --model.optimizer.lr 0.003")

@@ -338,11 +338,18 @@ def branch_start(folder: Path, diverged_step: int | None) -> Path | None:
     """The checkpoint a branch with a lower learning rate starts from: the step file of the
     newest step whose next step was still finite (before ``diverged_step - 1``: the weights of
     the step before the first non-finite one are finite, but its very next forward is not, at
-    any rate). None when there is none; ``diverged_step`` None: the newest step file."""
+    any rate). None when there is none; ``diverged_step`` None: the newest step file.
+
+    A step is a file, or under DeepSpeed and FSDP2 a sharded checkpoint folder (a branch starts
+    from either); any other folder of that name is no checkpoint."""
     from nanolab.callbacks.checkpoint import step_of
+    from nanolab.model.checkpoint import sharded_kind
+
+    def is_checkpoint(path: Path) -> bool:
+        return path.is_file() or sharded_kind(path) is not None
 
     try:
-        names = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+        names = [p for p in folder.iterdir() if is_checkpoint(p)] if folder.is_dir() else []
     except OSError:
         return None
     steps = [
