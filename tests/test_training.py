@@ -502,6 +502,43 @@ def test_deepspeed_with_accumulation_divides_the_loss_once(tmp_path, char_datase
         assert "is a DeepSpeed checkpoint folder, which only DeepSpeed reads" in res.stderr
 
 
+def _deepspeed_here_or_skip() -> None:
+    pytest.importorskip("deepspeed")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("DeepSpeed's CPU backend JIT-builds C++ ops; no compiler here")
+
+
+@pytest.mark.slow  # DeepSpeed's start-up in its own process (its CPU op cached after the first)
+def test_a_diverged_deepspeed_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, char_dataset):
+    """DeepSpeed skips a step whose gradients are not finite (``OVERFLOW! Skipping step``) in
+    fp32 too: the loss stays finite and ``.grad`` is empty, so the run trained nothing from step
+    4 on, ran to ``max_steps``, exited 0 as ``completed``, and its step-4..12 saves rotated the
+    good step-2 checkpoint away. One process reproduces it. It now stops as DDP's does
+    (``diverged`` at step 4, exit 3), saves nothing at the stop, and names the branch from the
+    step-2 folder (a sharded checkpoint is a folder: it said "it saved no checkpoint").
+
+    Mutations caught: the engine's skips not read; the stop's state saved."""
+    _deepspeed_here_or_skip()
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", run__name="ds", run__eval_every_steps=1000,
+        trainer__max_steps=12, model__optimizer__lr=3000.0,
+        model__schedule__warmup_steps=30, checkpoint__every_n_steps=2,
+    )  # fmt: skip
+    args = ("fit", "--config", str(write_config(tmp_path / "ds.yaml", cfg)), "--config",
+            str(QUICKSTART.parent / "strategy" / "deepspeed_stage2.yaml"), "--trainer.devices", "1")  # fmt: skip
+    res = run_nanolab(*args, cwd=tmp_path, timeout=600)
+    assert res.returncode == 3, res.stderr[-3000:]
+    run = tmp_path / "runs" / "ds"
+    end = [r for r in read_records(run / "metrics.jsonl") if r["event"] == "end"][-1]
+    assert end["reason"] == "diverged" and end["diverged_step"] == 4, end
+    assert end["step"] == 6
+    step2 = run / "checkpoints" / "step-00000002.ckpt"
+    assert step2.is_dir()
+    assert not (run / "checkpoints" / "step-00000006.ckpt").exists()  # the stop saved nothing
+    assert "from step 2, its newest checkpoint that a finite step followed" in res.stderr
+    assert f"--run.resume {step2} --model.optimizer.lr 300" in res.stderr
+
+
 def test_val_loss_drops_on_the_bundled_corpus(tmp_path, char_dataset):
     L.seed_everything(0)
     model = GPTLightningModule(

@@ -26,6 +26,16 @@ scale below 1 means the gradients overflow fp16 unscaled, or overflow whatever t
 scale will make the steps count: the run stops as ``diverged``, the cause in the ``end`` record's
 ``detail`` (:meth:`DivergenceStop.describe`) and ``skipped_steps``/``loss_scale`` beside
 ``diverged_step``. From a steady scale of 2**k that takes k + 1 steps.
+
+DeepSpeed checks the gradients in its engine and *skips* a step whose norm is not finite, in
+every precision (:mod:`nanolab.training.engine_steps`): the weights and the loss stay finite, so
+neither the loss nor ``.grad`` (empty under DeepSpeed) shows it. Its own count of skipped steps,
+read across the step (host integers, no device read), stands in: in fp32/bf16 a skipped step is
+a step with a non-finite gradient norm (it counts as under DDP); under fp16 with DeepSpeed's
+dynamic loss scale it is the scaler's skip, judged as the GradScaler's above, except that
+DeepSpeed's scale stops at its ``min_loss_scale`` (1) and the engine raises at the next overflow
+there: ``patience`` skipped steps that left the scale at that lowest scale collapse it too (that
+step's flags are read at once, before the next step's overflow).
 """
 
 from __future__ import annotations
@@ -47,6 +57,13 @@ from nanolab.callbacks.events import (
 from nanolab.callbacks.jsonl import read_gradient_norm, step_gradient_norm
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
+from nanolab.training.engine_steps import (
+    deepspeed_engine,
+    loss_scale,
+    lowest_loss_scale,
+    scales_loss,
+    skipped_steps,
+)
 from nanolab.training.masked_targets import held_no_target
 
 #: Exit status of ``nanolab fit`` when this callback stopped the run. Not 2 (bad input) and not
@@ -131,6 +148,8 @@ class DivergenceStop(StepCallback):
         self._watched: list[torch.Tensor] = []
         self._norm: Any = None  # this step's gradient norm, as step_gradient_norm answered
         self._scale_before: torch.Tensor | None = None  # the GradScaler's scale before the step
+        self._engine_skips: int | None = None  # DeepSpeed's count of skipped steps before it
+        self._lowest_scale: float | None = None  # DeepSpeed fp16: the scale its scaler stops at
         self._params: list[torch.nn.Parameter] | None = None
 
     # -- hooks -------------------------------------------------------------------------------
@@ -142,11 +161,16 @@ class DivergenceStop(StepCallback):
 
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._watched, self._scale_before, self._norm = [], None, None
+        self._engine_skips = None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if not self.active:
+            return
+        engine = deepspeed_engine(trainer)
+        if engine is not None:  # it checks the gradients itself: its skips are read after it
+            self._engine_skips = skipped_steps(engine)
             return
         scaler = _grad_scaler(trainer)
         if scaler is not None:
@@ -177,13 +201,24 @@ class DivergenceStop(StepCallback):
         if norm is not None:
             watched.append(norm.detach())
         before, self._scale_before = self._scale_before, None
+        engine_skips, self._engine_skips = self._engine_skips, None
+        engine = deepspeed_engine(trainer) if engine_skips is not None else None
+        skips_after = skipped_steps(engine) if engine is not None else None
+        engine_skipped = skips_after is not None and engine_skips is not None
+        engine_skipped = engine_skipped and skips_after > engine_skips
+        # DeepSpeed fp16: the skip is the scaler's, judged with its scale after the step.
+        fp16 = engine is not None and scales_loss(engine)
+        engine_scale = loss_scale(engine) if fp16 and self.loss_scale_floor > 0 else None
+        if engine_skipped and not fp16 and self.check_grad_norm:
+            # fp32/bf16: the engine skipped the step because its gradient norm was not finite.
+            watched.append(torch.full((), math.inf, device=pl_module.device))
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         gathered = trainer.world_size > 1 and distributed
         bad = _any_not_finite(watched)
         no_target = held_no_target(pl_module)
         if no_target is not None:  # the count is all ranks' already: no reduce of its own
             readout.put(NO_TARGET_KEY, no_target)
-        if before is None and not gathered:  # the common case: one flag, nothing to reduce
+        if before is None and engine_scale is None and not gathered:  # one flag, no reduce
             readout.put(FLAG_KEYS[0], 0.0 if bad is None else bad)
             return
         bad = (
@@ -198,12 +233,19 @@ class DivergenceStop(StepCallback):
             after = after.detach().to(bad.device, torch.float32).reshape(())
             skipped = (after < before.to(bad.device, torch.float32).reshape(())).to(torch.float32)
             scale = after.clone()
+        urgent = False
+        if engine_scale is not None:
+            skipped = torch.full_like(bad, float(engine_skipped))
+            scale = torch.full_like(bad, engine_scale)
+            self._lowest_scale = lowest_loss_scale(engine)
+            # At the lowest scale the engine raises at the next overflow: judge this step now.
+            urgent = engine_skipped and self._at_lowest_scale(engine_scale)
         flags = torch.stack((bad, skipped, scale))
         if gathered:
             # Any rank's bad step stops every rank (the scale is the same on all of them).
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         for key, flag in zip(FLAG_KEYS, flags.unbind(), strict=True):
-            readout.put(key, flag)
+            readout.put(key, flag, now=urgent)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
@@ -256,12 +298,23 @@ class DivergenceStop(StepCallback):
             return
         if self.bad.count >= self.patience:  # a NaN loss also skips steps: that cause is named
             self.diverged_step = self.bad.first
-        elif self.skipped.count >= self.patience and scale < self.loss_scale_floor:
+        elif self.skipped.count >= self.patience and (
+            scale < self.loss_scale_floor or self._at_lowest_scale(scale)
+        ):
             self.diverged_step = self.skipped.first
             self.collapse = (self.skipped.count, scale)
         else:
             return
-        set_stop_reason(trainer, REASON, self.describe())
+        # Non-finite steps: the weights are damaged (NaN), or under DeepSpeed finite but the
+        # ones whose next step is not finite (it skipped those steps): none becomes a checkpoint
+        # that rotates the last good ones away. A collapsed scale's weights are from before it.
+        set_stop_reason(trainer, REASON, self.describe(), save_state=self.collapse is not None)
+
+    def _at_lowest_scale(self, scale: float) -> bool:
+        """DeepSpeed fp16: the scale is at the lowest its scaler goes (it cannot fall below it,
+        so a floor under it would never be crossed). Off with the floor check (0)."""
+        lowest = self._lowest_scale
+        return self.loss_scale_floor > 0 and lowest is not None and scale <= lowest
 
     def describe(self) -> str:
         """One sentence for the end record and the exit message."""
