@@ -19,6 +19,7 @@ import lightning as L
 from nanolab.callbacks.clock import RunClock
 from nanolab.data.order import data_passes, declared_pass_tokens
 from nanolab.estimator.run_length import HOUR_LIMITS, hour_limits, run_length
+from nanolab.model.param_sizes import parameter_numel
 
 
 def _count(n: float) -> str:
@@ -389,7 +390,7 @@ def banner_lines(
     """The banner, one line per fact; a fact that cannot be read is left out, never guessed."""
     lines = [f"nanolab fit: {trainer.default_root_dir}"]
     gpt = getattr(pl_module, "gpt_config", None)
-    params = sum(p.numel() for p in pl_module.parameters())
+    params = sum(parameter_numel(p) for p in pl_module.parameters())
     if gpt is not None:
         lines.append(
             f"  model      {_count(params)} parameters: {_plural(gpt.n_layer, 'layer')} x {gpt.n_embd} wide, "

@@ -50,6 +50,7 @@ from nanolab.callbacks.step import StepCallback, settle_step_values, validation_
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import size_text
 from nanolab.messages import warn
+from nanolab.model.param_sizes import local_values
 from nanolab.runlog import iter_backwards
 
 LAST_NAME = "last.ckpt"
@@ -729,11 +730,12 @@ def _rmtree_in(folder: ClaimedDir, name: str) -> None:
 
 
 def parameters_finite(trainer: L.Trainer) -> bool:
-    """Whether every parameter of the model is finite on every rank (called on all ranks)."""
+    """Whether every parameter of the model is finite on every rank (called on all ranks):
+    each rank checks the values it holds (its shard under FSDP2 and ZeRO-3)."""
     module = trainer.lightning_module
     flags = []
     for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
+        local = local_values(p)
         if local.numel():
             flags.append(torch.isfinite(local.detach()).all())
     finite = bool(torch.stack(flags).all()) if flags else True

@@ -69,6 +69,7 @@ from nanolab.claimed import LeftClaimedDir
 from nanolab.data.order import data_passes
 from nanolab.errors import NanolabError, disk_full, room_left
 from nanolab.messages import warn
+from nanolab.model.param_sizes import parameter_numel
 from nanolab.runlog import (
     RUN_LOG_NAME,
     RunLogWriteError,
@@ -738,7 +739,7 @@ def num_params(pl_module: L.LightningModule) -> int:
     counter = getattr(getattr(pl_module, "model", None), "num_params", None)
     if callable(counter):
         return int(counter())
-    return int(sum(p.numel() for p in pl_module.parameters()))
+    return int(sum(parameter_numel(p) for p in pl_module.parameters()))
 
 
 def global_batch_tokens(trainer: L.Trainer) -> int | None:

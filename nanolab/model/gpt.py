@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nanolab.model import registry
 from nanolab.model.config import ConfigError, GPTConfig
+from nanolab.model.param_sizes import parameter_ndim, parameter_numel
 from nanolab.model.registry import (
     POSITIONS,
     register_attention,
@@ -799,13 +800,14 @@ class GPT(nn.Module):
 
         ``non_embedding=True`` leaves out what only embedding lookups read (the learned
         position embedding and, when the head is not tied, the token embedding), the convention
-        of the scaling-law papers.
+        of the scaling-law papers. Whole parameters, also while ZeRO-3 partitions them
+        (:mod:`nanolab.model.param_sizes`).
         """
-        n = sum(p.numel() for p in self.parameters())
+        n = sum(parameter_numel(p) for p in self.parameters())
         if non_embedding:
             head = self.lm_head.weight
             n -= sum(
-                m.weight.numel()
+                parameter_numel(m.weight)
                 for m in self.modules()
                 if isinstance(m, nn.Embedding) and m.weight is not head
             )
@@ -833,7 +835,8 @@ class GPT(nn.Module):
         """FLOPs per token that gradient checkpointing adds by re-running every block's forward
         in the backward pass: a third of the blocks' training FLOPs (2 per matmul parameter)."""
         T = seq_len if seq_len is not None else self.config.block_size
-        n = sum(p.numel() for p in self.blocks.parameters()) - _vector_numel(self.blocks)
+        n = sum(parameter_numel(p) for p in self.blocks.parameters())
+        n -= _vector_numel(self.blocks)
         return 2 * n + _activation_flops(self.blocks, T) // 3
 
     @torch.no_grad()
@@ -938,7 +941,7 @@ def _vector_numel(root: nn.Module) -> int:
     """Elements of the 1-D parameters under ``root``: biases and norm gains, added or multiplied
     element-wise, which the FLOP convention (and ``torch.utils.flop_counter``) counts no matmul
     FLOPs for. What is left of a model's non-embedding parameters are its matrices."""
-    return sum(p.numel() for p in root.parameters() if p.dim() < 2)
+    return sum(parameter_numel(p) for p in root.parameters() if parameter_ndim(p) < 2)
 
 
 def _activation_flops(root: nn.Module, seq_len: int) -> int:
