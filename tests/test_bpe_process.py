@@ -181,3 +181,40 @@ def test_the_trainer_starts_with_the_stop_signals_held_and_then_ignores_them(tmp
     assert result.returncode == 0, result.stderr[-2000:]
     assert "HELD True True" in result.stderr, result.stderr[-2000:]
     assert result.stdout.split() == ["TRAINED"]
+
+
+def test_an_error_in_the_sample_is_raised_as_itself():
+    """A bad document found while the child is fed (an empty file, a bad JSON line) kills the
+    child; closing its stdin then flushed the buffered last piece into the dead pipe, and that
+    BrokenPipeError replaced the document's error."""
+    from nanolab.errors import NanolabError
+
+    def sample():
+        yield "a short first document, still buffered when the next one fails"
+        raise NanolabError("b.txt: empty document (the file is empty)")
+
+    with pytest.raises(NanolabError, match=r"b\.txt: empty document"):
+        train_bpe(sample(), 300)
+
+
+def test_prepare_bpe_says_a_bad_document_after_230_kb_of_text(tmp_path):
+    """The sizes a user met: 233,612 bytes of text, then an empty file. `prepare` printed
+    nothing and exited 141 (the broken pipe to the trainer read as a reader of stdout gone)."""
+    import gzip
+    from importlib import resources
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    bundled = resources.files("nanolab.data").joinpath("corpus", "shakespeare.txt.gz")
+    with gzip.open(bundled.open("rb")) as f:
+        (corpus / "a.txt").write_bytes(f.read(233_612))
+    (corpus / "b.txt").write_bytes(b"")
+    out = tmp_path / "out"
+    args = ["prepare", str(corpus), "-o", str(out), "--tokenizer", "bpe", "--bpe-vocab-size"]
+    result = _run(f"import sys\nfrom nanolab.cli import main\nsys.exit(main({[*args, '300']}))")
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert result.stderr.strip().splitlines() == [
+        f"nanolab prepare: error: {corpus / 'b.txt'}: empty document (the file is empty); "
+        "remove it or pass --skip-bad"
+    ]
+    assert not out.exists()

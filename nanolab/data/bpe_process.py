@@ -17,6 +17,7 @@ as length-prefixed UTF-8; its answer comes back on its stdout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -74,7 +75,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
             child.kill()
         child.wait()
         for pipe in (child.stdin, child.stdout):
-            pipe.close()
+            _close_quietly(pipe)
     outcome, _, payload = answer.partition(b"\n")
     if outcome == b"ok":
         from tokenizers import Tokenizer as RustTokenizer
@@ -83,6 +84,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     if outcome == b"error":
         raise TokenizerError(f"training the BPE tokenizer failed: {payload.decode()}")
     raise TokenizerError(_lost_child(child.returncode))
+
+
+def _close_quietly(pipe: IO[bytes]) -> None:
+    """Close one of the child's pipes, whose other end may be gone.
+
+    Closing stdin flushes what is still buffered there; after an error in the sample (an empty
+    file, a bad JSON line) the child has been killed, so that flush meets a pipe without a
+    reader. Its BrokenPipeError would replace the error being raised, and the user saw nothing
+    but exit 141; the pipe is closed either way (the buffer's close closes its descriptor even
+    when the flush fails)."""
+    with contextlib.suppress(OSError):
+        pipe.close()
 
 
 def _read_answer(stdout: IO[bytes]) -> bytes:
