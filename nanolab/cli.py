@@ -9,8 +9,10 @@ adding one line there.
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -87,12 +89,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
+def stdout_reader_gone() -> bool:
+    """Whether this process's stdout is a pipe (or socket) whose reader has gone: what a
+    BrokenPipeError means when ``nanolab ... | head`` stops reading, and only then.
+
+    A flush that fails says so (what the reader left unread is still buffered); with nothing
+    buffered, the kernel flags a pipe without a reader as an error to poll (Linux: POLLERR).
+    """
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError):
+        pass  # closed or unusable some other way: not a reader that left
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor, no poll
+        return False
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _pipe_error(args: Sequence[str], err: BrokenPipeError) -> int:
+    """A pipe other than stdout broke inside the verb ``args[0]``: one line naming where (exit
+    1, as an uncaught error), the traceback with ``-v``. It is no fault of the input or of
+    stdout's reader, and never the silent exit 141 of a reader that left."""
+    import traceback
+
+    from nanolab.messages import debug
+
+    prog = f"nanolab {args[0]}" if args else "nanolab"
+    where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" at {os.path.basename(where.filename)}:{where.lineno} in {where.name}" if where else ""
+    debug(prog, "".join(traceback.format_exception(err)).rstrip())
+    print(
+        f"{prog}: error: a pipe to another process closed early ({err}){at}; this is a bug "
+        "of nanolab's (or of the fork's code there): please report it with the command "
+        "(-v shows the traceback)",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def _run(argv: Sequence[str] | None) -> int:
     from nanolab.messages import flag_verbosity, split_verbosity
 
     verbosity, args = split_verbosity(list(sys.argv[1:] if argv is None else argv))
     with flag_verbosity(verbosity):
-        return _dispatch(args)
+        try:
+            return _dispatch(args)
+        except BrokenPipeError as err:
+            if err.errno == errno.EPIPE and stdout_reader_gone():
+                raise  # the reader of stdout has gone: main ends as SIGPIPE would
+            # Another pipe broke (one to a child process): an error like any other, which
+            # ending as SIGPIPE would hide (no message, exit 141, the queue quoting whatever
+            # line came before).
+            return _pipe_error(args, err)
 
 
 def _dispatch(args: list[str]) -> int:
