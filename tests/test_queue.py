@@ -1357,6 +1357,27 @@ def test_a_failed_jobs_long_error_line_is_kept_whole(tmp_path: Path, capsys) -> 
     assert len(outcome(job, 2, t + 100)[1]) == ERROR_LINE_MAX
 
 
+def test_a_failed_job_that_printed_no_error_line_says_so(tmp_path: Path) -> None:
+    """An attempt that exited without a word (a prepare's broken pipe once ended in a silent
+    exit 141) was labelled with the runner's header line, its own command line; and an attempt
+    is never labelled with an earlier attempt's error."""
+    run_dir = tmp_path / "a"
+    run_dir.mkdir()
+    (job,) = QueueDB(tmp_path / "q.db").add_jobs(
+        [NewJob(name="a", config="c", args=[], seed=None, cwd="/", run_dir=str(run_dir))]
+    )
+    log = run_dir / "queue.log"
+    job.log = str(log)
+    header = "=== attempt {} at Mon Dec  7 00:10:01 2026 on slot 0: nanolab fit --config c"
+    log.write_text(f"\n{header.format(1)}\n")
+    assert outcome(job, 141, time.time()) == ("failed", "exited 141 without an error line")
+    line = "nanolab fit: error: data.source: empty document; remove it"
+    log.write_text(f"\n{header.format(1)}\n{line}\n\n{header.format(2)}\n")
+    assert outcome(job, 1, time.time()) == ("failed", "exited 1 without an error line")
+    log.write_text(f"\n{header.format(1)}\n{line}\n")
+    assert outcome(job, 2, time.time()) == ("failed", line)
+
+
 def test_a_job_whose_run_directory_moved_as_it_ran_fails_with_its_own_reason(
     tmp_path: Path,
 ) -> None:

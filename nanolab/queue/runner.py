@@ -710,7 +710,7 @@ class Runner:
         if cap is not None:
             where += ", shared" + (f" (allocator cap {gib(cap)})" if self.gpus else "")
         log_start = run_log_size(job)  # before its process starts: its launch begins there
-        header = f"\n=== attempt {job.attempts} at {time.ctime()} on {where}: {' '.join(cmd)}\n"
+        header = f"\n{ATTEMPT_HEADER}{job.attempts} at {time.ctime()} on {where}: {' '.join(cmd)}\n"
         log.write(header.encode())
         log.flush()
         try:
@@ -1162,7 +1162,7 @@ def outcome(
     error = (end or {}).get("error")
     if error:
         return "failed", _last_line(str(error))
-    return "failed", error_from_log(log or job.log) or f"exit code {code}"
+    return "failed", error_from_log(log or job.log) or f"exited {code} without an error line"
 
 
 #: The verb's prefix on a console error line (``nanolab fit: error: ``), left out of a label.
@@ -1257,8 +1257,17 @@ def gpu_total_memory(
 ERROR_LINE_MAX = 4096
 
 
+#: How the runner's header line of each attempt in a job's log begins (:meth:`Runner._spawn`).
+ATTEMPT_HEADER = "=== attempt "
+
+
 def error_from_log(log: str | IO[bytes] | None, tail_bytes: int = 16384) -> str | None:
-    """The most telling line at the end of a job's log: an ``error:`` line or the exception.
+    """The most telling line at the end of a job's log: an ``error:`` line or the exception,
+    else the last line the attempt printed; None when the last attempt printed nothing.
+
+    Only the last attempt's lines count: the runner's header that opens it is not the job's
+    error (a job that exited without a word was labelled with its own command line), and an
+    earlier attempt's error is not this one's.
 
     ``log``: its path, or a handle open for reading on it. A run whose directory was moved (or
     deleted) while it ran took its log along: only a handle opened before still reads it."""
@@ -1271,6 +1280,8 @@ def error_from_log(log: str | IO[bytes] | None, tail_bytes: int = 16384) -> str 
         return None  # a fifo or a device in its place: nothing to read back
     log.seek(max(0, os.fstat(log.fileno()).st_size - tail_bytes))
     lines = [ln.strip() for ln in log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    headers = [i for i, line in enumerate(lines) if line.startswith(ATTEMPT_HEADER)]
+    lines = lines[headers[-1] + 1 :] if headers else lines
     for line in reversed(lines):
         if "error:" in line.lower() or line.split(":", 1)[0].endswith(("Error", "Exception")):
             return line[:ERROR_LINE_MAX]
