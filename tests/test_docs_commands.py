@@ -113,7 +113,7 @@ PLANS: dict[str, dict[str, str]] = {
         "nanolab estimate --config runs/smoothed/config.yaml --device cpu": elsewhere(
             "test_plugins.py::test_the_forking_pages_classes_work_with_fit_estimate_and_queue"
         ),
-        "nanolab queue add runs/smoothed/config.yaml --name smoothed-again": elsewhere(
+        "nanolab queue add runs/smoothed/config.yaml --name smoothed --seeds 2": elsewhere(
             "test_plugins.py::test_the_forking_pages_classes_work_with_fit_estimate_and_queue"
         ),
         "nanolab fit --config configs/quickstart.yaml --model mylab.models.SmoothedGPT "

@@ -139,7 +139,8 @@ def test_the_forking_pages_classes_work_with_fit_estimate_and_queue(
     from nanolab.queue.db import QueueDB
 
     (job,) = QueueDB(tmp_path / "nanolab_queue.db").jobs()
-    assert job.name == "smoothed-again" and job.devices == 1 and job.max_steps == 6
+    assert job.name == "smoothed-s2" and job.devices == 1 and job.max_steps == 6
+    assert job.seed == 2  # another seed: the same seed again would repeat one sample
 
 
 def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugin, capsys) -> None:

@@ -453,11 +453,29 @@ def test_tokens_axis_reads_in_k_m_b() -> None:
     assert [_tokens_axis(v) for v in (500, 2e4, 1.5e6, 2e9)] == ["500", "20k", "1.5M", "2B"]
 
 
-def test_repeated_seed_in_a_group_is_said_not_to_be_a_spread(tmp_path, capsys) -> None:
-    write_run(tmp_path, "x-a", seed=7, losses=[3.0], vals={1: 2.5})
-    write_run(tmp_path, "x-b", seed=7, losses=[3.0], vals={1: 2.5})
+def test_a_repeated_seed_counts_once_and_leaves_its_group_untested(tmp_path, capsys) -> None:
+    """docs/forking.md's ``queue add runs/smoothed/config.yaml`` once repeated the run's own
+    seed: two runs of one seed, n=2 with zero spread, and a Welch test and a power estimate
+    against another group. One seed is one sample: n=1, "not tested", the repeat named.
+
+    Mutations caught: the repeat counted (a test over a spread of zero); the first run to
+    finish not the one kept."""
+    t0 = time.time() - 1000
+    write_run(tmp_path, "x-a", seed=7, losses=[3.0], vals={1: 2.5}, t0=t0)
+    write_run(tmp_path, "x-b", seed=7, losses=[3.0], vals={1: 2.5}, t0=t0 + 100)
+    write_run(tmp_path, "y-s1", seed=1, lr=0.001, losses=[3.0], vals={1: 2.7}, t0=t0)
+    write_run(tmp_path, "y-s2", seed=2, lr=0.001, losses=[3.0], vals={1: 2.8}, t0=t0)
     code, out, _ = run_report(capsys, str(tmp_path))
-    assert code == 0 and "seed 7 ran more than once in this group" in out
+    assert code == 0
+    assert "(n=1, seeds 7,7: x-a, x-b)" in out
+    assert "left out of the statistics: x-b (seed 7 again, as x-a: counted once)" in out
+    assert "Welch" not in out.split("differences", 1)[1].split("\n", 1)[1], out
+    assert "lr=0.003 vs lr=0.001: not tested, lr=0.003 has 1 usable seed of 2" in out
+    code, out, _ = run_report(capsys, str(tmp_path), "--json")
+    data = json.loads(out)
+    assert data["comparisons"] == []
+    (group,) = [g for g in data["seed_groups"] if g["runs"] == ["x-a", "x-b"]]
+    assert (group["n"], group["val_losses"], group["repeated_seeds"]) == (1, [2.5], [7])
 
 
 def test_compare_prints_the_config_diff_beside_the_results(tmp_path, capsys) -> None:

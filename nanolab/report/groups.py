@@ -36,7 +36,7 @@ class SeedGroup:
     n: int
     mean_val_loss: float | None
     std_val_loss: float | None
-    repeated_seeds: list[int] = field(default_factory=list)  # seeds run twice: not a spread
+    repeated_seeds: list[int] = field(default_factory=list)  # seeds run twice: counted once
     mean_core: float | None = None  # mean centered score in training, over the seeds with one
     std_core: float | None = None
     suite: str | None = None  # the suite of those scores (CORE only when "core")
@@ -436,6 +436,11 @@ def seed_group(members: list[RunSummary], label: str) -> SeedGroup:
     """One group's statistics from the summaries of its runs."""
     left_out = [f"{m.run} ({why})" for m in members if (why := _unusable(m))]
     usable = [m for m in members if not _unusable(m)]
+    again = repeats(usable)
+    left_out += [f"{m.run} (seed {m.seed} again, as {again[m.run]}: counted once)"
+                 for m in usable if m.run in again]  # fmt: skip
+    repeated = sorted({m.seed for m in usable if m.run in again and m.seed is not None})
+    usable = [m for m in usable if m.run not in again]
     at_tokens = common_tokens(usable)
     between = interpolated(usable, at_tokens)
     # A seed whose first validation came after at_tokens has no value there: left out and
@@ -446,7 +451,6 @@ def seed_group(members: list[RunSummary], label: str) -> SeedGroup:
     usable = [m for m, v in at if v is not None]
     losses = [v for _, v in at if v is not None]
     cores = [m.core for m in usable if m.core is not None]
-    seeds = [m.seed for m in usable]
     return SeedGroup(
         label=label,
         runs=[m.run for m in members],
@@ -454,7 +458,7 @@ def seed_group(members: list[RunSummary], label: str) -> SeedGroup:
         n=len(usable),
         mean_val_loss=statistics.fmean(losses) if losses else None,
         std_val_loss=statistics.stdev(losses) if len(losses) >= 2 else None,
-        repeated_seeds=sorted({x for x in seeds if x is not None and seeds.count(x) > 1}),
+        repeated_seeds=repeated,
         mean_core=statistics.fmean(cores) if cores else None,
         std_core=statistics.stdev(cores) if len(cores) >= 2 else None,
         suite=next((m.suite for m in usable if m.core is not None), None),
@@ -479,6 +483,23 @@ def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:
         for n, d in found
         for start in (tail_records(d, "start"),)
     ]
+
+
+def repeats(members: list[RunSummary]) -> dict[str, str]:
+    """Each run of ``members`` (runs of one config) whose seed an earlier one already has, and
+    that run: the same config and seed again is the same sample of the loss, not a second
+    seed, and counted twice it made a spread of zero that a test and a power estimate read as
+    certainty. The first to finish counts."""
+    first: dict[int, str] = {}
+    out = {}
+    for m in sorted(members, key=lambda m: m.updated or 0.0):
+        if m.seed is None:
+            continue
+        if m.seed in first:
+            out[m.run] = first[m.seed]
+        else:
+            first[m.seed] = m.run
+    return out
 
 
 def _unusable(run: RunSummary) -> str | None:
@@ -647,8 +668,11 @@ def _ranked(by_run: dict[str, RunSummary], family: list[SeedGroup]) -> list[Seed
 
 
 def _members(by_run: dict[str, RunSummary], g: SeedGroup) -> list[RunSummary]:
-    """A group's runs that stand for a seed (found, and not :func:`_unusable`)."""
-    return [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+    """A group's runs that stand for a seed (found, not :func:`_unusable`, and not a
+    :func:`repeats` of another)."""
+    usable = [by_run[r] for r in g.runs if r in by_run and not _unusable(by_run[r])]
+    again = repeats(usable)
+    return [m for m in usable if m.run not in again]
 
 
 def _has_and_seeds_to_add(group: SeedGroup) -> tuple[str, str]:

@@ -197,12 +197,6 @@ def format_table(
                     f"    note: left out of the statistics: {', '.join(g.left_out)}; the "
                     f"figures are over the other {g.n} run(s)"
                 )
-            if g.repeated_seeds:
-                twice = ", ".join(map(str, g.repeated_seeds))
-                out.append(
-                    f"    note: seed {twice} ran more than once in this group: those runs "
-                    "repeat each other, their spread is not a seed-to-seed spread"
-                )
     if comparisons or not_compared or not_tested:
         out += ["", "differences (Welch's t-test over seeds, val loss at equal tokens):"]
         reference = ""
