@@ -55,13 +55,16 @@ class ScalingError(NanolabError):
 
 @dataclass
 class ScalingPoint:
-    """One finished run: parameters, tokens trained, final val loss, GPU-hours spent."""
+    """One finished run: parameters, tokens trained, final val loss, device-hours spent (and
+    the device: ``accelerator`` as its start record names it, CPUAccelerator or
+    CUDAAccelerator, None where unknown)."""
 
     run: str
     n: float
     d: float
     loss: float
     gpu_hours: float | None = None
+    accelerator: str | None = None
 
 
 @dataclass
@@ -328,33 +331,36 @@ def optimum_band(samples: np.ndarray, flops: float) -> dict[str, tuple[float, fl
 
 
 def flops_per_gpu_hour(points: list[ScalingPoint]) -> float | None:
-    """Median ``6 N D / GPU-hours`` over runs that logged GPU-hours: the rate this hardware
-    delivered on these runs."""
+    """Median ``6 N D / device-hours`` over runs that logged their hours: the rate this
+    hardware delivered on these runs (per CPU-hour where they ran on CPUs)."""
     rates = [6.0 * p.n * p.d / p.gpu_hours for p in points if p.gpu_hours and p.gpu_hours > 0]
     return float(np.median(rates)) if rates else None
 
 
 # -- runs -> points, and the report's text ---------------------------------------------------
-def points_from_runs(found: list[tuple[str, object]]) -> tuple[list[ScalingPoint], list[str]]:
+def points_from_runs(
+    found: list[tuple[str, object]],
+) -> tuple[list[ScalingPoint], list[tuple[str, str]]]:
     """One point per run that completed its schedule with a final val loss and a logged
-    parameter count; the others are named with why they were left out."""
+    parameter count; the others as ``(run, why it was left out)``."""
     from nanolab.runs import summarize_run, tail_records
 
     points, left_out = [], []
     for name, run_dir in found:
         s = summarize_run(name, run_dir)
         if s.status != "completed":
-            left_out.append(f"{name} ({s.status})")
+            left_out.append((name, s.status))
             continue
         starts = tail_records(run_dir, "start")
         n = starts[-1].get("num_params") if starts else None
         if not isinstance(n, (int, float)) or isinstance(n, bool) or n <= 0:
-            left_out.append(f"{name} (no num_params in its start record)")
+            left_out.append((name, "no num_params in its start record"))
             continue
         if not s.final_val_loss or not s.tokens:
-            left_out.append(f"{name} (no final val loss or tokens)")
+            left_out.append((name, "no final val loss or tokens"))
             continue
-        points.append(ScalingPoint(name, float(n), float(s.tokens), s.final_val_loss, s.gpu_hours))
+        points.append(ScalingPoint(name, float(n), float(s.tokens), s.final_val_loss,
+                                   s.gpu_hours, s.accelerator))  # fmt: skip
     return points, left_out
 
 
@@ -412,9 +418,13 @@ def scaling_report(
         flops = gpu_hours * rate
         n, d, loss = law.optimum(flops)
         band = optimum_band(samples, flops)
+        from nanolab.runs import hours_label
+
+        # The hours are the runs' own devices': on CPUs the budget is CPU-hours at a CPU's rate.
+        unit = hours_label([p.accelerator for p in points if p.gpu_hours and p.gpu_hours > 0])
         out.append(
-            f"  {gpu_hours:g} GPU-h = {flops:.3g} FLOPs (6*N*D at {rate:.3g} per GPU-h: the median "
-            "rate these runs logged; larger models usually run faster per FLOP)"
+            f"  {gpu_hours:g} {unit} = {flops:.3g} FLOPs (6*N*D at {rate:.3g} per {unit}: the "
+            "median rate these runs logged; larger models usually run faster per FLOP)"
         )
         if not math.isfinite(n):
             out.append("  no compute-optimal size: a fitted exponent or coefficient is <= 0")
@@ -425,6 +435,6 @@ def scaling_report(
                 f"D = {_si(d)} [{_si(bd[0])}, {_si(bd[1])}] tokens ({d / n:.3g} tokens per "
                 f"parameter), loss {loss:.4f} [{bl[0]:.4f}, {bl[1]:.4f}]"
             )
-        data["budget"] = {"gpu_hours": gpu_hours, "flops_per_gpu_hour": rate, "flops": flops,
-                          "n": n, "d": d, "loss": loss, "band": band}  # fmt: skip
+        data["budget"] = {"gpu_hours": gpu_hours, "hours": unit, "flops_per_gpu_hour": rate,
+                          "flops": flops, "n": n, "d": d, "loss": loss, "band": band}  # fmt: skip
     return "\n".join(out), data

@@ -159,19 +159,23 @@ def test_a_fit_started_above_a_missing_floor_ends_at_the_floor_zero() -> None:
 
 
 def _write_run(
-    root: Path, name: str, n: float, d: float, loss: float, *, done: bool = True, data=None
-):
+    root: Path, name: str, n: float, d: float, loss: float, *, done: bool = True, data=None,
+    seed: int = 1, optimizer: str = "adamw", precision: str = "bf16-mixed",
+    accelerator: str = "CUDAAccelerator",
+):  # fmt: skip
     """A finished run's log: start (num_params), train records with tokens and GPU-hours, a
     final val loss, and the end record."""
     run = root / name
     run.mkdir(parents=True)
     steps = 100
     per_step = d / steps
-    config = {"seed_everything": 1, "trainer": {"max_steps": steps}, "run": {"name": name},
-              "model": {"gpt": {"n_embd": int(n) % 997}}}  # fmt: skip
+    config = {"seed_everything": seed, "run": {"name": name},
+              "trainer": {"max_steps": steps, "precision": precision},
+              "model": {"gpt": {"n_embd": int(n) % 997}, "optimizer": {"name": optimizer}}}  # fmt: skip
     if data is not None:
         config["data"] = {"dataset_dir": data}
-    lines = [{"event": "start", "time": 0.0, "step": 0, "num_params": int(n), "config": config}]
+    lines = [{"event": "start", "time": 0.0, "step": 0, "num_params": int(n), "config": config,
+              "accelerator": accelerator}]  # fmt: skip
     for step in (50, 100):
         tokens = int(per_step * step)
         lines.append({"event": "train", "time": float(step), "step": step, "tokens": tokens,
@@ -247,10 +251,79 @@ def test_scaling_fits_the_runs_of_one_dataset_and_says_what_it_left_out(tmp_path
         "bpe0 (other data or vocabulary)", "bpe1 (other data or vocabulary)", "live (crashed)",
     ]  # fmt: skip
     assert main([str(tmp_path), "--scaling"]) == 0
-    assert "left out: live (crashed), bpe0 (other data" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "\n  left out 1 run (crashed): live\n" in out
+    assert "\n  left out 2 runs (other data or vocabulary): bpe0, bpe1\n" in out
     assert main([str(tmp_path), "--scaling", "--run", "bpe0", "--run", "n1e+06-d1e+08"]) == 2
     err = capsys.readouterr().err
     assert "error: --scaling: the runs --run selects were trained on 2 different" in err
+
+
+def test_scaling_fits_one_recipe_and_counts_a_repeated_seed_once(tmp_path, capsys):
+    """Beside the AdamW sweep: a fork's Lion runs, an fp32 debug run and a repeat of one run
+    with its seed. One law was fitted through all of them (17 points, the repeat twice); it is
+    fitted to the sweep's 12, and each reason for leaving runs out is one line with its count.
+
+    Mutations caught: other optimizers or precisions fitted; the repeat counted twice; the
+    reasons listed run by run."""
+    _sweep(tmp_path)
+    for i, n in enumerate((2e6, 2e7, 2e8)):
+        _write_run(tmp_path, f"lion{i}", n, 1e9, 3.0, optimizer="lion")
+    _write_run(tmp_path, "debug", 1e6, 1e8, 9.0, precision="32-true")
+    _write_run(tmp_path, "again", 1e6, 1e8, 8.0)  # n1e+06-d1e+08 repeated, seed 1, later:
+    log = tmp_path / "again" / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    log.write_text("".join(json.dumps({**r, "time": r["time"] + 1e3}) + "\n" for r in records))
+    assert main([str(tmp_path), "--scaling", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["scaling"]
+    assert sorted(p["run"] for p in data["runs"]) == sorted(
+        f"n{n:.0e}-d{d:.0e}" for n in SIZES for d in TOKENS
+    )
+    assert data["recipe"] == {
+        "model.class_path": "nanolab.training.module.GPTLightningModule",
+        "model.optimizer.name": "adamw",
+        "trainer.precision": "bf16-mixed",
+    }
+    assert main([str(tmp_path), "--scaling"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("leave-one-out") :].splitlines()[1:]
+    assert lines == [
+        "  left out 1 run (same config and seed as n1e+06-d1e+08: counted once): again",
+        "  left out 1 run (another recipe: trainer.precision 32-true, fitted bf16-mixed): debug",
+        "  left out 3 runs (another recipe: model.optimizer.name lion, fitted adamw): lion0, "
+        "lion1, lion2",
+    ]
+
+
+def test_scaling_refuses_runs_of_two_recipes_too_few_each_naming_what_differs(tmp_path, capsys):
+    """Two recipes, neither with runs of three sizes: one line that says which keys set the
+    left-out runs apart (not a fit through both)."""
+    for n in SIZES[:2]:
+        for d in TOKENS:
+            _write_run(tmp_path, f"a{n:.0e}-{d:.0e}", n, d, law_loss(n, d))
+            _write_run(tmp_path, f"b{n * 3:.0e}-{d:.0e}", n * 3, d, 5.0, optimizer="lion")
+    assert main([str(tmp_path), "--scaling"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "nanolab report: error: --scaling: 2 distinct model size(s) among 6 finished run(s); a "
+        "scaling fit needs runs of at least 3 sizes (vary model.gpt.n_layer / n_embd) (6 run(s) "
+        "of other recipes left out, differing in model.optimizer.name: a law is fitted to one "
+        "recipe's sweep)"
+    )
+
+
+def test_the_budget_of_cpu_runs_is_said_in_cpu_hours(tmp_path, capsys):
+    """Runs that trained on CPUs logged CPU-hours: ``--gpu-hours 100`` is 100 CPU-hours at
+    their rate, and the line says so (it said GPU-h)."""
+    rng = np.random.default_rng(1)
+    for n in SIZES:
+        for d in TOKENS:
+            loss = law_loss(n, d) * math.exp(rng.normal(0, 0.003))
+            _write_run(tmp_path, f"n{n:.0e}-d{d:.0e}", n, d, loss, accelerator="CPUAccelerator")
+    assert main([str(tmp_path), "--scaling", "--gpu-hours", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "  100 CPU-h = 1e+17 FLOPs (6*N*D at 1e+15 per CPU-h: the median rate" in out
+    assert "GPU-h" not in out
 
 
 @pytest.mark.parametrize(

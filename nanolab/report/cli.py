@@ -216,13 +216,15 @@ def _scaling(
 
     One law is fitted to runs of one dataset and vocabulary only (a loss over 65 characters and
     one over 50k tokens are different quantities): without ``--run``, the newest run's, as
-    ``--plot`` picks; a ``--run`` selection that spans several is refused. The runs left out,
-    and why, are listed under the fit."""
+    ``--plot`` picks; a ``--run`` selection that spans several is refused. Of those, the runs
+    of one recipe, each config and seed once (:mod:`nanolab.report.scaling`). The runs left
+    out, and why, are listed under the fit, one line per reason."""
     if not args.scaling and args.gpu_hours is None:
         return None, None
     if args.gpu_hours is not None and not (math.isfinite(args.gpu_hours) and args.gpu_hours > 0):
         raise ReportError(f"--gpu-hours {args.gpu_hours}: give a positive number, e.g. 100")
     from nanolab.report.plot import default_plot_selection
+    from nanolab.report.scaling import left_out_lines, runs_of, select
     from nanolab.scaling_fit import ScalingError, points_from_runs, scaling_report
 
     if args.run:
@@ -236,19 +238,27 @@ def _scaling(
         kept = {s.run for s in summaries}
     else:
         kept = {s.run for s in default_plot_selection(summaries)[0]}
-    other_data = [f"{name} (other data or vocabulary)" for name, _ in selected if name not in kept]
-    points, left_out = points_from_runs([(n, d) for n, d in selected if n in kept])
+    other_data = [(name, "other data or vocabulary") for name, _ in selected if name not in kept]
+    points, left_out = points_from_runs(runs_of(selected, kept))
+    with_points = {p.run for p in points}
+    chosen = select([s for s in summaries if s.run in with_points])
+    points = [p for p in points if p.run in set(chosen.runs)]
+    skipped = left_out + chosen.left_out + other_data
     try:
         text, data = scaling_report(points, args.gpu_hours)
     except ScalingError as err:
-        raise ReportError(f"--scaling: {err}") from None
-    skipped = left_out + other_data
-    if skipped:
-        shown = ", ".join(skipped[:8]) + (
-            f", and {len(skipped) - 8} more" if len(skipped) > 8 else ""
+        others = sum(why.startswith("another recipe") for _, why in chosen.left_out)
+        apart = (
+            f" ({others} run(s) of other recipes left out, differing in "
+            f"{', '.join(chosen.other_recipes)}: a law is fitted to one recipe's sweep)"
+            if others and chosen.other_recipes
+            else ""
         )
-        text += f"\n  left out: {shown}"
-        data = {**data, "left_out": skipped}
+        raise ReportError(f"--scaling: {err}{apart}") from None
+    data = {**data, "recipe": chosen.recipe}
+    if skipped:
+        text += "".join(f"\n  {line}" for line in left_out_lines(skipped))
+        data["left_out"] = [f"{name} ({why})" for name, why in skipped]
     return text, data
 
 
