@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shlex
 import shutil
@@ -298,8 +299,92 @@ def _trained_by(run_dir: Path, step: Any) -> dict[str, Any]:
         return next(starts, None) or {}
 
 
-def _run_facts(source: Path, step: Any) -> dict[str, Any]:
-    """What the run that wrote checkpoint ``source`` logged: the start record (config, argv)
+def _callback_state(ckpt: dict[str, Any], name: str) -> dict[str, Any]:
+    """The state callback ``name`` saved in the checkpoint (Lightning keys it by the class's
+    name, with a suffix when the callback has a state key); empty when it saved none."""
+    callbacks = ckpt.get("callbacks")
+    if isinstance(callbacks, dict):
+        for key, state in callbacks.items():
+            if str(key).split("{")[0] == name and isinstance(state, dict):
+                return state
+    return {}
+
+
+#: The metric the run log writes as ``val_loss``: the one stored validations must be of.
+VAL_LOSS_METRIC = "val/loss"
+
+
+def _stored_vals(ckpt: dict[str, Any]) -> dict[int, float]:
+    """Training's validation losses by step as the checkpoint stores them (the checkpoint
+    rotation's record and the cost budget's history): those of the timeline that made it. A
+    state that does not say it holds ``val/loss`` (``monitor`` set to another metric, or a
+    checkpoint from before states named theirs) is not read."""
+    budget = _callback_state(ckpt, "CostBudget")
+    rotation = _callback_state(ckpt, "RotatingCheckpoint")
+    vals: dict[int, float] = {}
+    if budget.get("monitor") == VAL_LOSS_METRIC:
+        for entry in budget.get("history") or ():
+            if isinstance(entry, (list, tuple)) and len(entry) == 3:
+                vals[int(entry[0])] = float(entry[2])
+    if rotation.get("monitor") == VAL_LOSS_METRIC:
+        for at, value in (rotation.get("val_by_step") or {}).items():
+            vals[int(at)] = float(value)
+    return vals
+
+
+def _stored_val(ckpt: dict[str, Any], step: Any) -> tuple[int, float] | None:
+    """(step, loss) of the newest validation the checkpoint stores at or before ``step``."""
+    known = isinstance(step, int) and not isinstance(step, bool)
+    vals = {s: v for s, v in _stored_vals(ckpt).items() if not known or s <= step}
+    return (at := max(vals), vals[at]) if vals else None
+
+
+def _stored_datasets(ckpt: dict[str, Any]) -> list[str]:
+    """The prepared data folders in the data fingerprint the checkpoint's DataModule stored
+    (whatever the class's name)."""
+    for value in ckpt.values():
+        if isinstance(value, dict) and isinstance(value.get("data_fingerprint"), dict):
+            parts = value["data_fingerprint"].get("datasets") or []
+            return [str(d["path"]) for d in parts if isinstance(d, dict) and d.get("path")]
+    return []
+
+
+def _why_no_log(run_dir: str | None, run_id: str | None) -> str:
+    """Why the run folder the checkpoint records cannot be read for the card (its log is gone,
+    or names another run now)."""
+    if run_dir is None:
+        return "the checkpoint records no run folder"
+    from nanolab.runlog import RUN_LOG_NAME, owner_of_log
+
+    log = Path(run_dir) / RUN_LOG_NAME
+    if not Path(run_dir).is_dir():
+        return "that folder is gone (moved or deleted)"
+    if not log.is_file():
+        return f"that folder has no {RUN_LOG_NAME}"
+    owner = owner_of_log(log)
+    return f"its {RUN_LOG_NAME} names {'no run' if owner is None else f'run {owner}'} now"
+
+
+def _log_of(source: Path, ckpt: dict[str, Any]) -> tuple[Path | None, str | None]:
+    """(the run folder whose log the card reads, None when it reads none; how it was found:
+    None for the folder the file sits in). A file in ``<run>/checkpoints/`` is that run's; one
+    copied out of it is read against the folder it records, while that folder's log still
+    names the run the checkpoint is of."""
+    from nanolab.runlog import RUN_LOG_NAME, owner_of_log
+
+    if source.parent.name == "checkpoints":
+        held = source.parent.parent
+        return (held, None) if (held / RUN_LOG_NAME).is_file() else (None, None)
+    from nanolab.training.resume import run_of_checkpoint
+
+    run_id, run_dir = run_of_checkpoint(ckpt)
+    if run_id is None or run_dir is None or owner_of_log(Path(run_dir) / RUN_LOG_NAME) != run_id:
+        return None, None
+    return Path(run_dir), "recorded"
+
+
+def _run_facts(run_dir: Path, step: Any) -> dict[str, Any]:
+    """What run ``run_dir`` logged of its checkpoint of ``step``: the start record (config, argv)
     of the launch that trained it; training's own validation at the checkpoint's step (the
     last one before it, failing that); and the newest ``nanolab validate`` of this very step.
 
@@ -317,9 +402,6 @@ def _run_facts(source: Path, step: Any) -> dict[str, Any]:
     from nanolab.runlog import RUN_LOG_NAME, event_marks, iter_numbered, written_in_training
     from nanolab.runs import iter_timeline, launch_that_saved, record_problem
 
-    if source.parent.name != "checkpoints":
-        return {}
-    run_dir = source.parent.parent
     known = isinstance(step, int) and not isinstance(step, bool)
     launch = launch_that_saved(run_dir, step) if known else None
     trained = None  # the newest copy of the highest step (a resume redoes the later steps)
@@ -356,14 +438,21 @@ def _validated_text(record: dict[str, Any]) -> str:
 def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: str | None) -> str:
     """The export's README.md: what the weights are (architecture, data, tokenizer), how far they
     were trained (steps, tokens, val loss and bits per byte from the run's log) and the
-    commands that trained and exported them, so a folder found later explains itself."""
+    commands that trained and exported them, so a folder found later explains itself.
+
+    The run's log is the one of the folder the file sits in (``<run>/checkpoints/``) or, for a
+    file copied out of it, of the run folder the checkpoint records. Without a log that is this
+    checkpoint's (gone, another run's now, or of a timeline the run trained again after this
+    save), the card says so and shows what the checkpoint itself stores."""
     step = ckpt.get("global_step")
-    facts = _run_facts(source, step)
+    run_dir, found = _log_of(source, ckpt)
+    facts = _run_facts(run_dir, step) if run_dir is not None else {}
+    why_not = _not_its_log(ckpt, facts.get("val"), step) if facts else None
+    if not facts or why_not is not None:
+        return _card_from_checkpoint(ckpt, config, source, command, why_not)
     start, val = facts.get("start") or {}, facts.get("val")
     run_config = start.get("config") if isinstance(start.get("config"), dict) else {}
     data = (run_config.get("data") or {}).get("init_args") or run_config.get("data") or {}
-    meta = ckpt.get("nanolab") or {}
-    tokenizer = meta.get("tokenizer") or {}
 
     def shown(value: Any, fmt: str = "") -> str:
         return "not logged" if value is None else format(value, fmt)
@@ -372,9 +461,10 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
     # each row read there, the tokens too.
     at = f" (step {val['step']})" if val and val.get("step") != step else ""
     validated = facts.get("validated")
+    copied = " (recorded in the checkpoint; this file was copied out of its checkpoints/)"
     rows = [
         ("checkpoint", f"`{source}`"),
-        ("run", f"`{facts['run_dir']}`" if facts.get("run_dir") else "not known (a loose file)"),
+        ("run", f"`{run_dir}`" + (copied if found else "")),
         ("steps", shown(step)),
         ("tokens", shown((val or {}).get("tokens"), ",") + at),
         ("val loss", shown((val or {}).get("val_loss"), ".4f") + at),
@@ -382,15 +472,116 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
         *([("val loss, nanolab validate", _validated_text(validated))] if validated else []),
         ("data", ", ".join(f"{k}: `{json.dumps(data[k])}`"
                            for k in ("dataset_dir", "source", "datasets") if data.get(k)) or "not logged"),
-        ("tokenizer", f"{tokenizer.get('name', 'not stored')}, vocabulary {config.vocab_size}"),
+        _tokenizer_row(ckpt, config),
         ("trained with", f"`{c}`" if (c := _command(start.get("argv"))) else "not logged"),
-        ("exported with", f"`{command}`" if command else "nanolab export"),
+        _exported_row(command),
     ]  # fmt: skip
-    lines = [
-        f"# {source.parent.parent.name if facts else source.stem}",
-        "",
+    intro = (
         "A GPT language model trained with nanolab. The figures below are read from the",
         "checkpoint and from the run log (`metrics.jsonl`) of the run that wrote it.",
+    )
+    section = ("The run's config", run_config) if run_config else None
+    return _card_text(run_dir.name, intro, rows, config, section)
+
+
+def _not_its_log(ckpt: dict[str, Any], val: dict[str, Any] | None, step: Any) -> str | None:
+    """Why the run log's validation is not this checkpoint's, or None: the newest validation
+    the checkpoint stores up to its step is not the log's (the run was resumed from an earlier
+    step after this file was saved, and trained those steps again). A checkpoint that stores
+    none is taken at the log's word."""
+    stored = _stored_val(ckpt, step)
+    if stored is None:
+        return None
+    at, loss = stored
+    logged = (val or {}).get("val_loss")
+    if not val or not isinstance(logged, (int, float)):
+        return f"its log holds no validation of step {at}, which this checkpoint stores"
+    if val.get("step") == at and math.isclose(loss, logged, rel_tol=1e-6):
+        return None
+    return (
+        f"its log's validation up to step {step} is step {val.get('step')}'s {logged:.4f}, this "
+        f"checkpoint's is step {at}'s {loss:.4f}: the run trained those steps again after this "
+        "file was saved"
+    )
+
+
+def _card_from_checkpoint(
+    ckpt: dict[str, Any], config: GPTConfig, source: Path, command: str | None, why: str | None
+) -> str:
+    """The card of a checkpoint whose run log cannot be read (``why``, else found out here):
+    its figures are what the checkpoint stores (steps, tokens, training's validation loss, the
+    data folders, the optimizer and schedule), each said to come from it; what only the log has
+    (bits per byte, the fit command, the whole config) is said to be there."""
+    from nanolab.training.resume import run_of_checkpoint
+
+    step = ckpt.get("global_step")
+    run_id, run_dir = run_of_checkpoint(ckpt)
+    if run_dir is None and source.parent.name == "checkpoints":  # saved before runs recorded it
+        run_dir = str(source.parent.parent)
+    why = why or _why_no_log(run_dir, run_id)
+    in_ckpt, only_log = (
+        "(stored in the checkpoint)",
+        "not in the checkpoint (only the run's log has it)",
+    )
+    run = (
+        f"`{run_dir}`{f' (run {run_id})' if run_id else ''}, recorded in the checkpoint; {why}"
+        if run_dir is not None
+        else "not recorded in the checkpoint (a loose file)"
+    )
+    tokens = _callback_state(ckpt, "RunClock").get("tokens")
+    val = _stored_val(ckpt, step)
+    at = f" (step {val[0]})" if val and val[0] != step else ""
+    datasets = _stored_datasets(ckpt)
+    rows = [
+        ("checkpoint", f"`{source}`"),
+        ("run", run),
+        ("steps", "not stored" if step is None else str(step)),
+        ("tokens", f"{tokens:,} {in_ckpt}" if isinstance(tokens, int) else only_log),
+        ("val loss", f"{val[1]:.4f}{at} {in_ckpt}" if val else only_log),
+        ("val bits per byte", only_log),
+        ("data", ", ".join(f"`{d}`" for d in datasets) + f" {in_ckpt}" if datasets else only_log),
+        _tokenizer_row(ckpt, config),
+        ("trained with", only_log),
+        _exported_row(command),
+    ]
+    intro = (
+        "A GPT language model trained with nanolab. The figures below are read from the",
+        "checkpoint alone: the run log (`metrics.jsonl`) of the run that wrote it is not read",
+        "(the run row says why).",
+    )
+    meta = ckpt.get("nanolab") or {}
+    stored = {k: meta[k] for k in SETUP_STORED if meta.get(k) is not None}
+    section = ("The training setup the checkpoint stores", stored) if stored else None
+    return _card_text(Path(run_dir).name if run_dir else source.stem, intro, rows, config, section)
+
+
+#: What of the run's config a checkpoint stores (``ckpt["nanolab"]``), shown on a card made
+#: without the run's log.
+SETUP_STORED = ("optimizer", "schedule", "freeze", "seed_everything", "precision", "layout")
+
+
+def _tokenizer_row(ckpt: dict[str, Any], config: GPTConfig) -> tuple[str, str]:
+    tokenizer = (ckpt.get("nanolab") or {}).get("tokenizer") or {}
+    return "tokenizer", f"{tokenizer.get('name', 'not stored')}, vocabulary {config.vocab_size}"
+
+
+def _exported_row(command: str | None) -> tuple[str, str]:
+    return "exported with", f"`{command}`" if command else "nanolab export"
+
+
+def _card_text(
+    title: str,
+    intro: Sequence[str],
+    rows: Sequence[tuple[str, str]],
+    config: GPTConfig,
+    section: tuple[str, dict[str, Any]] | None,
+) -> str:
+    """The card's Markdown: title, intro, the table of ``rows``, the architecture and
+    ``section`` (a heading and the config it shows)."""
+    lines = [
+        f"# {title}",
+        "",
+        *intro,
         "",
         "| | |",
         "|---|---|",
@@ -402,9 +593,10 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
         json.dumps(asdict(config), indent=2),
         "```",
     ]
-    if run_config:
-        lines += ["", "## The run's config", "", "```json",
-                  json.dumps(run_config, indent=2, default=str), "```"]  # fmt: skip
+    if section is not None:
+        heading, content = section
+        lines += ["", f"## {heading}", "", "```json",
+                  json.dumps(content, indent=2, default=str), "```"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -346,6 +346,14 @@ def names_run(record: dict[str, Any]) -> bool:
     return record.get("event") in OWNER_EVENTS and bool(record.get("run_id"))
 
 
+def owner_of_log(log_path: str | os.PathLike[str]) -> str | None:
+    """The run id the run log names last: its ``start`` record, or the ``log_recreated`` record
+    a run writes when its log was deleted under it (None: no record names one, no log)."""
+    with contextlib.closing(iter_backwards(log_path, OWNER_EVENTS, where=names_run)) as newest:
+        record = next(newest, None)
+    return None if record is None else str(record["run_id"])
+
+
 def is_nanolab_run(folder: str | os.PathLike[str]) -> bool:
     """Whether ``folder`` is a run nanolab wrote: its log opens with a record naming its run (a
     ``start``, or the ``log_recreated`` a live run starts its log again with when it was

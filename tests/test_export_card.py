@@ -118,3 +118,99 @@ def test_the_card_reads_the_timeline_that_trained_the_checkpoint(
     assert f"| tokens | {at_5['tokens']:,} (step 5) |" in card
     assert "nanolab validate" not in card  # it scored the first timeline's step-6 file
     assert '"eval_every_steps": 5' in card  # the config of the launch that trained it
+
+
+def test_a_checkpoint_copied_out_of_its_run_still_has_its_runs_card(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """``cp runs/x/checkpoints/step-6.ckpt keep.ckpt; nanolab export --ckpt keep.ckpt`` wrote
+    "run: not known (a loose file)" and "not logged" on every row, under an intro saying the
+    figures were read from the run's log. The checkpoint records its run folder and id: while
+    that folder's log is still the run's, and still the timeline that made the copy, the card
+    reads it; once the run trained those steps again, or the folder is gone, the card shows
+    what the checkpoint itself stores, each figure said to come from it, and says why."""
+    import shutil
+
+    from conftest import nanolab_here, tiny_overrides, write_config
+
+    cfg = write_config(
+        tmp_path / "t.yaml",
+        tiny_overrides(char_dataset, tmp_path / "runs", checkpoint__every_n_steps=2,
+                       checkpoint__keep_last=10, run__eval_every_steps=2),
+    )  # fmt: skip
+    run = tmp_path / "runs" / "tiny"
+    fit = nanolab_here("fit", "--config", str(cfg), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    keep = tmp_path / "keep.ckpt"
+    shutil.copy(run / "checkpoints" / "step-00000006.ckpt", keep)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    at_6 = next(r for r in records if r["event"] == "val" and r["step"] == 6)
+
+    def card(name: str) -> str:
+        done = nanolab_here("export", "--ckpt", str(keep), "--format", "safetensors",
+                            "-o", str(tmp_path / name), cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return (tmp_path / name / "README.md").read_text()
+
+    read = card("read")
+    assert read.startswith("# tiny\n") and "not known" not in read, read
+    assert f"| run | `{run}` (recorded in the checkpoint; this file was copied out" in read
+    assert f"| val loss | {at_6['val_loss']:.4f} |" in read
+    assert f"| val bits per byte | {at_6['val_bpb']:.4f} |" in read
+    assert f"| tokens | {at_6['tokens']:,} |" in read and "## The run's config" in read
+
+    # resumed from step 4 to 8: step 6 trained again, validated at 5 only (the copy at 6)
+    again = nanolab_here("fit", "--config", str(cfg), "--run.resume",
+                         str(run / "checkpoints" / "step-00000004.ckpt"),
+                         "--run.eval_every_steps", "5", "--trainer.max_steps", "8",
+                         cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    own = card("own")
+    assert "read from the\ncheckpoint alone" in own, own
+    assert "the run trained those steps again after this file was saved" in own
+    assert f"| val loss | {at_6['val_loss']:.4f} (stored in the checkpoint) |" in own
+    assert f"| tokens | {at_6['tokens']:,} (stored in the checkpoint) |" in own
+    assert "| val bits per byte | not in the checkpoint (only the run's log has it) |" in own
+    assert f"| data | `{char_dataset}` (stored in the checkpoint) |" in own
+    assert "## The training setup the checkpoint stores" in own and '"lr": 0.0006' in own
+
+    shutil.move(run, tmp_path / "elsewhere")
+    gone = card("gone")
+    assert gone.startswith("# tiny\n") and "that folder is gone (moved or deleted)" in gone
+    assert f"| val loss | {at_6['val_loss']:.4f} (stored in the checkpoint) |" in gone
+
+
+def test_a_card_without_the_runs_log_says_why_and_reads_only_val_loss(tmp_path: Path) -> None:
+    """A copied checkpoint whose folder now holds another run, one that records no run at all,
+    and one whose stored validations rank another metric (``checkpoint.monitor: val/bpb``):
+    the card says which, and never shows another metric as the val loss."""
+    from nanolab.export import model_card
+    from nanolab.model import GPTConfig
+
+    run = tmp_path / "runs" / "poems"
+    run.mkdir(parents=True)
+    start = {"event": "start", "time": 1.0, "step": 0, "run_id": "new1", "config": {}}
+    (run / "metrics.jsonl").write_text(json.dumps(start) + "\n")
+    ckpt = {
+        "global_step": 40,
+        "nanolab": {"tokenizer": {"name": "chars"}, "seed_everything": 7},
+        "callbacks": {
+            "MetricsLog": {"run_id": "old0", "run_dir": str(run)},
+            "RotatingCheckpoint": {"val_by_step": {"30": 1.25}, "monitor": "val/loss"},
+            "RunClock": {"tokens": 5120},
+        },
+    }
+    source = tmp_path / "keep.ckpt"
+    card = model_card(ckpt, GPTConfig(vocab_size=65), source, None)
+    assert f"| run | `{run}` (run old0), recorded in the checkpoint; its metrics.jsonl names run new1 now |" in card, card  # fmt: skip
+    assert "| val loss | 1.2500 (step 30) (stored in the checkpoint) |" in card
+    assert "| tokens | 5,120 (stored in the checkpoint) |" in card
+    assert '"seed_everything": 7' in card
+
+    bpb = {**ckpt, "callbacks": {**ckpt["callbacks"], "RotatingCheckpoint": {
+        "val_by_step": {"30": 1.8}, "monitor": "val/bpb"}}}  # fmt: skip
+    assert "| val loss | not in the checkpoint" in model_card(bpb, GPTConfig(), source, None)
+
+    loose = model_card({"global_step": 3, "nanolab": {}}, GPTConfig(), source, None)
+    assert loose.startswith("# keep\n")
+    assert "| run | not recorded in the checkpoint (a loose file) |" in loose

@@ -631,6 +631,7 @@ class CostBudget(StepCallback):
             "spent": spent,
             "decided": self.decided,
             "per_step": dict(self.last_per_step),
+            "monitor": self.monitor,  # what history holds (an export's card reads val/loss)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -606,6 +606,9 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         return {
             "val_by_step": {str(k): v for k, v in self.val_by_step.items()},
             "last_saved_step": self.last_saved_step,
+            # What val_by_step holds: an export's model card reads it as the validation loss
+            # only when it is ``val/loss``.
+            "monitor": self.monitor,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ from nanolab.runlog import (
     iter_numbered,
     last_record,
     names_run,
+    owner_of_log,
     run_dir_holding,
 )
 from nanolab.runs import foreign_config
@@ -421,12 +422,6 @@ def continues_fork(
         return os.path.samefile(origin, checkpoint)
     except OSError:
         return False
-
-
-def owner_of_log(log_path: Path) -> str | None:
-    """The run id the run log names last: its ``start`` record, or the ``log_recreated`` record
-    a run writes when its log was deleted under it (None: no record names one)."""
-    return _last_start_and_owner(log_path)[1]
 
 
 def _last_start_and_owner(log_path: Path) -> tuple[dict[str, Any] | None, str | None]:

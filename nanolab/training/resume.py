@@ -207,7 +207,7 @@ def _inspect_file(cand: Candidate, source: Path, training: bool) -> Candidate:
     # A copy: the section's tensors (the RNG streams) are views of the memory-mapped file, and
     # keeping one alive keeps the whole file mapped, so a rotation deleting it frees no space.
     cand.nanolab = _detached(section) if isinstance(section, dict) else None
-    cand.run_id, cand.run_dir = _run_of(ckpt)
+    cand.run_id, cand.run_dir = run_of_checkpoint(ckpt)
     cand.shapes = {
         str(k): tuple(v.shape) for k, v in ckpt["state_dict"].items() if hasattr(v, "shape")
     }
@@ -242,7 +242,7 @@ def _detached(value: Any) -> Any:
     return clone() if callable(clone) and hasattr(value, "untyped_storage") else value
 
 
-def _run_of(ckpt: dict[str, Any]) -> tuple[str | None, str | None]:
+def run_of_checkpoint(ckpt: dict[str, Any]) -> tuple[str | None, str | None]:
     """(run id, run directory) the run log callback stored in the checkpoint's callback states
     (``None`` for what it does not say)."""
     callbacks = ckpt.get("callbacks")
