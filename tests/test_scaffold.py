@@ -414,7 +414,7 @@ def test_windows_are_cut_anew_from_tokens_prepared_again(project) -> None:
     assert train_windows()[0] == old_path  # cut once, read after
     _prepare_again(root)
     new_path, new = train_windows()
-    assert new_path != old_path and old_path.is_file()  # the old file is left to its runs
+    assert new_path != old_path
     ids = np.fromfile(root / "data" / "tokens" / "train.bin", dtype=np.uint16)
     assert np.array_equal(new[0], ids[:17]) and not np.array_equal(new, old)
     assert "data/windows/" in (root / ".gitignore").read_text().splitlines()
@@ -436,3 +436,39 @@ def test_a_run_is_not_resumed_on_tokens_of_another_tokenizer(project) -> None:
     # A new run on the new tokens trains (on windows cut from them).
     fresh = nanolab_here(*fit, *WINDOWS_QUICK, "--run.name", "windows-new", cwd=root)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
+
+
+def test_windows_of_earlier_tokens_are_deleted_when_new_ones_are_cut(project) -> None:
+    """Each ``prepare --force`` left the windows of the old tokens beside the new ones, piling
+    up. Once the new ones are written, the example deletes its own files of the same split and
+    tokens folder cut before those tokens, and nothing else: not another block_size's windows of
+    the new tokens, not another tokens folder's windows in the same folder, not a file of
+    another name. A run still reading a deleted file (memory-mapped) reads on: Linux frees the
+    file when the last mapping goes."""
+    import shutil
+
+    root, _ = project
+    from window_lab.data import Windows
+
+    tokens, folder = root / "data" / "tokens", root / "data" / "windows"
+    other_tokens = root / "data" / "other-tokens"
+    shutil.copytree(tokens, other_tokens)
+
+    def cut(split: str, block_size: int = 16, of: Path = tokens) -> Path:
+        return Windows(str(folder), tokens=str(of), block_size=block_size).cut(split)
+
+    old, old_val, other = cut("train"), cut("val"), cut("train", of=other_tokens)
+    running = np.load(old, mmap_mode="r")  # a fit on the old tokens, still training
+    expected = np.array(running[-1])
+    (folder / "notes.npy").write_bytes(b"mine")
+    _prepare_again(root)
+    new = cut("train")
+    assert not old.exists() and old_val.is_file()  # val's own go when val is cut anew
+    assert np.array_equal(running[-1], expected)  # the running fit reads on
+    wider = cut("train", block_size=24)  # the new tokens, another block_size: both kept
+    assert new.is_file() and wider.is_file() and other.is_file()
+    assert (folder / "notes.npy").read_bytes() == b"mine"
+    cut("val")
+    assert not old_val.exists()
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == sorted([new.name, wider.name, other.name, "notes.npy", cut("val").name])
