@@ -367,19 +367,22 @@ def _why_no_log(run_dir: str | None, run_id: str | None) -> str:
 
 def _log_of(source: Path, ckpt: dict[str, Any]) -> tuple[Path | None, str | None]:
     """(the run folder whose log the card reads, None when it reads none; how it was found:
-    None for the folder the file sits in). A file in ``<run>/checkpoints/`` is that run's; one
-    copied out of it is read against the folder it records, while that folder's log still
-    names the run the checkpoint is of."""
+    None for the folder the file sits in). A file in ``<run>/checkpoints/`` is that run's
+    unless the folder's log names another run than the checkpoint records; one copied out of
+    it is read against the folder it records, while that folder's log still names its run."""
     from nanolab.runlog import RUN_LOG_NAME, owner_of_log
-
-    if source.parent.name == "checkpoints":
-        held = source.parent.parent
-        return (held, None) if (held / RUN_LOG_NAME).is_file() else (None, None)
     from nanolab.training.resume import run_of_checkpoint
 
     run_id, run_dir = run_of_checkpoint(ckpt)
+    if source.parent.name == "checkpoints":
+        held = source.parent.parent
+        log = held / RUN_LOG_NAME
+        if log.is_file() and (run_id is None or owner_of_log(log) in (None, run_id)):
+            return held, None
     if run_id is None or run_dir is None or owner_of_log(Path(run_dir) / RUN_LOG_NAME) != run_id:
         return None, None
+    if Path(run_dir).resolve() in source.resolve().parents:  # Lightning's hpc_ckpt_*, say
+        return Path(run_dir), None
     return Path(run_dir), "recorded"
 
 
@@ -449,7 +452,8 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
     facts = _run_facts(run_dir, step) if run_dir is not None else {}
     why_not = _not_its_log(ckpt, facts.get("val"), step) if facts else None
     if not facts or why_not is not None:
-        return _card_from_checkpoint(ckpt, config, source, command, why_not)
+        read = (run_dir, why_not) if run_dir is not None and why_not is not None else None
+        return _card_from_checkpoint(ckpt, config, source, command, read)
     start, val = facts.get("start") or {}, facts.get("val")
     run_config = start.get("config") if isinstance(start.get("config"), dict) else {}
     data = (run_config.get("data") or {}).get("init_args") or run_config.get("data") or {}
@@ -461,7 +465,7 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
     # each row read there, the tokens too.
     at = f" (step {val['step']})" if val and val.get("step") != step else ""
     validated = facts.get("validated")
-    copied = " (recorded in the checkpoint; this file was copied out of its checkpoints/)"
+    copied = " (recorded in the checkpoint; this file was copied out of it)"
     rows = [
         ("checkpoint", f"`{source}`"),
         ("run", f"`{run_dir}`" + (copied if found else "")),
@@ -506,25 +510,35 @@ def _not_its_log(ckpt: dict[str, Any], val: dict[str, Any] | None, step: Any) ->
 
 
 def _card_from_checkpoint(
-    ckpt: dict[str, Any], config: GPTConfig, source: Path, command: str | None, why: str | None
+    ckpt: dict[str, Any],
+    config: GPTConfig,
+    source: Path,
+    command: str | None,
+    not_its_log: tuple[Path, str] | None = None,
 ) -> str:
-    """The card of a checkpoint whose run log cannot be read (``why``, else found out here):
-    its figures are what the checkpoint stores (steps, tokens, training's validation loss, the
-    data folders, the optimizer and schedule), each said to come from it; what only the log has
-    (bits per byte, the fit command, the whole config) is said to be there."""
+    """The card of a checkpoint whose run log cannot be read: none found (why, found out
+    here), or ``not_its_log`` (the run folder whose log was read, why it is not this
+    checkpoint's). Its figures are what the checkpoint stores (steps, tokens, training's
+    validation loss, the data folders, the optimizer and schedule), each said to come from it;
+    what only the log has (bits per byte, the fit command, the whole config) is said to be
+    there."""
     from nanolab.training.resume import run_of_checkpoint
 
     step = ckpt.get("global_step")
     run_id, run_dir = run_of_checkpoint(ckpt)
-    if run_dir is None and source.parent.name == "checkpoints":  # saved before runs recorded it
-        run_dir = str(source.parent.parent)
-    why = why or _why_no_log(run_dir, run_id)
+    said = ", recorded in the checkpoint" if run_dir is not None else ""
+    if not_its_log is not None:  # the folder read, maybe not the one recorded (a moved run)
+        run_dir, why, said = str(not_its_log[0]), not_its_log[1], ""
+    else:
+        if run_dir is None and source.parent.name == "checkpoints":  # saved before runs said it
+            run_dir = str(source.parent.parent)
+        why = _why_no_log(run_dir, run_id)
     in_ckpt, only_log = (
         "(stored in the checkpoint)",
-        "not in the checkpoint (only the run's log has it)",
+        "not stored in the checkpoint (read from the run's log only)",
     )
     run = (
-        f"`{run_dir}`{f' (run {run_id})' if run_id else ''}, recorded in the checkpoint; {why}"
+        f"`{run_dir}`{f' (run {run_id})' if run_id else ''}{said}; {why}"
         if run_dir is not None
         else "not recorded in the checkpoint (a loose file)"
     )

@@ -154,7 +154,7 @@ def test_a_checkpoint_copied_out_of_its_run_still_has_its_runs_card(
 
     read = card("read")
     assert read.startswith("# tiny\n") and "not known" not in read, read
-    assert f"| run | `{run}` (recorded in the checkpoint; this file was copied out" in read
+    assert f"| run | `{run}` (recorded in the checkpoint; this file was copied out of it) |" in read
     assert f"| val loss | {at_6['val_loss']:.4f} |" in read
     assert f"| val bits per byte | {at_6['val_bpb']:.4f} |" in read
     assert f"| tokens | {at_6['tokens']:,} |" in read and "## The run's config" in read
@@ -170,7 +170,9 @@ def test_a_checkpoint_copied_out_of_its_run_still_has_its_runs_card(
     assert "the run trained those steps again after this file was saved" in own
     assert f"| val loss | {at_6['val_loss']:.4f} (stored in the checkpoint) |" in own
     assert f"| tokens | {at_6['tokens']:,} (stored in the checkpoint) |" in own
-    assert "| val bits per byte | not in the checkpoint (only the run's log has it) |" in own
+    assert (
+        "| val bits per byte | not stored in the checkpoint (read from the run's log only) |" in own
+    )
     assert f"| data | `{char_dataset}` (stored in the checkpoint) |" in own
     assert "## The training setup the checkpoint stores" in own and '"lr": 0.0006' in own
 
@@ -209,7 +211,25 @@ def test_a_card_without_the_runs_log_says_why_and_reads_only_val_loss(tmp_path: 
 
     bpb = {**ckpt, "callbacks": {**ckpt["callbacks"], "RotatingCheckpoint": {
         "val_by_step": {"30": 1.8}, "monitor": "val/bpb"}}}  # fmt: skip
-    assert "| val loss | not in the checkpoint" in model_card(bpb, GPTConfig(), source, None)
+    assert "| val loss | not stored in the checkpoint" in model_card(bpb, GPTConfig(), source, None)
+
+    # copied into another run's checkpoints/: not that run's log either
+    into = tmp_path / "runs" / "other" / "checkpoints"
+    into.mkdir(parents=True)
+    other = {**start, "run_id": "oth9", "argv": ["nanolab", "fit", "--config", "other.yaml"]}
+    (into.parent / "metrics.jsonl").write_text(json.dumps(other) + "\n")
+    misplaced = model_card(ckpt, GPTConfig(), into / "step-00000040.ckpt", None)
+    assert "other.yaml" not in misplaced and "names run new1 now" in misplaced, misplaced
+
+    # in its own run's folder (moved since: the checkpoint records the old place), whose log
+    # holds another timeline: the card names the folder it read, not the one recorded
+    moved = tmp_path / "moved" / "poems"
+    (moved / "checkpoints").mkdir(parents=True)
+    ours = {**start, "run_id": "old0"}
+    val = {"event": "val", "time": 2.0, "step": 30, "tokens": 5120, "val_loss": 1.5}
+    (moved / "metrics.jsonl").write_text(json.dumps(ours) + "\n" + json.dumps(val) + "\n")
+    again = model_card(ckpt, GPTConfig(), moved / "checkpoints" / "last.ckpt", None)
+    assert f"| run | `{moved}` (run old0); its log's validation up to step 40 is step 30's 1.5000, this checkpoint's is step 30's 1.2500" in again, again  # fmt: skip
 
     loose = model_card({"global_step": 3, "nanolab": {}}, GPTConfig(), source, None)
     assert loose.startswith("# keep\n")
