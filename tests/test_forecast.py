@@ -694,3 +694,62 @@ def test_a_forecast_fits_a_bounded_even_sample_with_the_newest_steps_and_lands_t
     seeds = [(s, t, v + k * 0.01) for s, t, v in inputs.points for k in range(3)]
     forecast(CurveInputs(**{**inputs.__dict__, "points": seeds}), bootstrap=5)
     assert len(fitted[-1]) <= 200 and fitted[-1][-3:] == [1520.0] * 3  # whole steps, all seeds
+
+
+# -- runs resumed with other settings ----------------------------------------------------------
+def _write_launches(root: Path, name: str, launches: list[tuple[int, int, dict]],
+                    plan: int = 400) -> None:  # fmt: skip
+    """A run log of several launches, each ``(to step, tokens per step, start fields)``, as
+    ``nanolab fit`` writes them: each launch after the first resumes from the step the one
+    before it reached; every step trains at the LR of the cosine the first launch planned for
+    ``plan`` steps (the checkpoint keeps that plan); a validation every 10 steps on the curve of
+    that schedule; GPU-hours 1e-3 per step, counted from the first launch."""
+    from nanolab.forecast.annealing import multipliers_array, schedule_areas
+
+    run = root / name
+    run.mkdir(parents=True)
+    planned = _planned(plan)
+    s1, s2 = schedule_areas(multipliers_array(planned, 2000), 0.9)
+    rng = np.random.default_rng(7)
+    lines, step, tokens = [], 0, 0
+    for to_step, per_step, fields in launches:
+        trainer = {"max_steps": fields.get("planned_steps", plan)}
+        config = {"seed_everything": 1, "trainer": trainer, "run": {"name": name},
+                  "model": {"schedule": SCHED, "optimizer": {"lr": 1e-3}}}  # fmt: skip
+        lines.append({"event": "start", "time": float(step), "step": step,
+                      "resumed_from_step": step or None, "config": config, **fields})  # fmt: skip
+        while step < to_step:
+            step, tokens = step + 1, tokens + per_step
+            lines.append({"event": "train", "time": float(step), "step": step, "tokens": tokens,
+                          "loss": 3.0, "lr": 1e-3 * planned(step - 1),
+                          "gpu_hours": step * 1e-3})  # fmt: skip
+            if step % 10 == 0:
+                loss = TRUE["L0"] + TRUE["A"] * s1[step] ** -TRUE["alpha"] - TRUE["C"] * s2[step]
+                lines.append({"event": "val", "time": float(step), "step": step, "tokens": tokens,
+                              "val_loss": float(loss + rng.normal(0, 0.002))})  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_a_resume_with_more_tokens_per_step_forecasts_in_the_tokens_it_trains(tmp_path, capsys):
+    """A run of 1000 tokens per step resumed at step 100 with the accumulation doubled: step s
+    after it is at 100k + 2000 (s - 100) tokens. The forecast mapped steps to tokens at the
+    run's average so far (1500), so ``at max_steps`` said 600k where the run ends at 700k, the
+    tokens to a target were as much too few, and the drawn curve missed the run's own points.
+    An older log whose start records hold no ``global_batch_tokens`` reads the rate off its
+    last two train records.
+
+    Mutations caught: one rate for the whole run; the past steps at the current rate."""
+    launches = [(100, 1000, {"global_batch_tokens": 1000}),
+                (200, 2000, {"global_batch_tokens": 2000})]  # fmt: skip
+    _write_launches(tmp_path, "resumed", launches)
+    _write_launches(tmp_path, "older", [(t, p, {}) for t, p, _ in launches])
+    truth = float(schedule_curve(np.array([300]))[0])  # reached at step ~300: 500k tokens
+    assert main([str(tmp_path), "--json", "--target-loss", str(truth)]) == 0
+    data = json.loads(capsys.readouterr().out)["forecasts"]
+    for f in data.values():
+        assert f["model"] == "schedule" and f["final_tokens"] == 700_000
+        assert f["curve"][0][0] == 20_000 and f["curve"][-1][0] == 700_000
+        on_the_log = {1000 * s for s in range(101)} | {100_000 + 2000 * s for s in range(301)}
+        assert all(x in on_the_log for x, _ in f["curve"]), f["curve"]
+        assert f["target_tokens"] in on_the_log  # at a step: the fit puts it near step 300
+        assert f["target_tokens"] == pytest.approx(500_000, rel=0.1)

@@ -39,12 +39,17 @@ class CurveInputs:
     Attributes:
         points: ``(step, tokens, val loss)`` so far.
         max_steps: Steps the run is planned for (None / <= 0: unbounded or unknown).
-        tokens_per_step: Tokens one optimizer step trains on.
+        tokens_per_step: Tokens one optimizer step trains on now (the last launch's: a resume
+            may have changed accumulation, micro-batch or devices).
         schedule_for: Planned steps -> the LR multiplier per step of a run of that length (the
             run's own schedule at ``max_steps``). None: unknown, the power law in tokens is used.
         warmup_steps: Points before the end of warmup are left out of a schedule fit (the loss
             there is the start-up transient, not the law).
         gpu_hours_per_token, cost_per_token: The run's rate so far, for a target's cost.
+        logged_to: ``(step, tokens)`` of the run's newest train record. With it, a step up to
+            there is mapped to tokens through what the log says (the points' and its own), and
+            a later one counts on from it at ``tokens_per_step``
+            (:func:`tokens_by_step`); without it, every step is ``tokens_per_step`` tokens.
     """
 
     points: list[tuple[float, float, float]]
@@ -54,6 +59,42 @@ class CurveInputs:
     warmup_steps: int = 0
     gpu_hours_per_token: float | None = None
     cost_per_token: float | None = None
+    logged_to: tuple[float, float] | None = None
+
+
+StepsToTokens = Callable[[np.ndarray], np.ndarray]
+
+
+def tokens_by_step(inputs: CurveInputs) -> StepsToTokens | None:
+    """Steps -> the tokens trained by then, for a forecast's tokens (None: tokens per step
+    unknown). One rate for the whole run (its tokens over its steps) was 25% low after a resume
+    that doubled the accumulation: the steps logged so far map through their own tokens (the
+    points' and ``logged_to``, interpolated between them; before the first, in proportion to
+    it), and the steps after the newest count on from it at the current ``tokens_per_step``."""
+    per_step = inputs.tokens_per_step
+    if not per_step:
+        return None
+    if inputs.logged_to is None:
+        return lambda steps: np.asarray(steps, dtype=float) * per_step
+    logged: dict[float, list[float]] = {}
+    for step, tokens, _ in inputs.points:  # a seed group's seeds at one step: their mean
+        logged.setdefault(float(step), []).append(float(tokens))
+    anchors = {s: sum(t) / len(t) for s, t in logged.items() if s > 0}
+    last_step, last_tokens = (float(v) for v in inputs.logged_to)
+    if last_step > 0:
+        anchors[last_step] = last_tokens
+    if not anchors:
+        return lambda steps: np.asarray(steps, dtype=float) * per_step
+    xs = np.array(sorted(anchors))
+    ys = np.array([anchors[x] for x in xs])
+
+    def tokens(steps: np.ndarray) -> np.ndarray:
+        s = np.asarray(steps, dtype=float)
+        after = ys[-1] + (s - xs[-1]) * per_step  # inf (a band never reached) stays inf
+        before = s * (ys[0] / xs[0])
+        return np.where(s > xs[-1], after, np.where(s < xs[0], before, np.interp(s, xs, ys)))
+
+    return tokens
 
 
 @dataclass
@@ -210,12 +251,13 @@ def forecast(inputs: CurveInputs, target: float | None = None, bootstrap: int = 
         out.finished = bool(
             inputs.max_steps and inputs.max_steps > 0 and last_step >= inputs.max_steps
         )
-    if inputs.tokens_per_step and inputs.max_steps and inputs.max_steps > 0:
-        out.final_tokens = inputs.max_steps * inputs.tokens_per_step
+    to_tokens = tokens_by_step(inputs)
+    if to_tokens is not None and inputs.max_steps and inputs.max_steps > 0:
+        out.final_tokens = float(to_tokens(inputs.max_steps))
     inputs = replace(inputs, points=fit_sample(inputs.points, FIT_POINTS))
     try:
-        if inputs.schedule_for is not None and out.final_tokens and inputs.points:
-            _schedule_forecast(out, inputs, target, bootstrap)
+        if inputs.schedule_for is not None and to_tokens and out.final_tokens and inputs.points:
+            _schedule_forecast(out, inputs, target, bootstrap, to_tokens)
         else:
             _power_law_forecast(out, inputs, target, bootstrap)
     except ForecastError as err:
@@ -255,16 +297,22 @@ def _power_law_forecast(
 
 
 def _schedule_forecast(
-    out: RunForecast, inputs: CurveInputs, target: float | None, bootstrap: int
+    out: RunForecast,
+    inputs: CurveInputs,
+    target: float | None,
+    bootstrap: int,
+    to_tokens: StepsToTokens,
 ) -> None:
     fit = fit_curve(inputs, bootstrap)
-    assert inputs.max_steps and inputs.tokens_per_step and inputs.schedule_for
+    assert inputs.max_steps and inputs.schedule_for
     out.model, out.fit = "schedule", fit.to_dict()
     out.final_loss = fit.predict(inputs.max_steps)
     out.final_band = fit.band(inputs.max_steps)
     first = max(int(min(s for s, _, _ in inputs.points)), inputs.warmup_steps)  # fitted from
     steps = np.unique(np.linspace(max(first, 1), inputs.max_steps, 60).round().astype(int))
-    out.curve = [(float(s * inputs.tokens_per_step), fit.predict(int(s))) for s in steps]
+    out.curve = [
+        (float(t), fit.predict(int(s))) for s, t in zip(steps, to_tokens(steps), strict=True)
+    ]
     if target is None:
         return
     need, band = steps_to_target(fit, target, inputs.schedule_for, inputs.max_steps)
@@ -272,8 +320,8 @@ def _schedule_forecast(
         out.note = (f"{target} is not reached by a run of this recipe up to "
                     f"{TARGET_HORIZON:g}x its planned steps")  # fmt: skip
         return
-    out.target_tokens = need * inputs.tokens_per_step
-    out.target_band = (band[0] * inputs.tokens_per_step, band[1] * inputs.tokens_per_step)
+    out.target_tokens = float(to_tokens(need))
+    out.target_band = (float(to_tokens(band[0])), float(to_tokens(band[1])))
     _cost(out, inputs)
 
 

@@ -64,12 +64,15 @@ class ForecastReader:
     of the timeline a resume leaves (:func:`nanolab.runs.iter_timeline`), so it reads along the
     report's own pass over the log (``summarize_run(..., also=reader.add)``) or on its own
     (:func:`forecast_inputs`). It keeps the validations, the last start and train record, and
-    an even sample of the logged LRs: a 1M-step log is not held (it took 2 GB)."""
+    an even sample of the logged LRs: a 1M-step log is not held (it took 2 GB). Of the last
+    launch, also the train record before its last: the tokens per step it trains with, where
+    its start record does not say."""
 
     def __init__(self) -> None:
         self.val: dict[float, dict[str, Any]] = {}
         self.start: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
+        self.before_last: dict[str, Any] | None = None  # of the same launch as ``last``
         self.latest: dict[str, tuple[float, float | None]] = dict.fromkeys(
             ("gpu_hours", "cost"), (-1, None)
         )
@@ -79,7 +82,7 @@ class ForecastReader:
         """One usable record (``record_problem`` found nothing) in log order."""
         event = r.get("event")
         if event == "start":
-            self.start = r
+            self.start, self.before_last = r, None
             return
         if event not in ("train", "val"):
             return
@@ -91,6 +94,8 @@ class ForecastReader:
                 self.val[at] = {k: r.get(k) for k in ("step", "tokens", "val_loss")}
             return
         if num(r.get("tokens")) and step and at >= (self.last or {}).get("at", -1):
+            if self.last is not None and at > self.last["at"]:
+                self.before_last = self.last
             self.last = {"at": at, "step": step, "tokens": r["tokens"]}
         for f in self.latest:
             if r.get(f) is not None and at >= self.latest[f][0]:
@@ -98,6 +103,21 @@ class ForecastReader:
         lr = num(r.get("lr"))
         if isinstance(step, int) and step >= 1 and lr is not None:
             self.lrs.add((step, lr))
+
+    def tokens_per_step(self) -> float | None:
+        """Tokens per step the run trains with now: its last start record's
+        ``global_batch_tokens``, else the step between its last launch's last two train
+        records, else (one record) the run's average so far."""
+        per_step = num((self.start or {}).get("global_batch_tokens"))
+        if per_step:
+            return per_step
+        last, before = self.last, self.before_last
+        if last is None:
+            return None
+        tokens = num(last["tokens"]) or 0.0
+        if before is not None and tokens > (num(before["tokens"]) or 0.0):
+            return (tokens - (num(before["tokens"]) or 0.0)) / (last["at"] - before["at"])
+        return tokens / int(last["step"])
 
     def inputs(self, run_dir: Path) -> Any:
         """The :class:`nanolab.forecast.CurveInputs` of what was read (``run_dir``: where the
@@ -115,7 +135,6 @@ class ForecastReader:
         start, last, lrs = self.start, self.last, self.lrs
         config = config_of([start] if start else [], run_dir) or {}
         max_steps = planned_steps_of(start, config)
-        per_step = num(last["tokens"]) / int(last["step"]) if last else None
         tokens = num((last or {}).get("tokens"))
         gpu_h, cost = num(self.latest["gpu_hours"][1]), num(self.latest["cost"][1])
         sample = lrs.items + (
@@ -125,7 +144,8 @@ class ForecastReader:
         return CurveInputs(
             points=points,
             max_steps=max_steps if max_steps > 0 else None,
-            tokens_per_step=per_step,
+            tokens_per_step=self.tokens_per_step(),
+            logged_to=(float(last["step"]), float(last["tokens"])) if last else None,
             schedule_for=schedule_for,
             warmup_steps=warmup,
             gpu_hours_per_token=gpu_h / tokens if gpu_h and tokens else None,
