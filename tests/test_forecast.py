@@ -753,3 +753,30 @@ def test_a_resume_with_more_tokens_per_step_forecasts_in_the_tokens_it_trains(tm
         assert all(x in on_the_log for x, _ in f["curve"]), f["curve"]
         assert f["target_tokens"] in on_the_log  # at a step: the fit puts it near step 300
         assert f["target_tokens"] == pytest.approx(500_000, rel=0.1)
+
+
+def test_a_resume_with_a_longer_max_steps_is_forecast_on_the_plan_it_keeps(tmp_path, capsys):
+    """A run planned for 400 steps, stopped at 200 and resumed with ``trainer.max_steps`` 600:
+    the resume keeps the cosine of 400 (its checkpoint holds it; the steps past 400 train at
+    the minimum). The forecast checked the logged LRs against a cosine of 600, found them
+    different and fell back to the power law "without a known schedule". A branch (started
+    from another run's checkpoint) plans its own cosine; a resume of its own keeps that.
+
+    Mutations caught: the plan read from the last launch; a branch's start not planning."""
+    from nanolab.forecast.annealing import multipliers_array, schedule_areas
+
+    launches = [(200, 1000, {"planned_steps": 400}), (300, 1000, {"planned_steps": 600})]
+    _write_launches(tmp_path, "longer", launches)
+    assert main([str(tmp_path), "--json", "--forecast"]) == 0
+    f = json.loads(capsys.readouterr().out)["forecasts"]["longer"]
+    s1, s2 = schedule_areas(multipliers_array(_planned(400), 601), 0.9)
+    truth = TRUE["L0"] + TRUE["A"] * s1[600] ** -TRUE["alpha"] - TRUE["C"] * s2[600]
+    assert f["model"] == "schedule" and f["final_tokens"] == 600_000
+    assert f["final_loss"] == pytest.approx(truth, abs=0.03)
+    from nanolab.report.forecasts import plans_lr_schedule
+
+    branch = {"resumed_from_step": 200, "run_dir": "runs/br",
+              "resumed_from": "runs/par/checkpoints/step-00000200.ckpt"}  # fmt: skip
+    own = {**branch, "resumed_from_step": 230, "resumed_from": "runs/br/checkpoints/last.ckpt"}
+    assert plans_lr_schedule({"resumed_from_step": None}) and plans_lr_schedule(branch)
+    assert not plans_lr_schedule(own) and not plans_lr_schedule({"resumed_from_step": 200})

@@ -42,7 +42,10 @@ class CurveInputs:
         tokens_per_step: Tokens one optimizer step trains on now (the last launch's: a resume
             may have changed accumulation, micro-batch or devices).
         schedule_for: Planned steps -> the LR multiplier per step of a run of that length (the
-            run's own schedule at ``max_steps``). None: unknown, the power law in tokens is used.
+            run's own schedule at ``plan_steps``). None: unknown, the power law in tokens is used.
+        plan_steps: The steps the run's LR schedule was planned for, when not ``max_steps``: a
+            resume keeps the plan its checkpoint holds, so a run resumed with a longer
+            ``trainer.max_steps`` trains the steps past the plan at the schedule's minimum.
         warmup_steps: Points before the end of warmup are left out of a schedule fit (the loss
             there is the start-up transient, not the law).
         gpu_hours_per_token, cost_per_token: The run's rate so far, for a target's cost.
@@ -56,6 +59,7 @@ class CurveInputs:
     max_steps: int | None = None
     tokens_per_step: float | None = None
     schedule_for: Callable[[int], Schedule] | None = None
+    plan_steps: int | None = None
     warmup_steps: int = 0
     gpu_hours_per_token: float | None = None
     cost_per_token: float | None = None
@@ -232,7 +236,7 @@ def fit_curve(inputs: CurveInputs, bootstrap: int = 200) -> ScheduleFit:
     return fit_schedule_curve(
         [s for s, _ in use],
         [v for _, v in use],
-        inputs.schedule_for(inputs.max_steps),
+        inputs.schedule_for(inputs.plan_steps or inputs.max_steps),
         inputs.max_steps,
         bootstrap=bootstrap,
     )

@@ -4,6 +4,7 @@ fitted over its LR schedule, and the text that says what it will reach."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,26 @@ def _schedule_of(
     return None, 0
 
 
+def plans_lr_schedule(start: dict[str, Any]) -> bool:
+    """Whether the launch of this start record planned the run's LR schedule: one that started
+    from no checkpoint, or from another run's (a branch plans its own cosine); a resume of the
+    run's own checkpoint keeps the plan that checkpoint holds, whatever its
+    ``trainer.max_steps`` (the launch says so)."""
+    if start.get("resumed_from_step") is None:
+        return True
+    source, run_dir = start.get("resumed_from"), start.get("run_dir")
+    if not isinstance(source, str) or not isinstance(run_dir, str):
+        return False
+    own = os.path.normpath(os.path.abspath(run_dir))
+    return os.path.commonpath([own, os.path.normpath(os.path.abspath(source))]) != own
+
+
 class ForecastReader:
     """What a forecast of one run needs from its log, fed record by record: the usable records
     of the timeline a resume leaves (:func:`nanolab.runs.iter_timeline`), so it reads along the
     report's own pass over the log (``summarize_run(..., also=reader.add)``) or on its own
-    (:func:`forecast_inputs`). It keeps the validations, the last start and train record, and
+    (:func:`forecast_inputs`). It keeps the validations, the last start and train record, the
+    start that planned the LR schedule (:func:`plans_lr_schedule`), and
     an even sample of the logged LRs: a 1M-step log is not held (it took 2 GB). Of the last
     launch, also the train record before its last: the tokens per step it trains with, where
     its start record does not say."""
@@ -71,6 +87,7 @@ class ForecastReader:
     def __init__(self) -> None:
         self.val: dict[float, dict[str, Any]] = {}
         self.start: dict[str, Any] | None = None
+        self.plan: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
         self.before_last: dict[str, Any] | None = None  # of the same launch as ``last``
         self.latest: dict[str, tuple[float, float | None]] = dict.fromkeys(
@@ -83,6 +100,8 @@ class ForecastReader:
         event = r.get("event")
         if event == "start":
             self.start, self.before_last = r, None
+            if self.plan is None or plans_lr_schedule(r):
+                self.plan = r
             return
         if event not in ("train", "val"):
             return
@@ -135,18 +154,24 @@ class ForecastReader:
         start, last, lrs = self.start, self.last, self.lrs
         config = config_of([start] if start else [], run_dir) or {}
         max_steps = planned_steps_of(start, config)
+        plan = self.plan if self.plan is not None else start
+        plan_config = config_of([plan] if plan else [], run_dir) or {}
+        plan_steps = planned_steps_of(plan, plan_config)
         tokens = num((last or {}).get("tokens"))
         gpu_h, cost = num(self.latest["gpu_hours"][1]), num(self.latest["cost"][1])
         sample = lrs.items + (
             [lrs.last] if lrs.last is not None and lrs.last not in lrs.items else []
         )
-        schedule_for, warmup = _schedule_of(config, sample, max_steps) if points else (None, 0)
+        schedule_for, warmup = (
+            _schedule_of(plan_config, sample, plan_steps) if points else (None, 0)
+        )
         return CurveInputs(
             points=points,
             max_steps=max_steps if max_steps > 0 else None,
             tokens_per_step=self.tokens_per_step(),
             logged_to=(float(last["step"]), float(last["tokens"])) if last else None,
             schedule_for=schedule_for,
+            plan_steps=plan_steps if plan_steps > 0 else None,
             warmup_steps=warmup,
             gpu_hours_per_token=gpu_h / tokens if gpu_h and tokens else None,
             cost_per_token=cost / tokens if cost and tokens else None,
