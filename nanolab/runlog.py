@@ -126,6 +126,22 @@ def written_in_training(record: dict[str, Any]) -> bool:
     return not record.get("evaluated_by")
 
 
+def started_from_another_run(start: dict[str, Any]) -> bool:
+    """Whether a ``start`` record's launch began a new run from another run's checkpoint (a
+    branch, ``run.resume PATH``): its ``branched``; in a log from before the record said so,
+    a checkpoint (``resumed_from``) outside its own run directory. Such a run plans its own LR
+    schedule and counts its GPU-hours from zero, while its ``tokens`` go on from its parent's."""
+    if isinstance(start.get("branched"), bool):
+        return start["branched"]
+    source, run_dir = start.get("resumed_from"), start.get("run_dir")
+    if start.get("resumed_from_step") is None or not isinstance(source, str):
+        return False
+    if not isinstance(run_dir, str):
+        return False
+    own = os.path.normpath(os.path.abspath(run_dir))
+    return os.path.commonpath([own, os.path.normpath(os.path.abspath(source))]) != own
+
+
 def read_records(path: str | os.PathLike[str], event: str | None = None) -> list[dict[str, Any]]:
     """All (parsable) records of a run log as a list; see :func:`iter_records`."""
     return list(iter_records(path, event))

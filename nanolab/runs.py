@@ -37,6 +37,7 @@ from nanolab.runlog import (
     iter_backwards,
     iter_numbered,
     iter_records,
+    started_from_another_run,
     written_in_training,
 )
 
@@ -77,6 +78,9 @@ class RunSummary:
     detail: str | None = None  # error text, or why a run counts as crashed
     steps: int | None = None
     tokens: int | None = None
+    #: The tokens this run trained itself (:func:`own_tokens`: a branch's without its
+    #: parent's, which its gpu_hours and cost do not count either); None: not known
+    run_tokens: int | None = None
     train_loss: float | None = None
     best_val_loss: float | None = None
     best_val_step: int | None = None
@@ -248,6 +252,22 @@ def planned_steps_of(start: dict[str, Any] | None, config: dict[str, Any]) -> in
     else:
         planned = num((config.get("trainer") or {}).get("max_steps"))
     return int(planned) if planned and planned > 0 else -1
+
+
+def own_tokens(
+    tokens: float | None, run_tokens: Any, first_start: dict[str, Any] | None
+) -> float | None:
+    """The tokens a run trained itself, what its GPU-hours and cost were paid for: its records'
+    ``run_tokens``. A branch's ``tokens`` go on from its parent's while its hours count from
+    zero: its hours over them read a fine-tune of a long pretrain as 1000x cheaper per token.
+    A log from before the records said so: all of ``tokens``, unless its first launch was a
+    branch (:func:`~nanolab.runlog.started_from_another_run`), whose own share is not known."""
+    own = num(run_tokens) if not isinstance(run_tokens, bool) else None
+    if own is not None:
+        return own
+    if first_start is not None and started_from_another_run(first_start):
+        return None
+    return tokens
 
 
 def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float | None:
@@ -786,7 +806,7 @@ class _LastSteps:
 #: The train fields a summary reads (a train record is cut to these before it is kept).
 TRAIN_KEPT = ("step", "loss", "tokens", "tokens_per_s", "mfu", "step_time_s")
 #: The train fields read as "the last one logged" (the end record's, when it has one, first).
-TRAIN_LAST = ("tokens", "loss", "gpu_hours", "cost", "elapsed_s")
+TRAIN_LAST = ("tokens", "run_tokens", "loss", "gpu_hours", "cost", "elapsed_s")
 #: Train records (intervals between them) averaged for tokens/s, MFU and step time.
 RECENT = 50
 
@@ -799,6 +819,7 @@ class _RunStream:
         self.rewinds = rewinds
         self.skipped, self.example = 0, None
         self.starts, self.start, self.end = 0, None, None
+        self.first_start: dict[str, Any] | None = None
         self.kept, self.first_time, self.last_time = 0, None, None
         self.max_step: int | None = None
         self.rollbacks = 0
@@ -824,6 +845,7 @@ class _RunStream:
         event = r.get("event")
         if event == "start":
             self.starts, self.start, self.end = self.starts + 1, r, None
+            self.first_start = self.first_start or r
         elif event == "end":
             self.end = r
         if self.rewinds.abandoned(number, r):
@@ -902,6 +924,9 @@ class _RunStream:
         tokens = (end or {}).get("tokens", self.last["tokens"][1])
         tokens = None if isinstance(tokens, bool) else num(tokens)
         s.tokens = int(tokens) if tokens is not None else None
+        own = own_tokens(s.tokens, (end or {}).get("run_tokens", self.last["run_tokens"][1]),
+                         self.first_start)  # fmt: skip
+        s.run_tokens = int(own) if own is not None else None
         s.train_loss = num(self.last["loss"][1])
         _set_val(s, val)
         if self.tasks is not None:

@@ -55,9 +55,10 @@ class ScalingError(NanolabError):
 
 @dataclass
 class ScalingPoint:
-    """One finished run: parameters, tokens trained, final val loss, device-hours spent (and
-    the device: ``accelerator`` as its start record names it, CPUAccelerator or
-    CUDAAccelerator, None where unknown)."""
+    """One finished run: parameters, tokens trained (D: the model's, a branch's parent's
+    included), final val loss, device-hours spent and the tokens they were spent on
+    (``run_tokens``: a branch's own; None: not known), and the device: ``accelerator`` as its
+    start record names it, CPUAccelerator or CUDAAccelerator, None where unknown."""
 
     run: str
     n: float
@@ -65,6 +66,7 @@ class ScalingPoint:
     loss: float
     gpu_hours: float | None = None
     accelerator: str | None = None
+    run_tokens: float | None = None
 
 
 @dataclass
@@ -332,8 +334,14 @@ def optimum_band(samples: np.ndarray, flops: float) -> dict[str, tuple[float, fl
 
 def flops_per_gpu_hour(points: list[ScalingPoint]) -> float | None:
     """Median ``6 N D / device-hours`` over runs that logged their hours: the rate this
-    hardware delivered on these runs (per CPU-hour where they ran on CPUs)."""
-    rates = [6.0 * p.n * p.d / p.gpu_hours for p in points if p.gpu_hours and p.gpu_hours > 0]
+    hardware delivered on these runs (per CPU-hour where they ran on CPUs). D is the tokens
+    those hours trained (``run_tokens``): a branch's hours over its parent's tokens too read a
+    sweep of cooldowns as many times faster."""
+    rates = [
+        6.0 * p.n * p.run_tokens / p.gpu_hours
+        for p in points
+        if p.gpu_hours and p.gpu_hours > 0 and p.run_tokens
+    ]
     return float(np.median(rates)) if rates else None
 
 
@@ -359,8 +367,12 @@ def points_from_runs(
         if not s.final_val_loss or not s.tokens:
             left_out.append((name, "no final val loss or tokens"))
             continue
-        points.append(ScalingPoint(name, float(n), float(s.tokens), s.final_val_loss,
-                                   s.gpu_hours, s.accelerator))  # fmt: skip
+        own = float(s.run_tokens) if s.run_tokens else None
+        points.append(
+            ScalingPoint(
+                name, float(n), float(s.tokens), s.final_val_loss, s.gpu_hours, s.accelerator, own
+            )
+        )
     return points, left_out
 
 
@@ -412,8 +424,9 @@ def scaling_report(
         rate = flops_per_gpu_hour(points)
         if rate is None:
             raise ScalingError(
-                "--gpu-hours: none of these runs logged gpu_hours, so GPU-hours cannot be turned "
-                "into FLOPs; leave --gpu-hours out"
+                "--gpu-hours: none of these runs logged gpu_hours and the tokens they were spent "
+                "on (a branch's log from before run_tokens was logged does not say which tokens "
+                "were its own), so GPU-hours cannot be turned into FLOPs; leave --gpu-hours out"
             )
         flops = gpu_hours * rate
         n, d, loss = law.optimum(flops)

@@ -359,7 +359,10 @@ def test_a_branch_s_epoch_goes_on_from_its_parent_s_place_in_the_data(
 ) -> None:
     """A branch's data order goes on from its parent's position (its step 13 trains the batch
     the parent's step 13 would), but its ``epoch`` restarted at 0, counted from its own tokens.
-    It follows the data now: the same epoch at each step as the parent resumed there."""
+    It follows the data now: the same epoch at each step as the parent resumed there. Its
+    records say which tokens are its own (``run_tokens``: what its GPU-hours paid for; report's
+    forecast and scaling fit divided its hours by its parent's tokens too), and its start
+    record that it is a branch."""
     from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
 
     from nanolab.runlog import read_records
@@ -382,6 +385,13 @@ def test_a_branch_s_epoch_goes_on_from_its_parent_s_place_in_the_data(
     ours = read_records(tmp_path / "runs" / "br" / "metrics.jsonl", "train")
     assert [r["step"] for r in ours] == [7, 8, 9]
     assert [r["epoch"] for r in ours] == [pytest.approx(s * per_step, abs=1e-4) for s in (7, 8, 9)]
+    inherited = parent[-1]["tokens"]
+    assert [r["run_tokens"] for r in ours] == [r["tokens"] - inherited for r in ours]
+    assert [r["run_tokens"] for r in parent] == [r["tokens"] for r in parent]
+    end = read_records(tmp_path / "runs" / "br" / "metrics.jsonl", "end")[-1]
+    assert end["run_tokens"] == end["tokens"] - inherited > 0
+    assert read_records(tmp_path / "runs" / "br" / "metrics.jsonl", "start")[-1]["branched"]
+    assert not read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl", "start")[-1]["branched"]
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "deepspeed"])

@@ -698,12 +698,15 @@ def test_a_forecast_fits_a_bounded_even_sample_with_the_newest_steps_and_lands_t
 
 # -- runs resumed with other settings ----------------------------------------------------------
 def _write_launches(root: Path, name: str, launches: list[tuple[int, int, dict]],
-                    plan: int = 400) -> None:  # fmt: skip
+                    plan: int = 400, branch_at: int = 0, own: bool = True) -> None:  # fmt: skip
     """A run log of several launches, each ``(to step, tokens per step, start fields)``, as
     ``nanolab fit`` writes them: each launch after the first resumes from the step the one
     before it reached; every step trains at the LR of the cosine the first launch planned for
     ``plan`` steps (the checkpoint keeps that plan); a validation every 10 steps on the curve of
-    that schedule; GPU-hours 1e-3 per step, counted from the first launch."""
+    that schedule; GPU-hours 1e-3 per step, counted from the first launch. ``branch_at``: the
+    first launch starts a new run from step ``branch_at`` of another run's checkpoint (its
+    tokens go on from there, its GPU-hours count from 0); ``own``: the train records say which
+    tokens are the run's own (``run_tokens``), as an older log does not."""
     from nanolab.forecast.annealing import multipliers_array, schedule_areas
 
     run = root / name
@@ -711,18 +714,22 @@ def _write_launches(root: Path, name: str, launches: list[tuple[int, int, dict]]
     planned = _planned(plan)
     s1, s2 = schedule_areas(multipliers_array(planned, 2000), 0.9)
     rng = np.random.default_rng(7)
-    lines, step, tokens = [], 0, 0
+    step, tokens = branch_at, branch_at * launches[0][1]
+    lines: list[dict] = []
     for to_step, per_step, fields in launches:
         trainer = {"max_steps": fields.get("planned_steps", plan)}
         config = {"seed_everything": 1, "trainer": trainer, "run": {"name": name},
                   "model": {"schedule": SCHED, "optimizer": {"lr": 1e-3}}}  # fmt: skip
         lines.append({"event": "start", "time": float(step), "step": step,
                       "resumed_from_step": step or None, "config": config, **fields})  # fmt: skip
+        if branch_at and len(lines) == 1:
+            lines[0].update(run_dir=f"runs/{name}", resumed_from="runs/parent/last.ckpt")
         while step < to_step:
             step, tokens = step + 1, tokens + per_step
             lines.append({"event": "train", "time": float(step), "step": step, "tokens": tokens,
                           "loss": 3.0, "lr": 1e-3 * planned(step - 1),
-                          "gpu_hours": step * 1e-3})  # fmt: skip
+                          "gpu_hours": (step - branch_at) * 1e-3,
+                          **({"run_tokens": tokens - branch_at * launches[0][1]} if own else {})})  # fmt: skip
             if step % 10 == 0:
                 loss = TRUE["L0"] + TRUE["A"] * s1[step] ** -TRUE["alpha"] - TRUE["C"] * s2[step]
                 lines.append({"event": "val", "time": float(step), "step": step, "tokens": tokens,
@@ -780,3 +787,26 @@ def test_a_resume_with_a_longer_max_steps_is_forecast_on_the_plan_it_keeps(tmp_p
     own = {**branch, "resumed_from_step": 230, "resumed_from": "runs/br/checkpoints/last.ckpt"}
     assert plans_lr_schedule({"resumed_from_step": None}) and plans_lr_schedule(branch)
     assert not plans_lr_schedule(own) and not plans_lr_schedule({"resumed_from_step": 200})
+    assert plans_lr_schedule({**own, "branched": True})  # the record says so: no path guessed
+    assert not plans_lr_schedule({**branch, "branched": False})
+
+
+def test_a_branchs_gpu_hours_are_per_token_of_its_own(tmp_path, capsys):
+    """A branch from step 200 of another run: its tokens go on from its parent's 200k, its
+    GPU-hours count from 0 (1e-3 per step of 1000 tokens: 1e-6 per token). The forecast divided
+    them by all its tokens, the parent's too (3x low here, 1000x for a fine-tune of a long
+    pretrain). A branch's older log, which does not say which tokens were its own, gives no
+    GPU-hours rather than a wrong number.
+
+    Mutations caught: the hours over the model's tokens; an older branch read as a new run."""
+    _write_launches(tmp_path, "branch", [(300, 1000, {"planned_steps": 400})], branch_at=200)
+    _write_launches(tmp_path, "older", [(300, 1000, {"planned_steps": 400})], branch_at=200,
+                    own=False)  # fmt: skip
+    truth = float(schedule_curve(np.array([350]))[0])
+    assert main([str(tmp_path), "--json", "--target-loss", str(truth)]) == 0
+    data = json.loads(capsys.readouterr().out)["forecasts"]
+    f = data["branch"]
+    assert f["model"] == "schedule" and f["target_tokens"] > 300_000
+    assert f["target_gpu_hours"] == pytest.approx(f["target_tokens"] * 1e-6, rel=1e-9)
+    assert data["older"]["target_tokens"] == f["target_tokens"]
+    assert data["older"]["target_gpu_hours"] is None

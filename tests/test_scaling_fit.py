@@ -161,10 +161,12 @@ def test_a_fit_started_above_a_missing_floor_ends_at_the_floor_zero() -> None:
 def _write_run(
     root: Path, name: str, n: float, d: float, loss: float, *, done: bool = True, data=None,
     seed: int = 1, optimizer: str = "adamw", precision: str = "bf16-mixed",
-    accelerator: str = "CUDAAccelerator",
+    accelerator: str = "CUDAAccelerator", branch: bool | None = None,
 ):  # fmt: skip
     """A finished run's log: start (num_params), train records with tokens and GPU-hours, a
-    final val loss, and the end record."""
+    final val loss, and the end record. ``branch``: a run started at step 50 from another
+    run's checkpoint, its GPU-hours counted from there (True: its records say which tokens are
+    its own, ``run_tokens``; False: an older log that does not)."""
     run = root / name
     run.mkdir(parents=True)
     steps = 100
@@ -176,23 +178,33 @@ def _write_run(
         config["data"] = {"dataset_dir": data}
     lines = [{"event": "start", "time": 0.0, "step": 0, "num_params": int(n), "config": config,
               "accelerator": accelerator}]  # fmt: skip
-    for step in (50, 100):
+    inherited = 0
+    if branch is not None:
+        inherited = int(per_step * 50)
+        lines[0].update(step=50, resumed_from_step=50, run_dir=f"runs/{name}",
+                        resumed_from="runs/parent/checkpoints/step-00000050.ckpt")  # fmt: skip
+    for step in (50, 100)[1 if branch is not None else 0 :]:
         tokens = int(per_step * step)
+        own = {"run_tokens": tokens - inherited} if branch else {}
         lines.append({"event": "train", "time": float(step), "step": step, "tokens": tokens,
-                      "loss": loss + 0.1, "gpu_hours": 6 * n * tokens / RATE})  # fmt: skip
+                      "loss": loss + 0.1, "gpu_hours": 6 * n * (tokens - inherited) / RATE,
+                      **own})  # fmt: skip
     lines.append({"event": "val", "time": 100.0, "step": 100, "tokens": int(d), "val_loss": loss})
     if done:
+        own = {"run_tokens": int(d) - inherited} if branch else {}
         lines.append({"event": "end", "time": 101.0, "step": 100, "reason": "completed",
-                      "tokens": int(d), "gpu_hours": 6 * n * d / RATE})  # fmt: skip
+                      "tokens": int(d), "gpu_hours": 6 * n * (d - inherited) / RATE, **own})  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
-def _sweep(root: Path, sizes=SIZES, noise: float = 0.003, seed: int = 1) -> None:
+def _sweep(
+    root: Path, sizes=SIZES, noise: float = 0.003, seed: int = 1, branch: bool | None = None
+) -> None:
     rng = np.random.default_rng(seed)
     for n in sizes:
         for d in TOKENS:
             loss = law_loss(n, d) * math.exp(rng.normal(0, noise))
-            _write_run(root, f"n{n:.0e}-d{d:.0e}", n, d, loss)
+            _write_run(root, f"n{n:.0e}-d{d:.0e}", n, d, loss, branch=branch)
 
 
 def test_report_scaling_recovers_the_law_and_the_optimum(tmp_path: Path, capsys) -> None:
@@ -227,6 +239,30 @@ def test_report_scaling_recovers_the_law_and_the_optimum(tmp_path: Path, capsys)
     out = capsys.readouterr().out
     assert "over 12 finished runs of 4 sizes" in out and "compute-optimal: N = " in out
     assert "leave-one-out error" in out and "alpha  = 0.3" in out
+
+
+def test_a_sweep_of_branches_turns_gpu_hours_into_flops_over_their_own_tokens(tmp_path, capsys):
+    """Each run a branch from step 50 of another (a cooldown sweep): D is the model's tokens, its
+    parent's included, but its GPU-hours are its own, spent on half of them. The rate was
+    6 N D over those hours: twice the truth here, and 1000x for a fine-tune of a long pretrain.
+    A branch's older log, which does not say which tokens were its own, gives no rate: with no
+    run that does, --gpu-hours is one error line.
+
+    Mutations caught: the rate over D; an older branch's hours taken over all its tokens."""
+    from nanolab.scaling_fit import points_from_runs
+
+    _sweep(tmp_path / "new", branch=True)
+    assert main([str(tmp_path / "new"), "--scaling", "--gpu-hours", "1e5", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["scaling"]
+    assert data["budget"]["flops_per_gpu_hour"] == pytest.approx(RATE, rel=1e-6)
+    run = next(r for r in data["runs"] if r["run"] == "n1e+06-d1e+08")
+    assert run["d"] == 1e8 and run["run_tokens"] == 5e7
+    _sweep(tmp_path / "old", branch=False)
+    points, _ = points_from_runs([("b", tmp_path / "old" / "n1e+06-d1e+08")])
+    assert points[0].d == 1e8 and points[0].run_tokens is None
+    assert main([str(tmp_path / "old"), "--scaling", "--gpu-hours", "1e5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "which tokens were its own" in err, err
 
 
 def test_scaling_fits_the_runs_of_one_dataset_and_says_what_it_left_out(tmp_path, capsys):

@@ -251,13 +251,14 @@ class MetricsLog(StepCallback):
                     "writable folder"
                 ) from None
         earlier = trainer.strategy.broadcast(earlier, src=0)
-        if trainer.strategy.broadcast(adopted, src=0):
+        branched = bool(trainer.strategy.broadcast(adopted, src=0))
+        if branched:
             self.clock.start_new_run()  # another run's checkpoint: its hours are not this run's
         if earlier is not None:
             self.clock.account_earlier(*earlier)
         if resuming and trainer.is_global_zero and not adopted:
             self._write_unrecorded(trainer, path)
-        self.write(trainer, self._start_record(trainer, pl_module, config, resuming))
+        self.write(trainer, self._start_record(trainer, pl_module, config, resuming, branched))
         if trainer.is_global_zero:
             note = launch_schedule_note(trainer, pl_module, resuming)
             if note:  # every launch says it, with or without a progress bar
@@ -280,6 +281,7 @@ class MetricsLog(StepCallback):
         pl_module: L.LightningModule,
         config: dict[str, Any] | None,
         resuming: bool,
+        branched: bool = False,
     ) -> dict[str, Any]:
         run_dir = Path(trainer.default_root_dir)
         seed = os.environ.get("PL_GLOBAL_SEED")
@@ -294,6 +296,9 @@ class MetricsLog(StepCallback):
             "run_dir": str(run_dir),
             "resumed_from_step": int(trainer.global_step) if resuming else None,
             "resumed_from": str(trainer.ckpt_path) if resuming else None,
+            # A new run from another run's checkpoint: it plans its own LR schedule and counts
+            # its GPU-hours from zero; its tokens go on from its parent's (report reads it).
+            "branched": branched,
             "config": config,
             "config_hash": config_hash(config),
             "seed": int(seed) if seed is not None and seed.lstrip("-").isdigit() else None,
@@ -425,6 +430,8 @@ class MetricsLog(StepCallback):
             # Where the data order stands after this step (a branch's goes on from its parent's).
             "epoch": data_passes(trainer, int(step) - int(trainer.global_step), clock.run_tokens),
             "tokens": clock.tokens,
+            # This run's own (a branch's without its parent's): what its GPU-hours were paid for.
+            "run_tokens": clock.run_tokens,
             "loss": None,
             "lr": lr,
             "grad_norm": None,
@@ -534,6 +541,7 @@ class MetricsLog(StepCallback):
                 "gpu_hours": clock.gpu_hours(),
                 "cost": None,
                 "tokens": clock.tokens,
+                "run_tokens": clock.run_tokens,
                 "goodput": round(clock.goodput(), 4),
                 "best_val_loss": self.best_val_loss,
                 **clock.end_totals(),

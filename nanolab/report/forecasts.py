@@ -4,19 +4,19 @@ fitted over its LR schedule, and the text that says what it will reach."""
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
 from nanolab.report.groups import SeedGroup
 from nanolab.report.text import money
-from nanolab.runlog import written_in_training
+from nanolab.runlog import started_from_another_run, written_in_training
 from nanolab.runs import (
     EvenSample,
     config_of,
     iter_timeline,
     num,
+    own_tokens,
     planned_steps_of,
     si,
 )
@@ -65,13 +65,7 @@ def plans_lr_schedule(start: dict[str, Any]) -> bool:
     from no checkpoint, or from another run's (a branch plans its own cosine); a resume of the
     run's own checkpoint keeps the plan that checkpoint holds, whatever its
     ``trainer.max_steps`` (the launch says so)."""
-    if start.get("resumed_from_step") is None:
-        return True
-    source, run_dir = start.get("resumed_from"), start.get("run_dir")
-    if not isinstance(source, str) or not isinstance(run_dir, str):
-        return False
-    own = os.path.normpath(os.path.abspath(run_dir))
-    return os.path.commonpath([own, os.path.normpath(os.path.abspath(source))]) != own
+    return start.get("resumed_from_step") is None or started_from_another_run(start)
 
 
 class ForecastReader:
@@ -91,8 +85,9 @@ class ForecastReader:
         self.last: dict[str, Any] | None = None
         self.before_last: dict[str, Any] | None = None  # of the same launch as ``last``
         self.latest: dict[str, tuple[float, float | None]] = dict.fromkeys(
-            ("gpu_hours", "cost"), (-1, None)
+            ("gpu_hours", "cost", "run_tokens"), (-1, None)
         )
+        self.first_start: dict[str, Any] | None = None
         self.lrs = EvenSample(LR_SAMPLE)
 
     def add(self, r: dict[str, Any]) -> None:
@@ -100,6 +95,7 @@ class ForecastReader:
         event = r.get("event")
         if event == "start":
             self.start, self.before_last = r, None
+            self.first_start = self.first_start or r
             if self.plan is None or plans_lr_schedule(r):
                 self.plan = r
             return
@@ -157,7 +153,11 @@ class ForecastReader:
         plan = self.plan if self.plan is not None else start
         plan_config = config_of([plan] if plan else [], run_dir) or {}
         plan_steps = planned_steps_of(plan, plan_config)
-        tokens = num((last or {}).get("tokens"))
+        # The hours and cost are the run's own: per token of its own (a branch's without its
+        # parent's; None where an older log does not say).
+        own = own_tokens(
+            num((last or {}).get("tokens")), self.latest["run_tokens"][1], self.first_start
+        )
         gpu_h, cost = num(self.latest["gpu_hours"][1]), num(self.latest["cost"][1])
         sample = lrs.items + (
             [lrs.last] if lrs.last is not None and lrs.last not in lrs.items else []
@@ -173,8 +173,8 @@ class ForecastReader:
             schedule_for=schedule_for,
             plan_steps=plan_steps if plan_steps > 0 else None,
             warmup_steps=warmup,
-            gpu_hours_per_token=gpu_h / tokens if gpu_h and tokens else None,
-            cost_per_token=cost / tokens if cost and tokens else None,
+            gpu_hours_per_token=gpu_h / own if gpu_h and own else None,
+            cost_per_token=cost / own if cost and own else None,
         )
 
 
