@@ -19,6 +19,7 @@ from nanolab.data.windows import (
     ResumableBatchSampler,
     WindowPlan,
     epoch_seed,
+    rank_share,
     validation_starts,
 )
 
@@ -98,6 +99,49 @@ def test_an_epoch_order_takes_four_bytes_a_window_and_is_the_order_runs_always_h
     assert offset == int(torch.randint(0, w.max_offset + 1, (1,), generator=g))
     assert order.dtype == np.int32
     assert np.array_equal(order, torch.randperm(w.num_windows, generator=g).numpy())
+
+
+def test_batches_are_the_rank_shares_of_the_whole_order_in_every_layout():
+    """A rank keeps only its share of an epoch's order; each micro-batch is still exactly
+    rank_share of the whole order, so a resume (or an earlier version) trains the same windows."""
+    for world, B in ((1, 4), (2, 4), (3, 2)):
+        w = plan(world=world, B=B, seed=5)
+        i = IndexPlan(num_windows=333, micro_batch_size=B, world_size=world, seed=5)
+        for p in (w, i):
+            for epoch in (0, 1, 3):
+                offset, order, stride = p.fresh_layout(epoch)
+                for rank in range(world):
+                    for position in (0, 1, p.batches_per_epoch - 1):
+                        want = offset + rank_share(order, position, B, world, rank) * stride
+                        got = p.batch_starts(epoch * p.batches_per_epoch + position, rank)
+                        assert got.dtype == np.int64 and np.array_equal(got, want)
+
+
+def test_a_process_holds_one_epoch_share_not_every_order_it_trained(monkeypatch):
+    """Orders of past epochs were cached (4 x 191 MiB at 50M windows): only the share of the
+    epoch in use is held now, 1 / world_size of an order, and no whole order at all on 2 ranks."""
+    import gc
+    import weakref
+
+    from nanolab.data import windows
+
+    made: list[weakref.ref] = []
+    real = windows.window_permutation
+
+    def tracked(count: int, generator: torch.Generator) -> np.ndarray:
+        order = real(count, generator)
+        made.append(weakref.ref(order))
+        return order
+
+    monkeypatch.setattr(windows, "window_permutation", tracked)
+    for world in (1, 2):
+        made.clear()
+        p = plan(world=world, n=200_000, seed=1234 + world)
+        for epoch in range(4):
+            p.batch_starts(epoch * p.batches_per_epoch + 1, world - 1)
+        gc.collect()
+        alive = [ref for ref in made if ref() is not None]
+        assert len(made) == 4 and len(alive) == (1 if world == 1 else 0)
 
 
 def test_token_offsets_past_two_billion_do_not_wrap_in_the_int32_order():

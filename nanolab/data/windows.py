@@ -10,10 +10,9 @@ after ``g`` micro-batches starts at ``g`` and sees exactly what the uninterrupte
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -69,21 +68,21 @@ class WindowPlan(_Epochs):
         return self.num_tokens - 1 - self.num_windows * self.block_size
 
     def epoch_layout(self, epoch: int) -> tuple[int, np.ndarray]:
-        """(offset, permutation of window indices) for ``epoch``."""
+        """(offset, permutation of window indices) for ``epoch``, made anew (uncached)."""
         return _epoch_layout(self, epoch)
 
     def fresh_layout(self, epoch: int) -> tuple[int, np.ndarray, int]:
         """(offset, order, stride) of ``epoch``, uncached: window ``i`` of the epoch's order
         is read at token ``offset + order[i] * stride`` (``order[i]`` widened to int64 first:
         the order is int32, :func:`window_permutation`)."""
-        return (*_epoch_layout.__wrapped__(self, epoch), self.block_size)
+        return (*_epoch_layout(self, epoch), self.block_size)
 
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
         """Token offsets of the windows in micro-batch ``global_batch`` (counted over all epochs)."""
         epoch, position = divmod(global_batch, self.batches_per_epoch)
-        offset, order = self.epoch_layout(epoch)
-        windows = rank_share(order, position, self.micro_batch_size, self.world_size, rank)
-        return offset + windows * self.block_size  # int64: rank_share widens the order's int32
+        offset, share = _HELD.share(self, epoch, rank, lambda: _epoch_layout(self, epoch))
+        windows = share_batch(share, position, self.micro_batch_size)
+        return offset + windows * self.block_size  # int64: share_batch widens the order's int32
 
 
 def rank_share(order: np.ndarray, position: int, micro: int, world: int, rank: int) -> np.ndarray:
@@ -95,7 +94,53 @@ def rank_share(order: np.ndarray, position: int, micro: int, world: int, rank: i
     return order[first + rank : first + micro * world : world].astype(np.int64)
 
 
-@lru_cache(maxsize=4)
+def epoch_share(order: np.ndarray, plan: _Epochs, rank: int) -> np.ndarray:
+    """Every window rank ``rank`` trains on in an epoch's ``order``, in the order it trains
+    them: :func:`rank_share` of each whole micro-batch position, end to end (the windows past
+    the last whole one are never trained). ``1 / world_size`` of the order, held apart from it
+    so the whole order can be freed."""
+    share = order[rank : plan.windows_per_pass : plan.world_size]
+    return share if plan.world_size == 1 else share.copy()
+
+
+def share_batch(share: np.ndarray, position: int, micro: int) -> np.ndarray:
+    """Micro-batch ``position`` of a rank's :func:`epoch_share`, as int64 (what
+    :func:`rank_share` gives from the whole order)."""
+    return share[position * micro : (position + 1) * micro].astype(np.int64)
+
+
+class _HeldShare:
+    """The one epoch share a process keeps: that of the (plan, epoch, rank) it last trained on.
+
+    A training process draws its micro-batches in order, one rank, one epoch after another, so
+    it needs one epoch's share at a time; keeping earlier epochs' orders (4 bytes a window
+    each: 191 MiB at 50M windows) bought nothing but memory. Plans are compared by value, so the
+    plan a data module builds again for a check shares the slot with the sampler's."""
+
+    def __init__(self) -> None:
+        self._held: tuple[tuple[Any, int, int], int, np.ndarray] | None = None
+
+    def share(
+        self,
+        plan: _Epochs,
+        epoch: int,
+        rank: int,
+        layout: Callable[[], tuple[int, np.ndarray]],
+    ) -> tuple[int, np.ndarray]:
+        """(offset, :func:`epoch_share`) of ``plan``'s ``epoch`` for ``rank``; ``layout``
+        makes the epoch's (offset, order) when the slot holds another."""
+        key = (plan, epoch, rank)
+        held = self._held
+        if held is None or held[0] != key:
+            held = self._held = None  # the old share goes before the new order is made
+            offset, order = layout()
+            held = self._held = (key, offset, epoch_share(order, plan, rank))
+        return held[1], held[2]  # this call's own, whatever another thread holds meanwhile
+
+
+_HELD = _HeldShare()
+
+
 def _epoch_layout(plan: WindowPlan, epoch: int) -> tuple[int, np.ndarray]:
     g = torch.Generator().manual_seed(epoch_seed(plan.seed, epoch))
     offset = int(torch.randint(0, plan.max_offset + 1, (1,), generator=g))
@@ -132,15 +177,14 @@ class IndexPlan(_Epochs):
     def batch_starts(self, global_batch: int, rank: int) -> np.ndarray:
         """Window numbers of rank ``rank``'s micro-batch ``global_batch`` (over all epochs)."""
         epoch, position = divmod(global_batch, self.batches_per_epoch)
-        order = _order(self.num_windows, self.seed, epoch)
-        return rank_share(order, position, self.micro_batch_size, self.world_size, rank)
+        _, share = _HELD.share(self, epoch, rank, lambda: self.fresh_layout(epoch)[:2])
+        return share_batch(share, position, self.micro_batch_size)
 
     def fresh_layout(self, epoch: int) -> tuple[int, np.ndarray, int]:
         """(0, order, 1) of ``epoch``, uncached: the keys are the window numbers themselves."""
-        return 0, _order.__wrapped__(self.num_windows, self.seed, epoch), 1
+        return 0, _order(self.num_windows, self.seed, epoch), 1
 
 
-@lru_cache(maxsize=4)
 def _order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
     return window_permutation(num_windows, torch.Generator().manual_seed(epoch_seed(seed, epoch)))
 
