@@ -19,6 +19,7 @@ import math
 import re
 import statistics
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,38 @@ class RunsError(NanolabError):
     """A folder of runs that cannot be read (missing, not a folder)."""
 
 
+class ValPoints:
+    """A run's (tokens, val loss) points, held as two packed columns: 16 bytes a point, where a
+    list of tuples took ~120 (a report of 50 runs x 10^5 validations held 570 MiB of them).
+    Reads as the list of tuples it replaces: iterated, counted, compared with a list."""
+
+    def __init__(self, points: Iterable[tuple[int, float]]) -> None:
+        self._tokens: array[int] | list[int] = array("q")
+        self._losses = array("d")
+        for tokens, loss in points:
+            try:
+                self._tokens.append(tokens)
+            except OverflowError:  # a count past 2^63 (a hand-edited log): held as it is
+                self._tokens = [*self._tokens, tokens]
+            self._losses.append(loss)
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        return zip(self._tokens, self._losses, strict=True)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ValPoints | list | tuple):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ValPoints({list(self)!r})"
+
+
 @dataclass
 class RunSummary:
     """One run, as the report shows it (every figure from its own log; None = not logged)."""
@@ -99,7 +132,7 @@ class RunSummary:
     resumes: int = 0
     rollbacks: int = 0  # loss spikes rolled back (``spike`` records with a restored step)
     #: (tokens, val loss) of every validation, for comparisons at equal tokens (not in --json)
-    val_points: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    val_points: ValPoints = field(default_factory=lambda: ValPoints([]), repr=False)
     started: float | None = None
     updated: float | None = None
     run_dir: str = ""
@@ -998,11 +1031,11 @@ def _set_val(s: RunSummary, val: list[dict[str, Any]]) -> None:
         key=lambda r: r["val_loss"],
         default=None,
     )
-    s.val_points = [
+    s.val_points = ValPoints(
         (int(r["tokens"]), float(r["val_loss"]))
         for r in val
         if isinstance(r.get("tokens"), int) and num(r.get("val_loss")) is not None
-    ]
+    )
     if best is not None:
         s.best_val_loss, s.best_val_step = float(best["val_loss"]), best.get("step")
         s.first_val_loss = num(next(r["val_loss"] for r in val if num(r.get("val_loss"))))
