@@ -524,7 +524,10 @@ class CostBudget(StepCallback):
             "forecast_end_band": None,
             "gain": None,
             "gain_optimistic": None,
-            "gain_per_gpu_hour": None,
+            # The optimistic gain over the GPU-hours left (what payoff_per_gpu_hour compares):
+            # named for what it is, not the plain gain per GPU-hour (logs before it: the key
+            # ``gain_per_gpu_hour``, the same quantity).
+            "gain_optimistic_per_gpu_hour": None,
             "note": None,
             "decision": "continue",
         }
@@ -560,10 +563,10 @@ class CostBudget(StepCallback):
         out.update(model=model, forecast_now=now, forecast_end=end_loss, forecast_end_band=band,
                    gain=gain, gain_optimistic=optimistic)  # fmt: skip
         if remaining > 0:
-            out["gain_per_gpu_hour"] = optimistic / remaining
+            out["gain_optimistic_per_gpu_hour"] = optimistic / remaining
         if self.payoff_threshold is not None and optimistic < self.payoff_threshold:
             out["decision"] = "stop"
-        per_hour = out["gain_per_gpu_hour"]
+        per_hour = out["gain_optimistic_per_gpu_hour"]
         if self.payoff_per_gpu_hour is not None and (
             per_hour is None or per_hour < self.payoff_per_gpu_hour
         ):
@@ -672,7 +675,7 @@ def payoff_detail(payoff: dict[str, Any]) -> str:
     if payoff["threshold"] is not None and payoff["gain_optimistic"] < payoff["threshold"]:
         why.append(f"< threshold {payoff['threshold']:g}")
     if payoff["per_gpu_hour_threshold"] is not None:
-        per = payoff["gain_per_gpu_hour"]
+        per = payoff["gain_optimistic_per_gpu_hour"]
         per_text = f"{per:.4g}" if per is not None else "none"
         why.append(f"{per_text}/GPU-h vs payoff_per_gpu_hour {payoff['per_gpu_hour_threshold']:g}")
     return (
