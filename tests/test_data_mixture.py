@@ -250,6 +250,48 @@ def test_a_mixture_trains_and_logs_each_dataset(tmp_path, capsys):
     assert ckpt["nanolab"]["tokenizer"]["name"] == "bytes"  # generate needs only the checkpoint
 
 
+def test_served_counts_each_datasets_windows_as_the_stream_gives_them():
+    plan = mixture((0.5, 0.3, 0.2), sizes=(4000, 3000, 2000))
+    counts = [0, 0, 0]
+    for slot in range(700):
+        assert plan.served(slot) == counts
+        counts[plan.slot_source(slot)[0]] += 1
+
+
+def test_a_mixture_says_which_dataset_repeats_though_its_epoch_is_below_one(tmp_path, capsys):
+    """A small dataset at a large share goes round its windows more than once while the
+    ``epoch`` (windows served over every dataset's windows together) is still below 1: the
+    banner said nothing of it. It now names the dataset repeated most and its own passes, and
+    the end record gives each dataset's (``dataset_passes``), as the stream serves them."""
+    datasets = two_datasets(tmp_path, code_weight=0.75)
+    steps, micro = 40, 4
+    config = fit_config(
+        tmp_path,
+        {"datasets": datasets},
+        trainer={"max_steps": steps},
+        run={"eval_every_steps": 20},
+        checkpoint={"every_n_steps": 20},
+    )
+    code, err = fit_in_process(capsys, config)
+    assert code == 0, err[-20:]
+    log = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    plan = MixturePlan(
+        [json.loads((Path(d["path"]) / "meta.json").read_text())["train_tokens"] for d in datasets],
+        [d["weight"] for d in datasets], 32, micro, 1, 0,
+    )  # fmt: skip
+    served = [0, 0]
+    for slot in range(steps * micro):  # the stream itself, slot by slot
+        served[plan.slot_source(slot)[0]] += 1
+    own = [served[i] / plan.plans[i].num_windows for i in range(2)]
+    assert own[1] > 1 and read_records(log, "train")[-1]["epoch"] < 1  # the case at hand
+    end = read_records(log, "end")[-1]
+    assert end["dataset_passes"] == {
+        d["path"]: pytest.approx(p, abs=1e-4) for d, p in zip(datasets, own, strict=True)
+    }
+    said = f"the data repeats: {own[1]:.3g} passes over {datasets[1]['path']}'s"
+    assert said in fit_in_process.stdout, fit_in_process.stdout
+
+
 # -- exact resume on a mixture (the single-dataset version: test_resume_exact.py) ------------
 STEPS, ACCUMULATE = 10, 2
 

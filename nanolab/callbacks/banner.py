@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 
 from nanolab.callbacks.clock import RunClock
-from nanolab.data.order import data_passes, declared_pass_tokens
+from nanolab.data.order import data_passes, dataset_passes, declared_pass_tokens
 from nanolab.estimator.run_length import HOUR_LIMITS, hour_limits, run_length
 from nanolab.model.param_sizes import parameter_numel
 
@@ -384,6 +384,28 @@ def estimate_seconds(trainer: L.Trainer, steps: int, tokens: int) -> tuple[float
     return max(0.0, seconds - STARTUP_S), str(how)
 
 
+def repeat_note(trainer: L.Trainer, steps_ahead: int, tokens: int) -> str | None:
+    """``the data repeats: ...`` when the order, where it stands ``steps_ahead`` steps on (a
+    fork's own loader: ``tokens`` trained by then), has served some data more than once, else
+    None. A mixture's ``epoch`` counts all its datasets' windows together, so the dataset
+    repeated most is said, with its own passes: one of few windows and a large share repeats
+    long before that epoch reaches 1."""
+    mixture = dataset_passes(trainer, steps_ahead)
+    if mixture:
+        most = max(mixture, key=lambda d: d.passes)
+        if most.passes <= 1:
+            return None
+        return (
+            f"the data repeats: {most.passes:.3g} passes over {most.name}'s "
+            f"{_count(most.pass_tokens)} training tokens (the mixture's most repeated dataset)"
+        )
+    passes = data_passes(trainer, steps_ahead, tokens)
+    if passes is None or passes <= 1:
+        return None
+    split = _count(declared_pass_tokens(getattr(trainer, "datamodule", None)) or 0)
+    return f"the data repeats: {passes:.3g} passes over its {split} training tokens"
+
+
 def banner_lines(
     trainer: L.Trainer, pl_module: L.LightningModule, estimate: bool = True
 ) -> list[str]:
@@ -435,11 +457,9 @@ def banner_lines(
             callbacks = getattr(trainer, "callbacks", ())
             clock = next((c for c in callbacks if isinstance(c, RunClock)), None)
             so_far = clock.run_tokens if clock is not None else start * per_step[0]
-            # where the order stands at the end (a fork's own loader: the tokens trained by then)
-            passes = data_passes(trainer, end - start, so_far + (end - start) * per_step[0])
-            if passes is not None and passes > 1:
-                split = _count(declared_pass_tokens(getattr(trainer, "datamodule", None)) or 0)
-                steps += f"; the data repeats: {passes:.3g} passes over its {split} training tokens"
+            repeats = repeat_note(trainer, end - start, so_far + (end - start) * per_step[0])
+            if repeats is not None:
+                steps += f"; {repeats}"
         if horizon is not None and start >= horizon and end > horizon:
             steps += f"; {ended_schedule_note(trainer, start, end, horizon)}; "
             steps += cosine_again(pl_module)

@@ -66,7 +66,7 @@ from nanolab.callbacks.rundir import (
 from nanolab.callbacks.step import StepCallback
 from nanolab.callbacks.throughput import METER_FIELDS
 from nanolab.claimed import LeftClaimedDir
-from nanolab.data.order import data_passes
+from nanolab.data.order import data_passes, dataset_passes
 from nanolab.errors import NanolabError, disk_full, room_left
 from nanolab.messages import warn
 from nanolab.model.param_sizes import parameter_numel
@@ -104,6 +104,13 @@ def data_identity(trainer: L.Trainer) -> str | None:
         return content_identity(fingerprint())
     except (AttributeError, OSError, TypeError, ValueError):  # not set up: unknown, not guessed
         return None
+
+
+def _dataset_passes(trainer: L.Trainer) -> dict[str, float] | None:
+    """The end record's ``dataset_passes``: each dataset of a mixture and its own passes by
+    now (:func:`nanolab.data.order.dataset_passes`); None for one dataset."""
+    passes = dataset_passes(trainer)
+    return {d.name: d.passes for d in passes} if passes else None
 
 
 class MetricsLog(StepCallback):
@@ -544,6 +551,8 @@ class MetricsLog(StepCallback):
                 "run_tokens": clock.run_tokens,
                 "goodput": round(clock.goodput(), 4),
                 "best_val_loss": self.best_val_loss,
+                # A mixture's own passes over each dataset (its epoch counts them together).
+                "dataset_passes": _dataset_passes(trainer),
                 **clock.end_totals(),
             }
             record.update(collect_fields(trainer, "end"))

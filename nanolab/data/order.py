@@ -22,7 +22,7 @@ run's jumps. On an unchanged layout that is exactly the position such a resume a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from nanolab.data.skips import Jump, data_position, jumps, read_ledger
 
@@ -174,9 +174,43 @@ def data_passes(trainer: Any, steps_ahead: int = 0, tokens: int | None = None) -
     windows, unit = getattr(plan, "windows_per_pass", None), unit_of(plan)
     if not isinstance(windows, int) or windows < 1 or unit is None:
         return None
+    return round(max(0, position * unit - pass_origin(trainer)) / windows, 4)
+
+
+def pass_origin(trainer: Any) -> int:
+    """The window of the order this run's passes count from (the data module's
+    ``pass_origin``: a branch onto other data begins its first pass there), else 0."""
     origin = getattr(getattr(trainer, "datamodule", None), "pass_origin", 0)
-    origin = origin if isinstance(origin, int) and not isinstance(origin, bool) else 0
-    return round(max(0, position * unit - origin) / windows, 4)
+    return origin if isinstance(origin, int) and not isinstance(origin, bool) else 0
+
+
+class DatasetPasses(NamedTuple):
+    """One dataset of a mixture: how often its own windows have been trained on."""
+
+    name: str
+    passes: float  # its windows served over its windows (1.5: halfway through its second)
+    pass_tokens: int  # the tokens one pass over its windows trains on
+
+
+def dataset_passes(trainer: Any, steps_ahead: int = 0) -> list[DatasetPasses] | None:
+    """Each dataset's own passes of a mixture by :func:`order_position`, or None (one
+    dataset, or no nanolab sampler). A mixture's ``epoch`` (:func:`data_passes`) counts the
+    windows of all its datasets together, a pass over none of them: a dataset of a large
+    share and few windows repeats while the ``epoch`` is still below 1, so what repeats, and
+    how often, is said per dataset (counted from ``pass_origin``, as the epoch is)."""
+    place = order_position(trainer, steps_ahead)
+    if place is None:
+        return None
+    plan, position = place
+    served, unit = getattr(plan, "served", None), unit_of(plan)
+    if not callable(served) or unit is None:
+        return None
+    now, before = served(position * unit), served(pass_origin(trainer))
+    block = int(plan.block_size)
+    return [
+        DatasetPasses(name, round(max(0, n - b) / own.num_windows, 4), own.num_windows * block)
+        for name, n, b, own in zip(plan.names, now, before, plan.plans, strict=True)
+    ]
 
 
 def declared_pass_tokens(datamodule: Any) -> int | None:

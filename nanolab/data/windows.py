@@ -391,9 +391,22 @@ class MixturePlan:
 
     @property
     def windows_per_pass(self) -> int:
-        """Windows one pass over the training data serves: every window of each dataset once
-        (a dataset of a small share takes many passes over its own windows in one of these)."""
+        """Windows one pass over the training data serves, what a mixture's ``epoch`` counts
+        in: every dataset's windows together. No dataset's own pass: at its share each goes
+        through its own windows faster or slower (:meth:`served` says how far)."""
         return sum(plan.num_windows for plan in self.plans)
+
+    def served(self, slots: int) -> list[int]:
+        """Windows of each dataset the first ``slots`` slots of the stream hold, by the rule
+        :meth:`slot_source` follows (dataset ``d`` takes its share of what those before it
+        left over): exact counts, at once, so a dataset's own passes (its count over its
+        windows) need no walk over the stream."""
+        counts, left = [], max(0, int(slots))
+        for num, den in self._split:
+            taken = num * left // den
+            counts.append(taken)
+            left -= taken
+        return [*counts, left]
 
     def slot_source(self, slot: int) -> tuple[int, int]:
         """(dataset, index in that dataset's own window stream) of global slot ``slot``."""
