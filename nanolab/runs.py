@@ -275,11 +275,11 @@ def num(value: Any) -> float | None:
 
 
 def planned_steps_of(start: dict[str, Any] | None, config: dict[str, Any]) -> int:
-    """The step a run's last launch trains to, as its start record says (``planned_steps``:
-    ``trainer.max_steps``, or where ``budget.max_tokens`` stops a run of ``max_steps`` -1;
-    :func:`nanolab.training.optim.planned_steps`), -1 when nothing bounds it. A log written
-    before the record had it: the config's ``trainer.max_steps``. One rule for ``report``'s
-    forecast and ``status``'s progress and ETA."""
+    """The end a run's last launch planned its LR cosine for, as its start record says
+    (``planned_steps``: ``trainer.max_steps``, or where ``budget.max_tokens`` stops a run of
+    ``max_steps`` -1; :func:`nanolab.training.optim.planned_steps`), -1 when nothing bounds it. A log written
+    before the record had it: the config's ``trainer.max_steps``. ``report``'s forecast plans
+    with it; ``status`` counts to :func:`expected_end_of` (this, for a log without it)."""
     if start is not None and "planned_steps" in start:
         planned = num(start.get("planned_steps"))
     else:
@@ -301,6 +301,21 @@ def own_tokens(
     if first_start is not None and started_from_another_run(first_start):
         return None
     return tokens
+
+
+def expected_end_of(start: dict[str, Any] | None, config: dict[str, Any]) -> tuple[int, bool]:
+    """(step, estimated) where a run's last launch ends, as its start record says
+    (``expected_end``: the first of ``trainer.max_steps`` and its budgets' stops, an hours or
+    cost limit's an estimate), -1 when nothing bounds it. A log written before the record had
+    it: :func:`planned_steps_of` (a token budget's stop counted only with ``max_steps`` -1).
+    What ``status`` counts progress and its ETA to."""
+    if start is None or "expected_end" not in start:
+        return planned_steps_of(start, config), False
+    end = start.get("expected_end")
+    step = num(end.get("step")) if isinstance(end, dict) else None
+    if not step or step <= 0:
+        return -1, False
+    return int(step), bool(end.get("estimated"))
 
 
 def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float | None:

@@ -32,6 +32,31 @@ def test_token_budget_stops_with_a_checkpoint_and_reason(tmp_path, char_dataset)
     assert ckpt["global_step"] == 5  # the final state is saved
 
 
+def test_a_token_budget_that_stops_before_max_steps_is_where_progress_counts_to(
+    tmp_path, char_dataset, capsys
+):
+    """``trainer.max_steps`` 50 and a token budget that stops the run at step 6: the banner
+    said ``0 -> 6`` but the progress lines counted to 50 (``step 2/50 (4%)``) and the start
+    record gave only ``planned_steps`` 50, which status counted to. The start record now says
+    where the launch ends (``expected_end``; ``planned_steps`` stays the LR plan's), and the
+    progress lines count to it, the last line once."""
+    from nanolab.callbacks import StepProgressBar
+
+    run = tmp_path / "run"
+    bar = StepProgressBar(refresh_rate=2, mode="plain", plain_every_s=0)
+    budget = CostBudget(max_tokens=6 * TOKENS_PER_MICRO_BATCH)
+    fit(run, char_dataset, [MetricsLog(), budget, bar], max_steps=50, eval_every=2,
+        enable_progress_bar=True)  # fmt: skip
+    (start,) = events(run / "metrics.jsonl", "start")
+    assert start["planned_steps"] == 50  # the cosine's plan: max_steps
+    assert start["expected_end"] == {"step": 6, "by": "budget.max_tokens", "estimated": False}
+    out = capsys.readouterr().out
+    assert "  steps      0 -> 6 (budget.max_tokens)" in out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"], lines
+    assert lines[0].startswith("step 2/6 (33%)")
+
+
 def test_gpu_hour_budget_counts_across_resume(tmp_path, char_dataset):
     run = tmp_path / "run"
     callbacks = [MetricsLog(), RotatingCheckpoint(every_n_steps=2)]

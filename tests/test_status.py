@@ -98,6 +98,34 @@ def test_a_run_planned_by_its_token_budget_has_progress_and_an_eta(tmp_path: Pat
     assert "40/100 (40%)" in capsys.readouterr().out
 
 
+def test_a_run_a_budget_stops_before_max_steps_counts_to_where_it_stops(tmp_path, capsys):
+    """``trainer.max_steps`` 3000 and a budget that stops the run at step 100: status counted
+    to 3000 (``40/3000 (1%)``, an ETA for 2,960 steps) from ``planned_steps``, the LR plan's
+    end. It counts to the start record's ``expected_end``; a time limit's end is an estimate,
+    shown ``~``; a log from before the field keeps ``planned_steps``."""
+    now = time.time()
+    runs = tmp_path / "runs"
+    config = {"trainer": {"max_steps": 3000}, "budget": {"max_tokens": 100_000}}
+    for name, end in (
+        ("tokens", {"step": 100, "by": "budget.max_tokens", "estimated": False}),
+        ("hours", {"step": 100, "by": "budget.max_wall_hours", "estimated": True}),
+    ):
+        records = training(name, now - 2, 40)
+        records[0] = {**records[0], "config": config, "planned_steps": 3000, "expected_end": end}
+        write_log(runs / name, records)
+    old = training("old", now - 2, 40)
+    old[0] = {**old[0], "config": config, "planned_steps": 3000}
+    write_log(runs / "old", old)
+    assert main([str(runs), "--json"]) == 0
+    lines = {r["run"]: r for r in json.loads(capsys.readouterr().out)["running"]}
+    assert (lines["tokens"]["max_steps"], lines["tokens"]["eta_s"]) == (100, 30.0)
+    assert (lines["hours"]["max_steps"], lines["hours"]["end_estimated"]) == (100, True)
+    assert lines["old"]["max_steps"] == 3000
+    assert main([str(runs)]) == 0
+    text = capsys.readouterr().out
+    assert "40/100 (40%)" in text and "40/~100 (40%)" in text and "40/3000 (1%)" in text
+
+
 def test_nothing_to_show_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main([]) == 2  # no runs/ and no queue

@@ -199,6 +199,37 @@ def never_decays(warmup: int, steps: int) -> bool:
     return warmup > 0 and steps <= warmup + 1
 
 
+@dataclass(frozen=True)
+class ExpectedEnd:
+    """The step a launch is expected to end at: the first of ``trainer.max_steps``, the step
+    ``budget.max_tokens`` stops it at, and the step an hours, GPU-hours or cost limit stops it
+    at, which is an estimate (a step time turns the hours into steps). Not the LR plan's end
+    (``planned_steps``): a run of ``max_steps`` 3000 that a token budget stops at step 400
+    plans its cosine for 3000 steps and ends at 400.
+
+    Attributes:
+        step: The step it ends at.
+        by: The setting that ends it there (``trainer.max_steps``, ``budget.max_tokens``,
+            ``budget.max_wall_hours``, ...).
+        how: How a time limit's step is known (``an estimate at the measured 0.2 s/step``).
+        estimated: A time limit's step: said ``~``, as the banner says it.
+    """
+
+    step: int
+    by: str
+    how: str = ""
+    estimated: bool = False
+
+    @property
+    def shown(self) -> str:
+        """``400``, or ``~400`` for an estimate."""
+        return f"~{self.step}" if self.estimated else str(self.step)
+
+    def record(self) -> dict[str, Any]:
+        """The start record's ``expected_end``."""
+        return {"step": self.step, "by": self.by, "estimated": self.estimated}
+
+
 def token_end(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
     """The step ``budget.max_tokens`` stops this launch at, counted from where it stands with
     what it has spent (the budget's own rule: ``CostBudget.token_steps``), or None: no token
@@ -217,8 +248,8 @@ PLAN_STEPS = 1000
 
 def time_budget_end(
     trainer: L.Trainer, pl_module: L.LightningModule, tokens: int, plan: bool = True
-) -> tuple[int, str] | None:
-    """(step, how it is known) where the budget's hours, GPU-hours or cost stop this launch,
+) -> ExpectedEnd | None:
+    """Where the budget's hours, GPU-hours or cost stop this launch,
     by the run-length rule fit's budget and ``nanolab queue`` use
     (:func:`nanolab.estimator.run_length.run_length`), from what the run has spent; None: no
     such limit, or no step time to turn it into steps. The step time is the one the run's
@@ -243,7 +274,31 @@ def time_budget_end(
     length = run_length(None, limits, tokens, step_s, world, budget.run_spent(trainer))
     if length is None or length.source not in HOUR_LIMITS:
         return None
-    return length.steps, f"{length.source}, {how}"
+    return ExpectedEnd(length.steps, length.source, f"{length.source}, {how}", estimated=True)
+
+
+def expected_end(
+    trainer: L.Trainer, pl_module: L.LightningModule, plan: bool = True
+) -> ExpectedEnd | None:
+    """Where this launch ends if nothing else stops it (None: nothing bounds it in steps):
+    the first of ``trainer.max_steps`` (a ``fast_dev_run``'s steps), :func:`token_end` and
+    :func:`time_budget_end` (``plan`` False: only with a measured step time). What the banner's
+    steps line, the progress line and the start record's ``expected_end`` say."""
+    end, by = trainer.max_steps, "trainer.max_steps"
+    dev_run = getattr(trainer, "fast_dev_run", False)
+    if dev_run:  # Lightning counts those in micro-batches: N of them are ceil(N / accumulation)
+        batches = 1 if dev_run is True else int(dev_run)
+        accumulate = int(trainer.accumulate_grad_batches or 1)
+        end = min(end, -(-batches // accumulate)) if end and end > 0 else -(-batches // accumulate)
+    best = ExpectedEnd(int(end), by) if end is not None and end > 0 else None
+    by_tokens = token_end(trainer, pl_module)
+    if by_tokens is not None and (best is None or by_tokens < best.step):
+        best = ExpectedEnd(by_tokens, "budget.max_tokens")
+    per_step = tokens_per_step(trainer, pl_module)
+    timed = time_budget_end(trainer, pl_module, per_step[0], plan) if per_step else None
+    if timed is not None and (best is None or timed.step < best.step):
+        best = timed
+    return best
 
 
 def budget_planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
@@ -429,29 +484,22 @@ def banner_lines(
     lines.append(
         f"  devices    {trainer.num_devices} {device}{nodes} ({strategy}), precision {trainer.precision}"
     )
-    start, end = trainer.global_step, trainer.max_steps
-    dev_run = getattr(trainer, "fast_dev_run", False)
-    if dev_run:  # Lightning counts those in micro-batches: N of them are ceil(N / accumulation)
-        batches = 1 if dev_run is True else int(dev_run)
-        accumulate = int(trainer.accumulate_grad_batches or 1)
-        end = min(end, -(-batches // accumulate)) if end and end > 0 else -(-batches // accumulate)
+    start = trainer.global_step
     ckpt = getattr(trainer, "ckpt_path", None)
     if ckpt and start > 0:
         lines.append(f"  resume     from step {start} ({ckpt})")
     else:
         lines.append("  resume     none: a new run from step 0")
-    timed = time_budget_end(trainer, pl_module, per_step[0], estimate) if per_step else None
-    if (end is not None and end > 0) or timed is not None:
+    expected = expected_end(trainer, pl_module, estimate)
+    # A run of max_steps -1 that only a token budget bounds: said with its LR plan, below.
+    unbounded = int(trainer.max_steps or -1) <= 0 and not getattr(trainer, "fast_dev_run", False)
+    if expected is not None and not (unbounded and expected.by == "budget.max_tokens"):
         horizon = schedule_end(trainer)
-        by_tokens = token_end(trainer, pl_module)
-        stopped_by, about = "", ""
-        if by_tokens is not None and (end is None or end <= 0 or by_tokens < end):
-            end, stopped_by = by_tokens, " (budget.max_tokens)"
-        if timed is not None and (end is None or end <= 0 or timed[0] < end):
-            (end, how), about = timed, "~"  # where a time or cost limit stops it, at a step time
-            stopped_by = f" ({how})"
-        assert end is not None
-        steps = f"  steps      {start} -> {about}{end}{stopped_by}"
+        end = expected.step
+        stopped_by = (
+            "" if expected.by == "trainer.max_steps" else f" ({expected.how or expected.by})"
+        )
+        steps = f"  steps      {start} -> {expected.shown}{stopped_by}"
         if per_step is not None:
             steps += f" ({_count((end - start) * per_step[0])} tokens to go)"
             callbacks = getattr(trainer, "callbacks", ())

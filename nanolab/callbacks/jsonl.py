@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import nanolab
-from nanolab.callbacks.banner import launch_schedule_note
+from nanolab.callbacks.banner import expected_end, launch_schedule_note
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.devices import device_names
 from nanolab.callbacks.events import (
@@ -325,10 +325,13 @@ class MetricsLog(StepCallback):
             "accelerator": type(trainer.accelerator).__name__,
             "num_params": num_params(pl_module),
             "global_batch_tokens": global_batch_tokens(trainer),
-            # The step this launch trains to (trainer.max_steps, or where budget.max_tokens stops
-            # it; None: neither), the end a new run's LR cosine is planned for: the forecast
-            # reads it, so a run of max_steps -1 is forecast on the schedule it trains with.
+            # The end a new run's LR cosine is planned for (trainer.max_steps, or where
+            # budget.max_tokens stops a run of max_steps -1; None: neither): the forecast reads
+            # it, so a run of max_steps -1 is forecast on the schedule it trains with.
             "planned_steps": planned if planned > 0 else None,
+            # Where this launch ends: the first of max_steps and every budget's stop (an hours
+            # or cost limit's an estimate); what progress and status count to. None: unbounded.
+            "expected_end": end.record() if (end := expected_end(trainer, pl_module)) else None,
             "flops_per_token": None,
             "peak_flops": None,
             "price_per_gpu_hour": None,

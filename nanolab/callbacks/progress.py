@@ -1,10 +1,12 @@
-"""Progress over optimizer steps: ETA to ``max_steps``, loss, tokens/s; plain lines in logs.
+"""Progress over optimizer steps: ETA to the launch's end, loss, tokens/s; plain lines in logs.
 
 Lightning's bar counts micro-batches of an endless loader ("123/?": no ETA), opens a second bar
 for every validation, and converts every progress-bar metric to a Python number at each
-refresh. This one counts optimizer steps against ``trainer.max_steps`` (from the restored step
-when resuming), with the rate and ETA of the last minutes' pace (:mod:`.eta`), reads the loss
-only around the refresh interval, in the step's one host read shared with the run log
+refresh. This one counts optimizer steps against the step the launch ends at, the banner's
+(``trainer.max_steps``, or sooner where a budget stops it: ``~`` for a time or cost limit's
+estimate), from the restored step when resuming, with the rate and ETA of the last minutes'
+pace (:mod:`.eta`), reads the loss only around the refresh interval, in the step's one host
+read shared with the run log
 (:mod:`.readout`) and never waiting for it (on a GPU a refresh shows the newest loss already
 copied, usually the step before's), takes tokens/s from the shared clock and shows the
 validation result in the same bar. Where the output is not a terminal (a queue job's log, a
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
@@ -30,12 +32,16 @@ from nanolab.callbacks.events import CallbackConfigError
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback, validation_follows
 
+if TYPE_CHECKING:
+    from nanolab.callbacks.banner import ExpectedEnd
+
 #: The bar's loss in the step readout (:mod:`nanolab.callbacks.readout`).
 PROGRESS_KEY = "progress:loss"
 
 
 def last_step(trainer: L.Trainer) -> int | None:
-    """The run's last optimizer step, ``trainer.max_steps``; None when it has none (-1)."""
+    """``trainer.max_steps``; None when it has none (-1). The bar's end before the launch's
+    expected end is known (:meth:`StepProgressBar.last_step`)."""
     return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
 
 
@@ -81,6 +87,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         self._loss: tuple[int, float] | None = None  # (step, loss): the newest on the host
         self._loss_keys: tuple[str, ...] = ()
         self._recent = RecentStepTime()  # the ETA's pace: the last minutes', not the launch's
+        self._end: ExpectedEnd | None = None  # where this launch ends (set at train start)
+        self._end_known = False
+        self._end_timed = False  # a time or cost limit's estimate: made again at refreshes
 
     @property
     def refresh_rate(self) -> int:
@@ -102,10 +111,39 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         return bar(desc=desc, disable=self.is_disabled, dynamic_ncols=True, file=sys.stdout,
                    bar_format=self.BAR_FORMAT, **kwargs)  # fmt: skip
 
-    def init_train_tqdm(self) -> Tqdm:
-        """One bar, counting optimizer steps from the restored step to ``max_steps``."""
-        trainer = self.trainer
+    def last_step(self, trainer: L.Trainer) -> int | None:
+        """The step this launch ends at (:func:`~nanolab.callbacks.banner.expected_end`: the
+        first of ``trainer.max_steps`` and the budget's stops), None when nothing bounds it.
+        A time or cost limit's step is an estimate, made again at each refresh from the step
+        time the budget has measured since."""
+        if not self._end_known:
+            return last_step(trainer)
+        return None if self._end is None else self._end.step
+
+    def _total(self, trainer: L.Trainer) -> str:
+        """``/400``, ``/~400`` (an estimate), or nothing."""
+        if self._end_known and self._end is not None:
+            return f"/{self._end.shown}"
         total = last_step(trainer)
+        return f"/{total}" if total else ""
+
+    def _find_end(self, trainer: L.Trainer) -> None:
+        """Where this launch ends, as the banner says it (a time or cost limit's at the step
+        time the budget measured, else the plan's estimate). Asked again at refreshes when
+        such a limit ends it: a newer measured step time moves the estimate."""
+        from nanolab.callbacks.banner import expected_end
+
+        try:
+            end = expected_end(trainer, trainer.lightning_module)
+        except Exception:  # a count to show, never in the way of a run: max_steps then
+            return
+        self._end, self._end_known = end, True
+        self._end_timed = self._end_timed or (end is not None and end.estimated)
+
+    def init_train_tqdm(self) -> Tqdm:
+        """One bar, counting optimizer steps from the restored step to the launch's end."""
+        trainer = self.trainer
+        total = self.last_step(trainer)
         step = trainer.global_step
         bar = self._bar("train", RecentPaceTqdm, total=total, initial=step, leave=self._leave,
                         smoothing=0)  # fmt: skip
@@ -123,6 +161,8 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             from nanolab.callbacks.banner import print_banner
 
             print_banner(trainer, pl_module)
+        if self.refresh_rate:
+            self._find_end(trainer)
         super().on_train_start(trainer, pl_module)
         if self.clock is not None:
             self._last = self.clock.snapshot()
@@ -137,7 +177,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
     def _refreshes(self, trainer: L.Trainer, step: int) -> bool:
         if self.refresh_rate == 0 or (not self.plain and self._train_progress_bar is None):
             return False
-        last = last_step(trainer)
+        last = self.last_step(trainer)
         return not (step % self.refresh_rate and step != last)
 
     def step_values(
@@ -159,7 +199,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
 
         loss = fresh_metrics(trainer, training=True).get(self.loss_key)
         if loss is not None:  # read with the run log's values: no sync of its own
-            last = last_step(trainer)
+            last = self.last_step(trainer)
             readout.put(PROGRESS_KEY, loss, now=step == last)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
@@ -170,7 +210,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         if not self._refreshes(trainer, step):
             return
         self._recent.add(time.monotonic(), step)
-        last = last_step(trainer)
+        if self._end_timed:  # a time or cost limit's end: at the newest measured pace
+            self._find_end(trainer)
+        last = self.last_step(trainer)
         self._show_values()
         if self.plain:  # a step that validates gets its line after the validation (with val)
             due = time.monotonic() - self._last_line >= self.plain_every_s
@@ -179,6 +221,7 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             return
         bar = self.train_progress_bar
         bar.n = step
+        bar.total = last
         bar.set_postfix(self._postfix, refresh=False)
         bar.refresh()
 
@@ -217,8 +260,9 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
         from nanolab.callbacks.banner import duration
 
         self._last_line = time.monotonic()
-        total = last_step(trainer)
-        text = f"step {step}/{total} ({step / total:.0%})" if total else f"step {step}"
+        total = self.last_step(trainer)
+        text = f"step {step}{self._total(trainer)}"
+        text += f" ({step / total:.0%})" if total else ""
         for key in ("loss", "val", "bpb"):
             if key in self._postfix:
                 text += f"  {key} {self._postfix[key]}"
@@ -242,9 +286,11 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
             bpb = trainer.callback_metrics.get("val/bpb")  # absent for data without byte counts
             if bpb is not None:
                 self._postfix["bpb"] = f"{float(bpb):.4f}"
-            last = last_step(trainer)
+            last = self.last_step(trainer)
             fitting, step = trainer.state.fn == "fit", trainer.global_step
-            if self.plain and fitting and self.refresh_rate and step != last:
+            # A stopping run's last validation: its line is the end's (on_train_end), once.
+            stopping = step == last or trainer.should_stop
+            if self.plain and fitting and self.refresh_rate and not stopping:
                 if self.clock is not None:  # this step's loss and rate, not the last refresh's
                     self._take_arrived_loss(self.clock.readout.drain())  # validation synced
                     self._show_values()

@@ -36,8 +36,8 @@ from nanolab.runs import (
     check_root,
     discover_runs,
     duration,
+    expected_end_of,
     num,
-    planned_steps_of,
     recent_mean,
     summarize_tail,
 )
@@ -60,7 +60,8 @@ class RunLine:
     run: str
     status: str
     step: int | None = None
-    max_steps: int | None = None
+    max_steps: int | None = None  # the step its launch ends at (not only trainer.max_steps)
+    end_estimated: bool = False  # max_steps is a time or cost limit's estimate: shown ~
     train_loss: float | None = None
     val_loss: float | None = None
     best_val_loss: float | None = None
@@ -110,14 +111,16 @@ def run_line(name: str, run_dir: Path, now: float, followed: FollowedRuns | None
     s, train, start = tail.summary, tail.train, tail.start or {}
     last = train[-1] if train else {}
     config = start.get("config") if isinstance(start.get("config"), dict) else {}
-    # The step the run trains to: trainer.max_steps, or where budget.max_tokens stops a run of
-    # max_steps -1 (its start record's planned_steps), so a budget-planned run has an ETA too.
-    max_steps = planned_steps_of(start or None, config)
+    # Where the launch ends: the first of trainer.max_steps and its budgets' stops (its start
+    # record's expected_end; a time limit's is an estimate, shown ~), so a budget-bound run
+    # counts to where it stops.
+    max_steps, estimated = expected_end_of(start or None, config)
     line = RunLine(
         run=name,
         status=s.status,
         step=s.steps,
         max_steps=max_steps if max_steps > 0 else None,
+        end_estimated=estimated,
         train_loss=s.train_loss,
         val_loss=s.final_val_loss,
         best_val_loss=s.best_val_loss,
@@ -258,7 +261,8 @@ def render(screen: Screen, roots: list[Path]) -> str:
         for r in screen.running:
             progress = "-" if r.step is None else str(r.step)
             if r.max_steps:
-                progress += f"/{r.max_steps} ({(r.step or 0) / r.max_steps:.0%})"
+                about = "~" if r.end_estimated else ""
+                progress += f"/{about}{r.max_steps} ({(r.step or 0) / r.max_steps:.0%})"
             mem = "-" if r.mem_bytes is None else f"{r.mem_bytes / 2**30:.1f}G"
             util = "-" if r.gpu_util is None else f"{r.gpu_util:.0f}%"
             since = duration(r.since_s) + " ago" + ("  STALLED" if r.stalled else "")
