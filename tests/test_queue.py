@@ -1147,6 +1147,23 @@ def test_a_group_of_one_config_under_unrelated_names_lists_every_name() -> None:
     assert group_header([job("lr-a", "done"), job("lr-b", "done")]).startswith("lr: 2 jobs")
 
 
+def test_a_group_header_counts_the_jobs_it_groups(tmp_path: Path, capsys) -> None:
+    """One config added as ``--name a --seeds 1,2``, then as ``b`` and ``c`` with no seed: the
+    header said ``a, b, c: 2 seeds (1, 2): 4 pending`` over four jobs; it says ``4 jobs``."""
+    from nanolab.queue.cli import group_header
+    from nanolab.queue.db import Job
+
+    def job(name: str, seed: int | None) -> Job:
+        fields = dict.fromkeys(Job.__dataclass_fields__)
+        return Job(**{**fields, "name": name, "status": "pending", "seed": seed})
+
+    mixed = [job("a-s1", 1), job("a-s2", 2), job("b", None), job("c", None)]
+    assert group_header(mixed) == "a, b, c: 4 jobs: 4 pending"
+    twice = [job("a-s1", 1), job("a-s2", 2), job("b-s1", 1), job("b-s2", 2)]
+    assert group_header(twice) == "a, b: 4 jobs: 4 pending"
+    assert group_header(mixed[:2]) == "a: 2 seeds (1, 2): 2 pending"
+
+
 def test_an_empty_until_is_refused(tmp_path: Path, capsys) -> None:
     """``--until ''`` (an unset shell variable) is refused in one line; it was ignored, and the
     runner started jobs with no deadline at all."""

@@ -387,7 +387,9 @@ def group_jobs(jobs: list[Job]) -> list[list[Job]]:
 
 
 def group_header(members: list[Job]) -> str:
-    """``quickstart-lr1e-3: 3 seeds (1, 2, 3): 2 done, 1 running``."""
+    """``quickstart-lr1e-3: 3 seeds (1, 2, 3): 2 done, 1 running``; ``a, b: 3 jobs: ...`` where
+    the members are not one seed each (``--seeds 1,2`` under one name and an unseeded job under
+    another): the counts after the colon always add up to what the label says."""
     names = [re.sub(r"-s-?\d+$", "", j.name) for j in members]
     label = names[0]
     if len(set(names)) > 1:  # one config under several names: the common part, or every name
@@ -395,7 +397,14 @@ def group_header(members: list[Job]) -> str:
         label = common or ", ".join(dict.fromkeys(names))
     seeds = [j.seed for j in members if j.seed is not None]
     counts = Counter(j.status for j in members)
-    what = f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if seeds else f"{len(members)} jobs"
+    # "N seeds" only where the seeds are the jobs, one each: with an unseeded job or a seed
+    # added twice under another name in the group, the seed list would miscount what follows it.
+    one_seed_each = len(seeds) == len(members) and len(set(seeds)) == len(seeds)
+    what = (
+        f"{len(seeds)} seeds ({', '.join(map(str, seeds))})"
+        if one_seed_each
+        else f"{len(members)} jobs"
+    )
     return f"{label}: {what}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
