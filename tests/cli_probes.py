@@ -37,6 +37,34 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.signal))
 
 
+class SignalInSave(L.Callback):
+    """Sends ``signal`` to this process from inside the checkpoint write of step ``step``
+    (once): the file's bytes are written, its rename and rotation are still to come, and the
+    step's own stop decisions are taken already. ``torch.save`` is put back at teardown (the
+    probe also runs inside a test's own process)."""
+
+    def __init__(self, step: int, signal: str = "SIGTERM") -> None:
+        self.step = step
+        self.signal = signal
+        self._real_save: Any = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        real_save, sent = torch.save, [False]
+        self._real_save = real_save
+
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            real_save(obj, f, *args, **kwargs)
+            if not sent[0] and isinstance(obj, dict) and obj.get("global_step") == self.step:
+                sent[0] = True
+                os.kill(os.getpid(), getattr(signal, self.signal))
+
+        torch.save = save
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._real_save is not None:
+            torch.save, self._real_save = self._real_save, None
+
+
 class SlowSteps(L.Callback):
     """Sleeps before every micro-batch: steps long enough for a test to act in the middle."""
 

@@ -331,6 +331,42 @@ def test_preempted_at_an_evaluation_step_keeps_the_evaluation(
     assert steps == list(range(1, end["step"] + 4))
 
 
+def test_a_signal_during_a_periodic_save_stops_on_that_checkpoint(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """A SIGTERM landing inside step 3's periodic checkpoint write (after the step's stop
+    decision): the run stops there, on step-3's checkpoint. It trained all of step 4 and saved
+    step-4 as well. The resumed run ends bit-identical to a run never stopped. (An
+    asynchronous save writes on its own thread while training goes on: a signal then lands in
+    the next step, which ends as usual.)"""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=6)
+    cfg["run"]["eval_every_steps"] = 100
+    cfg["checkpoint"] = {"every_n_steps": 1, "keep_last": 10}
+    reference = write_config(tmp_path / "ref.yaml", cfg)
+    assert nanolab_here("fit", "--config", str(reference), "--run.name", "ref",
+                        cwd=tmp_path).returncode == 0  # fmt: skip
+    probe = {"class_path": "cli_probes.SignalInSave", "init_args": {"step": 3}}
+    signalled = write_config(tmp_path / "sig.yaml", {**cfg, "trainer": {**cfg["trainer"],
+                                                                      "callbacks": [probe]}})  # fmt: skip
+    proc = nanolab_here("fit", "--config", str(signalled), cwd=tmp_path)
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    end = read_records(run / "metrics.jsonl", "end")[-1]
+    assert (end["reason"], end["step"]) == ("preempted", 3)
+    assert end["detail"].endswith("step-00000003.ckpt"), end
+    assert max(p.name for p in (run / "checkpoints").glob("step-*.ckpt")) == "step-00000003.ckpt"
+    resumed = nanolab_here("fit", "--config", str(reference), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ours = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    ref = torch.load(tmp_path / "runs" / "ref" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ours["global_step"] == ref["global_step"] == 6
+    for key, tensor in ref["state_dict"].items():
+        assert torch.equal(tensor, ours["state_dict"][key]), key
+    losses = [(r["step"], r["loss"]) for r in read_records(run / "metrics.jsonl", "train")]
+    assert losses == [(r["step"], r["loss"]) for r in read_records(
+        tmp_path / "runs" / "ref" / "metrics.jsonl", "train")]  # fmt: skip
+
+
 def test_fsdp2_resumes_its_own_checkpoint_on_several_devices_but_not_a_plain_one(tmp_path):
     """Lightning writes FSDP2's consolidated optimizer state by parameter index too, and maps it
     back onto the shards by name at load: nanolab's layout record says which strategy wrote the

@@ -46,7 +46,12 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
 from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
 from nanolab.callbacks.files import publish, remove
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
-from nanolab.callbacks.step import StepCallback, settle_step_values, validation_follows
+from nanolab.callbacks.step import (
+    StepCallback,
+    announce_save,
+    settle_step_values,
+    validation_follows,
+)
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
 from nanolab.errors import size_text
 from nanolab.messages import warn
@@ -346,7 +351,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if validation_follows(trainer):
             self._pending_save = True
             return
-        self._save(trainer, step)
+        self._scheduled_save(trainer, step)
 
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         value = trainer.callback_metrics.get(self.monitor)
@@ -360,7 +365,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             should = step in self._best_steps(self.val_by_step, steps)
         self._pending_save = False
         if should and self.last_saved_step != step:
-            self._save(trainer, step)
+            self._scheduled_save(trainer, step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.active:
@@ -393,6 +398,14 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self.flush_records(trainer)
 
     # -- saving ------------------------------------------------------------------------------
+    def _scheduled_save(self, trainer: L.Trainer, step: int) -> None:
+        """A save on this callback's own schedule (steps, minutes, best), then told to the step
+        callbacks: a signal that landed during the write stops the run on this checkpoint
+        rather than after one more step (and one more save) of training."""
+        path = self._save(trainer, step)
+        if path is not None:
+            announce_save(trainer, step, str(path))
+
     def save_now(self, trainer: L.Trainer) -> Path | None:
         """Save the current state as ``step-N.ckpt`` (+ ``last.ckpt``) now; returns its path.
 

@@ -11,7 +11,8 @@ nothing. This callback instead:
    when it is an evaluation step, or right after an evaluation the signal interrupted; with
    ``finish_validation: false`` before that evaluation, which the resumed run then runs first),
    all ranks agree to stop, a checkpoint is saved through the Trainer (the same atomic path as every other checkpoint),
-   and :class:`Preempted` is raised: other callbacks see it in ``on_exception`` (the JSONL log
+   and :class:`Preempted` is raised (a signal that lands during the step's periodic save stops
+   right after that save, on its checkpoint: not one more step of training and another save): other callbacks see it in ``on_exception`` (the JSONL log
    writes its ``end`` record with reason ``preempted``) and the process exits with
    :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again later");
    A loss spike or divergence found at that step (its values settled first) stands instead: the
@@ -300,6 +301,14 @@ class PreemptionHandler(StepCallback):
         if self._agreed(trainer, self._after_validation or self.received is not None):
             self._stop(trainer)
 
+    def on_saved(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, path: str
+    ) -> None:
+        # The decision in on_step came before the checkpoint callback's save: a signal that
+        # arrived during that save (a write of seconds to minutes) stops here, on its file.
+        if self._agreed(trainer, self.received is not None):
+            self._stop(trainer, saved=path)
+
     def _agreed(self, trainer: pl.Trainer, requested: bool) -> bool:
         """Whether to stop here: every rank stops at the same step, whichever was signalled;
         not after the last step, nor once a budget or plateau rule has stopped the run (it
@@ -309,7 +318,11 @@ class PreemptionHandler(StepCallback):
         ending = self._yielded or stop_reason(trainer)[0] in ENDS_ON_ITS_OWN
         return requested and not ending and not 0 < trainer.max_steps <= trainer.global_step
 
-    def _stop(self, trainer: pl.Trainer, before_first_step: bool = False) -> None:
+    def _stop(
+        self, trainer: pl.Trainer, before_first_step: bool = False, saved: str | None = None
+    ) -> None:
+        """Stop the run at this step with a checkpoint of it: ``saved`` when the run's
+        checkpoint callback has just written one, else one saved here."""
         if self.received is None:
             self.received = signal.SIGTERM  # another rank was signalled
         name, step = self.received.name, trainer.global_step
@@ -324,7 +337,7 @@ class PreemptionHandler(StepCallback):
             if self._yield_to_verdict(trainer, name):
                 return
             set_stop_reason(trainer, REASON, name)  # the end record's reason
-            path = save_checkpoint_now(trainer)
+            path = saved if saved is not None else save_checkpoint_now(trainer)
             waited = max(0.0, time.time() - (self.received_at or time.time()))
             what = f"after step {step}: saved {path} ({waited:.1f}s after the signal)"
         if trainer.is_global_zero:

@@ -17,6 +17,9 @@ others in an order that does not depend on where it sits in ``trainer.callbacks`
   callback's ``step_values``, and before any ``on_step``;
 * :meth:`~StepCallback.on_step` — an optimizer step just finished (``step`` = steps done);
 * :meth:`~StepCallback.on_validated` — an evaluation during fit ended (not the sanity check);
+* :meth:`~StepCallback.on_saved` — the checkpoint callback just saved a periodic checkpoint of
+  the step (every rank, at the same point): a stop decided after the step's ``on_step`` (a
+  signal that landed during the save) can end the run on that checkpoint;
 * :meth:`~StepCallback.on_values_arrived` — before a save: the values of finished steps that
   were still on their way from the device (:func:`settle_step_values`), for a callback whose
   state goes into the checkpoint; it takes them with :meth:`~StepCallback.unseen`, as it takes
@@ -192,6 +195,13 @@ class StepCallback(Callback):
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         """An evaluation during fit ended (never the sanity check); ``step`` as in ``on_step``."""
 
+    def on_saved(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, path: str
+    ) -> None:
+        """The checkpoint callback just saved ``path``, the state after optimizer step
+        ``step``, on its own schedule (not a save another callback asked for); called on every
+        rank at the same point, after the save (its rotation too, unless asynchronous)."""
+
     def on_values_arrived(
         self, trainer: L.Trainer, pl_module: L.LightningModule, arrived: list[tuple[int, Values]]
     ) -> None:
@@ -207,6 +217,14 @@ def active_step_callbacks(trainer: L.Trainer) -> list[StepCallback]:
     """The Trainer's active step callbacks, in the order events reach them."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     return sorted((c for c in callbacks if isinstance(c, StepCallback) and c.active), key=order_of)
+
+
+def announce_save(trainer: L.Trainer, step: int, path: str) -> None:
+    """Tell the active step callbacks that a checkpoint of ``step`` was saved at ``path``
+    (:meth:`~StepCallback.on_saved`); called by the checkpoint callback on every rank."""
+    pl_module = trainer.lightning_module
+    for callback in active_step_callbacks(trainer):
+        callback.on_saved(trainer, pl_module, step, path)
 
 
 def settle_step_values(trainer: L.Trainer) -> None:
