@@ -30,6 +30,14 @@ EXIT_USAGE = 2
 EXIT_DISK_FULL = 74
 
 
+#: Exit code of a run that crashed: a bug's traceback, or one line where nanolab knows the cause
+#: (a rank of a multi-process run killed: ``nanolab.callbacks.lost_rank``). Not 75 ("try again
+#: later"): a rank the out-of-memory killer ended is likely ended again by an unchanged rerun,
+#: so a retry loop or the queue must not rerun it by itself. The checkpoints are intact: a rerun of
+#: the same command resumes from the newest complete one.
+EXIT_CRASHED = 1
+
+
 def disk_full(err: BaseException) -> bool:
     """Whether ``err`` is a write that failed for lack of space (ENOSPC, EDQUOT)."""
     import errno

@@ -299,6 +299,19 @@ def resident_bytes() -> int:
         return 0
 
 
+def how_it_ended(returncode: int) -> str:
+    """How a child process ended, from its ``Popen.returncode``: ``killed by SIGKILL (out of
+    memory?)`` (the kernel's out-of-memory killer sends SIGKILL, and a process has no say in
+    it), ``killed by SIGSEGV``, or ``exited with code 1``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    return f"exited with code {returncode}"
+
+
 def global_rank_from_env() -> int:
     """This process's global rank as a launcher set it (0 when launched alone)."""
     for key in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):

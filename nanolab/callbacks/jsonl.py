@@ -55,6 +55,7 @@ from nanolab.callbacks.loggers import (
     forward_record,
     mute_lightning_metrics,
 )
+from nanolab.callbacks.lost_rank import lost_rank
 from nanolab.callbacks.readout import StepReadout, Values
 from nanolab.callbacks.rundir import (
     RESERVED_NAMES,
@@ -520,18 +521,25 @@ class MetricsLog(StepCallback):
         self.write(trainer, record)
 
     # -- end ---------------------------------------------------------------------------------
-    def _end(self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None) -> None:
-        if self._ended or not self.active:
-            return
-        self._ended = True
-        with contextlib.suppress(Exception):  # a note, never in the way of the end record
-            self._took_late(trainer)
+    @staticmethod
+    def _flush_saves(trainer: L.Trainer) -> None:
+        """Let the checkpoint saves in flight finish and be recorded (every callback's
+        ``flush_records``): before the ``end`` record, and before a line naming the step a
+        rerun resumes from."""
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             flush = getattr(callback, "flush_records", None)
             if callable(flush):
                 # The end record matters more than a late checkpoint record.
                 with contextlib.suppress(Exception):
                     flush(trainer)
+
+    def _end(self, trainer: L.Trainer, reason: str, error: str | None, detail: str | None) -> None:
+        if self._ended or not self.active:
+            return
+        self._ended = True
+        with contextlib.suppress(Exception):  # a note, never in the way of the end record
+            self._took_late(trainer)
+        self._flush_saves(trainer)
         if self._writer is None:
             return
         with contextlib.suppress(Exception):  # a failed device read loses the values, not the end
@@ -584,6 +592,11 @@ class MetricsLog(StepCallback):
             # nanolab's own errors are one line for the user, the class name is noise there.
             own = isinstance(exception, NanolabError)
             text = (str(exception) if own else f"{type(exception).__name__}: {exception}").strip()
+            if self.active and not self._ended:
+                self._flush_saves(trainer)  # the step a rerun resumes from is then on disk
+                lost = lost_rank(trainer, exception)
+                if lost is not None:  # a rank died: the line `fit` prints, not gloo's words
+                    text = str(lost)
             self._end(trainer, "preempted" if reason == "preempted" else "error", text, None)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -62,6 +62,7 @@ from typing import IO, Any
 
 from nanolab.errors import EXIT_DISK_FULL
 from nanolab.estimator.runtime import GPU_HINT
+from nanolab.processes import how_it_ended
 from nanolab.queue.db import (
     BUSY_SLICE_S,
     CLAIMABLE,
@@ -1158,7 +1159,7 @@ def outcome(
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
         if stopping:
             return "preempted", f"stopped with the runner ({name})"
-        return "failed", f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+        return "failed", how_it_ended(code)
     error = (end or {}).get("error")
     if error:
         return "failed", _last_line(str(error))

@@ -1,11 +1,11 @@
 """``nanolab fit / validate / test``: parse (``nanolab.run.parse``), then build and run
 (``nanolab.run.compose.launch``); a bad value ends in one error line and exit 2.
 
-Exit codes (docs/guarantees.md): 0 done (also stopped by a budget), 2 bad input or a run
-directory in use, 3 diverged, 74 disk full, quota or file-size limit (make room, rerun to
-resume), 75 preempted (rerun the same command to resume; also after a
-rollback from a loss spike in a multi-process run). A one-process run that rolls back continues
-in the same process.
+Exit codes (docs/guarantees.md): 0 done (also stopped by a budget), 1 crashed (one line when a
+rank of the run died), 2 bad input or a run directory in use, 3 diverged, 74 disk full, quota
+or file-size limit (make room, rerun to resume), 75 preempted (rerun the same command to
+resume; also after a rollback from a loss spike in a multi-process run). A one-process run
+that rolls back continues in the same process.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nanolab.callbacks.checkpoint_io import CheckpointWriteError
 from nanolab.errors import (
+    EXIT_CRASHED,
     EXIT_DISK_FULL,
     NanolabError,
     out_of_room,
@@ -64,6 +65,14 @@ def run_lightning_cli(argv: list[str]) -> int:
                 raise
             print(f"nanolab {argv[0]}: error: {storage_message(err)}", file=sys.stderr)
             return EXIT_DISK_FULL if out_of_room(err) else 2
+        except RuntimeError as err:
+            from nanolab.callbacks.lost_rank import lost_rank_of
+
+            lost = lost_rank_of(err)  # a rank this process launched died (the run log asked)
+            if lost is None:
+                raise
+            print(f"nanolab {argv[0]}: {lost}", file=sys.stderr, flush=True)
+            return EXIT_CRASHED
         finally:
             release_all()
         if not rolled_back(trainer):
