@@ -23,7 +23,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -425,7 +425,46 @@ def _run_facts(run_dir: Path, step: Any) -> dict[str, Any]:
         "start": launch.start if launch is not None else _trained_by(run_dir, step),
         "val": trained,
         "validated": validated,
+        "begins": _log_begins(run_dir),
     }
+
+
+@dataclass(frozen=True)
+class LogBegins:
+    """Where a run log's timeline begins (:func:`_log_begins`)."""
+
+    step: int  # the step its first launch began from (0: trained from scratch)
+    branched: bool  # that launch began this run from another run's checkpoint
+
+
+def _log_begins(run_dir: Path) -> LogBegins:
+    """Where run ``run_dir``'s log begins: its first usable start record's step (a branch's
+    ``resumed_from_step``, the parent's step it was started from). A branch's checkpoints
+    store the validations its parent scored up to there (the cost budget's history and the
+    checkpoint rotation's record carry on), which the branch's own log never held: they are
+    not evidence that the log is another checkpoint's. Read as a stream: the first start
+    record is near the top however long the log."""
+    import contextlib
+
+    from nanolab.runlog import RUN_LOG_NAME, iter_records, started_from_another_run
+    from nanolab.runs import record_problem
+
+    starts = iter_records(run_dir / RUN_LOG_NAME, "start")
+    with contextlib.closing(starts):
+        first = next((r for r in starts if record_problem(r) is None), None)
+    if first is None:
+        return LogBegins(0, False)
+    branched = started_from_another_run(first)
+    at = first.get("resumed_from_step") if branched else first.get("step")
+    return LogBegins(at if isinstance(at, int) and not isinstance(at, bool) else 0, branched)
+
+
+def _before_log_text(at: int, begins: LogBegins | None) -> str:
+    """Whose a stored validation of step ``at`` is when the run's log begins after it: the
+    parent run's, for a branch (its own log never scored it)."""
+    if begins is None or at > begins.step:
+        return ""
+    return ", the parent run's, before this branch" if begins.branched else ", before this log"
 
 
 def _validated_text(record: dict[str, Any]) -> str:
@@ -450,10 +489,11 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
     step = ckpt.get("global_step")
     run_dir, found = _log_of(source, ckpt)
     facts = _run_facts(run_dir, step) if run_dir is not None else {}
-    why_not = _not_its_log(ckpt, facts.get("val"), step) if facts else None
+    begins = facts.get("begins")
+    why_not = _not_its_log(ckpt, facts.get("val"), step, begins) if facts else None
     if not facts or why_not is not None:
         read = (run_dir, why_not) if run_dir is not None and why_not is not None else None
-        return _card_from_checkpoint(ckpt, config, source, command, read)
+        return _card_from_checkpoint(ckpt, config, source, command, read, begins)
     start, val = facts.get("start") or {}, facts.get("val")
     run_config = start.get("config") if isinstance(start.get("config"), dict) else {}
     data = (run_config.get("data") or {}).get("init_args") or run_config.get("data") or {}
@@ -471,7 +511,8 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
         ("run", f"`{run_dir}`" + (copied if found else "")),
         ("steps", shown(step)),
         ("tokens", shown((val or {}).get("tokens"), ",") + at),
-        ("val loss", shown((val or {}).get("val_loss"), ".4f") + at),
+        ("val loss", _inherited_text(ckpt, step, begins) if not val
+                     else shown(val.get("val_loss"), ".4f") + at),
         ("val bits per byte", shown((val or {}).get("val_bpb"), ".4f") + at),
         *([("val loss, nanolab validate", _validated_text(validated))] if validated else []),
         ("data", ", ".join(f"{k}: `{json.dumps(data[k])}`"
@@ -488,17 +529,33 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
     return _card_text(run_dir.name, intro, rows, config, section)
 
 
-def _not_its_log(ckpt: dict[str, Any], val: dict[str, Any] | None, step: Any) -> str | None:
+def _inherited_text(ckpt: dict[str, Any], step: Any, begins: LogBegins | None) -> str:
+    """The val loss row of a card whose log has no validation up to the checkpoint's step:
+    the one the checkpoint stores from before the log begins (a branch saved before its first
+    validation: its parent's, said so), else "not logged"."""
+    stored = _stored_val(ckpt, step)
+    if stored is None or not (whose := _before_log_text(stored[0], begins)):
+        return "not logged"
+    return f"{stored[1]:.4f} (step {stored[0]}{whose}; stored in the checkpoint)"
+
+
+def _not_its_log(
+    ckpt: dict[str, Any], val: dict[str, Any] | None, step: Any, begins: LogBegins | None = None
+) -> str | None:
     """Why the run log's validation is not this checkpoint's, or None: the newest validation
     the checkpoint stores up to its step is not the log's (the run was resumed from an earlier
     step after this file was saved, and trained those steps again). A checkpoint that stores
-    none is taken at the log's word."""
+    none is taken at the log's word, and so is one whose newest stored validation is from at
+    or before the step the log ``begins`` at: a branch's checkpoint saved before the branch
+    first validated stores its parent's, which the branch's log never held."""
     stored = _stored_val(ckpt, step)
     if stored is None:
         return None
     at, loss = stored
     logged = (val or {}).get("val_loss")
     if not val or not isinstance(logged, (int, float)):
+        if begins is not None and at <= begins.step:
+            return None
         return f"its log holds no validation of step {at}, which this checkpoint stores"
     if val.get("step") == at and math.isclose(loss, logged, rel_tol=1e-6):
         return None
@@ -515,13 +572,15 @@ def _card_from_checkpoint(
     source: Path,
     command: str | None,
     not_its_log: tuple[Path, str] | None = None,
+    begins: LogBegins | None = None,
 ) -> str:
     """The card of a checkpoint whose run log cannot be read: none found (why, found out
     here), or ``not_its_log`` (the run folder whose log was read, why it is not this
     checkpoint's). Its figures are what the checkpoint stores (steps, tokens, training's
     validation loss, the data folders, the optimizer and schedule), each said to come from it;
     what only the log has (bits per byte, the fit command, the whole config) is said to be
-    there."""
+    there. ``begins``: where the log read begins, so a validation from before it (a branch's
+    parent's) is said to be so."""
     from nanolab.training.resume import run_of_checkpoint
 
     step = ckpt.get("global_step")
@@ -544,7 +603,8 @@ def _card_from_checkpoint(
     )
     tokens = _callback_state(ckpt, "RunClock").get("tokens")
     val = _stored_val(ckpt, step)
-    at = f" (step {val[0]})" if val and val[0] != step else ""
+    whose = _before_log_text(val[0], begins) if val and not_its_log is not None else ""
+    at = f" (step {val[0]}{whose})" if val and (val[0] != step or whose) else ""
     datasets = _stored_datasets(ckpt)
     rows = [
         ("checkpoint", f"`{source}`"),

@@ -234,3 +234,71 @@ def test_a_card_without_the_runs_log_says_why_and_reads_only_val_loss(tmp_path: 
     loose = model_card({"global_step": 3, "nanolab": {}}, GPTConfig(), source, None)
     assert loose.startswith("# keep\n")
     assert "| run | not recorded in the checkpoint (a loose file) |" in loose
+
+
+def test_a_branch_saved_before_its_first_validation_has_its_runs_card(tmp_path: Path) -> None:
+    """A branch from its parent's step 6 (``run.resume`` of another run's checkpoint), saved at
+    step 8 before it first validated: its checkpoint stores the parent's validations (the cost
+    budget's history, the rotation's record carry on), which the branch's log, starting at
+    step 6, never held. The card said its own run's log was "not read" and lost the fit
+    command and the config; the stored figure is the parent's and says so. A stored
+    validation after the log begins that the log lacks still means another timeline."""
+    from nanolab.export import model_card
+    from nanolab.model import GPTConfig
+
+    run = tmp_path / "runs" / "t3"
+    (run / "checkpoints").mkdir(parents=True)
+    parent = str(tmp_path / "runs" / "t1" / "checkpoints" / "step-00000006.ckpt")
+    argv = ["nanolab", "fit", "--config", "t.yaml", "--run.resume", parent]
+    records = [
+        {"event": "start", "time": 1.0, "step": 6, "run_id": "br3", "run_dir": str(run),
+         "resumed_from_step": 6, "resumed_from": parent, "branched": True,
+         "config": {"run": {"eval_every_steps": 5}}, "argv": argv},
+        {"event": "checkpoint", "time": 2.0, "step": 8,
+         "path": str(run / "checkpoints" / "step-00000008.ckpt")},
+        {"event": "val", "time": 3.0, "step": 9, "tokens": 1152, "val_loss": 4.8441},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    ckpt = {
+        "global_step": 8,
+        "nanolab": {"tokenizer": {"name": "chars"}},
+        "callbacks": {
+            "MetricsLog": {"run_id": "br3", "run_dir": str(run)},
+            "CostBudget": {"history": [[3, 0.1, 4.8558], [6, 0.2, 4.8514]], "monitor": "val/loss"},
+            "RotatingCheckpoint": {"val_by_step": {"3": 4.8558, "6": 4.8514}, "monitor": "val/loss"},
+        },
+    }  # fmt: skip
+    parents = "| val loss | 4.8514 (step 6, the parent run's, before this branch; stored in the checkpoint) |"  # fmt: skip
+    for source in (run / "checkpoints" / "step-00000008.ckpt", tmp_path / "keep.ckpt"):
+        card = model_card(ckpt, GPTConfig(vocab_size=65), source, None)
+        assert "figures below are read from the\ncheckpoint and from the run log" in card, card
+        assert f"| trained with | `nanolab fit --config t.yaml --run.resume {parent}` |" in card
+        assert "## The run's config" in card and '"eval_every_steps": 5' in card
+        assert parents in card and "not read" not in card
+
+    # a validation the checkpoint stores after the branch began, which the log lacks: the
+    # log is of another timeline (the run trained those steps again)
+    history = [[3, 0.1, 4.8558], [6, 0.2, 4.8514], [7, 0.3, 4.8470]]
+    retrained = {**ckpt, "callbacks": {**ckpt["callbacks"], "RotatingCheckpoint": {},
+                                       "CostBudget": {"history": history, "monitor": "val/loss"}}}  # fmt: skip
+    other = model_card(retrained, GPTConfig(vocab_size=65), run / "checkpoints" / "last.ckpt", None)
+    assert "its log holds no validation of step 7, which this checkpoint stores" in other, other
+    assert "| val loss | 4.8470 (step 7) (stored in the checkpoint) |" in other
+
+    # the log holds a validation after the branch began that the checkpoint lacks: another
+    # timeline's log, and the figure the checkpoint stores is still the parent's
+    val_7 = {"event": "val", "time": 2.5, "step": 7, "tokens": 896, "val_loss": 4.8470}
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in (records[0], val_7, records[1]))
+    )
+    later = model_card(ckpt, GPTConfig(vocab_size=65), run / "checkpoints" / "last.ckpt", None)
+    assert "its log's validation up to step 8 is step 7's 4.8470" in later, later
+    assert "| val loss | 4.8514 (step 6, the parent run's, before this branch) (stored in the checkpoint) |" in later  # fmt: skip
+
+    # a run trained from scratch whose log lacks the validation its checkpoint stores: not
+    # this checkpoint's log (as before), however early the validation
+    plain = {**records[0], "step": 0, "branched": False, "resumed_from_step": None}
+    (run / "metrics.jsonl").write_text(json.dumps(plain) + "\n" + json.dumps(records[1]) + "\n")
+    scratch = model_card(ckpt, GPTConfig(vocab_size=65), run / "checkpoints" / "last.ckpt", None)
+    assert "its log holds no validation of step 6, which this checkpoint stores" in scratch
+    assert "| val loss | 4.8514 (step 6) (stored in the checkpoint) |" in scratch, scratch
