@@ -31,6 +31,27 @@ from nanolab.data.tokenizers import (
     tokenizer_from_spec,
 )
 
+#: How ``nanolab prepare`` passes any bad document: every such message ends with it.
+SKIP_BAD = " or pass --skip-bad"
+#: The fix of a document without text where prepare looks (``fit`` reads the field ``text``).
+NAME_TEXT_FIELD = "name the text field with --text-field"
+
+
+def bad_document(where: str, problem: str, fix: str) -> str:
+    """A bad document's message: where it is, what is wrong, the fix, or ``--skip-bad``.
+    One format, so that :func:`split_bad_document` can take prepare's own options off it for
+    ``fit`` (which has none of them)."""
+    return f"{where}: {problem}; {fix}{SKIP_BAD}"
+
+
+def split_bad_document(message: str) -> tuple[str, str]:
+    """A :func:`bad_document` message's ``where: problem`` and its fix (less ``--skip-bad``);
+    any other message whole, with no fix."""
+    head, _, fix = message.rpartition("; ")
+    if not head or not fix.endswith(SKIP_BAD):
+        return message, ""
+    return head, fix.removesuffix(SKIP_BAD)
+
 
 @dataclass(frozen=True)
 class EncodeSettings:
@@ -227,8 +248,11 @@ def documents(block: Block, text_field: str) -> Documents:
                 # The file is one document: none of it is kept (--skip-bad skips it whole).
                 return Documents(
                     errors=[
-                        f"{block.file_path}: not UTF-8 text (bad byte at offset {at}); convert "
-                        "it with `iconv -f <encoding> -t utf-8` or pass --skip-bad"
+                        bad_document(
+                            block.file_path,
+                            f"not UTF-8 text (bad byte at offset {at})",
+                            "convert it with `iconv -f <encoding> -t utf-8`",
+                        )
                     ]
                 )
             start += size
@@ -238,7 +262,7 @@ def documents(block: Block, text_field: str) -> Documents:
             if (whole_file and not text) or block.blank:
                 what = "the file holds only whitespace" if block.blank else "the file is empty"
                 out.errors.append(
-                    f"{block.file_path}: empty document ({what}); remove it or pass --skip-bad"
+                    bad_document(block.file_path, f"empty document ({what})", "remove it")
                 )
                 continue
             out.texts.append(text)
@@ -256,17 +280,18 @@ def documents(block: Block, text_field: str) -> Documents:
             try:
                 record = _json_line(block.payload, start, end)
             except UnicodeDecodeError:
-                out.errors.append(f"{where}: not UTF-8; convert the file or pass --skip-bad")
+                out.errors.append(bad_document(where, "not UTF-8", "convert the file"))
                 continue
             except json.JSONDecodeError as err:
                 out.errors.append(
-                    f"{where}: not valid JSON ({err.msg} at column {err.colno}); fix the line "
-                    "or pass --skip-bad"
+                    bad_document(
+                        where, f"not valid JSON ({err.msg} at column {err.colno})", "fix the line"
+                    )
                 )
                 continue
             except RecursionError:
                 out.errors.append(
-                    f"{where}: JSON nested too deeply to read; fix the line or pass --skip-bad"
+                    bad_document(where, "JSON nested too deeply to read", "fix the line")
                 )
                 continue
             try:
@@ -274,8 +299,7 @@ def documents(block: Block, text_field: str) -> Documents:
             except KeyError:
                 keys = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none"
                 out.errors.append(
-                    f"{where}: no field {text_field!r} (keys: {keys}); name the text field "
-                    "with --text-field or pass --skip-bad"
+                    bad_document(where, f"no field {text_field!r} (keys: {keys})", NAME_TEXT_FIELD)
                 )
                 continue
             _add_text(out, where, value, text_field, block.first_unit + i)
@@ -286,10 +310,7 @@ def documents(block: Block, text_field: str) -> Documents:
         try:
             value = _field(value, path[1:])
         except KeyError:
-            out.errors.append(
-                f"{where}: no field {text_field!r}; name the text field with --text-field "
-                "or pass --skip-bad"
-            )
+            out.errors.append(bad_document(where, f"no field {text_field!r}", NAME_TEXT_FIELD))
             continue
         _add_text(out, where, value, text_field, block.first_unit + i)
     return out
@@ -298,22 +319,24 @@ def documents(block: Block, text_field: str) -> Documents:
 def _add_text(out: Documents, where: str, value: Any, name: str, unit: int) -> None:
     if not isinstance(value, str):
         kind = "missing (null)" if value is None else f"a {type(value).__name__}, not a string"
-        out.errors.append(
-            f"{where}: field {name!r} is {kind}; name the text field with --text-field or pass --skip-bad"
-        )
+        out.errors.append(bad_document(where, f"field {name!r} is {kind}", NAME_TEXT_FIELD))
         return
     if not value or value.isspace():  # only whitespace: as empty as a small blank file
         what = '""' if not value else "only whitespace"
         out.errors.append(
-            f"{where}: empty document (field {name!r} is {what}); remove it or pass --skip-bad"
+            bad_document(where, f"empty document (field {name!r} is {what})", "remove it")
         )
         return
     try:
         nbytes = utf8_size(value)
     except UnicodeEncodeError as err:  # a lone surrogate escaped in JSON ("\ud83d"): not text
         out.errors.append(
-            f"{where}: field {name!r} holds an unpaired surrogate ({value[err.start]!r} at "
-            f"character {err.start}), which is not text; fix the line or pass --skip-bad"
+            bad_document(
+                where,
+                f"field {name!r} holds an unpaired surrogate ({value[err.start]!r} at "
+                f"character {err.start}), which is not text",
+                "fix the line",
+            )
         )
         return
     out.texts.append(value)

@@ -55,6 +55,7 @@ from nanolab.data.sources import (
     FileReader,
     InputFile,
     SourceError,
+    TextColumnError,
     is_prepared_dataset,
     real_paths,
     resolve_sources,
@@ -91,6 +92,34 @@ T = TypeVar("T")
 
 class PrepareError(NanolabError):
     """Input that cannot become a dataset; the message names it and the fix."""
+
+
+class BadTextError(PrepareError):
+    """The sources' text is not what or where prepare reads: a bad document (stopping the run
+    without ``--skip-bad``) or a parquet file without the ``--text-field`` column.
+
+    The message is prepare's; ``fit``, which has neither option, words its own fix from the
+    parts (:mod:`nanolab.data.bad_text`).
+
+    Attributes:
+        problem: Where (file, line or row) and what is wrong.
+        fix: Prepare's fix for that document ("remove it", "fix the line", ...), or "".
+        skippable: ``--skip-bad`` passes it (a bad document, not a missing column).
+        names_field: The text may be at another field or column (``--text-field``).
+    """
+
+    def __init__(
+        self, message: str, problem: str, fix: str, skippable: bool, names_field: bool
+    ) -> None:
+        super().__init__(message)
+        self.problem, self.fix = problem, fix
+        self.skippable, self.names_field = skippable, names_field
+
+    @classmethod
+    def of_document(cls, message: str) -> BadTextError:
+        """The error of a bad document's message (:func:`nanolab.data.encode.bad_document`)."""
+        problem, fix = encode.split_bad_document(message)
+        return cls(message, problem, fix, True, fix == encode.NAME_TEXT_FIELD)
 
 
 class OutputInUseError(PrepareError):
@@ -372,6 +401,8 @@ def prepare_dataset(
         )
         try:
             return job.run()
+        except TextColumnError as err:
+            raise BadTextError(str(err), err.problem, "", False, True) from None
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
 
@@ -807,7 +838,7 @@ class _Job:
         written would stand in the way of the real one (``fit`` can neither use nor replace
         it). Either --skip-bad skipped them all, or the sources hold none."""
         if self.bad_count:
-            first = self.bad_examples[0].replace(" or pass --skip-bad", "")
+            first = self.bad_examples[0].removesuffix(encode.SKIP_BAD)
             raise PrepareError(
                 f"every document was skipped as bad ({self.bad_count:,}); nothing to prepare "
                 f"(the first: {first})"
@@ -822,7 +853,7 @@ class _Job:
         if not errors:
             return
         if not self.skip_bad:
-            raise PrepareError(errors[0])
+            raise BadTextError.of_document(errors[0])
         self.bad_count += len(errors)
         room = KEEP_EXAMPLES - len(self.bad_examples)
         self.bad_examples.extend(errors[:room])

@@ -84,6 +84,15 @@ class SourceError(NanolabError):
     """A source that cannot be read; the message names the file (and line or row) and the fix."""
 
 
+class TextColumnError(SourceError):
+    """A parquet file without the ``--text-field`` column. ``problem`` is the message less
+    prepare's fix (``fit``, which reads the column ``text`` only, words its own)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem}; name the text column with --text-field")
+        self.problem = problem
+
+
 @dataclass(frozen=True)
 class InputFile:
     """One file to read. ``path`` is what messages show; ``fingerprint`` says if it changed."""
@@ -717,9 +726,8 @@ class FileReader:
             pf = pq.ParquetFile(self.file.path)
             names = pf.schema_arrow.names
             if top not in names:
-                raise SourceError(
-                    f"{self.file.path}: no column {top!r} (columns: {', '.join(names[:12])}); "
-                    "name the text column with --text-field"
+                raise TextColumnError(
+                    f"{self.file.path}: no column {top!r} (columns: {', '.join(names[:12])})"
                 )
             for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[top]):
                 values = batch.column(0).to_pylist()

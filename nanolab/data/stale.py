@@ -25,15 +25,18 @@ def prepare_command(
     tokenizer: str,
     bpe_vocab_size: int,
     val_fraction: float,
+    options: Sequence[str] = (),
+    force: bool = True,
 ) -> str:
     """The ``nanolab prepare`` command that prepares ``source`` with these tokenizer settings
-    into ``dataset_dir``, replacing what is there (what fit would have prepared)."""
+    into ``dataset_dir`` (what fit would have prepared), with prepare's own ``options`` too,
+    replacing what is there when ``force``."""
     words = ["nanolab", "prepare", *source, "-o", str(dataset_dir), "--tokenizer", str(tokenizer)]
     if tokenizer == "bpe":
         words += ["--bpe-vocab-size", str(bpe_vocab_size)]
     if val_fraction != 0.1:
         words += ["--val-fraction", str(val_fraction)]
-    return shlex.join([*words, "--force"])
+    return shlex.join([*words, *options, *(["--force"] if force else [])])
 
 
 def other_sources(

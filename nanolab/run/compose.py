@@ -25,7 +25,7 @@ from nanolab.callbacks.events import NothingToTrain
 from nanolab.callbacks.jsonl import MetricsLog
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.runlock import global_rank_from_env
-from nanolab.data.prepare import OutputInUseError
+from nanolab.data.prepare import BadTextError, OutputInUseError
 from nanolab.messages import warn
 from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
@@ -360,7 +360,26 @@ def data_vocab(data: Any, data_cfg: Any = None, verb: str = "fit") -> int | None
         raise RunConfigError(
             stale_dataset_message(data, data_cfg, verb, err.holds_dataset)
         ) from None
+    except BadTextError as err:  # nor --skip-bad or --text-field: what they can do instead
+        raise RunConfigError(bad_text_message(data, data_cfg, verb, err)) from None
     return None if vocab is None else int(vocab)
+
+
+def bad_text_message(data: Any, data_cfg: Any, verb: str, err: BadTextError) -> str:
+    """Why ``verb`` stopped preparing ``data.source``, with the ``nanolab prepare`` command
+    that prepares it past the bad document (:mod:`nanolab.data.bad_text`)."""
+    from nanolab.data.bad_text import bad_text_message as message
+
+    return message(
+        err,
+        [str(s) for s in data.source],
+        data.dataset_dir,
+        data.tokenizer,
+        data.bpe_vocab_size,
+        data.val_fraction,
+        verb,
+        source_is_setting=source_follows_setting(data, data_cfg),
+    )
 
 
 def stale_dataset_message(data: Any, data_cfg: Any, verb: str, holds_dataset: bool) -> str:
