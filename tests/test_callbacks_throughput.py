@@ -85,6 +85,46 @@ def test_a_rocm_build_divides_fp32_mfu_by_tf32_only_with_hipblaslt_allowing_it(m
         torch.set_float32_matmul_precision(previous)
 
 
+def test_a_rocm_resume_that_flips_hipblaslt_allow_tf32_gives_no_blended_run_rate(
+    tmp_path, char_dataset, monkeypatch
+):
+    """On ROCm, ``HIPBLASLT_ALLOW_TF32`` decides whether a ``32-true`` launch's matmuls are
+    TF32 or FP32 (about 4x apart), and the launch's setup left it out: a resume that flipped it
+    reported one run-wide tokens/s over both speeds. Now a ROCm launch records it (setup and
+    start record) where it decides, and a flip gives ``totals_of: this launch``; on CUDA, on a
+    CPU and at bf16 nothing is added, so setups and logs of older launches still compare equal.
+
+    Mutations caught: the switch left out of ``launch_setup`` (``run``), or recorded on CUDA or
+    a CPU (their older checkpoints' setups would no longer match)."""
+    from nanolab.callbacks.devices import launch_setup
+
+    def callbacks() -> list[L.Callback]:
+        return [MetricsLog(), RotatingCheckpoint(every_n_steps=3), ThroughputMeter(peak_flops=1e11)]
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        monkeypatch.delenv("HIPBLASLT_ALLOW_TF32", raising=False)
+        plain = fit(tmp_path / "plain", char_dataset, callbacks(), max_steps=1)
+        assert "hip_allow_tf32" not in launch_setup(plain)  # no ROCm build: as before
+        monkeypatch.setattr(torch.version, "hip", "6.4.0")  # a stand-in ROCm build
+        bf16 = L.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False)
+        assert "hip_allow_tf32" not in launch_setup(bf16)  # bf16: the variable changes nothing
+        run = tmp_path / "run"
+        fit(run, char_dataset, callbacks(), max_steps=3, eval_every=100)
+        monkeypatch.setenv("HIPBLASLT_ALLOW_TF32", "1")
+        last = run / "checkpoints" / "last.ckpt"
+        fit(run, char_dataset, callbacks(), max_steps=6, eval_every=100, ckpt_path=last)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    starts = events(run / "metrics.jsonl", "start")
+    assert [s["hip_allow_tf32"] for s in starts] == [False, True]
+    first, second = events(run / "metrics.jsonl", "end")
+    assert first["totals_of"] == "run"
+    assert second["totals_of"] == "this launch"
+    assert second["tokens_per_s"] == second["launch_tokens_per_s"]
+
+
 def test_fp32_matmul_precision_picks_tf32_or_fp32():
     previous = torch.get_float32_matmul_precision()
     try:

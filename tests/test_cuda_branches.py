@@ -326,8 +326,10 @@ TWINS: dict[str, tuple[str, ...]] = {
         "tests/test_gpu_check.py::test_the_dry_run_takes_every_check_s_code_path_on_this_cpu",
     ),
     "nanolab/callbacks/peak_flops.py": (
-        # matmul_dtype: a ROCm build's 32-true TF32 only with HIPBLASLT_ALLOW_TF32=1
+        # rocm_build: a ROCm build's 32-true TF32 only with HIPBLASLT_ALLOW_TF32=1 (matmul_dtype),
+        # which its launch setup and start record keep (tf32_switch)
         "tests/test_callbacks_throughput.py::test_a_rocm_build_divides_fp32_mfu_by_tf32_only_with_hipblaslt_allowing_it",
+        "tests/test_callbacks_throughput.py::test_a_rocm_resume_that_flips_hipblaslt_allow_tf32_gives_no_blended_run_rate",
     ),
     "nanolab/callbacks/readout.py": (
         "tests/test_syncs.py::test_the_readout_defers_a_copy_nobody_waits_for",
@@ -509,7 +511,7 @@ BRANCHES: dict[str, dict[str, int]] = {
     },
     "nanolab/callbacks/clock.py": {"RunClock.sync_device": 2},
     "nanolab/callbacks/devices.py": {"device_names": 3},
-    "nanolab/callbacks/peak_flops.py": {"matmul_dtype": 1},
+    "nanolab/callbacks/peak_flops.py": {"rocm_build": 1},
     "nanolab/callbacks/readout.py": {"StepReadout.transfer": 3},
     "nanolab/callbacks/syncs.py": {
         "SyncCounter._wrap_transfer.transfer": 1,

@@ -235,6 +235,63 @@ def test_history_calibrates_from_each_run_s_last_launch_not_a_blend(tmp_path) ->
     assert est.compute.tokens_per_second == pytest.approx(305_000.0)
 
 
+def test_history_on_an_amd_gpu_at_32_true_counts_runs_of_this_hipblaslt_allow_tf32(
+    tmp_path, monkeypatch
+) -> None:
+    """On ROCm ``HIPBLASLT_ALLOW_TF32`` makes a ``32-true`` step TF32 or FP32 (about 4x apart),
+    and measured tokens/s were matched on the config's matmul precision only: an FP32 run's
+    rate calibrated a TF32 estimate. Now a past AMD run counts when its start record kept the
+    variable as this process has it (an older record without it says nothing); CUDA runs,
+    whose start records never carry it, count as before.
+
+    Mutations caught: the variable not compared (the median of all three AMD runs); a record
+    without it counted; CUDA runs asked for it (none would count)."""
+    import json
+    import sqlite3
+
+    import yaml
+
+    from nanolab.estimator import estimate_from_config
+
+    cfg = {
+        "trainer": {"precision": "32-true", "max_steps": 100, "devices": 1},
+        "model": {"gpt": {"vocab_size": 50257, "block_size": 1024, "n_layer": 12,
+                          "n_head": 12, "n_embd": 768}},
+        "data": {"micro_batch_size": 8},
+        "run": {"global_batch_tokens": 8 * 1024 * 4},
+    }  # fmt: skip
+    runs = [  # (device, the start record's hip_allow_tf32 (None: not recorded), tokens/s)
+        ("AMD Instinct MI300X", True, 400_000.0),
+        ("AMD Instinct MI300X", False, 100_000.0),
+        ("AMD Instinct MI300X", None, 50_000.0),
+        ("NVIDIA H100 80GB HBM3", None, 250_000.0),
+    ]
+    db = tmp_path / "queue.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE jobs (run_dir TEXT, cwd TEXT, status TEXT)")
+    for i, (device, allowed, rate) in enumerate(runs):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        start = {"event": "start", "step": 0, "devices": [device]}
+        if allowed is not None:
+            start["hip_allow_tf32"] = allowed
+        end = {"event": "end", "step": 100, "reason": "completed", "tokens_per_s": rate}
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (start, end)))
+        conn.execute("INSERT INTO jobs VALUES (?, ?, ?)", (str(run), str(tmp_path), "done"))
+    conn.commit()
+    conn.close()
+    monkeypatch.delenv("HIPBLASLT_ALLOW_TF32", raising=False)
+    fp32 = estimate_from_config(cfg, gpu="mi300x", queue_db=str(db)).compute
+    assert fp32.tokens_per_second == pytest.approx(100_000.0)
+    assert "1 finished queue run(s)" in fp32.tokens_per_second_source
+    monkeypatch.setenv("HIPBLASLT_ALLOW_TF32", "1")
+    tf32 = estimate_from_config(cfg, gpu="mi300x", queue_db=str(db)).compute
+    assert tf32.tokens_per_second == pytest.approx(400_000.0)
+    cuda = estimate_from_config(cfg, gpu="h100", queue_db=str(db)).compute
+    assert cuda.tokens_per_second == pytest.approx(250_000.0)
+
+
 def test_fit_sets_the_float32_matmul_precision_only_on_gpu_runs() -> None:
     from nanolab.run.compose import apply_float32_matmul_precision
     from nanolab.run.parse import RunConfig

@@ -13,6 +13,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from nanolab.callbacks.peak_flops import tf32_switch
+
 
 def device_names(trainer: L.Trainer) -> list[str]:
     """Names of this node's devices in the run (``torch.cuda.get_device_name`` for GPUs)."""
@@ -27,7 +29,8 @@ def device_names(trainer: L.Trainer) -> list[str]:
 def launch_setup(trainer: L.Trainer) -> dict[str, Any]:
     """What sets a launch's speed apart from another's on the same model: its devices (the GPU
     model), how many processes on how many nodes, its precision and the float32 matmul
-    precision (TF32 or not), the strategy (DDP, FSDP, DeepSpeed ...), whether and how the
+    precision (TF32 or not; on ROCm also ``HIPBLASLT_ALLOW_TF32``, where it decides that:
+    :func:`~nanolab.callbacks.peak_flops.tf32_switch`), the strategy (DDP, FSDP, DeepSpeed ...), whether and how the
     model is compiled, the micro-batch size, and the peak FLOP/s ``throughput.peak_flops``
     gives MFU (null: the GPU table's). Two launches with equal setups measure one rate; a resume
     that changes any of them (fit accepts each) measures another. A setup an older nanolab
@@ -42,6 +45,7 @@ def launch_setup(trainer: L.Trainer) -> dict[str, Any]:
         "num_nodes": int(trainer.num_nodes),
         "precision": str(trainer.precision),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        **tf32_switch(str(trainer.precision)),
         "strategy": type(trainer.strategy).__name__,
         # True only as a setting: nn.Module.compile is a method, not a switch.
         "compile": getattr(module, "compile", False) is True,

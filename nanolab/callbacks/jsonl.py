@@ -56,6 +56,7 @@ from nanolab.callbacks.loggers import (
     mute_lightning_metrics,
 )
 from nanolab.callbacks.lost_rank import lost_rank
+from nanolab.callbacks.peak_flops import tf32_switch
 from nanolab.callbacks.readout import StepReadout, Values
 from nanolab.callbacks.rundir import (
     RESERVED_NAMES,
@@ -322,6 +323,8 @@ class MetricsLog(StepCallback):
             "world_size": int(trainer.world_size),
             "num_nodes": int(trainer.num_nodes),
             "precision": str(trainer.precision),
+            # On ROCm, whether its 32-true matmuls were TF32: estimate compares past runs by it.
+            **tf32_switch(str(trainer.precision)),
             "strategy": type(trainer.strategy).__name__,
             "accelerator": type(trainer.accelerator).__name__,
             "num_params": num_params(pl_module),

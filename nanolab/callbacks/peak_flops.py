@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nanolab.estimator.gpus import gpu_for_device, matmul_rate, normalise_device_name
+from nanolab.estimator.gpus import (
+    gpu_for_device,
+    hip_tf32_setting,
+    matmul_rate,
+    normalise_device_name,
+)
 from nanolab.estimator.gpus import matmul_dtype as gpu_matmul_dtype
 
 __all__ = ["Peak", "lookup_peak", "matmul_dtype", "normalise_device_name", "peak_flops_per_device"]
@@ -57,12 +62,23 @@ def lookup_peak(name: str) -> Peak | None:
     )
 
 
+def rocm_build() -> bool:
+    """Whether this torch is ROCm's (its GPUs are AMD's, its TF32 under HIPBLASLT_ALLOW_TF32)."""
+    return bool(getattr(torch.version, "hip", None))
+
+
 def matmul_dtype(precision: str) -> str | None:
     """The matmul dtype a Lightning ``precision`` runs at in this process (bf16, fp16, tf32 or
     fp32; ``32-true`` follows ``torch.get_float32_matmul_precision()``, and on a ROCm build of
     torch ``HIPBLASLT_ALLOW_TF32`` too)."""
-    hip = bool(getattr(torch.version, "hip", None))
-    return gpu_matmul_dtype(precision, torch.get_float32_matmul_precision(), amd=hip)
+    return gpu_matmul_dtype(precision, torch.get_float32_matmul_precision(), amd=rocm_build())
+
+
+def tf32_switch(precision: str) -> dict[str, bool]:
+    """What a launch at ``precision`` records of ``HIPBLASLT_ALLOW_TF32`` in this process
+    (:func:`nanolab.estimator.gpus.hip_tf32_setting`): on a ROCm build where it decides
+    between TF32 and FP32 (a resume that flips it runs at another speed), else nothing."""
+    return hip_tf32_setting(precision, torch.get_float32_matmul_precision(), amd=rocm_build())
 
 
 def peak_flops_per_device(name: str, precision: str) -> tuple[float | None, str]:

@@ -99,6 +99,27 @@ def hip_allows_tf32(environ: Mapping[str, str] | None = None) -> bool:
     return (os.environ if environ is None else environ).get(HIP_TF32_VARIABLE) == "1"
 
 
+#: The key a launch records :func:`hip_allows_tf32` under (its setup, its start record), only
+#: where the variable decides its matmul dtype (:func:`hip_tf32_setting`).
+HIP_TF32_KEY = "hip_allow_tf32"
+
+
+def hip_tf32_setting(
+    precision: str,
+    float32_matmul_precision: str,
+    amd: bool,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, bool]:
+    """``{HIP_TF32_KEY: hip_allows_tf32(environ)}`` where :data:`HIP_TF32_VARIABLE` decides
+    whether a run's matmuls are TF32 or FP32: on an AMD GPU (``amd``: torch's ROCm build) at a
+    precision whose matmuls are TF32 when allowed (``32-true`` under ``high``). Else empty: a
+    CUDA or CPU launch records what it did before, so its setups and logs still compare equal
+    to those of older launches."""
+    if not amd or matmul_dtype(precision, float32_matmul_precision) != "tf32":
+        return {}
+    return {HIP_TF32_KEY: hip_allows_tf32(environ)}
+
+
 def matmul_dtype(
     precision: str,
     float32_matmul_precision: str = "high",

@@ -5,8 +5,9 @@ measurement. ``nanolab queue`` keeps every job's run directory, and each run dir
 ``config.yaml`` and its run log, whose last ``start`` record names the devices and whose ``end``
 record has that launch's own tokens/s (:func:`launch_rate`). A past run counts when its config describes the same step
 (architecture, precision, matmul precision, micro-batch, accumulation, devices, strategy,
-optimizer, compile) on a device that matches the GPU being estimated; the median of their
-tokens/s is used.
+optimizer, compile) on a device that matches the GPU being estimated (on an AMD GPU, a ``32-true``
+step under the same ``HIPBLASLT_ALLOW_TF32`` as here, which its start record keeps); the median
+of their tokens/s is used.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanolab.estimator.gpus import GPU, gpu_for_device
+from nanolab.estimator.gpus import GPU, gpu_for_device, hip_tf32_setting
 from nanolab.estimator.setup import Setup, load_config, setup_from_config
 
 QUEUE_DB_ENV = "NANOLAB_QUEUE_DB"
@@ -71,10 +72,22 @@ def _run_tokens_per_second(run_dir: Path, setup: Setup, gpu: GPU | None) -> floa
     start = last_record(log, "start") or {}
     if not ran_on(start.get("devices") or [], gpu):
         return None
+    if not same_tf32_switch(start, setup, gpu):
+        return None
     end = last_record(log, "end") or {}
     if end.get("reason") not in ("completed", "budget", "plateau"):
         return None  # crashed, diverged or preempted: its rate may cover a few steps only
     return launch_rate(end, resumed=start.get("resumed_from") is not None)
+
+
+def same_tf32_switch(start: dict, setup: Setup, gpu: GPU | None) -> bool:
+    """Whether the launch a ``start`` record opens ran its matmuls as ``setup`` would here: on
+    an AMD GPU, where ``HIPBLASLT_ALLOW_TF32`` decides TF32 or FP32 for a ``32-true`` step
+    (about 4x apart), the launch recorded the variable as this process has it. A start record
+    without it (an older nanolab's) says nothing: not the same. Elsewhere always the same."""
+    amd = gpu is not None and gpu.vendor == "amd"
+    here = hip_tf32_setting(setup.precision, setup.float32_matmul_precision, amd)
+    return all(start.get(key) == value for key, value in here.items())
 
 
 def launch_rate(end: dict, resumed: bool) -> float | None:
