@@ -318,7 +318,7 @@ TWINS: dict[str, tuple[str, ...]] = {
     "nanolab/training/resolve.py": ("tests/test_resolve.py::test_one_device_counter",),
     "nanolab/run/autobatch.py": (
         "tests/test_autobatch.py::test_auto_picks_the_largest_fitting_divisor_of_the_global_batch",
-        # device_memory_bytes: the GPUs of trainer.devices, read through a stand-in torch.cuda
+        # gpu_memories: the GPUs of trainer.devices, read through a stand-in torch.cuda
         "tests/test_gpu_twins.py::test_auto_micro_batch_is_planned_on_the_smallest_gpu_the_run_uses",
     ),
     "nanolab/bench/harness.py": (
@@ -586,7 +586,7 @@ BRANCHES: dict[str, dict[str, int]] = {
     "nanolab/run/autobatch.py": {
         "check_fits_on_host": 1,
         "device_backend": 2,
-        "device_memory_bytes": 1,
+        "gpu_memories": 1,
     },
     "nanolab/run/compose.py": {
         "apply_float32_matmul_precision": 2,

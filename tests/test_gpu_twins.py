@@ -628,22 +628,31 @@ def _namespace(value: object) -> object:
 
 
 @pytest.mark.parametrize(
-    ("devices", "micro", "planned_on"),
-    [([1], 8, 12), ("1,", 8, 12), ([0, 1], 8, 12), ("auto", 8, 12), ([0], 64, 80), (1, 64, 80)],
+    ("devices", "gpus", "micro", "planned_on"),
+    [
+        ([1], 1, 8, 12),
+        ("1,", 1, 8, 12),
+        ([0, 1], 2, 8, 12),
+        ("auto", 2, 8, 12),
+        ([0], 1, 64, 80),
+        (1, 1, 64, 80),
+    ],
 )
 def test_auto_micro_batch_is_planned_on_the_smallest_gpu_the_run_uses(
-    monkeypatch, caplog, devices, micro, planned_on
+    monkeypatch, caplog, devices, gpus, micro, planned_on
 ):
     """An 80 GiB GPU 0 and a 12 GiB GPU 1: gpt2-124m on ``devices: [1]`` was planned on GPU 0,
     micro-batch 64 (46.8 GiB predicted, an OOM on the 12 GiB card; 8 fits), and a fixed
     micro-batch too large for GPU 1 was not warned of. Every GPU the run uses is read now and
-    the smallest decides; through ``fit``'s own planning with a stand-in ``torch.cuda``."""
+    the smallest decides; through ``fit``'s own planning with a stand-in ``torch.cuda``. Where
+    the run's ``gpus`` differ, the warning said "this device's 12.0 GiB" of a run on both: it
+    names the smallest of the run's GPUs now."""
     import warnings
 
     import yaml
     from conftest import REPO
 
-    from nanolab.run.autobatch import device_memory_bytes
+    from nanolab.run.autobatch import gpu_memories
     from nanolab.run.compose import plan_micro_batch
     from nanolab.training.resolve import DEFAULT_DATA, resolve
 
@@ -669,9 +678,12 @@ def test_auto_micro_batch_is_planned_on_the_smallest_gpu_the_run_uses(
     assert f" of {planned_on}.0 GiB)" in said
     got, said = planned(16)  # about 14 GiB: too large for the 12 GiB card only
     assert got == 16
-    if planned_on == 12:
-        assert "exceeds this device's 12.0 GiB at micro_batch_size 16; expect an OOM" in said
+    if planned_on == 12:  # the run's GPUs differ: the smallest's memory, said as such
+        memory = (
+            "this device's 12.0 GiB" if gpus == 1 else "the smallest of the run's GPUs (12.0 GiB)"
+        )
+        assert f"exceeds {memory} at micro_batch_size 16; expect an OOM" in said
     else:
         assert "exceeds" not in said
     # A GPU this host lacks: planned on every GPU here (the Trainer then refuses the value).
-    assert device_memory_bytes([5], stand_in) == device_memory_bytes("x", stand_in) == 12 * 2**30
+    assert gpu_memories([5], stand_in) == gpu_memories("x", stand_in) == [80 * 2**30, 12 * 2**30]

@@ -239,7 +239,7 @@ def test_fit_plans_auto_micro_batch_through_the_resolver(
     import nanolab.run.compose as fit_cli
     from nanolab.cli import main
 
-    monkeypatch.setattr(fit_cli, "device_memory_bytes", lambda devices: 8 * 2**30)
+    monkeypatch.setattr(fit_cli, "gpu_memories", lambda devices: [8 * 2**30])
     cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
     cfg["trainer"]["accelerator"] = "auto"  # this machine's CPU; the planner sees "a device"
     cfg["run"].update(micro_batch_size="auto", global_batch_tokens=8 * 32)

@@ -31,20 +31,27 @@ class MemoryPlan:
     warning: str | None
 
 
-def device_memory_bytes(devices: Any = "auto", cuda: Any = None) -> int | None:
-    """Total memory of the smallest GPU (CUDA or ROCm) the run puts itself on, or None on CPU.
+def gpu_memories(devices: Any = "auto", cuda: Any = None) -> list[int]:
+    """Total memory of each GPU (CUDA or ROCm) the run puts itself on; empty on a CPU.
 
     ``devices`` is ``trainer.devices``: every GPU it names (:func:`gpus_used`) gets the same
-    micro-batch, so the plan must fit the smallest of them, not whichever GPU is current (GPU 0
-    before the Trainer starts: an 80 GiB GPU 0 would plan ``devices: [1]`` onto a 12 GiB GPU 1
-    at a micro-batch six times too large). A value the Trainer refuses itself (a GPU this host
-    lacks) is planned on every GPU here: its own error, once it is built, names the value.
-    ``cuda``: the ``torch.cuda`` to ask (a test's stand-in)."""
+    micro-batch, so the plan must fit the smallest of them, not
+    whichever GPU is current (GPU 0 before the Trainer starts: an 80 GiB GPU 0 would plan
+    ``devices: [1]`` onto a 12 GiB GPU 1 at a micro-batch six times too large). A value the
+    Trainer refuses itself (a GPU this host lacks) is planned on every GPU here: its own error,
+    once it is built, names the value. ``cuda``: the ``torch.cuda`` to ask (a test's stand-in)."""
     cuda = torch.cuda if cuda is None else cuda
     if not cuda.is_available():
-        return None
+        return []
     used = gpus_used(devices, cuda) or range(cuda.device_count())
-    return min((int(cuda.get_device_properties(i).total_memory) for i in used), default=None)
+    return [int(cuda.get_device_properties(i).total_memory) for i in used]
+
+
+def device_memory_words(device_memory: int, gpus_differ: bool = False) -> str:
+    """The memory a plan was made against, in words: "this device's 12.0 GiB", or, where the
+    run's GPUs differ (``gpus_differ``), the smallest of them, which the plan must fit."""
+    gib = f"{device_memory / 2**30:.1f} GiB"
+    return f"the smallest of the run's GPUs ({gib})" if gpus_differ else f"this device's {gib}"
 
 
 def device_backend() -> str:
@@ -59,12 +66,14 @@ def plan_memory(
     auto: bool,
     devices_per_node: int,
     backend: str | None = None,
+    gpus_differ: bool = False,
 ) -> MemoryPlan:
     """Pick (``auto``) or check the micro-batch of ``config`` against ``device_memory`` bytes.
 
     ``config`` is the merged ``nanolab fit`` config as a plain dict (``vocab_size`` resolved);
     ``backend`` is this machine's (:func:`device_backend` unless given), so ``fit`` holds the
-    run to the rules ``nanolab estimate --gpu`` shows for the same GPU.
+    run to the rules ``nanolab estimate --gpu`` shows for the same GPU. ``gpus_differ``: the
+    run's GPUs differ in memory and ``device_memory`` is the smallest's (the warning says so).
     """
     from nanolab.estimator import estimate_from_config, largest_fitting_micro_batch
     from nanolab.training.resolve import sections
@@ -86,8 +95,9 @@ def plan_memory(
     warning = None
     if not est.fits:
         warning = (
-            f"memory estimate {est.memory.total / 2**30:.1f} GiB exceeds this device's "
-            f"{device_memory / 2**30:.1f} GiB at micro_batch_size {micro}; expect an OOM. "
+            f"memory estimate {est.memory.total / 2**30:.1f} GiB exceeds "
+            f"{device_memory_words(device_memory, gpus_differ)} at micro_batch_size {micro}; "
+            "expect an OOM. "
             f"Largest that fits: {est.largest_micro_batch}; or try: {_switches(est) or '-'} "
             "(nanolab estimate shows the breakdown)"
         )

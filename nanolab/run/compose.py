@@ -27,7 +27,7 @@ from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.runlock import global_rank_from_env
 from nanolab.data.prepare import BadTextError, OutputInUseError
 from nanolab.messages import warn
-from nanolab.run.autobatch import AutoBatchError, device_memory_bytes, plan_memory
+from nanolab.run.autobatch import AutoBatchError, gpu_memories, plan_memory
 from nanolab.run.parse import NanolabCLI, run_callbacks, unwrap_union_error
 from nanolab.run.trainer_errors import REFUSALS, refuse_missing_gpu, trainer_refusal
 from nanolab.run.validation_set import partial_validation_warning
@@ -449,9 +449,10 @@ def plan_micro_batch(cfg: Any, resolved: Any) -> int:
     micro = resolved.micro_batch_size
     if micro is None:  # auto: planned below, the data's value where there is no GPU
         micro = int(cfg.data.init_args.get("micro_batch_size") or 1)
-    device_memory = None
+    memories = []  # each GPU's the run uses: the smallest is planned on
     if str(cfg.trainer.get("accelerator")) != "cpu":
-        device_memory = device_memory_bytes(cfg.trainer.get("devices"))
+        memories = gpu_memories(cfg.trainer.get("devices"))
+    device_memory = min(memories, default=None)
     if device_memory is None:  # CPU: no device memory to plan against
         if choice == "auto":
             rank_zero_info(
@@ -463,7 +464,13 @@ def plan_micro_batch(cfg: Any, resolved: Any) -> int:
         config = plain_config(cfg)
         section = config["data"].get("init_args", config["data"])
         section["micro_batch_size"] = micro
-        plan = plan_memory(config, device_memory, choice == "auto", resolved.devices_per_node)
+        plan = plan_memory(
+            config,
+            device_memory,
+            choice == "auto",
+            resolved.devices_per_node,
+            gpus_differ=len(set(memories)) > 1,
+        )
     except ValueError as err:  # the estimator cannot describe this config: say so, go on
         if isinstance(err, AutoBatchError):
             raise RunConfigError(str(err)) from None
