@@ -467,7 +467,7 @@ def test_a_repeated_seed_counts_once_and_leaves_its_group_untested(tmp_path, cap
     write_run(tmp_path, "y-s2", seed=2, lr=0.001, losses=[3.0], vals={1: 2.8}, t0=t0)
     code, out, _ = run_report(capsys, str(tmp_path))
     assert code == 0
-    assert "(n=1, seeds 7,7: x-a, x-b)" in out
+    assert "(n=1, seeds 7: x-a, x-b)" in out
     assert "left out of the statistics: x-b (seed 7 again, as x-a: counted once)" in out
     assert "Welch" not in out.split("differences", 1)[1].split("\n", 1)[1], out
     assert "lr=0.003 vs lr=0.001: not tested, lr=0.003 has 1 usable seed of 2" in out
@@ -476,6 +476,34 @@ def test_a_repeated_seed_counts_once_and_leaves_its_group_untested(tmp_path, cap
     assert data["comparisons"] == []
     (group,) = [g for g in data["seed_groups"] if g["runs"] == ["x-a", "x-b"]]
     assert (group["n"], group["val_losses"], group["repeated_seeds"]) == (1, [2.5], [7])
+
+
+def test_a_seed_crashed_early_then_run_to_the_end_is_read_at_its_end(tmp_path, capsys) -> None:
+    """Seed 1 crashed at step 3, then ran again to the end beside seeds 2 and 3. The crashed
+    copy, first by time, stood for seed 1: the group was read at its 3 steps' tokens (the
+    most every "seed" validated at) and the header said "seeds 1,1,2,3".
+
+    Mutations caught: the earliest run kept whatever its state; a crashed copy preferred to a
+    completed one with fewer tokens; the seeds list printing a repeat."""
+    t0 = time.time() - 1000
+    losses = [3.0, 2.9, 2.8, 2.7, 2.6, 2.5]
+    write_run(tmp_path, "a-s1-crashed", seed=1, losses=losses[:3], vals={3: 2.9}, end=None, t0=t0)
+    for seed, last in ((1, 2.0), (2, 2.1), (3, 1.9)):
+        write_run(tmp_path, f"a-s{seed}", seed=seed, losses=losses, vals={3: 2.9, 6: last},
+                  t0=t0 + 100)  # fmt: skip
+    code, out, _ = run_report(capsys, str(tmp_path))
+    assert code == 0
+    assert "2.0000 ± 0.2484 at 6,000 tokens  (n=3, seeds 1,2,3: a-s1, a-s1-crashed" in out, out
+    assert "left out of the statistics: a-s1-crashed (seed 1 again, as a-s1: counted once)" in out
+
+    from nanolab.report.groups import repeats
+    from nanolab.runs import RunSummary
+
+    done = RunSummary(run="done", status="completed", tokens=10, seed=1, updated=5.0)
+    budget = RunSummary(run="budget", status="budget", tokens=99, seed=1, updated=1.0)
+    assert repeats([budget, done]) == {"budget": "done"}  # completed first, whatever its tokens
+    again = RunSummary(run="again", status="completed", tokens=10, seed=1, updated=9.0)
+    assert repeats([again, done]) == {"again": "done"}  # a tie: the first to finish
 
 
 def test_compare_prints_the_config_diff_beside_the_results(tmp_path, capsys) -> None:

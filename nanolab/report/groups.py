@@ -486,20 +486,30 @@ def config_summaries(found: list[tuple[str, Path]]) -> list[RunSummary]:
 
 
 def repeats(members: list[RunSummary]) -> dict[str, str]:
-    """Each run of ``members`` (runs of one config) whose seed an earlier one already has, and
+    """Each run of ``members`` (runs of one config) whose seed another one already has, and
     that run: the same config and seed again is the same sample of the loss, not a second
     seed, and counted twice it made a spread of zero that a test and a power estimate read as
-    certainty. The first to finish counts."""
-    first: dict[int, str] = {}
+    certainty. The run that stands for a seed is :func:`_stands_first` of its runs: a copy
+    that crashed early must not stand for the seed a later launch trained to the end."""
+    kept: dict[int, str] = {}
     out = {}
-    for m in sorted(members, key=lambda m: m.updated or 0.0):
+    for m in sorted(members, key=_stands_first):
         if m.seed is None:
             continue
-        if m.seed in first:
-            out[m.run] = first[m.seed]
+        if m.seed in kept:
+            out[m.run] = kept[m.seed]
         else:
-            first[m.seed] = m.run
+            kept[m.seed] = m.run
     return out
+
+
+def _stands_first(run: RunSummary) -> tuple[int, int, int, float]:
+    """Sort key: of the runs of one seed, the one that stands for it comes first. A completed
+    run, then one that ended for another reason (a budget), then one that crashed or still
+    runs; within that the most tokens, then the most validations; the earliest to finish
+    breaks a tie (a plain rerun of a finished run keeps the first)."""
+    ended = 0 if run.status == "completed" else 2 if run.status in ("crashed", "running") else 1
+    return (ended, -(run.tokens or 0), -len(run.val_points), run.updated or 0.0)
 
 
 def _unusable(run: RunSummary) -> str | None:

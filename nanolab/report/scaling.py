@@ -70,8 +70,8 @@ class Selection:
 def select(summaries: list[RunSummary]) -> Selection:
     """The largest group of ``summaries`` (runs on one dataset that each give a point) sharing
     a recipe, ties going to the group of the most recently updated run; in it, a run whose
-    config, seed and tokens an earlier one has is left out (:func:`repeats`: the first to
-    finish counts)."""
+    config, seed and tokens another one has is left out (:func:`repeats` says which counts:
+    a completed run before one that ended otherwise, the first to finish among equals)."""
     if not summaries:
         return Selection([])
     configs = _common_configs(summaries)

@@ -190,7 +190,7 @@ def format_table(
                 spread += " (interpolated: the seeds share no validation)" if g.interpolated else ""
             if g.mean_core is not None:
                 spread += f", {mean_label(g.suite)} {_mean_spread(g.mean_core, g.std_core, '+.3f')}"
-            seeds = ",".join(str(x) for x in g.seeds)
+            seeds = ",".join(str(x) for x in dict.fromkeys(g.seeds))  # a repeat counts once
             out.append(f"  {g.label}: {spread}  (n={g.n}, seeds {seeds}: {', '.join(g.runs)})")
             if g.left_out:
                 out.append(
