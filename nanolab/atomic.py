@@ -64,9 +64,26 @@ def temp_name(path: str | os.PathLike[str]) -> Path:
     from its checkpoint folder when it claims it."""
     path = Path(path)
     while True:
-        name = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        name = path.with_name(f".{path.name}.{secrets.token_hex(TEMP_HEX_BYTES)}.tmp")
         if not os.path.lexists(name):
             return name
+
+
+#: Random bytes in a :func:`temp_name` (written as twice as many hex digits).
+TEMP_HEX_BYTES = 8
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` has the shape of a :func:`temp_name` (``.<name>.<16 hex>.tmp``): what
+    a save cut short leaves behind, and the only folders a claim may clear as leftovers."""
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return False
+    stem, dot, digits = name[1 : -len(".tmp")].rpartition(".")
+    return (
+        bool(stem and dot)
+        and len(digits) == 2 * TEMP_HEX_BYTES
+        and all(c in "0123456789abcdef" for c in digits)
+    )
 
 
 #: A new file that must be this call's own: never an existing file, never through a link.

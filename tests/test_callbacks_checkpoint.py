@@ -264,6 +264,39 @@ def test_stale_tmp_files_are_cleaned_and_never_mistaken_for_checkpoints(tmp_path
     assert names(folder) == {"step-00000002.ckpt", "last.ckpt"}
 
 
+def test_a_sharded_save_cut_short_leaves_no_folder_behind(tmp_path, char_dataset):
+    """A sharded save (DeepSpeed, FSDP2: a folder) cut short leaves its hidden temp folder,
+    a new name at every save: the claim at the next launch removed leftover temp files but not
+    folders, so each interrupted save kept a full set of shards on the disk for good.
+
+    Mutations caught: folders left (the unlink on a folder failed, silently); any ``.tmp``
+    folder deleted (one of another name is not a save's); a link followed out of the folder."""
+    run = tmp_path / "run"
+    folder = run / "checkpoints"
+    folder.mkdir(parents=True)
+    torn = folder / ".step-00000004.ckpt.0123456789abcdef.tmp"
+    torn.mkdir()
+    (torn / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 1000)
+    (folder / "mine.tmp").mkdir()  # not a name a save makes: not nanolab's to delete
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("x")
+    (folder / ".last.ckpt.fedcba9876543210.tmp").symlink_to(outside, target_is_directory=True)
+    fit(run, char_dataset, [RotatingCheckpoint(every_n_steps=2)], max_steps=2, eval_every=100)
+    assert names(folder) == {"step-00000002.ckpt", "last.ckpt", "mine.tmp"}
+    assert (outside / "keep.txt").read_text() == "x"
+
+
+def test_temp_names_are_recognised_by_their_shape():
+    from nanolab.atomic import is_temp_name, temp_name
+
+    assert is_temp_name(temp_name("/x/step-00000002.ckpt").name)
+    assert not is_temp_name("step-00000002.ckpt.tmp")  # an older fixed name, or another tool's
+    assert not is_temp_name(".step-00000002.ckpt.tmp")
+    assert not is_temp_name(".step.0123456789ABCDEF.tmp")  # a save writes lower-case hex
+    assert not is_temp_name("..0123456789abcdef.tmp")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

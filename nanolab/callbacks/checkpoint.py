@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from nanolab.atomic import temp_name
+from nanolab.atomic import is_temp_name, temp_name
 from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of: public here too)
     STEP_FILE,
     AsyncAtomicCheckpointIO,
@@ -283,8 +283,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._written = {}
         for name in os.listdir(folder.fd) if at_start else ():  # later: none of them ours
             if name.endswith(".tmp"):  # a crash mid-save leaves these behind
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=folder.fd)
+                _clear_leftover(folder, name)
             elif step_of(name) is not None or name == LAST_NAME:
                 self._remember(name)
         inner = (
@@ -734,6 +733,22 @@ def unlink_in(folder: ClaimedDir, path: Path) -> None:
         _rmtree_in(folder, doomed)  # a crash's leftover of the same name
         os.rename(path.name, doomed, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
         _rmtree_in(folder, doomed)
+
+
+def _clear_leftover(folder: ClaimedDir, name: str) -> None:
+    """Delete ``name``, a ``.tmp`` entry of the claimed ``folder`` that a save cut short left.
+
+    A file goes; a folder (a sharded save: DeepSpeed, FSDP2) only where its name is one a save
+    makes (:func:`~nanolab.atomic.is_temp_name`), removed as :func:`unlink_in` removes a sharded
+    checkpoint, never through a link. Each such name is new at every save, so a leftover
+    folder not cleared here is a whole set of shards kept for good, one more per crash. An
+    entry that cannot be removed stays: the run goes on without that space, as before."""
+    with contextlib.suppress(OSError):
+        st = os.stat(name, dir_fd=folder.fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=folder.fd)
+        elif is_temp_name(name):
+            unlink_in(folder, folder.path / name)
 
 
 def _rmtree_in(folder: ClaimedDir, name: str) -> None:
