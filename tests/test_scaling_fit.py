@@ -331,6 +331,28 @@ def test_scaling_fits_one_recipe_and_counts_a_repeated_seed_once(tmp_path, capsy
     ]
 
 
+def test_a_precision_spelled_short_is_the_same_recipe(tmp_path, capsys):
+    """``trainer.precision: bf16`` is Lightning's ``bf16-mixed`` (``32`` is ``32-true``, ``16``
+    is ``16-mixed``): a sweep whose smallest size was launched with the short spelling lost
+    those runs from the fit as "another recipe".
+
+    Mutations caught: the precision compared as written."""
+    for i, n in enumerate(SIZES):
+        for d in TOKENS:
+            precision = "bf16" if i == 0 else "bf16-mixed"
+            _write_run(tmp_path, f"n{n:.0e}-d{d:.0e}", n, d, law_loss(n, d), precision=precision)
+    _write_run(tmp_path, "fp32", 2e6, 1e8, 9.0, precision="32")
+    _write_run(tmp_path, "fp16", 2e6, 1e9, 9.0, precision="16")
+    assert main([str(tmp_path), "--scaling", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["scaling"]
+    assert len(data["runs"]) == len(SIZES) * len(TOKENS)
+    assert data["recipe"]["trainer.precision"] == "bf16-mixed"
+    assert main([str(tmp_path), "--scaling"]) == 0
+    out = capsys.readouterr().out
+    assert "(another recipe: trainer.precision 16-mixed, fitted bf16-mixed): fp16" in out, out
+    assert "(another recipe: trainer.precision 32-true, fitted bf16-mixed): fp32" in out, out
+
+
 def test_scaling_refuses_runs_of_two_recipes_too_few_each_naming_what_differs(tmp_path, capsys):
     """Two recipes, neither with runs of three sizes: one line that says which keys set the
     left-out runs apart (not a fit through both)."""

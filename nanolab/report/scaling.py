@@ -117,7 +117,12 @@ def _recipe(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """The recipe keys of a run's comparable config (None: its config is unknown)."""
     if config is None:
         return None
-    return {k: v for k, v in config.items() if is_recipe_key(k)}
+    from nanolab.training.resolve import precision_name
+
+    recipe = {k: v for k, v in config.items() if is_recipe_key(k)}
+    if PRECISION in recipe:  # ``bf16`` and ``bf16-mixed`` (``32``, ``32-true``) train alike
+        recipe[PRECISION] = precision_name(recipe[PRECISION])
+    return recipe
 
 
 def _recipe_text(config: dict[str, Any] | None) -> str:
