@@ -26,6 +26,10 @@ PLUGIN_GROUP = "nanolab.plugins"
 #: The entry points' values imported so far, after a first ``""`` that marks "done" (also when
 #: none is installed).
 _plugins_loaded: list[str] = []
+#: The error line of the entry point that failed to import (None: none failed): said again by
+#: every later call, since the entry points after it were never imported and a name one of
+#: them registers would otherwise read as unknown ("not a registered optimizer").
+_load_error: str | None = None
 #: Every module the plugins' imports brought in (a plugin's package importing its own layers
 #: module): a command that loads the plugins has those too, without ``--import``.
 _plugin_modules: set[str] = set()
@@ -34,10 +38,16 @@ _plugin_modules: set[str] = set()
 def load_plugins() -> list[str]:
     """Import the modules of every installed ``nanolab.plugins`` entry point, once per process;
     their names. A plugin that fails to import is an error naming it (a half-registered
-    project would otherwise read as an unknown name)."""
+    project would otherwise read as an unknown name), on this call and every later one. A
+    plugin's own import that asks again (its module importing a registry) gets those imported
+    so far."""
+    global _load_error
     if _plugins_loaded:
+        if _load_error is not None:
+            raise NanolabError(_load_error)
         return _plugins_loaded[1:]
-    _plugins_loaded.append("")  # marks "done" even when none is installed
+    _load_error = None
+    _plugins_loaded.append("")  # marks "started", so a plugin's own import does not loop
     from importlib.metadata import entry_points
 
     for point in entry_points(group=PLUGIN_GROUP):
@@ -45,10 +55,11 @@ def load_plugins() -> list[str]:
         try:
             importlib.import_module(point.value.split(":")[0])
         except Exception as err:
-            raise NanolabError(
+            _load_error = (
                 f"the {PLUGIN_GROUP} entry point {point.name!r} = {point.value!r} failed to "
                 f"import ({type(err).__name__}: {err}); fix that module or uninstall its package"
-            ) from None
+            )
+            raise NanolabError(_load_error) from None
         finally:
             _plugin_modules.update(set(sys.modules) - before)
         _plugins_loaded.append(point.value)

@@ -153,6 +153,41 @@ def test_an_optimizer_an_installed_plugin_registers_is_known_to_fit_and_queue_ad
     assert "added job 1 " in added.stdout, added.stdout
 
 
+def test_a_plugin_that_failed_to_import_is_said_again_not_an_unknown_name(tmp_path, monkeypatch):
+    """Two installed entry points, the first broken: every lookup in the process names the
+    broken one. The plugins were marked loaded before importing them, so after the first
+    error a later lookup saw none and called the second one's optimizer unknown.
+
+    Mutation caught: the error said once, then "'later_sgd' is not a registered optimizer"."""
+    import importlib.metadata
+    import sys
+
+    from nanolab import installed_plugins
+    from nanolab.errors import NanolabError
+    from nanolab.training.optim import optimizer_spec
+
+    (tmp_path / "broken_lab.py").write_text("raise RuntimeError('half written')\n")
+    (tmp_path / "later_lab.py").write_text(PLUGIN_OPTIMIZER.replace("plugged_sgd", "later_sgd"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(installed_plugins, "_plugins_loaded", [])  # loaded afresh here
+    monkeypatch.setattr(installed_plugins, "_plugin_modules", set())
+    monkeypatch.setattr(installed_plugins, "_load_error", None, raising=False)
+    points = [
+        importlib.metadata.EntryPoint(n, n, "nanolab.plugins") for n in ("broken_lab", "later_lab")
+    ]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: points)
+    said = "entry point 'broken_lab' = 'broken_lab' failed to import (RuntimeError: half written)"
+    try:
+        for _ in range(2):
+            with pytest.raises(NanolabError) as err:
+                optimizer_spec("later_sgd")
+            assert said in str(err.value)
+    finally:
+        for name in ("broken_lab", "later_lab"):
+            sys.modules.pop(name, None)
+        OPTIMIZERS.pop("later_sgd", None)
+
+
 # -- Muon ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tied", [True, False])
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest(tied: bool):
