@@ -210,6 +210,11 @@ def test_a_full_disk_suggests_only_settings_that_keep_fewer_files(tmp_path: Path
         "--spike.enabled false (the spike guard keeps step 10, the newest checkpoint at least 7 "
         "steps older, to roll back to), or --checkpoint.max_disk_gb below 2e-06, deletes" in spiked
     ), spiked
+    ageing = line(Retention(keep_last=1, keep_best=0, keep_one_older_than=15))
+    assert (
+        "--spike.enabled false (the spike guard keeps step 10, the oldest of the last 15 steps, "
+        "to roll back to once it is 15 steps old)" in ageing
+    ), ageing
     kept_last = line(Retention(keep_last=3, keep_best=1, keep_one_older_than=7))
     assert ": --checkpoint.keep_last 1 --checkpoint.keep_best 0, or --checkpoint.max" in kept_last
     assert "--spike" not in kept_last, kept_last  # keep_last 1 deletes step 10 itself

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -155,10 +156,10 @@ def poison(first: int = 58, last: int = 59) -> dict:
 
 def fit(tmp: Path, config: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """``nanolab fit`` of the quickstart with ``config`` on top; the process and its run log."""
-    tests = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])  # this checkout's nanolab
     proc = run_nanolab(
         "fit", "--config", str(QUICKSTART), "--config", str(config), cwd=tmp,
-        env={"PYTHONPATH": tests}, timeout=600,
+        env={"PYTHONPATH": path}, timeout=600,
     )  # fmt: skip
     log = tmp / "runs" / yaml.safe_load(config.read_text())["run"]["name"] / "metrics.jsonl"
     return proc, (list(read_records(log)) if log.exists() else [])
@@ -336,6 +337,61 @@ def test_after_a_rollback_the_rate_is_scaled_for_a_while(tmp_path: Path, char_da
         assert b[step] == pytest.approx(0.5 * a[step]), step
     for step in range(restored + 11, 121):
         assert b[step] == pytest.approx(a[step]), step
+
+
+@pytest.mark.parametrize(("every", "keep_last", "patience"), [(1, 2, 3), (1, 1, 1), (2, 2, 6)])
+def test_rotation_always_keeps_one_checkpoint_to_roll_back_to(
+    tmp_path: Path, every: int, keep_last: int, patience: int
+) -> None:
+    """A save every step with ``keep_last 2`` and ``patience 3`` kept only the two newest files
+    once the run was past its first steps: none was ever old enough to roll back to (the files
+    that would have become so were deleted by ``keep_last``), so a spike ended the run as
+    diverged. Now from the first save on, one checkpoint at least ``patience + 2`` steps older
+    than the newest is kept as soon as such a step was saved, at most two files beyond
+    ``keep_last``, the kept one at most twice that far back."""
+    from nanolab.callbacks.checkpoint import RotatingCheckpoint
+
+    saver = RotatingCheckpoint(every_n_steps=every, keep_last=keep_last, keep_best=0)
+    saver.keep_one_older_than = window = patience + 2
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step in range(every, 60 * every, every):
+        newest = folder / f"step-{step:08d}.ckpt"
+        newest.write_bytes(b"x")
+        saver._rotate(newest, step, {})
+        kept = sorted(int(p.stem.split("-")[1]) for p in folder.iterdir())
+        assert len(kept) <= keep_last + 2, (step, kept)
+        if step - window >= every:  # a step old enough was saved
+            old_enough = [s for s in kept if s <= step - window]
+            assert old_enough, (step, kept)
+            assert step - max(old_enough) <= 2 * window, (step, kept)
+
+
+@pytest.mark.slow
+def test_a_spike_stop_names_a_checkpoint_from_before_the_spike_to_branch_from(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """With a save every step, the diverged line suggested branching "from step 61, its newest
+    checkpoint", weights from inside the spike that began at step 60. It names the newest from
+    before it now (two steps before, the one a rollback restores), which rotation kept."""
+    cfg = poisoned_config(
+        tmp_path, char_dataset, "every1", trainer__callbacks=[poison()], spike__action="stop"
+    )
+    config = yaml.safe_load(cfg.read_text())
+    config["checkpoint"] = {"every_n_steps": 1, "keep_last": 2, "keep_best": 0}
+    cfg.write_text(yaml.safe_dump(config))
+    proc, records = fit(tmp_path, cfg)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    (spike,) = [r for r in records if r["event"] == "spike"]
+    began = spike["began"]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert (
+        f"from step {began - 2}, its newest checkpoint from before the loss spike that "
+        f"began at step {began}" in line
+    ), line
+    assert (
+        f"--run.resume {tmp_path / 'runs' / 'every1' / 'checkpoints'}/step-{began - 2:08d}" in line
+    ), line
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
     AtomicCheckpointIO,
     Retention,
     atomic_link,
+    kept_for_rollback,
     step_of,
 )
 from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
@@ -180,7 +181,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._folder: ClaimedDir | None = None  # the claimed checkpoint folder (rank 0)
         self._written: dict[str, tuple[int, int]] = {}  # its files this run wrote: (dev, inode)
         #: Rotation also keeps the newest checkpoint at least this many steps older than the
-        #: newest save (set by the spike guard: a checkpoint from before a spike in progress).
+        #: newest save, and the one ageing into that role (set by the spike guard: a checkpoint
+        #: from before a spike in progress; :func:`kept_for_rollback`).
         self.keep_one_older_than = 0
         #: (checkpoint, step) of a resume from an older checkpoint of this run than its newest
         #: (set by ``nanolab fit``): the later step checkpoints move to ``rolled_back/`` once the
@@ -532,8 +534,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         keep = set(timeline[-self.keep_last :]) if self.keep_last else set()
         keep.add(newest_step)
         if self.keep_one_older_than:  # one to roll back to, from before any spike in progress
-            older = [s for s in timeline if s <= newest_step - self.keep_one_older_than]
-            keep.update(older[-1:])
+            keep.update(kept_for_rollback(timeline, newest_step, self.keep_one_older_than))
         best = self._best_steps(vals, set(timeline))
         keep.update(best)
         deleted = [files[s] for s in timeline if s not in keep and self._delete(files[s])]

@@ -26,7 +26,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,8 +179,30 @@ class Retention:
     keep_best: int
     max_disk_gb: float | None = None
     #: The rotation also keeps the newest checkpoint at least this many steps older than the
-    #: newest (0: none), for the spike guard (``spike.enabled``) to roll back to.
+    #: newest (0: none), for the spike guard (``spike.enabled``) to roll back to, and the one
+    #: that ages into that role (:func:`kept_for_rollback`).
     keep_one_older_than: int = 0
+
+
+def kept_for_rollback(steps: Iterable[int], newest: int, window: int) -> list[int]:
+    """The step files among ``steps`` that rotation keeps for the spike guard, oldest first:
+    the newest at least ``window`` steps older than ``newest`` (what a rollback restores), and
+    the oldest newer than that, which ages into that role.
+
+    Keeping only the first left none at all with frequent saves and a small ``keep_last``
+    (``every_n_steps 1, keep_last 2``): no file was old enough yet, and ``keep_last`` deleted
+    every one that would have become old enough, so a spike ended the run as diverged. The
+    second file is kept until it is old enough, then the next one takes its place: from the
+    first save on one always ages into the role. At most these two files, and the one restored
+    is at most about ``2 x window`` steps older than the newest."""
+    bound = newest - window
+    steps = list(steps)
+    kept = []
+    if older := [s for s in steps if s <= bound]:
+        kept.append(max(older))
+    if ageing := [s for s in steps if bound < s <= newest]:
+        kept.append(min(ageing))
+    return kept
 
 
 def _room_fix(folder: Path, room: str = "free space", retention: Retention | None = None) -> str:
@@ -205,11 +227,7 @@ def _room_fix(folder: Path, room: str = "free space", retention: Retention | Non
     if retention is None or retention.keep_last > fewer or retention.keep_best > 0:
         changes.append(f"--checkpoint.keep_last {fewer} --checkpoint.keep_best 0")
     if (spike_kept := _kept_to_roll_back_to([s for s, _ in steps], retention)) is not None:
-        step, window = spike_kept
-        changes.append(
-            f"--spike.enabled false (the spike guard keeps step {step}, the newest checkpoint "
-            f"at least {window} steps older, to roll back to)"
-        )
+        changes.append(f"--spike.enabled false ({spike_kept})")
     if retention is None or retention.max_disk_gb is None or retention.max_disk_gb * 1e9 >= total:
         changes.append(f"--checkpoint.max_disk_gb below {total / 1e9:.3g}")
     if not changes:
@@ -221,17 +239,34 @@ def _room_fix(folder: Path, room: str = "free space", retention: Retention | Non
     )
 
 
-def _kept_to_roll_back_to(steps: list[int], retention: Retention | None) -> tuple[int, int] | None:
-    """(step, window): the step file of sorted ``steps`` that rotation keeps only for the spike
-    guard (beyond ``keep_last``), at least ``window`` steps older than the newest; None when
-    there is none (a lower ``keep_last`` would delete it, or the guard keeps none)."""
+def _kept_to_roll_back_to(steps: list[int], retention: Retention | None) -> str | None:
+    """What rotation keeps of sorted ``steps`` only for the spike guard (beyond ``keep_last``:
+    :func:`kept_for_rollback`), in words; None when there is none (a lower ``keep_last`` would
+    delete them, or the guard keeps none)."""
     if retention is None or not retention.keep_one_older_than:
         return None
+    window = retention.keep_one_older_than
     newest = steps[-1]
-    older = [s for s in steps if s <= newest - retention.keep_one_older_than]
-    if not older or older[-1] in steps[-max(retention.keep_last, 1) :]:
+    kept_last = steps[-max(retention.keep_last, 1) :]
+    extra = [s for s in kept_for_rollback(steps, newest, window) if s not in kept_last]
+    older = [s for s in extra if s <= newest - window]
+    if not extra:
         return None
-    return older[-1], retention.keep_one_older_than
+    if len(extra) == 2:
+        return (
+            f"the spike guard keeps steps {extra[0]} and {extra[1]}, the newest checkpoint at "
+            f"least {window} steps older and the next one, which ages into that role, to roll "
+            "back to"
+        )
+    if older:
+        return (
+            f"the spike guard keeps step {extra[0]}, the newest checkpoint at least {window} "
+            "steps older, to roll back to"
+        )
+    return (
+        f"the spike guard keeps step {extra[0]}, the oldest of the last {window} steps, to roll "
+        f"back to once it is {window} steps old"
+    )
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -413,13 +413,21 @@ def branch_start(folder: Path, diverged_step: int | None) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def divergence_fix(trainer: L.Trainer, diverged_step: int | None, skipped: bool = False) -> str:
+def divergence_fix(
+    trainer: L.Trainer,
+    diverged_step: int | None,
+    skipped: bool = False,
+    spike_began: int | None = None,
+) -> str:
     """The exit line's fix for a diverged run: a lower learning rate (or a longer warm-up) in a
     branch, with its command. A resume of the run itself would keep its learning rate and
     schedule (they are restored with the optimizer), so the command starts a new run from the
     run's newest checkpoint that a finite step followed, or without one. ``skipped``: the steps
     from ``diverged_step`` were skipped by fp16's collapsed loss scale (finite, not taken), so
-    the checkpoint is the newest from before them (its scale was not yet collapsed)."""
+    the checkpoint is the newest from before them (its scale was not yet collapsed).
+    ``spike_began``: the first high step of the finite loss spike the spike guard stopped the
+    run at; the checkpoint is the newest from before it, by the rule a rollback restores by
+    (two steps before it): a newer one holds weights from inside the spike."""
     from nanolab.callbacks.checkpoint import step_of
     from nanolab.callbacks.rundir import CHECKPOINT_DIR
     from nanolab.training.branch import branch_command, lower_rate
@@ -434,10 +442,14 @@ def divergence_fix(trainer: L.Trainer, diverged_step: int | None, skipped: bool 
     # step before the first skipped one is fine (a non-finite step's is not: its next forward
     # is not finite at any rate).
     after = diverged_step + 1 if skipped and diverged_step is not None else diverged_step
+    if spike_began is not None:
+        after = spike_began
     start = branch_start(run_dir / CHECKPOINT_DIR, after)
     if start is None:
         command = branch_command(run_dir, run_dir.name, None, changes)
         followed = "saved before the skipped steps" if skipped else "followed by a finite step"
+        if spike_began is not None:
+            followed = f"saved before the loss spike that began at step {spike_began}"
         none = (
             f"no checkpoint of it was {followed}"
             if branch_start(run_dir / CHECKPOINT_DIR, None) is not None
@@ -451,6 +463,8 @@ def divergence_fix(trainer: L.Trainer, diverged_step: int | None, skipped: bool 
     which = "" if diverged_step is None else " that a finite step followed"
     if skipped and diverged_step is not None:
         which = " from before the skipped steps"
+    if spike_began is not None:
+        which = f" from before the loss spike that began at step {spike_began}"
     return (
         f"a resume keeps its model.optimizer.lr {lr:g} and schedule, so branch a new run with "
         f"a lower one (or a higher model.schedule.warmup_steps) from step {step_of(start)}, "

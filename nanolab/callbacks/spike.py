@@ -25,7 +25,10 @@ killed in between finishes the rollback when it is started again (:func:`complet
 called before the checkpoint to resume from is chosen), so it resumes exactly.
 
 Checkpoint rotation always keeps one checkpoint old enough to roll back to (the newest one at
-least ``patience + 2`` steps before the newest save), besides ``checkpoint.keep_last``.
+least ``patience + 2`` steps before the newest save), and the one that ages into that role,
+besides ``checkpoint.keep_last`` (:func:`nanolab.callbacks.checkpoint_io.kept_for_rollback`).
+A spike that ends the run as ``diverged`` suggests branching from the newest checkpoint from
+before it (:func:`stopping_spike_began`), never from one saved during the spike.
 
 The loss watched is the step's mean training loss, the number the run log records: Lightning
 hands a callback each micro-batch's loss divided by ``trainer.accumulate_grad_batches`` (what it
@@ -356,6 +359,15 @@ class SpikeGuard(StepCallback):
         count, first = state_dict.get("high", (0, None))  # checkpoints before it: none in progress
         self.high = Streak(int(count), None if first is None else int(first))
         self.fired = bool(state_dict.get("fired", False))
+
+
+def stopping_spike_began(trainer: L.Trainer) -> int | None:
+    """The first high step of the loss spike the guard ended this run at as ``diverged``
+    (``spike.action stop``, ``max_rollbacks`` spent, or no checkpoint old enough); None when it
+    stopped none. A branch must start from a checkpoint from before it, not the newest."""
+    guard = find_callback(trainer, SpikeGuard)
+    stops = [r for r in guard.spikes if r.get("action") == "stop"] if guard is not None else []
+    return int(stops[-1]["began"]) if stops else None
 
 
 def closure_loss_divisor(trainer: L.Trainer, pl_module: L.LightningModule) -> int:

@@ -116,8 +116,9 @@ def run_lightning_cli(argv: list[str]) -> int:
             hint = stopped.hint(trainer)
         else:  # the spike guard gave up on finite spikes: from its newest checkpoint
             from nanolab.callbacks.divergence import divergence_fix
+            from nanolab.callbacks.spike import stopping_spike_began
 
-            hint = divergence_fix(trainer, None)
+            hint = divergence_fix(trainer, None, spike_began=stopping_spike_began(trainer))
         print(
             f"nanolab {argv[0]}: diverged: {what}; stopped at step "
             f"{trainer.global_step} ({kept})" + (f"; {hint}" if hint else ""),
