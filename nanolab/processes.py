@@ -36,6 +36,54 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
+def die_with_parent(parent: int, gone: str | None = None) -> None:
+    """End this process when ``parent`` dies, even by SIGKILL: a pool worker waits on a queue
+    whose other end it holds itself, so it would wait forever, and with it the
+    multiprocessing resource tracker that waits for every holder of its pipe; a rank that
+    rank 0 launched waits for it in the process group's rendezvous or a collective, holding
+    its memory (on a GPU, the device's) while the queue starts its next job.
+
+    Linux: the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``; it
+    fires when the parent's thread that started this process ends, so the parent must start it
+    from a thread that lives as long as it does: its main thread). Elsewhere a daemon thread
+    polls the parent's pid every second. Either way a parent that died before this ran (the
+    process was adopted) ends it at once, after writing ``gone`` (a line) to stderr if given.
+    """
+    import ctypes
+    import sys
+
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # checked after arming: a death in between is not missed
+        _parent_gone(gone)
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        _parent_gone(gone)
+
+    threading.Thread(target=watch, name="nanolab-parent-watch", daemon=True).start()
+
+
+#: ``prctl`` option: the signal this process gets when its parent dies (Linux).
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_gone(line: str | None) -> None:
+    """Exit now (status 1), with ``line`` on stderr: the parent this process served is gone."""
+    if line:
+        with contextlib.suppress(OSError):
+            os.write(2, f"{line}\n".encode(errors="replace"))
+    os._exit(1)
+
+
 def process_state(pid: int) -> str | None:
     """The state letter the kernel gives process ``pid`` (``R`` running, ``S`` sleeping, ``T``
     stopped by a signal, ``t`` stopped under a debugger, ``Z`` exited), or None where it does

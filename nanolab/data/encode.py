@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from nanolab.data.tokenizers import (
     char_slices,
     tokenizer_from_spec,
 )
+from nanolab.processes import die_with_parent
 
 #: How ``nanolab prepare`` passes any bad document: every such message ends with it.
 SKIP_BAD = " or pass --skip-bad"
@@ -146,41 +146,6 @@ def become_worker(parent: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-
-
-def die_with_parent(parent: int) -> None:
-    """End this worker when ``parent`` dies, even by SIGKILL: a pool worker waits on a queue
-    whose other end it holds itself, so it would wait forever, and with it the
-    multiprocessing resource tracker that waits for every holder of its pipe.
-
-    Linux: the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``).
-    Elsewhere a daemon thread polls the parent's pid every second. Either way a parent that
-    died before this ran (the worker was adopted) ends the worker at once.
-    """
-    import ctypes
-    import signal
-    import sys
-    import threading
-    import time
-
-    armed = False
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            armed = False
-    if os.getppid() != parent:
-        os._exit(1)  # the parent is already gone
-    if armed:
-        return
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="nanolab-parent-watch", daemon=True).start()
 
 
 class IdOutOfRange(TokenizerError):

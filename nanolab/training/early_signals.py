@@ -14,11 +14,13 @@ may never come (a start-up stuck in a model build, a data module or a callback o
 watchdog ends the process :data:`START_GRACE_S` seconds after the signal, exit 75 when the run
 directory holds a checkpoint to resume from, else by the signal's own default action.
 
-A rank that Lightning's DDP launcher started from rank 0 (it re-executes the command) does not
-stop by itself before the first step: rank 0 waits for it in the process group's rendezvous, and
-a rank that exits alone there is taken for a crash (the launcher SIGKILLs rank 0: exit 137). It
-holds the signal through start-up instead; every rank then stops together at the first step's
-start (the preemption callback's agreement), exit 75. A second signal still exits at once.
+A rank that Lightning's DDP launcher started from rank 0 (it re-executes the command) dies with
+rank 0 (:func:`die_with_launcher`), and does not stop by itself before the first step: rank 0
+waits for it in the process group's rendezvous, and a rank that exits alone there is taken for
+a crash (the launcher SIGKILLs rank 0: exit 137). It holds the signal through start-up
+instead; every rank then stops together at the first step's start (the preemption callback's
+agreement), exit 75. A second signal still exits at once. Rank 0 ends after the ranks it
+launched (:func:`wait_for_launched_ranks`).
 
 Only a run that owns the process installs these handlers, and only for its duration:
 :func:`held_during_startup` wraps ``fit``'s entry and puts back every handler it found, so an
@@ -59,6 +61,14 @@ _previous: dict[signal.Signals, Any] = {}
 _deferring = False  # start-up writes from here on: hold a signal to the next safe point
 _run_dir: Path | None = None  # where a checkpoint to resume from would be
 _watchdog: threading.Timer | None = None
+
+#: Seconds the end of a launch waits for the ranks it launched to end by themselves, before it
+#: ends them (they die with it in any case: :func:`die_with_launcher`).
+RANKS_END_WAIT_S = 30.0
+
+#: The rank processes this launch started (Lightning's launcher's own list, filled when it
+#: launches them): :func:`wait_for_launched_ranks` at the launch's end.
+_launched: list[list[Any]] = []
 
 
 class PreemptedBeforeStart(SystemExit):
@@ -103,6 +113,65 @@ def _handle(signum: int, frame: FrameType | None) -> None:
 def launched_by_rank_zero() -> bool:
     """Whether this process is a rank that its parent, this launch's rank 0, started."""
     return os.environ.get(LAUNCHER_ENV) == str(os.getppid())
+
+
+def die_with_launcher() -> None:
+    """A rank that rank 0 launched (Lightning's DDP launcher re-runs the command with
+    ``LOCAL_RANK`` 1, 2, ...) ends when rank 0 does, even by SIGKILL.
+
+    Left alone it waited for the dead rank 0 in the process group's rendezvous (or a
+    collective) for as long as 30 minutes, holding its memory, on a GPU the device's, while the
+    queue, whose SIGKILL of a leftover job reaches rank 0's pid only, started its next job
+    there. Armed first thing in start-up (:func:`nanolab.processes.die_with_parent`), then the
+    parent is checked: a rank 0 that died before that ends this rank at once, with one line.
+    A process started otherwise (``torchrun``, a scheduler, a user) is left alone: its
+    environment has no launcher, or one that is not its parent and still runs.
+    """
+    from nanolab.processes import die_with_parent, pid_alive
+
+    launcher, local_rank = os.environ.get(LAUNCHER_ENV), os.environ.get("LOCAL_RANK", "0")
+    if not launcher or not launcher.isdigit() or local_rank in ("", "0"):
+        return
+    parent = int(launcher)
+    if os.getppid() != parent and pid_alive(parent):
+        return  # not this launcher's child
+    die_with_parent(
+        parent,
+        gone=f"nanolab fit: local rank {local_rank}: the process that launched it (local rank 0, "
+        f"pid {parent}) is gone; exiting",
+    )
+
+
+def end_with_launched_ranks(procs: list[Any] | None) -> None:
+    """Have this launch wait, at its end, for the rank processes in ``procs`` (``Popen``
+    objects of Lightning's DDP launcher, a list it fills when it launches them) to end first.
+
+    A launched rank dies with rank 0 (:func:`die_with_launcher`): a rank 0 that returned
+    while a rank was still on its way out (its last lines, its exit) would cut it short; and
+    a queue that starts its next job once rank 0 ends would find a rank still holding memory.
+    """
+    if procs is not None:
+        _launched.append(procs)
+
+
+def wait_for_launched_ranks(wait_s: float = RANKS_END_WAIT_S) -> None:
+    """Wait up to ``wait_s`` seconds in all for the ranks this launch started to end; SIGKILL
+    (and reap) any still running then, saying so: it waits for a rank 0 that is leaving."""
+    import subprocess
+
+    deadline = time.monotonic() + wait_s
+    for procs in _launched:
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _write(
+                    f"nanolab: a rank this launch started (pid {proc.pid}) was still running "
+                    f"{wait_s:.0f}s after the run ended; ending it\n"
+                )
+                proc.kill()
+                proc.wait()
+    _launched.clear()
 
 
 def arm_watchdog(
@@ -244,6 +313,7 @@ def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[No
             if isinstance(sig, signal.Signals):
                 before[sig] = signal.getsignal(sig)
     _received, _deferring, _run_dir = None, False, None  # whatever an earlier run left
+    die_with_launcher()
     launcher = os.environ.get(LAUNCHER_ENV)
     if not launched_by_rank_zero():
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # for the ranks launched from here
@@ -260,6 +330,7 @@ def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[No
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         _previous.clear()
         _received, _deferring, _run_dir = None, False, None  # the next run starts unsignalled
+        wait_for_launched_ranks()  # with the handlers found before: a signal now is theirs
 
 
 def stop_if_received(where: str = "") -> None:
