@@ -244,6 +244,22 @@ def test_datamodule_refuses_missing_data(tmp_path):
         dm.setup("fit")
 
 
+def test_a_home_relative_folder_is_the_folder_prepare_writes(tmp_path, monkeypatch):
+    # `prepare` and data.source expand `~`; the DataModule must read that same folder, not a
+    # literal `./~/ds` (which it then called missing), for one folder and for a mixture.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "text.txt"
+    src.write_text(SAMPLE * 50)
+    dm = TokenDataModule(dataset_dir="~/ds", source=[str(src)], tokenizer="chars", block_size=8)
+    dm.setup("fit")
+    assert dm.dataset_dir == tmp_path / "ds"
+    assert (tmp_path / "ds" / "meta.json").is_file() and not (tmp_path / "~").exists()
+    mixed = TokenDataModule(datasets=[{"path": "~/ds"}], block_size=8, micro_batch_size=2)
+    mixed.setup("fit")
+    assert [part.path for part in mixed.parts] == [tmp_path / "ds"]
+
+
 def test_concurrent_prepares_of_one_dataset_agree(tmp_path):
     # What every rank of a torchrun/srun launch does with data.source set: three real
     # `nanolab prepare` processes at once (the CLI imports no torch, so this is quick).

@@ -342,7 +342,11 @@ class TokenDataModule(L.LightningDataModule):
                 "data.source prepares the single folder data.dataset_dir, but data.datasets is "
                 "set; prepare each folder with `nanolab prepare` and set data.source to null"
             )
-        self.dataset_dir = Path(dataset_dir) if self.mixture is None else self.mixture[0][1]
+        # `~` expanded as `nanolab prepare` and data.source's preparing expand it, so the folder
+        # prepared is the folder read (not a literal `./~/...` then called missing).
+        self.dataset_dir = (
+            Path(dataset_dir).expanduser() if self.mixture is None else self.mixture[0][1]
+        )
         self.source = list(source) if source else None
         self.tokenizer = tokenizer
         self.bpe_vocab_size = bpe_vocab_size

@@ -51,7 +51,8 @@ def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:
         name = spec.get("name") or Path(path).name or f"dataset{i}"
         if not isinstance(name, str) or "/" in name:
             raise PrepareError(f"{field}.name must be a text without '/', got {name!r}")
-        out.append((name, Path(path), float(weight)))
+        # `~` as `nanolab prepare -o` expands it: the folder prepare wrote is the one read.
+        out.append((name, Path(path).expanduser(), float(weight)))
     for i, share in enumerate(mixture_shares([w for _, _, w in out])):
         if share < MIN_SHARE:
             raise PrepareError(
