@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import nanolab_here, run_nanolab, tiny_overrides, write_config
 
+from nanolab.callbacks.events import set_stop_reason
 from nanolab.callbacks.preemption import PreemptionConfigError, PreemptionHandler, parse_signals
 from nanolab.runlog import read_records
 from nanolab.training.resume import (
@@ -528,6 +529,30 @@ def test_a_signal_is_announced_once_per_launch(capfd, rank, said):
     assert handler.received is signal.SIGTERM
     err = capfd.readouterr().err
     assert ("received SIGTERM at step 14" in err) is said, err
+
+
+@pytest.mark.parametrize(
+    ("done", "step_ended", "stop", "said"),
+    [
+        (5, False, None, "step 6 is the run's last: completing it (exit 0)"),  # training step 6
+        (6, True, None, "step 6 is the run's last: completing it (exit 0)"),  # step 6's save
+        (5, True, None, "saving a checkpoint, then exiting with code 75"),  # step 5's save
+        (4, False, None, "saving a checkpoint, then exiting with code 75"),
+        (4, True, "budget", "the budget rule ends the run at step 4: completing it (exit 0)"),
+    ],
+)
+def test_a_signal_at_the_runs_last_step_says_the_run_completes(capfd, done, step_ended, stop, said):
+    """A signal the run will not preempt on (its last step, or a budget or plateau stop: it
+    completes and exits 0, docs/resume.md) said it would save and exit 75."""
+    handler = PreemptionHandler()
+    handler._stepped, handler._step_ended = True, step_ended
+    trainer = SimpleNamespace(global_rank=0, global_step=done, max_steps=6, strategy=None)
+    if stop:
+        set_stop_reason(trainer, stop, "max_wall_hours")
+    handler._trainer = trainer
+    handler._handle(signal.SIGTERM, None)
+    err = capfd.readouterr().err
+    assert f"received SIGTERM at step {done}: " in err and said in err, err
 
 
 def test_rank_0_keeps_a_first_signal_and_ends_its_ranks_only_on_a_second() -> None:

@@ -190,6 +190,8 @@ class PreemptionHandler(StepCallback):
         self._previous: dict[signal.Signals, Any] = {}
         self._trainer: pl.Trainer | None = None
         self._stepped = False  # an optimizer step ended in this process
+        # Between a step's end (on_step) and the next micro-batch: its evaluation and save.
+        self._step_ended = False
         self._yielded = False  # a spike or divergence verdict on the signalled step ended the run
         # The step of the checkpoint saved before its evaluation (finish_validation: false);
         # carried in the checkpoint so that the resumed run evaluates it first.
@@ -215,15 +217,34 @@ class PreemptionHandler(StepCallback):
             from nanolab.training import early_signals
 
             early_signals.arm_watchdog(sig, self._run_dir, self._end_launched_ranks)
-        step = self._trainer.global_step if self._trainer is not None else "?"
         if getattr(self._trainer, "global_rank", 0) == 0:  # one line per launch, not per rank
-            _write_stderr(
-                f"nanolab: received {sig.name} at step {step}: finishing the optimizer step, "
-                f"saving a checkpoint, then exiting with code {self.exit_code} (send it again to "
-                "exit at once)\n"
-            )
+            _write_stderr(self._notice(sig) + " (send it again to exit at once)\n")
         # Not passed on to the ranks launched from here: they learn it at the step's end (see
         # the module docstring), and a group signal has reached them already.
+
+    def _notice(self, sig: signal.Signals) -> str:
+        """What a first signal will do, in words that come true: a preemption (checkpoint, exit
+        ``exit_code``), or, when the run ends at the step the signal applies to anyway (its
+        last step, or one a budget or plateau rule ends it at; :meth:`_agreed` does not preempt
+        then), the usual end, exit 0 (docs/resume.md)."""
+        trainer = self._trainer
+        done = int(trainer.global_step) if trainer is not None else None
+        said = f"nanolab: received {sig.name} at step {'?' if done is None else done}"
+        if trainer is not None and done is not None:
+            # The signal applies to the step in progress, or to the one just ended while its
+            # evaluation and save run (on_step has fired, the next micro-batch not yet begun).
+            step = done if self._step_ended else done + 1
+            reason = stop_reason(trainer)[0]
+            if reason in ENDS_ON_ITS_OWN:
+                return (
+                    f"{said}: the {reason} rule ends the run at step {step}: completing it (exit 0)"
+                )
+            if 0 < getattr(trainer, "max_steps", -1) <= step:
+                return f"{said}: step {trainer.max_steps} is the run's last: completing it (exit 0)"
+        return (
+            f"{said}: finishing the optimizer step, saving a checkpoint, then exiting with code "
+            f"{self.exit_code}"
+        )
 
     def _end_launched_ranks(self) -> None:
         """SIGKILL the ranks this process launched itself (Lightning's DDP launcher), before
@@ -279,7 +300,14 @@ class PreemptionHandler(StepCallback):
         ):
             self._stop(trainer, before_first_step=True)
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._step_ended = False  # a signal from here on applies to the step now training
+
     def on_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        self._step_ended = True
         if not self._stepped:
             from nanolab.training import early_signals
 
