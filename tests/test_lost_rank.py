@@ -67,9 +67,29 @@ def test_a_rank_that_exited_before_any_checkpoint() -> None:
     gone.wait()
     found = lost_rank(_trainer([gone]), RuntimeError(GLOO_TEXT))
     assert str(found) == (
-        f"rank 1 (pid {gone.pid}) exited with code 3; rerun the same command to start again "
-        "(no checkpoint was saved yet)"
+        f"rank 1 (pid {gone.pid}) ended with an error (exit code 3): its message is above; no "
+        "checkpoint was saved yet"
     )
+
+
+def test_a_rank_that_raised_is_named_without_rerun_advice(tmp_path: Path) -> None:
+    """A Python error on rank 1 (exit code 1) was told as "exited with code 1; rerun the same
+    command to resume from step 4": a rerun meets the same error. The line names the error
+    and points at the rank's own traceback; the checkpoint's step stays as information."""
+    raised = subprocess.Popen(
+        [sys.executable, "-c", "raise ValueError('a bug on this rank')"], stderr=subprocess.PIPE
+    )
+    _, err = raised.communicate()
+    assert raised.returncode == 1 and b"ValueError: a bug on this rank" in err
+    checkpoints = RotatingCheckpoint()
+    checkpoints.dirpath, checkpoints.last_saved_step = tmp_path, 4
+    (tmp_path / step_checkpoint_name(4)).write_bytes(b"x")
+    found = lost_rank(_trainer([raised], [checkpoints]), RuntimeError(GLOO_TEXT))
+    assert str(found) == (
+        f"rank 1 (pid {raised.pid}) ended with an error (exit code 1): its traceback is above; "
+        "the newest checkpoint is of step 4"
+    )
+    assert "rerun" not in str(found)
 
 
 def test_other_errors_keep_their_traceback() -> None:
@@ -140,5 +160,5 @@ def test_rank_0_names_the_rank_that_was_killed(tmp_path: Path, char_dataset: Pat
         f"rank 1 (pid {rank1}) was killed by SIGKILL (out of memory?); rerun the same command "
         f"to resume from step {step}"
     )
-    assert lines == [f"nanolab fit: {said}"], text[-3000:]
+    assert lines == [f"nanolab fit: error: {said}"], text[-3000:]
     assert (end["reason"], end["error"]) == ("error", said)

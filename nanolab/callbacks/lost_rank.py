@@ -9,6 +9,11 @@ how they ended, and the run ends with one line::
 
     rank 1 (pid 4242) was killed by SIGKILL (out of memory?); rerun the same command to resume from step 40
 
+A rank that ended itself on an error (an exception in its own code: exit code 1) is named without
+that advice, since an unchanged rerun meets the same error: its own traceback is above the line::
+
+    rank 1 (pid 4242) ended with an error (exit code 1): its traceback is above; the newest checkpoint is of step 40
+
 The run log's ``end`` record carries the same line as its error, and ``nanolab fit`` exits
 :data:`nanolab.errors.EXIT_CRASHED`. Only a collective's error (a ``RuntimeError``) while a rank
 this process launched has ended counts as such; any other error keeps its traceback. Ranks that
@@ -59,13 +64,24 @@ class LostRank:
     resume_step: int | None  # the newest complete checkpoint's step (None: none saved)
 
     def __str__(self) -> str:
-        if self.resume_step is None:
-            again = "rerun the same command to start again (no checkpoint was saved yet)"
-        else:
-            again = f"rerun the same command to resume from step {self.resume_step}"
-        how = how_it_ended(self.returncode)  # "killed by SIGKILL ..." or "exited with code 1"
-        was = "was " if self.returncode < 0 else ""
-        return f"rank {self.rank} (pid {self.pid}) {was}{how}; {again}"
+        if self.returncode < 0:  # killed from outside (the OOM killer, kill -9): a rerun resumes
+            if self.resume_step is None:
+                again = "rerun the same command to start again (no checkpoint was saved yet)"
+            else:
+                again = f"rerun the same command to resume from step {self.resume_step}"
+            return f"rank {self.rank} (pid {self.pid}) was {how_it_ended(self.returncode)}; {again}"
+        # It ended itself on an error: an unchanged rerun meets it again, so no rerun advice.
+        # Exit code 1 is Python's for an uncaught exception; nanolab's own errors print a line.
+        said = "its traceback is above" if self.returncode == 1 else "its message is above"
+        saved = (
+            "no checkpoint was saved yet"
+            if self.resume_step is None
+            else f"the newest checkpoint is of step {self.resume_step}"
+        )
+        return (
+            f"rank {self.rank} (pid {self.pid}) ended with an error (exit code "
+            f"{self.returncode}): {said}; {saved}"
+        )
 
 
 def lost_rank(trainer: Any, exception: BaseException, wait_s: float = WAIT_S) -> LostRank | None:

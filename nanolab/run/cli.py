@@ -71,7 +71,7 @@ def run_lightning_cli(argv: list[str]) -> int:
             lost = lost_rank_of(err)  # a rank this process launched died (the run log asked)
             if lost is None:
                 raise
-            print(f"nanolab {argv[0]}: {lost}", file=sys.stderr, flush=True)
+            print(f"nanolab {argv[0]}: error: {lost}", file=sys.stderr, flush=True)
             return EXIT_CRASHED
         finally:
             release_all()
