@@ -318,6 +318,82 @@ def expected_end_of(start: dict[str, Any] | None, config: dict[str, Any]) -> tup
     return int(step), bool(end.get("estimated"))
 
 
+def measured_pace(records: list[dict[str, Any]]) -> float | None:
+    """Wall seconds a step over consecutive train records (oldest first): the ``elapsed_s``
+    between them over the steps between, so evaluations and saves count, as the time a
+    budget counts does. Pairs across a resume (the step or the clock not moving on) are
+    left out; None: no two records of one launch."""
+    seconds = steps = 0.0
+    for before, after in itertools.pairwise(records):
+        t0, t1 = num(before.get("elapsed_s")), num(after.get("elapsed_s"))
+        s0, s1 = num(before.get("step")), num(after.get("step"))
+        if None in (t0, t1, s0, s1) or not (s1 > s0 and t1 >= t0):  # type: ignore[operator]
+            continue
+        seconds, steps = seconds + t1 - t0, steps + s1 - s0  # type: ignore[operator]
+    return seconds / steps if steps and seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class MeasuredCourse:
+    """Where a launch that an hours, GPU-hours or cost limit bounds ends, made again from its
+    log (:func:`measured_course`)."""
+
+    end: int  # the step it ends at
+    by: str  # the setting that ends it there
+    seconds_left: float | None  # wall seconds its time or money limits leave after ``spent``
+
+    @property
+    def estimated(self) -> bool:
+        """A time or cost limit's end: a step time turned it into steps (said ``~``)."""
+        from nanolab.estimator.run_length import HOUR_LIMITS
+
+        return self.by in HOUR_LIMITS
+
+
+def measured_course(
+    start: dict[str, Any] | None, last: dict[str, Any] | None, step_s: float | None
+) -> MeasuredCourse | None:
+    """Where a launch ends by the run-length rule fit's budget stops it by
+    (:func:`nanolab.estimator.run_length.run_length`), asked with the launch's config and
+    batch (its ``start`` record), what the run has spent by its newest train record ``last``
+    (step, own tokens, elapsed hours, GPU-hours) and a measured ``step_s``: not the start
+    record's ``expected_end``, which a time limit's start-up guess fixed for good. None: no
+    such inputs, no time or cost limit, or a token limit without the tokens a step trains."""
+    from nanolab.estimator.run_length import Budget, Spent, hour_limits, run_length
+
+    config = (start or {}).get("config")
+    if not isinstance(config, dict) or last is None or not step_s or step_s <= 0:
+        return None
+    step = last.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    budget = Budget.from_config(config.get("budget"))
+    per_step = _whole((start or {}).get("global_batch_tokens"))
+    world = max(1, _whole((start or {}).get("world_size")))
+    tokens = own_tokens(num(last.get("tokens")), last.get("run_tokens"), None)
+    spent = Spent(
+        step=step,
+        tokens=int(tokens or 0),
+        wall_hours=(num(last.get("elapsed_s")) or 0.0) / 3600,
+        gpu_hours=num(last.get("gpu_hours")) or 0.0,
+    )
+    left = hour_limits(budget, world, spent)
+    if not left or (budget.max_tokens is not None and per_step <= 0):
+        return None
+    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
+    bound = _whole(trainer.get("max_steps"))
+    length = run_length(bound if bound > 0 else None, budget, per_step, step_s, world, spent)
+    if length is None:
+        return None
+    seconds = max(0.0, min(hours for hours, _ in left) * 3600)
+    return MeasuredCourse(length.steps, length.source, seconds)
+
+
+def _whole(value: Any) -> int:
+    """An integer field of a record (0 when absent or not one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def recent_mean(records: list[dict[str, Any]], key: str, n: int = 50) -> float | None:
     values = [v for v in (num(r.get(key)) for r in records[-n:]) if v is not None]
     return statistics.fmean(values) if values else None

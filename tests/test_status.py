@@ -126,6 +126,32 @@ def test_a_run_a_budget_stops_before_max_steps_counts_to_where_it_stops(tmp_path
     assert "40/100 (40%)" in text and "40/~100 (40%)" in text and "40/3000 (1%)" in text
 
 
+def test_a_time_budget_runs_end_and_eta_follow_its_measured_pace(tmp_path, capsys):
+    """A run of ``budget.max_wall_hours`` 0.008 (28.8 s): status counted to the start record's
+    plan-time guess (step ~8198) for good: 16 s in it said ``1279/~8198 (16%) ... ETA 1m12s``,
+    and the run stopped 12 s later at step 2681. It re-estimates by the budget's rule from what
+    the run has spent and its measured pace; the ETA never passes the limit's deadline."""
+    now = time.time()
+    config = {"trainer": {"max_steps": 100_000}, "budget": {"max_wall_hours": 0.008}}
+    start = {"event": "start", "time": now - 20, "step": 0, "run_name": "wall", "config": config,
+             "planned_steps": 100_000, "global_batch_tokens": 128, "world_size": 1,
+             "expected_end": {"step": 8198, "by": "budget.max_wall_hours", "estimated": True}}  # fmt: skip
+    train = [
+        {"event": "train", "time": now - (1279 - i) * 0.0125, "step": i, "loss": 3.0,
+         "tokens": 128 * i, "run_tokens": 128 * i, "tokens_per_s": 10_000.0,
+         "step_time_s": 0.004, "elapsed_s": round(4 + i * 0.0125, 4)}
+        for i in range(1220, 1280)
+    ]  # fmt: skip
+    write_log(tmp_path / "runs" / "wall", [start, *train])
+    assert main([str(tmp_path / "runs"), "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)["running"][0]
+    left = 28.8 - (4 + 1279 * 0.0125)  # seconds of the limit the run has left
+    assert line["end_estimated"] and abs(line["max_steps"] - (1279 + left / 0.0125)) <= 2, line
+    assert 0 < line["eta_s"] <= left, line
+    assert main([str(tmp_path / "runs")]) == 0
+    assert f"1279/~{line['max_steps']} " in capsys.readouterr().out
+
+
 def test_nothing_to_show_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main([]) == 2  # no runs/ and no queue

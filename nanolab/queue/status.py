@@ -37,6 +37,8 @@ from nanolab.runs import (
     discover_runs,
     duration,
     expected_end_of,
+    measured_course,
+    measured_pace,
     num,
     recent_mean,
     summarize_tail,
@@ -133,8 +135,22 @@ def run_line(name: str, run_dir: Path, now: float, followed: FollowedRuns | None
         run_dir=str(run_dir),
     )
     step_time = recent_mean(train, "step_time_s", n=20)
+    deadline = None  # wall seconds a time or cost limit leaves, from now
+    if estimated and s.status == "running":
+        # The start record's end of a time or cost limit is the plan's guess at start-up: made
+        # again from what the run has spent and its measured pace (the budget's own rule,
+        # as the progress line makes it again), so the count and ETA follow the run.
+        pace = measured_pace(train[-21:])
+        course = measured_course(start or None, last or None, pace)
+        if course is not None and pace is not None:
+            line.max_steps, step_time = course.end, pace
+            line.end_estimated = course.estimated
+            if course.seconds_left is not None:
+                deadline = max(0.0, course.seconds_left - (line.since_s or 0.0))
     if s.status == "running" and line.step is not None and line.max_steps and step_time:
         line.eta_s = max(0, line.max_steps - line.step) * step_time
+        if deadline is not None:
+            line.eta_s = min(line.eta_s, deadline)  # the limit stops it then, whatever the pace
     if s.status == "running" and line.since_s is not None:
         limit = max(STALL_MIN_S, STALL_FACTOR * (step_time or 0.0))
         line.stalled = line.since_s > limit
