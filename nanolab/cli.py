@@ -189,10 +189,11 @@ def _dispatch(args: list[str]) -> int:
         _VERB_ENTERED.append(True)  # fit's start-up signals are early_signals' from here
         # Before the heavy imports: a SIGTERM during start-up ends in exit 75, not 143; the
         # handlers are this run's only, and put back when it ends.
-        with early_signals.held_during_startup():
+        with early_signals.held_during_startup() as launch:
             from nanolab.run.cli import run_lightning_cli
 
-            return run_lightning_cli(args)
+            launch.exit_code = run_lightning_cli(args)
+            return launch.exit_code
     known = [*VERBS, *LIGHTNING_VERBS]
     near = VERB_ALIASES.get(verb) or next(
         iter(difflib.get_close_matches(verb, known, 1, 0.6)), None

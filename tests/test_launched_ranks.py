@@ -175,11 +175,11 @@ def test_a_launch_ends_after_the_ranks_it_started_or_ends_them(capfd) -> None:
     from nanolab.training import early_signals
 
     leaving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
-    early_signals.end_with_launched_ranks([leaving])
+    early_signals.end_with_launched_ranks(_Launcher(leaving))
     early_signals.wait_for_launched_ranks(60)
     assert leaving.returncode == 0  # ended by itself, waited for
     hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    early_signals.end_with_launched_ranks([hung])
+    early_signals.end_with_launched_ranks(_Launcher(hung))
     started = time.monotonic()
     early_signals.wait_for_launched_ranks(1)
     assert hung.returncode == -signal.SIGKILL and time.monotonic() - started < 30
@@ -188,3 +188,144 @@ def test_a_launch_ends_after_the_ranks_it_started_or_ends_them(capfd) -> None:
         "ended; ending it" in capfd.readouterr().err
     )
     early_signals.wait_for_launched_ranks(0)  # nothing left to wait for
+
+
+class _Launcher:
+    """Lightning's DDP launcher as rank 0 sees it: ``procs`` is rebound when it starts ranks."""
+
+    def __init__(self, *procs: subprocess.Popen) -> None:
+        self.procs: list[subprocess.Popen] = list(procs)
+
+
+def test_a_launch_waits_for_the_ranks_its_launcher_started_after_registering_it() -> None:
+    """The launcher is registered before the fit and starts its ranks into a NEW list
+    (Lightning's ``_call_children_scripts`` rebinds ``procs``): the end still waits for them."""
+    from nanolab.training import early_signals
+
+    launcher = _Launcher()
+    early_signals.end_with_launched_ranks(launcher)
+    launcher.procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])]
+    early_signals.wait_for_launched_ranks(60)
+    assert launcher.procs[0].returncode == 0  # waited for: it ended by itself
+
+
+def test_a_launch_that_failed_alone_ends_its_ranks_after_a_short_grace() -> None:
+    """Rank 0 ending on its own error (exit 74, a full disk) leaves its ranks in a collective
+    that never completes: they are ended within seconds, not after the whole wait."""
+    from nanolab.training import early_signals
+
+    launcher = _Launcher()
+    with early_signals.held_during_startup() as launch:
+        early_signals.end_with_launched_ranks(launcher)
+        launcher.procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])]
+        launch.exit_code = 74
+        started = time.monotonic()
+    assert launcher.procs[0].returncode == -signal.SIGKILL
+    assert time.monotonic() - started < early_signals.RANKS_END_WAIT_S / 2
+    assert early_signals.ranks_wait_s(0) == early_signals.RANKS_END_WAIT_S
+    assert early_signals.ranks_wait_s(75) == early_signals.RANKS_END_WAIT_S
+
+
+def test_a_ctrl_c_while_waiting_for_the_ranks_ends_them_without_a_traceback(capfd) -> None:
+    from nanolab.training import early_signals
+
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    launcher = _Launcher(hung)
+    early_signals.end_with_launched_ranks(launcher)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        early_signals.wait_for_launched_ranks(60)  # no KeyboardInterrupt out of it
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert hung.returncode == -signal.SIGKILL
+    assert (
+        "interrupted while waiting for the ranks this launch started; ending them "
+        f"(pid {hung.pid})" in capfd.readouterr().err
+    )
+
+
+#: Runs its arguments (rank 0) as a child subreaper: every rank, re-parented to it when rank 0
+#: ends, is reaped here, so its OWN exit status is seen. Sends ``argv[1]`` to rank 0 only once
+#: rank 0 printed its banner's ``steps`` line (stdout and stderr both read) (``none``: no signal); prints one JSON line.
+SUBREAPER = """
+import ctypes, json, os, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+rank0 = subprocess.Popen(sys.argv[2:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+ended = {}
+for line in rank0.stdout:
+    sys.stderr.write(line)
+    if "completed at step" in line:
+        ended["said_done"] = [0, time.monotonic()]
+    if line.lstrip().startswith("steps") and sys.argv[1] != "none":
+        time.sleep(1.0)
+        rank0.send_signal(getattr(signal, sys.argv[1]))
+        break
+threading = __import__("threading")
+threading.Thread(target=lambda: [sys.stderr.write(x) for x in rank0.stdout], daemon=True).start()
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    ended["rank0" if pid == rank0.pid else str(pid)] = [code, time.monotonic()]
+print(json.dumps(ended), flush=True)
+"""
+
+
+#: A rank that rank 0 launched lingers 3 s on its way out (its last lines, a slow exit).
+SLOW_EXIT = """
+import atexit, os, time
+if os.environ.get("LOCAL_RANK", "0") != "0":
+    atexit.register(time.sleep, 3)
+"""
+
+
+def _ddp_ends(tmp_path: Path, char_dataset: Path, sig: str, max_steps: int) -> dict:
+    import json
+
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=max_steps)
+    cfg["trainer"].update(accelerator="cpu", devices=2, strategy="ddp")
+    config = write_config(tmp_path / "ddp.yaml", cfg)
+    command = [sys.executable, "-c", SUBREAPER, sig, sys.executable, "-m", "nanolab", "fit",
+               "--config", str(QUICKSTART), "--config", str(config)]  # fmt: skip
+    hooks = tmp_path / "hooks"  # rank 1 takes 3 s to exit: rank 0 must wait for it
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_EXIT)
+    env = {**_env(), "PYTHONPATH": f"{hooks}{os.pathsep}{REPO}"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    ended = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "rank0" in ended and "was still running" not in done.stderr, done.stderr[-3000:]
+    return ended
+
+
+def _rank1(ended: dict, code: int) -> list:
+    """Rank 1's own end: seen here if it outlived rank 0 (re-parented to the subreaper), else
+    rank 0 reaped it after it ended by itself (rank 0 ends one only with a line, checked above).
+    """
+    others = [value for key, value in ended.items() if key not in ("rank0", "said_done")]
+    return others[0] if others else [code, ended["rank0"][1]]
+
+
+@pytest.mark.slow
+def test_a_ddp_rank_ends_on_its_own_after_a_sigterm_to_rank_zero_only(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    """SIGTERM to rank 0 alone: the ranks agree to stop and each exits 75 by itself; rank 0
+    waits for its rank 1 instead of returning while it still exits (which SIGKILLed it)."""
+    ended = _ddp_ends(tmp_path, char_dataset, "SIGTERM", 20_000)
+    rank1 = _rank1(ended, 75)
+    assert ended["rank0"][0] == 75 and rank1[0] == 75, ended  # not SIGKILLed on its way out
+
+
+@pytest.mark.slow
+def test_a_clean_ddp_run_ends_with_its_ranks_without_a_wait(
+    tmp_path: Path, char_dataset: Path
+) -> None:
+    ended = _ddp_ends(tmp_path, char_dataset, "none", 6)
+    rank1 = _rank1(ended, 0)
+    assert ended["rank0"][0] == 0 and rank1[0] == 0, ended
+    # From its last line rank 0 waits only for rank 1's own 3 s exit, not the 30 s allowed.
+    assert ended["rank0"][1] - ended["said_done"][1] < 12, ended

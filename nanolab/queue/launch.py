@@ -46,8 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _launch(args)
     from nanolab.training import early_signals
 
-    with early_signals.held_during_startup():  # this run's handlers only, put back after it
-        return _launch(args)
+    with early_signals.held_during_startup() as launch:  # this run's handlers only, then back
+        launch.exit_code = _launch(args)
+        return launch.exit_code
 
 
 def _launch(args: list[str]) -> int:

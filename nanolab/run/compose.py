@@ -216,8 +216,7 @@ def launch(cli: NanolabCLI) -> Trainer:
                 if isinstance(callback, RotatingCheckpoint):  # once the resume has restored
                     callback.set_aside_after = (Path(cand.path), int(cand.step))
         # The ranks Lightning's launcher starts from here end before this launch does.
-        launcher = getattr(trainer.strategy, "launcher", None)
-        early_signals.end_with_launched_ranks(getattr(launcher, "procs", None))
+        early_signals.end_with_launched_ranks(getattr(trainer.strategy, "launcher", None))
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
     target, ckpt_path = evaluation_target(verb, run_dir, model, picked, data, strategy_kind)

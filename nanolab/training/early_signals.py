@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -66,9 +67,27 @@ _watchdog: threading.Timer | None = None
 #: ends them (they die with it in any case: :func:`die_with_launcher`).
 RANKS_END_WAIT_S = 30.0
 
-#: The rank processes this launch started (Lightning's launcher's own list, filled when it
-#: launches them): :func:`wait_for_launched_ranks` at the launch's end.
-_launched: list[list[Any]] = []
+#: Seconds the end of a launch that failed on its own (an exit status other than
+#: :data:`RANKS_END_TOGETHER`) waits for the ranks it launched before it ends them: they are
+#: likely waiting for it in a collective that never completes, and would only add their wait.
+RANKS_ERROR_WAIT_S = 3.0
+
+#: Exit statuses that every rank reaches together (a finished run, a preemption the ranks
+#: agreed on, a divergence they all saw): the launched ranks are ending as well, so wait for them.
+RANKS_END_TOGETHER = (0, EXIT_PREEMPTED, 3)
+
+#: The launchers (Lightning's DDP launcher) whose rank processes this launch started:
+#: :func:`wait_for_launched_ranks` at the launch's end reads their ``procs`` then, as the
+#: launcher rebinds that list when it starts the ranks (a list kept from before stays empty).
+_launched: list[Any] = []
+
+
+@dataclass
+class Launch:
+    """What :func:`held_during_startup` yields: the caller sets ``exit_code`` to the status the
+    run returns, so the launch's end knows whether the ranks it started are ending as well."""
+
+    exit_code: int | None = None
 
 
 class PreemptedBeforeStart(SystemExit):
@@ -142,25 +161,32 @@ def die_with_launcher() -> None:
     )
 
 
-def end_with_launched_ranks(procs: list[Any] | None) -> None:
-    """Have this launch wait, at its end, for the rank processes in ``procs`` (``Popen``
-    objects of Lightning's DDP launcher, a list it fills when it launches them) to end first.
+def end_with_launched_ranks(launcher: Any) -> None:
+    """Have this launch wait, at its end, for the rank processes of ``launcher`` (Lightning's
+    DDP launcher: ``Popen`` objects in its ``procs``, filled when it launches them) to end first.
 
     A launched rank dies with rank 0 (:func:`die_with_launcher`): a rank 0 that returned
     while a rank was still on its way out (its last lines, its exit) would cut it short; and
     a queue that starts its next job once rank 0 ends would find a rank still holding memory.
+    The launcher itself is kept, not its list: it starts the ranks into a new list.
     """
-    if procs is not None:
-        _launched.append(procs)
+    if launcher is not None:
+        _launched.append(launcher)
 
 
 def wait_for_launched_ranks(wait_s: float = RANKS_END_WAIT_S) -> None:
     """Wait up to ``wait_s`` seconds in all for the ranks this launch started to end; SIGKILL
-    (and reap) any still running then, saying so: it waits for a rank 0 that is leaving."""
+    (and reap) any still running then, saying so: it waits for a rank 0 that is leaving.
+
+    A Ctrl-C during the wait ends the ranks still running at once (one line, no traceback):
+    the launch was ending anyway, and its own exit status stands.
+    """
     import subprocess
 
+    procs = [proc for launcher in _launched for proc in getattr(launcher, "procs", None) or ()]
+    _launched.clear()
     deadline = time.monotonic() + wait_s
-    for procs in _launched:
+    try:
         for proc in procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -169,9 +195,27 @@ def wait_for_launched_ranks(wait_s: float = RANKS_END_WAIT_S) -> None:
                     f"nanolab: a rank this launch started (pid {proc.pid}) was still running "
                     f"{wait_s:.0f}s after the run ended; ending it\n"
                 )
-                proc.kill()
-                proc.wait()
-    _launched.clear()
+                _end(proc)
+    except KeyboardInterrupt:
+        running = [proc for proc in procs if proc.poll() is None]
+        if running:
+            pids = ", ".join(str(proc.pid) for proc in running)
+            _write(f"nanolab: interrupted while waiting for the ranks this launch started; "
+                   f"ending them (pid {pids})\n")  # fmt: skip
+        for proc in running:
+            _end(proc)
+
+
+def _end(proc: Any) -> None:
+    """SIGKILL a launched rank and reap it (a zombie would still hold its pid)."""
+    with contextlib.suppress(OSError):
+        proc.kill()
+    proc.wait()
+
+
+def ranks_wait_s(exit_code: object) -> float:
+    """How long the end of a launch that exits with ``exit_code`` waits for its ranks."""
+    return RANKS_END_WAIT_S if exit_code in RANKS_END_TOGETHER else RANKS_ERROR_WAIT_S
 
 
 def arm_watchdog(
@@ -301,9 +345,14 @@ def defer(run_dir: str | Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[None]:
+def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[Launch]:
     """Install the handlers for one run that owns the process; afterwards put back the handlers
-    found before it, whatever the run (or Lightning's teardown) left installed."""
+    found before it, whatever the run (or Lightning's teardown) left installed.
+
+    At the end it waits for the ranks the run launched: the whole :data:`RANKS_END_WAIT_S`
+    when the run ends as its ranks do (``Launch.exit_code`` or a ``SystemExit`` in
+    :data:`RANKS_END_TOGETHER`), only :data:`RANKS_ERROR_WAIT_S` when it failed on its own.
+    """
     global _received, _deferring, _run_dir
     main = threading.current_thread() is threading.main_thread()
     before = {}
@@ -318,8 +367,15 @@ def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[No
     if not launched_by_rank_zero():
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # for the ranks launched from here
     install(names)
+    launch = Launch()
     try:
-        yield
+        yield launch
+    except SystemExit as stop:
+        launch.exit_code = stop.code if isinstance(stop.code, int) else 1
+        raise
+    except BaseException:
+        launch.exit_code = 1
+        raise
     finally:
         if launcher is None:
             os.environ.pop(LAUNCHER_ENV, None)
@@ -330,7 +386,8 @@ def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[No
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         _previous.clear()
         _received, _deferring, _run_dir = None, False, None  # the next run starts unsignalled
-        wait_for_launched_ranks()  # with the handlers found before: a signal now is theirs
+        # With the handlers found before: a signal now is theirs.
+        wait_for_launched_ranks(ranks_wait_s(launch.exit_code or 0))
 
 
 def stop_if_received(where: str = "") -> None:
