@@ -287,6 +287,37 @@ def test_a_sharded_save_cut_short_leaves_no_folder_behind(tmp_path, char_dataset
     assert (outside / "keep.txt").read_text() == "x"
 
 
+def test_a_removal_cut_short_and_only_nanolab_temp_folders_are_cleared(tmp_path, char_dataset):
+    """A sharded checkpoint or temp folder renamed to ``.<name>.deleting`` whose removal was
+    cut short was never cleared again; a user's hidden ``.<x>.<16 hex>.tmp`` folder was.
+
+    Mutations caught: ``.deleting`` folders kept; any temp-shaped folder deleted; a
+    ``.deleting`` of another name deleted; a link followed out of the folder."""
+    run = tmp_path / "run"
+    folder = run / "checkpoints"
+    folder.mkdir(parents=True)
+    for doomed in (
+        ".step-00000004.ckpt.deleting",
+        ".last.ckpt.deleting",
+        "..step-00000006.ckpt.0123456789abcdef.tmp.deleting",
+    ):
+        (folder / doomed).mkdir()
+        (folder / doomed / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 1000)
+    kept = {".notes.0123456789abcdef.tmp", ".mine.deleting", ".link.ckpt.deleting"}
+    (folder / ".notes.0123456789abcdef.tmp").mkdir()  # a user's hidden folder of that shape
+    (folder / ".notes.0123456789abcdef.tmp" / "keep.txt").write_text("x")
+    (folder / ".mine.deleting").mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("x")
+    (folder / ".step-00000008.ckpt.deleting").symlink_to(outside, target_is_directory=True)
+    kept.add(".step-00000008.ckpt.deleting")
+    kept.discard(".link.ckpt.deleting")
+    fit(run, char_dataset, [RotatingCheckpoint(every_n_steps=2)], max_steps=2, eval_every=100)
+    assert names(folder) == {"step-00000002.ckpt", "last.ckpt", *kept}
+    assert (outside / "keep.txt").read_text() == "x"
+
+
 def test_temp_names_are_recognised_by_their_shape():
     from nanolab.atomic import is_temp_name, temp_name
 

@@ -284,7 +284,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._folder = folder = ClaimedDir(self.dirpath)
         self._written = {}
         for name in os.listdir(folder.fd) if at_start else ():  # later: none of them ours
-            if name.endswith(".tmp"):  # a crash mid-save leaves these behind
+            if name.endswith((".tmp", DELETING)):  # a crash mid-save (or mid-delete) left it
                 _clear_leftover(folder, name)
             elif step_of(name) is not None or name == LAST_NAME:
                 self._remember(name)
@@ -730,26 +730,57 @@ def unlink_in(folder: ClaimedDir, path: Path) -> None:
         if not stat.S_ISDIR(st.st_mode):
             os.unlink(path.name, dir_fd=folder.fd)
             return
-        doomed = f".{path.name}.deleting"
+        doomed = f".{path.name}{DELETING}"
         _rmtree_in(folder, doomed)  # a crash's leftover of the same name
         os.rename(path.name, doomed, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
         _rmtree_in(folder, doomed)
 
 
-def _clear_leftover(folder: ClaimedDir, name: str) -> None:
-    """Delete ``name``, a ``.tmp`` entry of the claimed ``folder`` that a save cut short left.
+#: The ending :func:`unlink_in` gives a sharded checkpoint (a folder) it is about to remove.
+DELETING = ".deleting"
 
-    A file goes; a folder (a sharded save: DeepSpeed, FSDP2) only where its name is one a save
-    makes (:func:`~nanolab.atomic.is_temp_name`), removed as :func:`unlink_in` removes a sharded
-    checkpoint, never through a link. Each such name is new at every save, so a leftover
-    folder not cleared here is a whole set of shards kept for good, one more per crash. An
-    entry that cannot be removed stays: the run goes on without that space, as before."""
+
+def _checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is one of the run's checkpoint names (``step-N.ckpt``, ``last.ckpt``)."""
+    return step_of(name) is not None or name == LAST_NAME
+
+
+def _save_temp_name(name: str) -> bool:
+    """Whether ``name`` is a temp name a save of a checkpoint makes (``.step-N.ckpt.<16 hex>.tmp``
+    or ``.last.ckpt.<16 hex>.tmp``), not any hidden ``.<x>.<16 hex>.tmp`` a user keeps there."""
+    return is_temp_name(name) and _checkpoint_name(name[1:].rsplit(".", 2)[0])
+
+
+def _leftover_folder(name: str) -> bool:
+    """Whether a folder named ``name`` is nanolab's to clear at claim time: a sharded save's
+    temp folder, or one :func:`unlink_in` renamed to ``.<name>.deleting`` (a checkpoint's or
+    such a temp folder's) whose removal was cut short (each would be kept for good)."""
+    if name.startswith(".") and name.endswith(DELETING):
+        inner = name[1 : -len(DELETING)]
+        return _checkpoint_name(inner) or _save_temp_name(inner)
+    return _save_temp_name(name)
+
+
+def _clear_leftover(folder: ClaimedDir, name: str) -> None:
+    """Delete ``name``, a ``.tmp`` or ``.deleting`` entry of the claimed ``folder`` that a save
+    or a removal cut short left.
+
+    A ``.tmp`` file goes; a folder (a sharded save: DeepSpeed, FSDP2, or a sharded checkpoint
+    on its way out) only where :func:`_leftover_folder` says nanolab made its name, removed as
+    :func:`unlink_in` removes a sharded checkpoint, never through a link. Each such name is new
+    at every save, so a leftover folder not cleared here is a whole set of shards kept for
+    good, one more per crash. An entry that cannot be removed stays: the run goes on without
+    that space, as before."""
     with contextlib.suppress(OSError):
         st = os.stat(name, dir_fd=folder.fd, follow_symlinks=False)
-        if not stat.S_ISDIR(st.st_mode):
-            os.unlink(name, dir_fd=folder.fd)
-        elif is_temp_name(name):
-            unlink_in(folder, folder.path / name)
+        if not stat.S_ISDIR(st.st_mode):  # a link too: removed, never followed
+            if name.endswith(".tmp"):
+                os.unlink(name, dir_fd=folder.fd)
+        elif _leftover_folder(name):
+            if name.endswith(DELETING):
+                _rmtree_in(folder, name)
+            else:
+                unlink_in(folder, folder.path / name)
 
 
 def _rmtree_in(folder: ClaimedDir, name: str) -> None:
