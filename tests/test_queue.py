@@ -348,6 +348,9 @@ CALLBACK_REFUSALS = [
     ("budget.min_delta=-1", "budget.min_delta must be >= 0, got -1.0"),
     ('notify.targets=["echo {nosuch}"]', "notify.targets[0] names {nosuch}, which is not a field"),
     ("spike.factor=-1", "spike.factor must be a number > 1, got -1.0"),
+    ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be >= 1 or null (no step-based saves), got 0"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last must be >= 0, got -1"),
+    ("downstream.limit=0", "downstream.limit must be >= 1 or null, got 0"),
     ("downstream.suite=nonexistent_suite.yaml", "suite "),
     ("downstream.suite=builtin:nosuch", "builtin:nosuch: no such built-in suite"),
 ]  # fmt: skip

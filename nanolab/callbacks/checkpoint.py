@@ -44,7 +44,7 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
     kept_for_rollback,
     step_of,
 )
-from nanolab.callbacks.events import CallbackConfigError, emit, stop_saves_state
+from nanolab.callbacks.events import emit, stop_saves_state
 from nanolab.callbacks.files import publish, remove
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import (
@@ -58,6 +58,7 @@ from nanolab.errors import size_text
 from nanolab.messages import warn
 from nanolab.model.param_sizes import local_values
 from nanolab.runlog import iter_backwards
+from nanolab.training.callback_settings import check_checkpoint
 
 LAST_NAME = "last.ckpt"
 ROLLED_BACK_DIR = "rolled_back"  # checkpoints a rollback (or a resume from an older one) set aside
@@ -136,28 +137,10 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         async_save: bool = False,
     ) -> None:
         super().__init__()
-        if dirpath is not None:  # another folder: resume would not find its checkpoints
-            raise CallbackConfigError(
-                f"checkpoint.dirpath {dirpath}: checkpoints live in <run_dir>/checkpoints, where "
-                "a resume finds them (elsewhere a restart begins at step 0 and rotates them "
-                "away); drop the setting, and to keep them on another disk set run.root there "
-                "or make <run_dir>/checkpoints a link to a folder on it"
-            )
-        if every_n_steps is not None and every_n_steps < 1:
-            raise CallbackConfigError(
-                f"checkpoint.every_n_steps must be >= 1 or null (no step-based saves), got {every_n_steps}"
-            )
-        if every_n_minutes is not None and not every_n_minutes > 0:
-            raise CallbackConfigError(
-                f"checkpoint.every_n_minutes must be > 0 or null (no time-based saves), got {every_n_minutes}"
-            )
-        for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
-            if value < 0:
-                raise CallbackConfigError(f"checkpoint.{name} must be >= 0, got {value}")
-        if max_disk_gb is not None and not max_disk_gb > 0:
-            raise CallbackConfigError(
-                f"checkpoint.max_disk_gb must be > 0 or null (no cap), got {max_disk_gb}"
-            )
+        check_checkpoint(
+            {"dirpath": dirpath, "every_n_steps": every_n_steps, "every_n_minutes": every_n_minutes,
+             "keep_last": keep_last, "keep_best": keep_best, "max_disk_gb": max_disk_gb}
+        )  # fmt: skip
         self.dirpath: Path | None = None  # <run_dir>/checkpoints, set at setup
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import CallbackConfigError, emit, stop_reason
 from nanolab.callbacks.step import scheduled_validation
+from nanolab.training.callback_settings import check_downstream
 
 
 class DownstreamEval(Callback):
@@ -58,12 +59,7 @@ class DownstreamEval(Callback):
         limit: int | None = None,
         rows: int | None = None,
     ) -> None:
-        if every_n_evals < 1:
-            raise CallbackConfigError(f"downstream.every_n_evals must be >= 1, got {every_n_evals}")
-        if limit is not None and limit < 1:
-            raise CallbackConfigError(f"downstream.limit must be >= 1 or null, got {limit}")
-        if rows is not None and rows < 1:
-            raise CallbackConfigError(f"downstream.rows must be >= 1 or null, got {rows}")
+        check_downstream({"every_n_evals": every_n_evals, "limit": limit, "rows": rows})
         self.suite_spec, self.every_n_evals = suite, every_n_evals
         self.limit, self.rows = limit, rows
         self.suite: Any = None

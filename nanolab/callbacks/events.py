@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import lightning as L
 
 from nanolab.callbacks.step import order_of
-from nanolab.errors import NanolabError
+from nanolab.training.callback_settings import CallbackConfigError  # noqa: F401  (public here too)
 
 #: Why a run ended, as written in the ``end`` record.
 END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "rollback", "error")
@@ -22,10 +22,6 @@ END_REASONS = ("completed", "budget", "plateau", "preempted", "diverged", "rollb
 _STOP_ATTR = "nanolab_stop"
 
 C = TypeVar("C")
-
-
-class CallbackConfigError(NanolabError):
-    """A callback setting that cannot work; the message names the YAML key and the fix."""
 
 
 class NothingToTrain(Exception):

@@ -340,21 +340,28 @@ def planned_steps(
 
 
 def _check_callbacks(cfg: dict[str, Any]) -> None:
-    """The run's callbacks built from their config groups, as ``nanolab fit`` builds them at
-    start-up: each class's constructor holds the rules of its settings (a budget of -5 tokens,
-    a cost cap without a price, a notify field that does not exist, a spike factor below 1), so
-    a job is refused here with the line fit would print, not when it starts at night.
+    """The rules of the run's callback settings, as ``nanolab fit`` checks them at start-up (a
+    budget of -5 tokens, a cost cap without a price, a notify field that does not exist, a
+    spike factor below 1), so a job is refused here with the line fit would print, not when it
+    starts at night.
 
-    A group left at the parser's defaults is not built: every fit starts from those, and
-    building a callback imports Lightning, which a sweep of model settings is queued without
-    (a config that changes a callback's settings pays that import once per ``queue add``)."""
+    A group left at the parser's defaults is not checked: every fit starts from those. A group
+    whose rules live below the callbacks (:data:`SETTING_RULES`: the checkpoint and in-loop
+    task settings a recipe sets) is checked by them; any other is checked by building its
+    callback, which imports Lightning (seconds: a sweep is queued without it)."""
     from nanolab.run import schema
+    from nanolab.training.callback_settings import SETTING_RULES
     from nanolab.training.resolve import SETTING_GROUPS
 
     remembered = schema.load("fit")
     if remembered is not None:
         groups = [g for g in remembered.groups if g not in SETTING_GROUPS]
-        if all(cfg.get(g) == remembered.defaults.get(g) for g in groups):
+        changed = [g for g in groups if cfg.get(g) != remembered.defaults.get(g)]
+        for group in changed:
+            settings = cfg.get(group)
+            if group in SETTING_RULES and isinstance(settings, dict):
+                SETTING_RULES[group](settings)
+        if all(g in SETTING_RULES for g in changed):
             return
     from nanolab.run.parse import run_callbacks
 
