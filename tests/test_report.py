@@ -874,3 +874,19 @@ def test_a_runs_validations_are_held_packed_for_the_tables_and_the_forecast(tmp_
               {"event": "val", "step": 6, "tokens": 0, "val_loss": 1.8}):  # fmt: skip
         again.add(r)
     assert again.val.points() == [(5.0, 50.0, 2.1)]
+
+
+def test_the_report_of_one_run_does_not_import_scipy(tmp_path: Path) -> None:
+    """A group of one run has no interval: scipy (~1 s of a 0.06 s report) is not imported for
+    it. It was, before the interval's value count was looked at."""
+    write_run(tmp_path / "runs", "solo", losses=[3.0, 2.5, 2.2, 2.0], vals={2: 2.6, 4: 2.1})
+    probe = (
+        "import sys; from nanolab.cli import main; code = main(['report', sys.argv[1]]); "
+        "print('RESULT', code, 'scipy' in sys.modules)"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "runs")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "solo" in out.stdout
+    assert out.stdout.splitlines()[-1].split() == ["RESULT", "0", "False"], out.stdout

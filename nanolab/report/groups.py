@@ -563,9 +563,14 @@ def _value_at(member: RunSummary, tokens: int | None) -> float | None:
 
 
 def _ci(values: list[float]) -> float | None:
+    """The 95% interval's half-width of ``values``' mean; None under two values. Those return
+    before nanolab.stats is imported: it imports scipy (~1 s), which the report of one run
+    (a group of one) does not need."""
+    if len(values) < 2:
+        return None
     from nanolab.stats import mean_ci
 
-    return mean_ci(values).half_width if len(values) >= 2 else None
+    return mean_ci(values).half_width
 
 
 #: Up to this many seed groups, every pair is tested; more are each tested against one
