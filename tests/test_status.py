@@ -305,6 +305,33 @@ def test_a_db_that_is_a_folder_or_a_fifo_is_named_as_such(tmp_path: Path, capsys
     ]
 
 
+def test_a_db_that_is_not_a_queue_is_named_as_queue_ls_names_it(tmp_path: Path, capsys) -> None:
+    """``--db config.yaml`` and ``--db`` another program's SQLite file were "cannot be read ...
+    move it aside and queue the jobs again": advice for a damaged queue, about a file that is no
+    queue. The line is now the one ``queue ls`` prints, and the files are left as they were."""
+    import sqlite3
+
+    from nanolab.queue.cli import main as queue_main
+
+    (tmp_path / "y.db").write_text("run:\n  name: x\n")
+    other = sqlite3.connect(tmp_path / "other.db")
+    other.execute("CREATE TABLE foo (x)")
+    other.commit()
+    other.close()
+    for name in ("y.db", "other.db"):
+        before = (tmp_path / name).read_bytes()
+        assert main([str(tmp_path), "--db", str(tmp_path / name)]) == 2
+        said = capsys.readouterr().err.strip().splitlines()
+        assert queue_main(["ls", "--db", str(tmp_path / name)]) == 2
+        listed = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and "move it aside" not in said[0], said
+        assert said[0].removeprefix("nanolab status: ") == listed[0].removeprefix(
+            "nanolab queue ls: "
+        )
+        assert (tmp_path / name).read_bytes() == before
+    assert "not a queue database (not SQLite" in said[0] or "its tables: foo" in said[0]
+
+
 def test_a_runs_line_parses_its_log_once_and_its_newest_records_from_the_end(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -307,6 +307,7 @@ def _read_only_connection(path: Path, immutable: bool) -> PatientConnection:
     conn = connect(uri, 5.0, uri=True)
     conn.row_factory = sqlite3.Row
     try:
+        check_queue_db(conn, path)  # what a writing verb refuses, in its words
         conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
     except BaseException:
         conn.close()
@@ -393,6 +394,8 @@ class QueueDB:
                     raise
                 db.conn = _read_only_connection(db.path, immutable=True)
         except sqlite3.Error as err:
+            if not _empty(db.path) and not _starts_like_sqlite(db.path):  # empty: no queue yet
+                raise QueueError(not_sqlite(db.path)) from None
             said = busy_db(db.path, err, 5.0) or read_only_db(db.path, err, reading=True)
             if said is None and (room := no_room(db.path, err)) is not None:
                 raise with_errno_of(QueueError(room), errno.ENOSPC) from None
@@ -450,11 +453,7 @@ class QueueDB:
         except sqlite3.DatabaseError as err:
             self.conn.close()
             if not _starts_like_sqlite(self.path):  # a config or a log given as --db: not ours
-                raise QueueError(
-                    f"--db {self.path} is not a queue database (not SQLite: a config file or "
-                    "other text?); it was left untouched; pass --db with the queue's file "
-                    "(nanolab_queue.db by default), or a new path for a new queue"
-                ) from None
+                raise QueueError(not_sqlite(self.path)) from None
             if (line := busy_db(self.path, err)) is not None:
                 raise QueueError(line) from None
             if (line := read_only_db(self.path, err)) is not None:
@@ -753,6 +752,16 @@ class QueueDB:
             "SELECT value FROM events WHERE kind = ? AND value IS NOT NULL ORDER BY id", (kind,)
         ).fetchall()
         return [float(r["value"]) for r in rows]
+
+
+def not_sqlite(path: Path) -> str:
+    """The line for a ``--db`` whose file is not SQLite at all (a config or a log given by
+    mistake), the same for the verbs that write and those that only read."""
+    return (
+        f"--db {path} is not a queue database (not SQLite: a config file or other text?); it "
+        "was left untouched; pass --db with the queue's file (nanolab_queue.db by default), "
+        "or a new path for a new queue"
+    )
 
 
 def _starts_like_sqlite(path: Path) -> bool:
