@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -210,6 +211,10 @@ def test_run_and_job_names_with_control_characters_are_refused() -> None:
     with pytest.raises(JobConfigError, match="plain folder name"):
         job_names(Path("c.yaml"), "   ", [], None)
     check_run_name("ablation-é 2")  # printable, not ASCII: fine
+    # each refused name is one the line names (' ' was refused quoting rules it kept)
+    for name, rule in ((" ", "only blanks"), ("\t ", "control characters"), ("a\\b", "'\\'")):
+        with pytest.raises(RunConfigError, match=re.escape(rule)):
+            check_run_name(name)
     with pytest.raises(RunConfigError, match="300 bytes long, over the 255 a folder name"):
         check_run_name("x" * 300)  # the run directory's "File name too long", said first
 

@@ -688,7 +688,10 @@ def check_seed(seed: Any, where: str = "seed_everything") -> None:
 MAX_NAME_BYTES = 255
 
 #: What a refused run name should be instead.
-PLAIN_NAME = "give a plain folder name (no '/' or control characters, not empty, '.' or '..')"
+PLAIN_NAME = (
+    "give a plain folder name (no '/', '\\' or control characters; not empty, only blanks, '.' "
+    "or '..')"
+)
 
 
 def run_name_problem(text: str) -> str | None:
