@@ -32,7 +32,8 @@ def test_the_plain_loop_validates_scores_and_saves_where_fit_does(fitted, tmp_pa
     """Same steps, same numbers: the validation loss at steps 2, 4, 6 and 7 (the last step is
     always validated) and the cloze scores at
     steps 4 (the 2nd validation) and 7 (the final model) equal ``fit``'s, the saves fall on
-    steps 3, 6 and 7 with the newest 2 kept and ``last.ckpt`` the newest, and the steps
+    steps 3, 6 and 7, the newest 2 kept and step 3 too (the spike guard's file ageing into the
+    one it rolls back to), ``last.ckpt`` the newest, and the steps
     followed by that work are named so the bench leaves their intervals out of the steady rate.
 
     Mutations caught: validating on other windows or averaging the batches unweighted (the losses differ), scoring tasks after
@@ -61,7 +62,7 @@ def test_the_plain_loop_validates_scores_and_saves_where_fit_does(fitted, tmp_pa
 
     fit_saves = sorted(p.name for p in (run / "checkpoints").glob("step-*.ckpt"))
     assert sorted(p.name for p in saves.glob("step-*.ckpt")) == fit_saves
-    assert fit_saves == ["step-00000006.ckpt", "step-00000007.ckpt"]
+    assert fit_saves == ["step-00000003.ckpt", "step-00000006.ckpt", "step-00000007.ckpt"]
     newest = saves / "step-00000007.ckpt"
     assert (saves / "last.ckpt").stat().st_ino == newest.stat().st_ino
     state = torch.load(newest, weights_only=True)

@@ -15,7 +15,8 @@ hand-written loop does it (nanoGPT's ``estimate_loss`` and ``torch.save``):
 * **checkpoints** every ``checkpoint.every_n_steps`` steps (after that step's validation) and at
   the end: model, optimizer, LR schedule and step in one ``torch.save``, written to a temporary
   name, fsynced and renamed (nanolab's own atomic write), the newest ``checkpoint.keep_last``
-  kept and ``last.ckpt`` a hard link to the newest (as nanolab's files are).
+  kept, with the files the spike guard keeps to roll back to when it is on (the same rule,
+  ``kept_for_rollback``), and ``last.ckpt`` a hard link to the newest (as nanolab's files are).
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from typing import Any, Protocol
 
 import torch
 
-from nanolab.callbacks.checkpoint_io import atomic_link, atomic_torch_save
+from nanolab.callbacks.checkpoint_io import (
+    atomic_link,
+    atomic_torch_save,
+    kept_for_rollback,
+    step_of,
+)
 from nanolab.callbacks.downstream import eager_even_if_compiled
 from nanolab.data.datamodule import TokenWindows
 
@@ -57,6 +63,7 @@ class Cadence:
     tasks_rows: int | None
     save_every: int | None  # optimizer steps between checkpoints; None: only at the end
     keep_last: int
+    rollback_window: int  # the spike guard's patience + 2 (0: guard off): see kept_for_rollback
     save_last: bool  # checkpoint.save_last: last.ckpt a link to the newest
     save_at_end: bool
 
@@ -74,6 +81,7 @@ class Cadence:
             tasks_rows=tasks.get("rows"),
             save_every=ckpt.get("every_n_steps"),
             keep_last=max(1, int(ckpt.get("keep_last") or 1)),
+            rollback_window=_rollback_window(config.get("spike")),
             save_last=bool(ckpt.get("save_last", True)),
             save_at_end=bool(ckpt.get("save_on_train_end", True)),
         )
@@ -184,8 +192,13 @@ def between_steps(
         atomic_torch_save(state, path)  # the write nanolab's checkpoints make
         if cadence.save_last:
             atomic_link(path, checkpoint_dir / "last.ckpt")
-        for old in sorted(checkpoint_dir.glob("step-*.ckpt"))[: -cadence.keep_last]:
-            old.unlink()
+        saved = {n: p for p in checkpoint_dir.glob("step-*.ckpt") if (n := step_of(p)) is not None}
+        keep = set(sorted(saved)[-cadence.keep_last :])
+        if cadence.rollback_window:
+            keep.update(kept_for_rollback(sorted(saved), step, cadence.rollback_window))
+        for s, old in saved.items():
+            if s not in keep:
+                old.unlink()
 
     return Between(
         cadence=cadence,
@@ -245,3 +258,15 @@ def limited(batches: int, limit: int | float | None) -> int:
     if isinstance(limit, float):
         return int(batches * limit)
     return min(batches, int(limit))
+
+
+def _rollback_window(spike: Any) -> int:
+    """How far back the spike guard of this config keeps a checkpoint to roll back to
+    (``patience + 2``, as :class:`nanolab.callbacks.spike.SpikeGuard` asks of the checkpoint
+    rotation), or 0 when the guard is off: fit keeps those files too, so the plain loop
+    deletes what fit deletes."""
+    spike = spike if isinstance(spike, dict) else {}
+    spike = spike.get("init_args", spike)
+    if not spike.get("enabled", True):
+        return 0
+    return int(spike.get("patience", 5)) + 2
