@@ -48,6 +48,7 @@ def partitioned(tmp_path, monkeypatch: pytest.MonkeyPatch):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # importing DeepSpeed into the test process: ~30 s
 def test_a_zero3_model_counts_its_whole_parameters_and_flops(partitioned) -> None:
     """Mutation caught: ``numel()`` (0 each) or ``dim()`` (the placeholder is 1-D) counted."""
     plain = GPT(CONFIG)
@@ -58,6 +59,7 @@ def test_a_zero3_model_counts_its_whole_parameters_and_flops(partitioned) -> Non
     assert partitioned.recompute_flops_per_token() == plain.recompute_flops_per_token()
 
 
+@pytest.mark.slow  # importing DeepSpeed into the test process: ~30 s
 def test_a_zero3_model_s_finite_check_reads_its_shards(partitioned) -> None:
     """Mutation caught: the empty placeholders checked (always finite)."""
     from nanolab.callbacks.checkpoint import parameters_finite
