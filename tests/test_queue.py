@@ -2017,7 +2017,6 @@ def test_ls_left_reads_the_end_of_a_long_run_log(tmp_path: Path, monkeypatch) ->
     (4 jobs' 86 MB logs: 0.7 s became 4 s). The step time is now read from the log's end,
     over whole validation intervals (each validation's time in it), and the job's start
     record, the log's first line here, from its top: a small part of the file is read."""
-    import nanolab.runlog as runlog
     from nanolab.queue import predict
 
     _, log, job = _hours_job(tmp_path, "running", 100 * 3600.0)
@@ -2031,35 +2030,7 @@ def test_ls_left_reads_the_end_of_a_long_run_log(tmp_path: Path, monkeypatch) ->
             elapsed += 50.0
             records.append({"event": "val", "time": now + elapsed, "step": s, "val_loss": 3.0})
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    read = [0]
-    opened = runlog._open_log
-
-    class Counted:
-        def __init__(self, handle) -> None:
-            self.handle = handle
-
-        def __getattr__(self, name: str):
-            return getattr(self.handle, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> None:
-            self.handle.close()
-
-        def read(self, *a):
-            data = self.handle.read(*a)
-            read[0] += len(data)
-            return data
-
-        def readline(self, *a):
-            line = self.handle.readline(*a)
-            read[0] += len(line)
-            return line
-
-    monkeypatch.setattr(
-        runlog, "_open_log", lambda p, mode: None if (h := opened(p, mode)) is None else Counted(h)
-    )
+    read = _bytes_read_by_runlog(monkeypatch)
     done, end, step_s = predict.measured_course(job)
     assert step_s == pytest.approx(1.5)  # 100 steps and a validation: 150 s
     assert done == 20050 and end == 20050 + int((100 * 3600 - elapsed) / 1.5)
