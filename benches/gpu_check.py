@@ -412,19 +412,39 @@ FLASH_GRAD_LIMIT = 2e-2
 def judge_flash(results: dict[str, Any]) -> None:
     """Fail ``flash`` when its output or gradient is past its bound from the math kernel's
     (:data:`FLASH_OUT_LIMIT`, :data:`FLASH_GRAD_LIMIT`); ``results`` go with the failure."""
-    out_diff, grad_diff = results["max_out_diff"], results.get("max_grad_rel_diff")
-    if not out_diff <= FLASH_OUT_LIMIT:
+    _hold_to_bounds(
+        results,
+        "flash and math attention",
+        "flash's",
+        (FLASH_OUT_LIMIT, FLASH_GRAD_LIMIT),
+        backward=True,
+    )
+
+
+def _hold_to_bounds(
+    results: dict[str, Any],
+    pair: str,
+    kernel: str,
+    limits: tuple[float, float],
+    backward: bool,
+) -> None:
+    """Fail when ``results``' output difference is past ``limits[0]``, or (``backward``) its
+    gradient difference, relative to the largest, is missing or past ``limits[1]``; ``pair``
+    names the two kernels compared, ``kernel`` the one whose backward was timed."""
+    out_diff = results["max_out_diff"]
+    if not out_diff <= limits[0]:
         raise CheckFailed(
-            f"flash and math attention differ by {out_diff:.3g} in output "
-            f"(limit {FLASH_OUT_LIMIT:g})",
-            results,
+            f"{pair} differ by {out_diff:.3g} in output (limit {limits[0]:g})", results
         )
+    if not backward:
+        return
+    grad_diff = results.get("max_grad_rel_diff")
     if grad_diff is None:
-        raise CheckFailed("no gradient difference recorded for flash's backward", results)
-    if not grad_diff <= FLASH_GRAD_LIMIT:
+        raise CheckFailed(f"no gradient difference recorded for {kernel} backward", results)
+    if not grad_diff <= limits[1]:
         raise CheckFailed(
-            f"flash and math attention differ by {grad_diff:.3g} in gradient, relative to the "
-            f"largest (limit {FLASH_GRAD_LIMIT:g})",
+            f"{pair} differ by {grad_diff:.3g} in gradient, relative to the largest "
+            f"(limit {limits[1]:g})",
             results,
         )
 
@@ -506,24 +526,13 @@ def judge_flex_mask(results: dict[str, Any]) -> None:
     """Fail ``flex_mask`` when FlexAttention's output or gradient is past its bound from the
     boolean-mask SDPA's (:data:`FLEX_OUT_LIMIT`, :data:`FLEX_GRAD_LIMIT`), or when a run with a
     backward recorded no gradient difference. ``results`` go with the failure."""
-    out_diff = results["max_out_diff"]
-    if not out_diff <= FLEX_OUT_LIMIT:
-        raise CheckFailed(
-            f"flex and the boolean-mask SDPA differ by {out_diff:.3g} in output "
-            f"(limit {FLEX_OUT_LIMIT:g})",
-            results,
-        )
-    if not results.get("backward"):
-        return
-    grad_diff = results.get("max_grad_rel_diff")
-    if grad_diff is None:
-        raise CheckFailed("no gradient difference recorded for FlexAttention's backward", results)
-    if not grad_diff <= FLEX_GRAD_LIMIT:
-        raise CheckFailed(
-            f"flex and the boolean-mask SDPA differ by {grad_diff:.3g} in gradient, relative "
-            f"to the largest (limit {FLEX_GRAD_LIMIT:g})",
-            results,
-        )
+    _hold_to_bounds(
+        results,
+        "flex and the boolean-mask SDPA",
+        "FlexAttention's",
+        (FLEX_OUT_LIMIT, FLEX_GRAD_LIMIT),
+        backward=bool(results.get("backward")),
+    )
 
 
 def max_grad_rel_diff(a: Callable[[], Any], b: Callable[[], Any], wrt: Any) -> float:
