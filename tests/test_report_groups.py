@@ -301,3 +301,24 @@ def test_runs_of_a_class_path_model_are_a_group_of_their_own_on_the_same_data(
         "nanolab.training.module.GPTLightningModule",
         "nanolab_report_fork.SmoothedGPT",
     ]
+
+
+@pytest.mark.parametrize(("short", "long"), [("bf16", "bf16-mixed"), ("16", "16-mixed"),
+                                             ("32", "32-true"), (None, "32-true")])  # fmt: skip
+def test_a_precision_spelled_short_is_one_group_with_its_lightning_name(
+    tmp_path: Path, short, long
+) -> None:
+    """``trainer.precision: bf16`` is Lightning's ``bf16-mixed`` (``16``: ``16-mixed``, ``32``
+    and null: ``32-true``): two seeds launched with the two spellings are one seed group in
+    the plain report, as they are one recipe in ``--scaling``, not two configs of one run each.
+
+    Mutations caught: the plain report's groups comparing the precision as written."""
+
+    def precision(value):
+        return lambda config: config["trainer"].__setitem__("precision", value)
+
+    for name, seed, value in (("p-s1", 1, short), ("p-s2", 2, long)):
+        _edit_config(write_run(tmp_path, name, seed=seed, losses=[3.0], vals={1: 2.5}),
+                     precision(value))  # fmt: skip
+    (group,) = seed_groups([summarize_run(n, tmp_path / n) for n in ("p-s1", "p-s2")])
+    assert group.runs == ["p-s1", "p-s2"]

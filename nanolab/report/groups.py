@@ -127,12 +127,18 @@ def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     ``model.init_args.gpt.n_layer``), and the class kept as ``class_path``, nanolab's own class
     path standing for the short form. A fork's ``SmoothedGPT`` run and a plain run are then two
     configs told apart by ``model.class_path`` (and by any setting they share, e.g. n_layer),
-    not runs whose every model key is unset on one side."""
+    not runs whose every model key is unset on one side. ``trainer.precision`` is read as
+    Lightning names it (:func:`~nanolab.training.resolve.precision_name`): ``bf16`` and
+    ``bf16-mixed`` (``16``/``16-mixed``, ``32``/``32-true``/null) train alike, so the seed
+    groups, ``--compare`` and ``--scaling``'s recipes all see one setting."""
     from nanolab.errors import NanolabError  # section() refuses a section of another type
     from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
-    from nanolab.training.resolve import section
+    from nanolab.training.resolve import precision_name, section
 
     out = dict(config)
+    trainer = out.get("trainer")
+    if isinstance(trainer, dict) and "precision" in trainer:
+        out["trainer"] = {**trainer, "precision": precision_name(trainer["precision"])}
     for key, default in (("model", DEFAULT_MODEL), ("data", DEFAULT_DATA)):
         if not isinstance(out.get(key), (dict, str)):
             continue  # null (a value of its own) or absent: nothing to unwrap

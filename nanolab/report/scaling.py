@@ -117,12 +117,9 @@ def _recipe(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """The recipe keys of a run's comparable config (None: its config is unknown)."""
     if config is None:
         return None
-    from nanolab.training.resolve import precision_name
-
-    recipe = {k: v for k, v in config.items() if is_recipe_key(k)}
-    if PRECISION in recipe:  # ``bf16`` and ``bf16-mixed`` (``32``, ``32-true``) train alike
-        recipe[PRECISION] = precision_name(recipe[PRECISION])
-    return recipe
+    # The precision is already named as Lightning names it (``bf16`` is ``bf16-mixed``):
+    # groups.comparable_config reads it so for every view of the report.
+    return {k: v for k, v in config.items() if is_recipe_key(k)}
 
 
 def _recipe_text(config: dict[str, Any] | None) -> str:
