@@ -303,6 +303,24 @@ def own_tokens(
     return tokens
 
 
+def _set_tokens(
+    s: RunSummary,
+    end: dict[str, Any] | None,
+    tokens: Any,
+    run_tokens: Any,
+    first_start: dict[str, Any] | None,
+) -> None:
+    """``s.tokens`` and ``s.run_tokens`` (:func:`own_tokens`) from the end of the last launch,
+    else from the newest train record's ``tokens`` and ``run_tokens``: one rule for
+    :func:`summarize_run` and :func:`summarize_tail`, so a branch's own tokens are its own in
+    every view (its ``tokens`` go on from its parent's)."""
+    total = (end or {}).get("tokens", tokens)
+    total = None if isinstance(total, bool) else num(total)
+    s.tokens = int(total) if total is not None else None
+    own = own_tokens(s.tokens, (end or {}).get("run_tokens", run_tokens), first_start)
+    s.run_tokens = int(own) if own is not None else None
+
+
 def expected_end_of(start: dict[str, Any] | None, config: dict[str, Any]) -> tuple[int, bool]:
     """(step, estimated) where a run's last launch ends, as its start record says
     (``expected_end``: the first of ``trainer.max_steps`` and its budgets' stops, an hours or
@@ -680,7 +698,9 @@ def summarize_tail(
     to, the end of the last launch, every validation. The train records newest first, until the
     last ``RECENT + 1`` steps of the run's timeline, a training loss and an elapsed time are
     found: a few dozen lines (the whole log only for one that has none of them, an old one).
-    The other fields of the summary are left unset. ``followed`` (a screen redrawn by
+    The run's ``tokens`` and ``run_tokens`` are the end record's, else the newest train
+    record's (as :func:`summarize_run` reads them). The other fields of the summary are left
+    unset. ``followed`` (a screen redrawn by
     ``status --watch``) keeps each log's sparse records between calls: a redraw reads only
     what was appended since the one before."""
     now = time.time() if now is None else now
@@ -703,6 +723,8 @@ def summarize_tail(
     if end is not None and isinstance(end.get("step"), int):
         s.steps = end["step"]
     s.train_loss = num(trains.loss)
+    _set_tokens(s, end, _newest_value(trains.timeline, "tokens"),
+                _newest_value(trains.timeline, "run_tokens"), sparse.first_start)  # fmt: skip
     _set_val(s, [sparse.val[k] for k in sorted(sparse.val)])
     s.tokens_per_s, s.mfu = recent_rates(recent.records())
     value = (end or {}).get("elapsed_s")
@@ -710,6 +732,16 @@ def summarize_tail(
     if s.wall_s is None and s.started is not None and s.updated is not None:
         s.wall_s = s.updated - s.started
     return RunTail(s, sparse.start, trains.newest[::-1])
+
+
+def _newest_value(timeline: list[dict[str, Any]], key: str) -> Any:
+    """``key`` of the record at the highest step that logged it, in train records of the
+    timeline given newest first (a tie: the newer); None: none logged it."""
+    best: dict[str, Any] | None = None
+    for r in timeline:
+        if r.get(key) is not None and (best is None or _step_key(r) > _step_key(best)):
+            best = r
+    return None if best is None else best[key]
 
 
 class _Floor:
@@ -768,12 +800,13 @@ class FollowedRuns:
 class _SparseRecords:
     """The usable records of :data:`SPARSE_EVENTS` of a log, newest first, as
     :class:`_RunStream` keeps them: the end of the last launch (None when a start came after
-    it), the newest start, the highest step on the timeline, the validations by step. Read from
+    it), the newest start and the first (a branch's says so), the highest step on the timeline, the validations by step. Read from
     the end of ``log``, or given (``newest``: a followed log's)."""
 
     def __init__(self, log: Path, newest: Iterable[dict[str, Any]] | None = None) -> None:
         self.end: dict[str, Any] | None = None
         self.start: dict[str, Any] | None = None
+        self.first_start: dict[str, Any] | None = None
         self.max_step: int | None = None
         self.val: dict[float, dict[str, Any]] = {}
         decided, floor = False, _Floor()
@@ -787,8 +820,8 @@ class _SparseRecords:
                 event = r.get("event")
                 if not decided and event in ("start", "end"):
                     decided, self.end = True, r if event == "end" else None
-                if event == "start" and self.start is None:
-                    self.start = r
+                if event == "start":
+                    self.start, self.first_start = self.start or r, r  # newest first
                 if floor.abandoned(r):
                     continue
                 if isinstance(r.get("step"), int):
@@ -1045,12 +1078,7 @@ class _RunStream:
         s.steps = self.max_step
         if end is not None and isinstance(end.get("step"), int):
             s.steps = end["step"]
-        tokens = (end or {}).get("tokens", self.last["tokens"][1])
-        tokens = None if isinstance(tokens, bool) else num(tokens)
-        s.tokens = int(tokens) if tokens is not None else None
-        own = own_tokens(s.tokens, (end or {}).get("run_tokens", self.last["run_tokens"][1]),
-                         self.first_start)  # fmt: skip
-        s.run_tokens = int(own) if own is not None else None
+        _set_tokens(s, end, self.last["tokens"][1], self.last["run_tokens"][1], self.first_start)
         s.train_loss = num(self.last["loss"][1])
         _set_val(s, val)
         if self.tasks is not None:

@@ -2037,6 +2037,31 @@ def test_ls_left_reads_the_end_of_a_long_run_log(tmp_path: Path, monkeypatch) ->
     assert read[0] < log.stat().st_size / 10, (read[0], log.stat().st_size)
 
 
+def test_left_of_a_branch_counts_its_own_tokens_against_its_token_limit(tmp_path: Path) -> None:
+    """A branch (``run.resume`` of another run's step-1000 checkpoint) that a token limit and
+    an hours limit bound: fit's budget counts the tokens the branch trained itself
+    (``run_tokens``: 12,800 of ``max_tokens`` 64,000 by step 1100), while ``tokens`` go on from
+    its parent's (140,800). The queue counted ``tokens``, read the limit as spent and said the
+    branch ends now (end 1100, nothing left); it ends at step 1500, 400 steps on, as
+    ``status`` (:func:`nanolab.runs.measured_course`) counts it.
+
+    Mutations caught: the queue's course counting ``tokens`` instead of ``run_tokens``."""
+    from nanolab.queue import predict
+
+    _, log, job = _hours_job(tmp_path, "running", 3600.0)
+    now = time.time()
+    start = _hours_launch(100.0, 1000, 0.0, queue_job=str(job.id), time=now)
+    start["config"]["budget"]["max_tokens"] = 64_000
+    start.update(branched=True, resumed_from_step=1000,
+                 resumed_from="runs/parent/checkpoints/step-00001000.ckpt")  # fmt: skip
+    trains = [{"event": "train", "time": now + i, "step": s, "tokens": 128 * s,
+               "run_tokens": 128 * (s - 1000), "elapsed_s": 10.0 + i, "loss": 3.0}
+              for i, s in enumerate(range(1001, 1101))]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in [start, *trains]))
+    done, end, step_s = predict.measured_course(job)
+    assert (done, end, step_s) == (1100, 1500, pytest.approx(1.0))
+
+
 def _bytes_read_by_runlog(monkeypatch) -> list[int]:
     """Count the bytes :mod:`nanolab.runlog` reads from run logs (one number, in a list)."""
     import nanolab.runlog as runlog

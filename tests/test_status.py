@@ -369,7 +369,8 @@ def status_fields(run: Path, now: float, followed=None) -> dict:
     s = tail.summary
     return {"status": s.status, "detail": s.detail, "steps": s.steps, "loss": s.train_loss,
             "best": s.best_val_loss, "final": s.final_val_loss, "tokens_per_s": s.tokens_per_s,
-            "wall": s.wall_s, "updated": s.updated, "start": tail.start, "train": tail.train}  # fmt: skip
+            "wall": s.wall_s, "updated": s.updated, "start": tail.start, "train": tail.train,
+            "tokens": s.tokens, "run_tokens": s.run_tokens}  # fmt: skip
 
 
 def full_read_fields(run: Path, now: float) -> dict:
@@ -381,7 +382,8 @@ def full_read_fields(run: Path, now: float) -> dict:
             "best": s.best_val_loss, "final": s.final_val_loss, "tokens_per_s": s.tokens_per_s,
             "wall": s.wall_s, "updated": s.updated,
             "start": next(iter(tail_records(run, "start")), None),
-            "train": tail_records(run, "train", 20)}  # fmt: skip
+            "train": tail_records(run, "train", 20), "tokens": s.tokens,
+            "run_tokens": s.run_tokens}  # fmt: skip
 
 
 def test_a_runs_line_reads_the_end_of_its_log_not_every_record(tmp_path: Path, monkeypatch):
@@ -420,6 +422,38 @@ def test_a_runs_line_reads_the_end_of_its_log_not_every_record(tmp_path: Path, m
     assert (line.status, line.step, line.max_steps) == ("running", n - 50, 100_000)
     assert (line.best_val_loss, line.val_loss) == (5.0, 5.0 + 17_000 / 1e4)
     assert line.eta_s == (100_000 - (n - 50)) * 0.5 and line.gpu_util == 90.0
+
+
+@pytest.mark.parametrize("logged", [True, False])
+def test_a_branchs_status_summary_has_its_own_tokens_as_the_reports(
+    tmp_path: Path, logged: bool
+) -> None:
+    """A branch of another run's step-1000 checkpoint, preempted and resumed from its own: its
+    ``tokens`` go on from its parent's, ``run_tokens`` are those it trained itself (what its
+    GPU-hours paid for). The status summary left ``run_tokens`` (and ``tokens``) unset where
+    the report's summary had them; a log from before ``run_tokens`` was logged says neither
+    (its first launch was a branch: its own share is not known), not all of ``tokens``.
+
+    Mutations caught: the tail summary without tokens; its branch test on the newest start."""
+    run = tmp_path / "branch"
+    parent = "runs/parent/checkpoints/step-00001000.ckpt"
+    records: list[dict] = [{"event": "start", "time": 1.0, "step": 1000, "run_dir": str(run),
+                            "resumed_from_step": 1000, "resumed_from": parent,
+                            "config": {"trainer": {"max_steps": 2000}}}]  # fmt: skip
+    for step in range(1001, 1201):
+        if step == 1101:
+            records.append({"event": "start", "time": float(step), "step": 1100,
+                            "run_dir": str(run), "resumed_from_step": 1100,
+                            "resumed_from": str(run / "checkpoints" / "step-00001100.ckpt"),
+                            "config": {"trainer": {"max_steps": 2000}}})  # fmt: skip
+        own = {"run_tokens": 10 * (step - 1000)} if logged else {}
+        records.append({"event": "train", "time": float(step), "step": step, "loss": 3.0,
+                        "tokens": 10 * step, "elapsed_s": float(step - 1000), **own})  # fmt: skip
+    write_log(run, records)
+    now = 1300.0
+    fields = status_fields(run, now)
+    assert fields == full_read_fields(run, now)
+    assert (fields["tokens"], fields["run_tokens"]) == (12_000, 2_000 if logged else None)
 
 
 @pytest.mark.slow  # 25 s on 2 cores: seven tiny fits

@@ -478,18 +478,19 @@ def _measured_is_own(log: Path, job: Job, tail: Tail) -> bool:
 def measured_course(job: Job) -> tuple[int, int, float] | None:
     """(step reached, step the run ends at, measured seconds a step) of a job that only a
     budget's hours, GPU-hours or cost ends (no step count was stored at ``queue add``: it
-    depends on the step time), from its run log: the rule fit's budget stops by
-    (:func:`nanolab.estimator.run_length.run_length`), asked with the job's own config and
-    batch (a start record of its own launches), the run's spend (its newest train record) and
-    the step time of the job's newest launch that logged two timed steps. None: not such a
-    job, no launch of its own logged yet (a run another launch began and the job continues),
-    or no step time of its own among the records read.
+    depends on the step time), from its run log: :func:`nanolab.runs.measured_course`, the
+    rule ``status`` counts a run to, asked with the job's own config and batch (a start
+    record of its own launches), the run's spend (its newest train record: a branch's own
+    tokens, ``run_tokens``, as fit's budget counts them) and the step time of the job's
+    newest launch that logged two timed steps. None: not such a job, no launch of its own
+    logged yet (a run another launch began and the job continues), or no step time of its
+    own among the records read.
 
     Its cost does not grow with the log: :func:`read_tail` parses at most
     :data:`TAIL_RECORDS` records from the end, and a start record beyond them is found by
     reading, not parsing, the lines above."""
-    from nanolab.estimator.run_length import Budget, Spent, run_length
     from nanolab.runlog import RUN_LOG_NAME
+    from nanolab.runs import measured_course as course_of
 
     if job.max_steps or not job.attempts:
         return None
@@ -499,38 +500,12 @@ def measured_course(job: Job) -> tuple[int, int, float] | None:
     if last is None or step_s is None:
         return None
     start = _job_start(log, job, tail)
-    config = (start or {}).get("config")
-    if start is None or not isinstance(config, dict) or not _measured_is_own(log, job, tail):
+    if start is None or not _measured_is_own(log, job, tail):
         return None
-    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
-    bound = trainer.get("max_steps")
-    length = run_length(
-        bound if isinstance(bound, int) and bound > 0 else None,
-        Budget.from_config(config.get("budget")),
-        _whole(start.get("global_batch_tokens")),
-        step_s,
-        max(1, _whole(start.get("world_size"))),
-        Spent(
-            step=int(last["step"]),
-            tokens=_whole(last.get("tokens")),
-            wall_hours=_number(last.get("elapsed_s")) / 3600,
-            gpu_hours=_number(last.get("gpu_hours")),
-        ),
-    )
-    if length is None:
+    course = course_of(start, last, step_s)
+    if course is None:
         return None
-    return int(last["step"]), length.steps, step_s
-
-
-def _whole(value: Any) -> int:
-    """An integer field of a record (0 when absent or not one)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _number(value: Any) -> float:
-    """A numeric field of a record (0 when absent or not one)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else 0.0
+    return int(last["step"]), course.end, step_s
 
 
 def remaining_seconds(db: QueueDB, job: Job) -> tuple[float | None, str]:
