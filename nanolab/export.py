@@ -510,10 +510,12 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
         ("checkpoint", f"`{source}`"),
         ("run", f"`{run_dir}`" + (copied if found else "")),
         ("steps", shown(step)),
-        ("tokens", shown((val or {}).get("tokens"), ",") + at),
+        ("tokens", _stored_tokens_text(ckpt) if not val
+                   else shown(val.get("tokens"), ",") + at),
         ("val loss", _inherited_text(ckpt, step, begins) if not val
                      else shown(val.get("val_loss"), ".4f") + at),
-        ("val bits per byte", shown((val or {}).get("val_bpb"), ".4f") + at),
+        ("val bits per byte", f"not logged (no validation in the run's log up to step {step})"
+                              if not val else shown(val.get("val_bpb"), ".4f") + at),
         *([("val loss, nanolab validate", _validated_text(validated))] if validated else []),
         ("data", ", ".join(f"{k}: `{json.dumps(data[k])}`"
                            for k in ("dataset_dir", "source", "datasets") if data.get(k)) or "not logged"),
@@ -527,6 +529,15 @@ def model_card(ckpt: dict[str, Any], config: GPTConfig, source: Path, command: s
     )
     section = ("The run's config", run_config) if run_config else None
     return _card_text(run_dir.name, intro, rows, config, section)
+
+
+def _stored_tokens_text(ckpt: dict[str, Any]) -> str:
+    """The tokens row of a card whose log has no validation up to the checkpoint's step (a
+    branch saved before its first validation): the tokens the checkpoint's clock stores at
+    its step (a branch's count on from its parent's, as its log's do), else "not logged"."""
+    tokens = _callback_state(ckpt, "RunClock").get("tokens")
+    ok = isinstance(tokens, int) and not isinstance(tokens, bool)
+    return f"{tokens:,} (stored in the checkpoint)" if ok else "not logged"
 
 
 def _inherited_text(ckpt: dict[str, Any], step: Any, begins: LogBegins | None) -> str:

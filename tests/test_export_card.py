@@ -266,6 +266,7 @@ def test_a_branch_saved_before_its_first_validation_has_its_runs_card(tmp_path: 
             "MetricsLog": {"run_id": "br3", "run_dir": str(run)},
             "CostBudget": {"history": [[3, 0.1, 4.8558], [6, 0.2, 4.8514]], "monitor": "val/loss"},
             "RotatingCheckpoint": {"val_by_step": {"3": 4.8558, "6": 4.8514}, "monitor": "val/loss"},
+            "RunClock": {"tokens": 1024},
         },
     }  # fmt: skip
     parents = "| val loss | 4.8514 (step 6, the parent run's, before this branch; stored in the checkpoint) |"  # fmt: skip
@@ -275,6 +276,10 @@ def test_a_branch_saved_before_its_first_validation_has_its_runs_card(tmp_path: 
         assert f"| trained with | `nanolab fit --config t.yaml --run.resume {parent}` |" in card
         assert "## The run's config" in card and '"eval_every_steps": 5' in card
         assert parents in card and "not read" not in card
+        # the tokens the checkpoint stores (the log has none by step 8: it said "not logged");
+        # nothing measured bits per byte on this branch by then, and the row says so
+        assert "| tokens | 1,024 (stored in the checkpoint) |" in card, card
+        assert "| val bits per byte | not logged (no validation in the run's log up to step 8) |" in card  # fmt: skip
 
     # a validation the checkpoint stores after the branch began, which the log lacks: the
     # log is of another timeline (the run trained those steps again)
