@@ -791,6 +791,35 @@ def test_a_resume_with_a_longer_max_steps_is_forecast_on_the_plan_it_keeps(tmp_p
     assert not plans_lr_schedule({**branch, "branched": False})
 
 
+def test_a_branchs_hours_to_a_target_are_a_whole_runs_at_its_rate_and_say_so(tmp_path, capsys):
+    """A branch from step 200 (200k tokens) of another run, at 300k tokens now, 1e-6 GPU-h per
+    token of its own. Its "to X" figure is the tokens from step 0 where its curve reaches X
+    (its parent's 200k with them) at the branch's rate: a whole run to X, not what finishing
+    the branch costs ((X - 300k) tokens) nor its own share ((X - 200k)). Nothing said so: a
+    reader took the figure for the cost of going on. The heading says what it is now.
+
+    Mutations caught: the figure changed to another count; the heading not saying it."""
+    _write_launches(tmp_path, "branch", [(300, 1000, {"planned_steps": 400})], branch_at=200)
+    target = float(schedule_curve(np.array([350]))[0])
+    assert main([str(tmp_path), "--json", "--target-loss", str(target)]) == 0
+    f = json.loads(capsys.readouterr().out)["forecasts"]["branch"]
+    whole = f["target_tokens"] * 1e-6
+    assert f["target_gpu_hours"] == pytest.approx(whole, rel=1e-9)
+    assert 300_000 < f["target_tokens"] < 400_000  # on the branch's curve, parent's included
+    assert main([str(tmp_path), "--target-loss", str(target)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("  branch:")]
+    hours = "device-h"  # the log names no accelerator
+    assert line.endswith(f", {whole:.3g} {hours}"), line
+    for other in (f["target_tokens"] - 200_000, f["target_tokens"] - 300_000):
+        assert f"{other * 1e-6:.3g} {hours}" not in line
+    heading = next(x for x in out.splitlines() if x.startswith("forecast: "))
+    assert heading.endswith(
+        f"; to {target}: the tokens from step 0 (a branch's with its parent's) and their {hours} "
+        f"and cost at the run's own rate: a whole run to {target}, not what is left"
+    ), heading
+
+
 def test_a_branchs_gpu_hours_are_per_token_of_its_own(tmp_path, capsys):
     """A branch from step 200 of another run: its tokens go on from its parent's 200k, its
     GPU-hours count from 0 (1e-3 per step of 1000 tokens: 1e-6 per token). The forecast divided

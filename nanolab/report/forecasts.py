@@ -255,6 +255,8 @@ def format_forecasts(
             "schedule (S1: LR area, S2: annealing area; without a known schedule L = E + "
             "A*D^-alpha in tokens); [5%, 95%] of a residual bootstrap, widened by the fit's "
             "own backtest miss")  # fmt: skip
+    if target is not None:
+        head += target_heading(target, hours)
     out = ["", head]
     for label, f in [*runs.items(), *((f"group {k}", v) for k, v in groups.items())]:
         if f.fit is None:
@@ -279,6 +281,18 @@ def format_forecasts(
                      f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
         out.append(text + _target_text(f, target, hours))
     return "\n".join(out)
+
+
+def target_heading(target: float, hours: str) -> str:
+    """What the ``to X`` figures of each line are, said once in the heading: the tokens where
+    the curve reaches X count from step 0, a branch's with its parent's (its log's tokens go on
+    from there), and their hours and cost are at the run's own rate per token it trained. So
+    they are a whole run's to X at this run's rate, not the cost of finishing this run (nor a
+    branch's own share)."""
+    return (
+        f"; to {target}: the tokens from step 0 (a branch's with its parent's) and their "
+        f"{hours} and cost at the run's own rate: a whole run to {target}, not what is left"
+    )
 
 
 def _target_text(f: Any, target: float | None, hours: str) -> str:
