@@ -11,7 +11,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +358,51 @@ def how_it_ended(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
     return f"exited with code {returncode}"
+
+
+def failed_children(
+    procs: Sequence[Any], timeout: float | None, ok: Collection[int] = (0,)
+) -> list[Any]:
+    """Those of ``procs`` (``subprocess.Popen`` children of this process) that ended with a
+    status not in ``ok``, as soon as one has, waiting ``timeout`` seconds at most (None: until
+    one does); empty when none has by then. Their ``returncode`` is then set.
+
+    Woken by the exit itself, not by a poll's next turn: a child's pidfd becomes readable when
+    it ends (Linux 5.3 and later), so a wait long enough for a loaded machine costs nothing
+    when the child ends at once. Elsewhere (or where a pidfd cannot be opened) the children are
+    polled every 50 ms. A child that ended with a status in ``ok`` is not a failure: the wait
+    goes on for the others.
+    """
+    import select
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    fds: dict[Any, int] = {}  # a running child's pidfd
+    try:
+        polled = False  # no pidfd for some child (not Linux, an older kernel): poll them all
+        for proc in procs:
+            if proc.poll() is not None:
+                continue
+            try:  # opened while the child is not yet reaped: the pid is still this child's
+                fds[proc] = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):
+                polled = True
+        while True:
+            failed = [
+                proc for proc in procs if proc.poll() is not None and proc.returncode not in ok
+            ]
+            for proc in [proc for proc in fds if proc.returncode is not None]:
+                os.close(fds.pop(proc))  # ended, not failed: its pidfd would wake every select
+            running = [proc for proc in procs if proc.returncode is None]
+            left = None if deadline is None else deadline - time.monotonic()
+            if failed or not running or (left is not None and left <= 0):
+                return failed
+            if polled:
+                time.sleep(0.05 if left is None else min(0.05, left))
+            else:  # a pidfd is readable once its child has ended (poll above reads its status)
+                select.select(list(fds.values()), [], [], left)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def global_rank_from_env() -> int:

@@ -19,28 +19,36 @@ The run log's ``end`` record carries the same line as its error, and ``nanolab f
 this process launched has ended counts as such; any other error keeps its traceback. Ranks that
 another launcher started (``torchrun``, ``srun``, the other nodes) are not this process's
 children: reporting their deaths is that launcher's part.
+
+A rank that raised closes its connections a moment before it exits (its own teardown, its
+traceback, the interpreter's shutdown): seconds on a loaded machine. Rank 0 waits for the exit
+itself (:func:`nanolab.processes.failed_children`, woken by it), :data:`WAIT_S` at most, while
+nanolab's own watch of the ranks (:mod:`nanolab.callbacks.rank_watch`), in place of
+Lightning's, leaves rank 0 the time to say it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
-import time
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from nanolab.callbacks.checkpoint import RotatingCheckpoint
 from nanolab.callbacks.events import find_callback
-from nanolab.processes import how_it_ended
+from nanolab.processes import failed_children, how_it_ended
 
 #: The exception attribute the finding is kept in: the run log asks first (for its ``end``
 #: record) and ``nanolab fit`` reads it after the Trainer has let the exception go.
 ATTRIBUTE = "nanolab_lost_rank"
 
 #: Texts of the collectives' errors when the other end went away. With one of them, rank 0
-#: waits up to :data:`WAIT_S` for the dead rank's exit status (the kernel closes a dying
-#: process's sockets a moment before its status can be read); with another text a rank found
-#: ended already still counts, but there is no wait (an unrelated error is not held up).
+#: waits up to :data:`WAIT_S` for the dead rank's exit status (a dying process's sockets close
+#: before its status can be read: at once when killed, seconds later when it raised); with
+#: another text a rank found ended already still counts, but there is no wait (an unrelated
+#: error is not held up).
 PEER_GONE_TEXTS = (
     "connection closed by peer",
     "connection reset by peer",
@@ -49,9 +57,12 @@ PEER_GONE_TEXTS = (
     "communicator was aborted",
 )
 
-#: Seconds rank 0 waits for a rank's exit status after a peer-gone error. Lightning's own
-#: child-process observer ends rank 0 within 5 s of a rank's death: the line comes first.
-WAIT_S = 2.0
+#: Seconds rank 0 waits at most for a rank's exit after a peer-gone error. A rank that raised
+#: took 2.4 s from closing its connections to its exit on 2 busy CPU cores, longer beside two
+#: busy loops (2 s was too short there); the wait ends at the exit itself, so a long bound
+#: costs nothing when the rank ends at once. Lightning's child-process observer, which ended
+#: rank 0 within 5 s of a rank's death, is replaced by :mod:`nanolab.callbacks.rank_watch`.
+WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -62,8 +73,15 @@ class LostRank:
     pid: int
     returncode: int
     resume_step: int | None  # the newest complete checkpoint's step (None: none saved)
+    training: bool = True  # False: a validate or test, which has no checkpoint of its own
 
     def __str__(self) -> str:
+        if not self.training:
+            ended = f"rank {self.rank} (pid {self.pid})"
+            if self.returncode < 0:
+                return f"{ended} was {how_it_ended(self.returncode)}; rerun the same command"
+            said = "its traceback is above" if self.returncode == 1 else "its message is above"
+            return f"{ended} ended with an error (exit code {self.returncode}): {said}"
         if self.returncode < 0:  # killed from outside (the OOM killer, kill -9): a rerun resumes
             if self.resume_step is None:
                 again = "rerun the same command to start again (no checkpoint was saved yet)"
@@ -90,6 +108,7 @@ def lost_rank(trainer: Any, exception: BaseException, wait_s: float = WAIT_S) ->
     exception: the first caller waits, the others read it."""
     if hasattr(exception, ATTRIBUTE):
         return getattr(exception, ATTRIBUTE)
+    reporting.set()  # rank 0 is saying how the run ended: the rank watch leaves it the time
     found = _find(trainer, exception, wait_s)
     with contextlib.suppress(AttributeError, TypeError):  # a built-in exception's own slots
         setattr(exception, ATTRIBUTE, found)
@@ -99,6 +118,24 @@ def lost_rank(trainer: Any, exception: BaseException, wait_s: float = WAIT_S) ->
 def lost_rank_of(exception: BaseException) -> LostRank | None:
     """What :func:`lost_rank` found for ``exception`` (None: not asked, or not a lost rank)."""
     return getattr(exception, ATTRIBUTE, None)
+
+
+#: Set once rank 0 has begun to say how its run ended (:func:`lost_rank`); cleared by each
+#: launch's rank watch. The watch ends a rank 0 that never gets there (a collective that hangs).
+reporting = threading.Event()
+
+_said_lock = threading.Lock()
+_said: set[int] = set()  # the pids of the ranks whose line was printed
+
+
+def say_lost_rank(verb: str, found: LostRank) -> None:
+    """Print ``nanolab VERB: error: <found>`` on stderr, once per lost rank: the main thread's
+    report and the rank watch's (when rank 0 hangs) may both come to it."""
+    with _said_lock:
+        if found.pid in _said:
+            return
+        _said.add(found.pid)
+    print(f"nanolab {verb}: error: {found}", file=sys.stderr, flush=True)
 
 
 def launched_ranks(trainer: Any) -> list[tuple[int, subprocess.Popen]]:
@@ -119,16 +156,20 @@ def _find(trainer: Any, exception: BaseException, wait_s: float) -> LostRank | N
     if not ranks:
         return None
     text = str(exception).lower()
-    deadline = time.monotonic() + (wait_s if any(t in text for t in PEER_GONE_TEXTS) else 0.0)
-    while True:
-        ended = [(rank, p) for rank, p in ranks if p.poll() not in (None, 0)]
-        if ended or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
+    failed_children([p for _, p in ranks], wait_s if any(t in text for t in PEER_GONE_TEXTS) else 0)
+    ended = [(rank, p) for rank, p in ranks if p.returncode not in (None, 0)]
     if not ended:
         return None
     rank, proc = ended[0]
-    return LostRank(rank, proc.pid, int(proc.returncode), _resume_step(trainer))
+    return found_rank(trainer, rank, proc)
+
+
+def found_rank(trainer: Any, rank: int, proc: subprocess.Popen) -> LostRank:
+    """The finding for ``rank`` (``proc``, ended), with the step a rerun of a fit resumes from."""
+    stage = getattr(getattr(trainer, "state", None), "fn", None)  # TrainerFn: a str enum
+    training = stage is None or stage == "fit"
+    step = _resume_step(trainer) if training else None
+    return LostRank(rank, proc.pid, int(proc.returncode), step, training)
 
 
 def _resume_step(trainer: Any) -> int | None:

@@ -66,12 +66,12 @@ def run_lightning_cli(argv: list[str]) -> int:
             print(f"nanolab {argv[0]}: error: {storage_message(err)}", file=sys.stderr)
             return EXIT_DISK_FULL if out_of_room(err) else 2
         except RuntimeError as err:
-            from nanolab.callbacks.lost_rank import lost_rank_of
+            from nanolab.callbacks.lost_rank import lost_rank_of, say_lost_rank
 
-            lost = lost_rank_of(err)  # a rank this process launched died (the run log asked)
+            lost = lost_rank_of(err)  # a rank this process launched died (the launch asked)
             if lost is None:
                 raise
-            print(f"nanolab {argv[0]}: error: {lost}", file=sys.stderr, flush=True)
+            say_lost_rank(argv[0], lost)
             return EXIT_CRASHED
         finally:
             release_all()

@@ -24,6 +24,7 @@ from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import NothingToTrain
 from nanolab.callbacks.jsonl import MetricsLog
 from nanolab.callbacks.loggers import RunConfigWriter
+from nanolab.callbacks.rank_watch import watching
 from nanolab.callbacks.runlock import global_rank_from_env
 from nanolab.data.prepare import BadTextError, OutputInUseError
 from nanolab.messages import warn
@@ -215,9 +216,8 @@ def launch(cli: NanolabCLI) -> Trainer:
             for callback in trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, RotatingCheckpoint):  # once the resume has restored
                     callback.set_aside_after = (Path(cand.path), int(cand.step))
-        # The ranks Lightning's launcher starts from here end before this launch does.
-        early_signals.end_with_launched_ranks(getattr(trainer.strategy, "launcher", None))
-        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+        with watching(trainer, verb):
+            trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
     target, ckpt_path = evaluation_target(verb, run_dir, model, picked, data, strategy_kind)
     evaluate = trainer.validate if verb == "validate" else trainer.test
@@ -225,7 +225,7 @@ def launch(cli: NanolabCLI) -> Trainer:
     from nanolab.model.checkpoint import release
 
     try:  # nanolab prints its own plain lines (evaluation_lines), as every other verb does.
-        with evaluation_loads(trainer.strategy, ckpt_path):  # the weights, not the optimizer
+        with evaluation_loads(trainer.strategy, ckpt_path), watching(trainer, verb):
             evaluate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
     finally:
         if target.path is not None:
