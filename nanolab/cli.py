@@ -185,7 +185,9 @@ def _dispatch(args: list[str]) -> int:
             from nanolab.run.cli import run_lightning_cli
 
             _VERB_ENTERED.append(True)
-            return run_lightning_cli(args)
+            with early_signals.ranks_end_with_launch(verb) as launch:  # its ranks die with it
+                launch.exit_code = run_lightning_cli(args)
+                return launch.exit_code
         _VERB_ENTERED.append(True)  # fit's start-up signals are early_signals' from here
         # Before the heavy imports: a SIGTERM during start-up ends in exit 75, not 143; the
         # handlers are this run's only, and put back when it ends.

@@ -329,3 +329,61 @@ def test_a_clean_ddp_run_ends_with_its_ranks_without_a_wait(
     assert ended["rank0"][0] == 0 and rank1[0] == 0, ended
     # From its last line rank 0 waits only for rank 1's own 3 s exit, not the 30 s allowed.
     assert ended["rank0"][1] - ended["said_done"][1] < 12, ended
+
+
+@pytest.mark.parametrize("verb", ["validate", "test"])
+def test_an_evaluation_rank_whose_rank_zero_is_gone_exits_with_one_line(
+    tmp_path: Path, verb: str
+) -> None:
+    """``validate`` and ``test`` launch ranks as ``fit`` does: a rank of theirs ties itself to
+    its rank 0 the same way (it used to run on without it, waiting in the rendezvous)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    env = {**_env(), LAUNCHER_ENV: str(dead.pid), "LOCAL_RANK": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanolab", verb, "--config", str(QUICKSTART)], cwd=tmp_path,
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr.strip()) == (
+        1,
+        f"nanolab {verb}: local rank 1: the process that launched it (local rank 0, pid "
+        f"{dead.pid}) is gone; exiting",
+    )
+
+
+@pytest.mark.slow  # a real 2-process CPU DDP validate (~30 s on 2 busy cores)
+def test_a_validate_rank_does_not_outlive_its_rank_zero(tmp_path: Path, char_dataset: Path) -> None:
+    """SIGKILL of rank 0 of a 2-process validate once its rank 1 is in the process group: rank 1
+    is gone within seconds (it waited in its first collective, holding its memory)."""
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs")
+    cfg["trainer"].update(accelerator="cpu", devices=2, strategy="ddp")
+    config = write_config(tmp_path / "ddp.yaml", cfg)
+    command = [sys.executable, "-m", "nanolab", "validate", "--config", str(config),
+               "--ckpt_path", "none"]  # fmt: skip
+    rank0 = subprocess.Popen(
+        command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    rank1 = None
+    try:
+        lines = _lines_of(rank0.stderr)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # rank 1 said it joins: past its start-up's arming
+            if "GLOBAL_RANK: 1" in lines.get(timeout=240):
+                break
+        rank1 = _child_of(rank0.pid)
+        assert rank1 is not None, "rank 0 launched no rank 1"
+        rank0.kill()
+        rank0.wait()
+        assert _gone_within(rank1, GRACE_S), f"rank 1 ({rank1}) outlived its rank 0"
+    finally:
+        rank0.kill()
+        if rank1 is not None and pid_alive(rank1):
+            os.kill(rank1, signal.SIGKILL)
+
+
+def _lines_of(stream) -> queue.Queue[str]:
+    """``stream``'s lines as they come, for reads with a time limit."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    return lines

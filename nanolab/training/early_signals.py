@@ -20,7 +20,8 @@ waits for it in the process group's rendezvous, and a rank that exits alone ther
 a crash (the launcher SIGKILLs rank 0: exit 137). It holds the signal through start-up
 instead; every rank then stops together at the first step's start (the preemption callback's
 agreement), exit 75. A second signal still exits at once. Rank 0 ends after the ranks it
-launched (:func:`wait_for_launched_ranks`).
+launched (:func:`wait_for_launched_ranks`). ``validate`` and ``test`` tie their ranks to
+rank 0 the same way (:func:`ranks_end_with_launch`), without the signal holding.
 
 Only a run that owns the process installs these handlers, and only for its duration:
 :func:`held_during_startup` wraps ``fit``'s entry and puts back every handler it found, so an
@@ -134,9 +135,10 @@ def launched_by_rank_zero() -> bool:
     return os.environ.get(LAUNCHER_ENV) == str(os.getppid())
 
 
-def die_with_launcher() -> None:
+def die_with_launcher(verb: str = "fit") -> None:
     """A rank that rank 0 launched (Lightning's DDP launcher re-runs the command with
-    ``LOCAL_RANK`` 1, 2, ...) ends when rank 0 does, even by SIGKILL.
+    ``LOCAL_RANK`` 1, 2, ...) ends when rank 0 does, even by SIGKILL. ``verb``: the command
+    (``fit``, ``validate``, ``test``), for the line.
 
     Left alone it waited for the dead rank 0 in the process group's rendezvous (or a
     collective) for as long as 30 minutes, holding its memory, on a GPU the device's, while the
@@ -156,7 +158,7 @@ def die_with_launcher() -> None:
         return  # not this launcher's child
     die_with_parent(
         parent,
-        gone=f"nanolab fit: local rank {local_rank}: the process that launched it (local rank 0, "
+        gone=f"nanolab {verb}: local rank {local_rank}: the process that launched it (local rank 0, "
         f"pid {parent}) is gone; exiting",
     )
 
@@ -345,28 +347,21 @@ def defer(run_dir: str | Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[Launch]:
-    """Install the handlers for one run that owns the process; afterwards put back the handlers
-    found before it, whatever the run (or Lightning's teardown) left installed.
+def ranks_end_with_launch(verb: str = "fit") -> Iterator[Launch]:
+    """One launch of ``verb`` (``fit``, ``validate``, ``test``) that owns the process: the
+    ranks it launches die with it, and it ends after them.
 
-    At the end it waits for the ranks the run launched: the whole :data:`RANKS_END_WAIT_S`
-    when the run ends as its ranks do (``Launch.exit_code`` or a ``SystemExit`` in
-    :data:`RANKS_END_TOGETHER`), only :data:`RANKS_ERROR_WAIT_S` when it failed on its own.
+    A rank launched from here (it re-runs the command) arms :func:`die_with_launcher` first
+    thing; rank 0 names itself their launcher (:data:`LAUNCHER_ENV`) and at the end waits for
+    them: the whole :data:`RANKS_END_WAIT_S` when the run ends as its ranks do
+    (``Launch.exit_code`` or a ``SystemExit`` in :data:`RANKS_END_TOGETHER`), only
+    :data:`RANKS_ERROR_WAIT_S` when it failed on its own. Every verb that can launch ranks runs
+    inside it: a ``validate`` rank left behind by a SIGKILLed rank 0 waited in the rendezvous.
     """
-    global _received, _deferring, _run_dir
-    main = threading.current_thread() is threading.main_thread()
-    before = {}
-    if main:
-        for name in names:
-            sig = getattr(signal, name, None)
-            if isinstance(sig, signal.Signals):
-                before[sig] = signal.getsignal(sig)
-    _received, _deferring, _run_dir = None, False, None  # whatever an earlier run left
-    die_with_launcher()
+    die_with_launcher(verb)
     launcher = os.environ.get(LAUNCHER_ENV)
     if not launched_by_rank_zero():
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # for the ranks launched from here
-    install(names)
     launch = Launch()
     try:
         yield launch
@@ -381,13 +376,36 @@ def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[La
             os.environ.pop(LAUNCHER_ENV, None)
         else:
             os.environ[LAUNCHER_ENV] = launcher
-        disarm_watchdog()
-        for sig, handler in before.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        _previous.clear()
-        _received, _deferring, _run_dir = None, False, None  # the next run starts unsignalled
-        # With the handlers found before: a signal now is theirs.
         wait_for_launched_ranks(ranks_wait_s(launch.exit_code or 0))
+
+
+@contextlib.contextmanager
+def held_during_startup(names: tuple[str, ...] = DEFAULT_SIGNALS) -> Iterator[Launch]:
+    """Install the handlers for one ``fit`` that owns the process; afterwards put back the
+    handlers found before it, whatever the run (or Lightning's teardown) left installed.
+
+    Its ranks die with it and it ends after them (:func:`ranks_end_with_launch`), once the
+    handlers are back: a signal during that wait is theirs.
+    """
+    global _received, _deferring, _run_dir
+    main = threading.current_thread() is threading.main_thread()
+    before = {}
+    if main:
+        for name in names:
+            sig = getattr(signal, name, None)
+            if isinstance(sig, signal.Signals):
+                before[sig] = signal.getsignal(sig)
+    _received, _deferring, _run_dir = None, False, None  # whatever an earlier run left
+    with ranks_end_with_launch("fit") as launch:
+        install(names)
+        try:
+            yield launch
+        finally:
+            disarm_watchdog()
+            for sig, handler in before.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            _previous.clear()
+            _received, _deferring, _run_dir = None, False, None  # the next run: unsignalled
 
 
 def stop_if_received(where: str = "") -> None:
