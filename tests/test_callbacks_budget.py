@@ -9,6 +9,7 @@ import torch
 from test_callbacks_runlog import TOKENS_PER_MICRO_BATCH, events, fit
 
 from nanolab.callbacks import CallbackConfigError, CostBudget, MetricsLog, RotatingCheckpoint
+from nanolab.training.callback_settings import check_budget
 
 
 def test_token_budget_stops_with_a_checkpoint_and_reason(tmp_path, char_dataset):
@@ -399,6 +400,16 @@ def test_budget_state_survives_resume(tmp_path, char_dataset):
 def test_bad_budgets_are_refused(kwargs, message):
     with pytest.raises(CallbackConfigError, match=message):
         CostBudget(**kwargs)
+    with pytest.raises(CallbackConfigError, match=message):  # the rule queue add checks
+        check_budget(kwargs)
+
+
+def test_the_payoff_floor_is_the_forecasts_fewest_points():
+    """The light rule holds its own copy (the forecast is a layer above): the two agree."""
+    from nanolab.forecast import MIN_POINTS
+    from nanolab.training.callback_settings import PAYOFF_MIN_EVALS
+
+    assert PAYOFF_MIN_EVALS == MIN_POINTS
 
 
 def test_a_branch_from_a_plateau_stopped_run_trains(tmp_path, char_dataset):

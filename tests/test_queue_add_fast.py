@@ -195,6 +195,15 @@ def test_a_sweep_is_queued_without_importing_lightning_or_torch(
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1].split()[-2] == "False", out.stdout  # no Lightning
     assert len(QueueDB(tmp_path / "quick.db").jobs()) == 4
+    # Budget, spike and notify settings too: their rules live below the callbacks as well
+    argv = ["queue", "add", QUICK, "--db", str(tmp_path / "groups.db"), "--set", "trainer.max_steps=40",
+            "--budget.max_tokens", "100000", "--set", "budget.patience=3", "--spike.factor", "3",
+            "--set", 'notify.targets=["echo {run} {reason}"]']  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", ADD, *argv], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].split()[-2] == "False", out.stdout  # no Lightning
+    assert len(QueueDB(tmp_path / "groups.db").jobs()) == 1
 
 
 def _spy_on_the_parser(monkeypatch) -> list:
@@ -260,6 +269,11 @@ REFUSALS = [  # (extra argv, message, worded by the parser)
     (["--set", "data.dataset_dir="], "data.dataset_dir is empty", False),
     (["--set", "model.optimizer.lr=.nan"], "model.optimizer.lr", False),
     (["--set", "data.val_windows=-5"], "data.val_windows must be >= 1, got -5", False),
+    (["--set", "budget.max_tokens=-5"], "budget.max_tokens must be > 0 (or null for no limit), got -5", False),
+    (["--set", "budget.max_cost=10"], "budget.max_cost needs budget.price_per_gpu_hour (> 0)", False),
+    (["--set", "spike.factor=0.5"], "spike.factor must be a number > 1, got 0.5", False),
+    (["--set", "spike.action=skip"], "spike.action must be one of rollback, stop, warn, got 'skip'", False),
+    (["--set", 'notify.targets=["echo {nope}"]'], "notify.targets[0] names {nope}, which is not a field", False),
     (["--set", "data.val_windows=0"], "data.val_windows must be >= 1, got 0", False),
     (["--set", "data.num_workers=-1"], "data.num_workers must be >= 0, got -1", False),
     (["--set", "model.gpt.block_size=1000000000"], "fewer than one block (block_size 1000000000 + 1)", False),

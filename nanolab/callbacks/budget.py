@@ -37,38 +37,25 @@ from typing import Any
 
 import lightning as L
 
-from nanolab.callbacks.events import CallbackConfigError, emit, set_stop_reason, stop_reason
+from nanolab.callbacks.events import emit, set_stop_reason, stop_reason
 from nanolab.callbacks.step import StepCallback, scheduled_validation
-from nanolab.estimator.run_length import (
-    CHECK_EVERY_N_STEPS,
-    Budget,
-    Spent,
-    cost_problem,
-    currency_code,
-    currency_problem,
-    token_stop_step,
-)
+from nanolab.estimator.run_length import Budget, Spent, token_stop_step
 from nanolab.forecast import (
-    MIN_POINTS,
     CurveInputs,
     ForecastError,
     even_points,
     fit_curve,
     fit_loss_curve,
 )
+from nanolab.training.callback_settings import (
+    CHECK_EVERY_N_STEPS,
+    check_budget,
+    currency_code,
+)
 
 #: Most validations the payoff rule fits (evenly spread, the newest always among them): a
 #: refit's cost is bounded, however long the run; the schedule fit stays the same below it.
 PAYOFF_POINTS = 100
-
-
-def _positive(name: str, value: float | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise CallbackConfigError(f"budget.{name} must be a number or null, got {value!r}")
-    if value <= 0:
-        raise CallbackConfigError(f"budget.{name} must be > 0 (or null for no limit), got {value}")
 
 
 class CostBudget(StepCallback):
@@ -117,45 +104,16 @@ class CostBudget(StepCallback):
         check_every_n_steps: int = CHECK_EVERY_N_STEPS,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("max_gpu_hours", max_gpu_hours),
-            ("max_cost", max_cost),
-            ("max_wall_hours", max_wall_hours),
-            ("max_tokens", max_tokens),
-            ("payoff_threshold", payoff_threshold),
-            ("payoff_per_gpu_hour", payoff_per_gpu_hour),
-        ):
-            _positive(name, value)
-        if price_per_gpu_hour is not None and (
-            not isinstance(price_per_gpu_hour, (int, float))
-            or isinstance(price_per_gpu_hour, bool)
-            or not math.isfinite(price_per_gpu_hour)
-            or price_per_gpu_hour < 0
-        ):
-            raise CallbackConfigError(
-                f"budget.price_per_gpu_hour must be a number >= 0, got {price_per_gpu_hour!r}"
-            )
-        problem = currency_problem(currency) or cost_problem(max_cost, price_per_gpu_hour)
-        if problem is not None:
-            raise CallbackConfigError(problem)
+        check_budget(
+            {"max_gpu_hours": max_gpu_hours, "max_cost": max_cost,
+             "price_per_gpu_hour": price_per_gpu_hour, "currency": currency,
+             "max_wall_hours": max_wall_hours, "max_tokens": max_tokens,
+             "payoff_threshold": payoff_threshold, "payoff_per_gpu_hour": payoff_per_gpu_hour,
+             "payoff_min_evals": payoff_min_evals, "payoff_bootstrap": payoff_bootstrap,
+             "patience": patience, "min_delta": min_delta,
+             "check_every_n_steps": check_every_n_steps}
+        )  # fmt: skip
         code = currency_code(currency)
-        if payoff_min_evals < MIN_POINTS:
-            raise CallbackConfigError(
-                f"budget.payoff_min_evals must be >= {MIN_POINTS} (the forecast's fewest points), "
-                f"got {payoff_min_evals}"
-            )
-        if payoff_bootstrap < 10:
-            raise CallbackConfigError(
-                f"budget.payoff_bootstrap must be >= 10 (the band's refits), got {payoff_bootstrap}"
-            )
-        if patience is not None and patience < 1:
-            raise CallbackConfigError(f"budget.patience must be >= 1 or null, got {patience}")
-        if min_delta < 0:
-            raise CallbackConfigError(f"budget.min_delta must be >= 0, got {min_delta}")
-        if check_every_n_steps < 1:
-            raise CallbackConfigError(
-                f"budget.check_every_n_steps must be >= 1, got {check_every_n_steps}"
-            )
         self.max_gpu_hours = max_gpu_hours
         self.max_cost = max_cost
         self.price_per_gpu_hour = price_per_gpu_hour

@@ -25,14 +25,13 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from nanolab.callbacks.events import CallbackConfigError
-from nanolab.notify import NotifyConfigError, check_targets, send
+from nanolab.notify import send
 from nanolab.runlog import RUN_LOG_NAME, last_record
 from nanolab.runs import RESULTS_LOG, append_result, duration, last_trained_val
+from nanolab.training.callback_settings import NOTIFY_FIELDS, check_notify
 
 #: What a command target can fill in.
-FIELDS = ("run", "reason", "detail", "step", "val_loss", "best_val_loss", "wall", "wall_s",
-          "tokens", "run_dir", "time")  # fmt: skip
+FIELDS = NOTIFY_FIELDS
 
 
 class Notifier(Callback):
@@ -46,10 +45,7 @@ class Notifier(Callback):
     def __init__(self, targets: list[str] | None = None, results_log: bool = True) -> None:
         super().__init__()
         self.targets = list(targets or [])
-        try:
-            check_targets(self.targets, FIELDS, "notify.targets")
-        except NotifyConfigError as err:
-            raise CallbackConfigError(str(err)) from None
+        check_notify({"targets": self.targets})
         self.results_log = results_log
         self.sent: dict[str, Any] | None = None  # the fields of the last notification
 

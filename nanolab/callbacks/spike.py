@@ -62,15 +62,16 @@ from nanolab.callbacks.checkpoint import (
     step_of,
 )
 from nanolab.callbacks.divergence import Streak
-from nanolab.callbacks.events import CallbackConfigError, emit, find_callback, set_stop_reason
+from nanolab.callbacks.events import emit, find_callback, set_stop_reason
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.step import StepCallback
 from nanolab.data.datamodule import consumed_micro_batches
 from nanolab.data.order import SavedOrder
 from nanolab.data.skips import data_position, jumps, read_ledger, write_ledger
+from nanolab.training.callback_settings import SPIKE_ACTIONS, check_spike
 from nanolab.training.masked_targets import no_loss_as_nan
 
-ACTIONS = ("rollback", "stop", "warn")
+ACTIONS = SPIKE_ACTIONS
 #: The step's mean training loss in the step readout (:mod:`nanolab.callbacks.readout`).
 LOSS_KEY = "spike:loss"
 #: What a saved history holds: the steps' mean losses (older checkpoints: divided by the
@@ -109,35 +110,11 @@ class SpikeGuard(StepCallback):
         lr_scale_steps: int = 0,
     ) -> None:
         super().__init__()
-        if action not in ACTIONS:
-            raise CallbackConfigError(
-                f"spike.action must be one of {', '.join(ACTIONS)}, got {action!r}"
-            )
-        for name, value, low in (
-            ("window", window, 1),
-            ("patience", patience, 1),
-            ("max_rollbacks", max_rollbacks, 0),
-            ("lr_scale_steps", lr_scale_steps, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CallbackConfigError(
-                    f"spike.{name} must be an integer >= {low}, got {value!r}"
-                )
-        if not isinstance(factor, int | float) or not factor > 1 or math.isinf(factor):
-            raise CallbackConfigError(f"spike.factor must be a number > 1, got {factor!r}")
-        if not isinstance(min_increase, int | float) or not min_increase >= 0:
-            raise CallbackConfigError(
-                f"spike.min_increase must be a number >= 0 (nats), got {min_increase!r}"
-            )
-        if (
-            isinstance(lr_scale, bool)
-            or not isinstance(lr_scale, int | float)
-            or not 0 < lr_scale <= 1
-        ):
-            raise CallbackConfigError(
-                f"spike.lr_scale must be a number in (0, 1] (1: the schedule as it is), got "
-                f"{lr_scale!r}"
-            )
+        check_spike(
+            {"action": action, "factor": factor, "min_increase": min_increase, "window": window,
+             "patience": patience, "max_rollbacks": max_rollbacks, "lr_scale": lr_scale,
+             "lr_scale_steps": lr_scale_steps}
+        )  # fmt: skip
         self.lr_scale = float(lr_scale)
         self.lr_scale_steps = lr_scale_steps
         self.lr_windows: list[tuple[int, int, float]] = []  # (after step, up to step, scale)

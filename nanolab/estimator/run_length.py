@@ -15,42 +15,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-#: ``budget.check_every_n_steps`` when a config does not set it (CostBudget's default).
-CHECK_EVERY_N_STEPS = 1
-
-#: ISO 4217 codes accepted for ``budget.currency`` (the common ones; case-insensitive).
-CURRENCIES = frozenset(
-    (
-        *("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "NZD", "SEK", "NOK", "DKK"),
-        *("PLN", "CZK", "HUF", "INR", "KRW", "SGD", "HKD", "TWD", "BRL", "MXN", "ZAR", "ILS"),
-        *("AED", "SAR", "TRY", "THB", "IDR", "MYR", "PHP", "VND", "RUB", "UAH", "CLP", "COP"),
-        "ARS",
-    )
+from nanolab.training.callback_settings import (  # the budget's setting rules, below Lightning
+    CHECK_EVERY_N_STEPS,
+    cost_problem,
+    currency_code,
+    currency_problem,
 )
-
-
-def currency_code(currency: Any) -> str:
-    """``budget.currency`` as fit writes it: trimmed and upper-cased (``eur`` -> ``EUR``)."""
-    return str(currency).strip().upper()
-
-
-def currency_problem(currency: Any) -> str | None:
-    """Why fit refuses ``budget.currency`` (None: it is a known ISO 4217 code). One rule for
-    the budget callback and ``nanolab estimate``, so both refuse and print the same code."""
-    if currency_code(currency) in CURRENCIES:
-        return None
-    return (
-        f"budget.currency {currency!r} is not a known ISO 4217 code; use e.g. USD, EUR, GBP, "
-        "JPY, CNY, CHF"
-    )
-
-
-def cost_problem(max_cost: Any, price_per_gpu_hour: Any) -> str | None:
-    """Why fit refuses a ``budget.max_cost`` (None: it has a price to turn GPU-hours into
-    money, or there is no cost limit)."""
-    if max_cost is None or price_per_gpu_hour:
-        return None
-    return "budget.max_cost needs budget.price_per_gpu_hour (> 0) to turn GPU-hours into money"
 
 
 def budget_problem(section: Any) -> str | None:

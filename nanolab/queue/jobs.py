@@ -346,9 +346,9 @@ def _check_callbacks(cfg: dict[str, Any]) -> None:
     starts at night.
 
     A group left at the parser's defaults is not checked: every fit starts from those. A group
-    whose rules live below the callbacks (:data:`SETTING_RULES`: the checkpoint and in-loop
-    task settings a recipe sets) is checked by them; any other is checked by building its
-    callback, which imports Lightning (seconds: a sweep is queued without it)."""
+    whose rules live below the callbacks (:data:`SETTING_RULES`: the checkpoint, in-loop task,
+    budget, spike and notify settings a recipe sets) is checked by them; any other is checked
+    by building its callback, which imports Lightning (seconds: a sweep is queued without it)."""
     from nanolab.run import schema
     from nanolab.training.callback_settings import SETTING_RULES
     from nanolab.training.resolve import SETTING_GROUPS
