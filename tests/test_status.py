@@ -332,6 +332,21 @@ def test_a_db_that_is_not_a_queue_is_named_as_queue_ls_names_it(tmp_path: Path, 
     assert "not a queue database (not SQLite" in said[0] or "its tables: foo" in said[0]
 
 
+def test_a_zero_byte_db_is_an_empty_queue_and_stays_zero_bytes(tmp_path: Path, capsys) -> None:
+    """A zero-byte file is what SQLite makes for a new database (a ``touch``, a first create
+    cut short): it was "cannot be read (no such table: jobs) ... move it aside". It is read as
+    an empty queue, and the reader does not write the schema into it."""
+    db = tmp_path / "q.db"
+    db.touch()
+    assert main([str(tmp_path), "--db", str(db), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["running"], shown["queued"], shown["ended"]) == ([], [], [])
+    assert db.stat().st_size == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["q.db"]
+    assert QueueDB.read_only(db).jobs() == []
+    QueueDB(db).add_jobs([NewJob("a", "x.yaml", [], None, str(tmp_path), "runs/a")])  # filled
+    assert [j.name for j in QueueDB.read_only(db).jobs()] == ["a"]
+
+
 def test_a_runs_line_parses_its_log_once_and_its_newest_records_from_the_end(
     tmp_path: Path, monkeypatch
 ) -> None:

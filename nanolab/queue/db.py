@@ -308,10 +308,35 @@ def _read_only_connection(path: Path, immutable: bool) -> PatientConnection:
     conn.row_factory = sqlite3.Row
     try:
         check_queue_db(conn, path)  # what a writing verb refuses, in its words
+        if not _tables(conn):  # 0 bytes: SQLite's new file (a touch, a first create cut short)
+            conn.close()
+            return _empty_queue()
         conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
     except BaseException:
         conn.close()
         raise
+    return conn
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    """The tables of the database ``conn`` reads (SQLite's own bookkeeping left out)."""
+    rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    return {r[0] for r in rows} - {"sqlite_sequence"}
+
+
+def _empty_queue() -> PatientConnection:
+    """An empty queue in memory: what a reader sees in a database file without tables (a
+    zero-byte file, as SQLite makes a new database), which the first writing verb fills with
+    the schema. The file itself is not written: a reader never writes."""
+    conn = connect(":memory:", 5.0)
+    conn.row_factory = sqlite3.Row
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute(
+        "INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+    )
+    upgrade_schema(conn)
     return conn
 
 
@@ -954,8 +979,7 @@ def check_queue_db(conn: sqlite3.Connection, path: Path) -> None:
     raise ``sqlite3.DatabaseError`` on the first read, which the caller turns into one line.
     The check reads the whole (small) file once per connection.
     """
-    rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
-    tables = {r[0] for r in rows} - {"sqlite_sequence"}
+    tables = _tables(conn)
     if not tables:
         return
     version = None
