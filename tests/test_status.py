@@ -347,6 +347,57 @@ def test_a_zero_byte_db_is_an_empty_queue_and_stays_zero_bytes(tmp_path: Path, c
     assert [j.name for j in QueueDB.read_only(db).jobs()] == ["a"]
 
 
+def _queue_with_a_broken_table(tmp_path: Path, table: str) -> Path:
+    """A queue of one job whose ``table``'s first page is unreadable (its page type byte
+    overwritten): SQLite's quick_check fails on it; reads of the other tables do not."""
+    import sqlite3
+
+    db = tmp_path / "q.db"
+    queue = QueueDB(db)
+    queue.add_jobs([NewJob("a", "c.yaml", [], None, str(tmp_path), "runs/a")])
+    queue.close()
+    with sqlite3.connect(db) as conn:
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,))
+        (page,) = root.fetchone()
+        size = conn.execute("PRAGMA page_size").fetchone()[0]
+    conn.close()
+    with open(db, "r+b") as f:
+        f.seek((page - 1) * size)
+        f.write(b"\xff")
+    return db
+
+
+def test_a_reader_does_not_run_quick_check_at_every_call(tmp_path: Path, capsys) -> None:
+    """``status`` (and ``--watch`` at each redraw) and ``queue ls`` ran SQLite's quick_check,
+    which reads the whole file (~10 ms at 2,000 jobs on a busy machine, more with a long
+    events table), at every call. The readers read what they show; the verbs that write
+    still check the whole file before they write."""
+    from nanolab.queue.cli import main as queue_main
+    from nanolab.queue.db import QueueError
+
+    db = _queue_with_a_broken_table(tmp_path, "sqlite_sequence")  # which no reader reads
+    before = db.read_bytes()
+    assert main([str(tmp_path), "--db", str(db), "--json"]) == 0
+    assert [j["name"] for j in json.loads(capsys.readouterr().out)["queued"]] == ["a"]
+    assert queue_main(["ls", "--db", str(db)]) == 0
+    assert " a " in capsys.readouterr().out
+    with pytest.raises(QueueError, match=r"is damaged .*malformed.*move it aside"):
+        QueueDB(db)  # a writing verb
+    assert queue_main(["rm", "a", "--db", str(db)]) == 2
+    assert "is damaged or not SQLite (database disk image is malformed)" in capsys.readouterr().err
+    assert db.read_bytes() == before
+
+
+def test_damage_a_reader_meets_after_opening_is_one_line(tmp_path: Path, capsys) -> None:
+    """Damage on a page ``status`` reads once the queue is open (the runners' table) is one
+    line and exit 2, as at the opening, not a traceback."""
+    db = _queue_with_a_broken_table(tmp_path, "runners")
+    assert main([str(tmp_path), "--db", str(db)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nanolab status: error: the queue database "), err
+    assert "cannot be read (database disk image is malformed)" in err[0], err
+
+
 def test_a_runs_line_parses_its_log_once_and_its_newest_records_from_the_end(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -314,7 +314,7 @@ def listing_db(given: str | None) -> QueueDB:
     if where.is_file() and size_limit_in_the_way(where) is not None:
         return QueueDB.read_only(where)
     try:
-        return QueueDB(where)
+        return QueueDB(where, reading=True)
     except ReadOnlyDBError:
         return QueueDB.read_only(where)
 

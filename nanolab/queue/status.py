@@ -168,8 +168,12 @@ def job_roots(db_path: Path) -> set[Path]:
 
 @contextlib.contextmanager
 def _waiting_jobs(db_path: Path) -> Iterator[tuple[Any, list[Any]]]:
-    """The queue at ``db_path``, read-only, with its running, pending and preempted jobs."""
-    from nanolab.queue.db import UNFINISHED, QueueDB, QueueError
+    """The queue at ``db_path``, read-only, with its running, pending and preempted jobs. A
+    read that fails once it is open (damage met on a page, a lock held past the wait) is one
+    line, in the words of the verbs that write."""
+    import sqlite3
+
+    from nanolab.queue.db import UNFINISHED, QueueDB, QueueError, busy_db, unusable_db
 
     try:
         db = QueueDB.read_only(db_path)
@@ -177,6 +181,9 @@ def _waiting_jobs(db_path: Path) -> Iterator[tuple[Any, list[Any]]]:
         raise StatusError(str(err)) from None
     try:
         yield db, db.jobs(UNFINISHED)
+    except sqlite3.DatabaseError as err:
+        line = busy_db(db_path, err, 5.0) or unusable_db(db_path, f"cannot be read ({err})")
+        raise StatusError(line) from None
     finally:
         db.conn.close()
 
