@@ -2158,6 +2158,27 @@ def test_ls_reads_a_bounded_part_of_long_logs_where_the_runner_recorded_them(
     assert read[0] < (log.stat().st_size + done_log.stat().st_size) / 5, read[0]
 
 
+def test_the_runner_reads_a_done_jobs_step_time_from_its_logs_end(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """As a job ended done, the runner's loop read its whole run log for its step time
+    (seconds for a 100 MB log, every other job waiting); it reads the log's end, as ``ls``
+    reads a running job's, and stores the same step time."""
+    from nanolab.queue.runner import log_columns
+
+    _, log, job = _hours_job(tmp_path, "running", 3600.0)
+    now = time.time()
+    records = [_hours_launch(1.0, 0, 0.0, queue_job=str(job.id), time=now),
+               *_hours_trains(range(1, 50001), 10.0, now + 1),
+               {"event": "end", "time": now + 50001, "step": 50000, "elapsed_s": 50010.0}]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    read = _bytes_read_by_runlog(monkeypatch)
+    columns = log_columns(job, "done")
+    assert columns["steady_s"] == pytest.approx(1.0, rel=1e-3)  # 1 s a step
+    assert columns["log_end"] == log.stat().st_size
+    assert read[0] < log.stat().st_size / 10, (read[0], log.stat().st_size)
+
+
 def test_ls_and_status_read_a_jobs_log_for_its_time_left_only_where_it_is_shown(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:

@@ -148,9 +148,9 @@ RUNNER_COLUMNS = {"pid_namespace": "TEXT", "pid_start": "TEXT"}
 #: needs of a job's run log in a few lines, however long the log: ``log_start`` (the run log's
 #: size when the job's newest attempt was started: that launch's records begin there),
 #: ``log_end`` (its size when that attempt ended: nothing was appended since while it still
-#: is) and ``steady_s`` (a done job's steady seconds a step over its own launches,
-#: :func:`nanolab.queue.predict.steady_step_seconds`, measured once as it ended; 0: none
-#: could be).
+#: is) and ``steady_s`` (a done job's steady seconds a step, that of its newest launch read
+#: from its log's end, :func:`nanolab.queue.predict.ended_step_seconds`, measured once as it
+#: ended; 0: none could be).
 LOG_COLUMNS = {"log_start": "INTEGER", "log_end": "INTEGER", "steady_s": "REAL"}
 
 

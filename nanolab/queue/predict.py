@@ -377,6 +377,21 @@ def read_tail(log: Path, job: Job) -> Tail:
     return Tail(pace(), newest, passed, None, own, oldest < job.created)
 
 
+def ended_step_seconds(job: Job) -> float | None:
+    """A job's steady seconds a step as its attempt ends, which the runner stores
+    (``steady_s``): that of its newest launch that logged two timed steps, read from the end
+    of its run log as :func:`read_tail` reads it, so its cost does not grow with the log (the
+    runner's loop waits on it; a night's log is 100 MB). None: no step time of the job's own
+    among the records read."""
+    from nanolab.runlog import RUN_LOG_NAME
+
+    log = Path(job.cwd) / job.run_dir / RUN_LOG_NAME
+    tail = read_tail(log, job)
+    if tail.step_s is None or not _measured_is_own(log, job, tail):
+        return None
+    return tail.step_s
+
+
 def _nth_start(log: Path, nth: int) -> dict[str, Any] | None:
     """The log's ``nth`` newest start record (0: the newest), read backwards at the speed of
     reading the file: only lines holding a start are parsed (:func:`~nanolab.runlog.iter_backwards`)."""

@@ -1114,14 +1114,13 @@ def run_log_size(job: Job) -> int | None:
 def log_columns(job: Job, status: str) -> dict[str, Any]:
     """What is stored of a job's run log as its attempt ends, so that ``queue ls`` need not
     read the log back (:data:`nanolab.queue.db.LOG_COLUMNS`): its size now and, for a done
-    job, its steady step time (read once here; 0 when none could be measured)."""
-    from nanolab.queue.predict import Counted, steady_step_seconds
+    job, its steady step time (read once here, from the log's end:
+    :func:`~nanolab.queue.predict.ended_step_seconds`; 0 when none could be measured)."""
+    from nanolab.queue.predict import ended_step_seconds
 
     columns: dict[str, Any] = {"log_end": run_log_size(job)}
     if status == "done":
-        counted = Counted(job.config_key, job.id, job.created)
-        steady = steady_step_seconds(str(Path(job.cwd) / job.run_dir), counted)
-        columns["steady_s"] = steady or 0.0
+        columns["steady_s"] = ended_step_seconds(job) or 0.0
     return columns
 
 
