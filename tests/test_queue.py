@@ -1738,6 +1738,29 @@ def test_a_configs_step_time_comes_from_its_newest_finished_runs(tmp_path):
     assert predict.history(db, jobs[0].config_key)[0] == pytest.approx(seconds)
 
 
+def test_a_relative_run_dir_of_an_older_queue_is_the_jobs_own_cwds(tmp_path, monkeypatch):
+    """A queue written before ``queue add`` stored absolute run directories holds them relative
+    to where each job was added. The step time of its finished runs (and a job's steps done)
+    were read relative to where ``queue ls`` was typed: from any other folder no log was
+    found, and the estimate fell back to wall time per step. They are the job's cwd's."""
+    from nanolab.queue import predict
+
+    project = tmp_path / "project"
+    project.mkdir()
+    db = QueueDB(tmp_path / "q.db")
+    (job,) = _timed_jobs(db, project, 1)
+    db.conn.execute("UPDATE jobs SET cwd = ?, run_dir = 'r0' WHERE id = ?", (str(project), job.id))
+    with open(project / "r0" / "metrics.jsonl", "w") as log:
+        _launch(log, job.id, 1.5, range(1, 101))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    seconds, how = predict.history(db, job.config_key)
+    assert seconds == pytest.approx(1.5) and how.startswith("measured step time"), how
+    (row,) = db.jobs()
+    assert row.run_path == project / "r0" and predict.steps_done(row) == 100
+
+
 def test_a_step_time_counts_only_the_jobs_own_ended_launches_of_its_config(tmp_path):
     """A finished job's run log also held a launch from a shell at 50 s a step, a launch of
     another config, and a launch of its own that crashed (its steps trained again after a

@@ -458,7 +458,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     for job in jobs:
         kept = (
             f"its run directory {job.run_dir} is kept"
-            if Path(job.run_dir).exists()
+            if job.run_path.exists()
             else "it had not made a run directory"
         )
         print(f"removed job {job.id} {job.name} ({kept})")

@@ -211,6 +211,13 @@ class Job:
     log_end: int | None = None
     steady_s: float | None = None
 
+    @property
+    def run_path(self) -> Path:
+        """The job's run directory as its process sees it: ``run_dir`` from the job's own
+        ``cwd`` (``queue add`` stores it absolute; a queue written before holds it relative to
+        where the job was added, not to where a runner or a listing is started)."""
+        return Path(self.cwd) / self.run_dir
+
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
         data = dict(row)

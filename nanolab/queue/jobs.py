@@ -886,7 +886,7 @@ def foreign_run_at_start(job: Job) -> str | None:
     from nanolab.runlog import RUN_LOG_NAME, iter_records
     from nanolab.training.resume import find_resume_checkpoint
 
-    run_dir = Path(job.run_dir)
+    run_dir = job.run_path
     with contextlib.closing(iter_records(run_dir / RUN_LOG_NAME, "start")) as starts:
         first = next(starts, None)  # the first only: a long log is not read to its end
     if first is not None:

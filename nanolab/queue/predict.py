@@ -251,7 +251,8 @@ def _steady(row: Any, key: str, device: GPU | None) -> float | None:
     stored = dict(row).get("steady_s")
     if device is None and stored is not None:
         return float(stored) or None
-    return steady_step_seconds(row["run_dir"], Counted(key, row["id"], row["created"], device))
+    run_dir = os.path.join(row["cwd"], row["run_dir"])  # a relative one is the job's cwd's
+    return steady_step_seconds(run_dir, Counted(key, row["id"], row["created"], device))
 
 
 def history_seconds_per_step(db: QueueDB, job: Job) -> float | None:
@@ -279,7 +280,7 @@ def steps_done(job: Job) -> int:
     """Optimizer steps the job's run log has reached (0 for a job that never ran)."""
     from nanolab.runlog import RUN_LOG_NAME, last_record
 
-    rec = last_record(os.path.join(job.run_dir, RUN_LOG_NAME), where=lambda r: "step" in r)
+    rec = last_record(job.run_path / RUN_LOG_NAME, where=lambda r: "step" in r)
     step = (rec or {}).get("step")
     return int(step) if isinstance(step, int) else 0
 

@@ -979,7 +979,7 @@ def job_log_path(job: Job, db_path: Path) -> Path:
     folder cannot be made, ``nanolab_queue_logs/<id>-<name>.log`` beside the database."""
     from nanolab.runlog import QUEUE_LOG_NAME
 
-    run_dir = Path(job.run_dir)
+    run_dir = job.run_path
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir / QUEUE_LOG_NAME
@@ -1133,7 +1133,7 @@ def outcome(
     from nanolab.runlog import RUN_LOG_NAME, last_record
 
     end = last_record(
-        Path(job.run_dir) / RUN_LOG_NAME,
+        job.run_path / RUN_LOG_NAME,
         "end",
         where=lambda r: float(r.get("time") or 0) >= since - 1.0,
     )
