@@ -255,13 +255,21 @@ def test_disk_cap_deletes_oldest_first_and_never_the_newest(tmp_path, char_datas
 
 
 def test_stale_tmp_files_are_cleaned_and_never_mistaken_for_checkpoints(tmp_path, char_dataset):
+    """A save cut short leaves its temp file (an older nanolab's fixed ``<name>.tmp``, or
+    today's ``.<name>.<16 hex>.tmp``): the claim deletes it. It deleted every ``*.tmp`` file
+    of the folder, a user's ``notes.tmp`` too; those stay."""
     run = tmp_path / "run"
     folder = run / "checkpoints"
     folder.mkdir(parents=True)
     (folder / "step-00000002.ckpt.tmp").write_bytes(b"torn")
+    (folder / ".last.ckpt.0123456789abcdef.tmp").write_bytes(b"torn")
+    theirs = {"notes.tmp", ".notes.0123456789abcdef.tmp", "step-00000002.tmp", ".step.tmp"}
+    for name in theirs:
+        (folder / name).write_text("mine")
     assert find_resume_checkpoint(run).chosen is None
     fit(run, char_dataset, [RotatingCheckpoint(every_n_steps=2)], max_steps=2, eval_every=100)
-    assert names(folder) == {"step-00000002.ckpt", "last.ckpt"}
+    assert names(folder) == {"step-00000002.ckpt", "last.ckpt", *theirs}
+    assert all((folder / name).read_text() == "mine" for name in theirs)
 
 
 def test_a_sharded_save_cut_short_leaves_no_folder_behind(tmp_path, char_dataset):

@@ -734,6 +734,14 @@ def _save_temp_name(name: str) -> bool:
     return is_temp_name(name) and _checkpoint_name(name[1:].rsplit(".", 2)[0])
 
 
+def _leftover_file(name: str) -> bool:
+    """Whether a file named ``name`` is nanolab's to clear at claim time: a save's temp file,
+    or the fixed ``step-N.ckpt.tmp`` / ``last.ckpt.tmp`` an older nanolab saved through. Any
+    other ``.tmp`` file (a user's ``notes.tmp``, another tool's) is not the run's to delete."""
+    old = name.endswith(".tmp") and _checkpoint_name(name[: -len(".tmp")])
+    return old or _save_temp_name(name)
+
+
 def _leftover_folder(name: str) -> bool:
     """Whether a folder named ``name`` is nanolab's to clear at claim time: a sharded save's
     temp folder, or one :func:`unlink_in` renamed to ``.<name>.deleting`` (a checkpoint's or
@@ -748,7 +756,7 @@ def _clear_leftover(folder: ClaimedDir, name: str) -> None:
     """Delete ``name``, a ``.tmp`` or ``.deleting`` entry of the claimed ``folder`` that a save
     or a removal cut short left.
 
-    A ``.tmp`` file goes; a folder (a sharded save: DeepSpeed, FSDP2, or a sharded checkpoint
+    A file goes where :func:`_leftover_file` says nanolab made its name; a folder (a sharded save: DeepSpeed, FSDP2, or a sharded checkpoint
     on its way out) only where :func:`_leftover_folder` says nanolab made its name, removed as
     :func:`unlink_in` removes a sharded checkpoint, never through a link. Each such name is new
     at every save, so a leftover folder not cleared here is a whole set of shards kept for
@@ -757,7 +765,7 @@ def _clear_leftover(folder: ClaimedDir, name: str) -> None:
     with contextlib.suppress(OSError):
         st = os.stat(name, dir_fd=folder.fd, follow_symlinks=False)
         if not stat.S_ISDIR(st.st_mode):  # a link too: removed, never followed
-            if name.endswith(".tmp"):
+            if _leftover_file(name):
                 os.unlink(name, dir_fd=folder.fd)
         elif _leftover_folder(name):
             if name.endswith(DELETING):
