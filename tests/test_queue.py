@@ -2139,7 +2139,9 @@ def test_ls_reads_a_bounded_part_of_long_logs_where_the_runner_recorded_them(
     from nanolab.queue.runner import log_columns
 
     path, log, job = _hours_job(tmp_path, "preempted", 100 * 3600.0)
-    now = time.time()
+    # The jobs below are added after these records are built (seconds on a loaded machine): a
+    # launch counts only when it started after its job was added, so the records lie ahead.
+    now = time.time() + 600
     shell = [_hours_launch(1.0, 0, 0.0, time=now), {"event": "end", "time": now, "step": 0}]
     head = "".join(json.dumps(r) + "\n" for r in shell)
     own = [_hours_launch(100.0, 0, 0.0, queue_job=str(job.id), time=now + 1),
