@@ -298,3 +298,15 @@ class WindowsSeen(L.Callback):
         windows = [zlib.crc32(row.tobytes()) for row in x]
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": trainer.global_step, "windows": windows}) + "\n")
+
+
+class DeepSpeedFp16OnThisCpu(L.Callback):
+    """Lets DeepSpeed train in fp16 on a CPU whose oneDNN reports no fp16 kernels: DeepSpeed's
+    CPU accelerator refuses fp16 there ("Type fp16 is not supported on your device"), though
+    torch's CPU ops compute it. Only that capability answer changes (before the engine is built:
+    ``setup`` runs first); the engine, its ZeRO optimizer and its loss scaler are DeepSpeed's."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        CPU_Accelerator.is_fp16_supported = lambda accelerator: True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import shutil
 
@@ -11,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, REPO, nanolab_here, run_nanolab, tiny_overrides, write_config
 
 from nanolab.cli import main
 from nanolab.data.datamodule import TokenDataModule
@@ -537,6 +538,54 @@ def test_a_diverged_deepspeed_run_stops_and_keeps_its_last_good_checkpoint(tmp_p
     assert not (run / "checkpoints" / "step-00000006.ckpt").exists()  # the stop saved nothing
     assert "from step 2, its newest checkpoint that a finite step followed" in res.stderr
     assert f"--run.resume {step2} --model.optimizer.lr 300" in res.stderr
+
+
+#: A model whose training loss is times 1e9 (finite in fp32): its fp16 gradients overflow at
+#: any loss scale, so every step is skipped; the working directory of ``python -m`` imports it.
+OVERFLOWING_GPT = """
+from nanolab.training.module import GPTLightningModule
+
+
+class OverflowingGPT(GPTLightningModule):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 1e9
+"""
+
+
+@pytest.mark.slow  # DeepSpeed's start-up in its own process (its CPU op cached after the first)
+def test_a_deepspeed_fp16_scale_at_its_lowest_stops_as_collapsed_not_in_a_traceback(
+    tmp_path, char_dataset
+):
+    """DeepSpeed's ZeRO loss scaler raises ``Exception: Current loss scale already at minimum``
+    (deepspeed/runtime/fp16/loss_scaler.py, from the engine's step) at an overflow at its
+    ``min_loss_scale``. From ``initial_scale_power`` 1 (scale 2, hysteresis 2) that is the third
+    overflow, before the divergence stop's 3 skipped steps: the run ended in that traceback,
+    exit 1, reason ``error``. It now stops as a collapsed fp16 scale, exit 3, one line.
+
+    DeepSpeed refuses fp16 on this CPU (its oneDNN has no fp16 kernels); a probe lets it, and
+    everything else is DeepSpeed's own fp16 path. Mutations caught: DeepSpeed left to raise."""
+    _deepspeed_here_or_skip()
+    (tmp_path / "overflowing.py").write_text(OVERFLOWING_GPT)
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", run__name="fp16", run__eval_every_steps=1000,
+        trainer__max_steps=8, trainer__precision="16-mixed", checkpoint__every_n_steps=2,
+    )  # fmt: skip
+    cfg["model"] = {"class_path": "overflowing.OverflowingGPT", "init_args": cfg["model"]}
+    tests = os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
+    args = ("fit", "--config", str(write_config(tmp_path / "fp16.yaml", cfg)), "--config",
+            str(QUICKSTART.parent / "strategy" / "deepspeed_stage2.yaml"), "--trainer.devices", "1",
+            "--trainer.strategy.init_args.initial_scale_power", "1",
+            "--trainer.callbacks+=cli_probes.DeepSpeedFp16OnThisCpu")  # fmt: skip
+    res = run_nanolab(*args, cwd=tmp_path, timeout=600, env={"PYTHONPATH": tests})  # cli_probes
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "already at minimum" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    collapse = "fp16 loss scale collapsed: 3 consecutive optimizer steps skipped (scale 1)"
+    assert last.startswith(f"nanolab fit: diverged: {collapse}; stopped at step 3"), last
+    run = tmp_path / "runs" / "fp16"
+    end = [r for r in read_records(run / "metrics.jsonl") if r["event"] == "end"][-1]
+    assert (end["reason"], end["detail"]) == ("diverged", collapse)
+    assert (end["diverged_step"], end["skipped_steps"], end["loss_scale"]) == (1, 3, 1.0)
 
 
 def test_val_loss_drops_on_the_bundled_corpus(tmp_path, char_dataset):

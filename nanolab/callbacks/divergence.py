@@ -33,9 +33,12 @@ neither the loss nor ``.grad`` (empty under DeepSpeed) shows it. Its own count o
 read across the step (host integers, no device read), stands in: in fp32/bf16 a skipped step is
 a step with a non-finite gradient norm (it counts as under DDP); under fp16 with DeepSpeed's
 dynamic loss scale it is the scaler's skip, judged as the GradScaler's above, except that
-DeepSpeed's scale stops at its ``min_loss_scale`` (1) and the engine raises at the next overflow
-there: ``patience`` skipped steps that left the scale at that lowest scale collapse it too (that
-step's flags are read at once, before the next step's overflow).
+DeepSpeed's scale stops at its ``min_loss_scale`` (1): ``patience`` skipped steps that left the
+scale at that lowest scale collapse it too. DeepSpeed's own rule, an exception at an overflow
+at that scale, ended a run from a low ``initial_scale_power`` in a traceback before ``patience``
+skipped steps (from scale 2, with its hysteresis of 2, at the third overflow). While this check
+judges the scale, the scaler skips those steps too and the check stops the run
+(:func:`~nanolab.training.engine_steps.raise_at_lowest_scale`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from nanolab.training.engine_steps import (
     deepspeed_engine,
     loss_scale,
     lowest_loss_scale,
+    raise_at_lowest_scale,
     scales_loss,
     skipped_steps,
 )
@@ -159,6 +163,14 @@ class DivergenceStop(StepCallback):
         # Here, not at the run's start: a checkpoint's runs of steps are restored after setup.
         self.bad, self.skipped = Streak(), Streak()
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # DeepSpeed fp16: its scaler raises at an overflow at its lowest scale, before this
+        # check's patience; it skips those steps while this check judges them (each launch: a
+        # resumed engine's scaler comes from the checkpoint, set as the launch that saved it).
+        judges = self.active and self.loss_scale_floor > 0
+        raise_at_lowest_scale(deepspeed_engine(trainer), raises=not judges)
+
     def on_run_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._watched, self._scale_before, self._norm = [], None, None
         self._engine_skips = None
@@ -233,19 +245,16 @@ class DivergenceStop(StepCallback):
             after = after.detach().to(bad.device, torch.float32).reshape(())
             skipped = (after < before.to(bad.device, torch.float32).reshape(())).to(torch.float32)
             scale = after.clone()
-        urgent = False
         if engine_scale is not None:
             skipped = torch.full_like(bad, float(engine_skipped))
             scale = torch.full_like(bad, engine_scale)
             self._lowest_scale = lowest_loss_scale(engine)
-            # At the lowest scale the engine raises at the next overflow: judge this step now.
-            urgent = engine_skipped and self._at_lowest_scale(engine_scale)
         flags = torch.stack((bad, skipped, scale))
         if gathered:
             # Any rank's bad step stops every rank (the scale is the same on all of them).
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         for key, flag in zip(FLAG_KEYS, flags.unbind(), strict=True):
-            readout.put(key, flag, now=urgent)
+            readout.put(key, flag)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None

@@ -10,8 +10,12 @@ the step: a host integer DeepSpeed keeps anyway (no device read is added).
 
 Under fp16 with a dynamic loss scale the skip is the scaler's normal search for its scale, as
 with torch's GradScaler; :func:`loss_scale` and :func:`lowest_loss_scale` say where it stands.
-DeepSpeed's scaler never goes below its ``min_loss_scale`` (1 by default) and raises at the next
-overflow there, so its scale cannot fall below a floor of 1: the lowest scale is the collapse.
+DeepSpeed's scaler never goes below its ``min_loss_scale`` (1 by default), so its scale cannot
+fall below a floor of 1: the lowest scale is the collapse. At an overflow there its ZeRO
+optimizers' scaler raises a bare ``Exception`` ("Current loss scale already at minimum") from
+inside the engine's step unless told not to (:func:`raise_at_lowest_scale`): the run then ended
+in a traceback, two overflows after a start at the lowest scale, before the divergence stop had
+counted its ``patience`` skipped steps.
 """
 
 from __future__ import annotations
@@ -62,3 +66,18 @@ def lowest_loss_scale(engine: Any) -> float | None:
     return (
         float(lowest) if isinstance(lowest, int | float) and not isinstance(lowest, bool) else None
     )
+
+
+def raise_at_lowest_scale(engine: Any, raises: bool) -> bool:
+    """Whether DeepSpeed's fp16 scaler raises at an overflow at its lowest scale (``raises``,
+    its own default) or skips that step too and stays there (the divergence stop then counts
+    the skips and stops the run in its own words: exit 3, the branch to take). DeepSpeed reads
+    it from its ``DynamicLossScaler`` only (no config key sets it); its non-ZeRO fp16 optimizer
+    has none and never raises. False when the engine has no such scaler (nothing set)."""
+    if not scales_loss(engine):
+        return False
+    scaler = getattr(getattr(engine, "optimizer", None), "loss_scaler", None)
+    if not isinstance(getattr(scaler, "raise_error_at_min_scale", None), bool):
+        return False
+    scaler.raise_error_at_min_scale = raises
+    return True
