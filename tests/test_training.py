@@ -540,6 +540,76 @@ def test_a_diverged_deepspeed_run_stops_and_keeps_its_last_good_checkpoint(tmp_p
     assert f"--run.resume {step2} --model.optimizer.lr 300" in res.stderr
 
 
+@pytest.mark.parametrize(
+    ("validates", "deferred"),
+    [(True, False), (False, False), (True, True), (False, True)],
+    ids=["validated", "no-validation", "validated-late-values", "no-validation-late-values"],
+)
+def test_a_run_that_diverges_at_its_last_step_saves_no_checkpoint_of_it(
+    tmp_path, char_dataset, validates, deferred
+):
+    """At lr 3000 step 4 is the first with a non-finite gradient norm (its weights stay
+    finite). With ``max_steps`` 4 the run ends on it: diverged at the end, exit 3, but
+    step 4 was saved (every 2 steps) and ``last.ckpt`` pointed at it, the state a resume takes;
+    a stop mid-run saves none of the state that followed the divergence. Judged before the
+    last step's save now (after its validation, or in its step without one), with the last
+    step's flags taken there where a GPU's arrive a step late (forced here).
+
+    Mutations caught: the end judged after the last save; its state saved at the stop; the
+    last step's flags left to arrive after it (with and without the validation)."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", run__name="end", run__eval_every_steps=1000,
+        trainer__max_steps=4, model__optimizer__lr=3000.0,
+        model__schedule__warmup_steps=30, checkpoint__every_n_steps=2,
+    )  # fmt: skip
+    if not validates:
+        cfg["trainer"]["limit_val_batches"] = 0
+    env = {"NANOLAB_READOUT_DEFER": "1"} if deferred else None
+    config = str(write_config(tmp_path / "end.yaml", cfg))
+    res = nanolab_here("fit", "--config", config, cwd=tmp_path, env=env)
+    assert res.returncode == 3, res.stderr[-3000:]
+    run = tmp_path / "runs" / "end"
+    end = [r for r in read_records(run / "metrics.jsonl") if r["event"] == "end"][-1]
+    assert (end["reason"], end["diverged_step"], end["step"]) == ("diverged", 4, 4), end
+    assert "at the end of the run: the last optimizer step (4)" in end["detail"]
+    folder = run / "checkpoints"
+    assert not (folder / "step-00000004.ckpt").exists()
+    assert os.path.samefile(folder / "last.ckpt", folder / "step-00000002.ckpt")  # a link
+
+
+@pytest.mark.slow  # DeepSpeed's start-up in its own process (its CPU op cached after the first)
+@pytest.mark.parametrize("max_steps", [4, 5])
+def test_a_deepspeed_run_that_diverges_at_its_end_saves_no_checkpoint_of_it(
+    tmp_path, char_dataset, max_steps
+):
+    """DeepSpeed skips the non-finite steps from step 4, so the weights stay finite and the
+    checkpoint's check of them lets them pass: a run ending on those steps saved step 4 (its
+    last step, every 2 steps) or step 5 (the end's save), ``last.ckpt`` pointing at it. DDP's
+    NaN weights at step 5 were refused; both now judge the end before the last save.
+
+    Mutations caught: the end judged after the last save; its state saved at the stop."""
+    _deepspeed_here_or_skip()
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", run__name="ds", run__eval_every_steps=1000,
+        trainer__max_steps=max_steps, model__optimizer__lr=3000.0,
+        model__schedule__warmup_steps=30, checkpoint__every_n_steps=2,
+    )  # fmt: skip
+    args = ("fit", "--config", str(write_config(tmp_path / "ds.yaml", cfg)), "--config",
+            str(QUICKSTART.parent / "strategy" / "deepspeed_stage2.yaml"), "--trainer.devices", "1")  # fmt: skip
+    res = run_nanolab(*args, cwd=tmp_path, timeout=600)
+    assert res.returncode == 3, res.stderr[-3000:]
+    run = tmp_path / "runs" / "ds"
+    end = [r for r in read_records(run / "metrics.jsonl") if r["event"] == "end"][-1]
+    assert (end["reason"], end["diverged_step"], end["step"]) == ("diverged", 4, max_steps), end
+    assert "at the end of the run" in end["detail"]
+    folder = run / "checkpoints"
+    assert not (folder / f"step-{max_steps:08d}.ckpt").exists()
+    kept = "step-00000002.ckpt" if max_steps == 4 else "step-00000004.ckpt"  # 4: mid-run, as DDP
+    assert os.path.samefile(folder / "last.ckpt", folder / kept)
+    assert "branch a new run with a lower one (or a higher model.schedule.warmup_steps) from " \
+        "step 2" in res.stderr  # fmt: skip
+
+
 #: A model whose training loss is times 1e9 (finite in fp32): its fp16 gradients overflow at
 #: any loss scale, so every step is skipped; the working directory of ``python -m`` imports it.
 OVERFLOWING_GPT = """

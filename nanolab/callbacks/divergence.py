@@ -59,7 +59,7 @@ from nanolab.callbacks.events import (
 )
 from nanolab.callbacks.jsonl import read_gradient_norm, step_gradient_norm
 from nanolab.callbacks.readout import StepReadout
-from nanolab.callbacks.step import StepCallback
+from nanolab.callbacks.step import StepCallback, settle_step_values, validation_follows
 from nanolab.training.engine_steps import (
     deepspeed_engine,
     loss_scale,
@@ -230,8 +230,12 @@ class DivergenceStop(StepCallback):
         no_target = held_no_target(pl_module)
         if no_target is not None:  # the count is all ranks' already: no reduce of its own
             readout.put(NO_TARGET_KEY, no_target)
+        # The run's last step without a validation is judged in its own on_step, before its
+        # save: its flags are read now (on a GPU they would arrive after it). With one, they
+        # are taken after the validation (on_validated), which waits for the device anyway.
+        last = _last_step(trainer, step) and not validation_follows(trainer)
         if before is None and engine_scale is None and not gathered:  # one flag, no reduce
-            readout.put(FLAG_KEYS[0], 0.0 if bad is None else bad)
+            readout.put(FLAG_KEYS[0], 0.0 if bad is None else bad, now=last)
             return
         bad = (
             torch.zeros((), dtype=torch.float32, device=pl_module.device)
@@ -254,11 +258,18 @@ class DivergenceStop(StepCallback):
             # Any rank's bad step stops every rank (the scale is the same on all of them).
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         for key, flag in zip(FLAG_KEYS, flags.unbind(), strict=True):
-            readout.put(key, flag)
+            readout.put(key, flag, now=last)
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
         self._observe_all(trainer, self.clock.readout.completed)
+        if _last_step(trainer, step) and not validation_follows(trainer):
+            self._check_the_end(trainer)  # before the checkpoint's save of this step
+
+    def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if _last_step(trainer, step):  # the last step's validation: before its deferred save
+            settle_step_values(trainer)  # its flags, if still on their way (a GPU's)
+            self._check_the_end(trainer)
 
     def on_values_arrived(
         self, trainer: L.Trainer, pl_module: L.LightningModule, arrived: list[tuple[int, Any]]
@@ -284,7 +295,11 @@ class DivergenceStop(StepCallback):
     def _check_the_end(self, trainer: L.Trainer) -> None:
         """A run that ends on non-finite steps, or with a non-finite validation loss, diverged:
         ``patience`` gives a run the chance to recover, and an ended run has none left (a 2-step
-        run at ``lr 1e30`` must not read ``completed``)."""
+        run at ``lr 1e30`` must not read ``completed``). Judged at the last step (after its
+        validation), before its save: as for a stop mid-run, the state that followed the
+        divergence is not saved. NaN weights never were, but finite ones were (after a step
+        whose gradient norm was infinite, after every step DeepSpeed skipped): the last step's
+        save or the end's made them the run's newest checkpoint (``last.ckpt``)."""
         if self.diverged_step is not None or stop_reason(trainer)[0] is not None:
             return  # already diverged, or stopped by a budget (its reason stands)
         val = trainer.callback_metrics.get("val/loss")
@@ -293,7 +308,7 @@ class DivergenceStop(StepCallback):
             return
         self.diverged_step = self.bad.first if self.bad.count else int(trainer.global_step)
         self.at_end = (self.bad.count, val_bad)
-        set_stop_reason(trainer, REASON, self.describe())
+        set_stop_reason(trainer, REASON, self.describe(), save_state=False)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _observe(
@@ -479,6 +494,13 @@ def divergence_fix(
         f"a lower one (or a higher model.schedule.warmup_steps) from step {step_of(start)}, "
         f"its newest checkpoint{which}: {command}"
     )
+
+
+def _last_step(trainer: L.Trainer, step: int) -> bool:
+    """Whether ``step`` is the run's last (``trainer.max_steps``); a stop before it has its own
+    reason, judged where it is set. False without a step limit."""
+    max_steps = getattr(trainer, "max_steps", None)
+    return isinstance(max_steps, int) and 0 < max_steps <= step
 
 
 def _any_not_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
