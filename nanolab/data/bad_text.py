@@ -15,6 +15,7 @@ from pathlib import Path
 
 from nanolab.data.prepare import BadTextError
 from nanolab.data.stale import prepare_command
+from nanolab.home import expand_user
 
 #: Where fit reads a JSON line's or a parquet row's text (prepare's ``--text-field`` default).
 FIT_TEXT_FIELD = "text"
@@ -40,7 +41,7 @@ def bad_text_message(
     if not source_is_setting:
         fix = err.fix if err.fix and not err.names_field else "fix it"
         return f"{err.problem}; {fix}: {verb} prepares the data class's source as it is"
-    folder = Path(dataset_dir).expanduser()
+    folder = expand_user(dataset_dir)
     force = folder.is_dir() and any(folder.iterdir())  # this dataset, damaged: replaced
     use = "train on" if verb == "fit" else "use"
     then = f"then {use} it with --data.source null"

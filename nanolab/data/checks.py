@@ -36,6 +36,7 @@ import numpy as np
 
 from nanolab.data.prepare import FORMAT, PrepareError
 from nanolab.data.tokenizers import FILE_TOKENIZERS, HFTokenizer, portable_spec
+from nanolab.home import expand_user
 
 SPLITS = ("train", "val")
 #: dtypes a token file may have (``nanolab prepare`` writes uint16 or uint32).
@@ -481,7 +482,7 @@ def _fingerprint_now(data_args: Mapping[str, Any], base: Path) -> dict[str, Any]
         folders = [(folder.name, folder, 1.0)]
     try:
         return data_fingerprint_of(
-            (name, path, weight, fingerprint(base / path.expanduser()))
+            (name, path, weight, fingerprint(base / expand_user(path, keep_unknown=True)))
             for name, path, weight in folders
         )
     except OSError:

@@ -60,6 +60,7 @@ from nanolab.data.windows import (
     validation_shortfall,
     validation_starts,
 )
+from nanolab.home import expand_user
 
 #: ``data.align``: fixed windows cut anywhere in the token stream, or rows of whole documents.
 ALIGNS = ("stream", "document")
@@ -345,7 +346,9 @@ class TokenDataModule(L.LightningDataModule):
         # `~` expanded as `nanolab prepare` and data.source's preparing expand it, so the folder
         # prepared is the folder read (not a literal `./~/...` then called missing).
         self.dataset_dir = (
-            Path(dataset_dir).expanduser() if self.mixture is None else self.mixture[0][1]
+            expand_user(dataset_dir, field="data.dataset_dir")
+            if self.mixture is None
+            else self.mixture[0][1]
         )
         self.source = list(source) if source else None
         self.tokenizer = tokenizer
@@ -793,7 +796,7 @@ def unused_tokenizer_setting(setting: str, part: DatasetPart) -> str | None:
     if (
         used == "hf"
         and is_tokenizer_file(setting)
-        and same_tokenizer_json(Path(setting).expanduser(), own)
+        and same_tokenizer_json(expand_user(setting, field="data.tokenizer"), own)
     ):
         return None  # the very tokenizer.json the data was prepared with
     return (

@@ -12,6 +12,7 @@ from typing import Any
 
 from nanolab.data.prepare import PrepareError
 from nanolab.data.windows import MIN_SHARE, mixture_shares
+from nanolab.home import expand_user
 
 DATASET_KEYS = ("path", "weight", "name")
 
@@ -52,7 +53,7 @@ def parse_datasets(specs: Any) -> list[tuple[str, Path, float]] | None:
         if not isinstance(name, str) or "/" in name:
             raise PrepareError(f"{field}.name must be a text without '/', got {name!r}")
         # `~` as `nanolab prepare -o` expands it: the folder prepare wrote is the one read.
-        out.append((name, Path(path).expanduser(), float(weight)))
+        out.append((name, expand_user(path, field=f"{field}.path"), float(weight)))
     for i, share in enumerate(mixture_shares([w for _, _, w in out])):
         if share < MIN_SHARE:
             raise PrepareError(

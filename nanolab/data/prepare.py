@@ -76,6 +76,7 @@ from nanolab.errors import (
     size_limit_met,
     with_errno_of,
 )
+from nanolab.home import expand_user
 from nanolab.messages import note, say
 from nanolab.processes import exclusive, sigterm_as_interrupt, stop_signals_held
 from nanolab.runlog import refuse_inside_run
@@ -210,8 +211,8 @@ def prepare_settings(
     """The settings a dataset's identity (``source_hash``, with its files) is made of: a
     folder prepared under the same files and settings is reused as it is."""
     tok_identity: Any = tokenizer
-    if tokenizer.endswith(".json") and Path(tokenizer).expanduser().is_file():
-        tok_identity = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
+    if tokenizer.endswith(".json") and expand_user(tokenizer).is_file():
+        tok_identity = hashlib.sha256(expand_user(tokenizer).read_bytes()).hexdigest()
     return {
         "format": FORMAT,
         "tokenizer": tok_identity,
@@ -236,7 +237,7 @@ def holds_prepared(
     ``data.source`` ``sources`` with these settings (the same files and settings: fit reuses
     it untouched), told without preparing anything: the files are listed and stat'ed, not
     read. None: it cannot be told (a source that cannot be listed; fit says why at start)."""
-    out_dir = Path(dataset_dir).expanduser()
+    out_dir = expand_user(dataset_dir)
     if out_dir.is_symlink():
         out_dir = Path(os.path.realpath(out_dir))
     lock = out_dir.with_name(f".{out_dir.name}.lock")
@@ -306,7 +307,7 @@ def prepare_dataset(
         raise PrepareError(
             f"--text-field {text_field!r} is not a field name (e.g. text, meta.body)"
         )
-    out_dir = Path(dataset_dir).expanduser()
+    out_dir = expand_user(dataset_dir)
     if out_dir.name in ("", ".."):  # -o . or -o ..: the folder those name
         out_dir = Path(os.path.abspath(out_dir))
         if not out_dir.name:

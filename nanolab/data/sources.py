@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nanolab.errors import NanolabError
+from nanolab.home import expand_user, expanded_text
 
 BUNDLED_PREFIX = "bundled:"
 BUNDLED = {"shakespeare": "shakespeare.txt.gz"}
@@ -298,7 +299,7 @@ def resolve_sources(
             digest = hashlib.sha256(blob).hexdigest()
             files.append(InputFile(spec, "text", "gz", len(blob), (spec, digest), BUNDLED[key]))
             continue
-        path = Path(spec).expanduser()
+        path = expand_user(spec)
         if path.is_dir():
             if is_prepared_dataset(path):
                 raise SourceError(
@@ -374,9 +375,7 @@ def _glob_files(spec: str, skipped: list[str], exclude: Sequence[Path]) -> list[
         return any(real == s or real.startswith(s + os.sep) for s in skip)
 
     matches = [
-        Path(m)
-        for m in sorted(glob.glob(os.path.expanduser(spec), recursive=True))
-        if not excluded(m)
+        Path(m) for m in sorted(glob.glob(expanded_text(spec), recursive=True)) if not excluded(m)
     ]
     matches, datasets = _outside_datasets(matches)
     skipped += [f"{d}{DATASET_SKIPPED}" for d in datasets]

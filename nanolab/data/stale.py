@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nanolab.data.sources import BUNDLED_PREFIX
+from nanolab.home import expand_user
 
 
 def prepare_command(
@@ -54,7 +55,7 @@ def other_sources(
 
     from nanolab.data.sources import SourceError, real_paths, resolve_sources
 
-    folder = Path(dataset_dir).expanduser()
+    folder = expand_user(dataset_dir, keep_unknown=True)
     base = cwd or Path.cwd()
     folder = folder if folder.is_absolute() else base / folder
     try:
@@ -70,7 +71,7 @@ def other_sources(
     def under_base(spec: str) -> str:
         if spec.startswith(BUNDLED_PREFIX):
             return spec
-        return str(base / Path(spec).expanduser())
+        return str(base / expand_user(spec, keep_unknown=True))
 
     try:
         ours = set(real_paths(resolve_sources([under_base(s) for s in source], (folder,)).files))

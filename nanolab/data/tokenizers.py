@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from nanolab.errors import NanolabError
+from nanolab.home import expand_user
 
 TOKENIZER_NAMES = ("bytes", "chars", "bpe", "gpt2")
 
@@ -139,7 +140,7 @@ def check_tokenizer_name(name: str) -> None:
     if name in TOKENIZER_NAMES:
         return
     if is_tokenizer_file(name):
-        if not Path(name).expanduser().is_file():
+        if not expand_user(name).is_file():
             raise TokenizerError(
                 f"tokenizer file {name} does not exist; give the path of a Hugging Face "
                 "tokenizer.json"
@@ -310,7 +311,7 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as RustTokenizer
 
         try:
-            tok = RustTokenizer.from_file(str(Path(path).expanduser()))
+            tok = RustTokenizer.from_file(str(expand_user(path)))
         except Exception as err:
             raise TokenizerError(
                 f"{path} is not a Hugging Face tokenizer.json ({str(err).splitlines()[0]}); "

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from nanolab.errors import NanolabError
+from nanolab.home import expand_user
 
 Kind = Literal["multiple_choice", "schema", "language_modeling"]
 KINDS: tuple[str, ...] = ("multiple_choice", "schema", "language_modeling")
@@ -373,7 +374,7 @@ def read_task_examples(
 # -- suites ----------------------------------------------------------------------------------
 def task_path(file: str, base: Path) -> Path:
     """A task file's path: absolute, or relative to the suite file's folder."""
-    path = Path(file).expanduser()
+    path = expand_user(file)
     return path if path.is_absolute() else base / path
 
 
@@ -451,7 +452,7 @@ def load_suite(spec: str | Path, limit: int | None = None) -> Suite:
             names = sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
             raise TaskFileError(f"{text}: no such built-in suite; built in: {', '.join(names)}")
         text = str(path)
-    path = Path(text).expanduser()
+    path = expand_user(text)
     if path.is_dir():
         return load_dclm_bundle(path, limit)
     import yaml

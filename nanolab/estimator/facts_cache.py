@@ -19,7 +19,8 @@ time to answer: a process that already imported it (a notebook, a test, ``nanola
 patched a class since, so it reads the live model and neither reads nor writes here. Files are
 written atomically; an unreadable or stale file is recomputed. ``NANOLAB_ESTIMATOR_CACHE=0`` turns
 the cache off; it lives in ``$XDG_CACHE_HOME/nanolab/estimator`` (``~/.cache/...``), or
-``NANOLAB_ESTIMATOR_CACHE=/some/dir``.
+``NANOLAB_ESTIMATOR_CACHE=/some/dir``. A user without a home folder (no ``HOME``, no passwd
+entry) and no ``XDG_CACHE_HOME`` has no cache.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from nanolab.atomic import write_whole
+from nanolab.home import home_folder
 from nanolab.model.config import GPTConfig
 
 T = TypeVar("T")
@@ -51,13 +53,19 @@ class _State:
 
 
 def cache_dir() -> Path | None:
-    """Where answers live, or None when the cache is off."""
+    """Where answers live, or None when the cache is off (or has nowhere to live: no
+    ``XDG_CACHE_HOME`` and no home folder)."""
     setting = os.environ.get("NANOLAB_ESTIMATOR_CACHE", "").strip()
     if setting.lower() in ("0", "off", "false", "no"):
         return None
     if setting and setting.lower() not in ("1", "on", "true", "yes"):
         return Path(setting)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = home_folder()
+        if home is None:  # a user id without HOME or a passwd entry: no home, no cache
+            return None
+        base = str(home / ".cache")
     return Path(base) / "nanolab" / "estimator"
 
 

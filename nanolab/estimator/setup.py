@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file
@@ -18,6 +17,7 @@ from nanolab.errors import RunConfigError
 from nanolab.estimator.gpus import FLOAT32_MATMUL_PRECISIONS, PRECISIONS
 from nanolab.estimator.run_length import Budget, budget_problem
 from nanolab.helpfmt import suggestion
+from nanolab.home import expand_user
 from nanolab.model.config import ConfigError, GPTConfig
 from nanolab.training.parallelism import (  # noqa: F401  (Strategy, parse_strategy: public here too)
     DEEPSPEED_REDUCE_BUCKET,
@@ -124,10 +124,12 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
         return int_setting(gpt["vocab_size"], "model.gpt.vocab_size", minimum=2)
     dataset_dir = data.get("dataset_dir")
     mixture = data.get("datasets")
+    field = "data.dataset_dir"
     if mixture and isinstance(mixture[0], Mapping) and mixture[0].get("path"):
         dataset_dir = mixture[0]["path"]  # a mixture's folders share one tokenizer
+        field = "data.datasets[0].path"
     if dataset_dir:
-        meta = Path(str(dataset_dir)) / "meta.json"
+        meta = expand_user(str(dataset_dir), field=field) / "meta.json"
         if meta.is_file():
             try:
                 return int_setting(json.loads(meta.read_text())["vocab_size"], f"{meta} vocab_size")
@@ -138,10 +140,13 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
         return KNOWN_VOCAB[tokenizer]
     if tokenizer == "bpe":
         return int_setting(data.get("bpe_vocab_size", 4096), "data.bpe_vocab_size", minimum=2)
-    if is_tokenizer_file(tokenizer) and Path(tokenizer).expanduser().is_file():
+    if (
+        is_tokenizer_file(tokenizer)
+        and (file := expand_user(tokenizer, field="data.tokenizer")).is_file()
+    ):
         from tokenizers import Tokenizer as RustTokenizer
 
-        return int(RustTokenizer.from_file(tokenizer).get_vocab_size(with_added_tokens=True))
+        return int(RustTokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True))
     raise EstimateError(
         "model.gpt.vocab_size is null and the data is not prepared yet; "
         "pass --vocab-size N (or prepare the data first)"

@@ -23,6 +23,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanolab.home import expand_user
 from nanolab.model import exported
 from nanolab.model.config import ConfigError, GPTConfig
 
@@ -58,7 +59,7 @@ class HFFormatError(ConfigError):
 # -- the folder and its config -----------------------------------------------------------------
 def hf_folder(path: str | Path, field: str = "model.init_from") -> Path:
     """The local folder ``path`` names; a Hub name or a missing path is refused (no network)."""
-    folder = Path(str(path)).expanduser()
+    folder = expand_user(str(path), field=field)
     if folder.is_dir():
         return folder
     if folder.exists():

@@ -33,6 +33,7 @@ from nanolab.estimator.run_length import (
     hour_limits,
     run_length,
 )
+from nanolab.home import expand_user
 from nanolab.queue.db import Job, NewJob
 
 #: Keys the queue sets itself on every job.
@@ -383,7 +384,7 @@ def _check_suite(cfg: dict[str, Any], cwd: Path) -> None:
     from nanolab.downstream.tasks import TaskFileError, load_suite
 
     text = str(spec)
-    if not text.startswith("builtin:") and not Path(text).expanduser().is_absolute():
+    if not text.startswith("builtin:") and not expand_user(text).is_absolute():
         text = str(_under(cwd, text))  # the job runs where it was added
     try:
         load_suite(text, section.get("limit"))
@@ -568,7 +569,7 @@ def _check_data_sizes(resolved: Any, micro: int, cwd: Path) -> None:
 
 
 def _under(cwd: Path, path: str) -> Path:
-    p = Path(path).expanduser()
+    p = expand_user(path)
     return p if p.is_absolute() else cwd / p
 
 
@@ -596,7 +597,7 @@ def config_files(config: str | Path, args: list[str], cwd: Path | None = None) -
     for arg in args:
         _, sep, value = arg.partition("=")
         if arg.startswith("--") and sep and value.strip().lower().endswith(YAML_SUFFIXES):
-            files.append(_under(cwd, value.strip()) if cwd else Path(value.strip()).expanduser())
+            files.append(_under(cwd, value.strip()) if cwd else expand_user(value.strip()))
     return files
 
 

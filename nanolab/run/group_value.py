@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from nanolab.helpfmt import either
+from nanolab.home import expand_user
 from nanolab.run.keys import CLASS_GROUPS
 from nanolab.training.plugins import DEFAULT_DATA, DEFAULT_MODEL
 
@@ -60,7 +60,7 @@ def _plain(value: str, group: str) -> bool:
     """One value, not what a group takes: a mapping or a list (YAML/JSON), a file of settings,
     or (for ``model``/``data``) a dotted class path."""
     text = value.strip()
-    if text[:1] in ("{", "[") or Path(text).expanduser().exists():
+    if text[:1] in ("{", "[") or expand_user(text, keep_unknown=True).exists():
         return False
     return not (group in CLASS_GROUPS and re.fullmatch(r"[\w]+(\.[\w]+)+", text))
 
