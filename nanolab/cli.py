@@ -148,6 +148,22 @@ def _run(argv: Sequence[str] | None) -> int:
             return _pipe_error(args, err)
 
 
+def working_directory_gone() -> str | None:
+    """Why this process has no working directory (a shell still ``cd``-ed into a folder that
+    was deleted since), or None where it has one.
+
+    Every verb reads it: relative paths, the default queue database, the folders ``report`` and
+    ``status`` look in, and torch's import (which ends in a native fatal error without it). So
+    it is checked once, before any verb is imported, and said in one line (exit 2)."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return "the working directory no longer exists: cd to an existing folder"
+    except OSError as err:
+        return f"the working directory cannot be read ({err.strerror}): cd to another folder"
+    return None
+
+
 def _dispatch(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
@@ -158,6 +174,10 @@ def _dispatch(args: list[str]) -> int:
         print(f"nanolab {__version__}")
         return 0
     verb = args[0]
+    if (verb in VERBS or verb in LIGHTNING_VERBS) and (gone := working_directory_gone()):
+        from nanolab.errors import NanolabError, report
+
+        return report(f"nanolab {verb}", NanolabError(gone))
     if verb in VERBS or verb in LIGHTNING_VERBS:
         from nanolab.allocator import prefer_expandable_segments
 
