@@ -10,7 +10,8 @@ read shared with the run log
 (:mod:`.readout`) and never waiting for it (on a GPU a refresh shows the newest loss already
 copied, usually the step before's), takes tokens/s from the shared clock and shows the
 validation result in the same bar. Where the output is not a terminal (a queue job's log, a
-SLURM file) a bar is a stream of escape codes, so it prints plain lines instead, at most one per
+SLURM file) a bar is a stream of escape codes, and on a terminal of 0 columns (an unsized
+pseudo-terminal) tqdm draws nothing, so it prints plain lines instead, at most one per
 ``plain_every_s`` seconds plus one after every validation and one at the end.
 The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
 """
@@ -18,6 +19,7 @@ The run starts with a one-screen banner (:mod:`nanolab.callbacks.banner`).
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,6 +45,19 @@ def last_step(trainer: L.Trainer) -> int | None:
     """``trainer.max_steps``; None when it has none (-1). The bar's end before the launch's
     expected end is known (:meth:`StepProgressBar.last_step`)."""
     return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+
+
+def shows_a_bar(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal with a width to draw a bar in.
+
+    A pseudo-terminal whose size was never set reports 0 columns (``ssh -tt`` from a script,
+    ``docker run -t``, ``srun --pty``, ``script``): tqdm, sizing its bar to the terminal, then
+    prints nothing at all, so such a stream gets plain lines, as a file does."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(callable(isatty) and isatty() and os.get_terminal_size(stream.fileno())[0])
+    except (AttributeError, OSError, ValueError):  # no descriptor, or none that has a size
+        return False
 
 
 class StepProgressBar(StepCallback, TQDMProgressBar):
@@ -97,10 +112,10 @@ class StepProgressBar(StepCallback, TQDMProgressBar):
 
     @property
     def plain(self) -> bool:
-        """Plain lines instead of a bar: asked for, or stdout is not a terminal."""
+        """Plain lines instead of a bar: asked for, or stdout is not a terminal that can show
+        one (:func:`shows_a_bar`)."""
         if self.mode == "auto":
-            isatty = getattr(sys.stdout, "isatty", None)
-            return not (callable(isatty) and isatty())
+            return not shows_a_bar(sys.stdout)
         return self.mode == "plain"
 
     @property
