@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab import messages
-from nanolab.errors import NanolabError, report, with_errno_of
+from nanolab.errors import NanolabError, one_line_errors, report, with_errno_of
 from nanolab.helpfmt import OneLineParser
 from nanolab.queue.db import (
     FINISHED,
@@ -784,6 +784,14 @@ def dotted_as_sets(argv: list[str]) -> list[str]:
     return out
 
 
+def queue_prog(argv: Sequence[str] | None = None) -> str:
+    """``nanolab queue <verb>`` as the user typed it (the verb comes first: ``--db`` and the
+    other options are each verb's own), for the one-line errors of :func:`main`."""
+    raw = list(sys.argv[1:] if argv is None else argv)
+    return f"nanolab queue {raw[0]}" if raw and not raw[0].startswith("-") else "nanolab queue"
+
+
+@one_line_errors(queue_prog)  # a write refused for room or rights (stdout too): one line, as others
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
