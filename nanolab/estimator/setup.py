@@ -220,10 +220,17 @@ def setup_from_config(
     ``trainer.devices: auto`` read as one device (flagged as a guess) since the estimate is
     for a machine it cannot see.
     """
-    from nanolab.training.resolve import check_model_settings, resolve, sections
+    from nanolab.training.resolve import (
+        check_model_settings,
+        resolve,
+        sections,
+        with_own_defaults,
+    )
 
     model_class, model, data_class, data = sections(cfg)
     takes_gpt = _plugin_classes(model_class, data_class)
+    model = with_own_defaults(model_class, model, "model")  # a class's own, as fit reads it
+    data = with_own_defaults(data_class, data, "data")
     check_model_settings({k: v for k, v in model.items() if k != "gpt"})  # gpt: checked below
     trainer = _section(cfg, "trainer")
     if "gpt" in model and not isinstance(model["gpt"], Mapping):

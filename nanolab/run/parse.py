@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nanolab.estimator.gpus import MatmulPrecision
 from nanolab.run import keys, schema
+from nanolab.run.class_choice import settle_chosen_classes
 from nanolab.run.group_value import group_value_problem
 from nanolab.run.schema import (  # noqa: F401  (NULL_WORDS: public here too)
     NULL_WORDS,
@@ -150,6 +151,16 @@ def check_config_files(argv: list[str]) -> None:
 class OneLineErrorParser(LightningArgumentParser):
     """Reports a bad config as one :class:`RunConfigError` (the key and what is wrong) for the
     CLI's one error handler, not a usage screen and ``SystemExit``."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None, **kwargs: Any) -> Any:
+        """The verb's parse, then its chosen model and data classes settled: each keeps its own
+        defaults and the settings given (:mod:`nanolab.run.class_choice`), before the defaults
+        are merged, ``--print_config`` prints and the config is checked."""
+        cfg = super().parse_args(args, namespace, **kwargs)
+        verb = getattr(self, "subcommand", None)  # set on a verb's parser, not on the top one
+        if verb in LightningCLI.subcommands():
+            settle_chosen_classes(cfg, list(self.args))  # the verb's arguments
+        return cfg
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:

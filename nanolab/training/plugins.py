@@ -182,6 +182,20 @@ def nearest_class(module: Any, name: str, base: type | None = None) -> str | Non
     return near[0] if near else None
 
 
+def class_defaults(class_path: str, where: str) -> Any:
+    """The arguments of the class at ``class_path`` at its own defaults, as the fit parser reads
+    its ``__init__`` (and, through ``**kwargs``, its bases'): a jsonargparse Namespace (its
+    ``as_dict()`` is plain data). ``fit`` gives a class chosen by class path these, with the
+    settings given on top (:mod:`nanolab.run.class_choice`), and ``estimate`` reads the same.
+    """
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    # The options the fit parser gives a class of ``model``/``data`` (LightningCLI's subclass mode)
+    parser.add_class_arguments(load_class(class_path, where), fail_untyped=False, sub_configs=True)
+    return parser.get_defaults()
+
+
 def class_paths_in_argv(argv: list[str]) -> list[tuple[str, str]]:
     """``(where, class_path)`` for ``--model X``, ``--data=X``, ``--model.class_path X``,
     ``--trainer.callbacks+=X`` ...: the flags that name a class, as

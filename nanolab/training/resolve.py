@@ -70,6 +70,17 @@ def sections(config: Mapping[str, Any]) -> tuple[str, dict[str, Any], str, dict[
     return model_class, model_args, data_class, data_args
 
 
+def with_own_defaults(class_path: str, args: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The settings given to ``where``'s class (``args``) over that class's own defaults when a
+    class path chose it, as ``fit`` reads it (:mod:`nanolab.run.class_choice`); nanolab's own
+    classes as given (their defaults are filled where each setting is read)."""
+    if class_path in (DEFAULT_MODEL, DEFAULT_DATA):
+        return dict(args)
+    from nanolab.training.plugins import class_defaults
+
+    return deep_merge(class_defaults(class_path, where).as_dict(), args)
+
+
 def plain_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config with the default model/data classes in the short form (``model: {gpt: ...}``).
 
