@@ -1,5 +1,7 @@
 """A model or data class chosen by class path keeps its own ``__init__`` defaults: only the
-settings given (config files, the command line) carry over from the class chosen before."""
+settings given (config files, the command line) carry over from the class chosen before, and a
+given setting the chosen class does not take is named in one warning line. A typo after the
+choice is named where it was typed, not in a file given for the class before."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ import pytest
 
 from nanolab.estimator.setup import setup_from_config
 from nanolab.run import class_choice
-from nanolab.run.parse import parse_fit_config
+from nanolab.run.parse import FitParseError, parse_fit_config
 from nanolab.training.resolve import compose, plain_config
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = str(REPO / "configs" / "quickstart.yaml")
 
 FORK = """
+import lightning as L
+import torch
+
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.model.config import GPTConfig
 from nanolab.training.module import GPTLightningModule
@@ -42,6 +47,13 @@ class Data8(TokenDataModule):
     def __init__(self, *args, micro_batch_size: int = 8, seed: int = 7, **kwargs) -> None:
         super().__init__(*args, micro_batch_size=micro_batch_size, seed=seed, **kwargs)
 
+
+class Bigram(L.LightningModule):
+    \"\"\"A model of another family: no gpt, optimizer, schedule or compile.\"\"\"
+
+    def __init__(self, vocab_size: int = 71, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab_size, vocab_size)
 """
 
 
@@ -114,6 +126,53 @@ def test_estimate_reads_the_chosen_classes_defaults_as_fit_does(fork: Path) -> N
     assert (setup.gpt.n_layer, setup.gpt.n_embd, setup.gpt.block_size) == (2, 64, 64)
     assert setup.micro_batch_size == fits.micro_batch_size == 8
     assert setup.gpt == fits.gpt
+
+
+def test_given_settings_the_chosen_class_does_not_take_are_named_in_one_warning(
+    fork: Path, capsys: pytest.CaptureFixture
+) -> None:
+    capsys.readouterr()
+    cfg = fit_config("--config", QUICK, "--model", "forkclasses.own.Bigram")
+    assert cfg["model"]["init_args"] == {"vocab_size": 71, "lr": 0.01}
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0] == (
+        f"nanolab fit: warning: model.gpt, model.optimizer, model.schedule, model.compile "
+        f"(given in config file {QUICK}) are left out of this run: forkclasses.own.Bigram does "
+        "not take them (it takes vocab_size, lr)"
+    )
+
+
+def test_a_class_that_takes_every_given_setting_warns_nothing(
+    fork: Path, capsys: pytest.CaptureFixture
+) -> None:
+    capsys.readouterr()
+    fit_config("--config", QUICK, "--model", "forkclasses.own.SmallGPT")
+    assert "left out of this run" not in capsys.readouterr().err
+
+
+def test_a_typo_after_the_class_choice_is_named_where_it_was_typed(fork: Path) -> None:
+    """Not the quickstart's ``model.gpt`` (given for the class chosen before, left out)."""
+    with pytest.raises(FitParseError) as err:
+        fit_config("--config", QUICK, "--model", "forkclasses.own.Bigram", "--model.lrr", "8")
+    assert str(err.value) == "unknown setting --model.lrr; did you mean --model.lr?"
+
+
+def test_a_typo_in_the_file_that_chooses_the_class_is_named_in_that_file(fork: Path) -> None:
+    config = write(
+        fork / "bigram.yaml",
+        """
+        model:
+          class_path: forkclasses.own.Bigram
+          init_args: {lrr: 0.1}
+        """,
+    )
+    with pytest.raises(FitParseError) as err:
+        fit_config("--config", QUICK, "--config", config)
+    assert str(err.value) == (
+        f"config file {config}: unknown setting model.init_args.lrr; did you mean "
+        "model.init_args.lr?"
+    )
 
 
 def test_given_settings_are_read_from_files_flags_and_mapping_values(fork: Path) -> None:

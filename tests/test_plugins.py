@@ -314,9 +314,13 @@ def user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         del sys.modules[name]
 
 
-def one_error_line(result) -> str:
-    """The one ``error:`` line of a refused command (exit 2, nothing else on stderr)."""
+def one_error_line(result, warned: str | None = None) -> str:
+    """The one ``error:`` line of a refused command (exit 2, nothing else on stderr but the
+    one warning line ``warned``, when given, before it)."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
+    if warned is not None:
+        assert lines and lines[0] == warned, result.stderr[-3000:]
+        lines = lines[1:]
     assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr[-3000:])
     return lines[0]
 
@@ -468,7 +472,13 @@ def test_a_class_lightning_cannot_run_is_one_line_before_the_run_starts(
     made (they were tracebacks from inside ``trainer.fit``, exit 1)."""
     tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     base = ["fit", "--config", str(tiny)]
-    line = one_error_line(nanolab_here(*base, "--data", f"{USER}.data.PlainData", cwd=tmp_path))
+    dropped = (  # the tiny config's data settings are for nanolab's TokenDataModule
+        "nanolab fit: warning: data.dataset_dir, data.source, data.val_windows (given in config "
+        f"file {tiny}) are left out of this run: {USER}.data.PlainData does not take them (it "
+        "takes micro_batch_size, block_size)"
+    )
+    plain = nanolab_here(*base, "--data", f"{USER}.data.PlainData", cwd=tmp_path)
+    line = one_error_line(plain, warned=dropped)
     assert line == (
         "nanolab fit: error: model.gpt.vocab_size is null "
         f"(nanolab.training.module.GPTLightningModule) and data {USER}.data.PlainData provides "
@@ -476,7 +486,12 @@ def test_a_class_lightning_cannot_run_is_one_line_before_the_run_starts(
         "the data class a vocab_size property (nanolab's TokenDataModule has one; "
         "docs/forking.md)"
     )
-    line = one_error_line(nanolab_here(*base, "--model", f"{USER}.model.PlainLM", cwd=tmp_path))
+    plain = nanolab_here(*base, "--model", f"{USER}.model.PlainLM", cwd=tmp_path)
+    dropped = (
+        f"nanolab fit: warning: model.gpt (given in config file {tiny}) is left out of this run: "
+        f"{USER}.model.PlainLM does not take it (it takes vocab_size)"
+    )
+    line = one_error_line(plain, warned=dropped)
     assert line == (
         f"nanolab fit: error: model: {USER}.model.PlainLM has no training_step() method, which "
         "nanolab fit needs; define it, or subclass nanolab's GPTLightningModule (docs/forking.md)"

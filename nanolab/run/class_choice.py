@@ -8,7 +8,7 @@ nanolab's ``compile: false`` and 6 x 384 model without a word. After the parse, 
 settings are rebuilt here from its own defaults (:func:`nanolab.training.plugins.class_defaults`,
 which ``estimate`` reads too) with the values of the settings the config files and the command
 line GAVE on top. A given setting the chosen class does not take (the quickstart's ``model.gpt``
-for a plain LightningModule) is left out by the parser.
+for a plain LightningModule) is left out by the parser; :func:`dropped_line` says so in one line.
 """
 
 from __future__ import annotations
@@ -123,3 +123,27 @@ def _parsed_key(parsed: Any, setting: str) -> str | None:
         if not isinstance(value, Namespace) or "class_path" in value or n == len(parts):
             return key
     return None  # pragma: no cover (the loop returns at its last part)
+
+
+def dropped_line(dropped: Mapping[str, list[tuple[str, str]]], cfg: Any) -> str | None:
+    """One line naming the given settings the chosen classes do not take, where each was
+    given, and the settings each class does take; None when none was dropped."""
+    if not dropped:
+        return None
+    parts = []
+    for group, settings in dropped.items():
+        by_where: dict[str, list[str]] = {}
+        for setting, where in settings:
+            top = f"{group}.{setting.split('.', 1)[0]}"
+            if top not in by_where.setdefault(where, []):
+                by_where[where].append(top)
+        names = [name for found in by_where.values() for name in found]
+        wheres = ", ".join(by_where)
+        spec = cfg[group]
+        takes = ", ".join(vars(spec.get("init_args") or {})) or "no settings"
+        parts.append(
+            f"{', '.join(names)} (given in {wheres}) {'is' if len(names) == 1 else 'are'} left "
+            f"out of this run: {spec['class_path']} does not take "
+            f"{'it' if len(names) == 1 else 'them'} (it takes {takes})"
+        )
+    return "; ".join(parts)

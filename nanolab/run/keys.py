@@ -114,14 +114,52 @@ def _plain_key(key: str) -> str:
 def given_keys(argv: list[str]) -> Iterator[tuple[str, str]]:
     """``(key, where)`` for every dotted ``--key`` of the command line and every key of its
     ``--config`` files (files that cannot be read are left to the parser)."""
+    for _, key, where in _given_at(argv):
+        yield key, where
+
+
+def _given_at(argv: list[str]) -> Iterator[tuple[int, str, str]]:
+    """:func:`given_keys` with the position in ``argv`` of the option or file giving each."""
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            yield from _file_keys(argv[i + 1])
+            yield from ((i, key, where) for key, where in _file_keys(argv[i + 1]))
         elif arg.startswith("--config="):
-            yield from _file_keys(arg.split("=", 1)[1])
+            yield from ((i, key, where) for key, where in _file_keys(arg.split("=", 1)[1]))
         elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
             key = arg[2:].split("=", 1)[0].rstrip("+")  # --trainer.callbacks+=X appends
-            yield key, f"--{key}"
+            yield i, key, f"--{key}"
+
+
+def given_since_choice(argv: list[str]) -> list[tuple[str, str]]:
+    """:func:`given_keys` without the ``model``/``data`` keys given before the option or file
+    that last chooses that group's class (``--config quickstart.yaml --model mylab.X``: the
+    file's ``model.gpt``): the parser leaves out those the chosen class does not take, with a
+    warning (:mod:`nanolab.run.class_choice`), so they are no typo of its settings."""
+    given = list(_given_at(argv))
+    last: dict[str, int] = {}
+    for i, key, _ in given:
+        group, _, rest = key.partition(".")
+        if group in CLASS_GROUPS and rest in ("", "class_path"):  # ``model: mylab.X`` too
+            last[group] = i
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        value = value if sep else (argv[i + 1] if i + 1 < len(argv) else "")
+        group = flag[2:] if flag.startswith("--") else ""
+        if group in CLASS_GROUPS and not _settings_only(value):
+            last[group] = i
+    return [(key, where) for i, key, where in given if i >= last.get(key.split(".", 1)[0], -1)]
+
+
+def _settings_only(value: str) -> bool:
+    """``--model VALUE`` that gives settings and keeps the class (a mapping without
+    ``class_path``, as ``--model '{"init_args": {...}}'``), not a class choice."""
+    import yaml
+
+    try:
+        node = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return False
+    return isinstance(node, Mapping) and "class_path" not in node
 
 
 def _file_keys(raw: str) -> Iterator[tuple[str, str]]:
@@ -240,9 +278,11 @@ def check_keys(argv: list[str], known: frozenset[str], skip_chosen: bool = True)
     """Refuse the first key of ``argv`` (and its ``--config`` files) that ``known`` lacks,
     naming where it is and the nearest known key, both as the user writes them (with
     ``init_args`` when the key has it). ``skip_chosen``: pass over the keys of a group whose
-    class ``argv`` chooses (``known`` holds nanolab's classes' keys, not that class's)."""
+    class ``argv`` chooses (``known`` holds nanolab's classes' keys, not that class's); without
+    it (``known`` holds the chosen classes' keys), pass over the keys given for the class
+    chosen before (:func:`given_since_choice`)."""
     skip = chosen_classes(argv) if skip_chosen else set()
-    for raw, where in given_keys(argv):
+    for raw, where in given_keys(argv) if skip_chosen else given_since_choice(argv):
         key = _plain_key(raw)
         group = key.split(".", 1)[0]
         if group in skip or key.endswith(".help") or _known(key, known):

@@ -23,8 +23,10 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nanolab.estimator.gpus import MatmulPrecision
+from nanolab.messages import warn
+from nanolab.processes import global_rank_from_env
 from nanolab.run import keys, schema
-from nanolab.run.class_choice import settle_chosen_classes
+from nanolab.run.class_choice import dropped_line, settle_chosen_classes
 from nanolab.run.group_value import group_value_problem
 from nanolab.run.schema import (  # noqa: F401  (NULL_WORDS: public here too)
     NULL_WORDS,
@@ -159,7 +161,10 @@ class OneLineErrorParser(LightningArgumentParser):
         cfg = super().parse_args(args, namespace, **kwargs)
         verb = getattr(self, "subcommand", None)  # set on a verb's parser, not on the top one
         if verb in LightningCLI.subcommands():
-            settle_chosen_classes(cfg, list(self.args))  # the verb's arguments
+            dropped = settle_chosen_classes(cfg, list(self.args))  # the verb's arguments
+            line = dropped_line(dropped, cfg)
+            if line is not None and global_rank_from_env() == 0:
+                warn(f"nanolab {verb}", line)
         return cfg
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
