@@ -143,6 +143,60 @@ def test_the_forking_pages_classes_work_with_fit_estimate_and_queue(
     assert job.seed == 2  # another seed: the same seed again would repeat one sample
 
 
+def test_a_resume_that_changes_a_fork_classs_own_setting_is_refused(
+    tmp_path, char_dataset, plugin, capsys, monkeypatch
+) -> None:
+    """docs/resume.md, "What a resume keeps": a setting the fork's class adds has no rule nanolab
+    knows, so a resume asking for another value is one line (the value it trained with, the
+    branch command), exit 2, the run's files untouched; a checkpoint without the record (an
+    earlier nanolab) still resumes."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    tiny = write_config(tmp_path / "tiny.yaml", cfg)
+    classes = ["--model", "mylab.models.SmoothedGPT", "--model.label_smoothing", "0.1"]
+    classes += ["--data", "mylab.data.SubsetData", "--data.max_train_tokens", "200000"]
+    code, _, err = run(capsys, "fit", "--config", str(tiny), *classes)
+    assert code == 0, err[-2000:]
+    run_dir = tmp_path / "runs" / "tiny"
+    ckpt = run_dir / "checkpoints" / "step-00000002.ckpt"
+    record = torch.load(ckpt, weights_only=True)["nanolab"]["classes"]
+    assert record == {
+        "model": {"class_path": "mylab.models.SmoothedGPT", "settings": {"label_smoothing": 0.1}},
+        "data": {"class_path": "mylab.data.SubsetData", "settings": {"max_train_tokens": 200000}},
+    }
+    config = run_dir / "config.yaml"
+    files = {p: p.read_bytes() for p in (config, run_dir / "metrics.jsonl", ckpt)}
+    again = ["fit", "--config", str(config), "--trainer.max_steps", "4"]
+    for key, old, new in (
+        ("data.max_train_tokens", "200000", "100000"),
+        ("model.label_smoothing", "0.1", "0.5"),
+    ):
+        code, _, err = run(capsys, *again, f"--{key}", new)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, lines
+        assert f"{key} {new} (it trained with {old})" in lines[0], lines[0]
+        assert f"resume with --{key} {old}" in lines[0], lines[0]
+        assert lines[0].endswith(f"--run.resume {ckpt} --{key} {new}"), lines[0]
+        assert {p: p.read_bytes() for p in files} == files  # nothing of the run rewritten
+    branch = shlex.split(lines[0].rpartition("branch from this checkpoint: ")[2])
+    code, _, err = run(capsys, *branch[1:], "--trainer.max_steps", "3")  # the branch takes 0.5
+    assert code == 0, err[-2000:]
+    (branch_ckpt,) = (tmp_path / "runs").glob("tiny-*/checkpoints/step-00000003.ckpt")
+    assert torch.load(branch_ckpt, weights_only=True)["nanolab"]["classes"]["model"] == {
+        "class_path": "mylab.models.SmoothedGPT",
+        "settings": {"label_smoothing": 0.5},
+    }
+    code, _, err = run(capsys, *again)  # the values it trained with: it goes on
+    assert code == 0, err[-2000:]
+    # A checkpoint saved before checkpoints recorded the classes is not compared.
+    newest = run_dir / "checkpoints" / "step-00000004.ckpt"
+    state = torch.load(newest, weights_only=True)
+    del state["nanolab"]["classes"]
+    torch.save(state, newest)
+    code, _, err = run(capsys, *again[:-1], "6", "--model.label_smoothing", "0.5")
+    assert code == 0, err[-2000:]
+
+
 def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugin, capsys) -> None:
     tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     broken = write_config(

@@ -147,6 +147,11 @@ def launch(cli: NanolabCLI) -> Trainer:
         raise one_line from None
     model, data = built.model, built.data
     check_needed_methods(verb, model, data)  # Lightning's own refusal comes after the claim
+    if verb == "fit":  # recorded in every checkpoint it saves
+        from nanolab.training.module import GPTLightningModule
+
+        if isinstance(model, GPTLightningModule):
+            model.class_record = launch_classes(cfg, model, data)
     trainer_args = {**built.trainer}
     callbacks = trainer_args.get("callbacks") or []
     callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
@@ -203,6 +208,8 @@ def launch(cli: NanolabCLI) -> Trainer:
                 callback.branch = bool(cand is not None and claimed.forked)
         # A new run from another's checkpoint: its data passes count from here.
         RunClock.attach(trainer).forked = bool(cand is not None and claimed.forked)
+        if cand is not None and not claimed.forked:  # a branch takes its own settings
+            refuse_changed_class_settings(cfg, cand, model, data, run_dir)
         if cand is not None:
             own = not claimed.forked  # a new run from another's checkpoint picks its own seeds
             if not own:  # ... and trains with its own optimizer settings and schedule
@@ -792,6 +799,44 @@ def refuse_other_optimizer_state(cand: Any, model: Any) -> None:
             f"export --ckpt {cand.path} --format safetensors -o DIR, then --model.init_from "
             "DIR with the new model.freeze)"
         )
+
+
+def launch_classes(cfg: Any, model: Any, data: Any) -> dict[str, Any]:
+    """This launch's model and data classes and their own settings, as checkpoints record
+    them (:mod:`nanolab.training.class_settings`)."""
+    from nanolab.training.class_settings import classes_record
+
+    def settings(section: Any) -> dict[str, Any] | None:
+        init_args = section.get("init_args") if section is not None else None
+        return init_args.as_dict() if hasattr(init_args, "as_dict") else None
+
+    return classes_record(model, settings(cfg.get("model")), data, settings(cfg.get("data")))
+
+
+def refuse_changed_class_settings(
+    cfg: Any, cand: Any, model: Any, data: Any, run_dir: Path
+) -> None:
+    """Refuse, before anything is written, a resume of the run that asks for another value of
+    a setting its model or data class adds (``model.label_smoothing`` of a fork's model,
+    ``data.max_train_tokens`` of its data): nanolab cannot tell whether the run may change one
+    half-way (the subset it trains on, the network's shape), and taking it silently would make
+    ``config.yaml`` say the run always had it. The line names the value it trained with and the
+    branch command that trains with the new one. A checkpoint of an earlier nanolab (no
+    record) is not compared."""
+    from nanolab.training.class_settings import (
+        CLASSES_KEY,
+        changed_own_settings,
+        changed_settings_line,
+    )
+
+    saved = (cand.nanolab or {}).get(CLASSES_KEY)
+    now = getattr(model, "class_record", None) or launch_classes(cfg, model, data)
+    changed = changed_own_settings(saved, now)
+    if not changed:
+        return
+    wanted = {key: flag_value(new) for key, _, new in changed}
+    branch = branch_command(run_dir, str(cfg.run.name), cand.path, wanted)
+    raise RunConfigError(changed_settings_line(changed, saved, cand.path, branch))
 
 
 def _trained_parameters(path: Any) -> int | None:

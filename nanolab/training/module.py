@@ -19,6 +19,7 @@ from nanolab.model.config import ConfigError
 from nanolab.model.gpt import check_parts
 from nanolab.model.registry import part_modules
 from nanolab.training.branch import BRANCH_KEEPS, BranchLR
+from nanolab.training.class_settings import CLASSES_KEY, classes_record
 from nanolab.training.freeze import FreezeConfig, apply_freeze
 from nanolab.training.fused_amp import clip_gradients, handles_unscaling, step_closure
 from nanolab.training.grad_norm import (
@@ -131,6 +132,11 @@ class GPTLightningModule(L.LightningModule):
         #: optimizer's state comes from it, its settings and schedule from this run's config
         #: (:mod:`nanolab.training.branch`). None: a new run, or a resume of the run itself.
         self.branched_from: str | None = None
+        #: The model and data classes of the run and their own settings (set by ``nanolab
+        #: fit``, :func:`~nanolab.training.class_settings.classes_record`): every checkpoint
+        #: records them, so a resume that changes one is refused and ``generate``/``export``
+        #: can name the class that trained. None: the class paths alone, read at each save.
+        self.class_record: dict[str, Any] | None = None
         check_parts(self.gpt_config)  # parts of one's own: one line now, not at step 1
         if self.gpt_config.vocab_size is not None:
             self.model = self._build_model()
@@ -507,7 +513,17 @@ class GPTLightningModule(L.LightningModule):
             # The modules that registered this model's own parts (none for built-ins): a
             # command that loads the checkpoint names them in its --import hint.
             "part_modules": part_modules(self.gpt_config),
+            # Which classes trained (a fork's own, with its own settings): a resume that
+            # changes such a setting is refused; generate/export name a class that builds
+            # another network than nanolab's GPT.
+            CLASSES_KEY: self.class_record or self._classes_now(),
         }
+
+    def _classes_now(self) -> dict[str, Any]:
+        """The class paths of this module and its data, without their settings (a fit that
+        ``nanolab fit`` did not launch)."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return classes_record(self, None, dm, None)
 
     def _rng_by_rank(self) -> list[dict[str, Any]] | None:
         """Every rank's RNG streams, in rank order; None with one process. Collective: the
