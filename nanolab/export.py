@@ -40,6 +40,7 @@ from nanolab.model.checkpoint import (
     invalid_config,
     load_checkpoint,
     stored_tokenizer_error,
+    weights_misfit,
 )
 from nanolab.model.exported import INFO_NAME
 from nanolab.model.hf import (
@@ -181,7 +182,7 @@ def checkpoint_weights(
             else f"{wrong[0]} is {tuple(state[wrong[0]].shape)}, the config makes it "
             f"{expected[wrong[0]]}"
         )
-        raise CheckpointError(f"{source}: the weights do not fit its model config ({what})")
+        raise weights_misfit(source, meta, what)
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
     if bad:
         raise CheckpointError(

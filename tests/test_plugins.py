@@ -245,6 +245,99 @@ def test_estimate_reads_a_class_path_config(tmp_path, plugin, capsys) -> None:
     assert "give the model class" not in lines[0]
 
 
+EXPERTS = """
+import torch
+
+from nanolab.training.module import GPTLightningModule
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, config, n_experts):
+        super().__init__()
+        d = config.n_embd
+        self.router = torch.nn.Linear(d, n_experts, bias=False)
+        self.up = torch.nn.Parameter(torch.randn(n_experts, d, 2 * d) * 0.02)
+        self.down = torch.nn.Parameter(torch.randn(n_experts, 2 * d, d) * 0.02)
+
+    def forward(self, x):
+        w = torch.softmax(self.router(x), dim=-1)
+        h = torch.einsum("btd,edh->bteh", x, self.up).relu()
+        return (torch.einsum("bteh,ehd->bted", h, self.down) * w.unsqueeze(-1)).sum(-2)
+
+
+class ExpertsGPT(GPTLightningModule):
+    def __init__(self, *args, n_experts: int = 4, **kwargs) -> None:
+        self.n_experts = n_experts
+        super().__init__(*args, **kwargs)
+
+    def _build_model(self):
+        model = super()._build_model()
+        for block in model.blocks:
+            block.mlp = Experts(self.gpt_config, self.n_experts)
+        return model
+"""
+
+
+def test_a_gpt_subclass_that_builds_another_network_is_not_estimated_as_the_gpt(
+    tmp_path, char_dataset, plugin, capsys, monkeypatch
+) -> None:
+    """docs/estimate.md, "A model class of your own": a subclass whose ``_build_model`` puts
+    experts in each block is not the GPT of its model.gpt: estimate and queue add say so with
+    the class's own parameter count, never the GPT's numbers; generate and export of its
+    checkpoint name the class that trained it."""
+    (plugin / "mylab" / "experts.py").write_text(EXPERTS)
+    monkeypatch.chdir(tmp_path)
+    tiny = write_config(
+        tmp_path / "tiny.yaml",
+        tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=1),
+    )
+    code, _, err = run(
+        capsys,
+        "fit",
+        "--config",
+        str(tiny),
+        "--model",
+        "mylab.experts.ExpertsGPT",
+        "--run.name",
+        "ex",
+    )
+    assert code == 0, err[-2000:]
+    run_dir = tmp_path / "runs" / "ex"
+    (start,) = read_records(run_dir / "metrics.jsonl", "start")
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    from nanolab.model import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(**ckpt["nanolab"]["gpt"]))  # what the estimate would describe
+    gpt_params = sum(p.numel() for p in gpt.parameters())
+    code, out, err = run(
+        capsys, "estimate", "--config", str(run_dir / "config.yaml"), "--device", "cpu"
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, (out, lines)
+    trains = start["num_params"]
+    assert trains != gpt_params
+    assert (
+        f"model mylab.experts.ExpertsGPT trains another network than nanolab's GPT ({trains:,} "
+        f"parameters, not {gpt_params:,}); it cannot be estimated" in lines[0]
+    ), lines[0]
+    code, out, err = run(capsys, "queue", "add", str(run_dir / "config.yaml"), "--name", "ex2")
+    assert code == 0, err
+    said = f"({trains:,} parameters, not {gpt_params:,})"
+    assert out.count(said) == 2, out  # the time and the memory: neither is the GPT's
+    for argv in (
+        ["generate", "--ckpt", str(run_dir / "checkpoints" / "last.ckpt"), "--prompt", "a"],
+        ["export", "--ckpt", str(run_dir / "checkpoints" / "last.ckpt"), "-o", "exported"],
+    ):
+        code, _, err = run(capsys, *argv)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (argv, lines)
+        assert (
+            "was trained by mylab.experts.ExpertsGPT, whose network is not nanolab's GPT"
+            in (lines[0])
+        ), lines[0]
+    assert not (tmp_path / "exported").exists()
+
+
 NEAR = """
 from dataclasses import dataclass
 

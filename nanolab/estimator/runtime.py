@@ -86,6 +86,7 @@ def run_seconds(
     """
     from nanolab.errors import RunConfigError
     from nanolab.estimator.estimate import estimate_from_config
+    from nanolab.estimator.own_class import OtherNetworkError
 
     cfg = as_estimator_config(config, devices)
     accelerator = str(cfg["trainer"].get("accelerator", "auto"))
@@ -103,6 +104,8 @@ def run_seconds(
     try:
         try:
             est = estimate_from_config(cfg, tokens=tokens, history=False, **where)
+        except OtherNetworkError:
+            raise  # not the vocabulary's doing: no guess changes the verdict
         except RunConfigError:
             # Unprepared data with a vocabulary read from it (chars): the embedding is a small
             # share of a model's FLOPs, so a byte-sized guess is close enough for a duration.

@@ -265,6 +265,14 @@ def setup_from_config(
         gpt = GPTConfig(**gpt_raw)
     except (ConfigError, TypeError) as err:
         raise EstimateError(str(err)) from None
+    from nanolab.training.plugins import DEFAULT_MODEL
+
+    if model_class != DEFAULT_MODEL:  # a class of one's own may build another network
+        from nanolab.estimator.own_class import OtherNetworkError, other_network
+
+        problem = other_network(model_class, model, gpt)
+        if problem is not None:
+            raise OtherNetworkError(problem)
 
     if devices is not None:
         devices = int_setting(devices, "devices")

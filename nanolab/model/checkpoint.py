@@ -413,6 +413,37 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
+#: The key of the checkpoint's record of the model and data classes that trained it, in its
+#: ``nanolab`` section (written by :mod:`nanolab.training.class_settings`).
+CLASSES_KEY = "classes"
+#: nanolab's own model class: the one a checkpoint without a record was trained by.
+PLAIN_MODEL = "nanolab.training.module.GPTLightningModule"
+
+
+def trained_by_another_class(meta: Any) -> str | None:
+    """The model class that trained a checkpoint, when its ``nanolab`` section records one
+    other than nanolab's own (which may build another network than nanolab's GPT of its
+    ``gpt``); None otherwise, a checkpoint of an earlier nanolab included."""
+    record = meta.get(CLASSES_KEY) if isinstance(meta, dict) else None
+    model = record.get("model") if isinstance(record, dict) else None
+    path = model.get("class_path") if isinstance(model, dict) else None
+    return path if isinstance(path, str) and path != PLAIN_MODEL else None
+
+
+def weights_misfit(source: Any, meta: Any, what: str) -> CheckpointError:
+    """The error for weights that nanolab's GPT of the checkpoint's config cannot hold: where a
+    class of a project's own trained them, that class's network is what they fit, and the
+    line names it (a mismatch in nanolab's own checkpoint is a damaged or edited file)."""
+    trained_by = trained_by_another_class(meta)
+    if trained_by is None:
+        return CheckpointError(f"{source}: the weights do not fit its model config ({what})")
+    return CheckpointError(
+        f"{source} was trained by {trained_by}, whose network is not nanolab's GPT of its model "
+        f"config ({what}): generate, eval and export rebuild nanolab's GPT from the checkpoint "
+        f"alone and cannot hold these weights; load its state_dict into {trained_by} in Python"
+    )
+
+
 def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkpoint") -> GPT:
     """Rebuild the GPT from ``ckpt["nanolab"]["gpt"]`` and load its weights (``source`` names
     the file in error messages)."""
@@ -440,7 +471,7 @@ def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkp
     check_part_modules(source, meta)
     mismatch = state_mismatch(skeleton.state_dict(), state)
     if mismatch:
-        raise CheckpointError(f"{source}: the weights do not fit its model config ({mismatch})")
+        raise weights_misfit(source, meta, mismatch)
     model = model or GPT(config)
     model.load_state_dict(state)
     return model.eval()

@@ -640,9 +640,12 @@ def memory_need(parsed: ParsedConfig, gpu: str | None = None) -> tuple[int | Non
     try:
         from nanolab.estimator.estimate import setup_for
         from nanolab.estimator.memory import estimate_memory
+        from nanolab.estimator.own_class import OtherNetworkError
 
         try:
             setup = setup_for(cfg, micro_batch_size=micro)
+        except OtherNetworkError:
+            raise  # the class's network: no guessed vocabulary changes that
         except Exception:  # unprepared data: the vocabulary is read from it at run time
             setup = setup_for(cfg, micro_batch_size=micro, vocab_size=VOCAB_GUESS)
         est = estimate_memory(setup, backend=backend, fragmentation=0.0)

@@ -18,8 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-#: The key of the record in the checkpoint's ``nanolab`` section.
-CLASSES_KEY = "classes"
+from nanolab.model.checkpoint import CLASSES_KEY  # noqa: F401  (the record's key: public here)
 
 
 def class_path(obj_or_cls: Any) -> str:
