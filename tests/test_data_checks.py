@@ -182,6 +182,13 @@ BAD_DATA = [
     ("empty val.bin", _empty_val, "val.bin is empty"),
     ("val.bin missing", lambda f: (f / "val.bin").unlink(), "val.bin is missing"),
     ("token id >= vocab", _id_beyond_vocab, "holds token id 300 at position"),
+    # A meta.json edited, or its tokenizer from another folder: the ids decode as other text.
+    ("vocab_size not the tokenizer's", _set_meta(vocab_size=300), "has 256 ids where meta.json"),
+    (
+        "chars list cut short",
+        _set_meta(tokenizer={"name": "chars", "chars": list("abcde")}),
+        "its tokenizer has 5 ids where meta.json says vocab_size 256",
+    ),
     # A bpe dataset copied as "three files": it trained, then the first save lost the run.
     (
         "bpe tokenizer.json missing",
@@ -205,6 +212,29 @@ def test_bad_data_files_end_in_one_line_and_exit_2(tmp_path, capsys, what, damag
     assert "Traceback" not in "\n".join(err)
     assert not (tmp_path / "runs").exists()  # nothing written for the run
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # the data is untouched
+
+
+def test_a_tokenizer_json_from_another_bpe_dataset_is_refused_before_training(tmp_path, capsys):
+    """Two bpe folders of one corpus (300 and 260 ids); the first given the second's
+    tokenizer.json would train, then generate and eval would decode 300-id data with 260 ids."""
+    from nanolab.data.prepare import prepare_dataset
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(TRAIN_TEXT + CODE_TEXT)
+    folders = {}
+    for vocab in (300, 260):
+        folders[vocab] = tmp_path / f"bpe{vocab}"
+        prepare_dataset([str(text)], folders[vocab], "bpe", bpe_vocab_size=vocab, quiet=True)
+    swapped = folders[300] / "tokenizer.json"
+    swapped.write_bytes((folders[260] / "tokenizer.json").read_bytes())
+    code, err = fit_in_process(capsys, fit_config(tmp_path, {"dataset_dir": str(folders[300])}))
+    assert code == 2, err
+    errors = [line for line in err if "error" in line.lower()]
+    assert len(errors) == 1, err
+    assert f"{swapped} has 260 ids where meta.json says vocab_size 300" in errors[0]
+    assert f"-o {folders[300]} --force" in errors[0]  # the command that makes it whole again
+    assert "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_good_folder_passes_every_check(tmp_path):

@@ -35,7 +35,13 @@ from typing import Any
 import numpy as np
 
 from nanolab.data.prepare import FORMAT, PrepareError
-from nanolab.data.tokenizers import FILE_TOKENIZERS, HFTokenizer, portable_spec
+from nanolab.data.tokenizers import (
+    FILE_TOKENIZERS,
+    HFTokenizer,
+    TokenizerError,
+    portable_spec,
+    spec_ids,
+)
 from nanolab.home import expand_user
 
 SPLITS = ("train", "val")
@@ -238,10 +244,48 @@ def checked_tokenizer_spec(dataset_dir: str | Path, meta: dict[str, Any]) -> dic
     if not isinstance(meta.get("tokenizer"), dict):
         return None
     try:
-        return portable_spec(dataset_dir, meta)
+        spec = portable_spec(dataset_dir, meta)
     except OSError:
         path = _tokenizer_file(Path(dataset_dir), meta) or Path(dataset_dir)
         raise DataCheckError(_missing_tokenizer_message(path, meta)) from None
+    check_tokenizer_matches(Path(dataset_dir), meta, spec)
+    return spec
+
+
+def check_tokenizer_matches(dataset_dir: Path, meta: dict[str, Any], spec: dict[str, Any]) -> None:
+    """The tokenizer ``spec`` (as read from the folder, file inlined) gives ``meta.json``'s
+    vocab_size and eot_id, or DataCheckError naming the file and the fix.
+
+    The token ids were written by the tokenizer that ``meta.json`` counted; a ``tokenizer.json``
+    copied from another dataset, or a ``chars`` list cut short, would train without a word and
+    then decode (generate, eval, export) every id as some other text or drop it. Building the
+    tokenizer reads its vocabulary only: nothing is tokenized."""
+    in_file = _tokenizer_file(dataset_dir, meta)
+    where = in_file or dataset_dir / "meta.json"
+    try:
+        vocab, eot = spec_ids(spec)
+    except TokenizerError as err:
+        raise DataCheckError(
+            f"{where}: cannot build the dataset's tokenizer ({err}); {_reprepare(dataset_dir)}"
+        ) from None
+    want_vocab, want_eot = meta["vocab_size"], meta.get("eot_id", eot)
+    wrong = []
+    if vocab != want_vocab:
+        wrong.append(f"{vocab:,} ids where meta.json says vocab_size {want_vocab:,}")
+    if eot != want_eot:
+        wrong.append(
+            f"no end-of-text token at meta.json's eot_id {want_eot}"
+            if eot is None
+            else f"end-of-text id {eot} where meta.json says eot_id {want_eot}"
+        )
+    if not wrong:
+        return
+    whose = f"{where}: its tokenizer has" if in_file is None else f"{where} has"
+    copy = f"copy {in_file.name} from where the dataset was prepared, or " if in_file else ""
+    raise DataCheckError(
+        f"{whose} {' and '.join(wrong)}: the token ids were written by another tokenizer "
+        f"and would decode as other text; {copy}{_reprepare(dataset_dir)}"
+    )
 
 
 def _other_dtype_hint(size: int, tokens: int, dtype: np.dtype) -> str:

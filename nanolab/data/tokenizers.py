@@ -342,16 +342,7 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_json(cls, text: str, spec: dict[str, Any]) -> HFTokenizer:
-        from tokenizers import Tokenizer as RustTokenizer
-
-        try:
-            tok = RustTokenizer.from_str(text)
-        except Exception as err:  # JSON of another shape: the library's own words, one line
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise TokenizerSpecError(
-                f"the tokenizer spec json is not a tokenizer.json tokenizers reads ({first})"
-            ) from None
-        return cls(tok, spec["name"], spec.get("eot_id"))
+        return cls(_rust_from_json(text), spec["name"], spec.get("eot_id"))
 
     @property
     def vocab_size(self) -> int:
@@ -359,8 +350,7 @@ class HFTokenizer(Tokenizer):
         WordLevel vocabulary of 7 tokens whose last id is 65540), and the model's embedding
         and the bins' dtype must hold every id it can give."""
         if self._vocab_size is None:
-            ids = self._tok.get_vocab(with_added_tokens=True).values()
-            self._vocab_size = max(ids, default=-1) + 1
+            self._vocab_size = _id_span(self._tok)
         return self._vocab_size
 
     @property
@@ -421,6 +411,24 @@ class HFTokenizer(Tokenizer):
 
     def save_files(self, directory: Path) -> None:
         self._tok.save(str(directory / self.FILE))
+
+
+def _rust_from_json(text: str) -> Any:
+    """The ``tokenizers`` model of a tokenizer.json's text; TokenizerSpecError in one line."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    try:
+        return RustTokenizer.from_str(text)
+    except Exception as err:  # JSON of another shape: the library's own words, one line
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise TokenizerSpecError(
+            f"the tokenizer spec json is not a tokenizer.json tokenizers reads ({first})"
+        ) from None
+
+
+def _id_span(tokenizer: Any) -> int:
+    """A ``tokenizers`` model's largest id plus one (see :attr:`HFTokenizer.vocab_size`)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def _can_drop(tokenizer: Any) -> bool:
@@ -659,6 +667,27 @@ def spec_problem(spec: Any) -> str | None:
             if not isinstance(parsed, dict) or "model" not in parsed:
                 return "json is not a tokenizer.json (no model in it)"
     return None
+
+
+def spec_ids(spec: dict[str, Any]) -> tuple[int, int | None]:
+    """(vocab_size, eot_id) of the tokenizer a spec with its file inlined describes, read from
+    its vocabulary alone (nothing is tokenized, and a tokenizer.json is only parsed: a 128k
+    vocabulary takes under a second). eot_id is None when the tokenizer has none, or when its
+    file holds no token at the spec's eot_id (the spec names it, so a file swapped for another
+    may lack it). GPT-2's are fixed facts: its files may be absent where the data trains."""
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise TokenizerSpecError(f"the tokenizer spec {problem}")
+    if spec["name"] == "gpt2":
+        return KNOWN_VOCAB["gpt2"], KNOWN_VOCAB["gpt2"] - 1
+    if spec["name"] in FILE_TOKENIZERS and "json" in spec:
+        tokenizer = _rust_from_json(spec["json"])
+        eot = spec.get("eot_id")
+        if eot is not None and tokenizer.id_to_token(eot) is None:
+            eot = None
+        return _id_span(tokenizer), eot
+    built = tokenizer_from_spec(spec)
+    return built.vocab_size, built.eot_id
 
 
 def tokenizer_from_spec(spec: dict[str, Any], directory: Path | None = None) -> Tokenizer:
