@@ -505,6 +505,39 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, c
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 5
 
 
+@pytest.mark.parametrize("damage", ["truncated", "pickle of an object"])
+def test_checkpoints_auto_skips_as_unreadable_are_set_aside_not_overwritten(
+    tmp_path, char_dataset, damage
+):
+    """``run.resume auto`` skips an unreadable step-6 (and a ``last.ckpt`` with unreadable
+    bytes of its own) and resumes from step 4; the resumed run's save at step 6 replaced the
+    skipped file without a word. Both move to ``rolled_back/`` byte for byte before training,
+    the warning says where, and ``last.ckpt`` is the run's newest again."""
+    import hashlib
+    import pickle
+
+    cfg, folder = _run_with_checkpoints_every_2_steps(tmp_path, char_dataset)
+    for name in ("step-00000008.ckpt", "last.ckpt"):
+        (folder / name).unlink()  # a run that got to step 6
+    step6, last = folder / "step-00000006.ckpt", folder / "last.ckpt"
+    if damage == "truncated":
+        step6.write_bytes(step6.read_bytes()[: step6.stat().st_size // 2])
+    else:
+        step6.write_bytes(pickle.dumps(SimpleNamespace(step=6)))
+    last.write_bytes(pickle.dumps({"global_step": 6}) + b"\0" * 8)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (step6, last)}
+    again = nanolab_here("fit", "--config", str(cfg), "--trainer.max_steps", "9", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    warning = next(ln for ln in again.stderr.splitlines() if "skipped incomplete" in ln)
+    assert "step-00000006.ckpt" in warning and "last.ckpt" in warning, warning
+    assert "resuming from step-00000004.ckpt (step 4)" in warning, warning
+    assert f"they move to {folder / 'rolled_back'} before training" in warning, warning
+    aside = folder / "rolled_back"
+    assert {n: hashlib.sha256((aside / n).read_bytes()).hexdigest() for n in before} == before
+    assert torch.load(step6, weights_only=True)["global_step"] == 6  # the new save, whole
+    assert torch.load(last, weights_only=True)["global_step"] == 9
+
+
 def test_a_resume_that_fails_to_restore_sets_nothing_aside(tmp_path, char_dataset):
     """The later checkpoints move aside once the resume has restored: a resume from an older
     checkpoint refused during the restore (another data.align) left the run rewound, and the

@@ -170,7 +170,9 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         #: (checkpoint, step) of a resume from an older checkpoint of this run than its newest
         #: (set by ``nanolab fit``): the later step checkpoints move to ``rolled_back/`` once the
         #: resume has restored, before the first save could overwrite one of them.
-        self.set_aside_after: tuple[Path, int] | None = None
+        #: The third item: unreadable files of the folder the resume skipped (a ``last.ckpt``
+        #: with bytes of its own among them), set aside with the later step checkpoints.
+        self.set_aside_after: tuple[Path, int, tuple[Path, ...]] | None = None
 
     @property
     def best_model_path(self) -> str:
@@ -304,9 +306,9 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             self._folder.close()
             self._folder = None
 
-    def _set_aside_later(self, resumed: Path, step: int) -> None:
+    def _set_aside_later(self, resumed: Path, step: int, skipped: tuple[Path, ...] = ()) -> None:
         assert self.dirpath is not None
-        moved = set_aside_newer(self.dirpath, resumed, step)
+        moved = set_aside_newer(self.dirpath, resumed, step, skipped)
         if moved:
             print(
                 f"nanolab fit: resumed from step {step}: the {len(moved)} later checkpoint(s) "
@@ -815,27 +817,54 @@ __all__ = [
 ]
 
 
-def set_aside_newer(folder: Path, target: Path, step: int) -> list[str]:
+def set_aside_newer(
+    folder: Path, target: Path, step: int, skipped: tuple[Path, ...] | list[Path] = ()
+) -> list[str]:
     """Make ``target`` (step ``step``) the newest checkpoint of ``folder``: a ``last.ckpt``
     there points at it and the step checkpoints after it move into ``rolled_back/`` (never
     deleted; a name taken by an earlier move gets a suffix). Returns the names moved. A rollback
     does this, and so does a resume from an older checkpoint of the run: its saves would
     otherwise overwrite the newer files, and ``last.ckpt`` would name one of them.
 
+    ``skipped``: files a resume passed over as unreadable; those of ``folder`` move too (a
+    ``last.ckpt`` with bytes of its own would be replaced by the first save, and a damaged file
+    may be all that is left of those steps). A link to a file that moves, or to ``target``, has
+    no bytes of its own and stays (``last.ckpt`` is pointed at ``target``).
+
     No ``last.ckpt`` is made where there is none (a run with ``checkpoint.save_last false``):
     nothing would update it after the saves that follow, and it would stay behind as an old
     "newest" checkpoint."""
     last = folder / LAST_NAME
-    if target.exists() and (last.exists() or last.is_symlink()):
-        atomic_link(target, last)
+    had_last = last.exists() or last.is_symlink()
     newer = sorted(p for p in folder.iterdir() if (s := step_of(p)) is not None and s > step)
-    if newer:
+    kept_elsewhere = {_inode(p) for p in [target, *newer]} - {None}
+    own_bytes = [
+        p
+        for p in skipped
+        if p.parent.resolve() == folder.resolve()
+        and not p.is_symlink()
+        and (ident := _inode(p)) is not None
+        and ident not in kept_elsewhere
+    ]
+    moving = newer + sorted(own_bytes)
+    if moving:
         aside = folder / ROLLED_BACK_DIR
         aside.mkdir(exist_ok=True)
-        for path in newer:
+        for path in moving:
             kept = aside / path.name
             n = 1
             while kept.exists():  # an earlier rollback moved one of that name: keep both
                 kept, n = aside / f"{path.stem}.{n}{path.suffix}", n + 1
             path.rename(kept)
-    return [p.name for p in newer]
+    if target.exists() and had_last:
+        atomic_link(target, last)
+    return [p.name for p in moving]
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` (None: gone); hard links to one file share it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)

@@ -19,12 +19,13 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.budget import CostBudget
-from nanolab.callbacks.checkpoint import RotatingCheckpoint, step_of
+from nanolab.callbacks.checkpoint import ROLLED_BACK_DIR, RotatingCheckpoint, step_of
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import NothingToTrain
 from nanolab.callbacks.jsonl import MetricsLog
 from nanolab.callbacks.loggers import RunConfigWriter
 from nanolab.callbacks.rank_watch import watching
+from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.runlock import global_rank_from_env
 from nanolab.data.prepare import BadTextError, OutputInUseError
 from nanolab.messages import warn
@@ -222,7 +223,11 @@ def launch(cli: NanolabCLI) -> Trainer:
         if claimed.older_than_newest:
             for callback in trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, RotatingCheckpoint):  # once the resume has restored
-                    callback.set_aside_after = (Path(cand.path), int(cand.step))
+                    callback.set_aside_after = (
+                        Path(cand.path),
+                        int(cand.step),
+                        tuple(cand.skipped_newer),
+                    )
         with watching(trainer, verb):
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         return trainer
@@ -671,12 +676,18 @@ def claim_for_fit(
         or owner_of_log(run_dir / log_name)
         or new_id
     )
+    # Later files than the one resumed from: a resume from an older checkpoint of the run than
+    # its newest (run.resume PATH), or newer ones run.resume auto skipped as unreadable.
     older = (
         cand is not None
         and cand.step is not None
-        and requested != "auto"
         and _inside(Path(cand.path), folder)
-        and any((s := step_of(p)) is not None and s > cand.step for p in checkpoint_files(run_dir))
+        and (
+            bool(cand.skipped_newer)
+            or any(
+                (s := step_of(p)) is not None and s > cand.step for p in checkpoint_files(run_dir)
+            )
+        )
     )
     return Claimed(cand, run_id, forked=claim.forked_from is not None, older_than_newest=older)
 
@@ -1196,7 +1207,10 @@ def open_checkpoint(
 
     gpt = getattr(model, "gpt_config", None)
     try:
-        cand = resume_candidate(requested, run_dir, asdict(gpt) if gpt else None, flag, training)
+        aside = run_dir / CHECKPOINT_DIR / ROLLED_BACK_DIR if training else None
+        cand = resume_candidate(
+            requested, run_dir, asdict(gpt) if gpt else None, flag, training, aside
+        )
         if cand is not None and getattr(model, "model", None) is not None:
             expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
             check_same_shapes(cand, expected, flag)

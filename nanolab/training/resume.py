@@ -66,6 +66,9 @@ class Candidate:
     run_dir: str | None = None  # the run directory it was saved in (same state), if known
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # state_dict tensor shapes
     gone: bool = False  # deleted between the listing and the opening (rotated, not damaged)
+    #: The newer checkpoints ``run.resume auto`` passed over (unreadable) to pick this one: a fit
+    #: sets them aside before its saves could overwrite them (they may be all that is left).
+    skipped_newer: list[Path] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -85,14 +88,27 @@ class ResumeChoice:
     chosen: Candidate | None
     skipped: list[Candidate] = field(default_factory=list)
 
-    def warning(self) -> str | None:
+    def warning(self, set_aside_in: Path | None = None) -> str | None:
         """One line naming every skipped checkpoint and what was used instead (None: nothing
-        skipped, or nothing chosen: every checkpoint unreadable is an error, not a warning)."""
+        skipped, or nothing chosen: every checkpoint unreadable is an error, not a warning).
+        ``set_aside_in``: the folder a fit moves the skipped files of its checkpoint folder to
+        before it trains, said in the line (a reader only reads, and moves nothing)."""
         if not self.skipped or self.chosen is None:
             return None
         parts = "; ".join(f"{c.path.name} ({c.error})" for c in self.skipped)
         target = f"resuming from {self.chosen.path.name} (step {self.chosen.step})"
-        return f"nanolab: warning: skipped incomplete or corrupt checkpoint(s): {parts}; {target}"
+        folder = set_aside_in.parent if set_aside_in else None
+        aside = [c for c in self.skipped if c.path.parent == folder]
+        moved = (
+            f"; {'it moves' if len(aside) == 1 else 'they move'} to {set_aside_in} before "
+            "training (kept, not overwritten by the run's saves)"
+            if aside and self.chosen.path.parent == folder
+            else ""
+        )
+        return (
+            f"nanolab: warning: skipped incomplete or corrupt checkpoint(s): {parts}; {target}"
+            f"{moved}"
+        )
 
 
 def _is_partial(path: Path) -> bool:
@@ -512,11 +528,14 @@ def resume_candidate(
     gpt_config: dict[str, Any] | None = None,
     flag: str = "run.resume",
     training: bool = True,
+    set_aside_in: Path | None = None,
 ) -> Candidate | None:
     """Like :func:`resolve_resume`, with what opening the checkpoint told (step, run id, shapes).
 
     ``flag`` names the setting in messages (``run.resume`` or ``--ckpt_path``); ``training``
-    False checks a checkpoint for validate/test (weights only are enough).
+    False checks a checkpoint for validate/test (weights only are enough). ``set_aside_in``:
+    where a fit moves the newer files ``auto`` skipped (the chosen candidate lists them in
+    ``skipped_newer``), said in the warning.
     """
     if resume == "never":
         return None
@@ -524,12 +543,13 @@ def resume_candidate(
         choice = find_resume_checkpoint(run_dir, verify=True)
         if choice.chosen is None and choice.skipped:
             raise ResumeError(unreadable_message(choice.skipped, Path(run_dir), flag))
-        line = choice.warning()
+        line = choice.warning(set_aside_in)
         if line and _is_rank_zero():
             warn_line(line)
         if choice.chosen is None:
             return None
         check_same_model(choice.chosen, gpt_config, flag, FIX_AUTO)
+        choice.chosen.skipped_newer = [c.path for c in choice.skipped]
         return choice.chosen
     from nanolab.model.checkpoint import is_held
 
