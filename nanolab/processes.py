@@ -155,6 +155,15 @@ def gone_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     return holder if holder is not None and _gone_as_read(holder, path) else None
 
 
+def lock_file_missing(run_dir: Path) -> bool:
+    """Whether ``run_dir`` has no run lock file: no launch holds it. A launch takes the file
+    before it writes the run's log and removes it when it exits (a killed one leaves it, for
+    :func:`gone_lock_holder`), so a log with no end record and no lock file is a run that ended
+    without one (a crash that cut the log's last line), not one still training, however
+    recently it wrote."""
+    return not os.path.lexists(run_dir / RUN_LOCK_NAME)
+
+
 def live_lock_holder(run_dir: Path) -> dict[str, Any] | None:
     """The holder ``run_dir``'s lock file names when it may still run (any holder but one
     :func:`gone_lock_holder` knows has exited), else None: a launch is using the folder even

@@ -27,7 +27,7 @@ from typing import Any
 
 from nanolab.downstream.tasks import suite_name_of
 from nanolab.errors import NanolabError
-from nanolab.processes import gone_lock_holder
+from nanolab.processes import gone_lock_holder, lock_file_missing
 from nanolab.runlog import (
     CHECKPOINT_DIR,
     CONFIG_HEADER,
@@ -1129,6 +1129,9 @@ def _set_status(
             if size
             else "empty log"
         )
+    elif s.run_dir and lock_file_missing(Path(s.run_dir)):
+        s.status = "crashed"  # every live launch holds its lock file: this run ended
+        s.detail = "no end record; no process holds its run directory"
     elif (gone := gone_lock_holder(Path(s.run_dir)) if s.run_dir else None) is not None:
         s.status = "crashed"  # its lock names a process of this host that no longer runs
         s.detail = f"no end record; its process (pid {gone['pid']} on {gone['host']}) is gone"

@@ -142,6 +142,19 @@ def tiny_overrides(dataset_dir: Path, runs: Path, **extra: object) -> dict:
     return cfg
 
 
+def hold_like_a_live_launch(run_dir: Path) -> None:
+    """The run lock file a launch writes while it trains, naming this (live) test process: a
+    log written by hand without an end record is then a run still training, as ``status`` and
+    ``report`` read it (without the file, no process holds the run: it ended)."""
+    import json
+    import socket
+
+    from nanolab.processes import RUN_LOCK_NAME, pid_namespace
+
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "pid_namespace": pid_namespace()}
+    (run_dir / RUN_LOCK_NAME).write_text(json.dumps({**holder, "started": "now"}))
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg))
     return path

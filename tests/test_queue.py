@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_overrides, write_config
+from conftest import hold_like_a_live_launch, tiny_overrides, write_config
 
 from nanolab.data.datamodule import TokenDataModule
 from nanolab.queue.cli import main, parse_until
@@ -2235,6 +2235,7 @@ def test_ls_and_status_read_a_jobs_log_for_its_time_left_only_where_it_is_shown(
     (tmp_path / "runs" / "live" / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in [start, *train])
     )
+    hold_like_a_live_launch(tmp_path / "runs" / "live")  # its fit holds the run as it trains
     asked: list[str] = []
 
     def remaining(db, job):

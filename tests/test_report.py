@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_nanolab, tiny_overrides, write_config
+from conftest import hold_like_a_live_launch, run_nanolab, tiny_overrides, write_config
 
 from nanolab.report import main, summarize_run
 from nanolab.runlog import read_records
@@ -84,6 +84,8 @@ def write_run(
     if torn_tail:
         text += '{"event": "train", "time": 1, "st'  # killed mid-write
     (run_dir / "metrics.jsonl").write_text(text)
+    if end is None:  # its launch still holds the run (or was killed: the file stays)
+        hold_like_a_live_launch(run_dir)
     return run_dir
 
 
@@ -184,6 +186,8 @@ def test_a_run_whose_lock_names_a_dead_process_of_this_host_is_crashed_at_once(
         run_dir = write_run(tmp_path, name, losses=[3.0, 2.9], vals={}, end=None, t0=now - 5)
         if holder is not None:
             (run_dir / RUN_LOCK_NAME).write_text(json.dumps({**holder, "started": "now"}))
+        else:
+            (run_dir / RUN_LOCK_NAME).unlink()
     held = os.open(tmp_path / "older held" / RUN_LOCK_NAME, os.O_RDWR)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
@@ -193,14 +197,19 @@ def test_a_run_whose_lock_names_a_dead_process_of_this_host_is_crashed_at_once(
             assert code == 0 and status[name] == (
                 "crashed", f"no end record; its process (pid {gone.pid} on {host}) is gone"
             ), name  # fmt: skip
-        alive_or_unknown = ("live", "elsewhere", "container", "older held", "unlocked")
+        alive_or_unknown = ("live", "elsewhere", "container", "older held")
         for name in alive_or_unknown:
             assert status[name] == ("running", None), name
+        # No lock file: no process holds the run, however recent its log (its end record lost).
+        assert status["unlocked"] == (
+            "crashed",
+            "no end record; no process holds its run directory",
+        )
         assert nanolab_main(["status", str(tmp_path)]) == 0
         shown = capsys.readouterr().out
         # The detail is in the row, or whole below the table when long (the pid's digits decide).
         killed = [x for x in shown.splitlines() if x.split()[:1] in (["killed"], ["killed:"])]
-        assert "running (5)" in shown and killed, shown
+        assert "running (4)" in shown and killed, shown
         assert any(f"no end record; its process (pid {gone.pid}" in x for x in killed), shown
     finally:
         os.close(held)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import hold_like_a_live_launch
 
 from nanolab.queue.db import NewJob, QueueDB
 from nanolab.queue.status import main
@@ -17,6 +18,8 @@ from nanolab.queue.status import main
 def write_log(run: Path, records: list[dict]) -> None:
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if not any(r.get("event") == "end" for r in records):
+        hold_like_a_live_launch(run)  # its launch still holds the run (or was killed)
 
 
 def training(name: str, last_time: float, steps: int, end: dict | None = None) -> list[dict]:
@@ -417,6 +420,7 @@ def test_a_runs_line_parses_its_log_once_and_its_newest_records_from_the_end(
         for step in range(1, n + 1):
             f.write(json.dumps({"event": "train", "time": 1.0 + step, "step": step, "loss": 2.0,
                                 "step_time_s": 0.5, "gpu_util": 0.9}) + "\n")  # fmt: skip
+    hold_like_a_live_launch(run)
     parsed = []
     real = runlog._parse
     monkeypatch.setattr(runlog, "_parse", lambda line: parsed.append(1) or real(line))
@@ -565,6 +569,7 @@ def test_a_runs_line_is_the_full_reads_at_every_point_of_real_runs(tmp_path, cha
         assert len(lines) > 5
         run = copy / name
         run.mkdir(parents=True)
+        hold_like_a_live_launch(run)  # a log cut short reads as running until silent
         followed = FollowedRuns()  # --watch: each redraw reads what the log gained
         for cut in range(len(lines) + 1):
             (run / "metrics.jsonl").write_text("".join(lines[:cut]))
@@ -631,3 +636,60 @@ def test_a_watched_screen_reads_what_each_log_gained_and_is_a_fresh_read(
     (run / "metrics.jsonl").unlink()  # replaced by a shorter log (another file)
     (run / "metrics.jsonl").write_bytes(b"".join(ln.encode() for ln in lines[:50]))
     assert status_fields(run, 402.0, followed) == status_fields(run, 402.0)
+
+
+def test_a_run_whose_log_lost_its_end_record_is_not_running(tmp_path: Path, capsys) -> None:
+    """A crash of the machine cut the end record, leaving NUL bytes (some filesystems): the
+    run read as running (STALLED, an ETA) for 10 minutes, though no process held it; and a
+    queue job whose database says done still read as running."""
+    import socket
+
+    from nanolab.cli import main as nanolab_main
+    from nanolab.processes import RUN_LOCK_NAME
+
+    now = time.time()
+    runs = tmp_path / "runs"
+    write_log(runs / "cut", training("cut", now - 2, 10))
+    (runs / "cut" / RUN_LOCK_NAME).unlink()  # its launch exited: it gave the lock back
+    with open(runs / "cut" / "metrics.jsonl", "ab") as f:
+        f.write(b'{"event": "end", "time": ' + b"\0" * 64)
+    no_end = "no end record; no process holds its run directory"
+    assert main([str(runs), "--json"]) == 0
+    screen = json.loads(capsys.readouterr().out)
+    assert screen["running"] == []
+    assert [(r["run"], r["status"], r["detail"]) for r in screen["ended"]] == [
+        ("cut", "crashed", no_end)
+    ]
+    assert nanolab_main(["report", str(runs), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["runs"]
+    assert (row["status"], row["detail"]) == ("crashed", no_end)
+
+    # A lock this host cannot judge (a holder of another host name): the queue job says the
+    # fit ended after the log's last line.
+    queued = runs / "queued"
+    write_log(queued, training("queued", now - 2, 10))
+    holder = {"host": socket.gethostname() + "-other", "pid": 1, "started": "now"}
+    (queued / RUN_LOCK_NAME).write_text(json.dumps(holder))
+    db = tmp_path / "q.db"
+    queue = QueueDB(db)
+    queue.add_jobs([NewJob(name="queued", config="c.yaml", args=[], seed=None,
+                           cwd=str(tmp_path), run_dir=str(queued), max_steps=100)])  # fmt: skip
+    (job,) = queue.jobs()
+    runner = queue.register_runner()
+    assert queue.claim(job.id, runner, None, now - 20)
+    assert queue.finish(job.id, runner, "done", None, 0, 20.0)
+    queue.conn.close()
+
+    def shown(*db_args: str) -> dict[str, tuple[str, str | None]]:
+        assert main([str(runs), "--json", *db_args]) == 0
+        screen = json.loads(capsys.readouterr().out)
+        return {r["run"]: (r["status"], r["detail"]) for r in screen["running"] + screen["ended"]}
+
+    assert shown()["queued"] == ("running", None)  # no queue to ask: its silence decides
+    said = shown("--db", str(db))
+    assert said["queued"] == ("crashed", f"no end record; its queue job #{job.id} is done")
+    # Resumed by hand after the job ended: that launch writes on, and it is running.
+    with open(queued / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"event": "train", "time": time.time() + 5, "step": 11, "loss": 2.9,
+                            "tokens": 11_000, "step_time_s": 0.5}) + "\n")  # fmt: skip
+    assert shown("--db", str(db))["queued"] == ("running", None)

@@ -188,6 +188,35 @@ def _waiting_jobs(db_path: Path) -> Iterator[tuple[Any, list[Any]]]:
         db.conn.close()
 
 
+def ended_jobs(db_path: Path) -> dict[Path, Any]:
+    """The queue's finished jobs (done, stopped, failed) by run directory, read-only: for each
+    run directory only its newest job, when that one is finished (a run queued again to go on
+    is the newer job's)."""
+    from nanolab.queue.db import FINISHED, QueueDB, QueueError
+
+    try:
+        db = QueueDB.read_only(db_path)
+    except QueueError as err:
+        raise StatusError(str(err)) from None
+    try:
+        newest = {(Path(j.cwd) / j.run_dir).resolve(): j for j in db.jobs()}  # ordered by id
+    finally:
+        db.conn.close()
+    return {run_dir: job for run_dir, job in newest.items() if job.status in FINISHED}
+
+
+def end_by_queue(line: RunLine, job: Any, now: float) -> bool:
+    """Mark a run that reads as running ended when its queue job has ended since its last log
+    line (its fit exited: the log lost its end record). A line written after the job ended is
+    another launch's (the run resumed by hand): that one decides."""
+    updated = None if line.since_s is None else now - line.since_s
+    if job.ended is None or (updated is not None and updated > job.ended):
+        return False
+    line.status, line.detail = "crashed", f"no end record; its queue job #{job.id} is {job.status}"
+    line.eta_s, line.stalled = None, False
+    return True
+
+
 def queue_state(
     db_path: Path, now: float, walls: dict[str, float | None], etas: dict[str, float | None]
 ) -> tuple[list[JobLine], list[str]]:
@@ -236,6 +265,13 @@ def collect(
     for name, run_dir in found:
         line = run_line(name, run_dir, now, followed)
         (screen.running if line.status == "running" else screen.ended).append(line)
+    if db_path is not None and screen.running:
+        finished = ended_jobs(db_path)
+        for line in list(screen.running):
+            job = finished.get(Path(line.run_dir).resolve())
+            if job is not None and end_by_queue(line, job, now):
+                screen.running.remove(line)
+                screen.ended.append(line)
     if db_path is not None:
         walls = {Path(line.run_dir).name: line.wall_s for line in screen.running + screen.ended}
         etas = {Path(line.run_dir).name: line.eta_s for line in screen.running}
