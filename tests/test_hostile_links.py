@@ -303,6 +303,37 @@ def test_a_checkpoint_saved_by_a_copy_of_this_run_does_not_continue_here(tmp_pat
     assert own.run_id is None  # resumes as run r
 
 
+@pytest.mark.parametrize(
+    ("log", "said"),
+    [
+        (None, "has no run log"),
+        (b"", "has an empty run log (metrics.jsonl, 0 bytes)"),
+        (b'{"event": "st', "has a run log without a whole record (metrics.jsonl, 13 bytes)"),
+    ],
+)
+def test_a_copy_whose_log_holds_no_record_is_refused_saying_what_its_log_is(
+    tmp_path, log, said
+) -> None:
+    """A copy of run `a` whose metrics.jsonl was emptied (0 bytes) was refused as having "no
+    run log", though the file is there: the line says what the log is."""
+    from nanolab.callbacks.rundir import RunDirError, claim_run_dir
+
+    a, b, rid = tmp_path / "runs" / "a", tmp_path / "runs" / "b", "r" * 12
+    _run_log(a, rid, a)
+    _run_log(b, rid, a)
+    if log is None:
+        (b / "metrics.jsonl").unlink()
+    else:
+        (b / "metrics.jsonl").write_bytes(log)
+    own = b / "checkpoints" / "step-00000004.ckpt"
+    with pytest.raises(RunDirError, match="could make two copies of one run") as refused:
+        claim_run_dir(b, None, True, checkpoint=own, checkpoint_run_id=rid,
+                      checkpoint_run_dir=str(a))  # fmt: skip
+    assert f"run directory {b} {said}, and {own} was saved by run {rid} in {a}" in str(
+        refused.value
+    )
+
+
 def test_a_copy_of_a_run_with_its_log_is_refused_and_a_move_resumes(
     tmp_path, char_dataset, victim
 ) -> None:

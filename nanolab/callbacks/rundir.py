@@ -278,7 +278,7 @@ def claim_run_dir(
             claim = RunClaim(run_id=old_id or new_id or new_run_id(), forked_from=str(checkpoint))
         elif holds_run and not_moved is not None:
             raise RunDirError(
-                f"run directory {run_dir} has no run log, and {checkpoint} was saved by run "
+                f"run directory {run_dir} {_what_log(log_path)}, and {checkpoint} was saved by run "
                 f"{checkpoint_run_id} in {checkpoint_run_dir}, {not_moved}: continuing here "
                 "could make two copies of one run. Resume it where it is, or start a new run "
                 f"from this checkpoint under another run.name (--run.resume {checkpoint})"
@@ -353,6 +353,19 @@ def _refuse_linked_log(log_path: Path) -> None:
         f"log only in a file of its own, never through a link. Move it out of the way ({kept}) "
         "and rerun the same command, or choose another run.name"
     )
+
+
+def _what_log(log_path: Path) -> str:
+    """What a run directory whose log holds no record (:func:`_holds_a_record`) has: no log, an
+    empty one, or the torn start of a first record; said as it is, since a user who sees a
+    ``metrics.jsonl`` there would not believe "no run log"."""
+    try:
+        size = log_path.stat().st_size
+    except OSError:
+        return "has no run log"
+    if size == 0:
+        return f"has an empty run log ({log_path.name}, 0 bytes)"
+    return f"has a run log without a whole record ({log_path.name}, {size:,} bytes)"
 
 
 def _holds_a_record(log_path: Path) -> bool:
