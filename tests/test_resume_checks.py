@@ -86,7 +86,7 @@ def test_a_deepspeed_folder_holding_a_pickle_payload_is_refused(tmp_path):
     folder.mkdir(parents=True)
     torch.save({"module": {"w": torch.ones(2)}}, folder / "mp_rank_00_model_states.pt")
     torch.save({"loss": _Payload(marker)}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    with pytest.raises(ResumeError, match="pickled Python objects") as err:
+    with pytest.raises(ResumeError, match=r"it holds a pickled \w+\.system, which") as err:
         resume_candidate(str(folder.parent), tmp_path, None)
     assert "\n" not in str(err.value) and not marker.exists()
     (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()

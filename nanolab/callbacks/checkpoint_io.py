@@ -40,6 +40,7 @@ from nanolab.atomic import create_temp, temp_name
 from nanolab.callbacks.files import fsync_dir, remove
 from nanolab.claimed import ClaimedDir
 from nanolab.errors import file_size_limit, inodes_left, size_text
+from nanolab.model.plain_state import UnloadableStateError, unloadable_value
 
 
 class CheckpointWriteError(OSError):
@@ -49,14 +50,21 @@ class CheckpointWriteError(OSError):
         return str(self.strerror)
 
 
+def _saved_before(path: Path, itself: bool = False) -> bool:
+    """Whether the folder of checkpoint ``path`` holds an earlier step checkpoint (``itself``:
+    ``path`` counts too, a write that never began having left it as it was)."""
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return False
+    return any(step_of(n) is not None and (itself or n != path.name) for n in names)
+
+
 def _kept(path: Path) -> str:
     """What a failed write of checkpoint ``path`` left of the run's checkpoints, in words: the
     earlier ones are intact, or none was saved yet (a line promising "previous checkpoints" to a
     run that has none sends the user looking for them)."""
-    try:
-        earlier = any(step_of(n) is not None and n != path.name for n in os.listdir(path.parent))
-    except OSError:
-        earlier = False
+    earlier = _saved_before(path)
     kept = "the previous checkpoints are intact" if earlier else "no checkpoint was saved yet"
     return f"{kept} (no partial file was left under the final name)"
 
@@ -451,6 +459,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint does not take storage_options")
+        refuse_unloadable(checkpoint, path)
+        self.write(checkpoint, path)
+
+    def write(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """Write ``checkpoint`` to ``path`` atomically, already checked (:func:`refuse_unloadable`)."""
         atomic_torch_save(checkpoint, path, self.folder, self.retention)
 
     def then(self, fn: Callable[[], Any]) -> None:
@@ -459,6 +472,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def wait(self) -> None:
         """Nothing is ever pending."""
+
+
+def refuse_unloadable(checkpoint: dict[str, Any], path: Any) -> None:
+    """Stop the run, before anything is written, when ``checkpoint`` holds a value no
+    ``weights_only`` load reads back (a fork callback's numpy float): every reader of the file,
+    the run's own resume included, would refuse the whole of it, and the rotation would then
+    delete the readable checkpoints it replaces (:mod:`nanolab.model.plain_state`)."""
+    problem = unloadable_value(checkpoint)
+    if problem is not None:
+        path = Path(path)
+        kept = (
+            "its checkpoints are intact" if _saved_before(path, itself=True) else "it has none yet"
+        )
+        raise UnloadableStateError(f"{problem}. The run stopped before writing {path.name}; {kept}")
 
 
 def cpu_snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -524,9 +551,12 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
     ) -> None:
         if self._error is not None:
             raise self._error
+        if storage_options is not None:
+            raise TypeError("AsyncAtomicCheckpointIO.save_checkpoint does not take storage_options")
+        refuse_unloadable(checkpoint, path)  # here, in the training thread: the run stops on it
         snapshot = cpu_snapshot(checkpoint)
-        assert self.checkpoint_io is not None
-        self._submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
+        assert isinstance(self.checkpoint_io, AtomicCheckpointIO)
+        self._submit(self.checkpoint_io.write, snapshot, path)
 
     def then(self, fn: Callable[[], Any]) -> None:
         self._submit(fn)

@@ -29,6 +29,7 @@ from nanolab.data.tokenizers import Tokenizer, TokenizerSpecError, spec_problem,
 from nanolab.errors import NanolabError
 from nanolab.model.config import GPTConfig
 from nanolab.model.gpt import GPT
+from nanolab.model.plain_state import refused_global, refused_text
 
 
 class CheckpointError(NanolabError):
@@ -187,7 +188,10 @@ def _torch_file_problem(file: Path, safe: list[Any] | None = None) -> str | None
             return f"damaged: its record {damaged} is not where its directory says"
         with torch.serialization.safe_globals(safe or []):
             torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as err:
+        refused = refused_global(err)
+        if refused is not None:
+            return refused_text(refused)
         return "it holds pickled Python objects, not only tensors; refused to load it"
     except Exception as err:
         return f"not readable ({type(err).__name__})"
@@ -397,7 +401,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     try:
         ckpt = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as err:
+        refused = refused_global(err)
+        if refused is not None:
+            raise CheckpointError(f"{path} cannot be read: {refused_text(refused)}") from None
         raise CheckpointError(
             f"{path} holds Python objects besides tensors, which weights_only loading refuses "
             "(a checkpoint is data, never code); pass a .ckpt written by nanolab fit"

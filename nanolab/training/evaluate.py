@@ -80,6 +80,13 @@ def eval_target(given: Any, run_dir: Path, verb: str, has_init_from: bool) -> Ev
         from nanolab.messages import warn_line
 
         warn_line(warning.replace("resuming from", "evaluating"))
+    if choice.chosen is None and choice.skipped:  # there are checkpoints, none readable
+        names = "; ".join(f"{c.path.name} ({c.error})" for c in choice.skipped)
+        raise EvaluateError(
+            f"run directory {run_dir} holds no readable checkpoint to {verb}: {names}; give "
+            "another checkpoint file with --ckpt_path PATH, or pass --ckpt_path none to "
+            "evaluate the untrained model"
+        )
     if choice.chosen is None:
         if text is None and has_init_from:
             return EvalTarget(None)  # the pretrained weights model.init_from loaded

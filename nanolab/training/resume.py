@@ -198,8 +198,17 @@ def _inspect_file(cand: Candidate, source: Path, training: bool) -> Candidate:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         if "Weights only load failed" in str(err):
             # torch refused to unpickle something other than tensors and plain data.
-            first = "it holds pickled Python objects, not only tensors; refused to load it"
-        cand.error = first[:120] if _size(source) else "empty file"
+            from nanolab.model.plain_state import refused_global, refused_text
+
+            refused = refused_global(err)
+            first = (
+                refused_text(refused)
+                if refused is not None
+                else "it holds pickled Python objects, not only tensors; refused to load it"
+            )
+        else:
+            first = first[:120]
+        cand.error = first if _size(source) else "empty file"
         return cand
     if not isinstance(ckpt, dict):
         cand.error = "not a Lightning checkpoint"
