@@ -37,6 +37,7 @@ from nanolab.model import GPT, GPTConfig
 from nanolab.model.checkpoint import (
     CheckpointError,
     check_part_modules,
+    gpt_section,
     invalid_config,
     load_checkpoint,
     stored_tokenizer_error,
@@ -158,9 +159,7 @@ def checkpoint_weights(
 ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The architecture and the model's tensors as the checkpoint stores them (same dtype, no
     copy, no model built), checked against each other."""
-    meta = ckpt.get("nanolab")
-    if not isinstance(meta, dict) or not isinstance(meta.get("gpt"), dict):
-        raise CheckpointError(f"{source} has no nanolab model config (was it written by fit?)")
+    meta = gpt_section(ckpt, source)
     try:
         config = GPTConfig(**{**meta["gpt"], "gradient_checkpointing": False})
     except (TypeError, ValueError) as err:

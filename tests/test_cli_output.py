@@ -174,6 +174,7 @@ def test_the_end_block_reads_the_runs_own_numbers_and_quotes_its_paths(tmp_path)
     from types import SimpleNamespace
 
     from nanolab.callbacks.checkpoint import RotatingCheckpoint
+    from nanolab.model.config import GPTConfig
     from nanolab.run.cli import end_block
 
     run = tmp_path / "runs" / "my run"
@@ -190,7 +191,9 @@ def test_the_end_block_reads_the_runs_own_numbers_and_quotes_its_paths(tmp_path)
         {"event": "tasks", "step": 600, "tasks/cloze/score": 0.364, "evaluated_by": "nanolab eval"},
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    text = end_block(SimpleNamespace(default_root_dir=str(run), callbacks=[saver]))
+    gpt = SimpleNamespace(gpt_config=GPTConfig(n_layer=1, n_head=2, n_embd=16))  # generate-able
+    trainer = SimpleNamespace(default_root_dir=str(run), callbacks=[saver], lightning_module=gpt)
+    text = end_block(trainer)
     assert "val loss 1.8100 at step 600" in text and "cloze 0.387" in text, text
     assert f"--ckpt '{run / 'checkpoints' / 'last.ckpt'}'" in text, text
 

@@ -451,14 +451,25 @@ def weights_misfit(source: Any, meta: Any, what: str) -> CheckpointError:
     )
 
 
-def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkpoint") -> GPT:
-    """Rebuild the GPT from ``ckpt["nanolab"]["gpt"]`` and load its weights (``source`` names
-    the file in error messages)."""
+def gpt_section(ckpt: dict[str, Any], source: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``nanolab`` section, holding the GPT's config (``gpt``) that generate
+    and export rebuild the model from. A checkpoint without it was saved by ``nanolab fit`` of a
+    model class of a fork's own (a plain LightningModule: no ``model.gpt``): the tools that read
+    a checkpoint alone build nanolab's GPT only, and say so, not that fit did not write it."""
     meta = ckpt.get("nanolab")
     if not isinstance(meta, dict) or not isinstance(meta.get("gpt"), dict):
         raise CheckpointError(
-            f"{source} has no nanolab model config (was it written by nanolab fit?)"
+            f"{source} was trained by a model class without model.gpt (it holds no nanolab GPT "
+            "config): nanolab generate, eval and export build nanolab's GPT only; use your "
+            "model class's own code on it (nanolab validate and test run it)"
         )
+    return meta
+
+
+def model_from_checkpoint(ckpt: dict[str, Any], source: str | Path = "the checkpoint") -> GPT:
+    """Rebuild the GPT from ``ckpt["nanolab"]["gpt"]`` and load its weights (``source`` names
+    the file in error messages)."""
+    meta = gpt_section(ckpt, source)
     state = model_weights(ckpt)
     non_finite = non_finite_error(state, source)
     if non_finite is not None:

@@ -170,14 +170,25 @@ def end_block(trainer: object) -> str:
     last = newest_saved(trainer)
     if last is not None:
         lines.append(f"  checkpoint {last}")
+        report = f"nanolab report {shlex.quote(str(run_dir.parent))}"
+        if not builds_gpt(trainer):  # generate rebuilds nanolab's GPT: it cannot sample this
+            lines.append(f"  next: {report}")
+            return "\n".join(lines)
         sample = (
             f"nanolab generate --ckpt {shlex.quote(str(last))}{import_flags(trainer)} "
             "--prompt '...'"
             if not last.is_dir()  # a sharded folder: generate says how to make it one file
             else "convert the sharded checkpoint to one file for generate (docs/scaling.md)"
         )
-        lines.append(f"  next: {sample}   |   nanolab report {shlex.quote(str(run_dir.parent))}")
+        lines.append(f"  next: {sample}   |   {report}")
     return "\n".join(lines)
+
+
+def builds_gpt(trainer: object) -> bool:
+    """Whether the run's module is nanolab's GPT module (or a subclass), whose checkpoints carry
+    the GPT config generate and export rebuild the model from; a fork's plain LightningModule
+    (no ``model.gpt``) carries none."""
+    return getattr(getattr(trainer, "lightning_module", None), "gpt_config", None) is not None
 
 
 def import_flags(trainer: object) -> str:
