@@ -648,3 +648,62 @@ def test_a_class_lightning_cannot_run_is_one_line_before_the_run_starts(
     fixed = ["--data", f"{USER}.data.PlainData", "--model.gpt.vocab_size", "50"]
     result = nanolab_here(*base, *fixed, "--trainer.max_steps", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture
+def fork_modules(tmp_path, monkeypatch):
+    """A fork's package whose modules fail to import in each way a fork's can."""
+    package = tmp_path / "forkpkg_imports"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "nameerror.py").write_text("import math\nx = undefined_name\n")
+    (package / "needsdep.py").write_text("import forkpkg_not_installed_dependency\n")
+    (package / "ownmissing.py").write_text("import forkpkg_imports.helpers_gone\n")
+    (package / "syntax.py").write_text("def f(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield package
+    for name in [m for m in sys.modules if m.startswith("forkpkg_imports")]:
+        del sys.modules[name]
+
+
+def test_an_error_inside_a_forks_module_names_its_file_and_line(fork_modules, tmp_path) -> None:
+    """Mutation caught: "cannot import module ... (NameError: ...)" without where, and the
+    "pip install -e ." hint for a dependency the module imports (the module is installed)."""
+    from nanolab.training.plugins import PluginImportError, load_class
+
+    def line(module: str) -> str:
+        with pytest.raises(PluginImportError) as err:
+            load_class(f"forkpkg_imports.{module}.X", "model")
+        return str(err.value)
+
+    assert line("nameerror") == (
+        "model: importing module 'forkpkg_imports.nameerror' for forkpkg_imports.nameerror.X "
+        f"failed at {fork_modules / 'nameerror.py'}:2 (NameError: name 'undefined_name' is not "
+        "defined); fix the module (-v shows the traceback)"
+    )
+    dep = line("needsdep")
+    assert f"failed at {fork_modules / 'needsdep.py'}:1 (ModuleNotFoundError" in dep
+    assert dep.endswith(
+        "install the package that provides 'forkpkg_not_installed_dependency' in this "
+        "environment (the module imports it)"
+    )
+    assert "pip install -e" not in dep
+    own = line("ownmissing")
+    assert f"{fork_modules / 'ownmissing.py'}:1" in own and own.endswith("fix the import")
+    assert f"failed at {fork_modules / 'syntax.py'}:1 (SyntaxError" in line("syntax")
+    # The module itself missing is the class path's fault: installed? spelt right?
+    assert "pip install -e . in your project" in line("nosuch")
+    with pytest.raises(PluginImportError, match=r"pip install -e \. in your project"):
+        load_class("forkpkg_not_there_at_all.models.X", "model")
+
+
+def test_verbose_shows_the_traceback_of_a_forks_module(fork_modules, char_dataset, tmp_path):
+    tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    model = "forkpkg_imports.nameerror.X"
+    result = nanolab_here("-v", "fit", "--config", str(tiny), "--model", model, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback (most recent call last)" in result.stderr
+    assert f'File "{fork_modules / "nameerror.py"}", line 2' in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("nanolab fit: error: model: ")
+    quiet = nanolab_here("fit", "--config", str(tiny), "--model", model, cwd=tmp_path)
+    assert "Traceback" not in quiet.stderr and len(quiet.stderr.strip().splitlines()) == 1

@@ -97,17 +97,7 @@ def load_class(class_path: str, where: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, and whatever the module raises while importing
-        kind = type(err).__name__
-        hint = (
-            "; install the package that provides it (pip install -e . in your project: a package "
-            "outside its src/ is not installed, move it there or put its folder on PYTHONPATH) "
-            "or fix the name"
-            if isinstance(err, ModuleNotFoundError)
-            else ""
-        )
-        raise PluginImportError(
-            f"{where}: cannot import module {module_name!r} for {class_path} ({kind}: {err}){hint}"
-        ) from None
+        raise PluginImportError(import_failure(err, module_name, class_path, where)) from None
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         near = nearest_class(module, name, expected_base(where))
@@ -117,6 +107,62 @@ def load_class(class_path: str, where: str) -> type:
         )
     check_kind(cls, class_path, where)
     return cls
+
+
+#: For a module of the class path that is not there: where it could be and why it is not found.
+INSTALL_HINT = (
+    "install the package that provides it (pip install -e . in your project: a package outside "
+    "its src/ is not installed, move it there or put its folder on PYTHONPATH) or fix the name"
+)
+
+
+def import_failure(err: Exception, module_name: str, class_path: str, where: str) -> str:
+    """The one line for importing ``module_name`` (of ``class_path``, at config key ``where``)
+    having raised ``err``.
+
+    The module itself (or its package) not found is the class path's fault: install it or fix
+    the name. Anything else happened inside the fork's module while it ran (a NameError, a
+    dependency it imports that is not installed): the line names the file and line it came
+    from, and ``-v`` shows the traceback, as for any bug in the fork's code.
+    """
+    kind = type(err).__name__
+    missing = getattr(err, "name", None) if isinstance(err, ModuleNotFoundError) else None
+    if missing is not None and (module_name == missing or module_name.startswith(missing + ".")):
+        return (
+            f"{where}: cannot import module {module_name!r} for {class_path} ({kind}: {err}); "
+            f"{INSTALL_HINT}"
+        )
+    import traceback
+
+    from nanolab.messages import debug
+
+    debug("nanolab", "".join(traceback.format_exception(err)).rstrip())
+    at = raised_at(err)
+    if missing is None:
+        fix = "fix the module (-v shows the traceback)"
+    elif missing.partition(".")[0] == module_name.partition(".")[0]:
+        fix = f"the module imports {missing!r}, which its package does not have: fix the import"
+    else:
+        fix = (
+            f"install the package that provides {missing!r} in this environment (the module "
+            "imports it)"
+        )
+    return (
+        f"{where}: importing module {module_name!r} for {class_path} failed"
+        + (f" at {at}" if at else "")
+        + f" ({kind}: {err}); {fix}"
+    )
+
+
+def raised_at(err: BaseException) -> str | None:
+    """``file:line`` where ``err`` was raised: a syntax error's own place, else the innermost
+    frame of its traceback that is a file (not importlib's frozen machinery)."""
+    import traceback
+
+    if isinstance(err, SyntaxError) and err.filename:
+        return f"{err.filename}:{err.lineno}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<")]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 #: What a class at each config key should subclass, for the error line that refuses another.
