@@ -165,6 +165,22 @@ class PoisonedData(L.Callback):
                 group["lr"] *= self.lr_factor
 
 
+class HugeGradientsAt(L.Callback):
+    """At the optimizer steps ``steps`` (1 = the first), every gradient times 1e30, as a batch of
+    garbage would make them: each stays finite but their squares overflow float32, so the
+    step's gradient norm is infinite while the clip leaves its weights finite (and the steps
+    around them are untouched). Counted in ``global_step``, so a resumed run meets them too."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = set(steps)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step + 1 in self.steps:
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1e30)
+
+
 class PoisonedWindows(L.Callback):
     """:class:`PoisonedData` counted in windows of the order, whatever the launch's micro-batch:
     the micro-batches the training sampler starts at windows ``first`` .. ``last`` of the order

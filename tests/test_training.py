@@ -516,9 +516,11 @@ def test_a_diverged_deepspeed_run_stops_and_keeps_its_last_good_checkpoint(tmp_p
     4 on, ran to ``max_steps``, exited 0 as ``completed``, and its step-4..12 saves rotated the
     good step-2 checkpoint away. One process reproduces it. It now stops as DDP's does
     (``diverged`` at step 4, exit 3), saves nothing at the stop, and names the branch from the
-    step-2 folder (a sharded checkpoint is a folder: it said "it saved no checkpoint").
+    step-2 folder (a sharded checkpoint is a folder: it said "it saved no checkpoint"). The
+    save due at step 4, the first skipped step, waits for a finite step as every save inside
+    non-finite steps does: ``last.ckpt`` pointed at it, a state whose next step diverges.
 
-    Mutations caught: the engine's skips not read; the stop's state saved."""
+    Mutations caught: the engine's skips not read; the stop's state saved; step 4 saved."""
     _deepspeed_here_or_skip()
     cfg = tiny_overrides(
         char_dataset, tmp_path / "runs", run__name="ds", run__eval_every_steps=1000,
@@ -536,6 +538,8 @@ def test_a_diverged_deepspeed_run_stops_and_keeps_its_last_good_checkpoint(tmp_p
     step2 = run / "checkpoints" / "step-00000002.ckpt"
     assert step2.is_dir()
     assert not (run / "checkpoints" / "step-00000006.ckpt").exists()  # the stop saved nothing
+    assert not (run / "checkpoints" / "step-00000004.ckpt").exists()  # held, then diverged
+    assert os.path.samefile(run / "checkpoints" / "last.ckpt", step2)
     assert "from step 2, its newest checkpoint that a finite step followed" in res.stderr
     assert f"--run.resume {step2} --model.optimizer.lr 300" in res.stderr
 
@@ -577,6 +581,89 @@ def test_a_run_that_diverges_at_its_last_step_saves_no_checkpoint_of_it(
     assert os.path.samefile(folder / "last.ckpt", folder / "step-00000002.ckpt")  # a link
 
 
+#: Probe: the gradients of the listed steps times 1e30 (an infinite norm, finite weights).
+HUGE_GRADIENTS = ("--trainer.callbacks+=cli_probes.HugeGradientsAt", "--trainer.callbacks.steps")
+
+
+def _saving_every_step(
+    char_dataset, tmp_path, name: str, max_steps: int, max_disk_gb: float | None = None
+) -> str:
+    """A tiny run's config saving every step, keeping 2, no validation, no spike guard (its
+    own rollback file would be kept beside them)."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", run__name=name, run__eval_every_steps=1000,
+        trainer__max_steps=max_steps, checkpoint__every_n_steps=1, checkpoint__keep_last=2,
+        checkpoint__max_disk_gb=max_disk_gb, spike__enabled=False,
+    )  # fmt: skip
+    cfg["trainer"]["limit_val_batches"] = 0
+    return str(write_config(tmp_path / f"{name}.yaml", cfg))
+
+
+@pytest.mark.parametrize(
+    ("bad", "code"), [([4, 5], 0), ([4, 5, 6], 3)], ids=["recovers", "diverges"]
+)
+def test_a_scheduled_save_inside_non_finite_steps_waits_for_a_finite_step(
+    tmp_path, char_dataset, bad, code
+):
+    """Steps 4.. have an infinite gradient norm (their weights stay finite: the clip zeroes
+    the step). Saving every step, keeping 2, the run saved steps 4 and 5, states it may yet
+    diverge from (``last.ckpt`` pointed there), and rotated away step 2, the checkpoint a
+    branch from before them starts from. Those saves wait now, said once: taken at step 6,
+    the first finite step, or never when the run stops as diverged (patience 3).
+
+    Mutations caught: a held save written; one never taken after the steps; step 2 deleted."""
+    config = _saving_every_step(char_dataset, tmp_path, "hold", 8)
+    res = nanolab_here("fit", "--config", config, *HUGE_GRADIENTS, str(bad), cwd=tmp_path)
+    assert res.returncode == code, res.stderr[-3000:]
+    run = tmp_path / "runs" / "hold"
+    saved = [r["step"] for r in read_records(run / "metrics.jsonl", "checkpoint")]
+    assert saved == ([1, 2, 3, 6, 7, 8] if code == 0 else [1, 2, 3])
+    held = "not saving step-00000004.ckpt yet: the loss or gradient norm has not been finite "
+    assert res.stderr.count("not saving step-") == 1 and f"{held}since step 4" in res.stderr
+    if code == 3:
+        folder = run / "checkpoints"
+        assert sorted(p.name for p in folder.glob("step-*")) == [
+            "step-00000002.ckpt", "step-00000003.ckpt"]  # fmt: skip
+        assert os.path.samefile(folder / "last.ckpt", folder / "step-00000003.ckpt")
+        assert f"--run.resume {folder / 'step-00000002.ckpt'} " in res.stderr
+
+
+@pytest.mark.parametrize("max_disk_gb", [None, 0.001], ids=["keep_last", "max_disk_gb"])
+def test_a_preemption_inside_non_finite_steps_saves_and_keeps_the_branch_checkpoint(
+    tmp_path, char_dataset, max_disk_gb
+):
+    """SIGTERM in step 5, inside steps 4-6 whose gradient norm is infinite (patience 3),
+    keeping 2. The preemption keeps its progress: step 5 is saved (finite weights, the open
+    run of bad steps inside), and a resume stops where the run never stopped would (diverged
+    at step 6, from step 4). Its rotation kept steps 3 and 5 and deleted step 2, the
+    checkpoint the branch from before the bad steps starts from; it keeps it now, as the
+    resume's start does, and the exit line names it. A disk cap of two of these checkpoints
+    (0.4 MB each) deletes step 3 then, not the branch's step 2, the oldest.
+
+    Mutations caught: the branch checkpoint rotated away by the save or by the resume's start;
+    the preemption's save held back."""
+    config = _saving_every_step(char_dataset, tmp_path, "pre", 10, max_disk_gb)
+    signal = ("--trainer.callbacks+=cli_probes.SignalAt", "--trainer.callbacks.step", "4")
+    first = nanolab_here("fit", "--config", config, *HUGE_GRADIENTS, "[4, 5, 6]", *signal,
+                         cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 75, first.stderr[-3000:]
+    folder = tmp_path / "runs" / "pre" / "checkpoints"
+    kept = ["step-00000002.ckpt", "step-00000003.ckpt", "step-00000005.ckpt"]
+    if max_disk_gb is not None:
+        kept.remove("step-00000003.ckpt")
+    assert sorted(p.name for p in folder.glob("step-*")) == kept
+    assert "step-00000005.ckpt holds a state after non-finite steps (from step 4)" in first.stderr
+    assert (
+        "step-00000002.ckpt, the newest checkpoint a finite step followed, is kept" in first.stderr
+    )
+    second = nanolab_here("fit", "--config", config, *HUGE_GRADIENTS, "[4, 5, 6]", cwd=tmp_path)
+    assert second.returncode == 3, second.stderr[-3000:]
+    end = read_records(tmp_path / "runs" / "pre" / "metrics.jsonl", "end")[-1]
+    assert (end["reason"], end["diverged_step"], end["step"]) == ("diverged", 4, 6), end
+    assert sorted(p.name for p in folder.glob("step-*")) == kept
+    assert f"--run.resume {folder / 'step-00000002.ckpt'} " in second.stderr
+
+
 @pytest.mark.slow  # DeepSpeed's start-up in its own process (its CPU op cached after the first)
 @pytest.mark.parametrize("max_steps", [4, 5])
 def test_a_deepspeed_run_that_diverges_at_its_end_saves_no_checkpoint_of_it(
@@ -585,7 +672,8 @@ def test_a_deepspeed_run_that_diverges_at_its_end_saves_no_checkpoint_of_it(
     """DeepSpeed skips the non-finite steps from step 4, so the weights stay finite and the
     checkpoint's check of them lets them pass: a run ending on those steps saved step 4 (its
     last step, every 2 steps) or step 5 (the end's save), ``last.ckpt`` pointing at it. DDP's
-    NaN weights at step 5 were refused; both now judge the end before the last save.
+    NaN weights at step 5 were refused; both now judge the end before the last save. Step 4's
+    save, inside the skipped steps, waits for a finite step (none comes): step 2 is the newest.
 
     Mutations caught: the end judged after the last save; its state saved at the stop."""
     _deepspeed_here_or_skip()
@@ -604,8 +692,7 @@ def test_a_deepspeed_run_that_diverges_at_its_end_saves_no_checkpoint_of_it(
     assert "at the end of the run" in end["detail"]
     folder = run / "checkpoints"
     assert not (folder / f"step-{max_steps:08d}.ckpt").exists()
-    kept = "step-00000002.ckpt" if max_steps == 4 else "step-00000004.ckpt"  # 4: mid-run, as DDP
-    assert os.path.samefile(folder / "last.ckpt", folder / kept)
+    assert os.path.samefile(folder / "last.ckpt", folder / "step-00000002.ckpt")
     assert "branch a new run with a lower one (or a higher model.schedule.warmup_steps) from " \
         "step 2" in res.stderr  # fmt: skip
 

@@ -11,6 +11,11 @@ asynchronously — so at every instant there is a complete checkpoint to resume 
 
 A save whose parameters are not all finite (a diverged run) is skipped with a warning: rotation
 never replaces a finite checkpoint with a NaN one, so ``last.ckpt`` stays the newest usable state.
+Finite weights can still be a diverging state (after a step whose gradient norm was infinite, a
+step DeepSpeed skipped): while the divergence stop counts such steps in a row, a scheduled save
+waits for the first finite step (the run may yet stop as diverged, and with ``keep_last`` small
+such saves rotated away the checkpoint its branch starts from). A stop's save (preemption, a
+budget) is written, progress kept, and rotation keeps that branch checkpoint beside it.
 
 When a save falls on a step that is followed by a validation, it is taken after the validation
 instead, so the checkpoint carries the state the callbacks derive from it (best val loss, the
@@ -41,10 +46,11 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
     AtomicCheckpointIO,
     Retention,
     atomic_link,
+    branch_step,
     kept_for_rollback,
     step_of,
 )
-from nanolab.callbacks.events import emit, stop_saves_state
+from nanolab.callbacks.events import emit, open_bad_streak, stop_saves_state
 from nanolab.callbacks.files import publish, remove
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import (
@@ -159,6 +165,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         self._rename_after_save = False
         self._last_save_time = time.monotonic()
         self._pending_save = False
+        self._held_for: int | None = None  # the open non-finite run a held save was told for
         self._done_records: list[dict[str, Any]] = []
         self._warned_cap = False
         self._folder: ClaimedDir | None = None  # the claimed checkpoint folder (rank 0)
@@ -213,15 +220,17 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             self._set_aside_later(*self.set_aside_after)
         if trainer.is_global_zero and (self.dirpath.exists() or self.dirpath.is_symlink()):
             self._claim_folder(at_start=True)
-            self._rotate_existing(trainer.global_step)
+            self._rotate_existing(trainer.global_step, open_bad_streak(trainer))
 
-    def _rotate_existing(self, step: int) -> None:
+    def _rotate_existing(self, step: int, bad_from: int | None = None) -> None:
         """Apply ``keep_last``/``keep_best``/``max_disk_gb`` to the step files already here,
         before the first save: a rerun that lowered them (after a full disk) frees the room
         there and then, not after a save that would fail again for want of it. With the
         settings unchanged this deletes nothing (a save rotated to them already). The newest
         step file up to ``step`` (the one resumed from) is never deleted; neither is anything
-        rotation would keep, nor a file this run has no record of (:meth:`_delete`)."""
+        rotation would keep, nor a file this run has no record of (:meth:`_delete`). A resume
+        from a save inside a run of non-finite steps (from ``bad_from``) keeps its branch
+        checkpoint, as that save's rotation did."""
         assert self.dirpath is not None
         if self._folder is None:
             return
@@ -231,7 +240,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             return
         newest = max(timeline)
         deleted = self._rotate(
-            self.dirpath / step_checkpoint_name(newest), newest, self.val_by_step
+            self.dirpath / step_checkpoint_name(newest), newest, self.val_by_step, bad_from
         )
         if deleted:
             print(
@@ -387,10 +396,39 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
     def _scheduled_save(self, trainer: L.Trainer, step: int) -> None:
         """A save on this callback's own schedule (steps, minutes, best), then told to the step
         callbacks: a signal that landed during the write stops the run on this checkpoint
-        rather than after one more step (and one more save) of training."""
+        rather than after one more step (and one more save) of training.
+
+        Held while non-finite steps are open (:meth:`_hold_for_bad_steps`)."""
+        settle_step_values(trainer)  # the divergence stop's streak holds this step
+        if self._hold_for_bad_steps(trainer, step):
+            return
         path = self._save(trainer, step)
         if path is not None:
             announce_save(trainer, step, str(path))
+
+    def _hold_for_bad_steps(self, trainer: L.Trainer, step: int) -> bool:
+        """Whether the save of ``step`` waits: its state follows non-finite steps (the loss or
+        gradient norm; their weights can be finite: a clipped infinite norm, a step DeepSpeed
+        skipped) that the divergence stop counts towards ``patience``. Saved, it became
+        ``last.ckpt`` and rotation could delete the checkpoint a branch would start from; the
+        save is taken at the first finite step instead (none if the run stops as diverged),
+        said once per run of such steps."""
+        bad_from = open_bad_streak(trainer)
+        if bad_from is None:
+            self._held_for = None
+            return False
+        self._pending_save = True  # the next step that closes the run of bad steps saves
+        if trainer.is_global_zero and self._held_for != bad_from:
+            newest = self.newest_saved()
+            kept = f"{newest} (step {self.last_saved_step})" if newest else "none yet"
+            warn(
+                "nanolab",
+                f"not saving {step_checkpoint_name(step)} yet: the loss or gradient norm has "
+                f"not been finite since step {bad_from}; the save waits for a finite step "
+                f"(the newest checkpoint stays {kept})",
+            )
+        self._held_for = bad_from
+        return True
 
     def save_now(self, trainer: L.Trainer) -> Path | None:
         """Save the current state as ``step-N.ckpt`` (+ ``last.ckpt``) now; returns its path.
@@ -420,6 +458,10 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                     flush=True,
                 )
             return None
+        # A stop's save (a preemption, a budget) inside non-finite steps keeps the progress:
+        # the streak travels in the file, so a resume stops where this run would. Rotation
+        # keeps the checkpoint a branch from before them starts from (the exit line's).
+        bad_from = open_bad_streak(trainer)
         if self._folder is None and trainer.is_global_zero:
             self._claim_folder(at_start=False)  # the first save of a run without the folder
         is_async = isinstance(self._io, AsyncAtomicCheckpointIO)
@@ -455,7 +497,7 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
                 atomic_link(path, path.parent / LAST_NAME, self._folder, self.retention())
                 if self._folder is not None:
                     self._remember(LAST_NAME)
-            deleted = self._rotate(path, step, vals)
+            deleted = self._rotate(path, step, vals, bad_from)
             self._done_records.append(
                 {
                     "event": "checkpoint",
@@ -473,8 +515,26 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             self._io.then(done)
         else:
             done()
+        if bad_from is not None:
+            self._say_kept_for_branch(path, bad_from)
         self._emit_done(trainer)
         return path
+
+    def _say_kept_for_branch(self, path: Path, bad_from: int) -> None:
+        """One line on a save inside non-finite steps: what it holds, and which checkpoint
+        rotation keeps for a branch from before them."""
+        branch = branch_step(self._existing_steps(), bad_from)
+        kept = (
+            f"; {step_checkpoint_name(branch)}, the newest checkpoint a finite step followed, "
+            "is kept for a branch"
+            if branch is not None
+            else ""
+        )
+        warn(
+            "nanolab",
+            f"{path.name} holds a state after non-finite steps (from step {bad_from}): a "
+            f"resume goes on from it and stops as diverged where this run would{kept}",
+        )
 
     def unrecorded_records(self, trainer: L.Trainer, log: Path) -> list[dict[str, Any]]:
         """The ``checkpoint`` records the run log ``log`` lacks for step checkpoints of this
@@ -504,8 +564,12 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         ranked = sorted((v, s) for s, v in vals.items() if s in steps)
         return [s for _, s in ranked[: self.keep_best]]
 
-    def _rotate(self, newest: Path, newest_step: int, vals: dict[int, float]) -> list[Path]:
-        """Delete step checkpoints beyond last K + best J (then beyond the disk cap)."""
+    def _rotate(
+        self, newest: Path, newest_step: int, vals: dict[int, float], bad_from: int | None = None
+    ) -> list[Path]:
+        """Delete step checkpoints beyond last K + best J (then beyond the disk cap). With the
+        newest saved inside non-finite steps from ``bad_from``, the newest checkpoint a finite
+        step followed (a branch's start, :func:`branch_step`) is kept too, also by the cap."""
         folder = newest.parent
         if self._folder is not None:
             self._folder.check("rotation")
@@ -520,11 +584,15 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         keep.add(newest_step)
         if self.keep_one_older_than:  # one to roll back to, from before any spike in progress
             keep.update(kept_for_rollback(timeline, newest_step, self.keep_one_older_than))
+        branch = branch_step(timeline, bad_from) if bad_from is not None else None
+        if branch is not None:
+            keep.add(branch)
         best = self._best_steps(vals, set(timeline))
         keep.update(best)
         deleted = [files[s] for s in timeline if s not in keep and self._delete(files[s])]
         if self.max_disk_gb is not None:
-            deleted += self._enforce_cap(folder, files, keep, newest_step, best)
+            spared = {newest_step} if branch is None else {newest_step, branch}
+            deleted += self._enforce_cap(folder, files, keep, spared, best)
         return deleted
 
     def _enforce_cap(
@@ -532,9 +600,11 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         folder: Path,
         files: dict[int, Path],
         keep: set[int],
-        newest_step: int,
+        spared: set[int],
         best: list[int],
     ) -> list[Path]:
+        """Delete kept files, oldest non-best first, until the folder fits the cap; never
+        those of ``spared`` (the newest, and a branch's start inside non-finite steps)."""
         assert self.max_disk_gb is not None
         cap = self.max_disk_gb * 1e9
         kept = {s: files[s] for s in keep if s in files}
@@ -545,8 +615,8 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             extra = _size(last)
         total = extra + sum(_size(p) for p in kept.values())
         # Oldest non-best first, then the worse best ones; never the newest.
-        order = [s for s in sorted(kept) if s not in best and s != newest_step]
-        order += [s for s in reversed(best) if s != newest_step and s in kept]
+        order = [s for s in sorted(kept) if s not in best and s not in spared]
+        order += [s for s in reversed(best) if s not in spared and s in kept]
         removed: list[Path] = []
         for s in order:
             if total <= cap:

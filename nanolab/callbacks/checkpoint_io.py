@@ -213,6 +213,17 @@ def kept_for_rollback(steps: Iterable[int], newest: int, window: int) -> list[in
     return kept
 
 
+def branch_step(steps: Iterable[int], bad_from: int | None) -> int | None:
+    """The step among ``steps`` that a branch at a lower learning rate starts from, for a run
+    whose non-finite steps began at ``bad_from``: the newest whose next step was still finite,
+    i.e. before ``bad_from - 1`` (the weights of the step before the first non-finite one are
+    finite, but its very next forward is not, at any rate). ``bad_from`` None: the newest step.
+    None when there is none. The divergence stop's exit line names it, and rotation keeps it
+    while a run of non-finite steps is open (a save then may be the state that diverges)."""
+    usable = [s for s in steps if bad_from is None or s < bad_from - 1]
+    return max(usable) if usable else None
+
+
 def _room_fix(folder: Path, room: str = "free space", retention: Retention | None = None) -> str:
     """What makes room for the next checkpoint: ``room`` (free space, or file entries), or keep
     fewer of the step files here (a rerun applies lower ``keep_last``/``keep_best``/

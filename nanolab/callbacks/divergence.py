@@ -260,6 +260,14 @@ class DivergenceStop(StepCallback):
         for key, flag in zip(FLAG_KEYS, flags.unbind(), strict=True):
             readout.put(key, flag, now=last)
 
+    @property
+    def open_bad_streak(self) -> int | None:
+        """The first step of the non-finite steps in a row so far (the last step was not
+        finite), or None. Until they reach ``patience`` (the stop) or a finite step ends them,
+        the state may be the one that diverges: the checkpoint callback holds its scheduled
+        saves (:func:`~nanolab.callbacks.events.open_bad_streak`)."""
+        return self.bad.first if self.bad.count else None
+
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
         self._observe_all(trainer, self.clock.readout.completed)
@@ -420,6 +428,7 @@ def branch_start(folder: Path, diverged_step: int | None) -> Path | None:
     A step is a file, or under DeepSpeed and FSDP2 a sharded checkpoint folder (a branch starts
     from either); any other folder of that name is no checkpoint."""
     from nanolab.callbacks.checkpoint import step_of
+    from nanolab.callbacks.checkpoint_io import branch_step
     from nanolab.model.checkpoint import sharded_kind
 
     def is_checkpoint(path: Path) -> bool:
@@ -429,12 +438,9 @@ def branch_start(folder: Path, diverged_step: int | None) -> Path | None:
         names = [p for p in folder.iterdir() if is_checkpoint(p)] if folder.is_dir() else []
     except OSError:
         return None
-    steps = [
-        (step, p)
-        for p in names
-        if (step := step_of(p)) is not None and (diverged_step is None or step < diverged_step - 1)
-    ]
-    return max(steps)[1] if steps else None
+    by_step = {step: p for p in names if (step := step_of(p)) is not None}
+    start = branch_step(by_step, diverged_step)
+    return None if start is None else by_step[start]
 
 
 def divergence_fix(

@@ -67,6 +67,19 @@ def stop_reason(trainer: L.Trainer) -> tuple[str | None, str | None]:
     return reason, detail
 
 
+def open_bad_streak(trainer: L.Trainer) -> int | None:
+    """The first step of the run of non-finite optimizer steps in progress (fewer than the
+    divergence stop's ``patience`` so far: it may yet recover or diverge), or None when the
+    last step was finite. The checkpoint callback holds its scheduled saves while one is open
+    and keeps the checkpoint a branch would start from. Asked of whichever attached callback
+    offers ``open_bad_streak`` (the divergence stop): the checkpoint callback sits below it."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        first = getattr(callback, "open_bad_streak", None)
+        if isinstance(first, int) and not isinstance(first, bool):
+            return first
+    return None
+
+
 def find_callback(trainer: L.Trainer, kind: type[C]) -> C | None:
     """The first callback of type ``kind`` attached to ``trainer``."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
