@@ -664,6 +664,33 @@ def test_a_preemption_inside_non_finite_steps_saves_and_keeps_the_branch_checkpo
     assert f"--run.resume {folder / 'step-00000002.ckpt'} " in second.stderr
 
 
+@pytest.mark.parametrize("every", [1, 1000], ids=["branch-from-step-1", "no-checkpoint"])
+def test_a_diverged_run_s_next_line_is_its_branch_not_generate(tmp_path, char_dataset, every):
+    """Steps 3-5 have an infinite gradient norm: the run stops as diverged at step 5. Its end
+    block said ``next: nanolab generate --ckpt .../last.ckpt``, a sample from the state the
+    run just called diverged (or said nothing when no checkpoint was saved); it names the
+    branch of the exit line now: from step 1, the newest checkpoint a finite step followed,
+    or a new run from step 0.
+
+    Mutations caught: generate suggested; no next line without a checkpoint."""
+    config = _saving_every_step(char_dataset, tmp_path, "nx", 8)
+    every_n = ("--checkpoint.every_n_steps", str(every))
+    res = nanolab_here("fit", "--config", config, *every_n, *HUGE_GRADIENTS, "[3, 4, 5]",
+                       cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert "generate" not in res.stdout
+    (line,) = [x for x in res.stdout.splitlines() if x.startswith("  next: ")]
+    run = tmp_path / "runs" / "nx"
+    branch = line.removeprefix("  next: ").split("   |   ")[0]
+    assert branch in res.stderr  # the exit line's command
+    assert branch.startswith(f"nanolab fit --config {run / 'config.yaml'} --run.name nx-lr")
+    if every == 1:
+        assert f"--run.resume {run / 'checkpoints' / 'step-00000001.ckpt'} " in branch
+    else:
+        assert "--run.resume" not in branch
+    assert line.endswith(f"nanolab report {tmp_path / 'runs'}")
+
+
 @pytest.mark.slow  # DeepSpeed's start-up in its own process (its CPU op cached after the first)
 @pytest.mark.parametrize("max_steps", [4, 5])
 def test_a_deepspeed_run_that_diverges_at_its_end_saves_no_checkpoint_of_it(

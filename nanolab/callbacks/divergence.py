@@ -394,6 +394,10 @@ class DivergenceStop(StepCallback):
             return "lower model.optimizer.lr or raise model.schedule.warmup_steps"
         return divergence_fix(trainer, self.diverged_step)
 
+    def branch(self, trainer: L.Trainer) -> tuple[Path | None, str] | None:
+        """The branch :meth:`hint` names, as :func:`branch_plan` gives it."""
+        return branch_plan(trainer, self.diverged_step, skipped=self.collapse is not None)
+
     def record_fields(self, trainer: L.Trainer, event: str) -> dict[str, Any]:
         if event != "end" or self.diverged_step is None:
             return {}
@@ -460,23 +464,14 @@ def divergence_fix(
     (two steps before it): a newer one holds weights from inside the spike."""
     from nanolab.callbacks.checkpoint import step_of
     from nanolab.callbacks.rundir import CHECKPOINT_DIR
-    from nanolab.training.branch import branch_command, lower_rate
 
     run_dir = Path(trainer.default_root_dir)
-    config = getattr(trainer.lightning_module, "optimizer_config", None)
-    lr = getattr(config, "lr", None)
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+    plan = branch_plan(trainer, diverged_step, skipped, spike_began)
+    if plan is None:
         return "lower model.optimizer.lr or raise model.schedule.warmup_steps in a new run"
-    changes = {"model.optimizer.lr": lower_rate(lr)}
-    # A skipped step changed no weight and the scale fell only at it: the checkpoint of the
-    # step before the first skipped one is fine (a non-finite step's is not: its next forward
-    # is not finite at any rate).
-    after = diverged_step + 1 if skipped and diverged_step is not None else diverged_step
-    if spike_began is not None:
-        after = spike_began
-    start = branch_start(run_dir / CHECKPOINT_DIR, after)
+    start, command = plan
+    lr = trainer.lightning_module.optimizer_config.lr  # type: ignore[union-attr]
     if start is None:
-        command = branch_command(run_dir, run_dir.name, None, changes)
         followed = "saved before the skipped steps" if skipped else "followed by a finite step"
         if spike_began is not None:
             followed = f"saved before the loss spike that began at step {spike_began}"
@@ -489,7 +484,6 @@ def divergence_fix(
             f"{none}: start a new run with a lower model.optimizer.lr (or a higher "
             f"model.schedule.warmup_steps): {command}"
         )
-    command = branch_command(run_dir, run_dir.name, start, changes)
     which = "" if diverged_step is None else " that a finite step followed"
     if skipped and diverged_step is not None:
         which = " from before the skipped steps"
@@ -500,6 +494,34 @@ def divergence_fix(
         f"a lower one (or a higher model.schedule.warmup_steps) from step {step_of(start)}, "
         f"its newest checkpoint{which}: {command}"
     )
+
+
+def branch_plan(
+    trainer: L.Trainer,
+    diverged_step: int | None,
+    skipped: bool = False,
+    spike_began: int | None = None,
+) -> tuple[Path | None, str] | None:
+    """The branch :func:`divergence_fix` names: ``(checkpoint, command)``, the checkpoint None
+    for a new run from step 0. None when the run's learning rate is unknown (a fork's module
+    without ``optimizer_config``). The arguments are :func:`divergence_fix`'s."""
+    from nanolab.callbacks.rundir import CHECKPOINT_DIR
+    from nanolab.training.branch import branch_command, lower_rate
+
+    run_dir = Path(trainer.default_root_dir)
+    config = getattr(trainer.lightning_module, "optimizer_config", None)
+    lr = getattr(config, "lr", None)
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        return None
+    changes = {"model.optimizer.lr": lower_rate(lr)}
+    # A skipped step changed no weight and the scale fell only at it: the checkpoint of the
+    # step before the first skipped one is fine (a non-finite step's is not: its next forward
+    # is not finite at any rate).
+    after = diverged_step + 1 if skipped and diverged_step is not None else diverged_step
+    if spike_began is not None:
+        after = spike_began
+    start = branch_start(run_dir / CHECKPOINT_DIR, after)
+    return start, branch_command(run_dir, run_dir.name, start, changes)
 
 
 def _last_step(trainer: L.Trainer, step: int) -> bool:

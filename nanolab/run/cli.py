@@ -168,9 +168,15 @@ def end_block(trainer: object) -> str:
         + (f", goodput {goodput:.2f}" if isinstance(goodput, int | float) else "")
     )
     last = newest_saved(trainer)
-    if last is not None:
+    report = f"nanolab report {shlex.quote(str(run_dir.parent))}"
+    if ended_diverged(trainer):  # not the diverged state: the branch from before it
+        if last is not None:
+            lines.append(f"  checkpoint {last}")
+        branch = diverged_branch(trainer)
+        fix = branch[1] if branch is not None else "a new run with a lower model.optimizer.lr"
+        lines.append(f"  next: {fix}   |   {report}")
+    elif last is not None:
         lines.append(f"  checkpoint {last}")
-        report = f"nanolab report {shlex.quote(str(run_dir.parent))}"
         if not builds_gpt(trainer):  # generate rebuilds nanolab's GPT: it cannot sample this
             lines.append(f"  next: {report}")
             return "\n".join(lines)
@@ -189,6 +195,30 @@ def builds_gpt(trainer: object) -> bool:
     the GPT config generate and export rebuild the model from; a fork's plain LightningModule
     (no ``model.gpt``) carries none."""
     return getattr(getattr(trainer, "lightning_module", None), "gpt_config", None) is not None
+
+
+def ended_diverged(trainer: object) -> bool:
+    """Whether the fit stopped as diverged: the divergence stop's verdict (a non-finite loss
+    or gradient norm, a collapsed fp16 loss scale) or the spike guard's (finite spikes it gave
+    up on)."""
+    from nanolab.callbacks.divergence import diverged
+    from nanolab.callbacks.events import stop_reason
+
+    return diverged(trainer) is not None or stop_reason(trainer)[0] == "diverged"  # type: ignore[arg-type]
+
+
+def diverged_branch(trainer: object) -> tuple[Path | None, str] | None:
+    """The branch the exit line of a diverged fit names, ``(checkpoint, command)`` (the
+    checkpoint None: from step 0): from the newest checkpoint a finite step followed, or from
+    before the skipped steps or the loss spike. None when the run's learning rate is unknown."""
+    from nanolab.callbacks.divergence import branch_plan, diverged
+
+    stopped = diverged(trainer)  # type: ignore[arg-type]
+    if stopped is not None:
+        return stopped.branch(trainer)  # type: ignore[arg-type]
+    from nanolab.callbacks.spike import stopping_spike_began
+
+    return branch_plan(trainer, None, spike_began=stopping_spike_began(trainer))  # type: ignore[arg-type]
 
 
 def import_flags(trainer: object) -> str:
