@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import nanolab_here
 
 from nanolab.callbacks.checkpoint import RotatingCheckpoint
 from nanolab.model.config import GPTConfig
 from nanolab.run.cli import end_block
-from tests.conftest import nanolab_here
 
 
 def _trainer(tmp_path: Path, module: object) -> tuple[SimpleNamespace, Path]:

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import nanolab_here, tiny_overrides, write_config
 
 from nanolab.callbacks.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO
 from nanolab.model.checkpoint import CheckpointError, load_checkpoint
 from nanolab.model.plain_state import UnloadableStateError, unloadable_value
 from nanolab.training.evaluate import EvaluateError, eval_target
 from nanolab.training.resume import inspect_checkpoint
-from tests.conftest import nanolab_here, tiny_overrides, write_config
 
 NUMPY_STATE = {"best": np.float64(1.5), "history": np.zeros(3)}
 
