@@ -51,12 +51,14 @@ from nanolab.data.bpe_process import train_bpe
 from nanolab.data.encode import BlockResult, EncodeSettings, SplitPart
 from nanolab.data.sources import (
     DATASET_FORMAT_PREFIX,
+    META_LIST_MAX,
     Block,
     FileReader,
     InputFile,
     SourceError,
     TextColumnError,
     is_prepared_dataset,
+    paths_sha256,
     real_paths,
     resolve_sources,
 )
@@ -548,6 +550,8 @@ def dataset_differences(
         out.append(f"--{key.replace('_', '-')} {had[key]}, asked {value}")
     if isinstance(existing.get("files"), int) and existing["files"] != len(files):
         out.append(f"{existing['files']} input files, now {len(files)}")
+    elif existing.get("source_paths_sha256") not in (None, paths_sha256(real_paths(files))):
+        out.append(f"the paths of its {len(files):,} input file{'s' if len(files) != 1 else ''}")
     return out
 
 
@@ -1034,7 +1038,7 @@ class _Job:
             "units": {"train": totals["train"]["units"], "val": totals["val"]["units"]},
             "characters": totals["characters"],
             "sources": self.sources,  # as typed, for messages
-            "source_paths": real_paths(self.files),  # what they were: stale.other_sources
+            **input_paths(real_paths(self.files)),  # what they were: stale.other_sources
             "files": len(self.files),
             "input_bytes": self.total_bytes,
             "source_hash": self.digest,
@@ -1043,8 +1047,22 @@ class _Job:
             "text_field": self.settings["text_field"],
             "settings": self.settings,  # as asked: what a refusal compares with
             "skipped": {"count": self.bad_count, "examples": self.bad_examples},
-            "skipped_files": self.skipped_notes,
+            "skipped_files": self.skipped_notes[:META_LIST_MAX],
+            **(
+                {"skipped_files_count": len(self.skipped_notes)}
+                if len(self.skipped_notes) > META_LIST_MAX
+                else {}
+            ),
         }
+
+
+def input_paths(paths: list[str]) -> dict[str, Any]:
+    """What ``meta.json`` records of the files a dataset was prepared from: their digest
+    (:func:`~nanolab.data.sources.paths_sha256`), and the paths themselves when there are at
+    most :data:`~nanolab.data.sources.META_LIST_MAX` of them. Its size must not grow with the
+    corpus's file count: every ``fit`` start and resume reads it."""
+    kept = {"source_paths": paths} if len(paths) <= META_LIST_MAX else {}
+    return {**kept, "source_paths_sha256": paths_sha256(paths)}
 
 
 def write_refused(out_dir: Path, err: OSError) -> str:

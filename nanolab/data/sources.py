@@ -112,6 +112,21 @@ def real_paths(files: Sequence[InputFile]) -> list[str]:
     return sorted({str(f.fingerprint[0]) for f in files})
 
 
+#: How many input paths (and skipped-file notes) ``meta.json`` lists at most. A folder of
+#: 220,000 small files made a 19.6 MB meta.json (285 MB to write); past this many, it keeps
+#: their count and :func:`paths_sha256` instead, and stays a few hundred KB.
+META_LIST_MAX = 1000
+
+
+def paths_sha256(paths: Sequence[str]) -> str:
+    """The sha256 of ``paths`` (each as a line): which files a dataset was prepared from, in
+    64 characters however many there were."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.encode("utf-8", "surrogateescape") + b"\n")
+    return h.hexdigest()
+
+
 @dataclass
 class Block:
     """About a megabyte of one file's documents, the unit of work a tokenizer worker takes."""
@@ -190,9 +205,12 @@ def not_a_file(path: Path) -> str:
 
 #: The ``format`` of a prepared dataset's ``meta.json`` starts with this (nanolab.data.prepare).
 DATASET_FORMAT_PREFIX = "nanolab-tokens-"
-#: A prepared dataset's ``meta.json`` is small (a char vocabulary, a few counts); a larger file
-#: of that name is read as the corpus it seems to be.
+#: A prepared dataset's ``meta.json`` is small (a char vocabulary, a few counts): one up to this
+#: size is parsed whole to tell; a larger one (an earlier version listed every input file in it)
+#: by how it starts (:data:`_DATASET_META_START`), never parsed: it may be a corpus of that name.
 DATASET_META_MAX_BYTES = 16 << 20
+#: How every ``meta.json`` ``nanolab prepare`` writes starts: its ``format`` key comes first.
+_DATASET_META_START = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"' + DATASET_FORMAT_PREFIX.encode())
 
 
 #: How a prepared dataset met among the sources is listed as skipped, after its folder.
@@ -205,13 +223,17 @@ DATASET_FILE_NAMES = ("train.bin", "val.bin", "meta.json", "tokenizer.json")
 def is_prepared_dataset(directory: Path) -> bool:
     """Whether ``directory`` holds a dataset ``nanolab prepare`` wrote (its ``meta.json`` names
     a nanolab format): its meta.json and tokenizer.json are another dataset's, not corpus, and
-    a bad-line refusal would advise editing them."""
+    a bad-line refusal would advise editing them. Told whatever the meta.json's size: a large
+    one, which an earlier version wrote for a folder of many files, by its first bytes."""
     import json
 
     meta = directory / "meta.json"
     try:
-        if not meta.is_file() or meta.stat().st_size > DATASET_META_MAX_BYTES:
+        if not meta.is_file():
             return False
+        if meta.stat().st_size > DATASET_META_MAX_BYTES:
+            with open(meta, "rb") as f:
+                return _DATASET_META_START.match(f.read(4096)) is not None
         data = json.loads(meta.read_bytes())
     except (OSError, ValueError):
         return False
