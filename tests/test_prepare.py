@@ -976,6 +976,30 @@ def test_a_folder_of_thousands_of_files_keeps_meta_json_small(tmp_path, monkeypa
     check_files(out, load_meta(out))  # its dataset still loads
 
 
+def test_a_validation_share_far_from_val_fraction_is_a_warning(tmp_path, capsys):
+    """Whole documents go to one split: 5 JSON lines of ~250 KB put 60% of the tokens in
+    validation at --val-fraction 0.1, without a word. One long document among short ones
+    puts nearly all or nearly none of them there, whichever split it falls in: one warning
+    line with the share and why; a corpus of many like documents, none."""
+    lines = tmp_path / "few.jsonl"
+    docs = ["a long document " * 12_000] + [f"short document {i}" for i in range(9)]
+    write_jsonl(lines, [{"text": d} for d in docs])
+    out = tmp_path / "few"
+    assert main([str(lines), "-o", str(out), "--tokenizer", "bytes", "-q"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    share = meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(f"nanolab prepare: warning: {out}: validation holds ")
+    assert f"holds {share * 100:.3g}% of the tokens" in warned[0]
+    assert "not the 10% --val-fraction 0.1 asks" in warned[0]
+    assert "goes to one split whole, and these 10 are too few" in warned[0]
+    many = tmp_path / "many.jsonl"
+    write_jsonl(many, [{"text": f"document {i} " * 20} for i in range(400)])
+    assert main([str(many), "-o", str(tmp_path / "many"), "--tokenizer", "bytes", "-q"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_write_that_fails_is_worded_by_its_cause(tmp_path):
     import errno
 

@@ -79,7 +79,7 @@ from nanolab.errors import (
     with_errno_of,
 )
 from nanolab.home import expand_user
-from nanolab.messages import note, say
+from nanolab.messages import note, say, warn
 from nanolab.processes import exclusive, sigterm_as_interrupt, stop_signals_held
 from nanolab.runlog import refuse_inside_run
 
@@ -403,11 +403,47 @@ def prepare_dataset(
             skipped_notes=resolved.skipped,
         )
         try:
-            return job.run()
+            meta = job.run()
         except TextColumnError as err:
             raise BadTextError(str(err), err.problem, "", False, True) from None
         except (SourceError, TokenizerError) as err:
             raise PrepareError(str(err)) from None
+    if far := split_share_warning(meta, val_fraction, setting_names["val_fraction"], out_dir):
+        warn("nanolab prepare", far)
+    return meta
+
+
+#: How far from ``--val-fraction`` the validation split's share of the tokens may fall before
+#: prepare warns: more than this many times it, or less than it over this.
+VAL_SHARE_FAR = 2.0
+
+
+def _percent(share: float) -> str:
+    return f"{share * 100:.3g}%"
+
+
+def split_share_warning(
+    meta: Mapping[str, Any], val_fraction: float, setting: str, out_dir: Path
+) -> str | None:
+    """The warning for a validation split whose share of the tokens is far from what
+    ``setting`` (``--val-fraction`` or ``data.val_fraction``) asked (None: near it). The split
+    takes whole units (documents, ~16 KB pieces of a long text file) by a hash, so a corpus of
+    a few long JSON lines can put most of its tokens in validation: 5 documents of ~250 KB
+    gave 60% at 0.1, training on the other 40% without a word."""
+    train, val = int(meta["train_tokens"]), int(meta["val_tokens"])
+    share = val / max(1, train + val)
+    if val_fraction / VAL_SHARE_FAR <= share <= val_fraction * VAL_SHARE_FAR:
+        return None
+    units = meta.get("units")
+    count = sum(units.values()) if isinstance(units, dict) else None
+    these = f"these {count:,}" if count else "these"
+    return (
+        f"{out_dir}: validation holds {_percent(share)} of the tokens ({val:,} of "
+        f"{train + val:,}), not the {_percent(val_fraction)} {setting} {val_fraction} asks: "
+        "each document (or ~16 KB piece of a long text file) goes to one split whole, and "
+        f"{these} are too few or too unequal in length to even out; split long documents into "
+        "more (lines, rows, or .txt files, which are cut into pieces), or add more"
+    )
 
 
 def _refuse_users_files(out_dir: Path, damage: str | None) -> None:
