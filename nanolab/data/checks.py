@@ -18,9 +18,8 @@ that very file (the DataModule maps it right away, and a process that maps it la
 so a folder prepared again after the check is never what the run trains on. Likewise the
 tokenizer every checkpoint stores is the checked one (:func:`checked_tokenizer_spec`).
 
-:func:`fingerprint` identifies the data a run trained on (file sizes, a hash of what
-``meta.json`` says of the tokens, not of where they came from, and a hash of 16 fixed 64 KiB
-blocks of each ``.bin``, cheap to recompute); the DataModule
+:func:`fingerprint` identifies the data a run trained on (file sizes, a hash of ``meta.json``
+and a hash of 16 fixed 64 KiB blocks of each ``.bin``, cheap to recompute); the DataModule
 stores it in every checkpoint and refuses to resume on data that changed underneath the run.
 """
 
@@ -370,86 +369,28 @@ def sampled_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-#: The keys of ``meta.json`` that say what the token files hold and how to read them: the
-#: tokenizer, vocabulary, dtype, end-of-text id, the counts and the split. Not the rest, which
-#: says where the text came from (input paths, sizes and times, the settings as typed, skipped
-#: files): the same text prepared again from a copy, or after a ``cp`` gave it a new time, is
-#: the same data, and a resume on it must not be refused.
-TOKEN_META_KEYS = (
-    "format",
-    "tokenizer",
-    "vocab_size",
-    "dtype",
-    "eot_id",
-    "train_tokens",
-    "val_tokens",
-    "train_bytes",
-    "val_bytes",
-    "documents",
-    "units",
-    "characters",
-    "val_fraction",
-    "split_seed",
-)
-#: The fingerprint's digest of :data:`TOKEN_META_KEYS` (and ``tokenizer.json``); a checkpoint
-#: written before it holds only ``meta_sha256``, the digest of the whole ``meta.json``.
-TOKENS_KEY = "meta_tokens_sha256"
-
-
-def tokens_sha256(meta_bytes: bytes, tokenizer_file: Path) -> str:
-    """The sha256 of what ``meta.json`` (its bytes ``meta_bytes``) says of the tokens
-    (:data:`TOKEN_META_KEYS`) and of ``tokenizer_file``'s bytes when it exists (a bpe or
-    Hugging Face tokenizer: another one gives the same ids other meanings)."""
-    try:
-        meta = json.loads(meta_bytes)
-    except ValueError:  # not JSON (the checks refuse it before a run): its bytes, then
-        meta = None
-    held: Any = meta_bytes.decode("utf-8", "replace")
-    if isinstance(meta, dict):
-        held = {key: meta[key] for key in TOKEN_META_KEYS if key in meta}
-    h = hashlib.sha256(json.dumps(held, sort_keys=True, default=str).encode())
-    if tokenizer_file.is_file():
-        h.update(tokenizer_file.read_bytes())
-    return h.hexdigest()
-
-
 def fingerprint(dataset_dir: str | Path) -> dict[str, Any]:
-    """What identifies the data cheaply: a sha256 of what ``meta.json`` says of the tokens
-    (:func:`tokens_sha256`), each ``.bin`` size, and the sha256 of a fixed sample of each
-    ``.bin``'s bytes (:func:`sampled_sha256`). The sha256 of the whole ``meta.json`` is kept
-    too, for a checkpoint written before the first existed (it compares that one)."""
+    """What identifies the data cheaply: the sha256 of ``meta.json``, each ``.bin`` size, and
+    the sha256 of a fixed sample of each ``.bin``'s bytes (:func:`sampled_sha256`)."""
     dataset_dir = Path(dataset_dir)
-    meta = (dataset_dir / "meta.json").read_bytes()
+    meta = dataset_dir / "meta.json"
     return {
-        TOKENS_KEY: tokens_sha256(meta, dataset_dir / "tokenizer.json"),
-        "meta_sha256": hashlib.sha256(meta).hexdigest(),
+        "meta_sha256": hashlib.sha256(meta.read_bytes()).hexdigest(),
         **{f"{s}.bin": (dataset_dir / f"{s}.bin").stat().st_size for s in SPLITS},
         **{f"{s}.bin_sample": sampled_sha256(dataset_dir / f"{s}.bin") for s in SPLITS},
     }
 
 
-def meta_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """Whether the ``meta.json`` of fingerprint ``new`` describes other tokens than ``old``'s:
-    compared on :data:`TOKENS_KEY` when ``old`` has it, else (a checkpoint written before it)
-    on the whole file's ``meta_sha256``, as that checkpoint's version compared it."""
-    if TOKENS_KEY in old:
-        return old.get(TOKENS_KEY) != new.get(TOKENS_KEY)
-    return old.get("meta_sha256") != new.get("meta_sha256")
-
-
 def content_identity(fingerprint: dict[str, Any]) -> str | None:
     """What a data fingerprint's datasets hold, not where they are: a short hash of each
-    dataset's tokens hash (:data:`TOKENS_KEY`), sizes, sampled bytes and weight, in order (None:
-    no datasets). The same folder named ``data`` or by its absolute path, a byte-identical copy,
-    or the same text prepared again is one identity: ``report`` compares runs by it, as a resume
-    compares data by content. The whole ``meta.json``'s hash is left out where the tokens' is
-    there (it changes with the input paths and times the file records); a fingerprint written
-    before has only it, and is hashed as then (an older log's identity stays what it logged)."""
+    dataset's ``meta.json`` hash, sizes, sampled bytes and weight, in order (None: no datasets).
+    The same folder named ``data`` or by its absolute path, or a byte-identical copy, is one
+    identity: ``report`` compares runs by it, as a resume compares data by content."""
     datasets = fingerprint.get("datasets")
     if not isinstance(datasets, list) or not datasets:
         return None
     held = [
-        {k: v for k, v in d.items() if k not in ("name", "path", _where_from(d))}
+        {k: v for k, v in d.items() if k not in ("name", "path")}
         for d in datasets
         if isinstance(d, dict)
     ]
@@ -457,20 +398,10 @@ def content_identity(fingerprint: dict[str, Any]) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _where_from(prints: Mapping[str, Any]) -> str | None:
-    """The key of a dataset's fingerprint that records where its text came from as well as
-    what it is (the whole ``meta.json``'s hash), when the tokens' own hash is beside it."""
-    return "meta_sha256" if TOKENS_KEY in prints else None
-
-
-#: What a change of :data:`TOKENS_KEY` means, said after "meta.json changed".
-_WHAT_CHANGED = " (its tokenizer, vocabulary, dtype, token counts or split)"
-
-
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """How the data fingerprint ``now`` differs from ``saved`` (empty: the same data).
 
-    Both are ``{"datasets": [{"name", "path", "weight", TOKENS_KEY, "train.bin", ...}]}``.
+    Both are ``{"datasets": [{"name", "path", "weight", "meta_sha256", "train.bin", ...}]}``.
     Datasets are compared by position and content, not by path: moving a folder is no change.
     """
     before, after = saved.get("datasets") or [], now.get("datasets") or []
@@ -483,8 +414,8 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     changes: list[str] = []
     for old, new in zip(before, after, strict=True):
         where = Path(str(new.get("path")))
-        if str(old.get("path")) != str(new.get("path")) and meta_changed(
-            old, new
+        if str(old.get("path")) != str(new.get("path")) and (
+            old.get("meta_sha256") != new.get("meta_sha256")
         ):  # other data under another path (a moved folder is no change): name both
             changes.append(f"the data is {where} now, was {old.get('path')}")
             continue
@@ -495,10 +426,8 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             elif old.get(f"{key}_sample") not in (None, new.get(f"{key}_sample")):
                 # An older checkpoint has no sample: its size and meta.json are all it says.
                 changes.append(f"{where / key} has the same size but other bytes (rewritten)")
-        if meta_changed(old, new):
-            changes.append(
-                f"{where / 'meta.json'} changed{_WHAT_CHANGED if TOKENS_KEY in old else ''}"
-            )
+        if old.get("meta_sha256") != new.get("meta_sha256"):
+            changes.append(f"{where / 'meta.json'} changed")
         if old.get("weight") != new.get("weight"):
             changes.append(
                 f"the weight of {new.get('name')} is {new.get('weight')}, was {old.get('weight')}"
