@@ -359,7 +359,12 @@ def test_the_same_file_named_through_a_link_another_folder_or_a_glob_is_not_anot
     assert other_sources("data", ["src/b.txt"]) == ["corpus/a.txt"]  # another file's dataset
 
     meta = json.loads((project / "data" / "meta.json").read_text())
-    del meta["source_paths"]  # prepared by an older nanolab: the typed specs cannot tell
+    del meta["source_paths"]  # a folder of many files keeps only their digest
+    (project / "data" / "meta.json").write_text(json.dumps(meta))
+    assert other_sources("data", ["src/a.txt"]) is None  # the same file: its digest
+    assert other_sources("data", ["src/b.txt"]) == ["corpus/a.txt"]  # another: said so
+
+    del meta["source_paths_sha256"]  # prepared by an older nanolab: the typed specs cannot tell
     (project / "data" / "meta.json").write_text(json.dumps(meta))
     assert other_sources("data", ["src/b.txt"]) is None
 

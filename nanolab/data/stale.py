@@ -50,10 +50,12 @@ def other_sources(
     ``source``'s or gone (the same text edited, grown or shrunk since), when ``source`` cannot
     be listed, or when the folder does not say where its files really were (a dataset
     prepared before nanolab stored ``source_paths``): the specs as typed were read under
-    another folder, maybe through links, and cannot tell."""
+    another folder, maybe through links, and cannot tell. A folder of more files than
+    ``meta.json`` lists keeps only their digest: files other than ``source``'s then count as
+    another dataset (the wording that warns before a replacement deletes it)."""
     import json
 
-    from nanolab.data.sources import SourceError, real_paths, resolve_sources
+    from nanolab.data.sources import SourceError, paths_sha256, real_paths, resolve_sources
 
     folder = expand_user(dataset_dir, keep_unknown=True)
     base = cwd or Path.cwd()
@@ -65,6 +67,9 @@ def other_sources(
     if not isinstance(meta, dict):
         return None
     theirs, paths = meta.get("sources"), meta.get("source_paths")
+    digest = meta.get("source_paths_sha256")
+    if paths is None and isinstance(digest, str):
+        paths = []  # a corpus of many files lists only their digest: compared below
     if not all(isinstance(v, list) and all(isinstance(s, str) for s in v) for v in (theirs, paths)):
         return None
 
@@ -74,9 +79,12 @@ def other_sources(
         return str(base / expand_user(spec, keep_unknown=True))
 
     try:
-        ours = set(real_paths(resolve_sources([under_base(s) for s in source], (folder,)).files))
+        listed = real_paths(resolve_sources([under_base(s) for s in source], (folder,)).files)
     except SourceError:
         return None
+    if not paths:  # only their digest (many files): not ours, so maybe another dataset: say so
+        return theirs if digest != paths_sha256(listed) else None
+    ours = set(listed)
     left_out = [
         p for p in paths if p not in ours and (p.startswith(BUNDLED_PREFIX) or os.path.isfile(p))
     ]
