@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
 
 from nanolab.callbacks.readout import StepReadout
 from nanolab.callbacks.syncs import ENV, SyncCounter
@@ -41,7 +41,7 @@ def tiny_fit(
     if refresh is not None:
         cfg["progress"] = {"refresh_rate": refresh, "plain_every_s": 0}
         cfg["trainer"]["enable_progress_bar"] = True
-    res = run_nanolab(
+    res = nanolab_here(
         "fit", "--config", str(QUICKSTART), "--config", str(write_config(tmp_path / "c.yaml", cfg)),
         cwd=tmp_path, env=env or {},
     )  # fmt: skip
@@ -157,7 +157,7 @@ def test_a_run_log_written_a_step_late_holds_the_same_records_in_the_same_order(
     logs, counts = {}, {}
     for defer in ("0", "1"):
         out = tmp_path / f"syncs{defer}.json"
-        res = run_nanolab(
+        res = nanolab_here(
             "fit", "--config", str(QUICKSTART), "--config", config, "--run.name", f"d{defer}",
             cwd=tmp_path, env={ENV: str(out), DEFER_ENV: defer},
         )  # fmt: skip
