@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
 
 MARKER_MODULE = """
 import os, pathlib
@@ -50,7 +50,6 @@ def test_reading_a_run_never_imports_the_classes_it_names(
     (tmp_path / "mod").mkdir()
     (tmp_path / "mod" / "markermod.py").write_text(MARKER_MODULE)
     marker = tmp_path / "marker"
-    env = {"PYTHONPATH": str(tmp_path / "mod"), "MARKER_FILE": str(marker)}
     commands = [
         ("report", str(tmp_path / "runs")),
         ("queue", "ls", "--db", str(tmp_path / "q.db")),
@@ -58,14 +57,16 @@ def test_reading_a_run_never_imports_the_classes_it_names(
         ("eval", str(run), "--limit", "5", "--no-log"),
         ("export", "--ckpt", str(last), "--format", "safetensors", "-o", str(tmp_path / "out")),
     ]
-    for command in commands:
-        proc = run_nanolab(*command, cwd=tmp_path, env=env)
-        assert proc.returncode == 0, (command, proc.stderr[-2000:])
-        assert not marker.exists(), f"nanolab {command[0]} imported a class the run names"
-    # The check can fail: fit with that config does import it (configs are code); in this
-    # process, the marker's module on sys.path as PYTHONPATH puts it for the commands above.
+    # In this process, the marker's module importable as a user's PYTHONPATH makes it: an
+    # import of it by any command writes the marker (and leaves it in sys.modules).
     monkeypatch.syspath_prepend(str(tmp_path / "mod"))
     try:
+        for command in commands:
+            proc = nanolab_here(*command, cwd=tmp_path, env={"MARKER_FILE": str(marker)})
+            assert proc.returncode == 0, (command, proc.stderr[-2000:])
+            assert not marker.exists(), f"nanolab {command[0]} imported a class the run names"
+            assert "markermod" not in sys.modules, command
+        # The check can fail: fit with that config does import it (configs are code).
         nanolab_here("fit", "--config", str(run / "config.yaml"), "--run.name", "other",
                      cwd=tmp_path, env={"MARKER_FILE": str(marker)})  # fmt: skip
     finally:
