@@ -735,6 +735,10 @@ def test_a_config_edited_after_add_is_not_run(
     assert "overlay.yaml" not in jobs["edited"].detail
     assert not (tmp_path / "runs" / "edited").exists()  # never started
     assert jobs["kept"].status == "done", (out, err)
+    # A job's console log is in its run directory (none beside the database).
+    assert jobs["kept"].log == str(tmp_path / "runs" / "kept" / "queue.log")
+    assert "=== attempt 1" in Path(jobs["kept"].log).read_text()
+    assert not (tmp_path / "nanolab_queue_logs").exists()
 
 
 def test_a_settings_file_given_by_set_is_checked_like_a_config(
@@ -932,6 +936,7 @@ def test_queue_run_notify_when_drained(tmp_path: Path, tiny: Path, capsys, monke
     assert told.read_text() == "drained 1 0"
 
 
+@pytest.mark.slow  # default: test_a_config_edited_after_add_is_not_run (its kept job's log)
 def test_a_jobs_console_log_is_in_its_run_directory(
     tmp_path: Path, tiny: Path, capsys, monkeypatch
 ):
