@@ -475,7 +475,7 @@ def test_in_loop_numbers_equal_nanolab_eval_on_the_checkpoint(
     assert "(shakespeare centered " in said and ", 0 = chance; " in said, said[-3000:]
     end = list(read_records(run / "metrics.jsonl", "end"))[-1]
     assert end["time_breakdown"]["tasks_s"] > 0
-    res = run_nanolab(
+    res = nanolab_here(
         "eval", str(run), "--limit", "40", "--json", str(tmp_path / "e.json"), cwd=tmp_path
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -663,7 +663,7 @@ def test_eval_json_targets_and_a_checkpoint_file_is_printed_only(
         res = nanolab_here("eval", str(run), "--limit", "3", "--json", str(target), cwd=tmp_path)
         assert res.returncode == 2 and problem in res.stderr and "Traceback" not in res.stderr
     ckpt = next((run / "checkpoints").glob("step-*.ckpt"))
-    res = run_nanolab("eval", str(ckpt), "--limit", "3", cwd=tmp_path)
+    res = nanolab_here("eval", str(ckpt), "--limit", "3", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (run / "metrics.jsonl").read_bytes() == before
 
@@ -682,7 +682,7 @@ def test_mixed_precision_eval_equals_the_in_loop_numbers(
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"
     (record,) = read_records(run / "metrics.jsonl", "tasks")
-    res = run_nanolab(
+    res = nanolab_here(
         "eval",
         str(run),
         "--limit",
