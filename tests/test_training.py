@@ -958,7 +958,7 @@ def test_a_run_stopped_short_of_a_longer_launch_is_not_called_complete(tmp_path,
     (start,) = [r for r in records if r["event"] == "start"]
     start["config"]["trainer"]["max_steps"] = 10  # the launch asked for 10 and stopped at 6
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    again = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
+    again = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(cfg), cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     said = " ".join(again.stderr.split())
     assert "stopped at step 6 of the 10 its last launch asked for; this launch's " in said, said
