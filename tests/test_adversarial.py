@@ -1093,7 +1093,12 @@ def test_run_log_deleted_mid_run_is_recreated_and_the_run_says_so(
     cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=6)
     cfg["trainer"]["callbacks"] = [{"class_path": "deleter.DeleteLog"}]
     path = write_config(tmp_path / "c.yaml", cfg)
-    res = run_nanolab("fit", "--config", str(path), cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    sys.path.insert(0, str(tmp_path))  # the deleter importable from this process
+    try:
+        res = nanolab_here("fit", "--config", str(path), cwd=tmp_path)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("deleter", None)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("was deleted or replaced while this run wrote it") == 1
     events = [r["event"] for r in read_records(tmp_path / "runs" / "tiny" / "metrics.jsonl")]
