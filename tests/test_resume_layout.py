@@ -132,14 +132,14 @@ def test_a_changed_learning_rate_on_resume_is_said_and_the_checkpoints_kept(
     ``model.optimizer.lr`` cannot take effect: the resume says so in one line, trains with the
     checkpoint's rate, and its own checkpoints record the rate it trained with."""
     import torch
-    from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
+    from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
 
     from nanolab.runlog import read_records
 
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     base = ["fit", "--config", str(QUICKSTART), "--config", str(cfg)]
     assert nanolab_here(*base, "--trainer.max_steps", "4", cwd=tmp_path).returncode == 0
-    proc = run_nanolab(*base, "--model.optimizer.lr", "0.05", cwd=tmp_path)
+    proc = nanolab_here(*base, "--model.optimizer.lr", "0.05", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     warned = [line for line in proc.stderr.splitlines() if "resuming keeps" in line]
     assert len(warned) == 1 and "model.optimizer.lr 0.003 (not 0.05)" in warned[0]
