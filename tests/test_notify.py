@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, tiny_overrides, write_config
 
 from nanolab.notify import NotifyConfigError, check_targets, send
 
@@ -81,7 +81,7 @@ def test_a_run_end_writes_results_log_and_fires_the_targets(tmp_path: Path, char
         "targets": [f"{RECORDER} {out} {{run}} {{reason}} {{step}} {{val_loss}}", "false"]
     }
     path = write_config(tmp_path / "t.yaml", cfg)
-    proc = run_nanolab("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
+    proc = nanolab_here("fit", "--config", str(QUICKSTART), "--config", str(path), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run, reason, step, val = out.read_text().splitlines()
     assert (run, reason, step) == ("tiny", "completed", "6") and float(val) > 0
@@ -89,7 +89,7 @@ def test_a_run_end_writes_results_log_and_fires_the_targets(tmp_path: Path, char
     (line,) = (tmp_path / "runs" / "results.log").read_text().splitlines()
     result = json.loads(line)
     assert result["run"] == "tiny" and result["reason"] == "completed" and result["step"] == 6
-    bad = nanolab_here(  # a refusal: this process does
+    bad = nanolab_here(
         "fit", "--config", str(QUICKSTART), "--config", str(path),
         "--notify.targets", '["echo {nope}"]', "--run.name", "other", cwd=tmp_path,
     )  # fmt: skip
