@@ -53,10 +53,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory, char_dataset: Path) -> Tra
 def test_generate_from_a_run_directory_uses_its_newest_checkpoint(trained: Trained) -> None:
     """The run directory is its newest complete checkpoint: the step file last.ckpt links to
     (named by its step, as validate and eval name it), the same sample."""
-    direct = run_nanolab(
+    direct = nanolab_here(
         "generate", "--ckpt", str(trained.last), "--max-new-tokens", "12", cwd=trained.root
     )
-    via_dir = run_nanolab(
+    via_dir = nanolab_here(
         "generate", "--ckpt", str(trained.run_dir), "--max-new-tokens", "12", cwd=trained.root
     )
     assert direct.returncode == 0 and via_dir.returncode == 0, via_dir.stderr
