@@ -56,7 +56,7 @@ def test_validate_evaluates_the_newest_checkpoint_and_logs_it(work):
     run = work / "runs" / "tiny"
     log_before = (run / "metrics.jsonl").read_bytes()
     before = digests(work)
-    res = run_nanolab("validate", "--config", "tiny.yaml", cwd=work)
+    res = nanolab_here("validate", "--config", "tiny.yaml", cwd=work)
     assert res.returncode == 0, res.stderr[-3000:]
     # The trained model's loss, not a fresh one's: the same number the fit logged at step 6.
     record = read_records(run / "metrics.jsonl")[-1]
