@@ -113,7 +113,7 @@ def test_fit_stopped_by_a_file_size_limit_exits_74_and_the_rerun_trains(
     import os
     import resource
 
-    from conftest import tiny_overrides, write_config
+    from conftest import nanolab_here, tiny_overrides, write_config
 
     cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
     cfg["run"]["eval_every_steps"] = 2
@@ -129,8 +129,8 @@ def test_fit_stopped_by_a_file_size_limit_exits_74_and_the_rerun_trains(
     assert res.returncode == 74, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "file too large" in errors[0] and "Traceback" not in res.stderr
-    rerun = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+    # The rerun (no limit) through the CLI's entry point in this process: the same command.
+    rerun = nanolab_here(*command[3:], cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert (tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt").is_file()
 
