@@ -36,7 +36,7 @@ def test_csv_logger_shares_the_run_logs_steps_and_survives_a_resume(work):
     run = work / "runs" / "tiny"
     fit(work, "--logger", "csv", here=True)
     first_rows = (run / "csv" / "metrics.csv").read_text().splitlines()[1:]
-    fit(work, "--logger", "csv", "--trainer.max_steps", "9")  # continues the same run
+    fit(work, "--logger", "csv", "--trainer.max_steps", "9", here=True)  # continues the run
     rows = list(csv.DictReader((run / "csv" / "metrics.csv").open()))
     train = {int(r["step"]): r for r in rows if r["train/loss"]}
     val = {int(r["step"]): r for r in rows if r["val/loss"]}
@@ -52,7 +52,7 @@ def test_csv_logger_shares_the_run_logs_steps_and_survives_a_resume(work):
     assert not [name for name in rows[0] if name.startswith("perf/")]
     for step, record in jsonl_val.items():
         assert float(val[step]["val/loss"]) == pytest.approx(record["val_loss"], rel=1e-6)
-    # The first process's rows are still there (Lightning's writer would have deleted them).
+    # The first launch's rows are still there (Lightning's writer would have deleted them).
     assert len(rows) == 12 and len(first_rows) == 8
     assert (run / "config.yaml").is_file()
     assert not (run / "lightning_logs").exists() and not (work / "lightning_logs").exists()
