@@ -16,7 +16,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from conftest import QUICKSTART, run_nanolab, tiny_overrides, write_config
+from conftest import QUICKSTART, nanolab_here, run_nanolab, tiny_overrides, write_config
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from nanolab.callbacks.jsonl import gradient_norm
@@ -206,7 +206,7 @@ def test_the_issue_reproduction_trains_through_the_cli(char_dataset, tmp_path):
     """``fit`` with bf16-mixed, fused AdamW and the quickstart's clip at 1.0: 3 steps, a finite
     loss, exit 0 (it stopped at step 1 before)."""
     cfg = write_config(tmp_path / "t.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
-    res = run_nanolab(
+    res = nanolab_here(  # the CLI's entry point, in this process
         "fit", "--config", str(QUICKSTART), "--config", str(cfg), "--trainer.max_steps", "3",
         "--trainer.precision", "bf16-mixed", "--model.optimizer.fused", "true", cwd=tmp_path,
     )  # fmt: skip
