@@ -391,6 +391,28 @@ def test_a_reader_does_not_run_quick_check_at_every_call(tmp_path: Path, capsys)
     assert db.read_bytes() == before
 
 
+def test_a_listing_writes_nothing_into_a_damaged_queue_in_another_journal_mode(
+    tmp_path: Path, capsys
+) -> None:
+    """``queue ls`` skipped the quick_check as a reader, then switched a queue that was not in
+    WAL mode (copied with a tool that set ``journal_mode=delete``) to WAL and wrote its schema
+    transaction before the damage was found, and then said "it was left untouched". Where the
+    opening would write, it verifies first: the file is unchanged, and the line is true."""
+    import sqlite3
+
+    from nanolab.queue.cli import main as queue_main
+
+    db = _queue_with_a_broken_table(tmp_path, "sqlite_sequence")
+    with sqlite3.connect(db) as conn:  # not in WAL mode: opening it read-write switches it
+        conn.execute("PRAGMA journal_mode=delete")
+    conn.close()
+    before = db.read_bytes()
+    assert queue_main(["ls", "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "it was left untouched" in err, err
+    assert db.read_bytes() == before
+
+
 def test_damage_a_reader_meets_after_opening_is_one_line(tmp_path: Path, capsys) -> None:
     """Damage on a page ``status`` reads once the queue is open (the runners' table) is one
     line and exit 2, as at the opening, not a traceback."""

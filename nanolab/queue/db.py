@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import shutil
@@ -455,9 +456,10 @@ class QueueDB:
             )
 
     def __init__(self, path: str | os.PathLike[str] | None = None, reading: bool = False) -> None:
-        """``reading``: for a verb that only reads (``queue ls``), which skips SQLite's
-        ``quick_check`` of the whole file (milliseconds per MiB, at every call); the verbs
-        that write run it before their first write."""
+        """``reading``: for a verb that only reads (``queue ls``). It writes nothing into a
+        queue already set up (WAL mode, this nanolab's schema) and so skips SQLite's
+        ``quick_check`` of the whole file (milliseconds per MiB, at every call); where the
+        setup would write, it verifies first, as the verbs that write always do."""
         self.path = Path(path) if path is not None else default_db_path()
         self.check_path(self.path)
         # isolation_level=None: no implicit transactions; every write below opens its own.
@@ -475,7 +477,13 @@ class QueueDB:
         try:
             # Read-only checks first: nothing below may write into a file that is not ours
             # (even switching it to WAL mode rewrites its header).
-            check_queue_db(self.conn, self.path, verify=not reading)
+            # A reader verifies only where this open is going to write (a queue in another
+            # journal mode, or of an older schema): damage is found before any page changes.
+            setup = _setup_needed(self.conn)
+            check_queue_db(self.conn, self.path, verify=not reading or setup)
+            if reading and not setup:
+                _OPEN_HERE.add(self)
+                return
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=FULL")
             with self.transaction():
@@ -980,6 +988,41 @@ def upgrade_schema(conn: sqlite3.Connection) -> None:
         "UPDATE meta SET value = ? WHERE key = 'schema_version' AND CAST(value AS INTEGER) < ?",
         (str(SCHEMA_VERSION), SCHEMA_VERSION),
     )
+
+
+def _shape(conn: sqlite3.Connection) -> dict[str, set[str]]:
+    """The columns of each table of ``conn``'s database, and its indexes (under ``""``)."""
+    names = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
+    shape = {"": {name for kind, name in names if kind == "index"}}
+    for kind, name in names:
+        if kind == "table":
+            shape[name] = {r[1] for r in conn.execute(f"PRAGMA table_info({name})").fetchall()}
+    return shape
+
+
+@functools.cache
+def _current_shape() -> dict[str, set[str]]:
+    """The tables, columns and indexes a queue of this nanolab has (its schema, upgraded)."""
+    conn = _empty_queue()
+    try:
+        return _shape(conn)
+    finally:
+        conn.close()
+
+
+def _setup_needed(conn: sqlite3.Connection) -> bool:
+    """Whether :class:`QueueDB`'s setup would write into ``conn``'s database: a journal mode
+    other than WAL, or a schema that lacks a table, column or index of this nanolab's or
+    records an older version. A queue in use already has all of these, so a reader writes
+    nothing."""
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    if str(mode).lower() != "wal":
+        return True
+    have = _shape(conn)
+    if any(not needed <= have.get(name, set()) for name, needed in _current_shape().items()):
+        return True
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return row is None or str(row[0]) != str(SCHEMA_VERSION)
 
 
 def check_queue_db(conn: sqlite3.Connection, path: Path, verify: bool = True) -> None:
