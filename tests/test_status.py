@@ -423,6 +423,35 @@ def test_damage_a_reader_meets_after_opening_is_one_line(tmp_path: Path, capsys)
     assert "cannot be read (database disk image is malformed)" in err[0], err
 
 
+def test_damage_in_the_finished_jobs_a_running_run_is_looked_up_in_is_one_line(
+    tmp_path: Path, capsys
+) -> None:
+    """With a run that reads as running, ``status --db`` reads every job of the queue (is its
+    job finished?) outside the handling the waiting jobs' read has: damage met on a page of
+    the jobs table was a traceback. It is one line and exit 2, as everywhere else."""
+    import sqlite3
+
+    write_log(tmp_path / "runs" / "live", training("live", time.time() - 2, 5))
+    db = tmp_path / "q.db"
+    queue = QueueDB(db)
+    queue.add_jobs([NewJob(f"j{i}", "c.yaml", [], None, str(tmp_path), f"runs/j{i}")
+                    for i in range(300)])  # fmt: skip
+    queue.conn.execute("UPDATE jobs SET status = 'done', ended = 1.0")
+    queue.close()
+    with sqlite3.connect(db) as conn:  # the jobs table's last leaf: opening reads its first
+        query = "SELECT max(pageno) FROM dbstat WHERE name = 'jobs' AND pagetype = 'leaf'"
+        (page,) = conn.execute(query).fetchone()
+        size = conn.execute("PRAGMA page_size").fetchone()[0]
+    conn.close()
+    with open(db, "r+b") as f:
+        f.seek((page - 1) * size)
+        f.write(b"\xff" * 16)
+    assert main([str(tmp_path / "runs"), "--db", str(db)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nanolab status: error: the queue database "), err
+    assert "cannot be read (database disk image is malformed)" in err[0], err
+
+
 def test_a_runs_line_parses_its_log_once_and_its_newest_records_from_the_end(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -168,19 +168,30 @@ def job_roots(db_path: Path) -> set[Path]:
 
 @contextlib.contextmanager
 def _waiting_jobs(db_path: Path) -> Iterator[tuple[Any, list[Any]]]:
-    """The queue at ``db_path``, read-only, with its running, pending and preempted jobs. A
-    read that fails once it is open (damage met on a page, a lock held past the wait) is one
-    line, in the words of the verbs that write."""
+    """The queue at ``db_path``, read-only, with its running, pending and preempted jobs."""
+    from nanolab.queue.db import UNFINISHED
+
+    with _read_queue(db_path, UNFINISHED) as (db, jobs):
+        yield db, jobs
+
+
+@contextlib.contextmanager
+def _read_queue(
+    db_path: Path, statuses: tuple[str, ...] | None = None
+) -> Iterator[tuple[Any, list[Any]]]:
+    """The queue at ``db_path``, read-only, with its jobs of ``statuses`` (None: all). A read
+    that fails once it is open (damage met on a page, a lock held past the wait) is one line,
+    in the words of the verbs that write."""
     import sqlite3
 
-    from nanolab.queue.db import UNFINISHED, QueueDB, QueueError, busy_db, unusable_db
+    from nanolab.queue.db import QueueDB, QueueError, busy_db, unusable_db
 
     try:
         db = QueueDB.read_only(db_path)
     except QueueError as err:
         raise StatusError(str(err)) from None
     try:
-        yield db, db.jobs(UNFINISHED)
+        yield db, db.jobs(statuses)
     except sqlite3.DatabaseError as err:
         line = busy_db(db_path, err, 5.0) or unusable_db(db_path, f"cannot be read ({err})")
         raise StatusError(line) from None
@@ -192,16 +203,10 @@ def ended_jobs(db_path: Path) -> dict[Path, Any]:
     """The queue's finished jobs (done, stopped, failed) by run directory, read-only: for each
     run directory only its newest job, when that one is finished (a run queued again to go on
     is the newer job's)."""
-    from nanolab.queue.db import FINISHED, QueueDB, QueueError
+    from nanolab.queue.db import FINISHED
 
-    try:
-        db = QueueDB.read_only(db_path)
-    except QueueError as err:
-        raise StatusError(str(err)) from None
-    try:
-        newest = {(Path(j.cwd) / j.run_dir).resolve(): j for j in db.jobs()}  # ordered by id
-    finally:
-        db.conn.close()
+    with _read_queue(db_path) as (_, jobs):
+        newest = {(Path(j.cwd) / j.run_dir).resolve(): j for j in jobs}  # ordered by id
     return {run_dir: job for run_dir, job in newest.items() if job.status in FINISHED}
 
 
