@@ -423,6 +423,46 @@ def test_damage_a_reader_meets_after_opening_is_one_line(tmp_path: Path, capsys)
     assert "cannot be read (database disk image is malformed)" in err[0], err
 
 
+@pytest.mark.parametrize(
+    "launch", ["by hand, held here", "by hand, held elsewhere", "job's, held here"]
+)
+def test_a_live_run_is_not_crashed_by_a_queue_job_that_did_not_train_it(
+    tmp_path: Path, capsys, launch: str
+) -> None:
+    """A queue job for a run directory a launch by hand was training failed at launch (the
+    run directory was in use): ``status --db`` called the live run "crashed" (its queue job
+    failed). The job's end counts only for the launch it started (the log's newest start names
+    it) and only where no process of this host holds the run."""
+    import socket
+
+    from nanolab.processes import RUN_LOCK_NAME
+
+    now = time.time()
+    run = tmp_path / "runs" / "busy"
+    db = tmp_path / "q.db"
+    queue = QueueDB(db)
+    queue.add_jobs([NewJob(name="busy", config="c.yaml", args=[], seed=None,
+                           cwd=str(tmp_path), run_dir=str(run), max_steps=100)])  # fmt: skip
+    queue.conn.execute("UPDATE jobs SET created = ?", (now - 60,))
+    (job,) = queue.jobs()
+    records = training("busy", now - 2, 10)
+    if launch.startswith("job's"):
+        records[0]["queue_job"] = str(job.id)
+    write_log(run, records)  # its launch holds the run here
+    if launch.endswith("elsewhere"):
+        holder = {"host": socket.gethostname() + "-other", "pid": 1, "started": "now"}
+        (run / RUN_LOCK_NAME).write_text(json.dumps(holder))
+    runner = queue.register_runner()
+    assert queue.claim(job.id, runner, None, now)
+    assert queue.finish(job.id, runner, "failed", "the run directory is in use", 2, 0.5)
+    queue.close()
+
+    assert main([str(tmp_path / "runs"), "--db", str(db), "--json"]) == 0
+    screen = json.loads(capsys.readouterr().out)
+    assert [(r["run"], r["status"]) for r in screen["running"]] == [("busy", "running")]
+    assert screen["ended"] == []
+
+
 def test_damage_in_the_finished_jobs_a_running_run_is_looked_up_in_is_one_line(
     tmp_path: Path, capsys
 ) -> None:
@@ -718,14 +758,17 @@ def test_a_run_whose_log_lost_its_end_record_is_not_running(tmp_path: Path, caps
     # A lock this host cannot judge (a holder of another host name): the queue job says the
     # fit ended after the log's last line.
     queued = runs / "queued"
-    write_log(queued, training("queued", now - 2, 10))
-    holder = {"host": socket.gethostname() + "-other", "pid": 1, "started": "now"}
-    (queued / RUN_LOCK_NAME).write_text(json.dumps(holder))
     db = tmp_path / "q.db"
     queue = QueueDB(db)
     queue.add_jobs([NewJob(name="queued", config="c.yaml", args=[], seed=None,
                            cwd=str(tmp_path), run_dir=str(queued), max_steps=100)])  # fmt: skip
+    queue.conn.execute("UPDATE jobs SET created = ?", (now - 60,))
     (job,) = queue.jobs()
+    records = training("queued", now - 2, 10)
+    records[0]["queue_job"] = str(job.id)  # the runner's launch
+    write_log(queued, records)
+    holder = {"host": socket.gethostname() + "-other", "pid": 1, "started": "now"}
+    (queued / RUN_LOCK_NAME).write_text(json.dumps(holder))
     runner = queue.register_runner()
     assert queue.claim(job.id, runner, None, now - 20)
     assert queue.finish(job.id, runner, "done", None, 0, 20.0)

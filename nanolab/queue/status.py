@@ -212,14 +212,33 @@ def ended_jobs(db_path: Path) -> dict[Path, Any]:
 
 def end_by_queue(line: RunLine, job: Any, now: float) -> bool:
     """Mark a run that reads as running ended when its queue job has ended since its last log
-    line (its fit exited: the log lost its end record). A line written after the job ended is
-    another launch's (the run resumed by hand): that one decides."""
+    line (its fit exited: the log lost its end record). Only where that job is the one
+    training it: the log's newest launch is the job's (its start record names the job), and
+    no process of this host holds the run's lock (a job that failed at launch, refused as the
+    run was in use, did not write the log a live launch writes on). A holder of another host
+    cannot be judged from here: there, the job's end decides. A line written after the job
+    ended is another launch's (the run resumed by hand): that one decides."""
+    from nanolab.queue.predict import launched_by
+
     updated = None if line.since_s is None else now - line.since_s
     if job.ended is None or (updated is not None and updated > job.ended):
+        return False
+    run_dir = Path(line.run_dir)
+    if _held_here(run_dir) or not launched_by(job, run_dir / RUN_LOG_NAME, updated or now):
         return False
     line.status, line.detail = "crashed", f"no end record; its queue job #{job.id} is {job.status}"
     line.eta_s, line.stalled = None, False
     return True
+
+
+def _held_here(run_dir: Path) -> bool:
+    """Whether a process of this host may still hold ``run_dir``'s lock."""
+    import socket
+
+    from nanolab.processes import live_lock_holder
+
+    holder = live_lock_holder(run_dir)
+    return holder is not None and holder.get("host") == socket.gethostname()
 
 
 def queue_state(
