@@ -40,6 +40,11 @@ VERBS: dict[str, tuple[str, str]] = {
     "init": ("nanolab.scaffold:main", "write a starter project folder for a fork"),
 }
 
+#: Verbs that need no working directory when every path they read is given in full: they
+#: import no torch (which ends in a native fatal error without one) and check the paths they
+#: were given themselves (:func:`nanolab.helpfmt.relative_path_without_working_directory`).
+READ_ONLY_GIVEN_PATHS = ("status", "report")
+
 LIGHTNING_VERBS: dict[str, str] = {
     "fit": "train a model (LightningCLI; --config X.yaml, --print_config)",
     "validate": "evaluate on the validation set",
@@ -148,22 +153,6 @@ def _run(argv: Sequence[str] | None) -> int:
             return _pipe_error(args, err)
 
 
-def working_directory_gone() -> str | None:
-    """Why this process has no working directory (a shell still ``cd``-ed into a folder that
-    was deleted since), or None where it has one.
-
-    Every verb reads it: relative paths, the default queue database, the folders ``report`` and
-    ``status`` look in, and torch's import (which ends in a native fatal error without it). So
-    it is checked once, before any verb is imported, and said in one line (exit 2)."""
-    try:
-        os.getcwd()
-    except FileNotFoundError:
-        return "the working directory no longer exists: cd to an existing folder"
-    except OSError as err:
-        return f"the working directory cannot be read ({err.strerror}): cd to another folder"
-    return None
-
-
 def _dispatch(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
@@ -174,7 +163,13 @@ def _dispatch(args: list[str]) -> int:
         print(f"nanolab {__version__}")
         return 0
     verb = args[0]
-    if (verb in VERBS or verb in LIGHTNING_VERBS) and (gone := working_directory_gone()):
+    from nanolab.helpfmt import working_directory_gone
+
+    if (
+        (verb in VERBS or verb in LIGHTNING_VERBS)
+        and verb not in READ_ONLY_GIVEN_PATHS
+        and (gone := working_directory_gone())
+    ):
         from nanolab.errors import NanolabError, report
 
         return report(f"nanolab {verb}", NanolabError(gone))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -112,6 +113,33 @@ def given_path(text: str) -> Path:
             f"{text!r} is an empty path (or only blanks); give a folder or a file"
         )
     return Path(text)
+
+
+def working_directory_gone() -> str | None:
+    """Why this process has no working directory (a shell still ``cd``-ed into a folder that
+    was deleted since), or None where it has one.
+
+    Every verb reads it: relative paths, the default queue database, the folders ``report`` and
+    ``status`` look in by default, and torch's import (which ends in a native fatal error
+    without it). So it is checked once, before any verb is imported, and said in one line
+    (exit 2); ``status`` and ``report``, which import no torch, check only the paths they read
+    (:func:`relative_path_without_working_directory`)."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return "the working directory no longer exists: cd to an existing folder"
+    except OSError as err:
+        return f"the working directory cannot be read ({err.strerror}): cd to another folder"
+    return None
+
+
+def relative_path_without_working_directory(paths: Iterable[Path]) -> str | None:
+    """Why ``paths`` cannot be found (a relative one among them, in a working directory that
+    was deleted since), or None: a verb that reads only paths given in full (``status
+    /abs/runs``) works from anywhere, even a folder removed under its shell."""
+    if all(Path(p).is_absolute() for p in paths):
+        return None
+    return working_directory_gone()
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -52,3 +52,28 @@ def test_a_verb_in_a_deleted_working_directory_says_so_in_one_line(
 def test_version_and_help_need_no_working_directory(tmp_path: Path) -> None:
     proc = _in_deleted_folder(tmp_path, "--version")
     assert proc.returncode == 0 and proc.stdout.startswith("nanolab "), proc.stderr
+
+
+def test_status_and_report_of_folders_given_in_full_need_no_working_directory(
+    tmp_path: Path,
+) -> None:
+    """The refusal came before any verb ran: ``status /abs/runs`` and ``report /abs/runs``,
+    which read only the paths given in full and import no torch, were refused too. They work
+    as before; a relative path, or none (``runs``), is still refused in one line."""
+    import json
+
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    records = [{"event": "start", "time": 1.0, "step": 0, "run_name": "a"},
+               {"event": "train", "time": 2.0, "step": 1, "loss": 3.0},
+               {"event": "end", "time": 3.0, "step": 1, "reason": "completed", "elapsed_s": 2.0}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = str(tmp_path / "runs")
+    for verb in ("status", "report"):
+        proc = _in_deleted_folder(tmp_path, verb, runs)
+        assert proc.returncode == 0, proc.stderr
+        assert "a " in proc.stdout and "completed" in proc.stdout, proc.stdout
+        proc = _in_deleted_folder(tmp_path, verb, "runs")
+        assert proc.returncode == 2 and proc.stderr.strip() == f"nanolab {verb}: error: {LINE}"
+    proc = _in_deleted_folder(tmp_path, "report", runs, "--plot", "loss.png")
+    assert proc.returncode == 2 and proc.stderr.strip() == f"nanolab report: error: {LINE}"

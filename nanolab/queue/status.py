@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import NanolabError, one_line_errors
-from nanolab.helpfmt import OneLineParser, given_path
+from nanolab.helpfmt import OneLineParser, given_path, relative_path_without_working_directory
 from nanolab.runlog import RUN_LOG_NAME
 from nanolab.runs import (
     FollowedRuns,
@@ -436,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="redraw every SECONDS until Ctrl-C")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the screen as JSON")
     args = parser.parse_args(argv)
+    given = [*(args.roots or [Path("runs")]), *([args.db] if args.db is not None else [])]
+    if (gone := relative_path_without_working_directory(given)) is not None:
+        raise StatusError(gone)
     db = default_db(args.db)
     missing = [r for r in args.roots if not r.exists()]
     waiting = job_roots(db) if missing and db is not None else set()

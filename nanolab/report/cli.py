@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nanolab.errors import one_line_errors
-from nanolab.helpfmt import OneLineParser, given_path
+from nanolab.helpfmt import OneLineParser, given_path, relative_path_without_working_directory
 from nanolab.messages import say
 from nanolab.report.forecasts import ForecastReader, forecasts, format_forecasts
 from nanolab.report.groups import (
@@ -298,6 +298,9 @@ def no_runs_line(roots: list[Path], why: str) -> str:
 @one_line_errors("nanolab report")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    given = [*(args.runs_dirs or [Path("runs")]), *([args.plot] if args.plot is not None else [])]
+    if (gone := relative_path_without_working_directory(given)) is not None:
+        raise ReportError(gone)
     if args.plot is not None:
         check_plot_path(args.plot)
     elif args.logx or args.x != "tokens":
