@@ -1766,6 +1766,29 @@ def test_a_relative_run_dir_of_an_older_queue_is_the_jobs_own_cwds(tmp_path, mon
     assert row.run_path == project / "r0" and predict.steps_done(row) == 100
 
 
+def test_a_measured_peak_of_an_older_queues_relative_run_dir_is_read_from_the_jobs_cwd(
+    tmp_path, monkeypatch
+):
+    """The memory a finished job of the same config measured (what packing caps a job by)
+    was read from an older queue's relative run directory joined to the runner's folder: from
+    any other folder no log was found, and the job was packed by the prediction instead."""
+    from nanolab.queue import predict
+
+    project = tmp_path / "project"
+    project.mkdir()
+    db = QueueDB(tmp_path / "q.db")
+    done, asking = _timed_jobs(db, project, 2)
+    db.conn.execute("UPDATE jobs SET cwd = ?, run_dir = 'r0' WHERE id = ?", (str(project), done.id))
+    with open(project / "r0" / "metrics.jsonl", "w") as log:
+        _launch(log, done.id, 1.5, range(1, 3))
+        log.write(json.dumps({"event": "end", "step": 2, "mem_reserved_bytes": 7 * 2**30}) + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (job,) = [j for j in db.jobs() if j.id == asking.id]
+    assert predict.measured_peak(db, job) == (7 * 2**30, "measured by job j0")
+
+
 def test_a_step_time_counts_only_the_jobs_own_ended_launches_of_its_config(tmp_path):
     """A finished job's run log also held a launch from a shell at 50 s a step, a launch of
     another config, and a launch of its own that crashed (its steps trained again after a

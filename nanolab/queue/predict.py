@@ -684,13 +684,15 @@ def measured_peak(db: QueueDB, job: Job) -> tuple[int, str] | None:
     from nanolab.runlog import RUN_LOG_NAME, last_record
 
     rows = db.conn.execute(
-        "SELECT name, run_dir FROM jobs WHERE config_key = ? AND status = 'done' AND id != ?",
+        "SELECT name, cwd, run_dir FROM jobs WHERE config_key = ? AND status = 'done' "
+        "AND id != ? ORDER BY id",
         (job.config_key, job.id),
     ).fetchall()
     best: tuple[int, str] | None = None
     for r in rows[-8:]:  # the newest few are enough, and reading logs costs
+        # From the job's own folder (an older queue's run_dir is relative to it), as Job.run_path.
         rec = last_record(
-            os.path.join(r["run_dir"], RUN_LOG_NAME),
+            Path(r["cwd"]) / r["run_dir"] / RUN_LOG_NAME,
             where=lambda x: isinstance(x.get("mem_reserved_bytes"), int),
         )
         if rec and (best is None or rec["mem_reserved_bytes"] > best[0]):
