@@ -1130,8 +1130,11 @@ def _set_status(
             else "empty log"
         )
     elif s.run_dir and lock_file_missing(Path(s.run_dir)):
-        s.status = "crashed"  # every live launch holds its lock file: this run ended
-        s.detail = "no end record; no process holds its run directory"
+        # Every live launch of this nanolab holds its lock file: this run ended. The detail
+        # says only what is seen: a log copied without the lock, or one an older nanolab
+        # wrote without a lock, reads the same.
+        s.status = "crashed"
+        s.detail = "no end record and no run lock"
     elif (gone := gone_lock_holder(Path(s.run_dir)) if s.run_dir else None) is not None:
         s.status = "crashed"  # its lock names a process of this host that no longer runs
         s.detail = f"no end record; its process (pid {gone['pid']} on {gone['host']}) is gone"

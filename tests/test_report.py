@@ -203,7 +203,7 @@ def test_a_run_whose_lock_names_a_dead_process_of_this_host_is_crashed_at_once(
         # No lock file: no process holds the run, however recent its log (its end record lost).
         assert status["unlocked"] == (
             "crashed",
-            "no end record; no process holds its run directory",
+            "no end record and no run lock",
         )
         assert nanolab_main(["status", str(tmp_path)]) == 0
         shown = capsys.readouterr().out
