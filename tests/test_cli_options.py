@@ -179,3 +179,16 @@ def test_fit_refuses_a_group_given_one_value_in_one_line_with_exit_2(
     err = capsys.readouterr().err.strip()
     assert err.startswith("nanolab fit: error: --checkpoint is a group of settings")
     assert "\n" not in err and not (tmp_path / "runs").exists()
+
+
+def test_a_value_of_the_wrong_shape_says_what_is_expected_once() -> None:
+    """jsonargparse's "Expected a tuple with 2 elements" was quoted after our own "expected":
+    "expected Expected a tuple with 2 elements"."""
+    from nanolab.run.parse import type_problem
+
+    text = 'Parser key "model.optimizer.betas": Expected a tuple with 2 elements. Got value: [0.9]'
+    assert type_problem(text) == (
+        "model.optimizer.betas: '[0.9]' is not valid; expected a tuple with 2 elements"
+    )
+    text = "Parser key \"run.eval_every_steps\": Expected a <class 'int'>. Got value: x"
+    assert type_problem(text) == "run.eval_every_steps: 'x' is not valid; expected int"

@@ -232,7 +232,8 @@ def type_problem(text: str) -> str | None:
         except (ValueError, TypeError) as err:
             return str(err)
     shown = "null" if value == "None" else repr(value)
-    return f"{key}: {shown} is not valid; expected {expected or m.group(2)}"
+    wanted = expected or m.group(2).removeprefix("Expected ")  # "a tuple with 2 elements"
+    return f"{key}: {shown} is not valid; expected {wanted}"
 
 
 def _spells_non_finite(value: str) -> bool:
