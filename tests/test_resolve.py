@@ -73,6 +73,29 @@ def test_run_micro_batch_wins_and_auto_waits_for_the_caller() -> None:
     assert planned.micro_batch_size == 16 and planned.accumulate == 2
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("50", "run.eval_every_steps: '50' is not a whole number; give the optimizer steps"),
+        (None, "run.eval_every_steps: null is not a whole number"),
+        (True, "run.eval_every_steps: True is not a whole number"),
+        (
+            100.0,
+            "run.eval_every_steps: 100.0 is read as a float and this setting takes a whole "
+            "number; write it whole: 100",
+        ),
+        (2.5, "run.eval_every_steps: 2.5 is not a whole number"),
+        (0, "run.eval_every_steps must be >= 1 (optimizer steps between validations), got 0"),
+    ],
+)
+def test_eval_every_is_refused_for_what_is_wrong_with_it(value: object, message: str) -> None:
+    """A value of another type was "must be >= 1, got '50'": a range it is not out of."""
+    with pytest.raises(RunConfigError) as err:
+        resolve(quickstart(run={"eval_every_steps": value}), visible_gpus=1)
+    assert str(err.value).startswith(message)
+    assert ">= 1" not in str(err.value) or value == 0
+
+
 FSDP2 = "nanolab.training.strategies.FSDP2Strategy"
 DEEPSPEED = "nanolab.training.strategies.DeepSpeedStrategy"
 

@@ -758,6 +758,24 @@ def check_max_steps(max_steps: Any) -> None:
         )
 
 
+def check_eval_every(value: Any) -> None:
+    """``run.eval_every_steps``: a whole number of optimizer steps >= 1, each way it can be
+    wrong said as that way (a float written whole, another type, the range), never as a range
+    a value of another type is "not in"."""
+    where = "run.eval_every_steps"
+    if (whole := written_whole(where, value)) is not None:
+        raise RunConfigError(whole)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RunConfigError(
+            f"{where}: {'null' if value is None else repr(value)} is not a whole number; give "
+            "the optimizer steps between validations, e.g. 250"
+        )
+    if value < 1:
+        raise RunConfigError(
+            f"{where} must be >= 1 (optimizer steps between validations), got {value}"
+        )
+
+
 def check_overfit_batches(value: Any) -> None:
     """Lightning's ``trainer.overfit_batches`` replaces the loaders' samplers, which choose
     nanolab's windows (by seed, micro-batch and rank): refused before anything is written,
@@ -1155,8 +1173,7 @@ def resolve(
         )
 
     eval_every = run.get("eval_every_steps", 250)
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
-        raise RunConfigError(f"run.eval_every_steps must be >= 1, got {eval_every!r}")
+    check_eval_every(eval_every)
     check_gradient_clip(trainer.get("gradient_clip_val"))
     check_overfit_batches(trainer.get("overfit_batches"))
     check_dataset_dir(data_args)
