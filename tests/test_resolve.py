@@ -96,6 +96,18 @@ def test_eval_every_is_refused_for_what_is_wrong_with_it(value: object, message:
     assert ">= 1" not in str(err.value) or value == 0
 
 
+def test_the_global_batch_refusal_names_the_micro_batch_setting_it_came_from() -> None:
+    """It named data.micro_batch_size (32) beside run.micro_batch_size's 64."""
+    for run, given, name in (
+        ({"micro_batch_size": 64}, None, "run.micro_batch_size x"),
+        ({}, None, "data.micro_batch_size x"),
+        ({}, 16, "--micro-batch x"),
+    ):
+        cfg = quickstart(run={**run, "global_batch_tokens": 4000})
+        with pytest.raises(RunConfigError, match=re.escape(name)):
+            resolve(cfg, visible_gpus=1, micro_batch_size=given, micro_batch_from="--micro-batch")
+
+
 FSDP2 = "nanolab.training.strategies.FSDP2Strategy"
 DEEPSPEED = "nanolab.training.strategies.DeepSpeedStrategy"
 

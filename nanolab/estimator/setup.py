@@ -282,6 +282,7 @@ def setup_from_config(
         devices=devices,
         num_nodes=num_nodes,
         micro_batch_size=micro_batch_size,
+        micro_batch_from="--micro-batch",  # the estimate's own option (the config's: named)
     )
 
     given = trainer.get("precision")

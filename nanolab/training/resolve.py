@@ -654,18 +654,20 @@ def gradient_accumulation(
     block_size: int,
     world_size: int,
     accumulate_grad_batches: Any = None,
+    micro_batch_from: str = "data.micro_batch_size",
 ) -> int:
     """Micro-batches per optimizer step that make up ``global_batch_tokens``; without one,
     Lightning's own ``trainer.accumulate_grad_batches`` (default 1), so a Lightning user's
     setting is obeyed rather than replaced by 1. A global batch in tokens wins over it: it is
-    what keeps the batch the same on another device count or micro-batch."""
+    what keeps the batch the same on another device count or micro-batch. ``micro_batch_from``:
+    the setting the micro-batch came from, which the refusal names (the one to change)."""
     if global_batch_tokens is None:
         return trainer_accumulation(accumulate_grad_batches)
     per_step = micro_batch_size * block_size * world_size
     if global_batch_tokens <= 0 or global_batch_tokens % per_step != 0:
         raise RunConfigError(
             f"run.global_batch_tokens ({global_batch_tokens}) must be a positive multiple of "
-            f"data.micro_batch_size x model.gpt.block_size x devices = {micro_batch_size} x "
+            f"{micro_batch_from} x model.gpt.block_size x devices = {micro_batch_size} x "
             f"{block_size} x {world_size} = {per_step}; e.g. {max(1, round(global_batch_tokens / per_step)) * per_step}"
         )
     return global_batch_tokens // per_step
@@ -1057,6 +1059,13 @@ class Resolved:
         return None if self.accumulate is None else self.eval_every_steps * self.accumulate
 
 
+def micro_batch_setting(run: Mapping[str, Any]) -> str:
+    """The setting :func:`micro_batch_choice` takes the micro-batch from (an error names it)."""
+    return (
+        "data.micro_batch_size" if run.get("micro_batch_size") is None else "run.micro_batch_size"
+    )
+
+
 def micro_batch_choice(run: Mapping[str, Any], data_args: Mapping[str, Any]) -> int | str:
     """``run.micro_batch_size`` (an integer or ``auto``) wins over ``data.micro_batch_size``."""
     choice = run.get("micro_batch_size")
@@ -1081,6 +1090,7 @@ def resolve(
     micro_batch_size: int | None = None,
     devices: int | None = None,
     num_nodes: int | None = None,
+    micro_batch_from: str = "run.micro_batch_size",
 ) -> Resolved:
     """Derive world size, micro-batch, accumulation, vocabulary and run directory from
     ``config`` (the merged ``fit`` config, as a dict or jsonargparse Namespace); pure.
@@ -1094,6 +1104,8 @@ def resolve(
             classes, not when the model is configured inside the Trainer (a traceback).
         micro_batch_size: A micro-batch chosen by the caller (``run.micro_batch_size: auto``
             planned from device memory, ``estimate --micro-batch``); wins over the config.
+        micro_batch_from: Where a given ``micro_batch_size`` came from, as an error names it
+            (``--micro-batch``); by default the ``run.micro_batch_size: auto`` it replaces.
         devices / num_nodes: Overrides of ``trainer.devices`` / ``trainer.num_nodes``.
 
     Raises:
@@ -1163,8 +1175,9 @@ def resolve(
     gbt = None if gbt is None else int_setting(gbt, "run.global_batch_tokens")
     accumulate = None
     if micro is not None:
+        source = micro_batch_from if micro_batch_size is not None else micro_batch_setting(run)
         accumulate = gradient_accumulation(
-            gbt, micro, block, world, trainer.get("accumulate_grad_batches")
+            gbt, micro, block, world, trainer.get("accumulate_grad_batches"), source
         )
     elif gbt is not None and gbt % (block * world) != 0:
         raise RunConfigError(
