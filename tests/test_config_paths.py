@@ -50,12 +50,12 @@ def test_an_empty_config_path_is_named_empty_not_this_folder(work: Path) -> None
     line = _one_line(nanolab_here("fit", "--config", "", cwd=work))
     assert line.endswith("--config is empty; give a YAML file, e.g. --config my.yaml")
     line = _one_line(nanolab_here("estimate", "--config", "", cwd=work))
-    assert line.endswith("config file '' is empty; give a YAML file, e.g. --config my.yaml")
+    assert line.endswith("--config is empty; give a YAML file, e.g. --config my.yaml")  # fit's
 
 
 def test_estimate_and_queue_add_say_what_a_fifo_is(work: Path) -> None:
     line = _one_line(nanolab_here("estimate", "--config", "fifo.yaml", cwd=work))
-    assert "config file 'fifo.yaml' is a named pipe (FIFO)" in line
+    assert "--config fifo.yaml is a named pipe (FIFO)" in line  # fit's line
     line = _one_line(nanolab_here("queue", "add", "--db", "q.db", "fifo.yaml", cwd=work))
     assert "config fifo.yaml is a named pipe (FIFO)" in line
 
@@ -86,6 +86,22 @@ def test_the_parser_reads_the_pipe_the_checks_read(work: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "  max_steps: 2\n" in proc.stdout
+
+
+def test_estimate_reads_the_pipe_the_checks_read(work: Path) -> None:
+    """The pipe's settings reach the estimate (the typed reading once read an emptied pipe,
+    so the settings were silently dropped), and its keys are checked as fit checks them."""
+    pipe = "<(printf 'model:\\n  gpt:\\n    n_layer: 3\\n')"
+    warm = "nanolab estimate --config base.yaml --vocab-size 65 > /dev/null"  # fit's types kept
+    proc = _bash(
+        work, f"{warm} && nanolab estimate --config base.yaml --config {pipe} --vocab-size 65"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert " 3 layers x " in proc.stdout
+    typo = "nanolab estimate --config base.yaml --config <(printf 'trainer:\\n  precison: 32\\n')"
+    assert "unknown setting trainer.precison; did you mean trainer.precision?" in _one_line(
+        _bash(work, typo)
+    )
 
 
 def test_queue_add_refuses_a_shell_pipe_it_could_not_read_again(work: Path) -> None:

@@ -538,7 +538,10 @@ def test_cli_estimates_a_cpu_run(tmp_path: Path, capsys: pytest.CaptureFixture) 
         (["--gpu-mem", "12 gigs"], "cannot read a memory size"),
         (["--devices", "0"], "--devices must be >= 1"),
         (["--mfu", "1.5"], "--mfu"),
-        (["--model.gpt.n_layr", "3"], "model.gpt.n_layr (did you mean model.gpt.n_layer?)"),
+        (
+            ["--model.gpt.n_layr", "3"],
+            "unknown setting --model.gpt.n_layr; did you mean --model.gpt.n_layer?",
+        ),  # fit's own line
         ([], None),
     ],
 )
@@ -581,11 +584,12 @@ def test_cli_impossible_configs(tmp_path: Path, override: dict, message: str, ca
     [
         (
             ["--model.optimizer.lrr", "0.1"],
-            "unknown setting model.optimizer.lrr; did you mean model.optimizer.lr?",
+            "unknown setting --model.optimizer.lrr; did you mean --model.optimizer.lr?",
         ),
         (
             ["--model.schedule.warmupsteps", "3"],
-            "unknown setting model.schedule.warmupsteps; did you mean model.schedule.warmup_steps?",
+            "unknown setting --model.schedule.warmupsteps; did you mean "
+            "--model.schedule.warmup_steps?",
         ),
         (
             ["--model.schedule.warmup_steps", "ten"],
@@ -593,8 +597,8 @@ def test_cli_impossible_configs(tmp_path: Path, override: dict, message: str, ca
         ),
         (
             ["--model.optimizer", "adamw"],
-            "model.optimizer must be a mapping of settings (e.g. `optimizer: {...}`), got str "
-            "'adamw'",
+            "--model.optimizer is a group of settings, not a value; did you mean "
+            "--model.optimizer.name adamw?",
         ),
     ],
     ids=["unknown-optimizer-key", "unknown-schedule-key", "wrong-type", "not-a-mapping"],
@@ -602,14 +606,16 @@ def test_cli_impossible_configs(tmp_path: Path, override: dict, message: str, ca
 def test_model_settings_fit_refuses_are_one_line_here(
     tmp_path: Path, args: list[str], message: str, capsys
 ) -> None:
-    # The raw YAML reached the dataclasses: a TypeError or ValueError traceback, exit 1.
+    # The raw YAML reached the dataclasses: a TypeError or ValueError traceback, exit 1. Now
+    # the config is read by fit's own reader: fit's line, word for word.
     assert main(["--config", str(GPT2), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err == f"nanolab estimate: error: {message}"
     if args[0] == "--model.optimizer.lrr":  # the same key written in a config file
         bad = _write(tmp_path, "bad.yaml", {"model": {"optimizer": {"lrr": 0.1}}})
         assert main(["--config", str(GPT2), "--config", bad]) == 2
-        assert capsys.readouterr().err.strip() == f"nanolab estimate: error: {message}"
+        in_file = f"config file {bad}: {message.replace('--', '')}"  # as a file's key
+        assert capsys.readouterr().err.strip() == f"nanolab estimate: error: {in_file}"
 
 
 def test_cli_missing_file(capsys: pytest.CaptureFixture) -> None:

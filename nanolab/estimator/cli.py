@@ -12,7 +12,6 @@ stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nanolab.errors import one_line_errors
+from nanolab.estimator import facts_cache
 from nanolab.estimator.estimate import (
     DEFAULT_GPU,
     Estimate,
@@ -30,16 +30,12 @@ from nanolab.estimator.gpus import GPUS, GiB, decimal_size_note, format_bytes, f
 from nanolab.estimator.memory import DEFAULT_FRAGMENTATION
 from nanolab.estimator.setup import EstimateError
 from nanolab.helpfmt import OneLineParser
-from nanolab.messages import note, warn
+from nanolab.messages import note
 from nanolab.model.config import GPTConfig
+from nanolab.run.keys import preflight, read_config_files
+from nanolab.run.read import fit_config
 from nanolab.tables import table
-from nanolab.training.resolve import (
-    compose,
-    config_settings,
-    overridden_flags,
-    read_config_file,
-    split_fit_args,
-)
+from nanolab.training.resolve import split_fit_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,15 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if "--config" not in fit_args and not any(a.startswith("--config=") for a in fit_args):
         raise EstimateError("give at least one --config X.yaml")
-    files: dict[str, dict[str, Any]] = {}
-
-    def read_file(path: str) -> dict[str, Any]:  # each file read once (a <(...) pipe: once)
-        if path not in files:
-            files[path] = read_config_file(path)
-        return copy.deepcopy(files[path])
-
-    for line in overridden_flags(fit_args, lambda path: config_settings(read_file(path))):
-        warn("nanolab estimate", line)  # in order, as fit reads them: said as fit says it
+    # fit's own checks before anything is priced: its key check and override warnings here,
+    # its reading of every value below (the one resolver: fit, estimate and queue add agree).
+    preflight("fit", fit_args, prog="nanolab estimate")
     for name, value in (
         ("--devices", args.devices),
         ("--nodes", args.nodes),
@@ -359,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise EstimateError(f"--usd-per-gpu-hour must be a finite price >= 0, got {price}")
     if args.gpu_mem is not None and (mem_note := decimal_size_note(args.gpu_mem)):
         note("nanolab estimate", mem_note)
-    config = compose(fit_args, read_file=read_file)
+    if not _names_a_class(fit_args):  # the parser then imports nanolab's own model code only
+        facts_cache.note_model_code_unloaded()
+    config = fit_config(fit_args)  # fit's own reading: its verdict on every key and value
     device, device_from = default_device(config, args)
     est = estimate_from_config(
         config,
@@ -388,6 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_gpu = {n: largest_fitting_micro_batch(est.setup, gpu=g, **kw) for n, g in GPUS.items()}
     print(format_estimate(est, per_gpu=per_gpu, detail=args.detail, device_from=device_from))
     return 0
+
+
+def _names_a_class(fit_args: list[str]) -> bool:
+    """Whether the command line or its files name a class of their own (a model, data or
+    callback class: code that may change nanolab's model classes when imported)."""
+    from nanolab.training.plugins import class_paths_in_argv, class_paths_in_config
+
+    files = read_config_files(fit_args, ())
+    return bool(class_paths_in_argv(fit_args) or any(map(class_paths_in_config, files)))
 
 
 def default_device(config: dict[str, Any], args: argparse.Namespace) -> tuple[str, str | None]:

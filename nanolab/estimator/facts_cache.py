@@ -94,6 +94,15 @@ def built_in_only(gpt: GPTConfig) -> bool:
     return all(getattr(gpt, reg.field) in reg.builtins for reg in regs)
 
 
+def note_model_code_unloaded() -> None:
+    """Decide now, before a caller imports the model code for a reason of its own that leaves
+    it as nanolab wrote it (``estimate`` reading a config with fit's parser, which imports
+    nanolab's model class), whether this process loads that code itself: the first question
+    would otherwise find it loaded and neither read nor write here."""
+    if _State.pristine is None:
+        _State.pristine = MODEL_MODULE not in sys.modules
+
+
 def remembered(
     fact: str,
     gpt: GPTConfig,

@@ -167,7 +167,7 @@ def _file_keys(raw: str) -> Iterator[tuple[str, str]]:
     if not _readable_file(raw):
         return
     try:
-        text = _read_config(raw)
+        text = read_config_text(raw)
     except Exception:  # not text: the parser names the problem its own way
         return
     for key in _keys_in(text, str(path)):
@@ -182,7 +182,7 @@ def _file_settings(raw: str) -> dict[str, Any]:
     if not _readable_file(raw):
         return {}
     try:
-        data = load_yaml(_read_config(raw), f"config file {raw}")
+        data = load_yaml(read_config_text(raw), f"config file {raw}")
     except RunConfigError:
         raise
     except Exception:  # not text, or not YAML: the parser names the problem its own way
@@ -206,11 +206,11 @@ def _readable_file(raw: str) -> bool:
     return problem is None
 
 
-#: The text of each ``<(...)`` pipe of this command line, read once (see :func:`_read_config`).
+#: The text of each ``<(...)`` pipe of this command line, read once (see :func:`read_config_text`).
 _PIPED: dict[str, str] = {}
 
 
-def _read_config(raw: str) -> str:
+def read_config_text(raw: str) -> str:
     """A ``--config`` file's text. The shell's ``<(...)`` pipe holds its text for one read,
     and the parser reads it after the checks here: the text read is put back into a new pipe
     on the same descriptor (``/dev/fd/N`` still names it), so each reader sees the same text."""
@@ -402,7 +402,7 @@ def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, 
         if not _readable_file(raw):
             continue
         try:
-            text = _read_config(raw)
+            text = read_config_text(raw)
         except (OSError, UnicodeDecodeError) as err:
             raise RunConfigError(f"config file {path}: cannot be read ({err})") from None
         try:
@@ -446,11 +446,12 @@ def _settings_in(text: str, path: str) -> Any:
     return load_yaml(text, f"config file {path}")
 
 
-def preflight(verb: str, argv: list[str]) -> None:
+def preflight(verb: str, argv: list[str], prog: str | None = None) -> None:
     """Before Lightning is imported: every ``--config`` file read (an alias bomb refused) and,
     when the keys are remembered, an unknown key refused with its nearest known key; then a
     warning line for each flag a later ``--config`` file overrides
-    (:func:`nanolab.training.resolve.overridden_flags`)."""
+    (:func:`nanolab.training.resolve.overridden_flags`). ``prog``: the command the warnings
+    name, where another verb reads ``verb``'s command line (``estimate`` reads fit's)."""
     from nanolab.messages import warn
 
     for _ in given_keys(argv):  # reads (and checks) every --config file
@@ -464,4 +465,4 @@ def preflight(verb: str, argv: list[str]) -> None:
         return _file_settings(path) if config_path_problem(path) is None else {}
 
     for line in overridden_flags(argv, keys_in):
-        warn(f"nanolab {verb}", line)
+        warn(prog or f"nanolab {verb}", line)

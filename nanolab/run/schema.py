@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from nanolab.errors import RunConfigError
@@ -329,12 +328,12 @@ class Schema:
     def _file(self, raw: str) -> dict[str, Any]:
         from nanolab.training.resolve import read_config_file
 
-        try:
-            memo = (raw, Path(raw).read_text(encoding="utf-8"))
+        try:  # a shell's <(...) pipe holds its text once: read as the checks read it
+            memo = (raw, keys.read_config_text(raw))
         except (OSError, UnicodeDecodeError) as err:
             raise AskTheParser(f"{raw}: {err}") from None
         if memo not in self._files:
-            self._files[memo] = self._tree(read_config_file(raw), "")
+            self._files[memo] = self._tree(read_config_file(raw, text=memo[1]), "")
         return copy.deepcopy(self._files[memo])
 
     def _tree(self, node: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -491,15 +491,17 @@ def config_path_problem(path: str | Path) -> str | None:
     return f"is {kind}, not a file: reading it would wait for a writer; give a YAML file"
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """One ``--config`` file as a mapping; a missing or broken file is one line naming it."""
+def read_config_file(path: str | Path, text: str | None = None) -> dict[str, Any]:
+    """One ``--config`` file as a mapping; a missing or broken file is one line naming it.
+    ``text``: the file's text as already read (a shell's ``<(...)`` pipe gives it once)."""
     import yaml
 
     p = Path(path)
     if (problem := config_path_problem(path)) is not None:  # the text: Path('') is '.'
         raise RunConfigError(f"config file {str(path)!r} {problem}")
     try:
-        data = load_yaml(p.read_text(encoding="utf-8"), f"config file {path}") or {}
+        text = p.read_text(encoding="utf-8") if text is None else text
+        data = load_yaml(text, f"config file {path}") or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise RunConfigError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
     if not isinstance(data, Mapping):
