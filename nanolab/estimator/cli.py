@@ -12,6 +12,8 @@ stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import sys
@@ -351,7 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         note("nanolab estimate", mem_note)
     if not _names_a_class(fit_args):  # the parser then imports nanolab's own model code only
         facts_cache.note_model_code_unloaded()
-    config = fit_config(fit_args)  # fit's own reading: its verdict on every key and value
+    # fit's own reading: its verdict on every key and value. Where the parser must read it (a
+    # strategy class), the classes it imports may print about this machine (DeepSpeed's
+    # "Setting accelerator to CPU"), which the estimate is not about: not on stdout, which
+    # holds the answer alone (--json is read by scripts), nor before a one-line error.
+    with contextlib.redirect_stdout(io.StringIO()):
+        config = fit_config(fit_args)
     device, device_from = default_device(config, args)
     est = estimate_from_config(
         config,
