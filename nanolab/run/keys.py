@@ -424,13 +424,7 @@ def read_config_files(argv: list[str], groups: Iterable[str]) -> list[dict[str, 
                 f"config file {path} must be a mapping of settings (e.g. `trainer: ...`), "
                 f"got a {type(data).__name__}"
             )
-        for group in groups:
-            if group in data and data[group] is None:
-                raise RunConfigError(
-                    f"config file {path}: `{group}: null` gives the {group} group no settings; "
-                    f"leave it out to keep its defaults, or give its keys (`{group}: {{...}}`)"
-                )
-        from nanolab.training.resolve import check_group_shapes
+        from nanolab.training.resolve import check_group_shapes  # a null group too
 
         check_group_shapes(data, groups, f"config file {path}")
         found.append(data)

@@ -137,10 +137,17 @@ def config_groups() -> tuple[str, ...]:
 
 
 def check_config_files(argv: list[str]) -> None:
-    """Read every ``--config`` file first (:func:`nanolab.run.keys.read_config_files`: an empty
-    or malformed one is named in the error), and import the model, data and callback classes
+    """Refuse an override giving a group null (``--model.optimizer null``), read every
+    ``--config`` file first (:func:`nanolab.run.keys.read_config_files`: an empty or malformed
+    one is named in the error), and import the model, data and callback classes
     they and the command line name, so a plug-in that does not import is one line naming its
     module (the parser would say it "does not validate against any of the Union subtypes")."""
+    from nanolab.training.resolve import check_override_group, override_value
+
+    for i, arg in enumerate(argv):  # --model.optimizer null: refused as a null group in a file
+        name, eq, text = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if ("." in name or name == "model") and (eq or i + 1 < len(argv)):
+            check_override_group(name, override_value(text if eq else argv[i + 1]))
     plugins = class_paths_in_argv(argv)
     for data in keys.read_config_files(argv, config_groups()):
         plugins += class_paths_in_config(data)

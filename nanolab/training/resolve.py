@@ -399,10 +399,13 @@ MODEL_SUBGROUPS = ("gpt", "optimizer", "schedule", "freeze")
 
 def check_group_shapes(data: dict[str, Any], groups: Sequence[str], where: str) -> None:
     """Refuse a group given a value that is not a mapping of settings (``checkpoint: 5``,
-    ``trainer: [1, 2]``, ``model: {gpt: 3}``): the parser would replace the whole group with it,
-    or fail deep inside a class with a traceback."""
+    ``trainer: [1, 2]``, ``model: {gpt: 3}``) or given none (``trainer:``, ``model:
+    {optimizer: }``): the parser would replace the whole group with it, or fail deep inside a
+    class with a traceback (``argument after ** must be a mapping, not NoneType``)."""
 
     def refuse(key: str, value: Any) -> None:
+        if value is None:
+            raise RunConfigError(f"{where}: {null_group_line(key)}")
         raise RunConfigError(
             f"{where}: `{key}: {value!r}` must be a mapping of settings (`{key}: {{...}}`), not "
             f"{_KINDS.get(type(value).__name__, type(value).__name__)}; give its keys, or leave "
@@ -411,7 +414,7 @@ def check_group_shapes(data: dict[str, Any], groups: Sequence[str], where: str) 
 
     for group in groups:
         value = data.get(group)
-        if value is None or isinstance(value, dict):
+        if group not in data or isinstance(value, dict):
             pass
         elif not (group in CLASS_GROUPS and isinstance(value, str)):
             refuse(group, value)
@@ -420,9 +423,39 @@ def check_group_shapes(data: dict[str, Any], groups: Sequence[str], where: str) 
         settings = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
         prefix = "model.init_args" if settings is not model else "model"
         for sub in MODEL_SUBGROUPS:
-            value = settings.get(sub)
-            if value is not None and not isinstance(value, dict):
-                refuse(f"{prefix}.{sub}", value)
+            if sub in settings and not isinstance(settings[sub], dict):
+                refuse(f"{prefix}.{sub}", settings[sub])
+
+
+def null_group_line(key: str) -> str:
+    """The one line for a group of settings given null (``trainer:``, ``model: {optimizer: }``,
+    ``--model.optimizer null``): it keeps no defaults and no settings, so leaving it out is
+    what was meant."""
+    leaf = key.rpartition(".")[2]
+    return (
+        f"`{key}: null` gives the {key} group no settings; leave it out to keep its defaults, "
+        f"or give its keys (`{leaf}: {{...}}`)"
+    )
+
+
+def check_override_group(name: str, value: Any) -> None:
+    """Refuse an override that gives a group of settings null (``--model.optimizer null``,
+    ``--model.init_args.gpt=null``, which fit reads as ``--model '{"init_args": {"gpt":
+    null}}'``): fit's parser takes it and then fails building the model
+    with a traceback; ``estimate`` and ``queue add`` would price and queue that failure."""
+    key = setting_key(name)
+    if key == "model" and isinstance(value, Mapping):  # --model '{"init_args": {"gpt": null}}'
+        settings = value.get("init_args") if isinstance(value.get("init_args"), Mapping) else value
+        for sub in MODEL_SUBGROUPS:
+            if sub in settings and settings[sub] is None:
+                name, key, value = f"model.{sub}", f"model.{sub}", None
+                break
+    group, _, sub = key.partition(".")
+    if value is None and (key in SETTING_GROUPS or (group == "model" and sub in MODEL_SUBGROUPS)):
+        raise RunConfigError(
+            f"--{name} null gives the {key} group no settings; leave it out to keep its "
+            f"defaults, or give its settings (--{key}.KEY VALUE)"
+        )
 
 
 class DuplicateKeyError(RunConfigError):
@@ -571,6 +604,7 @@ def compose(
             continue
         keys = name.removesuffix("+").split(".")
         given = override_value(text) if value is None else value(name, text)
+        check_override_group(name, given)
         if name.endswith("+"):
             merged = _append(merged, keys, given)
             continue

@@ -1,0 +1,58 @@
+"""``fit``, ``estimate`` and ``queue add`` reach one verdict on one command line.
+
+A job ``queue add`` accepts and that fails at launch at 3 a.m. is the harm: each setting refused
+here is refused by all three, in one line and exit 2 (``estimate`` where it reads the setting).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import nanolab_here, tiny_overrides, write_config
+
+
+def _verdicts(
+    tmp_path: Path, dataset: Path, args: list[str], verbs: tuple[str, ...], files: tuple = ()
+) -> dict:
+    """``{verb: (exit code, stderr)}`` for ``nanolab VERB --config tiny.yaml [--config FILE]
+    ARGS`` (``queue add tiny.yaml [FILE] ARGS``: its configs are arguments)."""
+    config = write_config(tmp_path / "tiny.yaml", tiny_overrides(dataset, tmp_path / "runs"))
+    configs = [str(config), *map(str, files)]
+    out = {}
+    for verb in verbs:
+        if verb == "queue":
+            argv = ["queue", "add", "--db", str(tmp_path / "q.db"), *configs, *args]
+        else:
+            argv = [verb, *(a for c in configs for a in ("--config", c)), *args]
+        done = nanolab_here(*argv, cwd=tmp_path)
+        out[verb] = (done.returncode, done.stderr)
+    return out
+
+
+def assert_refused(verdicts: dict, message: str) -> None:
+    for verb, (code, err) in verdicts.items():
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], (verb, code, err)
+
+
+ALL = ("fit", "estimate", "queue")
+
+
+# -- a group of settings given null ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [("model:\n  optimizer:\n", "model.optimizer"), ("model: {gpt: }\n", "model.gpt"),
+     ("model: {schedule: }\n", "model.schedule")],
+)  # fmt: skip
+def test_a_nested_group_given_null_in_a_file(tmp_path, char_dataset, text, key) -> None:
+    (tmp_path / "null.yaml").write_text(text)
+    verdicts = _verdicts(tmp_path, char_dataset, [], ALL, files=[tmp_path / "null.yaml"])
+    assert_refused(verdicts, f"`{key}: null` gives the {key} group no settings; leave it out")
+
+
+@pytest.mark.parametrize("args", [["--model.optimizer", "null"], ["--model.optimizer=null"]])
+def test_a_nested_group_given_null_on_the_command_line(tmp_path, char_dataset, args) -> None:
+    verdicts = _verdicts(tmp_path, char_dataset, args, ALL)
+    assert_refused(verdicts, "--model.optimizer null gives the model.optimizer group no settings")
