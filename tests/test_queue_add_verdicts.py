@@ -56,3 +56,9 @@ def test_a_nested_group_given_null_in_a_file(tmp_path, char_dataset, text, key) 
 def test_a_nested_group_given_null_on_the_command_line(tmp_path, char_dataset, args) -> None:
     verdicts = _verdicts(tmp_path, char_dataset, args, ALL)
     assert_refused(verdicts, "--model.optimizer null gives the model.optimizer group no settings")
+
+
+# -- trainer.num_nodes: 0 is refused, not read as the default 1 -----------------------------------
+def test_zero_nodes_is_refused_not_priced_as_one(tmp_path, char_dataset) -> None:
+    verdicts = _verdicts(tmp_path, char_dataset, ["--trainer.num_nodes", "0"], ALL)
+    assert_refused(verdicts, "trainer.num_nodes must be an integer >= 1, got 0")

@@ -289,7 +289,7 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
 
     cfg = plain_config(parsed)
     check_model_settings(sections(cfg)[1])
-    nodes = (cfg.get("trainer") or {}).get("num_nodes") or 1
+    nodes = (cfg.get("trainer") or {}).get("num_nodes")  # 0: the resolver refuses it
     if isinstance(nodes, int) and nodes > 1:  # first: the batch checks count its nodes too
         raise JobConfigError(
             f"trainer.num_nodes is {nodes}; the queue runs each job on this machine: set 1 "

@@ -1159,9 +1159,9 @@ def resolve(
         trainer.get("accelerator", "auto"),
         visible_gpus,
     )
-    nodes = int_setting(
-        num_nodes if num_nodes is not None else trainer.get("num_nodes") or 1, "trainer.num_nodes"
-    )
+    if num_nodes is None:  # the default only when unset: 0 is refused, as fit refuses it
+        num_nodes = 1 if trainer.get("num_nodes") is None else trainer["num_nodes"]
+    nodes = int_setting(num_nodes, "trainer.num_nodes")
     world = per_node * nodes
     _check_optimizer_fits_strategy(model_args, trainer.get("strategy"), world)
     _check_precision_fits_strategy(trainer.get("precision"), trainer.get("strategy"), world)
