@@ -62,3 +62,11 @@ def test_a_nested_group_given_null_on_the_command_line(tmp_path, char_dataset, a
 def test_zero_nodes_is_refused_not_priced_as_one(tmp_path, char_dataset) -> None:
     verdicts = _verdicts(tmp_path, char_dataset, ["--trainer.num_nodes", "0"], ALL)
     assert_refused(verdicts, "trainer.num_nodes must be an integer >= 1, got 0")
+
+
+# -- model.gpt.vocab_size below the prepared data's -----------------------------------------------
+def test_a_vocabulary_smaller_than_the_datas_is_refused_before_launch(
+    tmp_path, char_dataset
+) -> None:
+    verdicts = _verdicts(tmp_path, char_dataset, ["--model.gpt.vocab_size", "10"], ALL)
+    assert_refused(verdicts, "is larger than model.gpt.vocab_size (10); set model.gpt.vocab_size")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -712,3 +712,28 @@ def tokenizer_from_spec(spec: dict[str, Any], directory: Path | None = None) -> 
     if name == "gpt2":
         return TiktokenGPT2()
     raise TokenizerError(f"unknown tokenizer {name!r} in the dataset or checkpoint")
+
+
+def prepared_vocab(data: Mapping[str, Any], base: Path | None = None) -> int | None:
+    """The vocabulary in the ``meta.json`` of the data a config's ``data`` group points to
+    (``dataset_dir``, or a mixture's first folder: they share one tokenizer); None where none
+    is prepared (yet) or it cannot be read (a vocabulary that is no count is refused). fit holds ``model.gpt.vocab_size`` to it, so
+    ``estimate`` and ``queue add`` do too. ``base``: the folder a relative path is under (the
+    job's; by default this process's working directory)."""
+    folder, field = data.get("dataset_dir"), "data.dataset_dir"
+    mixture = data.get("datasets")
+    if mixture and isinstance(mixture[0], Mapping) and mixture[0].get("path"):
+        folder, field = mixture[0]["path"], "data.datasets[0].path"
+    if not folder:
+        return None
+    path = expand_user(str(folder), field=field)
+    meta = (path if base is None else base / path) / "meta.json"
+    try:
+        vocab = json.loads(meta.read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
+        raise NanolabError(
+            f"{meta} vocab_size must be an integer >= 2, got {vocab!r}; prepare the data again"
+        )
+    return vocab

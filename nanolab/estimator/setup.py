@@ -7,12 +7,11 @@ prepared dataset and cannot be broken by a data or logger setting it does not us
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file
+from nanolab.data.tokenizers import KNOWN_VOCAB, is_tokenizer_file, prepared_vocab
 from nanolab.errors import RunConfigError
 from nanolab.estimator.gpus import FLOAT32_MATMUL_PRECISIONS, PRECISIONS
 from nanolab.estimator.run_length import Budget, budget_problem
@@ -122,19 +121,8 @@ def resolve_vocab(gpt: dict[str, Any], data: Mapping[str, Any]) -> int:
     """``model.gpt.vocab_size``, or the prepared data's, or the named tokenizer's."""
     if gpt.get("vocab_size") is not None:
         return int_setting(gpt["vocab_size"], "model.gpt.vocab_size", minimum=2)
-    dataset_dir = data.get("dataset_dir")
-    mixture = data.get("datasets")
-    field = "data.dataset_dir"
-    if mixture and isinstance(mixture[0], Mapping) and mixture[0].get("path"):
-        dataset_dir = mixture[0]["path"]  # a mixture's folders share one tokenizer
-        field = "data.datasets[0].path"
-    if dataset_dir:
-        meta = expand_user(str(dataset_dir), field=field) / "meta.json"
-        if meta.is_file():
-            try:
-                return int_setting(json.loads(meta.read_text())["vocab_size"], f"{meta} vocab_size")
-            except (KeyError, json.JSONDecodeError):
-                pass
+    if (vocab := prepared_vocab(data)) is not None:
+        return vocab
     tokenizer = str(data.get("tokenizer", ""))
     if tokenizer in KNOWN_VOCAB:  # the named tokenizers' vocabularies, end-of-text included
         return KNOWN_VOCAB[tokenizer]
@@ -279,6 +267,7 @@ def setup_from_config(
     resolved = resolve(
         {**cfg, "model": {**model, "gpt": gpt.to_dict()}, "data": data},
         visible_gpus=None,
+        data_vocab=prepared_vocab(data),
         devices=devices,
         num_nodes=num_nodes,
         micro_batch_size=micro_batch_size,

@@ -295,7 +295,8 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
             f"trainer.num_nodes is {nodes}; the queue runs each job on this machine: set 1 "
             "(a multi-node run starts with torchrun or srun, docs/scaling.md)"
         )
-    resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS)
+    vocab = _prepared_vocab(sections(cfg)[3], cwd, sections(cfg)[2])
+    resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS, data_vocab=vocab)
     if (problem := budget_problem(cfg.get("budget"))) is not None:
         raise JobConfigError(problem)  # fit's own line: a cost without a price is no end
     budget = Budget.from_config(cfg.get("budget"))
@@ -314,7 +315,9 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
     micro = resolved.micro_batch_size
     if micro is None:  # run.micro_batch_size auto: the data's value until the job plans it
         micro = int(resolved.data_args.get("micro_batch_size") or 1)
-        resolved = resolve(cfg, visible_gpus=QUEUE_VISIBLE_GPUS, micro_batch_size=micro)
+        resolved = resolve(
+            cfg, visible_gpus=QUEUE_VISIBLE_GPUS, data_vocab=vocab, micro_batch_size=micro
+        )
     _check_data_sizes(resolved, micro, cwd)
     tokens_per_step = int(resolved.tokens_per_step or 0)
     return ParsedConfig(
@@ -521,6 +524,19 @@ def _holds_prepared(data: dict[str, Any], cwd: Path) -> bool | None:
         s if s.startswith(BUNDLED_PREFIX) else str(_under(cwd, s)) for s in data.get("source") or ()
     ]
     return holds_prepared(specs, folder, *_prepare_settings(data))
+
+
+def _prepared_vocab(data: dict[str, Any], cwd: Path, data_class: str | None) -> int | None:
+    """The vocabulary fit will read from the job's prepared data (its ``meta.json``), so a
+    ``model.gpt.vocab_size`` below it is refused now; None where fit will prepare the data
+    from ``data.source`` first, or the data class is one of its own (fit asks it)."""
+    from nanolab.data.tokenizers import prepared_vocab
+
+    if not _source_is_setting(data_class):
+        return None
+    if data.get("source") and not data.get("datasets") and _holds_prepared(data, cwd) is not True:
+        return None
+    return prepared_vocab(data, cwd)
 
 
 def _source_is_setting(data_class: str | None) -> bool:
