@@ -70,3 +70,23 @@ def test_a_vocabulary_smaller_than_the_datas_is_refused_before_launch(
 ) -> None:
     verdicts = _verdicts(tmp_path, char_dataset, ["--model.gpt.vocab_size", "10"], ALL)
     assert_refused(verdicts, "is larger than model.gpt.vocab_size (10); set model.gpt.vocab_size")
+
+
+# -- data.source set, its folder already prepared: the data's size and align still checked --------
+SOURCED = ["--data.source", "[bundled:shakespeare]", "--data.tokenizer", "chars"]
+
+
+@pytest.mark.parametrize(
+    ("micro", "message"),
+    [("64", "windows of 200001 tokens, fewer than micro_batch_size x world_size = 64"),
+     ("4", "the validation split has 98446 tokens, fewer than one block (block_size 200000 + 1)")],
+)  # fmt: skip
+def test_too_small_sourced_data_already_prepared(tmp_path, char_dataset, micro, message) -> None:
+    args = [*SOURCED, "--model.gpt.block_size", "200000", "--data.micro_batch_size", micro]
+    verdicts = _verdicts(tmp_path, char_dataset, args, ("fit", "queue"))
+    assert_refused(verdicts, message)
+
+
+def test_an_unknown_align_with_a_source_is_refused(tmp_path, char_dataset) -> None:
+    verdicts = _verdicts(tmp_path, char_dataset, [*SOURCED, "--data.align", "documents"], ALL[::2])
+    assert_refused(verdicts, "data.align must be 'stream' (windows anywhere) or 'document'")

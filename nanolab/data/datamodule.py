@@ -45,7 +45,7 @@ from nanolab.data.mixture import parse_datasets
 from nanolab.data.order import sampler_jumps, unit_of
 from nanolab.data.packing_cache import packing_of
 from nanolab.data.prepare import FIT_KEYS, PrepareError, prepare_dataset
-from nanolab.data.sizes import check_window_sizes
+from nanolab.data.sizes import check_align, check_window_sizes
 from nanolab.data.skips import Jump, jumps, read_ledger
 from nanolab.data.tokenizers import is_tokenizer_file
 from nanolab.data.windows import (
@@ -62,8 +62,6 @@ from nanolab.data.windows import (
 )
 from nanolab.home import expand_user
 
-#: ``data.align``: fixed windows cut anywhere in the token stream, or rows of whole documents.
-ALIGNS = ("stream", "document")
 #: ``data.tokenizer`` when not given: a run on prepared data that leaves it out is not warned.
 DEFAULT_TOKENIZER = "chars"
 
@@ -331,11 +329,7 @@ class TokenDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         check_window_sizes(micro_batch_size, block_size, val_windows, num_workers)
-        if align not in ALIGNS:
-            raise PrepareError(
-                f"data.align must be 'stream' (windows anywhere) or 'document' (every window "
-                f"starts at a document), got {align!r}"
-            )
+        check_align(align)
         self.align = align
         self.mixture = parse_datasets(datasets)
         if self.mixture is not None and source:

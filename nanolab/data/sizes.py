@@ -28,6 +28,20 @@ def check_window_sizes(
         raise PrepareError(f"data.num_workers must be >= 0, got {num_workers}")
 
 
+#: ``data.align``: fixed windows cut anywhere in the token stream, or rows of whole documents.
+ALIGNS = ("stream", "document")
+
+
+def check_align(align: object) -> None:
+    """``data.align`` one of :data:`ALIGNS`; one line with both if not (the DataModule's
+    check, which ``queue add`` makes too)."""
+    if align not in ALIGNS:
+        raise PrepareError(
+            f"data.align must be 'stream' (windows anywhere) or 'document' (every window "
+            f"starts at a document), got {align!r}"
+        )
+
+
 def stream_windows(num_tokens: int, block_size: int) -> int:
     """Windows per epoch of a split cut anywhere in its token stream. One block of slack is
     kept when the data allows, for the epoch's random shift."""
@@ -49,4 +63,14 @@ def check_stream_fits(num_tokens: int, block_size: int, micro_batch_size: int, w
             f"the training split has {windows} windows of {block_size + 1} "
             f"tokens, fewer than micro_batch_size x world_size = "
             f"{micro_batch_size * world}; add text or lower data.micro_batch_size"
+        )
+
+
+def check_validation_fits(num_tokens: int, block_size: int) -> None:
+    """A validation split of ``num_tokens`` holds one window of ``block_size + 1`` tokens;
+    one line with the fix if not."""
+    if num_tokens < block_size + 1:
+        raise DataTooSmallError(
+            f"the validation split has {num_tokens} tokens, fewer than one block "
+            f"(block_size {block_size} + 1); add text, raise val_fraction or lower block_size"
         )

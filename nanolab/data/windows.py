@@ -18,7 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanolab.data.sizes import DataTooSmallError, check_stream_fits, stream_windows
+from nanolab.data.sizes import (
+    DataTooSmallError,
+    check_stream_fits,
+    check_validation_fits,
+    stream_windows,
+)
 from nanolab.data.skips import Jump, data_position
 
 
@@ -218,12 +223,8 @@ class ResumableBatchSampler:
 
 def validation_starts(num_tokens: int, block_size: int, count: int) -> np.ndarray:
     """``count`` evenly spaced, fixed window starts over the validation split."""
+    check_validation_fits(num_tokens, block_size)
     last = num_tokens - block_size - 1
-    if last < 0:
-        raise DataTooSmallError(
-            f"the validation split has {num_tokens} tokens, fewer than one block "
-            f"(block_size {block_size} + 1); add text, raise val_fraction or lower block_size"
-        )
     count = max(1, min(count, last + 1))
     return np.linspace(0, last, count).round().astype(np.int64)
 

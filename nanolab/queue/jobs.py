@@ -318,7 +318,7 @@ def _check(parsed: Any, cwd: Path) -> ParsedConfig:
         resolved = resolve(
             cfg, visible_gpus=QUEUE_VISIBLE_GPUS, data_vocab=vocab, micro_batch_size=micro
         )
-    _check_data_sizes(resolved, micro, cwd)
+    _check_data_sizes(resolved, micro, cwd, sections(cfg)[2])
     tokens_per_step = int(resolved.tokens_per_step or 0)
     return ParsedConfig(
         config=cfg,
@@ -559,29 +559,43 @@ def _source_is_setting(data_class: str | None) -> bool:
     return not any("__init__" in c.__dict__ or "source" in c.__dict__ for c in own)
 
 
-def _check_data_sizes(resolved: Any, micro: int, cwd: Path) -> None:
+def _check_data_sizes(resolved: Any, micro: int, cwd: Path, data_class: str | None) -> None:
     """fit's start-up rules on the data's sizes (:mod:`nanolab.data.sizes`, the functions fit
-    calls): the window settings in range, and a single prepared folder cut as a stream that
-    fills one window and one micro-batch per device. A mixture, document alignment and data
-    fit prepares from ``data.source`` need the tokens themselves: fit checks those at start."""
+    calls): the window settings and ``data.align`` in range, and a single prepared folder cut
+    as a stream that fills one window and one micro-batch per device, ``data.source`` or not
+    when the folder already holds what fit would prepare. A mixture, document alignment and
+    data fit has yet to prepare need the tokens themselves: fit checks those at start."""
     import json
 
-    from nanolab.data.sizes import check_stream_fits, check_window_sizes
+    from nanolab.data.sizes import (
+        check_align,
+        check_stream_fits,
+        check_validation_fits,
+        check_window_sizes,
+    )
 
     data = resolved.data_args
     sizes = [micro, resolved.block_size, data.get("val_windows", 1), data.get("num_workers", 0)]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
         return  # a DataModule of one's own with other meanings: its own start-up checks them
     check_window_sizes(*sizes)
-    if data.get("datasets") or data.get("source") or data.get("align", "stream") != "stream":
+    if not _source_is_setting(data_class):
+        return  # a class with an __init__ of its own: its settings may mean other things
+    check_align(data.get("align", "stream"))
+    if data.get("datasets") or data.get("align", "stream") != "stream":
         return
+    if data.get("source") and _holds_prepared(data, cwd) is not True:
+        return  # fit prepares it first: its size is not known yet
     meta_path = _under(cwd, str(data.get("dataset_dir", ""))) / "meta.json"
     try:
-        tokens = json.loads(meta_path.read_text())["train_tokens"]
+        meta = json.loads(meta_path.read_text())
+        tokens, val_tokens = meta["train_tokens"], meta.get("val_tokens")
     except (OSError, ValueError, KeyError, TypeError):
         return  # no readable meta.json: _check_data has said what it can, fit says the rest
     if isinstance(tokens, int):
         check_stream_fits(tokens, resolved.block_size, micro, resolved.world_size)
+    if isinstance(val_tokens, int):  # fit's next check: a validation window of the split
+        check_validation_fits(val_tokens, resolved.block_size)
 
 
 def _under(cwd: Path, path: str) -> Path:
