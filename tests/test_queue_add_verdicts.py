@@ -90,3 +90,12 @@ def test_too_small_sourced_data_already_prepared(tmp_path, char_dataset, micro, 
 def test_an_unknown_align_with_a_source_is_refused(tmp_path, char_dataset) -> None:
     verdicts = _verdicts(tmp_path, char_dataset, [*SOURCED, "--data.align", "documents"], ALL[::2])
     assert_refused(verdicts, "data.align must be 'stream' (windows anywhere) or 'document'")
+
+
+# -- an unknown tokenizer name is that, not a folder prepared otherwise ---------------------------
+def test_an_unknown_tokenizer_is_named_before_the_folder_is_called_stale(
+    tmp_path, char_dataset
+) -> None:
+    args = ["--data.source", "[bundled:shakespeare]", "--data.tokenizer", "char"]
+    verdicts = _verdicts(tmp_path, char_dataset, args, ("fit", "queue"))
+    assert_refused(verdicts, "unknown tokenizer 'char'; choose one of bytes, chars, bpe, gpt2")

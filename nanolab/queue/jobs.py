@@ -478,7 +478,17 @@ def _check_data(data: dict[str, Any], cwd: Path, data_class: str | None = None) 
                     raise JobConfigError(f"data.source: {spec} matches no file")
             elif not _under(cwd, spec).exists():
                 raise JobConfigError(f"data.source: {spec} does not exist")
+        if _source_is_setting(data_class):  # a name fit cannot prepare with: no stale folder
+            _check_tokenizer(str(data.get("tokenizer") or "chars"), cwd)
         _check_prepared_folder(data, cwd, data_class)
+
+
+def _check_tokenizer(name: str, cwd: Path) -> None:
+    """``data.tokenizer`` one fit can prepare ``data.source`` with, in fit's words (a
+    ``tokenizer.json`` path relative to the job's folder)."""
+    from nanolab.data.tokenizers import check_tokenizer_name, is_tokenizer_file
+
+    check_tokenizer_name(str(_under(cwd, name)) if is_tokenizer_file(name) else name)
 
 
 def _check_prepared_folder(data: dict[str, Any], cwd: Path, data_class: str | None) -> None:
