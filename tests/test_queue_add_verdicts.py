@@ -99,3 +99,21 @@ def test_an_unknown_tokenizer_is_named_before_the_folder_is_called_stale(
     args = ["--data.source", "[bundled:shakespeare]", "--data.tokenizer", "char"]
     verdicts = _verdicts(tmp_path, char_dataset, args, ("fit", "queue"))
     assert_refused(verdicts, "unknown tokenizer 'char'; choose one of bytes, chars, bpe, gpt2")
+
+
+# -- queue add's own words: the setting typed is blamed, and a fix that works is suggested -------
+def test_a_typed_list_the_parser_writes_back_is_blamed_on_the_set(tmp_path, char_dataset) -> None:
+    verdicts = _verdicts(
+        tmp_path, char_dataset, ["--set", "model.optimizer.lr=[1e-3,2e-3]"], ("queue",)
+    )
+    assert_refused(verdicts, "error: --set model.optimizer.lr=[1e-3,2e-3]: model.optimizer.lr:")
+
+
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [("1.5", "use --seeds with integers from 0 to 4294967295 (not 1.5), e.g. --seeds 42,43,44"),
+     ("3", "use --seeds 3")],
+)  # fmt: skip
+def test_seeds_are_suggested_only_for_a_seed(tmp_path, char_dataset, value, fix) -> None:
+    verdicts = _verdicts(tmp_path, char_dataset, ["--seed_everything", value], ("queue",))
+    assert_refused(verdicts, f"--seed_everything {value}: set by the queue; {fix}")

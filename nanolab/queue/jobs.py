@@ -55,7 +55,20 @@ def reserved_line(given: str, key: str, value: str | None = None) -> str:
     given, shown in the option that takes it (``use --seeds 3``; a sweep's seeds ``1,2``)."""
     form = QUEUE_FORMS.get(key)
     fix = f"use {form.format(value=value)}" if form and value else RESERVED_KEYS[key]
+    if key == "seed_everything" and value and not _seeds_valid(value):
+        from nanolab.training.resolve import MAX_SEED  # --seeds 1.5 would fail in turn
+
+        fix = f"use --seeds with integers from 0 to {MAX_SEED} (not {value}), e.g. --seeds 42,43,44"
     return f"{given}: set by the queue; {fix}"
+
+
+def _seeds_valid(text: str) -> bool:
+    """Whether ``--seeds TEXT`` would be taken (:func:`parse_seeds`)."""
+    try:
+        parse_seeds(text)
+    except JobConfigError:
+        return False
+    return True
 
 
 def queue_form(key: str, value: str) -> str | None:
@@ -261,11 +274,25 @@ def at_fault(text: str, args: list[str], files: str, swept: frozenset[str] = fro
         if not (arg.startswith("--") and sep and key) or key == "seed_everything":
             continue  # --seeds is checked before fit reads it
         mentioned = re.search(rf"(?<![\w.]){re.escape(key)}(?!\w|\.\w)", text)
-        if (mentioned and (not quoted or value in quoted)) or _names_value(text, value):
+        if (mentioned and (not quoted or _typed_in(value, quoted))) or _names_value(text, value):
             named.append(
                 f"--sweep {key}, value {value}" if key in swept else f"--set {key}={value}"
             )
     return " ".join(named) if named else files
+
+
+def _typed_in(value: str, quoted: list[str]) -> bool:
+    """Whether an error quotes the typed ``value``, as typed or as the parser writes it back
+    (``[1e-3,2e-3]`` is ``'[0.001, 0.002]'``): the two compared as the YAML values they are."""
+    if value in quoted:
+        return True
+    from nanolab.training.resolve import override_value
+
+    try:
+        typed = override_value(value)
+        return any(override_value(q) == typed for q in quoted)
+    except ValueError:  # text the YAML reader refuses (a key given twice): not the value
+        return False
 
 
 def _names_value(text: str, value: str) -> bool:
