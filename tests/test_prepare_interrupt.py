@@ -171,6 +171,59 @@ def test_a_worker_ended_while_writing_its_result_does_not_hang_the_stop(tmp_path
     assert alive == "False", "the pool's manager thread was still reading"
 
 
+BUSY_WORKERS_MAIN = """
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from nanolab.data.encode import become_worker
+from nanolab.data.prepare import _stop
+
+pool = ProcessPoolExecutor(
+    2,
+    mp_context=multiprocessing.get_context("spawn"),
+    initializer=become_worker,
+    initargs=(os.getpid(),),
+)
+pool.submit(int).result()  # the workers have started, and ignore SIGINT and SIGTERM
+for _ in range(2):
+    pool.submit(time.sleep, 600)  # a block each that takes long to encode (BPE: seconds)
+for _ in range(3):
+    pool.submit(len, b"x" * (4 << 20))  # queued blocks: the feeder thread blocks on the pipe
+time.sleep(1.0)
+processes = list(pool._processes.values())
+started = time.monotonic()
+_stop(pool)
+took = time.monotonic() - started
+time.sleep(0.2)
+print(f"{took:.2f} {sum(p.is_alive() for p in processes)}", flush=True)
+"""
+
+
+def test_the_stop_ends_busy_workers_that_ignore_sigterm_at_once(tmp_path):
+    """Ctrl-C or SIGTERM to a 2-worker BPE prepare took 22-41 s to exit: the workers ignore
+    SIGTERM (the parent decides), so the pool's terminate() left each going on through the
+    blocks it had, seconds each, while the stop waited 30 s for the pool's manager thread.
+    Driven on purpose: both workers are busy for 10 minutes and blocks of 4 MiB are queued."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_WORKERS_MAIN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the process did not exit after the stop: {out!r} {err[-2000:]}")
+    assert proc.returncode == 0, err[-2000:]
+    took, alive = out.split()
+    assert float(took) < 5, f"the stop took {took} s"
+    assert alive == "0", f"{alive} workers still running"
+    assert not err.strip(), err[-2000:]
+
+
 UNRECORDED_WORKER_MAIN = """
 import os, signal, sys, threading, time
 import multiprocessing.util as util

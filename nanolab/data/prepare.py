@@ -703,14 +703,18 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     the result pipe's write end kept it from ever seeing end-of-file, so the join below waited
     its 30 s and the interpreter then waited for ever at exit. This process never writes
     there, so that copy is closed once the workers are told to end: the torn message then
-    reads as end-of-file, which the pool treats as a worker lost and cleans up after."""
+    reads as end-of-file, which the pool treats as a worker lost and cleans up after.
+
+    The workers are killed, not sent SIGTERM: they ignore it (a job-wide SIGTERM is for the
+    parent to act on, :func:`nanolab.data.encode.become_worker`), so each went on through the
+    blocks already handed to it, seconds each for BPE, and the join below waited its 30 s."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
     manager = getattr(pool, "_executor_manager_thread", None)
     results_writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
     pool.shutdown(wait=False, cancel_futures=True)  # it forgets the three above
     for process in processes:
         with contextlib.suppress(Exception):
-            process.terminate()
+            process.kill()  # SIGKILL: they ignore SIGINT and SIGTERM
     if results_writer is not None:
         with contextlib.suppress(OSError):
             results_writer.close()
