@@ -1097,6 +1097,25 @@ def test_a_file_reached_by_two_paths_is_read_once(tmp_path):
     assert stats["train_tokens"] + stats["val_tokens"] == once["train_tokens"] + once["val_tokens"]
 
 
+def test_a_recursive_glob_reads_each_folder_once_past_a_symlink_loop(tmp_path):
+    """``'c/**'`` with ``c/sub/loop -> ..`` followed the loop until the path was too long: each
+    file listed ~40 times (300 files: 12,000 warning lines, a 3 MB meta.json, 24 s). Each
+    folder is read once, the loop named once, as a folder's walk does."""
+    folder = tmp_path / "c"
+    (folder / "sub").mkdir(parents=True)
+    for i in range(3):
+        (folder / f"d{i}.txt").write_text(f"document {i}\n")
+    (folder / "sub" / "s.txt").write_text("in a sub folder\n")
+    (folder / "sub" / "loop").symlink_to("..")
+    for spec in (folder / "**", folder / "**" / "*.txt"):
+        resolved = sources.resolve_sources([str(spec)])
+        names = sorted(os.path.relpath(f.path, folder) for f in resolved.files)
+        assert names == ["d0.txt", "d1.txt", "d2.txt", os.path.join("sub", "s.txt")], spec
+        assert resolved.skipped == [
+            f"{folder / 'sub' / 'loop'}: a symlink loop (folder already read), skipped"
+        ]
+
+
 def test_a_glob_names_what_it_matched_and_did_not_read_and_leaves_out_the_output(tmp_path):
     """``'c/*'`` dropped the folders and the files of other types it matched without a word,
     and ``'c/**'`` read the dataset it had written into ``c/ds`` on the next run."""
