@@ -4,6 +4,7 @@ document-level validation split, interrupted runs, and one-line errors for bad i
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import random
@@ -105,6 +106,32 @@ def test_documents_round_trip_with_one_end_of_text_each(tmp_path, tokenizer):
     tok = load_tokenizer(out)
     assert meta["eot_id"] == tok.eot_id and meta["vocab_size"] == tok.vocab_size
     assert tok.decode(tok.encode(DOCS[5])) == DOCS[5]
+
+
+def test_parquet_blocks_hold_about_a_megabyte_of_text_whatever_the_row_size(tmp_path, monkeypatch):
+    """A block was 256 rows whatever their size: rows of 1.5 MB made blocks of 384 MB, and
+    90 MB of such text peaked at 840 MB (364 MB at 4.3 GB with 2 workers). A batch is now as
+    many rows as make ~1 MB by the file's own sizes, and cut into ~1 MB slices where rows are
+    longer than their row group's average; a row over the per-document limit is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [f"{i:03d} " * (n // 4) for i, n in enumerate([300_000] * 12 + [3_000] * 600)]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": rows, "id": list(range(len(rows)))}), path, row_group_size=400)
+    f = sources.resolve_sources([str(path)]).files[0]
+    blocks = list(sources.FileReader(f, 0, "text").blocks())
+    assert [v for b in blocks for v in b.payload] == rows
+    assert [b.first_unit for b in blocks] == list(
+        itertools.accumulate([0] + [len(b.payload) for b in blocks[:-1]])
+    )
+    assert max(sum(len(v) for v in b.payload) for b in blocks) <= sources.BLOCK_BYTES
+    assert len(blocks[0].payload) < 12  # the first row group's long rows: a few to a block
+    monkeypatch.setattr(sources, "JSON_LINE_MAX_BYTES", 200_000)
+    with pytest.raises(
+        sources.SourceError, match=r"rows.parquet row 0 is over 200,000 bytes: a parquet"
+    ):
+        list(sources.FileReader(f, 0, "text").blocks())
 
 
 def test_every_format_and_compression_gives_the_same_documents(tmp_path):
