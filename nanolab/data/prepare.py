@@ -651,6 +651,95 @@ class _DistinctWords:
         return self.cap
 
 
+class _SampleRate:
+    """The share of each block's units that the BPE sample draws, so that it holds about
+    ``target`` characters drawn evenly over the whole corpus.
+
+    How much text a compressed or parquet file holds shows only as it is read. A fixed guess
+    of 3x its size drew a corpus of ~9x zstd shards from its first two files, where the cap
+    then stopped the pass without a word. The rate is set before each block (in block order,
+    from the input alone: the same for any number of workers) from the text still expected,
+    at the text per input byte read so far in files of its kind (3x until one is read; a plain
+    file's text is its size), against the part of the target not yet drawn: a start drawn too
+    densely is made up for by the rest."""
+
+    def __init__(self, files: Sequence[InputFile], target: int) -> None:
+        self.files = files
+        self.target = target
+        self.drawn = 0.0  # characters drawn so far, as expected at the rates set
+        #: input bytes and their text, of the files read through, per kind (expands or not)
+        self.done_read = {False: 0, True: 0}
+        self.done_text = {False: 0, True: 0}
+        self.index = -1  # the file being read
+        self.read = 0  # its input bytes read so far
+        self.text = 0  # its text so far
+        #: the last point of it where its text and input bytes are known to match: all its
+        #: text before a block that needed a new read came from the bytes read before it
+        self.matched_read = 0
+        self.matched_text = 0
+
+    @staticmethod
+    def _expands(f: InputFile) -> bool:
+        return f.compression is not None or f.kind == "parquet"
+
+    def _per_byte(self, expands: bool) -> float:
+        """Text per input byte of files of this kind (compressed or parquet, or plain)."""
+        if not expands:
+            return 1.0
+        read, text = self.done_read[True], self.done_text[True]
+        read_now, text_now = read, text  # all the text so far came from the bytes read so far
+        if self.index >= 0 and self._expands(self.files[self.index]):
+            read, text = read + self.matched_read, text + self.matched_text
+            read_now, text_now = read_now + self.read, text_now + self.text
+        guess = text / read if read and text else 3.0
+        return max(guess, text_now / read_now if read_now else 0.0)
+
+    def _ahead(self) -> float:
+        """The text expected in the input not read yet."""
+        later = sum(f.size * self._per_byte(self._expands(f)) for f in self.files[self.index + 1 :])
+        if self.index < 0:
+            return later
+        f = self.files[self.index]
+        return later + max(0.0, f.size * self._per_byte(self._expands(f)) - self.text)
+
+    def keep(self, block: Block, f: InputFile, read_in_file: int) -> float:
+        """The share of ``block`` to draw; ``read_in_file``: ``f``'s input bytes read so far."""
+        if block.file_index != self.index:
+            if self.index >= 0 and self.text:
+                expands = self._expands(self.files[self.index])
+                self.done_read[expands] += self.files[self.index].size
+                self.done_text[expands] += self.text
+            self.index, self.read, self.text = block.file_index, 0, 0
+            self.matched_read = self.matched_text = 0
+        if read_in_file > self.read:
+            self.matched_read, self.matched_text = self.read, self.text
+            self.read = read_in_file
+        text = block_bytes(block)
+        self.text += text
+        ahead = self._ahead() + text  # this block's text included
+        keep = min(1.0, max(0.0, self.target - self.drawn) / max(1.0, ahead))
+        self.drawn += keep * text
+        return keep
+
+    def expected_sample(self) -> float:
+        """The sample's expected size in characters, as the input read so far says."""
+        return min(float(self.target), self.drawn + self._ahead())
+
+    def note_stopped_early(self, taken: int, cap: int) -> None:
+        """Say that the cap ended the sample before the corpus did, and where."""
+        if self.index < 0:
+            return
+        f = self.files[self.index]
+        if self.index == len(self.files) - 1 and self.read >= f.size:
+            return  # the corpus ended with it (or all but what the last read holds)
+        note(
+            "nanolab prepare",
+            f"the BPE sample reached its cap ({cap / 1e6:,.1f}M characters, {taken / 1e6:,.1f}M "
+            f"taken) in file {self.index + 1} of {len(self.files)} ({f.path}): the rest of the "
+            "corpus is not in it; --bpe-sample-bytes sets its size",
+        )
+
+
 #: The part after ``.NAME.KIND-`` of what a write leaves beside the dataset folder: the folder
 #: being written (``tempfile.mkdtemp``'s 8 letters, digits or ``_``) and a replaced copy (the
 #: PID of the process that replaced it).
@@ -789,6 +878,7 @@ class _Job:
         self.n_workers = self.workers or (1 if small else default_workers())
         self.bad_count = 0
         self.bad_examples: list[str] = []
+        self.read_in_file = 0  # the input bytes of the block's file read so far (_blocks)
         #: Text files found bad (a byte that is not UTF-8): each is one document, skipped whole
         #: under --skip-bad, so the rest of it is not read.
         self.dropped: set[int] = set()
@@ -803,6 +893,7 @@ class _Job:
                     if index in self.dropped:
                         break
                     progress.update(done + reader.consumed, tokens())
+                    self.read_in_file = reader.consumed  # for the BPE sample's rate
                     yield block
             done += f.size
         progress.update(done, tokens(), force=True)
@@ -813,9 +904,15 @@ class _Job:
         blocks: Iterable[Block],
         spec: dict[str, Any] | None,
         *extra: Any,
+        args_of: Callable[[Block], tuple[Any, ...]] | None = None,
     ) -> Iterator[tuple[tuple[int, str], T]]:
         """``func(block, *extra)`` over the blocks, in order, with at most 2 x workers in flight,
-        each with its block's file index and kind."""
+        each with its block's file index and kind; ``args_of(block)``, where given, gives each
+        block's own arguments instead of ``extra`` (called in this process, in block order)."""
+
+        def args(block: Block) -> tuple[Any, ...]:
+            return args_of(block) if args_of is not None else extra
+
         settings = EncodeSettings(
             text_field=self.settings["text_field"],
             val_fraction=self.settings["val_fraction"],
@@ -825,7 +922,7 @@ class _Job:
         if self.n_workers == 1:
             encode.init_worker(spec, settings)
             for block in blocks:
-                yield (block.file_index, block.kind), func(block, *extra)
+                yield (block.file_index, block.kind), func(block, *args(block))
             return
         # spawn, not fork: prepare also runs inside `fit`, where torch's threads make fork unsafe.
         ctx = multiprocessing.get_context("spawn")
@@ -848,7 +945,7 @@ class _Job:
                         in_flight -= done
                         yield where, future.result()
                     with stop_signals_held():  # a worker starts inside submit: see _stop
-                        future = pool.submit(func, block, *extra)
+                        future = pool.submit(func, block, *args(block))
                     pending.append(((block.file_index, block.kind), future, size))
                     in_flight += size
                     if len(pending) >= 2 * self.n_workers:
@@ -912,11 +1009,18 @@ class _Job:
             return train_bpe(self._bpe_sample(), self.bpe_vocab_size)
         return build_tokenizer(name, lambda: [], eot_token=self.eot_token)
 
-    def _first_pass(self, phase: str, func: Callable[..., Any], *extra: Any) -> Iterator[Any]:
+    def _first_pass(
+        self,
+        phase: str,
+        func: Callable[..., Any],
+        *extra: Any,
+        args_of: Callable[[Block], tuple[Any, ...]] | None = None,
+    ) -> Iterator[Any]:
         """What ``func`` makes of each block, in a streaming pass before the encoding one."""
         progress = _Progress(phase, self.total_bytes, self.quiet)
         try:
-            results = self._map(func, self._blocks(progress, lambda: 0), None, *extra)
+            blocks = self._blocks(progress, lambda: 0)
+            results = self._map(func, blocks, None, *extra, args_of=args_of)
             kept = 0
             with contextlib.closing(results):
                 for where, (result, errors, documents) in results:
@@ -937,25 +1041,27 @@ class _Job:
         return self._first_pass("alphabet", encode.block_alphabet)
 
     def _bpe_sample(self) -> Iterator[str]:
-        """A bounded sample drawn across the whole corpus, by a fixed hash per unit."""
-        # Compressed and parquet inputs hold ~3x their size in text; the cap below keeps the
-        # sample bounded when that guess is low.
-        expected = sum(
-            f.size * (1 if f.compression is None and f.kind != "parquet" else 3) for f in self.files
-        )
-        keep = min(1.0, self.bpe_sample_bytes / max(1, expected))
-        cap = int(self.bpe_sample_bytes * 1.25)
+        """A bounded sample drawn across the whole corpus, by a fixed hash per unit, at a rate
+        :class:`_SampleRate` sets before each block from the text read so far."""
+        rate = _SampleRate(self.files, self.bpe_sample_bytes)
+        cap = int(self.bpe_sample_bytes * 1.25)  # the rate aims at the size; this bounds it
         taken = 0
         probe = _DistinctWords()
-        with contextlib.closing(self._first_pass("bpe sample", encode.block_sample, keep)) as each:
+
+        def keep_of(block: Block) -> tuple[float]:
+            return (rate.keep(block, self.files[block.file_index], self.read_in_file),)
+
+        each = self._first_pass("bpe sample", encode.block_sample, args_of=keep_of)
+        with contextlib.closing(each):
             for texts in each:
                 for text in texts:
                     taken += len(text)
                     probe.add(text)
                     yield text
                 if probe.full() and probe.cap is None:
-                    cap = probe.bounded_cap(cap, expected * keep)
+                    cap = probe.bounded_cap(cap, rate.expected_sample())
                 if taken >= cap:
+                    rate.note_stopped_early(taken, cap)
                     break
 
     # -- the run ----------------------------------------------------------------------------
