@@ -565,7 +565,10 @@ def test_cli_bad_input(args: list[str], message: str | None, capsys) -> None:
         (
             {
                 "trainer": {
-                    "strategy": {"class_path": "DeepSpeedStrategy", "init_args": {"stage": 4}}
+                    "strategy": {  # as the shipped overlays name it (a short name is ambiguous
+                        "class_path": "nanolab.training.strategies.DeepSpeedStrategy",  # once
+                        "init_args": {"stage": 4},  # nanolab's own is imported in this process)
+                    }
                 }
             },
             "stage",
