@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import nanolab_here, tiny_overrides, write_config
+from conftest import nanolab_here, tiny_overrides, write_config
 
 
 def _verdicts(
