@@ -586,14 +586,19 @@ HUGE_GRADIENTS = ("--trainer.callbacks+=cli_probes.HugeGradientsAt", "--trainer.
 
 
 def _saving_every_step(
-    char_dataset, tmp_path, name: str, max_steps: int, max_disk_gb: float | None = None
+    char_dataset,
+    tmp_path,
+    name: str,
+    max_steps: int,
+    max_disk_gb: float | None = None,
+    every_n_steps: int = 1,
 ) -> str:
-    """A tiny run's config saving every step, keeping 2, no validation, no spike guard (its
-    own rollback file would be kept beside them)."""
+    """A tiny run's config saving every step (or ``every_n_steps``), keeping 2, no validation,
+    no spike guard (its own rollback file would be kept beside them)."""
     cfg = tiny_overrides(
         char_dataset, tmp_path / "runs", run__name=name, run__eval_every_steps=1000,
-        trainer__max_steps=max_steps, checkpoint__every_n_steps=1, checkpoint__keep_last=2,
-        checkpoint__max_disk_gb=max_disk_gb, spike__enabled=False,
+        trainer__max_steps=max_steps, checkpoint__every_n_steps=every_n_steps,
+        checkpoint__keep_last=2, checkpoint__max_disk_gb=max_disk_gb, spike__enabled=False,
     )  # fmt: skip
     cfg["trainer"]["limit_val_batches"] = 0
     return str(write_config(tmp_path / f"{name}.yaml", cfg))
@@ -626,6 +631,22 @@ def test_a_scheduled_save_inside_non_finite_steps_waits_for_a_finite_step(
             "step-00000002.ckpt", "step-00000003.ckpt"]  # fmt: skip
         assert os.path.samefile(folder / "last.ckpt", folder / "step-00000003.ckpt")
         assert f"--run.resume {folder / 'step-00000002.ckpt'} " in res.stderr
+
+
+def test_a_held_save_is_taken_once_then_the_schedule_goes_on(tmp_path, char_dataset):
+    """Saving every 3 steps, no validation: step 3's gradient norm is infinite, so its save
+    waits for step 4, the first finite step. The run then saved at every step until its end
+    (4, 5, 6, 7, 8, 9: the owed save was never marked as taken); it saves step 4 once, then
+    goes on every 3 steps.
+
+    Mutations caught: the held save owed at every later step; never taken."""
+    config = _saving_every_step(char_dataset, tmp_path, "once", 9, every_n_steps=3)
+    res = nanolab_here("fit", "--config", config, *HUGE_GRADIENTS, "[3]", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "once"
+    saved = [r["step"] for r in read_records(run / "metrics.jsonl", "checkpoint")]
+    assert saved == [4, 6, 9]
+    assert res.stderr.count("not saving step-00000003.ckpt yet") == 1
 
 
 @pytest.mark.parametrize("max_disk_gb", [None, 0.001], ids=["keep_last", "max_disk_gb"])

@@ -346,6 +346,9 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         if validation_follows(trainer):
             self._pending_save = True
             return
+        # Taken now: a save held inside non-finite steps is owed once, not at every later step
+        # (the hold owes it again while they stay open).
+        self._pending_save = False
         self._scheduled_save(trainer, step)
 
     def on_validated(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
