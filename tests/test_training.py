@@ -594,11 +594,13 @@ def _saving_every_step(
     every_n_steps: int = 1,
 ) -> str:
     """A tiny run's config saving every step (or ``every_n_steps``), keeping 2, no validation,
-    no spike guard (its own rollback file would be kept beside them)."""
+    no spike guard (its own rollback file would be kept beside them), the gradient norm
+    clipped at 1.0: an infinite norm zeroes the step, so its weights stay finite."""
     cfg = tiny_overrides(
         char_dataset, tmp_path / "runs", run__name=name, run__eval_every_steps=1000,
         trainer__max_steps=max_steps, checkpoint__every_n_steps=every_n_steps,
         checkpoint__keep_last=2, checkpoint__max_disk_gb=max_disk_gb, spike__enabled=False,
+        trainer__gradient_clip_val=1.0,
     )  # fmt: skip
     cfg["trainer"]["limit_val_batches"] = 0
     return str(write_config(tmp_path / f"{name}.yaml", cfg))
