@@ -310,6 +310,9 @@ def test_a_run_of_skipped_steps_in_progress_survives_a_resume():
     assert (after.bad, after.skipped) == (Streak(1, 40), Streak(2, 39))
     after.load_state_dict({})  # a checkpoint from before: nothing in progress
     assert (after.bad, after.skipped) == (Streak(), Streak())
+    off = DivergenceStop(enabled=False)  # watches no step: nothing would ever end them
+    off.load_state_dict(state)
+    assert (off.bad, off.skipped, off.open_bad_streak) == (Streak(), Streak(), None)
 
 
 def test_the_collapse_line_names_the_branch_from_before_the_skipped_steps(tmp_path):

@@ -687,6 +687,28 @@ def test_a_preemption_inside_non_finite_steps_saves_and_keeps_the_branch_checkpo
     assert f"--run.resume {folder / 'step-00000002.ckpt'} " in second.stderr
 
 
+def test_a_resume_with_the_divergence_stop_off_holds_no_save(tmp_path, char_dataset):
+    """SIGTERM in step 5, inside steps 4-5 whose gradient norm is infinite: step 5 is saved
+    with that open run of bad steps inside. Resumed with ``divergence.enabled false``, the stop
+    restored it, never watched a step to close it, and every later save was held ("not
+    saving ... waits for a finite step", then the end's save "holds a state after non-finite
+    steps"); an inactive stop drops it, and the resume saves every step.
+
+    Mutations caught: a restored run of bad steps kept by the stop that is off; reported."""
+    config = _saving_every_step(char_dataset, tmp_path, "off", 8)
+    signal = ("--trainer.callbacks+=cli_probes.SignalAt", "--trainer.callbacks.step", "4")
+    first = nanolab_here("fit", "--config", config, *HUGE_GRADIENTS, "[4, 5]", *signal,
+                         cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 75, first.stderr[-3000:]
+    second = nanolab_here("fit", "--config", config, "--divergence.enabled", "false",
+                          cwd=tmp_path)  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "non-finite" not in second.stderr and "not saving" not in second.stderr
+    saved = [r["step"] for r in read_records(tmp_path / "runs" / "off" / "metrics.jsonl",
+                                             "checkpoint")]  # fmt: skip
+    assert saved == [1, 2, 3, 5, 6, 7, 8]
+
+
 @pytest.mark.parametrize("every", [1, 1000], ids=["branch-from-step-1", "no-checkpoint"])
 def test_a_diverged_run_s_next_line_is_its_branch_not_generate(tmp_path, char_dataset, every):
     """Steps 3-5 have an infinite gradient norm: the run stops as diverged at step 5. Its end

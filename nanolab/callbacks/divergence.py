@@ -265,8 +265,9 @@ class DivergenceStop(StepCallback):
         """The first step of the non-finite steps in a row so far (the last step was not
         finite), or None. Until they reach ``patience`` (the stop) or a finite step ends them,
         the state may be the one that diverges: the checkpoint callback holds its scheduled
-        saves (:func:`~nanolab.callbacks.events.open_bad_streak`)."""
-        return self.bad.first if self.bad.count else None
+        saves (:func:`~nanolab.callbacks.events.open_bad_streak`). None when the stop is off
+        (``enabled: false``): it watches no step, so nothing would ever close a run of them."""
+        return self.bad.first if self.active and self.bad.count else None
 
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
@@ -416,10 +417,17 @@ class DivergenceStop(StepCallback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the runs of steps in progress; a stop turned off (``enabled: false``)
+        drops them: it watches no step, so none of them would ever end, and its own saves must
+        not carry them on to a later resume that checks again."""
+
         def streak(key: str) -> Streak:
             count, first = state_dict.get(key, (0, None))  # older checkpoints: none in progress
             return Streak(int(count), None if first is None else int(first))
 
+        if not self.enabled:
+            self.bad, self.skipped = Streak(), Streak()
+            return
         self.bad, self.skipped = streak("bad"), streak("skipped")
 
 
