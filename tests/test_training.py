@@ -675,7 +675,10 @@ def test_a_preemption_inside_non_finite_steps_saves_and_keeps_the_branch_checkpo
     if max_disk_gb is not None:
         kept.remove("step-00000003.ckpt")
     assert sorted(p.name for p in folder.glob("step-*")) == kept
-    assert "step-00000005.ckpt holds a state after non-finite steps (from step 4)" in first.stderr
+    assert (
+        "step-00000005.ckpt holds a state after non-finite steps (from step 4): a resume goes on "
+        "from it and stops as diverged if the next step is not finite either" in first.stderr
+    )
     assert (
         "step-00000002.ckpt, the newest checkpoint a finite step followed, is kept" in first.stderr
     )
@@ -685,6 +688,35 @@ def test_a_preemption_inside_non_finite_steps_saves_and_keeps_the_branch_checkpo
     assert (end["reason"], end["diverged_step"], end["step"]) == ("diverged", 4, 6), end
     assert sorted(p.name for p in folder.glob("step-*")) == kept
     assert f"--run.resume {folder / 'step-00000002.ckpt'} " in second.stderr
+
+
+def test_a_budget_stop_on_a_non_finite_step_says_only_what_its_save_holds(tmp_path, char_dataset):
+    """``budget.max_tokens`` stops the run at step 6 (128 tokens a step), whose gradient norm
+    is infinite (patience 3), saving every 2 steps. Two lines contradicted each other: "not
+    saving step-00000006.ckpt yet ... the save waits for a finite step", then the stop's save
+    of that very step, which "stops as diverged where this run would" on a resume (this run
+    stopped on its budget). The stop's save follows at once, so no waiting line, and the resume
+    stops as diverged only if its next 2 steps are not finite either.
+
+    Mutations caught: the waiting line said; the resume's stop stated as certain."""
+    cfg = tiny_overrides(
+        char_dataset, tmp_path / "runs", run__name="bud", run__eval_every_steps=1000,
+        trainer__max_steps=20, checkpoint__every_n_steps=2, checkpoint__keep_last=2,
+        spike__enabled=False, budget__max_tokens=768, trainer__gradient_clip_val=1.0,
+    )  # fmt: skip
+    cfg["trainer"]["limit_val_batches"] = 0
+    config = str(write_config(tmp_path / "bud.yaml", cfg))
+    res = nanolab_here("fit", "--config", config, *HUGE_GRADIENTS, "[6]", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "bud"
+    end = read_records(run / "metrics.jsonl", "end")[-1]
+    assert (end["reason"], end["step"]) == ("budget", 6), end
+    assert [r["step"] for r in read_records(run / "metrics.jsonl", "checkpoint")] == [2, 4, 6]
+    assert "not saving" not in res.stderr and "where this run would" not in res.stderr
+    assert (
+        "step-00000006.ckpt holds a state after non-finite steps (from step 6): a resume goes on "
+        "from it and stops as diverged if the next 2 steps are not finite either" in res.stderr
+    )
 
 
 def test_a_resume_with_the_divergence_stop_off_holds_no_save(tmp_path, char_dataset):

@@ -50,7 +50,7 @@ from nanolab.callbacks.checkpoint_io import (  # noqa: F401  (STEP_FILE, step_of
     kept_for_rollback,
     step_of,
 )
-from nanolab.callbacks.events import emit, open_bad_streak, stop_saves_state
+from nanolab.callbacks.events import bad_steps_left, emit, open_bad_streak, stop_saves_state
 from nanolab.callbacks.files import publish, remove
 from nanolab.callbacks.rundir import CHECKPOINT_DIR
 from nanolab.callbacks.step import (
@@ -415,12 +415,15 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         skipped) that the divergence stop counts towards ``patience``. Saved, it became
         ``last.ckpt`` and rotation could delete the checkpoint a branch would start from; the
         save is taken at the first finite step instead (none if the run stops as diverged),
-        said once per run of such steps."""
+        said once per run of such steps; not when the run stops at this step (the stop's own
+        save follows, with its line, or the stop says why it saves nothing)."""
         bad_from = open_bad_streak(trainer)
         if bad_from is None:
             self._held_for = None
             return False
         self._pending_save = True  # the next step that closes the run of bad steps saves
+        if trainer.should_stop or self.last_saved_step == step:
+            return True
         if trainer.is_global_zero and self._held_for != bad_from:
             newest = self.newest_saved()
             kept = f"{newest} (step {self.last_saved_step})" if newest else "none yet"
@@ -519,13 +522,15 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
         else:
             done()
         if bad_from is not None:
-            self._say_kept_for_branch(path, bad_from)
+            self._say_kept_for_branch(path, bad_from, bad_steps_left(trainer))
         self._emit_done(trainer)
         return path
 
-    def _say_kept_for_branch(self, path: Path, bad_from: int) -> None:
-        """One line on a save inside non-finite steps: what it holds, and which checkpoint
-        rotation keeps for a branch from before them."""
+    def _say_kept_for_branch(self, path: Path, bad_from: int, left: int | None) -> None:
+        """One line on a save inside non-finite steps: what it holds, what its resume does
+        (stops as diverged only if the ``left`` steps after it are not finite either: it may
+        recover, as this run might have), and which checkpoint rotation keeps for a branch
+        from before them."""
         branch = branch_step(self._existing_steps(), bad_from)
         kept = (
             f"; {step_checkpoint_name(branch)}, the newest checkpoint a finite step followed, "
@@ -533,10 +538,16 @@ class RotatingCheckpoint(StepCallback, Checkpoint):
             if branch is not None
             else ""
         )
+        after = "the next step is" if left == 1 else f"the next {left} steps are"
+        diverges = (
+            f"stops as diverged if {after} not finite either"
+            if left is not None
+            else "stops as diverged where this run would"
+        )
         warn(
             "nanolab",
             f"{path.name} holds a state after non-finite steps (from step {bad_from}): a "
-            f"resume goes on from it and stops as diverged where this run would{kept}",
+            f"resume goes on from it and {diverges}{kept}",
         )
 
     def unrecorded_records(self, trainer: L.Trainer, log: Path) -> list[dict[str, Any]]:

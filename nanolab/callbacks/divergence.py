@@ -269,6 +269,12 @@ class DivergenceStop(StepCallback):
         (``enabled: false``): it watches no step, so nothing would ever close a run of them."""
         return self.bad.first if self.active and self.bad.count else None
 
+    @property
+    def bad_steps_left(self) -> int | None:
+        """How many more non-finite steps in a row stop the run (``patience`` less the open
+        run of them), or None when none is open (:attr:`open_bad_streak`)."""
+        return self.patience - self.bad.count if self.open_bad_streak is not None else None
+
     def on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         assert self.clock is not None
         self._observe_all(trainer, self.clock.readout.completed)

@@ -73,10 +73,22 @@ def open_bad_streak(trainer: L.Trainer) -> int | None:
     last step was finite. The checkpoint callback holds its scheduled saves while one is open
     and keeps the checkpoint a branch would start from. Asked of whichever attached callback
     offers ``open_bad_streak`` (the divergence stop): the checkpoint callback sits below it."""
+    return _offered_step_count(trainer, "open_bad_streak")
+
+
+def bad_steps_left(trainer: L.Trainer) -> int | None:
+    """How many more non-finite optimizer steps in a row stop the run as diverged (the
+    divergence stop's ``patience`` less the open run of them), or None when none is open: what
+    a checkpoint saved inside them may yet do on a resume."""
+    return _offered_step_count(trainer, "bad_steps_left")
+
+
+def _offered_step_count(trainer: L.Trainer, name: str) -> int | None:
+    """The int attribute ``name`` of the first attached callback that offers one, or None."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        first = getattr(callback, "open_bad_streak", None)
-        if isinstance(first, int) and not isinstance(first, bool):
-            return first
+        value = getattr(callback, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
 
 
