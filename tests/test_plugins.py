@@ -197,6 +197,63 @@ def test_a_resume_that_changes_a_fork_classs_own_setting_is_refused(
     assert code == 0, err[-2000:]
 
 
+HOOKS = """
+from typing import Callable
+
+from nanolab.training.module import GPTLightningModule
+
+
+def softcap(x):
+    return x
+
+
+class Sched:
+    def __init__(self, k: float = 1.0) -> None:
+        self.k = k
+
+
+class HookGPT(GPTLightningModule):
+    \"\"\"Own settings with no plain form of their own: a function and an object.\"\"\"
+
+    def __init__(
+        self, *args, logit_fn: Callable = softcap, aux: Sched = Sched(), **kwargs
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.logit_fn, self.aux = logit_fn, aux
+"""
+
+
+def test_a_fork_whose_own_settings_are_a_function_and_an_object_resumes(
+    tmp_path, char_dataset, plugin, capsys, monkeypatch
+) -> None:
+    """A function's text holds its address, another at every launch: the checkpoint records
+    a function by its import path (compared: another one is refused) and an object as the
+    parser writes it, so the run resumes; an address recorded by an earlier nanolab is not
+    compared."""
+    (plugin / "mylab" / "hooks.py").write_text(HOOKS)
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_overrides(char_dataset, tmp_path / "runs", trainer__max_steps=2)
+    tiny = write_config(tmp_path / "tiny.yaml", cfg)
+    code, _, err = run(capsys, "fit", "--config", str(tiny), "--model", "mylab.hooks.HookGPT")
+    assert code == 0, err[-2000:]
+    run_dir = tmp_path / "runs" / "tiny"
+    ckpt = run_dir / "checkpoints" / "step-00000002.ckpt"
+    record = torch.load(ckpt, weights_only=True)["nanolab"]["classes"]["model"]
+    aux = {"class_path": "mylab.hooks.Sched", "init_args": {"k": 1.0}}  # the parser's form
+    assert record["settings"] == {"logit_fn": "mylab.hooks.softcap", "aux": aux}, record
+    again = ["fit", "--config", str(run_dir / "config.yaml")]
+    code, _, err = run(capsys, *again, "--model.logit_fn", "torch.tanh", "--trainer.max_steps", "3")
+    assert code == 2 and "model.logit_fn torch.tanh (it trained with mylab.hooks.softcap)" in err
+    code, _, err = run(capsys, *again, "--trainer.max_steps", "3")
+    assert code == 0, err[-2000:]
+    newest = run_dir / "checkpoints" / "step-00000003.ckpt"
+    state = torch.load(newest, weights_only=True)
+    state["nanolab"]["classes"]["model"]["settings"]["logit_fn"] = "<function softcap at 0x7f11>"
+    torch.save(state, newest)
+    code, _, err = run(capsys, *again, "--trainer.max_steps", "4")
+    assert code == 0, err[-2000:]
+
+
 def test_a_plugin_that_does_not_import_is_one_line(tmp_path, char_dataset, plugin, capsys) -> None:
     tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
     broken = write_config(

@@ -13,8 +13,12 @@ from the checkpoint) takes its own values. nanolab's own settings keep their own
 
 from __future__ import annotations
 
+import enum
 import inspect
 import json
+import os
+import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,11 +46,61 @@ def nanolab_parameters(cls: type) -> set[str]:
 
 
 def own_settings(cls: type, init_args: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings of ``init_args`` that are ``cls``'s own (no nanolab class defines them), as
-    plain data (what JSON can hold; anything else as its text)."""
+    """The settings of ``init_args`` that are ``cls``'s own (no nanolab class defines them)
+    and have a stable plain form (:func:`plain_form`). Another value (an object, a function
+    defined inside another) is left out: its text (``<function f at 0x7f...>``) holds an
+    address that differs at every launch, so comparing it would refuse every resume."""
     ours = nanolab_parameters(cls)
-    own = {k: v for k, v in init_args.items() if k not in ours and not k.startswith("__")}
-    return json.loads(json.dumps(own, default=str))
+    own = {}
+    for key, value in init_args.items():
+        if key in ours or key.startswith("__"):
+            continue
+        plain = plain_form(value)
+        if plain is not _NO_PLAIN_FORM:
+            own[key] = plain
+    return own
+
+
+_NO_PLAIN_FORM = object()
+
+
+def plain_form(value: Any) -> Any:
+    """``value`` as JSON data that is the same at every launch: numbers, text, booleans and
+    None, lists and string-keyed dicts of those, an enum member as its name, a path as its
+    text, a module-level function or class as its import path (``mylab.models.softcap``,
+    what a config names it by); ``_NO_PLAIN_FORM`` for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        items = [plain_form(v) for v in value]
+        return _NO_PLAIN_FORM if any(i is _NO_PLAIN_FORM for i in items) else items
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            return _NO_PLAIN_FORM
+        pairs = {k: plain_form(v) for k, v in value.items()}
+        return _NO_PLAIN_FORM if _NO_PLAIN_FORM in pairs.values() else pairs
+    if inspect.isfunction(value) or inspect.isclass(value) or inspect.isbuiltin(value):
+        return _import_path(value)
+    return _NO_PLAIN_FORM
+
+
+def _import_path(value: Any) -> Any:
+    """``module.name`` that imports ``value`` back (``torch.tanh``, not its ``__qualname__``
+    ``_VariableFunctionsClass.tanh``), else ``_NO_PLAIN_FORM`` (a lambda, a local function)."""
+    module = sys.modules.get(getattr(value, "__module__", None) or "")
+    if module is None:
+        return _NO_PLAIN_FORM
+    for name in (getattr(value, "__qualname__", ""), getattr(value, "__name__", "")):
+        found: Any = module
+        for part in str(name).split("."):
+            found = getattr(found, part, _NO_PLAIN_FORM) if part else _NO_PLAIN_FORM
+        if found is value:
+            return f"{module.__name__}.{name}"
+    return _NO_PLAIN_FORM
 
 
 def classes_record(
@@ -81,9 +135,19 @@ def changed_own_settings(
         if not isinstance(old, Mapping) or not isinstance(new, Mapping):
             continue
         for key, value in old.items():
-            if key in new and not _same(new[key], value):
+            if key in new and not _address_text(value) and not _same(new[key], value):
                 changed.append((f"{section}.{key}", value, new[key]))
     return changed
+
+
+_ADDRESS = re.compile(r"<.* at 0x[0-9a-fA-F]+>")
+
+
+def _address_text(value: Any) -> bool:
+    """Whether a recorded value is an object's text with its address (``<function f at
+    0x7f...>``), as checkpoints of an earlier nanolab recorded what had no plain form: it is
+    never the same twice, so it is not compared."""
+    return isinstance(value, str) and _ADDRESS.search(value) is not None
 
 
 def _same(a: Any, b: Any) -> bool:
