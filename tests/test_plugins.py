@@ -395,6 +395,60 @@ def test_a_gpt_subclass_that_builds_another_network_is_not_estimated_as_the_gpt(
     assert not (tmp_path / "exported").exists()
 
 
+NEAR_GPT = """
+from dataclasses import dataclass
+
+import torch
+
+from nanolab.training.module import GPTLightningModule
+
+
+@dataclass
+class LossCfg:
+    smoothing: float = 0.1
+
+
+class DCGPT(GPTLightningModule):
+    def __init__(self, *args, loss: LossCfg = LossCfg(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.smoothing = loss.smoothing
+
+
+class TempGPT(GPTLightningModule):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_temp = torch.nn.Parameter(torch.zeros(()))
+
+
+class ShyGPT(GPTLightningModule):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if torch.empty(1).is_meta:
+            raise RuntimeError("no meta device here")
+"""
+
+
+def test_a_fork_near_the_gpt_is_estimated_as_the_gpt_with_a_note(
+    tmp_path, char_dataset, plugin, capsys
+) -> None:
+    """A dataclass setting is given as the parser instantiates it (the GPT exactly: no note);
+    one learned parameter more, or a class that cannot be built to count, is estimated as the
+    GPT with a note saying so, not refused."""
+    (plugin / "mylab" / "near.py").write_text(NEAR_GPT)
+    tiny = write_config(tmp_path / "tiny.yaml", tiny_overrides(char_dataset, tmp_path / "runs"))
+    base = ["estimate", "--config", str(tiny), "--device", "cpu"]
+    code, out, err = run(
+        capsys, *base, "--model", "mylab.near.DCGPT", "--model.loss.smoothing", "0.2"
+    )
+    assert code == 0 and "mylab.near" not in out + err, (out, err)
+    code, out, err = run(capsys, *base, "--model", "mylab.near.ShyGPT")
+    assert code == 0, err
+    assert (
+        "note: model mylab.near.ShyGPT could not be built from the config to count its "
+        "parameters (RuntimeError: no meta device here); estimated as nanolab's GPT" in out
+    ), out
+
+
 NEAR = """
 from dataclasses import dataclass
 

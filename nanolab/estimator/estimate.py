@@ -406,6 +406,8 @@ def estimate_from_config(
         )
     if be != "cpu" and not g.bf16 and "bf16" in setup.precision:
         warnings.append(f"{g.name} has no bf16 support: use precision 16-mixed")
+    if setup.model_note:
+        warnings.append(setup.model_note)
     if setup.devices_guessed:
         warnings.append(
             "trainer.devices is auto: estimated for 1 device per node; pass --devices N "

@@ -67,6 +67,9 @@ class Setup:
             given, so one device per node was assumed.
         data_micro_batch_size: ``data.micro_batch_size``, what an ``auto`` micro-batch trains
             at where fit has no GPU memory to plan against (a CPU run).
+        model_note: A model class of a project's own estimated as nanolab's GPT of ``gpt``
+            though not exactly it (a few parameters more, or not buildable to count): the
+            line that says so with the estimate (:mod:`nanolab.estimator.own_class`).
     """
 
     gpt: GPTConfig
@@ -85,6 +88,7 @@ class Setup:
     devices_guessed: bool = False  # trainer.devices was "auto" and nothing overrode it
     float32_matmul_precision: str = "high"
     data_micro_batch_size: int | None = None
+    model_note: str = ""  # a model class of one's own estimated as its GPT: how it differs
 
     @property
     def world_size(self) -> int:
@@ -255,12 +259,14 @@ def setup_from_config(
         raise EstimateError(str(err)) from None
     from nanolab.training.plugins import DEFAULT_MODEL
 
+    model_note = ""
     if model_class != DEFAULT_MODEL:  # a class of one's own may build another network
-        from nanolab.estimator.own_class import OtherNetworkError, other_network
+        from nanolab.estimator.own_class import OtherNetworkError, own_class_verdict
 
-        problem = other_network(model_class, model, gpt)
-        if problem is not None:
-            raise OtherNetworkError(problem)
+        verdict = own_class_verdict(model_class, model, gpt)
+        if verdict.refusal is not None:
+            raise OtherNetworkError(verdict.refusal)
+        model_note = verdict.note
 
     if devices is not None:
         devices = int_setting(devices, "devices")
@@ -334,6 +340,7 @@ def setup_from_config(
         devices_guessed=resolved.devices_guessed,
         float32_matmul_precision=matmul,
         data_micro_batch_size=_positive_int_or_none(data.get("micro_batch_size")),
+        model_note=model_note,
     )
     check_setup(setup)
     return setup

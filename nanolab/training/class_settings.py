@@ -51,14 +51,18 @@ def own_settings(cls: type, init_args: Mapping[str, Any]) -> dict[str, Any]:
     defined inside another) is left out: its text (``<function f at 0x7f...>``) holds an
     address that differs at every launch, so comparing it would refuse every resume."""
     ours = nanolab_parameters(cls)
-    own = {}
-    for key, value in init_args.items():
-        if key in ours or key.startswith("__"):
-            continue
+    return plain_settings({k: v for k, v in init_args.items() if k not in ours})
+
+
+def plain_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that have a stable plain form (:func:`plain_form`), in it; private keys
+    (``__path__``) and the others left out."""
+    out = {}
+    for key, value in settings.items():
         plain = plain_form(value)
-        if plain is not _NO_PLAIN_FORM:
-            own[key] = plain
-    return own
+        if plain is not _NO_PLAIN_FORM and not key.startswith("__"):
+            out[key] = plain
+    return out
 
 
 _NO_PLAIN_FORM = object()
