@@ -441,6 +441,10 @@ def test_a_fork_near_the_gpt_is_estimated_as_the_gpt_with_a_note(
         capsys, *base, "--model", "mylab.near.DCGPT", "--model.loss.smoothing", "0.2"
     )
     assert code == 0 and "mylab.near" not in out + err, (out, err)
+    code, out, err = run(capsys, *base, "--model", "mylab.near.TempGPT")
+    assert code == 0, err
+    assert "note: model mylab.near.TempGPT has 1 parameter more than nanolab's GPT (" in out
+    assert "within 1%); estimated as nanolab's GPT of model.gpt" in out, out
     code, out, err = run(capsys, *base, "--model", "mylab.near.ShyGPT")
     assert code == 0, err
     assert (

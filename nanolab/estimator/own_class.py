@@ -27,6 +27,12 @@ class OtherNetworkError(RunConfigError):
     callers that retry an unprepared data's config with a guessed one do not retry this."""
 
 
+#: How far a class's parameter count may be from its GPT's and still be estimated as that GPT
+#: (a learned temperature, a gate: a few parameters change no memory or time the estimate
+#: could show); beyond it the class trains another network.
+NEAR_SHARE = 0.01
+
+
 @dataclass(frozen=True)
 class OwnClassVerdict:
     """What the estimator makes of a model class of a project's own: ``refusal`` (its
@@ -41,7 +47,8 @@ def own_class_verdict(
     model_class: str, model_args: Mapping[str, Any], gpt: GPTConfig
 ) -> OwnClassVerdict:
     """Whether ``model_class`` trains nanolab's GPT of ``gpt``: the same parameter count (no
-    note), another (refused), or a class that cannot be built from the config to count (estimated as
+    note), one within :data:`NEAR_SHARE` (estimated as the GPT, the difference said), one
+    further (refused), or a class that cannot be built from the config to count (estimated as
     the GPT, said: fit may build it where this count could not). ``model_args`` is the
     config's ``model`` section (class path resolved): the class's own settings are given to it
     as the fit parser instantiates them (a dataclass, a function by its path), nanolab's keep
@@ -63,6 +70,15 @@ def own_class_verdict(
     trains, plain = counts
     if trains == plain:
         return OwnClassVerdict()
+    if abs(trains - plain) <= NEAR_SHARE * plain:
+        apart = abs(trains - plain)
+        words = f"{apart:,} parameter{'s' if apart > 1 else ''} " + (
+            "more" if trains > plain else "fewer"
+        )
+        return OwnClassVerdict(
+            note=f"model {model_class} has {words} than nanolab's GPT ({trains:,}, not "
+            f"{plain:,}: {apart / plain:.2%}, within {NEAR_SHARE:.0%}); {as_gpt}"
+        )
     return OwnClassVerdict(
         refusal=f"model {model_class} trains another network than nanolab's GPT ({trains:,} "
         f"parameters, not {plain:,}); it cannot be estimated: the estimator describes only the "
