@@ -538,6 +538,49 @@ def test_checkpoints_auto_skips_as_unreadable_are_set_aside_not_overwritten(
     assert torch.load(last, weights_only=True)["global_step"] == 9
 
 
+def test_a_file_named_rolled_back_is_one_line_before_training(tmp_path, char_dataset):
+    """``run.resume auto`` skipping an unreadable step-8 must set it aside; a FILE named
+    ``rolled_back`` (or a folder nanolab cannot write) was a traceback from inside the fit.
+    Now one line naming it and the fix, exit 2, before training: nothing moved or written."""
+    cfg, folder = _run_with_checkpoints_every_2_steps(tmp_path, char_dataset)
+    step8 = folder / "step-00000008.ckpt"
+    step8.write_bytes(step8.read_bytes()[:1000])
+    (folder / "rolled_back").write_text("notes\n")
+    log = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    before = {p.name: p.read_bytes() for p in [*folder.iterdir(), log]}
+    again = nanolab_here("fit", "--config", str(cfg), "--trainer.max_steps", "9", cwd=tmp_path)
+    errors = [ln for ln in again.stderr.splitlines() if "error" in ln or "Traceback" in ln]
+    assert again.returncode == 2 and len(errors) == 1, again.stderr[-2000:]
+    assert errors[0] == (
+        f"nanolab fit: error: {folder / 'rolled_back'} is a file, not a folder: nanolab sets "
+        "checkpoints newer than the one a run resumes from aside there; rename or remove that "
+        "file and launch again"
+    )
+    assert {p.name: p.read_bytes() for p in [*folder.iterdir(), log]} == before
+
+
+def test_a_checkpoint_that_cannot_be_set_aside_is_one_line(tmp_path, monkeypatch):
+    """A rename refused by the file system (another device, a read-only file) names the
+    file, the folder and the fix, as one error line, not an OSError traceback."""
+    from nanolab.callbacks.checkpoint import set_aside_newer
+    from nanolab.errors import RunConfigError
+
+    for step in (2, 4):
+        (tmp_path / f"step-{step:08d}.ckpt").write_bytes(b"x")
+
+    def refuse(self: Path, target: Path) -> None:
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(Path, "rename", refuse)
+    with pytest.raises(RunConfigError) as caught:
+        set_aside_newer(tmp_path, tmp_path / "step-00000002.ckpt", 2)
+    assert str(caught.value) == (
+        f"cannot move {tmp_path / 'step-00000004.ckpt'} to {tmp_path / 'rolled_back'} (Invalid "
+        f"cross-device link): the run's saves would overwrite it; move it out of {tmp_path} "
+        f"yourself (or make {tmp_path / 'rolled_back'} writable) and launch again"
+    )
+
+
 def test_a_resume_that_fails_to_restore_sets_nothing_aside(tmp_path, char_dataset):
     """The later checkpoints move aside once the resume has restored: a resume from an older
     checkpoint refused during the restore (another data.align) left the run rewound, and the

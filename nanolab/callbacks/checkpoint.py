@@ -60,7 +60,7 @@ from nanolab.callbacks.step import (
     validation_follows,
 )
 from nanolab.claimed import ClaimedDir, LeftClaimedDir
-from nanolab.errors import size_text
+from nanolab.errors import RunConfigError, size_text
 from nanolab.messages import warn
 from nanolab.model.param_sizes import local_values
 from nanolab.runlog import iter_backwards
@@ -932,17 +932,61 @@ def set_aside_newer(
     ]
     moving = newer + sorted(own_bytes)
     if moving:
-        aside = folder / ROLLED_BACK_DIR
-        aside.mkdir(exist_ok=True)
+        aside = rolled_back_folder(folder)
         for path in moving:
             kept = aside / path.name
             n = 1
             while kept.exists():  # an earlier rollback moved one of that name: keep both
                 kept, n = aside / f"{path.stem}.{n}{path.suffix}", n + 1
-            path.rename(kept)
+            try:
+                path.rename(kept)
+            except OSError as err:
+                raise RunConfigError(
+                    f"cannot move {path} to {aside} ({err.strerror or err}): the run's saves "
+                    f"would overwrite it; move it out of {folder} yourself (or make {aside} "
+                    "writable) and launch again"
+                ) from None
     if target.exists() and had_last:
         atomic_link(target, last)
     return [p.name for p in moving]
+
+
+def rolled_back_folder(folder: Path) -> Path:
+    """``folder``'s ``rolled_back/`` (made where missing), where a rollback or a resume from an
+    older checkpoint moves the newer files; :class:`RunConfigError` (one line naming it and the
+    fix, :func:`rolled_back_problem`) where it cannot be made."""
+    aside = folder / ROLLED_BACK_DIR
+    try:
+        aside.mkdir(exist_ok=True)  # another rank may make it first
+    except OSError as err:
+        raise RunConfigError(rolled_back_problem(folder) or _cannot_create(aside, err)) from None
+    return aside
+
+
+def rolled_back_problem(folder: Path) -> str | None:
+    """Why ``folder``'s ``rolled_back/`` could not take the files a resume from an older
+    checkpoint sets aside (a file of that name, a folder nanolab may not write), without
+    writing anything: a fit asks before it trains, so a launch that could not move them is one
+    line, exit 2, not a traceback after the restore (and nothing moved half-way)."""
+    aside = folder / ROLLED_BACK_DIR
+    if aside.is_dir():
+        ok = os.access(aside, os.W_OK | os.X_OK)
+        return None if ok else _cannot_create(aside, PermissionError(13, "not writable"))
+    if aside.exists() or aside.is_symlink():
+        return (
+            f"{aside} is a file, not a folder: nanolab sets checkpoints newer than the one a "
+            "run resumes from aside there; rename or remove that file and launch again"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return _cannot_create(aside, PermissionError(13, "permission denied"))
+    return None
+
+
+def _cannot_create(aside: Path, err: OSError) -> str:
+    return (
+        f"cannot write {aside} ({err.strerror or err}), where nanolab sets checkpoints newer "
+        f"than the one a run resumes from aside; make {aside.parent} writable and launch again"
+    )
 
 
 def _inode(path: Path) -> tuple[int, int] | None:

@@ -19,7 +19,12 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.budget import CostBudget
-from nanolab.callbacks.checkpoint import ROLLED_BACK_DIR, RotatingCheckpoint, step_of
+from nanolab.callbacks.checkpoint import (
+    ROLLED_BACK_DIR,
+    RotatingCheckpoint,
+    rolled_back_problem,
+    step_of,
+)
 from nanolab.callbacks.clock import RunClock
 from nanolab.callbacks.events import NothingToTrain
 from nanolab.callbacks.jsonl import MetricsLog
@@ -221,6 +226,9 @@ def launch(cli: NanolabCLI) -> Trainer:
             if own and hasattr(data, "keep_saved_seed"):
                 data.keep_saved_seed = True  # sharded checkpoints too: the run's window order
         if claimed.older_than_newest:
+            problem = rolled_back_problem(run_dir / CHECKPOINT_DIR)  # before anything trains
+            if problem is not None:
+                raise RunConfigError(problem)
             for callback in trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, RotatingCheckpoint):  # once the resume has restored
                     callback.set_aside_after = (
