@@ -20,7 +20,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanolab.callbacks.budget import CostBudget
 from nanolab.callbacks.checkpoint import (
-    ROLLED_BACK_DIR,
     RotatingCheckpoint,
     rolled_back_problem,
     step_of,
@@ -1215,10 +1214,7 @@ def open_checkpoint(
 
     gpt = getattr(model, "gpt_config", None)
     try:
-        aside = run_dir / CHECKPOINT_DIR / ROLLED_BACK_DIR if training else None
-        cand = resume_candidate(
-            requested, run_dir, asdict(gpt) if gpt else None, flag, training, aside
-        )
+        cand = resume_candidate(requested, run_dir, asdict(gpt) if gpt else None, flag, training)
         if cand is not None and getattr(model, "model", None) is not None:
             expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
             check_same_shapes(cand, expected, flag)

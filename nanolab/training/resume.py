@@ -88,27 +88,17 @@ class ResumeChoice:
     chosen: Candidate | None
     skipped: list[Candidate] = field(default_factory=list)
 
-    def warning(self, set_aside_in: Path | None = None) -> str | None:
+    def warning(self) -> str | None:
         """One line naming every skipped checkpoint and what was used instead (None: nothing
         skipped, or nothing chosen: every checkpoint unreadable is an error, not a warning).
-        ``set_aside_in``: the folder a fit moves the skipped files of its checkpoint folder to
-        before it trains, said in the line (a reader only reads, and moves nothing)."""
+        It says "skipped" only: a fit moves the skipped files of its checkpoint folder aside
+        once the resume has restored, and says so then in a line of its own; a launch refused
+        before that has moved nothing."""
         if not self.skipped or self.chosen is None:
             return None
         parts = "; ".join(f"{c.path.name} ({c.error})" for c in self.skipped)
         target = f"resuming from {self.chosen.path.name} (step {self.chosen.step})"
-        folder = set_aside_in.parent if set_aside_in else None
-        aside = [c for c in self.skipped if c.path.parent == folder]
-        moved = (
-            f"; {'it moves' if len(aside) == 1 else 'they move'} to {set_aside_in} before "
-            "training (kept, not overwritten by the run's saves)"
-            if aside and self.chosen.path.parent == folder
-            else ""
-        )
-        return (
-            f"nanolab: warning: skipped incomplete or corrupt checkpoint(s): {parts}; {target}"
-            f"{moved}"
-        )
+        return f"nanolab: warning: skipped incomplete or corrupt checkpoint(s): {parts}; {target}"
 
 
 def _is_partial(path: Path) -> bool:
@@ -537,14 +527,13 @@ def resume_candidate(
     gpt_config: dict[str, Any] | None = None,
     flag: str = "run.resume",
     training: bool = True,
-    set_aside_in: Path | None = None,
 ) -> Candidate | None:
     """Like :func:`resolve_resume`, with what opening the checkpoint told (step, run id, shapes).
 
     ``flag`` names the setting in messages (``run.resume`` or ``--ckpt_path``); ``training``
-    False checks a checkpoint for validate/test (weights only are enough). ``set_aside_in``:
-    where a fit moves the newer files ``auto`` skipped (the chosen candidate lists them in
-    ``skipped_newer``), said in the warning.
+    False checks a checkpoint for validate/test (weights only are enough). The chosen
+    candidate lists the newer files ``auto`` skipped in ``skipped_newer`` (a fit sets them
+    aside).
     """
     if resume == "never":
         return None
@@ -552,7 +541,7 @@ def resume_candidate(
         choice = find_resume_checkpoint(run_dir, verify=True)
         if choice.chosen is None and choice.skipped:
             raise ResumeError(unreadable_message(choice.skipped, Path(run_dir), flag))
-        line = choice.warning(set_aside_in)
+        line = choice.warning()
         if line and _is_rank_zero():
             warn_line(line)
         if choice.chosen is None:
