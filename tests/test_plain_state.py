@@ -4,6 +4,8 @@ readers name the class they refused (a fork callback's numpy float)."""
 from __future__ import annotations
 
 import textwrap
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,26 @@ def test_a_numpy_value_in_the_modules_section_names_the_module():
     line = unloadable_value(ckpt)
     assert line is not None
     assert line.startswith("the module's checkpoint section['stats'][1] is a numpy.int64")
+
+
+@dataclass(frozen=True)
+class Frozen:
+    best: float = 1.5
+
+
+def test_a_value_the_check_cannot_even_serialize_is_its_one_line():
+    """A frozen dataclass (Lightning's tensor walk refuses to rebuild it) or a value pickle
+    cannot write (a lock, a lambda) crashed the check itself with a raw ValueError or
+    PicklingError; each is the check's line naming the owner and the type."""
+    for value, kind, why in (
+        (Frozen(), f"{__name__}.Frozen", f"which refuses {__name__}.Frozen;"),
+        (threading.Lock(), "_thread.lock", "torch.save cannot write it (TypeError: cannot pickle"),
+        (lambda x: x, "builtins.function", "torch.save cannot write it (AttributeError: "),
+    ):
+        line = unloadable_value(checkpoint(Mine={"seen": [1, {"v": value}]}))
+        assert line is not None
+        assert line.startswith(f"callback Mine's state_dict()['seen'][1]['v'] is a {kind}, "), line
+        assert why in line and line.endswith("dicts and lists of those)"), line
 
 
 def test_a_class_the_fork_allowed_still_counts_and_the_allowlist_is_kept():

@@ -19,7 +19,6 @@ that import the fork (fit, validate), not in ``generate``/``export``, which read
 from __future__ import annotations
 
 import io
-import pickle
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -72,24 +71,45 @@ def refused_text(name: str) -> str:
 
 
 def _weights_only_refusal(value: Any) -> str | None:
-    """The global a ``weights_only`` load of ``value`` refuses (None: it loads), with every
-    tensor in dicts, lists and tuples replaced by one empty tensor (their bytes are beside the
-    point) and torch's own allowlist alone in force."""
+    """Why no reader could load ``value`` back (None: a ``weights_only`` load reads it), as a
+    clause of the error line. Every tensor in dicts, lists and tuples is replaced by one empty
+    tensor (their bytes are beside the point) and torch's own allowlist alone is in force.
+    Any failure of the check itself is an answer too, never the save's traceback: a value
+    ``torch.save`` cannot pickle (a lock, a lambda), or a frozen dataclass, which Lightning's
+    tensor walk refuses to rebuild (weights_only refuses its class anyway)."""
     empty = torch.empty(0)
+    try:
+        stripped = apply_to_collection(value, torch.Tensor, lambda _: empty)
+    except Exception:  # a frozen dataclass among the values: a class weights_only refuses
+        return _refuses(_class_name(value))
     buffer = io.BytesIO()
-    # torch.serialization's own names, not torch.save/torch.load: code that wraps torch.save to
-    # watch or fail the checkpoint's writes (a fork's, a test's) sees the real write alone.
-    torch.serialization.save(apply_to_collection(value, torch.Tensor, lambda _: empty), buffer)
+    try:
+        # torch.serialization's own names, not torch.save/torch.load: code that wraps
+        # torch.save to watch or fail the checkpoint's writes (a fork's, a test's) sees the
+        # real write alone.
+        torch.serialization.save(stripped, buffer)
+    except Exception as err:  # not picklable at all: nothing could even write it
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return f"torch.save cannot write it ({type(err).__name__}: {first})"
     buffer.seek(0)
     allowed = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()  # what generate and export, importing no fork, see
     try:
         torch.serialization.load(buffer, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        return refused_global(err) or str(err).strip().splitlines()[0][:200]
+    except Exception as err:  # UnpicklingError: the refused global, as torch names it
+        return _refuses(refused_global(err) or str(err).strip().splitlines()[0][:200])
     finally:
         torch.serialization.add_safe_globals(allowed)
     return None
+
+
+def _refuses(name: str) -> str:
+    return "every nanolab reader loads a checkpoint with weights_only=True, which refuses " + name
+
+
+def _class_name(value: Any) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _children(value: Any) -> Iterator[tuple[str, Any]]:
@@ -130,9 +150,7 @@ def unloadable_value(checkpoint: Mapping[str, Any]) -> str | None:
 
 def _line(owner: str, where: str, bad: Any) -> str:
     """The error line for the value ``bad``, reached by ``where`` in what ``owner`` stored."""
-    kind = type(bad)
     return (
-        f"{owner}{where} is a {kind.__module__}.{kind.__qualname__}, which no checkpoint can "
-        f"hold: every nanolab reader loads a checkpoint with weights_only=True, which refuses "
+        f"{owner}{where} is a {_class_name(bad)}, which no checkpoint can hold: "
         f"{_weights_only_refusal(bad)}; {PLAIN_DATA_FIX}"
     )
